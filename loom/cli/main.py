@@ -1,0 +1,42 @@
+"""The ``loom`` command: ``train``, ``convert``, ``data prepare``."""
+
+from __future__ import annotations
+
+import sys
+
+from loom.cli.errors import EXIT_USER_ERROR, user_errors_exit
+
+USAGE = """usage: loom <command> [options]
+
+commands:
+  train          train a model (see `loom train --help`)
+  convert        import a Hugging Face Llama folder / export a loom checkpoint (`loom convert --help`)
+  data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
+"""
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from loom.cli.train import main as train_main
+
+        return train_main(rest)
+    if cmd == "convert":
+        from loom.cli.convert import main as convert_main
+
+        return convert_main(rest)
+    if cmd == "data" and rest[:1] == ["prepare"]:
+        from loom.cli.data import main as data_main
+
+        return data_main(rest[1:])
+    print(f"loom: error: unknown command {' '.join(argv[:2])!r}\n{USAGE}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``loom train``: one process, or N local workers through PyTorch's elastic launcher."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from loom.config import ConfigError, build_config, parse_overrides
+
+USAGE = """usage: loom train [--config FILE.toml] [--nproc-per-node N] [--section.field VALUE ...]
+
+Trains with defaults < FILE < overrides. Without --config and --data.source it trains the
+`debug` model on this Python's standard-library sources (nothing is downloaded)."""
+
+
+def split_launcher_args(argv: list[str]) -> tuple[str | None, int | None, list[str]]:
+    """Pull --config and --nproc-per-node out; the rest are --section.field overrides."""
+    config, nproc, rest = None, None, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, val = arg.partition("=")
+        if name in ("--config", "-c", "--nproc-per-node", "--nproc_per_node"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(name, None, "missing value after the option", show_value=False)
+                val, i = argv[i + 1], i + 1
+            if name.startswith("--nproc"):
+                try:
+                    nproc = int(val)
+                except ValueError:
+                    raise ConfigError("--nproc-per-node", val, "expected a positive integer") from None
+                if nproc < 1:
+                    raise ConfigError("--nproc-per-node", nproc, "expected a positive integer")
+            else:
+                config = val
+        else:
+            rest.append(arg)
+        i += 1
+    return config, nproc, rest
+
+
+def load_config(argv: list[str]):
+    config, nproc, rest = split_launcher_args(argv)
+    return build_config(config, parse_overrides(rest)), nproc
+
+
+def precheck(cfg, world_size: int) -> None:
+    """Errors that need the world size, found before any worker starts."""
+    from loom.parallel.dims import ParallelDims
+    from loom.train.trainer import accumulation_steps
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    accumulation_steps(cfg.training, dims.dp_size)
+
+
+def run_worker(argv: list[str]) -> None:
+    """The body of every worker process (also ``torchrun -m loom.train``)."""
+    from loom.train.trainer import Trainer
+    from loom.parallel.env import destroy_distributed
+
+    cfg, _ = load_config(argv)
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        destroy_distributed()
+
+
+def launch(argv: list[str], nproc: int) -> int:
+    """Start ``nproc`` local workers with torch.distributed.run (elastic agent, c10d rendezvous)."""
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # stable restarts on gloo
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", "loom.train", *argv])
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        run(args)
+    except ChildFailedError as err:
+        codes = {f.exitcode for f in err.failures.values()}
+        code = 2 if codes == {2} else 1
+        print(f"loom: a worker failed (exit codes {sorted(codes)}); see its message above", file=sys.stderr)
+        return code
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cfg, nproc = load_config(argv)
+    if nproc and nproc > 1:
+        precheck(cfg, nproc)
+        rest = [a for a in argv]
+        # workers must not launch again: strip --nproc-per-node from what they receive
+        config, _, overrides = split_launcher_args(rest)
+        worker_argv = (["--config", config] if config else []) + overrides
+        return launch(worker_argv, nproc)
+    precheck(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    run_worker(argv)
+    return 0

@@ -1,0 +1,16 @@
+"""User-facing errors: one line naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration or the command line; the CLI exits with code 2."""
+
+    def __init__(self, field: str, value, allowed: str, *, show_value: bool = True):
+        self.field, self.value, self.allowed = field, value, allowed
+        shown = f" = {value!r}" if show_value else ""
+        super().__init__(f"{field}{shown}: {allowed}")
+
+
+class UserError(RuntimeError):
+    """A problem with the user's files or environment (not a bug); printed in one line, exit code 2."""

@@ -1,0 +1,212 @@
+"""Build a ``Config`` from defaults < TOML file < CLI overrides, and validate it."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tomllib
+import typing
+from typing import Any
+
+from loom.config.errors import ConfigError
+from loom.config.sections import SECTIONS, Config
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def _unknown_key(key: str) -> ConfigError:
+    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{near[0]}'?" if near else f"; sections are {', '.join(SECTIONS)}"
+    return ConfigError(key, None, f"unknown key{hint}", show_value=False)
+
+
+def _field(key: str) -> dataclasses.Field:
+    section, _, name = key.partition(".")
+    cls = SECTIONS.get(section)
+    if cls is None or not name:
+        raise _unknown_key(key)
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f
+    raise _unknown_key(key)
+
+
+def _type_of(f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(SECTIONS_BY_FIELD[id(f)])
+    return hints[f.name]
+
+
+SECTIONS_BY_FIELD: dict[int, type] = {
+    id(f): cls for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+}
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    f = _field(key)
+    typ = _type_of(f)
+    text = isinstance(value, str)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if text and value.lower() in _TRUE | _FALSE:
+                return value.lower() in _TRUE
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, int):
+                return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if text:
+                return int(value.replace("_", ""))
+            raise ValueError
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, (int, float)):
+                return float(value)
+            if text:
+                return float(value)
+            raise ValueError
+        if typ is str:
+            if isinstance(value, str):
+                return value
+            raise ValueError
+        if typ is list:
+            if isinstance(value, list):
+                return [float(v) for v in value]
+            if text:
+                parsed = json.loads(value) if value.strip().startswith("[") else value.split(",")
+                return [float(v) for v in parsed]
+            raise ValueError
+    except (ValueError, TypeError, json.JSONDecodeError):
+        pass
+    name = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            list: "a list of numbers"}[typ]
+    raise ConfigError(key, value, f"expected {name}")
+
+
+def validate_field(key: str, value: Any) -> None:
+    meta = _field(key).metadata
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(key, value, "allowed: " + " | ".join(map(str, choices)))
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None:
+        if meta.get("min_exclusive") and not value > lo:
+            raise ConfigError(key, value, f"must be > {lo}")
+        if not meta.get("min_exclusive") and value < lo:
+            raise ConfigError(key, value, f"must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(key, value, f"must be <= {hi}")
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """``--section.field value`` or ``--section.field=value`` pairs, in order."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError("<command line>", arg, "expected --section.field value")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args) or (args[i + 1].startswith("--") and "." in args[i + 1][2:]):
+                raise ConfigError(key, None, "missing value after the option", show_value=False)
+            value = args[i + 1]
+            i += 2
+        _field(key)  # unknown keys fail here, with a suggestion
+        out[key] = value
+    return out
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError("--config", path, "file not found")
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError("--config", path, f"not valid TOML ({err})") from None
+    flat: dict[str, Any] = {}
+    for section, body in raw.items():
+        if not isinstance(body, dict):
+            raise _unknown_key(section)
+        for name, value in body.items():
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def build_config(file: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults < TOML file < overrides; every value coerced and checked."""
+    values: dict[str, Any] = {}
+    if file:
+        values.update(read_toml(file))
+    values.update(overrides or {})
+    cfg = Config()
+    for key, raw in values.items():
+        value = coerce(key, raw)
+        validate_field(key, value)
+        section, name = key.split(".", 1)
+        setattr(getattr(cfg, section), name, value)
+    check_cross_fields(cfg)
+    return cfg
+
+
+def check_cross_fields(cfg: Config) -> None:
+    """Rules that involve more than one field and need no process group."""
+    from loom.models.llama.flavors import FLAVORS
+
+    if cfg.model.flavor not in FLAVORS:
+        raise ConfigError("model.flavor", cfg.model.flavor, "allowed: " + " | ".join(FLAVORS))
+    b = len(cfg.optimizer.betas)
+    if b != 2 or not all(0.0 <= x < 1.0 for x in cfg.optimizer.betas):
+        raise ConfigError("optimizer.betas", cfg.optimizer.betas, "expected two numbers in [0, 1)")
+    t = cfg.training
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError("training.global_batch_size", t.global_batch_size,
+                          f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})")
+    if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
+        raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
+                          "allowed: none | auto | an existing checkpoint path")
+    if cfg.optimizer.warmup_steps > t.steps:
+        raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
+                          f"must be <= training.steps ({t.steps})")
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialize the resolved config as TOML (flat sections of scalars and lists)."""
+    lines: list[str] = []
+    for section, body in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for name, value in body.items():
+            lines.append(f"{name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(v)

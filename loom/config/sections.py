@@ -1,0 +1,142 @@
+"""Typed configuration sections.
+
+Each component receives only its own section. Allowed values live next to the
+field (``choices`` / ``min`` metadata) so that validation and the README's
+config reference come from one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def opt(default, help: str, *, choices=None, min=None, max=None, min_exclusive=False):
+    """A dataclass field with the metadata validation and docs read."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if min is not None:
+        meta["min"] = min
+        meta["min_exclusive"] = min_exclusive
+    if max is not None:
+        meta["max"] = max
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    dir: str = opt("runs/default", "run directory: resolved config, metrics, checkpoints")
+    seed: int = opt(0, "seed for weights, data order and dropout-free RNG streams", min=0)
+    deterministic: bool = opt(False, "deterministic algorithms (bitwise-reproducible on CPU)")
+    device: str = opt("auto", "device type", choices=("auto", "cpu", "cuda"))
+
+
+@dataclass
+class ModelConfig:
+    flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)")
+    init_from: str = opt("", "Hugging Face Llama folder to start from (config.json + safetensors)")
+    vocab_size: int = opt(0, "embedding rows; 0 = from the tokenizer rounded up to a multiple of 128", min=0)
+    tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
+    attention: str = opt("sdpa", "attention backend", choices=("sdpa",))
+
+
+@dataclass
+class DataConfig:
+    source: str = opt("", "text/jsonl/parquet files or globs, an HF dataset folder, a .bin token file, "
+                          "or a mixture 'a.jsonl:0.7,b.bin:0.3'; unset = the embedded default")
+    tokenizer: str = opt("byte", "'byte' (built in) or a path to a Hugging Face tokenizer.json")
+    text_field: str = opt("text", "field holding the text in jsonl / parquet / HF datasets")
+    val_fraction: float = opt(0.01, "fraction of packed windows held out for validation", min=0.0, max=0.5)
+    cache_dir: str = opt("", "where tokenized sources are cached; empty = <run.dir>/cache")
+    document_positions: bool = opt(False, "restart position ids after every EOS (packed documents)")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = opt(200, "optimizer steps", min=1)
+    seq_len: int = opt(256, "tokens per sequence", min=8)
+    global_batch_size: int = opt(16, "sequences per optimizer step (all data-parallel ranks)", min=1)
+    micro_batch_size: int = opt(8, "sequences per forward/backward on one rank", min=1)
+    dtype: str = opt("float32", "compute dtype; weights and optimizer state stay float32",
+                     choices=("float32", "bfloat16", "float16"))
+    compile: bool = opt(False, "torch.compile each transformer block")
+    activation_checkpointing: str = opt("none", "activation checkpointing mode",
+                                        choices=("none", "full", "every_k", "op"))
+    ac_every: int = opt(2, "with activation_checkpointing=every_k: checkpoint every k-th block", min=1)
+    max_norm: float = opt(1.0, "gradient clipping by global norm; 0 = off", min=0.0)
+    eval_every: int = opt(0, "validation every N steps; 0 = only never", min=0)
+    eval_batches: int = opt(4, "micro-batches per rank for one validation pass", min=1)
+    loss_scale_init: float = opt(2.0**16, "float16: initial dynamic loss scale", min=1.0)
+    loss_scale_window: int = opt(1000, "float16: overflow-free steps before the scale doubles", min=1)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = opt("adamw", "optimizer", choices=("adamw",))
+    lr: float = opt(1e-3, "peak learning rate", min=0.0)
+    min_lr_ratio: float = opt(0.1, "final LR as a fraction of the peak", min=0.0, max=1.0)
+    betas: list = opt([0.9, 0.95], "AdamW betas")
+    eps: float = opt(1e-8, "AdamW epsilon", min=0.0, min_exclusive=True)
+    weight_decay: float = opt(0.1, "decoupled weight decay (matrices only)", min=0.0)
+    schedule: str = opt("cosine", "LR schedule after warmup", choices=("cosine", "linear", "wsd", "constant"))
+    warmup_steps: int = opt(10, "linear warmup steps", min=0)
+    decay_fraction: float = opt(0.2, "wsd: fraction of steps spent decaying", min=0.0, max=1.0)
+    implementation: str = opt("auto", "AdamW kernel", choices=("auto", "fused", "foreach", "for_loop"))
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = opt(1, "data-parallel replicas (DDP, or the replicate axis of HSDP)", min=1)
+    dp_shard: int = opt(-1, "FSDP shard degree; -1 = whatever the other degrees leave", min=-1)
+    tp: int = opt(1, "tensor-parallel degree", min=1)
+    pp: int = opt(1, "pipeline-parallel degree", min=1)
+    cp: int = opt(1, "context-parallel degree", min=1)
+    ep: int = opt(1, "expert-parallel degree", min=1)
+    etp: int = opt(1, "expert tensor-parallel degree", min=1)
+    reshard_after_forward: bool = opt(True, "FSDP: true = ZeRO-3, false = keep params gathered until backward (ZeRO-2-like)")
+    ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True)
+    cpu_offload: bool = opt(False, "FSDP: keep parameters, gradients and optimizer state on the CPU")
+    backend: str = opt("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(0, "save every N steps (0 = no periodic saves)", min=0)
+    keep: int = opt(3, "complete checkpoints to keep (0 = all)", min=0)
+    resume: str = opt("none", "'none', 'auto' (newest complete checkpoint in the run dir) or a path")
+    async_save: bool = opt(False, "write checkpoints in the background")
+    at_end: bool = opt(True, "save when training ends")
+    dir: str = opt("", "checkpoint folder; empty = <run.dir>/checkpoints")
+
+
+@dataclass
+class MetricsConfig:
+    every: int = opt(10, "log every N steps", min=1)
+    tensorboard: bool = opt(True, "also write TensorBoard events when tensorboard is installed")
+    progress: bool = opt(True, "progress bar on rank 0 when stderr is a terminal")
+
+
+SECTIONS = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+}
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -1,0 +1,209 @@
+"""Packed windows, a deterministic layout-independent sampler, and the stateful loader.
+
+Every token file is cut into windows of ``seq_len + 1`` tokens (stride ``seq_len``); the last
+``val_fraction`` of the windows are held out for validation. Training visits the other windows in
+an order given by a seeded bijection (a Feistel permutation, so nothing of size "number of windows"
+is stored), one fresh permutation per epoch.
+
+The sampler decides the *global* batch of every step from the global sample index alone; a rank
+only picks its slice. So the global batch of step t is the same for every layout, and the
+loader's whole state is two counters that do not depend on the layout either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from loom.config.errors import UserError
+from loom.data.token_file import TokenFile
+
+IGNORE = -100
+_MASK31 = (1 << 31) - 1
+
+
+# ---- a stateless permutation of [0, n) -----------------------------------------
+
+def _round(x: torch.Tensor, key: int, mask: int) -> torch.Tensor:
+    x = ((x * 0x2545F491 + key) & _MASK31) ^ (x >> 5)
+    x = ((x * 0x1B873593) & _MASK31) ^ (x >> 13)
+    return x & mask
+
+
+def _feistel(x: torch.Tensor, half_bits: int, keys: list[int]) -> torch.Tensor:
+    mask = (1 << half_bits) - 1
+    left, right = x >> half_bits, x & mask
+    for k in keys:
+        left, right = right, left ^ _round(right, k, mask)
+    return (left << half_bits) | right
+
+
+def permute(idx: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """A bijection of [0, n) chosen by ``seed``, applied to ``idx`` (int64). Cycle-walks out-of-range values."""
+    half_bits = max(1, ((max(n - 1, 1)).bit_length() + 1) // 2)
+    assert half_bits <= 31, "more than 2**62 windows"
+    keys = [_mix(seed, r) for r in range(4)]
+    out = _feistel(idx, half_bits, keys)
+    while bool((out >= n).any()):
+        bad = out >= n
+        out = torch.where(bad, _feistel(out, half_bits, keys), out)
+    return out
+
+
+def _mix(*ints: int) -> int:
+    h = hashlib.blake2b(repr(ints).encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & _MASK31
+
+
+def uniform(idx: torch.Tensor, seed: int) -> torch.Tensor:
+    """A deterministic uniform in [0, 1) per global sample index."""
+    keys = [_mix(seed, 101 + r) for r in range(3)]
+    return (_feistel(idx, 31, keys) & _MASK31).double() / 2**31
+
+
+# ---- windows of one source -----------------------------------------------------
+
+class Windows:
+    def __init__(self, tokens: TokenFile, seq_len: int, val_fraction: float, label: str):
+        self.tokens, self.seq_len, self.label = tokens, seq_len, label
+        n = (len(tokens) - 1) // seq_len
+        n_val = int(n * val_fraction) if n >= 2 else 0
+        if val_fraction > 0 and n >= 2:
+            n_val = max(1, n_val)
+        self.n_train, self.n_val = n - n_val, n_val
+        if self.n_train < 1:
+            raise UserError(f"data source {label}: {len(tokens)} tokens are fewer than one training window of "
+                            f"{seq_len + 1} (lower training.seq_len or add data)")
+
+    def window(self, w: int) -> torch.Tensor:
+        start = w * self.seq_len
+        return self.tokens.slice(start, start + self.seq_len + 1)  # (S+1,)
+
+    def train_window_ids(self, k: torch.Tensor, seed: int) -> torch.Tensor:
+        """The k-th training windows visited (k may run past one epoch)."""
+        epoch, j = k // self.n_train, k % self.n_train
+        out = torch.empty_like(k)
+        for e in epoch.unique().tolist():
+            sel = epoch == e
+            out[sel] = permute(j[sel], self.n_train, _mix(seed, e))
+        return out
+
+    def val_window_id(self, k: int) -> int:
+        return self.n_train + k % self.n_val
+
+
+# ---- batches ------------------------------------------------------------------
+
+@dataclass
+class MicroBatch:
+    inputs: torch.Tensor  # (B, S) int64
+    labels: torch.Tensor  # (B, S) int64, IGNORE where no loss
+    positions: torch.Tensor  # (B, S) position within its document
+    document_ids: torch.Tensor  # (B, S) document index within the window
+
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(*(t.to(device, non_blocking=True) for t in
+                            (self.inputs, self.labels, self.positions, self.document_ids)))
+
+
+def document_positions(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions that restart after every EOS and per-token document ids. inputs: (B, S)."""
+    starts = torch.zeros_like(inputs, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    idx = torch.arange(inputs.shape[1]).expand_as(inputs)
+    last_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - last_start, torch.cumsum(starts.to(torch.int64), dim=1) - 1
+
+
+def make_micro_batch(windows: list[torch.Tensor], eos_id: int) -> MicroBatch:
+    w = torch.stack(windows)  # (B, S+1)
+    inputs, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    pos, doc = document_positions(inputs, eos_id)
+    return MicroBatch(inputs, labels, pos, doc)
+
+
+@dataclass
+class StepData:
+    micro_batches: list[MicroBatch]
+    global_hash: str | None  # hash of the whole global batch, same on every layout
+
+
+class Loader:
+    """Yields this rank's micro-batches for each step; ``state_dict`` holds the exact position."""
+
+    def __init__(self, sources: list[Windows], weights: list[float], *, seed: int, eos_id: int,
+                 dp_rank: int, dp_size: int, micro_batch: int, accumulation: int):
+        self.sources, self.seed, self.eos_id = sources, seed, eos_id
+        total = sum(weights)
+        self.cum_weights = torch.tensor([sum(weights[: i + 1]) / total for i in range(len(weights))],
+                                        dtype=torch.float64)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.micro_batch, self.accumulation = micro_batch, accumulation
+        self.consumed = 0  # global samples handed out
+        self.counts = [0] * len(sources)  # training windows taken from each source
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.dp_size
+
+    def _global_plan(self) -> list[tuple[int, int]]:
+        """(source, window id) for every sample of the next global batch, in global order."""
+        idx = torch.arange(self.consumed, self.consumed + self.global_batch, dtype=torch.int64)
+        if len(self.sources) == 1:
+            src = torch.zeros_like(idx)
+        else:
+            src = torch.searchsorted(self.cum_weights, uniform(idx, self.seed), right=True)
+            src = src.clamp_(max=len(self.sources) - 1)
+        win = torch.empty_like(idx)
+        for s in range(len(self.sources)):
+            sel = src == s
+            k = self.counts[s] + torch.arange(int(sel.sum()), dtype=torch.int64)
+            win[sel] = self.sources[s].train_window_ids(k, _mix(self.seed, s))
+        return list(zip(src.tolist(), win.tolist()))
+
+    def _advance(self, plan: list[tuple[int, int]]) -> None:
+        self.consumed += len(plan)
+        for s, _ in plan:
+            self.counts[s] += 1
+
+    def next_step(self, with_hash: bool = False) -> StepData:
+        plan = self._global_plan()
+        mb, dp = self.micro_batch, self.dp_size
+        micro = []
+        for j in range(self.accumulation):
+            start = (j * dp + self.dp_rank) * mb  # micro-batch j of this rank
+            micro.append(make_micro_batch([self.sources[s].window(w) for s, w in plan[start:start + mb]],
+                                          self.eos_id))
+        digest = None
+        if with_hash:
+            h = hashlib.blake2b(digest_size=16)
+            for s, w in plan:
+                h.update(self.sources[s].window(w).to(torch.int32).numpy().tobytes())
+            digest = h.hexdigest()
+        self._advance(plan)
+        return StepData(micro, digest)
+
+    def validation(self, batches: int) -> list[MicroBatch]:
+        """The same held-out windows every time, split over data-parallel ranks (first source with any)."""
+        src = next((s for s in self.sources if s.n_val > 0), None)
+        if src is None:
+            return []
+        out = []
+        for j in range(batches):
+            start = (j * self.dp_size + self.dp_rank) * self.micro_batch
+            out.append(make_micro_batch([src.window(src.val_window_id(k))
+                                         for k in range(start, start + self.micro_batch)], self.eos_id))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "counts": list(self.counts), "seed": self.seed,
+                "sources": [s.label for s in self.sources]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["counts"]) != len(self.sources):
+            raise UserError(f"checkpoint's data loader has {len(state['counts'])} sources, this run has "
+                            f"{len(self.sources)}: resume with the same data.source")
+        self.consumed, self.counts = int(state["consumed"]), [int(c) for c in state["counts"]]

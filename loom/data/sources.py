@@ -1,0 +1,195 @@
+"""Data sources: where documents come from.
+
+A ``data.source`` string is one source or a weighted mixture ``a.jsonl:0.7,b.bin:0.3``. Each entry
+is a file, a glob, or a folder:
+
+* ``*.bin`` with a ``.bin.json`` beside it: a pre-tokenized token file (used as is)
+* ``*.jsonl`` / ``*.jsonl.gz``: one document per line, text in ``data.text_field``
+* ``*.parquet``: one document per row, text in ``data.text_field`` (needs pyarrow)
+* a folder written by ``datasets.Dataset.save_to_disk`` (needs the ``datasets`` extra)
+* anything else: a text file, one document per file
+
+Unset: the embedded default, this Python's own standard-library source files.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from loom.config.errors import ConfigError
+
+EMBEDDED = "<stdlib>"
+
+
+@dataclass
+class SourceSpec:
+    kind: str  # "tokens" | "jsonl" | "parquet" | "hf_dataset" | "text" | "stdlib"
+    paths: list[str]
+    weight: float = 1.0
+    text_field: str = "text"
+    label: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        """Changes whenever the content could have changed (paths, sizes, mtimes, field)."""
+        h = hashlib.blake2b(digest_size=12)
+        h.update(f"{self.kind}|{self.text_field}".encode())
+        for p in self.paths:
+            for f in _files_of(p):
+                st = os.stat(f)
+                h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
+        return h.hexdigest()
+
+
+def _files_of(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
+    return [path]
+
+
+def stdlib_files() -> list[str]:
+    """Standard-library ``.py`` files, sorted, without site-packages and test suites."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root).split(os.sep)
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")
+                       and not d.startswith(("test", "idle_test"))]
+        if rel[0] != "." and (rel[0].startswith("test") or "site-packages" in rel):
+            continue
+        out += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(out)
+
+
+def _kind_of(path: str) -> str:
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "dataset_info.json")) or os.path.isfile(
+                os.path.join(path, "state.json")):
+            return "hf_dataset"
+        raise ConfigError("data.source", path, "a folder must be a Hugging Face dataset saved with "
+                          "save_to_disk; for files inside it use a glob such as 'folder/*.txt'")
+    if path.endswith(".bin"):
+        return "tokens"
+    if path.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+        return "jsonl"
+    if path.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def _expand(pattern: str) -> list[str]:
+    if any(c in pattern for c in "*?["):
+        found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        if not found:
+            raise ConfigError("data.source", pattern, "the glob matches no files")
+        return found
+    if not os.path.exists(pattern):
+        raise ConfigError("data.source", pattern, "no such file or folder")
+    return [pattern]
+
+
+def _split_weight(entry: str) -> tuple[str, float | None]:
+    path, sep, w = entry.rpartition(":")
+    if sep and path and not os.path.exists(entry):
+        try:
+            return path, float(w)
+        except ValueError:
+            pass
+    return entry, None
+
+
+def parse_source(source: str, text_field: str = "text") -> list[SourceSpec]:
+    """The ``data.source`` string as a list of specs (one per mixture entry)."""
+    if not source:
+        return [SourceSpec("stdlib", stdlib_files(), 1.0, text_field, EMBEDDED)]
+    entries = [e.strip() for e in source.split(",") if e.strip()]
+    specs = []
+    for entry in entries:
+        pattern, weight = _split_weight(entry)
+        if weight is not None and weight <= 0:
+            raise ConfigError("data.source", entry, "mixture weights must be > 0")
+        if weight is None and len(entries) > 1:
+            raise ConfigError("data.source", entry, "in a mixture every entry needs a weight: path:weight")
+        paths = _expand(pattern)
+        kinds = {_kind_of(p) for p in paths}
+        if len(kinds) > 1:
+            raise ConfigError("data.source", pattern, f"mixes kinds {sorted(kinds)}; use a mixture instead")
+        kind = kinds.pop()
+        if kind == "tokens" and len(paths) > 1:
+            raise ConfigError("data.source", pattern, "one token file per mixture entry")
+        specs.append(SourceSpec(kind, paths, weight or 1.0, text_field, pattern))
+    return specs
+
+
+# ---- documents ---------------------------------------------------------------
+
+def _read_text(path: str) -> str:
+    with open(path, "rb") as fh:
+        return fh.read().decode("utf-8", errors="replace")
+
+
+def _jsonl_docs(path: str, text_field: str) -> Iterator[str]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError("data.source", path, f"line {lineno} is not valid JSON") from None
+            if text_field not in row:
+                raise ConfigError("data.text_field", text_field,
+                                  f"not a field of {path} line {lineno}; it has {sorted(row)[:8]}")
+            yield row[text_field]
+
+
+def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("data.source", path, "parquet needs pyarrow (pip install 'loom-train[data]')") from None
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {pf.schema_arrow.names}")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        yield from batch.column(0).to_pylist()
+
+
+def _hf_dataset_docs(path: str, text_field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data.source", path,
+                          "a saved Hugging Face dataset needs `datasets` (pip install 'loom-train[data]')") from None
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ConfigError("data.source", path, f"a DatasetDict needs a 'train' split; it has {list(ds)}")
+        ds = ds["train"]
+    if text_field not in ds.column_names:
+        raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {ds.column_names}")
+    for batch in ds.iter(batch_size=1024):
+        yield from batch[text_field]
+
+
+def documents(spec: SourceSpec) -> Iterator[str]:
+    """Every document of a (non-token-file) source, in a fixed order."""
+    for path in spec.paths:
+        if spec.kind in ("text", "stdlib"):
+            yield _read_text(path)
+        elif spec.kind == "jsonl":
+            yield from _jsonl_docs(path, spec.text_field)
+        elif spec.kind == "parquet":
+            yield from _parquet_docs(path, spec.text_field)
+        elif spec.kind == "hf_dataset":
+            yield from _hf_dataset_docs(path, spec.text_field)
+        else:
+            raise AssertionError(spec.kind)

@@ -1,0 +1,68 @@
+"""Model FLOPs and MFU, against one table of dense peak throughputs (shared with the planner).
+
+FLOPs per token = 6 x (weights of every matmul, the output head included, the input embedding
+lookup excluded) + 12 x layers x heads x head_dim x seq_len (attention scores and values,
+forward + backward, no causal discount) -- the PaLM / nanoGPT / torchtitan convention.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+# Dense (no sparsity) peak TFLOP/s by compute dtype. Matched against the device name, first hit wins.
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # SXM; fp32 = TF32
+    ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 417.5}),
+    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 378.0}),
+    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # SXM
+    ("H800", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),
+    ("GH200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),
+    ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "float32": 1100.0}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
+    ("A800", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
+    ("L40S", {"bfloat16": 362.0, "float16": 362.0, "float32": 183.0}),
+    ("A10G", {"bfloat16": 70.0, "float16": 70.0, "float32": 35.0}),
+    ("RTX 4090", {"bfloat16": 165.0, "float16": 165.0, "float32": 82.6}),
+    ("MI300X", {"bfloat16": 1307.0, "float16": 1307.0, "float32": 653.7}),
+]
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak FLOP/s for a device name (e.g. 'NVIDIA H100 80GB HBM3'), or None when unknown."""
+    for key, table in PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return table[dtype] * 1e12
+    return None
+
+
+def matmul_params(args) -> int:
+    """Weights that take part in a matmul per token (embedding lookup excluded, head included)."""
+    hd = args.head_dim
+    attn = args.dim * (args.n_heads * hd) * 2 + args.dim * (args.n_kv_heads * hd) * 2
+    mlp = 3 * args.dim * args.ffn_dim
+    return args.n_layers * (attn + mlp) + args.dim * args.vocab_size
+
+
+def flops_per_token(args, seq_len: int) -> float:
+    return 6 * matmul_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None) -> float | None:
+    if peak is None:
+        return None
+    return tokens_per_s_per_device * flops_per_token(args, seq_len) / peak
+
+
+_warned: set[str] = set()
+
+
+def device_peak(device, dtype: str) -> float | None:
+    """Peak for a torch.device; warns once (per device name) when MFU cannot be computed."""
+    import torch
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} (no peak table)"
+    peak = peak_flops(name, dtype) if device.type == "cuda" else None
+    if peak is None and name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"MFU is not reported: no peak throughput known for {name}", stacklevel=2)
+    return peak

@@ -1,0 +1,62 @@
+"""Layout-independent initialization.
+
+Every parameter is drawn on its full shape from a generator seeded by the run seed and the
+parameter's canonical name, then this rank keeps its own shard. So weights do not depend on the
+number of devices or the parallel layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name with wrapper segments (compile, activation checkpointing, DDP) removed."""
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def param_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{canonical_name(name)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _full_value(shape, std: float | None, seed: int, device: torch.device) -> torch.Tensor:
+    if std is None:
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(shape, device=device)
+    return nn.init.trunc_normal_(out, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+
+
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, std_of: Callable[[str], float | None]) -> None:
+    for name, param in model.named_parameters():
+        cname = canonical_name(name)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        full = _full_value(param.shape, std_of(cname), param_seed(seed, cname), local.device)
+        _copy_into(param, full)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_buffers) -> None:
+    """Allocate storage for a meta-device model (sharded or not) and initialize it."""
+    model.to_empty(device=device)
+    init_buffers(device)
+    init_parameters(model, seed, std_of)

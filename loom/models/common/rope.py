@@ -1,0 +1,60 @@
+"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama) with Llama-3 scaling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 frequency scaling: long wavelengths slowed by ``factor``, a smooth band in between."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (D/2,)
+    if scaling is None:
+        return inv_freq.float()
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled).float()
+
+
+def rope_table(head_dim: int, max_len: int, theta: float, scaling: RopeScaling | None,
+               device=None) -> torch.Tensor:
+    """cos and sin for every position, stacked: (2, max_len, head_dim), float32."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)  # (D/2,)
+    t = torch.arange(max_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)  # (S, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (S, D)
+    return torch.stack([emb.cos(), emb.sin()])
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """x: (B, S, H, D); table: (2, L, D); positions: (B, S) or None for 0..S-1."""
+    seq = x.shape[1]
+    if positions is None:
+        cos, sin = table[0, :seq][None, :, None], table[1, :seq][None, :, None]  # (1, S, 1, D)
+    else:
+        cos, sin = table[0][positions][:, :, None], table[1][positions][:, :, None]  # (B, S, 1, D)
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).type_as(x)

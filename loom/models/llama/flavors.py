@@ -1,0 +1,56 @@
+"""Llama model shapes. ``vocab_size = 0`` means: from the tokenizer, rounded up to a multiple of 128."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from loom.models.common.rope import RopeScaling
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = 0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    head_dim: int = 0  # 0 = dim // n_heads
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+
+    def with_(self, **kw) -> "LlamaArgs":
+        return replace(self, **kw)
+
+
+_L31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+_L32 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+
+FLAVORS: dict[str, LlamaArgs] = {
+    # tiny: every test uses it; trains in seconds on a CPU
+    "debug": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, rope_theta=10000.0),
+    "125M": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, tie_embeddings=True,
+                      rope_theta=10000.0),
+    # the published Llama 3.2 / 3.1 shapes
+    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+                    tie_embeddings=True, rope_scaling=_L32),
+    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+                    tie_embeddings=True, rope_scaling=_L32),
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                    rope_scaling=_L31),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
+                     rope_scaling=_L31),
+    "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256,
+                      rope_scaling=_L31),
+}
+
+
+def round_vocab(n: int, multiple: int = 128) -> int:
+    return (n + multiple - 1) // multiple * multiple

@@ -1,0 +1,63 @@
+"""Decoder-only Llama as plain single-device PyTorch. Parallelism is applied afterwards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.models.common.layers import Attention, FeedForward, RMSNorm
+from loom.models.common.rope import rope_table
+from loom.models.llama.flavors import LlamaArgs
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, positions)  # (B, S, E)
+        return x + self.feed_forward(self.ffn_norm(x))  # (B, S, E)
+
+
+class Llama(nn.Module):
+    """Layers live in a ModuleDict keyed by index so names survive pipeline splitting."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        assert args.vocab_size > 0, "resolve the vocabulary size before building the model"
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", self._rope_table(), persistent=False)
+
+    def _rope_table(self, device=None) -> torch.Tensor:
+        a = self.args
+        return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
+
+    def init_buffers(self, device) -> None:
+        """Recompute non-persistent buffers after materializing from the meta device."""
+        self.rope = self._rope_table(device)
+
+    def param_std(self, name: str) -> float | None:
+        """Init std for a parameter by name; None = ones (norm weights)."""
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("wo.weight", "w2.weight")):  # residual projections, scaled by depth
+            return 0.02 / (2 * self.args.n_layers) ** 0.5
+        return 0.02
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, S) int64; positions: (B, S) per-document positions or None. Returns logits (B, S, V)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, E)
+        for layer in self.layers.values():
+            h = layer(h, self.rope, positions)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h  # (B, S, V)

@@ -1,0 +1,56 @@
+"""Activation checkpointing of transformer blocks: full, every k-th block, or op-level selective."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+# op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
+# Like torchtitan, every second matmul is saved so memory stays between none and full.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _op_policy():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def make_contexts():
+        counts: dict[str, int] = defaultdict(int)
+
+        def policy(ctx, op, *args, **kwargs):
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if op == torch.ops.aten.mm.default:
+                counts[f"{mode}_mm"] += 1
+                keep = counts[f"{mode}_mm"] % 2 == 1  # save every other matmul
+                return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return make_contexts
+
+
+def wrap_block(block: nn.Module, mode: str) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode == "op":
+        return checkpoint_wrapper(block, context_fn=_op_policy(), preserve_rng_state=False,
+                                  use_reentrant=False)
+    return checkpoint_wrapper(block, preserve_rng_state=False, use_reentrant=False)
+
+
+def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every: int) -> None:
+    """Wrap blocks in place (names gain a wrapper segment; ``canonical_name`` strips it)."""
+    if mode == "none":
+        return
+    for i, (name, block) in enumerate(list(layers.items())):
+        if mode == "every_k" and i % every != 0:
+            continue
+        layers[name] = wrap_block(block, "op" if mode == "op" else "full")

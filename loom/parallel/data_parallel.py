@@ -1,0 +1,42 @@
+"""Data parallelism: FSDP2 (``fully_shard``, also HSDP on a 2-D mesh) and DDP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype):
+    """FSDP2 policy: parameters gathered in the compute dtype, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, *, compute_dtype: torch.dtype,
+               reshard_after_forward: bool, cpu_offload: bool) -> nn.Module:
+    """Shard each block, then the root (embeddings, final norm, head). ``mesh`` is 1-D (FSDP) or 2-D (HSDP)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    kw = dict(mesh=mesh, mp_policy=mixed_precision_policy(compute_dtype),
+              offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    # the root's parameters are used last in forward and first in backward: never reshard them
+    fully_shard(model, reshard_after_forward=False, **kw)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh, *, bucket_mb: float) -> nn.Module:
+    """DDP over a 1-D mesh; gradient buckets all-reduce while backward runs. Call after materializing."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = None if model_device(model).type == "cpu" else [model_device(model)]
+    return DistributedDataParallel(model, process_group=mesh.get_group(), bucket_cap_mb=bucket_mb,
+                                   device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device

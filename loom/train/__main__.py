@@ -1,0 +1,9 @@
+"""Worker entry point: ``torchrun --nproc-per-node N -m loom.train [--config F] [--a.b v ...]``."""
+
+import sys
+
+from loom.cli.errors import user_errors_exit
+from loom.cli.train import run_worker
+
+if __name__ == "__main__":
+    user_errors_exit(run_worker)(sys.argv[1:])

@@ -1,0 +1,26 @@
+"""AdamW on fp32 master weights; fused or foreach kernels when the device supports them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.config.sections import OptimizerConfig
+
+
+def _kernel_flags(impl: str, device: torch.device) -> dict:
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    """Weight decay on matrices only (not norms)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    flags = _kernel_flags(cfg.implementation, device)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)

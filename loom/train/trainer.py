@@ -1,0 +1,312 @@
+"""The trainer, assembled from small build steps. ``Trainer(cfg).fit()`` is the whole job."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from loom.config.errors import ConfigError
+from loom.config.load import to_toml
+from loom.config.sections import Config
+from loom.data import build_loader, build_tokenizer, prepare_data
+from loom.data import describe_sources
+from loom.data.loader import MicroBatch
+from loom.metrics.flops import device_peak, mfu
+from loom.metrics.logger import MetricsLogger
+from loom.metrics.memory import peak_memory_gib, reset_peak
+from loom.models.llama import FLAVORS, Llama, round_vocab
+from loom.models.llama.parallelize import parallelize_llama
+from loom.parallel.dims import ParallelDims
+from loom.parallel.env import DistEnv, init_distributed
+from loom.train.grads import global_grad_norm, scale_grads
+from loom.train.loss import cross_entropy_sum, valid_tokens
+from loom.train.optimizer import build_optimizer
+from loom.train.precision import DTYPES, LossScaler, autocast_context
+from loom.train.schedule import build_scheduler
+
+
+def accumulation_steps(training, dp_size: int) -> int:
+    per_pass = training.micro_batch_size * dp_size
+    if training.global_batch_size % per_pass:
+        raise ConfigError("training.global_batch_size", training.global_batch_size,
+                          f"must be a multiple of micro_batch_size x data-parallel size = "
+                          f"{training.micro_batch_size} x {dp_size} = {per_pass}")
+    return training.global_batch_size // per_pass
+
+
+def resolve_model_args(cfg: Config, tokenizer):
+    """Flavor shape + vocabulary (flavor, then model.vocab_size, else tokenizer rounded to 128)."""
+    if cfg.model.init_from:
+        from loom.checkpoint.hf import llama_args_from_hf
+
+        args = llama_args_from_hf(cfg.model.init_from)
+    else:
+        args = FLAVORS[cfg.model.flavor]
+    vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
+    tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
+    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len)
+
+
+class _StopSignal:
+    """SIGTERM (preemption) sets a flag; the loop saves a checkpoint and exits at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._old)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv | None = None):
+        self.cfg = cfg
+        self.env = env or init_distributed(cfg.run.device, cfg.parallel.backend)
+        self.device = self.env.device
+        self.dims = ParallelDims.from_config(cfg.parallel, self.env.world_size)
+        if self.dims.distributed:
+            self.dims.build_mesh(self.device.type)
+        self.accum = accumulation_steps(cfg.training, self.dims.dp_size)
+        self._setup_determinism()
+        self._setup_run_dir()
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        self._build_checkpointer()
+        self.step, self.tokens_seen = 0, 0
+
+    # ---- build steps ------------------------------------------------------
+    def _setup_determinism(self) -> None:
+        torch.manual_seed(self.cfg.run.seed)
+        if self.cfg.run.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+
+    def _setup_run_dir(self) -> None:
+        self.run_dir = self.cfg.run.dir
+        if self.env.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with open(os.path.join(self.run_dir, "config.toml"), "w") as fh:
+                fh.write(to_toml(self.cfg))
+        self.barrier()
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        cache = cfg.data.cache_dir or os.path.join(self.run_dir, "cache")
+        if self.env.is_main:  # one rank tokenizes (or finds the cache); the others wait, then map it
+            files = prepare_data(cfg.data, self.tokenizer, cache)
+            describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
+        self.barrier()
+        if not self.env.is_main:
+            files = prepare_data(cfg.data, self.tokenizer, cache)
+        t = cfg.training
+        self.loader = build_loader(cfg.data, self.tokenizer, files, seq_len=t.seq_len, seed=cfg.run.seed,
+                                   dp_rank=self.dims.dp_rank(), dp_size=self.dims.dp_size,
+                                   micro_batch=t.micro_batch_size, accumulation=self.accum)
+
+    def _build_model(self) -> None:
+        self.model_args = resolve_model_args(self.cfg, self.tokenizer)
+        with torch.device("meta"):
+            model = Llama(self.model_args)
+        self.model_core = model
+        self.model = parallelize_llama(model, self.dims, self.cfg.training, self.cfg.parallel, self.device,
+                                       self.cfg.run.seed)
+        if self.cfg.model.init_from:
+            from loom.checkpoint.hf import load_hf_weights
+
+            load_hf_weights(self.model_core, self.cfg.model.init_from)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.dtype = DTYPES[self.cfg.training.dtype]
+
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
+        opt_device = torch.device("cpu") if cfg.parallel.cpu_offload and self.dims.fsdp_enabled else self.device
+        self.optimizer = build_optimizer(self.model_core, cfg.optimizer, opt_device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.optimizer)
+        self.scaler = LossScaler(cfg.training.dtype == "float16", cfg.training.loss_scale_init,
+                                 cfg.training.loss_scale_window)
+
+    def _build_checkpointer(self) -> None:
+        from loom.checkpoint.manager import CheckpointManager
+
+        self.checkpointer = CheckpointManager(self.cfg.checkpoint, self.run_dir, is_main=self.env.is_main,
+                                              barrier=self.barrier)
+
+    # ---- collectives over the data-parallel ranks ----------------------------
+    def barrier(self) -> None:
+        if self.env.world_size > 1:
+            dist.barrier()
+
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dims.dp_size > 1:
+            dist.all_reduce(t, group=self.dims["dp"].get_group())
+        return t
+
+    def any_rank(self, flag: bool) -> bool:
+        if self.env.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    # ---- one step -------------------------------------------------------------
+    def _forward_loss(self, mb: MicroBatch) -> torch.Tensor:
+        with autocast_context(self.dtype, self.device, fsdp_casts=self.dims.fsdp_enabled):
+            positions = mb.positions if self.cfg.data.document_positions else None
+            logits = self.model(mb.inputs, positions)  # (B, S, V)
+        return cross_entropy_sum(logits, mb.labels)
+
+    def _no_sync(self, last: bool):
+        if self.dims.ddp_enabled and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict:
+        mbs = [mb.to(self.device) for mb in micro_batches]
+        n_tokens = self.dp_sum(sum(valid_tokens(mb.labels) for mb in mbs).to(torch.float32))
+        # data-parallel reductions average over dp ranks; multiplying by dp_size makes them a sum,
+        # so every micro-batch on every rank contributes token_loss / global_tokens
+        grad_scale = self.dims.dp_size * self.scaler.scale / n_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(mbs):
+            with self._no_sync(last=i == len(mbs) - 1):
+                loss = self._forward_loss(mb)
+                (loss * grad_scale).backward()
+            loss_sum += loss.detach()
+        lr = self.optimizer.param_groups[0]["lr"]
+        norm = global_grad_norm(self.params) / self.scaler.scale
+        stepped = True
+        if self.scaler.enabled:
+            stepped = self.scaler.update(float(norm))
+        if stepped:
+            clip = 1.0 if self.cfg.training.max_norm == 0 else torch.clamp(
+                self.cfg.training.max_norm / (norm + 1e-6), max=1.0)
+            if self.scaler.enabled or self.cfg.training.max_norm:
+                scale_grads(self.params, clip / self.scaler.scale)
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": self.dp_sum(loss_sum) / n_tokens, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        batches = self.loader.validation(self.cfg.training.eval_batches)
+        if not batches:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        for mb in batches:
+            mb = mb.to(self.device)
+            total += self._forward_loss(mb)
+            count += valid_tokens(mb.labels)
+        self.model.train()
+        return float(self.dp_sum(total) / self.dp_sum(count))
+
+    # ---- the loop ---------------------------------------------------------------
+    def state_for_checkpoint(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "rng": {"cpu": torch.get_rng_state().tolist(),
+                        "cuda": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None}}
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.loader.load_state_dict(state["loader"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(torch.tensor(state["rng"]["cpu"], dtype=torch.uint8))
+        if state["rng"].get("cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.tensor(state["rng"]["cuda"], dtype=torch.uint8))
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.step, self.model_core, self.optimizer, self.state_for_checkpoint(),
+                               to_toml(self.cfg))
+
+    def resume(self) -> None:
+        state = self.checkpointer.load(self.model_core, self.optimizer)
+        if state is not None:
+            self.load_trainer_state(state)
+            if self.env.is_main:
+                print(f"resumed from step {self.step}", flush=True)
+
+    def fit(self) -> list[dict]:
+        """Train to ``training.steps``; returns the logged records (rank 0; others get [])."""
+        cfg = self.cfg
+        self.resume()
+        stop = _StopSignal()
+        peak = device_peak(self.device, cfg.training.dtype)
+        logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
+                               progress=cfg.metrics.progress, start_step=self.step) if self.env.is_main else None
+        if self.env.is_main:
+            print(f"loom: {cfg.model.flavor} ({sum(p.numel() for p in self.model_core.parameters()) / 1e6:.1f}M params), "
+                  f"{self.dims.describe()}, accumulation {self.accum}, dtype {cfg.training.dtype}, "
+                  f"device {self.device.type}", flush=True)
+        records: list[dict] = []
+        reset_peak(self.device)
+        t_last, tokens_last = time.perf_counter(), self.tokens_seen
+        try:
+            while self.step < cfg.training.steps:
+                self.checkpointer.poll()
+                data = self.loader.next_step(with_hash=self.env.is_main)
+                out = self.train_step(data.micro_batches)
+                self.step += 1
+                self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
+                if logger:
+                    logger.progress.update(self.step)
+                val = None
+                if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
+                    val = self.evaluate()
+                if self.step % cfg.metrics.every == 0 or self.step == cfg.training.steps or val is not None:
+                    now = time.perf_counter()
+                    rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
+                    t_last, tokens_last = now, self.tokens_seen
+                    if logger:
+                        logger.log(rec)
+                        records.append(rec)
+                preempted = self.any_rank(stop.requested)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or preempted:
+                    self.save_checkpoint()
+                if preempted:
+                    if self.env.is_main:
+                        print(f"SIGTERM: saved step {self.step}, exiting", flush=True)
+                    break
+            else:
+                if cfg.checkpoint.at_end and not (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    self.save_checkpoint()
+            self.checkpointer.wait()
+        finally:
+            stop.restore()
+            if logger:
+                logger.close()
+        return records
+
+    def _record(self, out: dict, batch_hash, val, seconds: float, tokens: int, peak) -> dict:
+        tps = tokens / max(seconds, 1e-9)
+        per_dev = tps / self.env.world_size
+        return {
+            "step": self.step,
+            "loss": float(out["loss"]),
+            "grad_norm": float(out["grad_norm"]),
+            "lr": out["lr"],
+            "tokens": self.tokens_seen,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_device": per_dev,
+            "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak),
+            "mem_gib": peak_memory_gib(self.device),
+            "val_loss": val,
+            "skipped_steps": self.scaler.skipped,
+            "batch_hash": batch_hash,
+        }
