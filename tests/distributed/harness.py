@@ -1,0 +1,66 @@
+"""Run several training jobs inside one process group per world size (process start dominates cost).
+
+``run_jobs(world, jobs)`` spawns ``world`` gloo ranks once; each rank builds a Trainer for every job
+in turn (same group, fresh meshes) and rank 0 returns each job's logged records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(overrides: dict) -> list[dict]:
+    """One job in this process (distributed or not); returns rank 0's records."""
+    from loom.config import build_config
+    from loom.parallel.env import init_distributed
+    from loom.train.trainer import Trainer
+
+    cfg = build_config(None, {k: str(v) for k, v in overrides.items()})
+    trainer = Trainer(cfg, env=init_distributed(cfg.run.device, cfg.parallel.backend))
+    return trainer.fit()
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results = []
+    try:
+        for job in jobs:
+            try:
+                results.append({"records": run_one(job)})
+            except Exception:  # keep going: report the failure with its traceback
+                results.append({"error": traceback.format_exc()})
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(results, fh)
+
+
+def run_jobs(world: int, jobs: list[dict], tmp_dir: str) -> list[dict]:
+    out = os.path.join(tmp_dir, f"results_w{world}_{os.getpid()}.json")
+    if world == 1:
+        return [{"records": run_one(job)} for job in jobs]
+    mp.spawn(_worker, args=(world, free_port(), jobs, out), nprocs=world, join=True)
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def losses(result: dict) -> list[float]:
+    assert "error" not in result, result["error"]
+    return [r["loss"] for r in result["records"]]
