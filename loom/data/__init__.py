@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-from typing import Callable
 
-from loom.config.errors import ConfigError
 from loom.config.sections import DataConfig
 from loom.data.loader import Loader, MicroBatch, StepData, Windows
 from loom.data.prepare import ensure_token_file
-from loom.data.sources import parse_source
-from loom.data.token_file import TokenFile
+from loom.data.sources import content_hash, parse_source
+from loom.data.token_file import TokenFile, check_tokenizer
 from loom.data.tokenizers import build_tokenizer
 
-__all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer", "prepare_data"]
+__all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer", "describe_sources",
+           "prepare_data"]
 
 
 def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str) -> list[tuple[str, float, str]]:
@@ -27,10 +25,8 @@ def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str) -> list[tuple[str, 
 
 
 def check_tokenizer_match(path: str, meta, tokenizer) -> None:
-    if meta.vocab_size > tokenizer.vocab_size or meta.eos_id != tokenizer.eos_id:
-        raise ConfigError("data.tokenizer", tokenizer.fingerprint(),
-                          f"token file {path} was written with another tokenizer "
-                          f"(vocab {meta.vocab_size}, eos {meta.eos_id}); pass the same data.tokenizer")
+    """Kept for callers of the old name: a token file must have been written by this tokenizer."""
+    check_tokenizer(path, meta, tokenizer)
 
 
 def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]], *, seq_len: int, seed: int,
@@ -38,7 +34,7 @@ def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]]
     windows, weights = [], []
     for path, weight, label in files:
         tf = TokenFile(path)
-        check_tokenizer_match(path, tf.meta, tokenizer)
+        check_tokenizer(path, tf.meta, tokenizer)
         windows.append(Windows(tf, seq_len, cfg.val_fraction, label))
         weights.append(weight)
     return Loader(windows, weights, seed=seed, eos_id=tokenizer.eos_id, dp_rank=dp_rank, dp_size=dp_size,
@@ -46,15 +42,15 @@ def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]]
 
 
 def describe_sources(cfg: DataConfig, files, out_path: str) -> None:
-    """Record what was trained on (for the embedded default: the stdlib file list and its hash)."""
-    from loom.data.sources import parse_source as _ps
-
+    """Record what was trained on, so a run can be traced to its text. The embedded default depends on the
+    installed Python, so it also gets its file list and a content hash (same hash = same training text)."""
     records = []
-    for spec, (path, weight, label) in zip(_ps(cfg.source, cfg.text_field), files):
+    for spec, (path, weight, label) in zip(parse_source(cfg.source, cfg.text_field), files):
         rec = {"label": label, "kind": spec.kind, "weight": weight, "token_file": path,
                "fingerprint": spec.fingerprint(), "files": len(spec.paths)}
         if spec.kind == "stdlib":
             rec["file_list"] = spec.paths
+            rec["content_hash"] = content_hash(spec.paths)
         records.append(rec)
     with open(out_path, "w") as fh:
         json.dump(records, fh, indent=1)

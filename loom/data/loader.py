@@ -74,8 +74,8 @@ class Windows:
             n_val = max(1, n_val)
         self.n_train, self.n_val = n - n_val, n_val
         if self.n_train < 1:
-            raise UserError(f"data source {label}: {len(tokens)} tokens are fewer than one training window of "
-                            f"{seq_len + 1} (lower training.seq_len or add data)")
+            raise UserError(f"data source {label} ({tokens.path}): {len(tokens)} tokens are fewer than one "
+                            f"training window of {seq_len + 1} (lower training.seq_len or add data)")
 
     def window(self, w: int) -> torch.Tensor:
         start = w * self.seq_len

@@ -48,6 +48,18 @@ class SourceSpec:
         return h.hexdigest()
 
 
+def content_hash(paths: list[str]) -> str:
+    """blake2b over the files' contents in order (each prefixed by its byte length, so that moving bytes
+    between files changes it): names the exact text of a corpus, wherever it is installed."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in paths:
+        with open(p, "rb") as fh:
+            data = fh.read()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
 def _files_of(path: str) -> list[str]:
     if os.path.isdir(path):
         return sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
@@ -70,8 +82,9 @@ def stdlib_files() -> list[str]:
 
 def _kind_of(path: str) -> str:
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "dataset_info.json")) or os.path.isfile(
-                os.path.join(path, "state.json")):
+        # save_to_disk writes state.json + dataset_info.json for a Dataset, dataset_dict.json for a DatasetDict
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json",
+                                                                 "dataset_dict.json")):
             return "hf_dataset"
         raise ConfigError("data.source", path, "a folder must be a Hugging Face dataset saved with "
                           "save_to_disk; for files inside it use a glob such as 'folder/*.txt'")
@@ -145,6 +158,8 @@ def _jsonl_docs(path: str, text_field: str) -> Iterator[str]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise ConfigError("data.source", path, f"line {lineno} is not valid JSON") from None
+            if not isinstance(row, dict):
+                raise ConfigError("data.source", path, f"line {lineno} is not a JSON object")
             if text_field not in row:
                 raise ConfigError("data.text_field", text_field,
                                   f"not a field of {path} line {lineno}; it has {sorted(row)[:8]}")
@@ -180,16 +195,25 @@ def _hf_dataset_docs(path: str, text_field: str) -> Iterator[str]:
         yield from batch[text_field]
 
 
+def _strings(texts: Iterator, path: str, text_field: str) -> Iterator[str]:
+    """Missing text (null) is an empty document; anything else that is not text is the user's mistake."""
+    for text in texts:
+        if text is None:
+            yield ""
+        elif isinstance(text, str):
+            yield text
+        else:
+            raise ConfigError("data.text_field", text_field,
+                              f"holds a {type(text).__name__}, not text, in {path}")
+
+
 def documents(spec: SourceSpec) -> Iterator[str]:
     """Every document of a (non-token-file) source, in a fixed order."""
+    readers = {"jsonl": _jsonl_docs, "parquet": _parquet_docs, "hf_dataset": _hf_dataset_docs}
     for path in spec.paths:
         if spec.kind in ("text", "stdlib"):
             yield _read_text(path)
-        elif spec.kind == "jsonl":
-            yield from _jsonl_docs(path, spec.text_field)
-        elif spec.kind == "parquet":
-            yield from _parquet_docs(path, spec.text_field)
-        elif spec.kind == "hf_dataset":
-            yield from _hf_dataset_docs(path, spec.text_field)
+        elif spec.kind in readers:
+            yield from _strings(readers[spec.kind](path, spec.text_field), path, spec.text_field)
         else:
             raise AssertionError(spec.kind)

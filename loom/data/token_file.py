@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from loom.config.errors import UserError
+from loom.config.errors import ConfigError, UserError
 
 DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
 
@@ -59,8 +59,22 @@ class TokenFileWriter:
         self.meta.tokens += t.numel()
         self.meta.documents += 1
 
+    def extend(self, tokens: torch.Tensor, documents: int) -> None:
+        """Append already-terminated token ids as they are (copying another token file)."""
+        self._fh.write(tokens.to(DTYPES[self.dtype]).numpy().tobytes())
+        self.meta.tokens += tokens.numel()
+        self.meta.documents += documents
+
+    def abort(self) -> None:
+        """Drop the partial file, so a failed run leaves nothing that looks like a token file."""
+        self._fh.close()
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
     def close(self) -> TokenFileMeta:
         self._fh.close()
+        if os.path.exists(meta_path(self.path)):  # a stale description must never vouch for new tokens
+            os.remove(meta_path(self.path))
         os.replace(self._tmp, self.path)
         tmp_meta = meta_path(self.path) + ".tmp"
         with open(tmp_meta, "w") as fh:
@@ -74,14 +88,30 @@ def read_meta(path: str) -> TokenFileMeta:
     if not os.path.isfile(mp):
         raise UserError(f"token file {path}: its description {mp} is missing "
                         "(write token files with `loom data prepare`)")
-    with open(mp) as fh:
-        meta = TokenFileMeta(**json.load(fh))
+    try:
+        with open(mp) as fh:
+            meta = TokenFileMeta(**json.load(fh))
+    except (ValueError, TypeError) as err:
+        raise UserError(f"token file {path}: its description {mp} is not a loom token file description "
+                        f"({err})") from None
+    if meta.dtype not in DTYPES:
+        raise UserError(f"token file {path}: unknown dtype {meta.dtype!r} in {mp} (allowed: {', '.join(DTYPES)})")
+    if not os.path.isfile(path):
+        raise UserError(f"token file {path} is missing (only its description {mp} exists)")
     size = os.path.getsize(path)
-    itemsize = 2 if meta.dtype == "uint16" else 4
+    itemsize = DTYPES[meta.dtype].itemsize
     if size != meta.tokens * itemsize:
         raise UserError(f"token file {path}: {size} bytes, expected {meta.tokens * itemsize} "
                         f"({meta.tokens} {meta.dtype} tokens); the file is truncated or not a loom token file")
     return meta
+
+
+def check_tokenizer(path: str, meta: TokenFileMeta, tokenizer, field: str = "data.tokenizer") -> None:
+    """Token ids only mean something with the tokenizer that wrote them: refuse any other one."""
+    if meta.tokenizer != tokenizer.fingerprint() or meta.eos_id != tokenizer.eos_id:
+        raise ConfigError(field, tokenizer.fingerprint(),
+                          f"token file {path} was written with tokenizer {meta.tokenizer} "
+                          f"(vocab {meta.vocab_size}, eos {meta.eos_id}); pass the same tokenizer")
 
 
 class TokenFile:

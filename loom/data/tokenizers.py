@@ -22,6 +22,8 @@ class ByteTokenizer:
         """Fast path for the byte tokenizer: a uint8 tensor view of the raw bytes."""
         import torch
 
+        if not data:  # frombuffer refuses an empty buffer
+            return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     def decode(self, ids) -> str:
@@ -46,7 +48,13 @@ class HFTokenizer:
         if not os.path.isfile(path):
             raise ConfigError("data.tokenizer", path, "allowed: byte | path to a tokenizer.json")
         self.path = path
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as err:  # the tokenizers library raises a bare Exception for a bad file
+            raise ConfigError("data.tokenizer", path, f"not a Hugging Face tokenizer.json ({err})") from None
+        # A document that contains the text "<|endoftext|>" must not gain an EOS id in its middle: special
+        # tokens written in the text are encoded as ordinary text, so EOS only ever marks document ends.
+        self._tok.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find(self._EOS_CANDIDATES)
         if self.eos_id is None:
