@@ -1,0 +1,167 @@
+"""``loom convert``: import a Hugging Face Llama folder as a loom checkpoint, or export one back.
+
+Both directions run in one process without a process group and hold the model once in CPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+from loom.config.errors import ConfigError
+
+USAGE = """usage:
+  loom convert --from-hf HF_FOLDER --to CKPT_FOLDER
+  loom convert --from CKPT_FOLDER --to-hf OUT_FOLDER [--config RUN.toml] [--flavor NAME]
+               [--max-shard-size 5GB] [--section.field VALUE ...]
+
+--from-hf   a Hugging Face LlamaForCausalLM folder (config.json + safetensors, sharded or not);
+            written as a complete loom checkpoint (weights only, step 0) at --to.
+--from      a loom checkpoint folder (step_N with COMPLETE.json). Its model shape comes from the
+            config.toml saved in it (or --config), with --flavor / --section.field overrides, e.g.
+            --data.tokenizer when the run's tokenizer.json moved. Written to --to-hf as
+            LlamaForCausalLM safetensors (sharded with an index above --max-shard-size)."""
+
+_OPTIONS = ("--from-hf", "--to", "--from", "--to-hf", "--config", "--flavor", "--max-shard-size")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Pull out convert's own options (``--opt value`` or ``--opt=value``); the rest are config overrides."""
+    opts: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name not in _OPTIONS:
+            rest.append(argv[i])
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(name, None, "missing value after the option", show_value=False)
+            value, i = argv[i + 1], i + 1
+        if name in opts:
+            raise ConfigError(name, value, "given twice")
+        opts[name] = value
+        i += 1
+    return opts, rest
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count -> bytes (decimal units, as Hugging Face's max_shard_size)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
+        raise ConfigError("--max-shard-size", text, "expected a size such as 5GB, 500MB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def run_import(opts: dict[str, str], rest: list[str]) -> int:
+    from loom.checkpoint.hf import import_hf_to_dcp
+
+    _reject(opts, rest, allowed=("--from-hf", "--to"), direction="--from-hf")
+    if "--to" not in opts:
+        raise ConfigError("--to", None, "missing: the loom checkpoint folder to write", show_value=False)
+    args = import_hf_to_dcp(opts["--from-hf"], opts["--to"])
+    print(f"loom convert: imported {opts['--from-hf']} ({args.n_layers} layers, dim {args.dim}, "
+          f"vocab {args.vocab_size}) as loom checkpoint {opts['--to']}", flush=True)
+    return 0
+
+
+def _reject(opts: dict[str, str], rest: list[str], allowed: tuple[str, ...], direction: str) -> None:
+    """Options of the other direction are mistakes, not silently ignored."""
+    for name in opts:
+        if name not in allowed:
+            raise ConfigError(name, opts[name], f"not used with {direction} (see `loom convert --help`)")
+    if rest:
+        raise ConfigError(rest[0], None, f"unknown option with {direction} (see `loom convert --help`)",
+                          show_value=False)
+
+
+def run_config(ckpt: str, config_file: str | None, overrides: dict[str, str]):
+    """The config of the run that wrote ``ckpt``, with the user's overrides; resume is irrelevant here."""
+    from loom.config import build_config
+
+    path = config_file or os.path.join(ckpt, "config.toml")
+    if not os.path.isfile(path) and not overrides:
+        raise ConfigError("--from", ckpt, "has no config.toml; pass --config RUN.toml or --flavor NAME")
+    return build_config(path if os.path.isfile(path) else None, {"checkpoint.resume": "none", **overrides})
+
+
+def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[str, str]):
+    """LlamaArgs of a checkpoint: the Hugging Face config an import kept, else the run's config resolved
+    as the trainer does (flavor or init_from, vocabulary from the tokenizer, tying). ``max_seq_len``
+    becomes the exported max_position_embeddings: the flavor's / source model's, or the run's seq_len."""
+    import json
+
+    from loom.checkpoint.hf import HF_CONFIG_COPY, llama_args_from_hf, llama_args_from_hf_config
+    from loom.data import build_tokenizer
+    from loom.models.llama import FLAVORS
+    from loom.train.trainer import resolve_model_args
+
+    kept = os.path.join(ckpt, HF_CONFIG_COPY)
+    if os.path.isfile(kept) and not config_file and not overrides:
+        with open(kept) as fh:
+            return llama_args_from_hf_config(json.load(fh), "--from", kept)
+    cfg = run_config(ckpt, config_file, overrides)
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))
+    base = llama_args_from_hf(cfg.model.init_from) if cfg.model.init_from else FLAVORS[cfg.model.flavor]
+    return args.with_(max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
+
+
+def check_shapes(ckpt: str, model) -> None:
+    """Compare the model built from the config with the checkpoint's tensors before loading, so a wrong
+    flavor or tokenizer is reported as such rather than as a DCP size error."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    for name, t in model.state_dict().items():
+        meta = stored.get(f"model.{name}")
+        if meta is None:
+            raise ConfigError("--from", ckpt, f"has no model tensor {name} (not a loom Llama checkpoint?)")
+        if tuple(meta.size) != tuple(t.shape):
+            raise ConfigError("--from", ckpt, f"{name} has shape {list(meta.size)} but the config gives "
+                              f"{list(t.shape)}; pass the run's --config / --flavor / --data.tokenizer")
+
+
+def run_export(opts: dict[str, str], rest: list[str]) -> int:
+    from loom.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf, weights_only_model
+    from loom.checkpoint.manager import load_model_only, verify
+    from loom.config import parse_overrides
+
+    _reject(opts, [], allowed=("--from", "--to-hf", "--config", "--flavor", "--max-shard-size"), direction="--to-hf")
+    if "--from" not in opts:
+        raise ConfigError("--from", None, "missing: the loom checkpoint folder to export", show_value=False)
+    ckpt = opts["--from"]
+    if not os.path.isdir(ckpt):
+        raise ConfigError("--from", ckpt, "folder not found (expected a loom checkpoint folder step_N)")
+    max_bytes = parse_size(opts["--max-shard-size"]) if "--max-shard-size" in opts else DEFAULT_MAX_SHARD_BYTES
+    overrides = parse_overrides(rest)
+    if "--flavor" in opts:  # a flavor names the shape; a recorded init_from would take precedence over it
+        overrides.update({"model.flavor": opts["--flavor"], "model.init_from": ""})
+    verify(ckpt, check_hash=False)  # cheap: a complete folder; load_model_only checks the hashes
+    args = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
+    model = weights_only_model(args)
+    check_shapes(ckpt, model)
+    with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        load_model_only(ckpt, model)
+    files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes)
+    print(f"loom convert: exported {ckpt} as a Hugging Face Llama folder {opts['--to-hf']} "
+          f"({len(files)} safetensors file{'s' if len(files) > 1 else ''})", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    opts, rest = split_args(argv)
+    if "--from-hf" in opts:
+        return run_import(opts, rest)
+    if "--to-hf" in opts:
+        return run_export(opts, rest)
+    raise ConfigError("loom convert", " ".join(argv), "expected --from-hf HF --to CKPT or --from CKPT --to-hf HF "
+                      "(see `loom convert --help`)")

@@ -1,0 +1,284 @@
+"""Hugging Face interop: logits equal transformers', HF -> loom checkpoint -> HF is lossless, training
+starts from an HF folder with HF's weights, and user mistakes give one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from safetensors import safe_open  # noqa: E402
+
+from loom.checkpoint.hf import (  # noqa: E402
+    export_hf, import_hf_to_dcp, llama_args_from_hf, load_hf_weights, weight_files)
+from loom.checkpoint.manager import load_model_only, verify  # noqa: E402
+from loom.cli.main import main as loom_main  # noqa: E402
+from loom.config.errors import ConfigError, UserError  # noqa: E402
+from loom.models.common.rope import RopeScaling  # noqa: E402
+from loom.models.llama import Llama  # noqa: E402
+
+VOCAB = 384
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+# compared after the save: what a reader of the folder sees
+CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                 "tie_word_embeddings", "rope_parameters", "dtype", "architectures")
+
+
+def random_hf_llama(tied: bool, seed: int = 0):
+    """A small LlamaForCausalLM with llama3 RoPE scaling. Weights are widened from HF's 0.02 init (and
+    norms moved off 1) so that a wrong tensor or RoPE detail shows up far above the tolerance."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=VOCAB, rope_theta=10000.0, rope_scaling=dict(LLAMA3), tie_word_embeddings=tied,
+        max_position_embeddings=256, rms_norm_eps=1e-5)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(0.5, 1.5) if p.ndim == 1 else p.normal_(0.0, 0.1)
+    return model
+
+
+def save_hf(model, folder, shard: str | None = None) -> str:
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(folder, **kw)
+    return str(folder)
+
+
+def read_all(folder: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, path in weight_files(folder).items():
+        with safe_open(path, framework="pt") as fh:
+            out[name] = fh.get_tensor(name)
+    return out
+
+
+def loom_from_hf(folder: str, **overrides) -> Llama:
+    model = Llama(llama_args_from_hf(folder).with_(**overrides))
+    load_hf_weights(model, folder)
+    return model.eval()
+
+
+# ---- logits ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("max_seq_len", [None, 100], ids=["table-from-config", "table-exactly-seq"])
+def test_logits_match_transformers(tmp_path, tied, max_seq_len):
+    hf = random_hf_llama(tied)
+    folder = save_hf(hf, tmp_path / "hf")
+    args = llama_args_from_hf(folder)
+    assert args.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 32) and args.rope_theta == 10000.0
+    assert (args.tie_embeddings, args.max_seq_len, args.norm_eps) == (tied, 256, 1e-5)
+    model = loom_from_hf(folder, **({"max_seq_len": max_seq_len} if max_seq_len else {}))
+    tokens = torch.randint(0, VOCAB, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits  # (B, S, V)
+    assert theirs.abs().max() > 1.0  # logits large enough for the tolerance to mean something
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_untied_model_starts_from_tied_embeddings(tmp_path):
+    folder = save_hf(random_hf_llama(tied=True), tmp_path / "hf")
+    model = loom_from_hf(folder, tie_embeddings=False)
+    assert model.output.weight is not model.tok_embeddings.weight
+    assert torch.equal(model.output.weight, read_all(folder)["model.embed_tokens.weight"])
+
+
+def test_tied_model_refuses_a_separate_head(tmp_path):
+    folder = save_hf(random_hf_llama(tied=False), tmp_path / "hf")
+    model = Llama(llama_args_from_hf(folder).with_(tie_embeddings=True))
+    with pytest.raises(ConfigError, match="model.tie_embeddings.*own lm_head"):
+        load_hf_weights(model, folder)
+
+
+def test_wrong_vocabulary_names_the_tensor(tmp_path):
+    folder = save_hf(random_hf_llama(tied=False), tmp_path / "hf")
+    model = Llama(llama_args_from_hf(folder).with_(vocab_size=512))
+    with pytest.raises(UserError, match=r"model.embed_tokens.weight has shape \[384, 64\].*\[512, 64\]"):
+        load_hf_weights(model, folder)
+
+
+# ---- round trips -------------------------------------------------------------------------------
+
+def assert_same_folder(a: str, b: str) -> None:
+    """Bitwise-equal tensors under the same names, and configs that transformers reads the same way."""
+    ta, tb = read_all(a), read_all(b)
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
+    ca, cb = transformers.AutoConfig.from_pretrained(a), transformers.AutoConfig.from_pretrained(b)
+    for field in CONFIG_FIELDS:
+        assert getattr(ca, field) == getattr(cb, field), field
+    assert llama_args_from_hf(a) == llama_args_from_hf(b)
+
+
+@pytest.mark.parametrize("tied,shard", [(True, None), (False, "20KB")], ids=["tied-single-file", "untied-sharded"])
+def test_round_trip_through_cli(tmp_path, tied, shard, capsys):
+    hf = random_hf_llama(tied)
+    src = save_hf(hf, tmp_path / "hf", shard)
+    assert os.path.isfile(os.path.join(src, "model.safetensors.index.json")) == bool(shard)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert loom_main(["convert", "--from-hf", src, "--to", ckpt]) == 0
+    verify(ckpt)  # a complete loom checkpoint: marker, DCP metadata, hashes
+    extra = ["--max-shard-size", "20KB"] if shard else []
+    assert loom_main(["convert", "--from", ckpt, "--to-hf", out, *extra]) == 0
+    assert_same_folder(src, out)
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json")) == bool(shard)
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
+
+
+def test_imported_checkpoint_loads_into_a_loom_model(tmp_path):
+    src = save_hf(random_hf_llama(tied=False), tmp_path / "hf")
+    ckpt = str(tmp_path / "ckpt")
+    args = import_hf_to_dcp(src, ckpt)
+    with open(os.path.join(ckpt, "trainer_state.json")) as fh:
+        assert json.load(fh)["step"] == 0
+    model = Llama(args)
+    load_model_only(ckpt, model)
+    stored = read_all(src)
+    assert torch.equal(model.layers["1"].feed_forward.w3.weight, stored["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(model.output.weight, stored["lm_head.weight"])
+
+
+def test_export_shards_by_size_and_indexes_every_tensor(tmp_path):
+    src = save_hf(random_hf_llama(tied=False), tmp_path / "hf")
+    model = loom_from_hf(src)
+    names = export_hf(model.state_dict(), model.args, str(tmp_path / "out"), max_shard_bytes=40_000)
+    with open(tmp_path / "out" / "model.safetensors.index.json") as fh:
+        index = json.load(fh)
+    assert len(names) > 1 and sorted(set(index["weight_map"].values())) == sorted(names)
+    stored = read_all(src)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in stored.values())
+    for name in names:  # no file above the limit unless it holds one tensor that is larger by itself
+        with safe_open(str(tmp_path / "out" / name), framework="pt") as fh:
+            keys = list(fh.keys())
+            size = sum(fh.get_tensor(k).numel() * 4 for k in keys)
+        assert size <= 40_000 or len(keys) == 1
+    with pytest.raises(UserError, match="already holds a model"):
+        export_hf(model.state_dict(), model.args, str(tmp_path / "out"))
+
+
+# ---- training from a Hugging Face folder -------------------------------------------------------
+
+def hf_loss(hf, micro_batches) -> float:
+    """The trainer's loss definition (token-mean over the step) computed with transformers."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for mb in micro_batches:
+            logits = hf(mb.inputs).logits  # (B, S, V)
+            total += F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=-100,
+                                     reduction="sum").item()
+            count += int((mb.labels != -100).sum())
+    return total / count
+
+
+def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
+    from loom.cli.train import load_config
+    from loom.train.trainer import Trainer
+
+    hf = random_hf_llama(tied=False)
+    src = save_hf(hf, tmp_path / "hf")
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13} jumps\n" for i in range(600)))
+    cfg, _ = load_config([
+        "--run.dir", str(tmp_path / "run"), "--run.device", "cpu", "--model.init_from", src,
+        "--data.source", str(text), "--training.steps", "2", "--training.seq_len", "32",
+        "--training.global_batch_size", "4", "--training.micro_batch_size", "2", "--optimizer.warmup_steps", "0",
+        "--metrics.every", "1", "--metrics.tensorboard", "false", "--metrics.progress", "false"])
+    trainer = Trainer(cfg)
+    state = trainer.loader.state_dict()
+    first = trainer.loader.next_step().micro_batches  # peek at step 1's batch, then rewind
+    trainer.loader.load_state_dict(state)
+    records = trainer.fit()
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
+    assert records[1]["loss"] != records[0]["loss"]  # it did train
+
+    # the final checkpoint exports through the run's config.toml (flavor from init_from, byte tokenizer)
+    ckpt = os.path.join(tmp_path, "run", "checkpoints", "step_00000002")
+    out = str(tmp_path / "out")
+    assert loom_main(["convert", "--from", ckpt, "--to-hf", out]) == 0
+    exported = read_all(out)
+    trained = trainer.model_core.state_dict()
+    assert torch.equal(exported["model.layers.0.self_attn.k_proj.weight"], trained["layers.0.attention.wk.weight"])
+    assert torch.equal(exported["lm_head.weight"], trained["output.weight"])
+    assert llama_args_from_hf(out) == llama_args_from_hf(src)
+
+
+# ---- user errors -------------------------------------------------------------------------------
+
+def write_config(folder, cfg: dict) -> str:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return str(folder)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model.init_from = .*nope': folder not found"):
+        llama_args_from_hf(str(tmp_path / "nope"))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model.init_from = .*: no config.json in this folder"):
+        llama_args_from_hf(str(tmp_path))
+
+
+def test_non_llama_architecture(tmp_path):
+    folder = write_config(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="architecture GPT2LMHeadModel is not supported"):
+        llama_args_from_hf(folder)
+
+
+def test_unsupported_rope_type(tmp_path):
+    cfg = random_hf_llama(tied=True).config.to_dict()
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ConfigError, match="RoPE type 'yarn' is not supported"):
+        llama_args_from_hf(write_config(tmp_path / "yarn", cfg))
+
+
+def test_transformers4_style_rope_keys(tmp_path):
+    """Older config.json files keep rope_theta at the top and the scaling under rope_scaling."""
+    cfg = random_hf_llama(tied=True).config.to_dict()
+    del cfg["rope_parameters"]
+    cfg.update(rope_theta=500000.0, rope_scaling={**LLAMA3, "factor": 32.0})
+    args = llama_args_from_hf(write_config(tmp_path / "v4", cfg))
+    assert args.rope_theta == 500000.0 and args.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 32)
+
+
+def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        loom_main(["convert", "--from-hf", str(tmp_path / "nope"), "--to", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and "--from-hf" in err and "folder not found" in err
+    with pytest.raises(SystemExit) as exit_info:
+        loom_main(["convert", "--from", str(tmp_path), "--to-hf", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "no COMPLETE.json" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(tmp_path / "out")
+
+
+def test_cli_help_prints_usage(capsys):
+    assert loom_main(["convert", "--help"]) == 0
+    assert "loom convert --from-hf HF_FOLDER --to CKPT_FOLDER" in capsys.readouterr().out
+
+
+def test_export_with_the_wrong_flavor_names_the_mismatch(tmp_path, capsys):
+    src = save_hf(random_hf_llama(tied=True), tmp_path / "hf")
+    ckpt = str(tmp_path / "ckpt")
+    import_hf_to_dcp(src, ckpt)
+    with pytest.raises(SystemExit) as exit_info:
+        loom_main(["convert", "--from", ckpt, "--to-hf", str(tmp_path / "out"), "--flavor", "125M"])
+    assert exit_info.value.code == 2
+    assert "tok_embeddings.weight has shape [384, 64] but the config gives [384, 768]" in capsys.readouterr().err
