@@ -105,6 +105,12 @@ def list_complete(ckpt_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def _new_gloo_group():
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
 def _app_state(model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -117,6 +123,9 @@ class CheckpointManager:
         self.dir = cfg.dir or os.path.join(run_dir, "checkpoints")
         self.is_main, self.barrier = is_main, barrier
         self._pending = None  # (future, tmp folder, final folder, step) of an async save
+        # async saves run collectives from a background thread: they need their own group, or their
+        # messages interleave with the training step's on the default group
+        self._group = _new_gloo_group() if cfg.async_save else None
         if is_main:
             os.makedirs(self.dir, exist_ok=True)
             self._remove_leftovers()
@@ -145,7 +154,7 @@ class CheckpointManager:
         self.barrier()
         state = _app_state(model, optimizer)
         if self.cfg.async_save:
-            future = dcp.async_save(state, checkpoint_id=tmp)
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group)
             self._pending = (future, tmp, final, step)
         else:
             dcp.save(state, checkpoint_id=tmp)
@@ -173,24 +182,24 @@ class CheckpointManager:
             shutil.rmtree(doomed, ignore_errors=True)
 
     def poll(self) -> None:
-        """Finish an async save whose writes are done (rank 0 commits it)."""
-        if self._pending is not None and self._future_done(self._pending[0]):
-            self.wait()
-
-    @staticmethod
-    def _future_done(future) -> bool:
-        return future.done() if hasattr(future, "done") else True
+        """Commit a finished async save without blocking. Ranks decide alone (no collective here):
+        rank 0's save completes only after every rank's shards are written and the metadata is."""
+        if self._pending is not None and self._pending[0].done():
+            self._finish(collective=False)
 
     def wait(self) -> None:
-        if self._pending is None:
-            return
+        """Block until an async save is committed (all ranks call this at the same point)."""
+        if self._pending is not None:
+            self._finish(collective=True)
+
+    def _finish(self, collective: bool) -> None:
         future, tmp, final, step = self._pending
         self._pending = None
-        (future.result() if hasattr(future, "result") else None)
-        self.barrier()
+        future.result()
         if self.is_main:
             self._commit(tmp, final, step)
-        self.barrier()
+        if collective:
+            self.barrier()
 
     # ---- loading ----------------------------------------------------------------
     def resolve(self) -> str | None:
@@ -218,22 +227,30 @@ class CheckpointManager:
         folder = self.resolve()
         if folder is None:
             return None
+        with open(os.path.join(folder, STATE)) as fh:
+            trainer_state = json.load(fh)
+        if trainer_state.get("model_only"):  # `loom convert --from-hf`: weights only; the run starts at step 0
+            load_model_weights(folder, model)
+            return None
         state = _app_state(model, optimizer)
         dcp.load(state, checkpoint_id=folder)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
-        with open(os.path.join(folder, STATE)) as fh:
-            trainer_state = json.load(fh)
         trainer_state["checkpoint"] = folder
         return trainer_state
 
 
-def load_model_only(folder: str, model: torch.nn.Module) -> None:
-    """Load just the model weights of a checkpoint into an unsharded model, in one process."""
+def load_model_weights(folder: str, model: torch.nn.Module) -> None:
+    """Load the model part of a verified checkpoint into a model of any layout (all ranks call it)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    verify(folder)
     sd = {"model": get_model_state_dict(model)}
     dcp.load(sd, checkpoint_id=folder)
     set_model_state_dict(model, sd["model"])
+
+
+def load_model_only(folder: str, model: torch.nn.Module) -> None:
+    """Load just the model weights of a checkpoint into an unsharded model, in one process."""
+    verify(folder)
+    load_model_weights(folder, model)

@@ -206,4 +206,7 @@ class Loader:
         if len(state["counts"]) != len(self.sources):
             raise UserError(f"checkpoint's data loader has {len(state['counts'])} sources, this run has "
                             f"{len(self.sources)}: resume with the same data.source")
+        if int(state["seed"]) != self.seed:
+            raise UserError(f"checkpoint's data order was drawn with run.seed {state['seed']}, this run has "
+                            f"{self.seed}: resume with the same seed")
         self.consumed, self.counts = int(state["consumed"]), [int(c) for c in state["counts"]]

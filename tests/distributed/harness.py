@@ -13,6 +13,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
+HANG_SECONDS = int(os.environ.get("LOOM_TEST_HANG_SECONDS", "300"))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,8 +36,11 @@ def run_one(overrides: dict) -> list[dict]:
 def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hang fails loudly, with stacks
     dist.init_process_group("gloo")
     results = []
     try:
