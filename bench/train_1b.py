@@ -1,0 +1,186 @@
+"""Single-GPU training throughput: loom vs transformers' LlamaForCausalLM, same run, same GPU.
+
+Both train the Llama-3.2-1B shape (loom flavor ``1B``) at seq 2048 with fp32 master weights,
+bf16 autocast compute, fused AdamW and clipping at 1.0, on the same token batches. Variants:
+loom eager, loom compiled (per-block torch.compile), transformers eager (SDPA attention) and
+transformers + torch.compile. Each variant runs in its own process (clean peak memory).
+
+    python bench/train_1b.py --micro-batch 4 --steps 20 --warmup 5 --out bench/results/train_1b.json
+
+Writes one JSON with device, library versions, git commit, the command and, per variant,
+tokens/s, MFU (loom's FLOPs convention, dense bf16 peak) and peak reserved memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+SEQ = 2048
+VARIANTS = ("loom_eager", "loom_compile", "hf_eager", "hf_compile")
+
+
+def loom_trainer(micro_batch: int, compile_: bool, run_dir: str):
+    from loom.config import build_config
+    from loom.train.trainer import Trainer
+
+    cfg = build_config(None, {
+        "model.flavor": "1B", "training.seq_len": str(SEQ), "training.global_batch_size": str(micro_batch),
+        "training.micro_batch_size": str(micro_batch), "training.dtype": "bfloat16",
+        "training.compile": str(compile_).lower(), "training.steps": "1000", "optimizer.lr": "3e-4",
+        "optimizer.implementation": "fused", "checkpoint.at_end": "false", "run.dir": run_dir,
+        "metrics.tensorboard": "false",
+    })
+    return Trainer(cfg)
+
+
+def hf_model(args, compile_: bool):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sc = args.rope_scaling
+    config = LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings, max_position_embeddings=131072,
+        rope_theta=args.rope_theta,
+        rope_scaling={"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
+                      "high_freq_factor": sc.high_freq_factor,
+                      "original_max_position_embeddings": sc.original_max_position},
+        attn_implementation="sdpa", torch_dtype=torch.float32,
+    )
+    model = LlamaForCausalLM(config).cuda()  # fp32 master weights, as loom
+    if compile_:
+        model = torch.compile(model)
+    return model
+
+
+def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir: str) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    trainer = loom_trainer(micro_batch, variant == "loom_compile", run_dir)  # also the data source for HF
+    args = trainer.model_args
+    batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
+    if variant.startswith("loom"):
+        step_fn = trainer.train_step
+        n_params = sum(p.numel() for p in trainer.model_core.parameters())
+    else:
+        del trainer
+        torch.cuda.empty_cache()
+        model = hf_model(args, variant == "hf_compile")
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        n_params = sum(p.numel() for p in model.parameters())
+
+        def step_fn(mbs):
+            for mb in mbs:
+                mb = mb.to("cuda")
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = model(input_ids=mb.inputs, labels=mb.inputs)  # HF shifts labels inside
+                out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return {"loss": out.loss.detach()}
+
+    torch.cuda.reset_peak_memory_stats()
+    t_first = time.perf_counter()
+    for i in range(warmup):
+        out = step_fn(batches[i])
+        if i == 0:
+            torch.cuda.synchronize()
+            first_step_s = time.perf_counter() - t_first
+    torch.cuda.synchronize()
+    times = []
+    for i in range(warmup, warmup + steps):
+        t0 = time.perf_counter()
+        out = step_fn(batches[i])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    from loom.metrics.flops import flops_per_token, peak_flops
+
+    tokens = micro_batch * SEQ
+    med = statistics.median(times)
+    tps = tokens / med
+    peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
+    return {
+        "variant": variant, "params": n_params, "micro_batch": micro_batch, "seq_len": SEQ,
+        "steps_timed": steps, "warmup_steps": warmup, "step_s_median": med, "step_s_min": min(times),
+        "step_s_max": max(times), "tokens_per_s": tps,
+        "mfu": tps * flops_per_token(args, SEQ) / peak if peak else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "first_step_s": first_step_s, "final_loss": float(out["loss"]),
+    }
+
+
+def environment(commit: str, command: str) -> dict:
+    import torch
+
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "commit": commit, "command": command,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for mod in ("transformers", "triton"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    return env
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default="bench/results/train_1b.json")
+    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--run-dir", default="/tmp/loom_bench")
+    a = p.parse_args()
+    if a.variant:  # child: one variant, result as the last stdout line
+        res = run_variant(a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant))
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
+    results = []
+    for v in a.variants.split(","):
+        cmd = [sys.executable, __file__, "--variant", v, "--micro-batch", str(a.micro_batch), "--steps", str(a.steps),
+               "--warmup", str(a.warmup), "--run-dir", a.run_dir]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not line:
+            results.append({"variant": v, "error": (proc.stderr or proc.stdout)[-3000:]})
+        else:
+            results.append(json.loads(line[-1][7:]))
+        print(json.dumps(results[-1])[:400], flush=True)
+    by = {r["variant"]: r for r in results if "error" not in r}
+    ratios = {}
+    if "loom_eager" in by and "hf_eager" in by:
+        ratios["loom_eager_vs_hf_eager"] = by["loom_eager"]["tokens_per_s"] / by["hf_eager"]["tokens_per_s"]
+    if "loom_compile" in by and "hf_compile" in by:
+        ratios["loom_compile_vs_hf_compile"] = by["loom_compile"]["tokens_per_s"] / by["hf_compile"]["tokens_per_s"]
+    doc = {"benchmark": "train_1b", "environment": environment(a.commit, command), "results": results,
+           "ratios": ratios}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"\n{'variant':<14} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'first step s':>12}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:<14} ERROR {r['error'][-300:]}")
+        else:
+            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+            print(f"{r['variant']:<14} {r['tokens_per_s']:>10.0f} {mfu:>7} {r['peak_reserved_gib']:>9.1f} "
+                  f"{r['first_step_s']:>12.1f}")
+    print("ratios:", json.dumps(ratios))
+
+
+if __name__ == "__main__":
+    main()
