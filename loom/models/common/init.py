@@ -55,8 +55,22 @@ def init_parameters(model: nn.Module, seed: int, std_of: Callable[[str], float |
         _copy_into(param, full)
 
 
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Places that hold the same Parameter object (tied weights), grouped."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((mod, name))
+    return [group for group in places.values() if len(group) > 1]
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_buffers) -> None:
     """Allocate storage for a meta-device model (sharded or not) and initialize it."""
+    shared = _shared_parameters(model)
     model.to_empty(device=device)
+    for (mod0, name0), *others in shared:  # to_empty gives plain tensors one new Parameter per place: re-tie
+        for mod, name in others:
+            setattr(mod, name, getattr(mod0, name0))
     init_buffers(device)
     init_parameters(model, seed, std_of)

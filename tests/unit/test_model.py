@@ -1,0 +1,40 @@
+"""Model unit tests: tied embeddings survive meta materialization; init is layout-independent."""
+
+from __future__ import annotations
+
+import torch
+
+from loom.models.common.init import canonical_name, materialize, param_seed
+from loom.models.llama import FLAVORS, Llama
+
+
+def build(tie: bool, seed: int = 0) -> Llama:
+    args = FLAVORS["debug"].with_(vocab_size=384, tie_embeddings=tie, max_seq_len=64)
+    with torch.device("meta"):
+        model = Llama(args)
+    materialize(model, torch.device("cpu"), seed, model.param_std, model.init_buffers)
+    return model
+
+
+def test_tied_embeddings_stay_one_parameter_after_materialize():
+    tied, untied = build(True), build(False)
+    assert tied.output.weight is tied.tok_embeddings.weight
+    n_tied = sum(p.numel() for p in tied.parameters())
+    n_untied = sum(p.numel() for p in untied.parameters())
+    assert n_untied - n_tied == 384 * 64
+    tied(torch.randint(0, 384, (2, 8))).sum().backward()
+    assert tied.output.weight.grad is tied.tok_embeddings.weight.grad
+
+
+def test_init_depends_on_seed_and_name_only():
+    a, b, c = build(False, 1), build(False, 1), build(False, 2)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb)
+        if not n.endswith("norm.weight"):
+            assert not torch.equal(pa, pc)
+
+
+def test_canonical_name_strips_wrappers():
+    assert canonical_name("module.layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == \
+        "layers.0.attention.wq.weight"
+    assert param_seed(0, "module.layers.0.attention.wq.weight") == param_seed(0, "layers.0.attention.wq.weight")
