@@ -4,6 +4,7 @@ Layout of ``<checkpoint dir>``::
 
     step_00000100/            a complete checkpoint
         __0_0.distcp ...      DCP shards (model + optimizer), any number of ranks
+        __0_hashes.json ...   each rank's sizes and hashes of the shards it wrote
         .metadata             DCP's index
         trainer_state.json    step, tokens, loader position, LR schedule, loss scale, RNG
         config.toml           the resolved config of the run that wrote it
@@ -12,7 +13,8 @@ Layout of ``<checkpoint dir>``::
     .step_00000050.deleting/  being removed by retention (ignored)
 
 A checkpoint becomes visible only by renaming its finished ``.tmp`` folder, after the marker is
-in it. A kill at any point leaves the previous complete checkpoint untouched.
+in it. A kill at any point leaves the previous complete checkpoint untouched. A folder of the same
+step left by an earlier run is moved aside and replaced at that rename.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import warnings
 from typing import Callable
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 
 from loom.config.errors import UserError
 from loom.config.sections import CheckpointConfig
@@ -33,6 +36,7 @@ from loom.config.sections import CheckpointConfig
 MARKER = "COMPLETE.json"
 STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_HASHES = "hashes.json"  # __<rank>_hashes.json: a rank's record of its shards
 
 
 class CorruptCheckpoint(UserError):
@@ -51,21 +55,61 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
+def file_record(path: str) -> dict:
+    return {"size": os.path.getsize(path), "blake2b": file_digest(path)}
+
+
+def _write_synced(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename or removal in ``path`` durable (a power cut could otherwise undo it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hashed_by_writers(folder: str) -> dict:
+    """The records ranks wrote for their own shards (``__<rank>_hashes.json``, see _HashingWriter)."""
+    out = {}
+    for name in os.listdir(folder):
+        if name.startswith("__") and name.endswith("_" + _HASHES):
+            with open(os.path.join(folder, name)) as fh:
+                out.update(json.load(fh))
+    return out
+
+
 def write_marker(folder: str, step: int) -> None:
+    """Write ``COMPLETE.json``: every file with its size and hash. Shards whose writer recorded them
+    are not read again; everything else (DCP's .metadata, the small files) is hashed here."""
+    recorded = _hashed_by_writers(folder)
     files = {}
     for root, _, names in os.walk(folder):
         for n in sorted(names):
             full = os.path.join(root, n)
             rel = os.path.relpath(full, folder)
-            if rel == MARKER:
+            if rel in (MARKER, MARKER + ".partial"):
                 continue
-            files[rel] = {"size": os.path.getsize(full), "blake2b": file_digest(full)}
+            rec = recorded.get(rel)
+            files[rel] = rec if rec is not None and rec["size"] == os.path.getsize(full) else file_record(full)
     tmp = os.path.join(folder, MARKER + ".partial")
-    with open(tmp, "w") as fh:
-        json.dump({"step": step, "files": files}, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
+    _write_synced(tmp, json.dumps({"step": step, "files": files}, indent=1))
     os.replace(tmp, os.path.join(folder, MARKER))
+
+
+def _marker_files(folder: str, meta) -> dict:
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(i, dict) and isinstance(i.get("size"), int) and isinstance(i.get("blake2b"), str)
+            for i in files.values()):
+        raise CorruptCheckpoint(f"checkpoint {folder}: unreadable {MARKER} (no file list with sizes and hashes)")
+    return files
 
 
 def verify(folder: str, check_hash: bool = True) -> dict:
@@ -78,9 +122,10 @@ def verify(folder: str, check_hash: bool = True) -> dict:
             meta = json.load(fh)
     except (OSError, json.JSONDecodeError) as err:
         raise CorruptCheckpoint(f"checkpoint {folder}: unreadable {MARKER} ({err})") from None
-    if ".metadata" not in meta["files"]:
+    files = _marker_files(folder, meta)
+    if ".metadata" not in files:
         raise CorruptCheckpoint(f"checkpoint {folder}: {MARKER} lists no DCP .metadata file")
-    for rel, info in meta["files"].items():
+    for rel, info in files.items():
         path = os.path.join(folder, rel)
         if not os.path.isfile(path):
             raise CorruptCheckpoint(f"checkpoint {folder}: file {rel} is missing")
@@ -117,12 +162,29 @@ def _app_state(model, optimizer) -> dict:
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
+class _HashingWriter(FileSystemWriter):
+    """DCP's file writer that also records the size and hash of the shards this rank wrote, in
+    ``__<rank>_hashes.json``: every rank hashes its own files and rank 0 only the small rest. The
+    record is written before ``write_data`` returns, so before DCP gathers the write results and
+    before the save completes on rank 0 (async saves included)."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        names = sorted({r.storage_data.relative_path for r in future.wait()})
+        if names:
+            folder = str(self.path)
+            records = {n: file_record(os.path.join(folder, n)) for n in names}
+            _write_synced(os.path.join(folder, plan.storage_data.prefix + _HASHES), json.dumps(records))
+        return future
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, run_dir: str, *, is_main: bool, barrier: Callable[[], None]):
         self.cfg = cfg
         self.dir = cfg.dir or os.path.join(run_dir, "checkpoints")
         self.is_main, self.barrier = is_main, barrier
         self._pending = None  # (future, tmp folder, final folder, step) of an async save
+        self._last_saved = None  # the step this manager saved last
         # async saves run collectives from a background thread: they need their own group, or their
         # messages interleave with the training step's on the default group
         self._group = _new_gloo_group() if cfg.async_save else None
@@ -141,45 +203,57 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         self.wait()  # one save in flight at a time
-        final = os.path.join(self.dir, step_dir_name(step))
-        if os.path.isdir(final):
+        if step == self._last_saved:
             return  # this step is already saved (e.g. a periodic save at the last step)
+        self._last_saved = step
+        final = os.path.join(self.dir, step_dir_name(step))
         tmp = os.path.join(self.dir, "." + step_dir_name(step) + ".tmp")
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            self._write_json(os.path.join(tmp, STATE), trainer_state)
-            with open(os.path.join(tmp, "config.toml"), "w") as fh:
-                fh.write(config_toml)
+            _write_synced(os.path.join(tmp, STATE), json.dumps(trainer_state))
+            _write_synced(os.path.join(tmp, "config.toml"), config_toml)
         self.barrier()
         state = _app_state(model, optimizer)
+        writer = _HashingWriter(tmp)
         if self.cfg.async_save:
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group)
+            future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             self._pending = (future, tmp, final, step)
         else:
-            dcp.save(state, checkpoint_id=tmp)
+            dcp.save(state, storage_writer=writer)
             self.barrier()  # every rank's shards are written
             if self.is_main:
                 self._commit(tmp, final, step)
             self.barrier()
 
-    def _write_json(self, path: str, obj) -> None:
-        with open(path, "w") as fh:
-            json.dump(obj, fh)
-
     def _commit(self, tmp: str, final: str, step: int) -> None:
         write_marker(tmp, step)
+        # a folder of this step from an earlier run (resumed from an older checkpoint, or a corrupt
+        # one that `auto` skipped) is replaced, never kept in place of this save
+        old = self._move_aside(final) if os.path.lexists(final) else None
         os.replace(tmp, final)  # the checkpoint exists from here on
+        _fsync_dir(self.dir)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
         self._apply_retention()
+
+    def _move_aside(self, folder: str) -> str:
+        """Rename ``step_N`` to ``.step_N.deleting`` (atomic: a kill leaves a complete folder or an
+        ignored one) and return the new name; the caller removes it."""
+        doomed = os.path.join(self.dir, "." + os.path.basename(folder) + ".deleting")
+        shutil.rmtree(doomed, ignore_errors=True)  # a leftover of a removal that failed
+        os.replace(folder, doomed)
+        return doomed
 
     def _apply_retention(self) -> None:
         if self.cfg.keep <= 0:
             return
         complete = list_complete(self.dir)
-        for step, folder in complete[: max(0, len(complete) - self.cfg.keep)]:
-            doomed = os.path.join(self.dir, "." + os.path.basename(folder) + ".deleting")
-            os.replace(folder, doomed)  # atomic: a kill leaves either a complete folder or an ignored one
-            shutil.rmtree(doomed, ignore_errors=True)
+        doomed = [self._move_aside(folder) for _, folder in complete[: max(0, len(complete) - self.cfg.keep)]]
+        if doomed:
+            _fsync_dir(self.dir)
+        for folder in doomed:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def poll(self) -> None:
         """Commit a finished async save without blocking. Ranks decide alone (no collective here):
@@ -237,6 +311,8 @@ class CheckpointManager:
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         trainer_state["checkpoint"] = folder
+        if os.path.realpath(folder) == os.path.realpath(os.path.join(self.dir, step_dir_name(trainer_state["step"]))):
+            self._last_saved = trainer_state["step"]  # e.g. at_end of a finished run: already saved here
         return trainer_state
 
 
