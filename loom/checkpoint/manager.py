@@ -179,10 +179,13 @@ class _HashingWriter(FileSystemWriter):
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, run_dir: str, *, is_main: bool, barrier: Callable[[], None]):
+    def __init__(self, cfg: CheckpointConfig, run_dir: str, *, is_main: bool, barrier: Callable[[], None],
+                 share: Callable[[object], object] | None = None):
+        """``share(obj)`` returns rank 0's ``obj`` on every rank (a broadcast); without it every rank
+        verifies checkpoints itself."""
         self.cfg = cfg
         self.dir = cfg.dir or os.path.join(run_dir, "checkpoints")
-        self.is_main, self.barrier = is_main, barrier
+        self.is_main, self.barrier, self.share = is_main, barrier, share
         self._pending = None  # (future, tmp folder, final folder, step) of an async save
         self._last_saved = None  # the step this manager saved last
         # async saves run collectives from a background thread: they need their own group, or their
@@ -293,12 +296,27 @@ class CheckpointManager:
                     warnings.warn(f"{err}; falling back to an earlier checkpoint", stacklevel=2)
         return None
 
+    def _resolve_once(self) -> str | None:
+        """Rank 0 reads and hashes the candidates; the others take its answer (or its error)."""
+        if self.share is None:
+            return self.resolve()
+        answer = None
+        if self.is_main:
+            try:
+                answer = ("ok", self.resolve())
+            except CorruptCheckpoint as err:
+                answer = ("corrupt", str(err))
+        kind, value = self.share(answer)
+        if kind == "corrupt":
+            raise CorruptCheckpoint(value)
+        return value
+
     def load(self, model, optimizer) -> dict | None:
         """Load the checkpoint chosen by ``checkpoint.resume`` into model and optimizer (any layout)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        folder = self.resolve()
+        folder = self._resolve_once()
         if folder is None:
             return None
         with open(os.path.join(folder, STATE)) as fh:

@@ -142,12 +142,20 @@ class Trainer:
         from loom.checkpoint.manager import CheckpointManager
 
         self.checkpointer = CheckpointManager(self.cfg.checkpoint, self.run_dir, is_main=self.env.is_main,
-                                              barrier=self.barrier)
+                                              barrier=self.barrier, share=self.share_from_main)
 
     # ---- collectives over the data-parallel ranks ----------------------------
     def barrier(self) -> None:
         if self.env.world_size > 1:
             dist.barrier()
+
+    def share_from_main(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if self.env.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.dims.dp_size > 1:
