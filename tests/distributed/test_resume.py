@@ -58,3 +58,15 @@ def test_resharding_resume_fsdp4_to_2(tmp_path, async_save):
         assert [h for _, _, h in got] == [h for _, _, h in ref]  # same global batches after resharding
         for (_, a, _), (_, b, _) in zip(got, ref):
             assert abs(a - b) / abs(b) < 1e-5
+
+
+def test_auto_resume_skips_a_corrupt_newest_checkpoint_on_two_ranks(tmp_path):
+    """Rank 0 verifies, finds the newest checkpoint truncated, and every rank falls back to the one before."""
+    cache, src = str(tmp_path / "cache"), str(tmp_path / "run")
+    full = run_jobs(2, [job(src, cache, **{"parallel.dp_shard": 2})], str(tmp_path))[0]
+    newest = ckpt(src, STEPS)
+    shard = next(f for f in sorted(os.listdir(newest)) if f.endswith(".distcp"))
+    with open(os.path.join(newest, shard), "r+b") as fh:
+        fh.truncate(8)
+    again = run_jobs(2, [job(src, cache, **{"parallel.dp_shard": 2, "checkpoint.resume": "auto"})], str(tmp_path))[0]
+    assert tail(again, SAVE_AT) == tail(full, SAVE_AT)  # resumed at SAVE_AT, same layout: bitwise
