@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 from loom.config import ConfigError, build_config, parse_overrides
 
@@ -46,12 +47,38 @@ def load_config(argv: list[str]):
 
 
 def precheck(cfg, world_size: int) -> None:
-    """Errors that need the world size, found before any worker starts."""
+    """Errors that need the world size, the tokenizer or the data, found before any worker starts."""
+    from loom.config.load import accumulation_steps
     from loom.parallel.dims import ParallelDims
-    from loom.train.trainer import accumulation_steps
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     accumulation_steps(cfg.training, dims.dp_size)
+    # these import torch: they come last, after every check that does not need it
+    from loom.data import build_tokenizer
+    from loom.data.sources import parse_source
+    from loom.train.trainer import resolve_model_args
+
+    parse_source(cfg.data.source, cfg.data.text_field)
+    resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))  # model shape vs the tokenizer's vocabulary
+
+
+def env_world_size() -> int:
+    """The world size this process belongs to: torchrun's WORLD_SIZE, else SLURM's task count, else 1."""
+    from loom.parallel.env import env_from_slurm
+
+    world = os.environ.get("WORLD_SIZE") or env_from_slurm(dict(os.environ)).get("WORLD_SIZE") or "1"
+    return int(world)
+
+
+def checked_config(argv: list[str]):
+    """The validated config and --nproc-per-node. Python warnings raised meanwhile (e.g. while importing
+    torch) are held back and shown only when everything is valid, so a user error stays one line."""
+    with warnings.catch_warnings(record=True) as held:
+        cfg, nproc = load_config(argv)
+        precheck(cfg, nproc if nproc and nproc > 1 else env_world_size())
+    for w in held:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+    return cfg, nproc
 
 
 def run_worker(argv: list[str]) -> None:
@@ -81,7 +108,8 @@ def launch(argv: list[str], nproc: int) -> int:
         run(args)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
-        code = 2 if codes == {2} else 1
+        # the agent stops the other workers (negative codes: killed by a signal) once one has failed
+        code = 2 if {c for c in codes if c >= 0} == {2} else 1
         print(f"loom: a worker failed (exit codes {sorted(codes)}); see its message above", file=sys.stderr)
         return code
     return 0
@@ -91,14 +119,11 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    cfg, nproc = load_config(argv)
+    _, nproc = checked_config(argv)
     if nproc and nproc > 1:
-        precheck(cfg, nproc)
-        rest = [a for a in argv]
         # workers must not launch again: strip --nproc-per-node from what they receive
-        config, _, overrides = split_launcher_args(rest)
+        config, _, overrides = split_launcher_args(argv)
         worker_argv = (["--config", config] if config else []) + overrides
         return launch(worker_argv, nproc)
-    precheck(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     run_worker(argv)
     return 0

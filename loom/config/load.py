@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import tomllib
 import typing
@@ -71,27 +72,28 @@ def coerce(key: str, value: Any) -> Any:
                 return int(value.replace("_", ""))
             raise ValueError
         if typ is float:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                 raise ValueError
-            if isinstance(value, (int, float)):
-                return float(value)
-            if text:
-                return float(value)
-            raise ValueError
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError
+            return number
         if typ is str:
             if isinstance(value, str):
                 return value
             raise ValueError
         if typ is list:
-            if isinstance(value, list):
-                return [float(v) for v in value]
             if text:
-                parsed = json.loads(value) if value.strip().startswith("[") else value.split(",")
-                return [float(v) for v in parsed]
-            raise ValueError
+                value = json.loads(value) if value.strip().startswith("[") else value.split(",")
+            if not isinstance(value, list) or any(isinstance(v, bool) for v in value):
+                raise ValueError
+            numbers = [float(v) for v in value]
+            if not all(math.isfinite(v) for v in numbers):
+                raise ValueError
+            return numbers
     except (ValueError, TypeError, json.JSONDecodeError):
         pass
-    name = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+    name = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
             list: "a list of numbers"}[typ]
     raise ConfigError(key, value, f"expected {name}")
 
@@ -167,11 +169,10 @@ def build_config(file: str | None = None, overrides: dict[str, Any] | None = Non
 
 
 def check_cross_fields(cfg: Config) -> None:
-    """Rules that involve more than one field and need no process group."""
-    from loom.models.llama.flavors import FLAVORS
-
-    if cfg.model.flavor not in FLAVORS:
-        raise ConfigError("model.flavor", cfg.model.flavor, "allowed: " + " | ".join(FLAVORS))
+    """Rules that involve more than one field (or the file system) and need no process group."""
+    if cfg.model.init_from and not os.path.isdir(cfg.model.init_from):
+        raise ConfigError("model.init_from", cfg.model.init_from,
+                          "no such folder; expected a Hugging Face Llama folder (config.json + safetensors)")
     b = len(cfg.optimizer.betas)
     if b != 2 or not all(0.0 <= x < 1.0 for x in cfg.optimizer.betas):
         raise ConfigError("optimizer.betas", cfg.optimizer.betas, "expected two numbers in [0, 1)")
@@ -185,6 +186,16 @@ def check_cross_fields(cfg: Config) -> None:
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
                           f"must be <= training.steps ({t.steps})")
+
+
+def accumulation_steps(training, dp_size: int) -> int:
+    """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""
+    per_pass = training.micro_batch_size * dp_size
+    if training.global_batch_size % per_pass:
+        raise ConfigError("training.global_batch_size", training.global_batch_size,
+                          f"must be a multiple of micro_batch_size x data-parallel size = "
+                          f"{training.micro_batch_size} x {dp_size} = {per_pass}")
+    return training.global_batch_size // per_pass
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -209,4 +220,17 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(v)
+    return _toml_string(str(v))
+
+
+def _toml_string(s: str) -> str:
+    """A TOML basic string: backslash, quote and control characters escaped, everything else as is."""
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'

@@ -35,7 +35,10 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)")
+    # the names of loom.models.llama.flavors.FLAVORS (a test keeps both in step): listed here so that a
+    # wrong name is reported before torch is imported
+    flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
+                      choices=("debug", "125M", "1B", "3B", "8B", "70B", "405B"))
     init_from: str = opt("", "Hugging Face Llama folder to start from (config.json + safetensors)")
     vocab_size: int = opt(0, "embedding rows; 0 = from the tokenizer rounded up to a multiple of 128", min=0)
     tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
@@ -66,7 +69,7 @@ class TrainingConfig:
                                         choices=("none", "full", "every_k", "op"))
     ac_every: int = opt(2, "with activation_checkpointing=every_k: checkpoint every k-th block", min=1)
     max_norm: float = opt(1.0, "gradient clipping by global norm; 0 = off", min=0.0)
-    eval_every: int = opt(0, "validation every N steps; 0 = only never", min=0)
+    eval_every: int = opt(0, "validation every N steps; 0 = never", min=0)
     eval_batches: int = opt(4, "micro-batches per rank for one validation pass", min=1)
     loss_scale_init: float = opt(2.0**16, "float16: initial dynamic loss scale", min=1.0)
     loss_scale_window: int = opt(1000, "float16: overflow-free steps before the scale doubles", min=1)

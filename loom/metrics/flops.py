@@ -11,12 +11,13 @@ import warnings
 
 # Dense (no sparsity) peak TFLOP/s by compute dtype. Matched against the device name, first hit wins.
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("GH200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # before H200: its name contains it
+    ("H200 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 417.5}),
     ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # SXM; fp32 = TF32
     ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 417.5}),
     ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 378.0}),
     ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # SXM
     ("H800", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),
-    ("GH200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),
     ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "float32": 1100.0}),
     ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
     ("A800", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
@@ -53,16 +54,24 @@ def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None) 
     return tokens_per_s_per_device * flops_per_token(args, seq_len) / peak
 
 
-_warned: set[str] = set()
+def device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def device_peak(device, dtype: str) -> float | None:
-    """Peak for a torch.device; warns once (per device name) when MFU cannot be computed."""
-    import torch
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} (no peak table)"
+    """Peak FLOP/s for a torch.device (None on CPU or an unknown GPU). Call once per run: when MFU cannot
+    be computed it warns once, on global rank 0 only."""
+    name = device_name(device)
     peak = peak_flops(name, dtype) if device.type == "cuda" else None
-    if peak is None and name not in _warned:
-        _warned.add(name)
-        warnings.warn(f"MFU is not reported: no peak throughput known for {name}", stacklevel=2)
+    if peak is None and _is_rank0():
+        warnings.warn(f"MFU is not reported: no peak {dtype} throughput known for {name!r} "
+                      "(loom.metrics.flops.PEAK_TFLOPS)", stacklevel=2)
     return peak
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

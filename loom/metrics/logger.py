@@ -35,6 +35,12 @@ def format_line(rec: dict, total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def strict_json(rec: dict) -> dict:
+    """Non-finite floats (an fp16 step that overflowed has an infinite grad norm) become null: standard
+    JSON has no NaN / Infinity, and jq, JavaScript and most JSON readers reject them."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
+
+
 class Progress:
     """A one-line progress bar with ETA on a terminal; silent elsewhere (logs get the metric lines)."""
 
@@ -77,7 +83,7 @@ class MetricsLogger:
                 self._tb = None
 
     def log(self, rec: dict) -> None:
-        self._fh.write(json.dumps(rec) + "\n")
+        self._fh.write(json.dumps(strict_json(rec)) + "\n")
         self._fh.flush()
         if self._tb is not None:
             for k, v in rec.items():

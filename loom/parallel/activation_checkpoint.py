@@ -41,9 +41,8 @@ def wrap_block(block: nn.Module, mode: str) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     if mode == "op":
-        return checkpoint_wrapper(block, context_fn=_op_policy(), preserve_rng_state=False,
-                                  use_reentrant=False)
-    return checkpoint_wrapper(block, preserve_rng_state=False, use_reentrant=False)
+        return checkpoint_wrapper(block, context_fn=_op_policy(), preserve_rng_state=False)
+    return checkpoint_wrapper(block, preserve_rng_state=False)  # non-reentrant (the default impl)
 
 
 def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every: int) -> None:

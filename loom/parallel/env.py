@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from loom.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -24,39 +26,74 @@ class DistEnv:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compact host list, e.g. ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1."""
+    """SLURM's compact host list, e.g. ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1
+    (zero padding kept; several bracket groups and text after a group work too: ``r[1-2]n[1-2]-ib``)."""
     hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            width = len(lo)
-            hosts += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
+    for expr in _split_outside_brackets(nodelist):
+        hosts += _expand_host(expr)
     return hosts
 
 
+def _split_outside_brackets(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_host(expr: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", expr)
+    if m is None:
+        return [expr]
+    head, tails = expr[:m.start()], _expand_host(expr[m.end():])
+    out = []
+    for part in m.group(1).split(","):
+        lo, _, hi = part.strip().partition("-")
+        items = [lo] if not hi else [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+        out += [head + item + tail for item in items for tail in tails]
+    return out
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's tasks-per-node list, e.g. ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            raise ValueError(f"not a SLURM tasks-per-node list: {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
 def env_from_slurm(environ: dict[str, str]) -> dict[str, str]:
-    """torchrun-style variables from a SLURM step (one task per GPU, ``srun python -m loom.train``)."""
+    """torchrun-style variables from a SLURM step (one task per GPU, ``srun python -m loom.train``).
+    Nothing when not in a SLURM task or when RANK is already set (torchrun inside SLURM wins)."""
     if "SLURM_PROCID" not in environ or "RANK" in environ:
         return {}
     hosts = expand_nodelist(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
     job = int(environ.get("SLURM_JOB_ID", "0"))
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
+    counts = expand_tasks_per_node(per_node)
+    node = int(environ.get("SLURM_NODEID", "0"))
     return {
         "RANK": environ["SLURM_PROCID"],
-        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "WORLD_SIZE": environ.get("SLURM_STEP_NUM_TASKS") or environ["SLURM_NTASKS"],
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0],
+        "LOCAL_WORLD_SIZE": str(counts[min(node, len(counts) - 1)]),
         "MASTER_ADDR": environ.get("MASTER_ADDR", hosts[0]),
         "MASTER_PORT": environ.get("MASTER_PORT", str(20000 + job % 20000)),
     }
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
+def pick_device(kind: str, local_rank: int) -> "torch.device":
+    import torch
+
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":

@@ -1,4 +1,14 @@
-"""Learning-rate schedules: linear warmup, then cosine, linear, warmup-stable-decay or constant."""
+"""Learning-rate schedules: linear warmup, then cosine, linear, warmup-stable-decay or constant.
+
+``lr_factor(step)`` multiplies the peak LR of optimizer step ``step`` (0-based, ``0 .. total - 1``):
+
+* warmup: ``(step + 1) / (warmup + 1)`` for ``step < warmup``, so the first step does not run at LR 0
+  and step ``warmup`` is the first at the peak;
+* cosine / linear: from the peak at step ``warmup`` down to ``min_lr_ratio`` x peak at the last step;
+* wsd: the peak until the last ``decay_fraction`` of the steps, then linear down to ``min_lr_ratio`` x
+  peak at the last step;
+* constant: the peak after warmup (``min_lr_ratio`` unused).
+"""
 
 from __future__ import annotations
 
@@ -8,25 +18,27 @@ from loom.config.sections import OptimizerConfig
 
 
 def lr_factor(step: int, total: int, cfg: OptimizerConfig) -> float:
-    """Multiplier of the peak LR for optimizer step ``step`` (0-based)."""
+    """Multiplier of the peak LR for optimizer step ``step`` (0-based) of ``total`` steps."""
     warm = cfg.warmup_steps
     if step < warm:
         return (step + 1) / (warm + 1)
-    lo = cfg.min_lr_ratio
-    span = max(1, total - warm)
-    progress = min(1.0, (step - warm) / span)
     if cfg.schedule == "constant":
         return 1.0
+    lo = cfg.min_lr_ratio
+    last = total - 1
+    if cfg.schedule == "wsd":
+        # stable at the peak, then decay_steps steps that end at the floor on the last step
+        decay_steps = max(1, int(total * cfg.decay_fraction))
+        done = step - (total - decay_steps) + 1  # decay steps taken, counting this one
+        if done <= 0:
+            return 1.0
+        return lo + (1 - lo) * (1 - min(1.0, done / decay_steps))
+    progress = 1.0 if last <= warm else min(1.0, (step - warm) / (last - warm))
     if cfg.schedule == "cosine":
         return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
     if cfg.schedule == "linear":
         return lo + (1 - lo) * (1 - progress)
-    # wsd: stable at the peak, then linear decay over the last decay_fraction of the steps
-    decay_steps = max(1, int(total * cfg.decay_fraction))
-    decay_start = total - decay_steps
-    if step < decay_start:
-        return 1.0
-    return lo + (1 - lo) * (1 - (step - decay_start) / decay_steps)
+    raise ValueError(f"unknown schedule {cfg.schedule!r}")
 
 
 def build_scheduler(optimizer, total_steps: int, cfg: OptimizerConfig):

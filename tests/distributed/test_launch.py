@@ -1,0 +1,80 @@
+"""Launching: ``loom train --nproc-per-node 2`` (the console script, elastic agent) and
+``torchrun -m loom.train`` train 2 ranks whose losses equal a single-process run of the same config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.harness import run_one
+
+BIN = os.path.dirname(sys.executable)
+CONFIG = {"run.seed": 11, "training.steps": 4, "training.seq_len": 32, "training.global_batch_size": 8,
+          "training.micro_batch_size": 2, "optimizer.warmup_steps": 1, "optimizer.lr": 3e-3, "metrics.every": 1,
+          "metrics.tensorboard": "false", "checkpoint.at_end": "false"}
+
+
+def cli_args(run_dir, cache, **extra) -> list[str]:
+    d = {**CONFIG, "run.dir": str(run_dir), "data.cache_dir": str(cache), **extra}
+    return [f"--{k}={v}" for k, v in d.items()]
+
+
+def launch(cmd: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def losses_of(run_dir) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line)["loss"] for line in fh]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache) -> list[float]:
+    run_dir = tmp_path_factory.mktemp("single")
+    records = run_one({**CONFIG, "run.dir": str(run_dir), "data.cache_dir": str(cache)})
+    assert losses_of(run_dir) == [r["loss"] for r in records]
+    return losses_of(run_dir)
+
+
+def assert_matches(got: list[float], ref: list[float]) -> None:
+    assert len(got) == len(ref) == CONFIG["training.steps"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) < 1e-5
+
+
+def test_loom_train_nproc_per_node(tmp_path, cache, single):
+    proc = launch([os.path.join(BIN, "loom"), "train", "--nproc-per-node", "2", *cli_args(tmp_path / "run", cache)],
+                  tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FSDP (world 2: dp_shard=2), accumulation 2" in proc.stdout  # two ranks, printed once (rank 0)
+    assert proc.stdout.count("step 4/4") == 1
+    assert_matches(losses_of(tmp_path / "run"), single)
+
+
+def test_torchrun_module(tmp_path, cache, single):
+    proc = launch([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "loom.train",
+                   *cli_args(tmp_path / "run", cache, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1})],
+                  tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DDP (world 2: dp_replicate=2)" in proc.stdout
+    assert_matches(losses_of(tmp_path / "run"), single)
+
+
+def test_worker_user_error_exits_2(tmp_path, cache):
+    """An error only the workers find (the process-group backend does not fit the device) still exits 2."""
+    proc = launch([os.path.join(BIN, "loom"), "train", "--nproc-per-node", "2",
+                   *cli_args(tmp_path / "run", cache, **{"parallel.backend": "nccl", "run.device": "cpu"})], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "loom: error: parallel.backend = 'nccl': nccl needs CUDA devices" in proc.stderr
+    assert "Traceback" not in proc.stderr

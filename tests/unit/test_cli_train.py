@@ -1,0 +1,126 @@
+"""``loom train`` through the real console script: every user error is exit code 2 and exactly one line
+on stderr naming the field, the value and what is allowed, found before anything is written or started.
+Also: TOML < command line precedence, and the resolved config written to <run.dir>/config.toml."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loom.cli.main import main as loom_main
+from loom.config import build_config, to_toml
+
+LOOM = os.path.join(os.path.dirname(sys.executable), "loom")
+# Make Python show every warning, including the EncodingWarnings that importing torch raises: a user error
+# must still be one line (the CLI holds warnings back until the config is known to be good).
+NOISY = {"PYTHONWARNINGS": "always", "PYTHONWARNDEFAULTENCODING": "1"}
+
+
+def loom_train(cwd, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **NOISY}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
+        env.pop(var, None)
+    return subprocess.run([LOOM, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+BAD_TOML = "[training\nsteps = 5\n"
+
+# (id, arguments, substrings the one error line must contain). {tmp} is the test's folder.
+CASES = [
+    ("unknown-key", ["--training.stpes", "5"],
+     ["training.stpes", "unknown key", "did you mean 'training.steps'?"]),
+    ("unknown-section", ["--foo.bar", "1"],
+     ["foo.bar", "unknown key", "sections are run, model, data, training, optimizer, parallel"]),
+    ("unknown-section-in-toml", ["--config", "{tmp}/typo.toml"],
+     ["optimiser.lr", "unknown key", "did you mean 'optimizer.lr'?"]),
+    ("wrong-type-int", ["--training.steps", "five"], ["training.steps = 'five'", "expected an integer"]),
+    ("wrong-type-float", ["--optimizer.lr", "fast"], ["optimizer.lr = 'fast'", "expected a finite number"]),
+    ("wrong-type-bool", ["--training.compile", "maybe"], ["training.compile = 'maybe'", "expected true or false"]),
+    ("negative-lr", ["--optimizer.lr", "-0.1"], ["optimizer.lr = -0.1", "must be >= 0.0"]),
+    ("seq-len-too-small", ["--training.seq_len", "4"], ["training.seq_len = 4", "must be >= 8"]),
+    ("eps-zero", ["--optimizer.eps=0"], ["optimizer.eps = 0.0", "must be > 0.0"]),
+    ("dtype-choice", ["--training.dtype", "fp8"],
+     ["training.dtype = 'fp8'", "allowed: float32 | bfloat16 | float16"]),
+    ("ac-choice", ["--training.activation_checkpointing", "half"],
+     ["training.activation_checkpointing = 'half'", "allowed: none | full | every_k | op"]),
+    ("schedule-choice", ["--optimizer.schedule", "step"],
+     ["optimizer.schedule = 'step'", "allowed: cosine | linear | wsd | constant"]),
+    ("unknown-flavor", ["--model.flavor", "7B"],
+     ["model.flavor = '7B'", "allowed: debug | 125M | 1B | 3B | 8B | 70B | 405B"]),
+    ("batch-not-multiple-of-micro", ["--training.global_batch_size", "10", "--training.micro_batch_size", "4"],
+     ["training.global_batch_size = 10", "must be a multiple of training.micro_batch_size (4)"]),
+    ("batch-not-multiple-of-micro-x-dp",
+     ["--nproc-per-node", "2", "--training.global_batch_size", "12", "--training.micro_batch_size", "4"],
+     ["training.global_batch_size = 12", "micro_batch_size x data-parallel size = 4 x 2 = 8"]),
+    ("degrees-vs-world-size", ["--nproc-per-node", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
+     ["parallel.dp_shard = 2", "dp_replicate x dp_shard x tp x pp x cp = 4 must equal the world size 2"]),
+    ("tp-not-implemented", ["--parallel.tp", "2"], ["parallel.tp = 2", "only 1 is supported", "not implemented yet"]),
+    ("pp-not-implemented", ["--parallel.pp", "4"], ["parallel.pp = 4", "not implemented yet"]),
+    ("missing-data", ["--data.source", "{tmp}/corpus.jsonl"],
+     ["data.source = '{tmp}/corpus.jsonl'", "no such file or folder"]),
+    ("vocab-smaller-than-tokenizer", ["--model.vocab_size", "100"],
+     ["model.vocab_size = 100", "must be >= the tokenizer's vocabulary (259)"]),
+    ("missing-tokenizer", ["--data.tokenizer", "{tmp}/tok.json"],
+     ["data.tokenizer = '{tmp}/tok.json'", "allowed: byte | path to a tokenizer.json"]),
+    ("bad-toml", ["--config", "{tmp}/bad.toml"], ["--config = '{tmp}/bad.toml'", "not valid TOML", "line 1"]),
+    ("missing-config-file", ["--config", "{tmp}/nope.toml"], ["--config = '{tmp}/nope.toml'", "file not found"]),
+    ("missing-resume", ["--checkpoint.resume", "{tmp}/ckpt/step_00000005"],
+     ["checkpoint.resume = '{tmp}/ckpt/step_00000005'", "allowed: none | auto | an existing checkpoint path"]),
+    ("missing-value-at-end", ["--training.steps", "5", "--optimizer.lr"],
+     ["optimizer.lr", "missing value after the option"]),
+    ("missing-value-before-option", ["--optimizer.lr", "--training.steps", "5"],
+     ["optimizer.lr", "missing value after the option"]),
+    ("missing-config-value", ["--config"], ["--config", "missing value after the option"]),
+    ("bad-nproc", ["--nproc-per-node", "two"], ["--nproc-per-node = 'two'", "expected a positive integer"]),
+    ("warmup-longer-than-training", ["--training.steps", "5"],
+     ["optimizer.warmup_steps = 10", "must be <= training.steps (5)"]),
+    ("positional-argument", ["train.toml"], ["'train.toml'", "expected --section.field value"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_user_error_is_one_line_exit_2(tmp_path, args, needles):
+    (tmp_path / "bad.toml").write_text(BAD_TOML)
+    (tmp_path / "typo.toml").write_text("[optimiser]\nlr = 0.1\n")
+    before = set(os.listdir(tmp_path))
+    tmp = str(tmp_path)
+    proc = loom_train(tmp_path, *[a.replace("{tmp}", tmp) for a in args])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("loom: error: ")
+    for needle in needles:
+        assert needle.replace("{tmp}", tmp) in lines[0]
+    assert proc.stdout == ""
+    assert set(os.listdir(tmp_path)) == before  # nothing written, no run dir, no worker started
+
+
+def test_help(tmp_path):
+    proc = loom_train(tmp_path, "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: loom train")
+
+
+def test_toml_then_command_line_and_resolved_config_round_trip(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    toml = tmp_path / "train.toml"
+    toml.write_text(f'[run]\ndir = "{run_dir}"\nseed = 4\n'
+                    "[training]\nsteps = 50\nseq_len = 16\nglobal_batch_size = 4\nmicro_batch_size = 2\n"
+                    "[optimizer]\nlr = 0.01\nwarmup_steps = 1\n"
+                    f'[data]\ncache_dir = "{tmp_path / "cache"}"\n'
+                    "[metrics]\nevery = 1\ntensorboard = false\n[checkpoint]\nat_end = false\n")
+    assert loom_main(["train", "--config", str(toml), "--training.steps", "2", "--optimizer.lr=0.002"]) == 0
+    written = str(run_dir / "config.toml")
+    cfg = build_config(written)
+    assert cfg.training.steps == 2 and cfg.optimizer.lr == 0.002  # the command line won
+    assert cfg.training.seq_len == 16 and cfg.optimizer.warmup_steps == 1 and cfg.run.seed == 4  # the file
+    assert cfg.optimizer.weight_decay == 0.1  # a default
+    assert cfg == build_config(str(toml), {"training.steps": "2", "optimizer.lr": "0.002"})
+    with open(written) as fh:
+        assert fh.read() == to_toml(cfg)
+    with open(run_dir / "metrics.jsonl") as fh:
+        assert [json.loads(line)["step"] for line in fh] == [1, 2]
+    assert "step 2/2" in capsys.readouterr().out

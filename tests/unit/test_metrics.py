@@ -1,0 +1,143 @@
+"""Model FLOPs / MFU against the peak table, and what a training run records (metrics.jsonl, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+from loom.metrics.flops import device_peak, flops_per_token, matmul_params, mfu, peak_flops
+from loom.metrics.logger import format_line, strict_json
+from loom.models.llama import FLAVORS, Llama
+from tests.distributed.harness import run_one
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def llama_1b():
+    return FLAVORS["1B"].with_(vocab_size=128256)
+
+
+def test_reference_point_llama_3_2_1b_on_h100():
+    """Llama-3.2-1B shape, seq 2048, 48.0k tokens/s on one H100 SXM in bf16 = 39.9% MFU."""
+    args = llama_1b()
+    assert matmul_params(args) == 1_235_746_816  # 1.236B: 16 blocks + the (tied) output head
+    assert flops_per_token(args, 2048) == 6 * 1_235_746_816 + 12 * 16 * 32 * 64 * 2048
+    value = mfu(48_000.0, args, 2048, peak_flops(H100, "bfloat16"))
+    assert round(100 * value, 1) == 39.9
+
+
+@pytest.mark.parametrize("flavor,vocab", [("1B", 128256), ("debug", 384)])
+def test_matmul_params_match_the_model(flavor, vocab):
+    """Every 2-D weight except the input embedding takes part in a matmul (a tied head counts once, as the head)."""
+    args = FLAVORS[flavor].with_(vocab_size=vocab)
+    with torch.device("meta"):
+        model = Llama(args)
+    matrices = sum(p.numel() for p in model.parameters() if p.ndim == 2)
+    embedding = 0 if args.tie_embeddings else vocab * args.dim
+    assert matmul_params(args) == matrices - embedding
+
+
+@pytest.mark.parametrize("name,dtype,tflops", [
+    (H100, "bfloat16", 989.0),
+    ("NVIDIA H100 80GB HBM3", "float16", 989.0),
+    ("NVIDIA H200", "bfloat16", 989.0),
+    ("NVIDIA H200 NVL", "bfloat16", 835.0),
+    ("NVIDIA GH200 480GB", "bfloat16", 989.0),
+    ("NVIDIA H100 PCIe", "bfloat16", 756.0),
+    ("NVIDIA H100 NVL", "bfloat16", 835.0),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312.0),
+    ("NVIDIA A100 80GB PCIe", "float32", 156.0),
+    ("nvidia h100 80gb hbm3", "bfloat16", 989.0),
+])
+def test_peak_table(name, dtype, tflops):
+    assert peak_flops(name, dtype) == tflops * 1e12
+
+
+def test_unknown_device_has_no_peak_and_no_mfu():
+    assert peak_flops("NVIDIA GeForce GTX 1080", "bfloat16") is None
+    assert mfu(1e6, llama_1b(), 2048, None) is None
+
+
+def test_cpu_warns_exactly_once_per_call():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert device_peak(torch.device("cpu"), "float32") is None
+    assert len(caught) == 1 and "MFU is not reported" in str(caught[0].message)
+
+
+def test_strict_json_and_console_line():
+    rec = {"step": 3, "loss": 2.5, "grad_norm": math.inf, "lr": 1e-3, "tokens_per_s": 1234.0,
+           "tokens_per_s_per_device": 617.0, "mfu": 0.4, "mem_gib": 1.5, "val_loss": math.nan,
+           "skipped_steps": 1}
+    assert strict_json(rec)["grad_norm"] is None and strict_json(rec)["val_loss"] is None
+    assert strict_json(rec)["loss"] == 2.5
+    assert format_line(rec, 10) == ("step  3/10 | loss 2.5000 | val nan | gnorm inf | lr 1.00e-03 | "
+                                    "tok/s 1.2k (617/dev) | mfu 40.0% | mem 1.50GiB | skipped 1")
+
+
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", "mem_gib", "val_loss"}
+
+
+def job(tmp_path, name, **extra):
+    d = {"run.dir": str(tmp_path / name), "data.cache_dir": str(tmp_path / "cache"), "training.steps": 4,
+         "training.seq_len": 32, "training.global_batch_size": 4, "training.micro_batch_size": 2,
+         "optimizer.warmup_steps": 1, "checkpoint.at_end": "false", "metrics.tensorboard": "false"}
+    d.update(extra)
+    return d
+
+
+def read_jsonl(path):
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    with open(path) as fh:
+        return [json.loads(line, parse_constant=reject) for line in fh]
+
+
+def test_metrics_jsonl_records_and_one_mfu_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = run_one(job(tmp_path, "run", **{"training.eval_every": 2, "metrics.every": 3}))
+    assert len([w for w in caught if "MFU is not reported" in str(w.message)]) == 1  # once per run, not per step
+    lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in lines] == [2, 3, 4]  # eval steps 2 and 4, metrics.every 3
+    assert lines == [strict_json(r) for r in records]
+    for r in lines:
+        assert REQUIRED <= set(r)
+        assert r["mfu"] is None  # CPU: no peak
+        assert r["mem_gib"] > 0 and r["tokens_per_s"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0
+        assert r["tokens"] == r["step"] * 4 * 32
+    assert [r["val_loss"] is not None for r in lines] == [True, False, True]
+    assert all(0 < r["val_loss"] < 10 for r in lines if r["val_loss"] is not None)
+    assert not os.path.exists(tmp_path / "run" / "tensorboard")  # disabled
+
+
+def test_tensorboard_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = run_one(job(tmp_path, "tb", **{"metrics.tensorboard": "true", "metrics.every": 1}))
+    tb_dir = tmp_path / "tb" / "tensorboard"
+    assert any(f.startswith("events.out.tfevents.") for f in os.listdir(tb_dir))
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "grad_norm", "lr", "tokens_per_s", "mem_gib"} <= tags
+    assert "mfu" not in tags and "step" not in tags  # None is not written; step is the x axis
+    losses = events.Scalars("loss")
+    assert [e.step for e in losses] == [1, 2, 3, 4]
+    assert [e.value for e in losses] == pytest.approx([r["loss"] for r in records], rel=1e-6)
+
+
+def test_docs_peak_table_matches_the_code():
+    from loom.metrics.flops import PEAK_TFLOPS
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "metrics.md")
+    with open(path) as fh:
+        rows = [line.split("|")[1:-1] for line in fh if line.startswith("| `")]
+    table = [(cells[0].strip().split("`")[1], [float(c) for c in cells[1:4]]) for cells in rows if len(cells) == 4]
+    assert table == [(name, [t["bfloat16"], t["float16"], t["float32"]]) for name, t in PEAK_TFLOPS]
