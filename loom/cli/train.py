@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -87,11 +88,12 @@ def run_worker(argv: list[str]) -> None:
     from loom.parallel.env import destroy_distributed
 
     cfg, _ = load_config(argv)
-    trainer = Trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        destroy_distributed()
+    Trainer(cfg).fit()
+    # Only after success: on an error, peers may sit in a collective and a collective teardown would hang
+    # (the launcher stops them). The trainer is gone by now (DDP's reducer holds the group), so the group
+    # is really torn down here and not at interpreter exit, where gloo's threads can abort the process.
+    gc.collect()
+    destroy_distributed()
 
 
 def launch(argv: list[str], nproc: int) -> int:

@@ -126,4 +126,7 @@ def destroy_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        # every rank reaches this point before any tears its connections down: on gloo, a rank that
+        # destroys its group while a peer is still finishing makes the peer abort ("terminate called")
+        dist.barrier()
         dist.destroy_process_group()

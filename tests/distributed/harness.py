@@ -6,6 +6,7 @@ in turn (same group, fresh meshes) and rank 0 returns each job's logged records.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -51,6 +52,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -
                 results.append({"error": traceback.format_exc()})
                 dist.barrier()
     finally:
+        gc.collect()  # trainers (DDP reducers hold the group) go before the group does
         dist.destroy_process_group()
     if rank == 0:
         with open(out_path, "w") as fh:
