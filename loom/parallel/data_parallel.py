@@ -21,7 +21,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, *, compute_dtype
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kw = dict(mesh=mesh, mp_policy=mixed_precision_policy(compute_dtype),
-              offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy())
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # the root's parameters are used last in forward and first in backward: never reshard them

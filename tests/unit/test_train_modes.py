@@ -95,8 +95,6 @@ def test_float16_overflow_is_skipped_and_counted(tmp_path, cache):
     assert lines[0]["grad_norm"] is None and lines[0]["skipped_steps"] == 1  # an overflowed norm is null
 
 
-@pytest.mark.xfail(strict=True, reason="FSDP2 CPUOffloadPolicy() pins memory, which needs an accelerator: "
-                   "loom/parallel/data_parallel.py must pass pin_memory=torch.cuda.is_available()")
 def test_fsdp_cpu_offload_matches(tmp_path, cache):
     base = overrides(tmp_path, cache, "fsdp", **{"parallel.dp_shard": 2, "training.micro_batch_size": 2})
     plain, offload = run_jobs(2, [base, {**base, "run.dir": str(tmp_path / "offload"),
