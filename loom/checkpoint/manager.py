@@ -150,6 +150,13 @@ def list_complete(ckpt_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def _single_process() -> bool:
+    """No process group: DCP runs in one process (said explicitly, so it does not warn)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized()
+
+
 def _new_gloo_group():
     import torch.distributed as dist
 
@@ -223,7 +230,7 @@ class CheckpointManager:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             self._pending = (future, tmp, final, step)
         else:
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, no_dist=_single_process())
             self.barrier()  # every rank's shards are written
             if self.is_main:
                 self._commit(tmp, final, step)
@@ -325,7 +332,7 @@ class CheckpointManager:
             load_model_weights(folder, model)
             return None
         state = _app_state(model, optimizer)
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, checkpoint_id=folder, no_dist=_single_process())
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         trainer_state["checkpoint"] = folder
@@ -340,7 +347,7 @@ def load_model_weights(folder: str, model: torch.nn.Module) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     sd = {"model": get_model_state_dict(model)}
-    dcp.load(sd, checkpoint_id=folder)
+    dcp.load(sd, checkpoint_id=folder, no_dist=_single_process())
     set_model_state_dict(model, sd["model"])
 
 
