@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config.errors import ConfigError
-from loom.config.load import to_toml
+from loom.config.load import accumulation_steps, to_toml
 from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, prepare_data
 from loom.data import describe_sources
@@ -28,15 +28,6 @@ from loom.train.loss import cross_entropy_sum, valid_tokens
 from loom.train.optimizer import build_optimizer
 from loom.train.precision import DTYPES, LossScaler, autocast_context
 from loom.train.schedule import build_scheduler
-
-
-def accumulation_steps(training, dp_size: int) -> int:
-    per_pass = training.micro_batch_size * dp_size
-    if training.global_batch_size % per_pass:
-        raise ConfigError("training.global_batch_size", training.global_batch_size,
-                          f"must be a multiple of micro_batch_size x data-parallel size = "
-                          f"{training.micro_batch_size} x {dp_size} = {per_pass}")
-    return training.global_batch_size // per_pass
 
 
 def resolve_model_args(cfg: Config, tokenizer):
