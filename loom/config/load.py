@@ -164,6 +164,8 @@ def build_config(file: str | None = None, overrides: dict[str, Any] | None = Non
         validate_field(key, value)
         section, name = key.split(".", 1)
         setattr(getattr(cfg, section), name, value)
+    if "optimizer.warmup_steps" not in values:  # the default warmup shrinks to fit a short run
+        cfg.optimizer.warmup_steps = min(cfg.optimizer.warmup_steps, cfg.training.steps // 10)
     check_cross_fields(cfg)
     return cfg
 

@@ -84,7 +84,7 @@ class OptimizerConfig:
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0, min_exclusive=True)
     weight_decay: float = opt(0.1, "decoupled weight decay (matrices only)", min=0.0)
     schedule: str = opt("cosine", "LR schedule after warmup", choices=("cosine", "linear", "wsd", "constant"))
-    warmup_steps: int = opt(10, "linear warmup steps", min=0)
+    warmup_steps: int = opt(10, "linear warmup steps (unset: 10, at most a tenth of training.steps)", min=0)
     decay_fraction: float = opt(0.2, "wsd: fraction of steps spent decaying", min=0.0, max=1.0)
     implementation: str = opt("auto", "AdamW kernel", choices=("auto", "fused", "foreach", "for_loop"))
 

@@ -76,7 +76,7 @@ CASES = [
      ["optimizer.lr", "missing value after the option"]),
     ("missing-config-value", ["--config"], ["--config", "missing value after the option"]),
     ("bad-nproc", ["--nproc-per-node", "two"], ["--nproc-per-node = 'two'", "expected a positive integer"]),
-    ("warmup-longer-than-training", ["--training.steps", "5"],
+    ("warmup-longer-than-training", ["--training.steps", "5", "--optimizer.warmup_steps", "10"],
      ["optimizer.warmup_steps = 10", "must be <= training.steps (5)"]),
     ("positional-argument", ["train.toml"], ["'train.toml'", "expected --section.field value"]),
 ]

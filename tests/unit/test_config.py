@@ -139,3 +139,10 @@ def test_accumulation_steps():
     msg = error(accumulation_steps, t, 3)
     assert msg == ("training.global_batch_size = 16: must be a multiple of micro_batch_size x data-parallel "
                    "size = 2 x 3 = 6")
+
+
+def test_default_warmup_shrinks_to_fit_a_short_run():
+    assert build_config(None, {"training.steps": "5"}).optimizer.warmup_steps == 0
+    assert build_config(None, {"training.steps": "50"}).optimizer.warmup_steps == 5
+    assert build_config(None, {"training.steps": "1000"}).optimizer.warmup_steps == 10
+    assert build_config(None, {"training.steps": "5", "optimizer.warmup_steps": "3"}).optimizer.warmup_steps == 3
