@@ -29,6 +29,7 @@ class ParallelDims:
     etp: int
     world_size: int
     _mesh: object = field(default=None, repr=False)
+    _flat: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -82,9 +83,12 @@ class ParallelDims:
 
         shape = [getattr(self, a) for a in AXIS_ORDER]
         mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=AXIS_ORDER)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # flattened meshes are kept here: torch deprecates slicing them back out of the root mesh
+        self._flat = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
         self._mesh = mesh
         return mesh
 
@@ -93,12 +97,18 @@ class ParallelDims:
         assert self._mesh is not None, "build_mesh() first"
         return self._mesh
 
-    def __getitem__(self, axis: str):
-        return self.mesh[axis]
+    def __getitem__(self, axes):
+        """A named axis (root or flattened) or a tuple of root axes. ``dp_shard_cp`` in a tuple is the
+        root ``dp_shard`` axis while cp == 1 (2-D HSDP mesh without slicing a flattened axis)."""
+        if isinstance(axes, str):
+            return self._flat[axes] if axes in self._flat else self.mesh[axes]
+        if self.cp == 1:
+            axes = tuple("dp_shard" if a == "dp_shard_cp" else a for a in axes)
+        return self.mesh[axes]
 
     def dp_rank(self) -> int:
         """This rank's coordinate on the flattened dp axis (0 without distribution)."""
-        return self.mesh["dp"].get_local_rank() if self.distributed else 0
+        return self["dp"].get_local_rank() if self.distributed else 0
 
     def describe(self) -> str:
         kind = "single" if not self.distributed else (
