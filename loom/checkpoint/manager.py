@@ -33,6 +33,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from loom.config.errors import UserError
 from loom.config.sections import CheckpointConfig
 
+# DCP warns on every single-process save/load even when told so (no_dist); it is the intended mode here
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
 MARKER = "COMPLETE.json"
 STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
