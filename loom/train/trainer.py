@@ -46,7 +46,8 @@ def resolve_model_args(cfg: Config, tokenizer):
 
 
 class _StopSignal:
-    """SIGTERM (preemption) sets a flag; the loop saves a checkpoint and exits at the next step boundary."""
+    """SIGTERM (preemption) sets a flag; the loop saves a checkpoint and exits at the next logged step
+    (every ``metrics.every`` steps, where the ranks agree on it)."""
 
     def __init__(self):
         self.requested = False
@@ -259,7 +260,8 @@ class Trainer:
         try:
             while self.step < cfg.training.steps:
                 self.checkpointer.poll()
-                data = self.loader.next_step(with_hash=self.env.is_main)
+                logs = self._logs_at(self.step + 1)
+                data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
                 out = self.train_step(data.micro_batches)
                 self.step += 1
                 self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
@@ -268,14 +270,16 @@ class Trainer:
                 val = None
                 if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
                     val = self.evaluate()
-                if self.step % cfg.metrics.every == 0 or self.step == cfg.training.steps or val is not None:
+                if logs:
                     now = time.perf_counter()
                     rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
                     t_last, tokens_last = now, self.tokens_seen
                     if logger:
                         logger.log(rec)
                         records.append(rec)
-                preempted = self.any_rank(stop.requested)
+                # ranks agree on stopping through a collective, held to logged steps: the logged metrics
+                # already sync the host there, so the hot loop gains no extra sync
+                preempted = self.any_rank(stop.requested) if logs else False
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or preempted:
                     self.save_checkpoint()
                 if preempted:
@@ -291,6 +295,12 @@ class Trainer:
             if logger:
                 logger.close()
         return records
+
+    def _logs_at(self, step: int) -> bool:
+        """Whether ``step`` is logged (metrics.every, the last step, or a validation step)."""
+        t = self.cfg.training
+        return (step % self.cfg.metrics.every == 0 or step == t.steps
+                or bool(t.eval_every and step % t.eval_every == 0))
 
     def _record(self, out: dict, batch_hash, val, seconds: float, tokens: int, peak) -> dict:
         tps = tokens / max(seconds, 1e-9)
