@@ -70,7 +70,7 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
     batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
     if variant.startswith("loom"):
         step_fn = trainer.train_step
-        n_params = sum(p.numel() for p in trainer.model_core.parameters())
+        n_params = sum(p.numel() for p in trainer.params)
     else:
         del trainer
         torch.cuda.empty_cache()

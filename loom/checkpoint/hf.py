@@ -251,9 +251,10 @@ def _read_into(handle, src: str, param: torch.Tensor, folder: str) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, folder: str) -> None:
-    """Fill a loom Llama (plain, or sharded with FSDP2/HSDP) from a Hugging Face folder; each rank reads
-    only the rows it owns. No collectives: every rank reads its own part independently."""
+def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = True) -> None:
+    """Fill a loom Llama (plain, sharded with FSDP2/HSDP/TP, or one pipeline stage: ``whole_model`` false)
+    from a Hugging Face folder; each rank reads only the rows it owns. No collectives: every rank reads
+    its own part independently."""
     from safetensors import safe_open
 
     hf_cfg = read_hf_config(folder)
@@ -267,7 +268,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str) -> None:
         raise UserError(f"{folder}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     unused = sorted(n for n in set(files) - set(sources.values())
                     if not _ignorable(n) and not (n == "lm_head.weight" and hf_tied))
-    if unused:
+    if unused and whole_model:
         raise UserError(f"{folder}: tensors with no place in the loom model: {', '.join(unused[:4])}"
                         f"{' ...' if len(unused) > 4 else ''}")
     with contextlib.ExitStack() as stack:

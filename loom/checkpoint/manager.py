@@ -166,10 +166,39 @@ def _new_gloo_group():
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
 
-def _app_state(model, optimizer) -> dict:
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # optimizer state keyed by parameter name ("state.layers.0.attention.wq.weight.exp_avg"), so the
+    # states of pipeline stages merge into one dict and load into any other split of the model
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _as_parts(model, optimizer) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """(part, its optimizer) pairs from a model and an optimizer, or from lists of parts and an
+    ``OptimizerParts`` (one optimizer per part)."""
+    parts = [model] if isinstance(model, torch.nn.Module) else list(model)
+    opts = getattr(optimizer, "optimizers", None) or [optimizer]
+    assert len(parts) == len(opts), "one optimizer per model part"
+    return list(zip(parts, opts))
+
+
+def _part_states(pairs) -> list[tuple[dict, dict]]:
+    """(model state, optimizer state) of every model part."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    return [(get_model_state_dict(part, options=_options()), get_optimizer_state_dict(part, opt, options=_options()))
+            for part, opt in pairs]
+
+
+def _merged(states: list[tuple[dict, dict]]) -> dict:
+    """One app state for DCP. A name held by two local parts (a tied weight in the first and the last
+    pipeline stage of one rank) appears once: the two copies are equal."""
+    model, optim = {}, {}
+    for m, o in states:
+        model.update(m)
+        optim.update(o)
+    return {"model": model, "optimizer": optim}
 
 
 class _HashingWriter(FileSystemWriter):
@@ -212,7 +241,9 @@ class CheckpointManager:
             if name.startswith(".step_") and name.endswith((".tmp", ".deleting")):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, config_toml: str) -> None:
+    def save(self, step: int, parts, optimizers, trainer_state: dict, config_toml: str) -> None:
+        """``parts``: a model or this rank's model parts; ``optimizers``: its optimizer or an
+        ``OptimizerParts`` over the parts."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()  # one save in flight at a time
@@ -227,7 +258,7 @@ class CheckpointManager:
             _write_synced(os.path.join(tmp, STATE), json.dumps(trainer_state))
             _write_synced(os.path.join(tmp, "config.toml"), config_toml)
         self.barrier()
-        state = _app_state(model, optimizer)
+        state = _merged(_part_states(_as_parts(parts, optimizers)))
         writer = _HashingWriter(tmp)
         if self.cfg.async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
@@ -321,8 +352,9 @@ class CheckpointManager:
             raise CorruptCheckpoint(value)
         return value
 
-    def load(self, model, optimizer) -> dict | None:
-        """Load the checkpoint chosen by ``checkpoint.resume`` into model and optimizer (any layout)."""
+    def load(self, parts, optimizers) -> dict | None:
+        """Load the checkpoint chosen by ``checkpoint.resume`` into the model parts and their optimizers
+        (any layout: the names do not depend on it)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -332,12 +364,17 @@ class CheckpointManager:
         with open(os.path.join(folder, STATE)) as fh:
             trainer_state = json.load(fh)
         if trainer_state.get("model_only"):  # `loom convert --from-hf`: weights only; the run starts at step 0
-            load_model_weights(folder, model)
+            for part, _ in _as_parts(parts, optimizers):
+                load_model_weights(folder, part)
             return None
-        state = _app_state(model, optimizer)
+        pairs = _as_parts(parts, optimizers)
+        states = _part_states(pairs)
+        state = _merged(states)
         dcp.load(state, checkpoint_id=folder, no_dist=_single_process())
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        for (part, opt), (m, o) in zip(pairs, states):
+            # from the merged dict: a name shared by two parts was loaded into one of their tensors
+            set_model_state_dict(part, {k: state["model"][k] for k in m}, options=_options())
+            set_optimizer_state_dict(part, opt, {k: state["optimizer"][k] for k in o}, options=_options())
         trainer_state["checkpoint"] = folder
         if os.path.realpath(folder) == os.path.realpath(os.path.join(self.dir, step_dir_name(trainer_state["step"]))):
             self._last_saved = trainer_state["step"]  # e.g. at_end of a finished run: already saved here

@@ -53,14 +53,16 @@ def precheck(cfg, world_size: int) -> None:
     from loom.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    accumulation_steps(cfg.training, dims.dp_size)
+    dims.check_microbatches(accumulation_steps(cfg.training, dims.dp_size), cfg.parallel,
+                            cfg.training.global_batch_size)
     # these import torch: they come last, after every check that does not need it
     from loom.data import build_tokenizer
     from loom.data.sources import parse_source
     from loom.train.trainer import resolve_model_args
 
     parse_source(cfg.data.source, cfg.data.text_field)
-    resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))  # model shape vs the tokenizer's vocabulary
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))  # model shape vs the tokenizer's vocabulary
+    dims.check_model(args, cfg.parallel)  # heads / layers vs the tp and pp degrees
 
 
 def env_world_size() -> int:

@@ -175,6 +175,9 @@ def check_cross_fields(cfg: Config) -> None:
     if cfg.model.init_from and not os.path.isdir(cfg.model.init_from):
         raise ConfigError("model.init_from", cfg.model.init_from,
                           "no such folder; expected a Hugging Face Llama folder (config.json + safetensors)")
+    if cfg.model.init_from and cfg.model.n_layers:
+        raise ConfigError("model.n_layers", cfg.model.n_layers, "must be 0 with model.init_from (the checkpoint "
+                          "fixes the layer count)")
     b = len(cfg.optimizer.betas)
     if b != 2 or not all(0.0 <= x < 1.0 for x in cfg.optimizer.betas):
         raise ConfigError("optimizer.betas", cfg.optimizer.betas, "expected two numbers in [0, 1)")
@@ -185,9 +188,60 @@ def check_cross_fields(cfg: Config) -> None:
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
         raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
                           "allowed: none | auto | an existing checkpoint path")
+    check_parallel_fields(cfg)
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
                           f"must be <= training.steps ({t.steps})")
+
+
+PIPELINE_SCHEDULES_SINGLE = ("gpipe", "1f1b")  # one stage per rank
+PIPELINE_SCHEDULES_V = ("zbv", "dualpipev")  # two stages per rank, V-shaped
+PIPELINE_SCHEDULES_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input/weight grads apart
+
+
+def stages_per_rank(parallel) -> int:
+    """Pipeline stages each pp rank holds: ``parallel.pp_virtual_stages`` or the schedule's own."""
+    if parallel.pp_virtual_stages:
+        return parallel.pp_virtual_stages
+    return 1 if parallel.pp_schedule in PIPELINE_SCHEDULES_SINGLE else 2
+
+
+def check_parallel_fields(cfg: Config) -> None:
+    """Parallel options that contradict each other or the training section (no world size needed)."""
+    p, t = cfg.parallel, cfg.training
+    v = stages_per_rank(p)
+    if p.pp_schedule in PIPELINE_SCHEDULES_SINGLE and v != 1:
+        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
+                          f"pp_schedule {p.pp_schedule} runs one stage per rank: allowed 0 or 1 "
+                          "(interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev run several)")
+    if p.pp_schedule in PIPELINE_SCHEDULES_V and v != 2:
+        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
+                          f"pp_schedule {p.pp_schedule} is V-shaped: exactly 2 stages per rank (allowed 0 or 2)")
+    split = p.pp_layers_per_stage
+    if split:
+        if not all(float(n).is_integer() and n >= 0 for n in split):
+            raise ConfigError("parallel.pp_layers_per_stage", split, "expected whole numbers >= 0")
+        p.pp_layers_per_stage = [int(n) for n in split]
+        if len(split) != p.pp * v:
+            raise ConfigError("parallel.pp_layers_per_stage", p.pp_layers_per_stage,
+                              f"expected one entry per pipeline stage: pp x stages per rank = {p.pp} x {v} = "
+                              f"{p.pp * v}")
+    if p.pp > 1 and t.compile and p.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
+                          "splits input and weight gradients, which torch.compile does not support: set "
+                          "training.compile false or use gpipe | 1f1b | interleaved_1f1b | looped_bfs")
+    if p.async_tp and p.tp == 1:
+        raise ConfigError("parallel.async_tp", True, "needs parallel.tp > 1")
+    if p.async_tp and not t.compile:
+        raise ConfigError("parallel.async_tp", True, "needs training.compile true (the pass runs in the compiler)")
+    if p.pp > 1 and cfg.data.document_positions:
+        raise ConfigError("data.document_positions", True, "not supported with parallel.pp > 1 yet (positions would "
+                          "have to travel between stages); allowed with pp = 1")
+    if p.pp > 1 and t.eval_every:
+        raise ConfigError("training.eval_every", t.eval_every, "validation under parallel.pp > 1 is not supported yet; "
+                          "allowed: 0 with pp > 1")
+    if p.cpu_offload and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
 
 
 def accumulation_steps(training, dp_size: int) -> int:

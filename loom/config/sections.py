@@ -41,6 +41,7 @@ class ModelConfig:
                       choices=("debug", "125M", "1B", "3B", "8B", "70B", "405B"))
     init_from: str = opt("", "Hugging Face Llama folder to start from (config.json + safetensors)")
     vocab_size: int = opt(0, "embedding rows; 0 = from the tokenizer rounded up to a multiple of 128", min=0)
+    n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
     tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
     attention: str = opt("sdpa", "attention backend", choices=("sdpa",))
 
@@ -98,6 +99,15 @@ class ParallelConfig:
     cp: int = opt(1, "context-parallel degree", min=1)
     ep: int = opt(1, "expert-parallel degree", min=1)
     etp: int = opt(1, "expert tensor-parallel degree", min=1)
+    pp_schedule: str = opt("1f1b", "pipeline schedule (docs/parallelism.md: bubble and memory of each)",
+                           choices=("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv",
+                                    "dualpipev"))
+    pp_virtual_stages: int = opt(0, "pipeline stages per pp rank; 0 = the schedule's own (1 for gpipe/1f1b, "
+                                    "2 otherwise; V-shaped zbv/dualpipev need exactly 2)", min=0)
+    pp_layers_per_stage: list = opt([], "transformer layers of each pipeline stage, e.g. [5, 6, 5] "
+                                        "(uneven allowed); empty = balanced by compute")
+    loss_parallel: bool = opt(True, "TP: cross-entropy on vocab-sharded logits (full logits never gathered)")
+    async_tp: bool = opt(False, "TP: micro-pipelined (asynchronous) TP matmuls; needs CUDA and training.compile")
     reshard_after_forward: bool = opt(True, "FSDP: true = ZeRO-3, false = keep params gathered until backward (ZeRO-2-like)")
     ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True)
     cpu_offload: bool = opt(False, "FSDP: keep parameters, gradients and optimizer state on the CPU")

@@ -14,7 +14,7 @@ from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
 
 # Degrees whose code exists. Others are rejected by name instead of silently ignored.
-IMPLEMENTED_AXES = ("dp_replicate", "dp_shard")
+IMPLEMENTED_AXES = ("dp_replicate", "dp_shard", "tp", "pp")
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -42,7 +42,8 @@ class ParallelDims:
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             if world_size % others:
-                raise ConfigError("parallel.dp_replicate", cfg.dp_replicate,
+                culprit = next((a for a in ("tp", "pp", "cp", "dp_replicate") if getattr(cfg, a) > 1), "dp_replicate")
+                raise ConfigError(f"parallel.{culprit}", getattr(cfg, culprit),
                                   f"dp_replicate x tp x pp x cp = {others} must divide the world size {world_size}")
             dp_shard = world_size // others
         if dp_shard == 0:
@@ -73,8 +74,70 @@ class ParallelDims:
         return self.dp_replicate > 1 and self.fsdp_enabled
 
     @property
+    def replicate_with_fsdp(self) -> bool:
+        """Pure replication under TP or PP: DDP takes no DTensor parameters, and its reducer breaks when a
+        pipeline runs several forwards (micro-batches, stages) before a backward. FSDP2 on a
+        (dp_replicate, dp_shard = 1) mesh replicates instead: no sharding, gradients all-reduced."""
+        return self.ddp_enabled and (self.tp_enabled or self.pp_enabled)
+
+    @property
+    def fsdp_applied(self) -> bool:
+        """Whether FSDP2 wraps the model (sharding, or replicating TP parameters)."""
+        return self.fsdp_enabled or self.replicate_with_fsdp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    # ---- checks that need the model or the micro-batch count ----------------------
+    def check_model(self, args, parallel: ParallelConfig) -> None:
+        """Raise ConfigError when the model's shape cannot be split by these degrees."""
+        if self.tp > 1:
+            for what, n in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
+                            ("feed-forward width", args.ffn_dim), ("vocabulary", args.vocab_size)):
+                if n % self.tp:
+                    raise ConfigError("parallel.tp", self.tp,
+                                      f"must divide the model's {what} ({n}); allowed: a divisor of "
+                                      f"gcd(heads, KV heads, ffn, vocab) = {_tp_limit(args)}")
+        if self.pp > 1:
+            from loom.config.load import stages_per_rank
+
+            stages = self.pp * stages_per_rank(parallel)
+            split = parallel.pp_layers_per_stage
+            if split and sum(split) != args.n_layers:
+                raise ConfigError("parallel.pp_layers_per_stage", split,
+                                  f"must add up to the model's {args.n_layers} layers (adds up to {sum(split)})")
+            if not split and stages > args.n_layers:
+                raise ConfigError("parallel.pp", self.pp,
+                                  f"{stages} pipeline stages ({self.pp} ranks x {stages // self.pp}) for "
+                                  f"{args.n_layers} layers: each stage needs a layer (lower parallel.pp or "
+                                  "pp_virtual_stages, or give parallel.pp_layers_per_stage)")
+
+    def check_microbatches(self, n: int, parallel: ParallelConfig, global_batch: int) -> None:
+        """The pipeline's micro-batch count (the accumulation count) against what the schedule needs."""
+        if self.pp == 1:
+            return
+        from loom.config.load import PIPELINE_SCHEDULES_V
+
+        need = 2 * self.pp if parallel.pp_schedule in PIPELINE_SCHEDULES_V else self.pp
+        rule = "2 x pp" if parallel.pp_schedule in PIPELINE_SCHEDULES_V else "pp"
+        if n < need:
+            raise ConfigError("training.global_batch_size", global_batch,
+                              f"pp_schedule {parallel.pp_schedule} needs at least {rule} = {need} micro-batches per "
+                              f"step; global_batch_size / (micro_batch_size x data-parallel size) = {n}")
+        rounds = max(1, n // self.pp)
+        if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and n % rounds:
+            raise ConfigError("training.global_batch_size", global_batch,
+                              f"pp_schedule {parallel.pp_schedule} needs the micro-batch count ({n}) to be a multiple "
+                              f"of its rounds (micro-batches // pp = {rounds})")
 
     # ---- meshes ------------------------------------------------------------
     def build_mesh(self, device_type: str):
@@ -110,8 +173,19 @@ class ParallelDims:
         """This rank's coordinate on the flattened dp axis (0 without distribution)."""
         return self["dp"].get_local_rank() if self.distributed else 0
 
+    def pp_rank(self) -> int:
+        return self["pp"].get_local_rank() if self.pp > 1 else 0
+
     def describe(self) -> str:
-        kind = "single" if not self.distributed else (
-            "HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
+        parts = [name for name, on in (("PP", self.pp_enabled), ("TP", self.tp_enabled)) if on]
+        if self.dp_size > 1:
+            parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
+        kind = "x".join(parts) or "single"
         degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER if getattr(self, a) > 1)
         return f"{kind} (world {self.world_size}{': ' + degrees if degrees else ''})"
+
+
+def _tp_limit(args) -> int:
+    from math import gcd
+
+    return gcd(gcd(args.n_heads, args.n_kv_heads), gcd(args.ffn_dim, args.vocab_size))

@@ -9,7 +9,7 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The true L2 norm of the full gradient, whatever the sharding (a 0-dim fp32 tensor)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), device=params[0].device if params else None)
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)
     if hasattr(norm, "full_tensor"):  # DTensor grads: partial norms are reduced across their mesh
         norm = norm.full_tensor()
@@ -21,3 +21,80 @@ def scale_grads(params: list[torch.nn.Parameter], factor: float | torch.Tensor) 
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, factor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TiedEmbeddingGrads:
+    """Tied input/output embeddings under pipeline parallelism (as Megatron does).
+
+    The first stage's ``tok_embeddings.weight`` and the last stage's copy of it (held as
+    ``tok_embeddings.weight`` too, under the head) start equal; after each backward their gradients
+    are summed, so the two optimizers take identical steps and the copies stay equal. The copies live
+    on the first and last pp rank (an all-reduce over a two-rank embedding group per coordinate of the
+    other axes), or both on pp rank 0 with V-shaped schedules (a local sum)."""
+
+    def __init__(self, parts, plan, dims):
+        self.copies = []  # this rank's copies: (stage, parameter)
+        if parts[0].args.tie_embeddings:
+            self.copies = [(s, part.tok_embeddings.weight) for s, part in zip(plan.local, parts)
+                           if part.tok_embeddings is not None]
+        self.group = None
+        first_rank, last_rank = 0, _rank_of_last(plan)
+        if parts[0].args.tie_embeddings and first_rank != last_rank:
+            self.group = _embedding_group(dims, first_rank, last_rank)
+
+    def params_counted_once(self, parts) -> list[torch.nn.Parameter]:
+        """This rank's parameters for the global norm: a last-stage copy of the tied weight is left out."""
+        skip = {id(p) for s, p in self.copies if s != 0}
+        seen, out = set(), []
+        for part in parts:
+            for p in part.parameters():
+                if p.requires_grad and id(p) not in skip | seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for _, p in self.copies:
+            _match_param_placement(p)
+        grads = [_local(p.grad) for _, p in self.copies if p.grad is not None]
+        if len(grads) == 2:  # both stages on this rank
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        if self.group is not None and grads:
+            import torch.distributed as dist
+
+            dist.all_reduce(grads[0], group=self.group)
+
+
+def _match_param_placement(p: torch.nn.Parameter) -> None:
+    """Give a DTensor gradient its parameter's placements (an embedding's gradient under TP can come back
+    partial or replicated), so the local tensors of both copies hold the same rows."""
+    g = p.grad
+    if g is not None and hasattr(g, "placements") and tuple(g.placements) != tuple(p.placements):
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def _rank_of_last(plan) -> int:
+    from loom.parallel.pipeline import stage_rank
+
+    return stage_rank(plan.n_stages - 1, plan.pp, plan.schedule)
+
+
+def _embedding_group(dims, first_rank: int, last_rank: int):
+    """The two-rank group {pp = first, pp = last} that contains this rank (every rank creates all of them,
+    as ``new_group`` requires; ranks in middle stages belong to none)."""
+    import torch.distributed as dist
+
+    ranks = dims.mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp) global ranks
+    pairs = torch.stack([ranks[first_rank].flatten(), ranks[last_rank].flatten()], dim=1).tolist()
+    mine = None
+    for pair in pairs:
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine

@@ -24,3 +24,24 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
               {"params": no_decay, "weight_decay": 0.0}]
     flags = _kernel_flags(cfg.implementation, device)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)
+
+
+class OptimizerParts:
+    """One optimizer per model part (pipeline stages, or the one whole model), stepped together. Each part's
+    state dict is keyed by that part's parameter names, so parts of any layout merge into one checkpoint."""
+
+    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device):
+        self.parts = parts
+        self.optimizers = [build_optimizer(part, cfg, device) for part in parts]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizers[0].param_groups
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)

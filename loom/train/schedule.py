@@ -45,3 +45,21 @@ def build_scheduler(optimizer, total_steps: int, cfg: OptimizerConfig):
     from torch.optim.lr_scheduler import LambdaLR
 
     return LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+
+
+class SchedulerParts:
+    """The same LR schedule on every part's optimizer (``OptimizerParts``); one state, saved once."""
+
+    def __init__(self, optimizers, total_steps: int, cfg: OptimizerConfig):
+        self.schedulers = [build_scheduler(opt, total_steps, cfg) for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(state)

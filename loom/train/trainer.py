@@ -23,11 +23,13 @@ from loom.models.llama import FLAVORS, Llama, round_vocab
 from loom.models.llama.parallelize import parallelize_llama
 from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
-from loom.train.grads import global_grad_norm, scale_grads
+from loom.parallel.pipeline import BusyClock, build_schedule, theoretical_bubble
+from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
+from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads
 from loom.train.loss import cross_entropy_sum, valid_tokens
-from loom.train.optimizer import build_optimizer
+from loom.train.optimizer import OptimizerParts
 from loom.train.precision import DTYPES, LossScaler, autocast_context
-from loom.train.schedule import build_scheduler
+from loom.train.schedule import SchedulerParts
 
 
 def resolve_model_args(cfg: Config, tokenizer):
@@ -42,7 +44,25 @@ def resolve_model_args(cfg: Config, tokenizer):
     if vocab < tokenizer.vocab_size:
         raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
-    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len)
+    layers = cfg.model.n_layers or args.n_layers
+    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers)
+
+
+def unique_params(parts) -> list[torch.nn.Parameter]:
+    """Trainable parameters of all parts, each once (tied weights appear once per part)."""
+    seen, out = set(), []
+    for part in parts:
+        for p in part.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def count_params(args) -> int:
+    """Parameters of the whole model (whatever this rank holds)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in Llama(args).parameters())
 
 
 class _StopSignal:
@@ -69,6 +89,9 @@ class Trainer:
         if self.dims.distributed:
             self.dims.build_mesh(self.device.type)
         self.accum = accumulation_steps(cfg.training, self.dims.dp_size)
+        self.dims.check_microbatches(self.accum, cfg.parallel, cfg.training.global_batch_size)
+        if cfg.parallel.async_tp and self.device.type != "cuda":
+            raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
         self._setup_determinism()
         self._setup_run_dir()
         self._build_data()
@@ -109,24 +132,35 @@ class Trainer:
                                    micro_batch=t.micro_batch_size, accumulation=self.accum)
 
     def _build_model(self) -> None:
-        self.model_args = resolve_model_args(self.cfg, self.tokenizer)
+        cfg = self.cfg
+        self.model_args = resolve_model_args(cfg, self.tokenizer)
+        self.dims.check_model(self.model_args, cfg.parallel)
         with torch.device("meta"):
             model = Llama(self.model_args)
-        self.model_core = model
-        self.model = parallelize_llama(model, self.dims, self.cfg.training, self.cfg.parallel, self.device,
-                                       self.cfg.run.seed)
-        if self.cfg.model.init_from:
+        pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
+        self.parts, self.plan = pm.parts, pm.plan  # this rank's model parts (pipeline stages or the model)
+        if cfg.model.init_from:
             from loom.checkpoint.hf import load_hf_weights
 
-            load_hf_weights(self.model_core, self.cfg.model.init_from)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.dtype = DTYPES[self.cfg.training.dtype]
+            for part in self.parts:
+                load_hf_weights(part, cfg.model.init_from, whole_model=self.plan is None)
+        self.params = unique_params(self.parts)
+        self.dtype = DTYPES[cfg.training.dtype]
+        self.loss_parallel = self.dims.tp_enabled and cfg.parallel.loss_parallel
+        self.model = pm.modules[0] if self.plan is None else None
+        self.pipeline = None
+        if self.plan is not None:
+            self.busy = BusyClock(self.device)
+            self.pipeline = build_schedule(self.plan, pm.modules, self.dims["pp"].get_group(), self.device,
+                                           self.accum, self._pipeline_loss, self.busy)
+            self.tied = TiedEmbeddingGrads(self.parts, self.plan, self.dims)
+            self.norm_params = self.tied.params_counted_once(self.parts)
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
         opt_device = torch.device("cpu") if cfg.parallel.cpu_offload and self.dims.fsdp_enabled else self.device
-        self.optimizer = build_optimizer(self.model_core, cfg.optimizer, opt_device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.optimizer)
+        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device)
+        self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
         self.scaler = LossScaler(cfg.training.dtype == "float16", cfg.training.loss_scale_init,
                                  cfg.training.loss_scale_window)
 
@@ -162,14 +196,58 @@ class Trainer:
         return bool(t.item())
 
     # ---- one step -------------------------------------------------------------
+    def _autocast(self):
+        return autocast_context(self.dtype, self.device, fsdp_casts=self.dims.fsdp_applied)
+
     def _forward_loss(self, mb: MicroBatch) -> torch.Tensor:
-        with autocast_context(self.dtype, self.device, fsdp_casts=self.dims.fsdp_enabled):
+        """Summed token loss of one micro-batch (call under ``loss_parallel_context`` with TP)."""
+        with self._autocast():
             positions = mb.positions if self.cfg.data.document_positions else None
-            logits = self.model(mb.inputs, positions)  # (B, S, V)
-        return cross_entropy_sum(logits, mb.labels)
+            logits = self.model(mb.inputs, positions)  # (B, S, V), or a vocab-sharded DTensor (B, S, V/tp)
+        return to_local_loss(cross_entropy_sum(logits, mb.labels))
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss_fn: the summed token loss scaled to its share of the step's gradient."""
+        return to_local_loss(cross_entropy_sum(logits, labels)) * self._grad_scale
+
+    def _accumulate(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> torch.Tensor:
+        """Forward/backward of every micro-batch in turn; returns this rank's summed loss."""
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(mbs):
+            with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.loss_parallel):
+                loss = self._forward_loss(mb)
+                (loss * grad_scale).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def _pipeline_step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> torch.Tensor:
+        """One schedule run over the step's micro-batches (the accumulation count); returns the summed
+        loss of this data-parallel rank's batch on every pp rank."""
+        inputs = torch.cat([mb.inputs for mb in mbs])  # (M x B, S): the schedule cuts it back into M
+        labels = torch.cat([mb.labels for mb in mbs])
+        self._grad_scale = grad_scale
+        losses: list[torch.Tensor] = []  # the last stage's loss_fn outputs, one per micro-batch
+        self.busy.start()
+        with self._autocast(), loss_parallel_context(self.loss_parallel):
+            if self.plan.has_first:
+                self.pipeline.step(inputs, target=labels, losses=losses)
+            else:
+                self.pipeline.step(target=labels, losses=losses)
+        self.busy.stop()
+        self.tied.sync()
+        loss_sum = torch.stack(losses).sum().detach() / grad_scale if losses else torch.zeros((), device=self.device)
+        dist.all_reduce(loss_sum, group=self.dims["pp"].get_group())  # only the last stage holds it
+        return loss_sum
+
+    def _grad_norm(self) -> torch.Tensor:
+        if self.plan is None:
+            return global_grad_norm(self.params)
+        sq = global_grad_norm(self.norm_params).to(self.device) ** 2  # each stage's share, tied weight once
+        dist.all_reduce(sq, group=self.dims["pp"].get_group())
+        return sq.sqrt()
 
     def _no_sync(self, last: bool):
-        if self.dims.ddp_enabled and not last:
+        if self.dims.ddp_enabled and not self.dims.replicate_with_fsdp and not last:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
@@ -179,14 +257,12 @@ class Trainer:
         # data-parallel reductions average over dp ranks; multiplying by dp_size makes them a sum,
         # so every micro-batch on every rank contributes token_loss / global_tokens
         grad_scale = self.dims.dp_size * self.scaler.scale / n_tokens
-        loss_sum = torch.zeros((), device=self.device)
-        for i, mb in enumerate(mbs):
-            with self._no_sync(last=i == len(mbs) - 1):
-                loss = self._forward_loss(mb)
-                (loss * grad_scale).backward()
-            loss_sum += loss.detach()
+        if self.pipeline is not None:
+            loss_sum = self._pipeline_step(mbs, grad_scale)
+        else:
+            loss_sum = self._accumulate(mbs, grad_scale)
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = global_grad_norm(self.params) / self.scaler.scale
+        norm = self._grad_norm() / self.scaler.scale
         stepped = True
         if self.scaler.enabled:
             stepped = self.scaler.update(float(norm))
@@ -205,12 +281,13 @@ class Trainer:
         batches = self.loader.validation(self.cfg.training.eval_batches)
         if not batches:
             return None
-        self.model.eval()
+        self.model.eval()  # (validation runs without pipeline parallelism: config checks reject it)
         total = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
         for mb in batches:
             mb = mb.to(self.device)
-            total += self._forward_loss(mb)
+            with loss_parallel_context(self.loss_parallel):
+                total += self._forward_loss(mb)
             count += valid_tokens(mb.labels)
         self.model.train()
         return float(self.dp_sum(total) / self.dp_sum(count))
@@ -232,11 +309,11 @@ class Trainer:
             torch.cuda.set_rng_state(torch.tensor(state["rng"]["cuda"], dtype=torch.uint8))
 
     def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.step, self.model_core, self.optimizer, self.state_for_checkpoint(),
+        self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_for_checkpoint(),
                                to_toml(self.cfg))
 
     def resume(self) -> None:
-        state = self.checkpointer.load(self.model_core, self.optimizer)
+        state = self.checkpointer.load(self.parts, self.optimizer)
         if state is not None:
             self.load_trainer_state(state)
             if self.env.is_main:
@@ -251,9 +328,11 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
                                progress=cfg.metrics.progress, start_step=self.step) if self.env.is_main else None
         if self.env.is_main:
-            print(f"loom: {cfg.model.flavor} ({sum(p.numel() for p in self.model_core.parameters()) / 1e6:.1f}M params), "
+            print(f"loom: {cfg.model.flavor} ({count_params(self.model_args) / 1e6:.1f}M params), "
                   f"{self.dims.describe()}, accumulation {self.accum}, dtype {cfg.training.dtype}, "
                   f"device {self.device.type}", flush=True)
+            if self.plan is not None:
+                self._describe_pipeline()
         records: list[dict] = []
         reset_peak(self.device)
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
@@ -296,6 +375,16 @@ class Trainer:
                 logger.close()
         return records
 
+    def _describe_pipeline(self) -> None:
+        p = self.plan
+        try:
+            bubble = f"{100 * theoretical_bubble(p.schedule, p.pp, self.accum, p.per_rank):.1f}%"
+        except (ImportError, AttributeError, RuntimeError, ValueError) as err:  # private torch API moved
+            bubble = f"unknown ({type(err).__name__}: {err})"
+        print(f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {self.accum} micro-batches: "
+              f"theoretical bubble {bubble} (idle / total, F=1 B=2)", flush=True)
+        print(f"pipeline split: {p.describe()}", flush=True)
+
     def _logs_at(self, step: int) -> bool:
         """Whether ``step`` is logged (metrics.every, the last step, or a validation step)."""
         t = self.cfg.training
@@ -318,4 +407,19 @@ class Trainer:
             "val_loss": val,
             "skipped_steps": self.scaler.skipped,
             "batch_hash": batch_hash,
+            **({"mem_gib_max_rank": self._max_over_ranks(peak_memory_gib(self.device))}
+               if self.dims.distributed else {}),
+            **({"pp_idle": self._pp_idle()} if self.plan is not None else {}),
         }
+
+    def _max_over_ranks(self, x: float) -> float:
+        t = torch.tensor([x], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def _pp_idle(self) -> list[float]:
+        """Each pp rank's idle fraction in the last step (rank order), measured, for the log."""
+        t = torch.tensor([self.busy.idle_fraction()], device=self.device)
+        out = [torch.zeros_like(t) for _ in range(self.dims.pp)]
+        dist.all_gather(out, t, group=self.dims["pp"].get_group())
+        return [round(float(x), 4) for x in out]

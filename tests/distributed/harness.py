@@ -50,6 +50,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -
                 results.append({"records": run_one(job)})
             except Exception:  # keep going: report the failure with its traceback
                 results.append({"error": traceback.format_exc()})
+                traceback.print_exc()  # now, too: a peer may hang in a collective before the report
                 dist.barrier()
     finally:
         gc.collect()  # trainers (DDP reducers hold the group) go before the group does
@@ -71,3 +72,29 @@ def run_jobs(world: int, jobs: list[dict], tmp_dir: str) -> list[dict]:
 def losses(result: dict) -> list[float]:
     assert "error" not in result, result["error"]
     return [r["loss"] for r in result["records"]]
+
+
+def _fn_worker(rank: int, world: int, port: int, fn, out_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import faulthandler
+
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    dist.init_process_group("gloo")
+    try:
+        result = fn(rank, world)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(result, fh)
+
+
+def run_fn(world: int, fn, tmp_dir: str):
+    """Run ``fn(rank, world)`` (a module-level function) on ``world`` gloo ranks; rank 0's JSON result."""
+    out = os.path.join(tmp_dir, f"fn_w{world}_{os.getpid()}.json")
+    mp.spawn(_fn_worker, args=(world, free_port(), fn, out), nprocs=world, join=True)
+    with open(out) as fh:
+        return json.load(fh)

@@ -90,7 +90,7 @@ def sharded_via_loom(args, rank):
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Llama(args)
-    return parallelize_llama(model, dims, TrainingConfig(), ParallelConfig(), torch.device("cpu"), seed=0)
+    return parallelize_llama(model, dims, TrainingConfig(), ParallelConfig(), torch.device("cpu"), seed=0).parts[0]
 
 
 def sharded_hsdp(args, mesh_shape):

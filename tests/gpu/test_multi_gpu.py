@@ -39,3 +39,17 @@ def test_ddp_and_fsdp_on_two_gpus_match_one_gpu(tmp_path):
     resumed = train(tmp_path / "resumed", 1, **{"checkpoint.resume": str(tmp_path / "fsdp" / "checkpoints" /
                                                                         "step_00000004")})
     assert max(abs(a - b) / b for a, b in zip(resumed, one[4:])) < 1e-4
+
+
+def test_tp_and_pp_on_two_gpus_match_one_gpu(tmp_path):
+    """NCCL: TP2 (loss parallel), PP2 1F1B and interleaved 1F1B, tied embeddings, 4 layers."""
+    deep = {"model.n_layers": 4, "model.tie_embeddings": "true", "checkpoint.every": 0}
+    one = train(tmp_path / "one", 1, **deep)
+    runs = {
+        "tp2": train(tmp_path / "tp2", 2, **deep, **{"parallel.tp": 2}),
+        "pp2-1f1b": train(tmp_path / "pp2", 2, **deep, **{"parallel.pp": 2}),
+        "pp2-interleaved": train(tmp_path / "pp2i", 2, **deep, **{"parallel.pp": 2,
+                                                                   "parallel.pp_schedule": "interleaved_1f1b"}),
+    }
+    for name, got in runs.items():
+        assert max(abs(a - b) / b for a, b in zip(got, one)) < 1e-4, (name, got, one)

@@ -210,7 +210,7 @@ def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
     out = str(tmp_path / "out")
     assert loom_main(["convert", "--from", ckpt, "--to-hf", out]) == 0
     exported = read_all(out)
-    trained = trainer.model_core.state_dict()
+    trained = trainer.parts[0].state_dict()
     assert torch.equal(exported["model.layers.0.self_attn.k_proj.weight"], trained["layers.0.attention.wk.weight"])
     assert torch.equal(exported["lm_head.weight"], trained["output.weight"])
     assert llama_args_from_hf(out) == llama_args_from_hf(src)

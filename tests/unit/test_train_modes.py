@@ -55,7 +55,7 @@ def is_checkpointed(block) -> bool:
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache, eager, mode, wrapped):
     trainer, records = train(tmp_path, cache, mode, **{"training.activation_checkpointing": mode,
                                                        "training.ac_every": 2})
-    assert [is_checkpointed(b) for b in trainer.model_core.layers.values()] == wrapped
+    assert [is_checkpointed(b) for b in trainer.parts[0].layers.values()] == wrapped
     assert max_rel([r["loss"] for r in records], [r["loss"] for r in eager]) < 1e-6
     assert max_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in eager]) < 1e-5
 
@@ -63,7 +63,7 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache, eager, 
 def test_compile_matches_eager(tmp_path, cache, eager):
     """The one torch.compile test (cold compiles cost tens of seconds on a CPU)."""
     trainer, records = train(tmp_path, cache, "compiled", **{"training.compile": "true"})
-    assert all(b._compiled_call_impl is not None for b in trainer.model_core.layers.values())
+    assert all(b._compiled_call_impl is not None for b in trainer.parts[0].layers.values())
     assert max_rel([r["loss"] for r in records], [r["loss"] for r in eager]) < 1e-4
 
 

@@ -55,9 +55,14 @@ class Llama(nn.Module):
         return 0.02
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, S) int64; positions: (B, S) per-document positions or None. Returns logits (B, S, V)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, E)
+        """tokens: (B, S) int64; positions: (B, S) per-document positions or None. Returns logits (B, S, V).
+
+        A pipeline stage is this model with parts removed (set to None, layers deleted): it embeds
+        integer input (token ids) and passes floating input (the previous stage's hidden states, (B, S, E))
+        straight to its layers. A last stage with tied embeddings keeps ``tok_embeddings`` only to hold
+        the shared weight of ``output``."""
+        h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)  # (B, S, E)
         for layer in self.layers.values():
             h = layer(h, self.rope, positions)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, S, V)
+        return self.output(h) if self.output is not None else h  # (B, S, V) or (B, S, E)

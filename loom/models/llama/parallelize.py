@@ -1,20 +1,26 @@
 """Apply parallelism to a plain Llama, in loom's one composition order:
 
 1. build on the meta device (caller)
-2. pipeline split                 (not yet: parallel.pp is rejected by ParallelDims)
-3. tensor / sequence / expert parallel   (not yet: parallel.tp/ep are rejected)
+2. pipeline split: one pruned copy of the model per local stage      (parallel.pp)
+3. tensor + sequence parallel on each part                           (parallel.tp)
 4. activation checkpointing
 5. torch.compile per block
 6. FSDP2 / HSDP (on meta)
 7. materialize + layout-independent init
-8. DDP (needs real storage: it broadcasts from rank 0 at construction)
+8. DDP (needs real storage: it broadcasts from rank 0 at construction); under TP or PP, replication goes
+   through FSDP2 on a (dp_replicate, 1) mesh instead (step 6): see ``ParallelDims.replicate_with_fsdp``
+
+Every step takes the parts and the mesh it needs from ``ParallelDims``; the model code is untouched.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from loom.config.load import stages_per_rank
 from loom.config.sections import ParallelConfig, TrainingConfig
 from loom.models.common.init import materialize
 from loom.models.llama.model import Llama
@@ -22,24 +28,53 @@ from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 from loom.parallel.compile import apply_compile
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp
 from loom.parallel.dims import ParallelDims
+from loom.parallel.pipeline import PipelinePlan, build_stage, split_layers, stage_ids
+from loom.parallel.tensor_parallel import apply_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass
+class ParallelModel:
+    """``parts``: this rank's model pieces (the whole model, or its pipeline stages), sharded in place;
+    ``modules``: what runs forward (a DDP wrapper around a part, or the part); ``plan``: the pipeline."""
+
+    parts: list[nn.Module]
+    modules: list[nn.Module]
+    plan: PipelinePlan | None = None
+
+
+def pipeline_plan(model: Llama, dims: ParallelDims, parallel: ParallelConfig, seq_len: int) -> PipelinePlan:
+    per_rank = stages_per_rank(parallel)
+    layers = split_layers(model.args, dims.pp * per_rank, seq_len, parallel.pp_layers_per_stage or None)
+    local = stage_ids(dims.pp_rank(), dims.pp, per_rank, parallel.pp_schedule)
+    return PipelinePlan(parallel.pp_schedule, dims.pp, per_rank, layers, local)
+
+
+def split_pipeline(model: Llama, plan: PipelinePlan) -> list[Llama]:
+    last = plan.n_stages - 1
+    return [build_stage(model, plan.layers[s], first=s == 0, last=s == last) for s in plan.local]
+
+
 def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig, parallel: ParallelConfig,
-                      device: torch.device, seed: int) -> nn.Module:
-    """Returns the module to train (possibly a DDP wrapper around ``model``)."""
-    apply_activation_checkpointing(model.layers, training.activation_checkpointing, training.ac_every)
-    if training.compile:
-        apply_compile(model.layers)
-    if dims.fsdp_enabled:
-        mesh = dims["dp_replicate", "dp_shard_cp"] if dims.hsdp_enabled else dims["dp_shard_cp"]
-        apply_fsdp(model, list(model.layers.values()), mesh, compute_dtype=DTYPES[training.dtype],
-                   reshard_after_forward=parallel.reshard_after_forward, cpu_offload=parallel.cpu_offload)
-    init_device = torch.device("cpu") if parallel.cpu_offload and dims.fsdp_enabled else device
-    materialize(model, init_device, seed, model.param_std, model.init_buffers)
-    if parallel.cpu_offload and dims.fsdp_enabled:
-        model.init_buffers(device)  # buffers are not offloaded: they live where compute runs
-    if dims.ddp_enabled:
-        return apply_ddp(model, dims["dp_replicate"], bucket_mb=parallel.ddp_bucket_mb)
-    return model
+                      device: torch.device, seed: int) -> ParallelModel:
+    plan = pipeline_plan(model, dims, parallel, training.seq_len) if dims.pp_enabled else None
+    parts = split_pipeline(model, plan) if plan else [model]
+    for part in parts:
+        if dims.tp_enabled:
+            apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp)
+        apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
+        if training.compile:
+            apply_compile(part.layers)
+        if dims.fsdp_applied:
+            mesh = dims["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims["dp_shard_cp"]
+            apply_fsdp(part, list(part.layers.values()), mesh, compute_dtype=DTYPES[training.dtype],
+                       reshard_after_forward=parallel.reshard_after_forward, cpu_offload=parallel.cpu_offload)
+        init_device = torch.device("cpu") if parallel.cpu_offload and dims.fsdp_enabled else device
+        materialize(part, init_device, seed, part.param_std, part.init_buffers)
+        if parallel.cpu_offload and dims.fsdp_enabled:
+            part.init_buffers(device)  # buffers are not offloaded: they live where compute runs
+    modules = parts
+    if dims.ddp_enabled and not dims.replicate_with_fsdp:
+        modules = [apply_ddp(part, dims["dp_replicate"], bucket_mb=parallel.ddp_bucket_mb) for part in parts]
+    return ParallelModel(parts, modules, plan)

@@ -1,0 +1,116 @@
+"""Tensor + sequence parallelism (Megatron-style) on a plain Llama, with DTensor's ``parallelize_module``.
+
+Per block, on the ``tp`` mesh:
+
+* attention: ``wq``/``wk``/``wv`` column-parallel (each rank owns whole heads, Q and KV heads alike),
+  ``wo`` row-parallel; the MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
+* sequence parallel: the residual stream and the norms hold a slice of the sequence, (B, S/tp, E); the
+  entry of attention and MLP all-gathers the sequence, their row-parallel exit reduce-scatters it.
+* embedding vocab-parallel (rows sharded; the output leaves as sequence shards), the output head
+  column-parallel over the vocabulary; with loss parallel its logits stay vocab-sharded, (B, S, V/tp),
+  and the cross-entropy runs on the shards, so the full logits are never gathered.
+
+A rename in the model would leave a layer unsharded; ``check_all_sharded`` turns that into an error
+instead of a silent replica.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def block_plan() -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    return {
+        "attention_norm": SequenceParallel(),
+        # forward(x, rope, positions): only x is sharded; rope and positions stay plain tensors
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
+    """Plan for the parts outside the blocks that this (possibly pipeline-pruned) model still has."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1),
+                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool = False) -> None:
+    """Shard ``model`` (a Llama or a pipeline stage of one) in place over the 1-D ``tp_mesh``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tied = model.output is not None and model.tok_embeddings is not None and \
+        model.output.weight is model.tok_embeddings.weight
+    parallelize_module(model, tp_mesh, outer_plan(model, loss_parallel))
+    if tied:
+        # both plans shard the shared (V, E) weight by rows (dim 0): one DTensor serves both again
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan())
+    check_all_sharded(model, tp_mesh)
+    if async_tp:
+        enable_async_tp(tp_mesh)
+
+
+def check_all_sharded(model: nn.Module, tp_mesh) -> None:
+    """Every parameter must have been distributed over the tp mesh (a missed name raises here)."""
+    from torch.distributed.tensor import DTensor
+
+    missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if missed:
+        raise RuntimeError(f"tensor parallel plan missed parameters {missed}: the plan's module names no longer "
+                           "match the model")
+
+
+def enable_async_tp(tp_mesh) -> None:
+    """Inductor's micro-pipeline pass decomposes all-gather + matmul and matmul + reduce-scatter into
+    chunked, overlapped steps on symmetric memory (CUDA only; compiled blocks only)."""
+    from torch._inductor import config as inductor_config
+
+    inductor_config._micro_pipeline_tp = True
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    except ImportError:  # newer releases enable symmetric memory on demand
+        pass
+
+
+def loss_parallel_context(enabled: bool):
+    """The context that lets ``F.cross_entropy`` run on vocab-sharded DTensor logits (forward and backward)."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def to_local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallel is a replicated DTensor; the trainer wants a plain tensor."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss

@@ -1,0 +1,147 @@
+"""Layout invariance of tensor, sequence and pipeline parallelism and their compositions with FSDP/HSDP/DDP:
+for a fixed seed and global batch, the loss at every step equals the single-process loss (fp32, within
+1e-5 relative over 5 steps). Every pipeline schedule runs with m = p and m = 2p micro-batches (V-shaped
+ones with m = 2p and 4p); tied embeddings (the 1B/3B case) run under every schedule. Then checkpoints
+reshard across layouts: saved under PP2 x TP2, resumed under FSDP4, and the reverse."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.distributed.harness import losses, run_jobs
+
+STEPS, GLOBAL, LAYERS = 5, 8, 4
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
+V_SHAPED = ("zbv", "dualpipev")
+
+
+def job(tmp, name, m=1, dp=1, tied=True, **parallel):
+    """``m``: micro-batches per step on each data-parallel rank (accumulation = pipeline micro-batches)."""
+    d = {
+        "run.dir": f"{tmp}/{name}", "run.seed": 7, "training.steps": STEPS, "training.seq_len": 32,
+        "training.global_batch_size": GLOBAL, "training.micro_batch_size": GLOBAL // (dp * m),
+        "model.n_layers": LAYERS, "model.tie_embeddings": "true" if tied else "false",
+        "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3, "metrics.every": 1, "checkpoint.at_end": "false",
+        "data.cache_dir": f"{tmp}/cache", "metrics.tensorboard": "false",
+    }
+    d.update({f"parallel.{k}": v for k, v in parallel.items()})
+    return d
+
+
+def pipeline_only(tmp):
+    """World 2: TP2 alone, and every schedule on PP2 alone with two micro-batch counts."""
+    out = {"tp2-m1": job(tmp, "tp2-m1", m=1, tp=2, dp_shard=1),
+           "tp2-m2-untied": job(tmp, "tp2-m2-untied", m=2, tied=False, tp=2, dp_shard=1)}
+    for s in SCHEDULES:
+        for m in ((4, 8) if s in V_SHAPED else (2, 4)):
+            name = f"pp2-{s}-m{m}"
+            out[name] = job(tmp, name, m=m, pp=2, pp_schedule=s, dp_shard=1)
+    out["pp2-1f1b-m2-untied"] = job(tmp, "pp2-1f1b-m2-untied", m=2, tied=False, pp=2, dp_shard=1)
+    out["pp2-manual-split-3-1"] = job(tmp, "pp2-manual-split-3-1", m=2, pp=2, dp_shard=1, pp_layers_per_stage="[3,1]")
+    return out
+
+
+def compositions4(tmp):
+    """World 4: FSDP x TP, DDP x TP, PP x FSDP, PP x DDP, PP x TP, PP4."""
+    return {
+        "fsdp2xtp2-m1": job(tmp, "fsdp2xtp2-m1", dp=2, tp=2, dp_shard=2),
+        "fsdp2xtp2-m2-untied": job(tmp, "fsdp2xtp2-m2-untied", m=2, dp=2, tied=False, tp=2, dp_shard=2),
+        "ddp2xtp2": job(tmp, "ddp2xtp2", dp=2, tp=2, dp_replicate=2, dp_shard=1),
+        "pp2xfsdp2-1f1b-m2": job(tmp, "pp2xfsdp2-1f1b-m2", m=2, dp=2, pp=2, dp_shard=2),
+        "pp2xddp2-interleaved_1f1b-m2": job(tmp, "pp2xddp2-interleaved_1f1b-m2", m=2, dp=2, pp=2,
+                                            pp_schedule="interleaved_1f1b", dp_replicate=2, dp_shard=1),
+        "pp2xtp2-zbv-m4": job(tmp, "pp2xtp2-zbv-m4", m=4, pp=2, tp=2, pp_schedule="zbv", dp_shard=1),
+        "pp2xtp2-gpipe-m2-untied": job(tmp, "pp2xtp2-gpipe-m2-untied", m=2, tied=False, pp=2, tp=2,
+                                       pp_schedule="gpipe", dp_shard=1),
+        "pp4-1f1b-m4": job(tmp, "pp4-1f1b-m4", m=4, pp=4, dp_shard=1),
+    }
+
+
+def compositions8(tmp):
+    """World 8: HSDP x TP and PP x FSDP x TP."""
+    return {
+        "hsdp2x2xtp2": job(tmp, "hsdp2x2xtp2", dp=4, tp=2, dp_replicate=2, dp_shard=2),
+        "pp2xfsdp2xtp2-1f1b-m2": job(tmp, "pp2xfsdp2xtp2-1f1b-m2", m=2, dp=2, pp=2, tp=2, dp_shard=2),
+        "pp2xfsdp2xtp2-dualpipev-m4": job(tmp, "pp2xfsdp2xtp2-dualpipev-m4", m=4, dp=2, pp=2, tp=2,
+                                          pp_schedule="dualpipev", dp_shard=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    res = run_jobs(1, [job(tmp, "single-tied"), job(tmp, "single-untied", tied=False)], str(tmp))
+    return {True: losses(res[0]), False: losses(res[1])}
+
+
+def max_rel(a, b):
+    assert len(a) == len(b) == STEPS
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def check(reference, jobs, results):
+    report, bad = [], []
+    for (name, j), res in zip(jobs.items(), results):
+        if "error" in res:
+            bad.append(f"{name}: {res['error']}")
+            continue
+        dev = max_rel(losses(res), reference[j["model.tie_embeddings"] == "true"])
+        report.append(f"{name}: max rel deviation {dev:.2e}")
+        if not dev < 1e-5:
+            bad.append(report[-1])
+    print("\n".join(report))
+    assert not bad, "\n".join(bad + report)
+
+
+def test_tp_and_every_pipeline_schedule_match_single_process(reference, tmp_path):
+    jobs = pipeline_only(tmp_path)
+    check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
+
+
+def test_compositions_on_4_ranks_match_single_process(reference, tmp_path):
+    jobs = compositions4(tmp_path)
+    check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))
+
+
+def test_compositions_on_8_ranks_match_single_process(reference, tmp_path):
+    jobs = compositions8(tmp_path)
+    check(reference, jobs, run_jobs(8, list(jobs.values()), str(tmp_path)))
+
+
+# ---- resharding checkpoints across layouts -------------------------------------------------------------
+
+SAVE_AT = 3
+
+
+def ckpt(run_dir, step):
+    return os.path.join(run_dir, "checkpoints", f"step_{step:08d}")
+
+
+def tail(result):
+    assert "error" not in result, result["error"]
+    return [(r["step"], r["loss"], r["batch_hash"]) for r in result["records"] if r["step"] > SAVE_AT]
+
+
+def test_checkpoints_reshard_between_pp_x_tp_and_fsdp(tmp_path):
+    save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
+    pptp = dict(m=4, pp=2, tp=2, pp_schedule="interleaved_1f1b", dp_shard=1)  # the tied weight on two ranks
+    zbv = dict(m=4, pp=2, tp=2, pp_schedule="zbv", dp_shard=1)  # both copies of it on pp rank 0
+    fsdp = dict(m=1, dp=4, dp_shard=4)
+    a, b = str(tmp_path / "pptp"), str(tmp_path / "fsdp")
+    first = run_jobs(4, [{**job(tmp_path, "pptp", **pptp), **save}, {**job(tmp_path, "fsdp", **fsdp), **save}],
+                     str(tmp_path))
+    resumed = run_jobs(4, [
+        {**job(tmp_path, "fsdp-from-pptp", **fsdp), "checkpoint.resume": ckpt(a, SAVE_AT)},
+        {**job(tmp_path, "pptp-from-fsdp", **pptp), "checkpoint.resume": ckpt(b, SAVE_AT)},
+        {**job(tmp_path, "zbv-from-pptp", **zbv), "checkpoint.resume": ckpt(a, SAVE_AT)},
+    ], str(tmp_path))
+    pairs = [("fsdp-from-pptp", resumed[0], first[0]), ("pptp-from-fsdp", resumed[1], first[1]),
+             ("zbv-from-pptp", resumed[2], first[0])]
+    for name, got, ref in pairs:
+        got, ref = tail(got), tail(ref)
+        assert [s for s, _, _ in got] == [s for s, _, _ in ref] == list(range(SAVE_AT + 1, STEPS + 1)), name
+        assert [h for _, _, h in got] == [h for _, _, h in ref], name  # same global batches after resharding
+        dev = max(abs(x - y) / abs(y) for (_, x, _), (_, y, _) in zip(got, ref))
+        assert dev < 1e-5, f"{name}: continued losses deviate by {dev:.2e}"
