@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,8 @@ LAYOUTS = {
     "tp2": (2, {"parallel.tp": 2, "parallel.dp_shard": 1}),
     "pp2_1f1b": (2, {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b"}),
     "pp2_interleaved": (2, {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "interleaved_1f1b"}),
+    "fsdp2_noreshard": (2, {"parallel.dp_shard": 2, "parallel.reshard_after_forward": "false"}),
+    "single_compile": (1, {"training.compile": "true"}),
     # asynchronous (micro-pipelined) TP against plain TP, both compiled (the pass runs in Inductor)
     "tp2_compile": (2, {"parallel.tp": 2, "parallel.dp_shard": 1, "training.compile": "true"}),
     "tp2_async": (2, {"parallel.tp": 2, "parallel.dp_shard": 1, "training.compile": "true",
@@ -55,9 +58,10 @@ def overrides(flavor: str, layout: str, a, run_dir: str) -> dict:
     return cfg
 
 
-def run_layout(flavor: str, layout: str, a) -> dict:
+def run_layout(flavor: str, layout: str, a, index: int) -> dict:
     gpus, _ = LAYOUTS[layout]
-    run_dir = os.path.join(a.run_dir, f"{flavor}_{layout}")
+    run_dir = os.path.join(a.run_dir, f"{index:02d}_{flavor}_{layout}")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh metrics.jsonl (a repeated layout must not append)
     cfg = overrides(flavor, layout, a, run_dir)
     cmd = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train", "--nproc-per-node", str(gpus)]
     cmd += [f"--{k}={v}" for k, v in cfg.items()]
@@ -115,7 +119,7 @@ def main() -> None:
     doc = {"benchmark": "parallel_2gpu", "environment": environment(a.commit, command), "results": results}
     for flavor in a.flavors.split(","):
         for layout in a.layouts.split(","):
-            res = run_layout(flavor, layout, a)
+            res = run_layout(flavor, layout, a, len(results))
             base = next((r for r in results if r["flavor"] == flavor and r["layout"] == "single" and "error" not in r),
                         None)
             if base and "error" not in res:

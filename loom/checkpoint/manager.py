@@ -371,14 +371,27 @@ class CheckpointManager:
         states = _part_states(pairs)
         state = _merged(states)
         dcp.load(state, checkpoint_id=folder, no_dist=_single_process())
+        given: set[str] = set()
         for (part, opt), (m, o) in zip(pairs, states):
-            # from the merged dict: a name shared by two parts was loaded into one of their tensors
-            set_model_state_dict(part, {k: state["model"][k] for k in m}, options=_options())
-            set_optimizer_state_dict(part, opt, {k: state["optimizer"][k] for k in o}, options=_options())
+            # from the merged dict: a name shared by two local parts was loaded into one tensor, which each
+            # part gets its own copy of (an optimizer keeps the tensors it is given: shared state would be
+            # updated twice per step)
+            set_model_state_dict(part, _take(state["model"], m, given), options=_options())
+            set_optimizer_state_dict(part, opt, _take(state["optimizer"], o, given), options=_options())
         trainer_state["checkpoint"] = folder
         if os.path.realpath(folder) == os.path.realpath(os.path.join(self.dir, step_dir_name(trainer_state["step"]))):
             self._last_saved = trainer_state["step"]  # e.g. at_end of a finished run: already saved here
         return trainer_state
+
+
+def _take(merged: dict, names, given: set[str]) -> dict:
+    """``merged``'s entries for ``names``; tensors already handed to another part are cloned."""
+    out = {}
+    for k in names:
+        v = merged[k]
+        out[k] = v.clone() if k in given and isinstance(v, torch.Tensor) else v
+        given.add(k)
+    return out
 
 
 def load_model_weights(folder: str, model: torch.nn.Module) -> None:
