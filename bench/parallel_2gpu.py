@@ -55,6 +55,7 @@ def overrides(flavor: str, layout: str, a, run_dir: str) -> dict:
         "run.dir": run_dir, "data.cache_dir": os.path.join(a.run_dir, "cache"), "run.device": "cuda",
     }
     cfg.update(par)
+    cfg.update(dict(kv.split("=", 1) for kv in a.set))
     return cfg
 
 
@@ -108,6 +109,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra loom config for every layout, e.g. parallel.pp_layers_per_stage=[9,7]")
     p.add_argument("--ac", default="none")
     p.add_argument("--timeout", type=int, default=420)
     p.add_argument("--run-dir", default="/tmp/loom_parallel_bench")
