@@ -53,8 +53,9 @@ def precheck(cfg, world_size: int) -> None:
     from loom.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
-    dims.check_microbatches(accumulation_steps(cfg.training, dims.dp_size), cfg.parallel,
-                            cfg.training.global_batch_size)
+    t = cfg.training
+    dims.check_microbatches(accumulation_steps(t, dims.dp_size), cfg.parallel, t.global_batch_size,
+                            t.eval_batches if t.eval_every else None)
     # these import torch: they come last, after every check that does not need it
     from loom.data import build_tokenizer
     from loom.data.sources import parse_source

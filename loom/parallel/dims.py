@@ -135,10 +135,16 @@ class ParallelDims:
                                   f"{args.n_layers} layers: each stage needs a layer (lower parallel.pp or "
                                   "pp_virtual_stages, or give parallel.pp_layers_per_stage)")
 
-    def check_microbatches(self, n: int, parallel: ParallelConfig, global_batch: int) -> None:
-        """The pipeline's micro-batch count (the accumulation count) against what the schedule needs."""
+    def check_microbatches(self, n: int, parallel: ParallelConfig, global_batch: int,
+                           eval_batches: int | None = None) -> None:
+        """The pipeline's micro-batch count (the accumulation count) against what the schedule needs;
+        ``eval_batches`` (when validation runs) must fill whole schedule runs of ``n`` micro-batches."""
         if self.pp == 1:
             return
+        if eval_batches is not None and eval_batches % n:
+            raise ConfigError("training.eval_batches", eval_batches,
+                              f"with parallel.pp > 1: a multiple of the pipeline's micro-batch count {n} "
+                              "(validation runs the schedule forward-only on that many micro-batches at a time)")
         from loom.config.load import PIPELINE_SCHEDULES_V
 
         need = 2 * self.pp if parallel.pp_schedule in PIPELINE_SCHEDULES_V else self.pp

@@ -89,7 +89,9 @@ class Trainer:
         if self.dims.distributed:
             self.dims.build_mesh(self.device.type)
         self.accum = accumulation_steps(cfg.training, self.dims.dp_size)
-        self.dims.check_microbatches(self.accum, cfg.parallel, cfg.training.global_batch_size)
+        t = cfg.training
+        self.dims.check_microbatches(self.accum, cfg.parallel, t.global_batch_size,
+                                     t.eval_batches if t.eval_every else None)
         if cfg.parallel.async_tp and self.device.type != "cuda":
             raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
         self._setup_determinism()
@@ -281,16 +283,41 @@ class Trainer:
         batches = self.loader.validation(self.cfg.training.eval_batches)
         if not batches:
             return None
-        self.model.eval()  # (validation runs without pipeline parallelism: config checks reject it)
-        total = torch.zeros((), device=self.device)
-        count = torch.zeros((), device=self.device)
-        for mb in batches:
-            mb = mb.to(self.device)
-            with loss_parallel_context(self.loss_parallel):
-                total += self._forward_loss(mb)
-            count += valid_tokens(mb.labels)
-        self.model.train()
+        for part in self.parts:
+            part.eval()
+        batches = [mb.to(self.device) for mb in batches]
+        count = sum(valid_tokens(mb.labels) for mb in batches).to(torch.float32)
+        if self.pipeline is not None:
+            total = self._pipeline_validation(batches)
+        else:
+            total = torch.zeros((), device=self.device)
+            for mb in batches:
+                with loss_parallel_context(self.loss_parallel):
+                    total += self._forward_loss(mb)
+        for part in self.parts:
+            part.train()
         return float(self.dp_sum(total) / self.dp_sum(count))
+
+    def _pipeline_validation(self, batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward-only schedule runs over ``accum`` micro-batches at a time (the config check makes
+        ``eval_batches`` a multiple); the summed loss of this data-parallel rank, on every pp rank."""
+        total = torch.zeros((), device=self.device)
+        self._grad_scale = 1.0  # the loss_fn returns plain sums here
+        timed = len(self.busy.spans)
+        for i in range(0, len(batches), self.accum):
+            chunk = batches[i:i + self.accum]
+            inputs, labels = torch.cat([mb.inputs for mb in chunk]), torch.cat([mb.labels for mb in chunk])
+            losses: list[torch.Tensor] = []
+            with self._autocast(), loss_parallel_context(self.loss_parallel):
+                if self.plan.has_first:
+                    self.pipeline.eval(inputs, target=labels, losses=losses)
+                else:
+                    self.pipeline.eval(target=labels, losses=losses)
+            if losses:
+                total += torch.stack(losses).sum()
+        del self.busy.spans[timed:]  # the logged idle fraction is the training step's
+        dist.all_reduce(total, group=self.dims["pp"].get_group())  # only the last stage holds it
+        return total
 
     # ---- the loop ---------------------------------------------------------------
     def state_for_checkpoint(self) -> dict:

@@ -132,6 +132,27 @@ def test_compositions_on_8_ranks_match_single_process(reference, tmp_path):
     check(reference, jobs, run_jobs(8, list(jobs.values()), str(tmp_path)))
 
 
+def test_validation_under_pp_and_tp_matches_single_process(tmp_path):
+    """Validation loss (forward-only schedule runs under PP, loss parallel under TP) equals the single
+    process's on the same held-out windows."""
+    val = {"training.eval_every": 2, "training.eval_batches": 4}
+    ref = run_jobs(1, [{**job(tmp_path, "single-val", m=2), **val}], str(tmp_path))[0]
+    runs = run_jobs(2, [{**job(tmp_path, "pp2-val", m=2, pp=2, dp_shard=1), **val},
+                        {**job(tmp_path, "izb-val", m=2, pp=2, pp_schedule="interleaved_zb", dp_shard=1), **val},
+                        {**job(tmp_path, "tp2-val", m=2, tp=2, dp_shard=1), **val}], str(tmp_path))
+
+    def vals(res):
+        assert "error" not in res, res["error"]
+        return [(r["step"], r["val_loss"]) for r in res["records"] if r["val_loss"] is not None]
+
+    expected = vals(ref)
+    assert [s for s, _ in expected] == [2, 4]
+    for res in runs:
+        got = vals(res)
+        assert [s for s, _ in got] == [2, 4]
+        assert max(abs(a - b) / b for (_, a), (_, b) in zip(got, expected)) < 1e-5, (got, expected)
+
+
 # ---- resharding checkpoints across layouts -------------------------------------------------------------
 
 SAVE_AT = 3
