@@ -23,6 +23,17 @@ def scale_grads(params: list[torch.nn.Parameter], factor: float | torch.Tensor) 
         torch._foreach_mul_(grads, factor)
 
 
+def unique_params(parts) -> list[torch.nn.Parameter]:
+    """Trainable parameters of all model parts, each once (a tied weight is one Parameter per part)."""
+    seen, out = set(), []
+    for part in parts:
+        for p in part.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -49,13 +60,7 @@ class TiedEmbeddingGrads:
     def params_counted_once(self, parts) -> list[torch.nn.Parameter]:
         """This rank's parameters for the global norm: a last-stage copy of the tied weight is left out."""
         skip = {id(p) for s, p in self.copies if s != 0}
-        seen, out = set(), []
-        for part in parts:
-            for p in part.parameters():
-                if p.requires_grad and id(p) not in skip | seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return [p for p in unique_params(parts) if id(p) not in skip]
 
     @torch.no_grad()
     def sync(self) -> None:

@@ -25,7 +25,7 @@ from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.pipeline import BusyClock, build_schedule, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
-from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads
+from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
 from loom.train.loss import cross_entropy_sum, valid_tokens
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import DTYPES, LossScaler, autocast_context
@@ -46,17 +46,6 @@ def resolve_model_args(cfg: Config, tokenizer):
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     layers = cfg.model.n_layers or args.n_layers
     return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers)
-
-
-def unique_params(parts) -> list[torch.nn.Parameter]:
-    """Trainable parameters of all parts, each once (tied weights appear once per part)."""
-    seen, out = set(), []
-    for part in parts:
-        for p in part.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
 
 
 def count_params(args) -> int:
@@ -193,9 +182,7 @@ class Trainer:
     def any_rank(self, flag: bool) -> bool:
         if self.env.world_size == 1:
             return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return self._max_over_ranks(float(flag)) > 0
 
     # ---- one step -------------------------------------------------------------
     def _autocast(self):
@@ -225,21 +212,26 @@ class Trainer:
     def _pipeline_step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> torch.Tensor:
         """One schedule run over the step's micro-batches (the accumulation count); returns the summed
         loss of this data-parallel rank's batch on every pp rank."""
-        inputs = torch.cat([mb.inputs for mb in mbs])  # (M x B, S): the schedule cuts it back into M
-        labels = torch.cat([mb.labels for mb in mbs])
         self._grad_scale = grad_scale
-        losses: list[torch.Tensor] = []  # the last stage's loss_fn outputs, one per micro-batch
         self.busy.start()
-        with self._autocast(), loss_parallel_context(self.loss_parallel):
-            if self.plan.has_first:
-                self.pipeline.step(inputs, target=labels, losses=losses)
-            else:
-                self.pipeline.step(target=labels, losses=losses)
+        losses = self._run_schedule(self.pipeline.step, mbs)
         self.busy.stop()
         self.tied.sync()
         loss_sum = torch.stack(losses).sum().detach() / grad_scale if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss_sum, group=self.dims["pp"].get_group())  # only the last stage holds it
         return loss_sum
+
+    def _run_schedule(self, run, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """``run`` (the schedule's step or eval) over ``mbs`` joined into (M x B, S), which the schedule
+        cuts back into M micro-batches; returns the last stage's loss_fn outputs (empty elsewhere)."""
+        labels = torch.cat([mb.labels for mb in mbs])
+        losses: list[torch.Tensor] = []
+        with self._autocast(), loss_parallel_context(self.loss_parallel):
+            if self.plan.has_first:
+                run(torch.cat([mb.inputs for mb in mbs]), target=labels, losses=losses)
+            else:
+                run(target=labels, losses=losses)
+        return losses
 
     def _grad_norm(self) -> torch.Tensor:
         if self.plan is None:
@@ -305,14 +297,7 @@ class Trainer:
         self._grad_scale = 1.0  # the loss_fn returns plain sums here
         timed = len(self.busy.spans)
         for i in range(0, len(batches), self.accum):
-            chunk = batches[i:i + self.accum]
-            inputs, labels = torch.cat([mb.inputs for mb in chunk]), torch.cat([mb.labels for mb in chunk])
-            losses: list[torch.Tensor] = []
-            with self._autocast(), loss_parallel_context(self.loss_parallel):
-                if self.plan.has_first:
-                    self.pipeline.eval(inputs, target=labels, losses=losses)
-                else:
-                    self.pipeline.eval(target=labels, losses=losses)
+            losses = self._run_schedule(self.pipeline.eval, batches[i:i + self.accum])
             if losses:
                 total += torch.stack(losses).sum()
         del self.busy.spans[timed:]  # the logged idle fraction is the training step's
