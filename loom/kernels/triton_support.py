@@ -1,0 +1,35 @@
+"""Whether Triton kernels can run: Triton importable and a CUDA device, or Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+@functools.cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1 runs kernels on CPU tensors (slow; exact for small fp32 cases only)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    if not has_triton():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim: int | None = None, device=None) -> None:
+    """Launcher argument check: a ValueError naming the argument, what it is and what is allowed."""
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype} not supported (allowed: {', '.join(map(str, dtypes))})")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, expected {device}")
