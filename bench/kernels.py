@@ -1,0 +1,246 @@
+"""Attention kernels on one GPU: loom's Triton FlashAttention-2 vs PyTorch SDPA (flash and cuDNN backends),
+FlexAttention (compiled, block masks) and the plain PyTorch reference; forward and forward+backward
+TFLOP/s. Packed documents count useful FLOPs only (each document's own causal square).
+
+    python bench/kernels.py --suite causal --out bench/results/kernels_causal_h100.json
+    python bench/kernels.py --suite docs   --out bench/results/kernels_docs_h100.json
+
+FLOPs: 4·B·H·S²·D forward (half of it when causal), ×3.5 for forward+backward (backward = 2.5× forward).
+Every row holds the ratios against the baselines of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.train_1b import environment  # noqa: E402
+
+TOKENS = 32768  # batch x sequence per measurement (16 x 2048, 4 x 8192 as in ../shared/anchors.md)
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+
+def attention_flops(b: int, h: int, d: int, doc_lens: list[list[int]] | None, s: int, causal: bool) -> float:
+    if doc_lens is not None:  # useful work: each document attends causally within itself
+        return sum(4 * h * n * n * d / 2 for row in doc_lens for n in row)
+    return 4 * b * h * s * s * d / (2 if causal else 1)
+
+
+def random_doc_lens(b: int, s: int, gen: torch.Generator, lo: int = 256, hi: int = 2048) -> list[list[int]]:
+    rows = []
+    for _ in range(b):
+        lens, left = [], s
+        while left > 0:
+            n = min(left, int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+            lens.append(n)
+            left -= n
+        rows.append(lens)
+    return rows
+
+
+def doc_ids(doc_lens: list[list[int]], device) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in doc_lens]).to(device)
+
+
+# --------------------------------------------------------------------------------------------- backends
+def loom_fn(q, k, v, causal, ids):
+    from loom.kernels.attention import reference as R
+    from loom.kernels.attention.op import flash_attention
+
+    bounds = R.document_bounds(ids) if ids is not None else None
+    return lambda: flash_attention(q, k, v, causal=causal, bounds=bounds)
+
+
+def sdpa_fn(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def make(q, k, v, causal, ids):
+        gqa = q.shape[1] != k.shape[1]
+        mask = None
+        if ids is not None:
+            from loom.kernels.attention import reference as R
+
+            mask = R.visible(q.shape[2], causal, R.document_bounds(ids), 0, q.device)
+
+        def run():
+            with sdpa_kernel([kind]):
+                if mask is not None:
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+        return run
+
+    return make
+
+
+_FLEX = None
+
+
+def flex_fn(q, k, v, causal, ids):
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention)
+    b, _, s, _ = q.shape
+    if ids is not None:
+        def mask_mod(bi, h, qi, ki):
+            return (ids[bi, qi] == ids[bi, ki]) & (qi >= ki)
+        block = create_block_mask(mask_mod, b, None, s, s, device=q.device)
+    elif causal:
+        block = create_block_mask(lambda bi, h, qi, ki: qi >= ki, None, None, s, s, device=q.device)
+    else:
+        block = None
+    gqa = q.shape[1] != k.shape[1]
+    return lambda: _FLEX(q, k, v, block_mask=block, enable_gqa=gqa)
+
+
+def reference_fn(q, k, v, causal, ids):
+    from loom.kernels.attention import reference as R
+
+    bounds = R.document_bounds(ids) if ids is not None else None
+    scale = q.shape[-1] ** -0.5
+    group = q.shape[1] // k.shape[1]
+
+    def run():  # plain PyTorch in the input dtype (autograd through matmul + masked softmax)
+        kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = (q @ kk.transpose(-1, -2)) * scale
+        s = s.masked_fill(~R.visible(q.shape[2], causal, bounds, 0, q.device), float("-inf"))
+        return torch.softmax(s.float(), -1).to(q.dtype) @ vv
+
+    return run
+
+
+BACKENDS = {"loom": loom_fn, "sdpa_flash": sdpa_fn("flash"), "sdpa_cudnn": sdpa_fn("cudnn"),
+            "sdpa_efficient": sdpa_fn("efficient"), "flex": flex_fn, "torch_reference": reference_fn}
+
+
+def measure(name, q, k, v, causal, ids) -> dict:
+    try:
+        fwd = BACKENDS[name](q, k, v, causal, ids)
+        out = fwd()
+        dout = torch.randn_like(out)
+
+        def fwd_bwd():
+            o = fwd()
+            o.backward(dout)
+
+        fwd_bwd()
+        res = {"fwd_ms": bench_ms(fwd), "fwd_bwd_ms": bench_ms(fwd_bwd)}
+    except Exception as e:  # a backend that does not support the case (e.g. cuDNN + GQA) is reported, not fatal
+        res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.empty_cache()
+    return res
+
+
+def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backends: list[str], dtype) -> dict:
+    b = TOKENS // s
+    gen = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype).requires_grad_() for h in (hq, hkv, hkv))
+    lens = random_doc_lens(b, s, gen) if docs else None
+    ids = doc_ids(lens, "cuda") if docs else None
+    flops = attention_flops(b, hq, d, lens, s, causal)
+    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "batch": b, "causal": causal, "docs": docs,
+           "flops_fwd": flops, "backends": {}}
+    if docs:
+        row["doc_lens_range"] = [min(min(r) for r in lens), max(max(r) for r in lens)]
+    for name in backends:
+        if name == "torch_reference" and s > 4096:
+            continue  # S x S scores in memory
+        r = measure(name, q, k, v, causal, ids)
+        if "fwd_ms" in r:
+            r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
+            r["fwd_bwd_tflops"] = 3.5 * flops / r["fwd_bwd_ms"] / 1e9
+        row["backends"][name] = r
+        print(f"d{d} h{hq}/{hkv} s{s} {'causal' if causal else 'full'}{' docs' if docs else ''} {name}: "
+              + (f"fwd {r['fwd_tflops']:.0f} fwd+bwd {r['fwd_bwd_tflops']:.0f} TFLOP/s" if "fwd_ms" in r else r["error"]),
+              flush=True)
+    ours = row["backends"].get("loom", {})
+    if "fwd_bwd_tflops" in ours:
+        row["ratios_fwd_bwd"] = {n: ours["fwd_bwd_tflops"] / r["fwd_bwd_tflops"]
+                                 for n, r in row["backends"].items() if n != "loom" and "fwd_bwd_tflops" in r}
+        row["ratios_fwd"] = {n: ours["fwd_tflops"] / r["fwd_tflops"]
+                             for n, r in row["backends"].items() if n != "loom" and "fwd_tflops" in r}
+    return row
+
+
+SUITES = {
+    # (head dim, q heads, kv heads) x sequences, causal and full
+    "causal": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[1024, 2048, 4096, 8192, 16384], causal=[True],
+                   docs=False, backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex", "torch_reference"]),
+    "full": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[2048, 8192], causal=[False], docs=False,
+                 backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
+    "gqa": dict(dims=[(64, 32, 8), (128, 32, 8), (128, 32, 4)], seqs=[2048, 8192], causal=[True], docs=False,
+                backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
+    "docs": dict(dims=[(64, 32, 8), (128, 16, 16)], seqs=[4096, 8192, 16384], causal=[True], docs=True,
+                 backends=["loom", "flex", "sdpa_efficient"]),
+    "quick": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[8192], causal=[True], docs=False,
+                  backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
+}
+
+
+def markdown(rows: list[dict]) -> str:
+    names = sorted({n for r in rows for n in r["backends"]}, key=list(BACKENDS).index)
+    head = "| d | heads q/kv | seq | mask | " + " | ".join(f"{n} fwd / fwd+bwd" for n in names) + \
+           " | loom ÷ best of sdpa_flash, flex (fwd+bwd) | loom ÷ cuDNN (fwd+bwd) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = []
+        for n in names:
+            x = r["backends"].get(n)
+            cells.append(f"{x['fwd_tflops']:.0f} / {x['fwd_bwd_tflops']:.0f}" if x and "fwd_ms" in x else "n/a")
+        rat = r.get("ratios_fwd_bwd", {})
+        best = [rat[n] for n in ("sdpa_flash", "flex") if n in rat]
+        mask = ("docs " if r["docs"] else "") + ("causal" if r["causal"] else "full")
+        ratio_best = f"{min(best):.2f}" if best else "n/a"
+        ratio_cudnn = f"{rat['sdpa_cudnn']:.2f}" if "sdpa_cudnn" in rat else "n/a"
+        lines.append(f"| {r['head_dim']} | {r['heads']}/{r['kv_heads']} | {r['seq']} | {mask} | " + " | ".join(cells)
+                     + f" | {ratio_best} | {ratio_cudnn} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--suite", choices=SUITES, default="quick")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--out", default="")
+    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    a = p.parse_args()
+    suite = SUITES[a.suite]
+    dtype = getattr(torch, a.dtype)
+    rows = []
+    for d, hq, hkv in suite["dims"]:
+        for s in suite["seqs"]:
+            for causal in suite["causal"]:
+                rows.append(run_case(d, hq, hkv, s, causal, suite["docs"], suite["backends"], dtype))
+    result = {"env": environment(a.commit, "python " + " ".join(sys.argv)), "suite": a.suite, "dtype": a.dtype,
+              "tokens_per_measurement": TOKENS, "rows": rows}
+    table = markdown(rows)
+    print(table)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(a.out.replace(".json", ".md"), "w") as f:
+            f.write(f"# bench/kernels.py --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
+                    f"{a.dtype})\n\nTFLOP/s (forward / forward+backward)\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""FlashAttention-2 in Triton: forward, and backward as two kernels (dK/dV per key block, dQ per query block).
+
+Masks (see reference.py): causal, packed documents through per-token (start, end) bounds, sliding window.
+Every program visits only the key (or query) blocks its mask can reach, and applies the mask only on
+blocks the mask cuts: the block range is split into masked head / unmasked body / masked tail.
+Grouped-query attention reads K/V at head ``h // group``: K and V are never repeated in memory; the
+dK/dV program of a KV head loops over its query heads, so no atomics are needed.
+
+Plain pointer arithmetic (no block pointers / tensor descriptors): runs on triton 3.6 and newer, and
+in the CPU interpreter for small fp32 cases. Imported only when Triton kernels run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loom.kernels.triton_support import check_tensor, interpreting
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _cdiv_floor(x, block):
+    return (x // block) * block
+
+
+@triton.jit
+def _cdiv_ceil(x, block):
+    return ((x + block - 1) // block) * block
+
+
+@triton.jit
+def _split(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Block-aligned [a, b) masked head, [b, c) unmasked body, [c, d) masked tail covering [lo, hi)."""
+    lo = tl.maximum(lo, 0)
+    a = _cdiv_floor(lo, BLOCK)
+    d = tl.maximum(_cdiv_ceil(hi, BLOCK), a)
+    b = tl.minimum(tl.maximum(_cdiv_ceil(full_lo, BLOCK), a), d)
+    c = tl.minimum(tl.maximum(_cdiv_floor(full_hi, BLOCK), b), d)
+    return a, b, c, d
+
+
+@triton.jit
+def _visible(offs_m, offs_n, S, start_q, end_q, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+             WINDOW: tl.constexpr):
+    """(M, N) bool: query offs_m[i] may see key offs_n[j]; start_q/end_q: (M,) document bounds."""
+    ok = (offs_n[None, :] < S) & (offs_m[:, None] < S)
+    if CAUSAL:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_DOCS:
+        ok = ok & (offs_n[None, :] >= start_q[:, None]) & (offs_n[None, :] <= end_q[:, None])
+    if WINDOW > 0:
+        ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
+        if not CAUSAL:
+            ok = ok & (offs_n[None, :] - offs_m[:, None] < WINDOW)
+    return ok
+
+
+@triton.jit
+def _key_range(m0, S, start_q, end_q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr):
+    """Key blocks the queries [m0, m0 + BLOCK_M) can see, split into masked / unmasked parts."""
+    lo = 0
+    hi = S
+    full_lo = 0
+    full_hi = S
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + BLOCK_M)
+        full_hi = tl.minimum(full_hi, m0 + 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.min(start_q, 0))
+        hi = tl.minimum(hi, tl.max(end_q, 0) + 1)
+        full_lo = tl.maximum(full_lo, tl.max(start_q, 0))
+        full_hi = tl.minimum(full_hi, tl.min(end_q, 0) + 1)
+    if WINDOW > 0:
+        lo = tl.maximum(lo, m0 - WINDOW + 1)
+        full_lo = tl.maximum(full_lo, m0 + BLOCK_M - WINDOW)
+        if not CAUSAL:
+            hi = tl.minimum(hi, m0 + BLOCK_M - 1 + WINDOW)
+            full_hi = tl.minimum(full_hi, m0 + WINDOW)
+    full_hi = tl.minimum(full_hi, S)
+    return _split(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def _query_range(n0, S, start_k, end_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr):
+    """Query blocks that can see some key of [n0, n0 + BLOCK_N). A document is a contiguous run, so
+    query i sees key j only if i lies in j's document: the key bounds give the query range."""
+    lo = 0
+    hi = S
+    full_lo = 0
+    full_hi = S
+    if CAUSAL:
+        lo = tl.maximum(lo, n0)
+        full_lo = tl.maximum(full_lo, n0 + BLOCK_N - 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.min(start_k, 0))
+        hi = tl.minimum(hi, tl.max(end_k, 0) + 1)
+        full_lo = tl.maximum(full_lo, tl.max(start_k, 0))
+        full_hi = tl.minimum(full_hi, tl.min(end_k, 0) + 1)
+    if WINDOW > 0:
+        hi = tl.minimum(hi, n0 + BLOCK_N - 1 + WINDOW)
+        full_hi = tl.minimum(full_hi, n0 + WINDOW)
+        if not CAUSAL:
+            lo = tl.maximum(lo, n0 - WINDOW + 1)
+            full_lo = tl.maximum(full_lo, n0 + BLOCK_N - WINDOW)
+    full_hi = tl.minimum(full_hi, S)
+    return _split(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+# ----------------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, S, start_q, end_q,
+                qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+                WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S,
+                         other=0.0)  # (D, N)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
+        s = tl.dot(q, kt) * qk_scale  # (M, N) fp32, log2 units
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S, other=0.0)
+        else:
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
+              S, H, GROUP, B, qk_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_m < S
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    if HAS_DOCS:
+        start_q = tl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
+        end_q = tl.load(BOUNDS + B * S + b * S + offs_m, mask=in_seq, other=-1)
+    else:
+        start_q = offs_m * 0
+        end_q = offs_m * 0 + S - 1
+    a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
+                                qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
+                                qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
+                                qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=in_seq[:, None])
+    tl.store(LSE + bh * S + offs_m, lse, mask=in_seq)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, offs_n, offs_d,
+                     S, START_B, END_B, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        in_seq = offs_m < S
+        if MASKED:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            lse2 = tl.load(lse_base + offs_m, mask=in_seq, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=in_seq, other=0.0)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :])
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
+            lse2 = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        st = tl.dot(k, tl.trans(q)) * qk_scale  # (N, M): scores transposed, log2 units
+        pt = tl.math.exp2(st - lse2[None, :])
+        if MASKED:
+            if HAS_DOCS:
+                start_q = tl.load(START_B + offs_m, mask=in_seq, other=S)
+                end_q = tl.load(END_B + offs_m, mask=in_seq, other=-1)
+            else:
+                start_q = offs_m * 0
+                end_q = offs_m * 0 + S - 1
+            pt = tl.where(tl.trans(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW)), pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        dpt = tl.dot(v, tl.trans(do))  # (N, M)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
+                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    HK = H // GROUP
+    b = bhk // HK
+    hk = bhk % HK
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_n < S
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    if HAS_DOCS:
+        start_k = tl.load(BOUNDS + b * S + offs_n, mask=in_seq, other=S)
+        end_k = tl.load(BOUNDS + B * S + b * S + offs_n, mask=in_seq, other=-1)
+    else:
+        start_k = offs_n * 0
+        end_k = offs_n * 0 + S - 1
+    a, bb, c, d = _query_range(n0, S, start_k, end_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        lse_base = LSE2 + (b * H + h) * S
+        delta_base = DELTA + (b * H + h) * S
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=in_seq[:, None])
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=in_seq[:, None])
+
+
+@triton.jit
+def _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, S, start_q, end_q,
+                   qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+                   WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
+            vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])  # (D, N)
+            vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None])  # (D, N)
+        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])  # (M, N)
+        if MASKED:
+            p = tl.where(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW), p, 0.0)
+        dp = tl.dot(do, vt)  # (M, N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                 sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
+                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_m < S
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
+    delta = tl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
+    if HAS_DOCS:
+        start_q = tl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
+        end_q = tl.load(BOUNDS + B * S + b * S + offs_m, mask=in_seq, other=-1)
+    else:
+        start_q = offs_m * 0
+        end_q = offs_m * 0 + S - 1
+    a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
+                        a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
+                        bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
+                        c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=in_seq[:, None])
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _block_sizes(kind: str, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; small blocks in the CPU interpreter."""
+    if interpreting():  # small, and uneven between the query and key side so both split paths run
+        return (16, 32, 1, 1) if kind == "dkdv" else (32, 16, 1, 1)
+    if kind == "fwd":
+        return (128, 64, 8, 3) if head_dim == 128 else (128, 64, 4, 3)
+    if kind == "dkdv":
+        return (64, 128, 8, 3) if head_dim == 128 else (64, 128, 8, 3)
+    return (128, 64, 8, 3) if head_dim == 128 else (128, 64, 8, 3)  # dq
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, window: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=DTYPES, ndim=4, device=q.device)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head dim must be contiguous (stride {t.stride(-1)})")
+    if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must match each other "
+                         f"and q's dtype {q.dtype}")
+    bsz, hq, seq, dim = q.shape
+    if k.shape[0] != bsz or k.shape[2] != seq or k.shape[3] != dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch, sequence and head dim must agree")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {k.shape[1]}")
+    if dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {dim} not supported (allowed: {', '.join(map(str, HEAD_DIMS))})")
+    if bounds is not None:
+        check_tensor("bounds", bounds, dtypes=(torch.int32,), ndim=3, device=q.device)
+        if tuple(bounds.shape) != (2, bsz, seq) or not bounds.is_contiguous():
+            raise ValueError(f"bounds: expected contiguous (2, {bsz}, {seq}), got {tuple(bounds.shape)}")
+    if window < 0:
+        raise ValueError(f"window {window} must be >= 0 (0 = no sliding window)")
+
+
+def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
+    return bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=q.device)
+
+
+def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32)."""
+    check_inputs(q, k, v, bounds, window)
+    bsz, hq, seq, dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
+    bm, bn, warps, stages = _block_sizes("fwd", dim)
+    grid = (triton.cdiv(seq, bm), bsz * hq)
+    _attn_fwd[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                    *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, scale * LOG2E, CAUSAL=causal,
+                    HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
+                    num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
+    """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp."""
+    check_inputs(q, k, v, bounds, window)
+    if dout.shape != q.shape or dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    bsz, hq, seq, dim = q.shape
+    delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, S)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    lse2 = torch.where(torch.isinf(lse), float("inf"), lse * LOG2E).contiguous()  # rows that saw nothing: p = 0
+    delta = delta.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    group = hq // k.shape[1]
+    b_ = _dummy_bounds(q, bounds)
+    common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
+    bm, bn, warps, stages = _block_sizes("dkdv", dim)
+    _attn_bwd_dkdv[(triton.cdiv(seq, bn), bsz * k.shape[1])](
+        q, k, v, dout, lse2, delta, dk, dv, b_, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, hq, group, bsz, scale * LOG2E, scale,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    bm, bn, warps, stages = _block_sizes("dq", dim)
+    _attn_bwd_dq[(triton.cdiv(seq, bm), bsz * hq)](
+        q, k, v, dout, lse2, delta, dq, b_, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dout.stride()[:3], *dq.stride()[:3], seq, hq, group, bsz, scale * LOG2E, scale,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    return dq, dk, dv

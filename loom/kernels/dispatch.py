@@ -1,0 +1,55 @@
+"""Which kernels a model uses: ``model.attention`` and ``model.fused_*`` from the config, ``auto`` resolved
+per device, compile mode and data layout from what bench/kernels.py and bench/train_1b.py measured
+(bench/results/, bench/NOTES.md):
+
+- attention: plain causal attention -> PyTorch SDPA (its cuDNN / flash backends beat ours on H100: see
+  bench/results/kernels_h100.md); packed documents -> ours (``flash``: skips the blocks a document mask
+  removes, where SDPA needs an explicit dense mask); CPU -> SDPA (the reference is for tests);
+- fused RMSNorm / RoPE / SwiGLU: CUDA without torch.compile -> ours; with compile Inductor generates
+  fused kernels of its own for them; CPU -> plain PyTorch;
+- fused linear + cross-entropy: CUDA -> on (never materializes the logits); not with tensor or pipeline
+  parallelism (vocab-sharded or stage-split output); CPU -> off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.kernels.triton_support import has_triton
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    attention: str  # "sdpa" | "flash"
+    fused_norm: bool
+    fused_rope: bool
+    fused_swiglu: bool
+    fused_loss: bool
+
+    def as_args(self) -> dict:
+        return dict(attention=self.attention, fused_norm=self.fused_norm, fused_rope=self.fused_rope,
+                    fused_swiglu=self.fused_swiglu, fused_loss=self.fused_loss)
+
+    def describe(self) -> str:
+        fused = [n for n in ("norm", "rope", "swiglu", "loss") if getattr(self, f"fused_{n}")]
+        return f"attention={self.attention}, fused={'+'.join(fused) or 'none'}"
+
+
+def _flag(value: str, auto: bool) -> bool:
+    return auto if value == "auto" else value == "true"
+
+
+def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, model_parallel: bool) -> KernelChoice:
+    """``model_cfg``: the ``model`` config section; ``model_parallel``: tensor or pipeline parallelism on."""
+    triton_gpu = device_type == "cuda" and has_triton()
+    attention = model_cfg.attention
+    if attention == "auto":
+        attention = "flash" if triton_gpu and documents else "sdpa"
+    eager_gpu = triton_gpu and not compile
+    return KernelChoice(
+        attention=attention,
+        fused_norm=_flag(model_cfg.fused_norm, eager_gpu),
+        fused_rope=_flag(model_cfg.fused_rope, eager_gpu),
+        fused_swiglu=_flag(model_cfg.fused_swiglu, eager_gpu),
+        fused_loss=_flag(model_cfg.fused_loss, triton_gpu and not model_parallel),
+    )

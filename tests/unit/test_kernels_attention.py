@@ -1,0 +1,201 @@
+"""Attention kernels on CPU: the reference (masks, log-sum-exp, gradient formulas), the custom op
+(opcheck, autograd), model dispatch, and the Triton kernels in Triton's CPU interpreter (fp32)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.kernels.attention import reference as R
+from loom.kernels.attention.op import flash_attention, flash_attn_backward_op, flash_attn_op
+
+
+def qkv(b=2, hq=4, hk=2, s=24, d=16, dtype=torch.float32, grad=False):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(b, h, s, d, generator=g, dtype=dtype).requires_grad_(grad) for h in (hq, hk, hk)]
+
+
+def test_document_bounds_runs_and_padding():
+    ids = torch.tensor([[0, 0, 1, 1, 1, -1, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]])
+    b = R.document_bounds(ids)
+    assert b[0, 0].tolist() == [0, 0, 2, 2, 2, 8, 6, 6] and b[1, 0].tolist() == [1, 1, 4, 4, 4, -1, 7, 7]
+    assert b[0, 1].tolist() == [0] * 8 and b[1, 1].tolist() == [7] * 8
+
+
+def test_doc_ids_from_positions_and_cu_seqlens():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    assert R.doc_ids_from_positions(pos).tolist() == [[1, 1, 1, 2, 2, 3]]
+    ids = R.doc_ids_from_cu_seqlens(torch.tensor([0, 3, 5]), 7)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, -1, -1]]
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (4, 2), (8, 1)])
+def test_reference_matches_sdpa_causal_gqa(hq, hk):
+    q, k, v = qkv(hq=hq, hk=hk)
+    out, lse = R.attention_forward(q, k, v, True, None, 0, 0.25)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hk, scale=0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    kk = k.repeat_interleave(hq // hk, 1)
+    s = (q @ kk.transpose(-1, -2)) * 0.25 + torch.full((24, 24), float("-inf")).triu(1)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1))
+
+
+def test_document_mask_is_block_diagonal_and_window_limits_distance():
+    ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 10] * 2)
+    b = R.document_bounds(ids)
+    m = R.visible(24, True, b, 0, "cpu")[0, 0]
+    same = ids[0][:, None] == ids[0][None, :]
+    assert torch.equal(m, same & torch.ones(24, 24, dtype=torch.bool).tril())
+    w = R.visible(24, False, None, 3, "cpu")[0, 0]
+    i = torch.arange(24)
+    assert torch.equal(w, (i[:, None] - i[None, :]).abs() < 3)
+
+
+@pytest.mark.parametrize("case", ["causal", "docs", "window", "full_docs_window"])
+def test_reference_gradients_match_autograd(case):
+    ids = torch.tensor([[0] * 7 + [1] * 10 + [-1] * 2 + [3] * 5, [4] * 24])
+    causal, bounds, window = {"causal": (True, None, 0), "docs": (True, R.document_bounds(ids), 0),
+                              "window": (True, None, 5), "full_docs_window": (False, R.document_bounds(ids), 4)}[case]
+    q, k, v = qkv(dtype=torch.float64, grad=True)
+    # plain autograd through a masked softmax (padding rows give exactly zero output)
+    mask = R.visible(24, causal, bounds, window, "cpu")
+    s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = p @ v.repeat_interleave(2, 1)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dlse = torch.where(torch.isinf(lse), 0.0, dlse)
+    grads = torch.autograd.grad((out * dout).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum(), (q, k, v))
+    o2, lse2 = R.attention_forward(q, k, v, causal, bounds, window, 0.3)
+    torch.testing.assert_close(o2, out)
+    mine = R.attention_backward(dout, q, k, v, o2, lse2, dlse, causal, bounds, window, 0.3)
+    for a, b in zip(mine, grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_padding_rows_give_zero_and_finite_gradients():
+    ids = torch.tensor([[0, 0, 0, -1, -1, 1, 1, 1]])
+    q, k, v = (t[:1, :, :8] for t in qkv(grad=False))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attention(q, k, v, doc_ids=ids, return_lse=True)
+    assert torch.all(out[:, :, 3:5] == 0) and torch.all(torch.isneginf(lse[:, :, 3:5]))
+    (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_op_passes_opcheck():
+    q, k, v = qkv(grad=True)
+    ids = torch.sort(torch.randint(0, 3, (2, 24), generator=torch.Generator().manual_seed(1)), dim=1).values
+    b = R.document_bounds(ids)
+    torch.library.opcheck(flash_attn_op, (q, k, v, b, True, 0, 0.25))
+    torch.library.opcheck(flash_attn_op, (q, k, v, None, False, 5, 0.25))
+    q, k, v = (t.detach() for t in (q, k, v))  # the backward op has no double backward
+    out, lse = flash_attn_op(q, k, v, b, True, 0, 0.25)
+    torch.library.opcheck(flash_attn_backward_op, (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse),
+                                                   b, True, 0, 0.25))
+
+
+def test_gradcheck_through_the_op():
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, -1]])
+    for kw in (dict(doc_ids=ids), dict(causal=False, window=3), dict()):
+        q, k, v = (torch.randn(1, h, 10, 4, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+        assert torch.autograd.gradcheck(lambda a, b, c: flash_attention(a, b, c, **kw), (q, k, v))
+
+
+def test_bad_arguments_are_named():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="at most one"):
+        flash_attention(q, k, v, doc_ids=torch.zeros(2, 24, dtype=torch.long), cu_seqlens=torch.tensor([0, 24]))
+    with pytest.raises(ValueError, match="batch 1"):
+        flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 24]))
+
+
+def test_model_flash_backend_matches_sdpa_with_and_without_documents():
+    from loom.models.llama import FLAVORS, Llama
+
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(10), torch.arange(22)]).expand(2, 32)
+    losses = {}
+    for backend in ("sdpa", "flash"):
+        torch.manual_seed(0)
+        model = Llama(FLAVORS["debug"].with_(vocab_size=256, max_seq_len=32, attention=backend))
+        for pos in (None, positions):
+            logits = model(tokens, pos)
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            losses[backend, pos is None] = (loss.detach(), grads)
+    for plain in (True, False):
+        (a, ga), (b, gb) = losses["sdpa", plain], losses["flash", plain]
+        torch.testing.assert_close(a, b)
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(losses["sdpa", True][0], losses["sdpa", False][0])  # documents change the loss
+
+
+def test_dispatch_auto_choices():
+    from loom.config.sections import ModelConfig
+    from loom.kernels import dispatch
+
+    auto = ModelConfig()
+    cpu = dispatch.resolve_kernels(auto, "cpu", compile=False, documents=True, model_parallel=False)
+    assert cpu.attention == "sdpa" and not (cpu.fused_norm or cpu.fused_loss)
+    forced = dispatch.resolve_kernels(ModelConfig(attention="flash", fused_norm="true"), "cpu", compile=False,
+                                      documents=False, model_parallel=False)
+    assert forced.attention == "flash" and forced.fused_norm
+    if dispatch.has_triton():
+        gpu_docs = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, model_parallel=False)
+        assert gpu_docs.attention == "flash" and gpu_docs.fused_norm and gpu_docs.fused_loss
+        gpu = dispatch.resolve_kernels(auto, "cuda", compile=True, documents=False, model_parallel=True)
+        assert gpu.attention == "sdpa" and not gpu.fused_norm and not gpu.fused_loss
+
+
+INTERPRETER_SCRIPT = textwrap.dedent("""
+    import torch
+    from loom.kernels.attention import reference as R, triton as T
+    torch.manual_seed(0)
+    worst = 0.0
+    for b, hq, hk, s, d, causal, docs, window in [(1, 2, 1, 37, 16, True, False, 0), (1, 2, 2, 45, 32, True, True, 0),
+                                                  (2, 4, 2, 40, 16, False, True, 9), (1, 2, 1, 45, 16, True, False, 7)]:
+        q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
+        bounds = None
+        if docs:
+            ids = torch.sort(torch.randint(0, 4, (b, s)), dim=1).values
+            ids[:, -3:] = -1  # padding rows: nothing visible
+            bounds = R.document_bounds(ids)
+        o1, l1 = R.attention_forward(q, k, v, causal, bounds, window, d ** -0.5)
+        o2, l2 = T.attention_forward(q, k, v, causal, bounds, window, d ** -0.5)
+        assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and not torch.isnan(o2).any()
+        do = torch.randn_like(o1)
+        g1 = R.attention_backward(do, q, k, v, o1, l1, None, causal, bounds, window, d ** -0.5)
+        g2 = T.attention_backward(do, q, k, v, o2, l2, None, causal, bounds, window, d ** -0.5)
+        fin = torch.isfinite(l1)
+        errs = [(o1 - o2).abs().max(), (l1[fin] - l2[fin]).abs().max()] + [(a - c).abs().max() for a, c in zip(g1, g2)]
+        worst = max(worst, max(float(e) for e in errs))
+    print("WORST", worst)
+""")
+
+
+def _interpreter_ok() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return None if (major, minor) >= (3, 8) else f"triton {triton.__version__} < 3.8 (its interpreter fails here)"
+
+
+@pytest.mark.skipif(_interpreter_ok() is not None, reason=str(_interpreter_ok()))
+def test_triton_kernels_in_the_cpu_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    worst = float(res.stdout.split("WORST")[1])
+    assert worst < 1e-4, worst
