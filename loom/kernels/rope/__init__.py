@@ -1,0 +1,1 @@
+"""Fused rotary position embedding (rotate-half convention), optional per-token positions."""
