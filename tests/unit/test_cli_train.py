@@ -110,6 +110,11 @@ CASES = [
     ("bad-nproc", ["--nproc-per-node", "two"], ["--nproc-per-node = 'two'", "expected a positive integer"]),
     ("warmup-longer-than-training", ["--training.steps", "5", "--optimizer.warmup_steps", "10"],
      ["optimizer.warmup_steps = 10", "must be <= training.steps (5)"]),
+    ("profile-steps-format", ["--metrics.profile_steps", "3"],
+     ["metrics.profile_steps = '3'", "allowed: '' (off) or 'A:B', whole numbers with 1 <= A <= B"]),
+    ("profile-steps-order", ["--metrics.profile_steps", "3:2"], ["metrics.profile_steps = '3:2'", "1 <= A <= B"]),
+    ("profile-steps-past-training", ["--training.steps", "5", "--metrics.profile_steps", "4:6"],
+     ["metrics.profile_steps = '4:6'", "the last profiled step must be <= training.steps (5)"]),
     ("positional-argument", ["train.toml"], ["'train.toml'", "expected --section.field value"]),
 ]
 

@@ -1,0 +1,193 @@
+"""Built-in profiling of a window of optimizer steps (``metrics.profile_steps = "A:B"``).
+
+Over steps A..B (1-based, as the trainer logs them) every rank writes to ``<run.dir>/profile/``:
+
+* ``trace_rank<r>.json``: a ``torch.profiler`` trace (Chrome / Perfetto JSON; CPU, plus CUDA on a GPU) with
+  named ranges: ``ProfilerStep#<n>`` per step (the name torch.profiler's own step ranges use, so trace
+  analysis tools find the steps), ``forward`` / ``backward`` / ``optimizer`` (``forward_backward`` for a
+  pipeline schedule run) from the trainer, and ``block.<i>`` / ``block.<i>.backward`` per transformer block
+  from hooks. The collectives of FSDP2 / DDP / TP / PP carry their own names (``c10d::`` ops, ``gloo:`` or
+  ``nccl:`` ranges, NCCL kernels).
+* on CUDA, ``memory_snapshot_rank<r>.pickle``: the allocator's history over the window (pytorch.org/memory_viz).
+
+Outside the window nothing is registered and ``phase`` hands back a shared no-op context: profiling that is
+off costs an attribute test per phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+_OFF = contextlib.nullcontext()  # stateless, so one instance serves every phase
+MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept (the oldest are dropped): bounds the snapshot's size
+
+
+class BlockRanges:
+    """``block.<i>`` (forward) and ``block.<i>.backward`` ranges for transformer blocks, from hooks that
+    this class registers and removes, so the model code holds no profiling calls.
+
+    Forward: a module pre-hook (prepended, so it runs before FSDP2's all-gather hook) opens the range and a
+    module post-hook (appended, after FSDP2's reshard) closes it. Backward: a gradient hook on the block's
+    output opens ``block.<i>.backward`` when the gradient reaches the block, and one on its input closes it
+    when the block's input gradient is done (with split-backward pipeline schedules that is the input
+    gradient only). Backward runs one block at a time per thread, so opening a backward range first closes
+    any other one: block i's input is block i-1's output, and its two hooks run in registration order."""
+
+    def __init__(self, blocks: dict[str, nn.Module]):
+        self._open: dict[str, record_function] = {}
+        self._closed = False
+        self._handles = []
+        for name, block in blocks.items():
+            self._handles.append(block.register_forward_pre_hook(functools.partial(self._pre, name), prepend=True))
+            self._handles.append(block.register_forward_hook(functools.partial(self._post, name)))
+
+    def _enter(self, key: str) -> None:
+        if self._closed or key in self._open:
+            return
+        rf = record_function(key)
+        rf.__enter__()
+        self._open[key] = rf
+
+    def _exit(self, key: str) -> None:
+        rf = self._open.pop(key, None)
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+    def _enter_backward(self, key: str, grad) -> None:
+        for open_key in [k for k in self._open if k.endswith(".backward")]:
+            self._exit(open_key)
+        self._enter(key)
+
+    def _exit_backward(self, key: str, grad) -> None:
+        self._exit(key)
+
+    def _pre(self, name: str, module: nn.Module, args: tuple) -> None:
+        self._enter(f"block.{name}")
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            x.register_hook(functools.partial(self._exit_backward, f"block.{name}.backward"))
+
+    def _post(self, name: str, module: nn.Module, args: tuple, out) -> None:
+        self._exit(f"block.{name}")
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(functools.partial(self._enter_backward, f"block.{name}.backward"))
+
+    def close(self) -> None:
+        """Remove the module hooks and end any range left open (a step cut short); gradient hooks still
+        attached to live graphs become no-ops."""
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        for key in list(self._open):
+            self._exit(key)
+
+
+def transformer_blocks(parts: list[nn.Module]) -> dict[str, nn.Module]:
+    """This rank's blocks by their model-wide index (the ``layers`` keys survive pipeline splitting)."""
+    return {name: block for part in parts for name, block in part.layers.items()}
+
+
+class StepProfiler:
+    """One job: profile optimizer steps ``window = (first, last)`` on this rank (``None`` = off).
+
+    The trainer calls ``start(step)`` before each step, wraps its phases in ``phase(name)`` and calls
+    ``step_done(step)`` after it; ``close()`` (in a ``finally``) writes out a window that training left early.
+    ``blocks`` are the modules that get ``block.<i>`` ranges (``None``: none, e.g. under torch.compile,
+    where the hooks would run inside the compiled graph)."""
+
+    def __init__(self, window: tuple[int, int] | None, run_dir: str, rank: int, device: torch.device,
+                 blocks: dict[str, nn.Module] | None = None, is_main: bool = True):
+        self.window = window
+        self.out_dir = os.path.join(run_dir, "profile")
+        self.rank, self.device, self.blocks, self.is_main = rank, device, blocks, is_main
+        self.cuda = device.type == "cuda"
+        self._prof: torch.profiler.profile | None = None
+        self._step_range: record_function | None = None
+        self._block_ranges: BlockRanges | None = None
+        self._first_step = self._last_step = 0
+        self.done = False
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def phase(self, name: str):
+        """A named range while the window is being profiled, else a shared no-op context."""
+        return record_function(name) if self._prof is not None else _OFF
+
+    def start(self, step: int) -> None:
+        """Begin profiling if ``step`` is in the window (the first step of it, or a later one after a resume)
+        and it has not run yet; then open the step's range."""
+        if self.window is None or self.done:
+            return
+        if self._prof is None:
+            if not self.window[0] <= step <= self.window[1]:
+                return
+            self._begin(step)
+        self._step_range = record_function(f"ProfilerStep#{step}")
+        self._step_range.__enter__()
+
+    def step_done(self, step: int) -> None:
+        if self._prof is None:
+            return
+        self._end_step_range()
+        self._last_step = step
+        if step >= self.window[1]:
+            self._finish()
+
+    def close(self) -> None:
+        """Write out what was recorded if training stopped inside the window (SIGTERM, an error)."""
+        if self._prof is not None:
+            self._end_step_range()
+            self._finish()
+
+    # ---- internals ----------------------------------------------------------------
+    def _begin(self, step: int) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, stacks="python",
+                                                     device=self.device)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+        self._prof.start()
+        if self.blocks:
+            self._block_ranges = BlockRanges(self.blocks)
+        self._first_step = self._last_step = step
+
+    def _end_step_range(self) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+
+    def _finish(self) -> None:
+        if self._block_ranges is not None:
+            self._block_ranges.close()
+            self._block_ranges = None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the window's kernels are in the trace
+        prof, self._prof = self._prof, None
+        prof.stop()
+        prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
+        if self.cuda:
+            torch.cuda.memory._dump_snapshot(os.path.join(self.out_dir, f"memory_snapshot_rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+        self.done = True
+        if self.is_main:
+            print(self.describe(), flush=True)
+
+    def describe(self) -> str:
+        """The one log line: which steps, where the files are, how to open them."""
+        steps = f"step {self._first_step}" if self._first_step == self._last_step else \
+            f"steps {self._first_step}-{self._last_step}"
+        memory = ("memory_snapshot_rank<r>.pickle (pytorch.org/memory_viz)" if self.cuda
+                  else f"no memory snapshot (CUDA only; this run is on {self.device.type})")
+        blocks = "" if self.blocks is not None else " (no block ranges: hooks would run inside torch.compile's graph)"
+        return (f"profile: {steps} -> {self.out_dir}: trace_rank<r>.json (ui.perfetto.dev or chrome://tracing)"
+                f"{blocks}, {memory}")

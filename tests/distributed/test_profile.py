@@ -1,0 +1,41 @@
+"""``metrics.profile_steps`` on 2 gloo ranks: each rank writes its own trace, with the phase and block ranges
+and the collectives FSDP2 and the pipeline schedule launch (under their own names), on every layout."""
+
+from __future__ import annotations
+
+import json
+
+from tests.distributed.harness import run_jobs
+
+
+def job(tmp, name, **extra) -> dict:
+    d = {"run.dir": f"{tmp}/{name}", "data.cache_dir": f"{tmp}/cache", "training.steps": 2, "training.seq_len": 32,
+         "training.global_batch_size": 8, "training.micro_batch_size": 2, "model.n_layers": 4,
+         "optimizer.warmup_steps": 1, "metrics.every": 1, "metrics.tensorboard": "false",
+         "checkpoint.at_end": "false", "metrics.profile_steps": "2:2"}
+    d.update(extra)
+    return d
+
+
+def range_names(path) -> set[str]:
+    with open(path) as fh:
+        return {e["name"] for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"}
+
+
+def test_every_rank_traces_its_phases_blocks_and_collectives(tmp_path):
+    jobs = {"fsdp": job(tmp_path, "fsdp", **{"parallel.dp_shard": 2}),
+            "pp": job(tmp_path, "pp", **{"parallel.pp": 2, "parallel.dp_shard": 1})}
+    for result in run_jobs(2, list(jobs.values()), str(tmp_path)):
+        assert "error" not in result, result["error"]
+    for rank in (0, 1):
+        fsdp = range_names(tmp_path / "fsdp" / "profile" / f"trace_rank{rank}.json")
+        assert {"ProfilerStep#2", "forward", "backward", "optimizer"} <= fsdp
+        assert {f"block.{i}{s}" for i in range(4) for s in ("", ".backward")} <= fsdp
+        assert {"gloo:all_gather", "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"} <= fsdp
+        assert any(n.startswith("FSDP::all_gather") for n in fsdp)
+
+        pp = range_names(tmp_path / "pp" / "profile" / f"trace_rank{rank}.json")
+        assert {"ProfilerStep#2", "forward_backward", "optimizer", "gloo:send", "gloo:recv"} <= pp
+        mine = (0, 1) if rank == 0 else (2, 3)  # stage 0 holds layers 0-1, stage 1 layers 2-3
+        assert {f"block.{i}{s}" for i in mine for s in ("", ".backward")} <= pp
+        assert not any(n == f"block.{i}" for i in range(4) if i not in mine for n in pp)
