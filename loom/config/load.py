@@ -192,6 +192,23 @@ def check_cross_fields(cfg: Config) -> None:
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
                           f"must be <= training.steps ({t.steps})")
+    window = profile_window(cfg.metrics)
+    if window and window[1] > t.steps:
+        raise ConfigError("metrics.profile_steps", cfg.metrics.profile_steps,
+                          f"the last profiled step must be <= training.steps ({t.steps})")
+
+
+def profile_window(metrics) -> tuple[int, int] | None:
+    """``metrics.profile_steps`` as (first, last) optimizer steps, None when empty (off), else a ConfigError."""
+    text = metrics.profile_steps.strip()
+    if not text:
+        return None
+    first, sep, last = (part.strip() for part in text.partition(":"))
+    whole = all(n.isascii() and n.isdecimal() for n in (first, last))
+    if sep and whole and 1 <= int(first) <= int(last):
+        return int(first), int(last)
+    raise ConfigError("metrics.profile_steps", metrics.profile_steps,
+                      "allowed: '' (off) or 'A:B', whole numbers with 1 <= A <= B (optimizer steps, 1-based)")
 
 
 PIPELINE_SCHEDULES_SINGLE = ("gpipe", "1f1b")  # one stage per rank

@@ -129,6 +129,8 @@ class MetricsConfig:
     every: int = opt(10, "log every N steps", min=1)
     tensorboard: bool = opt(True, "also write TensorBoard events when tensorboard is installed")
     progress: bool = opt(True, "progress bar on rank 0 when stderr is a terminal")
+    profile_steps: str = opt("", "'A:B' = profile optimizer steps A..B (1 <= A <= B <= training.steps): trace "
+                                 "per rank (+ CUDA memory snapshot) in <run.dir>/profile; empty = off")
 
 
 SECTIONS = {

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config.errors import ConfigError
-from loom.config.load import accumulation_steps, to_toml
+from loom.config.load import accumulation_steps, profile_window, to_toml
 from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, prepare_data
 from loom.data import describe_sources
@@ -19,6 +19,7 @@ from loom.data.loader import MicroBatch
 from loom.metrics.flops import device_peak, mfu
 from loom.metrics.logger import MetricsLogger
 from loom.metrics.memory import peak_memory_gib, reset_peak
+from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.llama import FLAVORS, Llama, round_vocab
 from loom.models.llama.parallelize import parallelize_llama
 from loom.parallel.dims import ParallelDims
@@ -89,6 +90,7 @@ class Trainer:
         self._build_model()
         self._build_optimizer()
         self._build_checkpointer()
+        self._build_profiler()
         self.step, self.tokens_seen = 0, 0
 
     # ---- build steps ------------------------------------------------------
@@ -161,6 +163,12 @@ class Trainer:
         self.checkpointer = CheckpointManager(self.cfg.checkpoint, self.run_dir, is_main=self.env.is_main,
                                               barrier=self.barrier, share=self.share_from_main)
 
+    def _build_profiler(self) -> None:
+        """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph)."""
+        blocks = None if self.cfg.training.compile else transformer_blocks(self.parts)
+        self.profiler = StepProfiler(profile_window(self.cfg.metrics), self.run_dir, self.env.rank, self.device,
+                                     blocks, is_main=self.env.is_main)
+
     # ---- collectives over the data-parallel ranks ----------------------------
     def barrier(self) -> None:
         if self.env.world_size > 1:
@@ -204,8 +212,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(mbs):
             with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.loss_parallel):
-                loss = self._forward_loss(mb)
-                (loss * grad_scale).backward()
+                with self.profiler.phase("forward"):
+                    loss = self._forward_loss(mb)
+                with self.profiler.phase("backward"):
+                    (loss * grad_scale).backward()
             loss_sum += loss.detach()
         return loss_sum
 
@@ -214,7 +224,8 @@ class Trainer:
         loss of this data-parallel rank's batch on every pp rank."""
         self._grad_scale = grad_scale
         self.busy.start()
-        losses = self._run_schedule(self.pipeline.step, mbs)
+        with self.profiler.phase("forward_backward"):
+            losses = self._run_schedule(self.pipeline.step, mbs)
         self.busy.stop()
         self.tied.sync()
         loss_sum = torch.stack(losses).sum().detach() / grad_scale if losses else torch.zeros((), device=self.device)
@@ -256,18 +267,19 @@ class Trainer:
         else:
             loss_sum = self._accumulate(mbs, grad_scale)
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = self._grad_norm() / self.scaler.scale
-        stepped = True
-        if self.scaler.enabled:
-            stepped = self.scaler.update(float(norm))
-        if stepped:
-            clip = 1.0 if self.cfg.training.max_norm == 0 else torch.clamp(
-                self.cfg.training.max_norm / (norm + 1e-6), max=1.0)
-            if self.scaler.enabled or self.cfg.training.max_norm:
-                scale_grads(self.params, clip / self.scaler.scale)
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.profiler.phase("optimizer"):  # grad norm, clipping, step, zero_grad
+            norm = self._grad_norm() / self.scaler.scale
+            stepped = True
+            if self.scaler.enabled:
+                stepped = self.scaler.update(float(norm))
+            if stepped:
+                clip = 1.0 if self.cfg.training.max_norm == 0 else torch.clamp(
+                    self.cfg.training.max_norm / (norm + 1e-6), max=1.0)
+                if self.scaler.enabled or self.cfg.training.max_norm:
+                    scale_grads(self.params, clip / self.scaler.scale)
+                self.optimizer.step()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return {"loss": self.dp_sum(loss_sum) / n_tokens, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
 
     @torch.no_grad()
@@ -353,8 +365,10 @@ class Trainer:
                 self.checkpointer.poll()
                 logs = self._logs_at(self.step + 1)
                 data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
+                self.profiler.start(self.step + 1)
                 out = self.train_step(data.micro_batches)
                 self.step += 1
+                self.profiler.step_done(self.step)
                 self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
                 if logger:
                     logger.progress.update(self.step)
@@ -383,6 +397,7 @@ class Trainer:
             self.checkpointer.wait()
         finally:
             stop.restore()
+            self.profiler.close()
             if logger:
                 logger.close()
         return records
