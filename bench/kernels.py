@@ -216,13 +216,38 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def breakdown(d: int, hq: int, hkv: int, s: int, dtype) -> dict:
+    """Time of each loom kernel (forward, backward preprocess, dK/dV, dQ) and the configs autotuning chose."""
+    from loom.kernels.attention import triton as T
+
+    b = TOKENS // s
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv))
+    scale = d ** -0.5
+    out, lse = T.attention_forward(q, k, v, True, None, 0, scale)
+    dout = torch.randn_like(out)
+    T.attention_backward(dout, q, k, v, out, lse, None, True, None, 0, scale)
+    flops = attention_flops(b, hq, d, None, s, True)
+    fwd = bench_ms(lambda: T.attention_forward(q, k, v, True, None, 0, scale))
+    bwd = bench_ms(lambda: T.attention_backward(dout, q, k, v, out, lse, None, True, None, 0, scale))
+    chosen = {kind: str(T._TUNED[kind].best_config) for kind in T._TUNED}
+    row = {"head_dim": d, "seq": s, "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9,
+           "bwd_tflops": 2.5 * flops / bwd / 1e9, "configs": chosen}
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--suite", choices=SUITES, default="quick")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--breakdown", action="store_true", help="time loom's kernels one by one (d64 and d128, seq 8192)")
     a = p.parse_args()
+    if a.breakdown:
+        for d, h in ((64, 32), (128, 16)):
+            breakdown(d, h, h, 8192, getattr(torch, a.dtype))
+        return
     suite = SUITES[a.suite]
     dtype = getattr(torch, a.dtype)
     rows = []

@@ -261,6 +261,12 @@ def check_parallel_fields(cfg: Config) -> None:
                           "allowed: 0 with zbv | dualpipev, or another schedule")
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
+    if cfg.model.fused_norm == "true" and p.tp > 1:
+        raise ConfigError("model.fused_norm", True, "not supported with parallel.tp > 1 (sequence-parallel norms run "
+                          "on DTensors): allowed auto | false there")
+    if cfg.model.fused_loss == "true" and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("model.fused_loss", True, "not supported with parallel.tp > 1 or parallel.pp > 1 (vocab-"
+                          "sharded or stage-split output): allowed auto | false there")
 
 
 def accumulation_steps(training, dp_size: int) -> int:

@@ -43,7 +43,17 @@ class ModelConfig:
     vocab_size: int = opt(0, "embedding rows; 0 = from the tokenizer rounded up to a multiple of 128", min=0)
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
     tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
-    attention: str = opt("sdpa", "attention backend", choices=("sdpa",))
+    attention: str = opt("auto", "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'auto' = "
+                                 "the fastest measured for the device and data (loom.kernels.dispatch)",
+                         choices=("auto", "sdpa", "flash"))
+    fused_norm: str = opt("auto", "fused Triton RMSNorm; auto = on for CUDA without compile",
+                          choices=("auto", "true", "false"))
+    fused_rope: str = opt("auto", "fused Triton RoPE; auto = on for CUDA without compile",
+                          choices=("auto", "true", "false"))
+    fused_swiglu: str = opt("auto", "fused Triton SwiGLU gate; auto = on for CUDA without compile",
+                            choices=("auto", "true", "false"))
+    fused_loss: str = opt("auto", "linear + cross-entropy fused, chunked over tokens (no full logits); auto = on "
+                                  "for CUDA; not with parallel.tp/pp > 1", choices=("auto", "true", "false"))
 
 
 @dataclass

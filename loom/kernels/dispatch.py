@@ -6,7 +6,8 @@ per device, compile mode and data layout from what bench/kernels.py and bench/tr
   bench/results/kernels_h100.md); packed documents -> ours (``flash``: skips the blocks a document mask
   removes, where SDPA needs an explicit dense mask); CPU -> SDPA (the reference is for tests);
 - fused RMSNorm / RoPE / SwiGLU: CUDA without torch.compile -> ours; with compile Inductor generates
-  fused kernels of its own for them; CPU -> plain PyTorch;
+  fused kernels of its own for them; CPU -> plain PyTorch; the fused RMSNorm is off under tensor
+  parallelism (sequence-parallel norms see DTensors, which the custom op has no sharding rule for);
 - fused linear + cross-entropy: CUDA -> on (never materializes the logits); not with tensor or pipeline
   parallelism (vocab-sharded or stage-split output); CPU -> off.
 """
@@ -39,8 +40,9 @@ def _flag(value: str, auto: bool) -> bool:
     return auto if value == "auto" else value == "true"
 
 
-def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, model_parallel: bool) -> KernelChoice:
-    """``model_cfg``: the ``model`` config section; ``model_parallel``: tensor or pipeline parallelism on."""
+def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, tp: bool = False,
+                    pp: bool = False) -> KernelChoice:
+    """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on."""
     triton_gpu = device_type == "cuda" and has_triton()
     attention = model_cfg.attention
     if attention == "auto":
@@ -48,8 +50,8 @@ def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bo
     eager_gpu = triton_gpu and not compile
     return KernelChoice(
         attention=attention,
-        fused_norm=_flag(model_cfg.fused_norm, eager_gpu),
+        fused_norm=_flag(model_cfg.fused_norm, eager_gpu and not tp),
         fused_rope=_flag(model_cfg.fused_rope, eager_gpu),
         fused_swiglu=_flag(model_cfg.fused_swiglu, eager_gpu),
-        fused_loss=_flag(model_cfg.fused_loss, triton_gpu and not model_parallel),
+        fused_loss=_flag(model_cfg.fused_loss, triton_gpu and not (tp or pp)),
     )

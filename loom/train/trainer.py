@@ -16,6 +16,8 @@ from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, prepare_data
 from loom.data import describe_sources
 from loom.data.loader import MicroBatch
+from loom.kernels.dispatch import KernelChoice, resolve_kernels
+from loom.kernels.triton_support import has_triton
 from loom.metrics.flops import device_peak, mfu
 from loom.metrics.logger import MetricsLogger
 from loom.metrics.memory import peak_memory_gib, reset_peak
@@ -46,7 +48,19 @@ def resolve_model_args(cfg: Config, tokenizer):
         raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     layers = cfg.model.n_layers or args.n_layers
-    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers)
+    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers,
+                      **kernel_choice(cfg).as_args())
+
+
+def kernel_choice(cfg: Config) -> KernelChoice:
+    """model.attention / model.fused_* with ``auto`` resolved for this run (loom.kernels.dispatch)."""
+    device = "cuda" if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if device == "cuda" and not has_triton() and (cfg.model.attention == "flash" or "true" in (
+            cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
+        raise ConfigError("model.attention / model.fused_*", "flash / true",
+                          "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
+    return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
+                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1)
 
 
 def count_params(args) -> int:
@@ -200,6 +214,8 @@ class Trainer:
         """Summed token loss of one micro-batch (call under ``loss_parallel_context`` with TP)."""
         with self._autocast():
             positions = mb.positions if self.cfg.data.document_positions else None
+            if self.model_args.fused_loss:  # loss inside forward, where FSDP2 has the output weight unsharded
+                return to_local_loss(self.model(mb.inputs, positions, labels=mb.labels))
             logits = self.model(mb.inputs, positions)  # (B, S, V), or a vocab-sharded DTensor (B, S, V/tp)
         return to_local_loss(cross_entropy_sum(logits, mb.labels))
 
@@ -355,6 +371,7 @@ class Trainer:
             print(f"loom: {cfg.model.flavor} ({count_params(self.model_args) / 1e6:.1f}M params), "
                   f"{self.dims.describe()}, accumulation {self.accum}, dtype {cfg.training.dtype}, "
                   f"device {self.device.type}", flush=True)
+            print(f"kernels: {kernel_choice(cfg).describe()}", flush=True)
             if self.plan is not None:
                 self._describe_pipeline()
         records: list[dict] = []

@@ -144,16 +144,18 @@ def test_dispatch_auto_choices():
     from loom.kernels import dispatch
 
     auto = ModelConfig()
-    cpu = dispatch.resolve_kernels(auto, "cpu", compile=False, documents=True, model_parallel=False)
+    cpu = dispatch.resolve_kernels(auto, "cpu", compile=False, documents=True)
     assert cpu.attention == "sdpa" and not (cpu.fused_norm or cpu.fused_loss)
     forced = dispatch.resolve_kernels(ModelConfig(attention="flash", fused_norm="true"), "cpu", compile=False,
-                                      documents=False, model_parallel=False)
+                                      documents=False)
     assert forced.attention == "flash" and forced.fused_norm
     if dispatch.has_triton():
-        gpu_docs = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, model_parallel=False)
+        gpu_docs = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True)
         assert gpu_docs.attention == "flash" and gpu_docs.fused_norm and gpu_docs.fused_loss
-        gpu = dispatch.resolve_kernels(auto, "cuda", compile=True, documents=False, model_parallel=True)
+        gpu = dispatch.resolve_kernels(auto, "cuda", compile=True, documents=False, tp=True)
         assert gpu.attention == "sdpa" and not gpu.fused_norm and not gpu.fused_loss
+        tp_eager = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=False, tp=True)
+        assert not tp_eager.fused_norm and tp_eager.fused_swiglu
 
 
 INTERPRETER_SCRIPT = textwrap.dedent("""

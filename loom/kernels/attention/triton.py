@@ -323,15 +323,54 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, 
 
 
 # --------------------------------------------------------------------------------------------- launchers
-def _block_sizes(kind: str, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel; small blocks in the CPU interpreter."""
-    if interpreting():  # small, and uneven between the query and key side so both split paths run
-        return (16, 32, 1, 1) if kind == "dkdv" else (32, 16, 1, 1)
-    if kind == "fwd":
-        return (128, 64, 8, 3) if head_dim == 128 else (128, 64, 4, 3)
-    if kind == "dkdv":
-        return (64, 128, 8, 3) if head_dim == 128 else (64, 128, 8, 3)
-    return (128, 64, 8, 3) if head_dim == 128 else (128, 64, 8, 3)  # dq
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, sob, soh, sos, sdob, sdoh, sdos, S, H, HAS_DLSE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(O * dO) - dLSE, and the log-sum-exp in log2 units (+inf where a row saw nothing)."""
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = offs_m < S
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * S + offs_m, mask=in_seq, other=0.0)
+    lse = tl.load(LSE + bh * S + offs_m, mask=in_seq, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + bh * S + offs_m, delta, mask=in_seq)
+    tl.store(LSE2 + bh * S + offs_m, lse2, mask=in_seq)
+
+
+def _configs(shapes) -> list:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+# candidates measured by autotuning on the first call of each (sequence, group, head dim, mask) key
+_FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4)]
+_DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
+                 (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
+_DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4)]
+_KEY = ["S", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
+_INTERPRETER_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}  # uneven: both split paths run
+
+
+def _kernel(kind: str):
+    """The kernel for ``kind``: autotuned on a GPU, fixed small blocks in the CPU interpreter."""
+    raw, configs = {"fwd": (_attn_fwd, _FWD_CONFIGS), "dkdv": (_attn_bwd_dkdv, _DKDV_CONFIGS),
+                    "dq": (_attn_bwd_dq, _DQ_CONFIGS)}[kind]
+    if interpreting():
+        m, n = _INTERPRETER_BLOCKS[kind]
+        return raw, {"BLOCK_M": m, "BLOCK_N": n}
+    if kind not in _TUNED:
+        _TUNED[kind] = triton.autotune(configs=_configs(configs), key=_KEY)(raw)
+    return _TUNED[kind], {}
+
+
+_TUNED: dict = {}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, window: int) -> None:
@@ -367,38 +406,37 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
-    bm, bn, warps, stages = _block_sizes("fwd", dim)
-    grid = (triton.cdiv(seq, bm), bsz * hq)
-    _attn_fwd[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                    *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, scale * LOG2E, CAUSAL=causal,
-                    HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
-                    num_warps=warps, num_stages=stages)
+    kernel, blocks = _kernel("fwd")
+    grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)  # noqa: E731
+    kernel[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                 *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, scale * LOG2E, CAUSAL=causal,
+                 HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, **blocks)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp."""
     check_inputs(q, k, v, bounds, window)
-    if dout.shape != q.shape or dout.stride(-1) != 1:
+    if dout.stride(-1) != 1:
         dout = dout.contiguous()
     bsz, hq, seq, dim = q.shape
-    delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, S)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    lse2 = torch.where(torch.isinf(lse), float("inf"), lse * LOG2E).contiguous()  # rows that saw nothing: p = 0
-    delta = delta.contiguous()
+    delta = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    dlse_c = dlse.float().contiguous() if dlse is not None else delta
+    _bwd_preprocess[(triton.cdiv(seq, 64), bsz * hq)](out, dout, lse.contiguous(), dlse_c, delta, lse2,
+                                                       *out.stride()[:3], *dout.stride()[:3], seq, hq,
+                                                       HAS_DLSE=dlse is not None, HEAD_DIM=dim, BLOCK_M=64)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     group = hq // k.shape[1]
     b_ = _dummy_bounds(q, bounds)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
-    bm, bn, warps, stages = _block_sizes("dkdv", dim)
-    _attn_bwd_dkdv[(triton.cdiv(seq, bn), bsz * k.shape[1])](
+    kernel, blocks = _kernel("dkdv")
+    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * k.shape[1])](
         q, k, v, dout, lse2, delta, dk, dv, b_, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, hq, group, bsz, scale * LOG2E, scale,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-    bm, bn, warps, stages = _block_sizes("dq", dim)
-    _attn_bwd_dq[(triton.cdiv(seq, bm), bsz * hq)](
+        **blocks, **common)
+    kernel, blocks = _kernel("dq")
+    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)](
         q, k, v, dout, lse2, delta, dq, b_, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *dout.stride()[:3], *dq.stride()[:3], seq, hq, group, bsz, scale * LOG2E, scale,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+        *dout.stride()[:3], *dq.stride()[:3], seq, hq, group, bsz, scale * LOG2E, scale, **blocks, **common)
     return dq, dk, dv

@@ -21,6 +21,13 @@ class LlamaArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048
     head_dim: int = 0  # 0 = dim // n_heads
+    attention: str = "sdpa"  # "sdpa" (PyTorch) or "flash" (loom.kernels.attention, Triton on CUDA)
+    # fused Triton kernels on CUDA (loom.kernels.rmsnorm / rope / swiglu); the same math, reference on CPU
+    fused_norm: bool = False
+    fused_rope: bool = False
+    fused_swiglu: bool = False
+    # loss inside forward through loom.kernels.linear_ce (no full logits); not with tensor/pipeline parallelism
+    fused_loss: bool = False
 
     def __post_init__(self):
         if self.head_dim == 0:

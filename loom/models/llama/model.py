@@ -5,18 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loom.kernels.linear_ce import linear_cross_entropy
 from loom.models.common.layers import Attention, FeedForward, RMSNorm
 from loom.models.common.rope import rope_table
 from loom.models.llama.flavors import LlamaArgs
+from loom.train.loss import cross_entropy_sum
 
 
 class Block(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, fused_rope=args.fused_rope,
+                                   backend=args.attention)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, fused=args.fused_swiglu)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, positions)  # (B, S, E)
@@ -32,7 +35,7 @@ class Llama(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -54,8 +57,13 @@ class Llama(nn.Module):
             return 0.02 / (2 * self.args.n_layers) ** 0.5
         return 0.02
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, S) int64; positions: (B, S) per-document positions or None. Returns logits (B, S, V).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, S) int64; positions: (B, S) per-document positions or None. Returns logits (B, S, V),
+        or with ``labels`` ((B, S) int64, IGNORE = no loss) the summed token loss (fp32 scalar): through
+        ``linear_cross_entropy`` (no full logits) when ``args.fused_loss``, else ``cross_entropy_sum`` of
+        the logits. The loss is taken here because under FSDP2 the output weight is unsharded only
+        inside forward. A pipeline stage without ``output`` ignores ``labels``.
 
         A pipeline stage is this model with parts removed (set to None, layers deleted): it embeds
         integer input (token ids) and passes floating input (the previous stage's hidden states, (B, S, E))
@@ -65,4 +73,10 @@ class Llama(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope, positions)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, S, V) or (B, S, E)
+        if self.output is None:
+            return h  # (B, S, E)
+        if labels is None:
+            return self.output(h)  # (B, S, V)
+        if self.args.fused_loss:
+            return linear_cross_entropy(h, self.output.weight, labels)  # h (B, S, E), labels (B, S)
+        return cross_entropy_sum(self.output(h), labels)
