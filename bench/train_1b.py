@@ -23,19 +23,35 @@ import sys
 import time
 
 SEQ = 2048
-VARIANTS = ("loom_eager", "loom_compile", "hf_eager", "hf_compile")
+_PLAIN = {"model.attention": "sdpa", "model.fused_norm": "false", "model.fused_rope": "false",
+          "model.fused_swiglu": "false", "model.fused_loss": "false"}
+# loom variants: config overrides on top of the common settings; kernels default to ``auto``
+VARIANTS = {
+    "loom_eager": {},
+    "loom_compile": {"training.compile": "true"},
+    "loom_eager_plain": _PLAIN,  # no loom kernels: PyTorch SDPA and plain modules
+    "loom_compile_unfused_loss": {"training.compile": "true", "model.fused_loss": "false"},
+    "loom_compile_float8_tensorwise": {"training.compile": "true", "training.float8": "tensorwise"},
+    "loom_compile_float8_rowwise": {"training.compile": "true", "training.float8": "rowwise"},
+    # packed documents (attention never crosses a document): loom's kernel vs SDPA with a dense mask
+    "loom_docs_flash": {"training.compile": "true", "data.document_positions": "true", "model.attention": "flash"},
+    "loom_docs_sdpa": {"training.compile": "true", "data.document_positions": "true", "model.attention": "sdpa"},
+    "hf_eager": None,
+    "hf_compile": None,
+}
+DEFAULT_VARIANTS = ("loom_eager", "loom_compile", "hf_eager", "hf_compile")
 
 
-def loom_trainer(micro_batch: int, compile_: bool, run_dir: str):
+def loom_trainer(micro_batch: int, overrides: dict, run_dir: str, seq: int):
     from loom.config import build_config
     from loom.train.trainer import Trainer
 
     cfg = build_config(None, {
-        "model.flavor": "1B", "training.seq_len": str(SEQ), "training.global_batch_size": str(micro_batch),
+        "model.flavor": "1B", "training.seq_len": str(seq), "training.global_batch_size": str(micro_batch),
         "training.micro_batch_size": str(micro_batch), "training.dtype": "bfloat16",
-        "training.compile": str(compile_).lower(), "training.steps": "1000", "optimizer.lr": "3e-4",
+        "training.steps": "1000", "optimizer.lr": "3e-4",
         "optimizer.implementation": "fused", "checkpoint.at_end": "false", "run.dir": run_dir,
-        "metrics.tensorboard": "false",
+        "metrics.tensorboard": "false", **overrides,
     })
     return Trainer(cfg)
 
@@ -61,11 +77,12 @@ def hf_model(args, compile_: bool):
     return model
 
 
-def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir: str) -> dict:
+def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir: str, seq: int = SEQ) -> dict:
     import torch
 
     torch.manual_seed(0)
-    trainer = loom_trainer(micro_batch, variant == "loom_compile", run_dir)  # also the data source for HF
+    trainer = loom_trainer(micro_batch, VARIANTS[variant] or {}, run_dir, seq)  # also the data source for HF
+    kernels = _kernels(variant, trainer)
     args = trainer.model_args
     batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
     if variant.startswith("loom"):
@@ -91,8 +108,10 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
 
     torch.cuda.reset_peak_memory_stats()
     t_first = time.perf_counter()
+    losses = []
     for i in range(warmup):
         out = step_fn(batches[i])
+        losses.append(float(out["loss"]))
         if i == 0:
             torch.cuda.synchronize()
             first_step_s = time.perf_counter() - t_first
@@ -103,20 +122,30 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
         out = step_fn(batches[i])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        losses.append(float(out["loss"]))
     from loom.metrics.flops import flops_per_token, peak_flops
 
-    tokens = micro_batch * SEQ
+    tokens = micro_batch * seq
     med = statistics.median(times)
     tps = tokens / med
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
     return {
-        "variant": variant, "params": n_params, "micro_batch": micro_batch, "seq_len": SEQ,
+        "variant": variant, "overrides": VARIANTS[variant], "params": n_params, "micro_batch": micro_batch,
+        "seq_len": seq, "kernels": kernels, "losses": losses,
         "steps_timed": steps, "warmup_steps": warmup, "step_s_median": med, "step_s_min": min(times),
         "step_s_max": max(times), "tokens_per_s": tps,
-        "mfu": tps * flops_per_token(args, SEQ) / peak if peak else None,
+        "mfu": tps * flops_per_token(args, seq) / peak if peak else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "first_step_s": first_step_s, "final_loss": float(out["loss"]),
     }
+
+
+def _kernels(variant: str, trainer) -> str | None:
+    if not variant.startswith("loom"):
+        return None
+    from loom.train.trainer import kernel_choice
+
+    return kernel_choice(trainer.cfg).describe() + (f", float8={trainer.cfg.training.float8}")
 
 
 def environment(commit: str, command: str) -> dict:
@@ -125,7 +154,7 @@ def environment(commit: str, command: str) -> dict:
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(), "commit": commit, "command": command,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for mod in ("transformers", "triton"):
+    for mod in ("transformers", "triton", "torchao"):
         try:
             env[mod] = __import__(mod).__version__
         except ImportError:
@@ -136,7 +165,8 @@ def environment(commit: str, command: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"from {', '.join(VARIANTS)}")
+    p.add_argument("--seq", type=int, default=SEQ)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
@@ -145,14 +175,14 @@ def main() -> None:
     p.add_argument("--run-dir", default="/tmp/loom_bench")
     a = p.parse_args()
     if a.variant:  # child: one variant, result as the last stdout line
-        res = run_variant(a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant))
+        res = run_variant(a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant), a.seq)
         print("RESULT " + json.dumps(res), flush=True)
         return
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
     results = []
     for v in a.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", v, "--micro-batch", str(a.micro_batch), "--steps", str(a.steps),
-               "--warmup", str(a.warmup), "--run-dir", a.run_dir]
+               "--warmup", str(a.warmup), "--run-dir", a.run_dir, "--seq", str(a.seq)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
@@ -164,20 +194,26 @@ def main() -> None:
     ratios = {}
     if "loom_eager" in by and "hf_eager" in by:
         ratios["loom_eager_vs_hf_eager"] = by["loom_eager"]["tokens_per_s"] / by["hf_eager"]["tokens_per_s"]
-    if "loom_compile" in by and "hf_compile" in by:
-        ratios["loom_compile_vs_hf_compile"] = by["loom_compile"]["tokens_per_s"] / by["hf_compile"]["tokens_per_s"]
+    for v in by:
+        if v.startswith("loom") and "hf_compile" in by:
+            ratios[f"{v}_vs_hf_compile"] = by[v]["tokens_per_s"] / by["hf_compile"]["tokens_per_s"]
+    for a_, b_ in (("loom_compile", "loom_compile_unfused_loss"), ("loom_docs_flash", "loom_docs_sdpa"),
+                   ("loom_compile_float8_tensorwise", "loom_compile"), ("loom_compile_float8_rowwise", "loom_compile"),
+                   ("loom_eager", "loom_eager_plain")):
+        if a_ in by and b_ in by:
+            ratios[f"{a_}_vs_{b_}"] = by[a_]["tokens_per_s"] / by[b_]["tokens_per_s"]
     doc = {"benchmark": "train_1b", "environment": environment(a.commit, command), "results": results,
            "ratios": ratios}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(doc, fh, indent=1)
-    print(f"\n{'variant':<14} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'first step s':>12}")
+    print(f"\n{'variant':<32} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'first step s':>12}")
     for r in results:
         if "error" in r:
-            print(f"{r['variant']:<14} ERROR {r['error'][-300:]}")
+            print(f"{r['variant']:<32} ERROR {r['error'][-300:]}")
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-            print(f"{r['variant']:<14} {r['tokens_per_s']:>10.0f} {mfu:>7} {r['peak_reserved_gib']:>9.1f} "
+            print(f"{r['variant']:<32} {r['tokens_per_s']:>10.0f} {mfu:>7} {r['peak_reserved_gib']:>9.1f} "
                   f"{r['first_step_s']:>12.1f}")
     print("ratios:", json.dumps(ratios))
 

@@ -261,6 +261,10 @@ def check_parallel_fields(cfg: Config) -> None:
                           "allowed: 0 with zbv | dualpipev, or another schedule")
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
+    if t.float8 != "none" and p.tp > 1:
+        raise ConfigError("training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there")
+    if t.float8 != "none" and t.dtype != "bfloat16":
+        raise ConfigError("training.float8", t.float8, f"needs training.dtype bfloat16 (got {t.dtype})")
     if cfg.model.fused_norm == "true" and p.tp > 1:
         raise ConfigError("model.fused_norm", True, "not supported with parallel.tp > 1 (sequence-parallel norms run "
                           "on DTensors): allowed auto | false there")

@@ -76,6 +76,9 @@ class TrainingConfig:
     dtype: str = opt("float32", "compute dtype; weights and optimizer state stay float32",
                      choices=("float32", "bfloat16", "float16"))
     compile: bool = opt(False, "torch.compile each transformer block")
+    float8: str = opt("none", "float8 matmuls in the block linears via torchao (CUDA, sm89+; bf16 dtype): "
+                              "'tensorwise' or 'rowwise' scaling; not with parallel.tp > 1",
+                      choices=("none", "tensorwise", "rowwise"))
     activation_checkpointing: str = opt("none", "activation checkpointing mode",
                                         choices=("none", "full", "every_k", "op"))
     ac_every: int = opt(2, "with activation_checkpointing=every_k: checkpoint every k-th block", min=1)

@@ -18,6 +18,7 @@ from loom.data import describe_sources
 from loom.data.loader import MicroBatch
 from loom.kernels.dispatch import KernelChoice, resolve_kernels
 from loom.kernels.triton_support import has_triton
+from loom.models.common.float8 import float8_available
 from loom.metrics.flops import device_peak, mfu
 from loom.metrics.logger import MetricsLogger
 from loom.metrics.memory import peak_memory_gib, reset_peak
@@ -59,6 +60,8 @@ def kernel_choice(cfg: Config) -> KernelChoice:
             cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
         raise ConfigError("model.attention / model.fused_*", "flash / true",
                           "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
+    if cfg.training.float8 != "none" and not float8_available():
+        raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): allowed none")
     return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
                            tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1)
 

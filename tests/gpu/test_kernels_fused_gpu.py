@@ -197,8 +197,10 @@ def test_launchers_raise_value_errors():
         swiglu_k.swiglu_forward(x, x.float())
 
 
-def test_torch_compile_fullgraph_runs_every_op():
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_compile_fullgraph_runs_every_op(dtype):
+    """fp32: compiled == eager tightly (the ops trace right); bf16: Inductor keeps the elementwise glue
+    (x * 2, h + 1) in fp32 where eager rounds to bf16, so only the loss is compared, loosely."""
     x, w = rand((2, 16, 256), dtype), 1 + rand((256,), dtype, 0.1)
     table = rope_table(64, 32, 10000.0, None, device=CUDA)
     positions = packed_positions(2, 16)
@@ -215,8 +217,13 @@ def test_torch_compile_fullgraph_runs_every_op():
         return [loss, *torch.autograd.grad(loss, (xr, wr))]
 
     compiled = torch.compile(f, fullgraph=True)
-    for have, want in zip(value_and_grads(compiled), value_and_grads(f)):
-        torch.testing.assert_close(have, want, rtol=2e-2, atol=2e-2)
+    got, expected = value_and_grads(compiled), value_and_grads(f)
+    if dtype == torch.float32:
+        for have, want in zip(got, expected):
+            torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=0)
+        assert all(torch.isfinite(g).all() for g in got[1:])
 
 
 # ---- the model with the fused flags on CUDA -----------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loom.kernels.attention.op import flash_attention
 from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, visible
@@ -39,10 +40,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
     if backend == "flash":
         return flash_attention(q, k, v, causal=True, bounds=bounds)
     gqa = q.shape[1] != k.shape[1]
-    if bounds is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    mask = visible(q.shape[2], True, bounds, 0, q.device)  # (B, 1, S, S): an explicit mask, slower
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    mask = None if bounds is None else visible(q.shape[2], True, bounds, 0, q.device)  # (B, 1, S, S), slower
+    with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+
+
+# SDPA backends in order of preference: cuDNN was measured fastest on H100 for causal attention, GQA included
+# (bench/results/kernels_*_h100.md); PyTorch's default order puts FlashAttention-2 first
+SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
 
 
 class Attention(nn.Module):

@@ -3,6 +3,7 @@
 1. build on the meta device (caller)
 2. pipeline split: one pruned copy of the model per local stage      (parallel.pp)
 3. tensor + sequence parallel on each part                           (parallel.tp)
+   float8 linears (torchao)                                          (training.float8)
 4. activation checkpointing
 5. torch.compile per block
 6. FSDP2 / HSDP (on meta)
@@ -22,6 +23,7 @@ from torch import nn
 
 from loom.config.load import stages_per_rank
 from loom.config.sections import ParallelConfig, TrainingConfig
+from loom.models.common.float8 import apply_float8
 from loom.models.common.init import materialize
 from loom.models.llama.model import Llama
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -63,6 +65,8 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp)
+        if training.float8 != "none":
+            apply_float8(part, training.float8)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
         if training.compile:
             apply_compile(part.layers)
