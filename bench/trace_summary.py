@@ -36,7 +36,8 @@ def category(name: str) -> str:
 
 def summarize(trace: dict) -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+             and e.get("cat") != "gpu_user_annotation"]  # each step also appears as a range on the GPU rows
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         raise SystemExit("no GPU kernels in this trace (a CPU run?)")
