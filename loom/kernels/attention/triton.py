@@ -152,7 +152,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, 
 def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
               S, H, GROUP, B, qk_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # last (longest, when causal) query blocks first
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -290,7 +290,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, 
                  sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
                  HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    m0 = tl.program_id(0) * BLOCK_M
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
