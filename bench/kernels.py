@@ -88,15 +88,14 @@ def sdpa_fn(backend):
     return make
 
 
-_FLEX = None
-
-
 def flex_fn(q, k, v, causal, ids):
-    global _FLEX
+    """FlexAttention compiled for this one shape. A single torch.compile(flex_attention) reused across shapes
+    turns dynamic after the second shape and runs much slower kernels: the first version of this script
+    did that, and its Flex figures for every shape after the second were too low (bench/NOTES.md)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention)
+    torch._dynamo.reset()
+    flex = torch.compile(flex_attention, dynamic=False)
     b, _, s, _ = q.shape
     if ids is not None:
         def mask_mod(bi, h, qi, ki):
@@ -107,7 +106,7 @@ def flex_fn(q, k, v, causal, ids):
     else:
         block = None
     gqa = q.shape[1] != k.shape[1]
-    return lambda: _FLEX(q, k, v, block_mask=block, enable_gqa=gqa)
+    return lambda: flex(q, k, v, block_mask=block, enable_gqa=gqa)
 
 
 def reference_fn(q, k, v, causal, ids):
@@ -243,7 +242,15 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
     p.add_argument("--breakdown", action="store_true", help="time loom's kernels one by one (d64 and d128, seq 8192)")
+    p.add_argument("--loss", action="store_true", help="the fused linear + cross-entropy vs the unfused path "
+                                                        "(time and peak memory; bench/fused_loss.py)")
     a = p.parse_args()
+    if a.loss:
+        from bench.fused_loss import main as fused_loss_main
+
+        sys.argv = [sys.argv[0], "--variants", "unfused,fused,unfused_compile"] + (["--out", a.out] if a.out else [])
+        fused_loss_main()
+        return
     if a.breakdown:
         for d, h in ((64, 32), (128, 16)):
             breakdown(d, h, h, 8192, getattr(torch, a.dtype))

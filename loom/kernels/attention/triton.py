@@ -47,6 +47,18 @@ def _split(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _doc_bounds(START, END, S, offs, in_seq, HAS_DOCS: tl.constexpr):
+    """(start, end) document bounds of tokens ``offs``; without documents the whole sequence."""
+    if HAS_DOCS:
+        start = tl.load(START + offs, mask=in_seq, other=S)
+        end = tl.load(END + offs, mask=in_seq, other=-1)
+    else:
+        start = offs * 0
+        end = offs * 0 + S - 1
+    return start, end
+
+
+@triton.jit
 def _visible(offs_m, offs_n, S, start_q, end_q, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
              WINDOW: tl.constexpr):
     """(M, N) bool: query offs_m[i] may see key offs_n[j]; start_q/end_q: (M,) document bounds."""
@@ -161,12 +173,7 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    if HAS_DOCS:
-        start_q = tl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
-        end_q = tl.load(BOUNDS + B * S + b * S + offs_m, mask=in_seq, other=-1)
-    else:
-        start_q = offs_m * 0
-        end_q = offs_m * 0 + S - 1
+    start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
@@ -208,12 +215,7 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
         st = tl.dot(k, tl.trans(q)) * qk_scale  # (N, M): scores transposed, log2 units
         pt = tl.math.exp2(st - lse2[None, :])
         if MASKED:
-            if HAS_DOCS:
-                start_q = tl.load(START_B + offs_m, mask=in_seq, other=S)
-                end_q = tl.load(END_B + offs_m, mask=in_seq, other=-1)
-            else:
-                start_q = offs_m * 0
-                end_q = offs_m * 0 + S - 1
+            start_q, end_q = _doc_bounds(START_B, END_B, S, offs_m, in_seq, HAS_DOCS)
             pt = tl.where(tl.trans(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW)), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv)
         dpt = tl.dot(v, tl.trans(do))  # (N, M)
@@ -237,12 +239,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb,
     in_seq = offs_n < S
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    if HAS_DOCS:
-        start_k = tl.load(BOUNDS + b * S + offs_n, mask=in_seq, other=S)
-        end_k = tl.load(BOUNDS + B * S + b * S + offs_n, mask=in_seq, other=-1)
-    else:
-        start_k = offs_n * 0
-        end_k = offs_n * 0 + S - 1
+    start_k, end_k = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_n, in_seq, HAS_DOCS)
     a, bb, c, d = _query_range(n0, S, start_k, end_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -302,12 +299,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, 
     do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     lse2 = tl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
     delta = tl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
-    if HAS_DOCS:
-        start_q = tl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
-        end_q = tl.load(BOUNDS + B * S + b * S + offs_m, mask=in_seq, other=-1)
-    else:
-        start_q = offs_m * 0
-        end_q = offs_m * 0 + S - 1
+    start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh

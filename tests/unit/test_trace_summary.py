@@ -1,0 +1,34 @@
+"""bench/trace_summary.py on a synthetic trace: categories, per-step division (a step's GPU-row copy is not
+a second step), idle time between kernels."""
+
+from __future__ import annotations
+
+from bench.trace_summary import category, summarize
+
+
+def kernel(name, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_categories():
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert category("nvjet_sm90_tst_256x128") == "matmul"
+    assert category("_ce_rows_kernel") == "loss"
+    assert category("multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
+    assert category("ncclDevKernel_AllGather") == "communication"
+    assert category("triton_poi_fused_mul_silu_0") == "fused elementwise (triton)"
+
+
+def test_summary_per_step_and_idle():
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 100, "dur": 100},
+        kernel("nvjet_gemm", 0, 60), kernel("cudnn_sdpa_flash_fprop", 50, 20),  # overlapping
+        kernel("nvjet_gemm", 100, 40), kernel("multi_tensor_apply_kernel_adam", 180, 20),
+    ]
+    s = summarize({"traceEvents": events})
+    assert s["steps"] == 2
+    assert s["by_category_ms_per_step"] == {"matmul": 0.05, "attention": 0.01, "optimizer": 0.01}
+    assert abs(s["gpu_busy_ms_per_step"] - 0.065) < 1e-12  # union 0-70, 100-140, 180-200 = 130 us, / 2 steps
+    assert abs(s["gpu_idle_fraction"] - 0.35) < 1e-12  # span 200 us
