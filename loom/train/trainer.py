@@ -29,7 +29,7 @@ from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.pipeline import BusyClock, build_schedule, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
-from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
+from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, unique_params
 from loom.train.loss import cross_entropy_sum, valid_tokens
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import DTYPES, LossScaler, autocast_context
@@ -294,9 +294,8 @@ class Trainer:
             if stepped:
                 clip = 1.0 if self.cfg.training.max_norm == 0 else torch.clamp(
                     self.cfg.training.max_norm / (norm + 1e-6), max=1.0)
-                if self.scaler.enabled or self.cfg.training.max_norm:
-                    scale_grads(self.params, clip / self.scaler.scale)
-                self.optimizer.step()
+                scaled = self.scaler.enabled or self.cfg.training.max_norm
+                self.optimizer.step(clip / self.scaler.scale if scaled else None)
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         return {"loss": self.dp_sum(loss_sum) / n_tokens, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
