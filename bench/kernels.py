@@ -195,6 +195,12 @@ SUITES = {
 }
 
 
+# --breakdown cases: (head dim, q heads, kv heads, seq, packed documents), all causal
+BREAKDOWN = [(64, 32, 32, 4096, False), (64, 32, 32, 8192, False), (128, 16, 16, 4096, False),
+             (128, 16, 16, 8192, False), (64, 32, 8, 8192, False), (64, 32, 8, 4096, True), (64, 32, 8, 8192, True),
+             (128, 16, 16, 8192, True)]
+
+
 def markdown(rows: list[dict]) -> str:
     names = sorted({n for r in rows for n in r["backends"]}, key=list(BACKENDS).index)
     head = "| d | heads q/kv | seq | mask | " + " | ".join(f"{n} fwd / fwd+bwd" for n in names) + \
@@ -215,22 +221,32 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def breakdown(d: int, hq: int, hkv: int, s: int, dtype) -> dict:
-    """Time of each loom kernel (forward, backward preprocess, dK/dV, dQ) and the configs autotuning chose."""
+def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> dict:
+    """Time of loom's forward and backward (one launch, and dK/dV then dQ as two launches) and the configs
+    autotuning chose; causal, optionally packed documents (useful FLOPs)."""
+    from loom.kernels.attention import reference as R
     from loom.kernels.attention import triton as T
 
     b = TOKENS // s
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv))
+    gen = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype) for h in (hq, hkv, hkv))
+    lens = random_doc_lens(b, s, gen) if docs else None
+    bounds = R.document_bounds(doc_ids(lens, "cuda")) if docs else None
     scale = d ** -0.5
-    out, lse = T.attention_forward(q, k, v, True, None, 0, scale)
+    out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
     dout = torch.randn_like(out)
-    T.attention_backward(dout, q, k, v, out, lse, None, True, None, 0, scale)
-    flops = attention_flops(b, hq, d, None, s, True)
-    fwd = bench_ms(lambda: T.attention_forward(q, k, v, True, None, 0, scale))
-    bwd = bench_ms(lambda: T.attention_backward(dout, q, k, v, out, lse, None, True, None, 0, scale))
-    chosen = {kind: str(T._TUNED[kind].best_config) for kind in T._TUNED}
-    row = {"head_dim": d, "seq": s, "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9,
-           "bwd_tflops": 2.5 * flops / bwd / 1e9, "configs": chosen}
+    flops = attention_flops(b, hq, d, lens, s, True)
+    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs,
+           "fwd_ms": bench_ms(lambda: T.attention_forward(q, k, v, True, bounds, 0, scale))}
+    for single in (True, False):
+        def bwd():
+            T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale, single_launch=single)
+        bwd()
+        row["bwd_one_launch_ms" if single else "bwd_two_launches_ms"] = bench_ms(bwd)
+    row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+    for key in ("bwd_one_launch", "bwd_two_launches"):
+        row[key + "_tflops"] = 2.5 * flops / row[key + "_ms"] / 1e9
+    row["configs"] = {kind: str(T._TUNED[kind].best_config) for kind in T._TUNED}
     print(row, flush=True)
     return row
 
@@ -241,7 +257,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
-    p.add_argument("--breakdown", action="store_true", help="time loom's kernels one by one (d64 and d128, seq 8192)")
+    p.add_argument("--breakdown", action="store_true", help="time loom's forward and both backward launch modes (BREAKDOWN cases)")
     p.add_argument("--loss", action="store_true", help="the fused linear + cross-entropy vs the unfused path "
                                                         "(time and peak memory; bench/fused_loss.py)")
     a = p.parse_args()
@@ -252,8 +268,11 @@ def main() -> None:
         fused_loss_main()
         return
     if a.breakdown:
-        for d, h in ((64, 32), (128, 16)):
-            breakdown(d, h, h, 8192, getattr(torch, a.dtype))
+        rows = [breakdown(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in BREAKDOWN]
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"env": environment(a.commit, "python " + " ".join(sys.argv)), "dtype": a.dtype,
+                           "tokens_per_measurement": TOKENS, "rows": rows}, f, indent=1)
         return
     suite = SUITES[a.suite]
     dtype = getattr(torch, a.dtype)

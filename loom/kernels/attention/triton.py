@@ -225,15 +225,11 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
-                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
-    HK = H // GROUP
-    b = bhk // HK
-    hk = bhk % HK
+def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                  sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
+                  CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
@@ -283,14 +279,12 @@ def _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                 sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
-                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
+                HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """dQ of queries [m0, m0 + BLOCK_M) of head ``h``."""
+    bh = b * H + h
     hk = h // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -312,6 +306,57 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, 
                         c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=in_seq[:, None])
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
+                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    HK = H // GROUP
+    _dkdv_program(tl.program_id(0) * BLOCK_N, tl.program_id(1) // HK, tl.program_id(1) % HK, Q, K, V, DO, LSE2,
+                  DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
+                  sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM,
+                  BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                 sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
+                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
+    _dq_program(m0, tl.program_id(1) // H, tl.program_id(1) % H, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh,
+                sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale,
+                sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _attn_bwd(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+              sdob, sdoh, sdos, sdqb, sdqh, sdqs, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale,
+              sm_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """The whole backward in one launch: per KV head, its dK/dV programs (one per key block) then the dQ
+    programs of its query heads (longest first), so both kinds run side by side and fill each other's tail."""
+    HK = H // GROUP
+    n_kv = tl.cdiv(S, BLOCK_N1)
+    n_q = tl.cdiv(S, BLOCK_M2)
+    per_head = n_kv + GROUP * n_q
+    bhk = tl.program_id(0) // per_head
+    r = tl.program_id(0) % per_head
+    b = bhk // HK
+    hk = bhk % HK
+    if r < n_kv:
+        _dkdv_program(r * BLOCK_N1, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks,
+                      svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale,
+                      sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_M1, BLOCK_N1)
+    else:
+        r -= n_kv
+        h = hk * GROUP + r // n_q
+        m0 = (n_q - 1 - r % n_q) * BLOCK_M2
+        _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                    sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW,
+                    HEAD_DIM, BLOCK_M2, BLOCK_N2)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -346,19 +391,29 @@ _FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4,
 _DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
                  (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
 _DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4)]
+# the one-launch backward: (dK/dV query block, dK/dV key block, dQ query block, dQ key block, warps, stages)
+_BWD_CONFIGS = [(64, 128, 128, 64, 8, 3), (32, 128, 128, 32, 4, 5), (64, 128, 128, 64, 4, 3),
+                (32, 128, 128, 32, 8, 4), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 4), (64, 128, 128, 64, 8, 2),
+                (64, 64, 128, 64, 8, 3), (32, 128, 128, 64, 8, 3)]
 _KEY = ["S", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
-_INTERPRETER_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}  # uneven: both split paths run
+_INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
+                       "dq": {"BLOCK_M": 32, "BLOCK_N": 16},  # uneven: both split paths run
+                       "bwd": {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16}}
+
+
+def _bwd_configs(shapes) -> list:
+    return [triton.Config({"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2}, num_warps=w,
+                          num_stages=st) for m1, n1, m2, n2, w, st in shapes]
 
 
 def _kernel(kind: str):
     """The kernel for ``kind``: autotuned on a GPU, fixed small blocks in the CPU interpreter."""
-    raw, configs = {"fwd": (_attn_fwd, _FWD_CONFIGS), "dkdv": (_attn_bwd_dkdv, _DKDV_CONFIGS),
-                    "dq": (_attn_bwd_dq, _DQ_CONFIGS)}[kind]
+    raw, configs = {"fwd": (_attn_fwd, _configs(_FWD_CONFIGS)), "dkdv": (_attn_bwd_dkdv, _configs(_DKDV_CONFIGS)),
+                    "dq": (_attn_bwd_dq, _configs(_DQ_CONFIGS)), "bwd": (_attn_bwd, _bwd_configs(_BWD_CONFIGS))}[kind]
     if interpreting():
-        m, n = _INTERPRETER_BLOCKS[kind]
-        return raw, {"BLOCK_M": m, "BLOCK_N": n}
+        return raw, _INTERPRETER_BLOCKS[kind]
     if kind not in _TUNED:
-        _TUNED[kind] = triton.autotune(configs=_configs(configs), key=_KEY)(raw)
+        _TUNED[kind] = triton.autotune(configs=configs, key=_KEY)(raw)
     return _TUNED[kind], {}
 
 
@@ -406,8 +461,10 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
-    """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp."""
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
+                       single_launch: bool = True):
+    """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
+    ``single_launch``: dK/dV and dQ programs in one kernel (else two kernels, one after the other)."""
     check_inputs(q, k, v, bounds, window)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -419,16 +476,24 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
                                                        *out.stride()[:3], *dout.stride()[:3], seq, hq,
                                                        HAS_DLSE=dlse is not None, HEAD_DIM=dim, BLOCK_M=64)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    group = hq // k.shape[1]
-    b_ = _dummy_bounds(q, bounds)
+    hk = k.shape[1]
+    group = hq // hk
+    args = (q, k, v, dout, lse2, delta)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    tail = (seq, hq, group, bsz, scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
+    b_ = _dummy_bounds(q, bounds)
+    if single_launch:
+        kernel, blocks = _kernel("bwd")
+        grid = lambda meta: (bsz * hk * (triton.cdiv(seq, meta["BLOCK_N1"])  # noqa: E731
+                                         + group * triton.cdiv(seq, meta["BLOCK_M2"])),)
+        kernel[grid](*args, dq, dk, dv, b_, *strides, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *tail,
+                     **blocks, **common)
+        return dq, dk, dv
     kernel, blocks = _kernel("dkdv")
-    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * k.shape[1])](
-        q, k, v, dout, lse2, delta, dk, dv, b_, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, hq, group, bsz, scale * LOG2E, scale,
-        **blocks, **common)
+    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
+        *args, dk, dv, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
     kernel, blocks = _kernel("dq")
     kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)](
-        q, k, v, dout, lse2, delta, dq, b_, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *dout.stride()[:3], *dq.stride()[:3], seq, hq, group, bsz, scale * LOG2E, scale, **blocks, **common)
+        *args, dq, b_, *strides, *dq.stride()[:3], *tail, **blocks, **common)
     return dq, dk, dv
