@@ -222,8 +222,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> dict:
-    """Time of loom's forward and backward (one launch, and dK/dV then dQ as two launches) and the configs
-    autotuning chose; causal, optionally packed documents (useful FLOPs)."""
+    """Time of loom's forward and backward and the configs autotuning chose; causal, optionally packed
+    documents (useful FLOPs)."""
     from loom.kernels.attention import reference as R
     from loom.kernels.attention import triton as T
 
@@ -238,14 +238,13 @@ def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> d
     flops = attention_flops(b, hq, d, lens, s, True)
     row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs,
            "fwd_ms": bench_ms(lambda: T.attention_forward(q, k, v, True, bounds, 0, scale))}
-    for single in (True, False):
-        def bwd():
-            T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale, single_launch=single)
-        bwd()
-        row["bwd_one_launch_ms" if single else "bwd_two_launches_ms"] = bench_ms(bwd)
+    def bwd():
+        T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale)
+
+    bwd()
+    row["bwd_ms"] = bench_ms(bwd)
     row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
-    for key in ("bwd_one_launch", "bwd_two_launches"):
-        row[key + "_tflops"] = 2.5 * flops / row[key + "_ms"] / 1e9
+    row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] / 1e9
     row["configs"] = {kind: str(T._TUNED[kind].best_config) for kind in T._TUNED}
     print(row, flush=True)
     return row
@@ -257,7 +256,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
-    p.add_argument("--breakdown", action="store_true", help="time loom's forward and both backward launch modes (BREAKDOWN cases)")
+    p.add_argument("--breakdown", action="store_true", help="time loom's forward and backward (BREAKDOWN cases)")
     p.add_argument("--loss", action="store_true", help="the fused linear + cross-entropy vs the unfused path "
                                                         "(time and peak memory; bench/fused_loss.py)")
     a = p.parse_args()
