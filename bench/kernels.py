@@ -280,17 +280,19 @@ def main() -> None:
         for s in suite["seqs"]:
             for causal in suite["causal"]:
                 rows.append(run_case(d, hq, hkv, s, causal, suite["docs"], suite["backends"], dtype))
+                if a.out:  # after every row: a run cut short keeps what it measured
+                    write_results(a, rows)
+    print(markdown(rows))
+
+
+def write_results(a, rows: list[dict]) -> None:
     result = {"env": environment(a.commit, "python " + " ".join(sys.argv)), "suite": a.suite, "dtype": a.dtype,
               "tokens_per_measurement": TOKENS, "rows": rows}
-    table = markdown(rows)
-    print(table)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(a.out.replace(".json", ".md"), "w") as f:
-            f.write(f"# bench/kernels.py --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
-                    f"{a.dtype})\n\nTFLOP/s (forward / forward+backward)\n\n{table}\n")
-
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(a.out.replace(".json", ".md"), "w") as f:
+        f.write(f"# bench/kernels.py --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
+                f"{a.dtype})\n\nTFLOP/s (forward / forward+backward)\n\n{markdown(rows)}\n")
 
 if __name__ == "__main__":
     main()
