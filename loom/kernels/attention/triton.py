@@ -162,7 +162,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, 
 
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-              S, H, GROUP, B, qk_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
+              S, H, GROUP, B, S_KEY, qk_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # last (longest, when causal) query blocks first
     bh = tl.program_id(1)
@@ -310,7 +310,7 @@ def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, s
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
+                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     HK = H // GROUP
@@ -322,7 +322,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb,
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                 sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
+                 sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale, CAUSAL: tl.constexpr,
                  HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
@@ -358,14 +358,20 @@ def _configs(shapes) -> list:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-# candidates measured by autotuning on the first call of each (sequence, group, head dim, mask) key
+# candidates measured by autotuning on the first call of each (sequence bucket, group, head dim, mask) key
 _FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4)]
 _DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
                  (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
 _DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4)]
-_KEY = ["S", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
+_KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
 _INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
                        "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
+
+
+def _seq_key(seq: int) -> int:
+    """Autotuning key for a sequence length: the next power of two (at least 256), so that new lengths
+    reuse the configs measured for their bucket instead of tuning again."""
+    return max(256, 1 << (seq - 1).bit_length())
 
 
 def _kernel(kind: str):
@@ -418,7 +424,7 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
     kernel, blocks = _kernel("fwd")
     grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)  # noqa: E731
     kernel[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                 *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, scale * LOG2E, CAUSAL=causal,
+                 *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, _seq_key(seq), scale * LOG2E, CAUSAL=causal,
                  HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, **blocks)
     return out, lse
 
@@ -442,7 +448,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     group = hq // hk
     args = (q, k, v, dout, lse2, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    tail = (seq, hq, group, bsz, scale * LOG2E, scale)
+    tail = (seq, hq, group, bsz, _seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
     b_ = _dummy_bounds(q, bounds)
     kernel, blocks = _kernel("dkdv")
