@@ -195,10 +195,63 @@ SUITES = {
 }
 
 
+def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> dict:
+    """Every autotuning candidate of each backward kernel, one at a time (the other kernel at its first
+    candidate): whole-backward time, registers and spills of the varied kernel. Explains what autotuning
+    picks and whether a kernel spills."""
+    from loom.kernels.attention import reference as R
+    from loom.kernels.attention import triton as T
+
+    b = TOKENS // s
+    gen = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype) for h in (hq, hkv, hkv))
+    bounds = R.document_bounds(doc_ids(random_doc_lens(b, s, gen), "cuda")) if docs else None
+    scale = d ** -0.5
+    out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
+    dout = torch.randn_like(out)
+    raw = {"dkdv": T._attn_bwd_dkdv, "dq": T._attn_bwd_dq}
+    candidates = {"dkdv": T._DKDV_CONFIGS, "dq": T._DQ_CONFIGS}
+    compiled: dict = {}
+
+    class Capture:  # launches the raw kernel and keeps the compiled kernel it returns
+        def __init__(self, kind):
+            self.kind = kind
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                compiled[self.kind] = raw[self.kind][grid](*args, **kw)
+            return launch
+
+    chosen = {kind: c[0] for kind, c in candidates.items()}
+    original = T._kernel
+    rows = []
+    try:
+        for kind in ("dkdv", "dq"):
+            for cfg in candidates[kind]:
+                pick = dict(chosen, **{kind: cfg})
+
+                def forced(name, pick=pick):
+                    m, n, w, st = pick[name]
+                    return Capture(name), {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+
+                T._kernel = forced
+                run = lambda: T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale)  # noqa: E731
+                run()
+                ck = compiled[kind]
+                rows.append({"kernel": kind, "config": list(cfg), "bwd_ms": bench_ms(run),
+                             "n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None)})
+                print(dict(d=d, s=s, docs=docs, **rows[-1]), flush=True)
+    finally:
+        T._kernel = original
+    return {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs, "candidates": rows}
+
+
 # --breakdown cases: (head dim, q heads, kv heads, seq, packed documents), all causal
 BREAKDOWN = [(64, 32, 32, 4096, False), (64, 32, 32, 8192, False), (128, 16, 16, 4096, False),
              (128, 16, 16, 8192, False), (64, 32, 8, 8192, False), (64, 32, 8, 4096, True), (64, 32, 8, 8192, True),
              (128, 16, 16, 8192, True)]
+
+CONFIG_SWEEP = [(128, 16, 16, 8192, False), (128, 16, 16, 8192, True), (64, 32, 32, 8192, False)]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -259,7 +312,16 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="time loom's forward and backward (BREAKDOWN cases)")
     p.add_argument("--loss", action="store_true", help="the fused linear + cross-entropy vs the unfused path "
                                                         "(time and peak memory; bench/fused_loss.py)")
+    p.add_argument("--configs", action="store_true", help="every backward candidate config one by one "
+                                                           "(time, registers, spills) for CONFIG_SWEEP cases")
     a = p.parse_args()
+    if a.configs:
+        rows = [config_sweep(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in CONFIG_SWEEP]
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"env": environment(a.commit, "python " + " ".join(sys.argv)), "dtype": a.dtype,
+                           "tokens_per_measurement": TOKENS, "rows": rows}, f, indent=1)
+        return
     if a.loss:
         from bench.fused_loss import main as fused_loss_main
 
