@@ -26,10 +26,13 @@ from bench.train_1b import environment  # noqa: E402
 TOKENS = 32768  # batch x sequence per measurement (16 x 2048, 4 x 8192 as in ../shared/anchors.md)
 
 
-def bench_ms(fn) -> float:
+def bench_ms(fn, grads=None) -> float:
+    """Mean ms per call; ``grads``: leaf tensors whose .grad is reset before every call, so that a backward
+    assigns its gradients instead of adding them to the previous call's (in training, q/k/v gradients flow
+    on into the projections: the accumulation would be an artifact of the benchmark)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10, rep=50)
+    return triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grads)
 
 
 def attention_flops(b: int, h: int, d: int, doc_lens: list[list[int]] | None, s: int, causal: bool) -> float:
@@ -140,7 +143,7 @@ def measure(name, q, k, v, causal, ids) -> dict:
             o.backward(dout)
 
         fwd_bwd()
-        res = {"fwd_ms": bench_ms(fwd), "fwd_bwd_ms": bench_ms(fwd_bwd)}
+        res = {"fwd_ms": bench_ms(fwd), "fwd_bwd_ms": bench_ms(fwd_bwd, grads=[q, k, v])}
     except Exception as e:  # a backend that does not support the case (e.g. cuDNN + GQA) is reported, not fatal
         res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     for t in (q, k, v):
@@ -303,6 +306,52 @@ def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> d
     return row
 
 
+PROFILE = [(128, 16, 16, 8192), (64, 32, 32, 8192)]
+
+
+def profile_case(d: int, hq: int, hkv: int, s: int, dtype, backends: list[str], iters: int = 5) -> dict:
+    """GPU kernel time per forward+backward call of each backend, by kernel, from torch.profiler: shows
+    what a backend spends besides its attention kernels (preprocessing, copies, gradient handling)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = TOKENS // s
+    gen = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype).requires_grad_() for h in (hq, hkv, hkv))
+    flops = attention_flops(b, hq, d, None, s, True)
+    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "batch": b, "backends": {}}
+    for name in backends:
+        fwd = BACKENDS[name](q, k, v, True, None)
+        dout = torch.randn_like(fwd())
+
+        def fwd_bwd():
+            for t in (q, k, v):
+                t.grad = None
+            fwd().backward(dout)
+
+        for _ in range(3):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        kernels: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3 / iters
+        total = sum(kernels.values())
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+        row["backends"][name] = {"gpu_ms_per_call": total, "tflops_at_gpu_time": 3.5 * flops / total / 1e9,
+                                 "kernels_ms": {n[:120]: round(t, 4) for n, t in top}}
+        print(f"d{d} s{s} {name}: {total:.3f} ms GPU per fwd+bwd ({3.5 * flops / total / 1e9:.0f} TFLOP/s)", flush=True)
+        for n, t in top:
+            print(f"    {t:8.3f} ms  {n[:110]}", flush=True)
+        for t in (q, k, v):
+            t.grad = None
+        torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--suite", choices=SUITES, default="quick")
@@ -314,13 +363,17 @@ def main() -> None:
                                                         "(time and peak memory; bench/fused_loss.py)")
     p.add_argument("--configs", action="store_true", help="every backward candidate config one by one "
                                                            "(time, registers, spills) for CONFIG_SWEEP cases")
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel of each backend's forward+backward "
+                                                           "(PROFILE cases, torch.profiler)")
     a = p.parse_args()
+    if a.profile:
+        rows = [profile_case(d, hq, hkv, s, getattr(torch, a.dtype), ["loom", "flex", "sdpa_cudnn"])
+                for d, hq, hkv, s in PROFILE]
+        write_rows(a, rows)
+        return
     if a.configs:
         rows = [config_sweep(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in CONFIG_SWEEP]
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump({"env": environment(a.commit, "python " + " ".join(sys.argv)), "dtype": a.dtype,
-                           "tokens_per_measurement": TOKENS, "rows": rows}, f, indent=1)
+        write_rows(a, rows)
         return
     if a.loss:
         from bench.fused_loss import main as fused_loss_main
@@ -330,10 +383,7 @@ def main() -> None:
         return
     if a.breakdown:
         rows = [breakdown(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in BREAKDOWN]
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump({"env": environment(a.commit, "python " + " ".join(sys.argv)), "dtype": a.dtype,
-                           "tokens_per_measurement": TOKENS, "rows": rows}, f, indent=1)
+        write_rows(a, rows)
         return
     suite = SUITES[a.suite]
     dtype = getattr(torch, a.dtype)
@@ -345,6 +395,14 @@ def main() -> None:
                 if a.out:  # after every row: a run cut short keeps what it measured
                     write_results(a, rows)
     print(markdown(rows))
+
+
+def write_rows(a, rows: list[dict]) -> None:
+    """JSON of a --profile / --configs / --breakdown run (no markdown table)."""
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"env": environment(a.commit, "python " + " ".join(sys.argv)), "dtype": a.dtype,
+                       "tokens_per_measurement": TOKENS, "rows": rows}, f, indent=1)
 
 
 def write_results(a, rows: list[dict]) -> None:
