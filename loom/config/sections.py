@@ -100,7 +100,8 @@ class OptimizerConfig:
     schedule: str = opt("cosine", "LR schedule after warmup", choices=("cosine", "linear", "wsd", "constant"))
     warmup_steps: int = opt(10, "linear warmup steps (unset: 10, at most a tenth of training.steps)", min=0)
     decay_fraction: float = opt(0.2, "wsd: fraction of steps spent decaying", min=0.0, max=1.0)
-    implementation: str = opt("auto", "AdamW kernel", choices=("auto", "fused", "foreach", "for_loop"))
+    implementation: str = opt("auto", "AdamW kernel: loom's Triton kernel, or PyTorch's fused / foreach / for_loop",
+                              choices=("auto", "triton", "fused", "foreach", "for_loop"))
 
 
 @dataclass
