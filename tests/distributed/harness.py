@@ -41,11 +41,12 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -
 
     import torch.distributed as dist
 
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # a hang fails loudly, with stacks
     dist.init_process_group("gloo")
     results = []
     try:
         for job in jobs:
+            # a hang fails loudly, with stacks; the timer covers one job, not the sum of all of them
+            faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
             try:
                 results.append({"records": run_one(job)})
             except Exception:  # keep going: report the failure with its traceback
@@ -54,10 +55,20 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -
                 dist.barrier()
     finally:
         gc.collect()  # trainers (DDP reducers hold the group) go before the group does
-        dist.destroy_process_group()
+        _teardown(dist)
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(results, fh)
+
+
+def _teardown(dist) -> None:
+    """All ranks meet before the group goes: none closes its connections while a peer still uses them."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def run_jobs(world: int, jobs: list[dict], tmp_dir: str) -> list[dict]:
@@ -86,7 +97,7 @@ def _fn_worker(rank: int, world: int, port: int, fn, out_path: str) -> None:
     try:
         result = fn(rank, world)
     finally:
-        dist.destroy_process_group()
+        _teardown(dist)
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(result, fh)
