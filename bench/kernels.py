@@ -340,43 +340,6 @@ def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> d
     return row
 
 
-def atomic_dq_ab(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> dict:
-    """loom's backward two ways in the same process: dK/dV then dQ (two launches, 7 matmuls) vs one dK/dV
-    launch adding dQ by fp32 atomics (5 matmuls); two rounds each, alternating; and how far the two dQs are
-    apart (atomics add in a run-dependent order)."""
-    from loom.kernels.attention import reference as R
-    from loom.kernels.attention import triton as T
-
-    b = TOKENS // s
-    gen = torch.Generator().manual_seed(s)
-    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype) for h in (hq, hkv, hkv))
-    lens = random_doc_lens(b, s, gen) if docs else None
-    bounds = R.document_bounds(doc_ids(lens, "cuda")) if docs else None
-    scale = d ** -0.5
-    out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
-    dout = torch.randn_like(out)
-    flops = attention_flops(b, hq, d, lens, s, True)
-    runs = {name: (lambda flag=flag: T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale,
-                                                          atomic_dq=flag))
-            for name, flag in (("two_kernels", False), ("atomic_dq", True))}
-    grads = {name: run() for name, run in runs.items()}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(2):
-        for name, run in runs.items():
-            times[name].append(bench_ms(run))
-    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs}
-    for name in runs:
-        ms = min(times[name])
-        row[name] = {"bwd_ms": ms, "bwd_tflops": 2.5 * flops / ms / 1e9, "rounds_ms": times[name]}
-    row["speedup"] = row["two_kernels"]["bwd_ms"] / row["atomic_dq"]["bwd_ms"]
-    ref, got = grads["two_kernels"], grads["atomic_dq"]
-    row["max_rel_diff"] = {n: float((a.float() - c.float()).abs().max() / a.float().abs().max())
-                           for n, a, c in zip(("dq", "dk", "dv"), ref, got)}
-    row["configs"] = loom_configs()
-    print(row, flush=True)
-    return row
-
-
 PROFILE = [(128, 16, 16, 8192), (64, 32, 32, 8192)]
 
 
@@ -457,13 +420,7 @@ def main() -> None:
                                                            "(time, registers, spills) for CONFIG_SWEEP cases")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel of each backend's forward+backward "
                                                            "(PROFILE cases, torch.profiler)")
-    p.add_argument("--atomic-dq", action="store_true", help="loom's backward with dQ by atomics vs two kernels "
-                                                            "(BREAKDOWN cases)")
     a = p.parse_args()
-    if a.atomic_dq:
-        rows = [atomic_dq_ab(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in BREAKDOWN]
-        write_rows(a, rows)
-        return
     if a.profile:
         rows = [profile_case(d, hq, hkv, s, getattr(torch, a.dtype), ["loom", "flex", "sdpa_cudnn"])
                 for d, hq, hkv, s in PROFILE]

@@ -25,20 +25,17 @@ from loom.kernels.attention import triton as attn  # noqa: E402
 
 POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "LSE2", "DELTA", "DLSE", "BOUNDS"}
 FLOAT32_POINTERS = {"LSE", "LSE2", "DELTA", "DLSE"}
-KERNELS = {"fwd": (attn._attn_fwd, attn._FWD_CONFIGS, {}),
-           "dkdv": (attn._attn_bwd_dkdv, attn._DKDV_CONFIGS, {"ATOMIC_DQ": False}),
-           "dkdv_dq": (attn._attn_bwd_dkdv, attn._DKDV_DQ_CONFIGS, {"ATOMIC_DQ": True}),
-           "dq": (attn._attn_bwd_dq, attn._DQ_CONFIGS, {})}
+KERNELS = {"fwd": (attn._attn_fwd, attn._FWD_CONFIGS), "dkdv": (attn._attn_bwd_dkdv, attn._DKDV_CONFIGS),
+           "dq": (attn._attn_bwd_dq, attn._DQ_CONFIGS)}
 
 
 def signature(fn, constants: dict, dtype: str) -> dict:
-    fp32 = FLOAT32_POINTERS | ({"DQ"} if constants.get("ATOMIC_DQ") else set())
     sig = {}
     for name in fn.arg_names:
         if name in constants:
             sig[name] = "constexpr"
         elif name in POINTERS:
-            sig[name] = "*fp32" if name in fp32 else ("*i32" if name == "BOUNDS" else f"*{dtype}")
+            sig[name] = "*fp32" if name in FLOAT32_POINTERS else ("*i32" if name == "BOUNDS" else f"*{dtype}")
         elif name in ("qk_scale", "sm_scale"):
             sig[name] = "fp32"
         else:
@@ -74,10 +71,10 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="no causal mask")
     p.add_argument("--dump", default="", help="write each config's TTGIR and PTX here")
     a = p.parse_args()
-    fn, configs, extra = KERNELS[a.kind]
+    fn, configs = KERNELS[a.kind]
     workdir = a.dump or "/tmp"
     os.makedirs(workdir, exist_ok=True)
-    base = dict(GROUP=a.group, CAUSAL=not a.full, HAS_DOCS=a.docs, WINDOW=0, HEAD_DIM=a.head_dim, **extra)
+    base = dict(GROUP=a.group, CAUSAL=not a.full, HAS_DOCS=a.docs, WINDOW=0, HEAD_DIM=a.head_dim)
     for m, n, w, s in configs:
         kernel = compile_for_hopper(fn, dict(base, BLOCK_M=m, BLOCK_N=n), w, s)
         if a.dump:

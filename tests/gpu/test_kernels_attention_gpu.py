@@ -43,33 +43,19 @@ def two_configs_per_kernel():
     block paths run at different splits. The other tests here use the full candidate lists."""
     from loom.kernels.attention import triton as T
 
-    saved = T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DQ_CONFIGS, T._DKDV_DQ_CONFIGS
+    saved = T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DQ_CONFIGS
     T._FWD_CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 4)]
     T._DKDV_CONFIGS = [(64, 128, 8, 3), (32, 64, 4, 4)]
     T._DQ_CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 3)]
-    T._DKDV_DQ_CONFIGS = [(64, 64, 8, 3), (32, 128, 8, 3)]
     T._TUNED.clear()
     yield
-    T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DQ_CONFIGS, T._DKDV_DQ_CONFIGS = saved
+    T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DQ_CONFIGS = saved
     T._TUNED.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_flash_attention_matches_reference(case, dtype, two_configs_per_kernel):
-    _check_against_reference(case, dtype)
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_flash_attention_with_atomic_dq_matches_reference(case, two_configs_per_kernel, monkeypatch):
-    """The one-launch backward (dQ added by fp32 atomics inside the dK/dV kernel), whatever the default."""
-    from loom.kernels.attention import triton as T
-
-    monkeypatch.setattr(T, "ATOMIC_DQ_HEAD_DIMS", (64, 128))
-    _check_against_reference(case, torch.bfloat16)
-
-
-def _check_against_reference(case, dtype):
     from loom.kernels.attention import reference as R
     from loom.kernels.attention.op import flash_attention
 

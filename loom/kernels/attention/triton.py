@@ -196,10 +196,9 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
 
 # ---------------------------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_dos, stride_dqs,
-                     offs_n, offs_d, S, START_B, END_B, qk_scale, sm_scale, lo, hi, MASKED: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr):
+def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, offs_n, offs_d,
+                     S, START_B, END_B, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_seq = offs_m < S
@@ -222,23 +221,15 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_bas
         dpt = tl.dot(v, tl.trans(do))  # (N, M)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(q.dtype), q, dk)
-        if ATOMIC_DQ:  # these keys' share of dQ, added into an fp32 buffer (no separate dQ pass)
-            dq = tl.dot(tl.trans((dst * sm_scale).to(k.dtype)), k)  # (M, D)
-            dq_ptrs = dq_base + offs_m[:, None] * stride_dqs + offs_d[None, :]
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=in_seq[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh,
-                  svs, sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale,
-                  sm_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group; with
-    ATOMIC_DQ also these keys' contributions to dQ (fp32 atomics into DQ)."""
+def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                  sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
+                  CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
@@ -254,16 +245,12 @@ def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, BOUNDS, sqb, 
         do_base = DO + b * sdob + h * sdoh
         lse_base = LSE2 + (b * H + h) * S
         delta_base = DELTA + (b * H + h) * S
-        dq_base = DQ + b * sdqb + h * sdqh
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sdos, sdqs,
-                                  offs_n, offs_d, S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, sm_scale, a, bb, True,
-                                  CAUSAL, HAS_DOCS, WINDOW, BLOCK_M, ATOMIC_DQ)
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sdos, sdqs,
-                                  offs_n, offs_d, S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, sm_scale, bb, c, False,
-                                  CAUSAL, HAS_DOCS, WINDOW, BLOCK_M, ATOMIC_DQ)
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sdos, sdqs,
-                                  offs_n, offs_d, S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, sm_scale, c, d, True,
-                                  CAUSAL, HAS_DOCS, WINDOW, BLOCK_M, ATOMIC_DQ)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
     tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=in_seq[:, None])
     tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -322,15 +309,15 @@ def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, s
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY,
-                   qk_scale, sm_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
+                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     HK = H // GROUP
     _dkdv_program(tl.program_id(0) * BLOCK_N, tl.program_id(1) // HK, tl.program_id(1) % HK, Q, K, V, DO, LSE2,
-                  DELTA, DK, DV, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
-                  sdks, sdvb, sdvh, sdvs, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                  WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, ATOMIC_DQ)
+                  DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
+                  sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM,
+                  BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -375,13 +362,10 @@ def _configs(shapes) -> list:
 _FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4)]
 _DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
                  (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
-# dK/dV with dQ by atomics: a third fp32 tile (dQ) lives beside the dK and dV accumulators, so fewer keys
-_DKDV_DQ_CONFIGS = [(64, 64, 8, 3), (64, 64, 8, 2), (32, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (32, 128, 8, 3),
-                    (64, 128, 8, 2)]
 _DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4)]
 _KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
 _INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
-                       "dkdv_dq": {"BLOCK_M": 16, "BLOCK_N": 32}, "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
+                       "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
 
 
 def _seq_key(seq: int) -> int:
@@ -393,13 +377,11 @@ def _seq_key(seq: int) -> int:
 def _kernel(kind: str):
     """The kernel for ``kind``: autotuned on a GPU, fixed small blocks in the CPU interpreter."""
     raw, configs = {"fwd": (_attn_fwd, _configs(_FWD_CONFIGS)), "dkdv": (_attn_bwd_dkdv, _configs(_DKDV_CONFIGS)),
-                    "dkdv_dq": (_attn_bwd_dkdv, _configs(_DKDV_DQ_CONFIGS)),
                     "dq": (_attn_bwd_dq, _configs(_DQ_CONFIGS))}[kind]
     if interpreting():
         return raw, _INTERPRETER_BLOCKS[kind]
     if kind not in _TUNED:
-        # dkdv_dq adds into DQ: each autotuning trial must start from zeros again
-        _TUNED[kind] = triton.autotune(configs=configs, key=_KEY, reset_to_zero=["DQ"] if kind == "dkdv_dq" else None)(raw)
+        _TUNED[kind] = triton.autotune(configs=configs, key=_KEY)(raw)
     return _TUNED[kind], {}
 
 
@@ -429,13 +411,6 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torc
         raise ValueError(f"window {window} must be >= 0 (0 = no sliding window)")
 
 
-ATOMIC_DQ_HEAD_DIMS: tuple[int, ...] = ()  # head dims whose backward adds dQ by atomics (measured, NOTES)
-
-
-def use_atomic_dq(head_dim: int, dtype: torch.dtype) -> bool:
-    return head_dim in ATOMIC_DQ_HEAD_DIMS and dtype != torch.float32
-
-
 def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
     return bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=q.device)
 
@@ -454,12 +429,10 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       atomic_dq: bool | None = None):
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
-    Two launches, dK/dV then dQ (measured faster than one launch holding both kinds of programs for d128
-    and GQA at seq 8192, bench/NOTES.md); or, with ``atomic_dq``, one dK/dV launch that also adds each key
-    block's share of dQ into an fp32 buffer (5 matmuls instead of 7). None: ``use_atomic_dq``'s rule."""
+    Two launches, dK/dV then dQ: measured faster than one launch holding both kinds of programs for d128
+    and GQA at seq 8192 (bench/NOTES.md)."""
     check_inputs(q, k, v, bounds, window)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -478,18 +451,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     tail = (seq, hq, group, bsz, _seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
     b_ = _dummy_bounds(q, bounds)
-    if atomic_dq is None:
-        atomic_dq = use_atomic_dq(dim, q.dtype)
-    grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)  # noqa: E731
-    if atomic_dq:
-        dq_acc = torch.zeros(bsz, hq, seq, dim, dtype=torch.float32, device=q.device)
-        kernel, blocks = _kernel("dkdv_dq")
-        kernel[grid](*args, dk, dv, dq_acc, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_acc.stride()[:3],
-                     *tail, **blocks, **common, ATOMIC_DQ=True)
-        return dq.copy_(dq_acc), dk, dv  # dq keeps q's strides
     kernel, blocks = _kernel("dkdv")
-    kernel[grid](*args, dk, dv, dk, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], 0, 0, 0, *tail, **blocks,
-                 **common, ATOMIC_DQ=False)
+    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
+        *args, dk, dv, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
     kernel, blocks = _kernel("dq")
     kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)](
         *args, dq, b_, *strides, *dq.stride()[:3], *tail, **blocks, **common)
