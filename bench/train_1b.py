@@ -154,7 +154,7 @@ def _kernels(variant: str, trainer) -> str | None:
 def environment(commit: str, command: str) -> dict:
     import torch
 
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(), "commit": commit, "command": command,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     for mod in ("transformers", "triton", "torchao"):

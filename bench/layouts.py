@@ -1,0 +1,187 @@
+"""Layout invariance on real GPUs (NCCL): every parallel layout's per-step loss against the one-GPU run of
+the same global batch, same seed, same data.
+
+Each layout is a real ``loom train --nproc-per-node N`` job: fp32 (matmuls in full fp32 precision: loom
+leaves PyTorch's default, TF32 off), ``run.deterministic = true``, ``--steps`` steps, loss logged every
+step. The reference runs on one GPU with gradient accumulation; the layouts use their own micro-batch
+counts, so accumulation is varied too. A layout passes when every step's loss is within ``--tol`` (relative)
+of the reference's. ``--dtype bfloat16`` reports the spread instead (bf16 sums in a layout-dependent order).
+A layout that loom rejects (a config error: e.g. split-backward pipeline schedules with data parallelism)
+is recorded with the one-line reason, not as a failure.
+
+    python bench/layouts.py --gpus 8 --flavors debug,125M --out bench/results/layouts_8gpu_h200.json
+
+The JSON is written after every layout (a command cut short keeps what finished) and, with ``--resume``,
+layouts already in it are skipped, so one matrix can be spread over several commands under a time limit.
+A markdown table goes next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.train_1b import environment  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+# per flavor: model overrides (enough layers for 4 stages x 2 virtual) and sequence length
+FLAVOR_SETTINGS = {"debug": ({"model.n_layers": 8}, 128), "125M": ({}, 512)}
+GLOBAL_BATCH = 16
+
+
+def _pp(name: str, schedule: str, **degrees) -> tuple[str, dict]:
+    return f"{name}_{schedule}", {**degrees, "pp_schedule": schedule}
+
+
+def layouts(gpus: int) -> dict[str, dict]:
+    """Layout name -> parallel degrees, for ``gpus`` GPUs."""
+    table: dict[str, dict] = {}
+    if gpus == 2:
+        table = {"fsdp2": {"dp_shard": 2}, "ddp2": {"dp_replicate": 2, "dp_shard": 1}, "tp2": {"tp": 2, "dp_shard": 1}}
+        table.update(_pp("pp2", s, pp=2, dp_shard=1) for s in SCHEDULES)
+    elif gpus == 4:
+        table = {"fsdp4": {"dp_shard": 4}, "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
+                 "fsdp2_tp2": {"dp_shard": 2, "tp": 2}}
+        table.update(_pp("tp2_pp2", s, tp=2, pp=2, dp_shard=1) for s in SCHEDULES)
+        table.update(_pp("fsdp2_pp2", s, pp=2, dp_shard=2) for s in SCHEDULES)
+    elif gpus == 8:
+        table = {"fsdp8": {"dp_shard": 8}, "hsdp2x4": {"dp_replicate": 2, "dp_shard": 4},
+                 "fsdp4_tp2": {"dp_shard": 4, "tp": 2}}
+        table.update(_pp("fsdp2_tp2_pp2", s, dp_shard=2, tp=2, pp=2) for s in SCHEDULES)
+        table.update(_pp("pp4_tp2", s, pp=4, tp=2, dp_shard=1) for s in SCHEDULES)
+    else:
+        raise SystemExit(f"--gpus {gpus}: layouts are defined for 2, 4 or 8 GPUs")
+    return table
+
+
+def job_config(flavor: str, degrees: dict, a, run_dir: str) -> dict:
+    model, seq = FLAVOR_SETTINGS[flavor]
+    cfg = {"model.flavor": flavor, **model, "training.seq_len": seq, "training.dtype": a.dtype,
+           "training.global_batch_size": GLOBAL_BATCH, "training.micro_batch_size": 2 if not degrees else 1,
+           "training.steps": a.steps, "optimizer.warmup_steps": 2, "run.seed": 11, "run.deterministic": "true",
+           "run.device": a.device, "run.dir": run_dir, "metrics.every": 1, "metrics.tensorboard": "false",
+           "checkpoint.at_end": "false", "data.cache_dir": os.path.join(a.run_dir, "cache")}
+    cfg.update({f"parallel.{k}": v for k, v in degrees.items()})
+    return cfg
+
+
+def run_job(flavor: str, name: str, degrees: dict, a) -> dict:
+    gpus = _world(degrees)
+    run_dir = os.path.join(a.run_dir, f"{flavor}_{a.dtype}_{name}")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh metrics.jsonl
+    cfg = job_config(flavor, degrees, a, run_dir)
+    cmd = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train", "--nproc-per-node", str(gpus)]
+    cmd += [f"--{k}={v}" for k, v in cfg.items()]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    out = {"flavor": flavor, "layout": name, "gpus": gpus, "dtype": a.dtype, "degrees": degrees,
+           "command": "loom train --nproc-per-node " + str(gpus) + " " + " ".join(cmd[6:]),
+           "wall_s": round(time.time() - t0, 1)}
+    if proc.returncode == 2:  # loom's config error: one line naming field, value and what is allowed
+        reasons = [ln for ln in proc.stderr.splitlines() if ln.startswith("loom: error:")]
+        out["rejected"] = reasons[0] if reasons else "exit 2"
+        return out
+    if proc.returncode:
+        out["error"] = (proc.stderr or proc.stdout)[-3000:]
+        return out
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        out["losses"] = [json.loads(line)["loss"] for line in fh]
+    return out
+
+
+def _world(degrees: dict) -> int:
+    n = 1
+    for axis in ("dp_replicate", "dp_shard", "tp", "pp"):
+        n *= max(1, degrees.get(axis, 1))
+    return n
+
+
+def compare(res: dict, ref: dict, tol: float, dtype: str) -> None:
+    """Adds the largest relative loss difference against the reference and, in fp32, pass or fail."""
+    if "losses" not in res or "losses" not in ref:
+        return
+    got, want = res["losses"], ref["losses"]
+    res["steps_compared"] = min(len(got), len(want))
+    res["max_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(got, want))
+    if len(got) != len(want):
+        res["error"] = f"{len(got)} logged steps, reference {len(want)}"
+    if dtype == "float32":
+        res["pass"] = res["max_rel_diff"] <= tol and len(got) == len(want)
+
+
+def markdown(doc: dict) -> str:
+    env = doc["environment"]
+    lines = [f"# bench/layouts.py ({env['device']}, torch {env['torch']}, {doc['dtype']}, {doc['steps']} steps, "
+             f"commit {env['commit']})", "", f"`{env['command']}`", "",
+             "| flavor | layout | GPUs | max rel. loss diff vs 1 GPU | result | wall s |", "|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        if "rejected" in r:
+            verdict, diff = "rejected: " + r["rejected"].replace("|", "/"), "-"
+        elif "error" in r and "max_rel_diff" not in r:
+            verdict, diff = "ERROR", "-"
+        else:
+            diff = f"{r['max_rel_diff']:.2e}" if "max_rel_diff" in r else "-"
+            verdict = "reference" if r["layout"] == "single" else \
+                ("pass" if r.get("pass") else "FAIL" if "pass" in r else "spread")
+        lines.append(f"| {r['flavor']} | {r['layout']} | {r['gpus']} | {diff} | {verdict} | {r['wall_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--flavors", default="debug,125M", help=f"of {', '.join(FLAVOR_SETTINGS)}")
+    p.add_argument("--layouts", default="", help="comma-separated subset (default: all for --gpus)")
+    p.add_argument("--device", default="cuda", help="cpu: a gloo smoke run of the script itself")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--timeout", type=int, default=300)
+    p.add_argument("--resume", action="store_true", help="keep the results already in --out, skip those layouts")
+    p.add_argument("--run-dir", default="/tmp/loom_layouts")
+    p.add_argument("--out", default="bench/results/layouts.json")
+    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    a = p.parse_args()
+    table = layouts(a.gpus)
+    chosen = a.layouts.split(",") if a.layouts else list(table)
+    unknown = [n for n in chosen if n not in table]
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {unknown}; for {a.gpus} GPUs: {', '.join(table)}")
+    doc = {"benchmark": "layouts", "environment": environment(a.commit, " ".join(["python"] + sys.argv)),
+           "dtype": a.dtype, "steps": a.steps, "global_batch": GLOBAL_BATCH, "tol": a.tol, "results": []}
+    if a.resume and os.path.exists(a.out):
+        with open(a.out) as fh:
+            old = json.load(fh)
+        doc["results"] = old["results"]
+        doc["invocations"] = old.get("invocations", [])
+    doc.setdefault("invocations", []).append(doc["environment"]["command"])
+    done = {(r["flavor"], r["layout"]) for r in doc["results"]}
+    for flavor in a.flavors.split(","):
+        for name in ["single"] + chosen:
+            if (flavor, name) in done:
+                continue
+            res = run_job(flavor, name, {} if name == "single" else table[name], a)
+            ref = next((r for r in doc["results"] if r["flavor"] == flavor and r["layout"] == "single"), None)
+            if name != "single" and ref:
+                compare(res, ref, a.tol, a.dtype)
+            doc["results"].append(res)
+            print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "command", "degrees")}), flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            with open(a.out, "w") as fh:
+                json.dump(doc, fh, indent=1)
+            with open(os.path.splitext(a.out)[0] + ".md", "w") as fh:
+                fh.write(markdown(doc))
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
