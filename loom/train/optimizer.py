@@ -47,7 +47,8 @@ class TritonAdamW(torch.optim.AdamW):
                 factor = None
                 if grad_factor is not None:
                     factor = torch.as_tensor(grad_factor, dtype=torch.float32, device=_local(p).device).reshape(1)
-                adamw_step_(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                grad = _like_param(p.grad, p)
+                adamw_step_(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                             lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                             weight_decay=group["weight_decay"], step=int(state["step"]), grad_factor=factor)
         return loss
@@ -61,6 +62,15 @@ class TritonAdamW(torch.optim.AdamW):
         elif state["step"].device.type != "cpu":  # loaded from a fused/capturable run: once per tensor
             state["step"] = state["step"].cpu()
         return state
+
+
+def _like_param(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The gradient in its parameter's layout. Under TP a gradient can come back otherwise: Partial for
+    sequence-parallel norm weights (a pending sum over tp), Replicate for a vocab-sharded weight; a
+    DTensor op would redistribute implicitly, a kernel on local shards must do it here."""
+    if hasattr(p, "placements") and tuple(grad.placements) != tuple(p.placements):
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

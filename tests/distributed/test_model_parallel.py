@@ -33,7 +33,10 @@ def job(tmp, name, m=1, dp=1, tied=True, **parallel):
 def pipeline_only(tmp):
     """World 2: TP2 alone, and every schedule on PP2 alone with two micro-batch counts."""
     out = {"tp2-m1": job(tmp, "tp2-m1", m=1, tp=2, dp_shard=1),
-           "tp2-m2-untied": job(tmp, "tp2-m2-untied", m=2, tied=False, tp=2, dp_shard=1)}
+           "tp2-m2-untied": job(tmp, "tp2-m2-untied", m=2, tied=False, tp=2, dp_shard=1),
+           # loom's AdamW steps local shards: TP hands back Partial (norm) and Replicate gradients
+           "tp2-m1-triton-adamw": {**job(tmp, "tp2-m1-triton-adamw", m=1, tp=2, dp_shard=1),
+                                   "optimizer.implementation": "triton"}}
     for s in SCHEDULES:
         for m in ((4, 8) if s in V_SHAPED else (2, 4)):
             name = f"pp2-{s}-m{m}"
@@ -52,6 +55,8 @@ def compositions4(tmp):
     return {
         "fsdp2xtp2-m1": job(tmp, "fsdp2xtp2-m1", dp=2, tp=2, dp_shard=2),
         "fsdp2xtp2-m2-untied": job(tmp, "fsdp2xtp2-m2-untied", m=2, dp=2, tied=False, tp=2, dp_shard=2),
+        "fsdp2xtp2-m1-triton-adamw": {**job(tmp, "fsdp2xtp2-m1-triton-adamw", dp=2, tp=2, dp_shard=2),
+                                      "optimizer.implementation": "triton"},
         "ddp2xtp2": job(tmp, "ddp2xtp2", dp=2, tp=2, dp_replicate=2, dp_shard=1),
         "pp2xfsdp2-1f1b-m2": job(tmp, "pp2xfsdp2-1f1b-m2", m=2, dp=2, pp=2, dp_shard=2),
         "pp2xddp2-interleaved_1f1b-m2": job(tmp, "pp2xddp2-interleaved_1f1b-m2", m=2, dp=2, pp=2,
