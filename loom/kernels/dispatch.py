@@ -9,12 +9,19 @@ per device, compile mode and data layout from what bench/kernels.py and bench/tr
   fused kernels of its own for them; CPU -> plain PyTorch; the fused RMSNorm is off under tensor
   parallelism (sequence-parallel norms see DTensors, which the custom op has no sharding rule for);
 - fused linear + cross-entropy: CUDA -> on (never materializes the logits); not with tensor or pipeline
-  parallelism (vocab-sharded or stage-split output); CPU -> off.
+  parallelism (vocab-sharded or stage-split output); CPU -> off;
+- pipeline schedules that split input and weight gradients (interleaved_zb, zbv, dualpipev) ask autograd for
+  the metadata of every node between the weights and the stage input; torch before 2.12 cannot give it for
+  custom-op nodes ("Attribute '_input_metadata' is invalid", found on 2xH200 with torch 2.11), so there
+  ``auto`` turns our custom ops off and asking for them is a config error.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import torch
 
 from loom.kernels.triton_support import has_triton
 
@@ -40,18 +47,42 @@ def _flag(value: str, auto: bool) -> bool:
     return auto if value == "auto" else value == "true"
 
 
+@functools.cache
+def custom_ops_split_backward_ok() -> bool:
+    """Whether autograd exposes ``_input_metadata`` on the backward node of a Python autograd function (our
+    custom ops' autograd is one), which torch.distributed.pipelining's weight-gradient pass reads."""
+
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    y = _Probe.apply(torch.zeros(1, requires_grad=True))
+    try:
+        y.grad_fn._input_metadata
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, tp: bool = False,
-                    pp: bool = False) -> KernelChoice:
-    """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on."""
+                    pp: bool = False, split_backward: bool = False) -> KernelChoice:
+    """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
+    ``split_backward``: a pipeline schedule that computes input and weight gradients apart."""
     triton_gpu = device_type == "cuda" and has_triton()
+    custom_ok = not split_backward or custom_ops_split_backward_ok()
     attention = model_cfg.attention
     if attention == "auto":
-        attention = "flash" if triton_gpu and documents else "sdpa"
-    eager_gpu = triton_gpu and not compile
+        attention = "flash" if triton_gpu and documents and custom_ok else "sdpa"
+    eager_gpu = triton_gpu and not compile and custom_ok
     return KernelChoice(
         attention=attention,
         fused_norm=_flag(model_cfg.fused_norm, eager_gpu and not tp),
         fused_rope=_flag(model_cfg.fused_rope, eager_gpu),
         fused_swiglu=_flag(model_cfg.fused_swiglu, eager_gpu),
-        fused_loss=_flag(model_cfg.fused_loss, triton_gpu and not (tp or pp)),
+        fused_loss=_flag(model_cfg.fused_loss, triton_gpu and custom_ok and not (tp or pp)),
     )

@@ -158,6 +158,36 @@ def test_dispatch_auto_choices():
         assert not tp_eager.fused_norm and tp_eager.fused_swiglu
 
 
+def test_dispatch_split_backward_pipeline(monkeypatch):
+    """Where autograd cannot describe custom-op nodes (torch < 2.12), zero-bubble schedules get none of ours."""
+    from loom.config.sections import ModelConfig
+    from loom.kernels import dispatch
+
+    assert dispatch.custom_ops_split_backward_ok() == hasattr_input_metadata()
+    monkeypatch.setattr(dispatch, "has_triton", lambda: True)
+    auto = ModelConfig()
+    monkeypatch.setattr(dispatch, "custom_ops_split_backward_ok", lambda: True)
+    ok = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, pp=True, split_backward=True)
+    assert ok.attention == "flash" and ok.fused_norm and ok.fused_rope and ok.fused_swiglu and not ok.fused_loss
+    monkeypatch.setattr(dispatch, "custom_ops_split_backward_ok", lambda: False)
+    old = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, pp=True, split_backward=True)
+    assert old.attention == "sdpa" and not (old.fused_norm or old.fused_rope or old.fused_swiglu or old.fused_loss)
+    plain_pp = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, pp=True)
+    assert plain_pp.attention == "flash" and plain_pp.fused_norm
+
+
+def hasattr_input_metadata() -> bool:
+    x = torch.zeros(2, requires_grad=True)
+    from loom.kernels.rmsnorm.op import rms_norm
+
+    y = rms_norm(x.view(1, 2), torch.ones(2), 1e-6)
+    try:
+        y.grad_fn._input_metadata
+    except RuntimeError:
+        return False
+    return True
+
+
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import torch
     from loom.kernels.attention import reference as R, triton as T

@@ -112,3 +112,18 @@ def test_config_rules_for_pipeline_fields():
         build_config(None, overrides(parallel__pp_schedule="1f1b", parallel__pp_virtual_stages=2))
     with pytest.raises(ConfigError, match="model.init_from"):
         build_config(None, overrides(model__n_layers=4, model__init_from="/"))
+
+
+def test_split_backward_schedules_refuse_custom_ops_where_torch_cannot(monkeypatch):
+    from loom.train import trainer
+
+    cfg = build_config(None, overrides(parallel__pp=2, parallel__pp_schedule="zbv", model__fused_norm="true",
+                                       model__n_layers=4))
+    monkeypatch.setattr(trainer, "custom_ops_split_backward_ok", lambda: False)
+    with pytest.raises(ConfigError, match="parallel.pp_schedule.*torch >= 2.12"):
+        trainer.kernel_choice(cfg)
+    cfg.model.fused_norm = "auto"
+    assert not trainer.kernel_choice(cfg).fused_norm
+    monkeypatch.setattr(trainer, "custom_ops_split_backward_ok", lambda: True)
+    cfg.model.fused_norm = "true"
+    assert trainer.kernel_choice(cfg).fused_norm
