@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.jobs import config_rejection, metrics, run_train  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
@@ -76,25 +75,15 @@ def run_job(flavor: str, name: str, degrees: dict, a) -> dict:
     gpus = _world(degrees)
     run_dir = os.path.join(a.run_dir, f"{flavor}_{a.dtype}_{name}")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh metrics.jsonl
-    cfg = job_config(flavor, degrees, a, run_dir)
-    cmd = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train", "--nproc-per-node", str(gpus)]
-    cmd += [f"--{k}={v}" for k, v in cfg.items()]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
-    t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    proc, command, wall = run_train(job_config(flavor, degrees, a, run_dir), gpus, a.timeout)
     out = {"flavor": flavor, "layout": name, "gpus": gpus, "dtype": a.dtype, "degrees": degrees,
-           "command": "loom train --nproc-per-node " + str(gpus) + " " + " ".join(cmd[6:]),
-           "wall_s": round(time.time() - t0, 1)}
-    if proc.returncode == 2:  # loom's config error: one line naming field, value and what is allowed
-        reasons = [ln for ln in proc.stderr.splitlines() if ln.startswith("loom: error:")]
-        out["rejected"] = reasons[0] if reasons else "exit 2"
-        return out
-    if proc.returncode:
+           "command": command, "wall_s": wall}
+    if rejected := config_rejection(proc):
+        out["rejected"] = rejected
+    elif proc.returncode:
         out["error"] = (proc.stderr or proc.stdout)[-3000:]
-        return out
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        out["losses"] = [json.loads(line)["loss"] for line in fh]
+    else:
+        out["losses"] = [r["loss"] for r in metrics(run_dir)]
     return out
 
 

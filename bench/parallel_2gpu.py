@@ -17,12 +17,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.jobs import metrics, run_train  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
 SEQ = 2048
@@ -64,18 +63,12 @@ def run_layout(flavor: str, layout: str, a, index: int) -> dict:
     run_dir = os.path.join(a.run_dir, f"{index:02d}_{flavor}_{layout}")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh metrics.jsonl (a repeated layout must not append)
     cfg = overrides(flavor, layout, a, run_dir)
-    cmd = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train", "--nproc-per-node", str(gpus)]
-    cmd += [f"--{k}={v}" for k, v in cfg.items()]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
-    t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-    out = {"flavor": flavor, "layout": layout, "gpus": gpus, "config": cfg, "wall_s": time.time() - t0}
+    proc, _, wall = run_train(cfg, gpus, a.timeout)
+    out = {"flavor": flavor, "layout": layout, "gpus": gpus, "config": cfg, "wall_s": wall}
     if proc.returncode:
         out["error"] = (proc.stderr or proc.stdout)[-3000:]
         return out
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        recs = [json.loads(line) for line in fh][1:]  # the first interval holds start-up and warm-up
+    recs = metrics(run_dir)[1:]  # the first interval holds start-up and warm-up
     tps = [r["tokens_per_s_per_device"] for r in recs]
     out.update({
         "log": [ln for ln in proc.stdout.splitlines() if ln.startswith(("loom:", "pipeline"))],

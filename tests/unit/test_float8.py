@@ -4,7 +4,6 @@ bf16 run whose loss curve stays close to the bf16 run without float8 (torchao em
 from __future__ import annotations
 
 import pytest
-import torch
 
 from loom.config import build_config
 from loom.models.common.float8 import apply_float8, float8_available

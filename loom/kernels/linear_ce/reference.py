@@ -93,7 +93,7 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: 
     loss, or empty tensors without ``with_grads``. Matmuls run in the input dtype (call with autocast
     off); extra memory ~ chunk_tokens x V in the input dtype, plus an fp32 (V, E) accumulator when
     the weight is not fp32."""
-    n_rows, vocab = h.shape[0], weight.shape[0]
+    n_rows = h.shape[0]
     loss_rows = torch.zeros(n_rows, dtype=torch.float32, device=h.device)  # (N,)
     if with_grads:
         grad_h = h.new_empty(h.shape)  # (N, E)

@@ -1,0 +1,184 @@
+"""Training throughput of one flavor on N GPUs, one ``loom train`` job per layout: tokens/s per GPU, MFU,
+peak memory, next to published reference points for the same model (context, not a bar: other GPUs,
+other software).
+
+Layouts are named by their degrees, joined by ``_``: ``fsdp8``, ``ddp2``, ``hsdp2x4`` (replicate x shard),
+``tp2``, ``pp2``, then a pipeline schedule where there is a pipeline, e.g. ``fsdp4_tp2``,
+``fsdp2_tp2_pp2_interleaved_1f1b``. Every layout runs the same global batch (``--global-batch``
+sequences of ``--seq`` tokens per optimizer step), bf16 compute over fp32 master weights, loom's default
+optimizer for the device; tokens/s per GPU is the median of the logged intervals after the first (which
+holds compilation and warm-up).
+
+    python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 --layouts fsdp8 --compile --ac op \\
+        --out bench/results/throughput_8b_8gpu_h200.json
+
+The JSON (and a markdown table beside it) is rewritten after every layout, so a command cut short keeps
+what finished; ``--resume`` skips layouts already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.jobs import config_rejection, metrics, run_train  # noqa: E402
+from bench.train_1b import environment  # noqa: E402
+
+# published figures for context: (flavor, seq) -> list of references
+REFERENCES = {
+    ("8B", 8192): [
+        {"source": "torchtitan docs/performance.md Table 1: Llama 3.1 8B, 8x H100 (96 GB HBM2e, 500 W), FSDP, "
+                   "local batch 2, selective AC, eager", "tokens_per_s_per_gpu": 5762},
+        {"source": "torchtitan docs/performance.md Table 1: same, FSDP + torch.compile", "tokens_per_s_per_gpu": 6667},
+    ],
+}
+_AXES = {"fsdp": "dp_shard", "ddp": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp"}
+
+
+def parse_layout(name: str) -> dict:
+    """``fsdp2_tp2_pp2_1f1b`` -> {"dp_shard": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b"}; dp_shard is 1
+    unless named (loom's default would take every GPU left over)."""
+    degrees: dict = {"dp_shard": 1}
+    parts = name.split("_")
+    while parts:
+        m = re.fullmatch(r"(fsdp|ddp|tp|pp|cp)(\d+)", parts[0]) or re.fullmatch(r"hsdp(\d+)x(\d+)", parts[0])
+        if not m:
+            break
+        if parts[0].startswith("hsdp"):
+            degrees["dp_replicate"], degrees["dp_shard"] = int(m.group(1)), int(m.group(2))
+        else:
+            degrees[_AXES[m.group(1)]] = int(m.group(2))
+        parts.pop(0)
+    if parts:
+        if degrees.get("pp", 1) == 1:
+            raise SystemExit(f"--layouts {name}: '{'_'.join(parts)}' is not a degree (fsdpN, ddpN, hsdpRxS, tpN, "
+                             "ppN, cpN) and there is no pipeline for it to be a schedule of")
+        degrees["pp_schedule"] = "_".join(parts)
+    return degrees
+
+
+def world(degrees: dict) -> int:
+    n = 1
+    for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+        n *= degrees.get(axis, 1)
+    return n
+
+
+def job_config(degrees: dict, a, run_dir: str) -> dict:
+    cfg = {"model.flavor": a.flavor, "training.seq_len": a.seq, "training.dtype": "bfloat16",
+           "training.global_batch_size": a.global_batch, "training.micro_batch_size": a.micro_batch,
+           "training.steps": a.steps, "training.compile": str(a.compile).lower(),
+           "training.activation_checkpointing": a.ac, "optimizer.lr": 3e-4, "metrics.every": a.every,
+           "metrics.tensorboard": "false", "checkpoint.at_end": "false", "run.device": a.device,
+           "run.dir": run_dir, "data.cache_dir": os.path.join(a.run_dir, "cache")}
+    cfg.update({f"parallel.{k}": v for k, v in degrees.items()})
+    cfg.update(dict(kv.split("=", 1) for kv in a.set))
+    return cfg
+
+
+def summarize(recs: list[dict]) -> dict:
+    """Median tokens/s per GPU and MFU over the logged intervals after the first; peak memory of any rank."""
+    timed = recs[1:] or recs
+    return {"intervals": len(timed), "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
+            "tokens_per_s_per_gpu_all": [r["tokens_per_s_per_device"] for r in timed],
+            "mfu": statistics.median(r["mfu"] for r in timed) if timed[0].get("mfu") is not None else None,
+            "peak_gib_max_rank": max(r.get("mem_gib_max_rank", r["mem_gib"]) for r in recs),
+            "final_loss": recs[-1]["loss"]}
+
+
+def run_layout(name: str, a) -> dict:
+    degrees = parse_layout(name)
+    gpus = world(degrees)
+    run_dir = os.path.join(a.run_dir, f"{a.flavor}_{a.seq}_{name}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    proc, command, wall = run_train(job_config(degrees, a, run_dir), gpus, a.timeout)
+    out = {"layout": name, "gpus": gpus, "degrees": degrees, "command": command, "wall_s": wall}
+    if rejected := config_rejection(proc):
+        out["rejected"] = rejected
+    elif proc.returncode:
+        out["error"] = (proc.stderr or proc.stdout)[-3000:]
+    else:
+        out.update(summarize(metrics(run_dir)))
+        out["log"] = [ln for ln in proc.stdout.splitlines() if ln.startswith(("loom:", "kernels:", "pipeline"))]
+    return out
+
+
+def markdown(doc: dict) -> str:
+    env, s = doc["environment"], doc["settings"]
+    lines = [f"# bench/throughput.py: {s['flavor']}, seq {s['seq']}, global batch {s['global_batch']} "
+             f"({env['device']}, torch {env['torch']}, commit {env['commit']})", "",
+             *[f"`{c}`" for c in doc["invocations"]], "",
+             "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank) | note |", "|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        if "tokens_per_s_per_gpu" in r:
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+            lines.append(f"| {r['layout']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
+                         f"{r['peak_gib_max_rank']:.1f} | |")
+        else:
+            note = r.get("rejected") or "ERROR: " + r["error"].strip().splitlines()[-1][:160]
+            lines.append(f"| {r['layout']} | {r['gpus']} | - | - | - | {note.replace('|', '/')} |")
+    for ref in doc["references"]:
+        lines.append(f"| reference: {ref['source']} | | {ref['tokens_per_s_per_gpu']:,} | | | context, not a bar |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpus", type=int, default=8, help="every layout must use exactly this many")
+    p.add_argument("--flavor", default="8B")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--layouts", default="fsdp8")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (default: --gpus)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--ac", default="op", help="training.activation_checkpointing")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config for every job")
+    p.add_argument("--device", default="cuda", help="cpu: a gloo smoke run of the script itself")
+    p.add_argument("--timeout", type=int, default=540)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--run-dir", default="/tmp/loom_throughput")
+    p.add_argument("--out", default="bench/results/throughput.json")
+    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    a = p.parse_args()
+    a.global_batch = a.global_batch or a.gpus
+    names = a.layouts.split(",")
+    for name in names:
+        if world(parse_layout(name)) != a.gpus:
+            raise SystemExit(f"--layouts {name}: uses {world(parse_layout(name))} GPUs, --gpus is {a.gpus}")
+    settings = {k: getattr(a, k) for k in ("flavor", "seq", "global_batch", "micro_batch", "steps", "compile", "ac", "set")}
+    doc = {"benchmark": "throughput", "environment": environment(a.commit, " ".join(["python"] + sys.argv)),
+           "settings": settings, "references": REFERENCES.get((a.flavor, a.seq), []), "results": [], "invocations": []}
+    if a.resume and os.path.exists(a.out):
+        with open(a.out) as fh:
+            old = json.load(fh)
+        if old["settings"] != settings:
+            raise SystemExit(f"--resume: {a.out} was measured with other settings: {old['settings']}")
+        doc["results"], doc["invocations"] = old["results"], old["invocations"]
+    doc["invocations"].append(doc["environment"]["command"])
+    done = {r["layout"] for r in doc["results"]}
+    for name in names:
+        if name in done:
+            continue
+        res = run_layout(name, a)
+        doc["results"].append(res)
+        print(json.dumps({k: v for k, v in res.items() if k not in ("command", "log", "tokens_per_s_per_gpu_all")}),
+              flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        with open(os.path.splitext(a.out)[0] + ".md", "w") as fh:
+            fh.write(markdown(doc))
+    print(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
