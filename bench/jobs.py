@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,16 @@ def config_rejection(proc: subprocess.CompletedProcess) -> str | None:
         return None
     reasons = [ln for ln in proc.stderr.splitlines() if ln.startswith("loom: error:")]
     return reasons[0] if reasons else "exit 2"
+
+
+def failure(proc: subprocess.CompletedProcess) -> str:
+    """What a failed job said: each worker's exception line (the first cause, not the shutdown noise after
+    it) and the last lines of its output."""
+    text = proc.stderr or proc.stdout or ""
+    causes = [ln for ln in text.splitlines()
+              if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): ", ln) and "frame #" not in ln]
+    tail = text[-1500:]
+    return "\n".join(dict.fromkeys(causes[:8])) + ("\n...\n" if causes else "") + tail
 
 
 def metrics(run_dir: str) -> list[dict]:

@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.jobs import config_rejection, metrics, run_train  # noqa: E402
+from bench.jobs import config_rejection, failure, metrics, run_train  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
@@ -81,7 +81,7 @@ def run_job(flavor: str, name: str, degrees: dict, a) -> dict:
     if rejected := config_rejection(proc):
         out["rejected"] = rejected
     elif proc.returncode:
-        out["error"] = (proc.stderr or proc.stdout)[-3000:]
+        out["error"] = failure(proc)
     else:
         out["losses"] = [r["loss"] for r in metrics(run_dir)]
     return out

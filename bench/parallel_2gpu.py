@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.jobs import metrics, run_train  # noqa: E402
+from bench.jobs import failure, metrics, run_train  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
 SEQ = 2048
@@ -66,7 +66,7 @@ def run_layout(flavor: str, layout: str, a, index: int) -> dict:
     proc, _, wall = run_train(cfg, gpus, a.timeout)
     out = {"flavor": flavor, "layout": layout, "gpus": gpus, "config": cfg, "wall_s": wall}
     if proc.returncode:
-        out["error"] = (proc.stderr or proc.stdout)[-3000:]
+        out["error"] = failure(proc)
         return out
     recs = metrics(run_dir)[1:]  # the first interval holds start-up and warm-up
     tps = [r["tokens_per_s_per_device"] for r in recs]

@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.jobs import config_rejection, metrics, run_train  # noqa: E402
+from bench.jobs import config_rejection, failure, metrics, run_train  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
 # published figures for context: (flavor, seq) -> list of references
@@ -103,7 +103,7 @@ def run_layout(name: str, a) -> dict:
     if rejected := config_rejection(proc):
         out["rejected"] = rejected
     elif proc.returncode:
-        out["error"] = (proc.stderr or proc.stdout)[-3000:]
+        out["error"] = failure(proc)
     else:
         out.update(summarize(metrics(run_dir)))
         out["log"] = [ln for ln in proc.stdout.splitlines() if ln.startswith(("loom:", "kernels:", "pipeline"))]

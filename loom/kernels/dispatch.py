@@ -10,10 +10,12 @@ per device, compile mode and data layout from what bench/kernels.py and bench/tr
   parallelism (sequence-parallel norms see DTensors, which the custom op has no sharding rule for);
 - fused linear + cross-entropy: CUDA -> on (never materializes the logits); not with tensor or pipeline
   parallelism (vocab-sharded or stage-split output); CPU -> off;
-- pipeline schedules that split input and weight gradients (interleaved_zb, zbv, dualpipev) ask autograd for
-  the metadata of every node between the weights and the stage input; torch before 2.12 cannot give it for
-  custom-op nodes ("Attribute '_input_metadata' is invalid", found on 2xH200 with torch 2.11), so there
-  ``auto`` turns our custom ops off and asking for them is a config error.
+- pipeline schedules that split input and weight gradients (interleaved_zb, zbv, dualpipev) keep
+  gradient edges to nodes inside the stage and read their metadata in the weight pass, after the stage's
+  output may be freed; an edge to a Python autograd node (our custom ops' autograd is one) holds it only
+  weakly in torch 2.11, so the node is gone by then ("Attribute '_input_metadata' is invalid", found on
+  2xH200 with the 125M flavor; torch 2.13 keeps it). Where the probe below finds that, ``auto`` turns our
+  custom ops off for those schedules and asking for them is a config error.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ def _flag(value: str, auto: bool) -> bool:
 
 @functools.cache
 def custom_ops_split_backward_ok() -> bool:
-    """Whether autograd exposes ``_input_metadata`` on the backward node of a Python autograd function (our
-    custom ops' autograd is one), which torch.distributed.pipelining's weight-gradient pass reads."""
+    """Whether a gradient edge to a Python autograd node (our custom ops' autograd is one) still describes
+    the node after every tensor of its graph is freed, as torch.distributed.pipelining's weight-gradient
+    pass needs: the edge must keep the node alive."""
+    import gc
+
+    from torch.autograd.graph import get_gradient_edge
 
     class _Probe(torch.autograd.Function):
         @staticmethod
@@ -62,8 +68,11 @@ def custom_ops_split_backward_ok() -> bool:
             return grad
 
     y = _Probe.apply(torch.zeros(1, requires_grad=True))
+    edge = get_gradient_edge(y)
+    del y
+    gc.collect()
     try:
-        y.grad_fn._input_metadata
+        edge.node._input_metadata
     except (RuntimeError, AttributeError):
         return False
     return True

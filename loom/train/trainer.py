@@ -68,7 +68,8 @@ def kernel_choice(cfg: Config) -> KernelChoice:
         raise ConfigError("parallel.pp_schedule", cfg.parallel.pp_schedule,
                           f"splits input and weight gradients, which torch {torch.__version__} cannot do through "
                           "loom's custom ops (model.attention flash / model.fused_* true): allowed with those "
-                          "auto | sdpa | false, or gpipe | 1f1b | interleaved_1f1b | looped_bfs, or torch >= 2.12")
+                          "auto | sdpa | false, or gpipe | 1f1b | interleaved_1f1b | looped_bfs, or a newer torch "
+                          "(2.13 can)")
     return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
                            tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, split_backward=split_backward)
 
