@@ -206,12 +206,24 @@ class BusyClock:
 
 
 def _timed_stage_class():
+    import torch
     from torch.distributed.pipelining import PipelineStage
 
     class TimedStage(PipelineStage):
-        """A PipelineStage whose compute chunks are timed by a shared ``BusyClock``."""
+        """A PipelineStage whose compute chunks are timed by a shared ``BusyClock``, and which keeps a
+        split-backward chunk's autograd graph alive from its input-gradient pass to its weight pass.
+
+        torch's input pass detaches the stage outputs, leaving the graph held only by the gradient edges
+        it saved; in torch 2.11 an edge does not keep a Python autograd node (our custom ops' autograd is
+        one) alive, so the weight pass met a freed node ("Attribute '_input_metadata' is invalid": the
+        125M flavor with fused RMSNorm on 2xH200, zbv / dualpipev / interleaved_zb). Holding the outputs'
+        ``grad_fn`` until the weight pass keeps every node of the chunk alive."""
 
         clock: BusyClock
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.held_graphs: dict[int, list] = {}  # chunk -> grad_fn of its outputs, input pass -> weight pass
 
         def _timed(self, fn, *args, **kwargs):
             start = self.clock.now()
@@ -222,11 +234,19 @@ def _timed_stage_class():
         def forward_one_chunk(self, *args, **kwargs):
             return self._timed(super().forward_one_chunk, *args, **kwargs)
 
-        def backward_one_chunk(self, *args, **kwargs):
-            return self._timed(super().backward_one_chunk, *args, **kwargs)
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            if not full_backward and self.has_backward:
+                outputs = [loss] if self.is_last else self.fwd_cache[bwd_chunk_id][0]
+                self.held_graphs[bwd_chunk_id] = [t.grad_fn for t in outputs
+                                                  if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            return self._timed(super().backward_one_chunk, bwd_chunk_id, loss=loss, full_backward=full_backward,
+                               last_backward=last_backward)
 
-        def backward_weight_one_chunk(self, *args, **kwargs):
-            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+        def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            try:
+                return self._timed(super().backward_weight_one_chunk, bwd_chunk_id, *args, **kwargs)
+            finally:
+                self.held_graphs.pop(bwd_chunk_id, None)
 
     return TimedStage
 

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 from loom.config.errors import ConfigError
-from loom.config.load import PIPELINE_SCHEDULES_SPLIT_BACKWARD, accumulation_steps, profile_window, to_toml
+from loom.config.load import accumulation_steps, profile_window, to_toml
 from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, prepare_data
 from loom.data import describe_sources
 from loom.data.loader import MicroBatch
-from loom.kernels.dispatch import KernelChoice, custom_ops_split_backward_ok, resolve_kernels
+from loom.kernels.dispatch import KernelChoice, resolve_kernels
 from loom.kernels.triton_support import has_triton
 from loom.models.common.float8 import float8_available
 from loom.metrics.flops import device_peak, mfu
@@ -62,16 +62,8 @@ def kernel_choice(cfg: Config) -> KernelChoice:
                           "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
     if cfg.training.float8 != "none" and not float8_available():
         raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): allowed none")
-    split_backward = cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
-    if split_backward and not custom_ops_split_backward_ok() and (cfg.model.attention == "flash" or "true" in (
-            cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
-        raise ConfigError("parallel.pp_schedule", cfg.parallel.pp_schedule,
-                          f"splits input and weight gradients, which torch {torch.__version__} cannot do through "
-                          "loom's custom ops (model.attention flash / model.fused_* true): allowed with those "
-                          "auto | sdpa | false, or gpipe | 1f1b | interleaved_1f1b | looped_bfs, or a newer torch "
-                          "(2.13 can)")
     return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
-                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, split_backward=split_backward)
+                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1)
 
 
 def count_params(args) -> int:

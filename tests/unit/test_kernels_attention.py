@@ -158,43 +158,6 @@ def test_dispatch_auto_choices():
         assert not tp_eager.fused_norm and tp_eager.fused_swiglu
 
 
-def test_dispatch_split_backward_pipeline(monkeypatch):
-    """Where an edge cannot keep a custom-op node alive (torch 2.11), zero-bubble schedules get none of ours."""
-    from loom.config.sections import ModelConfig
-    from loom.kernels import dispatch
-
-    assert dispatch.custom_ops_split_backward_ok() == hasattr_input_metadata()
-    monkeypatch.setattr(dispatch, "has_triton", lambda: True)
-    auto = ModelConfig()
-    monkeypatch.setattr(dispatch, "custom_ops_split_backward_ok", lambda: True)
-    ok = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, pp=True, split_backward=True)
-    assert ok.attention == "flash" and ok.fused_norm and ok.fused_rope and ok.fused_swiglu and not ok.fused_loss
-    monkeypatch.setattr(dispatch, "custom_ops_split_backward_ok", lambda: False)
-    old = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, pp=True, split_backward=True)
-    assert old.attention == "sdpa" and not (old.fused_norm or old.fused_rope or old.fused_swiglu or old.fused_loss)
-    plain_pp = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True, pp=True)
-    assert plain_pp.attention == "flash" and plain_pp.fused_norm
-
-
-def hasattr_input_metadata() -> bool:
-    """The probe's question asked of a real custom op: does an edge to an RMSNorm node outlive its tensors?"""
-    import gc
-
-    from torch.autograd.graph import get_gradient_edge
-
-    from loom.kernels.rmsnorm.op import rms_norm
-
-    y = rms_norm(torch.zeros(1, 2, requires_grad=True), torch.ones(2), 1e-6)
-    edge = get_gradient_edge(y)
-    del y
-    gc.collect()
-    try:
-        edge.node._input_metadata
-    except RuntimeError:
-        return False
-    return True
-
-
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import torch
     from loom.kernels.attention import reference as R, triton as T

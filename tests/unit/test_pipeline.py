@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -114,16 +116,62 @@ def test_config_rules_for_pipeline_fields():
         build_config(None, overrides(model__n_layers=4, model__init_from="/"))
 
 
-def test_split_backward_schedules_refuse_custom_ops_where_torch_cannot(monkeypatch):
-    from loom.train import trainer
+class _Scale(torch.autograd.Function):
+    """A Python autograd node inside each stage, as our custom ops make."""
 
-    cfg = build_config(None, overrides(parallel__pp=2, parallel__pp_schedule="zbv", model__fused_norm="true",
-                                       model__n_layers=4))
-    monkeypatch.setattr(trainer, "custom_ops_split_backward_ok", lambda: False)
-    with pytest.raises(ConfigError, match="parallel.pp_schedule.*newer torch"):
-        trainer.kernel_choice(cfg)
-    cfg.model.fused_norm = "auto"
-    assert not trainer.kernel_choice(cfg).fused_norm
-    monkeypatch.setattr(trainer, "custom_ops_split_backward_ok", lambda: True)
-    cfg.model.fused_norm = "true"
-    assert trainer.kernel_choice(cfg).fused_norm
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(dim=(0, 1))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(dim) + 0.5)
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):  # (B, S, D)
+        return self.lin(_Scale.apply(x, self.w))
+
+
+def test_split_backward_keeps_each_chunks_graph_until_its_weight_pass(tmp_path):
+    """zbv with both stages on one rank: the input pass of a chunk holds its graph, the weight pass frees
+    it, and the gradients match plain autograd on the same micro-batches."""
+    import torch.distributed as dist
+
+    from loom.parallel.pipeline import BusyClock, PipelinePlan, build_schedule
+
+    torch.manual_seed(0)
+    stages = [_Block(8), _Block(8)]
+    reference = copy.deepcopy(stages)
+    x = torch.randn(4, 3, 8)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        plan = PipelinePlan("zbv", pp=1, per_rank=2, layers=[[0], [1]], local=[0, 1])
+        schedule = build_schedule(plan, stages, dist.group.WORLD, torch.device("cpu"), 4,
+                                  lambda out, _: out.pow(2).mean() / 4, BusyClock(torch.device("cpu")))
+        seen = []
+        for stage in schedule._stages:
+            weight_pass = stage.backward_weight_one_chunk
+
+            def spy(chunk, *args, _stage=stage, _pass=weight_pass, **kwargs):
+                seen.append(chunk in _stage.held_graphs)
+                return _pass(chunk, *args, **kwargs)
+
+            stage.backward_weight_one_chunk = spy
+        schedule.step(x, target=torch.zeros(4, 3, 8))
+        assert seen and all(seen)  # the split path ran and held each chunk's graph at its weight pass
+        assert all(not s.held_graphs for s in schedule._stages)  # and let go of every one
+    finally:
+        dist.destroy_process_group()
+    loss = sum(reference[1](reference[0](mb)).pow(2).mean() / 4 for mb in x.chunk(4))
+    loss.backward()
+    for got, want in zip(stages, reference):
+        for p, q in zip(got.parameters(), want.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
