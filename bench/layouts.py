@@ -6,7 +6,7 @@ leaves PyTorch's default, TF32 off), ``run.deterministic = true``, ``--steps`` s
 step. The reference runs on one GPU with gradient accumulation; the layouts use their own micro-batch
 counts, so accumulation is varied too. A layout passes when every step's loss is within ``--tol`` (relative)
 of the reference's. ``--dtype bfloat16`` reports the spread instead (bf16 sums in a layout-dependent order).
-A layout that loom rejects (a config error: e.g. split-backward pipeline schedules with data parallelism)
+A layout that loom rejects (a config error: e.g. too few micro-batches for a V-shaped schedule)
 is recorded with the one-line reason, not as a failure.
 
     python bench/layouts.py --gpus 8 --flavors debug,125M --out bench/results/layouts_8gpu_h200.json

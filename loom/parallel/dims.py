@@ -54,20 +54,7 @@ class ParallelDims:
                               f"dp_replicate x dp_shard x tp x pp x cp = {product} must equal the world size "
                               f"{world_size}")
         dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size)
-        dims.check_composition(cfg)
         return dims
-
-    def check_composition(self, cfg: ParallelConfig) -> None:
-        """Combinations that are rejected although each degree alone is fine."""
-        from loom.config.load import PIPELINE_SCHEDULES_SPLIT_BACKWARD
-
-        if self.pp > 1 and self.dp_size > 1 and cfg.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD:
-            # FSDP2 reduces the gradients of the parameters it manages; the separate weight-gradient pass of
-            # these schedules bypasses that (the losses drift from step 2 on in tests/distributed)
-            raise ConfigError("parallel.pp_schedule", cfg.pp_schedule,
-                              "splits input and weight gradients, which gives wrong gradients together with "
-                              "data parallelism (FSDP2) in torch.distributed.pipelining; with dp_shard or "
-                              "dp_replicate > 1 use gpipe | 1f1b | interleaved_1f1b | looped_bfs")
 
     # ---- what is enabled -------------------------------------------------
     @property

@@ -24,7 +24,7 @@ from loom.metrics.logger import MetricsLogger
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.llama import FLAVORS, Llama, round_vocab
-from loom.models.llama.parallelize import parallelize_llama
+from loom.models.llama.parallelize import fsdp_reshard_after_forward, parallelize_llama
 from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.pipeline import BusyClock, build_schedule, theoretical_bubble
@@ -430,6 +430,11 @@ class Trainer:
         print(f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {self.accum} micro-batches: "
               f"theoretical bubble {bubble} (idle / total, F=1 B=2)", flush=True)
         print(f"pipeline split: {p.describe()}", flush=True)
+        if self.dims.fsdp_applied and self.cfg.parallel.reshard_after_forward and not fsdp_reshard_after_forward(
+                self.cfg.parallel, p):
+            print(f"pipeline: {p.schedule} computes weight gradients in a pass of their own, so FSDP keeps each "
+                  "block's parameters gathered from forward to the gradient reduction (parallel."
+                  "reshard_after_forward = true does not apply)", flush=True)
 
     def _logs_at(self, step: int) -> bool:
         """Whether ``step`` is logged (metrics.every, the last step, or a validation step)."""

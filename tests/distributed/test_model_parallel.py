@@ -50,8 +50,8 @@ def pipeline_only(tmp):
 
 
 def compositions4(tmp):
-    """World 4: FSDP x TP, DDP x TP, PP x FSDP, PP x DDP, PP x TP (also the split-backward schedules,
-    which are rejected together with data parallelism), PP4."""
+    """World 4: FSDP x TP, DDP x TP, PP x FSDP, PP x DDP, PP x TP, PP4; the split-backward schedules
+    with TP, FSDP and replication (FSDP2 on a replicate mesh)."""
     return {
         "fsdp2xtp2-m1": job(tmp, "fsdp2xtp2-m1", dp=2, tp=2, dp_shard=2),
         "fsdp2xtp2-m2-untied": job(tmp, "fsdp2xtp2-m2-untied", m=2, dp=2, tied=False, tp=2, dp_shard=2),
@@ -71,17 +71,23 @@ def compositions4(tmp):
         "pp2xddp2-looped_bfs-m2": job(tmp, "pp2xddp2-looped_bfs-m2", m=2, dp=2, pp=2, pp_schedule="looped_bfs",
                                       dp_replicate=2, dp_shard=1),
         "pp4-1f1b-m4": job(tmp, "pp4-1f1b-m4", m=4, pp=4, dp_shard=1),
+        # weight passes after FSDP's backward hooks: blocks keep their parameters gathered (1e-2 off otherwise)
+        "pp2xfsdp2-zbv-m4": job(tmp, "pp2xfsdp2-zbv-m4", m=4, dp=2, pp=2, pp_schedule="zbv", dp_shard=2),
+        "pp2xddp2-interleaved_zb-m2": job(tmp, "pp2xddp2-interleaved_zb-m2", m=2, dp=2, pp=2,
+                                          pp_schedule="interleaved_zb", dp_replicate=2, dp_shard=1),
     }
 
 
 def compositions8(tmp):
-    """World 8: HSDP x TP, PP x HSDP and PP x FSDP x TP."""
+    """World 8: HSDP x TP, PP x HSDP and PP x FSDP x TP (also with a split-backward schedule)."""
     return {
         "hsdp2x2xtp2": job(tmp, "hsdp2x2xtp2", dp=4, tp=2, dp_replicate=2, dp_shard=2),
         "pp2xhsdp2x2-1f1b-m2": job(tmp, "pp2xhsdp2x2-1f1b-m2", m=2, dp=4, pp=2, dp_replicate=2, dp_shard=2),
         "pp2xfsdp2xtp2-1f1b-m2": job(tmp, "pp2xfsdp2xtp2-1f1b-m2", m=2, dp=2, pp=2, tp=2, dp_shard=2),
         "pp2xfsdp2xtp2-interleaved_1f1b-m4": job(tmp, "pp2xfsdp2xtp2-interleaved_1f1b-m4", m=4, dp=2, pp=2, tp=2,
                                                  pp_schedule="interleaved_1f1b", dp_shard=2),
+        "pp2xfsdp2xtp2-dualpipev-m4": job(tmp, "pp2xfsdp2xtp2-dualpipev-m4", m=4, dp=2, pp=2, tp=2,
+                                          pp_schedule="dualpipev", dp_shard=2),
     }
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loom.config.load import stages_per_rank
+from loom.config.load import PIPELINE_SCHEDULES_SPLIT_BACKWARD, stages_per_rank
 from loom.config.sections import ParallelConfig, TrainingConfig
 from loom.models.common.float8 import apply_float8
 from loom.models.common.init import materialize
@@ -58,6 +58,15 @@ def split_pipeline(model: Llama, plan: PipelinePlan) -> list[Llama]:
     return [build_stage(model, plan.layers[s], first=s == 0, last=s == last) for s in plan.local]
 
 
+def fsdp_reshard_after_forward(parallel: ParallelConfig, plan) -> bool:
+    """``parallel.reshard_after_forward``, except under a pipeline schedule that splits input and weight
+    gradients: its weight pass reads the gathered parameters after the input pass has run FSDP's backward
+    hooks, so blocks keep their parameters gathered from forward to the step's gradient reduction (ZeRO-2
+    within the stage; resharding there gave wrong gradients: 1e-2 off from the second step)."""
+    split = plan is not None and plan.schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
+    return parallel.reshard_after_forward and not split
+
+
 def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig, parallel: ParallelConfig,
                       device: torch.device, seed: int) -> ParallelModel:
     plan = pipeline_plan(model, dims, parallel, training.seq_len) if dims.pp_enabled else None
@@ -73,7 +82,8 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
         if dims.fsdp_applied:
             mesh = dims["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims["dp_shard_cp"]
             apply_fsdp(part, list(part.layers.values()), mesh, compute_dtype=DTYPES[training.dtype],
-                       reshard_after_forward=parallel.reshard_after_forward, cpu_offload=parallel.cpu_offload)
+                       reshard_after_forward=fsdp_reshard_after_forward(parallel, plan),
+                       cpu_offload=parallel.cpu_offload)
         init_device = torch.device("cpu") if parallel.cpu_offload and dims.fsdp_enabled else device
         materialize(part, init_device, seed, part.param_std, part.init_buffers)
         if parallel.cpu_offload and dims.fsdp_enabled:
