@@ -254,11 +254,6 @@ def check_parallel_fields(cfg: Config) -> None:
     if p.pp > 1 and cfg.data.document_positions:
         raise ConfigError("data.document_positions", True, "not supported with parallel.pp > 1 yet (positions would "
                           "have to travel between stages); allowed with pp = 1")
-    if p.pp > 1 and t.eval_every and p.pp_schedule in PIPELINE_SCHEDULES_V:
-        raise ConfigError("training.eval_every", t.eval_every,
-                          f"validation with pp_schedule {p.pp_schedule} fails inside torch.distributed.pipelining "
-                          "(its forward-only run still hands over backward inputs between the two local stages); "
-                          "allowed: 0 with zbv | dualpipev, or another schedule")
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
     if t.float8 != "none" and p.tp > 1:

@@ -4,6 +4,8 @@
   embedding and the output head counted with the first and last stage; or takes a manual split.
 * ``stage_ids`` says which stages a pp rank holds: ``r, r + p, ...`` (loop) or ``r, 2p - 1 - r`` (V).
 * ``build_stage`` prunes a copy of the (meta) model to one stage: the model code does not change.
+* ``forward_chain`` runs one micro-batch forward through every stage in order (validation of the V-shaped
+  schedules, whose forward-only run in torch fails).
 * ``theoretical_bubble`` replays a schedule's per-rank action order with unit costs and reports the
   idle fraction: idle time / (ranks x makespan).
 """
@@ -267,6 +269,57 @@ def build_schedule(plan: PipelinePlan, stage_modules: list, pp_group, device, n_
     if plan.schedule in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# ---- forward-only, stage by stage -----------------------------------------------------------
+
+_WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def forward_chain(plan: PipelinePlan, stage_modules: list, pp_group, x, device):
+    """One micro-batch forward through every stage in order, each stage on its rank, hidden states passed
+    point to point (a shape header first): validation for the V-shaped schedules, whose forward-only run in
+    torch.distributed.pipelining fails. ``x``: the (B, S) token ids (used by the rank holding stage 0).
+    Returns the last stage's output on the rank holding it, None on the others."""
+    import torch.distributed as dist
+
+    me = dist.get_rank(pp_group)
+    local = dict(zip(plan.local, stage_modules))
+    h = None
+    for s in sorted(local):
+        if s == 0:
+            h = x
+        elif stage_rank(s - 1, plan.pp, plan.schedule) != me:
+            h = _recv_hidden(pp_group, stage_rank(s - 1, plan.pp, plan.schedule), device)
+        h = local[s](h)
+        nxt = s + 1
+        if nxt < plan.n_stages and stage_rank(nxt, plan.pp, plan.schedule) != me:
+            _send_hidden(h, pp_group, stage_rank(nxt, plan.pp, plan.schedule))
+    return h if plan.has_last else None
+
+
+def _send_hidden(h, group, dst: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    h = h.contiguous()
+    header = torch.zeros(8, dtype=torch.int64, device=h.device)  # ndim, dtype, shape...
+    header[0], header[1] = h.dim(), _WIRE_DTYPES.index(str(h.dtype).removeprefix("torch."))
+    header[2:2 + h.dim()] = torch.tensor(h.shape)
+    dist.send(header, group=group, group_dst=dst)
+    dist.send(h, group=group, group_dst=dst)
+
+
+def _recv_hidden(group, src: int, device):
+    import torch
+    import torch.distributed as dist
+
+    header = torch.zeros(8, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=src)
+    ndim, dtype = int(header[0]), getattr(torch, _WIRE_DTYPES[int(header[1])])
+    h = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
+    dist.recv(h, group=group, group_src=src)
+    return h
 
 
 # ---- the bubble ------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from loom.models.llama import FLAVORS, Llama, round_vocab
 from loom.models.llama.parallelize import fsdp_reshard_after_forward, parallelize_llama
 from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
-from loom.parallel.pipeline import BusyClock, build_schedule, theoretical_bubble
+from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, unique_params
 from loom.train.loss import cross_entropy_sum, valid_tokens
@@ -322,14 +322,22 @@ class Trainer:
 
     def _pipeline_validation(self, batches: list[MicroBatch]) -> torch.Tensor:
         """Forward-only schedule runs over ``accum`` micro-batches at a time (the config check makes
-        ``eval_batches`` a multiple); the summed loss of this data-parallel rank, on every pp rank."""
+        ``eval_batches`` a multiple), or for V-shaped schedules one micro-batch at a time through
+        ``forward_chain``; the summed loss of this data-parallel rank, on every pp rank."""
         total = torch.zeros((), device=self.device)
         self._grad_scale = 1.0  # the loss_fn returns plain sums here
         timed = len(self.busy.spans)
-        for i in range(0, len(batches), self.accum):
-            losses = self._run_schedule(self.pipeline.eval, batches[i:i + self.accum])
-            if losses:
-                total += torch.stack(losses).sum()
+        if self.plan.schedule in V_SHAPED:  # torch's forward-only run of these fails: stage by stage instead
+            for mb in batches:
+                with self._autocast(), loss_parallel_context(self.loss_parallel):
+                    out = forward_chain(self.plan, self.parts, self.dims["pp"].get_group(), mb.inputs, self.device)
+                    if out is not None:
+                        total += self._pipeline_loss(out, mb.labels)
+        else:
+            for i in range(0, len(batches), self.accum):
+                losses = self._run_schedule(self.pipeline.eval, batches[i:i + self.accum])
+                if losses:
+                    total += torch.stack(losses).sum()
         del self.busy.spans[timed:]  # the logged idle fraction is the training step's
         dist.all_reduce(total, group=self.dims["pp"].get_group())  # only the last stage holds it
         return total
