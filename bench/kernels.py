@@ -288,10 +288,6 @@ BREAKDOWN = [(64, 32, 32, 4096, False), (64, 32, 32, 8192, False), (128, 16, 16,
              (128, 16, 16, 8192, False), (64, 32, 8, 8192, False), (64, 32, 8, 4096, True), (64, 32, 8, 8192, True),
              (128, 16, 16, 8192, True)]
 
-# --tma-ab cases (same tuple): one per compiled specialization that matters for the bars, two lengths for the MHA ones
-TMA_AB = [(128, 16, 16, 4096, False), (128, 16, 16, 8192, False), (64, 32, 32, 4096, False), (64, 32, 32, 8192, False),
-          (64, 32, 8, 8192, True)]
-
 CONFIG_SWEEP = [(128, 16, 16, 8192, False), (128, 16, 16, 8192, True), (64, 32, 32, 8192, False)]
 
 
@@ -341,49 +337,6 @@ def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> d
     row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] / 1e9
     row["configs"] = loom_configs()
     print(row, flush=True)
-    return row
-
-
-def tma_ab(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> dict:
-    """loom's forward and backward kernels reading q/k/v/dO through TMA descriptors vs plain pointer loads:
-    each variant autotuned on its own, timed in ROUNDS alternating rounds (the faster round counts)."""
-    from loom.kernels.attention import reference as R
-    from loom.kernels.attention import triton as T
-
-    b = TOKENS // s
-    gen = torch.Generator().manual_seed(s)
-    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype) for h in (hq, hkv, hkv))
-    lens = random_doc_lens(b, s, gen) if docs else None
-    bounds = R.document_bounds(doc_ids(lens, "cuda")) if docs else None
-    scale = d ** -0.5
-    flops = attention_flops(b, hq, d, lens, s, True)
-    dout = torch.randn_like(q)
-    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs, "variants": {}}
-    calls = {}
-    for tma in (False, True):
-        out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale, tma=tma)
-        T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale, tma=tma)
-        calls[tma] = (lambda tma=tma: T.attention_forward(q, k, v, True, bounds, 0, scale, tma=tma),
-                      lambda tma=tma, out=out, lse=lse: T.attention_backward(dout, q, k, v, out, lse, None, True,
-                                                                             bounds, 0, scale, tma=tma))
-        row["variants"]["tma" if tma else "pointers"] = {"configs": loom_configs(), "rounds": []}
-    for i in range(ROUNDS):
-        for tma in ((False, True) if i % 2 == 0 else (True, False)):
-            fwd, bwd = calls[tma]
-            row["variants"]["tma" if tma else "pointers"]["rounds"].append({"fwd_ms": bench_ms(fwd),
-                                                                             "bwd_ms": bench_ms(bwd)})
-    for name, var in row["variants"].items():
-        var["fwd_ms"] = min(r["fwd_ms"] for r in var["rounds"])
-        var["bwd_ms"] = min(r["bwd_ms"] for r in var["rounds"])
-        var["fwd_tflops"] = flops / var["fwd_ms"] / 1e9
-        var["bwd_tflops"] = 2.5 * flops / var["bwd_ms"] / 1e9
-    pt, tm = row["variants"]["pointers"], row["variants"]["tma"]
-    row["speedup_fwd"] = pt["fwd_ms"] / tm["fwd_ms"]
-    row["speedup_bwd"] = pt["bwd_ms"] / tm["bwd_ms"]
-    row["speedup_fwd_bwd"] = (pt["fwd_ms"] + pt["bwd_ms"]) / (tm["fwd_ms"] + tm["bwd_ms"])
-    print(f"d{d} {hq}/{hkv} s{s}{' docs' if docs else ''}: fwd {pt['fwd_ms']:.3f} -> {tm['fwd_ms']:.3f} ms, "
-          f"bwd {pt['bwd_ms']:.3f} -> {tm['bwd_ms']:.3f} ms, fwd+bwd x{row['speedup_fwd_bwd']:.3f}; "
-          f"tma configs {tm['configs']}", flush=True)
     return row
 
 
@@ -467,13 +420,7 @@ def main() -> None:
                                                            "(time, registers, spills) for CONFIG_SWEEP cases")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel of each backend's forward+backward "
                                                            "(PROFILE cases, torch.profiler)")
-    p.add_argument("--tma-ab", action="store_true", help="loom's kernels with TMA descriptors vs pointer loads "
-                                                          "(TMA_AB cases)")
     a = p.parse_args()
-    if a.tma_ab:
-        rows = [tma_ab(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in TMA_AB]
-        write_rows(a, rows)
-        return
     if a.profile:
         rows = [profile_case(d, hq, hkv, s, getattr(torch, a.dtype), ["loom", "flex", "sdpa_cudnn"])
                 for d, hq, hkv, s in PROFILE]

@@ -69,13 +69,12 @@ def main() -> None:
     p.add_argument("--group", type=int, default=1)
     p.add_argument("--docs", action="store_true")
     p.add_argument("--full", action="store_true", help="no causal mask")
-    p.add_argument("--tma", action="store_true", help="the TMA-descriptor variant (USE_TMA)")
     p.add_argument("--dump", default="", help="write each config's TTGIR and PTX here")
     a = p.parse_args()
     fn, configs = KERNELS[a.kind]
     workdir = a.dump or "/tmp"
     os.makedirs(workdir, exist_ok=True)
-    base = dict(GROUP=a.group, CAUSAL=not a.full, HAS_DOCS=a.docs, WINDOW=0, HEAD_DIM=a.head_dim, USE_TMA=a.tma)
+    base = dict(GROUP=a.group, CAUSAL=not a.full, HAS_DOCS=a.docs, WINDOW=0, HEAD_DIM=a.head_dim)
     for m, n, w, s in configs:
         kernel = compile_for_hopper(fn, dict(base, BLOCK_M=m, BLOCK_N=n), w, s)
         if a.dump:

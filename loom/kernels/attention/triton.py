@@ -127,40 +127,19 @@ def _query_range(n0, S, start_k, end_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     return _split(lo, hi, full_lo, full_hi, BLOCK_M)
 
 
-@triton.jit
-def _matrix(ptr, S, stride, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """A (S, HEAD_DIM) row-major matrix read BLOCK rows at a time: a TMA descriptor (Hopper: the copy engine
-    loads whole tiles, rows past S read as zeros, no address registers), else the pointer itself."""
-    if USE_TMA:
-        return tl.make_tensor_descriptor(ptr, shape=[S, HEAD_DIM], strides=[stride, 1], block_shape=[BLOCK, HEAD_DIM])
-    else:
-        return ptr
-
-
-@triton.jit
-def _rows(src, r0, stride, S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-          USE_TMA: tl.constexpr):
-    """(BLOCK, HEAD_DIM) rows [r0, r0 + BLOCK) of a matrix made by ``_matrix``; zeros past row S."""
-    if USE_TMA:
-        return src.load([r0, 0])
-    else:
-        offs_r = r0 + tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, HEAD_DIM)
-        if MASKED:
-            return tl.load(src + offs_r[:, None] * stride + offs_d[None, :], mask=offs_r[:, None] < S, other=0.0)
-        else:
-            return tl.load(src + offs_r[:, None] * stride + offs_d[None, :])
-
-
 # ----------------------------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, S, start_q, end_q, qk_scale, lo, hi,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, S, start_q, end_q,
+                qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+                WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _rows(k_src, n0, stride_ks, S, BLOCK_N, HEAD_DIM, MASKED, USE_TMA)  # (N, D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (M, N) fp32, log2 units
+        if MASKED:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S,
+                         other=0.0)  # (D, N)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
+        s = tl.dot(q, kt) * qk_scale  # (M, N) fp32, log2 units
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -171,7 +150,10 @@ def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, S,
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _rows(v_src, n0, stride_vs, S, BLOCK_N, HEAD_DIM, MASKED, USE_TMA)  # (N, D)
+        if MASKED:
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S, other=0.0)
+        else:
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
@@ -181,7 +163,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, S,
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
               S, H, GROUP, B, S_KEY, qk_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
-              HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # last (longest, when causal) query blocks first
     bh = tl.program_id(1)
     b = bh // H
@@ -190,21 +172,20 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    q_src = _matrix(Q + b * sqb + h * sqh, S, sqs, BLOCK_M, HEAD_DIM, USE_TMA)
-    q = _rows(q_src, m0, sqs, S, BLOCK_M, HEAD_DIM, True, USE_TMA)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
-    k_src = _matrix(K + b * skb + hk * skh, S, sks, BLOCK_N, HEAD_DIM, USE_TMA)
-    v_src = _matrix(V + b * svb + hk * svh, S, svs, BLOCK_N, HEAD_DIM, USE_TMA)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, sks, svs, offs_m, S, start_q, end_q, qk_scale, a, bb,
-                                True, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_N, USE_TMA)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, sks, svs, offs_m, S, start_q, end_q, qk_scale, bb, c,
-                                False, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_N, USE_TMA)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, sks, svs, offs_m, S, start_q, end_q, qk_scale, c, d,
-                                True, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_N, USE_TMA)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
+                                qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
+                                qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
+                                qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -215,18 +196,20 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
 
 # ---------------------------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_qs, stride_dos, offs_n, S, START_B,
-                     END_B, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
-                     WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, USE_TMA: tl.constexpr):
+def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, offs_n, offs_d,
+                     S, START_B, END_B, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_seq = offs_m < S
-        q = _rows(q_src, m0, stride_qs, S, BLOCK_M, HEAD_DIM, MASKED, USE_TMA)  # (M, D)
-        do = _rows(do_src, m0, stride_dos, S, BLOCK_M, HEAD_DIM, MASKED, USE_TMA)  # (M, D)
         if MASKED:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
             lse2 = tl.load(lse_base + offs_m, mask=in_seq, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=in_seq, other=0.0)
         else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :])
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
             lse2 = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         st = tl.dot(k, tl.trans(q)) * qk_scale  # (N, M): scores transposed, log2 units
@@ -245,34 +228,29 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, stride_q
 def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
-    k = _rows(_matrix(K + b * skb + hk * skh, S, sks, BLOCK_N, HEAD_DIM, USE_TMA), n0, sks, S, BLOCK_N, HEAD_DIM,
-              True, USE_TMA)
-    v = _rows(_matrix(V + b * svb + hk * svh, S, svs, BLOCK_N, HEAD_DIM, USE_TMA), n0, svs, S, BLOCK_N, HEAD_DIM,
-              True, USE_TMA)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     start_k, end_k = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_n, in_seq, HAS_DOCS)
     a, bb, c, d = _query_range(n0, S, start_k, end_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_src = _matrix(Q + b * sqb + h * sqh, S, sqs, BLOCK_M, HEAD_DIM, USE_TMA)
-        do_src = _matrix(DO + b * sdob + h * sdoh, S, sdos, BLOCK_M, HEAD_DIM, USE_TMA)
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
         lse_base = LSE2 + (b * H + h) * S
         delta_base = DELTA + (b * H + h) * S
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, sqs, sdos, offs_n, S,
-                                  BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW,
-                                  HEAD_DIM, BLOCK_M, USE_TMA)
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, sqs, sdos, offs_n, S,
-                                  BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW,
-                                  HEAD_DIM, BLOCK_M, USE_TMA)
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, sqs, sdos, offs_n, S,
-                                  BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW,
-                                  HEAD_DIM, BLOCK_M, USE_TMA)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
     tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=in_seq[:, None])
     tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
@@ -280,19 +258,23 @@ def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh,
 
 
 @triton.jit
-def _bwd_dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, S, start_q, end_q, qk_scale,
-                   lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+def _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, S, start_q, end_q,
+                   qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+                   WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _rows(k_src, n0, stride_ks, S, BLOCK_N, HEAD_DIM, MASKED, USE_TMA)  # (N, D)
-        v = _rows(v_src, n0, stride_vs, S, BLOCK_N, HEAD_DIM, MASKED, USE_TMA)  # (N, D)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])  # (M, N)
+        if MASKED:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
+            vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
+        else:
+            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])  # (D, N)
+            vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None])  # (D, N)
+        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])  # (M, N)
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW), p, 0.0)
-        dp = tl.dot(do, tl.trans(v))  # (M, N)
+        dp = tl.dot(do, vt)  # (M, N)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
     return dq
 
 
@@ -300,30 +282,28 @@ def _bwd_dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, o
 def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                 sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+                BLOCK_N: tl.constexpr):
     """dQ of queries [m0, m0 + BLOCK_M) of head ``h``."""
     bh = b * H + h
     hk = h // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    q = _rows(_matrix(Q + b * sqb + h * sqh, S, sqs, BLOCK_M, HEAD_DIM, USE_TMA), m0, sqs, S, BLOCK_M, HEAD_DIM, True,
-              USE_TMA)
-    do = _rows(_matrix(DO + b * sdob + h * sdoh, S, sdos, BLOCK_M, HEAD_DIM, USE_TMA), m0, sdos, S, BLOCK_M, HEAD_DIM,
-               True, USE_TMA)
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     lse2 = tl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
     delta = tl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
-    k_src = _matrix(K + b * skb + hk * skh, S, sks, BLOCK_N, HEAD_DIM, USE_TMA)
-    v_src = _matrix(V + b * svb + hk * svh, S, svs, BLOCK_N, HEAD_DIM, USE_TMA)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_src, v_src, sks, svs, offs_m, S, start_q, end_q, qk_scale, a, bb,
-                        True, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_N, USE_TMA)
-    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_src, v_src, sks, svs, offs_m, S, start_q, end_q, qk_scale, bb, c,
-                        False, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_N, USE_TMA)
-    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_src, v_src, sks, svs, offs_m, S, start_q, end_q, qk_scale, c, d,
-                        True, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_N, USE_TMA)
+    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
+                        a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
+                        bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
+                        c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=in_seq[:, None])
 
@@ -332,23 +312,23 @@ def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, s
 def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                    sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     HK = H // GROUP
     _dkdv_program(tl.program_id(0) * BLOCK_N, tl.program_id(1) // HK, tl.program_id(1) % HK, Q, K, V, DO, LSE2,
                   DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
                   sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM,
-                  BLOCK_M, BLOCK_N, USE_TMA)
+                  BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                  sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale, CAUSAL: tl.constexpr,
-                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
     _dq_program(m0, tl.program_id(1) // H, tl.program_id(1) % H, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh,
                 sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale,
-                sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, USE_TMA)
+                sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -379,13 +359,11 @@ def _configs(shapes) -> list:
 
 
 # candidates measured by autotuning on the first call of each (sequence bucket, group, head dim, mask) key
-_FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4),
-                (128, 128, 8, 2), (128, 64, 8, 5)]
+_FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4)]
 _DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
-                 (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 128, 8, 4)]
-_DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4),
-               (128, 128, 8, 2), (128, 64, 8, 4)]
-_KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW", "USE_TMA"]
+                 (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
+_DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4)]
+_KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
 _INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
                        "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
 
@@ -433,37 +411,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torc
         raise ValueError(f"window {window} must be >= 0 (0 = no sliding window)")
 
 
-def tma_usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels may read these (B, H, S, D) tensors through TMA descriptors: a Hopper-or-newer GPU,
-    a Triton with device-side descriptors, and every (b, h) matrix 16-byte aligned with 16-byte row strides
-    (the copy engine's rules). Otherwise the kernels use plain pointer loads."""
-    if interpreting() or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    t0 = tensors[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
-        return False
-    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:3])
-               for t in tensors)
-
-
-def _use_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
-    """``tma``: None picks TMA where usable; True / False force it (benchmarks and tests run both)."""
-    use = tma_usable(*tensors) if tma is None else tma
-    if use:  # global memory Triton asks for at launch, where each program writes its descriptors; a context
-        # variable, so set in the thread that launches (autograd's backward thread too)
-        device = tensors[0].device
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-    return use
-
-
 def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
     return bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=q.device)
 
 
-def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, tma: bool | None = None):
+def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
     """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32)."""
     check_inputs(q, k, v, bounds, window)
-    use_tma = _use_tma(tma, q, k, v)
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
@@ -471,12 +425,11 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, 
     grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)  # noqa: E731
     kernel[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                  *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, _seq_key(seq), scale * LOG2E, CAUSAL=causal,
-                 HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, USE_TMA=use_tma, **blocks)
+                 HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, **blocks)
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       tma: bool | None = None):
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
     Two launches, dK/dV then dQ: measured faster than one launch holding both kinds of programs for d128
     and GQA at seq 8192 (bench/NOTES.md)."""
@@ -496,8 +449,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     args = (q, k, v, dout, lse2, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     tail = (seq, hq, group, bsz, _seq_key(seq), scale * LOG2E, scale)
-    common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim,
-                  USE_TMA=_use_tma(tma, q, k, v, dout))
+    common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
     b_ = _dummy_bounds(q, bounds)
     kernel, blocks = _kernel("dkdv")
     kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
