@@ -146,9 +146,7 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
 def _kernels(variant: str, trainer) -> str | None:
     if not variant.startswith("loom"):
         return None
-    from loom.train.trainer import kernel_choice
-
-    return kernel_choice(trainer.cfg).describe() + (f", float8={trainer.cfg.training.float8}")
+    return trainer.kernels.describe() + (f", float8={trainer.cfg.training.float8}")
 
 
 def environment(commit: str, command: str) -> dict:

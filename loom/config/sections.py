@@ -44,7 +44,8 @@ class ModelConfig:
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
     tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
     attention: str = opt("auto", "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'auto' = "
-                                 "the fastest measured for the device and data (loom.kernels.dispatch)",
+                                 "flash for packed documents on CUDA, else the faster of the two timed on this "
+                                 "run's shape at start-up (CUDA; sdpa on CPU or with run.deterministic)",
                          choices=("auto", "sdpa", "flash"))
     fused_norm: str = opt("auto", "fused Triton RMSNorm; auto = on for CUDA without compile",
                           choices=("auto", "true", "false"))

@@ -2,9 +2,11 @@
 per device, compile mode and data layout from what bench/kernels.py and bench/train_1b.py measured
 (bench/results/, bench/NOTES.md):
 
-- attention: plain causal attention -> PyTorch SDPA (its cuDNN / flash backends beat ours on H100: see
-  bench/results/kernels_h100.md); packed documents -> ours (``flash``: skips the blocks a document mask
-  removes, where SDPA needs an explicit dense mask); CPU -> SDPA (the reference is for tests);
+- attention: packed documents -> ours (``flash``: skips the blocks a document mask removes, where SDPA
+  needs an explicit dense mask: 1.39x end to end on H100); plain causal attention on CUDA -> whichever of
+  SDPA (cuDNN first) and ours ran faster when the trainer timed both on the run's shape at start-up
+  (``measure_attention``; loom.kernels.select), else SDPA (on H100 cuDNN beats ours: see
+  bench/results/kernels_causal_h100.md); CPU -> SDPA (the reference is for tests);
 - fused RMSNorm / RoPE / SwiGLU: CUDA without torch.compile -> ours; with compile Inductor generates
   fused kernels of its own for them; CPU -> plain PyTorch; the fused RMSNorm is off under tensor
   parallelism (sequence-parallel norms see DTensors, which the custom op has no sharding rule for);
@@ -15,6 +17,7 @@ per device, compile mode and data layout from what bench/kernels.py and bench/tr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from loom.kernels.triton_support import has_triton
 
@@ -41,12 +44,18 @@ def _flag(value: str, auto: bool) -> bool:
 
 
 def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, tp: bool = False,
-                    pp: bool = False) -> KernelChoice:
-    """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on."""
+                    pp: bool = False, measure_attention: Callable[[], str] | None = None) -> KernelChoice:
+    """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
+    ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it)."""
     triton_gpu = device_type == "cuda" and has_triton()
     attention = model_cfg.attention
     if attention == "auto":
-        attention = "flash" if triton_gpu and documents else "sdpa"
+        if triton_gpu and documents:
+            attention = "flash"
+        elif triton_gpu and measure_attention is not None:
+            attention = measure_attention()
+        else:
+            attention = "sdpa"
     eager_gpu = triton_gpu and not compile
     return KernelChoice(
         attention=attention,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -37,7 +38,8 @@ from loom.train.schedule import SchedulerParts
 
 
 def resolve_model_args(cfg: Config, tokenizer):
-    """Flavor shape + vocabulary (flavor, then model.vocab_size, else tokenizer rounded to 128)."""
+    """Flavor shape + vocabulary (flavor, then model.vocab_size, else tokenizer rounded to 128) + the kernels
+    ``kernel_choice(cfg)`` picks without measuring (the trainer may replace them after timing)."""
     if cfg.model.init_from:
         from loom.checkpoint.hf import llama_args_from_hf
 
@@ -53,8 +55,9 @@ def resolve_model_args(cfg: Config, tokenizer):
                       **kernel_choice(cfg).as_args())
 
 
-def kernel_choice(cfg: Config) -> KernelChoice:
-    """model.attention / model.fused_* with ``auto`` resolved for this run (loom.kernels.dispatch)."""
+def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
+    """model.attention / model.fused_* with ``auto`` resolved for this run (loom.kernels.dispatch);
+    ``measure_attention``: a callable timing the attention backends on this run's shape (the trainer's)."""
     device = "cuda" if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
     if device == "cuda" and not has_triton() and (cfg.model.attention == "flash" or "true" in (
             cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
@@ -63,7 +66,7 @@ def kernel_choice(cfg: Config) -> KernelChoice:
     if cfg.training.float8 != "none" and not float8_available():
         raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): allowed none")
     return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
-                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1)
+                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention)
 
 
 def count_params(args) -> int:
@@ -143,7 +146,11 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        self.model_args = resolve_model_args(cfg, self.tokenizer)
+        shape = resolve_model_args(cfg, self.tokenizer)
+        self.attention_times: dict | None = None  # deterministic runs do not let a timing pick their kernels
+        measure = None if cfg.run.deterministic else (lambda: self._measure_attention(shape))
+        self.kernels = kernel_choice(cfg, measure)
+        self.model_args = shape.with_(**self.kernels.as_args())
         self.dims.check_model(self.model_args, cfg.parallel)
         with torch.device("meta"):
             model = Llama(self.model_args)
@@ -165,6 +172,24 @@ class Trainer:
                                            self.accum, self._pipeline_loss, self.busy)
             self.tied = TiedEmbeddingGrads(self.parts, self.plan, self.dims)
             self.norm_params = self.tied.params_counted_once(self.parts)
+
+    def _measure_attention(self, args) -> str:
+        """``model.attention = auto`` on CUDA: forward + backward of SDPA and of loom's kernel on this rank's
+        attention shape; every rank uses rank 0's figures, so all choose the same backend."""
+        from loom.kernels.select import AttentionShape, attention_inputs, fastest, measure
+        from loom.models.common.layers import attend
+
+        cfg, tp = self.cfg, self.cfg.parallel.tp
+        shape = AttentionShape(cfg.training.micro_batch_size, args.n_heads // tp, args.n_kv_heads // tp,
+                               cfg.training.seq_len, args.head_dim, DTYPES[cfg.training.dtype])
+        candidates = {name: (lambda q, k, v, name=name: attend(q, k, v, name, None)) for name in ("sdpa", "flash")}
+        times = self.share_from_main(measure(candidates, attention_inputs(shape, self.device)))
+        torch.cuda.empty_cache()
+        self.attention_times = {"shape": shape.describe(), "ms_fwd_bwd": times, "chosen": fastest(times)}
+        if self.env.is_main:
+            with open(os.path.join(self.run_dir, "kernels.json"), "w") as fh:
+                json.dump(self.attention_times, fh, indent=1)
+        return self.attention_times["chosen"]
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
@@ -381,7 +406,7 @@ class Trainer:
             print(f"loom: {cfg.model.flavor} ({count_params(self.model_args) / 1e6:.1f}M params), "
                   f"{self.dims.describe()}, accumulation {self.accum}, dtype {cfg.training.dtype}, "
                   f"device {self.device.type}", flush=True)
-            print(f"kernels: {kernel_choice(cfg).describe()}", flush=True)
+            print(f"kernels: {self.kernels.describe()}{self._measured()}", flush=True)
             if self.plan is not None:
                 self._describe_pipeline()
         records: list[dict] = []
@@ -428,6 +453,13 @@ class Trainer:
             if logger:
                 logger.close()
         return records
+
+    def _measured(self) -> str:
+        if self.attention_times is None:
+            return ""
+        t = self.attention_times
+        figures = ", ".join(f"{name} {ms:.3f}" for name, ms in t["ms_fwd_bwd"].items())
+        return f" (attention measured at start-up, ms per forward+backward on {t['shape']}: {figures})"
 
     def _describe_pipeline(self) -> None:
         p = self.plan

@@ -116,3 +116,27 @@ def test_model_trains_with_flash_on_packed_documents(tmp_path):
     sdpa = run_one(dict(cfg, **{"model.attention": "sdpa", "run.dir": str(tmp_path / "run2")}))
     for a, b in zip(flash, sdpa):
         assert abs(a["loss"] - b["loss"]) < 2e-2 * abs(b["loss"]), (a["loss"], b["loss"])
+
+
+def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
+    """model.attention = auto on CUDA (no documents): the trainer times SDPA and ours on the run's shape,
+    writes the figures to kernels.json and builds the model with the faster; deterministic runs skip it."""
+    import json
+    import math
+
+    from tests.distributed.harness import run_one
+
+    cfg = {"run.dir": str(tmp_path / "run"), "run.device": "cuda", "training.steps": 2, "training.seq_len": 512,
+           "training.global_batch_size": 4, "training.micro_batch_size": 2, "optimizer.warmup_steps": 1,
+           "checkpoint.at_end": "false", "metrics.tensorboard": "false", "training.dtype": "bfloat16",
+           "model.flavor": "125M", "model.n_layers": 2}
+    run_one(cfg)
+    with open(tmp_path / "run" / "kernels.json") as f:
+        measured = json.load(f)
+    times = measured["ms_fwd_bwd"]
+    assert set(times) == {"sdpa", "flash"} and all(math.isfinite(t) and t > 0 for t in times.values())
+    assert measured["chosen"] == min(times, key=times.get)
+    assert measured["shape"] == "2x12/4x512x64 bfloat16"
+    run_one(dict(cfg, **{"run.dir": str(tmp_path / "det"), "run.deterministic": "true",
+                         "training.dtype": "float32"}))
+    assert not (tmp_path / "det" / "kernels.json").exists()

@@ -158,6 +158,50 @@ def test_dispatch_auto_choices():
         assert not tp_eager.fused_norm and tp_eager.fused_swiglu
 
 
+def test_dispatch_measures_attention_only_where_auto_needs_it():
+    from loom.config.sections import ModelConfig
+    from loom.kernels import dispatch
+
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return "flash"
+
+    auto = ModelConfig()
+    assert dispatch.resolve_kernels(auto, "cpu", compile=False, documents=False, measure_attention=measure).attention \
+        == "sdpa"
+    assert dispatch.resolve_kernels(ModelConfig(attention="sdpa"), "cuda", compile=False, documents=False,
+                                    measure_attention=measure).attention == "sdpa"
+    assert not calls
+    if dispatch.has_triton():
+        assert dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True,
+                                        measure_attention=measure).attention == "flash"
+        assert not calls  # packed documents: ours without timing (SDPA would need a dense mask)
+        assert dispatch.resolve_kernels(auto, "cuda", compile=True, documents=False,
+                                        measure_attention=measure).attention == "flash"
+        assert calls == [1]
+
+
+def test_select_measures_every_candidate_and_never_picks_a_failing_one():
+    import math
+
+    from loom.kernels.select import fastest, measure
+
+    def timer(fn, inputs):
+        return fn(*inputs)
+
+    def broken(*inputs):
+        raise RuntimeError("CUDA out of memory\nmore lines")
+
+    times = measure({"a": lambda *x: 2.0, "broken": broken, "b": lambda *x: 1.5}, [torch.zeros(1)], timer=timer)
+    assert times["a"] == 2.0 and times["b"] == 1.5 and math.isinf(times["broken"])
+    assert fastest(times) == "b"
+    assert fastest({"x": 1.0, "y": 1.0}) == "x"
+    with pytest.raises(RuntimeError, match="no candidate ran"):
+        fastest({"broken": math.inf})
+
+
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import torch
     from loom.kernels.attention import reference as R, triton as T
