@@ -30,6 +30,7 @@ class _Discard(dict):
 
 
 def run(hold: bool, args, device, steps: int, micro: int, seq: int) -> dict:
+    from loom.models.common.init import init_parameters
     from loom.models.llama import Llama
     from loom.parallel.pipeline import BusyClock, PipelinePlan, build_schedule, build_stage
 
@@ -38,6 +39,7 @@ def run(hold: bool, args, device, steps: int, micro: int, seq: int) -> dict:
     layers = [list(range(half)), list(range(half, args.n_layers))]
     with torch.device(device):
         model = Llama(args)
+    init_parameters(model, 0, model.param_std)  # the constructor leaves the weights uninitialized
     stages = [build_stage(model, layers[0], True, False), build_stage(model, layers[1], False, True)]
     del model
     plan = PipelinePlan("zbv", pp=1, per_rank=2, layers=layers, local=[0, 1])
