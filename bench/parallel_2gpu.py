@@ -52,6 +52,8 @@ def overrides(flavor: str, layout: str, a, run_dir: str) -> dict:
         "training.activation_checkpointing": a.ac, "optimizer.lr": 3e-4, "optimizer.implementation": "fused",
         "metrics.every": a.every, "checkpoint.at_end": "false", "metrics.tensorboard": "false",
         "run.dir": run_dir, "data.cache_dir": os.path.join(a.run_dir, "cache"), "run.device": "cuda",
+        # pinned: `auto` times the backends on each layout's per-rank shape, so layouts could differ in kernels
+        "model.attention": "sdpa",
     }
     cfg.update(par)
     cfg.update(dict(kv.split("=", 1) for kv in a.set))
