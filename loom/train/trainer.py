@@ -147,11 +147,11 @@ class Trainer:
     def _build_model(self) -> None:
         cfg = self.cfg
         shape = resolve_model_args(cfg, self.tokenizer)
+        self.dims.check_model(shape, cfg.parallel)  # before timing attention on the per-rank head counts
         self.attention_times: dict | None = None  # deterministic runs do not let a timing pick their kernels
         measure = None if cfg.run.deterministic else (lambda: self._measure_attention(shape))
         self.kernels = kernel_choice(cfg, measure)
         self.model_args = shape.with_(**self.kernels.as_args())
-        self.dims.check_model(self.model_args, cfg.parallel)
         with torch.device("meta"):
             model = Llama(self.model_args)
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
