@@ -43,7 +43,7 @@ VARIANTS = {
     # matrix drawn with std 0.02 (as transformers; loom scales the residual projections by 1/sqrt(2 layers))
     "loom_compile_no_warmup": {"training.compile": "true", "optimizer.warmup_steps": "0",
                                "optimizer.schedule": "constant"},
-    "loom_compile_flat_init": {"training.compile": "true"},
+    "loom_compile_flat_init": {"training.compile": "true", "model.residual_init": "flat"},
     "hf_eager": None,
     "hf_compile": None,
 }
@@ -89,10 +89,6 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
     import torch
 
     torch.manual_seed(0)
-    if variant == "loom_compile_flat_init":
-        from loom.models.llama.model import Llama
-
-        Llama.param_std = lambda self, name: None if name.endswith("norm.weight") else 0.02
     trainer = loom_trainer(micro_batch, VARIANTS[variant] or {}, run_dir, seq)  # also the data source for HF
     kernels = _kernels(variant, trainer)
     args = trainer.model_args

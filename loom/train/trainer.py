@@ -52,7 +52,7 @@ def resolve_model_args(cfg: Config, tokenizer):
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     layers = cfg.model.n_layers or args.n_layers
     return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers,
-                      **kernel_choice(cfg).as_args())
+                      residual_init=cfg.model.residual_init, **kernel_choice(cfg).as_args())
 
 
 def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:

@@ -38,3 +38,25 @@ def test_canonical_name_strips_wrappers():
     assert canonical_name("module.layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == \
         "layers.0.attention.wq.weight"
     assert param_seed(0, "module.layers.0.attention.wq.weight") == param_seed(0, "layers.0.attention.wq.weight")
+
+
+def test_residual_init_depth_scales_only_the_residual_projections():
+    with torch.device("meta"):
+        depth = Llama(FLAVORS["125M"].with_(vocab_size=384))
+        flat = Llama(FLAVORS["125M"].with_(vocab_size=384, residual_init="flat"))
+    scaled = 0.02 / (2 * 12) ** 0.5
+    for name in ("layers.3.attention.wo.weight", "layers.3.feed_forward.w2.weight"):
+        assert depth.param_std(name) == scaled and flat.param_std(name) == 0.02
+    for name in ("layers.3.attention.wq.weight", "layers.3.feed_forward.w1.weight", "tok_embeddings.weight"):
+        assert depth.param_std(name) == flat.param_std(name) == 0.02
+    assert flat.param_std("layers.3.attention_norm.weight") is None
+
+
+def test_residual_init_reaches_the_model_from_the_config():
+    from loom.config import build_config
+    from loom.data.tokenizers import ByteTokenizer
+    from loom.train.trainer import resolve_model_args
+
+    tok = ByteTokenizer()
+    assert resolve_model_args(build_config(None, {}), tok).residual_init == "depth"
+    assert resolve_model_args(build_config(None, {"model.residual_init": "flat"}), tok).residual_init == "flat"

@@ -53,7 +53,7 @@ class Llama(nn.Module):
         """Init std for a parameter by name; None = ones (norm weights)."""
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("wo.weight", "w2.weight")):  # residual projections, scaled by depth
+        if name.endswith(("wo.weight", "w2.weight")) and self.args.residual_init == "depth":  # residual projections
             return 0.02 / (2 * self.args.n_layers) ** 0.5
         return 0.02
 
