@@ -288,11 +288,6 @@ BREAKDOWN = [(64, 32, 32, 4096, False), (64, 32, 32, 8192, False), (128, 16, 16,
              (128, 16, 16, 8192, False), (64, 32, 8, 8192, False), (64, 32, 8, 4096, True), (64, 32, 8, 8192, True),
              (128, 16, 16, 8192, True)]
 
-# --launch-ab cases (same tuple): the causal bars' head dims and lengths, GQA, packed documents
-LAUNCH_AB = [(64, 32, 32, 4096, False), (64, 32, 32, 8192, False), (64, 32, 32, 16384, False),
-             (128, 16, 16, 4096, False), (128, 16, 16, 8192, False), (128, 16, 16, 16384, False),
-             (64, 32, 8, 8192, False), (64, 32, 8, 8192, True), (128, 16, 16, 8192, True)]
-
 CONFIG_SWEEP = [(128, 16, 16, 8192, False), (128, 16, 16, 8192, True), (64, 32, 32, 8192, False)]
 
 
@@ -342,51 +337,6 @@ def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> d
     row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] / 1e9
     row["configs"] = loom_configs()
     print(row, flush=True)
-    return row
-
-
-def backward_ab(d: int, hq: int, hkv: int, s: int, dtype, docs: bool, variants: dict[str, dict]) -> dict:
-    """loom's backward under each of ``variants`` (name -> keyword arguments of attention_backward), each
-    autotuned on its own, timed in ROUNDS rounds in alternating order (the faster round counts); causal."""
-    from loom.kernels.attention import reference as R
-    from loom.kernels.attention import triton as T
-
-    b = TOKENS // s
-    gen = torch.Generator().manual_seed(s)
-    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype) for h in (hq, hkv, hkv))
-    lens = random_doc_lens(b, s, gen) if docs else None
-    bounds = R.document_bounds(doc_ids(lens, "cuda")) if docs else None
-    scale = d ** -0.5
-    flops = attention_flops(b, hq, d, lens, s, True)
-    out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
-    dout = torch.randn_like(q)
-    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "batch": b, "docs": docs,
-           "fwd_ms": bench_ms(lambda: T.attention_forward(q, k, v, True, bounds, 0, scale)), "variants": {}}
-    calls, grads = {}, {}
-    for name, kw in variants.items():
-        calls[name] = lambda kw=kw: T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale, **kw)
-        grads[name] = calls[name]()
-        row["variants"][name] = {"kwargs": kw, "rounds": []}
-    first = next(iter(grads.values()))
-    for name, g in grads.items():  # the variants must agree (same math, different launches)
-        row["variants"][name]["max_abs_diff_vs_first"] = max(float((a - c).abs().max()) for a, c in zip(g, first))
-    names = list(variants)
-    for i in range(ROUNDS):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            row["variants"][name]["rounds"].append({"bwd_ms": bench_ms(calls[name])})
-    for name, var in row["variants"].items():
-        var["bwd_ms"] = min(r["bwd_ms"] for r in var["rounds"])
-        var["bwd_tflops"] = 2.5 * flops / var["bwd_ms"] / 1e9
-        var["fwd_bwd_tflops"] = 3.5 * flops / (var["bwd_ms"] + row["fwd_ms"]) / 1e9
-    row["configs"] = loom_configs()
-    base = row["variants"][names[0]]
-    for name in names[1:]:
-        var = row["variants"][name]
-        var["speedup_bwd_vs_" + names[0]] = base["bwd_ms"] / var["bwd_ms"]
-        var["speedup_fwd_bwd_vs_" + names[0]] = (base["bwd_ms"] + row["fwd_ms"]) / (var["bwd_ms"] + row["fwd_ms"])
-    print(f"d{d} {hq}/{hkv} s{s}{' docs' if docs else ''}: fwd {row['fwd_ms']:.3f} ms; " + "; ".join(
-        f"{n} bwd {v['bwd_ms']:.3f} ms ({v['bwd_tflops']:.0f} TFLOP/s)" for n, v in row["variants"].items())
-        + f"; configs {row['configs']}", flush=True)
     return row
 
 
@@ -470,15 +420,7 @@ def main() -> None:
                                                            "(time, registers, spills) for CONFIG_SWEEP cases")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel of each backend's forward+backward "
                                                            "(PROFILE cases, torch.profiler)")
-    p.add_argument("--launch-ab", action="store_true", help="loom's backward in one launch vs two launches "
-                                                             "(LAUNCH_AB cases)")
     a = p.parse_args()
-    if a.launch_ab:
-        rows = [backward_ab(d, hq, hkv, s, getattr(torch, a.dtype), docs,
-                            {"two_launches": {}, "one_launch": {"single_launch": True}})
-                for d, hq, hkv, s, docs in LAUNCH_AB]
-        write_rows(a, rows)
-        return
     if a.profile:
         rows = [profile_case(d, hq, hkv, s, getattr(torch, a.dtype), ["loom", "flex", "sdpa_cudnn"])
                 for d, hq, hkv, s in PROFILE]

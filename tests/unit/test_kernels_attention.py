@@ -221,10 +221,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         do = torch.randn_like(o1)
         g1 = R.attention_backward(do, q, k, v, o1, l1, None, causal, bounds, window, d ** -0.5)
         g2 = T.attention_backward(do, q, k, v, o2, l2, None, causal, bounds, window, d ** -0.5)
-        g3 = T.attention_backward(do, q, k, v, o2, l2, None, causal, bounds, window, d ** -0.5, single_launch=True)
         fin = torch.isfinite(l1)
         errs = [(o1 - o2).abs().max(), (l1[fin] - l2[fin]).abs().max()] + [(a - c).abs().max() for a, c in zip(g1, g2)]
-        errs += [(a - c).abs().max() for a, c in zip(g1, g3)]
         worst = max(worst, max(float(e) for e in errs))
     print("WORST", worst)
 """)

@@ -331,35 +331,6 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, 
                 sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N)
 
 
-@triton.jit
-def _attn_bwd(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-              sdob, sdoh, sdos, sdqb, sdqh, sdqs, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale,
-              sm_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
-    """The whole backward in one launch: per KV head, its dK/dV programs (one per key block, longest first)
-    then the dQ programs of its query heads (longest first), so both kinds run side by side and fill each
-    other's tail. ``BLOCK_M1 x BLOCK_N1``: dK/dV tiles; ``BLOCK_M2 x BLOCK_N2``: dQ tiles."""
-    HK = H // GROUP
-    n_kv = tl.cdiv(S, BLOCK_N1)
-    n_q = tl.cdiv(S, BLOCK_M2)
-    per_head = n_kv + GROUP * n_q
-    bhk = tl.program_id(0) // per_head
-    r = tl.program_id(0) % per_head
-    b = bhk // HK
-    hk = bhk % HK
-    if r < n_kv:
-        _dkdv_program(r * BLOCK_N1, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks,
-                      svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale,
-                      sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_M1, BLOCK_N1)
-    else:
-        r -= n_kv
-        h = hk * GROUP + r // n_q
-        m0 = (n_q - 1 - r % n_q) * BLOCK_M2
-        _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                    sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW,
-                    HEAD_DIM, BLOCK_M2, BLOCK_N2)
-
-
 # --------------------------------------------------------------------------------------------- launchers
 @triton.jit
 def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, sob, soh, sos, sdob, sdoh, sdos, S, H, HAS_DLSE: tl.constexpr,
@@ -392,19 +363,9 @@ _FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4,
 _DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
                  (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
 _DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4)]
-# the one-launch backward: (dK/dV query block, dK/dV key block, dQ query block, dQ key block, warps, stages)
-_BWD_CONFIGS = [(64, 128, 128, 64, 8, 3), (32, 128, 128, 32, 4, 5), (64, 128, 128, 64, 4, 3),
-                (32, 128, 128, 32, 8, 4), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 4), (64, 128, 128, 64, 8, 2),
-                (64, 64, 128, 64, 8, 3), (32, 64, 128, 64, 4, 4), (32, 128, 128, 64, 8, 3)]
 _KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
 _INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
-                       "dq": {"BLOCK_M": 32, "BLOCK_N": 16},  # uneven: both split paths run
-                       "bwd": {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16}}
-
-
-def _bwd_configs(shapes) -> list:
-    return [triton.Config({"BLOCK_M1": m1, "BLOCK_N1": n1, "BLOCK_M2": m2, "BLOCK_N2": n2}, num_warps=w,
-                          num_stages=st) for m1, n1, m2, n2, w, st in shapes]
+                       "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
 
 
 def _seq_key(seq: int) -> int:
@@ -416,7 +377,7 @@ def _seq_key(seq: int) -> int:
 def _kernel(kind: str):
     """The kernel for ``kind``: autotuned on a GPU, fixed small blocks in the CPU interpreter."""
     raw, configs = {"fwd": (_attn_fwd, _configs(_FWD_CONFIGS)), "dkdv": (_attn_bwd_dkdv, _configs(_DKDV_CONFIGS)),
-                    "dq": (_attn_bwd_dq, _configs(_DQ_CONFIGS)), "bwd": (_attn_bwd, _bwd_configs(_BWD_CONFIGS))}[kind]
+                    "dq": (_attn_bwd_dq, _configs(_DQ_CONFIGS))}[kind]
     if interpreting():
         return raw, _INTERPRETER_BLOCKS[kind]
     if kind not in _TUNED:
@@ -468,10 +429,10 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       single_launch: bool = False):
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
-    ``single_launch``: dK/dV and dQ programs side by side in one kernel; else two launches, dK/dV then dQ."""
+    Two launches, dK/dV then dQ: measured faster than one launch holding both kinds of programs for d128
+    and GQA at seq 8192 (bench/NOTES.md)."""
     check_inputs(q, k, v, bounds, window)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -490,13 +451,6 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     tail = (seq, hq, group, bsz, _seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
     b_ = _dummy_bounds(q, bounds)
-    if single_launch:
-        kernel, blocks = _kernel("bwd")
-        grid = lambda meta: (bsz * hk * (triton.cdiv(seq, meta["BLOCK_N1"])  # noqa: E731
-                                         + group * triton.cdiv(seq, meta["BLOCK_M2"])),)
-        kernel[grid](*args, dq, dk, dv, b_, *strides, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *tail,
-                     **blocks, **common)
-        return dq, dk, dv
     kernel, blocks = _kernel("dkdv")
     kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
         *args, dk, dv, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
