@@ -39,11 +39,12 @@ VARIANTS = {
     # packed documents (attention never crosses a document): loom's kernel vs SDPA with a dense mask
     "loom_docs_flash": {"training.compile": "true", "data.document_positions": "true", "model.attention": "flash"},
     "loom_docs_sdpa": {"training.compile": "true", "data.document_positions": "true", "model.attention": "sdpa"},
-    # early-loss experiments (same batches): no LR warmup (as the transformers variants here), and every
-    # matrix drawn with std 0.02 (as transformers; loom scales the residual projections by 1/sqrt(2 layers))
+    # early-loss experiments (same batches): no LR warmup (as the transformers variants here), and the
+    # residual projections drawn with std 0.02 (flat, as transformers) or 0.02/sqrt(2 layers) (depth)
     "loom_compile_no_warmup": {"training.compile": "true", "optimizer.warmup_steps": "0",
                                "optimizer.schedule": "constant"},
     "loom_compile_flat_init": {"training.compile": "true", "model.residual_init": "flat"},
+    "loom_compile_depth_init": {"training.compile": "true", "model.residual_init": "depth"},
     "hf_eager": None,
     "hf_compile": None,
 }

@@ -43,10 +43,10 @@ class ModelConfig:
     vocab_size: int = opt(0, "embedding rows; 0 = from the tokenizer rounded up to a multiple of 128", min=0)
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
     tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
-    residual_init: str = opt("depth", "init std of the residual projections (attention wo, MLP w2): 'depth' = "
-                                      "0.02/sqrt(2·layers) (GPT-2, Megatron), 'flat' = 0.02 like every other matrix "
-                                      "(transformers' Llama; no early loss spikes in bench/NOTES.md's 1B run)",
-                             choices=("depth", "flat"))
+    residual_init: str = opt("flat", "init std of the residual projections (attention wo, MLP w2): 'flat' = 0.02 "
+                                     "like every other matrix (transformers' Llama), 'depth' = 0.02/sqrt(2·layers) "
+                                     "(GPT-2, Megatron); flat measured better (bench/NOTES.md: init)",
+                             choices=("flat", "depth"))
     attention: str = opt("auto", "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'auto' = "
                                  "flash for packed documents on CUDA, else the faster of the two timed on this "
                                  "run's shape at start-up (CUDA; sdpa on CPU or with run.deterministic)",

@@ -42,8 +42,8 @@ def test_canonical_name_strips_wrappers():
 
 def test_residual_init_depth_scales_only_the_residual_projections():
     with torch.device("meta"):
-        depth = Llama(FLAVORS["125M"].with_(vocab_size=384))
-        flat = Llama(FLAVORS["125M"].with_(vocab_size=384, residual_init="flat"))
+        depth = Llama(FLAVORS["125M"].with_(vocab_size=384, residual_init="depth"))
+        flat = Llama(FLAVORS["125M"].with_(vocab_size=384))
     scaled = 0.02 / (2 * 12) ** 0.5
     for name in ("layers.3.attention.wo.weight", "layers.3.feed_forward.w2.weight"):
         assert depth.param_std(name) == scaled and flat.param_std(name) == 0.02
@@ -58,5 +58,5 @@ def test_residual_init_reaches_the_model_from_the_config():
     from loom.train.trainer import resolve_model_args
 
     tok = ByteTokenizer()
-    assert resolve_model_args(build_config(None, {}), tok).residual_init == "depth"
-    assert resolve_model_args(build_config(None, {"model.residual_init": "flat"}), tok).residual_init == "flat"
+    assert resolve_model_args(build_config(None, {}), tok).residual_init == "flat"
+    assert resolve_model_args(build_config(None, {"model.residual_init": "depth"}), tok).residual_init == "depth"

@@ -431,8 +431,8 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
 
 def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
-    Two launches, dK/dV then dQ: measured faster than one launch holding both kinds of programs for d128
-    and GQA at seq 8192 (bench/NOTES.md)."""
+    Two launches, dK/dV then dQ: one launch holding both kinds of programs was measured twice (bench/NOTES.md
+    v4, v8): slower for d128, GQA and packed documents, at most 3.5% faster for d64 MHA."""
     check_inputs(q, k, v, bounds, window)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()

@@ -28,9 +28,10 @@ class LlamaArgs:
     fused_swiglu: bool = False
     # loss inside forward through loom.kernels.linear_ce (no full logits); not with tensor/pipeline parallelism
     fused_loss: bool = False
-    # init of the residual projections (attention wo, MLP w2): "depth" = std 0.02 / sqrt(2 layers)
-    # (GPT-2 / Megatron), "flat" = 0.02 as every other matrix (transformers' Llama)
-    residual_init: str = "depth"
+    # init of the residual projections (attention wo, MLP w2): "flat" = std 0.02 as every other matrix
+    # (transformers' Llama), "depth" = 0.02 / sqrt(2 layers) (GPT-2 / Megatron); flat trained better in
+    # bench/NOTES.md's runs (no early loss spikes)
+    residual_init: str = "flat"
 
     def __post_init__(self):
         if self.head_dim == 0:
