@@ -14,7 +14,7 @@ from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
 
 # Degrees whose code exists. Others are rejected by name instead of silently ignored.
-IMPLEMENTED_AXES = ("dp_replicate", "dp_shard", "tp", "pp")
+IMPLEMENTED_AXES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -180,11 +180,19 @@ class ParallelDims:
         """This rank's coordinate on the flattened dp axis (0 without distribution)."""
         return self["dp"].get_local_rank() if self.distributed else 0
 
+    def cp_rank(self) -> int:
+        return self["cp"].get_local_rank() if self.cp > 1 else 0
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
     def pp_rank(self) -> int:
         return self["pp"].get_local_rank() if self.pp > 1 else 0
 
     def describe(self) -> str:
-        parts = [name for name, on in (("PP", self.pp_enabled), ("TP", self.tp_enabled)) if on]
+        parts = [name for name, on in (("PP", self.pp_enabled), ("CP", self.cp_enabled), ("TP", self.tp_enabled))
+                 if on]
         if self.dp_size > 1:
             parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
         kind = "x".join(parts) or "single"

@@ -26,6 +26,7 @@ from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.llama import FLAVORS, Llama, round_vocab
 from loom.models.llama.parallelize import fsdp_reshard_after_forward, parallelize_llama
+from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
@@ -225,9 +226,20 @@ class Trainer:
         return box[0]
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.dims.dp_size > 1:
-            dist.all_reduce(t, group=self.dims["dp"].get_group())
+        """Sum over the ranks that hold different tokens of the step: data parallel x context parallel."""
+        if self.dims.dp_size * self.dims.cp > 1:
+            dist.all_reduce(t, group=self.dims["dp_cp"].get_group())
         return t
+
+    def _local_tokens(self, mb: MicroBatch) -> MicroBatch:
+        """This rank's share of a micro-batch on the device: under context parallelism its two chunks of
+        every sequence (loom.parallel.context_parallel), else all of it."""
+        mb = mb.to(self.device)
+        if not self.dims.cp_enabled:
+            return mb
+        rank, cp = self.dims.cp_rank(), self.dims.cp
+        return MicroBatch(*(shard_sequence(t, rank, cp) for t in (mb.inputs, mb.labels, mb.positions,
+                                                                   mb.document_ids)))
 
     def any_rank(self, flag: bool) -> bool:
         if self.env.world_size == 1:
@@ -301,11 +313,11 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
-        mbs = [mb.to(self.device) for mb in micro_batches]
+        mbs = [self._local_tokens(mb) for mb in micro_batches]
         n_tokens = self.dp_sum(sum(valid_tokens(mb.labels) for mb in mbs).to(torch.float32))
-        # data-parallel reductions average over dp ranks; multiplying by dp_size makes them a sum,
+        # gradient reductions average over the dp x cp ranks; multiplying by their count makes them a sum,
         # so every micro-batch on every rank contributes token_loss / global_tokens
-        grad_scale = self.dims.dp_size * self.scaler.scale / n_tokens
+        grad_scale = self.dims.dp_size * self.dims.cp * self.scaler.scale / n_tokens
         if self.pipeline is not None:
             loss_sum = self._pipeline_step(mbs, grad_scale)
         else:
@@ -332,7 +344,7 @@ class Trainer:
             return None
         for part in self.parts:
             part.eval()
-        batches = [mb.to(self.device) for mb in batches]
+        batches = [self._local_tokens(mb) for mb in batches]
         count = sum(valid_tokens(mb.labels) for mb in batches).to(torch.float32)
         if self.pipeline is not None:
             total = self._pipeline_validation(batches)

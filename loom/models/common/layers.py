@@ -64,15 +64,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        # set by loom.parallel.context_parallel.apply_context_parallel: x is then this rank's share of the
+        # sequence, and the ContextParallel object knows its positions and attends across ranks
+        self.context_parallel = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        bsz, seq, _ = x.shape  # (B, S, E)
+        bsz, seq, _ = x.shape  # (B, S, E); S = this rank's tokens under context parallelism
+        cp = self.context_parallel
+        if cp is not None:  # packed documents are rejected with cp > 1: positions are global ones here
+            positions = cp.positions(seq, x.device).expand(bsz, seq)  # (B, S)
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hq, D)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
         q, k = self.apply_rope(q, rope, positions), self.apply_rope(k, rope, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        out = attend(q, k, v, self.backend, positions)  # (B, Hq, S, D)
+        out = cp.attend(q, k, v) if cp is not None else attend(q, k, v, self.backend, positions)  # (B, Hq, S, D)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))  # (B, S, E)
 
 

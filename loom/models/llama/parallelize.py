@@ -3,10 +3,11 @@
 1. build on the meta device (caller)
 2. pipeline split: one pruned copy of the model per local stage      (parallel.pp)
 3. tensor + sequence parallel on each part                           (parallel.tp)
+   context parallel: attention across the cp ranks' sequence shards  (parallel.cp)
    float8 linears (torchao)                                          (training.float8)
 4. activation checkpointing
 5. torch.compile per block
-6. FSDP2 / HSDP (on meta)
+6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp)
 7. materialize + layout-independent init
 8. DDP (needs real storage: it broadcasts from rank 0 at construction); under TP or PP, replication goes
    through FSDP2 on a (dp_replicate, 1) mesh instead (step 6): see ``ParallelDims.replicate_with_fsdp``
@@ -28,6 +29,7 @@ from loom.models.common.init import materialize
 from loom.models.llama.model import Llama
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 from loom.parallel.compile import apply_compile
+from loom.parallel.context_parallel import apply_context_parallel
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp
 from loom.parallel.dims import ParallelDims
 from loom.parallel.pipeline import PipelinePlan, build_stage, split_layers, stage_ids
@@ -74,6 +76,8 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp)
+        if dims.cp_enabled:
+            apply_context_parallel(part, dims["cp"])
         if training.float8 != "none":
             apply_float8(part, training.float8)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)

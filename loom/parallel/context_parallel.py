@@ -1,0 +1,96 @@
+"""Context parallelism: the sequence split over the ``cp`` mesh axis.
+
+Layout (load-balanced for causal attention): the sequence is cut into 2·cp equal chunks and cp rank r
+holds chunks r and 2·cp-1-r, so every rank has the same causal work. Token ids, labels and RoPE
+positions are sharded that way by ``shard_sequence`` / ``local_positions``; everything but attention is
+per token and runs on the local shard unchanged.
+
+Attention all-gathers K and V over the cp axis (Llama 3's all-gather context parallelism: under GQA
+K/V are a fraction of Q, and the gather overlaps nothing but is one collective per layer) and attends
+each local query chunk to every key chunk at or before it, one block at a time through ``flash_attention``
+(loom's Triton kernel on CUDA, its PyTorch reference on CPU) with the log-sum-exp, merging the blocks'
+outputs by their log-sum-exps. The gather's backward is a reduce-scatter of dK/dV (functional collectives
+with autograd), so gradients need nothing else. Parameters are sharded by FSDP over ``dp_shard x cp``.
+
+Applied by ``apply_context_parallel(model, cp_mesh)`` after the model is built: it hands each attention
+module a ``ContextParallel``; the model code stays single-device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.kernels.attention.op import flash_attention
+
+
+def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    """The two global chunks (of 2·cp) that cp rank ``rank`` holds, in its local order."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(t: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's shard of ``t`` along ``dim`` (length divisible by 2·cp): (B, S, ...) -> (B, S/cp, ...)."""
+    chunk = t.shape[dim] // (2 * cp)
+    a, b = chunk_ids(rank, cp)
+    return torch.cat([t.narrow(dim, a * chunk, chunk), t.narrow(dim, b * chunk, chunk)], dim)
+
+
+def local_positions(seq_local: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """Global positions (S_local,) int64 of this cp rank's tokens."""
+    chunk = seq_local // 2
+    a, b = chunk_ids(rank, cp)
+    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk, device=device),
+                      torch.arange(b * chunk, (b + 1) * chunk, device=device)])
+
+
+def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Combine attention over disjoint key blocks: outs (B, H, S, D), lses (B, H, S) fp32 -> (B, H, S, D)."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)  # (B, H, S)
+    out = sum(o.float() * torch.exp(l - lse)[..., None] for o, l in zip(outs, lses))
+    return out.to(outs[0].dtype)
+
+
+class ContextParallel:
+    """Attention of this rank's two query chunks against the all-gathered keys; see the module docstring."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def positions(self, seq_local: int, device) -> torch.Tensor:
+        return local_positions(seq_local, self.rank, self.size, device)
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """(B, H, S_local, D) from every cp rank -> the 2·cp chunks in global order."""
+        from torch.distributed import _functional_collectives as fc
+
+        # newer torch renamed the autograd all-gather (the old name warns); the package accepts torch >= 2.11
+        gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+        full = gather(t.contiguous(), gather_dim=2, group=self.group)  # (B, H, cp·S_l, D)
+        pieces = full.chunk(2 * self.size, dim=2)  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
+        ordered: list[torch.Tensor] = [None] * (2 * self.size)  # type: ignore[list-item]
+        for r in range(self.size):
+            a, b = chunk_ids(r, self.size)
+            ordered[a], ordered[b] = pieces[2 * r], pieces[2 * r + 1]
+        return ordered
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) of this rank's chunks -> causal attention output
+        (B, Hq, S_local, D) over the whole sequence."""
+        ks, vs = self._gather(k), self._gather(v)
+        q_chunks = q.chunk(2, dim=2)
+        outs = []
+        for qc, g in zip(q_chunks, chunk_ids(self.rank, self.size)):
+            blocks = [flash_attention(qc, ks[j], vs[j], causal=j == g, return_lse=True) for j in range(g + 1)]
+            outs.append(merge_blocks([o for o, _ in blocks], [lse for _, lse in blocks]))
+        return torch.cat(outs, dim=2)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
+    """Give every attention module of ``model`` (a model or a pipeline stage) the cp group of ``cp_mesh``."""
+    from loom.models.common.layers import Attention
+
+    cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context_parallel = cp
