@@ -77,7 +77,9 @@ def cp_jobs(tmp, world: int) -> dict:
     if world == 2:
         return {"cp2": job(tmp, "cp2", cp=2, dp_shard=1),
                 "cp2-m2": job(tmp, "cp2-m2", m=2, cp=2, dp_shard=1),
-                "cp2-untied": job(tmp, "cp2-untied", tied=False, cp=2, dp_shard=1)}
+                "cp2-untied": job(tmp, "cp2-untied", tied=False, cp=2, dp_shard=1),
+                # per-block torch.compile traces the all-gather and the attention op's fake implementation
+                "cp2-compile": {**job(tmp, "cp2-compile", cp=2, dp_shard=1), "training.compile": "true"}}
     return {"fsdp2xcp2": job(tmp, "fsdp2xcp2", dp=2, cp=2, dp_shard=2),
             "hsdp2x1xcp2-m2": job(tmp, "hsdp2x1xcp2-m2", m=2, dp=2, cp=2, dp_replicate=2, dp_shard=1),
             "cp2xtp2": job(tmp, "cp2xtp2", cp=2, tp=2, dp_shard=1)}
@@ -128,6 +130,20 @@ def test_validation_under_cp_matches_single_process(tmp_path):
 
     assert len(vals(ref)) == 2
     assert max(abs(a - b) / b for a, b in zip(vals(cp), vals(ref))) < 1e-5, (vals(cp), vals(ref))
+
+
+def test_cp_checkpoint_resumes_under_fsdp(tmp_path):
+    """Saved under CP2 at step 3, resumed under FSDP2: steps 4-5 repeat the uninterrupted CP2 run."""
+    from tests.distributed.test_model_parallel import SAVE_AT, ckpt, tail
+
+    save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
+    first = run_jobs(2, [{**job(tmp_path, "cp2-save", cp=2, dp_shard=1), **save}], str(tmp_path))[0]
+    resumed = run_jobs(2, [{**job(tmp_path, "fsdp2-from-cp2", dp=2, dp_shard=2),
+                            "checkpoint.resume": ckpt(str(tmp_path / "cp2-save"), SAVE_AT)}], str(tmp_path))[0]
+    want, got = tail(first), tail(resumed)
+    assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(SAVE_AT + 1, STEPS + 1))
+    for (_, a, ha), (_, b, hb) in zip(got, want):
+        assert ha == hb and abs(a - b) / b < 1e-5, (got, want)
 
 
 # ---- what cp rejects ------------------------------------------------------------------------------------

@@ -18,10 +18,21 @@ def _impl(device: torch.device):
     return reference
 
 
+def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in the layout the fake implementations promise, ``torch.empty_like(like)`` (the Triton launchers
+    allocate exactly that; the reference may not: e.g. for a query chunk cut out of a transposed tensor,
+    as context parallelism passes, where a mismatch fails torch.compile)."""
+    target = torch.empty_like(like)
+    return t if t.stride() == target.stride() else target.copy_(t)
+
+
 @torch.library.custom_op("loom::flash_attn", mutates_args=())
 def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, causal: bool,
                   window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _impl(q.device).attention_forward(q, k, v, causal, bounds, window, scale)
+    impl = _impl(q.device)
+    out, lse = impl.attention_forward(q, k, v, causal, bounds, window, scale)
+    if impl is reference:
+        out, lse = _as_promised(out, q), lse.contiguous()
     return out, lse
 
 
@@ -34,7 +45,10 @@ def _(q, k, v, bounds, causal, window, scale):
 def flash_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, dlse: torch.Tensor | None, bounds: torch.Tensor | None, causal: bool,
                            window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _impl(q.device).attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale)
+    impl = _impl(q.device)
+    dq, dk, dv = impl.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale)
+    if impl is reference:
+        dq, dk, dv = _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
     return dq, dk, dv
 
 
