@@ -115,7 +115,9 @@ class ParallelConfig:
     dp_shard: int = opt(-1, "FSDP shard degree; -1 = whatever the other degrees leave", min=-1)
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
-    cp: int = opt(1, "context-parallel degree", min=1)
+    cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks, "
+                     "K/V all-gathered in attention); training.seq_len must divide by 2·cp; not with pp > 1",
+                  min=1)
     ep: int = opt(1, "expert-parallel degree", min=1)
     etp: int = opt(1, "expert tensor-parallel degree", min=1)
     pp_schedule: str = opt("1f1b", "pipeline schedule (docs/parallelism.md: bubble and memory of each)",

@@ -193,7 +193,7 @@ class ParallelDims:
     def describe(self) -> str:
         parts = [name for name, on in (("PP", self.pp_enabled), ("CP", self.cp_enabled), ("TP", self.tp_enabled))
                  if on]
-        if self.dp_size > 1:
+        if self.dp_size > 1 or self.fsdp_enabled:  # FSDP shards over dp_shard x cp
             parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
         kind = "x".join(parts) or "single"
         degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER if getattr(self, a) > 1)

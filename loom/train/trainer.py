@@ -150,7 +150,9 @@ class Trainer:
         shape = resolve_model_args(cfg, self.tokenizer)
         self.dims.check_model(shape, cfg.parallel)  # before timing attention on the per-rank head counts
         self.attention_times: dict | None = None  # deterministic runs do not let a timing pick their kernels
-        measure = None if cfg.run.deterministic else (lambda: self._measure_attention(shape))
+        # under context parallelism attention always runs loom's op: nothing to time
+        untimed = cfg.run.deterministic or self.dims.cp_enabled
+        measure = None if untimed else (lambda: self._measure_attention(shape))
         self.kernels = kernel_choice(cfg, measure)
         self.model_args = shape.with_(**self.kernels.as_args())
         with torch.device("meta"):
@@ -418,7 +420,8 @@ class Trainer:
             print(f"loom: {cfg.model.flavor} ({count_params(self.model_args) / 1e6:.1f}M params), "
                   f"{self.dims.describe()}, accumulation {self.accum}, dtype {cfg.training.dtype}, "
                   f"device {self.device.type}", flush=True)
-            print(f"kernels: {self.kernels.describe()}{self._measured()}", flush=True)
+            cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
+            print(f"kernels: {self.kernels.describe()}{self._measured()}{cp_note}", flush=True)
             if self.plan is not None:
                 self._describe_pipeline()
         records: list[dict] = []

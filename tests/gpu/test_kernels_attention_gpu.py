@@ -140,3 +140,30 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     run_one(dict(cfg, **{"run.dir": str(tmp_path / "det"), "run.deterministic": "true",
                          "training.dtype": "float32"}))
     assert not (tmp_path / "det" / "kernels.json").exists()
+
+
+def test_context_parallel_attention_through_the_triton_kernels(tmp_path):
+    """Context-parallel attention on one GPU (a 1-rank NCCL group: both chunks local, three key blocks
+    merged by their log-sum-exps) against the kernel on the whole sequence, bf16, GQA; gradients too.
+    Across ranks the same code is tested on CPU (tests/distributed/test_context_parallel.py)."""
+    import torch.distributed as dist
+
+    from loom.kernels.attention.op import flash_attention
+    from loom.parallel.context_parallel import ContextParallel
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        q, k, v, dout = (torch.randn(2, h, 2048, 128, generator=gen).cuda().bfloat16() for h in (8, 2, 2, 8))
+        # q/k/v as the model passes them: (B, S, H, D) transposed to (B, H, S, D)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ContextParallel(dist.group.WORLD, 0, 1).attend(q, k, v)
+        out.backward(dout)
+        ref = flash_attention(*whole, causal=True)
+        ref.backward(dout)
+        assert not out.isnan().any()
+        for got, want in [(out, ref)] + [(a.grad, b.grad) for a, b in zip((q, k, v), whole)]:
+            assert _rel_err(got, want.float(), torch.ones_like(want, dtype=torch.bool)) < 2e-2
+    finally:
+        dist.destroy_process_group()
