@@ -45,16 +45,22 @@ def layouts(gpus: int) -> dict[str, dict]:
     if gpus == 2:
         table = {"fsdp2": {"dp_shard": 2}, "ddp2": {"dp_replicate": 2, "dp_shard": 1}, "tp2": {"tp": 2, "dp_shard": 1}}
         table.update(_pp("pp2", s, pp=2, dp_shard=1) for s in SCHEDULES)
+        table["cp2"] = {"cp": 2, "dp_shard": 1}
     elif gpus == 4:
         table = {"fsdp4": {"dp_shard": 4}, "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
                  "fsdp2_tp2": {"dp_shard": 2, "tp": 2}}
         table.update(_pp("tp2_pp2", s, tp=2, pp=2, dp_shard=1) for s in SCHEDULES)
         table.update(_pp("fsdp2_pp2", s, pp=2, dp_shard=2) for s in SCHEDULES)
+        table.update({"fsdp2_cp2": {"dp_shard": 2, "cp": 2}, "cp2_tp2": {"cp": 2, "tp": 2, "dp_shard": 1}})
     elif gpus == 8:
         table = {"fsdp8": {"dp_shard": 8}, "hsdp2x4": {"dp_replicate": 2, "dp_shard": 4},
                  "fsdp4_tp2": {"dp_shard": 4, "tp": 2}}
         table.update(_pp("fsdp2_tp2_pp2", s, dp_shard=2, tp=2, pp=2) for s in SCHEDULES)
         table.update(_pp("pp4_tp2", s, pp=4, tp=2, dp_shard=1) for s in SCHEDULES)
+        # context parallel: alone with FSDP, with TP, and with PP (a plain and a split-backward schedule)
+        table.update({"fsdp4_cp2": {"dp_shard": 4, "cp": 2}, "fsdp2_cp2_tp2": {"dp_shard": 2, "cp": 2, "tp": 2},
+                      "cp4_tp2": {"cp": 4, "tp": 2, "dp_shard": 1}})
+        table.update(_pp("fsdp2_cp2_pp2", s, dp_shard=2, cp=2, pp=2) for s in ("1f1b", "zbv"))
     else:
         raise SystemExit(f"--gpus {gpus}: layouts are defined for 2, 4 or 8 GPUs")
     return table
@@ -89,7 +95,7 @@ def run_job(flavor: str, name: str, degrees: dict, a) -> dict:
 
 def _world(degrees: dict) -> int:
     n = 1
-    for axis in ("dp_replicate", "dp_shard", "tp", "pp"):
+    for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
         n *= max(1, degrees.get(axis, 1))
     return n
 

@@ -32,7 +32,7 @@ case $part in
       --compile --ac op --resume --timeout 540 --out "$(resume throughput_8b_8gpu_h200.json)" ;;
   throughput-layouts)  # candidates for the fastest layout at the same global batch
     timeout 570 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 \
-      --layouts fsdp8,hsdp2x4,fsdp4_tp2,fsdp4_pp2_1f1b --global-batch 16 --compile --ac op --resume --timeout 200 \
+      --layouts fsdp8,hsdp2x4,fsdp4_tp2,fsdp4_pp2_1f1b,fsdp4_cp2 --global-batch 16 --compile --ac op --resume --timeout 200 \
       --out "$(resume throughput_8b_8gpu_h200.json)" ;;
   *) echo "unknown PART $part" >&2; exit 2 ;;
 esac

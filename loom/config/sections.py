@@ -116,7 +116,7 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks, "
-                     "K/V all-gathered in attention); training.seq_len must divide by 2·cp; not with pp > 1",
+                     "K/V all-gathered in attention); training.seq_len must divide by 2·cp",
                   min=1)
     ep: int = opt(1, "expert-parallel degree", min=1)
     etp: int = opt(1, "expert tensor-parallel degree", min=1)

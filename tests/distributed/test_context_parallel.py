@@ -1,6 +1,6 @@
 """Context parallelism: the load-balanced sequence layout, the all-gather attention against one process's
 causal attention (outputs and q/k/v gradients, GQA), and layout invariance of training with cp alone and
-composed with FSDP, HSDP, TP and accumulation (fp32, loss and grad norm within 1e-5 of one process at
+composed with FSDP, HSDP, TP, PP and accumulation (fp32, loss and grad norm within 1e-5 of one process at
 every step), validation included; config errors for what cp does not support yet."""
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def cp_jobs(tmp, world: int) -> dict:
                 "cp2-compile": {**job(tmp, "cp2-compile", cp=2, dp_shard=1), "training.compile": "true"}}
     return {"fsdp2xcp2": job(tmp, "fsdp2xcp2", dp=2, cp=2, dp_shard=2),
             "hsdp2x1xcp2-m2": job(tmp, "hsdp2x1xcp2-m2", m=2, dp=2, cp=2, dp_replicate=2, dp_shard=1),
-            "cp2xtp2": job(tmp, "cp2xtp2", cp=2, tp=2, dp_shard=1)}
+            "cp2xtp2": job(tmp, "cp2xtp2", cp=2, tp=2, dp_shard=1),
+            # stages pass (B, S/cp, E) hidden states; each attention knows its tokens' positions
+            "pp2xcp2-1f1b-m2": job(tmp, "pp2xcp2-1f1b-m2", m=2, pp=2, cp=2, dp_shard=1),
+            "pp2xcp2-zbv-m4": job(tmp, "pp2xcp2-zbv-m4", m=4, pp=2, cp=2, pp_schedule="zbv", dp_shard=1)}
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +153,6 @@ def test_cp_checkpoint_resumes_under_fsdp(tmp_path):
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.cp": "2", "training.seq_len": "30"}, "parallel.cp"),
-    ({"parallel.cp": "2", "parallel.pp": "2"}, "parallel.cp"),
     ({"parallel.cp": "2", "data.document_positions": "true"}, "data.document_positions"),
 ])
 def test_unsupported_cp_settings_name_the_field(overrides, field):
