@@ -79,7 +79,9 @@ def cp_jobs(tmp, world: int) -> dict:
                 "cp2-m2": job(tmp, "cp2-m2", m=2, cp=2, dp_shard=1),
                 "cp2-untied": job(tmp, "cp2-untied", tied=False, cp=2, dp_shard=1),
                 # per-block torch.compile traces the all-gather and the attention op's fake implementation
-                "cp2-compile": {**job(tmp, "cp2-compile", cp=2, dp_shard=1), "training.compile": "true"}}
+                "cp2-compile": {**job(tmp, "cp2-compile", cp=2, dp_shard=1), "training.compile": "true"},
+                # recomputation repeats the K/V all-gather in backward, in the same order on every rank
+                "cp2-ac-op": {**job(tmp, "cp2-ac-op", cp=2, dp_shard=1), "training.activation_checkpointing": "op"}}
     return {"fsdp2xcp2": job(tmp, "fsdp2xcp2", dp=2, cp=2, dp_shard=2),
             "hsdp2x1xcp2-m2": job(tmp, "hsdp2x1xcp2-m2", m=2, dp=2, cp=2, dp_replicate=2, dp_shard=1),
             "cp2xtp2": job(tmp, "cp2xtp2", cp=2, tp=2, dp_shard=1),
