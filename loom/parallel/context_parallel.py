@@ -38,14 +38,13 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.T
 
 def local_positions(seq_local: int, rank: int, cp: int, device=None) -> torch.Tensor:
     """Global positions (S_local,) int64 of this cp rank's tokens."""
-    chunk = seq_local // 2
-    a, b = chunk_ids(rank, cp)
-    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk, device=device),
-                      torch.arange(b * chunk, (b + 1) * chunk, device=device)])
+    return shard_sequence(torch.arange(seq_local * cp, device=device), rank, cp, dim=0)
 
 
 def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     """Combine attention over disjoint key blocks: outs (B, H, S, D), lses (B, H, S) fp32 -> (B, H, S, D)."""
+    if len(outs) == 1:  # the first chunk sees only itself
+        return outs[0]
     lse = torch.logsumexp(torch.stack(lses), dim=0)  # (B, H, S)
     out = sum(o.float() * torch.exp(l - lse)[..., None] for o, l in zip(outs, lses))
     return out.to(outs[0].dtype)
