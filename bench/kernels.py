@@ -232,7 +232,7 @@ SUITES = {
 }
 
 
-def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> dict:
+def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, extra: dict | None = None) -> dict:
     """Every autotuning candidate of each backward kernel, one at a time (the other kernel at its first
     candidate): whole-backward time, registers and spills of the varied kernel. Explains what autotuning
     picks and whether a kernel spills."""
@@ -247,7 +247,11 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -
     out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
     dout = torch.randn_like(out)
     raw = {"dkdv": T._attn_bwd_dkdv, "dq": T._attn_bwd_dq}
-    candidates = {"dkdv": T._DKDV_CONFIGS, "dq": T._DQ_CONFIGS}
+    extra = extra or {}
+    base = {"dkdv": T._DKDV_CONFIGS, "dq": T._DQ_CONFIGS}
+    if extra.get("only"):  # the chosen-by-default first candidate, then the extra ones
+        base = {kind: c[:1] for kind, c in base.items()}
+    candidates = {kind: c + extra.get(kind, []) for kind, c in base.items()}
     compiled: dict = {}
 
     class Capture:  # launches the raw kernel and keeps the compiled kernel it returns
@@ -268,8 +272,9 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -
                 pick = dict(chosen, **{kind: cfg})
 
                 def forced(name, pick=pick):
-                    m, n, w, st = pick[name]
-                    return Capture(name), {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+                    m, n, w, st, *cap = pick[name]
+                    return Capture(name), {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st,
+                                           **({"maxnreg": cap[0]} if cap else {})}
 
                 T._kernel = forced
                 run = lambda: T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale)  # noqa: E731
@@ -418,6 +423,11 @@ def main() -> None:
                                                         "(time and peak memory; bench/fused_loss.py)")
     p.add_argument("--configs", action="store_true", help="every backward candidate config one by one "
                                                            "(time, registers, spills) for CONFIG_SWEEP cases")
+    p.add_argument("--extra-dkdv", default="", help="with --configs: more dK/dV candidates, "
+                                                     "'M,N,warps,stages[,maxnreg];...'")
+    p.add_argument("--extra-dq", default="", help="with --configs: more dQ candidates (same form)")
+    p.add_argument("--extra-only", action="store_true", help="with --configs: the first candidate and the extra ones")
+    p.add_argument("--cases", default="", help="with --configs: 'd,hq,hkv,seq,docs;...' instead of CONFIG_SWEEP")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel of each backend's forward+backward "
                                                            "(PROFILE cases, torch.profiler)")
     a = p.parse_args()
@@ -427,8 +437,11 @@ def main() -> None:
         write_rows(a, rows)
         return
     if a.configs:
-        rows = [config_sweep(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in CONFIG_SWEEP]
-        write_rows(a, rows)
+        extra = {"dkdv": parse_configs(a.extra_dkdv), "dq": parse_configs(a.extra_dq), "only": a.extra_only}
+        rows = []
+        for d, hq, hkv, s, docs in parse_configs(a.cases) or CONFIG_SWEEP:
+            rows.append(config_sweep(d, hq, hkv, s, getattr(torch, a.dtype), bool(docs), extra))
+            write_rows(a, rows)
         return
     if a.loss:
         from bench.fused_loss import main as fused_loss_main
@@ -450,6 +463,11 @@ def main() -> None:
                 if a.out:  # after every row: a run cut short keeps what it measured
                     write_results(a, rows)
     print(markdown(rows))
+
+
+def parse_configs(text: str) -> list[tuple]:
+    """'64,64,8,2,128;32,64,4,3' -> [(64, 64, 8, 2, 128), (32, 64, 4, 3)]"""
+    return [tuple(int(x) for x in c.split(",")) for c in text.split(";") if c.strip()]
 
 
 def write_rows(a, rows: list[dict]) -> None:

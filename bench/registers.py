@@ -43,13 +43,13 @@ def signature(fn, constants: dict, dtype: str) -> dict:
     return sig
 
 
-def compile_for_hopper(fn, constants: dict, warps: int, stages: int, dtype: str = "bf16"):
+def compile_for_hopper(fn, constants: dict, warps: int, stages: int, dtype: str = "bf16", maxnreg: int | None = None):
     sig = signature(fn, constants, dtype)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n] not in ("constexpr", "fp32") and n not in ("H", "B")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
                                     constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg})
 
 
 def resources(kernel, workdir: str) -> dict:
@@ -59,7 +59,14 @@ def resources(kernel, workdir: str) -> dict:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
-    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2))} if m else {"raw": out}
+    if not m:
+        return {"raw": out}
+    regs, smem, threads = int(m.group(1)), kernel.metadata.shared, kernel.metadata.num_warps * 32
+    # Hopper SM: 64K registers (allocated per warp in units of 256), 228 KiB shared memory (1 KiB per block reserved)
+    by_regs = 65536 // (((regs * 32 + 255) // 256) * 256 * (threads // 32))
+    by_smem = (228 * 1024) // (smem + 1024)
+    return {"registers": regs, "stack_bytes": int(m.group(2)), "shared_bytes": smem,
+            "blocks_per_sm": min(by_regs, by_smem)}
 
 
 def main() -> None:
@@ -70,18 +77,22 @@ def main() -> None:
     p.add_argument("--docs", action="store_true")
     p.add_argument("--full", action="store_true", help="no causal mask")
     p.add_argument("--dump", default="", help="write each config's TTGIR and PTX here")
+    p.add_argument("--configs", default="", help="'M,N,warps,stages[,maxnreg];...' instead of the kernel's candidates")
     a = p.parse_args()
     fn, configs = KERNELS[a.kind]
     workdir = a.dump or "/tmp"
     os.makedirs(workdir, exist_ok=True)
     base = dict(GROUP=a.group, CAUSAL=not a.full, HAS_DOCS=a.docs, WINDOW=0, HEAD_DIM=a.head_dim)
-    for m, n, w, s in configs:
-        kernel = compile_for_hopper(fn, dict(base, BLOCK_M=m, BLOCK_N=n), w, s)
+    if a.configs:
+        configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
+    for m, n, w, s, *reg in configs:
+        kernel = compile_for_hopper(fn, dict(base, BLOCK_M=m, BLOCK_N=n), w, s, maxnreg=reg[0] if reg else None)
         if a.dump:
             for ext in ("ttgir", "ptx"):
                 with open(os.path.join(a.dump, f"{a.kind}_{m}_{n}_{w}_{s}.{ext}"), "w") as f:
                     f.write(kernel.asm[ext])
-        print(f"{a.kind} BLOCK_M {m} BLOCK_N {n} warps {w} stages {s}: {resources(kernel, workdir)}", flush=True)
+        cap = f" maxnreg {reg[0]}" if reg else ""
+        print(f"{a.kind} BLOCK_M {m} BLOCK_N {n} warps {w} stages {s}{cap}: {resources(kernel, workdir)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -355,7 +355,10 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, sob, soh, sos, sdob, sdoh, sd
 
 
 def _configs(shapes) -> list:
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+    """(BLOCK_M, BLOCK_N, warps, stages[, register cap]) -> triton.Config; a cap (maxnreg) below the compiler's
+    255 lets two or three programs share an SM."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, maxnreg=cap[0] if cap else None)
+            for m, n, w, s, *cap in shapes]
 
 
 # candidates measured by autotuning on the first call of each (sequence bucket, group, head dim, mask) key
