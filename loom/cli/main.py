@@ -1,4 +1,4 @@
-"""The ``loom`` command: ``train``, ``convert``, ``data prepare``."""
+"""The ``loom`` command: ``train``, ``plan``, ``convert``, ``data prepare``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ USAGE = """usage: loom <command> [options]
 
 commands:
   train          train a model (see `loom train --help`)
+  plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
   convert        import a Hugging Face Llama folder / export a loom checkpoint (`loom convert --help`)
   data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
 """
@@ -26,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.train import main as train_main
 
         return train_main(rest)
+    if cmd == "plan":
+        from loom.cli.plan import main as plan_main
+
+        return plan_main(rest)
     if cmd == "convert":
         from loom.cli.convert import main as convert_main
 

@@ -44,10 +44,12 @@ def _flag(value: str, auto: bool) -> bool:
 
 
 def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, tp: bool = False,
-                    pp: bool = False, measure_attention: Callable[[], str] | None = None) -> KernelChoice:
+                    pp: bool = False, measure_attention: Callable[[], str] | None = None,
+                    triton: bool | None = None) -> KernelChoice:
     """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
-    ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it)."""
-    triton_gpu = device_type == "cuda" and has_triton()
+    ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it);
+    ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it)."""
+    triton_gpu = device_type == "cuda" and (has_triton() if triton is None else triton)
     attention = model_cfg.attention
     if attention == "auto":
         if triton_gpu and documents:

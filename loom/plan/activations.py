@@ -1,0 +1,143 @@
+"""Activation memory of one micro-batch, measured by running loom's own model code on fake tensors.
+
+No formula to keep in step with the model: the forward and backward of a 1- and 2-layer Llama of the real
+shape run under ``FakeTensorMode`` (shapes and dtypes only: no memory, no compute, a fraction of a second
+even for 405B shapes), with the run's precision (bf16 parameters as FSDP2 gathers them, or fp32 weights
+under autocast), activation checkpointing and kernels. A dispatch mode records every tensor an op creates
+and, through weak references, when it dies; so what autograd, checkpointing and autocast keep alive is
+counted exactly as PyTorch keeps it. Four traces (1 or 2 layers x batch 1 or 2) separate the bytes per
+layer from those of the embedding / head / loss, and the bytes per sequence from fixed ones (autocast's
+bf16 weight copies). Eager kernels are traced; torch.compile's partitioner saves the same or less.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Bytes, for sequences of the traced length, on one device without tensor parallelism."""
+
+    layer_per_seq: float  # held from forward to backward, per layer and per sequence
+    layer_fixed: float  # held per layer whatever the batch (bf16 weight copies under autocast)
+    head_per_seq: float  # embedding, final norm, output head and loss, per sequence
+    head_fixed: float
+    backward_peak: float  # above what forward holds, at the peak of a 1-layer model's backward, per micro-batch
+
+    def held(self, layers: float, micro_batch: int, head: bool = True) -> float:
+        """Bytes one micro-batch holds between its forward and its backward over ``layers`` layers."""
+        out = layers * (self.layer_fixed + micro_batch * self.layer_per_seq)
+        return out + ((self.head_fixed + micro_batch * self.head_per_seq) if head else 0.0)
+
+
+class _Tracker(TorchDispatchMode):
+    """Bytes of live tensor storages created by ops inside the mode, and their peak."""
+
+    def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor]):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        super().__init__()
+        self.live: dict = {}
+        self.params = params
+        # views of weights (a linear's transpose) share the weight's storage: never count those
+        self.owned = {StorageWeakRef(t.untyped_storage()).cdata for t in params + buffers}
+        self.backward = False
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.owned:
+                    self.live.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+        if self.backward:  # parameter gradients are counted elsewhere (the planner's static memory)
+            self.peak = max(self.peak, self.bytes() - self._grad_bytes())
+        return out
+
+    def bytes(self) -> int:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[key]
+        return sum(n for _, n in self.live.values())
+
+    def _grad_bytes(self) -> int:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        seen = {StorageWeakRef(p.grad.untyped_storage()).cdata: p.grad.untyped_storage().nbytes()
+                for p in self.params if p.grad is not None}
+        return sum(n for key, n in seen.items() if key in self.live)
+
+
+def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: int) -> tuple[int, int]:
+    """(bytes held after forward, peak extra bytes during backward) of one micro-batch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from loom.models.llama.model import Llama
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    param_dtype = torch.bfloat16 if precision == "bf16_params" else torch.float16 if precision == "fp16_params" \
+        else torch.float32
+    autocast = {"autocast_bf16": torch.bfloat16, "autocast_fp16": torch.float16}.get(precision)
+    previous = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(param_dtype)
+        try:
+            model = Llama(args)
+        finally:
+            torch.set_default_dtype(previous)
+        apply_activation_checkpointing(model.layers, ac, ac_every)
+        tokens = torch.zeros(micro_batch, seq, dtype=torch.long)
+        tracker = _Tracker(list(model.parameters()), list(model.buffers()))
+        cast = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+        with tracker:
+            with cast:
+                loss = model(tokens, labels=tokens)
+            held = tracker.bytes()
+            tracker.backward = True
+            tracker.peak = held
+            loss.backward()
+    return held, tracker.peak - held
+
+
+def trace_precision(dtype: str, fsdp: bool) -> str:
+    """How the forward runs: FSDP2 gathers parameters in the compute dtype; otherwise fp32 weights run
+    under autocast (loom.train.precision)."""
+    if dtype == "float32":
+        return "fp32"
+    short = "bf16" if dtype == "bfloat16" else "fp16"
+    return f"{short}_params" if fsdp else f"autocast_{short}"
+
+
+def profile_activations(args, seq: int, micro_batch: int, dtype: str, fsdp: bool, ac: str,
+                        ac_every: int = 2) -> ActivationProfile:
+    """Activation bytes of ``args`` (a resolved LlamaArgs: vocabulary and kernels set) at ``seq`` tokens per
+    sequence; ``backward_peak`` is traced at ``micro_batch`` sequences."""
+    precision = trace_precision(dtype, fsdp)
+    if ac == "every_k":  # blocks 0, k, 2k, ... are checkpointed: a 1-layer model is the checkpointed kind
+        full = profile_activations(args, seq, micro_batch, dtype, fsdp, "full")
+        none = profile_activations(args, seq, micro_batch, dtype, fsdp, "none")
+        share = -(-args.n_layers // ac_every) / args.n_layers  # fraction of checkpointed blocks
+
+        def mix(a: float, b: float) -> float:
+            return share * a + (1 - share) * b
+
+        return ActivationProfile(mix(full.layer_per_seq, none.layer_per_seq), mix(full.layer_fixed, none.layer_fixed),
+                                 none.head_per_seq, none.head_fixed, max(full.backward_peak, none.backward_peak))
+    held = {}
+    for layers in (1, 2):
+        for batch in (1, 2):
+            held[layers, batch] = _trace(args.with_(n_layers=layers), batch, seq, precision, ac, ac_every)[0]
+    layer_b1, layer_b2 = held[2, 1] - held[1, 1], held[2, 2] - held[1, 2]
+    head_b1, head_b2 = held[1, 1] - layer_b1, held[1, 2] - layer_b2
+    _, backward_peak = _trace(args.with_(n_layers=1), micro_batch, seq, precision, ac, ac_every)
+    return ActivationProfile(layer_per_seq=layer_b2 - layer_b1, layer_fixed=2 * layer_b1 - layer_b2,
+                             head_per_seq=head_b2 - head_b1, head_fixed=2 * head_b1 - head_b2,
+                             backward_peak=backward_peak)

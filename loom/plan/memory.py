@@ -1,0 +1,115 @@
+"""Peak device memory of one rank under a layout: the model state from the parameter counts (exact), the
+activations from loom.plan.activations (measured on fake tensors), the pipeline's micro-batches in flight
+from the schedule's own action list.
+
+State, per parameter a rank owns after data-parallel sharding (F = dp_shard x cp ranks when FSDP2 shards):
+fp32 weights 4 bytes, fp32 gradients 4, AdamW moments 8. FSDP2 gathers a block's weights in the compute
+dtype right before use and frees them after (``reshard_after_forward``): two blocks are gathered at once
+(the one running and the one prefetched), the root's (embedding, final norm, head) stay gathered; a block's
+unsharded gradients (compute dtype, then fp32 for the reduce-scatter) exist while it is reduced. Without
+FSDP, autocast keeps a compute-dtype copy of every weight from its first use to the end of the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from loom.plan.activations import ActivationProfile
+
+GIB = 2.0**30
+# Allocator and library workspace not in the tensors above (cuBLAS / NCCL buffers, the caching allocator's
+# rounding and fragmentation): a fixed share plus a fraction of the rest, fitted in docs/planner.md's table.
+WORKSPACE_BYTES = 1.0 * GIB
+FRAGMENTATION = 0.05
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Memory:
+    """Bytes on the busiest rank, by kind; ``total`` adds them up."""
+
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    gathered: float = 0.0  # FSDP2's unsharded compute copies and gradients, or autocast's weight copies
+    activations: float = 0.0  # held between forwards and backwards (all micro-batches in flight)
+    backward: float = 0.0  # extra at the peak of one backward (gradients of activations, recomputation)
+    workspace: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def gib(self) -> dict[str, float]:
+        out = {f.name: getattr(self, f.name) / GIB for f in fields(self)}
+        out["total"] = self.total / GIB
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory of one rank depends on, beyond the model's shape."""
+
+    dtype: str
+    tp: int
+    cp: int
+    shard: int  # FSDP2 shard degree (dp_shard x cp), 1 without sharding
+    fsdp: bool  # FSDP2 wraps the model (sharding, or replicating under TP/PP)
+    reshard_after_forward: bool
+    micro_batch: int
+    seq_len: int
+    cpu_offload: bool = False
+
+
+def state_memory(params: float, x: MemoryInputs) -> Memory:
+    """fp32 weights, fp32 gradients and AdamW moments of ``params`` (one tp rank's share)."""
+    if x.cpu_offload:
+        return Memory()
+    own = params / x.shard
+    return Memory(weights=4 * own, gradients=4 * own, optimizer=8 * own)
+
+
+def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> float:
+    """FSDP2's unsharded block weights / gradients, or autocast's weight copies (bytes)."""
+    from loom.plan.shapes import layer_params
+
+    compute = _BYTES[x.dtype]
+    block = sum(layer_params(args)) / x.tp
+    root = share.params(x.tp) - share.layers * block
+    if x.fsdp:
+        grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
+        return compute * (gathered_layers * block + root) + grads
+    if x.dtype == "float32":
+        return 0.0
+    return compute * share.params(x.tp)  # autocast's cache: every weight's copy, alive until forward ends
+
+
+def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: MemoryInputs, kv_dim: int,
+                     ac: str) -> float:
+    """Bytes one micro-batch holds on a stage of ``layers`` blocks between its forward and backward. Tensor
+    parallelism (with sequence parallelism) shards every activation; context parallelism keeps the gathered
+    K/V of each block for the backward unless the block is recomputed."""
+    held = profile.held(layers, x.micro_batch, head=last) / x.tp
+    if x.cp > 1 and ac != "full":
+        full_seq = x.seq_len
+        held += layers * x.micro_batch * full_seq * (1 - 1 / x.cp) * 2 * kv_dim * _BYTES[x.dtype] / x.tp
+    return held
+
+
+def pipeline_peak(actions: list[tuple[str, int, int]], per_stage: dict[int, float], split_backward: bool) -> float:
+    """Largest sum of activations in flight on one pp rank over its schedule: a forward adds its stage's
+    activations, the backward that finishes with them (the weight pass of split-backward schedules) frees them."""
+    held = peak = 0.0
+    frees = "W" if split_backward else "B"
+    for kind, stage, _ in actions:
+        if kind == "F":
+            held += per_stage[stage]
+            peak = max(peak, held)
+        elif kind == frees:
+            held -= per_stage[stage]
+    return peak
+
+
+def with_workspace(m: Memory) -> Memory:
+    m.workspace = WORKSPACE_BYTES + FRAGMENTATION * m.total
+    return m

@@ -1,0 +1,269 @@
+"""``estimate``: memory and step time of one configuration on N GPUs of a kind, before renting them.
+``search``: every layout of N GPUs (tp, pp, cp, replicate x shard, schedule, micro-batch, activation
+checkpointing) that loom accepts for the config's model and global batch, estimated and ranked.
+
+The same validation as ``loom train`` runs first (ParallelDims and the config checks), so a plan never
+proposes a layout the trainer would reject.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from loom.config.errors import ConfigError
+from loom.config.load import (PIPELINE_SCHEDULES_SPLIT_BACKWARD, accumulation_steps, check_parallel_fields,
+                              stages_per_rank)
+from loom.config.sections import Config
+from loom.metrics.flops import flops_per_token
+from loom.parallel.dims import AXIS_ORDER, ParallelDims
+from loom.plan.activations import profile_activations
+from loom.plan.hardware import GPU
+from loom.plan.memory import (GIB, Memory, MemoryInputs, gathered_memory, pipeline_peak, stage_activation,
+                              state_memory, with_workspace)
+from loom.plan.shapes import layer_params, rank_shares
+from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, collective_s, efficiency,
+                              recompute_share)
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Estimate:
+    layout: dict
+    memory: Memory  # the busiest rank's
+    time: StepTime  # the slowest rank's
+    tokens_per_s_per_gpu: float
+    mfu: float
+    capacity_gib: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total / GIB <= self.capacity_gib
+
+    def describe(self) -> str:
+        return layout_name(self.layout)
+
+
+def layout_name(layout: dict) -> str:
+    parts = [f"{a}{layout[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if layout[a] > 1]
+    if layout["pp"] > 1:
+        parts.append(layout["pp_schedule"])
+    return " ".join(parts or ["single"]) + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
+
+
+def model_args(cfg: Config):
+    """The model's shape and the kernels a CUDA run with Triton picks (loom.train.trainer.resolve_model_args,
+    without timing attention)."""
+    from loom.kernels.dispatch import resolve_kernels
+    from loom.models.llama import FLAVORS, round_vocab
+
+    if cfg.model.init_from:
+        from loom.checkpoint.hf import llama_args_from_hf
+
+        args = llama_args_from_hf(cfg.model.init_from)
+    else:
+        args = FLAVORS[cfg.model.flavor]
+    vocab = cfg.model.vocab_size or args.vocab_size
+    if not vocab:
+        from loom.data import build_tokenizer
+
+        vocab = round_vocab(build_tokenizer(cfg.data.tokenizer).vocab_size)
+    tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
+    p = cfg.parallel
+    kernels = resolve_kernels(cfg.model, "cuda", compile=cfg.training.compile, documents=cfg.data.document_positions,
+                              tp=p.tp > 1, pp=p.pp > 1, triton=True)
+    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len,
+                      n_layers=cfg.model.n_layers or args.n_layers, **kernels.as_args())
+
+
+def traced_args(args, compile: bool):
+    """The model traced for activations: under torch.compile, Inductor fuses norms, RoPE and the SwiGLU gate
+    as loom's fused kernels do, so those are traced in their place."""
+    return args.with_(fused_norm=True, fused_rope=True, fused_swiglu=True) if compile else args
+
+
+def spans_nodes(dims: ParallelDims, axes: tuple[str, ...], gpu: GPU) -> bool:
+    """Whether a group over ``axes`` (adjacent in the mesh order) has ranks on more than one node."""
+    inner = 1
+    for a in AXIS_ORDER[AXIS_ORDER.index(axes[-1]) + 1:]:
+        inner *= getattr(dims, a)
+    size = math.prod(getattr(dims, a) for a in axes)
+    return inner * size > gpu.gpus_per_node
+
+
+def _bandwidth(dims, axes, gpu) -> float:
+    return gpu.network_gbps if spans_nodes(dims, axes, gpu) else gpu.link_gbps
+
+
+def validate(cfg: Config, world_size: int):
+    """The trainer's checks for this world size; returns (dims, model args, micro-batches per step)."""
+    check_parallel_fields(cfg)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    args = model_args(cfg)
+    dims.check_model(args, cfg.parallel)
+    m = accumulation_steps(cfg.training, dims.dp_size)
+    dims.check_microbatches(m, cfg.parallel, cfg.training.global_batch_size)
+    return dims, args, m
+
+
+def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = None) -> Estimate:
+    """Memory and step time of ``cfg`` on ``world_size`` GPUs of kind ``gpu`` (raises ConfigError when loom
+    would reject the layout). ``profiles`` caches activation traces across calls (search)."""
+    dims, args, m = validate(cfg, world_size)
+    t, p = cfg.training, cfg.parallel
+    split = dims.pp > 1 and p.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
+    x = MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp, shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
+                     fsdp=dims.fsdp_applied, reshard_after_forward=p.reshard_after_forward and not split,
+                     micro_batch=t.micro_batch_size, seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled)
+    traced = traced_args(args, t.compile)
+    key = (traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp, t.activation_checkpointing, t.ac_every)
+    profiles = {} if profiles is None else profiles
+    if key not in profiles:
+        profiles[key] = profile_activations(traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp,
+                                            t.activation_checkpointing, t.ac_every)
+    profile = profiles[key]
+    shares = rank_shares(args, dims.pp, p, t.seq_len)
+    memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
+    times = [rank_time(share, args, dims, x, cfg, m, gpu) for share in shares]
+    memory = max(memories, key=lambda mem: mem.total)
+    time = max(times, key=lambda st: st.total)
+    tokens = t.global_batch_size * t.seq_len / time.total / world_size
+    mfu = tokens * flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
+    layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+    layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
+                  activation_checkpointing=t.activation_checkpointing, accumulation=m)
+    notes = []
+    if t.float8 != "none":
+        notes.append("float8 is not modelled: estimated as bf16")
+    if dims.tp > 1 and not t.compile:
+        notes.append("eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
+                     "not in this estimate (bench/NOTES.md)")
+    return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes)
+
+
+def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Config, m: int) -> Memory:
+    kv_dim = args.n_kv_heads * args.head_dim
+    ac = cfg.training.activation_checkpointing
+    mem = state_memory(share.params(dims.tp), x)
+    mem.gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
+    if dims.pp > 1:
+        from loom.parallel.pipeline import schedule_actions, stage_ids
+
+        per_rank = stages_per_rank(cfg.parallel)
+        ids = stage_ids(rank, dims.pp, per_rank, cfg.parallel.pp_schedule)
+        per_stage = {s: stage_activation(profile, len(layers), last, x, kv_dim, ac)
+                     for s, layers, last in zip(ids, share.stages, share.last)}
+        actions = schedule_actions(cfg.parallel.pp_schedule, dims.pp, m, per_rank)[rank]
+        split = cfg.parallel.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
+        mem.activations = pipeline_peak(actions, per_stage, split)
+    else:
+        mem.activations = stage_activation(profile, share.layers, True, x, kv_dim, ac)
+    mem.backward = profile.backward_peak / dims.tp
+    return with_workspace(mem)
+
+
+def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU) -> StepTime:
+    t, p = cfg.training, cfg.parallel
+    peak = gpu.peak(t.dtype)
+    eff = efficiency(args.dim, t.compile)
+    tokens = x.micro_batch * t.seq_len / dims.cp  # per micro-batch on this rank
+    rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
+    head = args.vocab_size * args.dim if any(share.last) else 0
+    block_mm = 6 * share.matmul_params / dims.tp * tokens * (1 + rec_mm)
+    attention = 12 * share.layers * args.n_heads * args.head_dim * t.seq_len * tokens / dims.tp * (1 + rec_attn)
+    compute_mb = (block_mm + attention + 6 * head / dims.tp * tokens) / (peak * eff)
+    st = StepTime(compute=m * compute_mb)
+    if dims.pp > 1:
+        from loom.parallel.pipeline import theoretical_bubble
+
+        bubble = theoretical_bubble(p.pp_schedule, dims.pp, m, stages_per_rank(p))
+        st.bubble = st.compute * bubble / (1 - bubble)
+        act = tokens * args.dim * _BYTES[t.dtype]
+        st.pp = 2 * m * len(share.stages) * act / (_bandwidth(dims, ("pp",), gpu) * 1e9)
+    own = share.params(dims.tp) / x.shard
+    st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
+    st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
+    c = _BYTES[t.dtype]
+    recomputed = t.activation_checkpointing == "full"
+    if dims.tp > 1:
+        per_block = (8 + (4 if recomputed else 0)) * collective_s(tokens * args.dim * c, dims.tp,
+                                                                   _bandwidth(dims, ("tp",), gpu))
+        st.tp = m * share.layers * per_block
+    if dims.cp > 1:
+        kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
+        per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, _bandwidth(dims, ("cp",), gpu))
+        st.cp = m * share.layers * per_block
+    return st
+
+
+def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
+    """Exposed seconds of gradient / parameter communication per step."""
+    params = share.params(dims.tp)
+    c = _BYTES[x.dtype]
+    block = sum(layer_params(args)) / dims.tp
+    if dims.fsdp_enabled:
+        bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)
+        gathers = 2 if x.reshard_after_forward else 1
+        per_mb = collective_s(gathers * c * params + 4 * params, x.shard, bw)
+        if dims.dp_replicate > 1:  # HSDP: the shard's gradients all-reduced across replicas
+            per_mb += 2 * collective_s(4 * params / x.shard, dims.dp_replicate,
+                                       _bandwidth(dims, ("dp_replicate",), gpu))
+        edges = collective_s((c + 4) * block, x.shard, bw)  # the first gather and the last reduction
+        return m * (max(0.0, per_mb - compute_mb) + edges)
+    if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
+        bw = _bandwidth(dims, ("dp_replicate",), gpu)
+        reduce = 2 * collective_s(4 * params, dims.dp_replicate, bw)
+        return max(0.0, reduce - compute_mb * 2 / 3) + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw)
+    return 0.0
+
+
+# ------------------------------------------------------------------------------------------------- search
+def candidates(cfg: Config, world_size: int, max_tp: int) -> list[Config]:
+    """Every layout of ``world_size`` ranks with the config's global batch: degrees, pipeline schedule,
+    micro-batch size and activation checkpointing. Invalid ones are dropped later by ``estimate``."""
+    out = []
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for tp in (d for d in divisors if d <= max_tp):
+        for pp in divisors:
+            for cp in divisors:
+                for rep in divisors:
+                    rest = world_size // (tp * pp * cp * rep) if world_size % (tp * pp * cp * rep) == 0 else 0
+                    if not rest:
+                        continue
+                    dp = rep * rest
+                    if cfg.training.global_batch_size % dp:
+                        continue
+                    local = cfg.training.global_batch_size // dp
+                    schedules = sorted({cfg.parallel.pp_schedule, "1f1b", "interleaved_1f1b"}) if pp > 1 else \
+                        [cfg.parallel.pp_schedule]
+                    for mb in (d for d in range(1, local + 1) if local % d == 0):
+                        for ac in ("none", "op", "full"):
+                            for schedule in schedules:
+                                c = copy.deepcopy(cfg)
+                                c.parallel.tp, c.parallel.pp, c.parallel.cp = tp, pp, cp
+                                c.parallel.dp_replicate, c.parallel.dp_shard = rep, rest
+                                c.parallel.pp_schedule = schedule
+                                c.parallel.pp_virtual_stages = 0
+                                c.training.micro_batch_size = mb
+                                c.training.activation_checkpointing = ac
+                                out.append(c)
+    return out
+
+
+def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10) -> tuple[list[Estimate], int]:
+    """The ``top`` fastest layouts that fit in memory, fastest first, and how many layouts were valid."""
+    profiles: dict = {}
+    fitting, valid = [], 0
+    for c in candidates(cfg, world_size, max_tp=gpu.gpus_per_node):
+        try:
+            est = estimate(c, world_size, gpu, profiles)
+        except ConfigError:
+            continue
+        valid += 1
+        if est.fits:
+            fitting.append(est)
+    fitting.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    return fitting[:top], valid

@@ -1,0 +1,56 @@
+"""What one rank holds of the model under a layout: parameter counts per pipeline rank, split by what tensor
+parallelism shards, from the model's shape (exact: a test compares them with a meta-device model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.config.load import stages_per_rank
+from loom.parallel.pipeline import split_layers, stage_ids
+
+
+def layer_params(args) -> tuple[int, int]:
+    """(matmul weights, norm weights) of one transformer block."""
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    return attn + 3 * args.dim * args.ffn_dim, 2 * args.dim
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One pipeline rank's part of the model (all of it without pipelining)."""
+
+    layers: int  # transformer blocks on this rank (all its stages)
+    stages: list[list[int]]  # layer indices of each local stage, in schedule order
+    first: list[bool]  # per local stage: holds the embedding
+    last: list[bool]  # per local stage: holds the final norm, the head and the loss
+    vocab_params: int  # embedding and head rows (sharded by tp)
+    other_params: int  # norms (replicated under tp)
+    matmul_params: int  # block weights (sharded by tp)
+
+    def params(self, tp: int) -> float:
+        """Parameters one rank of a tp group holds (before any data-parallel sharding)."""
+        return (self.matmul_params + self.vocab_params) / tp + self.other_params
+
+
+def rank_shares(args, pp: int, parallel, seq_len: int) -> list[RankShare]:
+    """Per pp rank, what it holds (a single share without pipelining). The last stage of a tied model keeps its
+    own copy of the embedding (loom.parallel.pipeline.build_stage)."""
+    per_rank = stages_per_rank(parallel) if pp > 1 else 1
+    n_stages = pp * per_rank
+    split = split_layers(args, n_stages, seq_len, parallel.pp_layers_per_stage or None) if pp > 1 \
+        else [list(range(args.n_layers))]
+    mm, norms = layer_params(args)
+    shares = []
+    for rank in range(pp):
+        ids = stage_ids(rank, pp, per_rank, parallel.pp_schedule) if pp > 1 else [0]
+        first = [s == 0 for s in ids]
+        last = [s == n_stages - 1 for s in ids]
+        layers = sum(len(split[s]) for s in ids)
+        vocab = 0
+        if any(first):
+            vocab += args.vocab_size * args.dim
+        if any(last) and not (args.tie_embeddings and any(first)):
+            vocab += args.vocab_size * args.dim  # the head, or the tied weight's copy on the last stage
+        shares.append(RankShare(layers, [split[s] for s in ids], first, last, vocab,
+                                layers * norms + (args.dim if any(last) else 0), layers * mm))
+    return shares

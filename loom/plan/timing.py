@@ -1,0 +1,75 @@
+"""Step time of one rank under a layout: compute at a fitted fraction of the GPU's peak, the optimizer at
+HBM speed, communication at the link's bus bandwidth (hidden behind compute where the implementation
+overlaps it), and the pipeline's bubble from the schedule's own replay.
+
+- compute: model FLOPs (loom.metrics.flops' convention) plus what activation checkpointing recomputes,
+  at ``efficiency(dim)`` x peak (fitted to measured loom runs: docs/planner.md);
+- optimizer: loom's AdamW reads and writes 28 bytes per parameter a rank owns, at ``ADAMW_HBM_SHARE`` of
+  the HBM bandwidth (bench/results/optimizer_1b_h100.json: 2,889 GB/s of 3,350);
+- FSDP2 all-gathers (forward, and backward when resharding) and reduce-scatters every micro-batch,
+  overlapped with compute: exposed is what exceeds the compute, plus the first gather and the last
+  reduction; HSDP adds an all-reduce over the replicas the same way; DDP all-reduces once per step during
+  the last backward;
+- tensor parallelism: 4 all-gathers / reduce-scatters of the sequence-parallel activations per block in
+  forward and 4 in backward (4 more when the block is recomputed), exposed; context parallelism: an
+  all-gather of K and V per block in forward, a reduce-scatter of their gradients in backward, exposed;
+- pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
+A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+# Fraction of peak FLOP/s reached on the model's FLOPs (recomputation included): larger hidden sizes make larger
+# matmuls, so efficiency(dim) = top x dim / (dim + 650), fitted to four measured runs (docs/planner.md: 1B and
+# 8B compiled, 1B and 3B eager; the same 650 fits both modes).
+EFFICIENCY_TOP = {"compiled": 0.72, "eager": 0.53}
+EFFICIENCY_HALF_DIM = 650.0
+
+
+def efficiency(dim: int, compiled: bool) -> float:
+    return EFFICIENCY_TOP["compiled" if compiled else "eager"] * dim / (dim + EFFICIENCY_HALF_DIM)
+ADAMW_HBM_SHARE = 0.86
+ADAMW_BYTES_PER_PARAM = 28
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step on the slowest rank, by kind."""
+
+    compute: float = 0.0
+    bubble: float = 0.0
+    optimizer: float = 0.0
+    fsdp: float = 0.0  # exposed data-parallel communication (FSDP / HSDP / DDP)
+    tp: float = 0.0
+    cp: float = 0.0
+    pp: float = 0.0  # activations sent between stages
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def ms(self) -> dict[str, float]:
+        out = {f.name: 1e3 * getattr(self, f.name) for f in fields(self)}
+        out["total"] = 1e3 * self.total
+        return out
+
+
+def collective_s(nbytes: float, ranks: int, gbps: float) -> float:
+    """A ring all-gather / reduce-scatter of a ``nbytes`` tensor over ``ranks`` ranks."""
+    return 0.0 if ranks <= 1 else nbytes * (ranks - 1) / ranks / (gbps * 1e9)
+
+
+def recompute_share(ac: str, ac_every: int, n_layers: int) -> tuple[float, float]:
+    """Extra forward work activation checkpointing adds, as a share of a block's (matmul, attention) FLOPs:
+    ``full`` reruns the forward (1/3 of forward + backward); ``op`` reruns every other matmul and keeps
+    the attention (loom.parallel.activation_checkpoint)."""
+    if ac == "full":
+        return 1 / 3, 1 / 3
+    if ac == "op":
+        return 1 / 6, 0.0
+    if ac == "every_k":
+        share = -(-n_layers // ac_every) / n_layers
+        return share / 3, share / 3
+    return 0.0, 0.0
