@@ -15,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from loom.plan.activations import ActivationProfile
+from loom.plan.shapes import layer_params
 
 GIB = 2.0**30
 # Allocator and library workspace not in the tensors above (cuBLAS / NCCL buffers, the caching allocator's
 # rounding and fragmentation): a fixed share plus a fraction of the rest, fitted in docs/planner.md's table.
 WORKSPACE_BYTES = 1.0 * GIB
 FRAGMENTATION = 0.05
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # per element, by training.dtype
 
 
 @dataclass
@@ -71,9 +72,7 @@ def state_memory(params: float, x: MemoryInputs) -> Memory:
 
 def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> float:
     """FSDP2's unsharded block weights / gradients, or autocast's weight copies (bytes)."""
-    from loom.plan.shapes import layer_params
-
-    compute = _BYTES[x.dtype]
+    compute = BYTES[x.dtype]
     block = sum(layer_params(args)) / x.tp
     root = share.params(x.tp) - share.layers * block
     if x.fsdp:
@@ -92,7 +91,7 @@ def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: Mem
     held = profile.held(layers, x.micro_batch, head=last) / x.tp
     if x.cp > 1 and ac != "full":
         full_seq = x.seq_len
-        held += layers * x.micro_batch * full_seq * (1 - 1 / x.cp) * 2 * kv_dim * _BYTES[x.dtype] / x.tp
+        held += layers * x.micro_batch * full_seq * (1 - 1 / x.cp) * 2 * kv_dim * BYTES[x.dtype] / x.tp
     return held
 
 

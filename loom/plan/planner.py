@@ -20,14 +20,11 @@ from loom.metrics.flops import flops_per_token
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.plan.activations import profile_activations
 from loom.plan.hardware import GPU
-from loom.plan.memory import (GIB, Memory, MemoryInputs, gathered_memory, pipeline_peak, stage_activation,
-                              state_memory, with_workspace)
+from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, gathered_memory, pipeline_peak,
+                              stage_activation, state_memory, with_workspace)
 from loom.plan.shapes import layer_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, collective_s, efficiency,
                               recompute_share)
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 @dataclass
 class Estimate:
@@ -55,28 +52,16 @@ def layout_name(layout: dict) -> str:
 
 
 def model_args(cfg: Config):
-    """The model's shape and the kernels a CUDA run with Triton picks (loom.train.trainer.resolve_model_args,
-    without timing attention)."""
+    """The model's shape and the kernels a CUDA run with Triton picks (the trainer's resolution, without timing
+    attention)."""
+    from loom.data import build_tokenizer
     from loom.kernels.dispatch import resolve_kernels
-    from loom.models.llama import FLAVORS, round_vocab
+    from loom.train.trainer import resolve_model_args
 
-    if cfg.model.init_from:
-        from loom.checkpoint.hf import llama_args_from_hf
-
-        args = llama_args_from_hf(cfg.model.init_from)
-    else:
-        args = FLAVORS[cfg.model.flavor]
-    vocab = cfg.model.vocab_size or args.vocab_size
-    if not vocab:
-        from loom.data import build_tokenizer
-
-        vocab = round_vocab(build_tokenizer(cfg.data.tokenizer).vocab_size)
-    tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     p = cfg.parallel
     kernels = resolve_kernels(cfg.model, "cuda", compile=cfg.training.compile, documents=cfg.data.document_positions,
                               tp=p.tp > 1, pp=p.pp > 1, triton=True)
-    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len,
-                      n_layers=cfg.model.n_layers or args.n_layers, **kernels.as_args())
+    return resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernels)
 
 
 def traced_args(args, compile: bool):
@@ -181,12 +166,12 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
 
         bubble = theoretical_bubble(p.pp_schedule, dims.pp, m, stages_per_rank(p))
         st.bubble = st.compute * bubble / (1 - bubble)
-        act = tokens * args.dim * _BYTES[t.dtype]
+        act = tokens * args.dim * BYTES[t.dtype]
         st.pp = 2 * m * len(share.stages) * act / (_bandwidth(dims, ("pp",), gpu) * 1e9)
     own = share.params(dims.tp) / x.shard
     st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
-    c = _BYTES[t.dtype]
+    c = BYTES[t.dtype]
     recomputed = t.activation_checkpointing == "full"
     if dims.tp > 1:
         per_block = (8 + (4 if recomputed else 0)) * collective_s(tokens * args.dim * c, dims.tp,
@@ -202,7 +187,7 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
     """Exposed seconds of gradient / parameter communication per step."""
     params = share.params(dims.tp)
-    c = _BYTES[x.dtype]
+    c = BYTES[x.dtype]
     block = sum(layer_params(args)) / dims.tp
     if dims.fsdp_enabled:
         bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)

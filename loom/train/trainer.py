@@ -38,9 +38,9 @@ from loom.train.precision import DTYPES, LossScaler, autocast_context
 from loom.train.schedule import SchedulerParts
 
 
-def resolve_model_args(cfg: Config, tokenizer):
-    """Flavor shape + vocabulary (flavor, then model.vocab_size, else tokenizer rounded to 128) + the kernels
-    ``kernel_choice(cfg)`` picks without measuring (the trainer may replace them after timing)."""
+def resolve_model_args(cfg: Config, tokenizer, kernels: KernelChoice | None = None):
+    """Flavor shape + vocabulary (flavor, then model.vocab_size, else tokenizer rounded to 128) + ``kernels``,
+    by default those ``kernel_choice(cfg)`` picks without measuring (the trainer may replace them after timing)."""
     if cfg.model.init_from:
         from loom.checkpoint.hf import llama_args_from_hf
 
@@ -53,7 +53,7 @@ def resolve_model_args(cfg: Config, tokenizer):
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     layers = cfg.model.n_layers or args.n_layers
     return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers,
-                      residual_init=cfg.model.residual_init, **kernel_choice(cfg).as_args())
+                      residual_init=cfg.model.residual_init, **(kernels or kernel_choice(cfg)).as_args())
 
 
 def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
