@@ -8,6 +8,10 @@ dtype right before use and frees them after (``reshard_after_forward``): two blo
 (the one running and the one prefetched), the root's (embedding, final norm, head) stay gathered; a block's
 unsharded gradients (compute dtype, then fp32 for the reduce-scatter) exist while it is reduced. Without
 FSDP, autocast keeps a compute-dtype copy of every weight from its first use to the end of the forward.
+
+Without a pipeline the peak is the busiest of three moments (``step_peak``): gradients are freed after every
+step and built during the backward while activations are freed, so the two do not add up in full. With a
+pipeline every term is counted at once (micro-batches of several phases are in flight).
 """
 
 from __future__ import annotations
@@ -71,27 +75,70 @@ def state_memory(params: float, x: MemoryInputs) -> Memory:
 
 
 def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> float:
-    """FSDP2's unsharded block weights / gradients, or autocast's weight copies (bytes)."""
+    """FSDP2's unsharded block weights and one block's unsharded gradients (bytes); 0 without FSDP2."""
+    if not x.fsdp:
+        return 0.0
     compute = BYTES[x.dtype]
     block = sum(layer_params(args)) / x.tp
     root = share.params(x.tp) - share.layers * block
-    if x.fsdp:
-        grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
-        return compute * (gathered_layers * block + root) + grads
-    if x.dtype == "float32":
+    grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
+    return compute * (gathered_layers * block + root) + grads
+
+
+def autocast_cache(share, args, x: MemoryInputs, compiled: bool, held_fixed: float) -> float:
+    """Bytes of autocast's weight cache at the end of the forward beyond what the activations already hold.
+    Without FSDP2, fp32 weights run under autocast, which keeps a compute-dtype copy of every weight from its
+    first use until the forward's autocast region ends; compiled blocks cast inside their graph instead (only
+    the eager root's weights are cached). ``held_fixed``: batch-independent bytes the traced activations
+    already keep (the copies a backward needs)."""
+    if x.fsdp or x.dtype == "float32":
         return 0.0
-    return compute * share.params(x.tp)  # autocast's cache: every weight's copy, alive until forward ends
+    params = share.params(x.tp)
+    if compiled:
+        params -= share.layers * sum(layer_params(args)) / x.tp
+    return max(0.0, BYTES[x.dtype] * params - held_fixed)
 
 
-def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: MemoryInputs, kv_dim: int,
-                     ac: str) -> float:
+def step_peak(state: Memory, gathered: float, cache: float, activations: float, backward: float,
+              grads_before: float) -> Memory:
+    """The busiest of three moments of a step without a pipeline. ``zero_grad(set_to_none)`` frees gradients
+    after every step, so they build up during the backward while activations are freed (both per block):
+    the end of the forward holds the activations, autocast's cache and the gradients of earlier
+    micro-batches (``grads_before``); the start of the backward holds the activations and the backward's extra;
+    its end holds every gradient and the extra."""
+    def moment(grads: float, held: float, extra: float, cached: float) -> Memory:
+        return Memory(weights=state.weights, gradients=grads, optimizer=state.optimizer, gathered=gathered + cached,
+                      activations=held, backward=extra)
+
+    moments = [moment(grads_before, activations, 0.0, cache), moment(grads_before, activations, backward, 0.0),
+               moment(state.gradients, 0.0, backward, 0.0)]
+    return max(moments, key=lambda m: m.total)
+
+
+def stored_blocks(ac: str, ac_every: int, n_layers: int) -> float:
+    """Share of blocks whose forward keeps its tensors for the backward (not activation-checkpointed)."""
+    if ac == "none":
+        return 1.0
+    if ac == "every_k":
+        return 1.0 - -(-n_layers // ac_every) / n_layers
+    return 0.0  # full, or op-level (which recomputes the all-gathers below)
+
+
+def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: MemoryInputs, args, ac: str,
+                     stored: float) -> float:
     """Bytes one micro-batch holds on a stage of ``layers`` blocks between its forward and backward. Tensor
-    parallelism (with sequence parallelism) shards every activation; context parallelism keeps the gathered
-    K/V of each block for the backward unless the block is recomputed."""
+    parallelism with sequence parallelism shards every activation but the all-gathered inputs of the
+    column-parallel linears (attention and MLP input, the head's input), which a stored block keeps whole;
+    context parallelism keeps the gathered K/V of each block for the backward unless the block is recomputed.
+    ``stored``: share of blocks not checkpointed (``stored_blocks``)."""
     held = profile.held(layers, x.micro_batch, head=last) / x.tp
+    tokens = x.micro_batch * x.seq_len / x.cp  # per micro-batch on this rank
+    if x.tp > 1:
+        gathered_inputs = 2 * layers * stored + (1 if last else 0)
+        held += gathered_inputs * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
     if x.cp > 1 and ac != "full":
-        full_seq = x.seq_len
-        held += layers * x.micro_batch * full_seq * (1 - 1 / x.cp) * 2 * kv_dim * BYTES[x.dtype] / x.tp
+        kv_dim = args.n_kv_heads * args.head_dim
+        held += layers * x.micro_batch * x.seq_len * (1 - 1 / x.cp) * 2 * kv_dim * BYTES[x.dtype] / x.tp
     return held
 
 

@@ -20,8 +20,9 @@ from loom.metrics.flops import flops_per_token
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.plan.activations import profile_activations
 from loom.plan.hardware import GPU
-from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, gathered_memory, pipeline_peak,
-                              stage_activation, state_memory, with_workspace)
+from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, gathered_memory, pipeline_peak,
+                              stage_activation, state_memory, step_peak, stored_blocks,
+                              with_workspace)
 from loom.plan.shapes import layer_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, collective_s, efficiency,
                               recompute_share)
@@ -130,24 +131,29 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
 
 
 def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Config, m: int) -> Memory:
-    kv_dim = args.n_kv_heads * args.head_dim
     ac = cfg.training.activation_checkpointing
-    mem = state_memory(share.params(dims.tp), x)
-    mem.gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
-    if dims.pp > 1:
+    stored = stored_blocks(ac, cfg.training.ac_every, args.n_layers)
+    state = state_memory(share.params(dims.tp), x)
+    gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
+    backward = profile.backward_peak / dims.tp
+    if dims.pp > 1:  # several micro-batches in flight in different phases: every term at once
         from loom.parallel.pipeline import schedule_actions, stage_ids
 
         per_rank = stages_per_rank(cfg.parallel)
         ids = stage_ids(rank, dims.pp, per_rank, cfg.parallel.pp_schedule)
-        per_stage = {s: stage_activation(profile, len(layers), last, x, kv_dim, ac)
+        per_stage = {s: stage_activation(profile, len(layers), last, x, args, ac, stored)
                      for s, layers, last in zip(ids, share.stages, share.last)}
         actions = schedule_actions(cfg.parallel.pp_schedule, dims.pp, m, per_rank)[rank]
         split = cfg.parallel.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
-        mem.activations = pipeline_peak(actions, per_stage, split)
-    else:
-        mem.activations = stage_activation(profile, share.layers, True, x, kv_dim, ac)
-    mem.backward = profile.backward_peak / dims.tp
-    return with_workspace(mem)
+        state.activations = pipeline_peak(actions, per_stage, split)
+        state.gathered = gathered + autocast_cache(share, args, x, cfg.training.compile, 0.0)
+        state.backward = backward
+        return with_workspace(state)
+    activations = stage_activation(profile, share.layers, True, x, args, ac, stored)
+    held_fixed = (share.layers * profile.layer_fixed + profile.head_fixed) / dims.tp
+    cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
+    grads_before = state.gradients if m > 1 else 0.0  # earlier micro-batches' (accumulated or sharded) gradients
+    return with_workspace(step_peak(state, gathered, cache, activations, backward, grads_before))
 
 
 def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU) -> StepTime:

@@ -41,6 +41,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -
 
     import torch.distributed as dist
 
+    faulthandler.enable()  # a native crash (SIGABRT/SIGSEGV) prints every thread's Python stack
     dist.init_process_group("gloo")
     results = []
     try:
@@ -92,6 +93,7 @@ def _fn_worker(rank: int, world: int, port: int, fn, out_path: str) -> None:
 
     import torch.distributed as dist
 
+    faulthandler.enable()
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     dist.init_process_group("gloo")
     try:

@@ -71,9 +71,10 @@ def _cfg(**over):
 
 
 def test_sharding_divides_the_state_and_bad_layouts_raise():
-    one = estimate(_cfg(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=4,
+    # accumulation on both (8 and 2 micro-batches): gradients are held at every moment of the step
+    one = estimate(_cfg(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=8,
                         training__micro_batch_size=1, training__seq_len=2048), 1, GPUS["H100"])
-    four = estimate(_cfg(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=4,
+    four = estimate(_cfg(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=8,
                          training__micro_batch_size=1, training__seq_len=2048), 4, GPUS["H100"])
     for kind in ("weights", "gradients", "optimizer"):
         assert getattr(four.memory, kind) == pytest.approx(getattr(one.memory, kind) / 4)
@@ -166,3 +167,34 @@ def test_cli_plan_errors_are_one_line(args, expect):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and all(e in lines[0] for e in expect), r.stderr
+
+
+def test_step_peak_is_the_busiest_moment_of_the_step():
+    from loom.plan.memory import Memory, step_peak
+
+    state = Memory(weights=4.0, gradients=4.0, optimizer=8.0)
+    # one micro-batch: gradients appear as activations go, so the larger of the two counts, not their sum
+    first = step_peak(state, gathered=0.0, cache=1.0, activations=6.0, backward=0.5, grads_before=0.0)
+    assert first.total == 4 + 8 + 6 + 1 and first.gathered == 1.0 and first.gradients == 0.0
+    late = step_peak(state, gathered=0.0, cache=0.0, activations=3.0, backward=0.5, grads_before=0.0)
+    assert late.total == 4 + 8 + 4 + 0.5 and late.activations == 0.0
+    # accumulation: earlier micro-batches' gradients are there while the next one holds its activations
+    acc = step_peak(state, gathered=2.0, cache=1.0, activations=6.0, backward=0.5, grads_before=4.0)
+    assert acc.total == 4 + 8 + 2 + 4 + 6 + 1
+
+
+def test_compiled_blocks_leave_only_the_root_in_autocasts_cache():
+    from loom.plan.memory import MemoryInputs, autocast_cache
+    from loom.plan.planner import model_args
+    from loom.plan.shapes import layer_params, rank_shares
+
+    cfg = _cfg(model__flavor="1B", training__dtype="bfloat16")
+    args = model_args(cfg)
+    share = rank_shares(args, 1, cfg.parallel, cfg.training.seq_len)[0]
+    x = MemoryInputs(dtype="bfloat16", tp=1, cp=1, shard=1, fsdp=False, reshard_after_forward=True, micro_batch=1,
+                     seq_len=2048)
+    eager, compiled = autocast_cache(share, args, x, False, 0.0), autocast_cache(share, args, x, True, 0.0)
+    assert eager == 2 * share.params(1)
+    assert compiled == 2 * (share.params(1) - args.n_layers * sum(layer_params(args)))
+    assert autocast_cache(share, args, x, False, held_fixed=eager + 1) == 0.0  # copies the backward keeps anyway
+    assert autocast_cache(share, args, MemoryInputs(**{**x.__dict__, "fsdp": True}), False, 0.0) == 0.0
