@@ -234,7 +234,8 @@ SUITES = {
 
 def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, extra: dict | None = None) -> dict:
     """Every autotuning candidate of each backward kernel, one at a time (the other kernel at its first
-    candidate): whole-backward time, registers and spills of the varied kernel. Explains what autotuning
+    candidate): whole-backward time, registers and spills of the varied kernel; forward candidates (forward
+    time) when ``extra`` names some. Explains what autotuning
     picks and whether a kernel spills."""
     from loom.kernels.attention import reference as R
     from loom.kernels.attention import triton as T
@@ -246,9 +247,9 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, e
     scale = d ** -0.5
     out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
     dout = torch.randn_like(out)
-    raw = {"dkdv": T._attn_bwd_dkdv, "dq": T._attn_bwd_dq}
+    raw = {"fwd": T._attn_fwd, "dkdv": T._attn_bwd_dkdv, "dq": T._attn_bwd_dq}
     extra = extra or {}
-    base = {"dkdv": T._DKDV_CONFIGS, "dq": T._DQ_CONFIGS}
+    base = {"fwd": T._FWD_CONFIGS, "dkdv": T._DKDV_CONFIGS, "dq": T._DQ_CONFIGS}
     if extra.get("only"):  # the chosen-by-default first candidate, then the extra ones
         base = {kind: c[:1] for kind, c in base.items()}
     candidates = {kind: c + extra.get(kind, []) for kind, c in base.items()}
@@ -267,7 +268,9 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, e
     original = T._kernel
     rows = []
     try:
-        for kind in ("dkdv", "dq"):
+        for kind in ("fwd", "dkdv", "dq"):
+            if kind == "fwd" and not extra.get("fwd"):
+                continue  # forward candidates only when asked for (--extra-fwd)
             for cfg in candidates[kind]:
                 pick = dict(chosen, **{kind: cfg})
 
@@ -277,10 +280,19 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, e
                                            **({"maxnreg": cap[0]} if cap else {})}
 
                 T._kernel = forced
-                run = lambda: T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale)  # noqa: E731
-                run()
+                if kind == "fwd":
+                    run = lambda: T.attention_forward(q, k, v, True, bounds, 0, scale)  # noqa: E731
+                else:
+                    run = lambda: T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0,  # noqa: E731
+                                                       scale)
+                try:
+                    run()
+                except Exception as e:  # a candidate the compiler rejects (ptxas has crashed on some): record it
+                    rows.append({"kernel": kind, "config": list(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    print(dict(d=d, s=s, docs=docs, **rows[-1]), flush=True)
+                    continue
                 ck = compiled[kind]
-                rows.append({"kernel": kind, "config": list(cfg), "bwd_ms": bench_ms(run),
+                rows.append({"kernel": kind, "config": list(cfg), ("fwd_ms" if kind == "fwd" else "bwd_ms"): bench_ms(run),
                              "n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None)})
                 print(dict(d=d, s=s, docs=docs, **rows[-1]), flush=True)
     finally:
@@ -426,6 +438,7 @@ def main() -> None:
     p.add_argument("--extra-dkdv", default="", help="with --configs: more dK/dV candidates, "
                                                      "'M,N,warps,stages[,maxnreg];...'")
     p.add_argument("--extra-dq", default="", help="with --configs: more dQ candidates (same form)")
+    p.add_argument("--extra-fwd", default="", help="with --configs: forward candidates to time (same form)")
     p.add_argument("--extra-only", action="store_true", help="with --configs: the first candidate and the extra ones")
     p.add_argument("--cases", default="", help="with --configs: 'd,hq,hkv,seq,docs;...' instead of CONFIG_SWEEP")
     p.add_argument("--profile", action="store_true", help="GPU time per kernel of each backend's forward+backward "
@@ -437,7 +450,8 @@ def main() -> None:
         write_rows(a, rows)
         return
     if a.configs:
-        extra = {"dkdv": parse_configs(a.extra_dkdv), "dq": parse_configs(a.extra_dq), "only": a.extra_only}
+        extra = {"fwd": parse_configs(a.extra_fwd), "dkdv": parse_configs(a.extra_dkdv), "dq": parse_configs(a.extra_dq),
+                 "only": a.extra_only}
         rows = []
         for d, hq, hkv, s, docs in parse_configs(a.cases) or CONFIG_SWEEP:
             rows.append(config_sweep(d, hq, hkv, s, getattr(torch, a.dtype), bool(docs), extra))

@@ -32,6 +32,23 @@ EXTRA = [  # runs outside the test's tolerance, shown with the rest: (file, row,
                                               training__global_batch_size=2, training__micro_batch_size=2,
                                               training__activation_checkpointing="op", model__attention="sdpa"),
      1, "H100"),
+    # predicted at 91750cf before they were measured (plan_predictions_91750cf.json), here with the current planner
+    ("plan_check2_1b_eager_h100.json", "fsdp1", dict(model__flavor="1B", training__seq_len=2048,
+                                                     training__dtype="bfloat16", training__global_batch_size=2,
+                                                     training__micro_batch_size=2, model__attention="sdpa"), 1, "H100"),
+    ("plan_check2_1b_seq8192_h100.json", "fsdp1", dict(model__flavor="1B", training__seq_len=8192,
+                                                       training__dtype="bfloat16", training__global_batch_size=2,
+                                                       training__micro_batch_size=1, model__attention="sdpa",
+                                                       training__activation_checkpointing="full"), 1, "H100"),
+    ("plan_check2_1b_compile_h100.json", "fsdp1", dict(model__flavor="1B", training__seq_len=2048,
+                                                       training__dtype="bfloat16", training__global_batch_size=8,
+                                                       training__micro_batch_size=4, model__attention="sdpa",
+                                                       training__compile="true"), 1, "H100"),
+    ("plan_check2_3b_compile_h100.json", "fsdp1", dict(model__flavor="3B", training__seq_len=4096,
+                                                       training__dtype="bfloat16", training__global_batch_size=1,
+                                                       training__micro_batch_size=1, model__attention="sdpa",
+                                                       training__compile="true",
+                                                       training__activation_checkpointing="op"), 1, "H100"),
 ]
 
 

@@ -24,8 +24,8 @@ from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, 
                               stage_activation, state_memory, step_peak, stored_blocks,
                               with_workspace)
 from loom.plan.shapes import layer_params, rank_shares
-from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, collective_s, efficiency,
-                              recompute_share)
+from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency,
+                              attention_flops, collective_s, efficiency, recompute_share)
 
 @dataclass
 class Estimate:
@@ -164,8 +164,9 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
     head = args.vocab_size * args.dim if any(share.last) else 0
     block_mm = 6 * share.matmul_params / dims.tp * tokens * (1 + rec_mm)
-    attention = 12 * share.layers * args.n_heads * args.head_dim * t.seq_len * tokens / dims.tp * (1 + rec_attn)
-    compute_mb = (block_mm + attention + 6 * head / dims.tp * tokens) / (peak * eff)
+    attention = attention_flops(share.layers, args.n_heads, args.head_dim, t.seq_len, tokens) / dims.tp * (1 + rec_attn)
+    compute_mb = (block_mm + 6 * head / dims.tp * tokens) / (peak * eff) \
+        + attention / (peak * attention_efficiency(args.head_dim, t.seq_len))
     st = StepTime(compute=m * compute_mb)
     if dims.pp > 1:
         from loom.parallel.pipeline import theoretical_bubble

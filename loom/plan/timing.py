@@ -2,8 +2,10 @@
 HBM speed, communication at the link's bus bandwidth (hidden behind compute where the implementation
 overlaps it), and the pipeline's bubble from the schedule's own replay.
 
-- compute: model FLOPs (loom.metrics.flops' convention) plus what activation checkpointing recomputes,
-  at ``efficiency(dim)`` x peak (fitted to measured loom runs: docs/planner.md);
+- compute: the blocks' and head's matmul FLOPs plus what activation checkpointing recomputes, at
+  ``efficiency(dim)`` x peak (fitted to measured loom runs: docs/planner.md); causal attention (its
+  FLOPs, half the non-causal count MFU uses) at the attention kernel's measured rate
+  (``attention_efficiency``);
 - optimizer: loom's AdamW reads and writes 28 bytes per parameter a rank owns, at ``ADAMW_HBM_SHARE`` of
   the HBM bandwidth (bench/results/optimizer_1b_h100.json: 2,889 GB/s of 3,350);
 - FSDP2 all-gathers (forward, and backward when resharding) and reduce-scatters every micro-batch,
@@ -24,12 +26,34 @@ from dataclasses import dataclass, fields
 # Fraction of peak FLOP/s reached on the model's FLOPs (recomputation included): larger hidden sizes make larger
 # matmuls, so efficiency(dim) = top x dim / (dim + 650), fitted to four measured runs (docs/planner.md: 1B and
 # 8B compiled, 1B and 3B eager; the same 650 fits both modes).
-EFFICIENCY_TOP = {"compiled": 0.72, "eager": 0.53}
+EFFICIENCY_TOP = {"compiled": 0.70, "eager": 0.51}
 EFFICIENCY_HALF_DIM = 650.0
 
 
 def efficiency(dim: int, compiled: bool) -> float:
     return EFFICIENCY_TOP["compiled" if compiled else "eager"] * dim / (dim + EFFICIENCY_HALF_DIM)
+
+
+# Causal attention forward + backward (cuDNN SDPA, what loom's `auto` picks for plain causal attention), as a
+# fraction of the bf16 peak, by head dim at seq 2048 / 8192 (../shared/anchors.md, one H100: d64 297 / 406,
+# d128 364 / 522 TFLOP/s counting causal FLOPs); log-linear in between, held outside.
+ATTENTION_EFFICIENCY = {64: (0.30, 0.41), 128: (0.37, 0.53)}
+ATTENTION_SEQS = (2048, 8192)
+
+
+def attention_efficiency(head_dim: int, seq: int) -> float:
+    import math
+
+    lo, hi = ATTENTION_EFFICIENCY[min(ATTENTION_EFFICIENCY, key=lambda d: abs(d - head_dim))]
+    a, b = ATTENTION_SEQS
+    f = min(max((math.log2(seq) - math.log2(a)) / (math.log2(b) - math.log2(a)), 0.0), 1.0)
+    return lo + f * (hi - lo)
+
+
+def attention_flops(layers: float, heads: int, head_dim: int, seq: int, tokens: float) -> float:
+    """Causal attention forward + backward FLOPs of ``tokens`` query tokens in sequences of ``seq``: forward
+    4 S D per token and head, halved by the mask; backward 2.5x the forward."""
+    return 3.5 * 2 * layers * heads * head_dim * seq * tokens
 ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
