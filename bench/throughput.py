@@ -13,7 +13,8 @@ holds compilation and warm-up).
         --out bench/results/throughput_8b_8gpu_h200.json
 
 The JSON (and a markdown table beside it) is rewritten after every layout, so a command cut short keeps
-what finished; ``--resume`` skips layouts already there.
+what finished; ``--resume`` skips layouts already there. Before each job, ``loom plan``'s estimate of the same
+config on this GPU kind is recorded beside it (``predicted``), so every measurement sits next to its prediction.
 """
 
 from __future__ import annotations
@@ -96,13 +97,45 @@ def summarize(recs: list[dict]) -> dict:
             "final_loss": recs[-1]["loss"]}
 
 
+def gpu_kind(device: str) -> str | None:
+    """The planner's name for the GPU this runs on (H100, H200, A100, B200), None on CPU or another GPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    from loom.plan.hardware import GPUS
+
+    name = torch.cuda.get_device_name().upper()
+    return next((k for k in GPUS if k in name), None)
+
+
+def predict(cfg: dict, gpus: int, kind: str | None) -> dict:
+    """``loom plan``'s estimate of the same job, made before it runs (so measured figures sit beside predicted
+    ones); an estimate that fails is recorded, never fatal."""
+    if kind is None:
+        return {"skipped": "no planner entry for this device"}
+    try:
+        from loom.config import build_config
+        from loom.plan.hardware import GPUS
+        from loom.plan.planner import estimate
+
+        est = estimate(build_config(None, {k: str(v) for k, v in cfg.items()}), gpus, GPUS[kind])
+    except Exception as e:  # noqa: BLE001 - the measurement matters more than its prediction
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    return {"gpu": kind, "peak_gib": est.memory.total / 2**30, "memory_gib": est.memory.gib(),
+            "step_ms": est.time.ms(), "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu}
+
+
 def run_layout(name: str, a) -> dict:
     degrees = parse_layout(name)
     gpus = world(degrees)
     run_dir = os.path.join(a.run_dir, f"{a.flavor}_{a.seq}_{name}")
     shutil.rmtree(run_dir, ignore_errors=True)
-    proc, command, wall = run_train(job_config(degrees, a, run_dir), gpus, a.timeout)
-    out = {"layout": name, "gpus": gpus, "degrees": degrees, "command": command, "wall_s": wall}
+    cfg = job_config(degrees, a, run_dir)
+    predicted = predict(cfg, gpus, gpu_kind(a.device))
+    proc, command, wall = run_train(cfg, gpus, a.timeout)
+    out = {"layout": name, "gpus": gpus, "degrees": degrees, "command": command, "wall_s": wall,
+           "predicted": predicted}
     if rejected := config_rejection(proc):
         out["rejected"] = rejected
     elif proc.returncode:
@@ -118,17 +151,20 @@ def markdown(doc: dict) -> str:
     lines = [f"# bench/throughput.py: {s['flavor']}, seq {s['seq']}, global batch {s['global_batch']} "
              f"({env['device']}, torch {env['torch']}, commit {env['commit']})", "",
              *[f"`{c}`" for c in doc["invocations"]], "",
-             "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank) | note |", "|---|---|---|---|---|---|"]
+             "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank) | loom plan's prediction: tokens/s, "
+             "peak GiB | note |", "|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
+        pred = r.get("predicted", {})
+        guess = f"{pred['tokens_per_s_per_gpu']:,.0f}, {pred['peak_gib']:.1f}" if "peak_gib" in pred else "-"
         if "tokens_per_s_per_gpu" in r:
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
             lines.append(f"| {r['layout']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
-                         f"{r['peak_gib_max_rank']:.1f} | |")
+                         f"{r['peak_gib_max_rank']:.1f} | {guess} | |")
         else:
             note = r.get("rejected") or "ERROR: " + r["error"].strip().splitlines()[-1][:160]
-            lines.append(f"| {r['layout']} | {r['gpus']} | - | - | - | {note.replace('|', '/')} |")
+            lines.append(f"| {r['layout']} | {r['gpus']} | - | - | - | {guess} | {note.replace('|', '/')} |")
     for ref in doc["references"]:
-        lines.append(f"| reference: {ref['source']} | | {ref['tokens_per_s_per_gpu']:,} | | | context, not a bar |")
+        lines.append(f"| reference: {ref['source']} | | {ref['tokens_per_s_per_gpu']:,} | | | | context, not a bar |")
     return "\n".join(lines) + "\n"
 
 
