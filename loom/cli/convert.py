@@ -143,6 +143,9 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
         overrides.update({"model.flavor": opts["--flavor"], "model.init_from": ""})
     verify(ckpt, check_hash=False)  # cheap: a complete folder; load_model_only checks the hashes
     args = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
+    if args.moe:
+        raise ConfigError("--from", ckpt, f"a mixture-of-experts model ({args.moe_experts} experts) has no Hugging "
+                          "Face Llama form: export supports dense models only")
     model = weights_only_model(args)
     check_shapes(ckpt, model)
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent

@@ -1,7 +1,7 @@
 """Model FLOPs and MFU, against one table of dense peak throughputs (shared with the planner).
 
-FLOPs per token = 6 x (weights of every matmul, the output head included, the input embedding
-lookup excluded) + 12 x layers x heads x head_dim x seq_len (attention scores and values,
+FLOPs per token = 6 x (weights of every matmul a token goes through, the output head included, the input
+embedding lookup excluded; for a mixture of experts the router and top_k experts) + 12 x layers x heads x head_dim x seq_len (attention scores and values,
 forward + backward, no causal discount) -- the PaLM / nanoGPT / torchtitan convention.
 """
 
@@ -41,6 +41,8 @@ def matmul_params(args) -> int:
     hd = args.head_dim
     attn = args.dim * (args.n_heads * hd) * 2 + args.dim * (args.n_kv_heads * hd) * 2
     mlp = 3 * args.dim * args.ffn_dim
+    if getattr(args, "moe_experts", 0):  # the router, and the top_k experts a token goes through
+        mlp = args.dim * args.moe_experts + args.moe_top_k * 3 * args.dim * args.expert_ffn_dim
     return args.n_layers * (attn + mlp) + args.dim * args.vocab_size
 
 

@@ -62,7 +62,11 @@ def model_args(cfg: Config):
     p = cfg.parallel
     kernels = resolve_kernels(cfg.model, "cuda", compile=cfg.training.compile, documents=cfg.data.document_positions,
                               tp=p.tp > 1, pp=p.pp > 1, triton=True)
-    return resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernels)
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernels)
+    if args.moe:
+        raise ConfigError("model.moe_experts", args.moe_experts, "loom plan does not model mixture-of-experts "
+                          "models yet: allowed 0 (a dense flavor)")
+    return args
 
 
 def traced_args(args, compile: bool):

@@ -20,6 +20,7 @@ from loom.data.loader import MicroBatch
 from loom.kernels.dispatch import KernelChoice, resolve_kernels
 from loom.kernels.triton_support import has_triton
 from loom.models.common.float8 import float8_available
+from loom.models.common.moe import set_aux_scale
 from loom.metrics.flops import device_peak, mfu
 from loom.metrics.logger import MetricsLogger
 from loom.metrics.memory import peak_memory_gib, reset_peak
@@ -52,8 +53,31 @@ def resolve_model_args(cfg: Config, tokenizer, kernels: KernelChoice | None = No
         raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     layers = cfg.model.n_layers or args.n_layers
-    return args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers,
-                      residual_init=cfg.model.residual_init, **(kernels or kernel_choice(cfg)).as_args())
+    m = cfg.model
+    args = args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers,
+                      residual_init=m.residual_init, moe_experts=m.moe_experts or args.moe_experts,
+                      moe_top_k=m.moe_top_k, moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim,
+                      moe_aux_loss=m.moe_aux_loss, **(kernels or kernel_choice(cfg)).as_args())
+    check_moe(args, cfg)
+    return args
+
+
+def check_moe(args, cfg: Config) -> None:
+    """What a mixture-of-experts model does not support (yet), as config errors."""
+    if not args.moe:
+        return
+    if args.moe_top_k > args.moe_experts:
+        raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})")
+    if cfg.model.init_from:
+        raise ConfigError("model.moe_experts", args.moe_experts, "model.init_from loads dense Llama checkpoints: "
+                          "allowed 0 there")
+    for axis in ("tp", "cp"):
+        if getattr(cfg.parallel, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", getattr(cfg.parallel, axis),
+                              "not supported with mixture-of-experts models yet: allowed 1")
+    if cfg.training.compile:
+        raise ConfigError("training.compile", True, "not supported with mixture-of-experts models yet (the tokens "
+                          "per expert are data-dependent sizes): allowed false")
 
 
 def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
@@ -320,6 +344,10 @@ class Trainer:
         # gradient reductions average over the dp x cp ranks; multiplying by their count makes them a sum,
         # so every micro-batch on every rank contributes token_loss / global_tokens
         grad_scale = self.dims.dp_size * self.dims.cp * self.scaler.scale / n_tokens
+        if self.model_args.moe:  # the balance loss is a mean over the step's sequences, reduced the same way
+            for part in self.parts:
+                set_aux_scale(part, self.dims.dp_size * self.dims.cp * self.scaler.scale
+                              / self.cfg.training.global_batch_size)
         if self.pipeline is not None:
             loss_sum = self._pipeline_step(mbs, grad_scale)
         else:

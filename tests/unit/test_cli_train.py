@@ -50,7 +50,7 @@ CASES = [
     ("schedule-choice", ["--optimizer.schedule", "step"],
      ["optimizer.schedule = 'step'", "allowed: cosine | linear | wsd | constant"]),
     ("unknown-flavor", ["--model.flavor", "7B"],
-     ["model.flavor = '7B'", "allowed: debug | 125M | 1B | 3B | 8B | 70B | 405B"]),
+     ["model.flavor = '7B'", "allowed: debug | debug_moe | 125M | 1B | 3B | 8B | 70B | 405B"]),
     ("batch-not-multiple-of-micro", ["--training.global_batch_size", "10", "--training.micro_batch_size", "4"],
      ["training.global_batch_size = 10", "must be a multiple of training.micro_batch_size (4)"]),
     ("batch-not-multiple-of-micro-x-dp",

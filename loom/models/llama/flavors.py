@@ -32,10 +32,23 @@ class LlamaArgs:
     # (transformers' Llama), "depth" = 0.02 / sqrt(2 layers) (GPT-2 / Megatron); flat trained better in
     # bench/NOTES.md's runs (no early loss spikes)
     residual_init: str = "flat"
+    # mixture of experts (loom.models.common.moe) in place of every block's SwiGLU when moe_experts > 0
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_dim: int = 0  # each expert's hidden width; 0 = ffn_dim
+    moe_aux_loss: float = 0.01  # weight of the sequence-wise load-balancing loss
 
     def __post_init__(self):
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
 
     def with_(self, **kw) -> "LlamaArgs":
         return replace(self, **kw)
@@ -47,6 +60,8 @@ _L32 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, origi
 FLAVORS: dict[str, LlamaArgs] = {
     # tiny: every test uses it; trains in seconds on a CPU
     "debug": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, rope_theta=10000.0),
+    # the same with 4 routed experts (top 2) per block
+    "debug_moe": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, rope_theta=10000.0, moe_experts=4),
     "125M": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, tie_embeddings=True,
                       rope_theta=10000.0),
     # the published Llama 3.2 / 3.1 shapes

@@ -7,6 +7,7 @@ from torch import nn
 
 from loom.kernels.linear_ce import linear_cross_entropy
 from loom.models.common.layers import Attention, FeedForward, RMSNorm
+from loom.models.common.moe import MoE
 from loom.models.common.rope import rope_table
 from loom.models.llama.flavors import LlamaArgs
 from loom.train.loss import cross_entropy_sum
@@ -19,7 +20,11 @@ class Block(nn.Module):
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, fused_rope=args.fused_rope,
                                    backend=args.attention)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim, fused=args.fused_swiglu)
+        if args.moe:
+            self.feed_forward = MoE(args.dim, args.expert_ffn_dim, args.moe_experts, args.moe_top_k,
+                                    aux_loss=args.moe_aux_loss, fused=args.fused_swiglu)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim, fused=args.fused_swiglu)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, positions)  # (B, S, E)
@@ -53,7 +58,7 @@ class Llama(nn.Module):
         """Init std for a parameter by name; None = ones (norm weights)."""
         if name.endswith("norm.weight"):
             return None
-        if name.endswith(("wo.weight", "w2.weight")) and self.args.residual_init == "depth":  # residual projections
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")) and self.args.residual_init == "depth":  # residual
             return 0.02 / (2 * self.args.n_layers) ** 0.5
         return 0.02
 

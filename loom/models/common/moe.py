@@ -1,0 +1,122 @@
+"""Mixture of experts, plain single-device PyTorch: a router sends each token to ``top_k`` of ``n_experts``
+SwiGLU experts and sums their outputs weighted by the router's (renormalized) probabilities.
+
+Dropless: every token reaches every expert it picks (no capacity factor, no token dropping), so the output
+of a token depends only on that token, whatever the batch, the micro-batch split or the data-parallel
+layout.
+
+Load balancing: the sequence-wise auxiliary loss of DeepSeek-V3, per sequence
+``sum_i f_i P_i`` with ``f_i = n_experts / (top_k S) x (tokens of the sequence routed to i)`` and ``P_i`` the mean
+router probability of expert i over the sequence, summed over sequences. It is a sum over sequences, so
+micro-batching and data parallelism do not change it. Its gradient enters through the backward
+(``_AuxLossGrad``, as Megatron's MoEAuxLossAutoScaler does): the forward returns the block's output unchanged
+and the logged language-model loss stays the language-model loss. ``set_aux_scale`` (called by the trainer
+each step) sets the factor that makes the per-sequence sum that step's share of ``aux_loss x mean over the
+global batch``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.kernels.swiglu.op import swiglu
+
+
+class Router(nn.Module):
+    """Top-k over a softmax of the gate's scores (fp32), the k weights renormalized to sum to 1."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, E) -> weights (T, k) fp32, experts (T, k) int64, probs (T, n) fp32."""
+        probs = self.gate(x).float().softmax(dim=-1)  # (T, n)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
+        return weights / weights.sum(dim=-1, keepdim=True), experts, probs
+
+
+class Experts(nn.Module):
+    """``n`` SwiGLU experts as stacked weights: w1, w3 (n, E, H) and w2 (n, H, E)."""
+
+    def __init__(self, n: int, dim: int, hidden: int, fused: bool = False):
+        super().__init__()
+        self.fused = fused
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x (T', E): tokens grouped by expert, ``counts[i]`` of them for local expert i -> (T', E)."""
+        outs = []
+        for i, xi in enumerate(x.split(counts)):
+            if xi.shape[0] == 0:
+                continue
+            a, b = xi @ self.w1[i], xi @ self.w3[i]  # (Ti, H)
+            h = swiglu(a, b) if self.fused else F.silu(a) * b
+            outs.append(h @ self.w2[i])  # (Ti, E)
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``aux`` receives gradient ``scale`` (so its graph, the router, gets
+    scale x d aux / d params) without the loss value carrying it."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return grad_out, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
+
+
+def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Sum over sequences of sum_i f_i P_i: probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar."""
+    bsz, seq, k = experts.shape
+    counts = torch.zeros(bsz, n_experts, device=probs.device).scatter_add_(
+        1, experts.reshape(bsz, -1), torch.ones(bsz, seq * k, device=probs.device))  # (B, n)
+    f = counts * (n_experts / (k * seq))  # (B, n), 1 everywhere when balanced
+    return (f * probs.mean(dim=1)).sum()  # P: (B, n)
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts in place of a block's feed-forward: (B, S, E) -> (B, S, E)."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, aux_loss: float = 0.0,
+                 fused: bool = False):
+        super().__init__()
+        self.n_experts, self.top_k, self.aux_loss = n_experts, top_k, aux_loss
+        self.router = Router(dim, n_experts, top_k)
+        self.experts = Experts(n_experts, dim, hidden, fused=fused)
+        self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        flat = x.reshape(-1, dim)  # (T, E)
+        weights, experts, probs = self.router(flat)  # (T, k), (T, k), (T, n)
+        order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (n,)
+        routed = self.experts(flat[order // self.top_k], counts.tolist())  # (T k, E), grouped by expert
+        slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
+        out = (slots.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)  # (T, E)
+        out = out.view(bsz, seq, dim)
+        if self.aux_loss > 0 and self.training and torch.is_grad_enabled():
+            aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts)
+            out = _AuxLossGrad.apply(out, aux, self.aux_loss * self.aux_scale)
+        return out
+
+
+def moe_modules(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_aux_scale(model: nn.Module, scale: float) -> None:
+    """Every MoE block of ``model`` weighs its per-sequence balance loss by ``aux_loss x scale`` this step."""
+    for m in moe_modules(model):
+        m.aux_scale = scale

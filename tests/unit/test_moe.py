@@ -1,0 +1,142 @@
+"""Mixture of experts: routed output against a per-token loop, dropless (a token's output ignores the batch),
+the balance loss and its gradient through the backward, FLOPs, and what MoE models reject."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.config import ConfigError, build_config
+from loom.models.common.moe import MoE, sequence_balance_loss, set_aux_scale
+
+
+def _moe(aux=0.0, n=4, k=2, dim=16, hidden=24, seed=0) -> MoE:
+    torch.manual_seed(seed)
+    m = MoE(dim, hidden, n, k, aux_loss=aux)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def test_output_is_the_weighted_sum_of_each_tokens_top_k_experts():
+    m = _moe()
+    x = torch.randn(2, 7, 16)  # (B, S, E)
+    out = m(x)
+    probs = (x @ m.router.gate.weight.T).softmax(-1)  # (B, S, n)
+    want = torch.zeros_like(x)
+    for b in range(2):
+        for s in range(7):
+            w, e = probs[b, s].topk(2)
+            w = w / w.sum()
+            for wi, ei in zip(w, e):
+                h = F.silu(x[b, s] @ m.experts.w1[ei]) * (x[b, s] @ m.experts.w3[ei])
+                want[b, s] += wi * (h @ m.experts.w2[ei])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_dropless_a_tokens_output_does_not_depend_on_the_batch():
+    m = _moe(n=8, k=2)
+    x = torch.randn(4, 9, 16)
+    whole = m(x)
+    for b in range(4):
+        torch.testing.assert_close(m(x[b:b + 1]), whole[b:b + 1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m(x[:, :5]), whole[:, :5], rtol=1e-5, atol=1e-6)
+
+
+def test_an_expert_no_token_picks_is_skipped():
+    m = _moe(n=4, k=1)
+    with torch.no_grad():
+        m.router.gate.weight.zero_()
+        m.router.gate.weight[2, 0] = 10.0  # every token with x[0] > 0 goes to expert 2, the rest to expert 0
+    x = torch.randn(1, 6, 16).abs()
+    out = m(x)
+    h = F.silu(x[0] @ m.experts.w1[2]) * (x[0] @ m.experts.w3[2])
+    torch.testing.assert_close(out[0], h @ m.experts.w2[2], rtol=1e-5, atol=1e-6)
+
+
+def test_balance_loss_is_one_per_sequence_when_balanced():
+    bsz, seq, n, k = 3, 8, 4, 2
+    probs = torch.full((bsz, seq, n), 1 / n)
+    experts = torch.arange(seq * k).remainder(n).view(1, seq, k).expand(bsz, seq, k)  # each expert seq*k/n times
+    assert sequence_balance_loss(probs, experts, n).item() == pytest.approx(bsz)
+    skewed = torch.zeros(bsz, seq, k, dtype=torch.long)  # everything to expert 0 (and its top-2 twin 0)
+    skewed[..., 1] = 1
+    probs_skewed = torch.tensor([0.5, 0.5, 0.0, 0.0]).expand(bsz, seq, n)
+    assert sequence_balance_loss(probs_skewed, skewed, n).item() == pytest.approx(bsz * 2.0)
+
+
+def test_balance_loss_gradient_enters_through_backward_only():
+    x = torch.randn(2, 6, 16)
+    plain, balanced = _moe(aux=0.0), _moe(aux=0.5)
+    set_aux_scale(balanced, 0.25)
+    out_plain, out_bal = plain(x), balanced(x)
+    torch.testing.assert_close(out_bal, out_plain)  # the forward (and so the logged loss) is unchanged
+    out_bal.square().sum().backward()
+
+    # explicit: the same loss plus 0.5 x 0.25 x the balance loss, differentiated by autograd
+    ref = _moe(aux=0.0)
+    out = ref(x)
+    _, experts, probs = ref.router(x.reshape(-1, 16))
+    aux = sequence_balance_loss(probs.view(2, 6, -1), experts.view(2, 6, -1), 4)
+    (out.square().sum() + 0.5 * 0.25 * aux).backward()
+    for (name, a), b in zip(balanced.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert ref.router.gate.weight.grad.sub(_grad_without_aux(x)).abs().max() > 1e-6  # the aux term is not nothing
+
+
+def _grad_without_aux(x):
+    m = _moe(aux=0.0)
+    m(x).square().sum().backward()
+    return m.router.gate.weight.grad
+
+
+def test_flops_count_the_router_and_top_k_experts():
+    from loom.metrics.flops import matmul_params
+    from loom.models.llama import FLAVORS
+
+    dense = FLAVORS["debug"].with_(vocab_size=256)
+    moe = FLAVORS["debug_moe"].with_(vocab_size=256)
+    attn = matmul_params(dense) - dense.n_layers * 3 * dense.dim * dense.ffn_dim - dense.dim * 256
+    expert = 3 * moe.dim * moe.expert_ffn_dim
+    assert matmul_params(moe) == attn + moe.n_layers * (moe.dim * moe.moe_experts + moe.moe_top_k * expert) \
+        + moe.dim * 256
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"model.moe_experts": "4", "model.moe_top_k": "5"}, "model.moe_top_k"),
+    ({"model.flavor": "debug_moe", "parallel.tp": "2"}, "parallel.tp"),
+    ({"model.flavor": "debug_moe", "parallel.cp": "2"}, "parallel.cp"),
+    ({"model.flavor": "debug_moe", "training.compile": "true"}, "training.compile"),
+])
+def test_unsupported_moe_settings_name_the_field(overrides, field):
+    from loom.data import build_tokenizer
+    from loom.train.trainer import resolve_model_args
+
+    cfg = build_config(None, overrides)
+    with pytest.raises(ConfigError) as err:
+        resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))
+    assert err.value.field == field
+
+
+def test_the_planner_says_it_does_not_model_moe():
+    from loom.plan.hardware import GPUS
+    from loom.plan.planner import estimate
+
+    with pytest.raises(ConfigError) as err:
+        estimate(build_config(None, {"model.flavor": "debug_moe"}), 1, GPUS["H100"])
+    assert err.value.field == "model.moe_experts"
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--model.moe_top_k", "9"], "model.moe_top_k"),
+    (["--parallel.tp", "2", "--nproc-per-node", "2"], "parallel.tp"),  # found before any worker starts
+])
+def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
+    from tests.unit.test_cli_train import loom_train
+
+    proc = loom_train(tmp_path, "--model.flavor", "debug_moe", "--run.dir", str(tmp_path / "run"), *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
