@@ -39,24 +39,58 @@ class Router(nn.Module):
         return weights / weights.sum(dim=-1, keepdim=True), experts, probs
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on ``x`` run in: autocast's when it is on, else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def grouped_mm_supported(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """PyTorch's grouped GEMM (``torch._grouped_mm``): bf16, on Hopper or newer GPUs or on the CPU."""
+    if dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return x.device.type == "cpu" or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
 class Experts(nn.Module):
-    """``n`` SwiGLU experts as stacked weights: w1, w3 (n, E, H) and w2 (n, H, E)."""
+    """``n`` SwiGLU experts as stacked weights: w1, w3 (n, E, H) and w2 (n, H, E).
+
+    Two ways to run them, the same math: one grouped GEMM per weight over all experts' tokens
+    (``torch._grouped_mm``, bf16; no host sync, the group offsets stay on the device), or a loop over the
+    experts with one matmul each (every dtype; the reference the grouped path is tested against).
+    ``grouped``: None = grouped where supported."""
 
     def __init__(self, n: int, dim: int, hidden: int, fused: bool = False):
         super().__init__()
         self.fused = fused
+        self.grouped: bool | None = None
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x (T', E): tokens grouped by expert, ``counts[i]`` of them for local expert i -> (T', E)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (T', E): tokens grouped by expert, ``counts[i]`` (int64, (n,)) of them for expert i -> (T', E)."""
+        dtype = compute_dtype(x)
+        grouped = grouped_mm_supported(x, dtype) if self.grouped is None else self.grouped
+        return self._grouped(x, counts, dtype) if grouped else self._loop(x, counts)
+
+    def _gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return swiglu(a, b) if self.fused else F.silu(a) * b
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        offsets = counts.cumsum(0).to(torch.int32)  # (n,) end of each expert's rows
+        x = x.to(dtype)
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        with torch.autocast(x.device.type, enabled=False):
+            h = self._gate(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets))  # (T', H)
+            return torch._grouped_mm(h, w2, offs=offsets)  # (T', E)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = []
-        for i, xi in enumerate(x.split(counts)):
+        for i, xi in enumerate(x.split(counts.tolist())):
             if xi.shape[0] == 0:
                 continue
-            a, b = xi @ self.w1[i], xi @ self.w3[i]  # (Ti, H)
-            h = swiglu(a, b) if self.fused else F.silu(a) * b
+            h = self._gate(xi @ self.w1[i], xi @ self.w3[i])  # (Ti, H)
             outs.append(h @ self.w2[i])  # (Ti, E)
         return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
 
@@ -101,8 +135,9 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)  # (T, E)
         weights, experts, probs = self.router(flat)  # (T, k), (T, k), (T, n)
         order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
-        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)  # (n,)
-        routed = self.experts(flat[order // self.top_k], counts.tolist())  # (T k, E), grouped by expert
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, experts.flatten(), torch.ones_like(experts.flatten()))  # (n,) tokens per expert; static shape
+        routed = self.experts(flat[order // self.top_k], counts)  # (T k, E), grouped by expert
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
         out = (slots.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)  # (T, E)
         out = out.view(bsz, seq, dim)
