@@ -29,6 +29,20 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, *, compute_dtype
     return model
 
 
+def apply_fsdp_experts(model: nn.Module, mesh, *, compute_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    """Under expert parallelism: shard each MoE block's experts over ``mesh`` (the ranks holding the same
+    experts), before the blocks are sharded (their fully_shard then leaves these parameters alone). Their
+    reduction averages over ``mesh`` while the other gradients average over every data-parallel rank: the
+    trainer rescales them (``loom.parallel.expert_parallel.expert_grad_factor``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from loom.models.common.moe import moe_modules
+
+    for moe in moe_modules(model):
+        fully_shard(moe.experts, mesh=mesh, mp_policy=mixed_precision_policy(compute_dtype),
+                    reshard_after_forward=reshard_after_forward)
+
+
 def apply_ddp(model: nn.Module, mesh, *, bucket_mb: float) -> nn.Module:
     """DDP over a 1-D mesh; gradient buckets all-reduce while backward runs. Call after materializing."""
     from torch.nn.parallel import DistributedDataParallel

@@ -3,6 +3,10 @@
 Mesh axes, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Flattened axes:
 ``dp`` (dp_replicate x dp_shard: ranks that see different samples), ``dp_shard_cp``
 (the FSDP shard axis) and ``dp_cp`` (ranks over which the loss is summed).
+
+Expert parallelism borrows data-parallel ranks: ``ep`` consecutive ranks of ``dp_shard`` hold different
+experts and exchange tokens. With ep > 1 a second mesh over the same ranks splits ``dp_shard`` into
+``edp x ep`` (``edp = dp_shard / ep``: the ranks that hold the same experts and shard them with FSDP2).
 Components receive the mesh they need from here; nothing reads a global group.
 """
 
@@ -14,7 +18,8 @@ from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
 
 # Degrees whose code exists. Others are rejected by name instead of silently ignored.
-IMPLEMENTED_AXES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+IMPLEMENTED_AXES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+EXPERT_AXIS_ORDER = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -53,6 +58,9 @@ class ParallelDims:
             raise ConfigError("parallel.dp_shard", cfg.dp_shard,
                               f"dp_replicate x dp_shard x tp x pp x cp = {product} must equal the world size "
                               f"{world_size}")
+        if dp_shard % cfg.ep:
+            raise ConfigError("parallel.ep", cfg.ep, f"must divide parallel.dp_shard ({dp_shard}): expert-parallel "
+                              "ranks are data-parallel ranks that hold different experts")
         dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size)
         return dims
 
@@ -98,9 +106,24 @@ class ParallelDims:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def edp(self) -> int:
+        """Ranks of dp_shard that hold the same experts (they shard them with FSDP2)."""
+        return self.dp_shard // self.ep
+
     # ---- checks that need the model or the micro-batch count ----------------------
     def check_model(self, args, parallel: ParallelConfig) -> None:
         """Raise ConfigError when the model's shape cannot be split by these degrees."""
+        if self.ep > 1:
+            if not getattr(args, "moe", False):
+                raise ConfigError("parallel.ep", self.ep, "needs a mixture-of-experts model (model.moe_experts > 0 "
+                                  "or the debug_moe flavor): allowed 1 for a dense model")
+            if args.moe_experts % self.ep:
+                raise ConfigError("parallel.ep", self.ep, f"must divide the number of experts ({args.moe_experts})")
         if self.tp > 1:
             for what, n in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
                             ("feed-forward width", args.ffn_dim), ("vocabulary", args.vocab_size)):
@@ -160,6 +183,12 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         self._mesh = mesh
+        if self.ep > 1:  # the same ranks in the same order, dp_shard split into edp x ep
+            shape = [self.edp if a == "edp" else getattr(self, a) for a in EXPERT_AXIS_ORDER]
+            experts = init_device_mesh(device_type, tuple(shape), mesh_dim_names=EXPERT_AXIS_ORDER)
+            self._flat["ep"] = experts["ep"]
+            self._flat["edp"] = experts["edp"]
+            self._flat["experts_dp"] = experts["dp_replicate", "edp"] if self.dp_replicate > 1 else experts["edp"]
         return mesh
 
     @property
@@ -191,12 +220,12 @@ class ParallelDims:
         return self["pp"].get_local_rank() if self.pp > 1 else 0
 
     def describe(self) -> str:
-        parts = [name for name, on in (("PP", self.pp_enabled), ("CP", self.cp_enabled), ("TP", self.tp_enabled))
-                 if on]
+        parts = [name for name, on in (("PP", self.pp_enabled), ("CP", self.cp_enabled), ("TP", self.tp_enabled),
+                                       ("EP", self.ep_enabled)) if on]
         if self.dp_size > 1 or self.fsdp_enabled:  # FSDP shards over dp_shard x cp
             parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
         kind = "x".join(parts) or "single"
-        degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER if getattr(self, a) > 1)
+        degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep",) if getattr(self, a) > 1)
         return f"{kind} (world {self.world_size}{': ' + degrees if degrees else ''})"
 
 

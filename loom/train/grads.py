@@ -10,16 +10,25 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=params[0].device if params else None)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)
-    if hasattr(norm, "full_tensor"):  # DTensor grads: partial norms are reduced across their mesh
-        norm = norm.full_tensor()
-    return norm.float()
+    by_mesh: dict = {}  # DTensor norms reduce over their own mesh (experts and the rest differ under ep)
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, error_if_nonfinite=False, foreach=True)
+        if hasattr(norm, "full_tensor"):  # DTensor grads: partial norms are reduced across their mesh
+            norm = norm.full_tensor()
+        norms.append(norm.float())
+    return norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
 
 
 @torch.no_grad()
 def scale_grads(params: list[torch.nn.Parameter], factor: float | torch.Tensor) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
+    by_mesh: dict = {}  # foreach ops take DTensors of one mesh at a time (experts and the rest differ under ep)
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    for grads in by_mesh.values():
         torch._foreach_mul_(grads, factor)
 
 

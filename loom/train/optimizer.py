@@ -78,7 +78,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Weight decay on matrices only (not norms)."""
+    """Weight decay on matrices only (not norms). PyTorch's fused and foreach kernels take the tensors of a
+    group together, which DTensors on different meshes (experts under expert parallelism) cannot be: there
+    its per-tensor AdamW runs instead (loom's Triton AdamW is per tensor anyway)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
@@ -88,6 +90,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     impl = resolve_implementation(cfg.implementation, device)
     if impl == "triton":
         return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if len({getattr(p, "device_mesh", None) for p in decay + no_decay}) > 1:
+        impl = "single"
     flags = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)
 

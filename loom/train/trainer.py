@@ -30,9 +30,10 @@ from loom.models.llama.parallelize import fsdp_reshard_after_forward, paralleliz
 from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
+from loom.parallel.expert_parallel import expert_grad_factor, expert_params
 from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
-from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, unique_params
+from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
 from loom.train.loss import cross_entropy_sum, valid_tokens
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import DTYPES, LossScaler, autocast_context
@@ -353,6 +354,8 @@ class Trainer:
             loss_sum = self._pipeline_step(mbs, grad_scale)
         else:
             loss_sum = self._accumulate(mbs, grad_scale)
+        if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
+            scale_grads(expert_params(self.parts), expert_grad_factor(self.dims.ep))
         lr = self.optimizer.param_groups[0]["lr"]
         with self.profiler.phase("optimizer"):  # grad norm, clipping, step, zero_grad
             norm = self._grad_norm() / self.scaler.scale

@@ -58,3 +58,42 @@ def test_moe_checkpoint_resumes_across_layouts_and_is_not_exported_as_llama(tmp_
                           text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "mixture-of-experts" in proc.stderr and not (tmp_path / "hf").exists()
+
+
+def test_expert_parallel_matches_single_process(tmp_path):
+    """ep2 on 2 ranks (the experts split, FSDP2 over the rest), with accumulation; on 4 ranks ep2 x edp2 (two
+    ranks per expert shard), ep4, HSDP 2 x (ep2), and a 1F1B pipeline over ep2."""
+    ref = run_jobs(1, [moe_job(tmp_path, "single")], str(tmp_path))[0]["records"]
+    jobs2 = {"ep2": moe_job(tmp_path, "ep2", dp=2, dp_shard=2, ep=2),
+             "ep2-m2": moe_job(tmp_path, "ep2-m2", m=2, dp=2, dp_shard=2, ep=2)}
+    results = dict(zip(jobs2, run_jobs(2, list(jobs2.values()), str(tmp_path))))
+    jobs4 = {"ep2-edp2": moe_job(tmp_path, "ep2-edp2", dp=4, dp_shard=4, ep=2),
+             "ep4": moe_job(tmp_path, "ep4", dp=4, dp_shard=4, ep=4),
+             "hsdp2-ep2": moe_job(tmp_path, "hsdp2-ep2", dp=4, dp_replicate=2, dp_shard=2, ep=2),
+             "pp2-ep2-1f1b-m2": moe_job(tmp_path, "pp2-ep2-1f1b-m2", m=2, dp=2, pp=2, dp_shard=2, ep=2)}
+    results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
+    report, bad = [], []
+    for name, res in results.items():
+        got = losses(res)
+        dev = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(got, ref))
+        gdev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], ref))
+        report.append(f"{name}: loss {dev:.1e}, grad norm {gdev:.1e}")
+        if len(got) != STEPS or not (dev < 1e-5 and gdev < 1e-4):
+            bad.append(report[-1])
+    print("\n".join(report))
+    assert not bad, "\n".join(bad + report)
+
+
+def test_expert_parallel_checkpoint_resumes_in_one_process(tmp_path):
+    """Saved under ep2 at step 3 (experts as DTensors sharded over ep), resumed in one process: steps 4-5
+    repeat the uninterrupted ep2 run."""
+    from tests.distributed.test_model_parallel import SAVE_AT, ckpt, tail
+
+    save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
+    first = run_jobs(2, [{**moe_job(tmp_path, "ep2-save", dp=2, dp_shard=2, ep=2), **save}], str(tmp_path))[0]
+    saved = ckpt(str(tmp_path / "ep2-save"), SAVE_AT)
+    resumed = run_jobs(1, [{**moe_job(tmp_path, "single-from-ep2"), "checkpoint.resume": saved}], str(tmp_path))[0]
+    want, got = tail(first), tail(resumed)
+    assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(SAVE_AT + 1, STEPS + 1))
+    for (_, a, ha), (_, b, hb) in zip(got, want):
+        assert ha == hb and abs(a - b) / b < 1e-5, (got, want)

@@ -161,3 +161,21 @@ def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and field in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, world, field, says", [
+    ({"parallel.ep": "2"}, 2, "parallel.ep", "mixture-of-experts"),  # a dense model
+    ({"model.flavor": "debug_moe", "model.moe_experts": "6", "parallel.ep": "4"}, 4, "parallel.ep", "experts (6)"),
+    ({"model.flavor": "debug_moe", "parallel.ep": "4", "parallel.dp_shard": "2", "parallel.dp_replicate": "2"},
+     4, "parallel.ep", "dp_shard (2)"),
+])
+def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
+    from loom.data import build_tokenizer
+    from loom.parallel.dims import ParallelDims
+    from loom.train.trainer import resolve_model_args
+
+    cfg = build_config(None, overrides)
+    with pytest.raises(ConfigError) as err:
+        dims = ParallelDims.from_config(cfg.parallel, world)
+        dims.check_model(resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), cfg.parallel)
+    assert err.value.field == field and says in str(err.value)

@@ -74,25 +74,27 @@ class Experts(nn.Module):
         grouped = grouped_mm_supported(x, dtype) if self.grouped is None else self.grouped
         return self._grouped(x, counts, dtype) if grouped else self._loop(x, counts)
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w3, w2 of the experts this rank runs (all of them, or its share under expert parallelism)."""
+        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
+
     def _gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return swiglu(a, b) if self.fused else F.silu(a) * b
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # (n,) end of each expert's rows
         x = x.to(dtype)
-        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (w.to(dtype) for w in self.local_weights())
         with torch.autocast(x.device.type, enabled=False):
             h = self._gate(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets))  # (T', H)
             return torch._grouped_mm(h, w2, offs=offsets)  # (T', E)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for i, xi in enumerate(x.split(counts.tolist())):
-            if xi.shape[0] == 0:
-                continue
-            h = self._gate(xi @ self.w1[i], xi @ self.w3[i])  # (Ti, H)
-            outs.append(h @ self.w2[i])  # (Ti, E)
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+        # every expert runs, with no rows if no token picked it: the autograd graph is then the same on every
+        # rank, so collectives issued from backward hooks (FSDP2, expert parallelism) come in the same order
+        w1, w3, w2 = self.local_weights()
+        outs = [self._gate(xi @ w1[i], xi @ w3[i]) @ w2[i] for i, xi in enumerate(x.split(counts.tolist()))]
+        return torch.cat(outs)  # (T', E)
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -129,6 +131,8 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, top_k)
         self.experts = Experts(n_experts, dim, hidden, fused=fused)
         self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
+        # set by loom.parallel.expert_parallel.apply_expert_parallel: the experts then live on several ranks
+        self.expert_parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -137,7 +141,9 @@ class MoE(nn.Module):
         order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, experts.flatten(), torch.ones_like(experts.flatten()))  # (n,) tokens per expert; static shape
-        routed = self.experts(flat[order // self.top_k], counts)  # (T k, E), grouped by expert
+        slots_in = flat[order // self.top_k]  # (T k, E) grouped by expert
+        ep = self.expert_parallel
+        routed = ep.run(self.experts, slots_in, counts) if ep is not None else self.experts(slots_in, counts)
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
         out = (slots.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)  # (T, E)
         out = out.view(bsz, seq, dim)

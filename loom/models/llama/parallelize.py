@@ -4,10 +4,11 @@
 2. pipeline split: one pruned copy of the model per local stage      (parallel.pp)
 3. tensor + sequence parallel on each part                           (parallel.tp)
    context parallel: attention across the cp ranks' sequence shards  (parallel.cp)
+   expert parallel: MoE experts split over the ep ranks               (parallel.ep)
    float8 linears (torchao)                                          (training.float8)
 4. activation checkpointing
 5. torch.compile per block
-6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp)
+6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp; under ep the experts first, over edp)
 7. materialize + layout-independent init
 8. DDP (needs real storage: it broadcasts from rank 0 at construction); under TP or PP, replication goes
    through FSDP2 on a (dp_replicate, 1) mesh instead (step 6): see ``ParallelDims.replicate_with_fsdp``
@@ -30,8 +31,9 @@ from loom.models.llama.model import Llama
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 from loom.parallel.compile import apply_compile
 from loom.parallel.context_parallel import apply_context_parallel
-from loom.parallel.data_parallel import apply_ddp, apply_fsdp
+from loom.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
 from loom.parallel.dims import ParallelDims
+from loom.parallel.expert_parallel import apply_expert_parallel
 from loom.parallel.pipeline import PipelinePlan, build_stage, split_layers, stage_ids
 from loom.parallel.tensor_parallel import apply_tp
 
@@ -78,11 +80,16 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
             apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp)
         if dims.cp_enabled:
             apply_context_parallel(part, dims["cp"])
+        if dims.ep_enabled:
+            apply_expert_parallel(part, dims["ep"])
         if training.float8 != "none":
             apply_float8(part, training.float8)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
         if training.compile:
             apply_compile(part.layers)
+        if dims.ep_enabled:
+            apply_fsdp_experts(part, dims["experts_dp"], compute_dtype=DTYPES[training.dtype],
+                               reshard_after_forward=fsdp_reshard_after_forward(parallel, plan))
         if dims.fsdp_applied:
             mesh = dims["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims["dp_shard_cp"]
             apply_fsdp(part, list(part.layers.values()), mesh, compute_dtype=DTYPES[training.dtype],
