@@ -31,7 +31,16 @@ from bench.train_1b import environment  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # per flavor: model overrides (enough layers for 4 stages x 2 virtual) and sequence length
-FLAVOR_SETTINGS = {"debug": ({"model.n_layers": 8}, 128), "125M": ({}, 512)}
+FLAVOR_SETTINGS = {"debug": ({"model.n_layers": 8}, 128), "125M": ({}, 512),
+                   "debug_moe": ({"model.n_layers": 8, "model.moe_experts": 8}, 128)}
+MOE_FLAVORS = ("debug_moe",)
+# expert-parallel layouts, run for MoE flavors only (with the data-parallel and pipeline layouts; MoE rejects TP / CP)
+EP_LAYOUTS = {2: {"fsdp2_ep2": {"dp_shard": 2, "ep": 2}},
+              4: {"fsdp4_ep2": {"dp_shard": 4, "ep": 2}, "fsdp4_ep4": {"dp_shard": 4, "ep": 4},
+                  "hsdp2x2_ep2": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
+              8: {"fsdp8_ep8": {"dp_shard": 8, "ep": 8}, "fsdp8_ep2": {"dp_shard": 8, "ep": 2},
+                  "hsdp2x4_ep4": {"dp_replicate": 2, "dp_shard": 4, "ep": 4},
+                  "fsdp4_pp2_ep2_1f1b": {"dp_shard": 4, "pp": 2, "ep": 2, "pp_schedule": "1f1b"}}}
 GLOBAL_BATCH = 16
 
 
@@ -64,6 +73,13 @@ def layouts(gpus: int) -> dict[str, dict]:
     else:
         raise SystemExit(f"--gpus {gpus}: layouts are defined for 2, 4 or 8 GPUs")
     return table
+
+
+def applies(flavor: str, degrees: dict) -> bool:
+    """Expert parallelism only for MoE flavors; MoE flavors without TP or CP (not supported with MoE)."""
+    if flavor in MOE_FLAVORS:
+        return degrees.get("tp", 1) == 1 and degrees.get("cp", 1) == 1
+    return degrees.get("ep", 1) == 1
 
 
 def job_config(flavor: str, degrees: dict, a, run_dir: str) -> dict:
@@ -149,7 +165,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/layouts.json")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
     a = p.parse_args()
-    table = layouts(a.gpus)
+    table = {**layouts(a.gpus), **EP_LAYOUTS.get(a.gpus, {})}
     chosen = a.layouts.split(",") if a.layouts else list(table)
     unknown = [n for n in chosen if n not in table]
     if unknown:
@@ -165,7 +181,7 @@ def main() -> None:
     done = {(r["flavor"], r["layout"]) for r in doc["results"]}
     for flavor in a.flavors.split(","):
         for name in ["single"] + chosen:
-            if (flavor, name) in done:
+            if (flavor, name) in done or not applies(flavor, table.get(name, {})):
                 continue
             res = run_job(flavor, name, {} if name == "single" else table[name], a)
             ref = next((r for r in doc["results"] if r["flavor"] == flavor and r["layout"] == "single"), None)
