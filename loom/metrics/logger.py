@@ -25,6 +25,8 @@ def format_line(rec: dict, total_steps: int) -> str:
     parts = [f"step {rec['step']:>{len(str(total_steps))}}/{total_steps}", f"loss {rec['loss']:.4f}"]
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
+    if rec.get("moe_balance") is not None:
+        parts.append(f"balance {rec['moe_balance']:.3f}")
     parts += [f"gnorm {rec['grad_norm']:.3f}", f"lr {rec['lr']:.2e}",
               f"tok/s {_fmt_count(rec['tokens_per_s'])} ({_fmt_count(rec['tokens_per_s_per_device'])}/dev)"]
     if rec.get("mfu") is not None:

@@ -20,7 +20,7 @@ from loom.data.loader import MicroBatch
 from loom.kernels.dispatch import KernelChoice, resolve_kernels
 from loom.kernels.triton_support import has_triton
 from loom.models.common.float8 import float8_available
-from loom.models.common.moe import set_aux_scale
+from loom.models.common.moe import set_aux_scale, take_balance
 from loom.metrics.flops import device_peak, mfu
 from loom.metrics.logger import MetricsLogger
 from loom.metrics.memory import peak_memory_gib, reset_peak
@@ -185,6 +185,7 @@ class Trainer:
             model = Llama(self.model_args)
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
         self.parts, self.plan = pm.parts, pm.plan  # this rank's model parts (pipeline stages or the model)
+        self._pipeline_ran = False  # whether a pipeline schedule ran in this process (its first run infers shapes)
         if cfg.model.init_from:
             from loom.checkpoint.hf import load_hf_weights
 
@@ -369,7 +370,24 @@ class Trainer:
                 self.optimizer.step(clip / self.scaler.scale if scaled else None)
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": self.dp_sum(loss_sum) / n_tokens, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
+        out = {"loss": self.dp_sum(loss_sum) / n_tokens, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
+        if self.model_args.moe:
+            balance = self._moe_balance()
+            # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
+            # inference), whose routing is noise: that step's balance is not reported
+            first_pipeline_step = self.plan is not None and not self._pipeline_ran
+            self._pipeline_ran = self.plan is not None
+            out["moe_balance"] = None if first_pipeline_step else balance
+        return out
+
+    def _moe_balance(self) -> torch.Tensor:
+        """This step's sequence-wise balance loss per MoE block and sequence: 1 when tokens spread evenly over the
+        experts, up to n_experts / top_k when every token of a sequence picks the same experts."""
+        sums = [b for part in self.parts if (b := take_balance(part)) is not None]
+        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
+        if self.plan is not None:  # each pp rank holds some of the blocks
+            dist.all_reduce(total, group=self.dims["pp"].get_group())
+        return self.dp_sum(total) / (self.cfg.training.global_batch_size * self.model_args.n_layers)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -548,6 +566,8 @@ class Trainer:
             **({"mem_gib_max_rank": self._max_over_ranks(peak_memory_gib(self.device))}
                if self.dims.distributed else {}),
             **({"pp_idle": self._pp_idle()} if self.plan is not None else {}),
+            **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
+               if "moe_balance" in out else {}),
         }
 
     def _max_over_ranks(self, x: float) -> float:

@@ -131,6 +131,7 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, top_k)
         self.experts = Experts(n_experts, dim, hidden, fused=fused)
         self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
+        self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
         # set by loom.parallel.expert_parallel.apply_expert_parallel: the experts then live on several ranks
         self.expert_parallel = None
 
@@ -147,9 +148,12 @@ class MoE(nn.Module):
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
         out = (slots.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)  # (T, E)
         out = out.view(bsz, seq, dim)
-        if self.aux_loss > 0 and self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled():
             aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts)
-            out = _AuxLossGrad.apply(out, aux, self.aux_loss * self.aux_scale)
+            seen = aux.detach()
+            self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
+            if self.aux_loss > 0:
+                out = _AuxLossGrad.apply(out, aux, self.aux_loss * self.aux_scale)
         return out
 
 
@@ -161,3 +165,12 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
     """Every MoE block of ``model`` weighs its per-sequence balance loss by ``aux_loss x scale`` this step."""
     for m in moe_modules(model):
         m.aux_scale = scale
+
+
+def take_balance(model: nn.Module) -> torch.Tensor | None:
+    """The balance loss summed over every MoE block of ``model`` and the sequences since the last call (then
+    reset); None without MoE blocks or before a training forward. 1 per block and sequence = balanced."""
+    sums = [m.balance_sum for m in moe_modules(model) if m.balance_sum is not None]
+    for m in moe_modules(model):
+        m.balance_sum = None
+    return torch.stack(sums).sum() if sums else None
