@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loom.plan.hardware import GPUS  # noqa: E402
 from loom.plan.planner import estimate  # noqa: E402
-from tests.unit.test_plan import MEASURED, _cfg, _measured  # noqa: E402
+from tests.unit.test_plan import MEASURED, MOE_MEASURED, _cfg, _measured  # noqa: E402
 
 EXTRA = [  # runs outside the test's tolerance, shown with the rest: (file, row, overrides, world, GPU)
     ("parallel_2gpu_1b_h200.json", "tp2", dict(MEASURED[0][2], training__global_batch_size=16, parallel__tp=2,
@@ -49,6 +49,9 @@ EXTRA = [  # runs outside the test's tolerance, shown with the rest: (file, row,
                                                        training__micro_batch_size=1, model__attention="sdpa",
                                                        training__compile="true",
                                                        training__activation_checkpointing="op"), 1, "H100"),
+    # mixture of experts (1B shape, 8 experts of 2048, top 2), measured before the planner modelled MoE
+    ("moe_1b_8x2048_grouped_h100.json", "fsdp1", dict(MOE_MEASURED[0][1]), 1, "H100"),
+    ("moe_1b_8x2048_compile_h100.json", "fsdp1", dict(MOE_MEASURED[1][1]), 1, "H100"),
 ]
 
 

@@ -80,6 +80,7 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
     """(bytes held after forward, peak extra bytes during backward) of one micro-batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from loom.models.common.moe import moe_modules
     from loom.models.llama.model import Llama
     from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 
@@ -93,6 +94,8 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
             model = Llama(args)
         finally:
             torch.set_default_dtype(previous)
+        for moe in moe_modules(model):  # the loop over experts needs real token counts: trace the grouped GEMM
+            moe.experts.grouped = True  # (bf16 only, as it runs: the planner plans MoE models in bf16)
         apply_activation_checkpointing(model.layers, ac, ac_every)
         tokens = torch.zeros(micro_batch, seq, dtype=torch.long)
         tracker = _Tracker(list(model.parameters()), list(model.buffers()))

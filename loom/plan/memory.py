@@ -64,6 +64,8 @@ class MemoryInputs:
     micro_batch: int
     seq_len: int
     cpu_offload: bool = False
+    ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard / ep only
+    expert_params: float = 0.0  # of one block (all its experts)
 
 
 def state_memory(params: float, x: MemoryInputs) -> Memory:
@@ -81,6 +83,7 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     compute = BYTES[x.dtype]
     block = sum(layer_params(args)) / x.tp
     root = share.params(x.tp) - share.layers * block
+    block -= x.expert_params * (1 - 1 / x.ep)  # under ep a rank gathers only its own experts
     grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
     return compute * (gathered_layers * block + root) + grads
 

@@ -23,7 +23,7 @@ from loom.plan.hardware import GPU
 from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, gathered_memory, pipeline_peak,
                               stage_activation, state_memory, step_peak, stored_blocks,
                               with_workspace)
-from loom.plan.shapes import layer_params, rank_shares
+from loom.plan.shapes import expert_params, layer_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency,
                               attention_flops, collective_s, efficiency, recompute_share)
 
@@ -63,9 +63,9 @@ def model_args(cfg: Config):
     kernels = resolve_kernels(cfg.model, "cuda", compile=cfg.training.compile, documents=cfg.data.document_positions,
                               tp=p.tp > 1, pp=p.pp > 1, triton=True)
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernels)
-    if args.moe:
-        raise ConfigError("model.moe_experts", args.moe_experts, "loom plan does not model mixture-of-experts "
-                          "models yet: allowed 0 (a dense flavor)")
+    if args.moe and cfg.training.dtype != "bfloat16":
+        raise ConfigError("training.dtype", cfg.training.dtype, "loom plan models mixture-of-experts models in "
+                          "bfloat16 only (their activations are traced through the bf16 grouped GEMM)")
     return args
 
 
@@ -107,7 +107,8 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     split = dims.pp > 1 and p.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
     x = MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp, shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
                      fsdp=dims.fsdp_applied, reshard_after_forward=p.reshard_after_forward and not split,
-                     micro_batch=t.micro_batch_size, seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled)
+                     micro_batch=t.micro_batch_size, seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled,
+                     ep=dims.ep, expert_params=args.moe_experts * expert_params(args) / dims.tp if args.moe else 0.0)
     traced = traced_args(args, t.compile)
     key = (traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp, t.activation_checkpointing, t.ac_every)
     profiles = {} if profiles is None else profiles
@@ -122,7 +123,7 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
     mfu = tokens * flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
-    layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+    layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
     layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=t.activation_checkpointing, accumulation=m)
     notes = []
@@ -167,7 +168,7 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     tokens = x.micro_batch * t.seq_len / dims.cp  # per micro-batch on this rank
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
     head = args.vocab_size * args.dim if any(share.last) else 0
-    block_mm = 6 * share.matmul_params / dims.tp * tokens * (1 + rec_mm)
+    block_mm = 6 * share.active_matmul_params / dims.tp * tokens * (1 + rec_mm)
     attention = attention_flops(share.layers, args.n_heads, args.head_dim, t.seq_len, tokens) / dims.tp * (1 + rec_attn)
     compute_mb = (block_mm + 6 * head / dims.tp * tokens) / (peak * eff) \
         + attention / (peak * attention_efficiency(args.head_dim, t.seq_len))
@@ -188,6 +189,10 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
         per_block = (8 + (4 if recomputed else 0)) * collective_s(tokens * args.dim * c, dims.tp,
                                                                    _bandwidth(dims, ("tp",), gpu))
         st.tp = m * share.layers * per_block
+    if dims.ep > 1:  # every routed token-slot to its expert's rank and back, forward and backward, exposed
+        slots = tokens * args.moe_top_k * args.dim * c
+        per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, _bandwidth(dims, ("dp_shard",), gpu))
+        st.ep = m * share.layers * per_block
     if dims.cp > 1:
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
         per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, _bandwidth(dims, ("cp",), gpu))

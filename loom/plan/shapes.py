@@ -10,9 +10,25 @@ from loom.parallel.pipeline import split_layers, stage_ids
 
 
 def layer_params(args) -> tuple[int, int]:
-    """(matmul weights, norm weights) of one transformer block."""
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    return attn + 3 * args.dim * args.ffn_dim, 2 * args.dim
+    """(matmul weights, norm weights) of one transformer block (a MoE block: the router and every expert)."""
+    return attention_params(args) + ffn_params(args, active=False), 2 * args.dim
+
+
+def attention_params(args) -> int:
+    return args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+
+
+def ffn_params(args, active: bool) -> int:
+    """The feed-forward's weights: dense SwiGLU, or the router plus every expert (``active``: the top_k
+    experts a token goes through)."""
+    if not args.moe:
+        return 3 * args.dim * args.ffn_dim
+    experts = args.moe_top_k if active else args.moe_experts
+    return args.dim * args.moe_experts + experts * expert_params(args)
+
+
+def expert_params(args) -> int:
+    return 3 * args.dim * args.expert_ffn_dim
 
 
 @dataclass(frozen=True)
@@ -26,6 +42,7 @@ class RankShare:
     vocab_params: int  # embedding and head rows (sharded by tp)
     other_params: int  # norms (replicated under tp)
     matmul_params: int  # block weights (sharded by tp)
+    active_matmul_params: int  # block weights one token goes through (a MoE block: router and top_k experts)
 
     def params(self, tp: int) -> float:
         """Parameters one rank of a tp group holds (before any data-parallel sharding)."""
@@ -51,6 +68,7 @@ def rank_shares(args, pp: int, parallel, seq_len: int) -> list[RankShare]:
             vocab += args.vocab_size * args.dim
         if any(last) and not (args.tie_embeddings and any(first)):
             vocab += args.vocab_size * args.dim  # the head, or the tied weight's copy on the last stage
+        active = attention_params(args) + ffn_params(args, active=True)
         shares.append(RankShare(layers, [split[s] for s in ids], first, last, vocab,
-                                layers * norms + (args.dim if any(last) else 0), layers * mm))
+                                layers * norms + (args.dim if any(last) else 0), layers * mm, layers * active))
     return shares

@@ -15,6 +15,9 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
 - tensor parallelism: 4 all-gathers / reduce-scatters of the sequence-parallel activations per block in
   forward and 4 in backward (4 more when the block is recomputed), exposed; context parallelism: an
   all-gather of K and V per block in forward, a reduce-scatter of their gradients in backward, exposed;
+  expert parallelism: each MoE block sends its routed token-slots to the experts' ranks and back, in forward and
+  in backward (4 all-to-alls, costed like an all-gather of the slots), exposed; MoE FLOPs count the router
+  and the top_k experts a token goes through, assuming balanced routing;
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """
@@ -68,6 +71,7 @@ class StepTime:
     fsdp: float = 0.0  # exposed data-parallel communication (FSDP / HSDP / DDP)
     tp: float = 0.0
     cp: float = 0.0
+    ep: float = 0.0  # expert parallelism's token all-to-alls
     pp: float = 0.0  # activations sent between stages
 
     @property

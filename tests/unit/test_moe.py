@@ -140,13 +140,15 @@ def test_unsupported_moe_settings_name_the_field(overrides, field):
     assert err.value.field == field
 
 
-def test_the_planner_says_it_does_not_model_moe():
+def test_the_planner_models_moe_in_bf16_only():
     from loom.plan.hardware import GPUS
     from loom.plan.planner import estimate
 
     with pytest.raises(ConfigError) as err:
         estimate(build_config(None, {"model.flavor": "debug_moe"}), 1, GPUS["H100"])
-    assert err.value.field == "model.moe_experts"
+    assert err.value.field == "training.dtype"
+    est = estimate(build_config(None, {"model.flavor": "debug_moe", "training.dtype": "bfloat16"}), 1, GPUS["H100"])
+    assert est.memory.total > 0 and est.tokens_per_s_per_gpu > 0
 
 
 @pytest.mark.parametrize("args, field", [
