@@ -380,10 +380,12 @@ class Trainer:
             out["moe_balance"] = None if first_pipeline_step else balance
         return out
 
-    def _moe_balance(self) -> torch.Tensor:
+    def _moe_balance(self) -> torch.Tensor | None:
         """This step's sequence-wise balance loss per MoE block and sequence: 1 when tokens spread evenly over the
         experts, up to n_experts / top_k when every token of a sequence picks the same experts."""
         sums = [b for part in self.parts if (b := take_balance(part)) is not None]
+        if self.cfg.training.compile:  # compiled blocks do not record it (loom.models.common.moe)
+            return None
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
         if self.plan is not None:  # each pp rank holds some of the blocks
             dist.all_reduce(total, group=self.dims["pp"].get_group())

@@ -150,11 +150,19 @@ class MoE(nn.Module):
         out = out.view(bsz, seq, dim)
         if self.training and torch.is_grad_enabled():
             aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts)
-            seen = aux.detach()
-            self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
+            if _records_balance():
+                seen = aux.detach()
+                self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
             if self.aux_loss > 0:
                 out = _AuxLossGrad.apply(out, aux, self.aux_loss * self.aux_scale)
         return out
+
+
+def _records_balance() -> bool:
+    """Record the balance for logging in a first eager forward only: not when activation checkpointing reruns
+    the forward inside the backward (it would count twice), not under torch.compile (a traced forward must not
+    change module state; compiled runs do not report it)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() == -1
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:
