@@ -10,11 +10,8 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=params[0].device if params else None)
-    by_mesh: dict = {}  # DTensor norms reduce over their own mesh (experts and the rest differ under ep)
-    for g in grads:
-        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
     norms = []
-    for group in by_mesh.values():
+    for group in by_mesh(grads):  # DTensor norms reduce over their own mesh (experts and the rest differ under ep)
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, error_if_nonfinite=False, foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor grads: partial norms are reduced across their mesh
             norm = norm.full_tensor()
@@ -24,12 +21,17 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 @torch.no_grad()
 def scale_grads(params: list[torch.nn.Parameter], factor: float | torch.Tensor) -> None:
-    by_mesh: dict = {}  # foreach ops take DTensors of one mesh at a time (experts and the rest differ under ep)
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    for grads in by_mesh.values():
+    for grads in by_mesh([p.grad for p in params if p.grad is not None]):  # foreach ops take one mesh at a time
         torch._foreach_mul_(grads, factor)
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by DTensor mesh (plain tensors together): under expert parallelism the experts live
+    on another mesh than the rest, and DTensor ops (foreach, norms) take one mesh at a time."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    return list(groups.values())
 
 
 def unique_params(parts) -> list[torch.nn.Parameter]:

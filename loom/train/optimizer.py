@@ -8,7 +8,7 @@ from torch import nn
 from loom.config.sections import OptimizerConfig
 from loom.kernels.adamw.op import adamw_step_
 from loom.kernels.triton_support import has_triton
-from loom.train.grads import scale_grads, unique_params
+from loom.train.grads import by_mesh, scale_grads, unique_params
 
 
 def resolve_implementation(impl: str, device: torch.device) -> str:
@@ -90,7 +90,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     impl = resolve_implementation(cfg.implementation, device)
     if impl == "triton":
         return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if len({getattr(p, "device_mesh", None) for p in decay + no_decay}) > 1:
+    if len(by_mesh(decay + no_decay)) > 1:
         impl = "single"
     flags = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)

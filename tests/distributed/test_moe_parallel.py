@@ -13,6 +13,26 @@ def moe_job(tmp, name, **kw) -> dict:
     return {**job(tmp, name, **kw), "model.flavor": "debug_moe", "model.moe_aux_loss": 0.05}
 
 
+def check_against(want: list[dict], results: dict) -> None:
+    """Every run's loss (1e-5), grad norm (1e-4) and logged balance (1e-5) at every step against ``want``."""
+    assert len(want) == STEPS
+    report, bad = [], []
+    for name, res in results.items():
+        got = losses(res)
+        # a pipeline does not report its first step's balance (shape inference runs inside it)
+        bal = max(abs(a["moe_balance"] - b["moe_balance"]) / b["moe_balance"] for a, b in zip(res["records"], want)
+                  if a["moe_balance"] is not None)
+        if bal > 1e-5:
+            bad.append(f"{name}: moe_balance deviates {bal:.1e}")
+        dev = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(got, want))
+        gdev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], want))
+        report.append(f"{name}: loss {dev:.1e}, grad norm {gdev:.1e}")
+        if len(got) != STEPS or not (dev < 1e-5 and gdev < 1e-4):
+            bad.append(report[-1])
+    print("\n".join(report))
+    assert not bad, "\n".join(bad + report)
+
+
 def test_moe_layouts_match_single_process(tmp_path):
     ref = run_jobs(1, [moe_job(tmp_path, "single"), moe_job(tmp_path, "single-m2", m=2)], str(tmp_path))
     jobs = {"fsdp2": moe_job(tmp_path, "fsdp2", dp=2, dp_shard=2),
@@ -21,17 +41,7 @@ def test_moe_layouts_match_single_process(tmp_path):
     results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
     results["single-m2"] = ref[1]
     want = ref[0]["records"]
-    assert len(want) == STEPS
-    report, bad = [], []
-    for name, res in results.items():
-        got = losses(res)
-        dev = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(got, want))
-        gdev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], want))
-        report.append(f"{name}: loss {dev:.1e}, grad norm {gdev:.1e}")
-        if len(got) != STEPS or not (dev < 1e-5 and gdev < 1e-4):
-            bad.append(report[-1])
-    print("\n".join(report))
-    assert not bad, "\n".join(bad + report)
+    check_against(want, results)
     assert want[-1]["loss"] < want[0]["loss"]  # it trains
     assert all(0.9 <= r["moe_balance"] <= 2.0 for r in want)  # logged: about 1 when balanced, at most n / k = 2
 
@@ -79,21 +89,7 @@ def test_expert_parallel_matches_single_process(tmp_path):
     results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
     # recomputation reruns the forward in backward: the logged balance must not count it twice
     results.update({"single-ac-full": ref_runs[1], "single-ac-op": ref_runs[2]})
-    report, bad = [], []
-    for name, res in results.items():
-        got = losses(res)
-        # a pipeline does not report its first step's balance (shape inference runs inside it)
-        bal = max(abs(a["moe_balance"] - b["moe_balance"]) / b["moe_balance"] for a, b in zip(res["records"], ref)
-                  if a["moe_balance"] is not None)
-        if bal > 1e-5:
-            bad.append(f"{name}: moe_balance deviates {bal:.1e}")
-        dev = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(got, ref))
-        gdev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], ref))
-        report.append(f"{name}: loss {dev:.1e}, grad norm {gdev:.1e}")
-        if len(got) != STEPS or not (dev < 1e-5 and gdev < 1e-4):
-            bad.append(report[-1])
-    print("\n".join(report))
-    assert not bad, "\n".join(bad + report)
+    check_against(ref, results)
 
 
 def test_expert_parallel_checkpoint_resumes_in_one_process(tmp_path):

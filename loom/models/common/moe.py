@@ -148,9 +148,10 @@ class MoE(nn.Module):
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
         out = (slots.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)  # (T, E)
         out = out.view(bsz, seq, dim)
-        if self.training and torch.is_grad_enabled():
+        record = _records_balance()
+        if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts)
-            if _records_balance():
+            if record:
                 seen = aux.detach()
                 self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
             if self.aux_loss > 0:
