@@ -59,19 +59,12 @@ def doc_ids(doc_lens: list[list[int]], device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- backends
-def loom_fn(q, k, v, causal, ids, split: bool = False):
-    """loom's kernels; ``split``: dK and dV from two kernels at this head dim (triton.SPLIT_DKDV), set on every
-    forward call so that the backward that follows it runs the same way."""
+def loom_fn(q, k, v, causal, ids):
     from loom.kernels.attention import reference as R
-    from loom.kernels.attention import triton as T
     from loom.kernels.attention.op import flash_attention
 
     bounds = R.document_bounds(ids) if ids is not None else None
-
-    def run():
-        T.SPLIT_DKDV = {q.shape[-1]} if split else set()
-        return flash_attention(q, k, v, causal=causal, bounds=bounds)
-    return run
+    return lambda: flash_attention(q, k, v, causal=causal, bounds=bounds)
 
 
 def sdpa_fn(backend):
@@ -136,7 +129,7 @@ def reference_fn(q, k, v, causal, ids):
     return run
 
 
-BACKENDS = {"loom": loom_fn, "loom_split": lambda *a: loom_fn(*a, split=True), "sdpa_flash": sdpa_fn("flash"), "sdpa_cudnn": sdpa_fn("cudnn"),
+BACKENDS = {"loom": loom_fn, "sdpa_flash": sdpa_fn("flash"), "sdpa_cudnn": sdpa_fn("cudnn"),
             "sdpa_efficient": sdpa_fn("efficient"), "flex": flex_fn, "torch_reference": reference_fn}
 
 
@@ -187,7 +180,7 @@ def measure_all(backends: list[str], q, k, v, causal, ids) -> dict:
     for i in range(ROUNDS):
         for name in (list(ready) if i % 2 == 0 else list(reversed(ready))):
             rounds[name].append(timed(*ready[name], q, k, v))
-            if name.startswith("loom"):
+            if name == "loom":
                 rounds[name][-1]["configs"] = loom_configs()
     for name, rs in rounds.items():
         best = min(rs, key=lambda r: r["fwd_bwd_ms"])
@@ -215,13 +208,12 @@ def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backen
         print(f"d{d} h{hq}/{hkv} s{s} {'causal' if causal else 'full'}{' docs' if docs else ''} {name}: "
               + (f"fwd {r['fwd_tflops']:.0f} fwd+bwd {r['fwd_bwd_tflops']:.0f} TFLOP/s" if "fwd_ms" in r else r["error"]),
               flush=True)
-    for mine in ("loom", "loom_split"):
-        ours, tag = row["backends"].get(mine, {}), mine.removeprefix("loom")
-        if "fwd_bwd_tflops" in ours:
-            row["ratios_fwd_bwd" + tag] = {n: ours["fwd_bwd_tflops"] / r["fwd_bwd_tflops"] for n, r in
-                                           row["backends"].items() if n != mine and "fwd_bwd_tflops" in r}
-            row["ratios_fwd" + tag] = {n: ours["fwd_tflops"] / r["fwd_tflops"] for n, r in
-                                       row["backends"].items() if n != mine and "fwd_tflops" in r}
+    ours = row["backends"].get("loom", {})
+    if "fwd_bwd_tflops" in ours:
+        row["ratios_fwd_bwd"] = {n: ours["fwd_bwd_tflops"] / r["fwd_bwd_tflops"]
+                                 for n, r in row["backends"].items() if n != "loom" and "fwd_bwd_tflops" in r}
+        row["ratios_fwd"] = {n: ours["fwd_tflops"] / r["fwd_tflops"]
+                             for n, r in row["backends"].items() if n != "loom" and "fwd_tflops" in r}
     return row
 
 
@@ -235,9 +227,6 @@ SUITES = {
                 backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
     "docs": dict(dims=[(64, 32, 8), (128, 16, 16)], seqs=[4096, 8192, 16384], causal=[True], docs=True,
                  backends=["loom", "flex", "sdpa_efficient"]),
-    # v11: dK and dV from one kernel or from two (loom_split), against the baselines of the same run
-    "split": dict(dims=[(128, 16, 16), (64, 32, 32)], seqs=[4096, 8192, 16384], causal=[True], docs=False,
-                  backends=["loom", "loom_split", "sdpa_flash", "sdpa_cudnn", "flex"]),
     "quick": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[8192], causal=[True], docs=False,
                   backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
 }
@@ -323,8 +312,6 @@ def markdown(rows: list[dict]) -> str:
     names = sorted({n for r in rows for n in r["backends"]}, key=list(BACKENDS).index)
     head = "| d | heads q/kv | seq | mask | " + " | ".join(f"{n} fwd / fwd+bwd" for n in names) + \
            " | loom ÷ best of sdpa_flash, flex (fwd+bwd) | loom ÷ cuDNN (fwd+bwd) |"
-    split_col = any("ratios_fwd_bwd_split" in r for r in rows)
-    head += " loom_split ÷ best of sdpa_flash, flex |" if split_col else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = []
@@ -336,11 +323,8 @@ def markdown(rows: list[dict]) -> str:
         mask = ("docs " if r["docs"] else "") + ("causal" if r["causal"] else "full")
         ratio_best = f"{min(best):.2f}" if best else "n/a"
         ratio_cudnn = f"{rat['sdpa_cudnn']:.2f}" if "sdpa_cudnn" in rat else "n/a"
-        split = r.get("ratios_fwd_bwd_split", {})
-        best_split = [split[n] for n in ("sdpa_flash", "flex") if n in split]
-        extra = f" {min(best_split):.2f} |" if split_col else ""
         lines.append(f"| {r['head_dim']} | {r['heads']}/{r['kv_heads']} | {r['seq']} | {mask} | " + " | ".join(cells)
-                     + f" | {ratio_best} | {ratio_cudnn} |" + extra)
+                     + f" | {ratio_best} | {ratio_cudnn} |")
     return "\n".join(lines)
 
 

@@ -25,11 +25,8 @@ from loom.kernels.attention import triton as attn  # noqa: E402
 
 POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "LSE2", "DELTA", "DLSE", "BOUNDS"}
 FLOAT32_POINTERS = {"LSE", "LSE2", "DELTA", "DLSE"}
-KERNELS = {"fwd": (attn._attn_fwd, attn._FWD_CONFIGS, {}),
-           "dkdv": (attn._attn_bwd_dkdv, attn._DKDV_CONFIGS, {"PART": 0}),
-           "dv": (attn._attn_bwd_dkdv, attn._DV_CONFIGS, {"PART": 1}),
-           "dk": (attn._attn_bwd_dkdv, attn._DK_CONFIGS, {"PART": 2}),
-           "dq": (attn._attn_bwd_dq, attn._DQ_CONFIGS, {})}
+KERNELS = {"fwd": (attn._attn_fwd, attn._FWD_CONFIGS), "dkdv": (attn._attn_bwd_dkdv, attn._DKDV_CONFIGS),
+           "dq": (attn._attn_bwd_dq, attn._DQ_CONFIGS)}
 
 
 def signature(fn, constants: dict, dtype: str) -> dict:
@@ -82,10 +79,10 @@ def main() -> None:
     p.add_argument("--dump", default="", help="write each config's TTGIR and PTX here")
     p.add_argument("--configs", default="", help="'M,N,warps,stages[,maxnreg];...' instead of the kernel's candidates")
     a = p.parse_args()
-    fn, configs, part = KERNELS[a.kind]
+    fn, configs = KERNELS[a.kind]
     workdir = a.dump or "/tmp"
     os.makedirs(workdir, exist_ok=True)
-    base = dict(GROUP=a.group, CAUSAL=not a.full, HAS_DOCS=a.docs, WINDOW=0, HEAD_DIM=a.head_dim, **part)
+    base = dict(GROUP=a.group, CAUSAL=not a.full, HAS_DOCS=a.docs, WINDOW=0, HEAD_DIM=a.head_dim)
     if a.configs:
         configs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split(";")]
     for m, n, w, s, *reg in configs:

@@ -43,27 +43,23 @@ def two_configs_per_kernel():
     block paths run at different splits. The other tests here use the full candidate lists."""
     from loom.kernels.attention import triton as T
 
-    saved = T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DV_CONFIGS, T._DK_CONFIGS, T._DQ_CONFIGS, T.SPLIT_DKDV
+    saved = T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DQ_CONFIGS
     T._FWD_CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 4)]
-    T._DKDV_CONFIGS = T._DK_CONFIGS = [(64, 128, 8, 3), (32, 64, 4, 4)]
-    T._DV_CONFIGS = [(128, 128, 8, 2), (32, 64, 4, 4)]
+    T._DKDV_CONFIGS = [(64, 128, 8, 3), (32, 64, 4, 4)]
     T._DQ_CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 3)]
     T._TUNED.clear()
-    yield T
-    T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DV_CONFIGS, T._DK_CONFIGS, T._DQ_CONFIGS, T.SPLIT_DKDV = saved
+    yield
+    T._FWD_CONFIGS, T._DKDV_CONFIGS, T._DQ_CONFIGS = saved
     T._TUNED.clear()
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["dkdv", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_flash_attention_matches_reference(case, dtype, split, two_configs_per_kernel):
-    """``split``: dK and dV by one kernel or by two (triton.SPLIT_DKDV)."""
+def test_flash_attention_matches_reference(case, dtype, two_configs_per_kernel):
     from loom.kernels.attention import reference as R
     from loom.kernels.attention.op import flash_attention
 
     b, hq, hk, s, d, causal, docs, window = case
-    two_configs_per_kernel.SPLIT_DKDV = {d} if split else set()
     gen = torch.Generator().manual_seed(s)
     q, k, v = (torch.randn(b, h, s, d, generator=gen).cuda() for h in (hq, hk, hk))
     bounds = R.document_bounds(_docs(b, s, gen).cuda()) if docs else None

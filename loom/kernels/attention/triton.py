@@ -198,8 +198,7 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
 @triton.jit
 def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, offs_n, offs_d,
                      S, START_B, END_B, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, PART: tl.constexpr):
-    """PART: 0 both dK and dV (4 matmuls per tile), 1 dV only (2), 2 dK only (3)."""
+                     HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_seq = offs_m < S
@@ -207,25 +206,21 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
             q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
             lse2 = tl.load(lse_base + offs_m, mask=in_seq, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=in_seq, other=0.0)
         else:
             q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :])
             do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
             lse2 = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
         st = tl.dot(k, tl.trans(q)) * qk_scale  # (N, M): scores transposed, log2 units
         pt = tl.math.exp2(st - lse2[None, :])
         if MASKED:
             start_q, end_q = _doc_bounds(START_B, END_B, S, offs_m, in_seq, HAS_DOCS)
             pt = tl.where(tl.trans(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW)), pt, 0.0)
-        if PART != 2:
-            dv = tl.dot(pt.to(do.dtype), do, dv)
-        if PART != 1:
-            if MASKED:
-                delta = tl.load(delta_base + offs_m, mask=in_seq, other=0.0)
-            else:
-                delta = tl.load(delta_base + offs_m)
-            dpt = tl.dot(v, tl.trans(do))  # (N, M)
-            dst = pt * (dpt - delta[None, :])
-            dk = tl.dot(dst.to(q.dtype), q, dk)
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        dpt = tl.dot(v, tl.trans(do))  # (N, M)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -233,9 +228,8 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
 def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr):
-    """dK, dV (PART 0), dV (1) or dK (2) of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query
-    heads of its group."""
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
@@ -252,17 +246,15 @@ def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh,
         lse_base = LSE2 + (b * H + h) * S
         delta_base = DELTA + (b * H + h) * S
         dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
-                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M, PART)
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
         dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
-                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M, PART)
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
         dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
-                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M, PART)
-    if PART != 1:
-        tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
-                 (dk * sm_scale).to(DK.dtype.element_ty), mask=in_seq[:, None])
-    if PART != 2:
-        tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                 mask=in_seq[:, None])
+                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=in_seq[:, None])
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=in_seq[:, None])
 
 
 @triton.jit
@@ -320,12 +312,12 @@ def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, s
 def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                    sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     HK = H // GROUP
     _dkdv_program(tl.program_id(0) * BLOCK_N, tl.program_id(1) // HK, tl.program_id(1) % HK, Q, K, V, DO, LSE2,
                   DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
                   sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM,
-                  BLOCK_M, BLOCK_N, PART)
+                  BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -373,17 +365,11 @@ def _configs(shapes) -> list:
 _FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4)]
 _DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
                  (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
-# dK and dV by two kernels (one accumulator each: larger tiles fit) where SPLIT_DKDV says so
-_DV_CONFIGS = [(128, 128, 8, 3), (64, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
-_DK_CONFIGS = [(64, 128, 8, 3), (128, 128, 8, 2), (64, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 _DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4),
                (128, 32, 8, 3, 128)]  # capped at 128 registers: two programs per SM, no spill at d128
 _KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
 _INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
-                       "dv": {"BLOCK_M": 16, "BLOCK_N": 32}, "dk": {"BLOCK_M": 16, "BLOCK_N": 32},
                        "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
-# head dims whose dK and dV come from two kernels (2 + 3 matmuls per tile instead of 4 in one, bench/NOTES.md v11)
-SPLIT_DKDV: set[int] = set()
 
 
 def _seq_key(seq: int) -> int:
@@ -394,13 +380,12 @@ def _seq_key(seq: int) -> int:
 
 def _kernel(kind: str):
     """The kernel for ``kind``: autotuned on a GPU, fixed small blocks in the CPU interpreter."""
-    raw, configs = {"fwd": (_attn_fwd, _FWD_CONFIGS), "dkdv": (_attn_bwd_dkdv, _DKDV_CONFIGS),
-                    "dv": (_attn_bwd_dkdv, _DV_CONFIGS), "dk": (_attn_bwd_dkdv, _DK_CONFIGS),
-                    "dq": (_attn_bwd_dq, _DQ_CONFIGS)}[kind]
+    raw, configs = {"fwd": (_attn_fwd, _configs(_FWD_CONFIGS)), "dkdv": (_attn_bwd_dkdv, _configs(_DKDV_CONFIGS)),
+                    "dq": (_attn_bwd_dq, _configs(_DQ_CONFIGS))}[kind]
     if interpreting():
         return raw, _INTERPRETER_BLOCKS[kind]
     if kind not in _TUNED:
-        _TUNED[kind] = triton.autotune(configs=_configs(configs), key=_KEY)(raw)
+        _TUNED[kind] = triton.autotune(configs=configs, key=_KEY)(raw)
     return _TUNED[kind], {}
 
 
@@ -470,11 +455,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     tail = (seq, hq, group, bsz, _seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
     b_ = _dummy_bounds(q, bounds)
-    parts = (("dv", 1), ("dk", 2)) if dim in SPLIT_DKDV else (("dkdv", 0),)
-    for kind, part in parts:
-        kernel, blocks = _kernel(kind)
-        kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
-            *args, dk, dv, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common, PART=part)
+    kernel, blocks = _kernel("dkdv")
+    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
+        *args, dk, dv, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
     kernel, blocks = _kernel("dq")
     kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)](
         *args, dq, b_, *strides, *dq.stride()[:3], *tail, **blocks, **common)
