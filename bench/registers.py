@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from loom.kernels.attention import triton as attn  # noqa: E402
 
-POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "LSE2", "DELTA", "DLSE", "BOUNDS"}
+POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "LSE2", "DELTA", "DLSE", "BOUNDS", "KBOUNDS"}
 FLOAT32_POINTERS = {"LSE", "LSE2", "DELTA", "DLSE"}
 KERNELS = {"fwd": (attn._attn_fwd, attn._FWD_CONFIGS), "dkdv": (attn._attn_bwd_dkdv, attn._DKDV_CONFIGS),
            "dq": (attn._attn_bwd_dq, attn._DQ_CONFIGS)}
@@ -35,7 +35,7 @@ def signature(fn, constants: dict, dtype: str) -> dict:
         if name in constants:
             sig[name] = "constexpr"
         elif name in POINTERS:
-            sig[name] = "*fp32" if name in FLOAT32_POINTERS else ("*i32" if name == "BOUNDS" else f"*{dtype}")
+            sig[name] = "*fp32" if name in FLOAT32_POINTERS else ("*i32" if name in ("BOUNDS", "KBOUNDS") else f"*{dtype}")
         elif name in ("qk_scale", "sm_scale"):
             sig[name] = "fp32"
         else:

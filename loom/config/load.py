@@ -258,9 +258,6 @@ def check_parallel_fields(cfg: Config) -> None:
         if t.seq_len % (2 * p.cp):
             raise ConfigError("parallel.cp", p.cp, f"training.seq_len {t.seq_len} must split into 2 x cp = {2 * p.cp} "
                               "equal chunks (each cp rank holds two: balanced causal work)")
-        if cfg.data.document_positions:
-            raise ConfigError("data.document_positions", True, "not supported with parallel.cp > 1 yet (documents "
-                              "would cross the chunks); allowed with cp = 1")
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
     if t.float8 != "none" and p.tp > 1:

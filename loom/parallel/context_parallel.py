@@ -12,6 +12,12 @@ each local query chunk to every key chunk at or before it, one block at a time t
 outputs by their log-sum-exps. The gather's backward is a reduce-scatter of dK/dV (functional collectives
 with autograd), so gradients need nothing else. Parameters are sharded by FSDP over ``dp_shard x cp``.
 
+Packed documents: the model passes per-document positions (this rank's shard). They are all-gathered too
+(B x S integers per layer), turned into the whole sequence's document bounds, and each (query chunk, key
+chunk) pair gets them in its own coordinates (``pair_bounds``): the queries' key ranges and the keys'
+query ranges, which the kernel's forward and backward walk. Documents are contiguous, so each range stays
+one interval inside a chunk.
+
 Applied by ``apply_context_parallel(model, cp_mesh)`` after the model is built: it hands each attention
 module a ``ContextParallel``; the model code stays single-device.
 """
@@ -22,6 +28,7 @@ import torch
 from torch import nn
 
 from loom.kernels.attention.op import flash_attention
+from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, shift_bounds
 
 
 def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
@@ -39,6 +46,14 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.T
 def local_positions(seq_local: int, rank: int, cp: int, device=None) -> torch.Tensor:
     """Global positions (S_local,) int64 of this cp rank's tokens."""
     return shard_sequence(torch.arange(seq_local * cp, device=device), rank, cp, dim=0)
+
+
+def pair_bounds(bounds: torch.Tensor, g: int, j: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document bounds (2, B, S) of the whole sequence -> (query side, key side), each (2, B, chunk) int32, for
+    query chunk ``g`` attending to key chunk ``j``: each query's keys in chunk j's coordinates, each key's
+    queries in chunk g's (``flash_attention``'s ``bounds`` and ``key_bounds``)."""
+    rows = lambda i: bounds[:, :, i * chunk:(i + 1) * chunk]  # noqa: E731
+    return shift_bounds(rows(g), j * chunk, chunk), shift_bounds(rows(j), g * chunk, chunk)
 
 
 def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
@@ -59,28 +74,42 @@ class ContextParallel:
     def positions(self, seq_local: int, device) -> torch.Tensor:
         return local_positions(seq_local, self.rank, self.size, device)
 
-    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """(B, H, S_local, D) from every cp rank -> the 2·cp chunks in global order."""
+    def _gather(self, t: torch.Tensor, dim: int = 2, autograd: bool = True) -> list[torch.Tensor]:
+        """``t`` with this rank's S_local tokens along ``dim`` from every cp rank -> the 2·cp chunks in global
+        order. ``autograd``: the backward reduce-scatters the gradients (K/V); not for integer tensors."""
         from torch.distributed import _functional_collectives as fc
 
         # newer torch renamed the autograd all-gather (the old name warns); the package accepts torch >= 2.11
-        gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-        full = gather(t.contiguous(), gather_dim=2, group=self.group)  # (B, H, cp·S_l, D)
-        pieces = full.chunk(2 * self.size, dim=2)  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
+        gather = (getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd) if autograd \
+            else fc.all_gather_tensor
+        full = gather(t.contiguous(), gather_dim=dim, group=self.group)  # (..., cp·S_l, ...)
+        pieces = full.chunk(2 * self.size, dim=dim)  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
         ordered: list[torch.Tensor] = [None] * (2 * self.size)  # type: ignore[list-item]
         for r in range(self.size):
             a, b = chunk_ids(r, self.size)
             ordered[a], ordered[b] = pieces[2 * r], pieces[2 * r + 1]
         return ordered
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def document_bounds(self, positions: torch.Tensor) -> torch.Tensor:
+        """Per-document positions (B, S_local) of this rank's tokens -> the whole sequence's document bounds
+        (2, B, S)."""
+        whole = torch.cat(self._gather(positions, dim=1, autograd=False), dim=1)  # (B, S) in global order
+        return document_bounds(doc_ids_from_positions(whole))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) of this rank's chunks -> causal attention output
-        (B, Hq, S_local, D) over the whole sequence."""
+        (B, Hq, S_local, D) over the whole sequence; with per-document ``positions`` (B, S_local), packed
+        documents do not attend to each other."""
         ks, vs = self._gather(k), self._gather(v)
-        q_chunks = q.chunk(2, dim=2)
+        bounds = None if positions is None else self.document_bounds(positions)
+        chunk = q.shape[2] // 2
         outs = []
-        for qc, g in zip(q_chunks, chunk_ids(self.rank, self.size)):
-            blocks = [flash_attention(qc, ks[j], vs[j], causal=j == g, return_lse=True) for j in range(g + 1)]
+        for qc, g in zip(q.chunk(2, dim=2), chunk_ids(self.rank, self.size)):
+            blocks = []
+            for j in range(g + 1):
+                docs = {} if bounds is None else dict(zip(("bounds", "key_bounds"), pair_bounds(bounds, g, j, chunk)))
+                blocks.append(flash_attention(qc, ks[j], vs[j], causal=j == g, return_lse=True, **docs))
             outs.append(merge_blocks([o for o, _ in blocks], [lse for _, lse in blocks]))
         return torch.cat(outs, dim=2)
 

@@ -1,16 +1,20 @@
 """Context parallelism: the load-balanced sequence layout, the all-gather attention against one process's
-causal attention (outputs and q/k/v gradients, GQA), and layout invariance of training with cp alone and
-composed with FSDP, HSDP, TP, PP and accumulation (fp32, loss and grad norm within 1e-5 of one process at
-every step), validation included; config errors for what cp does not support yet."""
+causal attention (outputs and q/k/v gradients, GQA, packed documents crossing the chunks), and layout
+invariance of training with cp alone and composed with FSDP, HSDP, TP, PP and accumulation, with packed
+documents too (fp32, loss and grad norm within 1e-5 of one process at every step), validation included;
+config errors for what cp does not support yet."""
 
 from __future__ import annotations
+
+import json
+import random
 
 import pytest
 import torch
 
 from loom.config import ConfigError, build_config
 from loom.kernels.attention import reference as R
-from loom.parallel.context_parallel import chunk_ids, local_positions, merge_blocks, shard_sequence
+from loom.parallel.context_parallel import chunk_ids, local_positions, merge_blocks, pair_bounds, shard_sequence
 from tests.distributed.harness import losses, run_fn, run_jobs
 from tests.distributed.test_model_parallel import STEPS, job
 
@@ -40,23 +44,57 @@ def test_merging_key_blocks_by_lse_equals_attention_over_all_keys():
     torch.testing.assert_close(merged, whole[:, :, 12:], rtol=1e-5, atol=1e-6)
 
 
+def doc_positions(bsz: int, seq: int, seed: int) -> torch.Tensor:
+    """Per-document positions (B, S) of packed documents of 1-13 tokens: boundaries anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.rand(bsz, seq, generator=gen) < 0.15
+    starts[:, 0] = True
+    idx = torch.arange(seq).expand(bsz, seq)
+    return idx - torch.where(starts, idx, 0).cummax(1).values
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_chunk_pair_bounds_give_the_whole_sequence_mask_in_pieces(cp):
+    """Each (query chunk, key chunk) pair's bounds mask the same entries as the whole sequence's causal
+    document mask, and its key-side bounds list exactly the queries that see each key (the kernel's dK/dV
+    walk relies on that)."""
+    chunk, bsz = 5, 3
+    seq = 2 * cp * chunk
+    ids = R.doc_ids_from_positions(doc_positions(bsz, seq, cp))
+    ids[0, -3:] = -1  # padding too
+    bounds = R.document_bounds(ids)
+    whole = R.visible(seq, True, bounds, 0, "cpu")[:, 0]  # (B, S, S)
+    for g in range(2 * cp):
+        for j in range(g + 1):
+            qb, kb = pair_bounds(bounds, g, j, chunk)
+            want = whole[:, g * chunk:(g + 1) * chunk, j * chunk:(j + 1) * chunk]  # (B, chunk, chunk)
+            assert torch.equal(R.visible(chunk, j == g, qb, 0, "cpu")[:, 0], want)
+            if j < g:  # off the diagonal: key n is seen by queries [kb[0, n], kb[1, n]] exactly
+                rows = torch.arange(chunk)[None, :, None]
+                assert torch.equal((rows >= kb[0][:, None]) & (rows <= kb[1][:, None]), want)
+
+
 # ---- attention across ranks vs one process ------------------------------------------------------------
 
-def cp_attention_parity(rank: int, world: int) -> dict:
+def cp_attention_parity(rank: int, world: int, docs: bool = False) -> dict:
     import torch.distributed as dist
 
     from loom.kernels.attention.op import flash_attention
     from loom.parallel.context_parallel import ContextParallel
 
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)  # GQA 4/2
-    dout = torch.randn(2, 4, 16, 8)
+    seq = 8 * world
+    q, k, v = torch.randn(2, 4, seq, 8), torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)  # GQA 4/2
+    dout = torch.randn(2, 4, seq, 8)
+    positions = doc_positions(2, seq, seed=world) if docs else None
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = flash_attention(*full, causal=True)
+    ids = R.doc_ids_from_positions(positions) if docs else None
+    ref = flash_attention(*full, causal=True, doc_ids=ids)
     ref.backward(dout)
 
     local = [shard_sequence(t, rank, world, dim=2).requires_grad_() for t in (q, k, v)]
-    out = ContextParallel(dist.group.WORLD, rank, world).attend(*local)
+    mine = shard_sequence(positions, rank, world) if docs else None
+    out = ContextParallel(dist.group.WORLD, rank, world).attend(*local, mine)
     out.backward(shard_sequence(dout, rank, world, dim=2))
     errs = {"out": (out - shard_sequence(ref, rank, world, dim=2)).abs().max().item()}
     for name, mine, whole in zip("qkv", local, full):
@@ -66,16 +104,46 @@ def cp_attention_parity(rank: int, world: int) -> dict:
     return {k: max(e[k] for e in gathered) for k in errs}
 
 
+def cp_attention_parity_docs(rank: int, world: int) -> dict:
+    return cp_attention_parity(rank, world, docs=True)
+
+
 def test_cp_attention_matches_one_process_forward_and_backward(tmp_path):
     errs = run_fn(2, cp_attention_parity, str(tmp_path))
     assert max(errs.values()) < 1e-5, errs
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_with_packed_documents_matches_one_process(world, tmp_path):
+    errs = run_fn(world, cp_attention_parity_docs, str(tmp_path))
+    assert max(errs.values()) < 1e-5, errs
+
+
 # ---- training layouts vs one process ------------------------------------------------------------------
+
+def short_documents(tmp) -> str:
+    """A jsonl corpus of documents of 3-40 bytes: with seq_len 32, boundaries inside every cp chunk."""
+    path = tmp / "short_docs.jsonl"
+    if not path.exists():
+        rng = random.Random(3)
+        words = "the of loom mesh chunk ring shard rank token layer key query value".split()
+        with open(path, "w") as f:
+            for _ in range(3000):
+                text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 7)))
+                f.write(json.dumps({"text": text}) + "\n")
+    return str(path)
+
+
+def docs_job(tmp, name, **kw) -> dict:
+    """``job`` on packed short documents, positions restarting per document (the document mask on)."""
+    return {**job(tmp, name, **kw), "data.source": short_documents(tmp.parent), "data.document_positions": "true",
+            "data.cache_dir": f"{tmp.parent}/docs_cache"}
+
 
 def cp_jobs(tmp, world: int) -> dict:
     if world == 2:
-        return {"cp2": job(tmp, "cp2", cp=2, dp_shard=1),
+        return {"cp2-docs": docs_job(tmp, "cp2-docs", cp=2, dp_shard=1),
+                "cp2": job(tmp, "cp2", cp=2, dp_shard=1),
                 "cp2-m2": job(tmp, "cp2-m2", m=2, cp=2, dp_shard=1),
                 "cp2-untied": job(tmp, "cp2-untied", tied=False, cp=2, dp_shard=1),
                 # per-block torch.compile traces the all-gather and the attention op's fake implementation
@@ -83,6 +151,8 @@ def cp_jobs(tmp, world: int) -> dict:
                 # recomputation repeats the K/V all-gather in backward, in the same order on every rank
                 "cp2-ac-op": {**job(tmp, "cp2-ac-op", cp=2, dp_shard=1), "training.activation_checkpointing": "op"}}
     return {"fsdp2xcp2": job(tmp, "fsdp2xcp2", dp=2, cp=2, dp_shard=2),
+            "cp4-docs-m2": docs_job(tmp, "cp4-docs-m2", m=2, cp=4, dp_shard=1),
+            "fsdp2xcp2-docs": docs_job(tmp, "fsdp2xcp2-docs", dp=2, cp=2, dp_shard=2),
             "hsdp2x1xcp2-m2": job(tmp, "hsdp2x1xcp2-m2", m=2, dp=2, cp=2, dp_replicate=2, dp_shard=1),
             "cp2xtp2": job(tmp, "cp2xtp2", cp=2, tp=2, dp_shard=1),
             # stages pass (B, S/cp, E) hidden states; each attention knows its tokens' positions
@@ -93,8 +163,15 @@ def cp_jobs(tmp, world: int) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
-    res = run_jobs(1, [job(tmp, "single-tied"), job(tmp, "single-untied", tied=False)], str(tmp))
-    return {"true": res[0]["records"], "false": res[1]["records"]}
+    res = run_jobs(1, [job(tmp, "single-tied"), job(tmp, "single-untied", tied=False),
+                       docs_job(tmp, "single-docs")], str(tmp))
+    for r in res:
+        assert "error" not in r, r["error"]
+    return {"true": res[0]["records"], "false": res[1]["records"], "docs": res[2]["records"]}
+
+
+def reference_key(j: dict) -> str:
+    return "docs" if j.get("data.document_positions") == "true" else j["model.tie_embeddings"]
 
 
 def check(reference, jobs, results):
@@ -103,7 +180,7 @@ def check(reference, jobs, results):
         if "error" in res:
             bad.append(f"{name}: {res['error']}")
             continue
-        ref = reference[j["model.tie_embeddings"]]
+        ref = reference[reference_key(j)]
         dev = max(abs(x - y["loss"]) / y["loss"] for x, y in zip(losses(res), ref))
         gdev = max(abs(x["grad_norm"] - y["grad_norm"]) / y["grad_norm"] for x, y in zip(res["records"], ref))
         assert len(res["records"]) == len(ref) == STEPS
@@ -155,7 +232,6 @@ def test_cp_checkpoint_resumes_under_fsdp(tmp_path):
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.cp": "2", "training.seq_len": "30"}, "parallel.cp"),
-    ({"parallel.cp": "2", "data.document_positions": "true"}, "data.document_positions"),
 ])
 def test_unsupported_cp_settings_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

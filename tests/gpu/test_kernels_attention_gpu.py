@@ -142,13 +142,17 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     assert not (tmp_path / "det" / "kernels.json").exists()
 
 
-def test_context_parallel_attention_through_the_triton_kernels(tmp_path):
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs):
     """Context-parallel attention on one GPU (a 1-rank NCCL group: both chunks local, three key blocks
     merged by their log-sum-exps) against the kernel on the whole sequence, bf16, GQA; gradients too.
-    Across ranks the same code is tested on CPU (tests/distributed/test_context_parallel.py)."""
+    ``docs``: packed documents crossing the chunk boundary (the off-diagonal block runs the kernel with
+    separate query-side and key-side bounds). Across ranks the same code is tested on CPU
+    (tests/distributed/test_context_parallel.py)."""
     import torch.distributed as dist
 
     from loom.kernels.attention.op import flash_attention
+    from loom.kernels.attention.reference import doc_ids_from_positions
     from loom.parallel.context_parallel import ContextParallel
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -158,9 +162,16 @@ def test_context_parallel_attention_through_the_triton_kernels(tmp_path):
         # q/k/v as the model passes them: (B, S, H, D) transposed to (B, H, S, D)
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
         whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = ContextParallel(dist.group.WORLD, 0, 1).attend(q, k, v)
+        positions = None
+        if docs:  # documents of ~300 tokens on average, boundaries anywhere
+            starts = torch.rand(2, 2048, generator=gen) < 1 / 300
+            starts[:, 0] = True
+            idx = torch.arange(2048).expand(2, 2048)
+            positions = (idx - torch.where(starts, idx, 0).cummax(1).values).cuda()
+        out = ContextParallel(dist.group.WORLD, 0, 1).attend(q, k, v, positions)
         out.backward(dout)
-        ref = flash_attention(*whole, causal=True)
+        ids = None if positions is None else doc_ids_from_positions(positions)
+        ref = flash_attention(*whole, causal=True, doc_ids=ids)
         ref.backward(dout)
         assert not out.isnan().any()
         for got, want in [(out, ref)] + [(a.grad, b.grad) for a, b in zip((q, k, v), whole)]:

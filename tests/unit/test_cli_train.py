@@ -64,8 +64,6 @@ CASES = [
     ("cp-larger-than-world", ["--parallel.cp", "2"], ["parallel.cp = 2", "= 2 must divide the world size 1"]),
     ("cp-uneven-sequence", ["--nproc-per-node", "2", "--parallel.cp", "2", "--training.seq_len", "30"],
      ["parallel.cp = 2", "training.seq_len 30 must split into 2 x cp = 4 equal chunks"]),
-    ("cp-with-documents", ["--nproc-per-node", "2", "--parallel.cp", "2", "--data.document_positions", "true"],
-     ["data.document_positions = True", "not supported with parallel.cp > 1 yet"]),
     ("tp-larger-than-world", ["--parallel.tp", "2"], ["parallel.tp = 2", "= 2 must divide the world size 1"]),
     ("tp-vs-kv-heads", ["--nproc-per-node", "4", "--parallel.tp", "4"],
      ["parallel.tp = 4", "must divide the model's KV heads (2)"]),

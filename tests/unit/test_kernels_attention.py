@@ -94,12 +94,13 @@ def test_op_passes_opcheck():
     q, k, v = qkv(grad=True)
     ids = torch.sort(torch.randint(0, 3, (2, 24), generator=torch.Generator().manual_seed(1)), dim=1).values
     b = R.document_bounds(ids)
-    torch.library.opcheck(flash_attn_op, (q, k, v, b, True, 0, 0.25))
-    torch.library.opcheck(flash_attn_op, (q, k, v, None, False, 5, 0.25))
+    torch.library.opcheck(flash_attn_op, (q, k, v, b, None, True, 0, 0.25))
+    torch.library.opcheck(flash_attn_op, (q, k, v, None, None, False, 5, 0.25))
+    torch.library.opcheck(flash_attn_op, (q, k, v, b, b.clone(), False, 0, 0.25))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward op has no double backward
-    out, lse = flash_attn_op(q, k, v, b, True, 0, 0.25)
+    out, lse = flash_attn_op(q, k, v, b, None, True, 0, 0.25)
     torch.library.opcheck(flash_attn_backward_op, (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse),
-                                                   b, True, 0, 0.25))
+                                                   b, b.clone(), True, 0, 0.25))
 
 
 def test_gradcheck_through_the_op():
@@ -224,6 +225,21 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         fin = torch.isfinite(l1)
         errs = [(o1 - o2).abs().max(), (l1[fin] - l2[fin]).abs().max()] + [(a - c).abs().max() for a, c in zip(g1, g2)]
         worst = max(worst, max(float(e) for e in errs))
+    # a chunk pair, as context parallelism attends: queries are chunk 1 of a packed sequence, keys chunk 0
+    c = 40
+    ids = torch.sort(torch.randint(0, 5, (2, 2 * c)), dim=1).values
+    whole = R.document_bounds(ids)
+    qb, kb = R.shift_bounds(whole[:, :, c:], 0, c), R.shift_bounds(whole[:, :, :c], c, c)
+    q, k, v = torch.randn(2, 4, c, 16), torch.randn(2, 2, c, 16), torch.randn(2, 2, c, 16)
+    o1, l1 = R.attention_forward(q, k, v, False, qb, 0, 0.25)
+    o2, l2 = T.attention_forward(q, k, v, False, qb, 0, 0.25, kb)
+    do = torch.randn_like(o1)
+    g1 = R.attention_backward(do, q, k, v, o1, l1, None, False, qb, 0, 0.25)
+    g2 = T.attention_backward(do, q, k, v, o2, l2, None, False, qb, 0, 0.25, kb)
+    assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and not torch.isnan(o2).any()
+    fin = torch.isfinite(l1)
+    errs = [(o1 - o2).abs().max(), (l1[fin] - l2[fin]).abs().max()] + [(a - b).abs().max() for a, b in zip(g1, g2)]
+    worst = max(worst, max(float(e) for e in errs))
     print("WORST", worst)
 """)
 

@@ -27,47 +27,50 @@ def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("loom::flash_attn", mutates_args=())
-def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, causal: bool,
-                  window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None,
+                  key_bounds: torch.Tensor | None, causal: bool, window: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     impl = _impl(q.device)
-    out, lse = impl.attention_forward(q, k, v, causal, bounds, window, scale)
+    out, lse = impl.attention_forward(q, k, v, causal, bounds, window, scale, key_bounds)
     if impl is reference:
         out, lse = _as_promised(out, q), lse.contiguous()
     return out, lse
 
 
 @flash_attn_op.register_fake
-def _(q, k, v, bounds, causal, window, scale):
+def _(q, k, v, bounds, key_bounds, causal, window, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("loom::flash_attn_backward", mutates_args=())
 def flash_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, dlse: torch.Tensor | None, bounds: torch.Tensor | None, causal: bool,
-                           window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           lse: torch.Tensor, dlse: torch.Tensor | None, bounds: torch.Tensor | None,
+                           key_bounds: torch.Tensor | None, causal: bool, window: int,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _impl(q.device)
-    dq, dk, dv = impl.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale)
+    dq, dk, dv = impl.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale, key_bounds)
     if impl is reference:
         dq, dk, dv = _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
     return dq, dk, dv
 
 
 @flash_attn_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, bounds, causal, window, scale):
+def _(dout, q, k, v, out, lse, dlse, bounds, key_bounds, causal, window, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bounds, causal, window, scale = inputs
+    q, k, v, bounds, key_bounds, causal, window, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bounds)
+    ctx.save_for_backward(q, k, v, out, lse, bounds, key_bounds)
     ctx.causal, ctx.window, ctx.scale = causal, window, scale
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, bounds = ctx.saved_tensors
-    dq, dk, dv = flash_attn_backward_op(dout, q, k, v, out, lse, dlse, bounds, ctx.causal, ctx.window, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, out, lse, bounds, key_bounds = ctx.saved_tensors
+    dq, dk, dv = flash_attn_backward_op(dout, q, k, v, out, lse, dlse, bounds, key_bounds, ctx.causal, ctx.window,
+                                        ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
@@ -75,17 +78,21 @@ flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     doc_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                    bounds: torch.Tensor | None = None, window: int = 0, scale: float | None = None,
-                    return_lse: bool = False):
+                    bounds: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None, window: int = 0,
+                    scale: float | None = None, return_lse: bool = False):
     """Attention over q (B, Hq, S, D) and k, v (B, Hkv, S, D); Hq a multiple of Hkv (GQA without copies).
 
     Packed documents, one of: ``doc_ids`` (B, S) (runs of equal ids are documents, negative = padding),
     ``cu_seqlens`` (n_docs + 1,) for B = 1 (varlen layout), or precomputed ``bounds`` (2, B, S) from
-    ``reference.document_bounds`` (compute once per batch, reuse in every layer). ``window`` > 0: sliding
+    ``reference.document_bounds`` (compute once per batch, reuse in every layer); with ``bounds``,
+    ``key_bounds`` (2, B, S) when queries and keys are different pieces of one sequence (context parallelism:
+    see ``reference``'s docstring). ``window`` > 0: sliding
     window |i - j| < window. Returns out (B, Hq, S, D), and with ``return_lse`` also the log-sum-exp
     (B, Hq, S) float32 (natural log; -inf for a query that sees no key)."""
     if sum(x is not None for x in (doc_ids, cu_seqlens, bounds)) > 1:
         raise ValueError("give at most one of doc_ids, cu_seqlens, bounds")
+    if key_bounds is not None and bounds is None:
+        raise ValueError("key_bounds needs bounds (the queries' side of the same document mask)")
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs batch 1 (documents concatenated), got batch {q.shape[0]}")
@@ -93,5 +100,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if doc_ids is not None:
         bounds = reference.document_bounds(doc_ids)
     scale = reference.default_scale(q.shape[-1]) if scale is None else scale
-    out, lse = flash_attn_op(q, k, v, bounds, causal, window, scale)
+    out, lse = flash_attn_op(q, k, v, bounds, key_bounds, causal, window, scale)
     return (out, lse) if return_lse else out

@@ -5,7 +5,11 @@ Which keys a query sees:
 - ``causal``: key j <= query i;
 - documents (packed sequences): ``bounds`` (2, B, S) int32 holds, per token, the first and last index of
   its document; query i sees key j only if start_i <= j <= end_i. Padding tokens (negative document id)
-  have an empty range (start = S, end = -1): they see nothing and nobody sees them;
+  have an empty range (start = S, end = -1): they see nothing and nobody sees them. When queries and keys
+  are different pieces of a sequence (context parallelism's chunk pairs), ``bounds`` holds each query's
+  range of keys in the keys' coordinates and ``key_bounds`` each key's range of queries in the queries'
+  coordinates (exactly the queries that see it: the kernels' backward walks them); the mask is defined by
+  ``bounds`` alone, so this reference ignores ``key_bounds``;
 - ``window`` > 0 (sliding window): |i - j| < window.
 A query that sees no key (a padding token) gets output 0 and log-sum-exp -inf, never NaN.
 """
@@ -32,6 +36,15 @@ def document_bounds(doc_ids: torch.Tensor) -> torch.Tensor:
     start = torch.where(pad, seq, start)
     end = torch.where(pad, -1, end)
     return torch.stack([start, end]).to(torch.int32)
+
+
+def shift_bounds(bounds: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+    """Document bounds (2, B, n) int in a sequence's coordinates -> the same ranges seen from a piece
+    [offset, offset + length) of it: shifted, clipped to the piece, and (length, -1) where nothing of the
+    range lies inside (the padding convention: an empty range)."""
+    start, end = (bounds[0] - offset).clamp_min(0), (bounds[1] - offset).clamp_max(length - 1)
+    empty = start > end
+    return torch.stack([torch.where(empty, length, start), torch.where(empty, -1, end)]).to(torch.int32)
 
 
 def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
@@ -82,13 +95,14 @@ def _scores(q, k, v, causal, bounds, window, scale):
     return p, lse, kf, vf
 
 
-def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
+def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
     """Returns (out (B, Hq, S, D) in q's dtype, lse (B, Hq, S) float32, natural log)."""
     p, lse, _, vf = _scores(q, k, v, causal, bounds, window, scale)
     return (p @ vf).to(q.dtype), lse.float()
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
+                       key_bounds=None):
     """Gradients (dq, dk, dv) of out and lse, by the flash-attention formulas:
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − δ) with δ = rowsum(dO ∘ O) − dLSE, dQ = s·dS K, dK = s·dSᵀ Q."""
     group = q.shape[1] // k.shape[1]

@@ -225,17 +225,19 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
 
 
 @triton.jit
-def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                  sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
+def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, KBOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh,
+                  svs, sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group."""
+    """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group. The
+    queries' mask reads BOUNDS; which query blocks to visit, KBOUNDS (the keys' side: the same table when
+    queries and keys are one sequence)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    start_k, end_k = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_n, in_seq, HAS_DOCS)
+    start_k, end_k = _doc_bounds(KBOUNDS + b * S, KBOUNDS + (B + b) * S, S, offs_n, in_seq, HAS_DOCS)
     a, bb, c, d = _query_range(n0, S, start_k, end_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -309,13 +311,13 @@ def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, s
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, KBOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                    sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     HK = H // GROUP
     _dkdv_program(tl.program_id(0) * BLOCK_N, tl.program_id(1) // HK, tl.program_id(1) % HK, Q, K, V, DO, LSE2,
-                  DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
+                  DELTA, DK, DV, BOUNDS, KBOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
                   sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM,
                   BLOCK_M, BLOCK_N)
 
@@ -392,7 +394,8 @@ def _kernel(kind: str):
 _TUNED: dict = {}
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, window: int) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, window: int,
+                 key_bounds: torch.Tensor | None = None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dtypes=DTYPES, ndim=4, device=q.device)
         if t.stride(-1) != 1:
@@ -407,10 +410,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torc
         raise ValueError(f"query heads {hq} must be a multiple of key/value heads {k.shape[1]}")
     if dim not in HEAD_DIMS:
         raise ValueError(f"head dim {dim} not supported (allowed: {', '.join(map(str, HEAD_DIMS))})")
-    if bounds is not None:
-        check_tensor("bounds", bounds, dtypes=(torch.int32,), ndim=3, device=q.device)
-        if tuple(bounds.shape) != (2, bsz, seq) or not bounds.is_contiguous():
-            raise ValueError(f"bounds: expected contiguous (2, {bsz}, {seq}), got {tuple(bounds.shape)}")
+    if key_bounds is not None and bounds is None:
+        raise ValueError("key_bounds needs bounds (the queries' side of the same document mask)")
+    for name, t in (("bounds", bounds), ("key_bounds", key_bounds)):
+        if t is not None:
+            check_tensor(name, t, dtypes=(torch.int32,), ndim=3, device=q.device)
+            if tuple(t.shape) != (2, bsz, seq) or not t.is_contiguous():
+                raise ValueError(f"{name}: expected contiguous (2, {bsz}, {seq}), got {tuple(t.shape)}")
     if window < 0:
         raise ValueError(f"window {window} must be >= 0 (0 = no sliding window)")
 
@@ -419,9 +425,10 @@ def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
     return bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=q.device)
 
 
-def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
-    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32)."""
-    check_inputs(q, k, v, bounds, window)
+def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32). ``key_bounds`` is only
+    read by the backward (the forward walks query rows)."""
+    check_inputs(q, k, v, bounds, window, key_bounds)
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
@@ -433,11 +440,12 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float):
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
+                       key_bounds=None):
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
     Two launches, dK/dV then dQ: one launch holding both kinds of programs was measured twice (bench/NOTES.md
     v4, v8): slower for d128, GQA and packed documents, at most 3.5% faster for d64 MHA."""
-    check_inputs(q, k, v, bounds, window)
+    check_inputs(q, k, v, bounds, window, key_bounds)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     bsz, hq, seq, dim = q.shape
@@ -455,9 +463,10 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     tail = (seq, hq, group, bsz, _seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
     b_ = _dummy_bounds(q, bounds)
+    kb_ = key_bounds if key_bounds is not None else b_  # same-sequence documents: one table serves both sides
     kernel, blocks = _kernel("dkdv")
     kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
-        *args, dk, dv, b_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
+        *args, dk, dv, b_, kb_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
     kernel, blocks = _kernel("dq")
     kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)](
         *args, dq, b_, *strides, *dq.stride()[:3], *tail, **blocks, **common)

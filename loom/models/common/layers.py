@@ -71,14 +71,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         bsz, seq, _ = x.shape  # (B, S, E); S = this rank's tokens under context parallelism
         cp = self.context_parallel
-        if cp is not None:  # packed documents are rejected with cp > 1: positions are global ones here
+        documents = positions  # per-document positions of packed documents (this rank's tokens), or None
+        if cp is not None and positions is None:  # RoPE positions: where this rank's tokens sit in the sequence
             positions = cp.positions(seq, x.device).expand(bsz, seq)  # (B, S)
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hq, D)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
         q, k = self.apply_rope(q, rope, positions), self.apply_rope(k, rope, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        out = cp.attend(q, k, v) if cp is not None else attend(q, k, v, self.backend, positions)  # (B, Hq, S, D)
+        if cp is not None:
+            out = cp.attend(q, k, v, documents)  # (B, Hq, S, D)
+        else:
+            out = attend(q, k, v, self.backend, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))  # (B, S, E)
 
 
