@@ -115,10 +115,12 @@ class ContextParallel:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Give every attention module of ``model`` (a model or a pipeline stage) the cp group of ``cp_mesh``."""
+    """Give every attention module of ``model`` (a model or a pipeline stage) the cp group of ``cp_mesh``, and
+    every mixture-of-experts block (its sequence-wise balance loss counts over whole sequences)."""
     from loom.models.common.layers import Attention
+    from loom.models.common.moe import MoE
 
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MoE)):
             module.context_parallel = cp

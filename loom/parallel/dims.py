@@ -4,9 +4,11 @@ Mesh axes, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Flattened ax
 ``dp`` (dp_replicate x dp_shard: ranks that see different samples), ``dp_shard_cp``
 (the FSDP shard axis) and ``dp_cp`` (ranks over which the loss is summed).
 
-Expert parallelism borrows data-parallel ranks: ``ep`` consecutive ranks of ``dp_shard`` hold different
-experts and exchange tokens. With ep > 1 a second mesh over the same ranks splits ``dp_shard`` into
-``edp x ep`` (``edp = dp_shard / ep``: the ranks that hold the same experts and shard them with FSDP2).
+Expert parallelism borrows data-parallel ranks: ``ep`` consecutive ranks of ``dp_shard x cp`` (the FSDP
+shard ranks; with cp > 1 the cp ranks of a sample come first) hold different experts and exchange tokens.
+With ep > 1 a second mesh over the same ranks splits ``dp_shard x cp`` into ``edp x ep`` (``edp = dp_shard x
+cp / ep``: the ranks that hold the same experts and shard them with FSDP2; ep stays the inner axis, as
+FSDP2 needs for parameters that are already DTensors over it).
 Components receive the mesh they need from here; nothing reads a global group.
 """
 
@@ -19,7 +21,7 @@ from loom.config.sections import ParallelConfig
 
 # Degrees whose code exists. Others are rejected by name instead of silently ignored.
 IMPLEMENTED_AXES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-EXPERT_AXIS_ORDER = ("pp", "dp_replicate", "edp", "ep", "cp", "tp")
+EXPERT_AXIS_ORDER = ("pp", "dp_replicate", "edp", "ep", "tp")
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -58,9 +60,9 @@ class ParallelDims:
             raise ConfigError("parallel.dp_shard", cfg.dp_shard,
                               f"dp_replicate x dp_shard x tp x pp x cp = {product} must equal the world size "
                               f"{world_size}")
-        if dp_shard % cfg.ep:
-            raise ConfigError("parallel.ep", cfg.ep, f"must divide parallel.dp_shard ({dp_shard}): expert-parallel "
-                              "ranks are data-parallel ranks that hold different experts")
+        if (dp_shard * cfg.cp) % cfg.ep:
+            raise ConfigError("parallel.ep", cfg.ep, f"must divide parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): "
+                              "expert-parallel ranks are data/context-parallel ranks that hold different experts")
         dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size)
         return dims
 
@@ -112,8 +114,8 @@ class ParallelDims:
 
     @property
     def edp(self) -> int:
-        """Ranks of dp_shard that hold the same experts (they shard them with FSDP2)."""
-        return self.dp_shard // self.ep
+        """Ranks of dp_shard x cp that hold the same experts (they shard them with FSDP2)."""
+        return self.dp_shard * self.cp // self.ep
 
     # ---- checks that need the model or the micro-batch count ----------------------
     def check_model(self, args, parallel: ParallelConfig) -> None:
@@ -183,7 +185,7 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         self._mesh = mesh
-        if self.ep > 1:  # the same ranks in the same order, dp_shard split into edp x ep
+        if self.ep > 1:  # the same ranks in the same order, dp_shard x cp split into edp x ep
             shape = [self.edp if a == "edp" else getattr(self, a) for a in EXPERT_AXIS_ORDER]
             experts = init_device_mesh(device_type, tuple(shape), mesh_dim_names=EXPERT_AXIS_ORDER)
             self._flat["ep"] = experts["ep"]

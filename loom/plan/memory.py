@@ -64,7 +64,7 @@ class MemoryInputs:
     micro_batch: int
     seq_len: int
     cpu_offload: bool = False
-    ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard / ep only
+    ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard x cp / ep only
     expert_params: float = 0.0  # of one block (all its experts)
 
 

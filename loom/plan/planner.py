@@ -191,7 +191,9 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
         st.tp = m * share.layers * per_block
     if dims.ep > 1:  # every routed token-slot to its expert's rank and back, forward and backward, exposed
         slots = tokens * args.moe_top_k * args.dim * c
-        per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, _bandwidth(dims, ("dp_shard",), gpu))
+        # an ep group: ep consecutive ranks of dp_shard x cp, each holding tp ranks inside it
+        bandwidth = gpu.network_gbps if dims.ep * dims.tp > gpu.gpus_per_node else gpu.link_gbps
+        per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.layers * per_block
     if dims.cp > 1:
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp

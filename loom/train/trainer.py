@@ -72,10 +72,8 @@ def check_moe(args, cfg: Config) -> None:
     if cfg.model.init_from:
         raise ConfigError("model.moe_experts", args.moe_experts, "model.init_from loads dense Llama checkpoints: "
                           "allowed 0 there")
-    for axis in ("tp", "cp"):
-        if getattr(cfg.parallel, axis) > 1:
-            raise ConfigError(f"parallel.{axis}", getattr(cfg.parallel, axis),
-                              "not supported with mixture-of-experts models yet: allowed 1")
+    if cfg.parallel.tp > 1:
+        raise ConfigError("parallel.tp", cfg.parallel.tp, "not supported with mixture-of-experts models yet: allowed 1")
     if cfg.training.compile and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
                           "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "

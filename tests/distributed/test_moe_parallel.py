@@ -1,6 +1,6 @@
 """Mixture-of-experts training is layout-invariant: the debug_moe flavor (4 experts, top 2, balance loss on)
-under accumulation, FSDP2, DDP and a 1F1B pipeline gives the loss and grad norm of one process at every
-step (fp32, within 1e-5 / 1e-4 relative). The balance loss's gradient goes through the backward with the
+under accumulation, FSDP2, DDP, a 1F1B pipeline, expert and context parallelism gives the loss and grad norm
+of one process at every step (fp32, within 1e-5 / 1e-4 relative). The balance loss's gradient goes through the backward with the
 step's scale, so a wrong scale shows in the grad norm."""
 
 from __future__ import annotations
@@ -105,3 +105,19 @@ def test_expert_parallel_checkpoint_resumes_in_one_process(tmp_path):
     assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(SAVE_AT + 1, STEPS + 1))
     for (_, a, ha), (_, b, hb) in zip(got, want):
         assert ha == hb and abs(a - b) / b < 1e-5, (got, want)
+
+
+def test_moe_under_context_parallel_matches_single_process(tmp_path):
+    """cp2 alone, with accumulation and with op-level recomputation (the balance loss's counts are all-reduced
+    over cp, again when recomputed); on 4 ranks FSDP2 x cp2 and ep2 x cp2 (experts sharded over ep, FSDP2 over
+    the cp ranks that share their sequences)."""
+    ref = run_jobs(1, [moe_job(tmp_path, "single")], str(tmp_path))[0]["records"]
+    jobs2 = {"cp2": moe_job(tmp_path, "cp2", cp=2, dp_shard=1),
+             "cp2-m2": moe_job(tmp_path, "cp2-m2", m=2, cp=2, dp_shard=1),
+             "cp2-ac-op": {**moe_job(tmp_path, "cp2-ac-op", cp=2, dp_shard=1),
+                           "training.activation_checkpointing": "op"}}
+    results = dict(zip(jobs2, run_jobs(2, list(jobs2.values()), str(tmp_path))))
+    jobs4 = {"fsdp2-cp2": moe_job(tmp_path, "fsdp2-cp2", dp=2, dp_shard=2, cp=2),
+             "ep2-cp2": moe_job(tmp_path, "ep2-cp2", dp=2, dp_shard=2, cp=2, ep=2)}
+    results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
+    check_against(ref, results)

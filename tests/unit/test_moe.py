@@ -127,7 +127,6 @@ def test_flops_count_the_router_and_top_k_experts():
 @pytest.mark.parametrize("overrides, field", [
     ({"model.moe_experts": "4", "model.moe_top_k": "5"}, "model.moe_top_k"),
     ({"model.flavor": "debug_moe", "parallel.tp": "2"}, "parallel.tp"),
-    ({"model.flavor": "debug_moe", "parallel.cp": "2"}, "parallel.cp"),
     ({"model.flavor": "debug_moe", "training.compile": "true", "training.dtype": "float32"}, "training.compile"),
 ])
 def test_unsupported_moe_settings_name_the_field(overrides, field):
@@ -169,7 +168,7 @@ def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
     ({"parallel.ep": "2"}, 2, "parallel.ep", "mixture-of-experts"),  # a dense model
     ({"model.flavor": "debug_moe", "model.moe_experts": "6", "parallel.ep": "4"}, 4, "parallel.ep", "experts (6)"),
     ({"model.flavor": "debug_moe", "parallel.ep": "4", "parallel.dp_shard": "2", "parallel.dp_replicate": "2"},
-     4, "parallel.ep", "dp_shard (2)"),
+     4, "parallel.ep", "dp_shard x cp (2 x 1)"),
 ])
 def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
     from loom.data import build_tokenizer

@@ -13,6 +13,10 @@ micro-batching and data parallelism do not change it. Its gradient enters throug
 and the logged language-model loss stays the language-model loss. ``set_aux_scale`` (called by the trainer
 each step) sets the factor that makes the per-sequence sum that step's share of ``aux_loss x mean over the
 global batch``.
+
+Under context parallelism each rank holds part of every sequence: the expert counts ``f`` are summed over
+the cp ranks (one small all-reduce, no gradient), and each rank adds its own tokens' share of ``P``, so the
+cp ranks' terms add up to the whole sequence's loss and each rank's router gets exactly its tokens' gradient.
 """
 
 from __future__ import annotations
@@ -112,13 +116,21 @@ class _AuxLossGrad(torch.autograd.Function):
         return grad_out, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
-def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Sum over sequences of sum_i f_i P_i: probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar."""
+def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int,
+                          context_parallel=None) -> torch.Tensor:
+    """Sum over sequences of sum_i f_i P_i: probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar. With
+    ``context_parallel`` (its ``group`` and ``size``), S is this rank's share of each sequence: the counts are
+    the whole sequence's and the result this rank's share of the sum (see the module docstring)."""
     bsz, seq, k = experts.shape
     counts = torch.zeros(bsz, n_experts, device=probs.device).scatter_add_(
         1, experts.reshape(bsz, -1), torch.ones(bsz, seq * k, device=probs.device))  # (B, n)
+    if context_parallel is not None:
+        from torch.distributed import _functional_collectives as fc
+
+        counts = fc.all_reduce(counts, "sum", context_parallel.group)
+        seq = seq * context_parallel.size  # the whole sequence
     f = counts * (n_experts / (k * seq))  # (B, n), 1 everywhere when balanced
-    return (f * probs.mean(dim=1)).sum()  # P: (B, n)
+    return (f * probs.sum(dim=1) / seq).sum()  # P: (B, n), this rank's tokens' share
 
 
 class MoE(nn.Module):
@@ -134,6 +146,8 @@ class MoE(nn.Module):
         self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
         # set by loom.parallel.expert_parallel.apply_expert_parallel: the experts then live on several ranks
         self.expert_parallel = None
+        # set by loom.parallel.context_parallel.apply_context_parallel: x is then part of each sequence
+        self.context_parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -150,7 +164,8 @@ class MoE(nn.Module):
         out = out.view(bsz, seq, dim)
         record = _records_balance()
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
-            aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts)
+            aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts,
+                                        self.context_parallel)
             if record:
                 seen = aux.detach()
                 self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
