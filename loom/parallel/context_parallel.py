@@ -122,5 +122,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
 
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for module in model.modules():
-        if isinstance(module, (Attention, MoE)):
+        if isinstance(module, Attention):
             module.context_parallel = cp
+        elif isinstance(module, MoE):
+            module.sequence_shards += ((cp.group, cp.size),)

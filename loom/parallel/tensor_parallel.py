@@ -6,6 +6,9 @@ Per block, on the ``tp`` mesh:
   ``wo`` row-parallel; the MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
 * sequence parallel: the residual stream and the norms hold a slice of the sequence, (B, S/tp, E); the
   entry of attention and MLP all-gathers the sequence, their row-parallel exit reduce-scatters it.
+* a mixture-of-experts block in place of the MLP keeps its input's sequence slice: each rank routes its own
+  tokens through the router and experts, which are replicated over tp (their gradients summed over tp in
+  the backward; torchtitan's ``etp = 1``), and the expert counts of the balance loss are summed over tp.
 * embedding vocab-parallel (rows sharded; the output leaves as sequence shards), the output head
   column-parallel over the vocabulary; with loss parallel its logits stay vocab-sharded, (B, S, V/tp),
   and the cross-entropy runs on the shards, so the full logits are never gathered.
@@ -20,11 +23,20 @@ import torch
 from torch import nn
 
 
-def block_plan() -> dict:
+def block_plan(moe: bool = False) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
 
+    mlp = {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if moe:  # this rank's tokens, (B, S/tp, E), as a plain tensor; the output stays its sequence slice
+        mlp = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                  use_local_output=True)}
     return {
         "attention_norm": SequenceParallel(),
         # forward(x, rope, positions): only x is sharded; rope and positions stay plain tensors
@@ -35,11 +47,20 @@ def block_plan() -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        **mlp,
     }
+
+
+def replicate_moe(moe: nn.Module, tp_mesh) -> None:
+    """A mixture-of-experts block under tensor parallelism: router and experts replicated over ``tp_mesh``
+    (DTensors, so checkpoints and FSDP2 see the tp layout), gradients summed over tp, counts over tp."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for module in (moe.router.gate, moe.experts):
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Replicate()])))
+    moe.router.tokens_split = moe.experts.tokens_split = True
+    moe.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
 
 
 def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
@@ -69,8 +90,13 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
     if tied:
         # both plans shard the shared (V, E) weight by rows (dim 0): one DTensor serves both again
         model.output.weight = model.tok_embeddings.weight
+    from loom.models.common.moe import MoE
+
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan())
+        moe = isinstance(block.feed_forward, MoE)
+        parallelize_module(block, tp_mesh, block_plan(moe))
+        if moe:
+            replicate_moe(block.feed_forward, tp_mesh)
     check_all_sharded(model, tp_mesh)
     if async_tp:
         enable_async_tp(tp_mesh)

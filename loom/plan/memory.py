@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from loom.plan.activations import ActivationProfile
-from loom.plan.shapes import layer_params
+from loom.plan.shapes import block_params
 
 GIB = 2.0**30
 # Allocator and library workspace not in the tensors above (cuBLAS / NCCL buffers, the caching allocator's
@@ -81,7 +81,7 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     if not x.fsdp:
         return 0.0
     compute = BYTES[x.dtype]
-    block = sum(layer_params(args)) / x.tp
+    block = block_params(args, x.tp)
     root = share.params(x.tp) - share.layers * block
     block -= x.expert_params * (1 - 1 / x.ep)  # under ep a rank gathers only its own experts
     grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
@@ -98,7 +98,7 @@ def autocast_cache(share, args, x: MemoryInputs, compiled: bool, held_fixed: flo
         return 0.0
     params = share.params(x.tp)
     if compiled:
-        params -= share.layers * sum(layer_params(args)) / x.tp
+        params -= share.layers * block_params(args, x.tp)
     return max(0.0, BYTES[x.dtype] * params - held_fixed)
 
 

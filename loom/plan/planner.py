@@ -23,7 +23,7 @@ from loom.plan.hardware import GPU
 from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, gathered_memory, pipeline_peak,
                               stage_activation, state_memory, step_peak, stored_blocks,
                               with_workspace)
-from loom.plan.shapes import expert_params, layer_params, rank_shares
+from loom.plan.shapes import block_params, expert_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency,
                               attention_flops, collective_s, efficiency, recompute_share)
 
@@ -108,7 +108,7 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     x = MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp, shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
                      fsdp=dims.fsdp_applied, reshard_after_forward=p.reshard_after_forward and not split,
                      micro_batch=t.micro_batch_size, seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled,
-                     ep=dims.ep, expert_params=args.moe_experts * expert_params(args) / dims.tp if args.moe else 0.0)
+                     ep=dims.ep, expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0)
     traced = traced_args(args, t.compile)
     key = (traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp, t.activation_checkpointing, t.ac_every)
     profiles = {} if profiles is None else profiles
@@ -206,7 +206,7 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
     """Exposed seconds of gradient / parameter communication per step."""
     params = share.params(dims.tp)
     c = BYTES[x.dtype]
-    block = sum(layer_params(args)) / dims.tp
+    block = block_params(args, dims.tp)
     if dims.fsdp_enabled:
         bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)
         gathers = 2 if x.reshard_after_forward else 1

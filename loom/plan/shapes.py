@@ -10,8 +10,18 @@ from loom.parallel.pipeline import split_layers, stage_ids
 
 
 def layer_params(args) -> tuple[int, int]:
-    """(matmul weights, norm weights) of one transformer block (a MoE block: the router and every expert)."""
+    """(weights tensor parallelism shards, weights it replicates) of one transformer block: the norms are
+    replicated, and so are a MoE block's router and experts (each tp rank runs its sequence slice's tokens
+    through all of them: loom.parallel.tensor_parallel)."""
+    if args.moe:
+        return attention_params(args), ffn_params(args, active=False) + 2 * args.dim
     return attention_params(args) + ffn_params(args, active=False), 2 * args.dim
+
+
+def block_params(args, tp: int) -> float:
+    """One tp rank's share of one transformer block."""
+    sharded, replicated = layer_params(args)
+    return sharded / tp + replicated
 
 
 def attention_params(args) -> int:
@@ -40,8 +50,8 @@ class RankShare:
     first: list[bool]  # per local stage: holds the embedding
     last: list[bool]  # per local stage: holds the final norm, the head and the loss
     vocab_params: int  # embedding and head rows (sharded by tp)
-    other_params: int  # norms (replicated under tp)
-    matmul_params: int  # block weights (sharded by tp)
+    other_params: int  # norms, a MoE block's router and experts (replicated under tp)
+    matmul_params: int  # block weights sharded by tp
     active_matmul_params: int  # block weights one token goes through (a MoE block: router and top_k experts)
 
     def params(self, tp: int) -> float:

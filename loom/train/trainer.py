@@ -72,8 +72,12 @@ def check_moe(args, cfg: Config) -> None:
     if cfg.model.init_from:
         raise ConfigError("model.moe_experts", args.moe_experts, "model.init_from loads dense Llama checkpoints: "
                           "allowed 0 there")
-    if cfg.parallel.tp > 1:
-        raise ConfigError("parallel.tp", cfg.parallel.tp, "not supported with mixture-of-experts models yet: allowed 1")
+    if cfg.parallel.tp > 1 and cfg.parallel.ep > 1:
+        raise ConfigError("parallel.ep", cfg.parallel.ep, "with parallel.tp > 1 not supported yet (experts are "
+                          "replicated over tp): allowed 1 there")
+    if cfg.parallel.tp > 1 and cfg.training.compile:
+        raise ConfigError("training.compile", True, "with a mixture-of-experts model under parallel.tp > 1 not "
+                          "supported yet (Dynamo cannot trace the experts' tp-replicated gradients): allowed false")
     if cfg.training.compile and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
                           "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "
@@ -387,6 +391,8 @@ class Trainer:
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
         if self.plan is not None:  # each pp rank holds some of the blocks
             dist.all_reduce(total, group=self.dims["pp"].get_group())
+        if self.dims.tp > 1:  # each tp rank holds a slice of every sequence (sequence parallelism)
+            dist.all_reduce(total, group=self.dims["tp"].get_group())
         return self.dp_sum(total) / (self.cfg.training.global_batch_size * self.model_args.n_layers)
 
     @torch.no_grad()

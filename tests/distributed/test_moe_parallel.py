@@ -121,3 +121,18 @@ def test_moe_under_context_parallel_matches_single_process(tmp_path):
              "ep2-cp2": moe_job(tmp_path, "ep2-cp2", dp=2, dp_shard=2, cp=2, ep=2)}
     results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
     check_against(ref, results)
+
+
+def test_moe_under_tensor_parallel_matches_single_process(tmp_path):
+    """tp2 (sequence parallel: each rank routes its sequence slice through replicated experts, gradients summed
+    over tp) alone and with accumulation; on 4 ranks FSDP2 x tp2, tp2 x cp2 and a 1F1B pipeline over tp2."""
+    ref = run_jobs(1, [moe_job(tmp_path, "single")], str(tmp_path))[0]["records"]
+    jobs2 = {"tp2": moe_job(tmp_path, "tp2", tp=2, dp_shard=1),
+             "tp2-m2": moe_job(tmp_path, "tp2-m2", m=2, tp=2, dp_shard=1)}
+    results = dict(zip(jobs2, run_jobs(2, list(jobs2.values()), str(tmp_path))))
+    jobs4 = {"fsdp2-tp2": moe_job(tmp_path, "fsdp2-tp2", dp=2, dp_shard=2, tp=2),
+             "tp2-cp2": moe_job(tmp_path, "tp2-cp2", tp=2, cp=2, dp_shard=1),
+             "pp2-tp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1)}
+    results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
+    check_against(ref, results)
+

@@ -126,7 +126,9 @@ def test_flops_count_the_router_and_top_k_experts():
 
 @pytest.mark.parametrize("overrides, field", [
     ({"model.moe_experts": "4", "model.moe_top_k": "5"}, "model.moe_top_k"),
-    ({"model.flavor": "debug_moe", "parallel.tp": "2"}, "parallel.tp"),
+    ({"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "2"}, "parallel.ep"),
+    ({"model.flavor": "debug_moe", "parallel.tp": "2", "training.compile": "true", "training.dtype": "bfloat16"},
+     "training.compile"),
     ({"model.flavor": "debug_moe", "training.compile": "true", "training.dtype": "float32"}, "training.compile"),
 ])
 def test_unsupported_moe_settings_name_the_field(overrides, field):
@@ -152,7 +154,7 @@ def test_the_planner_models_moe_in_bf16_only():
 
 @pytest.mark.parametrize("args, field", [
     (["--model.moe_top_k", "9"], "model.moe_top_k"),
-    (["--parallel.tp", "2", "--nproc-per-node", "2"], "parallel.tp"),  # found before any worker starts
+    (["--parallel.tp", "2", "--parallel.ep", "2", "--nproc-per-node", "4"], "parallel.ep"),  # before workers start
 ])
 def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
     from tests.unit.test_cli_train import loom_train

@@ -14,9 +14,13 @@ and the logged language-model loss stays the language-model loss. ``set_aux_scal
 each step) sets the factor that makes the per-sequence sum that step's share of ``aux_loss x mean over the
 global batch``.
 
-Under context parallelism each rank holds part of every sequence: the expert counts ``f`` are summed over
-the cp ranks (one small all-reduce, no gradient), and each rank adds its own tokens' share of ``P``, so the
-cp ranks' terms add up to the whole sequence's loss and each rank's router gets exactly its tokens' gradient.
+Under context and sequence (tensor) parallelism each rank holds part of every sequence: the expert counts
+``f`` are summed over those ranks (``sequence_shards``: one small all-reduce each, no gradient), and each rank
+adds its own tokens' share of ``P``, so the ranks' terms add up to the whole sequence's loss and each rank's
+router gets exactly its tokens' gradient. Under tensor parallelism the router and the experts are replicated
+over the tp ranks, each running its own sequence shard's tokens (no all-gather; torchtitan's ``etp = 1``):
+their gradients are Partial over tp and summed by DTensor (``local_weight``), as for sequence-parallel
+norms.
 """
 
 from __future__ import annotations
@@ -28,6 +32,20 @@ from torch import nn
 from loom.kernels.swiglu.op import swiglu
 
 
+def local_weight(w: torch.Tensor, tokens_split: bool = False) -> torch.Tensor:
+    """A parameter as a plain tensor for this rank's compute: a DTensor's local shard (experts under expert
+    parallelism: this rank's experts). ``tokens_split``: the weight is replicated over ranks that each run
+    different tokens (tensor parallelism's sequence slices), so its gradient is Partial there and DTensor sums
+    it over those ranks."""
+    if not hasattr(w, "to_local"):
+        return w
+    if not tokens_split:
+        return w.to_local()
+    from torch.distributed.tensor import Partial, Replicate
+
+    return w.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in w.placements])
+
+
 class Router(nn.Module):
     """Top-k over a softmax of the gate's scores (fp32), the k weights renormalized to sum to 1."""
 
@@ -35,10 +53,11 @@ class Router(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.tokens_split = False  # set under tensor parallelism (see the module docstring)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, E) -> weights (T, k) fp32, experts (T, k) int64, probs (T, n) fp32."""
-        probs = self.gate(x).float().softmax(dim=-1)  # (T, n)
+        probs = F.linear(x, local_weight(self.gate.weight, self.tokens_split)).float().softmax(dim=-1)  # (T, n)
         weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
         return weights / weights.sum(dim=-1, keepdim=True), experts, probs
 
@@ -68,6 +87,7 @@ class Experts(nn.Module):
         super().__init__()
         self.fused = fused
         self.grouped: bool | None = None
+        self.tokens_split = False  # set under tensor parallelism (see the module docstring)
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
@@ -80,7 +100,7 @@ class Experts(nn.Module):
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """w1, w3, w2 of the experts this rank runs (all of them, or its share under expert parallelism)."""
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w3, self.w2))
+        return tuple(local_weight(w, self.tokens_split) for w in (self.w1, self.w3, self.w2))
 
     def _gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return swiglu(a, b) if self.fused else F.silu(a) * b
@@ -117,18 +137,19 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int,
-                          context_parallel=None) -> torch.Tensor:
+                          sequence_shards: tuple = ()) -> torch.Tensor:
     """Sum over sequences of sum_i f_i P_i: probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar. With
-    ``context_parallel`` (its ``group`` and ``size``), S is this rank's share of each sequence: the counts are
-    the whole sequence's and the result this rank's share of the sum (see the module docstring)."""
+    ``sequence_shards`` ((group, size) pairs: context, sequence parallelism), S is this rank's share of each
+    sequence: the counts are the whole sequence's and the result this rank's share of the sum (see the module
+    docstring)."""
     bsz, seq, k = experts.shape
     counts = torch.zeros(bsz, n_experts, device=probs.device).scatter_add_(
         1, experts.reshape(bsz, -1), torch.ones(bsz, seq * k, device=probs.device))  # (B, n)
-    if context_parallel is not None:
+    for group, size in sequence_shards:
         from torch.distributed import _functional_collectives as fc
 
-        counts = fc.all_reduce(counts, "sum", context_parallel.group)
-        seq = seq * context_parallel.size  # the whole sequence
+        counts = fc.all_reduce(counts, "sum", group)
+        seq = seq * size  # the whole sequence
     f = counts * (n_experts / (k * seq))  # (B, n), 1 everywhere when balanced
     return (f * probs.sum(dim=1) / seq).sum()  # P: (B, n), this rank's tokens' share
 
@@ -146,8 +167,9 @@ class MoE(nn.Module):
         self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
         # set by loom.parallel.expert_parallel.apply_expert_parallel: the experts then live on several ranks
         self.expert_parallel = None
-        # set by loom.parallel.context_parallel.apply_context_parallel: x is then part of each sequence
-        self.context_parallel = None
+        # (group, size) of the ranks splitting each sequence with this one: set by apply_context_parallel (cp)
+        # and apply_tp (tp's sequence parallelism)
+        self.sequence_shards: tuple = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -165,7 +187,7 @@ class MoE(nn.Module):
         record = _records_balance()
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts,
-                                        self.context_parallel)
+                                        self.sequence_shards)
             if record:
                 seen = aux.detach()
                 self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
