@@ -5,6 +5,8 @@ step's scale, so a wrong scale shows in the grad norm."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed.harness import losses, run_jobs
 from tests.distributed.test_model_parallel import STEPS, job
 
@@ -92,15 +94,17 @@ def test_expert_parallel_matches_single_process(tmp_path):
     check_against(ref, results)
 
 
-def test_expert_parallel_checkpoint_resumes_in_one_process(tmp_path):
-    """Saved under ep2 at step 3 (experts as DTensors sharded over ep), resumed in one process: steps 4-5
-    repeat the uninterrupted ep2 run."""
+@pytest.mark.parametrize("name, layout", [("ep2", dict(dp=2, dp_shard=2, ep=2)), ("tp2", dict(tp=2, dp_shard=1))])
+def test_sharded_moe_checkpoint_resumes_in_one_process(tmp_path, name, layout):
+    """Saved at step 3 under ep2 (experts as DTensors sharded over ep) or tp2 (router and experts replicated
+    over tp), resumed in one process: steps 4-5 repeat the uninterrupted run."""
     from tests.distributed.test_model_parallel import SAVE_AT, ckpt, tail
 
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
-    first = run_jobs(2, [{**moe_job(tmp_path, "ep2-save", dp=2, dp_shard=2, ep=2), **save}], str(tmp_path))[0]
-    saved = ckpt(str(tmp_path / "ep2-save"), SAVE_AT)
-    resumed = run_jobs(1, [{**moe_job(tmp_path, "single-from-ep2"), "checkpoint.resume": saved}], str(tmp_path))[0]
+    first = run_jobs(2, [{**moe_job(tmp_path, f"{name}-save", **layout), **save}], str(tmp_path))[0]
+    saved = ckpt(str(tmp_path / f"{name}-save"), SAVE_AT)
+    resumed = run_jobs(1, [{**moe_job(tmp_path, f"single-from-{name}"), "checkpoint.resume": saved}],
+                       str(tmp_path))[0]
     want, got = tail(first), tail(resumed)
     assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(SAVE_AT + 1, STEPS + 1))
     for (_, a, ha), (_, b, hb) in zip(got, want):
