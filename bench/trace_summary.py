@@ -20,6 +20,8 @@ CATEGORIES = [
     ("optimizer", r"adam|multi_tensor|foreach|_amp_"),
     ("matmul", r"gemm|sm90_|cutlass|nvjet|cublas|matmul|wgmma|_scaled_mm|f8f8"),
     ("communication", r"nccl"),
+    # MoE token routing (top-k, sorting tokens by expert, gathers / scatters / index copies), embedding lookups
+    ("sort / gather / scatter / index", r"sort|topk|scatter|gather|index"),
     ("copy / cast", r"copy|memcpy|memset|cast|to_copy|fill"),
     ("fused elementwise (triton)", r"^triton|_kernel$|rms|rope|swiglu"),
     ("elementwise (aten)", r"elementwise|vectorized|reduce|unrolled"),
