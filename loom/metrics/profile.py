@@ -102,11 +102,14 @@ class StepProfiler:
     where the hooks would run inside the compiled graph)."""
 
     def __init__(self, window: tuple[int, int] | None, run_dir: str, rank: int, device: torch.device,
-                 blocks: dict[str, nn.Module] | None = None, is_main: bool = True):
+                 blocks: dict[str, nn.Module] | None = None, is_main: bool = True, no_snapshot: str = ""):
         self.window = window
         self.out_dir = os.path.join(run_dir, "profile")
         self.rank, self.device, self.blocks, self.is_main = rank, device, blocks, is_main
         self.cuda = device.type == "cuda"
+        # why this run writes no memory snapshot on CUDA ("" = it writes one)
+        self.no_snapshot = no_snapshot
+        self.snapshot = self.cuda and not no_snapshot
         self._prof: torch.profiler.profile | None = None
         self._step_range: record_function | None = None
         self._block_ranges: BlockRanges | None = None
@@ -153,6 +156,7 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        if self.snapshot:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, stacks="python",
                                                      device=self.device)
         self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
@@ -175,7 +179,7 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.stop()
         prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
-        if self.cuda:
+        if self.snapshot:
             torch.cuda.memory._dump_snapshot(os.path.join(self.out_dir, f"memory_snapshot_rank{self.rank}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
         self.done = True
@@ -186,7 +190,8 @@ class StepProfiler:
         """The one log line: which steps, where the files are, how to open them."""
         steps = f"step {self._first_step}" if self._first_step == self._last_step else \
             f"steps {self._first_step}-{self._last_step}"
-        memory = ("memory_snapshot_rank<r>.pickle (pytorch.org/memory_viz)" if self.cuda
+        memory = ("memory_snapshot_rank<r>.pickle (pytorch.org/memory_viz)" if self.snapshot
+                  else f"no memory snapshot ({self.no_snapshot})" if self.cuda
                   else f"no memory snapshot (CUDA only; this run is on {self.device.type})")
         blocks = "" if self.blocks is not None else " (no block ranges: hooks would run inside torch.compile's graph)"
         return (f"profile: {steps} -> {self.out_dir}: trace_rank<r>.json (ui.perfetto.dev or chrome://tracing)"

@@ -32,3 +32,15 @@ def test_profile_writes_a_cuda_trace_and_a_memory_snapshot(tmp_path, capsys):
     assert snapshot["segments"] and any(snapshot["device_traces"])  # allocations and their history
     assert "memory_snapshot_rank<r>.pickle (pytorch.org/memory_viz)" in capsys.readouterr().out
     assert not torch.cuda.memory._snapshot()["device_traces"][0]  # recording stopped after the window
+
+
+def test_profile_of_moe_under_activation_checkpointing_trains_on(tmp_path, capsys):
+    """PyTorch's CUDA memory history broke the backward of MoE blocks under activation checkpointing (torch 2.11):
+    the profile then writes the trace only, says why, and training goes on."""
+    run_one({"run.dir": str(tmp_path / "run"), "run.device": "cuda", "model.flavor": "debug_moe",
+             "training.steps": 3, "training.dtype": "bfloat16", "training.activation_checkpointing": "full",
+             "metrics.every": 1, "checkpoint.at_end": "false", "metrics.tensorboard": "false",
+             "metrics.profile_steps": "2:2"})
+    assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == ["trace_rank0.json"]
+    out = capsys.readouterr().out
+    assert "no memory snapshot (skipped: PyTorch's memory history" in out and "step 3/3" in out
