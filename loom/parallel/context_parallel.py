@@ -79,10 +79,13 @@ class ContextParallel:
         order. ``autograd``: the backward reduce-scatters the gradients (K/V); not for integer tensors."""
         from torch.distributed import _functional_collectives as fc
 
-        # newer torch renamed the autograd all-gather (the old name warns); the package accepts torch >= 2.11
-        gather = (getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd) if autograd \
-            else fc.all_gather_tensor
-        full = gather(t.contiguous(), gather_dim=dim, group=self.group)  # (..., cp·S_l, ...)
+        # newer torch renamed the all-gathers (the old names warn); the package accepts torch >= 2.11
+        if autograd:
+            gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+            full = gather(t.contiguous(), gather_dim=dim, group=self.group)  # (..., cp·S_l, ...)
+        else:  # waited for here: an un-waited collective left behind aborted gloo ranks at exit
+            gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+            full = fc.wait_tensor(gather(t.contiguous(), gather_dim=dim, group=self.group))
         pieces = full.chunk(2 * self.size, dim=dim)  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
         ordered: list[torch.Tensor] = [None] * (2 * self.size)  # type: ignore[list-item]
         for r in range(self.size):
