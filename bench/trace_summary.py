@@ -80,6 +80,9 @@ def main() -> None:
     with open(a.trace) as f:
         res = summarize(json.load(f))
     res["label"], res["trace"] = a.label, a.trace
+    if a.out:  # first: a closed pipe on the printout (| head) must not lose the file
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
     busy = res["gpu_busy_ms_per_step"]
     print(f"{a.label}: GPU span {res['gpu_span_ms_per_step']:.1f} ms/step, busy {busy:.1f}, "
           f"idle {100 * res['gpu_idle_fraction']:.1f}%")
@@ -87,9 +90,6 @@ def main() -> None:
         print(f"  {c:<28} {t:8.2f} ms  {100 * t / busy:5.1f}%")
     for n, t in list(res["top_kernels_ms_per_step"].items())[:8]:
         print(f"    {t:8.2f} ms  {n}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
