@@ -143,6 +143,8 @@ def docs_job(tmp, name, **kw) -> dict:
 def cp_jobs(tmp, world: int) -> dict:
     if world == 2:
         return {"cp2-docs": docs_job(tmp, "cp2-docs", cp=2, dp_shard=1),
+                # compiled blocks trace the positions' all-gather, the chunk-pair bounds and the op's key bounds
+                "cp2-docs-compile": {**docs_job(tmp, "cp2-docs-compile", cp=2, dp_shard=1), "training.compile": "true"},
                 "cp2": job(tmp, "cp2", cp=2, dp_shard=1),
                 "cp2-m2": job(tmp, "cp2-m2", m=2, cp=2, dp_shard=1),
                 "cp2-untied": job(tmp, "cp2-untied", tied=False, cp=2, dp_shard=1),

@@ -113,14 +113,21 @@ def test_sharded_moe_checkpoint_resumes_in_one_process(tmp_path, name, layout):
 
 def test_moe_under_context_parallel_matches_single_process(tmp_path):
     """cp2 alone, with accumulation and with op-level recomputation (the balance loss's counts are all-reduced
-    over cp, again when recomputed); on 4 ranks FSDP2 x cp2 and ep2 x cp2 (experts sharded over ep, FSDP2 over
-    the cp ranks that share their sequences)."""
+    over cp, again when recomputed), compiled (bf16) against eager; on 4 ranks FSDP2 x cp2 and ep2 x cp2 (experts
+    sharded over ep, FSDP2 over the cp ranks that share their sequences)."""
     ref = run_jobs(1, [moe_job(tmp_path, "single")], str(tmp_path))[0]["records"]
+    bf16 = {"training.dtype": "bfloat16"}
     jobs2 = {"cp2": moe_job(tmp_path, "cp2", cp=2, dp_shard=1),
              "cp2-m2": moe_job(tmp_path, "cp2-m2", m=2, cp=2, dp_shard=1),
              "cp2-ac-op": {**moe_job(tmp_path, "cp2-ac-op", cp=2, dp_shard=1),
                            "training.activation_checkpointing": "op"}}
-    results = dict(zip(jobs2, run_jobs(2, list(jobs2.values()), str(tmp_path))))
+    # bf16 (compiled MoE blocks need the grouped GEMM): compiled blocks trace the counts' all-reduce over cp
+    compiled = [{**moe_job(tmp_path, "cp2-bf16", cp=2, dp_shard=1), **bf16},
+                {**moe_job(tmp_path, "cp2-bf16-compile", cp=2, dp_shard=1), **bf16, "training.compile": "true"}]
+    runs = run_jobs(2, list(jobs2.values()) + compiled, str(tmp_path))
+    results = dict(zip(jobs2, runs))
+    eager, comp = losses(runs[-2]), losses(runs[-1])
+    assert len(comp) == STEPS and max(abs(a - b) / b for a, b in zip(comp, eager)) < 2e-2, (comp, eager)
     jobs4 = {"fsdp2-cp2": moe_job(tmp_path, "fsdp2-cp2", dp=2, dp_shard=2, cp=2),
              "ep2-cp2": moe_job(tmp_path, "ep2-cp2", dp=2, dp_shard=2, cp=2, ep=2)}
     results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
