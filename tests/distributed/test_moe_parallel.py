@@ -146,4 +146,3 @@ def test_moe_under_tensor_parallel_matches_single_process(tmp_path):
              "pp2-tp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1)}
     results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
     check_against(ref, results)
-

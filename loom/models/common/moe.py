@@ -37,12 +37,12 @@ def local_weight(w: torch.Tensor, tokens_split: bool = False) -> torch.Tensor:
     parallelism: this rank's experts). ``tokens_split``: the weight is replicated over ranks that each run
     different tokens (tensor parallelism's sequence slices), so its gradient is Partial there and DTensor sums
     it over those ranks."""
-    if not hasattr(w, "to_local"):
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(w, DTensor):  # (not hasattr: under torch.compile that missed DTensor parameters)
         return w
     if not tokens_split:
         return w.to_local()
-    from torch.distributed.tensor import Partial, Replicate
-
     return w.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in w.placements])
 
 
