@@ -53,7 +53,8 @@ def pair_bounds(bounds: torch.Tensor, g: int, j: int, chunk: int) -> tuple[torch
     query chunk ``g`` attending to key chunk ``j``: each query's keys in chunk j's coordinates, each key's
     queries in chunk g's (``flash_attention``'s ``bounds`` and ``key_bounds``)."""
     rows = lambda i: bounds[:, :, i * chunk:(i + 1) * chunk]  # noqa: E731
-    return shift_bounds(rows(g), j * chunk, chunk), shift_bounds(rows(j), g * chunk, chunk)
+    queries = shift_bounds(rows(g), j * chunk, chunk)
+    return queries, queries if j == g else shift_bounds(rows(j), g * chunk, chunk)  # one table on the diagonal
 
 
 def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:

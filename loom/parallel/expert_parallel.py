@@ -1,14 +1,14 @@
 """Expert parallelism: the experts of every MoE block split over the ``ep`` mesh axis, tokens sent to them.
 
-``ep`` consecutive data-parallel ranks (of ``dp_shard``) each hold ``n_experts / ep`` experts (their stacked
+``ep`` consecutive ranks of ``dp_shard x cp`` (the FSDP shard ranks) each hold ``n_experts / ep`` experts (their stacked
 weights become DTensors sharded on dim 0 over ``ep``, so checkpoints reshard to any layout). After routing,
 each rank sends every token-slot to the rank holding its expert (one uneven ``all_to_all_single`` over the
 ep group, whose backward is the reverse exchange), the receiving rank runs its local experts on what it got
 from every rank (grouped by expert), and the outputs travel back the same way; the MoE module then combines
-them as on one device. The ranks holding the same experts (``edp = dp_shard / ep``, times dp_replicate)
+them as on one device. The ranks holding the same experts (``edp = dp_shard x cp / ep``, times dp_replicate)
 shard them with FSDP2 (``loom.parallel.data_parallel.apply_fsdp_experts``). An expert's gradient already sums
 the tokens of the whole ep group before FSDP2 averages it over those edp x dp_replicate ranks, while every
-other gradient is averaged over all dp_replicate x dp_shard ranks: the trainer multiplies expert gradients by
+other gradient is averaged over all dp_replicate x dp_shard x cp ranks: the trainer multiplies expert gradients by
 ``expert_grad_factor = 1 / ep`` after the backward so both carry the same token-sum semantics (FSDP2's own
 divide factor would do it inside the reduction, but needs a PREMUL_SUM reduction gloo lacks).
 
