@@ -32,9 +32,30 @@ def _op_policy():
                 return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-        return create_selective_checkpoint_contexts(policy)
+        return tuple(_ignoring_profiler(mode) for mode in create_selective_checkpoint_contexts(policy))
 
     return make_contexts
+
+
+_IGNORING: dict[type, type] = {}
+
+
+def _ignoring_profiler(mode):
+    """``mode`` (one of the two dispatch modes selective checkpointing runs the forward and the recomputation
+    under) with profiler annotations passed through, neither cached nor counted. SAC replays ops by their
+    per-op call index, and FSDP2 hooks inside a checkpointed block (the experts' own fully_shard under expert
+    parallelism) annotate the recomputation with more ``record_function`` calls than the forward, which makes
+    PyTorch (2.11-2.13) raise a replay mismatch (torchtitan#3427; pytorch#196862 ignores them the same way)."""
+    base = type(mode)
+    if base not in _IGNORING:
+        def dispatch(self, func, types, args=(), kwargs=None):
+            if getattr(func, "namespace", None) == "profiler":
+                return func(*args, **(kwargs or {}))
+            return base.__torch_dispatch__(self, func, types, args, kwargs)
+
+        _IGNORING[base] = type(base.__name__ + "IgnoringProfiler", (base,), {"__torch_dispatch__": dispatch})
+    mode.__class__ = _IGNORING[base]
+    return mode
 
 
 def wrap_block(block: nn.Module, mode: str) -> nn.Module:

@@ -51,6 +51,7 @@ class ExpertParallel:
     def __init__(self, group, size: int):
         self.group, self.size = group, size
 
+    @torch.compiler.disable  # the exchange's sizes are read on the host: compiled blocks break around it
     def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (T k, E): this rank's token-slots grouped by (global) expert, ``counts`` (n,) of them per expert ->
         the experts' outputs, same rows."""

@@ -75,9 +75,6 @@ def check_moe(args, cfg: Config) -> None:
     if cfg.parallel.tp > 1 and cfg.parallel.ep > 1:
         raise ConfigError("parallel.ep", cfg.parallel.ep, "with parallel.tp > 1 not supported yet (experts are "
                           "replicated over tp): allowed 1 there")
-    if cfg.parallel.ep > 1 and cfg.training.compile:
-        raise ConfigError("training.compile", True, "with expert parallelism not supported yet (the token all-to-all "
-                          "has data-dependent sizes, read on the host): allowed false with parallel.ep > 1")
     if cfg.parallel.tp > 1 and cfg.training.compile:
         raise ConfigError("training.compile", True, "with a mixture-of-experts model under parallel.tp > 1 not "
                           "supported yet (Dynamo cannot trace the experts' tp-replicated gradients): allowed false")
