@@ -52,6 +52,13 @@ EXTRA = [  # runs outside the test's tolerance, shown with the rest: (file, row,
     # mixture of experts (1B shape, 8 experts of 2048, top 2), measured before the planner modelled MoE
     ("moe_1b_8x2048_grouped_h100.json", "fsdp1", dict(MOE_MEASURED[0][1]), 1, "H100"),
     ("moe_1b_8x2048_compile_h100.json", "fsdp1", dict(MOE_MEASURED[1][1]), 1, "H100"),
+    ("moe_1b_8x2048_compile_acfull_h100.json", "fsdp1",
+     dict(MOE_MEASURED[1][1], training__activation_checkpointing="full"), 1, "H100"),
+    # predicted at f465c7e (plan_predictions_moe_f465c7e.json): 16 experts of 1024, top 4, eager, op-level AC
+    ("plan_check_moe_a_h100.json", "fsdp1", dict(MOE_MEASURED[0][1], model__moe_experts=16, model__moe_ffn_dim=1024,
+                                                  model__moe_top_k=4, training__seq_len=4096,
+                                                  training__global_batch_size=2, training__micro_batch_size=2,
+                                                  training__activation_checkpointing="op"), 1, "H100"),
 ]
 
 

@@ -25,7 +25,7 @@ from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, 
                               with_workspace)
 from loom.plan.shapes import block_params, expert_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency,
-                              attention_flops, collective_s, efficiency, recompute_share)
+                              attention_flops, collective_s, efficiency, moe_overhead_s, recompute_share)
 
 @dataclass
 class Estimate:
@@ -172,7 +172,12 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     attention = attention_flops(share.layers, args.n_heads, args.head_dim, t.seq_len, tokens) / dims.tp * (1 + rec_attn)
     compute_mb = (block_mm + 6 * head / dims.tp * tokens) / (peak * eff) \
         + attention / (peak * attention_efficiency(args.head_dim, t.seq_len))
+    if args.moe:
+        moe_mb = moe_time_s(share, args, dims, tokens, t, gpu)
+        compute_mb += moe_mb.extra_matmul / (peak * eff)
     st = StepTime(compute=m * compute_mb)
+    if args.moe:
+        st.moe = m * moe_mb.overhead
     if dims.pp > 1:
         from loom.parallel.pipeline import theoretical_bubble
 
@@ -200,6 +205,28 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
         per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, _bandwidth(dims, ("cp",), gpu))
         st.cp = m * share.layers * per_block
     return st
+
+
+@dataclass
+class MoETime:
+    extra_matmul: float  # FLOPs: the experts' grouped GEMMs op-level checkpointing recomputes beyond rec_mm
+    overhead: float  # seconds: weight casts and routing (loom.plan.timing.moe_overhead_s)
+
+
+def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
+    """One micro-batch's MoE terms on this rank (see loom.plan.timing's docstring)."""
+    ac, layers = t.activation_checkpointing, share.layers
+    recomputed = layers * 3 * recompute_share(ac, t.ac_every, args.n_layers)[1]  # blocks rerun in backward
+    slots = tokens * args.moe_top_k / dims.tp  # each tp rank routes its sequence slice
+    local = args.moe_experts * expert_params(args) / dims.ep
+    once = moe_overhead_s(local, slots, args.dim, t.compile, False, gpu.hbm_tbps)
+    again = moe_overhead_s(local, slots, args.dim, t.compile, True, gpu.hbm_tbps) - once
+    if ac == "op":  # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM
+        recomputed = layers
+        extra = 6 * expert_params(args) * slots * (1 / 3 - 1 / 6) * layers
+    else:
+        extra = 0.0
+    return MoETime(extra_matmul=extra, overhead=layers * once + recomputed * again)
 
 
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:

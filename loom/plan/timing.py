@@ -18,6 +18,14 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   expert parallelism: each MoE block sends its routed token-slots to the experts' ranks and back, in forward and
   in backward (4 all-to-alls, costed like an all-gather of the slots), exposed; MoE FLOPs count the router
   and the top_k experts a token goes through, assuming balanced routing;
+- mixture of experts, beyond the active experts' matmuls: every expert weight is cast to bf16 each forward and
+  its gradient cast back (``MOE_WEIGHT_CAST_BYTES`` per parameter of a rank's experts, 6 more when recomputed),
+  and routing moves each token-slot (sort, gather, scatter back, casts, the weighting and the gate's
+  elementwise work: ``MOE_SLOT_BYTES`` per slot and model-dim element), both at the copy rate
+  ``COPY_HBM_SHARE``; op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``: every
+  one of them, as full checkpointing does). Fitted on one layer's forward + backward
+  (bench/results/moe_copies_h100.json) and one compiled run (docs/planner.md); host time is not modelled
+  (eager MoE under op-level checkpointing left the GPU idle ~30% of the step);
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """
@@ -60,6 +68,24 @@ def attention_flops(layers: float, heads: int, head_dim: int, seq: int, tokens: 
 ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
+# MoE (see the module docstring). The casts of one 1B MoE layer's 8 x 2048 experts (12 B x 100.7M parameters)
+# took 0.522 ms on an H100: 2.31 TB/s of 3.35 (bench/results/moe_copies_h100.json). Per slot x dim element,
+# fwd + bwd, what one layer took beyond its matmuls at the planner's eager rate and the weight casts: 57 B
+# (8 x 2048, top 2) and 61 B (16 x 1024, top 4) in that file; compiled, the 1B 8 x 2048 run's miss per layer
+# (moe_1b_8x2048_compile_h100.json) gives 80 B.
+COPY_HBM_SHARE = 0.69
+MOE_WEIGHT_CAST_BYTES = 12
+MOE_SLOT_BYTES = {"eager": 59, "compiled": 80}
+
+
+def moe_overhead_s(expert_params: float, slots: float, dim: int, compiled: bool, recomputed: bool,
+                   hbm_tbps: float) -> float:
+    """Seconds per MoE layer and micro-batch beyond the active experts' matmuls: ``expert_params`` on this rank,
+    ``slots`` = tokens x top_k routed through it."""
+    casts = (MOE_WEIGHT_CAST_BYTES + (6 if recomputed else 0)) * expert_params
+    routing = MOE_SLOT_BYTES["compiled" if compiled else "eager"] * slots * dim * (4 / 3 if recomputed else 1)
+    return (casts + routing) / (COPY_HBM_SHARE * hbm_tbps * 1e12)
+
 
 @dataclass
 class StepTime:
@@ -72,6 +98,7 @@ class StepTime:
     tp: float = 0.0
     cp: float = 0.0
     ep: float = 0.0  # expert parallelism's token all-to-alls
+    moe: float = 0.0  # expert weight casts and token routing (memory-bound)
     pp: float = 0.0  # activations sent between stages
 
     @property
