@@ -59,6 +59,15 @@ EXTRA = [  # runs outside the test's tolerance, shown with the rest: (file, row,
                                                   model__moe_top_k=4, training__seq_len=4096,
                                                   training__global_batch_size=2, training__micro_batch_size=2,
                                                   training__activation_checkpointing="op"), 1, "H100"),
+    # predicted at dc1b8aa with the MoE terms, before they were measured (plan_predictions_moe_dc1b8aa.json)
+    ("plan_check3_moe_p1_h100.json", "fsdp1", dict(MOE_MEASURED[1][1], model__moe_experts=16, model__moe_ffn_dim=1024,
+                                                    model__moe_top_k=4), 1, "H100"),
+    ("plan_check3_moe_p2_h100.json", "fsdp1", dict(MOE_MEASURED[0][1], training__seq_len=4096,
+                                                    training__global_batch_size=2, training__micro_batch_size=2,
+                                                    training__activation_checkpointing="full"), 1, "H100"),
+    ("plan_check3_moe_p3_h100.json", "fsdp1", dict(MOE_MEASURED[1][1], model__moe_experts=32, model__moe_ffn_dim=512,
+                                                    model__moe_top_k=8, training__activation_checkpointing="op"),
+     1, "H100"),
 ]
 
 

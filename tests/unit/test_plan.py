@@ -200,20 +200,48 @@ def test_compiled_blocks_leave_only_the_root_in_autocasts_cache():
     assert autocast_cache(share, args, MemoryInputs(**{**x.__dict__, "fsdp": True}), False, 0.0) == 0.0
 
 
-# MoE runs on one H100 (bench/results): the planner's memory within 12% (its throughput is not held: the
-# routing and the grouped GEMM run below the dense matmul efficiency it assumes; docs/planner.md)
+# MoE runs on one H100 (bench/results): the planner's memory -5%..+15%, its throughput within 20% (the
+# runs predicted at dc1b8aa before measuring included; not the eager op-AC run, host-bound: docs/planner.md)
 _MOE = dict(model__flavor="1B", model__moe_experts=8, model__moe_ffn_dim=2048, training__seq_len=2048,
             training__dtype="bfloat16", training__global_batch_size=4, training__micro_batch_size=4,
             model__attention="sdpa")
 MOE_MEASURED = [("moe_1b_8x2048_grouped_h100.json", dict(_MOE)),
-                ("moe_1b_8x2048_compile_h100.json", dict(_MOE, training__compile="true"))]
+                ("moe_1b_8x2048_compile_h100.json", dict(_MOE, training__compile="true")),
+                ("plan_check3_moe_p1_h100.json", dict(_MOE, training__compile="true", model__moe_experts=16,
+                                                      model__moe_ffn_dim=1024, model__moe_top_k=4)),
+                ("plan_check3_moe_p2_h100.json", dict(_MOE, training__seq_len=4096, training__global_batch_size=2,
+                                                      training__micro_batch_size=2,
+                                                      training__activation_checkpointing="full")),
+                ("plan_check3_moe_p3_h100.json", dict(_MOE, training__compile="true", model__moe_experts=32,
+                                                      model__moe_ffn_dim=512, model__moe_top_k=8,
+                                                      training__activation_checkpointing="op"))]
 
 
 @pytest.mark.parametrize("name,over", MOE_MEASURED, ids=[m[0][:-5] for m in MOE_MEASURED])
-def test_moe_memory_against_measured_runs(name, over):
+def test_moe_estimates_against_measured_runs(name, over):
     run = _measured(name, "fsdp1")
     est = estimate(_cfg(**over), 1, GPUS["H100"])
-    assert est.memory.total / 2**30 == pytest.approx(run["peak_gib_max_rank"], rel=0.12)
+    over_by = est.memory.total / 2**30 / run["peak_gib_max_rank"] - 1
+    assert -0.05 < over_by < 0.15  # on the safe side: -1%..+12% on these runs
+    assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.20)
+
+
+def test_moe_overhead_counts_every_local_expert_and_recomputation():
+    """The moe term: casts of every expert a rank holds (so ep cuts it), routing per slot (so top_k raises it),
+    more when blocks are recomputed; op-level checkpointing also recomputes the grouped GEMMs."""
+    base = estimate(_cfg(**_MOE), 1, GPUS["H100"]).time
+    top4 = estimate(_cfg(**dict(_MOE, model__moe_top_k=4)), 1, GPUS["H100"]).time
+    full = estimate(_cfg(**dict(_MOE, training__activation_checkpointing="full")), 1, GPUS["H100"]).time
+    op = estimate(_cfg(**dict(_MOE, training__activation_checkpointing="op")), 1, GPUS["H100"]).time
+    dense = estimate(_cfg(**dict(_MOE, model__moe_experts=0, model__moe_ffn_dim=0)), 1, GPUS["H100"]).time
+    assert dense.moe == 0 < base.moe < top4.moe and base.moe < full.moe == pytest.approx(op.moe)
+    fsdp = dict(_MOE, training__global_batch_size=8, training__micro_batch_size=1, parallel__dp_shard=8)
+    ep1, ep8 = (estimate(_cfg(**dict(fsdp, parallel__ep=e)), 8, GPUS["H200"]).time for e in (1, 8))
+    assert ep8.moe < ep1.moe
+    # op AC: compute grows by the grouped GEMMs' extra sixth on top of every other aten.mm
+    none_mm = estimate(_cfg(**dict(_MOE, model__moe_experts=0, model__moe_ffn_dim=0,
+                                   training__activation_checkpointing="op")), 1, GPUS["H100"]).time
+    assert op.compute - base.compute > none_mm.compute - dense.compute
 
 
 def test_moe_flops_count_active_experts_and_ep_gathers_only_local_experts():
