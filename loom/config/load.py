@@ -251,9 +251,6 @@ def check_parallel_fields(cfg: Config) -> None:
         raise ConfigError("parallel.async_tp", True, "needs parallel.tp > 1")
     if p.async_tp and not t.compile:
         raise ConfigError("parallel.async_tp", True, "needs training.compile true (the pass runs in the compiler)")
-    if p.pp > 1 and cfg.data.document_positions:
-        raise ConfigError("data.document_positions", True, "not supported with parallel.pp > 1 yet (positions would "
-                          "have to travel between stages); allowed with pp = 1")
     if p.cp > 1:
         if t.seq_len % (2 * p.cp):
             raise ConfigError("parallel.cp", p.cp, f"training.seq_len {t.seq_len} must split into 2 x cp = {2 * p.cp} "

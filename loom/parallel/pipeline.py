@@ -276,10 +276,11 @@ def build_schedule(plan: PipelinePlan, stage_modules: list, pp_group, device, n_
 _WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def forward_chain(plan: PipelinePlan, stage_modules: list, pp_group, x, device):
+def forward_chain(plan: PipelinePlan, stage_modules: list, pp_group, x, device, positions=None):
     """One micro-batch forward through every stage in order, each stage on its rank, hidden states passed
     point to point (a shape header first): validation for the V-shaped schedules, whose forward-only run in
-    torch.distributed.pipelining fails. ``x``: the (B, S) token ids (used by the rank holding stage 0).
+    torch.distributed.pipelining fails. ``x``: the (B, S) token ids (used by the rank holding stage 0);
+    ``positions``: (B, S) per-document positions or None, given to every stage.
     Returns the last stage's output on the rank holding it, None on the others."""
     import torch.distributed as dist
 
@@ -291,7 +292,7 @@ def forward_chain(plan: PipelinePlan, stage_modules: list, pp_group, x, device):
             h = x
         elif stage_rank(s - 1, plan.pp, plan.schedule) != me:
             h = _recv_hidden(pp_group, stage_rank(s - 1, plan.pp, plan.schedule), device)
-        h = local[s](h)
+        h = local[s](h, positions)
         nxt = s + 1
         if nxt < plan.n_stages and stage_rank(nxt, plan.pp, plan.schedule) != me:
             _send_hidden(h, pp_group, stage_rank(nxt, plan.pp, plan.schedule))

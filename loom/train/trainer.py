@@ -327,12 +327,15 @@ class Trainer:
         """``run`` (the schedule's step or eval) over ``mbs`` joined into (M x B, S), which the schedule
         cuts back into M micro-batches; returns the last stage's loss_fn outputs (empty elsewhere)."""
         labels = torch.cat([mb.labels for mb in mbs])
+        # per-document positions go to every stage as a keyword (the schedule cuts it like the inputs): each
+        # stage's attention masks its documents and RoPE restarts per document
+        kwargs = {"positions": torch.cat([mb.positions for mb in mbs])} if self.cfg.data.document_positions else {}
         losses: list[torch.Tensor] = []
         with self._autocast(), loss_parallel_context(self.loss_parallel):
             if self.plan.has_first:
-                run(torch.cat([mb.inputs for mb in mbs]), target=labels, losses=losses)
+                run(torch.cat([mb.inputs for mb in mbs]), target=labels, losses=losses, **kwargs)
             else:
-                run(target=labels, losses=losses)
+                run(target=labels, losses=losses, **kwargs)
         return losses
 
     def _grad_norm(self) -> torch.Tensor:
@@ -429,7 +432,9 @@ class Trainer:
         if self.plan.schedule in V_SHAPED:  # torch's forward-only run of these fails: stage by stage instead
             for mb in batches:
                 with self._autocast(), loss_parallel_context(self.loss_parallel):
-                    out = forward_chain(self.plan, self.parts, self.dims["pp"].get_group(), mb.inputs, self.device)
+                    positions = mb.positions if self.cfg.data.document_positions else None
+                    out = forward_chain(self.plan, self.parts, self.dims["pp"].get_group(), mb.inputs, self.device,
+                                        positions)
                     if out is not None:
                         total += self._pipeline_loss(out, mb.labels)
         else:

@@ -89,8 +89,6 @@ CASES = [
      ["training.eval_batches = 3", "a multiple of the pipeline's micro-batch count 2"]),
     ("async-tp-without-compile", ["--parallel.tp", "2", "--parallel.async_tp", "true"],
      ["parallel.async_tp = True", "needs training.compile true"]),
-    ("pp-with-document-positions", ["--parallel.pp", "2", "--data.document_positions", "true"],
-     ["data.document_positions = True", "not supported with parallel.pp > 1"]),
     ("bad-attention", ["--model.attention", "flex"],
      ["model.attention = 'flex'", "auto", "sdpa", "flash"]),
     ("fused-loss-with-tp", ["--parallel.tp", "2", "--model.fused_loss", "true"],
