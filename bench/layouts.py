@@ -31,16 +31,21 @@ from bench.train_1b import environment  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # per flavor: model overrides (enough layers for 4 stages x 2 virtual) and sequence length
+# "debug_docs": the debug model on packed documents with per-document positions (the document mask on)
 FLAVOR_SETTINGS = {"debug": ({"model.n_layers": 8}, 128), "125M": ({}, 512),
-                   "debug_moe": ({"model.n_layers": 8, "model.moe_experts": 8}, 128)}
+                   "debug_moe": ({"model.n_layers": 8, "model.moe_experts": 8}, 128),
+                   "debug_docs": ({"model.flavor": "debug", "model.n_layers": 8, "data.document_positions": "true"},
+                                  512)}
 MOE_FLAVORS = ("debug_moe",)
-# expert-parallel layouts, run for MoE flavors only (with the data-parallel and pipeline layouts; MoE rejects TP / CP)
+# expert-parallel layouts, run for MoE flavors only (with every other layout except TP together with EP)
 EP_LAYOUTS = {2: {"fsdp2_ep2": {"dp_shard": 2, "ep": 2}},
               4: {"fsdp4_ep2": {"dp_shard": 4, "ep": 2}, "fsdp4_ep4": {"dp_shard": 4, "ep": 4},
-                  "hsdp2x2_ep2": {"dp_replicate": 2, "dp_shard": 2, "ep": 2}},
+                  "hsdp2x2_ep2": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+                  "fsdp2_cp2_ep2": {"dp_shard": 2, "cp": 2, "ep": 2}},
               8: {"fsdp8_ep8": {"dp_shard": 8, "ep": 8}, "fsdp8_ep2": {"dp_shard": 8, "ep": 2},
                   "hsdp2x4_ep4": {"dp_replicate": 2, "dp_shard": 4, "ep": 4},
-                  "fsdp4_pp2_ep2_1f1b": {"dp_shard": 4, "pp": 2, "ep": 2, "pp_schedule": "1f1b"}}}
+                  "fsdp4_pp2_ep2_1f1b": {"dp_shard": 4, "pp": 2, "ep": 2, "pp_schedule": "1f1b"},
+                  "fsdp4_cp2_ep4": {"dp_shard": 4, "cp": 2, "ep": 4}}}
 GLOBAL_BATCH = 16
 
 
@@ -76,9 +81,9 @@ def layouts(gpus: int) -> dict[str, dict]:
 
 
 def applies(flavor: str, degrees: dict) -> bool:
-    """Expert parallelism only for MoE flavors; MoE flavors without TP or CP (not supported with MoE)."""
+    """Expert parallelism only for MoE flavors, and not together with TP (not supported yet)."""
     if flavor in MOE_FLAVORS:
-        return degrees.get("tp", 1) == 1 and degrees.get("cp", 1) == 1
+        return degrees.get("ep", 1) == 1 or degrees.get("tp", 1) == 1
     return degrees.get("ep", 1) == 1
 
 

@@ -5,7 +5,8 @@
 #
 # Usage (on the 8-GPU machine, from the repository root):
 #   LOOM_COMMIT=<sha> bash bench/run_8gpu.sh PART OUT_DIR
-# PART: layouts-debug | layouts-125m | layouts-125m-bf16 | layouts-moe | throughput-fsdp8 | throughput-layouts
+# PART: layouts-debug | layouts-125m | layouts-125m-bf16 | layouts-moe | layouts-docs | throughput-fsdp8 |
+#       throughput-layouts
 # Copy OUT_DIR/* into bench/results/ afterwards, and run the same PART again if it was cut short.
 set -u
 part=${1:?PART}; out=${2:?OUT_DIR}; mkdir -p "$out"
@@ -27,8 +28,11 @@ case $part in
   layouts-125m-bf16)  # the bf16 spread of the same layouts
     timeout 570 python bench/layouts.py --gpus 8 --flavors 125M --dtype bfloat16 --resume --timeout 150 \
       --out "$(resume layouts_8gpu_h200_bf16.json)" ;;
-  layouts-moe)  # the MoE flavor (8 experts) under data, pipeline and expert-parallel layouts, fp32
+  layouts-moe)  # the MoE flavor (8 experts) under every layout (EP not with TP), fp32
     timeout 570 python bench/layouts.py --gpus 8 --flavors debug_moe --resume --timeout 150 \
+      --out "$(resume layouts_8gpu_h200.json)" ;;
+  layouts-docs)  # packed documents with the document mask (CP chunk pairs, positions through pipeline stages)
+    timeout 570 python bench/layouts.py --gpus 8 --flavors debug_docs --resume --timeout 150 \
       --out "$(resume layouts_8gpu_h200.json)" ;;
   throughput-fsdp8)  # the headline: 8B, seq 8192, FSDP8, bf16, compile, AC op, local batch 2
     timeout 570 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 --layouts fsdp8 --global-batch 16 \
