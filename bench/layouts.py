@@ -37,15 +37,17 @@ FLAVOR_SETTINGS = {"debug": ({"model.n_layers": 8}, 128), "125M": ({}, 512),
                    "debug_docs": ({"model.flavor": "debug", "model.n_layers": 8, "data.document_positions": "true"},
                                   512)}
 MOE_FLAVORS = ("debug_moe",)
-# expert-parallel layouts, run for MoE flavors only (with every other layout except TP together with EP)
-EP_LAYOUTS = {2: {"fsdp2_ep2": {"dp_shard": 2, "ep": 2}},
+# expert-parallel layouts, run for MoE flavors only (with every other layout); under TP the ep ranks take in tp
+EP_LAYOUTS = {2: {"fsdp2_ep2": {"dp_shard": 2, "ep": 2}, "tp2_ep2": {"tp": 2, "dp_shard": 1, "ep": 2}},
               4: {"fsdp4_ep2": {"dp_shard": 4, "ep": 2}, "fsdp4_ep4": {"dp_shard": 4, "ep": 4},
                   "hsdp2x2_ep2": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
-                  "fsdp2_cp2_ep2": {"dp_shard": 2, "cp": 2, "ep": 2}},
+                  "fsdp2_cp2_ep2": {"dp_shard": 2, "cp": 2, "ep": 2},
+                  "fsdp2_tp2_ep4": {"dp_shard": 2, "tp": 2, "ep": 4}},
               8: {"fsdp8_ep8": {"dp_shard": 8, "ep": 8}, "fsdp8_ep2": {"dp_shard": 8, "ep": 2},
                   "hsdp2x4_ep4": {"dp_replicate": 2, "dp_shard": 4, "ep": 4},
                   "fsdp4_pp2_ep2_1f1b": {"dp_shard": 4, "pp": 2, "ep": 2, "pp_schedule": "1f1b"},
-                  "fsdp4_cp2_ep4": {"dp_shard": 4, "cp": 2, "ep": 4}}}
+                  "fsdp4_cp2_ep4": {"dp_shard": 4, "cp": 2, "ep": 4},
+                  "fsdp4_tp2_ep4": {"dp_shard": 4, "tp": 2, "ep": 4}}}
 GLOBAL_BATCH = 16
 
 
@@ -81,10 +83,8 @@ def layouts(gpus: int) -> dict[str, dict]:
 
 
 def applies(flavor: str, degrees: dict) -> bool:
-    """Expert parallelism only for MoE flavors, and not together with TP (not supported yet)."""
-    if flavor in MOE_FLAVORS:
-        return degrees.get("ep", 1) == 1 or degrees.get("tp", 1) == 1
-    return degrees.get("ep", 1) == 1
+    """Expert parallelism only for MoE flavors."""
+    return flavor in MOE_FLAVORS or degrees.get("ep", 1) == 1
 
 
 def job_config(flavor: str, degrees: dict, a, run_dir: str) -> dict:

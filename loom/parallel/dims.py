@@ -8,7 +8,9 @@ Expert parallelism borrows data-parallel ranks: ``ep`` consecutive ranks of ``dp
 shard ranks; with cp > 1 the cp ranks of a sample come first) hold different experts and exchange tokens.
 With ep > 1 a second mesh over the same ranks splits ``dp_shard x cp`` into ``edp x ep`` (``edp = dp_shard x
 cp / ep``: the ranks that hold the same experts and shard them with FSDP2; ep stays the inner axis, as
-FSDP2 needs for parameters that are already DTensors over it).
+FSDP2 needs for parameters that are already DTensors over it). Under tensor parallelism the ep ranks also
+take in the tp ranks (torchtitan's etp = 1): ``ep`` is then a multiple of ``tp``, ``ep / tp`` ranks come from
+``dp_shard x cp`` and each tp rank sends its own sequence slice's tokens (``edp = dp_shard x cp x tp / ep``).
 Components receive the mesh they need from here; nothing reads a global group.
 """
 
@@ -60,7 +62,12 @@ class ParallelDims:
             raise ConfigError("parallel.dp_shard", cfg.dp_shard,
                               f"dp_replicate x dp_shard x tp x pp x cp = {product} must equal the world size "
                               f"{world_size}")
-        if (dp_shard * cfg.cp) % cfg.ep:
+        if cfg.ep > 1 and cfg.tp > 1:
+            if cfg.ep % cfg.tp or (dp_shard * cfg.cp) % (cfg.ep // cfg.tp):
+                raise ConfigError("parallel.ep", cfg.ep, f"with parallel.tp = {cfg.tp} must be tp x a divisor of "
+                                  f"parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): the expert-parallel ranks take "
+                                  "in the tp ranks")
+        elif (dp_shard * cfg.cp) % cfg.ep:
             raise ConfigError("parallel.ep", cfg.ep, f"must divide parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): "
                               "expert-parallel ranks are data/context-parallel ranks that hold different experts")
         dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size)
@@ -113,9 +120,22 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def ep_takes_tp(self) -> bool:
+        """Whether the expert-parallel ranks include the tp ranks (ep and tp both > 1)."""
+        return self.ep > 1 and self.tp > 1
+
+    @property
     def edp(self) -> int:
         """Ranks of dp_shard x cp that hold the same experts (they shard them with FSDP2)."""
-        return self.dp_shard * self.cp // self.ep
+        return self.dp_shard * self.cp * (self.tp if self.ep_takes_tp else 1) // self.ep
+
+    @property
+    def expert_grad_factor(self) -> float:
+        """An expert's gradient sums the tokens of the ep ranks' samples (ep / tp of them when ep takes in tp:
+        the tp ranks hold slices of the same samples) before FSDP2 averages it over edp; every other gradient is
+        averaged over all data-parallel ranks. This factor gives expert gradients the same token-sum meaning
+        (loom.parallel.expert_parallel)."""
+        return (self.tp if self.ep_takes_tp else 1) / self.ep
 
     # ---- checks that need the model or the micro-batch count ----------------------
     def check_model(self, args, parallel: ParallelConfig) -> None:
@@ -185,8 +205,9 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         self._mesh = mesh
-        if self.ep > 1:  # the same ranks in the same order, dp_shard x cp split into edp x ep
-            shape = [self.edp if a == "edp" else getattr(self, a) for a in EXPERT_AXIS_ORDER]
+        if self.ep > 1:  # the same ranks in the same order, dp_shard x cp (x tp) split into edp x ep
+            sizes = {"edp": self.edp, "tp": 1 if self.ep_takes_tp else self.tp}
+            shape = [sizes.get(a) or getattr(self, a) for a in EXPERT_AXIS_ORDER]
             experts = init_device_mesh(device_type, tuple(shape), mesh_dim_names=EXPERT_AXIS_ORDER)
             self._flat["ep"] = experts["ep"]
             self._flat["edp"] = experts["edp"]

@@ -9,8 +9,13 @@ them as on one device. The ranks holding the same experts (``edp = dp_shard x cp
 shard them with FSDP2 (``loom.parallel.data_parallel.apply_fsdp_experts``). An expert's gradient already sums
 the tokens of the whole ep group before FSDP2 averages it over those edp x dp_replicate ranks, while every
 other gradient is averaged over all dp_replicate x dp_shard x cp ranks: the trainer multiplies expert gradients by
-``expert_grad_factor = 1 / ep`` after the backward so both carry the same token-sum semantics (FSDP2's own
+``ParallelDims.expert_grad_factor`` (1 / ep; tp / ep when the ep ranks take in the tp ranks, which hold
+slices of the same samples) after the backward so both carry the same token-sum semantics (FSDP2's own
 divide factor would do it inside the reduction, but needs a PREMUL_SUM reduction gloo lacks).
+
+Under tensor parallelism (torchtitan's etp = 1) the ep ranks include the tp ranks: each tp rank routes the
+tokens of its own sequence slice and exchanges them with every ep rank; the experts are not replicated over
+tp (``loom.parallel.tensor_parallel`` leaves them to this module).
 
 Applied by ``apply_expert_parallel(model, ep_mesh)`` after the model is built on the meta device; the model
 code stays single-device.
@@ -90,6 +95,3 @@ def expert_params(parts: list[nn.Module]) -> list[nn.Parameter]:
 
     return [p for part in parts for moe in moe_modules(part) for p in moe.experts.parameters()]
 
-
-def expert_grad_factor(ep: int) -> float:
-    return 1.0 / ep

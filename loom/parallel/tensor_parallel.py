@@ -51,15 +51,17 @@ def block_plan(moe: bool = False) -> dict:
     }
 
 
-def replicate_moe(moe: nn.Module, tp_mesh) -> None:
+def replicate_moe(moe: nn.Module, tp_mesh, experts: bool = True) -> None:
     """A mixture-of-experts block under tensor parallelism: router and experts replicated over ``tp_mesh``
-    (DTensors, so checkpoints and FSDP2 see the tp layout), gradients summed over tp, counts over tp."""
+    (DTensors, so checkpoints and FSDP2 see the tp layout), gradients summed over tp, counts over tp.
+    ``experts=False``: expert parallelism will split the experts over ranks that include the tp ranks."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    for module in (moe.router.gate, moe.experts):
+    for module in (moe.router.gate, moe.experts) if experts else (moe.router.gate,):
         for name, p in list(module.named_parameters(recurse=False)):
             setattr(module, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Replicate()])))
-    moe.router.tokens_split = moe.experts.tokens_split = True
+    moe.router.tokens_split = True
+    moe.experts.tokens_split = experts
     moe.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
 
 
@@ -80,8 +82,10 @@ def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool = False) -> None:
-    """Shard ``model`` (a Llama or a pipeline stage of one) in place over the 1-D ``tp_mesh``."""
+def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool = False,
+             expert_parallel: bool = False) -> None:
+    """Shard ``model`` (a Llama or a pipeline stage of one) in place over the 1-D ``tp_mesh``;
+    ``expert_parallel``: MoE experts are left to loom.parallel.expert_parallel (ep takes in the tp ranks)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = model.output is not None and model.tok_embeddings is not None and \
@@ -96,17 +100,18 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         moe = isinstance(block.feed_forward, MoE)
         parallelize_module(block, tp_mesh, block_plan(moe))
         if moe:
-            replicate_moe(block.feed_forward, tp_mesh)
-    check_all_sharded(model, tp_mesh)
+            replicate_moe(block.feed_forward, tp_mesh, experts=not expert_parallel)
+    check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
     if async_tp:
         enable_async_tp(tp_mesh)
 
 
-def check_all_sharded(model: nn.Module, tp_mesh) -> None:
-    """Every parameter must have been distributed over the tp mesh (a missed name raises here)."""
+def check_all_sharded(model: nn.Module, tp_mesh, skip: str | None = None) -> None:
+    """Every parameter must have been distributed over the tp mesh (a missed name raises here), but those
+    whose name contains ``skip``."""
     from torch.distributed.tensor import DTensor
 
-    missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) and not (skip and skip in n)]
     if missed:
         raise RuntimeError(f"tensor parallel plan missed parameters {missed}: the plan's module names no longer "
                            "match the model")

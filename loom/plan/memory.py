@@ -64,8 +64,17 @@ class MemoryInputs:
     micro_batch: int
     seq_len: int
     cpu_offload: bool = False
-    ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard x cp / ep only
+    ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard x cp (x tp) / ep only
     expert_params: float = 0.0  # of one block (all its experts)
+
+
+def held_params(share, x: MemoryInputs) -> float:
+    """Parameters one rank holds before FSDP2 shards them: its tp share, with the experts split over the tp
+    ranks too when expert parallelism takes them in (ep and tp > 1; otherwise tp replicates them)."""
+    params = share.params(x.tp)
+    if x.ep > 1 and x.tp > 1:
+        params -= share.layers * x.expert_params * (1 - 1 / x.tp)
+    return params
 
 
 def state_memory(params: float, x: MemoryInputs) -> Memory:

@@ -20,7 +20,8 @@ from loom.metrics.flops import flops_per_token
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.plan.activations import profile_activations
 from loom.plan.hardware import GPU
-from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, gathered_memory, pipeline_peak,
+from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, gathered_memory, held_params,
+                              pipeline_peak,
                               stage_activation, state_memory, step_peak, stored_blocks,
                               with_workspace)
 from loom.plan.shapes import block_params, expert_params, rank_shares
@@ -138,7 +139,7 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
 def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Config, m: int) -> Memory:
     ac = cfg.training.activation_checkpointing
     stored = stored_blocks(ac, cfg.training.ac_every, args.n_layers)
-    state = state_memory(share.params(dims.tp), x)
+    state = state_memory(held_params(share, x), x)
     gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
     backward = profile.backward_peak / dims.tp
     if dims.pp > 1:  # several micro-batches in flight in different phases: every term at once
@@ -185,7 +186,7 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
         st.bubble = st.compute * bubble / (1 - bubble)
         act = tokens * args.dim * BYTES[t.dtype]
         st.pp = 2 * m * len(share.stages) * act / (_bandwidth(dims, ("pp",), gpu) * 1e9)
-    own = share.params(dims.tp) / x.shard
+    own = held_params(share, x) / x.shard
     st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
     c = BYTES[t.dtype]
@@ -195,9 +196,10 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
                                                                    _bandwidth(dims, ("tp",), gpu))
         st.tp = m * share.layers * per_block
     if dims.ep > 1:  # every routed token-slot to its expert's rank and back, forward and backward, exposed
-        slots = tokens * args.moe_top_k * args.dim * c
-        # an ep group: ep consecutive ranks of dp_shard x cp, each holding tp ranks inside it
-        bandwidth = gpu.network_gbps if dims.ep * dims.tp > gpu.gpus_per_node else gpu.link_gbps
+        slots = tokens * args.moe_top_k * args.dim * c / dims.tp  # each tp rank sends its sequence slice
+        # an ep group: ep consecutive ranks (of dp_shard x cp, with the tp ranks inside it when tp > 1)
+        bandwidth = gpu.network_gbps if dims.ep * (1 if dims.ep_takes_tp else dims.tp) > gpu.gpus_per_node \
+            else gpu.link_gbps
         per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.layers * per_block
     if dims.cp > 1:
@@ -231,7 +233,7 @@ def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
 
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
     """Exposed seconds of gradient / parameter communication per step."""
-    params = share.params(dims.tp)
+    params = held_params(share, x)
     c = BYTES[x.dtype]
     block = block_params(args, dims.tp)
     if dims.fsdp_enabled:

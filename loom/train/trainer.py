@@ -30,7 +30,7 @@ from loom.models.llama.parallelize import fsdp_reshard_after_forward, paralleliz
 from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
-from loom.parallel.expert_parallel import expert_grad_factor, expert_params
+from loom.parallel.expert_parallel import expert_params
 from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
@@ -72,9 +72,6 @@ def check_moe(args, cfg: Config) -> None:
     if cfg.model.init_from:
         raise ConfigError("model.moe_experts", args.moe_experts, "model.init_from loads dense Llama checkpoints: "
                           "allowed 0 there")
-    if cfg.parallel.tp > 1 and cfg.parallel.ep > 1:
-        raise ConfigError("parallel.ep", cfg.parallel.ep, "with parallel.tp > 1 not supported yet (experts are "
-                          "replicated over tp): allowed 1 there")
     if cfg.parallel.tp > 1 and cfg.training.compile:
         raise ConfigError("training.compile", True, "with a mixture-of-experts model under parallel.tp > 1 not "
                           "supported yet (Dynamo cannot trace the experts' tp-replicated gradients): allowed false")
@@ -365,7 +362,7 @@ class Trainer:
         else:
             loss_sum = self._accumulate(mbs, grad_scale)
         if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
-            scale_grads(expert_params(self.parts), expert_grad_factor(self.dims.ep))
+            scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
         with self.profiler.phase("optimizer"):  # grad norm, clipping, step, zero_grad
             norm = self._grad_norm() / self.scaler.scale

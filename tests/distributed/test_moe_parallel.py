@@ -116,10 +116,27 @@ def test_compiled_expert_parallel_matches_eager(tmp_path):
         assert got != eager, f"{name}: bit-identical to eager, so nothing was compiled"
 
 
-@pytest.mark.parametrize("name, layout", [("ep2", dict(dp=2, dp_shard=2, ep=2)), ("tp2", dict(tp=2, dp_shard=1))])
+def test_expert_parallel_with_tensor_parallel_matches_single_process(tmp_path):
+    """EP x TP (the ep ranks take in the tp ranks; each routes its sequence slice): tp2 x ep2 on 2 ranks (ep is
+    the tp ranks), with accumulation; on 4 ranks FSDP2 x tp2 with ep2 (experts sharded by FSDP2 over the two
+    dp ranks) and with ep4 (one rank per expert). Expert gradients sum the tokens of ep / tp samples: a factor
+    of 1 / ep instead of tp / ep fails the grad norm."""
+    ref = run_jobs(1, [moe_job(tmp_path, "single")], str(tmp_path))[0]["records"]
+    jobs2 = {"tp2-ep2": moe_job(tmp_path, "tp2-ep2", tp=2, dp_shard=1, ep=2),
+             "tp2-ep2-m2": moe_job(tmp_path, "tp2-ep2-m2", m=2, tp=2, dp_shard=1, ep=2)}
+    jobs4 = {"fsdp2-tp2-ep2": moe_job(tmp_path, "fsdp2-tp2-ep2", dp=2, dp_shard=2, tp=2, ep=2),
+             "fsdp2-tp2-ep4": moe_job(tmp_path, "fsdp2-tp2-ep4", dp=2, dp_shard=2, tp=2, ep=4)}
+    results = dict(zip(jobs2, run_jobs(2, list(jobs2.values()), str(tmp_path))))
+    results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
+    check_against(ref, results)
+
+
+@pytest.mark.parametrize("name, layout", [("ep2", dict(dp=2, dp_shard=2, ep=2)), ("tp2", dict(tp=2, dp_shard=1)),
+                                          ("tp2-ep2", dict(tp=2, dp_shard=1, ep=2))])
 def test_sharded_moe_checkpoint_resumes_in_one_process(tmp_path, name, layout):
-    """Saved at step 3 under ep2 (experts as DTensors sharded over ep) or tp2 (router and experts replicated
-    over tp), resumed in one process: steps 4-5 repeat the uninterrupted run."""
+    """Saved at step 3 under ep2 (experts as DTensors sharded over ep), tp2 (router and experts replicated
+    over tp) or tp2 x ep2 (experts sharded over the tp ranks, router replicated), resumed in one process:
+    steps 4-5 repeat the uninterrupted run."""
     from tests.distributed.test_model_parallel import SAVE_AT, ckpt, tail
 
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}

@@ -126,7 +126,6 @@ def test_flops_count_the_router_and_top_k_experts():
 
 @pytest.mark.parametrize("overrides, field", [
     ({"model.moe_experts": "4", "model.moe_top_k": "5"}, "model.moe_top_k"),
-    ({"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "2"}, "parallel.ep"),
     ({"model.flavor": "debug_moe", "parallel.tp": "2", "training.compile": "true", "training.dtype": "bfloat16"},
      "training.compile"),
     ({"model.flavor": "debug_moe", "training.compile": "true", "training.dtype": "float32"}, "training.compile"),
@@ -154,7 +153,7 @@ def test_the_planner_models_moe_in_bf16_only():
 
 @pytest.mark.parametrize("args, field", [
     (["--model.moe_top_k", "9"], "model.moe_top_k"),
-    (["--parallel.tp", "2", "--parallel.ep", "2", "--nproc-per-node", "4"], "parallel.ep"),  # before workers start
+    (["--parallel.tp", "2", "--parallel.ep", "3", "--nproc-per-node", "4"], "parallel.ep"),  # before workers start
 ])
 def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
     from tests.unit.test_cli_train import loom_train
@@ -171,6 +170,10 @@ def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
     ({"model.flavor": "debug_moe", "model.moe_experts": "6", "parallel.ep": "4"}, 4, "parallel.ep", "experts (6)"),
     ({"model.flavor": "debug_moe", "parallel.ep": "4", "parallel.dp_shard": "2", "parallel.dp_replicate": "2"},
      4, "parallel.ep", "dp_shard x cp (2 x 1)"),
+    # under tp the ep ranks take in the tp ranks: ep = tp x a divisor of dp_shard x cp
+    ({"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "3"}, 4, "parallel.ep", "tp x a divisor"),
+    ({"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "6", "model.moe_experts": "6"}, 4,
+     "parallel.ep", "tp x a divisor of parallel.dp_shard x cp (2 x 1)"),
 ])
 def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
     from loom.data import build_tokenizer

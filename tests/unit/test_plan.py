@@ -258,6 +258,11 @@ def test_moe_flops_count_active_experts_and_ep_gathers_only_local_experts():
     fsdp = dict(_MOE, training__global_batch_size=8, training__micro_batch_size=1, parallel__dp_shard=8)
     ep1, ep8 = (estimate(_cfg(**dict(fsdp, parallel__ep=e)), 8, GPUS["H200"]) for e in (1, 8))
     assert ep8.memory.gathered < ep1.memory.gathered and ep8.time.ep > 0 == ep1.time.ep
+    # under tp the ep ranks take in the tp ranks: the experts are split over them, not replicated
+    tp = dict(fsdp, parallel__dp_shard=4, parallel__tp=2, training__micro_batch_size=2)
+    tp_only, tp_ep = (estimate(_cfg(**dict(tp, parallel__ep=e)), 8, GPUS["H200"]) for e in (1, 2))
+    experts = 16 * 8 * 3 * 2048 * 2048  # the 1B shape's 16 blocks of 8 experts
+    assert tp_only.memory.weights - tp_ep.memory.weights == pytest.approx(4 * experts / 2 / 4)
     with pytest.raises(ConfigError) as err:
         estimate(_cfg(**dict(_MOE, training__dtype="float32")), 1, GPUS["H100"])
     assert err.value.field == "training.dtype"

@@ -77,7 +77,8 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
     parts = split_pipeline(model, plan) if plan else [model]
     for part in parts:
         if dims.tp_enabled:
-            apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp)
+            apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp,
+                     expert_parallel=dims.ep_enabled)
         if dims.cp_enabled:
             apply_context_parallel(part, dims["cp"])
         if dims.ep_enabled:
