@@ -62,11 +62,7 @@ class _Layout(torch.nn.Module):
 
 
 def set_layout(moe: MoE, layout: str) -> None:
-    """``index_slots``: loom's layout with the slots gathered by plain indexing (autograd's scatter-add backward)
-    instead of ``gather_slots`` (inverse-permutation gather)."""
-    if layout == "index_slots":
-        moe._slots_in = lambda flat, order: flat[order // moe.top_k]
-    elif layout != "dim_hidden":
+    if layout != "dim_hidden":
         moe.experts = _Layout(moe.experts, layout)
 
 
@@ -119,8 +115,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/moe_copies.json")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
-    p.add_argument("--layouts", default="dim_hidden", help="comma-separated layouts to time: dim_hidden (loom's), hidden_dim, fused13, "
-                   "index_slots")
+    p.add_argument("--layouts", default="dim_hidden", help="comma-separated layouts to time: dim_hidden (loom's), hidden_dim, fused13")
     a = p.parse_args()
     doc = {"benchmark": "moe_copies", "environment": environment(a.commit, " ".join(["python"] + sys.argv)),
            "rows": []}

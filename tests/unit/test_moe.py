@@ -76,24 +76,6 @@ def test_grouped_gemm_matches_the_loop_over_experts_in_bf16():
     assert grouped_mm_supported(x, torch.bfloat16) and not grouped_mm_supported(x, torch.float32)
 
 
-def test_slot_gather_backward_sums_each_tokens_slots_like_indexing():
-    """gather_slots (a gather by the inverse permutation and a sum over k in backward) against autograd's
-    indexing backward (a scatter-add), for routing orders of the kind MoE.forward makes; gradcheck in fp64."""
-    from loom.models.common.moe import gather_slots
-
-    torch.manual_seed(0)
-    for tokens, k in ((7, 1), (7, 3), (16, 2)):
-        flat = torch.randn(tokens, 5, dtype=torch.float64, requires_grad=True)
-        order = torch.randint(0, 4, (tokens * k,)).argsort(stable=True)  # slots grouped by expert
-        grad = torch.randn(tokens * k, 5, dtype=torch.float64)
-        out = gather_slots(flat, order, k)
-        assert torch.equal(out, flat[order // k])
-        got, = torch.autograd.grad(out, flat, grad)
-        want, = torch.autograd.grad(flat[order // k], flat, grad)
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        assert torch.autograd.gradcheck(lambda f: gather_slots(f, order, k), (flat,))
-
-
 def test_balance_loss_is_one_per_sequence_when_balanced():
     bsz, seq, n, k = 3, 8, 4, 2
     probs = torch.full((bsz, seq, n), 1 / n)

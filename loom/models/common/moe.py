@@ -178,7 +178,7 @@ class MoE(nn.Module):
         order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, experts.flatten(), torch.ones_like(experts.flatten()))  # (n,) tokens per expert; static shape
-        slots_in = self._slots_in(flat, order)  # (T k, E) grouped by expert
+        slots_in = flat[order // self.top_k]  # (T k, E) grouped by expert
         ep = self.expert_parallel
         routed = ep.run(self.experts, slots_in, counts) if ep is not None else self.experts(slots_in, counts)
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
@@ -194,33 +194,6 @@ class MoE(nn.Module):
             if self.aux_loss > 0:
                 out = _AuxLossGrad.apply(out, aux, self.aux_loss * self.aux_scale)
         return out
-
-    def _slots_in(self, flat: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        return gather_slots(flat, order, self.top_k)
-
-
-class _GatherSlots(torch.autograd.Function):
-    """``flat[order // k]``: every token copied to its k slots, grouped by expert. Its backward sums each
-    token's k slot gradients through the inverse permutation (a gather and a sum over k), where autograd's
-    indexing backward would scatter-add them with atomics (slower, and the order of the adds varies on GPUs)."""
-
-    @staticmethod
-    def forward(ctx, flat: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(order)
-        ctx.k = k
-        return flat[order // k]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)  # slot in token order -> row of grad
-        return grad[inverse].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None  # (T, E)
-
-
-def gather_slots(flat: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """flat (T, E), order (T k,) a permutation of the token-slots (slot i is token i // k) -> (T k, E)."""
-    return _GatherSlots.apply(flat, order, k)
 
 
 def _records_balance() -> bool:
