@@ -100,8 +100,9 @@ def test_expert_parallel_matches_single_process(tmp_path):
 
 def test_compiled_expert_parallel_matches_eager(tmp_path):
     """ep2 with compiled blocks (Dynamo breaks the graph around the token exchange), alone and under full and
-    op-level recomputation, against eager ep2 (bf16: compiled MoE blocks need the grouped GEMM): within bf16
-    noise, and not bit-identical to eager (the compiled graphs ran: a block left eager would match exactly)."""
+    op-level recomputation, against eager ep2 (bf16: compiled MoE blocks need the grouped GEMM): within 1e-3
+    (bf16 noise, ~6e-5 seen), and not bit-identical to eager (the compiled graphs ran: a block left eager
+    would match exactly)."""
     bf16 = {"training.dtype": "bfloat16"}
     layout = dict(dp=2, dp_shard=2, ep=2)
     jobs = {"eager": {**moe_job(tmp_path, "ep2-bf16", **layout), **bf16}}
@@ -112,7 +113,7 @@ def test_compiled_expert_parallel_matches_eager(tmp_path):
     eager = losses(runs.pop("eager"))
     for name, res in runs.items():
         got = losses(res)
-        assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, eager)) < 2e-2, (name, got, eager)
+        assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, eager)) < 1e-3, (name, got, eager)
         assert got != eager, f"{name}: bit-identical to eager, so nothing was compiled"
 
 
