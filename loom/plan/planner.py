@@ -21,8 +21,7 @@ from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.plan.activations import profile_activations
 from loom.plan.hardware import GPU
 from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, gathered_memory, held_params,
-                              pipeline_peak,
-                              stage_activation, state_memory, step_peak, stored_blocks,
+                              pipeline_peak, stage_activation, state_memory, step_peak, stored_blocks,
                               with_workspace)
 from loom.plan.shapes import block_params, expert_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency,
@@ -198,8 +197,7 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     if dims.ep > 1:  # every routed token-slot to its expert's rank and back, forward and backward, exposed
         slots = tokens * args.moe_top_k * args.dim * c / dims.tp  # each tp rank sends its sequence slice
         # an ep group: ep consecutive ranks (of dp_shard x cp, with the tp ranks inside it when tp > 1)
-        bandwidth = gpu.network_gbps if dims.ep * (1 if dims.ep_takes_tp else dims.tp) > gpu.gpus_per_node \
-            else gpu.link_gbps
+        bandwidth = gpu.network_gbps if dims.ep > gpu.gpus_per_node else gpu.link_gbps
         per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.layers * per_block
     if dims.cp > 1:
@@ -218,17 +216,14 @@ class MoETime:
 def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
     """One micro-batch's MoE terms on this rank (see loom.plan.timing's docstring)."""
     ac, layers = t.activation_checkpointing, share.layers
-    recomputed = layers * 3 * recompute_share(ac, t.ac_every, args.n_layers)[1]  # blocks rerun in backward
+    # share of blocks whose forward reruns in backward (op-level checkpointing reruns the MoE part of every block)
+    rerun = 1.0 if ac == "op" else 3 * recompute_share(ac, t.ac_every, args.n_layers)[1]
     slots = tokens * args.moe_top_k / dims.tp  # each tp rank routes its sequence slice
     local = args.moe_experts * expert_params(args) / dims.ep
-    once = moe_overhead_s(local, slots, args.dim, t.compile, False, gpu.hbm_tbps)
-    again = moe_overhead_s(local, slots, args.dim, t.compile, True, gpu.hbm_tbps) - once
-    if ac == "op":  # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM
-        recomputed = layers
-        extra = 6 * expert_params(args) * slots * (1 / 3 - 1 / 6) * layers
-    else:
-        extra = 0.0
-    return MoETime(extra_matmul=extra, overhead=layers * once + recomputed * again)
+    overhead = layers * moe_overhead_s(local, slots, args.dim, t.compile, rerun, gpu.hbm_tbps)
+    # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM: they rerun in full
+    extra = 6 * expert_params(args) * slots * (1 / 3 - 1 / 6) * layers if ac == "op" else 0.0
+    return MoETime(extra_matmul=extra, overhead=overhead)
 
 
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:

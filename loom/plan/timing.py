@@ -78,12 +78,13 @@ MOE_WEIGHT_CAST_BYTES = 12
 MOE_SLOT_BYTES = {"eager": 59, "compiled": 80}
 
 
-def moe_overhead_s(expert_params: float, slots: float, dim: int, compiled: bool, recomputed: bool,
+def moe_overhead_s(expert_params: float, slots: float, dim: int, compiled: bool, rerun: float,
                    hbm_tbps: float) -> float:
     """Seconds per MoE layer and micro-batch beyond the active experts' matmuls: ``expert_params`` on this rank,
-    ``slots`` = tokens x top_k routed through it."""
-    casts = (MOE_WEIGHT_CAST_BYTES + (6 if recomputed else 0)) * expert_params
-    routing = MOE_SLOT_BYTES["compiled" if compiled else "eager"] * slots * dim * (4 / 3 if recomputed else 1)
+    ``slots`` = tokens x top_k routed through it, ``rerun``: the share of layers whose forward is recomputed
+    (its casts, 6 B per parameter, and a third of the routing, again)."""
+    casts = (MOE_WEIGHT_CAST_BYTES + 6 * rerun) * expert_params
+    routing = MOE_SLOT_BYTES["compiled" if compiled else "eager"] * slots * dim * (1 + rerun / 3)
     return (casts + routing) / (COPY_HBM_SHARE * hbm_tbps * 1e12)
 
 

@@ -282,10 +282,14 @@ class Trainer:
     def _autocast(self):
         return autocast_context(self.dtype, self.device, fsdp_casts=self.dims.fsdp_applied)
 
+    def _positions(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The per-document positions the model takes (data.document_positions), else None."""
+        return mb.positions if self.cfg.data.document_positions else None
+
     def _forward_loss(self, mb: MicroBatch) -> torch.Tensor:
         """Summed token loss of one micro-batch (call under ``loss_parallel_context`` with TP)."""
         with self._autocast():
-            positions = mb.positions if self.cfg.data.document_positions else None
+            positions = self._positions(mb)
             if self.model_args.fused_loss:  # loss inside forward, where FSDP2 has the output weight unsharded
                 return to_local_loss(self.model(mb.inputs, positions, labels=mb.labels))
             logits = self.model(mb.inputs, positions)  # (B, S, V), or a vocab-sharded DTensor (B, S, V/tp)
@@ -429,9 +433,8 @@ class Trainer:
         if self.plan.schedule in V_SHAPED:  # torch's forward-only run of these fails: stage by stage instead
             for mb in batches:
                 with self._autocast(), loss_parallel_context(self.loss_parallel):
-                    positions = mb.positions if self.cfg.data.document_positions else None
                     out = forward_chain(self.plan, self.parts, self.dims["pp"].get_group(), mb.inputs, self.device,
-                                        positions)
+                                        self._positions(mb))
                     if out is not None:
                         total += self._pipeline_loss(out, mb.labels)
         else:
