@@ -7,12 +7,14 @@ bytes every rank pulls out of the files, whichever way it asks for them.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.distributed.harness import run_fn
 
 safetensors = pytest.importorskip("safetensors")
 
@@ -124,14 +126,15 @@ def check_rank_holds_its_shard(model, full: dict[str, torch.Tensor], shards: int
     return local_bytes
 
 
-def worker(rank: int, init_file: str, folder: str) -> None:
+def worker(folder: str, rank: int, world: int) -> bool:
+    """Runs on every rank inside the harness's gloo group (its teardown avoids gloo's rare SIGABRT at exit)."""
     import safetensors as st
 
     from loom.checkpoint.hf import llama_args_from_hf, load_hf_weights
     from loom.models.llama import Llama
 
+    assert world == WORLD
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         full = full_tensors(folder)
         args = llama_args_from_hf(folder).with_(max_seq_len=16)
@@ -160,7 +163,7 @@ def worker(rank: int, init_file: str, folder: str) -> None:
                 assert torch.allclose(model(tokens), reference(tokens), atol=1e-5), name
     finally:
         st.safe_open = _REAL_SAFE_OPEN
-        dist.destroy_process_group()
+    return True
 
 
 def test_sharded_load_reads_only_the_local_rows(tmp_path):
@@ -172,4 +175,4 @@ def test_sharded_load_reads_only_the_local_rows(tmp_path):
     folder = str(tmp_path / "hf")
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder, max_shard_size="30KB")
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
-    mp.spawn(worker, args=(str(tmp_path / "store"), folder), nprocs=WORLD, join=True)
+    assert run_fn(WORLD, functools.partial(worker, folder), str(tmp_path)) is True
