@@ -7,10 +7,14 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+import loom.kernels.attention.op  # noqa: F401  (registers torch.ops.loom.flash_attn)
+
 # op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
-# Like torchtitan, every second matmul is saved so memory stays between none and full.
+# Like torchtitan, every second matmul is saved so memory stays between none and full; every attention
+# backend's forward is saved (its output and log-sum-exp are what its backward reads).
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
+    torch.ops.loom.flash_attn.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,

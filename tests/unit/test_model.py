@@ -60,3 +60,30 @@ def test_residual_init_reaches_the_model_from_the_config():
     tok = ByteTokenizer()
     assert resolve_model_args(build_config(None, {}), tok).residual_init == "flat"
     assert resolve_model_args(build_config(None, {"model.residual_init": "depth"}), tok).residual_init == "depth"
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] = self.counts.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_op_level_checkpointing_keeps_every_attention_forward():
+    """Op-level recomputation saves the attention's output (loom's op as well as SDPA's): its forward runs once
+    per block, not again in the backward. The planner assumes it (loom.plan.timing.recompute_share)."""
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    for backend, op in (("flash", "loom.flash_attn.default"),
+                        ("sdpa", "aten._scaled_dot_product_flash_attention_for_cpu.default")):
+        args = FLAVORS["debug"].with_(vocab_size=384, max_seq_len=32, attention=backend)
+        model = Llama(args)
+        apply_activation_checkpointing(model.layers, "op", 1)
+        counter = OpCounter()
+        with counter:
+            model(torch.randint(0, 384, (2, 32))).sum().backward()
+        assert counter.counts.get(op) == args.n_layers, (backend, counter.counts.get(op))
+        assert counter.counts.get("aten.mm.default", 0) > 0  # the counter sees the block's ops at all
