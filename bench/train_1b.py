@@ -39,6 +39,8 @@ VARIANTS = {
     # packed documents (attention never crosses a document): loom's kernel vs SDPA with a dense mask
     "loom_docs_flash": {"training.compile": "true", "data.document_positions": "true", "model.attention": "flash"},
     "loom_docs_sdpa": {"training.compile": "true", "data.document_positions": "true", "model.attention": "sdpa"},
+    "loom_docs_flex": {"training.compile": "true", "data.document_positions": "true", "model.attention": "flex"},
+    "loom_docs_auto": {"training.compile": "true", "data.document_positions": "true"},  # times flash vs flex
     # early-loss experiments (same batches): no LR warmup (as the transformers variants here), and the
     # residual projections drawn with std 0.02 (flat, as transformers) or 0.02/sqrt(2 layers) (depth)
     "loom_compile_no_warmup": {"training.compile": "true", "optimizer.warmup_steps": "0",
@@ -86,11 +88,13 @@ def hf_model(args, compile_: bool):
     return model
 
 
-def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir: str, seq: int = SEQ) -> dict:
+def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir: str, seq: int = SEQ,
+                extra: dict | None = None) -> dict:
     import torch
 
     torch.manual_seed(0)
-    trainer = loom_trainer(micro_batch, VARIANTS[variant] or {}, run_dir, seq)  # also the data source for HF
+    overrides = {**(extra or {}), **(VARIANTS[variant] or {})}
+    trainer = loom_trainer(micro_batch, overrides, run_dir, seq)  # also the data source for HF
     kernels = _kernels(variant, trainer)
     args = trainer.model_args
     batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
@@ -139,7 +143,8 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
     tps = tokens / med
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
     return {
-        "variant": variant, "overrides": VARIANTS[variant], "params": n_params, "micro_batch": micro_batch,
+        "variant": variant, "overrides": overrides, "params": n_params, "micro_batch": micro_batch,
+        "attention_times": getattr(trainer, "attention_times", None),
         "seq_len": seq, "kernels": kernels, "losses": losses,
         "steps_timed": steps, "warmup_steps": warmup, "step_s_median": med, "step_s_min": min(times),
         "step_s_max": max(times), "tokens_per_s": tps,
@@ -180,9 +185,13 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/train_1b.json")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
     p.add_argument("--run-dir", default="/tmp/loom_bench")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for every loom variant, e.g. model.flavor=8B (repeatable)")
     a = p.parse_args()
+    extra = dict(kv.split("=", 1) for kv in a.set)
     if a.variant:  # child: one variant, result as the last stdout line
-        res = run_variant(a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant), a.seq)
+        res = run_variant(a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant), a.seq,
+                          extra)
         print("RESULT " + json.dumps(res), flush=True)
         return
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
@@ -190,6 +199,7 @@ def main() -> None:
     for v in a.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", v, "--micro-batch", str(a.micro_batch), "--steps", str(a.steps),
                "--warmup", str(a.warmup), "--run-dir", a.run_dir, "--seq", str(a.seq)]
+        cmd += [x for kv in a.set for x in ("--set", kv)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
@@ -205,6 +215,7 @@ def main() -> None:
         if v.startswith("loom") and "hf_compile" in by:
             ratios[f"{v}_vs_hf_compile"] = by[v]["tokens_per_s"] / by["hf_compile"]["tokens_per_s"]
     for a_, b_ in (("loom_compile", "loom_compile_unfused_loss"), ("loom_compile", "loom_compile_torch_adamw"), ("loom_docs_flash", "loom_docs_sdpa"),
+                   ("loom_docs_flex", "loom_docs_flash"), ("loom_docs_auto", "loom_docs_flash"),
                    ("loom_compile_float8_tensorwise", "loom_compile"), ("loom_compile_float8_rowwise", "loom_compile"),
                    ("loom_eager", "loom_eager_plain")):
         if a_ in by and b_ in by:

@@ -47,10 +47,12 @@ class ModelConfig:
                                      "like every other matrix (transformers' Llama), 'depth' = 0.02/sqrt(2·layers) "
                                      "(GPT-2, Megatron); flat measured better (bench/NOTES.md: init)",
                              choices=("flat", "depth"))
-    attention: str = opt("auto", "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'auto' = "
-                                 "flash for packed documents on CUDA, else the faster of the two timed on this "
-                                 "run's shape at start-up (CUDA; sdpa on CPU or with run.deterministic)",
-                         choices=("auto", "sdpa", "flash"))
+    attention: str = opt("auto", "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'flex' "
+                                 "(PyTorch's FlexAttention, compiled; CUDA only), 'auto' = on CUDA the faster one "
+                                 "timed on this run's shape at start-up: flash vs flex for packed documents, sdpa "
+                                 "vs flash otherwise (sdpa on CPU; flash for documents, sdpa otherwise, with "
+                                 "run.deterministic)",
+                         choices=("auto", "sdpa", "flash", "flex"))
     fused_norm: str = opt("auto", "fused Triton RMSNorm; auto = on for CUDA without compile",
                           choices=("auto", "true", "false"))
     fused_rope: str = opt("auto", "fused Triton RoPE; auto = on for CUDA without compile",

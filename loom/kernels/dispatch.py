@@ -2,11 +2,13 @@
 per device, compile mode and data layout from what bench/kernels.py and bench/train_1b.py measured
 (bench/results/, bench/NOTES.md):
 
-- attention: packed documents -> ours (``flash``: skips the blocks a document mask removes, where SDPA
-  needs an explicit dense mask: 1.39x end to end on H100); plain causal attention on CUDA -> whichever of
-  SDPA (cuDNN first) and ours ran faster when the trainer timed both on the run's shape at start-up
-  (``measure_attention``; loom.kernels.select), else SDPA (on H100 cuDNN beats ours: see
-  bench/results/kernels_causal_h100.md); CPU -> SDPA (the reference is for tests);
+- attention on CUDA: whichever backend ran faster when the trainer timed the candidates on the run's shape at
+  start-up (``measure_attention``; loom.kernels.select): for packed documents ours (``flash``) vs
+  FlexAttention (``flex``), both skipping the blocks the document mask removes (SDPA needs an explicit
+  dense mask: ours was 1.39x it end to end on H100; Flex beat ours on d128 documents in
+  bench/results/kernels_docs_h100.md); for plain causal attention SDPA (cuDNN first) vs ours (on H100 cuDNN
+  wins: bench/results/kernels_causal_h100.md). Untimed (deterministic runs): ours for documents, else SDPA.
+  CPU -> SDPA (the reference is for tests; Flex has no backward on CPU);
 - fused RMSNorm / RoPE / SwiGLU: CUDA without torch.compile -> ours; with compile Inductor generates
   fused kernels of its own for them; CPU -> plain PyTorch; the fused RMSNorm is off under tensor
   parallelism (sequence-parallel norms see DTensors, which the custom op has no sharding rule for);
@@ -24,7 +26,7 @@ from loom.kernels.triton_support import has_triton
 
 @dataclass(frozen=True)
 class KernelChoice:
-    attention: str  # "sdpa" | "flash"
+    attention: str  # "sdpa" | "flash" | "flex"
     fused_norm: bool
     fused_rope: bool
     fused_swiglu: bool
@@ -52,10 +54,10 @@ def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bo
     triton_gpu = device_type == "cuda" and (has_triton() if triton is None else triton)
     attention = model_cfg.attention
     if attention == "auto":
-        if triton_gpu and documents:
+        if triton_gpu and measure_attention is not None:
+            attention = measure_attention()  # the trainer times flash vs flex for documents, sdpa vs flash without
+        elif triton_gpu and documents:
             attention = "flash"
-        elif triton_gpu and measure_attention is not None:
-            attention = measure_attention()
         else:
             attention = "sdpa"
     eager_gpu = triton_gpu and not compile

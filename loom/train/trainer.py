@@ -85,9 +85,12 @@ def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
     """model.attention / model.fused_* with ``auto`` resolved for this run (loom.kernels.dispatch);
     ``measure_attention``: a callable timing the attention backends on this run's shape (the trainer's)."""
     device = "cuda" if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if device == "cuda" and not has_triton() and (cfg.model.attention == "flash" or "true" in (
+    if cfg.model.attention == "flex" and device != "cuda":
+        raise ConfigError("model.attention", "flex", "needs CUDA (PyTorch's FlexAttention has no backward on "
+                          "CPU): allowed auto | sdpa | flash")
+    if device == "cuda" and not has_triton() and (cfg.model.attention in ("flash", "flex") or "true" in (
             cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
-        raise ConfigError("model.attention / model.fused_*", "flash / true",
+        raise ConfigError("model.attention / model.fused_*", cfg.model.attention + " / true",
                           "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
     if cfg.training.float8 != "none" and not float8_available():
         raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): allowed none")
@@ -203,15 +206,18 @@ class Trainer:
             self.norm_params = self.tied.params_counted_once(self.parts)
 
     def _measure_attention(self, args) -> str:
-        """``model.attention = auto`` on CUDA: forward + backward of SDPA and of loom's kernel on this rank's
-        attention shape; every rank uses rank 0's figures, so all choose the same backend."""
+        """``model.attention = auto`` on CUDA: forward + backward of the candidates on this rank's attention shape
+        (packed documents: loom's kernel and FlexAttention on the run's first micro-batch's documents; otherwise
+        SDPA and loom's kernel); every rank uses rank 0's figures, so all choose the same backend."""
         from loom.kernels.select import AttentionShape, attention_inputs, fastest, measure
         from loom.models.common.layers import attend
 
         cfg, tp = self.cfg, self.cfg.parallel.tp
         shape = AttentionShape(cfg.training.micro_batch_size, args.n_heads // tp, args.n_kv_heads // tp,
                                cfg.training.seq_len, args.head_dim, DTYPES[cfg.training.dtype])
-        candidates = {name: (lambda q, k, v, name=name: attend(q, k, v, name, None)) for name in ("sdpa", "flash")}
+        positions = self._first_positions() if cfg.data.document_positions else None
+        names = ("sdpa", "flash") if positions is None else ("flash", "flex")
+        candidates = {name: (lambda q, k, v, name=name: attend(q, k, v, name, positions)) for name in names}
         times = self.share_from_main(measure(candidates, attention_inputs(shape, self.device)))
         torch.cuda.empty_cache()
         self.attention_times = {"shape": shape.describe(), "ms_fwd_bwd": times, "chosen": fastest(times)}
@@ -219,6 +225,13 @@ class Trainer:
             with open(os.path.join(self.run_dir, "kernels.json"), "w") as fh:
                 json.dump(self.attention_times, fh, indent=1)
         return self.attention_times["chosen"]
+
+    def _first_positions(self) -> torch.Tensor:
+        """Per-document positions (B, S) of this rank's first micro-batch, read without moving the loader."""
+        state = self.loader.state_dict()
+        batch = self.loader.next_step().micro_batches[0]
+        self.loader.load_state_dict(state)
+        return batch.positions.to(self.device)
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg

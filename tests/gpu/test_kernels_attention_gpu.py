@@ -142,6 +142,68 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     assert not (tmp_path / "det" / "kernels.json").exists()
 
 
+FLEX_CASES = [(1, 8, 2, 1000, 64, True, False, 0), (1, 8, 8, 1531, 128, True, True, 0), (2, 8, 2, 777, 64, True, True, 0)]
+
+
+@pytest.mark.parametrize("case", FLEX_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_flex_backend_matches_reference(case):
+    """``model.attention = flex``: FlexAttention (compiled) through loom's block mask, bf16, within the same bar
+    as our kernel: <= 2x SDPA's error against the fp32 reference."""
+    from loom.kernels.attention import reference as R
+    from loom.kernels.attention.flex import flex_attend
+
+    b, hq, hk, s, d, _, docs, _ = case
+    gen = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen).cuda() for h in (hq, hk, hk))
+    bounds = R.document_bounds(_docs(b, s, gen).cuda()) if docs else None
+    dout = torch.randn(b, hq, s, d, generator=gen).cuda()
+    ref_o, ref_lse = R.attention_forward(q, k, v, True, bounds, 0, d ** -0.5)
+    rows = torch.isfinite(ref_lse)  # (B, Hq, S): queries that see some key
+    dout = torch.where(rows[..., None], dout, 0)
+    ref_g = R.attention_backward(dout, q, k, v, ref_o, ref_lse, None, True, bounds, 0, d ** -0.5)
+    x = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    out = flex_attend(*x, bounds)
+    out.backward(dout.to(torch.bfloat16))
+    assert not out.isnan().any() and all(not t.grad.isnan().any() for t in x)
+    y = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    mask = R.visible(s, True, bounds, 0, q.device) | ~rows[..., None].any(1, keepdim=True)
+    base = F.scaled_dot_product_attention(*y, attn_mask=mask, enable_gqa=hq != hk)
+    base.backward(dout.to(torch.bfloat16))
+    o_rows = rows[..., None].expand_as(ref_o)
+    assert _rel_err(out, ref_o, o_rows) <= 2 * _rel_err(base, ref_o, o_rows) + 2e-3
+    for name, mine, theirs, ref in zip("qkv", [t.grad for t in x], [t.grad for t in y], ref_g):
+        everything = torch.ones_like(ref, dtype=torch.bool)
+        assert _rel_err(mine, ref, everything) <= 2 * _rel_err(theirs, ref, everything) + 5e-3, name
+
+
+def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_documents(tmp_path):
+    """Packed documents: flex (eager, compiled model) gives the losses flash gives; auto times flash vs flex on the
+    run's first micro-batch and picks the faster."""
+    import json
+    import math
+
+    from tests.distributed.harness import run_one
+
+    cfg = {"run.device": "cuda", "training.steps": 4, "training.seq_len": 512,
+           "training.global_batch_size": 8, "training.micro_batch_size": 4, "optimizer.warmup_steps": 1,
+           "metrics.every": 1, "checkpoint.at_end": "false", "metrics.tensorboard": "false",
+           "training.dtype": "bfloat16", "data.document_positions": "true", "model.flavor": "125M",
+           "model.n_layers": 2}
+    runs = {name: run_one(dict(cfg, **{"run.dir": str(tmp_path / name), **extra})) for name, extra in (
+        ("flash", {"model.attention": "flash"}), ("flex", {"model.attention": "flex"}),
+        ("flex_compiled", {"model.attention": "flex", "training.compile": "true"}),
+        ("flex_op_ac", {"model.attention": "flex", "training.activation_checkpointing": "op"}),
+        ("auto", {}))}
+    for name in ("flex", "flex_compiled", "flex_op_ac", "auto"):
+        for a, b in zip(runs[name], runs["flash"]):
+            assert abs(a["loss"] - b["loss"]) < 2e-2 * abs(b["loss"]), (name, a["loss"], b["loss"])
+    with open(tmp_path / "auto" / "kernels.json") as f:
+        measured = json.load(f)
+    times = measured["ms_fwd_bwd"]
+    assert set(times) == {"flash", "flex"} and all(math.isfinite(t) and t > 0 for t in times.values())
+    assert measured["chosen"] == min(times, key=times.get)
+
+
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
 def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs):
     """Context-parallel attention on one GPU (a 1-rank NCCL group: both chunks local, three key blocks

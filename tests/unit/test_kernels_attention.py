@@ -177,11 +177,69 @@ def test_dispatch_measures_attention_only_where_auto_needs_it():
     assert not calls
     if dispatch.has_triton():
         assert dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True,
-                                        measure_attention=measure).attention == "flash"
-        assert not calls  # packed documents: ours without timing (SDPA would need a dense mask)
+                                        measure_attention=lambda: calls.append(1) or "flex").attention == "flex"
+        assert calls == [1]  # packed documents are timed too (the trainer times flash vs flex)
         assert dispatch.resolve_kernels(auto, "cuda", compile=True, documents=False,
                                         measure_attention=measure).attention == "flash"
-        assert calls == [1]
+        assert calls == [1, 1]
+        assert dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True).attention == "flash"  # untimed
+
+
+def _random_documents(bsz: int, seq: int, gen: torch.Generator, longest: int) -> torch.Tensor:
+    """Per-document positions (B, S) of documents 1..longest tokens long."""
+    rows = []
+    for _ in range(bsz):
+        lengths = []
+        while sum(lengths) < seq:
+            lengths.append(int(torch.randint(1, longest + 1, (1,), generator=gen)))
+        rows.append(torch.cat([torch.arange(n) for n in lengths])[:seq])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("seq,longest", [(512, 400), (300, 150), (256, 1000), (1024, 64)])
+def test_flex_block_ranges_are_exactly_the_visible_blocks(seq, longest):
+    """Every key block with a visible element is listed; 'full' is exactly the blocks inside the sequence whose
+    every element is visible (the mask function is not consulted there)."""
+    from loom.kernels.attention.flex import BLOCK, block_ranges
+
+    positions = _random_documents(3, seq, torch.Generator().manual_seed(seq), longest)
+    bounds = R.document_bounds(R.doc_ids_from_positions(positions))
+    partial, full = block_ranges(bounds[0], seq)
+    n = -(-seq // BLOCK)
+    vis = F.pad(R.visible(seq, True, bounds, 0, "cpu")[:, 0], (0, n * BLOCK - seq, 0, n * BLOCK - seq))
+    vis = vis.view(3, n, BLOCK, n, BLOCK)
+    whole = torch.arange(n) * BLOCK + BLOCK <= seq
+    assert torch.equal(partial | full, vis.any(4).any(2))
+    assert torch.equal(full, vis.all(4).all(2) & whole[:, None] & whole[None, :])
+    assert not (partial & full).any()
+    if longest >= 400:
+        assert full.any()  # long documents leave whole blocks to skip the mask on
+
+
+@pytest.mark.parametrize("documents,hq,hk,seq", [(True, 4, 2, 200), (False, 4, 4, 256), (True, 2, 1, 384)])
+def test_flex_forward_matches_the_reference(documents, hq, hk, seq):
+    """FlexAttention through loom's block mask (eager on CPU, forward only: Flex has no CPU backward; the GPU
+    tests check the backward) equals masked SDPA."""
+    from loom.kernels.attention.flex import flex_attend
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, hq, seq, 16, generator=gen)
+    k, v = (torch.randn(2, hk, seq, 16, generator=gen) for _ in range(2))
+    bounds = None
+    if documents:
+        bounds = R.document_bounds(R.doc_ids_from_positions(_random_documents(2, seq, gen, 150)))
+    mask = R.visible(seq, True, bounds, 0, "cpu")
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hk)
+    torch.testing.assert_close(flex_attend(q, k, v, bounds), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_flex_is_a_config_error_off_cuda(tmp_path):
+    from loom.config import ConfigError, build_config
+    from loom.train.trainer import kernel_choice
+
+    cfg = build_config(None, {"model.attention": "flex", "run.device": "cpu"})
+    with pytest.raises(ConfigError, match="model.attention.*flex.*needs CUDA"):
+        kernel_choice(cfg)
 
 
 def test_select_measures_every_candidate_and_never_picks_a_failing_one():

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from loom.kernels.attention.flex import flex_attend
 from loom.kernels.attention.op import flash_attention
 from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, visible
 from loom.kernels.rmsnorm.op import rms_norm
@@ -39,6 +40,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
     bounds = None if positions is None else document_bounds(doc_ids_from_positions(positions))  # (2, B, S)
     if backend == "flash":
         return flash_attention(q, k, v, causal=True, bounds=bounds)
+    if backend == "flex":
+        return flex_attend(q, k, v, bounds)
     gqa = q.shape[1] != k.shape[1]
     mask = None if bounds is None else visible(q.shape[2], True, bounds, 0, q.device)  # (B, 1, S, S), slower
     with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
@@ -58,7 +61,7 @@ class Attention(nn.Module):
                  backend: str = "sdpa"):
         super().__init__()
         self.head_dim = head_dim
-        self.backend = backend  # "sdpa" (PyTorch) or "flash" (loom's Triton FlashAttention-2)
+        self.backend = backend  # "sdpa" (PyTorch), "flash" (loom's Triton FlashAttention-2), "flex" (FlexAttention)
         self.apply_rope = fused_apply_rope if fused_rope else apply_rope  # fused: one loom::apply_rope op
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)

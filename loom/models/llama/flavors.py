@@ -21,7 +21,7 @@ class LlamaArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048
     head_dim: int = 0  # 0 = dim // n_heads
-    attention: str = "sdpa"  # "sdpa" (PyTorch) or "flash" (loom.kernels.attention, Triton on CUDA)
+    attention: str = "sdpa"  # "sdpa" (PyTorch), "flash" (loom.kernels.attention, Triton on CUDA), "flex" (CUDA)
     # fused Triton kernels on CUDA (loom.kernels.rmsnorm / rope / swiglu); the same math, reference on CPU
     fused_norm: bool = False
     fused_rope: bool = False

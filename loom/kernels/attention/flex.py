@@ -1,0 +1,91 @@
+"""PyTorch's FlexAttention as a backend (``model.attention = flex``): causal attention, packed documents by a block
+mask. Not a kernel of ours: PyTorch generates it (Triton under ``torch.compile``), and it wins over ours on some
+shapes (packed documents with head dim 128 on an H100: bench/results/kernels_docs_h100.md), so ``auto`` times it
+against ours for packed documents.
+
+The block mask is built from the document bounds at block granularity (``block_ranges``: O((S/128)^2) work per
+sample, cheap enough to redo in every layer) rather than by evaluating a mask function over all S x S pairs as
+``create_block_mask`` does; the mask function only decides the elements of the blocks a document boundary or the
+diagonal cuts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 128  # FlexAttention's default block size (queries and keys)
+
+
+def block_ranges(start: torch.Tensor, seq: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which key blocks each query block sees, for causal attention where query i sees keys [start[i], i].
+
+    ``start`` (B, S) int: first key each query may see (its document's start; ``S`` for a query that sees nothing).
+    Returns ``(partial, full)``, both (B, nq, nk) bool: ``full`` blocks are visible in every element, ``partial``
+    ones in some (not full). A document is a contiguous run, so a block's visible keys are the union of its rows'
+    ranges: from the smallest start to the last query; every row sees a key block whole when the block lies
+    between the largest start and the first query."""
+    bsz = start.shape[0]
+    n = -(-seq // block)
+    pad = n * block - seq
+    start = torch.nn.functional.pad(start.to(torch.int64), (0, pad), value=seq).view(bsz, n, block)
+    lo = start.min(dim=2).values  # (B, nq): smallest start of the block's queries
+    hi = start.max(dim=2).values  # (B, nq): largest (a padded or padding row makes it seq: never full)
+    first = torch.arange(n, device=start.device) * block  # (n,) first index of each block
+    last = torch.clamp(first + block - 1, max=seq - 1)  # (n,) last index inside the sequence
+    q_first, q_last = first[None, :, None], last[None, :, None]  # (1, nq, 1)
+    k_first, k_last = first[None, None, :], last[None, None, :]  # (1, 1, nk)
+    any_visible = (k_first <= q_last) & (k_last >= lo[:, :, None]) & (lo[:, :, None] <= q_last)
+    whole = (first + block <= seq)  # (n,) blocks that lie inside the sequence
+    full = (k_last <= q_first) & (k_first >= hi[:, :, None]) & whole[None, :, None] & whole[None, None, :]
+    return any_visible & ~full, full
+
+
+def _as_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, nq, nk) bool -> FlexAttention's (B, 1, nq) counts and (B, 1, nq, nk) key block indices, visible ones
+    first in increasing order."""
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return counts[:, None], order[:, None]
+
+
+def document_block_mask(bounds: torch.Tensor | None, batch: int, seq: int, device: torch.device):
+    """Causal BlockMask, with packed documents when ``bounds`` (2, B, S) (``reference.document_bounds``) is given."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if bounds is None:
+        start = torch.zeros(1, seq, dtype=torch.int32, device=device)  # one sequence: every mask row is causal
+
+        def mask_mod(b, h, q, k):
+            return k <= q
+    else:
+        start = bounds[0]  # (B, S) first key of each query's document (S for padding)
+
+        def mask_mod(b, h, q, k):
+            return (k <= q) & (k >= start[b, q])
+    partial, full = block_ranges(start, seq)
+    kv_num, kv_idx = _as_indices(partial)
+    full_num, full_idx = _as_indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(seq, seq))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # one compiled function per process; dynamic=False: a shape change recompiles rather than turning it dynamic
+    # (dynamic Flex kernels ran far slower: bench/NOTES.md, "v3")
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention over q (B, Hq, S, D), k/v (B, Hkv, S, D) with FlexAttention; packed documents when
+    ``bounds`` is given. On CUDA outside ``torch.compile`` the call is compiled (eager Flex materializes the
+    scores); inside a compiled model Dynamo traces Flex itself; on CPU it runs eagerly (tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = document_block_mask(bounds, q.shape[0], q.shape[2], q.device)
+    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
+    return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
