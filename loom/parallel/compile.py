@@ -4,19 +4,25 @@ A block whose MoE runs its experts over expert parallelism is compiled around th
 sizes known only on the host (``loom.parallel.expert_parallel.ExpertParallel.run`` is excluded from tracing), so
 Dynamo splits that block into the graph before the exchange (attention, router) and the graph after (combine).
 Such a block is compiled inside its activation-checkpointing wrapper, not around it: Dynamo cannot trace a
-checkpointed region that breaks, and would run the whole block eagerly."""
+checkpointed region that breaks, and would run the whole block eagerly.
+
+Under tensor parallelism, blocks with full recomputation are compiled inside their wrapper too: compiled around
+it, AOTAutograd put a DeviceMesh among the tensors it saves for the recomputation and failed at the first step
+(dense and MoE blocks alike; torch 2.13, gloo). Op-level recomputation compiles around the wrapper there."""
 
 from __future__ import annotations
 
 from torch import nn
 
 
-def apply_compile(layers: nn.ModuleDict) -> None:
+def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False) -> None:
+    """Compile every block in place (parameter names do not change); ``inside_checkpoint``: compile a
+    checkpointed block's inner module rather than the wrapper (the trainer sets it under tensor parallelism with
+    full / every-k recomputation)."""
     for block in layers.values():
-        if expert_parallel(block):
-            getattr(block, "_checkpoint_wrapped_module", block).compile(fullgraph=False)
-        else:
-            block.compile(fullgraph=True)  # in place: parameter names do not change
+        ep = expert_parallel(block)
+        inner = getattr(block, "_checkpoint_wrapped_module", block) if ep or inside_checkpoint else block
+        inner.compile(fullgraph=not ep)
 
 
 def expert_parallel(block: nn.Module) -> bool:

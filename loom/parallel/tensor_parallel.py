@@ -91,6 +91,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
     tied = model.output is not None and model.tok_embeddings is not None and \
         model.output.weight is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, outer_plan(model, loss_parallel))
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_own_storage)
     if tied:
         # both plans shard the shared (V, E) weight by rows (dim 0): one DTensor serves both again
         model.output.weight = model.tok_embeddings.weight
@@ -104,6 +106,13 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
     check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
     if async_tp:
         enable_async_tp(tp_mesh)
+
+
+def _own_storage(module, args, out: torch.Tensor) -> torch.Tensor:
+    """The embedding's local output as a tensor of its own. RowwiseParallel hands on ``to_local()``'s output, a view
+    of a tensor that does not require grad; a compiled MoE block taking that view as its input gave it no gradient
+    (AOTAutograd, torch 2.11-2.13; the embedding then failed in its backward). One copy of (B, S/tp, E) per step."""
+    return out.clone()
 
 
 def check_all_sharded(model: nn.Module, tp_mesh, skip: str | None = None) -> None:

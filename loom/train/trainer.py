@@ -72,9 +72,6 @@ def check_moe(args, cfg: Config) -> None:
     if cfg.model.init_from:
         raise ConfigError("model.moe_experts", args.moe_experts, "model.init_from loads dense Llama checkpoints: "
                           "allowed 0 there")
-    if cfg.parallel.tp > 1 and cfg.training.compile:
-        raise ConfigError("training.compile", True, "with a mixture-of-experts model under parallel.tp > 1 not "
-                          "supported yet (Dynamo cannot trace the experts' tp-replicated gradients): allowed false")
     if cfg.training.compile and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
                           "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "

@@ -117,6 +117,37 @@ def test_compiled_expert_parallel_matches_eager(tmp_path):
         assert got != eager, f"{name}: bit-identical to eager, so nothing was compiled"
 
 
+def test_compiled_tensor_parallel_matches_eager(tmp_path):
+    """Compiled blocks under TP2 against eager TP2 (bf16): MoE with no / full / op-level recomputation, MoE under
+    TP2 x EP2, and a dense model with full recomputation; within 1e-3 (bf16 noise, ~1e-4 seen), not bit-identical
+    (the compiled graphs ran). Two bugs this guards: the compiled MoE block gave its input (the embedding's
+    ``to_local`` view) no gradient and the embedding's backward failed; compiled around their checkpoint wrapper,
+    fully recomputed TP blocks failed in AOTAutograd (a DeviceMesh among the saved tensors)."""
+    from tests.distributed.test_model_parallel import job
+
+    bf16 = {"training.dtype": "bfloat16"}
+    tp2, tp2_ep2 = dict(tp=2, dp_shard=1), dict(tp=2, dp_shard=1, ep=2)
+    compiled = {"training.compile": "true"}
+    jobs = {"moe-tp2": {**moe_job(tmp_path, "moe-tp2", **tp2), **bf16},
+            "moe-tp2-ep2": {**moe_job(tmp_path, "moe-tp2-ep2", **tp2_ep2), **bf16},
+            "dense-tp2": {**job(tmp_path, "dense-tp2", **tp2), **bf16}}
+    pairs = {}
+    for ac in ("none", "full", "op"):
+        pairs[f"moe-tp2-compiled-{ac}"] = "moe-tp2"
+        jobs[f"moe-tp2-compiled-{ac}"] = {**moe_job(tmp_path, f"moe-tp2-c-{ac}", **tp2), **bf16, **compiled,
+                                          "training.activation_checkpointing": ac}
+    pairs["moe-tp2-ep2-compiled"] = "moe-tp2-ep2"
+    jobs["moe-tp2-ep2-compiled"] = {**moe_job(tmp_path, "moe-tp2-ep2-c", **tp2_ep2), **bf16, **compiled}
+    pairs["dense-tp2-compiled-full"] = "dense-tp2"
+    jobs["dense-tp2-compiled-full"] = {**job(tmp_path, "dense-tp2-c-full", **tp2), **bf16, **compiled,
+                                       "training.activation_checkpointing": "full"}
+    runs = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
+    for name, base in pairs.items():
+        got, want = losses(runs[name]), losses(runs[base])
+        assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, want)) < 1e-3, (name, got, want)
+        assert got != want, f"{name}: bit-identical to eager, so nothing was compiled"
+
+
 def test_expert_parallel_with_tensor_parallel_matches_single_process(tmp_path):
     """EP x TP (the ep ranks take in the tp ranks; each routes its sequence slice): tp2 x ep2 on 2 ranks (ep is
     the tp ranks), with accumulation; on 4 ranks FSDP2 x tp2 with ep2 (experts sharded by FSDP2 over the two

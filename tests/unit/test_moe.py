@@ -126,8 +126,6 @@ def test_flops_count_the_router_and_top_k_experts():
 
 @pytest.mark.parametrize("overrides, field", [
     ({"model.moe_experts": "4", "model.moe_top_k": "5"}, "model.moe_top_k"),
-    ({"model.flavor": "debug_moe", "parallel.tp": "2", "training.compile": "true", "training.dtype": "bfloat16"},
-     "training.compile"),
     ({"model.flavor": "debug_moe", "training.compile": "true", "training.dtype": "float32"}, "training.compile"),
 ])
 def test_unsupported_moe_settings_name_the_field(overrides, field):
