@@ -6,7 +6,7 @@
 # Usage (on the 8-GPU machine, from the repository root):
 #   LOOM_COMMIT=<sha> bash bench/run_8gpu.sh PART OUT_DIR
 # PART: layouts-debug | layouts-125m | layouts-125m-bf16 | layouts-moe | layouts-docs | throughput-fsdp8 |
-#       throughput-layouts
+#       throughput-layouts | throughput-planned
 # Copy OUT_DIR/* into bench/results/ afterwards, and run the same PART again if it was cut short.
 set -u
 part=${1:?PART}; out=${2:?OUT_DIR}; mkdir -p "$out"
@@ -41,5 +41,12 @@ case $part in
     timeout 570 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 \
       --layouts fsdp8,hsdp2x4,fsdp4_tp2,fsdp4_pp2_1f1b,fsdp4_cp2 --global-batch 16 --compile --ac op --resume --timeout 200 \
       --out "$(resume throughput_8b_8gpu_h200.json)" ;;
+  throughput-planned)  # the layout `loom plan --search` proposes for the same job, searched here, then measured
+    python -m loom plan --model.flavor 8B --training.seq_len 8192 --training.dtype bfloat16 \
+      --training.compile true --training.global_batch_size 16 --model.attention sdpa --gpus 8 --gpu H200 \
+      --search --top 5 --json "$out/plan_8b_8gpu_h200.json" || exit 1
+    timeout 540 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 $(python bench/plan_top.py \
+      "$out/plan_8b_8gpu_h200.json") --global-batch 16 --compile --resume --timeout 500 \
+      --out "$(resume throughput_8b_8gpu_planned_h200.json)" ;;
   *) echo "unknown PART $part" >&2; exit 2 ;;
 esac

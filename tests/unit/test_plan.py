@@ -266,3 +266,24 @@ def test_moe_flops_count_active_experts_and_ep_gathers_only_local_experts():
     with pytest.raises(ConfigError) as err:
         estimate(_cfg(**dict(_MOE, training__dtype="float32")), 1, GPUS["H100"])
     assert err.value.field == "training.dtype"
+
+
+def test_plan_top_names_layouts_as_the_throughput_bench_parses_them():
+    """bench/plan_top.py turns the planner's best layout into bench/throughput.py arguments (issue 5 measures the
+    planner's proposal): every name it writes parses back to the same degrees."""
+    from bench.plan_top import layout_name, throughput_args
+    from bench.throughput import parse_layout
+
+    base = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, ep=1, pp_schedule="1f1b", micro_batch_size=2,
+                activation_checkpointing="none")
+    cases = [dict(dp_shard=8), dict(dp_replicate=2, dp_shard=4), dict(dp_replicate=8), dict(dp_shard=4, tp=2),
+             dict(dp_shard=2, tp=2, pp=2, pp_schedule="interleaved_1f1b"), dict(dp_shard=4, cp=2)]
+    for case in cases:
+        layout = {**base, **case}
+        parsed = parse_layout(layout_name(layout))
+        for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+            assert parsed.get(axis, 1) == layout[axis], (case, layout_name(layout), parsed)
+        if layout["pp"] > 1:
+            assert parsed["pp_schedule"] == layout["pp_schedule"]
+    plan = {"search": {"best": [{"layout": {**base, "dp_shard": 8, "activation_checkpointing": "op"}}]}}
+    assert throughput_args(plan) == ["--layouts", "fsdp8", "--micro-batch", "2", "--ac", "op"]
