@@ -1,8 +1,14 @@
-"""Hugging Face Llama folders <-> loom: config mapping, sharded loading, export, import to a DCP checkpoint.
+"""Hugging Face Llama and Mixtral folders <-> loom: config mapping, sharded loading, export, import to a DCP
+checkpoint.
 
 loom's Llama uses Hugging Face's RoPE convention (rotate-half), so converting weights is only
 renaming: no permutation of the q/k rows. A Hugging Face folder is ``config.json`` plus either
 ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` files with ``model.safetensors.index.json``.
+
+A loom mixture-of-experts model is a Mixtral (``MixtralForCausalLM``): the same router (softmax over the experts,
+top-k, the k weights renormalized) and SwiGLU experts, no shared experts. Its stacked expert weights, w1 / w3
+(n, E, H) and w2 (n, H, E), are stored the way the published Mixtral checkpoints are, one (H, E) / (E, H) tensor
+per expert (``block_sparse_moe.experts.{j}.w1.weight``, transposed), which transformers 4 and 5 both load.
 
 Loading reads the safetensors files directly with ``safe_open(...).get_slice(name)[rows]``: every
 rank reads only the region of each tensor its (FSDP/HSDP-sharded) parameter holds. The alternative,
@@ -34,6 +40,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 HF_CONFIG_COPY = "hf_config.json"  # the source config.json, kept inside an imported loom checkpoint
 ARCHITECTURE = "LlamaForCausalLM"
+MOE_ARCHITECTURE = "MixtralForCausalLM"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
 
 # ---- names -------------------------------------------------------------------------------------
@@ -51,30 +58,37 @@ _IN_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_IN_LAYER_BACK = {v: k for k, v in _IN_LAYER.items()}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
+_IN_LAYER_MOE = {"feed_forward.router.gate.weight": "block_sparse_moe.gate.weight"}
+# stacked loom expert weights -> the per-expert name (``{j}`` = expert) of each slice, stored transposed
+_EXPERTS = {"feed_forward.experts.w1": "block_sparse_moe.experts.{j}.w1.weight",
+            "feed_forward.experts.w3": "block_sparse_moe.experts.{j}.w3.weight",
+            "feed_forward.experts.w2": "block_sparse_moe.experts.{j}.w2.weight"}
 
 
 def hf_name(name: str) -> str:
-    """loom parameter name (wrapper segments allowed) -> Hugging Face tensor name."""
+    """loom parameter name (wrapper segments allowed) -> Hugging Face tensor name (not for stacked experts:
+    ``hf_expert_names``)."""
     name = canonical_name(name)
     if name in _TOP:
         return _TOP[name]
     head, _, rest = name.partition(".")
     index, _, leaf = rest.partition(".")
-    if head == "layers" and leaf in _IN_LAYER:
-        return f"model.layers.{index}.{_IN_LAYER[leaf]}"
+    if head == "layers" and leaf in (_IN_LAYER | _IN_LAYER_MOE):
+        return f"model.layers.{index}.{(_IN_LAYER | _IN_LAYER_MOE)[leaf]}"
     raise KeyError(f"no Hugging Face name for loom parameter {name!r}")
 
 
-def loom_name(name: str) -> str | None:
-    """Hugging Face tensor name -> loom name; None for tensors with no loom counterpart."""
-    if name in _TOP_BACK:
-        return _TOP_BACK[name]
-    parts = name.split(".", 3)  # model, layers, i, leaf
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _IN_LAYER_BACK:
-        return f"layers.{parts[2]}.{_IN_LAYER_BACK[parts[3]]}"
-    return None
+def stacked_experts(name: str) -> bool:
+    """Whether loom parameter ``name`` is a stacked expert weight (one Hugging Face tensor per expert)."""
+    head, _, rest = canonical_name(name).partition(".")
+    return head == "layers" and rest.partition(".")[2] in _EXPERTS
+
+
+def hf_expert_names(name: str, n_experts: int) -> list[str]:
+    """Stacked loom expert weight -> the Hugging Face tensor of each expert, in expert order."""
+    _, _, rest = canonical_name(name).partition(".")
+    index, _, leaf = rest.partition(".")
+    return [f"model.layers.{index}.{_EXPERTS[leaf].format(j=j)}" for j in range(n_experts)]
 
 
 def _ignorable(name: str) -> bool:
@@ -119,12 +133,22 @@ def _rope_settings(cfg: dict, field: str, where: str) -> tuple[float, RopeScalin
     return theta, scaling
 
 
+def is_mixtral(cfg: dict) -> bool:
+    archs = cfg.get("architectures") or []
+    return MOE_ARCHITECTURE in archs or (not archs and cfg.get("model_type") == "mixtral")
+
+
 def _check_supported(cfg: dict, field: str, where: str) -> None:
     """Reject what loom's Llama cannot represent, by name, instead of loading wrong weights."""
     archs = cfg.get("architectures") or []
-    if ARCHITECTURE not in archs and not (not archs and cfg.get("model_type") == "llama"):
+    llama = ARCHITECTURE in archs or (not archs and cfg.get("model_type") == "llama")
+    if not (llama or is_mixtral(cfg)):
         found = ", ".join(archs) or cfg.get("model_type", "unknown")
-        raise ConfigError(field, where, f"architecture {found} is not supported (allowed: {ARCHITECTURE})")
+        raise ConfigError(field, where, f"architecture {found} is not supported (allowed: {ARCHITECTURE}, "
+                                        f"{MOE_ARCHITECTURE})")
+    if is_mixtral(cfg) and cfg.get("sliding_window") is not None:
+        raise ConfigError(field, where, f"sliding_window = {cfg['sliding_window']} is not supported (loom's model "
+                                        "attends causally over the whole sequence; allowed: null)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(field, where, f"hidden_act {cfg['hidden_act']!r} is not supported (allowed: silu)")
     for flag in ("attention_bias", "mlp_bias"):
@@ -138,36 +162,43 @@ def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: 
     try:
         dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         theta, scaling = _rope_settings(cfg, field, where)
+        moe = dict(moe_experts=int(cfg["num_local_experts"]), moe_top_k=int(cfg.get("num_experts_per_tok", 2)),
+                   moe_ffn_dim=int(cfg["intermediate_size"])) if is_mixtral(cfg) else {}
         return LlamaArgs(
             dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), ffn_dim=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-            head_dim=int(cfg.get("head_dim") or dim // n_heads))
+            head_dim=int(cfg.get("head_dim") or dim // n_heads), **moe)
     except KeyError as err:
         raise ConfigError(field, where, f"{CONFIG} lacks {err.args[0]!r}") from None
 
 
 def llama_args_from_hf(folder: str, field: str = "model.init_from") -> LlamaArgs:
-    """The loom shape of a Hugging Face Llama folder (from its config.json)."""
+    """The loom shape of a Hugging Face Llama or Mixtral folder (from its config.json)."""
     return llama_args_from_hf_config(read_hf_config(folder, field), field, folder)
 
 
 def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype) -> dict:
-    """config.json for ``LlamaForCausalLM``. RoPE is written both ways (transformers 4: rope_theta +
-    rope_scaling; transformers 5: rope_parameters) so either reader, and tools that parse the file
-    themselves, find it."""
+    """config.json for ``LlamaForCausalLM`` (``MixtralForCausalLM`` for a mixture-of-experts model). RoPE is
+    written both ways (transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters) so either
+    reader, and tools that parse the file themselves, find it."""
     scaling = None
     if args.rope_scaling is not None:
         s = args.rope_scaling
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                    "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
     dtype_name = str(dtype).removeprefix("torch.")
+    # a Mixtral's router: its own balance loss is not loom's (sequence-wise): off when loading in transformers
+    moe = {"num_local_experts": args.moe_experts, "num_experts_per_tok": args.moe_top_k, "sliding_window": None,
+           "output_router_logits": False, "router_jitter_noise": 0.0} if args.moe else {}
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama",
+        "architectures": [MOE_ARCHITECTURE if args.moe else ARCHITECTURE],
+        "model_type": "mixtral" if args.moe else "llama",
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.ffn_dim,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "intermediate_size": args.expert_ffn_dim if args.moe else args.ffn_dim, **moe,
         "vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False, "rope_theta": args.rope_theta, "rope_scaling": scaling,
@@ -204,29 +235,48 @@ def weight_files(folder: str) -> dict[str, str]:
 
 def owned_region(param: torch.Tensor) -> tuple[slice, ...]:
     """The index ranges of the full tensor that this rank stores: everything for a plain tensor, the
-    local shard for a DTensor (FSDP's Shard(0), HSDP's (Replicate, Shard(0)), any Shard(d))."""
+    local shard for a DTensor (FSDP's Shard(0), HSDP's (Replicate, Shard(0)), any Shard(d), and FSDP2 over
+    expert-parallel experts: a _StridedShard(0) that splits this rank's ep shard further)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in param.shape)
-    odd = [p for p in param.placements if type(p) not in (Shard, Replicate)]
+    odd = [p for p in param.placements if type(p) not in (Shard, Replicate, _StridedShard)]
     if odd:
         raise NotImplementedError(f"loading into placements {odd} (only Shard/Replicate)")
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    # plain shards first (mesh order), then the strided ones from the innermost out: a _StridedShard is a
+    # split applied to what the later mesh dims' shards already left (FSDP2 after TP / EP)
+    mesh, coord = param.device_mesh, param.device_mesh.get_coordinate()
+    order = [i for i, p in enumerate(param.placements) if type(p) is Shard] + \
+        [i for i, p in reversed(list(enumerate(param.placements))) if type(p) is _StridedShard]
+    region = [(0, n) for n in param.shape]
+    for i in order:
+        dim, size = param.placements[i].dim, mesh.size(i)
+        start, length = region[dim]
+        chunk = -(-length // size)  # torch.chunk: ceil-sized pieces, the last ones shorter or empty
+        lo = min(start + coord[i] * chunk, start + length)
+        region[dim] = (lo, min(chunk, start + length - lo))
+    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
+    if tuple(n for _, n in region) != tuple(shape) or any(n and o != lo for (lo, n), o in zip(region, offset)):
+        raise NotImplementedError(f"loading into placements {param.placements}: the local shard is not one block")
+    return tuple(slice(lo, lo + n) for lo, n in region)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def _source_name(name: str, files: dict[str, str], hf_tied: bool) -> str:
-    """The stored tensor that fills loom parameter ``name``; an untied loom head may start from tied embeddings."""
+def _source_names(name: str, param: torch.Tensor, files: dict[str, str], hf_tied: bool) -> list[str]:
+    """The stored tensors that fill loom parameter ``name``: one, or one per expert for stacked expert weights;
+    an untied loom head may start from tied embeddings."""
+    if stacked_experts(name):
+        return hf_expert_names(name, param.shape[0])
     src = hf_name(name)
     if src == "lm_head.weight" and src not in files and hf_tied:
-        return "model.embed_tokens.weight"
-    return src
+        return ["model.embed_tokens.weight"]
+    return [src]
 
 
 def _check_tying(model: torch.nn.Module, files: dict[str, str], hf_tied: bool, folder: str) -> None:
@@ -250,6 +300,20 @@ def _read_into(handle, src: str, param: torch.Tensor, folder: str) -> None:
     local.copy_(sl[region])  # (rows this rank owns, ...); cast to the parameter's dtype
 
 
+def _read_experts_into(handle_of, srcs: list[str], param: torch.Tensor, folder: str) -> None:
+    """A stacked expert weight (n, a, b) from ``srcs``, one stored (b, a) tensor per expert: this rank's experts
+    (FSDP2 / expert parallelism shard the expert dim), each read only over this rank's block, transposed."""
+    region = owned_region(param)  # (experts, a, b)
+    local = _local(param)
+    for k, j in enumerate(range(region[0].start, region[0].stop)):
+        sl = handle_of(srcs[j]).get_slice(srcs[j])
+        stored, want = tuple(sl.get_shape()), (param.shape[2], param.shape[1])
+        if stored != want:
+            raise UserError(f"{folder}: tensor {srcs[j]} has shape {list(stored)}, the loom model expects "
+                            f"{list(want)} (check the expert width / model shape)")
+        local[k].copy_(sl[region[2], region[1]].T)  # (b, a) block -> (a, b)
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = True) -> None:
     """Fill a loom Llama (plain, sharded with FSDP2/HSDP/TP, or one pipeline stage: ``whole_model`` false)
@@ -262,31 +326,44 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     files = weight_files(folder)
     _check_tying(model, files, hf_tied, folder)
     params = dict(model.named_parameters())  # tied weights appear once
-    sources = {name: _source_name(name, files, hf_tied) for name in params}
-    missing = sorted(src for src in sources.values() if src not in files)
+    sources = {name: _source_names(name, param, files, hf_tied) for name, param in params.items()}
+    used = {src for srcs in sources.values() for src in srcs}
+    missing = sorted(used - set(files))
     if missing:
         raise UserError(f"{folder}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-    unused = sorted(n for n in set(files) - set(sources.values())
-                    if not _ignorable(n) and not (n == "lm_head.weight" and hf_tied))
+    unused = sorted(n for n in set(files) - used if not _ignorable(n) and not (n == "lm_head.weight" and hf_tied))
     if unused and whole_model:
         raise UserError(f"{folder}: tensors with no place in the loom model: {', '.join(unused[:4])}"
                         f"{' ...' if len(unused) > 4 else ''}")
     with contextlib.ExitStack() as stack:
         handles: dict[str, object] = {}
+
+        def handle_of(src: str):
+            if files[src] not in handles:
+                handles[files[src]] = stack.enter_context(safe_open(files[src], framework="pt"))
+            return handles[files[src]]
+
         for name, param in params.items():
-            path = files[sources[name]]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            _read_into(handles[path], sources[name], param, folder)
+            if stacked_experts(name):
+                _read_experts_into(handle_of, sources[name], param, folder)
+            else:
+                _read_into(handle_of(sources[name][0]), sources[name][0], param, folder)
 
 
 # ---- writing a Hugging Face folder -------------------------------------------------------------
+
+def _layer_leaves(args: LlamaArgs) -> list[str]:
+    if not args.moe:
+        return list(_IN_LAYER)
+    dense_ffn = [leaf for leaf in _IN_LAYER if leaf.startswith("feed_forward.")]
+    return [leaf for leaf in _IN_LAYER if leaf not in dense_ffn] + list(_IN_LAYER_MOE) + list(_EXPERTS)
+
 
 def expected_loom_names(args: LlamaArgs) -> list[str]:
     """Every weight of a loom Llama with these args, in Hugging Face's order; the head only when untied."""
     names = ["tok_embeddings.weight"]
     for i in range(args.n_layers):
-        names += [f"layers.{i}.{leaf}" for leaf in _IN_LAYER]
+        names += [f"layers.{i}.{leaf}" for leaf in _layer_leaves(args)]
     names.append("norm.weight")
     if not args.tie_embeddings:
         names.append("output.weight")
@@ -307,7 +384,11 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict
         t = state[name]
         if hasattr(t, "full_tensor"):
             raise TypeError(f"{name} is a DTensor; export needs full tensors (gather them first)")
-        out[hf_name(name)] = t.detach().to("cpu").contiguous()
+        t = t.detach().to("cpu")
+        if stacked_experts(name):  # (n, a, b) -> one (b, a) tensor per expert
+            out.update({src: t[j].T.contiguous() for j, src in enumerate(hf_expert_names(name, t.shape[0]))})
+        else:
+            out[hf_name(name)] = t.contiguous()
     return out
 
 
@@ -335,7 +416,8 @@ def _check_empty_target(out_folder: str) -> None:
 
 def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder: str,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write ``out_folder`` as a Hugging Face LlamaForCausalLM folder; returns the safetensors file names.
+    """Write ``out_folder`` as a Hugging Face LlamaForCausalLM (MixtralForCausalLM) folder; returns the
+    safetensors file names.
 
     ``model_state`` holds full tensors with loom names (``model.state_dict()`` of an unsharded model)."""
     from safetensors.torch import save_file

@@ -1,4 +1,4 @@
-"""``loom convert``: import a Hugging Face Llama folder as a loom checkpoint, or export one back.
+"""``loom convert``: import a Hugging Face Llama or Mixtral folder as a loom checkpoint, or export one back.
 
 Both directions run in one process without a process group and hold the model once in CPU memory.
 """
@@ -16,12 +16,14 @@ USAGE = """usage:
   loom convert --from CKPT_FOLDER --to-hf OUT_FOLDER [--config RUN.toml] [--flavor NAME]
                [--max-shard-size 5GB] [--section.field VALUE ...]
 
---from-hf   a Hugging Face LlamaForCausalLM folder (config.json + safetensors, sharded or not);
+--from-hf   a Hugging Face LlamaForCausalLM or MixtralForCausalLM folder (config.json + safetensors,
+            sharded or not);
             written as a complete loom checkpoint (weights only, step 0) at --to.
 --from      a loom checkpoint folder (step_N with COMPLETE.json). Its model shape comes from the
             config.toml saved in it (or --config), with --flavor / --section.field overrides, e.g.
             --data.tokenizer when the run's tokenizer.json moved. Written to --to-hf as
-            LlamaForCausalLM safetensors (sharded with an index above --max-shard-size)."""
+            LlamaForCausalLM safetensors (MixtralForCausalLM for a mixture-of-experts model; sharded with
+            an index above --max-shard-size)."""
 
 _OPTIONS = ("--from-hf", "--to", "--from", "--to-hf", "--config", "--flavor", "--max-shard-size")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -143,16 +145,14 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
         overrides.update({"model.flavor": opts["--flavor"], "model.init_from": ""})
     verify(ckpt, check_hash=False)  # cheap: a complete folder; load_model_only checks the hashes
     args = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
-    if args.moe:
-        raise ConfigError("--from", ckpt, f"a mixture-of-experts model ({args.moe_experts} experts) has no Hugging "
-                          "Face Llama form: export supports dense models only")
     model = weights_only_model(args)
     check_shapes(ckpt, model)
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         load_model_only(ckpt, model)
     files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes)
-    print(f"loom convert: exported {ckpt} as a Hugging Face Llama folder {opts['--to-hf']} "
+    kind = "Mixtral" if args.moe else "Llama"
+    print(f"loom convert: exported {ckpt} as a Hugging Face {kind} folder {opts['--to-hf']} "
           f"({len(files)} safetensors file{'s' if len(files) > 1 else ''})", flush=True)
     return 0
 

@@ -39,7 +39,7 @@ class ModelConfig:
     # wrong name is reported before torch is imported
     flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
                       choices=("debug", "debug_moe", "125M", "1B", "3B", "8B", "70B", "405B"))
-    init_from: str = opt("", "Hugging Face Llama folder to start from (config.json + safetensors)")
+    init_from: str = opt("", "Hugging Face Llama or Mixtral folder to start from (config.json + safetensors)")
     vocab_size: int = opt(0, "embedding rows; 0 = from the tokenizer rounded up to a multiple of 128", min=0)
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
     tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
@@ -63,7 +63,8 @@ class ModelConfig:
                                   "for CUDA; not with parallel.tp/pp > 1", choices=("auto", "true", "false"))
     moe_experts: int = opt(0, "mixture of experts: routed SwiGLU experts per block in place of its feed-forward; "
                               "0 = the flavor's (dense except debug_moe)", min=0)
-    moe_top_k: int = opt(2, "experts each token is routed to (<= moe_experts)", min=1)
+    moe_top_k: int = opt(0, "experts each token is routed to (<= moe_experts); 0 = the flavor's (2) or the "
+                            "model.init_from folder's", min=0)
     moe_ffn_dim: int = opt(0, "hidden width of each expert; 0 = the flavor's (its ffn_dim)", min=0)
     moe_aux_loss: float = opt(0.01, "weight of the sequence-wise load-balancing loss (its gradient joins the "
                                     "backward; the logged loss stays the language-model loss); 0 = off", min=0.0)

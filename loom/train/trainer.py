@@ -47,6 +47,10 @@ def resolve_model_args(cfg: Config, tokenizer, kernels: KernelChoice | None = No
         from loom.checkpoint.hf import llama_args_from_hf
 
         args = llama_args_from_hf(cfg.model.init_from)
+        if cfg.model.moe_experts and cfg.model.moe_experts != args.moe_experts:
+            held = f"{args.moe_experts} experts" if args.moe else "a dense model"
+            raise ConfigError("model.moe_experts", cfg.model.moe_experts, f"model.init_from {cfg.model.init_from} "
+                              f"holds {held}: allowed 0 (the folder's)")
     else:
         args = FLAVORS[cfg.model.flavor]
     vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
@@ -57,7 +61,7 @@ def resolve_model_args(cfg: Config, tokenizer, kernels: KernelChoice | None = No
     m = cfg.model
     args = args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers,
                       residual_init=m.residual_init, moe_experts=m.moe_experts or args.moe_experts,
-                      moe_top_k=m.moe_top_k, moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim,
+                      moe_top_k=m.moe_top_k or args.moe_top_k, moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim,
                       moe_aux_loss=m.moe_aux_loss, **(kernels or kernel_choice(cfg)).as_args())
     check_moe(args, cfg)
     return args
@@ -69,9 +73,6 @@ def check_moe(args, cfg: Config) -> None:
         return
     if args.moe_top_k > args.moe_experts:
         raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})")
-    if cfg.model.init_from:
-        raise ConfigError("model.moe_experts", args.moe_experts, "model.init_from loads dense Llama checkpoints: "
-                          "allowed 0 there")
     if cfg.training.compile and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
                           "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "

@@ -176,3 +176,58 @@ def test_sharded_load_reads_only_the_local_rows(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder, max_shard_size="30KB")
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
     assert run_fn(WORLD, functools.partial(worker, folder), str(tmp_path)) is True
+
+
+def mixtral_worker(folder: str, rank: int, world: int) -> bool:
+    """A Mixtral folder into loom's MoE model under FSDP2 (experts sharded over dp_shard) and under EP2 (over
+    ep): every rank holds its torch.chunk of every (stacked, transposed) tensor and read only that."""
+    import safetensors as st
+
+    from loom.checkpoint.hf import hf_expert_names, hf_name, llama_args_from_hf, load_hf_weights, stacked_experts
+    from loom.config.sections import ParallelConfig, TrainingConfig
+    from loom.models.llama import Llama
+    from loom.models.llama.parallelize import parallelize_llama
+    from loom.parallel.dims import ParallelDims
+
+    torch.set_num_threads(1)
+    full = full_tensors(folder)
+    args = llama_args_from_hf(folder).with_(max_seq_len=16)
+    total_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    try:
+        st.safe_open = CountingFile
+        for parallel in (ParallelConfig(dp_shard=WORLD), ParallelConfig(dp_shard=WORLD, ep=WORLD)):
+            dims = ParallelDims.from_config(parallel, WORLD)
+            dims.build_mesh("cpu")
+            with torch.device("meta"):
+                model = Llama(args)
+            model = parallelize_llama(model, dims, TrainingConfig(), parallel, torch.device("cpu"), seed=0).parts[0]
+            CountingFile.log.clear()
+            load_hf_weights(model, folder)
+            local_bytes = 0
+            for name, param in model.named_parameters():
+                if stacked_experts(name):
+                    whole = torch.stack([full[src].T for src in hf_expert_names(name, param.shape[0])])
+                else:
+                    whole = full[hf_name(name)]
+                local = param.to_local()
+                assert torch.equal(local, torch.chunk(whole, WORLD, dim=0)[rank]), (parallel.ep, name)
+                local_bytes += local.numel() * local.element_size()
+            read = sum(CountingFile.log)
+            assert read == local_bytes, (parallel.ep, read, local_bytes)
+            counts = torch.tensor([read])
+            dist.all_reduce(counts)
+            assert int(counts) == total_bytes, parallel.ep  # every byte read by exactly one rank
+    finally:
+        st.safe_open = _REAL_SAFE_OPEN
+    return True
+
+
+def test_sharded_mixtral_load_reads_only_the_local_experts(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
+                                     num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64)
+    folder = str(tmp_path / "hf")
+    transformers.MixtralForCausalLM(cfg).save_pretrained(folder, max_shard_size="30KB")
+    assert run_fn(WORLD, functools.partial(mixtral_worker, folder), str(tmp_path)) is True

@@ -48,9 +48,9 @@ def test_moe_layouts_match_single_process(tmp_path):
     assert all(0.9 <= r["moe_balance"] <= 2.0 for r in want)  # logged: about 1 when balanced, at most n / k = 2
 
 
-def test_moe_checkpoint_resumes_across_layouts_and_is_not_exported_as_llama(tmp_path):
-    """Saved under FSDP2 at step 3, resumed in one process: steps 4-5 repeat the uninterrupted run; exporting
-    it to a Hugging Face Llama folder is a one-line error (no dense form)."""
+def test_moe_checkpoint_resumes_across_layouts_and_exports_as_mixtral(tmp_path):
+    """Saved under FSDP2 at step 3, resumed in one process: steps 4-5 repeat the uninterrupted run; exported to
+    a Hugging Face folder it is a MixtralForCausalLM whose logits are the loom model's."""
     import os
     import subprocess
     import sys
@@ -66,11 +66,23 @@ def test_moe_checkpoint_resumes_across_layouts_and_is_not_exported_as_llama(tmp_
     for (_, a, ha), (_, b, hb) in zip(got, want):
         assert ha == hb and abs(a - b) / b < 1e-5, (got, want)
 
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from loom.checkpoint.hf import llama_args_from_hf, load_hf_weights
+    from loom.models.llama import Llama
+
     loom = os.path.join(os.path.dirname(sys.executable), "loom")
     proc = subprocess.run([loom, "convert", "--from", saved, "--to-hf", str(tmp_path / "hf")], capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "mixture-of-experts" in proc.stderr and not (tmp_path / "hf").exists()
+    assert proc.returncode == 0 and "Mixtral" in proc.stdout, proc.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    ours = Llama(llama_args_from_hf(str(tmp_path / "hf")))
+    load_hf_weights(ours, str(tmp_path / "hf"))
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours.eval()(tokens) - hf(tokens).logits).abs().max() < 1e-4
 
 
 def test_expert_parallel_matches_single_process(tmp_path):

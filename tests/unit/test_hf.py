@@ -108,14 +108,14 @@ def test_wrong_vocabulary_names_the_tensor(tmp_path):
 
 # ---- round trips -------------------------------------------------------------------------------
 
-def assert_same_folder(a: str, b: str) -> None:
+def assert_same_folder(a: str, b: str, fields=CONFIG_FIELDS) -> None:
     """Bitwise-equal tensors under the same names, and configs that transformers reads the same way."""
     ta, tb = read_all(a), read_all(b)
     assert sorted(ta) == sorted(tb)
     for name in ta:
         assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
     ca, cb = transformers.AutoConfig.from_pretrained(a), transformers.AutoConfig.from_pretrained(b)
-    for field in CONFIG_FIELDS:
+    for field in fields:
         assert getattr(ca, field) == getattr(cb, field), field
     assert llama_args_from_hf(a) == llama_args_from_hf(b)
 
@@ -183,12 +183,12 @@ def hf_loss(hf, micro_batches) -> float:
     return total / count
 
 
-def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
+def train_from_hf(tmp_path, src: str):
+    """Two training steps with model.init_from ``src`` on a small text file; returns the trainer, step 1's
+    micro-batches and the records."""
     from loom.cli.train import load_config
     from loom.train.trainer import Trainer
 
-    hf = random_hf_llama(tied=False)
-    src = save_hf(hf, tmp_path / "hf")
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13} jumps\n" for i in range(600)))
     cfg, _ = load_config([
@@ -200,7 +200,13 @@ def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
     state = trainer.loader.state_dict()
     first = trainer.loader.next_step().micro_batches  # peek at step 1's batch, then rewind
     trainer.loader.load_state_dict(state)
-    records = trainer.fit()
+    return trainer, first, trainer.fit()
+
+
+def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
+    hf = random_hf_llama(tied=False)
+    src = save_hf(hf, tmp_path / "hf")
+    trainer, first, records = train_from_hf(tmp_path, src)
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
     assert records[1]["loss"] != records[0]["loss"]  # it did train
@@ -214,6 +220,87 @@ def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
     assert torch.equal(exported["model.layers.0.self_attn.k_proj.weight"], trained["layers.0.attention.wk.weight"])
     assert torch.equal(exported["lm_head.weight"], trained["output.weight"])
     assert llama_args_from_hf(out) == llama_args_from_hf(src)
+
+
+# ---- Mixtral (loom's mixture of experts) -------------------------------------------------------
+
+def random_hf_mixtral(seed: int = 0):
+    """A small MixtralForCausalLM (4 experts, top 2), weights widened as for the Llama above."""
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=256,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(0.5, 1.5) if p.ndim == 1 else p.normal_(0.0, 0.1)
+    return model
+
+
+def test_mixtral_logits_match_transformers(tmp_path):
+    hf = random_hf_mixtral()
+    folder = save_hf(hf, tmp_path / "hf")
+    args = llama_args_from_hf(folder)
+    assert (args.moe_experts, args.moe_top_k, args.expert_ffn_dim) == (4, 2, 96)
+    model = loom_from_hf(folder)
+    stored = read_all(folder)  # one (H, E) tensor per expert, loom stacks them transposed
+    assert torch.equal(model.layers["1"].feed_forward.experts.w1[2],
+                       stored["model.layers.1.block_sparse_moe.experts.2.w1.weight"].T)
+    tokens = torch.randint(0, VOCAB, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits  # (B, S, V)
+    assert theirs.abs().max() > 1.0
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_mixtral_round_trip_through_cli(tmp_path):
+    hf = random_hf_mixtral()
+    src = save_hf(hf, tmp_path / "hf", "40KB")
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert loom_main(["convert", "--from-hf", src, "--to", ckpt]) == 0
+    assert loom_main(["convert", "--from", ckpt, "--to-hf", out, "--max-shard-size", "40KB"]) == 0
+    # transformers' Mixtral leaves head_dim null (hidden / heads); loom writes the value: same model
+    mixtral_fields = [f for f in CONFIG_FIELDS if f != "head_dim"] + ["num_local_experts", "num_experts_per_tok"]
+    assert_same_folder(src, out, mixtral_fields)
+    back = transformers.MixtralForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
+
+
+def test_training_starts_from_mixtral_weights_and_exports_back(tmp_path):
+    """model.init_from a Mixtral folder: the experts, top-k and expert width come from it; the first step's loss
+    is transformers' on the same batch; the trained checkpoint exports as a Mixtral again."""
+    hf = random_hf_mixtral()
+    src = save_hf(hf, tmp_path / "hf")
+    trainer, first, records = train_from_hf(tmp_path, src)
+    assert (trainer.model_args.moe_experts, trainer.model_args.moe_top_k) == (4, 2)
+    assert records[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
+    assert records[1]["loss"] != records[0]["loss"]
+    ckpt = os.path.join(tmp_path, "run", "checkpoints", "step_00000002")
+    out = str(tmp_path / "out")
+    assert loom_main(["convert", "--from", ckpt, "--to-hf", out]) == 0
+    exported, trained = read_all(out), trainer.parts[0].state_dict()
+    assert torch.equal(exported["model.layers.1.block_sparse_moe.experts.3.w2.weight"],
+                       trained["layers.1.feed_forward.experts.w2"][3].T)
+    assert torch.equal(exported["model.layers.0.block_sparse_moe.gate.weight"],
+                       trained["layers.0.feed_forward.router.gate.weight"])
+    assert llama_args_from_hf(out) == llama_args_from_hf(src)
+
+
+def test_mixtral_folder_errors(tmp_path):
+    cfg = random_hf_mixtral().config.to_dict()
+    with pytest.raises(ConfigError, match="sliding_window = 4096 is not supported"):
+        llama_args_from_hf(write_config(tmp_path / "window", {**cfg, "sliding_window": 4096}))
+    from loom.cli.train import load_config
+    from loom.data import build_tokenizer
+    from loom.train.trainer import resolve_model_args
+
+    src = save_hf(random_hf_mixtral(), tmp_path / "hf")
+    run, _ = load_config(["--model.init_from", src, "--model.moe_experts", "8"])
+    with pytest.raises(ConfigError, match="model.moe_experts.*holds 4 experts"):
+        resolve_model_args(run, build_tokenizer(run.data.tokenizer))
 
 
 # ---- user errors -------------------------------------------------------------------------------
