@@ -50,7 +50,7 @@ def _as_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[:, None], order[:, None]
 
 
-def document_block_mask(bounds: torch.Tensor | None, batch: int, seq: int, device: torch.device):
+def document_block_mask(bounds: torch.Tensor | None, seq: int, device: torch.device):
     """Causal BlockMask, with packed documents when ``bounds`` (2, B, S) (``reference.document_bounds``) is given."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -86,6 +86,6 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch
     scores); inside a compiled model Dynamo traces Flex itself; on CPU it runs eagerly (tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    mask = document_block_mask(bounds, q.shape[0], q.shape[2], q.device)
+    mask = document_block_mask(bounds, q.shape[2], q.device)  # (B or 1) x 1 x blocks
     fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
