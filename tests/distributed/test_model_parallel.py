@@ -232,3 +232,21 @@ def test_compiled_layouts_match_single_process(reference, tmp_path):
     compiled such blocks inside their checkpoint wrapper."""
     jobs = compiled_layouts(tmp_path)
     check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
+
+
+def compiled_compositions4(tmp):
+    """World 4, compiled blocks: FSDP2 x TP2 (full and op recomputation), PP2 x TP2, PP2 x FSDP2 (full), CP2 x TP2
+    (full), HSDP 2 x 2."""
+    c = {"training.compile": "true"}
+    full, op = {"training.activation_checkpointing": "full"}, {"training.activation_checkpointing": "op"}
+    return {"fsdp2-tp2-compiled-full": {**job(tmp, "fsdp2-tp2-c-full", dp=2, dp_shard=2, tp=2), **c, **full},
+            "fsdp2-tp2-compiled-op": {**job(tmp, "fsdp2-tp2-c-op", dp=2, dp_shard=2, tp=2), **c, **op},
+            "pp2-tp2-1f1b-compiled-m2": {**job(tmp, "pp2-tp2-c", m=2, pp=2, tp=2, dp_shard=1), **c},
+            "pp2-fsdp2-1f1b-compiled-full": {**job(tmp, "pp2-fsdp2-c", m=2, dp=2, pp=2, dp_shard=2), **c, **full},
+            "cp2-tp2-compiled-full": {**job(tmp, "cp2-tp2-c", cp=2, tp=2, dp_shard=1), **c, **full},
+            "hsdp2x2-compiled": {**job(tmp, "hsdp2x2-c", dp=4, dp_replicate=2, dp_shard=2), **c}}
+
+
+def test_compiled_compositions_on_4_ranks_match_single_process(reference, tmp_path):
+    jobs = compiled_compositions4(tmp_path)
+    check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))
