@@ -42,6 +42,17 @@ def test_compile_and_op_checkpointing_on_cuda(tmp_path):
     assert max(abs(a - b) / a for a, b in zip(eager, comp)) < 1e-2
 
 
+def test_flash_attention_under_op_checkpointing_on_cuda(tmp_path):
+    """loom's attention op is saved, not recomputed, under op-level checkpointing (eager and compiled): same
+    losses as without checkpointing."""
+    flash = {"training.dtype": "bfloat16", "model.attention": "flash"}
+    plain = [r["loss"] for r in run_one(job(tmp_path / "p", **flash))]
+    for name, extra in (("op", {}), ("op-compiled", {"training.compile": "true"})):
+        got = [r["loss"] for r in run_one(job(tmp_path / name, **flash, **extra,
+                                              **{"training.activation_checkpointing": "op"}))]
+        assert max(abs(a - b) / a for a, b in zip(plain, got)) < 1e-2, name
+
+
 def test_moe_trains_on_cuda_close_to_fp32(tmp_path):
     """debug_moe with loom's fused kernels in bf16 (SwiGLU experts through the Triton gate) against fp32 with
     the references: the same routing decisions up to rounding, so the curves stay close."""
