@@ -11,7 +11,8 @@ import loom.kernels.attention.op  # noqa: F401  (registers torch.ops.loom.flash_
 
 # op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
 # Like torchtitan, every second matmul is saved so memory stays between none and full; every attention
-# backend's forward is saved (its output and log-sum-exp are what its backward reads).
+# backend's forward is saved (its output and log-sum-exp are what its backward reads). Exception: FlexAttention
+# in an eager model on CUDA runs as its own compiled function, which the policy does not see: it is recomputed.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.loom.flash_attn.default,
@@ -59,8 +60,21 @@ def _ignoring_profiler(mode):
             return base.__torch_dispatch__(self, func, types, args, kwargs)
 
         _IGNORING[base] = type(base.__name__ + "IgnoringProfiler", (base,), {"__torch_dispatch__": dispatch})
+    _share_higher_order_rules(base, _IGNORING[base])
     mode.__class__ = _IGNORING[base]
     return mode
+
+
+def _share_higher_order_rules(base: type, sub: type) -> None:
+    """Higher-order ops (FlexAttention's among them) find their rule for a dispatch mode by its exact type, and
+    PyTorch registers rules for the two checkpointing modes: give ``sub`` the rules of ``base`` (without them
+    FlexAttention under op-level checkpointing raised 'no rule registered'). Re-run each time: a higher-order op
+    registered later (its module imported later) gets the rule too."""
+    from torch._ops import _higher_order_ops
+
+    for op in list(_higher_order_ops.values()):
+        if base in op.python_key_table and sub not in op.python_key_table:
+            op.python_key_table[sub] = op.python_key_table[base]
 
 
 def wrap_block(block: nn.Module, mode: str) -> nn.Module:

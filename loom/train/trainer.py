@@ -51,6 +51,9 @@ def resolve_model_args(cfg: Config, tokenizer, kernels: KernelChoice | None = No
             held = f"{args.moe_experts} experts" if args.moe else "a dense model"
             raise ConfigError("model.moe_experts", cfg.model.moe_experts, f"model.init_from {cfg.model.init_from} "
                               f"holds {held}: allowed 0 (the folder's)")
+        if args.moe and cfg.model.moe_ffn_dim and cfg.model.moe_ffn_dim != args.expert_ffn_dim:
+            raise ConfigError("model.moe_ffn_dim", cfg.model.moe_ffn_dim, f"model.init_from {cfg.model.init_from} "
+                              f"has experts {args.expert_ffn_dim} wide: allowed 0 (the folder's)")
     else:
         args = FLAVORS[cfg.model.flavor]
     vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
@@ -88,7 +91,8 @@ def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
                           "CPU): allowed auto | sdpa | flash")
     if device == "cuda" and not has_triton() and (cfg.model.attention in ("flash", "flex") or "true" in (
             cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
-        raise ConfigError("model.attention / model.fused_*", cfg.model.attention + " / true",
+        raise ConfigError("model.attention / model.fused_*",
+                          cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
                           "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
     if cfg.training.float8 != "none" and not float8_available():
         raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): allowed none")

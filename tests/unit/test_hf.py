@@ -301,6 +301,9 @@ def test_mixtral_folder_errors(tmp_path):
     run, _ = load_config(["--model.init_from", src, "--model.moe_experts", "8"])
     with pytest.raises(ConfigError, match="model.moe_experts.*holds 4 experts"):
         resolve_model_args(run, build_tokenizer(run.data.tokenizer))
+    run, _ = load_config(["--model.init_from", src, "--model.moe_ffn_dim", "128"])
+    with pytest.raises(ConfigError, match="model.moe_ffn_dim.*96 wide"):
+        resolve_model_args(run, build_tokenizer(run.data.tokenizer))
 
 
 # ---- user errors -------------------------------------------------------------------------------

@@ -87,3 +87,21 @@ def test_op_level_checkpointing_keeps_every_attention_forward():
             model(torch.randint(0, 384, (2, 32))).sum().backward()
         assert counter.counts.get(op) == args.n_layers, (backend, counter.counts.get(op))
         assert counter.counts.get("aten.mm.default", 0) > 0  # the counter sees the block's ops at all
+
+
+def test_op_level_checkpointing_modes_keep_the_higher_order_op_rules():
+    """loom's checkpointing modes (PyTorch's with profiler ops passed through) are subclasses; higher-order ops
+    such as FlexAttention look their rule up by the mode's exact type, so each subclass must carry its base's
+    rules (without them flex under op-level checkpointing raised 'no rule registered')."""
+    from torch._ops import _higher_order_ops
+
+    from loom.parallel.activation_checkpoint import _op_policy
+
+    modes = _op_policy()()
+    flex = torch.ops.higher_order.flex_attention
+    for mode in modes:
+        base = type(mode).__mro__[1]
+        assert type(mode) is not base and type(mode) in flex.python_key_table
+        for op in _higher_order_ops.values():
+            if base in op.python_key_table:
+                assert op.python_key_table[type(mode)] is op.python_key_table[base], op
