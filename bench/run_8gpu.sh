@@ -43,7 +43,8 @@ case $part in
       --out "$(resume throughput_8b_8gpu_h200.json)" ;;
   throughput-planned)  # the layout `loom plan --search` proposes for the same job, searched here, then measured
     python -m loom plan --model.flavor 8B --training.seq_len 8192 --training.dtype bfloat16 \
-      --training.compile true --training.global_batch_size 16 --model.attention sdpa --gpus 8 --gpu H200 \
+      --training.compile true --training.global_batch_size 16 --training.micro_batch_size 1 --model.attention sdpa \
+      --gpus 8 --gpu H200 \
       --search --top 5 --json "$out/plan_8b_8gpu_h200.json" || exit 1
     timeout 540 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 $(python bench/plan_top.py \
       "$out/plan_8b_8gpu_h200.json") --global-batch 16 --compile --resume --timeout 500 \
