@@ -217,6 +217,7 @@ def compiled_layouts(tmp):
                                           "training.activation_checkpointing": ac}
         out[f"tp2-compiled-ac-{ac}"] = {**job(tmp, f"tp2-c-{ac}", tp=2, dp_shard=1), **c,
                                         "training.activation_checkpointing": ac}
+    out["tp2-compiled-ac-full"].update({"checkpoint.every": SAVE_AT, "checkpoint.keep": 0})  # resumed below
     out["ddp2-compiled"] = {**job(tmp, "ddp2-c", dp=2, dp_replicate=2, dp_shard=1), **c}
     out["tp2-compiled-every-2"] = {**job(tmp, "tp2-c-every2", tp=2, dp_shard=1), **c,
                                    "training.activation_checkpointing": "every_k", "training.ac_every": 2}
@@ -231,7 +232,15 @@ def test_compiled_layouts_match_single_process(reference, tmp_path):
     reordered float math stays within the same bars. TP2 with full recomputation failed here before loom
     compiled such blocks inside their checkpoint wrapper."""
     jobs = compiled_layouts(tmp_path)
-    check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
+    results = run_jobs(2, list(jobs.values()), str(tmp_path))
+    check(reference, jobs, results)
+    # the compiled TP2 run's checkpoint (compiled, checkpoint-wrapped module names) resumes in one eager process
+    compiled = results[list(jobs).index("tp2-compiled-ac-full")]
+    resumed = run_jobs(1, [{**job(tmp_path, "single-from-tp2-compiled"),
+                            "checkpoint.resume": ckpt(str(tmp_path / "tp2-c-full"), SAVE_AT)}], str(tmp_path))[0]
+    got, want = tail(resumed), tail(compiled)
+    assert [(st, h) for st, _, h in got] == [(st, h) for st, _, h in want] and len(got) == STEPS - SAVE_AT
+    assert max(abs(x - y) / y for (_, x, _), (_, y, _) in zip(got, want)) < 1e-5
 
 
 def compiled_compositions4(tmp):
