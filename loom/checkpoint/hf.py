@@ -59,6 +59,7 @@ _IN_LAYER = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _IN_LAYER_MOE = {"feed_forward.router.gate.weight": "block_sparse_moe.gate.weight"}
+_LAYER_NAMES = _IN_LAYER | _IN_LAYER_MOE  # every one-to-one name inside a block, dense or MoE
 # stacked loom expert weights -> the per-expert name (``{j}`` = expert) of each slice, stored transposed
 _EXPERTS = {"feed_forward.experts.w1": "block_sparse_moe.experts.{j}.w1.weight",
             "feed_forward.experts.w3": "block_sparse_moe.experts.{j}.w3.weight",
@@ -73,8 +74,8 @@ def hf_name(name: str) -> str:
         return _TOP[name]
     head, _, rest = name.partition(".")
     index, _, leaf = rest.partition(".")
-    if head == "layers" and leaf in (_IN_LAYER | _IN_LAYER_MOE):
-        return f"model.layers.{index}.{(_IN_LAYER | _IN_LAYER_MOE)[leaf]}"
+    if head == "layers" and leaf in _LAYER_NAMES:
+        return f"model.layers.{index}.{_LAYER_NAMES[leaf]}"
     raise KeyError(f"no Hugging Face name for loom parameter {name!r}")
 
 

@@ -65,16 +65,23 @@ def _ignoring_profiler(mode):
     return mode
 
 
+_SHARED_AT: dict[type, int] = {}  # subclass -> how many higher-order ops existed when its rules were copied
+
+
 def _share_higher_order_rules(base: type, sub: type) -> None:
     """Higher-order ops (FlexAttention's among them) find their rule for a dispatch mode by its exact type, and
     PyTorch registers rules for the two checkpointing modes: give ``sub`` the rules of ``base`` (without them
-    FlexAttention under op-level checkpointing raised 'no rule registered'). Re-run each time: a higher-order op
-    registered later (its module imported later) gets the rule too."""
+    FlexAttention under op-level checkpointing raised 'no rule registered'). Called for every checkpointed
+    forward, so it copies only when higher-order ops were registered since the last copy (a module imported
+    later)."""
     from torch._ops import _higher_order_ops
 
+    if _SHARED_AT.get(sub) == len(_higher_order_ops):
+        return
     for op in list(_higher_order_ops.values()):
         if base in op.python_key_table and sub not in op.python_key_table:
             op.python_key_table[sub] = op.python_key_table[base]
+    _SHARED_AT[sub] = len(_higher_order_ops)
 
 
 def wrap_block(block: nn.Module, mode: str) -> nn.Module:

@@ -111,7 +111,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
 def _own_storage(module, args, out: torch.Tensor) -> torch.Tensor:
     """The embedding's local output as a tensor of its own. RowwiseParallel hands on ``to_local()``'s output, a view
     of a tensor that does not require grad; a compiled MoE block taking that view as its input gave it no gradient
-    (AOTAutograd, torch 2.11-2.13; the embedding then failed in its backward). One copy of (B, S/tp, E) per step."""
+    (AOTAutograd, seen on torch 2.13 CPU; the embedding then failed in its backward). One copy of (B, S/tp, E) per
+    step."""
     return out.clone()
 
 
