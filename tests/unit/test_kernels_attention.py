@@ -26,6 +26,7 @@ def test_document_bounds_runs_and_padding():
     b = R.document_bounds(ids)
     assert b[0, 0].tolist() == [0, 0, 2, 2, 2, 8, 6, 6] and b[1, 0].tolist() == [1, 1, 4, 4, 4, -1, 7, 7]
     assert b[0, 1].tolist() == [0] * 8 and b[1, 1].tolist() == [7] * 8
+    assert torch.equal(R.document_starts(ids), b[0]) and R.document_starts(ids).dtype == torch.int32
 
 
 def test_doc_ids_from_positions_and_cu_seqlens():
@@ -230,7 +231,8 @@ def test_flex_forward_matches_the_reference(documents, hq, hk, seq):
         bounds = R.document_bounds(R.doc_ids_from_positions(_random_documents(2, seq, gen, 150)))
     mask = R.visible(seq, True, bounds, 0, "cpu")
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hk)
-    torch.testing.assert_close(flex_attend(q, k, v, bounds), expected, atol=2e-6, rtol=1e-5)
+    starts = None if bounds is None else bounds[0]
+    torch.testing.assert_close(flex_attend(q, k, v, starts), expected, atol=2e-6, rtol=1e-5)
 
 
 def test_flex_is_a_config_error_off_cuda(tmp_path):

@@ -3,7 +3,7 @@ mask. Not a kernel of ours: PyTorch generates it (Triton under ``torch.compile``
 shapes (packed documents with head dim 128 on an H100: bench/results/kernels_docs_h100.md), so ``auto`` times it
 against ours for packed documents.
 
-The block mask is built from the document bounds at block granularity (``block_ranges``: O((S/128)^2) work per
+The block mask is built from the documents' first keys at block granularity (``block_ranges``: O((S/128)^2) work per
 sample, cheap enough to redo in every layer) rather than by evaluating a mask function over all S x S pairs as
 ``create_block_mask`` does; the mask function only decides the elements of the blocks a document boundary or the
 diagonal cuts.
@@ -50,17 +50,18 @@ def _as_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[:, None], order[:, None]
 
 
-def document_block_mask(bounds: torch.Tensor | None, seq: int, device: torch.device):
-    """Causal BlockMask, with packed documents when ``bounds`` (2, B, S) (``reference.document_bounds``) is given."""
+def document_block_mask(starts: torch.Tensor | None, seq: int, device: torch.device):
+    """Causal BlockMask, with packed documents when ``starts`` (B, S) (``reference.document_starts``: the first
+    key each query may see) is given."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    if bounds is None:
+    if starts is None:
         start = torch.zeros(1, seq, dtype=torch.int32, device=device)  # one sequence: every mask row is causal
 
         def mask_mod(b, h, q, k):
             return k <= q
     else:
-        start = bounds[0]  # (B, S) first key of each query's document (S for padding)
+        start = starts  # (B, S) first key of each query's document (S for padding)
 
         def mask_mod(b, h, q, k):
             return (k <= q) & (k >= start[b, q])
@@ -80,12 +81,12 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
     """Causal attention over q (B, Hq, S, D), k/v (B, Hkv, S, D) with FlexAttention; packed documents when
-    ``bounds`` is given. On CUDA outside ``torch.compile`` the call is compiled (eager Flex materializes the
+    ``starts`` (B, S) is given (``reference.document_starts``). On CUDA outside ``torch.compile`` the call is compiled (eager Flex materializes the
     scores); inside a compiled model Dynamo traces Flex itself; on CPU it runs eagerly (tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    mask = document_block_mask(bounds, q.shape[2], q.device)  # (B or 1) x 1 x blocks
+    mask = document_block_mask(starts, q.shape[2], q.device)  # (B or 1) x 1 x blocks
     fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -21,21 +21,29 @@ import math
 import torch
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, S) int: a document is a run of equal ids; negative ids are padding.
+    Returns (B, S) int32: first index of each token's document (S for padding): ``document_bounds(...)[0]``
+    without the ends, as one scan (no concatenation: FlexAttention's mask function reads it, and Inductor
+    fails to lower a mask function whose tensor is a slice of a concatenation under op-level checkpointing)."""
+    bsz, seq = doc_ids.shape
+    idx = torch.arange(seq, device=doc_ids.device).expand(bsz, seq)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(first, idx, 0).cummax(dim=1).values  # (B, S)
+    return torch.where(doc_ids < 0, seq, start).to(torch.int32)
+
+
 def document_bounds(doc_ids: torch.Tensor) -> torch.Tensor:
     """doc_ids (B, S) int: a document is a run of equal ids; negative ids are padding.
     Returns (2, B, S) int32: first and last index of each token's document ((S, -1) for padding)."""
     bsz, seq = doc_ids.shape
     idx = torch.arange(seq, device=doc_ids.device).expand(bsz, seq)
-    first = torch.ones_like(doc_ids, dtype=torch.bool)
-    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    last = torch.ones_like(first)
-    last[:, :-1] = first[:, 1:]
-    start = torch.where(first, idx, 0).cummax(dim=1).values  # (B, S)
+    last = torch.ones_like(doc_ids, dtype=torch.bool)
+    last[:, :-1] = doc_ids[:, :-1] != doc_ids[:, 1:]
     end = torch.where(last, idx, seq - 1).flip(1).cummin(dim=1).values.flip(1)  # (B, S)
-    pad = doc_ids < 0
-    start = torch.where(pad, seq, start)
-    end = torch.where(pad, -1, end)
-    return torch.stack([start, end]).to(torch.int32)
+    end = torch.where(doc_ids < 0, -1, end).to(torch.int32)
+    return torch.stack([document_starts(doc_ids), end])
 
 
 def shift_bounds(bounds: torch.Tensor, offset: int, length: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loom.kernels.attention.flex import flex_attend
 from loom.kernels.attention.op import flash_attention
-from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, visible
+from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, document_starts, visible
 from loom.kernels.rmsnorm.op import rms_norm
 from loom.kernels.rope.op import apply_rope as fused_apply_rope
 from loom.kernels.swiglu.op import swiglu
@@ -37,11 +37,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
            positions: torch.Tensor | None) -> torch.Tensor:
     """Causal attention over q (B, Hq, S, D), k/v (B, Hkv, S, D). With per-document ``positions`` (B, S),
     packed documents never attend to each other (a document starts where its position is 0)."""
+    if backend == "flex":
+        return flex_attend(q, k, v, None if positions is None else document_starts(doc_ids_from_positions(positions)))
     bounds = None if positions is None else document_bounds(doc_ids_from_positions(positions))  # (2, B, S)
     if backend == "flash":
         return flash_attention(q, k, v, causal=True, bounds=bounds)
-    if backend == "flex":
-        return flex_attend(q, k, v, bounds)
     gqa = q.shape[1] != k.shape[1]
     mask = None if bounds is None else visible(q.shape[2], True, bounds, 0, q.device)  # (B, 1, S, S), slower
     with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
