@@ -82,6 +82,12 @@ def check_moe(args, cfg: Config) -> None:
                           "data-dependent sizes): allowed false with " + cfg.training.dtype)
 
 
+def flex_unsupported(cfg: Config) -> bool:
+    """FlexAttention inside compiled blocks under op-level checkpointing: its backward hit a CUDA illegal address
+    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; bench/NOTES.md)."""
+    return cfg.training.compile and cfg.training.activation_checkpointing == "op"
+
+
 def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
     """model.attention / model.fused_* with ``auto`` resolved for this run (loom.kernels.dispatch);
     ``measure_attention``: a callable timing the attention backends on this run's shape (the trainer's)."""
@@ -89,6 +95,10 @@ def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
     if cfg.model.attention == "flex" and device != "cuda":
         raise ConfigError("model.attention", "flex", "needs CUDA (PyTorch's FlexAttention has no backward on "
                           "CPU): allowed auto | sdpa | flash")
+    if cfg.model.attention == "flex" and flex_unsupported(cfg):
+        raise ConfigError("model.attention", "flex", "under training.compile with training.activation_checkpointing "
+                          "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
+                          "flash there (or flex without compile, or with none | full | every_k checkpointing)")
     if device == "cuda" and not has_triton() and (cfg.model.attention in ("flash", "flex") or "true" in (
             cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
         raise ConfigError("model.attention / model.fused_*",
@@ -181,7 +191,8 @@ class Trainer:
         self.dims.check_model(shape, cfg.parallel)  # before timing attention on the per-rank head counts
         self.attention_times: dict | None = None  # deterministic runs do not let a timing pick their kernels
         # under context parallelism attention always runs loom's op: nothing to time
-        untimed = cfg.run.deterministic or self.dims.cp_enabled
+        # nor with packed documents where only loom's kernel can run (Flex under compiled op-level checkpointing)
+        untimed = cfg.run.deterministic or self.dims.cp_enabled or (cfg.data.document_positions and flex_unsupported(cfg))
         measure = None if untimed else (lambda: self._measure_attention(shape))
         self.kernels = kernel_choice(cfg, measure)
         self.model_args = shape.with_(**self.kernels.as_args())

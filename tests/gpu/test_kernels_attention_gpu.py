@@ -193,10 +193,10 @@ def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_document
         ("flash", {"model.attention": "flash"}), ("flex", {"model.attention": "flex"}),
         ("flex_compiled", {"model.attention": "flex", "training.compile": "true"}),
         ("flex_op_ac", {"model.attention": "flex", "training.activation_checkpointing": "op"}),
-        ("flex_compiled_op_ac", {"model.attention": "flex", "training.compile": "true",
-                                 "training.activation_checkpointing": "op"}),
-        ("auto", {}))}
-    for name in ("flex", "flex_compiled", "flex_op_ac", "flex_compiled_op_ac", "auto"):
+        ("flex_compiled_full_ac", {"model.attention": "flex", "training.compile": "true",
+                                   "training.activation_checkpointing": "full"}),
+        ("auto", {}), ("auto_compiled_op_ac", {"training.compile": "true", "training.activation_checkpointing": "op"}))}
+    for name in ("flex", "flex_compiled", "flex_op_ac", "flex_compiled_full_ac", "auto", "auto_compiled_op_ac"):
         for a, b in zip(runs[name], runs["flash"]):
             assert abs(a["loss"] - b["loss"]) < 2e-2 * abs(b["loss"]), (name, a["loss"], b["loss"])
     with open(tmp_path / "auto" / "kernels.json") as f:
@@ -204,6 +204,7 @@ def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_document
     times = measured["ms_fwd_bwd"]
     assert set(times) == {"flash", "flex"} and all(math.isfinite(t) and t > 0 for t in times.values())
     assert measured["chosen"] == min(times, key=times.get)
+    assert not (tmp_path / "auto_compiled_op_ac" / "kernels.json").exists()  # flash without timing (Flex refused)
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])

@@ -244,6 +244,20 @@ def test_flex_is_a_config_error_off_cuda(tmp_path):
         kernel_choice(cfg)
 
 
+def test_flex_under_compiled_op_checkpointing_is_a_config_error():
+    """Measured crash (torch 2.11, H100): refused with one line; Flex stays allowed under the other modes."""
+    from loom.config import ConfigError, build_config
+    from loom.train.trainer import flex_unsupported, kernel_choice
+
+    base = {"model.attention": "flex", "run.device": "cuda", "training.compile": "true"}
+    with pytest.raises(ConfigError, match="model.attention = 'flex'.*training.compile.*op"):
+        kernel_choice(build_config(None, dict(base, **{"training.activation_checkpointing": "op"})))
+    for ac in ("none", "full", "every_k"):
+        assert not flex_unsupported(build_config(None, dict(base, **{"training.activation_checkpointing": ac})))
+    assert not flex_unsupported(build_config(None, dict(base, **{"training.compile": "false",
+                                                                 "training.activation_checkpointing": "op"})))
+
+
 def test_select_measures_every_candidate_and_never_picks_a_failing_one():
     import math
 
