@@ -17,8 +17,8 @@ from torch import nn
 
 def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False) -> None:
     """Compile every block in place (parameter names do not change); ``inside_checkpoint``: compile a
-    checkpointed block's inner module rather than the wrapper (the trainer sets it under tensor parallelism with
-    full / every-k recomputation)."""
+    checkpointed block's inner module rather than the wrapper (the trainer sets it under tensor parallelism or
+    with FlexAttention, with full / every-k recomputation)."""
     for block in layers.values():
         ep = expert_parallel(block)
         inner = getattr(block, "_checkpoint_wrapped_module", block) if ep or inside_checkpoint else block

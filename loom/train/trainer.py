@@ -84,7 +84,8 @@ def check_moe(args, cfg: Config) -> None:
 
 def flex_unsupported(cfg: Config) -> bool:
     """FlexAttention inside compiled blocks under op-level checkpointing: its backward hit a CUDA illegal address
-    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; bench/NOTES.md)."""
+    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; bench/NOTES.md). Full and
+    every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
     return cfg.training.compile and cfg.training.activation_checkpointing == "op"
 
 

@@ -195,8 +195,11 @@ def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_document
         ("flex_op_ac", {"model.attention": "flex", "training.activation_checkpointing": "op"}),
         ("flex_compiled_full_ac", {"model.attention": "flex", "training.compile": "true",
                                    "training.activation_checkpointing": "full"}),
+        ("flex_compiled_every_k", {"model.attention": "flex", "training.compile": "true",
+                                   "training.activation_checkpointing": "every_k"}),
         ("auto", {}), ("auto_compiled_op_ac", {"training.compile": "true", "training.activation_checkpointing": "op"}))}
-    for name in ("flex", "flex_compiled", "flex_op_ac", "flex_compiled_full_ac", "auto", "auto_compiled_op_ac"):
+    for name in ("flex", "flex_compiled", "flex_op_ac", "flex_compiled_full_ac", "flex_compiled_every_k", "auto",
+                 "auto_compiled_op_ac"):
         for a, b in zip(runs[name], runs["flash"]):
             assert abs(a["loss"] - b["loss"]) < 2e-2 * abs(b["loss"]), (name, a["loss"], b["loss"])
     with open(tmp_path / "auto" / "kernels.json") as f:

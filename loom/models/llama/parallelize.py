@@ -87,8 +87,11 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
             apply_float8(part, training.float8)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
         if training.compile:
-            apply_compile(part.layers, inside_checkpoint=dims.tp_enabled and training.activation_checkpointing
-                          in ("full", "every_k"))
+            # recompute-everything checkpointing outside the compiled block: under TP (a DeviceMesh among the
+            # saved tensors crashed, torch 2.13) and with FlexAttention (its backward hit a CUDA illegal address
+            # when compiled inside a checkpoint, torch 2.11)
+            apply_compile(part.layers, inside_checkpoint=(dims.tp_enabled or model.args.attention == "flex")
+                          and training.activation_checkpointing in ("full", "every_k"))
         if dims.ep_enabled:
             apply_fsdp_experts(part, dims["experts_dp"], compute_dtype=DTYPES[training.dtype],
                                reshard_after_forward=fsdp_reshard_after_forward(parallel, plan))
