@@ -48,10 +48,11 @@ class ModelConfig:
                                      "(GPT-2, Megatron); flat measured better (bench/NOTES.md: init)",
                              choices=("flat", "depth"))
     attention: str = opt("auto", "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'flex' "
-                                 "(PyTorch's FlexAttention, compiled; CUDA only), 'auto' = on CUDA the faster one "
-                                 "timed on this run's shape at start-up: flash vs flex for packed documents, sdpa "
-                                 "vs flash otherwise (sdpa on CPU; flash for documents, sdpa otherwise, with "
-                                 "run.deterministic)",
+                                 "(PyTorch's FlexAttention, compiled; CUDA only; not with training.compile under "
+                                 "op-level checkpointing), 'auto' = on CUDA the faster one timed on this run's shape "
+                                 "at start-up: flash vs flex for packed documents, sdpa vs flash otherwise (sdpa on "
+                                 "CPU; flash for documents, sdpa otherwise, with run.deterministic or where flex is "
+                                 "refused)",
                          choices=("auto", "sdpa", "flash", "flex"))
     fused_norm: str = opt("auto", "fused Triton RMSNorm; auto = on for CUDA without compile",
                           choices=("auto", "true", "false"))
