@@ -131,7 +131,9 @@ class ParallelConfig:
     ep: int = opt(1, "expert-parallel degree: MoE experts split over this many dp_shard x cp ranks (divides "
                      "dp_shard x cp and the number of experts); under tp the tp ranks count in: tp x a divisor of "
                      "dp_shard x cp", min=1)
-    etp: int = opt(1, "expert tensor-parallel degree", min=1)
+    etp: int = opt(1, "expert tensor-parallel degree: 1 = experts replicated over tp, each tp rank routing its own "
+                      "tokens (under ep the tp ranks count in); parallel.tp = experts' hidden width sharded over tp, "
+                      "tokens gathered over tp (ep then divides dp_shard x cp)", min=1)
     pp_schedule: str = opt("1f1b", "pipeline schedule (docs/parallelism.md: bubble and memory of each)",
                            choices=("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv",
                                     "dualpipev"))

@@ -11,6 +11,9 @@ cp / ep``: the ranks that hold the same experts and shard them with FSDP2; ep st
 FSDP2 needs for parameters that are already DTensors over it). Under tensor parallelism the ep ranks also
 take in the tp ranks (torchtitan's etp = 1): ``ep`` is then a multiple of ``tp``, ``ep / tp`` ranks come from
 ``dp_shard x cp`` and each tp rank sends its own sequence slice's tokens (``edp = dp_shard x cp x tp / ep``).
+With ``etp = tp`` the experts are tensor-parallel instead: each tp rank holds a 1/tp slice of every expert's
+hidden width, the tp ranks gather their tokens before the experts and reduce-scatter the outputs, and the ep
+ranks come from ``dp_shard x cp`` alone (the expert mesh keeps a tp axis: experts are DTensors over (ep, tp)).
 Components receive the mesh they need from here; nothing reads a global group.
 """
 
@@ -21,8 +24,6 @@ from dataclasses import dataclass, field
 from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
 
-# Degrees whose code exists. Others are rejected by name instead of silently ignored.
-IMPLEMENTED_AXES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 EXPERT_AXIS_ORDER = ("pp", "dp_replicate", "edp", "ep", "tp")
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -42,11 +43,6 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
-        for axis in ("tp", "pp", "cp", "ep", "etp"):
-            degree = getattr(cfg, axis)
-            if degree != 1 and axis not in IMPLEMENTED_AXES:
-                raise ConfigError(f"parallel.{axis}", degree,
-                                  "only 1 is supported in this version (not implemented yet)")
         others = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
@@ -62,7 +58,10 @@ class ParallelDims:
             raise ConfigError("parallel.dp_shard", cfg.dp_shard,
                               f"dp_replicate x dp_shard x tp x pp x cp = {product} must equal the world size "
                               f"{world_size}")
-        if cfg.ep > 1 and cfg.tp > 1:
+        if cfg.etp not in (1, cfg.tp):
+            raise ConfigError("parallel.etp", cfg.etp, f"allowed 1 (experts replicated over tp, each tp rank routes its "
+                              f"own tokens) or parallel.tp = {cfg.tp} (experts sharded over tp)")
+        if cfg.ep > 1 and cfg.tp > 1 and cfg.etp == 1:
             if cfg.ep % cfg.tp or (dp_shard * cfg.cp) % (cfg.ep // cfg.tp):
                 raise ConfigError("parallel.ep", cfg.ep, f"with parallel.tp = {cfg.tp} must be tp x a divisor of "
                                   f"parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): the expert-parallel ranks take "
@@ -121,8 +120,13 @@ class ParallelDims:
 
     @property
     def ep_takes_tp(self) -> bool:
-        """Whether the expert-parallel ranks include the tp ranks (ep and tp both > 1)."""
-        return self.ep > 1 and self.tp > 1
+        """Whether the expert-parallel ranks include the tp ranks (ep and tp both > 1, experts not tensor-parallel)."""
+        return self.ep > 1 and self.tp > 1 and self.etp == 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        """Experts sharded over the tp ranks (parallel.etp = tp > 1)."""
+        return self.etp > 1
 
     @property
     def edp(self) -> int:
@@ -140,6 +144,13 @@ class ParallelDims:
     # ---- checks that need the model or the micro-batch count ----------------------
     def check_model(self, args, parallel: ParallelConfig) -> None:
         """Raise ConfigError when the model's shape cannot be split by these degrees."""
+        if self.etp > 1:
+            if not getattr(args, "moe", False):
+                raise ConfigError("parallel.etp", self.etp, "needs a mixture-of-experts model: allowed 1 for a dense "
+                                  "model")
+            if args.expert_ffn_dim % self.etp:
+                raise ConfigError("parallel.etp", self.etp, f"must divide the experts' hidden width "
+                                  f"({args.expert_ffn_dim})")
         if self.ep > 1:
             if not getattr(args, "moe", False):
                 raise ConfigError("parallel.ep", self.ep, "needs a mixture-of-experts model (model.moe_experts > 0 "
@@ -210,6 +221,8 @@ class ParallelDims:
             shape = [sizes.get(a) or getattr(self, a) for a in EXPERT_AXIS_ORDER]
             experts = init_device_mesh(device_type, tuple(shape), mesh_dim_names=EXPERT_AXIS_ORDER)
             self._flat["ep"] = experts["ep"]
+            if self.etp > 1:  # the experts' own 2-D mesh: sharded over ep (which experts) and tp (their width)
+                self._flat["ep_tp"] = experts["ep", "tp"]
             self._flat["edp"] = experts["edp"]
             self._flat["experts_dp"] = experts["dp_replicate", "edp"] if self.dp_replicate > 1 else experts["edp"]
         return mesh
@@ -248,7 +261,7 @@ class ParallelDims:
         if self.dp_size > 1 or self.fsdp_enabled:  # FSDP shards over dp_shard x cp
             parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
         kind = "x".join(parts) or "single"
-        degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep",) if getattr(self, a) > 1)
+        degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep", "etp") if getattr(self, a) > 1)
         return f"{kind} (world {self.world_size}{': ' + degrees if degrees else ''})"
 
 

@@ -15,7 +15,10 @@ divide factor would do it inside the reduction, but needs a PREMUL_SUM reduction
 
 Under tensor parallelism (torchtitan's etp = 1) the ep ranks include the tp ranks: each tp rank routes the
 tokens of its own sequence slice and exchanges them with every ep rank; the experts are not replicated over
-tp (``loom.parallel.tensor_parallel`` leaves them to this module).
+tp (``loom.parallel.tensor_parallel`` leaves them to this module). With etp = tp the ep ranks are
+data-parallel ranks only and each expert is also sharded over tp by its hidden width: every tp rank sends the
+tp group's gathered tokens to its own ep peers (the same tp coordinate), and the MoE block sums the tp ranks'
+partial outputs (``loom.models.common.moe``).
 
 Applied by ``apply_expert_parallel(model, ep_mesh)`` after the model is built on the meta device; the model
 code stays single-device.
@@ -73,19 +76,24 @@ class ExpertParallel:
         return all_to_all(back, recv, send, self.group)  # (T k, E)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
     """Shard the experts of every MoE block of ``model`` (a model or a pipeline stage) over ``ep_mesh`` and
-    give the blocks the ep group. Call on the meta device, before FSDP2."""
+    give the blocks the ep group. ``ep_tp_mesh`` (parallel.etp = tp): the (ep, tp) mesh the experts are then
+    sharded over, by expert and by hidden width. Call on the meta device, after TP, before FSDP2."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from loom.models.common.moe import moe_modules
+    from loom.parallel.tensor_parallel import shard_experts
 
     ep = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
     for moe in moe_modules(model):
-        for name in ("w1", "w2", "w3"):
-            p = getattr(moe.experts, name)
-            setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
-                                                    requires_grad=p.requires_grad))
+        if ep_tp_mesh is not None:
+            shard_experts(moe.experts, ep_tp_mesh, placements_before=(Shard(0),))
+        else:
+            for name in ("w1", "w2", "w3"):
+                p = getattr(moe.experts, name)
+                setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
+                                                        requires_grad=p.requires_grad))
         moe.expert_parallel = ep
 
 

@@ -9,6 +9,10 @@ Per block, on the ``tp`` mesh:
 * a mixture-of-experts block in place of the MLP keeps its input's sequence slice: each rank routes its own
   tokens through the router and experts, which are replicated over tp (their gradients summed over tp in
   the backward; torchtitan's ``etp = 1``), and the expert counts of the balance loss are summed over tp.
+  With ``etp = tp`` the router still runs on each rank's own tokens, but the experts are sharded over tp by
+  their hidden width (w1/w3 column-wise, w2 row-wise, per expert): the MoE block gathers the tp ranks' tokens
+  and routing before its experts and reduce-scatters their outputs back to the sequence slices
+  (``loom.models.common.moe``).
 * embedding vocab-parallel (rows sharded; the output leaves as sequence shards), the output head
   column-parallel over the vocabulary; with loss parallel its logits stay vocab-sharded, (B, S, V/tp),
   and the cross-entropy runs on the shards, so the full logits are never gathered.
@@ -65,6 +69,18 @@ def replicate_moe(moe: nn.Module, tp_mesh, experts: bool = True) -> None:
     moe.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
 
 
+def shard_experts(experts: nn.Module, mesh, placements_before: tuple = ()) -> None:
+    """Expert weights as DTensors sharded by their hidden width over the last axis of ``mesh``: w1, w3 (n, E, H)
+    on H, w2 (n, H, E) on H. ``placements_before``: the placements on ``mesh``'s other axes (expert parallelism:
+    ``(Shard(0),)``, which experts)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        p = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [*placements_before, Shard(dim)]),
+                                            requires_grad=p.requires_grad))
+
+
 def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
     """Plan for the parts outside the blocks that this (possibly pipeline-pruned) model still has."""
     from torch.distributed.tensor import Replicate, Shard
@@ -83,9 +99,10 @@ def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
 
 
 def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool = False,
-             expert_parallel: bool = False) -> None:
+             expert_parallel: bool = False, expert_tp: bool = False) -> None:
     """Shard ``model`` (a Llama or a pipeline stage of one) in place over the 1-D ``tp_mesh``;
-    ``expert_parallel``: MoE experts are left to loom.parallel.expert_parallel (ep takes in the tp ranks)."""
+    ``expert_parallel``: MoE experts are left to loom.parallel.expert_parallel; ``expert_tp`` (parallel.etp = tp):
+    experts sharded over tp by their hidden width (here, or by loom.parallel.expert_parallel together with ep)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = model.output is not None and model.tok_embeddings is not None and \
@@ -102,7 +119,11 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         moe = isinstance(block.feed_forward, MoE)
         parallelize_module(block, tp_mesh, block_plan(moe))
         if moe:
-            replicate_moe(block.feed_forward, tp_mesh, experts=not expert_parallel)
+            replicate_moe(block.feed_forward, tp_mesh, experts=not (expert_parallel or expert_tp))
+            if expert_tp:
+                block.feed_forward.expert_tp = (tp_mesh.get_group(), tp_mesh.size())
+                if not expert_parallel:
+                    shard_experts(block.feed_forward.experts, tp_mesh)
     check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
     if async_tp:
         enable_async_tp(tp_mesh)

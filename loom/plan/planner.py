@@ -63,6 +63,9 @@ def model_args(cfg: Config):
     kernels = resolve_kernels(cfg.model, "cuda", compile=cfg.training.compile, documents=cfg.data.document_positions,
                               tp=p.tp > 1, pp=p.pp > 1, triton=True)
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernels)
+    if p.etp > 1:
+        raise ConfigError("parallel.etp", p.etp, "loom plan does not model tensor-parallel experts yet: allowed 1 "
+                          "(train with etp > 1 directly; its memory and time are not predicted)")
     if args.moe and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.dtype", cfg.training.dtype, "loom plan models mixture-of-experts models in "
                           "bfloat16 only (their activations are traced through the bf16 grouped GEMM)")

@@ -180,7 +180,8 @@ def test_sharded_load_reads_only_the_local_rows(tmp_path):
 
 def mixtral_worker(folder: str, rank: int, world: int) -> bool:
     """A Mixtral folder into loom's MoE model under FSDP2 (experts sharded over dp_shard) and under EP2 (over
-    ep): every rank holds its torch.chunk of every (stacked, transposed) tensor and read only that."""
+    ep): every rank holds its torch.chunk of every (stacked, transposed) tensor and read only that. Under TP2
+    with etp2 (each expert's hidden width sharded over tp) every rank holds its chunk of every expert's width."""
     import safetensors as st
 
     from loom.checkpoint.hf import hf_expert_names, hf_name, llama_args_from_hf, load_hf_weights, stacked_experts
@@ -195,7 +196,8 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
     total_bytes = sum(t.numel() * t.element_size() for t in full.values())
     try:
         st.safe_open = CountingFile
-        for parallel in (ParallelConfig(dp_shard=WORLD), ParallelConfig(dp_shard=WORLD, ep=WORLD)):
+        for parallel in (ParallelConfig(dp_shard=WORLD), ParallelConfig(dp_shard=WORLD, ep=WORLD),
+                         ParallelConfig(dp_shard=1, tp=WORLD, etp=WORLD)):
             dims = ParallelDims.from_config(parallel, WORLD)
             dims.build_mesh("cpu")
             with torch.device("meta"):
@@ -203,6 +205,13 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
             model = parallelize_llama(model, dims, TrainingConfig(), parallel, torch.device("cpu"), seed=0).parts[0]
             CountingFile.log.clear()
             load_hf_weights(model, folder)
+            if parallel.etp > 1:  # w1 / w3 (n, E, H) split on H, w2 (n, H, E) on H; the rest is TP's own layout
+                for name, param in model.named_parameters():
+                    if stacked_experts(name):
+                        whole = torch.stack([full[src].T for src in hf_expert_names(name, param.shape[0])])
+                        width = 1 if name.endswith("w2") else 2
+                        assert torch.equal(param.to_local(), torch.chunk(whole, WORLD, dim=width)[rank]), name
+                continue
             local_bytes = 0
             for name, param in model.named_parameters():
                 if stacked_experts(name):

@@ -148,6 +148,12 @@ def test_compiled_tensor_parallel_matches_eager(tmp_path):
         pairs[f"moe-tp2-compiled-{ac}"] = "moe-tp2"
         jobs[f"moe-tp2-compiled-{ac}"] = {**moe_job(tmp_path, f"moe-tp2-c-{ac}", **tp2), **bf16, **compiled,
                                           "training.activation_checkpointing": ac}
+    # experts sharded over tp (etp = tp): the tokens' all-gather and the outputs' reduce-scatter traced, under
+    # op-level recomputation
+    jobs["moe-tp2-etp2"] = {**moe_job(tmp_path, "moe-tp2-etp2", **tp2, etp=2), **bf16}
+    pairs["moe-tp2-etp2-compiled-op"] = "moe-tp2-etp2"
+    jobs["moe-tp2-etp2-compiled-op"] = {**moe_job(tmp_path, "moe-tp2-etp2-c-op", **tp2, etp=2), **bf16, **compiled,
+                                        "training.activation_checkpointing": "op"}
     pairs["moe-tp2-ep2-compiled"] = "moe-tp2-ep2"
     jobs["moe-tp2-ep2-compiled"] = {**moe_job(tmp_path, "moe-tp2-ep2-c", **tp2_ep2), **bf16, **compiled}
     pairs["dense-tp2-compiled-full"] = "dense-tp2"
@@ -176,11 +182,12 @@ def test_expert_parallel_with_tensor_parallel_matches_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("name, layout", [("ep2", dict(dp=2, dp_shard=2, ep=2)), ("tp2", dict(tp=2, dp_shard=1)),
-                                          ("tp2-ep2", dict(tp=2, dp_shard=1, ep=2))])
+                                          ("tp2-ep2", dict(tp=2, dp_shard=1, ep=2)),
+                                          ("tp2-etp2", dict(tp=2, dp_shard=1, etp=2))])
 def test_sharded_moe_checkpoint_resumes_in_one_process(tmp_path, name, layout):
     """Saved at step 3 under ep2 (experts as DTensors sharded over ep), tp2 (router and experts replicated
-    over tp) or tp2 x ep2 (experts sharded over the tp ranks, router replicated), resumed in one process:
-    steps 4-5 repeat the uninterrupted run."""
+    over tp), tp2 x ep2 (experts sharded over the tp ranks, router replicated) or tp2 with etp2 (each expert's
+    hidden width sharded over tp), resumed in one process: steps 4-5 repeat the uninterrupted run."""
     from tests.distributed.test_model_parallel import SAVE_AT, ckpt, tail
 
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
@@ -228,4 +235,25 @@ def test_moe_under_tensor_parallel_matches_single_process(tmp_path):
              "tp2-cp2": moe_job(tmp_path, "tp2-cp2", tp=2, cp=2, dp_shard=1),
              "pp2-tp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1)}
     results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
+    check_against(ref, results)
+
+
+def test_expert_tensor_parallel_matches_single_process(tmp_path):
+    """etp = tp: every expert's hidden width sharded over the tp ranks, which gather their tokens before the
+    experts and reduce-scatter the outputs. tp2 alone and with accumulation; on 4 ranks FSDP2 x tp2, EP2 x tp2
+    (ep from the dp ranks; experts DTensors over (ep, tp)), tp2 x cp2 and a 1F1B pipeline over tp2; on 8 ranks
+    FSDP2 over EP2 x tp2 (edp = 2: FSDP2 shards the (ep, tp) DTensors) and HSDP 2x2 with EP2 x tp2."""
+    ref = run_jobs(1, [moe_job(tmp_path, "single")], str(tmp_path))[0]["records"]
+    jobs2 = {"tp2-etp2": moe_job(tmp_path, "tp2-etp2", tp=2, dp_shard=1, etp=2),
+             "tp2-etp2-m2": moe_job(tmp_path, "tp2-etp2-m2", m=2, tp=2, dp_shard=1, etp=2)}
+    results = dict(zip(jobs2, run_jobs(2, list(jobs2.values()), str(tmp_path))))
+    jobs4 = {"fsdp2-tp2-etp2": moe_job(tmp_path, "fsdp2-tp2-etp2", dp=2, dp_shard=2, tp=2, etp=2),
+             "ep2-tp2-etp2": moe_job(tmp_path, "ep2-tp2-etp2", dp=2, dp_shard=2, tp=2, ep=2, etp=2),
+             "tp2-cp2-etp2": moe_job(tmp_path, "tp2-cp2-etp2", tp=2, cp=2, dp_shard=1, etp=2),
+             "pp2-tp2-etp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-etp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1, etp=2)}
+    results.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
+    jobs8 = {"fsdp4-ep2-tp2-etp2": moe_job(tmp_path, "fsdp4-ep2-tp2-etp2", dp=4, dp_shard=4, tp=2, ep=2, etp=2),
+             "hsdp2x2-ep2-tp2-etp2": moe_job(tmp_path, "hsdp2x2-ep2-tp2-etp2", dp=4, dp_replicate=2, dp_shard=2, tp=2,
+                                             ep=2, etp=2)}
+    results.update(zip(jobs8, run_jobs(8, list(jobs8.values()), str(tmp_path))))
     check_against(ref, results)

@@ -20,7 +20,10 @@ adds its own tokens' share of ``P``, so the ranks' terms add up to the whole seq
 router gets exactly its tokens' gradient. Under tensor parallelism the router and the experts are replicated
 over the tp ranks, each running its own sequence shard's tokens (no all-gather; torchtitan's ``etp = 1``):
 their gradients are Partial over tp and summed by DTensor (``local_weight``), as for sequence-parallel
-norms.
+norms. With expert tensor parallelism (``etp = tp``, ``expert_tp``) each tp rank holds a 1/tp slice of every
+expert's hidden width instead: the block gathers the tp ranks' tokens and routing (rows in tp-rank order)
+before the experts, every rank runs all of them through its slice, and the partial outputs are summed and
+scattered back to each rank's rows (one all-gather and one reduce-scatter, whose backwards are each other).
 """
 
 from __future__ import annotations
@@ -170,19 +173,15 @@ class MoE(nn.Module):
         # (group, size) of the ranks splitting each sequence with this one: set by apply_context_parallel (cp)
         # and apply_tp (tp's sequence parallelism)
         self.sequence_shards: tuple = ()
+        # (group, size) of the tp ranks when the experts are sharded over them by hidden width (parallel.etp)
+        self.expert_tp: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)  # (T, E)
         weights, experts, probs = self.router(flat)  # (T, k), (T, k), (T, n)
-        order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
-        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
-            0, experts.flatten(), torch.ones_like(experts.flatten()))  # (n,) tokens per expert; static shape
-        slots_in = flat[order // self.top_k]  # (T k, E) grouped by expert
-        ep = self.expert_parallel
-        routed = ep.run(self.experts, slots_in, counts) if ep is not None else self.experts(slots_in, counts)
-        slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
-        out = (slots.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)  # (T, E)
+        out = self._routed(flat, weights, experts) if self.expert_tp is None else self._routed_expert_tp(
+            flat, weights, experts)
         out = out.view(bsz, seq, dim)
         record = _records_balance()
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
@@ -194,6 +193,31 @@ class MoE(nn.Module):
             if self.aux_loss > 0:
                 out = _AuxLossGrad.apply(out, aux, self.aux_loss * self.aux_scale)
         return out
+
+
+    def _routed(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """flat (T, E), the router's weights and experts (T, k) -> (T, E): the weighted sum of each token's
+        experts' outputs."""
+        order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, experts.flatten(), torch.ones_like(experts.flatten()))  # (n,) tokens per expert; static shape
+        slots_in = flat[order // self.top_k]  # (T k, E) grouped by expert
+        ep = self.expert_parallel
+        routed = ep.run(self.experts, slots_in, counts) if ep is not None else self.experts(slots_in, counts)
+        slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
+        return (slots.view(-1, self.top_k, flat.shape[1]) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
+
+    def _routed_expert_tp(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``_routed`` with the experts sharded over the tp ranks by hidden width: the tp group's rows gathered
+        (tp T, ...), each rank's output a partial sum over its width slice, summed and scattered back to (T, E)."""
+        from torch.distributed import _functional_collectives as fc
+
+        group, _ = self.expert_tp
+        flat_all = fc.all_gather_tensor_autograd(flat, 0, group)  # (tp T, E); backward: reduce-scatter
+        weights_all = fc.all_gather_tensor_autograd(weights, 0, group)  # (tp T, k)
+        experts_all = fc.all_gather_tensor(experts, 0, group)  # (tp T, k), no gradient
+        partial = self._routed(flat_all, weights_all, experts_all)  # (tp T, E), this rank's width slice
+        return fc.reduce_scatter_tensor_autograd(partial, "sum", 0, group)  # (T, E); backward: all-gather
 
 
 def _records_balance() -> bool:

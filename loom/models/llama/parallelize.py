@@ -5,6 +5,7 @@
 3. tensor + sequence parallel on each part                           (parallel.tp)
    context parallel: attention across the cp ranks' sequence shards  (parallel.cp)
    expert parallel: MoE experts split over the ep ranks               (parallel.ep)
+   (experts sharded over tp by their hidden width                    (parallel.etp = tp))
    float8 linears (torchao)                                          (training.float8)
 4. activation checkpointing
 5. torch.compile per block
@@ -78,11 +79,11 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp,
-                     expert_parallel=dims.ep_enabled)
+                     expert_parallel=dims.ep_enabled, expert_tp=dims.etp_enabled)
         if dims.cp_enabled:
             apply_context_parallel(part, dims["cp"])
         if dims.ep_enabled:
-            apply_expert_parallel(part, dims["ep"])
+            apply_expert_parallel(part, dims["ep"], dims["ep_tp"] if dims.etp_enabled else None)
         if training.float8 != "none":
             apply_float8(part, training.float8)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
