@@ -1,7 +1,8 @@
 """Op-level activation checkpointing with loom's attention saved (what the policy does) against the same run with
 the attention recomputed in the backward (what it did before the fix): tokens/s and peak memory, one GPU.
 
-    python bench/op_ac_attention.py --flavor 1B --seq 8192 --steps 12 --out bench/results/op_ac_attention.json
+    LOOM_COMMIT=<sha> python bench/op_ac_attention.py --flavor 1B --seq 8192 --steps 12 \
+        --out bench/results/op_ac_attention.json
 
 Each variant runs in its own process (the policy's save list is patched before the model is built); tokens/s is
 the median over the steps after ``--warmup``.
@@ -49,11 +50,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--out", default="bench/results/op_ac_attention.json")
+    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
     a = p.parse_args()
     if a.variant:
         print("RESULT " + json.dumps(run_variant(a.variant, a.flavor, a.seq, a.steps, a.warmup)), flush=True)
         return
-    from bench.fused_loss import git_commit
     from bench.train_1b import environment
 
     results = []
@@ -63,7 +64,7 @@ def main() -> None:
                              capture_output=True, text=True, check=True).stdout
         results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
         print(variant, round(results[-1]["median_tok_s"]), "tok/s", results[-1]["mem_gib"], "GiB", flush=True)
-    doc = {"benchmark": "op_ac_attention", "environment": environment(git_commit(), " ".join(sys.argv)),
+    doc = {"benchmark": "op_ac_attention", "environment": environment(a.commit, " ".join(sys.argv)),
            "results": results, "ratios": {"saved_over_recompute": results[0]["median_tok_s"] / results[1]["median_tok_s"]}}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
