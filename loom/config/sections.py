@@ -129,8 +129,8 @@ class ParallelConfig:
                      "K/V all-gathered in attention); training.seq_len must divide by 2·cp",
                   min=1)
     ep: int = opt(1, "expert-parallel degree: MoE experts split over this many dp_shard x cp ranks (divides "
-                     "dp_shard x cp and the number of experts); under tp the tp ranks count in: tp x a divisor of "
-                     "dp_shard x cp", min=1)
+                     "dp_shard x cp and the number of experts); under tp with etp = 1 the tp ranks count in: tp x a "
+                     "divisor of dp_shard x cp", min=1)
     etp: int = opt(1, "expert tensor-parallel degree: 1 = experts replicated over tp, each tp rank routing its own "
                       "tokens (under ep the tp ranks count in); parallel.tp = experts' hidden width sharded over tp, "
                       "tokens gathered over tp (ep then divides dp_shard x cp)", min=1)

@@ -148,9 +148,10 @@ class ParallelDims:
             if not getattr(args, "moe", False):
                 raise ConfigError("parallel.etp", self.etp, "needs a mixture-of-experts model: allowed 1 for a dense "
                                   "model")
-            if args.expert_ffn_dim % self.etp:
+            if args.expert_ffn_dim % (8 * self.etp):
                 raise ConfigError("parallel.etp", self.etp, f"must divide the experts' hidden width "
-                                  f"({args.expert_ffn_dim})")
+                                  f"({args.expert_ffn_dim}) into slices of a multiple of 8 (the bf16 grouped GEMM "
+                                  "needs 16-byte rows)")
         if self.ep > 1:
             if not getattr(args, "moe", False):
                 raise ConfigError("parallel.ep", self.ep, "needs a mixture-of-experts model (model.moe_experts > 0 "

@@ -63,6 +63,9 @@ def model_args(cfg: Config):
     kernels = resolve_kernels(cfg.model, "cuda", compile=cfg.training.compile, documents=cfg.data.document_positions,
                               tp=p.tp > 1, pp=p.pp > 1, triton=True)
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernels)
+    if cfg.model.attention == "flex":
+        raise ConfigError("model.attention", "flex", "loom plan does not model FlexAttention (its activations are "
+                          "traced on the CPU, where Flex has no backward): allowed auto | sdpa | flash")
     if p.etp > 1:
         raise ConfigError("parallel.etp", p.etp, "loom plan does not model tensor-parallel experts yet: allowed 1 "
                           "(train with etp > 1 directly; its memory and time are not predicted)")

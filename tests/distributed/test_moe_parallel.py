@@ -131,7 +131,8 @@ def test_compiled_expert_parallel_matches_eager(tmp_path):
 
 def test_compiled_tensor_parallel_matches_eager(tmp_path):
     """Compiled blocks under TP2 against eager TP2 (bf16): MoE with no / full / op-level recomputation, MoE under
-    TP2 x EP2, and a dense model with full recomputation; within 1e-3 (bf16 noise, ~1e-4 seen), not bit-identical
+    TP2 x EP2, tensor-parallel experts (TP2 etp2 under op recomputation; EP2 x TP2 etp2 on 4 ranks), and a dense
+    model with full recomputation; within 1e-3 (bf16 noise, ~1e-4 seen), not bit-identical
     (the compiled graphs ran). Two bugs this guards: the compiled MoE block gave its input (the embedding's
     ``to_local`` view) no gradient and the embedding's backward failed; compiled around their checkpoint wrapper,
     fully recomputed TP blocks failed in AOTAutograd (a DeviceMesh among the saved tensors)."""
@@ -160,6 +161,12 @@ def test_compiled_tensor_parallel_matches_eager(tmp_path):
     jobs["dense-tp2-compiled-full"] = {**job(tmp_path, "dense-tp2-c-full", **tp2), **bf16, **compiled,
                                        "training.activation_checkpointing": "full"}
     runs = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
+    # EP2 x TP2 with tensor-parallel experts on 4 ranks: the exchange breaks the graph between the tp gathers
+    ep_etp = dict(dp=2, dp_shard=2, tp=2, ep=2, etp=2)
+    jobs4 = {"moe-ep2-tp2-etp2": {**moe_job(tmp_path, "moe-ep2-tp2-etp2", **ep_etp), **bf16},
+             "moe-ep2-tp2-etp2-compiled": {**moe_job(tmp_path, "moe-ep2-tp2-etp2-c", **ep_etp), **bf16, **compiled}}
+    pairs["moe-ep2-tp2-etp2-compiled"] = "moe-ep2-tp2-etp2"
+    runs.update(zip(jobs4, run_jobs(4, list(jobs4.values()), str(tmp_path))))
     for name, base in pairs.items():
         got, want = losses(runs[name]), losses(runs[base])
         assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, want)) < 1e-3, (name, got, want)

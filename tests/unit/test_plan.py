@@ -163,6 +163,7 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     (["--gpus", "3", "--parallel.tp", "2"], ["parallel.tp", "must divide the world size 3"]),
     (["--gpus", "2", "--model.flavor", "debug_moe", "--training.dtype", "bfloat16", "--parallel.tp", "2",
       "--parallel.etp", "2"], ["parallel.etp = 2", "does not model tensor-parallel experts"]),
+    (["--model.attention", "flex"], ["model.attention = 'flex'", "does not model FlexAttention"]),
 ])
 def test_cli_plan_errors_are_one_line(args, expect):
     r = _plan(*args)

@@ -212,12 +212,15 @@ class MoE(nn.Module):
         (tp T, ...), each rank's output a partial sum over its width slice, summed and scattered back to (T, E)."""
         from torch.distributed import _functional_collectives as fc
 
+        # torch 2.13 renamed them (*_single*) and warns on the old names, which 2.11 still has only
+        gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+        scatter = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
         group, _ = self.expert_tp
-        flat_all = fc.all_gather_tensor_autograd(flat, 0, group)  # (tp T, E); backward: reduce-scatter
-        weights_all = fc.all_gather_tensor_autograd(weights, 0, group)  # (tp T, k)
-        experts_all = fc.all_gather_tensor(experts, 0, group)  # (tp T, k), no gradient
+        flat_all = gather(flat, 0, group)  # (tp T, E); backward: reduce-scatter
+        weights_all = gather(weights, 0, group)  # (tp T, k)
+        experts_all = gather(experts, 0, group)  # (tp T, k), integer: no gradient
         partial = self._routed(flat_all, weights_all, experts_all)  # (tp T, E), this rank's width slice
-        return fc.reduce_scatter_tensor_autograd(partial, "sum", 0, group)  # (T, E); backward: all-gather
+        return scatter(partial, "sum", 0, group)  # (T, E); backward: all-gather
 
 
 def _records_balance() -> bool:
