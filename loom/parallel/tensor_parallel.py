@@ -114,6 +114,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         # both plans shard the shared (V, E) weight by rows (dim 0): one DTensor serves both again
         model.output.weight = model.tok_embeddings.weight
     from loom.models.common.moe import MoE
+    from loom.parallel.expert_parallel import ExpertTensorParallel
 
     for block in model.layers.values():
         moe = isinstance(block.feed_forward, MoE)
@@ -121,7 +122,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         if moe:
             replicate_moe(block.feed_forward, tp_mesh, experts=not (expert_parallel or expert_tp))
             if expert_tp:
-                block.feed_forward.expert_tp = (tp_mesh.get_group(), tp_mesh.size())
+                block.feed_forward.expert_tp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
                 if not expert_parallel:
                     shard_experts(block.feed_forward.experts, tp_mesh)
     check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)

@@ -23,7 +23,8 @@ their gradients are Partial over tp and summed by DTensor (``local_weight``), as
 norms. With expert tensor parallelism (``etp = tp``, ``expert_tp``) each tp rank holds a 1/tp slice of every
 expert's hidden width instead: the block gathers the tp ranks' tokens and routing (rows in tp-rank order)
 before the experts, every rank runs all of them through its slice, and the partial outputs are summed and
-scattered back to each rank's rows (one all-gather and one reduce-scatter, whose backwards are each other).
+scattered back to each rank's rows (one all-gather and one reduce-scatter, whose backwards are each other;
+``loom.parallel.expert_parallel.ExpertTensorParallel``).
 """
 
 from __future__ import annotations
@@ -173,8 +174,9 @@ class MoE(nn.Module):
         # (group, size) of the ranks splitting each sequence with this one: set by apply_context_parallel (cp)
         # and apply_tp (tp's sequence parallelism)
         self.sequence_shards: tuple = ()
-        # (group, size) of the tp ranks when the experts are sharded over them by hidden width (parallel.etp)
-        self.expert_tp: tuple | None = None
+        # set by loom.parallel.tensor_parallel.apply_tp when the experts are sharded over the tp ranks by hidden
+        # width (parallel.etp): the tp group's gather / reduce-scatter (loom.parallel.expert_parallel)
+        self.expert_tp = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -210,17 +212,12 @@ class MoE(nn.Module):
     def _routed_expert_tp(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``_routed`` with the experts sharded over the tp ranks by hidden width: the tp group's rows gathered
         (tp T, ...), each rank's output a partial sum over its width slice, summed and scattered back to (T, E)."""
-        from torch.distributed import _functional_collectives as fc
-
-        # torch 2.13 renamed them (*_single*) and warns on the old names, which 2.11 still has only
-        gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-        scatter = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
-        group, _ = self.expert_tp
-        flat_all = gather(flat, 0, group)  # (tp T, E); backward: reduce-scatter
-        weights_all = gather(weights, 0, group)  # (tp T, k)
-        experts_all = gather(experts, 0, group)  # (tp T, k), integer: no gradient
+        etp = self.expert_tp
+        flat_all = etp.gather(flat)  # (tp T, E); backward: reduce-scatter
+        weights_all = etp.gather(weights)  # (tp T, k)
+        experts_all = etp.gather(experts)  # (tp T, k), integer: no gradient
         partial = self._routed(flat_all, weights_all, experts_all)  # (tp T, E), this rank's width slice
-        return scatter(partial, "sum", 0, group)  # (T, E); backward: all-gather
+        return etp.reduce_scatter(partial)  # (T, E); backward: all-gather
 
 
 def _records_balance() -> bool:
