@@ -66,3 +66,17 @@ def test_split_backward_schedules_with_fused_ops_on_two_gpus(tmp_path):
         got = train(tmp_path / schedule, 2, **shape, **fused, **{"parallel.pp": 2, "parallel.pp_schedule": schedule,
                                                                  "training.micro_batch_size": 1})
         assert max(abs(a - b) / b for a, b in zip(got, one)) < 1e-4, (schedule, got, one)
+
+
+def test_moe_tensor_parallel_experts_on_two_gpus(tmp_path):
+    """NCCL: the debug MoE model under TP2 with tensor-parallel experts (etp 2: width-sharded experts, tokens gathered
+    over tp), fp32, against one GPU; and compiled in bf16 against eager TP2 etp2 (the traced collectives)."""
+    moe = {"model.flavor": "debug_moe", "checkpoint.every": 0}
+    one = train(tmp_path / "one", 1, **moe)
+    etp = {"parallel.tp": 2, "parallel.etp": 2}
+    got = train(tmp_path / "etp", 2, **moe, **etp)
+    assert max(abs(a - b) / b for a, b in zip(got, one)) < 1e-4, (got, one)
+    bf16 = {"training.dtype": "bfloat16"}
+    eager = train(tmp_path / "etp-bf16", 2, **moe, **etp, **bf16)
+    comp = train(tmp_path / "etp-bf16-c", 2, **moe, **etp, **bf16, **{"training.compile": "true"})
+    assert max(abs(a - b) / b for a, b in zip(comp, eager)) < 1e-2, (comp, eager)
