@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.parallel.collectives import gather_rows, reduce_scatter_rows
+
 
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` (R, E) exchanged over ``group``: ``send[i]`` rows go to rank i, ``recv[i]`` come from it."""
@@ -53,69 +55,21 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
     return _AllToAll.apply(x, send, recv, group)
 
 
-class _GatherRows(torch.autograd.Function):
-    """Rows of ``x`` (T, ...) from every rank of ``group``, in rank order -> (size T, ...); backward: the rows'
-    gradients summed over the ranks, each rank keeping its own (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        out = x.new_empty(size * x.shape[0], *x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _ScatterRowsSum.apply(grad, ctx.group, ctx.size), None, None
-
-
-class _ScatterRowsSum(torch.autograd.Function):
-    """``x`` (size T, ...) summed over the ranks of ``group``, rank r keeping rows [r T, (r + 1) T) -> (T, ...);
-    backward: the gathered gradients."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        out = x.new_empty(x.shape[0] // size, *x.shape[1:])
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _GatherRows.apply(grad, ctx.group, ctx.size), None, None
-
-
 class ExpertTensorParallel:
     """The tp group of a MoE block whose experts are sharded over tp by hidden width (parallel.etp = tp): gathers
-    the group's token rows before the experts and sums the partial outputs back (loom.models.common.moe). Eager:
-    blocking c10d collectives in autograd functions (un-waited functional collectives corrupted gloo ranks' memory
-    now and then: a segfault in 1 of ~5 4-rank runs, torch 2.13 CPU); compiled: functional collectives, which
-    Dynamo traces and Inductor waits for."""
+    the group's token rows before the experts and sums the partial outputs back (loom.models.common.moe), through
+    ``loom.parallel.collectives``."""
 
     def __init__(self, group, size: int):
         self.group, self.size = group, size
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(T, ...) -> (size T, ...), rows in rank order; integer tensors carry no gradient."""
-        if not torch.compiler.is_compiling():
-            if not x.requires_grad:
-                out = x.new_empty(self.size * x.shape[0], *x.shape[1:])
-                dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-                return out
-            return _GatherRows.apply(x, self.group, self.size)
-        from torch.distributed import _functional_collectives as fc
-
-        gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-        return gather(x, 0, self.group)
+        return gather_rows(x, self.group, self.size)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """(size T, ...) partial sums -> (T, ...): the sum over the ranks of this rank's rows."""
-        if not torch.compiler.is_compiling():
-            return _ScatterRowsSum.apply(x, self.group, self.size)
-        from torch.distributed import _functional_collectives as fc
-
-        scatter = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
-        return scatter(x, "sum", 0, self.group)
+        return reduce_scatter_rows(x, self.group, self.size)
 
 
 class ExpertParallel:
