@@ -64,12 +64,11 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, sv
     h = bh % H
     hk = h // GROUP
 
-    # layouts: scores (M, N) and output (M, D) as warpgroup-MMA accumulators; P as the register A operand
+    # layouts: scores (M, N) and output (M, D) as warpgroup-MMA accumulators
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -80,7 +79,7 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, sv
     o_desc = tma.make_tensor_descriptor(O + b * sob + h * soh, [S, HEAD_DIM], [sos, 1], [BLOCK_M, HEAD_DIM], smem)
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], smem)
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], smem)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], smem)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -115,29 +114,33 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, sqb, sqh, sqs, skb, skh, sks, svb, svh, sv
     _load_block(k_desc, 2 * BLOCK_N, k_bars, k_smem, 2, n_blocks > 2)
     p, m_i, alpha = _scores(s_acc, 0, m0, offs_m, S, qk_scale, m_i, CAUSAL, BLOCK_N)
     l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_smem.index(0).store(p.to(dtype))
+    fence_async_shared()
 
-    # iteration j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} (P through shared memory), wait for S_j only,
-    # compute P_j while the second MMA runs, then wait for it and rescale O
+    # iteration j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, wait for S_j only, compute P_j while the second
+    # MMA runs, store it to its slot, then wait for the MMA and rescale O. P_j's store comes before the wait in
+    # program order and ptxas keeps shared-memory stores before it, which pins the wait after the exponentials
+    # (with P in registers, or stored after the wait, ptxas hoisted the wait above them)
     for j in range(1, n_blocks):
         ks = j % 2
         vs = (j - 1) % 2
         mbarrier.wait(k_bars.index(ks), (j // 2) & 1)
         s_tok = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _load_block(v_desc, j * BLOCK_N, v_bars, v_smem, j, True)  # V_{j-2}'s MMA finished last iteration
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
         mbarrier.wait(v_bars.index(vs), ((j - 1) // 2) & 1)
-        acc_tok = warpgroup_mma(p_smem, v_smem.index(vs), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_smem.index(vs), v_smem.index(vs), acc, is_async=True)
         s_acc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
         _load_block(k_desc, (j + 2) * BLOCK_N, k_bars, k_smem, j + 2, j + 2 < n_blocks)  # K_j's slot is free
         p, m_i, alpha = _scores(s_acc, j * BLOCK_N, m0, offs_m, S, qk_scale, m_i, CAUSAL, BLOCK_N)
         l_i = l_i * alpha + gl.sum(p, axis=1)
+        p_smem.index(ks).store(p.to(dtype))
+        fence_async_shared()
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
     last = n_blocks - 1
     mbarrier.wait(v_bars.index(last % 2), (last // 2) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last % 2), acc)
+    acc = warpgroup_mma(p_smem.index(last % 2), v_smem.index(last % 2), acc)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(2):
