@@ -427,29 +427,8 @@ def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
 
 def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
     """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32). ``key_bounds`` is only
-    read by the backward (the forward walks query rows). On Hopper, causal or full attention without
-    documents or a window runs the Gluon forward (``hopper.py``); everything else the Triton kernel."""
+    read by the backward (the forward walks query rows)."""
     check_inputs(q, k, v, bounds, window, key_bounds)
-    hopper = _hopper()
-    if hopper is not None and hopper.supports(q, k, v, causal, bounds, window):
-        return hopper.attention_forward(q, k, v, causal, scale, _seq_key(q.shape[2]))
-    return triton_forward(q, k, v, causal, bounds, window, scale)
-
-
-def _hopper():
-    """The Gluon forward module, or None where this Triton has no Gluon Hopper support (or in the
-    interpreter)."""
-    if interpreting():
-        return None
-    try:
-        from loom.kernels.attention import hopper
-    except ImportError:
-        return None
-    return hopper
-
-
-def triton_forward(q, k, v, causal: bool, bounds, window: int, scale: float):
-    """The Triton forward kernel for any supported case (inputs already checked)."""
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
