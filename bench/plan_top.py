@@ -16,8 +16,8 @@ def layout_name(layout: dict) -> str:
     parts = [f"hsdp{rep}x{shard}"] if rep > 1 and shard > 1 else [f"ddp{rep}"] if rep > 1 else \
         [f"fsdp{shard}"] if shard > 1 else []
     parts += [f"{axis}{layout[axis]}" for axis in ("tp", "pp", "cp") if layout[axis] > 1]
-    if layout.get("ep", 1) > 1:
-        raise SystemExit("bench/throughput.py has no expert-parallel layouts")
+    if layout.get("ep", 1) > 1 or layout.get("etp", 1) > 1:
+        raise SystemExit("bench/throughput.py has no expert-parallel or tensor-parallel-expert layouts")
     if layout["pp"] > 1:
         parts.append(layout["pp_schedule"])
     return "_".join(parts) or "fsdp1"

@@ -66,13 +66,15 @@ class MemoryInputs:
     cpu_offload: bool = False
     ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard x cp (x tp) / ep only
     expert_params: float = 0.0  # of one block (all its experts)
+    etp: int = 1  # tensor-parallel experts (parallel.etp = tp): each tp rank holds a 1/tp slice of every expert
 
 
 def held_params(share, x: MemoryInputs) -> float:
     """Parameters one rank holds before FSDP2 shards them: its tp share, with the experts split over the tp
-    ranks too when expert parallelism takes them in (ep and tp > 1; otherwise tp replicates them)."""
+    ranks too when expert parallelism takes them in (ep and tp > 1) or they are tensor-parallel (etp = tp > 1);
+    otherwise tp replicates them."""
     params = share.params(x.tp)
-    if x.ep > 1 and x.tp > 1:
+    if x.tp > 1 and (x.ep > 1 or x.etp > 1):
         params -= share.layers * x.expert_params * (1 - 1 / x.tp)
     return params
 
@@ -92,7 +94,7 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     compute = BYTES[x.dtype]
     block = block_params(args, x.tp)
     root = share.params(x.tp) - share.layers * block
-    block -= x.expert_params * (1 - 1 / x.ep)  # under ep a rank gathers only its own experts
+    block -= x.expert_params * (1 - 1 / (x.ep * x.etp))  # only its own experts (ep), its width slice (etp)
     grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
     return compute * (gathered_layers * block + root) + grads
 
@@ -141,13 +143,17 @@ def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: Mem
     """Bytes one micro-batch holds on a stage of ``layers`` blocks between its forward and backward. Tensor
     parallelism with sequence parallelism shards every activation but the all-gathered inputs of the
     column-parallel linears (attention and MLP input, the head's input), which a stored block keeps whole;
-    context parallelism keeps the gathered K/V of each block for the backward unless the block is recomputed.
+    context parallelism keeps the gathered K/V of each block for the backward unless the block is recomputed;
+    tensor-parallel experts keep the routed slots of the tp group's tokens.
     ``stored``: share of blocks not checkpointed (``stored_blocks``)."""
     held = profile.held(layers, x.micro_batch, head=last) / x.tp
     tokens = x.micro_batch * x.seq_len / x.cp  # per micro-batch on this rank
     if x.tp > 1:
         gathered_inputs = 2 * layers * stored + (1 if last else 0)
         held += gathered_inputs * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
+    if x.etp > 1:  # tensor-parallel experts keep the tp group's routed slots whole (the permuted inputs of the
+        # grouped GEMMs and the experts' outputs, k slots a token): estimated from the tensors kept, not measured
+        held += 2 * args.moe_top_k * layers * stored * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
     if x.cp > 1 and ac != "full":
         kv_dim = args.n_kv_heads * args.head_dim
         held += layers * x.micro_batch * x.seq_len * (1 - 1 / x.cp) * 2 * kv_dim * BYTES[x.dtype] / x.tp

@@ -46,7 +46,8 @@ class Estimate:
 
 
 def layout_name(layout: dict) -> str:
-    parts = [f"{a}{layout[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if layout[a] > 1]
+    parts = [f"{a}{layout[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
+             if layout.get(a, 1) > 1]
     if layout["pp"] > 1:
         parts.append(layout["pp_schedule"])
     return " ".join(parts or ["single"]) + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
@@ -66,9 +67,6 @@ def model_args(cfg: Config):
     if cfg.model.attention == "flex":
         raise ConfigError("model.attention", "flex", "loom plan does not model FlexAttention (its activations are "
                           "traced on the CPU, where Flex has no backward): allowed auto | sdpa | flash")
-    if p.etp > 1:
-        raise ConfigError("parallel.etp", p.etp, "loom plan does not model tensor-parallel experts yet: allowed 1 "
-                          "(train with etp > 1 directly; its memory and time are not predicted)")
     if args.moe and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.dtype", cfg.training.dtype, "loom plan models mixture-of-experts models in "
                           "bfloat16 only (their activations are traced through the bf16 grouped GEMM)")
@@ -114,7 +112,8 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     x = MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp, shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
                      fsdp=dims.fsdp_applied, reshard_after_forward=p.reshard_after_forward and not split,
                      micro_batch=t.micro_batch_size, seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled,
-                     ep=dims.ep, expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0)
+                     ep=dims.ep, expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0,
+                     etp=dims.etp)
     traced = traced_args(args, t.compile)
     key = (traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp, t.activation_checkpointing, t.ac_every)
     profiles = {} if profiles is None else profiles
@@ -129,7 +128,7 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
     mfu = tokens * flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
-    layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+    layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
     layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=t.activation_checkpointing, accumulation=m)
     notes = []
@@ -201,11 +200,17 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
                                                                    _bandwidth(dims, ("tp",), gpu))
         st.tp = m * share.layers * per_block
     if dims.ep > 1:  # every routed token-slot to its expert's rank and back, forward and backward, exposed
-        slots = tokens * args.moe_top_k * args.dim * c / dims.tp  # each tp rank sends its sequence slice
-        # an ep group: ep consecutive ranks (of dp_shard x cp, with the tp ranks inside it when tp > 1)
-        bandwidth = gpu.network_gbps if dims.ep > gpu.gpus_per_node else gpu.link_gbps
+        # each tp rank sends its sequence slice; with tensor-parallel experts, the tp group's gathered slots
+        slots = tokens * args.moe_top_k * args.dim * c / (dims.tp // dims.etp)
+        # an ep group: ep ranks of dp_shard x cp, with the tp ranks inside it (etp = 1) or tp apart (etp = tp)
+        span = dims.ep * dims.etp
+        bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
         per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.layers * per_block
+    if dims.etp > 1:  # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
+        rerun = moe_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)  # per block, forward and backward
+        per_block = (4 + 2 * rerun) * collective_s(tokens * args.dim * c, dims.tp, _bandwidth(dims, ("tp",), gpu))
+        st.tp += m * share.layers * per_block
     if dims.cp > 1:
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
         per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, _bandwidth(dims, ("cp",), gpu))
@@ -219,16 +224,23 @@ class MoETime:
     overhead: float  # seconds: weight casts and routing (loom.plan.timing.moe_overhead_s)
 
 
+def moe_rerun(ac: str, every: int, n_layers: int) -> float:
+    """Share of MoE blocks whose forward reruns in the backward (op-level checkpointing reruns the MoE part of
+    every block)."""
+    return 1.0 if ac == "op" else 3 * recompute_share(ac, every, n_layers)[1]
+
+
 def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
-    """One micro-batch's MoE terms on this rank (see loom.plan.timing's docstring)."""
+    """One micro-batch's MoE terms on this rank (see loom.plan.timing's docstring). With tensor-parallel experts
+    (etp = tp) a rank routes the tp group's gathered slots through a 1/tp slice of each of its experts."""
     ac, layers = t.activation_checkpointing, share.layers
-    # share of blocks whose forward reruns in backward (op-level checkpointing reruns the MoE part of every block)
-    rerun = 1.0 if ac == "op" else 3 * recompute_share(ac, t.ac_every, args.n_layers)[1]
-    slots = tokens * args.moe_top_k / dims.tp  # each tp rank routes its sequence slice
-    local = args.moe_experts * expert_params(args) / dims.ep
+    rerun = moe_rerun(ac, t.ac_every, args.n_layers)
+    slots = tokens * args.moe_top_k / (dims.tp // dims.etp)  # its sequence slice's slots, or the tp group's
+    width = expert_params(args) / dims.etp  # of one expert, on this rank
+    local = args.moe_experts * width / dims.ep
     overhead = layers * moe_overhead_s(local, slots, args.dim, t.compile, rerun, gpu.hbm_tbps)
     # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM: they rerun in full
-    extra = 6 * expert_params(args) * slots * (1 / 3 - 1 / 6) * layers if ac == "op" else 0.0
+    extra = 6 * width * slots * (1 / 3 - 1 / 6) * layers if ac == "op" else 0.0
     return MoETime(extra_matmul=extra, overhead=overhead)
 
 
@@ -256,7 +268,7 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
 # ------------------------------------------------------------------------------------------------- search
 def candidates(cfg: Config, world_size: int, max_tp: int) -> list[Config]:
     """Every layout of ``world_size`` ranks with the config's global batch: degrees, pipeline schedule,
-    micro-batch size and activation checkpointing. Invalid ones are dropped later by ``estimate``."""
+    micro-batch size, activation checkpointing and (under tp) replicated or tensor-parallel experts. Invalid ones are dropped later by ``estimate``."""
     out = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp in (d for d in divisors if d <= max_tp):
@@ -280,9 +292,14 @@ def candidates(cfg: Config, world_size: int, max_tp: int) -> list[Config]:
                                 c.parallel.dp_replicate, c.parallel.dp_shard = rep, rest
                                 c.parallel.pp_schedule = schedule
                                 c.parallel.pp_virtual_stages = 0
+                                c.parallel.etp = 1
                                 c.training.micro_batch_size = mb
                                 c.training.activation_checkpointing = ac
                                 out.append(c)
+                                if tp > 1:  # tensor-parallel experts (a config error, so dropped, for dense models)
+                                    e = copy.deepcopy(c)
+                                    e.parallel.etp = tp
+                                    out.append(e)
     return out
 
 

@@ -161,8 +161,8 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     (["--gpu", "Z80"], ["--gpu", "'Z80'", "allowed: H100 | H200"]),
     (["--gpus", "0"], ["--gpus", "expected a positive integer"]),
     (["--gpus", "3", "--parallel.tp", "2"], ["parallel.tp", "must divide the world size 3"]),
-    (["--gpus", "2", "--model.flavor", "debug_moe", "--training.dtype", "bfloat16", "--parallel.tp", "2",
-      "--parallel.etp", "2"], ["parallel.etp = 2", "does not model tensor-parallel experts"]),
+    (["--gpus", "2", "--model.flavor", "debug", "--parallel.tp", "2", "--parallel.etp", "2"],
+     ["parallel.etp = 2", "needs a mixture-of-experts model"]),
     (["--model.attention", "flex"], ["model.attention = 'flex'", "does not model FlexAttention"]),
 ])
 def test_cli_plan_errors_are_one_line(args, expect):
@@ -269,6 +269,28 @@ def test_moe_flops_count_active_experts_and_ep_gathers_only_local_experts():
     with pytest.raises(ConfigError) as err:
         estimate(_cfg(**dict(_MOE, training__dtype="float32")), 1, GPUS["H100"])
     assert err.value.field == "training.dtype"
+
+
+def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
+    """etp = tp: each tp rank holds (and FSDP2 gathers) a 1/tp slice of every expert; the tp group's tokens are
+    gathered and the outputs reduce-scattered in every MoE block (forward and backward, again when rerun); the
+    routed slots of the gathered tokens are kept whole; the search proposes etp layouts for MoE models."""
+    tp = dict(_MOE, training__global_batch_size=8, training__micro_batch_size=2, parallel__dp_shard=4,
+              parallel__tp=2)
+    rep, etp = (estimate(_cfg(**dict(tp, parallel__etp=e)), 8, GPUS["H200"]) for e in (1, 2))
+    experts = 16 * 8 * 3 * 2048 * 2048  # the 1B shape's 16 blocks of 8 experts
+    assert rep.memory.weights - etp.memory.weights == pytest.approx(4 * experts / 2 / 4)
+    assert etp.memory.gathered < rep.memory.gathered
+    assert etp.memory.activations > rep.memory.activations
+    assert etp.time.tp > rep.time.tp and etp.time.compute == pytest.approx(rep.time.compute)
+    full = estimate(_cfg(**dict(tp, parallel__etp=2, training__activation_checkpointing="full")), 8, GPUS["H200"])
+    assert full.time.tp - etp.time.tp > 0
+    assert "etp2" in etp.describe()
+    # with ep the all-to-alls carry the tp group's gathered slots (tp times those of a sequence slice)
+    ep_rep, ep_etp = (estimate(_cfg(**dict(tp, parallel__ep=2, parallel__etp=e)), 8, GPUS["H200"]) for e in (1, 2))
+    assert ep_etp.time.ep == pytest.approx(2 * ep_rep.time.ep)
+    best, _ = search(_cfg(**dict(tp, training__global_batch_size=4)), 4, GPUS["H200"], top=400)
+    assert any(e.layout["etp"] > 1 for e in best)
 
 
 def test_plan_top_names_layouts_as_the_throughput_bench_parses_them():
