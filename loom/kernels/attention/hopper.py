@@ -141,7 +141,7 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, 
 
 
 # (BLOCK_M, BLOCK_N, warps) candidates, chosen by autotuning on the first call of each key
-_CONFIGS = {64: [(64, 128, 8), (64, 64, 4), (32, 128, 8)], 128: [(64, 128, 8), (64, 64, 4), (32, 128, 8)]}
+_CONFIGS = {64: [(64, 128, 8), (64, 64, 4)], 128: [(64, 128, 8), (64, 64, 4)]}  # 32-query blocks: rows below the 128-byte swizzle
 _TUNED: dict = {}
 
 
