@@ -39,7 +39,7 @@ def inputs(q, k, v, do, causal):
     from loom.kernels.attention import triton as T
 
     scale = q.shape[-1] ** -0.5
-    out, lse = T.triton_forward(q, k, v, causal, None, 0, scale)
+    out, lse = T.attention_forward(q, k, v, causal, None, 0, scale)
     delta, lse2 = T.backward_preprocess(do, out, lse, None)
     return scale, delta, lse2
 
