@@ -4,9 +4,8 @@ gradients summed and scattered back) and the reverse.
 Eager: blocking c10d collectives in autograd functions. Under torch.compile: PyTorch's functional collectives,
 which Dynamo traces and Inductor waits for. Eagerly the functional ones run asynchronously and are waited for
 on first use; on gloo (torch 2.13 CPU) they corrupted a rank's memory now and then (a segfault or a heap-
-corruption abort mid-step: 2 of ~6 runs of a 4-rank expert-tensor-parallel test), so the expert-tensor-parallel
-code does not use them eagerly. (Context parallelism's K/V gather still uses them: moved here too, its GPU test
-then did not finish within 5 minutes on an H100 and there was no device time left to find out why; reverted.)
+corruption abort mid-step: 2 of ~6 runs of a 4-rank expert-tensor-parallel test, and the earlier unexplained
+crashes of context-parallel runs on 8 oversubscribed ranks), so eager code does not use them.
 """
 
 from __future__ import annotations
@@ -64,6 +63,13 @@ def gather_rows(x: torch.Tensor, group, size: int) -> torch.Tensor:
     # newer torch renamed them (*_single*) and warns on the old names; the package accepts torch >= 2.11
     gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
     return gather(x, 0, group)
+
+
+def gather_along(x: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """``gather_rows`` along ``dim``: (..., n, ...) -> (..., size n, ...), rank r's part at [r n, (r + 1) n)."""
+    if dim == 0:
+        return gather_rows(x, group, size)
+    return gather_rows(x.movedim(dim, 0), group, size).movedim(0, dim).contiguous()
 
 
 def reduce_scatter_rows(x: torch.Tensor, group, size: int) -> torch.Tensor:

@@ -9,8 +9,8 @@ Attention all-gathers K and V over the cp axis (Llama 3's all-gather context par
 K/V are a fraction of Q, and the gather overlaps nothing but is one collective per layer) and attends
 each local query chunk to every key chunk at or before it, one block at a time through ``flash_attention``
 (loom's Triton kernel on CUDA, its PyTorch reference on CPU) with the log-sum-exp, merging the blocks'
-outputs by their log-sum-exps. The gather's backward is a reduce-scatter of dK/dV (functional collectives
-with autograd), so gradients need nothing else. Parameters are sharded by FSDP over ``dp_shard x cp``.
+outputs by their log-sum-exps. The gather's backward is a reduce-scatter of dK/dV (``loom.parallel.collectives``:
+blocking c10d collectives eagerly, functional ones under compile), so gradients need nothing else. Parameters are sharded by FSDP over ``dp_shard x cp``.
 
 Packed documents: the model passes per-document positions (this rank's shard). They are all-gathered too
 (B x S integers per layer), turned into the whole sequence's document bounds, and each (query chunk, key
@@ -78,15 +78,9 @@ class ContextParallel:
     def _gather(self, t: torch.Tensor, dim: int = 2, autograd: bool = True) -> list[torch.Tensor]:
         """``t`` with this rank's S_local tokens along ``dim`` from every cp rank -> the 2·cp chunks in global
         order. ``autograd``: the backward reduce-scatters the gradients (K/V); not for integer tensors."""
-        from torch.distributed import _functional_collectives as fc
+        from loom.parallel.collectives import gather_along
 
-        # newer torch renamed the all-gathers (the old names warn); the package accepts torch >= 2.11
-        if autograd:
-            gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-            full = gather(t.contiguous(), gather_dim=dim, group=self.group)  # (..., cp·S_l, ...)
-        else:  # waited for here: an un-waited collective left behind aborted gloo ranks at exit
-            gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-            full = fc.wait_tensor(gather(t.contiguous(), gather_dim=dim, group=self.group))
+        full = gather_along(t if autograd else t.detach(), dim, self.group, self.size)  # (..., cp·S_l, ...)
         pieces = full.chunk(2 * self.size, dim=dim)  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
         ordered: list[torch.Tensor] = [None] * (2 * self.size)  # type: ignore[list-item]
         for r in range(self.size):
