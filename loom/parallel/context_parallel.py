@@ -9,8 +9,9 @@ Attention all-gathers K and V over the cp axis (Llama 3's all-gather context par
 K/V are a fraction of Q, and the gather overlaps nothing but is one collective per layer) and attends
 each local query chunk to every key chunk at or before it, one block at a time through ``flash_attention``
 (loom's Triton kernel on CUDA, its PyTorch reference on CPU) with the log-sum-exp, merging the blocks'
-outputs by their log-sum-exps. The gather's backward is a reduce-scatter of dK/dV (``loom.parallel.collectives``:
-blocking c10d collectives eagerly, functional ones under compile), so gradients need nothing else. Parameters are sharded by FSDP over ``dp_shard x cp``.
+outputs by their log-sum-exps. The gather's backward is a reduce-scatter of dK/dV
+(``loom.parallel.collectives``: blocking c10d collectives eagerly, functional ones under compile), so
+gradients need nothing else. Parameters are sharded by FSDP over ``dp_shard x cp``.
 
 Packed documents: the model passes per-document positions (this rank's shard). They are all-gathered too
 (B x S integers per layer), turned into the whole sequence's document bounds, and each (query chunk, key

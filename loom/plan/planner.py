@@ -266,9 +266,10 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
 
 
 # ------------------------------------------------------------------------------------------------- search
-def candidates(cfg: Config, world_size: int, max_tp: int) -> list[Config]:
+def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False) -> list[Config]:
     """Every layout of ``world_size`` ranks with the config's global batch: degrees, pipeline schedule,
-    micro-batch size, activation checkpointing and (under tp) replicated or tensor-parallel experts. Invalid ones are dropped later by ``estimate``."""
+    micro-batch size, activation checkpointing and, for a MoE model (``moe``) under tp, replicated or
+    tensor-parallel experts. Invalid ones are dropped later by ``estimate``."""
     out = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp in (d for d in divisors if d <= max_tp):
@@ -296,7 +297,7 @@ def candidates(cfg: Config, world_size: int, max_tp: int) -> list[Config]:
                                 c.training.micro_batch_size = mb
                                 c.training.activation_checkpointing = ac
                                 out.append(c)
-                                if tp > 1:  # tensor-parallel experts (a config error, so dropped, for dense models)
+                                if moe and tp > 1:  # tensor-parallel experts
                                     e = copy.deepcopy(c)
                                     e.parallel.etp = tp
                                     out.append(e)
@@ -307,7 +308,11 @@ def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10) -> tuple[list[
     """The ``top`` fastest layouts that fit in memory, fastest first, and how many layouts were valid."""
     profiles: dict = {}
     fitting, valid = [], 0
-    for c in candidates(cfg, world_size, max_tp=gpu.gpus_per_node):
+    try:
+        moe = model_args(cfg).moe
+    except ConfigError:  # the model itself is refused: every candidate will be too
+        moe = False
+    for c in candidates(cfg, world_size, max_tp=gpu.gpus_per_node, moe=moe):
         try:
             est = estimate(c, world_size, gpu, profiles)
         except ConfigError:
