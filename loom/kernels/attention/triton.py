@@ -448,26 +448,47 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     check_inputs(q, k, v, bounds, window, key_bounds)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    bsz, hq, seq, dim = q.shape
-    delta = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
+    delta, lse2 = backward_preprocess(dout, out, lse, dlse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
+    triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
+    return dq, dk, dv
+
+
+def backward_preprocess(dout, out, lse, dlse):
+    """(delta = rowsum(O dO) - dLSE, the log-sum-exp in log2 units), both (B, Hq, S) float32."""
+    bsz, hq, seq, dim = out.shape
+    delta = torch.empty(bsz, hq, seq, dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta)
     dlse_c = dlse.float().contiguous() if dlse is not None else delta
     _bwd_preprocess[(triton.cdiv(seq, 64), bsz * hq)](out, dout, lse.contiguous(), dlse_c, delta, lse2,
                                                        *out.stride()[:3], *dout.stride()[:3], seq, hq,
                                                        HAS_DLSE=dlse is not None, HEAD_DIM=dim, BLOCK_M=64)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    hk = k.shape[1]
-    group = hq // hk
+    return delta, lse2
+
+
+def _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale):
+    bsz, hq, seq, dim = q.shape
     args = (q, k, v, dout, lse2, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    tail = (seq, hq, group, bsz, _seq_key(seq), scale * LOG2E, scale)
+    tail = (seq, hq, hq // k.shape[1], bsz, _seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
+    return args, strides, tail, common
+
+
+def triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds=None) -> None:
+    """The Triton dK/dV kernel: fills dk, dv."""
+    args, strides, tail, common = _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale)
     b_ = _dummy_bounds(q, bounds)
     kb_ = key_bounds if key_bounds is not None else b_  # same-sequence documents: one table serves both sides
     kernel, blocks = _kernel("dkdv")
-    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * hk)](
+    kernel[lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_N"]), q.shape[0] * k.shape[1])](
         *args, dk, dv, b_, kb_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
+
+
+def triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale) -> None:
+    """The Triton dQ kernel: fills dq."""
+    args, strides, tail, common = _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale)
     kernel, blocks = _kernel("dq")
-    kernel[lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)](
-        *args, dq, b_, *strides, *dq.stride()[:3], *tail, **blocks, **common)
-    return dq, dk, dv
+    kernel[lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[0] * q.shape[1])](
+        *args, dq, _dummy_bounds(q, bounds), *strides, *dq.stride()[:3], *tail, **blocks, **common)

@@ -1,0 +1,206 @@
+"""The attention backward's dK/dV kernel for Hopper (sm_90) in Gluon, warp-specialized as in FlashAttention-3:
+a one-warp producer loads each query block's Q and dO by TMA into a ring of STAGES slots, and consumer warpgroups
+run the five matmuls per block asynchronously, releasing a slot through an mbarrier when its matmuls are done.
+Without a producer, Triton put CTA-wide barriers around every TMA issue and shared-memory store, keeping the
+warpgroups in lockstep (bench/NOTES.md v12, v13); here the loop has no CTA-wide barrier.
+
+Per query block, for the consumer's keys (rows):
+
+    S^T = K Q^T and dP^T = V dO^T issued together; wait for S^T only
+    P^T = exp2(S^T - lse)          (while dP^T runs)
+    dV += P^T dO  issued, P^T from registers;  wait for dP^T only
+    dS^T = P^T (dP^T - delta)      (while dV runs)
+    dK += dS^T Q  issued, dS^T from registers; wait for both; release the slot
+
+Two layouts of the consumers: ``SPLIT=False``, one 8-warp partition owning the program's BLOCK_N keys (its two
+warpgroups meet at one partition barrier per block, before the release); ``SPLIT=True``, two 4-warp partitions
+owning BLOCK_N / 2 keys each, never synchronized with each other.
+
+Scope: causal or full attention without document masks or a window, one query head per KV head (MHA), bf16 /
+fp16, head dim 64 or 128; ``supports`` says which. Everything else, and dQ, runs the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, n0, first,
+              n_blocks, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """K and V once, then Q and dO of query block first + t into slot t % STAGES once the consumers freed it."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    for t in range(n_blocks):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # the first pass over a fresh slot goes at once
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        m0 = (first + t) * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [m0, 0], ready.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [m0, 0], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S, n0, row0,
+              first, n_blocks, qk_scale, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """dK, dV of keys [n0 + row0, n0 + row0 + ROWS), written by TMA from the K / V buffers' rows they replace."""
+    dtype: gl.constexpr = k_smem.dtype
+    # S^T / dP^T (keys x queries) and dK / dV (keys x head dim): rows = keys, 64 per warpgroup
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # per query
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # per key
+    k_mine = k_smem.slice(row0, ROWS)
+    v_mine = v_smem.slice(row0, ROWS)
+    offs_n = n0 + row0 + gl.arange(0, ROWS, layout=row_layout)
+    # S^T and dP^T start each block from the previous block's registers with use_acc=False: zeros written while
+    # other MMAs are in flight make ptxas serialize them all (its note C7515)
+    st = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=st_layout)
+    dpt = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=st_layout)
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_blocks):
+        s = t % STAGES
+        m0 = (first + t) * BLOCK_M
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+        in_seq = offs_m < S
+        lse2 = gl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
+        delta = gl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+        pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
+        if CAUSAL:
+            if m0 < n0 + row0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
+                pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
+        dst = pt * (dpt - delta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(s))
+    # these keys' K and V are no longer read: their rows stage the results for the TMA stores (rows past S clipped)
+    k_mine.store((dk * sm_scale).to(dtype))
+    v_mine.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [n0 + row0, 0], k_mine)
+    tma.async_copy_shared_to_global(dv_desc, [n0 + row0, 0], v_mine)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh,
+                          sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, S_KEY, qk_scale, sm_scale,
+                          CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    ROWS: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N
+    n0 = gl.program_id(0) * BLOCK_N  # first key blocks first: under causality they see the most queries
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [S, HEAD_DIM], [sqs, 1], [BLOCK_M, HEAD_DIM], smem)
+    do_desc = tma.make_tensor_descriptor(DO + b * sdob + h * sdoh, [S, HEAD_DIM], [sdos, 1], [BLOCK_M, HEAD_DIM],
+                                         smem)
+    k_desc = tma.make_tensor_descriptor(K + b * skb + h * skh, [S, HEAD_DIM], [sks, 1], [BLOCK_N, HEAD_DIM], smem)
+    v_desc = tma.make_tensor_descriptor(V + b * svb + h * svh, [S, HEAD_DIM], [svs, 1], [BLOCK_N, HEAD_DIM], smem)
+    dk_desc = tma.make_tensor_descriptor(DK + b * sdkb + h * sdkh, [S, HEAD_DIM], [sdks, 1], [ROWS, HEAD_DIM], smem)
+    dv_desc = tma.make_tensor_descriptor(DV + b * sdvb + h * sdvh, [S, HEAD_DIM], [sdvs, 1], [ROWS, HEAD_DIM], smem)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], smem)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], smem)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)  # one arrival per consumer partition
+    first = 0
+    if CAUSAL:
+        first = n0 // BLOCK_M  # query blocks before it see none of these keys
+    n_blocks = gl.cdiv(S, BLOCK_M) - first
+    if SPLIT:
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S,
+                         n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+                         num_warps)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S,
+                         n0, ROWS, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+                         num_warps)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, n0,
+                         first, n_blocks, BLOCK_M, STAGES)),
+        ], [num_warps, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S,
+                         n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+                         num_warps)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, n0,
+                         first, n_blocks, BLOCK_M, STAGES)),
+        ], [1], [24])
+
+
+# (BLOCK_M, BLOCK_N, STAGES, SPLIT): candidates, chosen by autotuning on the first call of each key. SPLIT runs
+# 4 warps per consumer partition, otherwise 8 in one; a 64-key-per-warpgroup tile either way.
+_CONFIGS = [(64, 128, 2, False), (64, 128, 3, False), (64, 128, 2, True), (64, 128, 3, True)]
+_TUNED: dict = {}
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, bounds, window: int) -> bool:
+    """Whether this kernel computes dK/dV for the call: sm_90, 16-bit, head dim 64/128, MHA, no documents or
+    window, and TMA-compatible (16-byte aligned) bases and strides."""
+    if bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+        return False
+    if q.shape[1] != k.shape[1] or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v, dout))
+
+
+def _allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _config(m: int, n: int, stages: int, split: bool) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "STAGES": stages, "SPLIT": split}, num_warps=4 if split else 8,
+                         num_stages=1)
+
+
+def _kernel():
+    if "dkdv" not in _TUNED:
+        _TUNED["dkdv"] = triton.autotune(configs=[_config(*c) for c in _CONFIGS],
+                                         key=["S_KEY", "HEAD_DIM", "CAUSAL"])(_attn_bwd_dkdv_hopper)
+    return _TUNED["dkdv"]
+
+
+def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, scale: float, seq_key: int, config=None) -> None:
+    """Fill dk, dv (like k, v) from q/k/v/dout (B, H, S, D), ``lse2`` (log-sum-exp in log2 units, +inf for a row
+    that saw nothing) and ``delta`` (rowsum(O dO) - dLSE), both (B, H, S) float32. ``config``: one fixed
+    (BLOCK_M, BLOCK_N, STAGES, SPLIT) instead of autotuning (benchmarks)."""
+    triton.set_allocator(_allocator)  # device-side TMA descriptors live in a per-launch scratch buffer
+    bsz, heads, seq, dim = q.shape
+    args = (q, k, v, dout, lse2, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, heads, seq_key, scale * 1.4426950408889634,
+            scale)
+    if config is None:
+        grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * heads)  # noqa: E731
+        _kernel()[grid](*args, CAUSAL=causal, HEAD_DIM=dim)
+    else:
+        c = _config(*config)
+        _attn_bwd_dkdv_hopper[(triton.cdiv(seq, c.kwargs["BLOCK_N"]), bsz * heads)](
+            *args, CAUSAL=causal, HEAD_DIM=dim, num_warps=c.num_warps, **c.kwargs)
