@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.kernels import bench_ms  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
-CONFIGS = [(64, 128, 2, False), (64, 128, 3, False), (64, 128, 2, True), (64, 128, 3, True)]
-SHAPES = [(64, 32, 4096), (64, 32, 8192), (64, 32, 16384), (128, 32, 4096), (128, 32, 8192), (128, 32, 16384)]
+CONFIGS = [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)]
+SHAPES = [(128, 32, 4096), (128, 32, 8192), (128, 32, 16384), (64, 32, 4096), (64, 32, 8192), (64, 32, 16384)]
 TOKENS = 32768
 OUT = os.environ.get("HOPPER_DKDV_PARTIAL", "/tmp/hopper_dkdv_partial.jsonl")
 

@@ -31,9 +31,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, n0, first,
-              n_blocks, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """K and V once, then Q and dO of query block first + t into slot t % STAGES once the consumers freed it."""
+def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+              empty, LSE2, DELTA, bh, S, n0, first, n_blocks, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """K and V once, then query block first + t into slot t % STAGES once the consumers freed it: Q and dO by TMA,
+    its log-sum-exp and delta by this warp's loads (zero past S, where Q and dO are zero-filled), so the consumers
+    read them from shared memory instead of waiting on global loads."""
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
@@ -44,10 +47,15 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, 
         m0 = (first + t) * BLOCK_M
         tma.async_copy_global_to_shared(q_desc, [m0, 0], ready.index(s), q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [m0, 0], ready.index(s), do_smem.index(s))
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
+        in_seq = offs_m < S
+        lse_smem.index(s).store(gl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=0.0))
+        delta_smem.index(s).store(gl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0))
+        mbarrier.arrive(ready.index(s))  # the second arrival: the stores above are visible to the waiters
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S, n0, row0,
+def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc, dv_desc, n0, row0,
               first, n_blocks, qk_scale, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """dK, dV of keys [n0 + row0, n0 + row0 + ROWS), written by TMA from the K / V buffers' rows they replace."""
@@ -77,9 +85,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA
         st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        in_seq = offs_m < S
-        lse2 = gl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
-        delta = gl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
+        lse2 = lse_smem.index(s).load(col_layout)
+        delta = delta_smem.index(s).load(col_layout)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
         pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
         if CAUSAL:
@@ -124,12 +131,15 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, 
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], smem)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2)  # the TMA's expect and the producer's arrive
         mbarrier.init(empty.index(i), count=2 if SPLIT else 1)  # one arrival per consumer partition
     first = 0
     if CAUSAL:
@@ -137,28 +147,28 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, 
     n_blocks = gl.cdiv(S, BLOCK_M) - first
     if SPLIT:
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S,
-                         n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
+                         dv_desc, n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
                          num_warps)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S,
-                         n0, ROWS, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
+                         dv_desc, n0, ROWS, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
                          num_warps)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, n0,
-                         first, n_blocks, BLOCK_M, STAGES)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                         kv_bar, ready, empty, LSE2, DELTA, bh, S, n0, first, n_blocks, BLOCK_M, STAGES)),
         ], [num_warps, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LSE2, DELTA, dk_desc, dv_desc, bh, S,
-                         n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
+                         dv_desc, n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
                          num_warps)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, n0,
-                         first, n_blocks, BLOCK_M, STAGES)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                         kv_bar, ready, empty, LSE2, DELTA, bh, S, n0, first, n_blocks, BLOCK_M, STAGES)),
         ], [1], [24])
 
 
 # (BLOCK_M, BLOCK_N, STAGES, SPLIT): candidates, chosen by autotuning on the first call of each key. SPLIT runs
 # 4 warps per consumer partition, otherwise 8 in one; a 64-key-per-warpgroup tile either way.
-_CONFIGS = [(64, 128, 2, False), (64, 128, 3, False), (64, 128, 2, True), (64, 128, 3, True)]
+_CONFIGS = [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)]
 _TUNED: dict = {}
 
 
