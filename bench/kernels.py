@@ -227,6 +227,8 @@ SUITES = {
                 backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
     "docs": dict(dims=[(64, 32, 8), (128, 16, 16)], seqs=[4096, 8192, 16384], causal=[True], docs=True,
                  backends=["loom", "flex", "sdpa_efficient"]),
+    "bar": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[4096, 8192, 16384], causal=[True], docs=False,
+                backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
     "quick": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[8192], causal=[True], docs=False,
                   backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
 }
