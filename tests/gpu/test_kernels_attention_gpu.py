@@ -250,9 +250,11 @@ def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs):
         dist.destroy_process_group()
 
 
-HOPPER_CASES = [  # (B, H, S, D, causal, model layout (B, S, H, D) seen as (B, H, S, D))
-    (2, 4, 1000, 64, True, False), (1, 4, 777, 128, True, True), (2, 2, 1024, 128, False, False),
-    (1, 8, 300, 64, False, True), (2, 2, 64, 128, True, False), (1, 2, 129, 64, True, True),
+HOPPER_CASES = [  # (B, Hq, Hkv, S, D, causal, model layout (B, S, H, D) seen as (B, H, S, D))
+    (2, 4, 4, 1000, 64, True, False), (1, 4, 4, 777, 128, True, True), (2, 2, 2, 1024, 128, False, False),
+    (1, 8, 8, 300, 64, False, True), (2, 2, 2, 64, 128, True, False), (1, 2, 2, 129, 64, True, True),
+    (1, 8, 2, 1000, 64, True, True), (2, 8, 1, 333, 128, True, False), (1, 16, 2, 2048, 128, True, True),
+    (1, 4, 1, 517, 64, False, True),
 ]
 
 
@@ -265,10 +267,10 @@ def test_hopper_dkdv_kernel_matches_the_triton_kernel(case, dtype):
     from loom.kernels.attention import hopper
     from loom.kernels.attention import triton as T
 
-    b, h, s, d, causal, model_layout = case
+    b, hq, hk, s, d, causal, model_layout = case
     gen = torch.Generator().manual_seed(s)
-    shape = (b, s, h, d) if model_layout else (b, h, s, d)
-    q, k, v, do = (torch.randn(*shape, generator=gen).cuda().to(dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(*((b, s, h, d) if model_layout else (b, h, s, d)), generator=gen).cuda().to(dtype)
+                   for h in (hq, hk, hk, hq))
     if model_layout:
         q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
     assert hopper.supports(q, k, v, do, None, 0)

@@ -16,8 +16,11 @@ Two layouts of the consumers: ``SPLIT=False``, one 8-warp partition owning the p
 warpgroups meet at one partition barrier per block, before the release); ``SPLIT=True``, two 4-warp partitions
 owning BLOCK_N / 2 keys each, never synchronized with each other.
 
-Scope: causal or full attention without document masks or a window, one query head per KV head (MHA), bf16 /
-fp16, head dim 64 or 128; ``supports`` says which. Everything else, and dQ, runs the Triton kernels.
+Grouped-query attention: a program owns keys of one KV head and walks the query blocks of each query head of its
+group in turn (K and V loaded once).
+
+Scope: causal or full attention without document masks or a window, any query-head group, bf16 / fp16, head dim
+64 or 128; ``supports`` says which. Everything else, and dQ, runs the Triton kernels.
 """
 
 from __future__ import annotations
@@ -32,31 +35,35 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-              empty, LSE2, DELTA, bh, S, n0, first, n_blocks, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """K and V once, then query block first + t into slot t % STAGES once the consumers freed it: Q and dO by TMA,
+              empty, LSE2, DELTA, row0, S, n0, first, n_blocks, GROUP, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """K and V once, then for each of the GROUP query heads sharing them, query block first + j into the next slot
+    once the consumers freed it: Q and dO by TMA (a [head, row, dim] box of one head),
     its log-sum-exp and delta by this warp's loads (zero past S, where Q and dO are zero-filled), so the consumers
     read them from shared memory instead of waiting on global loads."""
     vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
-    for t in range(n_blocks):
+    for t in range(GROUP * n_blocks):
         s = t % STAGES
+        g = t // n_blocks
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # the first pass over a fresh slot goes at once
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        m0 = (first + t) * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [m0, 0], ready.index(s), q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [m0, 0], ready.index(s), do_smem.index(s))
+        m0 = (first + t % n_blocks) * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [g, m0, 0], ready.index(s), q_smem.index(s).reshape(
+            q_desc.block_type.shape))
+        tma.async_copy_global_to_shared(do_desc, [g, m0, 0], ready.index(s), do_smem.index(s).reshape(
+            do_desc.block_type.shape))
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
         in_seq = offs_m < S
-        lse_smem.index(s).store(gl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=0.0))
-        delta_smem.index(s).store(gl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0))
+        lse_smem.index(s).store(gl.load(LSE2 + (row0 + g) * S + offs_m, mask=in_seq, other=0.0))
+        delta_smem.index(s).store(gl.load(DELTA + (row0 + g) * S + offs_m, mask=in_seq, other=0.0))
         mbarrier.arrive(ready.index(s))  # the second arrival: the stores above are visible to the waiters
 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc, dv_desc, n0, row0,
-              first, n_blocks, qk_scale, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+              first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """dK, dV of keys [n0 + row0, n0 + row0 + ROWS), written by TMA from the K / V buffers' rows they replace."""
     dtype: gl.constexpr = k_smem.dtype
@@ -78,9 +85,9 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_bar, 0)
-    for t in range(n_blocks):
+    for t in range(GROUP * n_blocks):  # the group's query heads one after the other, each over its blocks
         s = t % STAGES
-        m0 = (first + t) * BLOCK_M
+        m0 = (first + t % n_blocks) * BLOCK_M
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
         dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
@@ -109,20 +116,22 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh,
-                          sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, S_KEY, qk_scale, sm_scale,
+                          sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, S_KEY, qk_scale, sm_scale,
                           CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N
     n0 = gl.program_id(0) * BLOCK_N  # first key blocks first: under causality they see the most queries
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
+    bh = gl.program_id(1)  # (batch, KV head); H counts query heads, GROUP of them share each KV head
+    b = bh // (H // GROUP)
+    h = bh % (H // GROUP)
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [S, HEAD_DIM], [sqs, 1], [BLOCK_M, HEAD_DIM], smem)
-    do_desc = tma.make_tensor_descriptor(DO + b * sdob + h * sdoh, [S, HEAD_DIM], [sdos, 1], [BLOCK_M, HEAD_DIM],
-                                         smem)
+    smem3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    # Q and dO of the group's query heads: [head, row, dim], one head per box (rows past S zero-filled)
+    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * GROUP * sqh, [GROUP, S, HEAD_DIM], [sqh, sqs, 1],
+                                        [1, BLOCK_M, HEAD_DIM], smem3)
+    do_desc = tma.make_tensor_descriptor(DO + b * sdob + h * GROUP * sdoh, [GROUP, S, HEAD_DIM], [sdoh, sdos, 1],
+                                         [1, BLOCK_M, HEAD_DIM], smem3)
     k_desc = tma.make_tensor_descriptor(K + b * skb + h * skh, [S, HEAD_DIM], [sks, 1], [BLOCK_N, HEAD_DIM], smem)
     v_desc = tma.make_tensor_descriptor(V + b * svb + h * svh, [S, HEAD_DIM], [svs, 1], [BLOCK_N, HEAD_DIM], smem)
     dk_desc = tma.make_tensor_descriptor(DK + b * sdkb + h * sdkh, [S, HEAD_DIM], [sdks, 1], [ROWS, HEAD_DIM], smem)
@@ -148,21 +157,23 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, 
     if SPLIT:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
                          num_warps)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, ROWS, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+                         dv_desc, n0, ROWS, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
                          num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                         kv_bar, ready, empty, LSE2, DELTA, bh, S, n0, first, n_blocks, BLOCK_M, STAGES)),
+                         kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
+                         STAGES)),
         ], [num_warps, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
+                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
                          num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                         kv_bar, ready, empty, LSE2, DELTA, bh, S, n0, first, n_blocks, BLOCK_M, STAGES)),
+                         kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
+                         STAGES)),
         ], [1], [24])
 
 
@@ -173,11 +184,11 @@ _TUNED: dict = {}
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, bounds, window: int) -> bool:
-    """Whether this kernel computes dK/dV for the call: sm_90, 16-bit, head dim 64/128, MHA, no documents or
-    window, and TMA-compatible (16-byte aligned) bases and strides."""
+    """Whether this kernel computes dK/dV for the call: sm_90, 16-bit, head dim 64/128, no documents or window,
+    and TMA-compatible (16-byte aligned) bases and strides."""
     if bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
-    if q.shape[1] != k.shape[1] or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v, dout))
 
@@ -194,7 +205,7 @@ def _config(m: int, n: int, stages: int, split: bool) -> triton.Config:
 def _kernel():
     if "dkdv" not in _TUNED:
         _TUNED["dkdv"] = triton.autotune(configs=[_config(*c) for c in _CONFIGS],
-                                         key=["S_KEY", "HEAD_DIM", "CAUSAL"])(_attn_bwd_dkdv_hopper)
+                                         key=["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL"])(_attn_bwd_dkdv_hopper)
     return _TUNED["dkdv"]
 
 
@@ -205,12 +216,13 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, scale: float, seq_key
     triton.set_allocator(_allocator)  # device-side TMA descriptors live in a per-launch scratch buffer
     bsz, heads, seq, dim = q.shape
     args = (q, k, v, dout, lse2, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, heads, seq_key, scale * 1.4426950408889634,
-            scale)
+            *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, heads, heads // k.shape[1], seq_key,
+            scale * 1.4426950408889634, scale)
+    kv_heads = k.shape[1]
     if config is None:
-        grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * heads)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * kv_heads)  # noqa: E731
         _kernel()[grid](*args, CAUSAL=causal, HEAD_DIM=dim)
     else:
         c = _config(*config)
-        _attn_bwd_dkdv_hopper[(triton.cdiv(seq, c.kwargs["BLOCK_N"]), bsz * heads)](
+        _attn_bwd_dkdv_hopper[(triton.cdiv(seq, c.kwargs["BLOCK_N"]), bsz * kv_heads)](
             *args, CAUSAL=causal, HEAD_DIM=dim, num_warps=c.num_warps, **c.kwargs)
