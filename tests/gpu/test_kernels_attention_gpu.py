@@ -261,7 +261,7 @@ HOPPER_CASES = [  # (B, Hq, Hkv, S, D, causal, model layout (B, S, H, D) seen as
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_hopper_dkdv_kernel_matches_the_triton_kernel(case, dtype):
+def test_hopper_dkdv_kernel_matches_the_triton_kernel(case, dtype, two_configs_per_kernel):
     """The warp-specialized Gluon dK/dV kernel (every candidate config and the autotuned choice) against the
     Triton kernel on the same inputs: the same arithmetic in the same order, so equal up to rounding."""
     from loom.kernels.attention import hopper
