@@ -1,6 +1,6 @@
 """The attention backward's dK/dV kernel for Hopper (sm_90) in Gluon, warp-specialized as in FlashAttention-3:
 a one-warp producer loads each query block's Q and dO by TMA into a ring of STAGES slots, and consumer warpgroups
-run the five matmuls per block asynchronously, releasing a slot through an mbarrier when its matmuls are done.
+run the four matmuls per block asynchronously, releasing a slot through an mbarrier when its matmuls are done.
 Without a producer, Triton put CTA-wide barriers around every TMA issue and shared-memory store, keeping the
 warpgroups in lockstep (bench/NOTES.md v12, v13); here the loop has no CTA-wide barrier.
 
