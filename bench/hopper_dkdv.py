@@ -1,10 +1,11 @@
-"""The warp-specialized Gluon dK/dV kernel for Hopper (loom/kernels/attention/hopper.py) against loom's Triton dK/dV kernel, same
-process: gradients first (dK, dV of both kernels against an fp32 autograd reference, next to bf16 SDPA's
-error), then ms per call of each Gluon block config and of the autotuned Triton kernel on the same inputs
-(two rounds in alternating order, the faster counts), and the whole backward (preprocess + dK/dV + dQ) with
-each dK/dV path.
+"""The warp-specialized Gluon dK/dV kernel for Hopper (loom/kernels/attention/hopper.py) against loom's Triton
+dK/dV kernel, same process: gradients first (dK, dV of both kernels against an fp32 autograd reference, next to
+bf16 SDPA's error, and the Gluon kernel's difference from the Triton kernel's), then ms per call of each Gluon
+config, of its autotuned choice and of the autotuned Triton kernel on the same inputs (causal MHA; two rounds in
+alternating order, the faster counts), with the Triton dQ kernel's time for scale. Rows are appended to
+$HOPPER_DKDV_PARTIAL as they finish. ``--smoke i``: one small call of config i (a hang check).
 
-    python bench/hopper_dkdv.py --out bench/results/hopper_dkdv_h100.json
+    python bench/hopper_dkdv.py --out bench/results/hopper_ws_dkdv_h100.json
 """
 
 from __future__ import annotations

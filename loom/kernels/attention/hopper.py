@@ -31,6 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from loom.kernels.attention.triton import LOG2E
 
 
 @gluon.jit
@@ -154,23 +155,24 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, 
     if CAUSAL:
         first = n0 // BLOCK_M  # query blocks before it see none of these keys
     n_blocks = gl.cdiv(S, BLOCK_M) - first
-    if SPLIT:
+    # each partition's arguments spelled out: Gluon's frontend took neither a tuple built ahead nor tuple addition
+    if SPLIT:  # two consumer partitions of ROWS keys each, then the producer
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
-                         num_warps)),
+                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M,
+                         ROWS, STAGES, num_warps)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, ROWS, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
-                         num_warps)),
+                         dv_desc, n0, ROWS, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M,
+                         ROWS, STAGES, num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                          kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
                          STAGES)),
         ], [num_warps, 1], [240, 24])
-    else:
+    else:  # one consumer partition of all BLOCK_N keys, then the producer
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M, ROWS, STAGES,
-                         num_warps)),
+                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M,
+                         ROWS, STAGES, num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                          kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
                          STAGES)),
@@ -217,7 +219,7 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, scale: float, seq_key
     bsz, heads, seq, dim = q.shape
     args = (q, k, v, dout, lse2, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, heads, heads // k.shape[1], seq_key,
-            scale * 1.4426950408889634, scale)
+            scale * LOG2E, scale)
     kv_heads = k.shape[1]
     if config is None:
         grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * kv_heads)  # noqa: E731

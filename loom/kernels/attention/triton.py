@@ -452,7 +452,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     delta, lse2 = backward_preprocess(dout, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     hopper = _hopper()
-    if hopper is not None and key_bounds is None and hopper.supports(q, k, v, dout, bounds, window):
+    if hopper is not None and hopper.supports(q, k, v, dout, bounds, window):  # key_bounds imply bounds
         hopper.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, scale, _seq_key(q.shape[2]))
     else:
         triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
