@@ -51,7 +51,7 @@ def gluon_dkdv(q, k, v, do, lse2, delta, causal, scale, config):
     from loom.kernels.attention.triton import _seq_key
 
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    hopper.dkdv(q, k, v, do, lse2, delta, dk, dv, causal, scale, _seq_key(q.shape[2]), config=config)
+    hopper.dkdv(q, k, v, do, lse2, delta, dk, dv, causal, None, scale, _seq_key(q.shape[2]), config=config)
     return dk, dv
 
 

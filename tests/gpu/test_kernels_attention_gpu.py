@@ -250,12 +250,25 @@ def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs):
         dist.destroy_process_group()
 
 
-HOPPER_CASES = [  # (B, Hq, Hkv, S, D, causal, model layout (B, S, H, D) seen as (B, H, S, D))
-    (2, 4, 4, 1000, 64, True, False), (1, 4, 4, 777, 128, True, True), (2, 2, 2, 1024, 128, False, False),
-    (1, 8, 8, 300, 64, False, True), (2, 2, 2, 64, 128, True, False), (1, 2, 2, 129, 64, True, True),
-    (1, 8, 2, 1000, 64, True, True), (2, 8, 1, 333, 128, True, False), (1, 16, 2, 2048, 128, True, True),
-    (1, 4, 1, 517, 64, False, True),
+HOPPER_CASES = [  # (B, Hq, Hkv, S, D, causal, model layout (B, S, H, D) seen as (B, H, S, D), packed documents)
+    (2, 4, 4, 1000, 64, True, False, False), (1, 4, 4, 777, 128, True, True, False),
+    (2, 2, 2, 1024, 128, False, False, False), (1, 8, 8, 300, 64, False, True, False),
+    (2, 2, 2, 64, 128, True, False, False), (1, 2, 2, 129, 64, True, True, False),
+    (1, 8, 2, 1000, 64, True, True, False), (2, 8, 1, 333, 128, True, False, False),
+    (1, 16, 2, 2048, 128, True, True, False), (1, 4, 1, 517, 64, False, True, False),
+    (2, 4, 4, 1000, 64, True, False, True), (1, 8, 2, 777, 128, True, True, True),
+    (2, 2, 2, 1024, 128, False, False, True), (1, 16, 2, 2048, 128, True, True, True),
+    (2, 4, 1, 517, 64, True, False, True),
 ]
+
+
+def _packed_bounds(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
+    """Document bounds of random packed documents (1-400 tokens, boundaries anywhere) and a padded tail."""
+    from loom.kernels.attention.reference import document_bounds
+
+    ids = torch.cumsum(torch.rand(b, s, generator=gen) < 1 / 150, dim=1)
+    ids[:, s - s // 10:] = -1  # padding: sees nothing, seen by nothing
+    return document_bounds(ids.cuda())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
@@ -267,20 +280,21 @@ def test_hopper_dkdv_kernel_matches_the_triton_kernel(case, dtype, two_configs_p
     from loom.kernels.attention import hopper
     from loom.kernels.attention import triton as T
 
-    b, hq, hk, s, d, causal, model_layout = case
+    b, hq, hk, s, d, causal, model_layout, docs = case
     gen = torch.Generator().manual_seed(s)
     q, k, v, do = (torch.randn(*((b, s, h, d) if model_layout else (b, h, s, d)), generator=gen).cuda().to(dtype)
                    for h in (hq, hk, hk, hq))
     if model_layout:
         q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
-    assert hopper.supports(q, k, v, do, None, 0)
+    bounds = _packed_bounds(b, s, gen) if docs else None
+    assert hopper.supports(q, k, v, do, 0, None)
     scale = d ** -0.5
-    out, lse = T.attention_forward(q, k, v, causal, None, 0, scale)
+    out, lse = T.attention_forward(q, k, v, causal, bounds, 0, scale)
     delta, lse2 = T.backward_preprocess(do, out, lse, None)
     tk, tv = torch.empty_like(k), torch.empty_like(v)
-    T.triton_dkdv(do, q, k, v, lse2, delta, tk, tv, causal, None, 0, scale)
+    T.triton_dkdv(do, q, k, v, lse2, delta, tk, tv, causal, bounds, 0, scale)
     for config in [*hopper._CONFIGS, None]:
         gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, scale, T._seq_key(s), config=config)
+        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config)
         torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"dk {config}")
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"dv {config}")

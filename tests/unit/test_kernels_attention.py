@@ -283,7 +283,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     worst = 0.0
     for b, hq, hk, s, d, causal, docs, window in [(1, 2, 1, 37, 16, True, False, 0), (1, 2, 2, 45, 32, True, True, 0),
-                                                  (2, 4, 2, 40, 16, False, True, 9), (1, 2, 1, 45, 16, True, False, 7)]:
+                                                  (2, 4, 2, 40, 16, False, True, 9), (1, 2, 1, 45, 16, True, False, 7),
+                                                  (1, 4, 1, 90, 16, True, True, 13)]:
         q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
         bounds = None
         if docs:

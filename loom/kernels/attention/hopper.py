@@ -64,9 +64,12 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc, dv_desc, n0, row0,
-              first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """dK, dV of keys [n0 + row0, n0 + row0 + ROWS), written by TMA from the K / V buffers' rows they replace."""
+              first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+              WARPS: gl.constexpr):
+    """dK, dV of keys [n0 + row0, n0 + row0 + ROWS), written by TMA from the K / V buffers' rows they replace.
+    Key j sees the queries [lo[j], hi[j]]: its document's (START, END: per-token bounds, symmetric within one
+    sequence), from j on when causal; a block inside every key's range is not masked."""
     dtype: gl.constexpr = k_smem.dtype
     # S^T / dP^T (keys x queries) and dK / dV (keys x head dim): rows = keys, 64 per warpgroup
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -79,6 +82,13 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     k_mine = k_smem.slice(row0, ROWS)
     v_mine = v_smem.slice(row0, ROWS)
     offs_n = n0 + row0 + gl.arange(0, ROWS, layout=row_layout)
+    if HAS_DOCS:  # (without documents only the causal diagonal is masked: two fewer vectors held)
+        lo = gl.load(START + offs_n, mask=offs_n < S, other=S)
+        hi = gl.load(END + offs_n, mask=offs_n < S, other=-1)
+        if CAUSAL:
+            lo = gl.maximum(lo, offs_n)
+        full_lo = gl.max(lo, 0)  # queries [full_lo, full_hi] need no mask
+        full_hi = gl.min(hi, 0)
     # S^T and dP^T start each block from the previous block's registers with use_acc=False: zeros written while
     # other MMAs are in flight make ptxas serialize them all (its note C7515)
     st = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=st_layout)
@@ -97,7 +107,10 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         delta = delta_smem.index(s).load(col_layout)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
         pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
-        if CAUSAL:
+        if HAS_DOCS:
+            if (m0 < full_lo) | (m0 + BLOCK_M - 1 > full_hi):  # a document's edge, the diagonal, the end
+                pt = gl.where((offs_m[None, :] >= lo[:, None]) & (offs_m[None, :] <= hi[:, None]), pt, 0.0)
+        elif CAUSAL:
             if m0 < n0 + row0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
                 pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
@@ -116,10 +129,11 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh,
-                          sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, S_KEY, qk_scale, sm_scale,
-                          CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob,
+                          sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
+                          CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                          num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N
     n0 = gl.program_id(0) * BLOCK_N  # first key blocks first: under causality they see the most queries
@@ -151,19 +165,27 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the TMA's expect and the producer's arrive
         mbarrier.init(empty.index(i), count=2 if SPLIT else 1)  # one arrival per consumer partition
-    first = 0
+    START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
+    END = BOUNDS + (B + b) * S
+    q_lo = n0 * 0  # the queries any of these keys can see: [q_lo, q_hi)
+    q_hi = n0 * 0 + S
+    if HAS_DOCS:
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        q_lo = gl.min(gl.load(START + offs_n, mask=offs_n < S, other=S), 0)
+        q_hi = gl.max(gl.load(END + offs_n, mask=offs_n < S, other=-1), 0) + 1
     if CAUSAL:
-        first = n0 // BLOCK_M  # query blocks before it see none of these keys
-    n_blocks = gl.cdiv(S, BLOCK_M) - first
+        q_lo = gl.maximum(q_lo, n0)  # queries before the block see none of its keys
+    first = q_lo // BLOCK_M
+    n_blocks = gl.maximum(gl.cdiv(q_hi, BLOCK_M) - first, 0)
     # each partition's arguments spelled out: Gluon's frontend took neither a tuple built ahead nor tuple addition
     if SPLIT:  # two consumer partitions of ROWS keys each, then the producer
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                         ROWS, STAGES, num_warps)),
+                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, ROWS, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                         ROWS, STAGES, num_warps)),
+                         dv_desc, n0, ROWS, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                          kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
                          STAGES)),
@@ -171,8 +193,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, sqb, sqh, sqs, skb, 
     else:  # one consumer partition of all BLOCK_N keys, then the producer
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, qk_scale, sm_scale, CAUSAL, HEAD_DIM, BLOCK_M,
-                         ROWS, STAGES, num_warps)),
+                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                          kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
                          STAGES)),
@@ -185,10 +207,10 @@ _CONFIGS = [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)]
 _TUNED: dict = {}
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, bounds, window: int) -> bool:
-    """Whether this kernel computes dK/dV for the call: sm_90, 16-bit, head dim 64/128, no documents or window,
-    and TMA-compatible (16-byte aligned) bases and strides."""
-    if bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, window: int, key_bounds) -> bool:
+    """Whether this kernel computes dK/dV for the call: sm_90, 16-bit, head dim 64/128, no window, documents
+    only within one sequence (no ``key_bounds``), and TMA-compatible (16-byte aligned) bases and strides."""
+    if key_bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
@@ -207,24 +229,26 @@ def _config(m: int, n: int, stages: int, split: bool) -> triton.Config:
 def _kernel():
     if "dkdv" not in _TUNED:
         _TUNED["dkdv"] = triton.autotune(configs=[_config(*c) for c in _CONFIGS],
-                                         key=["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL"])(_attn_bwd_dkdv_hopper)
+                                         key=["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS"])(_attn_bwd_dkdv_hopper)
     return _TUNED["dkdv"]
 
 
-def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, scale: float, seq_key: int, config=None) -> None:
+def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
     """Fill dk, dv (like k, v) from q/k/v/dout (B, H, S, D), ``lse2`` (log-sum-exp in log2 units, +inf for a row
-    that saw nothing) and ``delta`` (rowsum(O dO) - dLSE), both (B, H, S) float32. ``config``: one fixed
+    that saw nothing) and ``delta`` (rowsum(O dO) - dLSE), both (B, H, S) float32; ``bounds``: None or the
+    packed documents' per-token (first, last) index, (2, B, S) int32. ``config``: one fixed
     (BLOCK_M, BLOCK_N, STAGES, SPLIT) instead of autotuning (benchmarks)."""
     triton.set_allocator(_allocator)  # device-side TMA descriptors live in a per-launch scratch buffer
     bsz, heads, seq, dim = q.shape
-    args = (q, k, v, dout, lse2, delta, dk, dv, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, heads, heads // k.shape[1], seq_key,
+    table = bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=q.device)
+    args = (q, k, v, dout, lse2, delta, dk, dv, table, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], seq, heads, heads // k.shape[1], bsz, seq_key,
             scale * LOG2E, scale)
     kv_heads = k.shape[1]
     if config is None:
         grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_N"]), bsz * kv_heads)  # noqa: E731
-        _kernel()[grid](*args, CAUSAL=causal, HEAD_DIM=dim)
+        _kernel()[grid](*args, CAUSAL=causal, HAS_DOCS=bounds is not None, HEAD_DIM=dim)
     else:
         c = _config(*config)
         _attn_bwd_dkdv_hopper[(triton.cdiv(seq, c.kwargs["BLOCK_N"]), bsz * kv_heads)](
-            *args, CAUSAL=causal, HEAD_DIM=dim, num_warps=c.num_warps, **c.kwargs)
+            *args, CAUSAL=causal, HAS_DOCS=bounds is not None, HEAD_DIM=dim, num_warps=c.num_warps, **c.kwargs)

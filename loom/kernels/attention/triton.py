@@ -59,19 +59,24 @@ def _doc_bounds(START, END, S, offs, in_seq, HAS_DOCS: tl.constexpr):
 
 
 @triton.jit
-def _visible(offs_m, offs_n, S, start_q, end_q, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
-             WINDOW: tl.constexpr):
-    """(M, N) bool: query offs_m[i] may see key offs_n[j]; start_q/end_q: (M,) document bounds."""
-    ok = (offs_n[None, :] < S) & (offs_m[:, None] < S)
+def _row_range(offs, S, start, end, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Per query ``offs``: the keys it may see, [lo, hi] (empty past S), from its document bounds
+    (start, end), causality and the window. One range per row makes a block's mask two comparisons."""
+    lo = start
+    hi = tl.minimum(end, S - 1)
     if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None])
-    if HAS_DOCS:
-        ok = ok & (offs_n[None, :] >= start_q[:, None]) & (offs_n[None, :] <= end_q[:, None])
+        hi = tl.minimum(hi, offs)
     if WINDOW > 0:
-        ok = ok & (offs_m[:, None] - offs_n[None, :] < WINDOW)
+        lo = tl.maximum(lo, offs - WINDOW + 1)
         if not CAUSAL:
-            ok = ok & (offs_n[None, :] - offs_m[:, None] < WINDOW)
-    return ok
+            hi = tl.minimum(hi, offs + WINDOW - 1)
+    return lo, tl.where(offs < S, hi, -1)
+
+
+@triton.jit
+def _in_range(offs_n, lo, hi):
+    """(M, N) bool: key offs_n[j] lies in row i's visible range [lo[i], hi[i]]."""
+    return (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None])
 
 
 @triton.jit
@@ -129,28 +134,32 @@ def _query_range(n0, S, start_k, end_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 # ----------------------------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, S, start_q, end_q,
-                qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
-                WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_d, S, lo_q, hi_q, qk_scale, lo, hi,
+                full_lo, full_hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks [lo, hi). MASKED: 0 none is masked, 1 every one, 2 those outside [full_lo, full_hi) (one
+    software-pipelined loop where a split into three would each fill and drain the pipeline: documents)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASKED:
+        if MASKED > 0:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S,
                          other=0.0)  # (D, N)
         else:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
         s = tl.dot(q, kt) * qk_scale  # (M, N) fp32, log2 units
-        if MASKED:
-            s = tl.where(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED == 1:
+            s = tl.where(_in_range(offs_n, lo_q, hi_q), s, float("-inf"))
+        if MASKED == 2:
+            if (n0 < full_lo) | (n0 >= full_hi):
+                s = tl.where(_in_range(offs_n, lo_q, hi_q), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED > 0:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
+        if MASKED > 0:
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S, other=0.0)
         else:
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
@@ -174,18 +183,23 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
     in_seq = offs_m < S
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
+    lo_q, hi_q = _row_range(offs_m, S, start_q, end_q, CAUSAL, WINDOW)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
-                                qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
-                                qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q,
-                                qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    if HAS_DOCS:  # short key ranges with masked blocks at both ends: one loop
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                                    a, d, bb, c, 2, BLOCK_N)
+    else:
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                                    a, bb, a, d, 1, BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                                    bb, c, a, d, 0, BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                                    c, d, a, d, 1, BLOCK_N)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -216,7 +230,8 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
         pt = tl.math.exp2(st - lse2[None, :])
         if MASKED:
             start_q, end_q = _doc_bounds(START_B, END_B, S, offs_m, in_seq, HAS_DOCS)
-            pt = tl.where(tl.trans(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW)), pt, 0.0)
+            lo_q, hi_q = _row_range(offs_m, S, start_q, end_q, CAUSAL, WINDOW)
+            pt = tl.where((offs_n[:, None] >= lo_q[None, :]) & (offs_n[:, None] <= hi_q[None, :]), pt, 0.0)
         dv = tl.dot(pt.to(do.dtype), do, dv)
         dpt = tl.dot(v, tl.trans(do))  # (N, M)
         dst = pt * (dpt - delta[None, :])
@@ -260,20 +275,23 @@ def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, KBOUNDS, 
 
 
 @triton.jit
-def _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, S, start_q, end_q,
-                   qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
-                   WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_d, S, lo_q, hi_q, qk_scale,
+                   lo, hi, full_lo, full_hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks [lo, hi); MASKED as in _fwd_blocks."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASKED:
+        if MASKED > 0:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
             vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
         else:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])  # (D, N)
             vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None])  # (D, N)
         p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])  # (M, N)
-        if MASKED:
-            p = tl.where(_visible(offs_m, offs_n, S, start_q, end_q, CAUSAL, HAS_DOCS, WINDOW), p, 0.0)
+        if MASKED == 1:
+            p = tl.where(_in_range(offs_n, lo_q, hi_q), p, 0.0)
+        if MASKED == 2:
+            if (n0 < full_lo) | (n0 >= full_hi):
+                p = tl.where(_in_range(offs_n, lo_q, hi_q), p, 0.0)
         dp = tl.dot(do, vt)  # (M, N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
@@ -296,16 +314,21 @@ def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, s
     lse2 = tl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
     delta = tl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
+    lo_q, hi_q = _row_range(offs_m, S, start_q, end_q, CAUSAL, WINDOW)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
-                        a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
-    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
-                        bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
-    dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_m, offs_d, S, start_q, end_q, qk_scale,
-                        c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_N)
+    if HAS_DOCS:  # one loop, as in the forward
+        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                            a, d, bb, c, 2, BLOCK_N)
+    else:
+        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                            a, bb, a, d, 1, BLOCK_N)
+        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                            bb, c, a, d, 0, BLOCK_N)
+        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
+                            c, d, a, d, 1, BLOCK_N)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=in_seq[:, None])
 
@@ -452,8 +475,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     delta, lse2 = backward_preprocess(dout, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     hopper = _hopper()
-    if hopper is not None and hopper.supports(q, k, v, dout, bounds, window):  # key_bounds imply bounds
-        hopper.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, scale, _seq_key(q.shape[2]))
+    if hopper is not None and hopper.supports(q, k, v, dout, window, key_bounds):
+        hopper.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, _seq_key(q.shape[2]))
     else:
         triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
     triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
