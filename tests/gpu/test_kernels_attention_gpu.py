@@ -274,9 +274,9 @@ def _packed_bounds(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_hopper_dkdv_kernel_matches_the_triton_kernel(case, dtype, two_configs_per_kernel):
-    """The warp-specialized Gluon dK/dV kernel (every candidate config and the autotuned choice) against the
-    Triton kernel on the same inputs: the same arithmetic in the same order, so equal up to rounding."""
+def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_kernel):
+    """The warp-specialized Gluon dK/dV and dQ kernels (every candidate config and the autotuned choice) against
+    the Triton kernels on the same inputs: the same arithmetic in the same order, so equal up to rounding."""
     from loom.kernels.attention import hopper
     from loom.kernels.attention import triton as T
 
@@ -293,8 +293,14 @@ def test_hopper_dkdv_kernel_matches_the_triton_kernel(case, dtype, two_configs_p
     delta, lse2 = T.backward_preprocess(do, out, lse, None)
     tk, tv = torch.empty_like(k), torch.empty_like(v)
     T.triton_dkdv(do, q, k, v, lse2, delta, tk, tv, causal, bounds, 0, scale)
-    for config in [*hopper._CONFIGS, None]:
+    tq = torch.empty_like(q)
+    T.triton_dq(do, q, k, v, lse2, delta, tq, causal, bounds, 0, scale)
+    for config in [*hopper._CONFIGS["dkdv"], None]:
         gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
         hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config)
         torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"dk {config}")
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"dv {config}")
+    for config in [*hopper._CONFIGS["dq"], None]:
+        gq = torch.full_like(q, float("nan"))
+        hopper.dq(q, k, v, do, lse2, delta, gq, causal, bounds, scale, T._seq_key(s), config=config)
+        torch.testing.assert_close(gq, tq, atol=1e-3, rtol=1e-3, msg=f"dq {config}")

@@ -468,18 +468,23 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
     Two launches, dK/dV then dQ: one launch holding both kinds of programs was measured twice (bench/NOTES.md
     v4, v8): slower for d128, GQA and packed documents, at most 3.5% faster for d64 MHA. On Hopper, dK/dV of the
-    cases ``hopper.supports`` names come from the warp-specialized Gluon kernel (``hopper.py``, NOTES v14)."""
+    cases ``hopper.supports`` names come from the warp-specialized Gluon kernel (``hopper.py``, NOTES v14, v15),
+    and dQ too where ``hopper.dq_wins``."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     delta, lse2 = backward_preprocess(dout, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     hopper = _hopper()
-    if hopper is not None and hopper.supports(q, k, v, dout, window, key_bounds):
+    on_hopper = hopper is not None and hopper.supports(q, k, v, dout, window, key_bounds)
+    if on_hopper:
         hopper.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, _seq_key(q.shape[2]))
     else:
         triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
-    triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
+    if on_hopper and hopper.dq_wins(q.shape[-1], bounds):
+        hopper.dq(q, k, v, dout, lse2, delta, dq, causal, bounds, scale, _seq_key(q.shape[2]))
+    else:
+        triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
     return dq, dk, dv
 
 
