@@ -368,7 +368,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
 
 def dq_wins(head_dim: int, bounds) -> bool:
     """Whether the Gluon dQ kernel beats the Triton one here (same-run H100 timings, bench/NOTES.md v15):
-    1.06-1.18x at head dim 128 without documents; 5% slower on d128 documents, 8-55% slower at head dim 64."""
+    1.06-1.18x at head dim 128 without documents; 5% more time on d128 documents, 8-56% more at head dim 64."""
     return head_dim == 128 and bounds is None
 
 
