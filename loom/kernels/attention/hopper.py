@@ -40,6 +40,31 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from loom.kernels.attention.triton import LOG2E
 
 
+@triton.constexpr_function
+def _mma_layout(warps, cols):
+    """The register layout of a (rows, cols) matmul result of a consumer of ``warps`` warps, 64 rows per
+    warpgroup (Gluon's constexpr functions return one value, not a tuple)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def _init_ring(ready, empty, STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr, SPLIT: gl.constexpr):
+    """The ring's mbarriers: a slot is ready after READY_ARRIVALS arrivals (the TMA's expect, plus the
+    producer's own arrive where it also stores into the slot) and empty after one arrival per consumer."""
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY_ARRIVALS)
+        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
+
+
+@gluon.jit
+def _documents_reach(START, END, p0, S, ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """[lo, hi): the tokens that tokens [p0, p0 + ROWS)'s documents span (empty for padding or past S)."""
+    offs = p0 + gl.arange(0, ROWS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    lo = gl.min(gl.load(START + offs, mask=offs < S, other=S), 0)
+    hi = gl.max(gl.load(END + offs, mask=offs < S, other=-1), 0) + 1
+    return lo, hi
+
+
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
               empty, LSE2, DELTA, row0, S, n0, first, n_blocks, GROUP, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -78,10 +103,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     sequence), from j on when causal; a block inside every key's range is not masked."""
     dtype: gl.constexpr = k_smem.dtype
     # S^T / dP^T (keys x queries) and dK / dV (keys x head dim): rows = keys, 64 per warpgroup
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    st_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(WARPS, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # per query
     row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # per key
@@ -168,17 +191,13 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=2)  # the TMA's expect and the producer's arrive
-        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)  # one arrival per consumer partition
+    _init_ring(ready, empty, STAGES, 2, SPLIT)  # ready: the TMA's expect and the producer's arrive (lse, delta)
     START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
     END = BOUNDS + (B + b) * S
     q_lo = n0 * 0  # the queries any of these keys can see: [q_lo, q_hi)
     q_hi = n0 * 0 + S
     if HAS_DOCS:
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        q_lo = gl.min(gl.load(START + offs_n, mask=offs_n < S, other=S), 0)
-        q_hi = gl.max(gl.load(END + offs_n, mask=offs_n < S, other=-1), 0) + 1
+        q_lo, q_hi = _documents_reach(START, END, n0, S, BLOCK_N, num_warps)
     if CAUSAL:
         q_lo = gl.maximum(q_lo, n0)  # queries before the block see none of its keys
     first = q_lo // BLOCK_M
@@ -233,10 +252,8 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, dq_desc, 
     P = exp2(S - lse) while dP runs, dS = P (dP - delta), dQ += dS K with dS from registers. Query i sees the
     keys [lo[i], hi[i]]; a block inside every row's range is not masked."""
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = _mma_layout(WARPS, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
@@ -310,17 +327,13 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)  # one arrival per consumer partition
+    _init_ring(ready, empty, STAGES, 1, SPLIT)
     START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
     END = BOUNDS + (B + b) * S
     k_lo = m0 * 0  # the keys any of these queries can see: [k_lo, k_hi)
     k_hi = m0 * 0 + S
     if HAS_DOCS:
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        k_lo = gl.min(gl.load(START + offs_m, mask=offs_m < S, other=S), 0)
-        k_hi = gl.max(gl.load(END + offs_m, mask=offs_m < S, other=-1), 0) + 1
+        k_lo, k_hi = _documents_reach(START, END, m0, S, BLOCK_M, num_warps)
     if CAUSAL:
         k_hi = gl.minimum(k_hi, m0 + BLOCK_M)  # keys after the block's last query are seen by none
     first = k_lo // BLOCK_N
