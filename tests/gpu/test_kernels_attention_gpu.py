@@ -271,12 +271,35 @@ def _packed_bounds(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
     return document_bounds(ids.cuda())
 
 
+def _check_hopper_forward(q, k, v, causal, bounds, scale, triton_out, triton_lse) -> None:
+    """Each Gluon forward config and the autotuned choice: out within twice the Triton forward's error against
+    the fp32 reference (plus 1e-3), lse within 1e-4 of the reference, -inf exactly on the rows that see nothing."""
+    from loom.kernels.attention import hopper
+    from loom.kernels.attention import reference as R
+    from loom.kernels.attention import triton as T
+
+    ref_out, ref_lse = R.attention_forward(q.float(), k.float(), v.float(), causal, bounds, 0, scale)
+    seen = torch.isfinite(ref_lse)
+    triton_err = (triton_out.float() - ref_out).abs()[seen].max().item()
+    for config in [*hopper._CONFIGS["fwd"], None]:
+        out, lse = torch.full_like(q, float("nan")), torch.full_like(triton_lse, float("nan"))
+        hopper.forward(q, k, v, out, lse, causal, bounds, scale, T._seq_key(q.shape[2]), config=config)
+        assert not out.isnan().any() and not lse.isnan().any(), config
+        err = (out.float() - ref_out).abs()[seen].max().item()
+        assert err <= 2 * triton_err + 1e-3, (config, err, triton_err)
+        assert torch.equal(torch.isfinite(lse), seen), config
+        torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-4, rtol=1e-4, msg=f"lse {config}")
+        assert (out[~seen] == 0).all(), config
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_kernel):
     """The warp-specialized Gluon dK/dV and dQ kernels (every candidate config and the autotuned choice) against
-    the Triton kernels on the same inputs: the same arithmetic in the same order, so equal up to rounding."""
+    the Triton kernels on the same inputs: the same arithmetic in the same order, so equal up to rounding. The
+    Gluon forward (other blocks than the Triton forward's, so another rounding) against an fp32 reference: its
+    error within twice the Triton forward's, the same rows empty."""
     from loom.kernels.attention import hopper
     from loom.kernels.attention import triton as T
 
@@ -291,6 +314,7 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
     scale = d ** -0.5
     out, lse = T.attention_forward(q, k, v, causal, bounds, 0, scale)
     delta, lse2 = T.backward_preprocess(do, out, lse, None)
+    _check_hopper_forward(q, k, v, causal, bounds, scale, out, lse)
     tk, tv = torch.empty_like(k), torch.empty_like(v)
     T.triton_dkdv(do, q, k, v, lse2, delta, tk, tv, causal, bounds, 0, scale)
     tq = torch.empty_like(q)

@@ -118,6 +118,14 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             lo = gl.maximum(lo, offs_n)
         full_lo = gl.max(lo, 0)  # queries [full_lo, full_hi] need no mask
         full_hi = gl.min(hi, 0)
+        any_lo = gl.min(lo, 0)  # queries outside [any_lo, any_hi] see none of these keys
+        any_hi = gl.max(hi, 0)
+    elif CAUSAL:
+        any_lo = n0 + row0
+        any_hi = S
+    else:
+        any_lo = 0
+        any_hi = S
     # S^T and dP^T start each block from the previous block's registers with use_acc=False: zeros written while
     # other MMAs are in flight make ptxas serialize them all (its note C7515)
     st = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=st_layout)
@@ -129,24 +137,25 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         s = t % STAGES
         m0 = (first + t % n_blocks) * BLOCK_M
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-        lse2 = lse_smem.index(s).load(col_layout)
-        delta = delta_smem.index(s).load(col_layout)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-        pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
-        if HAS_DOCS:
-            if (m0 < full_lo) | (m0 + BLOCK_M - 1 > full_hi):  # a document's edge, the diagonal, the end
-                pt = gl.where((offs_m[None, :] >= lo[:, None]) & (offs_m[None, :] <= hi[:, None]), pt, 0.0)
-        elif CAUSAL:
-            if m0 < n0 + row0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
-                pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
-        dst = pt * (dpt - delta[None, :])
-        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
-        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        if (m0 <= any_hi) & (m0 + BLOCK_M > any_lo):  # a block none of these keys' queries lie in: skipped
+            st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+            lse2 = lse_smem.index(s).load(col_layout)
+            delta = delta_smem.index(s).load(col_layout)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+            pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
+            if HAS_DOCS:
+                if (m0 < full_lo) | (m0 + BLOCK_M - 1 > full_hi):  # a document's edge, the diagonal, the end
+                    pt = gl.where((offs_m[None, :] >= lo[:, None]) & (offs_m[None, :] <= hi[:, None]), pt, 0.0)
+            elif CAUSAL:
+                if m0 < n0 + row0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
+                    pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
+            dst = pt * (dpt - delta[None, :])
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(empty.index(s))
     # these keys' K and V are no longer read: their rows stage the results for the TMA stores (rows past S clipped)
     k_mine.store((dk * sm_scale).to(dtype))
@@ -228,76 +237,133 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
 
 # --------------------------------------------------------------------------------------------------- dQ
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, m0, first,
-                 n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Q and dO of the program's queries once, then key block first + t's K and V into the next free slot."""
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [m0, 0], q_bar, do_smem)
-    for t in range(n_blocks):
-        s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # the first pass over a fresh slot goes at once
-        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        n0 = (first + t) * BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [n0, 0], ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [n0, 0], ready.index(s), v_smem.index(s))
+def _key_blocks(START, END, m0, S, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """(first, count): the key blocks that queries [m0, m0 + BLOCK_M) can see."""
+    k_lo = m0 * 0
+    k_hi = m0 * 0 + S
+    if HAS_DOCS:
+        k_lo, k_hi = _documents_reach(START, END, m0, S, BLOCK_M, num_warps)
+    if CAUSAL:
+        k_hi = gl.minimum(k_hi, m0 + BLOCK_M)  # keys after the block's last query are seen by none
+    first = k_lo // BLOCK_N
+    return first, gl.maximum(gl.cdiv(k_hi, BLOCK_N) - first, 0)
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, dq_desc, LSE2, DELTA, START, END, m0, row0,
-                 first, n_blocks, S, qk_scale, sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-                 WARPS: gl.constexpr):
-    """dQ of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T and dP = dO V^T issued together,
-    P = exp2(S - lse) while dP runs, dS = P (dP - delta), dQ += dS K with dS from registers. Query i sees the
-    keys [lo[i], hi[i]]; a block inside every row's range is not masked."""
+def _query_item(w, BOUNDS, S, H, B, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """Work item w of the persistent forward and dQ: (batch, query head, first query, first key block, key
+    blocks).
+    Items go by query block, the last (longest, when causal) first, every head of a block before the next."""
+    mb = gl.cdiv(S, BLOCK_M) - 1 - w // (B * H)
+    b = (w % (B * H)) // H
+    h = w % H
+    START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
+    END = BOUNDS + (B + b) * S
+    first, n_blocks = _key_blocks(START, END, mb * BLOCK_M, S, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, num_warps)
+    return b, h, mb * BLOCK_M, first, n_blocks
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
+                 BOUNDS, S, H, GROUP, B, n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Per work item: its queries' Q and dO into one of two buffers once the consumers freed it, then its key
+    blocks' K and V into the ring, running ahead into the next item while the consumers finish this one."""
+    t = 0  # key blocks loaded so far: the ring's position and phase
+    i = 0  # items so far: the Q/dO buffer's position and phase
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, 1)
+        qb = i % 2
+        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # the first pass over a fresh buffer goes at once
+        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(qb).reshape(
+            q_desc.block_type.shape))
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], q_ready.index(qb), do_smem.index(qb).reshape(
+            do_desc.block_type.shape))
+        for j in range(n_blocks):
+            s = t % STAGES
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            n0 = (first + j) * BLOCK_N
+            tma.async_copy_global_to_shared(k_desc, [b, h // GROUP, n0, 0], ready.index(s), k_smem.index(s).reshape(
+                k_desc.block_type.shape))
+            tma.async_copy_global_to_shared(v_desc, [b, h // GROUP, n0, 0], ready.index(s), v_smem.index(s).reshape(
+                v_desc.block_type.shape))
+            t += 1
+        i += 1
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA, BOUNDS, S,
+                 H, B, n_items, row0, qk_scale, sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                 STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """Per work item, dQ of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T and dP = dO V^T issued
+    together, P = exp2(S - lse) while dP runs, dS = P (dP - delta), dQ += dS K with dS from registers. Query i
+    sees the keys [lo[i], hi[i]]; a block inside every row's range is not masked. dQ leaves by TMA from the Q
+    buffer's rows it replaces; the buffer goes back to the producer once the store has read it."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
     acc_layout: gl.constexpr = _mma_layout(WARPS, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
-    q_mine = q_smem.slice(row0, ROWS)
-    do_mine = do_smem.slice(row0, ROWS)
-    offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
-    in_seq = offs_m < S
-    lse2 = gl.load(LSE2 + offs_m, mask=in_seq, other=float("inf"))
-    delta = gl.load(DELTA + offs_m, mask=in_seq, other=0.0)
-    if HAS_DOCS:
-        lo = gl.load(START + offs_m, mask=in_seq, other=S)
-        hi = gl.minimum(gl.load(END + offs_m, mask=in_seq, other=-1), S - 1)
-    else:
-        lo = offs_m * 0
-        hi = gl.where(in_seq, S - 1, -1)
-    if CAUSAL:
-        hi = gl.minimum(hi, offs_m)
-    full_lo = gl.max(lo, 0)  # keys [full_lo, full_hi] need no mask
-    full_hi = gl.min(hi, 0)
     sc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     dp = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    mbarrier.wait(q_bar, 0)
-    for t in range(n_blocks):
-        s = t % STAGES
-        n0 = (first + t) * BLOCK_N
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        s_tok = warpgroup_mma(q_mine, k_smem.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_mine, v_smem.index(s).permute((1, 0)), dp, use_acc=False, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        p = gl.exp2(sc * qk_scale - lse2[:, None])  # (ROWS, BLOCK_N)
-        if (n0 < full_lo) | (n0 + BLOCK_N - 1 > full_hi):  # the diagonal, a document's edge, the end
-            offs_n = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-            p = gl.where((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]), p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
-        ds = p * (dp - delta[:, None])
-        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_smem.index(s), dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        mbarrier.arrive(empty.index(s))
-    # these queries' Q is no longer read: its rows stage the result for the TMA store (rows past S clipped)
-    q_mine.store((dq * sm_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [m0 + row0, 0], q_mine)
-    tma.store_wait(pendings=0)
+    t = 0
+    i = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, WARPS)
+        offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
+        in_seq = offs_m < S
+        lse2 = gl.load(LSE2 + (b * H + h) * S + offs_m, mask=in_seq, other=float("inf"))
+        delta = gl.load(DELTA + (b * H + h) * S + offs_m, mask=in_seq, other=0.0)
+        if HAS_DOCS:
+            lo = gl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
+            hi = gl.minimum(gl.load(BOUNDS + (B + b) * S + offs_m, mask=in_seq, other=-1), S - 1)
+        else:
+            lo = offs_m * 0
+            hi = gl.where(in_seq, S - 1, -1)
+        if CAUSAL:
+            hi = gl.minimum(hi, offs_m)
+        full_lo = gl.max(lo, 0)  # keys [full_lo, full_hi] need no mask
+        full_hi = gl.min(hi, 0)
+        any_lo = gl.min(lo, 0)  # keys outside [any_lo, any_hi] are seen by none of these rows
+        any_hi = gl.max(hi, 0)
+        qb = i % 2
+        q_mine = q_smem.index(qb).slice(row0, ROWS)
+        do_mine = do_smem.index(qb).slice(row0, ROWS)
+        dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+        mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+        for j in range(n_blocks):
+            s = t % STAGES
+            n0 = (first + j) * BLOCK_N
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            if (n0 <= any_hi) & (n0 + BLOCK_N > any_lo):  # a block none of these rows sees: skipped
+                s_tok = warpgroup_mma(q_mine, k_smem.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+                dp_tok = warpgroup_mma(do_mine, v_smem.index(s).permute((1, 0)), dp, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+                p = gl.exp2(sc * qk_scale - lse2[:, None])  # (ROWS, BLOCK_N)
+                if (n0 < full_lo) | (n0 + BLOCK_N - 1 > full_hi):  # the diagonal, a document's edge, the end
+                    offs_n = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+                    p = gl.where((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]), p, 0.0)
+                dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+                ds = p * (dp - delta[:, None])
+                dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_smem.index(s), dq, is_async=True)
+                dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            mbarrier.arrive(empty.index(s))
+            t += 1
+        # these queries' Q is no longer read: its rows stage the result for the TMA store (rows past S clipped)
+        q_mine.store((dq * sm_scale).to(dtype))
+        fence_async_shared()
+        box: gl.constexpr = [1, 1, BLOCK_M, HEAD_DIM]  # Gluon reshapes a buffer, not a slice: reshape, then slice
+        tma.async_copy_shared_to_global(dq_desc, [b, h, m0 + row0, 0],
+                                        q_smem.index(qb).reshape(box).slice(row0, ROWS, dim=2))
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty.index(qb))
+        i += 1
 
 
 @gluon.jit
@@ -305,84 +371,235 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
                         sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale, CAUSAL: gl.constexpr,
                         HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent: one program per SM walks work items (batch, head, query block)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M
-    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M  # last (longest, when causal) query blocks first
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
+    HKV = H // GROUP
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [S, HEAD_DIM], [sqs, 1], [BLOCK_M, HEAD_DIM], smem)
-    do_desc = tma.make_tensor_descriptor(DO + b * sdob + h * sdoh, [S, HEAD_DIM], [sdos, 1], [BLOCK_M, HEAD_DIM],
-                                         smem)
-    k_desc = tma.make_tensor_descriptor(K + b * skb + hk * skh, [S, HEAD_DIM], [sks, 1], [BLOCK_N, HEAD_DIM], smem)
-    v_desc = tma.make_tensor_descriptor(V + b * svb + hk * svh, [S, HEAD_DIM], [svs, 1], [BLOCK_N, HEAD_DIM], smem)
-    dq_desc = tma.make_tensor_descriptor(DQ + b * sdqb + h * sdqh, [S, HEAD_DIM], [sdqs, 1], [ROWS, HEAD_DIM], smem)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], smem)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], smem)
+    smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    # [batch, head, row, dim] boxes of one head: rows past S zero-filled on loads and clipped on stores
+    q_desc = tma.make_tensor_descriptor(Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4)
+    do_desc = tma.make_tensor_descriptor(DO, [B, H, S, HEAD_DIM], [sdob, sdoh, sdos, 1], [1, 1, BLOCK_M, HEAD_DIM],
+                                         smem4)
+    k_desc = tma.make_tensor_descriptor(K, [B, HKV, S, HEAD_DIM], [skb, skh, sks, 1], [1, 1, BLOCK_N, HEAD_DIM],
+                                        smem4)
+    v_desc = tma.make_tensor_descriptor(V, [B, HKV, S, HEAD_DIM], [svb, svh, svs, 1], [1, 1, BLOCK_N, HEAD_DIM],
+                                        smem4)
+    dq_desc = tma.make_tensor_descriptor(DQ, [B, H, S, HEAD_DIM], [sdqb, sdqh, sdqs, 1], [1, 1, ROWS, HEAD_DIM],
+                                         smem4)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], smem)
+    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], smem)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    _init_ring(q_ready, q_empty, 2, 1, SPLIT)
     _init_ring(ready, empty, STAGES, 1, SPLIT)
-    START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
-    END = BOUNDS + (B + b) * S
-    k_lo = m0 * 0  # the keys any of these queries can see: [k_lo, k_hi)
-    k_hi = m0 * 0 + S
-    if HAS_DOCS:
-        k_lo, k_hi = _documents_reach(START, END, m0, S, BLOCK_M, num_warps)
-    if CAUSAL:
-        k_hi = gl.minimum(k_hi, m0 + BLOCK_M)  # keys after the block's last query are seen by none
-    first = k_lo // BLOCK_N
-    n_blocks = gl.maximum(gl.cdiv(k_hi, BLOCK_N) - first, 0)
-    LSE2 = LSE2 + bh * S
-    DELTA = DELTA + bh * S
+    n_items = gl.cdiv(S, BLOCK_M) * B * H
     if SPLIT:  # two consumer partitions of ROWS queries each, then the producer
         gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, dq_desc, LSE2, DELTA, START, END,
-                            m0, 0, first, n_blocks, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_N, ROWS,
-                            STAGES, num_warps)),
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, dq_desc, LSE2, DELTA, START, END,
-                            m0, ROWS, first, n_blocks, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_N,
-                            ROWS, STAGES, num_warps)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                            m0, first, n_blocks, BLOCK_N, STAGES)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
+                            BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, ROWS, STAGES, num_warps)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
+                            BOUNDS, S, H, B, n_items, ROWS, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, ROWS, STAGES, num_warps)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                            ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
+                            STAGES)),
         ], [num_warps, 1], [240, 24])
     else:  # one consumer partition of all BLOCK_M queries, then the producer
         gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, dq_desc, LSE2, DELTA, START, END,
-                            m0, 0, first, n_blocks, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_N, ROWS,
-                            STAGES, num_warps)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
-                            m0, first, n_blocks, BLOCK_N, STAGES)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
+                            BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, ROWS, STAGES, num_warps)),
+            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                            ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
+                            STAGES)),
         ], [1], [24])
+
+
+# ---------------------------------------------------------------------------------------------- forward
+@gluon.jit
+def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H,
+                  GROUP, B, n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Per work item: its queries' Q into one of two buffers once the consumers freed it, then its key blocks'
+    K and V into the ring, running ahead into the next item while the consumers finish this one."""
+    t = 0  # key blocks loaded so far: the ring's position and phase
+    i = 0  # items so far: the Q buffer's position and phase
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, 1)
+        qb = i % 2
+        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # the first pass over a fresh buffer goes at once
+        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(qb).reshape(
+            q_desc.block_type.shape))
+        for j in range(n_blocks):
+            s = t % STAGES
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            n0 = (first + j) * BLOCK_N
+            tma.async_copy_global_to_shared(k_desc, [b, h // GROUP, n0, 0], ready.index(s), k_smem.index(s).reshape(
+                k_desc.block_type.shape))
+            tma.async_copy_global_to_shared(v_desc, [b, h // GROUP, n0, 0], ready.index(s), v_smem.index(s).reshape(
+                v_desc.block_type.shape))
+            t += 1
+        i += 1
+
+
+@gluon.jit
+def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, o_desc, LSE, BOUNDS, S, H, B,
+                  n_items, qk_scale, row0, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+                  WARPS: gl.constexpr):
+    """Per work item, O and the log-sum-exp of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T,
+    the online softmax in registers, O += P V with P from registers. Query i sees the keys [lo[i], hi[i]]; a block
+    inside every row's range is not masked, a block outside all of them is skipped. O leaves through this
+    consumer's staging buffer by TMA, whose store is waited for only before the next item's."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = _mma_layout(WARPS, HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per query
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per key
+    acc_rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    sc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    t = 0
+    i = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, WARPS)
+        offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
+        in_seq = offs_m < S
+        if HAS_DOCS:
+            lo = gl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
+            hi = gl.minimum(gl.load(BOUNDS + (B + b) * S + offs_m, mask=in_seq, other=-1), S - 1)
+        else:
+            lo = offs_m * 0
+            hi = gl.where(in_seq, S - 1, -1)
+        if CAUSAL:
+            hi = gl.minimum(hi, offs_m)
+        full_lo = gl.max(lo, 0)  # keys [full_lo, full_hi] need no mask
+        full_hi = gl.min(hi, 0)
+        any_lo = gl.min(lo, 0)  # keys outside [any_lo, any_hi] are seen by none of these rows
+        any_hi = gl.max(hi, 0)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)  # running max, raw scores
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+        qb = i % 2
+        q_mine = q_smem.index(qb).slice(row0, ROWS)
+        mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+        for j in range(n_blocks):
+            s = t % STAGES
+            n0 = (first + j) * BLOCK_N
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            if (n0 <= any_hi) & (n0 + BLOCK_N > any_lo):
+                s_tok = warpgroup_mma(q_mine, k_smem.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+                if (n0 < full_lo) | (n0 + BLOCK_N - 1 > full_hi):  # the diagonal, a document's edge, the end
+                    offs_n = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+                    sc = gl.where((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]), sc,
+                                  float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, 1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale  # a row masked so far: no NaN
+                p = gl.exp2(sc * qk_scale - m_use[:, None])  # (ROWS, BLOCK_N)
+                alpha = gl.exp2(m_i * qk_scale - m_use)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), v_smem.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                m_i = m_new
+            mbarrier.arrive(empty.index(s))
+            t += 1
+        mbarrier.arrive(q_empty.index(qb))  # the last S = Q K^T is done: the producer may load the next Q here
+        seen = l_i > 0.0
+        lse = gl.where(seen, (m_i * qk_scale + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        out = acc / gl.convert_layout(gl.where(seen, l_i, 1.0), acc_rows)[:, None]
+        gl.store(LSE + (b * H + h) * S + offs_m, lse, mask=in_seq)
+        tma.store_wait(pendings=0)  # the previous item's O has left the staging buffer
+        o_smem.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, m0 + row0, 0], o_smem.reshape(o_desc.block_type.shape))
+        i += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, S, H, GROUP,
+                     B, S_KEY, qk_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """Persistent: one program per SM walks work items (batch, head, query block); two consumer partitions of
+    BLOCK_M // 2 queries each (``SPLIT`` must be set), one producer warp."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    ROWS: gl.constexpr = BLOCK_M // 2
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    # [batch, head, row, dim] boxes of one head: rows past S zero-filled on loads and clipped on stores
+    q_desc = tma.make_tensor_descriptor(Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4)
+    k_desc = tma.make_tensor_descriptor(K, [B, H // GROUP, S, HEAD_DIM], [skb, skh, sks, 1],
+                                        [1, 1, BLOCK_N, HEAD_DIM], smem4)
+    v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, S, HEAD_DIM], [svb, svh, svs, 1],
+                                        [1, 1, BLOCK_N, HEAD_DIM], smem4)
+    o_desc = tma.make_tensor_descriptor(O, [B, H, S, HEAD_DIM], [sob, soh, sos, 1], [1, 1, ROWS, HEAD_DIM], smem4)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], smem)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
+    o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], smem)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    _init_ring(q_ready, q_empty, 2, 1, True)
+    _init_ring(ready, empty, STAGES, 1, True)
+    n_items = gl.cdiv(S, BLOCK_M) * B * H
+    gl.warp_specialize([
+        (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, ready, empty, o_desc, LSE,
+                         BOUNDS, S, H, B, n_items, qk_scale, 0, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
+                         STAGES, num_warps)),
+        (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, ready, empty, o_desc, LSE,
+                         BOUNDS, S, H, B, n_items, qk_scale, ROWS, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
+                         STAGES, num_warps)),
+        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, BOUNDS, S,
+                         H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES)),
+    ], [num_warps, 1], [240, 24])
 
 
 # (BLOCK_M, BLOCK_N, STAGES, SPLIT): candidates, chosen by autotuning on the first call of each key. SPLIT runs
 # two consumer partitions of 4 warps, otherwise one of 8; 64 rows (keys for dK/dV, queries for dQ) per warpgroup.
 _CONFIGS = {"dkdv": [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)],
-            "dq": [(128, 64, 2, True), (128, 64, 3, True), (128, 128, 2, True)]}  # 8-warp dQ: slower everywhere
-_KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper}
+            "dq": [(128, 64, 2, True), (128, 64, 3, True)],  # 8-warp dQ: slower everywhere
+            "fwd": [(128, 128, 2, True), (128, 64, 3, True), (128, 64, 4, True)]}
+_KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "fwd": _attn_fwd_hopper}
 _TUNED: dict = {}
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, window: int, key_bounds) -> bool:
-    """Whether these kernels compute the call's gradients: sm_90, 16-bit, head dim 64/128, no window, documents
-    only within one sequence (no ``key_bounds``), and TMA-compatible (16-byte aligned) bases and strides."""
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, other: torch.Tensor, window: int, key_bounds) -> bool:
+    """Whether these kernels compute the call (``other``: dout for the backward, out for the forward): sm_90,
+    16-bit, head dim 64/128, no window, documents only within one sequence (no ``key_bounds``), and
+    TMA-compatible (16-byte aligned) bases and strides."""
     if key_bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v, dout))
+    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v, other))
 
 
 def dq_wins(head_dim: int, bounds) -> bool:
-    """Whether the Gluon dQ kernel beats the Triton one here (same-run H100 timings, bench/NOTES.md v15):
-    1.06-1.18x at head dim 128 without documents; 5% more time on d128 documents, 8-56% more at head dim 64."""
-    return head_dim == 128 and bounds is None
+    """Whether the Gluon dQ kernel beats the Triton one here (same-run H100 timings, bench/NOTES.md v16): at
+    head dim 128 1.08x causal, 1.09-1.12x on packed documents at 8k-16k (0.98x at 4k); at head dim 64 it takes
+    10-20% more time."""
+    return head_dim == 128
+
+
+def forward_wins(head_dim: int, seq: int, bounds) -> bool:
+    """Whether the Gluon forward beats the Triton one here (same-run H100 timings, bench/NOTES.md v16): at head
+    dim 128 1.08-1.27x on packed documents and 1.06-1.15x causal from 8k on, but 0.92x causal at 4k; at head
+    dim 64 it takes 15% more time."""
+    return head_dim == 128 and (bounds is not None or seq > 4096)
 
 
 def _allocator(size: int, alignment: int, stream):
@@ -412,6 +629,17 @@ def _launch(kind: str, grid_of, tensors, rest, causal: bool, bounds, dim: int, c
                                                                           num_warps=c.num_warps, **c.kwargs)
 
 
+def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
+    """Fill out (like q) and lse ((B, H, S) float32, natural log, -inf for a row that saw nothing) from q/k/v
+    (B, H, S, D); ``bounds`` and ``config`` as for ``dkdv``. Persistent: one program per SM."""
+    bsz, heads, seq, dim = q.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], seq, heads, heads // k.shape[1],
+            bsz, seq_key, scale * LOG2E)
+    _launch("fwd", lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), ), (q, k, v, out, lse), rest, causal,
+            bounds, dim, config)
+
+
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
     """Fill dk, dv (like k, v) from q/k/v/dout (B, H, S, D), ``lse2`` (log-sum-exp in log2 units, +inf for a row
     that saw nothing) and ``delta`` (rowsum(O dO) - dLSE), both (B, H, S) float32; ``bounds``: None or the
@@ -429,5 +657,6 @@ def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, s
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *grad_q.stride()[:3], seq, heads,
             heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale)
-    _launch("dq", lambda m, n: (triton.cdiv(seq, m), bsz * heads), (q, k, v, dout, lse2, delta, grad_q), rest,
-            causal, bounds, dim, config)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    _launch("dq", lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), ), (q, k, v, dout, lse2, delta, grad_q),
+            rest, causal, bounds, dim, config)

@@ -450,11 +450,17 @@ def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
 
 def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
     """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32). ``key_bounds`` is only
-    read by the backward (the forward walks query rows)."""
+    read by the backward (the forward walks query rows). On Hopper, the persistent warp-specialized Gluon forward
+    runs where ``hopper.forward_wins`` (bench/NOTES.md v16)."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
+    hopper = _hopper()
+    if (hopper is not None and hopper.supports(q, k, v, out, window, key_bounds)
+            and hopper.forward_wins(dim, seq, bounds)):
+        hopper.forward(q, k, v, out, lse, causal, bounds, scale, _seq_key(seq))
+        return out, lse
     kernel, blocks = _kernel("fwd")
     grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)  # noqa: E731
     kernel[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
@@ -468,7 +474,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
     Two launches, dK/dV then dQ: one launch holding both kinds of programs was measured twice (bench/NOTES.md
     v4, v8): slower for d128, GQA and packed documents, at most 3.5% faster for d64 MHA. On Hopper, dK/dV of the
-    cases ``hopper.supports`` names come from the warp-specialized Gluon kernel (``hopper.py``, NOTES v14, v15),
+    cases ``hopper.supports`` names come from the warp-specialized Gluon kernel (``hopper.py``, NOTES v14-v16),
     and dQ too where ``hopper.dq_wins``."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     if dout.stride(-1) != 1:
