@@ -1,8 +1,8 @@
-"""The attention backward's dK/dV and dQ kernels for Hopper (sm_90) in Gluon, warp-specialized as in
-FlashAttention-3: a one-warp producer loads blocks by TMA into a ring of STAGES slots, and consumer warpgroups run
-the matmuls per block asynchronously, releasing a slot through an mbarrier when its matmuls are done. Without a
-producer, Triton put CTA-wide barriers around every TMA issue and shared-memory store, keeping the warpgroups in
-lockstep (bench/NOTES.md v12, v13); here the loop has no CTA-wide barrier.
+"""The attention kernels for Hopper (sm_90) in Gluon: the backward's dK/dV and dQ and the forward, warp-specialized
+as in FlashAttention-3: a one-warp producer loads blocks by TMA into a ring of STAGES slots, and consumer
+warpgroups run the matmuls per block asynchronously, releasing a slot through an mbarrier when its matmuls are
+done. Without a producer, Triton put CTA-wide barriers around every TMA issue and shared-memory store, keeping the
+warpgroups in lockstep (bench/NOTES.md v12, v13); here the loop has no CTA-wide barrier.
 
 dK/dV: a program owns BLOCK_N keys; the producer loads K/V once, then each query block's Q, dO (and its
 log-sum-exp and delta). Per query block, for the consumer's keys (rows):
@@ -13,20 +13,25 @@ log-sum-exp and delta). Per query block, for the consumer's keys (rows):
     dS^T = P^T (dP^T - delta)      (while dV runs)
     dK += dS^T Q  issued, dS^T from registers; wait for both; release the slot
 
-dQ: a program owns BLOCK_M queries; the producer loads Q/dO once, then each key block's K and V; per key block
-S = Q K^T and dP = dO V^T, P, dS, dQ += dS K (three matmuls).
+dQ and the forward are persistent: one program per SM walks work items (batch, head, query block), its producer
+loading an item's Q (and dO) into one of two buffers and the item's K/V blocks into the ring, running ahead into
+the next item while the consumers finish the current one. dQ per key block: S = Q K^T and dP = dO V^T, P, dS,
+dQ += dS K (three matmuls). Forward per key block: S = Q K^T, the online softmax in registers, O += P V with P
+from registers; O leaves through a staging buffer by TMA.
 
 Two layouts of the consumers: ``SPLIT=False``, one 8-warp partition owning the program's rows (its two
 warpgroups meet at one partition barrier per block, before the release); ``SPLIT=True``, two 4-warp partitions
-owning half the rows each, never synchronized with each other.
+owning half the rows each, never synchronized with each other (the forward has only this one). A consumer skips
+the blocks none of its own rows reach.
 
 Grouped-query attention: a dK/dV program owns keys of one KV head and walks the query blocks of each query head of
-its group in turn (K and V loaded once). Packed documents: a program walks only the blocks its rows' documents
-reach, and masks a block only where a document's edge, the causal diagonal or the sequence's end cuts it.
+its group in turn (K and V loaded once); dQ and forward items read K/V at head ``h // GROUP``. Packed documents: a
+program walks only the blocks its rows' documents reach, and masks a block only where a document's edge, the
+causal diagonal or the sequence's end cuts it.
 
 Scope: causal or full attention, packed documents within one sequence, any query-head group, bf16 / fp16, head
-dim 64 or 128, no window; ``supports`` says which. The Triton kernels run everything else, and dQ where
-``dq_wins`` says the Triton kernel is faster.
+dim 64 or 128, no window; ``supports`` says which. The Triton kernels run everything else, and dQ / the forward
+where ``dq_wins`` / ``forward_wins`` say the Triton kernel is faster.
 """
 
 from __future__ import annotations
