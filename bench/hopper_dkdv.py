@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import bench_ms  # noqa: E402
+from bench.kernels import two_rounds  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
 CONFIGS = [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)]
@@ -101,17 +101,7 @@ def timing() -> list[dict]:
         for c in CONFIGS:
             fns[f"gluon{c}"] = (lambda c=c: gluon_dkdv(q, k, v, do, lse2, delta, True, scale, c))
         fns["gluon_auto"] = lambda: gluon_dkdv(q, k, v, do, lse2, delta, True, scale, None)
-        best = {}
-        for rnd, names in enumerate((list(fns), list(reversed(fns)))):
-            for name in names:
-                try:
-                    ms = bench_ms(fns[name])
-                except Exception as e:  # a config that does not compile or launch is recorded, not fatal
-                    best.setdefault(name, {"error": str(e)[:300]})
-                    continue
-                r = best.setdefault(name, {})
-                r[f"round{rnd}"] = ms
-                r["ms"] = min(ms, r.get("ms", ms))
+        best = two_rounds(fns)
         tri = best["triton"]["ms"]
         row = {"shape": [d, h, s], "batch": batch, "causal": True, "results": best,
                "speedup_vs_triton": {n: tri / r["ms"] for n, r in best.items() if "ms" in r and n != "dq_triton"}}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import TOKENS, attention_flops, bench_ms, doc_ids, random_doc_lens  # noqa: E402
+from bench.kernels import TOKENS, attention_flops, doc_ids, random_doc_lens, two_rounds  # noqa: E402
 from bench.train_1b import environment  # noqa: E402
 
 # (head dim, query heads, kv heads, seq, causal, packed documents)
@@ -112,17 +112,9 @@ def timing() -> list[dict]:
         for c in hopper._CONFIGS["fwd"]:
             fns[f"gluon{c}"] = (lambda c=c: gluon_fwd(q, k, v, causal, bounds, c))
         fns["gluon_auto"] = lambda: gluon_fwd(q, k, v, causal, bounds, None)
-        best = {}
-        for rnd, names in enumerate((list(fns), list(reversed(fns)))):
-            for name in names:
-                try:
-                    ms = bench_ms(fns[name])
-                except Exception as e:  # a config that does not compile or launch is recorded, not fatal
-                    best.setdefault(name, {"error": str(e)[:300]})
-                    continue
-                r = best.setdefault(name, {})
-                r[f"round{rnd}"] = ms
-                r["ms"] = min(ms, r.get("ms", ms))
+        best = two_rounds(fns)
+        for r in best.values():
+            if "ms" in r:
                 r["tflops"] = flops / r["ms"] / 1e9
         tri = best["triton"]["ms"]
         row = {"shape": [d, hq, hk, s], "batch": b, "causal": causal, "docs": docs, "flops": flops, "results": best,

@@ -36,6 +36,23 @@ def bench_ms(fn, grads=None) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grads)
 
 
+def two_rounds(fns: dict) -> dict:
+    """ms per call of each named function, timed in two rounds (the second in reverse order; the faster round
+    counts): {name: {"round0", "round1", "ms"}}, or {"error"} for a function that did not compile or launch."""
+    best = {}
+    for rnd, names in enumerate((list(fns), list(reversed(fns)))):
+        for name in names:
+            try:
+                ms = bench_ms(fns[name])
+            except Exception as e:  # a config that does not compile or launch is recorded, not fatal
+                best.setdefault(name, {"error": str(e)[:300]})
+                continue
+            r = best.setdefault(name, {})
+            r[f"round{rnd}"] = ms
+            r["ms"] = min(ms, r.get("ms", ms))
+    return best
+
+
 def attention_flops(b: int, h: int, d: int, doc_lens: list[list[int]] | None, s: int, causal: bool) -> float:
     if doc_lens is not None:  # useful work: each document attends causally within itself
         return sum(4 * h * n * n * d / 2 for row in doc_lens for n in row)

@@ -271,22 +271,53 @@ def _query_item(w, BOUNDS, S, H, B, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr
 
 
 @gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
-                 BOUNDS, S, H, GROUP, B, n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Per work item: its queries' Q and dO into one of two buffers once the consumers freed it, then its key
-    blocks' K and V into the ring, running ahead into the next item while the consumers finish this one."""
+def _query_rings(STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """The persistent dQ's and forward's mbarriers: (ready, empty) of the two Q buffers, then of the K/V ring."""
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    _init_ring(q_ready, q_empty, 2, 1, SPLIT)
+    _init_ring(ready, empty, STAGES, 1, SPLIT)
+    return q_ready, q_empty, ready, empty
+
+
+@gluon.jit
+def _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """Per query ``offs_m`` of batch row b: the keys it sees, [lo, hi] (empty past S or for padding)."""
+    if HAS_DOCS:
+        lo = gl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
+        hi = gl.minimum(gl.load(BOUNDS + (B + b) * S + offs_m, mask=in_seq, other=-1), S - 1)
+    else:
+        lo = offs_m * 0
+        hi = gl.where(in_seq, S - 1, -1)
+    if CAUSAL:
+        hi = gl.minimum(hi, offs_m)
+    return lo, hi
+
+
+@gluon.jit
+def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
+                    BOUNDS, S, H, GROUP, B, n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WITH_DO: gl.constexpr):
+    """The persistent dQ's and forward's producer. Per work item: its queries' Q (and dO, ``WITH_DO``) into one of
+    two buffers once the consumers freed it, then its key blocks' K and V into the ring, running ahead into the
+    next item while the consumers finish this one."""
     t = 0  # key blocks loaded so far: the ring's position and phase
     i = 0  # items so far: the Q/dO buffer's position and phase
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, 1)
         qb = i % 2
         mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # the first pass over a fresh buffer goes at once
-        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        if WITH_DO:
+            mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(qb).reshape(
             q_desc.block_type.shape))
-        tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], q_ready.index(qb), do_smem.index(qb).reshape(
-            do_desc.block_type.shape))
+        if WITH_DO:
+            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], q_ready.index(qb), do_smem.index(qb).reshape(
+                do_desc.block_type.shape))
         for j in range(n_blocks):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -325,14 +356,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty
         in_seq = offs_m < S
         lse2 = gl.load(LSE2 + (b * H + h) * S + offs_m, mask=in_seq, other=float("inf"))
         delta = gl.load(DELTA + (b * H + h) * S + offs_m, mask=in_seq, other=0.0)
-        if HAS_DOCS:
-            lo = gl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
-            hi = gl.minimum(gl.load(BOUNDS + (B + b) * S + offs_m, mask=in_seq, other=-1), S - 1)
-        else:
-            lo = offs_m * 0
-            hi = gl.where(in_seq, S - 1, -1)
-        if CAUSAL:
-            hi = gl.minimum(hi, offs_m)
+        lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL, HAS_DOCS)
         full_lo = gl.max(lo, 0)  # keys [full_lo, full_hi] need no mask
         full_hi = gl.min(hi, 0)
         any_lo = gl.min(lo, 0)  # keys outside [any_lo, any_hi] are seen by none of these rows
@@ -396,12 +420,7 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], smem)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _init_ring(q_ready, q_empty, 2, 1, SPLIT)
-    _init_ring(ready, empty, STAGES, 1, SPLIT)
+    q_ready, q_empty, ready, empty = _query_rings(STAGES, SPLIT)
     n_items = gl.cdiv(S, BLOCK_M) * B * H
     if SPLIT:  # two consumer partitions of ROWS queries each, then the producer
         gl.warp_specialize([
@@ -411,50 +430,22 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
                             BOUNDS, S, H, B, n_items, ROWS, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
                             BLOCK_N, ROWS, STAGES, num_warps)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                            ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
-                            STAGES)),
+            (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                               ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
+                               STAGES, True)),
         ], [num_warps, 1], [240, 24])
     else:  # one consumer partition of all BLOCK_M queries, then the producer
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
                             BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
                             BLOCK_N, ROWS, STAGES, num_warps)),
-            (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                            ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
-                            STAGES)),
+            (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                               ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
+                               STAGES, True)),
         ], [1], [24])
 
 
 # ---------------------------------------------------------------------------------------------- forward
-@gluon.jit
-def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H,
-                  GROUP, B, n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Per work item: its queries' Q into one of two buffers once the consumers freed it, then its key blocks'
-    K and V into the ring, running ahead into the next item while the consumers finish this one."""
-    t = 0  # key blocks loaded so far: the ring's position and phase
-    i = 0  # items so far: the Q buffer's position and phase
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, 1)
-        qb = i % 2
-        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # the first pass over a fresh buffer goes at once
-        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(qb).reshape(
-            q_desc.block_type.shape))
-        for j in range(n_blocks):
-            s = t % STAGES
-            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            n0 = (first + j) * BLOCK_N
-            tma.async_copy_global_to_shared(k_desc, [b, h // GROUP, n0, 0], ready.index(s), k_smem.index(s).reshape(
-                k_desc.block_type.shape))
-            tma.async_copy_global_to_shared(v_desc, [b, h // GROUP, n0, 0], ready.index(s), v_smem.index(s).reshape(
-                v_desc.block_type.shape))
-            t += 1
-        i += 1
-
-
 @gluon.jit
 def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, o_desc, LSE, BOUNDS, S, H, B,
                   n_items, qk_scale, row0, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -478,14 +469,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty
         b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, WARPS)
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
-        if HAS_DOCS:
-            lo = gl.load(BOUNDS + b * S + offs_m, mask=in_seq, other=S)
-            hi = gl.minimum(gl.load(BOUNDS + (B + b) * S + offs_m, mask=in_seq, other=-1), S - 1)
-        else:
-            lo = offs_m * 0
-            hi = gl.where(in_seq, S - 1, -1)
-        if CAUSAL:
-            hi = gl.minimum(hi, offs_m)
+        lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL, HAS_DOCS)
         full_lo = gl.max(lo, 0)  # keys [full_lo, full_hi] need no mask
         full_hi = gl.min(hi, 0)
         any_lo = gl.min(lo, 0)  # keys outside [any_lo, any_hi] are seen by none of these rows
@@ -554,12 +538,7 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
     o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], smem)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _init_ring(q_ready, q_empty, 2, 1, True)
-    _init_ring(ready, empty, STAGES, 1, True)
+    q_ready, q_empty, ready, empty = _query_rings(STAGES, True)
     n_items = gl.cdiv(S, BLOCK_M) * B * H
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, ready, empty, o_desc, LSE,
@@ -568,8 +547,8 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
         (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, ready, empty, o_desc, LSE,
                          BOUNDS, S, H, B, n_items, qk_scale, ROWS, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
                          STAGES, num_warps)),
-        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, BOUNDS, S,
-                         H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES)),
+        (_query_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, ready,
+                           empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, False)),
     ], [num_warps, 1], [240, 24])
 
 
