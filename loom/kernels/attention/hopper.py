@@ -100,9 +100,9 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc, dv_desc, n0, row0,
-              first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, ds_smem, DQ_ACC, CAUSAL: gl.constexpr,
-              HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr,
-              STAGES: gl.constexpr, WARPS: gl.constexpr, FUSED_DQ: gl.constexpr):
+              first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
+              WARPS: gl.constexpr):
     """dK, dV of keys [n0 + row0, n0 + row0 + ROWS), written by TMA from the K / V buffers' rows they replace.
     Key j sees the queries [lo[j], hi[j]]: its document's (START, END: per-token bounds, symmetric within one
     sequence), from j on when causal; a block inside every key's range is not masked."""
@@ -137,13 +137,6 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     dpt = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=st_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    # FUSED_DQ (one 8-warp consumer): dQ's share of these keys, dS K, each warpgroup half of the head dim, added
-    # into DQ_ACC (fp32) by atomics
-    if FUSED_DQ:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                            instr_shape=[16, HEAD_DIM // 2, 16])
-        dqp = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     mbarrier.wait(kv_bar, 0)
     for t in range(GROUP * n_blocks):  # the group's query heads one after the other, each over its blocks
         s = t % STAGES
@@ -166,19 +159,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
             dst = pt * (dpt - delta[None, :])
-            if FUSED_DQ:
-                dsb = dst.to(dtype)
-                ds_smem.store(dsb)
-                fence_async_shared()
-                dk = warpgroup_mma(gl.convert_layout(dsb, a_layout), q_smem.index(s), dk, is_async=True)
-                dqp = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dqp, use_acc=False, is_async=True)
-                dk, dv, dqp = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dqp))
-                offs_q = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-                gl.atomic_add(DQ_ACC + (t // n_blocks) * S * HEAD_DIM + offs_q[:, None] * HEAD_DIM + offs_d[None, :],
-                              dqp * sm_scale, mask=(offs_q < S)[:, None], sem="relaxed")
-            else:
-                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
-                dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(empty.index(s))
     # these keys' K and V are no longer read: their rows stage the results for the TMA stores (rows past S clipped)
     k_mine.store((dk * sm_scale).to(dtype))
@@ -192,9 +174,9 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 @gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob,
                           sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
-                          DQ_ACC, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                          FUSED_DQ: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N
     n0 = gl.program_id(0) * BLOCK_N  # first key blocks first: under causality they see the most queries
@@ -222,11 +204,6 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if FUSED_DQ:  # dS^T of the block, the A operand of dQ's share (transposed)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], smem)
-        DQ_ACC = DQ_ACC + (b * H + h * GROUP) * S * HEAD_DIM  # (B, H, S, D) fp32, the group's first head
-    else:
-        ds_smem = k_smem  # not read
     mbarrier.init(kv_bar, count=1)
     _init_ring(ready, empty, STAGES, 2, SPLIT)  # ready: the TMA's expect and the producer's arrive (lse, delta)
     START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
@@ -243,11 +220,11 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
     if SPLIT:  # two consumer partitions of ROWS keys each, then the producer
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, ds_smem, DQ_ACC, CAUSAL,
-                         HAS_DOCS, HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps, FUSED_DQ)),
+                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, ROWS, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, ds_smem, DQ_ACC,
-                         CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps, FUSED_DQ)),
+                         dv_desc, n0, ROWS, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                          kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
                          STAGES)),
@@ -255,8 +232,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
     else:  # one consumer partition of all BLOCK_N keys, then the producer
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, ds_smem, DQ_ACC, CAUSAL,
-                         HAS_DOCS, HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps, FUSED_DQ)),
+                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                          kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
                          STAGES)),
@@ -579,10 +556,8 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
 # two consumer partitions of 4 warps, otherwise one of 8; 64 rows (keys for dK/dV, queries for dQ) per warpgroup.
 _CONFIGS = {"dkdv": [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)],
             "dq": [(128, 64, 2, True), (128, 64, 3, True)],  # 8-warp dQ: slower everywhere
-            "fwd": [(128, 128, 2, True), (128, 64, 3, True), (128, 64, 4, True)],
-            "dkdv_dq": [(64, 128, 2, False), (64, 128, 3, False)]}  # dQ's share by atomics: one 8-warp consumer
-_KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "fwd": _attn_fwd_hopper,
-            "dkdv_dq": _attn_bwd_dkdv_hopper}
+            "fwd": [(128, 128, 2, True), (128, 64, 3, True), (128, 64, 4, True)]}
+_KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "fwd": _attn_fwd_hopper}
 _TUNED: dict = {}
 
 
@@ -620,18 +595,17 @@ def _config(m: int, n: int, stages: int, split: bool) -> triton.Config:
                          num_stages=1)
 
 
-def _launch(kind: str, grid_of, tensors, rest, causal: bool, bounds, dim: int, config, **extra) -> None:
+def _launch(kind: str, grid_of, tensors, rest, causal: bool, bounds, dim: int, config) -> None:
     """Run kernel ``kind`` on (*tensors, bounds, *rest), autotuned (``config`` None) or with one fixed
-    (BLOCK_M, BLOCK_N, STAGES, SPLIT); ``grid_of(BLOCK_M, BLOCK_N)`` gives the grid; ``extra``: more constexprs."""
+    (BLOCK_M, BLOCK_N, STAGES, SPLIT); ``grid_of(BLOCK_M, BLOCK_N)`` gives the grid."""
     triton.set_allocator(_allocator)  # device-side TMA descriptors live in a per-launch scratch buffer
     table = bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=tensors[0].device)
     args = (*tensors, table, *rest)
-    consts = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, HEAD_DIM=dim, **extra)
+    consts = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, HEAD_DIM=dim)
     if config is None:
         if kind not in _TUNED:
             _TUNED[kind] = triton.autotune(configs=[_config(*c) for c in _CONFIGS[kind]],
-                                           key=["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS"],
-                                           reset_to_zero=["DQ_ACC"] if kind == "dkdv_dq" else None)(_KERNELS[kind])
+                                           key=["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS"])(_KERNELS[kind])
         _TUNED[kind][lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
     else:
         c = _config(*config)
@@ -650,19 +624,16 @@ def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int,
             bounds, dim, config)
 
 
-def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None,
-         dq_acc=None) -> None:
+def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
     """Fill dk, dv (like k, v) from q/k/v/dout (B, H, S, D), ``lse2`` (log-sum-exp in log2 units, +inf for a row
     that saw nothing) and ``delta`` (rowsum(O dO) - dLSE), both (B, H, S) float32; ``bounds``: None or the
     packed documents' per-token (first, last) index, (2, B, S) int32. ``config``: one fixed
-    (BLOCK_M, BLOCK_N, STAGES, SPLIT) instead of autotuning (benchmarks, tests). ``dq_acc``: a zeroed (B, H, S, D)
-    float32 tensor to add dQ into as well (FlashAttention-3's five-matmul backward; configs ``dkdv_dq``)."""
+    (BLOCK_M, BLOCK_N, STAGES, SPLIT) instead of autotuning (benchmarks, tests)."""
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
-            *dv.stride()[:3], seq, heads, heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale,
-            lse2 if dq_acc is None else dq_acc)
-    _launch("dkdv" if dq_acc is None else "dkdv_dq", lambda m, n: (triton.cdiv(seq, n), bsz * k.shape[1]),
-            (q, k, v, dout, lse2, delta, dk, dv), rest, causal, bounds, dim, config, FUSED_DQ=dq_acc is not None)
+            *dv.stride()[:3], seq, heads, heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale)
+    _launch("dkdv", lambda m, n: (triton.cdiv(seq, n), bsz * k.shape[1]), (q, k, v, dout, lse2, delta, dk, dv), rest,
+            causal, bounds, dim, config)
 
 
 def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
