@@ -62,6 +62,13 @@ def _init_ring(ready, empty, STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr,
 
 
 @gluon.jit
+def _block_bounds(lo, hi):
+    """From per-row visible ranges [lo, hi]: [full_lo, full_hi], seen by every row (a block inside needs no
+    mask), and [any_lo, any_hi], outside which no row sees anything (a block there is skipped)."""
+    return gl.max(lo, 0), gl.min(hi, 0), gl.min(lo, 0), gl.max(hi, 0)
+
+
+@gluon.jit
 def _documents_reach(START, END, p0, S, ROWS: gl.constexpr, num_warps: gl.constexpr):
     """[lo, hi): the tokens that tokens [p0, p0 + ROWS)'s documents span (empty for padding or past S)."""
     offs = p0 + gl.arange(0, ROWS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
@@ -121,10 +128,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         hi = gl.load(END + offs_n, mask=offs_n < S, other=-1)
         if CAUSAL:
             lo = gl.maximum(lo, offs_n)
-        full_lo = gl.max(lo, 0)  # queries [full_lo, full_hi] need no mask
-        full_hi = gl.min(hi, 0)
-        any_lo = gl.min(lo, 0)  # queries outside [any_lo, any_hi] see none of these keys
-        any_hi = gl.max(hi, 0)
+        full_lo, full_hi, any_lo, any_hi = _block_bounds(lo, hi)  # the queries all / any of these keys see
     elif CAUSAL:
         any_lo = n0 + row0
         any_hi = S
@@ -357,10 +361,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty
         lse2 = gl.load(LSE2 + (b * H + h) * S + offs_m, mask=in_seq, other=float("inf"))
         delta = gl.load(DELTA + (b * H + h) * S + offs_m, mask=in_seq, other=0.0)
         lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL, HAS_DOCS)
-        full_lo = gl.max(lo, 0)  # keys [full_lo, full_hi] need no mask
-        full_hi = gl.min(hi, 0)
-        any_lo = gl.min(lo, 0)  # keys outside [any_lo, any_hi] are seen by none of these rows
-        any_hi = gl.max(hi, 0)
+        full_lo, full_hi, any_lo, any_hi = _block_bounds(lo, hi)  # the keys all / any of these rows see
         qb = i % 2
         q_mine = q_smem.index(qb).slice(row0, ROWS)
         do_mine = do_smem.index(qb).slice(row0, ROWS)
@@ -470,10 +471,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
         lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL, HAS_DOCS)
-        full_lo = gl.max(lo, 0)  # keys [full_lo, full_hi] need no mask
-        full_hi = gl.min(hi, 0)
-        any_lo = gl.min(lo, 0)  # keys outside [any_lo, any_hi] are seen by none of these rows
-        any_hi = gl.max(hi, 0)
+        full_lo, full_hi, any_lo, any_hi = _block_bounds(lo, hi)  # the keys all / any of these rows see
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)  # running max, raw scores
         l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
@@ -613,15 +611,21 @@ def _launch(kind: str, grid_of, tensors, rest, causal: bool, bounds, dim: int, c
                                                                           num_warps=c.num_warps, **c.kwargs)
 
 
+def _persistent_grid(q: torch.Tensor):
+    """grid_of for the persistent kernels walking (batch, head, query block) items: one program per SM, fewer
+    when there are fewer items."""
+    bsz, heads, seq, _ = q.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), )
+
+
 def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
     """Fill out (like q) and lse ((B, H, S) float32, natural log, -inf for a row that saw nothing) from q/k/v
     (B, H, S, D); ``bounds`` and ``config`` as for ``dkdv``. Persistent: one program per SM."""
     bsz, heads, seq, dim = q.shape
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], seq, heads, heads // k.shape[1],
             bsz, seq_key, scale * LOG2E)
-    _launch("fwd", lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), ), (q, k, v, out, lse), rest, causal,
-            bounds, dim, config)
+    _launch("fwd", _persistent_grid(q), (q, k, v, out, lse), rest, causal, bounds, dim, config)
 
 
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
@@ -641,6 +645,4 @@ def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, s
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *grad_q.stride()[:3], seq, heads,
             heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    _launch("dq", lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), ), (q, k, v, dout, lse2, delta, grad_q),
-            rest, causal, bounds, dim, config)
+    _launch("dq", _persistent_grid(q), (q, k, v, dout, lse2, delta, grad_q), rest, causal, bounds, dim, config)
