@@ -69,6 +69,25 @@ def _block_bounds(lo, hi):
 
 
 @gluon.jit
+def _mask_cut(x, start, lo, hi, full_lo, full_hi, other, BLOCK: gl.constexpr, col_layout: gl.constexpr,
+              ONE_SIDED: gl.constexpr):
+    """x (rows, BLOCK) over the columns [start, start + BLOCK), set to ``other`` outside each row's visible range
+    [lo, hi] where the block is cut. ``ONE_SIDED`` (packed documents): only the sides that cut the block are
+    compared, so a block holding a document's start but no row's last visible column (the first block of a
+    document) costs one comparison per element, not two; without documents only the diagonal blocks are cut,
+    where the one combined test is as fast (and keeps the kernels' code as it was measured)."""
+    if ONE_SIDED:
+        if start < full_lo:  # some row's range starts after the block's first column
+            x = gl.where(start + gl.arange(0, BLOCK, layout=col_layout)[None, :] >= lo[:, None], x, other)
+        if start + BLOCK - 1 > full_hi:  # some row's range ends before the block's last column
+            x = gl.where(start + gl.arange(0, BLOCK, layout=col_layout)[None, :] <= hi[:, None], x, other)
+    elif (start < full_lo) | (start + BLOCK - 1 > full_hi):
+        offs = start + gl.arange(0, BLOCK, layout=col_layout)
+        x = gl.where((offs[None, :] >= lo[:, None]) & (offs[None, :] <= hi[:, None]), x, other)
+    return x
+
+
+@gluon.jit
 def _documents_reach(START, END, p0, S, ROWS: gl.constexpr, num_warps: gl.constexpr):
     """[lo, hi): the tokens that tokens [p0, p0 + ROWS)'s documents span (empty for padding or past S)."""
     offs = p0 + gl.arange(0, ROWS, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
@@ -154,9 +173,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             delta = delta_smem.index(s).load(col_layout)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
-            if HAS_DOCS:
-                if (m0 < full_lo) | (m0 + BLOCK_M - 1 > full_hi):  # a document's edge, the diagonal, the end
-                    pt = gl.where((offs_m[None, :] >= lo[:, None]) & (offs_m[None, :] <= hi[:, None]), pt, 0.0)
+            if HAS_DOCS:  # a document's edge, the diagonal, the end
+                pt = _mask_cut(pt, m0, lo, hi, full_lo, full_hi, 0.0, BLOCK_M, col_layout, True)
             elif CAUSAL:
                 if m0 < n0 + row0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
                     pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
@@ -260,30 +278,96 @@ def _key_blocks(START, END, m0, S, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
 
 
 @gluon.jit
-def _query_item(w, BOUNDS, S, H, B, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-    """Work item w of the persistent forward and dQ: (batch, query head, first query, first key block, key
-    blocks).
-    Items go by query block, the last (longest, when causal) first, every head of a block before the next."""
-    mb = gl.cdiv(S, BLOCK_M) - 1 - w // (B * H)
-    b = (w % (B * H)) // H
-    h = w % H
-    START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
-    END = BOUNDS + (B + b) * S
-    first, n_blocks = _key_blocks(START, END, mb * BLOCK_M, S, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, num_warps)
-    return b, h, mb * BLOCK_M, first, n_blocks
+def _item_coords(w, S, H, B, BLOCK_M: gl.constexpr):
+    """Work item w of the persistent forward and dQ: (batch, query head, first query). Items go by query block,
+    the last (longest, when causal) first, every head of a block before the next."""
+    m0 = (gl.cdiv(S, BLOCK_M) - 1 - w // (B * H)) * BLOCK_M
+    return (w % (B * H)) // H, w % H, m0
 
 
 @gluon.jit
-def _query_rings(STAGES: gl.constexpr, SPLIT: gl.constexpr):
-    """The persistent dQ's and forward's mbarriers: (ready, empty) of the two Q buffers, then of the K/V ring."""
+def _part_bounds(rows, lo, hi, r0, ROWS: gl.constexpr):
+    """_block_bounds of rows [r0, r0 + ROWS) among ``rows`` (the others neutral)."""
+    mine = (rows >= r0) & (rows < r0 + ROWS)
+    big = 1 << 30
+    return (gl.max(gl.where(mine, lo, -big), 0), gl.min(gl.where(mine, hi, big), 0),
+            gl.min(gl.where(mine, lo, big), 0), gl.max(gl.where(mine, hi, -big), 0))
+
+
+@gluon.jit
+def _store_item(rows_smem, meta_smem, qb, BOUNDS, b, B, S, m0, first, n_blocks, CAUSAL: gl.constexpr,
+                HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr):
+    """The producer's share of an item's set-up, stored with its Q so that no consumer waits on global loads or
+    cross-warp reductions between items: each row's visible keys [lo, hi] (rows_smem[2 qb], [2 qb + 1]) and 16
+    int32 (meta_smem[qb]): the key blocks (first, count), then per consumer of ROWS rows its block-level bounds
+    (_block_bounds)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    rows = gl.arange(0, BLOCK_M, layout=layout)
+    offs_m = m0 + rows
+    lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, offs_m < S, CAUSAL, HAS_DOCS)
+    rows_smem.index(2 * qb).store(lo)
+    rows_smem.index(2 * qb + 1).store(hi)
+    slot = gl.arange(0, 16, layout=layout)
+    meta = gl.where(slot == 0, first, n_blocks)
+    for c in gl.static_range(BLOCK_M // ROWS):
+        full_lo, full_hi, any_lo, any_hi = _part_bounds(rows, lo, hi, c * ROWS, ROWS)
+        meta = gl.where(slot == 2 + 4 * c, full_lo, meta)
+        meta = gl.where(slot == 3 + 4 * c, full_hi, meta)
+        meta = gl.where(slot == 4 + 4 * c, any_lo, meta)
+        meta = gl.where(slot == 5 + 4 * c, any_hi, meta)
+    meta_smem.index(qb).store(meta)
+
+
+@gluon.jit
+def _load_item(rows_smem, meta_smem, qb, row0: gl.constexpr, ROWS: gl.constexpr, row_layout: gl.constexpr,
+               WARPS: gl.constexpr):
+    """A consumer's view of what _store_item stored: (first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi)
+    for its rows [row0, row0 + ROWS)."""
+    layout: gl.constexpr = gl.BlockedLayout([16], [32], [WARPS], [0])  # every thread holds all 16
+    meta = meta_smem.index(qb).load(layout)
+    slot = gl.arange(0, 16, layout=layout)
+    c = 2 + 4 * (row0 // ROWS)
+    lo = rows_smem.index(2 * qb).slice(row0, ROWS).load(row_layout)
+    hi = rows_smem.index(2 * qb + 1).slice(row0, ROWS).load(row_layout)
+    return (gl.sum(gl.where(slot == 0, meta, 0), 0), gl.sum(gl.where(slot == 1, meta, 0), 0),
+            gl.sum(gl.where(slot == c, meta, 0), 0), gl.sum(gl.where(slot == c + 1, meta, 0), 0),
+            gl.sum(gl.where(slot == c + 2, meta, 0), 0), gl.sum(gl.where(slot == c + 3, meta, 0), 0), lo, hi)
+
+
+@gluon.jit
+def _item_bounds(BOUNDS, b, B, S, m0, offs_m, in_seq, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+    """Without packed documents, a consumer's (first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi) of an item,
+    computed without loads (with documents it reads what the producer stored: _load_item)."""
+    first, n_blocks = _key_blocks(BOUNDS, BOUNDS, m0, S, CAUSAL, False, BLOCK_M, BLOCK_N, WARPS)
+    lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL, False)
+    full_lo, full_hi, any_lo, any_hi = _block_bounds(lo, hi)  # the keys all / any of these rows see
+    return first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi
+
+
+@gluon.jit
+def _query_rings(STAGES: gl.constexpr, SPLIT: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """The persistent dQ's and forward's mbarriers: (ready, empty) of the two Q buffers (ready after the TMA's
+    expect, and with packed documents the producer's arrive, see _store_item), then of the K/V ring."""
+    Q_ARRIVALS: gl.constexpr = 2 if HAS_DOCS else 1
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _init_ring(q_ready, q_empty, 2, 1, SPLIT)
+    _init_ring(q_ready, q_empty, 2, Q_ARRIVALS, SPLIT)
     _init_ring(ready, empty, STAGES, 1, SPLIT)
     return q_ready, q_empty, ready, empty
+
+
+@gluon.jit
+def _item_buffers(BLOCK_M: gl.constexpr, HAS_DOCS: gl.constexpr):
+    """Per Q buffer, what _store_item stores: the rows' visible key ranges and 16 int32 of block counts and bounds
+    (a token size without documents, where nothing is stored: the shared memory laid out as before)."""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    ROWS_STORED: gl.constexpr = BLOCK_M if HAS_DOCS else 1
+    META: gl.constexpr = 16 if HAS_DOCS else 1
+    return (gl.allocate_shared_memory(gl.int32, [4, ROWS_STORED], layout),
+            gl.allocate_shared_memory(gl.int32, [2, META], layout))
 
 
 @gluon.jit
@@ -301,16 +385,19 @@ def _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL: gl.constexpr, HAS_DOC
 
 
 @gluon.jit
-def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
-                    BOUNDS, S, H, GROUP, B, n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WITH_DO: gl.constexpr):
+def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
+                    q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL: gl.constexpr,
+                    HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    WITH_DO: gl.constexpr, ROWS: gl.constexpr):
     """The persistent dQ's and forward's producer. Per work item: its queries' Q (and dO, ``WITH_DO``) into one of
-    two buffers once the consumers freed it, then its key blocks' K and V into the ring, running ahead into the
-    next item while the consumers finish this one."""
+    two buffers once the consumers freed it, with the item's set-up (_store_item), then its key blocks' K and V
+    into the ring, running ahead into the next item while the consumers finish this one."""
     t = 0  # key blocks loaded so far: the ring's position and phase
     i = 0  # items so far: the Q/dO buffer's position and phase
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, 1)
+        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
+        first, n_blocks = _key_blocks(BOUNDS + b * S, BOUNDS + (B + b) * S, m0, S, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
+                                      1)
         qb = i % 2
         mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # the first pass over a fresh buffer goes at once
         if WITH_DO:
@@ -322,6 +409,10 @@ def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_
         if WITH_DO:
             tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], q_ready.index(qb), do_smem.index(qb).reshape(
                 do_desc.block_type.shape))
+        if HAS_DOCS:  # (without, the consumers compute the item's bounds themselves, without loads)
+            _store_item(rows_smem, meta_smem, qb, BOUNDS, b, B, S, m0, first, n_blocks, CAUSAL, HAS_DOCS, BLOCK_M,
+                        ROWS)
+            mbarrier.arrive(q_ready.index(qb))  # the second arrival: the stores above are visible to the waiters
         for j in range(n_blocks):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
@@ -336,14 +427,15 @@ def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA, BOUNDS, S,
-                 H, B, n_items, row0, qk_scale, sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-                 STAGES: gl.constexpr, WARPS: gl.constexpr):
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2,
+                 DELTA, BOUNDS, S, H, B, n_items, row0, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                 HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """Per work item, dQ of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T and dP = dO V^T issued
     together, P = exp2(S - lse) while dP runs, dS = P (dP - delta), dQ += dS K with dS from registers. Query i
     sees the keys [lo[i], hi[i]]; a block inside every row's range is not masked. dQ leaves by TMA from the Q
-    buffer's rows it replaces; the buffer goes back to the producer once the store has read it."""
+    buffer's rows it replaces; the buffer goes back to the producer once the store has read it, checked only
+    after the next item's set-up."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_N)
     acc_layout: gl.constexpr = _mma_layout(WARPS, HEAD_DIM)
@@ -355,18 +447,26 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, WARPS)
+        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
+        # first read after the first S = Q K^T: these loads' latency hides behind the waits and that matmul
         lse2 = gl.load(LSE2 + (b * H + h) * S + offs_m, mask=in_seq, other=float("inf"))
         delta = gl.load(DELTA + (b * H + h) * S + offs_m, mask=in_seq, other=0.0)
-        lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL, HAS_DOCS)
-        full_lo, full_hi, any_lo, any_hi = _block_bounds(lo, hi)  # the keys all / any of these rows see
+        if not HAS_DOCS:
+            first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = _item_bounds(
+                BOUNDS, b, B, S, m0, offs_m, in_seq, CAUSAL, BLOCK_M, BLOCK_N, WARPS)
         qb = i % 2
         q_mine = q_smem.index(qb).slice(row0, ROWS)
         do_mine = do_smem.index(qb).slice(row0, ROWS)
         dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
         mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+        if HAS_DOCS:
+            first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = _load_item(rows_smem, meta_smem, qb, row0,
+                                                                                  ROWS, row_layout, WARPS)
+            if i > 0:  # short items: the previous item's dQ store was left to read its Q buffer till now
+                tma.store_wait(pendings=0)
+                mbarrier.arrive(q_empty.index(1 - qb))
         for j in range(n_blocks):
             s = t % STAGES
             n0 = (first + j) * BLOCK_N
@@ -376,9 +476,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty
                 dp_tok = warpgroup_mma(do_mine, v_smem.index(s).permute((1, 0)), dp, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
                 p = gl.exp2(sc * qk_scale - lse2[:, None])  # (ROWS, BLOCK_N)
-                if (n0 < full_lo) | (n0 + BLOCK_N - 1 > full_hi):  # the diagonal, a document's edge, the end
-                    offs_n = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-                    p = gl.where((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]), p, 0.0)
+                p = _mask_cut(p, n0, lo, hi, full_lo, full_hi, 0.0, BLOCK_N, col_layout, HAS_DOCS)  # diagonal, edges
                 dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
                 ds = p * (dp - delta[:, None])
                 dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_smem.index(s), dq, is_async=True)
@@ -391,9 +489,11 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty
         box: gl.constexpr = [1, 1, BLOCK_M, HEAD_DIM]  # Gluon reshapes a buffer, not a slice: reshape, then slice
         tma.async_copy_shared_to_global(dq_desc, [b, h, m0 + row0, 0],
                                         q_smem.index(qb).reshape(box).slice(row0, ROWS, dim=2))
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(q_empty.index(qb))
+        if not HAS_DOCS:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_empty.index(qb))
         i += 1
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -421,37 +521,38 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], smem)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
-    q_ready, q_empty, ready, empty = _query_rings(STAGES, SPLIT)
+    q_ready, q_empty, ready, empty = _query_rings(STAGES, SPLIT, HAS_DOCS)
+    rows_smem, meta_smem = _item_buffers(BLOCK_M, HAS_DOCS)
     n_items = gl.cdiv(S, BLOCK_M) * B * H
     if SPLIT:  # two consumer partitions of ROWS queries each, then the producer
         gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
-                            BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, ROWS, STAGES, num_warps)),
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
-                            BOUNDS, S, H, B, n_items, ROWS, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, ROWS, STAGES, num_warps)),
-            (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                               ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
-                               STAGES, True)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, ROWS, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+            (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem,
+                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL,
+                               HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
         ], [num_warps, 1], [240, 24])
     else:  # one consumer partition of all BLOCK_M queries, then the producer
         gl.warp_specialize([
-            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2, DELTA,
-                            BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, ROWS, STAGES, num_warps)),
-            (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                               ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
-                               STAGES, True)),
+            (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+            (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem,
+                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL,
+                               HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
         ], [1], [24])
 
 
 # ---------------------------------------------------------------------------------------------- forward
 @gluon.jit
-def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, o_desc, LSE, BOUNDS, S, H, B,
-                  n_items, qk_scale, row0, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-                  WARPS: gl.constexpr):
+def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty, o_desc, LSE,
+                  BOUNDS, S, H, B, n_items, qk_scale, row0, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                  STAGES: gl.constexpr, WARPS: gl.constexpr):
     """Per work item, O and the log-sum-exp of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T,
     the online softmax in registers, O += P V with P from registers. Query i sees the keys [lo[i], hi[i]]; a block
     inside every row's range is not masked, a block outside all of them is skipped. O leaves through this
@@ -467,17 +568,21 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0, first, n_blocks = _query_item(w, BOUNDS, S, H, B, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, WARPS)
+        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
-        lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL, HAS_DOCS)
-        full_lo, full_hi, any_lo, any_hi = _block_bounds(lo, hi)  # the keys all / any of these rows see
+        if not HAS_DOCS:
+            first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = _item_bounds(
+                BOUNDS, b, B, S, m0, offs_m, in_seq, CAUSAL, BLOCK_M, BLOCK_N, WARPS)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)  # running max, raw scores
         l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
         qb = i % 2
         q_mine = q_smem.index(qb).slice(row0, ROWS)
         mbarrier.wait(q_ready.index(qb), (i // 2) & 1)
+        if HAS_DOCS:
+            first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = _load_item(rows_smem, meta_smem, qb, row0,
+                                                                                  ROWS, row_layout, WARPS)
         for j in range(n_blocks):
             s = t % STAGES
             n0 = (first + j) * BLOCK_N
@@ -485,10 +590,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty
             if (n0 <= any_hi) & (n0 + BLOCK_N > any_lo):
                 s_tok = warpgroup_mma(q_mine, k_smem.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-                if (n0 < full_lo) | (n0 + BLOCK_N - 1 > full_hi):  # the diagonal, a document's edge, the end
-                    offs_n = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-                    sc = gl.where((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]), sc,
-                                  float("-inf"))
+                sc = _mask_cut(sc, n0, lo, hi, full_lo, full_hi, float("-inf"), BLOCK_N, col_layout, HAS_DOCS)
                 m_new = gl.maximum(m_i, gl.max(sc, 1))
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale  # a row masked so far: no NaN
                 p = gl.exp2(sc * qk_scale - m_use[:, None])  # (ROWS, BLOCK_N)
@@ -536,17 +638,19 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], smem)
     o_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], smem)
-    q_ready, q_empty, ready, empty = _query_rings(STAGES, True)
+    q_ready, q_empty, ready, empty = _query_rings(STAGES, True, HAS_DOCS)
+    rows_smem, meta_smem = _item_buffers(BLOCK_M, HAS_DOCS)
     n_items = gl.cdiv(S, BLOCK_M) * B * H
     gl.warp_specialize([
-        (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), q_ready, q_empty, ready, empty, o_desc, LSE,
-                         BOUNDS, S, H, B, n_items, qk_scale, 0, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
-                         STAGES, num_warps)),
-        (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(1), q_ready, q_empty, ready, empty, o_desc, LSE,
-                         BOUNDS, S, H, B, n_items, qk_scale, ROWS, CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS,
-                         STAGES, num_warps)),
-        (_query_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_ready, q_empty, ready,
-                           empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, False)),
+        (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), rows_smem, meta_smem, q_ready, q_empty,
+                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, n_items, qk_scale, 0, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+        (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(1), rows_smem, meta_smem, q_ready, q_empty,
+                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, n_items, qk_scale, ROWS, CAUSAL, HAS_DOCS,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+        (_query_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, rows_smem, meta_smem,
+                           q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M,
+                           BLOCK_N, STAGES, False, ROWS)),
     ], [num_warps, 1], [240, 24])
 
 
