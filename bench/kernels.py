@@ -175,10 +175,16 @@ def timed(fwd, fwd_bwd, q, k, v) -> dict:
 
 
 def loom_configs() -> dict:
-    """The configs loom's autotuner chose for the shape measured last."""
+    """The configs loom's autotuners chose for the shape measured last: the Triton kernels' and, on Hopper, the
+    Gluon kernels' (keys prefixed ``gluon_``; their candidates differ by 3-7% at some shapes, so a pick is worth
+    knowing when two runs disagree)."""
     from loom.kernels.attention import triton as T
 
-    return {kind: str(kernel.best_config) for kind, kernel in T._TUNED.items()}
+    configs = {kind: str(kernel.best_config) for kind, kernel in T._TUNED.items()}
+    hopper = T._hopper()
+    for kind, kernel in (hopper._TUNED.items() if hopper is not None else ()):
+        configs[f"gluon_{kind}"] = str(kernel.best_config)
+    return configs
 
 
 def measure_all(backends: list[str], q, k, v, causal, ids) -> dict:
