@@ -15,7 +15,9 @@ log-sum-exp and delta). Per query block, for the consumer's keys (rows):
 
 dQ and the forward are persistent: one program per SM walks work items (batch, head, query block), its producer
 loading an item's Q (and dO) into one of two buffers and the item's K/V blocks into the ring, running ahead into
-the next item while the consumers finish the current one. dQ per key block: S = Q K^T and dP = dO V^T, P, dS,
+the next item while the consumers finish the current one. With packed documents the producer also stores the
+item's set-up with its Q (the key-block range, each consumer's block bounds, each row's visible keys), so that no
+consumer waits on global loads or cross-warp reductions between items. dQ per key block: S = Q K^T and dP = dO V^T, P, dS,
 dQ += dS K (three matmuls). Forward per key block: S = Q K^T, the online softmax in registers, O += P V with P
 from registers; O leaves through a staging buffer by TMA.
 
