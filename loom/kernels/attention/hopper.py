@@ -17,9 +17,9 @@ dQ and the forward are persistent: one program per SM walks work items (batch, h
 loading an item's Q (and dO) into one of two buffers and the item's K/V blocks into the ring, running ahead into
 the next item while the consumers finish the current one. With packed documents the producer also stores the
 item's set-up with its Q (the key-block range, each consumer's block bounds, each row's visible keys), so that no
-consumer waits on global loads or cross-warp reductions between items. dQ per key block: S = Q K^T and dP = dO V^T, P, dS,
-dQ += dS K (three matmuls). Forward per key block: S = Q K^T, the online softmax in registers, O += P V with P
-from registers; O leaves through a staging buffer by TMA.
+consumer waits on global loads or cross-warp reductions between items. dQ per key block: S = Q K^T and
+dP = dO V^T, P, dS, dQ += dS K (three matmuls). Forward per key block: S = Q K^T, the online softmax in
+registers, O += P V with P from registers; O leaves through a staging buffer by TMA.
 
 Two layouts of the consumers: ``SPLIT=False``, one 8-warp partition owning the program's rows (its two
 warpgroups meet at one partition barrier per block, before the release); ``SPLIT=True``, two 4-warp partitions
@@ -280,11 +280,17 @@ def _key_blocks(START, END, m0, S, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
 
 
 @gluon.jit
-def _item_coords(w, S, H, B, BLOCK_M: gl.constexpr):
-    """Work item w of the persistent forward and dQ: (batch, query head, first query). Items go by query block,
-    the last (longest, when causal) first, every head of a block before the next."""
-    m0 = (gl.cdiv(S, BLOCK_M) - 1 - w // (B * H)) * BLOCK_M
-    return (w % (B * H)) // H, w % H, m0
+def _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M: gl.constexpr):
+    """Work item w of the persistent forward and dQ: (batch, query head, first query). The B * H (batch, head)
+    pairs go in groups of ITEM_HEADS, one group after the other (fewer heads at a time: less K/V to keep in L2);
+    within a group items go by query block, the last (longest, when causal) first, every head of the group before
+    the next block. ITEM_HEADS = B * H is one group: every head of a block before the next."""
+    n_mb = gl.cdiv(S, BLOCK_M)
+    g = w // (ITEM_HEADS * n_mb)
+    r = w - g * ITEM_HEADS * n_mb
+    heads = gl.minimum(ITEM_HEADS, B * H - g * ITEM_HEADS)  # the last group may hold fewer
+    bh = g * ITEM_HEADS + r % heads
+    return bh // H, bh % H, (n_mb - 1 - r // heads) * BLOCK_M
 
 
 @gluon.jit
@@ -388,7 +394,7 @@ def _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL: gl.constexpr, HAS_DOC
 
 @gluon.jit
 def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
-                    q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL: gl.constexpr,
+                    q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS, n_items, CAUSAL: gl.constexpr,
                     HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     WITH_DO: gl.constexpr, ROWS: gl.constexpr):
     """The persistent dQ's and forward's producer. Per work item: its queries' Q (and dO, ``WITH_DO``) into one of
@@ -397,7 +403,7 @@ def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_
     t = 0  # key blocks loaded so far: the ring's position and phase
     i = 0  # items so far: the Q/dO buffer's position and phase
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
+        b, h, m0 = _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M)
         first, n_blocks = _key_blocks(BOUNDS + b * S, BOUNDS + (B + b) * S, m0, S, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
                                       1)
         qb = i % 2
@@ -430,7 +436,7 @@ def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2,
-                 DELTA, BOUNDS, S, H, B, n_items, row0, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                 DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, row0, qk_scale, sm_scale, CAUSAL: gl.constexpr,
                  HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """Per work item, dQ of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T and dP = dO V^T issued
@@ -449,7 +455,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
+        b, h, m0 = _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M)
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
         # first read after the first S = Q K^T: these loads' latency hides behind the waits and that matmul
@@ -500,8 +506,8 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
 
 @gluon.jit
 def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh,
-                        sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale, CAUSAL: gl.constexpr,
-                        HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, ITEM_HEADS, S_KEY, qk_scale, sm_scale,
+                        CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: one program per SM walks work items (batch, head, query block)."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -529,30 +535,31 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
     if SPLIT:  # two consumer partitions of ROWS queries each, then the producer
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
-                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, 0, qk_scale, sm_scale,
+                            CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
-                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, ROWS, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, ROWS, qk_scale, sm_scale,
+                            CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
             (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem,
-                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL,
-                               HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
+                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS,
+                               n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
         ], [num_warps, 1], [240, 24])
     else:  # one consumer partition of all BLOCK_M queries, then the producer
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
-                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, 0, qk_scale, sm_scale,
+                            CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
             (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem,
-                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL,
-                               HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
+                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS,
+                               n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
         ], [1], [24])
 
 
 # ---------------------------------------------------------------------------------------------- forward
 @gluon.jit
 def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty, o_desc, LSE,
-                  BOUNDS, S, H, B, n_items, qk_scale, row0, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+                  BOUNDS, S, H, B, ITEM_HEADS, n_items, qk_scale, row0, CAUSAL: gl.constexpr,
+                  HAS_DOCS: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
                   STAGES: gl.constexpr, WARPS: gl.constexpr):
     """Per work item, O and the log-sum-exp of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T,
@@ -570,7 +577,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, rows_smem, meta_smem, q_ready,
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
+        b, h, m0 = _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M)
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
         if not HAS_DOCS:
@@ -620,9 +627,9 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, rows_smem, meta_smem, q_ready,
 
 @gluon.jit
 def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, S, H, GROUP,
-                     B, S_KEY, qk_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     B, ITEM_HEADS, S_KEY, qk_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: one program per SM walks work items (batch, head, query block); two consumer partitions of
     BLOCK_M // 2 queries each (``SPLIT`` must be set), one producer warp."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -645,14 +652,14 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
     n_items = gl.cdiv(S, BLOCK_M) * B * H
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), rows_smem, meta_smem, q_ready, q_empty,
-                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, n_items, qk_scale, 0, CAUSAL, HAS_DOCS,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, ITEM_HEADS, n_items, qk_scale, 0, CAUSAL,
+                         HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(1), rows_smem, meta_smem, q_ready, q_empty,
-                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, n_items, qk_scale, ROWS, CAUSAL, HAS_DOCS,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, ITEM_HEADS, n_items, qk_scale, ROWS, CAUSAL,
+                         HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
         (_query_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, rows_smem, meta_smem,
-                           q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M,
-                           BLOCK_N, STAGES, False, ROWS)),
+                           q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS, n_items, CAUSAL,
+                           HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, False, ROWS)),
     ], [num_warps, 1], [240, 24])
 
 
@@ -725,12 +732,23 @@ def _persistent_grid(q: torch.Tensor):
     return lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), )
 
 
-def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
+def l2_heads_per_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """(batch, head) pairs per item group such that the K and V they read (whole sequences, per KV head shared by
+    its query heads) fill at most half of the device's L2, as FlashAttention-3's tile scheduler groups heads."""
+    bsz, heads, seq, dim = q.shape
+    per_head = 2 * seq * dim * k.element_size() * k.shape[1] // heads  # K and V bytes per query head
+    l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
+    return max(1, min(bsz * heads, l2 // 2 // per_head))
+
+
+def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None,
+            heads_per_group: int | None = None) -> None:
     """Fill out (like q) and lse ((B, H, S) float32, natural log, -inf for a row that saw nothing) from q/k/v
-    (B, H, S, D); ``bounds`` and ``config`` as for ``dkdv``. Persistent: one program per SM."""
+    (B, H, S, D); ``bounds`` and ``config`` as for ``dkdv``. Persistent: one program per SM, walking the items of
+    ``heads_per_group`` (batch, head) pairs at a time (None: all of them, by query block; see _item_coords)."""
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], seq, heads, heads // k.shape[1],
-            bsz, seq_key, scale * LOG2E)
+            bsz, heads_per_group or bsz * heads, seq_key, scale * LOG2E)
     _launch("fwd", _persistent_grid(q), (q, k, v, out, lse), rest, causal, bounds, dim, config)
 
 
@@ -746,9 +764,10 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float,
             causal, bounds, dim, config)
 
 
-def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
-    """Fill grad_q (like q); the other arguments as for ``dkdv``."""
+def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, seq_key: int, config=None,
+       heads_per_group: int | None = None) -> None:
+    """Fill grad_q (like q); ``heads_per_group`` as for ``forward``, the other arguments as for ``dkdv``."""
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *grad_q.stride()[:3], seq, heads,
-            heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale)
+            heads // k.shape[1], bsz, heads_per_group or bsz * heads, seq_key, scale * LOG2E, scale)
     _launch("dq", _persistent_grid(q), (q, k, v, dout, lse2, delta, grad_q), rest, causal, bounds, dim, config)
