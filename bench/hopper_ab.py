@@ -1,15 +1,12 @@
-"""A/B of the Gluon Hopper attention kernels (loom/kernels/attention/hopper.py) in one process on the same inputs:
-per kernel (forward, dQ, dK/dV) and candidate config, the largest difference between the two sides' outputs, then
-ms per call of each, timed in ROUNDS rounds of alternating order (the fastest counts: identical code measured up
-to 6% apart between calls on the larger shapes, NOTES v18). The sides: another version of hopper.py (``--base``)
-against the working tree's, or (``--l2-groups``) the working tree's persistent forward and dQ walking all
-(batch, head) pairs by query block against walking them in groups sized to L2 (``hopper.l2_heads_per_group``).
+"""A/B of the Gluon Hopper attention kernels (loom/kernels/attention/hopper.py) against another version of that
+file, in one process on the same inputs: per kernel (forward, dQ, dK/dV) and candidate config, the largest
+difference between the two versions' outputs, then ms per call of each, timed in ROUNDS rounds of alternating
+order (the fastest counts: identical code measured up to 6% apart between calls on the larger shapes, NOTES v18).
 
     git show cc0ca83:loom/kernels/attention/hopper.py > base_hopper.py   # an untracked file travels to the device
     python bench/hopper_ab.py --base base_hopper.py --base-rev cc0ca83 --out bench/results/hopper_ab_h100.json
-    python bench/hopper_ab.py --l2-groups --out bench/results/hopper_l2_groups_h100.json
 
-Ratios are base ms ÷ new ms (above 1: the new side is faster), for the best config of each side.
+Ratios are base ms ÷ working-tree ms (above 1: the working tree is faster), for the best config of each side.
 """
 
 from __future__ import annotations
@@ -59,18 +56,16 @@ def inputs(d: int, hq: int, hkv: int, s: int, docs: bool) -> dict:
     return dict(q=q, k=k, v=v, do=do, bounds=bounds, scale=scale, lse2=lse2, delta=delta, seq_key=T._seq_key(s))
 
 
-def run(kind: str, side: tuple, config, x: dict) -> tuple:
-    """One call of kernel ``kind`` of ``side`` (module, keyword arguments of its forward and dQ) with a fixed
-    config: its outputs."""
-    module, kwargs = side
+def run(kind: str, module, config, x: dict) -> tuple:
+    """One call of kernel ``kind`` of ``module`` with a fixed config: its outputs."""
     q, k, v, do, bounds, scale, key = x["q"], x["k"], x["v"], x["do"], x["bounds"], x["scale"], x["seq_key"]
     if kind == "fwd":
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        module.forward(q, k, v, out, lse, True, bounds, scale, key, config=config, **kwargs)
+        module.forward(q, k, v, out, lse, True, bounds, scale, key, config=config)
         return out, lse
     if kind == "dq":
         dq = torch.empty_like(q)
-        module.dq(q, k, v, do, x["lse2"], x["delta"], dq, True, bounds, scale, key, config=config, **kwargs)
+        module.dq(q, k, v, do, x["lse2"], x["delta"], dq, True, bounds, scale, key, config=config)
         return (dq, )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     module.dkdv(q, k, v, do, x["lse2"], x["delta"], dk, dv, True, bounds, scale, key, config=config)
@@ -81,19 +76,16 @@ def max_diff(a: tuple, b: tuple) -> float:
     return max((s.float() - t.float()).abs().nan_to_num(0.0).max().item() for s, t in zip(a, b))
 
 
-def compare(shape: tuple, sides_of, kinds: list[str]) -> dict:
-    """One shape: output differences and ms of both sides (``sides_of(x)``: {"base": side, "new": side}), every
-    config of the working tree's candidates."""
-    from loom.kernels.attention import hopper
-
+def compare(shape: tuple, base, new, kinds: list[str]) -> dict:
+    """One shape: output differences and ms of both versions, every config of the working tree's candidates."""
     x = inputs(*shape)
-    sides = sides_of(x)
     fns, diffs = {}, {}
     for kind in kinds:
-        for config in hopper._CONFIGS[kind]:
-            diffs[f"{kind}{config}"] = max_diff(run(kind, sides["base"], config, x), run(kind, sides["new"], config, x))
-            for name, side in sides.items():
-                fns[f"{kind}_{name}{config}"] = lambda kind=kind, side=side, config=config: run(kind, side, config, x)
+        for config in new._CONFIGS[kind]:
+            diffs[f"{kind}{config}"] = max_diff(run(kind, base, config, x), run(kind, new, config, x))
+            for side, module in (("base", base), ("new", new)):
+                fns[f"{kind}_{side}{config}"] = lambda kind=kind, module=module, config=config: run(kind, module,
+                                                                                                      config, x)
     ms: dict[str, float] = {}
     for rnd in range(ROUNDS):
         for name in (list(fns) if rnd % 2 == 0 else list(reversed(fns))):
@@ -101,7 +93,7 @@ def compare(shape: tuple, sides_of, kinds: list[str]) -> dict:
             ms[name] = min(t, ms.get(name, t))
     d, hq, hkv, s, docs = shape
     row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs, "causal": True,
-           "sides": {name: side[1] for name, side in sides.items()}, "max_abs_diff": diffs, "ms": ms}
+           "max_abs_diff": diffs, "ms": ms}
     for kind in kinds:
         best = {side: min(t for name, t in ms.items() if name.startswith(f"{kind}_{side}")) for side in ("base", "new")}
         row[f"{kind}_base_over_new"] = best["base"] / best["new"]
@@ -110,33 +102,21 @@ def compare(shape: tuple, sides_of, kinds: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--base", default="", help="the other version of loom/kernels/attention/hopper.py")
-    p.add_argument("--l2-groups", action="store_true", help="the working tree's forward and dQ: default item order "
-                   "against (batch, head) groups sized to L2")
+    p.add_argument("--base", required=True, help="the other version of loom/kernels/attention/hopper.py")
     p.add_argument("--base-rev", default="unknown", help="the git revision --base was taken from (recorded)")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--shapes", default="", help="'d,hq,hkv,seq,docs;...' instead of SHAPES")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
     a = p.parse_args()
-    if bool(a.base) == a.l2_groups:
-        p.error("give one of --base FILE and --l2-groups")
     from loom.kernels.attention import hopper as new
 
-    if a.l2_groups:
-        def sides_of(x):
-            return {"base": (new, {}), "new": (new, {"heads_per_group": new.l2_heads_per_group(x["q"], x["k"])})}
-        kinds = [k for k in a.kinds.split(",") if k and k != "dkdv"]  # dK/dV is not persistent
-    else:
-        base = load_base(a.base)
-
-        def sides_of(x):
-            return {"base": (base, {}), "new": (new, {})}
-        kinds = [k for k in a.kinds.split(",") if k]
+    base = load_base(a.base)
+    kinds = [k for k in a.kinds.split(",") if k]
     shapes = [tuple(int(v) for v in item.split(",")) for item in a.shapes.split(";") if item] or SHAPES
     result = {"env": environment(a.commit, "python " + " ".join(sys.argv)), "base_rev": a.base_rev, "rows": []}
     for shape in shapes:
-        row = compare((*shape[:4], bool(shape[4])), sides_of, kinds)
+        row = compare((*shape[:4], bool(shape[4])), base, new, kinds)
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "ms"}), flush=True)
         if a.out:  # after every shape: a run cut short keeps what it measured
