@@ -5,6 +5,9 @@ order (the fastest counts: identical code measured up to 6% apart between calls 
 
     git show cc0ca83:loom/kernels/attention/hopper.py > base_hopper.py   # an untracked file travels to the device
     python bench/hopper_ab.py --base base_hopper.py --base-rev cc0ca83 --out bench/results/hopper_ab_h100.json
+    python bench/hopper_ab.py --persistent-dkdv --out bench/results/hopper_dkdv_persistent_h100.json
+
+``--persistent-dkdv``: the working tree's dK/dV kernel against its persistent variant (each side its own configs).
 
 Ratios are base ms ÷ working-tree ms (above 1: the working tree is faster), for the best config of each side.
 """
@@ -56,8 +59,10 @@ def inputs(d: int, hq: int, hkv: int, s: int, docs: bool) -> dict:
     return dict(q=q, k=k, v=v, do=do, bounds=bounds, scale=scale, lse2=lse2, delta=delta, seq_key=T._seq_key(s))
 
 
-def run(kind: str, module, config, x: dict) -> tuple:
-    """One call of kernel ``kind`` of ``module`` with a fixed config: its outputs."""
+def run(kind: str, side: tuple, config, x: dict) -> tuple:
+    """One call of kernel ``kind`` of ``side`` (module, keyword arguments of its dK/dV) with a fixed config: its
+    outputs."""
+    module, kwargs = side
     q, k, v, do, bounds, scale, key = x["q"], x["k"], x["v"], x["do"], x["bounds"], x["scale"], x["seq_key"]
     if kind == "fwd":
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -68,7 +73,7 @@ def run(kind: str, module, config, x: dict) -> tuple:
         module.dq(q, k, v, do, x["lse2"], x["delta"], dq, True, bounds, scale, key, config=config)
         return (dq, )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    module.dkdv(q, k, v, do, x["lse2"], x["delta"], dk, dv, True, bounds, scale, key, config=config)
+    module.dkdv(q, k, v, do, x["lse2"], x["delta"], dk, dv, True, bounds, scale, key, config=config, **kwargs)
     return dk, dv
 
 
@@ -76,16 +81,21 @@ def max_diff(a: tuple, b: tuple) -> float:
     return max((s.float() - t.float()).abs().nan_to_num(0.0).max().item() for s, t in zip(a, b))
 
 
-def compare(shape: tuple, base, new, kinds: list[str]) -> dict:
-    """One shape: output differences and ms of both versions, every config of the working tree's candidates."""
+def compare(shape: tuple, sides: dict, kinds: list[str]) -> dict:
+    """One shape: output differences and ms of both sides, every config of each side's candidates
+    (``sides[name]``: (module, dK/dV keyword arguments, {kind: configs} where they differ from the module's))."""
     x = inputs(*shape)
     fns, diffs = {}, {}
     for kind in kinds:
-        for config in new._CONFIGS[kind]:
-            diffs[f"{kind}{config}"] = max_diff(run(kind, base, config, x), run(kind, new, config, x))
-            for side, module in (("base", base), ("new", new)):
-                fns[f"{kind}_{side}{config}"] = lambda kind=kind, module=module, config=config: run(kind, module,
-                                                                                                      config, x)
+        configs = {name: side[2].get(kind, side[0]._CONFIGS[kind]) for name, side in sides.items()}
+        for config in configs["new"]:
+            same = config if config in configs["base"] else configs["base"][0]
+            diffs[f"{kind}{config}"] = max_diff(run(kind, sides["base"][:2], same, x),
+                                                run(kind, sides["new"][:2], config, x))
+        for name, side in sides.items():
+            for config in configs[name]:
+                fns[f"{kind}_{name}{config}"] = lambda kind=kind, side=side[:2], config=config: run(kind, side, config,
+                                                                                                      x)
     ms: dict[str, float] = {}
     for rnd in range(ROUNDS):
         for name in (list(fns) if rnd % 2 == 0 else list(reversed(fns))):
@@ -102,21 +112,28 @@ def compare(shape: tuple, base, new, kinds: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--base", required=True, help="the other version of loom/kernels/attention/hopper.py")
+    p.add_argument("--base", default="", help="the other version of loom/kernels/attention/hopper.py")
+    p.add_argument("--persistent-dkdv", action="store_true", help="dK/dV against its persistent variant")
     p.add_argument("--base-rev", default="unknown", help="the git revision --base was taken from (recorded)")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--shapes", default="", help="'d,hq,hkv,seq,docs;...' instead of SHAPES")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
     a = p.parse_args()
+    if bool(a.base) == a.persistent_dkdv:
+        p.error("give one of --base FILE and --persistent-dkdv")
     from loom.kernels.attention import hopper as new
 
-    base = load_base(a.base)
     kinds = [k for k in a.kinds.split(",") if k]
+    if a.persistent_dkdv:
+        sides = {"base": (new, {}, {}), "new": (new, {"persistent": True}, {"dkdv": new._CONFIGS["dkdv_p"]})}
+        kinds = ["dkdv"]
+    else:
+        sides = {"base": (load_base(a.base), {}, {}), "new": (new, {}, {})}
     shapes = [tuple(int(v) for v in item.split(",")) for item in a.shapes.split(";") if item] or SHAPES
     result = {"env": environment(a.commit, "python " + " ".join(sys.argv)), "base_rev": a.base_rev, "rows": []}
     for shape in shapes:
-        row = compare((*shape[:4], bool(shape[4])), base, new, kinds)
+        row = compare((*shape[:4], bool(shape[4])), sides, kinds)
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "ms"}), flush=True)
         if a.out:  # after every shape: a run cut short keeps what it measured

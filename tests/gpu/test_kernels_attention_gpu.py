@@ -324,6 +324,12 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
         hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config)
         torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"dk {config}")
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"dv {config}")
+    for config in [*hopper._CONFIGS["dkdv_p"], None]:  # the persistent variant (not dispatched): the same sums
+        gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config,
+                    persistent=True)
+        torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"persistent dk {config}")
+        torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"persistent dv {config}")
     for config in [*hopper._CONFIGS["dq"], None]:
         gq = torch.full_like(q, float("nan"))
         hopper.dq(q, k, v, do, lse2, delta, gq, causal, bounds, scale, T._seq_key(s), config=config)

@@ -17,9 +17,11 @@ dQ and the forward are persistent: one program per SM walks work items (batch, h
 loading an item's Q (and dO) into one of two buffers and the item's K/V blocks into the ring, running ahead into
 the next item while the consumers finish the current one. With packed documents the producer also stores the
 item's set-up with its Q (the key-block range, each consumer's block bounds, each row's visible keys), so that no
-consumer waits on global loads or cross-warp reductions between items. dQ per key block: S = Q K^T and dP = dO V^T, P, dS,
-dQ += dS K (three matmuls). Forward per key block: S = Q K^T, the online softmax in registers, O += P V with P
-from registers; O leaves through a staging buffer by TMA.
+consumer waits on global loads or cross-warp reductions between items. dQ per key block: S = Q K^T and
+dP = dO V^T, P, dS, dQ += dS K (three matmuls). Forward per key block: S = Q K^T, the online softmax in
+registers, O += P V with P from registers; O leaves through a staging buffer by TMA. A persistent dK/dV of the
+same kind exists for measuring (``dkdv(..., persistent=True)``: K/V double-buffered, each item's key ranges from
+the producer, results stored from the K/V rows while the next item starts); it is not dispatched.
 
 Two layouts of the consumers: ``SPLIT=False``, one 8-warp partition owning the program's rows (its two
 warpgroups meet at one partition barrier per block, before the release); ``SPLIT=True``, two 4-warp partitions
@@ -264,6 +266,198 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
         ], [1], [24])
 
 
+# ------------------------------------------------------------------------------------ persistent dK/dV
+@gluon.jit
+def _kv_item(w, HKV, B, BLOCK_N: gl.constexpr):
+    """Work item w of the persistent dK/dV: (batch, KV head, first key). Items go by key block, the first (seen by
+    the most queries, when causal) first, every (batch, KV head) pair of a block before the next."""
+    return (w % (B * HKV)) // HKV, w % HKV, (w // (B * HKV)) * BLOCK_N
+
+
+@gluon.jit
+def _store_kv_item(rows_smem, meta_smem, kb, BOUNDS, b, B, S, n0, first, n_blocks, CAUSAL: gl.constexpr,
+                   HAS_DOCS: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+    """The producer's share of a key block's set-up (as _store_item for queries): per key the queries that see it,
+    [lo, hi] (its document's, from the key on when causal; empty past S), and the block counts and bounds."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=layout)
+    in_seq = offs_n < S
+    if HAS_DOCS:
+        lo = gl.load(BOUNDS + b * S + offs_n, mask=in_seq, other=S)
+        hi = gl.load(BOUNDS + (B + b) * S + offs_n, mask=in_seq, other=-1)
+    else:
+        lo = offs_n * 0
+        hi = gl.where(in_seq, S - 1, -1)
+    if CAUSAL:
+        lo = gl.maximum(lo, offs_n)
+    _store_ranges(rows_smem, meta_smem, kb, lo, hi, first, n_blocks, BLOCK_N, ROWS)
+
+
+@gluon.jit
+def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                     rows_smem, meta_smem, kv_ready, kv_empty, ready, empty, LSE2, DELTA, BOUNDS, S, H, GROUP, B,
+                     n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr):
+    """Per item: its K and V into one of two buffers once the consumers freed it, with the item's set-up
+    (_store_kv_item), then for each query head of the group the query blocks into the ring as in _producer,
+    running ahead into the next item while the consumers finish this one."""
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    t = 0
+    i = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n0 = _kv_item(w, H // GROUP, B, BLOCK_N)
+        q_lo = n0 * 0
+        q_hi = n0 * 0 + S
+        if HAS_DOCS:
+            q_lo, q_hi = _documents_reach(BOUNDS + b * S, BOUNDS + (B + b) * S, n0, S, BLOCK_N, 1)
+        if CAUSAL:
+            q_lo = gl.maximum(q_lo, n0)
+        first = q_lo // BLOCK_M
+        n_blocks = gl.maximum(gl.cdiv(q_hi, BLOCK_M) - first, 0)
+        kb = i % 2
+        mbarrier.wait(kv_empty.index(kb), ((i // 2) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_ready.index(kb), k_smem.index(kb).reshape(
+            k_desc.block_type.shape))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_ready.index(kb), v_smem.index(kb).reshape(
+            v_desc.block_type.shape))
+        _store_kv_item(rows_smem, meta_smem, kb, BOUNDS, b, B, S, n0, first, n_blocks, CAUSAL, HAS_DOCS, BLOCK_N,
+                       ROWS)
+        mbarrier.arrive(kv_ready.index(kb))
+        for u in range(GROUP * n_blocks):
+            s = t % STAGES
+            h = hk * GROUP + u // n_blocks
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            m0 = (first + u % n_blocks) * BLOCK_M
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], ready.index(s), q_smem.index(s).reshape(
+                q_desc.block_type.shape))
+            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], ready.index(s), do_smem.index(s).reshape(
+                do_desc.block_type.shape))
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
+            in_seq = offs_m < S
+            lse_smem.index(s).store(gl.load(LSE2 + (b * H + h) * S + offs_m, mask=in_seq, other=0.0))
+            delta_smem.index(s).store(gl.load(DELTA + (b * H + h) * S + offs_m, mask=in_seq, other=0.0))
+            mbarrier.arrive(ready.index(s))
+            t += 1
+        i += 1
+
+
+@gluon.jit
+def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready, kv_empty,
+                     ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, row0, qk_scale, sm_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                     STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """Per item, dK, dV of keys [n0 + row0, n0 + row0 + ROWS) as _consumer computes them, with the key ranges and
+    block bounds from the producer; the results leave by TMA from the K / V rows they replace, and the K/V
+    buffer goes back to the producer once those stores have read it, checked at the next item's start."""
+    dtype: gl.constexpr = k_smem.dtype
+    st_layout: gl.constexpr = _mma_layout(WARPS, BLOCK_M)
+    acc_layout: gl.constexpr = _mma_layout(WARPS, HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # per query
+    row_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # per key
+    box: gl.constexpr = [1, 1, BLOCK_N, HEAD_DIM]
+    st = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=st_layout)
+    dpt = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=st_layout)
+    t = 0
+    i = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n0 = _kv_item(w, H // GROUP, B, BLOCK_N)
+        kb = i % 2
+        mbarrier.wait(kv_ready.index(kb), (i // 2) & 1)
+        first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = _load_item(rows_smem, meta_smem, kb, row0, ROWS,
+                                                                              row_layout, WARPS)
+        if i > 0:  # the previous item's dK/dV stores have read its K/V buffer: back to the producer
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(kv_empty.index(1 - kb))
+        k_mine = k_smem.index(kb).slice(row0, ROWS)
+        v_mine = v_smem.index(kb).slice(row0, ROWS)
+        dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+        for u in range(GROUP * n_blocks):
+            s = t % STAGES
+            m0 = (first + u % n_blocks) * BLOCK_M
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            if (m0 <= any_hi) & (m0 + BLOCK_M > any_lo):  # a block none of these keys' queries lie in: skipped
+                st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+                dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
+                lse2 = lse_smem.index(s).load(col_layout)
+                delta = delta_smem.index(s).load(col_layout)
+                st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+                pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
+                pt = _mask_cut(pt, m0, lo, hi, full_lo, full_hi, 0.0, BLOCK_M, col_layout, True)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
+                dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
+                dst = pt * (dpt - delta[None, :])
+                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
+                dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            mbarrier.arrive(empty.index(s))
+            t += 1
+        k_mine.store((dk * sm_scale).to(dtype))
+        v_mine.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + row0, 0],
+                                        k_smem.index(kb).reshape(box).slice(row0, ROWS, dim=2))
+        tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + row0, 0],
+                                        v_smem.index(kb).reshape(box).slice(row0, ROWS, dim=2))
+        i += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                              sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale,
+                              sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    """dK/dV made persistent (one program per SM over (batch, KV head, key block) items; two 4-warp consumers,
+    ``SPLIT`` must be set): K/V double-buffered and each item's key ranges stored by the producer, so that an
+    item's K/V loads, set-up and result stores overlap the neighbouring items' matmuls."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    ROWS: gl.constexpr = BLOCK_N // 2
+    HKV = H // GROUP
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    q_desc = tma.make_tensor_descriptor(Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4)
+    do_desc = tma.make_tensor_descriptor(DO, [B, H, S, HEAD_DIM], [sdob, sdoh, sdos, 1], [1, 1, BLOCK_M, HEAD_DIM],
+                                         smem4)
+    k_desc = tma.make_tensor_descriptor(K, [B, HKV, S, HEAD_DIM], [skb, skh, sks, 1], [1, 1, BLOCK_N, HEAD_DIM],
+                                        smem4)
+    v_desc = tma.make_tensor_descriptor(V, [B, HKV, S, HEAD_DIM], [svb, svh, svs, 1], [1, 1, BLOCK_N, HEAD_DIM],
+                                        smem4)
+    dk_desc = tma.make_tensor_descriptor(DK, [B, HKV, S, HEAD_DIM], [sdkb, sdkh, sdks, 1], [1, 1, ROWS, HEAD_DIM],
+                                         smem4)
+    dv_desc = tma.make_tensor_descriptor(DV, [B, HKV, S, HEAD_DIM], [sdvb, sdvh, sdvs, 1], [1, 1, ROWS, HEAD_DIM],
+                                         smem4)
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem)
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    rows_smem, meta_smem = _item_buffers(BLOCK_N, True)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    _init_ring(kv_ready, kv_empty, 2, 2, True)  # ready: the TMA's expect and the producer's arrive (the set-up)
+    _init_ring(ready, empty, STAGES, 2, True)  # ready: the TMA's expect and the producer's arrive (lse, delta)
+    n_items = gl.cdiv(S, BLOCK_N) * B * HKV
+    gl.warp_specialize([
+        (_dkdv_consumer_p, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready,
+                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, 0, qk_scale, sm_scale,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+        (_dkdv_consumer_p, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready,
+                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ROWS, qk_scale,
+                            sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+        (_dkdv_producer_p, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                            rows_smem, meta_smem, kv_ready, kv_empty, ready, empty, LSE2, DELTA, BOUNDS, S, H, GROUP,
+                            B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, ROWS)),
+    ], [num_warps, 1], [240, 24])
+
+
 # --------------------------------------------------------------------------------------------------- dQ
 @gluon.jit
 def _key_blocks(START, END, m0, S, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -304,9 +498,17 @@ def _store_item(rows_smem, meta_smem, qb, BOUNDS, b, B, S, m0, first, n_blocks, 
     int32 (meta_smem[qb]): the key blocks (first, count), then per consumer of ROWS rows its block-level bounds
     (_block_bounds)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    rows = gl.arange(0, BLOCK_M, layout=layout)
-    offs_m = m0 + rows
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=layout)
     lo, hi = _visible_keys(BOUNDS, b, B, S, offs_m, offs_m < S, CAUSAL, HAS_DOCS)
+    _store_ranges(rows_smem, meta_smem, qb, lo, hi, first, n_blocks, BLOCK_M, ROWS)
+
+
+@gluon.jit
+def _store_ranges(rows_smem, meta_smem, qb, lo, hi, first, n_blocks, BLOCK_M: gl.constexpr, ROWS: gl.constexpr):
+    """Per row [lo, hi] into rows_smem[2 qb], [2 qb + 1]; (first, n_blocks) and each consumer's block-level bounds
+    into meta_smem[qb] (see _store_item); one warp."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    rows = gl.arange(0, BLOCK_M, layout=layout)
     rows_smem.index(2 * qb).store(lo)
     rows_smem.index(2 * qb + 1).store(hi)
     slot = gl.arange(0, 16, layout=layout)
@@ -659,9 +861,11 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
 # (BLOCK_M, BLOCK_N, STAGES, SPLIT): candidates, chosen by autotuning on the first call of each key. SPLIT runs
 # two consumer partitions of 4 warps, otherwise one of 8; 64 rows (keys for dK/dV, queries for dQ) per warpgroup.
 _CONFIGS = {"dkdv": [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)],
+            "dkdv_p": [(64, 128, 2, True), (64, 128, 3, True)],  # persistent: two 4-warp consumers only
             "dq": [(128, 64, 2, True), (128, 64, 3, True)],  # 8-warp dQ: slower everywhere
             "fwd": [(128, 128, 2, True), (128, 64, 3, True), (128, 64, 4, True)]}
-_KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dq": _attn_bwd_dq_hopper, "fwd": _attn_fwd_hopper}
+_KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dkdv_p": _attn_bwd_dkdv_persistent, "dq": _attn_bwd_dq_hopper,
+            "fwd": _attn_fwd_hopper}
 _TUNED: dict = {}
 
 
@@ -669,7 +873,9 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, other: torch.Ten
     """Whether these kernels compute the call (``other``: dout for the backward, out for the forward): sm_90,
     16-bit, head dim 64/128, no window, documents only within one sequence (no ``key_bounds``), and
     TMA-compatible (16-byte aligned) bases and strides."""
-    if key_bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128):
+    if key_bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if q.shape[-1] not in (64, 128):
         return False
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
@@ -734,14 +940,21 @@ def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int,
     _launch("fwd", _persistent_grid(q), (q, k, v, out, lse), rest, causal, bounds, dim, config)
 
 
-def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
+def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None,
+         persistent: bool = False) -> None:
     """Fill dk, dv (like k, v) from q/k/v/dout (B, H, S, D), ``lse2`` (log-sum-exp in log2 units, +inf for a row
     that saw nothing) and ``delta`` (rowsum(O dO) - dLSE), both (B, H, S) float32; ``bounds``: None or the
     packed documents' per-token (first, last) index, (2, B, S) int32. ``config``: one fixed
-    (BLOCK_M, BLOCK_N, STAGES, SPLIT) instead of autotuning (benchmarks, tests)."""
+    (BLOCK_M, BLOCK_N, STAGES, SPLIT) instead of autotuning (benchmarks, tests). ``persistent``: the persistent
+    variant (_attn_bwd_dkdv_persistent; not dispatched, for measuring)."""
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], seq, heads, heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale)
+    if persistent:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        _launch("dkdv_p", lambda m, n: (min(sms, triton.cdiv(seq, n) * bsz * k.shape[1]), ),
+                (q, k, v, dout, lse2, delta, dk, dv), rest, causal, bounds, dim, config)
+        return
     _launch("dkdv", lambda m, n: (triton.cdiv(seq, n), bsz * k.shape[1]), (q, k, v, dout, lse2, delta, dk, dv), rest,
             causal, bounds, dim, config)
 
