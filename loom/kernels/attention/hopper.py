@@ -861,7 +861,7 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
 # (BLOCK_M, BLOCK_N, STAGES, SPLIT): candidates, chosen by autotuning on the first call of each key. SPLIT runs
 # two consumer partitions of 4 warps, otherwise one of 8; 64 rows (keys for dK/dV, queries for dQ) per warpgroup.
 _CONFIGS = {"dkdv": [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)],
-            "dkdv_p": [(64, 128, 2, True), (64, 128, 3, True)],  # persistent: two 4-warp consumers only
+            "dkdv_p": [(64, 128, 2, True)],  # persistent: two 4-warp consumers; 3 stages exceed 227 KB at d128
             "dq": [(128, 64, 2, True), (128, 64, 3, True)],  # 8-warp dQ: slower everywhere
             "fwd": [(128, 128, 2, True), (128, 64, 3, True), (128, 64, 4, True)]}
 _KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dkdv_p": _attn_bwd_dkdv_persistent, "dq": _attn_bwd_dq_hopper,
