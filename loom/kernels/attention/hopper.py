@@ -406,6 +406,19 @@ def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows
 
 
 @gluon.jit
+def _head_descriptors(Q, K, V, DO, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, S, H, HKV, B,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """4-D TMA descriptors of Q and dO ([batch, head, row, dim] boxes of BLOCK_M rows of one head) and of K and V
+    (BLOCK_N rows of one KV head); rows past S zero-filled on loads."""
+    smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return (tma.make_tensor_descriptor(Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4),
+            tma.make_tensor_descriptor(DO, [B, H, S, HEAD_DIM], [sdob, sdoh, sdos, 1], [1, 1, BLOCK_M, HEAD_DIM],
+                                       smem4),
+            tma.make_tensor_descriptor(K, [B, HKV, S, HEAD_DIM], [skb, skh, sks, 1], [1, 1, BLOCK_N, HEAD_DIM], smem4),
+            tma.make_tensor_descriptor(V, [B, HKV, S, HEAD_DIM], [svb, svh, svs, 1], [1, 1, BLOCK_N, HEAD_DIM], smem4))
+
+
+@gluon.jit
 def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                               sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale,
                               sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -419,13 +432,8 @@ def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh
     HKV = H // GROUP
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    q_desc = tma.make_tensor_descriptor(Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4)
-    do_desc = tma.make_tensor_descriptor(DO, [B, H, S, HEAD_DIM], [sdob, sdoh, sdos, 1], [1, 1, BLOCK_M, HEAD_DIM],
-                                         smem4)
-    k_desc = tma.make_tensor_descriptor(K, [B, HKV, S, HEAD_DIM], [skb, skh, sks, 1], [1, 1, BLOCK_N, HEAD_DIM],
-                                        smem4)
-    v_desc = tma.make_tensor_descriptor(V, [B, HKV, S, HEAD_DIM], [svb, svh, svs, 1], [1, 1, BLOCK_N, HEAD_DIM],
-                                        smem4)
+    q_desc, do_desc, k_desc, v_desc = _head_descriptors(Q, K, V, DO, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                                                        sdob, sdoh, sdos, S, H, HKV, B, HEAD_DIM, BLOCK_M, BLOCK_N)
     dk_desc = tma.make_tensor_descriptor(DK, [B, HKV, S, HEAD_DIM], [sdkb, sdkh, sdks, 1], [1, 1, ROWS, HEAD_DIM],
                                          smem4)
     dv_desc = tma.make_tensor_descriptor(DV, [B, HKV, S, HEAD_DIM], [sdvb, sdvh, sdvs, 1], [1, 1, ROWS, HEAD_DIM],
@@ -712,13 +720,8 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     # [batch, head, row, dim] boxes of one head: rows past S zero-filled on loads and clipped on stores
-    q_desc = tma.make_tensor_descriptor(Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4)
-    do_desc = tma.make_tensor_descriptor(DO, [B, H, S, HEAD_DIM], [sdob, sdoh, sdos, 1], [1, 1, BLOCK_M, HEAD_DIM],
-                                         smem4)
-    k_desc = tma.make_tensor_descriptor(K, [B, HKV, S, HEAD_DIM], [skb, skh, sks, 1], [1, 1, BLOCK_N, HEAD_DIM],
-                                        smem4)
-    v_desc = tma.make_tensor_descriptor(V, [B, HKV, S, HEAD_DIM], [svb, svh, svs, 1], [1, 1, BLOCK_N, HEAD_DIM],
-                                        smem4)
+    q_desc, do_desc, k_desc, v_desc = _head_descriptors(Q, K, V, DO, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                                                        sdob, sdoh, sdos, S, H, HKV, B, HEAD_DIM, BLOCK_M, BLOCK_N)
     dq_desc = tma.make_tensor_descriptor(DQ, [B, H, S, HEAD_DIM], [sdqb, sdqh, sdqs, 1], [1, 1, ROWS, HEAD_DIM],
                                          smem4)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], smem)
