@@ -170,23 +170,16 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         m0 = (first + t % n_blocks) * BLOCK_M
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         if (m0 <= any_hi) & (m0 + BLOCK_M > any_lo):  # a block none of these keys' queries lie in: skipped
-            st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
-            dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
-            offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
-            lse2 = lse_smem.index(s).load(col_layout)
-            delta = delta_smem.index(s).load(col_layout)
-            st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-            pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
-            if HAS_DOCS:  # a document's edge, the diagonal, the end
-                pt = _mask_cut(pt, m0, lo, hi, full_lo, full_hi, 0.0, BLOCK_M, col_layout, True)
-            elif CAUSAL:
-                if m0 < n0 + row0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
-                    pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
-            dst = pt * (dpt - delta[None, :])
-            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
-            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            if HAS_DOCS:
+                st, dpt, dk, dv = _dkdv_block(k_mine, v_mine, q_smem.index(s), do_smem.index(s), lse_smem.index(s),
+                                              delta_smem.index(s), st, dpt, dk, dv, m0, n0 + row0, offs_n, lo, hi,
+                                              full_lo, full_hi, qk_scale, CAUSAL, True, BLOCK_M, ROWS, col_layout,
+                                              a_layout)
+            else:  # no per-key ranges (the block bounds stand in for them, unused)
+                st, dpt, dk, dv = _dkdv_block(k_mine, v_mine, q_smem.index(s), do_smem.index(s), lse_smem.index(s),
+                                              delta_smem.index(s), st, dpt, dk, dv, m0, n0 + row0, offs_n, any_lo,
+                                              any_hi, any_lo, any_hi, qk_scale, CAUSAL, False, BLOCK_M, ROWS,
+                                              col_layout, a_layout)
         mbarrier.arrive(empty.index(s))
     # these keys' K and V are no longer read: their rows stage the results for the TMA stores (rows past S clipped)
     k_mine.store((dk * sm_scale).to(dtype))
@@ -195,6 +188,35 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     tma.async_copy_shared_to_global(dk_desc, [n0 + row0, 0], k_mine)
     tma.async_copy_shared_to_global(dv_desc, [n0 + row0, 0], v_mine)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dkdv_block(k_mine, v_mine, q_s, do_s, lse_s, delta_s, st, dpt, dk, dv, m0, key0, offs_n, lo, hi, full_lo,
+                full_hi, qk_scale, CAUSAL: gl.constexpr, RANGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                ROWS: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr):
+    """One query block's share of dK, dV for a consumer's keys (rows key0 + i, ``offs_n``) from one ring slot (Q,
+    dO, their log-sum-exp and delta): returns (S^T, dP^T, dK, dV), the first two for the next block's registers.
+    ``RANGES``: mask by each key's visible query range [lo, hi] where the block is cut; otherwise only a causal
+    diagonal block (lo, hi and the bounds unused; with ranges offs_n is unused)."""
+    dtype: gl.constexpr = k_mine.dtype
+    st_tok = warpgroup_mma(k_mine, q_s.permute((1, 0)), st, use_acc=False, is_async=True)
+    dpt_tok = warpgroup_mma(v_mine, do_s.permute((1, 0)), dpt, use_acc=False, is_async=True)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+    lse2 = lse_s.load(col_layout)
+    delta = delta_s.load(col_layout)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+    pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
+    if RANGES:  # a document's edge, the diagonal, the end
+        pt = _mask_cut(pt, m0, lo, hi, full_lo, full_hi, 0.0, BLOCK_M, col_layout, True)
+    elif CAUSAL:
+        if m0 < key0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
+            pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
+    dst = pt * (dpt - delta[None, :])
+    dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_s, dk, is_async=True)
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    return st, dpt, dk, dv
 
 
 @gluon.jit
@@ -380,18 +402,10 @@ def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows
             m0 = (first + u % n_blocks) * BLOCK_M
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             if (m0 <= any_hi) & (m0 + BLOCK_M > any_lo):  # a block none of these keys' queries lie in: skipped
-                st_tok = warpgroup_mma(k_mine, q_smem.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
-                dpt_tok = warpgroup_mma(v_mine, do_smem.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
-                lse2 = lse_smem.index(s).load(col_layout)
-                delta = delta_smem.index(s).load(col_layout)
-                st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
-                pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
-                pt = _mask_cut(pt, m0, lo, hi, full_lo, full_hi, 0.0, BLOCK_M, col_layout, True)
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(s), dv, is_async=True)
-                dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
-                dst = pt * (dpt - delta[None, :])
-                dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_smem.index(s), dk, is_async=True)
-                dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+                st, dpt, dk, dv = _dkdv_block(k_mine, v_mine, q_smem.index(s), do_smem.index(s), lse_smem.index(s),
+                                              delta_smem.index(s), st, dpt, dk, dv, m0, n0 + row0, lo, lo, hi,
+                                              full_lo, full_hi, qk_scale, True, True, BLOCK_M, ROWS, col_layout,
+                                              a_layout)
             mbarrier.arrive(empty.index(s))
             t += 1
         k_mine.store((dk * sm_scale).to(dtype))
