@@ -1,15 +1,18 @@
-"""A/B of the Gluon Hopper attention kernels (loom/kernels/attention/hopper.py) against another version of that
-file, in one process on the same inputs: per kernel (forward, dQ, dK/dV) and candidate config, the largest
-difference between the two versions' outputs, then ms per call of each, timed in ROUNDS rounds of alternating
-order (the fastest counts: identical code measured up to 6% apart between calls on the larger shapes, NOTES v18).
+"""A/B of the Gluon Hopper attention kernels (loom/kernels/attention/hopper.py) in one process on the same inputs:
+per kernel (forward, dQ, dK/dV) and candidate config, the largest difference between the two sides' outputs, then
+ms per call of each, timed in ROUNDS rounds of alternating order (the fastest counts: identical code measured up
+to 6% apart between calls on the larger shapes, NOTES v18). The sides: another version of hopper.py (``--base``)
+against the working tree's, or (``--l2-groups``) the working tree's persistent forward and dQ walking all
+(batch, head) pairs by query block against walking them in groups sized to L2 (``hopper.l2_heads_per_group``).
 
     git show cc0ca83:loom/kernels/attention/hopper.py > base_hopper.py   # an untracked file travels to the device
     python bench/hopper_ab.py --base base_hopper.py --base-rev cc0ca83 --out bench/results/hopper_ab_h100.json
     python bench/hopper_ab.py --persistent-dkdv --out bench/results/hopper_dkdv_persistent_h100.json
+    python bench/hopper_ab.py --l2-groups --out bench/results/hopper_l2_groups_h100.json
 
 ``--persistent-dkdv``: the working tree's dK/dV kernel against its persistent variant (each side its own configs).
 
-Ratios are base ms ÷ working-tree ms (above 1: the working tree is faster), for the best config of each side.
+Ratios are base ms ÷ new ms (above 1: the new side is faster), for the best config of each side.
 """
 
 from __future__ import annotations
@@ -60,17 +63,17 @@ def inputs(d: int, hq: int, hkv: int, s: int, docs: bool) -> dict:
 
 
 def run(kind: str, side: tuple, config, x: dict) -> tuple:
-    """One call of kernel ``kind`` of ``side`` (module, keyword arguments of its dK/dV) with a fixed config: its
+    """One call of kernel ``kind`` of ``side`` (module, keyword arguments of that kernel) with a fixed config: its
     outputs."""
     module, kwargs = side
     q, k, v, do, bounds, scale, key = x["q"], x["k"], x["v"], x["do"], x["bounds"], x["scale"], x["seq_key"]
     if kind == "fwd":
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        module.forward(q, k, v, out, lse, True, bounds, scale, key, config=config)
+        module.forward(q, k, v, out, lse, True, bounds, scale, key, config=config, **kwargs)
         return out, lse
     if kind == "dq":
         dq = torch.empty_like(q)
-        module.dq(q, k, v, do, x["lse2"], x["delta"], dq, True, bounds, scale, key, config=config)
+        module.dq(q, k, v, do, x["lse2"], x["delta"], dq, True, bounds, scale, key, config=config, **kwargs)
         return (dq, )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     module.dkdv(q, k, v, do, x["lse2"], x["delta"], dk, dv, True, bounds, scale, key, config=config, **kwargs)
@@ -81,10 +84,12 @@ def max_diff(a: tuple, b: tuple) -> float:
     return max((s.float() - t.float()).abs().nan_to_num(0.0).max().item() for s, t in zip(a, b))
 
 
-def compare(shape: tuple, sides: dict, kinds: list[str]) -> dict:
+def compare(shape: tuple, sides_of, kinds: list[str]) -> dict:
     """One shape: output differences and ms of both sides, every config of each side's candidates
-    (``sides[name]``: (module, dK/dV keyword arguments, {kind: configs} where they differ from the module's))."""
+    (``sides_of(x)[name]``: (module, kernel keyword arguments, {kind: configs} where they differ from the
+    module's))."""
     x = inputs(*shape)
+    sides = sides_of(x)
     fns, diffs = {}, {}
     for kind in kinds:
         configs = {name: side[2].get(kind, side[0]._CONFIGS[kind]) for name, side in sides.items()}
@@ -103,7 +108,7 @@ def compare(shape: tuple, sides: dict, kinds: list[str]) -> dict:
             ms[name] = min(t, ms.get(name, t))
     d, hq, hkv, s, docs = shape
     row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs, "causal": True,
-           "max_abs_diff": diffs, "ms": ms}
+           "sides": {name: side[1] for name, side in sides.items()}, "max_abs_diff": diffs, "ms": ms}
     for kind in kinds:
         best = {side: min(t for name, t in ms.items() if name.startswith(f"{kind}_{side}")) for side in ("base", "new")}
         row[f"{kind}_base_over_new"] = best["base"] / best["new"]
@@ -114,26 +119,37 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--base", default="", help="the other version of loom/kernels/attention/hopper.py")
     p.add_argument("--persistent-dkdv", action="store_true", help="dK/dV against its persistent variant")
+    p.add_argument("--l2-groups", action="store_true", help="the working tree's forward and dQ: default item order "
+                   "against (batch, head) groups sized to L2")
     p.add_argument("--base-rev", default="unknown", help="the git revision --base was taken from (recorded)")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--shapes", default="", help="'d,hq,hkv,seq,docs;...' instead of SHAPES")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
     a = p.parse_args()
-    if bool(a.base) == a.persistent_dkdv:
-        p.error("give one of --base FILE and --persistent-dkdv")
+    if bool(a.base) + a.persistent_dkdv + a.l2_groups != 1:
+        p.error("give one of --base FILE, --persistent-dkdv and --l2-groups")
     from loom.kernels.attention import hopper as new
 
     kinds = [k for k in a.kinds.split(",") if k]
     if a.persistent_dkdv:
-        sides = {"base": (new, {}, {}), "new": (new, {"persistent": True}, {"dkdv": new._CONFIGS["dkdv_p"]})}
+        def sides_of(x):
+            return {"base": (new, {}, {}), "new": (new, {"persistent": True}, {"dkdv": new._CONFIGS["dkdv_p"]})}
         kinds = ["dkdv"]
+    elif a.l2_groups:
+        def sides_of(x):
+            return {"base": (new, {}, {}),
+                    "new": (new, {"heads_per_group": new.l2_heads_per_group(x["q"], x["k"])}, {})}
+        kinds = [k for k in kinds if k != "dkdv"]  # the item groups are the forward's and dQ's
     else:
-        sides = {"base": (load_base(a.base), {}, {}), "new": (new, {}, {})}
+        base = load_base(a.base)
+
+        def sides_of(x):
+            return {"base": (base, {}, {}), "new": (new, {}, {})}
     shapes = [tuple(int(v) for v in item.split(",")) for item in a.shapes.split(";") if item] or SHAPES
     result = {"env": environment(a.commit, "python " + " ".join(sys.argv)), "base_rev": a.base_rev, "rows": []}
     for shape in shapes:
-        row = compare((*shape[:4], bool(shape[4])), sides, kinds)
+        row = compare((*shape[:4], bool(shape[4])), sides_of, kinds)
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "ms"}), flush=True)
         if a.out:  # after every shape: a run cut short keeps what it measured

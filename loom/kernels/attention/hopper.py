@@ -496,11 +496,25 @@ def _key_blocks(START, END, m0, S, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
 
 
 @gluon.jit
-def _item_coords(w, S, H, B, BLOCK_M: gl.constexpr):
-    """Work item w of the persistent forward and dQ: (batch, query head, first query). Items go by query block,
-    the last (longest, when causal) first, every head of a block before the next."""
-    m0 = (gl.cdiv(S, BLOCK_M) - 1 - w // (B * H)) * BLOCK_M
-    return (w % (B * H)) // H, w % H, m0
+def _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M: gl.constexpr, GROUPED: gl.constexpr):
+    """Work item w of the persistent forward and dQ: (batch, query head, first query). Items go by query block, the
+    last (longest, when causal) first, every (batch, head) pair of a block before the next. ``GROUPED``: the B * H
+    pairs go in groups of ITEM_HEADS, one group after the other (fewer heads at a time: less K/V to keep in L2),
+    each group in that order (the last group may hold fewer pairs)."""
+    if GROUPED:
+        n_mb = gl.cdiv(S, BLOCK_M)
+        g = w // (ITEM_HEADS * n_mb)
+        r = w - g * ITEM_HEADS * n_mb
+        heads = gl.minimum(ITEM_HEADS, B * H - g * ITEM_HEADS)
+        bh = g * ITEM_HEADS + r % heads
+        b = bh // H
+        h = bh % H
+        m0 = (n_mb - 1 - r // heads) * BLOCK_M
+    else:
+        b = (w % (B * H)) // H
+        h = w % H
+        m0 = (gl.cdiv(S, BLOCK_M) - 1 - w // (B * H)) * BLOCK_M
+    return b, h, m0
 
 
 @gluon.jit
@@ -612,16 +626,16 @@ def _visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL: gl.constexpr, HAS_DOC
 
 @gluon.jit
 def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
-                    q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL: gl.constexpr,
+                    q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS, n_items, CAUSAL: gl.constexpr,
                     HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    WITH_DO: gl.constexpr, ROWS: gl.constexpr):
+                    WITH_DO: gl.constexpr, ROWS: gl.constexpr, GROUPED: gl.constexpr):
     """The persistent dQ's and forward's producer. Per work item: its queries' Q (and dO, ``WITH_DO``) into one of
     two buffers once the consumers freed it, with the item's set-up (_store_item), then its key blocks' K and V
     into the ring, running ahead into the next item while the consumers finish this one."""
     t = 0  # key blocks loaded so far: the ring's position and phase
     i = 0  # items so far: the Q/dO buffer's position and phase
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
+        b, h, m0 = _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M, GROUPED)
         first, n_blocks = _key_blocks(BOUNDS + b * S, BOUNDS + (B + b) * S, m0, S, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
                                       1)
         qb = i % 2
@@ -654,9 +668,9 @@ def _query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty, dq_desc, LSE2,
-                 DELTA, BOUNDS, S, H, B, n_items, row0, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                 DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, row0, qk_scale, sm_scale, CAUSAL: gl.constexpr,
                  HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+                 ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GROUPED: gl.constexpr):
     """Per work item, dQ of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T and dP = dO V^T issued
     together, P = exp2(S - lse) while dP runs, dS = P (dP - delta), dQ += dS K with dS from registers. Query i
     sees the keys [lo[i], hi[i]]; a block inside every row's range is not masked. dQ leaves by TMA from the Q
@@ -673,7 +687,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
+        b, h, m0 = _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M, GROUPED)
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
         # first read after the first S = Q K^T: these loads' latency hides behind the waits and that matmul
@@ -724,9 +738,10 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
 
 @gluon.jit
 def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh,
-                        sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale, CAUSAL: gl.constexpr,
-                        HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+                        sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale, ITEM_HEADS,
+                        CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, GROUPED: gl.constexpr,
+                        num_warps: gl.constexpr):
     """Persistent: one program per SM walks work items (batch, head, query block)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M
@@ -748,32 +763,32 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb
     if SPLIT:  # two consumer partitions of ROWS queries each, then the producer
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
-                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, 0, qk_scale, sm_scale,
+                            CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps, GROUPED)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
-                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, ROWS, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, ROWS, qk_scale, sm_scale,
+                            CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps, GROUPED)),
             (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem,
-                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL,
-                               HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
+                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS,
+                               n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS, GROUPED)),
         ], [num_warps, 1], [240, 24])
     else:  # one consumer partition of all BLOCK_M queries, then the producer
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty,
-                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, n_items, 0, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                            dq_desc, LSE2, DELTA, BOUNDS, S, H, B, ITEM_HEADS, n_items, 0, qk_scale, sm_scale,
+                            CAUSAL, HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps, GROUPED)),
             (_query_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem,
-                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL,
-                               HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS)),
+                               meta_smem, q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS,
+                               n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, True, ROWS, GROUPED)),
         ], [1], [24])
 
 
 # ---------------------------------------------------------------------------------------------- forward
 @gluon.jit
 def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, rows_smem, meta_smem, q_ready, q_empty, ready, empty, o_desc, LSE,
-                  BOUNDS, S, H, B, n_items, qk_scale, row0, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-                  STAGES: gl.constexpr, WARPS: gl.constexpr):
+                  BOUNDS, S, H, B, ITEM_HEADS, n_items, qk_scale, row0, CAUSAL: gl.constexpr,
+                  HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  ROWS: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GROUPED: gl.constexpr):
     """Per work item, O and the log-sum-exp of queries [m0 + row0, m0 + row0 + ROWS): per key block S = Q K^T,
     the online softmax in registers, O += P V with P from registers. Query i sees the keys [lo[i], hi[i]]; a block
     inside every row's range is not masked, a block outside all of them is skipped. O leaves through this
@@ -789,7 +804,7 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, rows_smem, meta_smem, q_ready,
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m0 = _item_coords(w, S, H, B, BLOCK_M)
+        b, h, m0 = _item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M, GROUPED)
         offs_m = m0 + row0 + gl.arange(0, ROWS, layout=row_layout)
         in_seq = offs_m < S
         if not HAS_DOCS:
@@ -839,9 +854,9 @@ def _fwd_consumer(q_smem, k_smem, v_smem, o_smem, rows_smem, meta_smem, q_ready,
 
 @gluon.jit
 def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, S, H, GROUP,
-                     B, S_KEY, qk_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     B, S_KEY, qk_scale, ITEM_HEADS, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     SPLIT: gl.constexpr, GROUPED: gl.constexpr, num_warps: gl.constexpr):
     """Persistent: one program per SM walks work items (batch, head, query block); two consumer partitions of
     BLOCK_M // 2 queries each (``SPLIT`` must be set), one producer warp."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -864,14 +879,14 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
     n_items = gl.cdiv(S, BLOCK_M) * B * H
     gl.warp_specialize([
         (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(0), rows_smem, meta_smem, q_ready, q_empty,
-                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, n_items, qk_scale, 0, CAUSAL, HAS_DOCS,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, ITEM_HEADS, n_items, qk_scale, 0, CAUSAL,
+                         HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps, GROUPED)),
         (_fwd_consumer, (q_smem, k_smem, v_smem, o_smem.index(1), rows_smem, meta_smem, q_ready, q_empty,
-                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, n_items, qk_scale, ROWS, CAUSAL, HAS_DOCS,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+                         ready, empty, o_desc, LSE, BOUNDS, S, H, B, ITEM_HEADS, n_items, qk_scale, ROWS, CAUSAL,
+                         HAS_DOCS, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps, GROUPED)),
         (_query_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, rows_smem, meta_smem,
-                           q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, n_items, CAUSAL, HAS_DOCS, BLOCK_M,
-                           BLOCK_N, STAGES, False, ROWS)),
+                           q_ready, q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS, n_items, CAUSAL,
+                           HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, False, ROWS, GROUPED)),
     ], [num_warps, 1], [240, 24])
 
 
@@ -922,13 +937,14 @@ def _config(m: int, n: int, stages: int, split: bool) -> triton.Config:
                          num_stages=1)
 
 
-def _launch(kind: str, grid_of, tensors, rest, causal: bool, bounds, dim: int, config) -> None:
+def _launch(kind: str, grid_of, tensors, rest, causal: bool, bounds, dim: int, config, **extra) -> None:
     """Run kernel ``kind`` on (*tensors, bounds, *rest), autotuned (``config`` None) or with one fixed
-    (BLOCK_M, BLOCK_N, STAGES, SPLIT); ``grid_of(BLOCK_M, BLOCK_N)`` gives the grid."""
+    (BLOCK_M, BLOCK_N, STAGES, SPLIT); ``grid_of(BLOCK_M, BLOCK_N)`` gives the grid; ``extra``: more of the
+    kernel's compile-time arguments."""
     triton.set_allocator(_allocator)  # device-side TMA descriptors live in a per-launch scratch buffer
     table = bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=tensors[0].device)
     args = (*tensors, table, *rest)
-    consts = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, HEAD_DIM=dim)
+    consts = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, HEAD_DIM=dim, **extra)
     if config is None:
         if kind not in _TUNED:
             _TUNED[kind] = triton.autotune(configs=[_config(*c) for c in _CONFIGS[kind]],
@@ -948,13 +964,33 @@ def _persistent_grid(q: torch.Tensor):
     return lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), )
 
 
-def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
+def _grouped(heads_per_group: int | None, pairs: int) -> bool:
+    """Whether the items go in groups of (batch, head) pairs (otherwise the kernels compile as measured before the
+    option existed)."""
+    if heads_per_group is not None and heads_per_group < 1:
+        raise ValueError(f"heads_per_group must be >= 1, got {heads_per_group}")
+    return heads_per_group is not None and heads_per_group < pairs
+
+
+def l2_heads_per_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """(batch, head) pairs per item group such that the K and V they read (whole sequences, per KV head shared by
+    its query heads) fill at most half of the device's L2, as FlashAttention-3's tile scheduler groups heads."""
+    bsz, heads, seq, dim = q.shape
+    per_head = 2 * seq * dim * k.element_size() * k.shape[1] // heads  # K and V bytes per query head
+    l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
+    return max(1, min(bsz * heads, l2 // 2 // per_head))
+
+
+def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None,
+            heads_per_group: int | None = None) -> None:
     """Fill out (like q) and lse ((B, H, S) float32, natural log, -inf for a row that saw nothing) from q/k/v
-    (B, H, S, D); ``bounds`` and ``config`` as for ``dkdv``. Persistent: one program per SM."""
+    (B, H, S, D); ``bounds`` and ``config`` as for ``dkdv``. Persistent: one program per SM, walking the items of
+    ``heads_per_group`` (batch, head) pairs at a time (None: all of them, by query block; see _item_coords)."""
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], seq, heads, heads // k.shape[1],
-            bsz, seq_key, scale * LOG2E)
-    _launch("fwd", _persistent_grid(q), (q, k, v, out, lse), rest, causal, bounds, dim, config)
+            bsz, seq_key, scale * LOG2E, heads_per_group or bsz * heads)
+    _launch("fwd", _persistent_grid(q), (q, k, v, out, lse), rest, causal, bounds, dim, config,
+            GROUPED=_grouped(heads_per_group, bsz * heads))
 
 
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None,
@@ -976,9 +1012,11 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float,
             causal, bounds, dim, config)
 
 
-def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, seq_key: int, config=None) -> None:
-    """Fill grad_q (like q); the other arguments as for ``dkdv``."""
+def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, seq_key: int, config=None,
+       heads_per_group: int | None = None) -> None:
+    """Fill grad_q (like q); ``heads_per_group`` as for ``forward``, the other arguments as for ``dkdv``."""
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *grad_q.stride()[:3], seq, heads,
-            heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale)
-    _launch("dq", _persistent_grid(q), (q, k, v, dout, lse2, delta, grad_q), rest, causal, bounds, dim, config)
+            heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale, heads_per_group or bsz * heads)
+    _launch("dq", _persistent_grid(q), (q, k, v, dout, lse2, delta, grad_q), rest, causal, bounds, dim, config,
+            GROUPED=_grouped(heads_per_group, bsz * heads))
