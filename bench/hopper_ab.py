@@ -10,7 +10,8 @@ against the working tree's, or (``--l2-groups``) the working tree's persistent f
     python bench/hopper_ab.py --persistent-dkdv --out bench/results/hopper_dkdv_persistent_h100.json
     python bench/hopper_ab.py --l2-groups --out bench/results/hopper_l2_groups_h100.json
 
-``--persistent-dkdv``: the working tree's dK/dV kernel against its persistent variant (each side its own configs).
+``--persistent-dkdv``: the working tree's dK/dV kernel against its persistent variant (each side its own configs;
+the persistent one's items in groups of (batch, KV head) pairs sized to L2, ``hopper.l2_pairs_per_group``).
 
 Ratios are base ms ÷ new ms (above 1: the new side is faster), for the best config of each side.
 """
@@ -138,7 +139,8 @@ def main() -> None:
         kinds = ["dkdv"]
     elif a.l2_groups:
         def sides_of(x):
-            return {"base": (new, {}, {}),
+            pairs = x["q"].shape[0] * x["q"].shape[1]  # all (batch, head) pairs in one group: the order before
+            return {"base": (new, {"heads_per_group": pairs}, {}),
                     "new": (new, {"heads_per_group": new.l2_heads_per_group(x["q"], x["k"])}, {})}
         kinds = [k for k in kinds if k != "dkdv"]  # the item groups are the forward's and dQ's
     else:

@@ -293,21 +293,23 @@ def _check_hopper_forward(q, k, v, causal, bounds, scale, triton_out, triton_lse
 
 
 def _check_item_groups(q, k, v, do, lse2, delta, causal, bounds, scale) -> None:
-    """The persistent forward and dQ walking the (batch, head) pairs in groups (``heads_per_group``; 3 leaves a
-    smaller last group on most cases) compute every item as in the default order: outputs bit-identical."""
+    """The persistent forward and dQ walking the (batch, head) pairs in groups (``heads_per_group``: L2-sized
+    (None), 3 (a smaller last group on most cases), 1) compute every item as when all pairs go in one group:
+    outputs bit-identical."""
     from loom.kernels.attention import hopper
     from loom.kernels.attention import triton as T
 
     key = T._seq_key(q.shape[2])
     results = {}
-    for group in (None, 3, 1):
+    everything = q.shape[0] * q.shape[1]
+    for group in (everything, None, 3, 1):
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         hopper.forward(q, k, v, out, lse, causal, bounds, scale, key, heads_per_group=group)
         dq = torch.empty_like(q)
         hopper.dq(q, k, v, do, lse2, delta, dq, causal, bounds, scale, key, heads_per_group=group)
         results[group] = (out, lse, dq)
-    for group in (3, 1):
-        for name, got, want in zip(("out", "lse", "dq"), results[group], results[None]):
+    for group in (None, 3, 1):
+        for name, got, want in zip(("out", "lse", "dq"), results[group], results[everything]):
             assert torch.equal(got, want), (name, group)
 
 
@@ -343,12 +345,12 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
         hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config)
         torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"dk {config}")
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"dv {config}")
-    for config in [*hopper._CONFIGS["dkdv_p"], None]:  # the persistent variant (not dispatched): the same sums
-        gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    for config, pairs in [(c, None) for c in [*hopper._CONFIGS["dkdv_p"], None]] + [(None, 1), (None, 3)]:
+        gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))  # the persistent variant
         hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config,
-                    persistent=True)
-        torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"persistent dk {config}")
-        torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"persistent dv {config}")
+                    persistent=True, pairs_per_group=pairs)
+        torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"persistent dk {config} {pairs}")
+        torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"persistent dv {config} {pairs}")
     for config in [*hopper._CONFIGS["dq"], None]:
         gq = torch.full_like(q, float("nan"))
         hopper.dq(q, k, v, do, lse2, delta, gq, causal, bounds, scale, T._seq_key(s), config=config)

@@ -290,10 +290,17 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
 
 # ------------------------------------------------------------------------------------ persistent dK/dV
 @gluon.jit
-def _kv_item(w, HKV, B, BLOCK_N: gl.constexpr):
-    """Work item w of the persistent dK/dV: (batch, KV head, first key). Items go by key block, the first (seen by
-    the most queries, when causal) first, every (batch, KV head) pair of a block before the next."""
-    return (w % (B * HKV)) // HKV, w % HKV, (w // (B * HKV)) * BLOCK_N
+def _kv_item(w, S, HKV, B, ITEM_PAIRS, BLOCK_N: gl.constexpr):
+    """Work item w of the persistent dK/dV: (batch, KV head, first key). The B * HKV (batch, KV head) pairs go in
+    groups of ITEM_PAIRS (the last group may hold fewer; fewer pairs at a time: less Q and dO to keep in L2), one
+    group after the other; within a group items go by key block, the first (seen by the most queries, when
+    causal) first, every pair of the group at a block before the next block."""
+    n_kb = gl.cdiv(S, BLOCK_N)
+    g = w // (ITEM_PAIRS * n_kb)
+    r = w - g * ITEM_PAIRS * n_kb
+    pairs = gl.minimum(ITEM_PAIRS, B * HKV - g * ITEM_PAIRS)
+    bh = g * ITEM_PAIRS + r % pairs
+    return bh // HKV, bh % HKV, (r // pairs) * BLOCK_N
 
 
 @gluon.jit
@@ -318,7 +325,7 @@ def _store_kv_item(rows_smem, meta_smem, kb, BOUNDS, b, B, S, n0, first, n_block
 @gluon.jit
 def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                      rows_smem, meta_smem, kv_ready, kv_empty, ready, empty, LSE2, DELTA, BOUNDS, S, H, GROUP, B,
-                     n_items, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                     n_items, ITEM_PAIRS, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr):
     """Per item: its K and V into one of two buffers once the consumers freed it, with the item's set-up
     (_store_kv_item), then for each query head of the group the query blocks into the ring as in _producer,
@@ -327,7 +334,7 @@ def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, hk, n0 = _kv_item(w, H // GROUP, B, BLOCK_N)
+        b, hk, n0 = _kv_item(w, S, H // GROUP, B, ITEM_PAIRS, BLOCK_N)
         q_lo = n0 * 0
         q_hi = n0 * 0 + S
         if HAS_DOCS:
@@ -367,8 +374,8 @@ def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do
 
 @gluon.jit
 def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready, kv_empty,
-                     ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, row0, qk_scale, sm_scale,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                     ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ITEM_PAIRS, row0, qk_scale,
+                     sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
                      STAGES: gl.constexpr, WARPS: gl.constexpr):
     """Per item, dK, dV of keys [n0 + row0, n0 + row0 + ROWS) as _consumer computes them, with the key ranges and
     block bounds from the producer; the results leave by TMA from the K / V rows they replace, and the K/V
@@ -385,7 +392,7 @@ def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows
     t = 0
     i = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, hk, n0 = _kv_item(w, H // GROUP, B, BLOCK_N)
+        b, hk, n0 = _kv_item(w, S, H // GROUP, B, ITEM_PAIRS, BLOCK_N)
         kb = i % 2
         mbarrier.wait(kv_ready.index(kb), (i // 2) & 1)
         first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = _load_item(rows_smem, meta_smem, kb, row0, ROWS,
@@ -435,7 +442,7 @@ def _head_descriptors(Q, K, V, DO, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, 
 @gluon.jit
 def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                               sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale,
-                              sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              sm_scale, ITEM_PAIRS, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                               SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """dK/dV made persistent (one program per SM over (batch, KV head, key block) items; two 4-warp consumers,
@@ -469,14 +476,14 @@ def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh
     n_items = gl.cdiv(S, BLOCK_N) * B * HKV
     gl.warp_specialize([
         (_dkdv_consumer_p, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready,
-                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, 0, qk_scale, sm_scale,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
-        (_dkdv_consumer_p, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready,
-                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ROWS, qk_scale,
+                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ITEM_PAIRS, 0, qk_scale,
                             sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
+        (_dkdv_consumer_p, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready,
+                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ITEM_PAIRS, ROWS,
+                            qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
         (_dkdv_producer_p, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                             rows_smem, meta_smem, kv_ready, kv_empty, ready, empty, LSE2, DELTA, BOUNDS, S, H, GROUP,
-                            B, n_items, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, ROWS)),
+                            B, n_items, ITEM_PAIRS, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, ROWS)),
     ], [num_warps, 1], [240, 24])
 
 
@@ -964,49 +971,67 @@ def _persistent_grid(q: torch.Tensor):
     return lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), )
 
 
-def _grouped(heads_per_group: int | None, pairs: int) -> bool:
-    """Whether the items go in groups of (batch, head) pairs (otherwise the kernels compile as measured before the
-    option existed)."""
-    if heads_per_group is not None and heads_per_group < 1:
+def _group_size(heads_per_group: int | None, q: torch.Tensor, k: torch.Tensor) -> int:
+    """(batch, head) pairs per item group: ``heads_per_group``, or sized to L2 (None)."""
+    if heads_per_group is None:
+        return l2_heads_per_group(q, k)
+    if heads_per_group < 1:
         raise ValueError(f"heads_per_group must be >= 1, got {heads_per_group}")
-    return heads_per_group is not None and heads_per_group < pairs
+    return heads_per_group
 
 
 def l2_heads_per_group(q: torch.Tensor, k: torch.Tensor) -> int:
-    """(batch, head) pairs per item group such that the K and V they read (whole sequences, per KV head shared by
-    its query heads) fill at most half of the device's L2, as FlashAttention-3's tile scheduler groups heads."""
+    """(batch, head) pairs per item group of the forward and dQ such that the K and V they read (whole sequences,
+    per KV head shared by its query heads) fill at most half of the device's L2, as FlashAttention-3's tile
+    scheduler groups heads."""
     bsz, heads, seq, dim = q.shape
     per_head = 2 * seq * dim * k.element_size() * k.shape[1] // heads  # K and V bytes per query head
     l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
     return max(1, min(bsz * heads, l2 // 2 // per_head))
 
 
+def l2_pairs_per_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """(batch, KV head) pairs per item group of the persistent dK/dV such that the Q and dO they read (whole
+    sequences of the KV head's query heads) fill at most half of the device's L2."""
+    bsz, heads, seq, dim = q.shape
+    per_pair = 2 * seq * dim * q.element_size() * heads // k.shape[1]  # Q and dO bytes per KV head
+    l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
+    return max(1, min(bsz * k.shape[1], l2 // 2 // per_pair))
+
+
 def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None,
             heads_per_group: int | None = None) -> None:
     """Fill out (like q) and lse ((B, H, S) float32, natural log, -inf for a row that saw nothing) from q/k/v
     (B, H, S, D); ``bounds`` and ``config`` as for ``dkdv``. Persistent: one program per SM, walking the items of
-    ``heads_per_group`` (batch, head) pairs at a time (None: all of them, by query block; see _item_coords)."""
+    ``heads_per_group`` (batch, head) pairs at a time (None: as many as fit L2, l2_heads_per_group; B * H: all of
+    them, by query block; see _item_coords)."""
     bsz, heads, seq, dim = q.shape
+    group = _group_size(heads_per_group, q, k)
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], seq, heads, heads // k.shape[1],
-            bsz, seq_key, scale * LOG2E, heads_per_group or bsz * heads)
+            bsz, seq_key, scale * LOG2E, min(group, bsz * heads))
     _launch("fwd", _persistent_grid(q), (q, k, v, out, lse), rest, causal, bounds, dim, config,
-            GROUPED=_grouped(heads_per_group, bsz * heads))
+            GROUPED=group < bsz * heads)
 
 
 def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float, seq_key: int, config=None,
-         persistent: bool = False) -> None:
+         persistent: bool = False, pairs_per_group: int | None = None) -> None:
     """Fill dk, dv (like k, v) from q/k/v/dout (B, H, S, D), ``lse2`` (log-sum-exp in log2 units, +inf for a row
     that saw nothing) and ``delta`` (rowsum(O dO) - dLSE), both (B, H, S) float32; ``bounds``: None or the
     packed documents' per-token (first, last) index, (2, B, S) int32. ``config``: one fixed
     (BLOCK_M, BLOCK_N, STAGES, SPLIT) instead of autotuning (benchmarks, tests). ``persistent``: the persistent
-    variant (_attn_bwd_dkdv_persistent; not dispatched, for measuring)."""
+    variant (_attn_bwd_dkdv_persistent), walking its items ``pairs_per_group`` (batch, KV head) pairs at a time
+    (None: as many as fit L2, l2_pairs_per_group; see _kv_item)."""
     bsz, heads, seq, dim = q.shape
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
             *dv.stride()[:3], seq, heads, heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale)
     if persistent:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        _launch("dkdv_p", lambda m, n: (min(sms, triton.cdiv(seq, n) * bsz * k.shape[1]), ),
-                (q, k, v, dout, lse2, delta, dk, dv), rest, causal, bounds, dim, config)
+        pairs = bsz * k.shape[1]
+        if pairs_per_group is not None and pairs_per_group < 1:
+            raise ValueError(f"pairs_per_group must be >= 1, got {pairs_per_group}")
+        group = min(pairs, pairs_per_group or l2_pairs_per_group(q, k))
+        _launch("dkdv_p", lambda m, n: (min(sms, triton.cdiv(seq, n) * pairs), ),
+                (q, k, v, dout, lse2, delta, dk, dv), (*rest, group), causal, bounds, dim, config)
         return
     _launch("dkdv", lambda m, n: (triton.cdiv(seq, n), bsz * k.shape[1]), (q, k, v, dout, lse2, delta, dk, dv), rest,
             causal, bounds, dim, config)
@@ -1016,7 +1041,8 @@ def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, s
        heads_per_group: int | None = None) -> None:
     """Fill grad_q (like q); ``heads_per_group`` as for ``forward``, the other arguments as for ``dkdv``."""
     bsz, heads, seq, dim = q.shape
+    group = _group_size(heads_per_group, q, k)
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *grad_q.stride()[:3], seq, heads,
-            heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale, heads_per_group or bsz * heads)
+            heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale, min(group, bsz * heads))
     _launch("dq", _persistent_grid(q), (q, k, v, dout, lse2, delta, grad_q), rest, causal, bounds, dim, config,
-            GROUPED=_grouped(heads_per_group, bsz * heads))
+            GROUPED=group < bsz * heads)
