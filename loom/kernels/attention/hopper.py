@@ -20,8 +20,9 @@ item's set-up with its Q (the key-block range, each consumer's block bounds, eac
 consumer waits on global loads or cross-warp reductions between items. dQ per key block: S = Q K^T and
 dP = dO V^T, P, dS, dQ += dS K (three matmuls). Forward per key block: S = Q K^T, the online softmax in
 registers, O += P V with P from registers; O leaves through a staging buffer by TMA. A persistent dK/dV of the
-same kind exists for measuring (``dkdv(..., persistent=True)``: K/V double-buffered, each item's key ranges from
-the producer, results stored from the K/V rows while the next item starts); it is not dispatched.
+same kind (``dkdv(..., persistent=True)``: K/V double-buffered, each item's key ranges from the producer, results
+stored from the K/V rows while the next item starts) runs where ``persistent_dkdv_wins``. The persistent kernels
+walk their items in groups of (batch, head) pairs sized to L2 (FlashAttention-3's head grouping).
 
 Two layouts of the consumers: ``SPLIT=False``, one 8-warp partition owning the program's rows (its two
 warpgroups meet at one partition barrier per block, before the release); ``SPLIT=True``, two 4-warp partitions
@@ -34,8 +35,8 @@ program walks only the blocks its rows' documents reach, and masks a block only 
 causal diagonal or the sequence's end cuts it.
 
 Scope: causal or full attention, packed documents within one sequence, any query-head group, bf16 / fp16, head
-dim 64 or 128, no window; ``supports`` says which. The Triton kernels run everything else, and dQ / the forward
-where ``dq_wins`` / ``forward_wins`` say the Triton kernel is faster.
+dim 64 or 128, no window; ``supports`` says which. The Triton kernels run everything else, and dQ where ``dq_wins``
+says the Triton kernel is faster.
 """
 
 from __future__ import annotations
@@ -902,7 +903,7 @@ def _attn_fwd_hopper(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb,
 _CONFIGS = {"dkdv": [(64, 128, 2, False), (64, 128, 2, True), (64, 128, 3, True)],
             "dkdv_p": [(64, 128, 2, True)],  # persistent: two 4-warp consumers; 3 stages exceed 227 KB at d128
             "dq": [(128, 64, 2, True), (128, 64, 3, True)],  # 8-warp dQ: slower everywhere
-            "fwd": [(128, 128, 2, True), (128, 64, 3, True), (128, 64, 4, True)]}
+            "fwd": [(128, 128, 2, True)]}  # (128, 64, 3 | 4 stages) measured 0-15% slower on 9 shapes (NOTES v21)
 _KERNELS = {"dkdv": _attn_bwd_dkdv_hopper, "dkdv_p": _attn_bwd_dkdv_persistent, "dq": _attn_bwd_dq_hopper,
             "fwd": _attn_fwd_hopper}
 _TUNED: dict = {}
@@ -928,11 +929,11 @@ def dq_wins(head_dim: int, bounds) -> bool:
     return head_dim == 128
 
 
-def forward_wins(head_dim: int, seq: int, bounds) -> bool:
-    """Whether the Gluon forward beats the Triton one here (same-run H100 timings, bench/NOTES.md v16): at head
-    dim 128 1.08-1.27x on packed documents and 1.06-1.15x causal from 8k on, but 0.92x causal at 4k; at head
-    dim 64 it takes 15% more time."""
-    return head_dim == 128 and (bounds is not None or seq > 4096)
+def persistent_dkdv_wins(head_dim: int, heads: int, kv_heads: int, bounds) -> bool:
+    """Whether the persistent dK/dV (L2-sized item groups) beats the dK/dV kernel here (same-run H100 A/B,
+    bench/NOTES.md v21): 1.09-1.20x on packed documents at head dim 128 without query-head groups; 0.97-1.00x
+    causal, 0.82-0.85x on grouped-query documents (head dims 64 and 128)."""
+    return head_dim == 128 and heads == kv_heads and bounds is not None
 
 
 def _allocator(size: int, alignment: int, stream):

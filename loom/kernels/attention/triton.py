@@ -451,22 +451,27 @@ def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
 def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
     """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32). ``key_bounds`` is only
     read by the backward (the forward walks query rows). On Hopper, the persistent warp-specialized Gluon forward
-    runs where ``hopper.forward_wins`` (bench/NOTES.md v16)."""
+    runs wherever ``hopper.supports`` the call (bench/NOTES.md v21: 1.06-1.28x this kernel)."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
     hopper = _hopper()
-    if (hopper is not None and hopper.supports(q, k, v, out, window, key_bounds)
-            and hopper.forward_wins(dim, seq, bounds)):
+    if hopper is not None and hopper.supports(q, k, v, out, window, key_bounds):
         hopper.forward(q, k, v, out, lse, causal, bounds, scale, _seq_key(seq))
-        return out, lse
+    else:
+        triton_forward(q, k, v, out, lse, causal, bounds, window, scale)
+    return out, lse
+
+
+def triton_forward(q, k, v, out, lse, causal: bool, bounds, window: int, scale: float) -> None:
+    """Fill out and lse with the Triton forward kernel (on every GPU; the Hopper tests compare against it)."""
+    bsz, hq, seq, dim = q.shape
     kernel, blocks = _kernel("fwd")
     grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)  # noqa: E731
     kernel[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                  *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, _seq_key(seq), scale * LOG2E, CAUSAL=causal,
                  HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, **blocks)
-    return out, lse
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
@@ -475,7 +480,7 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     Two launches, dK/dV then dQ: one launch holding both kinds of programs was measured twice (bench/NOTES.md
     v4, v8): slower for d128, GQA and packed documents, at most 3.5% faster for d64 MHA. On Hopper, dK/dV of the
     cases ``hopper.supports`` names come from the warp-specialized Gluon kernel (``hopper.py``, NOTES v14-v16),
-    and dQ too where ``hopper.dq_wins``."""
+    and dQ too where ``hopper.dq_wins``; the persistent dK/dV where ``hopper.persistent_dkdv_wins``."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -484,7 +489,8 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     hopper = _hopper()
     on_hopper = hopper is not None and hopper.supports(q, k, v, dout, window, key_bounds)
     if on_hopper:
-        hopper.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, _seq_key(q.shape[2]))
+        hopper.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, _seq_key(q.shape[2]),
+                    persistent=hopper.persistent_dkdv_wins(q.shape[-1], q.shape[1], k.shape[1], bounds))
     else:
         triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
     if on_hopper and hopper.dq_wins(q.shape[-1], bounds):
