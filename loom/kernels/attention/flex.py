@@ -1,6 +1,6 @@
 """PyTorch's FlexAttention as a backend (``model.attention = flex``): causal attention, packed documents by a block
 mask. Not a kernel of ours: PyTorch generates it (Triton under ``torch.compile``). It beat ours on packed documents
-with head dim 128 on an H100 before the Gluon kernels (0.89x, bench/NOTES.md v15; ours is 1.14-1.26x it now in
+with head dim 128 on an H100 before the Gluon kernels (0.89x, bench/NOTES.md v15; ours is 1.32-1.37x it now in
 bench/results/kernels_docs_h100.md) and end to end the two stay within a few %, so ``auto`` times it against ours
 for packed documents.
 
