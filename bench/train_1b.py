@@ -98,6 +98,7 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
     kernels = _kernels(variant, trainer)
     args = trainer.model_args
     batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
+    attention_times = getattr(trainer, "attention_times", None)  # before the transformers variants drop the trainer
     if variant.startswith("loom"):
         step_fn = trainer.train_step
         n_params = sum(p.numel() for p in trainer.params)
@@ -144,7 +145,7 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
     return {
         "variant": variant, "overrides": overrides, "params": n_params, "micro_batch": micro_batch,
-        "attention_times": getattr(trainer, "attention_times", None),
+        "attention_times": attention_times,
         "seq_len": seq, "kernels": kernels, "losses": losses,
         "steps_timed": steps, "warmup_steps": warmup, "step_s_median": med, "step_s_min": min(times),
         "step_s_max": max(times), "tokens_per_s": tps,
