@@ -972,13 +972,16 @@ def _persistent_grid(q: torch.Tensor):
     return lambda m, n: (min(sms, triton.cdiv(seq, m) * bsz * heads), )
 
 
-def _group_size(heads_per_group: int | None, q: torch.Tensor, k: torch.Tensor) -> int:
-    """(batch, head) pairs per item group: ``heads_per_group``, or sized to L2 (None)."""
-    if heads_per_group is None:
-        return l2_heads_per_group(q, k)
-    if heads_per_group < 1:
-        raise ValueError(f"heads_per_group must be >= 1, got {heads_per_group}")
-    return heads_per_group
+def _fit_l2(units: int, unit_bytes: int, device) -> int:
+    """How many of ``units`` units of ``unit_bytes`` each fill at most half of the device's L2 (at least one)."""
+    return max(1, min(units, torch.cuda.get_device_properties(device).L2_cache_size // 2 // unit_bytes))
+
+
+def _group_size(requested: int | None, fitted, units: int, name: str) -> int:
+    """Units per item group: ``requested``, or ``fitted()`` (sized to L2) when None; at most ``units``."""
+    if requested is not None and requested < 1:
+        raise ValueError(f"{name} must be >= 1, got {requested}")
+    return min(units, requested if requested is not None else fitted())
 
 
 def l2_heads_per_group(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -986,18 +989,14 @@ def l2_heads_per_group(q: torch.Tensor, k: torch.Tensor) -> int:
     per KV head shared by its query heads) fill at most half of the device's L2, as FlashAttention-3's tile
     scheduler groups heads."""
     bsz, heads, seq, dim = q.shape
-    per_head = 2 * seq * dim * k.element_size() * k.shape[1] // heads  # K and V bytes per query head
-    l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
-    return max(1, min(bsz * heads, l2 // 2 // per_head))
+    return _fit_l2(bsz * heads, 2 * seq * dim * k.element_size() * k.shape[1] // heads, q.device)  # K, V per head
 
 
 def l2_pairs_per_group(q: torch.Tensor, k: torch.Tensor) -> int:
     """(batch, KV head) pairs per item group of the persistent dK/dV such that the Q and dO they read (whole
     sequences of the KV head's query heads) fill at most half of the device's L2."""
     bsz, heads, seq, dim = q.shape
-    per_pair = 2 * seq * dim * q.element_size() * heads // k.shape[1]  # Q and dO bytes per KV head
-    l2 = torch.cuda.get_device_properties(q.device).L2_cache_size
-    return max(1, min(bsz * k.shape[1], l2 // 2 // per_pair))
+    return _fit_l2(bsz * k.shape[1], 2 * seq * dim * q.element_size() * heads // k.shape[1], q.device)  # Q, dO
 
 
 def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int, config=None,
@@ -1007,9 +1006,9 @@ def forward(q, k, v, out, lse, causal: bool, bounds, scale: float, seq_key: int,
     ``heads_per_group`` (batch, head) pairs at a time (None: as many as fit L2, l2_heads_per_group; B * H: all of
     them, by query block; see _item_coords)."""
     bsz, heads, seq, dim = q.shape
-    group = _group_size(heads_per_group, q, k)
+    group = _group_size(heads_per_group, lambda: l2_heads_per_group(q, k), bsz * heads, "heads_per_group")
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], seq, heads, heads // k.shape[1],
-            bsz, seq_key, scale * LOG2E, min(group, bsz * heads))
+            bsz, seq_key, scale * LOG2E, group)
     _launch("fwd", _persistent_grid(q), (q, k, v, out, lse), rest, causal, bounds, dim, config,
             GROUPED=group < bsz * heads)
 
@@ -1028,9 +1027,7 @@ def dkdv(q, k, v, dout, lse2, delta, dk, dv, causal: bool, bounds, scale: float,
     if persistent:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         pairs = bsz * k.shape[1]
-        if pairs_per_group is not None and pairs_per_group < 1:
-            raise ValueError(f"pairs_per_group must be >= 1, got {pairs_per_group}")
-        group = min(pairs, pairs_per_group or l2_pairs_per_group(q, k))
+        group = _group_size(pairs_per_group, lambda: l2_pairs_per_group(q, k), pairs, "pairs_per_group")
         _launch("dkdv_p", lambda m, n: (min(sms, triton.cdiv(seq, n) * pairs), ),
                 (q, k, v, dout, lse2, delta, dk, dv), (*rest, group), causal, bounds, dim, config)
         return
@@ -1042,8 +1039,8 @@ def dq(q, k, v, dout, lse2, delta, grad_q, causal: bool, bounds, scale: float, s
        heads_per_group: int | None = None) -> None:
     """Fill grad_q (like q); ``heads_per_group`` as for ``forward``, the other arguments as for ``dkdv``."""
     bsz, heads, seq, dim = q.shape
-    group = _group_size(heads_per_group, q, k)
+    group = _group_size(heads_per_group, lambda: l2_heads_per_group(q, k), bsz * heads, "heads_per_group")
     rest = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *grad_q.stride()[:3], seq, heads,
-            heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale, min(group, bsz * heads))
+            heads // k.shape[1], bsz, seq_key, scale * LOG2E, scale, group)
     _launch("dq", _persistent_grid(q), (q, k, v, dout, lse2, delta, grad_q), rest, causal, bounds, dim, config,
             GROUPED=group < bsz * heads)
