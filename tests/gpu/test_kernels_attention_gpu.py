@@ -144,6 +144,34 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     assert not (tmp_path / "det" / "kernels.json").exists()
 
 
+# what PyTorch's SDPA picks in a fresh process after one plain SDPA call: its backend order and its choice for a
+# masked GQA call (transformers' compiled Llama passes a mask), with or without loom's SDPA path run first
+_SDPA_STATE = """
+import sys, torch, torch.nn.functional as F
+q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+if sys.argv[1] == "loom":
+    from loom.models.common.layers import attend
+    attend(q, k, k, "sdpa", None).sum().backward()
+F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True).sum().backward()
+mask = torch.ones(256, 256, device="cuda", dtype=torch.bool).tril()
+print(torch._C._get_sdp_priority_order(), torch._fused_sdp_choice(q, k, k, attn_mask=mask, enable_gqa=True))
+"""
+
+
+def test_loom_sdpa_leaves_pytorchs_backend_choice_alone():
+    """loom's SDPA path must not change which backend PyTorch picks for other code in the process (a
+    set_priority context did: after it transformers' compiled model ran memory-efficient attention)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = {who: subprocess.run([sys.executable, "-c", _SDPA_STATE, who], env=env, capture_output=True, text=True,
+                               check=True).stdout.strip() for who in ("torch", "loom")}
+    assert out["loom"] == out["torch"], out
+
+
 FLEX_CASES = [(1, 8, 2, 1000, 64, True, False, 0), (1, 8, 8, 1531, 128, True, True, 0), (2, 8, 2, 777, 64, True, True, 0)]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loom.kernels.attention.flex import flex_attend
 from loom.kernels.attention.op import flash_attention
@@ -44,14 +43,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
         return flash_attention(q, k, v, causal=True, bounds=bounds)
     gqa = q.shape[1] != k.shape[1]
     mask = None if bounds is None else visible(q.shape[2], True, bounds, 0, q.device)  # (B, 1, S, S), slower
-    with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-
-
-# SDPA backends in order of preference: cuDNN was measured fastest on H100 for causal attention, GQA included
-# (bench/results/kernels_*_h100.md); PyTorch's default order puts FlashAttention-2 first
-SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
+    # PyTorch's own backend choice: on Hopper/Blackwell with cuDNN > 9.15 (torch 2.11's wheels) that is cuDNN first,
+    # measured fastest for causal attention on H100 (bench/results/kernels_*_h100.md). No ``sdpa_kernel(...,
+    # set_priority=True)`` here: it stopped PyTorch from switching its process-wide order to cuDNN first, so after
+    # it every other SDPA call in the process (transformers' compiled model: memory-efficient attention, 24% slower
+    # steps) got FlashAttention-2's order (bench/NOTES.md v22).
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
