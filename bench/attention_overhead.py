@@ -1,15 +1,15 @@
 """Where one attention forward+backward's time goes at the end-to-end shapes, per backend:
 
-- ``wall_ms``: back-to-back calls timed by CUDA events, as ``model.attention = auto`` times the candidates at
-  start-up (``loom.kernels.select.time_fwd_bwd``); when the CPU issues a call more slowly than the GPU runs it,
-  this is CPU time;
+- ``wall_ms``: back-to-back calls timed by CUDA events (how ``model.attention = auto`` timed the candidates
+  until it timed the GPU alone); when the CPU issues a call more slowly than the GPU runs it, this is CPU time;
 - ``gpu_ms``: the same calls queued behind a GPU sleep long enough that the CPU has issued all of them before the
-  GPU reaches the first (``cpu_ahead`` says whether it had), so only the GPU's execution is timed;
+  GPU reaches the first (``cpu_ahead`` says whether it had), so only the GPU's execution is timed (what ``auto``
+  times now: ``loom.kernels.select.time_fwd_bwd``);
 - ``cpu_issue_ms``: the CPU time to issue one call.
 
 In a training step the CPU usually runs ahead of the GPU (other layers' matmuls queue up), so ``gpu_ms`` is what
-a call costs there; where ``wall_ms`` is much larger, ``auto``'s start-up timing measures the launch path rather
-than the kernels. Backends: SDPA (cuDNN first, as the model calls it), loom's kernel (``flash``), and on Hopper
+a call costs there; where ``wall_ms`` is much larger, back-to-back timing measures the launch path rather than
+the kernels. Backends: SDPA (PyTorch's choice, as the model calls it), loom's kernel (``flash``), and on Hopper
 loom's kernel with the Triton forward in place of the Gluon one (``flash_triton_fwd``).
 
     python bench/attention_overhead.py --out bench/results/attention_overhead_h100.json
@@ -18,10 +18,10 @@ loom's kernel with the Triton forward in place of the Gluon one (``flash_triton_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -35,43 +35,16 @@ SHAPES = [(4, 32, 8, 2048, 64), (16, 32, 8, 2048, 64), (1, 32, 8, 8192, 128), (2
 ITERS = 20
 
 
-def sleep_cycles_per_ms() -> float:
-    """GPU cycles of ``torch.cuda._sleep`` per millisecond on this device (one calibration)."""
+def back_to_back_ms(step, iters: int = ITERS) -> float:
+    """ms per call of ``step`` issued back to back, timed by CUDA events (how ``auto`` timed candidates until it timed the GPU alone)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    torch.cuda.synchronize()
-    return 20_000_000 / start.elapsed_time(end)
-
-
-def stepper(fn, inputs: list[torch.Tensor]):
-    """One forward + backward of ``fn(*inputs)``, gradients reset first (as ``time_fwd_bwd`` runs them)."""
-    grad = torch.ones_like(fn(*inputs))
-
-    def step():
-        for t in inputs:
-            t.grad = None
-        fn(*inputs).backward(grad)
-    return step
-
-
-def queued_ms(step, wall_ms: float, cycles_per_ms: float) -> dict:
-    """GPU ms per call of ``step`` issued behind a sleep of twice the calls' wall time, the CPU ms to issue one,
-    and whether the CPU had issued them all before the GPU woke."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2 * ITERS * wall_ms * cycles_per_ms) + 1000)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(ITERS):
+    for _ in range(iters):
         step()
-    issue_ms = (time.perf_counter() - t0) * 1e3 / ITERS
-    ahead = not start.query()  # the start event still pending: the GPU had not reached the first call yet
     end.record()
     torch.cuda.synchronize()
-    return {"gpu_ms": start.elapsed_time(end) / ITERS, "cpu_issue_ms": issue_ms, "cpu_ahead": ahead}
+    return start.elapsed_time(end) / iters
 
 
 def backends() -> dict:
@@ -98,8 +71,8 @@ def triton_forward_instead():
     return lambda: setattr(hopper, "forward", gluon)
 
 
-def measure_shape(shape: tuple, cycles_per_ms: float) -> dict:
-    from loom.kernels.select import AttentionShape, attention_inputs, time_fwd_bwd
+def measure_shape(shape: tuple) -> dict:
+    from loom.kernels.select import AttentionShape, attention_inputs, fwd_bwd_step, queued_timing
 
     b, hq, hkv, s, d = shape
     inputs = attention_inputs(AttentionShape(b, hq, hkv, s, d, torch.bfloat16), torch.device("cuda"))
@@ -107,10 +80,12 @@ def measure_shape(shape: tuple, cycles_per_ms: float) -> dict:
     for name, fn in backends().items():
         undo = triton_forward_instead() if name == "flash_triton_fwd" else (lambda: None)
         try:
-            wall = min(time_fwd_bwd(fn, inputs, warmup=5, iters=ITERS) for _ in range(2))
-            step = stepper(fn, inputs)
-            queued = min((queued_ms(step, wall, cycles_per_ms) for _ in range(2)), key=lambda r: r["gpu_ms"])
-            row["backends"][name] = {"wall_ms": wall, **queued}
+            step = fwd_bwd_step(fn, inputs)
+            for _ in range(5):
+                step()
+            wall = min(back_to_back_ms(step) for _ in range(2))
+            queued = min((queued_timing(step, ITERS, 2 * ITERS * wall) for _ in range(2)), key=lambda r: r.gpu_ms)
+            row["backends"][name] = {"wall_ms": wall, **dataclasses.asdict(queued)}
         finally:
             undo()
         for t in inputs:
@@ -127,11 +102,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     shapes = [tuple(int(v) for v in item.split(",")) for item in a.shapes.split(";") if item] or SHAPES
-    cycles = sleep_cycles_per_ms()
     result = {"env": environment(a.commit, "python " + " ".join(sys.argv)), "iters": ITERS,
-              "sleep_cycles_per_ms": cycles, "rows": []}
+              "rows": []}
     for shape in shapes:
-        row = measure_shape(shape, cycles)
+        row = measure_shape(shape)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         if a.out:  # after every shape: a run cut short keeps what it measured

@@ -144,6 +144,22 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     assert not (tmp_path / "det" / "kernels.json").exists()
 
 
+def test_auto_timing_counts_the_gpus_time_not_the_launch_path():
+    """A call that keeps the CPU busy 5 ms but the GPU only microseconds: back-to-back timing would report
+    >= 5 ms (the CPU-bound case that made ``auto`` see loom's kernel at 1.5 ms instead of its 0.8 ms)."""
+    import time
+
+    from loom.kernels.select import time_fwd_bwd
+
+    x = torch.randn(64, device="cuda", requires_grad=True)
+
+    def slow_to_issue(t):
+        time.sleep(0.005)
+        return t * 2
+
+    assert time_fwd_bwd(slow_to_issue, [x], warmup=1, iters=5) < 2.5
+
+
 # what PyTorch's SDPA picks in a fresh process after one plain SDPA call: its backend order and its choice for a
 # masked GQA call (transformers' compiled Llama passes a mask), with or without loom's SDPA path run first
 _SDPA_STATE = """
