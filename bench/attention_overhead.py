@@ -36,7 +36,8 @@ ITERS = 20
 
 
 def back_to_back_ms(step, iters: int = ITERS) -> float:
-    """ms per call of ``step`` issued back to back, timed by CUDA events (how ``auto`` timed candidates until it timed the GPU alone)."""
+    """ms per call of ``step`` issued back to back, timed by CUDA events (how ``auto`` timed the candidates
+    until it timed the GPU alone)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()

@@ -3,10 +3,11 @@ per device, compile mode and data layout from what bench/kernels.py and bench/tr
 (bench/results/, bench/NOTES.md):
 
 - attention on CUDA: whichever backend ran faster when the trainer timed the candidates on the run's shape at
-  start-up (``measure_attention``; loom.kernels.select; GPU time, launch overhead not counted): for packed documents ours (``flash``) vs
-  FlexAttention (``flex``), both skipping the blocks the document mask removes (SDPA needs an explicit
-  dense mask: ours was 1.39x it end to end on H100; Flex beat ours on d128 documents before the Gluon kernels,
-  ours is 1.32-1.37x it there now in bench/results/kernels_docs_h100.md, end to end within a few %); for
+  start-up (``measure_attention``; loom.kernels.select; GPU time, launch overhead not counted): for packed
+  documents ours (``flash``) vs FlexAttention (``flex``), both skipping the blocks the document mask removes
+  (SDPA needs an explicit dense mask: ours was 1.39x it end to end on H100; Flex beat ours on d128 documents
+  before the Gluon kernels, ours is 1.32-1.37x it there now in bench/results/kernels_docs_h100.md, end to end
+  within a few %); for
   plain causal attention SDPA (PyTorch's choice: cuDNN on H100 with torch 2.11) vs ours (on H100 cuDNN wins:
   bench/results/kernels_causal_h100.md).
   Untimed (deterministic runs): ours for documents, else SDPA.

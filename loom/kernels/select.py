@@ -39,13 +39,9 @@ def attention_inputs(shape: AttentionShape, device: torch.device, seed: int = 0)
                         generator=gen).requires_grad_() for h in (shape.heads, shape.kv_heads, shape.kv_heads)]
 
 
-def sleep_cycles_per_ms() -> float:
-    """GPU cycles of ``torch.cuda._sleep`` per millisecond on the current device (measured once per device)."""
-    return _sleep_cycles_per_ms(torch.cuda.current_device())
-
-
 @functools.cache
-def _sleep_cycles_per_ms(device: int) -> float:
+def sleep_cycles_per_ms(device: int) -> float:
+    """GPU cycles of ``torch.cuda._sleep`` per millisecond on CUDA device ``device`` (measured once per device)."""
     cycles = 20_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -68,7 +64,7 @@ def queued_timing(step: Callable[[], None], iters: int, sleep_ms: float) -> Queu
     sleeps, so the events around them time the GPU's execution alone (if the CPU got ahead)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(sleep_ms * sleep_cycles_per_ms()) + 1000)
+    torch.cuda._sleep(int(sleep_ms * sleep_cycles_per_ms(torch.cuda.current_device())) + 1000)
     start.record()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -98,7 +94,7 @@ def time_fwd_bwd(fn: Callable, inputs: list[torch.Tensor], warmup: int = 3, iter
     The timed calls queue behind a GPU sleep long enough for the CPU to issue them all first, so launch overhead
     is not counted: in a training step the CPU runs ahead of the GPU (the other layers' kernels queue up) and
     a call costs its GPU time. Timing back-to-back calls measured the launch path instead wherever issuing a call
-    took the CPU longer than running it took the GPU (loom's kernel at 4x32/8x2048x64 on H100: 1.52 ms back to
+    took the CPU longer than running it took the GPU (loom's kernel at 4x32/8x2048x64 on H100: 1.60 ms back to
     back, 0.80 ms on the GPU; bench/results/attention_overhead_h100.json)."""
     step = fwd_bwd_step(fn, inputs)
     for _ in range(warmup):

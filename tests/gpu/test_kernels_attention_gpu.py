@@ -181,10 +181,11 @@ def test_loom_sdpa_leaves_pytorchs_backend_choice_alone():
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    out = {who: subprocess.run([sys.executable, "-c", _SDPA_STATE, who], env=env, capture_output=True, text=True,
-                               check=True).stdout.strip() for who in ("torch", "loom")}
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # the repository root
+    out = {who: subprocess.run([sys.executable, "-c", _SDPA_STATE, who], env=env, capture_output=True,
+                               text=True, check=True).stdout.strip() for who in ("torch", "loom")}
     assert out["loom"] == out["torch"], out
 
 
