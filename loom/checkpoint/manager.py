@@ -352,15 +352,16 @@ class CheckpointManager:
             raise CorruptCheckpoint(value)
         return value
 
-    def load(self, parts, optimizers) -> dict | None:
-        """Load the checkpoint chosen by ``checkpoint.resume`` into the model parts and their optimizers
-        (any layout: the names do not depend on it)."""
+    def choose(self) -> str | None:
+        """The verified folder ``checkpoint.resume`` picks (the same on every rank), None for a fresh start."""
+        return self._resolve_once()
+
+    def load(self, folder: str, parts, optimizers) -> dict | None:
+        """Load checkpoint ``folder`` (from ``choose``) into the model parts and their optimizers (any layout:
+        the names do not depend on it); returns its trainer state, None for a weights-only checkpoint."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        folder = self._resolve_once()
-        if folder is None:
-            return None
         with open(os.path.join(folder, STATE)) as fh:
             trainer_state = json.load(fh)
         if trainer_state.get("model_only"):  # `loom convert --from-hf`: weights only; the run starts at step 0

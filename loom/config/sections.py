@@ -80,6 +80,9 @@ class DataConfig:
     val_fraction: float = opt(0.01, "fraction of packed windows held out for validation", min=0.0, max=0.5)
     cache_dir: str = opt("", "where tokenized sources are cached; empty = <run.dir>/cache")
     document_positions: bool = opt(False, "restart position ids after every EOS (packed documents)")
+    encoding_errors: str = opt("strict", "text that is not valid UTF-8: 'strict' = stop naming the file and byte "
+                                         "offset, 'replace' = decode it with U+FFFD replacement characters",
+                               choices=("strict", "replace"))
 
 
 @dataclass
@@ -102,6 +105,13 @@ class TrainingConfig:
     eval_batches: int = opt(4, "micro-batches per rank for one validation pass", min=1)
     loss_scale_init: float = opt(2.0**16, "float16: initial dynamic loss scale", min=1.0)
     loss_scale_window: int = opt(1000, "float16: overflow-free steps before the scale doubles", min=1)
+    nonfinite: str = opt("skip", "a non-finite loss or gradient norm (agreed over all ranks, checked before the "
+                                 "optimizer step): 'skip' = drop the update and count it (stop after nonfinite_limit "
+                                 "in a row), 'stop' = exit 1 at once, 'rollback' = reload the newest complete "
+                                 "checkpoint and skip the offending batches",
+                         choices=("skip", "stop", "rollback"))
+    nonfinite_limit: int = opt(10, "consecutive non-finite steps (or rollbacks to one checkpoint) before the run "
+                                   "stops with exit 1", min=1)
 
 
 @dataclass
@@ -153,10 +163,17 @@ class ParallelConfig:
 class CheckpointConfig:
     every: int = opt(0, "save every N steps (0 = no periodic saves)", min=0)
     keep: int = opt(3, "complete checkpoints to keep (0 = all)", min=0)
-    resume: str = opt("none", "'none', 'auto' (newest complete checkpoint in the run dir) or a path")
+    resume: str = opt("auto", "'auto' = the newest complete checkpoint of this run's checkpoint folder (a fresh "
+                              "start when it holds none), 'none' = a fresh start (refused where the folder holds "
+                              "checkpoints, unless checkpoint.overwrite), or a checkpoint path")
     async_save: bool = opt(False, "write checkpoints in the background")
     at_end: bool = opt(True, "save when training ends")
     dir: str = opt("", "checkpoint folder; empty = <run.dir>/checkpoints")
+    overwrite: bool = opt(False, "with resume = none in a checkpoint folder that holds checkpoints: move them into "
+                                 "<checkpoint folder>/superseded/<time>/ (never deleted) and start fresh")
+    preempt_grace_s: float = opt(25.0, "SIGTERM/SIGINT: the ranks agree at the end of the current step, save and exit "
+                                       "0; a rank still running this many seconds after the signal exits 1 (the last "
+                                       "complete checkpoint stays)", min=0.0, min_exclusive=True)
 
 
 @dataclass

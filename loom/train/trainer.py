@@ -494,7 +494,10 @@ class Trainer:
                                to_toml(self.cfg))
 
     def resume(self) -> None:
-        state = self.checkpointer.load(self.parts, self.optimizer)
+        folder = self.checkpointer.choose()  # verified by rank 0, the same answer on every rank
+        if folder is None:
+            return
+        state = self.checkpointer.load(folder, self.parts, self.optimizer)
         if state is not None:
             self.load_trainer_state(state)
             if self.env.is_main:

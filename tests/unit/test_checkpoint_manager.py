@@ -144,7 +144,7 @@ def test_the_step_resumed_from_is_not_saved_again(tmp_path):
     before = os.stat(folder(tmp_path, 2)).st_ino
     mgr = manager(tmp_path, resume="auto")
     model, optimizer = tiny_model_and_optimizer(seed=6)
-    assert mgr.load(model, optimizer)["step"] == 2
+    assert mgr.load(mgr.choose(), model, optimizer)["step"] == 2
     save_steps(mgr, [2], model, optimizer)  # a finished run resumed again saves at its end
     assert os.stat(folder(tmp_path, 2)).st_ino == before  # not replaced: replacing renames a new folder
 
@@ -259,7 +259,8 @@ def test_load_restores_model_and_optimizer(tmp_path):
     model, optimizer = tiny_model_and_optimizer(seed=4)
     save_steps(manager(tmp_path), [7], model, optimizer)
     other, other_opt = tiny_model_and_optimizer(seed=5)
-    state = manager(tmp_path, resume="auto").load(other, other_opt)
+    mgr = manager(tmp_path, resume="auto")
+    state = mgr.load(mgr.choose(), other, other_opt)
     assert state == {"step": 7, "checkpoint": folder(tmp_path, 7)}
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
