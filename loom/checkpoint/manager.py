@@ -15,22 +15,30 @@ Layout of ``<checkpoint dir>``::
 A checkpoint becomes visible only by renaming its finished ``.tmp`` folder, after the marker is
 in it. A kill at any point leaves the previous complete checkpoint untouched. A folder of the same
 step left by an earlier run is moved aside and replaced at that rename.
+
+Every run has a lineage: an id drawn at a fresh start, carried over on resume and written into each
+marker. Retention only removes checkpoints of the current lineage; a fresh start in a folder that holds
+checkpoints is refused unless ``checkpoint.overwrite`` moves them into ``superseded/<time>/``.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import time
+import uuid
 import warnings
+import contextlib
 from typing import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from loom.config.errors import UserError
+from loom.config.errors import SharedError, UserError
 from loom.config.sections import CheckpointConfig
 
 # DCP warns on every single-process save/load even when told so (no_dist); it is the intended mode here
@@ -88,7 +96,7 @@ def _hashed_by_writers(folder: str) -> dict:
     return out
 
 
-def write_marker(folder: str, step: int) -> None:
+def write_marker(folder: str, step: int, lineage: str | None = None) -> None:
     """Write ``COMPLETE.json``: every file with its size and hash. Shards whose writer recorded them
     are not read again; everything else (DCP's .metadata, the small files) is hashed here."""
     recorded = _hashed_by_writers(folder)
@@ -102,7 +110,7 @@ def write_marker(folder: str, step: int) -> None:
             rec = recorded.get(rel)
             files[rel] = rec if rec is not None and rec["size"] == os.path.getsize(full) else file_record(full)
     tmp = os.path.join(folder, MARKER + ".partial")
-    _write_synced(tmp, json.dumps({"step": step, "files": files}, indent=1))
+    _write_synced(tmp, json.dumps({"step": step, "lineage": lineage, "files": files}, indent=1))
     os.replace(tmp, os.path.join(folder, MARKER))
 
 
@@ -141,16 +149,57 @@ def verify(folder: str, check_hash: bool = True) -> dict:
     return meta
 
 
-def list_complete(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(step, folder) of folders that look complete (named step_N with a marker), oldest first."""
+def list_steps(ckpt_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of every ``step_N`` folder, complete or not, oldest first."""
     if not os.path.isdir(ckpt_dir):
         return []
     out = []
     for name in os.listdir(ckpt_dir):
         m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(ckpt_dir, name, MARKER)):
+        if m and os.path.isdir(os.path.join(ckpt_dir, name)):
             out.append((int(m.group(1)), os.path.join(ckpt_dir, name)))
     return sorted(out)
+
+
+def list_complete(ckpt_dir: str) -> list[tuple[int, str]]:
+    """(step, folder) of folders that look complete (named step_N with a marker), oldest first."""
+    return [(step, f) for step, f in list_steps(ckpt_dir) if os.path.isfile(os.path.join(f, MARKER))]
+
+
+def marker_lineage(folder: str) -> str | None:
+    """The lineage a checkpoint's marker names; None when unreadable or written before lineages existed."""
+    try:
+        with open(os.path.join(folder, MARKER)) as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return meta.get("lineage") if isinstance(meta, dict) else None
+
+
+def new_lineage() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(folder) for n in names)
+
+
+class DiskFull(UserError):
+    pass
+
+
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` is, or wraps, ENOSPC (DCP reports each rank's exception inside a CheckpointException)."""
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict) and any(_disk_full(f[0] if isinstance(f, tuple) else f)
+                                              for f in failures.values()):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 def _single_process() -> bool:
@@ -217,6 +266,17 @@ class _HashingWriter(FileSystemWriter):
         return future
 
 
+def refuse_fresh_start(cfg: CheckpointConfig, ckpt_dir: str) -> None:
+    """``resume none`` without ``overwrite`` in a folder that holds checkpoints: a UserError saying what to do."""
+    found = list_steps(ckpt_dir)
+    if cfg.resume == "none" and found and not cfg.overwrite:
+        raise UserError(
+            f"checkpoint.resume none: {ckpt_dir} already holds {len(found)} checkpoint(s), the newest step "
+            f"{found[-1][0]}: continue it with --checkpoint.resume auto, use another --run.dir (or "
+            "--checkpoint.dir), or start over with --checkpoint.overwrite true (moves them into "
+            f"{os.path.join(ckpt_dir, 'superseded')}/, nothing is deleted)")
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, run_dir: str, *, is_main: bool, barrier: Callable[[], None],
                  share: Callable[[object], object] | None = None):
@@ -227,6 +287,7 @@ class CheckpointManager:
         self.is_main, self.barrier, self.share = is_main, barrier, share
         self._pending = None  # (future, tmp folder, final folder, step) of an async save
         self._last_saved = None  # the step this manager saved last
+        self.lineage: str | None = None  # set by choose(): the resumed checkpoint's, or a new one
         # async saves run collectives from a background thread: they need their own group, or their
         # messages interleave with the training step's on the default group
         self._group = _new_gloo_group() if cfg.async_save else None
@@ -264,14 +325,34 @@ class CheckpointManager:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             self._pending = (future, tmp, final, step)
         else:
-            dcp.save(state, storage_writer=writer, no_dist=_single_process())
+            with self._disk_full_is_one_line(tmp, step):
+                dcp.save(state, storage_writer=writer, no_dist=_single_process())
             self.barrier()  # every rank's shards are written
             if self.is_main:
-                self._commit(tmp, final, step)
+                with self._disk_full_is_one_line(tmp, step):
+                    self._commit(tmp, final, step)
             self.barrier()
 
+    @contextlib.contextmanager
+    def _disk_full_is_one_line(self, tmp: str, step: int):
+        """A full disk during a save: the partial folder goes, the previous checkpoint stays, and the error
+        is one line naming the folder, the bytes the save needs (the newest checkpoint's size) and those free."""
+        try:
+            yield
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if not _disk_full(err):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            done = list_complete(self.dir)
+            need = f"about {folder_bytes(done[-1][1]):,} bytes (the size of step {done[-1][0]})" if done else \
+                "more space"
+            free = shutil.disk_usage(self.dir).free
+            kept = f"; step {done[-1][0]} is intact" if done else ""
+            raise DiskFull(f"checkpoint.dir {self.dir}: no space left on the device while saving step {step}: it "
+                           f"needs {need}, {free:,} bytes are free{kept}") from None
+
     def _commit(self, tmp: str, final: str, step: int) -> None:
-        write_marker(tmp, step)
+        write_marker(tmp, step, self.lineage)
         # a folder of this step from an earlier run (resumed from an older checkpoint, or a corrupt
         # one that `auto` skipped) is replaced, never kept in place of this save
         old = self._move_aside(final) if os.path.lexists(final) else None
@@ -290,9 +371,10 @@ class CheckpointManager:
         return doomed
 
     def _apply_retention(self) -> None:
+        """Keep the newest ``keep`` complete checkpoints of this lineage; other lineages' are never touched."""
         if self.cfg.keep <= 0:
             return
-        complete = list_complete(self.dir)
+        complete = [(s, f) for s, f in list_complete(self.dir) if marker_lineage(f) == self.lineage]
         doomed = [self._move_aside(folder) for _, folder in complete[: max(0, len(complete) - self.cfg.keep)]]
         if doomed:
             _fsync_dir(self.dir)
@@ -313,48 +395,102 @@ class CheckpointManager:
     def _finish(self, collective: bool) -> None:
         future, tmp, final, step = self._pending
         self._pending = None
-        future.result()
+        with self._disk_full_is_one_line(tmp, step):
+            future.result()
         if self.is_main:
-            self._commit(tmp, final, step)
+            with self._disk_full_is_one_line(tmp, step):
+                self._commit(tmp, final, step)
         if collective:
             self.barrier()
 
     # ---- loading ----------------------------------------------------------------
     def resolve(self) -> str | None:
-        """The folder to resume from, verified; None when starting fresh."""
+        """The folder to resume from, verified; None when starting fresh. Starting fresh is only ever an
+        explicit choice: ``none`` in an empty folder (or with ``overwrite``), or ``auto`` with no checkpoint."""
         mode = self.cfg.resume
         if mode == "none":
+            self._refuse_or_supersede()
             return None
         if mode != "auto":
             verify(mode)  # an explicit path must be good: its error names the problem
             return mode
-        for step, folder in reversed(list_complete(self.dir)):
+        found = list_steps(self.dir)
+        problems = []
+        for step, folder in reversed(found):
             try:
                 verify(folder)
-                return folder
             except CorruptCheckpoint as err:
-                if self.is_main:
-                    warnings.warn(f"{err}; falling back to an earlier checkpoint", stacklevel=2)
+                problems.append(str(err))
+                continue
+            if problems and self.is_main:
+                warnings.warn(f"{'; '.join(problems)}; falling back to step {step}", stacklevel=2)
+            return folder
+        if found:
+            raise CorruptCheckpoint(
+                f"checkpoint.resume auto: none of the {len(found)} checkpoint(s) in {self.dir} can be loaded ("
+                + "; ".join(problems) + "): repair or move them, resume from a path, or start fresh with "
+                "--checkpoint.resume none --checkpoint.overwrite true (moves them aside)")
         return None
 
-    def _resolve_once(self) -> str | None:
+    def _refuse_or_supersede(self) -> None:
+        """``resume none`` where checkpoints exist: exit 2, or with ``overwrite`` move them (never delete)."""
+        found = list_steps(self.dir)
+        if not found:
+            return
+        refuse_fresh_start(self.cfg, self.dir)
+        dest = os.path.join(self.dir, "superseded", time.strftime("%Y%m%d-%H%M%S"))
+        while os.path.exists(dest):
+            dest += "+"
+        os.makedirs(dest)
+        for _, folder in found:
+            os.replace(folder, os.path.join(dest, os.path.basename(folder)))
+        _fsync_dir(self.dir)
+        print(f"checkpoint.overwrite: moved {len(found)} checkpoint(s) into {dest}", flush=True)
+
+    def _resolve_once(self) -> tuple[str | None, str]:
         """Rank 0 reads and hashes the candidates; the others take its answer (or its error)."""
         if self.share is None:
-            return self.resolve()
+            return self._resolve_with_lineage()
         answer = None
         if self.is_main:
             try:
-                answer = ("ok", self.resolve())
-            except CorruptCheckpoint as err:
-                answer = ("corrupt", str(err))
+                answer = ("ok", self._resolve_with_lineage())
+            except UserError as err:
+                answer = ("error", str(err))
         kind, value = self.share(answer)
-        if kind == "corrupt":
-            raise CorruptCheckpoint(value)
+        if kind == "error":
+            raise SharedError(value)
         return value
 
     def choose(self) -> str | None:
-        """The verified folder ``checkpoint.resume`` picks (the same on every rank), None for a fresh start."""
-        return self._resolve_once()
+        """The verified folder ``checkpoint.resume`` picks (the same on every rank), None for a fresh start;
+        sets the lineage: the chosen checkpoint's (a weights-only one starts a new lineage), else a new one."""
+        folder, lineage = self._resolve_once()
+        self.lineage = lineage
+        return folder
+
+    def latest(self) -> str | None:
+        """The newest complete, verified checkpoint of this lineage (rank 0 checks, every rank gets its answer)."""
+        folder = None
+        if self.is_main:
+            for _, candidate in reversed(list_complete(self.dir)):
+                if marker_lineage(candidate) == self.lineage:
+                    try:
+                        verify(candidate)
+                    except CorruptCheckpoint:
+                        continue
+                    folder = candidate
+                    break
+        return self.share(folder) if self.share is not None else folder
+
+    def _resolve_with_lineage(self) -> tuple[str | None, str]:
+        folder = self.resolve()
+        lineage = None
+        if folder is not None:
+            with open(os.path.join(folder, STATE)) as fh:
+                state = json.load(fh)
+            lineage = None if state.get("model_only") else (state.get("lineage") or marker_lineage(folder))
+        return folder, lineage or new_lineage()
 
     def load(self, folder: str, parts, optimizers) -> dict | None:
         """Load checkpoint ``folder`` (from ``choose``) into the model parts and their optimizers (any layout:

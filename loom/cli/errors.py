@@ -1,11 +1,15 @@
-"""User errors leave as one line on stderr and exit code 2; bugs keep their traceback."""
+"""User errors leave as one line on stderr and exit code 2, a run that stopped itself (non-finite steps) as
+one line and exit code 1; bugs keep their traceback."""
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 import sys
 
-from loom.config.errors import ConfigError, UserError
+from loom.config.errors import ConfigError, SharedError, UserError
+from loom.train.guard import TrainingStopped
 
 EXIT_USER_ERROR = 2
 
@@ -16,7 +20,19 @@ def user_errors_exit(fn):
         try:
             return fn(*args, **kwargs)
         except (ConfigError, UserError) as err:
-            print(f"loom: error: {err}", file=sys.stderr, flush=True)
+            if not (isinstance(err, SharedError) and os.environ.get("RANK", "0") != "0"):
+                print(f"loom: error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            where = f" writing {err.filename}" if err.filename else ""
+            print(f"loom: error: no space left on the device{where}: free some space or choose another folder",
+                  file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+        except TrainingStopped as err:  # decided on every rank alike: rank 0 says it
+            if os.environ.get("RANK", "0") == "0":
+                print(f"loom: stopped: {err}", file=sys.stderr, flush=True)
+            sys.exit(1)
 
     return wrapper

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
+import time
 import warnings
 
 from loom.config import ConfigError, build_config, parse_overrides
+from loom.train.run_dir import acquire, check_writable_dirs, checkpoint_dir, held_env
 
 USAGE = """usage: loom train [--config FILE.toml] [--nproc-per-node N] [--section.field VALUE ...]
 
@@ -59,11 +62,13 @@ def precheck(cfg, world_size: int) -> None:
     # these import torch: they come last, after every check that does not need it
     from loom.data import build_tokenizer
     from loom.data.sources import parse_source
+    from loom.train.resume_changes import check_before_start
     from loom.train.trainer import resolve_model_args
 
     parse_source(cfg.data.source, cfg.data.text_field)
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))  # model shape vs the tokenizer's vocabulary
     dims.check_model(args, cfg.parallel)  # heads / layers vs the tp and pp degrees
+    check_before_start(cfg)  # a checkpoint this config cannot continue (model shape, data, ...): refused here
 
 
 def env_world_size() -> int:
@@ -99,18 +104,26 @@ def run_worker(argv: list[str]) -> None:
     destroy_distributed()
 
 
-def launch(argv: list[str], nproc: int) -> int:
-    """Start ``nproc`` local workers with torch.distributed.run (elastic agent, c10d rendezvous)."""
+def launch(argv: list[str], nproc: int, cfg) -> int:
+    """Start ``nproc`` local workers with torch.distributed.run (elastic agent, c10d rendezvous). The agent
+    forwards SIGTERM / SIGINT to the workers, which agree, save and exit 0 within checkpoint.preempt_grace_s;
+    the agent waits a little longer than that before it kills them."""
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # stable restarts on gloo
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(cfg.checkpoint.preempt_grace_s) + 10))
+    os.environ.update(held_env(cfg.run.dir))  # this process holds the run dir's lock for its workers
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", "loom.train", *argv])
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    started = time.time()
     try:
         run(args)
+    except SignalException as err:
+        return _after_signal(cfg.run.dir, err.sigval, started)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         # the agent stops the other workers (negative codes: killed by a signal) once one has failed
@@ -120,15 +133,40 @@ def launch(argv: list[str], nproc: int) -> int:
     return 0
 
 
+def _after_signal(run_dir: str, sigval, started: float) -> int:
+    """The launcher got SIGTERM / SIGINT and its workers have stopped: 0 when they saved (rank 0 wrote
+    ``preempted.json`` during this launch), else 1; one line either way."""
+    from loom.train.trainer import PREEMPTED
+
+    name = getattr(sigval, "name", str(sigval))
+    path = os.path.join(run_dir, PREEMPTED)
+    try:
+        if os.path.getmtime(path) >= started:
+            with open(path) as fh:
+                step = json.load(fh)["step"]
+            print(f"loom: {name}: the workers saved step {step} and stopped", file=sys.stderr, flush=True)
+            return 0
+    except (OSError, ValueError, KeyError):
+        pass
+    print(f"loom: {name}: the workers stopped before saving a checkpoint (the last complete one stays)",
+          file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    _, nproc = checked_config(argv)
+    cfg, nproc = checked_config(argv)
+    check_writable_dirs(cfg)  # before anything is built, and held (locked) for the whole run
+    acquire(cfg.run.dir)
+    from loom.checkpoint.manager import refuse_fresh_start
+
+    refuse_fresh_start(cfg.checkpoint, checkpoint_dir(cfg))
     if nproc and nproc > 1:
         # workers must not launch again: strip --nproc-per-node from what they receive
         config, _, overrides = split_launcher_args(argv)
         worker_argv = (["--config", config] if config else []) + overrides
-        return launch(worker_argv, nproc)
+        return launch(worker_argv, nproc, cfg)
     run_worker(argv)
     return 0

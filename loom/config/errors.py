@@ -14,3 +14,7 @@ class ConfigError(ValueError):
 
 class UserError(RuntimeError):
     """A problem with the user's files or environment (not a bug); printed in one line, exit code 2."""
+
+
+class SharedError(UserError):
+    """A user error every rank raises from rank 0's answer (a broadcast): printed by rank 0 only."""

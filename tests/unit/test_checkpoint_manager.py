@@ -4,6 +4,7 @@ the CLI) are in test_checkpoint_recovery.py."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -12,9 +13,10 @@ import warnings
 import pytest
 import torch
 
-from loom.checkpoint.manager import (MARKER, STATE, CheckpointManager, CorruptCheckpoint, file_record,
-                                     list_complete, step_dir_name, verify, write_marker)
+from loom.checkpoint.manager import (MARKER, STATE, CheckpointManager, CorruptCheckpoint, DiskFull, _HashingWriter,
+                                     file_record, folder_bytes, list_complete, step_dir_name, verify, write_marker)
 from loom.config import CheckpointConfig
+from loom.config.errors import UserError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -234,10 +236,28 @@ def test_auto_picks_the_newest_and_none_when_nothing_is_left(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert manager(tmp_path, resume="auto").resolve() == folder(tmp_path, 4)
+
+def test_auto_with_no_loadable_checkpoint_is_an_error_naming_each(tmp_path):
+    """Starting from scratch is only ever an explicit choice; a deleted marker is one more incomplete checkpoint."""
+    save_steps(manager(tmp_path, keep=0), [2, 4, 6])
     truncate_shard(folder(tmp_path, 2))
-    truncate_shard(folder(tmp_path, 4))
-    with pytest.warns(UserWarning, match="falling back"):
-        assert manager(tmp_path, resume="auto").resolve() is None
+    os.remove(os.path.join(folder(tmp_path, 4), MARKER))
+    truncate_shard(folder(tmp_path, 6))
+    with pytest.raises(CorruptCheckpoint) as caught:
+        manager(tmp_path, resume="auto").resolve()
+    message = str(caught.value)
+    assert "none of the 3 checkpoint(s)" in message and "\n" not in message
+    assert f"{folder(tmp_path, 6)}: file __0_0.distcp has" in message
+    assert f"{folder(tmp_path, 4)} is incomplete: no {MARKER}" in message
+    assert f"{folder(tmp_path, 2)}: file __0_0.distcp has" in message
+    assert "--checkpoint.resume none --checkpoint.overwrite true" in message
+
+
+def test_a_deleted_marker_is_skipped_with_a_warning_like_any_incomplete_checkpoint(tmp_path):
+    save_steps(manager(tmp_path, keep=0), [2, 4])
+    os.remove(os.path.join(folder(tmp_path, 4), MARKER))
+    with pytest.warns(UserWarning, match=f"{step_dir_name(4)} is incomplete: no {MARKER}; falling back to step 2"):
+        assert manager(tmp_path, resume="auto").resolve() == folder(tmp_path, 2)
 
 
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
@@ -267,3 +287,87 @@ def test_load_restores_model_and_optimizer(tmp_path):
     for p, q in zip(model.parameters(), other.parameters()):
         sa, sb = optimizer.state[p], other_opt.state[q]
         assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ---- lineage: retention, fresh starts --------------------------------------------------------
+def lineage_manager(run_dir, **cfg) -> CheckpointManager:
+    mgr = manager(run_dir, **cfg)
+    mgr.choose()
+    return mgr
+
+
+def test_every_marker_names_the_lineage_and_a_resume_carries_it_over(tmp_path):
+    first = lineage_manager(tmp_path, resume="none")
+    model, optimizer = tiny_model_and_optimizer()
+    for step in (1, 2):
+        first.save(step, model, optimizer, {"step": step, "lineage": first.lineage}, "")
+    assert [json.load(open(os.path.join(folder(tmp_path, s), MARKER)))["lineage"] for s in (1, 2)] == \
+        [first.lineage] * 2
+    assert lineage_manager(tmp_path, resume="auto").lineage == first.lineage
+    assert lineage_manager(tmp_path / "other", resume="auto").lineage != first.lineage  # a fresh start: a new one
+
+
+def test_retention_removes_only_the_current_lineages_checkpoints(tmp_path):
+    """An old run's higher steps never push a new run's checkpoints out (they are another lineage's)."""
+    old = lineage_manager(tmp_path, keep=0, resume="none")
+    save_steps(old, range(1, 31))
+    for step in range(1, 28):  # the old run kept step 28..30 only
+        shutil.rmtree(folder(tmp_path, step))
+    new = manager(tmp_path, keep=2)
+    new.lineage = "a-new-run"  # as a fresh start with checkpoint.overwrite would (without moving the old ones)
+    save_steps(new, [5, 10, 15])
+    assert saved_steps(tmp_path) == [10, 15, 28, 29, 30]
+
+
+def test_a_fresh_start_where_checkpoints_exist_is_refused(tmp_path):
+    save_steps(lineage_manager(tmp_path), [3, 7])
+    with pytest.raises(UserError) as caught:
+        manager(tmp_path, resume="none").choose()
+    message = str(caught.value)
+    assert os.path.join(str(tmp_path), "checkpoints") in message and "newest step 7" in message
+    assert "--checkpoint.resume auto" in message and "--checkpoint.overwrite true" in message
+    assert saved_steps(tmp_path) == [3, 7]
+
+
+def test_overwrite_moves_the_old_checkpoints_aside_and_deletes_nothing(tmp_path, capsys):
+    save_steps(lineage_manager(tmp_path), [3, 7])
+    before = {s: verify(folder(tmp_path, s))["files"] for s in (3, 7)}
+    mgr = manager(tmp_path, resume="none", overwrite=True)
+    assert mgr.choose() is None and saved_steps(tmp_path) == []
+    (moved,) = os.listdir(os.path.join(str(tmp_path), "checkpoints", "superseded"))
+    aside = os.path.join(str(tmp_path), "checkpoints", "superseded", moved)
+    assert sorted(os.listdir(aside)) == [step_dir_name(3), step_dir_name(7)]
+    assert {s: verify(os.path.join(aside, step_dir_name(s)))["files"] for s in (3, 7)} == before
+    assert f"moved 2 checkpoint(s) into {aside}" in capsys.readouterr().out
+
+
+def test_latest_is_the_newest_verified_checkpoint_of_this_lineage(tmp_path):
+    mgr = lineage_manager(tmp_path, keep=0)
+    save_steps(mgr, [2, 4])
+    other = manager(tmp_path, keep=0)
+    other.lineage = "another-run"
+    save_steps(other, [6])
+    assert mgr.latest() == folder(tmp_path, 4)
+    truncate_shard(folder(tmp_path, 4))
+    assert mgr.latest() == folder(tmp_path, 2)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, async_save):
+    mgr = lineage_manager(tmp_path, keep=0, async_save=async_save)
+    save_steps(mgr, [2])
+    real_write = _HashingWriter.write_data
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_HashingWriter, "write_data", full)
+    with pytest.raises(DiskFull) as caught:
+        save_steps(mgr, [4])
+    message = str(caught.value)
+    assert "\n" not in message and "no space left on the device while saving step 4" in message
+    assert f"about {folder_bytes(folder(tmp_path, 2)):,} bytes (the size of step 2)" in message
+    assert "step 2 is intact" in message
+    monkeypatch.setattr(_HashingWriter, "write_data", real_write)
+    assert sorted(os.listdir(os.path.join(str(tmp_path), "checkpoints"))) == [step_dir_name(2)]  # no partial folder
+    verify(folder(tmp_path, 2))
