@@ -65,14 +65,19 @@ def uniform(idx: torch.Tensor, seed: int) -> torch.Tensor:
 
 # ---- windows of one source -----------------------------------------------------
 
+def split_windows(n_tokens: int, seq_len: int, val_fraction: float) -> tuple[int, int]:
+    """(training, validation) windows of ``seq_len + 1`` tokens (stride ``seq_len``) in ``n_tokens`` tokens."""
+    n = (n_tokens - 1) // seq_len
+    n_val = int(n * val_fraction) if n >= 2 else 0
+    if val_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    return n - n_val, n_val
+
+
 class Windows:
     def __init__(self, tokens: TokenFile, seq_len: int, val_fraction: float, label: str):
-        self.tokens, self.seq_len, self.label = tokens, seq_len, label
-        n = (len(tokens) - 1) // seq_len
-        n_val = int(n * val_fraction) if n >= 2 else 0
-        if val_fraction > 0 and n >= 2:
-            n_val = max(1, n_val)
-        self.n_train, self.n_val = n - n_val, n_val
+        self.tokens, self.seq_len, self.label, self.val_fraction = tokens, seq_len, label, val_fraction
+        self.n_train, self.n_val = split_windows(len(tokens), seq_len, val_fraction)
         if self.n_train < 1:
             raise UserError(f"data source {label} ({tokens.path}): {len(tokens)} tokens are fewer than one "
                             f"training window of {seq_len + 1} (lower training.seq_len or add data)")
@@ -92,6 +97,15 @@ class Windows:
 
     def val_window_id(self, k: int) -> int:
         return self.n_train + k % self.n_val
+
+    def recut_count(self, taken: int, old_seq_len: int) -> int:
+        """Training windows taken under ``old_seq_len``, as a count at this ``seq_len``: the same epoch and the
+        same fraction of it (windows cut at another length are other windows, so no exact continuation exists)."""
+        old_n = split_windows(len(self.tokens), old_seq_len, self.val_fraction)[0]
+        if old_n < 1:
+            return 0
+        epoch, pos = divmod(taken, old_n)
+        return epoch * self.n_train + (2 * pos * self.n_train + old_n) // (2 * old_n)  # rounded to nearest
 
 
 # ---- batches ------------------------------------------------------------------
@@ -198,11 +212,18 @@ class Loader:
                                          for k in range(start, start + self.micro_batch)], self.eos_id))
         return out
 
+    @property
+    def seq_len(self) -> int:
+        return self.sources[0].seq_len
+
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "counts": list(self.counts), "seed": self.seed,
-                "sources": [s.label for s in self.sources]}
+                "sources": [s.label for s in self.sources], "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
+        """The position of ``state_dict``. Saved at another ``seq_len`` (``state["seq_len"]``, absent in older
+        checkpoints: the same), each source goes on from the same fraction of the same epoch (``recut_count``);
+        another global batch size needs nothing: the position counts samples, whatever the batch."""
         if len(state["counts"]) != len(self.sources):
             raise UserError(f"checkpoint's data loader has {len(state['counts'])} sources, this run has "
                             f"{len(self.sources)}: resume with the same data.source")
@@ -210,3 +231,7 @@ class Loader:
             raise UserError(f"checkpoint's data order was drawn with run.seed {state['seed']}, this run has "
                             f"{self.seed}: resume with the same seed")
         self.consumed, self.counts = int(state["consumed"]), [int(c) for c in state["counts"]]
+        old_seq_len = int(state.get("seq_len", self.seq_len))
+        if old_seq_len != self.seq_len:
+            self.counts = [s.recut_count(c, old_seq_len) for s, c in zip(self.sources, self.counts)]
+            self.consumed = sum(self.counts)  # every sample takes one window of one source

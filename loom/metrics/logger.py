@@ -34,6 +34,8 @@ def format_line(rec: dict, total_steps: int) -> str:
     parts.append(f"mem {rec['mem_gib']:.2f}GiB")
     if rec.get("skipped_steps"):
         parts.append(f"skipped {rec['skipped_steps']}")
+    if rec.get("nonfinite_steps"):
+        parts.append(f"non-finite {rec['nonfinite_steps']}")
     return " | ".join(parts)
 
 
@@ -69,20 +71,66 @@ class Progress:
             sys.stderr.write("\r" + " " * 80 + "\r")
 
 
+def rewind_metrics(path: str, step: int) -> int:
+    """Drop the records of ``path`` (metrics.jsonl) after ``step``, so a run resumed or rolled back to ``step``
+    appends each later step once; returns how many were dropped. Rewritten through a temporary file and
+    ``os.replace``: a kill leaves the old file or the new one. Lines that are not JSON (a write cut short by a
+    kill) go too; records without an integer step stay."""
+    try:
+        with open(path, "rb") as fh:
+            lines = fh.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # not a record: a line cut short by a kill
+        if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step):
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+    if len(kept) == len(lines) and all(line.endswith(b"\n") for line in lines):
+        return 0
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.writelines(kept)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, total_steps: int, *, tensorboard: bool, progress: bool, start_step: int):
         self.total = total_steps
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._fh = open(self.path, "a")
         self.progress = Progress(total_steps, progress, start_step)
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self._tb_dir = os.path.join(run_dir, "tensorboard") if tensorboard else None
+        self._tb = self._open_tensorboard(start_step)
 
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            except Exception:  # tensorboard is optional
-                self._tb = None
+    def _open_tensorboard(self, step: int):
+        """A TensorBoard writer (None when off or not installed); past ``step`` > 0 it hides the events of later
+        steps that an earlier run (or this one, before a rollback) wrote: TensorBoard's ``purge_step``."""
+        if self._tb_dir is None:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            return SummaryWriter(self._tb_dir, purge_step=step + 1 if step > 0 else None)
+        except Exception:  # tensorboard is optional
+            return None
+
+    def rewind(self, step: int) -> int:
+        """Back to ``step`` inside a run (a rollback to an earlier checkpoint): later records leave
+        metrics.jsonl and TensorBoard, so the replayed steps appear once; returns the records dropped."""
+        self._fh.close()
+        dropped = rewind_metrics(self.path, step)
+        self._fh = open(self.path, "a")
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._open_tensorboard(step)
+        return dropped
 
     def log(self, rec: dict) -> None:
         self._fh.write(json.dumps(strict_json(rec)) + "\n")

@@ -76,6 +76,7 @@ class NonFiniteGuard:
         self.streak = 0  # of them in a row, up to the current step
         self.skip_steps: set[int] = set()  # steps whose batch made a rollback happen
         self.rollbacks: dict[int, int] = {}  # checkpoint step -> rollbacks to it
+        self.why = ""  # what made bad_step answer "stop"
 
     def state_dict(self) -> dict:
         return {"skipped": self.skipped, "skip_steps": sorted(self.skip_steps),
@@ -90,19 +91,21 @@ class NonFiniteGuard:
         self.streak = 0
 
     def bad_step(self, step: int, loss: float, norm: float) -> str:
-        """Record a non-finite ``step``; returns ``skip`` or ``rollback``, or raises TrainingStopped."""
-        what = f"step {step}: loss {loss}, grad norm {norm}"
-        if self.mode == "stop":
-            raise TrainingStopped(f"non-finite {what} (training.nonfinite = stop); the update was not applied and "
-                                  "the last complete checkpoint stays")
+        """Record a non-finite ``step``: ``skip``, ``rollback``, or ``stop`` (then ``why`` says why)."""
         self.skipped += 1
         self.streak += 1
+        what = f"step {step}: loss {loss}, grad norm {norm}"
+        if self.mode == "stop":
+            self.why = (f"non-finite {what} (training.nonfinite = stop); the update was not applied and the last "
+                        "complete checkpoint stays")
+            return "stop"
         if self.mode == "rollback":
             self.skip_steps.add(step)
             return "rollback"
         if self.streak >= self.limit:
-            raise TrainingStopped(f"{self.streak} non-finite steps in a row (training.nonfinite_limit = "
-                                  f"{self.limit}), the last {what}; stopping (the last complete checkpoint stays)")
+            self.why = (f"{self.streak} non-finite steps in a row (training.nonfinite_limit = {self.limit}), the "
+                        f"last {what}; stopping (the last complete checkpoint stays)")
+            return "stop"
         return "skip"
 
     def rolled_back_to(self, step: int) -> None:

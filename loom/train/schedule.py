@@ -52,6 +52,7 @@ class SchedulerParts:
 
     def __init__(self, optimizers, total_steps: int, cfg: OptimizerConfig):
         self.schedulers = [build_scheduler(opt, total_steps, cfg) for opt in optimizers.optimizers]
+        self.total_steps, self.cfg = total_steps, cfg
 
     def step(self) -> None:
         for s in self.schedulers:
@@ -61,5 +62,14 @@ class SchedulerParts:
         return self.schedulers[0].state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Take the checkpoint's position in the schedule (``last_epoch``: the optimizer steps taken) and nothing
+        else: the peak LR, the schedule and its length are this run's config, so a resumed run with another
+        ``optimizer.lr`` / ``schedule`` / ``training.steps`` follows the new schedule from its next step
+        (LambdaLR's state would bring back the old ``base_lrs``; the optimizer's the old group LR)."""
         for s in self.schedulers:
             s.load_state_dict(state)
+            s.base_lrs = [self.cfg.lr for _ in s.base_lrs]
+            lr = self.cfg.lr * lr_factor(s.last_epoch, self.total_steps, self.cfg)  # what LambdaLR.step computes
+            for group in s.optimizer.param_groups:
+                group["initial_lr"], group["lr"] = self.cfg.lr, lr
+            s._last_lr = [lr for _ in s.optimizer.param_groups]

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
-import signal
+import shutil
 import time
 
 import torch
 import torch.distributed as dist
 
-from loom.config.errors import ConfigError
+from loom.config.errors import ConfigError, SharedError, UserError
 from loom.config.load import accumulation_steps, profile_window, to_toml
 from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, prepare_data
@@ -34,9 +35,11 @@ from loom.parallel.expert_parallel import expert_params
 from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
+from loom.train.guard import NonFiniteGuard, Preemption, TrainingStopped
 from loom.train.loss import cross_entropy_sum, valid_tokens
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import DTYPES, LossScaler, autocast_context
+from loom.train.run_dir import acquire, check_writable_dirs
 from loom.train.schedule import SchedulerParts
 
 
@@ -117,19 +120,7 @@ def count_params(args) -> int:
         return sum(p.numel() for p in Llama(args).parameters())
 
 
-class _StopSignal:
-    """SIGTERM (preemption) sets a flag; the loop saves a checkpoint and exits at the next logged step
-    (every ``metrics.every`` steps, where the ranks agree on it)."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._old)
+PREEMPTED = "preempted.json"  # written by rank 0 after a preemption save: the launcher reads it
 
 
 class Trainer:
@@ -154,6 +145,9 @@ class Trainer:
         self._build_checkpointer()
         self._build_profiler()
         self.step, self.tokens_seen = 0, 0
+        self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
+        self.preemption: Preemption | None = None  # set while fit() runs
+        self.stop_agreed = False  # every rank saw a stop request by the end of the last step
 
     # ---- build steps ------------------------------------------------------
     def _setup_determinism(self) -> None:
@@ -164,11 +158,24 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
 
     def _setup_run_dir(self) -> None:
+        """Rank 0 checks the run and checkpoint folders can be written and locks the run dir (a no-op where the
+        CLI or launcher holds the lock); every rank stops with its error, printed once."""
         self.run_dir = self.cfg.run.dir
+        error = None
         if self.env.is_main:
-            os.makedirs(self.run_dir, exist_ok=True)
+            try:
+                check_writable_dirs(self.cfg)
+                acquire(self.run_dir)
+            except (ConfigError, UserError) as err:
+                error = str(err)
+        error = self.share_from_main(error)
+        if error is not None:
+            raise SharedError(error)
+        if self.env.is_main:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as fh:
                 fh.write(to_toml(self.cfg))
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.run_dir, PREEMPTED))  # an earlier run's: the launcher reads this one's
         self.barrier()
 
     def _build_data(self) -> None:
@@ -258,8 +265,26 @@ class Trainer:
     def _build_checkpointer(self) -> None:
         from loom.checkpoint.manager import CheckpointManager
 
+        self._check_checkpoint_space()
         self.checkpointer = CheckpointManager(self.cfg.checkpoint, self.run_dir, is_main=self.env.is_main,
                                               barrier=self.barrier, share=self.share_from_main)
+
+    def _check_checkpoint_space(self) -> None:
+        """A run that will save refuses to start when the checkpoint folder's disk cannot hold one checkpoint
+        (float32 weights and the two AdamW moments), instead of failing at its first save."""
+        c = self.cfg.checkpoint
+        error = None
+        if self.env.is_main and (c.every or c.at_end):
+            folder = c.dir or os.path.join(self.run_dir, "checkpoints")
+            need = 3 * 4 * count_params(self.model_args)
+            free = shutil.disk_usage(folder).free
+            if free < need:
+                error = (f"checkpoint.dir {folder}: a checkpoint of this model needs about {need:,} bytes (float32 "
+                         f"weights and AdamW moments), the disk has {free:,} free: free space or choose another "
+                         "checkpoint.dir")
+        error = self.share_from_main(error)
+        if error is not None:
+            raise SharedError(error)
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph)."""
@@ -304,6 +329,14 @@ class Trainer:
         if self.env.world_size == 1:
             return flag
         return self._max_over_ranks(float(flag)) > 0
+
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Each flag true on any rank, on every rank (one small all-reduce)."""
+        if self.env.world_size == 1:
+            return list(flags)
+        t = torch.tensor([float(f) for f in flags], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [x > 0 for x in t.tolist()]
 
     # ---- one step -------------------------------------------------------------
     def _autocast(self):
@@ -395,11 +428,17 @@ class Trainer:
         if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
-        with self.profiler.phase("optimizer"):  # grad norm, clipping, step, zero_grad
+        loss = self.dp_sum(loss_sum) / n_tokens
+        with self.profiler.phase("optimizer"):  # grad norm, non-finite and stop checks, clipping, step, zero_grad
             norm = self._grad_norm() / self.scaler.scale
-            stepped = True
-            if self.scaler.enabled:
-                stepped = self.scaler.update(float(norm))
+            loss_f, norm_f = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()  # one host sync
+            # under float16 an infinite gradient norm is an overflow, the loss scaler's to handle
+            bad = not math.isfinite(loss_f) or (not self.scaler.enabled and not math.isfinite(norm_f))
+            stop = self.preemption is not None and self.preemption.requested
+            bad, self.stop_agreed = self._agree(bad, stop)  # every step: schedulers give 30 s or less
+            stepped = not bad
+            if stepped and self.scaler.enabled:
+                stepped = self.scaler.update(norm_f)
             if stepped:
                 clip = 1.0 if self.cfg.training.max_norm == 0 else torch.clamp(
                     self.cfg.training.max_norm / (norm + 1e-6), max=1.0)
@@ -407,7 +446,7 @@ class Trainer:
                 self.optimizer.step(clip / self.scaler.scale if scaled else None)
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": self.dp_sum(loss_sum) / n_tokens, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
+        out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "nonfinite": bad}
         if self.model_args.moe:
             balance = self._moe_balance()
             # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
@@ -477,37 +516,105 @@ class Trainer:
     def state_for_checkpoint(self) -> dict:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "lineage": self.checkpointer.lineage, "nonfinite": self.guard.state_dict(),
                 "rng": {"cpu": torch.get_rng_state().tolist(),
                         "cuda": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None}}
 
     def load_trainer_state(self, state: dict) -> None:
+        """A loaded checkpoint's trainer state, adapted to this run's config where it differs from the one the
+        checkpoint was written with (loom.train.resume_changes: data position, LR schedule, optimizer groups,
+        loss scale)."""
+        from loom.train.resume_changes import (apply_optimizer_config, checkpoint_values, loader_state,
+                                               restore_loss_scale)
+
+        old = checkpoint_values(state.get("checkpoint"))  # the checkpoint's config (None: unknown, the same)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.loader.load_state_dict(state["loader"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(loader_state(state["loader"], old))
+        self.scheduler.load_state_dict(state["scheduler"])  # its position; the schedule is this run's
+        apply_optimizer_config(self.optimizer, self.cfg.optimizer)
         self.scaler.load_state_dict(state["scaler"])
+        restore_loss_scale(self.scaler, old, self.cfg.training)
+        self.guard.load_state_dict(state.get("nonfinite", {}))  # steps whose batches are skipped stay skipped
         torch.set_rng_state(torch.tensor(state["rng"]["cpu"], dtype=torch.uint8))
         if state["rng"].get("cuda") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(torch.tensor(state["rng"]["cuda"], dtype=torch.uint8))
 
     def save_checkpoint(self) -> None:
+        """Save this step; weights that are not finite are never written (the run stops, the last checkpoint stays)."""
+        if self.any_rank(not self._weights_finite()):
+            raise TrainingStopped(f"the weights are not finite at step {self.step}: no checkpoint written (the last "
+                                  "complete one stays)")
         self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_for_checkpoint(),
                                to_toml(self.cfg))
 
     def resume(self) -> None:
+        from loom.metrics.logger import rewind_metrics
+        from loom.train.resume_changes import check_checkpoint, on_main
+
         folder = self.checkpointer.choose()  # verified by rank 0, the same answer on every rank
         if folder is None:
             return
+        # this run's config against the checkpoint's before any weight is read: a shape change stops here
+        changes = on_main(lambda: check_checkpoint(folder, self.cfg, self.tokenizer, self.kernels),
+                          self.env.is_main, self.share_from_main)
         state = self.checkpointer.load(folder, self.parts, self.optimizer)
         if state is not None:
             self.load_trainer_state(state)
             if self.env.is_main:
                 print(f"resumed from step {self.step}", flush=True)
+                if changes.line():
+                    print(changes.line(), flush=True)
+                # records a run wrote past this checkpoint: the resumed run writes those steps again
+                dropped = rewind_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
+                if dropped:
+                    print(f"metrics.jsonl: dropped {dropped} record(s) after step {self.step}", flush=True)
+
+    def _weights_finite(self) -> bool:
+        local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in self.params]
+        return bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all()) if local else True
+
+    def _rollback(self) -> None:
+        """training.nonfinite = rollback: the newest complete checkpoint of this run back in place; the guard
+        keeps its record of offending steps, whose batches the replay skips."""
+        self.checkpointer.wait()
+        folder = self.checkpointer.latest()
+        if folder is None:
+            raise TrainingStopped(f"non-finite step {self.step} and no complete checkpoint of this run to roll back "
+                                  "to (training.nonfinite = rollback; save with checkpoint.every)")
+        guard = self.guard.state_dict()
+        state = self.checkpointer.load(folder, self.parts, self.optimizer)
+        self.load_trainer_state(state)
+        self.guard.load_state_dict(guard)
+        self.guard.rolled_back_to(self.step)
+        if self.env.is_main:
+            print(f"rolled back to step {self.step} ({folder}); the batches of step(s) "
+                  f"{', '.join(map(str, sorted(self.guard.skip_steps)))} will be skipped", flush=True)
+
+    def _skip_offending_batch(self) -> None:
+        """A step whose batch made a rollback happen: its data is consumed, no update is made."""
+        self.loader.next_step()
+        self.step += 1
+        self.tokens_seen += self.cfg.training.global_batch_size * self.cfg.training.seq_len
+        if self.env.is_main:
+            print(f"step {self.step}: batch skipped (it made the loss non-finite before a rollback)", flush=True)
+
+    def _nonfinite_action(self, out: dict) -> str:
+        """Count a non-finite step and say so on the console at once; returns what training.nonfinite does."""
+        loss, norm = float(out["loss"]), float(out["grad_norm"])
+        action = self.guard.bad_step(self.step, loss, norm)
+        if self.env.is_main:
+            print(f"step {self.step}: non-finite loss {loss} / grad norm {norm}: update skipped "
+                  f"({self.guard.streak} in a row, {self.guard.skipped} in all; training.nonfinite = "
+                  f"{self.guard.mode})", flush=True)
+        return action
 
     def fit(self) -> list[dict]:
         """Train to ``training.steps``; returns the logged records (rank 0; others get [])."""
         cfg = self.cfg
         self.resume()
-        stop = _StopSignal()
+        if self.step == 0 and self.env.is_main:
+            self._set_aside_old_metrics()
+        self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, rank=self.env.rank)
         peak = device_peak(self.device, cfg.training.dtype)
         logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
                                progress=cfg.metrics.progress, start_step=self.step) if self.env.is_main else None
@@ -525,44 +632,68 @@ class Trainer:
         try:
             while self.step < cfg.training.steps:
                 self.checkpointer.poll()
+                if self.step + 1 in self.guard.skip_steps:
+                    self._skip_offending_batch()
+                    continue
                 logs = self._logs_at(self.step + 1)
                 data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
                 self.profiler.start(self.step + 1)
-                out = self.train_step(data.micro_batches)
+                out = self.train_step(data.micro_batches)  # agrees on non-finite values and stop requests
                 self.step += 1
                 self.profiler.step_done(self.step)
                 self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
+                action = self._nonfinite_action(out) if out["nonfinite"] else "ok"
+                if action == "ok":
+                    self.guard.finite_step()
+                if action == "rollback":
+                    self._rollback()
+                    records = [r for r in records if r["step"] <= self.step]
+                    if logger:
+                        logger.rewind(self.step)
+                    t_last, tokens_last = time.perf_counter(), self.tokens_seen
+                    continue
                 if logger:
                     logger.progress.update(self.step)
                 val = None
                 if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
                     val = self.evaluate()
-                if logs:
+                if logs or action == "stop":  # the step that stops the run is on record too
                     now = time.perf_counter()
                     rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
                     t_last, tokens_last = now, self.tokens_seen
                     if logger:
                         logger.log(rec)
                         records.append(rec)
-                # ranks agree on stopping through a collective, held to logged steps: the logged metrics
-                # already sync the host there, so the hot loop gains no extra sync
-                preempted = self.any_rank(stop.requested) if logs else False
+                if action == "stop":
+                    raise TrainingStopped(self.guard.why)
+                preempted = self.stop_agreed
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or preempted:
                     self.save_checkpoint()
                 if preempted:
+                    self.checkpointer.wait()
                     if self.env.is_main:
-                        print(f"SIGTERM: saved step {self.step}, exiting", flush=True)
+                        with open(os.path.join(self.run_dir, PREEMPTED), "w") as fh:
+                            json.dump({"step": self.step, "reason": self.preemption.reason}, fh)
+                        print(f"{self.preemption.reason or 'stop request'}: saved step {self.step}, exiting", flush=True)
                     break
             else:
                 if cfg.checkpoint.at_end and not (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
             self.checkpointer.wait()
         finally:
-            stop.restore()
+            self.preemption.restore()
             self.profiler.close()
             if logger:
                 logger.close()
         return records
+
+    def _set_aside_old_metrics(self) -> None:
+        """A fresh start in a run dir with an earlier run's metrics.jsonl: renamed, never appended to or lost."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if os.path.exists(path) and os.path.getsize(path):
+            dest = os.path.join(self.run_dir, f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            os.replace(path, dest)
+            print(f"a fresh start: the earlier metrics.jsonl is now {dest}", flush=True)
 
     def _measured(self) -> str:
         if self.attention_times is None:
@@ -607,6 +738,7 @@ class Trainer:
             "mem_gib": peak_memory_gib(self.device),
             "val_loss": val,
             "skipped_steps": self.scaler.skipped,
+            "nonfinite_steps": self.guard.skipped,
             "batch_hash": batch_hash,
             **({"mem_gib_max_rank": self._max_over_ranks(peak_memory_gib(self.device))}
                if self.dims.distributed else {}),

@@ -223,8 +223,8 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, ca
 
     out = ok(loom_train(run_dir, cache, **{"checkpoint.resume": "auto"}))
     assert resumed_from(out) == resume_step
-    resumed = records(run_dir)[4:]
-    assert comparable(resumed) == comparable(records(reference)[resume_step:])  # bitwise
+    # the killed run's records past the resumed step are dropped: each step once, the resumed ones bitwise
+    assert comparable(records(run_dir)) == comparable(records(reference))
     assert sorted(os.listdir(ckpt_dir(run_dir))) == [step_dir_name(STEPS)]  # leftovers gone, keep 1
     verify(ckpt(run_dir, STEPS))
 
@@ -246,9 +246,9 @@ def test_auto_falls_back_past_a_corrupt_checkpoint_and_replaces_it(tmp_path, cac
     truncate_shard(ckpt(run_dir, 6))
     proc = loom_train(run_dir, cache, **{"checkpoint.resume": "auto", "checkpoint.keep": 0})
     assert resumed_from(ok(proc)) == 4
-    assert "UserWarning" in proc.stderr and "falling back to an earlier checkpoint" in proc.stderr
+    assert "UserWarning" in proc.stderr and "falling back to step 4" in proc.stderr
     assert f"checkpoint {ckpt(run_dir, 6)}: file __0_0.distcp has " in proc.stderr
-    assert comparable(records(run_dir)[STEPS:]) == comparable(records(reference)[4:])
+    assert comparable(records(run_dir)) == comparable(records(reference))  # steps 5, 6 written again, once
     saved_again, original = verify(ckpt(run_dir, 6))["files"], verify(ckpt(reference, 6))["files"]
     for name in ("__0_0.distcp", STATE):  # bit for bit (config.toml and .metadata name other paths)
         assert saved_again[name] == original[name]
