@@ -210,15 +210,36 @@ def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype) -> dict:
 
 # ---- reading safetensors into a (possibly sharded) model ---------------------------------------
 
-def weight_files(folder: str) -> dict[str, str]:
-    """Hugging Face tensor name -> the safetensors file holding it (from the index, or the files' headers)."""
+def open_weights(path: str):
+    """``safe_open`` of one safetensors file; a damaged one (a cut-off download or copy) as a one-line UserError.
+    Opening parses the header and checks that the file covers every tensor it lists, so this finds a truncated
+    file without reading its data."""
     from safetensors import safe_open
 
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as err:  # safetensors' SafetensorError derives from Exception only
+        raise UserError(f"{path}: not a readable safetensors file ({err}); it is probably truncated (an interrupted "
+                        "download or copy): download or copy it again") from None
+
+
+def check_weights(folder: str) -> None:
+    """Every safetensors file of a Hugging Face folder opens (headers only): found before a model is built."""
+    for path in sorted(set(weight_files(folder).values())):
+        with open_weights(path):
+            pass
+
+
+def weight_files(folder: str) -> dict[str, str]:
+    """Hugging Face tensor name -> the safetensors file holding it (from the index, or the files' headers)."""
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-        with open(index) as fh:
-            weight_map = json.load(fh)["weight_map"]
-        out = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+        try:
+            with open(index) as fh:
+                weight_map = json.load(fh)["weight_map"]
+            out = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{index}: not a safetensors index with a weight_map ({err}); download it again") from None
         for path in set(out.values()):
             if not os.path.isfile(path):
                 raise UserError(f"{index} names {os.path.basename(path)}, which is not in {folder}")
@@ -229,7 +250,7 @@ def weight_files(folder: str) -> dict[str, str]:
                         "re-save .bin checkpoints with save_pretrained(safe_serialization=True))")
     out = {}
     for f in files:
-        with safe_open(os.path.join(folder, f), framework="pt") as handle:
+        with open_weights(os.path.join(folder, f)) as handle:
             out.update({name: os.path.join(folder, f) for name in handle.keys()})
     return out
 
@@ -320,8 +341,6 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     """Fill a loom Llama (plain, sharded with FSDP2/HSDP/TP, or one pipeline stage: ``whole_model`` false)
     from a Hugging Face folder; each rank reads only the rows it owns. No collectives: every rank reads
     its own part independently."""
-    from safetensors import safe_open
-
     hf_cfg = read_hf_config(folder)
     hf_tied = bool(hf_cfg.get("tie_word_embeddings", False))
     files = weight_files(folder)
@@ -341,7 +360,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
 
         def handle_of(src: str):
             if files[src] not in handles:
-                handles[files[src]] = stack.enter_context(safe_open(files[src], framework="pt"))
+                handles[files[src]] = stack.enter_context(open_weights(files[src]))
             return handles[files[src]]
 
         for name, param in params.items():
@@ -407,7 +426,7 @@ def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[s
     return groups
 
 
-def _check_empty_target(out_folder: str) -> None:
+def check_empty_target(out_folder: str) -> None:
     """Refuse to mix new files with a model already in the folder (stale shards would be loaded too)."""
     if os.path.isdir(out_folder):
         clash = [f for f in os.listdir(out_folder) if f.endswith(".safetensors") or f in (CONFIG, INDEX)]
@@ -424,20 +443,51 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
     from safetensors.torch import save_file
 
     tensors = hf_state_dict(model_state, args)
-    _check_empty_target(out_folder)
-    os.makedirs(out_folder, exist_ok=True)
+    check_empty_target(out_folder)
+    created = not os.path.isdir(out_folder)
     groups = plan_shards(tensors, max_shard_bytes)
     names = [SINGLE] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    for fname, group in zip(names, groups):
-        save_file({n: tensors[n] for n in group}, os.path.join(out_folder, fname), metadata={"format": "pt"})
-    if len(groups) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map = {n: fname for fname, group in zip(names, groups) for n in group}
-        _write_json(os.path.join(out_folder, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
-    dtype = tensors["model.embed_tokens.weight"].dtype
-    _write_json(os.path.join(out_folder, CONFIG), hf_config_from_args(args, dtype))
+    written: list[str] = []
+    try:
+        os.makedirs(out_folder, exist_ok=True)
+        mode = 0o666 & ~current_umask()  # what open() gives; safetensors writes its files 0600
+        for fname, group in zip(names, groups):
+            written.append(os.path.join(out_folder, fname))
+            save_file({n: tensors[n] for n in group}, written[-1], metadata={"format": "pt"})
+            os.chmod(written[-1], mode)
+        if len(groups) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map = {n: fname for fname, group in zip(names, groups) for n in group}
+            written.append(os.path.join(out_folder, INDEX))
+            _write_json(written[-1], {"metadata": {"total_size": total}, "weight_map": weight_map})
+        dtype = tensors["model.embed_tokens.weight"].dtype
+        written.append(os.path.join(out_folder, CONFIG))
+        _write_json(written[-1], hf_config_from_args(args, dtype))
+    except BaseException as err:  # no half-written model is left behind: a reader would load it
+        for path in written:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_folder)
+        if isinstance(err, OSError):
+            raise UserError(f"{out_folder}: writing the Hugging Face folder failed ({err.strerror or err}); nothing "
+                            "partial was kept") from None
+        raise
     return names
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (no window for other threads)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_json(path: str, obj) -> None:

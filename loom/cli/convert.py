@@ -10,6 +10,7 @@ import re
 import warnings
 
 from loom.config.errors import ConfigError
+from loom.config.paths import check_folder_writable
 
 USAGE = """usage:
   loom convert --from-hf HF_FOLDER --to CKPT_FOLDER
@@ -66,6 +67,8 @@ def run_import(opts: dict[str, str], rest: list[str]) -> int:
     _reject(opts, rest, allowed=("--from-hf", "--to"), direction="--from-hf")
     if "--to" not in opts:
         raise ConfigError("--to", None, "missing: the loom checkpoint folder to write", show_value=False)
+    if not os.path.exists(opts["--to"]):  # an existing one is refused by the import, naming it
+        check_folder_writable("--to", opts["--to"])
     args = import_hf_to_dcp(opts["--from-hf"], opts["--to"])
     print(f"loom convert: imported {opts['--from-hf']} ({args.n_layers} layers, dim {args.dim}, "
           f"vocab {args.vocab_size}) as loom checkpoint {opts['--to']}", flush=True)
@@ -129,7 +132,7 @@ def check_shapes(ckpt: str, model) -> None:
 
 
 def run_export(opts: dict[str, str], rest: list[str]) -> int:
-    from loom.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf, weights_only_model
+    from loom.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, check_empty_target, export_hf, weights_only_model
     from loom.checkpoint.manager import load_model_only, verify
     from loom.config import parse_overrides
 
@@ -140,6 +143,8 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     if not os.path.isdir(ckpt):
         raise ConfigError("--from", ckpt, "folder not found (expected a loom checkpoint folder step_N)")
     max_bytes = parse_size(opts["--max-shard-size"]) if "--max-shard-size" in opts else DEFAULT_MAX_SHARD_BYTES
+    check_folder_writable("--to-hf", opts["--to-hf"])  # before the model is loaded
+    check_empty_target(opts["--to-hf"])
     overrides = parse_overrides(rest)
     if "--flavor" in opts:  # a flavor names the shape; a recorded init_from would take precedence over it
         overrides.update({"model.flavor": opts["--flavor"], "model.init_from": ""})

@@ -7,11 +7,13 @@ import sys
 import time
 
 from loom.config.errors import ConfigError
+from loom.config.paths import check_file_writable
 from loom.data.prepare import tokenize_to_file
 from loom.data.sources import SourceSpec, parse_source
 from loom.data.tokenizers import build_tokenizer
 
 USAGE = """usage: loom data prepare --source SPEC --output PATH.bin [--tokenizer byte|PATH] [--text-field NAME]
+                         [--encoding-errors strict|replace]
 
 Tokenizes one source into PATH.bin (token ids, EOS after every document) and PATH.bin.json (its
 description). Train on it with --data.source PATH.bin and the same --data.tokenizer.
@@ -24,18 +26,22 @@ options:
   --output PATH.bin   where to write the token file (required)
   --tokenizer SPEC    'byte' (built in, the default) or a path to a Hugging Face tokenizer.json
   --text-field NAME   field holding the text in jsonl / parquet / datasets (default: text)
+  --encoding-errors   text that is not valid UTF-8: 'strict' (the default) stops naming the file and
+                      byte offset, 'replace' decodes it with U+FFFD replacement characters
   -h, --help          show this message"""
 
 OPTIONS = {"--source": "source", "--output": "output", "-o": "output", "--tokenizer": "tokenizer",
-           "--text-field": "text_field"}
+           "--text-field": "text_field", "--encoding-errors": "encoding_errors"}
+ENCODING_ERRORS = ("strict", "replace")
 
 # The library names config fields; on this command line the same things are options.
-CLI_NAMES = {"data.source": "--source", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer"}
+CLI_NAMES = {"data.source": "--source", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
+             "data.encoding_errors": "--encoding-errors"}
 
 
 def parse_args(argv: list[str]) -> dict[str, str]:
     """``--name value`` / ``--name=value`` pairs; anything else is a user error."""
-    args = {"tokenizer": "byte", "text_field": "text"}
+    args = {"tokenizer": "byte", "text_field": "text", "encoding_errors": "strict"}
     i = 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -53,12 +59,14 @@ def parse_args(argv: list[str]) -> dict[str, str]:
             raise ConfigError(f"--{required}", None, "required (see `loom data prepare --help`)", show_value=False)
     if not args["output"].endswith(".bin"):
         raise ConfigError("--output", args["output"], "a token file path must end in .bin")
+    if args["encoding_errors"] not in ENCODING_ERRORS:
+        raise ConfigError("--encoding-errors", args["encoding_errors"], "allowed: " + " | ".join(ENCODING_ERRORS))
     return args
 
 
-def single_source(source: str, text_field: str) -> SourceSpec:
+def single_source(source: str, text_field: str, encoding_errors: str = "strict") -> SourceSpec:
     """The one source to tokenize: the data.source grammar without mixtures or weights."""
-    specs = parse_source(source, text_field)
+    specs = parse_source(source, text_field, encoding_errors)
     if len(specs) != 1 or specs[0].weight != 1.0:
         raise ConfigError("--source", source, "one source without a weight; mix prepared token files "
                           "in training with --data.source 'a.bin:0.7,b.bin:0.3'")
@@ -104,14 +112,16 @@ def _cli_error(err: ConfigError) -> ConfigError:
     """The same error, naming the option the user typed instead of the config field."""
     if err.field not in CLI_NAMES:
         return err
-    return ConfigError(CLI_NAMES[err.field], err.value, err.allowed)
+    allowed = err.allowed.replace(f"--{err.field} ", f"{CLI_NAMES[err.field]} ")  # a hint naming the option
+    return ConfigError(CLI_NAMES[err.field], err.value, allowed)
 
 
 def prepare(args: dict[str, str]) -> int:
+    check_file_writable("--output", args["output"], "data.bin")  # before any tokenizing
     progress = ProgressLine()
     try:
         tokenizer = build_tokenizer(args["tokenizer"])
-        spec = single_source(args["source"], args["text_field"])
+        spec = single_source(args["source"], args["text_field"], args["encoding_errors"])
         meta = tokenize_to_file(spec, tokenizer, args["output"], progress=progress)
     except ConfigError as err:
         progress.end_line()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
 
-from loom.cli.errors import EXIT_USER_ERROR, user_errors_exit
+from loom.cli.errors import user_errors_exit
+from loom.config.errors import UserError
 
 USAGE = """usage: loom <command> [options]
 
@@ -39,8 +41,22 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.data import main as data_main
 
         return data_main(rest[1:])
-    print(f"loom: error: unknown command {' '.join(argv[:2])!r}\n{USAGE}", file=sys.stderr)
-    return EXIT_USER_ERROR
+    raise unknown_command(argv)
+
+
+COMMANDS = ("train", "plan", "convert", "data prepare")
+
+
+def unknown_command(argv: list[str]) -> UserError:
+    """One line: what was typed, the nearest command (difflib) or the list of them."""
+    typed = argv[0]
+    if typed == "data" and argv[1:2] and not argv[1].startswith("-"):
+        typed = f"data {argv[1]}"
+    near = difflib.get_close_matches(typed, COMMANDS, n=1, cutoff=0.5)
+    if not near and argv[0] == "data":
+        near = ["data prepare"]
+    hint = f"did you mean 'loom {near[0]}'?" if near else f"commands are {', '.join(COMMANDS)}"
+    return UserError(f"unknown command {typed!r}; {hint} (see `loom --help`)")
 
 
 def entry() -> None:

@@ -4,8 +4,10 @@ computed on this machine (no GPU) before any is rented. Model: loom.plan; accura
 from __future__ import annotations
 
 import json
+import os
 
 from loom.config import ConfigError, build_config, parse_overrides
+from loom.config.paths import check_file_writable
 
 USAGE = """usage: loom plan [--config FILE.toml] [--gpus N] [--gpu KIND] [--search] [--top K] [--json FILE]
                  [--section.field VALUE ...]
@@ -92,6 +94,8 @@ def main(argv: list[str]) -> int:
         print(USAGE.format(kinds=", ".join(GPUS)))
         return 0
     opts, rest = parse_args(argv)
+    if opts["json"]:
+        check_file_writable("--json", opts["json"], "plan.json")  # before the plan is computed
     gpu = gpu_kind(opts["gpu"])
     cfg = build_config(opts["config"], parse_overrides(rest))
     from loom.plan.planner import estimate, search
@@ -116,6 +120,18 @@ def main(argv: list[str]) -> int:
             print(table(best))
         report["search"] = {"valid": valid, "best": [as_json(e) for e in best]}
     if opts["json"]:
-        with open(opts["json"], "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(opts["json"], report)
     return 0
+
+
+def write_json(path: str, report: dict) -> None:
+    """Written beside ``path`` and renamed into place: a failure leaves no half-written file."""
+    tmp = f"{path}.loom-tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as err:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError("--json", path, f"could not be written ({err.strerror or err})") from None

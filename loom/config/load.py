@@ -140,7 +140,14 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ConfigError("--config", path, "file not found")
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+            data = fh.read()
+    except OSError as err:
+        raise ConfigError("--config", path, f"cannot be read ({err.strerror})") from None
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:  # TOML is UTF-8 text: a binary file or another encoding is not TOML
+        raise ConfigError("--config", path, f"not UTF-8 text (byte 0x{data[err.start]:02x} at byte offset "
+                          f"{err.start}); expected a TOML file saved as UTF-8") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError("--config", path, f"not valid TOML ({err})") from None
     flat: dict[str, Any] = {}
@@ -185,6 +192,9 @@ def check_cross_fields(cfg: Config) -> None:
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError("training.global_batch_size", t.global_batch_size,
                           f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})")
+    if t.eval_every and cfg.data.val_fraction == 0:
+        raise ConfigError("training.eval_every", t.eval_every, "needs held-out data, but data.val_fraction is 0: "
+                          "set data.val_fraction > 0 (e.g. 0.01) or training.eval_every 0")
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
         raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
                           "allowed: none | auto | an existing checkpoint path")

@@ -18,7 +18,7 @@ __all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer"
 def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str) -> list[tuple[str, float, str]]:
     """Tokenize (or find cached) every source; returns (token file, weight, label). Run on one rank first."""
     out = []
-    for spec in parse_source(cfg.source, cfg.text_field):
+    for spec in parse_source(cfg.source, cfg.text_field, cfg.encoding_errors):
         path = ensure_token_file(spec, tokenizer, cache_dir)
         out.append((path, spec.weight, spec.label))
     return out
@@ -45,7 +45,7 @@ def describe_sources(cfg: DataConfig, files, out_path: str) -> None:
     """Record what was trained on, so a run can be traced to its text. The embedded default depends on the
     installed Python, so it also gets its file list and a content hash (same hash = same training text)."""
     records = []
-    for spec, (path, weight, label) in zip(parse_source(cfg.source, cfg.text_field), files):
+    for spec, (path, weight, label) in zip(parse_source(cfg.source, cfg.text_field, cfg.encoding_errors), files):
         rec = {"label": label, "kind": spec.kind, "weight": weight, "token_file": path,
                "fingerprint": spec.fingerprint(), "files": len(spec.paths)}
         if spec.kind == "stdlib":

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterator
 
-from loom.config.errors import UserError
+from loom.config.errors import ConfigError, UserError
 from loom.data.sources import SourceSpec, documents
-from loom.data.token_file import TokenFile, TokenFileMeta, TokenFileWriter, check_tokenizer, meta_path
+from loom.data.token_file import (TokenFile, TokenFileMeta, TokenFileWriteError, TokenFileWriter, check_ids,
+                                  check_tokenizer, meta_path)
 
 Progress = Callable[[int, int], None]
 
@@ -49,6 +50,7 @@ def _copy_tokens(spec: SourceSpec, tokenizer, writer: TokenFileWriter, progress:
     """A token file as the source: its ids are already final, so copy them (same tokenizer only)."""
     src = TokenFile(spec.paths[0])
     check_tokenizer(src.path, src.meta, tokenizer)
+    check_ids(src, tokenizer)
     for start in range(0, len(src), chunk):
         part = src.tokens[start:start + chunk]  # (chunk,)
         writer.extend(part, int((part == src.meta.eos_id).sum()))
@@ -74,6 +76,10 @@ def tokenize_to_file(spec: SourceSpec, tokenizer, out_path: str,
         if writer.meta.tokens == 0:
             raise UserError(f"data source {spec.label or spec.paths}: no non-empty documents "
                             f"(checked {len(spec.paths)} file(s), text field {spec.text_field!r})")
+    except OSError as err:  # a source file that cannot be read (the writer's own errors are TokenFileWriteError)
+        writer.abort()
+        raise UserError(f"data source {err.filename or spec.label or spec.paths[0]}: cannot be read "
+                        f"({err.strerror or err})") from None
     except BaseException:
         writer.abort()
         raise
@@ -90,5 +96,9 @@ def ensure_token_file(spec: SourceSpec, tokenizer, cache_dir: str) -> str:
         return spec.paths[0]
     path = cache_path(spec, tokenizer, cache_dir)
     if not os.path.isfile(meta_path(path)):  # the metadata is written last: its presence means complete
-        tokenize_to_file(spec, tokenizer, path)
+        try:
+            tokenize_to_file(spec, tokenizer, path)
+        except TokenFileWriteError as err:
+            raise ConfigError("data.cache_dir", cache_dir, f"the tokenized source cannot be written there "
+                              f"({err.reason}); choose a writable folder") from None
     return path

@@ -19,6 +19,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -36,11 +37,16 @@ class SourceSpec:
     text_field: str = "text"
     label: str = ""
     extra: dict = field(default_factory=dict)
+    encoding_errors: str = "strict"  # data.encoding_errors: "strict" | "replace"
 
     def fingerprint(self) -> str:
-        """Changes whenever the content could have changed (paths, sizes, mtimes, field)."""
+        """Changes whenever the content could have changed (paths, sizes, mtimes, field, and the decoding of bytes
+        that are not UTF-8: a cache made with ``replace`` must never serve a ``strict`` run, which has to stop at
+        them; strict keeps the fingerprint it always had, so existing caches stay valid)."""
         h = hashlib.blake2b(digest_size=12)
         h.update(f"{self.kind}|{self.text_field}".encode())
+        if self.encoding_errors != "strict":
+            h.update(f"|{self.encoding_errors}".encode())
         for p in self.paths:
             for f in _files_of(p):
                 st = os.stat(f)
@@ -118,10 +124,10 @@ def _split_weight(entry: str) -> tuple[str, float | None]:
     return entry, None
 
 
-def parse_source(source: str, text_field: str = "text") -> list[SourceSpec]:
+def parse_source(source: str, text_field: str = "text", encoding_errors: str = "strict") -> list[SourceSpec]:
     """The ``data.source`` string as a list of specs (one per mixture entry)."""
     if not source:
-        return [SourceSpec("stdlib", stdlib_files(), 1.0, text_field, EMBEDDED)]
+        return [SourceSpec("stdlib", stdlib_files(), 1.0, text_field, EMBEDDED, encoding_errors=encoding_errors)]
     entries = [e.strip() for e in source.split(",") if e.strip()]
     specs = []
     for entry in entries:
@@ -137,21 +143,65 @@ def parse_source(source: str, text_field: str = "text") -> list[SourceSpec]:
         kind = kinds.pop()
         if kind == "tokens" and len(paths) > 1:
             raise ConfigError("data.source", pattern, "one token file per mixture entry")
-        specs.append(SourceSpec(kind, paths, weight or 1.0, text_field, pattern))
+        specs.append(SourceSpec(kind, paths, weight or 1.0, text_field, pattern, encoding_errors=encoding_errors))
     return specs
 
 
 # ---- documents ---------------------------------------------------------------
 
-def _read_text(path: str) -> str:
+def not_utf8(path: str, where: str) -> ConfigError:
+    """Bytes that are not UTF-8 under ``data.encoding_errors = strict``: the file, where, and the way out.
+    ``loom data prepare`` names its own option in place of --data.encoding_errors."""
+    return ConfigError("data.encoding_errors", "strict", f"{path} is not valid UTF-8 at {where}; "
+                       "--data.encoding_errors replace would decode it with U+FFFD replacement characters")
+
+
+def decode(data: bytes, errors: str, path: str, where: str = "") -> str:
+    """UTF-8 text of ``data``; under ``strict`` a ConfigError naming ``path``, ``where`` (a line or row, ending in
+    ', ') and the byte offset of the first bad byte."""
+    try:
+        return data.decode("utf-8", errors)
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, f"{where}byte offset {err.start} (byte 0x{data[err.start]:02x})") from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_surrogates(text: str, errors: str, path: str, where: str) -> str:
+    """JSON can spell a lone surrogate (``"\\ud800"``), which no UTF-8 encodes: the same rule as for bad bytes."""
+    if text.isascii():
+        return text
+    found = _SURROGATE.search(text)
+    if found is None:
+        return text
+    if errors == "strict":
+        raise not_utf8(path, f"{where}character {found.start()} (a lone surrogate \\u{ord(found.group()):04x})")
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _read_text(path: str, errors: str = "strict") -> str:
     with open(path, "rb") as fh:
-        return fh.read().decode("utf-8", errors="replace")
+        data = fh.read()
+    try:
+        return data.decode("utf-8", errors)
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise not_utf8(path, f"line {line}, byte offset {err.start} (byte 0x{data[err.start]:02x})") from None
 
 
-def _jsonl_docs(path: str, text_field: str) -> Iterator[str]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+def _jsonl_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
+    gz = path.endswith(".gz")
+    opener = gzip.open if gz else open
+    offset = 0  # of the line's first byte (in the decompressed stream of a .gz)
+    with opener(path, "rb") as fh:
+        for lineno, raw in enumerate(_gz_lines(fh, path) if gz else fh, 1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8", errors)
+            except UnicodeDecodeError as err:
+                where = f"line {lineno}, byte offset {start + err.start}{' of the decompressed text' if gz else ''}"
+                raise not_utf8(path, f"{where} (byte 0x{raw[err.start]:02x})") from None
             if not line.strip():
                 continue
             try:
@@ -163,10 +213,34 @@ def _jsonl_docs(path: str, text_field: str) -> Iterator[str]:
             if text_field not in row:
                 raise ConfigError("data.text_field", text_field,
                                   f"not a field of {path} line {lineno}; it has {sorted(row)[:8]}")
-            yield row[text_field]
+            text = row[text_field]
+            yield _no_surrogates(text, errors, path, f"line {lineno}, ") if isinstance(text, str) else text
 
 
-def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
+def _gz_lines(fh, path: str) -> Iterator[bytes]:
+    """Lines of a gzip stream; a damaged or cut-off one (an interrupted download) as a one-line error."""
+    try:
+        yield from fh
+    except (OSError, EOFError) as err:
+        raise ConfigError("data.source", path, f"is not a complete gzip file ({err}); download or copy it again") \
+            from None
+
+
+def _arrow_texts(column, errors: str, path: str, first_row: int) -> list:
+    """Python values of an Arrow column; a string column holding bytes that are not UTF-8 (Arrow does not check
+    what a Parquet writer stored) is decoded by ``decode``, naming the 1-based row."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    import pyarrow as pa
+
+    raw = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+    return [None if b is None else decode(b, errors, path, f"row {first_row + i + 1}, ")
+            for i, b in enumerate(raw.to_pylist())]
+
+
+def _parquet_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -174,11 +248,13 @@ def _parquet_docs(path: str, text_field: str) -> Iterator[str]:
     pf = pq.ParquetFile(path)
     if text_field not in pf.schema_arrow.names:
         raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {pf.schema_arrow.names}")
+    row = 0
     for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        yield from batch.column(0).to_pylist()
+        yield from _arrow_texts(batch.column(0), errors, path, row)
+        row += batch.num_rows
 
 
-def _hf_dataset_docs(path: str, text_field: str) -> Iterator[str]:
+def _hf_dataset_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
     try:
         import datasets
     except ImportError:
@@ -191,8 +267,10 @@ def _hf_dataset_docs(path: str, text_field: str) -> Iterator[str]:
         ds = ds["train"]
     if text_field not in ds.column_names:
         raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {ds.column_names}")
-    for batch in ds.iter(batch_size=1024):
-        yield from batch[text_field]
+    row = 0
+    for batch in ds.with_format("arrow").iter(batch_size=1024):  # a pyarrow Table per batch
+        yield from _arrow_texts(batch.column(text_field), errors, path, row)
+        row += batch.num_rows
 
 
 def _strings(texts: Iterator, path: str, text_field: str) -> Iterator[str]:
@@ -212,8 +290,10 @@ def documents(spec: SourceSpec) -> Iterator[str]:
     readers = {"jsonl": _jsonl_docs, "parquet": _parquet_docs, "hf_dataset": _hf_dataset_docs}
     for path in spec.paths:
         if spec.kind in ("text", "stdlib"):
-            yield _read_text(path)
+            # the embedded default is whatever this Python ships, which the user cannot fix: always replaced
+            yield _read_text(path, "replace" if spec.kind == "stdlib" else spec.encoding_errors)
         elif spec.kind in readers:
-            yield from _strings(readers[spec.kind](path, spec.text_field), path, spec.text_field)
+            texts = readers[spec.kind](path, spec.text_field, spec.encoding_errors)
+            yield from _strings(texts, path, spec.text_field)
         else:
             raise AssertionError(spec.kind)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import socket
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -39,6 +40,58 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
+TEMP_TAG = ".loom-tmp-"  # <file>.loom-tmp-<host>-<pid>: a file being written, renamed into place when complete
+
+
+def temp_path(path: str) -> str:
+    """Where this process writes ``path`` before renaming it into place: named for its host and pid, so that a
+    later run can tell a dead writer's leftover from a live one's."""
+    return f"{path}{TEMP_TAG}{socket.gethostname()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs here (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale_temps(path: str) -> None:
+    """Delete temporary files of ``path`` (and its description) left by killed writers on this host; those of
+    live processes, and of other hosts sharing the folder, stay."""
+    folder, base = os.path.split(os.path.abspath(path))
+    host = socket.gethostname()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(base + ".") or TEMP_TAG not in name:
+            continue
+        owner_host, _, pid = name.rsplit(TEMP_TAG, 1)[1].rpartition("-")
+        if owner_host == host and pid.isdecimal() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+class TokenFileWriteError(UserError):
+    """A token file that could not be written (an unwritable folder, a full disk); nothing partial is left."""
+
+    def __init__(self, path: str, err: OSError):
+        self.path, self.reason = path, err.strerror or str(err)
+        super().__init__(f"token file {path} could not be written ({self.reason}); no partial file was kept")
+
+
 class TokenFileWriter:
     """Append documents' token ids; ``close()`` writes the metadata last and renames into place."""
 
@@ -46,24 +99,34 @@ class TokenFileWriter:
         self.path = path
         self.dtype = dtype_for_vocab(vocab_size)
         self.meta = TokenFileMeta(self.dtype, 0, 0, eos_id, vocab_size, tokenizer)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._tmp = f"{path}.tmp{os.getpid()}"
-        self._fh = open(self._tmp, "wb")
+        self._tmp = temp_path(path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            remove_stale_temps(path)
+            self._fh = open(self._tmp, "wb")
+        except OSError as err:
+            raise TokenFileWriteError(path, err) from None
         self._eos = torch.tensor([eos_id], dtype=DTYPES[self.dtype])
 
     def add(self, ids) -> None:
         """``ids``: a list of ints or an integer tensor (one document, without EOS)."""
         t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
         t = torch.cat([t.to(DTYPES[self.dtype]), self._eos])
-        self._fh.write(t.numpy().tobytes())
+        self._write(t.numpy().tobytes())
         self.meta.tokens += t.numel()
         self.meta.documents += 1
 
     def extend(self, tokens: torch.Tensor, documents: int) -> None:
         """Append already-terminated token ids as they are (copying another token file)."""
-        self._fh.write(tokens.to(DTYPES[self.dtype]).numpy().tobytes())
+        self._write(tokens.to(DTYPES[self.dtype]).numpy().tobytes())
         self.meta.tokens += tokens.numel()
         self.meta.documents += documents
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._fh.write(data)
+        except OSError as err:  # a full disk: the caller aborts, which removes the partial file
+            raise TokenFileWriteError(self.path, err) from None
 
     def abort(self) -> None:
         """Drop the partial file, so a failed run leaves nothing that looks like a token file."""
@@ -72,14 +135,21 @@ class TokenFileWriter:
             os.remove(self._tmp)
 
     def close(self) -> TokenFileMeta:
-        self._fh.close()
-        if os.path.exists(meta_path(self.path)):  # a stale description must never vouch for new tokens
-            os.remove(meta_path(self.path))
-        os.replace(self._tmp, self.path)
-        tmp_meta = meta_path(self.path) + ".tmp"
-        with open(tmp_meta, "w") as fh:
-            json.dump(asdict(self.meta), fh, indent=1)
-        os.replace(tmp_meta, meta_path(self.path))
+        tmp_meta = temp_path(meta_path(self.path))
+        try:
+            self._fh.close()
+            if os.path.exists(meta_path(self.path)):  # a stale description must never vouch for new tokens
+                os.remove(meta_path(self.path))
+            os.replace(self._tmp, self.path)
+            with open(tmp_meta, "w") as fh:
+                json.dump(asdict(self.meta), fh, indent=1)
+            os.replace(tmp_meta, meta_path(self.path))
+        except OSError as err:
+            self.abort()
+            for leftover in (tmp_meta, self.path):  # without its description the token file is incomplete
+                if os.path.isfile(leftover):
+                    os.remove(leftover)
+            raise TokenFileWriteError(self.path, err) from None
         return self.meta
 
 
@@ -133,3 +203,33 @@ class TokenFile:
 
     def slice(self, start: int, stop: int) -> torch.Tensor:
         return self.tokens[start:stop].to(torch.int64)
+
+    def largest_id(self, chunk: int = 1 << 24) -> tuple[int, int]:
+        """(largest token id, its position): one pass over the file, remembered per file version."""
+        import numpy as np
+
+        st = os.stat(self.path)
+        key = (os.path.realpath(self.path), st.st_size, st.st_mtime_ns)
+        if key not in _LARGEST:
+            ids = np.frombuffer(self._mm, dtype=self.meta.dtype)
+            best, where = -1, 0
+            for start in range(0, len(ids), chunk):
+                top = int(ids[start:start + chunk].max())
+                if top > best:
+                    best, where = top, start + int(ids[start:start + chunk].argmax())
+            _LARGEST[key] = (best, where)
+        return _LARGEST[key]
+
+
+_LARGEST: dict[tuple, tuple[int, int]] = {}
+
+
+def check_ids(tf: TokenFile, tokenizer, field: str = "data.source") -> None:
+    """Every id of ``tf`` is one of ``tokenizer``'s: an id past the vocabulary would index past the embedding (a
+    crash, or on a model with spare rows, training on rows no text maps to)."""
+    top, where = tf.largest_id()
+    if top >= tokenizer.vocab_size:
+        raise ConfigError(field, tf.path, f"holds token id {top} (token {where}), but tokenizer "
+                          f"{tokenizer.fingerprint()} has {tokenizer.vocab_size} ids (0..{tokenizer.vocab_size - 1}): "
+                          "written with another tokenizer or damaged; re-create it with `loom data prepare` and the "
+                          "tokenizer you train with")

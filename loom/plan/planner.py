@@ -20,8 +20,8 @@ from loom.metrics.flops import flops_per_token
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.plan.activations import profile_activations
 from loom.plan.hardware import GPU
-from loom.plan.memory import (BYTES, GIB, Memory, MemoryInputs, autocast_cache, gathered_memory, held_params,
-                              pipeline_peak, stage_activation, state_memory, step_peak, stored_blocks,
+from loom.plan.memory import (BYTES, GIB, WORKSPACE_BYTES, Memory, MemoryInputs, autocast_cache, gathered_memory,
+                              held_params, pipeline_peak, stage_activation, state_memory, step_peak, stored_blocks,
                               with_workspace)
 from loom.plan.shapes import block_params, expert_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency,
@@ -108,19 +108,8 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     would reject the layout). ``profiles`` caches activation traces across calls (search)."""
     dims, args, m = validate(cfg, world_size)
     t, p = cfg.training, cfg.parallel
-    split = dims.pp > 1 and p.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
-    x = MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp, shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
-                     fsdp=dims.fsdp_applied, reshard_after_forward=p.reshard_after_forward and not split,
-                     micro_batch=t.micro_batch_size, seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled,
-                     ep=dims.ep, expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0,
-                     etp=dims.etp)
-    traced = traced_args(args, t.compile)
-    key = (traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp, t.activation_checkpointing, t.ac_every)
-    profiles = {} if profiles is None else profiles
-    if key not in profiles:
-        profiles[key] = profile_activations(traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp,
-                                            t.activation_checkpointing, t.ac_every)
-    profile = profiles[key]
+    x = memory_inputs(cfg, dims, args)
+    profile = activation_profile(cfg, dims, args, x, profiles)
     shares = rank_shares(args, dims.pp, p, t.seq_len)
     memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
     times = [rank_time(share, args, dims, x, cfg, m, gpu) for share in shares]
@@ -138,6 +127,71 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
         notes.append("eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
                      "not in this estimate (bench/NOTES.md)")
     return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes)
+
+
+def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
+    t, p = cfg.training, cfg.parallel
+    split = dims.pp > 1 and p.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
+    return MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp,
+                        shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, fsdp=dims.fsdp_applied,
+                        reshard_after_forward=p.reshard_after_forward and not split, micro_batch=t.micro_batch_size,
+                        seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled, ep=dims.ep,
+                        expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0, etp=dims.etp)
+
+
+def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, profiles: dict | None = None):
+    """The traced activation bytes of this config (``profiles`` caches them across calls)."""
+    t = cfg.training
+    traced = traced_args(args, t.compile)
+    key = (traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp, t.activation_checkpointing, t.ac_every)
+    profiles = {} if profiles is None else profiles
+    if key not in profiles:
+        profiles[key] = profile_activations(traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp,
+                                            t.activation_checkpointing, t.ac_every)
+    return profiles[key]
+
+
+@dataclass
+class RankNeeds:
+    """What the busiest rank of a run needs, for ``loom train``'s check against this machine's memory."""
+
+    params: float  # parameters it holds before data-parallel sharding
+    state_bytes: float  # fp32 weights, gradients and AdamW moments after sharding (0 with cpu_offload: on the host)
+    peak_bytes: float | None  # a training step's peak (state, activations, gathered weights); None: not modelled
+    activation_bytes: float  # of that peak, the activations (and the backward's extra) of one micro-batch
+    fixed_bytes: float = 0.0  # of that peak, what does not grow with the micro-batch (state, gathered weights,
+    # the allocator's fixed workspace); the rest grows about in proportion to it
+
+
+def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = True) -> RankNeeds:
+    """Memory of the busiest rank from the planner's model: parameters from the shape (never a built model, so a
+    million layers cost what two do), activations traced on fake tensors (``peak``). On the CPU the GPU's
+    allocator workspace is left out."""
+    t, p = cfg.training, cfg.parallel
+    x = memory_inputs(cfg, dims, args)
+    shares = rank_shares(args, dims.pp, p, t.seq_len)
+    params = max(held_params(share, x) for share in shares)
+    state = state_memory(params, x)
+    state_bytes = state.weights + state.gradients + state.optimizer
+    if not peak:
+        return RankNeeds(params, state_bytes, None, 0.0)
+    profile = activation_profile(cfg, dims, args, x)
+    m = accumulation_steps(t, dims.dp_size)
+    memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
+    busiest = max(memories, key=lambda mem: mem.total)
+    gpu = device != "cpu"
+    total = busiest.total - (0.0 if gpu else busiest.workspace)
+    fixed = busiest.weights + busiest.gradients + busiest.optimizer + busiest.gathered + (WORKSPACE_BYTES if gpu else 0)
+    return RankNeeds(params, state_bytes, total, busiest.activations + busiest.backward, fixed)
+
+
+def memory_check_estimate(cfg: Config, world_size: int, device: str) -> RankNeeds:
+    """``rank_needs`` of a config as ``loom train`` would run it on ``device`` (kernels chosen without timing)."""
+    from loom.data import build_tokenizer
+    from loom.train.trainer import resolve_model_args
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    return rank_needs(cfg, dims, resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), device)
 
 
 def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Config, m: int) -> Memory:

@@ -11,10 +11,10 @@ import fcntl
 import json
 import os
 import socket
-import tempfile
 import time
 
 from loom.config.errors import ConfigError, UserError
+from loom.config.paths import check_folder_writable
 
 LOCK = ".lock"
 LOCKED_ENV = "LOOM_RUN_DIR_LOCKED"  # the launcher holds the lock of this (real) path for its workers
@@ -26,21 +26,10 @@ def checkpoint_dir(cfg) -> str:
 
 
 def check_writable_dirs(cfg) -> None:
-    """``run.dir`` and the checkpoint folder exist (created when missing) and can be written; else one line."""
+    """``run.dir`` and the checkpoint folder can be written (one line each where not), then created."""
     for field, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", checkpoint_dir(cfg))):
-        writable_dir(field, path)
-
-
-def writable_dir(field: str, path: str) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(field, path, "is a file: expected a folder (created when missing)")
-    try:
+        check_folder_writable(field, path)
         os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".loom-write-check-", dir=path)  # access bits do not bind root
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise ConfigError(field, path, f"cannot be written ({err.strerror}): expected a writable folder") from None
 
 
 def acquire(run_dir: str) -> None:

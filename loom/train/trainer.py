@@ -182,10 +182,16 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         cache = cfg.data.cache_dir or os.path.join(self.run_dir, "cache")
+        error = None
         if self.env.is_main:  # one rank tokenizes (or finds the cache); the others wait, then map it
-            files = prepare_data(cfg.data, self.tokenizer, cache)
-            describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
-        self.barrier()
+            try:
+                files = prepare_data(cfg.data, self.tokenizer, cache)
+                describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
+            except (ConfigError, UserError) as err:  # e.g. bytes that are not UTF-8: every rank stops, one line
+                error = str(err)
+        error = self.share_from_main(error)
+        if error is not None:
+            raise SharedError(error)
         if not self.env.is_main:
             files = prepare_data(cfg.data, self.tokenizer, cache)
         t = cfg.training

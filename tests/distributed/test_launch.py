@@ -72,9 +72,12 @@ def test_torchrun_module(tmp_path, cache, single):
 
 
 def test_worker_user_error_exits_2(tmp_path, cache):
-    """An error only the workers find (the process-group backend does not fit the device) still exits 2."""
+    """An error only the workers find (bytes that are not UTF-8, found while rank 0 tokenizes) exits 2, one line."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"good text\n" * 50 + b"\xff\xfe not utf-8\n")
     proc = launch([os.path.join(BIN, "loom"), "train", "--nproc-per-node", "2",
-                   *cli_args(tmp_path / "run", cache, **{"parallel.backend": "nccl", "run.device": "cpu"})], tmp_path)
+                   *cli_args(tmp_path / "run", tmp_path / "fresh_cache", **{"data.source": str(bad)})], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "loom: error: parallel.backend = 'nccl': nccl needs CUDA devices" in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("loom: error:")]
+    assert len(errors) == 1 and str(bad) in errors[0] and "--data.encoding_errors replace" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr

@@ -78,9 +78,10 @@ def test_progress_line_is_throttled():
 
 def test_parse_args_defaults_and_equals_form():
     assert parse_args(["--source", "a.jsonl", "--output=o.bin"]) == {
-        "source": "a.jsonl", "output": "o.bin", "tokenizer": "byte", "text_field": "text"}
-    assert parse_args(["--source=", "-o", "x.bin", "--text-field", "body", "--tokenizer", "t.json"]) == {
-        "source": "", "output": "x.bin", "tokenizer": "t.json", "text_field": "body"}
+        "source": "a.jsonl", "output": "o.bin", "tokenizer": "byte", "text_field": "text", "encoding_errors": "strict"}
+    assert parse_args(["--source=", "-o", "x.bin", "--text-field", "body", "--tokenizer", "t.json",
+                       "--encoding-errors", "replace"]) == {
+        "source": "", "output": "x.bin", "tokenizer": "t.json", "text_field": "body", "encoding_errors": "replace"}
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -280,7 +280,7 @@ def test_unusable_run_and_checkpoint_folders_are_one_line_before_anything_is_bui
     if case == "run-dir-is-a-file":
         run, expect = a_file, f"run.dir = '{a_file}': is a file"
     elif case == "run-dir-unwritable":
-        run, expect = "/proc/loom-run", "run.dir = '/proc/loom-run': cannot be written"
+        run, expect = "/proc/loom-run", "run.dir = '/proc/loom-run': not writable"
     else:
         extra, expect = {"checkpoint.dir": str(a_file)}, f"checkpoint.dir = '{a_file}': is a file"
     fresh_cache = str(tmp_path / "cache")

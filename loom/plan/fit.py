@@ -1,0 +1,159 @@
+"""Does a run fit this machine? ``loom train`` compares the planner's per-rank needs (``rank_needs``: parameters
+from the shape, activations traced on fake tensors) with the memory free here, before anything is allocated, so
+that a model or batch far too large is one line instead of minutes of silence and an out-of-memory kill.
+
+The threshold is the estimate against what is free: a run is refused only when the estimate alone exceeds it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from loom.config.errors import ConfigError
+from loom.config.sections import Config
+from loom.plan.memory import GIB
+from loom.plan.planner import rank_needs
+
+
+def host_room() -> tuple[float, str] | None:
+    """(bytes the host can still give, what limits them): MemAvailable, or a container's (cgroup's) remaining
+    limit where that is lower; None where neither can be read."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    avail = float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    room = _cgroup_room()
+    if room is not None and room < avail:
+        return room, "the container's memory limit"
+    return avail, "host memory"
+
+
+def _cgroup_room() -> float | None:
+    """What the memory cgroup (v2, else v1) still allows, None without a limit."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as fh:
+                limit = fh.read().strip()
+            with open(usage_file) as fh:
+                usage = float(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or float(limit) >= 2**60:  # v1 writes "no limit" as a huge number
+            continue
+        return max(0.0, float(limit) - usage)
+    return None
+
+
+def gpu_room(count: int, own_process: bool) -> tuple[float, str] | None:
+    """(free bytes on the emptiest-looking of the first ``count`` CUDA devices, what was read). NVML reads free
+    memory without creating a CUDA context; without NVML, ``mem_get_info`` where this process trains on the GPU
+    itself (its context is made anyway), else the device's total (a launcher would hold a context for the
+    whole run otherwise)."""
+    import torch
+
+    count = max(1, min(count, torch.cuda.device_count()))
+    free = _nvml_free(count)
+    if free is not None:
+        return free, "free GPU memory"
+    if own_process:
+        return min(float(torch.cuda.mem_get_info(i)[0]) for i in range(count)), "free GPU memory"
+    return min(float(torch.cuda.get_device_properties(i).total_memory) for i in range(count)), "GPU memory"
+
+
+def _nvml_free(count: int) -> float | None:
+    import torch
+
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        free = []
+        for i in range(count):
+            uuid = str(torch.cuda.get_device_properties(i).uuid)  # the same device whatever CUDA_VISIBLE_DEVICES says
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            free.append(float(pynvml.nvmlDeviceGetMemoryInfo(handle).free))
+        return min(free)
+    except Exception:  # noqa: BLE001 - pynvml raises NVMLError subclasses per driver state: fall back
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def model_field(cfg: Config) -> tuple[str, object]:
+    """The setting that made the model this big, to name in the error."""
+    m = cfg.model
+    if m.n_layers:
+        return "model.n_layers", m.n_layers
+    if m.init_from:
+        return "model.init_from", m.init_from
+    return "model.flavor", m.flavor
+
+
+def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
+    """ConfigError when the model state, or a training step, of one rank needs more memory than this machine has
+    free: on the CPU every local rank draws on the host, on CUDA each rank has its own GPU."""
+    t, p = cfg.training, cfg.parallel
+    needs = rank_needs(cfg, dims, args, device, peak=False)  # analytic: checked before any tracing
+    offloaded = p.cpu_offload and dims.fsdp_enabled  # the state lives on the host
+    shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    state = 16 * needs.params / shard if offloaded else needs.state_bytes
+    gpu = device == "cuda"
+    step_room = _room(gpu_room(local_ranks, local_ranks == 1) if gpu else host_room(), 1 if gpu else local_ranks)
+    state_room = _room(host_room(), local_ranks) if offloaded else step_room
+    if state_room and state > state_room[0]:
+        field, value = model_field(cfg)
+        sharded = f" / {shard} FSDP shards" if shard > 1 else ""
+        hint = _layers_hint(cfg, dims, args, device, state_room[0], offloaded, shard)
+        raise ConfigError(field, value, f"model needs ~{state / GIB:,.1f} GiB for weights, gradients and optimizer "
+                          f"state per rank; {state_room[1]}: {needs.params / 1e9:,.3g}B parameters x 16 bytes"
+                          f"{sharded}; use a smaller model{hint}, or more ranks to shard it over (parallel.dp_shard)")
+    if step_room is None or (args.moe and t.dtype != "bfloat16") or args.attention == "flex":
+        return  # the activation tracer runs MoE blocks in bf16 only and has no FlexAttention (as loom plan)
+    needs = rank_needs(cfg, dims, args, device)
+    if needs.peak_bytes is not None and needs.peak_bytes > step_room[0]:
+        grows = needs.peak_bytes - needs.fixed_bytes
+        fit = int(t.micro_batch_size * (step_room[0] - needs.fixed_bytes) / grows) if grows > 0 else 0
+        hint = (f"lower training.micro_batch_size (about {fit} fit; global_batch_size stays, with more accumulation)"
+                if fit >= 1 else "even micro_batch_size 1 does not fit: lower training.seq_len or set "
+                                 "training.activation_checkpointing full")
+        raise ConfigError("training.micro_batch_size", t.micro_batch_size,
+                          f"a training step needs ~{needs.peak_bytes / GIB:,.1f} GiB per rank by the planner's "
+                          f"estimate ({needs.activation_bytes / GIB:,.1f} GiB of it activations of "
+                          f"{t.micro_batch_size} x {t.seq_len} tokens); {step_room[1]}: {hint}")
+
+
+def _room(room: tuple[float, str] | None, ranks: int) -> tuple[float, str] | None:
+    """(bytes one rank may use, 'this machine has ... available (...)') from a room that ``ranks`` ranks share."""
+    if room is None:
+        return None
+    avail, what = room
+    shared = f", shared by {ranks} ranks" if ranks > 1 else ""
+    return avail / ranks, f"this machine has {avail / GIB:,.1f} GiB available ({what}{shared})"
+
+
+def _layers_hint(cfg: Config, dims, args, device: str, avail: float, offloaded: bool, shard: int) -> str:
+    """' (about K layers fit)' when model.n_layers was set, from the state of 1 and of n layers (linear in between)."""
+    if not cfg.model.n_layers or dims.pp > 1 or args.n_layers < 2:
+        return ""
+    one = rank_needs(cfg, dims, args.with_(n_layers=1), device, peak=False)
+    full = rank_needs(cfg, dims, args, device, peak=False)
+    state = (lambda n: 16 * n.params / shard) if offloaded else (lambda n: n.state_bytes)
+    per_layer = (state(full) - state(one)) / (args.n_layers - 1)
+    fit = int((avail - (state(one) - per_layer)) / per_layer) if per_layer > 0 else 0
+    return f" (about {fit:,} layers fit)" if fit >= 1 else ""
