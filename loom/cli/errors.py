@@ -8,8 +8,7 @@ import functools
 import os
 import sys
 
-from loom.config.errors import ConfigError, SharedError, UserError
-from loom.train.guard import TrainingStopped
+from loom.config.errors import ConfigError, SharedError, TrainingStopped, UserError
 
 EXIT_USER_ERROR = 2
 

@@ -16,5 +16,9 @@ class UserError(RuntimeError):
     """A problem with the user's files or environment (not a bug); printed in one line, exit code 2."""
 
 
+class TrainingStopped(RuntimeError):
+    """The run stopped itself for a reason worth one line (non-finite steps): exit code 1, no traceback."""
+
+
 class SharedError(UserError):
     """A user error every rank raises from rank 0's answer (a broadcast): printed by rank 0 only."""

@@ -7,9 +7,9 @@ import signal
 import sys
 import threading
 
+import torch
 
-class TrainingStopped(RuntimeError):
-    """The run stopped itself for a reason worth one line (non-finite steps): exit code 1, no traceback."""
+from loom.config.errors import TrainingStopped
 
 
 class Preemption:
@@ -114,3 +114,55 @@ class NonFiniteGuard:
             raise TrainingStopped(f"rolled back to the checkpoint of step {step} {self.rollbacks[step] - 1} times "
                                   f"(training.nonfinite_limit = {self.limit}) and the loss is still not finite; "
                                   "stopping")
+
+
+class StepCheck:
+    """One step's verdict (finite or not) with its loss and gradient norm, copied to the host without waiting:
+    ``read`` waits only for that copy, so the host learns it a step late for free (the GPU has moved on).
+    ``deferred``: the device already decided (skipped the update itself), the host only takes back counts."""
+
+    def __init__(self, step: int, finite: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor, deferred: bool):
+        self.step, self.deferred = step, deferred
+        values = torch.stack([finite.to(torch.float32), loss.detach().float(), norm.detach().float().to(loss.device)])
+        self._event = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+
+    def read(self) -> tuple[bool, float, float]:
+        if self._event is not None:
+            self._event.synchronize()
+        finite, loss, norm = self._host.tolist()
+        return finite > 0, loss, norm
+
+
+class StopVote:
+    """The ranks' stop requests, agreed without touching the GPU: each step starts an all-reduce (max) on a gloo
+    group and reads the one the step before started, so every rank learns of a request at the same step."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self._work, self._flag = None, None
+
+    def agreed(self, requested: bool) -> bool:
+        if self.group is None:
+            return requested
+        import torch.distributed as dist
+
+        seen = False
+        if self._work is not None:
+            self._work.wait()
+            seen = bool(self._flag.item() > 0)
+        self._flag = torch.tensor([float(requested)])
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return seen
+
+    def close(self, wait: bool) -> None:
+        """Finish the vote in flight (every rank started it) before the group may go; not after an error."""
+        if self._work is not None and wait:
+            self._work.wait()
+        self._work = None

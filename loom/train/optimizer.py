@@ -115,8 +115,37 @@ class OptimizerParts:
     def param_groups(self) -> list[dict]:
         return self.optimizers[0].param_groups
 
-    def step(self, grad_factor: float | torch.Tensor | None = None) -> None:
-        """Step every part; ``grad_factor`` (clipping, loss-scale removal) multiplies the gradients first."""
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether ``step(finite=...)`` can skip an update on the device, without a host sync: loom's Triton
+        AdamW (a non-finite gradient factor) and PyTorch's fused AdamW (``found_inf``), factor folded in."""
+        return self.fold_grad_factor
+
+    def unstep(self) -> None:
+        """Take back the step counts of an update the device skipped (PyTorch's fused AdamW does it itself)."""
+        for opt in self.optimizers:
+            if isinstance(opt, TritonAdamW):
+                for state in opt.state.values():
+                    state["step"] -= 1
+
+    def step(self, grad_factor: float | torch.Tensor | None = None, finite: torch.Tensor | None = None) -> None:
+        """Step every part; ``grad_factor`` (clipping, loss-scale removal) multiplies the gradients first.
+        ``finite`` (a one-element bool device tensor, only where ``skips_on_device``): false skips the update
+        on the device; the caller takes back host counts with ``unstep`` once it reads the flag."""
+        if finite is not None:
+            assert self.skips_on_device, "finite= needs loom's Triton or PyTorch's fused AdamW"
+            factor = 1.0 if grad_factor is None else grad_factor
+            factor = torch.where(finite, torch.as_tensor(factor, dtype=torch.float32, device=finite.device),
+                                 torch.tensor(float("nan"), device=finite.device))
+            for opt in self.optimizers:
+                if not isinstance(opt, TritonAdamW):
+                    opt.found_inf = (~finite).to(torch.float32)
+            try:
+                self._step_folded(factor)
+            finally:
+                for opt in self.optimizers:
+                    opt.__dict__.pop("found_inf", None)
+            return
         if grad_factor is None:
             for opt in self.optimizers:
                 opt.step()
@@ -126,6 +155,11 @@ class OptimizerParts:
             for opt in self.optimizers:
                 opt.step()
             return
+        self._step_folded(grad_factor)
+
+    def _step_folded(self, grad_factor) -> None:
+        """Each kernel multiplies the gradients by ``grad_factor`` itself (a NaN factor: the fused AdamW's
+        ``found_inf`` is set too, and it skips; loom's Triton kernel skips on its own)."""
         for opt in self.optimizers:
             if isinstance(opt, TritonAdamW):
                 opt.step(grad_factor=grad_factor)

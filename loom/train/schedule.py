@@ -69,7 +69,20 @@ class SchedulerParts:
         for s in self.schedulers:
             s.load_state_dict(state)
             s.base_lrs = [self.cfg.lr for _ in s.base_lrs]
-            lr = self.cfg.lr * lr_factor(s.last_epoch, self.total_steps, self.cfg)  # what LambdaLR.step computes
             for group in s.optimizer.param_groups:
-                group["initial_lr"], group["lr"] = self.cfg.lr, lr
+                group["initial_lr"] = self.cfg.lr
+        self._set_lr()
+
+    def unstep(self) -> None:
+        """Take back the last ``step``: an update the device skipped (non-finite), learnt on the host a step late."""
+        for s in self.schedulers:
+            s.last_epoch -= 1
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        """Every group's LR at the schedulers' position (what LambdaLR.step computes)."""
+        for s in self.schedulers:
+            lr = self.cfg.lr * lr_factor(s.last_epoch, self.total_steps, self.cfg)
+            for group in s.optimizer.param_groups:
+                group["lr"] = lr
             s._last_lr = [lr for _ in s.optimizer.param_groups]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import time
@@ -35,7 +34,7 @@ from loom.parallel.expert_parallel import expert_params
 from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
-from loom.train.guard import NonFiniteGuard, Preemption, TrainingStopped
+from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
 from loom.train.loss import cross_entropy_sum, valid_tokens
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import DTYPES, LossScaler, autocast_context
@@ -147,7 +146,8 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self.preemption: Preemption | None = None  # set while fit() runs
-        self.stop_agreed = False  # every rank saw a stop request by the end of the last step
+        self._pending: StepCheck | None = None  # the last step's verdict, until the host has read it
+        self.stop_vote = StopVote(dist.new_group(backend="gloo") if self.env.world_size > 1 else None)
 
     # ---- build steps ------------------------------------------------------
     def _setup_determinism(self) -> None:
@@ -336,13 +336,6 @@ class Trainer:
             return flag
         return self._max_over_ranks(float(flag)) > 0
 
-    def _agree(self, *flags: bool) -> list[bool]:
-        """Each flag true on any rank, on every rank (one small all-reduce)."""
-        if self.env.world_size == 1:
-            return list(flags)
-        t = torch.tensor([float(f) for f in flags], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [x > 0 for x in t.tolist()]
 
     # ---- one step -------------------------------------------------------------
     def _autocast(self):
@@ -435,24 +428,31 @@ class Trainer:
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
         loss = self.dp_sum(loss_sum) / n_tokens
-        with self.profiler.phase("optimizer"):  # grad norm, non-finite and stop checks, clipping, step, zero_grad
+        with self.profiler.phase("optimizer"):  # grad norm, clipping, step (skipped where not finite), zero_grad
             norm = self._grad_norm() / self.scaler.scale
-            loss_f, norm_f = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()  # one host sync
-            # under float16 an infinite gradient norm is an overflow, the loss scaler's to handle
-            bad = not math.isfinite(loss_f) or (not self.scaler.enabled and not math.isfinite(norm_f))
-            stop = self.preemption is not None and self.preemption.requested
-            bad, self.stop_agreed = self._agree(bad, stop)  # every step: schedulers give 30 s or less
-            stepped = not bad
-            if stepped and self.scaler.enabled:
-                stepped = self.scaler.update(norm_f)
-            if stepped:
-                clip = 1.0 if self.cfg.training.max_norm == 0 else torch.clamp(
-                    self.cfg.training.max_norm / (norm + 1e-6), max=1.0)
-                scaled = self.scaler.enabled or self.cfg.training.max_norm
-                self.optimizer.step(clip / self.scaler.scale if scaled else None)
+            # both are global (summed and normed over every rank): every rank reaches the same verdict. Under
+            # float16 an infinite gradient norm is an overflow, the loss scaler's to handle.
+            finite = torch.isfinite(loss)
+            if not self.scaler.enabled:
+                finite = finite & torch.isfinite(norm.to(loss.device))
+            clip = 1.0 if self.cfg.training.max_norm == 0 else torch.clamp(
+                self.cfg.training.max_norm / (norm + 1e-6), max=1.0)
+            scaled = self.scaler.enabled or self.cfg.training.max_norm
+            factor = clip / self.scaler.scale if scaled else None
+            deferred = self.optimizer.skips_on_device and not self.scaler.enabled
+            if deferred:  # the device skips a non-finite update itself; the host reads the verdict a step later
+                self.optimizer.step(factor, finite=finite)
                 self.scheduler.step()
+            else:  # float16's loss scale and the optimizers that cannot skip on the device decide on the host
+                stepped = bool(finite)
+                if stepped and self.scaler.enabled:
+                    stepped = self.scaler.update(float(norm))
+                if stepped:
+                    self.optimizer.step(factor)
+                    self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "nonfinite": bad}
+        self._pending = StepCheck(self.step + 1, finite, loss, norm, deferred)
+        out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
         if self.model_args.moe:
             balance = self._moe_balance()
             # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
@@ -579,9 +579,9 @@ class Trainer:
         local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in self.params]
         return bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all()) if local else True
 
-    def _rollback(self) -> None:
+    def _rollback(self, logger, records: list[dict]) -> None:
         """training.nonfinite = rollback: the newest complete checkpoint of this run back in place; the guard
-        keeps its record of offending steps, whose batches the replay skips."""
+        keeps its record of offending steps, whose batches the replay skips; records past it are dropped."""
         self.checkpointer.wait()
         folder = self.checkpointer.latest()
         if folder is None:
@@ -592,6 +592,9 @@ class Trainer:
         self.load_trainer_state(state)
         self.guard.load_state_dict(guard)
         self.guard.rolled_back_to(self.step)
+        records[:] = [r for r in records if r["step"] <= self.step]
+        if logger:
+            logger.rewind(self.step)
         if self.env.is_main:
             print(f"rolled back to step {self.step} ({folder}); the batches of step(s) "
                   f"{', '.join(map(str, sorted(self.guard.skip_steps)))} will be skipped", flush=True)
@@ -604,12 +607,23 @@ class Trainer:
         if self.env.is_main:
             print(f"step {self.step}: batch skipped (it made the loss non-finite before a rollback)", flush=True)
 
-    def _nonfinite_action(self, out: dict) -> str:
-        """Count a non-finite step and say so on the console at once; returns what training.nonfinite does."""
-        loss, norm = float(out["loss"]), float(out["grad_norm"])
-        action = self.guard.bad_step(self.step, loss, norm)
+    def _settle(self) -> str:
+        """Read the last step's verdict: ``ok``; or, for a non-finite step, take back the host's counts of the
+        update the device skipped, say so at once, and answer what training.nonfinite does (``skip``, ``stop``,
+        ``rollback``)."""
+        check, self._pending = self._pending, None
+        if check is None:
+            return "ok"
+        finite, loss, norm = check.read()
+        if finite:
+            self.guard.finite_step()
+            return "ok"
+        if check.deferred:
+            self.optimizer.unstep()
+            self.scheduler.unstep()
+        action = self.guard.bad_step(check.step, loss, norm)
         if self.env.is_main:
-            print(f"step {self.step}: non-finite loss {loss} / grad norm {norm}: update skipped "
+            print(f"step {check.step}: non-finite loss {loss} / grad norm {norm}: update skipped "
                   f"({self.guard.streak} in a row, {self.guard.skipped} in all; training.nonfinite = "
                   f"{self.guard.mode})", flush=True)
         return action
@@ -635,45 +649,50 @@ class Trainer:
         records: list[dict] = []
         reset_peak(self.device)
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
+        finished = False
         try:
             while self.step < cfg.training.steps:
                 self.checkpointer.poll()
+                verdict = self._settle()  # the last step's, if still unread
+                if verdict == "stop":
+                    raise TrainingStopped(self.guard.why)
+                if verdict == "rollback":
+                    self._rollback(logger, records)
+                    t_last, tokens_last = time.perf_counter(), self.tokens_seen
+                    continue
                 if self.step + 1 in self.guard.skip_steps:
                     self._skip_offending_batch()
                     continue
                 logs = self._logs_at(self.step + 1)
                 data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
                 self.profiler.start(self.step + 1)
-                out = self.train_step(data.micro_batches)  # agrees on non-finite values and stop requests
+                out = self.train_step(data.micro_batches)
                 self.step += 1
                 self.profiler.step_done(self.step)
                 self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
-                action = self._nonfinite_action(out) if out["nonfinite"] else "ok"
-                if action == "ok":
-                    self.guard.finite_step()
-                if action == "rollback":
-                    self._rollback()
-                    records = [r for r in records if r["step"] <= self.step]
-                    if logger:
-                        logger.rewind(self.step)
+                preempted = self.stop_vote.agreed(self.preemption.requested)  # every step: schedulers give 30 s
+                saves = bool(cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or preempted
+                # records and checkpoints see this step's verdict (these steps sync the host anyway)
+                verdict = self._settle() if logs or saves or self.step == cfg.training.steps else "unread"
+                if verdict == "rollback":
+                    self._rollback(logger, records)
                     t_last, tokens_last = time.perf_counter(), self.tokens_seen
                     continue
                 if logger:
                     logger.progress.update(self.step)
                 val = None
-                if cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
+                if verdict != "stop" and cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
                     val = self.evaluate()
-                if logs or action == "stop":  # the step that stops the run is on record too
+                if logs or verdict == "stop":  # the step that stops the run is on record too
                     now = time.perf_counter()
                     rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
                     t_last, tokens_last = now, self.tokens_seen
                     if logger:
                         logger.log(rec)
                         records.append(rec)
-                if action == "stop":
+                if verdict == "stop":
                     raise TrainingStopped(self.guard.why)
-                preempted = self.stop_agreed
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 or preempted:
+                if saves:
                     self.save_checkpoint()
                 if preempted:
                     self.checkpointer.wait()
@@ -686,7 +705,9 @@ class Trainer:
                 if cfg.checkpoint.at_end and not (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
             self.checkpointer.wait()
+            finished = True
         finally:
+            self.stop_vote.close(wait=finished)
             self.preemption.restore()
             self.profiler.close()
             if logger:

@@ -51,6 +51,17 @@ def test_grad_factor_scales_the_gradient():
         torch.testing.assert_close(x, y)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_factor_that_is_not_finite_skips_the_step(bad):
+    gen = torch.Generator().manual_seed(1)
+    p, m, v = torch.randn(6, 4, generator=gen), torch.randn(6, 4, generator=gen), torch.rand(6, 4, generator=gen)
+    before = [p.clone(), m.clone(), v.clone()]
+    g = torch.full((6, 4), float("nan"))
+    adamw_step_(p, g, m, v, step=2, grad_factor=torch.tensor([bad]), **HYPER)
+    for a, b in zip((p, m, v), before):
+        assert torch.equal(a, b)
+
+
 def test_opcheck():
     from torch.library import opcheck
 
@@ -136,6 +147,14 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
                 adamw_step_(*have[:1], g, *have[1:], step=step, grad_factor=factor, **hyper)
             for a, b in zip(have, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for bad in (float("nan"), float("inf")):  # a factor that is not finite skips the step: nothing stored
+        p, m, v = torch.randn(5000), torch.randn(5000), torch.rand(5000)
+        before = [p.clone(), m.clone(), v.clone()]
+        g = torch.randn(5000)
+        g[3] = float("nan")
+        adamw_step_(p, g, m, v, step=3, grad_factor=torch.tensor([bad]), **hyper)
+        for a, b in zip((p, m, v), before):
+            assert torch.equal(a, b)
     def raises(*args, **kw):
         try:
             tk.adamw_step(*args, **kw)

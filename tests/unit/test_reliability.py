@@ -114,10 +114,17 @@ def test_a_second_run_in_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, ca
 
 
 # ---- non-finite steps ---------------------------------------------------------------------
-def test_a_diverged_run_skips_then_stops_with_exit_1_and_one_line(tmp_path, cache, capsys):
+# foreach decides on the host (a sync); loom's Triton AdamW (its reference on CPU) and PyTorch's fused AdamW skip
+# on the device and the host takes back its step counts a step later
+IMPLEMENTATIONS = ["foreach", "triton", "fused"]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_diverged_run_skips_then_stops_with_exit_1_and_one_line(tmp_path, cache, capsys, impl):
     run = tmp_path / "nan"
     code, out, err = run_main(capsys, run, cache, **{"optimizer.lr": 1e6, "training.steps": 40,
-                                                     "training.nonfinite_limit": 3, "checkpoint.every": 1})
+                                                     "training.nonfinite_limit": 3, "checkpoint.every": 1,
+                                                     "optimizer.implementation": impl})
     line = one_line(err)
     assert code == 1 and "3 non-finite steps in a row (training.nonfinite_limit = 3)" in line
     bad = [int(m.split()[1].rstrip(":")) for m in out.splitlines() if "non-finite loss" in m]
@@ -163,9 +170,10 @@ def poisoned_step(monkeypatch):
     monkeypatch.setattr(Trainer, "_forward_loss", poisoned)
 
 
-def test_rollback_skips_the_offending_batch_and_continues_like_skip(tmp_path, cache, capsys, poisoned_step):
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_rollback_skips_the_offending_batch_and_continues_like_skip(tmp_path, cache, capsys, poisoned_step, impl):
     """Rolling back to step 4 and skipping batch 5 gives the weights a skipped update gives: steps 6-8 are equal."""
-    common = {"training.steps": 8, "checkpoint.every": 2, "checkpoint.keep": 0}
+    common = {"training.steps": 8, "checkpoint.every": 2, "checkpoint.keep": 0, "optimizer.implementation": impl}
     assert run_main(capsys, tmp_path / "skip", cache, **common)[0] == 0
     code, out, _ = run_main(capsys, tmp_path / "rollback", cache, **common, **{"training.nonfinite": "rollback"})
     assert code == 0
@@ -176,6 +184,31 @@ def test_rollback_skips_the_offending_batch_and_continues_like_skip(tmp_path, ca
     assert skipped[4]["step"] == 5 and skipped[4]["loss"] is None and skipped[4]["nonfinite_steps"] == 1
     with open(os.path.join(str(tmp_path / "rollback"), "checkpoints", step_dir_name(8), "trainer_state.json")) as fh:
         assert json.load(fh)["nonfinite"]["skip_steps"] == [5]  # a resumed run skips it too
+
+
+@pytest.mark.parametrize("impl", ["triton", "fused"])
+def test_a_skip_decided_on_the_device_is_a_skip_decided_on_the_host(tmp_path, cache, capsys, poisoned_step, impl):
+    """Logged every 3rd step, so step 5's verdict is read a step late: the LR schedule and AdamW's step count are
+    taken back as if the host had skipped the step itself (same LRs as foreach; the same steps in the saved state)."""
+    common = {"training.steps": 9, "metrics.every": 3, "checkpoint.every": 0}
+    code, out, _ = run_main(capsys, tmp_path / "host", cache, **common, **{"optimizer.implementation": "foreach"})
+    assert code == 0 and "step 5: non-finite loss nan" in out
+    code, out, _ = run_main(capsys, tmp_path / "device", cache, **common, **{"optimizer.implementation": impl})
+    assert code == 0 and "step 5: non-finite loss nan" in out
+    host, device = records(tmp_path / "host"), records(tmp_path / "device")
+    assert [r["step"] for r in device] == [3, 6, 9] and device[-1]["nonfinite_steps"] == 1
+    assert [r["lr"] for r in device] == [r["lr"] for r in host]
+    final = os.path.join(str(tmp_path / "device"), "checkpoints", step_dir_name(9))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    steps = {k: v for k, v in FileSystemReader(final).read_metadata().state_dict_metadata.items()
+             if k.startswith("optimizer.state.") and k.endswith(".step")}
+    assert steps  # AdamW's per-tensor step counts: 8 updates of 9 steps
+    sd = {k: torch.zeros(()) for k in steps}
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(sd, checkpoint_id=final, no_dist=True)
+    assert {float(v) for v in sd.values()} == {8.0}
 
 
 def test_weights_that_are_not_finite_are_never_saved(tmp_path, cache, capsys, monkeypatch):

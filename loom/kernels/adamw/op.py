@@ -32,7 +32,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                 grad_factor: torch.Tensor | None = None) -> None:
     """One AdamW step on one tensor, in place (``torch.optim.AdamW``'s math; ``step`` counts from 1);
-    the gradient is multiplied by ``grad_factor`` (a one-element fp32 tensor) first when given."""
+    the gradient is multiplied by ``grad_factor`` (a one-element fp32 tensor) first when given, and a
+    ``grad_factor`` that is not finite skips the step."""
     if not (param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
         raise ValueError(f"adamw_step_: param {tuple(param.shape)}, grad {tuple(grad.shape)}, exp_avg "
                          f"{tuple(exp_avg.shape)}, exp_avg_sq {tuple(exp_avg_sq.shape)} must have one shape")

@@ -3,7 +3,8 @@ and what CPU runs execute.
 
 The math and the order of operations of ``torch.optim.AdamW``'s single-tensor path (decoupled weight
 decay first, then the moments, then the bias-corrected update), with the gradient optionally multiplied
-by ``grad_factor`` first (clipping folded into the step)."""
+by ``grad_factor`` first (clipping folded into the step). A ``grad_factor`` that is not finite skips the
+step, leaving every tensor as it was (the Triton kernel masks its stores; here the host checks)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                 grad_factor: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, step: int) -> None:
     """Updates ``param``, ``exp_avg`` and ``exp_avg_sq`` in place; ``step`` counts from 1."""
+    if grad_factor is not None and not bool(torch.isfinite(grad_factor).all()):
+        return
     g = grad.to(param.dtype)
     if grad_factor is not None:
         g = g * grad_factor.to(param.dtype)

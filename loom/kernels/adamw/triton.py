@@ -3,7 +3,8 @@
 One pass over the tensor: reads param, grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq
 (28 bytes per fp32 parameter, the least an fp32 AdamW can move). fp32 math; the gradient may be bf16 or
 fp16. The optional gradient factor (clipping) is a one-element device tensor read by every program, so
-the step never waits for the host. Plain pointer arithmetic and masks: Triton 3.6 and newer.
+the step never waits for the host; a factor that is not finite skips the step (nothing is stored: the
+trainer's non-finite guard, decided on the device). Plain pointer arithmetic and masks: Triton 3.6 and newer.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, factor_ptr, n, decay, beta1, beta2
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_FACTOR:
-        g = g * tl.load(factor_ptr)
+        factor = tl.load(factor_ptr)
+        g = g * factor
+        # NaN or inf (x - x is NaN) skips the step; compared as a block (the interpreter cannot AND a scalar)
+        mask = mask & (tl.zeros([BLOCK], tl.float32) + (factor - factor) == 0.0)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
