@@ -134,9 +134,8 @@ class OptimizerParts:
         on the device; the caller takes back host counts with ``unstep`` once it reads the flag."""
         if finite is not None:
             assert self.skips_on_device, "finite= needs loom's Triton or PyTorch's fused AdamW"
-            factor = 1.0 if grad_factor is None else grad_factor
-            factor = torch.where(finite, torch.as_tensor(factor, dtype=torch.float32, device=finite.device),
-                                 torch.tensor(float("nan"), device=finite.device))
+            skip = finite.to(torch.float32).reciprocal()  # 1, or inf: a factor that is not finite skips the update
+            factor = skip if grad_factor is None else grad_factor * skip  # (no host value reaches the device: no sync)
             for opt in self.optimizers:
                 if not isinstance(opt, TritonAdamW):
                     opt.found_inf = (~finite).to(torch.float32)

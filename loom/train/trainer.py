@@ -440,6 +440,8 @@ class Trainer:
             scaled = self.scaler.enabled or self.cfg.training.max_norm
             factor = clip / self.scaler.scale if scaled else None
             deferred = self.optimizer.skips_on_device and not self.scaler.enabled
+            # copied to the host before the update is queued: reading it waits for this point, not the update
+            self._pending = StepCheck(self.step + 1, finite, loss, norm, deferred)
             if deferred:  # the device skips a non-finite update itself; the host reads the verdict a step later
                 self.optimizer.step(factor, finite=finite)
                 self.scheduler.step()
@@ -451,7 +453,6 @@ class Trainer:
                     self.optimizer.step(factor)
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self._pending = StepCheck(self.step + 1, finite, loss, norm, deferred)
         out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
         if self.model_args.moe:
             balance = self._moe_balance()
