@@ -388,9 +388,13 @@ class CheckpointManager:
             self._finish(collective=False)
 
     def wait(self) -> None:
-        """Block until an async save is committed (all ranks call this at the same point)."""
+        """Block until an async save is committed (all ranks call this at the same point). The barrier runs on
+        every rank whether or not its own ``poll`` already committed: ranks poll alone, and a barrier only where a
+        save was still pending would pair with another collective on the others (a hang)."""
         if self._pending is not None:
-            self._finish(collective=True)
+            self._finish(collective=False)
+        if self.cfg.async_save:
+            self.barrier()
 
     def _finish(self, collective: bool) -> None:
         future, tmp, final, step = self._pending

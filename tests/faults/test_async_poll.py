@@ -1,0 +1,34 @@
+"""Async saves on 2 ranks whose polls disagree (rank 0 sees each save done, rank 1 never): ``wait`` must still
+pair the ranks' collectives. Before the fix, rank 1 alone ran a barrier and both ranks hung after step 4."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from loom.checkpoint.manager import list_complete
+from tests.faults.inject import kill_tree
+from tests.unit.test_checkpoint_recovery import LOOM, REPO, env
+
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "uneven_poll")
+
+
+def test_async_saves_finish_when_the_ranks_polls_disagree(tmp_path):
+    run = tmp_path / "run"
+    e = dict(env(), PYTHONPATH=SITE + os.pathsep + REPO)
+    cmd = [sys.executable, "-c", LOOM, "train", "--nproc-per-node", "2", f"--run.dir={run}", "--run.seed=3",
+           "--training.steps=8", "--training.seq_len=32", "--training.global_batch_size=4",
+           "--training.micro_batch_size=2", "--checkpoint.every=2", "--checkpoint.keep=0",
+           "--checkpoint.async_save=true", "--metrics.every=1", "--metrics.tensorboard=false",
+           f"--data.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)  # far above the run's own time: a hang fails here
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        raise AssertionError(f"hung; checkpoints: {os.listdir(run / 'checkpoints')}") from None
+    assert proc.returncode == 0, err[-3000:]
+    assert [s for s, _ in list_complete(str(run / "checkpoints"))] == [2, 4, 6, 8]
