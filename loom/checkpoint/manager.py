@@ -41,8 +41,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 from loom.config.errors import SharedError, UserError
 from loom.config.sections import CheckpointConfig
 
-# DCP warns on every single-process save/load even when told so (no_dist); it is the intended mode here
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _quiet_dcp() -> None:
+    """DCP warns on every single-process save/load even when told so (no_dist); it is the intended mode here.
+    Set when a manager is made, not at import: an import inside ``warnings.catch_warnings`` (the CLI's
+    precheck) would lose the filter when the block ends."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+_quiet_dcp()
 
 MARKER = "COMPLETE.json"
 STATE = "trainer_state.json"
@@ -282,6 +290,7 @@ class CheckpointManager:
                  share: Callable[[object], object] | None = None):
         """``share(obj)`` returns rank 0's ``obj`` on every rank (a broadcast); without it every rank
         verifies checkpoints itself."""
+        _quiet_dcp()
         self.cfg = cfg
         self.dir = cfg.dir or os.path.join(run_dir, "checkpoints")
         self.is_main, self.barrier, self.share = is_main, barrier, share
