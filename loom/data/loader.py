@@ -19,8 +19,8 @@ import torch
 
 from loom.config.errors import UserError
 from loom.data.token_file import TokenFile
+from loom.numerics import IGNORE
 
-IGNORE = -100
 _MASK31 = (1 << 31) - 1
 
 

@@ -7,9 +7,6 @@ import math
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def autocast_context(dtype: torch.dtype, device: torch.device, fsdp_casts: bool):
     """Autocast unless fp32, or FSDP2 already runs the forward in the compute dtype."""
     if dtype == torch.float32 or fsdp_casts:

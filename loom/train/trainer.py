@@ -26,7 +26,7 @@ from loom.metrics.logger import MetricsLogger
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.llama import FLAVORS, Llama, round_vocab
-from loom.models.llama.parallelize import fsdp_reshard_after_forward, parallelize_llama
+from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
 from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
@@ -35,9 +35,9 @@ from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
-from loom.train.loss import cross_entropy_sum, valid_tokens
 from loom.train.optimizer import OptimizerParts
-from loom.train.precision import DTYPES, LossScaler, autocast_context
+from loom.numerics import DTYPES, cross_entropy_sum, valid_tokens
+from loom.train.precision import LossScaler, autocast_context
 from loom.train.run_dir import acquire, check_writable_dirs
 from loom.train.schedule import SchedulerParts
 

@@ -85,7 +85,7 @@ def sharded_via_loom(args, rank):
     """The trainer's path: ParallelDims mesh + parallelize_llama (1-D FSDP over both ranks)."""
     from loom.config.sections import ParallelConfig, TrainingConfig
     from loom.models.llama import Llama
-    from loom.models.llama.parallelize import parallelize_llama
+    from loom.parallel.parallelize import parallelize_llama
     from loom.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(ParallelConfig(), WORLD)
@@ -187,7 +187,7 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
     from loom.checkpoint.hf import hf_expert_names, hf_name, llama_args_from_hf, load_hf_weights, stacked_experts
     from loom.config.sections import ParallelConfig, TrainingConfig
     from loom.models.llama import Llama
-    from loom.models.llama.parallelize import parallelize_llama
+    from loom.parallel.parallelize import parallelize_llama
     from loom.parallel.dims import ParallelDims
 
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.data.loader import IGNORE
+from loom.numerics import IGNORE
 from loom.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_unfused
 from loom.kernels.linear_ce.reference import ce_rows_torch_
 from loom.models.common.init import materialize

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from loom.data.loader import IGNORE
+from loom.numerics import IGNORE
 from loom.kernels.linear_ce import default_chunk_tokens, linear_cross_entropy, linear_cross_entropy_unfused
 from loom.kernels.linear_ce.reference import chunked_linear_cross_entropy
 from loom.kernels.triton_support import has_triton
@@ -173,7 +173,7 @@ def test_model_fused_loss_matches_unfused_for_every_parameter(tie):
 
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import torch
-    from loom.data.loader import IGNORE
+    from loom.numerics import IGNORE
     from loom.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_unfused
     from loom.kernels.linear_ce.reference import ce_rows_torch_
     from loom.kernels.linear_ce.triton import ce_rows_triton_

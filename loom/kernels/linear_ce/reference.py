@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from loom.data.loader import IGNORE
+from loom.numerics import IGNORE
 
 # Budget of the chunk's logits buffer: chunk_tokens * V * element size stays at or below it.
 CHUNK_BYTES = 256 * 2**20

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loom.data.loader import IGNORE
+from loom.numerics import IGNORE
 from loom.kernels.triton_support import check_tensor
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

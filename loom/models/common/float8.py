@@ -4,7 +4,7 @@ transformer-block linear run in float8 (e4m3 forward, e5m2 gradients) with dynam
 The output head stays in bf16 (as torchtitan: vocab-sized logits are sensitive to float8 rounding).
 
 Applied in the composition order after tensor parallelism and before activation checkpointing,
-compile and FSDP (see loom.models.llama.parallelize)."""
+compile and FSDP (see loom.parallel.parallelize)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from loom.models.common.layers import Attention, FeedForward, RMSNorm
 from loom.models.common.moe import MoE
 from loom.models.common.rope import rope_table
 from loom.models.llama.flavors import LlamaArgs
-from loom.train.loss import cross_entropy_sum
+from loom.numerics import cross_entropy_sum
 
 
 class Block(nn.Module):

@@ -1,11 +1,13 @@
-"""Token losses. A step's loss is sum(token losses over the global batch) / global valid tokens."""
+"""Numbers every layer shares: the training dtypes by name, the label that takes no loss, and the summed
+token loss (a step's loss is sum(token losses over the global batch) / global valid tokens)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from loom.data.loader import IGNORE
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IGNORE = -100  # a label that takes no loss (padding, masked prompt tokens, a document's last position)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

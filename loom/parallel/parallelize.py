@@ -27,6 +27,7 @@ from torch import nn
 from loom.config.load import PIPELINE_SCHEDULES_SPLIT_BACKWARD, stages_per_rank
 from loom.config.sections import ParallelConfig, TrainingConfig
 from loom.models.common.float8 import apply_float8
+from loom.numerics import DTYPES
 from loom.models.common.init import materialize
 from loom.models.llama.model import Llama
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -37,9 +38,6 @@ from loom.parallel.dims import ParallelDims
 from loom.parallel.expert_parallel import apply_expert_parallel
 from loom.parallel.pipeline import PipelinePlan, build_stage, split_layers, stage_ids
 from loom.parallel.tensor_parallel import apply_tp
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class ParallelModel:
