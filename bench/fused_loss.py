@@ -6,7 +6,7 @@ F.cross_entropy(logits.float(), reduction="sum"). Both take bf16 h (N, E) and W 
 FSDP2's bf16 policy) and back-propagate into both. Peak memory is max_memory_allocated during
 forward + backward above what was allocated before (the inputs).
 
-    python bench/fused_loss.py --out bench/results/fused_loss.json
+    python -m bench.fused_loss --variants unfused,fused,unfused_compile --out bench/results/fused_loss_h100.json
 
 Writes one JSON with the device, library versions, commit and the exact command, and per case and
 variant: ms per forward + backward (median of --iters after --warmup), tokens/s and peak extra GiB.
@@ -18,18 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from train_1b import environment  # noqa: E402
-
-from loom.kernels.linear_ce import (default_chunk_tokens, linear_cross_entropy,  # noqa: E402
-                                    linear_cross_entropy_unfused)
+from bench.common import command, default_commit, environment
+from loom.kernels.linear_ce import default_chunk_tokens, linear_cross_entropy, linear_cross_entropy_unfused
 
 VARIANTS = ("unfused", "fused", "unfused_compile")
 
@@ -80,14 +73,6 @@ def measure(variant: str, n: int, e: int, v: int, warmup: int, iters: int, chunk
             "loss": float(fn(h, w, y).detach())}
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("LOOM_COMMIT", "unknown")
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=8192)
@@ -98,8 +83,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="bench/results/fused_loss.json")
+    p.add_argument("--commit", default=default_commit())
     a = p.parse_args()
-    command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
     results = []
     for e in (int(x) for x in a.dims.split(",")):
         for variant in a.variants.split(","):
@@ -117,7 +102,7 @@ def main() -> None:
             f, u = by["fused"], by["unfused"]
             ratios[f"E{e}"] = {"time_fused_over_unfused": f["ms_fwd_bwd"] / u["ms_fwd_bwd"],
                                "peak_unfused_over_fused": u["peak_extra_gib"] / f["peak_extra_gib"]}
-    doc = {"benchmark": "fused_loss", "environment": environment(git_commit(), command), "results": results,
+    doc = {"benchmark": "fused_loss", "environment": environment(a.commit, command()), "results": results,
            "ratios": ratios}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:

@@ -2,8 +2,8 @@
 FlexAttention (compiled, block masks) and the plain PyTorch reference; forward and forward+backward
 TFLOP/s. Packed documents count useful FLOPs only (each document's own causal square).
 
-    python bench/kernels.py --suite causal --out bench/results/kernels_causal_h100.json
-    python bench/kernels.py --suite docs   --out bench/results/kernels_docs_h100.json
+    python -m bench.kernels --suite bar  --out bench/results/kernels_bar_h100.json
+    python -m bench.kernels --suite docs --out bench/results/kernels_docs_h100.json
 
 FLOPs: 4·B·H·S²·D forward (half of it when causal), ×3.5 for forward+backward (backward = 2.5× forward).
 Every row holds the ratios against the baselines of the same run. Each backend is timed in two rounds (the
@@ -14,43 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import bench_ms, command, default_commit, environment
 
-from bench.train_1b import environment  # noqa: E402
-
-TOKENS = 32768  # batch x sequence per measurement (16 x 2048, 4 x 8192 as in ../shared/anchors.md)
-
-
-def bench_ms(fn, grads=None) -> float:
-    """Mean ms per call; ``grads``: leaf tensors whose .grad is reset before every call, so that a backward
-    assigns its gradients instead of adding them to the previous call's (in training, q/k/v gradients flow
-    on into the projections: the accumulation would be an artifact of the benchmark)."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grads)
-
-
-def two_rounds(fns: dict) -> dict:
-    """ms per call of each named function, timed in two rounds (the second in reverse order; the faster round
-    counts): {name: {"round0", "round1", "ms"}}, or {"error"} for a function that did not compile or launch."""
-    best = {}
-    for rnd, names in enumerate((list(fns), list(reversed(fns)))):
-        for name in names:
-            try:
-                ms = bench_ms(fns[name])
-            except Exception as e:  # a config that does not compile or launch is recorded, not fatal
-                best.setdefault(name, {"error": str(e)[:300]})
-                continue
-            r = best.setdefault(name, {})
-            r[f"round{rnd}"] = ms
-            r["ms"] = min(ms, r.get("ms", ms))
-    return best
+TOKENS = 32768  # batch x sequence per measurement (16 x 2048, 4 x 8192)
 
 
 def attention_flops(b: int, h: int, d: int, doc_lens: list[list[int]] | None, s: int, causal: bool) -> float:
@@ -112,7 +82,7 @@ def sdpa_fn(backend):
 def flex_fn(q, k, v, causal, ids):
     """FlexAttention compiled for this one shape. A single torch.compile(flex_attention) reused across shapes
     turns dynamic after the second shape and runs much slower kernels: the first version of this script
-    did that, and its Flex figures for every shape after the second were too low (bench/NOTES.md)."""
+    did that, and its Flex figures for every shape after the second were too low."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.reset()
@@ -179,11 +149,14 @@ def loom_configs() -> dict:
     Gluon kernels' (keys prefixed ``gluon_``; their candidates differ by 3-7% at some shapes, so a pick is worth
     knowing when two runs disagree)."""
     from loom.kernels.attention import triton as T
+    from loom.kernels.triton_support import has_gluon_hopper
 
     configs = {kind: str(kernel.best_config) for kind, kernel in T._TUNED.items()}
-    hopper = T._hopper()
-    for kind, kernel in (hopper._TUNED.items() if hopper is not None else ()):
-        configs[f"gluon_{kind}"] = str(kernel.best_config)
+    if has_gluon_hopper():
+        from loom.kernels.attention.hopper import launch as hopper
+
+        for kind, kernel in hopper._TUNED.items():
+            configs[f"gluon_{kind}"] = str(kernel.best_config)
     return configs
 
 
@@ -357,8 +330,8 @@ def markdown(rows: list[dict]) -> str:
 def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> dict:
     """Time of loom's forward and backward and the configs autotuning chose; causal, optionally packed
     documents (useful FLOPs)."""
+    from loom.kernels.attention import op as T  # what the model runs (Triton or the Gluon Hopper kernels)
     from loom.kernels.attention import reference as R
-    from loom.kernels.attention import triton as T
 
     b = TOKENS // s
     gen = torch.Generator().manual_seed(s)
@@ -455,10 +428,8 @@ def main() -> None:
     p.add_argument("--suite", choices=SUITES, default="quick")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--out", default="")
-    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--commit", default=default_commit())
     p.add_argument("--breakdown", action="store_true", help="time loom's forward and backward (BREAKDOWN cases)")
-    p.add_argument("--loss", action="store_true", help="the fused linear + cross-entropy vs the unfused path "
-                                                        "(time and peak memory; bench/fused_loss.py)")
     p.add_argument("--configs", action="store_true", help="every backward candidate config one by one "
                                                            "(time, registers, spills) for CONFIG_SWEEP cases")
     p.add_argument("--extra-dkdv", default="", help="with --configs: more dK/dV candidates, "
@@ -482,12 +453,6 @@ def main() -> None:
         for d, hq, hkv, s, docs in parse_configs(a.cases) or CONFIG_SWEEP:
             rows.append(config_sweep(d, hq, hkv, s, getattr(torch, a.dtype), bool(docs), extra))
             write_rows(a, rows)
-        return
-    if a.loss:
-        from bench.fused_loss import main as fused_loss_main
-
-        sys.argv = [sys.argv[0], "--variants", "unfused,fused,unfused_compile"] + (["--out", a.out] if a.out else [])
-        fused_loss_main()
         return
     if a.breakdown:
         rows = [breakdown(d, hq, hkv, s, getattr(torch, a.dtype), docs) for d, hq, hkv, s, docs in BREAKDOWN]
@@ -514,17 +479,17 @@ def write_rows(a, rows: list[dict]) -> None:
     """JSON of a --profile / --configs / --breakdown run (no markdown table)."""
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"env": environment(a.commit, "python " + " ".join(sys.argv)), "dtype": a.dtype,
+            json.dump({"env": environment(a.commit, command()), "dtype": a.dtype,
                        "tokens_per_measurement": TOKENS, "rows": rows}, f, indent=1)
 
 
 def write_results(a, rows: list[dict]) -> None:
-    result = {"env": environment(a.commit, "python " + " ".join(sys.argv)), "suite": a.suite, "dtype": a.dtype,
+    result = {"env": environment(a.commit, command()), "suite": a.suite, "dtype": a.dtype,
               "tokens_per_measurement": TOKENS, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     with open(a.out.replace(".json", ".md"), "w") as f:
-        f.write(f"# bench/kernels.py --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
+        f.write(f"# bench.kernels --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
                 f"{a.dtype})\n\nTFLOP/s (forward / forward+backward)\n\n{markdown(rows)}\n")
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ of the reference's. ``--dtype bfloat16`` reports the spread instead (bf16 sums i
 A layout that loom rejects (a config error: e.g. too few micro-batches for a V-shaped schedule)
 is recorded with the one-line reason, not as a failure.
 
-    python bench/layouts.py --gpus 8 --flavors debug,125M --out bench/results/layouts_8gpu_h200.json
+    python -m bench.layouts --gpus 8 --flavors debug,125M --out bench/results/layouts_8gpu_h200.json
 
 The JSON is written after every layout (a command cut short keeps what finished) and, with ``--resume``,
 layouts already in it are skipped, so one matrix can be spread over several commands under a time limit.
@@ -22,12 +22,8 @@ import argparse
 import json
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.jobs import config_rejection, failure, metrics, run_train  # noqa: E402
-from bench.train_1b import environment  # noqa: E402
+from bench.common import command, config_rejection, default_commit, environment, failure, metrics, run_train
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # per flavor: model overrides (enough layers for 4 stages x 2 virtual) and sequence length
@@ -136,7 +132,7 @@ def compare(res: dict, ref: dict, tol: float, dtype: str) -> None:
 
 def markdown(doc: dict) -> str:
     env = doc["environment"]
-    lines = [f"# bench/layouts.py ({env['device']}, torch {env['torch']}, {doc['dtype']}, {doc['steps']} steps, "
+    lines = [f"# bench.layouts ({env['device']}, torch {env['torch']}, {doc['dtype']}, {doc['steps']} steps, "
              f"commit {env['commit']})", "", f"`{env['command']}`", "",
              "| flavor | layout | GPUs | max rel. loss diff vs 1 GPU | result | wall s |", "|---|---|---|---|---|---|"]
     for r in doc["results"]:
@@ -168,14 +164,14 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="keep the results already in --out, skip those layouts")
     p.add_argument("--run-dir", default="/tmp/loom_layouts")
     p.add_argument("--out", default="bench/results/layouts.json")
-    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--commit", default=default_commit())
     a = p.parse_args()
     table = {**layouts(a.gpus), **EP_LAYOUTS.get(a.gpus, {})}
     chosen = a.layouts.split(",") if a.layouts else list(table)
     unknown = [n for n in chosen if n not in table]
     if unknown:
         raise SystemExit(f"--layouts: unknown {unknown}; for {a.gpus} GPUs: {', '.join(table)}")
-    doc = {"benchmark": "layouts", "environment": environment(a.commit, " ".join(["python"] + sys.argv)),
+    doc = {"benchmark": "layouts", "environment": environment(a.commit, command()),
            "dtype": a.dtype, "steps": a.steps, "global_batch": GLOBAL_BATCH, "tol": a.tol, "results": []}
     if a.resume and os.path.exists(a.out):
         with open(a.out) as fh:

@@ -2,7 +2,7 @@
 backward, in the same run (two rounds in alternating order, the faster counts), as in training: fp32 weights
 under bf16 autocast, the router included.
 
-    python bench/moe.py --out bench/results/moe_layer_h100.json
+    python -m bench.moe --out bench/results/moe_layer_h100.json
 
 TFLOP/s count the routed work only: 6 x tokens x top_k x 3 x dim x hidden (forward + backward).
 """
@@ -12,15 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.kernels import bench_ms  # noqa: E402
-from bench.train_1b import environment  # noqa: E402
-from loom.models.common.moe import MoE  # noqa: E402
+from bench.common import bench_ms, command, default_commit, environment
+from loom.models.common.moe import MoE
 
 # (tokens, dim, hidden, experts, top_k): a 1B-wide layer with 8 experts of width 2048 and with 64 small ones
 CASES = [(8192, 2048, 2048, 8, 2), (16384, 2048, 2048, 8, 2), (8192, 2048, 1024, 64, 8), (8192, 4096, 1792, 16, 2)]
@@ -58,9 +54,9 @@ def time_case(tokens: int, dim: int, hidden: int, n: int, k: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench/results/moe_layer.json")
-    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--commit", default=default_commit())
     a = p.parse_args()
-    doc = {"benchmark": "moe_layer", "environment": environment(a.commit, " ".join(["python"] + sys.argv)),
+    doc = {"benchmark": "moe_layer", "environment": environment(a.commit, command()),
            "rows": []}
     for case in CASES:
         doc["rows"].append(time_case(*case))

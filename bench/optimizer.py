@@ -1,7 +1,7 @@
 """AdamW step time on the parameters of a loom flavor (default ``1B``): loom's Triton kernel vs PyTorch's
 fused and foreach AdamW, all with a gradient factor (clipping) applied as training applies it.
 
-    python bench/optimizer.py --flavor 1B --out bench/results/optimizer_1b_h100.json
+    python -m bench.optimizer --flavor 1B --out bench/results/optimizer_1b_h100.json
 
 Each implementation is timed in two rounds in alternating order (the faster round counts); GB/s counts
 the 28 bytes an fp32 AdamW must move per parameter (read param, grad, two moments; write three).
@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.train_1b import environment  # noqa: E402
-
-from loom.config.sections import OptimizerConfig  # noqa: E402
-from loom.models.llama import FLAVORS, Llama  # noqa: E402
-from loom.train.optimizer import OptimizerParts  # noqa: E402
+from bench.common import command, default_commit, environment
+from loom.config.sections import OptimizerConfig
+from loom.models.llama import FLAVORS, Llama
+from loom.train.optimizer import OptimizerParts
 
 IMPLEMENTATIONS = ("triton", "fused", "foreach")
 BYTES_PER_PARAM = 28
@@ -57,7 +53,7 @@ def main() -> None:
     p.add_argument("--flavor", default="1B", choices=sorted(FLAVORS))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default="")
-    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--commit", default=default_commit())
     a = p.parse_args()
     model = make_model(a.flavor)
     n = sum(p.numel() for p in model.parameters())
@@ -79,9 +75,8 @@ def main() -> None:
     ratios = {"fused_ms / triton_ms": ms["fused"] / ms["triton"], "foreach_ms / triton_ms": ms["foreach"] / ms["triton"]}
     print(ratios)
     if a.out:
-        command = " ".join(["python"] + sys.argv)
         with open(a.out, "w") as f:
-            json.dump({"benchmark": "optimizer", "environment": environment(a.commit, command), "flavor": a.flavor,
+            json.dump({"benchmark": "optimizer", "environment": environment(a.commit, command()), "flavor": a.flavor,
                        "params": n, "rows": rows, "ratios": ratios}, f, indent=1)
 
 

@@ -7,7 +7,7 @@ tokens/s per GPU (median over logged intervals), MFU, peak reserved memory (the 
 efficiency = tokens/s per GPU / the 1-GPU run's, and for pipelines the measured idle fraction per
 stage (device events around every forward/backward chunk) next to the schedule's theoretical bubble.
 
-    python bench/parallel_2gpu.py --flavors 1B,3B --out bench/results/parallel_2gpu_h200.json
+    python -m bench.parallel_2gpu --flavors 1B,3B --out bench/results/parallel_2gpu_h200.json
 """
 
 from __future__ import annotations
@@ -17,12 +17,8 @@ import json
 import os
 import shutil
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.jobs import failure, metrics, run_train  # noqa: E402
-from bench.train_1b import environment  # noqa: E402
+from bench.common import command, default_commit, environment, failure, metrics, run_train
 
 SEQ = 2048
 # layout -> (GPUs, parallel overrides); micro-batch size chosen in overrides()
@@ -80,7 +76,7 @@ def run_layout(flavor: str, layout: str, a, index: int) -> dict:
         "final_loss": recs[-1]["loss"],
     })
     if layout.startswith("pp"):
-        from loom.config.load import stages_per_rank
+        from loom.parallel.pipeline import stages_per_rank
         from loom.config.sections import ParallelConfig
         from loom.parallel.pipeline import theoretical_bubble
 
@@ -110,11 +106,10 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=420)
     p.add_argument("--run-dir", default="/tmp/loom_parallel_bench")
     p.add_argument("--out", default="bench/results/parallel_2gpu.json")
-    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--commit", default=default_commit())
     a = p.parse_args()
-    command = " ".join(["python"] + sys.argv)
     results = []
-    doc = {"benchmark": "parallel_2gpu", "environment": environment(a.commit, command), "results": results}
+    doc = {"benchmark": "parallel_2gpu", "environment": environment(a.commit, command()), "results": results}
     for flavor in a.flavors.split(","):
         for layout in a.layouts.split(","):
             res = run_layout(flavor, layout, a, len(results))

@@ -10,7 +10,6 @@
 # Copy OUT_DIR/* into bench/results/ afterwards, and run the same PART again if it was cut short.
 set -u
 part=${1:?PART}; out=${2:?OUT_DIR}; mkdir -p "$out"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 resume() {  # results file name: start from the copy in bench/results/ if there is one
@@ -20,25 +19,25 @@ resume() {  # results file name: start from the copy in bench/results/ if there 
 
 case $part in
   layouts-debug)  # fp32 layout invariance, debug flavor, every 8-GPU layout (~20-30 s each)
-    timeout 570 python bench/layouts.py --gpus 8 --flavors debug --resume --timeout 150 \
+    timeout 570 python -m bench.layouts --gpus 8 --flavors debug --resume --timeout 150 \
       --out "$(resume layouts_8gpu_h200.json)" ;;
   layouts-125m)
-    timeout 570 python bench/layouts.py --gpus 8 --flavors 125M --resume --timeout 150 \
+    timeout 570 python -m bench.layouts --gpus 8 --flavors 125M --resume --timeout 150 \
       --out "$(resume layouts_8gpu_h200.json)" ;;
   layouts-125m-bf16)  # the bf16 spread of the same layouts
-    timeout 570 python bench/layouts.py --gpus 8 --flavors 125M --dtype bfloat16 --resume --timeout 150 \
+    timeout 570 python -m bench.layouts --gpus 8 --flavors 125M --dtype bfloat16 --resume --timeout 150 \
       --out "$(resume layouts_8gpu_h200_bf16.json)" ;;
   layouts-moe)  # the MoE flavor (8 experts) under every layout (EP not with TP), fp32
-    timeout 570 python bench/layouts.py --gpus 8 --flavors debug_moe --resume --timeout 150 \
+    timeout 570 python -m bench.layouts --gpus 8 --flavors debug_moe --resume --timeout 150 \
       --out "$(resume layouts_8gpu_h200.json)" ;;
   layouts-docs)  # packed documents with the document mask (CP chunk pairs, positions through pipeline stages)
-    timeout 570 python bench/layouts.py --gpus 8 --flavors debug_docs --resume --timeout 150 \
+    timeout 570 python -m bench.layouts --gpus 8 --flavors debug_docs --resume --timeout 150 \
       --out "$(resume layouts_8gpu_h200.json)" ;;
   throughput-fsdp8)  # the headline: 8B, seq 8192, FSDP8, bf16, compile, AC op, local batch 2
-    timeout 570 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 --layouts fsdp8 --global-batch 16 \
+    timeout 570 python -m bench.throughput --gpus 8 --flavor 8B --seq 8192 --layouts fsdp8 --global-batch 16 \
       --compile --ac op --resume --timeout 540 --out "$(resume throughput_8b_8gpu_h200.json)" ;;
   throughput-layouts)  # candidates for the fastest layout at the same global batch
-    timeout 570 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 \
+    timeout 570 python -m bench.throughput --gpus 8 --flavor 8B --seq 8192 \
       --layouts fsdp8,hsdp2x4,fsdp4_tp2,fsdp4_pp2_1f1b,fsdp4_cp2 --global-batch 16 --compile --ac op --resume --timeout 200 \
       --out "$(resume throughput_8b_8gpu_h200.json)" ;;
   throughput-planned)  # the layout `loom plan --search` proposes for the same job, searched here, then measured
@@ -46,8 +45,8 @@ case $part in
       --training.compile true --training.global_batch_size 16 --training.micro_batch_size 1 --model.attention sdpa \
       --gpus 8 --gpu H200 \
       --search --top 5 --json "$out/plan_8b_8gpu_h200.json" || exit 1
-    timeout 540 python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 $(python bench/plan_top.py \
-      "$out/plan_8b_8gpu_h200.json") --global-batch 16 --compile --resume --timeout 500 \
+    timeout 540 python -m bench.throughput --gpus 8 --flavor 8B --seq 8192 \
+      --plan "$out/plan_8b_8gpu_h200.json" --global-batch 16 --compile --resume --timeout 500 \
       --out "$(resume throughput_8b_8gpu_planned_h200.json)" ;;
   *) echo "unknown PART $part" >&2; exit 2 ;;
 esac

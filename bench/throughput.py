@@ -9,8 +9,11 @@ sequences of ``--seq`` tokens per optimizer step), bf16 compute over fp32 master
 optimizer for the device; tokens/s per GPU is the median of the logged intervals after the first (which
 holds compilation and warm-up).
 
-    python bench/throughput.py --gpus 8 --flavor 8B --seq 8192 --layouts fsdp8 --compile --ac op \\
+    python -m bench.throughput --gpus 8 --flavor 8B --seq 8192 --layouts fsdp8 --compile --ac op \\
         --out bench/results/throughput_8b_8gpu_h200.json
+
+``--plan FILE`` measures the fastest layout of a ``loom plan --search --json FILE`` instead of ``--layouts``
+(its layout, micro-batch size and activation checkpointing), so that a run measures what the planner proposed.
 
 The JSON (and a markdown table beside it) is rewritten after every layout, so a command cut short keeps
 what finished; ``--resume`` skips layouts already there. Before each job, ``loom plan``'s estimate of the same
@@ -25,12 +28,8 @@ import os
 import re
 import shutil
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.jobs import config_rejection, failure, metrics, run_train  # noqa: E402
-from bench.train_1b import environment  # noqa: E402
+from bench.common import command, config_rejection, default_commit, environment, failure, metrics, run_train
 
 # published figures for context: (flavor, seq) -> list of references
 REFERENCES = {
@@ -65,6 +64,33 @@ def parse_layout(name: str) -> dict:
     return degrees
 
 
+def layout_name(layout: dict) -> str:
+    """A planner layout dict (``loom plan --json``) -> the name ``parse_layout`` reads (fsdp8, hsdp2x4, fsdp4_tp2,
+    fsdp2_pp2_1f1b)."""
+    rep, shard = layout["dp_replicate"], layout["dp_shard"]
+    parts = [f"hsdp{rep}x{shard}"] if rep > 1 and shard > 1 else [f"ddp{rep}"] if rep > 1 else \
+        [f"fsdp{shard}"] if shard > 1 else []
+    parts += [f"{axis}{layout[axis]}" for axis in ("tp", "pp", "cp") if layout[axis] > 1]
+    if layout.get("ep", 1) > 1 or layout.get("etp", 1) > 1:
+        raise SystemExit("bench.throughput has no expert-parallel or tensor-parallel-expert layouts")
+    if layout["pp"] > 1:
+        parts.append(layout["pp_schedule"])
+    name = "_".join(parts) or "fsdp1"
+    parsed = parse_layout(name)
+    for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):  # the name must say the planner's degrees
+        if parsed.get(axis, 1) != layout[axis]:
+            raise SystemExit(f"layout {layout} was named {name}, which reads back as {parsed}")
+    return name
+
+
+def planned(path: str) -> tuple[str, int, str]:
+    """(layout name, micro-batch size, activation checkpointing) of the fastest layout a ``loom plan --search
+    --json`` wrote."""
+    with open(path) as fh:
+        best = json.load(fh)["search"]["best"][0]["layout"]
+    return layout_name(best), best["micro_batch_size"], best["activation_checkpointing"]
+
+
 def world(degrees: dict) -> int:
     n = 1
     for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
@@ -79,7 +105,7 @@ def job_config(degrees: dict, a, run_dir: str) -> dict:
            "training.activation_checkpointing": a.ac, "optimizer.lr": 3e-4, "metrics.every": a.every,
            "metrics.tensorboard": "false", "checkpoint.at_end": "false", "run.device": a.device,
            "run.dir": run_dir, "data.cache_dir": os.path.join(a.run_dir, "cache"),
-           # what `auto` picks on H100/H200 when it times the backends at start-up (bench/NOTES.md), pinned so
+           # what `auto` picks on H100/H200 when it times the backends at start-up (docs/kernels.md), pinned so
            # that start-up skips the timing (inside the 10-minute limit) and runs compare with earlier ones
            "model.attention": "sdpa"}
     cfg.update({f"parallel.{k}": v for k, v in degrees.items()})
@@ -148,7 +174,7 @@ def run_layout(name: str, a) -> dict:
 
 def markdown(doc: dict) -> str:
     env, s = doc["environment"], doc["settings"]
-    lines = [f"# bench/throughput.py: {s['flavor']}, seq {s['seq']}, global batch {s['global_batch']} "
+    lines = [f"# bench.throughput: {s['flavor']}, seq {s['seq']}, global batch {s['global_batch']} "
              f"({env['device']}, torch {env['torch']}, commit {env['commit']})", "",
              *[f"`{c}`" for c in doc["invocations"]], "",
              "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank) | loom plan's prediction: tokens/s, "
@@ -174,6 +200,9 @@ def main() -> None:
     p.add_argument("--flavor", default="8B")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--layouts", default="fsdp8")
+    p.add_argument("--plan", default="", metavar="FILE",
+                   help="measure the fastest layout of this `loom plan --search --json` output (sets --layouts, "
+                        "--micro-batch and --ac)")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (default: --gpus)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=12)
@@ -186,15 +215,17 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--run-dir", default="/tmp/loom_throughput")
     p.add_argument("--out", default="bench/results/throughput.json")
-    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--commit", default=default_commit())
     a = p.parse_args()
+    if a.plan:
+        a.layouts, a.micro_batch, a.ac = planned(a.plan)
     a.global_batch = a.global_batch or a.gpus
     names = a.layouts.split(",")
     for name in names:
         if world(parse_layout(name)) != a.gpus:
             raise SystemExit(f"--layouts {name}: uses {world(parse_layout(name))} GPUs, --gpus is {a.gpus}")
     settings = {k: getattr(a, k) for k in ("flavor", "seq", "global_batch", "micro_batch", "steps", "compile", "ac", "set")}
-    doc = {"benchmark": "throughput", "environment": environment(a.commit, " ".join(["python"] + sys.argv)),
+    doc = {"benchmark": "throughput", "environment": environment(a.commit, command()),
            "settings": settings, "references": REFERENCES.get((a.flavor, a.seq), []), "results": [], "invocations": []}
     if a.resume and os.path.exists(a.out):
         with open(a.out) as fh:

@@ -6,7 +6,8 @@ transformers: PyTorch's ``fused=True``) and clipping at 1.0, on the same token b
 loom eager, loom compiled (per-block torch.compile), transformers eager (SDPA attention) and
 transformers + torch.compile. Each variant runs in its own process (clean peak memory).
 
-    python bench/train_1b.py --micro-batch 4 --steps 20 --warmup 5 --out bench/results/train_1b.json
+    python -m bench.train_1b --variants loom_compile,hf_compile --steps 20 --warmup 5 \\
+        --out bench/results/train_1b_h100.json
 
 Writes one JSON with device, library versions, git commit, the command and, per variant,
 tokens/s, MFU (loom's FLOPs convention, dense bf16 peak) and peak reserved memory.
@@ -17,11 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
+
+from bench.common import command, default_commit, environment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SEQ = 2048
 _PLAIN = {"model.attention": "sdpa", "model.fused_norm": "false", "model.fused_rope": "false",
@@ -161,20 +165,6 @@ def _kernels(variant: str, trainer) -> str | None:
     return trainer.kernels.describe() + (f", float8={trainer.cfg.training.float8}")
 
 
-def environment(commit: str, command: str) -> dict:
-    import torch
-
-    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "commit": commit, "command": command,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for mod in ("transformers", "triton", "torchao"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except ImportError:
-            env[mod] = None
-    return env
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS)
@@ -184,7 +174,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default="bench/results/train_1b.json")
-    p.add_argument("--commit", default=os.environ.get("LOOM_COMMIT", "unknown"))
+    p.add_argument("--commit", default=default_commit())
     p.add_argument("--run-dir", default="/tmp/loom_bench")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every loom variant, e.g. model.flavor=8B (repeatable)")
@@ -195,13 +185,12 @@ def main() -> None:
                           extra)
         print("RESULT " + json.dumps(res), flush=True)
         return
-    command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
     results = []
     for v in a.variants.split(","):
-        cmd = [sys.executable, __file__, "--variant", v, "--micro-batch", str(a.micro_batch), "--steps", str(a.steps),
-               "--warmup", str(a.warmup), "--run-dir", a.run_dir, "--seq", str(a.seq)]
+        cmd = [sys.executable, "-m", "bench.train_1b", "--variant", v, "--micro-batch", str(a.micro_batch),
+               "--steps", str(a.steps), "--warmup", str(a.warmup), "--run-dir", a.run_dir, "--seq", str(a.seq)]
         cmd += [x for kv in a.set for x in ("--set", kv)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # each variant in its own process
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
             results.append({"variant": v, "error": (proc.stderr or proc.stdout)[-3000:]})
@@ -221,7 +210,7 @@ def main() -> None:
                    ("loom_eager", "loom_eager_plain")):
         if a_ in by and b_ in by:
             ratios[f"{a_}_vs_{b_}"] = by[a_]["tokens_per_s"] / by[b_]["tokens_per_s"]
-    doc = {"benchmark": "train_1b", "environment": environment(a.commit, command), "results": results,
+    doc = {"benchmark": "train_1b", "environment": environment(a.commit, command()), "results": results,
            "ratios": ratios}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-IGNORE = -100  # a label that takes no loss (padding, masked prompt tokens, a document's last position)
+IGNORE = -100  # a label that takes no loss (the kernels and losses skip it; packed pretraining text has none)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

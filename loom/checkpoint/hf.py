@@ -30,10 +30,14 @@ import warnings
 
 import torch
 
+from loom.checkpoint.manager import STATE, write_marker
+from loom.config import Config, to_toml
 from loom.config.errors import ConfigError, UserError
 from loom.models.common.init import canonical_name
 from loom.models.common.rope import RopeScaling
 from loom.models.llama.flavors import LlamaArgs
+from loom.models.llama.model import Llama
+
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -501,8 +505,6 @@ def _write_json(path: str, obj) -> None:
 def weights_only_model(args: LlamaArgs) -> torch.nn.Module:
     """An uninitialized CPU Llama to load weights into. The RoPE table is not a weight (never saved),
     so it is built one row long instead of max_position_embeddings rows."""
-    from loom.models.llama.model import Llama
-
     with torch.device("meta"):
         model = Llama(args.with_(max_seq_len=1))
     return model.to_empty(device="cpu")
@@ -510,8 +512,6 @@ def weights_only_model(args: LlamaArgs) -> torch.nn.Module:
 
 def _imported_config_toml(hf_folder: str, args: LlamaArgs) -> str:
     """A loom config describing the imported model: start from the HF folder, its vocabulary and tying."""
-    from loom.config import Config, to_toml
-
     cfg = Config()
     cfg.model.init_from = os.path.abspath(hf_folder)
     cfg.model.vocab_size = args.vocab_size
@@ -526,8 +526,6 @@ def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") 
     Holds the model once in CPU memory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from loom.checkpoint.manager import STATE, write_marker
 
     args = llama_args_from_hf(hf_folder, field)
     if os.path.exists(out_folder):

@@ -104,7 +104,7 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
     from loom.checkpoint.hf import HF_CONFIG_COPY, llama_args_from_hf, llama_args_from_hf_config
     from loom.data import build_tokenizer
     from loom.models.llama import FLAVORS
-    from loom.train.trainer import resolve_model_args
+    from loom.resolve import resolve_model_args
 
     kept = os.path.join(ckpt, HF_CONFIG_COPY)
     if os.path.isfile(kept) and not config_file and not overrides:

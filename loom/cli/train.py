@@ -53,40 +53,22 @@ def load_config(argv: list[str]):
 def precheck(cfg, world_size: int) -> None:
     """Errors that need the world size, the tokenizer, the data, the device or this machine's free memory, found
     once, before any worker starts."""
-    from loom.config.load import accumulation_steps
-    from loom.parallel.dims import ParallelDims
     from loom.parallel.env import env_from_slurm
+    from loom.resolve import check_device, resolve
 
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    t = cfg.training
-    dims.check_microbatches(accumulation_steps(t, dims.dp_size), cfg.parallel, t.global_batch_size,
-                            t.eval_batches if t.eval_every else None)
+    run = resolve(cfg, world_size)  # the rules relating fields and the world size (the model's come below)
     # these import torch: they come last, after every check that does not need it
-    import torch
-
     from loom.config.paths import check_folder_writable
     from loom.data import build_tokenizer
     from loom.data.sources import parse_source
     from loom.data.token_file import TokenFile, check_ids, check_tokenizer
     from loom.plan.fit import check_fits
     from loom.train.resume_changes import check_before_start
-    from loom.train.trainer import resolve_model_args
 
     specs = parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)
-    cuda = torch.cuda.is_available()
-    if cfg.run.device == "cuda" and not cuda:
-        raise ConfigError("run.device", "cuda", "no CUDA device is visible; allowed here: auto | cpu")
-    device = "cuda" if cfg.run.device == "cuda" or (cfg.run.device == "auto" and cuda) else "cpu"
-    if cfg.parallel.backend == "nccl" and device != "cuda":
-        raise ConfigError("parallel.backend", "nccl", "needs CUDA devices and this run is on the CPU"
-                          f"{'' if cuda else ' (no CUDA device is visible)'}: allowed auto | gloo")
-    if t.float8 != "none" and (device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9)):
-        where = "this run is on the CPU" if device != "cuda" else f"{torch.cuda.get_device_name(0)} is older"
-        raise ConfigError("training.float8", t.float8, f"float8 matmuls need a CUDA GPU of compute capability 8.9 or "
-                          f"newer (Ada, Hopper) and {where}: allowed none")
+    check_device(cfg)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    args = resolve_model_args(cfg, tokenizer)  # model shape vs the tokenizer's vocabulary
-    dims.check_model(args, cfg.parallel)  # heads / layers vs the tp and pp degrees
+    run = run.with_model(tokenizer)  # model shape vs the tokenizer's vocabulary, heads / layers vs tp and pp
     if cfg.data.cache_dir and any(spec.kind != "tokens" for spec in specs):  # token files need no cache
         check_folder_writable("data.cache_dir", cfg.data.cache_dir)
     for spec in specs:  # a token file's ids must be the tokenizer's (checked once here, not on every rank)
@@ -100,7 +82,7 @@ def precheck(cfg, world_size: int) -> None:
         check_weights(cfg.model.init_from)  # a truncated download, before any model is built
     check_before_start(cfg)  # a checkpoint this config cannot continue (model shape, data, ...): refused here
     local = os.environ.get("LOCAL_WORLD_SIZE") or env_from_slurm(dict(os.environ)).get("LOCAL_WORLD_SIZE")
-    check_fits(cfg, dims, args, device, int(local) if local else world_size)  # model and step vs free memory
+    check_fits(cfg, run.dims, run.model_args, run.device, int(local) if local else world_size)
 
 
 def env_world_size() -> int:

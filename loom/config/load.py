@@ -160,7 +160,8 @@ def read_toml(path: str) -> dict[str, Any]:
 
 
 def build_config(file: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults < TOML file < overrides; every value coerced and checked."""
+    """Defaults < TOML file < overrides; every value coerced and checked on its own (loom.resolve checks the rules
+    that relate fields)."""
     values: dict[str, Any] = {}
     if file:
         values.update(read_toml(file))
@@ -173,39 +174,27 @@ def build_config(file: str | None = None, overrides: dict[str, Any] | None = Non
         setattr(getattr(cfg, section), name, value)
     if "optimizer.warmup_steps" not in values:  # the default warmup shrinks to fit a short run
         cfg.optimizer.warmup_steps = min(cfg.optimizer.warmup_steps, cfg.training.steps // 10)
-    check_cross_fields(cfg)
+    check_fields(cfg)
     return cfg
 
 
-def check_cross_fields(cfg: Config) -> None:
-    """Rules that involve more than one field (or the file system) and need no process group."""
+def check_fields(cfg: Config) -> None:
+    """A single field's rules that the choices/min/max metadata cannot say (rules relating fields: loom.resolve)."""
     if cfg.model.init_from and not os.path.isdir(cfg.model.init_from):
         raise ConfigError("model.init_from", cfg.model.init_from,
                           "no such folder; expected a Hugging Face Llama folder (config.json + safetensors)")
-    if cfg.model.init_from and cfg.model.n_layers:
-        raise ConfigError("model.n_layers", cfg.model.n_layers, "must be 0 with model.init_from (the checkpoint "
-                          "fixes the layer count)")
     b = len(cfg.optimizer.betas)
     if b != 2 or not all(0.0 <= x < 1.0 for x in cfg.optimizer.betas):
         raise ConfigError("optimizer.betas", cfg.optimizer.betas, "expected two numbers in [0, 1)")
-    t = cfg.training
-    if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError("training.global_batch_size", t.global_batch_size,
-                          f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})")
-    if t.eval_every and cfg.data.val_fraction == 0:
-        raise ConfigError("training.eval_every", t.eval_every, "needs held-out data, but data.val_fraction is 0: "
-                          "set data.val_fraction > 0 (e.g. 0.01) or training.eval_every 0")
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
         raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
                           "allowed: none | auto | an existing checkpoint path")
-    check_parallel_fields(cfg)
-    if cfg.optimizer.warmup_steps > t.steps:
-        raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
-                          f"must be <= training.steps ({t.steps})")
-    window = profile_window(cfg.metrics)
-    if window and window[1] > t.steps:
-        raise ConfigError("metrics.profile_steps", cfg.metrics.profile_steps,
-                          f"the last profiled step must be <= training.steps ({t.steps})")
+    split = cfg.parallel.pp_layers_per_stage
+    if split:
+        if not all(float(n).is_integer() and n >= 0 for n in split):
+            raise ConfigError("parallel.pp_layers_per_stage", split, "expected whole numbers >= 0")
+        cfg.parallel.pp_layers_per_stage = [int(n) for n in split]
+    profile_window(cfg.metrics)
 
 
 def profile_window(metrics) -> tuple[int, int] | None:
@@ -219,74 +208,6 @@ def profile_window(metrics) -> tuple[int, int] | None:
         return int(first), int(last)
     raise ConfigError("metrics.profile_steps", metrics.profile_steps,
                       "allowed: '' (off) or 'A:B', whole numbers with 1 <= A <= B (optimizer steps, 1-based)")
-
-
-PIPELINE_SCHEDULES_SINGLE = ("gpipe", "1f1b")  # one stage per rank
-PIPELINE_SCHEDULES_V = ("zbv", "dualpipev")  # two stages per rank, V-shaped
-PIPELINE_SCHEDULES_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input/weight grads apart
-
-
-def stages_per_rank(parallel) -> int:
-    """Pipeline stages each pp rank holds: ``parallel.pp_virtual_stages`` or the schedule's own."""
-    if parallel.pp_virtual_stages:
-        return parallel.pp_virtual_stages
-    return 1 if parallel.pp_schedule in PIPELINE_SCHEDULES_SINGLE else 2
-
-
-def check_parallel_fields(cfg: Config) -> None:
-    """Parallel options that contradict each other or the training section (no world size needed)."""
-    p, t = cfg.parallel, cfg.training
-    v = stages_per_rank(p)
-    if p.pp_schedule in PIPELINE_SCHEDULES_SINGLE and v != 1:
-        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
-                          f"pp_schedule {p.pp_schedule} runs one stage per rank: allowed 0 or 1 "
-                          "(interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev run several)")
-    if p.pp_schedule in PIPELINE_SCHEDULES_V and v != 2:
-        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
-                          f"pp_schedule {p.pp_schedule} is V-shaped: exactly 2 stages per rank (allowed 0 or 2)")
-    split = p.pp_layers_per_stage
-    if split:
-        if not all(float(n).is_integer() and n >= 0 for n in split):
-            raise ConfigError("parallel.pp_layers_per_stage", split, "expected whole numbers >= 0")
-        p.pp_layers_per_stage = [int(n) for n in split]
-        if len(split) != p.pp * v:
-            raise ConfigError("parallel.pp_layers_per_stage", p.pp_layers_per_stage,
-                              f"expected one entry per pipeline stage: pp x stages per rank = {p.pp} x {v} = "
-                              f"{p.pp * v}")
-    if p.pp > 1 and t.compile and p.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD:
-        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
-                          "splits input and weight gradients, which torch.compile does not support: set "
-                          "training.compile false or use gpipe | 1f1b | interleaved_1f1b | looped_bfs")
-    if p.async_tp and p.tp == 1:
-        raise ConfigError("parallel.async_tp", True, "needs parallel.tp > 1")
-    if p.async_tp and not t.compile:
-        raise ConfigError("parallel.async_tp", True, "needs training.compile true (the pass runs in the compiler)")
-    if p.cp > 1:
-        if t.seq_len % (2 * p.cp):
-            raise ConfigError("parallel.cp", p.cp, f"training.seq_len {t.seq_len} must split into 2 x cp = {2 * p.cp} "
-                              "equal chunks (each cp rank holds two: balanced causal work)")
-    if p.cpu_offload and (p.tp > 1 or p.pp > 1):
-        raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
-    if t.float8 != "none" and p.tp > 1:
-        raise ConfigError("training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there")
-    if t.float8 != "none" and t.dtype != "bfloat16":
-        raise ConfigError("training.float8", t.float8, f"needs training.dtype bfloat16 (got {t.dtype})")
-    if cfg.model.fused_norm == "true" and p.tp > 1:
-        raise ConfigError("model.fused_norm", True, "not supported with parallel.tp > 1 (sequence-parallel norms run "
-                          "on DTensors): allowed auto | false there")
-    if cfg.model.fused_loss == "true" and (p.tp > 1 or p.pp > 1):
-        raise ConfigError("model.fused_loss", True, "not supported with parallel.tp > 1 or parallel.pp > 1 (vocab-"
-                          "sharded or stage-split output): allowed auto | false there")
-
-
-def accumulation_steps(training, dp_size: int) -> int:
-    """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""
-    per_pass = training.micro_batch_size * dp_size
-    if training.global_batch_size % per_pass:
-        raise ConfigError("training.global_batch_size", training.global_batch_size,
-                          f"must be a multiple of micro_batch_size x data-parallel size = "
-                          f"{training.micro_batch_size} x {dp_size} = {per_pass}")
-    return training.global_batch_size // per_pass
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

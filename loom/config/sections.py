@@ -40,12 +40,13 @@ class ModelConfig:
     flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
                       choices=("debug", "debug_moe", "125M", "1B", "3B", "8B", "70B", "405B"))
     init_from: str = opt("", "Hugging Face Llama or Mixtral folder to start from (config.json + safetensors)")
-    vocab_size: int = opt(0, "embedding rows; 0 = from the tokenizer rounded up to a multiple of 128", min=0)
+    vocab_size: int = opt(0, "embedding rows; 0 = the flavor's (or model.init_from's), else the tokenizer's rounded "
+                             "up to a multiple of 128", min=0)
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
     tie_embeddings: str = opt("flavor", "tie input/output embeddings", choices=("flavor", "true", "false"))
     residual_init: str = opt("flat", "init std of the residual projections (attention wo, MLP w2): 'flat' = 0.02 "
                                      "like every other matrix (transformers' Llama), 'depth' = 0.02/sqrt(2·layers) "
-                                     "(GPT-2, Megatron); flat measured better (bench/NOTES.md: init)",
+                                     "(GPT-2, Megatron); flat measured better (docs/benchmarks.md: Initialization)",
                              choices=("flat", "depth"))
     attention: str = opt("auto", "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'flex' "
                                  "(PyTorch's FlexAttention, compiled; CUDA only; not with training.compile under "
@@ -79,7 +80,8 @@ class DataConfig:
     text_field: str = opt("text", "field holding the text in jsonl / parquet / HF datasets")
     val_fraction: float = opt(0.01, "fraction of packed windows held out for validation", min=0.0, max=0.5)
     cache_dir: str = opt("", "where tokenized sources are cached; empty = <run.dir>/cache")
-    document_positions: bool = opt(False, "restart position ids after every EOS (packed documents)")
+    document_positions: bool = opt(False, "packed documents: restart position ids after every EOS and keep attention "
+                                          "within each document")
     encoding_errors: str = opt("strict", "text that is not valid UTF-8: 'strict' = stop naming the file and byte "
                                          "offset, 'replace' = decode it with U+FFFD replacement characters",
                                choices=("strict", "replace"))

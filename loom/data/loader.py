@@ -19,7 +19,6 @@ import torch
 
 from loom.config.errors import UserError
 from loom.data.token_file import TokenFile
-from loom.numerics import IGNORE
 
 _MASK31 = (1 << 31) - 1
 
@@ -113,7 +112,7 @@ class Windows:
 @dataclass
 class MicroBatch:
     inputs: torch.Tensor  # (B, S) int64
-    labels: torch.Tensor  # (B, S) int64, IGNORE where no loss
+    labels: torch.Tensor  # (B, S) int64: the next token at every position
     positions: torch.Tensor  # (B, S) position within its document
     document_ids: torch.Tensor  # (B, S) document index within the window
 

@@ -1,32 +1,28 @@
-"""Which kernels a model uses: ``model.attention`` and ``model.fused_*`` from the config, ``auto`` resolved
-per device, compile mode and data layout from what bench/kernels.py and bench/train_1b.py measured
-(bench/results/, bench/NOTES.md):
+"""Every backend choice of loom's kernels, in one module (the reasons and figures: docs/kernels.md):
 
-- attention on CUDA: whichever backend ran faster when the trainer timed the candidates on the run's shape at
-  start-up (``measure_attention``; loom.kernels.select; GPU time, launch overhead not counted): for packed
-  documents ours (``flash``) vs FlexAttention (``flex``), both skipping the blocks the document mask removes
-  (SDPA needs an explicit dense mask: ours was 1.39x it end to end on H100; Flex beat ours on d128 documents
-  before the Gluon kernels, ours is 1.32-1.37x it there now in bench/results/kernels_docs_h100.md, end to end
-  within a few %); for
-  plain causal attention SDPA (PyTorch's choice: cuDNN on H100 with torch 2.11) vs ours (on H100 cuDNN wins:
-  bench/results/kernels_causal_h100.md).
-  Untimed (deterministic runs): ours for documents, else SDPA.
-  CPU -> SDPA (the reference is for tests; Flex has no backward on CPU);
-- fused RMSNorm / RoPE / SwiGLU: CUDA without torch.compile -> ours; with compile Inductor generates
-  fused kernels of its own for them; CPU -> plain PyTorch; the fused RMSNorm is off under tensor
-  parallelism (sequence-parallel norms see DTensors, which the custom op has no sharding rule for);
-- fused linear + cross-entropy: CUDA -> on (never materializes the logits); not with tensor or pipeline
-  parallelism (vocab-sharded or stage-split output); CPU -> off.
+- ``resolve_kernels``: the model's attention backend and fused ops from the config, ``auto`` resolved per device,
+  compile mode, data layout and parallelism;
+- ``attention_candidates``, ``measure_attention``, ``fastest``: ``model.attention = auto`` on CUDA times the
+  candidate backends on the run's shape at start-up and takes the fastest;
+- ``forward_kernel``, ``backward_kernels``: which kernels compute one ``loom::flash_attn`` call (the reference
+  where Triton does not run, the Gluon Hopper kernels where they take the call and win, the Triton kernels
+  otherwise).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
-from loom.kernels.triton_support import has_triton
+import torch
+
+from loom.kernels.triton_support import has_gluon_hopper, has_triton, interpreting, triton_runs_on
 
 
+# ------------------------------------------------------------------------------------ the model's kernels
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str  # "sdpa" | "flash" | "flex"
@@ -53,12 +49,16 @@ def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bo
                     triton: bool | None = None) -> KernelChoice:
     """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
     ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it);
-    ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it)."""
+    ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it).
+
+    ``auto``: attention measured on CUDA (untimed: ours for documents, else SDPA; CPU: SDPA); the fused norm,
+    RoPE and SwiGLU on CUDA without torch.compile (Inductor fuses them itself), the norm not under tensor
+    parallelism (its inputs are DTensors); the fused loss on CUDA without tensor or pipeline parallelism."""
     triton_gpu = device_type == "cuda" and (has_triton() if triton is None else triton)
     attention = model_cfg.attention
     if attention == "auto":
         if triton_gpu and measure_attention is not None:
-            attention = measure_attention()  # the trainer times flash vs flex for documents, sdpa vs flash without
+            attention = measure_attention()
         elif triton_gpu and documents:
             attention = "flash"
         else:
@@ -71,3 +71,174 @@ def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bo
         fused_swiglu=_flag(model_cfg.fused_swiglu, eager_gpu),
         fused_loss=_flag(model_cfg.fused_loss, triton_gpu and not (tp or pp)),
     )
+
+
+# --------------------------------------------------------------------- timing the attention backends
+def attention_candidates(documents: bool) -> tuple[str, str]:
+    """The backends ``auto`` times: ours and FlexAttention for packed documents (both skip the masked blocks;
+    SDPA would need a dense mask), else PyTorch's SDPA and ours."""
+    return ("flash", "flex") if documents else ("sdpa", "flash")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one rank's attention call sees: q (batch, heads, seq, head_dim), k/v with kv_heads."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return (f"{self.batch}x{self.heads}/{self.kv_heads}x{self.seq}x{self.head_dim} "
+                f"{str(self.dtype).removeprefix('torch.')}")
+
+
+def attention_inputs(shape: AttentionShape, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    """Random q, k, v (B, H, S, D) leaves that need gradients."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(shape.batch, h, shape.seq, shape.head_dim, device=device, dtype=shape.dtype,
+                        generator=gen).requires_grad_() for h in (shape.heads, shape.kv_heads, shape.kv_heads)]
+
+
+@functools.cache
+def sleep_cycles_per_ms(device: int) -> float:
+    """GPU cycles of ``torch.cuda._sleep`` per millisecond on CUDA device ``device`` (measured once per device)."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+@dataclass(frozen=True)
+class QueuedTiming:
+    gpu_ms: float  # GPU time per call
+    cpu_issue_ms: float  # CPU time to issue one call
+    cpu_ahead: bool  # whether the CPU had issued every call before the GPU reached the first
+
+
+def queued_timing(step: Callable[[], None], iters: int, sleep_ms: float) -> QueuedTiming:
+    """``iters`` calls of ``step`` queued behind a GPU sleep of ``sleep_ms``: while the CPU issues them the GPU
+    sleeps, so the events around them time the GPU's execution alone (if the CPU got ahead)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(sleep_ms * sleep_cycles_per_ms(torch.cuda.current_device())) + 1000)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    issue_ms = (time.perf_counter() - t0) * 1e3 / iters
+    ahead = not start.query()  # the start event still pending: the GPU had not reached the first call yet
+    end.record()
+    torch.cuda.synchronize()
+    return QueuedTiming(start.elapsed_time(end) / iters, issue_ms, ahead)
+
+
+def fwd_bwd_step(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]:
+    """One forward + backward of ``fn(*inputs)`` with gradients reset first."""
+    grad = torch.ones_like(fn(*inputs))
+
+    def step():
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(grad)
+    return step
+
+
+def time_fwd_bwd(fn: Callable, inputs: list[torch.Tensor], warmup: int = 3, iters: int = 10) -> float:
+    """GPU milliseconds per forward + backward of ``fn(*inputs)`` on CUDA, after ``warmup`` calls (which may
+    compile or autotune). The timed calls queue behind a GPU sleep, so launch overhead is not counted: in a
+    training step the CPU runs ahead of the GPU and a call costs its GPU time."""
+    step = fwd_bwd_step(fn, inputs)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    sleep_ms = 2 * iters * (time.perf_counter() - t0) * 1e3  # the calls' issue time is below their wall time
+    timing = queued_timing(step, iters, sleep_ms)
+    for _ in range(2):  # a CPU slower than the estimate (another process, a page fault): longer sleeps
+        if timing.cpu_ahead:
+            break
+        sleep_ms *= 4
+        timing = queued_timing(step, iters, sleep_ms)
+    return timing.gpu_ms
+
+
+def measure(candidates: dict[str, Callable], inputs: list[torch.Tensor], timer=time_fwd_bwd) -> dict[str, float]:
+    """Milliseconds per call of each candidate; one that fails (unsupported shape, out of memory, a kernel
+    that does not compile for this GPU) gets inf, so it is never chosen, and the others are still measured."""
+    times = {}
+    for name, fn in candidates.items():
+        try:
+            times[name] = timer(fn, inputs)
+        except Exception as e:  # noqa: BLE001 - any failure only rules the candidate out
+            print(f"kernels: {name} not usable here ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+                  flush=True)
+            times[name] = math.inf
+        for t in inputs:
+            t.grad = None
+    return times
+
+
+def fastest(times: dict[str, float]) -> str:
+    """The name with the smallest time; ties go to the first listed."""
+    if not times or all(math.isinf(t) for t in times.values()):
+        raise RuntimeError(f"no candidate ran: {times}")
+    return min(times, key=lambda name: times[name])
+
+
+def measure_attention(attend: Callable, shape: AttentionShape, device: torch.device,
+                      positions: torch.Tensor | None = None, timer=time_fwd_bwd) -> dict[str, float]:
+    """Milliseconds per forward + backward of each of ``attention_candidates`` through ``attend(q, k, v, backend,
+    positions)`` (the model's attention call) on ``shape``; ``positions``: packed documents' (B, S) positions."""
+    candidates = {name: (lambda q, k, v, name=name: attend(q, k, v, name, positions))
+                  for name in attention_candidates(positions is not None)}
+    return measure(candidates, attention_inputs(shape, device), timer)
+
+
+# ------------------------------------------------------------------------- one loom::flash_attn call
+def _hopper_takes(tensors: tuple[torch.Tensor, ...], window: int, key_bounds) -> bool:
+    """Whether the Gluon Hopper kernels compute a call on ``tensors`` (q, k, v[, dout]): sm_90, 16-bit, head dim
+    64/128, no window, documents only within one sequence (no ``key_bounds``), TMA-compatible (16-byte aligned)
+    bases and strides, and Triton's Gluon present (not in the CPU interpreter)."""
+    q = tensors[0]
+    if key_bounds is not None or window or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if q.shape[-1] not in (64, 128):
+        return False
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if interpreting() or not has_gluon_hopper():
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in tensors)
+
+
+def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bounds, window: int) -> str:
+    """The forward's kernel: "reference" (no Triton on this device), "hopper" (the Gluon forward, wherever it
+    takes the call: faster than the Triton forward on every shape measured) or "triton"."""
+    if not triton_runs_on(q.device):
+        return "reference"
+    return "hopper" if _hopper_takes((q, k, v), window, key_bounds) else "triton"
+
+
+def backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, bounds, key_bounds,
+                     window: int) -> tuple[str, str]:
+    """The backward's (dK/dV kernel, dQ kernel). dK/dV: "reference", "triton", "hopper" or "hopper_persistent"
+    (the persistent Gluon dK/dV wins on head dim 128 MHA packed documents only); dQ: "reference", "triton" or
+    "hopper" (the Gluon dQ wins at head dim 128, loses at 64). ``dout`` as the kernels read it (stride 1 in the
+    head dim)."""
+    if not triton_runs_on(q.device):
+        return "reference", "reference"
+    if not _hopper_takes((q, k, v, dout), window, key_bounds):
+        return "triton", "triton"
+    dim = q.shape[-1]
+    persistent = dim == 128 and q.shape[1] == k.shape[1] and bounds is not None
+    return "hopper_persistent" if persistent else "hopper", "hopper" if dim == 128 else "triton"

@@ -1,4 +1,5 @@
-"""Whether Triton kernels can run: Triton importable and a CUDA device, or Triton's CPU interpreter."""
+"""Whether Triton kernels can run: Triton importable and a CUDA device, or Triton's CPU interpreter; whether
+its Gluon Hopper language is there."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ import torch
 @functools.cache
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def has_gluon_hopper() -> bool:
+    """Whether this Triton has the Gluon language and the Hopper (sm_90) primitives loom's Gluon kernels use."""
+    try:
+        importlib.import_module("triton.experimental.gluon")
+        hopper = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
+    except ImportError:
+        return False
+    return all(hasattr(hopper, name) for name in ("fence_async_shared", "mbarrier", "tma", "warpgroup_mma",
+                                                  "warpgroup_mma_wait"))
 
 
 def interpreting() -> bool:

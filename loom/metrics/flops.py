@@ -10,21 +10,23 @@ from __future__ import annotations
 import warnings
 
 # Dense (no sparsity) peak TFLOP/s by compute dtype. Matched against the device name, first hit wins.
+# float32 is the plain FP32 (non-tensor-core) rate: loom never enables TF32 (PyTorch's default leaves fp32 matmuls
+# in full precision), so quoting an fp32 run against the TF32 tensor-core peak would understate its MFU ~7x.
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    ("GH200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # before H200: its name contains it
-    ("H200 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 417.5}),
-    ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # SXM; fp32 = TF32
-    ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 417.5}),
-    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 378.0}),
-    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),  # SXM
-    ("H800", {"bfloat16": 989.0, "float16": 989.0, "float32": 494.5}),
-    ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "float32": 1100.0}),
-    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
-    ("A800", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
-    ("L40S", {"bfloat16": 362.0, "float16": 362.0, "float32": 183.0}),
+    ("GH200", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),  # before H200: its name contains it
+    ("H200 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 60.0}),
+    ("H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),  # SXM
+    ("H100 NVL", {"bfloat16": 835.0, "float16": 835.0, "float32": 60.0}),
+    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0}),
+    ("H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),  # SXM
+    ("H800", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
+    ("B200", {"bfloat16": 2250.0, "float16": 2250.0, "float32": 75.0}),
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    ("A800", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362.0, "float16": 362.0, "float32": 91.6}),
     ("A10G", {"bfloat16": 70.0, "float16": 70.0, "float32": 35.0}),
     ("RTX 4090", {"bfloat16": 165.0, "float16": 165.0, "float32": 82.6}),
-    ("MI300X", {"bfloat16": 1307.0, "float16": 1307.0, "float32": 653.7}),
+    ("MI300X", {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4}),
 ]
 
 

@@ -1,27 +1,5 @@
-"""Context parallelism: the sequence split over the ``cp`` mesh axis.
-
-Layout (load-balanced for causal attention): the sequence is cut into 2·cp equal chunks and cp rank r
-holds chunks r and 2·cp-1-r, so every rank has the same causal work. Token ids, labels and RoPE
-positions are sharded that way by ``shard_sequence`` / ``local_positions``; everything but attention is
-per token and runs on the local shard unchanged.
-
-Attention all-gathers K and V over the cp axis (Llama 3's all-gather context parallelism: under GQA
-K/V are a fraction of Q, and the gather overlaps nothing but is one collective per layer) and attends
-each local query chunk to every key chunk at or before it, one block at a time through ``flash_attention``
-(loom's Triton kernel on CUDA, its PyTorch reference on CPU) with the log-sum-exp, merging the blocks'
-outputs by their log-sum-exps. The gather's backward is a reduce-scatter of dK/dV
-(``loom.parallel.collectives``: blocking c10d collectives eagerly, functional ones under compile), so
-gradients need nothing else. Parameters are sharded by FSDP over ``dp_shard x cp``.
-
-Packed documents: the model passes per-document positions (this rank's shard). They are all-gathered too
-(B x S integers per layer), turned into the whole sequence's document bounds, and each (query chunk, key
-chunk) pair gets them in its own coordinates (``pair_bounds``): the queries' key ranges and the keys'
-query ranges, which the kernel's forward and backward walk. Documents are contiguous, so each range stays
-one interval inside a chunk.
-
-Applied by ``apply_context_parallel(model, cp_mesh)`` after the model is built: it hands each attention
-module a ``ContextParallel``; the model code stays single-device.
-"""
+"""Context parallelism: every sequence split over the ``cp`` mesh axis, load-balanced for causal attention;
+``ContextParallel`` is the ``Attention.context`` that attends across the cp ranks' shards."""
 
 from __future__ import annotations
 
@@ -30,6 +8,9 @@ from torch import nn
 
 from loom.kernels.attention.op import flash_attention
 from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, shift_bounds
+from loom.models.common.layers import Attention
+from loom.parallel.collectives import gather_along
+from loom.parallel.expert_parallel import moe_parallel
 
 
 def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
@@ -38,7 +19,11 @@ def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
 
 
 def shard_sequence(t: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
-    """This cp rank's shard of ``t`` along ``dim`` (length divisible by 2·cp): (B, S, ...) -> (B, S/cp, ...)."""
+    """This cp rank's shard of ``t`` along ``dim`` (length divisible by 2·cp): (B, S, ...) -> (B, S/cp, ...).
+
+    The layout, load-balanced for causal attention: the sequence is cut into 2·cp equal chunks and cp rank r holds
+    chunks r and 2·cp-1-r, so every rank has the same causal work. Token ids and labels (the trainer) and RoPE
+    positions (``local_positions``) are sharded this way; everything but attention is per token."""
     chunk = t.shape[dim] // (2 * cp)
     a, b = chunk_ids(rank, cp)
     return torch.cat([t.narrow(dim, a * chunk, chunk), t.narrow(dim, b * chunk, chunk)], dim)
@@ -68,7 +53,17 @@ def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Te
 
 
 class ContextParallel:
-    """Attention of this rank's two query chunks against the all-gathered keys; see the module docstring."""
+    """``Attention.context`` under context parallelism: x is this rank's two chunks of each sequence.
+
+    RoPE positions: where those tokens sit in the sequence (or their per-document positions, sharded with them).
+    Attention all-gathers K and V over the cp axis (Llama 3's all-gather context parallelism: under GQA K/V are a
+    fraction of Q; one collective per layer) and attends each local query chunk to every key chunk at or before
+    it, one block at a time through ``flash_attention`` (loom's Triton kernel on CUDA, its PyTorch reference on
+    CPU; whatever the model's attention backend) with the log-sum-exp, merging the blocks' outputs by their
+    log-sum-exps. The gather's backward is a reduce-scatter of dK/dV (``loom.parallel.collectives``), so gradients
+    need nothing else. Packed documents: their per-document positions are all-gathered too (B x S integers per
+    layer), turned into the whole sequence's document bounds, and each (query chunk, key chunk) pair gets them in
+    its own coordinates (``pair_bounds``); documents are contiguous, so each range stays one interval in a chunk."""
 
     def __init__(self, group, rank: int, size: int):
         self.group, self.rank, self.size = group, rank, size
@@ -76,11 +71,14 @@ class ContextParallel:
     def positions(self, seq_local: int, device) -> torch.Tensor:
         return local_positions(seq_local, self.rank, self.size, device)
 
+    def rope_positions(self, positions: torch.Tensor | None, bsz: int, seq_local: int, device) -> torch.Tensor:
+        """RoPE positions (B, S_local) of this rank's tokens: the per-document ``positions`` of packed documents
+        (sharded with the tokens), else their places in the whole sequence."""
+        return positions if positions is not None else self.positions(seq_local, device).expand(bsz, seq_local)
+
     def _gather(self, t: torch.Tensor, dim: int = 2, autograd: bool = True) -> list[torch.Tensor]:
         """``t`` with this rank's S_local tokens along ``dim`` from every cp rank -> the 2·cp chunks in global
         order. ``autograd``: the backward reduce-scatters the gradients (K/V); not for integer tensors."""
-        from loom.parallel.collectives import gather_along
-
         full = gather_along(t if autograd else t.detach(), dim, self.group, self.size)  # (..., cp·S_l, ...)
         pieces = full.chunk(2 * self.size, dim=dim)  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
         ordered: list[torch.Tensor] = [None] * (2 * self.size)  # type: ignore[list-item]
@@ -95,11 +93,11 @@ class ContextParallel:
         whole = torch.cat(self._gather(positions, dim=1, autograd=False), dim=1)  # (B, S) in global order
         return document_bounds(doc_ids_from_positions(whole))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+               backend: str | None = None) -> torch.Tensor:
         """q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) of this rank's chunks -> causal attention output
         (B, Hq, S_local, D) over the whole sequence; with per-document ``positions`` (B, S_local), packed
-        documents do not attend to each other."""
+        documents do not attend to each other. ``backend`` (the model's) is not used: always ``flash_attention``."""
         ks, vs = self._gather(k), self._gather(v)
         bounds = None if positions is None else self.document_bounds(positions)
         chunk = q.shape[2] // 2
@@ -114,14 +112,13 @@ class ContextParallel:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Give every attention module of ``model`` (a model or a pipeline stage) the cp group of ``cp_mesh``, and
-    every mixture-of-experts block (its sequence-wise balance loss counts over whole sequences)."""
-    from loom.models.common.layers import Attention
-    from loom.models.common.moe import MoE
-
+    """Install one ``ContextParallel`` over the cp group of ``cp_mesh`` as the ``Attention.context`` of every
+    attention module of ``model`` (a model or a pipeline stage), and add the cp group to the sequence shards of
+    its MoE blocks' ``MoE.parallel`` (the sequence-wise balance loss counts over whole sequences)."""
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for module in model.modules():
         if isinstance(module, Attention):
-            module.context_parallel = cp
-        elif isinstance(module, MoE):
-            module.sequence_shards += ((cp.group, cp.size),)
+            module.context = cp
+    par = moe_parallel(model)
+    if par is not None:
+        par.sequence_shards += ((cp.group, cp.size),)

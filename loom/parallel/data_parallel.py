@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loom.models.common.moe import moe_modules
+
 
 def mixed_precision_policy(compute_dtype: torch.dtype):
     """FSDP2 policy: parameters gathered in the compute dtype, gradients reduced in fp32."""
@@ -33,10 +35,8 @@ def apply_fsdp_experts(model: nn.Module, mesh, *, compute_dtype: torch.dtype, re
     """Under expert parallelism: shard each MoE block's experts over ``mesh`` (the ranks holding the same
     experts), before the blocks are sharded (their fully_shard then leaves these parameters alone). Their
     reduction averages over ``mesh`` while the other gradients average over every data-parallel rank: the
-    trainer rescales them (``loom.parallel.expert_parallel.expert_grad_factor``)."""
+    trainer rescales them (``ParallelDims.expert_grad_factor``)."""
     from torch.distributed.fsdp import fully_shard
-
-    from loom.models.common.moe import moe_modules
 
     for moe in moe_modules(model):
         fully_shard(moe.experts, mesh=mesh, mp_policy=mixed_precision_policy(compute_dtype),

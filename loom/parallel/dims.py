@@ -141,68 +141,6 @@ class ParallelDims:
         (loom.parallel.expert_parallel)."""
         return (self.tp if self.ep_takes_tp else 1) / self.ep
 
-    # ---- checks that need the model or the micro-batch count ----------------------
-    def check_model(self, args, parallel: ParallelConfig) -> None:
-        """Raise ConfigError when the model's shape cannot be split by these degrees."""
-        if self.etp > 1:
-            if not getattr(args, "moe", False):
-                raise ConfigError("parallel.etp", self.etp, "needs a mixture-of-experts model: allowed 1 for a dense "
-                                  "model")
-            if args.expert_ffn_dim % (8 * self.etp):
-                raise ConfigError("parallel.etp", self.etp, f"must divide the experts' hidden width "
-                                  f"({args.expert_ffn_dim}) into slices of a multiple of 8 (the bf16 grouped GEMM "
-                                  "needs 16-byte rows)")
-        if self.ep > 1:
-            if not getattr(args, "moe", False):
-                raise ConfigError("parallel.ep", self.ep, "needs a mixture-of-experts model (model.moe_experts > 0 "
-                                  "or the debug_moe flavor): allowed 1 for a dense model")
-            if args.moe_experts % self.ep:
-                raise ConfigError("parallel.ep", self.ep, f"must divide the number of experts ({args.moe_experts})")
-        if self.tp > 1:
-            for what, n in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
-                            ("feed-forward width", args.ffn_dim), ("vocabulary", args.vocab_size)):
-                if n % self.tp:
-                    raise ConfigError("parallel.tp", self.tp,
-                                      f"must divide the model's {what} ({n}); allowed: a divisor of "
-                                      f"gcd(heads, KV heads, ffn, vocab) = {_tp_limit(args)}")
-        if self.pp > 1:
-            from loom.config.load import stages_per_rank
-
-            stages = self.pp * stages_per_rank(parallel)
-            split = parallel.pp_layers_per_stage
-            if split and sum(split) != args.n_layers:
-                raise ConfigError("parallel.pp_layers_per_stage", split,
-                                  f"must add up to the model's {args.n_layers} layers (adds up to {sum(split)})")
-            if not split and stages > args.n_layers:
-                raise ConfigError("parallel.pp", self.pp,
-                                  f"{stages} pipeline stages ({self.pp} ranks x {stages // self.pp}) for "
-                                  f"{args.n_layers} layers: each stage needs a layer (lower parallel.pp or "
-                                  "pp_virtual_stages, or give parallel.pp_layers_per_stage)")
-
-    def check_microbatches(self, n: int, parallel: ParallelConfig, global_batch: int,
-                           eval_batches: int | None = None) -> None:
-        """The pipeline's micro-batch count (the accumulation count) against what the schedule needs;
-        ``eval_batches`` (when validation runs) must fill whole schedule runs of ``n`` micro-batches."""
-        if self.pp == 1:
-            return
-        if eval_batches is not None and eval_batches % n:
-            raise ConfigError("training.eval_batches", eval_batches,
-                              f"with parallel.pp > 1: a multiple of the pipeline's micro-batch count {n} "
-                              "(validation runs the schedule forward-only on that many micro-batches at a time)")
-        from loom.config.load import PIPELINE_SCHEDULES_V
-
-        need = 2 * self.pp if parallel.pp_schedule in PIPELINE_SCHEDULES_V else self.pp
-        rule = "2 x pp" if parallel.pp_schedule in PIPELINE_SCHEDULES_V else "pp"
-        if n < need:
-            raise ConfigError("training.global_batch_size", global_batch,
-                              f"pp_schedule {parallel.pp_schedule} needs at least {rule} = {need} micro-batches per "
-                              f"step; global_batch_size / (micro_batch_size x data-parallel size) = {n}")
-        rounds = max(1, n // self.pp)
-        if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and n % rounds:
-            raise ConfigError("training.global_batch_size", global_batch,
-                              f"pp_schedule {parallel.pp_schedule} needs the micro-batch count ({n}) to be a multiple "
-                              f"of its rounds (micro-batches // pp = {rounds})")
-
     # ---- meshes ------------------------------------------------------------
     def build_mesh(self, device_type: str):
         """Build the world mesh and its flattened views (call once, after init_process_group)."""
@@ -246,6 +184,14 @@ class ParallelDims:
         """This rank's coordinate on the flattened dp axis (0 without distribution)."""
         return self["dp"].get_local_rank() if self.distributed else 0
 
+    def data_sum(self, t):
+        """``t`` summed in place over the ranks that hold different tokens of a step (data x context parallel)."""
+        if self.dp_size * self.cp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self["dp_cp"].get_group())
+        return t
+
     def cp_rank(self) -> int:
         return self["cp"].get_local_rank() if self.cp > 1 else 0
 
@@ -266,7 +212,8 @@ class ParallelDims:
         return f"{kind} (world {self.world_size}{': ' + degrees if degrees else ''})"
 
 
-def _tp_limit(args) -> int:
+def tp_limit(args) -> int:
+    """The largest tensor-parallel degree that divides the model's heads, KV heads, feed-forward width and vocabulary."""
     from math import gcd
 
     return gcd(gcd(args.n_heads, args.n_kv_heads), gcd(args.ffn_dim, args.vocab_size))

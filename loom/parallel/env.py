@@ -24,6 +24,36 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    # ---- collectives over every rank (no-ops in a single process) ----------------
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def share_from_main(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def max_over_ranks(self, x: float) -> float:
+        if self.world_size == 1:
+            return x
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([x], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.max_over_ranks(float(flag)) > 0
+
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compact host list, e.g. ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1

@@ -1,28 +1,5 @@
-"""Expert parallelism: the experts of every MoE block split over the ``ep`` mesh axis, tokens sent to them.
-
-``ep`` consecutive ranks of ``dp_shard x cp`` (the FSDP shard ranks) each hold ``n_experts / ep`` experts (their stacked
-weights become DTensors sharded on dim 0 over ``ep``, so checkpoints reshard to any layout). After routing,
-each rank sends every token-slot to the rank holding its expert (one uneven ``all_to_all_single`` over the
-ep group, whose backward is the reverse exchange), the receiving rank runs its local experts on what it got
-from every rank (grouped by expert), and the outputs travel back the same way; the MoE module then combines
-them as on one device. The ranks holding the same experts (``edp = dp_shard x cp / ep``, times dp_replicate)
-shard them with FSDP2 (``loom.parallel.data_parallel.apply_fsdp_experts``). An expert's gradient already sums
-the tokens of the whole ep group before FSDP2 averages it over those edp x dp_replicate ranks, while every
-other gradient is averaged over all dp_replicate x dp_shard x cp ranks: the trainer multiplies expert gradients by
-``ParallelDims.expert_grad_factor`` (1 / ep; tp / ep when the ep ranks take in the tp ranks, which hold
-slices of the same samples) after the backward so both carry the same token-sum semantics (FSDP2's own
-divide factor would do it inside the reduction, but needs a PREMUL_SUM reduction gloo lacks).
-
-Under tensor parallelism (torchtitan's etp = 1) the ep ranks include the tp ranks: each tp rank routes the
-tokens of its own sequence slice and exchanges them with every ep rank; the experts are not replicated over
-tp (``loom.parallel.tensor_parallel`` leaves them to this module). With etp = tp the ep ranks are
-data-parallel ranks only and each expert is also sharded over tp by its hidden width: every tp rank sends the
-tp group's gathered tokens to its own ep peers (the same tp coordinate), and the MoE block sums the tp ranks'
-partial outputs (``loom.models.common.moe``).
-
-Applied by ``apply_expert_parallel(model, ep_mesh)`` after the model is built on the meta device; the model
-code stays single-device.
-"""
+"""Mixture-of-experts blocks under loom's parallel layouts: ``MoEParallel``, the object each block's ``MoE.parallel``
+becomes, and expert parallelism (the experts split over the ``ep`` mesh axis, tokens sent to them)."""
 
 from __future__ import annotations
 
@@ -30,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.models.common.moe import MoE, moe_modules
 from loom.parallel.collectives import gather_rows, reduce_scatter_rows
 
 
@@ -55,10 +33,26 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
     return _AllToAll.apply(x, send, recv, group)
 
 
+def local_weight(w: torch.Tensor) -> torch.Tensor:
+    """A MoE parameter as the plain tensor this rank computes with: a DTensor's local shard (under expert
+    parallelism this rank's experts, under expert tensor parallelism its width slice). A placement Replicate
+    means ranks that run different tokens (tensor parallelism's sequence slices: the router, and the experts when
+    neither ep nor etp shards them): the local gradient is then Partial there, and DTensor sums it over them, as
+    for sequence-parallel norms."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(w, DTensor):  # (not hasattr: under torch.compile that missed DTensor parameters)
+        return w
+    if not any(isinstance(p, Replicate) for p in w.placements):
+        return w.to_local()
+    return w.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in w.placements])
+
+
 class ExpertTensorParallel:
-    """The tp group of a MoE block whose experts are sharded over tp by hidden width (parallel.etp = tp): gathers
-    the group's token rows before the experts and sums the partial outputs back (loom.models.common.moe), through
-    ``loom.parallel.collectives``."""
+    """The tp group of MoE blocks whose experts are sharded over tp by hidden width (parallel.etp = tp): every tp
+    rank runs the whole group's tokens through its width slice, so the token rows are gathered before the experts
+    (rows in tp-rank order) and the partial outputs summed and scattered back after them: one all-gather and one
+    reduce-scatter, each the other's backward (``loom.parallel.collectives``)."""
 
     def __init__(self, group, size: int):
         self.group, self.size = group, size
@@ -73,15 +67,19 @@ class ExpertTensorParallel:
 
 
 class ExpertParallel:
-    """Runs a MoE block's experts across the ep group; see the module docstring."""
+    """Runs a MoE block's experts across the ep group. ``ep`` ranks each hold ``n_experts / ep`` experts (their
+    stacked weights DTensors sharded on dim 0 over ``ep``, so checkpoints reshard to any layout); after routing,
+    each rank sends every token-slot to the rank holding its expert (one uneven ``all_to_all_single``, whose
+    backward is the reverse exchange), runs its local experts on what every rank sent (grouped by expert), and
+    the outputs travel back the same way. The expert-gradient factor this needs: ``ParallelDims.expert_grad_factor``."""
 
     def __init__(self, group, size: int):
         self.group, self.size = group, size
 
     @torch.compiler.disable  # the exchange's sizes are read on the host: compiled blocks break around it
-    def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor, local=None) -> torch.Tensor:
         """x (T k, E): this rank's token-slots grouped by (global) expert, ``counts`` (n,) of them per expert ->
-        the experts' outputs, same rows."""
+        the experts' outputs, same rows. ``local``: passed on to ``experts`` (``MoEParallel.local``)."""
         n_local = counts.numel() // self.size
         send_counts = counts.view(self.size, n_local)  # (ep, n_local): to rank i, per expert of rank i
         recv_counts = torch.empty_like(send_counts)  # (ep, n_local): from rank i, per local expert
@@ -90,9 +88,81 @@ class ExpertParallel:
         got = all_to_all(x, send, recv, self.group)  # (R, E): per source rank, grouped by local expert
         expert = torch.arange(n_local, device=x.device).repeat(self.size)  # the local expert of each block
         order = torch.repeat_interleave(expert, recv_counts.reshape(-1)).argsort(stable=True)  # by expert
-        out = experts(got[order], recv_counts.sum(0))  # (R, E) grouped by local expert
+        out = experts(got[order], recv_counts.sum(0), local)  # (R, E) grouped by local expert
         back = torch.empty_like(out).index_copy_(0, order, out)  # (R, E) per source rank again
         return all_to_all(back, recv, send, self.group)  # (T k, E)
+
+
+class MoEParallel:
+    """``MoE.parallel`` under loom's parallelisms (the interface of ``loom.models.common.moe.LocalExperts``); one
+    object shared by the MoE blocks of a model part, filled in by the steps of the composition order
+    (``loom.parallel.parallelize``):
+
+    * ``sequence_shards``: (group, size) of the ranks that split each sequence with this one: tensor parallelism's
+      sequence slices (``apply_tp``), context parallelism (``apply_context_parallel``). The balance loss's expert
+      counts are summed over them (one small all-reduce each, no gradient; again when recomputed), and each rank
+      adds its own tokens' share of the mean router probability, so the ranks' terms add up to the whole
+      sequence's loss and each rank's router gets exactly its tokens' gradient.
+    * ``etp``: ``ExpertTensorParallel`` when the experts are sharded over tp by hidden width (``apply_tp``).
+    * ``ep``: ``ExpertParallel`` when the experts are split over the ep ranks (``apply_expert_parallel``).
+    * DTensor parameters (tp, ep, etp) run as their local shards (``local_weight``)."""
+
+    def __init__(self):
+        self.sequence_shards: tuple = ()
+        self.etp: ExpertTensorParallel | None = None
+        self.ep: ExpertParallel | None = None
+
+    def local(self, w: torch.Tensor) -> torch.Tensor:
+        return local_weight(w)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.etp is None else self.etp.gather(x)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.etp is None else self.etp.reduce_scatter(x)
+
+    def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep is None:
+            return experts(x, counts, self.local)
+        return self.ep.run(experts, x, counts, self.local)
+
+    def whole_sequence(self, counts: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
+        from torch.distributed import _functional_collectives as fc
+
+        for group, size in self.sequence_shards:
+            counts = fc.all_reduce(counts, "sum", group)
+            seq = seq * size
+        return counts, seq
+
+
+def moe_parallel(model: nn.Module) -> MoEParallel | None:
+    """The ``MoEParallel`` shared by the MoE blocks of ``model`` (a model or a pipeline stage), installed on the
+    first call; None without MoE blocks."""
+    blocks = moe_modules(model)
+    if not blocks:
+        return None
+    if not isinstance(blocks[0].parallel, MoEParallel):
+        shared = MoEParallel()
+        for moe in blocks:
+            moe.parallel = shared
+    return blocks[0].parallel
+
+
+def exchanges_tokens(moe: MoE) -> bool:
+    """Whether ``moe`` runs its experts over expert parallelism (a token exchange sized on the host)."""
+    return isinstance(moe.parallel, MoEParallel) and moe.parallel.ep is not None
+
+
+def shard_experts(experts: nn.Module, mesh, placements_before: tuple = ()) -> None:
+    """Expert weights as DTensors sharded by their hidden width over the last axis of ``mesh``: w1, w3 (n, E, H)
+    on H, w2 (n, H, E) on H. ``placements_before``: the placements on ``mesh``'s other axes (expert parallelism:
+    ``(Shard(0),)``, which experts)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        p = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [*placements_before, Shard(dim)]),
+                                            requires_grad=p.requires_grad))
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
@@ -100,9 +170,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
     give the blocks the ep group. ``ep_tp_mesh`` (parallel.etp = tp): the (ep, tp) mesh the experts are then
     sharded over, by expert and by hidden width. Call on the meta device, after TP, before FSDP2."""
     from torch.distributed.tensor import Shard, distribute_tensor
-
-    from loom.models.common.moe import moe_modules
-    from loom.parallel.tensor_parallel import shard_experts
 
     ep = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
     for moe in moe_modules(model):
@@ -113,12 +180,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
                 p = getattr(moe.experts, name)
                 setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
                                                         requires_grad=p.requires_grad))
-        moe.expert_parallel = ep
+    par = moe_parallel(model)
+    if par is not None:
+        par.ep = ep
 
 
 def expert_params(parts: list[nn.Module]) -> list[nn.Parameter]:
     """The expert weights of every MoE block of ``parts``."""
-    from loom.models.common.moe import moe_modules
-
     return [p for part in parts for moe in moe_modules(part) for p in moe.experts.parameters()]
-

@@ -2,6 +2,7 @@
 
 1. build on the meta device (caller)
 2. pipeline split: one pruned copy of the model per local stage      (parallel.pp)
+   (parameter names unchanged)
 3. tensor + sequence parallel on each part                           (parallel.tp)
    context parallel: attention across the cp ranks' sequence shards  (parallel.cp)
    expert parallel: MoE experts split over the ep ranks               (parallel.ep)
@@ -10,11 +11,16 @@
 4. activation checkpointing
 5. torch.compile per block
 6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp; under ep the experts first, over edp)
-7. materialize + layout-independent init
+7. materialize + layout-independent init (each parameter drawn on its full shape from a seed of its name,
+   then sharded)
 8. DDP (needs real storage: it broadcasts from rank 0 at construction); under TP or PP, replication goes
    through FSDP2 on a (dp_replicate, 1) mesh instead (step 6): see ``ParallelDims.replicate_with_fsdp``
 
-Every step takes the parts and the mesh it needs from ``ParallelDims``; the model code is untouched.
+Every step takes the parts and the mesh it needs from ``ParallelDims``. The model's code stays single-device:
+steps 3 swap parameters for DTensors and add input/output hooks (``parallelize_module``), and fill the two
+extension points the model leaves, each module's ``Attention.context`` (context parallel:
+``loom.parallel.context_parallel.ContextParallel``) and each MoE block's ``MoE.parallel`` (tp, cp, ep, etp:
+``loom.parallel.expert_parallel.MoEParallel``); steps 4-8 wrap modules.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loom.config.load import PIPELINE_SCHEDULES_SPLIT_BACKWARD, stages_per_rank
 from loom.config.sections import ParallelConfig, TrainingConfig
 from loom.models.common.float8 import apply_float8
 from loom.numerics import DTYPES
@@ -36,7 +41,7 @@ from loom.parallel.context_parallel import apply_context_parallel
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
 from loom.parallel.dims import ParallelDims
 from loom.parallel.expert_parallel import apply_expert_parallel
-from loom.parallel.pipeline import PipelinePlan, build_stage, split_layers, stage_ids
+from loom.parallel.pipeline import SPLIT_BACKWARD, PipelinePlan, build_stage, split_layers, stage_ids, stages_per_rank
 from loom.parallel.tensor_parallel import apply_tp
 
 @dataclass
@@ -66,7 +71,7 @@ def fsdp_reshard_after_forward(parallel: ParallelConfig, plan) -> bool:
     gradients: its weight pass reads the gathered parameters after the input pass has run FSDP's backward
     hooks, so blocks keep their parameters gathered from forward to the step's gradient reduction (ZeRO-2
     within the stage; resharding there gave wrong gradients: 1e-2 off from the second step)."""
-    split = plan is not None and plan.schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
+    split = plan is not None and plan.schedule in SPLIT_BACKWARD
     return parallel.reshard_after_forward and not split
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from loom.config.errors import ConfigError
 
 # loom name -> torch.distributed.pipelining class name
 SCHEDULES = {
@@ -27,7 +26,16 @@ SCHEDULES = {
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-V_SHAPED = ("zbv", "dualpipev")
+SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, in a V
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input and weight gradients computed apart
+
+
+def stages_per_rank(parallel) -> int:
+    """Pipeline stages each pp rank holds: ``parallel.pp_virtual_stages`` or the schedule's own."""
+    if parallel.pp_virtual_stages:
+        return parallel.pp_virtual_stages
+    return 1 if parallel.pp_schedule in SINGLE_STAGE else 2
 
 
 # ---- the split ----------------------------------------------------------------------
@@ -52,12 +60,8 @@ def embedding_cost(args) -> float:
 def split_layers(args, n_stages: int, seq_len: int, manual: list[int] | None = None) -> list[list[int]]:
     """Layer indices of each stage (contiguous, in order)."""
     n = args.n_layers
-    if manual:
+    if manual:  # checked against the stage count and the model by loom.resolve
         counts = list(manual)
-        for s, c in enumerate(counts):
-            if c == 0 and 0 < s < n_stages - 1:
-                raise ConfigError("parallel.pp_layers_per_stage", counts,
-                                  f"stage {s} would hold nothing (no layer, no embedding, no head)")
     else:
         counts = balanced_counts(n, n_stages, layer_cost(args, seq_len), embedding_cost(args), head_cost(args))
     out, start = [], 0
@@ -70,9 +74,8 @@ def split_layers(args, n_stages: int, seq_len: int, manual: list[int] | None = N
 def balanced_counts(n_layers: int, n_stages: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
     """Layers per stage (each >= 1) minimizing the most expensive stage; ties go to the earliest stages
     holding more (later stages then hold fewer activations in 1F1B). Dynamic programming over cut points."""
-    if n_stages > n_layers:
-        raise ConfigError("parallel.pp", n_stages, f"{n_stages} stages for {n_layers} layers: each stage needs a "
-                          "layer (lower parallel.pp / pp_virtual_stages, or give parallel.pp_layers_per_stage)")
+    if n_stages > n_layers:  # a user's config is refused earlier (loom.resolve.check_model)
+        raise ValueError(f"{n_stages} stages for {n_layers} layers")
 
     def cost(stage: int, count: int) -> float:
         extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == n_stages - 1 else 0.0)

@@ -1,33 +1,21 @@
-"""Tensor + sequence parallelism (Megatron-style) on a plain Llama, with DTensor's ``parallelize_module``.
-
-Per block, on the ``tp`` mesh:
-
-* attention: ``wq``/``wk``/``wv`` column-parallel (each rank owns whole heads, Q and KV heads alike),
-  ``wo`` row-parallel; the MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
-* sequence parallel: the residual stream and the norms hold a slice of the sequence, (B, S/tp, E); the
-  entry of attention and MLP all-gathers the sequence, their row-parallel exit reduce-scatters it.
-* a mixture-of-experts block in place of the MLP keeps its input's sequence slice: each rank routes its own
-  tokens through the router and experts, which are replicated over tp (their gradients summed over tp in
-  the backward; torchtitan's ``etp = 1``), and the expert counts of the balance loss are summed over tp.
-  With ``etp = tp`` the router still runs on each rank's own tokens, but the experts are sharded over tp by
-  their hidden width (w1/w3 column-wise, w2 row-wise, per expert): the MoE block gathers the tp ranks' tokens
-  and routing before its experts and reduce-scatters their outputs back to the sequence slices
-  (``loom.models.common.moe``).
-* embedding vocab-parallel (rows sharded; the output leaves as sequence shards), the output head
-  column-parallel over the vocabulary; with loss parallel its logits stay vocab-sharded, (B, S, V/tp),
-  and the cross-entropy runs on the shards, so the full logits are never gathered.
-
-A rename in the model would leave a layer unsharded; ``check_all_sharded`` turns that into an error
-instead of a silent replica.
-"""
+"""Tensor + sequence parallelism (Megatron-style) on a plain Llama: DTensor's ``parallelize_module`` shards each
+block's matmuls over the ``tp`` mesh axis, and MoE blocks get the tp parts of their ``MoE.parallel``."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from loom.models.common.moe import MoE
+from loom.parallel.expert_parallel import ExpertTensorParallel, moe_parallel, shard_experts
+
 
 def block_plan(moe: bool = False) -> dict:
+    """One block's plan on the ``tp`` mesh. Attention: ``wq``/``wk``/``wv`` column-parallel (each rank owns whole
+    heads, Q and KV heads alike), ``wo`` row-parallel; the MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
+    Sequence parallel: the residual stream and the norms hold a slice of the sequence, (B, S/tp, E); the entry of
+    attention and MLP all-gathers the sequence, their row-parallel exit reduce-scatters it. A mixture-of-experts
+    block in place of the MLP keeps its input's sequence slice (``apply_tp`` sets up the rest)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -57,28 +45,15 @@ def block_plan(moe: bool = False) -> dict:
 
 def replicate_moe(moe: nn.Module, tp_mesh, experts: bool = True) -> None:
     """A mixture-of-experts block under tensor parallelism: router and experts replicated over ``tp_mesh``
-    (DTensors, so checkpoints and FSDP2 see the tp layout), gradients summed over tp, counts over tp.
-    ``experts=False``: expert parallelism will split the experts over ranks that include the tp ranks."""
+    (DTensors, so checkpoints and FSDP2 see the tp layout). Each tp rank routes its own tokens through them
+    (torchtitan's ``etp = 1``): their local gradients are Partial over tp and DTensor sums them
+    (``loom.parallel.expert_parallel.local_weight``). ``experts=False``: expert parallelism or expert tensor
+    parallelism will shard the experts instead."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     for module in (moe.router.gate, moe.experts) if experts else (moe.router.gate,):
         for name, p in list(module.named_parameters(recurse=False)):
             setattr(module, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Replicate()])))
-    moe.router.tokens_split = True
-    moe.experts.tokens_split = experts
-    moe.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
-
-
-def shard_experts(experts: nn.Module, mesh, placements_before: tuple = ()) -> None:
-    """Expert weights as DTensors sharded by their hidden width over the last axis of ``mesh``: w1, w3 (n, E, H)
-    on H, w2 (n, H, E) on H. ``placements_before``: the placements on ``mesh``'s other axes (expert parallelism:
-    ``(Shard(0),)``, which experts)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
-        p = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [*placements_before, Shard(dim)]),
-                                            requires_grad=p.requires_grad))
 
 
 def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
@@ -100,9 +75,15 @@ def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
 
 def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool = False,
              expert_parallel: bool = False, expert_tp: bool = False) -> None:
-    """Shard ``model`` (a Llama or a pipeline stage of one) in place over the 1-D ``tp_mesh``;
-    ``expert_parallel``: MoE experts are left to loom.parallel.expert_parallel; ``expert_tp`` (parallel.etp = tp):
-    experts sharded over tp by their hidden width (here, or by loom.parallel.expert_parallel together with ep)."""
+    """Shard ``model`` (a Llama or a pipeline stage of one) in place over the 1-D ``tp_mesh``. The embedding is
+    vocab-parallel (rows sharded; the output leaves as sequence shards), the output head column-parallel over the
+    vocabulary; with ``loss_parallel`` its logits stay vocab-sharded, (B, S, V/tp), and the cross-entropy runs on
+    the shards. MoE blocks: ``replicate_moe``, and their ``MoE.parallel`` sums the balance loss's expert counts
+    over tp; ``expert_parallel``: the experts are left to loom.parallel.expert_parallel; ``expert_tp``
+    (parallel.etp = tp): the experts sharded over tp by their hidden width (here, or by
+    loom.parallel.expert_parallel together with ep), and the blocks gather the tp group's tokens and routing
+    before their experts and reduce-scatter the outputs (``ExpertTensorParallel``). A rename in the model would
+    leave a layer unsharded: ``check_all_sharded`` makes that an error."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = model.output is not None and model.tok_embeddings is not None and \
@@ -113,18 +94,18 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
     if tied:
         # both plans shard the shared (V, E) weight by rows (dim 0): one DTensor serves both again
         model.output.weight = model.tok_embeddings.weight
-    from loom.models.common.moe import MoE
-    from loom.parallel.expert_parallel import ExpertTensorParallel
-
     for block in model.layers.values():
         moe = isinstance(block.feed_forward, MoE)
         parallelize_module(block, tp_mesh, block_plan(moe))
         if moe:
             replicate_moe(block.feed_forward, tp_mesh, experts=not (expert_parallel or expert_tp))
-            if expert_tp:
-                block.feed_forward.expert_tp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
-                if not expert_parallel:
-                    shard_experts(block.feed_forward.experts, tp_mesh)
+            if expert_tp and not expert_parallel:
+                shard_experts(block.feed_forward.experts, tp_mesh)
+    par = moe_parallel(model)
+    if par is not None:
+        par.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
+        if expert_tp:
+            par.etp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
     check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
     if async_tp:
         enable_async_tp(tp_mesh)

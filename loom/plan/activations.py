@@ -19,6 +19,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from loom.models.common.moe import moe_modules
+from loom.models.llama.model import Llama
+from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+
 
 @dataclass(frozen=True)
 class ActivationProfile:
@@ -79,10 +83,6 @@ class _Tracker(TorchDispatchMode):
 def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: int) -> tuple[int, int]:
     """(bytes held after forward, peak extra bytes during backward) of one micro-batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from loom.models.common.moe import moe_modules
-    from loom.models.llama.model import Llama
-    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 
     param_dtype = torch.bfloat16 if precision == "bf16_params" else torch.float16 if precision == "fp16_params" \
         else torch.float32

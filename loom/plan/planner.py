@@ -13,19 +13,21 @@ import math
 from dataclasses import dataclass, field
 
 from loom.config.errors import ConfigError
-from loom.config.load import (PIPELINE_SCHEDULES_SPLIT_BACKWARD, accumulation_steps, check_parallel_fields,
-                              stages_per_rank)
 from loom.config.sections import Config
+from loom.data import build_tokenizer
 from loom.metrics.flops import flops_per_token
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
+from loom.parallel.pipeline import SPLIT_BACKWARD, schedule_actions, stage_ids, stages_per_rank, theoretical_bubble
 from loom.plan.activations import profile_activations
 from loom.plan.hardware import GPU
 from loom.plan.memory import (BYTES, GIB, WORKSPACE_BYTES, Memory, MemoryInputs, autocast_cache, gathered_memory,
                               held_params, pipeline_peak, stage_activation, state_memory, step_peak, stored_blocks,
                               with_workspace)
 from loom.plan.shapes import block_params, expert_params, rank_shares
-from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency,
-                              attention_flops, collective_s, efficiency, moe_overhead_s, recompute_share)
+from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency, attention_flops,
+                              collective_s, efficiency, moe_overhead_s, recompute_share)
+from loom.resolve import accumulation_steps, kernel_choice, resolve, resolve_model_args
+
 
 @dataclass
 class Estimate:
@@ -53,23 +55,22 @@ def layout_name(layout: dict) -> str:
     return " ".join(parts or ["single"]) + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
 
 
-def model_args(cfg: Config):
-    """The model's shape and the kernels a CUDA run with Triton picks (the trainer's resolution, without timing
-    attention)."""
-    from loom.data import build_tokenizer
-    from loom.kernels.dispatch import resolve_kernels
-    from loom.train.trainer import resolve_model_args
-
-    p = cfg.parallel
-    kernels = resolve_kernels(cfg.model, "cuda", compile=cfg.training.compile, documents=cfg.data.document_positions,
-                              tp=p.tp > 1, pp=p.pp > 1, triton=True)
-    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernels)
+def check_modelled(cfg: Config, args=None) -> None:
+    """What the planner does not model (``args``: the resolved model, once known)."""
     if cfg.model.attention == "flex":
         raise ConfigError("model.attention", "flex", "loom plan does not model FlexAttention (its activations are "
                           "traced on the CPU, where Flex has no backward): allowed auto | sdpa | flash")
-    if args.moe and cfg.training.dtype != "bfloat16":
+    if args is not None and args.moe and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.dtype", cfg.training.dtype, "loom plan models mixture-of-experts models in "
                           "bfloat16 only (their activations are traced through the bf16 grouped GEMM)")
+
+
+def model_args(cfg: Config):
+    """The model's shape and the kernels a CUDA run with Triton picks (the trainer's resolution, without timing
+    attention)."""
+    check_modelled(cfg)
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernel_choice(cfg, "cuda", triton=True))
+    check_modelled(cfg, args)
     return args
 
 
@@ -93,14 +94,12 @@ def _bandwidth(dims, axes, gpu) -> float:
 
 
 def validate(cfg: Config, world_size: int):
-    """The trainer's checks for this world size; returns (dims, model args, micro-batches per step)."""
-    check_parallel_fields(cfg)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    args = model_args(cfg)
-    dims.check_model(args, cfg.parallel)
-    m = accumulation_steps(cfg.training, dims.dp_size)
-    dims.check_microbatches(m, cfg.parallel, cfg.training.global_batch_size)
-    return dims, args, m
+    """The trainer's checks for this world size on CUDA GPUs with Triton; returns (dims, model args, micro-batches
+    per step)."""
+    check_modelled(cfg)
+    run = resolve(cfg, world_size, build_tokenizer(cfg.data.tokenizer), device="cuda", triton=True)
+    check_modelled(cfg, run.model_args)
+    return run.dims, run.model_args, run.accum
 
 
 def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = None) -> Estimate:
@@ -125,13 +124,13 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
         notes.append("float8 is not modelled: estimated as bf16")
     if dims.tp > 1 and not t.compile:
         notes.append("eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
-                     "not in this estimate (bench/NOTES.md)")
+                     "not in this estimate (docs/benchmarks.md)")
     return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes)
 
 
 def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
     t, p = cfg.training, cfg.parallel
-    split = dims.pp > 1 and p.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
+    split = dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD
     return MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp,
                         shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, fsdp=dims.fsdp_applied,
                         reshard_after_forward=p.reshard_after_forward and not split, micro_batch=t.micro_batch_size,
@@ -187,9 +186,6 @@ def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = 
 
 def memory_check_estimate(cfg: Config, world_size: int, device: str) -> RankNeeds:
     """``rank_needs`` of a config as ``loom train`` would run it on ``device`` (kernels chosen without timing)."""
-    from loom.data import build_tokenizer
-    from loom.train.trainer import resolve_model_args
-
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     return rank_needs(cfg, dims, resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), device)
 
@@ -201,14 +197,13 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
     backward = profile.backward_peak / dims.tp
     if dims.pp > 1:  # several micro-batches in flight in different phases: every term at once
-        from loom.parallel.pipeline import schedule_actions, stage_ids
 
         per_rank = stages_per_rank(cfg.parallel)
         ids = stage_ids(rank, dims.pp, per_rank, cfg.parallel.pp_schedule)
         per_stage = {s: stage_activation(profile, len(layers), last, x, args, ac, stored)
                      for s, layers, last in zip(ids, share.stages, share.last)}
         actions = schedule_actions(cfg.parallel.pp_schedule, dims.pp, m, per_rank)[rank]
-        split = cfg.parallel.pp_schedule in PIPELINE_SCHEDULES_SPLIT_BACKWARD
+        split = cfg.parallel.pp_schedule in SPLIT_BACKWARD
         state.activations = pipeline_peak(actions, per_stage, split)
         state.gathered = gathered + autocast_cache(share, args, x, cfg.training.compile, 0.0)
         state.backward = backward
@@ -238,8 +233,6 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     if args.moe:
         st.moe = m * moe_mb.overhead
     if dims.pp > 1:
-        from loom.parallel.pipeline import theoretical_bubble
-
         bubble = theoretical_bubble(p.pp_schedule, dims.pp, m, stages_per_rank(p))
         st.bubble = st.compute * bubble / (1 - bubble)
         act = tokens * args.dim * BYTES[t.dtype]

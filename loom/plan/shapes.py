@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.config.load import stages_per_rank
-from loom.parallel.pipeline import split_layers, stage_ids
+from loom.parallel.pipeline import split_layers, stage_ids, stages_per_rank
 
 
 def layer_params(args) -> tuple[int, int]:

@@ -23,9 +23,9 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   and routing moves each token-slot (sort, gather, scatter back, casts, the weighting and the gate's
   elementwise work: ``MOE_SLOT_BYTES`` per slot and model-dim element), both at the copy rate
   ``COPY_HBM_SHARE``; op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``: every
-  one of them, as full checkpointing does). Fitted on one layer's forward + backward
-  (bench/results/moe_copies_h100.json) and one compiled run (docs/planner.md); host time is not modelled
-  (eager MoE under op-level checkpointing left the GPU idle ~30% of the step);
+  one of them, as full checkpointing does). Fitted on one layer's forward + backward (bench/results/
+  moe_copies_h100.json, in git history at dc1b8aa) and one compiled run (docs/planner.md); host time is not
+  modelled (eager MoE under op-level checkpointing left the GPU idle ~30% of the step);
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """
@@ -46,8 +46,10 @@ def efficiency(dim: int, compiled: bool) -> float:
 
 
 # Causal attention forward + backward (cuDNN SDPA, what loom's `auto` picks for plain causal attention), as a
-# fraction of the bf16 peak, by head dim at seq 2048 / 8192 (../shared/anchors.md, one H100: d64 297 / 406,
-# d128 364 / 522 TFLOP/s counting causal FLOPs); log-linear in between, held outside.
+# fraction of the bf16 peak, by head dim at seq 2048 / 8192 (a reference run of SDPA's cuDNN backend on one H100,
+# torch 2.11, 2026-11-22, kept in no result file: d64 297 / 406, d128 364 / 522 TFLOP/s counting causal FLOPs;
+# bench/results/kernels_bar_h100.md has cuDNN at 380-441 / 475-562 from seq 4096 to 16384); log-linear in
+# between, held outside.
 ATTENTION_EFFICIENCY = {64: (0.30, 0.41), 128: (0.37, 0.53)}
 ATTENTION_SEQS = (2048, 8192)
 
@@ -69,10 +71,10 @@ ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
 # MoE (see the module docstring). The casts of one 1B MoE layer's 8 x 2048 experts (12 B x 100.7M parameters)
-# took 0.522 ms on an H100: 2.31 TB/s of 3.35 (bench/results/moe_copies_h100.json). Per slot x dim element,
-# fwd + bwd, what one layer took beyond its matmuls at the planner's eager rate and the weight casts: 57 B
-# (8 x 2048, top 2) and 61 B (16 x 1024, top 4) in that file; compiled, the 1B 8 x 2048 run's miss per layer
-# (moe_1b_8x2048_compile_h100.json) gives 80 B.
+# took 0.522 ms on an H100: 2.31 TB/s of 3.35 (bench/results/moe_copies_h100.json, in git history at dc1b8aa).
+# Per slot x dim element, fwd + bwd, what one layer took beyond its matmuls at the planner's eager rate and the
+# weight casts: 57 B (8 x 2048, top 2) and 61 B (16 x 1024, top 4) in that file; compiled, the 1B 8 x 2048 run's
+# miss per layer (moe_1b_8x2048_compile_h100 in tests/data/plan_runs.json) gives 80 B.
 COPY_HBM_SHARE = 0.69
 MOE_WEIGHT_CAST_BYTES = 12
 MOE_SLOT_BYTES = {"eager": 59, "compiled": 80}

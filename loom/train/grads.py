@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from loom.parallel.pipeline import stage_rank
+
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The true L2 norm of the full gradient, whatever the sharding (a 0-dim fp32 tensor)."""
@@ -96,8 +98,6 @@ def _match_param_placement(p: torch.nn.Parameter) -> None:
 
 
 def _rank_of_last(plan) -> int:
-    from loom.parallel.pipeline import stage_rank
-
     return stage_rank(plan.n_stages - 1, plan.pp, plan.schedule)
 
 

@@ -22,9 +22,13 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from loom.checkpoint.manager import STATE, list_complete, verify
 from loom.config.errors import ConfigError, SharedError, UserError
 from loom.config.load import all_keys, coerce
 from loom.config.sections import Config, OptimizerConfig, TrainingConfig
+from loom.data import build_tokenizer
+from loom.resolve import resolve_model_args
+
 
 MUST_MATCH, APPLIED, FREE = "must match", "applied", "free"
 
@@ -282,11 +286,7 @@ def model_difference(old: dict[str, Any], cfg: Config, tokenizer=None, kernels=N
     """How the checkpoint's model differs from ``cfg``'s, resolved as the trainer builds them (flavor, then
     the model.* overrides, vocabulary from the tokenizer): [] for the same model, None when the checkpoint's
     cannot be resolved here (its model.init_from folder is gone, ...)."""
-    from loom.train.trainer import resolve_model_args  # the trainer imports this module
-
     if tokenizer is None:
-        from loom.data import build_tokenizer
-
         tokenizer = build_tokenizer(cfg.data.tokenizer)
     then = copy.deepcopy(cfg)
     for key in MODEL_FIELDS:
@@ -306,8 +306,6 @@ def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> 
     """``cfg`` against the config checkpoint ``folder`` was written with; reads small files only, so it runs
     before any weight is loaded. Weights-only checkpoints (``loom convert --from-hf``) start a run at step 0
     with nothing of a run to continue: not compared."""
-    from loom.checkpoint.manager import STATE
-
     with open(os.path.join(folder, STATE)) as fh:
         state = json.load(fh)
     if state.get("model_only"):
@@ -323,8 +321,6 @@ def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> 
 def _candidate(cfg: Config) -> str | None:
     """The checkpoint ``checkpoint.resume`` will most likely pick, found without hashing: an explicit path, or
     for ``auto`` the newest complete one whose files have their recorded sizes."""
-    from loom.checkpoint.manager import list_complete, verify
-
     mode = cfg.checkpoint.resume
     if mode == "none":
         return None

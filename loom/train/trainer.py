@@ -9,108 +9,38 @@ import shutil
 import time
 
 import torch
-import torch.distributed as dist
 
+from loom.checkpoint.hf import load_hf_weights
+from loom.checkpoint.manager import CheckpointManager
 from loom.config.errors import ConfigError, SharedError, UserError
-from loom.config.load import accumulation_steps, profile_window, to_toml
+from loom.config.load import profile_window, to_toml
 from loom.config.sections import Config
-from loom.data import build_loader, build_tokenizer, prepare_data
-from loom.data import describe_sources
+from loom.data import build_loader, build_tokenizer, describe_sources, prepare_data
 from loom.data.loader import MicroBatch
-from loom.kernels.dispatch import KernelChoice, resolve_kernels
-from loom.kernels.triton_support import has_triton
-from loom.models.common.float8 import float8_available
-from loom.models.common.moe import set_aux_scale, take_balance
+from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
 from loom.metrics.flops import device_peak, mfu
-from loom.metrics.logger import MetricsLogger
+from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
-from loom.models.llama import FLAVORS, Llama, round_vocab
-from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
+from loom.models.common.layers import attend
+from loom.models.llama import Llama
+from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
-from loom.parallel.dims import ParallelDims
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.expert_parallel import expert_params
-from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
-from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
-from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, scale_grads, unique_params
+from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
+from loom.resolve import resolve, times_attention
+from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
+from loom.train.moe_stats import MoEBalance
+from loom.train.objective import LanguageModeling, Objective
 from loom.train.optimizer import OptimizerParts
-from loom.numerics import DTYPES, cross_entropy_sum, valid_tokens
 from loom.train.precision import LossScaler, autocast_context
+from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
+                                       on_main, restore_loss_scale)
 from loom.train.run_dir import acquire, check_writable_dirs
 from loom.train.schedule import SchedulerParts
-
-
-def resolve_model_args(cfg: Config, tokenizer, kernels: KernelChoice | None = None):
-    """Flavor shape + vocabulary (flavor, then model.vocab_size, else tokenizer rounded to 128) + ``kernels``,
-    by default those ``kernel_choice(cfg)`` picks without measuring (the trainer may replace them after timing)."""
-    if cfg.model.init_from:
-        from loom.checkpoint.hf import llama_args_from_hf
-
-        args = llama_args_from_hf(cfg.model.init_from)
-        if cfg.model.moe_experts and cfg.model.moe_experts != args.moe_experts:
-            held = f"{args.moe_experts} experts" if args.moe else "a dense model"
-            raise ConfigError("model.moe_experts", cfg.model.moe_experts, f"model.init_from {cfg.model.init_from} "
-                              f"holds {held}: allowed 0 (the folder's)")
-        if args.moe and cfg.model.moe_ffn_dim and cfg.model.moe_ffn_dim != args.expert_ffn_dim:
-            raise ConfigError("model.moe_ffn_dim", cfg.model.moe_ffn_dim, f"model.init_from {cfg.model.init_from} "
-                              f"has experts {args.expert_ffn_dim} wide: allowed 0 (the folder's)")
-    else:
-        args = FLAVORS[cfg.model.flavor]
-    vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
-    if vocab < tokenizer.vocab_size:
-        raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
-    tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
-    layers = cfg.model.n_layers or args.n_layers
-    m = cfg.model
-    args = args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len, n_layers=layers,
-                      residual_init=m.residual_init, moe_experts=m.moe_experts or args.moe_experts,
-                      moe_top_k=m.moe_top_k or args.moe_top_k, moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim,
-                      moe_aux_loss=m.moe_aux_loss, **(kernels or kernel_choice(cfg)).as_args())
-    check_moe(args, cfg)
-    return args
-
-
-def check_moe(args, cfg: Config) -> None:
-    """What a mixture-of-experts model does not support (yet), as config errors."""
-    if not args.moe:
-        return
-    if args.moe_top_k > args.moe_experts:
-        raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})")
-    if cfg.training.compile and cfg.training.dtype != "bfloat16":
-        raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
-                          "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "
-                          "data-dependent sizes): allowed false with " + cfg.training.dtype)
-
-
-def flex_unsupported(cfg: Config) -> bool:
-    """FlexAttention inside compiled blocks under op-level checkpointing: its backward hit a CUDA illegal address
-    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; bench/NOTES.md). Full and
-    every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
-    return cfg.training.compile and cfg.training.activation_checkpointing == "op"
-
-
-def kernel_choice(cfg: Config, measure_attention=None) -> KernelChoice:
-    """model.attention / model.fused_* with ``auto`` resolved for this run (loom.kernels.dispatch);
-    ``measure_attention``: a callable timing the attention backends on this run's shape (the trainer's)."""
-    device = "cuda" if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if cfg.model.attention == "flex" and device != "cuda":
-        raise ConfigError("model.attention", "flex", "needs CUDA (PyTorch's FlexAttention has no backward on "
-                          "CPU): allowed auto | sdpa | flash")
-    if cfg.model.attention == "flex" and flex_unsupported(cfg):
-        raise ConfigError("model.attention", "flex", "under training.compile with training.activation_checkpointing "
-                          "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
-                          "flash there (or flex without compile, or with none | full | every_k checkpointing)")
-    if device == "cuda" and not has_triton() and (cfg.model.attention in ("flash", "flex") or "true" in (
-            cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
-        raise ConfigError("model.attention / model.fused_*",
-                          cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
-                          "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
-    if cfg.training.float8 != "none" and not float8_available():
-        raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): allowed none")
-    return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
-                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention)
+from loom.train.steps import LocalStep, PipelineStep, StepContext
 
 
 def count_params(args) -> int:
@@ -123,19 +53,17 @@ PREEMPTED = "preempted.json"  # written by rank 0 after a preemption save: the l
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv | None = None):
+    """``objective``: what each step minimizes (default: language modeling over every labelled token)."""
+
+    def __init__(self, cfg: Config, env: DistEnv | None = None, objective: Objective | None = None):
         self.cfg = cfg
         self.env = env or init_distributed(cfg.run.device, cfg.parallel.backend)
         self.device = self.env.device
-        self.dims = ParallelDims.from_config(cfg.parallel, self.env.world_size)
+        self.run = resolve(cfg, self.env.world_size)  # every cross-field rule; the model's come with the tokenizer
+        self.dims, self.accum = self.run.dims, self.run.accum
         if self.dims.distributed:
             self.dims.build_mesh(self.device.type)
-        self.accum = accumulation_steps(cfg.training, self.dims.dp_size)
-        t = cfg.training
-        self.dims.check_microbatches(self.accum, cfg.parallel, t.global_batch_size,
-                                     t.eval_batches if t.eval_every else None)
-        if cfg.parallel.async_tp and self.device.type != "cuda":
-            raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
+        self._objective = objective
         self._setup_determinism()
         self._setup_run_dir()
         self._build_data()
@@ -143,11 +71,12 @@ class Trainer:
         self._build_optimizer()
         self._build_checkpointer()
         self._build_profiler()
+        self._build_steps()
         self.step, self.tokens_seen = 0, 0
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self.preemption: Preemption | None = None  # set while fit() runs
         self._pending: StepCheck | None = None  # the last step's verdict, until the host has read it
-        self.stop_vote = StopVote(dist.new_group(backend="gloo") if self.env.world_size > 1 else None)
+        self.stop_vote = StopVote(torch.distributed.new_group(backend="gloo") if self.env.world_size > 1 else None)
 
     # ---- build steps ------------------------------------------------------
     def _setup_determinism(self) -> None:
@@ -168,7 +97,7 @@ class Trainer:
                 acquire(self.run_dir)
             except (ConfigError, UserError) as err:
                 error = str(err)
-        error = self.share_from_main(error)
+        error = self.env.share_from_main(error)
         if error is not None:
             raise SharedError(error)
         if self.env.is_main:
@@ -176,7 +105,7 @@ class Trainer:
                 fh.write(to_toml(self.cfg))
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.run_dir, PREEMPTED))  # an earlier run's: the launcher reads this one's
-        self.barrier()
+        self.env.barrier()
 
     def _build_data(self) -> None:
         cfg = self.cfg
@@ -189,7 +118,7 @@ class Trainer:
                 describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
             except (ConfigError, UserError) as err:  # e.g. bytes that are not UTF-8: every rank stops, one line
                 error = str(err)
-        error = self.share_from_main(error)
+        error = self.env.share_from_main(error)
         if error is not None:
             raise SharedError(error)
         if not self.env.is_main:
@@ -201,51 +130,31 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        shape = resolve_model_args(cfg, self.tokenizer)
-        self.dims.check_model(shape, cfg.parallel)  # before timing attention on the per-rank head counts
-        self.attention_times: dict | None = None  # deterministic runs do not let a timing pick their kernels
-        # under context parallelism attention always runs loom's op: nothing to time
-        # nor with packed documents where only loom's kernel can run (Flex under compiled op-level checkpointing)
-        untimed = cfg.run.deterministic or self.dims.cp_enabled or (cfg.data.document_positions and flex_unsupported(cfg))
-        measure = None if untimed else (lambda: self._measure_attention(shape))
-        self.kernels = kernel_choice(cfg, measure)
-        self.model_args = shape.with_(**self.kernels.as_args())
+        self.run = self.run.with_model(self.tokenizer)  # checked against the degrees before attention is timed
+        self.attention_times: dict | None = None
+        if times_attention(self.run):
+            self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
+        self.kernels, self.model_args = self.run.kernels, self.run.model_args
         with torch.device("meta"):
             model = Llama(self.model_args)
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
-        self.parts, self.plan = pm.parts, pm.plan  # this rank's model parts (pipeline stages or the model)
-        self._pipeline_ran = False  # whether a pipeline schedule ran in this process (its first run infers shapes)
+        self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)
         if cfg.model.init_from:
-            from loom.checkpoint.hf import load_hf_weights
-
             for part in self.parts:
-                load_hf_weights(part, cfg.model.init_from, whole_model=self.plan is None)
+                load_hf_weights(part, cfg.model.init_from, whole_model=pm.plan is None)
         self.params = unique_params(self.parts)
         self.dtype = DTYPES[cfg.training.dtype]
-        self.loss_parallel = self.dims.tp_enabled and cfg.parallel.loss_parallel
-        self.model = pm.modules[0] if self.plan is None else None
-        self.pipeline = None
-        if self.plan is not None:
-            self.busy = BusyClock(self.device)
-            self.pipeline = build_schedule(self.plan, pm.modules, self.dims["pp"].get_group(), self.device,
-                                           self.accum, self._pipeline_loss, self.busy)
-            self.tied = TiedEmbeddingGrads(self.parts, self.plan, self.dims)
-            self.norm_params = self.tied.params_counted_once(self.parts)
+        self.parallel_model = pm
 
     def _measure_attention(self, args) -> str:
         """``model.attention = auto`` on CUDA: forward + backward of the candidates on this rank's attention shape
         (packed documents: loom's kernel and FlexAttention on the run's first micro-batch's documents; otherwise
         SDPA and loom's kernel); every rank uses rank 0's figures, so all choose the same backend."""
-        from loom.kernels.select import AttentionShape, attention_inputs, fastest, measure
-        from loom.models.common.layers import attend
-
         cfg, tp = self.cfg, self.cfg.parallel.tp
         shape = AttentionShape(cfg.training.micro_batch_size, args.n_heads // tp, args.n_kv_heads // tp,
                                cfg.training.seq_len, args.head_dim, DTYPES[cfg.training.dtype])
         positions = self._first_positions() if cfg.data.document_positions else None
-        names = ("sdpa", "flash") if positions is None else ("flash", "flex")
-        candidates = {name: (lambda q, k, v, name=name: attend(q, k, v, name, positions)) for name in names}
-        times = self.share_from_main(measure(candidates, attention_inputs(shape, self.device)))
+        times = self.env.share_from_main(measure_attention(attend, shape, self.device, positions))
         torch.cuda.empty_cache()
         self.attention_times = {"shape": shape.describe(), "ms_fwd_bwd": times, "chosen": fastest(times)}
         if self.env.is_main:
@@ -269,11 +178,9 @@ class Trainer:
                                  cfg.training.loss_scale_window)
 
     def _build_checkpointer(self) -> None:
-        from loom.checkpoint.manager import CheckpointManager
-
         self._check_checkpoint_space()
         self.checkpointer = CheckpointManager(self.cfg.checkpoint, self.run_dir, is_main=self.env.is_main,
-                                              barrier=self.barrier, share=self.share_from_main)
+                                              barrier=self.env.barrier, share=self.env.share_from_main)
 
     def _check_checkpoint_space(self) -> None:
         """A run that will save refuses to start when the checkpoint folder's disk cannot hold one checkpoint
@@ -288,39 +195,34 @@ class Trainer:
                 error = (f"checkpoint.dir {folder}: a checkpoint of this model needs about {need:,} bytes (float32 "
                          f"weights and AdamW moments), the disk has {free:,} free: free space or choose another "
                          "checkpoint.dir")
-        error = self.share_from_main(error)
+        error = self.env.share_from_main(error)
         if error is not None:
             raise SharedError(error)
+
+    def _build_steps(self) -> None:
+        """The step strategy, chosen once: the whole model on this rank, or a pipeline schedule over its stages."""
+        cfg, pm = self.cfg, self.parallel_model
+        self.objective = self._objective or LanguageModeling(self.model_args.fused_loss)
+        ctx = StepContext(self.dims, self.device, self._autocast, self.dims.tp_enabled and cfg.parallel.loss_parallel,
+                          cfg.data.document_positions, self.profiler)
+        if pm.plan is None:
+            self.steps: LocalStep | PipelineStep = LocalStep(pm.modules[0], self.parts, self.objective, ctx)
+        else:
+            self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
+        self.moe = MoEBalance(self.parts, self.dims, cfg.training.global_batch_size, self.model_args.n_layers,
+                              cfg.training.compile, self.steps.stage_sum) if self.model_args.moe else None
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph)."""
         blocks = None if self.cfg.training.compile else transformer_blocks(self.parts)
         # PyTorch's memory history made the backward of MoE blocks under activation checkpointing fail (torch 2.11,
-        # H100: "run_backward returned NULL without setting an exception"; bench/NOTES.md): no snapshot there
+        # H100: "run_backward returned NULL without setting an exception"; docs/metrics.md): no snapshot there
         no_snapshot = "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation " \
             "checkpointing" if self.model_args.moe and self.cfg.training.activation_checkpointing != "none" else ""
         self.profiler = StepProfiler(profile_window(self.cfg.metrics), self.run_dir, self.env.rank, self.device,
                                      blocks, is_main=self.env.is_main, no_snapshot=no_snapshot)
 
-    # ---- collectives over the data-parallel ranks ----------------------------
-    def barrier(self) -> None:
-        if self.env.world_size > 1:
-            dist.barrier()
-
-    def share_from_main(self, obj):
-        """Rank 0's ``obj`` on every rank."""
-        if self.env.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks that hold different tokens of the step: data parallel x context parallel."""
-        if self.dims.dp_size * self.dims.cp > 1:
-            dist.all_reduce(t, group=self.dims["dp_cp"].get_group())
-        return t
-
+    # ---- one step -------------------------------------------------------------
     def _local_tokens(self, mb: MicroBatch) -> MicroBatch:
         """This rank's share of a micro-batch on the device: under context parallelism its two chunks of
         every sequence (loom.parallel.context_parallel), else all of it."""
@@ -331,105 +233,24 @@ class Trainer:
         return MicroBatch(*(shard_sequence(t, rank, cp) for t in (mb.inputs, mb.labels, mb.positions,
                                                                    mb.document_ids)))
 
-    def any_rank(self, flag: bool) -> bool:
-        if self.env.world_size == 1:
-            return flag
-        return self._max_over_ranks(float(flag)) > 0
-
-
-    # ---- one step -------------------------------------------------------------
     def _autocast(self):
         return autocast_context(self.dtype, self.device, fsdp_casts=self.dims.fsdp_applied)
 
-    def _positions(self, mb: MicroBatch) -> torch.Tensor | None:
-        """The per-document positions the model takes (data.document_positions), else None."""
-        return mb.positions if self.cfg.data.document_positions else None
-
-    def _forward_loss(self, mb: MicroBatch) -> torch.Tensor:
-        """Summed token loss of one micro-batch (call under ``loss_parallel_context`` with TP)."""
-        with self._autocast():
-            positions = self._positions(mb)
-            if self.model_args.fused_loss:  # loss inside forward, where FSDP2 has the output weight unsharded
-                return to_local_loss(self.model(mb.inputs, positions, labels=mb.labels))
-            logits = self.model(mb.inputs, positions)  # (B, S, V), or a vocab-sharded DTensor (B, S, V/tp)
-        return to_local_loss(cross_entropy_sum(logits, mb.labels))
-
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss_fn: the summed token loss scaled to its share of the step's gradient."""
-        return to_local_loss(cross_entropy_sum(logits, labels)) * self._grad_scale
-
-    def _accumulate(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> torch.Tensor:
-        """Forward/backward of every micro-batch in turn; returns this rank's summed loss."""
-        loss_sum = torch.zeros((), device=self.device)
-        for i, mb in enumerate(mbs):
-            with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.loss_parallel):
-                with self.profiler.phase("forward"):
-                    loss = self._forward_loss(mb)
-                with self.profiler.phase("backward"):
-                    (loss * grad_scale).backward()
-            loss_sum += loss.detach()
-        return loss_sum
-
-    def _pipeline_step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> torch.Tensor:
-        """One schedule run over the step's micro-batches (the accumulation count); returns the summed
-        loss of this data-parallel rank's batch on every pp rank."""
-        self._grad_scale = grad_scale
-        self.busy.start()
-        with self.profiler.phase("forward_backward"):
-            losses = self._run_schedule(self.pipeline.step, mbs)
-        self.busy.stop()
-        self.tied.sync()
-        loss_sum = torch.stack(losses).sum().detach() / grad_scale if losses else torch.zeros((), device=self.device)
-        dist.all_reduce(loss_sum, group=self.dims["pp"].get_group())  # only the last stage holds it
-        return loss_sum
-
-    def _run_schedule(self, run, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        """``run`` (the schedule's step or eval) over ``mbs`` joined into (M x B, S), which the schedule
-        cuts back into M micro-batches; returns the last stage's loss_fn outputs (empty elsewhere)."""
-        labels = torch.cat([mb.labels for mb in mbs])
-        # per-document positions go to every stage as a keyword (the schedule cuts it like the inputs): each
-        # stage's attention masks its documents and RoPE restarts per document
-        kwargs = {"positions": torch.cat([mb.positions for mb in mbs])} if self.cfg.data.document_positions else {}
-        losses: list[torch.Tensor] = []
-        with self._autocast(), loss_parallel_context(self.loss_parallel):
-            if self.plan.has_first:
-                run(torch.cat([mb.inputs for mb in mbs]), target=labels, losses=losses, **kwargs)
-            else:
-                run(target=labels, losses=losses, **kwargs)
-        return losses
-
-    def _grad_norm(self) -> torch.Tensor:
-        if self.plan is None:
-            return global_grad_norm(self.params)
-        sq = global_grad_norm(self.norm_params).to(self.device) ** 2  # each stage's share, tied weight once
-        dist.all_reduce(sq, group=self.dims["pp"].get_group())
-        return sq.sqrt()
-
-    def _no_sync(self, last: bool):
-        if self.dims.ddp_enabled and not self.dims.replicate_with_fsdp and not last:
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         mbs = [self._local_tokens(mb) for mb in micro_batches]
-        n_tokens = self.dp_sum(sum(valid_tokens(mb.labels) for mb in mbs).to(torch.float32))
+        n_tokens = self.dims.data_sum(sum(self.objective.count(mb) for mb in mbs).to(torch.float32))
         # gradient reductions average over the dp x cp ranks; multiplying by their count makes them a sum,
         # so every micro-batch on every rank contributes token_loss / global_tokens
         grad_scale = self.dims.dp_size * self.dims.cp * self.scaler.scale / n_tokens
-        if self.model_args.moe:  # the balance loss is a mean over the step's sequences, reduced the same way
-            for part in self.parts:
-                set_aux_scale(part, self.dims.dp_size * self.dims.cp * self.scaler.scale
-                              / self.cfg.training.global_batch_size)
-        if self.pipeline is not None:
-            loss_sum = self._pipeline_step(mbs, grad_scale)
-        else:
-            loss_sum = self._accumulate(mbs, grad_scale)
+        if self.moe:
+            self.moe.scale(self.scaler.scale)
+        result = self.steps.step(mbs, grad_scale)
         if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = self.dp_sum(loss_sum) / n_tokens
+        loss = self.dims.data_sum(result.loss_sum) / n_tokens
         with self.profiler.phase("optimizer"):  # grad norm, clipping, step (skipped where not finite), zero_grad
-            norm = self._grad_norm() / self.scaler.scale
+            norm = self.steps.grad_norm() / self.scaler.scale
             # both are global (summed and normed over every rank): every rank reaches the same verdict. Under
             # float16 an infinite gradient norm is an overflow, the loss scaler's to handle.
             finite = torch.isfinite(loss)
@@ -454,27 +275,12 @@ class Trainer:
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
-        if self.model_args.moe:
-            balance = self._moe_balance()
+        if self.moe:
+            balance = self.moe.read(self.device)
             # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
             # inference), whose routing is noise: that step's balance is not reported
-            first_pipeline_step = self.plan is not None and not self._pipeline_ran
-            self._pipeline_ran = self.plan is not None
-            out["moe_balance"] = None if first_pipeline_step else balance
+            out["moe_balance"] = None if result.shape_inference else balance
         return out
-
-    def _moe_balance(self) -> torch.Tensor | None:
-        """This step's sequence-wise balance loss per MoE block and sequence: 1 when tokens spread evenly over the
-        experts, up to n_experts / top_k when every token of a sequence picks the same experts."""
-        sums = [b for part in self.parts if (b := take_balance(part)) is not None]
-        if self.cfg.training.compile:  # compiled blocks do not record it (loom.models.common.moe)
-            return None
-        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
-        if self.plan is not None:  # each pp rank holds some of the blocks
-            dist.all_reduce(total, group=self.dims["pp"].get_group())
-        if self.dims.tp > 1:  # each tp rank holds a slice of every sequence (sequence parallelism)
-            dist.all_reduce(total, group=self.dims["tp"].get_group())
-        return self.dp_sum(total) / (self.cfg.training.global_batch_size * self.model_args.n_layers)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -484,40 +290,11 @@ class Trainer:
         for part in self.parts:
             part.eval()
         batches = [self._local_tokens(mb) for mb in batches]
-        count = sum(valid_tokens(mb.labels) for mb in batches).to(torch.float32)
-        if self.pipeline is not None:
-            total = self._pipeline_validation(batches)
-        else:
-            total = torch.zeros((), device=self.device)
-            for mb in batches:
-                with loss_parallel_context(self.loss_parallel):
-                    total += self._forward_loss(mb)
+        count = sum(self.objective.count(mb) for mb in batches).to(torch.float32)
+        total = self.steps.evaluate(batches)
         for part in self.parts:
             part.train()
-        return float(self.dp_sum(total) / self.dp_sum(count))
-
-    def _pipeline_validation(self, batches: list[MicroBatch]) -> torch.Tensor:
-        """Forward-only schedule runs over ``accum`` micro-batches at a time (the config check makes
-        ``eval_batches`` a multiple), or for V-shaped schedules one micro-batch at a time through
-        ``forward_chain``; the summed loss of this data-parallel rank, on every pp rank."""
-        total = torch.zeros((), device=self.device)
-        self._grad_scale = 1.0  # the loss_fn returns plain sums here
-        timed = len(self.busy.spans)
-        if self.plan.schedule in V_SHAPED:  # torch's forward-only run of these fails: stage by stage instead
-            for mb in batches:
-                with self._autocast(), loss_parallel_context(self.loss_parallel):
-                    out = forward_chain(self.plan, self.parts, self.dims["pp"].get_group(), mb.inputs, self.device,
-                                        self._positions(mb))
-                    if out is not None:
-                        total += self._pipeline_loss(out, mb.labels)
-        else:
-            for i in range(0, len(batches), self.accum):
-                losses = self._run_schedule(self.pipeline.eval, batches[i:i + self.accum])
-                if losses:
-                    total += torch.stack(losses).sum()
-        del self.busy.spans[timed:]  # the logged idle fraction is the training step's
-        dist.all_reduce(total, group=self.dims["pp"].get_group())  # only the last stage holds it
-        return total
+        return float(self.dims.data_sum(total) / self.dims.data_sum(count))
 
     # ---- the loop ---------------------------------------------------------------
     def state_for_checkpoint(self) -> dict:
@@ -531,9 +308,6 @@ class Trainer:
         """A loaded checkpoint's trainer state, adapted to this run's config where it differs from the one the
         checkpoint was written with (loom.train.resume_changes: data position, LR schedule, optimizer groups,
         loss scale)."""
-        from loom.train.resume_changes import (apply_optimizer_config, checkpoint_values, loader_state,
-                                               restore_loss_scale)
-
         old = checkpoint_values(state.get("checkpoint"))  # the checkpoint's config (None: unknown, the same)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.loader.load_state_dict(loader_state(state["loader"], old))
@@ -548,22 +322,19 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Save this step; weights that are not finite are never written (the run stops, the last checkpoint stays)."""
-        if self.any_rank(not self._weights_finite()):
+        if self.env.any_rank(not self._weights_finite()):
             raise TrainingStopped(f"the weights are not finite at step {self.step}: no checkpoint written (the last "
                                   "complete one stays)")
         self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_for_checkpoint(),
                                to_toml(self.cfg))
 
     def resume(self) -> None:
-        from loom.metrics.logger import rewind_metrics
-        from loom.train.resume_changes import check_checkpoint, on_main
-
         folder = self.checkpointer.choose()  # verified by rank 0, the same answer on every rank
         if folder is None:
             return
         # this run's config against the checkpoint's before any weight is read: a shape change stops here
         changes = on_main(lambda: check_checkpoint(folder, self.cfg, self.tokenizer, self.kernels),
-                          self.env.is_main, self.share_from_main)
+                          self.env.is_main, self.env.share_from_main)
         state = self.checkpointer.load(folder, self.parts, self.optimizer)
         if state is not None:
             self.load_trainer_state(state)
@@ -645,8 +416,8 @@ class Trainer:
                   f"device {self.device.type}", flush=True)
             cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
             print(f"kernels: {self.kernels.describe()}{self._measured()}{cp_note}", flush=True)
-            if self.plan is not None:
-                self._describe_pipeline()
+            for line in self._describe_steps():
+                print(line, flush=True)
         records: list[dict] = []
         reset_peak(self.device)
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
@@ -730,20 +501,15 @@ class Trainer:
         figures = ", ".join(f"{name} {ms:.3f}" for name, ms in t["ms_fwd_bwd"].items())
         return f" (attention measured at start-up, ms per forward+backward on {t['shape']}: {figures})"
 
-    def _describe_pipeline(self) -> None:
-        p = self.plan
-        try:
-            bubble = f"{100 * theoretical_bubble(p.schedule, p.pp, self.accum, p.per_rank):.1f}%"
-        except (ImportError, AttributeError, RuntimeError, ValueError) as err:  # private torch API moved
-            bubble = f"unknown ({type(err).__name__}: {err})"
-        print(f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {self.accum} micro-batches: "
-              f"theoretical bubble {bubble} (idle / total, F=1 B=2)", flush=True)
-        print(f"pipeline split: {p.describe()}", flush=True)
-        if self.dims.fsdp_applied and self.cfg.parallel.reshard_after_forward and not fsdp_reshard_after_forward(
-                self.cfg.parallel, p):
-            print(f"pipeline: {p.schedule} computes weight gradients in a pass of their own, so FSDP keeps each "
-                  "block's parameters gathered from forward to the gradient reduction (parallel."
-                  "reshard_after_forward = true does not apply)", flush=True)
+    def _describe_steps(self) -> list[str]:
+        lines = self.steps.describe(self.accum)
+        plan = self.parallel_model.plan
+        if plan is not None and self.dims.fsdp_applied and self.cfg.parallel.reshard_after_forward and not \
+                fsdp_reshard_after_forward(self.cfg.parallel, plan):
+            lines.append(f"pipeline: {plan.schedule} computes weight gradients in a pass of their own, so FSDP keeps "
+                         "each block's parameters gathered from forward to the gradient reduction (parallel."
+                         "reshard_after_forward = true does not apply)")
+        return lines
 
     def _logs_at(self, step: int) -> bool:
         """Whether ``step`` is logged (metrics.every, the last step, or a validation step)."""
@@ -768,21 +534,9 @@ class Trainer:
             "skipped_steps": self.scaler.skipped,
             "nonfinite_steps": self.guard.skipped,
             "batch_hash": batch_hash,
-            **({"mem_gib_max_rank": self._max_over_ranks(peak_memory_gib(self.device))}
+            **({"mem_gib_max_rank": self.env.max_over_ranks(peak_memory_gib(self.device))}
                if self.dims.distributed else {}),
-            **({"pp_idle": self._pp_idle()} if self.plan is not None else {}),
+            **self.steps.record(),
             **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
                if "moe_balance" in out else {}),
         }
-
-    def _max_over_ranks(self, x: float) -> float:
-        t = torch.tensor([x], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
-    def _pp_idle(self) -> list[float]:
-        """Each pp rank's idle fraction in the last step (rank order), measured, for the log."""
-        t = torch.tensor([self.busy.idle_fraction()], device=self.device)
-        out = [torch.zeros_like(t) for _ in range(self.dims.pp)]
-        dist.all_gather(out, t, group=self.dims["pp"].get_group())
-        return [round(float(x), 4) for x in out]

@@ -263,6 +263,8 @@ def test_cp_checkpoint_resumes_under_fsdp(tmp_path):
     ({"parallel.cp": "2", "training.seq_len": "30"}, "parallel.cp"),
 ])
 def test_unsupported_cp_settings_name_the_field(overrides, field):
+    from loom.resolve import check_config
+
     with pytest.raises(ConfigError) as err:
-        build_config(None, overrides)
+        check_config(build_config(None, overrides))
     assert err.value.field == field

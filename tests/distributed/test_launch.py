@@ -11,11 +11,10 @@ import sys
 import pytest
 
 from tests.distributed.harness import run_one
+from tests.tiny import tiny_overrides
 
 BIN = os.path.dirname(sys.executable)
-CONFIG = {"run.seed": 11, "training.steps": 4, "training.seq_len": 32, "training.global_batch_size": 8,
-          "training.micro_batch_size": 2, "optimizer.warmup_steps": 1, "optimizer.lr": 3e-3, "metrics.every": 1,
-          "metrics.tensorboard": "false", "checkpoint.at_end": "false"}
+CONFIG = tiny_overrides(**{"run.seed": 11, "optimizer.lr": 3e-3})
 
 
 def cli_args(run_dir, cache, **extra) -> list[str]:

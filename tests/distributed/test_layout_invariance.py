@@ -6,20 +6,17 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.harness import losses, run_jobs
+from tests.tiny import tiny_overrides
 
 STEPS = 6
 GLOBAL = 8
 
 
 def job(tmp, name, dtype, mb, **parallel):
-    d = {
-        "run.dir": f"{tmp}/{name}-{dtype}", "run.seed": 3, "training.steps": STEPS, "training.seq_len": 32,
-        "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb, "training.dtype": dtype,
-        "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3, "metrics.every": 1, "checkpoint.at_end": "false",
-        "data.cache_dir": f"{tmp}/cache", "metrics.tensorboard": "false",
-    }
-    d.update({f"parallel.{k}": v for k, v in parallel.items()})
-    return d
+    return tiny_overrides(f"{tmp}/{name}-{dtype}", f"{tmp}/cache", **{
+        "run.seed": 3, "training.steps": STEPS, "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb,
+        "training.dtype": dtype, "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3,
+        **{f"parallel.{k}": v for k, v in parallel.items()}})
 
 
 LAYOUTS = {
@@ -49,7 +46,8 @@ def reference(tmp_path_factory):
     return {"float32": losses(res[0]), "bfloat16": losses(res[1]), "acc4": losses(res[2])}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+@pytest.fixture(scope="module", params=[pytest.param(2, id="world2"),
+                                        pytest.param(4, id="world4", marks=pytest.mark.slow)])
 def layout_results(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"w{request.param}")
     names, jobs = layout_jobs(tmp, request.param)

@@ -10,24 +10,21 @@ import os
 
 import pytest
 
+from loom.parallel.pipeline import V_SHAPED
 from tests.distributed.harness import losses, run_jobs
+from tests.tiny import tiny_overrides
 
 STEPS, GLOBAL, LAYERS = 5, 8, 4
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
-V_SHAPED = ("zbv", "dualpipev")
 
 
 def job(tmp, name, m=1, dp=1, tied=True, **parallel):
     """``m``: micro-batches per step on each data-parallel rank (accumulation = pipeline micro-batches)."""
-    d = {
-        "run.dir": f"{tmp}/{name}", "run.seed": 7, "training.steps": STEPS, "training.seq_len": 32,
-        "training.global_batch_size": GLOBAL, "training.micro_batch_size": GLOBAL // (dp * m),
-        "model.n_layers": LAYERS, "model.tie_embeddings": "true" if tied else "false",
-        "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3, "metrics.every": 1, "checkpoint.at_end": "false",
-        "data.cache_dir": f"{tmp}/cache", "metrics.tensorboard": "false",
-    }
-    d.update({f"parallel.{k}": v for k, v in parallel.items()})
-    return d
+    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
+        "run.seed": 7, "training.steps": STEPS, "training.global_batch_size": GLOBAL,
+        "training.micro_batch_size": GLOBAL // (dp * m), "model.n_layers": LAYERS,
+        "model.tie_embeddings": "true" if tied else "false", "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3,
+        **{f"parallel.{k}": v for k, v in parallel.items()}})
 
 
 def pipeline_only(tmp):
@@ -133,11 +130,13 @@ def test_tp_and_every_pipeline_schedule_match_single_process(reference, tmp_path
     check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_compositions_on_4_ranks_match_single_process(reference, tmp_path):
     jobs = compositions4(tmp_path)
     check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_compositions_on_8_ranks_match_single_process(reference, tmp_path):
     jobs = compositions8(tmp_path)
     check(reference, jobs, run_jobs(8, list(jobs.values()), str(tmp_path)))
@@ -227,6 +226,7 @@ def compiled_layouts(tmp):
     return out
 
 
+@pytest.mark.slow
 def test_compiled_layouts_match_single_process(reference, tmp_path):
     """Compiled blocks on every 2-rank layout family against the eager single process (fp32): Inductor's
     reordered float math stays within the same bars. TP2 with full recomputation failed here before loom
@@ -256,6 +256,7 @@ def compiled_compositions4(tmp):
             "hsdp2x2-compiled": {**job(tmp, "hsdp2x2-c", dp=4, dp_replicate=2, dp_shard=2), **c}}
 
 
+@pytest.mark.slow
 def test_compiled_compositions_on_4_ranks_match_single_process(reference, tmp_path):
     jobs = compiled_compositions4(tmp_path)
     check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))

@@ -6,15 +6,12 @@ from __future__ import annotations
 import json
 
 from tests.distributed.harness import run_jobs
+from tests.tiny import tiny_overrides
 
 
 def job(tmp, name, **extra) -> dict:
-    d = {"run.dir": f"{tmp}/{name}", "data.cache_dir": f"{tmp}/cache", "training.steps": 2, "training.seq_len": 32,
-         "training.global_batch_size": 8, "training.micro_batch_size": 2, "model.n_layers": 4,
-         "optimizer.warmup_steps": 1, "metrics.every": 1, "metrics.tensorboard": "false",
-         "checkpoint.at_end": "false", "metrics.profile_steps": "2:2"}
-    d.update(extra)
-    return d
+    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
+        "training.steps": 2, "model.n_layers": 4, "metrics.profile_steps": "2:2", **extra})
 
 
 def range_names(path) -> set[str]:

@@ -8,18 +8,15 @@ import os
 import pytest
 
 from tests.distributed.harness import losses, run_jobs
+from tests.tiny import tiny_overrides
 
 STEPS, SAVE_AT = 8, 4
 
 
 def job(run_dir, cache, **extra):
-    d = {"run.dir": run_dir, "run.seed": 5, "run.deterministic": "true", "training.steps": STEPS,
-         "training.seq_len": 32, "training.global_batch_size": 8, "training.micro_batch_size": 2,
-         "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3, "metrics.every": 1, "checkpoint.every": SAVE_AT,
-         "checkpoint.keep": 0, "checkpoint.at_end": "false", "data.cache_dir": cache,
-         "metrics.tensorboard": "false"}
-    d.update(extra)
-    return d
+    return tiny_overrides(run_dir, cache, **{
+        "run.seed": 5, "run.deterministic": "true", "training.steps": STEPS, "optimizer.warmup_steps": 2,
+        "optimizer.lr": 3e-3, "checkpoint.every": SAVE_AT, "checkpoint.keep": 0, **extra})
 
 
 def ckpt(run_dir, step):
@@ -40,7 +37,7 @@ def test_exact_resume_same_layout_is_bitwise(tmp_path):
     assert tail(resumed, SAVE_AT) == tail(full, SAVE_AT)  # bitwise: exact float equality
 
 
-@pytest.mark.parametrize("async_save", ["false", "true"])
+@pytest.mark.parametrize("async_save", ["false", pytest.param("true", marks=pytest.mark.slow)])
 def test_resharding_resume_fsdp4_to_2(tmp_path, async_save):
     cache = str(tmp_path / "cache")
     src = str(tmp_path / "fsdp4")

@@ -9,6 +9,7 @@ import sys
 
 from loom.checkpoint.manager import list_complete
 from tests.faults.inject import kill_tree
+from tests.tiny import tiny_args
 from tests.unit.test_checkpoint_recovery import LOOM, REPO, env
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "uneven_poll")
@@ -17,11 +18,9 @@ SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "uneven_poll")
 def test_async_saves_finish_when_the_ranks_polls_disagree(tmp_path):
     run = tmp_path / "run"
     e = dict(env(), PYTHONPATH=SITE + os.pathsep + REPO)
-    cmd = [sys.executable, "-c", LOOM, "train", "--nproc-per-node", "2", f"--run.dir={run}", "--run.seed=3",
-           "--training.steps=8", "--training.seq_len=32", "--training.global_batch_size=4",
-           "--training.micro_batch_size=2", "--checkpoint.every=2", "--checkpoint.keep=0",
-           "--checkpoint.async_save=true", "--metrics.every=1", "--metrics.tensorboard=false",
-           f"--data.cache_dir={tmp_path / 'cache'}"]
+    cmd = [sys.executable, "-c", LOOM, "train", "--nproc-per-node", "2", *tiny_args(run, tmp_path / "cache", **{
+        "run.seed": 3, "training.steps": 8, "training.global_batch_size": 4, "optimizer.warmup_steps": None,
+        "checkpoint.every": 2, "checkpoint.keep": 0, "checkpoint.async_save": "true", "checkpoint.at_end": None})]
     proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

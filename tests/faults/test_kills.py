@@ -3,9 +3,9 @@ moments, inside saves, retention and data preparation: every resume picks the ne
 the run's lineage and the run ends bitwise like an uninterrupted one (``tests/faults/driver.py`` says what
 is checked after every kill).
 
-The matrix is marked ``slow`` (deselected by default: ``python -m pytest -q -s -m slow tests/faults`` runs it);
-the one-process test with three kills runs in CI. ``LOOM_FAULTS_SEED`` / ``LOOM_FAULTS_KILLS`` replay a failure
-or widen a run; ``LOOM_FAULTS_REPORT=<file>`` appends each test's counts as a JSON line (``-s`` shows the
+The matrix is marked ``exhaustive`` (deselected by default: ``python -m pytest -q -s --exhaustive tests/faults``
+runs it); the one-process test with three kills runs in CI. ``LOOM_FAULTS_SEED`` / ``LOOM_FAULTS_KILLS`` replay a
+failure or widen a run; ``LOOM_FAULTS_REPORT=<file>`` appends each test's counts as a JSON line (``-s`` shows the
 summary line and one line per attempt)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_three_kills_in_preparation_a_save_and_retention_resume_bitwise(tmp_path
     assert report.resumes >= 1, report.failure()  # at least after the retention kill
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("variant", MATRIX, ids=lambda v: v.name)
 def test_random_kills_resume_bitwise(tmp_path, references, variant):
     report = faulted(variant, tmp_path, references)

@@ -149,7 +149,7 @@ def test_auto_timing_counts_the_gpus_time_not_the_launch_path():
     >= 5 ms (the CPU-bound case that made ``auto`` see loom's kernel at 1.5 ms instead of its 0.8 ms)."""
     import time
 
-    from loom.kernels.select import time_fwd_bwd
+    from loom.kernels.dispatch import time_fwd_bwd
 
     x = torch.randn(64, device="cuda", requires_grad=True)
 
@@ -319,16 +319,16 @@ def _packed_bounds(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
 def _check_hopper_forward(q, k, v, causal, bounds, scale, triton_out, triton_lse) -> None:
     """Each Gluon forward config and the autotuned choice: out within twice the Triton forward's error against
     the fp32 reference (plus 1e-3), lse within 1e-4 of the reference, -inf exactly on the rows that see nothing."""
-    from loom.kernels.attention import hopper
     from loom.kernels.attention import reference as R
     from loom.kernels.attention import triton as T
+    from loom.kernels.attention.hopper import launch as hopper
 
     ref_out, ref_lse = R.attention_forward(q.float(), k.float(), v.float(), causal, bounds, 0, scale)
     seen = torch.isfinite(ref_lse)
     triton_err = (triton_out.float() - ref_out).abs()[seen].max().item()
     for config in [*hopper._CONFIGS["fwd"], None]:
         out, lse = torch.full_like(q, float("nan")), torch.full_like(triton_lse, float("nan"))
-        hopper.forward(q, k, v, out, lse, causal, bounds, scale, T._seq_key(q.shape[2]), config=config)
+        hopper.forward(q, k, v, out, lse, causal, bounds, scale, T.seq_key(q.shape[2]), config=config)
         assert not out.isnan().any() and not lse.isnan().any(), config
         err = (out.float() - ref_out).abs()[seen].max().item()
         assert err <= 2 * triton_err + 1e-3, (config, err, triton_err)
@@ -341,10 +341,10 @@ def _check_item_groups(q, k, v, do, lse2, delta, causal, bounds, scale) -> None:
     """The persistent forward and dQ walking the (batch, head) pairs in groups (``heads_per_group``: L2-sized
     (None), 3 (a smaller last group on most cases), 1) compute every item as when all pairs go in one group:
     outputs bit-identical."""
-    from loom.kernels.attention import hopper
     from loom.kernels.attention import triton as T
+    from loom.kernels.attention.hopper import launch as hopper
 
-    key = T._seq_key(q.shape[2])
+    key = T.seq_key(q.shape[2])
     results = {}
     everything = q.shape[0] * q.shape[1]
     for group in (everything, None, 3, 1):
@@ -366,8 +366,9 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
     the Triton kernels on the same inputs: the same arithmetic in the same order, so equal up to rounding. The
     Gluon forward (other blocks than the Triton forward's, so another rounding) against an fp32 reference: its
     error within twice the Triton forward's, the same rows empty."""
-    from loom.kernels.attention import hopper
+    from loom.kernels import dispatch
     from loom.kernels.attention import triton as T
+    from loom.kernels.attention.hopper import launch as hopper
 
     b, hq, hk, s, d, causal, model_layout, docs = case
     gen = torch.Generator().manual_seed(s)
@@ -376,7 +377,7 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
     if model_layout:
         q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
     bounds = _packed_bounds(b, s, gen) if docs else None
-    assert hopper.supports(q, k, v, do, 0, None)
+    assert dispatch.backward_kernels(q, k, v, do, bounds, None, 0)[0].startswith("hopper")  # Gluon takes it
     scale = d ** -0.5
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     T.triton_forward(q, k, v, out, lse, causal, bounds, 0, scale)  # the Triton kernel (dispatch would pick Gluon)
@@ -388,17 +389,17 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
     T.triton_dq(do, q, k, v, lse2, delta, tq, causal, bounds, 0, scale)
     for config in [*hopper._CONFIGS["dkdv"], None]:
         gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config)
+        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T.seq_key(s), config=config)
         torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"dk {config}")
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"dv {config}")
     for config, pairs in [(c, None) for c in [*hopper._CONFIGS["dkdv_p"], None]] + [(None, 1), (None, 3)]:
         gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))  # the persistent variant
-        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T._seq_key(s), config=config,
+        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T.seq_key(s), config=config,
                     persistent=True, pairs_per_group=pairs)
         torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"persistent dk {config} {pairs}")
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"persistent dv {config} {pairs}")
     for config in [*hopper._CONFIGS["dq"], None]:
         gq = torch.full_like(q, float("nan"))
-        hopper.dq(q, k, v, do, lse2, delta, gq, causal, bounds, scale, T._seq_key(s), config=config)
+        hopper.dq(q, k, v, do, lse2, delta, gq, causal, bounds, scale, T.seq_key(s), config=config)
         torch.testing.assert_close(gq, tq, atol=1e-3, rtol=1e-3, msg=f"dq {config}")
     _check_item_groups(q, k, v, do, lse2, delta, causal, bounds, scale)

@@ -22,6 +22,7 @@ import pytest
 
 import loom
 from loom.checkpoint.manager import MARKER, STATE, CorruptCheckpoint, list_complete, step_dir_name, verify
+from tests.tiny import tiny_args
 
 STEPS, EVERY = 6, 2
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(loom.__file__)))
@@ -105,12 +106,9 @@ def env() -> dict:
 
 
 def train_args(run_dir, cache, **extra) -> list[str]:
-    opts = {"run.dir": run_dir, "run.seed": 3, "run.deterministic": "true", "training.steps": STEPS,
-            "training.seq_len": 32, "training.global_batch_size": 4, "training.micro_batch_size": 2,
-            "optimizer.warmup_steps": 1, "checkpoint.every": EVERY, "checkpoint.keep": 1,
-            "metrics.every": 1, "metrics.tensorboard": "false", "data.cache_dir": cache}
-    opts.update(extra)
-    return [f"--{k}={v}" for k, v in opts.items()]
+    return tiny_args(run_dir, cache, **{"run.seed": 3, "run.deterministic": "true", "training.steps": STEPS,
+                                        "training.global_batch_size": 4, "checkpoint.every": EVERY,
+                                        "checkpoint.keep": 1, "checkpoint.at_end": None, **extra})
 
 
 def loom_train(run_dir, cache, **extra) -> subprocess.CompletedProcess:
@@ -208,8 +206,9 @@ def check_state_at_kill(run_dir, point: str) -> None:
                 verify(deleting)  # partly removed
 
 
-@pytest.mark.parametrize("point,resume_step", [("shards", 2), ("marker", 2), ("rename", 2), ("deleting", 4),
-                                               ("rmtree", 4)])
+@pytest.mark.parametrize("point,resume_step", [  # the quick loop (-m "not slow"): one kill in a save, one in retention
+    ("shards", 2), pytest.param("marker", 2, marks=pytest.mark.slow), pytest.param("rename", 2, marks=pytest.mark.slow),
+    ("deleting", 4), pytest.param("rmtree", 4, marks=pytest.mark.slow)])
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache, reference, point,
                                                                     resume_step):
     driver = tmp_path / "driver.py"

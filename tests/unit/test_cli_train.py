@@ -131,7 +131,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("args,needles", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# the quick loop (-m "not slow") runs one case of each kind; the default run (CI) runs them all
+QUICK = {"unknown-key", "unknown-section-in-toml", "wrong-type-int", "dtype-choice", "batch-not-multiple-of-micro-x-dp",
+         "pp-too-few-microbatches", "missing-data", "bad-toml", "missing-value-at-end", "positional-argument"}
+assert QUICK <= {c[0] for c in CASES}
+
+
+@pytest.mark.parametrize("args,needles", [pytest.param(*c[1:], id=c[0], marks=() if c[0] in QUICK else pytest.mark.slow)
+                                          for c in CASES])
 def test_user_error_is_one_line_exit_2(tmp_path, args, needles):
     (tmp_path / "bad.toml").write_text(BAD_TOML)
     (tmp_path / "typo.toml").write_text("[optimiser]\nlr = 0.1\n")

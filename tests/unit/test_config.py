@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from loom.config import Config, ConfigError, build_config, parse_overrides, to_toml
-from loom.config.load import accumulation_steps, all_keys, read_toml
+from loom.config.load import all_keys, read_toml
+from loom.resolve import accumulation_steps, check_config
 from loom.config.sections import SECTIONS
 
 
@@ -78,10 +79,17 @@ def test_cross_field_rules(tmp_path):
     assert "expected two numbers in [0, 1)" in error(build_config, None, {"optimizer.betas": "0.9,1.0"})
     assert "expected two numbers" in error(build_config, None, {"optimizer.betas": "0.9"})
     assert "must be <= training.steps (5)" in error(
-        build_config, None, {"training.steps": "5", "optimizer.warmup_steps": "6"})
+        checked, {"training.steps": "5", "optimizer.warmup_steps": "6"})
     missing = str(tmp_path / "no-such-model")
     assert error(build_config, None, {"model.init_from": missing}).startswith(
         f"model.init_from = {missing!r}: no such folder")
+
+
+def checked(overrides: dict):
+    """A config built and checked as every command resolves it (the rules relating fields: loom.resolve)."""
+    cfg = build_config(None, overrides)
+    check_config(cfg)
+    return cfg
 
 
 def test_unknown_keys_suggest_the_nearest():

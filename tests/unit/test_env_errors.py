@@ -27,6 +27,7 @@ from loom.data import prepare_data
 from loom.data.token_file import TokenFile, TokenFileWriter, read_meta
 from loom.data.tokenizers import ByteTokenizer
 from loom.models.llama import FLAVORS, Llama
+from tests.tiny import tiny_args
 
 REPLACEMENT = "\ufffd".encode()  # U+FFFD as UTF-8 bytes: what ``encoding_errors = replace`` decodes bad bytes to
 
@@ -60,9 +61,9 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 
 def train_args(tmp_path, *extra: str) -> list[str]:
     """A one-step debug run that writes only under ``tmp_path``."""
-    return ["--run.dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "cache"), "--training.steps", "1",
-            "--training.seq_len", "16", "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
-            "--checkpoint.at_end", "false", "--metrics.tensorboard", "false", *extra]
+    return [*tiny_args(tmp_path / "run", tmp_path / "cache", **{
+        "training.steps": 1, "training.seq_len": 16, "training.global_batch_size": 2,
+        "optimizer.warmup_steps": None, "metrics.every": None}), *extra]
 
 
 def can_write(folder: str) -> bool:

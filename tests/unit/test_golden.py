@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "debug_losses.json")
@@ -33,6 +34,7 @@ def golden_losses(run_dir: str) -> list[float]:
     return [row["loss"] for row in Trainer(cfg).fit()]
 
 
+@pytest.mark.slow  # 30 steps: the default run (CI) has it, the quick loop does not
 def test_losses_match_the_golden_file(tmp_path):
     with open(GOLDEN) as f:
         golden = json.load(f)

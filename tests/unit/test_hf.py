@@ -22,6 +22,7 @@ from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402
 from loom.models.common.rope import RopeScaling  # noqa: E402
 from loom.models.llama import Llama  # noqa: E402
+from tests.tiny import tiny_args  # noqa: E402
 
 VOCAB = 384
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -191,11 +192,10 @@ def train_from_hf(tmp_path, src: str):
 
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13} jumps\n" for i in range(600)))
-    cfg, _ = load_config([
-        "--run.dir", str(tmp_path / "run"), "--run.device", "cpu", "--model.init_from", src,
-        "--data.source", str(text), "--training.steps", "2", "--training.seq_len", "32",
-        "--training.global_batch_size", "4", "--training.micro_batch_size", "2", "--optimizer.warmup_steps", "0",
-        "--metrics.every", "1", "--metrics.tensorboard", "false", "--metrics.progress", "false"])
+    cfg, _ = load_config(tiny_args(tmp_path / "run", **{
+        "run.device": "cpu", "model.init_from": src, "data.source": str(text), "training.steps": 2,
+        "training.global_batch_size": 4, "optimizer.warmup_steps": 0, "metrics.progress": "false",
+        "checkpoint.at_end": None}))
     trainer = Trainer(cfg)
     state = trainer.loader.state_dict()
     first = trainer.loader.next_step().micro_batches  # peek at step 1's batch, then rewind
@@ -269,6 +269,7 @@ def test_mixtral_round_trip_through_cli(tmp_path):
         assert torch.equal(back(tokens).logits, hf(tokens).logits)
 
 
+@pytest.mark.slow
 def test_training_starts_from_mixtral_weights_and_exports_back(tmp_path):
     """model.init_from a Mixtral folder: the experts, top-k and expert width come from it; the first step's loss
     is transformers' on the same batch; the trained checkpoint exports as a Mixtral again."""
@@ -295,7 +296,7 @@ def test_mixtral_folder_errors(tmp_path):
         llama_args_from_hf(write_config(tmp_path / "window", {**cfg, "sliding_window": 4096}))
     from loom.cli.train import load_config
     from loom.data import build_tokenizer
-    from loom.train.trainer import resolve_model_args
+    from loom.resolve import resolve_model_args
 
     src = save_hf(random_hf_mixtral(), tmp_path / "hf")
     run, _ = load_config(["--model.init_from", src, "--model.moe_experts", "8"])

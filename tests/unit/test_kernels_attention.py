@@ -237,31 +237,31 @@ def test_flex_forward_matches_the_reference(documents, hq, hk, seq):
 
 def test_flex_is_a_config_error_off_cuda(tmp_path):
     from loom.config import ConfigError, build_config
-    from loom.train.trainer import kernel_choice
+    from loom.resolve import kernel_choice
 
     cfg = build_config(None, {"model.attention": "flex", "run.device": "cpu"})
     with pytest.raises(ConfigError, match="model.attention.*flex.*needs CUDA"):
-        kernel_choice(cfg)
+        kernel_choice(cfg, "cpu")
 
 
 def test_flex_under_compiled_op_checkpointing_is_a_config_error():
     """Measured crash (torch 2.11, H100): refused with one line; Flex stays allowed under the other modes."""
     from loom.config import ConfigError, build_config
-    from loom.train.trainer import flex_unsupported, kernel_choice
+    from loom.resolve import flex_unsupported, kernel_choice
 
     base = {"model.attention": "flex", "run.device": "cuda", "training.compile": "true"}
     with pytest.raises(ConfigError, match="model.attention = 'flex'.*training.compile.*op"):
-        kernel_choice(build_config(None, dict(base, **{"training.activation_checkpointing": "op"})))
+        kernel_choice(build_config(None, dict(base, **{"training.activation_checkpointing": "op"})), "cuda")
     for ac in ("none", "full", "every_k"):
         assert not flex_unsupported(build_config(None, dict(base, **{"training.activation_checkpointing": ac})))
     assert not flex_unsupported(build_config(None, dict(base, **{"training.compile": "false",
                                                                  "training.activation_checkpointing": "op"})))
 
 
-def test_select_measures_every_candidate_and_never_picks_a_failing_one():
+def test_measure_times_every_candidate_and_never_picks_a_failing_one():
     import math
 
-    from loom.kernels.select import fastest, measure
+    from loom.kernels.dispatch import fastest, measure
 
     def timer(fn, inputs):
         return fn(*inputs)
@@ -275,6 +275,40 @@ def test_select_measures_every_candidate_and_never_picks_a_failing_one():
     assert fastest({"x": 1.0, "y": 1.0}) == "x"
     with pytest.raises(RuntimeError, match="no candidate ran"):
         fastest({"broken": math.inf})
+
+
+
+def test_measure_attention_times_the_candidates_through_the_models_call():
+    from loom.kernels.dispatch import AttentionShape, attention_candidates, measure_attention
+
+    assert attention_candidates(documents=True) == ("flash", "flex")
+    assert attention_candidates(documents=False) == ("sdpa", "flash")
+    calls = []
+
+    def attend(q, k, v, backend, positions):
+        calls.append((backend, tuple(q.shape), tuple(k.shape), positions))
+        return q
+
+    def timer(fn, inputs):
+        return float(len(fn(*inputs).shape))
+
+    shape = AttentionShape(2, 4, 2, 8, 16, torch.float32)
+    positions = torch.arange(8).expand(2, 8)
+    assert measure_attention(attend, shape, torch.device("cpu"), positions, timer=timer) == {"flash": 4.0, "flex": 4.0}
+    assert [c[0] for c in calls] == ["flash", "flex"] and all(c[3] is positions for c in calls)
+    assert calls[0][1:3] == ((2, 4, 8, 16), (2, 2, 8, 16))
+    calls.clear()
+    measure_attention(attend, shape, torch.device("cpu"), timer=timer)
+    assert [c[0] for c in calls] == ["sdpa", "flash"] and calls[0][3] is None
+
+
+def test_attention_calls_off_triton_run_the_reference():
+    from loom.kernels import dispatch
+
+    q = torch.randn(1, 2, 8, 16)
+    if not dispatch.triton_runs_on(q.device):  # a CPU run without the interpreter
+        assert dispatch.forward_kernel(q, q, q, None, 0) == "reference"
+        assert dispatch.backward_kernels(q, q, q, q, None, None, 0) == ("reference", "reference")
 
 
 INTERPRETER_SCRIPT = textwrap.dedent("""

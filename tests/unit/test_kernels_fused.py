@@ -1,5 +1,5 @@
-"""Fused RMSNorm / RoPE / SwiGLU ops on CPU: references equal the model's math, the ops pass opcheck,
-their gradients match autograd through the reference, the model gives the same loss and gradients
+"""Fused RMSNorm / RoPE / SwiGLU ops on CPU: the closed-form backward references match autograd, the ops pass
+opcheck, their gradients match autograd through the reference, the model gives the same loss and gradients
 with the fused flags on, and each Triton kernel agrees with its reference under Triton's CPU interpreter."""
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ from loom.kernels.rope.op import apply_rope
 from loom.kernels.swiglu import reference as swiglu_ref
 from loom.kernels.swiglu.op import swiglu
 from loom.models.common import rope as model_rope
-from loom.models.common.layers import FeedForward, RMSNorm
 from loom.models.common.init import materialize
 from loom.models.llama import FLAVORS, Llama
-
-LOW = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def rope_tables(head_dim: int = 16, max_len: int = 32) -> list[torch.Tensor]:
@@ -36,43 +33,6 @@ def rope_tables(head_dim: int = 16, max_len: int = 32) -> list[torch.Tensor]:
     scaled = model_rope.rope_table(head_dim, max_len, 500000.0, model_rope.RopeScaling(factor=8.0,
                                                                                        original_max_position=16))
     return [plain, scaled, torch.randn(2, max_len, head_dim, generator=torch.Generator().manual_seed(3))]
-
-
-# ---- references are the model's math, bit for bit ------------------------------------------------
-
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("weight_dtype", [torch.float32, None])
-def test_rmsnorm_reference_is_the_model_norm(dtype, weight_dtype):
-    norm = RMSNorm(48, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(48))
-    norm.to(weight_dtype or dtype)
-    x = (torch.randn(3, 5, 48) * 3).to(dtype)
-    assert torch.equal(norm_ref.rms_norm(x, norm.weight, 1e-5), norm(x))
-    norm.fused = True  # the op on CPU runs the reference
-    assert torch.equal(norm(x), norm_ref.rms_norm(x, norm.weight, 1e-5))
-
-
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("with_positions", [False, True])
-def test_rope_reference_is_the_model_rope(dtype, with_positions):
-    x = torch.randn(2, 7, 3, 16).to(dtype)
-    positions = torch.randint(0, 32, (2, 7)) if with_positions else None
-    for table in rope_tables():
-        want = model_rope.apply_rope(x, table, positions)
-        assert torch.equal(rope_ref.apply_rope(x, table, positions), want)
-        assert torch.equal(apply_rope(x, table, positions), want)
-
-
-@pytest.mark.parametrize("dtype", LOW)
-def test_swiglu_reference_is_the_model_feed_forward(dtype):
-    ff = FeedForward(16, 40).to(dtype)
-    x = torch.randn(2, 3, 16).to(dtype)
-    a, b = ff.w1(x), ff.w3(x)
-    assert torch.equal(swiglu_ref.swiglu(a, b), F.silu(a) * b)
-    fused = FeedForward(16, 40, fused=True).to(dtype)
-    fused.load_state_dict(ff.state_dict())
-    assert torch.equal(fused(x), ff(x))
 
 
 # ---- closed-form backward references vs autograd through the forward reference -------------------
@@ -176,7 +136,7 @@ def test_model_with_fused_flags_gives_the_same_loss_and_grads(with_positions):
     fused.load_state_dict(plain.state_dict())
     block = fused.layers["0"]
     assert fused.norm.fused and block.ffn_norm.fused and block.feed_forward.fused
-    assert block.attention.apply_rope is apply_rope  # the fused op, not loom.models.common.rope's
+    assert block.attention.apply_rope is apply_rope  # the fused op, not the reference
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, 16) if with_positions else None
     losses = []

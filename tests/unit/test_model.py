@@ -55,7 +55,7 @@ def test_residual_init_depth_scales_only_the_residual_projections():
 def test_residual_init_reaches_the_model_from_the_config():
     from loom.config import build_config
     from loom.data.tokenizers import ByteTokenizer
-    from loom.train.trainer import resolve_model_args
+    from loom.resolve import resolve_model_args
 
     tok = ByteTokenizer()
     assert resolve_model_args(build_config(None, {}), tok).residual_init == "flat"

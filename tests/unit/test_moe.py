@@ -106,6 +106,26 @@ def test_balance_loss_gradient_enters_through_backward_only():
     assert ref.router.gate.weight.grad.sub(_grad_without_aux(x)).abs().max() > 1e-6  # the aux term is not nothing
 
 
+def test_the_parallel_extension_point_left_empty_changes_nothing():
+    """``MoE.parallel`` is the block's one extension point: loom.parallel's object with no group filled in (no
+    DTensors, no shards, no exchange) computes bit for bit what the default does, balance gradient included."""
+    from loom.models.common.moe import LOCAL_EXPERTS
+    from loom.parallel.expert_parallel import MoEParallel, moe_parallel
+
+    x = torch.randn(2, 6, 16)
+    runs = []
+    for install in (False, True):
+        m = _moe(aux=0.5)
+        assert m.parallel is LOCAL_EXPERTS
+        if install:
+            assert isinstance(moe_parallel(m), MoEParallel) and isinstance(m.parallel, MoEParallel)
+        out = m(x)
+        out.square().sum().backward()
+        runs.append((out, [p.grad for p in m.parameters()], m.balance_sum))
+    (a, ga, ba), (b, gb, bb) = runs
+    assert torch.equal(a, b) and torch.equal(ba, bb) and all(torch.equal(u, v) for u, v in zip(ga, gb))
+
+
 def _grad_without_aux(x):
     m = _moe(aux=0.0)
     m(x).square().sum().backward()
@@ -130,7 +150,7 @@ def test_flops_count_the_router_and_top_k_experts():
 ])
 def test_unsupported_moe_settings_name_the_field(overrides, field):
     from loom.data import build_tokenizer
-    from loom.train.trainer import resolve_model_args
+    from loom.resolve import resolve_model_args
 
     cfg = build_config(None, overrides)
     with pytest.raises(ConfigError) as err:
@@ -176,10 +196,10 @@ def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
 def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
     from loom.data import build_tokenizer
     from loom.parallel.dims import ParallelDims
-    from loom.train.trainer import resolve_model_args
+    from loom.resolve import check_model, resolve_model_args
 
     cfg = build_config(None, overrides)
     with pytest.raises(ConfigError) as err:
         dims = ParallelDims.from_config(cfg.parallel, world)
-        dims.check_model(resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), cfg.parallel)
+        check_model(dims, resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), cfg.parallel)
     assert err.value.field == field and says in str(err.value)

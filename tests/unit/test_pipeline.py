@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from loom.config import ConfigError, build_config
+from loom.config.sections import ParallelConfig
 from loom.models.llama import FLAVORS, Llama
+from loom.parallel.dims import ParallelDims
+from loom.resolve import check_config, check_model
 from loom.parallel.pipeline import (balanced_counts, build_stage, head_cost, layer_cost, split_layers, stage_ids,
                                     stage_rank, theoretical_bubble)
 
@@ -41,9 +44,9 @@ def test_manual_split_uneven_and_errors():
     assert split_layers(args, 3, 32, [1, 3, 1]) == [[0], [1, 2, 3], [4]]
     assert split_layers(args, 2, 32, [0, 5]) == [[], [0, 1, 2, 3, 4]]  # the first stage: embedding only
     with pytest.raises(ConfigError, match="stage 1 would hold nothing"):
-        split_layers(args, 3, 32, [2, 0, 3])
+        check_config(build_config(None, overrides(parallel__pp=3, parallel__pp_layers_per_stage="[2, 0, 3]")))
     with pytest.raises(ConfigError, match="each stage needs a layer"):
-        split_layers(args, 6, 32)
+        check_model(ParallelDims.from_config(ParallelConfig(pp=6), 6), args, ParallelConfig(pp=6))
 
 
 @pytest.mark.parametrize("schedule,per_rank", [("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 3), ("zbv", 2)])
@@ -111,9 +114,9 @@ def test_config_rules_for_pipeline_fields():
     with pytest.raises(ConfigError, match="whole numbers"):
         build_config(None, overrides(parallel__pp=2, parallel__pp_layers_per_stage="[1.5, 0.5]"))
     with pytest.raises(ConfigError, match="runs one stage per rank"):
-        build_config(None, overrides(parallel__pp_schedule="1f1b", parallel__pp_virtual_stages=2))
+        check_config(build_config(None, overrides(parallel__pp_schedule="1f1b", parallel__pp_virtual_stages=2)))
     with pytest.raises(ConfigError, match="model.init_from"):
-        build_config(None, overrides(model__n_layers=4, model__init_from="/"))
+        check_config(build_config(None, overrides(model__n_layers=4, model__init_from="/")))
 
 
 class _Scale(torch.autograd.Function):
@@ -175,3 +178,14 @@ def test_split_backward_keeps_each_chunks_graph_until_its_weight_pass(tmp_path):
     for got, want in zip(stages, reference):
         for p, q in zip(got.parameters(), want.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_schedule_names_are_the_config_choices():
+    """loom.parallel.pipeline names the schedules; the config field allows exactly those."""
+    import dataclasses
+
+    from loom.parallel.pipeline import SCHEDULES, SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED
+
+    field = next(f for f in dataclasses.fields(ParallelConfig) if f.name == "pp_schedule")
+    assert set(field.metadata["choices"]) == set(SCHEDULES)
+    assert set(SINGLE_STAGE) | set(V_SHAPED) | set(SPLIT_BACKWARD) <= set(SCHEDULES)

@@ -1,6 +1,6 @@
 """The planner (loom.plan, ``loom plan``): parameter shares against a real (meta) model, the activation tracer
 against what a block must keep, pipeline in-flight counts, and the estimates against the memory and throughput
-measured on GPUs in bench/results (the accuracy docs/planner.md states)."""
+measured on GPUs (tests/data/plan_runs.json: the accuracy docs/planner.md states)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from loom.plan.memory import pipeline_peak
 from loom.plan.planner import estimate, search
 from loom.plan.shapes import rank_shares
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+RUNS = os.path.join(os.path.dirname(__file__), "..", "data", "plan_runs.json")
 LOOM = os.path.join(os.path.dirname(sys.executable), "loom")
 
 
@@ -83,7 +83,7 @@ def test_sharding_divides_the_state_and_bad_layouts_raise():
                       training__micro_batch_size=1), 3, GPUS["H100"])
 
 
-# Runs measured on GPUs, read from bench/results: (file, row, config overrides, world size, GPU).
+# Runs measured on GPUs, figures from tests/data/plan_runs.json: (result file, row, config overrides, world size).
 # Runs at commit 331166b predate loom's fused kernels: their kernels are pinned to what ran.
 _OLD = dict(model__attention="sdpa", model__fused_norm="false", model__fused_rope="false",
             model__fused_swiglu="false", model__fused_loss="false")
@@ -113,9 +113,9 @@ MEASURED = [
 
 
 def _measured(name: str, row: str) -> dict:
-    with open(os.path.join(RESULTS, name)) as f:
-        rows = json.load(f)["results"]
-    return next(r for r in rows if r["layout"] == row)
+    with open(RUNS) as f:
+        runs = json.load(f)["runs"]
+    return next(r for r in runs if r["file"] == name and r["row"] == row)
 
 
 @pytest.mark.parametrize("name,row,over,world", MEASURED, ids=[f"{m[0][:-5]}:{m[1]}" for m in MEASURED])
@@ -203,7 +203,7 @@ def test_compiled_blocks_leave_only_the_root_in_autocasts_cache():
     assert autocast_cache(share, args, MemoryInputs(**{**x.__dict__, "fsdp": True}), False, 0.0) == 0.0
 
 
-# MoE runs on one H100 (bench/results): the planner's memory -5%..+15%, its throughput within 20% (the
+# MoE runs on one H100 (tests/data/plan_runs.json): the planner's memory -5%..+15%, its throughput within 20% (the
 # runs predicted at dc1b8aa before measuring included; not the eager op-AC run, host-bound: docs/planner.md)
 _MOE = dict(model__flavor="1B", model__moe_experts=8, model__moe_ffn_dim=2048, training__seq_len=2048,
             training__dtype="bfloat16", training__global_batch_size=4, training__micro_batch_size=4,
@@ -291,24 +291,3 @@ def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
     assert ep_etp.time.ep == pytest.approx(2 * ep_rep.time.ep)
     best, _ = search(_cfg(**dict(tp, training__global_batch_size=4)), 4, GPUS["H200"], top=400)
     assert any(e.layout["etp"] > 1 for e in best)
-
-
-def test_plan_top_names_layouts_as_the_throughput_bench_parses_them():
-    """bench/plan_top.py turns the planner's best layout into bench/throughput.py arguments (issue 5 measures the
-    planner's proposal): every name it writes parses back to the same degrees."""
-    from bench.plan_top import layout_name, throughput_args
-    from bench.throughput import parse_layout
-
-    base = dict(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, ep=1, pp_schedule="1f1b", micro_batch_size=2,
-                activation_checkpointing="none")
-    cases = [dict(dp_shard=8), dict(dp_replicate=2, dp_shard=4), dict(dp_replicate=8), dict(dp_shard=4, tp=2),
-             dict(dp_shard=2, tp=2, pp=2, pp_schedule="interleaved_1f1b"), dict(dp_shard=4, cp=2)]
-    for case in cases:
-        layout = {**base, **case}
-        parsed = parse_layout(layout_name(layout))
-        for axis in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
-            assert parsed.get(axis, 1) == layout[axis], (case, layout_name(layout), parsed)
-        if layout["pp"] > 1:
-            assert parsed["pp_schedule"] == layout["pp_schedule"]
-    plan = {"search": {"best": [{"layout": {**base, "dp_shard": 8, "activation_checkpointing": "op"}}]}}
-    assert throughput_args(plan) == ["--layouts", "fsdp8", "--micro-batch", "2", "--ac", "op"]

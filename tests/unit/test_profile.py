@@ -9,8 +9,10 @@ import pytest
 
 from loom.config import ConfigError, build_config
 from loom.config.load import profile_window
+from loom.resolve import check_config
 from loom.config.sections import MetricsConfig
 from loom.train.trainer import Trainer
+from tests.tiny import tiny_config
 
 
 @pytest.mark.parametrize("text,window", [("", None), ("2:3", (2, 3)), (" 1 : 1 ", (1, 1)), ("10:20", (10, 20))])
@@ -26,7 +28,7 @@ def test_bad_window_is_a_config_error(text):
 
 def test_window_past_the_last_step_is_a_config_error():
     with pytest.raises(ConfigError, match=r"metrics.profile_steps = '4:6'.*<= training.steps \(5\)"):
-        build_config(None, {"training.steps": "5", "metrics.profile_steps": "4:6"})
+        check_config(build_config(None, {"training.steps": "5", "metrics.profile_steps": "4:6"}))
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +37,7 @@ def cache(tmp_path_factory) -> str:
 
 
 def run(run_dir, cache, **extra) -> Trainer:
-    overrides = {"run.dir": str(run_dir), "data.cache_dir": cache, "training.steps": "3", "training.seq_len": "32",
-                 "training.global_batch_size": "8", "training.micro_batch_size": "4", "optimizer.warmup_steps": "1",
-                 "metrics.every": "1", "metrics.tensorboard": "false", "checkpoint.at_end": "false", **extra}
-    trainer = Trainer(build_config(None, overrides))
+    trainer = Trainer(tiny_config(run_dir, cache, **{"training.steps": 3, "training.micro_batch_size": 4, **extra}))
     trainer.fit()
     return trainer
 

@@ -17,17 +17,15 @@ import torch
 
 from loom.checkpoint.manager import list_complete, step_dir_name
 from loom.cli.main import main as loom_main
+from tests.tiny import tiny_args
 from tests.unit.test_checkpoint_recovery import LOOM, env, records, truncate_shard
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def opts(run_dir, cache, **extra) -> list[str]:
-    o = {"run.dir": str(run_dir), "run.seed": 3, "run.deterministic": "true", "training.steps": 6,
-         "training.seq_len": 32, "training.global_batch_size": 4, "training.micro_batch_size": 2,
-         "optimizer.warmup_steps": 1, "metrics.every": 1, "metrics.tensorboard": "false", "data.cache_dir": cache}
-    o.update(extra)
-    return [f"--{k}={v}" for k, v in o.items()]
+    return tiny_args(run_dir, cache, **{"run.seed": 3, "run.deterministic": "true", "training.steps": 6,
+                                        "training.global_batch_size": 4, "checkpoint.at_end": None, **extra})
 
 
 def run_main(capsys, run_dir, cache, **extra) -> tuple[int, str, str]:
@@ -56,6 +54,7 @@ def cache(tmp_path_factory) -> str:
 
 
 # ---- lineage, fresh starts, corrupt folders ------------------------------------------------
+@pytest.mark.slow
 def test_an_old_runs_checkpoints_neither_block_nor_delete_a_new_runs(tmp_path, cache, capsys):
     """The issue's case: a 12-step run saved every step; a new 4-step run in the same dir with resume none."""
     run = tmp_path / "a"
@@ -115,8 +114,9 @@ def test_a_second_run_in_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, ca
 
 # ---- non-finite steps ---------------------------------------------------------------------
 # foreach decides on the host (a sync); loom's Triton AdamW (its reference on CPU) and PyTorch's fused AdamW skip
-# on the device and the host takes back its step counts a step later
-IMPLEMENTATIONS = ["foreach", "triton", "fused"]
+# on the device and the host takes back its step counts a step later (the quick loop, -m "not slow", runs foreach
+# here and triton in the device-side skip test)
+IMPLEMENTATIONS = ["foreach", *(pytest.param(impl, marks=pytest.mark.slow) for impl in ("triton", "fused"))]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -159,15 +159,22 @@ def test_stop_mode_stops_at_the_first_non_finite_step(tmp_path, cache, capsys):
 @pytest.fixture
 def poisoned_step(monkeypatch):
     """The batch of optimizer step 5 gives a NaN loss, wherever and however often it is trained on."""
+    from loom.train.steps import LocalStep
     from loom.train.trainer import Trainer
 
-    forward = Trainer._forward_loss
+    train_step, loss_of = Trainer.train_step, LocalStep._loss
+    at = {"step": 0}
+
+    def counted(self, micro_batches):
+        at["step"] = self.step + 1
+        return train_step(self, micro_batches)
 
     def poisoned(self, mb):
-        loss = forward(self, mb)
-        return loss * float("nan") if self.step + 1 == 5 else loss
+        loss = loss_of(self, mb)
+        return loss * float("nan") if at["step"] == 5 else loss
 
-    monkeypatch.setattr(Trainer, "_forward_loss", poisoned)
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    monkeypatch.setattr(LocalStep, "_loss", poisoned)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -186,7 +193,7 @@ def test_rollback_skips_the_offending_batch_and_continues_like_skip(tmp_path, ca
         assert json.load(fh)["nonfinite"]["skip_steps"] == [5]  # a resumed run skips it too
 
 
-@pytest.mark.parametrize("impl", ["triton", "fused"])
+@pytest.mark.parametrize("impl", ["triton", pytest.param("fused", marks=pytest.mark.slow)])
 def test_a_skip_decided_on_the_device_is_a_skip_decided_on_the_host(tmp_path, cache, capsys, poisoned_step, impl):
     """Logged every 3rd step, so step 5's verdict is read a step late: the LR schedule and AdamW's step count are
     taken back as if the host had skipped the step itself (same LRs as foreach; the same steps in the saved state)."""
@@ -248,7 +255,7 @@ def wait_for_checkpoint(run_dir, proc, step: int = 7) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+@pytest.mark.parametrize("nproc", [1, *(pytest.param(n, marks=pytest.mark.slow) for n in (2, 4))])
 def test_sigterm_is_a_clean_stop_on_every_rank(tmp_path, cache, nproc):
     """The ranks agree at the next step (not the next logged one: metrics.every 1000), save and exit 0."""
     run = tmp_path / "pre"
@@ -265,6 +272,7 @@ def test_sigterm_is_a_clean_stop_on_every_rank(tmp_path, cache, nproc):
         assert f"loom: SIGTERM: the workers saved step {saved[0]} and stopped" in err
 
 
+@pytest.mark.slow
 def test_sigint_saves_like_sigterm_in_one_process(tmp_path, cache):
     run = tmp_path / "int"
     proc = start(run, cache)
@@ -288,6 +296,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_workers_stop_when_the_launcher_is_killed(tmp_path, cache):
     run = tmp_path / "orphans"
     proc = start(run, cache, nproc=2)

@@ -24,6 +24,7 @@ from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.train import resume_changes as rc
 from loom.train.precision import LossScaler
 from loom.train.schedule import SchedulerParts, lr_factor
+from tests.tiny import tiny_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, EVERY = 30, 10
@@ -270,15 +271,13 @@ def test_metrics_logger_rewind_inside_a_run(tmp_path):
 
 
 # ---- resumed runs (in process, the tiny debug model) ------------------------------------------------
+# All marked slow: they share a 30-step run; the quick loop (-m "not slow") keeps the unit tests above.
 
 def args(run_dir, cache, **extra) -> list[str]:
-    opts = {"run.dir": run_dir, "run.seed": 3, "run.deterministic": "true", "training.steps": STEPS,
-            "training.seq_len": 32, "training.global_batch_size": 4, "training.micro_batch_size": 2,
-            "optimizer.warmup_steps": 1, "checkpoint.every": EVERY, "checkpoint.keep": 0,
-            "metrics.every": 1, "metrics.tensorboard": "false", "metrics.progress": "false",
-            "data.cache_dir": cache}
-    opts.update(extra)
-    return [f"--{k}={v}" for k, v in opts.items()]
+    return tiny_args(run_dir, cache, **{"run.seed": 3, "run.deterministic": "true", "training.steps": STEPS,
+                                        "training.global_batch_size": 4, "checkpoint.every": EVERY,
+                                        "checkpoint.keep": 0, "checkpoint.at_end": None,
+                                        "metrics.progress": "false", **extra})
 
 
 def records(run_dir) -> list[dict]:
@@ -322,6 +321,7 @@ def changes_line(out: str) -> str | None:
     return lines[0] if lines else None
 
 
+@pytest.mark.slow
 def test_resume_from_step_20_keeps_each_step_once_and_continues_bitwise(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     assert [r["step"] for r in records(run_dir)] == list(range(1, 31))
@@ -339,6 +339,7 @@ def expected_lr(step: int, total: int, **opt) -> float:
     return cfg.lr * lr_factor(step - 1, total, cfg)  # metrics' step is 1-based
 
 
+@pytest.mark.slow
 def test_a_changed_lr_is_applied_and_printed(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "optimizer.lr": 0.01})
@@ -352,6 +353,7 @@ def test_a_changed_lr_is_applied_and_printed(base, cache, tmp_path, capsys):
     assert recs[21]["loss"] != records(base)[21]["loss"]  # ... its update used the new LR
 
 
+@pytest.mark.slow
 def test_more_steps_and_another_schedule_are_applied(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     recs, out = resume(run_dir, cache, capsys, **{"training.steps": 40, "optimizer.schedule": "linear"})
@@ -362,6 +364,7 @@ def test_more_steps_and_another_schedule_are_applied(base, cache, tmp_path, caps
     assert recs[-1]["lr"] == pytest.approx(1e-4)  # the new schedule ends at min_lr_ratio x peak
 
 
+@pytest.mark.slow
 def test_weight_decay_and_betas_reach_the_optimizer(base, cache, tmp_path):
     from loom.train.trainer import Trainer
 
@@ -376,6 +379,7 @@ def test_weight_decay_and_betas_reach_the_optimizer(base, cache, tmp_path):
     assert no_decay["weight_decay"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_changed_seq_len_goes_on_from_the_same_data_position(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20),
@@ -388,6 +392,7 @@ def test_a_changed_seq_len_goes_on_from_the_same_data_position(base, cache, tmp_
     assert loader_state["seq_len"] == 16 and loader_state["consumed"] == 2 * 20 * 4 + 10 * 4  # twice the windows
 
 
+@pytest.mark.slow
 def test_a_changed_global_batch_size_continues_the_sample_order(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20),
@@ -398,6 +403,7 @@ def test_a_changed_global_batch_size_continues_the_sample_order(base, cache, tmp
         assert json.load(fh)["loader"]["consumed"] == 20 * 4 + 10 * 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,named", [
     ({"model.n_layers": 3}, ["model.n_layers 0 -> 3"]),
     ({"model.flavor": "debug_moe"}, ["model.flavor debug -> debug_moe"]),
@@ -425,6 +431,7 @@ def test_a_shape_change_is_one_line_exit_2_before_any_worker(base, cache, tmp_pa
         assert part in err
 
 
+@pytest.mark.slow
 def test_the_trainer_refuses_a_shape_change_before_reading_weights(base, cache, tmp_path, monkeypatch):
     """Without the CLI's precheck (the Python API, torchrun -m loom.train), the trainer checks before loading."""
     from loom.checkpoint.manager import CheckpointManager
@@ -443,6 +450,7 @@ def test_the_trainer_refuses_a_shape_change_before_reading_weights(base, cache, 
     assert isinstance(err.value, UserError)
 
 
+@pytest.mark.slow
 def test_precheck_finds_the_checkpoint_auto_picks(base, cache, tmp_path):
     run_dir = copy_run(base, tmp_path)
     cfg = build_config(None, dict(a[2:].split("=", 1) for a in args(run_dir, cache, **{"run.seed": 4})))

@@ -1,9 +1,9 @@
-"""bench/trace_summary.py on a synthetic trace: categories, per-step division (a step's GPU-row copy is not
+"""loom.metrics.trace_summary on a synthetic trace: categories, per-step division (a step's GPU-row copy is not
 a second step), idle time between kernels."""
 
 from __future__ import annotations
 
-from bench.trace_summary import category, summarize
+from loom.metrics.trace_summary import category, summarize
 
 
 def kernel(name, ts, dur):

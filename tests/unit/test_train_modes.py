@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from loom.config import build_config
 from loom.train.trainer import Trainer
 from tests.distributed.harness import losses, run_jobs
+from tests.tiny import tiny_config, tiny_overrides
 
 STEPS = 4
 
@@ -21,17 +21,12 @@ def cache(tmp_path_factory) -> str:
 
 
 def overrides(tmp_path, cache, name, **extra) -> dict:
-    d = {"run.dir": str(tmp_path / name), "data.cache_dir": cache, "run.seed": 7, "training.steps": STEPS,
-         "training.seq_len": 32, "training.global_batch_size": 8, "training.micro_batch_size": 4,
-         "optimizer.warmup_steps": 1, "optimizer.lr": 3e-3, "metrics.every": 1, "metrics.tensorboard": "false",
-         "checkpoint.at_end": "false"}
-    d.update(extra)
-    return d
+    return tiny_overrides(tmp_path / name, cache, **{"run.seed": 7, "training.steps": STEPS,
+                                                     "training.micro_batch_size": 4, "optimizer.lr": 3e-3, **extra})
 
 
 def train(tmp_path, cache, name, **extra) -> tuple[Trainer, list[dict]]:
-    cfg = build_config(None, {k: str(v) for k, v in overrides(tmp_path, cache, name, **extra).items()})
-    trainer = Trainer(cfg)
+    trainer = Trainer(tiny_config(**overrides(tmp_path, cache, name, **extra)))
     return trainer, trainer.fit()
 
 
@@ -51,7 +46,9 @@ def is_checkpointed(block) -> bool:
     return isinstance(block, CheckpointWrapper)
 
 
-@pytest.mark.parametrize("mode,wrapped", [("full", [True, True]), ("every_k", [True, False]), ("op", [True, True])])
+@pytest.mark.parametrize("mode,wrapped", [("full", [True, True]),
+                                          pytest.param("every_k", [True, False], marks=pytest.mark.slow),
+                                          pytest.param("op", [True, True], marks=pytest.mark.slow)])
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache, eager, mode, wrapped):
     trainer, records = train(tmp_path, cache, mode, **{"training.activation_checkpointing": mode,
                                                        "training.ac_every": 2})
@@ -60,6 +57,7 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache, eager, 
     assert max_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in eager]) < 1e-5
 
 
+@pytest.mark.slow
 def test_compile_matches_eager(tmp_path, cache, eager):
     """The one torch.compile test (cold compiles cost tens of seconds on a CPU)."""
     trainer, records = train(tmp_path, cache, "compiled", **{"training.compile": "true"})
@@ -74,6 +72,7 @@ def test_float16_with_dynamic_loss_scaling(tmp_path, cache, eager):
     assert trainer.scaler.scale == 2.0**16
 
 
+@pytest.mark.slow
 def test_float16_overflow_is_skipped_and_counted(tmp_path, cache):
     """A huge initial scale overflows: each such step is skipped (no optimizer or LR step) and counted, and the
     scale halves until steps go through."""
@@ -95,6 +94,7 @@ def test_float16_overflow_is_skipped_and_counted(tmp_path, cache):
     assert lines[0]["grad_norm"] is None and lines[0]["skipped_steps"] == 1  # an overflowed norm is null
 
 
+@pytest.mark.slow
 def test_fsdp_cpu_offload_matches(tmp_path, cache):
     base = overrides(tmp_path, cache, "fsdp", **{"parallel.dp_shard": 2, "training.micro_batch_size": 2})
     plain, offload = run_jobs(2, [base, {**base, "run.dir": str(tmp_path / "offload"),

@@ -1,8 +1,6 @@
 """PyTorch's FlexAttention as a backend (``model.attention = flex``): causal attention, packed documents by a block
-mask. Not a kernel of ours: PyTorch generates it (Triton under ``torch.compile``). It beat ours on packed documents
-with head dim 128 on an H100 before the Gluon kernels (0.89x, bench/NOTES.md v15; ours is 1.32-1.37x it now in
-bench/results/kernels_docs_h100.md) and end to end the two stay within a few %, so ``auto`` times it against ours
-for packed documents.
+mask. Not a kernel of ours: PyTorch generates it (Triton under ``torch.compile``); ``auto`` times it against ours
+for packed documents, where the two are close on some shapes (docs/kernels.md).
 
 The block mask is built from the documents' first keys at block granularity (``block_ranges``: O((S/128)^2) work per
 sample, cheap enough to redo in every layer) rather than by evaluating a mask function over all S x S pairs as
@@ -78,7 +76,7 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     # one compiled function per process; dynamic=False: a shape change recompiles rather than turning it dynamic
-    # (dynamic Flex kernels ran far slower: bench/NOTES.md, "v3")
+    # (dynamic Flex kernels are slower: docs/kernels.md)
     return torch.compile(flex_attention, dynamic=False)
 
 

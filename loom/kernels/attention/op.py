@@ -1,21 +1,14 @@
 """FlashAttention as ``torch.library`` custom ops (``loom::flash_attn`` and its backward), and the public
-``flash_attention`` function. CUDA runs the Triton kernels; CPU runs the reference (or the Triton kernels in
-the CPU interpreter with TRITON_INTERPRET=1). Fake implementations let ``torch.compile`` trace the op."""
+``flash_attention`` function. Each call runs on the kernels ``loom.kernels.dispatch`` names: the reference,
+the Triton kernels (CUDA, or the CPU interpreter with TRITON_INTERPRET=1) or the Gluon Hopper kernels. Fake
+implementations let ``torch.compile`` trace the op."""
 
 from __future__ import annotations
 
 import torch
 
+from loom.kernels import dispatch
 from loom.kernels.attention import reference
-from loom.kernels.triton_support import triton_runs_on
-
-
-def _impl(device: torch.device):
-    if triton_runs_on(device):
-        from loom.kernels.attention import triton as kernels
-
-        return kernels
-    return reference
 
 
 def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -26,15 +19,59 @@ def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == target.stride() else target.copy_(t)
 
 
+def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
+    """(out like q, lse (B, Hq, S) float32) on the kernels ``dispatch.forward_kernel`` picks."""
+    kernel = dispatch.forward_kernel(q, k, v, key_bounds, window)
+    if kernel == "reference":
+        out, lse = reference.attention_forward(q, k, v, causal, bounds, window, scale, key_bounds)
+        return _as_promised(out, q), lse.contiguous()
+    from loom.kernels.attention import triton as T
+
+    if kernel == "triton":
+        return T.attention_forward(q, k, v, causal, bounds, window, scale, key_bounds)
+    from loom.kernels.attention.hopper import launch as H
+
+    T.check_inputs(q, k, v, bounds, window, key_bounds)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    H.forward(q, k, v, out, lse, causal, bounds, scale, T.seq_key(q.shape[2]))
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
+                       key_bounds=None):
+    """(dq, dk, dv) on the kernels ``dispatch.backward_kernels`` picks; ``dlse``: the gradient flowing into the
+    log-sum-exp, or None."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dkdv, dq_kernel = dispatch.backward_kernels(q, k, v, dout, bounds, key_bounds, window)
+    if dkdv == "reference":
+        dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale,
+                                                  key_bounds)
+        return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
+    from loom.kernels.attention import triton as T
+
+    if dkdv == "triton":
+        return T.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale, key_bounds)
+    from loom.kernels.attention.hopper import launch as H
+
+    T.check_inputs(q, k, v, bounds, window, key_bounds)
+    delta, lse2 = T.backward_preprocess(dout, out, lse, dlse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    key = T.seq_key(q.shape[2])
+    H.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, key, persistent=dkdv == "hopper_persistent")
+    if dq_kernel == "hopper":
+        H.dq(q, k, v, dout, lse2, delta, dq, causal, bounds, scale, key)
+    else:
+        T.triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
+    return dq, dk, dv
+
+
 @torch.library.custom_op("loom::flash_attn", mutates_args=())
 def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None,
                   key_bounds: torch.Tensor | None, causal: bool, window: int,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    impl = _impl(q.device)
-    out, lse = impl.attention_forward(q, k, v, causal, bounds, window, scale, key_bounds)
-    if impl is reference:
-        out, lse = _as_promised(out, q), lse.contiguous()
-    return out, lse
+    return attention_forward(q, k, v, causal, bounds, window, scale, key_bounds)
 
 
 @flash_attn_op.register_fake
@@ -47,11 +84,7 @@ def flash_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            lse: torch.Tensor, dlse: torch.Tensor | None, bounds: torch.Tensor | None,
                            key_bounds: torch.Tensor | None, causal: bool, window: int,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    impl = _impl(q.device)
-    dq, dk, dv = impl.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale, key_bounds)
-    if impl is reference:
-        dq, dk, dv = _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
-    return dq, dk, dv
+    return attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale, key_bounds)
 
 
 @flash_attn_backward_op.register_fake

@@ -7,7 +7,8 @@ Grouped-query attention reads K/V at head ``h // group``: K and V are never repe
 dK/dV program of a KV head loops over its query heads, so no atomics are needed.
 
 Plain pointer arithmetic (no block pointers / tensor descriptors): runs on triton 3.6 and newer, and
-in the CPU interpreter for small fp32 cases. Imported only when Triton kernels run.
+in the CPU interpreter for small fp32 cases. Kernels and launchers only: which kernels run a call is
+``loom.kernels.dispatch``'s choice.
 """
 
 from __future__ import annotations
@@ -397,7 +398,7 @@ _INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M"
                        "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
 
 
-def _seq_key(seq: int) -> int:
+def seq_key(seq: int) -> int:
     """Autotuning key for a sequence length: the next power of two (at least 256), so that new lengths
     reuse the configs measured for their bucket instead of tuning again."""
     return max(256, 1 << (seq - 1).bit_length())
@@ -449,66 +450,38 @@ def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
 
 
 def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
-    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32). ``key_bounds`` is only
-    read by the backward (the forward walks query rows). On Hopper, the persistent warp-specialized Gluon forward
-    runs wherever ``hopper.supports`` the call (bench/NOTES.md v21: 1.06-1.28x this kernel)."""
+    """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32) by the Triton forward.
+    ``key_bounds`` is only read by the backward (the forward walks query rows)."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
-    hopper = _hopper()
-    if hopper is not None and hopper.supports(q, k, v, out, window, key_bounds):
-        hopper.forward(q, k, v, out, lse, causal, bounds, scale, _seq_key(seq))
-    else:
-        triton_forward(q, k, v, out, lse, causal, bounds, window, scale)
+    triton_forward(q, k, v, out, lse, causal, bounds, window, scale)
     return out, lse
 
 
 def triton_forward(q, k, v, out, lse, causal: bool, bounds, window: int, scale: float) -> None:
-    """Fill out and lse with the Triton forward kernel (on every GPU; the Hopper tests compare against it)."""
+    """Fill out and lse with the Triton forward kernel."""
     bsz, hq, seq, dim = q.shape
     kernel, blocks = _kernel("fwd")
     grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)  # noqa: E731
     kernel[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                 *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, _seq_key(seq), scale * LOG2E, CAUSAL=causal,
+                 *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, seq_key(seq), scale * LOG2E, CAUSAL=causal,
                  HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, **blocks)
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
                        key_bounds=None):
-    """Gradients (dq, dk, dv); ``dlse`` (B, Hq, S) or None is the gradient flowing into the log-sum-exp.
-    Two launches, dK/dV then dQ: one launch holding both kinds of programs was measured twice (bench/NOTES.md
-    v4, v8): slower for d128, GQA and packed documents, at most 3.5% faster for d64 MHA. On Hopper, dK/dV of the
-    cases ``hopper.supports`` names come from the warp-specialized Gluon kernel (``hopper.py``, NOTES v14-v16),
-    and dQ too where ``hopper.dq_wins``; the persistent dK/dV where ``hopper.persistent_dkdv_wins``."""
+    """Gradients (dq, dk, dv) by the Triton kernels, dK/dV then dQ (two launches); ``dlse`` (B, Hq, S) or None
+    is the gradient flowing into the log-sum-exp."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     delta, lse2 = backward_preprocess(dout, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    hopper = _hopper()
-    on_hopper = hopper is not None and hopper.supports(q, k, v, dout, window, key_bounds)
-    if on_hopper:
-        hopper.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, _seq_key(q.shape[2]),
-                    persistent=hopper.persistent_dkdv_wins(q.shape[-1], q.shape[1], k.shape[1], bounds))
-    else:
-        triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
-    if on_hopper and hopper.dq_wins(q.shape[-1], bounds):
-        hopper.dq(q, k, v, dout, lse2, delta, dq, causal, bounds, scale, _seq_key(q.shape[2]))
-    else:
-        triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
+    triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
+    triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
     return dq, dk, dv
-
-
-def _hopper():
-    """The Gluon Hopper kernels' module, or None in the interpreter or where this Triton has no Gluon."""
-    if interpreting():
-        return None
-    try:
-        from loom.kernels.attention import hopper
-    except ImportError:
-        return None
-    return hopper
 
 
 def backward_preprocess(dout, out, lse, dlse):
@@ -527,7 +500,7 @@ def _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale):
     bsz, hq, seq, dim = q.shape
     args = (q, k, v, dout, lse2, delta)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    tail = (seq, hq, hq // k.shape[1], bsz, _seq_key(seq), scale * LOG2E, scale)
+    tail = (seq, hq, hq // k.shape[1], bsz, seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
     return args, strides, tail, common
 

@@ -31,13 +31,11 @@ def default_chunk_tokens(vocab: int, dim: int, dtype: torch.dtype, with_grads: b
     """Rows per chunk: the (rows, vocab) logits buffer in ``dtype`` fits ``CHUNK_BYTES`` (256 MiB), or,
     when gradients are computed in bf16/fp16, the size of grad_weight (vocab x dim in ``dtype``) if that
     is larger: the fp32 grad_weight accumulator and its cast already hold three times that, so such a
-    chunk adds nothing to the peak, and fewer chunks mean fewer read-modify-writes of the accumulator.
-    Measured on an H100 (N=8192, V=128256, bf16, forward+backward): 2048 rows instead of 1024 took
-    E=2048 from 25.1 to 22.2 ms, 4096 rows took E=4096 from 49.1 to 41.6 ms, same peak.
-    Rounded down to a multiple of 128 rows (matmul tiles) when there is room; at least 1 row.
-    V = 128256 in bf16: 1024 rows without gradients (250 MiB), ``dim`` rows with them. The torch
-    per-chunk CE upcasts a bf16/fp16 chunk to fp32 on the side (three times the buffer); the Triton
-    kernel needs nothing."""
+    chunk adds nothing to the peak, and fewer chunks mean fewer read-modify-writes of the accumulator
+    (faster at the same peak: docs/kernels.md). Rounded down to a multiple of 128 rows (matmul tiles) when
+    there is room; at least 1 row. V = 128256 in bf16: 1024 rows without gradients (250 MiB), ``dim`` rows
+    with them. The torch per-chunk CE upcasts a bf16/fp16 chunk to fp32 on the side (three times the buffer);
+    the Triton kernel needs nothing."""
     elem = torch.empty((), dtype=dtype).element_size()
     budget = max(CHUNK_BYTES, vocab * dim * elem) if with_grads and elem < 4 else CHUNK_BYTES
     rows = budget // max(1, vocab * elem)

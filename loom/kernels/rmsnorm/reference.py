@@ -1,8 +1,8 @@
-"""RMSNorm in plain PyTorch: the definition the Triton kernel is tested against, and the CPU path.
+"""RMSNorm in plain PyTorch: the model's unfused path (``loom.models.common.layers.RMSNorm``), the CPU path of
+the op, and the definition the Triton kernel is tested against.
 
-Forward is the model's math exactly (``loom.models.common.layers.RMSNorm``): statistics in fp32, the
-normalized value rounded to x's dtype, then times the weight rounded to x's dtype.
-Backward is the closed form, computed in fp32 and rounded once (what the Triton kernel computes)."""
+Forward: statistics in fp32, the normalized value rounded to x's dtype, then times the weight rounded to x's
+dtype. Backward is the closed form, computed in fp32 and rounded once (what the Triton kernel computes)."""
 
 from __future__ import annotations
 

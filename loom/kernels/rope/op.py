@@ -63,7 +63,7 @@ apply_rope_op.register_autograd(_backward, setup_context=_setup_context)
 def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     """x: (B, S, H, D); table: (2, L, D) cos and sin (``rope_table``); positions: (B, S) or None for 0..S-1.
 
-    The same values as ``loom.models.common.rope.apply_rope``; no gradient flows to table or positions."""
+    The same values as ``reference.apply_rope``; no gradient flows to table or positions."""
     if x.dim() != 4 or table.dim() != 3 or table.shape[-1] != x.shape[-1] or x.shape[-1] % 2:
         raise ValueError(f"apply_rope: x {tuple(x.shape)} must be (B, S, H, D) with D even and the table "
                          f"{tuple(table.shape)} (2, L, D)")

@@ -1,8 +1,8 @@
-"""RoPE in plain PyTorch: the definition the Triton kernel is tested against, and the CPU path.
+"""RoPE in plain PyTorch: the model's unfused path (``loom.models.common.layers.Attention``), the CPU path of the
+op, and the definition the Triton kernel is tested against.
 
-Forward is ``loom.models.common.rope.apply_rope`` exactly (rotate-half convention, fp32 math, one
-rounding to x's dtype). RoPE is linear in x: with x = [x1, x2] (halves of the head dim) and the table's
-cos = [c1, c2], sin = [s1, s2],
+Forward: rotate-half convention, fp32 math, one rounding to x's dtype. RoPE is linear in x: with x = [x1, x2]
+(halves of the head dim) and the table's cos = [c1, c2], sin = [s1, s2],
     out = [x1 c1 - x2 s1,  x2 c2 + x1 s2]   and   dx = [g1 c1 + g2 s2,  g2 c2 - g1 s1].
 The table is a constant (a buffer): no gradient flows to it or to the positions."""
 

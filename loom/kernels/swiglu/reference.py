@@ -1,7 +1,8 @@
-"""SwiGLU gate in plain PyTorch: the definition the Triton kernel is tested against, and the CPU path.
+"""SwiGLU gate in plain PyTorch: the model's unfused path (``loom.models.common.layers.FeedForward``), the CPU path
+of the op, and the definition the Triton kernel is tested against.
 
-Forward is the model's math exactly (``FeedForward``: ``silu(w1 x) * w3 x``, silu rounded to the input
-dtype before the product). Backward is the closed form in fp32 (fp64 for fp64 input, as forward), rounded once:
+Forward: ``silu(a) * b``, silu rounded to the input dtype before the product. Backward is the closed form in fp32
+(fp64 for fp64 input, as forward), rounded once:
     d a = g * b * sig(a) * (1 + a * (1 - sig(a))),   d b = g * silu(a)."""
 
 from __future__ import annotations

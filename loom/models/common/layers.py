@@ -10,13 +10,16 @@ from loom.kernels.attention.flex import flex_attend
 from loom.kernels.attention.op import flash_attention
 from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, document_starts, visible
 from loom.kernels.rmsnorm.op import rms_norm
+from loom.kernels.rmsnorm.reference import rms_norm as rms_norm_reference
 from loom.kernels.rope.op import apply_rope as fused_apply_rope
+from loom.kernels.rope.reference import apply_rope
 from loom.kernels.swiglu.op import swiglu
-from loom.models.common.rope import apply_rope
+from loom.kernels.swiglu.reference import swiglu as swiglu_reference
 
 
 class RMSNorm(nn.Module):
-    """``fused``: one ``loom::rms_norm`` op (Triton on CUDA), the same math as below."""
+    """RMSNorm with fp32 statistics (``loom.kernels.rmsnorm.reference``); ``fused``: the same math as one
+    ``loom::rms_norm`` op (Triton on CUDA)."""
 
     def __init__(self, dim: int, eps: float, fused: bool = False):
         super().__init__()
@@ -25,11 +28,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return rms_norm(x, self.weight, self.eps)
-        xf = x.float()  # statistics in fp32 whatever the compute dtype
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight.type_as(x)
+        return (rms_norm if self.fused else rms_norm_reference)(x, self.weight, self.eps)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
@@ -43,16 +42,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
         return flash_attention(q, k, v, causal=True, bounds=bounds)
     gqa = q.shape[1] != k.shape[1]
     mask = None if bounds is None else visible(q.shape[2], True, bounds, 0, q.device)  # (B, 1, S, S), slower
-    # PyTorch's own backend choice: on Hopper/Blackwell with cuDNN > 9.15 (torch 2.11's wheels) that is cuDNN first,
-    # measured fastest for causal attention on H100 (bench/results/kernels_*_h100.md). No ``sdpa_kernel(...,
-    # set_priority=True)`` here: it stopped PyTorch from switching its process-wide order to cuDNN first, so after
-    # it every other SDPA call in the process (transformers' compiled model: memory-efficient attention, 24% slower
-    # steps) got FlashAttention-2's order (bench/NOTES.md v22).
+    # SDPA picks its own backend; no sdpa_kernel(..., set_priority=True) context: it changes other SDPA calls'
+    # choice in the process (docs/kernels.md)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
+class LocalContext:
+    """``Attention.context`` by default: this rank holds whole sequences. Context parallelism installs its own
+    (``loom.parallel.context_parallel.ContextParallel``): this rank's share of each sequence, attended across ranks."""
+
+    def rope_positions(self, positions: torch.Tensor | None, bsz: int, seq: int, device) -> torch.Tensor | None:
+        """RoPE positions of this rank's (B, S) tokens: the per-document ``positions`` of packed documents, or None
+        for 0..S-1."""
+        return positions
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+               backend: str) -> torch.Tensor:
+        """Causal attention of q (B, Hq, S, D) over k/v (B, Hkv, S, D) (``attend``)."""
+        return attend(q, k, v, backend, positions)
+
+
+LOCAL_CONTEXT = LocalContext()  # stateless: shared by every attention module until loom.parallel replaces it
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention; head counts are read from weight shapes so TP can shard them."""
+    """Causal grouped-query attention; head counts are read from weight shapes so TP can shard them.
+
+    ``context``, the module's one extension point: the sequences x's tokens belong to, which give their RoPE
+    positions and what they attend to (``LocalContext``; context parallelism installs its own)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, fused_rope: bool = False,
                  backend: str = "sdpa"):
@@ -64,30 +81,25 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
-        # set by loom.parallel.context_parallel.apply_context_parallel: x is then this rank's share of the
-        # sequence, and the ContextParallel object knows its positions and attends across ranks
-        self.context_parallel = None
+        self.context = LOCAL_CONTEXT
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        bsz, seq, _ = x.shape  # (B, S, E); S = this rank's tokens under context parallelism
-        cp = self.context_parallel
-        documents = positions  # per-document positions of packed documents (this rank's tokens), or None
-        if cp is not None and positions is None:  # RoPE positions: where this rank's tokens sit in the sequence
-            positions = cp.positions(seq, x.device).expand(bsz, seq)  # (B, S)
+        """x (B, S, E): this rank's tokens; ``positions`` (B, S): their per-document positions (packed
+        documents), or None."""
+        bsz, seq, _ = x.shape
+        rope_at = self.context.rope_positions(positions, bsz, seq, x.device)  # (B, S), or None: 0..S-1
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hq, D)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
-        q, k = self.apply_rope(q, rope, positions), self.apply_rope(k, rope, positions)
+        q, k = self.apply_rope(q, rope, rope_at), self.apply_rope(k, rope, rope_at)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        if cp is not None:
-            out = cp.attend(q, k, v, documents)  # (B, Hq, S, D)
-        else:
-            out = attend(q, k, v, self.backend, documents)
+        out = self.context.attend(q, k, v, positions, self.backend)  # (B, Hq, S, D)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))  # (B, S, E)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); ``fused``: the gate as one ``loom::swiglu`` op (Triton on CUDA)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), the gate from ``loom.kernels.swiglu.reference``; ``fused``: the gate as one
+    ``loom::swiglu`` op (Triton on CUDA)."""
 
     def __init__(self, dim: int, hidden: int, fused: bool = False):
         super().__init__()
@@ -97,6 +109,4 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.w2(swiglu(self.w1(x), self.w3(x)))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2((swiglu if self.fused else swiglu_reference)(self.w1(x), self.w3(x)))

@@ -1,53 +1,18 @@
-"""Mixture of experts, plain single-device PyTorch: a router sends each token to ``top_k`` of ``n_experts``
-SwiGLU experts and sums their outputs weighted by the router's (renormalized) probabilities.
-
-Dropless: every token reaches every expert it picks (no capacity factor, no token dropping), so the output
-of a token depends only on that token, whatever the batch, the micro-batch split or the data-parallel
-layout.
-
-Load balancing: the sequence-wise auxiliary loss of DeepSeek-V3, per sequence
-``sum_i f_i P_i`` with ``f_i = n_experts / (top_k S) x (tokens of the sequence routed to i)`` and ``P_i`` the mean
-router probability of expert i over the sequence, summed over sequences. It is a sum over sequences, so
-micro-batching and data parallelism do not change it. Its gradient enters through the backward
-(``_AuxLossGrad``, as Megatron's MoEAuxLossAutoScaler does): the forward returns the block's output unchanged
-and the logged language-model loss stays the language-model loss. ``set_aux_scale`` (called by the trainer
-each step) sets the factor that makes the per-sequence sum that step's share of ``aux_loss x mean over the
-global batch``.
-
-Under context and sequence (tensor) parallelism each rank holds part of every sequence: the expert counts
-``f`` are summed over those ranks (``sequence_shards``: one small all-reduce each, no gradient), and each rank
-adds its own tokens' share of ``P``, so the ranks' terms add up to the whole sequence's loss and each rank's
-router gets exactly its tokens' gradient. Under tensor parallelism the router and the experts are replicated
-over the tp ranks, each running its own sequence shard's tokens (no all-gather; torchtitan's ``etp = 1``):
-their gradients are Partial over tp and summed by DTensor (``local_weight``), as for sequence-parallel
-norms. With expert tensor parallelism (``etp = tp``, ``expert_tp``) each tp rank holds a 1/tp slice of every
-expert's hidden width instead: the block gathers the tp ranks' tokens and routing (rows in tp-rank order)
-before the experts, every rank runs all of them through its slice, and the partial outputs are summed and
-scattered back to each rank's rows (one all-gather and one reduce-scatter, whose backwards are each other;
-``loom.parallel.expert_parallel.ExpertTensorParallel``).
-"""
+"""Mixture of experts as plain single-device PyTorch: a router sends each token to ``top_k`` of ``n_experts``
+SwiGLU experts, dropless; parallel layouts plug in through one object per block, ``MoE.parallel``."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.kernels.swiglu import reference as swiglu_reference
 from loom.kernels.swiglu.op import swiglu
 
-
-def local_weight(w: torch.Tensor, tokens_split: bool = False) -> torch.Tensor:
-    """A parameter as a plain tensor for this rank's compute: a DTensor's local shard (experts under expert
-    parallelism: this rank's experts). ``tokens_split``: the weight is replicated over ranks that each run
-    different tokens (tensor parallelism's sequence slices), so its gradient is Partial there and DTensor sums
-    it over those ranks."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    if not isinstance(w, DTensor):  # (not hasattr: under torch.compile that missed DTensor parameters)
-        return w
-    if not tokens_split:
-        return w.to_local()
-    return w.to_local(grad_placements=[Partial() if isinstance(p, Replicate) else p for p in w.placements])
+LocalWeight = Callable[[torch.Tensor], torch.Tensor]  # a parameter -> the tensor this rank computes with
 
 
 class Router(nn.Module):
@@ -57,11 +22,13 @@ class Router(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(dim, n_experts, bias=False)
-        self.tokens_split = False  # set under tensor parallelism (see the module docstring)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, E) -> weights (T, k) fp32, experts (T, k) int64, probs (T, n) fp32."""
-        probs = F.linear(x, local_weight(self.gate.weight, self.tokens_split)).float().softmax(dim=-1)  # (T, n)
+    def forward(self, x: torch.Tensor,
+                local: LocalWeight | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, E) -> weights (T, k) fp32, experts (T, k) int64, probs (T, n) fp32. ``local``: the gate's weight
+        as this rank computes with it (``MoE.parallel.local``); None: the weight itself."""
+        weight = self.gate.weight if local is None else local(self.gate.weight)
+        probs = F.linear(x, weight).float().softmax(dim=-1)  # (T, n)
         weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
         return weights / weights.sum(dim=-1, keepdim=True), experts, probs
 
@@ -91,36 +58,39 @@ class Experts(nn.Module):
         super().__init__()
         self.fused = fused
         self.grouped: bool | None = None
-        self.tokens_split = False  # set under tensor parallelism (see the module docstring)
         self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (T', E): tokens grouped by expert, ``counts[i]`` (int64, (n,)) of them for expert i -> (T', E)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, local: LocalWeight | None = None) -> torch.Tensor:
+        """x (T', E): tokens grouped by expert, ``counts[i]`` (int64, (n,)) of them for expert i -> (T', E).
+        ``local``: each weight as this rank computes with it (``MoE.parallel.local``: under expert parallelism
+        its experts' share); None: the weights themselves. Applied here, inside the call: a data-parallel
+        wrapper gathers the weights in the call's pre-hook."""
         dtype = compute_dtype(x)
         grouped = grouped_mm_supported(x, dtype) if self.grouped is None else self.grouped
-        return self._grouped(x, counts, dtype) if grouped else self._loop(x, counts)
+        return self._grouped(x, counts, dtype, local) if grouped else self._loop(x, counts, local)
 
-    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """w1, w3, w2 of the experts this rank runs (all of them, or its share under expert parallelism)."""
-        return tuple(local_weight(w, self.tokens_split) for w in (self.w1, self.w3, self.w2))
+    def _weights(self, local: LocalWeight | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ws = (self.w1, self.w3, self.w2)
+        return ws if local is None else tuple(local(w) for w in ws)
 
     def _gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return swiglu(a, b) if self.fused else F.silu(a) * b
+        return swiglu(a, b) if self.fused else swiglu_reference.swiglu(a, b)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
+                 local: LocalWeight | None) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # (n,) end of each expert's rows
         x = x.to(dtype)
-        w1, w3, w2 = (w.to(dtype) for w in self.local_weights())
+        w1, w3, w2 = (w.to(dtype) for w in self._weights(local))
         with torch.autocast(x.device.type, enabled=False):
             h = self._gate(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets))  # (T', H)
             return torch._grouped_mm(h, w2, offs=offsets)  # (T', E)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, local: LocalWeight | None) -> torch.Tensor:
         # every expert runs, with no rows if no token picked it: the autograd graph is then the same on every
         # rank, so collectives issued from backward hooks (FSDP2, expert parallelism) come in the same order
-        w1, w3, w2 = self.local_weights()
+        w1, w3, w2 = self._weights(local)
         outs = [self._gate(xi @ w1[i], xi @ w3[i]) @ w2[i] for i, xi in enumerate(x.split(counts.tolist()))]
         return torch.cat(outs)  # (T', E)
 
@@ -141,25 +111,64 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int,
-                          sequence_shards: tuple = ()) -> torch.Tensor:
-    """Sum over sequences of sum_i f_i P_i: probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar. With
-    ``sequence_shards`` ((group, size) pairs: context, sequence parallelism), S is this rank's share of each
-    sequence: the counts are the whole sequence's and the result this rank's share of the sum (see the module
-    docstring)."""
+                          whole_sequence: Callable | None = None) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, summed over sequences (so micro-batching and data parallelism
+    leave it unchanged): per sequence ``sum_i f_i P_i``, ``f_i = n_experts / (top_k S) x (tokens routed to i)``
+    and ``P_i`` the mean router probability of expert i. probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar.
+
+    ``whole_sequence`` (``MoE.parallel.whole_sequence``): (counts (B, n), S) of this rank's tokens -> those of
+    the whole sequences, where ranks split every sequence (context, sequence parallelism); the result is then
+    this rank's tokens' share of the sum, and the ranks' shares add up to it."""
     bsz, seq, k = experts.shape
     counts = torch.zeros(bsz, n_experts, device=probs.device).scatter_add_(
         1, experts.reshape(bsz, -1), torch.ones(bsz, seq * k, device=probs.device))  # (B, n)
-    for group, size in sequence_shards:
-        from torch.distributed import _functional_collectives as fc
-
-        counts = fc.all_reduce(counts, "sum", group)
-        seq = seq * size  # the whole sequence
+    if whole_sequence is not None:
+        counts, seq = whole_sequence(counts, seq)
     f = counts * (n_experts / (k * seq))  # (B, n), 1 everywhere when balanced
     return (f * probs.sum(dim=1) / seq).sum()  # P: (B, n), this rank's tokens' share
 
 
+class LocalExperts:
+    """``MoE.parallel`` on one device and under plain data parallelism: every expert on this rank, whole
+    sequences, the parameters as they are. loom.parallel installs its own (``loom.parallel.expert_parallel.
+    MoEParallel``) under tensor, context and expert parallelism."""
+
+    def local(self, w: torch.Tensor) -> torch.Tensor:
+        """A parameter as the tensor this rank computes with."""
+        return w
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows (T, ...) of this rank's tokens -> those of every rank that runs this block's experts with it."""
+        return x
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' output for ``gather``'s rows -> this rank's rows (T, E), summed over those ranks."""
+        return x
+
+    def run(self, experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``experts`` on token-slots x (T k, E) grouped by expert, ``counts`` (n,) per expert -> (T k, E)."""
+        return experts(x, counts)
+
+    def whole_sequence(self, counts: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
+        """Expert counts (B, n) of this rank's S tokens of each sequence -> the whole sequences' (see
+        ``sequence_balance_loss``)."""
+        return counts, seq
+
+
+LOCAL_EXPERTS = LocalExperts()  # stateless: shared by every block until loom.parallel replaces it
+
+
 class MoE(nn.Module):
-    """Routed SwiGLU experts in place of a block's feed-forward: (B, S, E) -> (B, S, E)."""
+    """Routed SwiGLU experts in place of a block's feed-forward: (B, S, E) -> (B, S, E).
+
+    Dropless: every token reaches every expert it picks (no capacity factor), so a token's output depends
+    only on that token, whatever the batch, micro-batch split or layout. The balance loss
+    (``sequence_balance_loss``) enters through the backward only (``_AuxLossGrad``, as Megatron's
+    MoEAuxLossAutoScaler): the output, and so the logged loss, is unchanged, and ``set_aux_scale`` (the trainer,
+    every step) makes the per-sequence sum that step's share of ``aux_loss x mean over the global batch``.
+
+    ``parallel``, the block's one extension point: where its experts' weights, tokens and sequences are
+    (``LocalExperts``; loom.parallel installs ``loom.parallel.expert_parallel.MoEParallel``)."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, aux_loss: float = 0.0,
                  fused: bool = False):
@@ -169,33 +178,25 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, dim, hidden, fused=fused)
         self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
         self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
-        # set by loom.parallel.expert_parallel.apply_expert_parallel: the experts then live on several ranks
-        self.expert_parallel = None
-        # (group, size) of the ranks splitting each sequence with this one: set by apply_context_parallel (cp)
-        # and apply_tp (tp's sequence parallelism)
-        self.sequence_shards: tuple = ()
-        # set by loom.parallel.tensor_parallel.apply_tp when the experts are sharded over the tp ranks by hidden
-        # width (parallel.etp): the tp group's gather / reduce-scatter (loom.parallel.expert_parallel)
-        self.expert_tp = None
+        self.parallel = LOCAL_EXPERTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
+        par = self.parallel
         flat = x.reshape(-1, dim)  # (T, E)
-        weights, experts, probs = self.router(flat)  # (T, k), (T, k), (T, n)
-        out = self._routed(flat, weights, experts) if self.expert_tp is None else self._routed_expert_tp(
-            flat, weights, experts)
+        weights, experts, probs = self.router(flat, par.local)  # (T, k), (T, k), (T, n)
+        out = par.reduce_scatter(self._routed(par.gather(flat), par.gather(weights), par.gather(experts)))
         out = out.view(bsz, seq, dim)
         record = _records_balance()
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts,
-                                        self.sequence_shards)
+                                        par.whole_sequence)
             if record:
                 seen = aux.detach()
                 self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
             if self.aux_loss > 0:
                 out = _AuxLossGrad.apply(out, aux, self.aux_loss * self.aux_scale)
         return out
-
 
     def _routed(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """flat (T, E), the router's weights and experts (T, k) -> (T, E): the weighted sum of each token's
@@ -204,20 +205,9 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, experts.flatten(), torch.ones_like(experts.flatten()))  # (n,) tokens per expert; static shape
         slots_in = flat[order // self.top_k]  # (T k, E) grouped by expert
-        ep = self.expert_parallel
-        routed = ep.run(self.experts, slots_in, counts) if ep is not None else self.experts(slots_in, counts)
+        routed = self.parallel.run(self.experts, slots_in, counts)
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
         return (slots.view(-1, self.top_k, flat.shape[1]) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
-
-    def _routed_expert_tp(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """``_routed`` with the experts sharded over the tp ranks by hidden width: the tp group's rows gathered
-        (tp T, ...), each rank's output a partial sum over its width slice, summed and scattered back to (T, E)."""
-        etp = self.expert_tp
-        flat_all = etp.gather(flat)  # (tp T, E); backward: reduce-scatter
-        weights_all = etp.gather(weights)  # (tp T, k)
-        experts_all = etp.gather(experts)  # (tp T, k), integer: no gradient
-        partial = self._routed(flat_all, weights_all, experts_all)  # (tp T, E), this rank's width slice
-        return etp.reduce_scatter(partial)  # (T, E); backward: all-gather
 
 
 def _records_balance() -> bool:

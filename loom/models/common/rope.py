@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama) with Llama-3 scaling."""
+"""Rotary position embedding tables (rotate-half convention, as Hugging Face Llama) with Llama-3 scaling; the
+rotation itself is ``loom.kernels.rope.reference.apply_rope`` (or its fused op)."""
 
 from __future__ import annotations
 
@@ -43,18 +44,3 @@ def rope_table(head_dim: int, max_len: int, theta: float, scaling: RopeScaling |
     emb = torch.cat([freqs, freqs], dim=-1)  # (S, D)
     return torch.stack([emb.cos(), emb.sin()])
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """x: (B, S, H, D); table: (2, L, D); positions: (B, S) or None for 0..S-1."""
-    seq = x.shape[1]
-    if positions is None:
-        cos, sin = table[0, :seq][None, :, None], table[1, :seq][None, :, None]  # (1, S, 1, D)
-    else:
-        cos, sin = table[0][positions][:, :, None], table[1][positions][:, :, None]  # (B, S, 1, D)
-    xf = x.float()
-    return (xf * cos + _rotate_half(xf) * sin).type_as(x)

@@ -29,8 +29,8 @@ class LlamaArgs:
     # loss inside forward through loom.kernels.linear_ce (no full logits); not with tensor/pipeline parallelism
     fused_loss: bool = False
     # init of the residual projections (attention wo, MLP w2): "flat" = std 0.02 as every other matrix
-    # (transformers' Llama), "depth" = 0.02 / sqrt(2 layers) (GPT-2 / Megatron); flat trained better in
-    # bench/NOTES.md's runs (no early loss spikes)
+    # (transformers' Llama), "depth" = 0.02 / sqrt(2 layers) (GPT-2 / Megatron); flat trained better
+    # (no early loss spikes: docs/benchmarks.md, "Initialization")
     residual_init: str = "flat"
     # mixture of experts (loom.models.common.moe) in place of every block's SwiGLU when moe_experts > 0
     moe_experts: int = 0

@@ -1,0 +1,97 @@
+"""Where a training step's GPU time goes, from the trace ``--metrics.profile_steps A:B`` writes:
+kernel time by category (attention, matmul, fused elementwise, loss, optimizer, ...), the top kernels,
+and the time the GPU runs no kernel (idle), per profiled step (docs/metrics.md, "Profiling").
+
+    loom train --model.flavor 1B ... --run.dir runs/x --metrics.profile_steps 5:7
+    python -m loom.metrics.trace_summary runs/x/profile/trace_rank0.json [--out summary.json] [--label 1B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+
+# first match wins; names are lower-cased kernel names
+CATEGORIES = [
+    ("attention", r"flash|fmha|cudnn|attn|sdpa|_attn_"),
+    ("loss", r"cross_entropy|_ce_|linear_ce|nll|log_softmax|logsumexp"),
+    ("optimizer", r"adam|multi_tensor|foreach|_amp_"),
+    ("matmul", r"gemm|sm90_|cutlass|nvjet|cublas|matmul|wgmma|_scaled_mm|f8f8"),
+    ("communication", r"nccl"),
+    # MoE token routing (top-k, sorting tokens by expert, gathers / scatters / index copies), embedding lookups
+    ("sort / gather / scatter / index", r"sort|topk|scatter|gather|index"),
+    ("copy / cast", r"copy|memcpy|memset|cast|to_copy|fill"),
+    ("fused elementwise (triton)", r"^triton|_kernel$|rms|rope|swiglu"),
+    ("elementwise (aten)", r"elementwise|vectorized|reduce|unrolled"),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return cat
+    return "other"
+
+
+def summarize(trace: dict) -> dict:
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+             and e.get("cat") != "gpu_user_annotation"]  # each step also appears as a range on the GPU rows
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        raise SystemExit("no GPU kernels in this trace (a CPU run?)")
+    start = min(k["ts"] for k in kernels)
+    end = max(k["ts"] + k["dur"] for k in kernels)
+    n_steps = max(len(steps), 1)
+    by_cat, by_name = defaultdict(float), defaultdict(float)
+    busy = []
+    for k in kernels:
+        by_cat[category(k["name"])] += k["dur"]
+        by_name[k["name"][:120]] += k["dur"]
+        busy.append((k["ts"], k["ts"] + k["dur"]))
+    busy.sort()
+    covered, cur_a, cur_b = 0.0, None, None
+    for a, b in busy:
+        if cur_b is None or a > cur_b:
+            covered += (cur_b - cur_a) if cur_b is not None else 0.0
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    covered += cur_b - cur_a
+    span = end - start
+    ms = lambda us: us / 1000 / n_steps  # noqa: E731
+    return {
+        "steps": n_steps, "gpu_span_ms_per_step": ms(span), "gpu_busy_ms_per_step": ms(covered),
+        "gpu_idle_fraction": 1 - covered / span,
+        "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
+        "top_kernels_ms_per_step": {n: ms(t) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:15]},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m loom.metrics.trace_summary",
+                                description="Where a profiled training step's GPU time goes, by kernel category.")
+    p.add_argument("trace", help="a trace_rank<r>.json that --metrics.profile_steps wrote")
+    p.add_argument("--out", default="", help="also write the summary as JSON here")
+    p.add_argument("--label", default="", help="a name printed and stored with the summary")
+    a = p.parse_args()
+    with open(a.trace) as f:
+        res = summarize(json.load(f))
+    res["label"], res["trace"] = a.label, a.trace
+    if a.out:  # first: a closed pipe on the printout (| head) must not lose the file
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    busy = res["gpu_busy_ms_per_step"]
+    print(f"{a.label}: GPU span {res['gpu_span_ms_per_step']:.1f} ms/step, busy {busy:.1f}, "
+          f"idle {100 * res['gpu_idle_fraction']:.1f}%")
+    for c, t in res["by_category_ms_per_step"].items():
+        print(f"  {c:<28} {t:8.2f} ms  {100 * t / busy:5.1f}%")
+    for n, t in list(res["top_kernels_ms_per_step"].items())[:8]:
+        print(f"    {t:8.2f} ms  {n}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""One place that resolves a run: a ``Config``, a world size and the tokenizer become the parallel degrees, the
+accumulation count, the device, the model's shape and its kernels. Every rule that relates two fields (or a field
+and the world size, the model, the device) lives here, once; a single field's rules stay in its config section.
+``loom train`` (its precheck and the Trainer), ``loom plan`` and ``loom convert`` all resolve through here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from loom.config.errors import ConfigError
+from loom.config.load import profile_window
+from loom.config.sections import Config, ParallelConfig
+from loom.parallel.dims import ParallelDims, tp_limit
+from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
+
+
+@dataclass(frozen=True)
+class Run:
+    """A resolved run. ``model_args`` carries the kernels (``kernels``) and is None until a tokenizer is given."""
+
+    cfg: Config
+    dims: ParallelDims
+    accum: int  # micro-batches per rank per optimizer step
+    device: str  # "cuda" | "cpu"
+    model_args: object = None
+    kernels: object = None
+    triton: bool | None = None  # whether Triton is there (None: look; the planner assumes a GPU machine with it)
+
+    def with_model(self, tokenizer) -> "Run":
+        """The model's shape and kernels (chosen without timing) for this tokenizer, checked against the degrees."""
+        kernels = kernel_choice(self.cfg, self.device, triton=self.triton)
+        args = resolve_model_args(self.cfg, tokenizer, kernels)
+        check_model(self.dims, args, self.cfg.parallel)
+        return replace(self, model_args=args, kernels=kernels)
+
+    def with_attention(self, measure: Callable[[], str]) -> "Run":
+        """``model.attention = auto`` settled by timing the candidates (``measure`` names the faster)."""
+        kernels = kernel_choice(self.cfg, self.device, measure, self.triton)
+        return replace(self, kernels=kernels, model_args=self.model_args.with_(**kernels.as_args()))
+
+
+def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None = None,
+            triton: bool | None = None) -> Run:
+    """Check ``cfg`` for ``world_size`` ranks (and, given the tokenizer, the model's shape) and resolve it.
+    ``device``: the device type to resolve kernels for (default: the run's, from run.device and this machine, whose
+    installed packages are then checked too); ``triton``: whether Triton is installed there (None: look here)."""
+    check_config(cfg)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    t = cfg.training
+    accum = accumulation_steps(t, dims.dp_size)
+    check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
+    if device is None:  # this machine's (the planner names a device it does not have)
+        device = run_device(cfg)
+        check_machine(cfg, device)
+    run = Run(cfg, dims, accum, device, triton=triton)
+    return run if tokenizer is None else run.with_model(tokenizer)
+
+
+# ---- rules over the config alone -----------------------------------------------------
+
+def check_config(cfg: Config) -> None:
+    """Rules that relate fields of the config (no world size, model or device needed)."""
+    if cfg.model.init_from and cfg.model.n_layers:
+        raise ConfigError("model.n_layers", cfg.model.n_layers, "must be 0 with model.init_from (the checkpoint "
+                          "fixes the layer count)")
+    t = cfg.training
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError("training.global_batch_size", t.global_batch_size,
+                          f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})")
+    if t.eval_every and cfg.data.val_fraction == 0:
+        raise ConfigError("training.eval_every", t.eval_every, "needs held-out data, but data.val_fraction is 0: "
+                          "set data.val_fraction > 0 (e.g. 0.01) or training.eval_every 0")
+    check_parallel_fields(cfg)
+    if cfg.optimizer.warmup_steps > t.steps:
+        raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
+                          f"must be <= training.steps ({t.steps})")
+    window = profile_window(cfg.metrics)
+    if window and window[1] > t.steps:
+        raise ConfigError("metrics.profile_steps", cfg.metrics.profile_steps,
+                          f"the last profiled step must be <= training.steps ({t.steps})")
+
+
+def check_parallel_fields(cfg: Config) -> None:
+    """Parallel options that contradict each other or the training and model sections."""
+    p, t = cfg.parallel, cfg.training
+    v = stages_per_rank(p)
+    if p.pp_schedule in SINGLE_STAGE and v != 1:
+        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
+                          f"pp_schedule {p.pp_schedule} runs one stage per rank: allowed 0 or 1 "
+                          "(interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev run several)")
+    if p.pp_schedule in V_SHAPED and v != 2:
+        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
+                          f"pp_schedule {p.pp_schedule} is V-shaped: exactly 2 stages per rank (allowed 0 or 2)")
+    split = p.pp_layers_per_stage
+    if split:
+        if len(split) != p.pp * v:
+            raise ConfigError("parallel.pp_layers_per_stage", split,
+                              f"expected one entry per pipeline stage: pp x stages per rank = {p.pp} x {v} = "
+                              f"{p.pp * v}")
+        empty = next((s for s, n in enumerate(split) if n == 0 and 0 < s < len(split) - 1), None)
+        if empty is not None:
+            raise ConfigError("parallel.pp_layers_per_stage", split,
+                              f"stage {empty} would hold nothing (no layer, no embedding, no head)")
+    if p.pp > 1 and t.compile and p.pp_schedule in SPLIT_BACKWARD:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
+                          "splits input and weight gradients, which torch.compile does not support: set "
+                          "training.compile false or use gpipe | 1f1b | interleaved_1f1b | looped_bfs")
+    if p.async_tp and p.tp == 1:
+        raise ConfigError("parallel.async_tp", True, "needs parallel.tp > 1")
+    if p.async_tp and not t.compile:
+        raise ConfigError("parallel.async_tp", True, "needs training.compile true (the pass runs in the compiler)")
+    if p.cp > 1:
+        if t.seq_len % (2 * p.cp):
+            raise ConfigError("parallel.cp", p.cp, f"training.seq_len {t.seq_len} must split into 2 x cp = {2 * p.cp} "
+                              "equal chunks (each cp rank holds two: balanced causal work)")
+    if p.cpu_offload and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
+    if t.float8 != "none" and p.tp > 1:
+        raise ConfigError("training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there")
+    if t.float8 != "none" and t.dtype != "bfloat16":
+        raise ConfigError("training.float8", t.float8, f"needs training.dtype bfloat16 (got {t.dtype})")
+    if cfg.model.fused_norm == "true" and p.tp > 1:
+        raise ConfigError("model.fused_norm", True, "not supported with parallel.tp > 1 (sequence-parallel norms run "
+                          "on DTensors): allowed auto | false there")
+    if cfg.model.fused_loss == "true" and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("model.fused_loss", True, "not supported with parallel.tp > 1 or parallel.pp > 1 (vocab-"
+                          "sharded or stage-split output): allowed auto | false there")
+
+
+# ---- rules that need the world size ---------------------------------------------------
+
+def accumulation_steps(training, dp_size: int) -> int:
+    """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""
+    per_pass = training.micro_batch_size * dp_size
+    if training.global_batch_size % per_pass:
+        raise ConfigError("training.global_batch_size", training.global_batch_size,
+                          f"must be a multiple of micro_batch_size x data-parallel size = "
+                          f"{training.micro_batch_size} x {dp_size} = {per_pass}")
+    return training.global_batch_size // per_pass
+
+
+def check_microbatches(dims: ParallelDims, n: int, parallel: ParallelConfig, global_batch: int,
+                       eval_batches: int | None = None) -> None:
+    """The pipeline's micro-batch count (the accumulation count) against what the schedule needs;
+    ``eval_batches`` (when validation runs) must fill whole schedule runs of ``n`` micro-batches."""
+    if dims.pp == 1:
+        return
+    if eval_batches is not None and eval_batches % n:
+        raise ConfigError("training.eval_batches", eval_batches,
+                          f"with parallel.pp > 1: a multiple of the pipeline's micro-batch count {n} "
+                          "(validation runs the schedule forward-only on that many micro-batches at a time)")
+    v_shaped = parallel.pp_schedule in V_SHAPED
+    need, rule = (2 * dims.pp, "2 x pp") if v_shaped else (dims.pp, "pp")
+    if n < need:
+        raise ConfigError("training.global_batch_size", global_batch,
+                          f"pp_schedule {parallel.pp_schedule} needs at least {rule} = {need} micro-batches per "
+                          f"step; global_batch_size / (micro_batch_size x data-parallel size) = {n}")
+    rounds = max(1, n // dims.pp)
+    if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and n % rounds:
+        raise ConfigError("training.global_batch_size", global_batch,
+                          f"pp_schedule {parallel.pp_schedule} needs the micro-batch count ({n}) to be a multiple "
+                          f"of its rounds (micro-batches // pp = {rounds})")
+
+
+# ---- the device -----------------------------------------------------------------------
+
+def run_device(cfg: Config) -> str:
+    """The device type this run trains on: run.device, ``auto`` meaning CUDA where this machine has it."""
+    import torch
+
+    return "cuda" if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def check_machine(cfg: Config, device: str) -> None:
+    """What the run needs installed, or of its device type, wherever it runs."""
+    if cfg.parallel.async_tp and device != "cuda":
+        raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
+    if cfg.training.float8 != "none":
+        from loom.models.common.float8 import float8_available
+
+        if not float8_available():
+            raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): "
+                              "allowed none")
+
+
+def check_device(cfg: Config) -> None:
+    """What the config asks of this machine's GPUs (the CLI checks it once, before any worker starts; the Python
+    API lets float8 run emulated on the CPU)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cfg.run.device == "cuda" and not cuda:
+        raise ConfigError("run.device", "cuda", "no CUDA device is visible; allowed here: auto | cpu")
+    device = run_device(cfg)
+    if cfg.parallel.backend == "nccl" and device != "cuda":
+        raise ConfigError("parallel.backend", "nccl", "needs CUDA devices and this run is on the CPU"
+                          f"{'' if cuda else ' (no CUDA device is visible)'}: allowed auto | gloo")
+    t = cfg.training
+    if t.float8 != "none" and (device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9)):
+        where = "this run is on the CPU" if device != "cuda" else f"{torch.cuda.get_device_name(0)} is older"
+        raise ConfigError("training.float8", t.float8, f"float8 matmuls need a CUDA GPU of compute capability 8.9 or "
+                          f"newer (Ada, Hopper) and {where}: allowed none")
+
+
+# ---- the model and its kernels ----------------------------------------------------------
+
+def resolve_model_args(cfg: Config, tokenizer, kernels=None):
+    """Flavor shape (or model.init_from's) + vocabulary (flavor, then model.vocab_size, else the tokenizer's rounded
+    to 128) + ``kernels``, by default those ``kernel_choice`` picks without measuring."""
+    from loom.models.llama import FLAVORS, round_vocab
+
+    if cfg.model.init_from:
+        from loom.checkpoint.hf import llama_args_from_hf
+
+        args = llama_args_from_hf(cfg.model.init_from)
+        if cfg.model.moe_experts and cfg.model.moe_experts != args.moe_experts:
+            held = f"{args.moe_experts} experts" if args.moe else "a dense model"
+            raise ConfigError("model.moe_experts", cfg.model.moe_experts, f"model.init_from {cfg.model.init_from} "
+                              f"holds {held}: allowed 0 (the folder's)")
+        if args.moe and cfg.model.moe_ffn_dim and cfg.model.moe_ffn_dim != args.expert_ffn_dim:
+            raise ConfigError("model.moe_ffn_dim", cfg.model.moe_ffn_dim, f"model.init_from {cfg.model.init_from} "
+                              f"has experts {args.expert_ffn_dim} wide: allowed 0 (the folder's)")
+    else:
+        args = FLAVORS[cfg.model.flavor]
+    vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
+    tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
+    m = cfg.model
+    kernels = kernels or kernel_choice(cfg, run_device(cfg))
+    args = args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len,
+                      n_layers=m.n_layers or args.n_layers, residual_init=m.residual_init,
+                      moe_experts=m.moe_experts or args.moe_experts, moe_top_k=m.moe_top_k or args.moe_top_k,
+                      moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim, moe_aux_loss=m.moe_aux_loss, **kernels.as_args())
+    check_moe(args, cfg)
+    return args
+
+
+def check_moe(args, cfg: Config) -> None:
+    """What a mixture-of-experts model does not support (yet), as config errors."""
+    if not args.moe:
+        return
+    if args.moe_top_k > args.moe_experts:
+        raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})")
+    if cfg.training.compile and cfg.training.dtype != "bfloat16":
+        raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
+                          "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "
+                          "data-dependent sizes): allowed false with " + cfg.training.dtype)
+
+
+def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
+    """The model's shape against the parallel degrees that split it."""
+    if dims.etp > 1:
+        if not args.moe:
+            raise ConfigError("parallel.etp", dims.etp, "needs a mixture-of-experts model: allowed 1 for a dense "
+                              "model")
+        if args.expert_ffn_dim % (8 * dims.etp):
+            raise ConfigError("parallel.etp", dims.etp, f"must divide the experts' hidden width "
+                              f"({args.expert_ffn_dim}) into slices of a multiple of 8 (the bf16 grouped GEMM "
+                              "needs 16-byte rows)")
+    if dims.ep > 1:
+        if not args.moe:
+            raise ConfigError("parallel.ep", dims.ep, "needs a mixture-of-experts model (model.moe_experts > 0 "
+                              "or the debug_moe flavor): allowed 1 for a dense model")
+        if args.moe_experts % dims.ep:
+            raise ConfigError("parallel.ep", dims.ep, f"must divide the number of experts ({args.moe_experts})")
+    if dims.tp > 1:
+        for what, n in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
+                        ("feed-forward width", args.ffn_dim), ("vocabulary", args.vocab_size)):
+            if n % dims.tp:
+                raise ConfigError("parallel.tp", dims.tp,
+                                  f"must divide the model's {what} ({n}); allowed: a divisor of "
+                                  f"gcd(heads, KV heads, ffn, vocab) = {tp_limit(args)}")
+    if dims.pp > 1:
+        stages = dims.pp * stages_per_rank(parallel)
+        split = parallel.pp_layers_per_stage
+        if split and sum(split) != args.n_layers:
+            raise ConfigError("parallel.pp_layers_per_stage", split,
+                              f"must add up to the model's {args.n_layers} layers (adds up to {sum(split)})")
+        if not split and stages > args.n_layers:
+            raise ConfigError("parallel.pp", dims.pp,
+                              f"{stages} pipeline stages ({dims.pp} ranks x {stages // dims.pp}) for "
+                              f"{args.n_layers} layers: each stage needs a layer (lower parallel.pp or "
+                              "pp_virtual_stages, or give parallel.pp_layers_per_stage)")
+
+
+def flex_unsupported(cfg: Config) -> bool:
+    """FlexAttention inside compiled blocks under op-level checkpointing: its backward hit a CUDA illegal address
+    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; docs/kernels.md). Full and
+    every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
+    return cfg.training.compile and cfg.training.activation_checkpointing == "op"
+
+
+def kernel_choice(cfg: Config, device: str, measure_attention: Callable[[], str] | None = None,
+                  triton: bool | None = None):
+    """model.attention / model.fused_* with ``auto`` resolved for ``device`` (loom.kernels.dispatch);
+    ``measure_attention`` times the attention backends on this run's shape (the trainer's); ``triton``: whether
+    Triton is there (None: look; the planner assumes a GPU machine that has it)."""
+    from loom.kernels.dispatch import resolve_kernels
+    from loom.kernels.triton_support import has_triton
+
+    if cfg.model.attention == "flex" and device != "cuda":
+        raise ConfigError("model.attention", "flex", "needs CUDA (PyTorch's FlexAttention has no backward on "
+                          "CPU): allowed auto | sdpa | flash")
+    if cfg.model.attention == "flex" and flex_unsupported(cfg):
+        raise ConfigError("model.attention", "flex", "under training.compile with training.activation_checkpointing "
+                          "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
+                          "flash there (or flex without compile, or with none | full | every_k checkpointing)")
+    triton = has_triton() if triton is None else triton
+    if device == "cuda" and not triton and (cfg.model.attention in ("flash", "flex") or "true" in (
+            cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
+        raise ConfigError("model.attention / model.fused_*",
+                          cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
+                          "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
+    return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
+                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention,
+                           triton=triton)
+
+
+def times_attention(run: Run) -> bool:
+    """Whether the trainer times the attention backends at start-up: not for deterministic runs (no timing picks
+    their kernels), nor under context parallelism (attention always runs loom's op), nor for packed documents where
+    only loom's kernel can run (Flex under compiled op-level checkpointing)."""
+    cfg = run.cfg
+    return not (cfg.run.deterministic or run.dims.cp_enabled or (cfg.data.document_positions and flex_unsupported(cfg)))
+

@@ -1,0 +1,198 @@
+"""Step strategies: how a step's micro-batches run forward and backward on this rank. ``LocalStep`` runs them one
+after another through the whole model (gradient accumulation); ``PipelineStep`` runs them through a pipeline
+schedule over this rank's stages. The trainer picks one at build time and calls only this interface; the
+objective (loom.train.objective) says what the loss of a micro-batch is."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from loom.data.loader import MicroBatch
+from loom.parallel.pipeline import BusyClock, V_SHAPED, build_schedule, forward_chain, theoretical_bubble
+from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
+from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, unique_params
+from loom.train.objective import Objective
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this data-parallel rank's summed loss over the step's micro-batches (every pp rank)
+    shape_inference: bool = False  # the run also ran each stage on placeholder inputs (a pipeline's first run)
+
+
+@dataclass
+class StepContext:
+    """What both strategies share: the parallel dims, the device, the step's autocast, whether the loss is
+    vocab-parallel, whether the model takes per-document positions, and the profiler's phases."""
+
+    dims: object
+    device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    loss_parallel: bool
+    documents: bool
+    profiler: object
+
+    def positions(self, mb: MicroBatch) -> torch.Tensor | None:
+        return mb.positions if self.documents else None
+
+
+class LocalStep:
+    """Each micro-batch forward and backward in turn through the whole model; gradients accumulate (DDP reduces
+    them only after the last)."""
+
+    def __init__(self, module, parts, objective: Objective, ctx: StepContext):
+        self.module, self.parts, self.objective, self.ctx = module, parts, objective, ctx
+        self.params = unique_params(parts)
+
+    def _loss(self, mb: MicroBatch) -> torch.Tensor:
+        """The summed loss of one micro-batch (under ``loss_parallel_context`` with TP)."""
+        with self.ctx.autocast():
+            out = self.objective.forward(self.module, mb, self.ctx.positions(mb))
+        return to_local_loss(out if self.objective.loss_in_forward else self.objective.loss(out, mb.labels))
+
+    def step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> StepResult:
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        profiler = self.ctx.profiler
+        for i, mb in enumerate(mbs):
+            with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.ctx.loss_parallel):
+                with profiler.phase("forward"):
+                    loss = self._loss(mb)
+                with profiler.phase("backward"):
+                    (loss * grad_scale).backward()
+            loss_sum += loss.detach()
+        return StepResult(loss_sum)
+
+    def _no_sync(self, last: bool):
+        dims = self.ctx.dims
+        if dims.ddp_enabled and not dims.replicate_with_fsdp and not last:
+            return self.module.no_sync()
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, mbs: list[MicroBatch]) -> torch.Tensor:
+        """The summed loss of ``mbs`` (forward only)."""
+        total = torch.zeros((), device=self.ctx.device)
+        for mb in mbs:
+            with loss_parallel_context(self.ctx.loss_parallel):
+                total += self._loss(mb)
+        return total
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm(self.params)
+
+    def stage_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the pipeline stages: this rank holds them all."""
+        return t
+
+    def describe(self, accum: int) -> list[str]:
+        return []
+
+    def record(self) -> dict:
+        return {}
+
+
+class _ScaledLoss:
+    """A pipeline's loss_fn: the objective's summed loss times ``scale`` (the micro-batch's share of the step's
+    gradient while training, 1 while evaluating)."""
+
+    def __init__(self, objective: Objective):
+        self.objective, self.scale = objective, 1.0
+
+    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return to_local_loss(self.objective.loss(outputs, labels)) * self.scale
+
+
+class PipelineStep:
+    """One schedule run over the step's micro-batches (the accumulation count) through this rank's stages."""
+
+    def __init__(self, plan, parts, modules, objective: Objective, ctx: StepContext, accum: int):
+        self.plan, self.parts, self.modules, self.ctx, self.accum = plan, parts, modules, ctx, accum
+        self.group = ctx.dims["pp"].get_group()
+        self.busy = BusyClock(ctx.device)
+        self.loss_fn = _ScaledLoss(objective)
+        self.schedule = build_schedule(plan, modules, self.group, ctx.device, accum, self.loss_fn, self.busy)
+        self.tied = TiedEmbeddingGrads(parts, plan, ctx.dims)
+        self.norm_params = self.tied.params_counted_once(parts)
+        self.ran = False  # whether the schedule ran in this process (its first run infers shapes)
+
+    def step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> StepResult:
+        self.loss_fn.scale = grad_scale
+        self.busy.start()
+        with self.ctx.profiler.phase("forward_backward"):
+            losses = self._run(self.schedule.step, mbs)
+        self.busy.stop()
+        self.tied.sync()
+        loss_sum = torch.stack(losses).sum().detach() / grad_scale if losses else torch.zeros((), device=self.ctx.device)
+        dist.all_reduce(loss_sum, group=self.group)  # only the last stage holds it
+        first, self.ran = not self.ran, True
+        return StepResult(loss_sum, shape_inference=first)
+
+    def _run(self, run, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """``run`` (the schedule's step or eval) over ``mbs`` joined into (M x B, S), which the schedule
+        cuts back into M micro-batches; returns the last stage's loss_fn outputs (empty elsewhere)."""
+        labels = torch.cat([mb.labels for mb in mbs])
+        # per-document positions go to every stage as a keyword (the schedule cuts it like the inputs): each
+        # stage's attention masks its documents and RoPE restarts per document
+        kwargs = {"positions": torch.cat([mb.positions for mb in mbs])} if self.ctx.documents else {}
+        losses: list[torch.Tensor] = []
+        with self.ctx.autocast(), loss_parallel_context(self.ctx.loss_parallel):
+            if self.plan.has_first:
+                run(torch.cat([mb.inputs for mb in mbs]), target=labels, losses=losses, **kwargs)
+            else:
+                run(target=labels, losses=losses, **kwargs)
+        return losses
+
+    @torch.no_grad()
+    def evaluate(self, mbs: list[MicroBatch]) -> torch.Tensor:
+        """Forward-only schedule runs over ``accum`` micro-batches at a time (the config check makes their count a
+        multiple), or for V-shaped schedules one micro-batch at a time through ``forward_chain``; the summed loss
+        of this data-parallel rank, on every pp rank."""
+        total = torch.zeros((), device=self.ctx.device)
+        self.loss_fn.scale = 1.0
+        timed = len(self.busy.spans)
+        if self.plan.schedule in V_SHAPED:  # torch's forward-only run of these fails: stage by stage instead
+            for mb in mbs:
+                with self.ctx.autocast(), loss_parallel_context(self.ctx.loss_parallel):
+                    out = forward_chain(self.plan, self.parts, self.group, mb.inputs, self.ctx.device,
+                                        self.ctx.positions(mb))
+                    if out is not None:
+                        total += self.loss_fn(out, mb.labels)
+        else:
+            for i in range(0, len(mbs), self.accum):
+                losses = self._run(self.schedule.eval, mbs[i:i + self.accum])
+                if losses:
+                    total += torch.stack(losses).sum()
+        del self.busy.spans[timed:]  # the logged idle fraction is the training step's
+        dist.all_reduce(total, group=self.group)  # only the last stage holds it
+        return total
+
+    def grad_norm(self) -> torch.Tensor:
+        sq = global_grad_norm(self.norm_params).to(self.ctx.device) ** 2  # each stage's share, tied weight once
+        dist.all_reduce(sq, group=self.group)
+        return sq.sqrt()
+
+    def stage_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the pipeline ranks, each of which holds some of the stages."""
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def describe(self, accum: int) -> list[str]:
+        p = self.plan
+        try:
+            bubble = f"{100 * theoretical_bubble(p.schedule, p.pp, accum, p.per_rank):.1f}%"
+        except (ImportError, AttributeError, RuntimeError, ValueError) as err:  # private torch API moved
+            bubble = f"unknown ({type(err).__name__}: {err})"
+        return [f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {accum} micro-batches: "
+                f"theoretical bubble {bubble} (idle / total, F=1 B=2)", f"pipeline split: {p.describe()}"]
+
+    def record(self) -> dict:
+        """Each pp rank's idle fraction in the last step (rank order), measured, for the log."""
+        t = torch.tensor([self.busy.idle_fraction()], device=self.ctx.device)
+        out = [torch.zeros_like(t) for _ in range(self.ctx.dims.pp)]
+        dist.all_gather(out, t, group=self.group)
+        return {"pp_idle": [round(float(x), 4) for x in out]}
