@@ -526,9 +526,11 @@ def test_float8_on_cpu(tmp_path, capsys):
 
 
 def test_eval_without_validation_data():
+    from loom.resolve import check_config
+
     with pytest.raises(ConfigError, match=r"training.eval_every = 5.*data.val_fraction"):
-        build_config(None, {"training.eval_every": "5", "data.val_fraction": "0"})
-    build_config(None, {"training.eval_every": "0", "data.val_fraction": "0"})  # no evaluation: fine
+        check_config(build_config(None, {"training.eval_every": "5", "data.val_fraction": "0"}))
+    check_config(build_config(None, {"training.eval_every": "0", "data.val_fraction": "0"}))  # no evaluation: fine
 
 
 # ---- 11/12. models and batches that cannot fit in memory ----------------------------------------

@@ -104,6 +104,7 @@ def test_op_passes_opcheck():
                                                    b, b.clone(), True, 0, 0.25))
 
 
+@pytest.mark.slow
 def test_gradcheck_through_the_op():
     ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, -1]])
     for kw in (dict(doc_ids=ids), dict(causal=False, window=3), dict()):

@@ -128,6 +128,7 @@ def test_estimates_against_measured_runs(name, row, over, world):
     assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.15)
 
 
+@pytest.mark.slow
 def test_search_ranks_valid_layouts_that_fit():
     cfg = _cfg(model__flavor="1B", training__seq_len=2048, training__dtype="bfloat16",
                training__global_batch_size=8, training__micro_batch_size=1)
@@ -146,6 +147,7 @@ def _plan(*args, cwd=None):
     return subprocess.run([LOOM, "plan", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_cli_plan_prints_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     r = _plan("--model.flavor", "debug", "--training.global_batch_size", "8", "--training.micro_batch_size", "2",
@@ -271,6 +273,7 @@ def test_moe_flops_count_active_experts_and_ep_gathers_only_local_experts():
     assert err.value.field == "training.dtype"
 
 
+@pytest.mark.slow
 def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
     """etp = tp: each tp rank holds (and FSDP2 gathers) a 1/tp slice of every expert; the tp group's tokens are
     gathered and the outputs reduce-scattered in every MoE block (forward and backward, again when rerun); the
