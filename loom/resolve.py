@@ -180,8 +180,8 @@ def check_machine(cfg: Config, device: str) -> None:
         from loom.models.common.float8 import float8_available
 
         if not float8_available():
-            raise ConfigError("training.float8", cfg.training.float8, "needs torchao (pip install torchao): "
-                              "allowed none")
+            raise ConfigError("training.float8", cfg.training.float8, "needs the 'torchao' package (pip install "
+                              "'loom-train[float8]'); allowed without it: none")
 
 
 def check_device(cfg: Config) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from loom.checkpoint.manager import STATE, write_marker
 from loom.config import Config, to_toml
-from loom.config.errors import ConfigError, UserError
+from loom.config.errors import ConfigError, UserError, require
 from loom.models.common.init import canonical_name
 from loom.models.common.rope import RopeScaling
 from loom.models.llama.flavors import LlamaArgs
@@ -218,8 +218,7 @@ def open_weights(path: str):
     """``safe_open`` of one safetensors file; a damaged one (a cut-off download or copy) as a one-line UserError.
     Opening parses the header and checks that the file covers every tensor it lists, so this finds a truncated
     file without reading its data."""
-    from safetensors import safe_open
-
+    safe_open = require("safetensors", "hf", purpose="reading Hugging Face weights").safe_open
     try:
         return safe_open(path, framework="pt")
     except Exception as err:  # safetensors' SafetensorError derives from Exception only
@@ -444,7 +443,7 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
     safetensors file names.
 
     ``model_state`` holds full tensors with loom names (``model.state_dict()`` of an unsharded model)."""
-    from safetensors.torch import save_file
+    save_file = require("safetensors.torch", "hf", purpose="writing a Hugging Face folder").save_file
 
     tensors = hf_state_dict(model_state, args)
     check_empty_target(out_folder)

@@ -22,3 +22,16 @@ class TrainingStopped(RuntimeError):
 
 class SharedError(UserError):
     """A user error every rank raises from rank 0's answer (a broadcast): printed by rank 0 only."""
+
+
+def require(module: str, extra: str, *, package: str | None = None, purpose: str = ""):
+    """Import an optional dependency, or raise the one-line UserError that names its package and the
+    loom-train extra that installs it (``needs the 'X' package (pip install 'loom-train[extra]')``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        name = package or module.split(".")[0]
+        lead = f"{purpose} " if purpose else ""
+        raise UserError(f"{lead}needs the {name!r} package (pip install 'loom-train[{extra}]')") from None

@@ -244,7 +244,7 @@ def _parquet_docs(path: str, text_field: str, errors: str = "strict") -> Iterato
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError("data.source", path, "parquet needs pyarrow (pip install 'loom-train[data]')") from None
+        raise ConfigError("data.source", path, "parquet needs the 'pyarrow' package (pip install 'loom-train[data]')") from None
     pf = pq.ParquetFile(path)
     if text_field not in pf.schema_arrow.names:
         raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {pf.schema_arrow.names}")
@@ -259,7 +259,7 @@ def _hf_dataset_docs(path: str, text_field: str, errors: str = "strict") -> Iter
         import datasets
     except ImportError:
         raise ConfigError("data.source", path,
-                          "a saved Hugging Face dataset needs `datasets` (pip install 'loom-train[data]')") from None
+                          "a saved Hugging Face dataset needs the 'datasets' package (pip install 'loom-train[data]')") from None
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:

@@ -42,7 +42,7 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ConfigError("data.tokenizer", path, "needs the 'tokenizers' package (pip install tokenizers)") from None
+            raise ConfigError("data.tokenizer", path, "needs the 'tokenizers' package (pip install 'loom-train[data]')") from None
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):

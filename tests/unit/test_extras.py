@@ -1,0 +1,30 @@
+"""Optional dependencies missing at the point of use: one line naming the package and the extra."""
+
+import sys
+
+import pytest
+
+from loom.config.errors import UserError, require
+
+
+def test_require_imports_a_present_module():
+    assert require("json", "dev").dumps([1]) == "[1]"
+
+
+def test_require_names_package_and_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(UserError) as err:
+        require("safetensors.torch", "hf", purpose="writing a Hugging Face folder")
+    msg = str(err.value)
+    assert msg == "writing a Hugging Face folder needs the 'safetensors' package (pip install 'loom-train[hf]')"
+    assert "\n" not in msg
+
+
+def test_export_without_safetensors_is_one_line(monkeypatch, tmp_path):
+    from loom.checkpoint.hf import export_hf
+    from loom.models.llama.flavors import FLAVORS
+
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(UserError, match=r"needs the 'safetensors' package \(pip install 'loom-train\[hf\]'\)"):
+        export_hf({}, FLAVORS["debug"], str(tmp_path / "out"))
