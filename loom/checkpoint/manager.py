@@ -390,6 +390,11 @@ class CheckpointManager:
         for folder in doomed:
             shutil.rmtree(folder, ignore_errors=True)
 
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step this manager saved last in this process (None before its first save)."""
+        return self._last_saved
+
     def poll(self) -> None:
         """Commit a finished async save without blocking. Ranks decide alone (no collective here):
         rank 0's save completes only after every rank's shards are written and the metadata is."""

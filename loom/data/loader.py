@@ -107,6 +107,10 @@ class Windows:
         return epoch * self.n_train + (2 * pos * self.n_train + old_n) // (2 * old_n)  # rounded to nearest
 
 
+def _share_read(epochs: float) -> str:
+    return f"{epochs:.1f} epochs" if epochs >= 1 else f"{100 * epochs:.2g}%"
+
+
 # ---- batches ------------------------------------------------------------------
 
 @dataclass
@@ -157,6 +161,26 @@ class Loader:
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.consumed = 0  # global samples handed out
         self.counts = [0] * len(sources)  # training windows taken from each source
+
+    def describe(self, global_batch: int, steps: int) -> list[str]:
+        """The banner's data lines: each source's tokens and windows, and how often the run will go over it (a
+        warning when the corpus is smaller than one step or repeats for several epochs)."""
+        cum = [0.0] + self.cum_weights.tolist()
+        lines = []
+        for i, src in enumerate(self.sources):
+            share = cum[i + 1] - cum[i]
+            epochs = steps * global_batch * share / src.n_train
+            val = f", {src.n_val} validation" if src.n_val else ""
+            weight = f", weight {share:.2f}" if len(self.sources) > 1 else ""
+            lines.append(f"data: {src.label}: {len(src.tokens):,} tokens, {src.n_train} training windows"
+                         f"{val}{weight}; the run reads {_share_read(epochs)} of it")
+            if src.n_train < global_batch * share:
+                lines.append(f"warning: {src.label} holds fewer windows ({src.n_train}) than one step takes from it "
+                             f"({global_batch * share:.0f}): every step repeats windows")
+            elif epochs > 1:
+                lines.append(f"warning: {src.label} will be repeated: {epochs:.1f} epochs (more data, or "
+                             "fewer training.steps, avoids training on the same windows again)")
+        return lines
 
     @property
     def global_batch(self) -> int:

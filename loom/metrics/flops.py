@@ -7,7 +7,6 @@ forward + backward, no causal discount) -- the PaLM / nanoGPT / torchtitan conve
 
 from __future__ import annotations
 
-import warnings
 
 # Dense (no sparsity) peak TFLOP/s by compute dtype. Matched against the device name, first hit wins.
 # float32 is the plain FP32 (non-tensor-core) rate: loom never enables TF32 (PyTorch's default leaves fp32 matmuls
@@ -65,17 +64,15 @@ def device_name(device) -> str:
 
 
 def device_peak(device, dtype: str) -> float | None:
-    """Peak FLOP/s for a torch.device (None on CPU or an unknown GPU). Call once per run: when MFU cannot
-    be computed it warns once, on global rank 0 only."""
-    name = device_name(device)
-    peak = peak_flops(name, dtype) if device.type == "cuda" else None
-    if peak is None and _is_rank0():
-        warnings.warn(f"MFU is not reported: no peak {dtype} throughput known for {name!r} "
-                      "(loom.metrics.flops.PEAK_TFLOPS)", stacklevel=2)
-    return peak
+    """Peak FLOP/s for a torch.device: None on CPU or an unknown GPU (MFU is then not reported; see ``mfu_note``)."""
+    return peak_flops(device_name(device), dtype) if device.type == "cuda" else None
 
 
-def _is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+def mfu_note(device, dtype: str) -> str:
+    """The banner's note when MFU cannot be computed ('' when it can)."""
+    if device_peak(device, dtype) is not None:
+        return ""
+    if device.type != "cuda":
+        return f"MFU not reported on {device.type}"
+    return (f"MFU not reported: no peak {dtype} throughput known for {device_name(device)!r} "
+            "(loom.metrics.flops.PEAK_TFLOPS)")

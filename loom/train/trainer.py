@@ -11,14 +11,14 @@ import time
 import torch
 
 from loom.checkpoint.hf import load_hf_weights
-from loom.checkpoint.manager import CheckpointManager
+from loom.checkpoint.manager import CheckpointManager, step_dir_name
 from loom.config.errors import ConfigError, SharedError, UserError
 from loom.config.load import profile_window, to_toml
 from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, describe_sources, prepare_data
 from loom.data.loader import MicroBatch
 from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
-from loom.metrics.flops import device_peak, mfu
+from loom.metrics.flops import device_peak, mfu, mfu_note
 from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
@@ -411,12 +411,7 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
                                progress=cfg.metrics.progress, start_step=self.step) if self.env.is_main else None
         if self.env.is_main:
-            print(f"loom: {cfg.model.flavor} ({count_params(self.model_args) / 1e6:.1f}M params), "
-                  f"{self.dims.describe()}, accumulation {self.accum}, dtype {cfg.training.dtype}, "
-                  f"device {self.device.type}", flush=True)
-            cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
-            print(f"kernels: {self.kernels.describe()}{self._measured()}{cp_note}", flush=True)
-            for line in self._describe_steps():
+            for line in self._banner():
                 print(line, flush=True)
         records: list[dict] = []
         reset_peak(self.device)
@@ -484,7 +479,42 @@ class Trainer:
             self.profiler.close()
             if logger:
                 logger.close()
+        if self.env.is_main:
+            print(self._where_things_are(), flush=True)
         return records
+
+    def _banner(self) -> list[str]:
+        """What this run is: its folder, the model actually built, the layout, the data, the kernels."""
+        cfg, args = self.cfg, self.model_args
+        name = f"{cfg.model.init_from} (imported)" if cfg.model.init_from else f"flavor {cfg.model.flavor}"
+        moe = f", {args.moe_experts} experts (top {args.moe_top_k})" if args.moe_experts else ""
+        note = mfu_note(self.device, cfg.training.dtype)
+        cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
+        t = cfg.training
+        return [
+            f"loom: run dir {os.path.abspath(self.run_dir)}",
+            f"model: {name}, {count_params(args) / 1e6:.1f}M params ({args.n_layers} layers, dim {args.dim}, "
+            f"{args.n_heads} heads, vocab {args.vocab_size}{moe})",
+            f"layout: {self.dims.describe()}, accumulation {self.accum}, dtype {t.dtype}, device {self.device.type}"
+            f"{'; ' + note if note else ''}",
+            f"batch: {t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, "
+            f"{t.steps} steps",
+            *self.loader.describe(t.global_batch_size, t.steps),
+            f"kernels: {self.kernels.describe()}{self._measured()}{cp_note}",
+            *self._describe_steps(),
+        ]
+
+    def _where_things_are(self) -> str:
+        """The run's last line: where its newest checkpoint, metrics and TensorBoard events are."""
+        parts = [f"loom: stopped at step {self.step}"]
+        saved = self.checkpointer.last_saved_step
+        if saved is not None:
+            parts.append(f"checkpoint {os.path.join(self.checkpointer.dir, step_dir_name(saved))}")
+        for label, name in (("metrics", "metrics.jsonl"), ("TensorBoard events", "tensorboard")):
+            path = os.path.join(os.path.abspath(self.run_dir), name)
+            if os.path.exists(path):
+                parts.append(f"{label} {path}")
+        return "; ".join(parts)
 
     def _set_aside_old_metrics(self) -> None:
         """A fresh start in a run dir with an earlier run's metrics.jsonl: renamed, never appended to or lost."""
