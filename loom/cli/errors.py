@@ -1,5 +1,5 @@
 """User errors leave as one line on stderr and exit code 2, a run that stopped itself (non-finite steps) as
-one line and exit code 1; bugs keep their traceback."""
+one line and exit code 1, a second Ctrl-C as one line and exit code 130; bugs keep their traceback."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from loom.config.errors import ConfigError, SharedError, TrainingStopped, UserError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a SIGINT
 
 
 def user_errors_exit(fn):
@@ -29,6 +30,10 @@ def user_errors_exit(fn):
             print(f"loom: error: no space left on the device{where}: free some space or choose another folder",
                   file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except KeyboardInterrupt:  # a second Ctrl-C (the first one saves at the next step)
+            print("loom: interrupted: stopped without a new checkpoint (the last complete one stays)",
+                  file=sys.stderr, flush=True)
+            sys.exit(EXIT_INTERRUPTED)
         except TrainingStopped as err:  # decided on every rank alike: rank 0 says it
             if os.environ.get("RANK", "0") == "0":
                 print(f"loom: stopped: {err}", file=sys.stderr, flush=True)

@@ -283,6 +283,31 @@ def test_sigint_saves_like_sigterm_in_one_process(tmp_path, cache):
     assert any(line.startswith("SIGINT: saved step") for line in out.splitlines()), out
 
 
+def test_a_second_ctrl_c_stops_at_once_in_one_line(capsys):
+    """The first Ctrl-C asks for a save at the next step; the second raises KeyboardInterrupt at once, which
+    the CLI turns into one line and exit code 130 (checkpoints are written to a temporary folder and renamed,
+    so an interrupted save never touches the last complete one: test_checkpoint_recovery)."""
+    from loom.cli.errors import user_errors_exit
+    from loom.train.guard import Preemption
+
+    stop = Preemption(60.0)
+    try:
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested and stop.reason == "SIGINT"
+
+        @user_errors_exit
+        def second():
+            stop._handle(signal.SIGINT, None)
+
+        with pytest.raises(SystemExit) as code:
+            second()
+    finally:
+        stop.restore()
+    assert code.value.code == 130
+    assert capsys.readouterr().err == ("loom: interrupted: stopped without a new checkpoint "
+                                       "(the last complete one stays)\n")
+
+
 def children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as fh:
         return [int(p) for p in fh.read().split()]
