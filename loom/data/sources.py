@@ -4,10 +4,10 @@ A ``data.source`` string is one source or a weighted mixture ``a.jsonl:0.7,b.bin
 is a file, a glob, or a folder:
 
 * ``*.bin`` with a ``.bin.json`` beside it: a pre-tokenized token file (used as is)
-* ``*.jsonl`` / ``*.jsonl.gz``: one document per line, text in ``data.text_field``
+* ``*.jsonl`` / ``*.ndjson`` (or ``.gz``): one document per line, text in ``data.text_field``
 * ``*.parquet``: one document per row, text in ``data.text_field`` (needs pyarrow)
 * a folder written by ``datasets.Dataset.save_to_disk`` (needs the ``datasets`` extra)
-* anything else: a text file, one document per file
+* anything else: a text file (``.gz``: decompressed), one document per file
 
 Unset: the embedded default, this Python's own standard-library source files.
 """
@@ -96,7 +96,7 @@ def _kind_of(path: str) -> str:
                           "save_to_disk; for files inside it use a glob such as 'folder/*.txt'")
     if path.endswith(".bin"):
         return "tokens"
-    if path.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+    if path.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
         return "jsonl"
     if path.endswith(".parquet"):
         return "parquet"
@@ -181,13 +181,16 @@ def _no_surrogates(text: str, errors: str, path: str, where: str) -> str:
 
 
 def _read_text(path: str, errors: str = "strict") -> str:
-    with open(path, "rb") as fh:
-        data = fh.read()
+    """One document per file; a ``.gz`` file is decompressed (a damaged one is a one-line error)."""
+    gz = path.endswith(".gz")
+    with (gzip.open if gz else open)(path, "rb") as fh:
+        data = b"".join(_gz_lines(fh, path)) if gz else fh.read()
     try:
         return data.decode("utf-8", errors)
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise not_utf8(path, f"line {line}, byte offset {err.start} (byte 0x{data[err.start]:02x})") from None
+        where = f"line {line}, byte offset {err.start}{' of the decompressed text' if gz else ''}"
+        raise not_utf8(path, f"{where} (byte 0x{data[err.start]:02x})") from None
 
 
 def _jsonl_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:

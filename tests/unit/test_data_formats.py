@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loom.cli.data import main as prepare_main
+from loom.config.errors import ConfigError
 from loom.config.sections import DataConfig
 from loom.data import build_loader, prepare_data
 from loom.data.prepare import tokenize_to_file
@@ -201,9 +202,26 @@ def test_gzipped_jsonl_and_dataset_dict_read_like_the_plain_ones(tmp_path):
         fh.writelines(json.dumps({"body": d}) + "\n" for d in CORPUS)
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": CORPUS})}).save_to_disk(
         str(tmp_path / "dd"))
-    for source in (str(tmp_path / "c.jsonl.gz"), str(tmp_path / "dd")):
+    with gzip.open(tmp_path / "c.ndjson.gz", "wt", encoding="utf-8") as fh:
+        fh.writelines(json.dumps({"body": d}) + "\n" for d in CORPUS)
+    for source in (str(tmp_path / "c.jsonl.gz"), str(tmp_path / "c.ndjson.gz"), str(tmp_path / "dd")):
         (spec,) = parse_source(source, text_field="body")
         assert list(documents(spec)) == CORPUS
+
+
+def test_gzipped_text_is_decompressed_and_a_cut_one_is_one_line(tmp_path):
+    import gzip
+
+    for i, doc in enumerate(CORPUS):
+        with gzip.open(tmp_path / f"d{i}.txt.gz", "wt", encoding="utf-8") as fh:
+            fh.write(doc)
+    (spec,) = parse_source(str(tmp_path / "d*.txt.gz"))
+    assert list(documents(spec)) == CORPUS
+    whole = (tmp_path / "d0.txt.gz").read_bytes()
+    (tmp_path / "cut.txt.gz").write_bytes(whole[: len(whole) // 2])
+    (spec,) = parse_source(str(tmp_path / "cut.txt.gz"))
+    with pytest.raises(ConfigError, match="is not a complete gzip file"):
+        list(documents(spec))
 
 
 def test_hf_tokenizer_round_trips_and_finds_eos(tmp_path):
