@@ -1,5 +1,6 @@
-"""Hugging Face Llama and Mixtral folders <-> loom: config mapping, sharded loading, export, import to a DCP
-checkpoint.
+"""Hugging Face Llama and Mixtral folders <-> loom: config mapping, sharded loading, export (with the run's
+tokenizer and generation config, a folder transformers loads as it is), import to a DCP checkpoint (which
+``model.init_from`` accepts too).
 
 loom's Llama uses Hugging Face's RoPE convention (rotate-half), so converting weights is only
 renaming: no permutation of the q/k rows. A Hugging Face folder is ``config.json`` plus either
@@ -27,12 +28,13 @@ import json
 import os
 import shutil
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
-from loom.checkpoint.manager import STATE, write_marker
-from loom.config import Config, to_toml
+from loom.checkpoint.manager import MARKER, STATE, load_model_weights, verify, write_marker
 from loom.config.errors import ConfigError, UserError, require
+from loom.data.tokenizers import COMPANIONS, TOKENIZER_JSON, build_tokenizer, is_byte, tokenizer_files
 from loom.models.common.init import canonical_name
 from loom.models.common.rope import RopeScaling
 from loom.models.llama.flavors import LlamaArgs
@@ -43,6 +45,9 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 HF_CONFIG_COPY = "hf_config.json"  # the source config.json, kept inside an imported loom checkpoint
+HF_GENERATION_COPY = "hf_generation_config.json"  # and its generation_config.json
+TOKENIZER_COPY = "tokenizer"  # an imported checkpoint's copy of the source's tokenizer files
+GENERATION_CONFIG = "generation_config.json"
 ARCHITECTURE = "LlamaForCausalLM"
 MOE_ARCHITECTURE = "MixtralForCausalLM"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
@@ -103,13 +108,28 @@ def _ignorable(name: str) -> bool:
 
 # ---- config.json <-> LlamaArgs -----------------------------------------------------------------
 
+def is_loom_checkpoint(folder: str) -> bool:
+    """A complete loom checkpoint folder (``step_N`` of a run, or ``loom convert --from-hf``'s output), not a Hugging
+    Face one (a transformers Trainer's checkpoint also holds a trainer_state.json: the marker tells them apart)."""
+    return os.path.isfile(os.path.join(folder, MARKER))
+
+
 def read_hf_config(folder: str, field: str = "model.init_from") -> dict:
-    """config.json of a Hugging Face folder, or a ConfigError naming what is wrong with the folder."""
+    """config.json of a Hugging Face folder (``hf_config.json`` of an imported loom checkpoint), or a ConfigError
+    naming what is wrong with the folder."""
     if not os.path.isdir(folder):
         raise ConfigError(field, folder, "folder not found (expected a Hugging Face Llama folder)")
     path = os.path.join(folder, CONFIG)
-    if not os.path.isfile(path):
-        raise ConfigError(field, folder, f"no {CONFIG} in this folder (expected a Hugging Face Llama folder)")
+    if is_loom_checkpoint(folder):
+        path = os.path.join(folder, HF_CONFIG_COPY)
+        if not os.path.isfile(path):
+            raise ConfigError(field, folder, "a loom checkpoint of a training run, which starts nothing by its "
+                              "model shape alone: allowed a Hugging Face folder or a checkpoint of `loom convert "
+                              "--from-hf`; export this one with `loom convert --to-hf` and start from that, or "
+                              "continue it with --checkpoint.resume")
+    elif not os.path.isfile(path):
+        raise ConfigError(field, folder, f"no {CONFIG} in this folder (expected a Hugging Face Llama folder or a "
+                          "checkpoint of `loom convert --from-hf`)")
     try:
         with open(path) as fh:
             cfg = json.load(fh)
@@ -227,7 +247,11 @@ def open_weights(path: str):
 
 
 def check_weights(folder: str) -> None:
-    """Every safetensors file of a Hugging Face folder opens (headers only): found before a model is built."""
+    """Every safetensors file of a Hugging Face folder opens (headers only), or an imported loom checkpoint is
+    complete with the hashes it records: found before a model is built."""
+    if is_loom_checkpoint(folder):
+        verify(folder)
+        return
     for path in sorted(set(weight_files(folder).values())):
         with open_weights(path):
             pass
@@ -339,11 +363,45 @@ def _read_experts_into(handle_of, srcs: list[str], param: torch.Tensor, folder: 
         local[k].copy_(sl[region[2], region[1]].T)  # (b, a) block -> (a, b)
 
 
+def check_checkpoint_shapes(folder: str, model: torch.nn.Module, field: str, whole_model: bool = True,
+                            hint: str = "") -> None:
+    """``model``'s tensors against loom checkpoint ``folder``'s before loading, each mismatch one line naming the
+    tensor (DCP's own error is a traceback) and then ``hint``; ``whole_model``: the checkpoint holds no model
+    tensor it lacks."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = {k.removeprefix("model."): tuple(m.size) for k, m in
+              FileSystemReader(folder).read_metadata().state_dict_metadata.items() if k.startswith("model.")}
+    names = set()
+    for name, t in model.state_dict().items():
+        name = canonical_name(name)
+        names.add(name)
+        if name not in stored:
+            raise ConfigError(field, folder, f"has no model tensor {name} (not a loom Llama checkpoint, or "
+                              "another model.tie_embeddings)")
+        if stored[name] != tuple(t.shape):
+            raise ConfigError(field, folder, f"{name} has shape {list(stored[name])} but the config gives "
+                              f"{list(t.shape)}{hint}")
+    extra = sorted(set(stored) - names)
+    if whole_model and extra:
+        raise ConfigError(field, folder, f"holds tensors with no place in this model: {', '.join(extra[:4])} "
+                          "(another model.tie_embeddings?)")
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = True) -> None:
     """Fill a loom Llama (plain, sharded with FSDP2/HSDP/TP, or one pipeline stage: ``whole_model`` false)
     from a Hugging Face folder; each rank reads only the rows it owns. No collectives: every rank reads
-    its own part independently."""
+    its own part independently. From an imported loom checkpoint (``loom convert --from-hf``) DCP loads it: every
+    rank calls this for each of its parts in the same order."""
+    if is_loom_checkpoint(folder):
+        hf_tied = bool(read_hf_config(folder).get("tie_word_embeddings", False))
+        if model.args.tie_embeddings and not hf_tied:
+            raise ConfigError("model.tie_embeddings", "true", f"{folder} has its own output weights "
+                              "(tie_word_embeddings is false); use model.tie_embeddings = false or flavor")
+        check_checkpoint_shapes(folder, model, "model.init_from", whole_model)
+        load_model_weights(folder, model)
+        return
     hf_cfg = read_hf_config(folder)
     hf_tied = bool(hf_cfg.get("tie_word_embeddings", False))
     files = weight_files(folder)
@@ -429,24 +487,130 @@ def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[s
     return groups
 
 
-def check_empty_target(out_folder: str) -> None:
-    """Refuse to mix new files with a model already in the folder (stale shards would be loaded too)."""
+def check_empty_target(out_folder: str, also: tuple[str, ...] = ()) -> None:
+    """Refuse to mix new files with a model already in the folder (stale shards would be loaded too), or to
+    overwrite the files named in ``also`` (the tokenizer's)."""
     if os.path.isdir(out_folder):
-        clash = [f for f in os.listdir(out_folder) if f.endswith(".safetensors") or f in (CONFIG, INDEX)]
+        clash = [f for f in sorted(os.listdir(out_folder)) if f.endswith(".safetensors") or f in (CONFIG, INDEX)]
+        clash += [f for f in also if os.path.exists(os.path.join(out_folder, f))]
         if clash:
             raise UserError(f"{out_folder} already holds a model ({clash[0]}); choose an empty folder")
 
 
+# ---- the tokenizer of an exported folder -------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExportTokenizer:
+    """What an exported folder takes from the run's tokenizer: files written beside the weights (name -> bytes)
+    and the special token ids for config.json and generation_config.json (None: unknown; ``eos_ids``: every id
+    that ends a generation, loom's end-of-document id first)."""
+    files: dict[str, bytes] = field(default_factory=dict)
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int | None = None
+
+    def config_ids(self) -> dict:
+        """The ids config.json gets (a single EOS: the one loom ends documents with)."""
+        ids = {"bos_token_id": self.bos_id, "eos_token_id": self.eos_ids[0] if self.eos_ids else None,
+               "pad_token_id": self.pad_id}
+        return {k: v for k, v in ids.items() if v is not None}
+
+    def generation_config(self) -> dict:
+        eos = list(self.eos_ids) if len(self.eos_ids) > 1 else (self.eos_ids[0] if self.eos_ids else None)
+        ids = {"bos_token_id": self.bos_id, "eos_token_id": eos, "pad_token_id": self.pad_id}
+        return {k: v for k, v in ids.items() if v is not None}
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def _token_name(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with ``content``."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def tokenizer_export(spec: str, max_len: int) -> ExportTokenizer:
+    """The Hugging Face tokenizer files of loom tokenizer ``spec`` with its special ids: for the byte tokenizer
+    a tokenizer.json with the same ids (``ByteTokenizer.hf_json``); for a tokenizer.json its file and companions
+    (chat template included), tokenizer_config.json naming BOS / EOS as loom finds them. ``max_len``: the
+    tokenizer's model_max_length where its config has none."""
+    tok = build_tokenizer(spec)
+    if is_byte(spec):
+        special = {"bos_token": tok.token(tok.bos_id), "eos_token": tok.token(tok.eos_id),
+                   "pad_token": tok.token(tok.pad_id)}
+        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
+                "clean_up_tokenization_spaces": False}
+        files = {TOKENIZER_JSON: tok.hf_json().encode(), "tokenizer_config.json": _json_bytes(conf),
+                 "special_tokens_map.json": _json_bytes(special)}
+        return ExportTokenizer(files, tok.bos_id, (tok.eos_id,), tok.pad_id)
+    files = {}
+    for name, path in tokenizer_files(spec).items():
+        with open(path, "rb") as fh:
+            files[name] = fh.read()
+    conf = tok.config()
+    stated_eos = _token_name(conf.get("eos_token"))
+    pad = next((i for i in (tok.token_id(n) for n in (_token_name(conf.get("pad_token")), "<pad>", "<|pad|>") if n)
+                if i is not None), None)
+    special = {k: tok.token(i) for k, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id),
+                                            ("pad_token", pad)) if i is not None}
+    conf = {**conf, "tokenizer_class": "PreTrainedTokenizerFast", **special}
+    conf.pop("auto_map", None)  # remote code of the source's own tokenizer class: not what this folder holds
+    conf.setdefault("model_max_length", max_len)
+    files["tokenizer_config.json"] = _json_bytes(conf)
+    stated_map = _read_json_bytes(files.get("special_tokens_map.json"))
+    files["special_tokens_map.json"] = _json_bytes({**stated_map, **special})
+    eos = [tok.eos_id]
+    stated = tok.token_id(stated_eos) if stated_eos else None
+    if stated is not None and stated != tok.eos_id:  # e.g. a chat model's end-of-turn token
+        eos.append(stated)
+    return ExportTokenizer(files, tok.bos_id, tuple(eos), pad)
+
+
+def _read_json_bytes(data: bytes | None) -> dict:
+    try:
+        out = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def imported_tokenizer_export(ckpt: str) -> ExportTokenizer:
+    """An imported checkpoint's tokenizer and special ids as its source folder had them (its copies, verbatim)."""
+    files = {}
+    folder = os.path.join(ckpt, TOKENIZER_COPY)
+    for name in (TOKENIZER_JSON, *COMPANIONS):
+        if os.path.isfile(os.path.join(folder, name)):
+            with open(os.path.join(folder, name), "rb") as fh:
+                files[name] = fh.read()
+    if os.path.isfile(os.path.join(ckpt, HF_GENERATION_COPY)):
+        with open(os.path.join(ckpt, HF_GENERATION_COPY), "rb") as fh:
+            files[GENERATION_CONFIG] = fh.read()
+    with open(os.path.join(ckpt, HF_CONFIG_COPY)) as fh:
+        cfg = json.load(fh)
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
+    return ExportTokenizer(files, cfg.get("bos_token_id"), eos, cfg.get("pad_token_id"))
+
+
+def export_file_names(tokenizer: ExportTokenizer | None) -> tuple[str, ...]:
+    """The files besides the weights and config.json that an export with ``tokenizer`` writes."""
+    if tokenizer is None:
+        return ()
+    return tuple(dict.fromkeys([*tokenizer.files, GENERATION_CONFIG]))
+
+
 def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder: str,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: ExportTokenizer | None = None) -> list[str]:
     """Write ``out_folder`` as a Hugging Face LlamaForCausalLM (MixtralForCausalLM) folder; returns the
-    safetensors file names.
+    safetensors file names. With ``tokenizer``: its files, its special ids in config.json and a
+    generation_config.json, so that transformers, vLLM and PEFT load the folder as it is.
 
     ``model_state`` holds full tensors with loom names (``model.state_dict()`` of an unsharded model)."""
     save_file = require("safetensors.torch", "hf", purpose="writing a Hugging Face folder").save_file
 
     tensors = hf_state_dict(model_state, args)
-    check_empty_target(out_folder)
+    check_empty_target(out_folder, export_file_names(tokenizer))
     created = not os.path.isdir(out_folder)
     groups = plan_shards(tensors, max_shard_bytes)
     names = [SINGLE] if len(groups) == 1 else [
@@ -466,7 +630,13 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
             _write_json(written[-1], {"metadata": {"total_size": total}, "weight_map": weight_map})
         dtype = tensors["model.embed_tokens.weight"].dtype
         written.append(os.path.join(out_folder, CONFIG))
-        _write_json(written[-1], hf_config_from_args(args, dtype))
+        _write_json(written[-1], {**hf_config_from_args(args, dtype), **(tokenizer.config_ids() if tokenizer else {})})
+        if tokenizer is not None:
+            files = {GENERATION_CONFIG: _json_bytes(tokenizer.generation_config()), **tokenizer.files}
+            for name, data in files.items():
+                written.append(os.path.join(out_folder, name))
+                with open(written[-1], "wb") as fh:
+                    fh.write(data)
     except BaseException as err:  # no half-written model is left behind: a reader would load it
         for path in written:
             with contextlib.suppress(OSError):
@@ -509,13 +679,29 @@ def weights_only_model(args: LlamaArgs) -> torch.nn.Module:
     return model.to_empty(device="cpu")
 
 
-def _imported_config_toml(hf_folder: str, args: LlamaArgs) -> str:
-    """A loom config describing the imported model: start from the HF folder, its vocabulary and tying."""
-    cfg = Config()
-    cfg.model.init_from = os.path.abspath(hf_folder)
-    cfg.model.vocab_size = args.vocab_size
-    cfg.model.tie_embeddings = "true" if args.tie_embeddings else "false"
-    return to_toml(cfg)
+def _imported_config_toml(out_folder: str, args: LlamaArgs, tokenizer: bool) -> str:
+    """The config of an imported checkpoint: only what it knows, so that it also serves as ``--config`` (the
+    model starts from the checkpoint itself; with the source's tokenizer where it had one). Every other field
+    keeps its default."""
+    here = os.path.abspath(out_folder)
+    lines = ["[model]", f"init_from = {json.dumps(here)}", f"vocab_size = {args.vocab_size}",
+             f"tie_embeddings = {json.dumps('true' if args.tie_embeddings else 'false')}", ""]
+    if tokenizer:
+        lines += ["[data]", f"tokenizer = {json.dumps(os.path.join(here, TOKENIZER_COPY))}", ""]
+    return "\n".join(lines)
+
+
+def _copy_hf_companions(hf_folder: str, tmp: str) -> bool:
+    """Into an import: the source's tokenizer files (``tokenizer/``) and generation_config.json, which an export
+    writes back; whether there was a tokenizer."""
+    if os.path.isfile(os.path.join(hf_folder, GENERATION_CONFIG)):
+        shutil.copyfile(os.path.join(hf_folder, GENERATION_CONFIG), os.path.join(tmp, HF_GENERATION_COPY))
+    if not os.path.isfile(os.path.join(hf_folder, TOKENIZER_JSON)):
+        return False
+    os.makedirs(os.path.join(tmp, TOKENIZER_COPY))
+    for name, path in tokenizer_files(hf_folder, "--from-hf").items():
+        shutil.copyfile(path, os.path.join(tmp, TOKENIZER_COPY, name))
+    return True
 
 
 def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") -> LlamaArgs:
@@ -542,9 +728,10 @@ def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") 
         # model_only: there is no optimizer state or data position to resume, the run starts at step 0
         _write_json(os.path.join(tmp, STATE), {"step": 0, "model_only": True,
                                                "imported_from": os.path.abspath(hf_folder)})
-        with open(os.path.join(tmp, "config.toml"), "w") as fh:
-            fh.write(_imported_config_toml(hf_folder, args))
         shutil.copyfile(os.path.join(hf_folder, CONFIG), os.path.join(tmp, HF_CONFIG_COPY))
+        has_tokenizer = _copy_hf_companions(hf_folder, tmp)
+        with open(os.path.join(tmp, "config.toml"), "w") as fh:
+            fh.write(_imported_config_toml(out_folder, args, has_tokenizer))
         write_marker(tmp, 0)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

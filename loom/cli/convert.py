@@ -19,12 +19,15 @@ USAGE = """usage:
 
 --from-hf   a Hugging Face LlamaForCausalLM or MixtralForCausalLM folder (config.json + safetensors,
             sharded or not);
-            written as a complete loom checkpoint (weights only, step 0) at --to.
---from      a loom checkpoint folder (step_N with COMPLETE.json). Its model shape comes from the
-            config.toml saved in it (or --config), with --flavor / --section.field overrides, e.g.
-            --data.tokenizer when the run's tokenizer.json moved. Written to --to-hf as
-            LlamaForCausalLM safetensors (MixtralForCausalLM for a mixture-of-experts model; sharded with
-            an index above --max-shard-size)."""
+            written as a complete loom checkpoint (weights only, step 0) at --to, with the folder's
+            tokenizer files in CKPT_FOLDER/tokenizer. Train from it with
+            loom train --model.init_from CKPT_FOLDER [--data.tokenizer CKPT_FOLDER/tokenizer].
+--from      a loom checkpoint folder (step_N with COMPLETE.json). Its model shape and tokenizer come
+            from the config.toml saved in it (the tokenizer copy in its run dir, wherever that moved) or
+            --config, with --flavor / --section.field overrides, e.g. --data.tokenizer when the run's
+            tokenizer is gone. Written to --to-hf as LlamaForCausalLM safetensors (MixtralForCausalLM for
+            a mixture-of-experts model; sharded with an index above --max-shard-size), with config.json,
+            generation_config.json and the tokenizer files: a folder transformers loads as it is."""
 
 _OPTIONS = ("--from-hf", "--to", "--from", "--to-hf", "--config", "--flavor", "--max-shard-size")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -86,22 +89,38 @@ def _reject(opts: dict[str, str], rest: list[str], allowed: tuple[str, ...], dir
 
 
 def run_config(ckpt: str, config_file: str | None, overrides: dict[str, str]):
-    """The config of the run that wrote ``ckpt``, with the user's overrides; resume is irrelevant here."""
+    """The config of the run that wrote ``ckpt``, with the user's overrides; resume is irrelevant here. The
+    checkpoint's own config.toml has its recorded paths found where the files are now (the run's tokenizer copy in
+    its run dir, wherever that moved: loom.train.run_dir); a --config file is read as written."""
     from loom.config import build_config
+    from loom.config.load import read_toml
+    from loom.train.run_dir import missing_tokenizer, recorded_values
 
-    path = config_file or os.path.join(ckpt, "config.toml")
-    if not os.path.isfile(path) and not overrides:
-        raise ConfigError("--from", ckpt, "has no config.toml; pass --config RUN.toml or --flavor NAME")
-    return build_config(path if os.path.isfile(path) else None, {"checkpoint.resume": "none", **overrides})
+    fixed = {"checkpoint.resume": "none", **overrides}
+    if config_file:
+        return build_config(config_file, fixed)
+    path = os.path.join(ckpt, "config.toml")
+    if not os.path.isfile(path):
+        if not overrides:
+            raise ConfigError("--from", ckpt, "has no config.toml; pass --config RUN.toml or --flavor NAME")
+        return build_config(None, fixed)
+    raw = read_toml(path)
+    if "data.tokenizer" not in overrides:
+        missing = missing_tokenizer(ckpt, raw, "pass --data.tokenizer PATH (the run's tokenizer.json or its folder)")
+        if missing is not None:
+            raise missing
+    return build_config(None, {**recorded_values(ckpt, raw), **fixed})
 
 
 def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[str, str]):
-    """LlamaArgs of a checkpoint: the Hugging Face config an import kept, else the run's config resolved
-    as the trainer does (flavor or init_from, vocabulary from the tokenizer, tying). ``max_seq_len``
-    becomes the exported max_position_embeddings: the flavor's / source model's, or the run's seq_len."""
+    """(LlamaArgs, ExportTokenizer) of a checkpoint: the Hugging Face config and tokenizer an import kept, else
+    the run's config resolved as the trainer does (flavor or init_from, vocabulary from the tokenizer, tying) and
+    the run's tokenizer. ``max_seq_len`` becomes the exported max_position_embeddings: the flavor's / source
+    model's, or the run's seq_len."""
     import json
 
-    from loom.checkpoint.hf import HF_CONFIG_COPY, llama_args_from_hf, llama_args_from_hf_config
+    from loom.checkpoint.hf import (HF_CONFIG_COPY, imported_tokenizer_export, llama_args_from_hf,
+                                    llama_args_from_hf_config, tokenizer_export)
     from loom.data import build_tokenizer
     from loom.models.llama import FLAVORS
     from loom.resolve import resolve_model_args
@@ -109,30 +128,17 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
     kept = os.path.join(ckpt, HF_CONFIG_COPY)
     if os.path.isfile(kept) and not config_file and not overrides:
         with open(kept) as fh:
-            return llama_args_from_hf_config(json.load(fh), "--from", kept)
+            return llama_args_from_hf_config(json.load(fh), "--from", kept), imported_tokenizer_export(ckpt)
     cfg = run_config(ckpt, config_file, overrides)
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))
     base = llama_args_from_hf(cfg.model.init_from) if cfg.model.init_from else FLAVORS[cfg.model.flavor]
-    return args.with_(max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
-
-
-def check_shapes(ckpt: str, model) -> None:
-    """Compare the model built from the config with the checkpoint's tensors before loading, so a wrong
-    flavor or tokenizer is reported as such rather than as a DCP size error."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    stored = FileSystemReader(ckpt).read_metadata().state_dict_metadata
-    for name, t in model.state_dict().items():
-        meta = stored.get(f"model.{name}")
-        if meta is None:
-            raise ConfigError("--from", ckpt, f"has no model tensor {name} (not a loom Llama checkpoint?)")
-        if tuple(meta.size) != tuple(t.shape):
-            raise ConfigError("--from", ckpt, f"{name} has shape {list(meta.size)} but the config gives "
-                              f"{list(t.shape)}; pass the run's --config / --flavor / --data.tokenizer")
+    args = args.with_(max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
+    return args, tokenizer_export(cfg.data.tokenizer, args.max_seq_len)
 
 
 def run_export(opts: dict[str, str], rest: list[str]) -> int:
-    from loom.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, check_empty_target, export_hf, weights_only_model
+    from loom.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, check_checkpoint_shapes, check_empty_target, export_hf,
+                                    export_file_names, weights_only_model)
     from loom.checkpoint.manager import load_model_only, verify
     from loom.config import parse_overrides
 
@@ -149,16 +155,19 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     if "--flavor" in opts:  # a flavor names the shape; a recorded init_from would take precedence over it
         overrides.update({"model.flavor": opts["--flavor"], "model.init_from": ""})
     verify(ckpt, check_hash=False)  # cheap: a complete folder; load_model_only checks the hashes
-    args = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
+    args, tokenizer = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
+    check_empty_target(opts["--to-hf"], export_file_names(tokenizer))
     model = weights_only_model(args)
-    check_shapes(ckpt, model)
+    check_checkpoint_shapes(ckpt, model, "--from", hint="; pass the run's --config / --flavor / --data.tokenizer")
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         load_model_only(ckpt, model)
-    files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes)
+    files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes, tokenizer)
     kind = "Mixtral" if args.moe else "Llama"
+    with_tokenizer = ", the tokenizer" if "tokenizer.json" in tokenizer.files else ""
     print(f"loom convert: exported {ckpt} as a Hugging Face {kind} folder {opts['--to-hf']} "
-          f"({len(files)} safetensors file{'s' if len(files) > 1 else ''})", flush=True)
+          f"({len(files)} safetensors file{'s' if len(files) > 1 else ''}{with_tokenizer}, generation_config.json)",
+          flush=True)
     return 0
 
 

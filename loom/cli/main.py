@@ -1,4 +1,4 @@
-"""The ``loom`` command: ``train``, ``plan``, ``convert``, ``data prepare``."""
+"""The ``loom`` command: ``train``, ``plan``, ``convert``, ``report``, ``data prepare``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from loom.cli.errors import user_errors_exit
 from loom.config.errors import UserError
 
 USAGE = """usage: loom <command> [options]
+       loom --version
 
 commands:
   train          train a model (see `loom train --help`)
   plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
   convert        import a Hugging Face Llama folder / export a loom checkpoint (`loom convert --help`)
+  report         plots + HTML page of runs' metrics.jsonl (`loom report --help`)
   data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
 """
 
@@ -23,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(version_line())
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
@@ -37,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.convert import main as convert_main
 
         return convert_main(rest)
+    if cmd == "report":
+        from loom.cli.report import main as report_main
+
+        return report_main(rest)
     if cmd == "data" and rest[:1] == ["prepare"]:
         from loom.cli.data import main as data_main
 
@@ -44,7 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     raise unknown_command(argv)
 
 
-COMMANDS = ("train", "plan", "convert", "data prepare")
+def version_line() -> str:
+    """``loom <version> (torch <version>, Python <version>)``: what a bug report needs first."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from loom import version as loom_version
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"loom {loom_version()} (torch {torch}, Python {platform.python_version()})"
+
+
+COMMANDS = ("train", "plan", "convert", "report", "data prepare")
 
 
 def unknown_command(argv: list[str]) -> UserError:

@@ -20,9 +20,41 @@ def all_keys() -> list[str]:
 
 
 def _unknown_key(key: str) -> ConfigError:
-    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-    hint = f"; did you mean '{near[0]}'?" if near else f"; sections are {', '.join(SECTIONS)}"
-    return ConfigError(key, None, f"unknown key{hint}", show_value=False)
+    """One line: the nearest known keys (``nearest_keys``), else where to look."""
+    near = nearest_keys(key)
+    section = key.partition(".")[0]
+    if key in SECTIONS:  # a section where a field belongs: `--training 5`, or `training = 5` outside a table
+        hint = f"a section, not a field: set its fields as {key}.FIELD (see `loom train --help {key}`)"
+    elif near:
+        hint = "did you mean " + " or ".join(f"'{k}'" for k in near) + "?"
+    elif section in SECTIONS:
+        hint = f"see `loom train --help {section}` for its fields"
+    else:
+        hint = f"sections are {', '.join(SECTIONS)}"
+    return ConfigError(key, None, f"unknown key; {hint}", show_value=False)
+
+
+def nearest_keys(key: str) -> list[str]:
+    """Known ``section.field`` keys an unknown ``key`` most likely meant, searched over every section: an exact field
+    name first (``training.lr`` -> ``optimizer.lr``; every section that has it), else the closest field name (ties to
+    the typed section), else the closest dotted name where the typed section is no section (``training_steps``).
+    Matching the whole dotted name first would favour any field of the typed section: its name is half the string."""
+    section, dot, name = key.partition(".")
+    if not dot:
+        section, name = "", key
+    keys = [k.split(".", 1) for k in all_keys()]
+    exact = [f"{s}.{f}" for s, f in keys if f == name]
+    if exact:
+        return exact[:3]
+    fields = difflib.get_close_matches(name, sorted({f for _, f in keys}), n=1, cutoff=0.6)
+    if fields:
+        owners = [s for s, f in keys if f == fields[0]]
+        owner = section if section in owners else max(
+            owners, key=lambda s: difflib.SequenceMatcher(None, section, s).ratio())
+        return [f"{owner}.{fields[0]}"]
+    if section in SECTIONS:
+        return []
+    return difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
 
 
 def _field(key: str) -> dataclasses.Field:
@@ -220,18 +252,19 @@ def to_toml(cfg: Config) -> str:
     for section, body in to_dict(cfg).items():
         lines.append(f"[{section}]")
         for name, value in body.items():
-            lines.append(f"{name} = {_toml_value(value)}")
+            lines.append(f"{name} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """A value as written in a TOML file (also the defaults of the config reference)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     return _toml_string(str(v))
 
 

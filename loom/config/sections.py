@@ -39,7 +39,8 @@ class ModelConfig:
     # wrong name is reported before torch is imported
     flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
                       choices=("debug", "debug_moe", "125M", "1B", "3B", "8B", "70B", "405B"))
-    init_from: str = opt("", "Hugging Face Llama or Mixtral folder to start from (config.json + safetensors)")
+    init_from: str = opt("", "Hugging Face Llama or Mixtral folder (config.json + safetensors), or a checkpoint of "
+                             "`loom convert --from-hf`, to start from")
     vocab_size: int = opt(0, "embedding rows; 0 = the flavor's (or model.init_from's), else the tokenizer's rounded "
                              "up to a multiple of 128", min=0)
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
@@ -76,7 +77,8 @@ class ModelConfig:
 class DataConfig:
     source: str = opt("", "text/jsonl/parquet files or globs, an HF dataset folder, a .bin token file, "
                           "or a mixture 'a.jsonl:0.7,b.bin:0.3'; unset = the embedded default")
-    tokenizer: str = opt("byte", "'byte' (built in) or a path to a Hugging Face tokenizer.json")
+    tokenizer: str = opt("byte", "'byte' (built in) or a Hugging Face tokenizer.json or its folder; copied into "
+                                 "<run.dir>/tokenizer/")
     text_field: str = opt("text", "field holding the text in jsonl / parquet / HF datasets")
     val_fraction: float = opt(0.01, "fraction of packed windows held out for validation", min=0.0, max=0.5)
     cache_dir: str = opt("", "where tokenized sources are cached; empty = <run.dir>/cache")
@@ -181,7 +183,18 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     every: int = opt(10, "log every N steps", min=1)
-    tensorboard: bool = opt(True, "also write TensorBoard events when tensorboard is installed")
+    tensorboard: bool = opt(True, "also write TensorBoard events to <run.dir>/tensorboard; without the tensorboard "
+                                  "package the run says so in one line at start and goes on without them")
+    wandb: bool = opt(False, "also log to Weights & Biases (pip install 'loom-train[wandb]'): the scalars of "
+                             "metrics.jsonl and the config; WANDB_MODE=offline keeps the run in <run.dir>/wandb")
+    wandb_project: str = opt("loom", "W&B project")
+    wandb_entity: str = opt("", "W&B team or user; empty = W&B's default (WANDB_ENTITY or your login's)")
+    mlflow: bool = opt(False, "also log to MLflow (pip install 'loom-train[mlflow]'): the scalars of metrics.jsonl "
+                              "and the config as run parameters")
+    mlflow_experiment: str = opt("loom", "MLflow experiment (created when missing)")
+    mlflow_tracking_uri: str = opt("", "MLflow tracking URI (http://host:5000, sqlite:///mlflow.db, file:/path); empty "
+                                       "= MLFLOW_TRACKING_URI when set, else the file store <run.dir>/mlruns")
+    run_name: str = opt("", "the run's name in W&B and MLflow; empty = the last folder name of run.dir")
     progress: bool = opt(True, "progress bar on rank 0 when stderr is a terminal")
     profile_steps: str = opt("", "'A:B' = profile optimizer steps A..B (1 <= A <= B <= training.steps): trace "
                                  "per rank (+ CUDA memory snapshot) in <run.dir>/profile; empty = off")

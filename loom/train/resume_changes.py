@@ -28,6 +28,7 @@ from loom.config.load import all_keys, coerce
 from loom.config.sections import Config, OptimizerConfig, TrainingConfig
 from loom.data import build_tokenizer
 from loom.resolve import resolve_model_args
+from loom.train.run_dir import missing_tokenizer, recorded_values
 
 
 MUST_MATCH, APPLIED, FREE = "must match", "applied", "free"
@@ -131,6 +132,13 @@ RULES: dict[str, tuple[str, str]] = {
 
     "metrics.every": (FREE, _OUTPUT),
     "metrics.tensorboard": (FREE, _OUTPUT),
+    "metrics.wandb": (FREE, _OUTPUT),
+    "metrics.wandb_project": (FREE, _OUTPUT),
+    "metrics.wandb_entity": (FREE, _OUTPUT),
+    "metrics.mlflow": (FREE, _OUTPUT),
+    "metrics.mlflow_experiment": (FREE, _OUTPUT),
+    "metrics.mlflow_tracking_uri": (FREE, _OUTPUT),
+    "metrics.run_name": (FREE, _OUTPUT),
     "metrics.progress": (FREE, _OUTPUT),
     "metrics.profile_steps": (FREE, _OUTPUT),
 }
@@ -156,7 +164,14 @@ def config_values(cfg: Config) -> dict[str, Any]:
 
 def checkpoint_values(folder: str | None) -> dict[str, Any] | None:
     """The config a checkpoint was written with (its ``config.toml``), None where it has none. Fields it lacks
-    (written before they existed) take their defaults; fields this version does not know are left out."""
+    (written before they existed) take their defaults; fields this version does not know are left out. Its
+    recorded paths are resolved where the files are now (``loom.train.run_dir.recorded_values``)."""
+    values = _recorded(folder)
+    return None if values is None else recorded_values(folder, values)
+
+
+def _recorded(folder: str | None) -> dict[str, Any] | None:
+    """``checkpoint_values`` as written in the file, paths unresolved."""
     path = os.path.join(folder, "config.toml") if folder else None
     if path is None or not os.path.isfile(path):
         return None
@@ -184,7 +199,12 @@ def _show(v: Any) -> str:
     return repr(v)
 
 
-def _same_file(a: str, b: str) -> bool:
+def _same_tokenizer(a: str, b: str) -> bool:
+    """Whether two ``data.tokenizer`` values name tokenizer.json files with the same bytes (a file or a folder
+    holding one: the run dir's copy and its source are the same)."""
+    if a in ("", "byte") or b in ("", "byte"):
+        return a in ("", "byte") and b in ("", "byte")
+    a, b = (os.path.join(p, "tokenizer.json") if os.path.isdir(p) else p for p in (a, b))
     try:
         if os.path.getsize(a) != os.path.getsize(b):
             return False
@@ -199,7 +219,12 @@ def _same(key: str, old: Any, new: Any) -> bool:
         return list(old) == list(new)
     if old == new:
         return True
-    return key == "data.tokenizer" and isinstance(old, str) and isinstance(new, str) and _same_file(old, new)
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    if key == "data.tokenizer":
+        return _same_tokenizer(old, new)
+    # recorded absolute (loom.train.run_dir.record_run_files): the same folder given relative to this directory
+    return key == "model.init_from" and bool(old and new) and os.path.realpath(old) == os.path.realpath(new)
 
 
 @dataclass(frozen=True)
@@ -305,17 +330,41 @@ def model_difference(old: dict[str, Any], cfg: Config, tokenizer=None, kernels=N
 def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> ResumeChanges:
     """``cfg`` against the config checkpoint ``folder`` was written with; reads small files only, so it runs
     before any weight is loaded. Weights-only checkpoints (``loom convert --from-hf``) start a run at step 0
-    with nothing of a run to continue: not compared."""
+    with nothing of a run to continue: only their model shape is compared (``check_imported_shape``)."""
     with open(os.path.join(folder, STATE)) as fh:
         state = json.load(fh)
     if state.get("model_only"):
+        check_imported_shape(folder, cfg, tokenizer, kernels)
         return ResumeChanges(folder, 0)
     step = int(state["step"])
-    old = checkpoint_values(folder)
-    if old is None:
+    raw = _recorded(folder)
+    if raw is None:
         return ResumeChanges(folder, step, unchecked=f"{folder} has no config.toml")
+    missing = missing_tokenizer(folder, raw, "restore the run's tokenizer copy, or start a new run in another run.dir")
+    if missing is not None:
+        raise missing
+    old = recorded_values(folder, raw)
     return compare(old, cfg, folder=folder, step=step,
                    model_difference=lambda: model_difference(old, cfg, tokenizer, kernels))
+
+
+def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None) -> None:
+    """A weights-only checkpoint loads only into a model of its own shape: another one is a ResumeMismatch that
+    says how to take the shape from the checkpoint (``--model.init_from``), before any weight is read."""
+    from loom.checkpoint.hf import HF_CONFIG_COPY, llama_args_from_hf_config
+
+    kept = os.path.join(folder, HF_CONFIG_COPY)
+    if not os.path.isfile(kept):
+        return
+    with open(kept) as fh:
+        stored = llama_args_from_hf_config(json.load(fh), "checkpoint.resume", kept)
+    now = resolve_model_args(cfg, tokenizer or build_tokenizer(cfg.data.tokenizer), kernels)
+    diff = [f"{f.name} {getattr(stored, f.name)!r} -> {getattr(now, f.name)!r}" for f in dataclasses.fields(now)
+            if f.name not in _ARGS_FREE and getattr(stored, f.name) != getattr(now, f.name)]
+    if diff:
+        raise ResumeMismatch(f"checkpoint.resume {folder}: a weights-only checkpoint (loom convert --from-hf) of "
+                             f"another model than this run's ({', '.join(diff)}): start from it with --model.init_from "
+                             f"{folder}, which takes the model's shape from it")
 
 
 def _candidate(cfg: Config) -> str | None:

@@ -17,6 +17,7 @@ from loom.config.load import profile_window, to_toml
 from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, describe_sources, prepare_data
 from loom.data.loader import MicroBatch
+from loom.data.sources import parse_source
 from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
 from loom.metrics.flops import device_peak, mfu, mfu_note
 from loom.metrics.logger import MetricsLogger, rewind_metrics
@@ -38,7 +39,7 @@ from loom.train.optimizer import OptimizerParts
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
                                        on_main, restore_loss_scale)
-from loom.train.run_dir import acquire, check_writable_dirs
+from loom.train.run_dir import acquire, check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts
 from loom.train.steps import LocalStep, PipelineStep, StepContext
 
@@ -90,19 +91,22 @@ class Trainer:
         """Rank 0 checks the run and checkpoint folders can be written and locks the run dir (a no-op where the
         CLI or launcher holds the lock); every rank stops with its error, printed once."""
         self.run_dir = self.cfg.run.dir
+        recorded = self.cfg  # what config.toml and every checkpoint record; only rank 0 writes them
         error = None
         if self.env.is_main:
             try:
                 check_writable_dirs(self.cfg)
                 acquire(self.run_dir)
+                recorded = record_run_files(self.cfg)  # the tokenizer copied into the run dir, paths absolute
             except (ConfigError, UserError) as err:
                 error = str(err)
         error = self.env.share_from_main(error)
         if error is not None:
             raise SharedError(error)
+        self.recorded_toml = to_toml(recorded)
         if self.env.is_main:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as fh:
-                fh.write(to_toml(self.cfg))
+                fh.write(self.recorded_toml)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.run_dir, PREEMPTED))  # an earlier run's: the launcher reads this one's
         self.env.barrier()
@@ -123,6 +127,9 @@ class Trainer:
             raise SharedError(error)
         if not self.env.is_main:
             files = prepare_data(cfg.data, self.tokenizer, cache)
+        # sizes and modification times of the source files: a resume says when they changed under the same name
+        self.data_fingerprints = [spec.fingerprint() for spec in
+                                  parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)]
         t = cfg.training
         self.loader = build_loader(cfg.data, self.tokenizer, files, seq_len=t.seq_len, seed=cfg.run.seed,
                                    dp_rank=self.dims.dp_rank(), dp_size=self.dims.dp_size,
@@ -301,6 +308,7 @@ class Trainer:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "lineage": self.checkpointer.lineage, "nonfinite": self.guard.state_dict(),
+                "data_fingerprints": self.data_fingerprints,
                 "rng": {"cpu": torch.get_rng_state().tolist(),
                         "cuda": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None}}
 
@@ -326,7 +334,7 @@ class Trainer:
             raise TrainingStopped(f"the weights are not finite at step {self.step}: no checkpoint written (the last "
                                   "complete one stays)")
         self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_for_checkpoint(),
-                               to_toml(self.cfg))
+                               self.recorded_toml)
 
     def resume(self) -> None:
         folder = self.checkpointer.choose()  # verified by rank 0, the same answer on every rank
@@ -342,6 +350,10 @@ class Trainer:
                 print(f"resumed from step {self.step}", flush=True)
                 if changes.line():
                     print(changes.line(), flush=True)
+                if state.get("data_fingerprints", self.data_fingerprints) != self.data_fingerprints:
+                    print(f"data.source = {self.cfg.data.source or '<stdlib>'!r}: its files changed since the "
+                          "checkpoint (sizes or modification times); the data position continues in the new "
+                          "content, so the batches differ from an uninterrupted run", flush=True)
                 # records a run wrote past this checkpoint: the resumed run writes those steps again
                 dropped = rewind_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
                 if dropped:
@@ -409,7 +421,8 @@ class Trainer:
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, rank=self.env.rank)
         peak = device_peak(self.device, cfg.training.dtype)
         logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
-                               progress=cfg.metrics.progress, start_step=self.step) if self.env.is_main else None
+                               progress=cfg.metrics.progress, start_step=self.step,
+                               config=cfg) if self.env.is_main else None
         if self.env.is_main:
             for line in self._banner():
                 print(line, flush=True)

@@ -46,3 +46,15 @@ def test_mfu_note():
     cpu = torch.device("cpu")
     assert device_peak(cpu, "float32") is None
     assert mfu_note(cpu, "bfloat16") == "MFU not reported on cpu"
+
+
+def test_a_resume_says_when_the_corpus_changed_under_the_same_name(tiny, tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("some words of text for a short corpus. " * 40)
+    over = {"data.source": str(text), "training.steps": 2, "checkpoint.at_end": None}
+    _fit(tiny(**over), capsys)
+    out = _fit(tiny(**{**over, "training.steps": 3}), capsys)  # the same files: no line
+    assert "resumed from step 2" in out and not any("its files changed" in line for line in out)
+    text.write_text("other words, and more of them, in an edited corpus. " * 40)
+    out = _fit(tiny(**{**over, "training.steps": 4}), capsys)
+    assert any("its files changed since the checkpoint" in line for line in out), out

@@ -33,6 +33,8 @@ BAD_TOML = "[training\nsteps = 5\n"
 CASES = [
     ("unknown-key", ["--training.stpes", "5"],
      ["training.stpes", "unknown key", "did you mean 'training.steps'?"]),
+    ("unknown-key-other-section", ["--training.lr", "0.1"],
+     ["training.lr", "unknown key", "did you mean 'optimizer.lr'?"]),
     ("unknown-section", ["--foo.bar", "1"],
      ["foo.bar", "unknown key", "sections are run, model, data, training, optimizer, parallel"]),
     ("unknown-section-in-toml", ["--config", "{tmp}/typo.toml"],
@@ -158,6 +160,7 @@ def test_user_error_is_one_line_exit_2(tmp_path, args, needles):
 def test_help(tmp_path):
     proc = loom_train(tmp_path, "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: loom train")
+    assert "config sections" in proc.stdout and proc.stderr == ""
 
 
 def test_toml_then_command_line_and_resolved_config_round_trip(tmp_path, capsys):

@@ -96,6 +96,11 @@ def test_unknown_keys_suggest_the_nearest():
     assert error(parse_overrides, ["--optimizer.lrr", "1"]) == \
         "optimizer.lrr: unknown key; did you mean 'optimizer.lr'?"
     assert "sections are run, model, data" in error(parse_overrides, ["--zzz.qqq", "1"])
+    # every section is searched: an exact field name elsewhere beats a near name in the typed section
+    assert error(parse_overrides, ["--training.lr", "1"]) == "training.lr: unknown key; did you mean 'optimizer.lr'?"
+    assert error(parse_overrides, ["--model.layers", "1"]).endswith("did you mean 'model.n_layers'?")
+    assert error(parse_overrides, ["--training.foo", "1"]).endswith("see `loom train --help training` for its fields")
+    assert "a section, not a field" in error(parse_overrides, ["--training", "1"])
 
 
 def test_toml_unknown_section_and_non_table(tmp_path):

@@ -222,6 +222,47 @@ def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
     assert llama_args_from_hf(out) == llama_args_from_hf(src)
 
 
+def test_training_starts_from_an_imported_checkpoint(tmp_path):
+    """`loom convert --from-hf` then `loom train --model.init_from CKPT`: the shape and the weights come from the
+    checkpoint (the first loss is transformers' on the same batch), and the trained run exports back."""
+    hf = random_hf_llama(tied=False)
+    ckpt = str(tmp_path / "ckpt")
+    import_hf_to_dcp(save_hf(hf, tmp_path / "hf"), ckpt)
+    trainer, first, records = train_from_hf(tmp_path, ckpt)
+    assert trainer.model_args.n_layers == 2 and trainer.model_args.vocab_size == VOCAB
+    assert records[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
+    out = str(tmp_path / "out")
+    assert loom_main(["convert", "--from", os.path.join(tmp_path, "run", "checkpoints", "step_00000002"),
+                      "--to-hf", out]) == 0
+    assert llama_args_from_hf(out) == llama_args_from_hf(ckpt)
+
+
+def test_an_imported_checkpoint_names_the_command_that_trains_from_it(tmp_path, capsys):
+    """Resuming an import into the default model is one line pointing at --model.init_from; its config.toml holds
+    only what it knows, so it also serves as --config."""
+    from loom.config import build_config
+
+    ckpt = str(tmp_path / "ckpt")
+    import_hf_to_dcp(save_hf(random_hf_llama(tied=True), tmp_path / "hf"), ckpt)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        loom_main(["train", *tiny_args(tmp_path / "run"), "--checkpoint.resume", ckpt])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert f"checkpoint.resume {ckpt}: a weights-only checkpoint" in err and f"--model.init_from {ckpt}," in err
+    cfg = build_config(os.path.join(ckpt, "config.toml"), {"training.steps": "2"})  # the default warmup shrinks
+    assert (cfg.model.init_from, cfg.model.vocab_size, cfg.optimizer.warmup_steps) == (ckpt, VOCAB, 0)
+    with pytest.raises(ConfigError, match="model.tie_embeddings"):  # a tied checkpoint has no head of its own
+        load_hf_weights(Llama(llama_args_from_hf(ckpt).with_(tie_embeddings=True)), save_hf(
+            random_hf_llama(tied=False), tmp_path / "untied"))
+    model = Llama(llama_args_from_hf(ckpt).with_(n_layers=1))
+    with pytest.raises(ConfigError, match="holds tensors with no place in this model: layers.1"):
+        load_hf_weights(model, ckpt)
+    trainer_folder = save_hf(random_hf_llama(tied=True), tmp_path / "checkpoint-500")  # transformers' Trainer's
+    (tmp_path / "checkpoint-500" / "trainer_state.json").write_text("{}")
+    assert llama_args_from_hf(trainer_folder) == llama_args_from_hf(ckpt)  # a Hugging Face folder all the same
+
+
 # ---- Mixtral (loom's mixture of experts) -------------------------------------------------------
 
 def random_hf_mixtral(seed: int = 0):

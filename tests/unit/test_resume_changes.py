@@ -128,6 +128,23 @@ def test_a_moved_tokenizer_file_with_the_same_bytes_is_the_same(tmp_path):
         rc.compare(old, with_(BASE, data__tokenizer=str(c)), folder="ck", step=1)
 
 
+def test_a_recorded_tokenizer_copy_and_init_from_path_are_no_change(tmp_path, monkeypatch):
+    """A checkpoint records the run dir's tokenizer copy (a folder) and absolute paths
+    (loom.train.run_dir.record_run_files): the file the run started from, and the same folder given relative to
+    this directory, are the same."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("copy")
+    os.makedirs("hf")
+    (tmp_path / "copy" / "tokenizer.json").write_text('{"x": 1}')
+    (tmp_path / "tok.json").write_text('{"x": 1}')
+    old = rc.config_values(with_(BASE, data__tokenizer=str(tmp_path / "copy"), model__init_from=str(tmp_path / "hf")))
+    new = with_(BASE, data__tokenizer="tok.json", model__init_from="hf")
+    assert rc.compare(old, new, folder="ck", step=1, model_difference=lambda: []).line() is None
+    (tmp_path / "tok.json").write_text('{"x": 2}')
+    with pytest.raises(rc.ResumeMismatch, match="data.tokenizer"):
+        rc.compare(old, new, folder="ck", step=1)
+
+
 def test_notes_where_a_change_is_not_exact():
     line = rc.compare(rc.config_values(BASE), with_(BASE, training__seq_len=128), folder="ck", step=1).line()
     assert line.startswith("resuming with changes: training.seq_len 256 -> 128 (not exact:")
