@@ -2,17 +2,26 @@
 from the shape, activations traced on fake tensors) with the memory free here, before anything is allocated, so
 that a model or batch far too large is one line instead of minutes of silence and an out-of-memory kill.
 
-The threshold is the estimate against what is free: a run is refused only when the estimate alone exceeds it.
+On a GPU the threshold is the estimate against what is free: the estimate carries its own workspace and
+fragmentation terms (loom.plan.memory). On the CPU a process holds more than the planner's tensors (the margin
+below), and every local process draws on the same host memory.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
 from loom.plan.memory import GIB
 from loom.plan.planner import rank_needs
+
+# Host memory a CPU process holds beyond the planner's tensors: Python and PyTorch's libraries, the data loader,
+# the allocator's fragmentation (the debug run's peak RSS is 0.46 GiB for a few MiB of tensors), and the estimate's
+# own error (-9%..+12% on measured GPU runs, docs/planner.md). Going over is the kernel's OOM killer, no message.
+HOST_RESERVE_BYTES = 1.0 * GIB  # per process
+HOST_MARGIN = 0.10  # of the estimate
 
 
 def host_room() -> tuple[float, str] | None:
@@ -107,35 +116,62 @@ def model_field(cfg: Config) -> tuple[str, object]:
 
 def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
     """ConfigError when the model state, or a training step, of one rank needs more memory than this machine has
-    free: on the CPU every local rank draws on the host, on CUDA each rank has its own GPU."""
+    free: on the CPU every local rank draws on the host (with the margin above), on CUDA each rank has its own
+    GPU (the estimate's own workspace terms are the margin)."""
     t, p = cfg.training, cfg.parallel
     needs = rank_needs(cfg, dims, args, device, peak=False)  # analytic: checked before any tracing
     offloaded = p.cpu_offload and dims.fsdp_enabled  # the state lives on the host
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     state = 16 * needs.params / shard if offloaded else needs.state_bytes
     gpu = device == "cuda"
-    step_room = _room(gpu_room(local_ranks, local_ranks == 1) if gpu else host_room(), 1 if gpu else local_ranks)
-    state_room = _room(host_room(), local_ranks) if offloaded else step_room
+    step_room = (_room(gpu_room(local_ranks, local_ranks == 1), 1) if gpu
+                 else _host_room(host_room(), local_ranks))
+    state_room = _host_room(host_room(), local_ranks) if offloaded else step_room
     if state_room and state > state_room[0]:
         field, value = model_field(cfg)
         sharded = f" / {shard} FSDP shards" if shard > 1 else ""
         hint = _layers_hint(cfg, dims, args, device, state_room[0], offloaded, shard)
+        fewer = "fewer processes on this machine, " if local_ranks > 1 and shard == 1 else ""
+        more = ("or more ranks to shard it over (parallel.dp_shard)" if gpu else
+                f"{fewer}or a GPU (processes on one host share its memory)")
         raise ConfigError(field, value, f"model needs ~{state / GIB:,.1f} GiB for weights, gradients and optimizer "
                           f"state per rank; {state_room[1]}: {needs.params / 1e9:,.3g}B parameters x 16 bytes"
-                          f"{sharded}; use a smaller model{hint}, or more ranks to shard it over (parallel.dp_shard)")
+                          f"{sharded}; use a smaller model{hint}, {more}")
     if step_room is None or (args.moe and t.dtype != "bfloat16") or args.attention == "flex":
         return  # the activation tracer runs MoE blocks in bf16 only and has no FlexAttention (as loom plan)
     needs = rank_needs(cfg, dims, args, device)
-    if needs.peak_bytes is not None and needs.peak_bytes > step_room[0]:
-        grows = needs.peak_bytes - needs.fixed_bytes
-        fit = int(t.micro_batch_size * (step_room[0] - needs.fixed_bytes) / grows) if grows > 0 else 0
-        hint = (f"lower training.micro_batch_size (about {fit} fit; global_batch_size stays, with more accumulation)"
-                if fit >= 1 else "even micro_batch_size 1 does not fit: lower training.seq_len or set "
-                                 "training.activation_checkpointing full")
+    if needs.peak_bytes is None or needs.peak_bytes <= step_room[0]:
+        return
+    step = (f"a training step needs ~{needs.peak_bytes / GIB:,.1f} GiB per rank by the planner's estimate "
+            f"({needs.activation_bytes / GIB:,.1f} GiB of it activations of {t.micro_batch_size} x {t.seq_len} "
+            f"tokens)")
+    grows = needs.peak_bytes - needs.fixed_bytes
+    fit = int(t.micro_batch_size * (step_room[0] - needs.fixed_bytes) / grows) if grows > 0 else 0
+    if fit >= 1:
         raise ConfigError("training.micro_batch_size", t.micro_batch_size,
-                          f"a training step needs ~{needs.peak_bytes / GIB:,.1f} GiB per rank by the planner's "
-                          f"estimate ({needs.activation_bytes / GIB:,.1f} GiB of it activations of "
-                          f"{t.micro_batch_size} x {t.seq_len} tokens); {step_room[1]}: {hint}")
+                          f"{step}; {step_room[1]}: lower training.micro_batch_size (about {fit} fit; "
+                          f"global_batch_size stays, with more accumulation)")
+    least = _smallest_step(cfg, dims, args, device)
+    if least < step_room[0]:
+        raise ConfigError("training.micro_batch_size", t.micro_batch_size,
+                          f"{step}; {step_room[1]}: even micro_batch_size 1 does not fit: set "
+                          f"training.activation_checkpointing full (with micro_batch_size 1: ~{least / GIB:,.1f} "
+                          f"GiB) or lower training.seq_len")
+    field, value = model_field(cfg)
+    fewer = "fewer processes on this machine, " if local_ranks > 1 else ""
+    todo = ("a smaller model, or more GPUs to shard it over (parallel.dp_shard)" if gpu else
+            f"a smaller model (model.flavor debug runs anywhere), {fewer}or a GPU")
+    lightest = t.micro_batch_size == 1 and t.activation_checkpointing == "full"
+    step += "" if lightest else (f", and even micro_batch_size 1 with activation_checkpointing full "
+                                 f"~{least / GIB:,.1f} GiB")
+    raise ConfigError(field, value, f"{step}; {step_room[1]}: use {todo}")
+
+
+def _smallest_step(cfg: Config, dims, args, device: str) -> float:
+    """The planner's peak of the lightest step of this model and layout: micro-batch 1, every block recomputed."""
+    small = copy.deepcopy(cfg)
+    small.training.micro_batch_size, small.training.activation_checkpointing = 1, "full"
+    return rank_needs(small, dims, args, device).peak_bytes
 
 
 def _room(room: tuple[float, str] | None, ranks: int) -> tuple[float, str] | None:
@@ -145,6 +181,17 @@ def _room(room: tuple[float, str] | None, ranks: int) -> tuple[float, str] | Non
     avail, what = room
     shared = f", shared by {ranks} ranks" if ranks > 1 else ""
     return avail / ranks, f"this machine has {avail / GIB:,.1f} GiB available ({what}{shared})"
+
+
+def _host_room(room: tuple[float, str] | None, ranks: int) -> tuple[float, str] | None:
+    """``_room`` of host memory less the margin: what one of ``ranks`` processes may hold by the estimate."""
+    shared = _room(room, ranks)
+    if shared is None:
+        return None
+    usable = max(0.0, (shared[0] - HOST_RESERVE_BYTES) / (1 + HOST_MARGIN))
+    each = " each" if ranks > 1 else ""
+    return usable, (f"{shared[1]}, room for ~{usable / GIB:,.1f} GiB{each} after a margin of "
+                    f"{HOST_RESERVE_BYTES / GIB:g} GiB + {100 * HOST_MARGIN:g}% per process")
 
 
 def _layers_hint(cfg: Config, dims, args, device: str, avail: float, offloaded: bool, shard: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom.config.errors import ConfigError
@@ -28,6 +29,11 @@ from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, 
                               collective_s, efficiency, moe_overhead_s, recompute_share)
 from loom.resolve import accumulation_steps, kernel_choice, resolve, resolve_model_args
 
+# Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
+# (-9%..+12% on the measured runs, docs/planner.md) and what the caching allocator cannot reuse after a long run;
+# a layout estimated at 78.8 of an H100's 79.2 GiB is not one to rent eight GPUs for.
+MARGIN = 0.05
+
 
 @dataclass
 class Estimate:
@@ -38,10 +44,16 @@ class Estimate:
     mfu: float
     capacity_gib: float
     notes: list[str] = field(default_factory=list)
+    margin_gib: float = 0.0  # left free under capacity_gib
+
+    @property
+    def limit_gib(self) -> float:
+        """What the busiest rank may use: the GPU's memory less the margin."""
+        return self.capacity_gib - self.margin_gib
 
     @property
     def fits(self) -> bool:
-        return self.memory.total / GIB <= self.capacity_gib
+        return self.memory.total / GIB <= self.limit_gib
 
     def describe(self) -> str:
         return layout_name(self.layout)
@@ -102,9 +114,11 @@ def validate(cfg: Config, world_size: int):
     return run.dims, run.model_args, run.accum
 
 
-def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = None) -> Estimate:
+def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = None,
+             margin_gib: float | None = None) -> Estimate:
     """Memory and step time of ``cfg`` on ``world_size`` GPUs of kind ``gpu`` (raises ConfigError when loom
-    would reject the layout). ``profiles`` caches activation traces across calls (search)."""
+    would reject the layout). ``profiles`` caches activation traces across calls (search); ``margin_gib``: memory
+    a fitting layout leaves free (default ``MARGIN`` of the GPU's)."""
     dims, args, m = validate(cfg, world_size)
     t, p = cfg.training, cfg.parallel
     x = memory_inputs(cfg, dims, args)
@@ -125,7 +139,8 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     if dims.tp > 1 and not t.compile:
         notes.append("eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
                      "not in this estimate (docs/benchmarks.md)")
-    return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes)
+    margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
+    return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes, margin)
 
 
 def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
@@ -351,21 +366,27 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False) -> 
     return out
 
 
-def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10) -> tuple[list[Estimate], int]:
-    """The ``top`` fastest layouts that fit in memory, fastest first, and how many layouts were valid."""
+def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10, margin_gib: float | None = None,
+           progress: Callable[[int, int, int], None] | None = None) -> tuple[list[Estimate], int]:
+    """The ``top`` fastest layouts that fit in memory less ``margin_gib`` (``estimate``'s default), fastest first,
+    and how many layouts were valid. ``progress(done, total, valid)`` is called after every candidate."""
     profiles: dict = {}
     fitting, valid = [], 0
     try:
         moe = model_args(cfg).moe
     except ConfigError:  # the model itself is refused: every candidate will be too
         moe = False
-    for c in candidates(cfg, world_size, max_tp=gpu.gpus_per_node, moe=moe):
+    layouts = candidates(cfg, world_size, max_tp=gpu.gpus_per_node, moe=moe)
+    for done, c in enumerate(layouts, 1):
         try:
-            est = estimate(c, world_size, gpu, profiles)
+            est = estimate(c, world_size, gpu, profiles, margin_gib)
         except ConfigError:
-            continue
-        valid += 1
-        if est.fits:
-            fitting.append(est)
+            est = None
+        if est is not None:
+            valid += 1
+            if est.fits:
+                fitting.append(est)
+        if progress is not None:
+            progress(done, len(layouts), valid)
     fitting.sort(key=lambda e: -e.tokens_per_s_per_gpu)
     return fitting[:top], valid

@@ -154,9 +154,13 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
               "--gpus", "2", "--search", "--top", "3",
               "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "memory per GPU" in r.stdout and "fastest that fit" in r.stdout
+    assert "memory per GPU" in r.stdout and "fastest that fit in 75.2 GiB (79.2 less a 4.0 GiB margin)" in r.stdout
     report = json.loads(out.read_text())
     assert report["config"]["layout"]["dp_shard"] == 2 and len(report["search"]["best"]) == 3
+    assert report["margin_gib"] == pytest.approx(0.05 * 79.2) and report["config"]["limit_gib"] == pytest.approx(75.24)
+    # stderr is a pipe here: the progress is a line per tenth of the candidates, not one per candidate
+    progress = [line for line in r.stderr.splitlines() if "searched" in line]
+    assert 2 <= len(progress) <= 11 and "(100%)" in progress[-1], r.stderr
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -166,6 +170,9 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     (["--gpus", "2", "--model.flavor", "debug", "--parallel.tp", "2", "--parallel.etp", "2"],
      ["parallel.etp = 2", "needs a mixture-of-experts model"]),
     (["--model.attention", "flex"], ["model.attention = 'flex'", "does not model FlexAttention"]),
+    (["--margin", "lots"], ["--margin = 'lots'", "expected GiB to leave free per GPU"]),
+    (["--margin", "100%"], ["--margin = '100%'", "under 100%"]),
+    (["--margin", "80"], ["--margin = '80'", "leaves nothing of the H100 SXM's 79.2 GiB"]),
 ])
 def test_cli_plan_errors_are_one_line(args, expect):
     r = _plan(*args)
@@ -294,3 +301,65 @@ def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
     assert ep_etp.time.ep == pytest.approx(2 * ep_rep.time.ep)
     best, _ = search(_cfg(**dict(tp, training__global_batch_size=4)), 4, GPUS["H200"], top=400)
     assert any(e.layout["etp"] > 1 for e in best)
+
+
+def test_margin_keeps_layouts_near_the_limit_out():
+    """A layout estimated at 78.8 of an H100's 79.2 GiB does not fit under the default 5% margin; margin 0 is the
+    bare comparison."""
+    from loom.plan.memory import GIB, Memory
+    from loom.plan.planner import MARGIN, Estimate
+
+    near = dict(layout={}, memory=Memory(weights=78.8 * GIB), time=None, tokens_per_s_per_gpu=1.0, mfu=0.5,
+                capacity_gib=79.2)
+    assert not Estimate(**near, margin_gib=MARGIN * 79.2).fits and Estimate(**near, margin_gib=0.0).fits
+    assert Estimate(**near, margin_gib=0.0).limit_gib == 79.2
+    est = estimate(_cfg(model__flavor="debug", training__global_batch_size=2, training__micro_batch_size=2), 1,
+                   GPUS["H100"])
+    assert est.margin_gib == pytest.approx(MARGIN * GPUS["H100"].memory_gib) and est.fits
+
+
+def test_search_reports_progress_and_honours_the_margin():
+    cfg = _cfg(model__flavor="debug", training__global_batch_size=2, training__micro_batch_size=2)
+    calls = []
+    best, valid = search(cfg, 1, GPUS["H100"], margin_gib=0.0, progress=lambda *a: calls.append(a))
+    total = calls[0][1]
+    assert [c[0] for c in calls] == list(range(1, total + 1)) and {c[1] for c in calls} == {total}
+    assert calls[-1][2] == valid == len(best) > 0  # the debug model fits every valid layout
+    # a margin that leaves less than the allocator's fixed workspace (1 GiB) fits nothing
+    none, _ = search(cfg, 1, GPUS["H100"], margin_gib=GPUS["H100"].memory_gib - 0.5)
+    assert none == []
+
+
+def test_search_progress_lines():
+    """In a log, a line per tenth of the candidates; on a terminal, one line rewritten at most twice a second (a
+    fake clock: no wall time in the test)."""
+    import io
+
+    from loom.cli.plan import SearchProgress
+
+    log = io.StringIO()
+    progress = SearchProgress(log, clock=iter(range(10_000)).__next__)
+    for done in range(1, 1001):
+        progress(done, 1000, done // 2)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 11 and lines[-1].startswith("loom plan: searched 1,000/1,000 layouts (100%), 500 valid")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, now = Terminal(), [0.0]
+    progress = SearchProgress(tty, clock=lambda: now[0])
+    for done in range(1, 101):
+        now[0] = done * 0.1  # ten candidates a second: a line every five
+        progress(done, 100, done)
+    shown = tty.getvalue()
+    assert shown.count("\r") == 21 and shown.endswith("(100%), 100 valid, 10 s\n") and shown.count("\n") == 1
+
+
+def test_plot_writes_a_png_of_the_plan(tmp_path, capsys):
+    from loom.cli.plan import main as plan_main
+
+    out = tmp_path / "plan.png"
+    assert plan_main(["--plot", str(out), "--training.steps", "2"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
