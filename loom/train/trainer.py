@@ -420,12 +420,12 @@ class Trainer:
             self._set_aside_old_metrics()
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, rank=self.env.rank)
         peak = device_peak(self.device, cfg.training.dtype)
-        logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
-                               progress=cfg.metrics.progress, start_step=self.step,
-                               config=cfg) if self.env.is_main else None
         if self.env.is_main:
             for line in self._banner():
                 print(line, flush=True)
+        logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
+                               progress=cfg.metrics.progress, start_step=self.step,
+                               config=cfg) if self.env.is_main else None
         records: list[dict] = []
         reset_peak(self.device)
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
