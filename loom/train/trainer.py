@@ -522,7 +522,8 @@ class Trainer:
         parts = [f"loom: stopped at step {self.step}"]
         saved = self.checkpointer.last_saved_step
         if saved is not None:
-            parts.append(f"checkpoint {os.path.abspath(os.path.join(self.checkpointer.dir, step_dir_name(saved)))}")
+            folder = os.path.join(self.checkpointer.dir, step_dir_name(saved))
+            parts.append(f"checkpoint {os.path.abspath(folder)}")
         for label, name in (("metrics", "metrics.jsonl"), ("TensorBoard events", "tensorboard")):
             path = os.path.join(os.path.abspath(self.run_dir), name)
             if os.path.exists(path):
