@@ -5,6 +5,7 @@ and the world size, the model, the device) lives here, once; a single field's ru
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -36,7 +37,7 @@ class Run:
 
     def with_attention(self, measure: Callable[[], str]) -> "Run":
         """``model.attention = auto`` settled by timing the candidates (``measure`` names the faster)."""
-        kernels = kernel_choice(self.cfg, self.device, measure, self.triton)
+        kernels = kernel_choice(self.cfg, self.device, measure, self.triton, self.model_args.sliding_window)
         return replace(self, kernels=kernels, model_args=self.model_args.with_(**kernels.as_args()))
 
 
@@ -72,6 +73,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("training.eval_every", t.eval_every, "needs held-out data, but data.val_fraction is 0: "
                           "set data.val_fraction > 0 (e.g. 0.01) or training.eval_every 0")
     check_parallel_fields(cfg)
+    check_lora(cfg)
+    check_objective(cfg)
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
                           f"must be <= training.steps ({t.steps})")
@@ -79,6 +82,51 @@ def check_config(cfg: Config) -> None:
     if window and window[1] > t.steps:
         raise ConfigError("metrics.profile_steps", cfg.metrics.profile_steps,
                           f"the last profiled step must be <= training.steps ({t.steps})")
+
+
+def check_lora(cfg: Config) -> None:
+    """LoRA / QLoRA (docs/lora.md) against the fields it does not combine with."""
+    from loom.models.common.lora import parse_targets
+
+    lora, p = cfg.lora, cfg.parallel
+    if not lora.rank:
+        for key, value, off in (("init_from", lora.init_from, ""), ("base_dtype", lora.base_dtype, "float32")):
+            if value != off:
+                raise ConfigError(f"lora.{key}", value, "needs lora.rank > 0 (LoRA is off)")
+        return
+    targets = parse_targets(lora.targets)
+    if cfg.training.float8 != "none":
+        raise ConfigError("training.float8", cfg.training.float8, "not with LoRA (float8 would replace the adapted "
+                          "linears): allowed none with lora.rank > 0")
+    ffn = [t for t in targets if t in ("gate", "up", "down")]
+    if ffn and (cfg.model.moe_experts or cfg.model.flavor == "debug_moe"):
+        raise ConfigError("lora.targets", lora.targets, f"{', '.join(ffn)}: a mixture-of-experts model has no dense "
+                          "feed-forward linears; allowed q, k, v, o")
+    if lora.base_dtype == "nf4":
+        for key, value, bad in (("parallel.tp", p.tp, p.tp > 1), ("parallel.cpu_offload", p.cpu_offload,
+                                                                      p.cpu_offload)):
+            if bad:
+                raise ConfigError(key, value, "not with lora.base_dtype nf4 (the NF4 base shards by rows under "
+                                  "FSDP only)")
+
+
+def check_objective(cfg: Config) -> None:
+    """training.objective against the data section. The SFT fields mean nothing to language modeling (a run that
+    sets them has most likely forgotten the objective); SFT packs conversations into windows, so it keeps attention
+    within each (data.document_positions defaults to true under sft; false is refused)."""
+    d = cfg.data
+    if cfg.training.objective != "sft":
+        if d.chat_template:
+            raise ConfigError("data.chat_template", d.chat_template, "used by training.objective sft only")
+        if d.loss_tokens != "assistant":
+            raise ConfigError("data.loss_tokens", d.loss_tokens, "used by training.objective sft only")
+        return
+    if d.chat_template and not os.path.isfile(d.chat_template):
+        raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template; '' = the "
+                          "tokenizer folder's)")
+    if not d.document_positions:
+        raise ConfigError("data.document_positions", False, "training.objective sft packs conversations and keeps "
+                          "attention within each: allowed true")
 
 
 def check_parallel_fields(cfg: Config) -> None:
@@ -207,7 +255,8 @@ def check_device(cfg: Config) -> None:
 
 def resolve_model_args(cfg: Config, tokenizer, kernels=None):
     """Flavor shape (or model.init_from's) + vocabulary (flavor, then model.vocab_size, else the tokenizer's rounded
-    to 128) + ``kernels``, by default those ``kernel_choice`` picks without measuring."""
+    to 128) + the sliding window (model.sliding_window, else the flavor's or the folder's) + ``kernels``, by default
+    those ``kernel_choice`` picks without measuring."""
     from loom.models.llama import FLAVORS, round_vocab
 
     if cfg.model.init_from:
@@ -223,14 +272,15 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
                               f"has experts {args.expert_ffn_dim} wide: allowed 0 (the folder's)")
     else:
         args = FLAVORS[cfg.model.flavor]
+    window = cfg.model.sliding_window or args.sliding_window
     vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
     if vocab < tokenizer.vocab_size:
         raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     m = cfg.model
-    kernels = kernels or kernel_choice(cfg, run_device(cfg))
+    kernels = kernels or kernel_choice(cfg, run_device(cfg), window=window)
     args = args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len,
-                      n_layers=m.n_layers or args.n_layers, residual_init=m.residual_init,
+                      n_layers=m.n_layers or args.n_layers, residual_init=m.residual_init, sliding_window=window,
                       moe_experts=m.moe_experts or args.moe_experts, moe_top_k=m.moe_top_k or args.moe_top_k,
                       moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim, moe_aux_loss=m.moe_aux_loss, **kernels.as_args())
     check_moe(args, cfg)
@@ -265,6 +315,9 @@ def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
                               "or the debug_moe flavor): allowed 1 for a dense model")
         if args.moe_experts % dims.ep:
             raise ConfigError("parallel.ep", dims.ep, f"must divide the number of experts ({args.moe_experts})")
+    if dims.cp_enabled and args.sliding_window:
+        raise ConfigError("parallel.cp", dims.cp, f"not supported with a sliding window (the model's is "
+                          f"{args.sliding_window}: model.sliding_window or model.init_from's): allowed 1")
     if dims.tp > 1:
         for what, n in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
                         ("feed-forward width", args.ffn_dim), ("vocabulary", args.vocab_size)):
@@ -293,10 +346,11 @@ def flex_unsupported(cfg: Config) -> bool:
 
 
 def kernel_choice(cfg: Config, device: str, measure_attention: Callable[[], str] | None = None,
-                  triton: bool | None = None):
+                  triton: bool | None = None, window: int | None = None):
     """model.attention / model.fused_* with ``auto`` resolved for ``device`` (loom.kernels.dispatch);
     ``measure_attention`` times the attention backends on this run's shape (the trainer's); ``triton``: whether
-    Triton is there (None: look; the planner assumes a GPU machine that has it)."""
+    Triton is there (None: look; the planner assumes a GPU machine that has it); ``window``: the model's sliding
+    window (None: ``model_window``)."""
     from loom.kernels.dispatch import resolve_kernels
     from loom.kernels.triton_support import has_triton
 
@@ -313,15 +367,29 @@ def kernel_choice(cfg: Config, device: str, measure_attention: Callable[[], str]
         raise ConfigError("model.attention / model.fused_*",
                           cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
                           "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
+    window = model_window(cfg) if window is None else window
     return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
                            tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention,
-                           triton=triton)
+                           triton=triton, window=window > 0)
+
+
+def model_window(cfg: Config) -> int:
+    """The model's sliding window before the model is resolved: model.sliding_window, else model.init_from's
+    (0: none)."""
+    if cfg.model.sliding_window or not cfg.model.init_from:
+        return cfg.model.sliding_window
+    from loom.checkpoint.hf import llama_args_from_hf
+
+    return llama_args_from_hf(cfg.model.init_from).sliding_window
 
 
 def times_attention(run: Run) -> bool:
     """Whether the trainer times the attention backends at start-up: not for deterministic runs (no timing picks
     their kernels), nor under context parallelism (attention always runs loom's op), nor for packed documents where
-    only loom's kernel can run (Flex under compiled op-level checkpointing)."""
+    only loom's kernel can run (Flex under compiled op-level checkpointing), nor with a sliding window (the timing
+    runs the backends without one; loom's kernel skips the blocks outside the window)."""
     cfg = run.cfg
-    return not (cfg.run.deterministic or run.dims.cp_enabled or (cfg.data.document_positions and flex_unsupported(cfg)))
+    window = run.model_args is not None and run.model_args.sliding_window > 0
+    return not (cfg.run.deterministic or run.dims.cp_enabled or window
+                or (cfg.data.document_positions and flex_unsupported(cfg)))
 

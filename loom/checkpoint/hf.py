@@ -1,6 +1,11 @@
-"""Hugging Face Llama and Mixtral folders <-> loom: config mapping, sharded loading, export (with the run's
-tokenizer and generation config, a folder transformers loads as it is), import to a DCP checkpoint (which
-``model.init_from`` accepts too).
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3 and Mixtral folders <-> loom: config mapping, sharded loading, export
+(with the run's tokenizer and generation config, a folder transformers loads as it is), import to a DCP checkpoint
+(which ``model.init_from`` accepts too).
+
+The dense families are loom's Llama with a switch each: Mistral attends through a sliding window
+(``LlamaArgs.sliding_window``), Qwen2 has biases on its q/k/v projections (``attention_bias``), Qwen3 normalizes
+each q/k head before RoPE (``qk_norm``). An export names the family from those switches, so a Mistral folder
+without a window comes back as a Llama one: the same model to transformers.
 
 loom's Llama uses Hugging Face's RoPE convention (rotate-half), so converting weights is only
 renaming: no permutation of the q/k rows. A Hugging Face folder is ``config.json`` plus either
@@ -50,6 +55,9 @@ TOKENIZER_COPY = "tokenizer"  # an imported checkpoint's copy of the source's to
 GENERATION_CONFIG = "generation_config.json"
 ARCHITECTURE = "LlamaForCausalLM"
 MOE_ARCHITECTURE = "MixtralForCausalLM"
+# Hugging Face architecture -> its model_type, the family's name here
+FAMILIES = {ARCHITECTURE: "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", MOE_ARCHITECTURE: "mixtral"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
 
 # ---- names -------------------------------------------------------------------------------------
@@ -68,7 +76,15 @@ _IN_LAYER = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _IN_LAYER_MOE = {"feed_forward.router.gate.weight": "block_sparse_moe.gate.weight"}
-_LAYER_NAMES = _IN_LAYER | _IN_LAYER_MOE  # every one-to-one name inside a block, dense or MoE
+_IN_LAYER_BIAS = {  # Qwen2
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+}
+_IN_LAYER_QK_NORM = {"attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+                     "attention.k_norm.weight": "self_attn.k_norm.weight"}
+# every one-to-one name inside a block, dense or MoE
+_LAYER_NAMES = _IN_LAYER | _IN_LAYER_MOE | _IN_LAYER_BIAS | _IN_LAYER_QK_NORM
 # stacked loom expert weights -> the per-expert name (``{j}`` = expert) of each slice, stored transposed
 _EXPERTS = {"feed_forward.experts.w1": "block_sparse_moe.experts.{j}.w1.weight",
             "feed_forward.experts.w3": "block_sparse_moe.experts.{j}.w3.weight",
@@ -118,7 +134,7 @@ def read_hf_config(folder: str, field: str = "model.init_from") -> dict:
     """config.json of a Hugging Face folder (``hf_config.json`` of an imported loom checkpoint), or a ConfigError
     naming what is wrong with the folder."""
     if not os.path.isdir(folder):
-        raise ConfigError(field, folder, "folder not found (expected a Hugging Face Llama folder)")
+        raise ConfigError(field, folder, "folder not found (expected a Hugging Face Llama-family folder)")
     path = os.path.join(folder, CONFIG)
     if is_loom_checkpoint(folder):
         path = os.path.join(folder, HF_CONFIG_COPY)
@@ -128,8 +144,8 @@ def read_hf_config(folder: str, field: str = "model.init_from") -> dict:
                               "--from-hf`; export this one with `loom convert --to-hf` and start from that, or "
                               "continue it with --checkpoint.resume")
     elif not os.path.isfile(path):
-        raise ConfigError(field, folder, f"no {CONFIG} in this folder (expected a Hugging Face Llama folder or a "
-                          "checkpoint of `loom convert --from-hf`)")
+        raise ConfigError(field, folder, f"no {CONFIG} in this folder (expected a Hugging Face Llama-family folder "
+                          "or a checkpoint of `loom convert --from-hf`)")
     try:
         with open(path) as fh:
             cfg = json.load(fh)
@@ -158,74 +174,127 @@ def _rope_settings(cfg: dict, field: str, where: str) -> tuple[float, RopeScalin
     return theta, scaling
 
 
-def is_mixtral(cfg: dict) -> bool:
+def hf_family(cfg: dict) -> str | None:
+    """The family of a parsed config.json ("llama", "mistral", "qwen2", "qwen3", "mixtral"), from its
+    architectures (its model_type where it names none); None for any other model."""
     archs = cfg.get("architectures") or []
-    return MOE_ARCHITECTURE in archs or (not archs and cfg.get("model_type") == "mixtral")
+    if archs:
+        return next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    return cfg.get("model_type") if cfg.get("model_type") in FAMILIES.values() else None
+
+
+def _hf_window(cfg: dict, family: str, field: str, where: str) -> int:
+    """The sliding window of a config.json (0: none). Mistral's ``sliding_window``; a Qwen's only with
+    ``use_sliding_window`` and then in every layer (loom has one window for all of them)."""
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            return 0
+        n = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", 0)) else "full_attention" for i in range(n)]
+        if window is not None and set(types) != {"sliding_attention"}:
+            raise ConfigError(field, where, f"a sliding window in some layers only ({types.count('full_attention')} "
+                                            f"of {n} attend fully) is not supported: loom's layers share one window")
+    return int(window or 0)
 
 
 def _check_supported(cfg: dict, field: str, where: str) -> None:
     """Reject what loom's Llama cannot represent, by name, instead of loading wrong weights."""
-    archs = cfg.get("architectures") or []
-    llama = ARCHITECTURE in archs or (not archs and cfg.get("model_type") == "llama")
-    if not (llama or is_mixtral(cfg)):
-        found = ", ".join(archs) or cfg.get("model_type", "unknown")
-        raise ConfigError(field, where, f"architecture {found} is not supported (allowed: {ARCHITECTURE}, "
-                                        f"{MOE_ARCHITECTURE})")
-    if is_mixtral(cfg) and cfg.get("sliding_window") is not None:
-        raise ConfigError(field, where, f"sliding_window = {cfg['sliding_window']} is not supported (loom's model "
-                                        "attends causally over the whole sequence; allowed: null)")
+    family = hf_family(cfg)
+    if family is None:
+        found = ", ".join(cfg.get("architectures") or []) or cfg.get("model_type", "unknown")
+        raise ConfigError(field, where, f"architecture {found} is not supported (allowed: {', '.join(FAMILIES)})")
+    if family == "mixtral" and cfg.get("sliding_window") is not None:
+        raise ConfigError(field, where, f"sliding_window = {cfg['sliding_window']} is not supported for Mixtral "
+                                        "(allowed: null)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(field, where, f"hidden_act {cfg['hidden_act']!r} is not supported (allowed: silu)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ConfigError(field, where, f"{flag} = true is not supported (loom's Llama has no biases)")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(field, where, "mlp_bias = true is not supported (loom's feed-forward has no biases)")
+    if cfg.get("attention_bias") and family != "qwen2":  # Llama's and Qwen3's bias the output projection too
+        raise ConfigError(field, where, f"attention_bias = true is not supported for {family} (it biases the output "
+                                        "projection too; loom biases q/k/v only, as Qwen2)")
 
 
 def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: str = "") -> LlamaArgs:
     """LlamaArgs from a parsed config.json; ``max_seq_len`` = max_position_embeddings."""
     _check_supported(cfg, field, where)
+    family = hf_family(cfg)
     try:
         dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         theta, scaling = _rope_settings(cfg, field, where)
         moe = dict(moe_experts=int(cfg["num_local_experts"]), moe_top_k=int(cfg.get("num_experts_per_tok", 2)),
-                   moe_ffn_dim=int(cfg["intermediate_size"])) if is_mixtral(cfg) else {}
+                   moe_ffn_dim=int(cfg["intermediate_size"])) if family == "mixtral" else {}
         return LlamaArgs(
             dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), ffn_dim=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-            head_dim=int(cfg.get("head_dim") or dim // n_heads), **moe)
+            head_dim=int(cfg.get("head_dim") or dim // n_heads), attention_bias=family == "qwen2",
+            qk_norm=family == "qwen3", sliding_window=_hf_window(cfg, family, field, where), **moe)
     except KeyError as err:
         raise ConfigError(field, where, f"{CONFIG} lacks {err.args[0]!r}") from None
 
 
 def llama_args_from_hf(folder: str, field: str = "model.init_from") -> LlamaArgs:
-    """The loom shape of a Hugging Face Llama or Mixtral folder (from its config.json)."""
+    """The loom shape of a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Mixtral folder (from its config.json)."""
     return llama_args_from_hf_config(read_hf_config(folder, field), field, folder)
 
 
+def hf_architecture(args: LlamaArgs) -> str:
+    """The Hugging Face architecture that holds a loom model with these args: Mixtral for experts, Qwen3 for q/k
+    norms, Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama; a UserError for a combination none
+    of them holds."""
+    if args.moe and (args.qk_norm or args.attention_bias):
+        raise UserError("no Hugging Face architecture holds a mixture of experts with q/k norms or q/k/v biases")
+    if args.qk_norm and args.attention_bias:
+        raise UserError("no Hugging Face architecture holds q/k norms with q/k/v biases only (Qwen3's attention_bias "
+                        "biases the output projection too)")
+    if args.moe:
+        return MOE_ARCHITECTURE
+    if args.qk_norm:
+        return "Qwen3ForCausalLM"
+    if args.attention_bias:
+        return "Qwen2ForCausalLM"
+    return "MistralForCausalLM" if args.sliding_window else ARCHITECTURE
+
+
+def _window_config(args: LlamaArgs, family: str) -> dict:
+    """config.json's sliding-window keys for the family (a Qwen: the same window in every layer)."""
+    window = args.sliding_window or None
+    if family in ("qwen2", "qwen3"):
+        return {"use_sliding_window": window is not None, "sliding_window": window,
+                "max_window_layers": 0 if window else args.n_layers,
+                "layer_types": ["sliding_attention" if window else "full_attention"] * args.n_layers}
+    return {"sliding_window": window} if family in ("mistral", "mixtral") else {}
+
+
 def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype) -> dict:
-    """config.json for ``LlamaForCausalLM`` (``MixtralForCausalLM`` for a mixture-of-experts model). RoPE is
-    written both ways (transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters) so either
-    reader, and tools that parse the file themselves, find it."""
+    """config.json for the family that holds the model (``hf_architecture``). RoPE is written both ways
+    (transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters) so either reader, and tools that
+    parse the file themselves, find it."""
     scaling = None
     if args.rope_scaling is not None:
         s = args.rope_scaling
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                    "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
     dtype_name = str(dtype).removeprefix("torch.")
+    architecture = hf_architecture(args)
+    family = FAMILIES[architecture]
     # a Mixtral's router: its own balance loss is not loom's (sequence-wise): off when loading in transformers
-    moe = {"num_local_experts": args.moe_experts, "num_experts_per_tok": args.moe_top_k, "sliding_window": None,
+    moe = {"num_local_experts": args.moe_experts, "num_experts_per_tok": args.moe_top_k,
            "output_router_logits": False, "router_jitter_noise": 0.0} if args.moe else {}
     return {
-        "architectures": [MOE_ARCHITECTURE if args.moe else ARCHITECTURE],
-        "model_type": "mixtral" if args.moe else "llama",
+        "architectures": [architecture],
+        "model_type": family,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
         "intermediate_size": args.expert_ffn_dim if args.moe else args.ffn_dim, **moe,
+        **_window_config(args, family),
         "vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
+        "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": args.attention_bias,
         "mlp_bias": False, "rope_theta": args.rope_theta, "rope_scaling": scaling,
         "rope_parameters": {"rope_theta": args.rope_theta, **(scaling or {"rope_type": "default"})},
         "torch_dtype": dtype_name, "dtype": dtype_name,
@@ -434,10 +503,16 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
 # ---- writing a Hugging Face folder -------------------------------------------------------------
 
 def _layer_leaves(args: LlamaArgs) -> list[str]:
-    if not args.moe:
-        return list(_IN_LAYER)
-    dense_ffn = [leaf for leaf in _IN_LAYER if leaf.startswith("feed_forward.")]
-    return [leaf for leaf in _IN_LAYER if leaf not in dense_ffn] + list(_IN_LAYER_MOE) + list(_EXPERTS)
+    """The names of one block's weights under these args, relative to the block: the attention's extra weights
+    follow its output projection."""
+    extra = (list(_IN_LAYER_BIAS) if args.attention_bias else []) + (list(_IN_LAYER_QK_NORM) if args.qk_norm else [])
+    leaves = []
+    for leaf in _IN_LAYER:
+        if not (args.moe and leaf.startswith("feed_forward.")):
+            leaves.append(leaf)
+        if leaf == "attention.wo.weight":
+            leaves += extra
+    return leaves + (list(_IN_LAYER_MOE) + list(_EXPERTS) if args.moe else [])
 
 
 def expected_loom_names(args: LlamaArgs) -> list[str]:
@@ -602,13 +677,15 @@ def export_file_names(tokenizer: ExportTokenizer | None) -> tuple[str, ...]:
 
 def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder: str,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: ExportTokenizer | None = None) -> list[str]:
-    """Write ``out_folder`` as a Hugging Face LlamaForCausalLM (MixtralForCausalLM) folder; returns the
+    """Write ``out_folder`` as a Hugging Face folder of the family that holds the model (``hf_architecture``:
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM); returns the
     safetensors file names. With ``tokenizer``: its files, its special ids in config.json and a
     generation_config.json, so that transformers, vLLM and PEFT load the folder as it is.
 
     ``model_state`` holds full tensors with loom names (``model.state_dict()`` of an unsharded model)."""
     save_file = require("safetensors.torch", "hf", purpose="writing a Hugging Face folder").save_file
 
+    hf_architecture(args)  # a model no family holds fails before anything is written
     tensors = hf_state_dict(model_state, args)
     check_empty_target(out_folder, export_file_names(tokenizer))
     created = not os.path.isdir(out_folder)

@@ -1,4 +1,5 @@
-"""``loom convert``: import a Hugging Face Llama or Mixtral folder as a loom checkpoint, or export one back.
+"""``loom convert``: import a Hugging Face folder (Llama, Mistral, Qwen2/3, Mixtral) as a loom checkpoint, or export
+one back.
 
 Both directions run in one process without a process group and hold the model once in CPU memory.
 """
@@ -16,6 +17,7 @@ USAGE = """usage:
   loom convert --from-hf HF_FOLDER --to CKPT_FOLDER
   loom convert --from CKPT_FOLDER --to-hf OUT_FOLDER [--config RUN.toml] [--flavor NAME]
                [--max-shard-size 5GB] [--section.field VALUE ...]
+  loom convert --from CKPT_FOLDER --to-peft OUT_FOLDER [--config RUN.toml] [--section.field VALUE ...]
 
 --from-hf   a Hugging Face LlamaForCausalLM or MixtralForCausalLM folder (config.json + safetensors,
             sharded or not);
@@ -27,9 +29,12 @@ USAGE = """usage:
             --config, with --flavor / --section.field overrides, e.g. --data.tokenizer when the run's
             tokenizer is gone. Written to --to-hf as LlamaForCausalLM safetensors (MixtralForCausalLM for
             a mixture-of-experts model; sharded with an index above --max-shard-size), with config.json,
-            generation_config.json and the tokenizer files: a folder transformers loads as it is."""
+            generation_config.json and the tokenizer files: a folder transformers loads as it is.
+            A LoRA run's checkpoint (lora.rank > 0) is written merged: each adapted weight W + scaling B A.
+--to-peft   a LoRA run's adapters alone, in PEFT's format (adapter_config.json, adapter_model.safetensors):
+            peft.PeftModel.from_pretrained(base, OUT_FOLDER) loads them onto the base model's folder."""
 
-_OPTIONS = ("--from-hf", "--to", "--from", "--to-hf", "--config", "--flavor", "--max-shard-size")
+_OPTIONS = ("--from-hf", "--to", "--from", "--to-hf", "--to-peft", "--config", "--flavor", "--max-shard-size")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -136,11 +141,22 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
     return args, tokenizer_export(cfg.data.tokenizer, args.max_seq_len)
 
 
+def checkpoint_lora(ckpt: str, config_file: str | None, overrides: dict[str, str]):
+    """The [lora] section of the run that wrote ``ckpt`` (none for an imported checkpoint)."""
+    from loom.checkpoint.hf import HF_CONFIG_COPY
+    from loom.config.sections import LoraConfig
+
+    if os.path.isfile(os.path.join(ckpt, HF_CONFIG_COPY)) and not config_file and not overrides:
+        return LoraConfig()
+    return run_config(ckpt, config_file, overrides).lora
+
+
 def run_export(opts: dict[str, str], rest: list[str]) -> int:
     from loom.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, check_checkpoint_shapes, check_empty_target, export_hf,
                                     export_file_names, weights_only_model)
     from loom.checkpoint.manager import load_model_only, verify
     from loom.config import parse_overrides
+    from loom.models.common.lora import apply_lora, merge_lora
 
     _reject(opts, [], allowed=("--from", "--to-hf", "--config", "--flavor", "--max-shard-size"), direction="--to-hf")
     if "--from" not in opts:
@@ -158,16 +174,54 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     args, tokenizer = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
     check_empty_target(opts["--to-hf"], export_file_names(tokenizer))
     model = weights_only_model(args)
+    merged = apply_lora(model, checkpoint_lora(ckpt, opts.get("--config"), overrides))
     check_checkpoint_shapes(ckpt, model, "--from", hint="; pass the run's --config / --flavor / --data.tokenizer")
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         load_model_only(ckpt, model)
+    merge_lora(model)
     files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes, tokenizer)
     kind = "Mixtral" if args.moe else "Llama"
     with_tokenizer = ", the tokenizer" if "tokenizer.json" in tokenizer.files else ""
+    adapters = f", {merged} LoRA adapters merged" if merged else ""
     print(f"loom convert: exported {ckpt} as a Hugging Face {kind} folder {opts['--to-hf']} "
-          f"({len(files)} safetensors file{'s' if len(files) > 1 else ''}{with_tokenizer}, generation_config.json)",
-          flush=True)
+          f"({len(files)} safetensors file{'s' if len(files) > 1 else ''}{with_tokenizer}, generation_config.json"
+          f"{adapters})", flush=True)
+    return 0
+
+
+def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
+    """A LoRA run's checkpoint -> its adapters as a PEFT adapter folder."""
+    from loom.checkpoint.hf import check_checkpoint_shapes, weights_only_model
+    from loom.checkpoint.manager import load_model_only, verify
+    from loom.checkpoint.peft import export_peft
+    from loom.config import parse_overrides
+    from loom.models.common.lora import apply_lora
+
+    _reject(opts, [], allowed=("--from", "--to-peft", "--config"), direction="--to-peft")
+    ckpt, out = opts.get("--from"), opts["--to-peft"]
+    if not ckpt:
+        raise ConfigError("--from", None, "missing: the loom checkpoint folder of a LoRA run", show_value=False)
+    if not os.path.isdir(ckpt):
+        raise ConfigError("--from", ckpt, "folder not found (expected a loom checkpoint folder step_N)")
+    check_folder_writable("--to-peft", out)
+    overrides = parse_overrides(rest)
+    verify(ckpt, check_hash=False)
+    lora = checkpoint_lora(ckpt, opts.get("--config"), overrides)
+    if not lora.rank:
+        raise ConfigError("--from", ckpt, "was not written by a LoRA run (lora.rank 0): nothing to write as a PEFT "
+                          "adapter; export the model with --to-hf")
+    args, _ = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
+    model = weights_only_model(args)
+    apply_lora(model, lora)
+    check_checkpoint_shapes(ckpt, model, "--from", hint="; pass the run's --config / --data.tokenizer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        load_model_only(ckpt, model)
+    base = run_config(ckpt, opts.get("--config"), overrides).model.init_from
+    export_peft(model.state_dict(), lora, out, base_model=base)
+    print(f"loom convert: exported the LoRA adapters of {ckpt} (r {lora.rank}, {lora.targets}) as a PEFT adapter "
+          f"{out}", flush=True)
     return 0
 
 
@@ -180,5 +234,7 @@ def main(argv: list[str]) -> int:
         return run_import(opts, rest)
     if "--to-hf" in opts:
         return run_export(opts, rest)
-    raise ConfigError("loom convert", " ".join(argv), "expected --from-hf HF --to CKPT or --from CKPT --to-hf HF "
-                      "(see `loom convert --help`)")
+    if "--to-peft" in opts:
+        return run_export_peft(opts, rest)
+    raise ConfigError("loom convert", " ".join(argv), "expected --from-hf HF --to CKPT, --from CKPT --to-hf HF or "
+                      "--from CKPT --to-peft ADAPTER (see `loom convert --help`)")

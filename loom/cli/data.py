@@ -8,12 +8,14 @@ import time
 
 from loom.config.errors import ConfigError
 from loom.config.paths import check_file_writable
+from loom.data.chat import ChatEncoder, load_template
 from loom.data.prepare import tokenize_to_file
 from loom.data.sources import SourceSpec, parse_source
 from loom.data.tokenizers import build_tokenizer
 
 USAGE = """usage: loom data prepare --source SPEC --output PATH.bin [--tokenizer byte|PATH] [--text-field NAME]
-                         [--encoding-errors strict|replace]
+                         [--encoding-errors strict|replace] [--objective lm|sft] [--chat-template PATH]
+                         [--loss-tokens assistant|all]
 
 Tokenizes one source into PATH.bin (token ids, EOS after every document) and PATH.bin.json (its
 description). Train on it with --data.source PATH.bin and the same --data.tokenizer.
@@ -28,15 +30,23 @@ options:
   --text-field NAME   field holding the text in jsonl / parquet / datasets (default: text)
   --encoding-errors   text that is not valid UTF-8: 'strict' (the default) stops naming the file and
                       byte offset, 'replace' decodes it with U+FFFD replacement characters
+  --objective         'lm' (the default): documents of text; 'sft': conversations ('messages', or
+                      'prompt' and 'completion'; '' = the standard library's docstrings) rendered with
+                      the chat template, with a loss mask (PATH.bin.mask); train with --training.objective sft
+  --chat-template     sft: a Jinja chat template file; default: the tokenizer folder's (built in for byte)
+  --loss-tokens       sft: 'assistant' (the default) = the assistant's turns take loss, 'all' = every token
   -h, --help          show this message"""
 
 OPTIONS = {"--source": "source", "--output": "output", "-o": "output", "--tokenizer": "tokenizer",
-           "--text-field": "text_field", "--encoding-errors": "encoding_errors"}
+           "--text-field": "text_field", "--encoding-errors": "encoding_errors", "--objective": "objective",
+           "--chat-template": "chat_template", "--loss-tokens": "loss_tokens"}
 ENCODING_ERRORS = ("strict", "replace")
+PREPARED_OBJECTIVES = ("lm", "sft")  # the objectives whose data a token file can hold
 
 # The library names config fields; on this command line the same things are options.
 CLI_NAMES = {"data.source": "--source", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
-             "data.encoding_errors": "--encoding-errors"}
+             "data.encoding_errors": "--encoding-errors", "data.chat_template": "--chat-template",
+             "data.loss_tokens": "--loss-tokens"}
 
 
 def parse_args(argv: list[str]) -> dict[str, str]:
@@ -61,6 +71,11 @@ def parse_args(argv: list[str]) -> dict[str, str]:
         raise ConfigError("--output", args["output"], "a token file path must end in .bin")
     if args["encoding_errors"] not in ENCODING_ERRORS:
         raise ConfigError("--encoding-errors", args["encoding_errors"], "allowed: " + " | ".join(ENCODING_ERRORS))
+    if args.get("objective", "lm") not in PREPARED_OBJECTIVES:
+        raise ConfigError("--objective", args["objective"], "allowed: " + " | ".join(PREPARED_OBJECTIVES))
+    for sft_only in ("chat_template", "loss_tokens"):
+        if sft_only in args and args.get("objective") != "sft":
+            raise ConfigError(f"--{sft_only.replace('_', '-')}", args[sft_only], "needs --objective sft")
     return args
 
 
@@ -122,7 +137,11 @@ def prepare(args: dict[str, str]) -> int:
     try:
         tokenizer = build_tokenizer(args["tokenizer"])
         spec = single_source(args["source"], args["text_field"], args["encoding_errors"])
-        meta = tokenize_to_file(spec, tokenizer, args["output"], progress=progress)
+        sft = None
+        if args.get("objective") == "sft":
+            sft = ChatEncoder(load_template(args.get("chat_template", ""), tokenizer), tokenizer,
+                              args.get("loss_tokens", "assistant"))
+        meta = tokenize_to_file(spec, tokenizer, args["output"], progress=progress, sft=sft)
     except ConfigError as err:
         progress.end_line()
         raise _cli_error(err) from None
@@ -131,7 +150,9 @@ def prepare(args: dict[str, str]) -> int:
         raise
     seconds = progress.finish(meta.documents, meta.tokens)
     size = os.path.getsize(args["output"])
-    print(f"wrote {args['output']}: {meta.documents:,} documents, {meta.tokens:,} tokens ({meta.dtype}, "
+    what = f"{meta.documents:,} conversations" if meta.mask else f"{meta.documents:,} documents"
+    trained = f", {meta.trained_tokens:,} take loss" if meta.mask else ""
+    print(f"wrote {args['output']}: {what}, {meta.tokens:,} tokens{trained} ({meta.dtype}, "
           f"{size / 2**20:.1f} MiB, tokenizer {meta.tokenizer}) in {seconds:.1f}s")
     return 0
 

@@ -14,7 +14,7 @@ USAGE = """usage: loom <command> [options]
 commands:
   train          train a model (see `loom train --help`)
   plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
-  convert        import a Hugging Face Llama folder / export a loom checkpoint (`loom convert --help`)
+  convert        import a Hugging Face folder (Llama, Mistral, Qwen, Mixtral) / export a loom checkpoint
   report         plots + HTML page of runs' metrics.jsonl (`loom report --help`)
   data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
 """

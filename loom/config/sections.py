@@ -39,8 +39,8 @@ class ModelConfig:
     # wrong name is reported before torch is imported
     flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
                       choices=("debug", "debug_moe", "125M", "1B", "3B", "8B", "70B", "405B"))
-    init_from: str = opt("", "Hugging Face Llama or Mixtral folder (config.json + safetensors), or a checkpoint of "
-                             "`loom convert --from-hf`, to start from")
+    init_from: str = opt("", "Hugging Face Llama, Mistral, Qwen2, Qwen3 or Mixtral folder (config.json + "
+                             "safetensors), or a checkpoint of `loom convert --from-hf`, to start from")
     vocab_size: int = opt(0, "embedding rows; 0 = the flavor's (or model.init_from's), else the tokenizer's rounded "
                              "up to a multiple of 128", min=0)
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)
@@ -71,6 +71,9 @@ class ModelConfig:
     moe_ffn_dim: int = opt(0, "hidden width of each expert; 0 = the flavor's (its ffn_dim)", min=0)
     moe_aux_loss: float = opt(0.01, "weight of the sequence-wise load-balancing loss (its gradient joins the "
                                     "backward; the logged loss stays the language-model loss); 0 = off", min=0.0)
+    sliding_window: int = opt(0, "sliding-window attention (Mistral): each token attends to itself and the "
+                                 "sliding_window - 1 tokens before it; 0 = the model.init_from folder's (none for "
+                                 "the flavors); not with parallel.cp > 1", min=0)
 
 
 @dataclass
@@ -83,14 +86,28 @@ class DataConfig:
     val_fraction: float = opt(0.01, "fraction of packed windows held out for validation", min=0.0, max=0.5)
     cache_dir: str = opt("", "where tokenized sources are cached; empty = <run.dir>/cache")
     document_positions: bool = opt(False, "packed documents: restart position ids after every EOS and keep attention "
-                                          "within each document")
+                                          "within each document (default true under training.objective sft, which needs it)")
     encoding_errors: str = opt("strict", "text that is not valid UTF-8: 'strict' = stop naming the file and byte "
                                          "offset, 'replace' = decode it with U+FFFD replacement characters",
                                choices=("strict", "replace"))
+    chat_template: str = opt("", "training.objective sft: a Jinja chat template file; '' = the tokenizer folder's "
+                                 "(chat_template.jinja or tokenizer_config.json), the built-in one for the byte "
+                                 "tokenizer (docs/finetuning.md)")
+    loss_tokens: str = opt("assistant", "training.objective sft: the tokens that take loss: 'assistant' = every "
+                                        "assistant turn with its end-of-turn token (a prompt-completion pair: its "
+                                        "completion), 'all' = the whole conversation",
+                           choices=("assistant", "all"))
+
+
+# training.objective: what a step minimizes (loom.train.objective.build_objective has one entry per name)
+OBJECTIVES = ("lm", "sft")
 
 
 @dataclass
 class TrainingConfig:
+    objective: str = opt("lm", "'lm' = next-token loss on packed text; 'sft' = supervised fine-tuning on "
+                               "conversations: loss on the assistant's tokens, conversations packed with "
+                               "per-document attention (docs/finetuning.md)", choices=OBJECTIVES)
     steps: int = opt(200, "optimizer steps", min=1)
     seq_len: int = opt(256, "tokens per sequence", min=8)
     global_batch_size: int = opt(16, "sequences per optimizer step (all data-parallel ranks)", min=1)
@@ -200,12 +217,34 @@ class MetricsConfig:
                                  "per rank (+ CUDA memory snapshot) in <run.dir>/profile; empty = off")
 
 
+@dataclass
+class LoraConfig:
+    """LoRA / QLoRA fine-tuning (loom.models.common.lora; docs/lora.md)."""
+
+    rank: int = opt(0, "LoRA rank r: low-rank adapters on lora.targets, every other weight frozen; 0 = off (all "
+                       "weights train)", min=0)
+    alpha: float = opt(16.0, "the adapters' update B·A is scaled by alpha / rank (alpha / sqrt(rank) with "
+                             "lora.rslora)", min=0.0, min_exclusive=True)
+    dropout: float = opt(0.0, "dropout on the adapters' input in training steps (validation runs without it)",
+                         min=0.0, max=1.0)
+    targets: str = opt("q,k,v,o,gate,up,down", "comma list of the linears that get adapters: q, k, v, o "
+                                               "(attention), gate, up, down (SwiGLU), or all")
+    rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
+    base_dtype: str = opt("float32", "the frozen base linears: float32 (as loaded), or nf4 = QLoRA (4-bit "
+                                     "NormalFloat, double-quantized scales; torchao: pip install "
+                                     "'loom-train[qlora]')", choices=("float32", "nf4"))
+    init_from: str = opt("", "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to start "
+                             "the adapters from; its r, lora_alpha, target_modules and use_rslora must equal "
+                             "this section's")
+
+
 SECTIONS = {
     "run": RunConfig,
     "model": ModelConfig,
     "data": DataConfig,
     "training": TrainingConfig,
     "optimizer": OptimizerConfig,
+    "lora": LoraConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -219,6 +258,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -5,21 +5,31 @@ from __future__ import annotations
 import json
 
 from loom.config.sections import DataConfig
+from loom.data.chat import ChatEncoder, load_template
 from loom.data.loader import Loader, MicroBatch, StepData, Windows
-from loom.data.prepare import ensure_token_file
+from loom.data.prepare import check_mask, ensure_token_file
 from loom.data.sources import content_hash, parse_source
-from loom.data.token_file import TokenFile, check_tokenizer
+from loom.data.token_file import TokenFile, check_tokenizer, read_meta
 from loom.data.tokenizers import build_tokenizer
 
-__all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer", "describe_sources",
+__all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer", "chat_encoder", "describe_sources",
            "prepare_data"]
 
 
-def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str) -> list[tuple[str, float, str]]:
-    """Tokenize (or find cached) every source; returns (token file, weight, label). Run on one rank first."""
+def chat_encoder(cfg: DataConfig, tokenizer, objective: str = "lm") -> ChatEncoder | None:
+    """The conversation encoder of an SFT run (its chat template and loss mask); None for language modeling."""
+    if objective != "sft":
+        return None
+    return ChatEncoder(load_template(cfg.chat_template, tokenizer), tokenizer, cfg.loss_tokens)
+
+
+def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str, objective: str = "lm") -> list[tuple[str, float, str]]:
+    """Tokenize (or find cached) every source; returns (token file, weight, label). Run on one rank first.
+    ``objective`` (training.objective): 'sft' reads conversations and writes their loss masks."""
+    sft = chat_encoder(cfg, tokenizer, objective)
     out = []
     for spec in parse_source(cfg.source, cfg.text_field, cfg.encoding_errors):
-        path = ensure_token_file(spec, tokenizer, cache_dir)
+        path = ensure_token_file(spec, tokenizer, cache_dir, sft)
         out.append((path, spec.weight, spec.label))
     return out
 
@@ -30,11 +40,12 @@ def check_tokenizer_match(path: str, meta, tokenizer) -> None:
 
 
 def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]], *, seq_len: int, seed: int,
-                 dp_rank: int, dp_size: int, micro_batch: int, accumulation: int) -> Loader:
+                 dp_rank: int, dp_size: int, micro_batch: int, accumulation: int, objective: str = "lm") -> Loader:
     windows, weights = [], []
     for path, weight, label in files:
         tf = TokenFile(path)
         check_tokenizer(path, tf.meta, tokenizer)
+        check_mask(path, tf.meta, objective == "sft")
         windows.append(Windows(tf, seq_len, cfg.val_fraction, label))
         weights.append(weight)
     return Loader(windows, weights, seed=seed, eos_id=tokenizer.eos_id, dp_rank=dp_rank, dp_size=dp_size,
@@ -43,11 +54,16 @@ def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]]
 
 def describe_sources(cfg: DataConfig, files, out_path: str) -> None:
     """Record what was trained on, so a run can be traced to its text. The embedded default depends on the
-    installed Python, so it also gets its file list and a content hash (same hash = same training text)."""
+    installed Python, so it also gets its file list and a content hash (same hash = same training text). An SFT
+    token file adds its chat template (origin and fingerprint), loss mask and conversation count."""
     records = []
     for spec, (path, weight, label) in zip(parse_source(cfg.source, cfg.text_field, cfg.encoding_errors), files):
         rec = {"label": label, "kind": spec.kind, "weight": weight, "token_file": path,
                "fingerprint": spec.fingerprint(), "files": len(spec.paths)}
+        meta = read_meta(path)
+        if meta.mask:
+            rec.update(chat_template=meta.chat_template, loss_tokens=meta.mask, conversations=meta.documents,
+                       trained_tokens=meta.trained_tokens)
         if spec.kind == "stdlib":
             rec["file_list"] = spec.paths
             rec["content_hash"] = content_hash(spec.paths)

@@ -8,6 +8,10 @@ is stored), one fresh permutation per epoch.
 The sampler decides the *global* batch of every step from the global sample index alone; a rank
 only picks its slice. So the global batch of step t is the same for every layout, and the
 loader's whole state is two counters that do not depend on the layout either.
+
+An SFT token file (``training.objective sft``) carries per-token flags: a label whose token is not the assistant's
+is IGNORE, and positions restart at every conversation's first token (flagged, not found by EOS: a turn may end in
+the EOS id).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from loom.config.errors import UserError
+from loom.data.chat import FLAG_LOSS, FLAG_START
 from loom.data.token_file import TokenFile
+from loom.numerics import IGNORE
 
 _MASK31 = (1 << 31) - 1
 
@@ -85,6 +91,13 @@ class Windows:
         start = w * self.seq_len
         return self.tokens.slice(start, start + self.seq_len + 1)  # (S+1,)
 
+    def flags(self, w: int) -> torch.Tensor | None:
+        """An SFT file's per-token flags of window ``w`` (S+1,) uint8; None for plain text."""
+        if self.tokens.mask is None:
+            return None
+        start = w * self.seq_len
+        return self.tokens.flags(start, start + self.seq_len + 1)
+
     def train_window_ids(self, k: torch.Tensor, seed: int) -> torch.Tensor:
         """The k-th training windows visited (k may run past one epoch)."""
         epoch, j = k // self.n_train, k % self.n_train
@@ -125,20 +138,35 @@ class MicroBatch:
                             (self.inputs, self.labels, self.positions, self.document_ids)))
 
 
-def document_positions(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions that restart after every EOS and per-token document ids. inputs: (B, S)."""
-    starts = torch.zeros_like(inputs, dtype=torch.bool)
+def positions_from_starts(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions that restart at every document start and per-token document ids. starts: (B, S) bool; the first
+    token of a window always starts one."""
+    starts = starts.clone()
     starts[:, 0] = True
-    starts[:, 1:] = inputs[:, :-1] == eos_id
-    idx = torch.arange(inputs.shape[1]).expand_as(inputs)
+    idx = torch.arange(starts.shape[1]).expand_as(starts)
     last_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
     return idx - last_start, torch.cumsum(starts.to(torch.int64), dim=1) - 1
 
 
-def make_micro_batch(windows: list[torch.Tensor], eos_id: int) -> MicroBatch:
+def document_positions(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions that restart after every EOS and per-token document ids. inputs: (B, S)."""
+    starts = torch.zeros_like(inputs, dtype=torch.bool)
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    return positions_from_starts(starts)
+
+
+def make_micro_batch(windows: list[torch.Tensor], eos_id: int,
+                     flags: list[torch.Tensor] | None = None) -> MicroBatch:
+    """Inputs, labels and per-document positions of windows (S+1,) each. ``flags`` (an SFT file's, (S+1,) each): a
+    label takes loss only where its token is flagged, and documents start at flagged tokens instead of after EOS."""
     w = torch.stack(windows)  # (B, S+1)
     inputs, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
-    pos, doc = document_positions(inputs, eos_id)
+    if flags is None:
+        pos, doc = document_positions(inputs, eos_id)
+        return MicroBatch(inputs, labels, pos, doc)
+    f = torch.stack(flags)  # (B, S+1) uint8
+    labels = torch.where((f[:, 1:] & FLAG_LOSS) > 0, labels, IGNORE)
+    pos, doc = positions_from_starts((f[:, :-1] & FLAG_START) > 0)
     return MicroBatch(inputs, labels, pos, doc)
 
 
@@ -172,7 +200,10 @@ class Loader:
             epochs = steps * global_batch * share / src.n_train
             val = f", {src.n_val} validation" if src.n_val else ""
             weight = f", weight {share:.2f}" if len(self.sources) > 1 else ""
-            lines.append(f"data: {src.label}: {len(src.tokens):,} tokens, {src.n_train} training windows"
+            meta = src.tokens.meta
+            trained = meta.trained_tokens / max(meta.tokens, 1)
+            sft = f" ({meta.documents:,} conversations, {trained:.0%} of the tokens take loss)" if meta.mask else ""
+            lines.append(f"data: {src.label}: {len(src.tokens):,} tokens{sft}, {src.n_train} training windows"
                          f"{val}{weight}; the run reads {_share_read(epochs)} of it")
             if src.n_train < global_batch * share:
                 lines.append(f"warning: {src.label} holds fewer windows ({src.n_train}) than one step takes from it "
@@ -212,8 +243,7 @@ class Loader:
         micro = []
         for j in range(self.accumulation):
             start = (j * dp + self.dp_rank) * mb  # micro-batch j of this rank
-            micro.append(make_micro_batch([self.sources[s].window(w) for s, w in plan[start:start + mb]],
-                                          self.eos_id))
+            micro.append(self._micro_batch(plan[start:start + mb]))
         digest = None
         if with_hash:
             h = hashlib.blake2b(digest_size=16)
@@ -223,16 +253,21 @@ class Loader:
         self._advance(plan)
         return StepData(micro, digest)
 
+    def _micro_batch(self, picks: list[tuple[int, int]]) -> MicroBatch:
+        """The micro-batch of (source, window) ``picks``."""
+        windows = [self.sources[s].window(w) for s, w in picks]
+        flags = [self.sources[s].flags(w) for s, w in picks]
+        return make_micro_batch(windows, self.eos_id, None if flags and flags[0] is None else flags)
+
     def validation(self, batches: int) -> list[MicroBatch]:
         """The same held-out windows every time, split over data-parallel ranks (first source with any)."""
-        src = next((s for s in self.sources if s.n_val > 0), None)
+        i, src = next(((i, s) for i, s in enumerate(self.sources) if s.n_val > 0), (None, None))
         if src is None:
             return []
         out = []
         for j in range(batches):
             start = (j * self.dp_size + self.dp_rank) * self.micro_batch
-            out.append(make_micro_batch([src.window(src.val_window_id(k))
-                                         for k in range(start, start + self.micro_batch)], self.eos_id))
+            out.append(self._micro_batch([(i, src.val_window_id(k)) for k in range(start, start + self.micro_batch)]))
         return out
 
     @property

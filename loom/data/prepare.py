@@ -1,4 +1,6 @@
-"""Tokenize a source into a token file (``loom data prepare``, and the cache used by training)."""
+"""Tokenize a source into a token file (``loom data prepare``, and the cache used by training). Under
+``training.objective sft`` a source's conversations are rendered with the chat template and written with their
+per-token loss flags (``loom.data.chat.ChatEncoder``)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,11 @@ import os
 from typing import Callable, Iterator
 
 from loom.config.errors import ConfigError, UserError
+from loom.data.chat import FLAG_LOSS, FLAG_START, ChatEncoder, ChatError
+from loom.data.sft import conversations
 from loom.data.sources import SourceSpec, documents
 from loom.data.token_file import (TokenFile, TokenFileMeta, TokenFileWriteError, TokenFileWriter, check_ids,
-                                  check_tokenizer, meta_path)
+                                  check_tokenizer, meta_path, read_meta)
 
 Progress = Callable[[int, int], None]
 
@@ -45,37 +49,75 @@ def _write_documents(spec: SourceSpec, tokenizer, writer: TokenFileWriter, progr
             progress(writer.meta.documents, writer.meta.tokens)
 
 
+def _write_conversations(spec: SourceSpec, encoder: ChatEncoder, writer: TokenFileWriter,
+                         progress: Progress | None, every: int = 256) -> None:
+    """Each conversation rendered, tokenized and written with its flags; one with nothing to train on (no assistant
+    turn) is skipped, as an empty document is."""
+    for n, conv in enumerate(conversations(spec), 1):
+        try:
+            ids, flags = encoder.encode(conv.messages, conv.first)
+        except ChatError as err:
+            raise ConfigError("data.source", conv.where, str(err)) from None
+        if any(f & FLAG_LOSS for f in flags):
+            writer.add(ids, flags)
+        if progress and n % every == 0:
+            progress(writer.meta.documents, writer.meta.tokens)
+
+
+def check_mask(path: str, meta: TokenFileMeta, sft: bool, field: str = "data.source") -> None:
+    """An SFT run reads only token files with a loss mask, a language-model run only files without one."""
+    if sft and not meta.mask:
+        raise ConfigError(field, path, "holds no loss mask: training.objective sft trains on a token file written by "
+                          "`loom data prepare --objective sft` (or on the conversations themselves)")
+    if not sft and meta.mask:
+        raise ConfigError(field, path, "holds SFT conversations (a loss mask): it is for training.objective sft "
+                          "(loom data prepare --objective sft)")
+
+
 def _copy_tokens(spec: SourceSpec, tokenizer, writer: TokenFileWriter, progress: Progress | None,
                  chunk: int = 1 << 22) -> None:
-    """A token file as the source: its ids are already final, so copy them (same tokenizer only)."""
+    """A token file as the source: its ids (and an SFT file's flags) are already final, so copy them (same
+    tokenizer only)."""
     src = TokenFile(spec.paths[0])
     check_tokenizer(src.path, src.meta, tokenizer)
+    check_mask(src.path, src.meta, bool(writer.meta.mask))
     check_ids(src, tokenizer)
+    if src.mask is not None:
+        writer.meta.mask, writer.meta.chat_template = src.meta.mask, src.meta.chat_template
     for start in range(0, len(src), chunk):
         part = src.tokens[start:start + chunk]  # (chunk,)
-        writer.extend(part, int((part == src.meta.eos_id).sum()))
+        flags = None if src.mask is None else src.mask[start:start + chunk]
+        docs = int((part == src.meta.eos_id).sum()) if flags is None else int(((flags & FLAG_START) > 0).sum())
+        writer.extend(part, docs, flags)
         if progress:
             progress(writer.meta.documents, writer.meta.tokens)
 
 
 def tokenize_to_file(spec: SourceSpec, tokenizer, out_path: str,
-                     progress: Progress | None = None, batch: int = 256) -> TokenFileMeta:
-    """Write every document of ``spec`` to ``out_path``; ``progress(docs, tokens)`` after each batch.
+                     progress: Progress | None = None, batch: int = 256,
+                     sft: ChatEncoder | None = None) -> TokenFileMeta:
+    """Write every document of ``spec`` to ``out_path``; ``progress(docs, tokens)`` after each batch. ``sft``: the
+    source's conversations, rendered and flagged by this encoder.
 
     The file only appears (with its description, written last) when the whole source went through;
     a failure part-way leaves no partial token file behind."""
     if spec.kind == "tokens" and os.path.abspath(spec.paths[0]) == os.path.abspath(out_path):
         raise UserError(f"token file {out_path} cannot be both the source and the output")
     writer = TokenFileWriter(out_path, eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size,
-                             tokenizer=tokenizer.fingerprint())
+                             tokenizer=tokenizer.fingerprint(), mask=sft.loss_tokens if sft else "",
+                             chat_template=f"{sft.template.origin} {sft.template.fingerprint()}" if sft else "")
     try:
         if spec.kind == "tokens":
             _copy_tokens(spec, tokenizer, writer, progress)
+        elif sft is not None:
+            _write_conversations(spec, sft, writer, progress)
         else:
             _write_documents(spec, tokenizer, writer, progress, batch)
         if writer.meta.tokens == 0:
-            raise UserError(f"data source {spec.label or spec.paths}: no non-empty documents "
-                            f"(checked {len(spec.paths)} file(s), text field {spec.text_field!r})")
+            what = "conversations with an assistant turn" if sft else "non-empty documents"
+            field = "" if sft else f", text field {spec.text_field!r}"
+            raise UserError(f"data source {spec.label or spec.paths}: no {what} "
+                            f"(checked {len(spec.paths)} file(s){field})")
     except OSError as err:  # a source file that cannot be read (the writer's own errors are TokenFileWriteError)
         writer.abort()
         raise UserError(f"data source {err.filename or spec.label or spec.paths[0]}: cannot be read "
@@ -86,18 +128,22 @@ def tokenize_to_file(spec: SourceSpec, tokenizer, out_path: str,
     return writer.close()
 
 
-def cache_path(spec: SourceSpec, tokenizer, cache_dir: str) -> str:
-    return os.path.join(cache_dir, f"{spec.kind}-{spec.fingerprint()}-{tokenizer.fingerprint()}.bin")
+def cache_path(spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None) -> str:
+    """The cached tokenization of ``spec``; an SFT one is named for its chat template and loss mask too, so a
+    language-model cache never serves an SFT run, nor one template's another's."""
+    name = f"{spec.kind}-{spec.fingerprint()}-{tokenizer.fingerprint()}"
+    return os.path.join(cache_dir, f"sft-{name}-{sft.fingerprint()}.bin" if sft else f"{name}.bin")
 
 
-def ensure_token_file(spec: SourceSpec, tokenizer, cache_dir: str) -> str:
+def ensure_token_file(spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None) -> str:
     """Path of a token file for ``spec``: the file itself, or a cached tokenization (built if missing)."""
     if spec.kind == "tokens":
+        check_mask(spec.paths[0], read_meta(spec.paths[0]), sft is not None)
         return spec.paths[0]
-    path = cache_path(spec, tokenizer, cache_dir)
+    path = cache_path(spec, tokenizer, cache_dir, sft)
     if not os.path.isfile(meta_path(path)):  # the metadata is written last: its presence means complete
         try:
-            tokenize_to_file(spec, tokenizer, path)
+            tokenize_to_file(spec, tokenizer, path, sft=sft)
         except TokenFileWriteError as err:
             raise ConfigError("data.cache_dir", cache_dir, f"the tokenized source cannot be written there "
                               f"({err.reason}); choose a writable folder") from None

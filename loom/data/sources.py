@@ -168,7 +168,7 @@ def decode(data: bytes, errors: str, path: str, where: str = "") -> str:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _no_surrogates(text: str, errors: str, path: str, where: str) -> str:
+def no_surrogates(text: str, errors: str, path: str, where: str) -> str:
     """JSON can spell a lone surrogate (``"\\ud800"``), which no UTF-8 encodes: the same rule as for bad bytes."""
     if text.isascii():
         return text
@@ -180,7 +180,7 @@ def _no_surrogates(text: str, errors: str, path: str, where: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
-def _read_text(path: str, errors: str = "strict") -> str:
+def read_text(path: str, errors: str = "strict") -> str:
     """One document per file; a ``.gz`` file is decompressed (a damaged one is a one-line error)."""
     gz = path.endswith(".gz")
     with (gzip.open if gz else open)(path, "rb") as fh:
@@ -193,7 +193,9 @@ def _read_text(path: str, errors: str = "strict") -> str:
         raise not_utf8(path, f"{where} (byte 0x{data[err.start]:02x})") from None
 
 
-def _jsonl_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
+def _jsonl_rows(path: str, errors: str = "strict") -> Iterator[tuple[int, dict]]:
+    """(line number, object) of every non-blank line; bytes that are not UTF-8, a line that is not JSON or not an
+    object are one-line errors naming the line."""
     gz = path.endswith(".gz")
     opener = gzip.open if gz else open
     offset = 0  # of the line's first byte (in the decompressed stream of a .gz)
@@ -213,11 +215,16 @@ def _jsonl_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[
                 raise ConfigError("data.source", path, f"line {lineno} is not valid JSON") from None
             if not isinstance(row, dict):
                 raise ConfigError("data.source", path, f"line {lineno} is not a JSON object")
-            if text_field not in row:
-                raise ConfigError("data.text_field", text_field,
-                                  f"not a field of {path} line {lineno}; it has {sorted(row)[:8]}")
-            text = row[text_field]
-            yield _no_surrogates(text, errors, path, f"line {lineno}, ") if isinstance(text, str) else text
+            yield lineno, row
+
+
+def _jsonl_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
+    for lineno, row in _jsonl_rows(path, errors):
+        if text_field not in row:
+            raise ConfigError("data.text_field", text_field,
+                              f"not a field of {path} line {lineno}; it has {sorted(row)[:8]}")
+        text = row[text_field]
+        yield no_surrogates(text, errors, path, f"line {lineno}, ") if isinstance(text, str) else text
 
 
 def _gz_lines(fh, path: str) -> Iterator[bytes]:
@@ -257,7 +264,8 @@ def _parquet_docs(path: str, text_field: str, errors: str = "strict") -> Iterato
         row += batch.num_rows
 
 
-def _hf_dataset_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
+def _load_dataset(path: str):
+    """The dataset ``save_to_disk`` wrote at ``path`` (a DatasetDict: its ``train`` split)."""
     try:
         import datasets
     except ImportError:
@@ -268,12 +276,66 @@ def _hf_dataset_docs(path: str, text_field: str, errors: str = "strict") -> Iter
         if "train" not in ds:
             raise ConfigError("data.source", path, f"a DatasetDict needs a 'train' split; it has {list(ds)}")
         ds = ds["train"]
+    return ds
+
+
+def _hf_dataset_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
+    ds = _load_dataset(path)
     if text_field not in ds.column_names:
         raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {ds.column_names}")
     row = 0
     for batch in ds.with_format("arrow").iter(batch_size=1024):  # a pyarrow Table per batch
         yield from _arrow_texts(batch.column(text_field), errors, path, row)
         row += batch.num_rows
+
+
+def _parquet_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """(row number, {column: value}) of the ``columns`` the file has (nested lists and structs as Python values)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("data.source", path,
+                          "parquet needs the 'pyarrow' package (pip install 'loom-train[data]')") from None
+    pf = pq.ParquetFile(path)
+    have = [c for c in columns if c in pf.schema_arrow.names]
+    if not have:
+        raise ConfigError("data.source", path,
+                          f"has none of the columns {list(columns)}; it has {pf.schema_arrow.names}")
+    row = 0
+    for batch in pf.iter_batches(columns=have, batch_size=1024):
+        for values in batch.to_pylist():
+            row += 1
+            yield row, values
+
+
+def _hf_dataset_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """(row number, {column: value}) of a dataset saved with ``save_to_disk`` (a DatasetDict's ``train`` split)."""
+    ds = _load_dataset(path)
+    have = [c for c in columns if c in ds.column_names]
+    if not have:
+        raise ConfigError("data.source", path, f"has none of the columns {list(columns)}; it has {ds.column_names}")
+    row = 0
+    for batch in ds.select_columns(have).iter(batch_size=1024):  # {column: [values]}
+        for values in zip(*(batch[c] for c in have)):
+            row += 1
+            yield row, dict(zip(have, values))
+
+
+def rows(spec: SourceSpec, columns: tuple[str, ...]) -> Iterator[tuple[str, str, dict]]:
+    """(file, where, row) of every row of a jsonl / parquet / saved-dataset source, in a fixed order; ``where`` names
+    the line or row for errors. jsonl rows are whole objects; the others hold those of ``columns`` they have."""
+    for path in spec.paths:
+        if spec.kind == "jsonl":
+            for lineno, row in _jsonl_rows(path, spec.encoding_errors):
+                yield path, f"line {lineno}", row
+        elif spec.kind == "parquet":
+            for n, row in _parquet_rows(path, columns):
+                yield path, f"row {n}", row
+        elif spec.kind == "hf_dataset":
+            for n, row in _hf_dataset_rows(path, columns):
+                yield path, f"row {n}", row
+        else:
+            raise AssertionError(spec.kind)
 
 
 def _strings(texts: Iterator, path: str, text_field: str) -> Iterator[str]:
@@ -294,7 +356,7 @@ def documents(spec: SourceSpec) -> Iterator[str]:
     for path in spec.paths:
         if spec.kind in ("text", "stdlib"):
             # the embedded default is whatever this Python ships, which the user cannot fix: always replaced
-            yield _read_text(path, "replace" if spec.kind == "stdlib" else spec.encoding_errors)
+            yield read_text(path, "replace" if spec.kind == "stdlib" else spec.encoding_errors)
         elif spec.kind in readers:
             texts = readers[spec.kind](path, spec.text_field, spec.encoding_errors)
             yield from _strings(texts, path, spec.text_field)

@@ -3,6 +3,8 @@
 ``name.bin`` holds the token ids back to back (little-endian uint16 or uint32) with the EOS id
 after every document; ``name.bin.json`` describes it (dtype, token count, documents, EOS id,
 tokenizer fingerprint). ``loom data prepare`` writes them; any source is cached in this format.
+An SFT token file also has ``name.bin.mask``: one byte of flags per token (``loom.data.chat``: the token takes
+loss as a target; the token starts a conversation), so a conversation may hold the EOS id (a turn's end).
 """
 
 from __future__ import annotations
@@ -30,10 +32,18 @@ class TokenFileMeta:
     vocab_size: int
     tokenizer: str
     format: str = "loom-tokens-v1"
+    mask: str = ""  # SFT: the loss mask's mode (data.loss_tokens) when name.bin.mask holds per-token flags
+    chat_template: str = ""  # SFT: the chat template's origin and fingerprint
+    trained_tokens: int = 0  # SFT: tokens that take loss as targets
 
 
 def meta_path(path: str) -> str:
     return path + ".json"
+
+
+def mask_path(path: str) -> str:
+    """The per-token flags of an SFT token file, beside it."""
+    return path + ".mask"
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -93,54 +103,76 @@ class TokenFileWriteError(UserError):
 
 
 class TokenFileWriter:
-    """Append documents' token ids; ``close()`` writes the metadata last and renames into place."""
+    """Append documents' token ids; ``close()`` writes the metadata last and renames into place. ``mask`` (an SFT
+    file's loss-mask mode): every document also gets its per-token flags, written to ``mask_path``."""
 
-    def __init__(self, path: str, *, eos_id: int, vocab_size: int, tokenizer: str):
+    def __init__(self, path: str, *, eos_id: int, vocab_size: int, tokenizer: str, mask: str = "",
+                 chat_template: str = ""):
         self.path = path
         self.dtype = dtype_for_vocab(vocab_size)
-        self.meta = TokenFileMeta(self.dtype, 0, 0, eos_id, vocab_size, tokenizer)
+        self.meta = TokenFileMeta(self.dtype, 0, 0, eos_id, vocab_size, tokenizer, mask=mask,
+                                  chat_template=chat_template)
         self._tmp = temp_path(path)
+        self._tmp_mask = temp_path(mask_path(path)) if mask else None
+        self._mask_fh = None
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             remove_stale_temps(path)
             self._fh = open(self._tmp, "wb")
+            if mask:
+                self._mask_fh = open(self._tmp_mask, "wb")
         except OSError as err:
             raise TokenFileWriteError(path, err) from None
         self._eos = torch.tensor([eos_id], dtype=DTYPES[self.dtype])
 
-    def add(self, ids) -> None:
-        """``ids``: a list of ints or an integer tensor (one document, without EOS)."""
+    def add(self, ids, flags: bytes | None = None) -> None:
+        """``ids``: a list of ints or an integer tensor (one document, without EOS); ``flags``: its per-token flags
+        (an SFT file; the EOS after it gets none)."""
         t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
         t = torch.cat([t.to(DTYPES[self.dtype]), self._eos])
-        self._write(t.numpy().tobytes())
+        if self._mask_fh is not None:
+            assert flags is not None and len(flags) == t.numel() - 1, "an SFT document needs one flag per token"
+            self._write(self._mask_fh, bytes(flags) + b"\0")
+            if flags:
+                self.meta.trained_tokens += int((torch.frombuffer(bytearray(flags), dtype=torch.uint8) & 1).sum())
+        self._write(self._fh, t.numpy().tobytes())
         self.meta.tokens += t.numel()
         self.meta.documents += 1
 
-    def extend(self, tokens: torch.Tensor, documents: int) -> None:
-        """Append already-terminated token ids as they are (copying another token file)."""
-        self._write(tokens.to(DTYPES[self.dtype]).numpy().tobytes())
+    def extend(self, tokens: torch.Tensor, documents: int, flags: torch.Tensor | None = None) -> None:
+        """Append already-terminated token ids (and an SFT file's flags) as they are (copying another token file)."""
+        if self._mask_fh is not None:
+            self._write(self._mask_fh, flags.numpy().tobytes())
+            self.meta.trained_tokens += int((flags & 1).sum())
+        self._write(self._fh, tokens.to(DTYPES[self.dtype]).numpy().tobytes())
         self.meta.tokens += tokens.numel()
         self.meta.documents += documents
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, fh, data: bytes) -> None:
         try:
-            self._fh.write(data)
+            fh.write(data)
         except OSError as err:  # a full disk: the caller aborts, which removes the partial file
             raise TokenFileWriteError(self.path, err) from None
 
     def abort(self) -> None:
-        """Drop the partial file, so a failed run leaves nothing that looks like a token file."""
-        self._fh.close()
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+        """Drop the partial files, so a failed run leaves nothing that looks like a token file."""
+        for fh, tmp in ((self._fh, self._tmp), (self._mask_fh, self._tmp_mask)):
+            if fh is not None:
+                fh.close()
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
 
     def close(self) -> TokenFileMeta:
         tmp_meta = temp_path(meta_path(self.path))
         try:
             self._fh.close()
+            if self._mask_fh is not None:
+                self._mask_fh.close()
             if os.path.exists(meta_path(self.path)):  # a stale description must never vouch for new tokens
                 os.remove(meta_path(self.path))
             os.replace(self._tmp, self.path)
+            if self._tmp_mask is not None:
+                os.replace(self._tmp_mask, mask_path(self.path))
             with open(tmp_meta, "w") as fh:
                 json.dump(asdict(self.meta), fh, indent=1)
             os.replace(tmp_meta, meta_path(self.path))
@@ -173,6 +205,12 @@ def read_meta(path: str) -> TokenFileMeta:
     if size != meta.tokens * itemsize:
         raise UserError(f"token file {path}: {size} bytes, expected {meta.tokens * itemsize} "
                         f"({meta.tokens} {meta.dtype} tokens); the file is truncated or not a loom token file")
+    if meta.mask:
+        mp = mask_path(path)
+        if not os.path.isfile(mp) or os.path.getsize(mp) != meta.tokens:
+            found = f"{os.path.getsize(mp)} bytes" if os.path.isfile(mp) else "missing"
+            raise UserError(f"token file {path}: its loss mask {mp} is {found}, expected {meta.tokens} bytes (one per "
+                            "token); write it again with `loom data prepare --objective sft`")
     return meta
 
 
@@ -197,12 +235,23 @@ class TokenFile:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffer: we never write through it
             self.tokens = torch.frombuffer(self._mm, dtype=DTYPES[self.meta.dtype])
+        self.mask: torch.Tensor | None = None  # (tokens,) uint8 flags of an SFT file
+        if self.meta.mask:
+            self._mask_fh = open(mask_path(path), "rb")
+            self._mask_mm = mmap.mmap(self._mask_fh.fileno(), 0, access=mmap.ACCESS_READ)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.mask = torch.frombuffer(self._mask_mm, dtype=torch.uint8)
 
     def __len__(self) -> int:
         return self.meta.tokens
 
     def slice(self, start: int, stop: int) -> torch.Tensor:
         return self.tokens[start:stop].to(torch.int64)
+
+    def flags(self, start: int, stop: int) -> torch.Tensor:
+        """An SFT file's per-token flags (uint8) of tokens ``start:stop``."""
+        return self.mask[start:stop].clone()
 
     def largest_id(self, chunk: int = 1 << 24) -> tuple[int, int]:
         """(largest token id, its position): one pass over the file, remembered per file version."""

@@ -46,12 +46,14 @@ def _flag(value: str, auto: bool) -> bool:
 
 def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, tp: bool = False,
                     pp: bool = False, measure_attention: Callable[[], str] | None = None,
-                    triton: bool | None = None) -> KernelChoice:
+                    triton: bool | None = None, window: bool = False) -> KernelChoice:
     """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
     ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it);
-    ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it).
+    ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it);
+    ``window``: the model attends through a sliding window.
 
-    ``auto``: attention measured on CUDA (untimed: ours for documents, else SDPA; CPU: SDPA); the fused norm,
+    ``auto``: attention measured on CUDA (untimed: ours for documents or a sliding window, whose masked blocks it
+    skips where SDPA would compute them under a dense mask, else SDPA; CPU: SDPA); the fused norm,
     RoPE and SwiGLU on CUDA without torch.compile (Inductor fuses them itself), the norm not under tensor
     parallelism (its inputs are DTensors); the fused loss on CUDA without tensor or pipeline parallelism."""
     triton_gpu = device_type == "cuda" and (has_triton() if triton is None else triton)
@@ -59,7 +61,7 @@ def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bo
     if attention == "auto":
         if triton_gpu and measure_attention is not None:
             attention = measure_attention()
-        elif triton_gpu and documents:
+        elif triton_gpu and (documents or window):
             attention = "flash"
         else:
             attention = "sdpa"

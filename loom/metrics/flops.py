@@ -2,7 +2,9 @@
 
 FLOPs per token = 6 x (weights of every matmul a token goes through, the output head included, the input
 embedding lookup excluded; for a mixture of experts the router and top_k experts) + 12 x layers x heads x head_dim x seq_len (attention scores and values,
-forward + backward, no causal discount) -- the PaLM / nanoGPT / torchtitan convention.
+forward + backward, no causal discount) -- the PaLM / nanoGPT / torchtitan convention. With a sliding window a token
+attends to at most window keys, so seq_len becomes min(seq_len, window) there. Biases and q/k norms are not matmuls:
+they do not count.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def matmul_params(args) -> int:
 
 
 def flops_per_token(args, seq_len: int) -> float:
-    return 6 * matmul_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    window = getattr(args, "sliding_window", 0)
+    context = min(seq_len, window) if window else seq_len  # keys a token attends to, at most
+    return 6 * matmul_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * context
 
 
 def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None) -> float | None:

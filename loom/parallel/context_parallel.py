@@ -94,10 +94,12 @@ class ContextParallel:
         return document_bounds(doc_ids_from_positions(whole))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
-               backend: str | None = None) -> torch.Tensor:
+               backend: str | None = None, window: int = 0) -> torch.Tensor:
         """q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) of this rank's chunks -> causal attention output
         (B, Hq, S_local, D) over the whole sequence; with per-document ``positions`` (B, S_local), packed
-        documents do not attend to each other. ``backend`` (the model's) is not used: always ``flash_attention``."""
+        documents do not attend to each other. ``backend`` (the model's) is not used: always ``flash_attention``;
+        ``window``: none (a sliding window is not supported here yet)."""
+        assert window == 0, "loom.resolve refuses a sliding window with context parallelism"
         ks, vs = self._gather(k), self._gather(v)
         bounds = None if positions is None else self.document_bounds(positions)
         chunk = q.shape[2] // 2

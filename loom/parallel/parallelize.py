@@ -1,6 +1,7 @@
 """Apply parallelism to a plain Llama, in loom's one composition order:
 
-1. build on the meta device (caller)
+1. build on the meta device (caller); LoRA adapters put on it (caller: loom.models.common.lora.apply_lora), so every
+   step below treats them with their base linear
 2. pipeline split: one pruned copy of the model per local stage      (parallel.pp)
    (parameter names unchanged)
 3. tensor + sequence parallel on each part                           (parallel.tp)
@@ -12,7 +13,7 @@
 5. torch.compile per block
 6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp; under ep the experts first, over edp)
 7. materialize + layout-independent init (each parameter drawn on its full shape from a seed of its name,
-   then sharded)
+   then sharded; LoRA adapters as PEFT draws them)
 8. DDP (needs real storage: it broadcasts from rank 0 at construction); under TP or PP, replication goes
    through FSDP2 on a (dp_replicate, 1) mesh instead (step 6): see ``ParallelDims.replicate_with_fsdp``
 
@@ -34,6 +35,7 @@ from loom.config.sections import ParallelConfig, TrainingConfig
 from loom.models.common.float8 import apply_float8
 from loom.numerics import DTYPES
 from loom.models.common.init import materialize
+from loom.models.common.lora import init_adapters
 from loom.models.llama.model import Llama
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 from loom.parallel.compile import apply_compile
@@ -106,6 +108,7 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
                        cpu_offload=parallel.cpu_offload)
         init_device = torch.device("cpu") if parallel.cpu_offload and dims.fsdp_enabled else device
         materialize(part, init_device, seed, part.param_std, part.init_buffers)
+        init_adapters(part, seed)
         if parallel.cpu_offload and dims.fsdp_enabled:
             part.init_buffers(device)  # buffers are not offloaded: they live where compute runs
     modules = parts

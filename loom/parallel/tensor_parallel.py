@@ -3,19 +3,23 @@ block's matmuls over the ``tp`` mesh axis, and MoE blocks get the tp parts of th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from loom.models.common.lora import LoRALinear
 from loom.models.common.moe import MoE
 from loom.parallel.expert_parallel import ExpertTensorParallel, moe_parallel, shard_experts
 
 
-def block_plan(moe: bool = False) -> dict:
+def block_plan(moe: bool = False, qk_norm: bool = False) -> dict:
     """One block's plan on the ``tp`` mesh. Attention: ``wq``/``wk``/``wv`` column-parallel (each rank owns whole
     heads, Q and KV heads alike), ``wo`` row-parallel; the MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
     Sequence parallel: the residual stream and the norms hold a slice of the sequence, (B, S/tp, E); the entry of
     attention and MLP all-gathers the sequence, their row-parallel exit reduce-scatters it. A mixture-of-experts
-    block in place of the MLP keeps its input's sequence slice (``apply_tp`` sets up the rest)."""
+    block in place of the MLP keeps its input's sequence slice (``apply_tp`` sets up the rest). Per-head q/k norms
+    (Qwen3) see this rank's heads: replicated weights whose gradients are summed over the group."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -38,9 +42,54 @@ def block_plan(moe: bool = False) -> dict:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        **({name: SequenceParallel(sequence_dim=2, use_local_output=True)
+            for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}),
         "ffn_norm": SequenceParallel(),
         **mlp,
     }
+
+
+def with_adapters(block: nn.Module, plan: dict) -> dict:
+    """``plan`` with the styles of LoRA-adapted linears (loom.models.common.lora) replaced by their LoRA versions:
+    the adapter factors sharded consistently with their base, so the adapter's output has the base's layout."""
+    colwise, rowwise = lora_styles()
+    out = dict(plan)
+    for path, style in plan.items():
+        if isinstance(block.get_submodule(path), LoRALinear):
+            cls = {"ColwiseParallel": colwise, "RowwiseParallel": rowwise}[type(style).__name__]
+            out[path] = cls.__new__(cls)
+            out[path].__dict__.update(style.__dict__)  # the same input / output layouts
+    return out
+
+
+@functools.cache
+def lora_styles() -> tuple[type, type]:
+    """The ParallelStyles of an adapted linear y = x W^T + s B A x (W: out x in, A: r x in, B: out x r).
+    Column-parallel base (W's output rows sharded): A replicated, B's rows sharded, so B A x comes out sharded
+    like W x. Row-parallel base (W's input columns sharded, the output a partial sum): A's input columns sharded,
+    B replicated, so B A x is a partial sum too and the base's reduce-scatter adds both up."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def shard(module, names, mesh, placement, src_data_rank):
+        for name in names:
+            p = getattr(module, name)
+            if p is not None:
+                module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [placement], src_data_rank=
+                                                                               src_data_rank), p.requires_grad))
+
+    # distribute_module calls these for the adapted linear ("") and each child; what they leave is replicated
+    class LoRAColwiseParallel(ColwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if name in ("", "lora_B"):  # W and its bias, B: Shard(0)
+                shard(module, ("weight", "bias"), device_mesh, Shard(0), self.src_data_rank)
+
+    class LoRARowwiseParallel(RowwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if name in ("", "lora_A"):  # W, A: Shard(1) (a bias is added once: replicated)
+                shard(module, ("weight",), device_mesh, Shard(1), self.src_data_rank)
+
+    return LoRAColwiseParallel, LoRARowwiseParallel
 
 
 def replicate_moe(moe: nn.Module, tp_mesh, experts: bool = True) -> None:
@@ -88,6 +137,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
 
     tied = model.output is not None and model.tok_embeddings is not None and \
         model.output.weight is model.tok_embeddings.weight
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
     parallelize_module(model, tp_mesh, outer_plan(model, loss_parallel))
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_own_storage)
@@ -96,7 +146,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         moe = isinstance(block.feed_forward, MoE)
-        parallelize_module(block, tp_mesh, block_plan(moe))
+        parallelize_module(block, tp_mesh, with_adapters(block, block_plan(moe, block.attention.q_norm is not None)))
         if moe:
             replicate_moe(block.feed_forward, tp_mesh, experts=not (expert_parallel or expert_tp))
             if expert_tp and not expert_parallel:
@@ -107,6 +157,9 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         if expert_tp:
             par.etp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
     check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
+    for name, p in model.named_parameters():  # SequenceParallel and replicate_moe make new Parameters trainable
+        if name in frozen:
+            p.requires_grad_(False)
     if async_tp:
         enable_async_tp(tp_mesh)
 

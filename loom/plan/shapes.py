@@ -11,10 +11,13 @@ from loom.parallel.pipeline import split_layers, stage_ids, stages_per_rank
 def layer_params(args) -> tuple[int, int]:
     """(weights tensor parallelism shards, weights it replicates) of one transformer block: the norms are
     replicated, and so are a MoE block's router and experts (each tp rank runs its sequence slice's tokens
-    through all of them: loom.parallel.tensor_parallel)."""
+    through all of them: loom.parallel.tensor_parallel). q/k/v biases shard with their weights; q/k norms are
+    replicated."""
+    bias = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim if args.attention_bias else 0
+    norms = 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
     if args.moe:
-        return attention_params(args), ffn_params(args, active=False) + 2 * args.dim
-    return attention_params(args) + ffn_params(args, active=False), 2 * args.dim
+        return attention_params(args) + bias, ffn_params(args, active=False) + norms
+    return attention_params(args) + ffn_params(args, active=False) + bias, norms
 
 
 def block_params(args, tp: int) -> float:

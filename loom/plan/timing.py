@@ -63,10 +63,12 @@ def attention_efficiency(head_dim: int, seq: int) -> float:
     return lo + f * (hi - lo)
 
 
-def attention_flops(layers: float, heads: int, head_dim: int, seq: int, tokens: float) -> float:
+def attention_flops(layers: float, heads: int, head_dim: int, seq: int, tokens: float, window: int = 0) -> float:
     """Causal attention forward + backward FLOPs of ``tokens`` query tokens in sequences of ``seq``: forward
-    4 S D per token and head, halved by the mask; backward 2.5x the forward."""
-    return 3.5 * 2 * layers * heads * head_dim * seq * tokens
+    4 S D per token and head, halved by the mask; backward 2.5x the forward. A sliding ``window`` shorter than the
+    sequence bounds the keys each query sees (about ``window`` instead of S / 2 on average)."""
+    keys = seq if not window or window >= seq else 2 * window * (1 - window / (2 * seq))
+    return 3.5 * 2 * layers * heads * head_dim * keys * tokens
 ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 

@@ -44,3 +44,11 @@ class LanguageModeling:
 
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(outputs, labels)
+
+
+def build_objective(name: str, fused_loss: bool) -> Objective:
+    """The objective ``training.objective`` names. 'sft' is language modeling as well: its loader labels every
+    token outside the assistant's turns IGNORE, and the count of labelled tokens is already the count of assistant
+    targets, so the step's loss is their summed loss over the global count of them, whatever the layout."""
+    objectives = {"lm": LanguageModeling, "sft": LanguageModeling}
+    return objectives[name](fused_loss)

@@ -78,15 +78,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Weight decay on matrices only (not norms). PyTorch's fused and foreach kernels take the tensors of a
-    group together, which DTensors on different meshes (experts under expert parallelism) cannot be: there
-    its per-tensor AdamW runs instead (loom's Triton AdamW is per tensor anyway)."""
+    """Weight decay on matrices only (not norms); only trainable parameters (with LoRA: the adapters) get a place
+    and state. PyTorch's fused and foreach kernels take the tensors of a group together, which DTensors on
+    different meshes (experts under expert parallelism) cannot be: there its per-tensor AdamW runs instead (loom's
+    Triton AdamW is per tensor anyway)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # an empty group (LoRA trains matrices only) would break the checkpoint's flattened optimizer state
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]] or [{"params": decay}]
     impl = resolve_implementation(cfg.implementation, device)
     if impl == "triton":
         return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)

@@ -61,6 +61,7 @@ RULES: dict[str, tuple[str, str]] = {
     "model.moe_top_k": (APPLIED, "routing only (no weights): from the next step"),
     "model.moe_ffn_dim": (MUST_MATCH, "the expert weights"),
     "model.moe_aux_loss": (APPLIED, "the balance loss weight from the next step"),
+    "model.sliding_window": (MUST_MATCH, "what each token attends to, which the weights were trained for"),
 
     "data.source": (MUST_MATCH, "the token stream that the loader's position counts in"),
     "data.tokenizer": (MUST_MATCH, "what the token ids mean (another path to a file with the same bytes is "
@@ -70,7 +71,12 @@ RULES: dict[str, tuple[str, str]] = {
     "data.cache_dir": (FREE, "where tokenized sources are cached"),
     "data.document_positions": (APPLIED, "position ids and attention masks from the next batch"),
     "data.encoding_errors": (FREE, "the tokens are the same, or preparing the data stops naming the bytes"),
+    "data.chat_template": (MUST_MATCH, "the token stream (conversations rendered into other tokens)"),
+    "data.loss_tokens": (MUST_MATCH, "the token stream: which tokens take loss, and which conversations it holds "
+                                     "(one without an assistant turn has nothing to train under 'assistant')"),
 
+    "training.objective": (MUST_MATCH, "what the data stream is and what a step minimizes (to fine-tune a "
+                                       "pretrained run, start a new one from its weights: model.init_from)"),
     "training.steps": (APPLIED, "where the run ends and the LR schedule's length (the next step's LR is the "
                                 "new schedule's); at least the checkpoint's step"),
     "training.seq_len": (APPLIED, "not exact: windows are cut at the new length, and each source goes on from "
@@ -103,6 +109,14 @@ RULES: dict[str, tuple[str, str]] = {
     "optimizer.warmup_steps": (APPLIED, _SCHEDULE),
     "optimizer.decay_fraction": (APPLIED, _SCHEDULE),
     "optimizer.implementation": (FREE, _KERNEL + " (the same optimizer state)"),
+
+    "lora.rank": (MUST_MATCH, "the adapters' shapes (and which weights train)"),
+    "lora.alpha": (APPLIED, "the adapters' scaling from the next step"),
+    "lora.dropout": (APPLIED, "from the next step"),
+    "lora.targets": (MUST_MATCH, "which linears have adapters"),
+    "lora.rslora": (APPLIED, "the adapters' scaling from the next step"),
+    "lora.base_dtype": (MUST_MATCH, "the frozen base's values (an NF4 base is rebuilt at start, not loaded)"),
+    "lora.init_from": (APPLIED, "initialisation only: the checkpoint's adapters are resumed"),
 
     "parallel.dp_replicate": (FREE, _LAYOUT),
     "parallel.dp_shard": (FREE, _LAYOUT),
@@ -145,7 +159,7 @@ RULES: dict[str, tuple[str, str]] = {
 
 # the fields that resolve to the model's shape: other spellings of the same model are not a change of it
 MODEL_FIELDS = ("model.flavor", "model.init_from", "model.vocab_size", "model.n_layers", "model.tie_embeddings",
-                "model.moe_experts", "model.moe_ffn_dim")
+                "model.moe_experts", "model.moe_ffn_dim", "model.sliding_window")
 # LlamaArgs fields a resumed run may change (applied or free fields above): not part of "the same model"
 _ARGS_FREE = {"max_seq_len", "residual_init", "moe_top_k", "moe_aux_loss", "attention", "fused_norm",
               "fused_rope", "fused_swiglu", "fused_loss"}
@@ -223,8 +237,11 @@ def _same(key: str, old: Any, new: Any) -> bool:
         return False
     if key == "data.tokenizer":
         return _same_tokenizer(old, new)
-    # recorded absolute (loom.train.run_dir.record_run_files): the same folder given relative to this directory
-    return key == "model.init_from" and bool(old and new) and os.path.realpath(old) == os.path.realpath(new)
+    # recorded absolute (loom.train.run_dir.record_run_files): the same path given relative to this directory
+    return key in _PATHS and bool(old and new) and os.path.realpath(old) == os.path.realpath(new)
+
+
+_PATHS = ("model.init_from", "data.chat_template", "lora.init_from")  # recorded as absolute paths
 
 
 @dataclass(frozen=True)

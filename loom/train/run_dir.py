@@ -83,7 +83,8 @@ def held_env(run_dir: str) -> dict[str, str]:
 
 TOKENIZER_COPY = "tokenizer"
 STATE = "trainer_state.json"  # loom.checkpoint.manager's, repeated: the CLI imports this module before torch
-_PATH_FIELDS = (("model", "init_from"), ("data", "cache_dir"), ("checkpoint", "dir"))
+_PATH_FIELDS = (("model", "init_from"), ("data", "cache_dir"), ("data", "chat_template"), ("checkpoint", "dir"),
+                ("lora", "init_from"))
 
 
 def record_run_files(cfg: Config) -> Config:

@@ -12,6 +12,7 @@ import torch
 
 from loom.checkpoint.hf import load_hf_weights
 from loom.checkpoint.manager import CheckpointManager, step_dir_name
+from loom.checkpoint.peft import load_peft_adapter
 from loom.config.errors import ConfigError, SharedError, UserError
 from loom.config.load import profile_window, to_toml
 from loom.config.sections import Config
@@ -24,6 +25,7 @@ from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.common.layers import attend
+from loom.models.common.lora import adapters_hidden, apply_lora, quantize_base
 from loom.models.llama import Llama
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
@@ -34,7 +36,7 @@ from loom.resolve import resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
 from loom.train.moe_stats import MoEBalance
-from loom.train.objective import LanguageModeling, Objective
+from loom.train.objective import Objective, build_objective
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
@@ -44,10 +46,15 @@ from loom.train.schedule import SchedulerParts
 from loom.train.steps import LocalStep, PipelineStep, StepContext
 
 
-def count_params(args) -> int:
-    """Parameters of the whole model (whatever this rank holds)."""
+def count_params(args, lora=None) -> tuple[int, int]:
+    """(parameters, trainable parameters) of the whole model (whatever this rank holds), with ``lora``'s
+    adapters where it has a rank."""
     with torch.device("meta"):
-        return sum(p.numel() for p in Llama(args).parameters())
+        model = Llama(args)
+        if lora is not None:
+            apply_lora(model, lora)
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 PREEMPTED = "preempted.json"  # written by rank 0 after a preemption save: the launcher reads it
@@ -118,7 +125,7 @@ class Trainer:
         error = None
         if self.env.is_main:  # one rank tokenizes (or finds the cache); the others wait, then map it
             try:
-                files = prepare_data(cfg.data, self.tokenizer, cache)
+                files = prepare_data(cfg.data, self.tokenizer, cache, cfg.training.objective)
                 describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
             except (ConfigError, UserError) as err:  # e.g. bytes that are not UTF-8: every rank stops, one line
                 error = str(err)
@@ -126,14 +133,15 @@ class Trainer:
         if error is not None:
             raise SharedError(error)
         if not self.env.is_main:
-            files = prepare_data(cfg.data, self.tokenizer, cache)
+            files = prepare_data(cfg.data, self.tokenizer, cache, cfg.training.objective)
         # sizes and modification times of the source files: a resume says when they changed under the same name
         self.data_fingerprints = [spec.fingerprint() for spec in
                                   parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)]
         t = cfg.training
         self.loader = build_loader(cfg.data, self.tokenizer, files, seq_len=t.seq_len, seed=cfg.run.seed,
                                    dp_rank=self.dims.dp_rank(), dp_size=self.dims.dp_size,
-                                   micro_batch=t.micro_batch_size, accumulation=self.accum)
+                                   micro_batch=t.micro_batch_size, accumulation=self.accum,
+                                   objective=t.objective)
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -144,11 +152,19 @@ class Trainer:
         self.kernels, self.model_args = self.run.kernels, self.run.model_args
         with torch.device("meta"):
             model = Llama(self.model_args)
+        self.n_adapted = apply_lora(model, cfg.lora)  # LoRA: adapters on lora.targets, the rest frozen (0: off)
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
         self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)
         if cfg.model.init_from:
+            with adapters_hidden(self.parts):  # the folder holds the base model only
+                for part in self.parts:
+                    load_hf_weights(part, cfg.model.init_from, whole_model=pm.plan is None)
+        if cfg.lora.rank and cfg.lora.init_from:
             for part in self.parts:
-                load_hf_weights(part, cfg.model.init_from, whole_model=pm.plan is None)
+                load_peft_adapter(part, cfg.lora, whole_model=pm.plan is None)
+        if cfg.lora.rank and cfg.lora.base_dtype == "nf4":  # QLoRA: the base is final now; before the first forward
+            for part in self.parts:
+                quantize_base(part)
         self.params = unique_params(self.parts)
         self.dtype = DTYPES[cfg.training.dtype]
         self.parallel_model = pm
@@ -191,12 +207,13 @@ class Trainer:
 
     def _check_checkpoint_space(self) -> None:
         """A run that will save refuses to start when the checkpoint folder's disk cannot hold one checkpoint
-        (float32 weights and the two AdamW moments), instead of failing at its first save."""
+        (float32 weights and the trainable ones' two AdamW moments), instead of failing at its first save."""
         c = self.cfg.checkpoint
         error = None
         if self.env.is_main and (c.every or c.at_end):
             folder = c.dir or os.path.join(self.run_dir, "checkpoints")
-            need = 3 * 4 * count_params(self.model_args)
+            total, trainable = count_params(self.model_args, self.cfg.lora)
+            need = 4 * (total + 2 * trainable)  # the AdamW moments of the trainable parameters only
             free = shutil.disk_usage(folder).free
             if free < need:
                 error = (f"checkpoint.dir {folder}: a checkpoint of this model needs about {need:,} bytes (float32 "
@@ -209,7 +226,7 @@ class Trainer:
     def _build_steps(self) -> None:
         """The step strategy, chosen once: the whole model on this rank, or a pipeline schedule over its stages."""
         cfg, pm = self.cfg, self.parallel_model
-        self.objective = self._objective or LanguageModeling(self.model_args.fused_loss)
+        self.objective = self._objective or build_objective(cfg.training.objective, self.model_args.fused_loss)
         ctx = StepContext(self.dims, self.device, self._autocast, self.dims.tp_enabled and cfg.parallel.loss_parallel,
                           cfg.data.document_positions, self.profiler)
         if pm.plan is None:
@@ -504,10 +521,15 @@ class Trainer:
         note = mfu_note(self.device, cfg.training.dtype)
         cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
         t = cfg.training
+        total, trainable = count_params(args, cfg.lora)
+        lora = cfg.lora
+        adapters = [f"LoRA rank {lora.rank} on {lora.targets} ({self.n_adapted} linears, base {lora.base_dtype}): "
+                    f"{trainable / 1e6:.2f}M trainable parameters, {100 * trainable / total:.2f}%"] if lora.rank else []
         return [
             f"loom: run dir {os.path.abspath(self.run_dir)}",
-            f"model: {name}, {count_params(args) / 1e6:.1f}M params ({args.n_layers} layers, dim {args.dim}, "
+            f"model: {name}, {total / 1e6:.1f}M params ({args.n_layers} layers, dim {args.dim}, "
             f"{args.n_heads} heads, vocab {args.vocab_size}{moe})",
+            *adapters,
             f"layout: {self.dims.describe()}, accumulation {self.accum}, dtype {t.dtype}, device {self.device.type}"
             f"{'; ' + note if note else ''}",
             f"batch: {t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, "

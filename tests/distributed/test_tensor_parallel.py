@@ -38,16 +38,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def block_parity(rank, world):
-    """One block: (B, S/tp, E) sequence shard in, sequence shard out; grads equal the unsharded block's."""
+    """One block: (B, S/tp, E) sequence shard in, sequence shard out; grads equal the unsharded block's. Also a
+    Qwen-style block (q/k/v biases and per-head q/k norms)."""
+    out = {}
+    for name, kw in (("llama", {}), ("qwen", {"attention_bias": True, "qk_norm": True})):
+        for case, errs in _block_parity(rank, world, _args(**kw)).items():
+            out[f"{name} {case}"] = errs
+    return out
+
+
+def _block_parity(rank, world, args):
     from loom.models.common.rope import rope_table
     from loom.models.llama.model import Block
     from loom.parallel.tensor_parallel import block_plan
 
-    args = _args()
     torch.manual_seed(0)
     block = Block(args)
     mesh = _tp_mesh(world)
-    sharded = _sharded_copy(block, mesh, block_plan)
+    sharded = _sharded_copy(block, mesh, lambda: block_plan(qk_norm=args.qk_norm))
     rope = rope_table(args.head_dim, 32, args.rope_theta, None)
     x = torch.randn(2, 32, args.dim, requires_grad=True)
     dy = torch.randn(2, 32, args.dim)
@@ -73,8 +81,10 @@ def block_parity(rank, world):
 
 def test_sharded_block_matches_unsharded(tmp_path):
     res = run_fn(2, block_parity, str(tmp_path))
+    assert len(res) == 4
     for case, errs in res.items():
-        assert len(errs) == 2 + 9, errs  # output, input grad and all nine parameters
+        # output, input grad and all nine parameters (+ three biases and two q/k norms in the Qwen-style block)
+        assert len(errs) == 2 + (14 if case.startswith("qwen") else 9), errs
         bad = {k: v for k, v in errs.items() if not v < 1e-5}
         assert not bad, (case, bad)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loom.models.common.init import canonical_name, materialize, param_seed
@@ -105,3 +106,56 @@ def test_op_level_checkpointing_modes_keep_the_higher_order_op_rules():
         for op in _higher_order_ops.values():
             if base in op.python_key_table:
                 assert op.python_key_table[type(mode)] is op.python_key_table[base], op
+
+
+def test_family_switches_add_only_their_parameters_and_init_them_by_name():
+    """q/k/v biases start at zero and q/k norms at one, by name like every other parameter; the switches' defaults
+    add nothing (every flavor keeps its parameters)."""
+    base = {n for n, _ in build(False).named_parameters()}
+    args = FLAVORS["debug"].with_(vocab_size=384, max_seq_len=64, attention_bias=True, qk_norm=True, head_dim=24)
+    models = []
+    for _ in range(2):
+        with torch.device("meta"):
+            model = Llama(args)
+        materialize(model, torch.device("cpu"), 0, model.param_std, model.init_buffers)
+        models.append(model)
+    params = dict(models[0].named_parameters())
+    added = sorted(set(params) - base)
+    assert added == sorted(f"layers.{i}.attention.{leaf}" for i in range(2) for leaf in (
+        "wq.bias", "wk.bias", "wv.bias", "q_norm.weight", "k_norm.weight"))
+    attn = models[0].layers["1"].attention
+    assert attn.wq.bias.shape == (4 * 24,) and attn.wk.bias.shape == (2 * 24,) and attn.wo.bias is None
+    assert not attn.wq.bias.any() and torch.equal(attn.k_norm.weight, torch.ones(24))
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p, q), name
+    models[0](torch.randint(0, 384, (2, 16))).sum().backward()
+    assert attn.q_norm.weight.grad is not None and attn.wv.bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("seq,window,documents", [(300, 70, False), (300, 70, True), (512, 300, False),
+                                                  (512, 300, True), (64, 1, True)])
+def test_sliding_window_is_the_same_mask_on_every_backend(seq, window, documents):
+    """``attend`` with a window: SDPA (banded mask), loom's op and FlexAttention (forward: Flex has no CPU backward)
+    all equal the reference mask, query i seeing keys i - window < j <= i of its own document."""
+    from loom.kernels.attention.flex import flex_attend
+    from loom.kernels.attention.reference import (doc_ids_from_positions, document_bounds, document_starts,
+                                                  visible)
+    from loom.models.common.layers import attend
+
+    gen = torch.Generator().manual_seed(seq + window)
+    q = torch.randn(2, 4, seq, 16, generator=gen)
+    k, v = (torch.randn(2, 2, seq, 16, generator=gen) for _ in range(2))
+    positions = None
+    if documents:  # documents longer and shorter than the window
+        lengths = [seq // 3, 3, window + 1]
+        lengths.append(seq - sum(lengths))
+        positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, seq)
+    bounds = None if positions is None else document_bounds(doc_ids_from_positions(positions))
+    mask = visible(seq, True, bounds, window, "cpu")  # (B or 1, 1, S, S)
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    assert not (mask[0, 0] & ((j > i) | (j <= i - window))).any()  # transformers' convention
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    for backend in ("sdpa", "flash"):
+        torch.testing.assert_close(attend(q, k, v, backend, positions, window), expected, atol=2e-6, rtol=1e-5)
+    starts = None if positions is None else document_starts(doc_ids_from_positions(positions))
+    torch.testing.assert_close(flex_attend(q, k, v, starts, window), expected, atol=2e-6, rtol=1e-5)

@@ -1,6 +1,6 @@
-"""PyTorch's FlexAttention as a backend (``model.attention = flex``): causal attention, packed documents by a block
-mask. Not a kernel of ours: PyTorch generates it (Triton under ``torch.compile``); ``auto`` times it against ours
-for packed documents, where the two are close on some shapes (docs/kernels.md).
+"""PyTorch's FlexAttention as a backend (``model.attention = flex``): causal attention, packed documents and a sliding
+window by a block mask. Not a kernel of ours: PyTorch generates it (Triton under ``torch.compile``); ``auto`` times
+it against ours for packed documents, where the two are close on some shapes (docs/kernels.md).
 
 The block mask is built from the documents' first keys at block granularity (``block_ranges``: O((S/128)^2) work per
 sample, cheap enough to redo in every layer) rather than by evaluating a mask function over all S x S pairs as
@@ -49,18 +49,26 @@ def _as_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[:, None], order[:, None]
 
 
-def document_block_mask(starts: torch.Tensor | None, seq: int, device: torch.device):
+def document_block_mask(starts: torch.Tensor | None, seq: int, device: torch.device, window: int = 0):
     """Causal BlockMask, with packed documents when ``starts`` (B, S) (``reference.document_starts``: the first
-    key each query may see) is given."""
+    key each query may see) is given; ``window`` > 0: query i sees keys i - window < j <= i only. The window
+    moves each query's first key up, so a query's keys stay one range [start, i] and ``block_ranges`` holds."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    if starts is None:
+    if starts is None and not window:
         start = torch.zeros(1, seq, dtype=torch.int32, device=device)  # one sequence: every mask row is causal
 
         def mask_mod(b, h, q, k):
             return k <= q
+    elif starts is None:
+        start = (torch.arange(seq, device=device) - window + 1).clamp_min(0).to(torch.int32)[None]  # (1, S)
+
+        def mask_mod(b, h, q, k):
+            return (k <= q) & (q - k < window)
     else:
         start = starts  # (B, S) first key of each query's document (S for padding)
+        if window:
+            start = torch.maximum(start, torch.arange(seq, device=device, dtype=start.dtype) - window + 1)
 
         def mask_mod(b, h, q, k):
             return (k <= q) & (k >= start[b, q])
@@ -80,12 +88,14 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None,
+                window: int = 0) -> torch.Tensor:
     """Causal attention over q (B, Hq, S, D), k/v (B, Hkv, S, D) with FlexAttention; packed documents when
-    ``starts`` (B, S) is given (``reference.document_starts``). On CUDA outside ``torch.compile`` the call is compiled (eager Flex materializes the
-    scores); inside a compiled model Dynamo traces Flex itself; on CPU it runs eagerly (tests)."""
+    ``starts`` (B, S) is given (``reference.document_starts``); ``window`` > 0: a sliding window. On CUDA outside
+    ``torch.compile`` the call is compiled (eager Flex materializes the scores); inside a compiled model Dynamo traces
+    Flex itself; on CPU it runs eagerly (tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    mask = document_block_mask(starts, q.shape[2], q.device)  # (B or 1) x 1 x blocks
+    mask = document_block_mask(starts, q.shape[2], q.device, window)  # (B or 1) x 1 x blocks
     fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -31,6 +31,8 @@ def param_seed(seed: int, name: str) -> int:
 def _full_value(shape, std: float | None, seed: int, device: torch.device) -> torch.Tensor:
     if std is None:
         return torch.ones(shape, device=device)
+    if std == 0:
+        return torch.zeros(shape, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = torch.empty(shape, device=device)
     return nn.init.trunc_normal_(out, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
@@ -48,6 +50,7 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, std_of: Callable[[str], float | None]) -> None:
+    """Every parameter from its name: ``std_of(name)`` is a truncated normal's std, None for ones, 0 for zeros."""
     for name, param in model.named_parameters():
         cname = canonical_name(name)
         local = param.to_local() if hasattr(param, "to_local") else param

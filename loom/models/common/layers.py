@@ -32,16 +32,20 @@ class RMSNorm(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
-           positions: torch.Tensor | None) -> torch.Tensor:
+           positions: torch.Tensor | None, window: int = 0) -> torch.Tensor:
     """Causal attention over q (B, Hq, S, D), k/v (B, Hkv, S, D). With per-document ``positions`` (B, S),
-    packed documents never attend to each other (a document starts where its position is 0)."""
+    packed documents never attend to each other (a document starts where its position is 0). ``window`` > 0:
+    query i sees only keys i - window < j <= i (Mistral's sliding window; transformers' convention)."""
+    window = window if window < q.shape[2] else 0  # a window as long as the sequence changes nothing
     if backend == "flex":
-        return flex_attend(q, k, v, None if positions is None else document_starts(doc_ids_from_positions(positions)))
+        starts = None if positions is None else document_starts(doc_ids_from_positions(positions))
+        return flex_attend(q, k, v, starts, window)
     bounds = None if positions is None else document_bounds(doc_ids_from_positions(positions))  # (2, B, S)
     if backend == "flash":
-        return flash_attention(q, k, v, causal=True, bounds=bounds)
+        return flash_attention(q, k, v, causal=True, bounds=bounds, window=window)
     gqa = q.shape[1] != k.shape[1]
-    mask = None if bounds is None else visible(q.shape[2], True, bounds, 0, q.device)  # (B, 1, S, S), slower
+    masked = bounds is not None or window > 0
+    mask = visible(q.shape[2], True, bounds, window, q.device) if masked else None  # (B or 1, 1, S, S), slower
     # SDPA picks its own backend; no sdpa_kernel(..., set_priority=True) context: it changes other SDPA calls'
     # choice in the process (docs/kernels.md)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
@@ -57,9 +61,9 @@ class LocalContext:
         return positions
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
-               backend: str) -> torch.Tensor:
+               backend: str, window: int = 0) -> torch.Tensor:
         """Causal attention of q (B, Hq, S, D) over k/v (B, Hkv, S, D) (``attend``)."""
-        return attend(q, k, v, backend, positions)
+        return attend(q, k, v, backend, positions, window)
 
 
 LOCAL_CONTEXT = LocalContext()  # stateless: shared by every attention module until loom.parallel replaces it
@@ -67,20 +71,28 @@ LOCAL_CONTEXT = LocalContext()  # stateless: shared by every attention module un
 
 class Attention(nn.Module):
     """Causal grouped-query attention; head counts are read from weight shapes so TP can shard them.
+    ``bias``: q/k/v projections with biases (Qwen2; never the output projection); ``qk_norm``: an RMSNorm over
+    each q and k head before RoPE (Qwen3); ``window`` > 0: sliding-window attention (Mistral).
 
     ``context``, the module's one extension point: the sequences x's tokens belong to, which give their RoPE
     positions and what they attend to (``LocalContext``; context parallelism installs its own)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, fused_rope: bool = False,
-                 backend: str = "sdpa"):
+                 backend: str = "sdpa", bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5,
+                 fused_norm: bool = False, window: int = 0):
         super().__init__()
         self.head_dim = head_dim
         self.backend = backend  # "sdpa" (PyTorch), "flash" (loom's Triton FlashAttention-2), "flex" (FlexAttention)
+        self.window = window
         self.apply_rope = fused_apply_rope if fused_rope else apply_rope  # fused: one loom::apply_rope op
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = self.k_norm = None
+        if qk_norm:  # one weight over head_dim shared by every head: replicated, whatever splits the heads
+            self.q_norm = RMSNorm(head_dim, norm_eps, fused=fused_norm)
+            self.k_norm = RMSNorm(head_dim, norm_eps, fused=fused_norm)
         self.context = LOCAL_CONTEXT
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -91,9 +103,11 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hq, D)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.apply_rope(q, rope, rope_at), self.apply_rope(k, rope, rope_at)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        out = self.context.attend(q, k, v, positions, self.backend)  # (B, Hq, S, D)
+        out = self.context.attend(q, k, v, positions, self.backend, self.window)  # (B, Hq, S, D)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))  # (B, S, E)
 
 

@@ -21,6 +21,11 @@ class LlamaArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048
     head_dim: int = 0  # 0 = dim // n_heads
+    # Hugging Face families beyond Llama: q/k/v projection biases (Qwen2), RMSNorm of each q/k head before RoPE
+    # (Qwen3), sliding-window attention: query i sees keys i - sliding_window < j <= i (Mistral; 0 = off)
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int = 0
     attention: str = "sdpa"  # "sdpa" (PyTorch), "flash" (loom.kernels.attention, Triton on CUDA), "flex" (CUDA)
     # fused Triton kernels on CUDA (loom.kernels.rmsnorm / rope / swiglu); the same math, reference on CPU
     fused_norm: bool = False

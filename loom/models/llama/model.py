@@ -18,7 +18,8 @@ class Block(nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, fused_rope=args.fused_rope,
-                                   backend=args.attention)
+                                   backend=args.attention, bias=args.attention_bias, qk_norm=args.qk_norm,
+                                   norm_eps=args.norm_eps, fused_norm=args.fused_norm, window=args.sliding_window)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         if args.moe:
             self.feed_forward = MoE(args.dim, args.expert_ffn_dim, args.moe_experts, args.moe_top_k,
@@ -55,9 +56,11 @@ class Llama(nn.Module):
         self.rope = self._rope_table(device)
 
     def param_std(self, name: str) -> float | None:
-        """Init std for a parameter by name; None = ones (norm weights)."""
+        """Init std for a parameter by name; None = ones (norm weights), 0 = zeros (biases)."""
         if name.endswith("norm.weight"):
             return None
+        if name.endswith(".bias"):
+            return 0.0
         if name.endswith(("wo.weight", "w2.weight", "experts.w2")) and self.args.residual_init == "depth":  # residual
             return 0.02 / (2 * self.args.n_layers) ** 0.5
         return 0.02

@@ -1,0 +1,269 @@
+"""LoRA and QLoRA: low-rank adapters on a plain model's linears, applied after the model is built (like
+parallelism), so the model code stays plain.
+
+``apply_lora`` swaps each target ``nn.Linear`` for a ``LoRALinear`` that keeps the base weight under its own name
+(``layers.0.attention.wq.weight``: Hugging Face import, checkpoints and init by name are unchanged) and adds two
+trainable factors ``lora_A`` (r, in) and ``lora_B`` (out, r); everything else is frozen. ``init_adapters`` draws
+them as PEFT does (A kaiming-uniform, B zeros), each from a seed of its name, so the start does not depend on the
+layout. ``quantize_base`` stores the frozen base weights as torchao NF4 (QLoRA) once they hold their values;
+``merge_lora`` folds the adapters back into plain linears for export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config.errors import ConfigError, require
+from loom.config.sections import LoraConfig
+from loom.models.common.init import canonical_name, param_seed
+
+# lora.targets names -> the module path inside a block (Hugging Face names: q_proj, ..., down_proj)
+TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
+           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: 64 weights per scale, 256 scales per double-quantized block
+
+
+def parse_targets(text: str) -> list[str]:
+    """``lora.targets`` ("q,v", "all") -> target names in TARGETS' order; a ConfigError names an unknown one."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return list(TARGETS)
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        raise ConfigError("lora.targets", text, f"a comma list of {', '.join(TARGETS)} (or all)")
+    return [t for t in TARGETS if t in names]
+
+
+def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
+    """The update's factor: alpha / r, or alpha / sqrt(r) for rank-stabilized LoRA (PEFT's ``use_rslora``)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+class LoRALinear(nn.Linear):
+    """y = x W^T (+ b) + B(scaling * A(dropout(x))): a frozen base linear (its own ``weight``/``bias``, names
+    unchanged) plus the trainable ``lora_A`` (in -> r) and ``lora_B`` (r -> out). The factors are ``nn.Linear``
+    children so tensor parallelism shards them like their base (loom.parallel.tensor_parallel). ``weight`` may be
+    an NF4 tensor (QLoRA): ``F.linear`` then dequantizes it to the input's dtype (torchao's ``linear_nf4``)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, scaling: float, dropout: float = 0.0,
+                 bias: bool = False, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.rank, self.scaling = rank, scaling
+        self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dropout only where gradients are taken: loom never switches modules to eval mode, and validation runs
+        # under no_grad
+        a_in = F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled()) if self.dropout else x
+        # the scaling multiplies the (.., r) tensor, not the (.., out) one PEFT scales: the same product, one
+        # activation-sized pass fewer in forward and in backward
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(a_in) * self.scaling)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}, dropout={self.dropout:g}"
+
+    # an NF4 base is saved dequantized (exactly the values training used: an export merges from the checkpoint
+    # alone) and is not loaded back: it is rebuilt from its source (model.init_from / the seed) and quantized the
+    # same way at start, which re-quantizing the dequantized copy would not match bit for bit
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if is_nf4(self.weight):
+            destination[prefix + "weight"] = dequantized(self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not is_nf4(self.weight):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        saved = state_dict.pop(prefix + "weight", None)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            if saved is not None:
+                state_dict[prefix + "weight"] = saved
+        if prefix + "weight" in missing_keys:
+            missing_keys.remove(prefix + "weight")
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """(canonical name, module) of every adapted linear of ``model``."""
+    return [(canonical_name(n), m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` is a LoRA factor (trainable) rather than a frozen base weight."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
+    """Put LoRA adapters on ``cfg.targets`` of every block of ``model`` (a Llama on any device, meta included) and
+    freeze every other parameter; returns how many linears were adapted (0: ``lora.rank`` 0, nothing changes).
+    Call before parallelizing: tensor parallelism and FSDP then treat the adapters with their base."""
+    if not cfg.rank:
+        return 0
+    scaling = lora_scaling(cfg.alpha, cfg.rank, cfg.rslora)
+    n = 0
+    for block in model.layers.values():
+        for target in parse_targets(cfg.targets):
+            parent_path, _, leaf = TARGETS[target].rpartition(".")
+            parent = block.get_submodule(parent_path)
+            base = getattr(parent, leaf, None)
+            if type(base) is not nn.Linear:
+                raise ConfigError("lora.targets", cfg.targets, f"{target} ({TARGETS[target]}) is not a dense linear "
+                                  "in this model (a mixture-of-experts feed-forward): adapt q, k, v, o only")
+            w = base.weight
+            adapted = LoRALinear(base.in_features, base.out_features, cfg.rank, scaling, cfg.dropout,
+                                 bias=base.bias is not None, device=w.device, dtype=w.dtype)
+            adapted.weight = w  # the base's own parameters (their values, if it has any)
+            if cfg.base_dtype == "nf4":  # quantized from bfloat16 anyway: half the memory until then
+                adapted.weight = nn.Parameter(w.detach().to(torch.bfloat16))
+            if base.bias is not None:
+                adapted.bias = base.bias
+            setattr(parent, leaf, adapted)
+            n += 1
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return n
+
+
+# ---- initial values ------------------------------------------------------------------------------
+
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full value into ``param``, or into this rank's shard of a DTensor ``param``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(full)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """PEFT's initial adapters: A kaiming-uniform (a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zeros, so the
+    adapted model starts equal to its base. Each A is drawn on its full shape from a seed of the run seed and its
+    name (loom.models.common.init), then this rank keeps its shard: the start does not depend on the layout."""
+    for name, p in model.named_parameters():
+        cname = canonical_name(name)
+        if not is_adapter(cname):
+            continue
+        local = p.to_local() if hasattr(p, "to_local") else p
+        full = torch.zeros(p.shape, device=local.device, dtype=torch.float32)
+        if ".lora_A." in cname:
+            gen = torch.Generator(device=local.device).manual_seed(param_seed(seed, cname))
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+        _copy_full(p, full.to(p.dtype))
+
+
+@contextlib.contextmanager
+def adapters_hidden(parts: list[nn.Module]):
+    """The parts without their adapters for a while, e.g. to load base weights by the base model's names (a
+    Hugging Face folder or an imported checkpoint has no adapters)."""
+    hidden = []
+    for part in parts:
+        for _, m in lora_modules(part):
+            hidden.append((m, m._modules.pop("lora_A"), m._modules.pop("lora_B")))
+    try:
+        yield
+    finally:
+        for m, a, b in hidden:
+            m._modules["lora_A"], m._modules["lora_B"] = a, b
+
+
+# ---- QLoRA: the frozen base in NF4 ---------------------------------------------------------------
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or a DTensor's local shard) is torchao's NF4Tensor; by name, so torchao need not be there."""
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return type(local).__name__ == "NF4Tensor"
+
+
+def dequantized(w: torch.Tensor) -> torch.Tensor:
+    """An NF4 weight (or a DTensor of NF4 shards) as float32 values; each shard dequantizes on its own."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(w, DTensor):
+        local = w.to_local().get_original_weight().float()
+        return DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape,
+                                  stride=w.stride())
+    return w.get_original_weight().float()
+
+
+def _check_nf4_shape(name: str, w: torch.Tensor) -> None:
+    """NF4 needs whole scaler blocks per tensor (numel a multiple of 64 x 256) and, sharded over n ranks by rows, in
+    each shard (numel a multiple of 64 x 256 x n, rows a multiple of n)."""
+    shards = 1
+    if hasattr(w, "placements"):
+        shards = math.prod(w.device_mesh.size(i) for i, p in enumerate(w.placements) if p.is_shard())
+    unit = NF4_BLOCK * NF4_SCALER_BLOCK * shards
+    if w.numel() % unit or w.shape[0] % shards:
+        where = f" on each of {shards} shards" if shards > 1 else ""
+        raise ConfigError("lora.base_dtype", "nf4", f"{name} {list(w.shape)} does not split into NF4 blocks of "
+                          f"{NF4_BLOCK} x {NF4_SCALER_BLOCK} weights{where}: allowed float32 for this model (or fewer "
+                          "shards)")
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module) -> int:
+    """QLoRA: store every adapted linear's frozen base weight as torchao's NF4 (4-bit NormalFloat, 64 weights per
+    scale, the scales double-quantized 256 at a time) of its bfloat16 value; returns how many. Call once the base
+    holds its final values (init / model.init_from loaded) and before the first forward.
+
+    Under FSDP2 the whole weight is gathered and quantized, then each rank keeps its rows: the scales' mean is
+    the whole tensor's on every rank, so FSDP2's all-gather of the NF4 shards (torchao's FSDP extension) rebuilds
+    exactly the single-process NF4 weight. FSDP2 picks the new parameter up at its lazy init (it allows parameters
+    swapped after fully_shard); the old shard's storage is freed first, which also keeps FSDP2 from comparing
+    storages with the NF4 tensor (it has none)."""
+    to_nf4 = require("torchao.dtypes.nf4tensor", "qlora", package="torchao", purpose="lora.base_dtype nf4").to_nf4
+    from torch.distributed.tensor import DTensor
+
+    n = 0
+    for name, m in lora_modules(model):
+        w = m.weight
+        if is_nf4(w):
+            continue
+        _check_nf4_shape(name + ".weight", w)
+        if isinstance(w, DTensor):
+            if any(p.is_shard() and p.dim != 0 for p in w.placements):
+                raise ConfigError("lora.base_dtype", "nf4", f"{name}.weight is sharded by columns (tensor "
+                                  "parallel): NF4 shards by rows only")
+            q = to_nf4(w.full_tensor().to(torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
+            mesh, coord = w.device_mesh, w.device_mesh.get_coordinate()
+            for i, p in enumerate(w.placements):  # (Replicate, Shard(0)) for HSDP: rows over the shard axis
+                if p.is_shard():
+                    q = torch.chunk(q, mesh.size(i), dim=0)[coord[i]]
+            w.to_local().untyped_storage().resize_(0)
+            new = DTensor.from_local(q, mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+        else:
+            new = to_nf4(w.to(torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
+        m.weight = nn.Parameter(new, requires_grad=False)
+        n += 1
+    return n
+
+
+# ---- export ----------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Fold every adapter into its base, W + scaling * B A (an NF4 base dequantized first), leaving plain
+    ``nn.Linear`` modules with the base model's names; returns how many. For an unsharded model (export)."""
+    adapted = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name, m in adapted:
+        parent_name, _, leaf = name.rpartition(".")
+        w = dequantized(m.weight) if is_nf4(m.weight) else m.weight.float()
+        delta = m.lora_B.weight.float() @ m.lora_A.weight.float() * m.scaling  # (out, r) @ (r, in)
+        dtype = m.lora_A.weight.dtype
+        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=w.device, dtype=dtype)
+        plain.weight.copy_(w + delta)
+        if m.bias is not None:
+            plain.bias.copy_(m.bias)
+        setattr(model.get_submodule(parent_name), leaf, plain)
+    return len(adapted)
