@@ -688,13 +688,10 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
     hf_architecture(args)  # a model no family holds fails before anything is written
     tensors = hf_state_dict(model_state, args)
     check_empty_target(out_folder, export_file_names(tokenizer))
-    created = not os.path.isdir(out_folder)
     groups = plan_shards(tensors, max_shard_bytes)
     names = [SINGLE] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    written: list[str] = []
-    try:
-        os.makedirs(out_folder, exist_ok=True)
+    with whole_or_nothing(out_folder, "the Hugging Face folder") as written:
         mode = 0o666 & ~current_umask()  # what open() gives; safetensors writes its files 0600
         for fname, group in zip(names, groups):
             written.append(os.path.join(out_folder, fname))
@@ -714,7 +711,19 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
                 written.append(os.path.join(out_folder, name))
                 with open(written[-1], "wb") as fh:
                     fh.write(data)
-    except BaseException as err:  # no half-written model is left behind: a reader would load it
+    return names
+
+
+@contextlib.contextmanager
+def whole_or_nothing(out_folder: str, what: str):
+    """Yields a list for the paths the block writes into ``out_folder``; when the block fails they are removed (and
+    the folder, if it made it), so no half-written export is left for a reader to load."""
+    created = not os.path.isdir(out_folder)
+    written: list[str] = []
+    try:
+        os.makedirs(out_folder, exist_ok=True)
+        yield written
+    except BaseException as err:
         for path in written:
             with contextlib.suppress(OSError):
                 os.remove(path)
@@ -722,10 +731,9 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
             with contextlib.suppress(OSError):
                 os.rmdir(out_folder)
         if isinstance(err, OSError):
-            raise UserError(f"{out_folder}: writing the Hugging Face folder failed ({err.strerror or err}); nothing "
-                            "partial was kept") from None
+            raise UserError(f"{out_folder}: writing {what} failed ({err.strerror or err}); nothing partial was "
+                            "kept") from None
         raise
-    return names
 
 
 def current_umask() -> int:

@@ -9,13 +9,12 @@ those of its base model's family.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
 import torch
 
-from loom.checkpoint.hf import current_umask, hf_name, open_weights, owned_region
+from loom.checkpoint.hf import current_umask, hf_name, open_weights, owned_region, whole_or_nothing
 from loom.config.errors import ConfigError, UserError, require
 from loom.config.sections import LoraConfig
 from loom.models.common.init import canonical_name
@@ -60,10 +59,7 @@ def export_peft(model_state: dict[str, torch.Tensor], lora: LoraConfig, out_fold
         raise UserError("the model holds no LoRA adapters (lora.rank 0): nothing to write as a PEFT adapter")
     if os.path.isdir(out_folder) and os.listdir(out_folder):
         raise ConfigError("--to-peft", out_folder, "is not empty; choose a new folder")
-    created = not os.path.isdir(out_folder)
-    written: list[str] = []
-    try:
-        os.makedirs(out_folder, exist_ok=True)
+    with whole_or_nothing(out_folder, "the PEFT adapter") as written:
         written.append(os.path.join(out_folder, ADAPTER_WEIGHTS))
         save_file(tensors, written[-1], metadata={"format": "pt"})
         os.chmod(written[-1], 0o666 & ~current_umask())  # safetensors writes 0600
@@ -71,17 +67,6 @@ def export_peft(model_state: dict[str, torch.Tensor], lora: LoraConfig, out_fold
         with open(written[-1], "w") as fh:
             json.dump(adapter_config(lora, base_model), fh, indent=2)
             fh.write("\n")
-    except BaseException as err:
-        for path in written:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        if created:
-            with contextlib.suppress(OSError):
-                os.rmdir(out_folder)
-        if isinstance(err, OSError):
-            raise UserError(f"{out_folder}: writing the PEFT adapter failed ({err.strerror or err}); nothing partial "
-                            "was kept") from None
-        raise
     return written
 
 
