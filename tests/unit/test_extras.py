@@ -28,3 +28,22 @@ def test_export_without_safetensors_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(UserError, match=r"needs the 'safetensors' package \(pip install 'loom-train\[hf\]'\)"):
         export_hf({}, FLAVORS["debug"], str(tmp_path / "out"))
+
+
+def test_a_failed_export_leaves_nothing(tmp_path):
+    """A write that fails midway (a full disk) removes what it wrote and the folder it made: one line."""
+    from loom.checkpoint.hf import whole_or_nothing
+
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"out: writing the test folder failed \(No space left on device\); "
+                                        r"nothing partial was kept"):
+        with whole_or_nothing(str(out), "the test folder") as written:
+            written.append(str(out / "a.bin"))
+            (out / "a.bin").write_bytes(b"x")
+            raise OSError(28, "No space left on device")
+    assert not out.exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError):  # not an OSError: raised as it is, the folder that existed stays
+        with whole_or_nothing(str(tmp_path / "kept"), "x") as written:
+            raise RuntimeError("bug")
+    assert (tmp_path / "kept").is_dir()
