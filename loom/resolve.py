@@ -75,6 +75,7 @@ def check_config(cfg: Config) -> None:
     check_parallel_fields(cfg)
     check_lora(cfg)
     check_objective(cfg)
+    check_dpo(cfg)
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
                           f"must be <= training.steps ({t.steps})")
@@ -116,10 +117,14 @@ def check_objective(cfg: Config) -> None:
     within each (data.document_positions defaults to true under sft; false is refused)."""
     d = cfg.data
     if cfg.training.objective != "sft":
-        if d.chat_template:
-            raise ConfigError("data.chat_template", d.chat_template, "used by training.objective sft only")
+        if d.chat_template and cfg.training.objective != "dpo":
+            raise ConfigError("data.chat_template", d.chat_template, "used by training.objective sft and dpo only")
         if d.loss_tokens != "assistant":
-            raise ConfigError("data.loss_tokens", d.loss_tokens, "used by training.objective sft only")
+            raise ConfigError("data.loss_tokens", d.loss_tokens, "used by training.objective sft only (dpo trains on "
+                              "the completions)")
+        if cfg.training.objective == "dpo" and d.chat_template and not os.path.isfile(d.chat_template):
+            raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template; '' = the "
+                              "tokenizer folder's)")
         return
     if d.chat_template and not os.path.isfile(d.chat_template):
         raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template; '' = the "
@@ -127,6 +132,30 @@ def check_objective(cfg: Config) -> None:
     if not d.document_positions:
         raise ConfigError("data.document_positions", False, "training.objective sft packs conversations and keeps "
                           "attention within each: allowed true")
+
+
+def check_dpo(cfg: Config) -> None:
+    """The [dpo] section: its fields only under training.objective dpo; the reference it names must be there; the
+    layouts a pair's loss cannot be split over yet (a pair's log-probabilities are summed before the loss, which is
+    not linear in them: pipeline stages and context-parallel chunks would each hold part of the sum)."""
+    from loom.config.sections import DpoConfig
+
+    dpo, p = cfg.dpo, cfg.parallel
+    if cfg.training.objective != "dpo":
+        for key, default in vars(DpoConfig()).items():
+            if getattr(dpo, key) != default:
+                raise ConfigError(f"dpo.{key}", getattr(dpo, key), "used by training.objective dpo only")
+        return
+    if dpo.reference == "copy":
+        raise ConfigError("dpo.reference", "copy", "not supported yet: allowed cached | adapters_off")
+    if dpo.reference == "adapters_off" and not cfg.lora.rank:
+        raise ConfigError("dpo.reference", "adapters_off", "needs LoRA (lora.rank > 0): allowed cached without it")
+    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
+        if value > 1:
+            raise ConfigError(key, value, "not supported with training.objective dpo yet: allowed 1")
+    if cfg.model.fused_loss == "true":
+        raise ConfigError("model.fused_loss", True, "training.objective dpo needs the logits (per-token "
+                          "log-probabilities): allowed auto | false")
 
 
 def check_parallel_fields(cfg: Config) -> None:

@@ -24,6 +24,7 @@ SECTION_HELP = {
     "parallel": "parallel degrees (data, FSDP, tensor, pipeline, context, expert) and their options",
     "checkpoint": "periodic saves, resume, retention, preemption",
     "metrics": "logging interval, TensorBoard, W&B, MLflow, progress bar, profiling",
+    "dpo": "direct preference optimization (training.objective dpo): beta, loss, where the reference comes from",
     "lora": "LoRA / QLoRA fine-tuning: adapter rank and scaling, targets, NF4 base, a PEFT adapter to start from",
 }
 

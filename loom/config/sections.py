@@ -90,7 +90,7 @@ class DataConfig:
     encoding_errors: str = opt("strict", "text that is not valid UTF-8: 'strict' = stop naming the file and byte "
                                          "offset, 'replace' = decode it with U+FFFD replacement characters",
                                choices=("strict", "replace"))
-    chat_template: str = opt("", "training.objective sft: a Jinja chat template file; '' = the tokenizer folder's "
+    chat_template: str = opt("", "training.objective sft / dpo: a Jinja chat template file; '' = the tokenizer folder's "
                                  "(chat_template.jinja or tokenizer_config.json), the built-in one for the byte "
                                  "tokenizer (docs/finetuning.md)")
     loss_tokens: str = opt("assistant", "training.objective sft: the tokens that take loss: 'assistant' = every "
@@ -100,14 +100,15 @@ class DataConfig:
 
 
 # training.objective: what a step minimizes (loom.train.objective.build_objective has one entry per name)
-OBJECTIVES = ("lm", "sft")
+OBJECTIVES = ("lm", "sft", "dpo")
 
 
 @dataclass
 class TrainingConfig:
     objective: str = opt("lm", "'lm' = next-token loss on packed text; 'sft' = supervised fine-tuning on "
                                "conversations: loss on the assistant's tokens, conversations packed with "
-                               "per-document attention (docs/finetuning.md)", choices=OBJECTIVES)
+                               "per-document attention; 'dpo' = direct preference optimization on prompt / chosen / "
+                               "rejected pairs ([dpo] section) (docs/finetuning.md)", choices=OBJECTIVES)
     steps: int = opt(200, "optimizer steps", min=1)
     seq_len: int = opt(256, "tokens per sequence", min=8)
     global_batch_size: int = opt(16, "sequences per optimizer step (all data-parallel ranks)", min=1)
@@ -238,6 +239,22 @@ class LoraConfig:
                              "this section's")
 
 
+@dataclass
+class DpoConfig:
+    """Direct preference optimization (training.objective dpo; docs/finetuning.md)."""
+
+    beta: float = opt(0.1, "the strength of the pull towards the reference: rewards are beta x (policy - reference) "
+                           "log-probabilities of a completion", min=0.0, min_exclusive=True)
+    loss: str = opt("sigmoid", "'sigmoid' = DPO's -log sigmoid(beta x margin); 'ipo' = IPO's squared loss on the "
+                               "per-token log-ratio margin, (margin - 1 / (2 beta))^2, as TRL defines it",
+                    choices=("sigmoid", "ipo"))
+    reference: str = opt("cached", "the reference model's log-probabilities: 'cached' = one pass of the initial model "
+                                   "over every pair before the first step, kept in the run dir; 'adapters_off' = the "
+                                   "policy with its LoRA adapters off, every step (needs lora.rank > 0); 'copy' = a "
+                                   "frozen second model (not supported yet)",
+                         choices=("cached", "adapters_off", "copy"))
+
+
 SECTIONS = {
     "run": RunConfig,
     "model": ModelConfig,
@@ -245,6 +262,7 @@ SECTIONS = {
     "training": TrainingConfig,
     "optimizer": OptimizerConfig,
     "lora": LoraConfig,
+    "dpo": DpoConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -259,6 +277,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 
+from loom.config.errors import ConfigError
 from loom.config.sections import DataConfig
 from loom.data.chat import ChatEncoder, load_template
+from loom.data.dpo import PairFile, PairLoader
 from loom.data.loader import Loader, MicroBatch, StepData, Windows
 from loom.data.prepare import check_mask, ensure_token_file
 from loom.data.sources import content_hash, parse_source
@@ -17,19 +19,23 @@ __all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer"
 
 
 def chat_encoder(cfg: DataConfig, tokenizer, objective: str = "lm") -> ChatEncoder | None:
-    """The conversation encoder of an SFT run (its chat template and loss mask); None for language modeling."""
-    if objective != "sft":
+    """The conversation encoder of an SFT or DPO run (its chat template and loss mask); None for language modeling."""
+    if objective not in ("sft", "dpo"):
         return None
     return ChatEncoder(load_template(cfg.chat_template, tokenizer), tokenizer, cfg.loss_tokens)
 
 
 def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str, objective: str = "lm") -> list[tuple[str, float, str]]:
     """Tokenize (or find cached) every source; returns (token file, weight, label). Run on one rank first.
-    ``objective`` (training.objective): 'sft' reads conversations and writes their loss masks."""
+    ``objective`` (training.objective): 'sft' reads conversations and writes their loss masks, 'dpo' preference
+    pairs (one source)."""
     sft = chat_encoder(cfg, tokenizer, objective)
     out = []
-    for spec in parse_source(cfg.source, cfg.text_field, cfg.encoding_errors):
-        path = ensure_token_file(spec, tokenizer, cache_dir, sft)
+    specs = parse_source(cfg.source, cfg.text_field, cfg.encoding_errors)
+    if objective == "dpo" and len(specs) > 1:
+        raise ConfigError("data.source", cfg.source, "training.objective dpo reads one source (no mixture)")
+    for spec in specs:
+        path = ensure_token_file(spec, tokenizer, cache_dir, sft, dpo=objective == "dpo")
         out.append((path, spec.weight, spec.label))
     return out
 
@@ -40,12 +46,24 @@ def check_tokenizer_match(path: str, meta, tokenizer) -> None:
 
 
 def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]], *, seq_len: int, seed: int,
-                 dp_rank: int, dp_size: int, micro_batch: int, accumulation: int, objective: str = "lm") -> Loader:
+                 dp_rank: int, dp_size: int, micro_batch: int, accumulation: int,
+                 objective: str = "lm") -> Loader | PairLoader:
+    """The loader of ``files``: packed windows, or under ``objective`` dpo preference pairs (global batches of
+    pairs; micro_batch and accumulation count pairs)."""
+    if objective == "dpo":
+        ((path, _, label),) = files
+        tf = TokenFile(path)
+        check_tokenizer(path, tf.meta, tokenizer)
+        check_mask(path, tf.meta, "dpo")
+        pad = getattr(tokenizer, "pad_id", None)
+        return PairLoader(PairFile(tf, seq_len, cfg.val_fraction, label), seed=seed,
+                          pad_id=tokenizer.eos_id if pad is None else pad, dp_rank=dp_rank, dp_size=dp_size,
+                          micro_batch=micro_batch, accumulation=accumulation)
     windows, weights = [], []
     for path, weight, label in files:
         tf = TokenFile(path)
         check_tokenizer(path, tf.meta, tokenizer)
-        check_mask(path, tf.meta, objective == "sft")
+        check_mask(path, tf.meta, objective)
         windows.append(Windows(tf, seq_len, cfg.val_fraction, label))
         weights.append(weight)
     return Loader(windows, weights, seed=seed, eos_id=tokenizer.eos_id, dp_rank=dp_rank, dp_size=dp_size,
@@ -61,7 +79,9 @@ def describe_sources(cfg: DataConfig, files, out_path: str) -> None:
         rec = {"label": label, "kind": spec.kind, "weight": weight, "token_file": path,
                "fingerprint": spec.fingerprint(), "files": len(spec.paths)}
         meta = read_meta(path)
-        if meta.mask:
+        if meta.mask == "dpo":
+            rec.update(chat_template=meta.chat_template, pairs=meta.documents // 2)
+        elif meta.mask:
             rec.update(chat_template=meta.chat_template, loss_tokens=meta.mask, conversations=meta.documents,
                        trained_tokens=meta.trained_tokens)
         if spec.kind == "stdlib":

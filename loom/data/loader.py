@@ -132,10 +132,11 @@ class MicroBatch:
     labels: torch.Tensor  # (B, S) int64: the next token at every position
     positions: torch.Tensor  # (B, S) position within its document
     document_ids: torch.Tensor  # (B, S) document index within the window
+    ref_logps: torch.Tensor | None = None  # DPO (loom.data.dpo): the reference's log-probability of each row, (B,)
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(*(t.to(device, non_blocking=True) for t in
-                            (self.inputs, self.labels, self.positions, self.document_ids)))
+        return MicroBatch(*(None if t is None else t.to(device, non_blocking=True) for t in
+                            (self.inputs, self.labels, self.positions, self.document_ids, self.ref_logps)))
 
 
 def positions_from_starts(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@ from typing import Callable, Iterator
 
 from loom.config.errors import ConfigError, UserError
 from loom.data.chat import FLAG_LOSS, FLAG_START, ChatEncoder, ChatError
+from loom.data.dpo import MASK as DPO_MASK
+from loom.data.dpo import encoder_fingerprint, write_pairs
 from loom.data.sft import conversations
 from loom.data.sources import SourceSpec, documents
 from loom.data.token_file import (TokenFile, TokenFileMeta, TokenFileWriteError, TokenFileWriter, check_ids,
@@ -64,14 +66,23 @@ def _write_conversations(spec: SourceSpec, encoder: ChatEncoder, writer: TokenFi
             progress(writer.meta.documents, writer.meta.tokens)
 
 
-def check_mask(path: str, meta: TokenFileMeta, sft: bool, field: str = "data.source") -> None:
-    """An SFT run reads only token files with a loss mask, a language-model run only files without one."""
-    if sft and not meta.mask:
+def check_mask(path: str, meta: TokenFileMeta, objective, field: str = "data.source") -> None:
+    """An SFT run reads only token files with a loss mask, a DPO run only files of pairs, a language-model run only
+    files without a mask. ``objective``: 'lm' | 'sft' | 'dpo' (True / False: 'sft' / 'lm')."""
+    objective = {True: "sft", False: "lm"}.get(objective, objective)
+    held = "dpo" if meta.mask == DPO_MASK else "sft" if meta.mask else "lm"
+    if objective == held:
+        return
+    if objective == "sft" and held == "lm":
         raise ConfigError(field, path, "holds no loss mask: training.objective sft trains on a token file written by "
                           "`loom data prepare --objective sft` (or on the conversations themselves)")
-    if not sft and meta.mask:
+    if held == "sft":
         raise ConfigError(field, path, "holds SFT conversations (a loss mask): it is for training.objective sft "
                           "(loom data prepare --objective sft)")
+    if held == "dpo":
+        raise ConfigError(field, path, "holds DPO preference pairs: it is for training.objective dpo")
+    raise ConfigError(field, path, "holds plain text tokens: training.objective dpo trains on preference pairs "
+                      "('prompt', 'chosen', 'rejected' in jsonl, parquet or a saved dataset)")
 
 
 def _copy_tokens(spec: SourceSpec, tokenizer, writer: TokenFileWriter, progress: Progress | None,
@@ -80,7 +91,7 @@ def _copy_tokens(spec: SourceSpec, tokenizer, writer: TokenFileWriter, progress:
     tokenizer only)."""
     src = TokenFile(spec.paths[0])
     check_tokenizer(src.path, src.meta, tokenizer)
-    check_mask(src.path, src.meta, bool(writer.meta.mask))
+    check_mask(src.path, src.meta, "dpo" if writer.meta.mask == DPO_MASK else bool(writer.meta.mask))
     check_ids(src, tokenizer)
     if src.mask is not None:
         writer.meta.mask, writer.meta.chat_template = src.meta.mask, src.meta.chat_template
@@ -95,26 +106,31 @@ def _copy_tokens(spec: SourceSpec, tokenizer, writer: TokenFileWriter, progress:
 
 def tokenize_to_file(spec: SourceSpec, tokenizer, out_path: str,
                      progress: Progress | None = None, batch: int = 256,
-                     sft: ChatEncoder | None = None) -> TokenFileMeta:
+                     sft: ChatEncoder | None = None, dpo: bool = False) -> TokenFileMeta:
     """Write every document of ``spec`` to ``out_path``; ``progress(docs, tokens)`` after each batch. ``sft``: the
-    source's conversations, rendered and flagged by this encoder.
+    source's conversations, rendered and flagged by this encoder; with ``dpo`` its preference pairs, two sequences
+    each (loom.data.dpo).
 
     The file only appears (with its description, written last) when the whole source went through;
     a failure part-way leaves no partial token file behind."""
     if spec.kind == "tokens" and os.path.abspath(spec.paths[0]) == os.path.abspath(out_path):
         raise UserError(f"token file {out_path} cannot be both the source and the output")
     writer = TokenFileWriter(out_path, eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size,
-                             tokenizer=tokenizer.fingerprint(), mask=sft.loss_tokens if sft else "",
+                             tokenizer=tokenizer.fingerprint(),
+                             mask=DPO_MASK if dpo else sft.loss_tokens if sft else "",
                              chat_template=f"{sft.template.origin} {sft.template.fingerprint()}" if sft else "")
     try:
         if spec.kind == "tokens":
             _copy_tokens(spec, tokenizer, writer, progress)
+        elif dpo:
+            write_pairs(spec, sft, writer)
         elif sft is not None:
             _write_conversations(spec, sft, writer, progress)
         else:
             _write_documents(spec, tokenizer, writer, progress, batch)
         if writer.meta.tokens == 0:
-            what = "conversations with an assistant turn" if sft else "non-empty documents"
+            what = "preference pairs with completions" if dpo else \
+                "conversations with an assistant turn" if sft else "non-empty documents"
             field = "" if sft else f", text field {spec.text_field!r}"
             raise UserError(f"data source {spec.label or spec.paths}: no {what} "
                             f"(checked {len(spec.paths)} file(s){field})")
@@ -128,22 +144,27 @@ def tokenize_to_file(spec: SourceSpec, tokenizer, out_path: str,
     return writer.close()
 
 
-def cache_path(spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None) -> str:
-    """The cached tokenization of ``spec``; an SFT one is named for its chat template and loss mask too, so a
-    language-model cache never serves an SFT run, nor one template's another's."""
+def cache_path(spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None,
+               dpo: bool = False) -> str:
+    """The cached tokenization of ``spec``; an SFT or DPO one is named for its objective, chat template and loss
+    mask too, so a language-model cache never serves an SFT run, nor one template's another's. A DPO file does not
+    depend on training.seq_len (the loader truncates)."""
     name = f"{spec.kind}-{spec.fingerprint()}-{tokenizer.fingerprint()}"
+    if dpo:
+        return os.path.join(cache_dir, f"dpo-{name}-{encoder_fingerprint(sft)}.bin")
     return os.path.join(cache_dir, f"sft-{name}-{sft.fingerprint()}.bin" if sft else f"{name}.bin")
 
 
-def ensure_token_file(spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None) -> str:
+def ensure_token_file(spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None,
+                      dpo: bool = False) -> str:
     """Path of a token file for ``spec``: the file itself, or a cached tokenization (built if missing)."""
     if spec.kind == "tokens":
-        check_mask(spec.paths[0], read_meta(spec.paths[0]), sft is not None)
+        check_mask(spec.paths[0], read_meta(spec.paths[0]), "dpo" if dpo else sft is not None)
         return spec.paths[0]
-    path = cache_path(spec, tokenizer, cache_dir, sft)
+    path = cache_path(spec, tokenizer, cache_dir, sft, dpo)
     if not os.path.isfile(meta_path(path)):  # the metadata is written last: its presence means complete
         try:
-            tokenize_to_file(spec, tokenizer, path, sft=sft)
+            tokenize_to_file(spec, tokenizer, path, sft=sft, dpo=dpo)
         except TokenFileWriteError as err:
             raise ConfigError("data.cache_dir", cache_dir, f"the tokenized source cannot be written there "
                               f"({err.reason}); choose a writable folder") from None

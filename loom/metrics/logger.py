@@ -31,6 +31,10 @@ def format_line(rec: dict, total_steps: int) -> str:
     parts = [f"step {rec['step']:>{len(str(total_steps))}}/{total_steps}", f"loss {rec['loss']:.4f}"]
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
+    if rec.get("val_rewards/accuracy") is not None:
+        parts.append(f"val acc {rec['val_rewards/accuracy']:.3f}")
+    if rec.get("rewards/accuracy") is not None:  # DPO
+        parts.append(f"acc {rec['rewards/accuracy']:.3f} margin {rec['rewards/margins']:.3f}")
     if rec.get("moe_balance") is not None:
         parts.append(f"balance {rec['moe_balance']:.3f}")
     parts += [f"gnorm {rec['grad_norm']:.3f}", f"lr {rec['lr']:.2e}",

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
+
 import torch
+import torch.nn.functional as F
 
 from loom.data.loader import MicroBatch
-from loom.numerics import cross_entropy_sum, valid_tokens
+from loom.models.common.lora import adapters_disabled
+from loom.numerics import IGNORE, cross_entropy_sum, valid_tokens
+from loom.parallel.tensor_parallel import to_local_loss
 
 
 class Objective(Protocol):
@@ -25,6 +29,10 @@ class Objective(Protocol):
 
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed loss from the model's outputs (a pipeline's last stage calls only this)."""
+
+    def step_stats(self) -> dict[str, torch.Tensor]:
+        """Statistics summed over the micro-batches run since the last call (then reset), e.g. DPO's rewards: the
+        trainer sums them over the data-parallel ranks and divides by the global count. {} for none."""
 
 
 class LanguageModeling:
@@ -45,10 +53,82 @@ class LanguageModeling:
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(outputs, labels)
 
+    def step_stats(self) -> dict[str, torch.Tensor]:
+        return {}
 
-def build_objective(name: str, fused_loss: bool) -> Objective:
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its labelled tokens, fp32 (N,), and their count (N,). logits: (N, S, V)
+    (or vocab-sharded under loss parallel); labels: (N, S), IGNORE where a token is not the completion's."""
+    n, s = labels.shape
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    return -to_local_loss(nll).view(n, s).sum(dim=1), (labels != IGNORE).sum(dim=1)
+
+
+class DirectPreference:
+    """DPO over micro-batches of pairs (loom.data.dpo: rows chosen 0..B-1, then rejected 0..B-1). Per pair, the
+    policy's and the reference's summed log-probabilities of the chosen (pc, rc) and rejected (pr, rr) completions
+    give the loss, as TRL's DPOTrainer computes it: 'sigmoid' -log sigmoid(beta ((pc - rc) - (pr - rr))); 'ipo'
+    (((pc - rc) / |chosen| - (pr - rr) / |rejected|) - 1 / (2 beta))^2, log-ratios averaged over each completion's
+    tokens. The count is pairs, so a step's loss is the mean over the global batch's pairs whatever the layout.
+
+    ``reference``: 'cached' = the micro-batch's ``ref_logps`` (the initial model's, computed before the first step);
+    'adapters_off' = the policy itself with its LoRA adapters off, under no_grad."""
+
+    loss_in_forward = True  # the loss needs the reference beside the logits: forward returns it
+    STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy")
+
+    def __init__(self, beta: float, loss: str = "sigmoid", reference: str = "cached"):
+        self.beta, self.kind, self.reference = beta, loss, reference
+        self._stats: dict[str, torch.Tensor] = {}
+
+    def count(self, mb: MicroBatch) -> torch.Tensor:
+        return torch.tensor(mb.inputs.shape[0] // 2, device=mb.inputs.device)
+
+    def logps(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probability sums (2B,), completion token counts (2B,)) of the micro-batch's rows under ``model``."""
+        return sequence_logps(model(mb.inputs, positions), mb.labels)
+
+    def forward(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
+        if self.reference == "adapters_off":
+            with torch.no_grad(), adapters_disabled(model):
+                ref = self.logps(model, mb, positions)[0]
+        else:
+            ref = mb.ref_logps
+            assert ref is not None, "dpo.reference cached: the loader hands out no reference log-probabilities"
+        policy, counts = self.logps(model, mb, positions)
+        return self.pair_loss(policy, ref.to(policy.dtype), counts)
+
+    def pair_loss(self, policy: torch.Tensor, ref: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The summed loss of the pairs from rows' log-probabilities (2B,) of the policy and the reference and their
+        completion token counts; accumulates the reward statistics."""
+        chosen, rejected = (policy - ref).chunk(2)  # log-ratios (B,) each
+        if self.kind == "ipo":
+            n_chosen, n_rejected = counts.to(policy.dtype).clamp(min=1).chunk(2)
+            losses = (chosen / n_chosen - rejected / n_rejected - 1 / (2 * self.beta)) ** 2
+        else:
+            losses = -F.logsigmoid(self.beta * (chosen - rejected))
+        with torch.no_grad():
+            r_chosen, r_rejected = self.beta * chosen.detach(), self.beta * rejected.detach()
+            for name, value in zip(self.STATS, (r_chosen, r_rejected, r_chosen - r_rejected,
+                                                (r_chosen > r_rejected).to(policy.dtype))):
+                self._stats[name] = self._stats.get(name, 0) + value.sum()
+        return losses.sum()
+
+    def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("DPO computes its loss in forward (a pipeline stage cannot: refused by the config)")
+
+    def step_stats(self) -> dict[str, torch.Tensor]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+
+def build_objective(name: str, fused_loss: bool, dpo=None) -> Objective:
     """The objective ``training.objective`` names. 'sft' is language modeling as well: its loader labels every
     token outside the assistant's turns IGNORE, and the count of labelled tokens is already the count of assistant
-    targets, so the step's loss is their summed loss over the global count of them, whatever the layout."""
+    targets, so the step's loss is their summed loss over the global count of them, whatever the layout. 'dpo'
+    takes the [dpo] section (``dpo``; its defaults when None)."""
+    if name == "dpo":
+        return DirectPreference(dpo.beta, dpo.loss, dpo.reference) if dpo is not None else DirectPreference(0.1)
     objectives = {"lm": LanguageModeling, "sft": LanguageModeling}
     return objectives[name](fused_loss)

@@ -118,6 +118,10 @@ RULES: dict[str, tuple[str, str]] = {
     "lora.base_dtype": (MUST_MATCH, "the frozen base's values (an NF4 base is rebuilt at start, not loaded)"),
     "lora.init_from": (APPLIED, "initialisation only: the checkpoint's adapters are resumed"),
 
+    "dpo.beta": (APPLIED, "the loss and rewards from the next step"),
+    "dpo.loss": (APPLIED, "the loss from the next step"),
+    "dpo.reference": (MUST_MATCH, "what the policy is compared against"),
+
     "parallel.dp_replicate": (FREE, _LAYOUT),
     "parallel.dp_shard": (FREE, _LAYOUT),
     "parallel.tp": (FREE, _LAYOUT),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.expert_parallel import expert_params
 from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
+from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.resolve import resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
@@ -80,10 +82,12 @@ class Trainer:
         self._build_checkpointer()
         self._build_profiler()
         self._build_steps()
+        self._build_reference()
         self.step, self.tokens_seen = 0, 0
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self.preemption: Preemption | None = None  # set while fit() runs
         self._pending: StepCheck | None = None  # the last step's verdict, until the host has read it
+        self.val_stats: dict[str, float] = {}  # the objective's statistics of the last validation pass
         self.stop_vote = StopVote(torch.distributed.new_group(backend="gloo") if self.env.world_size > 1 else None)
 
     # ---- build steps ------------------------------------------------------
@@ -226,7 +230,8 @@ class Trainer:
     def _build_steps(self) -> None:
         """The step strategy, chosen once: the whole model on this rank, or a pipeline schedule over its stages."""
         cfg, pm = self.cfg, self.parallel_model
-        self.objective = self._objective or build_objective(cfg.training.objective, self.model_args.fused_loss)
+        self.objective = self._objective or build_objective(cfg.training.objective, self.model_args.fused_loss,
+                                                            cfg.dpo)
         ctx = StepContext(self.dims, self.device, self._autocast, self.dims.tp_enabled and cfg.parallel.loss_parallel,
                           cfg.data.document_positions, self.profiler)
         if pm.plan is None:
@@ -235,6 +240,41 @@ class Trainer:
             self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
         self.moe = MoEBalance(self.parts, self.dims, cfg.training.global_batch_size, self.model_args.n_layers,
                               cfg.training.compile, self.steps.stage_sum) if self.model_args.moe else None
+
+    def _build_reference(self) -> None:
+        """dpo.reference cached: the initial model's log-probabilities of every pair (training and validation), from
+        one no-grad pass before the first step (this is the model before any checkpoint is loaded), kept in the run
+        dir and read back by later runs in it (a resume); the loader hands them out with each micro-batch. Each pair
+        is computed on one data-parallel rank, and a sum over the ranks gives every rank all of them."""
+        cfg = self.cfg
+        if cfg.training.objective != "dpo" or cfg.dpo.reference != "cached" or not hasattr(self.loader, "reference"):
+            return
+        src = self.loader.source
+        key = hashlib.blake2b(repr((os.path.abspath(src.tokens.path), src.seq_len, cfg.run.seed, cfg.model.flavor,
+                                    cfg.model.init_from, cfg.model.n_layers, cfg.model.vocab_size, cfg.lora.rank,
+                                    cfg.lora.init_from)).encode(), digest_size=8).hexdigest()
+        path = os.path.join(self.run_dir, "dpo_reference", f"reference-{key}.pt")
+        ref = torch.load(path) if os.path.isfile(path) else None
+        if ref is None or ref.shape != (len(src.kept), 2):
+            ref = torch.zeros(len(src.kept), 2, device=self.device)
+            for part in self.parts:
+                part.eval()
+            with torch.no_grad(), loss_parallel_context(self.steps.ctx.loss_parallel):
+                for mb, ids in self.loader.reference_batches():
+                    mb = self._local_tokens(mb)
+                    with self._autocast():
+                        logps = self.objective.logps(self.steps.module, mb, self.steps.ctx.positions(mb))[0]
+                    mine = ids >= 0
+                    ref[ids[mine].to(self.device)] = logps.view(2, -1).T[mine.to(self.device)].float()
+            for part in self.parts:
+                part.train()
+            ref = self.dims.data_sum(ref).cpu()  # every pair computed on exactly one data-parallel rank
+            if self.env.is_main:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(ref, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            self.env.barrier()
+        self.loader.reference = ref
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph)."""
@@ -268,7 +308,9 @@ class Trainer:
         grad_scale = self.dims.dp_size * self.dims.cp * self.scaler.scale / n_tokens
         if self.moe:
             self.moe.scale(self.scaler.scale)
+        getattr(self.objective, "step_stats", dict)()  # statistics of forwards before this step are not its own
         result = self.steps.step(mbs, grad_scale)
+        stats = self._objective_stats(n_tokens)
         if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -298,7 +340,7 @@ class Trainer:
                     self.optimizer.step(factor)
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr}
+        out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "stats": stats}
         if self.moe:
             balance = self.moe.read(self.device)
             # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
@@ -314,11 +356,20 @@ class Trainer:
         for part in self.parts:
             part.eval()
         batches = [self._local_tokens(mb) for mb in batches]
-        count = sum(self.objective.count(mb) for mb in batches).to(torch.float32)
+        count = self.dims.data_sum(sum(self.objective.count(mb) for mb in batches).to(torch.float32))
+        getattr(self.objective, "step_stats", dict)()
         total = self.steps.evaluate(batches)
+        self.val_stats = {k: float(v) for k, v in self._objective_stats(count).items()}
         for part in self.parts:
             part.train()
-        return float(self.dims.data_sum(total) / self.dims.data_sum(count))
+        return float(self.dims.data_sum(total) / count)
+
+    def _objective_stats(self, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The objective's statistics of the micro-batches just run, summed over the data-parallel ranks and divided
+        by the global ``count`` (e.g. DPO's rewards and accuracy per pair)."""
+        stats = self.objective.step_stats() if hasattr(self.objective, "step_stats") else {}
+        return {k: self.dims.data_sum(torch.as_tensor(v, dtype=torch.float32, device=self.device).clone()) / count
+                for k, v in sorted(stats.items())}
 
     # ---- the loop ---------------------------------------------------------------
     def state_for_checkpoint(self) -> dict:
@@ -597,6 +648,8 @@ class Trainer:
             "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak),
             "mem_gib": peak_memory_gib(self.device),
             "val_loss": val,
+            **{k: float(v) for k, v in out.get("stats", {}).items()},
+            **({f"val_{k}": v for k, v in self.val_stats.items()} if val is not None else {}),
             "skipped_steps": self.scaler.skipped,
             "nonfinite_steps": self.guard.skipped,
             "batch_hash": batch_hash,

@@ -57,8 +57,11 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
         self.dropout = dropout
+        self.disabled = False  # adapters_disabled: the base linear alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.disabled:
+            return F.linear(x, self.weight, self.bias)
         # dropout only where gradients are taken: loom never switches modules to eval mode, and validation runs
         # under no_grad
         a_in = F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled()) if self.dropout else x
@@ -176,6 +179,20 @@ def adapters_hidden(parts: list[nn.Module]):
     finally:
         for m, a, b in hidden:
             m._modules["lora_A"], m._modules["lora_B"] = a, b
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """``model`` computes as its base for a while: every adapted linear skips its adapters (DPO's reference with
+    dpo.reference adapters_off). The adapters stay in place, so FSDP and DDP see the same parameters."""
+    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in adapted:
+        m.disabled = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.disabled = False
 
 
 # ---- QLoRA: the frozen base in NF4 ---------------------------------------------------------------
