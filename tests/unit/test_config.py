@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 
 import pytest
 
@@ -159,3 +161,9 @@ def test_default_warmup_shrinks_to_fit_a_short_run():
     assert build_config(None, {"training.steps": "50"}).optimizer.warmup_steps == 5
     assert build_config(None, {"training.steps": "1000"}).optimizer.warmup_steps == 10
     assert build_config(None, {"training.steps": "5", "optimizer.warmup_steps": "3"}).optimizer.warmup_steps == 3
+
+
+@pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "recipes",
+                                                                  "*.toml"))), ids=os.path.basename)
+def test_every_recipe_is_a_valid_config(recipe):
+    check_config(build_config(recipe))
