@@ -4,6 +4,8 @@ whatever the layout and accumulation. The step strategies (loom.train.steps) run
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Protocol
 
 
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from loom.data.loader import MicroBatch
 from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE, cross_entropy_sum, valid_tokens
-from loom.parallel.tensor_parallel import to_local_loss
+from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 
 
 class Objective(Protocol):
@@ -33,6 +35,10 @@ class Objective(Protocol):
     def step_stats(self) -> dict[str, torch.Tensor]:
         """Statistics summed over the micro-batches run since the last call (then reset), e.g. DPO's rewards: the
         trainer sums them over the data-parallel ranks and divides by the global count. {} for none."""
+
+    def prepare(self, trainer) -> None:
+        """Called once the trainer is built, before the first step: work the objective needs from the model and data
+        (DPO's cached reference pass). Optional."""
 
 
 class LanguageModeling:
@@ -55,6 +61,9 @@ class LanguageModeling:
 
     def step_stats(self) -> dict[str, torch.Tensor]:
         return {}
+
+    def prepare(self, trainer) -> None:
+        pass
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +93,42 @@ class DirectPreference:
 
     def count(self, mb: MicroBatch) -> torch.Tensor:
         return torch.tensor(mb.inputs.shape[0] // 2, device=mb.inputs.device)
+
+    def prepare(self, trainer) -> None:
+        """dpo.reference cached: the initial model's log-probabilities of every pair (training and validation), from
+        one no-grad pass before the first step (the model before any checkpoint is loaded), kept in the run dir and
+        read back by later runs in it (a resume); the loader hands them out with each micro-batch. Each pair is
+        computed on one data-parallel rank, and a sum over the ranks gives every rank all of them."""
+        cfg, loader = trainer.cfg, trainer.loader
+        if self.reference != "cached" or not hasattr(loader, "reference"):
+            return
+        src, device = loader.source, trainer.device
+        key = hashlib.blake2b(repr((os.path.abspath(src.tokens.path), src.seq_len, cfg.run.seed, cfg.model.flavor,
+                                    cfg.model.init_from, cfg.model.n_layers, cfg.model.vocab_size, cfg.lora.rank,
+                                    cfg.lora.init_from)).encode(), digest_size=8).hexdigest()
+        path = os.path.join(trainer.run_dir, "dpo_reference", f"reference-{key}.pt")
+        ref = torch.load(path) if os.path.isfile(path) else None
+        if ref is None or ref.shape != (len(src.kept), 2):
+            ref = torch.zeros(len(src.kept), 2, device=device)
+            steps = trainer.steps
+            for part in trainer.parts:
+                part.eval()
+            with torch.no_grad(), loss_parallel_context(steps.ctx.loss_parallel):
+                for mb, ids in loader.reference_batches():
+                    mb = trainer._local_tokens(mb)
+                    with trainer._autocast():
+                        logps = self.logps(steps.module, mb, steps.ctx.positions(mb))[0]
+                    mine = ids >= 0
+                    ref[ids[mine].to(device)] = logps.view(2, -1).T[mine.to(device)].float()
+            for part in trainer.parts:
+                part.train()
+            ref = trainer.dims.data_sum(ref).cpu()  # every pair computed on exactly one data-parallel rank
+            if trainer.env.is_main:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(ref, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            trainer.env.barrier()
+        loader.reference = ref
 
     def logps(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probability sums (2B,), completion token counts (2B,)) of the micro-batch's rows under ``model``."""

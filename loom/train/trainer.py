@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -33,7 +32,6 @@ from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.expert_parallel import expert_params
 from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
-from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.resolve import resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
@@ -82,7 +80,7 @@ class Trainer:
         self._build_checkpointer()
         self._build_profiler()
         self._build_steps()
-        self._build_reference()
+        getattr(self.objective, "prepare", lambda trainer: None)(self)  # e.g. DPO's cached reference pass
         self.step, self.tokens_seen = 0, 0
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self.preemption: Preemption | None = None  # set while fit() runs
@@ -240,41 +238,6 @@ class Trainer:
             self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
         self.moe = MoEBalance(self.parts, self.dims, cfg.training.global_batch_size, self.model_args.n_layers,
                               cfg.training.compile, self.steps.stage_sum) if self.model_args.moe else None
-
-    def _build_reference(self) -> None:
-        """dpo.reference cached: the initial model's log-probabilities of every pair (training and validation), from
-        one no-grad pass before the first step (this is the model before any checkpoint is loaded), kept in the run
-        dir and read back by later runs in it (a resume); the loader hands them out with each micro-batch. Each pair
-        is computed on one data-parallel rank, and a sum over the ranks gives every rank all of them."""
-        cfg = self.cfg
-        if cfg.training.objective != "dpo" or cfg.dpo.reference != "cached" or not hasattr(self.loader, "reference"):
-            return
-        src = self.loader.source
-        key = hashlib.blake2b(repr((os.path.abspath(src.tokens.path), src.seq_len, cfg.run.seed, cfg.model.flavor,
-                                    cfg.model.init_from, cfg.model.n_layers, cfg.model.vocab_size, cfg.lora.rank,
-                                    cfg.lora.init_from)).encode(), digest_size=8).hexdigest()
-        path = os.path.join(self.run_dir, "dpo_reference", f"reference-{key}.pt")
-        ref = torch.load(path) if os.path.isfile(path) else None
-        if ref is None or ref.shape != (len(src.kept), 2):
-            ref = torch.zeros(len(src.kept), 2, device=self.device)
-            for part in self.parts:
-                part.eval()
-            with torch.no_grad(), loss_parallel_context(self.steps.ctx.loss_parallel):
-                for mb, ids in self.loader.reference_batches():
-                    mb = self._local_tokens(mb)
-                    with self._autocast():
-                        logps = self.objective.logps(self.steps.module, mb, self.steps.ctx.positions(mb))[0]
-                    mine = ids >= 0
-                    ref[ids[mine].to(self.device)] = logps.view(2, -1).T[mine.to(self.device)].float()
-            for part in self.parts:
-                part.train()
-            ref = self.dims.data_sum(ref).cpu()  # every pair computed on exactly one data-parallel rank
-            if self.env.is_main:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(ref, path + ".tmp")
-                os.replace(path + ".tmp", path)
-            self.env.barrier()
-        self.loader.reference = ref
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph)."""
