@@ -17,7 +17,7 @@ import torch
 
 from loom.config.errors import ConfigError, UserError
 from loom.data.chat import FLAG_LOSS, FLAG_START, ChatEncoder, ChatError
-from loom.data.loader import MicroBatch, StepData, _mix, _share_read, permute
+from loom.data.loader import MicroBatch, StepData, _mix, _share_read, visit_order
 from loom.data.sft import _messages, docstring_pairs
 from loom.data.sources import SourceSpec, no_surrogates, rows
 from loom.data.token_file import TokenFile, TokenFileWriter
@@ -132,12 +132,7 @@ class PairFile:
 
     def train_ids(self, k: torch.Tensor, seed: int) -> torch.Tensor:
         """The k-th training pairs visited (indices into ``kept``), one permutation per epoch."""
-        epoch, j = k // self.n_train, k % self.n_train
-        out = torch.empty_like(k)
-        for e in epoch.unique().tolist():
-            sel = epoch == e
-            out[sel] = permute(j[sel], self.n_train, _mix(seed, e))
-        return out
+        return visit_order(k, self.n_train, seed)
 
 
 def pair_batch(source: PairFile, ids: list[int], pad_id: int, ref: torch.Tensor | None) -> MicroBatch:

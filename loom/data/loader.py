@@ -79,6 +79,16 @@ def split_windows(n_tokens: int, seq_len: int, val_fraction: float) -> tuple[int
     return n - n_val, n_val
 
 
+def visit_order(k: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """The k-th of ``n`` items visited: a fresh permutation of them in every epoch (k may run past one)."""
+    epoch, j = k // n, k % n
+    out = torch.empty_like(k)
+    for e in epoch.unique().tolist():
+        sel = epoch == e
+        out[sel] = permute(j[sel], n, _mix(seed, e))
+    return out
+
+
 class Windows:
     def __init__(self, tokens: TokenFile, seq_len: int, val_fraction: float, label: str):
         self.tokens, self.seq_len, self.label, self.val_fraction = tokens, seq_len, label, val_fraction
@@ -100,12 +110,7 @@ class Windows:
 
     def train_window_ids(self, k: torch.Tensor, seed: int) -> torch.Tensor:
         """The k-th training windows visited (k may run past one epoch)."""
-        epoch, j = k // self.n_train, k % self.n_train
-        out = torch.empty_like(k)
-        for e in epoch.unique().tolist():
-            sel = epoch == e
-            out[sel] = permute(j[sel], self.n_train, _mix(seed, e))
-        return out
+        return visit_order(k, self.n_train, seed)
 
     def val_window_id(self, k: int) -> int:
         return self.n_train + k % self.n_val
