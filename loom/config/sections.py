@@ -231,9 +231,11 @@ class LoraConfig:
     targets: str = opt("q,k,v,o,gate,up,down", "comma list of the linears that get adapters: q, k, v, o "
                                                "(attention), gate, up, down (SwiGLU), or all")
     rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
-    base_dtype: str = opt("float32", "the frozen base linears: float32 (as loaded), or nf4 = QLoRA (4-bit "
-                                     "NormalFloat, double-quantized scales; torchao: pip install "
-                                     "'loom-train[qlora]')", choices=("float32", "nf4"))
+    base_dtype: str = opt("float32", "the frozen weights: float32 (as loaded), bfloat16 (every frozen weight in "
+                                     "bf16: half the memory, no per-step casts; the usual LoRA setup), or nf4 = QLoRA "
+                                     "(the adapted linears in 4-bit NormalFloat with double-quantized scales, the "
+                                     "other frozen weights in bf16; torchao: pip install 'loom-train[qlora]')",
+                          choices=("float32", "bfloat16", "nf4"))
     init_from: str = opt("", "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to start "
                              "the adapters from; its r, lora_alpha, target_modules and use_rslora must equal "
                              "this section's")

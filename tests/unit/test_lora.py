@@ -259,3 +259,37 @@ def test_to_peft_needs_a_lora_checkpoint(trained, tmp_path):
     with pytest.raises(ConfigError, match="not written by a LoRA run"):
         convert_main(["--from", str(tmp_path / "plain" / "checkpoints" / "step_00000001"),
                    "--to-peft", str(tmp_path / "a")])
+
+
+def test_a_bfloat16_base_trains_frozen_in_bf16_with_fp32_adapters(trained, tmp_path):
+    """lora.base_dtype bfloat16: every frozen weight (tied or not) is stored in bf16 and stays bitwise, the adapters
+    stay fp32 and train, and the run follows the fp32-base run within bf16's rounding; the export loads as before."""
+    run = lora_run(tmp_path, "bf16", trained["base"], **{"lora.base_dtype": "bfloat16", "training.dtype": "bfloat16"})
+    trainer = Trainer(run)
+    part = trainer.parts[0]
+    frozen = {n: p.detach().clone() for n, p in part.named_parameters() if not p.requires_grad}
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen.values())
+    assert all(p.dtype == torch.float32 for p in part.parameters() if p.requires_grad)
+    records = trainer.fit()
+    for name, p in part.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+    fp32 = Trainer(lora_run(tmp_path, "fp32", trained["base"], **{"training.dtype": "bfloat16",
+                                                                   "checkpoint.at_end": "false"})).fit()
+    for a, b in zip(records, fp32):
+        assert abs(a["loss"] - b["loss"]) / b["loss"] < 2e-2
+    assert records[-1]["loss"] < records[0]["loss"]
+    ckpt = str(tmp_path / "bf16" / "checkpoints" / "step_00000003")
+    assert loom_main(["convert", "--from", ckpt, "--to-hf", str(tmp_path / "merged")]) == 0
+    assert torch.isfinite(logits(hf_model(str(tmp_path / "merged")), True)).all()
+
+
+def test_a_tied_embedding_stays_tied_in_bfloat16():
+    import dataclasses
+
+    from loom.models.llama.flavors import FLAVORS
+
+    with torch.device("meta"):
+        model = Llama(dataclasses.replace(FLAVORS["debug"], vocab_size=256, tie_embeddings=True))
+    apply_lora(model, LoraConfig(rank=2, targets="q", base_dtype="bfloat16"))
+    assert model.output.weight is model.tok_embeddings.weight and model.output.weight.dtype == torch.bfloat16

@@ -126,14 +126,16 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
             adapted = LoRALinear(base.in_features, base.out_features, cfg.rank, scaling, cfg.dropout,
                                  bias=base.bias is not None, device=w.device, dtype=w.dtype)
             adapted.weight = w  # the base's own parameters (their values, if it has any)
-            if cfg.base_dtype == "nf4":  # quantized from bfloat16 anyway: half the memory until then
-                adapted.weight = nn.Parameter(w.detach().to(torch.bfloat16))
             if base.bias is not None:
                 adapted.bias = base.bias
             setattr(parent, leaf, adapted)
             n += 1
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
+    if cfg.base_dtype != "float32":  # bfloat16 / nf4 (quantized from bfloat16 later): every frozen weight in bf16
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)  # .data: tied weights stay one Parameter
     return n
 
 
