@@ -49,16 +49,20 @@ def matmul_params(args) -> int:
     return args.n_layers * (attn + mlp) + args.dim * args.vocab_size
 
 
-def flops_per_token(args, seq_len: int) -> float:
+def flops_per_token(args, seq_len: int, adapter_params: int | None = None) -> float:
+    """Training FLOPs per token: 6 per matmul weight (forward, input gradient, weight gradient) plus attention. With
+    ``adapter_params`` (LoRA: the base frozen) the base's weights cost 4 (no weight gradient) and the adapters 6."""
     window = getattr(args, "sliding_window", 0)
     context = min(seq_len, window) if window else seq_len  # keys a token attends to, at most
-    return 6 * matmul_params(args) + 12 * args.n_layers * args.n_heads * args.head_dim * context
+    weights = 6 * matmul_params(args) if adapter_params is None else 4 * matmul_params(args) + 6 * adapter_params
+    return weights + 12 * args.n_layers * args.n_heads * args.head_dim * context
 
 
-def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None) -> float | None:
+def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None,
+        adapter_params: int | None = None) -> float | None:
     if peak is None:
         return None
-    return tokens_per_s_per_device * flops_per_token(args, seq_len) / peak
+    return tokens_per_s_per_device * flops_per_token(args, seq_len, adapter_params) / peak
 
 
 def device_name(device) -> str:

@@ -155,6 +155,8 @@ class Trainer:
         with torch.device("meta"):
             model = Llama(self.model_args)
         self.n_adapted = apply_lora(model, cfg.lora)  # LoRA: adapters on lora.targets, the rest frozen (0: off)
+        # MFU counts what the run computes: a frozen base takes no weight gradients (loom.metrics.flops)
+        self.adapter_params = count_params(self.model_args, cfg.lora)[1] if self.n_adapted else None
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
         self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)
         if cfg.model.init_from:
@@ -608,7 +610,7 @@ class Trainer:
             "tokens": self.tokens_seen,
             "tokens_per_s": tps,
             "tokens_per_s_per_device": per_dev,
-            "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak),
+            "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak, self.adapter_params),
             "mem_gib": peak_memory_gib(self.device),
             "val_loss": val,
             **{k: float(v) for k, v in out.get("stats", {}).items()},

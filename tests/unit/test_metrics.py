@@ -31,6 +31,19 @@ def test_reference_point_llama_3_2_1b_on_h100():
     assert round(100 * value, 1) == 39.9
 
 
+def test_lora_flops_count_no_weight_gradient_for_the_frozen_base():
+    """LoRA rank 16 on every linear of the 1B shape: the base costs forward + input gradient (4 per weight), the
+    11.3M adapter weights all three matmuls (6 per weight); attention is unchanged (its backward is input gradients)."""
+    from loom.config.sections import LoraConfig
+    from loom.train.trainer import count_params
+
+    args = llama_1b()
+    adapters = count_params(args, LoraConfig(rank=16))[1]
+    assert adapters == 16 * 16 * ((2048 + 2048) * 2 + (2048 + 512) * 2 + (2048 + 8192) * 3)
+    attention = 12 * 16 * 32 * 64 * 2048
+    assert flops_per_token(args, 2048, adapters) == 4 * 1_235_746_816 + 6 * adapters + attention
+
+
 @pytest.mark.parametrize("flavor,vocab", [("1B", 128256), ("debug", 384)])
 def test_matmul_params_match_the_model(flavor, vocab):
     """Every 2-D weight except the input embedding takes part in a matmul (a tied head counts once, as the head)."""
