@@ -19,7 +19,7 @@ LAYERS = [
     {"parallel"},
     {"checkpoint"},
     {"resolve"},
-    {"train"},
+    {"train", "eval"},  # the trainer runs evaluations (loom.eval.hook); eval reads run checkpoints (loom.train.run_dir)
     {"plan"},
     {"cli", "__main__"},
 ]

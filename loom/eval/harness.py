@@ -1,0 +1,195 @@
+"""An lm-evaluation-harness model backend, registered as ``loom``: any harness task runs on a loom checkpoint, a
+Hugging Face folder, or a training run's live model.
+
+- ``loglikelihood``: lm-eval's ``TemplateLM`` encodes (context, continuation) pairs as its Hugging Face backend does
+  (trailing spaces of the context move to the continuation; an empty context is the prefix token); each pair is cut
+  from the left to ``max_length`` inputs and scored in batches sorted longest first (``loom.eval.scoring``).
+- ``loglikelihood_rolling``: every token of the text once, in lm-eval's rolling windows of ``max_length``.
+- ``generate_until``: loom's generation engine (``loom.infer.Generator``) on contexts cut from the left to
+  ``max_length - max_gen_toks`` tokens, batched by generation settings and sorted longest first; the text is cut at
+  the first stop string, as the Hugging Face backend cuts it.
+
+lm-eval 0.4 looks ``--model`` names up in its own registry before any other code runs, and it finds no backends
+in other installed packages, so ``lm_eval --model loom`` needs this module imported first:
+``python -m loom.eval.harness`` is lm-eval's own command line with the backend registered (``loom eval --tasks``
+runs tasks too).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from loom.config.errors import ConfigError, require
+from loom.eval.model import EvalModel, load
+from loom.eval.scoring import continuation_window, rolling_windows, score
+
+_model_api = require("lm_eval.api.model", "eval", package="lm-eval", purpose="the lm-evaluation-harness backend")
+_registry = require("lm_eval.api.registry", "eval", package="lm-eval")
+# lm-eval registers its own backends (lazily) only while its registry is empty: before ours joins it
+require("lm_eval.models", "eval", package="lm-eval")
+
+NAME = "loom"
+DEFAULT_BATCH = 8
+
+
+def _int(name: str, value, lowest: int) -> int:
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(name, value, "expected an integer") from None
+    if out < lowest:
+        raise ConfigError(name, value, f"allowed: {lowest} or more")
+    return out
+
+
+def _batch(value) -> int:
+    """lm-eval's batch_size: a count, or ``auto`` / ``auto:N`` (here: the default count; loom does not probe
+    memory)."""
+    if value is None or str(value).startswith("auto"):
+        return DEFAULT_BATCH
+    return _int("batch_size", value, 1)
+
+
+class LoomLM(_model_api.TemplateLM):
+    """``checkpoint``: a loom checkpoint or Hugging Face folder (lm-eval's ``--model_args checkpoint=PATH``), or
+    ``model``: an ``EvalModel`` already in memory (a training run's). ``max_length`` 0: the model's (``load``);
+    ``prefix_token_id``: the token before an empty context (default: ``EvalModel.prefix_id``)."""
+
+    backend = "causal"
+
+    def __init__(self, checkpoint: str | None = None, *, model: EvalModel | None = None, device: str = "auto",
+                 dtype: str = "auto", batch_size: int | str | None = DEFAULT_BATCH, max_length: int | str = 0,
+                 max_gen_toks: int | str = 256, prefix_token_id: int | str | None = None,
+                 max_batch_size: int | None = None):
+        super().__init__()
+        if (checkpoint is None) == (model is None):
+            raise ConfigError("checkpoint", checkpoint, "pass exactly one of checkpoint=PATH or an EvalModel")
+        self.em = model or load(checkpoint, device=device or "auto", dtype=dtype,
+                                max_length=_int("max_length", max_length, 0))
+        self.batch_size = _batch(batch_size)
+        self.max_gen_toks = _int("max_gen_toks", max_gen_toks, 1)
+        self._prefix = self.em.prefix_id if prefix_token_id is None else _int("prefix_token_id", prefix_token_id, 0)
+        self.tokenizer = self.em.tokenizer
+        self._device = self.em.device
+
+    # ---- what lm-eval asks of a TemplateLM --------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.em.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix
+
+    @property
+    def max_length(self) -> int:
+        return self.em.max_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        """The text's ids as loom tokenizes (nothing added around it; special-token names in the text are text)."""
+        ids = list(self.tokenizer.encode(string))
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        windows = [continuation_window(ctx, cont, self.max_length) for _, ctx, cont in requests]
+        results = score(self.em, windows, override_bs or self.batch_size)
+        for (request, _, _), answer in zip(requests, results):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """The log-probability of each whole text, every token once (an empty text: 0)."""
+        texts = [req.args[0] for req in requests]
+        windows, owner = [], []
+        for i, text in enumerate(texts):
+            mine = rolling_windows(self.tok_encode(text), self.prefix_token_id, self.max_length)
+            windows += mine
+            owner += [i] * len(mine)
+        totals = [0.0] * len(texts)
+        for i, (logp, _) in zip(owner, score(self.em, windows, self.batch_size)):
+            totals[i] += logp
+        for text, value in zip(texts, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), value)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from loom.eval.generate import generate_until
+
+        out = generate_until(self, [req.args for req in requests])
+        for req, text in zip(requests, out):
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return out
+
+    def get_model_info(self) -> dict:
+        return {"model": self.em.name, "max_length": self.max_length, "prefix_token_id": self.prefix_token_id}
+
+
+if __name__ != "__main__":  # run as a script, the module registers itself on import (below)
+    _registry.register_model(NAME)(LoomLM)
+
+
+# ---- running tasks ----------------------------------------------------------------------------------
+
+def run_tasks(lm: LoomLM, tasks: list[str], *, include_path: str | None = None, limit: float | None = None,
+              num_fewshot: int | None = None, gen_kwargs: dict | None = None, include_defaults: bool = True,
+              log_samples: bool = False, seed: int = 1234) -> dict:
+    """lm-eval's ``simple_evaluate`` of ``tasks`` (names, or task YAMLs found under ``include_path``) on ``lm``;
+    lm-eval's results dict. ``include_defaults`` false: only the tasks under ``include_path`` are indexed (much
+    faster to start)."""
+    evaluator = require("lm_eval.evaluator", "eval", package="lm-eval")
+    from lm_eval.tasks import TaskManager
+
+    if not tasks:
+        raise ConfigError("--tasks", "", "name at least one lm-eval task")
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" (looked in lm-eval's tasks{' and ' + include_path if include_path else ''})"
+        raise ConfigError("--tasks", ",".join(unknown), f"no such lm-eval task{where}")
+    return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                     task_manager=manager, gen_kwargs=gen_kwargs, log_samples=log_samples,
+                                     random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                     fewshot_random_seed=seed)
+
+
+def flat_metrics(results: dict, prefix: str = "") -> dict[str, float]:
+    """``{prefix + "task/metric": value}`` of every number in a results dict (a filter other than ``none`` kept
+    in the name: ``exact_match,strict-match`` -> ``exact_match/strict-match``; standard errors left out)."""
+    out = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric, _, flt = key.partition(",")
+            if metric.endswith("_stderr") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name = metric if flt in ("", "none") else f"{metric}/{flt}"
+            out[f"{prefix}{task}/{name}"] = float(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """lm-eval's command line with the ``loom`` backend registered: ``python -m loom.eval.harness --model loom
+    --model_args checkpoint=PATH --tasks ...`` takes every option ``lm_eval`` takes."""
+    cli = require("lm_eval.__main__", "eval", package="lm-eval")
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    return cli.cli_evaluate()
+
+
+def results_json(results: dict) -> str:
+    """The parts of a results dict worth keeping (per task metrics, versions, n-shot, the config), as JSON."""
+    keep = {k: results[k] for k in ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples",
+                                    "config") if k in results}
+    return json.dumps(keep, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    from loom.eval import harness  # the module lm-eval's registry knows, not this __main__ copy
+
+    sys.exit(harness.main())
