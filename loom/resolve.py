@@ -146,8 +146,9 @@ def check_dpo(cfg: Config) -> None:
             if getattr(dpo, key) != default:
                 raise ConfigError(f"dpo.{key}", getattr(dpo, key), "used by training.objective dpo only")
         return
-    if dpo.reference == "copy":
-        raise ConfigError("dpo.reference", "copy", "not supported yet: allowed cached | adapters_off")
+    if dpo.reference == "copy" and cfg.lora.rank:
+        raise ConfigError("dpo.reference", "copy", "not with LoRA (lora.rank > 0), as TRL: allowed adapters_off (the "
+                          "base is the reference, no second copy) | cached")
     if dpo.reference == "adapters_off" and not cfg.lora.rank:
         raise ConfigError("dpo.reference", "adapters_off", "needs LoRA (lora.rank > 0): allowed cached without it")
     for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):

@@ -253,7 +253,8 @@ class DpoConfig:
     reference: str = opt("cached", "the reference model's log-probabilities: 'cached' = one pass of the initial model "
                                    "over every pair before the first step, kept in the run dir; 'adapters_off' = the "
                                    "policy with its LoRA adapters off, every step (needs lora.rank > 0); 'copy' = a "
-                                   "frozen second model (not supported yet)",
+                                   "frozen copy of the initial policy in its layout, one no-grad forward per "
+                                   "micro-batch (not with LoRA)",
                          choices=("cached", "adapters_off", "copy"))
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import replace
 from typing import Protocol
-
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from loom.data.loader import MicroBatch
 from loom.models.common.lora import adapters_disabled
@@ -82,7 +84,8 @@ class DirectPreference:
     tokens. The count is pairs, so a step's loss is the mean over the global batch's pairs whatever the layout.
 
     ``reference``: 'cached' = the micro-batch's ``ref_logps`` (the initial model's, computed before the first step);
-    'adapters_off' = the policy itself with its LoRA adapters off, under no_grad."""
+    'adapters_off' = the policy itself with its LoRA adapters off, under no_grad; 'copy' = a frozen copy of the
+    initial policy (``reference_model``, built by ``prepare`` in the policy's layout), under no_grad."""
 
     loss_in_forward = True  # the loss needs the reference beside the logits: forward returns it
     STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy")
@@ -90,6 +93,7 @@ class DirectPreference:
     def __init__(self, beta: float, loss: str = "sigmoid", reference: str = "cached"):
         self.beta, self.kind, self.reference = beta, loss, reference
         self._stats: dict[str, torch.Tensor] = {}
+        self.reference_model: torch.nn.Module | None = None  # dpo.reference copy: set by prepare
 
     def count(self, mb: MicroBatch) -> torch.Tensor:
         return torch.tensor(mb.inputs.shape[0] // 2, device=mb.inputs.device)
@@ -98,8 +102,12 @@ class DirectPreference:
         """dpo.reference cached: the initial model's log-probabilities of every pair (training and validation), from
         one no-grad pass before the first step (the model before any checkpoint is loaded), kept in the run dir and
         read back by later runs in it (a resume); the loader hands them out with each micro-batch. Each pair is
-        computed on one data-parallel rank, and a sum over the ranks gives every rank all of them."""
+        computed on one data-parallel rank, and a sum over the ranks gives every rank all of them. dpo.reference
+        copy: the frozen copy of the initial policy (``frozen_copy``)."""
         cfg, loader = trainer.cfg, trainer.loader
+        if self.reference == "copy":
+            self.reference_model = frozen_copy(trainer)
+            return
         if self.reference != "cached" or not hasattr(loader, "reference"):
             return
         src, device = loader.source, trainer.device
@@ -138,6 +146,11 @@ class DirectPreference:
         if self.reference == "adapters_off":
             with torch.no_grad(), adapters_disabled(model):
                 ref = self.logps(model, mb, positions)[0]
+        elif self.reference == "copy":
+            assert self.reference_model is not None, "dpo.reference copy: prepare(trainer) builds the reference model"
+            with torch.no_grad():
+                ref = self.logps(self.reference_model, mb, positions)[0]
+            release_gathered(self.reference_model)
         else:
             ref = mb.ref_logps
             assert ref is not None, "dpo.reference cached: the loader hands out no reference log-probabilities"
@@ -166,6 +179,41 @@ class DirectPreference:
     def step_stats(self) -> dict[str, torch.Tensor]:
         stats, self._stats = self._stats, {}
         return stats
+
+
+def frozen_copy(trainer) -> torch.nn.Module:
+    """A frozen copy of the trainer's model as it is now (the initial policy: called before any checkpoint is loaded
+    or step taken), parallelized in the policy's layout (TP and FSDP2 shard it as the policy's parameters are, so the
+    copy's shards are the policy's), with no gradients and no optimizer state. Built as the policy is, then its
+    parameters and buffers copied from the policy's; no activation checkpointing (nothing runs backward through it)
+    and no DDP wrapper (nothing to reduce: every data-parallel rank holds the same weights)."""
+    from loom.models.common.init import canonical_name
+    from loom.models.llama import Llama
+    from loom.parallel.parallelize import parallelize_llama
+
+    cfg, (policy,) = trainer.cfg, trainer.parts  # one part: pipeline parallelism is refused under dpo
+    with torch.device("meta"):
+        model = Llama(trainer.model_args)
+    training = replace(cfg.training, activation_checkpointing="none")
+    (ref,) = parallelize_llama(model, trainer.dims, training, cfg.parallel, trainer.device, cfg.run.seed).parts
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    with torch.no_grad():
+        for named in ("named_parameters", "named_buffers"):
+            mine = {canonical_name(n): t for n, t in getattr(policy, named)()}
+            theirs = {canonical_name(n): t for n, t in getattr(ref, named)()}
+            assert mine.keys() == theirs.keys(), sorted(mine.keys() ^ theirs.keys())
+            for name, t in theirs.items():
+                local(t).copy_(local(mine[name]))
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def release_gathered(model: torch.nn.Module) -> None:
+    """Free the parameters FSDP2 keeps gathered after a forward (the root's, and every block's under
+    parallel.reshard_after_forward false): they wait for a backward that a frozen model never runs."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def build_objective(name: str, fused_loss: bool, dpo=None) -> Objective:

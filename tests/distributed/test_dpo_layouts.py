@@ -1,16 +1,18 @@
 """Layout invariance of DPO: pairs of padded sequences, per-pair losses over the global batch's pairs, and the
 cached reference computed per pair on whichever rank, give the single-process loss and rewards at every step under
 DDP x2, FSDP2 x2 with accumulation and TP x2 (fp32, within 1e-5 relative over 5 steps), with the same global
-batches; LoRA with dpo.reference adapters_off likewise under FSDP2 x2."""
+batches; LoRA with dpo.reference adapters_off likewise under FSDP2 x2; dpo.reference copy (a frozen copy of the
+policy in its layout) under DDP x2, FSDP2 x2 with accumulation and TP x2 against its single process."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
 import pytest
 
-from tests.distributed.harness import losses, run_jobs
+from tests.distributed.harness import losses, run_fn, run_jobs
 from tests.tiny import tiny_overrides
 
 STEPS, GLOBAL = 5, 8
@@ -27,8 +29,9 @@ def write_pairs(path, n: int = 120, seed: int = 0) -> str:
     return str(path)
 
 
-def job(tmp, source, name, mb, lora=False, **parallel):
+def job(tmp, source, name, mb, lora=False, copy=False, **parallel):
     extra = {"lora.rank": 4, "dpo.reference": "adapters_off", "optimizer.lr": 3e-2} if lora else {}
+    extra.update({"dpo.reference": "copy"} if copy else {})
     return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
         "training.objective": "dpo", "data.source": source, "run.seed": 5, "training.steps": STEPS,
         "training.seq_len": 96, "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb,
@@ -40,12 +43,16 @@ def job(tmp, source, name, mb, lora=False, **parallel):
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo_layouts")
     source = write_pairs(tmp / "pairs.jsonl")
-    single = run_jobs(1, [job(tmp, source, "single", GLOBAL), job(tmp, source, "lora", GLOBAL, lora=True)], str(tmp))
-    names = ["ddp2", "fsdp2-acc2", "tp2", "lora-fsdp2"]
+    single = run_jobs(1, [job(tmp, source, "single", GLOBAL), job(tmp, source, "lora", GLOBAL, lora=True),
+                          job(tmp, source, "copy", GLOBAL, copy=True)], str(tmp))
+    names = ["ddp2", "fsdp2-acc2", "tp2", "lora-fsdp2", "copy-ddp2", "copy-fsdp2-acc2", "copy-tp2"]
     jobs = [job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
             job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
             job(tmp, source, "tp2", GLOBAL, tp=2, dp_shard=1),
-            job(tmp, source, "lora-fsdp2", GLOBAL // 2, lora=True, dp_shard=2)]
+            job(tmp, source, "lora-fsdp2", GLOBAL // 2, lora=True, dp_shard=2),
+            job(tmp, source, "copy-ddp2", GLOBAL // 2, copy=True, dp_replicate=2, dp_shard=1),
+            job(tmp, source, "copy-fsdp2-acc2", GLOBAL // 4, copy=True, dp_shard=2),
+            job(tmp, source, "copy-tp2", GLOBAL, copy=True, tp=2, dp_shard=1)]
     return single, dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
 
@@ -55,22 +62,57 @@ def deviation(got: list[float], ref: list[float], floor: float = 1e-3) -> float:
 
 
 def test_dpo_losses_match_single_process(results):
-    (reference, lora), layouts = results
+    (reference, lora, copy), layouts = results
     report = []
     for name, res in layouts.items():
-        base = lora if name.startswith("lora") else reference
+        base = {"lora": lora, "copy": copy}.get(name.split("-")[0], reference)
         ref, got = losses(base), losses(res)
         assert len(ref) == STEPS and len(got) == STEPS, res
         margins = [r["rewards/margins"] for r in res["records"]]
         dev = max(deviation(got, ref), deviation(margins, [r["rewards/margins"] for r in base["records"]], 1.0))
         report.append(f"{name}: max rel deviation {dev:.2e}")
         assert dev < 1e-5, "\n".join(report)
-    for res in (reference, lora):  # the policy moves away from its reference (random pairs: no trend to expect)
+    for res in (reference, lora, copy):  # the policy moves away from its reference (random pairs: no trend to expect)
         assert abs(losses(res)[-1] - losses(res)[0]) > 1e-3
+    # the copy's log-probabilities are the cached ones, batched differently (float rounding)
+    assert deviation(losses(copy), losses(reference)) < 1e-5
     print("\n".join(report))
 
 
 def test_dpo_global_batches_are_layout_independent(results):
-    (reference, lora), layouts = results
-    hashes = {tuple(r["batch_hash"] for r in res["records"]) for res in [reference, lora, *layouts.values()]}
+    hashes = {tuple(r["batch_hash"] for r in res["records"]) for res in [*results[0], *results[1].values()]}
     assert len(hashes) == 1 and all(hashes.pop())
+
+
+def copy_under_fsdp(tmp: str, source: str, rank: int, world: int) -> dict:
+    """dpo.reference copy under FSDP2 x2 on this rank: the copy's parameters are sharded as the policy's (same
+    placements, same local shards at the start), take no gradient, stay sharded between steps (the root's gathered
+    weights are released after each reference forward) and bitwise unchanged by training."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from loom.config import build_config
+    from loom.train.trainer import Trainer
+
+    overrides = job(tmp, source, "copy-sharding", GLOBAL // 2, copy=True, dp_shard=2)
+    trainer = Trainer(build_config(None, {k: str(v) for k, v in overrides.items()}))
+    policy = dict(trainer.parts[0].named_parameters())
+    ref = dict(trainer.objective.reference_model.named_parameters())
+    same = all(isinstance(r, DTensor) and r.placements == policy[n].placements and
+               torch.equal(r.to_local(), policy[n].to_local()) for n, r in ref.items())
+    before = {n: r.to_local().clone() for n, r in ref.items()}
+    full = {n: r.full_tensor() for n, r in ref.items()}
+    trainer.fit()
+    after = dict(trainer.objective.reference_model.named_parameters())  # FSDP2 registers the sharded ones back
+    return {"names": sorted(ref) == sorted(policy), "sharded_as_policy": same,
+            "frozen": all(not r.requires_grad and r.grad is None for r in after.values()),
+            "resharded": all(isinstance(r, DTensor) and r.to_local().shape == before[n].shape
+                             for n, r in after.items()),
+            "unchanged": all(torch.equal(r.full_tensor() if isinstance(r, DTensor) else r, full[n])
+                             for n, r in after.items())}
+
+
+def test_reference_copy_is_sharded_as_the_policy_under_fsdp2(tmp_path):
+    source = write_pairs(tmp_path / "pairs.jsonl")
+    got = run_fn(2, functools.partial(copy_under_fsdp, str(tmp_path), source), str(tmp_path))
+    assert got == dict.fromkeys(["names", "sharded_as_policy", "frozen", "resharded", "unchanged"], True), got

@@ -188,8 +188,9 @@ def test_only_completion_tokens_count():
 def test_config_rules(tiny):
     with pytest.raises(ConfigError, match="dpo.beta.*training.objective dpo only"):
         check_config(tiny(**{"dpo.beta": 0.5}))
-    with pytest.raises(ConfigError, match="dpo.reference = 'copy': not supported yet"):
-        check_config(tiny(**{"training.objective": "dpo", "dpo.reference": "copy"}))
+    with pytest.raises(ConfigError, match="dpo.reference = 'copy': not with LoRA"):
+        check_config(tiny(**{"training.objective": "dpo", "dpo.reference": "copy", "lora.rank": 4}))
+    check_config(tiny(**{"training.objective": "dpo", "dpo.reference": "copy"}))
     with pytest.raises(ConfigError, match="dpo.reference = 'adapters_off': needs LoRA"):
         check_config(tiny(**{"training.objective": "dpo", "dpo.reference": "adapters_off"}))
     with pytest.raises(ConfigError, match="parallel.pp = 2: not supported with training.objective dpo"):
@@ -202,10 +203,18 @@ def test_config_rules(tiny):
 
 def test_cli_error_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
-        loom_main(["train", "--training.objective", "dpo", "--dpo.reference", "copy", "--dry-run"])
+        loom_main(["train", "--training.objective", "dpo", "--dpo.reference", "copy", "--lora.rank", "4", "--dry-run"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dpo.reference" in err[0] and "copy" in err[0]
+
+
+def test_pipeline_parallelism_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        loom_main(["train", "--training.objective", "dpo", "--parallel.pp", "2", "--dry-run"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.pp" in err[0] and "dpo" in err[0], err
 
 
 # ---- runs ----------------------------------------------------------------------------------------------------
@@ -255,11 +264,48 @@ def test_the_step_loss_is_the_mean_over_pairs(tmp_path, stdlib_cache):
     torch.testing.assert_close(out["loss"], torch.log(torch.tensor(2.0)), rtol=1e-5, atol=0)
 
 
+def params_of(module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def test_reference_copy_equals_the_cached_reference_and_stays_frozen(tmp_path):
+    """dpo.reference copy (a frozen copy of the initial policy, run every step) gives the cached reference's losses
+    and rewards at every step (the same log-probabilities, batched differently); the copy starts bitwise equal to
+    the initial policy, takes no gradient and no optimizer state, and is bitwise unchanged after training while the
+    policy moves."""
+    source = write_jsonl(tmp_path / "p.jsonl", rows(80))
+    run = lambda name, reference: Trainer(dpo_run(tmp_path / name, tmp_path / "cache", **{
+        "data.source": source, "dpo.reference": reference, "training.steps": 5, "data.val_fraction": 0.0,
+        "dpo.beta": 0.5}))
+    cached = run("cached", "cached").fit()
+    trainer = run("copy", "copy")
+    reference = trainer.objective.reference_model
+    assert reference is not None and reference is not trainer.parts[0]
+    initial = params_of(trainer.parts[0])
+    frozen = params_of(reference)
+    assert frozen.keys() == initial.keys() and all(torch.equal(frozen[k], initial[k]) for k in frozen)
+    assert not any(p.requires_grad for p in reference.parameters())
+    held = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert held and not held & {id(p) for p in reference.parameters()}
+    copied = trainer.fit()
+    for got, ref in zip(copied, cached, strict=True):
+        for key in ("loss", "rewards/margins", "rewards/chosen"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (got["step"], key)
+    assert all(p.grad is None for p in reference.parameters())
+    assert all(torch.equal(p, frozen[name]) for name, p in reference.named_parameters())
+    assert not all(torch.equal(p, initial[name]) for name, p in trainer.parts[0].named_parameters())
+    assert len(copied) == 5 and abs(copied[-1]["loss"] - copied[0]["loss"]) > 1e-3
+    assert not (tmp_path / "copy" / "dpo_reference").exists()  # nothing cached: the copy computes it every step
+
+
 @pytest.mark.slow
-def test_resume_mid_run_continues_bitwise(tmp_path, stdlib_cache):
+@pytest.mark.parametrize("reference", ["cached", "copy"])
+def test_resume_mid_run_continues_bitwise(tmp_path, stdlib_cache, reference):
     """6 steps saved at 3; a copy of the run resumed from step 3 writes steps 4..6 exactly as the uninterrupted run
-    did (the cached reference is read back from the run dir)."""
-    extra = {"training.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 0, "run.deterministic": "true"}
+    did (the cached reference is read back from the run dir; the reference copy is rebuilt from the initial
+    policy before the checkpoint is loaded)."""
+    extra = {"training.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 0, "run.deterministic": "true",
+             "dpo.reference": reference}
     whole = Trainer(dpo_run(tmp_path / "whole", stdlib_cache, **extra)).fit()
     shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
     step3 = str(tmp_path / "part" / "checkpoints" / step_dir_name(3))
