@@ -1,4 +1,4 @@
-"""The ``loom`` command: ``train``, ``plan``, ``convert``, ``report``, ``data prepare``."""
+"""The ``loom`` command: ``train``, ``plan``, ``convert``, ``eval``, ``report``, ``data prepare``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ commands:
   train          train a model (see `loom train --help`)
   plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
   convert        import a Hugging Face folder (Llama, Mistral, Qwen, Mixtral) / export a loom checkpoint
+  eval           perplexity / bits per byte on a data source, lm-evaluation-harness tasks (`loom eval --help`)
   report         plots + HTML page of runs' metrics.jsonl (`loom report --help`)
   data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
 """
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.convert import main as convert_main
 
         return convert_main(rest)
+    if cmd == "eval":
+        from loom.cli.eval import main as eval_main
+
+        return eval_main(rest)
     if cmd == "report":
         from loom.cli.report import main as report_main
 
@@ -67,7 +72,7 @@ def version_line() -> str:
     return f"loom {loom_version()} (torch {torch}, Python {platform.python_version()})"
 
 
-COMMANDS = ("train", "plan", "convert", "report", "data prepare")
+COMMANDS = ("train", "plan", "convert", "eval", "report", "data prepare")
 
 
 def unknown_command(argv: list[str]) -> UserError:

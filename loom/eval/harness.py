@@ -137,26 +137,35 @@ if __name__ != "__main__":  # run as a script, the module registers itself on im
 
 # ---- running tasks ----------------------------------------------------------------------------------
 
-def run_tasks(lm: LoomLM, tasks: list[str], *, include_path: str | None = None, limit: float | None = None,
-              num_fewshot: int | None = None, gen_kwargs: dict | None = None, include_defaults: bool = True,
-              log_samples: bool = False, seed: int = 1234) -> dict:
-    """lm-eval's ``simple_evaluate`` of ``tasks`` (names, or task YAMLs found under ``include_path``) on ``lm``;
-    lm-eval's results dict. ``include_defaults`` false: only the tasks under ``include_path`` are indexed (much
-    faster to start)."""
-    evaluator = require("lm_eval.evaluator", "eval", package="lm-eval")
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """lm-eval's TaskManager for ``tasks``: only ``include_path`` indexed when it holds every one of them (indexing
+    lm-eval's own thousands of task files takes a while), else lm-eval's tasks too; an unknown task is one line."""
     from lm_eval.tasks import TaskManager
 
     if not tasks:
         raise ConfigError("--tasks", "", "name at least one lm-eval task")
-    manager = TaskManager(include_path=include_path, include_defaults=include_defaults)
+    if include_path:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in own.all_tasks for t in tasks):
+            return own
+    manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        where = f" (looked in lm-eval's tasks{' and ' + include_path if include_path else ''})"
-        raise ConfigError("--tasks", ",".join(unknown), f"no such lm-eval task{where}")
+        where = f"lm-eval's tasks{' and ' + include_path if include_path else ''}"
+        raise ConfigError("--tasks", ",".join(unknown), f"no such task in {where}")
+    return manager
+
+
+def run_tasks(lm: LoomLM, tasks: list[str], *, include_path: str | None = None, limit: float | None = None,
+              num_fewshot: int | None = None, gen_kwargs: dict | str | None = None, log_samples: bool = False,
+              seed: int = 1234) -> dict:
+    """lm-eval's ``simple_evaluate`` of ``tasks`` (lm-eval's own, or task YAMLs under ``include_path``) on ``lm``;
+    lm-eval's results dict. ``limit``: examples per task (a fraction below 1)."""
+    evaluator = require("lm_eval.evaluator", "eval", package="lm-eval")
     return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                     task_manager=manager, gen_kwargs=gen_kwargs, log_samples=log_samples,
-                                     random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                     fewshot_random_seed=seed)
+                                     task_manager=task_manager(tasks, include_path), gen_kwargs=gen_kwargs,
+                                     log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
+                                     torch_random_seed=seed, fewshot_random_seed=seed)
 
 
 def flat_metrics(results: dict, prefix: str = "") -> dict[str, float]:
