@@ -14,6 +14,9 @@ from loom.config.paths import check_file_writable
 
 USAGE = """usage: loom plan [--config FILE.toml] [--gpus N] [--gpu KIND] [--search] [--top K] [--margin GIB | PCT%]
                  [--json FILE] [--plot FILE.png] [--section.field VALUE ...]
+       loom plan --generate --prompt-len P --output-len N [--batch B] [--dtype DTYPE] [--kv-dtype DTYPE]
+                 [--config FILE.toml] [--gpus N] [--gpu KIND] [--margin GIB | PCT%] [--json FILE]
+                 [--section.field VALUE ...]
 
 Estimates peak memory per GPU and step time of the configuration on N GPUs (default 1) of KIND
 (default H100; known: {kinds}). With --search, ranks every layout loom accepts for the model and
@@ -21,10 +24,23 @@ global batch (tp, pp, cp, replicate x shard, pipeline schedule, micro-batch, act
 and prints the K fastest that fit (default 10), with its progress on stderr. A layout fits when its
 peak leaves --margin free: GiB (--margin 2) or a share of the GPU's memory (default 5%).
 --plot FILE.png draws memory per GPU by component and, with --search, the ranked layouts
-(pip install 'loom-train[report]'). Nothing is trained, nothing needs a GPU."""
+(pip install 'loom-train[report]'). Nothing is trained, nothing needs a GPU.
+
+With --generate, plans sampling B sequences (default 1) of P prompt and N output tokens with a KV cache,
+tensor-parallel over the --gpus: memory per GPU (weights, KV cache, prefill activations), time to first
+token, decode time per step at the first and last output token and on average (HBM roofline), decode
+tokens/s and the tensor-parallel all-reduce time. --dtype: the weights (default bfloat16; float16,
+float32; bf16 / fp16 / fp32 too), --kv-dtype: the cache (default: --dtype); --training.compile true
+times the prefill at the compiled efficiency. Model: docs/planner.md, "Generation"."""
 
 _OPTIONS = {"--gpus": "gpus", "--gpu": "gpu", "--top": "top", "--margin": "margin", "--json": "json",
-            "--plot": "plot", "--config": "config", "-c": "config"}
+            "--plot": "plot", "--config": "config", "-c": "config", "--batch": "batch", "--prompt-len": "prompt_len",
+            "--output-len": "output_len", "--dtype": "dtype", "--kv-dtype": "kv_dtype"}
+# --generate's own options (given without it, an error) and the training plan's (given with it, an error)
+GENERATE_ONLY = ("batch", "prompt_len", "output_len", "dtype", "kv_dtype")
+TRAINING_ONLY = ("search", "top", "plot")
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "float32": "float32", "fp32": "float32"}
 # Files a plan writes (option -> a file name to suggest): each is checked writable before the plan is computed
 # and written once it is (``write_outputs``).
 OUTPUT_FILES = {"json": "plan.json", "plot": "plan.png"}
@@ -32,13 +48,13 @@ OUTPUT_FILES = {"json": "plan.json", "plot": "plan.png"}
 
 def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """(planner options, --section.field overrides)."""
-    opts = {"gpus": "1", "gpu": "H100", "top": "10", "margin": None, "config": None, "search": False,
-            **{name: "" for name in OUTPUT_FILES}}
+    opts = {"gpus": "1", "gpu": "H100", "top": None, "margin": None, "config": None, "search": False,
+            "generate": False, **{name: None for name in GENERATE_ONLY}, **{name: "" for name in OUTPUT_FILES}}
     rest, i = [], 0
     while i < len(argv):
         name, eq, val = argv[i].partition("=")
-        if name == "--search":
-            opts["search"] = True
+        if name in ("--search", "--generate"):
+            opts[name[2:]] = True
         elif name in _OPTIONS:
             if not eq:
                 if i + 1 >= len(argv):
@@ -48,16 +64,57 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             rest.append(argv[i])
         i += 1
-    for key in ("gpus", "top"):
-        try:
-            opts[key] = int(opts[key])
-        except ValueError:
-            raise ConfigError(f"--{key}", opts[key], "expected a positive integer") from None
-        if opts[key] < 1:
-            raise ConfigError(f"--{key}", opts[key], "expected a positive integer")
+    check_mode(opts)
+    defaults = {"top": "10", "batch": "1"} if not opts["generate"] else {"batch": "1"}
+    for key, default in defaults.items():
+        opts[key] = default if opts[key] is None else opts[key]
+    for key in ("gpus", "top", "batch", "prompt_len", "output_len"):
+        if opts.get(key) is not None:
+            opts[key] = positive_int(f"--{key.replace('_', '-')}", opts[key])
     if opts["margin"] is not None:
         opts["margin"] = parse_margin(opts["margin"])
+    if opts["generate"]:
+        opts["dtype"] = dtype_name("--dtype", opts["dtype"] or "bfloat16")
+        opts["kv_dtype"] = dtype_name("--kv-dtype", opts["kv_dtype"] or opts["dtype"])
     return opts, rest
+
+
+def check_mode(opts: dict) -> None:
+    """--generate's options only with it, the training plan's only without it; --generate needs both lengths."""
+    def flag(key: str) -> str:
+        return f"--{key.replace('_', '-')}"
+
+    if opts["generate"]:
+        for key in TRAINING_ONLY:
+            if opts[key] not in (None, False, ""):
+                raise ConfigError(flag(key), None, "not with --generate (a generation plan has one layout: tensor "
+                                  "parallel over --gpus)", show_value=False)
+        for key in ("prompt_len", "output_len"):
+            if opts[key] is None:
+                raise ConfigError(flag(key), None, "required with --generate (a number of tokens per sequence)",
+                                  show_value=False)
+    else:
+        for key in GENERATE_ONLY:
+            if opts[key] is not None:
+                raise ConfigError(flag(key), opts[key], "only with --generate")
+
+
+def positive_int(flag: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(flag, text, "expected a positive integer") from None
+    if value < 1:
+        raise ConfigError(flag, value, "expected a positive integer")
+    return value
+
+
+def dtype_name(flag: str, text: str) -> str:
+    """A dtype's loom name (loom.numerics.DTYPES) from it or its short form."""
+    try:
+        return DTYPE_NAMES[text.strip().lower()]
+    except KeyError:
+        raise ConfigError(flag, text, "allowed: bfloat16 | float16 | float32 (or bf16 | fp16 | fp32)") from None
 
 
 def parse_margin(text: str) -> tuple[float, bool]:
@@ -174,6 +231,8 @@ def main(argv: list[str]) -> int:
     gpu = gpu_kind(opts["gpu"])
     cfg = build_config(opts["config"], parse_overrides(rest))
     margin = margin_gib(opts["margin"], gpu)
+    if opts["generate"]:
+        return main_generate(opts, cfg, gpu, margin)
     from loom.plan.planner import estimate, search
 
     print(f"loom plan: {cfg.model.flavor}, seq {cfg.training.seq_len}, global batch {cfg.training.global_batch_size}, "
@@ -222,3 +281,84 @@ def write_json(path: str, report: dict) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise ConfigError("--json", path, f"could not be written ({err.strerror or err})") from None
+
+
+# ------------------------------------------------------------------------------------------------- --generate
+def main_generate(opts: dict, cfg, gpu, margin: float) -> int:
+    from loom.plan.generate import generation_args, plan_generation
+
+    tp, batch, prompt, output = opts["gpus"], opts["batch"], opts["prompt_len"], opts["output_len"]
+    args = generation_args(cfg, tp, opts["dtype"], prompt + output)
+    plan = plan_generation(args, batch, prompt, output, gpu, tp, opts["dtype"], opts["kv_dtype"],
+                           compiled=cfg.training.compile, margin_gib=margin)
+    print(f"loom plan --generate: {cfg.model.init_from or cfg.model.flavor}, batch {batch}, prompt {prompt:,} + "
+          f"output {output:,} tokens, {plan.dtype} weights, {plan.kv_dtype} KV cache, on {tp} x {opts['gpu']}"
+          + (f" (tensor parallel {tp})" if tp > 1 else ""))
+    print("assumed: " + assumptions(gpu, plan.dtype) + generate_assumptions(args, gpu, tp))
+    print(generation_text(plan, args))
+    write_outputs(opts, {"gpus": tp, "gpu": gpu.__dict__, "margin_gib": margin, "generate": generation_json(plan)})
+    return 0
+
+
+def generate_assumptions(args, gpu, tp: int) -> str:
+    from loom.plan.timing import COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE, efficiency
+
+    text = (f"; decode reads at {100 * DECODE_HBM_SHARE:.0f}% of HBM bandwidth and computes at "
+            f"{100 * efficiency(args.dim, compiled=True):.0f}% of peak")
+    if tp > 1:
+        text += f"; each tensor-parallel collective {1e6 * COLLECTIVE_LATENCY_S:.0f} us + its bytes"
+    return text
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}" if unit == "GiB" else f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def generation_text(plan, args) -> str:
+    mem, pre, first, last = plan.memory.gib(), plan.prefill, plan.first, plan.last
+    fit = "fits" if plan.fits else "does NOT fit"
+    tokens = plan.prompt_len + plan.output_len
+    lines = [
+        "memory per GPU, GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items())
+        + f" -> {fit} in {limit_text(plan.capacity_gib, plan.margin_gib)}; the largest batch that fits "
+          f"{tokens:,} positions: {plan.max_batch:,}",
+        f"KV cache ({plan.attention}): {_size(plan.kv_bytes_per_token)} per token of a sequence"
+        + (f" ({_size(plan.kv_bytes_per_token / plan.tp)} per GPU)" if plan.tp > 1 and plan.attention == "gqa" else "")
+        + f", {_size(plan.memory.kv_cache)} per GPU for {plan.batch} x {tokens:,} positions",
+        f"time to first token: {1e3 * pre.seconds:.1f} ms (prefill of {plan.batch} x {plan.prompt_len:,} tokens, "
+        f"{pre.flops / 1e12:.2f} TFLOP per GPU, {pre.bound}-bound"
+        + (f"; tensor-parallel all-reduces {1e3 * pre.tp_s:.2f} ms" if plan.tp > 1 else "") + ")",
+        f"decode, ms per step (a token for each sequence): first {1e3 * first.seconds:.2f}, last "
+        f"{1e3 * last.seconds:.2f}, mean {1e3 * plan.mean_step_s:.2f} ({first.bound}-bound at the first; "
+        f"{first.bytes / 1e9:.2f} GB read per GPU at the first step, {last.bytes / 1e9:.2f} at the last)",
+        f"HBM roofline (the datasheet's bandwidth): {1e3 * first.roofline_s:.2f} ms at the first step, "
+        f"{plan.batch / first.roofline_s:,.0f} tokens/s",
+        f"decode: {plan.decode_tokens_per_s:,.0f} tokens/s at batch {plan.batch} "
+        f"({plan.decode_tokens_per_s / plan.batch:,.1f} per sequence)",
+    ]
+    if plan.tp > 1:
+        lines.append(f"tensor-parallel collectives per decode step: {1e3 * first.tp_s:.3f} ms "
+                     f"({2 * args.n_layers + 1} all-reduces and the logits' all-gather)")
+    lines.append(f"the whole request: {plan.total_s:.2f} s for {plan.batch * plan.output_len:,} output tokens "
+                 f"({plan.batch * plan.output_len / plan.total_s:,.0f} tokens/s)")
+    return "\n".join(lines + [f"note: {n}" for n in plan.notes])
+
+
+def generation_json(plan) -> dict:
+    def step(s) -> dict:
+        return {"context": s.context, "ms": 1e3 * s.seconds, "bound": s.bound, "weight_bytes": s.weight_bytes,
+                "kv_bytes": s.kv_bytes, "flops": s.flops, "memory_ms": 1e3 * s.memory_s,
+                "compute_ms": 1e3 * s.compute_s, "tp_ms": 1e3 * s.tp_s, "roofline_ms": 1e3 * s.roofline_s}
+
+    return {"batch": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len, "tp": plan.tp,
+            "dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention": plan.attention,
+            "kv_bytes_per_token": plan.kv_bytes_per_token, "memory_gib": plan.memory.gib(), "fits": plan.fits,
+            "limit_gib": plan.limit_gib, "max_batch": plan.max_batch,
+            "prefill": {"ms": 1e3 * plan.prefill.seconds, "bound": plan.prefill.bound, "flops": plan.prefill.flops,
+                        "compute_ms": 1e3 * plan.prefill.compute_s, "memory_ms": 1e3 * plan.prefill.memory_s,
+                        "tp_ms": 1e3 * plan.prefill.tp_s},
+            "decode_first": step(plan.first), "decode_last": step(plan.last), "decode_mean_ms": 1e3 * plan.mean_step_s,
+            "decode_tokens_per_s": plan.decode_tokens_per_s, "total_s": plan.total_s, "notes": plan.notes}

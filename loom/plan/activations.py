@@ -110,6 +110,33 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
     return held, tracker.peak - held
 
 
+def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
+    """Peak bytes of tensors one block's forward creates on (batch, seq) tokens without autograd (a prefill), its
+    input included: loom's block code run on fake tensors with ``dtype`` weights, as for training."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from loom.models.common.rope import rope_table
+    from loom.models.llama.model import Block
+    from loom.numerics import DTYPES
+
+    previous = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(DTYPES[dtype])
+        try:
+            block = Block(args)
+        finally:
+            torch.set_default_dtype(previous)
+        if args.moe:
+            block.feed_forward.experts.grouped = True  # as in ``_trace``: bf16 grouped GEMM
+        rope = rope_table(args.head_dim, seq, args.rope_theta, args.rope_scaling)
+        tracker = _Tracker(list(block.parameters()), [rope])
+        tracker.backward = True  # record the peak at every op (no gradients exist to subtract)
+        with torch.no_grad(), tracker:
+            x = torch.zeros(batch, seq, args.dim, dtype=DTYPES[dtype])  # (B, S, E)
+            block(x, rope, None)
+    return tracker.peak
+
+
 def trace_precision(dtype: str, fsdp: bool) -> str:
     """How the forward runs: FSDP2 gathers parameters in the compute dtype; otherwise fp32 weights run
     under autocast (loom.train.precision)."""

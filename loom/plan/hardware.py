@@ -5,6 +5,9 @@ Memory is what PyTorch reports as the device's total (nvidia-smi's figure less t
 ``link_gbps`` is the bus bandwidth NCCL's all-gather / reduce-scatter reach within a node (NVLink, NVLS
 multicast off) and ``network_gbps`` the per-GPU bandwidth between nodes (8 x 400 Gb/s InfiniBand for the
 8-GPU HGX kinds): vendor-class figures, assumptions until a run measures them, and printed with every plan.
+``hbm_tbps`` is the datasheet's memory bandwidth (TB/s = 1e12 bytes/s), the roof of every memory-bound term (the
+optimizer, MoE copies, each decode step of ``loom plan --generate``); what a kernel reaches of it is a share stated
+where it is used (loom.plan.timing).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class GPU:
         return flops
 
 
+# hbm_tbps, from NVIDIA's datasheets: H100 Tensor Core GPU (SXM column, "GPU memory bandwidth 3.35TB/s");
+# H200 Tensor Core GPU (SXM, 4.8TB/s); A100 Tensor Core GPU (A100 80GB SXM, 2,039GB/s); HGX B200 (8TB/s per GPU).
 GPUS: dict[str, GPU] = {
     "H100": GPU("H100 SXM", memory_gib=79.2, hbm_tbps=3.35, link_gbps=360.0, network_gbps=50.0),
     "H200": GPU("H200 SXM", memory_gib=139.8, hbm_tbps=4.8, link_gbps=360.0, network_gbps=50.0),

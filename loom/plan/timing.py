@@ -72,6 +72,13 @@ def attention_flops(layers: float, heads: int, head_dim: int, seq: int, tokens: 
 ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
+# Generation (loom.plan.generate). A decode step streams every weight and the KV cache once: assumed read at the
+# share of HBM bandwidth loom's AdamW reaches (measured, above) until bench/generate.py measures decode itself.
+# A small all-reduce or all-gather (decode's tensor-parallel collectives carry a few KiB) costs a fixed latency
+# on top of its bytes: an assumption of the order NCCL reports for small messages inside an NVLink node.
+DECODE_HBM_SHARE = ADAMW_HBM_SHARE
+COLLECTIVE_LATENCY_S = 10e-6
+
 # MoE (see the module docstring). The casts of one 1B MoE layer's 8 x 2048 experts (12 B x 100.7M parameters)
 # took 0.522 ms on an H100: 2.31 TB/s of 3.35 (bench/results/moe_copies_h100.json, in git history at dc1b8aa).
 # Per slot x dim element, fwd + bwd, what one layer took beyond its matmuls at the planner's eager rate and the
