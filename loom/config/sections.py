@@ -125,6 +125,15 @@ class TrainingConfig:
     max_norm: float = opt(1.0, "gradient clipping by global norm; 0 = off", min=0.0)
     eval_every: int = opt(0, "validation every N steps; 0 = never", min=0)
     eval_batches: int = opt(4, "micro-batches per rank for one validation pass", min=1)
+    eval_hook: str = opt("", "'module:function' also run at every validation point: called with a "
+                             "loom.eval.hook.EvalContext (the live model, tokenizer, step), it returns {name: number}, "
+                             "logged in metrics.jsonl as eval/<name> (docs/eval.md)")
+    eval_tasks: str = opt("", "comma list of lm-evaluation-harness tasks also run at every validation point on the "
+                              "live model (needs lm-eval: pip install 'loom-train[eval]'); logged as "
+                              "eval/<task>/<metric>")
+    eval_tasks_include: str = opt("", "training.eval_tasks: a folder of task YAML files (your own tasks)")
+    eval_tasks_limit: int = opt(0, "training.eval_tasks: examples per task; 0 = every one", min=0)
+    eval_tasks_fewshot: int = opt(-1, "training.eval_tasks: examples in each prompt; -1 = the task's own", min=-1)
     loss_scale_init: float = opt(2.0**16, "float16: initial dynamic loss scale", min=1.0)
     loss_scale_window: int = opt(1000, "float16: overflow-free steps before the scale doubles", min=1)
     nonfinite: str = opt("skip", "a non-finite loss or gradient norm (agreed over all ranks, checked before the "

@@ -19,6 +19,7 @@ from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, describe_sources, prepare_data
 from loom.data.loader import MicroBatch
 from loom.data.sources import parse_source
+from loom.eval.hook import training_evals
 from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
 from loom.metrics.flops import device_peak, mfu, mfu_note
 from loom.metrics.logger import MetricsLogger, rewind_metrics
@@ -81,6 +82,7 @@ class Trainer:
         self._build_profiler()
         self._build_steps()
         getattr(self.objective, "prepare", lambda trainer: None)(self)  # e.g. DPO's cached reference pass
+        self.evals = training_evals(cfg, self.run_dir, self.env.is_main)  # training.eval_hook / eval_tasks
         self.step, self.tokens_seen = 0, 0
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self.preemption: Preemption | None = None  # set while fit() runs
@@ -329,6 +331,18 @@ class Trainer:
             part.train()
         return float(self.dims.data_sum(total) / count)
 
+    def run_evals(self) -> dict[str, float]:
+        """training.eval_hook and eval_tasks on the live model (loom.eval.hook): {"eval/<name>": value}."""
+        if self.evals is None:
+            return {}
+        for part in self.parts:
+            part.eval()
+        try:
+            return self.evals(self.parallel_model.modules[0], self.tokenizer, self.step, self.device, self._autocast)
+        finally:
+            for part in self.parts:
+                part.train()
+
     def _objective_stats(self, count: torch.Tensor) -> dict[str, torch.Tensor]:
         """The objective's statistics of the micro-batches just run, summed over the data-parallel ranks and divided
         by the global ``count`` (e.g. DPO's rewards and accuracy per pair)."""
@@ -493,12 +507,14 @@ class Trainer:
                     continue
                 if logger:
                     logger.progress.update(self.step)
-                val = None
+                val, evals = None, {}
                 if verdict != "stop" and cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
                     val = self.evaluate()
+                    evals = self.run_evals()
                 if logs or verdict == "stop":  # the step that stops the run is on record too
                     now = time.perf_counter()
                     rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
+                    rec.update(evals)
                     t_last, tokens_last = now, self.tokens_seen
                     if logger:
                         logger.log(rec)
