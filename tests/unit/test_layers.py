@@ -19,7 +19,9 @@ LAYERS = [
     {"parallel"},
     {"checkpoint"},
     {"resolve"},
-    {"train", "eval"},  # the trainer runs evaluations (loom.eval.hook); eval reads run checkpoints (loom.train.run_dir)
+    # the trainer runs evaluations (loom.eval.hook); eval reads run checkpoints (loom.train.run_dir) and generates
+    # through loom.infer, which reads run checkpoints the same way
+    {"train", "eval", "infer"},
     {"plan"},
     {"cli", "__main__"},
 ]
