@@ -59,9 +59,9 @@ CACHE_SHAPES: dict[str, Callable] = {"gqa": gqa_cache, "mla": mla_cache}
 
 
 def attention_kind(args) -> str:
-    """Which ``CACHE_SHAPES`` entry a model uses: MLA where its args give a latent rank (the field names of
-    DeepSeek's configs, which loom.models.common.mla's args follow), grouped-query attention otherwise."""
-    return "mla" if getattr(args, "kv_lora_rank", 0) else "gqa"
+    """Which ``CACHE_SHAPES`` entry a model uses: ``LlamaArgs.attention_kind`` ("gqa" or "mla"); for args without
+    that field, MLA where they give a latent rank (DeepSeek's config names)."""
+    return getattr(args, "attention_kind", "mla" if getattr(args, "kv_lora_rank", 0) else "gqa")
 
 
 def cache_shape(args) -> CacheShape:
@@ -215,7 +215,8 @@ def prefill(args, batch: int, prompt_len: int, gpu: GPU, tp: int, dtype: str, kv
     tokens = batch * prompt_len
     block = attention_params(args) + ffn_params(args, active=True)
     matmul = 2 * tokens * args.n_layers * block / tp + 2 * batch * args.vocab_size * args.dim / tp
-    attention = attention_flops(args.n_layers, args.n_heads, args.head_dim, prompt_len, tokens,
+    width = (args.head_dim + getattr(args, "value_head_dim", args.head_dim)) / 2  # MLA: values narrower than keys
+    attention = attention_flops(args.n_layers, args.n_heads, width, prompt_len, tokens,
                                 args.sliding_window) / 3.5 / tp  # the forward's share of forward + backward
     peak = gpu.peak(dtype)
     compute = matmul / (peak * efficiency(args.dim, compiled)) + \

@@ -42,20 +42,37 @@ def test_kv_cache_bytes_count_the_models_own_k_and_v():
 
 def test_mla_caches_the_latent_and_the_rope_key_for_every_head():
     """DeepSeek-V2's 512 + 64 elements per layer, against 2 x 8 KV heads x 128 for an 8-KV-head GQA layer (about
-    3.6x smaller); the latent is shared by every head, so tensor parallelism does not split it. A namespace holds
-    the shape numbers until LlamaArgs has MLA's fields (then the model's own args are used)."""
-    from loom.models.llama.flavors import LlamaArgs
-
-    fields = dict(n_layers=2, n_heads=16, n_kv_heads=16, head_dim=192, kv_lora_rank=512, qk_rope_head_dim=64)
-    if "kv_lora_rank" in LlamaArgs.__dataclass_fields__:
-        args = FLAVORS["debug"].with_(**fields)
-    else:
-        args = types.SimpleNamespace(**fields)
+    3.6x smaller); the latent is shared by every head, so tensor parallelism does not split it. The formula reads
+    only the shape's numbers: a namespace of DeepSeek-V2-Lite's stands in where the MLA flavor is not there."""
+    args = FLAVORS.get("deepseek_v2_lite") or types.SimpleNamespace(n_layers=27, n_heads=16, kv_lora_rank=512,
+                                                                     qk_rope_head_dim=64)
     assert attention_kind(args) == "mla" and cache_shape(args).elements == 512 + 64
-    assert kv_cache_bytes(args, 4, 10, "bfloat16") == 2 * 4 * 10 * 576 * 2
+    assert kv_cache_bytes(args, 4, 10, "bfloat16") == 27 * 4 * 10 * 576 * 2
     assert kv_cache_bytes(args, 4, 10, "bfloat16", tp=2) == kv_cache_bytes(args, 4, 10, "bfloat16")
     gqa = cache_shape(FLAVORS["8B"]).elements
     assert gqa == 2 * 8 * 128 and gqa / 576 == pytest.approx(3.56, abs=0.01)
+    if hasattr(args, "cache_elements_per_token"):  # the model's own statement of it
+        assert cache_shape(args).elements == args.cache_elements_per_token
+
+
+@pytest.mark.parametrize("flavor", ["debug_mla", "deepseek_v2_lite"])
+def test_mla_parameters_match_the_model(flavor):
+    """Weights per GPU of an MLA model: the planner's count against a meta-device model, and tp's share (the
+    compressions and their norms replicated, the per-head projections split)."""
+    if flavor not in FLAVORS:
+        pytest.skip(f"no {flavor} flavor (multi-head latent attention) in this tree")
+    from loom.plan.shapes import attention_split
+
+    args = FLAVORS[flavor].with_(vocab_size=FLAVORS[flavor].vocab_size or 256)
+    with torch.device("meta"):
+        model = Llama(args)
+    assert weight_bytes(args, 1, "bfloat16") == 2 * sum(p.numel() for p in model.parameters())
+    attention = model.layers["0"].attention
+    replicated = sum(p.numel() for name, p in attention.named_parameters() if name.split(".")[0] in
+                     ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm"))
+    assert attention_split(args) == (sum(p.numel() for p in attention.parameters()) - replicated, replicated)
+    plan = plan_generation(args, 2, 64, 16, H100)
+    assert plan.attention == "mla" and plan.kv_bytes_per_token == args.n_layers * 2 * args.cache_elements_per_token
 
 
 def test_8b_on_an_h100_weights_and_decode_rate():
