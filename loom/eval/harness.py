@@ -73,6 +73,7 @@ class LoomLM(_model_api.TemplateLM):
         self._prefix = self.em.prefix_id if prefix_token_id is None else _int("prefix_token_id", prefix_token_id, 0)
         self.tokenizer = self.em.tokenizer
         self._device = self.em.device
+        self._generator = None
 
     # ---- what lm-eval asks of a TemplateLM --------------------------------------------------
     @property
@@ -126,6 +127,14 @@ class LoomLM(_model_api.TemplateLM):
         for req, text in zip(requests, out):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out
+
+    def generator(self):
+        """loom's generation engine over this model (built on first use)."""
+        if self._generator is None:
+            from loom.infer import Generator
+
+            self._generator = Generator.from_model(self.em.model, self.em.tokenizer, max_batch=self.batch_size)
+        return self._generator
 
     def get_model_info(self) -> dict:
         return {"model": self.em.name, "max_length": self.max_length, "prefix_token_id": self.prefix_token_id}
