@@ -40,6 +40,19 @@ def test_kv_cache_bytes_count_the_models_own_k_and_v():
     assert kv_cache_bytes(args, batch, seq, "bfloat16", tp=2) == counted / 2
 
 
+def test_kv_cache_bytes_equal_the_engines_cache():
+    """The cache loom.infer installs in the debug model (every layer's buffers) holds what the plan counts."""
+    from loom.infer.cache import install
+
+    args = FLAVORS["debug"].with_(vocab_size=256)
+    model = Llama(args)
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        caches = install(model, 3, 40, dtype, "cpu")
+        held = sum(b.nbytes for cache in caches for b in cache.buffers())
+        assert held == kv_cache_bytes(args, 3, 40, name)
+        assert sum(cache.bytes_per_token for cache in caches) == kv_cache_bytes(args, 1, 1, name)
+
+
 def test_mla_caches_the_latent_and_the_rope_key_for_every_head():
     """DeepSeek-V2's 512 + 64 elements per layer, against 2 x 8 KV heads x 128 for an 8-KV-head GQA layer (about
     3.6x smaller); the latent is shared by every head, so tensor parallelism does not split it. The formula reads
