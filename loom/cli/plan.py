@@ -342,7 +342,10 @@ def generation_text(plan, args) -> str:
     if plan.tp > 1:
         lines.append(f"tensor-parallel collectives per decode step: {1e3 * first.tp_s:.3f} ms "
                      f"({2 * args.n_layers + 1} all-reduces and the logits' all-gather)")
-    lines.append(f"the whole request: {plan.total_s:.2f} s for {plan.batch * plan.output_len:,} output tokens "
+    if plan.steps == 0:
+        lines.append("no decode step: the prefill gives the only output token (the step figures are the next one's)")
+    took = f"{plan.total_s:.2f} s" if plan.total_s >= 1 else f"{1e3 * plan.total_s:.1f} ms"
+    lines.append(f"the whole request: {took} for {plan.batch * plan.output_len:,} output tokens "
                  f"({plan.batch * plan.output_len / plan.total_s:,.0f} tokens/s)")
     return "\n".join(lines + [f"note: {n}" for n in plan.notes])
 
