@@ -92,8 +92,21 @@ def test_default_chunk_tokens_budget():
 def test_opcheck():
     h, w, labels = inputs(n=9, e=8, v=33, ignore_every=4)
     op = torch.ops.loom.linear_cross_entropy
-    torch.library.opcheck(op, (h.requires_grad_(), w.requires_grad_(), labels, 4, True))
-    torch.library.opcheck(op, (h.detach(), w.detach(), labels, 4, False))
+    torch.library.opcheck(op, (h.requires_grad_(), w.requires_grad_(), labels, 4, True, True))
+    torch.library.opcheck(op, (h, w.detach(), labels, 4, True, False))
+    torch.library.opcheck(op, (h.detach(), w.detach(), labels, 4, False, False))
+
+
+def test_a_frozen_weight_takes_no_weight_gradient():
+    """A frozen head (LoRA): h's gradient as before, no grad_weight computed or returned."""
+    h, w, labels = inputs()
+    _, ref_gh, _ = unfused_with_grads(h, w, labels)
+    hh = h.clone().requires_grad_()
+    loss, gh, gw = chunked_linear_cross_entropy(hh.detach(), w, labels, 10, weight_grad=False)
+    assert gw.numel() == 0
+    torch.testing.assert_close(gh, ref_gh, rtol=1e-5, atol=1e-5)
+    linear_cross_entropy(hh, w, labels, chunk_tokens=10).backward()
+    torch.testing.assert_close(hh.grad, ref_gh, rtol=1e-5, atol=1e-5)
 
 
 def test_public_function_autograd_leading_dims_and_no_grad():

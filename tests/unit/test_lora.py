@@ -293,3 +293,27 @@ def test_a_tied_embedding_stays_tied_in_bfloat16():
         model = Llama(dataclasses.replace(FLAVORS["debug"], vocab_size=256, tie_embeddings=True))
     apply_lora(model, LoraConfig(rank=2, targets="q", base_dtype="bfloat16"))
     assert model.output.weight is model.tok_embeddings.weight and model.output.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_the_fused_lora_product_equals_the_plain_one(x_grad):
+    """LoRALinear's fused path (frozen plain base: the adapter added in the matmul epilogue, no weight gradient)
+    gives the values and gradients of base + B(s A(x)) computed with plain linears, in float64."""
+    torch.manual_seed(0)
+    m = LoRALinear(12, 10, rank=3, scaling=2.5).double()
+    m.weight.requires_grad_(False)
+    torch.nn.init.normal_(m.lora_B.weight)
+    x = torch.randn(2, 5, 12, dtype=torch.float64, requires_grad=x_grad)
+    y = m(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    grads = [m.lora_A.weight.grad.clone(), m.lora_B.weight.grad.clone()] + ([x.grad.clone()] if x_grad else [])
+    m.zero_grad()
+    x2 = x.detach().clone().requires_grad_(x_grad)
+    ref = torch.nn.functional.linear(x2, m.weight) + m.lora_B(m.lora_A(x2) * 2.5)
+    ref.backward(g)
+    want = [m.lora_A.weight.grad, m.lora_B.weight.grad] + ([x2.grad] if x_grad else [])
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    for got, exp in zip(grads, want):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+    assert m.weight.grad is None

@@ -29,21 +29,23 @@ def _ce_rows_for(device: torch.device):
 
 @torch.library.custom_op("loom::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                            with_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            with_grads: bool, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h (N, E), weight (V, E) of one dtype, labels (N,) int64. Returns (loss fp32 scalar, grad_h (N, E),
-    grad_weight (V, E)) of the summed loss; the gradients are empty (0,) tensors without ``with_grads``."""
+    grad_weight (V, E)) of the summed loss; the gradients are empty (0,) tensors without ``with_grads``, and
+    grad_weight without ``weight_grad`` (a frozen weight)."""
     # Autocast's dispatch key falls through for this op but stays on for the ops inside: keep it off
     # so that the matmuls run in the input dtype (the caller has already cast for autocast).
     with torch.autocast(h.device.type, enabled=False):
-        return chunked_linear_cross_entropy(h, weight, labels, chunk_tokens, with_grads, _ce_rows_for(h.device))
+        return chunked_linear_cross_entropy(h, weight, labels, chunk_tokens, with_grads, _ce_rows_for(h.device),
+                                            weight_grad)
 
 
 @linear_cross_entropy_op.register_fake
-def _(h, weight, labels, chunk_tokens, with_grads):
+def _(h, weight, labels, chunk_tokens, with_grads, weight_grad):
     loss = h.new_empty((), dtype=torch.float32)
     if not with_grads:
         return loss, h.new_empty(0), weight.new_empty(0)
-    return loss, h.new_empty(h.shape), weight.new_empty(weight.shape)
+    return loss, h.new_empty(h.shape), weight.new_empty(weight.shape if weight_grad else 0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -57,7 +59,7 @@ def _backward(ctx, grad_loss, _grad_grad_h, _grad_grad_w):
     grad_h, grad_w = ctx.saved_tensors
     dh = (grad_h * grad_loss).to(grad_h.dtype) if ctx.needs_input_grad[0] else None
     dw = (grad_w * grad_loss).to(grad_w.dtype) if ctx.needs_input_grad[1] else None
-    return dh, dw, None, None, None
+    return dh, dw, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -86,9 +88,10 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          "cast them to one dtype (or use autocast)")
     h2 = h.reshape(-1, h.shape[-1])  # (N, E)
     with_grads = torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad)
+    weight_grad = with_grads and weight.requires_grad  # a frozen head (LoRA) takes no weight-gradient matmul
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(weight.shape[0], weight.shape[1], h.dtype, with_grads)
+        chunk_tokens = default_chunk_tokens(weight.shape[0], weight.shape[1], h.dtype, weight_grad)
     if chunk_tokens < 1:
         raise ValueError(f"linear_cross_entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
-    loss, _, _ = linear_cross_entropy_op(h2, weight, labels.reshape(-1), chunk_tokens, with_grads)
+    loss, _, _ = linear_cross_entropy_op(h2, weight, labels.reshape(-1), chunk_tokens, with_grads, weight_grad)
     return loss

@@ -29,7 +29,7 @@ CHUNK_BYTES = 256 * 2**20
 
 def default_chunk_tokens(vocab: int, dim: int, dtype: torch.dtype, with_grads: bool = True) -> int:
     """Rows per chunk: the (rows, vocab) logits buffer in ``dtype`` fits ``CHUNK_BYTES`` (256 MiB), or,
-    when gradients are computed in bf16/fp16, the size of grad_weight (vocab x dim in ``dtype``) if that
+    when weight gradients (``with_grads``) are computed in bf16/fp16, the size of grad_weight (vocab x dim in ``dtype``) if that
     is larger: the fp32 grad_weight accumulator and its cast already hold three times that, so such a
     chunk adds nothing to the peak, and fewer chunks mean fewer read-modify-writes of the accumulator
     (faster at the same peak: docs/kernels.md). Rounded down to a multiple of 128 rows (matmul tiles) when
@@ -85,16 +85,19 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.T
 
 
 def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                                 with_grads: bool = True, ce_rows: CeRows = ce_rows_torch_):
+                                 with_grads: bool = True, ce_rows: CeRows = ce_rows_torch_,
+                                 weight_grad: bool = True):
     """h (N, E), weight (V, E) of one dtype, labels (N,) int64. Returns (loss fp32 scalar,
     grad_h (N, E) in h's dtype, grad_weight (V, E) in weight's dtype): the gradients of the summed
-    loss, or empty tensors without ``with_grads``. Matmuls run in the input dtype (call with autocast
-    off); extra memory ~ chunk_tokens x V in the input dtype, plus an fp32 (V, E) accumulator when
-    the weight is not fp32."""
+    loss, or empty tensors without ``with_grads`` (grad_weight alone without ``weight_grad``: a frozen head,
+    as under LoRA, skips its matmul). Matmuls run in the input dtype (call with autocast off); extra memory
+    ~ chunk_tokens x V in the input dtype, plus an fp32 (V, E) accumulator when the weight is not fp32."""
+    weight_grad = with_grads and weight_grad
     n_rows = h.shape[0]
     loss_rows = torch.zeros(n_rows, dtype=torch.float32, device=h.device)  # (N,)
     if with_grads:
         grad_h = h.new_empty(h.shape)  # (N, E)
+    if weight_grad:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, E) fp32
     for start in range(0, n_rows, chunk_tokens):
         end = min(start + chunk_tokens, n_rows)
@@ -103,9 +106,10 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: 
         ce_rows(logits, labels[start:end], loss_rows[start:end], with_grads)
         if with_grads:
             torch.mm(logits, weight, out=grad_h[start:end])
+        if weight_grad:
             _accumulate_grad_weight(grad_w, logits, h_c)
         del logits
     loss = loss_rows.sum()
     if not with_grads:
         return loss, h.new_empty(0), weight.new_empty(0)
-    return loss, grad_h, grad_w.to(weight.dtype)
+    return loss, grad_h, grad_w.to(weight.dtype) if weight_grad else weight.new_empty(0)
