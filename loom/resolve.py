@@ -314,7 +314,15 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
                       moe_experts=m.moe_experts or args.moe_experts, moe_top_k=m.moe_top_k or args.moe_top_k,
                       moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim, moe_aux_loss=m.moe_aux_loss, **kernels.as_args())
     check_moe(args, cfg)
+    check_mla(args, cfg)
     return args
+
+
+def check_mla(args, cfg: Config) -> None:
+    """What a model with multi-head latent attention does not support (yet), as config errors."""
+    if args.mla and cfg.lora.rank:
+        raise ConfigError("lora.rank", cfg.lora.rank, "not with multi-head latent attention (the model's "
+                          "attention_kind mla) yet: allowed 0")
 
 
 def check_moe(args, cfg: Config) -> None:
@@ -345,6 +353,9 @@ def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
                               "or the debug_moe flavor): allowed 1 for a dense model")
         if args.moe_experts % dims.ep:
             raise ConfigError("parallel.ep", dims.ep, f"must divide the number of experts ({args.moe_experts})")
+    if dims.cp_enabled and args.mla:
+        raise ConfigError("parallel.cp", dims.cp, "not supported with multi-head latent attention (the model's "
+                          "attention_kind mla) yet: allowed 1")
     if dims.cp_enabled and args.sliding_window:
         raise ConfigError("parallel.cp", dims.cp, f"not supported with a sliding window (the model's is "
                           f"{args.sliding_window}: model.sliding_window or model.init_from's): allowed 1")
@@ -398,9 +409,42 @@ def kernel_choice(cfg: Config, device: str, measure_attention: Callable[[], str]
                           cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
                           "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
     window = model_window(cfg) if window is None else window
-    return resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
-                           tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention,
-                           triton=triton, window=window > 0)
+    kernels = resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
+                              tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention,
+                              triton=triton, window=window > 0)
+    return mla_kernels(cfg, kernels, device)
+
+
+# loom.kernels.attention.triton.HEAD_DIMS, which imports Triton (the planner resolves CUDA kernels without it; a test
+# keeps the two equal)
+FLASH_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def mla_kernels(cfg: Config, kernels, device: str):
+    """Multi-head latent attention through loom's kernel on CUDA: its queries / keys and (zero-padded) values share
+    one head dim, which the Triton kernel must take; ``auto`` falls back to SDPA where it does not."""
+    if kernels.attention != "flash" or device != "cuda":
+        return kernels
+    args = model_shape(cfg)
+    width = max(args.head_dim, args.value_head_dim)
+    if not args.mla or width in FLASH_HEAD_DIMS:
+        return kernels
+    if cfg.model.attention == "flash":
+        dims = ", ".join(map(str, FLASH_HEAD_DIMS))
+        raise ConfigError("model.attention", "flash", f"loom's kernel takes head dims {dims} and this model's latent "
+                          f"attention needs {width}: allowed auto | sdpa")
+    return replace(kernels, attention="sdpa")
+
+
+def model_shape(cfg: Config):
+    """The model's shape before it is resolved (the flavor's, or model.init_from's)."""
+    if not cfg.model.init_from:
+        from loom.models.llama import FLAVORS
+
+        return FLAVORS[cfg.model.flavor]
+    from loom.checkpoint.hf import llama_args_from_hf
+
+    return llama_args_from_hf(cfg.model.init_from)
 
 
 def model_window(cfg: Config) -> int:
@@ -417,9 +461,11 @@ def times_attention(run: Run) -> bool:
     """Whether the trainer times the attention backends at start-up: not for deterministic runs (no timing picks
     their kernels), nor under context parallelism (attention always runs loom's op), nor for packed documents where
     only loom's kernel can run (Flex under compiled op-level checkpointing), nor with a sliding window (the timing
-    runs the backends without one; loom's kernel skips the blocks outside the window)."""
+    runs the backends without one; loom's kernel skips the blocks outside the window), nor for multi-head latent
+    attention (the timing runs grouped-query shapes)."""
     cfg = run.cfg
     window = run.model_args is not None and run.model_args.sliding_window > 0
-    return not (cfg.run.deterministic or run.dims.cp_enabled or window
+    mla = run.model_args is not None and run.model_args.mla  # the timing runs GQA's shapes
+    return not (cfg.run.deterministic or run.dims.cp_enabled or window or mla
                 or (cfg.data.document_positions and flex_unsupported(cfg)))
 

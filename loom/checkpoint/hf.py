@@ -1,6 +1,6 @@
-"""Hugging Face Llama, Mistral, Qwen2, Qwen3 and Mixtral folders <-> loom: config mapping, sharded loading, export
-(with the run's tokenizer and generation config, a folder transformers loads as it is), import to a DCP checkpoint
-(which ``model.init_from`` accepts too).
+"""Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral and (dense) DeepSeek-V3 folders <-> loom: config mapping, sharded
+loading, export (with the run's tokenizer and generation config, a folder transformers loads as it is), import to a
+DCP checkpoint (which ``model.init_from`` accepts too).
 
 The dense families are loom's Llama with a switch each: Mistral attends through a sliding window
 (``LlamaArgs.sliding_window``), Qwen2 has biases on its q/k/v projections (``attention_bias``), Qwen3 normalizes
@@ -15,6 +15,11 @@ A loom mixture-of-experts model is a Mixtral (``MixtralForCausalLM``): the same 
 top-k, the k weights renormalized) and SwiGLU experts, no shared experts. Its stacked expert weights, w1 / w3
 (n, E, H) and w2 (n, H, E), are stored the way the published Mixtral checkpoints are, one (H, E) / (E, H) tensor
 per expert (``block_sparse_moe.experts.{j}.w1.weight``, transposed), which transformers 4 and 5 both load.
+
+A loom model with multi-head latent attention (``LlamaArgs.attention_kind = "mla"``) is a DeepSeek-V3
+(``DeepseekV3ForCausalLM``) whose layers are all dense (``first_k_dense_replace`` = the layer count): loom's
+``LatentAttention`` keeps DeepSeek's weight layout (interleaved RoPE rows included: ``rope_interleave``), so this is
+renaming too. DeepSeek's MoE layers (sigmoid group-limited routing, shared experts) are refused on import.
 
 Loading reads the safetensors files directly with ``safe_open(...).get_slice(name)[rows]``: every
 rank reads only the region of each tensor its (FSDP/HSDP-sharded) parameter holds. The alternative,
@@ -41,6 +46,7 @@ from loom.checkpoint.manager import MARKER, STATE, load_model_weights, verify, w
 from loom.config.errors import ConfigError, UserError, require
 from loom.data.tokenizers import COMPANIONS, TOKENIZER_JSON, build_tokenizer, is_byte, tokenizer_files
 from loom.models.common.init import canonical_name
+from loom.models.common.mla import YarnScaling
 from loom.models.common.rope import RopeScaling
 from loom.models.llama.flavors import LlamaArgs
 from loom.models.llama.model import Llama
@@ -55,9 +61,10 @@ TOKENIZER_COPY = "tokenizer"  # an imported checkpoint's copy of the source's to
 GENERATION_CONFIG = "generation_config.json"
 ARCHITECTURE = "LlamaForCausalLM"
 MOE_ARCHITECTURE = "MixtralForCausalLM"
+MLA_ARCHITECTURE = "DeepseekV3ForCausalLM"
 # Hugging Face architecture -> its model_type, the family's name here
 FAMILIES = {ARCHITECTURE: "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", MOE_ARCHITECTURE: "mixtral"}
+            "Qwen3ForCausalLM": "qwen3", MOE_ARCHITECTURE: "mixtral", MLA_ARCHITECTURE: "deepseek_v3"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
 
 # ---- names -------------------------------------------------------------------------------------
@@ -83,8 +90,15 @@ _IN_LAYER_BIAS = {  # Qwen2
 }
 _IN_LAYER_QK_NORM = {"attention.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
                      "attention.k_norm.weight": "self_attn.k_norm.weight"}
+# multi-head latent attention (DeepSeek-V3), in place of wq (kept without a query compression) / wk / wv
+_IN_LAYER_MLA_Q = {"attention.wq_a.weight": "self_attn.q_a_proj.weight",
+                   "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                   "attention.wq_b.weight": "self_attn.q_b_proj.weight"}
+_IN_LAYER_MLA_KV = {"attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight"}
 # every one-to-one name inside a block, dense or MoE
-_LAYER_NAMES = _IN_LAYER | _IN_LAYER_MOE | _IN_LAYER_BIAS | _IN_LAYER_QK_NORM
+_LAYER_NAMES = _IN_LAYER | _IN_LAYER_MOE | _IN_LAYER_BIAS | _IN_LAYER_QK_NORM | _IN_LAYER_MLA_Q | _IN_LAYER_MLA_KV
 # stacked loom expert weights -> the per-expert name (``{j}`` = expert) of each slice, stored transposed
 _EXPERTS = {"feed_forward.experts.w1": "block_sparse_moe.experts.{j}.w1.weight",
             "feed_forward.experts.w3": "block_sparse_moe.experts.{j}.w3.weight",
@@ -156,15 +170,20 @@ def read_hf_config(folder: str, field: str = "model.init_from") -> dict:
     return cfg
 
 
-def _rope_settings(cfg: dict, field: str, where: str) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from transformers 5 ``rope_parameters`` or transformers 4 ``rope_theta``/``rope_scaling``."""
+def _rope_settings(cfg: dict, field: str, where: str, yarn: bool = False
+                   ) -> tuple[float, RopeScaling | YarnScaling | None]:
+    """(theta, scaling) from transformers 5 ``rope_parameters`` or transformers 4 ``rope_theta``/``rope_scaling``;
+    ``yarn``: DeepSeek's YaRN is allowed too (the family whose attention applies its softmax scale)."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
+    if kind == "yarn" and yarn:
+        return theta, _yarn_settings(params, field, where)
     if kind != "llama3":
-        raise ConfigError(field, where, f"RoPE type {kind!r} is not supported (allowed: default | llama3)")
+        raise ConfigError(field, where, f"RoPE type {kind!r} is not supported (allowed: default | llama3"
+                          f"{' | yarn' if yarn else ''})")
     try:
         scaling = RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
                               high_freq_factor=float(params["high_freq_factor"]),
@@ -172,6 +191,35 @@ def _rope_settings(cfg: dict, field: str, where: str) -> tuple[float, RopeScalin
     except KeyError as err:
         raise ConfigError(field, where, f"llama3 RoPE scaling lacks {err.args[0]!r}") from None
     return theta, scaling
+
+
+def _yarn_settings(params: dict, field: str, where: str) -> YarnScaling:
+    """DeepSeek's YaRN parameters; what loom's YaRN table does not compute is refused by name."""
+    for key, default in (("attention_factor", None), ("truncate", True), ("partial_rotary_factor", 1.0)):
+        if params.get(key, default) not in (default, None):
+            raise ConfigError(field, where, f"YaRN with {key} = {params[key]} is not supported (allowed: unset)")
+    try:
+        return YarnScaling(factor=float(params["factor"]),
+                           original_max_position=int(params["original_max_position_embeddings"]),
+                           beta_fast=float(params.get("beta_fast") or 32),
+                           beta_slow=float(params.get("beta_slow") or 1), mscale=float(params.get("mscale") or 0),
+                           mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+    except (KeyError, TypeError) as err:
+        raise ConfigError(field, where, f"yarn RoPE scaling lacks {err.args[0]!r}") from None
+
+
+def _check_deepseek(cfg: dict, field: str, where: str) -> None:
+    """A DeepSeek-V3 folder loom holds: multi-head latent attention over dense SwiGLU layers only."""
+    n = int(cfg.get("num_hidden_layers", 0))
+    dense = cfg.get("first_k_dense_replace", 3)
+    if dense is not None and int(dense) < n:
+        raise ConfigError(field, where, f"first_k_dense_replace = {dense} < num_hidden_layers = {n}: DeepSeek's MoE "
+                          "layers (sigmoid group-limited routing, shared experts) are not loom's mixture of experts; "
+                          "allowed: a dense model (first_k_dense_replace >= num_hidden_layers)")
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        raise ConfigError(field, where, f"num_key_value_heads = {kv_heads} is not supported for multi-head latent "
+                          f"attention (allowed: num_attention_heads = {heads})")
 
 
 def hf_family(cfg: dict) -> str | None:
@@ -212,6 +260,8 @@ def _check_supported(cfg: dict, field: str, where: str) -> None:
         raise ConfigError(field, where, f"hidden_act {cfg['hidden_act']!r} is not supported (allowed: silu)")
     if cfg.get("mlp_bias"):
         raise ConfigError(field, where, "mlp_bias = true is not supported (loom's feed-forward has no biases)")
+    if family == "deepseek_v3":
+        _check_deepseek(cfg, field, where)
     if cfg.get("attention_bias") and family != "qwen2":  # Llama's and Qwen3's bias the output projection too
         raise ConfigError(field, where, f"attention_bias = true is not supported for {family} (it biases the output "
                                         "projection too; loom biases q/k/v only, as Qwen2)")
@@ -223,12 +273,18 @@ def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: 
     family = hf_family(cfg)
     try:
         dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        theta, scaling = _rope_settings(cfg, field, where)
+        theta, scaling = _rope_settings(cfg, field, where, yarn=family == "deepseek_v3")
         moe = dict(moe_experts=int(cfg["num_local_experts"]), moe_top_k=int(cfg.get("num_experts_per_tok", 2)),
                    moe_ffn_dim=int(cfg["intermediate_size"])) if family == "mixtral" else {}
+        if family == "deepseek_v3":
+            moe = dict(attention_kind="mla", q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                       kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                       qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+                       rope_interleave=bool(cfg.get("rope_interleave", True)))
         return LlamaArgs(
             dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), ffn_dim=int(cfg["intermediate_size"]),
+            n_kv_heads=n_heads if family == "deepseek_v3" else int(cfg.get("num_key_value_heads") or n_heads),
+            ffn_dim=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
@@ -239,7 +295,8 @@ def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: 
 
 
 def llama_args_from_hf(folder: str, field: str = "model.init_from") -> LlamaArgs:
-    """The loom shape of a Hugging Face Llama, Mistral, Qwen2, Qwen3 or Mixtral folder (from its config.json)."""
+    """The loom shape of a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or dense DeepSeek-V3 folder (from its
+    config.json)."""
     return llama_args_from_hf_config(read_hf_config(folder, field), field, folder)
 
 
@@ -247,6 +304,11 @@ def hf_architecture(args: LlamaArgs) -> str:
     """The Hugging Face architecture that holds a loom model with these args: Mixtral for experts, Qwen3 for q/k
     norms, Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama; a UserError for a combination none
     of them holds."""
+    if args.mla:
+        if args.moe or args.qk_norm or args.attention_bias or args.sliding_window:
+            raise UserError("no Hugging Face architecture holds multi-head latent attention with experts, q/k norms, "
+                            "q/k/v biases or a sliding window (DeepseekV3ForCausalLM: dense layers, none of those)")
+        return MLA_ARCHITECTURE
     if args.moe and (args.qk_norm or args.attention_bias):
         raise UserError("no Hugging Face architecture holds a mixture of experts with q/k norms or q/k/v biases")
     if args.qk_norm and args.attention_bias:
@@ -276,8 +338,12 @@ def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype) -> dict:
     (transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters) so either reader, and tools that
     parse the file themselves, find it."""
     scaling = None
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
+    s = args.rope_scaling
+    if isinstance(s, YarnScaling):
+        scaling = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_position,
+                   "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, **({"mscale": s.mscale} if s.mscale else {}),
+                   **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {})}
+    elif s is not None:
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                    "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
     dtype_name = str(dtype).removeprefix("torch.")
@@ -286,11 +352,16 @@ def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype) -> dict:
     # a Mixtral's router: its own balance loss is not loom's (sequence-wise): off when loading in transformers
     moe = {"num_local_experts": args.moe_experts, "num_experts_per_tok": args.moe_top_k,
            "output_router_logits": False, "router_jitter_noise": 0.0} if args.moe else {}
+    if args.mla:  # every layer dense; transformers' DeepSeek-V3 keeps head_dim = the RoPE part's width
+        moe = {"q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
+               "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
+               "v_head_dim": args.v_head_dim, "rope_interleave": args.rope_interleave,
+               "first_k_dense_replace": args.n_layers, "num_nextn_predict_layers": 0}
     return {
         "architectures": [architecture],
         "model_type": family,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.rope_dim if args.mla else args.head_dim,
         "intermediate_size": args.expert_ffn_dim if args.moe else args.ffn_dim, **moe,
         **_window_config(args, family),
         "vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "rms_norm_eps": args.norm_eps,
@@ -505,6 +576,10 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
 def _layer_leaves(args: LlamaArgs) -> list[str]:
     """The names of one block's weights under these args, relative to the block: the attention's extra weights
     follow its output projection."""
+    if args.mla:
+        query = list(_IN_LAYER_MLA_Q) if args.q_lora_rank else ["attention.wq.weight"]
+        return query + list(_IN_LAYER_MLA_KV) + [leaf for leaf in _IN_LAYER if not leaf.startswith("attention.w")
+                                                 or leaf == "attention.wo.weight"]
     extra = (list(_IN_LAYER_BIAS) if args.attention_bias else []) + (list(_IN_LAYER_QK_NORM) if args.qk_norm else [])
     leaves = []
     for leaf in _IN_LAYER:
@@ -678,7 +753,8 @@ def export_file_names(tokenizer: ExportTokenizer | None) -> tuple[str, ...]:
 def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder: str,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: ExportTokenizer | None = None) -> list[str]:
     """Write ``out_folder`` as a Hugging Face folder of the family that holds the model (``hf_architecture``:
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM); returns the
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
+    DeepseekV3ForCausalLM); returns the
     safetensors file names. With ``tokenizer``: its files, its special ids in config.json and a
     generation_config.json, so that transformers, vLLM and PEFT load the folder as it is.
 

@@ -38,9 +38,10 @@ class ModelConfig:
     # the names of loom.models.llama.flavors.FLAVORS (a test keeps both in step): listed here so that a
     # wrong name is reported before torch is imported
     flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
-                      choices=("debug", "debug_moe", "125M", "1B", "3B", "8B", "70B", "405B"))
-    init_from: str = opt("", "Hugging Face Llama, Mistral, Qwen2, Qwen3 or Mixtral folder (config.json + "
-                             "safetensors), or a checkpoint of `loom convert --from-hf`, to start from")
+                      choices=("debug", "debug_moe", "debug_mla", "125M", "1B", "3B", "8B", "70B", "405B",
+                               "deepseek_v2_lite"))
+    init_from: str = opt("", "Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or dense DeepSeek-V3 folder "
+                             "(config.json + safetensors), or a checkpoint of `loom convert --from-hf`, to start from")
     vocab_size: int = opt(0, "embedding rows; 0 = the flavor's (or model.init_from's), else the tokenizer's rounded "
                              "up to a multiple of 128", min=0)
     n_layers: int = opt(0, "transformer blocks; 0 = the flavor's (a deeper `debug` model for pipeline tests)", min=0)

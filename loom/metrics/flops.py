@@ -1,10 +1,12 @@
 """Model FLOPs and MFU, against one table of dense peak throughputs (shared with the planner).
 
 FLOPs per token = 6 x (weights of every matmul a token goes through, the output head included, the input
-embedding lookup excluded; for a mixture of experts the router and top_k experts) + 12 x layers x heads x head_dim x seq_len (attention scores and values,
-forward + backward, no causal discount) -- the PaLM / nanoGPT / torchtitan convention. With a sliding window a token
-attends to at most window keys, so seq_len becomes min(seq_len, window) there. Biases and q/k norms are not matmuls:
-they do not count.
+embedding lookup excluded; for a mixture of experts the router and top_k experts) + 6 x layers x heads x (q/k head
+dim + v head dim) x seq_len (attention scores and values, forward + backward, no causal discount; 12 x ... x head_dim
+where the two are equal) -- the PaLM / nanoGPT / torchtitan convention. With a sliding window a token attends to at
+most window keys, so seq_len becomes min(seq_len, window) there. Biases and norms (q/k norms, multi-head latent
+attention's latent norms) are not matmuls: they do not count. Multi-head latent attention counts its compressions and
+up-projections as they run in training (keys and values up-projected per token; docs/mla.md).
 """
 
 from __future__ import annotations
@@ -39,10 +41,22 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     return None
 
 
+def attention_matmul_params(args) -> int:
+    """One block's attention weights: q/k/v/o of grouped-query attention, or multi-head latent attention's query
+    (compressed or not), latent + RoPE key, per-head key/value up-projection and output."""
+    if getattr(args, "attention_kind", "gqa") == "mla":
+        heads, qk = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+        query = args.q_lora_rank * (args.dim + heads * qk) if args.q_lora_rank else args.dim * heads * qk
+        latent = args.dim * (args.kv_lora_rank + args.qk_rope_head_dim)
+        up = args.kv_lora_rank * heads * (args.qk_nope_head_dim + args.v_head_dim)
+        return query + latent + up + heads * args.v_head_dim * args.dim
+    hd = args.head_dim
+    return args.dim * (args.n_heads * hd) * 2 + args.dim * (args.n_kv_heads * hd) * 2
+
+
 def matmul_params(args) -> int:
     """Weights that take part in a matmul per token (embedding lookup excluded, head included)."""
-    hd = args.head_dim
-    attn = args.dim * (args.n_heads * hd) * 2 + args.dim * (args.n_kv_heads * hd) * 2
+    attn = attention_matmul_params(args)
     mlp = 3 * args.dim * args.ffn_dim
     if getattr(args, "moe_experts", 0):  # the router, and the top_k experts a token goes through
         mlp = args.dim * args.moe_experts + args.moe_top_k * 3 * args.dim * args.expert_ffn_dim
@@ -55,7 +69,8 @@ def flops_per_token(args, seq_len: int, adapter_params: int | None = None) -> fl
     window = getattr(args, "sliding_window", 0)
     context = min(seq_len, window) if window else seq_len  # keys a token attends to, at most
     weights = 6 * matmul_params(args) if adapter_params is None else 4 * matmul_params(args) + 6 * adapter_params
-    return weights + 12 * args.n_layers * args.n_heads * args.head_dim * context
+    qk_v = args.head_dim + getattr(args, "value_head_dim", args.head_dim)  # scores over q/k, the sum over v
+    return weights + 6 * args.n_layers * args.n_heads * qk_v * context
 
 
 def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None,

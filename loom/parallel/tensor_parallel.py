@@ -9,17 +9,19 @@ import torch
 from torch import nn
 
 from loom.models.common.lora import LoRALinear
+from loom.models.common.mla import LatentAttention
 from loom.models.common.moe import MoE
 from loom.parallel.expert_parallel import ExpertTensorParallel, moe_parallel, shard_experts
 
 
-def block_plan(moe: bool = False, qk_norm: bool = False) -> dict:
+def block_plan(moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lora: bool = False) -> dict:
     """One block's plan on the ``tp`` mesh. Attention: ``wq``/``wk``/``wv`` column-parallel (each rank owns whole
     heads, Q and KV heads alike), ``wo`` row-parallel; the MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
     Sequence parallel: the residual stream and the norms hold a slice of the sequence, (B, S/tp, E); the entry of
     attention and MLP all-gathers the sequence, their row-parallel exit reduce-scatters it. A mixture-of-experts
     block in place of the MLP keeps its input's sequence slice (``apply_tp`` sets up the rest). Per-head q/k norms
-    (Qwen3) see this rank's heads: replicated weights whose gradients are summed over the group."""
+    (Qwen3) see this rank's heads: replicated weights whose gradients are summed over the group. ``mla``: multi-head
+    latent attention in place of GQA (``mla_plan``; ``q_lora``: its query is compressed)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -33,20 +35,75 @@ def block_plan(moe: bool = False, qk_norm: bool = False) -> dict:
     if moe:  # this rank's tokens, (B, S/tp, E), as a plain tensor; the output stays its sequence slice
         mlp = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                                   use_local_output=True)}
-    return {
-        "attention_norm": SequenceParallel(),
-        # forward(x, rope, positions): only x is sharded; rope and positions stay plain tensors
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+    attention = mla_plan(q_lora) if mla else {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         **({name: SequenceParallel(sequence_dim=2, use_local_output=True)
             for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}),
+    }
+    return {
+        "attention_norm": SequenceParallel(),
+        # forward(x, rope, positions): only x is sharded; rope and positions stay plain tensors
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        **attention,
         "ffn_norm": SequenceParallel(),
         **mlp,
     }
+
+
+def mla_plan(q_lora: bool) -> dict:
+    """Multi-head latent attention (loom.models.common.mla) on the ``tp`` mesh: the per-head up-projections (``wq`` or
+    ``wq_b``, ``wkv_b``) column-parallel and ``wo`` row-parallel, so each rank owns whole heads; the compressions
+    (``wq_a``, ``wkv_a``) and their norms run whole on every rank (``replicated_compute``: they are small, and every
+    head needs the whole latent), their outputs DTensors that the column-parallel up-projections take, whose backward
+    sums the heads' partial gradients. The shared RoPE key leaves as this rank's plain tensor (``SharedKey``), its
+    gradient from this rank's heads only: a partial sum the DTensor backward adds up over tp."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    replicated = replicated_compute()
+    query = {"attention.wq_a": replicated(), "attention.q_a_norm": replicated(), "attention.wq_b": ColwiseParallel()} \
+        if q_lora else {"attention.wq": ColwiseParallel()}
+    return {
+        **query,
+        "attention.wkv_a": replicated(),
+        "attention.kv_a_norm": replicated(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.shared_key": replicated(partial_grad_output=True),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+@functools.cache
+def replicated_compute() -> type:
+    """The ParallelStyle of a module every tp rank runs whole on the same input."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedCompute(ParallelStyle):
+        """Parameters replicated (DTensors: checkpoints and FSDP2 see the tp layout; DTensor sums their partial
+        gradients), the input made a replicated DTensor, the output left a DTensor for the sharded module after it;
+        ``partial_grad_output``: the output handed on as this rank's plain tensor whose gradient is a partial sum
+        over the tp ranks (its consumer runs on this rank's heads only)."""
+
+        def __init__(self, partial_grad_output: bool = False):
+            super().__init__()
+            self.partial_grad_output = partial_grad_output
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def replicate_inputs(mod, inputs, mesh):
+                return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+
+            def local_output(mod, out, mesh):
+                return out.to_local(grad_placements=[Partial()]) if self.partial_grad_output else out
+
+            return distribute_module(module, device_mesh, input_fn=replicate_inputs, output_fn=local_output)
+
+    return ReplicatedCompute
 
 
 def with_adapters(block: nn.Module, plan: dict) -> dict:
@@ -146,7 +203,11 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         moe = isinstance(block.feed_forward, MoE)
-        parallelize_module(block, tp_mesh, with_adapters(block, block_plan(moe, block.attention.q_norm is not None)))
+        attention = block.attention
+        mla = isinstance(attention, LatentAttention)
+        plan = block_plan(moe, qk_norm=not mla and attention.q_norm is not None, mla=mla,
+                          q_lora=mla and attention.wq is None)
+        parallelize_module(block, tp_mesh, with_adapters(block, plan))
         if moe:
             replicate_moe(block.feed_forward, tp_mesh, experts=not (expert_parallel or expert_tp))
             if expert_tp and not expert_parallel:

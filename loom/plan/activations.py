@@ -115,8 +115,7 @@ def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
     input included: loom's block code run on fake tensors with ``dtype`` weights, as for training."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from loom.models.common.rope import rope_table
-    from loom.models.llama.model import Block
+    from loom.models.llama.model import Block, model_rope_table
     from loom.numerics import DTYPES
 
     previous = torch.get_default_dtype()
@@ -128,7 +127,7 @@ def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
             torch.set_default_dtype(previous)
         if args.moe:
             block.feed_forward.experts.grouped = True  # as in ``_trace``: bf16 grouped GEMM
-        rope = rope_table(args.head_dim, seq, args.rope_theta, args.rope_scaling)
+        rope = model_rope_table(args, seq)
         tracker = _Tracker(list(block.parameters()), [rope])
         tracker.backward = True  # record the peak at every op (no gradients exist to subtract)
         with torch.no_grad(), tracker:

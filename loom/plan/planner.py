@@ -238,7 +238,8 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
     head = args.vocab_size * args.dim if any(share.last) else 0
     block_mm = 6 * share.active_matmul_params / dims.tp * tokens * (1 + rec_mm)
-    attention = attention_flops(share.layers, args.n_heads, args.head_dim, t.seq_len, tokens,
+    head_dim = (args.head_dim + args.value_head_dim) / 2  # scores over q/k's width, the sum over v's (MLA: apart)
+    attention = attention_flops(share.layers, args.n_heads, head_dim, t.seq_len, tokens,
                                 args.sliding_window) / dims.tp * (1 + rec_attn)
     compute_mb = (block_mm + 6 * head / dims.tp * tokens) / (peak * eff) \
         + attention / (peak * attention_efficiency(args.head_dim, t.seq_len))

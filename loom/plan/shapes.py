@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.metrics.flops import attention_matmul_params
 from loom.parallel.pipeline import split_layers, stage_ids, stages_per_rank
 
 
@@ -12,12 +13,13 @@ def layer_params(args) -> tuple[int, int]:
     """(weights tensor parallelism shards, weights it replicates) of one transformer block: the norms are
     replicated, and so are a MoE block's router and experts (each tp rank runs its sequence slice's tokens
     through all of them: loom.parallel.tensor_parallel). q/k/v biases shard with their weights; q/k norms are
-    replicated."""
+    replicated, and so are multi-head latent attention's compressions and their norms."""
     bias = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim if args.attention_bias else 0
-    norms = 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
+    attention, attention_replicated = attention_split(args)
+    norms = 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0) + attention_replicated
     if args.moe:
-        return attention_params(args) + bias, ffn_params(args, active=False) + norms
-    return attention_params(args) + ffn_params(args, active=False) + bias, norms
+        return attention + bias, ffn_params(args, active=False) + norms
+    return attention + ffn_params(args, active=False) + bias, norms
 
 
 def block_params(args, tp: int) -> float:
@@ -27,7 +29,18 @@ def block_params(args, tp: int) -> float:
 
 
 def attention_params(args) -> int:
-    return args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    """One block's attention matmul weights (``loom.metrics.flops.attention_matmul_params``)."""
+    return attention_matmul_params(args)
+
+
+def attention_split(args) -> tuple[int, int]:
+    """(attention weights tensor parallelism shards by heads, those it replicates). Multi-head latent attention
+    replicates its compressions (``wq_a``, ``wkv_a``) and their norms (loom.parallel.tensor_parallel.mla_plan)."""
+    if not args.mla:
+        return attention_params(args), 0
+    compressions = args.dim * (args.q_lora_rank + args.kv_lora_rank + args.qk_rope_head_dim)
+    latent_norms = args.q_lora_rank + args.kv_lora_rank
+    return attention_params(args) - compressions, compressions + latent_norms
 
 
 def ffn_params(args, active: bool) -> int:

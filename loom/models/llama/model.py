@@ -7,19 +7,36 @@ from torch import nn
 
 from loom.kernels.linear_ce import linear_cross_entropy
 from loom.models.common.layers import Attention, FeedForward, RMSNorm
+from loom.models.common.mla import LatentAttention, YarnScaling, yarn_rope_table
 from loom.models.common.moe import MoE
 from loom.models.common.rope import rope_table
 from loom.models.llama.flavors import LlamaArgs
 from loom.numerics import cross_entropy_sum
 
 
+def model_rope_table(args: LlamaArgs, max_len: int, device=None) -> torch.Tensor:
+    """The RoPE table (2, max_len, rope_dim) of a model with these args: Llama 3 or YaRN scaling, over the whole head
+    or MLA's decoupled part."""
+    if isinstance(args.rope_scaling, YarnScaling):
+        return yarn_rope_table(args.rope_dim, max_len, args.rope_theta, args.rope_scaling, device=device)
+    return rope_table(args.rope_dim, max_len, args.rope_theta, args.rope_scaling, device=device)
+
+
 class Block(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, fused_rope=args.fused_rope,
-                                   backend=args.attention, bias=args.attention_bias, qk_norm=args.qk_norm,
-                                   norm_eps=args.norm_eps, fused_norm=args.fused_norm, window=args.sliding_window)
+        if args.mla:
+            self.attention = LatentAttention(args.dim, args.n_heads, args.q_lora_rank, args.kv_lora_rank,
+                                             args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim,
+                                             fused_rope=args.fused_rope, backend=args.attention,
+                                             fused_norm=args.fused_norm, rope_interleave=args.rope_interleave,
+                                             scaling=args.rope_scaling)
+        else:
+            self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
+                                       fused_rope=args.fused_rope, backend=args.attention, bias=args.attention_bias,
+                                       qk_norm=args.qk_norm, norm_eps=args.norm_eps, fused_norm=args.fused_norm,
+                                       window=args.sliding_window)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         if args.moe:
             self.feed_forward = MoE(args.dim, args.expert_ffn_dim, args.moe_experts, args.moe_top_k,
@@ -48,8 +65,7 @@ class Llama(nn.Module):
         self.register_buffer("rope", self._rope_table(), persistent=False)
 
     def _rope_table(self, device=None) -> torch.Tensor:
-        a = self.args
-        return rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
+        return model_rope_table(self.args, self.args.max_seq_len, device)
 
     def init_buffers(self, device) -> None:
         """Recompute non-persistent buffers after materializing from the meta device."""
