@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import time
@@ -270,18 +271,21 @@ class Trainer:
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         mbs = [self._local_tokens(mb) for mb in micro_batches]
         n_tokens = self.dims.data_sum(sum(self.objective.count(mb) for mb in mbs).to(torch.float32))
+        # a global batch without a unit to count (an SFT batch without an assistant token) has loss 0 and zero
+        # gradients, not 0 / 0, and makes no update (``has_units``; _settle says so)
+        has_units, denominator = n_tokens > 0, n_tokens.clamp(min=1)
         # gradient reductions average over the dp x cp ranks; multiplying by their count makes them a sum,
         # so every micro-batch on every rank contributes token_loss / global_tokens
-        grad_scale = self.dims.dp_size * self.dims.cp * self.scaler.scale / n_tokens
+        grad_scale = self.dims.dp_size * self.dims.cp * self.scaler.scale / denominator
         if self.moe:
             self.moe.scale(self.scaler.scale)
         getattr(self.objective, "step_stats", dict)()  # statistics of forwards before this step are not its own
         result = self.steps.step(mbs, grad_scale)
-        stats = self._objective_stats(n_tokens)
+        stats = self._objective_stats(denominator)
         if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = self.dims.data_sum(result.loss_sum) / n_tokens
+        loss = self.dims.data_sum(result.loss_sum) / denominator
         with self.profiler.phase("optimizer"):  # grad norm, clipping, step (skipped where not finite), zero_grad
             norm = self.steps.grad_norm() / self.scaler.scale
             # both are global (summed and normed over every rank): every rank reaches the same verdict. Under
@@ -294,13 +298,16 @@ class Trainer:
             scaled = self.scaler.enabled or self.cfg.training.max_norm
             factor = clip / self.scaler.scale if scaled else None
             deferred = self.optimizer.skips_on_device and not self.scaler.enabled
+            # whether the update applies: not where the loss or norm is not finite, nor where nothing was counted.
+            # _settle tells the two apart: an empty step's loss and norm are finite (0)
+            applies = finite & has_units
             # copied to the host before the update is queued: reading it waits for this point, not the update
-            self._pending = StepCheck(self.step + 1, finite, loss, norm, deferred)
+            self._pending = StepCheck(self.step + 1, applies, loss, norm, deferred)
             if deferred:  # the device skips a non-finite update itself; the host reads the verdict a step later
-                self.optimizer.step(factor, finite=finite)
+                self.optimizer.step(factor, finite=applies)
                 self.scheduler.step()
             else:  # float16's loss scale and the optimizers that cannot skip on the device decide on the host
-                stepped = bool(finite)
+                stepped = bool(applies)
                 if stepped and self.scaler.enabled:
                     stepped = self.scaler.update(float(norm))
                 if stepped:
@@ -329,6 +336,11 @@ class Trainer:
         self.val_stats = {k: float(v) for k, v in self._objective_stats(count).items()}
         for part in self.parts:
             part.train()
+        if float(count) == 0:  # held-out windows without a target (SFT: no assistant token): no loss to report
+            if self.env.is_main:
+                print(f"step {self.step}: warning: the validation batches hold nothing to evaluate (targets 0): no "
+                      "val_loss (raise training.eval_batches or training.seq_len)", flush=True)
+            return None
         return float(self.dims.data_sum(total) / count)
 
     def run_evals(self) -> dict[str, float]:
@@ -439,19 +451,25 @@ class Trainer:
             print(f"step {self.step}: batch skipped (it made the loss non-finite before a rollback)", flush=True)
 
     def _settle(self) -> str:
-        """Read the last step's verdict: ``ok``; or, for a non-finite step, take back the host's counts of the
-        update the device skipped, say so at once, and answer what training.nonfinite does (``skip``, ``stop``,
-        ``rollback``)."""
+        """Read the last step's verdict: ``ok``; or, for a step without an update, take back the host's counts of
+        the update the device skipped and say so at once. A step that counted nothing (targets 0) is ``ok``; for a
+        non-finite one, answer what training.nonfinite does (``skip``, ``stop``, ``rollback``)."""
         check, self._pending = self._pending, None
         if check is None:
             return "ok"
-        finite, loss, norm = check.read()
-        if finite:
+        applied, loss, norm = check.read()
+        if applied:
             self.guard.finite_step()
             return "ok"
         if check.deferred:
             self.optimizer.unstep()
             self.scheduler.unstep()
+        if math.isfinite(loss) and math.isfinite(norm):  # not applied, yet finite: the global batch counted nothing
+            if self.env.is_main:
+                print(f"step {check.step}: warning: nothing to train on in the global batch (targets 0: every label "
+                      "masked): loss 0, no update (the optimizer and the LR schedule do not advance; the data does)",
+                      flush=True)
+            return "ok"
         action = self.guard.bad_step(check.step, loss, norm)
         if self.env.is_main:
             print(f"step {check.step}: non-finite loss {loss} / grad norm {norm}: update skipped "
@@ -629,6 +647,7 @@ class Trainer:
             "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak, self.adapter_params),
             "mem_gib": peak_memory_gib(self.device),
             "val_loss": val,
+            "targets": float(out["tokens"]),  # the global count the loss is averaged over (tokens; DPO: pairs)
             **{k: float(v) for k, v in out.get("stats", {}).items()},
             **({f"val_{k}": v for k, v in self.val_stats.items()} if val is not None else {}),
             "skipped_steps": self.scaler.skipped,
