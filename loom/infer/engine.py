@@ -1,0 +1,244 @@
+"""The engine: a model with a KV cache in every attention layer (``loom.infer.cache``), a prefill of right-padded
+prompts, extension steps of S tokens at per-sequence positions (a decode step is S = 1), CUDA graphs of those steps,
+and the decode loop.
+
+Graphs: on CUDA each step shape (batch, S) is captured once as a ``torch.cuda.CUDAGraph`` of the whole forward
+(embedding, every block, norm, head) and replayed with its static token and position buffers refilled; with
+``compile`` the blocks are compiled first (``nn.Module.compile`` per block, one graph shared by every block, as
+training compiles them), so the captured kernels are Inductor's fused ones. A capture runs the step a few times:
+those writes land in ``SCRATCH`` slots past the longest sequence, which no query ever sees. On the CPU the steps
+run eagerly; nothing else differs.
+
+The prefill runs eagerly (its shapes change with every batch of prompts) through the model's own attention kernels,
+and only each row's last prompt position reaches the output head (a forward hook on the final norm picks it), so
+a long prompt never makes a (B, S, V) logits tensor."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from loom.config.errors import ConfigError
+from loom.infer.cache import install, uninstall
+from loom.infer.sampling import SamplingParams, mark_seen, new_generator, sample
+
+SCRATCH = 16  # slots past the longest sequence: where a graph capture's warm-up writes land (and the longest S)
+ALIGN = 64  # cache lengths are rounded up to this: fewer re-allocations and captures across calls
+
+
+@dataclass
+class Stats:
+    """What one ``generate`` call did: prompts, tokens in and out, seconds (prefill: until the first tokens were
+    sampled), and for speculative decoding the tokens proposed and accepted and the target's forwards."""
+
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    target_steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    def add(self, other: "Stats") -> None:
+        for name in ("prompts", "prompt_tokens", "new_tokens", "seconds", "prefill_seconds", "proposed", "accepted",
+                     "target_steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ("prompts", "prompt_tokens", "new_tokens", "seconds", "prefill_seconds")}
+        out["tokens_per_s"] = self.tokens_per_s
+        if self.proposed:
+            out.update(proposed=self.proposed, accepted=self.accepted, acceptance=self.acceptance,
+                       target_steps=self.target_steps)
+        return {**out, **self.extra}
+
+
+class _Graph:
+    """One captured step: static inputs, the captured graph, its static output."""
+
+    def __init__(self, fn, tokens: torch.Tensor, positions: torch.Tensor):
+        self.tokens, self.positions = tokens, positions
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up (and compilation) outside the capture, as CUDA graphs require
+            for _ in range(3):
+                fn(tokens, positions)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn(tokens, positions)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.out  # overwritten by the next replay
+
+
+class Engine:
+    """``model`` (a loom Llama: plain, or split by ``loom.infer.tp``) with caches, steps and graphs.
+
+    ``compile`` / ``cuda_graphs`` None: on for CUDA, off on the CPU. ``group``: the tensor-parallel process group
+    (sampled tokens are broadcast from its first rank, so every rank continues with the same ones)."""
+
+    def __init__(self, model: nn.Module, *, compile: bool | None = None, cuda_graphs: bool | None = None,
+                 group=None):
+        self.model = model.eval()
+        weight = next(iter(model.parameters()))
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight
+        self.device, self.dtype = weight.device, weight.dtype
+        cuda = self.device.type == "cuda"
+        self.compile = cuda if compile is None else compile
+        self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not cuda:
+            raise ConfigError("cuda_graphs", True, f"CUDA graphs need a CUDA device (the model is on {self.device})")
+        self.group = group
+        self.vocab_size = model.args.vocab_size
+        self.caches: list[nn.Module] = []
+        self.batch = self.length = 0
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._select: torch.Tensor | None = None
+        self._hook = model.norm.register_forward_hook(self._last_positions)
+        self._compiled = []
+        if self.compile:
+            for block in model.layers.values():
+                if getattr(block, "_compiled_call_impl", None) is None:
+                    block.compile(fullgraph=True)
+                    self._compiled.append(block)
+
+    # ---- cache -------------------------------------------------------------------------------------------------
+    def allocate(self, batch: int, length: int) -> None:
+        """Caches for ``batch`` rows of at least ``length`` positions each (kept when they already fit)."""
+        if self.caches and batch == self.batch and length + SCRATCH <= self.length:
+            return
+        self.release()
+        size = -(-(length + SCRATCH) // ALIGN) * ALIGN
+        if self.model.rope.shape[1] < size:  # positions past the table built for training: extend it
+            self.model.args = self.model.args.with_(max_seq_len=size)
+            self.model.init_buffers(self.device)
+        self.caches = install(self.model, batch, size, self.dtype, self.device)
+        self.batch, self.length = batch, size
+
+    def release(self) -> None:
+        """Drop the caches and graphs (the model attends as in training again)."""
+        self._graphs.clear()
+        if self.caches:
+            uninstall(self.model)
+            self.caches, self.batch, self.length = [], 0, 0
+
+    def close(self) -> None:
+        """Release everything and give the model back as it came (hook removed, blocks no longer compiled)."""
+        self.release()
+        self._hook.remove()
+        for block in self._compiled:
+            block._compiled_call_impl = None
+        self._compiled = []
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Cache bytes one token takes on this rank, all layers."""
+        return sum(c.bytes_per_token for c in self.caches)
+
+    # ---- forwards ----------------------------------------------------------------------------------------------
+    def _last_positions(self, module, args, out: torch.Tensor):
+        """Forward hook on the final norm: during a prefill only each row's last prompt position goes on."""
+        if self._select is None:
+            return None
+        return out[torch.arange(out.shape[0], device=out.device), self._select][:, None]  # (B, 1, E)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts tokens (B, S) into the cache's slots 0..S-1; returns the logits (B, V) at each row's
+        last prompt position ``last`` (B,)."""
+        self._select = last
+        try:
+            return self.model(tokens)[:, 0]
+        finally:
+            self._select = None
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (B, S) at positions (B, S) (their slots) -> logits (B, S, V); replayed from a CUDA graph where
+        graphs are on (the result is then overwritten by the next step of that shape)."""
+        if self.cuda_graphs and tokens.shape[1] <= SCRATCH:
+            graph = self._graphs.get(tuple(tokens.shape))
+            if graph is None:
+                graph = self._graphs[tuple(tokens.shape)] = self._capture(*tokens.shape)
+            return graph(tokens, positions)
+        return self.model(tokens, positions)
+
+    def _capture(self, batch: int, seq: int) -> _Graph:
+        tokens = torch.zeros(batch, seq, dtype=torch.long, device=self.device)
+        scratch = self.length - SCRATCH + torch.arange(seq, device=self.device)  # past every real position
+        return _Graph(self.model, tokens, scratch.expand(batch, seq).contiguous())
+
+    def share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism, the first rank's tokens on every rank (in place)."""
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.broadcast(tokens, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return tokens
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- the decode loop ---------------------------------------------------------------------------------------
+    def start(self, prompts: list[list[int]], reserve: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Allocate for ``prompts`` plus ``reserve`` positions each and prefill them: (logits (B, V) at each last
+        prompt position, the prompts right-padded (B, S), their lengths (B,)) on the device."""
+        lengths = [len(p) for p in prompts]
+        if min(lengths) == 0:
+            raise ConfigError("prompt", "", "an empty prompt (no tokens): give at least one token")
+        width = max(lengths)
+        self.allocate(len(prompts), width + reserve)
+        # pads repeat each row's last token: harmless in the cache (past the row's end) and in the penalty's set
+        rows = [p + [p[-1]] * (width - len(p)) for p in prompts]
+        tokens = torch.tensor(rows, dtype=torch.long, device=self.device)  # (B, S)
+        lens = torch.tensor(lengths, dtype=torch.long, device=self.device)  # (B,)
+        return self.prefill(tokens, lens - 1), tokens, lens
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, sequences: list) -> Stats:
+        """Decode every prompt until its sequence says it is done (``sequences[i].add(token) -> done``) or the
+        token budget is spent. One forward per step for the whole batch: finished rows are computed and ignored."""
+        t0 = time.perf_counter()
+        logits, tokens, lens = self.start(prompts, params.max_new_tokens)
+        generator = new_generator(params.seed, self.device)
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(len(prompts), logits.shape[-1], dtype=torch.bool, device=self.device)
+            mark_seen(seen, tokens)
+        pos = lens.clone()  # (B,) the position of the token about to be sampled
+        stats = Stats(prompts=len(prompts), prompt_tokens=int(sum(len(p) for p in prompts)))
+        for i in range(params.max_new_tokens):
+            nxt = self.share(sample(logits, params, generator, seen))  # (B,)
+            mark_seen(seen, nxt)
+            host = nxt.tolist()
+            if i == 0:
+                stats.prefill_seconds = time.perf_counter() - t0
+            for seq, token in zip(sequences, host):
+                if not seq.done:
+                    seq.add(token)
+                    stats.new_tokens += 1
+            if all(seq.done for seq in sequences) or i == params.max_new_tokens - 1:
+                break
+            logits = self.step(nxt[:, None], pos[:, None])[:, 0]  # (B, V)
+            running = torch.tensor([not s.done for s in sequences], device=self.device)
+            pos += running  # a finished row stays where it is: its position never passes the cache
+        stats.seconds = time.perf_counter() - t0
+        return stats
