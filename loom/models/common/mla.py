@@ -104,7 +104,8 @@ class LatentAttention(nn.Module):
     ``YarnScaling`` changes the softmax scale).
 
     ``context``, the module's one extension point, as ``Attention.context``: the sequences x's tokens belong to.
-    Attention runs through it (``attend``: SDPA, loom's FlashAttention or FlexAttention). The query/key head dim
+    Attention runs through it (``attend``: SDPA, loom's FlashAttention or FlexAttention); a context that offers
+    ``attend_latent`` (generation's latent cache, loom.infer.mla_cache) takes the latents themselves instead. The query/key head dim
     (nope + rope) and the value head dim differ (DeepSeek: 192 and 128): SDPA takes them as they are; loom's kernel
     and FlexAttention need one head dim, so the values are zero-padded to the query/key dim there and the padding
     dropped from the output."""
@@ -162,14 +163,24 @@ class LatentAttention(nn.Module):
         rope_at = self.context.rope_positions(positions, bsz, seq, x.device)  # (B, S), or None: 0..S-1
         q_nope, q_pe = self.query(x, rope, rope_at)  # (B, S, H, Dn), (B, S, H, Dr)
         c_kv, k_pe = self.latent(x, rope, rope_at)  # (B, S, R), (B, S, Dr)
+        attend_latent = getattr(self.context, "attend_latent", None)
+        if attend_latent is not None:  # a latent cache (loom.infer.mla_cache): keeps c_kv, k_pe; attends over it
+            out = attend_latent(self, q_nope, q_pe, c_kv, k_pe, positions)  # (B, S, H, Dv)
+        else:
+            out = self.expanded(q_nope, q_pe, c_kv, k_pe, positions)  # (B, S, H, Dv)
+        return self.wo(out.reshape(bsz, seq, -1))  # (B, S, E)
+
+    def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                 positions: torch.Tensor | None) -> torch.Tensor:
+        """Attention with the latents up-projected to every head's key and value (training, a prefill): q_nope
+        (B, S, H, Dn), q_pe (B, S, H, Dr), c_kv (B, S, R), k_pe (B, S, Dr) -> (B, S, H, Dv)."""
+        bsz, seq = c_kv.shape[:2]
         kv = self.wkv_b(c_kv).view(bsz, seq, -1, self.nope_dim + self.v_dim)  # (B, S, H, Dn + Dv)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B, H, S, Dq)
         k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)  # (B, H, S, Dq)
-        v = v.transpose(1, 2)  # (B, H, S, Dv)
-        out = self.attend(q, k, v, positions)  # (B, H, S, Dv)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))  # (B, S, E)
+        return self.attend(q, k, v.transpose(1, 2), positions).transpose(1, 2)  # (B, S, H, Dv)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
                ) -> torch.Tensor:
