@@ -2,7 +2,8 @@
 cached reference computed per pair on whichever rank, give the single-process loss and rewards at every step under
 DDP x2, FSDP2 x2 with accumulation and TP x2 (fp32, within 1e-5 relative over 5 steps), with the same global
 batches; LoRA with dpo.reference adapters_off likewise under FSDP2 x2; dpo.reference copy (a frozen copy of the
-policy in its layout) under DDP x2, FSDP2 x2 with accumulation and TP x2 against its single process."""
+policy in its layout) under DDP x2, FSDP2 x2 with accumulation and TP x2 against its single process; FSDP2 x4 with
+accumulation (slow) for the cached reference, the copy and LoRA with adapters_off."""
 
 from __future__ import annotations
 
@@ -56,6 +57,18 @@ def results(tmp_path_factory):
     return single, dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
 
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    """FSDP2 x4, one pair per micro-batch: 2 micro-batches accumulated per rank."""
+    tmp = tmp_path_factory.mktemp("dpo_layouts4")
+    source = write_pairs(tmp / "pairs.jsonl")
+    names = ["fsdp4-acc2", "lora-fsdp4-acc2", "copy-fsdp4-acc2"]
+    jobs = [job(tmp, source, "fsdp4-acc2", GLOBAL // 8, dp_shard=4),
+            job(tmp, source, "lora-fsdp4-acc2", GLOBAL // 8, lora=True, dp_shard=4),
+            job(tmp, source, "copy-fsdp4-acc2", GLOBAL // 8, copy=True, dp_shard=4)]
+    return dict(zip(names, run_jobs(4, jobs, str(tmp))))
+
+
 def deviation(got: list[float], ref: list[float], floor: float = 1e-3) -> float:
     """The largest relative difference; ``floor`` bounds the denominator (a first step's margins are about 0)."""
     return max(abs(a - b) / max(abs(b), floor) for a, b in zip(got, ref))
@@ -76,6 +89,21 @@ def test_dpo_losses_match_single_process(results):
         assert abs(losses(res)[-1] - losses(res)[0]) > 1e-3
     # the copy's log-probabilities are the cached ones, batched differently (float rounding)
     assert deviation(losses(copy), losses(reference)) < 1e-5
+    print("\n".join(report))
+
+
+@pytest.mark.slow
+def test_dpo_under_fsdp2_x4_with_accumulation_matches_single_process(results, results4):
+    (reference, lora, copy), report = results[0], []
+    for name, res in results4.items():
+        base = {"lora": lora, "copy": copy}.get(name.split("-")[0], reference)
+        assert len(losses(res)) == STEPS
+        margins = [r["rewards/margins"] for r in res["records"]]
+        dev = max(deviation(losses(res), losses(base)),
+                  deviation(margins, [r["rewards/margins"] for r in base["records"]], 1.0))
+        report.append(f"{name}: max rel deviation {dev:.2e}")
+        assert dev < 1e-5, "\n".join(report)
+        assert [r["batch_hash"] for r in res["records"]] == [r["batch_hash"] for r in base["records"]]
     print("\n".join(report))
 
 

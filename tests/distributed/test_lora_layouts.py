@@ -1,5 +1,6 @@
-"""LoRA and QLoRA are layout-invariant: for a fixed seed and global batch, DDP x2, FSDP2 x2 with accumulation, TP x2
-and PP x2 (1F1B) give the single process's LoRA loss at every step (fp32, 1e-5 relative), QLoRA (NF4 base) under
+"""LoRA and QLoRA are layout-invariant: for a fixed seed and global batch, DDP x2, FSDP2 x2 with accumulation, TP x2,
+PP x2 (1F1B) and FSDP2 x4 with accumulation (slow) give the single process's LoRA loss at every step (fp32, 1e-5
+relative), QLoRA (NF4 base) under
 FSDP2 x2 the single process's QLoRA loss (and resumes exactly), and a LoRA checkpoint saved under FSDP2 x2 resumes
 in one process with the uninterrupted run's losses."""
 
@@ -49,6 +50,20 @@ def results(tmp_path_factory):
     saved = os.path.join(tmp, "fsdp2-acc2", "checkpoints", f"step_{SAVE_AT:08d}")
     resumed = run_jobs(1, [job(tmp, "resumed", GLOBAL, **LORA, **{"checkpoint.resume": saved})], str(tmp))[0]
     return {"single": losses(single[0]), "qsingle": losses(single[1]), **dict(zip(names, two)), "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    """FSDP2 x4, one sequence per micro-batch: 2 micro-batches accumulated per rank."""
+    tmp = tmp_path_factory.mktemp("lora4")
+    return run_jobs(4, [job(tmp, "fsdp4-acc2", GLOBAL // 8, **LORA, **{"parallel.dp_shard": 4})], str(tmp))[0]
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_x4_with_accumulation_matches_single_process(results, results4):
+    dev = max_rel(losses(results4), results["single"])
+    print(f"LoRA fsdp4-acc2: max rel deviation {dev:.2e}")
+    assert len(results["single"]) == STEPS and dev < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["ddp2", "fsdp2-acc2", "tp2", "pp2"])
