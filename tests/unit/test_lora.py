@@ -317,3 +317,23 @@ def test_the_fused_lora_product_equals_the_plain_one(x_grad):
     for got, exp in zip(grads, want):
         torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
     assert m.weight.grad is None
+
+
+def test_lora_linear_opcheck():
+    from loom.kernels.lora.op import lora_linear_backward_op, lora_linear_op
+
+    x, w, a, b = torch.randn(6, 8), torch.randn(5, 8), torch.randn(2, 8), torch.randn(5, 2)
+    torch.library.opcheck(lora_linear_op, (x.requires_grad_(), w, a.requires_grad_(), b.requires_grad_(), 0.5))
+    y, u = lora_linear_op(x, w, a, b, 0.5)
+    for input_grad in (True, False):
+        torch.library.opcheck(lora_linear_backward_op, (torch.randn_like(y), x.detach(), w, a.detach(), b.detach(),
+                                                        u.detach(), 0.5, input_grad))
+
+
+def test_the_fused_lora_product_compiles_without_graph_breaks():
+    m = LoRALinear(16, 8, rank=2, scaling=2.0)
+    m.weight.requires_grad_(False)
+    x = torch.randn(3, 16, requires_grad=True)
+    explained = torch._dynamo.explain(m)(x)
+    assert explained.graph_break_count == 0
+    torch._dynamo.reset()

@@ -20,6 +20,7 @@ from torch import nn
 
 from loom.config.errors import ConfigError, require
 from loom.config.sections import LoraConfig
+from loom.kernels.lora import lora_linear
 from loom.models.common.init import canonical_name, param_seed
 
 # lora.targets names -> the module path inside a block (Hugging Face names: q_proj, ..., down_proj)
@@ -67,8 +68,7 @@ class LoRALinear(nn.Linear):
         a_in = F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled()) if self.dropout else x
         w, a, b = self.weight, self.lora_A.weight, self.lora_B.weight
         if a_in is x and not w.requires_grad and self.bias is None and all(type(t) in _PLAIN for t in (x, w, a, b)):
-            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-            return _LoRAMatmul.apply(x.to(dtype), w.to(dtype), a.to(dtype), b.to(dtype), self.scaling)
+            return lora_linear(x, w, a, b, self.scaling)  # the adapter added in the base matmul's epilogue
         # the scaling multiplies the (.., r) tensor, not the (.., out) one PEFT scales: the same product, one
         # activation-sized pass fewer in forward and in backward
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(a_in) * self.scaling)
@@ -101,35 +101,6 @@ class LoRALinear(nn.Linear):
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)  # not DTensors (tensor parallel) or NF4 (QLoRA): those take F.linear's path
-
-
-class _LoRAMatmul(torch.autograd.Function):
-    """y = x W^T + s (x A^T) B^T for a frozen W, the adapter's product added into the base output in place (one
-    matmul epilogue instead of an (.., out) add), and in backward the adapter's input gradient added into the
-    base's the same way; no gradient for W. Every tensor in one dtype (the caller casts for autocast)."""
-
-    @staticmethod
-    def forward(ctx, x, w, a, b, scaling):
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-            u = x2 @ a.t()  # (N, r)
-            y = (x2 @ w.t()).addmm_(u, b.t(), alpha=scaling)  # (N, out)
-        ctx.save_for_backward(x2, w, a, b, u)
-        ctx.scaling = scaling
-        return y.view(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        x2, w, a, b, u = ctx.saved_tensors
-        s = ctx.scaling
-        g2 = g.reshape(-1, g.shape[-1])  # (N, out)
-        with torch.autocast(g.device.type, enabled=False):
-            du = (g2 @ b).mul_(s)  # (N, r)
-            db = (g2.t() @ u).mul_(s)  # (out, r)
-            da = du.t() @ x2  # (r, in)
-            dx = (g2 @ w).addmm_(du, a) if ctx.needs_input_grad[0] else None  # (N, in)
-        dx = dx.view(*g.shape[:-1], w.shape[1]) if dx is not None else None
-        return dx, None, da, db, None
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
