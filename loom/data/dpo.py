@@ -18,7 +18,7 @@ import torch
 from loom.config.errors import ConfigError, UserError
 from loom.data.chat import FLAG_LOSS, FLAG_START, ChatEncoder, ChatError
 from loom.data.loader import MicroBatch, StepData, _mix, _share_read, visit_order
-from loom.data.sft import _messages, docstring_pairs
+from loom.data.sft import checked_messages, docstring_pairs
 from loom.data.sources import SourceSpec, no_surrogates, rows
 from loom.data.token_file import TokenFile, TokenFileWriter
 from loom.numerics import IGNORE
@@ -64,7 +64,7 @@ def from_row(row: dict, where: str, errors: str = "strict") -> Pair:
         return Pair([{"role": "user", "content": p}], [{"role": "assistant", "content": c}],
                     [{"role": "assistant", "content": r}], where)
     if all(isinstance(v, list) for v in values):
-        return Pair(*(_messages(v, where, c, errors) for v, c in zip(values, COLUMNS)), where)
+        return Pair(*(checked_messages(v, where, c, errors) for v, c in zip(values, COLUMNS)), where)
     raise ConfigError("data.source", where, "'prompt', 'chosen' and 'rejected' must all be strings or all lists of "
                       f"messages; got {', '.join(type(v).__name__ for v in values)}")
 

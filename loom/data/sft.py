@@ -42,8 +42,9 @@ def conversations(spec: SourceSpec) -> Iterator[Conversation]:
             yield conv
 
 
-def _messages(value, where: str, column: str, errors: str) -> list[dict]:
-    """A list of messages, checked; string contents go through the same UTF-8 rule as text."""
+def checked_messages(value, where: str, column: str, errors: str) -> list[dict]:
+    """A list of messages, checked (SFT rows and DPO pairs alike); string contents go through the same UTF-8 rule as
+    text."""
     if not isinstance(value, list):
         raise ConfigError("data.source", where, f"'{column}' must be a list of messages ({ROLES_HINT}); "
                           f"got a {type(value).__name__}")
@@ -64,7 +65,7 @@ def from_row(row: dict, where: str, errors: str = "strict") -> Conversation | No
     ``completion``: two strings are a user and an assistant message; two lists of messages (TRL's conversational
     prompt-completion) are joined; either way only the completion trains."""
     if row.get("messages") is not None:
-        messages = _messages(row["messages"], where, "messages", errors)
+        messages = checked_messages(row["messages"], where, "messages", errors)
         return Conversation(messages, 0, where) if messages else None
     if "prompt" not in row or "completion" not in row:
         raise ConfigError("data.source", where, "a conversation needs 'messages', or 'prompt' and 'completion'; "
@@ -75,8 +76,8 @@ def from_row(row: dict, where: str, errors: str = "strict") -> Conversation | No
         return Conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], 1,
                             where)
     if isinstance(prompt, list) and isinstance(completion, list):
-        head = _messages(prompt, where, "prompt", errors)
-        return Conversation(head + _messages(completion, where, "completion", errors), len(head), where)
+        head = checked_messages(prompt, where, "prompt", errors)
+        return Conversation(head + checked_messages(completion, where, "completion", errors), len(head), where)
     raise ConfigError("data.source", where, "'prompt' and 'completion' must both be strings or both lists of "
                       f"messages; got {type(prompt).__name__} and {type(completion).__name__}")
 
