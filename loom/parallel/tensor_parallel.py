@@ -54,6 +54,14 @@ def block_plan(moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lo
     }
 
 
+def block_plan_for(block: nn.Module) -> dict:
+    """``block_plan`` with the switches read from the block: a mixture of experts, q/k norms, latent attention."""
+    attention = block.attention
+    mla = isinstance(attention, LatentAttention)
+    return block_plan(isinstance(block.feed_forward, MoE), qk_norm=not mla and attention.q_norm is not None, mla=mla,
+                      q_lora=mla and attention.wq is None)
+
+
 def mla_plan(q_lora: bool) -> dict:
     """Multi-head latent attention (loom.models.common.mla) on the ``tp`` mesh: the per-head up-projections (``wq`` or
     ``wq_b``, ``wkv_b``) column-parallel and ``wo`` row-parallel, so each rank owns whole heads; the compressions
@@ -203,11 +211,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         moe = isinstance(block.feed_forward, MoE)
-        attention = block.attention
-        mla = isinstance(attention, LatentAttention)
-        plan = block_plan(moe, qk_norm=not mla and attention.q_norm is not None, mla=mla,
-                          q_lora=mla and attention.wq is None)
-        parallelize_module(block, tp_mesh, with_adapters(block, plan))
+        parallelize_module(block, tp_mesh, with_adapters(block, block_plan_for(block)))
         if moe:
             replicate_moe(block.feed_forward, tp_mesh, experts=not (expert_parallel or expert_tp))
             if expert_tp and not expert_parallel:

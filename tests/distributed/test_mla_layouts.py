@@ -2,7 +2,8 @@
 replicated, the shared RoPE key's gradient summed over tp) against the unsharded block, outputs and every gradient;
 then training of the ``debug_mla`` model: for a fixed seed and global batch, DDP x2, FSDP2 x2 and TP x2 give the
 single-process loss at every step (fp32, within 1e-5 relative), and so does PP x2 (1F1B), with packed documents
-too."""
+too. Generation from the latent cache with the heads split over 2 ranks (the inference styles of the training plan)
+gives the single process's logits at every step."""
 
 from __future__ import annotations
 
@@ -113,3 +114,47 @@ def test_layouts_match_single_process(reference, layout_results):
         assert dev < 1e-5, "\n".join(report)
     assert reference[True] != reference[False]  # packed documents attend within each: other losses
     print("\n".join(report))
+
+
+def tp_decode(rank, world):
+    """The cached decode of debug_mla with wq_b, wkv_b and wo split by heads over ``world`` ranks (``loom.infer.tp``'s
+    inference styles of ``block_plan_for``: replicated activations), against the unsharded model's full forward."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import loom.infer.mla_cache  # noqa: F401  (registers the latent cache)
+    from loom.infer.engine import Engine
+    from loom.infer.tp import inference_styles
+    from loom.parallel.tensor_parallel import block_plan_for
+    from tests.unit.test_mla_cache import model_of, reference, rows_of
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = model_of("q_lora")
+    lengths, new = [3, 7], 5
+    rows = rows_of(len(lengths), max(lengths) + new)
+    refs = reference(model, [r[:n + new] for r, n in zip(rows, lengths)])
+    sharded = copy.deepcopy(model)
+    parallelize_module(sharded, mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                                                         output_layouts=Replicate()),
+                                       "output": ColwiseParallel(output_layouts=Replicate())})
+    for block in sharded.layers.values():
+        parallelize_module(block, mesh, inference_styles(block_plan_for(block)))
+    heads = sharded.layers["0"].attention.wkv_b.weight.to_local().shape[0] // (16 + 16)
+    engine = Engine(sharded, compile=False, cuda_graphs=False, group=mesh.get_group())
+    logits, _, lens = engine.start([r[:n] for r, n in zip(rows, lengths)], reserve=new)
+    errs = [float((logits[b] - refs[b][n - 1]).abs().max()) for b, n in enumerate(lengths)]
+    pos = lens.clone()
+    for i in range(new):
+        out = engine.step(torch.tensor([[r[n + i]] for r, n in zip(rows, lengths)]), pos[:, None])[:, 0]
+        errs += [float((out[b] - refs[b][n + i]).abs().max()) for b, n in enumerate(lengths)]
+        pos += 1
+    return {"heads": heads, "max_err": max(errs), "n": len(errs)}
+
+
+def test_tensor_parallel_latent_decode_matches_one_process(tmp_path):
+    res = run_fn(2, tp_decode, str(tmp_path))
+    assert res["heads"] == 2 and res["n"] == 2 * 6  # this rank's 2 of 4 heads; prefill + 5 steps, 2 rows
+    assert res["max_err"] < 1e-5, res
