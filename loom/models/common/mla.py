@@ -105,10 +105,10 @@ class LatentAttention(nn.Module):
 
     ``context``, the module's one extension point, as ``Attention.context``: the sequences x's tokens belong to.
     Attention runs through it (``attend``: SDPA, loom's FlashAttention or FlexAttention); a context that offers
-    ``attend_latent`` (generation's latent cache, loom.infer.mla_cache) takes the latents themselves instead. The query/key head dim
-    (nope + rope) and the value head dim differ (DeepSeek: 192 and 128): SDPA takes them as they are; loom's kernel
-    and FlexAttention need one head dim, so the values are zero-padded to the query/key dim there and the padding
-    dropped from the output."""
+    ``attend_latent`` (generation's latent cache, loom.infer.mla_cache) takes the latents themselves instead. The
+    query/key head dim (nope + rope) and the value head dim differ (DeepSeek: 192 and 128): SDPA takes them as they
+    are; loom's kernel and FlexAttention need one head dim, so the values are zero-padded to the query/key dim there
+    and the padding dropped from the output."""
 
     def __init__(self, dim: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, fused_rope: bool = False, backend: str = "sdpa",
