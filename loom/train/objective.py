@@ -40,7 +40,7 @@ class Objective(Protocol):
 
     def prepare(self, trainer) -> None:
         """Called once the trainer is built, before the first step: work the objective needs from the model and data
-        (DPO's cached reference pass). Optional."""
+        (DPO's cached reference pass, or its frozen reference copy). Optional."""
 
 
 class LanguageModeling:
