@@ -15,6 +15,7 @@ commands:
   train          train a model (see `loom train --help`)
   plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
   convert        import a Hugging Face folder (Llama, Mistral, Qwen, Mixtral) / export a loom checkpoint
+  generate       completions of prompts from a checkpoint or Hugging Face folder (`loom generate --help`)
   eval           perplexity / bits per byte on a data source, lm-evaluation-harness tasks (`loom eval --help`)
   report         plots + HTML page of runs' metrics.jsonl (`loom report --help`)
   data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.eval import main as eval_main
 
         return eval_main(rest)
+    if cmd == "generate":
+        from loom.cli.generate import main as generate_main
+
+        return generate_main(rest)
     if cmd == "report":
         from loom.cli.report import main as report_main
 
@@ -72,7 +77,7 @@ def version_line() -> str:
     return f"loom {loom_version()} (torch {torch}, Python {platform.python_version()})"
 
 
-COMMANDS = ("train", "plan", "convert", "eval", "report", "data prepare")
+COMMANDS = ("train", "plan", "convert", "generate", "eval", "report", "data prepare")
 
 
 def unknown_command(argv: list[str]) -> UserError:

@@ -1,0 +1,115 @@
+"""``loom generate``: prompts from arguments, a text file, a JSON-lines file (plain and chat) and stdin give the
+completions the Python API gives; --output writes one JSON line per prompt; streaming prints the same text;
+speculation prints its acceptance; mistakes exit 2 with one line."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from loom.cli.main import main as loom_main  # noqa: E402
+from loom.infer import Generator  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tests.unit.test_chat import build_folder
+    from tests.unit.test_generate import EOS, random_hf_llama
+
+    path = tmp_path_factory.mktemp("cli") / "hf"
+    build_folder(path, "llama3")
+    model = random_hf_llama()
+    model.generation_config.eos_token_id = EOS
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = loom_main(["generate", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+MESSAGES = [{"role": "user", "content": "Tell me a joke about cats."}]
+
+
+def test_arguments_file_and_stdin_give_the_api_completions(folder, tmp_path, capsys, monkeypatch):
+    expected = [c.text for c in Generator(folder, compile=False).generate(["Paris is", "def add(", MESSAGES],
+                                                                           max_new_tokens=10)]
+    out = tmp_path / "out.jsonl"
+    code, _, err = _run(capsys, "--model", folder, "Paris is", "def add(", "--max-new-tokens", "10",
+                        "--output", str(out))
+    assert code == 0 and "2 prompts" in err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["completion"] for r in records] == expected[:2]
+    assert records[0]["prompt"] == "Paris is" and records[0]["finish_reason"] in ("eos", "length")
+
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "Paris is"}) + "\n\n" + json.dumps({"messages": MESSAGES}) + "\n")
+    code, _, _ = _run(capsys, "-m", folder, "--file", str(jsonl), "--max-new-tokens", "10", "--output", str(out))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 0 and [r["completion"] for r in records] == [expected[0], expected[2]]
+    assert records[1]["messages"] == MESSAGES
+
+    text = tmp_path / "prompts.txt"
+    text.write_text("Paris is\ndef add(\n")
+    code, stdout, _ = _run(capsys, "-m", folder, "--file", str(text), "--max-new-tokens", "10", "--quiet")
+    assert code == 0 and stdout == "\n\n".join(expected[:2]) + "\n"
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Tell me a joke about cats.\n"))
+    code, _, _ = _run(capsys, "-m", folder, "--chat", "--max-new-tokens", "10", "--output", str(out))
+    assert code == 0 and json.loads(out.read_text())["completion"] == expected[2]
+
+
+def test_streaming_prints_the_same_text(folder, capsys):
+    _, plain, _ = _run(capsys, "-m", folder, "Paris is", "def add(", "--max-new-tokens", "12", "--no-stream",
+                       "--quiet")
+    _, streamed, _ = _run(capsys, "-m", folder, "Paris is", "def add(", "--max-new-tokens", "12", "--stream",
+                          "--quiet")
+    assert streamed == plain and plain.strip()
+
+
+def test_prompt_lookup_keeps_the_greedy_text_and_reports_acceptance(folder, capsys):
+    prompt = "the cat sat on the mat; the cat sat on the"
+    _, plain, _ = _run(capsys, "-m", folder, prompt, "--max-new-tokens", "16", "--no-stream", "--quiet")
+    code, spec, err = _run(capsys, "-m", folder, prompt, "--max-new-tokens", "16", "--no-stream",
+                           "--prompt-lookup", "--speculate-k", "3")
+    assert code == 0 and spec == plain
+    assert "speculative k 3" in err and "of guesses kept" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/no/such/folder", "hi"], "model = '/no/such/folder': folder not found"),
+    (["hi"], "--model: missing"),
+    (["--temperature", "-1", "hi"], "--temperature = -1.0: >= 0"),
+    (["--top-p", "2", "hi"], "--top-p = 2.0"),
+    (["--system", "be nice", "hi"], "--system = 'be nice': needs --chat"),
+    (["--bogus", "hi"], "unrecognized arguments: --bogus"),
+    (["--max-new-tokens", "many", "hi"], "invalid int value"),
+    (["--prompt-lookup", "--draft", "x", "hi"], "choose --prompt-lookup or --draft"),
+])
+def test_mistakes_exit_2_with_one_line(folder, capsys, argv, message):
+    if "--model" not in argv and argv != ["hi"]:
+        argv = ["--model", folder, *argv]
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_file_mistakes_exit_2_naming_the_line(folder, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + "{not json\n")
+    code, _, err = _run(capsys, "-m", folder, "--file", str(bad))
+    assert code == 2 and f"{bad}:2" in err and len(err.strip().splitlines()) == 1
+    bad.write_text(json.dumps({"text": "no prompt"}) + "\n")
+    code, _, err = _run(capsys, "-m", folder, "--file", str(bad))
+    assert code == 2 and '"prompt"' in err
+    code, _, err = _run(capsys, "-m", folder, "--file", str(tmp_path / "missing.txt"))
+    assert code == 2 and "file not found" in err
