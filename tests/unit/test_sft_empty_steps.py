@@ -109,3 +109,14 @@ def test_runs_log_targets_and_empty_steps_are_not_non_finite(tmp_path, capsys):
     assert all(r["nonfinite_steps"] == 0 for r in records)
     warned = [int(line.split()[1].rstrip(":")) for line in printed.splitlines() if "nothing to train on" in line]
     assert warned == empty
+
+
+def test_validation_without_targets_reports_no_loss(tmp_path, capsys):
+    source = write_chats(tmp_path / "chat.jsonl", 30, 40, seed=2)
+    trainer = Trainer(sft(tmp_path, source, **{"training.steps": 2, "training.eval_every": 1,
+                                                "training.eval_batches": 1, "training.global_batch_size": 2,
+                                                "training.micro_batch_size": 1, "data.val_fraction": 0.1}))
+    (held_out,) = trainer.loader.validation(1)
+    assert bool((held_out.labels == IGNORE).all())  # this source's first held-out window is all prompt
+    assert trainer.evaluate() is None
+    assert "the validation batches hold nothing to evaluate (targets 0)" in capsys.readouterr().out
