@@ -26,7 +26,8 @@ The interface every attention class's cache follows (a multi-head latent attenti
 An attention module gets its cache from ``make_cache(attention, batch, length, dtype, device)``: the module's own
 ``make_cache(batch, length, dtype, device)`` method where its class defines one (a class in ``loom/models`` cannot
 import ``loom.infer``: it follows this protocol by duck typing and can use ``visible``'s three lines), else the
-factory registered for its class with ``register_cache`` (loom's ``Attention``: ``KVCache.for_attention``)."""
+factory registered for its class with ``register_cache`` (loom's ``Attention``: ``KVCache.for_attention``; a
+module of ``loom.infer`` that registers one is listed in ``PROVIDERS``, imported on the first ``make_cache``)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,27 @@ def register_cache(attention_class: type, factory: Callable) -> None:
     _FACTORIES[attention_class] = factory
 
 
+# modules of loom.infer that register caches for other attention classes when imported (make_cache imports them)
+PROVIDERS = ("loom.infer.mla_cache",)
+
+
+def _import_providers() -> None:
+    import importlib
+
+    for name in PROVIDERS:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:  # the provider exists but something it imports does not
+                raise
+
+
 def make_cache(attention: nn.Module, batch: int, length: int, dtype: torch.dtype, device) -> nn.Module:
     """The cache of one attention module for ``batch`` rows of ``length`` slots (see the module docstring)."""
     own = getattr(attention, "make_cache", None)
     if own is not None:
         return own(batch, length, dtype, device)
+    _import_providers()
     for cls in type(attention).__mro__:
         if cls in _FACTORIES:
             return _FACTORIES[cls](attention, batch, length, dtype, device)
