@@ -103,6 +103,9 @@ def check_lora(cfg: Config) -> None:
     if ffn and (cfg.model.moe_experts or cfg.model.flavor == "debug_moe"):
         raise ConfigError("lora.targets", lora.targets, f"{', '.join(ffn)}: a mixture-of-experts model has no dense "
                           "feed-forward linears; allowed q, k, v, o")
+    if lora.base_dtype == "bfloat16" and cfg.training.dtype != "bfloat16":
+        raise ConfigError("lora.base_dtype", "bfloat16", f"needs training.dtype bfloat16 (it is {cfg.training.dtype}: "
+                          "bf16 frozen weights would make the activations bf16): allowed float32 or nf4")
     if lora.base_dtype == "nf4":
         for key, value, bad in (("parallel.tp", p.tp, p.tp > 1), ("parallel.cpu_offload", p.cpu_offload,
                                                                       p.cpu_offload)):

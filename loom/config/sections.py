@@ -242,9 +242,11 @@ class LoraConfig:
                                                "(attention), gate, up, down (SwiGLU), or all")
     rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
     base_dtype: str = opt("float32", "the frozen weights: float32 (as loaded), bfloat16 (every frozen weight in "
-                                     "bf16: half the memory, no per-step casts; the usual LoRA setup), or nf4 = QLoRA "
+                                     "bf16: half the memory, no per-step casts; the usual LoRA setup; needs "
+                                     "training.dtype bfloat16), or nf4 = QLoRA "
                                      "(the adapted linears in 4-bit NormalFloat with double-quantized scales, the "
-                                     "other frozen weights in bf16; torchao: pip install 'loom-train[qlora]')",
+                                     "other frozen weights in bf16 when training.dtype is bfloat16; torchao: pip "
+                                     "install 'loom-train[qlora]')",
                           choices=("float32", "bfloat16", "nf4"))
     init_from: str = opt("", "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to start "
                              "the adapters from; its r, lora_alpha, target_modules and use_rslora must equal "

@@ -27,7 +27,7 @@ from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.common.layers import attend
-from loom.models.common.lora import adapters_hidden, apply_lora, quantize_base
+from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, quantize_base
 from loom.models.llama import Llama
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
@@ -157,7 +157,8 @@ class Trainer:
         self.kernels, self.model_args = self.run.kernels, self.run.model_args
         with torch.device("meta"):
             model = Llama(self.model_args)
-        self.n_adapted = apply_lora(model, cfg.lora)  # LoRA: adapters on lora.targets, the rest frozen (0: off)
+        # LoRA: adapters on lora.targets, the rest frozen (0: off)
+        self.n_adapted = apply_lora(model, cfg.lora, frozen_dtype(cfg.lora, cfg.training.dtype))
         # MFU counts what the run computes: a frozen base takes no weight gradients (loom.metrics.flops)
         self.adapter_params = count_params(self.model_args, cfg.lora)[1] if self.n_adapted else None
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
@@ -350,7 +351,8 @@ class Trainer:
         for part in self.parts:
             part.eval()
         try:
-            return self.evals(self.parallel_model.modules[0], self.tokenizer, self.step, self.device, self._autocast)
+            # the model itself (one part: no pipeline), not a DDP wrapper: evaluation takes no gradients
+            return self.evals(self.parts[0], self.tokenizer, self.step, self.device, self._autocast)
         finally:
             for part in self.parts:
                 part.train()

@@ -231,6 +231,7 @@ def llama_args_from_hf_like():
 @pytest.mark.parametrize("overrides, field", [
     ({"lora.init_from": "x"}, "lora.init_from"),  # rank 0: off
     ({"lora.base_dtype": "nf4"}, "lora.base_dtype"),
+    ({"lora.rank": 4, "lora.base_dtype": "bfloat16"}, "lora.base_dtype"),  # under float32 compute
     ({"lora.rank": 4, "lora.targets": "q,qq"}, "lora.targets"),
     ({"lora.rank": 4, "training.float8": "tensorwise"}, "training.float8"),
     ({"lora.rank": 4, "model.flavor": "debug_moe"}, "lora.targets"),
@@ -291,7 +292,7 @@ def test_a_tied_embedding_stays_tied_in_bfloat16():
 
     with torch.device("meta"):
         model = Llama(dataclasses.replace(FLAVORS["debug"], vocab_size=256, tie_embeddings=True))
-    apply_lora(model, LoraConfig(rank=2, targets="q", base_dtype="bfloat16"))
+    apply_lora(model, LoraConfig(rank=2, targets="q", base_dtype="bfloat16"), torch.bfloat16)
     assert model.output.weight is model.tok_embeddings.weight and model.output.weight.dtype == torch.bfloat16
 
 

@@ -113,9 +113,10 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
+def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | None = None) -> int:
     """Put LoRA adapters on ``cfg.targets`` of every block of ``model`` (a Llama on any device, meta included) and
-    freeze every other parameter; returns how many linears were adapted (0: ``lora.rank`` 0, nothing changes).
+    freeze every other parameter, stored in ``frozen_dtype`` when given (``frozen_dtype()``); returns how many
+    linears were adapted (0: ``lora.rank`` 0, nothing changes).
     Call before parallelizing: tensor parallelism and FSDP then treat the adapters with their base."""
     if not cfg.rank:
         return 0
@@ -133,17 +134,27 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
             adapted = LoRALinear(base.in_features, base.out_features, cfg.rank, scaling, cfg.dropout,
                                  bias=base.bias is not None, device=w.device, dtype=w.dtype)
             adapted.weight = w  # the base's own parameters (their values, if it has any)
+            if cfg.base_dtype == "nf4":  # quantized from bfloat16 anyway: half the memory until then
+                adapted.weight = nn.Parameter(w.detach().to(torch.bfloat16))
             if base.bias is not None:
                 adapted.bias = base.bias
             setattr(parent, leaf, adapted)
             n += 1
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
-    if cfg.base_dtype != "float32":  # bfloat16 / nf4 (quantized from bfloat16 later): every frozen weight in bf16
+    if frozen_dtype is not None:
         for p in model.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)  # .data: tied weights stay one Parameter
+            if not p.requires_grad and p.dtype.is_floating_point:
+                p.data = p.data.to(frozen_dtype)  # .data: tied weights stay one Parameter
     return n
+
+
+def frozen_dtype(cfg: LoraConfig, compute_dtype: str) -> torch.dtype | None:
+    """The storage dtype of the frozen weights (``apply_lora``): bf16 for lora.base_dtype bfloat16, and for nf4 (its
+    unquantized frozen weights: embeddings, norms, head) when the run computes in bf16 anyway; None: as built."""
+    if cfg.rank and (cfg.base_dtype == "bfloat16" or (cfg.base_dtype == "nf4" and compute_dtype == "bfloat16")):
+        return torch.bfloat16
+    return None
 
 
 # ---- initial values ------------------------------------------------------------------------------
