@@ -116,7 +116,7 @@ def hf_qlora_model(args, folder: str):
 
 
 def run_variant(variant: str, flavor: str, micro_batch: int, steps: int, warmup: int, run_dir: str,
-                seq: int) -> dict:
+                seq: int, profile_steps: bool = False) -> dict:
     import torch
 
     from loom.config.sections import LoraConfig
@@ -183,6 +183,7 @@ def run_variant(variant: str, flavor: str, micro_batch: int, steps: int, warmup:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(out["loss"]))
+    profile = _profile(step_fn, batches[warmup:warmup + 4], run_dir, variant) if profile_steps else None
     tps = micro_batch * seq / statistics.median(times)
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
     flops = flops_per_token(args, seq, None if full_ft else expected)
@@ -194,7 +195,28 @@ def run_variant(variant: str, flavor: str, micro_batch: int, steps: int, warmup:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "build_peak_reserved_gib": build_peak, "first_step_s": first_step_s, "losses": losses,
+        "profile": profile,
     }
+
+
+def _profile(step_fn, batches, run_dir: str, variant: str) -> dict:
+    """Kernel time per step by category over ``batches`` but the first (loom.metrics.trace_summary), after the timed
+    steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from loom.metrics.trace_summary import summarize
+
+    path = os.path.join(run_dir, f"trace_{variant}.json")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=1, active=len(batches) - 1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+        for mbs in batches:
+            step_fn(mbs)
+            torch.cuda.synchronize()
+            prof.step()
+    with open(path) as fh:
+        return summarize(json.load(fh))
 
 
 def main() -> None:
@@ -209,16 +231,17 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/lora.json")
     p.add_argument("--commit", default=default_commit())
     p.add_argument("--run-dir", default="/tmp/loom_bench_lora")
+    p.add_argument("--profile", action="store_true", help="also the kernel time by category of 3 profiled steps")
     a = p.parse_args()
     if a.variant:  # child: one variant, result as the last stdout line
-        res = run_variant(a.variant, a.flavor, a.micro_batch, a.steps, a.warmup, a.run_dir, a.seq)
+        res = run_variant(a.variant, a.flavor, a.micro_batch, a.steps, a.warmup, a.run_dir, a.seq, a.profile)
         print("RESULT " + json.dumps(res), flush=True)
         return
     results = []
     for v in a.variants.split(","):
         cmd = [sys.executable, "-m", "bench.lora", "--variant", v, "--flavor", a.flavor, "--micro-batch",
                str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--run-dir",
-               a.run_dir, "--seq", str(a.seq)]
+               a.run_dir, "--seq", str(a.seq)] + (["--profile"] if a.profile else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
