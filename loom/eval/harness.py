@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from loom.config.errors import ConfigError, require
+from loom.config.errors import ConfigError, UserError, require
 from loom.eval.model import EvalModel, load
 from loom.eval.scoring import continuation_window, rolling_windows, score
 
@@ -132,6 +132,11 @@ class LoomLM(_model_api.TemplateLM):
         """loom's generation engine over this model (built on first use)."""
         if self._generator is None:
             from loom.infer import Generator
+
+            if any(hasattr(p, "full_tensor") for p in self.em.model.parameters()):
+                raise UserError("generate_until on a sharded model (FSDP or tensor parallel during training): loom's "
+                                "generation engine takes a whole model; generate from the run's checkpoints with "
+                                "`loom eval`, or train with data parallelism alone (parallel.dp_replicate)")
 
             self._generator = Generator.from_model(self.em.model, self.em.tokenizer, max_batch=self.batch_size)
         return self._generator

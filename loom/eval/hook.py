@@ -92,12 +92,12 @@ class TrainingEvals:
     """``training.eval_hook`` and ``training.eval_tasks``, checked when the run is built (an unknown callable or a
     missing lm-eval stops the start, not step N); called at each validation point."""
 
-    def __init__(self, training, parallel, run_dir: str, is_main: bool):
+    def __init__(self, training, parallel, run_dir: str, is_main: bool, sharded: bool = False):
         if parallel.pp > 1 or parallel.cp > 1:
             field = "training.eval_hook" if training.eval_hook else "training.eval_tasks"
             raise ConfigError(field, training.eval_hook or training.eval_tasks, "runs on the whole model: not with "
                               "parallel.pp > 1 or parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
-        self.training, self.run_dir, self.is_main = training, run_dir, is_main
+        self.training, self.run_dir, self.is_main, self.tp = training, run_dir, is_main, parallel.tp
         self.hook = import_callable(training.eval_hook) if training.eval_hook else None
         self.tasks = task_names(training.eval_tasks)
         if self.tasks:
@@ -105,12 +105,34 @@ class TrainingEvals:
             from loom.eval.harness import task_manager
 
             self.manager = task_manager(self.tasks, training.eval_tasks_include or None)
+            if sharded:
+                self._refuse_generation()
+
+    def _refuse_generation(self) -> None:
+        """loom's generation engine takes a whole model: generate_until tasks are refused on a sharded one (FSDP,
+        tensor parallel) before the run starts (loading the tasks to read their output types)."""
+        from lm_eval.tasks import get_task_dict
+
+        def output_types(tasks: dict):
+            for name, task in tasks.items():
+                if isinstance(task, dict):
+                    yield from output_types(task)
+                else:
+                    yield getattr(name, "group_name", name), task.OUTPUT_TYPE
+
+        generating = [name for name, kind in output_types(get_task_dict(self.tasks, self.manager))
+                      if kind == "generate_until"]
+        if generating:
+            raise ConfigError("training.eval_tasks", ",".join(generating), "generate text, and loom's generation "
+                              "engine takes a whole model, not one sharded by FSDP or tensor parallelism: train with "
+                              "data parallelism alone (parallel.dp_replicate) or evaluate the checkpoints with "
+                              "`loom eval`")
 
     def __call__(self, model: torch.nn.Module, tokenizer, step: int, device: torch.device,
                  autocast: Callable[[], contextlib.AbstractContextManager]) -> dict[str, float]:
         """``{"eval/<name>": value}`` of the callable's numbers and the tasks' metrics at ``step``."""
         em = EvalModel(model, tokenizer, device, self.training.seq_len, tokenizer.eos_id, name=f"step {step}",
-                       autocast=autocast)
+                       autocast=autocast, width_multiple=self.tp)
         out: dict[str, float] = {}
         with kept_rng(device), torch.no_grad():
             if self.hook is not None:
@@ -143,12 +165,16 @@ class TrainingEvals:
             model=LoomLM(model=em), tasks=self.tasks, task_manager=self.manager, limit=t.eval_tasks_limit or None,
             num_fewshot=None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot, log_samples=False,
             verbosity="WARNING")
+        if results is None:  # lm-eval returns its results on the process with LOCAL_RANK 0 only
+            return {}
         return {k: v for k, v in flat_metrics(results, "eval/").items() if math.isfinite(v)}
 
 
-def training_evals(cfg, run_dir: str, is_main: bool) -> TrainingEvals | None:
-    """The run's evaluations besides the validation loss; None when it asks for none (or never evaluates)."""
+def training_evals(cfg, run_dir: str, is_main: bool, model: torch.nn.Module | None = None) -> TrainingEvals | None:
+    """The run's evaluations besides the validation loss; None when it asks for none (or never evaluates).
+    ``model``: the run's (parallelized) model, whose sharding decides whether generation tasks can run."""
     t = cfg.training
     if not t.eval_every or not (t.eval_hook or task_names(t.eval_tasks)):
         return None
-    return TrainingEvals(t, cfg.parallel, run_dir, is_main)
+    sharded = model is not None and any(hasattr(p, "full_tensor") for p in model.parameters())
+    return TrainingEvals(t, cfg.parallel, run_dir, is_main, sharded)

@@ -24,7 +24,9 @@ class EvalModel:
     ``max_length``: the longest input it is fed (tokens); longer inputs are cut from the left (rolling windows for
     perplexity). ``prefix_id``: the token that stands before a text with no context (a document's first token, an
     empty harness context). ``autocast``: a context manager factory the forwards run under (a training run's
-    mixed precision); a loaded model runs in its own dtype without one."""
+    mixed precision); a loaded model runs in its own dtype without one. ``width_multiple``: batches are padded to a
+    sequence length that divides by it (a tensor-parallel model with sequence parallelism splits the sequence over
+    its ranks)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -33,6 +35,7 @@ class EvalModel:
     prefix_id: int
     name: str = ""
     autocast: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+    width_multiple: int = 1
 
     @property
     def eos_id(self) -> int:

@@ -74,6 +74,7 @@ def score(em: EvalModel, windows: list[Window], batch_size: int = 8) -> list[tup
 
 def _score_batch(em: EvalModel, rows: list[Window]) -> Iterable[tuple[float, bool]]:
     width = max(len(w.ids) for w in rows) - 1
+    width = -(-width // em.width_multiple) * em.width_multiple  # right padding changes no real position
     inputs = torch.zeros(len(rows), width, dtype=torch.int64)  # (B, S): right padding (any id) after each row
     for r, w in enumerate(rows):
         inputs[r, :len(w.ids) - 1] = torch.tensor(w.ids[:-1], dtype=torch.int64)

@@ -83,7 +83,7 @@ class Trainer:
         self._build_profiler()
         self._build_steps()
         getattr(self.objective, "prepare", lambda trainer: None)(self)  # e.g. DPO's cached reference pass
-        self.evals = training_evals(cfg, self.run_dir, self.env.is_main)  # training.eval_hook / eval_tasks
+        self.evals = training_evals(cfg, self.run_dir, self.env.is_main, self.parts[0])  # eval_hook / eval_tasks
         self.step, self.tokens_seen = 0, 0
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self.preemption: Preemption | None = None  # set while fit() runs

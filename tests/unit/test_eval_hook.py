@@ -116,3 +116,39 @@ def test_a_hook_must_return_numbers(tmp_path):
     with pytest.raises(UserError, match="returned a list; it must return a dict of names to numbers"):
         trainer.run_evals()
     assert import_callable("tests.unit.test_eval_hook:probe") is probe
+
+
+def test_on_two_ranks(tmp_path):
+    """FSDP2 and tensor parallelism: every rank runs the hook (the sharded forwards meet in their collectives) and
+    rank 0 logs what a single process logs for the same weights. Data parallelism runs generate_until tasks; on a
+    sharded model they are refused before the first step."""
+    pytest.importorskip("lm_eval")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from tests.distributed.harness import run_jobs, run_one
+    from tests.tiny import tiny_overrides
+    from tests.unit.test_eval_harness import GEN, write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks")
+
+    def job(name, **extra):
+        return tiny_overrides(tmp_path / name, tmp_path / "cache", **{
+            "training.steps": 2, "training.eval_every": 2, "training.eval_batches": 1, "metrics.progress": "false",
+            "training.eval_hook": "tests.unit.test_eval_hook:probe", **extra})
+
+    generating = {"training.eval_hook": None, "training.eval_tasks": "loomtest_gen",
+                  "training.eval_tasks_include": tasks}
+    single = run_one(job("single"))[-1]
+    fsdp, tp, ddp, refused = run_jobs(2, [job("fsdp", **{"parallel.dp_shard": 2}),
+                                          job("tp", **{"parallel.tp": 2, "parallel.dp_shard": 1}),
+                                          job("ddp", **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+                                              **generating),
+                                          job("refused", **{"parallel.dp_shard": 2}, **generating)], str(tmp_path))
+    for result in (fsdp, tp):
+        assert "error" not in result, result.get("error")
+        last = result["records"][-1]
+        assert last["eval/tokens"] == single["eval/tokens"]
+        assert last["eval/loglik"] == pytest.approx(single["eval/loglik"], rel=1e-4)
+    assert "error" not in ddp, ddp.get("error")
+    assert ddp["records"][-1]["eval/loomtest_gen/sample_len"] == len(GEN)
+    assert "training.eval_tasks = 'loomtest_gen': generate text" in refused["error"]
+    assert not os.path.exists(tmp_path / "refused" / "metrics.jsonl")
