@@ -69,9 +69,13 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_buffers) -> None:
-    """Allocate storage for a meta-device model (sharded or not) and initialize it."""
+    """Allocate storage for a meta-device model (sharded or not) and initialize it. A module marked ``host_weight``
+    (QLoRA's base linears: quantized onto the device one at a time later) keeps its own tensors in host memory, so
+    the device never holds the whole unquantized base."""
     shared = _shared_parameters(model)
-    model.to_empty(device=device)
+    host = {id(m.weight) for m in model.modules() if getattr(m, "host_weight", False)}
+    # Module.to_empty with a device per tensor (FSDP2's _apply hook re-registers its shards as after to_empty)
+    model._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in host else device))
     for (mod0, name0), *others in shared:  # to_empty gives plain tensors one new Parameter per place: re-tie
         for mod, name in others:
             setattr(mod, name, getattr(mod0, name0))

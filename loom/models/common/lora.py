@@ -59,6 +59,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
         self.dropout = dropout
         self.disabled = False  # adapters_disabled: the base linear alone
+        self.host_weight = False  # QLoRA: the base weight materialized in host memory until quantize_base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.disabled:
@@ -136,6 +137,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
             adapted.weight = w  # the base's own parameters (their values, if it has any)
             if cfg.base_dtype == "nf4":  # quantized from bfloat16 anyway: half the memory until then
                 adapted.weight = nn.Parameter(w.detach().to(torch.bfloat16))
+                adapted.host_weight = True  # materialized in host memory, quantized onto the device (quantize_base)
             if base.bias is not None:
                 adapted.bias = base.bias
             setattr(parent, leaf, adapted)
@@ -268,11 +270,14 @@ def quantize_base(model: nn.Module) -> int:
         if is_nf4(w):
             continue
         _check_nf4_shape(name + ".weight", w)
+        device = m.lora_A.weight.device  # where compute runs: the base may still be in host memory (host_weight)
         if isinstance(w, DTensor):
             if any(p.is_shard() and p.dim != 0 for p in w.placements):
                 raise ConfigError("lora.base_dtype", "nf4", f"{name}.weight is sharded by columns (tensor "
                                   "parallel): NF4 shards by rows only")
-            q = to_nf4(w.full_tensor().to(torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
+            local = DTensor.from_local(w.to_local().to(device), w.device_mesh, w.placements, run_check=False,
+                                       shape=w.shape, stride=w.stride())
+            q = to_nf4(local.full_tensor().to(torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
             mesh, coord = w.device_mesh, w.device_mesh.get_coordinate()
             for i, p in enumerate(w.placements):  # (Replicate, Shard(0)) for HSDP: rows over the shard axis
                 if p.is_shard():
@@ -280,7 +285,7 @@ def quantize_base(model: nn.Module) -> int:
             w.to_local().untyped_storage().resize_(0)
             new = DTensor.from_local(q, mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
         else:
-            new = to_nf4(w.to(torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
+            new = to_nf4(w.to(device, torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
         m.weight = nn.Parameter(new, requires_grad=False)
         n += 1
     return n
