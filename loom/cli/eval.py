@@ -15,8 +15,9 @@ USAGE = """usage: loom eval CHECKPOINT --source SPEC [--text-field NAME] [--enco
        common: [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16] [--batch-size N]
                [--max-length N] [--prefix-token-id ID] [--out FILE.json]
 
-CHECKPOINT is a loom checkpoint (a run's step_N, or an import of `loom convert --from-hf`) or a Hugging Face
-Llama-family folder with its tokenizer. Both --source and --tasks may be given.
+CHECKPOINT is a loom checkpoint (a run's step_N, or a run dir: its newest complete checkpoint; an import of
+`loom convert --from-hf`) or a Hugging Face Llama-family folder with its tokenizer. Both --source and --tasks may be
+given.
 
 --source            perplexity and bits per byte of each document of SPEC (the data.source grammar: text, jsonl,
                     parquet, a saved dataset, a token file, a mixture scored entry by entry; '' = the embedded

@@ -13,7 +13,7 @@ from loom.config.errors import ConfigError
 _SAMPLING = ("top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
 
-def sampling_params(kwargs: dict, max_gen_toks: int, stop: list[str], eos_id: int):
+def sampling_params(kwargs: dict, max_gen_toks: int, stop: list[str]):
     """loom's SamplingParams of one lm-eval request's normalized generation settings: greedy unless ``do_sample``
     (lm-eval's own rule: temperature 0 or no sampling is greedy); an unknown setting is one line."""
     from loom.infer import SamplingParams
@@ -26,7 +26,7 @@ def sampling_params(kwargs: dict, max_gen_toks: int, stop: list[str], eos_id: in
         raise ConfigError("gen_kwargs", ",".join(sorted(kwargs)), "not a generation setting loom knows: allowed "
                           f"until, max_gen_toks, do_sample, temperature, {', '.join(_SAMPLING)}")
     return SamplingParams(max_new_tokens=max_gen_toks, temperature=temperature if do_sample else 0.0,
-                          stop=tuple(s for s in stop if s), stop_token_ids=(eos_id,), **extra)
+                          stop=tuple(s for s in stop if s), **extra)
 
 
 def generate_until(lm, requests: list[tuple[str, dict]]) -> list[str]:
@@ -49,7 +49,7 @@ def generate_until(lm, requests: list[tuple[str, dict]]) -> list[str]:
         if room < 1:
             raise ConfigError("max_gen_toks", max_gen, f"leaves no room for a context in the model's max length "
                               f"({lm.max_length})")
-        params = sampling_params(kwargs, max_gen, until, lm.eot_token_id)
+        params = sampling_params(kwargs, max_gen, until)
         contexts = {i: lm.tok_encode(requests[i][0], left_truncate_len=room) or [lm.prefix_token_id]
                     for i in members}
         ordered = sorted(members, key=lambda i: -len(contexts[i]))

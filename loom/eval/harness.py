@@ -138,7 +138,8 @@ class LoomLM(_model_api.TemplateLM):
                                 "generation engine takes a whole model; generate from the run's checkpoints with "
                                 "`loom eval`, or train with data parallelism alone (parallel.dp_replicate)")
 
-            self._generator = Generator.from_model(self.em.model, self.em.tokenizer, max_batch=self.batch_size)
+            self._generator = Generator.from_model(self.em.model, self.em.tokenizer, eos_ids=self.em.stop_ids,
+                                                   compile=False, cuda_graphs=False, max_batch=self.batch_size)
         return self._generator
 
     def get_model_info(self) -> dict:

@@ -156,9 +156,9 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
         (["eval", ckpt, "--source", "x.jsonl", "--batch-size", "0"], "--batch-size = '0': allowed: 1 or more"),
         (["eval", ckpt, "--source", "x.jsonl", "--limit", "0.5"], "--limit = '0.5'"),
         (["eval", ckpt, "--sorce", "x.jsonl"], "--sorce: unknown option"),
-        (["eval", str(tmp_path / "nowhere"), "--source", "x.jsonl"], "checkpoint = "),
+        (["eval", str(tmp_path / "nowhere"), "--source", "x.jsonl"], "folder not found"),
         (["eval", ckpt, "--source", str(tmp_path / "missing.jsonl")], "no such file or folder"),
-        (["eval", ckpt, "--source", "x.jsonl", "--dtype", "int8"], "--dtype = 'int8': allowed"),
+        (["eval", ckpt, "--source", "x.jsonl", "--dtype", "int8"], "dtype = 'int8': allowed"),
     ]
     for argv, expected in cases:
         with pytest.raises(SystemExit) as exit_:
