@@ -388,8 +388,9 @@ def ratios(results: list[dict]) -> dict:
         for d in r["decode"]:
             h = next((x for x in hf["decode"] if x["batch"] == d["batch"]), None)
             if h:
-                out[f"{flavor}_batch{d['batch']}_decode_loom_vs_hf"] = d["decode_tokens_per_s"] / h["decode_tokens_per_s"]
-                out[f"{flavor}_batch{d['batch']}_ttft_hf_vs_loom"] = h["ttft_s"] / d["ttft_s"]
+                key = f"{flavor}_batch{d['batch']}"
+                out[f"{key}_decode_loom_vs_hf"] = d["decode_tokens_per_s"] / h["decode_tokens_per_s"]
+                out[f"{key}_ttft_hf_vs_loom"] = h["ttft_s"] / d["ttft_s"]
     return out
 
 
