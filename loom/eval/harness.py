@@ -17,7 +17,6 @@ runs tasks too).
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -171,14 +170,15 @@ def task_manager(tasks: list[str], include_path: str | None = None):
     return manager
 
 
-def run_tasks(lm: LoomLM, tasks: list[str], *, include_path: str | None = None, limit: float | None = None,
-              num_fewshot: int | None = None, gen_kwargs: dict | str | None = None, log_samples: bool = False,
-              seed: int = 1234) -> dict:
-    """lm-eval's ``simple_evaluate`` of ``tasks`` (lm-eval's own, or task YAMLs under ``include_path``) on ``lm``;
-    lm-eval's results dict. ``limit``: examples per task (a fraction below 1)."""
+def run_tasks(lm: LoomLM, tasks: list[str], *, include_path: str | None = None, manager=None,
+              limit: float | None = None, num_fewshot: int | None = None, gen_kwargs: dict | str | None = None,
+              log_samples: bool = False, seed: int = 1234) -> dict | None:
+    """lm-eval's ``simple_evaluate`` of ``tasks`` (lm-eval's own, or task YAMLs under ``include_path``; ``manager``:
+    a ``task_manager`` already built) on ``lm``: lm-eval's results dict (None on a process whose LOCAL_RANK is not
+    0: lm-eval reports on one). ``limit``: examples per task (a fraction below 1)."""
     evaluator = require("lm_eval.evaluator", "eval", package="lm-eval")
     return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                     task_manager=task_manager(tasks, include_path), gen_kwargs=gen_kwargs,
+                                     task_manager=manager or task_manager(tasks, include_path), gen_kwargs=gen_kwargs,
                                      log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
                                      torch_random_seed=seed, fewshot_random_seed=seed)
 
@@ -204,13 +204,6 @@ def main(argv: list[str] | None = None) -> Any:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     return cli.cli_evaluate()
-
-
-def results_json(results: dict) -> str:
-    """The parts of a results dict worth keeping (per task metrics, versions, n-shot, the config), as JSON."""
-    keep = {k: results[k] for k in ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples",
-                                    "config") if k in results}
-    return json.dumps(keep, indent=1, default=str)
 
 
 if __name__ == "__main__":

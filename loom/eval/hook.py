@@ -156,16 +156,12 @@ class TrainingEvals:
         return out
 
     def _task_values(self, em: EvalModel) -> dict[str, float]:
-        from lm_eval import evaluator
-
-        from loom.eval.harness import LoomLM, flat_metrics
+        from loom.eval.harness import LoomLM, flat_metrics, run_tasks
 
         t = self.training
-        results = evaluator.simple_evaluate(
-            model=LoomLM(model=em), tasks=self.tasks, task_manager=self.manager, limit=t.eval_tasks_limit or None,
-            num_fewshot=None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot, log_samples=False,
-            verbosity="WARNING")
-        if results is None:  # lm-eval returns its results on the process with LOCAL_RANK 0 only
+        results = run_tasks(LoomLM(model=em), self.tasks, manager=self.manager, limit=t.eval_tasks_limit or None,
+                            num_fewshot=None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot)
+        if results is None:  # another process than LOCAL_RANK 0, which reports
             return {}
         return {k: v for k, v in flat_metrics(results, "eval/").items() if math.isfinite(v)}
 
