@@ -33,6 +33,7 @@ from bench.common import command, default_commit, environment
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 8  # new tokens of the short run the decode rate is measured against
 CODE_MODULE = "json.decoder"  # the code text of the prompt-lookup run
+CACHE_KWARG = "past_key_values"  # generate's name for a cache it is given ("cache" from transformers 5.2x on)
 
 
 def settings(a) -> dict:
@@ -200,8 +201,14 @@ def roofline(model, decode: list[dict], s: dict) -> dict | None:
 
 # ---------------------------------------------------------------------------------------------- transformers
 def run_hf(flavor: str, s: dict) -> dict:
+    """transformers' ``generate`` with a StaticCache of the run's full length (so the short and long runs share one
+    compiled graph), which makes ``generate`` compile the forward itself (its automatic compilation on CUDA)."""
     import torch
     import transformers
+    import transformers.generation.utils as hf_utils
+
+    global CACHE_KWARG
+    CACHE_KWARG = "cache" if "cache" in getattr(hf_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
     torch._dynamo.config.cache_size_limit = 64
     dev = s["device"]
@@ -215,12 +222,14 @@ def run_hf(flavor: str, s: dict) -> dict:
         x = torch.tensor(prompts_of(batch, s["prompt"], vocab), device=dev)
         length = s["prompt"] + s["new"]
 
+        cache = transformers.StaticCache(config=model.config, max_cache_len=length)  # one per batch, reset per call
+
         def run(n):
-            cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+            cache.reset()
             _sync(dev)
             t0 = time.perf_counter()
             model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           past_key_values=cache, pad_token_id=0)
+                           pad_token_id=0, **{CACHE_KWARG: cache})
             _sync(dev)
             return time.perf_counter() - t0
 
