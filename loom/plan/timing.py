@@ -72,11 +72,13 @@ def attention_flops(layers: float, heads: int, head_dim: int, seq: int, tokens: 
 ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
-# Generation (loom.plan.generate). A decode step streams every weight and the KV cache once: assumed read at the
-# share of HBM bandwidth loom's AdamW reaches (measured, above) until bench/generate.py measures decode itself.
-# A small all-reduce or all-gather (decode's tensor-parallel collectives carry a few KiB) costs a fixed latency
-# on top of its bytes: an assumption of the order NCCL reports for small messages inside an NVLink node.
-DECODE_HBM_SHARE = ADAMW_HBM_SHARE
+# Generation (loom.plan.generate). A decode step streams every weight and the KV cache once, at the share of HBM
+# bandwidth loom's batch-1 decode of the 8B shape reached on an H100 (bench/results/generate_8b_h100.json: 7.38 ms
+# per step against 4.49 ms of bytes at the datasheet 3.35 TB/s; the batch-8 step of that run, 8.04 ms, is 7% slower
+# than this share plans). A small all-reduce or all-gather (decode's tensor-parallel collectives carry a few KiB)
+# costs a fixed latency on top of its bytes: an assumption of the order NCCL reports for small messages inside an
+# NVLink node.
+DECODE_HBM_SHARE = 0.61
 COLLECTIVE_LATENCY_S = 10e-6
 
 # MoE (see the module docstring). The casts of one 1B MoE layer's 8 x 2048 experts (12 B x 100.7M parameters)
