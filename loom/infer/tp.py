@@ -34,8 +34,7 @@ def apply_inference_tp(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from loom.models.common.moe import MoE
-    from loom.parallel.tensor_parallel import block_plan
+    from loom.parallel.tensor_parallel import block_plan_for
 
     tied = model.output.weight is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, {
@@ -45,8 +44,7 @@ def apply_inference_tp(model: nn.Module, tp_mesh) -> None:
     if tied:  # both plans split the shared (V, E) weight by rows: one DTensor serves both again
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        moe = isinstance(block.feed_forward, MoE)
-        plan = inference_styles(block_plan(moe, block.attention.q_norm is not None))
+        plan = inference_styles(block_plan_for(block))
         missing = [path for path in plan if not _has(block, path)]
         if missing:  # a rename in the model would otherwise leave a layer replicated and wrongly sized caches
             raise RuntimeError(f"tensor parallel plan names modules the block lacks: {missing}")

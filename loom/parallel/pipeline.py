@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from loom.metrics.flops import attention_matmul_params
+
 
 # loom name -> torch.distributed.pipelining class name
 SCHEDULES = {
@@ -41,10 +43,12 @@ def stages_per_rank(parallel) -> int:
 # ---- the split ----------------------------------------------------------------------
 
 def layer_cost(args, seq_len: int) -> float:
-    """Training FLOPs per token of one block: 6 x matmul parameters + causal attention scores."""
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    """Training FLOPs per token of one block: 6 x matmul parameters + causal attention scores (grouped-query or
+    latent attention: ``loom.metrics.flops.attention_matmul_params``)."""
+    attn = attention_matmul_params(args)
     mlp = 3 * args.dim * args.ffn_dim
-    return 6 * (attn + mlp) + 6 * args.n_heads * args.head_dim * seq_len  # QK^T and AV, causal half, x3
+    qk_v = args.head_dim + args.value_head_dim  # scores over q/k, the sum over v
+    return 6 * (attn + mlp) + 3 * args.n_heads * qk_v * seq_len  # QK^T and AV, causal half, x3
 
 
 def head_cost(args) -> float:
