@@ -72,6 +72,10 @@ def check_config(cfg: Config) -> None:
     if t.eval_every and cfg.data.val_fraction == 0:
         raise ConfigError("training.eval_every", t.eval_every, "needs held-out data, but data.val_fraction is 0: "
                           "set data.val_fraction > 0 (e.g. 0.01) or training.eval_every 0")
+    if (t.eval_hook or t.eval_tasks) and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        field = "training.eval_hook" if t.eval_hook else "training.eval_tasks"
+        raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
+                          "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
     check_parallel_fields(cfg)
     check_lora(cfg)
     check_objective(cfg)

@@ -93,10 +93,6 @@ class TrainingEvals:
     missing lm-eval stops the start, not step N); called at each validation point."""
 
     def __init__(self, training, parallel, run_dir: str, is_main: bool, sharded: bool = False):
-        if parallel.pp > 1 or parallel.cp > 1:
-            field = "training.eval_hook" if training.eval_hook else "training.eval_tasks"
-            raise ConfigError(field, training.eval_hook or training.eval_tasks, "runs on the whole model: not with "
-                              "parallel.pp > 1 or parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
         self.training, self.run_dir, self.is_main, self.tp = training, run_dir, is_main, parallel.tp
         self.hook = import_callable(training.eval_hook) if training.eval_hook else None
         self.tasks = task_names(training.eval_tasks)
