@@ -50,13 +50,15 @@ def settings(a) -> dict:
         "repeats": 1 if quick else a.repeats,
         "spec_new": 24 if quick else a.spec_new,
         "spec_k": a.spec_k,
+        "spec_dtype": a.spec_dtype,
         "rates": [0.5, 1.0] if quick else [float(r) for r in a.rates.split(",")],
     }
 
 
 # ---------------------------------------------------------------------------------------------- models
-def loom_model(flavor: str, device: str, compile_: bool):
-    """The flavor with random weights (seeded: every process builds the same ones) in bf16 (fp32 on the CPU)."""
+def loom_model(flavor: str, device: str, compile_: bool, dtype=None):
+    """The flavor with random weights (seeded: every process builds the same ones) in ``dtype``: by default bf16
+    (fp32 on the CPU)."""
     import torch
 
     from loom.infer.load import generation_kernels
@@ -65,7 +67,7 @@ def loom_model(flavor: str, device: str, compile_: bool):
     args = FLAVORS[flavor]
     args = args.with_(vocab_size=args.vocab_size or 384, max_seq_len=4096)
     args = generation_kernels(args, torch.device(device), compile_, tp=False)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     with torch.device("meta"):
         model = Llama(args)
     model = model.to(dtype).to_empty(device=device)
@@ -293,7 +295,10 @@ def run_speculative(flavor: str, s: dict) -> dict:
 
     torch._dynamo.config.cache_size_limit = 64
     dev = s["device"]
-    model = loom_model(flavor, dev, s["compile"])
+    # float32 by default: a random model's next-token distribution is nearly flat (top-1 / top-2 gaps down to 0 in
+    # bf16), and bf16's rounding differs between the (k+1)-token verification and the one-token step, so greedy
+    # speculation flips near-ties there and the oracle's guesses (the plain run's tokens) stop matching: docs/inference.md
+    model = loom_model(flavor, dev, s["compile"], getattr(torch, s["spec_dtype"]))
     gen = Generator.from_model(model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=1)
     params = SamplingParams(max_new_tokens=s["spec_new"], ignore_eos=True)
     prompt = [code_prompt(512 if not s["device"] == "cpu" else 48)]
@@ -345,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--spec-flavor", default="1B")
     p.add_argument("--spec-new", type=int, default=256)
     p.add_argument("--spec-k", type=int, default=4)
+    p.add_argument("--spec-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the speculative runs' model dtype (float32: no near-tie flips between step shapes)")
     p.add_argument("--rates", default="0.6,0.8,0.9,0.95,1.0", help="guess accuracies of the acceptance curve")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
