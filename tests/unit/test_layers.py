@@ -22,6 +22,8 @@ LAYERS = [
     # the trainer runs evaluations (loom.eval.hook); eval reads run checkpoints (loom.train.run_dir) and generates
     # through loom.infer, which reads run checkpoints the same way
     {"train", "eval", "infer"},
+    # reinforcement learning: an objective (loom.train) whose rollouts come from the engine (loom.infer)
+    {"rl"},
     {"plan"},
     {"cli", "__main__"},
 ]
