@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from loom.config.errors import ConfigError
 from loom.config.sections import Config, ParallelConfig
 from loom.plan.hardware import GPU, gpu_named
-from loom.plan.memory import BYTES, FRAGMENTATION, GIB, WORKSPACE_BYTES
+from loom.plan.memory import BYTES, FRAGMENTATION, GIB, WORKSPACE_BYTES, ByteParts
 from loom.plan.shapes import attention_params, expert_params, ffn_params, layer_params, rank_shares
 from loom.plan.timing import (COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE, attention_efficiency, attention_flops,
                               collective_s, efficiency)
@@ -241,22 +241,13 @@ def prefill_activations(args, batch: int, prompt_len: int, tp: int, dtype: str) 
 
 # ---------------------------------------------------------------------------------------------- the plan
 @dataclass
-class GenerationMemory:
+class GenerationMemory(ByteParts):
     """Bytes on each tp rank at the prefill's peak (the decode steps' own tensors are a few per sequence)."""
 
     weights: float = 0.0
     kv_cache: float = 0.0
     activations: float = 0.0
     workspace: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
-
-    def gib(self) -> dict[str, float]:
-        out = {f.name: getattr(self, f.name) / GIB for f in fields(self)}
-        out["total"] = self.total / GIB
-        return out
 
 
 @dataclass

@@ -29,17 +29,8 @@ FRAGMENTATION = 0.05
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # per element, by training.dtype
 
 
-@dataclass
-class Memory:
-    """Bytes on the busiest rank, by kind; ``total`` adds them up."""
-
-    weights: float = 0.0
-    gradients: float = 0.0
-    optimizer: float = 0.0
-    gathered: float = 0.0  # FSDP2's unsharded compute copies and gradients, or autocast's weight copies
-    activations: float = 0.0  # held between forwards and backwards (all micro-batches in flight)
-    backward: float = 0.0  # extra at the peak of one backward (gradients of activations, recomputation)
-    workspace: float = 0.0
+class ByteParts:
+    """A dataclass of byte counts by kind: ``total`` adds them up, ``gib`` lists them (and the total) in GiB."""
 
     @property
     def total(self) -> float:
@@ -49,6 +40,19 @@ class Memory:
         out = {f.name: getattr(self, f.name) / GIB for f in fields(self)}
         out["total"] = self.total / GIB
         return out
+
+
+@dataclass
+class Memory(ByteParts):
+    """Bytes on the busiest rank, by kind; ``total`` adds them up."""
+
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    gathered: float = 0.0  # FSDP2's unsharded compute copies and gradients, or autocast's weight copies
+    activations: float = 0.0  # held between forwards and backwards (all micro-batches in flight)
+    backward: float = 0.0  # extra at the peak of one backward (gradients of activations, recomputation)
+    workspace: float = 0.0
 
 
 @dataclass(frozen=True)
