@@ -89,3 +89,83 @@ def metrics(run_dir: str) -> list[dict]:
     """The logged intervals of a finished run, in order."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
+
+
+# ------------------------------------------------------------------------- one-GPU training comparisons
+def hf_llama_config(args, dtype):
+    """transformers' LlamaConfig of a loom model shape (llama3 RoPE scaling, SDPA attention), weights in ``dtype``."""
+    from transformers import LlamaConfig
+
+    sc = args.rope_scaling
+    return LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings, max_position_embeddings=131072,
+        rope_theta=args.rope_theta,
+        rope_scaling={"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
+                      "high_freq_factor": sc.high_freq_factor,
+                      "original_max_position_embeddings": sc.original_max_position},
+        attn_implementation="sdpa", dtype=dtype)
+
+
+def hf_train_step(model, params, opt):
+    """A transformers training step over loom micro-batches: bf16 autocast, the loss on the inputs (transformers
+    shifts the labels itself), clipping at 1.0, the optimizer step."""
+    import torch
+
+    def step_fn(mbs):
+        for mb in mbs:
+            mb = mb.to("cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(input_ids=mb.inputs, labels=mb.inputs)
+            out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"loss": out.loss.detach()}
+
+    return step_fn
+
+
+def time_steps(step_fn, batches: list, warmup: int) -> tuple[list[float], list[float], float]:
+    """Runs ``step_fn`` on every batch: (seconds of each step after the first ``warmup``, every step's loss, the
+    first step's seconds, compilation included). The GPU is synchronized around each timed step."""
+    import torch
+
+    losses, times = [], []
+    t_first = time.perf_counter()
+    for i, mbs in enumerate(batches):
+        t0 = time.perf_counter()
+        out = step_fn(mbs)
+        if i == 0 or i >= warmup:
+            torch.cuda.synchronize()
+        if i == 0:
+            first_step_s = time.perf_counter() - t_first
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(out["loss"]))
+        if i == warmup - 1:
+            torch.cuda.synchronize()
+    return times, losses, first_step_s
+
+
+def run_children(module: str, variants: list[str], args: list[str], root: str) -> list[dict]:
+    """``python -m <module> --variant V <args>`` for each variant in its own process (clean peak memory): the last
+    ``RESULT {json}`` line each prints, or {"variant", "error"}; each printed as it comes."""
+    results = []
+    for v in variants:
+        proc = subprocess.run([sys.executable, "-m", module, "--variant", v] + args, capture_output=True, text=True,
+                              cwd=root)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not line:
+            results.append({"variant": v, "error": (proc.stderr or proc.stdout)[-3000:]})
+        else:
+            results.append(json.loads(line[-1][7:]))
+        print(json.dumps(results[-1])[:600], flush=True)
+    return results
+
+
+def write_result(path: str, doc: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)

@@ -22,11 +22,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 
-from bench.common import command, default_commit, environment
+from bench.common import (command, default_commit, environment, hf_llama_config, hf_train_step, run_children,
+                          time_steps, write_result)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, RANK, ALPHA = 2048, 16, 32
@@ -58,22 +56,6 @@ def loom_trainer(flavor: str, micro_batch: int, overrides: dict, run_dir: str, s
     return Trainer(cfg)
 
 
-def hf_config(args):
-    import torch
-    from transformers import LlamaConfig
-
-    sc = args.rope_scaling
-    return LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings, max_position_embeddings=131072,
-        rope_theta=args.rope_theta,
-        rope_scaling={"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
-                      "high_freq_factor": sc.high_freq_factor,
-                      "original_max_position_embeddings": sc.original_max_position},
-        attn_implementation="sdpa", dtype=torch.bfloat16)
-
-
 def peft_config():
     from peft import LoraConfig
 
@@ -88,7 +70,7 @@ def hf_lora_model(args, compile_: bool):
     from transformers import LlamaForCausalLM
 
     with torch.device("cuda"):
-        model = LlamaForCausalLM(hf_config(args)).to(torch.bfloat16)
+        model = LlamaForCausalLM(hf_llama_config(args, torch.bfloat16)).to(torch.bfloat16)
     model = get_peft_model(model, peft_config())
     return torch.compile(model) if compile_ else model
 
@@ -103,7 +85,7 @@ def hf_qlora_model(args, folder: str):
 
     if not os.path.exists(os.path.join(folder, "config.json")):
         with torch.device("cuda"):
-            LlamaForCausalLM(hf_config(args)).to(torch.bfloat16).save_pretrained(folder)
+            LlamaForCausalLM(hf_llama_config(args, torch.bfloat16)).to(torch.bfloat16).save_pretrained(folder)
         torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -150,39 +132,14 @@ def run_variant(variant: str, flavor: str, micro_batch: int, steps: int, warmup:
         full_ft = False
         opt = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
         model.train()
-
-        def step_fn(mbs):
-            for mb in mbs:
-                mb = mb.to("cuda")
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = model(input_ids=mb.inputs, labels=mb.inputs)  # transformers shifts labels inside
-                out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return {"loss": out.loss.detach()}
+        step_fn = hf_train_step(model, params, opt)
 
     expected = count_params(args, LoraConfig(rank=RANK, alpha=ALPHA))[1]
     assert full_ft or trainable == expected, f"{variant}: {trainable} trainable parameters, loom's count {expected}"
     build_peak = torch.cuda.max_memory_reserved() / 2**30
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    t_first = time.perf_counter()
-    losses = []
-    for i in range(warmup):
-        out = step_fn(batches[i])
-        losses.append(float(out["loss"]))
-        if i == 0:
-            torch.cuda.synchronize()
-            first_step_s = time.perf_counter() - t_first
-    torch.cuda.synchronize()
-    times = []
-    for i in range(warmup, warmup + steps):
-        t0 = time.perf_counter()
-        out = step_fn(batches[i])
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(out["loss"]))
+    times, losses, first_step_s = time_steps(step_fn, batches[:warmup + steps], warmup)
     profile = _profile(step_fn, batches[warmup:warmup + 4], run_dir, variant) if profile_steps else None
     tps = micro_batch * seq / statistics.median(times)
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
@@ -237,18 +194,9 @@ def main() -> None:
         res = run_variant(a.variant, a.flavor, a.micro_batch, a.steps, a.warmup, a.run_dir, a.seq, a.profile)
         print("RESULT " + json.dumps(res), flush=True)
         return
-    results = []
-    for v in a.variants.split(","):
-        cmd = [sys.executable, "-m", "bench.lora", "--variant", v, "--flavor", a.flavor, "--micro-batch",
-               str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--run-dir",
-               a.run_dir, "--seq", str(a.seq)] + (["--profile"] if a.profile else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not line:
-            results.append({"variant": v, "error": (proc.stderr or proc.stdout)[-3000:]})
-        else:
-            results.append(json.loads(line[-1][7:]))
-        print(json.dumps(results[-1])[:600], flush=True)
+    child = ["--flavor", a.flavor, "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup",
+             str(a.warmup), "--run-dir", a.run_dir, "--seq", str(a.seq)] + (["--profile"] if a.profile else [])
+    results = run_children("bench.lora", a.variants.split(","), child, ROOT)
     by = {r["variant"]: r for r in results if "error" not in r}
     ratios = {}
     for loom_v, hf_v in (("loom_lora", "hf_peft_compile"), ("loom_lora", "hf_peft"), ("loom_lora_eager", "hf_peft"),
@@ -259,9 +207,7 @@ def main() -> None:
                 "peak_reserved": by[loom_v]["peak_reserved_gib"] / by[hf_v]["peak_reserved_gib"]}
     doc = {"benchmark": "lora", "environment": environment(a.commit, command()), "results": results,
            "ratios": ratios}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(doc, fh, indent=1)
+    write_result(a.out, doc)
     print(f"\n{'variant':<22} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'build GiB':>9} {'first s':>8}")
     for r in results:
         if "error" in r:

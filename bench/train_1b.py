@@ -19,11 +19,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import time
 
-from bench.common import command, default_commit, environment
+from bench.common import (command, default_commit, environment, hf_llama_config, hf_train_step, run_children,
+                          time_steps, write_result)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,20 +71,9 @@ def loom_trainer(micro_batch: int, overrides: dict, run_dir: str, seq: int):
 
 def hf_model(args, compile_: bool):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    sc = args.rope_scaling
-    config = LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings, max_position_embeddings=131072,
-        rope_theta=args.rope_theta,
-        rope_scaling={"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
-                      "high_freq_factor": sc.high_freq_factor,
-                      "original_max_position_embeddings": sc.original_max_position},
-        attn_implementation="sdpa", torch_dtype=torch.float32,
-    )
-    model = LlamaForCausalLM(config).cuda()  # fp32 master weights, as loom
+    model = LlamaForCausalLM(hf_llama_config(args, torch.float32)).cuda()  # fp32 master weights, as loom
     if compile_:
         model = torch.compile(model)
     return model
@@ -112,35 +99,10 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
         model = hf_model(args, variant == "hf_compile")
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         n_params = sum(p.numel() for p in model.parameters())
-
-        def step_fn(mbs):
-            for mb in mbs:
-                mb = mb.to("cuda")
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = model(input_ids=mb.inputs, labels=mb.inputs)  # HF shifts labels inside
-                out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return {"loss": out.loss.detach()}
+        step_fn = hf_train_step(model, list(model.parameters()), opt)
 
     torch.cuda.reset_peak_memory_stats()
-    t_first = time.perf_counter()
-    losses = []
-    for i in range(warmup):
-        out = step_fn(batches[i])
-        losses.append(float(out["loss"]))
-        if i == 0:
-            torch.cuda.synchronize()
-            first_step_s = time.perf_counter() - t_first
-    torch.cuda.synchronize()
-    times = []
-    for i in range(warmup, warmup + steps):
-        t0 = time.perf_counter()
-        out = step_fn(batches[i])
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(out["loss"]))
+    times, losses, first_step_s = time_steps(step_fn, batches, warmup)
     from loom.metrics.flops import flops_per_token, peak_flops
 
     tokens = micro_batch * seq
@@ -155,7 +117,7 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
         "step_s_max": max(times), "tokens_per_s": tps,
         "mfu": tps * flops_per_token(args, seq) / peak if peak else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "first_step_s": first_step_s, "final_loss": float(out["loss"]),
+        "first_step_s": first_step_s, "final_loss": losses[-1],
     }
 
 
@@ -185,18 +147,9 @@ def main() -> None:
                           extra)
         print("RESULT " + json.dumps(res), flush=True)
         return
-    results = []
-    for v in a.variants.split(","):
-        cmd = [sys.executable, "-m", "bench.train_1b", "--variant", v, "--micro-batch", str(a.micro_batch),
-               "--steps", str(a.steps), "--warmup", str(a.warmup), "--run-dir", a.run_dir, "--seq", str(a.seq)]
-        cmd += [x for kv in a.set for x in ("--set", kv)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # each variant in its own process
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not line:
-            results.append({"variant": v, "error": (proc.stderr or proc.stdout)[-3000:]})
-        else:
-            results.append(json.loads(line[-1][7:]))
-        print(json.dumps(results[-1])[:400], flush=True)
+    child = ["--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--run-dir",
+             a.run_dir, "--seq", str(a.seq)] + [x for kv in a.set for x in ("--set", kv)]
+    results = run_children("bench.train_1b", a.variants.split(","), child, ROOT)
     by = {r["variant"]: r for r in results if "error" not in r}
     ratios = {}
     if "loom_eager" in by and "hf_eager" in by:
@@ -212,9 +165,7 @@ def main() -> None:
             ratios[f"{a_}_vs_{b_}"] = by[a_]["tokens_per_s"] / by[b_]["tokens_per_s"]
     doc = {"benchmark": "train_1b", "environment": environment(a.commit, command()), "results": results,
            "ratios": ratios}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(doc, fh, indent=1)
+    write_result(a.out, doc)
     print(f"\n{'variant':<32} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'first step s':>12}")
     for r in results:
         if "error" in r:
