@@ -151,7 +151,12 @@ def run_worker(argv: list[str]) -> None:
     from loom.parallel.env import destroy_distributed
 
     cfg, _ = load_config(argv)
-    Trainer(cfg).fit()
+    objective = None
+    if cfg.training.objective == "grpo":  # loom.rl sits above loom.train: the objective is handed in
+        from loom.rl.objective import GroupRelative
+
+        objective = GroupRelative(cfg)
+    Trainer(cfg, objective=objective).fit()
     # Only after success: on an error, peers may sit in a collective and a collective teardown would hang
     # (the launcher stops them). The trainer is gone by now (DDP's reducer holds the group), so the group
     # is really torn down here and not at interpreter exit, where gloo's threads can abort the process.

@@ -101,7 +101,7 @@ class DataConfig:
 
 
 # training.objective: what a step minimizes (loom.train.objective.build_objective has one entry per name)
-OBJECTIVES = ("lm", "sft", "dpo")
+OBJECTIVES = ("lm", "sft", "dpo", "grpo")
 
 
 @dataclass
@@ -270,6 +270,43 @@ class DpoConfig:
                          choices=("cached", "adapters_off", "copy"))
 
 
+@dataclass
+class GrpoConfig:
+    """Group relative policy optimization (training.objective grpo; docs/rl.md). A step's rows are
+    training.global_batch_size completions: global_batch_size / group_size prompts, group_size completions each."""
+
+    group_size: int = opt(4, "completions sampled per prompt (G); their rewards are normalized within the group",
+                          min=2)
+    max_new_tokens: int = opt(8, "the longest completion, in tokens (prompt + completion must fit training.seq_len)",
+                              min=1)
+    temperature: float = opt(1.0, "sampling temperature of the rollouts (the log-probabilities are of the logits "
+                                  "divided by it, as TRL's)", min=0.0, min_exclusive=True)
+    top_p: float = opt(1.0, "nucleus sampling of the rollouts; 1 = off", min=0.0, min_exclusive=True, max=1.0)
+    epsilon: float = opt(0.2, "the clipped ratio's lower bound is 1 - epsilon", min=0.0)
+    epsilon_high: float = opt(0.0, "the upper bound is 1 + epsilon_high; 0 = epsilon (DAPO: 0.28)", min=0.0)
+    beta: float = opt(0.0, "weight of the k3 KL to the reference per token; 0 = no reference (nothing computed). "
+                           "The reference: the base with its adapters off under LoRA, else a frozen copy of the "
+                           "initial policy", min=0.0)
+    iterations: int = opt(1, "optimizer steps on each batch of rollouts (TRL's num_iterations): the first step's "
+                             "ratio is 1; later ones clip against the rollout-time log-probabilities", min=1)
+    loss_type: str = opt("dapo", "normalization: 'grpo' = per completion, then over completions; 'bnpo' / 'dapo' = "
+                                 "per completion token of the global batch; 'dr_grpo' = over completions x "
+                                 "max_new_tokens (docs/rl.md)", choices=("grpo", "bnpo", "dapo", "dr_grpo"))
+    scale_rewards: str = opt("group", "advantages divided by the std of the group's rewards, of the global batch's, "
+                                      "or not at all", choices=("group", "batch", "none"))
+    mask_truncated: bool = opt(False, "completions cut at max_new_tokens (no EOS) take no loss")
+    prompts: str = opt("", "'' = the embedded arithmetic task; else a .jsonl file of rows with a 'prompt' string "
+                           "(every other field goes to the reward functions)")
+    rewards: str = opt("", "comma list of reward functions 'module:function' (docs/rl.md); '' = the embedded "
+                           "task's loom.rl.arithmetic:exact_answer,loom.rl.arithmetic:digit_match")
+    reward_weights: str = opt("", "comma list of weights, one per reward function; '' = the embedded task's 1,0.5, "
+                                  "else 1 each")
+    digits: int = opt(1, "embedded task: operands of 1..digits digits", min=1, max=6)
+    ops: str = opt("+", "embedded task: operators drawn from '+' and '*'")
+    warmup_steps: int = opt(-1, "steps of supervised warm-up on the embedded task's worked examples before GRPO; "
+                                "-1 = half of training.steps with the embedded task, 0 with grpo.prompts", min=-1)
+
+
 SECTIONS = {
     "run": RunConfig,
     "model": ModelConfig,
@@ -278,6 +315,7 @@ SECTIONS = {
     "optimizer": OptimizerConfig,
     "lora": LoraConfig,
     "dpo": DpoConfig,
+    "grpo": GrpoConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -293,6 +331,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -125,6 +125,10 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg = self.cfg
+        if hasattr(self._objective, "build_loader"):  # an objective that makes its own data (GRPO's rollouts)
+            self.tokenizer, self.data_fingerprints = build_tokenizer(cfg.data.tokenizer), []
+            self.loader = self._objective.build_loader(self)
+            return
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         cache = cfg.data.cache_dir or os.path.join(self.run_dir, "cache")
         error = None
@@ -658,6 +662,7 @@ class Trainer:
             **({"mem_gib_max_rank": self.env.max_over_ranks(peak_memory_gib(self.device))}
                if self.dims.distributed else {}),
             **self.steps.record(),
+            **getattr(self.objective, "record", dict)(),  # e.g. GRPO's rewards and time split
             **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
                if "moe_balance" in out else {}),
         }

@@ -1,0 +1,302 @@
+"""Rollouts: the loader of ``training.objective grpo``. Each step it hands the trainer this rank's micro-batches as
+any loader does, but makes them itself: prompts from the source, G completions each sampled by loom's engine on
+the policy's live weights, rewards, group-normalized advantages, and (when needed) the log-probabilities of the
+rollout-time policy and of the reference. Before GRPO, ``warmup_steps`` steps of worked examples (supervised).
+
+Weights: the engine runs on the trainer's own module (``trainer.parts[0]``, the plain model inside any DDP wrapper):
+in one process and under DDP (every rank's replica is whole and current after each optimizer step) there is
+nothing to copy or sync. The engine installs its KV caches for a generation and removes them after, so training's
+forwards run the plain model. FSDP2 / TP / PP are refused (loom.resolve): a sharded model would need its
+parameters gathered for the engine (docs/rl.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loom.config.errors import ConfigError
+from loom.data.loader import MicroBatch, StepData
+from loom.models.common.lora import adapters_disabled
+from loom.numerics import IGNORE
+from loom.rl.arithmetic import ArithmeticTask
+from loom.rl.grpo import group_advantages, loss_count
+from loom.rl.rewards import Rewards
+from loom.train.objective import frozen_copy, release_gathered
+
+EMBEDDED_REWARDS = ("loom.rl.arithmetic:exact_answer", "loom.rl.arithmetic:digit_match")
+EMBEDDED_WEIGHTS = (1.0, 0.5)
+
+
+@dataclass
+class RolloutBatch(MicroBatch):
+    """A micro-batch of completions: ``labels`` are the completion tokens (IGNORE elsewhere); per row its
+    advantage (B,); per token the rollout-time policy's (None: the step's own, detached) and the reference's
+    (None: beta 0) log-probabilities (B, S), aligned with ``labels``. ``warmup``: worked examples (cross-entropy)."""
+
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_token_logps: torch.Tensor | None = None
+    warmup: bool = False
+
+    def to(self, device) -> "RolloutBatch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return RolloutBatch(*(move(t) for t in (self.inputs, self.labels, self.positions, self.document_ids,
+                                                  self.ref_logps, self.advantages, self.old_logps,
+                                                  self.ref_token_logps)), warmup=self.warmup)
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Each labelled token's log-probability under logits / temperature, fp32, 0 where IGNORE: logits (B, S, V),
+    labels (B, S) -> (B, S)."""
+    b, s = labels.shape
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return -F.cross_entropy(scaled.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none").view(b, s)
+
+
+def rows_to_batches(prompts: list[list[int]], completions: list[list[int]], micro: int, pad_id: int,
+                    seq_len: int, **per_row) -> list[RolloutBatch]:
+    """Rows prompt + completion as next-token inputs (B, S) and labels that are the completion's tokens only,
+    right-padded to the longest row, cut into micro-batches of ``micro`` rows. ``per_row``: tensors (N, ...) cut
+    the same way (advantages)."""
+    full = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(f) for f in full) - 1
+    if width > seq_len:
+        raise ConfigError("training.seq_len", seq_len, f"at least the longest prompt + completion ({width} tokens)")
+    inputs = torch.full((len(full), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(full), width), IGNORE, dtype=torch.long)
+    for i, (f, p) in enumerate(zip(full, prompts)):
+        inputs[i, :len(f) - 1] = torch.tensor(f[:-1])
+        labels[i, len(p) - 1:len(f) - 1] = torch.tensor(f[len(p):])
+    positions = torch.arange(width).expand(len(full), width).contiguous()
+    out = []
+    for start in range(0, len(full), micro):
+        rows = slice(start, start + micro)
+        out.append(RolloutBatch(inputs[rows], labels[rows], positions[rows], torch.zeros_like(positions[rows]),
+                                **{k: v[rows] for k, v in per_row.items()}))
+    return out
+
+
+class JsonlPrompts:
+    """grpo.prompts: rows of a .jsonl file with a 'prompt' string, drawn in a seeded order (an epoch at a time)."""
+
+    def __init__(self, path: str, seed: int):
+        try:
+            with open(path) as fh:
+                self.rows = [json.loads(line) for line in fh if line.strip()]
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError("grpo.prompts", path, f"a readable .jsonl file ({type(err).__name__}: {err})") from None
+        if not self.rows or any(not isinstance(r.get("prompt"), str) for r in self.rows):
+            raise ConfigError("grpo.prompts", path, "rows with a 'prompt' string")
+        self.path, self.seed = path, seed
+
+    def problems(self, n: int, key: tuple) -> list[dict]:
+        """``n`` rows for (step, rank) ``key``: a pure function of it, so a resumed run draws the same."""
+        g = torch.Generator().manual_seed(int(hashlib.sha256(repr((self.seed, key)).encode()).hexdigest()[:15], 16))
+        picks = torch.randint(len(self.rows), (n,), generator=g).tolist()
+        return [self.rows[i] for i in picks]
+
+    def describe(self) -> str:
+        return f"{self.path} ({len(self.rows)} prompts)"
+
+
+def warmup_steps(cfg) -> int:
+    """grpo.warmup_steps resolved: -1 = half of training.steps on the embedded task, none with a prompts file."""
+    g = cfg.grpo
+    if g.warmup_steps >= 0:
+        return g.warmup_steps
+    return 0 if g.prompts else cfg.training.steps // 2
+
+
+class RolloutLoader:
+    """This rank's rollouts for each step (the trainer's loader interface: ``next_step``, ``describe``,
+    ``validation``, ``state_dict``). ``bind(trainer, objective)`` (the objective's ``prepare``) gives it the model."""
+
+    def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
+        g, t = cfg.grpo, cfg.training
+        if t.global_batch_size % (g.group_size * dp_size):
+            raise ConfigError("training.global_batch_size", t.global_batch_size,
+                              f"a multiple of grpo.group_size x data-parallel ranks ({g.group_size} x {dp_size}): "
+                              "every rank samples whole groups")
+        self.cfg, self.g, self.tokenizer = cfg, g, tokenizer
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.rows = t.global_batch_size // dp_size  # completions per step on this rank
+        self.micro = t.micro_batch_size
+        self.task = ArithmeticTask(cfg.run.seed, g.digits, g.ops) if not g.prompts else None
+        self.source = self.task or JsonlPrompts(g.prompts, cfg.run.seed)
+        specs = [s.strip() for s in g.rewards.split(",") if s.strip()] or list(EMBEDDED_REWARDS)
+        weights = [float(w) for w in g.reward_weights.split(",") if w.strip()]
+        if not weights and not g.rewards:
+            weights = list(EMBEDDED_WEIGHTS)
+        self.rewards = Rewards(specs, weights)
+        self.warmup = warmup_steps(cfg)
+        self.pad_id = tokenizer.eos_id
+        self.step = 0  # steps handed out
+        self._held: list[RolloutBatch] | None = None  # the last rollouts, reused grpo.iterations times
+        self._uses = 0
+        self.trainer = self.objective = self.generator = None
+        self.reference = None  # a frozen copy of the initial policy (beta > 0 without LoRA)
+        self.stats: dict[str, float] = {}
+        self._handed_out: float | None = None
+
+    # ---- the trainer's loader interface ---------------------------------------------------------------------
+    def describe(self, global_batch: int, steps: int) -> list[str]:
+        g = self.g
+        return [f"data: grpo rollouts from {self.source.describe()}: {global_batch // g.group_size} prompts x "
+                f"{g.group_size} completions per step (up to {g.max_new_tokens} new tokens, temperature "
+                f"{g.temperature}), {g.iterations} step(s) per batch of rollouts; rewards "
+                + " + ".join(f"{float(w):g} x {n}" for w, n in zip(self.rewards.weights, self.rewards.names))
+                + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")]
+
+    def validation(self, batches: int) -> list[MicroBatch]:
+        return []
+
+    def state_dict(self) -> dict:
+        return {"grpo_step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self._held, self._uses = int(state.get("grpo_step", 0)), None, 0
+
+    def bind(self, trainer, objective) -> None:
+        """The live model: a generator on the trainer's own module (no copy), the reference where beta > 0."""
+        from loom.infer.generator import Generator
+
+        self.trainer, self.objective = trainer, objective
+        self.generator = Generator.from_model(trainer.parts[0], self.tokenizer, compile=False,
+                                              max_batch=self.rows)
+        if self.g.beta > 0 and not self.cfg.lora.rank:
+            self.reference = frozen_copy(trainer)
+
+    def next_step(self, with_hash: bool = False) -> StepData:
+        now = time.perf_counter()
+        trained = None if self._handed_out is None else now - self._handed_out  # the last step's training time
+        self.step += 1
+        if self.step <= self.warmup or self.trainer is None:  # (the trainer may peek before binding)
+            batches = self.worked_examples()
+            self.stats = {"grpo/warmup": 1.0}
+        elif self._held is not None and self._uses < self.g.iterations:
+            self._uses += 1
+            batches = self._held
+            self.stats = {**self.stats, "time/generation_s": 0.0, "time/scoring_s": 0.0, "time/logps_s": 0.0}
+        else:
+            batches = self._held = self.rollouts()
+            self._uses = 1
+        if trained is not None:
+            self.stats["time/training_s"] = trained  # of the step before this one
+        self._handed_out = time.perf_counter()
+        return StepData(list(batches), None)
+
+    # ---- batches --------------------------------------------------------------------------------------------
+    def worked_examples(self) -> list[RolloutBatch]:
+        """The embedded task's problems with their answers (and the EOS) as targets: the warm-up's batches."""
+        if self.task is None:
+            raise ConfigError("grpo.warmup_steps", self.warmup, "0 with grpo.prompts (the warm-up trains on the "
+                              "embedded task's worked examples)")
+        rows = self.task.problems(self.rows, ("warmup", self.step, self.dp_rank))
+        enc = self.tokenizer.encode
+        batches = rows_to_batches([enc(r["prompt"]) for r in rows],
+                                  [enc(r["answer"]) + [self.tokenizer.eos_id] for r in rows],
+                                  self.micro, self.pad_id, self.cfg.training.seq_len)
+        for mb in batches:
+            mb.warmup = True
+        return batches
+
+    def rollouts(self) -> list[RolloutBatch]:
+        """Sample, score, normalize, and compute the log-probabilities the loss needs; sets ``stats``."""
+        from loom.infer.sampling import SamplingParams
+
+        g, trainer, G = self.g, self.trainer, self.g.group_size
+        rows = self.source.problems(self.rows // G, ("grpo", self.step, self.dp_rank))
+        prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]  # each prompt's group
+        t0 = time.perf_counter()
+        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank)
+        model = trainer.parts[0]
+        model.eval()
+        try:
+            with torch.no_grad(), trainer._autocast():
+                outs = self.generator.generate_ids(prompts, params)
+        finally:
+            self.generator.engine.release()  # the caches out: training forwards run the plain model
+            model.train()
+        t1 = time.perf_counter()
+        completions = [o.token_ids for o in outs]
+        fields = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        texts = [r["prompt"] for r in rows for _ in range(G)]
+        total, per = self.rewards.score(texts, [o.text for o in outs], completions, fields)
+        batch_std = None
+        dims, device = trainer.dims, trainer.device
+        sums = dims.data_sum(torch.stack([total.sum(), (total ** 2).sum(), torch.tensor(float(len(total)))])
+                             .to(device).double()).cpu()
+        mean = sums[0] / sums[2]
+        std = ((sums[1] - sums[2] * mean ** 2) / (sums[2] - 1).clamp(min=1)).clamp(min=0).sqrt()
+        if g.scale_rewards == "batch":
+            batch_std = std.float()
+        advantages = group_advantages(total, G, g.scale_rewards, batch_std)
+        t2 = time.perf_counter()
+        truncated = torch.tensor([o.finish_reason == "length" for o in outs])
+        batches = rows_to_batches([p[:] for p in prompts], completions, self.micro, self.pad_id,
+                                  self.cfg.training.seq_len, advantages=advantages)
+        if g.mask_truncated:
+            for i, mb in enumerate(batches):
+                cut = truncated[i * self.micro:(i + 1) * self.micro]
+                mb.labels[cut] = IGNORE
+        self._logps(batches)
+        t3 = time.perf_counter()
+        self._set_stats(batches, total, per, sums, std, truncated, outs, (t1 - t0, t2 - t1, t3 - t2))
+        return batches
+
+    @torch.no_grad()
+    def _logps(self, batches: list[RolloutBatch]) -> None:
+        """The rollout-time policy's token log-probabilities (grpo.iterations > 1: later steps' ratios are against
+        them) and the reference's (beta > 0), one no-grad forward each per micro-batch."""
+        g, trainer = self.g, self.trainer
+        if g.iterations == 1 and g.beta == 0:
+            return
+        model = trainer.parts[0]
+        model.eval()
+        try:
+            for mb in batches:
+                inputs = mb.inputs.to(trainer.device)
+                labels = mb.labels.to(trainer.device)
+                with trainer._autocast():
+                    if g.iterations > 1:
+                        mb.old_logps = token_logps(model(inputs), labels, g.temperature).cpu()
+                    if g.beta > 0:
+                        if self.reference is not None:
+                            logits = self.reference(inputs)
+                            release_gathered(self.reference)
+                        else:
+                            with adapters_disabled(model):
+                                logits = model(inputs)
+                        mb.ref_token_logps = token_logps(logits, labels, g.temperature).cpu()
+        finally:
+            model.train()
+
+    def _set_stats(self, batches, total, per, sums, std, truncated, outs, seconds) -> None:
+        """The step's rollout figures over every data-parallel rank; the objective's normalizing counts."""
+        g, dims, device = self.g, self.trainer.dims, self.trainer.device
+        mask_tokens = sum(float((mb.labels != IGNORE).sum()) for mb in batches)
+        count = sum(float(loss_count(mb.labels != IGNORE, g.loss_type, g.max_new_tokens)) for mb in batches)
+        new_tokens = float(sum(len(o.token_ids) for o in outs))
+        local = torch.tensor([mask_tokens, count, new_tokens, float(truncated.sum()), *seconds, *per.sum(0).tolist()],
+                             dtype=torch.float64)
+        glob = dims.data_sum(local.to(device)).cpu()
+        n = float(sums[2])
+        self.objective.global_tokens, self.objective.global_count = float(glob[0]), float(glob[1])
+        gen_s = float(glob[4]) / self.dp_size  # each rank's generation time, averaged over ranks
+        self.stats = {
+            "reward": float(sums[0]) / n,
+            "reward_std": float(std),
+            **{f"rewards/{name}": float(v) / n for name, v in zip(self.rewards.names, glob[7:])},
+            "completion_length": float(glob[2]) / n,
+            "truncated": float(glob[3]) / n,
+            "rollout_tokens_per_s": float(glob[2]) / max(gen_s, 1e-9),
+            "time/generation_s": gen_s,
+            "time/scoring_s": float(glob[5]) / self.dp_size,
+            "time/logps_s": float(glob[6]) / self.dp_size,
+        }
