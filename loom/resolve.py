@@ -48,6 +48,7 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     installed packages are then checked too); ``triton``: whether Triton is installed there (None: look here)."""
     check_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
+    check_grpo(cfg, dims)
     t = cfg.training
     accum = accumulation_steps(t, dims.dp_size)
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
@@ -80,6 +81,8 @@ def check_config(cfg: Config) -> None:
     check_lora(cfg)
     check_objective(cfg)
     check_dpo(cfg)
+    check_grpo(cfg)
+    check_reward(cfg)
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
                           f"must be <= training.steps ({t.steps})")
@@ -124,12 +127,14 @@ def check_objective(cfg: Config) -> None:
     within each (data.document_positions defaults to true under sft; false is refused)."""
     d = cfg.data
     if cfg.training.objective != "sft":
-        if d.chat_template and cfg.training.objective != "dpo":
-            raise ConfigError("data.chat_template", d.chat_template, "used by training.objective sft and dpo only")
+        pairs = cfg.training.objective in ("dpo", "reward")  # preference pairs, rendered with the chat template
+        if d.chat_template and not pairs:
+            raise ConfigError("data.chat_template", d.chat_template, "used by training.objective sft, dpo and reward "
+                              "only")
         if d.loss_tokens != "assistant":
             raise ConfigError("data.loss_tokens", d.loss_tokens, "used by training.objective sft only (dpo trains on "
                               "the completions)")
-        if cfg.training.objective == "dpo" and d.chat_template and not os.path.isfile(d.chat_template):
+        if pairs and d.chat_template and not os.path.isfile(d.chat_template):
             raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template; '' = the "
                               "tokenizer folder's)")
         return
@@ -164,6 +169,54 @@ def check_dpo(cfg: Config) -> None:
     if cfg.model.fused_loss == "true":
         raise ConfigError("model.fused_loss", True, "training.objective dpo needs the logits (per-token "
                           "log-probabilities): allowed auto | false")
+
+
+def check_reward(cfg: Config) -> None:
+    """The [reward] section only under training.objective reward; the layouts a reward model does not take yet: a
+    pair's reward is one position of the last stage's output (pipeline), of one context-parallel chunk, and the
+    score head's single output row cannot be split over tensor-parallel ranks (loom.train.reward)."""
+    from loom.config.sections import RewardConfig
+
+    p = cfg.parallel
+    if cfg.training.objective != "reward":
+        for key, default in vars(RewardConfig()).items():
+            if getattr(cfg.reward, key) != default:
+                raise ConfigError(f"reward.{key}", getattr(cfg.reward, key), "used by training.objective reward only")
+        return
+    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.tp", p.tp)):
+        if value > 1:
+            raise ConfigError(key, value, "not supported with training.objective reward yet: allowed 1")
+
+
+def check_grpo(cfg: Config, dims=None) -> None:
+    """The [grpo] section: its fields only under training.objective grpo; the layouts the rollouts cannot run on
+    yet (with ``dims``): the engine generates on the trainer's whole, current module, so FSDP2's shards, TP's
+    shards and pipeline stages are refused (docs/rl.md says what each would need); the logits are needed."""
+    from loom.config.sections import GrpoConfig
+
+    g, p = cfg.grpo, cfg.parallel
+    if cfg.training.objective != "grpo":
+        for key, default in vars(GrpoConfig()).items():
+            if getattr(g, key) != default:
+                raise ConfigError(f"grpo.{key}", getattr(g, key), "used by training.objective grpo only")
+        return
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
+        if value > 1:
+            raise ConfigError(key, value, "not supported with training.objective grpo yet (the engine runs on the "
+                              "whole model): allowed 1")
+    if dims is not None and dims.fsdp_enabled:
+        raise ConfigError("parallel.dp_shard", p.dp_shard, "training.objective grpo runs the engine on each rank's "
+                          "whole model: FSDP2 not yet; allowed 1 with parallel.dp_replicate = the world size (DDP)")
+    if cfg.model.fused_loss == "true":
+        raise ConfigError("model.fused_loss", True, "training.objective grpo needs the logits (per-token "
+                          "log-probabilities): allowed auto | false")
+    if g.warmup_steps > 0 and g.prompts:
+        raise ConfigError("grpo.warmup_steps", g.warmup_steps, "0 or -1 with grpo.prompts (the warm-up trains on "
+                          "the embedded task's worked examples)")
+    if g.warmup_steps >= cfg.training.steps:
+        raise ConfigError("grpo.warmup_steps", g.warmup_steps, f"< training.steps ({cfg.training.steps})")
+    if any(o not in "+*" for o in g.ops) or not g.ops:
+        raise ConfigError("grpo.ops", g.ops, "operators from '+' and '*'")
 
 
 def check_parallel_fields(cfg: Config) -> None:

@@ -65,6 +65,8 @@ MLA_ARCHITECTURE = "DeepseekV3ForCausalLM"
 # Hugging Face architecture -> its model_type, the family's name here
 FAMILIES = {ARCHITECTURE: "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", MOE_ARCHITECTURE: "mixtral", MLA_ARCHITECTURE: "deepseek_v3"}
+SCORE_SUFFIX = "ForSequenceClassification"  # a reward model's architecture: LlamaForSequenceClassification, ...
+SCORE_WEIGHT = "score.weight"  # its head (num_labels 1, no bias): loom's ``output.weight`` of shape (1, dim)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
 
 # ---- names -------------------------------------------------------------------------------------
@@ -222,10 +224,29 @@ def _check_deepseek(cfg: dict, field: str, where: str) -> None:
                           f"attention (allowed: num_attention_heads = {heads})")
 
 
+def causal_architecture(name: str) -> str:
+    """A ``*ForSequenceClassification`` architecture's ``*ForCausalLM`` (the same body; a reward model's score head
+    in place of the LM head: loom.train.reward); any other name as it is."""
+    return name.removesuffix(SCORE_SUFFIX) + "ForCausalLM" if name.endswith(SCORE_SUFFIX) else name
+
+
+def is_score_config(cfg: dict) -> bool:
+    """Whether a parsed config.json is a reward model's: a ``*ForSequenceClassification`` with one label."""
+    labels = cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)
+    return any(a.endswith(SCORE_SUFFIX) for a in cfg.get("architectures") or []) and int(labels) == 1
+
+
+def has_score_head(model: torch.nn.Module) -> bool:
+    """Whether a loom Llama carries a reward model's score head (``output`` of width 1: loom.train.reward) in place
+    of its LM head."""
+    output = getattr(model, "output", None)
+    return output is not None and output.weight.shape[0] == 1 and model.args.vocab_size != 1
+
+
 def hf_family(cfg: dict) -> str | None:
     """The family of a parsed config.json ("llama", "mistral", "qwen2", "qwen3", "mixtral"), from its
     architectures (its model_type where it names none); None for any other model."""
-    archs = cfg.get("architectures") or []
+    archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
     if archs:
         return next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     return cfg.get("model_type") if cfg.get("model_type") in FAMILIES.values() else None
@@ -333,10 +354,16 @@ def _window_config(args: LlamaArgs, family: str) -> dict:
     return {"sliding_window": window} if family in ("mistral", "mixtral") else {}
 
 
-def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype) -> dict:
+def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype, score: bool = False) -> dict:
     """config.json for the family that holds the model (``hf_architecture``). RoPE is written both ways
     (transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters) so either reader, and tools that
-    parse the file themselves, find it."""
+    parse the file themselves, find it. ``score``: a reward model, the family's ``*ForSequenceClassification`` with
+    one label (its score head has no tie to the embeddings)."""
+    if score:
+        head = {"architectures": [hf_architecture(args).removesuffix("ForCausalLM") + SCORE_SUFFIX],
+                "num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+                "tie_word_embeddings": False}
+        return {**hf_config_from_args(args, dtype), **head}
     scaling = None
     s = args.rope_scaling
     if isinstance(s, YarnScaling):
@@ -545,14 +572,20 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     hf_cfg = read_hf_config(folder)
     hf_tied = bool(hf_cfg.get("tie_word_embeddings", False))
     files = weight_files(folder)
-    _check_tying(model, files, hf_tied, folder)
+    score = has_score_head(model)
+    if not score:
+        _check_tying(model, files, hf_tied, folder)
     params = dict(model.named_parameters())  # tied weights appear once
     sources = {name: _source_names(name, param, files, hf_tied) for name, param in params.items()}
+    if score:  # a reward model's head: the folder's score head, or (a base model's folder) its own seeded init
+        sources.update({n: [SCORE_WEIGHT] if SCORE_WEIGHT in files else [] for n in params
+                        if canonical_name(n) == "output.weight"})
     used = {src for srcs in sources.values() for src in srcs}
     missing = sorted(used - set(files))
     if missing:
         raise UserError(f"{folder}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-    unused = sorted(n for n in set(files) - used if not _ignorable(n) and not (n == "lm_head.weight" and hf_tied))
+    unused = sorted(n for n in set(files) - used if not _ignorable(n)
+                    and not (n == "lm_head.weight" and (hf_tied or score)))
     if unused and whole_model:
         raise UserError(f"{folder}: tensors with no place in the loom model: {', '.join(unused[:4])}"
                         f"{' ...' if len(unused) > 4 else ''}")
@@ -565,6 +598,8 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
             return handles[files[src]]
 
         for name, param in params.items():
+            if not sources[name]:
+                continue
             if stacked_experts(name):
                 _read_experts_into(handle_of, sources[name], param, folder)
             else:
@@ -601,10 +636,12 @@ def expected_loom_names(args: LlamaArgs) -> list[str]:
     return names
 
 
-def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """Rename a full (unsharded) loom state dict to Hugging Face names; the tied head is not stored."""
+def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs, score: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """Rename a full (unsharded) loom state dict to Hugging Face names; the tied head is not stored. ``score``: a
+    reward model's, whose ``output.weight`` (1, dim) is the score head ``score.weight``."""
     state = {canonical_name(k): v for k, v in model_state.items()}
-    expected = expected_loom_names(args)
+    expected = expected_loom_names(args.with_(tie_embeddings=False) if score else args)
     missing = [n for n in expected if n not in state]
     extra = sorted(set(state) - set(expected) - {"output.weight"})
     if missing or extra:
@@ -618,6 +655,8 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict
         t = t.detach().to("cpu")
         if stacked_experts(name):  # (n, a, b) -> one (b, a) tensor per expert
             out.update({src: t[j].T.contiguous() for j, src in enumerate(hf_expert_names(name, t.shape[0]))})
+        elif score and name == "output.weight":
+            out[SCORE_WEIGHT] = t.contiguous()
         else:
             out[hf_name(name)] = t.contiguous()
     return out
@@ -751,18 +790,20 @@ def export_file_names(tokenizer: ExportTokenizer | None) -> tuple[str, ...]:
 
 
 def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder: str,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: ExportTokenizer | None = None) -> list[str]:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: ExportTokenizer | None = None,
+              score: bool = False) -> list[str]:
     """Write ``out_folder`` as a Hugging Face folder of the family that holds the model (``hf_architecture``:
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
     DeepseekV3ForCausalLM); returns the
     safetensors file names. With ``tokenizer``: its files, its special ids in config.json and a
     generation_config.json, so that transformers, vLLM and PEFT load the folder as it is.
 
-    ``model_state`` holds full tensors with loom names (``model.state_dict()`` of an unsharded model)."""
+    ``model_state`` holds full tensors with loom names (``model.state_dict()`` of an unsharded model). ``score``: a
+    reward model (loom.train.reward), written as the family's ``*ForSequenceClassification`` with ``score.weight``."""
     save_file = require("safetensors.torch", "hf", purpose="writing a Hugging Face folder").save_file
 
     hf_architecture(args)  # a model no family holds fails before anything is written
-    tensors = hf_state_dict(model_state, args)
+    tensors = hf_state_dict(model_state, args, score)
     check_empty_target(out_folder, export_file_names(tokenizer))
     groups = plan_shards(tensors, max_shard_bytes)
     names = [SINGLE] if len(groups) == 1 else [
@@ -780,7 +821,8 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
             _write_json(written[-1], {"metadata": {"total_size": total}, "weight_map": weight_map})
         dtype = tensors["model.embed_tokens.weight"].dtype
         written.append(os.path.join(out_folder, CONFIG))
-        _write_json(written[-1], {**hf_config_from_args(args, dtype), **(tokenizer.config_ids() if tokenizer else {})})
+        _write_json(written[-1], {**hf_config_from_args(args, dtype, score),
+                                  **(tokenizer.config_ids() if tokenizer else {})})
         if tokenizer is not None:
             files = {GENERATION_CONFIG: _json_bytes(tokenizer.generation_config()), **tokenizer.files}
             for name, data in files.items():

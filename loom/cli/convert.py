@@ -31,6 +31,8 @@ USAGE = """usage:
             a mixture-of-experts model; sharded with an index above --max-shard-size), with config.json,
             generation_config.json and the tokenizer files: a folder transformers loads as it is.
             A LoRA run's checkpoint (lora.rank > 0) is written merged: each adapted weight W + scaling B A.
+            A reward model's (training.objective reward) as LlamaForSequenceClassification (num_labels 1,
+            score.weight).
 --to-peft   a LoRA run's adapters alone, in PEFT's format (adapter_config.json, adapter_model.safetensors):
             peft.PeftModel.from_pretrained(base, OUT_FOLDER) loads them onto the base model's folder."""
 
@@ -151,6 +153,15 @@ def checkpoint_lora(ckpt: str, config_file: str | None, overrides: dict[str, str
     return run_config(ckpt, config_file, overrides).lora
 
 
+def checkpoint_is_reward(ckpt: str, config_file: str | None, overrides: dict[str, str]) -> bool:
+    """Whether the run that wrote ``ckpt`` trained a reward model (training.objective reward: a score head)."""
+    from loom.checkpoint.hf import HF_CONFIG_COPY
+
+    if os.path.isfile(os.path.join(ckpt, HF_CONFIG_COPY)) and not config_file and not overrides:
+        return False
+    return run_config(ckpt, config_file, overrides).training.objective == "reward"
+
+
 def run_export(opts: dict[str, str], rest: list[str]) -> int:
     from loom.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, check_checkpoint_shapes, check_empty_target, export_hf,
                                     export_file_names, weights_only_model)
@@ -175,13 +186,18 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     check_empty_target(opts["--to-hf"], export_file_names(tokenizer))
     model = weights_only_model(args)
     merged = apply_lora(model, checkpoint_lora(ckpt, opts.get("--config"), overrides))
+    reward = checkpoint_is_reward(ckpt, opts.get("--config"), overrides)
+    if reward:  # the score head in place of the LM head (loom.train.reward)
+        from loom.train.reward import attach_score_head
+
+        attach_score_head(model)
     check_checkpoint_shapes(ckpt, model, "--from", hint="; pass the run's --config / --flavor / --data.tokenizer")
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         load_model_only(ckpt, model)
     merge_lora(model)
-    files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes, tokenizer)
-    kind = "Mixtral" if args.moe else "Llama"
+    files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes, tokenizer, score=reward)
+    kind = ("Mixtral" if args.moe else "Llama") + (" reward model (SequenceClassification)" if reward else "")
     with_tokenizer = ", the tokenizer" if "tokenizer.json" in tokenizer.files else ""
     adapters = f", {merged} LoRA adapters merged" if merged else ""
     print(f"loom convert: exported {ckpt} as a Hugging Face {kind} folder {opts['--to-hf']} "

@@ -101,7 +101,7 @@ class DataConfig:
 
 
 # training.objective: what a step minimizes (loom.train.objective.build_objective has one entry per name)
-OBJECTIVES = ("lm", "sft", "dpo", "grpo")
+OBJECTIVES = ("lm", "sft", "dpo", "reward", "grpo")
 
 
 @dataclass
@@ -109,7 +109,9 @@ class TrainingConfig:
     objective: str = opt("lm", "'lm' = next-token loss on packed text; 'sft' = supervised fine-tuning on "
                                "conversations: loss on the assistant's tokens, conversations packed with "
                                "per-document attention; 'dpo' = direct preference optimization on prompt / chosen / "
-                               "rejected pairs ([dpo] section) (docs/finetuning.md)", choices=OBJECTIVES)
+                               "rejected pairs ([dpo] section); 'reward' = a reward model (a scalar head) trained on "
+                               "the same pairs with the Bradley-Terry loss ([reward] section) (docs/finetuning.md)",
+                     choices=OBJECTIVES)
     steps: int = opt(200, "optimizer steps", min=1)
     seq_len: int = opt(256, "tokens per sequence", min=8)
     global_batch_size: int = opt(16, "sequences per optimizer step (all data-parallel ranks)", min=1)
@@ -148,7 +150,8 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = opt("adamw", "optimizer", choices=("adamw",))
+    name: str = opt("adamw", "optimizer: adamw, or the large-batch lamb / lars (layer-wise trust ratio, "
+                             "loom.train.large_batch; docs/algorithms.md)", choices=("adamw", "lamb", "lars"))
     lr: float = opt(1e-3, "peak learning rate", min=0.0)
     min_lr_ratio: float = opt(0.1, "final LR as a fraction of the peak", min=0.0, max=1.0)
     betas: list = opt([0.9, 0.95], "AdamW betas")
@@ -159,6 +162,11 @@ class OptimizerConfig:
     decay_fraction: float = opt(0.2, "wsd: fraction of steps spent decaying", min=0.0, max=1.0)
     implementation: str = opt("auto", "AdamW kernel: loom's Triton kernel, or PyTorch's fused / foreach / for_loop",
                               choices=("auto", "triton", "fused", "foreach", "for_loop"))
+    momentum: float = opt(0.9, "lars: momentum", min=0.0, max=1.0)
+    trust_coefficient: float = opt(1e-3, "lars: trust coefficient η of the local LR η·||w|| / (||g|| + "
+                                         "weight_decay·||w||)", min=0.0, min_exclusive=True)
+    exclude_1d: bool = opt(True, "lamb / lars: biases and norm weights (1-D parameters) take neither weight decay "
+                                 "nor the trust ratio, as the papers do")
 
 
 @dataclass
@@ -226,6 +234,9 @@ class MetricsConfig:
     progress: bool = opt(True, "progress bar on rank 0 when stderr is a terminal")
     profile_steps: str = opt("", "'A:B' = profile optimizer steps A..B (1 <= A <= B <= training.steps): trace "
                                  "per rank (+ CUDA memory snapshot) in <run.dir>/profile; empty = off")
+    noise_scale: bool = opt(False, "log the gradient noise scale B_simple (McCandlish et al. 2018) as noise_scale: "
+                                   "the first micro-batch's gradient against the step's, smoothed; costs one more "
+                                   "gradient norm per step; needs accumulation >= 2 (docs/algorithms.md)")
 
 
 @dataclass
@@ -268,6 +279,14 @@ class DpoConfig:
                                    "frozen copy of the initial policy in its layout, one no-grad forward per "
                                    "micro-batch (not with LoRA)",
                          choices=("cached", "adapters_off", "copy"))
+
+
+@dataclass
+class RewardConfig:
+    """Reward model (training.objective reward; docs/finetuning.md)."""
+
+    center_coefficient: float = opt(0.0, "TRL's center_rewards_coefficient: adds coefficient x (r_chosen + "
+                                         "r_rejected)^2 per pair, keeping rewards centred on 0; 0 = off", min=0.0)
 
 
 @dataclass
@@ -316,6 +335,7 @@ SECTIONS = {
     "lora": LoraConfig,
     "dpo": DpoConfig,
     "grpo": GrpoConfig,
+    "reward": RewardConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -332,6 +352,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -137,20 +137,22 @@ class PairFile:
 
 def pair_batch(source: PairFile, ids: list[int], pad_id: int, ref: torch.Tensor | None) -> MicroBatch:
     """The micro-batch of kept pairs ``ids``: rows chosen 0..B-1, then rejected 0..B-1 (TRL's order), each
-    padded to ``seq_len``; a label takes loss where its token is a completion token. ``ref``: the reference
-    log-probabilities (kept pairs, 2) of every pair, or None."""
+    padded to ``seq_len``; a label takes loss where its token is a completion token; document ids are 0 on a row's
+    tokens and 1 on its padding (a reward model reads each row's last token: loom.train.reward). ``ref``: the
+    reference log-probabilities (kept pairs, 2) of every pair, or None."""
     b, s = len(ids), source.seq_len
     inputs = torch.full((2 * b, s), pad_id, dtype=torch.int64)
     labels = torch.full((2 * b, s), IGNORE, dtype=torch.int64)
+    documents = torch.ones((2 * b, s), dtype=torch.int64)
     for half in range(2):
         for i, k in enumerate(ids):
             tokens, flags = source.sequence(2 * int(source.kept[k]) + half)
             row, n = half * b + i, len(tokens)
-            inputs[row, :n] = tokens
+            inputs[row, :n], documents[row, :n] = tokens, 0
             labels[row, :n - 1] = torch.where((flags[1:] & FLAG_LOSS) > 0, tokens[1:], IGNORE)
     positions = torch.arange(s).expand(2 * b, s).contiguous()
     refs = None if ref is None else ref[torch.tensor(ids, dtype=torch.int64)].T.flatten().contiguous()  # (2B,)
-    return MicroBatch(inputs, labels, positions, torch.zeros_like(inputs), refs)
+    return MicroBatch(inputs, labels, positions, documents, refs)
 
 
 class PairLoader:

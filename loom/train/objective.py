@@ -216,12 +216,16 @@ def release_gathered(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def build_objective(name: str, fused_loss: bool, dpo=None) -> Objective:
+def build_objective(name: str, fused_loss: bool, dpo=None, reward=None) -> Objective:
     """The objective ``training.objective`` names. 'sft' is language modeling as well: its loader labels every
     token outside the assistant's turns IGNORE, and the count of labelled tokens is already the count of assistant
     targets, so the step's loss is their summed loss over the global count of them, whatever the layout. 'dpo'
-    takes the [dpo] section (``dpo``; its defaults when None)."""
+    takes the [dpo] section (``dpo``; its defaults when None); 'reward' the [reward] section (loom.train.reward)."""
     if name == "dpo":
         return DirectPreference(dpo.beta, dpo.loss, dpo.reference) if dpo is not None else DirectPreference(0.1)
+    if name == "reward":
+        from loom.train.reward import RewardModeling
+
+        return RewardModeling(reward.center_coefficient if reward is not None else 0.0)
     objectives = {"lm": LanguageModeling, "sft": LanguageModeling}
     return objectives[name](fused_loss)

@@ -39,6 +39,7 @@ from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
 from loom.train.moe_stats import MoEBalance
 from loom.train.objective import Objective, build_objective
+from loom.train.reward import attach_score_head
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
@@ -48,15 +49,22 @@ from loom.train.schedule import SchedulerParts
 from loom.train.steps import LocalStep, PipelineStep, StepContext
 
 
-def count_params(args, lora=None) -> tuple[int, int]:
+def count_params(args, lora=None, score_head: bool = False) -> tuple[int, int]:
     """(parameters, trainable parameters) of the whole model (whatever this rank holds), with ``lora``'s
-    adapters where it has a rank."""
+    adapters where it has a rank, and a reward model's score head in place of the LM head (``score_head``)."""
     with torch.device("meta"):
         model = Llama(args)
         if lora is not None:
             apply_lora(model, lora)
+        if score_head:
+            attach_score_head(model)
     params = list(model.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def data_objective(objective: str) -> str:
+    """The data an objective reads: a reward model trains on DPO's preference pairs (loom.data.dpo)."""
+    return "dpo" if objective == "reward" else objective
 
 
 PREEMPTED = "preempted.json"  # written by rank 0 after a preemption save: the launcher reads it
@@ -134,7 +142,7 @@ class Trainer:
         error = None
         if self.env.is_main:  # one rank tokenizes (or finds the cache); the others wait, then map it
             try:
-                files = prepare_data(cfg.data, self.tokenizer, cache, cfg.training.objective)
+                files = prepare_data(cfg.data, self.tokenizer, cache, data_objective(cfg.training.objective))
                 describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
             except (ConfigError, UserError) as err:  # e.g. bytes that are not UTF-8: every rank stops, one line
                 error = str(err)
@@ -142,7 +150,7 @@ class Trainer:
         if error is not None:
             raise SharedError(error)
         if not self.env.is_main:
-            files = prepare_data(cfg.data, self.tokenizer, cache, cfg.training.objective)
+            files = prepare_data(cfg.data, self.tokenizer, cache, data_objective(cfg.training.objective))
         # sizes and modification times of the source files: a resume says when they changed under the same name
         self.data_fingerprints = [spec.fingerprint() for spec in
                                   parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)]
@@ -150,7 +158,7 @@ class Trainer:
         self.loader = build_loader(cfg.data, self.tokenizer, files, seq_len=t.seq_len, seed=cfg.run.seed,
                                    dp_rank=self.dims.dp_rank(), dp_size=self.dims.dp_size,
                                    micro_batch=t.micro_batch_size, accumulation=self.accum,
-                                   objective=t.objective)
+                                   objective=data_objective(t.objective))
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -163,8 +171,11 @@ class Trainer:
             model = Llama(self.model_args)
         # LoRA: adapters on lora.targets, the rest frozen (0: off)
         self.n_adapted = apply_lora(model, cfg.lora, frozen_dtype(cfg.lora, cfg.training.dtype))
+        self.score_head = cfg.training.objective == "reward"
+        if self.score_head:  # a reward model: the trainable score head in place of the LM head (loom.train.reward)
+            attach_score_head(model)
         # MFU counts what the run computes: a frozen base takes no weight gradients (loom.metrics.flops)
-        self.adapter_params = count_params(self.model_args, cfg.lora)[1] if self.n_adapted else None
+        self.adapter_params = count_params(self.model_args, cfg.lora, self.score_head)[1] if self.n_adapted else None
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
         self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)
         if cfg.model.init_from:
@@ -224,7 +235,7 @@ class Trainer:
         error = None
         if self.env.is_main and (c.every or c.at_end):
             folder = c.dir or os.path.join(self.run_dir, "checkpoints")
-            total, trainable = count_params(self.model_args, self.cfg.lora)
+            total, trainable = count_params(self.model_args, self.cfg.lora, self.cfg.training.objective == "reward")
             need = 4 * (total + 2 * trainable)  # the AdamW moments of the trainable parameters only
             free = shutil.disk_usage(folder).free
             if free < need:
@@ -239,7 +250,7 @@ class Trainer:
         """The step strategy, chosen once: the whole model on this rank, or a pipeline schedule over its stages."""
         cfg, pm = self.cfg, self.parallel_model
         self.objective = self._objective or build_objective(cfg.training.objective, self.model_args.fused_loss,
-                                                            cfg.dpo)
+                                                            cfg.dpo, reward=cfg.reward)
         ctx = StepContext(self.dims, self.device, self._autocast, self.dims.tp_enabled and cfg.parallel.loss_parallel,
                           cfg.data.document_positions, self.profiler)
         if pm.plan is None:
@@ -577,7 +588,7 @@ class Trainer:
         note = mfu_note(self.device, cfg.training.dtype)
         cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
         t = cfg.training
-        total, trainable = count_params(args, cfg.lora)
+        total, trainable = count_params(args, cfg.lora, self.score_head)
         lora = cfg.lora
         adapters = [f"LoRA rank {lora.rank} on {lora.targets} ({self.n_adapted} linears, base {lora.base_dtype}): "
                     f"{trainable / 1e6:.2f}M trainable parameters, {100 * trainable / total:.2f}%"] if lora.rank else []

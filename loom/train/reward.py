@@ -1,0 +1,205 @@
+"""Reward models (``training.objective reward``): a scalar head on a loom Llama trained on preference pairs with the
+Bradley-Terry loss, and scoring with it.
+
+The head is the model's own ``output`` linear replaced by one of width 1 (``dim -> 1``, no bias, as transformers'
+``LlamaForSequenceClassification.score``), put on by ``attach_score_head`` after the model is built and before it
+is parallelized, as LoRA's adapters are. Replacing rather than adding keeps the model code untouched: its forward
+already ends in ``self.output(h)``, so it returns per-position scores (B, S, 1) instead of logits, and every later
+step (FSDP2's root unit, DDP, activation checkpointing, DCP checkpoints) treats the head as it treats the LM head;
+no (vocab, dim) head is allocated for nothing. In a loom checkpoint the head keeps the name ``output.weight`` (shape
+(1, dim)); a Hugging Face export names it ``score.weight`` (loom.checkpoint.hf). The reward of a sequence is the
+head's value at its last non-pad token, as transformers takes it."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.config.errors import ConfigError
+from loom.data.loader import MicroBatch
+
+
+def attach_score_head(model: nn.Module) -> nn.Module:
+    """Replace ``model.output`` (the LM head, LoRA-adapted or not) by a trainable ``dim -> 1`` linear without bias.
+    Call on the plain model (meta device or not) before parallelizing it; under LoRA after ``apply_lora``, so the
+    head is trained while the base stays frozen (PEFT's ``modules_to_save = ["score"]``)."""
+    dim = model.args.dim
+    device = model.tok_embeddings.weight.device
+    model.output = nn.Linear(dim, 1, bias=False, device=device)
+    model.output.weight.requires_grad_(True)
+    return model
+
+
+def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each row's score at its last non-pad token, fp32 (N,). scores: (N, S, 1); lengths: (N,) tokens per row."""
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    return scores[rows, (lengths - 1).clamp(min=0), 0].float()
+
+
+def pair_lengths(mb: MicroBatch) -> torch.Tensor:
+    """The tokens of each row of a pair micro-batch (loom.data.dpo.pair_batch marks padding as document 1)."""
+    return (mb.document_ids == 0).sum(dim=1)
+
+
+def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, center: float = 0.0) -> torch.Tensor:
+    """Per-pair loss (B,): -log sigmoid(r_chosen - r_rejected), plus TRL's ``center_rewards_coefficient`` term
+    ``center x (r_chosen + r_rejected)^2`` (it keeps rewards centred on 0) when ``center`` > 0."""
+    losses = -F.logsigmoid(chosen - rejected)
+    if center:
+        losses = losses + center * (chosen + rejected) ** 2
+    return losses
+
+
+class RewardModeling:
+    """The Bradley-Terry objective over micro-batches of pairs (loom.data.dpo: rows chosen 0..B-1, then rejected
+    0..B-1). The count is pairs, so a step's loss is the mean over the global batch's pairs whatever the layout and
+    accumulation (as DPO's). Statistics per pair: accuracy (chosen above rejected), margin, mean rewards."""
+
+    loss_in_forward = True  # the loss reads one position per row: forward returns it
+    # DPO's names (its rewards are implicit, these the head's): the progress line and dashboards read both alike
+    STATS = ("rewards/accuracy", "rewards/margins", "rewards/chosen", "rewards/rejected")
+
+    def __init__(self, center: float = 0.0):
+        self.center = center
+        self._stats: dict[str, torch.Tensor] = {}
+
+    def count(self, mb: MicroBatch) -> torch.Tensor:
+        return torch.tensor(mb.inputs.shape[0] // 2, device=mb.inputs.device)
+
+    def rewards(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
+        """Each row's reward (2B,), fp32."""
+        return last_token_scores(model(mb.inputs, positions), pair_lengths(mb))  # model: (2B, S, 1)
+
+    def forward(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.pair_loss(self.rewards(model, mb, positions))
+
+    def pair_loss(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The summed loss of the pairs from their rows' rewards (2B,); accumulates the statistics."""
+        chosen, rejected = rewards.chunk(2)  # (B,) each
+        with torch.no_grad():
+            c, r = chosen.detach(), rejected.detach()
+            for name, value in zip(self.STATS, ((c > r).float(), c - r, c, r)):
+                self._stats[name] = self._stats.get(name, 0) + value.sum()
+        return bradley_terry(chosen, rejected, self.center).sum()
+
+    def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the reward objective computes its loss in forward (pipelines are refused)")
+
+    def step_stats(self) -> dict[str, torch.Tensor]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def prepare(self, trainer) -> None:
+        pass
+
+
+# ---- scoring ---------------------------------------------------------------------------------------------------
+
+class RewardScorer:
+    """A reward model ready to score: the model (eval, fp32 unless told), its tokenizer (None: token ids only) and
+    chat template (None: strings only)."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, template=None):
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self._encoder = None
+
+    def encode(self, item) -> list[int]:
+        """Token ids of an item: a list of ids as it is; a string tokenized as it is; a conversation (a list of
+        messages) rendered with the chat template as training renders pairs."""
+        if isinstance(item, (list, tuple)) and all(isinstance(t, int) for t in item):
+            return list(item)
+        if self.tokenizer is None:
+            raise ConfigError("score", type(item).__name__, "this model has no tokenizer: pass token ids")
+        if isinstance(item, str):
+            return list(self.tokenizer.encode(item))
+        if isinstance(item, (list, tuple)) and all(isinstance(m, dict) for m in item):
+            if self._encoder is None:
+                from loom.data.chat import ChatEncoder, load_template
+
+                self._encoder = ChatEncoder(self.template or load_template("", self.tokenizer), self.tokenizer)
+            return self._encoder.encode(list(item))[0]
+        raise ConfigError("score", type(item).__name__, "allowed: a string, a list of messages or a list of token ids")
+
+    @torch.no_grad()
+    def __call__(self, items, batch_size: int = 8) -> list[float]:
+        seqs = [self.encode(item) for item in items]
+        if any(not s for s in seqs):
+            raise ConfigError("score", "''", "an item without a token has no reward")
+        device = next(self.model.parameters()).device
+        out: list[float] = []
+        for first in range(0, len(seqs), batch_size):
+            chunk = seqs[first:first + batch_size]
+            lengths = torch.tensor([len(s) for s in chunk], device=device)
+            ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.int64, device=device)  # right-padded
+            for i, s in enumerate(chunk):
+                ids[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
+            out += last_token_scores(self.model(ids), lengths).tolist()  # causal: padding after a row changes nothing
+        return out
+
+
+def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> RewardScorer:
+    """A reward model from a ``training.objective reward`` run's checkpoint (``step_N`` or its run dir; LoRA merged)
+    or a Hugging Face ``*ForSequenceClassification`` folder (``loom convert --to-hf`` of one)."""
+    from loom.checkpoint.hf import CONFIG, is_score_config, llama_args_from_hf, load_hf_weights, read_hf_config
+    from loom.data import build_tokenizer
+    from loom.infer.load import _run_config, find_source
+    from loom.models.llama import Llama
+
+    kind, folder = find_source(path)
+    if kind == "hf":
+        if not is_score_config(read_hf_config(folder, "score")):
+            raise ConfigError("score", folder, "not a reward model: its config.json names no *ForSequenceClassification "
+                              "architecture with num_labels 1")
+        with torch.device("meta"):
+            model = attach_score_head(Llama(llama_args_from_hf(folder, "score")))
+        model = model.to_empty(device=device)
+        load_hf_weights(model, folder)
+        tokenizer = build_tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+        template = None
+    elif kind == "run":
+        from loom.checkpoint.manager import load_model_weights, verify
+        from loom.data.chat import load_template
+        from loom.models.common.lora import apply_lora, merge_lora
+        from loom.resolve import resolve_model_args
+
+        cfg = _run_config(folder)
+        if cfg.training.objective != "reward":
+            raise ConfigError("score", folder, f"written by a training.objective {cfg.training.objective} run, not "
+                              "a reward model (training.objective reward)")
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        with torch.device("meta"):
+            model = Llama(resolve_model_args(cfg, tokenizer).with_(fused_loss=False))
+            apply_lora(model, cfg.lora)
+            attach_score_head(model)
+        model = model.to_empty(device=device)
+        verify(folder)
+        with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            load_model_weights(folder, model)
+        merge_lora(model)
+        template = load_template(cfg.data.chat_template, tokenizer)
+    else:
+        raise ConfigError("score", folder, f"a {CONFIG} import of `loom convert --from-hf`: score the Hugging Face "
+                          "folder itself")
+    model.init_buffers(torch.device(device))
+    return RewardScorer(model.to(dtype).eval(), tokenizer, template)
+
+
+def score(model_or_path, items, *, tokenizer=None, batch_size: int = 8, device: str = "cpu") -> list[float]:
+    """The reward of each item (a string, a conversation as a list of messages, or a list of token ids) under a
+    reward model: a loom Llama with its score head (``attach_score_head``; ``tokenizer`` for strings and
+    conversations) or a path ``load_reward_model`` reads."""
+    if isinstance(model_or_path, (str, os.PathLike)):
+        scorer = load_reward_model(str(model_or_path), device)
+    else:
+        scorer = RewardScorer(model_or_path, tokenizer)
+    was_training = scorer.model.training
+    scorer.model.eval()
+    try:
+        return scorer(items, batch_size)
+    finally:
+        scorer.model.train(was_training)
