@@ -196,7 +196,7 @@ class RolloutLoader:
         if self.task is None:
             raise ConfigError("grpo.warmup_steps", self.warmup, "0 with grpo.prompts (the warm-up trains on the "
                               "embedded task's worked examples)")
-        rows = self.task.problems(self.rows, ("warmup", self.step, self.dp_rank))
+        rows = self._mine(self.task.problems(self.rows * self.dp_size, ("warmup", self.step)))
         enc = self.tokenizer.encode
         batches = rows_to_batches([enc(r["prompt"]) for r in rows],
                                   [enc(r["answer"]) + [self.tokenizer.eos_id] for r in rows],
@@ -207,22 +207,11 @@ class RolloutLoader:
 
     def rollouts(self) -> list[RolloutBatch]:
         """Sample, score, normalize, and compute the log-probabilities the loss needs; sets ``stats``."""
-        from loom.infer.sampling import SamplingParams
-
         g, trainer, G = self.g, self.trainer, self.g.group_size
-        rows = self.source.problems(self.rows // G, ("grpo", self.step, self.dp_rank))
+        rows = self._mine(self.source.problems(self.rows // G * self.dp_size, ("grpo", self.step)))
         prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]  # each prompt's group
         t0 = time.perf_counter()
-        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank)
-        model = trainer.parts[0]
-        model.eval()
-        try:
-            with torch.no_grad(), trainer._autocast():
-                outs = self.generator.generate_ids(prompts, params)
-        finally:
-            self.generator.engine.release()  # the caches out: training forwards run the plain model
-            model.train()
+        outs = self.sample(prompts)
         t1 = time.perf_counter()
         completions = [o.token_ids for o in outs]
         fields = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
@@ -249,6 +238,27 @@ class RolloutLoader:
         t3 = time.perf_counter()
         self._set_stats(batches, total, per, sums, std, truncated, outs, (t1 - t0, t2 - t1, t3 - t2))
         return batches
+
+    def _mine(self, rows: list) -> list:
+        """This rank's share of the global step's rows (the global batch is the same whatever the layout)."""
+        n = len(rows) // self.dp_size
+        return rows[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def sample(self, prompts: list[list[int]]) -> list:
+        """One completion (``loom.infer.Completion``) per prompt id list, from the engine on the live weights."""
+        from loom.infer.sampling import SamplingParams
+
+        g, trainer = self.g, self.trainer
+        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                                seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank)
+        model = trainer.parts[0]
+        model.eval()
+        try:
+            with torch.no_grad(), trainer._autocast():
+                return self.generator.generate_ids(prompts, params)
+        finally:
+            self.generator.engine.release()  # the caches out: training forwards run the plain model
+            model.train()
 
     @torch.no_grad()
     def _logps(self, batches: list[RolloutBatch]) -> None:

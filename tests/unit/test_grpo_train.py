@@ -1,0 +1,124 @@
+"""``training.objective grpo`` end to end on the CPU: the engine generates on the trainer's own module (after an
+update its logits are the trainer model's, fp32), rollout rows and labels, reward functions and their weights, the
+embedded task, the config rules, and the embedded default raising the mean reward over a short seeded run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loom.config.errors import ConfigError
+from loom.numerics import IGNORE
+from loom.resolve import check_config, resolve
+from loom.rl.arithmetic import ArithmeticTask, digit_match, exact_answer
+from loom.rl.objective import GroupRelative
+from loom.rl.rewards import Rewards, load_function
+from loom.rl.rollout import rows_to_batches
+from loom.train.trainer import Trainer
+from tests.tiny import tiny_config
+
+
+def grpo_config(tmp_path, **overrides):
+    return tiny_config(tmp_path / "run", None, **{
+        "training.objective": "grpo", "training.steps": 4, "training.global_batch_size": 8,
+        "training.micro_batch_size": 4, "grpo.group_size": 4, "grpo.warmup_steps": 1, "grpo.max_new_tokens": 4,
+        "metrics.progress": "false", **overrides})
+
+
+def test_engine_logits_equal_the_trained_model(tmp_path):
+    """The engine runs on the trainer's module itself: after GRPO updates (and a KL reference, two iterations per
+    batch of rollouts), a cached prefill and a decode step give the plain model's logits (fp32), which moved."""
+    cfg = grpo_config(tmp_path, **{"grpo.beta": 0.05, "grpo.iterations": 2})
+    trainer = Trainer(cfg, objective=GroupRelative(cfg))
+    model, engine = trainer.parts[0], trainer.objective.loader.generator.engine
+    tokens = torch.tensor([trainer.tokenizer.encode("3+4=7"), trainer.tokenizer.encode("9*9=8")])  # (2, 5)
+    with torch.no_grad():
+        before = model(tokens)
+    records = trainer.fit()
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "reward" in records[-1] and "kl" in records[-1]
+    model.eval()
+    with torch.no_grad():
+        after = model(tokens)  # (2, 5, V) the plain training forward
+        engine.allocate(2, tokens.shape[1])
+        prefill = engine.prefill(tokens[:, :-1], torch.tensor([3, 3]))  # (2, V) at position 3
+        step = engine.step(tokens[:, -1:], torch.tensor([[4], [4]]))[:, 0]  # (2, V) at position 4, from the cache
+        engine.release()
+    torch.testing.assert_close(prefill, after[:, 3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, after[:, 4], rtol=1e-5, atol=1e-5)
+    assert (after - before).abs().max() > 1e-3  # the updates reached the weights the engine reads
+
+
+def test_rows_and_labels():
+    """prompt + completion as next-token rows: only the completion's tokens (its EOS included) are labels."""
+    (mb,) = rows_to_batches([[1, 2, 3], [4]], [[5, 6, 9], [7, 9]], micro=2, pad_id=9, seq_len=8,
+                            advantages=torch.tensor([0.5, -0.5]))
+    assert mb.inputs.tolist() == [[1, 2, 3, 5, 6], [4, 7, 9, 9, 9]]
+    assert mb.labels.tolist() == [[IGNORE, IGNORE, 5, 6, 9], [7, 9, IGNORE, IGNORE, IGNORE]]
+    assert mb.advantages.tolist() == [0.5, -0.5]
+    with pytest.raises(ConfigError, match="training.seq_len"):
+        rows_to_batches([[1] * 6], [[2] * 4], micro=1, pad_id=0, seq_len=8)
+
+
+def test_rewards_weighted_and_per_function():
+    rewards = Rewards(["loom.rl.arithmetic:exact_answer", "loom.rl.arithmetic:digit_match"], [1.0, 0.5])
+    total, per = rewards.score(["3+9=", "3+9=", "3+9="], ["12", "13\nx", " 2"], [[], [], []],
+                               {"answer": ["12", "12", "12"]})
+    assert per.tolist() == [[1.0, 1.0], [0.0, 0.5], [0.0, 0.5]]
+    assert total.tolist() == [1.5, 0.25, 0.25]
+    assert exact_answer([], ["7 "], answer=["7"]) == [1.0] and digit_match([], ["107"], answer=["7"]) == [0.0]
+    with pytest.raises(ConfigError, match="grpo.rewards"):
+        load_function("loom.rl.arithmetic")
+    with pytest.raises(ConfigError, match="grpo.rewards"):
+        load_function("loom.rl.arithmetic:no_such_reward")
+    with pytest.raises(ConfigError, match="grpo.reward_weights"):
+        Rewards(["loom.rl.arithmetic:exact_answer"], [1.0, 2.0])
+
+
+def test_task_is_seeded_and_correct():
+    task = ArithmeticTask(seed=3, digits=2, ops="+*")
+    rows = task.problems(50, ("grpo", 7))
+    assert rows == task.problems(50, ("grpo", 7)) and rows != task.problems(50, ("grpo", 8))
+    for r in rows:
+        a, op, b = r["prompt"][:-1].replace("*", " * ").replace("+", " + ").split()
+        assert r["prompt"].endswith("=") and int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+    assert {r["prompt"][:-1].strip("0123456789")[:1] for r in rows} == {"+", "*"}
+
+
+def test_prompts_from_jsonl_reach_the_rewards(tmp_path):
+    """grpo.prompts: every other field of a row goes to the reward functions, one value per completion."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    cfg = grpo_config(tmp_path, **{"grpo.prompts": str(path), "grpo.warmup_steps": 0, "training.steps": 2,
+                                   "grpo.rewards": "loom.rl.arithmetic:exact_answer"})
+    records = Trainer(cfg, objective=GroupRelative(cfg)).fit()
+    assert {"reward", "rewards/exact_answer", "completion_length", "time/generation_s"} <= records[-1].keys()
+    assert 0 <= records[-1]["reward"] <= 1
+
+
+def test_config_rules(tmp_path):
+    with pytest.raises(ConfigError, match="grpo.group_size"):
+        check_config(tiny_config(tmp_path, **{"grpo.group_size": 8}))  # no grpo objective
+    for key, value in (("parallel.tp", 2), ("parallel.pp", 2)):
+        with pytest.raises(ConfigError, match=key):
+            check_config(grpo_config(tmp_path, **{key: value}))
+    with pytest.raises(ConfigError, match="parallel.dp_shard"):
+        resolve(grpo_config(tmp_path, **{"parallel.dp_shard": 2}), 2)
+    resolve(grpo_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}), 2)  # DDP: fine
+    with pytest.raises(ConfigError, match="grpo.warmup_steps"):
+        check_config(grpo_config(tmp_path, **{"grpo.prompts": "x.jsonl", "grpo.warmup_steps": 2}))
+
+
+def test_embedded_default_raises_the_reward(tmp_path):
+    """The embedded task after a supervised warm-up: GRPO's last steps score clearly above its first ones."""
+    cfg = tiny_config(tmp_path / "run", None, **RECIPE)
+    records = [r for r in Trainer(cfg, objective=GroupRelative(cfg)).fit() if "reward" in r]
+    first = sum(r["reward"] for r in records[:3]) / 3
+    last = sum(r["reward"] for r in records[-3:]) / 3
+    assert last > first + 0.15, (first, last, [round(r["reward"], 3) for r in records])
+
+
+RECIPE = {"training.objective": "grpo", "training.steps": 240, "grpo.warmup_steps": 120, "optimizer.lr": 3e-3,
+          "optimizer.min_lr_ratio": 1.0, "grpo.group_size": 8, "training.global_batch_size": 32,
+          "training.micro_batch_size": 32, "metrics.every": 10, "metrics.progress": "false"}
