@@ -163,8 +163,8 @@ class OptimizerConfig:
     implementation: str = opt("auto", "AdamW kernel: loom's Triton kernel, or PyTorch's fused / foreach / for_loop",
                               choices=("auto", "triton", "fused", "foreach", "for_loop"))
     momentum: float = opt(0.9, "lars: momentum", min=0.0, max=1.0)
-    trust_coefficient: float = opt(1e-3, "lars: trust coefficient η of the local LR η·||w|| / (||g|| + "
-                                         "weight_decay·||w||)", min=0.0, min_exclusive=True)
+    trust_coefficient: float = opt(1e-3, "lars: trust coefficient eta of the local LR eta x norm(w) / (norm(g) "
+                                         "+ weight_decay x norm(w))", min=0.0, min_exclusive=True)
     exclude_1d: bool = opt(True, "lamb / lars: biases and norm weights (1-D parameters) take neither weight decay "
                                  "nor the trust ratio, as the papers do")
 

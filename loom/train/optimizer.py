@@ -9,6 +9,7 @@ from loom.config.sections import OptimizerConfig
 from loom.kernels.adamw.op import adamw_step_
 from loom.kernels.triton_support import has_triton
 from loom.train.grads import by_mesh, scale_grads, unique_params
+from loom.train.large_batch import build_large_batch
 
 
 def resolve_implementation(impl: str, device: torch.device) -> str:
@@ -78,17 +79,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Weight decay on matrices only (not norms); only trainable parameters (with LoRA: the adapters) get a place
-    and state. PyTorch's fused and foreach kernels take the tensors of a group together, which DTensors on
-    different meshes (experts under expert parallelism) cannot be: there its per-tensor AdamW runs instead (loom's
-    Triton AdamW is per tensor anyway)."""
+    """``optimizer.name``: AdamW, or LAMB / LARS (loom.train.large_batch). Weight decay on matrices only
+    (not norms; for LAMB / LARS unless ``exclude_1d`` is off); only trainable parameters (with LoRA: the
+    adapters) get a place and state. PyTorch's fused and foreach kernels take the tensors of a group together,
+    which DTensors on different meshes (experts under expert parallelism) cannot be: there its per-tensor AdamW
+    runs instead (loom's Triton AdamW is per tensor anyway)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     # an empty group (LoRA trains matrices only) would break the checkpoint's flattened optimizer state
+    if cfg.name != "adamw" and not cfg.exclude_1d:  # lamb / lars: every parameter decays and adapts
+        decay, no_decay = decay + no_decay, []
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]] or [{"params": decay}]
+    if cfg.name != "adamw":
+        return build_large_batch(cfg.name, groups, cfg)
     impl = resolve_implementation(cfg.implementation, device)
     if impl == "triton":
         return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)

@@ -28,6 +28,7 @@ from loom.config.load import all_keys, coerce
 from loom.config.sections import Config, OptimizerConfig, TrainingConfig
 from loom.data import build_tokenizer
 from loom.resolve import resolve_model_args
+from loom.train.large_batch import group_options
 from loom.train.run_dir import missing_tokenizer, recorded_values
 
 
@@ -109,6 +110,9 @@ RULES: dict[str, tuple[str, str]] = {
     "optimizer.warmup_steps": (APPLIED, _SCHEDULE),
     "optimizer.decay_fraction": (APPLIED, _SCHEDULE),
     "optimizer.implementation": (FREE, _KERNEL + " (the same optimizer state)"),
+    "optimizer.momentum": (APPLIED, _GROUPS),
+    "optimizer.trust_coefficient": (APPLIED, _GROUPS),
+    "optimizer.exclude_1d": (MUST_MATCH, "the optimizer's parameter groups"),
 
     "lora.rank": (MUST_MATCH, "the adapters' shapes (and which weights train)"),
     "lora.alpha": (APPLIED, "the adapters' scaling from the next step"),
@@ -159,6 +163,7 @@ RULES: dict[str, tuple[str, str]] = {
     "metrics.run_name": (FREE, _OUTPUT),
     "metrics.progress": (FREE, _OUTPUT),
     "metrics.profile_steps": (FREE, _OUTPUT),
+    "metrics.noise_scale": (FREE, "a logged estimate (its smoothing restarts)"),
 }
 
 # the fields that resolve to the model's shape: other spellings of the same model are not a change of it
@@ -449,6 +454,7 @@ def apply_optimizer_config(optimizer, cfg: OptimizerConfig) -> None:
         for group in opt.param_groups:
             group["betas"], group["eps"] = tuple(cfg.betas), cfg.eps
             group["weight_decay"] = cfg.weight_decay if any(p.ndim >= 2 for p in group["params"]) else 0.0
+            group.update(group_options(cfg.name, cfg))  # lamb / lars: their own hyperparameters
 
 
 def restore_loss_scale(scaler, old: dict[str, Any] | None, training: TrainingConfig) -> None:
