@@ -52,6 +52,7 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     t = cfg.training
     accum = accumulation_steps(t, dims.dp_size)
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
+    check_noise_scale(cfg, dims, accum)
     if device is None:  # this machine's (the planner names a device it does not have)
         device = run_device(cfg)
         check_machine(cfg, device)
@@ -186,6 +187,11 @@ def check_reward(cfg: Config) -> None:
     for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.tp", p.tp)):
         if value > 1:
             raise ConfigError(key, value, "not supported with training.objective reward yet: allowed 1")
+    t = cfg.training
+    if t.eval_hook or t.eval_tasks:
+        field = "training.eval_hook" if t.eval_hook else "training.eval_tasks"
+        raise ConfigError(field, t.eval_hook or t.eval_tasks, "not with training.objective reward (a reward model "
+                          "has no LM head to generate or score text with): validation reports val_rewards/*")
 
 
 def check_grpo(cfg: Config, dims=None) -> None:
@@ -276,6 +282,20 @@ def accumulation_steps(training, dp_size: int) -> int:
                           f"must be a multiple of micro_batch_size x data-parallel size = "
                           f"{training.micro_batch_size} x {dp_size} = {per_pass}")
     return training.global_batch_size // per_pass
+
+
+def check_noise_scale(cfg: Config, dims: ParallelDims, accum: int) -> None:
+    """metrics.noise_scale reads the gradient between a step's first micro-batch and the rest
+    (loom.train.noise_scale): a pipeline schedule runs them together, and expert gradients are rescaled only after
+    the step under expert parallelism."""
+    if not cfg.metrics.noise_scale:
+        return
+    if dims.pp_enabled or dims.ep_enabled:
+        raise ConfigError("metrics.noise_scale", True, "needs parallel.pp = 1 and parallel.ep = 1")
+    if accum < 2:
+        raise ConfigError("metrics.noise_scale", True, f"needs 2 or more micro-batches per step on each rank (this "
+                          f"run has {accum}: training.global_batch_size / (micro_batch_size x {dims.dp_size} "
+                          "data-parallel ranks))")
 
 
 def check_microbatches(dims: ParallelDims, n: int, parallel: ParallelConfig, global_batch: int,

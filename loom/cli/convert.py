@@ -227,6 +227,9 @@ def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
     if not lora.rank:
         raise ConfigError("--from", ckpt, "was not written by a LoRA run (lora.rank 0): nothing to write as a PEFT "
                           "adapter; export the model with --to-hf")
+    if checkpoint_is_reward(ckpt, opts.get("--config"), overrides):
+        raise ConfigError("--from", ckpt, "is a reward model's (training.objective reward): its score head is not an "
+                          "adapter; export it merged with --to-hf")
     args, _ = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
     model = weights_only_model(args)
     apply_lora(model, lora)

@@ -250,6 +250,8 @@ def test_config_rules(tiny):
     for key in ("parallel.pp", "parallel.cp", "parallel.tp"):
         with pytest.raises(ConfigError, match=f"{key} = 2: not supported with training.objective reward"):
             check_config(tiny(**{"training.objective": "reward", key: 2}))
+    with pytest.raises(ConfigError, match="training.eval_tasks.*not with training.objective reward"):
+        check_config(tiny(**{"training.objective": "reward", "training.eval_tasks": "hellaswag"}))
     check_config(tiny(**{"training.objective": "reward", "reward.center_coefficient": 0.01, "lora.rank": 4}))
     assert isinstance(build_objective("reward", False), RewardModeling)
 
@@ -274,6 +276,20 @@ def test_scoring_misuse_is_one_line(exported, tmp_path):
     (tmp_path / "causal" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="not a reward model"):
         score(str(tmp_path / "causal"), [[1, 2, 3]])
+
+
+def test_a_lora_reward_run_is_not_exported_as_a_peft_adapter(tmp_path, capsys):
+    source = write_pairs(tmp_path / "pairs.jsonl", 20)
+    Trainer(reward_run(tmp_path / "run", tmp_path / "cache", source, **{
+        "lora.rank": 4, "training.steps": 1, "checkpoint.at_end": "true"})).fit()
+    ckpt = str(tmp_path / "run" / "checkpoints" / "step_00000001")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        loom_main(["convert", "--from", ckpt, "--to-peft", str(tmp_path / "adapter")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "reward model" in err[0] and "--to-hf" in err[0], err
+    assert loom_main(["convert", "--from", ckpt, "--to-hf", str(tmp_path / "merged")]) == 0
+    assert score(str(tmp_path / "merged"), [[5, 6, 7]]) == pytest.approx(score(ckpt, [[5, 6, 7]]), abs=1e-5)
 
 
 def test_scoring_strings_and_conversations_goes_through_the_run_tokenizer(exported):
