@@ -112,6 +112,16 @@ def warmup_steps(cfg) -> int:
     return 0 if g.prompts else cfg.training.steps // 2
 
 
+@torch.no_grad()
+def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """``src``'s parameters into ``dst``'s (the same model, built the same way), by canonical name."""
+    from loom.models.common.init import canonical_name
+
+    mine = {canonical_name(n): p for n, p in src.named_parameters()}
+    for name, p in dst.named_parameters():
+        p.copy_(mine[canonical_name(name)])
+
+
 class RolloutLoader:
     """This rank's rollouts for each step (the trainer's loader interface: ``next_step``, ``describe``,
     ``validation``, ``state_dict``). ``bind(trainer, objective)`` (the objective's ``prepare``) gives it the model."""
@@ -139,7 +149,8 @@ class RolloutLoader:
         self._held: list[RolloutBatch] | None = None  # the last rollouts, reused grpo.iterations times
         self._uses = 0
         self.trainer = self.objective = self.generator = None
-        self.reference = None  # a frozen copy of the initial policy (beta > 0 without LoRA)
+        self.reference = None  # beta > 0 without LoRA: a frozen copy of the policy as GRPO starts
+        self._reference_set = False
         self.stats: dict[str, float] = {}
         self._handed_out: float | None = None
 
@@ -162,14 +173,14 @@ class RolloutLoader:
         self.step, self._held, self._uses = int(state.get("grpo_step", 0)), None, 0
 
     def bind(self, trainer, objective) -> None:
-        """The live model: a generator on the trainer's own module (no copy), the reference where beta > 0."""
+        """The live model: a generator on the trainer's own module (no copy)."""
         from loom.infer.generator import Generator
 
         self.trainer, self.objective = trainer, objective
         self.generator = Generator.from_model(trainer.parts[0], self.tokenizer, compile=False,
                                               max_batch=self.rows)
-        if self.g.beta > 0 and not self.cfg.lora.rank:
-            self.reference = frozen_copy(trainer)
+        if self.g.beta > 0 and not self.cfg.lora.rank:  # built in the policy's layout before the engine runs
+            self.reference, self._reference_set = frozen_copy(trainer), False
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
@@ -267,6 +278,10 @@ class RolloutLoader:
         g, trainer = self.g, self.trainer
         if g.iterations == 1 and g.beta == 0:
             return
+        if g.beta > 0 and not self.cfg.lora.rank and not self._reference_set:
+            # the policy as GRPO starts (after the warm-up, or as a resumed run finds it), frozen
+            copy_parameters(trainer.parts[0], self.reference)
+            self._reference_set = True
         model = trainer.parts[0]
         model.eval()
         try:
