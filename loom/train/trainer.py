@@ -40,6 +40,7 @@ from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, Tr
 from loom.train.moe_stats import MoEBalance
 from loom.train.objective import Objective, build_objective
 from loom.train.reward import attach_score_head
+from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
@@ -259,6 +260,8 @@ class Trainer:
             self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
         self.moe = MoEBalance(self.parts, self.dims, cfg.training.global_batch_size, self.model_args.n_layers,
                               cfg.training.compile, self.steps.stage_sum) if self.model_args.moe else None
+        # metrics.noise_scale (loom.train.noise_scale); resolve allows it only with accumulation and no pipeline
+        self.noise = NoiseScaleProbe.build(self.steps, self.dims, self.objective) if cfg.metrics.noise_scale else None
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph)."""
@@ -296,7 +299,7 @@ class Trainer:
         if self.moe:
             self.moe.scale(self.scaler.scale)
         getattr(self.objective, "step_stats", dict)()  # statistics of forwards before this step are not its own
-        result = self.steps.step(mbs, grad_scale)
+        result = self.noise.step(mbs, grad_scale, self.scaler.scale) if self.noise else self.steps.step(mbs, grad_scale)
         stats = self._objective_stats(denominator)
         if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
@@ -304,6 +307,8 @@ class Trainer:
         loss = self.dims.data_sum(result.loss_sum) / denominator
         with self.profiler.phase("optimizer"):  # grad norm, clipping, step (skipped where not finite), zero_grad
             norm = self.steps.grad_norm() / self.scaler.scale
+            if self.noise:
+                self.noise.observe(norm, denominator)
             # both are global (summed and normed over every rank): every rank reaches the same verdict. Under
             # float16 an infinite gradient norm is an overflow, the loss scaler's to handle.
             finite = torch.isfinite(loss)
@@ -664,6 +669,7 @@ class Trainer:
             "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak, self.adapter_params),
             "mem_gib": peak_memory_gib(self.device),
             "val_loss": val,
+            **({"noise_scale": self.noise.value()} if self.noise else {}),
             "targets": float(out["tokens"]),  # the global count the loss is averaged over (tokens; DPO: pairs)
             **{k: float(v) for k, v in out.get("stats", {}).items()},
             **({f"val_{k}": v for k, v in self.val_stats.items()} if val is not None else {}),

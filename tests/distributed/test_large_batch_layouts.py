@@ -91,3 +91,16 @@ def test_resume_is_exact(tmp_path, opt):
     resumed = run_jobs(1, [job(tmp_path, "resumed", opt, **extra, **{"checkpoint.resume": ckpt})], str(tmp_path))[0]
     tail = [(r["step"], r["loss"]) for r in full["records"] if r["step"] > save_at]
     assert [(r["step"], r["loss"]) for r in resumed["records"]] == tail
+
+
+def test_noise_scale_under_ddp_and_fsdp(tmp_path):
+    """metrics.noise_scale on 2 ranks: DDP's first micro-batch is each rank's own (no_sync), FSDP2's is reduced
+    in its backward; either way the losses are the single process's and an estimate is logged."""
+    probe = {"metrics.noise_scale": "true", "training.micro_batch_size": 2}
+    single = losses(run_jobs(1, [job(tmp_path, "single", "adamw")], str(tmp_path))[0])
+    ddp, fsdp = run_jobs(2, [job(tmp_path, "ddp2", "adamw", **probe, **{"parallel.dp_replicate": 2,
+                                                                       "parallel.dp_shard": 1}),
+                             job(tmp_path, "fsdp2", "adamw", **probe, **{"parallel.dp_shard": 2})], str(tmp_path))
+    for res in (ddp, fsdp):
+        assert max_rel(losses(res), single) < 1e-5
+        assert res["records"][-1]["noise_scale"] > 0
