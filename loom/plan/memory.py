@@ -181,3 +181,17 @@ def pipeline_peak(actions: list[tuple[str, int, int]], per_stage: dict[int, floa
 def with_workspace(m: Memory) -> Memory:
     m.workspace = WORKSPACE_BYTES + FRAGMENTATION * m.total
     return m
+
+
+def zero_model_state(params: float, n_gpus: int, stage: int, k: int = 12) -> float:
+    """Model-state bytes per GPU under ZeRO stage 0-3 (Rajbhandari et al. 2020, Figure 1), mixed-precision Adam:
+    2 bytes of fp16 weights, 2 of fp16 gradients and ``k`` of optimizer state (fp32 master weights, momentum and
+    variance: 12) per parameter. Stage 1 shards the optimizer state over the ``n_gpus`` data-parallel ranks, stage 2
+    the gradients too, stage 3 the weights too. loom keeps fp32 weights and gradients instead (``state_memory``);
+    this is the paper's accounting, for comparing the stages."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage}: expected 0, 1, 2 or 3")
+    weights, grads, optimizer = 2.0 * params, 2.0 * params, float(k) * params
+    sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "weights")}[stage]
+    parts = {"weights": weights, "grads": grads, "optimizer": optimizer}
+    return sum(v / n_gpus if name in sharded else v for name, v in parts.items())
