@@ -17,6 +17,8 @@ USAGE = """usage: loom plan [--config FILE.toml] [--gpus N] [--gpu KIND] [--sear
        loom plan --generate --prompt-len P --output-len N [--batch B] [--dtype DTYPE] [--kv-dtype DTYPE]
                  [--config FILE.toml] [--gpus N] [--gpu KIND] [--margin GIB | PCT%] [--json FILE]
                  [--section.field VALUE ...]
+       loom plan (--flops C | --params N | --tokens D) [--gpus N --gpu KIND [--search]] [--config FILE.toml]
+                 [--json FILE] [--section.field VALUE ...]
 
 Estimates peak memory per GPU and step time of the configuration on N GPUs (default 1) of KIND
 (default H100; known: {kinds}). With --search, ranks every layout loom accepts for the model and
@@ -31,11 +33,18 @@ tensor-parallel over the --gpus: memory per GPU (weights, KV cache, prefill acti
 token, decode time per step at the first and last output token and on average (HBM roofline), decode
 tokens/s and the tensor-parallel all-reduce time. --dtype: the weights (default bfloat16; float16,
 float32; bf16 / fp16 / fp32 too), --kv-dtype: the cache (default: --dtype); --training.compile true
-times the prefill at the compiled efficiency. Model: docs/planner.md, "Generation"."""
+times the prefill at the compiled efficiency. Model: docs/planner.md, "Generation".
+
+With --flops, --params or --tokens (one of them; 5.76e23, 70B, 1.4T), the compute-optimal size (Chinchilla:
+C = 6 N D FLOPs with D = 20 N tokens): parameters, tokens, FLOPs and loom's nearest flavor; with --gpus or --gpu
+also the GPU-hours to train that flavor on those tokens at the planner's throughput for the configured layout
+(--search: the fastest layout that fits). docs/algorithms.md."""
 
 _OPTIONS = {"--gpus": "gpus", "--gpu": "gpu", "--top": "top", "--margin": "margin", "--json": "json",
             "--plot": "plot", "--config": "config", "-c": "config", "--batch": "batch", "--prompt-len": "prompt_len",
-            "--output-len": "output_len", "--dtype": "dtype", "--kv-dtype": "kv_dtype"}
+            "--output-len": "output_len", "--dtype": "dtype", "--kv-dtype": "kv_dtype", "--flops": "flops",
+            "--params": "params", "--tokens": "tokens"}
+BUDGET = ("flops", "params", "tokens")  # compute-optimal sizing (loom.plan.compute_optimal)
 # --generate's own options (given without it, an error) and the training plan's (given with it, an error)
 GENERATE_ONLY = ("batch", "prompt_len", "output_len", "dtype", "kv_dtype")
 TRAINING_ONLY = ("search", "top", "plot")
@@ -49,7 +58,9 @@ OUTPUT_FILES = {"json": "plan.json", "plot": "plan.png"}
 def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """(planner options, --section.field overrides)."""
     opts = {"gpus": "1", "gpu": "H100", "top": None, "margin": None, "config": None, "search": False,
-            "generate": False, **{name: None for name in GENERATE_ONLY}, **{name: "" for name in OUTPUT_FILES}}
+            "generate": False, **{name: None for name in GENERATE_ONLY + BUDGET},
+            **{name: "" for name in OUTPUT_FILES}}
+    opts["cluster"] = any(a.partition("=")[0] in ("--gpus", "--gpu") for a in argv)  # GPU-hours asked for
     rest, i = [], 0
     while i < len(argv):
         name, eq, val = argv[i].partition("=")
@@ -84,6 +95,8 @@ def check_mode(opts: dict) -> None:
     def flag(key: str) -> str:
         return f"--{key.replace('_', '-')}"
 
+    if opts["generate"] and any(opts[key] is not None for key in BUDGET):
+        raise ConfigError("--generate", None, "not with --flops / --params / --tokens", show_value=False)
     if opts["generate"]:
         for key in TRAINING_ONLY:
             if opts[key] not in (None, False, ""):
@@ -233,6 +246,8 @@ def main(argv: list[str]) -> int:
     margin = margin_gib(opts["margin"], gpu)
     if opts["generate"]:
         return main_generate(opts, cfg, gpu, margin)
+    if any(opts[key] is not None for key in BUDGET):
+        return main_compute_optimal(opts, cfg, gpu, margin)
     from loom.plan.planner import estimate, search
 
     print(f"loom plan: {cfg.model.flavor}, seq {cfg.training.seq_len}, global batch {cfg.training.global_batch_size}, "
@@ -281,6 +296,45 @@ def write_json(path: str, report: dict) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise ConfigError("--json", path, f"could not be written ({err.strerror or err})") from None
+
+
+# -------------------------------------------------------------------------------- --flops / --params / --tokens
+def main_compute_optimal(opts: dict, cfg, gpu, margin: float) -> int:
+    """Chinchilla's compute-optimal budget, loom's nearest flavor and, on a cluster, the GPU-hours."""
+    from dataclasses import replace
+
+    from loom.plan.compute_optimal import compute_optimal, dense_flavors, gpu_hours, nearest_flavor, parse_count, si
+    from loom.plan.planner import estimate, model_args, search
+
+    given = {k: parse_count(f"--{k}", opts[k]) for k in BUDGET if opts[k] is not None}
+    budget = compute_optimal(**given)
+    flavor, n = nearest_flavor(budget.params, dense_flavors(model_args(cfg).vocab_size))
+    print(f"loom plan: compute-optimal for {', '.join(f'--{k} {v:.3g}' for k, v in given.items())} (Chinchilla: "
+          f"C = 6 N D, D = 20 N)")
+    print(f"parameters {si(budget.params)}, tokens {si(budget.tokens)}, FLOPs {budget.flops:.3g}")
+    print(f"nearest flavor: {flavor} ({si(n)} parameters; on {si(budget.tokens)} tokens: "
+          f"{6 * n * budget.tokens:.3g} FLOPs)")
+    report: dict = {"compute_optimal": {**budget.__dict__, "flavor": flavor, "flavor_params": n}}
+    if opts["cluster"]:
+        fcfg = replace(cfg, model=replace(cfg.model, flavor=flavor))
+        if opts["search"]:
+            best, _ = search(fcfg, opts["gpus"], gpu, top=1, margin_gib=margin, progress=SearchProgress())
+            if not best:
+                raise ConfigError("--search", None, f"no layout of {flavor} fits on {opts['gpus']} x {gpu.name}",
+                                  show_value=False)
+            est = best[0]
+        else:
+            est = estimate(fcfg, opts["gpus"], gpu, margin_gib=margin)
+        hours = gpu_hours(budget.tokens, est.tokens_per_s_per_gpu)
+        print(f"on {opts['gpus']} x {gpu.name}, {est.describe()}, seq {cfg.training.seq_len}, global batch "
+              f"{cfg.training.global_batch_size}: {est.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (MFU "
+              f"{100 * est.mfu:.1f}%) -> {hours:,.0f} GPU-hours ({hours / opts['gpus'] / 24:,.1f} days)"
+              + ("" if est.fits else f"; this layout does NOT fit in {limit_text(est.capacity_gib, est.margin_gib)} "
+                 "(--search finds one that does)"))
+        report["compute_optimal"].update(gpus=opts["gpus"], gpu=gpu.name, layout=est.layout, fits=est.fits,
+                                         tokens_per_s_per_gpu=est.tokens_per_s_per_gpu, gpu_hours=hours)
+    write_outputs(opts, report)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------- --generate
