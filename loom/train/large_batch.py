@@ -45,8 +45,12 @@ def whole_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
             if not any(sharded):
                 continue  # every tensor is whole along this axis: nothing to add up
             copies = torch.tensor([1.0 if s else 1.0 / mesh.size(axis) for s in sharded], device=part.device)
-            part = part * copies
-            dist.all_reduce(part, group=mesh.get_group(axis))
+            group = mesh.get_group(axis)
+            # FSDP2's CPU offload keeps the shards on the host; NCCL reduces device tensors only
+            device = torch.device("cuda") if dist.get_backend(group) == "nccl" else part.device
+            reduced = (part * copies).to(device)
+            dist.all_reduce(reduced, group=group)
+            part = reduced.to(part.device)
         sq[idx] = part
     return sq.sqrt()
 
