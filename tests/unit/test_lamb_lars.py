@@ -146,3 +146,22 @@ def test_resume_from_state_dict_is_exact(name):
     run(5, resumed, opt, start=3)
     for a, b in zip(full.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_cuda_steps_match_cpu(name):
+    cfg = OptimizerConfig(name=name, lr=0.05, weight_decay=0.1)
+    out = []
+    for device in ("cpu", "cuda"):
+        model = _model().to(device)
+        opt = OptimizerParts([model], cfg, torch.device(device))
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 + step)
+            model(torch.randn(4, 6, generator=gen).to(device)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out.append([p.detach().cpu() for p in model.parameters()])
+    for a, b in zip(*out):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
