@@ -17,8 +17,8 @@ USAGE = """usage: loom plan [--config FILE.toml] [--gpus N] [--gpu KIND] [--sear
        loom plan --generate --prompt-len P --output-len N [--batch B] [--dtype DTYPE] [--kv-dtype DTYPE]
                  [--config FILE.toml] [--gpus N] [--gpu KIND] [--margin GIB | PCT%] [--json FILE]
                  [--section.field VALUE ...]
-       loom plan (--flops C | --params N | --tokens D) [--gpus N --gpu KIND [--search]] [--config FILE.toml]
-                 [--json FILE] [--section.field VALUE ...]
+       loom plan (--flops C | --params N | --tokens D) [--noise-scale B] [--gpus N --gpu KIND [--search]]
+                 [--config FILE.toml] [--json FILE] [--section.field VALUE ...]
 
 Estimates peak memory per GPU and step time of the configuration on N GPUs (default 1) of KIND
 (default H100; known: {kinds}). With --search, ranks every layout loom accepts for the model and
@@ -38,12 +38,13 @@ times the prefill at the compiled efficiency. Model: docs/planner.md, "Generatio
 With --flops, --params or --tokens (one of them; 5.76e23, 70B, 1.4T), the compute-optimal size (Chinchilla:
 C = 6 N D FLOPs with D = 20 N tokens): parameters, tokens, FLOPs and loom's nearest flavor; with --gpus or --gpu
 also the GPU-hours to train that flavor on those tokens at the planner's throughput for the configured layout
-(--search: the fastest layout that fits). docs/algorithms.md."""
+(--search: the fastest layout that fits). --noise-scale B (tokens: a run's logged noise_scale, metrics.noise_scale)
+adds a recommended training.global_batch_size of about B tokens. docs/algorithms.md."""
 
 _OPTIONS = {"--gpus": "gpus", "--gpu": "gpu", "--top": "top", "--margin": "margin", "--json": "json",
             "--plot": "plot", "--config": "config", "-c": "config", "--batch": "batch", "--prompt-len": "prompt_len",
             "--output-len": "output_len", "--dtype": "dtype", "--kv-dtype": "kv_dtype", "--flops": "flops",
-            "--params": "params", "--tokens": "tokens"}
+            "--params": "params", "--tokens": "tokens", "--noise-scale": "noise_scale"}
 BUDGET = ("flops", "params", "tokens")  # compute-optimal sizing (loom.plan.compute_optimal)
 # --generate's own options (given without it, an error) and the training plan's (given with it, an error)
 GENERATE_ONLY = ("batch", "prompt_len", "output_len", "dtype", "kv_dtype")
@@ -59,6 +60,7 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """(planner options, --section.field overrides)."""
     opts = {"gpus": "1", "gpu": "H100", "top": None, "margin": None, "config": None, "search": False,
             "generate": False, **{name: None for name in GENERATE_ONLY + BUDGET},
+            "noise_scale": None,
             **{name: "" for name in OUTPUT_FILES}}
     opts["cluster"] = any(a.partition("=")[0] in ("--gpus", "--gpu") for a in argv)  # GPU-hours asked for
     rest, i = [], 0
@@ -95,6 +97,8 @@ def check_mode(opts: dict) -> None:
     def flag(key: str) -> str:
         return f"--{key.replace('_', '-')}"
 
+    if opts["noise_scale"] is not None and all(opts[key] is None for key in BUDGET):
+        raise ConfigError("--noise-scale", opts["noise_scale"], "only with --flops, --params or --tokens")
     if opts["generate"] and any(opts[key] is not None for key in BUDGET):
         raise ConfigError("--generate", None, "not with --flops / --params / --tokens", show_value=False)
     if opts["generate"]:
@@ -303,7 +307,8 @@ def main_compute_optimal(opts: dict, cfg, gpu, margin: float) -> int:
     """Chinchilla's compute-optimal budget, loom's nearest flavor and, on a cluster, the GPU-hours."""
     from dataclasses import replace
 
-    from loom.plan.compute_optimal import compute_optimal, dense_flavors, gpu_hours, nearest_flavor, parse_count, si
+    from loom.plan.compute_optimal import (compute_optimal, dense_flavors, gpu_hours, nearest_flavor, parse_count,
+                                           recommended_batch, si)
     from loom.plan.planner import estimate, model_args, search
 
     given = {k: parse_count(f"--{k}", opts[k]) for k in BUDGET if opts[k] is not None}
@@ -315,6 +320,12 @@ def main_compute_optimal(opts: dict, cfg, gpu, margin: float) -> int:
     print(f"nearest flavor: {flavor} ({si(n)} parameters; on {si(budget.tokens)} tokens: "
           f"{6 * n * budget.tokens:.3g} FLOPs)")
     report: dict = {"compute_optimal": {**budget.__dict__, "flavor": flavor, "flavor_params": n}}
+    if opts["noise_scale"] is not None:
+        noise = parse_count("--noise-scale", opts["noise_scale"])
+        batch = recommended_batch(noise, cfg.training.seq_len)
+        print(f"global batch: about {noise:,.0f} tokens = {batch} sequences of {cfg.training.seq_len} (the measured "
+              "noise scale estimates the critical batch: beyond it, more tokens per step save few steps)")
+        report["compute_optimal"].update(noise_scale=noise, recommended_global_batch_size=batch)
     if opts["cluster"]:
         fcfg = replace(cfg, model=replace(cfg.model, flavor=flavor))
         if opts["search"]:

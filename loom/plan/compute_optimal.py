@@ -76,6 +76,12 @@ def nearest_flavor(params: float, flavors: dict[str, int]) -> tuple[str, int]:
     return name, flavors[name]
 
 
+def recommended_batch(noise_scale: float, seq_len: int) -> int:
+    """Sequences per step for a measured noise scale in tokens: McCandlish et al. 2018's critical batch is about
+    the noise scale (B_simple estimates it): smaller batches take more steps, larger ones more tokens."""
+    return max(1, round(noise_scale / seq_len))
+
+
 def gpu_hours(tokens: float, tokens_per_s_per_gpu: float) -> float:
     """GPU-hours to train on ``tokens`` at the planner's throughput per GPU."""
     return tokens / tokens_per_s_per_gpu / 3600.0

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from loom.config.errors import ConfigError
-from loom.plan.compute_optimal import compute_optimal, gpu_hours, nearest_flavor, parse_count
+from loom.plan.compute_optimal import compute_optimal, gpu_hours, nearest_flavor, parse_count, recommended_batch
 
 LOOM = "loom"
 
@@ -35,6 +35,7 @@ def test_counts_and_hours():
     assert parse_count("--params", "70B") == 70e9 and parse_count("--tokens", "1.4T") == 1.4e12
     assert parse_count("--flops", "5.76e23") == 5.76e23
     assert gpu_hours(3.6e9, 1000.0) == pytest.approx(1000.0)
+    assert recommended_batch(1e6, 4096) == 244 and recommended_batch(100, 4096) == 1
     with pytest.raises(ConfigError, match="exactly one"):
         compute_optimal(flops=1e20, params=1e9)
 
@@ -54,14 +55,16 @@ def test_cli_prints_the_budget_flavor_and_gpu_hours(tmp_path):
     report = json.loads(out.read_text())["compute_optimal"]
     assert report["flavor"] == "70B" and report["gpus"] == 64
     assert report["gpu_hours"] == pytest.approx(report["tokens"] / report["tokens_per_s_per_gpu"] / 3600)
-    r = _plan("--params", "125M")  # no cluster given: no GPU-hours
+    r = _plan("--params", "125M", "--noise-scale", "2e5", "--training.seq_len", "2048")  # no cluster: no GPU-hours
     assert r.returncode == 0 and "nearest flavor: 125M" in r.stdout and "GPU-hours" not in r.stdout
+    assert "global batch: about 200,000 tokens = 98 sequences of 2048" in r.stdout
 
 
 @pytest.mark.parametrize("args,expect", [
     (["--flops", "lots"], ["--flops = 'lots'", "expected a positive number"]),
     (["--flops", "0"], ["--flops = '0'", "expected a positive number"]),
     (["--flops", "1e22", "--params", "1B"], ["give exactly one of --flops, --params, --tokens"]),
+    (["--noise-scale", "1e5"], ["--noise-scale = '1e5'", "only with --flops, --params or --tokens"]),
     (["--flops", "1e22", "--generate", "--prompt-len", "8", "--output-len", "8"], ["--generate", "not with --flops"]),
 ])
 def test_cli_errors_are_one_line(args, expect):
