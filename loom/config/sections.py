@@ -322,6 +322,9 @@ class GrpoConfig:
                                   "else 1 each")
     digits: int = opt(1, "embedded task: operands of 1..digits digits", min=1, max=6)
     ops: str = opt("+", "embedded task: operators drawn from '+' and '*'")
+    lr_ratio: float = opt(0.1, "GRPO steps train at this fraction of the LR schedule's value (the warm-up at all "
+                               "of it): policy gradients on a model's own samples need smaller steps than supervised "
+                               "ones", min=0.0, min_exclusive=True, max=1.0)
     warmup_steps: int = opt(-1, "steps of supervised warm-up on the embedded task's worked examples before GRPO; "
                                 "-1 = half of training.steps with the embedded task, 0 with grpo.prompts", min=-1)
 

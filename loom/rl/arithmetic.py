@@ -51,3 +51,27 @@ def digit_match(prompts: list[str], completions: list[str], answer: list[str], *
         right = sum(x == y for x, y in zip(reversed(got), reversed(a)))
         out.append(max(0.0, (right - max(0, len(got) - len(a))) / len(a)))
     return out
+
+
+def greedy_accuracy(ctx) -> dict[str, float]:
+    """A ``training.eval_hook``: exact-match accuracy of greedy answers on a fixed set of 200 of the run's task's
+    problems (grpo.digits / grpo.ops from the run's config.toml; drawn from a seed of their own: single-digit sums
+    are only 100 problems, which training sees too), on the live model through loom's engine: eval/accuracy."""
+    import os
+    import tomllib
+
+    from loom.infer.generator import Generator
+    from loom.infer.sampling import SamplingParams
+
+    with open(os.path.join(ctx.run_dir, "config.toml"), "rb") as fh:
+        cfg = tomllib.load(fh)
+    grpo = cfg.get("grpo", {})
+    task = ArithmeticTask(seed=-1, digits=int(grpo.get("digits", 1)), ops=grpo.get("ops", "+"))
+    rows = task.problems(200, ("held-out",))
+    gen = Generator.from_model(ctx.model, ctx.tokenizer, compile=False, max_batch=200)
+    try:
+        outs = gen.generate_ids([ctx.tokenizer.encode(r["prompt"]) for r in rows],
+                                SamplingParams(max_new_tokens=2 * task.digits + 2))
+    finally:
+        gen.engine.close()  # the caches and the engine's hook off the live model
+    return {"accuracy": sum(exact_answer([], [o.text for o in outs], [r["answer"] for r in rows])) / len(rows)}

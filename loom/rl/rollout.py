@@ -27,6 +27,7 @@ from loom.rl.arithmetic import ArithmeticTask
 from loom.rl.grpo import group_advantages, loss_count
 from loom.rl.rewards import Rewards
 from loom.train.objective import frozen_copy, release_gathered
+from loom.train.schedule import lr_factor
 
 EMBEDDED_REWARDS = ("loom.rl.arithmetic:exact_answer", "loom.rl.arithmetic:digit_match")
 EMBEDDED_WEIGHTS = (1.0, 0.5)
@@ -196,10 +197,21 @@ class RolloutLoader:
         else:
             batches = self._held = self.rollouts()
             self._uses = 1
+        if self.trainer is not None and self.step > self.warmup:
+            self._scale_lr()
         if trained is not None:
             self.stats["time/training_s"] = trained  # of the step before this one
         self._handed_out = time.perf_counter()
         return StepData(list(batches), None)
+
+    def _scale_lr(self) -> None:
+        """grpo.lr_ratio: this step's LR, the schedule's times the ratio (the scheduler sets the plain value again
+        after each update; every GRPO step comes through here first)."""
+        sched, opt = self.trainer.scheduler, self.cfg.optimizer
+        for s in sched.schedulers:
+            lr = opt.lr * lr_factor(s.last_epoch, sched.total_steps, opt) * self.g.lr_ratio
+            for group in s.optimizer.param_groups:
+                group["lr"] = lr
 
     # ---- batches --------------------------------------------------------------------------------------------
     def worked_examples(self) -> list[RolloutBatch]:
