@@ -76,6 +76,17 @@ def test_sharded_equals_single_process(reference, sharded, layout, opt):
     assert reference[opt][-1] < reference[opt][0]  # it trains
 
 
+@pytest.mark.slow
+def test_fsdp_x_tp_and_hsdp_equal_single_process(reference, tmp_path):
+    """World 4: a 2-D mesh sharding each matrix on both axes (FSDP2 x TP), and HSDP (Replicate x Shard)."""
+    layouts = {"fsdp2xtp2": {"parallel.dp_shard": 2, "parallel.tp": 2, "training.micro_batch_size": GLOBAL // 2},
+               "hsdp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "training.micro_batch_size": 2}}
+    names = [(lay, opt) for lay in layouts for opt in NAMES]
+    res = run_jobs(4, [job(tmp_path, lay, opt, **layouts[lay]) for lay, opt in names], str(tmp_path))
+    for (lay, opt), r in zip(names, res):
+        assert max_rel(losses(r), reference[opt]) < 1e-5, (lay, opt)
+
+
 def test_trust_ratio_differs_from_adamw(reference, tmp_path):
     """The layouts' agreement means something: LAMB's losses are not AdamW's."""
     adamw = losses(run_jobs(1, [job(tmp_path, "single", "adamw")], str(tmp_path))[0])
