@@ -45,8 +45,8 @@ def test_embedded_default_learns_the_preference(tmp_path):
     cfg = tiny_config(tmp_path / "run", tmp_path / "cache", **{
         "run.device": "cuda", "training.objective": "reward", "training.seq_len": 384,
         "training.global_batch_size": 32, "training.micro_batch_size": 32, "data.val_fraction": 0.2,
-        "optimizer.lr": 3e-3, "optimizer.warmup_steps": 20, "run.seed": 1, "training.steps": 400,
-        "training.eval_every": 200, "training.eval_batches": 16, "metrics.every": 50, "metrics.progress": "false"})
+        "optimizer.lr": 3e-3, "optimizer.warmup_steps": 20, "run.seed": 1, "training.steps": 600,
+        "training.eval_every": 300, "training.eval_batches": 16, "metrics.every": 50, "metrics.progress": "false"})
     records = Trainer(cfg).fit()
     vals = [r["val_rewards/accuracy"] for r in records if r["val_loss"] is not None]
     assert len(vals) == 2 and vals[-1] >= 0.6, vals
