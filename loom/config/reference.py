@@ -25,6 +25,7 @@ SECTION_HELP = {
     "checkpoint": "periodic saves, resume, retention, preemption",
     "metrics": "logging interval, TensorBoard, W&B, MLflow, progress bar, profiling",
     "dpo": "direct preference optimization (training.objective dpo): beta, loss, where the reference comes from",
+    "grpo": "GRPO (training.objective grpo): groups, sampling, clipping, KL, loss normalization, rewards, warm-up",
     "lora": "LoRA / QLoRA fine-tuning: adapter rank and scaling, targets, NF4 base, a PEFT adapter to start from",
     "reward": "reward model (training.objective reward): the Bradley-Terry loss's centring term",
 }

@@ -113,19 +113,20 @@ def test_config_rules(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_default_raises_the_accuracy(tmp_path):
-    """recipes/grpo_debug.toml, shortened: after the supervised warm-up, 40 GRPO steps raise the greedy exact-match
-    accuracy (loom.rl.arithmetic:greedy_accuracy, the recipe's eval hook) and the mean reward, by a clear margin."""
+    """recipes/grpo_debug.toml, shortened to 40 GRPO steps after its supervised warm-up: the greedy exact-match
+    accuracy (the reward at temperature 0; loom.rl.arithmetic:greedy_accuracy, the recipe's eval hook) rises by a
+    clear margin: at least a third of the warm-up's errors are gone."""
     from loom.config import build_config
 
     cfg = build_config(str(ROOT / "recipes" / "grpo_debug.toml"), {
-        "run.dir": str(tmp_path / "run"), "training.steps": "100", "metrics.every": "1",
+        "run.dir": str(tmp_path / "run"), "training.steps": "160", "metrics.every": "1",
         "metrics.progress": "false", "metrics.tensorboard": "false", "checkpoint.at_end": "false"})
     records = Trainer(cfg, objective=GroupRelative(cfg)).fit()
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
-    rewards = [r["reward"] for r in records if "reward" in r]
-    assert len(rewards) == 40 and sorted(accuracy) == [20, 40, 60, 80, 100]
-    assert accuracy[100] > accuracy[60] + 0.2, accuracy
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
+    rewards = [round(r["reward"], 3) for r in records if "reward" in r]
+    assert len(rewards) == 40 and sorted(accuracy) == [40, 80, 120, 160]
+    assert accuracy[120] > 0.3, accuracy  # the warm-up taught the format
+    assert 1 - accuracy[160] < (1 - accuracy[120]) * 2 / 3, (accuracy, rewards)
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
