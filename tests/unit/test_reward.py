@@ -2,7 +2,7 @@
 a direct computation and TRL's RewardTrainer on the same model and pairs; a reward is the score at each row's last
 non-pad token; LoRA trains the head with the base frozen; `loom convert --to-hf` writes a
 LlamaForSequenceClassification that transformers scores as loom does, and ``model.init_from`` of it starts from its
-head; the config rules. The embedded default's held-out accuracy: tests/unit/test_reward_gpu.py (it needs more steps
+head; a resumed run continues bitwise; the config rules. The embedded default's held-out accuracy: tests/unit/test_reward_gpu.py (it needs more steps
 than a CPU test affords)."""
 
 from __future__ import annotations
@@ -304,3 +304,18 @@ def test_scoring_strings_and_conversations_goes_through_the_run_tokenizer(export
     ids = ChatEncoder(load_template("", tok), tok).encode(conv)[0]
     got = scorer([text, conv])
     assert got == pytest.approx(scorer([list(tok.encode(text)), ids]), abs=1e-6)
+
+
+def test_a_resumed_run_continues_bitwise(tmp_path):
+    """The head is saved and restored with the body and the optimizer: a run resumed from its step-2 checkpoint
+    repeats steps 3 and 4 bitwise."""
+    import shutil
+
+    source = write_pairs(tmp_path / "pairs.jsonl", 40)
+    run = reward_run(tmp_path / "run", tmp_path / "cache", source, **{"training.steps": 4, "checkpoint.every": 2})
+    whole = Trainer(run).fit()
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")
+    resumed = Trainer(run).fit()
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
+    assert [r["rewards/margins"] for r in resumed] == [r["rewards/margins"] for r in whole[2:]]
