@@ -2,8 +2,8 @@
 a direct computation and TRL's RewardTrainer on the same model and pairs; a reward is the score at each row's last
 non-pad token; LoRA trains the head with the base frozen; `loom convert --to-hf` writes a
 LlamaForSequenceClassification that transformers scores as loom does, and ``model.init_from`` of it starts from its
-head; a resumed run continues bitwise; the config rules. The embedded default's held-out accuracy: tests/unit/test_reward_gpu.py (it needs more steps
-than a CPU test affords)."""
+head; a resumed run continues bitwise; the config rules. The embedded default's held-out accuracy:
+tests/unit/test_reward_gpu.py (it needs more steps than a CPU test affords)."""
 
 from __future__ import annotations
 
