@@ -2,8 +2,9 @@
 a direct computation and TRL's RewardTrainer on the same model and pairs; a reward is the score at each row's last
 non-pad token; LoRA trains the head with the base frozen; `loom convert --to-hf` writes a
 LlamaForSequenceClassification that transformers scores as loom does, and ``model.init_from`` of it starts from its
-head; a resumed run continues bitwise; the config rules. The embedded default's held-out accuracy:
-tests/unit/test_reward_gpu.py (it needs more steps than a CPU test affords)."""
+head; a resumed run continues bitwise; the config rules; a learnable synthetic preference generalizes to held-out
+pairs (slow). The embedded default's held-out accuracy: tests/unit/test_reward_gpu.py (it needs more steps than a CPU
+test affords)."""
 
 from __future__ import annotations
 
@@ -319,3 +320,23 @@ def test_a_resumed_run_continues_bitwise(tmp_path):
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
     assert [r["rewards/margins"] for r in resumed] == [r["rewards/margins"] for r in whole[2:]]
+
+
+@pytest.mark.slow
+def test_a_learnable_preference_generalizes_to_held_out_pairs(tmp_path):
+    """Synthetic pairs whose chosen completion names a cat and whose rejected one a dog, otherwise random words:
+    held-out accuracy far above chance within 40 steps (seeded; 40 held-out pairs), starting from chance."""
+    rng = random.Random(0)
+    say = lambda animal: " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))) + f" {animal} " + " ".join(
+        rng.choice(WORDS) for _ in range(rng.randint(0, 4)))
+    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(3)), "chosen": say("cat"), "rejected": say("dog")}
+            for _ in range(200)]
+    with open(tmp_path / "pairs.jsonl", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    cfg = reward_run(tmp_path / "run", tmp_path / "cache", str(tmp_path / "pairs.jsonl"), **{
+        "training.steps": 40, "training.seq_len": 96, "data.val_fraction": 0.2, "training.eval_every": 20,
+        "training.eval_batches": 10, "optimizer.warmup_steps": 2, "metrics.every": 1})
+    records = Trainer(cfg).fit()
+    vals = [r["val_rewards/accuracy"] for r in records if r["val_loss"] is not None]
+    assert len(vals) == 2 and vals[-1] >= 0.9, vals
+    assert records[0]["step"] == 1 and abs(records[0]["loss"] - 0.6931) < 0.02  # rewards start near 0: learned
