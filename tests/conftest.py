@@ -5,7 +5,8 @@ Markers (pyproject.toml lists them):
 
 - ``slow``: broad matrices and the slowest tests. They run by default (``python -m pytest -q``, what CI runs);
   ``python -m pytest -q -m "not slow"`` is the quick inner loop without them.
-- ``exhaustive``: the widest matrices (the fault-injection matrix), run by hand before an issue is closed.
+- ``exhaustive``: the widest matrices (the fault-injection matrix, 4-rank layout matrices), run by hand before an
+  issue is closed.
   Deselected unless ``--exhaustive`` is given or ``-m`` names them (``-m exhaustive``); a ``-m`` that does not
   name them leaves them out too.
 """

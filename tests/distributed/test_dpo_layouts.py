@@ -92,7 +92,7 @@ def test_dpo_losses_match_single_process(results):
     print("\n".join(report))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # 4 ranks: the widest matrix, run by hand (pytest --exhaustive)
 def test_dpo_under_fsdp2_x4_with_accumulation_matches_single_process(results, results4):
     (reference, lora, copy), report = results[0], []
     for name, res in results4.items():

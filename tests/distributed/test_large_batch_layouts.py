@@ -76,7 +76,7 @@ def test_sharded_equals_single_process(reference, sharded, layout, opt):
     assert reference[opt][-1] < reference[opt][0]  # it trains
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # 4 ranks: the widest matrix, run by hand (pytest --exhaustive)
 def test_fsdp_x_tp_and_hsdp_equal_single_process(reference, tmp_path):
     """World 4: a 2-D mesh sharding each matrix on both axes (FSDP2 x TP), and HSDP (Replicate x Shard)."""
     layouts = {"fsdp2xtp2": {"parallel.dp_shard": 2, "parallel.tp": 2, "training.micro_batch_size": GLOBAL // 2},

@@ -59,7 +59,7 @@ def results4(tmp_path_factory):
     return run_jobs(4, [job(tmp, "fsdp4-acc2", GLOBAL // 8, **LORA, **{"parallel.dp_shard": 4})], str(tmp))[0]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # 4 ranks: the widest matrix, run by hand (pytest --exhaustive)
 def test_lora_under_fsdp2_x4_with_accumulation_matches_single_process(results, results4):
     dev = max_rel(losses(results4), results["single"])
     print(f"LoRA fsdp4-acc2: max rel deviation {dev:.2e}")

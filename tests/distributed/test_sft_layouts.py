@@ -77,7 +77,7 @@ def test_sft_global_batches_are_layout_independent(results):
     assert len(hashes) == 1 and all(hashes.pop())
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # 4 ranks: the widest matrix, run by hand (pytest --exhaustive)
 def test_sft_under_fsdp2_x4_with_accumulation_matches_single_process(results, results4):
     reference, _ = results
     ref, got = losses(reference), losses(results4)
