@@ -504,7 +504,7 @@ def test_mistyped_command_suggests_the_nearest(capsys, argv, hint):
 
 def test_unknown_command_lists_the_commands(capsys):
     line = cli_error(capsys, "zzz")
-    assert "'zzz'" in line and "train, plan, convert, report, data prepare" in line
+    assert "'zzz'" in line and "train, plan, convert, generate, eval, report, data prepare" in line
 
 
 # ---- 10. settings that cannot work here ---------------------------------------------------------

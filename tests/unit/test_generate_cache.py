@@ -24,8 +24,11 @@ VARIANTS = {
 
 
 def model_of(variant: str, seed: int = 0) -> Llama:
+    from loom.models.common.init import init_parameters
+
     torch.manual_seed(seed)
     model = Llama(LlamaArgs(**{**BASE, **VARIANTS[variant]})).eval()
+    init_parameters(model, seed, model.param_std)  # every weight (an MoE's experts are allocated, not initialized)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):  # zero by default: give them something to get wrong

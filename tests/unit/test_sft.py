@@ -160,7 +160,7 @@ def test_lm_and_sft_never_share_a_cache_or_a_token_file(tmp_path):
 
 
 def test_config_rules(tiny, tmp_path):
-    with pytest.raises(ConfigError, match="data.chat_template.*training.objective sft and dpo only"):
+    with pytest.raises(ConfigError, match="data.chat_template.*training.objective sft, dpo and reward only"):
         check_config(tiny(**{"data.chat_template": "x.jinja"}))
     with pytest.raises(ConfigError, match="data.loss_tokens.*training.objective sft only"):
         check_config(tiny(**{"data.loss_tokens": "all"}))
