@@ -171,8 +171,9 @@ def test_config_rules(tiny, tmp_path):
     assert cfg.data.document_positions  # conversations packed in a window never see each other
     with pytest.raises(ConfigError, match="data.document_positions = False: training.objective sft"):
         check_config(tiny(**{"training.objective": "sft", "data.document_positions": "false"}))
-    for name in OBJECTIVES:  # every choice of training.objective builds
-        assert build_objective(name, fused_loss=False).count is not None
+    for name in OBJECTIVES:  # every choice of training.objective builds (grpo in loom.rl, above loom.train:
+        if name != "grpo":  # tests/unit/test_grpo_train.py)
+            assert build_objective(name, fused_loss=False).count is not None
 
 
 def test_embedded_default_pairs_are_real_and_deterministic():
