@@ -24,7 +24,8 @@ LAYERS = [
     {"train", "eval", "infer"},
     # reinforcement learning: an objective (loom.train) whose rollouts come from the engine (loom.infer)
     {"rl"},
-    {"plan"},
+    # operations around a job (doctor, launchers): they read plans, layouts and the environment
+    {"plan", "ops"},
     {"cli", "__main__"},
 ]
 # (importing module, imported module): the only imports allowed upwards, each with its reason

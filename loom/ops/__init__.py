@@ -1,0 +1,1 @@
+"""Operations around a training job: the environment doctor, cluster launchers and their manifests."""
