@@ -49,6 +49,7 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     check_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_grpo(cfg, dims)
+    check_offload(cfg, dims)
     t = cfg.training
     accum = accumulation_steps(t, dims.dp_size)
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
@@ -79,10 +80,12 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
                           "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
     check_parallel_fields(cfg)
+    check_diloco(cfg)
     check_lora(cfg)
     check_objective(cfg)
     check_dpo(cfg)
     check_grpo(cfg)
+    check_ppo(cfg)
     check_reward(cfg)
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
@@ -194,27 +197,51 @@ def check_reward(cfg: Config) -> None:
                           "has no LM head to generate or score text with): validation reports val_rewards/*")
 
 
+GRPO_LOSS_FIELDS = ("epsilon", "epsilon_high", "beta", "iterations", "loss_type", "scale_rewards")
+
+
+def check_ppo(cfg: Config) -> None:
+    """The [ppo] section: its fields only under training.objective ppo (its rollouts are the [grpo] section's:
+    check_grpo). The value head is a parameter a Hugging Face folder does not hold: not with model.init_from yet."""
+    from loom.config.sections import PpoConfig
+
+    if cfg.training.objective != "ppo":
+        for key, default in vars(PpoConfig()).items():
+            if getattr(cfg.ppo, key) != default:
+                raise ConfigError(f"ppo.{key}", getattr(cfg.ppo, key), "used by training.objective ppo only")
+        return
+    if cfg.ppo.kl_penalty == "loss" and cfg.ppo.kl_estimator != "k1":
+        raise ConfigError("ppo.kl_estimator", cfg.ppo.kl_estimator, "applies to the KL in the rewards: with "
+                          "ppo.kl_penalty loss the loss term is k3 (leave the estimator at k1)")
+
+
 def check_grpo(cfg: Config, dims=None) -> None:
     """The [grpo] section: its fields only under training.objective grpo; the layouts the rollouts cannot run on
     yet (with ``dims``): the engine generates on the trainer's whole, current module, so FSDP2's shards, TP's
     shards and pipeline stages are refused (docs/rl.md says what each would need); the logits are needed."""
     from loom.config.sections import GrpoConfig
 
-    g, p = cfg.grpo, cfg.parallel
-    if cfg.training.objective != "grpo":
+    g, p, objective = cfg.grpo, cfg.parallel, cfg.training.objective
+    if objective not in ("grpo", "ppo"):
         for key, default in vars(GrpoConfig()).items():
             if getattr(g, key) != default:
-                raise ConfigError(f"grpo.{key}", getattr(g, key), "used by training.objective grpo only")
+                raise ConfigError(f"grpo.{key}", getattr(g, key), "used by training.objective grpo or ppo only")
         return
+    if objective == "ppo":  # PPO samples with the [grpo] rollout fields; GRPO's loss fields would do nothing
+        for key in GRPO_LOSS_FIELDS:
+            if getattr(g, key) != getattr(GrpoConfig(), key):
+                raise ConfigError(f"grpo.{key}", getattr(g, key), "GRPO's loss: not used by training.objective ppo "
+                                  "(its [ppo] section has its own)")
     for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
         if value > 1:
-            raise ConfigError(key, value, "not supported with training.objective grpo yet (the engine runs on the "
-                              "whole model): allowed 1")
+            raise ConfigError(key, value, f"not supported with training.objective {objective} yet (the engine runs "
+                              "on the whole model): allowed 1")
     if dims is not None and dims.fsdp_enabled:
-        raise ConfigError("parallel.dp_shard", p.dp_shard, "training.objective grpo runs the engine on each rank's "
-                          "whole model: FSDP2 not yet; allowed 1 with parallel.dp_replicate = the world size (DDP)")
+        raise ConfigError("parallel.dp_shard", p.dp_shard, f"training.objective {objective} runs the engine on each "
+                          "rank's whole model: FSDP2 not yet; allowed 1 with parallel.dp_replicate = the world size "
+                          "(DDP)")
     if cfg.model.fused_loss == "true":
-        raise ConfigError("model.fused_loss", True, "training.objective grpo needs the logits (per-token "
+        raise ConfigError("model.fused_loss", True, f"training.objective {objective} needs the logits (per-token "
                           "log-probabilities): allowed auto | false")
     if g.warmup_steps > 0 and g.prompts:
         raise ConfigError("grpo.warmup_steps", g.warmup_steps, "0 or -1 with grpo.prompts (the warm-up trains on "
@@ -260,6 +287,9 @@ def check_parallel_fields(cfg: Config) -> None:
                               "equal chunks (each cp rank holds two: balanced causal work)")
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
+    if p.cpu_offload and p.backend == "nccl":
+        raise ConfigError("parallel.backend", "nccl", "parallel.cpu_offload keeps the gradients on the host, which "
+                          "NCCL cannot reduce: allowed auto (cuda:nccl,cpu:gloo on GPUs) | gloo")
     if t.float8 != "none" and p.tp > 1:
         raise ConfigError("training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there")
     if t.float8 != "none" and t.dtype != "bfloat16":
@@ -272,7 +302,44 @@ def check_parallel_fields(cfg: Config) -> None:
                           "sharded or stage-split output): allowed auto | false there")
 
 
+def check_diloco(cfg: Config) -> None:
+    """DiLoCo (loom.train.diloco): groups along dp_replicate that average their weights every H steps."""
+    p = cfg.parallel
+    if not p.diloco_inner_steps:
+        return
+    field, h = "parallel.diloco_inner_steps", p.diloco_inner_steps
+    if p.dp_replicate < 2:
+        raise ConfigError(field, h, "needs parallel.dp_replicate >= 2 (the replica groups that train apart)")
+    for key, value, bad, why in (
+            ("parallel.ep", p.ep, p.ep > 1, "expert gradients are reduced over dp_replicate inside FSDP2"),
+            ("parallel.cpu_offload", True, p.cpu_offload, "the outer all-reduce runs on the training device"),
+            ("metrics.noise_scale", True, cfg.metrics.noise_scale, "its large batch is the all-reduced gradient"),
+            ("training.objective", cfg.training.objective, cfg.training.objective in ("grpo", "ppo"),
+             "its rollouts read one policy")):
+        if bad:
+            raise ConfigError(field, h, f"not with {key} = {value} ({why})")
+    if p.diloco_fragments > h:
+        raise ConfigError("parallel.diloco_fragments", p.diloco_fragments,
+                          f"at most parallel.diloco_inner_steps = {h} (each fragment synchronizes once per H steps)")
+
+
 # ---- rules that need the world size ---------------------------------------------------
+
+def check_offload(cfg: Config, dims: ParallelDims) -> None:
+    """parallel.cpu_offload runs FSDP2 with its shards on the host, on one rank too (a 1-rank mesh): not where
+    the model is replicated without sharding (DDP keeps its state on the device; sharding over the same ranks
+    holds less on the host), nor under GRPO (its engine generates on each rank's whole module)."""
+    p = cfg.parallel
+    if not p.cpu_offload:
+        return
+    if dims.ddp_enabled:
+        raise ConfigError("parallel.cpu_offload", True, f"needs FSDP2 (parallel.dp_shard x cp > 1, or one rank): "
+                          f"parallel.dp_replicate = {dims.dp_replicate} with dp_shard = 1 replicates the model with "
+                          "DDP; shard over those ranks instead (parallel.dp_shard)")
+    if cfg.training.objective in ("grpo", "ppo"):
+        raise ConfigError("parallel.cpu_offload", True, f"not with training.objective {cfg.training.objective} (its "
+                          "engine generates on each rank's whole module): allowed false")
+
 
 def accumulation_steps(training, dp_size: int) -> int:
     """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""

@@ -156,6 +156,10 @@ def run_worker(argv: list[str]) -> None:
         from loom.rl.objective import GroupRelative
 
         objective = GroupRelative(cfg)
+    elif cfg.training.objective == "ppo":
+        from loom.rl.ppo_objective import ProximalPolicy
+
+        objective = ProximalPolicy(cfg)
     Trainer(cfg, objective=objective).fit()
     # Only after success: on an error, peers may sit in a collective and a collective teardown would hang
     # (the launcher stops them). The trainer is gone by now (DDP's reducer holds the group), so the group

@@ -26,6 +26,8 @@ SECTION_HELP = {
     "metrics": "logging interval, TensorBoard, W&B, MLflow, progress bar, profiling",
     "dpo": "direct preference optimization (training.objective dpo): beta, loss, where the reference comes from",
     "grpo": "GRPO (training.objective grpo): groups, sampling, clipping, KL, loss normalization, rewards, warm-up",
+    "ppo": "PPO (training.objective ppo): KL penalty, GAE, clipped policy and value losses, whitening, epochs, "
+           "mini-batches, a reward model (rollouts from [grpo])",
     "lora": "LoRA / QLoRA fine-tuning: adapter rank and scaling, targets, NF4 base, a PEFT adapter to start from",
     "reward": "reward model (training.objective reward): the Bradley-Terry loss's centring term",
 }

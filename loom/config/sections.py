@@ -101,7 +101,7 @@ class DataConfig:
 
 
 # training.objective: what a step minimizes (loom.train.objective.build_objective has one entry per name)
-OBJECTIVES = ("lm", "sft", "dpo", "reward", "grpo")
+OBJECTIVES = ("lm", "sft", "dpo", "reward", "grpo", "ppo")
 
 
 @dataclass
@@ -110,7 +110,8 @@ class TrainingConfig:
                                "conversations: loss on the assistant's tokens, conversations packed with "
                                "per-document attention; 'dpo' = direct preference optimization on prompt / chosen / "
                                "rejected pairs ([dpo] section); 'reward' = a reward model (a scalar head) trained on "
-                               "the same pairs with the Bradley-Terry loss ([reward] section) (docs/finetuning.md)",
+                               "the same pairs with the Bradley-Terry loss ([reward] section) (docs/finetuning.md); 'grpo' / 'ppo' = "
+                               "reinforcement learning on the policy's own samples ([grpo] / [ppo]; docs/rl.md)",
                      choices=OBJECTIVES)
     steps: int = opt(200, "optimizer steps", min=1)
     seq_len: int = opt(256, "tokens per sequence", min=8)
@@ -197,6 +198,14 @@ class ParallelConfig:
     ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True)
     cpu_offload: bool = opt(False, "FSDP: keep parameters, gradients and optimizer state on the CPU")
     backend: str = opt("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
+    diloco_inner_steps: int = opt(0, "DiLoCo: the dp_replicate groups train apart for this many optimizer steps H "
+                                     "(no gradient all-reduce across groups), then average their pseudo-gradients "
+                                     "and take an outer step; 0 = off (docs/algorithms.md)", min=0)
+    diloco_outer_lr: float = opt(0.7, "DiLoCo: outer (Nesterov SGD) learning rate", min=0.0, min_exclusive=True)
+    diloco_outer_momentum: float = opt(0.9, "DiLoCo: outer Nesterov momentum (0 = plain SGD)", min=0.0, max=1.0)
+    diloco_bf16: bool = opt(False, "DiLoCo: all-reduce the pseudo-gradients in bfloat16 (half the bytes)")
+    diloco_fragments: int = opt(1, "DiLoCo: > 1 = streaming DiLoCo: the model split into this many fragments, "
+                                   "each synchronized every H steps at staggered steps (H / fragments apart)", min=1)
 
 
 @dataclass
@@ -290,6 +299,34 @@ class RewardConfig:
 
 
 @dataclass
+class PpoConfig:
+    """Proximal policy optimization with a value head (training.objective ppo; docs/rl.md). Rollouts, rewards and the
+    warm-up come from the [grpo] section's sampling fields; each batch of rollouts is mini_batches x
+    training.global_batch_size completions, trained for epochs x mini_batches optimizer steps."""
+
+    kl_coef: float = opt(0.05, "weight of the KL to the reference (the base with its adapters off under LoRA, else a "
+                               "frozen copy of the policy as PPO starts); 0 = no reference", min=0.0)
+    kl_penalty: str = opt("reward", "where the KL goes: 'reward' = -kl_coef x KL per token in the rewards (TRL's); "
+                                    "'loss' = kl_coef x k3 KL per token added to the loss (as GRPO's beta)",
+                          choices=("reward", "loss"))
+    kl_estimator: str = opt("k1", "the KL penalty in the rewards: 'k1' = logp - ref_logp, 'k3' = exp(ref - logp) - "
+                                  "(ref - logp) - 1", choices=("k1", "k3"))
+    gamma: float = opt(1.0, "GAE discount per token", min=0.0, max=1.0)
+    lam: float = opt(0.95, "GAE lambda", min=0.0, max=1.0)
+    cliprange: float = opt(0.2, "the policy ratio is clipped to [1 - cliprange, 1 + cliprange]", min=0.0)
+    cliprange_value: float = opt(0.2, "new values are clipped to the rollout-time values +- cliprange_value", min=0.0)
+    vf_coef: float = opt(0.1, "weight of the value loss beside the policy loss", min=0.0)
+    whiten_advantages: bool = opt(True, "advantages whitened over the batch of rollouts' completion tokens (TRL's)")
+    whiten_rewards: bool = opt(False, "per-token rewards scaled to unit variance (mean kept) before GAE")
+    epochs: int = opt(4, "passes over each batch of rollouts (TRL's num_ppo_epochs), reshuffled each pass", min=1)
+    mini_batches: int = opt(1, "optimizer steps per pass: a batch of rollouts is mini_batches x "
+                               "training.global_batch_size completions (TRL's num_mini_batches)", min=1)
+    reward_model: str = opt("", "a reward model (a training.objective reward run or its checkpoint, or an HF "
+                                "*ForSequenceClassification folder; the policy's tokenizer) scoring prompt + "
+                                "completion, added to grpo.rewards (none by default when set)")
+
+
+@dataclass
 class GrpoConfig:
     """Group relative policy optimization (training.objective grpo; docs/rl.md). A step's rows are
     training.global_batch_size completions: global_batch_size / group_size prompts, group_size completions each."""
@@ -338,6 +375,7 @@ SECTIONS = {
     "lora": LoraConfig,
     "dpo": DpoConfig,
     "grpo": GrpoConfig,
+    "ppo": PpoConfig,
     "reward": RewardConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
@@ -355,6 +393,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    ppo: PpoConfig = field(default_factory=PpoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

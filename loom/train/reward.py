@@ -27,11 +27,16 @@ def attach_score_head(model: nn.Module) -> nn.Module:
     """Replace ``model.output`` (the LM head, LoRA-adapted or not) by a trainable ``dim -> 1`` linear without bias.
     Call on the plain model (meta device or not) before parallelizing it; under LoRA after ``apply_lora``, so the
     head is trained while the base stays frozen (PEFT's ``modules_to_save = ["score"]``)."""
-    dim = model.args.dim
-    device = model.tok_embeddings.weight.device
-    model.output = nn.Linear(dim, 1, bias=False, device=device)
-    model.output.weight.requires_grad_(True)
+    model.output = score_head(model)
     return model
+
+
+def score_head(model: nn.Module) -> nn.Linear:
+    """A trainable ``dim -> 1`` linear without bias on ``model``'s device (meta or not): the reward model's score
+    head, and PPO's value head on the final hidden states (loom.rl.ppo_objective)."""
+    head = nn.Linear(model.args.dim, 1, bias=False, device=model.tok_embeddings.weight.device)
+    head.weight.requires_grad_(True)
+    return head
 
 
 def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

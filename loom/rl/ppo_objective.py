@@ -1,0 +1,388 @@
+"""``training.objective ppo``: PPO with a value head on the policy, on rollouts from loom's engine (the GRPO loader's
+prompts, sampling, rewards and warm-up: loom.rl.rollout), the math in loom.rl.ppo.
+
+A batch of rollouts is ``ppo.mini_batches x training.global_batch_size`` completions. Each rank samples and scores
+its share and computes, with no-grad forwards, the rollout-time log-probabilities and values (and the reference's
+log-probabilities); then the batch is gathered on every rank, and per-token rewards, GAE, returns and whitening are
+computed over the whole global batch, the same on every rank. The batch then feeds ``ppo.epochs x
+ppo.mini_batches`` optimizer steps: each pass draws a permutation of the global batch from (seed, rollout, pass),
+each step takes the next ``global_batch_size`` rows of it and each rank its slice of those. So the minimized
+loss, the whitening and the shuffle are the same whatever the data-parallel layout.
+
+The value head is the reward model's ``dim -> 1`` head (loom.train.reward.score_head) on the final norm's output,
+a submodule ``value_head`` of the policy attached before parallelization (the optimizer, DDP and checkpoints treat it
+as any parameter); a forward hook on the final norm computes it inside the model's forward when asked."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from loom.config.errors import ConfigError
+from loom.data.loader import StepData
+from loom.models.common.lora import adapters_disabled
+from loom.numerics import IGNORE
+from loom.rl.grpo import kl_k3
+from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
+from loom.rl.rollout import RolloutBatch, RolloutLoader, copy_parameters, rows_to_batches, token_logps
+from loom.train.objective import release_gathered
+from loom.train.reward import score_head
+
+
+# ---- the value head ---------------------------------------------------------------------------------------------
+
+def attach_value_head(model: nn.Module) -> nn.Module:
+    """``model.value_head``: a trainable ``dim -> 1`` linear read from the final norm's output (B, S, E). Call on the
+    plain model (meta device or not) before parallelizing it; under LoRA after ``apply_lora`` (the head trains)."""
+    head = model.value_head = score_head(model)
+    head.capture, head.values = False, None
+    model.norm.register_forward_hook(lambda norm, args, out: _store_values(head, out))
+    return model
+
+
+def _store_values(head: nn.Module, hidden: torch.Tensor) -> None:
+    if head.capture:
+        head.values = head(hidden).squeeze(-1).float()  # (B, S)
+
+
+def plain(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (or the model)."""
+    return getattr(model, "module", model)
+
+
+def forward_with_values(model: nn.Module, inputs: torch.Tensor,
+                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (B, S, V), values (B, S) fp32) of one forward of ``model`` (DDP-wrapped or not)."""
+    head = plain(model).value_head
+    head.capture = True
+    try:
+        logits = model(inputs, positions)
+        values = head.values
+    finally:
+        head.capture, head.values = False, None
+    return logits, values
+
+
+# ---- rollouts ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class PpoBatch(RolloutBatch):
+    """A micro-batch of PPO's rollouts: beside the completion tokens (``labels``), per token the rollout-time
+    log-probabilities (``old_logps``), values (``old_values``), the advantages (``advantages``, (B, S)), returns,
+    and (ppo.kl_penalty loss) the reference's log-probabilities (``ref_token_logps``)."""
+
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    def to(self, device) -> "PpoBatch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return PpoBatch(*(move(t) for t in (self.inputs, self.labels, self.positions, self.document_ids,
+                                              self.ref_logps, self.advantages, self.old_logps, self.ref_token_logps)),
+                        warmup=self.warmup, old_values=move(self.old_values), returns=move(self.returns))
+
+
+def reference_model(trainer) -> nn.Module:
+    """A frozen policy without the value head, built in the policy's layout (its parameters are copied in when PPO
+    starts: ``copy_parameters``). No activation checkpointing: nothing runs backward through it."""
+    from loom.models.llama import Llama
+    from loom.parallel.parallelize import parallelize_llama
+
+    cfg = trainer.cfg
+    with torch.device("meta"):
+        model = Llama(trainer.model_args)
+    training = replace(cfg.training, activation_checkpointing="none")
+    (ref,) = parallelize_llama(model, trainer.dims, training, cfg.parallel, trainer.device, cfg.run.seed).parts
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+class PpoRollouts(RolloutLoader):
+    """This rank's PPO micro-batches for each step: the warm-up's worked examples, then a global batch of rollouts
+    reused for ppo.epochs x ppo.mini_batches steps (see the module's docstring)."""
+
+    def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
+        super().__init__(cfg, tokenizer, dp_rank, dp_size)
+        self.p = cfg.ppo
+        if self.p.reward_model and not self.g.rewards:
+            self.rewards = None  # the reward model alone
+        self.reward_model = None  # its scorer: bound with the model
+        self.plan: list[tuple[int, int]] = []  # (pass, mini-batch) steps left on the held rollouts
+        self.held: dict[str, torch.Tensor] = {}  # the global batch of rollouts
+        self.rollout_key = 0  # the step that sampled the held rollouts (seeds their shuffles)
+
+    def describe(self, global_batch: int, steps: int) -> list[str]:
+        p, g = self.p, self.g
+        sources = ([f"{float(w):g} x {n}" for w, n in zip(self.rewards.weights, self.rewards.names)]
+                   if self.rewards else []) + ([f"reward model {p.reward_model}"] if p.reward_model else [])
+        return [f"data: ppo rollouts from {self.source.describe()}: {p.mini_batches} x {global_batch} completions "
+                f"({g.group_size} per prompt, up to {g.max_new_tokens} new tokens, temperature {g.temperature}) per "
+                f"batch of rollouts, {p.epochs} x {p.mini_batches} steps on each; rewards " + " + ".join(sources)
+                + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")]
+
+    def state_dict(self) -> dict:
+        return {"grpo_step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.plan, self.held = int(state.get("grpo_step", 0)), [], {}
+
+    def bind(self, trainer, objective) -> None:
+        from loom.infer.generator import Generator
+
+        self.trainer, self.objective = trainer, objective
+        self.generator = Generator.from_model(trainer.parts[0], self.tokenizer, compile=False,
+                                              max_batch=self.rows * self.p.mini_batches)
+        if self.p.kl_coef > 0 and not self.cfg.lora.rank:
+            self.reference, self._reference_set = reference_model(trainer), False
+        if self.p.reward_model:
+            from loom.train.reward import load_reward_model
+
+            self.reward_model = load_reward_model(self.p.reward_model, trainer.device.type)
+
+    def next_step(self, with_hash: bool = False) -> StepData:
+        now = time.perf_counter()
+        trained = None if self._handed_out is None else now - self._handed_out
+        self.step += 1
+        if self.step <= self.warmup or self.trainer is None:
+            batches = self.worked_examples()
+            self.stats = {"grpo/warmup": 1.0}
+        else:
+            if not self.plan:
+                self.rollouts()
+            else:
+                self.stats = {**self.stats, "time/generation_s": 0.0, "time/scoring_s": 0.0, "time/logps_s": 0.0}
+            batches = self.mini_batch(*self.plan.pop(0))
+            self._scale_lr()
+        if trained is not None:
+            self.stats["time/training_s"] = trained
+        self._handed_out = time.perf_counter()
+        return StepData(list(batches), None)
+
+    # ---- one batch of rollouts ------------------------------------------------------------------------------------
+    def rollouts(self) -> None:
+        """Sample and score this rank's share, compute its rollout-time log-probabilities and values, gather the
+        global batch and compute its advantages and returns; sets ``held``, ``plan`` and ``stats``."""
+        g, p, G = self.g, self.p, self.g.group_size
+        rows = self._mine(self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step)))
+        prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]
+        t0 = time.perf_counter()
+        outs = self.sample(prompts)
+        t1 = time.perf_counter()
+        completions = [o.token_ids for o in outs]
+        scores, per, names = self.score(rows, prompts, outs)
+        t2 = time.perf_counter()
+        (local,) = rows_to_batches(prompts, completions, len(prompts), self.pad_id, self.cfg.training.seq_len)
+        truncated = torch.tensor([o.finish_reason == "length" for o in outs])
+        if g.mask_truncated:
+            local.labels[truncated] = IGNORE
+        old_logps, values, ref_logps = self._rollout_forwards(local)
+        t3 = time.perf_counter()
+        glob = self._gather(local.inputs, local.labels, old_logps, values, ref_logps, scores, per, truncated,
+                            [len(c) for c in completions])
+        self._advantages(glob)
+        self.held, self.rollout_key = glob, self.step
+        self.plan = [(e, m) for e in range(p.epochs) for m in range(p.mini_batches)]
+        self._set_ppo_stats(glob, names, (t1 - t0, t2 - t1, t3 - t2))
+
+    def score(self, rows, prompts, outs) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """(total (N,), each source's rewards (N, K), their names): the weighted reward functions, plus the reward
+        model's score of prompt + completion."""
+        G, n = self.g.group_size, len(outs)
+        total, per, names = torch.zeros(n), torch.zeros(n, 0), []
+        if self.rewards is not None:
+            fields = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+            texts = [r["prompt"] for r in rows for _ in range(G)]
+            total, per = self.rewards.score(texts, [o.text for o in outs], [o.token_ids for o in outs], fields)
+            names = list(self.rewards.names)
+        if self.reward_model is not None:
+            model = torch.tensor(self.reward_model([pr + o.token_ids for pr, o in zip(prompts, outs)]))
+            total, per, names = total + model, torch.cat([per, model[:, None]], dim=1), names + ["reward_model"]
+        return total, per, names
+
+    @torch.no_grad()
+    def _rollout_forwards(self, local: RolloutBatch):
+        """The rollout-time policy's log-probabilities and values (N, W), and the reference's log-probabilities
+        (N, W; None without a KL), one no-grad forward each per micro-batch of rows."""
+        g, p, trainer = self.g, self.p, self.trainer
+        if p.kl_coef > 0 and self.reference is not None and not self._reference_set:
+            copy_parameters(trainer.parts[0], self.reference)  # the policy as PPO starts (after the warm-up)
+            self._reference_set = True
+        model = trainer.parts[0]
+        model.eval()
+        logps, values, refs = [], [], []
+        try:
+            for start in range(0, local.inputs.shape[0], self.micro):
+                inputs = local.inputs[start:start + self.micro].to(trainer.device)
+                labels = local.labels[start:start + self.micro].to(trainer.device)
+                with trainer._autocast():
+                    logits, v = forward_with_values(model, inputs)
+                    logps.append(token_logps(logits, labels, g.temperature).cpu())
+                    values.append(v.cpu())
+                    if p.kl_coef > 0:
+                        if self.reference is not None:
+                            logits = self.reference(inputs)
+                            release_gathered(self.reference)
+                        else:
+                            with adapters_disabled(model):
+                                logits = model(inputs)
+                        refs.append(token_logps(logits, labels, g.temperature).cpu())
+        finally:
+            model.train()
+        return torch.cat(logps), torch.cat(values), (torch.cat(refs) if refs else None)
+
+    def _gather(self, inputs, labels, old_logps, values, ref_logps, scores, per, truncated, lengths) -> dict:
+        """Every rank's rows in rank order, on every rank (a sum over the data-parallel ranks of tensors that hold
+        this rank's rows and zeros elsewhere), right-padded to the widest rank's width; fp32 / int64 on the CPU."""
+        dims, device, n = self.trainer.dims, self.trainer.device, inputs.shape[0]
+        widths = torch.zeros(self.dp_size, dtype=torch.float64)
+        widths[self.dp_rank] = inputs.shape[1]
+        width = int(dims.data_sum(widths.to(device)).max())
+
+        def gather(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+            shape = (n * self.dp_size, width) if t.dim() == 2 else (n * self.dp_size, *t.shape[1:])
+            out = torch.zeros(shape, dtype=torch.float64)
+            mine = out[self.dp_rank * n:(self.dp_rank + 1) * n]
+            if t.dim() == 2:
+                mine.fill_(fill)
+                mine[:, :t.shape[1]] = t.double()
+            else:
+                mine.copy_(t.double())
+            return dims.data_sum(out.to(device)).cpu()
+
+        glob = {"inputs": gather(inputs, self.pad_id).long(), "labels": gather(labels, IGNORE).long(),
+                "old_logps": gather(old_logps).float(), "old_values": gather(values).float(),
+                "scores": gather(scores).float(), "per": gather(per).float(), "truncated": gather(truncated.float()),
+                "lengths": gather(torch.tensor(lengths, dtype=torch.float64))}
+        if ref_logps is not None:
+            glob["ref_logps"] = gather(ref_logps).float()
+        return glob
+
+    def _advantages(self, glob: dict) -> None:
+        """Per-token rewards, GAE advantages and returns of the global batch (the same on every rank)."""
+        p = self.p
+        mask = (glob["labels"] != IGNORE).float()
+        kl = None
+        if "ref_logps" in glob:
+            estimator = p.kl_estimator if p.kl_penalty == "reward" else "k3"
+            glob["kl"] = kl_estimate(glob["old_logps"], glob["ref_logps"], estimator) * mask
+            kl = glob["kl"] if p.kl_penalty == "reward" else None
+        rewards = token_rewards(glob["scores"], mask, kl, p.kl_coef)
+        if p.whiten_rewards:
+            rewards = whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae(rewards, glob["old_values"] * mask, mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        glob.update(mask=mask, rewards=rewards, advantages=advantages, returns=returns)
+
+    def mini_batch(self, epoch: int, index: int) -> list[PpoBatch]:
+        """This rank's micro-batches of mini-batch ``index`` of pass ``epoch`` over the held rollouts."""
+        h = self.held
+        total, step_rows = h["inputs"].shape[0], self.rows * self.dp_size
+        gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.rollout_key * 1009 + epoch)
+        order = torch.randperm(total, generator=gen)[index * step_rows:(index + 1) * step_rows]
+        mine = order[self.dp_rank * self.rows:(self.dp_rank + 1) * self.rows]
+        width = h["inputs"].shape[1]
+        out = []
+        for start in range(0, len(mine), self.micro):
+            rows = mine[start:start + self.micro]
+            positions = torch.arange(width).expand(len(rows), width).contiguous()
+            out.append(PpoBatch(h["inputs"][rows], h["labels"][rows], positions, torch.zeros_like(positions),
+                                advantages=h["advantages"][rows], old_logps=h["old_logps"][rows],
+                                ref_token_logps=h["ref_logps"][rows] if self.p.kl_penalty == "loss" and
+                                "ref_logps" in h else None,
+                                old_values=h["old_values"][rows], returns=h["returns"][rows]))
+        return out
+
+    def _set_ppo_stats(self, h: dict, names: list[str], seconds) -> None:
+        """The batch of rollouts' figures (global: every rank holds the whole batch)."""
+        mask, n = h["mask"], float(h["scores"].shape[0])
+        tokens = mask.sum().clamp(min=1)
+        secs = self.trainer.dims.data_sum(torch.tensor(seconds, dtype=torch.float64).to(self.trainer.device)).cpu()
+        secs = secs / self.dp_size
+        new_tokens = float(h["lengths"].sum())
+        scores = h["scores"]
+        self.stats = {
+            "reward": float(scores.mean()),
+            "reward_std": float(scores.std()) if n > 1 else 0.0,
+            **{f"rewards/{name}": float(h["per"][:, k].mean()) for k, name in enumerate(names)},
+            "completion_length": new_tokens / n,
+            "truncated": float(h["truncated"].mean()),
+            "ppo/values": float((h["old_values"] * mask).sum() / tokens),
+            "ppo/returns": float((h["returns"] * mask).sum() / tokens),
+            "ppo/token_reward": float((h["rewards"] * mask).sum() / tokens),
+            **({"ppo/rollout_kl": float((h["kl"] * mask).sum() / tokens)} if "kl" in h else {}),
+            "rollout_tokens_per_s": new_tokens / max(float(secs[0]), 1e-9),
+            "time/generation_s": float(secs[0]),
+            "time/scoring_s": float(secs[1]),
+            "time/logps_s": float(secs[2]),
+        }
+
+
+# ---- the objective ----------------------------------------------------------------------------------------------
+
+class ProximalPolicy:
+    """PPO over the rollout loader's micro-batches (``build_loader``; ``prepare`` binds it to the built model): per
+    completion token the clipped policy loss + ppo.vf_coef x the clipped value loss (+ ppo.kl_coef x the k3 KL to
+    the reference with ppo.kl_penalty loss), summed; the count is completion tokens, so a step's loss is the mean
+    per token of the global mini-batch whatever the layout. During the warm-up, cross-entropy on the worked
+    examples' answers."""
+
+    loss_in_forward = True  # the loss needs values, advantages and rollout-time log-probabilities beside the logits
+    STATS = ("ppo/policy_loss", "ppo/value_loss", "ppo/clipfrac", "ppo/value_clipfrac", "ppo/approx_kl")
+
+    def __init__(self, cfg):
+        self.cfg, self.g, self.p = cfg, cfg.grpo, cfg.ppo
+        self._stats: dict[str, torch.Tensor] = {}
+        self.loader: PpoRollouts | None = None
+
+    def attach(self, model: nn.Module) -> None:
+        attach_value_head(model)
+
+    def build_loader(self, trainer) -> PpoRollouts:
+        self.loader = PpoRollouts(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)
+        return self.loader
+
+    def prepare(self, trainer) -> None:
+        if not hasattr(plain(trainer.parts[0]), "value_head"):
+            raise ConfigError("training.objective", "ppo", "a model with a value head: build the Trainer with the "
+                              "objective (Trainer(cfg, objective=ProximalPolicy(cfg)))")
+        if self.loader is None:
+            self.loader = trainer.loader = self.build_loader(trainer)
+        self.loader.bind(trainer, self)
+
+    def count(self, mb: RolloutBatch) -> torch.Tensor:
+        return (mb.labels != IGNORE).sum()
+
+    def forward(self, model, mb: PpoBatch, positions: torch.Tensor | None) -> torch.Tensor:
+        g, p = self.g, self.p
+        mask = (mb.labels != IGNORE).float()  # (B, S) the completion tokens
+        logits, values = forward_with_values(model, mb.inputs, positions)  # (B, S, V), (B, S)
+        if mb.warmup:  # the value head joins with weight 0: DDP expects a gradient for every trained parameter
+            return -(token_logps(logits, mb.labels) * mask).sum() + 0.0 * values.sum()
+        logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)
+        pg, pg_clipped = policy_losses(logps, mb.old_logps, mb.advantages, p.cliprange)
+        vf, vf_clipped = value_losses(values, mb.old_values, mb.returns, p.cliprange_value)
+        losses = pg + p.vf_coef * vf
+        kl = None
+        if mb.ref_token_logps is not None:
+            kl = kl_k3(logps, mb.ref_token_logps)
+            losses = losses + p.kl_coef * kl
+        with torch.no_grad():
+            approx_kl = 0.5 * (logps - mb.old_logps) ** 2
+            for name, value in tuple(zip(self.STATS, (pg, vf, pg_clipped, vf_clipped, approx_kl))) + \
+                    ((("kl", kl),) if kl is not None else ()):
+                self._stats[name] = self._stats.get(name, 0) + (value.float() * mask).sum()
+        return (losses * mask).sum()
+
+    def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("PPO computes its loss in forward (pipeline parallelism is refused)")
+
+    def step_stats(self) -> dict[str, torch.Tensor]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def record(self) -> dict[str, float]:
+        """The last step's rollout figures (global)."""
+        return dict(self.loader.stats) if self.loader is not None else {}
