@@ -49,7 +49,6 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     check_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_grpo(cfg, dims)
-    check_offload(cfg, dims)
     t = cfg.training
     accum = accumulation_steps(t, dims.dp_size)
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
@@ -80,7 +79,6 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
                           "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
     check_parallel_fields(cfg)
-    check_diloco(cfg)
     check_lora(cfg)
     check_objective(cfg)
     check_dpo(cfg)
@@ -287,9 +285,6 @@ def check_parallel_fields(cfg: Config) -> None:
                               "equal chunks (each cp rank holds two: balanced causal work)")
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
-    if p.cpu_offload and p.backend == "nccl":
-        raise ConfigError("parallel.backend", "nccl", "parallel.cpu_offload keeps the gradients on the host, which "
-                          "NCCL cannot reduce: allowed auto (cuda:nccl,cpu:gloo on GPUs) | gloo")
     if t.float8 != "none" and p.tp > 1:
         raise ConfigError("training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there")
     if t.float8 != "none" and t.dtype != "bfloat16":
@@ -302,44 +297,7 @@ def check_parallel_fields(cfg: Config) -> None:
                           "sharded or stage-split output): allowed auto | false there")
 
 
-def check_diloco(cfg: Config) -> None:
-    """DiLoCo (loom.train.diloco): groups along dp_replicate that average their weights every H steps."""
-    p = cfg.parallel
-    if not p.diloco_inner_steps:
-        return
-    field, h = "parallel.diloco_inner_steps", p.diloco_inner_steps
-    if p.dp_replicate < 2:
-        raise ConfigError(field, h, "needs parallel.dp_replicate >= 2 (the replica groups that train apart)")
-    for key, value, bad, why in (
-            ("parallel.ep", p.ep, p.ep > 1, "expert gradients are reduced over dp_replicate inside FSDP2"),
-            ("parallel.cpu_offload", True, p.cpu_offload, "the outer all-reduce runs on the training device"),
-            ("metrics.noise_scale", True, cfg.metrics.noise_scale, "its large batch is the all-reduced gradient"),
-            ("training.objective", cfg.training.objective, cfg.training.objective in ("grpo", "ppo"),
-             "its rollouts read one policy")):
-        if bad:
-            raise ConfigError(field, h, f"not with {key} = {value} ({why})")
-    if p.diloco_fragments > h:
-        raise ConfigError("parallel.diloco_fragments", p.diloco_fragments,
-                          f"at most parallel.diloco_inner_steps = {h} (each fragment synchronizes once per H steps)")
-
-
 # ---- rules that need the world size ---------------------------------------------------
-
-def check_offload(cfg: Config, dims: ParallelDims) -> None:
-    """parallel.cpu_offload runs FSDP2 with its shards on the host, on one rank too (a 1-rank mesh): not where
-    the model is replicated without sharding (DDP keeps its state on the device; sharding over the same ranks
-    holds less on the host), nor under GRPO (its engine generates on each rank's whole module)."""
-    p = cfg.parallel
-    if not p.cpu_offload:
-        return
-    if dims.ddp_enabled:
-        raise ConfigError("parallel.cpu_offload", True, f"needs FSDP2 (parallel.dp_shard x cp > 1, or one rank): "
-                          f"parallel.dp_replicate = {dims.dp_replicate} with dp_shard = 1 replicates the model with "
-                          "DDP; shard over those ranks instead (parallel.dp_shard)")
-    if cfg.training.objective in ("grpo", "ppo"):
-        raise ConfigError("parallel.cpu_offload", True, f"not with training.objective {cfg.training.objective} (its "
-                          "engine generates on each rank's whole module): allowed false")
-
 
 def accumulation_steps(training, dp_size: int) -> int:
     """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""

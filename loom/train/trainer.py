@@ -31,10 +31,9 @@ from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, q
 from loom.models.llama import Llama
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
-from loom.parallel.env import DistEnv, ensure_process_group, init_distributed
+from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.expert_parallel import expert_params
-from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
-from loom.parallel.placement import check_placement
+from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
 from loom.resolve import resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
@@ -77,16 +76,12 @@ class Trainer:
 
     def __init__(self, cfg: Config, env: DistEnv | None = None, objective: Objective | None = None):
         self.cfg = cfg
-        self.env = env or init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.cpu_offload)
+        self.env = env or init_distributed(cfg.run.device, cfg.parallel.backend)
         self.device = self.env.device
         self.run = resolve(cfg, self.env.world_size)  # every cross-field rule; the model's come with the tokenizer
         self.dims, self.accum = self.run.dims, self.run.accum
-        if self.dims.distributed or cfg.parallel.cpu_offload:  # offload runs FSDP2, on a 1-rank mesh when alone
-            ensure_process_group(self.env, cfg.parallel.backend, cfg.parallel.cpu_offload)
+        if self.dims.distributed:
             self.dims.build_mesh(self.device.type)
-            for line in check_placement(self.dims):  # tp / cp groups that span hosts (loom.parallel.placement)
-                if self.env.is_main:
-                    print(line, flush=True)
         self._objective = objective
         self._setup_determinism()
         self._setup_run_dir()
@@ -224,8 +219,8 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        opt_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device  # offload: state on the host
-        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload)
+        opt_device = torch.device("cpu") if cfg.parallel.cpu_offload and self.dims.fsdp_enabled else self.device
+        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device)
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
         self.scaler = LossScaler(cfg.training.dtype == "float16", cfg.training.loss_scale_init,
                                  cfg.training.loss_scale_window)
@@ -291,7 +286,7 @@ class Trainer:
                                                                    mb.document_ids)))
 
     def _autocast(self):
-        return autocast_context(self.dtype, self.device, fsdp_casts=fsdp_wraps(self.dims, self.cfg.parallel))
+        return autocast_context(self.dtype, self.device, fsdp_casts=self.dims.fsdp_applied)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         mbs = [self._local_tokens(mb) for mb in micro_batches]
