@@ -34,6 +34,7 @@ from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.env import DistEnv, init_distributed
 from loom.parallel.expert_parallel import expert_params
 from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
+from loom.parallel.placement import check_placement
 from loom.resolve import resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
@@ -82,6 +83,9 @@ class Trainer:
         self.dims, self.accum = self.run.dims, self.run.accum
         if self.dims.distributed:
             self.dims.build_mesh(self.device.type)
+            for line in check_placement(self.dims):  # tp / cp groups that span hosts (loom.parallel.placement)
+                if self.env.is_main:
+                    print(line, flush=True)
         self._objective = objective
         self._setup_determinism()
         self._setup_run_dir()
@@ -175,7 +179,6 @@ class Trainer:
         self.score_head = cfg.training.objective == "reward"
         if self.score_head:  # a reward model: the trainable score head in place of the LM head (loom.train.reward)
             attach_score_head(model)
-        getattr(self._objective, "attach", lambda model: None)(model)  # heads it trains beside the model (PPO's)
         # MFU counts what the run computes: a frozen base takes no weight gradients (loom.metrics.flops)
         self.adapter_params = count_params(self.model_args, cfg.lora, self.score_head)[1] if self.n_adapted else None
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
