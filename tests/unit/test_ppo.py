@@ -1,0 +1,228 @@
+"""PPO (loom.rl.ppo, loom.rl.ppo_objective): the per-token rewards with the KL penalty, GAE, whitening, and the
+clipped policy and value losses equal TRL's PPOTrainer on the same log-probabilities, values, rewards and masks
+(1e-5); GAE equals a direct per-row loop; `loom train --training.objective ppo` runs out of the box; the config rules.
+
+TRL 1.16 (the dev dependency) no longer ships PPO: ``trl_*`` below restate the computations of
+``trl/experimental/ppo/ppo_trainer.py`` (huggingface/trl at d6196b6, ``PPOTrainer.train``: steps 4-6 of the
+rollout and the mini-batch loss), written out here as the reference on tensors laid out as TRL lays them out
+(completions only, right-padded, the masks TRL derives from ``sequence_lengths``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from loom.rl.ppo import (gae, kl_estimate, last_token_index, policy_losses, ppo_loss, token_rewards, value_losses,
+                         whiten)
+
+B, T = 5, 7
+
+
+# ---- TRL's computations (trl/experimental/ppo/ppo_trainer.py), as references --------------------------------------
+
+def trl_masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum()
+
+
+def trl_masked_whiten(values, mask, shift_mean=True):
+    mean = trl_masked_mean(values, mask)
+    var = trl_masked_mean((values - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def trl_rewards_and_gae(logprobs, ref_logprobs, values, scores, lengths, kl_coef, estimator, gamma, lam,
+                        whiten_rewards):
+    """TRL's steps 4-6 with the score on each completion's last token: TRL adds it at ``sequence_lengths_p1`` (one
+    past the last token, a position whose value it keeps); given ``sequence_lengths`` one less than loom's last
+    index, TRL's p1 masks are loom's completion masks, so both compute on the same masks."""
+    idx = torch.arange(T).repeat(B, 1)
+    seq_len = lengths - 2  # TRL's sequence_lengths: sequence_lengths_p1 = lengths - 1 = the last token's index
+    padding_mask = idx > seq_len[:, None]
+    p1 = seq_len + 1
+    padding_mask_p1 = idx > p1[:, None]
+    logprobs = torch.masked_fill(logprobs, padding_mask_p1, 1.0)  # INVALID_LOGPROB, beyond every mask used
+    ref_logprobs = torch.masked_fill(ref_logprobs, padding_mask_p1, 1.0)
+    values = torch.masked_fill(values, padding_mask_p1, 0)
+    logr = ref_logprobs - logprobs
+    kl = -logr if estimator == "k1" else (logr.exp() - 1) - logr
+    rewards = (-kl_coef * kl).clone()
+    end = torch.where(p1 < T, p1, seq_len)
+    rewards[torch.arange(B), end] += scores
+    rewards = torch.masked_fill(rewards, padding_mask_p1, 0)  # (TRL keeps -kl_coef x INVALID past p1: unused)
+    if whiten_rewards:
+        rewards = trl_masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
+        rewards = torch.masked_fill(rewards, padding_mask_p1, 0)
+    last, reversed_ = 0, []
+    for t in reversed(range(T)):
+        next_values = values[:, t + 1] if t < T - 1 else 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        last = delta + gamma * lam * last
+        reversed_.append(last)
+    advantages = torch.stack(reversed_[::-1], dim=1)
+    returns = advantages + values
+    return kl, rewards, advantages, returns, ~padding_mask_p1
+
+
+def trl_minibatch_loss(new_logprobs, logprobs, advantages, vpred, values, returns, mask, cliprange, cliprange_value,
+                       vf_coef):
+    """TRL's mini-batch loss (one micro-batch, policy and value on the same mask) and its clip fractions."""
+    vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
+    vf_losses1, vf_losses2 = torch.square(vpred - returns), torch.square(vpredclipped - returns)
+    vf_loss = 0.5 * trl_masked_mean(torch.max(vf_losses1, vf_losses2), mask)
+    vf_clipfrac = trl_masked_mean((vf_losses2 > vf_losses1).float(), mask)
+    ratio = torch.exp(new_logprobs - logprobs)
+    pg_losses, pg_losses2 = -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = trl_masked_mean(torch.max(pg_losses, pg_losses2), mask)
+    pg_clipfrac = trl_masked_mean((pg_losses2 > pg_losses).float(), mask)
+    return pg_loss + vf_coef * vf_loss, pg_loss, vf_loss, pg_clipfrac, vf_clipfrac
+
+
+def rollouts(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3 - 0.1  # (B, T) log-probabilities
+    ref = old + torch.randn(B, T, generator=g) * 0.3
+    new = old + torch.randn(B, T, generator=g) * 0.4  # the policy moved: some ratios leave [0.8, 1.2]
+    values = torch.randn(B, T, generator=g)
+    vpred = values + torch.randn(B, T, generator=g) * 0.5
+    scores = torch.randn(B, generator=g) * 2
+    lengths = torch.tensor([7, 3, 5, 2, 6])  # completion tokens per row (one row fills the width)
+    mask = (torch.arange(T)[None] < lengths[:, None])
+    return old, ref, new, values, vpred, scores, lengths, mask
+
+
+# ---- the math ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("estimator,whiten_rewards", [("k1", False), ("k3", True)])
+def test_rewards_gae_and_whitening_equal_trl(estimator, whiten_rewards):
+    old, ref, _, values, _, scores, lengths, mask = rollouts()
+    kl_ref, rewards_ref, adv_ref, ret_ref, trl_mask = trl_rewards_and_gae(
+        old, ref, values, scores, lengths, 0.05, estimator, 0.99, 0.95, whiten_rewards)
+    assert torch.equal(trl_mask, mask)
+    m = mask.float()
+    kl = kl_estimate(old, ref, estimator)
+    torch.testing.assert_close(kl * m, kl_ref * m, rtol=1e-5, atol=1e-6)
+    rewards = token_rewards(scores, mask, kl, 0.05)
+    if whiten_rewards:
+        rewards = whiten(rewards, mask, shift_mean=False)
+    torch.testing.assert_close(rewards, rewards_ref * m, rtol=1e-5, atol=1e-6)
+    adv, ret = gae(rewards, values * m, mask, 0.99, 0.95)
+    torch.testing.assert_close(adv, adv_ref * m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ret, ret_ref * m, rtol=1e-5, atol=1e-6)
+    # TRL whitens the advantages over ~padding_mask (its sequence_lengths: one token less than this mask); on the
+    # same mask the two whitenings agree
+    torch.testing.assert_close(whiten(adv, mask), trl_masked_whiten(adv_ref, mask) * m, rtol=1e-5, atol=1e-6)
+
+
+def test_gae_equals_a_direct_loop():
+    """A_t = sum_k (gamma lam)^k delta_{t+k} over each row's own tokens, V after the last token 0; completions that
+    start at different positions (after prompts of different lengths), as the rollouts lay them out."""
+    g = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(4, 10, generator=g), torch.randn(4, 10, generator=g)
+    spans = [(2, 9), (0, 10), (5, 6), (3, 7)]  # [start, end) of each row's completion
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    for i, (s, e) in enumerate(spans):
+        mask[i, s:e] = True
+    gamma, lam = 0.9, 0.8
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    for i, (s, e) in enumerate(spans):
+        r, v = rewards[i, s:e].double().tolist(), values[i, s:e].double().tolist() + [0.0]
+        deltas = [r[t] + gamma * v[t + 1] - v[t] for t in range(e - s)]
+        for t in range(e - s):
+            expected = sum((gamma * lam) ** k * deltas[t + k] for k in range(e - s - t))
+            assert adv[i, s + t].item() == pytest.approx(expected, abs=1e-5)
+            assert ret[i, s + t].item() == pytest.approx(expected + v[t], abs=1e-5)
+    assert not adv[~mask].any() and not ret[~mask].any()
+
+
+def test_losses_equal_trl():
+    old, ref, new, values, vpred, scores, lengths, mask = rollouts(2)
+    m = mask.float()
+    adv, ret = gae(token_rewards(scores, mask), values * m, mask, 1.0, 0.95)
+    adv = whiten(adv, mask)
+    expected, pg_ref, vf_ref, pg_clip_ref, vf_clip_ref = trl_minibatch_loss(
+        new, old, adv, vpred, values * m, ret, m, 0.2, 0.2, 0.1)
+    got = ppo_loss(new, old, adv, vpred, values * m, ret, mask, 0.2, 0.2, 0.1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    pg, pg_clipped = policy_losses(new, old, adv, 0.2)
+    vf, vf_clipped = value_losses(vpred, values * m, ret, 0.2)
+    tokens = m.sum()
+    torch.testing.assert_close((pg * m).sum() / tokens, pg_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((vf * m).sum() / tokens, vf_ref, rtol=1e-5, atol=1e-6)
+    assert 0 < float((pg_clipped * m).sum() / tokens) == pytest.approx(float(pg_clip_ref), abs=1e-6)
+    assert 0 < float((vf_clipped * m).sum() / tokens) == pytest.approx(float(vf_clip_ref), abs=1e-6)
+
+
+def test_last_token_takes_the_score():
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    assert last_token_index(mask).tolist() == [2, 3, 2]
+    rewards = token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask)
+    assert rewards.tolist() == [[0, 0, 1, 0], [0, 0, 0, 2], [0, 0, 3, 0]]
+
+
+# ---- the objective in a run ---------------------------------------------------------------------------------------
+
+def run(tmp_path, name: str, steps: int, **extra) -> list[dict]:
+    from loom.config import build_config
+    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.train.trainer import Trainer
+    from tests.tiny import tiny_overrides
+
+    over = tiny_overrides(str(tmp_path / name), None, **{
+        "training.objective": "ppo", "training.steps": steps, "training.global_batch_size": 8,
+        "training.micro_batch_size": 4, "grpo.group_size": 4, "grpo.max_new_tokens": 4, "metrics.progress": "false",
+        **extra})
+    cfg = build_config(None, {k: str(v) for k, v in over.items()})
+    return Trainer(cfg, objective=ProximalPolicy(cfg)).fit()
+
+
+def test_embedded_default_runs(tmp_path):
+    """`loom train --training.objective ppo`'s path: the warm-up, then PPO with a frozen-copy reference, two passes
+    over two mini-batches of each batch of rollouts; every figure finite, the first PPO step's KL 0."""
+    records = run(tmp_path, "ppo", 6, **{"grpo.warmup_steps": 1, "ppo.epochs": 2, "ppo.mini_batches": 2,
+                                         "ppo.kl_coef": 0.1})
+    assert [("grpo/warmup" in r) for r in records] == [True] + [False] * 5
+    ppo = records[1:]
+    for r in ppo:
+        for key in ("loss", "grad_norm", "ppo/policy_loss", "ppo/value_loss", "ppo/approx_kl", "reward",
+                    "ppo/values", "ppo/returns", "ppo/rollout_kl"):
+            assert r[key] is not None and r[key] == r[key] and abs(r[key]) < 1e3, (key, r)
+    assert ppo[0]["ppo/rollout_kl"] == 0.0 and ppo[0]["ppo/approx_kl"] < 1e-8  # reference = policy; ratio 1
+    assert ppo[0]["time/generation_s"] > 0 and ppo[1]["time/generation_s"] == 0  # one batch of rollouts, 4 steps
+    assert ppo[4]["time/generation_s"] > 0
+    assert ppo[3]["ppo/approx_kl"] > 0  # later steps on the same rollouts have moved the policy
+
+
+def test_cli_default_runs(tmp_path):
+    """`loom train --training.objective ppo` with nothing else but a short run: the embedded task and rewards."""
+    from loom.cli.train import main
+
+    rd = tmp_path / "cli"
+    assert main(["--training.objective", "ppo", "--training.steps", "3", "--grpo.warmup_steps", "1",
+                 "--run.dir", str(rd), "--metrics.progress", "false", "--metrics.every", "1",
+                 "--checkpoint.at_end", "false"]) in (0, None)
+    with open(os.path.join(rd, "metrics.jsonl")) as fh:
+        records = [json.loads(line) for line in fh]
+    assert len(records) == 3 and "rewards/exact_answer" in records[-1] and "ppo/value_loss" in records[-1]
+
+
+def test_config_rules():
+    from loom.config import build_config
+    from loom.config.errors import ConfigError
+    from loom.resolve import check_config
+
+    def check(**over):
+        check_config(build_config(None, {k: str(v) for k, v in over.items()}))
+
+    check(**{"training.objective": "ppo", "ppo.kl_coef": 0.1, "grpo.group_size": 2})
+    with pytest.raises(ConfigError, match="ppo.vf_coef"):
+        check(**{"ppo.vf_coef": 0.5})  # a [ppo] field without the objective
+    with pytest.raises(ConfigError, match="grpo.beta"):
+        check(**{"training.objective": "ppo", "grpo.beta": 0.1})  # GRPO's loss fields do nothing under PPO
+    with pytest.raises(ConfigError, match="ppo.kl_estimator"):
+        check(**{"training.objective": "ppo", "ppo.kl_penalty": "loss", "ppo.kl_estimator": "k3"})
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        check(**{"training.objective": "ppo", "parallel.tp": 2})
