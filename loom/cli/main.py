@@ -13,6 +13,7 @@ USAGE = """usage: loom <command> [options]
 
 commands:
   train          train a model (see `loom train --help`)
+  launch         start one job on many machines: hostfile (ssh), SLURM, Kubernetes (`loom launch --help`)
   plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
   convert        import a Hugging Face folder (Llama, Mistral, Qwen, Mixtral) / export a loom checkpoint
   generate       completions of prompts from a checkpoint or Hugging Face folder (`loom generate --help`)
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.train import main as train_main
 
         return train_main(rest)
+    if cmd == "launch":
+        from loom.cli.launch import main as launch_main
+
+        return launch_main(rest)
     if cmd == "plan":
         from loom.cli.plan import main as plan_main
 
@@ -77,7 +82,7 @@ def version_line() -> str:
     return f"loom {loom_version()} (torch {torch}, Python {platform.python_version()})"
 
 
-COMMANDS = ("train", "plan", "convert", "generate", "eval", "report", "data prepare")
+COMMANDS = ("train", "launch", "plan", "convert", "generate", "eval", "report", "data prepare")
 
 
 def unknown_command(argv: list[str]) -> UserError:

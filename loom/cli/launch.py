@@ -1,0 +1,200 @@
+"""``loom launch``: one training job on many machines, from a hostfile (ssh), SLURM (an sbatch script) or
+Kubernetes (PyTorchJob and JobSet manifests). Arguments it does not know are ``loom train``'s."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from loom.config.errors import ConfigError
+
+USAGE = """usage: loom launch --hostfile FILE [--include H[:S,..]@.. | --exclude ..] [--launcher-cmd CMD] [--dry-run]
+                   [loom train args ...]
+       loom launch --slurm --nodes N --gpus-per-node G [--partition P] [--time T] [--account A] [--submit]
+                   [loom train args ...]
+       loom launch --kubernetes --image IMG --nodes N --gpus-per-node G [--name NAME] [loom train args ...]
+
+Starts one elastic agent (`loom train --nnodes N --nproc-per-node G --rdzv-backend c10d ...`) per machine;
+the agents meet at the first machine's rendezvous and train one job. Arguments launch does not know are
+passed to `loom train` (--config FILE, --section.field VALUE ...). docs/operations.md#launchers has examples.
+
+hostfile (DeepSpeed's format: lines `HOST slots=N`, # comments):
+  --hostfile FILE          the hosts; the first hosts the rendezvous (--master-addr to use another address)
+  --include / --exclude S  hosts (and slots) to use / leave out: `h1@h2:0,1` (DeepSpeed's syntax)
+  --launcher-cmd CMD       how to run a command on a host: words with {host} and {cmd}; default $LOOM_SSH or
+                           "ssh -o BatchMode=yes {host} {cmd}" (e.g. "pdsh -w {host} {cmd}"; "bash -c {cmd}"
+                           runs every "host" on this machine)
+  --workdir DIR            the folder the agents start in (default: this one; the same path on every host)
+  --python PATH            the Python every host runs (default: this one, e.g. the venv's)
+  --env KEY=VALUE          one more variable for every host (NCCL_*, GLOO_*, TORCH_NCCL_*, PYTHONPATH,
+                           VIRTUAL_ENV, OMP_NUM_THREADS ... are forwarded already)
+  --rdzv-file PATH         meet through a file on a shared filesystem instead of a TCP port (--rdzv-backend file)
+  --grace-s S              after one host fails, how long the others get to save and stop (default 60)
+  --dry-run                print each host's command and exit
+
+SLURM:
+  --slurm                  write an sbatch script (one srun task per node, each an agent with G workers)
+  --nodes N --gpus-per-node G --partition P --time T --account A --cpus-per-node C --job-name NAME
+  --sbatch OPT             one more #SBATCH option (e.g. --sbatch=--qos=high)
+  --script PATH            where the script goes (default loom_<job-name>.sbatch); --submit runs sbatch on it
+
+Kubernetes:
+  --kubernetes             write NAME.pytorchjob.yaml (Kubeflow) and NAME.jobset.yaml (JobSet); JSON where
+                           PyYAML is missing (kubectl apply -f takes either)
+  --image IMG --nodes N --gpus-per-node G --name NAME [--namespace NS] [--out DIR]
+
+every launcher:
+  --master-port PORT       the rendezvous port on the first machine (default 29500)
+  --max-restarts R         restarts of the workers before the job fails (loom train --max-restarts)
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loom launch", add_help=False, allow_abbrev=False)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--hostfile")
+    mode.add_argument("--slurm", action="store_true")
+    mode.add_argument("--kubernetes", action="store_true")
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("--include", default="")
+    p.add_argument("--exclude", default="")
+    p.add_argument("--launcher-cmd", default=None)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--env", action="append", default=[])
+    p.add_argument("--rdzv-file", default=None)
+    p.add_argument("--grace-s", type=float, default=60.0)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--max-restarts", type=int, default=None)
+    p.add_argument("--nodes", type=int, default=None)
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--partition", default="")
+    p.add_argument("--time", default="")
+    p.add_argument("--account", default="")
+    p.add_argument("--cpus-per-node", type=int, default=0)
+    p.add_argument("--job-name", default="loom")
+    p.add_argument("--sbatch", action="append", default=[])
+    p.add_argument("--script", default=None)
+    p.add_argument("--submit", action="store_true")
+    p.add_argument("--image", default=None)
+    p.add_argument("--name", default="loom")
+    p.add_argument("--namespace", default="")
+    p.add_argument("--out", default=".")
+    return p
+
+
+class _Refusal(Exception):
+    pass
+
+
+def parse(argv: list[str]):
+    """(launch's options, the rest for loom train). Option values are checked here, one line each."""
+    p = parser()
+
+    def refuse(message):
+        raise _Refusal(message)
+
+    p.error = refuse
+    try:
+        opts, train_args = p.parse_known_args(argv)
+    except _Refusal as err:
+        raise ConfigError("loom launch", None, f"{err} (see `loom launch --help`)", show_value=False) from None
+    for name in ("nodes", "gpus_per_node", "master_port"):
+        value = getattr(opts, name)
+        if value is not None and value < (0 if name == "gpus_per_node" else 1):
+            raise ConfigError("--" + name.replace("_", "-"), value, "expected a positive integer")
+    return opts, train_args
+
+
+def main(argv: list[str]) -> int:
+    opts, train_args = parse(argv)
+    if opts.help or not (opts.hostfile or opts.slurm or opts.kubernetes):
+        print(USAGE)
+        return 0 if opts.help else 2
+    if opts.hostfile:
+        return hostfile(opts, train_args)
+    if opts.slurm:
+        return slurm(opts, train_args)
+    return kubernetes(opts, train_args)
+
+
+def hostfile(opts, train_args: list[str]) -> int:
+    from loom.ops.launch import (DEFAULT_LAUNCHER, DEFAULT_PORT, LAUNCHER_ENV, Rendezvous, hostfile_launches,
+                                 parse_hostfile, run_launches, select_hosts)
+
+    try:
+        with open(opts.hostfile) as fh:
+            text = fh.read()
+    except OSError as err:
+        raise ConfigError("--hostfile", opts.hostfile, f"cannot be read ({err.strerror})") from None
+    hosts = select_hosts(parse_hostfile(text, opts.hostfile), opts.include, opts.exclude)
+    if opts.rdzv_file:
+        rdzv = Rendezvous(os.path.abspath(opts.rdzv_file), backend="file")
+    else:
+        rdzv = Rendezvous(f"{opts.master_addr or hosts[0].name}:{opts.master_port or DEFAULT_PORT}")
+    launcher = opts.launcher_cmd or os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER
+    launches = hostfile_launches(hosts, train_args, workdir=os.path.abspath(opts.workdir or os.getcwd()),
+                                 python=opts.python, environ=dict(os.environ), launcher=launcher, rdzv=rdzv,
+                                 extra_env=opts.env, max_restarts=opts.max_restarts)
+    if opts.dry_run:
+        for launch in launches:
+            print(shlex.join(launch.argv))
+        return 0
+    total = sum(h.nproc for h in hosts)
+    print(f"loom launch: {len(hosts)} hosts, {total} workers, rendezvous {rdzv.backend} at {rdzv.endpoint} "
+          f"(id {rdzv.run_id})", flush=True)
+    return run_launches(launches, grace_s=opts.grace_s)
+
+
+def _need(opts, *names: str) -> None:
+    for name in names:
+        if getattr(opts, name) in (None, ""):
+            mode = "--slurm" if opts.slurm else "--kubernetes"
+            raise ConfigError("--" + name.replace("_", "-"), None, f"{mode} needs it", show_value=False)
+
+
+def slurm(opts, train_args: list[str]) -> int:
+    from loom.ops.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
+
+    _need(opts, "nodes", "gpus_per_node")
+    job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.account, opts.job_name,
+                   cpus_per_node=opts.cpus_per_node, port=opts.master_port or DEFAULT_PORT, extra=opts.sbatch)
+    text = sbatch_script(job, train_args, workdir=os.path.abspath(opts.workdir or os.getcwd()), python=opts.python,
+                         environ=dict(os.environ), extra_env=opts.env, max_restarts=opts.max_restarts)
+    if opts.dry_run:
+        sys.stdout.write(text)
+        return 0
+    path = opts.script or f"loom_{opts.job_name}.sbatch"
+    with open(path, "w") as fh:
+        fh.write(text)
+    os.chmod(path, 0o755)
+    print(f"loom launch: wrote {path} ({opts.nodes} nodes x {opts.gpus_per_node} GPUs); submit it with: sbatch {path}")
+    return submit(path) if opts.submit else 0
+
+
+def kubernetes(opts, train_args: list[str]) -> int:
+    from loom.ops.launch import DEFAULT_PORT, KubeJob, dump_manifest, forwarded_env, jobset, pytorchjob
+
+    _need(opts, "image", "nodes", "gpus_per_node")
+    job = KubeJob(opts.name, opts.image, opts.nodes, opts.gpus_per_node, opts.master_port or DEFAULT_PORT,
+                  opts.max_restarts, opts.namespace)
+    env = forwarded_env({}, opts.env)  # this machine's variables mean nothing in the pods: only --env pairs
+    written = []
+    for kind, build in (("pytorchjob", pytorchjob), ("jobset", jobset)):
+        text, ext = dump_manifest(build(job, train_args, env))
+        if opts.dry_run:
+            sys.stdout.write(f"# {kind}\n{text}")
+            continue
+        os.makedirs(opts.out, exist_ok=True)
+        path = os.path.join(opts.out, f"{opts.name}.{kind}.{ext}")
+        with open(path, "w") as fh:
+            fh.write(text)
+        written.append(path)
+    if written:
+        print(f"loom launch: wrote {' and '.join(written)}; start one with: kubectl apply -f {written[0]} "
+              "(the Kubeflow training operator) or the JobSet one (the JobSet controller)")
+    return 0
