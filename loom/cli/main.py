@@ -20,6 +20,7 @@ commands:
   eval           perplexity / bits per byte on a data source, lm-evaluation-harness tasks (`loom eval --help`)
   report         plots + HTML page of runs' metrics.jsonl (`loom report --help`)
   data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
+  doctor         check and explain the environment a job would run in (`loom doctor --help`)
 """
 
 
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.report import main as report_main
 
         return report_main(rest)
+    if cmd == "doctor":
+        from loom.cli.doctor import main as doctor_main
+
+        return doctor_main(rest)
     if cmd == "data" and rest[:1] == ["prepare"]:
         from loom.cli.data import main as data_main
 
@@ -82,7 +87,7 @@ def version_line() -> str:
     return f"loom {loom_version()} (torch {torch}, Python {platform.python_version()})"
 
 
-COMMANDS = ("train", "launch", "plan", "convert", "generate", "eval", "report", "data prepare")
+COMMANDS = ("train", "launch", "plan", "convert", "generate", "eval", "report", "data prepare", "doctor")
 
 
 def unknown_command(argv: list[str]) -> UserError:

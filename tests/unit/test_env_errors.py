@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from loom.checkpoint.hf import export_hf
-from loom.cli.main import main as loom_main
+from loom.cli.main import COMMANDS, main as loom_main
 from loom.cli.train import checked_config
 from loom.config import build_config
 from loom.config.errors import ConfigError, UserError
@@ -504,7 +504,8 @@ def test_mistyped_command_suggests_the_nearest(capsys, argv, hint):
 
 def test_unknown_command_lists_the_commands(capsys):
     line = cli_error(capsys, "zzz")
-    assert "'zzz'" in line and "train, plan, convert, generate, eval, report, data prepare" in line
+    assert "'zzz'" in line and "commands are train, " in line and ", ".join(COMMANDS) in line
+    assert {"plan", "convert", "generate", "eval", "report", "data prepare", "doctor"} <= set(COMMANDS)
 
 
 # ---- 10. settings that cannot work here ---------------------------------------------------------
