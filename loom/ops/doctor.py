@@ -21,7 +21,7 @@ from loom.ops import nccl_vars
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 SECTIONS = {"software": "Software", "gpus": "GPUs and driver", "topology": "Topology", "network": "Network",
-            "environment": "Variables", "hosts": "Across hosts", "collectives": "Collectives",
+            "limits": "Host limits", "environment": "Variables", "hosts": "Across hosts", "collectives": "Collectives",
             "matmul": "Matmul per rank"}
 MIB = 1 << 20
 BUSY_MIB = 2048  # memory in use on a GPU before the job starts that is worth a warning (a CUDA context is ~0.5 GiB)
@@ -357,14 +357,45 @@ def read_interfaces(root: str = "/sys/class/net") -> dict[str, dict]:
     return out
 
 
+def read_nccl_conf(path: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines of an NCCL configuration file (/etc/nccl.conf, $NCCL_CONF_FILE); {} when absent."""
+    out = {}
+    try:
+        with open(path) as fh:
+            for line in fh:
+                line = line.split("#", 1)[0].strip()
+                name, eq, value = line.partition("=")
+                if eq and name.strip():
+                    out[name.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def host_limits() -> dict:
+    """Limits that break NCCL in containers: locked memory (RDMA registers buffers) and /dev/shm's size (the
+    shared-memory transport)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    try:
+        st = os.statvfs("/dev/shm")
+        shm = st.f_blocks * st.f_frsize
+    except OSError:
+        shm = None
+    return {"memlock_bytes": None if soft == resource.RLIM_INFINITY else soft, "shm_bytes": shm}
+
+
 def local_facts(environ: dict[str, str] | None = None) -> dict:
     """Everything the doctor reads on this host (one process per host gathers it)."""
     environ = dict(os.environ if environ is None else environ)
     facts = {"software": software_facts(), "gpu": gpu_facts(), "ib": read_ib_devices(),
-             "interfaces": read_interfaces()}
+             "interfaces": read_interfaces(), "limits": host_limits()}
     ok, out = run_tool(["nvidia-smi", "topo", "-m"])
     facts["topology"] = {"raw": out, **parse_topo_matrix(out)} if ok else {"error": out}
     facts["env"] = {n: environ[n] for n in nccl_vars.listed(environ)}
+    confs = ["/etc/nccl.conf"] + ([environ["NCCL_CONF_FILE"]] if environ.get("NCCL_CONF_FILE") else [])
+    facts["nccl_conf"] = {p: conf for p in confs if (conf := read_nccl_conf(p))}
     return facts
 
 
@@ -381,7 +412,8 @@ def local_checks(facts: dict, nnodes: int = 1) -> list[Check]:
     host = nccl_vars.HostContext(interfaces=facts["interfaces"], ib_ports=facts["ib"],
                                  nvlink=topo["nvlink"] if topo else None, gpu_count=len(gpu["gpus"]),
                                  uses_nccl=sw["cuda_available"], nnodes=nnodes)
-    _env_checks(r, facts["env"], host)
+    _limit_checks(r, facts.get("limits") or {}, facts, len(gpu["gpus"]))
+    _env_checks(r, facts["env"], host, facts.get("nccl_conf") or {})
     return r.checks
 
 
@@ -510,14 +542,34 @@ def _network_checks(r: Report, facts: dict, nnodes: int) -> None:
                   ("; RoCE needs a lossless (PFC/ECN) Ethernet fabric" if p["link_layer"] == "Ethernet" else ""))
 
 
-def _env_checks(r: Report, env: dict, host: nccl_vars.HostContext) -> None:
+def _limit_checks(r: Report, limits: dict, facts: dict, n_gpus: int) -> None:
+    active = [p for p in facts["ib"] if p.get("state") == "ACTIVE"]
+    if active and limits.get("memlock_bytes") is not None:
+        r.add("limits", WARN, f"locked memory limited to {_size(limits['memlock_bytes'])} (ulimit -l)",
+              "RDMA registers NCCL's buffers as locked memory: 'ibv_reg_mr failed' / 'Unable to register memory'; "
+              "set it unlimited (a container's --ulimit memlock=-1)")
+    elif active:
+        r.add("limits", OK, "locked memory unlimited", "RDMA can register NCCL's buffers")
+    shm = limits.get("shm_bytes")
+    if shm is not None and n_gpus > 1 and shm < 1 << 30:
+        r.add("limits", WARN, f"/dev/shm is {_size(shm)}", "NCCL's shared-memory transport and data loader "
+              "workers need more: a container's default 64 MiB fails with bus errors (--shm-size / --ipc=host)")
+    elif shm is not None:
+        r.add("limits", OK, f"/dev/shm {_size(shm)}", "shared memory for NCCL's SHM transport and loader workers")
+
+
+def _env_checks(r: Report, env: dict, host: nccl_vars.HostContext, confs: dict[str, dict]) -> None:
     rows = nccl_vars.explain(env, host)
+    for path, conf in confs.items():  # NCCL reads these files; a variable set in the environment wins
+        rows += [{**row, "source": path}
+                 for row in nccl_vars.explain(conf, host) if row["name"] not in env]
     if not rows:
         r.add("environment", OK, "no NCCL_*, GLOO_*, TORCH_* or CUDA_VISIBLE_DEVICES variable set",
               "NCCL and PyTorch use their defaults")
     for row in rows:
         why = "; ".join(x for x in (row["does"], row["note"]) if x)
-        r.add("environment", row["status"], f"{row['name']}={row['value']}", why)
+        where = f" (in {row['source']})" if row.get("source") else ""
+        r.add("environment", row["status"], f"{row['name']}={row['value']}{where}", why)
 
 
 # ---- across hosts ---------------------------------------------------------------------------------
@@ -791,7 +843,7 @@ def run(options: Options) -> Report:
     env = {n: os.environ[n] for n in nccl_vars.listed(dict(os.environ))}
     report = Report(is_main=rank == 0)
     try:
-        device = _join(world, local_rank, options.timeout_s)
+        device, joined = _join(world, local_rank, options.timeout_s)
     except Exception as err:  # noqa: BLE001 - the reason the job could not start is the finding
         if facts is not None:
             report.checks += local_checks(facts)
@@ -805,7 +857,8 @@ def run(options: Options) -> Report:
         per_host = {h: f for h, f, _ in gathered if f is not None}
         job = None if options.local_only else job_tests(options, device, rank, local_rank, world)
     finally:
-        _leave(world)
+        if joined:
+            _leave()
     if rank != 0:
         return report
     main_host = socket.gethostname()
@@ -824,7 +877,8 @@ def run(options: Options) -> Report:
 
 
 def _join(world: int, local_rank: int, timeout_s: float):
-    """This process's device, after joining the job's process group when there is one (NCCL on GPUs)."""
+    """This process's device, after joining the job's process group when there is one (NCCL on GPUs), and
+    whether this call started the group (a caller's group stays up)."""
     import datetime
 
     import torch
@@ -837,9 +891,10 @@ def _join(world: int, local_rank: int, timeout_s: float):
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    elif device.type == "cuda":
+        return device, True
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    return device
+    return device, False
 
 
 def _gather(obj, world: int) -> list:
@@ -852,11 +907,10 @@ def _gather(obj, world: int) -> list:
     return out
 
 
-def _leave(world: int) -> None:
-    if world > 1:
-        from loom.parallel.env import destroy_distributed
+def _leave() -> None:
+    from loom.parallel.env import destroy_distributed
 
-        destroy_distributed()
+    destroy_distributed()
 
 
 def _rank_env_differences(r: Report, gathered: list) -> None:

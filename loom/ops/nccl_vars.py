@@ -93,8 +93,9 @@ def _gloo_ifname(value: str, host: HostContext, env: dict) -> tuple[str, str]:
         return OK, "this host's interfaces could not be read (no /sys/class/net)"
     missing = [n for n in names if n not in host.interfaces]
     if missing:
-        return FAIL, (f"{', '.join(missing)}: no such interface on this host (it has {', '.join(sorted(host.interfaces))}); "
-                      "gloo takes exact names and its process group fails to start")
+        have = ", ".join(sorted(host.interfaces))
+        return FAIL, (f"{', '.join(missing)}: no such interface on this host (it has {have}); gloo takes exact "
+                      "names and its process group fails to start")
     if host.nnodes > 1 and all(n == "lo" for n in names):
         return WARN, "only the loopback interface: other hosts cannot reach this one"
     return OK, f"uses {', '.join(names)}"

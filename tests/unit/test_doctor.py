@@ -179,6 +179,31 @@ def test_infiniband_and_roce_ports_from_sysfs(sysfs):
     assert all(c.status == OK for c in r.checks)  # the DOWN port is left out by NCCL_IB_HCA
 
 
+def test_host_limits_and_nccl_conf(sysfs, tmp_path):
+    ports, ifs = sysfs
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("# site settings\nNCCL_DEBUG=WARN\nNCCL_SOCKET_IFNAME==eth9  # a comment\n\n")
+    assert doctor.read_nccl_conf(str(conf)) == {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "=eth9"}
+    assert doctor.read_nccl_conf(str(tmp_path / "none.conf")) == {}
+    facts = {"software": {"python": "3", "torch": "2", "loom": "0", "cuda_runtime": "12.8", "cuda_available": True,
+                          "cuda_devices": 8, "driver_cuda": "12.8", "nccl": "2.27.5", "nccl_available": True,
+                          "gloo": True},
+             "gpu": {"source": "nvml", "driver": "570", "driver_cuda": "12.8",
+                     "gpus": [{"index": i, "name": "NVIDIA H100", "memory_total_mib": 81559, "bus_id": "x"}
+                              for i in range(8)]},
+             "topology": {"error": "not run"}, "ib": ports, "interfaces": ifs,
+             "limits": {"memlock_bytes": 64 << 10, "shm_bytes": 64 << 20},
+             "env": {"NCCL_DEBUG": "INFO"}, "nccl_conf": {str(conf): doctor.read_nccl_conf(str(conf))}}
+    checks = doctor.local_checks(facts)
+    limits = [(c.status, c.what) for c in checks if c.section == "limits"]
+    assert limits == [(WARN, "locked memory limited to 64 KiB (ulimit -l)"), (WARN, "/dev/shm is 64 MiB")]
+    env = {c.what: c.status for c in checks if c.section == "environment"}
+    # the environment's NCCL_DEBUG wins over the file's; the file's interface names none of this host's
+    assert env == {"NCCL_DEBUG=INFO": OK, f"NCCL_SOCKET_IFNAME==eth9 (in {conf})": FAIL}
+    facts["limits"] = {"memlock_bytes": None, "shm_bytes": 32 << 30}
+    assert {c.status for c in doctor.local_checks(facts) if c.section == "limits"} == {OK}
+
+
 def test_nccl_filter_syntax():
     match = nccl_vars.filter_matches
     assert match("eth", "eth0") and match("eth", "eth10") and not match("eth", "ib0")
@@ -297,7 +322,7 @@ def test_doctor_on_this_machine_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["exit_code"] == 0 and data["world_size"] == 1 and data["job"] is None
     (host,) = data["hosts"].values()
-    assert set(host) == {"software", "gpu", "ib", "interfaces", "topology", "env"}
+    assert set(host) == {"software", "gpu", "ib", "interfaces", "topology", "env", "limits", "nccl_conf"}
     assert {c["status"] for c in data["checks"]} <= {OK, WARN, SKIP}
     assert all(c["what"] for c in data["checks"])
 
