@@ -34,6 +34,7 @@ _QLORA = {**_LORA, "lora.base_dtype": "nf4", "training.activation_checkpointing"
 VARIANTS = {  # loom: config overrides; transformers: None
     "loom_lora": {**_LORA, "training.compile": "true"},
     "loom_lora_eager": _LORA,
+    "loom_lora_unfused": {**_LORA, "training.compile": "true", "lora.fused": "false"},
     "loom_lora_fp32_base": {**_LORA, "lora.base_dtype": "float32", "training.compile": "true"},
     "loom_qlora": {**_QLORA, "training.compile": "true"},
     "loom_qlora_eager": _QLORA,

@@ -126,6 +126,7 @@ RULES: dict[str, tuple[str, str]] = {
     "lora.rslora": (APPLIED, "the adapters' scaling from the next step"),
     "lora.base_dtype": (MUST_MATCH, "the frozen base's values (an NF4 base is rebuilt at start, not loaded)"),
     "lora.init_from": (APPLIED, "initialisation only: the checkpoint's adapters are resumed"),
+    "lora.fused": (FREE, "the same product computed another way"),
 
     "dpo.beta": (APPLIED, "the loss and rewards from the next step"),
     "dpo.loss": (APPLIED, "the loss from the next step"),

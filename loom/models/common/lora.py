@@ -52,7 +52,7 @@ class LoRALinear(nn.Linear):
     an NF4 tensor (QLoRA): ``F.linear`` then dequantizes it to the input's dtype (torchao's ``linear_nf4``)."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, scaling: float, dropout: float = 0.0,
-                 bias: bool = False, device=None, dtype=None):
+                 bias: bool = False, device=None, dtype=None, fused: bool = True):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.rank, self.scaling = rank, scaling
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
@@ -60,6 +60,7 @@ class LoRALinear(nn.Linear):
         self.dropout = dropout
         self.disabled = False  # adapters_disabled: the base linear alone
         self.host_weight = False  # QLoRA: the base weight materialized in host memory until quantize_base
+        self.fused = fused  # loom::lora_linear where the base is plain (lora.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.disabled:
@@ -68,7 +69,7 @@ class LoRALinear(nn.Linear):
         # under no_grad
         a_in = F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled()) if self.dropout else x
         w, a, b = self.weight, self.lora_A.weight, self.lora_B.weight
-        if a_in is x and not w.requires_grad and self.bias is None and all(type(t) in _PLAIN for t in (x, w, a, b)):
+        if self.fused and a_in is x and not w.requires_grad and self.bias is None and all(type(t) in _PLAIN for t in (x, w, a, b)):
             return lora_linear(x, w, a, b, self.scaling)  # the adapter added in the base matmul's epilogue
         # the scaling multiplies the (.., r) tensor, not the (.., out) one PEFT scales: the same product, one
         # activation-sized pass fewer in forward and in backward
@@ -122,6 +123,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
     if not cfg.rank:
         return 0
     scaling = lora_scaling(cfg.alpha, cfg.rank, cfg.rslora)
+    fused = cfg.fused != "false"
     n = 0
     for block in model.layers.values():
         for target in parse_targets(cfg.targets):
@@ -133,7 +135,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
                                   "in this model (a mixture-of-experts feed-forward): adapt q, k, v, o only")
             w = base.weight
             adapted = LoRALinear(base.in_features, base.out_features, cfg.rank, scaling, cfg.dropout,
-                                 bias=base.bias is not None, device=w.device, dtype=w.dtype)
+                                 bias=base.bias is not None, device=w.device, dtype=w.dtype, fused=fused)
             adapted.weight = w  # the base's own parameters (their values, if it has any)
             if cfg.base_dtype == "nf4":  # quantized from bfloat16 anyway: half the memory until then
                 adapted.weight = nn.Parameter(w.detach().to(torch.bfloat16))
