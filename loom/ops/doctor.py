@@ -785,8 +785,9 @@ def job_checks(r: Report, job: dict, options: Options, nhosts: int) -> None:
     if len(results) == 1:
         r.add("matmul", OK, f"{_who(first)}: {_rate(first['tflops'])} ({what})", "one rank: nothing to compare")
     else:
-        r.add("matmul", OK, f"{len(results)} ranks: median {_rate(median)}, slowest {_rate(lo['tflops'])} "
-              f"({_who(lo)}) ({what})", f"a rank more than {options.slow_fraction:.0%} below the median is named")
+        r.add("matmul", OK, f"{len(results)} ranks: median {_rate(median)}, slowest {_who(lo)} at "
+              f"{_rate(lo['tflops'])}; {what}", "" if first["name"] == "cpu" else
+              f"a rank more than {options.slow_fraction:.0%} below the median is named")
     if first["name"] == "cpu" and len(results) > 1:
         slow = []
         r.add("matmul", SKIP, "CPU ranks are not compared", "they share this host's cores, so their speeds differ "
