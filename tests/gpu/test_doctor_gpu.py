@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.ops import doctor
+from loom.ops import commbench, doctor, hostinfo
 from loom.ops.doctor import Options, Report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -15,7 +15,7 @@ FAST = ("H100", "H200", "B200", "GH200")  # bf16 dense peak near 1000 TFLOP/s or
 
 
 def test_driver_inventory_and_topology():
-    facts = doctor.local_facts()
+    facts = hostinfo.local_facts()
     gpu = facts["gpu"]
     assert gpu["source"] in ("nvml", "nvidia-smi"), gpu
     assert len(gpu["gpus"]) >= torch.cuda.device_count() >= 1
@@ -33,7 +33,7 @@ def test_driver_inventory_and_topology():
 
 def test_bf16_matmul_rate():
     device = torch.device("cuda", 0)
-    result = doctor.matmul_tflops(device, 8192, iters=10)
+    result = commbench.matmul_tflops(device, 8192, iters=10)
     assert result["finite"] and result["dtype"] == "bfloat16"
     name = torch.cuda.get_device_name(device)
     assert result["tflops"] > (100 if any(k in name for k in FAST) else 1), (name, result)
@@ -48,7 +48,7 @@ def test_one_rank_nccl_group_runs_the_collective_tests():
     try:
         assert dist.get_backend() == "nccl"
         for op in ("all_reduce", "all_gather"):
-            (row,) = doctor.collective_test(op, [64 << 20], iters=5, device=device)
+            (row,) = commbench.collective_test(op, [64 << 20], iters=5, device=device)
             assert row["wrong"] == 0 and row["time_us"] > 0 and row["algbw_gbps"] > 0
             assert row["busbw_gbps"] == 0.0  # one rank moves nothing over a link: factor 2(n-1)/n = (n-1)/n = 0
         job = doctor.job_tests(Options(iters=3, matmul_size=4096), device, 0, 0, 1)

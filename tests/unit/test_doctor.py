@@ -12,7 +12,7 @@ import pytest
 
 from loom.cli.doctor import parse_size
 from loom.cli.main import main as loom_main
-from loom.ops import doctor, nccl_vars
+from loom.ops import commbench, doctor, hostinfo, nccl_vars
 from loom.ops.doctor import FAIL, OK, SKIP, WARN, Options, Report
 from loom.ops.nccl_vars import HostContext
 
@@ -59,13 +59,13 @@ Legend:
 
 
 def test_topology_of_an_nvswitch_host():
-    topo = doctor.parse_topo_matrix(DGX)
+    topo = hostinfo.parse_topo_matrix(DGX)
     assert topo["devices"][:8] == [f"GPU{i}" for i in range(8)] and topo["devices"][8:] == [f"NIC{i}" for i in
                                                                                           range(4)]
     assert topo["links"]["GPU3"]["GPU5"] == "NV18" and topo["links"]["GPU5"]["NIC3"] == "PIX"
     assert topo["cpu_affinity"]["GPU6"] == "56-111,168-223" and topo["numa"]["GPU1"] == "0"
     assert topo["nic_names"]["NIC2"] == "mlx5_2"
-    s = doctor.summarize_topology(topo)
+    s = hostinfo.summarize_topology(topo)
     assert s["summary"] == "8 GPUs, all pairs NV18 (NVSwitch)" and s["all_nvlink"] and not s["slow_pairs"]
     assert s["pairs"] == {"NV18": 28}
     assert s["nearest_nic"]["GPU1"] == {"nic": "mlx5_1", "link": "PIX"}
@@ -73,32 +73,32 @@ def test_topology_of_an_nvswitch_host():
 
 
 def test_topology_with_pcie_pairs_warns_and_far_nics_are_named():
-    s = doctor.summarize_topology(doctor.parse_topo_matrix(MIXED))
+    s = hostinfo.summarize_topology(hostinfo.parse_topo_matrix(MIXED))
     assert s["summary"] == "4 GPUs: NV4 x 2 pairs, SYS x 4 pairs" and s["nvlink"] and not s["all_nvlink"]
     assert sorted(s["slow_pairs"])[:2] == ["GPU0-GPU2 SYS", "GPU0-GPU3 SYS"]
     r = Report()
-    doctor._topology_checks(r, doctor.parse_topo_matrix(MIXED), set())
+    doctor._topology_checks(r, hostinfo.parse_topo_matrix(MIXED), set())
     assert [c.status for c in r.checks] == [OK, WARN] and "4 GPU pair(s) without NVLink" in r.checks[1].what
     r = Report()
-    doctor._topology_checks(r, doctor.parse_topo_matrix(DGX), {"mlx5_0", "mlx5_2"})  # two of the NICs are RDMA
+    doctor._topology_checks(r, hostinfo.parse_topo_matrix(DGX), {"mlx5_0", "mlx5_2"})  # two of the NICs are RDMA
     far = [c for c in r.checks if c.status == WARN]
     assert len(far) == 1 and far[0].what.startswith("4 GPU(s)") and "GPU2 (mlx5_0, NODE)" in far[0].what
     assert "GPU0" not in far[0].what and "GPU5" not in far[0].what
 
 
 def test_topology_of_one_gpu_and_four_direct_links():
-    one = doctor.summarize_topology(doctor.parse_topo_matrix(
+    one = hostinfo.summarize_topology(hostinfo.parse_topo_matrix(
         "\tGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\nGPU0\t X \t0-23\t0\t\tN/A\n\nLegend:\n"))
     assert one["summary"] == "1 GPU" and not one["nvlink"]
     mesh = "\tGPU0\tGPU1\tGPU2\tGPU3\n" + "".join(
         f"GPU{i}\t" + "\t".join("X" if i == j else "NV4" for j in range(4)) + "\n" for i in range(4))
-    assert doctor.summarize_topology(doctor.parse_topo_matrix(mesh))["summary"] == "4 GPUs, all pairs NV4"
+    assert hostinfo.summarize_topology(hostinfo.parse_topo_matrix(mesh))["summary"] == "4 GPUs, all pairs NV4"
 
 
 def test_nvidia_smi_gpu_query():
     text = ("0, NVIDIA H100 80GB HBM3, GPU-aaaa, 00000000:18:00.0, 570.86.15, 81559, 3, 34, 0, Disabled\n"
             "1, NVIDIA H100 80GB HBM3, GPU-bbbb, 00000000:2A:00.0, 570.86.15, 81559, 12000, 88, 2, [N/A]\n")
-    gpus = doctor.parse_smi_gpus(text)
+    gpus = hostinfo.parse_smi_gpus(text)
     assert gpus[0] == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-aaaa",
                        "bus_id": "00000000:18:00.0", "driver": "570.86.15", "memory_total_mib": 81559,
                        "memory_used_mib": 3, "temperature_c": 34, "ecc_uncorrected": 0, "mig": "Disabled"}
@@ -155,7 +155,7 @@ def sysfs(tmp_path):
         (net / name / "mtu").write_text("1500\n")
         if speed:
             (net / name / "speed").write_text(speed + "\n")
-    return doctor.read_ib_devices(str(ib)), doctor.read_interfaces(str(net))
+    return hostinfo.read_ib_devices(str(ib)), hostinfo.read_interfaces(str(net))
 
 
 def test_infiniband_and_roce_ports_from_sysfs(sysfs):
@@ -165,10 +165,10 @@ def test_infiniband_and_roce_ports_from_sysfs(sysfs):
                                                                                       "Ethernet")]
     assert ports[0]["rate_gbps"] == 400.0 and ports[1]["phys_state"] == "Disabled" and ports[2]["netdevs"] == ["eth2"]
     assert [g["index"] for g in ports[2]["gids"]] == [0, 1, 2, 3] and ports[2]["gids"][3]["netdev"] == "eth2"
-    assert doctor.roce_v2_ipv4_gid(ports[2]) == 3 and doctor.roce_v2_ipv4_gid(ports[0]) is None
+    assert hostinfo.roce_v2_ipv4_gid(ports[2]) == 3 and hostinfo.roce_v2_ipv4_gid(ports[0]) is None
     assert ifs["eth2"] == {"operstate": "up", "mtu": 1500, "speed_mbps": 200000}
     assert ifs["docker0"]["speed_mbps"] is None and ifs["lo"]["speed_mbps"] is None
-    assert doctor.read_ib_devices("/nonexistent/infiniband") == []
+    assert hostinfo.read_ib_devices("/nonexistent/infiniband") == []
     r = Report()
     doctor._network_checks(r, {"interfaces": ifs, "ib": ports, "env": {}}, nnodes=2)
     by_port = {c.what.split(":")[0]: c for c in r.checks}
@@ -183,8 +183,8 @@ def test_host_limits_and_nccl_conf(sysfs, tmp_path):
     ports, ifs = sysfs
     conf = tmp_path / "nccl.conf"
     conf.write_text("# site settings\nNCCL_DEBUG=WARN\nNCCL_SOCKET_IFNAME==eth9  # a comment\n\n")
-    assert doctor.read_nccl_conf(str(conf)) == {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "=eth9"}
-    assert doctor.read_nccl_conf(str(tmp_path / "none.conf")) == {}
+    assert hostinfo.read_nccl_conf(str(conf)) == {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "=eth9"}
+    assert hostinfo.read_nccl_conf(str(tmp_path / "none.conf")) == {}
     facts = {"software": {"python": "3", "torch": "2", "loom": "0", "cuda_runtime": "12.8", "cuda_available": True,
                           "cuda_devices": 8, "driver_cuda": "12.8", "nccl": "2.27.5", "nccl_available": True,
                           "gloo": True},
@@ -193,7 +193,7 @@ def test_host_limits_and_nccl_conf(sysfs, tmp_path):
                               for i in range(8)]},
              "topology": {"error": "not run"}, "ib": ports, "interfaces": ifs,
              "limits": {"memlock_bytes": 64 << 10, "shm_bytes": 64 << 20},
-             "env": {"NCCL_DEBUG": "INFO"}, "nccl_conf": {str(conf): doctor.read_nccl_conf(str(conf))}}
+             "env": {"NCCL_DEBUG": "INFO"}, "nccl_conf": {str(conf): hostinfo.read_nccl_conf(str(conf))}}
     checks = doctor.local_checks(facts)
     limits = [(c.status, c.what) for c in checks if c.section == "limits"]
     assert limits == [(WARN, "locked memory limited to 64 KiB (ulimit -l)"), (WARN, "/dev/shm is 64 MiB")]
@@ -259,10 +259,10 @@ def test_the_docs_carry_the_variable_table():
 
 def test_bus_bandwidth_as_nccl_tests_defines_it():
     # 1 GB in 10 ms on 8 ranks: algbw 100 GB/s; all-reduce moves 2(n-1)/n of it per rank, all-gather (n-1)/n
-    assert doctor.bandwidth("all_reduce", 10 ** 9, 0.01, 8) == pytest.approx((100.0, 175.0))
-    assert doctor.bandwidth("all_gather", 10 ** 9, 0.01, 8) == pytest.approx((100.0, 87.5))
-    assert doctor.bandwidth("all_reduce", 10 ** 9, 0.01, 2) == pytest.approx((100.0, 100.0))
-    assert doctor.bandwidth("all_gather", 10 ** 9, 0.01, 1)[1] == 0.0
+    assert commbench.bandwidth("all_reduce", 10 ** 9, 0.01, 8) == pytest.approx((100.0, 175.0))
+    assert commbench.bandwidth("all_gather", 10 ** 9, 0.01, 8) == pytest.approx((100.0, 87.5))
+    assert commbench.bandwidth("all_reduce", 10 ** 9, 0.01, 2) == pytest.approx((100.0, 100.0))
+    assert commbench.bandwidth("all_gather", 10 ** 9, 0.01, 1)[1] == 0.0
 
 
 def _ranks(tflops: list[float]) -> list[dict]:
@@ -272,9 +272,9 @@ def _ranks(tflops: list[float]) -> list[dict]:
 
 def test_a_slow_gpu_is_named_by_rank_host_and_index():
     results = _ranks([700, 705, 698, 560, 702, 699, 701, 703])
-    median, slow = doctor.flag_slow(results, 0.1)
+    median, slow = commbench.flag_slow(results, 0.1)
     assert median == 700.5 and [s["rank"] for s in slow] == [3]
-    assert doctor.flag_slow(results, 0.25)[1] == []
+    assert commbench.flag_slow(results, 0.25)[1] == []
     r = Report()
     doctor.job_checks(r, {"world_size": 8, "backend": "nccl", "matmul": results}, Options(), nhosts=2)
     warns = [c for c in r.checks if c.status == WARN]
