@@ -263,6 +263,9 @@ class LoraConfig:
     init_from: str = opt("", "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to start "
                              "the adapters from; its r, lora_alpha, target_modules and use_rslora must equal "
                              "this section's")
+    fused: str = opt("auto", "a plain frozen base and its adapter as one op (loom::lora_linear: the rank-r product "
+                             "accumulated in the base GEMM's epilogue, forward and input gradient) or as two linears "
+                             "and an add; auto = docs/lora.md's rule", choices=("auto", "true", "false"))
 
 
 @dataclass
@@ -292,9 +295,6 @@ class RewardConfig:
 
 @dataclass
 class PpoConfig:
-    fused: str = opt("auto", "a plain frozen base and its adapter as one op (loom::lora_linear: the rank-r product "
-                             "accumulated in the base GEMM's epilogue, forward and input gradient) or as two linears "
-                             "and an add; auto = docs/lora.md's rule", choices=("auto", "true", "false"))
     """Proximal policy optimization with a value head (training.objective ppo; docs/rl.md). Rollouts, rewards and the
     warm-up come from the [grpo] section's sampling fields; each batch of rollouts is mini_batches x
     training.global_batch_size completions, trained for epochs x mini_batches optimizer steps."""
