@@ -113,6 +113,11 @@ def main(argv: list[str]) -> int:
 
         check_file_writable("--json", json_path, "doctor.json")
     if nproc and nproc > 1 and "WORLD_SIZE" not in os.environ:
+        import torch
+
+        if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+            raise ConfigError("--nproc-per-node", nproc, f"this host shows {torch.cuda.device_count()} GPU(s); "
+                              "one rank per GPU")
         return launch(_without_nproc(argv), nproc)
     from loom.ops.doctor import render, run, write_json
 

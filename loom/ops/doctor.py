@@ -125,7 +125,7 @@ def _gpu_checks(r: Report, sw: dict, gpu: dict, env: dict) -> None:
         r.add("gpus", SKIP, "no NVIDIA GPU found", gpu.get("error") or "NVML and nvidia-smi list none")
         return
     src = gpu["source"]
-    note = "" if src == "nvml" else f" ({gpu.get('nvml_error', 'no NVML')}, so nvidia-smi)"
+    note = "" if src == "nvml" else f" ({gpu.get('nvml_error', 'no NVML')})"
     r.add("gpus", OK, f"driver {gpu.get('driver')} (CUDA up to {gpu.get('driver_cuda') or '?'}): "
           f"{len(gpu['gpus'])} GPU(s), read through {src}{note}")
     for g in gpu["gpus"]:

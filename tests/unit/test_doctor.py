@@ -346,6 +346,13 @@ def test_bad_options_exit_2_with_one_line(capsys, argv, field):
     assert len(err) == 1 and err[0].startswith(f"loom: error: {field}")
 
 
+def test_help_lists_the_options(capsys):
+    assert loom_main(["doctor", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: loom doctor") and all(o in out for o in ("--nproc-per-node", "--json", "--sizes",
+                                                                          "--slow-fraction", "--min-busbw"))
+
+
 def test_json_into_a_folder_is_a_user_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         loom_main(["doctor", "--local", "--json", str(tmp_path)])
