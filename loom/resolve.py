@@ -13,6 +13,7 @@ from loom.config.errors import ConfigError
 from loom.config.load import profile_window
 from loom.config.sections import Config, ParallelConfig
 from loom.parallel.dims import ParallelDims, tp_limit
+from loom.parallel.fault_tolerance import lighthouse_address, replica_groups
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
@@ -49,8 +50,9 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     check_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_grpo(cfg, dims)
+    check_offload(cfg, dims)
     t = cfg.training
-    accum = accumulation_steps(t, dims.dp_size)
+    accum = accumulation_steps(t, dims.dp_size * replica_groups(cfg.parallel))  # the groups split each global batch
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
     check_noise_scale(cfg, dims, accum)
     if device is None:  # this machine's (the planner names a device it does not have)
@@ -79,6 +81,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
                           "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
     check_parallel_fields(cfg)
+    check_fault_tolerance(cfg)
+    check_diloco(cfg)
     check_lora(cfg)
     check_objective(cfg)
     check_dpo(cfg)
@@ -92,6 +96,37 @@ def check_config(cfg: Config) -> None:
     if window and window[1] > t.steps:
         raise ConfigError("metrics.profile_steps", cfg.metrics.profile_steps,
                           f"the last profiled step must be <= training.steps ({t.steps})")
+
+
+def check_fault_tolerance(cfg: Config) -> None:
+    """parallel.fault_tolerance (loom.parallel.fault_tolerance): the ft_* fields only with it; the replica groups are
+    the replicate axis (each group shards with dp_shard); the layouts and features tested with it so far."""
+    p = cfg.parallel
+    if not p.fault_tolerance:
+        for key in ("ft_replica_id", "ft_replica_groups", "ft_lighthouse", "ft_min_replicas", "ft_timeout_s"):
+            default = ParallelConfig.__dataclass_fields__[key].default
+            if getattr(p, key) != default:
+                raise ConfigError(f"parallel.{key}", getattr(p, key), "used by parallel.fault_tolerance only")
+        return
+    if p.ft_replica_id >= p.ft_replica_groups:
+        raise ConfigError("parallel.ft_replica_id", p.ft_replica_id,
+                          f"must be below parallel.ft_replica_groups ({p.ft_replica_groups})")
+    if p.ft_min_replicas > p.ft_replica_groups:
+        raise ConfigError("parallel.ft_min_replicas", p.ft_min_replicas,
+                          f"must be at most parallel.ft_replica_groups ({p.ft_replica_groups})")
+    if p.dp_replicate > 1:
+        raise ConfigError("parallel.dp_replicate", p.dp_replicate, "with parallel.fault_tolerance the replica groups "
+                          "are the replicate axis: allowed 1 (shard within a group with parallel.dp_shard)")
+    for key in ("tp", "pp", "cp", "ep"):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallel.{key}", getattr(p, key), "not supported with parallel.fault_tolerance yet "
+                              "(data parallelism within a replica group only): allowed 1")
+    if cfg.training.nonfinite == "rollback":
+        raise ConfigError("training.nonfinite", "rollback", "not with parallel.fault_tolerance (one group would "
+                          "roll back alone): allowed skip | stop")
+    if cfg.training.objective in ("grpo", "ppo"):
+        raise ConfigError("training.objective", cfg.training.objective, "not with parallel.fault_tolerance (its "
+                          "rollouts are not split over replica groups)")
 
 
 def check_lora(cfg: Config) -> None:
@@ -288,6 +323,9 @@ def check_parallel_fields(cfg: Config) -> None:
                               "equal chunks (each cp rank holds two: balanced causal work)")
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
+    if p.cpu_offload and p.backend == "nccl":
+        raise ConfigError("parallel.backend", "nccl", "parallel.cpu_offload keeps the gradients on the host, which "
+                          "NCCL cannot reduce: allowed auto (cuda:nccl,cpu:gloo on GPUs) | gloo")
     if t.float8 != "none" and p.tp > 1:
         raise ConfigError("training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there")
     if t.float8 != "none" and t.dtype != "bfloat16":
@@ -300,7 +338,44 @@ def check_parallel_fields(cfg: Config) -> None:
                           "sharded or stage-split output): allowed auto | false there")
 
 
+def check_diloco(cfg: Config) -> None:
+    """DiLoCo (loom.train.diloco): groups along dp_replicate that average their weights every H steps."""
+    p = cfg.parallel
+    if not p.diloco_inner_steps:
+        return
+    field, h = "parallel.diloco_inner_steps", p.diloco_inner_steps
+    if p.dp_replicate < 2:
+        raise ConfigError(field, h, "needs parallel.dp_replicate >= 2 (the replica groups that train apart)")
+    for key, value, bad, why in (
+            ("parallel.ep", p.ep, p.ep > 1, "expert gradients are reduced over dp_replicate inside FSDP2"),
+            ("parallel.cpu_offload", True, p.cpu_offload, "the outer all-reduce runs on the training device"),
+            ("metrics.noise_scale", True, cfg.metrics.noise_scale, "its large batch is the all-reduced gradient"),
+            ("training.objective", cfg.training.objective, cfg.training.objective in ("grpo", "ppo"),
+             "its rollouts read one policy")):
+        if bad:
+            raise ConfigError(field, h, f"not with {key} = {value} ({why})")
+    if p.diloco_fragments > h:
+        raise ConfigError("parallel.diloco_fragments", p.diloco_fragments,
+                          f"at most parallel.diloco_inner_steps = {h} (each fragment synchronizes once per H steps)")
+
+
 # ---- rules that need the world size ---------------------------------------------------
+
+def check_offload(cfg: Config, dims: ParallelDims) -> None:
+    """parallel.cpu_offload runs FSDP2 with its shards on the host, on one rank too (a 1-rank mesh): not where
+    the model is replicated without sharding (DDP keeps its state on the device; sharding over the same ranks
+    holds less on the host), nor under GRPO (its engine generates on each rank's whole module)."""
+    p = cfg.parallel
+    if not p.cpu_offload:
+        return
+    if dims.ddp_enabled:
+        raise ConfigError("parallel.cpu_offload", True, f"needs FSDP2 (parallel.dp_shard x cp > 1, or one rank): "
+                          f"parallel.dp_replicate = {dims.dp_replicate} with dp_shard = 1 replicates the model with "
+                          "DDP; shard over those ranks instead (parallel.dp_shard)")
+    if cfg.training.objective in ("grpo", "ppo"):
+        raise ConfigError("parallel.cpu_offload", True, f"not with training.objective {cfg.training.objective} (its "
+                          "engine generates on each rank's whole module): allowed false")
+
 
 def accumulation_steps(training, dp_size: int) -> int:
     """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""
@@ -362,6 +437,15 @@ def check_machine(cfg: Config, device: str) -> None:
     """What the run needs installed, or of its device type, wherever it runs."""
     if cfg.parallel.async_tp and device != "cuda":
         raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
+    if cfg.parallel.fault_tolerance:
+        from importlib.util import find_spec
+
+        if find_spec("torchft") is None:
+            raise ConfigError("parallel.fault_tolerance", True, "needs the 'torchft' package (pip install "
+                              "'loom-train[ft]')")
+        if not lighthouse_address(cfg.parallel):
+            raise ConfigError("parallel.ft_lighthouse", "", "parallel.fault_tolerance needs the torchft lighthouse's "
+                              "address (http://host:port) here or in TORCHFT_LIGHTHOUSE", show_value=False)
     if cfg.training.float8 != "none":
         from loom.models.common.float8 import float8_available
 

@@ -10,12 +10,15 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 from loom.config import ConfigError, build_config, parse_overrides, to_toml
 from loom.train.run_dir import acquire, check_writable_dirs, checkpoint_dir, held_env
 
 USAGE = """usage: loom train [--config FILE.toml] [--nproc-per-node N] [--section.field VALUE ...]
                   [--print-config] [--dry-run]
+                  [--max-restarts N] [--nnodes N|MIN:MAX] [--node-rank R] [--rdzv-backend c10d|file]
+                  [--rdzv-endpoint HOST:PORT|PATH] [--rdzv-id ID] [--rdzv-conf KEY=VALUE,...]
        loom train --help [SECTION]
 
 Trains with defaults < FILE < overrides. Without --config and --data.source it trains the
@@ -29,49 +32,174 @@ options:
   --dry-run               run every check a start runs, build the model on the meta device, print the plan
                           (layout, parameters, memory per device, tokens per step) and exit; writes nothing
   -h, --help [SECTION]    this text, or SECTION's fields: defaults, allowed values and meaning
+
+restarts and several nodes (PyTorch's elastic agent; docs/operations.md):
+  --max-restarts N        when a worker fails (killed, crashed, its node lost), restart all workers up to N times;
+                          each restart resumes from the newest complete checkpoint and is recorded in
+                          <run.dir>/restarts.jsonl and metrics.jsonl (default 0)
+  --nnodes N|MIN:MAX      nodes in the job (default 1), one `loom train` per node; MIN:MAX is elastic: the job
+                          re-forms when nodes leave or join, with parallel.dp_shard = -1 re-derived for the new size
+  --node-rank R           c10d: node 0 serves the rendezvous store, the others only connect (default: the agent on
+                          the endpoint's host that starts first serves it); node ranks are assigned on arrival
+  --rdzv-backend NAME     c10d (default: a TCP store on --rdzv-endpoint HOST:PORT) | file (a file on a filesystem
+                          every node mounts: --rdzv-endpoint PATH; no port is served)
+  --rdzv-endpoint ADDR    HOST:PORT (c10d) or PATH (file): where the nodes meet; needed with more than one node
+  --rdzv-id ID            the job's id, the same on every node (default none)
+  --rdzv-conf K=V,...     rendezvous settings, e.g. join_timeout=600,last_call_timeout=30
 """
 
-# loom train's own options: a misspelt one is named as such, not as an unknown config key
-OPTIONS = ("--config", "--nproc-per-node", "--print-config", "--dry-run", "--help")
 PREVIEWS = {"--print-config": "print-config", "--print_config": "print-config", "--dry-run": "dry-run",
             "--dry_run": "dry-run"}
+RDZV_BACKENDS = ("c10d", "file")
 
 
-def split_launcher_args(argv: list[str]) -> tuple[str | None, int | None, list[str]]:
-    """Pull --config and --nproc-per-node out; the rest are --section.field overrides."""
-    config, nproc, rest = None, None, []
+@dataclass
+class Launch:
+    """loom train's launcher options: how many workers start here, how often they restart, how nodes meet."""
+
+    config: str | None = None
+    nproc: int | None = None
+    nnodes: tuple[int, int] = (1, 1)  # (min, max)
+    node_rank: int | None = None
+    max_restarts: int = 0
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: str = ""
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes[1] > 1
+
+    @property
+    def elastic(self) -> bool:
+        return self.nnodes[0] < self.nnodes[1]
+
+    @property
+    def agent(self) -> bool:
+        """Whether workers start through the elastic agent (else this process trains)."""
+        return (self.nproc or 1) > 1 or self.multi_node or self.max_restarts > 0 or bool(self.rdzv_endpoint)
+
+    @property
+    def world_size(self) -> int:
+        """The world a start plans for: every node's workers at the largest node count."""
+        return (self.nproc or 1) * self.nnodes[1]
+
+    def agent_args(self) -> list[str]:
+        """torch.distributed.run's arguments (before the worker's module)."""
+        args = [f"--nproc-per-node={self.nproc or 1}", f"--max-restarts={self.max_restarts}"]
+        if not self.multi_node and not self.rdzv_endpoint:
+            return ["--standalone", *args]  # one node: a c10d store on a free local port, a fresh job id
+        lo, hi = self.nnodes
+        conf = [c for c in self.rdzv_conf.split(",") if c]
+        if self.rdzv_backend == "c10d" and self.node_rank is not None and not any(
+                c.startswith("is_host=") for c in conf):
+            conf.append(f"is_host={int(self.node_rank == 0)}")
+        return [*args, f"--nnodes={lo}:{hi}" if lo < hi else f"--nnodes={lo}", f"--rdzv-backend={self.rdzv_backend}",
+                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
+                *([f"--rdzv-conf={','.join(conf)}"] if conf else [])]
+
+
+def _count(name: str, val: str, least: int) -> int:
+    try:
+        n = int(val)
+    except ValueError:
+        n = None
+    if n is None or n < least:
+        raise ConfigError(name, val if n is None else n,
+                          "expected a positive integer" if least else "expected a whole number >= 0")
+    return n
+
+
+def _nnodes(val: str) -> tuple[int, int]:
+    lo, sep, hi = val.partition(":")
+    try:
+        nodes = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        nodes = (0, 0)
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise ConfigError("--nnodes", val, "expected N or MIN:MAX with 1 <= MIN <= MAX")
+    return nodes
+
+
+def _rdzv_conf(val: str) -> str:
+    if any("=" not in item or not item.partition("=")[0].strip() for item in val.split(",") if item):
+        raise ConfigError("--rdzv-conf", val, "expected KEY=VALUE[,KEY=VALUE...], e.g. join_timeout=600")
+    return val
+
+
+def _backend(val: str) -> str:
+    if val not in RDZV_BACKENDS:
+        raise ConfigError("--rdzv-backend", val, f"allowed: {' | '.join(RDZV_BACKENDS)}")
+    return val
+
+
+# option -> (Launch field, how its value is read); torchrun's underscore spellings are accepted too
+LAUNCH_OPTIONS = {
+    "--config": ("config", str), "-c": ("config", str),
+    "--nproc-per-node": ("nproc", lambda v: _count("--nproc-per-node", v, 1)),
+    "--max-restarts": ("max_restarts", lambda v: _count("--max-restarts", v, 0)),
+    "--nnodes": ("nnodes", _nnodes),
+    "--node-rank": ("node_rank", lambda v: _count("--node-rank", v, 0)),
+    "--rdzv-backend": ("rdzv_backend", _backend),
+    "--rdzv-endpoint": ("rdzv_endpoint", str),
+    "--rdzv-id": ("rdzv_id", str),
+    "--rdzv-conf": ("rdzv_conf", _rdzv_conf),
+}
+LAUNCH_OPTIONS.update({k.replace("-", "_").replace("__", "--"): v for k, v in list(LAUNCH_OPTIONS.items())
+                       if k.startswith("--")})
+# loom train's own options: a misspelt one is named as such, not as an unknown config key
+OPTIONS = ("--config", "--print-config", "--dry-run", "--help",
+           *(k for k in LAUNCH_OPTIONS if k.startswith("--") and "_" not in k and k != "--config"))
+
+
+def parse_launch(argv: list[str]) -> tuple[Launch, list[str]]:
+    """Pull loom train's launcher options (and --config) out; the rest are --section.field overrides."""
+    launch, rest = Launch(), []
     i = 0
     while i < len(argv):
         arg = argv[i]
         name, eq, val = arg.partition("=")
-        if name in ("--config", "-c", "--nproc-per-node", "--nproc_per_node"):
+        if name in LAUNCH_OPTIONS:
             if not eq:
                 if i + 1 >= len(argv):
                     raise ConfigError(name, None, "missing value after the option", show_value=False)
                 val, i = argv[i + 1], i + 1
-            if name.startswith("--nproc"):
-                try:
-                    nproc = int(val)
-                except ValueError:
-                    raise ConfigError("--nproc-per-node", val, "expected a positive integer") from None
-                if nproc < 1:
-                    raise ConfigError("--nproc-per-node", nproc, "expected a positive integer")
-            else:
-                config = val
+            attr, read = LAUNCH_OPTIONS[name]
+            setattr(launch, attr, read(val))
         else:
             rest.append(arg)
         i += 1
-    return config, nproc, rest
+    check_launch(launch)
+    return launch, rest
+
+
+def check_launch(launch: Launch) -> None:
+    """The rules between launcher options: where nodes meet must be said when there is more than one."""
+    if (launch.multi_node or launch.rdzv_backend == "file") and not launch.rdzv_endpoint:
+        what = "PATH: a file on a filesystem every node mounts" if launch.rdzv_backend == "file" else \
+            "HOST:PORT that every node reaches (the first agent there serves the rendezvous store)"
+        why = "--rdzv-backend file" if launch.rdzv_backend == "file" else \
+            f"--nnodes {':'.join(map(str, sorted(set(launch.nnodes))))}"
+        raise ConfigError("--rdzv-endpoint", None, f"needed with {why}: {what}", show_value=False)
 
 
 def load_config(argv: list[str]):
-    config, nproc, rest = split_launcher_args(argv)
-    return build_config(config, parse_overrides(rest)), nproc
+    """(the config, --nproc-per-node)."""
+    cfg, launch = load_launch(argv)
+    return cfg, launch.nproc
 
 
-def precheck(cfg, world_size: int):
+def load_launch(argv: list[str]):
+    """(the config, the launcher options)."""
+    launch, rest = parse_launch(argv)
+    return build_config(launch.config, parse_overrides(rest)), launch
+
+
+def precheck(cfg, world_size: int, local: int | None = None):
     """Errors that need the world size, the tokenizer, the data, the device or this machine's free memory, found
-    once, before any worker starts. Returns the resolved run (loom.resolve.Run, with its model)."""
+    once, before any worker starts (``local``: the ranks on this machine; default ``local_ranks``). Returns the
+    resolved run (loom.resolve.Run, with its model)."""
     from loom.resolve import check_device, resolve
 
     run = resolve(cfg, world_size)  # the rules relating fields and the world size (the model's come below)
@@ -102,7 +230,7 @@ def precheck(cfg, world_size: int):
 
         check_weights(cfg.model.init_from)  # a truncated download, before any model is built
     check_before_start(cfg)  # a checkpoint this config cannot continue (model shape, data, ...): refused here
-    check_fits(cfg, run.dims, run.model_args, run.device, local_ranks(world_size))
+    check_fits(cfg, run.dims, run.model_args, run.device, local or local_ranks(world_size))
     return run
 
 
@@ -122,9 +250,31 @@ def env_world_size() -> int:
     return int(world)
 
 
-def planned_world_size(nproc: int | None) -> int:
-    """The world size a start plans for: --nproc-per-node where it launches workers, else this process's."""
-    return nproc if nproc and nproc > 1 else env_world_size()
+def planned_world_size(launch: Launch) -> int:
+    """The world size a start plans for: the launcher's (--nproc-per-node x --nnodes, at the most nodes) where it
+    launches workers, else this process's."""
+    return launch.world_size if launch.agent else env_world_size()
+
+
+def planned_local(launch: Launch) -> int | None:
+    """The ranks a start plans for on this machine: --nproc-per-node where it launches workers."""
+    return (launch.nproc or 1) if launch.agent else None
+
+
+def elastic_note(cfg, launch: Launch) -> str:
+    """With --nnodes MIN:MAX, the node counts whose world the layout cannot be formed on (one line), else ''."""
+    from loom.resolve import resolve
+
+    bad = []
+    for nodes in range(launch.nnodes[0], launch.nnodes[1]):
+        try:
+            resolve(cfg, nodes * (launch.nproc or 1), device="cpu")  # the world's rules only (the max's passed)
+        except ConfigError as err:
+            bad.append(f"{nodes} ({err})")
+    if not bad:
+        return ""
+    return (f"loom: note: with --nnodes {launch.nnodes[0]}:{launch.nnodes[1]}, a job re-formed on these node counts "
+            f"stops with exit code 2: {'; '.join(bad)}")
 
 
 @contextlib.contextmanager
@@ -138,19 +288,31 @@ def warnings_after_success():
 
 
 def checked_config(argv: list[str]):
-    """The validated config and --nproc-per-node."""
+    """The validated config and the launcher options."""
     with warnings_after_success():
-        cfg, nproc = load_config(argv)
-        precheck(cfg, planned_world_size(nproc))
-    return cfg, nproc
+        cfg, launch = load_launch(argv)
+        precheck(cfg, planned_world_size(launch), planned_local(launch))
+    return cfg, launch
 
 
 def run_worker(argv: list[str]) -> None:
     """The body of every worker process (also ``torchrun -m loom.train``)."""
-    from loom.train.trainer import Trainer
+    from loom.train.restarts import record_error
+
+    try:
+        _train_worker(argv)
+    except Exception as err:
+        record_error(err)  # where the elastic agent reads it: the restart record names it
+        raise
+
+
+def _train_worker(argv: list[str]) -> None:
     from loom.parallel.env import destroy_distributed
+    from loom.train.restarts import check_layout
+    from loom.train.trainer import Trainer
 
     cfg, _ = load_config(argv)
+    check_layout(cfg, env_world_size())  # a job an elastic agent (re-)formed: a layout its world cannot hold
     objective = None
     if cfg.training.objective == "grpo":  # loom.rl sits above loom.train: the objective is handed in
         from loom.rl.objective import GroupRelative
@@ -168,31 +330,51 @@ def run_worker(argv: list[str]) -> None:
     destroy_distributed()
 
 
-def launch(argv: list[str], nproc: int, cfg) -> int:
-    """Start ``nproc`` local workers with torch.distributed.run (elastic agent, c10d rendezvous). The agent
-    forwards SIGTERM / SIGINT to the workers, which agree, save and exit 0 within checkpoint.preempt_grace_s;
-    the agent waits a little longer than that before it kills them."""
+def launch(argv: list[str], launch: Launch, cfg) -> int:
+    """Start this node's workers with torch.distributed.run (elastic agent; one node: a local c10d store,
+    several: ``--rdzv-backend`` on ``--rdzv-endpoint``). The agent restarts them up to ``--max-restarts`` times
+    (recording each failure: loom.train.restarts) and forwards SIGTERM / SIGINT to them, which agree, save and exit
+    0 within checkpoint.preempt_grace_s; the agent waits a little longer than that before it kills them."""
     from torch.distributed.run import get_args_parser, run
 
+    from loom.train.restarts import ELASTIC_ENV, RESTARTS, describe_failures, failure_entries, recording_agent
+
+    nproc = launch.nproc or 1
+    if launch.rdzv_backend == "file":
+        try:
+            from loom.parallel.rendezvous import register_file_rendezvous
+        except ImportError:
+            raise ConfigError("--rdzv-backend", "file", "needs loom.parallel.rendezvous, not in this loom: allowed "
+                              "c10d") from None
+        register_file_rendezvous()  # torch's registry knows c10d, etcd and static; this process learns "file"
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # stable restarts on gloo
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(cfg.checkpoint.preempt_grace_s) + 10))
-    os.environ.update(held_env(cfg.run.dir))  # this process holds the run dir's lock for its workers
-    args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--module", "loom.train", *argv])
+    if not launch.multi_node:
+        os.environ.update(held_env(cfg.run.dir))  # this process holds the run dir's lock for its workers
+    if launch.elastic:
+        os.environ[ELASTIC_ENV] = f"{launch.nnodes[0]}:{launch.nnodes[1]}"
+    args = get_args_parser().parse_args([*launch.agent_args(), "--module", "loom.train", *argv])
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     started = time.time()
     try:
-        run(args)
+        with recording_agent(cfg.run.dir):
+            run(args)
     except SignalException as err:
         return _after_signal(cfg.run.dir, err.sigval, started)
     except ChildFailedError as err:
         codes = {f.exitcode for f in err.failures.values()}
         # the agent stops the other workers (negative codes: killed by a signal) once one has failed
         code = 2 if {c for c in codes if c >= 0} == {2} else 1
-        print(f"loom: a worker failed (exit codes {sorted(codes)}); see its message above", file=sys.stderr)
+        if code == 2:
+            print(f"loom: a worker failed (exit codes {sorted(codes)}); see its message above", file=sys.stderr)
+        else:
+            used = f"; no restarts left (--max-restarts {launch.max_restarts}): see {os.path.join(cfg.run.dir, RESTARTS)}" \
+                if launch.max_restarts else ""
+            print(f"loom: a worker failed: {describe_failures(failure_entries(err.failures, ''))}{used}",
+                  file=sys.stderr)
         return code
     return 0
 
@@ -249,8 +431,7 @@ def take_previews(argv: list[str]) -> tuple[set[str], list[str]]:
         if name in PREVIEWS:
             previews.add(PREVIEWS[name])
             continue
-        if name.startswith("--") and "." not in name and name not in ("--config", "--nproc-per-node",
-                                                                       "--nproc_per_node"):
+        if name.startswith("--") and "." not in name and name not in LAUNCH_OPTIONS:
             near = difflib.get_close_matches(name.replace("_", "-"), OPTIONS, n=1, cutoff=0.75)
             if near:
                 raise ConfigError(name, None, f"unknown option; did you mean '{near[0]}'? (see `loom train --help`)",
@@ -274,16 +455,17 @@ def dry_run(argv: list[str]) -> str:
     from loom.config.paths import check_folder_writable
 
     with warnings_after_success():
-        cfg, nproc = load_config(argv)
-        world = planned_world_size(nproc)
-        run = precheck(cfg, world)
+        cfg, launch = load_launch(argv)
+        world = planned_world_size(launch)
+        run = precheck(cfg, world, planned_local(launch))
         for field, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", checkpoint_dir(cfg))):
             check_folder_writable(field, path)  # what check_writable_dirs checks, without creating them
         refuse_fresh_start(cfg.checkpoint, checkpoint_dir(cfg))
-        return plan_text(cfg, run, world)
+        note = elastic_note(cfg, launch) if launch.elastic else ""
+        return plan_text(cfg, run, world, planned_local(launch)) + (f"\n{note}" if note else "")
 
 
-def plan_text(cfg, run, world: int) -> str:
+def plan_text(cfg, run, world: int, local: int | None = None) -> str:
     """The layout, the model built on the meta device, memory per device by the planner (loom.plan, as
     check_fits), and the batch of one optimizer step."""
     t, dims, args = cfg.training, run.dims, run.model_args
@@ -303,7 +485,7 @@ def plan_text(cfg, run, world: int) -> str:
                       f"(micro-batch {t.micro_batch_size} x {accum} x {dims.dp_size} data-parallel)"),
             ("training", f"{t.steps:,} steps = {t.steps * tokens:,} tokens"),
             ("memory", memory_text(cfg, run)),
-            ("free", room_text(run.device, local_ranks(world))),
+            ("free", room_text(run.device, local or local_ranks(world))),
             ("run dir", f"{cfg.run.dir} (not created)")]
     return "\n".join([f"loom train --dry-run on {world} rank{'s' if world > 1 else ''}: every start-up check "
                       "passed; nothing was started or written"] + [f"  {k + ':':<10} {v}" for k, v in rows])
@@ -335,8 +517,8 @@ def memory_text(cfg, run) -> str:
     needs = rank_needs(cfg, run.dims, args, run.device, peak=traced)
     unit = "GPU" if run.device == "cuda" else "rank"
     state = f"weights, gradients and AdamW state {size(needs.state_bytes)}"
-    if cfg.parallel.cpu_offload and run.dims.fsdp_enabled:
-        state = "weights, gradients and AdamW state on the host (parallel.cpu_offload)"
+    if cfg.parallel.cpu_offload:
+        state = f"weights, gradients and AdamW state {size(needs.host_bytes)} on the host (parallel.cpu_offload)"
     if needs.peak_bytes is None:
         return f"{state} per {unit}; activations not estimated (MoE outside bfloat16, or FlexAttention)"
     return (f"~{size(needs.peak_bytes)} per {unit} at a step's peak: {state}, activations "
@@ -366,16 +548,21 @@ def main(argv: list[str]) -> int:
     previews, argv = take_previews(argv)
     if previews:
         return preview(argv, previews)
-    cfg, nproc = checked_config(argv)
+    cfg, options = checked_config(argv)
     check_writable_dirs(cfg)  # before anything is built, and held (locked) for the whole run
-    acquire(cfg.run.dir)
+    if not options.multi_node:
+        # one node: this process holds the lock for its workers, across restarts. Several nodes: each runs a
+        # `loom train` on the same run dir, so rank 0's worker takes it (the OS frees it when that worker dies)
+        acquire(cfg.run.dir)
     from loom.checkpoint.manager import refuse_fresh_start
 
     refuse_fresh_start(cfg.checkpoint, checkpoint_dir(cfg))
-    if nproc and nproc > 1:
-        # workers must not launch again: strip --nproc-per-node from what they receive
-        config, _, overrides = split_launcher_args(argv)
-        worker_argv = (["--config", config] if config else []) + overrides
-        return launch(worker_argv, nproc, cfg)
+    if options.agent:
+        if options.elastic and (note := elastic_note(cfg, options)):
+            print(note, file=sys.stderr, flush=True)
+        # workers must not launch again: strip the launcher options from what they receive
+        _, overrides = parse_launch(argv)
+        worker_argv = (["--config", options.config] if options.config else []) + overrides
+        return launch(worker_argv, options, cfg)
     run_worker(argv)
     return 0

@@ -11,6 +11,7 @@ from loom.config.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+    from datetime import timedelta
 
 
 @dataclass
@@ -134,8 +135,24 @@ def pick_device(kind: str, local_rank: int) -> "torch.device":
     return torch.device("cpu")
 
 
-def init_distributed(device_kind: str, backend: str) -> DistEnv:
-    """Join the process group when launched by torchrun/elastic/SLURM; a plain process runs alone."""
+def choose_backend(backend: str, device_type: str, cpu_offload: bool = False) -> str:
+    """parallel.backend for a run on ``device_type``: ``auto`` is NCCL on CUDA and gloo on the CPU; with
+    parallel.cpu_offload on CUDA both (``cuda:nccl,cpu:gloo``, as torchtitan does): FSDP2 gathers and reduces on
+    the GPU, while the gradients it offloads live on the host, where the global norm's all-reduce runs (NCCL
+    reduces device tensors only)."""
+    if backend == "nccl" and device_type != "cuda":
+        raise ConfigError("parallel.backend", backend, "nccl needs CUDA devices; allowed here: auto | gloo")
+    if backend != "auto":
+        return backend
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def init_distributed(device_kind: str, backend: str, cpu_offload: bool = False,
+                     timeout: "timedelta | None" = None) -> DistEnv:
+    """Join the process group when launched by torchrun/elastic/SLURM; a plain process runs alone. ``timeout``:
+    the group's collective timeout (None: PyTorch's default; loom.parallel.health sets it)."""
     os.environ.update(env_from_slurm(dict(os.environ)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -144,12 +161,23 @@ def init_distributed(device_kind: str, backend: str) -> DistEnv:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            if backend == "auto":
-                backend = "nccl" if device.type == "cuda" else "gloo"
-            if backend == "nccl" and device.type != "cuda":
-                raise ConfigError("parallel.backend", backend, "nccl needs CUDA devices; allowed here: auto | gloo")
-            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+            backend = choose_backend(backend, device.type, cpu_offload)
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
+                                    timeout=timeout)
     return DistEnv(rank, local_rank, world, device)
+
+
+def ensure_process_group(env: DistEnv, backend: str, cpu_offload: bool) -> None:
+    """A process group to build meshes on: the launcher's; a plain process that needs a mesh anyway (FSDP2 with
+    CPU offload on one rank) makes one of its own rank over an in-memory store (no port, no rendezvous). It
+    stays until ``destroy_distributed``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    assert env.world_size == 1, "init_distributed joins the group of a launched job"
+    dist.init_process_group(backend=choose_backend(backend, env.device.type, cpu_offload), store=dist.HashStore(),
+                            rank=0, world_size=1, device_id=env.device if env.device.type == "cuda" else None)
 
 
 def destroy_distributed() -> None:

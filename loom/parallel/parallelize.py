@@ -11,11 +11,15 @@
    float8 linears (torchao)                                          (training.float8)
 4. activation checkpointing
 5. torch.compile per block
-6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp; under ep the experts first, over edp)
+6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp; under ep the experts first, over edp); with
+   parallel.cpu_offload the shards, their gradients and the optimizer state live on the host, and FSDP2 wraps a
+   single rank too (a 1-rank mesh: only the working blocks' parameters come to the device)
 7. materialize + layout-independent init (each parameter drawn on its full shape from a seed of its name,
    then sharded; LoRA adapters as PEFT draws them)
 8. DDP (needs real storage: it broadcasts from rank 0 at construction); under TP or PP, replication goes
-   through FSDP2 on a (dp_replicate, 1) mesh instead (step 6): see ``ParallelDims.replicate_with_fsdp``
+   through FSDP2 on a (dp_replicate, 1) mesh instead (step 6): see ``ParallelDims.replicate_with_fsdp``.
+   Under DiLoCo (parallel.diloco_inner_steps) neither: each dp_replicate group keeps its own weights and
+   loom.train.diloco averages them every H steps
 
 Every step takes the parts and the mesh it needs from ``ParallelDims``. The model's code stays single-device:
 steps 3 swap parameters for DTensors and add input/output hooks (``parallelize_module``), and fill the two
@@ -77,6 +81,12 @@ def fsdp_reshard_after_forward(parallel: ParallelConfig, plan) -> bool:
     return parallel.reshard_after_forward and not split
 
 
+def fsdp_wraps(dims: ParallelDims, parallel: ParallelConfig) -> bool:
+    """Whether FSDP2 wraps the model: it shards (dp_shard x cp > 1), replicates TP / PP parameters, or offloads
+    them to the host (parallel.cpu_offload, on any number of ranks; loom.resolve refuses the layouts it cannot)."""
+    return dims.fsdp_applied or parallel.cpu_offload
+
+
 def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig, parallel: ParallelConfig,
                       device: torch.device, seed: int) -> ParallelModel:
     plan = pipeline_plan(model, dims, parallel, training.seq_len) if dims.pp_enabled else None
@@ -100,18 +110,21 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
                           and training.activation_checkpointing in ("full", "every_k"))
         if dims.ep_enabled:
             apply_fsdp_experts(part, dims["experts_dp"], compute_dtype=DTYPES[training.dtype],
-                               reshard_after_forward=fsdp_reshard_after_forward(parallel, plan))
-        if dims.fsdp_applied:
-            mesh = dims["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dims["dp_shard_cp"]
+                               reshard_after_forward=fsdp_reshard_after_forward(parallel, plan),
+                               cpu_offload=parallel.cpu_offload)
+        if fsdp_wraps(dims, parallel):
+            # under DiLoCo each dp_replicate group shards on its own: no gradient reduction across groups
+            mesh = dims["dp_replicate", "dp_shard_cp"] if dims.replicate_reduces else dims["dp_shard_cp"]
             apply_fsdp(part, list(part.layers.values()), mesh, compute_dtype=DTYPES[training.dtype],
                        reshard_after_forward=fsdp_reshard_after_forward(parallel, plan),
                        cpu_offload=parallel.cpu_offload)
-        init_device = torch.device("cpu") if parallel.cpu_offload and dims.fsdp_enabled else device
+        init_device = torch.device("cpu") if parallel.cpu_offload else device
         materialize(part, init_device, seed, part.param_std, part.init_buffers)
         init_adapters(part, seed)
-        if parallel.cpu_offload and dims.fsdp_enabled:
+        if parallel.cpu_offload:
             part.init_buffers(device)  # buffers are not offloaded: they live where compute runs
     modules = parts
     if dims.ddp_enabled and not dims.replicate_with_fsdp:
+        assert not parallel.cpu_offload, "loom.resolve refuses cpu_offload without sharding over replicas"
         modules = [apply_ddp(part, dims["dp_replicate"], bucket_mb=parallel.ddp_bucket_mb) for part in parts]
     return ParallelModel(parts, modules, plan)

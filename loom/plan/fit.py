@@ -120,9 +120,9 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
     GPU (the estimate's own workspace terms are the margin)."""
     t, p = cfg.training, cfg.parallel
     needs = rank_needs(cfg, dims, args, device, peak=False)  # analytic: checked before any tracing
-    offloaded = p.cpu_offload and dims.fsdp_enabled  # the state lives on the host
+    offloaded = p.cpu_offload  # the state lives on the host (FSDP2 offloads on one rank too)
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    state = 16 * needs.params / shard if offloaded else needs.state_bytes
+    state = needs.host_bytes if offloaded else needs.state_bytes
     gpu = device == "cuda"
     step_room = (_room(gpu_room(local_ranks, local_ranks == 1), 1) if gpu
                  else _host_room(host_room(), local_ranks))
@@ -130,10 +130,12 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
     if state_room and state > state_room[0]:
         field, value = model_field(cfg)
         sharded = f" / {shard} FSDP shards" if shard > 1 else ""
-        hint = _layers_hint(cfg, dims, args, device, state_room[0], offloaded, shard)
+        hint = _layers_hint(cfg, dims, args, device, state_room[0], offloaded)
         fewer = "fewer processes on this machine, " if local_ranks > 1 and shard == 1 else ""
         more = ("or more ranks to shard it over (parallel.dp_shard)" if gpu else
                 f"{fewer}or a GPU (processes on one host share its memory)")
+        if gpu and not offloaded:
+            more += ", or parallel.cpu_offload true (the state in host memory)"
         raise ConfigError(field, value, f"model needs ~{state / GIB:,.1f} GiB for weights, gradients and optimizer "
                           f"state per rank; {state_room[1]}: {needs.params / 1e9:,.3g}B parameters x 16 bytes"
                           f"{sharded}; use a smaller model{hint}, {more}")
@@ -194,13 +196,13 @@ def _host_room(room: tuple[float, str] | None, ranks: int) -> tuple[float, str] 
                     f"{HOST_RESERVE_BYTES / GIB:g} GiB + {100 * HOST_MARGIN:g}% per process")
 
 
-def _layers_hint(cfg: Config, dims, args, device: str, avail: float, offloaded: bool, shard: int) -> str:
+def _layers_hint(cfg: Config, dims, args, device: str, avail: float, offloaded: bool) -> str:
     """' (about K layers fit)' when model.n_layers was set, from the state of 1 and of n layers (linear in between)."""
     if not cfg.model.n_layers or dims.pp > 1 or args.n_layers < 2:
         return ""
     one = rank_needs(cfg, dims, args.with_(n_layers=1), device, peak=False)
     full = rank_needs(cfg, dims, args, device, peak=False)
-    state = (lambda n: 16 * n.params / shard) if offloaded else (lambda n: n.state_bytes)
+    state = (lambda n: n.host_bytes) if offloaded else (lambda n: n.state_bytes)
     per_layer = (state(full) - state(one)) / (args.n_layers - 1)
     fit = int((avail - (state(one) - per_layer)) / per_layer) if per_layer > 0 else 0
     return f" (about {fit:,} layers fit)" if fit >= 1 else ""

@@ -8,6 +8,9 @@ dtype right before use and frees them after (``reshard_after_forward``): two blo
 (the one running and the one prefetched), the root's (embedding, final norm, head) stay gathered; a block's
 unsharded gradients (compute dtype, then fp32 for the reduce-scatter) exist while it is reduced. Without
 FSDP, autocast keeps a compute-dtype copy of every weight from its first use to the end of the forward.
+With ``parallel.cpu_offload`` the state lives in host memory (``loom.plan.planner.offloaded_state``); the device
+holds what FSDP2 gathers (on one rank as well), plus the fp32 copy of a block's shards on its way in before the
+cast.
 
 Without a pipeline the peak is the busiest of three moments (``step_peak``): gradients are freed after every
 step and built during the backward while activations are freed, so the two do not add up in full. With a
@@ -100,7 +103,8 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     root = share.params(x.tp) - share.layers * block
     block -= x.expert_params * (1 - 1 / (x.ep * x.etp))  # only its own experts (ep), its width slice (etp)
     grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
-    return compute * (gathered_layers * block + root) + grads
+    staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0  # fp32 shards copied in, then cast
+    return compute * (gathered_layers * block + root) + grads + staging
 
 
 def autocast_cache(share, args, x: MemoryInputs, compiled: bool, held_fixed: float) -> float:

@@ -45,6 +45,8 @@ class Estimate:
     capacity_gib: float
     notes: list[str] = field(default_factory=list)
     margin_gib: float = 0.0  # left free under capacity_gib
+    host_gib: float = 0.0  # parallel.cpu_offload: weights, gradients and AdamW state each rank keeps in host memory
+    host_limit_gib: float = math.inf  # what a rank may keep there (HOST_GIB_PER_GPU)
 
     @property
     def limit_gib(self) -> float:
@@ -53,7 +55,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total / GIB <= self.limit_gib
+        return self.memory.total / GIB <= self.limit_gib and self.host_gib <= self.host_limit_gib
 
     def describe(self) -> str:
         return layout_name(self.layout)
@@ -64,6 +66,8 @@ def layout_name(layout: dict) -> str:
              if layout.get(a, 1) > 1]
     if layout["pp"] > 1:
         parts.append(layout["pp_schedule"])
+    if layout.get("cpu_offload"):
+        parts.append("cpu_offload")
     return " ".join(parts or ["single"]) + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
 
 
@@ -132,24 +136,29 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     mfu = tokens * flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
     layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
     layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
-                  activation_checkpointing=t.activation_checkpointing, accumulation=m)
+                  activation_checkpointing=t.activation_checkpointing, accumulation=m, cpu_offload=p.cpu_offload)
     notes = []
+    host = max(offloaded_state(held_params(share, x), x) for share in shares)
+    if p.cpu_offload:
+        notes.append(offload_note(host, shares, dims, x, gpu))
     if t.float8 != "none":
         notes.append("float8 is not modelled: estimated as bf16")
     if dims.tp > 1 and not t.compile:
         notes.append("eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
                      "not in this estimate (docs/benchmarks.md)")
     margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
-    return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes, margin)
+    return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes, margin, host / GIB,
+                    HOST_GIB_PER_GPU if p.cpu_offload else math.inf)
 
 
 def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
     t, p = cfg.training, cfg.parallel
     split = dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD
     return MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp,
-                        shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, fsdp=dims.fsdp_applied,
+                        shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
+                        fsdp=dims.fsdp_applied or p.cpu_offload,  # offload: FSDP2 on one rank too
                         reshard_after_forward=p.reshard_after_forward and not split, micro_batch=t.micro_batch_size,
-                        seq_len=t.seq_len, cpu_offload=p.cpu_offload and dims.fsdp_enabled, ep=dims.ep,
+                        seq_len=t.seq_len, cpu_offload=p.cpu_offload, ep=dims.ep,
                         expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0, etp=dims.etp)
 
 
@@ -175,6 +184,7 @@ class RankNeeds:
     activation_bytes: float  # of that peak, the activations (and the backward's extra) of one micro-batch
     fixed_bytes: float = 0.0  # of that peak, what does not grow with the micro-batch (state, gathered weights,
     # the allocator's fixed workspace); the rest grows about in proportion to it
+    host_bytes: float = 0.0  # parallel.cpu_offload: the state it keeps in host memory instead
 
 
 def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = True) -> RankNeeds:
@@ -187,8 +197,9 @@ def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = 
     params = max(held_params(share, x) for share in shares)
     state = state_memory(params, x)
     state_bytes = state.weights + state.gradients + state.optimizer
+    host = offloaded_state(params, x)
     if not peak:
-        return RankNeeds(params, state_bytes, None, 0.0)
+        return RankNeeds(params, state_bytes, None, 0.0, host_bytes=host)
     profile = activation_profile(cfg, dims, args, x)
     m = accumulation_steps(t, dims.dp_size)
     memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
@@ -196,7 +207,7 @@ def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = 
     gpu = device != "cpu"
     total = busiest.total - (0.0 if gpu else busiest.workspace)
     fixed = busiest.weights + busiest.gradients + busiest.optimizer + busiest.gathered + (WORKSPACE_BYTES if gpu else 0)
-    return RankNeeds(params, state_bytes, total, busiest.activations + busiest.backward, fixed)
+    return RankNeeds(params, state_bytes, total, busiest.activations + busiest.backward, fixed, host)
 
 
 def memory_check_estimate(cfg: Config, world_size: int, device: str) -> RankNeeds:
@@ -257,6 +268,9 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     own = held_params(share, x) / x.shard
     st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
+    if x.cpu_offload:  # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
+        st.optimizer = host_step_s(own, m)
+        st.fsdp += offload_copies_s(own, x, compute_mb, m, dims.world_size, gpu)
     c = BYTES[t.dtype]
     recomputed = t.activation_checkpointing == "full"
     if dims.tp > 1:
@@ -308,6 +322,70 @@ def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
     return MoETime(extra_matmul=extra, overhead=overhead)
 
 
+# ---------------------------------------------------------------------------------------------- CPU offload
+# parallel.cpu_offload (FSDP2's CPUOffloadPolicy): every rank's fp32 shards, their gradients and the AdamW moments
+# live in host memory; each micro-batch copies the fp32 shards to the GPU (cast there to the compute dtype; twice
+# per block with reshard_after_forward: forward and backward) and the fp32 gradient shards back. Assumptions, printed
+# with each offload plan and measured by bench/offload.py:
+# - host <-> GPU copies from pinned memory at PCIE_GBPS per direction: PCIe 5.0 x16 (H100, H200, B200 boards) moves
+#   64 GB/s per direction at most, PCIe 4.0 x16 (A100) 32; a pinned copy reaches about 80% of that;
+# - AdamW on the host (PyTorch's fused CPU kernel, 28 bytes a parameter like loom's GPU kernel), the global norm's
+#   read of the gradients (4 bytes) and, with accumulation, each later micro-batch's gradient added on the host
+#   (12 bytes: two reads, a write) at HOST_GBPS of the host's memory bandwidth for one rank's process.
+# - host memory: HOST_GIB_PER_GPU for each GPU's rank (a DGX H100's 2 TiB over its 8 GPUs); an offloaded layout
+#   whose state needs more does not fit.
+HOST_GIB_PER_GPU = 256.0
+PCIE_GBPS = {"A100 SXM": 25.0}
+PCIE_GBPS_DEFAULT = 50.0
+HOST_GBPS = 30.0
+HOST_BYTES_PER_PARAM = ADAMW_BYTES_PER_PARAM + 4  # the step and the norm
+HOST_ACCUMULATE_BYTES = 12
+
+
+def pcie_gbps(gpu: GPU) -> float:
+    return PCIE_GBPS.get(gpu.name, PCIE_GBPS_DEFAULT)
+
+
+def offloaded_state(params: float, x: MemoryInputs) -> float:
+    """Host bytes of one rank under cpu_offload: fp32 weights, gradients and AdamW moments of its shard (0 without)."""
+    return 16 * params / x.shard if x.cpu_offload else 0.0
+
+
+def host_step_s(own: float, m: int) -> float:
+    """Seconds of the optimizer step on the host for ``own`` parameters, with ``m`` micro-batches' gradients."""
+    return (HOST_BYTES_PER_PARAM + HOST_ACCUMULATE_BYTES * (m - 1)) * own / (HOST_GBPS * 1e9)
+
+
+def offload_bytes(own: float, x: MemoryInputs) -> tuple[float, float]:
+    """(host-to-GPU, GPU-to-host) bytes of one micro-batch on one rank: fp32 shards in, once or twice, fp32 gradients
+    out."""
+    gathers = 2 if x.reshard_after_forward else 1
+    return 4 * own * gathers, 4 * own
+
+
+def offload_copies_s(own: float, x: MemoryInputs, compute_mb: float, m: int, world: int, gpu: GPU) -> float:
+    """Exposed seconds of the host <-> GPU copies per step. On one rank FSDP2 copies the shards in on the compute
+    stream (its 1-rank path gathers nothing, so the copy is not prefetched): exposed in full; the gradients go out
+    on its reduction stream, behind the backward (two thirds of the compute). On more ranks the copies run on
+    FSDP2's gather and reduction streams, behind compute like the collectives."""
+    h2d, d2h = (b / (pcie_gbps(gpu) * 1e9) for b in offload_bytes(own, x))
+    if world == 1:
+        return m * (h2d + max(0.0, d2h - compute_mb * 2 / 3))
+    return m * max(0.0, h2d + d2h - compute_mb)
+
+
+def offload_note(host: float, shares, dims, x: MemoryInputs, gpu: GPU) -> str:
+    """What an offloaded plan keeps on the host and moves over PCIe, with the assumptions it costs them at."""
+    own = max(held_params(share, x) for share in shares) / x.shard
+    h2d, d2h = offload_bytes(own, x)
+    per_node = min(gpu.gpus_per_node, dims.world_size)
+    node = f" ({host * per_node / GIB:,.1f} GiB for {per_node} ranks on a node)" if per_node > 1 else ""
+    return (f"cpu_offload: weights, gradients and AdamW state in host memory, {host / GIB:,.1f} GiB per rank{node}; "
+            f"assumed {HOST_GIB_PER_GPU:g} GiB of host memory per GPU; per micro-batch {h2d / 1e9:,.2f} GB to the GPU and {d2h / 1e9:,.2f} GB back, at an assumed "
+            f"{pcie_gbps(gpu):g} GB/s per direction (PCIe; in 'fsdp'); the step on the host at an assumed "
+            f"{HOST_GBPS:g} GB/s of host memory bandwidth (in 'optimizer')")
+
+
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
     """Exposed seconds of gradient / parameter communication per step."""
     params = held_params(share, x)
@@ -330,14 +408,15 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
 
 
 # ------------------------------------------------------------------------------------------------- search
-def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False) -> list[Config]:
+def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False, offload: bool = False) -> list[Config]:
     """Every layout of ``world_size`` ranks with the config's global batch: degrees, pipeline schedule,
     micro-batch size, activation checkpointing and, for a MoE model (``moe``) under tp, replicated or
-    tensor-parallel experts. Invalid ones are dropped later by ``estimate``."""
+    tensor-parallel experts; with ``offload``, those that parallel.cpu_offload takes (tp = pp = 1), offloaded.
+    Invalid ones are dropped later by ``estimate``."""
     out = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    for tp in (d for d in divisors if d <= max_tp):
-        for pp in divisors:
+    for tp in (d for d in divisors if d <= (1 if offload else max_tp)):
+        for pp in (divisors if not offload else [1]):
             for cp in divisors:
                 for rep in divisors:
                     rest = world_size // (tp * pp * cp * rep) if world_size % (tp * pp * cp * rep) == 0 else 0
@@ -358,6 +437,7 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False) -> 
                                 c.parallel.pp_schedule = schedule
                                 c.parallel.pp_virtual_stages = 0
                                 c.parallel.etp = 1
+                                c.parallel.cpu_offload = offload
                                 c.training.micro_batch_size = mb
                                 c.training.activation_checkpointing = ac
                                 out.append(c)
@@ -371,7 +451,9 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False) -> 
 def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10, margin_gib: float | None = None,
            progress: Callable[[int, int, int], None] | None = None) -> tuple[list[Estimate], int]:
     """The ``top`` fastest layouts that fit in memory less ``margin_gib`` (``estimate``'s default), fastest first,
-    and how many layouts were valid. ``progress(done, total, valid)`` is called after every candidate."""
+    and how many layouts were valid. Where none fits with the state on the GPUs, the layouts of parallel.cpu_offload
+    are searched next (weights, gradients and AdamW state in host memory: slower, but the GPU holds only the working
+    blocks). ``progress(done, total, valid)`` is called after every candidate."""
     profiles: dict = {}
     fitting, valid = [], 0
     try:
@@ -379,16 +461,23 @@ def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10, margin_gib: fl
     except ConfigError:  # the model itself is refused: every candidate will be too
         moe = False
     layouts = candidates(cfg, world_size, max_tp=gpu.gpus_per_node, moe=moe)
-    for done, c in enumerate(layouts, 1):
-        try:
-            est = estimate(c, world_size, gpu, profiles, margin_gib)
-        except ConfigError:
-            est = None
-        if est is not None:
-            valid += 1
-            if est.fits:
-                fitting.append(est)
-        if progress is not None:
-            progress(done, len(layouts), valid)
+    done = 0
+    for offload in (False, True):
+        if offload:
+            if fitting:
+                break
+            layouts += candidates(cfg, world_size, max_tp=1, moe=moe, offload=True)
+        for c in layouts[done:]:
+            done += 1
+            try:
+                est = estimate(c, world_size, gpu, profiles, margin_gib)
+            except ConfigError:
+                est = None
+            if est is not None:
+                valid += 1
+                if est.fits:
+                    fitting.append(est)
+            if progress is not None:
+                progress(done, len(layouts), valid)
     fitting.sort(key=lambda e: -e.tokens_per_s_per_gpu)
     return fitting[:top], valid

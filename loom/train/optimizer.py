@@ -12,11 +12,16 @@ from loom.train.grads import by_mesh, scale_grads, unique_params
 from loom.train.large_batch import build_large_batch
 
 
-def resolve_implementation(impl: str, device: torch.device) -> str:
+def resolve_implementation(impl: str, device: torch.device, offload: bool = False) -> str:
     """``auto``: loom's Triton kernel on CUDA (measured faster than PyTorch's fused AdamW on H100,
-    bench/results/optimizer_1b_h100.json), PyTorch's foreach kernels elsewhere."""
+    bench/results/optimizer_1b_h100.json), PyTorch's foreach kernels elsewhere; for state offloaded to the host
+    (parallel.cpu_offload) PyTorch's fused CPU kernel, vectorized and multi-threaded (the host step is the
+    offloaded run's slowest part: bench/offload.py). Triton's kernel runs on CUDA tensors only: on host tensors
+    ``loom::adamw_step_`` runs its PyTorch reference."""
     if impl != "auto":
         return impl
+    if offload:
+        return "fused"
     if device.type == "cuda":
         return "triton" if has_triton() else "fused"
     return "foreach"
@@ -38,6 +43,7 @@ class TritonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        factors: dict = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -46,8 +52,11 @@ class TritonAdamW(torch.optim.AdamW):
                 state = self._state_of(p)
                 state["step"] += 1
                 factor = None
-                if grad_factor is not None:
-                    factor = torch.as_tensor(grad_factor, dtype=torch.float32, device=_local(p).device).reshape(1)
+                if grad_factor is not None:  # once per device (offloaded shards on the host, the factor on the GPU)
+                    device = _local(p).device
+                    if device not in factors:
+                        factors[device] = torch.as_tensor(grad_factor, dtype=torch.float32, device=device).reshape(1)
+                    factor = factors[device]
                 grad = _like_param(p.grad, p)
                 adamw_step_(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                             lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -78,12 +87,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
+                    offload: bool = False) -> torch.optim.Optimizer:
     """``optimizer.name``: AdamW, or LAMB / LARS (loom.train.large_batch). Weight decay on matrices only
     (not norms; for LAMB / LARS unless ``exclude_1d`` is off); only trainable parameters (with LoRA: the
     adapters) get a place and state. PyTorch's fused and foreach kernels take the tensors of a group together,
     which DTensors on different meshes (experts under expert parallelism) cannot be: there its per-tensor AdamW
-    runs instead (loom's Triton AdamW is per tensor anyway)."""
+    runs instead (loom's Triton AdamW is per tensor anyway). ``offload``: the state lives on the host
+    (parallel.cpu_offload; ``device`` is then the CPU)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
@@ -95,7 +106,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]] or [{"params": decay}]
     if cfg.name != "adamw":
         return build_large_batch(cfg.name, groups, cfg)
-    impl = resolve_implementation(cfg.implementation, device)
+    impl = resolve_implementation(cfg.implementation, device, offload)
     if impl == "triton":
         return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if len(by_mesh(decay + no_decay)) > 1:
@@ -106,11 +117,12 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
 
 class OptimizerParts:
     """One optimizer per model part (pipeline stages, or the one whole model), stepped together. Each part's
-    state dict is keyed by that part's parameter names, so parts of any layout merge into one checkpoint."""
+    state dict is keyed by that part's parameter names, so parts of any layout merge into one checkpoint.
+    ``offload``: the parameters and their state live on the host (parallel.cpu_offload)."""
 
-    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device):
+    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device, offload: bool = False):
         self.parts = parts
-        self.optimizers = [build_optimizer(part, cfg, device) for part in parts]
+        self.optimizers = [build_optimizer(part, cfg, device, offload) for part in parts]
         self.params = unique_params(parts)
         n_held = sum(len(g["params"]) for opt in self.optimizers for g in opt.param_groups)
         # the fused kernels can multiply the gradients themselves (their ``grad_scale`` input, which
@@ -145,8 +157,8 @@ class OptimizerParts:
             skip = finite.to(torch.float32).reciprocal()  # 1, or inf: a factor that is not finite skips the update
             factor = skip if grad_factor is None else grad_factor * skip  # (no host value reaches the device: no sync)
             for opt in self.optimizers:
-                if not isinstance(opt, TritonAdamW):
-                    opt.found_inf = (~finite).to(torch.float32)
+                if not isinstance(opt, TritonAdamW):  # on the parameters' device (the host under cpu_offload)
+                    opt.found_inf = (~finite).to(torch.float32).to(opt.param_groups[0]["params"][0].device)
             try:
                 self._step_folded(factor)
             finally:

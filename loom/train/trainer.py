@@ -31,15 +31,19 @@ from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, q
 from loom.models.llama import Llama
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
-from loom.parallel.env import DistEnv, init_distributed
+from loom.parallel.env import DistEnv, ensure_process_group, init_distributed
+from loom.parallel.health import Health, prepare_process, startup_timeout
 from loom.parallel.expert_parallel import expert_params
-from loom.parallel.parallelize import fsdp_reshard_after_forward, parallelize_llama
+from loom.parallel.fault_tolerance import ReplicaGroups, data_shard
+from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
 from loom.resolve import resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
+from loom.train.diloco import DiLoCo
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
 from loom.train.moe_stats import MoEBalance
 from loom.train.objective import Objective, build_objective
+from loom.train.restarts import begin as begin_attempt, metrics_fields, restart_checkpoint, this_attempt
 from loom.train.reward import attach_score_head
 from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.optimizer import OptimizerParts
@@ -48,6 +52,7 @@ from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint,
                                        on_main, restore_loss_scale)
 from loom.train.run_dir import acquire, check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts
+from loom.train.stragglers import Stragglers
 from loom.train.steps import LocalStep, PipelineStep, StepContext
 
 
@@ -77,11 +82,16 @@ class Trainer:
 
     def __init__(self, cfg: Config, env: DistEnv | None = None, objective: Objective | None = None):
         self.cfg = cfg
-        self.env = env or init_distributed(cfg.run.device, cfg.parallel.backend)
+        if env is None:  # the flight recorder and TORCH_DISTRIBUTED_DEBUG are read as the group forms
+            prepare_process(cfg.run.dir, cfg.run.device, cfg.parallel.distributed_debug,
+                            comm_timing=cfg.metrics.straggler_fraction > 0)
+        self.env = env or init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.cpu_offload,
+                                           timeout=startup_timeout(cfg.parallel.timeout_s))
         self.device = self.env.device
         self.run = resolve(cfg, self.env.world_size)  # every cross-field rule; the model's come with the tokenizer
         self.dims, self.accum = self.run.dims, self.run.accum
-        if self.dims.distributed:
+        if self.dims.distributed or cfg.parallel.cpu_offload:  # offload runs FSDP2, on a 1-rank mesh when alone
+            ensure_process_group(self.env, cfg.parallel.backend, cfg.parallel.cpu_offload)
             self.dims.build_mesh(self.device.type)
             for line in check_placement(self.dims):  # tp / cp groups that span hosts (loom.parallel.placement)
                 if self.env.is_main:
@@ -89,12 +99,19 @@ class Trainer:
         self._objective = objective
         self._setup_determinism()
         self._setup_run_dir()
+        # monitored barriers, timeouts and hang reports (loom.parallel.health); per-rank timing (loom.train.stragglers)
+        self.health = Health(self.env, cfg.parallel.timeout_s, self.run_dir, step=lambda: self.step)
+        self.stragglers = Stragglers(self.env, cfg.metrics.straggler_fraction, self.run_dir, self.device,
+                                     group=self.health.group)
+        # an elastic agent's restart of this run (rank 0 reads <run.dir>/restarts.jsonl): what it resumes from
+        self.attempt = self.env.share_from_main(this_attempt(self.run_dir) if self.env.is_main else None)
         self._build_data()
         self._build_model()
         self._build_optimizer()
         self._build_checkpointer()
         self._build_profiler()
         self._build_steps()
+        self._build_fault_tolerance()
         getattr(self.objective, "prepare", lambda trainer: None)(self)  # e.g. DPO's cached reference pass
         self.evals = training_evals(cfg, self.run_dir, self.env.is_main, self.parts[0])  # eval_hook / eval_tasks
         self.step, self.tokens_seen = 0, 0
@@ -160,8 +177,10 @@ class Trainer:
         self.data_fingerprints = [spec.fingerprint() for spec in
                                   parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)]
         t = cfg.training
+        # with fault tolerance, this rank's place among the ranks of every replica group
+        dp_rank, dp_size = data_shard(cfg.parallel, self.dims.dp_rank(), self.dims.dp_size)
         self.loader = build_loader(cfg.data, self.tokenizer, files, seq_len=t.seq_len, seed=cfg.run.seed,
-                                   dp_rank=self.dims.dp_rank(), dp_size=self.dims.dp_size,
+                                   dp_rank=dp_rank, dp_size=dp_size,
                                    micro_batch=t.micro_batch_size, accumulation=self.accum,
                                    objective=data_objective(t.objective))
 
@@ -179,6 +198,7 @@ class Trainer:
         self.score_head = cfg.training.objective == "reward"
         if self.score_head:  # a reward model: the trainable score head in place of the LM head (loom.train.reward)
             attach_score_head(model)
+        getattr(self._objective, "attach", lambda model: None)(model)  # heads it trains beside the model (PPO's)
         # MFU counts what the run computes: a frozen base takes no weight gradients (loom.metrics.flops)
         self.adapter_params = count_params(self.model_args, cfg.lora, self.score_head)[1] if self.n_adapted else None
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
@@ -222,16 +242,32 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        opt_device = torch.device("cpu") if cfg.parallel.cpu_offload and self.dims.fsdp_enabled else self.device
-        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device)
+        opt_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device  # offload: state on the host
+        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload)
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
+        # parallel.diloco_inner_steps: the dp_replicate groups average their weights every H steps (loom.train.diloco)
+        self.diloco = DiLoCo.build(self.parts, self.dims, cfg.parallel) if cfg.parallel.diloco_inner_steps else None
         self.scaler = LossScaler(cfg.training.dtype == "float16", cfg.training.loss_scale_init,
                                  cfg.training.loss_scale_window)
+
+    def _build_fault_tolerance(self) -> None:
+        """parallel.fault_tolerance: this job is one of several torchft replica groups (loom.parallel.fault_tolerance);
+        a recovering peer gets this group's weights, optimizer state and trainer state."""
+        self.ft = None
+        if self.cfg.parallel.fault_tolerance:
+            self.ft = ReplicaGroups(self.cfg.parallel, rank=self.env.rank, world_size=self.env.world_size,
+                                    device=self.device, parts=self.parts, optimizers=self.optimizer.optimizers,
+                                    trainer_state=self.state_for_checkpoint, load_trainer_state=self.load_trainer_state)
+
+    def _data_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks that hold different tokens of a step, and over the replica groups."""
+        t = self.dims.data_sum(t)
+        return self.ft.sum_(t) if self.ft else t
 
     def _build_checkpointer(self) -> None:
         self._check_checkpoint_space()
         self.checkpointer = CheckpointManager(self.cfg.checkpoint, self.run_dir, is_main=self.env.is_main,
-                                              barrier=self.env.barrier, share=self.env.share_from_main)
+                                              barrier=self.health.barrier, share=self.env.share_from_main)
 
     def _check_checkpoint_space(self) -> None:
         """A run that will save refuses to start when the checkpoint folder's disk cannot hold one checkpoint
@@ -289,17 +325,21 @@ class Trainer:
                                                                    mb.document_ids)))
 
     def _autocast(self):
-        return autocast_context(self.dtype, self.device, fsdp_casts=self.dims.fsdp_applied)
+        return autocast_context(self.dtype, self.device, fsdp_casts=fsdp_wraps(self.dims, self.cfg.parallel))
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         mbs = [self._local_tokens(mb) for mb in micro_batches]
-        n_tokens = self.dims.data_sum(sum(self.objective.count(mb) for mb in mbs).to(torch.float32))
+        local = sum(self.objective.count(mb) for mb in mbs).to(torch.float32)
+        group = self.diloco.group_sum(local.clone()) if self.diloco else None  # DiLoCo: a replica group's tokens
+        n_tokens = self._data_sum(local)
         # a global batch without a unit to count (an SFT batch without an assistant token) has loss 0 and zero
         # gradients, not 0 / 0, and makes no update (``has_units``; _settle says so)
         has_units, denominator = n_tokens > 0, n_tokens.clamp(min=1)
         # gradient reductions average over the dp x cp ranks; multiplying by their count makes them a sum,
         # so every micro-batch on every rank contributes token_loss / global_tokens
         grad_scale = self.dims.dp_size * self.dims.cp * self.scaler.scale / denominator
+        if self.diloco:  # a group's gradient is the mean over its own tokens (FSDP2 averages over dp_shard x cp)
+            grad_scale = self.dims.dp_shard * self.dims.cp * self.scaler.scale / group.clamp(min=1)
         if self.moe:
             self.moe.scale(self.scaler.scale)
         getattr(self.objective, "step_stats", dict)()  # statistics of forwards before this step are not its own
@@ -308,8 +348,13 @@ class Trainer:
         if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = self.dims.data_sum(result.loss_sum) / denominator
+        if self.ft:  # each group's gradient is its tokens' share of the global mean: summed over the groups
+            self.ft.sum_grads(self.params, self.cfg.parallel.ddp_bucket_mb)
+        loss = self._data_sum(result.loss_sum) / denominator
         with self.profiler.phase("optimizer"):  # grad norm, clipping, step (skipped where not finite), zero_grad
+            if self.ft and not self.ft.should_commit():  # a replica group failed during the step: no update
+                self.optimizer.zero_grad(set_to_none=True)
+                return {"committed": False}
             norm = self.steps.grad_norm() / self.scaler.scale
             if self.noise:
                 self.noise.observe(norm, denominator)
@@ -326,6 +371,8 @@ class Trainer:
             # whether the update applies: not where the loss or norm is not finite, nor where nothing was counted.
             # _settle tells the two apart: an empty step's loss and norm are finite (0)
             applies = finite & has_units
+            if self.diloco:  # a gradient norm is its group's: the groups skip together
+                applies = self.diloco.agree(applies)
             # copied to the host before the update is queued: reading it waits for this point, not the update
             self._pending = StepCheck(self.step + 1, applies, loss, norm, deferred)
             if deferred:  # the device skips a non-finite update itself; the host reads the verdict a step later
@@ -339,6 +386,8 @@ class Trainer:
                     self.optimizer.step(factor)
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.diloco:  # every H steps (per fragment), applied or not: the rounds stay aligned
+                self.diloco.after_step(self.step + 1)
         out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "stats": stats}
         if self.moe:
             balance = self.moe.read(self.device)
@@ -355,7 +404,7 @@ class Trainer:
         for part in self.parts:
             part.eval()
         batches = [self._local_tokens(mb) for mb in batches]
-        count = self.dims.data_sum(sum(self.objective.count(mb) for mb in batches).to(torch.float32))
+        count = self._data_sum(sum(self.objective.count(mb) for mb in batches).to(torch.float32))
         getattr(self.objective, "step_stats", dict)()
         total = self.steps.evaluate(batches)
         self.val_stats = {k: float(v) for k, v in self._objective_stats(count).items()}
@@ -366,7 +415,7 @@ class Trainer:
                 print(f"step {self.step}: warning: the validation batches hold nothing to evaluate (targets 0): no "
                       "val_loss (raise training.eval_batches or training.seq_len)", flush=True)
             return None
-        return float(self.dims.data_sum(total) / count)
+        return float(self._data_sum(total) / count)
 
     def run_evals(self) -> dict[str, float]:
         """training.eval_hook and eval_tasks on the live model (loom.eval.hook): {"eval/<name>": value}."""
@@ -385,7 +434,7 @@ class Trainer:
         """The objective's statistics of the micro-batches just run, summed over the data-parallel ranks and divided
         by the global ``count`` (e.g. DPO's rewards and accuracy per pair)."""
         stats = self.objective.step_stats() if hasattr(self.objective, "step_stats") else {}
-        return {k: self.dims.data_sum(torch.as_tensor(v, dtype=torch.float32, device=self.device).clone()) / count
+        return {k: self._data_sum(torch.as_tensor(v, dtype=torch.float32, device=self.device).clone()) / count
                 for k, v in sorted(stats.items())}
 
     # ---- the loop ---------------------------------------------------------------
@@ -394,6 +443,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "lineage": self.checkpointer.lineage, "nonfinite": self.guard.state_dict(),
                 "data_fingerprints": self.data_fingerprints,
+                **({"diloco": self.diloco.record(self.step)} if self.diloco else {}),
                 "rng": {"cpu": torch.get_rng_state().tolist(),
                         "cuda": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None}}
 
@@ -419,16 +469,21 @@ class Trainer:
             raise TrainingStopped(f"the weights are not finite at step {self.step}: no checkpoint written (the last "
                                   "complete one stays)")
         self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_for_checkpoint(),
-                               self.recorded_toml)
+                               self.recorded_toml, replica=self.diloco)
 
     def resume(self) -> None:
-        folder = self.checkpointer.choose()  # verified by rank 0, the same answer on every rank
+        # a restarted attempt continues the launch's own lineage; otherwise checkpoint.resume decides
+        folder = restart_checkpoint(self.attempt, self.checkpointer) or self.checkpointer.choose()
         if folder is None:
             return
         # this run's config against the checkpoint's before any weight is read: a shape change stops here
         changes = on_main(lambda: check_checkpoint(folder, self.cfg, self.tokenizer, self.kernels),
                           self.env.is_main, self.env.share_from_main)
-        state = self.checkpointer.load(folder, self.parts, self.optimizer)
+        if self.diloco:  # before any weight is read: another number of groups is refused
+            self.diloco.check_resume(folder)
+        state = self.checkpointer.load(folder, self.parts, self.optimizer, replica=self.diloco)
+        if state is None and self.diloco:  # weights only: the first round starts from them
+            self.diloco.restart()
         if state is not None:
             self.load_trainer_state(state)
             if self.env.is_main:
@@ -457,7 +512,7 @@ class Trainer:
             raise TrainingStopped(f"non-finite step {self.step} and no complete checkpoint of this run to roll back "
                                   "to (training.nonfinite = rollback; save with checkpoint.every)")
         guard = self.guard.state_dict()
-        state = self.checkpointer.load(folder, self.parts, self.optimizer)
+        state = self.checkpointer.load(folder, self.parts, self.optimizer, replica=self.diloco)
         self.load_trainer_state(state)
         self.guard.load_state_dict(guard)
         self.guard.rolled_back_to(self.step)
@@ -507,6 +562,10 @@ class Trainer:
         """Train to ``training.steps``; returns the logged records (rank 0; others get [])."""
         cfg = self.cfg
         self.resume()
+        begin_attempt(self.attempt, self.run_dir, step=self.step, world_size=self.env.world_size,
+                      lineage=self.checkpointer.lineage, is_main=self.env.is_main)  # restarts.jsonl, one line
+        if self.ft:
+            self.ft.set_step(self.step)  # the lighthouse compares the groups' steps: a group behind recovers
         if self.step == 0 and self.env.is_main:
             self._set_aside_old_metrics()
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, rank=self.env.rank)
@@ -522,6 +581,9 @@ class Trainer:
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
         finished = False
         try:
+            self.health.start_barrier()  # every rank built and resumed: names the ranks that never arrive
+            self.health.start_training()  # from here each collective waits at most parallel.timeout_s
+            self.stragglers.start(self.step)
             while self.step < cfg.training.steps:
                 self.checkpointer.poll()
                 verdict = self._settle()  # the last step's, if still unread
@@ -534,10 +596,20 @@ class Trainer:
                 if self.step + 1 in self.guard.skip_steps:
                     self._skip_offending_batch()
                     continue
+                if self.ft:  # the replica groups' quorum; a group behind the others takes a peer's state here
+                    self.ft.start_step()
+                    if self.step >= cfg.training.steps:
+                        continue
                 logs = self._logs_at(self.step + 1)
-                data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
+                with self.stragglers.data_wait():
+                    data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
                 self.profiler.start(self.step + 1)
                 out = self.train_step(data.micro_batches)
+                if not out.get("committed", True):
+                    if self.env.is_main:
+                        print(f"step {self.step + 1}: not committed (a replica group failed during it): the step "
+                              "runs again on the next batch", flush=True)
+                    continue
                 self.step += 1
                 self.profiler.step_done(self.step)
                 self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
@@ -559,6 +631,7 @@ class Trainer:
                     now = time.perf_counter()
                     rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
                     rec.update(evals)
+                    rec.update(self.stragglers.interval(self.step, now - t_last))  # every rank: one all_gather
                     t_last, tokens_last = now, self.tokens_seen
                     if logger:
                         logger.log(rec)
@@ -579,8 +652,15 @@ class Trainer:
                     self.save_checkpoint()
             self.checkpointer.wait()
             finished = True
+        except RuntimeError as err:  # a collective that timed out: the hang report (loom.parallel.health)
+            if not self.health.is_hang(err):
+                raise
+            raise self.health.hang(err) from None
         finally:
+            self.health.close()
             self.stop_vote.close(wait=finished)
+            if self.ft:
+                self.ft.shutdown()
             self.preemption.restore()
             self.profiler.close()
             if logger:
@@ -608,6 +688,8 @@ class Trainer:
             *adapters,
             f"layout: {self.dims.describe()}, accumulation {self.accum}, dtype {t.dtype}, device {self.device.type}"
             f"{'; ' + note if note else ''}",
+            *(["offload: FSDP2 keeps the weights, gradients and AdamW state in host memory; the device holds the "
+               "blocks being computed (parallel.cpu_offload)"] if cfg.parallel.cpu_offload else []),
             f"batch: {t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, "
             f"{t.steps} steps",
             *self.loader.describe(t.global_batch_size, t.steps),
@@ -677,12 +759,15 @@ class Trainer:
             "targets": float(out["tokens"]),  # the global count the loss is averaged over (tokens; DPO: pairs)
             **{k: float(v) for k, v in out.get("stats", {}).items()},
             **({f"val_{k}": v for k, v in self.val_stats.items()} if val is not None else {}),
+            **({"diloco_bytes": self.diloco.bytes_sent} if self.diloco else {}),
             "skipped_steps": self.scaler.skipped,
             "nonfinite_steps": self.guard.skipped,
             "batch_hash": batch_hash,
+            **({"replica_groups": self.ft.participants} if self.ft else {}),
             **({"mem_gib_max_rank": self.env.max_over_ranks(peak_memory_gib(self.device))}
                if self.dims.distributed else {}),
             **self.steps.record(),
+            **metrics_fields(self.attempt),  # restarts: this attempt's index after an elastic restart
             **getattr(self.objective, "record", dict)(),  # e.g. GRPO's rewards and time split
             **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
                if "moe_balance" in out else {}),
