@@ -210,14 +210,13 @@ def run_launches(launches: list[HostLaunch], *, grace_s: float = 60.0, out=None)
         t.start()
     code = 0
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                code = failed[0].returncode
+        while True:
+            codes = [p.poll() for p in procs]  # every one polled: a failure is seen while others still run
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or None not in codes:
+                code = failed[0] if failed else 0
                 break
             time.sleep(0.2)
-        else:
-            code = next((p.returncode for p in procs if p.returncode), 0)
     except KeyboardInterrupt:
         code = 130
     if code:
