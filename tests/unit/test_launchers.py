@@ -224,3 +224,16 @@ def test_the_validator_finds_errors():
 
 def test_rendezvous_ids_differ_per_launch():
     assert Rendezvous("h:1").run_id != Rendezvous("h:1").run_id
+
+
+def test_cli_help_and_user_errors(capsys):
+    from loom.cli.main import main as loom_main
+
+    assert loom_main(["launch", "--help"]) == 0
+    assert "--hostfile FILE" in capsys.readouterr().out
+    for argv, words in ((["launch", "--slurm", "--gpus-per-node", "8"], "--nodes: --slurm needs it"),
+                        (["launch", "--kubernetes", "--nodes", "x"], "invalid int value")):
+        with pytest.raises(SystemExit) as exit_:
+            loom_main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and words in err[0], err
