@@ -365,11 +365,15 @@ def jobset(job: KubeJob, train_args: list[str], env: dict[str, str]) -> dict:
     ``NAME-node-0-0.NAME`` (the JobSet's headless service) and hosts the rendezvous."""
     rdzv = Rendezvous(f"{job.name}-node-0-0.{job.name}:{job.port}", job.name)
     args = agent_args(job.nodes, "$(JOB_COMPLETION_INDEX)", job.gpus_per_node or 1, rdzv, job.max_restarts)
+    pod = _pod_spec(job, args + list(train_args), env, "Never")
+    # declared in the container so that $(JOB_COMPLETION_INDEX) in args expands: the annotation the Job sets
+    index = {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+    pod["containers"][0]["env"] = [index, *pod["containers"][0].get("env", [])]
     spec: dict = {"network": {"enableDNSHostnames": True},
                   "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": {
                       "parallelism": job.nodes, "completions": job.nodes, "completionMode": "Indexed",
-                      "backoffLimit": 0,
-                      "template": {"spec": _pod_spec(job, args + list(train_args), env, "Never")}}}}]}
+                      "backoffLimit": 0, "template": {"spec": pod}}}}]}
     if job.max_restarts is not None:
         spec["failurePolicy"] = {"maxRestarts": job.max_restarts}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _metadata(job), "spec": spec}

@@ -201,8 +201,10 @@ def test_manifests_are_valid_for_their_crds(tmp_path, capsys):
     assert c["args"][-2:] == ["--training.steps", "100"] and c["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}]
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert (job["parallelism"], job["completions"], job["completionMode"]) == (4, 4, "Indexed")
-    args = " ".join(job["template"]["spec"]["containers"][0]["args"])
-    assert "--node-rank $(JOB_COMPLETION_INDEX)" in args and "--rdzv-endpoint demo-node-0-0.demo:29500" in args
+    c = job["template"]["spec"]["containers"][0]
+    assert "--node-rank $(JOB_COMPLETION_INDEX)" in " ".join(c["args"])
+    assert "--rdzv-endpoint demo-node-0-0.demo:29500" in " ".join(c["args"])
+    assert [e["name"] for e in c["env"]] == ["JOB_COMPLETION_INDEX", "NCCL_DEBUG"]  # declared: $(...) expands
 
 
 def test_the_validator_finds_errors():
