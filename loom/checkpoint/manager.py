@@ -258,6 +258,13 @@ def _merged(states: list[tuple[dict, dict]]) -> dict:
     return {"model": model, "optimizer": optim}
 
 
+def _app_state(state: dict, replica) -> dict:
+    """What DCP writes or reads: ``state`` (model and optimizer), or under DiLoCo (``replica``:
+    loom.train.diloco.DiLoCo) this group's state under its own key beside the state all groups share, whose
+    ``model`` is the outer weights."""
+    return state if replica is None else {replica.key: state, **replica.shared_state(state["model"])}
+
+
 class _HashingWriter(FileSystemWriter):
     """DCP's file writer that also records the size and hash of the shards this rank wrote, in
     ``__<rank>_hashes.json``: every rank hashes its own files and rank 0 only the small rest. The
@@ -311,9 +318,9 @@ class CheckpointManager:
             if name.startswith(".step_") and name.endswith((".tmp", ".deleting")):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
-    def save(self, step: int, parts, optimizers, trainer_state: dict, config_toml: str) -> None:
+    def save(self, step: int, parts, optimizers, trainer_state: dict, config_toml: str, replica=None) -> None:
         """``parts``: a model or this rank's model parts; ``optimizers``: its optimizer or an
-        ``OptimizerParts`` over the parts."""
+        ``OptimizerParts`` over the parts; ``replica``: DiLoCo's outer state (``_app_state``)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()  # one save in flight at a time
@@ -328,7 +335,7 @@ class CheckpointManager:
             _write_synced(os.path.join(tmp, STATE), json.dumps(trainer_state))
             _write_synced(os.path.join(tmp, "config.toml"), config_toml)
         self.barrier()
-        state = _merged(_part_states(_as_parts(parts, optimizers)))
+        state = _app_state(_merged(_part_states(_as_parts(parts, optimizers))), replica)
         writer = _HashingWriter(tmp)
         if self.cfg.async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
@@ -510,7 +517,7 @@ class CheckpointManager:
             lineage = None if state.get("model_only") else (state.get("lineage") or marker_lineage(folder))
         return folder, lineage or new_lineage()
 
-    def load(self, folder: str, parts, optimizers) -> dict | None:
+    def load(self, folder: str, parts, optimizers, replica=None) -> dict | None:
         """Load checkpoint ``folder`` (from ``choose``) into the model parts and their optimizers (any layout:
         the names do not depend on it); returns its trainer state, None for a weights-only checkpoint."""
         import torch.distributed.checkpoint as dcp
@@ -525,7 +532,7 @@ class CheckpointManager:
         pairs = _as_parts(parts, optimizers)
         states = _part_states(pairs)
         state = _merged(states)
-        dcp.load(state, checkpoint_id=folder, no_dist=_single_process())
+        dcp.load(_app_state(state, replica), checkpoint_id=folder, no_dist=_single_process())
         given: set[str] = set()
         for (part, opt), (m, o) in zip(pairs, states):
             # from the merged dict: a name shared by two local parts was loaded into one tensor, which each

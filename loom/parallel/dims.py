@@ -38,6 +38,7 @@ class ParallelDims:
     ep: int
     etp: int
     world_size: int
+    diloco: bool = False  # parallel.diloco_inner_steps > 0: the dp_replicate groups do not reduce gradients
     _mesh: object = field(default=None, repr=False)
     _flat: dict = field(default_factory=dict, repr=False)
 
@@ -69,7 +70,8 @@ class ParallelDims:
         elif (dp_shard * cfg.cp) % cfg.ep:
             raise ConfigError("parallel.ep", cfg.ep, f"must divide parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): "
                               "expert-parallel ranks are data/context-parallel ranks that hold different experts")
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size)
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size,
+                   diloco=cfg.diloco_inner_steps > 0)
         return dims
 
     # ---- what is enabled -------------------------------------------------
@@ -84,11 +86,17 @@ class ParallelDims:
 
     @property
     def ddp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and not self.fsdp_enabled
+        return self.dp_replicate > 1 and not self.fsdp_enabled and not self.diloco
 
     @property
     def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.fsdp_enabled
+        return self.dp_replicate > 1 and self.fsdp_enabled and not self.diloco
+
+    @property
+    def replicate_reduces(self) -> bool:
+        """Whether gradients are reduced over dp_replicate every step (not under DiLoCo: loom.train.diloco
+        averages the groups' weights every H steps instead)."""
+        return self.dp_replicate > 1 and not self.diloco
 
     @property
     def replicate_with_fsdp(self) -> bool:
@@ -205,7 +213,9 @@ class ParallelDims:
     def describe(self) -> str:
         parts = [name for name, on in (("PP", self.pp_enabled), ("CP", self.cp_enabled), ("TP", self.tp_enabled),
                                        ("EP", self.ep_enabled)) if on]
-        if self.dp_size > 1 or self.fsdp_enabled:  # FSDP shards over dp_shard x cp
+        if self.diloco:  # groups along dp_replicate, each FSDP-sharded (or not) inside
+            parts.append("DiLoCo" + ("(FSDP)" if self.fsdp_enabled else ""))
+        elif self.dp_size > 1 or self.fsdp_enabled:  # FSDP shards over dp_shard x cp
             parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
         kind = "x".join(parts) or "single"
         degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep", "etp") if getattr(self, a) > 1)

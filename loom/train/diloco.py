@@ -1,0 +1,188 @@
+"""DiLoCo: low-communication data parallelism (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+Training of Language Models"), with the streaming variant's fragments (Douillard et al. 2025, "Streaming DiLoCo").
+
+The groups along ``dp_replicate`` train apart: each takes H inner optimizer steps with gradients reduced only inside
+the group (``ParallelDims.replicate_reduces`` is false, so FSDP2 shards over ``dp_shard x cp`` alone and no DDP
+wraps the model). Every H steps the pseudo-gradient ``outer - current`` (the weights at the round's start minus the
+group's weights now) is averaged over the groups with one all-reduce over the ``dp_replicate`` axis, the outer
+optimizer (Nesterov SGD) steps the outer weights with it, and every group continues from the new outer weights.
+Each group keeps its inner optimizer state. With ``fragments`` F > 1 the parameters are cut into F contiguous,
+about equal fragments; fragment f synchronizes at steps ``(f + 1)·H / F + k·H``, so the traffic of a round is
+spread over it (the all-reduce still blocks the step: it is not overlapped with compute).
+
+The checkpoint holds: ``model`` = the outer weights (the same on every group: what the groups agree on, and what
+an export reads), ``diloco_momentum`` = the outer momentum, and each group's current weights and inner optimizer
+state under ``diloco_replica_<r>``; the position in the round is the step count (``H`` and the groups are in
+``trainer_state.json``), so a resume inside a round continues exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from loom.checkpoint.manager import STATE
+from loom.config.errors import ConfigError
+from loom.config.sections import ParallelConfig
+
+# wrapper prefixes that activation checkpointing and torch.compile add to parameter names, and that the
+# checkpoint's state dicts leave out
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def state_name(name: str) -> str:
+    """A parameter's name as the checkpoint's model state dict spells it."""
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: writes reach the parameter), or the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fragment_split(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into ``n`` (<= len(sizes)) contiguous runs of about equal total size, none empty:
+    each entry goes to the fragment its midpoint falls in, never skipping a fragment nor leaving the last ones
+    without an entry."""
+    total, acc, prev, out = sum(sizes) or 1, 0, -1, [[] for _ in range(n)]
+    for i, size in enumerate(sizes):
+        f = min(n - 1, int((acc + size / 2) * n / total))
+        f = max(prev, n - (len(sizes) - i), min(f, prev + 1))
+        out[f].append(i)
+        acc, prev = acc + size, f
+    return out
+
+
+class DiLoCo:
+    """The outer state and step of one rank: ``after_step(step)`` after every optimizer step synchronizes the
+    fragments due at that step."""
+
+    def __init__(self, parts: list[torch.nn.Module], cfg: ParallelConfig, *, group, n_groups: int, replica: int,
+                 inner_group=None):
+        """``group``: this rank's process group along dp_replicate (``n_groups`` ranks, this one the ``replica``-th);
+        ``inner_group``: the ranks of its replica group that hold different tokens (None: only this rank)."""
+        self.inner_steps, self.outer_lr, self.momentum_coef = cfg.diloco_inner_steps, cfg.diloco_outer_lr, \
+            cfg.diloco_outer_momentum
+        self.bf16, self.n_groups, self.group, self.replica = cfg.diloco_bf16, n_groups, group, replica
+        self.inner_group = inner_group
+        # name -> this rank's parameters of that name (two under a V-shaped pipeline's tied embeddings: equal copies)
+        self.params: dict[str, list[torch.nn.Parameter]] = {}
+        seen: set[int] = set()
+        for part in parts:
+            for name, p in part.named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.setdefault(state_name(name), []).append(p)
+        names = list(self.params)
+        n = max(1, min(cfg.diloco_fragments, len(names)))
+        sizes = [self.params[k][0].numel() for k in names]
+        self.fragments = [[names[i] for i in idx] for idx in fragment_split(sizes, n)]
+        self.offsets = [(f + 1) * self.inner_steps // n for f in range(n)]
+        with torch.no_grad():
+            self.outer = {k: ps[0].detach().clone() for k, ps in self.params.items()}
+            # kept at momentum 0 too: diloco_outer_momentum may change on resume, and the checkpoint always has it
+            self.momentum = {k: torch.zeros_like(v) for k, v in self.outer.items()}
+        self.bytes_sent = 0  # payload of this rank's outer all-reduces so far (what crosses the groups)
+        self.syncs = 0
+
+    @classmethod
+    def build(cls, parts: list[torch.nn.Module], dims, cfg: ParallelConfig) -> "DiLoCo":
+        """The groups from the mesh: along ``dp_replicate``, and a group's token ranks along FSDP2's shard axis."""
+        inner = dims["dp_shard_cp"].get_group() if dims.dp_shard * dims.cp > 1 else None
+        return cls(parts, cfg, group=dims["dp_replicate"].get_group(), n_groups=dims.dp_replicate,
+                   replica=dims["dp_replicate"].get_local_rank(), inner_group=inner)
+
+    # ---- during a step ---------------------------------------------------------------
+    def group_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed in place over this group's ranks that hold different tokens."""
+        if self.inner_group is not None:
+            dist.all_reduce(t, group=self.inner_group)
+        return t
+
+    def agree(self, flag: torch.Tensor) -> torch.Tensor:
+        """``flag`` (a bool tensor) true on every group: the groups skip or apply an update together (a gradient
+        norm is a group's own), so the step count and the rounds stay aligned."""
+        t = flag.to(torch.float32).reshape(1)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return t[0] > 0
+
+    def due(self, step: int) -> list[int]:
+        """The fragments that synchronize after optimizer step ``step`` (counted from 1)."""
+        return [f for f, o in enumerate(self.offsets) if step >= o and (step - o) % self.inner_steps == 0]
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> None:
+        for f in self.due(step):
+            self._sync(self.fragments[f])
+
+    @torch.no_grad()
+    def _sync(self, names: list[str]) -> None:
+        """Average the pseudo-gradients of ``names`` over the groups, step the outer weights, restart from them."""
+        outer = [_local(self.outer[k]) for k in names]
+        current = [_local(self.params[k][0]) for k in names]
+        delta = torch.cat([(o.float() - c.float()).reshape(-1) for o, c in zip(outer, current)])  # (n,) fp32
+        wire = delta.to(torch.bfloat16) if self.bf16 else delta
+        dist.all_reduce(wire, group=self.group)
+        self.bytes_sent += wire.numel() * wire.element_size()
+        self.syncs += 1
+        mean = wire.float().div_(self.n_groups)  # (n,) the averaged pseudo-gradient
+        start = 0
+        for k, o in zip(names, outer):
+            g = mean[start:start + o.numel()].view_as(o).to(o.dtype)
+            start += o.numel()
+            if self.momentum_coef:  # Nesterov, as torch.optim.SGD: b = mu b + g; step g + mu b
+                buf = _local(self.momentum[k])
+                buf.mul_(self.momentum_coef).add_(g)
+                g = g.add(buf, alpha=self.momentum_coef)
+            o.sub_(g, alpha=self.outer_lr)
+            for p in self.params[k]:
+                _local(p).copy_(o)
+
+    # ---- checkpoint --------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        """Where this group's own weights and inner optimizer state sit in the checkpoint."""
+        return f"diloco_replica_{self.replica}"
+
+    def shared_state(self, model_state: dict) -> dict:
+        """The checkpoint entries every group shares: the outer weights as ``model`` (parameters that do not train
+        are the model's own) and the outer momentum. DCP loads into these same tensors."""
+        missing = sorted(set(self.outer) - set(model_state))
+        assert not missing, f"parameters without a state dict name: {missing[:3]}"
+        return {"model": {k: self.outer.get(k, v) for k, v in model_state.items()},
+                "diloco_momentum": dict(self.momentum)}
+
+    def record(self, step: int) -> dict:
+        """What trainer_state.json keeps: H, the groups and fragments (checked on resume) and the position in the
+        round after ``step`` (steps since the last synchronization of the first fragment)."""
+        return {"inner_steps": self.inner_steps, "groups": self.n_groups, "fragments": len(self.fragments),
+                "position": (step - self.offsets[0]) % self.inner_steps if step >= self.offsets[0] else step}
+
+    def check_resume(self, folder: str) -> None:
+        """A checkpoint written with another number of groups holds other groups' weights: refuse it before any
+        weight is read (a weights-only checkpoint starts the first round from its weights: ``restart``)."""
+        with open(os.path.join(folder, STATE)) as fh:
+            state = json.load(fh)
+        saved = state.get("diloco")
+        if state.get("model_only"):
+            return
+        if saved is None:
+            raise ConfigError("parallel.diloco_inner_steps", self.inner_steps,
+                              "the checkpoint was written without DiLoCo: resume it without DiLoCo")
+        if saved["groups"] != self.n_groups:
+            raise ConfigError("parallel.dp_replicate", self.n_groups,
+                              f"the DiLoCo checkpoint holds {saved['groups']} replica groups: resume with "
+                              f"parallel.dp_replicate = {saved['groups']}")
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Start a round from the current weights (after weights-only loading): outer = current, no momentum."""
+        for k, ps in self.params.items():
+            _local(self.outer[k]).copy_(_local(ps[0]))
+        for buf in self.momentum.values():
+            _local(buf).zero_()

@@ -1,0 +1,162 @@
+"""DiLoCo on gloo ranks, 2 replica groups (dp_replicate) of 1 rank each, and (exhaustive) of 2 FSDP2 ranks each,
+with streaming fragments (loom.train.diloco).
+
+- With H = 1, outer LR 1 and no momentum, DiLoCo is data parallelism: averaging the groups' weights after one step
+  equals one step on the averaged gradient when the inner optimizer is linear in the gradient. AdamW is not, so this
+  test steps with torch's SGD inside the real trainer (its optimizer swapped); the losses equal DDP's / HSDP's.
+- The bytes that cross the groups (collectives whose ranks lie in both groups, counted at the c10d ops) per
+  optimizer step are 1/H of the synchronous run's (1/(2H) with the bf16 wire), per-step scalars included.
+- A run saved inside a round resumes bit for bit (outer weights and momentum, each group's weights and AdamW state).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.distributed.harness import run_fn
+from tests.tiny import tiny_overrides
+
+GROUPS = 2
+LAYOUTS = {  # world, overrides, the resumed run's DiLoCo options (bf16 wire, streaming fragments)
+    "ddp2": (2, {"parallel.dp_shard": 1}, {}),
+    "hsdp4": (4, {"parallel.dp_shard": 2, "training.micro_batch_size": 1},
+              {"parallel.diloco_bf16": "true", "parallel.diloco_fragments": 2}),
+}
+
+
+def _cross_group_bytes(world: int, groups: int):
+    """A dispatch mode that sums the bytes of every c10d collective whose ranks span more than one replica group
+    (global rank r is in group r // (world / groups) on a (dp_replicate, dp_shard) mesh). A collective's bytes are
+    those of its largest tensor (an all-reduce's buffer, a reduce-scatter's input, an all-gather's output)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    per_group = world // groups
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.calls = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                pgs = [a for a in args if isinstance(a, torch.ScriptObject)]
+                ranks = dist.get_process_group_ranks(torch._C._distributed_c10d.ProcessGroup.unbox(pgs[0]))
+                if len({r // per_group for r in ranks}) > 1:
+                    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                               if isinstance(t, torch.Tensor)]
+                    self.bytes += max((t.numel() * t.element_size() for t in tensors), default=0)
+                    self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
+def _trainer(tmp: str, name: str, layout: dict, **extra):
+    from loom.config import build_config
+    from loom.parallel.env import init_distributed
+    from loom.train.trainer import Trainer
+
+    overrides = tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
+        "run.seed": 3, "run.deterministic": "true", "parallel.dp_replicate": GROUPS, "optimizer.warmup_steps": 1,
+        "optimizer.lr": 3e-3, **layout, **extra})
+    cfg = build_config(None, {k: str(v) for k, v in overrides.items()})
+    return Trainer(cfg, env=init_distributed(cfg.run.device, cfg.parallel.backend))
+
+
+def _with_sgd(trainer, lr: float):
+    """The trainer's inner optimizer swapped for torch's SGD (linear in the gradient), one per model part."""
+    import torch
+
+    trainer.optimizer.optimizers = [torch.optim.SGD([p for p in part.parameters() if p.requires_grad], lr=lr)
+                                    for part in trainer.parts]
+    trainer.optimizer.fold_grad_factor = False
+    return trainer
+
+
+def _losses(records):
+    return [r["loss"] for r in records]
+
+
+def _count_steps(trainer, world: int):
+    """The cross-group bytes of the trainer's optimizer steps (checkpoints and logging left out)."""
+    count, step = _cross_group_bytes(world, GROUPS), trainer.train_step
+
+    def counted(micro_batches):
+        with count:
+            return step(micro_batches)
+
+    trainer.train_step = counted
+    return count
+
+
+def _runs(tmp: str, layout_name: str, rank: int, world: int) -> dict:
+    _, layout, options = LAYOUTS[layout_name]
+    out = {}
+    # 1. H = 1, outer LR 1, no momentum against synchronous data parallelism, both stepping with SGD (no clipping: a
+    # DiLoCo group's gradient norm is its own); the synchronous run's cross-group bytes are counted
+    one = {"parallel.diloco_outer_lr": 1.0, "parallel.diloco_outer_momentum": 0.0}
+    sync = _with_sgd(_trainer(tmp, "sgd-sync", layout, **{"training.max_norm": 0}), 0.1)
+    count = _count_steps(sync, world)
+    out["sgd_sync"], out["bytes_sync"] = _losses(sync.fit()), count.bytes
+    out["shard_params"] = sum(p.numel() for p in sync.params)  # this rank's (shards under FSDP2)
+    out["sgd_h1"] = _losses(_with_sgd(_trainer(tmp, "sgd-h1", layout, **{"training.max_norm": 0,
+                                                                          "parallel.diloco_inner_steps": 1}, **one),
+                                      0.1).fit())
+    # 2. AdamW, H = 2 (with the layout's options), saved at step 3 of 6 (after the outer step at 2, inside the round
+    # that ends at 4) and resumed from there; the bytes of the uninterrupted run's steps are counted
+    resume = {"parallel.diloco_inner_steps": 2, "training.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 0,
+              **options}
+    full = _trainer(tmp, "full", layout, **resume)
+    count = _count_steps(full, world)
+    records = full.fit()
+    out["bytes_h2"], out["bytes_h2_reported"] = count.bytes, records[-1]["diloco_bytes"] if records else None
+    resumed = _trainer(tmp, "resumed", layout, **resume, **{"checkpoint.resume": f"{tmp}/full/checkpoints/step_00000003"})
+    resumed.fit()
+    out["full"] = [r for r in _records_of(tmp, "full") if r[0] > 3]
+    out["resumed"] = _records_of(tmp, "resumed")
+    out["bf16"] = options.get("parallel.diloco_bf16") == "true"
+    return out
+
+
+def _records_of(tmp: str, name: str) -> list:
+    import json
+
+    with open(f"{tmp}/{name}/metrics.jsonl") as fh:
+        return [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in map(json.loads, fh)]
+
+
+@pytest.fixture(scope="module", params=[pytest.param("ddp2"),
+                                        pytest.param("hsdp4", marks=pytest.mark.exhaustive)])
+def runs(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    return run_fn(LAYOUTS[request.param][0], functools.partial(_runs, str(tmp), request.param), str(tmp))
+
+
+def test_h1_outer_lr1_no_momentum_equals_data_parallelism(runs):
+    a, b = runs["sgd_h1"], runs["sgd_sync"]
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(y)
+    assert a[-1] < a[0] - 0.05  # it trains
+
+
+def test_bytes_across_groups_are_one_over_h_of_synchronous(runs):
+    sync, per_param = runs["bytes_sync"], 2 if runs["bf16"] else 4
+    figures = {k: runs[k] for k in ("bytes_sync", "bytes_h2", "bytes_h2_reported", "shard_params")}
+    # the synchronous run all-reduces each gradient (shard) across the groups in each of its 4 steps; the rest (the
+    # loss and token count a step, DDP's bucket order once) is under 1%
+    assert 4 * 4 * runs["shard_params"] <= sync <= 4 * 4 * runs["shard_params"] * 1.01, figures
+    # H = 2 over 6 steps: 3 synchronizations; per step 1/H of the synchronous bytes (1/(2H) on the bf16 wire)
+    assert (runs["bytes_h2"] / 6) / (sync / 4) == pytest.approx(per_param / 4 / 2, rel=0.01), figures
+    assert runs["bytes_h2"] - runs["bytes_h2_reported"] <= 6 * 16  # beside the outer all-reduces: scalars a step
+    assert runs["bytes_h2_reported"] == 3 * per_param * runs["shard_params"]
+
+
+def test_resume_inside_a_round_is_bitwise(runs):
+    full, resumed = runs["full"], runs["resumed"]
+    assert [r[0] for r in resumed] == [4, 5, 6]
+    assert [tuple(r) for r in resumed] == [tuple(r) for r in full]
