@@ -198,6 +198,14 @@ class ParallelConfig:
     ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True)
     cpu_offload: bool = opt(False, "FSDP: keep parameters, gradients and optimizer state on the CPU")
     backend: str = opt("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
+    diloco_inner_steps: int = opt(0, "DiLoCo: the dp_replicate groups train apart for this many optimizer steps H "
+                                     "(no gradient all-reduce across groups), then average their pseudo-gradients "
+                                     "and take an outer step; 0 = off (docs/algorithms.md)", min=0)
+    diloco_outer_lr: float = opt(0.7, "DiLoCo: outer (Nesterov SGD) learning rate", min=0.0, min_exclusive=True)
+    diloco_outer_momentum: float = opt(0.9, "DiLoCo: outer Nesterov momentum (0 = plain SGD)", min=0.0, max=1.0)
+    diloco_bf16: bool = opt(False, "DiLoCo: all-reduce the pseudo-gradients in bfloat16 (half the bytes)")
+    diloco_fragments: int = opt(1, "DiLoCo: > 1 = streaming DiLoCo: the model split into this many fragments, "
+                                   "each synchronized every H steps at staggered steps (H / fragments apart)", min=1)
 
 
 @dataclass

@@ -184,6 +184,13 @@ RULES: dict[str, tuple[str, str]] = {
     "parallel.ddp_bucket_mb": (FREE, _LAYOUT),
     "parallel.cpu_offload": (FREE, _LAYOUT),
     "parallel.backend": (FREE, _LAYOUT),
+    "parallel.diloco_inner_steps": (MUST_MATCH, "the checkpoint holds each replica group's weights and inner "
+                                                "optimizer state beside the outer state (or one model without DiLoCo)"),
+    "parallel.diloco_outer_lr": (APPLIED, "the outer step from the next synchronization"),
+    "parallel.diloco_outer_momentum": (APPLIED, "the outer step from the next synchronization (the momentum "
+                                                "buffers are kept)"),
+    "parallel.diloco_bf16": (APPLIED, "the pseudo-gradients' precision on the wire from the next synchronization"),
+    "parallel.diloco_fragments": (MUST_MATCH, "which parameters the outer weights of a round were taken for, and when"),
 
     "checkpoint.every": (FREE, _OUTPUT),
     "checkpoint.keep": (FREE, _OUTPUT),
