@@ -1,8 +1,8 @@
 """The ``file`` rendezvous backend (loom.parallel.rendezvous): two elastic agents on this machine, each started
 with ``--nnodes 2 --nproc-per-node 1 --rdzv-backend file --rdzv-endpoint PATH``, form one 2-rank job through a
 FileStore alone. One test trains the tiny run (``-m loom.train``) and compares its losses with one process; the
-other checks what the workers are handed and that a process group forms over the FileStore with MASTER_ADDR /
-MASTER_PORT removed (run as this module: ``python -m tests.distributed.test_rendezvous_file``)."""
+other checks what the workers are handed and trains the same run in a process group formed over the FileStore
+with MASTER_ADDR / MASTER_PORT removed (its workers run this module: ``-m tests.distributed.test_rendezvous_file``)."""
 
 from __future__ import annotations
 
@@ -47,40 +47,37 @@ def test_two_agents_train_over_a_file_store(tmp_path, cache, single):  # noqa: F
     assert_matches(losses_of(tmp_path / "run"), single)
 
 
-def test_process_group_over_the_file_store(tmp_path):
-    """Each worker is handed the process group's FileStore prefix; init_process_group over it needs no
-    MASTER_ADDR / MASTER_PORT (both removed before it runs), and an all-reduce sums both ranks."""
+def test_process_group_over_the_file_store(tmp_path, cache, single):  # noqa: F811
+    """Each worker is handed the process group's FileStore prefix; with MASTER_ADDR / MASTER_PORT removed, it forms
+    the group over that store and then runs loom's worker body, which keeps the group: the same losses."""
     out = tmp_path / "out"
     out.mkdir()
-    agents = start_agents(str(tmp_path / "rdzv"), ["-m", "tests.distributed.test_rendezvous_file", str(out)], ROOT,
-                          "pg")
+    agents = start_agents(str(tmp_path / "rdzv"), ["-m", "tests.distributed.test_rendezvous_file", str(out),
+                                                   *cli_args(tmp_path / "run", cache)], ROOT, "pg")
     for a in agents:
         assert a.returncode == 0, a.stderr[-3000:]
     seen = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
-    assert [s["sum"] for s in seen] == [3.0, 3.0]  # ranks 0 and 1 contribute 1 and 2
     assert seen[0]["store"] == seen[1]["store"] and seen[0]["store"].endswith("@" + str(tmp_path / "rdzv"))
     # what torch's agent still hands the workers: node 0's address and a port, which this group did not use
     assert seen[0]["master"] == seen[1]["master"] and seen[0]["master"][1].isdigit()
     assert {s["agent_store"] for s in seen} == {"False"}  # no agent serves a TCPStore
+    assert_matches(losses_of(tmp_path / "run"), single)
 
 
-def _worker(out_dir: str) -> None:
-    import torch
+def _worker(out_dir: str, argv: list[str]) -> None:
     import torch.distributed as dist
 
+    from loom.cli.train import run_worker
     from loom.parallel.rendezvous import PG_STORE_ENV, worker_store
 
     master = [os.environ.pop("MASTER_ADDR"), os.environ.pop("MASTER_PORT")]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", store=worker_store(), rank=rank, world_size=world)
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as fh:
-        json.dump({"sum": float(t), "store": os.environ[PG_STORE_ENV], "master": master,
+        json.dump({"store": os.environ[PG_STORE_ENV], "master": master,
                    "agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"]}, fh)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_worker(argv)  # loom.parallel.env keeps a group that is already there
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2:])
