@@ -103,6 +103,15 @@ def parse(argv: list[str]):
         opts, train_args = p.parse_known_args(argv)
     except _Refusal as err:
         raise ConfigError("loom launch", None, f"{err} (see `loom launch --help`)", show_value=False) from None
+    owned = {"--nnodes": "the hostfile's hosts or --nodes", "--nproc-per-node": "slots= or --gpus-per-node",
+             "--node-rank": "the host's place in the hostfile", "--rdzv-backend": "--rdzv-file",
+             "--rdzv-endpoint": "--master-addr / --master-port", "--rdzv-id": "a fresh id per launch",
+             "--standalone": "one agent per machine"}
+    for arg in train_args:
+        name = arg.partition("=")[0].replace("_", "-")
+        if name in owned:
+            raise ConfigError(name, None, f"loom launch sets it for every agent (from {owned[name]})",
+                              show_value=False)
     for name in ("nodes", "gpus_per_node", "master_port"):
         value = getattr(opts, name)
         if value is not None and value < (0 if name == "gpus_per_node" else 1):

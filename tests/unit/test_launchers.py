@@ -234,7 +234,8 @@ def test_cli_help_and_user_errors(capsys):
     assert loom_main(["launch", "--help"]) == 0
     assert "--hostfile FILE" in capsys.readouterr().out
     for argv, words in ((["launch", "--slurm", "--gpus-per-node", "8"], "--nodes: --slurm needs it"),
-                        (["launch", "--kubernetes", "--nodes", "x"], "invalid int value")):
+                        (["launch", "--kubernetes", "--nodes", "x"], "invalid int value"),
+                        (["launch", "--hostfile", "h", "--nproc-per-node", "8"], "loom launch sets it")):
         with pytest.raises(SystemExit) as exit_:
             loom_main(argv)
         err = capsys.readouterr().err.strip().splitlines()
