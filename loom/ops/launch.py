@@ -200,9 +200,10 @@ def run_launches(launches: list[HostLaunch], *, grace_s: float = 60.0, out=None)
                               text=True, errors="replace", start_new_session=True) for launch in launches]
 
     def pump(launch: HostLaunch, proc: subprocess.Popen) -> None:
+        prefix = f"[{launch.host:<{width}}] "
         for line in proc.stdout:
             with lock:
-                out.write(f"[{launch.host:<{width}}] {line if line.endswith(chr(10)) else line + chr(10)}")
+                out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
                 out.flush()
 
     pumps = [threading.Thread(target=pump, args=pair, daemon=True) for pair in zip(launches, procs)]
@@ -214,7 +215,7 @@ def run_launches(launches: list[HostLaunch], *, grace_s: float = 60.0, out=None)
             codes = [p.poll() for p in procs]  # every one polled: a failure is seen while others still run
             failed = [c for c in codes if c not in (None, 0)]
             if failed or None not in codes:
-                code = failed[0] if failed else 0
+                code = (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0  # killed by N: 128 + N
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
