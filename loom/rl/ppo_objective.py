@@ -29,23 +29,69 @@ from loom.rl.grpo import kl_k3
 from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
 from loom.rl.rollout import RolloutBatch, RolloutLoader, copy_parameters, rows_to_batches, token_logps
 from loom.train.objective import release_gathered
-from loom.train.reward import score_head
+from loom.train.reward import attach_score_head, score_head
 
 
-# ---- the value head ---------------------------------------------------------------------------------------------
+# ---- the value function ------------------------------------------------------------------------------------------
+
+class ValueCapture:
+    """Whether the next forward should compute values (``capture``), and the values it computed (B, S) fp32."""
+
+    def __init__(self):
+        self.capture, self.values = False, None
+
 
 def attach_value_head(model: nn.Module) -> nn.Module:
-    """``model.value_head``: a trainable ``dim -> 1`` linear read from the final norm's output (B, S, E). Call on the
-    plain model (meta device or not) before parallelizing it; under LoRA after ``apply_lora`` (the head trains)."""
+    """ppo.critic head: ``model.value_head``, a trainable ``dim -> 1`` linear read from the final norm's output
+    (B, S, E). Call on the plain model (meta device or not) before parallelizing it; under LoRA after ``apply_lora``
+    (the head trains)."""
     head = model.value_head = score_head(model)
-    head.capture, head.values = False, None
-    model.norm.register_forward_hook(lambda norm, args, out: _store_values(head, out))
+    state = model.ppo_values = ValueCapture()
+
+    def store(norm, args, hidden):
+        if state.capture:
+            state.values = head(hidden).squeeze(-1).float()  # (B, S)
+
+    model.norm.register_forward_hook(store)
     return model
 
 
-def _store_values(head: nn.Module, hidden: torch.Tensor) -> None:
-    if head.capture:
-        head.values = head(hidden).squeeze(-1).float()  # (B, S)
+def attach_critic(model: nn.Module) -> nn.Module:
+    """ppo.critic model: ``model.critic``, a second model of the policy's shape with the reward model's score head
+    in place of its LM head, run on the same tokens inside the policy's forward (a forward hook), so DDP, the
+    optimizer and checkpoints hold it with the policy. It is trained in full (under LoRA too); PPO copies the
+    policy's weights into its trunk as PPO starts (``copy_trunk``)."""
+    from loom.models.llama import Llama
+
+    with torch.device(model.tok_embeddings.weight.device):
+        critic = model.critic = attach_score_head(Llama(model.args))
+    state = model.ppo_values = ValueCapture()
+    init_policy_buffers = model.init_buffers
+
+    def init_buffers(device) -> None:  # materializing the policy materializes the critic's RoPE table too
+        init_policy_buffers(device)
+        critic.init_buffers(device)
+
+    def store(policy, args, logits):
+        if state.capture:
+            state.values = critic(*args).squeeze(-1).float()  # (B, S)
+
+    model.init_buffers = init_buffers
+    model.register_forward_hook(store)
+    return model
+
+
+@torch.no_grad()
+def copy_trunk(policy: nn.Module, critic: nn.Module) -> None:
+    """The policy's weights into the critic wherever a name and shape match (all but the head; under LoRA the base,
+    not the adapters)."""
+    from loom.models.common.init import canonical_name
+
+    mine = {canonical_name(n): p for n, p in policy.named_parameters() if not canonical_name(n).startswith("critic.")}
+    for name, p in critic.named_parameters():
+        src = mine.get(canonical_name(name))
+        if src is not None and src.shape == p.shape and name != "output.weight":
+            p.copy_(src)
 
 
 def plain(model: nn.Module) -> nn.Module:
@@ -56,13 +102,13 @@ def plain(model: nn.Module) -> nn.Module:
 def forward_with_values(model: nn.Module, inputs: torch.Tensor,
                         positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits (B, S, V), values (B, S) fp32) of one forward of ``model`` (DDP-wrapped or not)."""
-    head = plain(model).value_head
-    head.capture = True
+    state = plain(model).ppo_values
+    state.capture = True
     try:
         logits = model(inputs, positions)
-        values = head.values
+        values = state.values
     finally:
-        head.capture, head.values = False, None
+        state.capture, state.values = False, None
     return logits, values
 
 
@@ -210,6 +256,8 @@ class PpoRollouts(RolloutLoader):
             copy_parameters(trainer.parts[0], self.reference)  # the policy as PPO starts (after the warm-up)
             self._reference_set = True
         model = trainer.parts[0]
+        if p.critic == "model" and self.step == self.warmup + 1:  # PPO starts here (a resumed run keeps its critic)
+            copy_trunk(model, model.critic)
         model.eval()
         logps, values, refs = [], [], []
         try:
@@ -338,15 +386,15 @@ class ProximalPolicy:
         self.loader: PpoRollouts | None = None
 
     def attach(self, model: nn.Module) -> None:
-        attach_value_head(model)
+        (attach_critic if self.p.critic == "model" else attach_value_head)(model)
 
     def build_loader(self, trainer) -> PpoRollouts:
         self.loader = PpoRollouts(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)
         return self.loader
 
     def prepare(self, trainer) -> None:
-        if not hasattr(plain(trainer.parts[0]), "value_head"):
-            raise ConfigError("training.objective", "ppo", "a model with a value head: build the Trainer with the "
+        if not hasattr(plain(trainer.parts[0]), "ppo_values"):
+            raise ConfigError("training.objective", "ppo", "a model with a value function: build the Trainer with the "
                               "objective (Trainer(cfg, objective=ProximalPolicy(cfg)))")
         if self.loader is None:
             self.loader = trainer.loader = self.build_loader(trainer)

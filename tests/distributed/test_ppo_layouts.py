@@ -3,7 +3,8 @@ engine's samples (generation randomness is out of the comparison; everything aft
 the rollout-time log-probabilities and values, the frozen-copy reference, the gather of the global batch, GAE and
 whitening, the shuffled mini-batches, the loss over the global token count), DDP x2 gives the single process's
 loss, gradient norm and PPO statistics at every step (fp32, 1e-5 relative): two passes over two mini-batches per
-batch of rollouts with the KL in the rewards, and the KL as a loss term with accumulation."""
+batch of rollouts with the KL in the rewards and a value head, and the KL as a loss term with a separate critic
+model and accumulation."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def overrides(tmp, name, mb, **extra):
 
 JOBS = {  # name: (micro-batch on one process, micro-batch per DDP rank, extra overrides)
     "reward-kl-2x2": (8, 4, {"ppo.kl_coef": 0.1, "ppo.epochs": 2, "ppo.mini_batches": 2}),
-    "loss-kl-acc": (2, 2, {"ppo.kl_coef": 0.1, "ppo.kl_penalty": "loss", "ppo.epochs": 2,
-                           "ppo.whiten_rewards": "true"}),
+    "critic-loss-kl-acc": (2, 2, {"ppo.critic": "model", "ppo.kl_coef": 0.1, "ppo.kl_penalty": "loss",
+                                  "ppo.epochs": 2, "ppo.whiten_rewards": "true"}),
 }
 
 

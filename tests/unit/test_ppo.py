@@ -275,3 +275,31 @@ def test_reward_model_scores_the_rollouts(tmp_path):
     records = trainer.fit()
     assert all(r["reward"] == pytest.approx(r["rewards/reward_model"]) for r in records)
     assert "rewards/exact_answer" not in records[0] and records[0]["reward_std"] > 0
+
+
+def test_critic_model_is_materialized_and_starts_as_the_policy(tmp_path):
+    """ppo.critic model: the critic inside the policy is materialized with it (its RoPE table too), copies the
+    policy's trunk (not the head) as PPO starts, and one forward of the policy gives its values."""
+    from loom.config import build_config
+    from loom.rl.ppo_objective import ProximalPolicy, copy_trunk, forward_with_values
+    from loom.train.trainer import Trainer
+    from tests.tiny import tiny_overrides
+
+    over = tiny_overrides(str(tmp_path / "critic"), None, **{
+        "training.objective": "ppo", "ppo.critic": "model", "training.global_batch_size": 8,
+        "grpo.group_size": 4, "metrics.progress": "false"})
+    cfg = build_config(None, {k: str(v) for k, v in over.items()})
+    model = Trainer(cfg, objective=ProximalPolicy(cfg)).parts[0]
+    critic = model.critic
+    assert torch.equal(critic.rope, model.rope)
+    head = critic.output.weight.clone()
+    assert not torch.equal(critic.tok_embeddings.weight, model.tok_embeddings.weight)
+    copy_trunk(model, critic)
+    assert torch.equal(critic.tok_embeddings.weight, model.tok_embeddings.weight)
+    assert torch.equal(critic.layers["1"].feed_forward.w2.weight, model.layers["1"].feed_forward.w2.weight)
+    assert torch.equal(critic.output.weight, head) and critic.output.weight.shape == (1, model.args.dim)
+    tokens = torch.randint(0, 100, (2, 9))
+    logits, values = forward_with_values(model, tokens)
+    assert logits.shape[:2] == values.shape == (2, 9)
+    torch.testing.assert_close(values, critic(tokens).squeeze(-1))
+    torch.testing.assert_close(logits, model(tokens))
