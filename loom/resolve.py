@@ -249,9 +249,6 @@ def check_ppo(cfg: Config) -> None:
     if cfg.ppo.critic == "model" and cfg.lora.base_dtype == "nf4":
         raise ConfigError("ppo.critic", "model", "not with lora.base_dtype nf4 (the critic copies the base weights): "
                           "allowed head")
-    if cfg.ppo.critic == "model" and cfg.lora.base_dtype == "nf4":
-        raise ConfigError("ppo.critic", "model", "not with lora.base_dtype nf4 (the critic copies the base weights): "
-                          "allowed head")
     if cfg.ppo.kl_penalty == "loss" and cfg.ppo.kl_estimator != "k1":
         raise ConfigError("ppo.kl_estimator", cfg.ppo.kl_estimator, "applies to the KL in the rewards: with "
                           "ppo.kl_penalty loss the loss term is k3 (leave the estimator at k1)")

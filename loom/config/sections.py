@@ -311,10 +311,6 @@ class PpoConfig:
                               "(shares its trunk); 'model' = a separate model of the policy's shape with that head "
                               "(trained in full, also under LoRA), a copy of the policy as PPO starts",
                       choices=("head", "model"))
-    critic: str = opt("head", "the value function: 'head' = a dim -> 1 head on the policy's final hidden states "
-                              "(shares its trunk); 'model' = a separate model of the policy's shape with that head "
-                              "(trained in full, also under LoRA), a copy of the policy as PPO starts",
-                      choices=("head", "model"))
     kl_coef: float = opt(0.05, "weight of the KL to the reference (the base with its adapters off under LoRA, else a "
                                "frozen copy of the policy as PPO starts); 0 = no reference", min=0.0)
     kl_penalty: str = opt("reward", "where the KL goes: 'reward' = -kl_coef x KL per token in the rewards (TRL's); "

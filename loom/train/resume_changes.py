@@ -154,7 +154,6 @@ RULES: dict[str, tuple[str, str]] = {
     "grpo.lr_ratio": (APPLIED, "the learning rate of the next GRPO step"),
 
     "ppo.critic": (MUST_MATCH, "the value function's parameters in the checkpoint"),
-    "ppo.critic": (MUST_MATCH, "the value function's parameters in the checkpoint"),
     "ppo.kl_coef": (APPLIED, "the rewards or loss of the next batch of rollouts"),
     "ppo.kl_penalty": (APPLIED, "the rewards or loss of the next batch of rollouts"),
     "ppo.kl_estimator": (APPLIED, "the rewards of the next batch of rollouts"),
