@@ -118,12 +118,15 @@ def flat_config(cfg) -> dict:
 
 def scalars(rec: dict) -> dict[str, float]:
     """A record's numbers as the scalars TensorBoard, W&B and MLflow get: ``step`` is their x axis, None and text
-    (``batch_hash``) are left out, a list (``pp_idle``) becomes one scalar per entry (``pp_idle/0``, ...)."""
+    (``batch_hash``) are left out, a list (``pp_idle``) becomes one scalar per entry (``pp_idle/0``, ...); a list of
+    rank numbers (``straggler_ranks``) becomes its length (``stragglers``)."""
     out = {}
     for key, value in rec.items():
         if key == "step":
             continue
-        if isinstance(value, list):
+        if key.endswith("_ranks") and isinstance(value, list):
+            out[key[:-len("_ranks")] + "s"] = float(len(value))
+        elif isinstance(value, list):
             out.update({f"{key}/{i}": float(v) for i, v in enumerate(value) if _is_number(v)})
         elif _is_number(value):
             out[key] = float(value)

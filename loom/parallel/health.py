@@ -115,7 +115,11 @@ def dump_flight_recorder() -> dict | None:
         if fn is None:
             continue
         try:
-            dump = pickle.loads(fn(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+            try:
+                raw = fn(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+            except TypeError:  # a build whose binding takes no arguments
+                raw = fn()
+            dump = pickle.loads(raw)
         except Exception:  # no recorder of this kind in this process
             continue
         if merged is None:
@@ -139,12 +143,13 @@ def summarize_dump(dump: dict | None, last: int = 4) -> dict[str, dict]:
         if e.get("is_p2p"):
             continue
         name, desc = (tuple(e.get("process_group") or ("?", "?")) + ("?",))[:2]
-        g = groups.setdefault(str(name), {"desc": desc, "ranks": None, "collectives": []})
-        g["collectives"].append({"seq": int(e.get("collective_seq_id", 0)), "op": _op_name(e.get("profiling_name")),
-                                 "sizes": e.get("input_sizes"), "dtypes": e.get("input_dtypes"),
-                                 "state": e.get("state"), "duration_ms": e.get("duration_ms")})
+        g = groups.setdefault(str(name), {"desc": desc, "ranks": None, "collectives": {}})
+        seq = int(e.get("collective_seq_id", 0))
+        g["collectives"][seq] = {"seq": seq, "op": _op_name(e.get("profiling_name")), "sizes": e.get("input_sizes"),
+                                 "dtypes": e.get("input_dtypes"), "state": e.get("state"),
+                                 "duration_ms": e.get("duration_ms")}
     for name, g in groups.items():
-        g["collectives"] = sorted(g["collectives"], key=lambda c: c["seq"])[-last:]
+        g["collectives"] = [g["collectives"][seq] for seq in sorted(g["collectives"])][-last:]
         cfg = config.get(name) or next((c for c in config.values() if c.get("desc") == g["desc"]), None)
         if cfg and cfg.get("ranks"):
             try:

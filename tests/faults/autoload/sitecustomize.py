@@ -7,3 +7,8 @@ if os.environ.get("LOOM_FAULT"):
     from tests.faults.inject import install
 
     install(os.environ["LOOM_FAULT"])
+
+if os.environ.get("LOOM_FAULT_RANK"):  # one rank's fault (tests/faults/ranks.py): a stalled collective, a slow rank
+    from tests.faults.ranks import install as install_rank_fault
+
+    install_rank_fault(os.environ["LOOM_FAULT_RANK"])
