@@ -198,6 +198,12 @@ class ParallelConfig:
     ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True)
     cpu_offload: bool = opt(False, "FSDP: keep parameters, gradients and optimizer state on the CPU")
     backend: str = opt("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
+    timeout_s: float = opt(600.0, "seconds a collective waits for the other ranks before the run stops with a "
+                                  "hang report naming the stuck ranks (<run.dir>/hang_report.txt); start-up waits at "
+                                  "least 1800 (docs/operations.md)", min=0.0, min_exclusive=True)
+    distributed_debug: str = opt("OFF", "TORCH_DISTRIBUTED_DEBUG for this run: INFO / DETAIL check every collective's "
+                                        "arguments across ranks (slower); OFF = the environment's",
+                                 choices=("OFF", "INFO", "DETAIL"))
     diloco_inner_steps: int = opt(0, "DiLoCo: the dp_replicate groups train apart for this many optimizer steps H "
                                      "(no gradient all-reduce across groups), then average their pseudo-gradients "
                                      "and take an outer step; 0 = off (docs/algorithms.md)", min=0)
@@ -243,6 +249,10 @@ class MetricsConfig:
     progress: bool = opt(True, "progress bar on rank 0 when stderr is a terminal")
     profile_steps: str = opt("", "'A:B' = profile optimizer steps A..B (1 <= A <= B <= training.steps): trace "
                                  "per rank (+ CUDA memory snapshot) in <run.dir>/profile; empty = off")
+    straggler_fraction: float = opt(0.2, "at every logged step, name the ranks whose own time per step (the step less "
+                                          "its wait in collectives on GPUs; data wait + CPU time on the CPU) "
+                                          "exceeds the ranks' median by more than this fraction (console, metrics.jsonl "
+                                          "straggler_ranks; docs/operations.md); 0 = off", min=0.0)
     noise_scale: bool = opt(False, "log the gradient noise scale B_simple (McCandlish et al. 2018) as noise_scale: "
                                    "the first micro-batch's gradient against the step's, smoothed; costs one more "
                                    "gradient norm per step; needs accumulation >= 2 (docs/algorithms.md)")

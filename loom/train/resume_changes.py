@@ -184,6 +184,8 @@ RULES: dict[str, tuple[str, str]] = {
     "parallel.ddp_bucket_mb": (FREE, _LAYOUT),
     "parallel.cpu_offload": (FREE, _LAYOUT),
     "parallel.backend": (FREE, _LAYOUT),
+    "parallel.timeout_s": (FREE, "how long a collective waits before the run stops with a hang report"),
+    "parallel.distributed_debug": (FREE, "PyTorch's collective checks: the same math"),
     "parallel.diloco_inner_steps": (MUST_MATCH, "the checkpoint holds each replica group's weights and inner "
                                                 "optimizer state beside the outer state (or one model without DiLoCo)"),
     "parallel.diloco_outer_lr": (APPLIED, "the outer step from the next synchronization"),
@@ -212,6 +214,7 @@ RULES: dict[str, tuple[str, str]] = {
     "metrics.run_name": (FREE, _OUTPUT),
     "metrics.progress": (FREE, _OUTPUT),
     "metrics.profile_steps": (FREE, _OUTPUT),
+    "metrics.straggler_fraction": (FREE, _OUTPUT),
     "metrics.noise_scale": (FREE, "a logged estimate (its smoothing restarts)"),
 }
 
