@@ -601,14 +601,16 @@ class Trainer:
                     if self.step >= cfg.training.steps:
                         continue
                 logs = self._logs_at(self.step + 1)
+                position = self.loader.state_dict() if self.ft else None  # a step not committed reruns its batch
                 with self.stragglers.data_wait():
                     data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
                 self.profiler.start(self.step + 1)
                 out = self.train_step(data.micro_batches)
                 if not out.get("committed", True):
+                    self.loader.load_state_dict(position)
                     if self.env.is_main:
-                        print(f"step {self.step + 1}: not committed (a replica group failed during it): the step "
-                              "runs again on the next batch", flush=True)
+                        print(f"step {self.step + 1}: not committed (a replica group failed during it): it runs "
+                              "again", flush=True)
                     continue
                 self.step += 1
                 self.profiler.step_done(self.step)
