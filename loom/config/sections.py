@@ -174,6 +174,17 @@ class OptimizerConfig:
 class ParallelConfig:
     dp_replicate: int = opt(1, "data-parallel replicas (DDP, or the replicate axis of HSDP)", min=1)
     dp_shard: int = opt(-1, "FSDP shard degree; -1 = whatever the other degrees leave", min=-1)
+    fault_tolerance: bool = opt(False, "torchft replica groups (pip install 'loom-train[ft]'): this job is one of "
+                                       "ft_replica_groups jobs that replicate the model and split each global batch; "
+                                       "the others go on while one restarts, and it recovers from a live one "
+                                       "(docs/operations.md)")
+    ft_replica_id: int = opt(0, "fault tolerance: this job's replica group, 0 .. ft_replica_groups - 1", min=0)
+    ft_replica_groups: int = opt(1, "fault tolerance: replica groups sharing each global batch", min=1)
+    ft_lighthouse: str = opt("", "fault tolerance: the torchft lighthouse's address (http://host:port); empty = "
+                                 "$TORCHFT_LIGHTHOUSE")
+    ft_min_replicas: int = opt(1, "fault tolerance: replica groups a step needs to be committed", min=1)
+    ft_timeout_s: float = opt(60.0, "fault tolerance: quorum, collective and recovery timeout across replica groups",
+                              min=0.0, min_exclusive=True)
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks, "

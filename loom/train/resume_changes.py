@@ -170,6 +170,12 @@ RULES: dict[str, tuple[str, str]] = {
 
     "parallel.dp_replicate": (FREE, _LAYOUT),
     "parallel.dp_shard": (FREE, _LAYOUT),
+    "parallel.fault_tolerance": (FREE, _LAYOUT + "; the replica groups split the same global batch"),
+    "parallel.ft_replica_id": (FREE, _LAYOUT + "; the replica groups split the same global batch"),
+    "parallel.ft_replica_groups": (FREE, _LAYOUT + "; the replica groups split the same global batch"),
+    "parallel.ft_lighthouse": (FREE, "where the replica groups meet"),
+    "parallel.ft_min_replicas": (FREE, "when a step of the replica groups commits"),
+    "parallel.ft_timeout_s": (FREE, "how long the replica groups wait for each other"),
     "parallel.tp": (FREE, _LAYOUT),
     "parallel.pp": (FREE, _LAYOUT),
     "parallel.cp": (FREE, _LAYOUT),
