@@ -112,7 +112,17 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     if len(by_mesh(decay + no_decay)) > 1:
         impl = "single"
     flags = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)
+    opt.register_load_state_dict_post_hook(_keep_implementation)
+    return opt
+
+
+def _keep_implementation(opt: torch.optim.Optimizer) -> None:
+    """After a checkpoint is loaded: the kernel is this run's choice (optimizer.implementation, the device, offload),
+    not the saved run's, whose param groups bring back their ``fused`` / ``foreach`` flags."""
+    for group in opt.param_groups:
+        for key in ("fused", "foreach"):
+            group[key] = opt.defaults.get(key)
 
 
 class OptimizerParts:

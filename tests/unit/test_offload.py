@@ -1,0 +1,152 @@
+"""parallel.cpu_offload in one process: FSDP2 on a 1-rank mesh keeps the weights, gradients and AdamW state on the
+host (PyTorch's fused CPU AdamW steps them), and the run's losses equal the same run without offload; a checkpoint
+resumes across offload and no offload as if the run had not stopped; the backend choice and the config rules; the
+planner's model of single-GPU offload and its search, which offers offload where nothing else fits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loom.checkpoint.manager import step_dir_name
+from loom.config.errors import ConfigError
+from loom.parallel.env import choose_backend
+from loom.plan.hardware import GPUS
+from loom.plan.memory import GIB
+from loom.plan.planner import HOST_GIB_PER_GPU, estimate, host_step_s, offload_bytes, search
+from loom.resolve import resolve
+from loom.train.trainer import Trainer
+from tests.tiny import tiny_config
+
+STEPS = 4
+BASE = {"run.seed": 7, "training.steps": STEPS, "training.micro_batch_size": 2, "optimizer.lr": 3e-3}
+OFFLOAD = {"parallel.cpu_offload": "true"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    """The 1-rank process group an offloaded trainer makes for itself goes with this module (a later test may make
+    its own group)."""
+    had = dist.is_initialized()
+    yield
+    if not had and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def train(run_dir, cache, **extra) -> tuple[Trainer, list[dict]]:
+    trainer = Trainer(tiny_config(run_dir, cache, **{**BASE, **extra}))
+    return trainer, trainer.fit()
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, cache) -> list[dict]:
+    return train(tmp_path_factory.mktemp("plain"), cache)[1]
+
+
+def test_one_process_offload_equals_the_run_without_it(tmp_path, cache, plain):
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer, records = train(tmp_path, cache, **OFFLOAD)
+    part = trainer.parts[0]
+    assert isinstance(part, FSDPModule) and all(isinstance(b, FSDPModule) for b in part.layers.values())
+    assert part.layers["0"].attention.wq.weight.device_mesh.size() == 1  # a 1-rank mesh: nothing sharded
+    assert all(p.device.type == "cpu" for p in trainer.params)
+    states = [t for s in trainer.optimizer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)]
+    assert states and all(t.device.type == "cpu" for t in states)
+    assert trainer.optimizer.optimizers[0].defaults["fused"]  # PyTorch's fused CPU kernel, not foreach
+    assert max(r["grad_norm"] for r in records) > BASE.get("training.max_norm", 1.0)  # clipping took part
+    assert max_rel([r["loss"] for r in records], [r["loss"] for r in plain]) < 1e-6
+    assert max_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in plain]) < 1e-5
+
+
+@pytest.mark.parametrize("saved,resumed", [(OFFLOAD, {}), pytest.param({}, OFFLOAD, marks=pytest.mark.slow)])
+def test_a_checkpoint_resumes_across_offload(tmp_path, cache, plain, saved, resumed):
+    """Saved at step 2 with (without) offload, resumed without (with) it: steps 3 and 4 as the uninterrupted run's."""
+    every = {"checkpoint.every": 2}
+    train(tmp_path, cache, **saved, **every)
+    shutil.rmtree(os.path.join(tmp_path, "checkpoints", step_dir_name(STEPS)))  # the run stopped after step 2
+    trainer, records = train(tmp_path, cache, **resumed, **every)
+    assert [r["step"] for r in records] == [3, 4]
+    assert max_rel([r["loss"] for r in records], [r["loss"] for r in plain[2:]]) < 1e-6
+
+
+def test_backend_choice():
+    assert choose_backend("auto", "cuda", cpu_offload=True) == "cuda:nccl,cpu:gloo"
+    assert choose_backend("auto", "cuda") == "nccl"
+    assert choose_backend("auto", "cpu", cpu_offload=True) == "gloo"
+    assert choose_backend("gloo", "cuda", cpu_offload=True) == "gloo"
+    with pytest.raises(ConfigError, match="nccl needs CUDA devices"):
+        choose_backend("nccl", "cpu")
+
+
+@pytest.mark.parametrize("over,world,field,words", [
+    ({"parallel.backend": "nccl"}, 1, "parallel.backend", "NCCL cannot reduce"),
+    ({"parallel.dp_replicate": 2}, 2, "parallel.cpu_offload", "shard over those ranks instead"),
+    ({"parallel.tp": 2}, 2, "parallel.cpu_offload", "tp = pp = 1"),
+    ({"training.objective": "grpo"}, 1, "parallel.cpu_offload", "grpo"),
+])
+def test_layouts_offload_cannot_run_are_config_errors(over, world, field, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        resolve(tiny_config(**OFFLOAD, **over), world)
+    assert err.value.field == field
+
+
+# ---- the planner -----------------------------------------------------------------------------
+
+def plan_config(**over):
+    return tiny_config(**{"model.flavor": "8B", "training.seq_len": 512, "training.dtype": "bfloat16",
+                          "training.global_batch_size": 8, "training.micro_batch_size": 8,
+                          "training.activation_checkpointing": "full", **over})
+
+
+def test_plan_of_one_gpu_offload_moves_the_state_to_the_host():
+    """The 8B shape on one H100: the state (16 bytes a parameter) does not fit the GPU, offloaded it is in host memory
+    and the GPU keeps the gathered blocks and activations; the step pays the PCIe copies and the host's AdamW."""
+    gpu = GPUS["H100"]
+    on_gpu = estimate(plan_config(), 1, gpu)
+    off = estimate(plan_config(**OFFLOAD), 1, gpu)
+    params = on_gpu.memory.weights / 4
+    assert not on_gpu.fits and off.fits
+    assert off.memory.weights == off.memory.gradients == off.memory.optimizer == 0
+    assert off.host_gib == pytest.approx(16 * params / GIB) and off.host_gib < HOST_GIB_PER_GPU
+    assert off.memory.total < 0.25 * on_gpu.memory.total
+    assert off.layout["cpu_offload"] and "cpu_offload" in off.describe()
+    h2d, d2h = offload_bytes(params, off_inputs := _inputs(plan_config(**OFFLOAD)))
+    assert (h2d, d2h) == (8 * params, 4 * params) and off_inputs.reshard_after_forward  # in twice, out once
+    assert off.time.optimizer == pytest.approx(host_step_s(params, 1))
+    assert off.time.fsdp >= h2d / 50e9  # one rank: the copies in are not hidden behind compute
+    assert off.time.total > on_gpu.time.total  # slower: the price of fitting
+    assert any("host memory" in n and "GB/s" in n for n in off.notes)
+
+
+def _inputs(cfg):
+    from loom.plan.planner import memory_inputs, validate
+
+    dims, args, _ = validate(cfg, 1)
+    return memory_inputs(cfg, dims, args)
+
+
+def test_search_offers_offload_where_nothing_else_fits():
+    """The 1B shape (20 GB of state) on a GPU of 12 GiB: no layout fits with the state on the GPU, so the search's
+    answers are offloaded; on an H100, where layouts fit, offload is not searched."""
+    cfg = plan_config(**{"model.flavor": "1B", "training.seq_len": 256, "training.global_batch_size": 1,
+                         "training.micro_batch_size": 1})
+    best, valid = search(cfg, 1, replace(GPUS["H100"], memory_gib=12.0), top=3, margin_gib=0.0)
+    assert best and all(e.layout["cpu_offload"] and e.fits for e in best) and valid >= len(best)
+    roomy, _ = search(cfg, 1, GPUS["H100"], top=3)
+    assert roomy and not any(e.layout["cpu_offload"] for e in roomy)
