@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -323,12 +324,41 @@ def test_the_fused_lora_product_equals_the_plain_one(x_grad):
 def test_lora_linear_opcheck():
     from loom.kernels.lora.op import lora_linear_backward_op, lora_linear_op
 
-    x, w, a, b = torch.randn(6, 8), torch.randn(5, 8), torch.randn(2, 8), torch.randn(5, 2)
-    torch.library.opcheck(lora_linear_op, (x.requires_grad_(), w, a.requires_grad_(), b.requires_grad_(), 0.5))
-    y, u = lora_linear_op(x, w, a, b, 0.5)
-    for input_grad in (True, False):
-        torch.library.opcheck(lora_linear_backward_op, (torch.randn_like(y), x.detach(), w, a.detach(), b.detach(),
-                                                        u.detach(), 0.5, input_grad))
+    for outs in ((5,), (5, 3, 3)):  # one linear; three of one input (q, k, v)
+        x = torch.randn(6, 8, requires_grad=True)
+        ws = [torch.randn(o, 8) for o in outs]
+        a = [torch.randn(2, 8, requires_grad=True) for _ in outs]
+        b = [torch.randn(o, 2, requires_grad=True) for o in outs]
+        torch.library.opcheck(lora_linear_op, (x, ws, a, b, 0.5))
+        *ys, u = lora_linear_op(x, ws, a, b, 0.5)
+        for input_grad in (True, False):
+            torch.library.opcheck(lora_linear_backward_op, ([torch.randn_like(y) for y in ys], x.detach(), ws,
+                                                            [t.detach() for t in a], [t.detach() for t in b],
+                                                            u.detach(), 0.5, input_grad))
+
+
+def test_linears_of_one_input_in_one_call_equal_one_by_one():
+    """q, k, v through one loom::lora_linear call (layers.project) give each linear's output and gradients."""
+    from loom.models.common.layers import project
+
+    torch.manual_seed(0)
+    mods = [LoRALinear(8, o, rank=2, scaling=1.5, dtype=torch.float64) for o in (6, 4, 4)]
+    for m in mods:
+        m.weight.requires_grad_(False)
+        torch.nn.init.normal_(m.lora_B.weight)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    together = project(x, tuple(mods))
+    grads = torch.autograd.grad(sum((y * y.detach().sin()).sum() for y in together),
+                                [x] + [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)])
+    x2 = x.detach().clone().requires_grad_()
+    apart = [F.linear(x2, m.weight) + F.linear(F.linear(x2, m.lora_A.weight), m.lora_B.weight) * m.scaling
+             for m in mods]
+    want = torch.autograd.grad(sum((y * y.detach().sin()).sum() for y in apart),
+                               [x2] + [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)])
+    for got, exp in zip(list(together) + list(grads), apart + list(want)):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+    mods[1].disabled = True  # one linear without its adapter: each computes on its own
+    torch.testing.assert_close(project(x, tuple(mods))[1], F.linear(x, mods[1].weight))
 
 
 def test_the_fused_lora_product_compiles_without_graph_breaks():

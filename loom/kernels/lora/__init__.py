@@ -1,4 +1,4 @@
-"""A LoRA-adapted frozen linear, y = x W^T + s (x A^T) B^T, as one op (``op.lora_linear``)."""
+"""LoRA-adapted frozen linears of one input, y_i = x W_i^T + s (x A_i^T) B_i^T, as one op (``op.lora_linear``)."""
 
 from loom.kernels.lora.op import lora_linear
 

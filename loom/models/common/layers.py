@@ -51,6 +51,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
+def project(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """Each of ``linears`` applied to ``x``; linears of one type that can compute together (``project_together``,
+    e.g. LoRA's: one call for q, k, v) do, else one by one."""
+    together = getattr(type(linears[0]), "project_together", None)
+    if together is not None and all(type(m) is type(linears[0]) for m in linears):
+        out = together(x, linears)
+        if out is not None:
+            return out
+    return [m(x) for m in linears]
+
+
 class LocalContext:
     """``Attention.context`` by default: this rank holds whole sequences. Context parallelism installs its own
     (``loom.parallel.context_parallel.ContextParallel``): this rank's share of each sequence, attended across ranks."""
@@ -100,9 +111,10 @@ class Attention(nn.Module):
         documents), or None."""
         bsz, seq, _ = x.shape
         rope_at = self.context.rope_positions(positions, bsz, seq, x.device)  # (B, S), or None: 0..S-1
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hq, D)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
+        q, k, v = project(x, (self.wq, self.wk, self.wv))
+        q = q.view(bsz, seq, -1, self.head_dim)  # (B, S, Hq, D)
+        k = k.view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
+        v = v.view(bsz, seq, -1, self.head_dim)  # (B, S, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.apply_rope(q, rope, rope_at), self.apply_rope(k, rope, rope_at)
@@ -123,4 +135,5 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2((swiglu if self.fused else swiglu_reference)(self.w1(x), self.w3(x)))
+        gate, up = project(x, (self.w1, self.w3))
+        return self.w2((swiglu if self.fused else swiglu_reference)(gate, up))

@@ -67,13 +67,29 @@ class LoRALinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         # dropout only where gradients are taken: loom never switches modules to eval mode, and validation runs
         # under no_grad
+        if self.fusable(x):
+            return lora_linear(x, [self.weight], [self.lora_A.weight], [self.lora_B.weight], self.scaling)[0]
         a_in = F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled()) if self.dropout else x
-        w, a, b = self.weight, self.lora_A.weight, self.lora_B.weight
-        if self.fused and a_in is x and not w.requires_grad and self.bias is None and all(type(t) in _PLAIN for t in (x, w, a, b)):
-            return lora_linear(x, w, a, b, self.scaling)  # the adapter added in the base matmul's epilogue
         # the scaling multiplies the (.., r) tensor, not the (.., out) one PEFT scales: the same product, one
         # activation-sized pass fewer in forward and in backward
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(a_in) * self.scaling)
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether ``loom::lora_linear`` computes this linear: fused, adapters on, no dropout or bias, a frozen
+        plain base (not a DTensor or NF4)."""
+        return (self.fused and not self.disabled and not self.dropout and self.bias is None
+                and not self.weight.requires_grad
+                and all(type(t) in _PLAIN for t in (x, self.weight, self.lora_A.weight, self.lora_B.weight)))
+
+    @staticmethod
+    def project_together(x: torch.Tensor, linears) -> list[torch.Tensor] | None:
+        """Linears of one input (q, k, v; gate, up) in one ``loom::lora_linear`` call: one GEMM for their adapters'
+        down-projections and one summed input gradient (``loom.models.common.layers.project``); None where one of
+        them is not fusable or the scalings differ."""
+        if not all(m.fusable(x) and m.scaling == linears[0].scaling and m.rank == linears[0].rank for m in linears):
+            return None
+        return lora_linear(x, [m.weight for m in linears], [m.lora_A.weight for m in linears],
+                           [m.lora_B.weight for m in linears], linears[0].scaling)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}, dropout={self.dropout:g}"
