@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import socket
 import sys
 import threading
@@ -31,7 +32,7 @@ FR_FOLDER = "flight_recorder"
 FR_PREFIX = "rank_"  # the dump of rank r is <run.dir>/flight_recorder/rank_<r> (torch's analyzer reads this layout)
 FR_ENTRIES = 20000  # collectives each rank's flight recorder keeps
 REPORT = "hang_report"  # <run.dir>/hang_report.txt and .json
-POLL_S = 0.5  # how often a rank's watcher looks for a hang signal in the store
+POLL_S = 1.0  # how often a rank's watcher looks for a hang signal in the store (per 1024 ranks: the store's load)
 ANSWER_S = 15.0  # how long the reporting rank waits for the others' answers
 EXIT_HANG = 1
 
@@ -229,7 +230,10 @@ class HangReport:
         if self.findings:
             f = self.findings[0]
             who = _ranks(list(f.behind))
-            if f.desync:
+            if f.op == BARRIER:
+                text += (f"rank{_s(f.behind)} {who} never reached the monitored barrier ({f.desc}) that "
+                         f"rank{_s(f.waiting)} {_ranks(f.waiting)} waited at")
+            elif f.desync:
                 text += (f"rank{_s(f.behind)} {who} issued another collective than rank{_s(f.waiting)} "
                          f"{_ranks(f.waiting)} at #{f.seq} ({f.op}) on group {f.desc}")
             else:
@@ -294,12 +298,29 @@ def _ranks(ranks) -> str:
     return ", ".join(map(str, ranks[:16])) + (f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else "")
 
 
+BARRIER = "monitored barrier"
+_MISSED = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
 def build_report(answers: dict[int, dict | None], world: int, detected_by: list[int] | None = None,
                  error: str = "") -> HangReport:
     """Compare every rank's last collectives per process group (``answers[r]["groups"]``, as
-    ``summarize_dump`` makes them; None: rank r did not answer) and name the ranks the others waited for."""
+    ``summarize_dump`` makes them; None: rank r did not answer) and name the ranks the others waited for; a
+    monitored barrier's error (in ``error`` or a rank's answer) names the ranks that never reached it."""
     silent = sorted(r for r in range(world) if answers.get(r) is None)
     findings: list[Finding] = []
+    missed: set[int] = set()
+    for text in [error] + [(a or {}).get("error") or "" for a in answers.values()]:
+        m = _MISSED.search(text)
+        if m:
+            missed |= {int(r) for r in re.findall(r"\d+", m.group(1))}
+    if missed:
+        phase = next((a.get("phase") for a in answers.values() if a and a.get("error")), None) or "?"
+        findings.append(Finding(BARRIER, phase, 0, BARRIER, sorted(r for r, a in answers.items()
+                                                                  if a is not None and r not in missed),
+                                {r: "no answer" if answers.get(r) is None else
+                                 (_where(answers[r]["stack"]) if answers[r].get("stack") else "?")
+                                 for r in sorted(missed)}))
     groups: dict[str, dict] = {}
     for r, info in answers.items():
         for name, g in ((info or {}).get("groups") or {}).items():
@@ -329,7 +350,7 @@ def build_report(answers: dict[int, dict | None], world: int, detected_by: list[
                                     sorted(r for r, s in sigs.items() if s == major), odd, desync=True))
     detected = sorted(detected_by or [])
     # the group where the detecting ranks waited first, then hangs before desyncs, then the furthest collective
-    findings.sort(key=lambda f: (not set(f.waiting) & set(detected), f.desync, -f.seq))
+    findings.sort(key=lambda f: (f.op != BARRIER, not set(f.waiting) & set(detected), f.desync, -f.seq))
     stuck = sorted({r for f in findings for r in f.behind} | set(silent))
     return HangReport(world, stuck, silent, findings, {r: a for r, a in answers.items() if a is not None},
                       detected, error)
@@ -405,7 +426,8 @@ def previous_hang(run_dir: str) -> str | None:
     restart), written and returned as its line; None when there is nothing new."""
     folder = os.path.join(run_dir, FR_FOLDER)
     last = os.path.join(run_dir, REPORT + ".json")
-    since = os.path.getmtime(last) + 1e-3 if os.path.exists(last) else 0.0
+    # a rank that timed out late answers after the report is written: its dump belongs to that report
+    since = os.path.getmtime(last) + 2 * ANSWER_S + 5 if os.path.exists(last) else 0.0
     report = report_from_dumps(run_dir, since) if os.path.isdir(folder) else None
     if report is None:
         return None
@@ -460,9 +482,10 @@ class Health:
             return
         import torch.distributed as dist
 
+        if timeout_s is None:  # before training (the checkpoint manager's start, the resume): the start-up timeout
+            timeout_s = self.timeout_s if self.phase != "start-up" else startup_timeout(self.timeout_s).total_seconds()
         with self.watch(what):
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout_s or self.timeout_s),
-                                   wait_all_ranks=True)
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
     def start_barrier(self) -> None:
         """Every rank is built and about to train (the start-up timeout)."""
@@ -573,7 +596,7 @@ class Health:
     def _watch(self) -> None:
         """The watcher thread: when another rank signals a hang, answer it; if this rank's own code is not
         handling one, wait for the report and end the process (its main thread is stuck)."""
-        while not self._stop.wait(POLL_S):
+        while not self._stop.wait(POLL_S * max(1, self.env.world_size // 1024)):
             if not self._has(self._key("signal")):
                 continue
             if self._handling:

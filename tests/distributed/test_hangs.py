@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.tiny import tiny_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,3 +50,18 @@ def test_a_rank_that_never_joins_a_collective_is_named_and_the_job_exits(tmp_pat
     assert sorted(os.listdir(run_dir / "flight_recorder")) == ["rank_0", "rank_1"]  # torch's analyzer reads these
     text = (run_dir / "hang_report.txt").read_text()
     assert text.splitlines()[0] == line[len("loom: stopped: "):]
+
+
+@pytest.mark.exhaustive
+def test_a_rank_that_never_reaches_a_checkpoint_save_is_named_by_the_monitored_barrier(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, tmp_path / "cache", "stall_save:1:1", **{"parallel.timeout_s": 5, "checkpoint.every": 2})
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "loom-fault: rank 1 stalls save #1" in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("loom: stopped: collective timeout")]
+    assert "rank 1 never reached the monitored barrier (checkpoint) that rank 0 waited at" in line, line
+    assert "rank 1 (after step 2) is in tests/faults/ranks.py" in line and "loom/train/trainer.py" in line, line
+    with open(run_dir / "hang_report.json") as fh:
+        report = json.load(fh)
+    assert report["stuck"] == [1] and report["findings"][0]["op"] == "monitored barrier"
+    assert "failed to pass monitoredBarrier" in report["ranks"]["0"]["error"]

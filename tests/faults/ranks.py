@@ -9,6 +9,8 @@ arms them at interpreter start; the patches go in when the module they change is
     skip:<rank>:<n>    its n-th ``all_reduce`` returns at once without joining: the rank goes on, one collective
                        out of step with the others (on gloo the next collective of another size aborts every
                        process: "Received data size doesn't match expected size"; NCCL hangs instead)
+    stall_save:<rank>:<n>  its n-th checkpoint save (``CheckpointManager.save``) never starts: the others wait at
+                       the save's monitored barrier
     slow:<rank>:<s>    each step's data (``loom.data.loader.Loader.next_step``) takes ``s`` seconds longer there
 """
 
@@ -20,7 +22,7 @@ import os
 import sys
 import time
 
-KINDS = ("stall", "skip", "slow")
+KINDS = ("stall", "skip", "stall_save", "slow")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -78,18 +80,37 @@ def install(spec: str) -> None:
         return
     target, seen = int(arg), {"n": 0}
 
+    def stall(what: str) -> None:
+        print(f"loom-fault: rank {rank} stalls {what} #{target} (pid {os.getpid()})", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+
+    if kind == "stall_save":
+        def patch_manager(module):
+            run = module.CheckpointManager.save
+
+            def save(self, *args, **kwargs):
+                seen["n"] += mine()
+                if mine() and seen["n"] == target:
+                    stall("save")
+                return run(self, *args, **kwargs)
+
+            module.CheckpointManager.save = save
+
+        _after_import("loom.checkpoint.manager", patch_manager)
+        return
+
     def patch_dist(module):
         run = module.all_reduce
 
         def all_reduce(*args, **kwargs):
             seen["n"] += mine()
             if mine() and seen["n"] == target:
-                print(f"loom-fault: rank {rank} {kind}s all_reduce #{target} (pid {os.getpid()})", file=sys.stderr,
+                if kind == "stall":
+                    stall("all_reduce")
+                print(f"loom-fault: rank {rank} skips all_reduce #{target} (pid {os.getpid()})", file=sys.stderr,
                       flush=True)
-                if kind == "skip":
-                    return None
-                while True:
-                    time.sleep(3600)
+                return None
             return run(*args, **kwargs)
 
         module.all_reduce = all_reduce

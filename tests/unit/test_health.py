@@ -132,3 +132,17 @@ def test_a_rank_whose_own_time_exceeds_the_median_by_the_fraction_is_a_straggler
     assert fields["comm_time_median"] is None
     assert straggler_line(10, per_rank, [1]).startswith("step 10: straggler: rank 1 1.500 s/step of its own vs "
                                                          "median 1.000 s (+50%; data wait 1.000 s)")
+
+
+def test_the_ranks_a_monitored_barrier_missed_are_named_with_where_they_are():
+    waited = answers({0: dump(HUNG, 3), 1: dump(HUNG, 3), 2: dump(HUNG, 3)})
+    waited[0].update(error="Ranks 1, 2 failed to pass monitoredBarrier in 5000 ms", phase="checkpoint")
+    waited[2]["stack"] = ["loom/checkpoint/manager.py:340 in save", "tests/faults/ranks.py:90 in save"]
+    report = build_report(waited, 3, detected_by=[0])
+    f = report.findings[0]
+    assert (f.op, f.desc, f.waiting) == ("monitored barrier", "checkpoint", [0])
+    assert f.behind == {1: "loom/train/trainer.py:300 in train_step",
+                        2: "tests/faults/ranks.py:90 in save, called from loom/checkpoint/manager.py:340 in save"}
+    assert report.stuck == [1, 2]
+    assert report.line().startswith("collective timeout: ranks 1, 2 never reached the monitored barrier (checkpoint) "
+                                    "that rank 0 waited at")
