@@ -95,7 +95,8 @@ def straggler_line(step: int, per_rank: dict[str, list[float | None]], straggler
                      f"data wait {per_rank['data_wait'][r]:.3f} s" +
                      (f", in collectives {comm:.3f} s" if comm is not None else "") + ")")
     more = f" and {len(stragglers) - 8} more" if len(stragglers) > 8 else ""
-    return f"step {step}: straggler{'s' if len(stragglers) > 1 else ''}: " + "; ".join(parts) + more
+    # not "step N: ...": tools read lines that start with "step " as metric lines
+    return f"straggler{'s' if len(stragglers) > 1 else ''} at step {step}: " + "; ".join(parts) + more
 
 
 class Stragglers:

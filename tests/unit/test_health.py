@@ -130,7 +130,7 @@ def test_a_rank_whose_own_time_exceeds_the_median_by_the_fraction_is_a_straggler
     fields = summarize(per_rank, 0.2)
     assert fields["straggler_ranks"] == [1] and fields["own_time_median"] == 1.0 and fields["own_time_max"] == 1.5
     assert fields["comm_time_median"] is None
-    assert straggler_line(10, per_rank, [1]).startswith("step 10: straggler: rank 1 1.500 s/step of its own vs "
+    assert straggler_line(10, per_rank, [1]).startswith("straggler at step 10: rank 1 1.500 s/step of its own vs "
                                                          "median 1.000 s (+50%; data wait 1.000 s)")
 
 
