@@ -21,7 +21,8 @@ from tests.tiny import tiny_overrides
 GROUPS = 2
 LAYOUTS = {  # world, overrides, the resumed run's DiLoCo options (bf16 wire, streaming fragments)
     "ddp2": (2, {"parallel.dp_shard": 1}, {}),
-    "hsdp4": (4, {"parallel.dp_shard": 2, "training.micro_batch_size": 1},
+    # one micro-batch per rank: FSDP2 reduces at every micro-batch, HSDP's bytes a step would grow with accumulation
+    "hsdp4": (4, {"parallel.dp_shard": 2, "training.micro_batch_size": 2},
               {"parallel.diloco_bf16": "true", "parallel.diloco_fragments": 2}),
 }
 
@@ -102,7 +103,7 @@ def _runs(tmp: str, layout_name: str, rank: int, world: int) -> dict:
     sync = _with_sgd(_trainer(tmp, "sgd-sync", layout, **{"training.max_norm": 0}), 0.1)
     count = _count_steps(sync, world)
     out["sgd_sync"], out["bytes_sync"] = _losses(sync.fit()), count.bytes
-    out["shard_params"] = sum(p.numel() for p in sync.params)  # this rank's (shards under FSDP2)
+    out["shard_params"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in sync.params)
     out["sgd_h1"] = _losses(_with_sgd(_trainer(tmp, "sgd-h1", layout, **{"training.max_norm": 0,
                                                                           "parallel.diloco_inner_steps": 1}, **one),
                                       0.1).fit())
@@ -160,3 +161,20 @@ def test_resume_inside_a_round_is_bitwise(runs):
     full, resumed = runs["full"], runs["resumed"]
     assert [r[0] for r in resumed] == [4, 5, 6]
     assert [tuple(r) for r in resumed] == [tuple(r) for r in full]
+
+
+@pytest.mark.exhaustive
+def test_tensor_and_pipeline_parallel_groups_give_the_one_rank_groups_losses(tmp_path):
+    """Each replica group of 2 ranks under TP x 2 or PP x 2 (1F1B) trains as a group of one rank: the same losses over
+    two rounds of H = 2 (TP and PP are layout-invariant inside a group; the outer all-reduce runs per shard / stage)."""
+    from tests.distributed.harness import losses, run_jobs
+
+    base = {"run.seed": 3, "parallel.dp_replicate": GROUPS, "parallel.dp_shard": 1, "parallel.diloco_inner_steps": 2}
+    ref = losses(run_jobs(2, [tiny_overrides(tmp_path / "one", tmp_path / "cache", **base)], str(tmp_path))[0])
+    tp, pp = run_jobs(4, [tiny_overrides(tmp_path / "tp", tmp_path / "cache", **base, **{"parallel.tp": 2}),
+                          tiny_overrides(tmp_path / "pp", tmp_path / "cache", **base, **{"parallel.pp": 2})],
+                      str(tmp_path))
+    for got in (losses(tp), losses(pp)):
+        assert len(got) == len(ref) == 4
+        for a, b in zip(got, ref):
+            assert abs(a - b) <= 1e-5 * abs(b)
