@@ -279,8 +279,9 @@ class HangReport:
                 out.append(f"  group {g['desc']} ({name}): last enqueued #{g.get('last_enqueued')}: {colls}")
             for frame in info.get("stack") or []:
                 out.append(f"  at {frame}")
-        out += ["", "Flight-recorder dumps (where written): flight_recorder/rank_<r>; PyTorch's analyzer: python -m "
-                "torch.distributed.flight_recorder.fr_trace <run.dir>/flight_recorder --prefix rank_"]
+        out += ["", "Flight-recorder dumps (where written): flight_recorder/rank_<r>; PyTorch's analyzer of NCCL's "
+                "dumps: python -m torch.distributed.flight_recorder.fr_trace <run.dir>/flight_recorder --prefix rank_ "
+                "(python -m loom.parallel.health <run.dir> appends its output here)"]
         return "\n".join(out) + "\n"
 
     def to_json(self) -> dict:
@@ -418,7 +419,7 @@ def report_from_dumps(run_dir: str, since: float = 0.0, world: int | None = None
     if world is None:
         members = [r for a in answers.values() for g in a["groups"].values() for r in (g.get("ranks") or [])]
         world = max([*answers, *members]) + 1
-    return build_report(answers, world, error="NCCL watchdog timeout (flight-recorder dumps)")
+    return build_report(answers, world, error=f"from the flight-recorder dumps in {os.path.join(run_dir, FR_FOLDER)}")
 
 
 def previous_hang(run_dir: str) -> str | None:
@@ -615,8 +616,26 @@ class Health:
             os._exit(EXIT_HANG)
 
 
+def analyzer_text(folder: str, timeout_s: float = 300.0) -> str:
+    """PyTorch's own analyzer (``torch.distributed.flight_recorder.fr_trace``) on the dumps in ``folder``: its
+    output, or why there is none. It reads NCCL's dumps; gloo's (PyTorch 2.13) lack the group names it needs."""
+    import subprocess
+
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder, "--prefix",
+                               FR_PREFIX], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"PyTorch's analyzer did not run: {err}"
+    text = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0:
+        last = text.splitlines()[-1] if text else f"exit code {proc.returncode}"
+        return f"PyTorch's analyzer could not read these dumps: {last}"
+    return "PyTorch's analyzer (torch.distributed.flight_recorder):\n" + "\n".join(text.splitlines()[-200:])
+
+
 def _main(argv: list[str]) -> int:
-    """``python -m loom.parallel.health RUN_DIR``: the report from the flight-recorder dumps in RUN_DIR."""
+    """``python -m loom.parallel.health RUN_DIR``: the report from the flight-recorder dumps in RUN_DIR, with
+    PyTorch's analyzer's output appended."""
     if len(argv) != 1:
         print("usage: python -m loom.parallel.health RUN_DIR", file=sys.stderr)
         return 2
@@ -625,7 +644,10 @@ def _main(argv: list[str]) -> int:
         print(f"no flight-recorder dumps in {os.path.join(argv[0], FR_FOLDER)}", file=sys.stderr)
         return 1
     path = write_report(argv[0], report)
-    print(report.text().replace(report.line(), report.line(path), 1), end="")
+    with open(path, "a") as fh:
+        fh.write("\n" + analyzer_text(os.path.join(argv[0], FR_FOLDER)) + "\n")
+    with open(path) as fh:
+        print(fh.read(), end="")
     return 0
 
 

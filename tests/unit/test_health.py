@@ -15,7 +15,8 @@ from loom.train.stragglers import find_stragglers, straggler_line, summarize
 def entry(seq: int, op: str, sizes=((4,),), group=("0", "default_pg"), state="completed") -> dict:
     """One collective as PyTorch's flight recorder dumps it."""
     return {"record_id": seq, "pg_id": 0, "process_group": group, "collective_seq_id": seq, "p2p_seq_id": 0,
-            "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": seq, "input_sizes": [list(s) for s in sizes],
+            "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": seq,
+            "input_sizes": [list(s) for s in sizes],
             "input_dtypes": ["Float"], "output_sizes": [list(s) for s in sizes], "output_dtypes": ["Float"],
             "state": state, "retired": state == "completed", "timeout_ms": 5000, "is_p2p": False}
 
