@@ -35,6 +35,7 @@ VARIANTS = {  # loom: config overrides; transformers: None
     "loom_lora": {**_LORA, "training.compile": "true"},
     "loom_lora_eager": _LORA,
     "loom_lora_unfused": {**_LORA, "training.compile": "true", "lora.fused": "false"},
+    "loom_lora_graphs": {**_LORA, "training.compile": "true", "training.cuda_graphs": "true"},
     "loom_lora_fp32_base": {**_LORA, "lora.base_dtype": "float32", "training.compile": "true"},
     "loom_qlora": {**_QLORA, "training.compile": "true"},
     "loom_qlora_eager": _QLORA,
@@ -200,7 +201,7 @@ def main() -> None:
     results = run_children("bench.lora", a.variants.split(","), child, ROOT)
     by = {r["variant"]: r for r in results if "error" not in r}
     ratios = {}
-    for loom_v, hf_v in (("loom_lora", "hf_peft_compile"), ("loom_lora", "hf_peft"), ("loom_lora_eager", "hf_peft"),
+    for loom_v, hf_v in (("loom_lora", "hf_peft_compile"), ("loom_lora_graphs", "hf_peft_compile"), ("loom_lora", "hf_peft"), ("loom_lora_eager", "hf_peft"),
                          ("loom_qlora", "hf_qlora_bnb"), ("loom_qlora_eager", "hf_qlora_bnb")):
         if loom_v in by and hf_v in by:
             ratios[f"{loom_v}_vs_{hf_v}"] = {

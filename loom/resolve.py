@@ -51,6 +51,7 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_grpo(cfg, dims)
     check_offload(cfg, dims)
+    check_cuda_graphs(cfg, dims)
     t = cfg.training
     accum = accumulation_steps(t, dims.dp_size * replica_groups(cfg.parallel))  # the groups split each global batch
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
@@ -81,6 +82,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
                           "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
     check_parallel_fields(cfg)
+    check_cuda_graphs(cfg)
     check_fault_tolerance(cfg)
     check_diloco(cfg)
     check_lora(cfg)
@@ -127,6 +129,31 @@ def check_fault_tolerance(cfg: Config) -> None:
     if cfg.training.objective in ("grpo", "ppo"):
         raise ConfigError("training.objective", cfg.training.objective, "not with parallel.fault_tolerance (its "
                           "rollouts are not split over replica groups)")
+
+
+def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
+    """training.cuda_graphs: what graph replay of the compiled blocks cannot take. ``dims``: also the layout's rule
+    (FSDP re-allocates its gathered parameters, tensor / pipeline / context parallelism and DDP run collectives or
+    hooks between and inside blocks: one process only)."""
+    t = cfg.training
+    if not t.cuda_graphs:
+        return
+    if not t.compile:
+        raise ConfigError("training.cuda_graphs", True, "needs training.compile true (the graphs are the compiled "
+                          "blocks')")
+    if t.activation_checkpointing not in ("none", "op"):
+        raise ConfigError("training.cuda_graphs", True, f"not with training.activation_checkpointing "
+                          f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | op")
+    if t.objective not in ("lm", "sft", "dpo", "reward"):
+        raise ConfigError("training.cuda_graphs", True, f"not with training.objective {t.objective} (its rollouts "
+                          "run the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward")
+    if cfg.parallel.cpu_offload:
+        raise ConfigError("training.cuda_graphs", True, "not with parallel.cpu_offload (parameters move between host "
+                          "and GPU every step)")
+    if dims is not None and dims.world_size > 1:
+        raise ConfigError("training.cuda_graphs", True, f"runs on one process (FSDP re-allocates gathered parameters; "
+                          f"DDP, tensor, context and pipeline parallelism run collectives around the blocks): got "
+                          f"{dims.world_size} ranks")
 
 
 def check_lora(cfg: Config) -> None:
@@ -470,6 +497,8 @@ def check_device(cfg: Config) -> None:
         raise ConfigError("parallel.backend", "nccl", "needs CUDA devices and this run is on the CPU"
                           f"{'' if cuda else ' (no CUDA device is visible)'}: allowed auto | gloo")
     t = cfg.training
+    if t.cuda_graphs and device != "cuda":
+        raise ConfigError("training.cuda_graphs", True, "needs a CUDA device and this run is on the CPU: allowed false")
     if t.float8 != "none" and (device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9)):
         where = "this run is on the CPU" if device != "cuda" else f"{torch.cuda.get_device_name(0)} is older"
         raise ConfigError("training.float8", t.float8, f"float8 matmuls need a CUDA GPU of compute capability 8.9 or "
@@ -526,6 +555,9 @@ def check_moe(args, cfg: Config) -> None:
         return
     if args.moe_top_k > args.moe_experts:
         raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})")
+    if cfg.training.cuda_graphs:
+        raise ConfigError("training.cuda_graphs", True, "not with a mixture-of-experts model (the experts' token "
+                          "counts are read on the host every step)")
     if cfg.training.compile and cfg.training.dtype != "bfloat16":
         raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
                           "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "

@@ -120,6 +120,10 @@ class TrainingConfig:
     dtype: str = opt("float32", "compute dtype; weights and optimizer state stay float32",
                      choices=("float32", "bfloat16", "float16"))
     compile: bool = opt(False, "torch.compile each transformer block")
+    cuda_graphs: bool = opt(False, "replay each compiled block's forward and backward as CUDA graphs (torch.compile's "
+                                   "reduce-overhead mode): less host time per step where kernels are small; one "
+                                   "process on CUDA, training.compile true, activation checkpointing none or op, "
+                                   "dense models, objectives lm | sft | dpo | reward")
     float8: str = opt("none", "float8 matmuls in the block linears via torchao (CUDA, sm89+; bf16 dtype): "
                               "'tensorwise' or 'rowwise' scaling; not with parallel.tp > 1",
                       choices=("none", "tensorwise", "rowwise"))

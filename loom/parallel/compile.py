@@ -8,8 +8,9 @@ from loom.models.common.moe import moe_modules
 from loom.parallel.expert_parallel import exchanges_tokens
 
 
-def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False) -> None:
-    """Compile every block in place (parameter names do not change); ``inside_checkpoint``: compile a
+def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False, cuda_graphs: bool = False) -> None:
+    """Compile every block in place (parameter names do not change); ``cuda_graphs``: torch.compile's
+    reduce-overhead mode, each block's forward and backward replayed as CUDA graphs; ``inside_checkpoint``: compile a
     checkpointed block's inner module rather than the wrapper (``parallelize_llama`` sets it under tensor
     parallelism or with FlexAttention, with full / every-k recomputation: under TP, compiled around the wrapper,
     AOTAutograd put a DeviceMesh among the tensors it saves for the recomputation and failed at the first step,
@@ -23,7 +24,7 @@ def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False) -> Non
     for block in layers.values():
         ep = expert_parallel(block)
         inner = getattr(block, "_checkpoint_wrapped_module", block) if ep or inside_checkpoint else block
-        inner.compile(fullgraph=not ep)
+        inner.compile(fullgraph=not ep, mode="reduce-overhead" if cuda_graphs else None)
 
 
 def expert_parallel(block: nn.Module) -> bool:

@@ -107,7 +107,7 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
             # saved tensors crashed, torch 2.13) and with FlexAttention (its backward hit a CUDA illegal address
             # when compiled inside a checkpoint, torch 2.11)
             apply_compile(part.layers, inside_checkpoint=(dims.tp_enabled or model.args.attention == "flex")
-                          and training.activation_checkpointing in ("full", "every_k"))
+                          and training.activation_checkpointing in ("full", "every_k"), cuda_graphs=training.cuda_graphs)
         if dims.ep_enabled:
             apply_fsdp_experts(part, dims["experts_dp"], compute_dtype=DTYPES[training.dtype],
                                reshard_after_forward=fsdp_reshard_after_forward(parallel, plan),

@@ -127,6 +127,7 @@ RULES: dict[str, tuple[str, str]] = {
     "lora.base_dtype": (MUST_MATCH, "the frozen base's values (an NF4 base is rebuilt at start, not loaded)"),
     "lora.init_from": (APPLIED, "initialisation only: the checkpoint's adapters are resumed"),
     "lora.fused": (FREE, "the same product computed another way"),
+    "training.cuda_graphs": (FREE, "the same kernels, replayed"),
 
     "dpo.beta": (APPLIED, "the loss and rewards from the next step"),
     "dpo.loss": (APPLIED, "the loss from the next step"),

@@ -36,9 +36,16 @@ class StepContext:
     loss_parallel: bool
     documents: bool
     profiler: object
+    cuda_graphs: bool = False
 
     def positions(self, mb: MicroBatch) -> torch.Tensor | None:
         return mb.positions if self.documents else None
+
+    def new_pass(self) -> None:
+        """Before each micro-batch's forward under training.cuda_graphs: the graphs' outputs of the pass before
+        are no longer read, so their memory may be replayed over."""
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
 
 class LocalStep:
@@ -59,6 +66,7 @@ class LocalStep:
         loss_sum = torch.zeros((), device=self.ctx.device)
         profiler = self.ctx.profiler
         for i, mb in enumerate(mbs):
+            self.ctx.new_pass()
             with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.ctx.loss_parallel):
                 with profiler.phase("forward"):
                     loss = self._loss(mb)
@@ -78,6 +86,7 @@ class LocalStep:
         """The summed loss of ``mbs`` (forward only)."""
         total = torch.zeros((), device=self.ctx.device)
         for mb in mbs:
+            self.ctx.new_pass()
             with loss_parallel_context(self.ctx.loss_parallel):
                 total += self._loss(mb)
         return total

@@ -293,7 +293,7 @@ class Trainer:
         self.objective = self._objective or build_objective(cfg.training.objective, self.model_args.fused_loss,
                                                             cfg.dpo, reward=cfg.reward)
         ctx = StepContext(self.dims, self.device, self._autocast, self.dims.tp_enabled and cfg.parallel.loss_parallel,
-                          cfg.data.document_positions, self.profiler)
+                          cfg.data.document_positions, self.profiler, cfg.training.cuda_graphs)
         if pm.plan is None:
             self.steps: LocalStep | PipelineStep = LocalStep(pm.modules[0], self.parts, self.objective, ctx)
         else:

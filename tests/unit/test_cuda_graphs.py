@@ -1,0 +1,45 @@
+"""training.cuda_graphs: where graph replay of the compiled blocks cannot run is a config error naming the field
+(tests/gpu/test_cuda_graphs_gpu.py runs the graphs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.config import ConfigError, build_config
+from loom.resolve import check_cuda_graphs, resolve
+
+
+def cfg(**over):
+    base = {"training.compile": "true", "training.cuda_graphs": "true"}
+    return build_config(None, {**base, **{k: str(v) for k, v in over.items()}})
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"training.compile": "false"}, "needs training.compile true"),
+    ({"training.activation_checkpointing": "full"}, "allowed none | op"),
+    ({"training.objective": "grpo"}, "allowed lm | sft | dpo | reward"),
+    ({"parallel.cpu_offload": "true"}, "parallel.cpu_offload"),
+])
+def test_what_graphs_cannot_take_is_refused(over, says):
+    with pytest.raises(ConfigError, match="training.cuda_graphs") as err:
+        check_cuda_graphs(cfg(**over))
+    assert says in str(err.value)
+
+
+def test_more_than_one_process_is_refused():
+    with pytest.raises(ConfigError, match="got 2 ranks"):
+        resolve(cfg(**{"run.device": "cpu"}), 2, device="cuda")
+
+
+def test_the_cpu_is_refused():
+    from loom.resolve import check_device
+
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        check_device(cfg(**{"run.device": "cpu"}))
+
+
+def test_one_process_with_op_checkpointing_resolves():
+    run = resolve(cfg(**{"training.activation_checkpointing": "op", "training.global_batch_size": 8,
+                         "training.micro_batch_size": 8}), 1, device="cuda")
+    assert run.dims.world_size == 1
+
