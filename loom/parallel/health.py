@@ -134,23 +134,24 @@ def dump_flight_recorder() -> dict | None:
 
 def summarize_dump(dump: dict | None, last: int = 4) -> dict[str, dict]:
     """Per process group of a flight-recorder dump: its description, member ranks (when recorded), last
-    enqueued / completed sequence numbers and its ``last`` collectives (sequence number, op, sizes, state)."""
+    enqueued / completed sequence numbers, its ``last`` collectives (sequence number, op, sizes, state) and its
+    ``last`` point-to-point ops (a pipeline's sends and receives: shown, not compared)."""
     if not dump:
         return {}
     groups: dict[str, dict] = {}
     config = dump.get("pg_config") or {}
     status = dump.get("pg_status") or {}
     for e in dump.get("entries") or []:
-        if e.get("is_p2p"):
-            continue
         name, desc = (tuple(e.get("process_group") or ("?", "?")) + ("?",))[:2]
-        g = groups.setdefault(str(name), {"desc": desc, "ranks": None, "collectives": {}})
-        seq = int(e.get("collective_seq_id", 0))
-        g["collectives"][seq] = {"seq": seq, "op": _op_name(e.get("profiling_name")), "sizes": e.get("input_sizes"),
-                                 "dtypes": e.get("input_dtypes"), "state": e.get("state"),
-                                 "duration_ms": e.get("duration_ms")}
+        g = groups.setdefault(str(name), {"desc": desc, "ranks": None, "collectives": {}, "p2p": {}})
+        p2p = bool(e.get("is_p2p"))
+        seq = int(e.get("p2p_seq_id" if p2p else "collective_seq_id", 0))
+        g["p2p" if p2p else "collectives"][seq] = {
+            "seq": seq, "op": _op_name(e.get("profiling_name")), "sizes": e.get("input_sizes"),
+            "dtypes": e.get("input_dtypes"), "state": e.get("state"), "duration_ms": e.get("duration_ms")}
     for name, g in groups.items():
-        g["collectives"] = [g["collectives"][seq] for seq in sorted(g["collectives"])][-last:]
+        for kind in ("collectives", "p2p"):
+            g[kind] = [g[kind][seq] for seq in sorted(g[kind])][-last:]
         cfg = config.get(name) or next((c for c in config.values() if c.get("desc") == g["desc"]), None)
         if cfg and cfg.get("ranks"):
             try:
@@ -277,6 +278,9 @@ class HangReport:
             for name, g in sorted((info.get("groups") or {}).items()):
                 colls = ", ".join(f"#{c['seq']} {c['op']} {c['sizes']} {c['state']}" for c in g["collectives"])
                 out.append(f"  group {g['desc']} ({name}): last enqueued #{g.get('last_enqueued')}: {colls}")
+                if g.get("p2p"):
+                    out.append("    point-to-point: " + ", ".join(f"#{c['seq']} {c['op']} {c['sizes']} {c['state']}"
+                                                                 for c in g["p2p"]))
             for frame in info.get("stack") or []:
                 out.append(f"  at {frame}")
         out += ["", "Flight-recorder dumps (where written): flight_recorder/rank_<r>; PyTorch's analyzer of NCCL's "

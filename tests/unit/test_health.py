@@ -147,3 +147,12 @@ def test_the_ranks_a_monitored_barrier_missed_are_named_with_where_they_are():
     assert report.stuck == [1, 2]
     assert report.line().startswith("collective timeout: ranks 1, 2 never reached the monitored barrier (checkpoint) "
                                     "that rank 0 waited at")
+
+
+def test_point_to_point_ops_are_listed_apart_from_the_collectives():
+    send = {**entry(1, "send", group=("7", "pp")), "is_p2p": True, "p2p_seq_id": 3, "collective_seq_id": 0}
+    groups = summarize_dump(dump(HUNG + [send], 2))
+    assert [(c["seq"], c["op"]) for c in groups["7"]["p2p"]] == [(3, "send")] and groups["7"]["collectives"] == []
+    assert groups["0"]["p2p"] == [] and groups["0"]["collectives"][-1]["seq"] == 56
+    report = build_report(answers({0: dump(HUNG + [send], 2), 1: dump(BEFORE, 2)}), 2)
+    assert report.stuck == [1] and "point-to-point: #3 send" in report.text()
