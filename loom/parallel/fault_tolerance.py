@@ -127,7 +127,8 @@ class ReplicaGroups:
         buckets: dict[tuple, list[list[torch.Tensor]]] = {}
         for g in grads:
             lists = buckets.setdefault((g.dtype, g.device), [[]])
-            if lists[-1] and sum(x.numel() * x.element_size() for x in lists[-1]) + g.numel() * g.element_size() > limit:
+            held = sum(x.numel() * x.element_size() for x in lists[-1])
+            if lists[-1] and held + g.numel() * g.element_size() > limit:
                 lists.append([])
             lists[-1].append(g)
         with torch.no_grad():
