@@ -9,9 +9,11 @@ ppo.mini_batches`` optimizer steps: each pass draws a permutation of the global 
 each step takes the next ``global_batch_size`` rows of it and each rank its slice of those. So the minimized
 loss, the whitening and the shuffle are the same whatever the data-parallel layout.
 
-The value head is the reward model's ``dim -> 1`` head (loom.train.reward.score_head) on the final norm's output,
-a submodule ``value_head`` of the policy attached before parallelization (the optimizer, DDP and checkpoints treat it
-as any parameter); a forward hook on the final norm computes it inside the model's forward when asked."""
+The value function (ppo.critic) is attached to the policy before parallelization, so the optimizer, DDP and
+checkpoints treat it as any parameter: 'head' = the reward model's ``dim -> 1`` head (loom.train.reward.score_head)
+on the final norm's output, computed by a forward hook on the norm; 'model' = a separate model of the policy's
+shape with that head, run on the same tokens by a forward hook on the policy. Either runs inside the policy's
+forward, and only when asked (``forward_with_values``): the engine's generation forwards skip it."""
 
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ class PpoRollouts(RolloutLoader):
         if self.p.reward_model:
             from loom.train.reward import load_reward_model
 
-            self.reward_model = load_reward_model(self.p.reward_model, trainer.device.type)
+            self.reward_model = load_reward_model(self.p.reward_model, str(trainer.device))
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
