@@ -150,3 +150,29 @@ def test_search_offers_offload_where_nothing_else_fits():
     assert best and all(e.layout["cpu_offload"] and e.fits for e in best) and valid >= len(best)
     roomy, _ = search(cfg, 1, GPUS["H100"], top=3)
     assert roomy and not any(e.layout["cpu_offload"] for e in roomy)
+
+
+def test_train_precheck_weighs_the_offloaded_state_against_the_host(monkeypatch):
+    """``loom train``'s memory check: the 1B recipe's state (at its lightest step) does not fit a GPU that its
+    offloaded step fits (the refusal suggests offload); offloaded, the GPU holds the step and the host the state
+    (refused when the host is too small). GPU and host memory are monkeypatched, as in test_fit."""
+    import loom.plan.fit as fit
+    from loom.config import build_config
+    from loom.data import build_tokenizer
+    from loom.plan.planner import rank_needs
+
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "llama3_1b.toml")
+    light = {"run.device": "auto", "training.micro_batch_size": "1", "training.activation_checkpointing": "full"}
+    plain, off = (build_config(recipe, {**light, **o}) for o in ({}, OFFLOAD))
+    run = resolve(off, 1).with_model(build_tokenizer(off.data.tokenizer))
+    step = rank_needs(off, run.dims, run.model_args, "cuda")
+    state = rank_needs(plain, run.dims, run.model_args, "cuda", peak=False).state_bytes
+    assert step.state_bytes == 0 and step.host_bytes == state > 1.5 * step.peak_bytes
+    monkeypatch.setattr(fit, "gpu_room", lambda count, own: (1.05 * step.peak_bytes, "test GPU memory"))
+    monkeypatch.setattr(fit, "host_room", lambda: (4 * state, "test host memory"))
+    with pytest.raises(ConfigError, match=r"or parallel.cpu_offload true \(the state in host memory\)"):
+        fit.check_fits(plain, run.dims, run.model_args, "cuda", 1)
+    fit.check_fits(off, run.dims, run.model_args, "cuda", 1)
+    monkeypatch.setattr(fit, "host_room", lambda: (0.5 * state, "test host memory"))
+    with pytest.raises(ConfigError, match=r"test host memory"):
+        fit.check_fits(off, run.dims, run.model_args, "cuda", 1)
