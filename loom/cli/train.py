@@ -301,7 +301,7 @@ def run_worker(argv: list[str]) -> None:
 
     try:
         _train_worker(argv)
-    except Exception as err:
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
         record_error(err)  # where the elastic agent reads it: the restart record names it
         raise
 

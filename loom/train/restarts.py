@@ -267,10 +267,14 @@ def check_layout(cfg, world_size: int, environ=None) -> None:
 # ---- loom train's agent ----------------------------------------------------------------------------------
 
 def user_stop(failures: list[dict]) -> bool:
-    """Whether every failed worker stopped on purpose: a user error (exit code 2: config, files, disk space) or a
-    run that stopped itself (non-finite steps): a restart would meet the same stop."""
-    return bool(failures) and all(f.get("exitcode") == 2 or (f.get("error") or "").startswith("TrainingStopped")
-                                  for f in failures)
+    """Whether the workers stopped on purpose: a user error (exit code 2: config, files, disk space) or a run that
+    stopped itself (non-finite steps), which a restart would meet again. The others may show as SIGTERM: torch's
+    agent stops a group's remaining workers with it as soon as one has failed."""
+    def deliberate(f):
+        return f.get("exitcode") == 2 or (f.get("error") or "").startswith("TrainingStopped")
+
+    return any(deliberate(f) for f in failures) and all(deliberate(f) or f.get("signal") == "SIGTERM"
+                                                        for f in failures)
 
 
 def failure_entries(failures, host: str) -> list[dict]:

@@ -150,7 +150,9 @@ def test_the_cause_is_the_signal_not_the_peers_that_lost_it():
     assert restarts.describe_failures([peer, raised]).startswith("rank 1 exit code 1: ValueError: bad batch")
     assert "a peer was lost" in restarts.describe_failures([peer])
     assert restarts.user_stop([{"exitcode": 2}, {"exitcode": 1, "error": "TrainingStopped: non-finite"}])
-    assert not restarts.user_stop([{"exitcode": 2}, killed]) and not restarts.user_stop([])
+    assert restarts.user_stop([{"exitcode": 2}, peer])  # the agent's SIGTERM to the rest of the group
+    assert not restarts.user_stop([{"exitcode": 2}, killed]) and not restarts.user_stop([peer])
+    assert not restarts.user_stop([])
 
 
 def test_an_attempt_reads_the_launch_from_the_log(tmp_path):
