@@ -262,7 +262,7 @@ GRPO_LOSS_FIELDS = ("epsilon", "epsilon_high", "beta", "iterations", "loss_type"
 
 def check_ppo(cfg: Config) -> None:
     """The [ppo] section: its fields only under training.objective ppo (its rollouts are the [grpo] section's:
-    check_grpo). The value head is a parameter a Hugging Face folder does not hold: not with model.init_from yet."""
+    check_grpo)."""
     from loom.config.sections import PpoConfig
 
     if cfg.training.objective != "ppo":
@@ -270,9 +270,6 @@ def check_ppo(cfg: Config) -> None:
             if getattr(cfg.ppo, key) != default:
                 raise ConfigError(f"ppo.{key}", getattr(cfg.ppo, key), "used by training.objective ppo only")
         return
-    if cfg.model.init_from:
-        raise ConfigError("model.init_from", cfg.model.init_from, "not with training.objective ppo yet (the folder "
-                          "holds no value head; docs/rl.md): allowed ''")
     if cfg.ppo.critic == "model" and cfg.lora.base_dtype == "nf4":
         raise ConfigError("ppo.critic", "model", "not with lora.base_dtype nf4 (the critic copies the base weights): "
                           "allowed head")

@@ -17,6 +17,7 @@ forward, and only when asked (``forward_with_values``): the engine's generation 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 
@@ -389,6 +390,18 @@ class ProximalPolicy:
 
     def attach(self, model: nn.Module) -> None:
         (attach_critic if self.p.critic == "model" else attach_value_head)(model)
+
+    @contextlib.contextmanager
+    def heads_hidden(self, parts: list[nn.Module]):
+        """The parts without their value function for a while: model.init_from loads the policy's weights by the
+        policy's names (the folder holds no value head; it keeps its seeded init, a critic its copy at PPO's start)."""
+        hidden = [(part, name, part._modules.pop(name)) for part in parts for name in ("value_head", "critic")
+                  if name in part._modules]
+        try:
+            yield
+        finally:
+            for part, name, module in hidden:
+                part._modules[name] = module
 
     def build_loader(self, trainer) -> PpoRollouts:
         self.loader = PpoRollouts(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)

@@ -204,7 +204,8 @@ class Trainer:
         pm = parallelize_llama(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
         self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)
         if cfg.model.init_from:
-            with adapters_hidden(self.parts):  # the folder holds the base model only
+            hidden = getattr(self._objective, "heads_hidden", lambda parts: contextlib.nullcontext())
+            with adapters_hidden(self.parts), hidden(self.parts):  # the folder holds the base model only
                 for part in self.parts:
                     load_hf_weights(part, cfg.model.init_from, whole_model=pm.plan is None)
         if cfg.lora.rank and cfg.lora.init_from:

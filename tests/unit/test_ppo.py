@@ -343,3 +343,28 @@ def test_recipe_on_cuda_raises_the_accuracy(tmp_path, critic):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
     assert 1 - accuracy[200] < (1 - accuracy[120]) * 2 / 3, accuracy
+
+
+@pytest.mark.parametrize("critic", ["head", "model"])
+def test_init_from_loads_the_policy_beside_its_value_function(tmp_path, critic):
+    """model.init_from: the folder's weights load into the policy (the value function is hidden while they load:
+    the folder has none); the value function keeps its seeded init."""
+    from loom.checkpoint.hf import export_hf
+    from loom.config import build_config
+    from loom.models.llama import FLAVORS, Llama
+    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.train.trainer import Trainer
+    from tests.tiny import tiny_overrides
+
+    args = FLAVORS["debug"].with_(vocab_size=384)
+    torch.manual_seed(5)
+    base = Llama(args)
+    export_hf(base.state_dict(), args, str(tmp_path / "hf"))
+    over = tiny_overrides(str(tmp_path / "run"), None, **{
+        "training.objective": "ppo", "ppo.critic": critic, "model.init_from": str(tmp_path / "hf"),
+        "training.global_batch_size": 8, "grpo.group_size": 4, "metrics.progress": "false"})
+    cfg = build_config(None, {k: str(v) for k, v in over.items()})
+    model = Trainer(cfg, objective=ProximalPolicy(cfg)).parts[0]
+    assert torch.equal(model.layers["0"].attention.wq.weight, base.layers["0"].attention.wq.weight)
+    value = model.value_head.weight if critic == "head" else model.critic.output.weight
+    assert value.shape == (1, args.dim) and 0 < float(value.detach().std()) < 0.1  # its seeded init (std 0.02)
