@@ -31,20 +31,21 @@ def launch(run_dir, cache, fault: str, **extra) -> subprocess.CompletedProcess:
 
 def test_a_rank_that_never_joins_a_collective_is_named_and_the_job_exits(tmp_path):
     run_dir = tmp_path / "run"
-    # rank 1's 6th all_reduce (in step 2: the step's token count) never happens
+    # rank 1's 6th all_reduce (in step 2 today: the step's token count) never happens
     proc = launch(run_dir, tmp_path / "cache", "stall:1:6", **{"parallel.timeout_s": 5})
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "loom-fault: rank 1 stalls all_reduce #6" in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("loom: stopped: collective timeout")]
     assert "rank 1 never joined all_reduce #" in line and "which rank 0 waited in" in line, line
-    assert "rank 1 (after step 1) is in tests/faults/ranks.py" in line and "loom/parallel/dims.py" in line, line
+    assert "rank 1 (after step " in line and ") is in tests/faults/ranks.py" in line and "called from loom/" in line, \
+        line
     assert line.endswith(f"report {run_dir / 'hang_report.txt'}"), line
     with open(run_dir / "hang_report.json") as fh:
         report = json.load(fh)
     assert report["stuck"] == [1] and report["detected_by"] == [0] and report["silent"] == []
     (finding,) = report["findings"]
-    assert finding["desc"] == "default_pg" and finding["op"] == "all_reduce" and finding["waiting"] == [0]
-    assert finding["behind"] == {"1": f"all_reduce #{finding['seq'] - 1}"}
+    assert finding["op"] == "all_reduce" and finding["waiting"] == [0]
+    assert list(finding["behind"]) == ["1"] and finding["behind"]["1"].endswith(f" #{finding['seq'] - 1}")
     assert report["ranks"]["0"]["source"] == "timed out" and "Timed out" in report["ranks"]["0"]["error"]
     assert report["ranks"]["1"]["phase"] == "training"
     assert sorted(os.listdir(run_dir / "flight_recorder")) == ["rank_0", "rank_1"]  # torch's analyzer reads these
