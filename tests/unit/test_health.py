@@ -156,3 +156,35 @@ def test_point_to_point_ops_are_listed_apart_from_the_collectives():
     assert groups["0"]["p2p"] == [] and groups["0"]["collectives"][-1]["seq"] == 56
     report = build_report(answers({0: dump(HUNG + [send], 2), 1: dump(BEFORE, 2)}), 2)
     assert report.stuck == [1] and "point-to-point: #3 send" in report.text()
+
+
+def test_the_next_start_reports_dumps_once(tmp_path):
+    from loom.parallel.health import previous_hang
+
+    folder = tmp_path / FR_FOLDER
+    folder.mkdir()
+    for rank, entries in ((0, HUNG), (1, BEFORE)):
+        with open(folder / f"rank_{rank}", "wb") as fh:
+            pickle.dump(dump(entries, 2), fh)
+    line = previous_hang(str(tmp_path))
+    assert line.startswith("collective timeout: rank 1 never joined all_reduce #56")
+    assert line.endswith(f"report {tmp_path / (REPORT + '.txt')}")
+    assert previous_hang(str(tmp_path)) is None  # reported: the same dumps are not reported again
+    assert previous_hang(str(tmp_path / "elsewhere")) is None
+
+
+def test_distributed_debug_sets_torch_distributed_debug(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    from loom.parallel.health import prepare_process
+
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    before = dist.get_debug_level()
+    try:
+        prepare_process(str(tmp_path), "cpu", "DETAIL")
+        assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and os.environ["TORCH_FR_BUFFER_SIZE"] == "20000"
+        assert dist.get_debug_level() == dist.DebugLevel.DETAIL  # torch.distributed read the variable at import
+    finally:
+        monkeypatch.undo()
+        dist.set_debug_level(before)
