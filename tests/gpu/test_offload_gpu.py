@@ -77,3 +77,27 @@ def test_offload_compiled_and_resumed(tmp_path, cache):
     _, resumed, _ = train(tmp_path / "eager", cache, **bf16, **{"checkpoint.every": 3})
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert max_rel([r["loss"] for r in resumed], [r["loss"] for r in eager[3:]]) < 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_offload_on_two_gpus_matches_one_gpu(tmp_path):
+    """``loom train --nproc-per-node 2`` with dp_shard 2 and offload (the cuda:nccl,cpu:gloo group: the global norm
+    of the host gradients reduces through gloo) against one GPU without offload, fp32."""
+    import json
+    import subprocess
+    import sys
+
+    def losses(run_dir, nproc: int, **extra) -> list[float]:
+        over = {**SHAPE, "training.dtype": "float32", "run.dir": str(run_dir), "metrics.every": 1,
+                "metrics.tensorboard": "false", "checkpoint.at_end": "false", **extra}
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0"}
+        proc = subprocess.run([sys.executable, "-c", "from loom.cli.main import entry; entry()", "train",
+                               "--nproc-per-node", str(nproc)] + [f"--{k}={v}" for k, v in over.items()],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            return [json.loads(line)["loss"] for line in fh]
+
+    one = losses(tmp_path / "one", 1)
+    two = losses(tmp_path / "two", 2, **{"parallel.dp_shard": 2, **OFFLOAD})
+    assert max_rel(two, one) < 1e-4, (two, one)
