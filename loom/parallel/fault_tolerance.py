@@ -93,7 +93,9 @@ class ReplicaGroups:
         pg = ft.ProcessGroupGloo(timeout=timeout) if on_host else ft.ProcessGroupNCCL(timeout=timeout)
         self.manager = ft.Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=parallel.ft_min_replicas,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            # every group draws the same weights from run.seed (loom's init does not depend on the layout): no
+            # transfer at step 0, which would also have DCP give the sender's empty optimizer a step of its own
+            init_sync=False, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
             lighthouse_addr=lighthouse_address(parallel), replica_id=f"loom_{parallel.ft_replica_id}")
 
@@ -156,8 +158,9 @@ class ReplicaGroups:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         opts = _options()
+        # an optimizer that has not stepped yet has no state to send (DCP would initialize it with a step)
         return {"model": [_shipped(get_model_state_dict(p, options=opts)) for p in self.parts],
-                "optimizer": [_shipped(get_optimizer_state_dict(p, o, options=opts))
+                "optimizer": [_shipped(get_optimizer_state_dict(p, o, options=opts)) if o.state else None
                               for p, o in zip(self.parts, self.optimizers)],
                 "trainer": self.trainer_state()}
 
@@ -169,8 +172,9 @@ class ReplicaGroups:
         for part, opt, model_sd, optim_sd in zip(self.parts, self.optimizers, state["model"], state["optimizer"]):
             set_model_state_dict(part, _rebuilt(get_model_state_dict(part, options=opts), model_sd, "model"),
                                  options=opts)
-            template = get_optimizer_state_dict(part, opt, options=opts)  # initializes a fresh optimizer's state
-            set_optimizer_state_dict(part, opt, _rebuilt(template, optim_sd, "optimizer state"), options=opts)
+            if optim_sd is not None:
+                template = get_optimizer_state_dict(part, opt, options=opts)  # initializes a fresh optimizer's state
+                set_optimizer_state_dict(part, opt, _rebuilt(template, optim_sd, "optimizer state"), options=opts)
         self.load_trainer_state(state["trainer"])
         if self.rank == 0:
             print(f"replica group {self.replica_id}: recovered step {state['trainer']['step']} from a live replica "
