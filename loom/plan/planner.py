@@ -140,7 +140,7 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     notes = []
     host = max(offloaded_state(held_params(share, x), x) for share in shares)
     if p.cpu_offload:
-        notes.append(offload_note(host, shares, dims, x, gpu))
+        notes.append(offload_note(host, shares, args, dims, x, gpu))
     if t.float8 != "none":
         notes.append("float8 is not modelled: estimated as bf16")
     if dims.tp > 1 and not t.compile:
@@ -270,7 +270,7 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
     if x.cpu_offload:  # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
         st.optimizer = host_step_s(own, m)
-        st.fsdp += offload_copies_s(own, x, compute_mb, m, dims.world_size, gpu)
+        st.fsdp += offload_copies_s(own, root_share(share, args, x), x, compute_mb, m, dims.world_size, gpu)
     c = BYTES[t.dtype]
     recomputed = t.activation_checkpointing == "full"
     if dims.tp > 1:
@@ -356,34 +356,41 @@ def host_step_s(own: float, m: int) -> float:
     return (HOST_BYTES_PER_PARAM + HOST_ACCUMULATE_BYTES * (m - 1)) * own / (HOST_GBPS * 1e9)
 
 
-def offload_bytes(own: float, x: MemoryInputs) -> tuple[float, float]:
-    """(host-to-GPU, GPU-to-host) bytes of one micro-batch on one rank: fp32 shards in, once or twice, fp32 gradients
-    out."""
+def offload_bytes(own: float, root: float, x: MemoryInputs) -> tuple[float, float]:
+    """(host-to-GPU, GPU-to-host) bytes of one micro-batch on one rank of ``own`` parameters, ``root`` of them the
+    root's (embeddings, final norm, head): fp32 shards in, the blocks' twice with reshard_after_forward (forward and
+    backward; the root's stay gathered in between), fp32 gradients out."""
     gathers = 2 if x.reshard_after_forward else 1
-    return 4 * own * gathers, 4 * own
+    return 4 * ((own - root) * gathers + root), 4 * own
 
 
-def offload_copies_s(own: float, x: MemoryInputs, compute_mb: float, m: int, world: int, gpu: GPU) -> float:
+def root_share(share, args, x: MemoryInputs) -> float:
+    """The root's parameters (embeddings, final norm, head) in one rank's shard."""
+    return (share.params(x.tp) - share.layers * block_params(args, x.tp)) / x.shard
+
+
+def offload_copies_s(own: float, root: float, x: MemoryInputs, compute_mb: float, m: int, world: int,
+                     gpu: GPU) -> float:
     """Exposed seconds of the host <-> GPU copies per step. On one rank FSDP2 copies the shards in on the compute
     stream (its 1-rank path gathers nothing, so the copy is not prefetched): exposed in full; the gradients go out
     on its reduction stream, behind the backward (two thirds of the compute). On more ranks the copies run on
     FSDP2's gather and reduction streams, behind compute like the collectives."""
-    h2d, d2h = (b / (pcie_gbps(gpu) * 1e9) for b in offload_bytes(own, x))
+    h2d, d2h = (b / (pcie_gbps(gpu) * 1e9) for b in offload_bytes(own, root, x))
     if world == 1:
         return m * (h2d + max(0.0, d2h - compute_mb * 2 / 3))
     return m * max(0.0, h2d + d2h - compute_mb)
 
 
-def offload_note(host: float, shares, dims, x: MemoryInputs, gpu: GPU) -> str:
+def offload_note(host: float, shares, args, dims, x: MemoryInputs, gpu: GPU) -> str:
     """What an offloaded plan keeps on the host and moves over PCIe, with the assumptions it costs them at."""
-    own = max(held_params(share, x) for share in shares) / x.shard
-    h2d, d2h = offload_bytes(own, x)
+    share = max(shares, key=lambda sh: held_params(sh, x))
+    h2d, d2h = offload_bytes(held_params(share, x) / x.shard, root_share(share, args, x), x)
     per_node = min(gpu.gpus_per_node, dims.world_size)
     node = f" ({host * per_node / GIB:,.1f} GiB for {per_node} ranks on a node)" if per_node > 1 else ""
-    return (f"cpu_offload: weights, gradients and AdamW state in host memory, {host / GIB:,.1f} GiB per rank{node}; "
-            f"assumed {HOST_GIB_PER_GPU:g} GiB of host memory per GPU; per micro-batch {h2d / 1e9:,.2f} GB to the GPU and {d2h / 1e9:,.2f} GB back, at an assumed "
-            f"{pcie_gbps(gpu):g} GB/s per direction (PCIe; in 'fsdp'); the step on the host at an assumed "
-            f"{HOST_GBPS:g} GB/s of host memory bandwidth (in 'optimizer')")
+    return (f"cpu_offload: weights, gradients and AdamW state in host memory, {host / GIB:,.1f} GiB per rank{node} "
+            f"(assumed available: {HOST_GIB_PER_GPU:g} GiB per GPU); per micro-batch {h2d / 1e9:,.2f} GB to the GPU "
+            f"and {d2h / 1e9:,.2f} GB back, at an assumed {pcie_gbps(gpu):g} GB/s per direction (PCIe; in 'fsdp'); "
+            f"the step on the host at an assumed {HOST_GBPS:g} GB/s of host memory bandwidth (in 'optimizer')")
 
 
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:

@@ -69,8 +69,8 @@ def test_two_rank_offload_on_cpu_gloo_equals_one_process(tmp_path):
     """dp_shard 2 with offload, with gradient accumulation (each micro-batch's gradient added to the host shard) and
     clipping by the global norm (the tiny run's norms are above 1), against one process without offload."""
     (single,) = run_jobs(1, [job(tmp_path, "single", 2)], str(tmp_path))
-    (offload,) = run_on("cpu:gloo", 2, [job(tmp_path, "fsdp2_offload", 2, **{"parallel.dp_shard": 2,
-                                                                              "parallel.cpu_offload": "true"})], tmp_path)
+    offloaded = job(tmp_path, "fsdp2_offload", 2, **{"parallel.dp_shard": 2, "parallel.cpu_offload": "true"})
+    (offload,) = run_on("cpu:gloo", 2, [offloaded], tmp_path)
     assert offload.get("backend") == "cpu:gloo", offload.get("error")
     assert max(r["grad_norm"] for r in single["records"]) > 1.0  # clipping by the global norm took part
     assert max_rel(losses(offload), losses(single)) < 1e-5
