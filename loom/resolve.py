@@ -150,6 +150,9 @@ def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
     if cfg.parallel.cpu_offload:
         raise ConfigError("training.cuda_graphs", True, "not with parallel.cpu_offload (parameters move between host "
                           "and GPU every step)")
+    if cfg.parallel.fault_tolerance:
+        raise ConfigError("training.cuda_graphs", True, "not with parallel.fault_tolerance (gradients are summed "
+                          "across replica groups around the blocks)")
     if dims is not None and dims.world_size > 1:
         raise ConfigError("training.cuda_graphs", True, f"runs on one process (FSDP re-allocates gathered parameters; "
                           f"DDP, tensor, context and pipeline parallelism run collectives around the blocks): got "

@@ -246,6 +246,13 @@ class Trainer:
         opt_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device  # offload: state on the host
         self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload)
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
+        # training.cuda_graphs: gradients accumulate into tensors of their own, kept between steps; a first backward
+        # would otherwise hand the graphs' output memory to .grad, which the next micro-batch's replay overwrites
+        self._keep_grads = cfg.training.cuda_graphs
+        if self._keep_grads:
+            for p in self.params:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         # parallel.diloco_inner_steps: the dp_replicate groups average their weights every H steps (loom.train.diloco)
         self.diloco = DiLoCo.build(self.parts, self.dims, cfg.parallel) if cfg.parallel.diloco_inner_steps else None
         self.scaler = LossScaler(cfg.training.dtype == "float16", cfg.training.loss_scale_init,
@@ -386,7 +393,7 @@ class Trainer:
                 if stepped:
                     self.optimizer.step(factor)
                     self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=not self._keep_grads)
             if self.diloco:  # every H steps (per fragment), applied or not: the rounds stay aligned
                 self.diloco.after_step(self.step + 1)
         out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "stats": stats}
