@@ -96,6 +96,7 @@ def test_bf16_wire_halves_the_bytes_and_rounds_the_pseudo_gradient(one_rank):
     ({"parallel.dp_replicate": 1}, "parallel.diloco_inner_steps"),
     ({"parallel.ep": 2, "model.moe_experts": 4}, "parallel.diloco_inner_steps"),
     ({"metrics.noise_scale": "true"}, "parallel.diloco_inner_steps"),
+    ({"parallel.cpu_offload": "true"}, "parallel.diloco_inner_steps"),
     ({"parallel.diloco_fragments": 5}, "parallel.diloco_fragments"),
 ])
 def test_config_rules(tmp_path, overrides, field):
