@@ -210,10 +210,12 @@ def previous_errors(error_file: str, count: int) -> str:
     failures = []
     with contextlib.suppress(OSError):
         for name in sorted(os.listdir(previous), key=lambda n: (not n.isdecimal(), n.zfill(8))):
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 with open(os.path.join(previous, name, "error.json")) as fh:
-                    message, timestamp = _error_message(json.load(fh))
-                failures.append({"rank": None, "local_rank": int(name), "error": message, "timestamp": timestamp,
+                    data = json.load(fh)
+                message, timestamp = _error_message(data)
+                rank = data["message"].get("extraInfo", {}).get("rank") if isinstance(data["message"], dict) else None
+                failures.append({"rank": rank, "local_rank": int(name), "error": message, "timestamp": timestamp,
                                  "host": socket.gethostname()})
     return describe_failures(failures) if failures else unknown
 
@@ -239,7 +241,8 @@ def record_error(err: BaseException) -> None:
     user = isinstance(err, (ConfigError, UserError))
     data = {"message": {"message": f"{type(err).__name__}: {err}",
                         "extraInfo": {"py_callstack": "" if user else traceback.format_exc(),
-                                      "timestamp": str(int(time.time()))}}}
+                                      "timestamp": str(int(time.time())),
+                                      "rank": int(os.environ.get("RANK", "0"))}}}
     with contextlib.suppress(OSError):
         with open(path, "w") as fh:
             json.dump(data, fh)
