@@ -1,4 +1,4 @@
-"""``loom train``: one process, or N local workers through PyTorch's elastic launcher."""
+"""``loom train``: one process, or workers started through PyTorch's elastic agent (N local ones, restarts, several nodes)."""
 
 from __future__ import annotations
 
@@ -250,10 +250,22 @@ def env_world_size() -> int:
     return int(world)
 
 
-def planned_world_size(launch: Launch) -> int:
-    """The world size a start plans for: the launcher's (--nproc-per-node x --nnodes, at the most nodes) where it
-    launches workers, else this process's."""
-    return launch.world_size if launch.agent else env_world_size()
+def planned_world_size(launch: Launch, cfg=None) -> int:
+    """The world size a start plans for: the launcher's (--nproc-per-node x --nnodes) where it launches workers,
+    else this process's. With --nnodes MIN:MAX (and ``cfg``): the most nodes whose world the layout can be formed
+    on (the most nodes where none can: its error is the one to show)."""
+    if not launch.agent:
+        return env_world_size()
+    if cfg is not None and launch.elastic:
+        from loom.resolve import resolve
+
+        for nodes in range(launch.nnodes[1], launch.nnodes[0] - 1, -1):
+            try:
+                resolve(cfg, nodes * (launch.nproc or 1), device="cpu")  # the world's rules only
+                return nodes * (launch.nproc or 1)
+            except ConfigError:
+                continue
+    return launch.world_size
 
 
 def planned_local(launch: Launch) -> int | None:
@@ -266,15 +278,15 @@ def elastic_note(cfg, launch: Launch) -> str:
     from loom.resolve import resolve
 
     bad = []
-    for nodes in range(launch.nnodes[0], launch.nnodes[1]):
+    for nodes in range(launch.nnodes[0], launch.nnodes[1] + 1):
         try:
-            resolve(cfg, nodes * (launch.nproc or 1), device="cpu")  # the world's rules only (the max's passed)
+            resolve(cfg, nodes * (launch.nproc or 1), device="cpu")  # the world's rules only
         except ConfigError as err:
             bad.append(f"{nodes} ({err})")
     if not bad:
         return ""
-    return (f"loom: note: with --nnodes {launch.nnodes[0]}:{launch.nnodes[1]}, a job re-formed on these node counts "
-            f"stops with exit code 2: {'; '.join(bad)}")
+    return (f"loom: note: with --nnodes {launch.nnodes[0]}:{launch.nnodes[1]}, a job (re-)formed on these node "
+            f"counts stops with exit code 2: {'; '.join(bad)}")
 
 
 @contextlib.contextmanager
@@ -291,7 +303,7 @@ def checked_config(argv: list[str]):
     """The validated config and the launcher options."""
     with warnings_after_success():
         cfg, launch = load_launch(argv)
-        precheck(cfg, planned_world_size(launch), planned_local(launch))
+        precheck(cfg, planned_world_size(launch, cfg), planned_local(launch))
     return cfg, launch
 
 
@@ -371,8 +383,8 @@ def launch(argv: list[str], launch: Launch, cfg) -> int:
         if code == 2:
             print(f"loom: a worker failed (exit codes {sorted(codes)}); see its message above", file=sys.stderr)
         else:
-            used = f"; no restarts left (--max-restarts {launch.max_restarts}): see {os.path.join(cfg.run.dir, RESTARTS)}" \
-                if launch.max_restarts else ""
+            log, n = os.path.join(cfg.run.dir, RESTARTS), launch.max_restarts
+            used = f"; no restarts left (--max-restarts {n}): see {log}" if n else ""
             print(f"loom: a worker failed: {describe_failures(failure_entries(err.failures, ''))}{used}",
                   file=sys.stderr)
         return code
@@ -456,7 +468,7 @@ def dry_run(argv: list[str]) -> str:
 
     with warnings_after_success():
         cfg, launch = load_launch(argv)
-        world = planned_world_size(launch)
+        world = planned_world_size(launch, cfg)
         run = precheck(cfg, world, planned_local(launch))
         for field, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", checkpoint_dir(cfg))):
             check_folder_writable(field, path)  # what check_writable_dirs checks, without creating them

@@ -81,7 +81,7 @@ def test_a_layout_the_smaller_job_cannot_hold_stops_with_one_line(tmp_path, cach
     survivor, lost = agents(tmp_path, "1:2", run_dir, cache, faults=(None, "step:4:node"),
                             extra={"parallel.dp_shard": 2})
     assert survivor.returncode == 2, survivor.stderr[-4000:]
-    assert "with --nnodes 1:2, a job re-formed on these node counts stops with exit code 2: 1 (" in survivor.stderr
+    assert "with --nnodes 1:2, a job (re-)formed on these node counts stops with exit code 2: 1 (" in survivor.stderr
     errors = [line for line in survivor.stderr.splitlines() if line.startswith("loom: error:")]
     assert len(errors) == 1 and "parallel.dp_shard = 2" in errors[0] and \
         "the job formed with 1 node(s) x 1 = 1 ranks" in errors[0], survivor.stderr[-4000:]
