@@ -1,4 +1,4 @@
-"""``loom train``: one process, or workers started through PyTorch's elastic agent (N local ones, restarts, several nodes)."""
+"""``loom train``: one process, or workers started by PyTorch's elastic agent (local, restarted, on several nodes)."""
 
 from __future__ import annotations
 
