@@ -161,9 +161,13 @@ def init_distributed(device_kind: str, backend: str, cpu_offload: bool = False,
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            from loom.parallel.rendezvous import worker_store
+
             backend = choose_backend(backend, device.type, cpu_offload)
+            store = worker_store()  # a file-rendezvous agent's workers meet over its FileStore, not a TCP port
+            where = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
             dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
-                                    timeout=timeout)
+                                    timeout=timeout, **where)
     return DistEnv(rank, local_rank, world, device)
 
 

@@ -48,8 +48,8 @@ def test_two_agents_train_over_a_file_store(tmp_path, cache, single):  # noqa: F
 
 
 def test_process_group_over_the_file_store(tmp_path, cache, single):  # noqa: F811
-    """Each worker is handed the process group's FileStore prefix; with MASTER_ADDR / MASTER_PORT removed, it forms
-    the group over that store and then runs loom's worker body, which keeps the group: the same losses."""
+    """Each worker is handed the process group's FileStore prefix; with MASTER_ADDR / MASTER_PORT removed, loom's
+    worker body (loom.parallel.env.init_distributed) forms the group over that store: the same losses."""
     out = tmp_path / "out"
     out.mkdir()
     agents = start_agents(str(tmp_path / "rdzv"), ["-m", "tests.distributed.test_rendezvous_file", str(out),
@@ -65,18 +65,15 @@ def test_process_group_over_the_file_store(tmp_path, cache, single):  # noqa: F8
 
 
 def _worker(out_dir: str, argv: list[str]) -> None:
-    import torch.distributed as dist
-
     from loom.cli.train import run_worker
-    from loom.parallel.rendezvous import PG_STORE_ENV, worker_store
+    from loom.parallel.rendezvous import PG_STORE_ENV
 
     master = [os.environ.pop("MASTER_ADDR"), os.environ.pop("MASTER_PORT")]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=worker_store(), rank=rank, world_size=world)
+    rank = int(os.environ["RANK"])
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as fh:
         json.dump({"store": os.environ[PG_STORE_ENV], "master": master,
                    "agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"]}, fh)
-    run_worker(argv)  # loom.parallel.env keeps a group that is already there
+    run_worker(argv)  # forms the group over the FileStore: there is no address to reach
 
 
 if __name__ == "__main__":
