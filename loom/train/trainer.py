@@ -34,7 +34,7 @@ from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.env import DistEnv, ensure_process_group, init_distributed
 from loom.parallel.health import Health, prepare_process, startup_timeout
 from loom.parallel.expert_parallel import expert_params
-from loom.parallel.fault_tolerance import ReplicaGroups, data_shard
+from loom.parallel.fault_tolerance import ReplicaGroups, data_shard, lighthouse_address
 from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
 from loom.resolve import resolve, times_attention
@@ -47,6 +47,7 @@ from loom.train.restarts import begin as begin_attempt, metrics_fields, restart_
 from loom.train.reward import attach_score_head
 from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.optimizer import OptimizerParts
+from loom.train.zero import OptimizerShard
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
                                        on_main, restore_loss_scale)
@@ -244,7 +245,11 @@ class Trainer:
     def _build_optimizer(self) -> None:
         cfg = self.cfg
         opt_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device  # offload: state on the host
-        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload)
+        shard = None
+        if self.dims.shard_optimizer:  # ZeRO-1: each DDP replica steps its own parameters (loom.train.zero)
+            shard = OptimizerShard(self.params, self.dims["dp_replicate"] if self.dims.dp_replicate > 1 else None)
+        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload,
+                                        shard=shard)
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
         # training.cuda_graphs: gradients accumulate into tensors of their own, kept between steps; a first backward
         # would otherwise hand the graphs' output memory to .grad, which the next micro-batch's replay overwrites
@@ -705,6 +710,9 @@ class Trainer:
             *self.loader.describe(t.global_batch_size, t.steps),
             f"kernels: {self.kernels.describe()}{self._measured()}{cp_note}",
             *self._describe_steps(),
+            *([f"fault tolerance: replica group {cfg.parallel.ft_replica_id} of {cfg.parallel.ft_replica_groups} "
+               f"(torchft, lighthouse {lighthouse_address(cfg.parallel)}); the groups split each global batch"]
+              if self.ft else []),
         ]
 
     def _where_things_are(self) -> str:
@@ -738,8 +746,8 @@ class Trainer:
     def _describe_steps(self) -> list[str]:
         lines = self.steps.describe(self.accum)
         plan = self.parallel_model.plan
-        if plan is not None and self.dims.fsdp_applied and self.cfg.parallel.reshard_after_forward and not \
-                fsdp_reshard_after_forward(self.cfg.parallel, plan):
+        if plan is not None and self.dims.fsdp_applied and self.dims.reshard_after_forward and not \
+                fsdp_reshard_after_forward(self.dims, plan):
             lines.append(f"pipeline: {plan.schedule} computes weight gradients in a pass of their own, so FSDP keeps "
                          "each block's parameters gathered from forward to the gradient reduction (parallel."
                          "reshard_after_forward = true does not apply)")

@@ -229,8 +229,9 @@ def test_two_groups_train_as_one_process(tmp_path, monkeypatch, ranks):
             if g.proc.poll() is None:
                 g.signal(signal.SIGKILL)
         lighthouse.shutdown()
-    for g in groups:
+    for i, g in enumerate(groups):
         assert g.proc.returncode == 0, g.output()[-3000:]
+        assert f"fault tolerance: replica group {i} of 2 (torchft" in g.output()
         got = g.records()
         assert [r["step"] for r in got] == list(range(1, steps + 1))
         assert all(r["replica_groups"] == 2 for r in got)
