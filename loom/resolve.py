@@ -48,7 +48,8 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     ``device``: the device type to resolve kernels for (default: the run's, from run.device and this machine, whose
     installed packages are then checked too); ``triton``: whether Triton is installed there (None: look here)."""
     check_config(cfg)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)  # parallel.zero mapped there (dims.zero_degrees)
+    check_zero(cfg, dims)
     check_grpo(cfg, dims)
     check_offload(cfg, dims)
     check_cuda_graphs(cfg, dims)
@@ -283,8 +284,9 @@ def check_ppo(cfg: Config) -> None:
 
 def check_grpo(cfg: Config, dims=None) -> None:
     """The [grpo] section: its fields only under training.objective grpo; the layouts the rollouts cannot run on
-    yet (with ``dims``): the engine generates on the trainer's whole, current module, so FSDP2's shards, TP's
-    shards and pipeline stages are refused (docs/rl.md says what each would need); the logits are needed."""
+    yet: the engine generates on a whole model (the trainer's module, or under FSDP2 a copy gathered from the
+    shards: loom.rl.sync), so TP's shards and pipeline stages are refused (docs/rl.md says what each would need);
+    the logits are needed."""
     from loom.config.sections import GrpoConfig
 
     g, p, objective = cfg.grpo, cfg.parallel, cfg.training.objective
@@ -302,10 +304,6 @@ def check_grpo(cfg: Config, dims=None) -> None:
         if value > 1:
             raise ConfigError(key, value, f"not supported with training.objective {objective} yet (the engine runs "
                               "on the whole model): allowed 1")
-    if dims is not None and dims.fsdp_enabled:
-        raise ConfigError("parallel.dp_shard", p.dp_shard, f"training.objective {objective} runs the engine on each "
-                          "rank's whole model: FSDP2 not yet; allowed 1 with parallel.dp_replicate = the world size "
-                          "(DDP)")
     if cfg.model.fused_loss == "true":
         raise ConfigError("model.fused_loss", True, f"training.objective {objective} needs the logits (per-token "
                           "log-probabilities): allowed auto | false")
@@ -391,6 +389,21 @@ def check_diloco(cfg: Config) -> None:
 
 
 # ---- rules that need the world size ---------------------------------------------------
+
+def check_zero(cfg: Config, dims: ParallelDims) -> None:
+    """ZeRO-1 (loom.train.zero) shards the optimizer over DDP replicas of whole, plain-tensor models: not where
+    FSDP2 replicates instead (tp, pp), nor with expert parallelism, DiLoCo or offloading."""
+    p = cfg.parallel
+    if p.zero != 1:
+        return
+    for field, value, on in (("parallel.tp", p.tp, p.tp > 1), ("parallel.pp", p.pp, p.pp > 1),
+                             ("parallel.ep", p.ep, p.ep > 1), ("parallel.cpu_offload", True, p.cpu_offload),
+                             ("parallel.diloco_inner_steps", p.diloco_inner_steps, p.diloco_inner_steps > 0),
+                             ("parallel.fault_tolerance", True, p.fault_tolerance)):
+        if on:
+            raise ConfigError(field, value, "not with parallel.zero = 1 (the optimizer sharded over DDP replicas); "
+                              "use zero 2 or 3 (FSDP2)")
+
 
 def check_offload(cfg: Config, dims: ParallelDims) -> None:
     """parallel.cpu_offload runs FSDP2 with its shards on the host, on one rank too (a 1-rank mesh): not where

@@ -30,7 +30,7 @@ from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE
 from loom.rl.grpo import kl_k3
 from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
-from loom.rl.rollout import RolloutBatch, RolloutLoader, copy_parameters, rows_to_batches, token_logps
+from loom.rl.rollout import HELD, RolloutBatch, RolloutLoader, copy_parameters, rows_to_batches, token_logps
 from loom.train.objective import release_gathered
 from loom.train.reward import attach_score_head, score_head
 
@@ -178,11 +178,8 @@ class PpoRollouts(RolloutLoader):
         self.step, self.plan, self.held = int(state.get("grpo_step", 0)), [], {}
 
     def bind(self, trainer, objective) -> None:
-        from loom.infer.generator import Generator
-
         self.trainer, self.objective = trainer, objective
-        self.generator = Generator.from_model(trainer.parts[0], self.tokenizer, compile=False,
-                                              max_batch=self.rows * self.p.mini_batches)
+        self.generator = self.engine_generator(trainer, self.rows * self.p.mini_batches)
         if self.p.kl_coef > 0 and not self.cfg.lora.rank:
             self.reference, self._reference_set = reference_model(trainer), False
         if self.p.reward_model:
@@ -201,7 +198,7 @@ class PpoRollouts(RolloutLoader):
             if not self.plan:
                 self.rollouts()
             else:
-                self.stats = {**self.stats, "time/generation_s": 0.0, "time/scoring_s": 0.0, "time/logps_s": 0.0}
+                self.stats = {**self.stats, **HELD}
             batches = self.mini_batch(*self.plan.pop(0))
             self._scale_lr()
         if trained is not None:
@@ -216,6 +213,7 @@ class PpoRollouts(RolloutLoader):
         g, p, G = self.g, self.p, self.g.group_size
         rows = self._mine(self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step)))
         prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]
+        self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
         t0 = time.perf_counter()
         outs = self.sample(prompts)
         t1 = time.perf_counter()
@@ -233,7 +231,7 @@ class PpoRollouts(RolloutLoader):
         self._advantages(glob)
         self.held, self.rollout_key = glob, self.step
         self.plan = [(e, m) for e in range(p.epochs) for m in range(p.mini_batches)]
-        self._set_ppo_stats(glob, names, (t1 - t0, t2 - t1, t3 - t2))
+        self._set_ppo_stats(glob, names, (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds, self.weights.bytes))
 
     def score(self, rows, prompts, outs) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """(total (N,), each source's rewards (N, K), their names): the weighted reward functions, plus the reward
@@ -368,6 +366,8 @@ class PpoRollouts(RolloutLoader):
             "time/generation_s": float(secs[0]),
             "time/scoring_s": float(secs[1]),
             "time/logps_s": float(secs[2]),
+            "time/weight_sync_s": float(secs[3]),
+            "weight_sync_bytes": float(secs[4]),  # per rank
         }
 
 

@@ -3,11 +3,11 @@ any loader does, but makes them itself: prompts from the source, G completions e
 the policy's live weights, rewards, group-normalized advantages, and (when needed) the log-probabilities of the
 rollout-time policy and of the reference. Before GRPO, ``warmup_steps`` steps of worked examples (supervised).
 
-Weights: the engine runs on the trainer's own module (``trainer.parts[0]``, the plain model inside any DDP wrapper):
-in one process and under DDP (every rank's replica is whole and current after each optimizer step) there is
-nothing to copy or sync. The engine installs its KV caches for a generation and removes them after, so training's
-forwards run the plain model. FSDP2 / TP / PP are refused (loom.resolve): a sharded model would need its
-parameters gathered for the engine (docs/rl.md)."""
+Weights (loom.rl.sync): in one process and under DDP the engine runs on the trainer's own module
+(``trainer.parts[0]``, the plain model inside any DDP wrapper; every rank's replica is whole and current after each
+optimizer step): nothing to copy. Under FSDP2 it runs on a plain copy on each rank, refreshed from the shards
+before each generation. The engine installs its KV caches for a generation and removes them after, so training's
+forwards run the plain model. TP / PP are refused (loom.resolve; docs/rl.md)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from loom.train.schedule import lr_factor
 
 EMBEDDED_REWARDS = ("loom.rl.arithmetic:exact_answer", "loom.rl.arithmetic:digit_match")
 EMBEDDED_WEIGHTS = (1.0, 0.5)
+HELD = {"time/generation_s": 0.0, "time/scoring_s": 0.0, "time/logps_s": 0.0, "time/weight_sync_s": 0.0,
+        "weight_sync_bytes": 0.0}  # the figures of a step on held rollouts: nothing sampled, scored or synced
 
 
 @dataclass
@@ -149,7 +151,7 @@ class RolloutLoader:
         self.step = 0  # steps handed out
         self._held: list[RolloutBatch] | None = None  # the last rollouts, reused grpo.iterations times
         self._uses = 0
-        self.trainer = self.objective = self.generator = None
+        self.trainer = self.objective = self.generator = self.weights = None
         self.reference = None  # beta > 0 without LoRA: a frozen copy of the policy as GRPO starts
         self._reference_set = False
         self.stats: dict[str, float] = {}
@@ -174,14 +176,19 @@ class RolloutLoader:
         self.step, self._held, self._uses = int(state.get("grpo_step", 0)), None, 0
 
     def bind(self, trainer, objective) -> None:
-        """The live model: a generator on the trainer's own module (no copy)."""
-        from loom.infer.generator import Generator
-
+        """The live model: a generator on the trainer's own module, or under FSDP2 on its synced copy."""
         self.trainer, self.objective = trainer, objective
-        self.generator = Generator.from_model(trainer.parts[0], self.tokenizer, compile=False,
-                                              max_batch=self.rows)
+        self.generator = self.engine_generator(trainer, self.rows)
         if self.g.beta > 0 and not self.cfg.lora.rank:  # built in the policy's layout before the engine runs
             self.reference, self._reference_set = frozen_copy(trainer), False
+
+    def engine_generator(self, trainer, max_batch: int):
+        """A generator on the policy's weights as the engine sees them (loom.rl.sync)."""
+        from loom.infer.generator import Generator
+        from loom.rl.sync import EngineWeights
+
+        self.weights = EngineWeights.build(trainer)
+        return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch)
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
@@ -193,7 +200,7 @@ class RolloutLoader:
         elif self._held is not None and self._uses < self.g.iterations:
             self._uses += 1
             batches = self._held
-            self.stats = {**self.stats, "time/generation_s": 0.0, "time/scoring_s": 0.0, "time/logps_s": 0.0}
+            self.stats = {**self.stats, **HELD}
         else:
             batches = self._held = self.rollouts()
             self._uses = 1
@@ -233,6 +240,7 @@ class RolloutLoader:
         g, trainer, G = self.g, self.trainer, self.g.group_size
         rows = self._mine(self.source.problems(self.rows // G * self.dp_size, ("grpo", self.step)))
         prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]  # each prompt's group
+        self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
         t0 = time.perf_counter()
         outs = self.sample(prompts)
         t1 = time.perf_counter()
@@ -259,7 +267,8 @@ class RolloutLoader:
                 mb.labels[cut] = IGNORE
         self._logps(batches)
         t3 = time.perf_counter()
-        self._set_stats(batches, total, per, sums, std, truncated, outs, (t1 - t0, t2 - t1, t3 - t2))
+        self._set_stats(batches, total, per, sums, std, truncated, outs,
+                        (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds))
         return batches
 
     def _mine(self, rows: list) -> list:
@@ -274,14 +283,15 @@ class RolloutLoader:
         g, trainer = self.g, self.trainer
         params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                 seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank)
-        model = trainer.parts[0]
+        model = self.weights.model
         model.eval()
         try:
             with torch.no_grad(), trainer._autocast():
                 return self.generator.generate_ids(prompts, params)
         finally:
             self.generator.engine.release()  # the caches out: training forwards run the plain model
-            model.train()
+            if not self.weights.copied:
+                model.train()
 
     @torch.no_grad()
     def _logps(self, batches: list[RolloutBatch]) -> None:
@@ -320,8 +330,8 @@ class RolloutLoader:
         mask_tokens = sum(float((mb.labels != IGNORE).sum()) for mb in batches)
         count = sum(float(loss_count(mb.labels != IGNORE, g.loss_type, g.max_new_tokens)) for mb in batches)
         new_tokens = float(sum(len(o.token_ids) for o in outs))
-        local = torch.tensor([mask_tokens, count, new_tokens, float(truncated.sum()), *seconds, *per.sum(0).tolist()],
-                             dtype=torch.float64)
+        local = torch.tensor([mask_tokens, count, new_tokens, float(truncated.sum()), *seconds,
+                              float(self.weights.bytes), *per.sum(0).tolist()], dtype=torch.float64)
         glob = dims.data_sum(local.to(device)).cpu()
         n = float(sums[2])
         self.objective.global_tokens, self.objective.global_count = float(glob[0]), float(glob[1])
@@ -329,11 +339,13 @@ class RolloutLoader:
         self.stats = {
             "reward": float(sums[0]) / n,
             "reward_std": float(std),
-            **{f"rewards/{name}": float(v) / n for name, v in zip(self.rewards.names, glob[7:])},
+            **{f"rewards/{name}": float(v) / n for name, v in zip(self.rewards.names, glob[9:])},
             "completion_length": float(glob[2]) / n,
             "truncated": float(glob[3]) / n,
             "rollout_tokens_per_s": float(glob[2]) / max(gen_s, 1e-9),
             "time/generation_s": gen_s,
             "time/scoring_s": float(glob[5]) / self.dp_size,
             "time/logps_s": float(glob[6]) / self.dp_size,
+            "time/weight_sync_s": float(glob[7]) / self.dp_size,
+            "weight_sync_bytes": float(glob[8]) / self.dp_size,  # per rank: each rank's copy receives the whole
         }

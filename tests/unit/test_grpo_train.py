@@ -104,8 +104,7 @@ def test_config_rules(tmp_path):
     for key, value in (("parallel.tp", 2), ("parallel.pp", 2)):
         with pytest.raises(ConfigError, match=key):
             check_config(grpo_config(tmp_path, **{key: value}))
-    with pytest.raises(ConfigError, match="parallel.dp_shard"):
-        resolve(grpo_config(tmp_path, **{"parallel.dp_shard": 2}), 2)
+    resolve(grpo_config(tmp_path, **{"parallel.dp_shard": 2}), 2)  # FSDP2: the engine runs on a synced copy
     resolve(grpo_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}), 2)  # DDP: fine
     with pytest.raises(ConfigError, match="grpo.warmup_steps"):
         check_config(grpo_config(tmp_path, **{"grpo.prompts": "x.jsonl", "grpo.warmup_steps": 2}))
