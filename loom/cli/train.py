@@ -39,8 +39,8 @@ restarts and several nodes (PyTorch's elastic agent; docs/operations.md):
                           <run.dir>/restarts.jsonl and metrics.jsonl (default 0)
   --nnodes N|MIN:MAX      nodes in the job (default 1), one `loom train` per node; MIN:MAX is elastic: the job
                           re-forms when nodes leave or join, with parallel.dp_shard = -1 re-derived for the new size
-  --node-rank R           c10d: node 0 serves the rendezvous store, the others only connect (default: the agent on
-                          the endpoint's host that starts first serves it); node ranks are assigned on arrival
+  --node-rank R           c10d: only node 0 may serve the rendezvous store, the others only connect (default: the
+                          first agent on the endpoint's host serves it); node ranks are assigned on arrival
   --rdzv-backend NAME     c10d (default: a TCP store on --rdzv-endpoint HOST:PORT) | file (a file on a filesystem
                           every node mounts: --rdzv-endpoint PATH; no port is served)
   --rdzv-endpoint ADDR    HOST:PORT (c10d) or PATH (file): where the nodes meet; needed with more than one node
@@ -92,9 +92,8 @@ class Launch:
             return ["--standalone", *args]  # one node: a c10d store on a free local port, a fresh job id
         lo, hi = self.nnodes
         conf = [c for c in self.rdzv_conf.split(",") if c]
-        if self.rdzv_backend == "c10d" and self.node_rank is not None and not any(
-                c.startswith("is_host=") for c in conf):
-            conf.append(f"is_host={int(self.node_rank == 0)}")
+        if self.rdzv_backend == "c10d" and self.node_rank and not any(c.startswith("is_host=") for c in conf):
+            conf.append("is_host=0")  # only node 0 may serve the store (it does where it runs on the endpoint's host)
         return [*args, f"--nnodes={lo}:{hi}" if lo < hi else f"--nnodes={lo}", f"--rdzv-backend={self.rdzv_backend}",
                 f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
                 *([f"--rdzv-conf={','.join(conf)}"] if conf else [])]

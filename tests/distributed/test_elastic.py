@@ -31,9 +31,9 @@ RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,
 
 def agents(tmp_path, nnodes: str, run_dir, cache, *, faults=(None, None), fault_rank: str = "*",  # noqa: F811
            backend: str = "c10d", extra=(), max_restarts: int = 1) -> list[subprocess.CompletedProcess]:
-    """Two agents of one job: node 0 serves the rendezvous store; node 1 starts first (its client waits for the
-    store) so that both join the first round. ``faults``: each node's LOOM_RESTART_FAULT, armed in its worker of
-    global rank ``fault_rank`` (``*``: any)."""
+    """Two agents of one job: node 0 serves the rendezvous store (node 1 may not: --node-rank 1); node 1 starts
+    first (its client waits for the store) so that both join the first round. ``faults``: each node's
+    LOOM_RESTART_FAULT, armed in its worker of global rank ``fault_rank`` (``*``: any)."""
     endpoint = f"127.0.0.1:{free_port()}" if backend == "c10d" else str(tmp_path / "rdzv")
     procs = {}
     for node in (1, 0):

@@ -205,10 +205,12 @@ def test_launcher_options():
     from loom.cli.train import parse_launch
 
     launch, rest = parse_launch(["--nproc-per-node", "2", "--max_restarts=3", "--nnodes", "1:4", "--rdzv-endpoint",
-                                 "h:29500", "--rdzv-id", "j", "--node-rank", "0", "--training.steps", "5"])
+                                 "h:29500", "--rdzv-id", "j", "--node-rank", "1", "--training.steps", "5"])
     assert rest == ["--training.steps", "5"] and launch.elastic and launch.world_size == 8 and launch.agent
     assert launch.agent_args() == ["--nproc-per-node=2", "--max-restarts=3", "--nnodes=1:4", "--rdzv-backend=c10d",
-                                   "--rdzv-endpoint=h:29500", "--rdzv-id=j", "--rdzv-conf=is_host=1"]
+                                   "--rdzv-endpoint=h:29500", "--rdzv-id=j", "--rdzv-conf=is_host=0"]
+    assert "--rdzv-conf=is_host=0" not in parse_launch(["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank",
+                                                        "0"])[0].agent_args()
     alone, _ = parse_launch(["--max-restarts", "1"])
     assert alone.agent and alone.agent_args()[0] == "--standalone" and alone.world_size == 1
     assert not parse_launch(["--nproc-per-node", "1"])[0].agent
