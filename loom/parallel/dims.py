@@ -39,11 +39,14 @@ class ParallelDims:
     etp: int
     world_size: int
     diloco: bool = False  # parallel.diloco_inner_steps > 0: the dp_replicate groups do not reduce gradients
+    reshard_after_forward: bool = True  # FSDP2 frees a block's gathered parameters after its forward (ZeRO-3)
+    shard_optimizer: bool = False  # ZeRO-1: DDP with each replica stepping only its part (loom.train.zero)
     _mesh: object = field(default=None, repr=False)
     _flat: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+        cfg = zero_degrees(cfg, world_size)
         others = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
@@ -71,8 +74,21 @@ class ParallelDims:
             raise ConfigError("parallel.ep", cfg.ep, f"must divide parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): "
                               "expert-parallel ranks are data/context-parallel ranks that hold different experts")
         dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size,
-                   diloco=cfg.diloco_inner_steps > 0)
+                   diloco=cfg.diloco_inner_steps > 0, reshard_after_forward=cfg.reshard_after_forward,
+                   shard_optimizer=cfg.zero == 1)
+        if cfg.zero >= 2 and dims.dp_size > 1 and not dims.fsdp_enabled:
+            raise ConfigError("parallel.zero", cfg.zero, f"shards over parallel.dp_shard x cp, here 1 x 1 with "
+                              f"dp_replicate = {dims.dp_replicate}: set dp_shard (or leave it -1 with dp_replicate 1)")
         return dims
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage over the data-parallel ranks this layout is (parallel.zero, or what dp_shard and
+        reshard_after_forward make of it): 0 replicated, 1 optimizer state sharded, 2 gradients too (FSDP2 keeping
+        parameters gathered from forward to backward), 3 parameters too."""
+        if self.fsdp_enabled:
+            return 3 if self.reshard_after_forward else 2
+        return 1 if self.shard_optimizer else 0
 
     # ---- what is enabled -------------------------------------------------
     @property
@@ -220,6 +236,31 @@ class ParallelDims:
         kind = "x".join(parts) or "single"
         degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep", "etp") if getattr(self, a) > 1)
         return f"{kind} (world {self.world_size}{': ' + degrees if degrees else ''})"
+
+
+def zero_degrees(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
+    """``parallel.zero`` mapped onto the fields it stands for (the one place this happens; -1 leaves them):
+    0 and 1 replicate over the data-parallel ranks (dp_shard 1, dp_replicate all of them unless given), 2 and 3
+    shard over them with FSDP2 (dp_shard -1 unless given), keeping parameters gathered from forward to backward
+    (2) or not (3). Fields that contradict the stage are refused."""
+    from dataclasses import replace
+
+    z = cfg.zero
+    if z == -1:
+        return cfg
+    if z <= 1:
+        if cfg.dp_shard not in (-1, 1):
+            raise ConfigError("parallel.dp_shard", cfg.dp_shard, f"parallel.zero = {z} replicates over the data-parallel "
+                              "ranks: allowed -1 or 1 (zero 2 or 3 shard with FSDP2)")
+        if cfg.cp > 1:
+            raise ConfigError("parallel.zero", z, "context parallelism shards with FSDP2 over dp_shard x cp: allowed "
+                              "2 or 3 with parallel.cp > 1")
+        others = cfg.tp * cfg.pp * cfg.cp
+        replicate = cfg.dp_replicate
+        if replicate == 1 and world_size % others == 0:
+            replicate = world_size // others
+        return replace(cfg, dp_shard=1, dp_replicate=replicate)
+    return replace(cfg, reshard_after_forward=z == 3)
 
 
 def tp_limit(args) -> int:

@@ -72,13 +72,13 @@ def split_pipeline(model: Llama, plan: PipelinePlan) -> list[Llama]:
     return [build_stage(model, plan.layers[s], first=s == 0, last=s == last) for s in plan.local]
 
 
-def fsdp_reshard_after_forward(parallel: ParallelConfig, plan) -> bool:
-    """``parallel.reshard_after_forward``, except under a pipeline schedule that splits input and weight
+def fsdp_reshard_after_forward(dims: ParallelDims, plan) -> bool:
+    """``parallel.reshard_after_forward`` (as parallel.zero sets it: ``ParallelDims``), except under a pipeline schedule that splits input and weight
     gradients: its weight pass reads the gathered parameters after the input pass has run FSDP's backward
     hooks, so blocks keep their parameters gathered from forward to the step's gradient reduction (ZeRO-2
     within the stage; resharding there gave wrong gradients: 1e-2 off from the second step)."""
     split = plan is not None and plan.schedule in SPLIT_BACKWARD
-    return parallel.reshard_after_forward and not split
+    return dims.reshard_after_forward and not split
 
 
 def fsdp_wraps(dims: ParallelDims, parallel: ParallelConfig) -> bool:
@@ -110,13 +110,13 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
                           and training.activation_checkpointing in ("full", "every_k"), cuda_graphs=training.cuda_graphs)
         if dims.ep_enabled:
             apply_fsdp_experts(part, dims["experts_dp"], compute_dtype=DTYPES[training.dtype],
-                               reshard_after_forward=fsdp_reshard_after_forward(parallel, plan),
+                               reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                                cpu_offload=parallel.cpu_offload)
         if fsdp_wraps(dims, parallel):
             # under DiLoCo each dp_replicate group shards on its own: no gradient reduction across groups
             mesh = dims["dp_replicate", "dp_shard_cp"] if dims.replicate_reduces else dims["dp_shard_cp"]
             apply_fsdp(part, list(part.layers.values()), mesh, compute_dtype=DTYPES[training.dtype],
-                       reshard_after_forward=fsdp_reshard_after_forward(parallel, plan),
+                       reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                        cpu_offload=parallel.cpu_offload)
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         materialize(part, init_device, seed, part.param_std, part.init_buffers)

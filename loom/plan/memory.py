@@ -74,6 +74,7 @@ class MemoryInputs:
     ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard x cp (x tp) / ep only
     expert_params: float = 0.0  # of one block (all its experts)
     etp: int = 1  # tensor-parallel experts (parallel.etp = tp): each tp rank holds a 1/tp slice of every expert
+    optimizer_shard: int = 1  # ZeRO-1 (parallel.zero = 1): the AdamW moments split over this many DDP replicas
 
 
 def held_params(share, x: MemoryInputs) -> float:
@@ -90,8 +91,11 @@ def state_memory(params: float, x: MemoryInputs) -> Memory:
     """fp32 weights, fp32 gradients and AdamW moments of ``params`` (one tp rank's share)."""
     if x.cpu_offload:
         return Memory()
-    own = params / x.shard
-    return Memory(weights=4 * own, gradients=4 * own, optimizer=8 * own)
+    if x.shard > 1:  # FSDP2 (ZeRO 2 and 3) keeps all three sharded between uses; zero 2's gathered copies: gathered
+        weights, grads, optimizer = stage_state(params, x.shard, 3, 4, 4, 8)
+    else:
+        weights, grads, optimizer = stage_state(params, x.optimizer_shard, 1 if x.optimizer_shard > 1 else 0, 4, 4, 8)
+    return Memory(weights=weights, gradients=grads, optimizer=optimizer)
 
 
 def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> float:
@@ -193,9 +197,16 @@ def zero_model_state(params: float, n_gpus: int, stage: int, k: int = 12) -> flo
     variance: 12) per parameter. Stage 1 shards the optimizer state over the ``n_gpus`` data-parallel ranks, stage 2
     the gradients too, stage 3 the weights too. loom keeps fp32 weights and gradients instead (``state_memory``);
     this is the paper's accounting, for comparing the stages."""
+    return sum(stage_state(params, n_gpus, stage, 2, 2, k))
+
+
+def stage_state(params: float, n_gpus: int, stage: int, weight_bytes: float, grad_bytes: float,
+                optimizer_bytes: float) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per GPU under ZeRO ``stage``: what the stage shards is divided
+    by ``n_gpus``. The paper's accounting is (2, 2, 12) bytes a parameter (``zero_model_state``); loom's
+    ``state_memory`` is (4, 4, 8): fp32 weights that are their own master copy, fp32 gradients, AdamW moments."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage}: expected 0, 1, 2 or 3")
-    weights, grads, optimizer = 2.0 * params, 2.0 * params, float(k) * params
-    sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "weights")}[stage]
-    parts = {"weights": weights, "grads": grads, "optimizer": optimizer}
-    return sum(v / n_gpus if name in sharded else v for name, v in parts.items())
+    n = {name: (n_gpus if stage >= s else 1) for name, s in (("optimizer", 1), ("grads", 2), ("weights", 3))}
+    return (weight_bytes * params / n["weights"], grad_bytes * params / n["grads"],
+            optimizer_bytes * params / n["optimizer"])

@@ -68,6 +68,8 @@ def layout_name(layout: dict) -> str:
         parts.append(layout["pp_schedule"])
     if layout.get("cpu_offload"):
         parts.append("cpu_offload")
+    if layout.get("zero") in (1, 2):  # 0 and 3 are what the degrees say (DDP, FSDP2)
+        parts.append(f"zero{layout['zero']}")
     return " ".join(parts or ["single"]) + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
 
 
@@ -136,7 +138,8 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     mfu = tokens * flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
     layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
     layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
-                  activation_checkpointing=t.activation_checkpointing, accumulation=m, cpu_offload=p.cpu_offload)
+                  activation_checkpointing=t.activation_checkpointing, accumulation=m, cpu_offload=p.cpu_offload,
+                  zero=dims.zero)
     notes = []
     host = max(offloaded_state(held_params(share, x), x) for share in shares)
     if p.cpu_offload:
@@ -157,9 +160,10 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
     return MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp,
                         shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
                         fsdp=dims.fsdp_applied or p.cpu_offload,  # offload: FSDP2 on one rank too
-                        reshard_after_forward=p.reshard_after_forward and not split, micro_batch=t.micro_batch_size,
+                        reshard_after_forward=dims.reshard_after_forward and not split, micro_batch=t.micro_batch_size,
                         seq_len=t.seq_len, cpu_offload=p.cpu_offload, ep=dims.ep,
-                        expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0, etp=dims.etp)
+                        expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0, etp=dims.etp,
+                        optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1)
 
 
 def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, profiles: dict | None = None):
@@ -410,7 +414,9 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
     if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
         bw = _bandwidth(dims, ("dp_replicate",), gpu)
         reduce = 2 * collective_s(4 * params, dims.dp_replicate, bw)
-        return max(0.0, reduce - compute_mb * 2 / 3) + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw)
+        # ZeRO-1: each replica's updated fp32 parameters go to the others after the step (an all-gather's bytes)
+        gather = collective_s(4 * params, dims.dp_replicate, bw) if dims.shard_optimizer else 0.0
+        return max(0.0, reduce - compute_mb * 2 / 3) + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw) + gather
     return 0.0
 
 
@@ -445,6 +451,7 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False, off
                                 c.parallel.pp_virtual_stages = 0
                                 c.parallel.etp = 1
                                 c.parallel.cpu_offload = offload
+                                c.parallel.zero = -1  # the degrees above decide; the stages are variants below
                                 c.training.micro_batch_size = mb
                                 c.training.activation_checkpointing = ac
                                 out.append(c)
@@ -452,7 +459,22 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False, off
                                     e = copy.deepcopy(c)
                                     e.parallel.etp = tp
                                     out.append(e)
+                                out.extend(zero_variants(c))
     return out
+
+
+def zero_variants(c: Config) -> list[Config]:
+    """The other ZeRO stage of a data-parallel layout without tp / pp / cp / offload: ZeRO-1 beside DDP (zero 0),
+    the other of ZeRO-2 / ZeRO-3 beside FSDP2."""
+    p = c.parallel
+    if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.cpu_offload or p.dp_replicate * p.dp_shard == 1:
+        return []
+    z = copy.deepcopy(c)
+    if p.dp_shard == 1:
+        z.parallel.zero = 1
+    else:
+        z.parallel.reshard_after_forward = not p.reshard_after_forward
+    return [z]
 
 
 def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10, margin_gib: float | None = None,

@@ -88,16 +88,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
-                    offload: bool = False) -> torch.optim.Optimizer:
+                    offload: bool = False, keeps=None) -> torch.optim.Optimizer:
     """``optimizer.name``: AdamW, or LAMB / LARS (loom.train.large_batch). Weight decay on matrices only
     (not norms; for LAMB / LARS unless ``exclude_1d`` is off); only trainable parameters (with LoRA: the
     adapters) get a place and state. PyTorch's fused and foreach kernels take the tensors of a group together,
     which DTensors on different meshes (experts under expert parallelism) cannot be: there its per-tensor AdamW
     runs instead (loom's Triton AdamW is per tensor anyway). ``offload``: the state lives on the host
-    (parallel.cpu_offload; ``device`` is then the CPU)."""
+    (parallel.cpu_offload; ``device`` is then the CPU). ``keeps``: which parameters this rank steps (ZeRO-1:
+    loom.train.zero); None = all."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and (keeps is None or keeps(p)):
             (decay if p.ndim >= 2 else no_decay).append(p)
     # an empty group (LoRA trains matrices only) would break the checkpoint's flattened optimizer state
     if cfg.name != "adamw" and not cfg.exclude_1d:  # lamb / lars: every parameter decays and adapts
@@ -128,12 +129,17 @@ def _keep_implementation(opt: torch.optim.Optimizer) -> None:
 class OptimizerParts:
     """One optimizer per model part (pipeline stages, or the one whole model), stepped together. Each part's
     state dict is keyed by that part's parameter names, so parts of any layout merge into one checkpoint.
-    ``offload``: the parameters and their state live on the host (parallel.cpu_offload)."""
+    ``offload``: the parameters and their state live on the host (parallel.cpu_offload). ``shard`` (ZeRO-1,
+    loom.train.zero.OptimizerShard): this rank steps its own parameters only, then the owners broadcast them."""
 
-    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device, offload: bool = False):
+    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device, offload: bool = False,
+                 shard=None):
         self.parts = parts
-        self.optimizers = [build_optimizer(part, cfg, device, offload) for part in parts]
-        self.params = unique_params(parts)
+        self.shard = shard
+        keeps = shard.keeps if shard is not None else None
+        self.optimizers = [build_optimizer(part, cfg, device, offload, keeps) for part in parts]
+        self.all_params = unique_params(parts)
+        self.params = [p for p in self.all_params if keeps is None or keeps(p)]  # those this rank steps
         n_held = sum(len(g["params"]) for opt in self.optimizers for g in opt.param_groups)
         # the fused kernels can multiply the gradients themselves (their ``grad_scale`` input, which
         # they divide by, as GradScaler uses it): no separate pass over the gradients. Only when no
@@ -174,17 +180,17 @@ class OptimizerParts:
             finally:
                 for opt in self.optimizers:
                     opt.__dict__.pop("found_inf", None)
-            return
-        if grad_factor is None:
+        elif grad_factor is None:
             for opt in self.optimizers:
                 opt.step()
-            return
-        if not self.fold_grad_factor:
+        elif not self.fold_grad_factor:
             scale_grads(self.params, grad_factor)
             for opt in self.optimizers:
                 opt.step()
-            return
-        self._step_folded(grad_factor)
+        else:
+            self._step_folded(grad_factor)
+        if self.shard is not None:  # ZeRO-1: a skipped update broadcasts the unchanged parameters
+            self.shard.broadcast()
 
     def _step_folded(self, grad_factor) -> None:
         """Each kernel multiplies the gradients by ``grad_factor`` itself (a NaN factor: the fused AdamW's
@@ -203,4 +209,12 @@ class OptimizerParts:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
+        if self.shard is not None:  # ZeRO-1: the gradients of parameters other replicas step (DDP fills them all)
+            held = {id(p) for p in self.params}
+            for p in self.all_params:
+                if id(p) not in held and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
 

@@ -188,6 +188,7 @@ RULES: dict[str, tuple[str, str]] = {
     "parallel.loss_parallel": (FREE, _LAYOUT),
     "parallel.async_tp": (FREE, _LAYOUT),
     "parallel.reshard_after_forward": (FREE, _LAYOUT),
+    "parallel.zero": (FREE, _LAYOUT + "; the optimizer state reshards between stages (DCP)"),
     "parallel.ddp_bucket_mb": (FREE, _LAYOUT),
     "parallel.cpu_offload": (FREE, _LAYOUT),
     "parallel.backend": (FREE, _LAYOUT),
