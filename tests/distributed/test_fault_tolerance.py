@@ -110,14 +110,16 @@ def wait_for(condition, what: str, groups: list[Group], paced=lambda: None) -> N
         g.signal(signal.SIGCONT)
 
 
-def prepared_cache(tmp_path):
-    """The tiny run's token files, written once before the groups start (two runs tokenizing into one cache at
-    once is not what this test is about)."""
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The tiny run's token files, written once before any group starts (two runs tokenizing into one cache at
+    once is not what these tests are about)."""
     from loom.data import build_tokenizer, prepare_data
     from tests.tiny import tiny_config
 
-    cache = tmp_path / "cache"
-    cfg = tiny_config(tmp_path / "prepare", cache)
+    tmp = tmp_path_factory.mktemp("tokens")
+    cache = tmp / "cache"
+    cfg = tiny_config(tmp / "prepare", cache)
     prepare_data(cfg.data, build_tokenizer(cfg.data.tokenizer), str(cache), "lm")
     return cache
 
@@ -143,7 +145,7 @@ def two_gpus() -> bool:
     pytest.param("cpu", 1, marks=pytest.mark.slow),
     pytest.param("cpu", 2, marks=pytest.mark.exhaustive),
     pytest.param("cuda", 1, marks=[pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")])])
-def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, monkeypatch, device, ranks):
+def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, cache, monkeypatch, device, ranks):
     """On CPU (gloo between the groups; groups of 2 ranks shard with FSDP2 and recover each rank's shards), or on
     2 GPUs, one per group (NCCL between them)."""
     launcher = ["--nproc-per-node", str(ranks)] if ranks > 1 else []
@@ -152,8 +154,7 @@ def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, monkeypat
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50,
-                                  heartbeat_timeout_ms=5000)
-    cache = prepared_cache(tmp_path)
+                                  heartbeat_timeout_ms=3000)
     survivor, victim = (Group(tmp_path / f"g{i}", group_args(tmp_path / f"g{i}", cache, i, lighthouse.address(),
                                                              device),
                               **({"CUDA_VISIBLE_DEVICES": str(i)} if device == "cuda" else {})) for i in range(2))
@@ -205,7 +206,7 @@ def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, monkeypat
 @needs_torchft
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow),
                                    pytest.param(2, marks=pytest.mark.exhaustive)])
-def test_two_groups_train_as_one_process(tmp_path, monkeypatch, ranks):
+def test_two_groups_train_as_one_process(tmp_path, cache, monkeypatch, ranks):
     """Without failures, two replica groups log the losses of one process that takes the whole global batch: the
     groups split it as data-parallel ranks would, and their gradients are summed exactly. Groups of 2 ranks shard the
     model with FSDP2 (HSDP across the groups)."""
@@ -215,7 +216,6 @@ def test_two_groups_train_as_one_process(tmp_path, monkeypatch, ranks):
     from tests.distributed.harness import run_one
 
     steps = 4
-    cache = tmp_path / "cache"
     ref = run_one(tiny_overrides(tmp_path / "single", cache, **{"run.seed": 3}))
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)  # the first step waits for both groups
     groups = [Group(tmp_path / f"g{i}", group_args(tmp_path / f"g{i}", cache, i, lighthouse.address())
