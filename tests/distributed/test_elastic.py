@@ -7,6 +7,7 @@
   uninterrupted run.
 * ``--nnodes 1:2`` with a layout one node cannot hold (``dp_shard 2``): the survivor stops with one line, exit 2.
 * ``--nnodes 2``: the two agents form one job, train, checkpoint, lose a worker, restart together and resume.
+* ``--nnodes 1:2``, the second node joining mid-run: the job re-forms on 2 ranks from the step it saved.
 * ``--rdzv-backend file``: the same job meets through a file instead of a port.
 
 The first runs by default; the rest are marked ``exhaustive``."""
@@ -24,9 +25,9 @@ from tests.distributed.harness import free_port
 from tests.distributed.test_restarts import (BIN, STEPS, cache, cli_args, fault_env, records_of,  # noqa: F401
                                              reference)
 
-# quick re-forming on one machine: a lost agent is noticed after 2 missed heartbeats of 1 s, and a round waits
+# quick re-forming on one machine: a lost agent is noticed after 3 missed heartbeats of 2 s, and a round waits
 # 5 s for more nodes once it has the fewest it needs
-RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=120"
+RDZV_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=120"
 
 
 def agents(tmp_path, nnodes: str, run_dir, cache, *, faults=(None, None), fault_rank: str = "*",  # noqa: F811
@@ -101,6 +102,33 @@ def test_two_nodes_train_checkpoint_and_resume_after_a_lost_worker(tmp_path, cac
     assert [r["world_size"] for r in log if r["event"] in ("start", "restart")] == [2, 2], log
     assert log[-1]["step"] == 2 and "was killed by SIGKILL" in log[-1]["cause"], log[-1]
     assert "FSDP (world 2: dp_shard=2)" in first.stdout + second.stdout
+
+
+@pytest.mark.exhaustive
+def test_a_node_that_joins_later_makes_the_job_re_form(tmp_path, cache, reference):  # noqa: F811
+    """--nnodes 1:2: node 0 trains alone (slowly); node 1 joins mid-run. The agent stops the worker with SIGTERM,
+    which saves like a preemption, and the job resumes from that step on 2 ranks with the same losses."""
+    run_dir = tmp_path / "run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [os.path.join(BIN, "loom"), "train", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "0",
+           "--rdzv-endpoint", endpoint, "--rdzv-id", "join", "--rdzv-conf", RDZV_CONF, *cli_args(run_dir, cache)]
+    logs = {n: (open(tmp_path / f"node{n}.out", "w+"), open(tmp_path / f"node{n}.err", "w+")) for n in (0, 1)}
+    first = subprocess.Popen([*cmd, "--node-rank", "0"], cwd=tmp_path, env=fault_env("slow:8", "*"),
+                             stdout=logs[0][0], stderr=logs[0][1], text=True)
+    deadline = time.monotonic() + 300
+    while "step 1/" not in (tmp_path / "node0.out").read_text():
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.err").read_text()[-3000:]
+        time.sleep(0.5)
+    second = subprocess.Popen([*cmd, "--node-rank", "1"], cwd=tmp_path, env=fault_env("slow:8", "*"),
+                              stdout=logs[1][0], stderr=logs[1][1], text=True)
+    for n, proc in ((0, first), (1, second)):
+        assert proc.wait(timeout=600) == 0, (tmp_path / f"node{n}.err").read_text()[-3000:]
+    check_losses(run_dir, reference)
+    log = restarts.read(run_dir)
+    assert "membership" in [r["event"] for r in log], log
+    starts = [r for r in log if r["event"] in ("start", "restart")]
+    assert [r["world_size"] for r in starts] == [1, 2] and starts[-1]["step"] > 0, starts
+    assert starts[-1]["cause"].startswith("membership change"), starts[-1]
 
 
 @pytest.mark.exhaustive

@@ -5,8 +5,9 @@ rank) makes rank r fail the n-th time it reaches ``point``, in the first attempt
 worker lost mid-run, which the agent restarts; ``raise``: it raises a RuntimeError; ``node``: its agent and that
 agent's other workers are SIGKILLed with it (stopped first, so none reacts): a lost node.
 
-Points: ``step`` (the n-th training step, as it starts: ``Trainer.train_step``) and tests.faults.inject's kill
-points (``shard``: a rank about to fsync a checkpoint shard it has just written; ``marker``, ``rename``, ...)."""
+Points: ``step`` (the n-th training step, as it starts: ``Trainer.train_step``), ``slow:S`` (no fault: every step
+waits S seconds as it starts, while TORCHELASTIC_RESTART_COUNT is 0, so that a test can act while it trains) and tests.faults.inject's
+kill points (``shard``: a rank about to fsync a checkpoint shard it has just written; ``marker``, ``rename``, ...)."""
 
 import os
 
@@ -22,6 +23,7 @@ if _armed():
     import importlib.machinery
     import signal
     import sys
+    import time
 
     import tests.faults.inject as inject
 
@@ -37,7 +39,7 @@ if _armed():
             inject.kill_tree(os.getppid(), spare=os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if point == "step":
+    if point in ("step", "slow"):
         calls = {"n": 0}
 
         def patch(module) -> None:
@@ -45,7 +47,9 @@ if _armed():
 
             def counted(self, *args, **kwargs):
                 calls["n"] += 1
-                if calls["n"] == int(n):
+                if point == "slow":
+                    time.sleep(float(n))
+                elif calls["n"] == int(n):
                     fail(f"step {calls['n']}")
                 return train_step(self, *args, **kwargs)
 
