@@ -314,6 +314,9 @@ def check_grpo(cfg: Config, dims=None) -> None:
         raise ConfigError("grpo.warmup_steps", g.warmup_steps, f"< training.steps ({cfg.training.steps})")
     if any(o not in "+*" for o in g.ops) or not g.ops:
         raise ConfigError("grpo.ops", g.ops, "operators from '+' and '*'")
+    if g.judge and not g.judge_template.strip():
+        raise ConfigError("grpo.judge_template", "", "a template with {prompt} and {completion} for grpo.judge "
+                          "(text, or a file holding it)")
 
 
 def check_parallel_fields(cfg: Config) -> None:
@@ -709,4 +712,3 @@ def times_attention(run: Run) -> bool:
     mla = run.model_args is not None and run.model_args.mla  # the timing runs GQA's shapes
     return not (cfg.run.deterministic or run.dims.cp_enabled or window or mla
                 or (cfg.data.document_positions and flex_unsupported(cfg)))
-

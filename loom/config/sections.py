@@ -399,6 +399,19 @@ class GrpoConfig:
                                "ones", min=0.0, min_exclusive=True, max=1.0)
     warmup_steps: int = opt(-1, "steps of supervised warm-up on the embedded task's worked examples before GRPO; "
                                 "-1 = half of training.steps with the embedded task, 0 with grpo.prompts", min=-1)
+    judge: str = opt("", "a judge model (RLAIF: a loom checkpoint or run dir, or a Hugging Face folder) scoring each "
+                         "completion as a reward beside grpo.rewards; '' = none (docs/rl.md)")
+    judge_template: str = opt("", "the judge's prompt, or a file holding it: str.format or Jinja2 with {prompt}, "
+                                  "{completion} and the prompt rows' other fields")
+    judge_score: str = opt("number", "'number' = the first match of judge_pattern in the judge's greedy output; "
+                                     "'yes_no' = P(yes) / (P(yes) + P(no)) of its next token",
+                           choices=("number", "yes_no"))
+    judge_pattern: str = opt(r"(-?\d+(?:\.\d+)?)", "judge_score number: a regex whose one group is the score "
+                                                      "(no match: the range's low end, counted as judge/unparsed)")
+    judge_range: str = opt("0,10", "'low,high': a number is clipped to it; P(yes) is scaled onto it")
+    judge_tokens: str = opt("Yes,No", "judge_score yes_no: the two words (each one token of the judge's tokenizer)")
+    judge_weight: float = opt(1.0, "the judge's weight in the summed reward")
+    judge_max_new_tokens: int = opt(8, "judge_score number: the judge's output length", min=1)
 
 
 SECTIONS = {

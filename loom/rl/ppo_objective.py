@@ -155,8 +155,6 @@ class PpoRollouts(RolloutLoader):
     def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
         super().__init__(cfg, tokenizer, dp_rank, dp_size)
         self.p = cfg.ppo
-        if self.p.reward_model and not self.g.rewards:
-            self.rewards = None  # the reward model alone
         self.reward_model = None  # its scorer: bound with the model
         self.plan: list[tuple[int, int]] = []  # (pass, mini-batch) steps left on the held rollouts
         self.held: dict[str, torch.Tensor] = {}  # the global batch of rollouts
@@ -231,7 +229,8 @@ class PpoRollouts(RolloutLoader):
         self._advantages(glob)
         self.held, self.rollout_key = glob, self.step
         self.plan = [(e, m) for e in range(p.epochs) for m in range(p.mini_batches)]
-        self._set_ppo_stats(glob, names, (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds, self.weights.bytes))
+        self._set_ppo_stats(glob, names, (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds, self.weights.bytes,
+                                             self.judge.unparsed if self.judge is not None else 0.0))
 
     def score(self, rows, prompts, outs) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """(total (N,), each source's rewards (N, K), their names): the weighted reward functions, plus the reward
@@ -366,6 +365,8 @@ class PpoRollouts(RolloutLoader):
             "time/generation_s": float(secs[0]),
             "time/scoring_s": float(secs[1]),
             "time/logps_s": float(secs[2]),
+            **{f"rewards/{name}_std": float(h["per"][:, k].std()) if n > 1 else 0.0 for k, name in enumerate(names)},
+            **({"judge/unparsed": float(secs[5])} if self.judge is not None else {}),
             "time/weight_sync_s": float(secs[3]),
             "weight_sync_bytes": float(secs[4]),  # per rank
         }

@@ -30,15 +30,16 @@ def load_function(spec: str, field: str = "grpo.rewards"):
 class Rewards:
     """Reward functions with weights: ``score`` gives the weighted sum per completion and each function's own."""
 
-    def __init__(self, specs: list[str], weights: list[float] | None = None):
+    def __init__(self, specs: list[str], weights: list[float] | None = None, extra: tuple = ()):
+        """``extra``: (name, callable, weight) sources beside the named functions (the judge: loom.rl.judge)."""
         weights = list(weights) if weights else [1.0] * len(specs)
-        if not specs:
+        if not specs and not extra:
             raise ConfigError("grpo.rewards", "", "at least one 'module:function'")
         if len(weights) != len(specs):
             raise ConfigError("grpo.reward_weights", weights, f"one weight per reward function ({len(specs)})")
-        self.functions = [load_function(s) for s in specs]
-        self.names = [s.partition(":")[2] for s in specs]
-        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.functions = [load_function(s) for s in specs] + [fn for _, fn, _ in extra]
+        self.names = [s.partition(":")[2] for s in specs] + [name for name, _, _ in extra]
+        self.weights = torch.tensor(weights + [w for _, _, w in extra], dtype=torch.float32)
 
     def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
               fields: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:

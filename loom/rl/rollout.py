@@ -25,6 +25,7 @@ from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE
 from loom.rl.arithmetic import ArithmeticTask
 from loom.rl.grpo import group_advantages, loss_count
+from loom.rl.judge import Judge
 from loom.rl.rewards import Rewards
 from loom.train.objective import frozen_copy, release_gathered
 from loom.train.schedule import lr_factor
@@ -107,6 +108,11 @@ class JsonlPrompts:
         return f"{self.path} ({len(self.rows)} prompts)"
 
 
+def std_of(total: float, squares: float, n: float) -> float:
+    """The unbiased std of n values from their sum and sum of squares (0 for one value)."""
+    return max((squares - total * total / n) / max(n - 1, 1.0), 0.0) ** 0.5
+
+
 def warmup_steps(cfg) -> int:
     """grpo.warmup_steps resolved: -1 = half of training.steps on the embedded task, none with a prompts file."""
     g = cfg.grpo
@@ -141,11 +147,14 @@ class RolloutLoader:
         self.micro = t.micro_batch_size
         self.task = ArithmeticTask(cfg.run.seed, g.digits, g.ops) if not g.prompts else None
         self.source = self.task or JsonlPrompts(g.prompts, cfg.run.seed)
-        specs = [s.strip() for s in g.rewards.split(",") if s.strip()] or list(EMBEDDED_REWARDS)
+        embedded = not g.rewards and not g.judge and not getattr(cfg.ppo, "reward_model", "")
+        specs = [s.strip() for s in g.rewards.split(",") if s.strip()] or (list(EMBEDDED_REWARDS) if embedded else [])
         weights = [float(w) for w in g.reward_weights.split(",") if w.strip()]
-        if not weights and not g.rewards:
+        if not weights and embedded:
             weights = list(EMBEDDED_WEIGHTS)
-        self.rewards = Rewards(specs, weights)
+        self.judge = Judge(g) if g.judge else None
+        extra = (("judge", self.judge, g.judge_weight),) if self.judge else ()
+        self.rewards = Rewards(specs, weights, extra) if specs or extra else None
         self.warmup = warmup_steps(cfg)
         self.pad_id = tokenizer.eos_id
         self.step = 0  # steps handed out
@@ -188,6 +197,8 @@ class RolloutLoader:
         from loom.rl.sync import EngineWeights
 
         self.weights = EngineWeights.build(trainer)
+        if self.judge is not None:
+            self.judge.device = str(trainer.device)  # loaded there on first use
         return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch)
 
     def next_step(self, with_hash: bool = False) -> StepData:
@@ -331,15 +342,19 @@ class RolloutLoader:
         count = sum(float(loss_count(mb.labels != IGNORE, g.loss_type, g.max_new_tokens)) for mb in batches)
         new_tokens = float(sum(len(o.token_ids) for o in outs))
         local = torch.tensor([mask_tokens, count, new_tokens, float(truncated.sum()), *seconds,
-                              float(self.weights.bytes), *per.sum(0).tolist()], dtype=torch.float64)
+                              float(self.weights.bytes), self.judge.unparsed if self.judge is not None else 0.0,
+                              *per.sum(0).tolist(), *(per.double() ** 2).sum(0).tolist()], dtype=torch.float64)
         glob = dims.data_sum(local.to(device)).cpu()
-        n = float(sums[2])
+        n, k = float(sums[2]), len(self.rewards.names)
         self.objective.global_tokens, self.objective.global_count = float(glob[0]), float(glob[1])
         gen_s = float(glob[4]) / self.dp_size  # each rank's generation time, averaged over ranks
         self.stats = {
             "reward": float(sums[0]) / n,
             "reward_std": float(std),
-            **{f"rewards/{name}": float(v) / n for name, v in zip(self.rewards.names, glob[9:])},
+            **{f"rewards/{name}": float(v) / n for name, v in zip(self.rewards.names, glob[10:])},
+            **{f"rewards/{name}_std": std_of(float(s), float(q), n)
+               for name, s, q in zip(self.rewards.names, glob[10:10 + k], glob[10 + k:])},
+            **({"judge/unparsed": float(glob[9]) / self.dp_size} if self.judge is not None else {}),
             "completion_length": float(glob[2]) / n,
             "truncated": float(glob[3]) / n,
             "rollout_tokens_per_s": float(glob[2]) / max(gen_s, 1e-9),

@@ -153,6 +153,9 @@ RULES: dict[str, tuple[str, str]] = {
     "grpo.scale_rewards": (APPLIED, "the advantages from the next step"),
     "grpo.mask_truncated": (APPLIED, "the loss from the next step"),
     "grpo.lr_ratio": (APPLIED, "the learning rate of the next GRPO step"),
+    **{f"grpo.{key}": (APPLIED, "the rewards from the next batch of rollouts") for key in (
+        "judge", "judge_template", "judge_score", "judge_pattern", "judge_range", "judge_tokens", "judge_weight",
+        "judge_max_new_tokens")},
 
     "ppo.critic": (MUST_MATCH, "the value function's parameters in the checkpoint"),
     "ppo.kl_coef": (APPLIED, "the rewards or loss of the next batch of rollouts"),
