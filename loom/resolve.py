@@ -712,3 +712,4 @@ def times_attention(run: Run) -> bool:
     mla = run.model_args is not None and run.model_args.mla  # the timing runs GQA's shapes
     return not (cfg.run.deterministic or run.dims.cp_enabled or window or mla
                 or (cfg.data.document_positions and flex_unsupported(cfg)))
+
