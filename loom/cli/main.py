@@ -17,6 +17,7 @@ commands:
   plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
   convert        import a Hugging Face folder (Llama, Mistral, Qwen, Mixtral) / export a loom checkpoint
   generate       completions of prompts from a checkpoint or Hugging Face folder (`loom generate --help`)
+  score          rewards of prompt/completion pairs from a reward model (`loom score --help`)
   eval           perplexity / bits per byte on a data source, lm-evaluation-harness tasks (`loom eval --help`)
   report         plots + HTML page of runs' metrics.jsonl (`loom report --help`)
   data prepare   tokenize a source into a memory-mapped token file (`loom data prepare --help`)
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from loom.cli.generate import main as generate_main
 
         return generate_main(rest)
+    if cmd == "score":
+        from loom.cli.score import main as score_main
+
+        return score_main(rest)
     if cmd == "report":
         from loom.cli.report import main as report_main
 
@@ -87,7 +92,7 @@ def version_line() -> str:
     return f"loom {loom_version()} (torch {torch}, Python {platform.python_version()})"
 
 
-COMMANDS = ("train", "launch", "plan", "convert", "generate", "eval", "report", "data prepare", "doctor")
+COMMANDS = ("train", "launch", "plan", "convert", "generate", "score", "eval", "report", "data prepare", "doctor")
 
 
 def unknown_command(argv: list[str]) -> UserError:

@@ -1,0 +1,122 @@
+"""``loom score``: the reward of prompt/completion pairs under a reward model (a ``training.objective reward`` run's
+checkpoint or run dir, or its Hugging Face ``*ForSequenceClassification`` export), read from JSON lines and
+written back with a ``score`` field. Scored as training scores a pair (loom.train.reward.score): a prompt and a
+completion that are strings are a user and an assistant message through the model's chat template."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from loom.config.errors import ConfigError
+
+USAGE = """usage: loom score --model PATH --file FILE.jsonl [options]
+
+PATH: a reward model: a `training.objective reward` run's checkpoint (step_N) or run dir (its newest complete
+checkpoint), or its `loom convert --to-hf` export (a *ForSequenceClassification folder).
+
+FILE (or - for standard input): JSON lines, each one of
+  {"prompt": "...", "completion": "..."}        a user message and the assistant's answer (the chat template)
+  {"prompt": [messages], "completion": [messages]}   conversations: the prompt's messages, then the completion's
+  {"messages": [messages]}                      a whole conversation
+  {"text": "..."}                               text as it is (no template)
+other fields are kept.
+
+options:
+  --output FILE.jsonl      each row with its "score" (default: standard output)
+  --batch-size N           sequences scored together (8)
+  --device D               auto | cpu | cuda | cuda:N
+  --quiet                  no summary line on stderr
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, as every loom command
+        raise ConfigError("loom score", None, f"{message} (see `loom score --help`)", show_value=False)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="loom score", add_help=False, allow_abbrev=False)
+    p.add_argument("--model", "-m")
+    p.add_argument("--file", "-f")
+    p.add_argument("--output", "-o")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+def item_of(row, where: str):
+    """What the reward model scores for one row: a conversation (a list of messages) or a string."""
+    if not isinstance(row, dict):
+        raise ConfigError("--file", where, "not a JSON object")
+    if "prompt" in row or "completion" in row:
+        p, c = row.get("prompt"), row.get("completion")
+        if isinstance(p, str) and isinstance(c, str):
+            return [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+        if isinstance(p, list) and isinstance(c, list) and all(isinstance(m, dict) for m in p + c):
+            return p + c
+        raise ConfigError("--file", where, "'prompt' and 'completion' both strings or both lists of messages")
+    if isinstance(row.get("messages"), list):
+        return row["messages"]
+    if isinstance(row.get("text"), str):
+        return row["text"]
+    raise ConfigError("--file", where, 'a row needs "prompt" and "completion", "messages" or "text"')
+
+
+def read_rows(path: str) -> list[tuple[dict, object]]:
+    """(row, item) of every non-empty line of ``path`` ('-': stdin)."""
+    try:
+        if path == "-":
+            lines, name = sys.stdin.read().splitlines(), "stdin"
+        else:
+            with open(path) as fh:
+                lines, name = fh.read().splitlines(), path
+    except OSError as err:
+        raise ConfigError("--file", path, f"not readable ({err.strerror})") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError("--file", f"{name}:{i}", f"not a JSON object ({err.msg})") from None
+        out.append((row, item_of(row, f"{name}:{i}")))
+    if not out:
+        raise ConfigError("--file", name, "holds no rows")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    opts = parser().parse_args(argv)
+    if opts.help:
+        print(USAGE)
+        return 0
+    if not opts.model:
+        raise ConfigError("--model", None, "missing: a reward model's checkpoint, run dir or Hugging Face folder",
+                          show_value=False)
+    if not opts.file:
+        raise ConfigError("--file", None, "missing: a .jsonl of rows to score (- for standard input)",
+                          show_value=False)
+    if opts.batch_size < 1:
+        raise ConfigError("--batch-size", opts.batch_size, "an integer >= 1")
+    from loom.infer.load import pick_device
+    from loom.train.reward import load_reward_model
+
+    rows = read_rows(opts.file)
+    scorer = load_reward_model(opts.model, str(pick_device(opts.device)))
+    scores = scorer([item for _, item in rows], opts.batch_size)
+    lines = "".join(json.dumps({**row, "score": s}, ensure_ascii=False) + "\n" for (row, _), s in zip(rows, scores))
+    if opts.output:
+        with open(opts.output, "w") as fh:
+            fh.write(lines)
+    else:
+        sys.stdout.write(lines)
+    if not opts.quiet:
+        mean = sum(scores) / len(scores)
+        print(f"loom score: {len(scores)} row{'s' if len(scores) != 1 else ''}, mean score {mean:.4f}"
+              + (f" -> {opts.output}" if opts.output else ""), file=sys.stderr)
+    return 0

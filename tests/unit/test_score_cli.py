@@ -1,0 +1,59 @@
+"""``loom score``: the rows of a .jsonl come back with the scores the reward model's API gives for the same items
+(prompt/completion strings as a user and an assistant message, conversations, plain text), from a run's checkpoint
+and (plain text) from its Hugging Face export alike; a bad row or a missing option is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loom.cli.main import main as loom_main
+from loom.train.reward import score
+from tests.unit.test_reward import exported  # noqa: F401  (the module fixture: a reward run and its HF export)
+
+ROWS = [{"prompt": "The cat sat.", "completion": "On a warm mat.", "id": 1},
+        {"prompt": [{"role": "user", "content": "Say hi."}], "completion": [{"role": "assistant", "content": "Hi."}]},
+        {"messages": [{"role": "user", "content": "Two dogs?"}, {"role": "assistant", "content": "Ran past."}]},
+        {"text": "One bird sang."}]
+ITEMS = [[{"role": "user", "content": "The cat sat."}, {"role": "assistant", "content": "On a warm mat."}],
+         ROWS[1]["prompt"] + ROWS[1]["completion"], ROWS[2]["messages"], "One bird sang."]
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = loom_main(["score", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_scores_equal_the_api(exported, tmp_path, capsys):  # noqa: F811
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + "\n")
+    expected = score(exported["ckpt"], ITEMS)
+    code, out, err = run(capsys, "--model", exported["ckpt"], "--file", str(path), "--device", "cpu")
+    assert code == 0 and "4 rows, mean score" in err
+    got = [json.loads(line) for line in out.splitlines()]
+    assert [{k: v for k, v in g.items() if k != "score"} for g in got] == ROWS  # the other fields are kept
+    assert [g["score"] for g in got] == pytest.approx(expected, abs=1e-6)
+    assert len(set(expected)) == 4  # the items differ, so do their scores
+    text = tmp_path / "text.jsonl"  # (the export's tokenizer folder has no chat template: plain text only)
+    text.write_text(json.dumps(ROWS[3]) + "\n")
+    code, _, err = run(capsys, "--model", exported["hf"], "--file", str(text), "--output", str(tmp_path / "o.jsonl"),
+                       "--quiet", "--device", "cpu")
+    assert code == 0 and not err
+    (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert row["score"] == pytest.approx(expected[3], abs=1e-4)  # the export scores alike
+
+
+def test_mistakes_are_one_line(exported, tmp_path, capsys):  # noqa: F811
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
+    for argv, needle in ((["--model", exported["ckpt"], "--file", str(bad)], f"{bad}:2"),
+                         (["--file", str(bad)], "--model"), (["--model", exported["ckpt"]], "--file"),
+                         (["--model", exported["ckpt"], "--file", str(tmp_path / "none.jsonl")], "not readable"),
+                         (["--model", exported["ckpt"], "--file", str(bad), "--batch-size", "0"], "--batch-size")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and needle in err and err.count("\n") == 1 and not out, (argv, err)
