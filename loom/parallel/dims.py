@@ -232,7 +232,8 @@ class ParallelDims:
         if self.diloco:  # groups along dp_replicate, each FSDP-sharded (or not) inside
             parts.append("DiLoCo" + ("(FSDP)" if self.fsdp_enabled else ""))
         elif self.dp_size > 1 or self.fsdp_enabled:  # FSDP shards over dp_shard x cp
-            parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP")
+            parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else
+                         "DDP(ZeRO-1)" if self.shard_optimizer else "DDP")
         kind = "x".join(parts) or "single"
         degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep", "etp") if getattr(self, a) > 1)
         return f"{kind} (world {self.world_size}{': ' + degrees if degrees else ''})"
