@@ -119,8 +119,9 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
                        reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                        cpu_offload=parallel.cpu_offload)
         init_device = torch.device("cpu") if parallel.cpu_offload else device
-        materialize(part, init_device, seed, part.param_std, part.init_buffers)
-        init_adapters(part, seed)
+        # drawn where compute runs (the same values with the state in host memory), stored on init_device
+        materialize(part, init_device, seed, part.param_std, part.init_buffers, draw_device=device)
+        init_adapters(part, seed, draw_device=device)
         if parallel.cpu_offload:
             part.init_buffers(device)  # buffers are not offloaded: they live where compute runs
     modules = parts

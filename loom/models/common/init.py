@@ -49,12 +49,15 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, std_of: Callable[[str], float | None]) -> None:
-    """Every parameter from its name: ``std_of(name)`` is a truncated normal's std, None for ones, 0 for zeros."""
+def init_parameters(model: nn.Module, seed: int, std_of: Callable[[str], float | None],
+                    draw_device: torch.device | None = None) -> None:
+    """Every parameter from its name: ``std_of(name)`` is a truncated normal's std, None for ones, 0 for zeros.
+    ``draw_device``: where the values are drawn (a device's generator gives its own values: weights kept in host
+    memory for a GPU run are drawn on the GPU, as that run without offload draws them); None: where each lives."""
     for name, param in model.named_parameters():
         cname = canonical_name(name)
         local = param.to_local() if hasattr(param, "to_local") else param
-        full = _full_value(param.shape, std_of(cname), param_seed(seed, cname), local.device)
+        full = _full_value(param.shape, std_of(cname), param_seed(seed, cname), draw_device or local.device)
         _copy_into(param, full)
 
 
@@ -68,7 +71,8 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in places.values() if len(group) > 1]
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_buffers) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_buffers,
+                draw_device: torch.device | None = None) -> None:
     """Allocate storage for a meta-device model (sharded or not) and initialize it. A module marked ``host_weight``
     (QLoRA's base linears: quantized onto the device one at a time later) keeps its own tensors in host memory, so
     the device never holds the whole unquantized base."""
@@ -80,4 +84,4 @@ def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_
         for mod, name in others:
             setattr(mod, name, getattr(mod0, name0))
     init_buffers(device)
-    init_parameters(model, seed, std_of)
+    init_parameters(model, seed, std_of, draw_device)

@@ -190,7 +190,7 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
+def init_adapters(model: nn.Module, seed: int, draw_device: torch.device | None = None) -> None:
     """PEFT's initial adapters: A kaiming-uniform (a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zeros, so the
     adapted model starts equal to its base. Each A is drawn on its full shape from a seed of the run seed and its
     name (loom.models.common.init), then this rank keeps its shard: the start does not depend on the layout."""
@@ -199,9 +199,10 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         if not is_adapter(cname):
             continue
         local = p.to_local() if hasattr(p, "to_local") else p
-        full = torch.zeros(p.shape, device=local.device, dtype=torch.float32)
+        device = draw_device or local.device  # as loom.models.common.init: drawn where compute runs
+        full = torch.zeros(p.shape, device=device, dtype=torch.float32)
         if ".lora_A." in cname:
-            gen = torch.Generator(device=local.device).manual_seed(param_seed(seed, cname))
+            gen = torch.Generator(device=device).manual_seed(param_seed(seed, cname))
             nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
         _copy_full(p, full.to(p.dtype))
 
