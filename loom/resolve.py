@@ -317,6 +317,11 @@ def check_grpo(cfg: Config, dims=None) -> None:
     if g.judge and not g.judge_template.strip():
         raise ConfigError("grpo.judge_template", "", "a template with {prompt} and {completion} for grpo.judge "
                           "(text, or a file holding it)")
+    if not g.judge:
+        for key in ("judge_template", "judge_score", "judge_pattern", "judge_range", "judge_tokens", "judge_weight",
+                    "judge_max_new_tokens"):
+            if getattr(g, key) != getattr(GrpoConfig(), key):
+                raise ConfigError(f"grpo.{key}", getattr(g, key), "used with grpo.judge only (a judge model's path)")
 
 
 def check_parallel_fields(cfg: Config) -> None:

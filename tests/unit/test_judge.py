@@ -117,18 +117,35 @@ def test_templates(tmp_path, folder):
         Judge(section(path, judge_range="10,0"))
 
 
-def test_grpo_logs_the_judge_beside_the_rewards(tmp_path, folder):
+def test_config_rules(tmp_path):
+    from loom.resolve import check_config
+    from tests.unit.test_grpo_train import grpo_config
+
+    with pytest.raises(ConfigError, match="grpo.judge_template"):
+        check_config(grpo_config(tmp_path, **{"grpo.judge": "some/judge"}))
+    with pytest.raises(ConfigError, match="grpo.judge_weight"):
+        check_config(grpo_config(tmp_path, **{"grpo.judge_weight": 2.0}))  # no judge
+    with pytest.raises(ConfigError, match="grpo.judge_score"):
+        check_config(grpo_config(tmp_path, **{"grpo.judge": "j", "grpo.judge_template": "{prompt}",
+                                              "grpo.judge_score": "stars"}))
+
+
+@pytest.mark.parametrize("objective", ["grpo", "ppo"])
+def test_rollouts_log_the_judge_beside_the_rewards(tmp_path, folder, objective):
+    """GRPO and PPO (the same [grpo] reward fields): the judge is a weighted source; each source's mean and std."""
     from loom.rl.objective import GroupRelative
+    from loom.rl.ppo_objective import ProximalPolicy
     from loom.train.trainer import Trainer
     from tests.unit.test_grpo_train import grpo_config
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)))
-    cfg = grpo_config(tmp_path, **{"grpo.prompts": str(prompts), "grpo.warmup_steps": 0, "training.steps": 1,
+    cfg = grpo_config(tmp_path, **{"training.objective": objective, "grpo.prompts": str(prompts),
+                                   "grpo.warmup_steps": 0, "training.steps": 1,
                                    "grpo.rewards": "loom.rl.arithmetic:exact_answer", "grpo.judge": folder[0],
                                    "grpo.judge_template": TEMPLATE, "grpo.judge_score": "yes_no",
                                    "grpo.judge_tokens": "Y,N", "grpo.judge_weight": 0.5})
-    trainer = Trainer(cfg, objective=GroupRelative(cfg))
+    trainer = Trainer(cfg, objective=(GroupRelative if objective == "grpo" else ProximalPolicy)(cfg))
     (record,) = trainer.fit()
     names = ("exact_answer", "judge")
     assert {f"rewards/{n}{s}" for n in names for s in ("", "_std")} <= record.keys()
