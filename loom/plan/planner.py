@@ -333,16 +333,18 @@ def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
 # with each offload plan and measured by bench/offload.py:
 # - host <-> GPU copies from pinned memory at PCIE_GBPS per direction: PCIe 5.0 x16 (H100, H200, B200 boards) moves
 #   64 GB/s per direction at most, PCIe 4.0 x16 (A100) 32; a pinned copy reaches about 80% of that;
-# - AdamW on the host (PyTorch's fused CPU kernel, 28 bytes a parameter like loom's GPU kernel), the global norm's
-#   read of the gradients (4 bytes) and, with accumulation, each later micro-batch's gradient added on the host
-#   (12 bytes: two reads, a write) at HOST_GBPS of the host's memory bandwidth for one rank's process.
+# - AdamW on the host (PyTorch's fused CPU kernel, 28 bytes a parameter like loom's GPU kernel) and, with
+#   accumulation, each later micro-batch's gradient added on the host (12 bytes: two reads, a write) at HOST_GBPS;
+#   the global norm (4 bytes a parameter, which also waits for the last gradients to reach the host) at
+#   HOST_NORM_GBPS. Both fitted to bench/offload.py's run on one H100 host of 16 cores (offload_8b_h100.json: AdamW
+#   0.90 s, the norm 1.64 s for 4.98B parameters; docs/planner.md), no other host measured.
 # - host memory: HOST_GIB_PER_GPU for each GPU's rank (a DGX H100's 2 TiB over its 8 GPUs); an offloaded layout
 #   whose state needs more does not fit.
 HOST_GIB_PER_GPU = 256.0
 PCIE_GBPS = {"A100 SXM": 25.0}
 PCIE_GBPS_DEFAULT = 50.0
-HOST_GBPS = 30.0
-HOST_BYTES_PER_PARAM = ADAMW_BYTES_PER_PARAM + 4  # the step and the norm
+HOST_GBPS = 150.0
+HOST_NORM_GBPS = 12.0
 HOST_ACCUMULATE_BYTES = 12
 
 
@@ -357,7 +359,8 @@ def offloaded_state(params: float, x: MemoryInputs) -> float:
 
 def host_step_s(own: float, m: int) -> float:
     """Seconds of the optimizer step on the host for ``own`` parameters, with ``m`` micro-batches' gradients."""
-    return (HOST_BYTES_PER_PARAM + HOST_ACCUMULATE_BYTES * (m - 1)) * own / (HOST_GBPS * 1e9)
+    return ((ADAMW_BYTES_PER_PARAM + HOST_ACCUMULATE_BYTES * (m - 1)) / (HOST_GBPS * 1e9)
+            + 4 / (HOST_NORM_GBPS * 1e9)) * own
 
 
 def offload_bytes(own: float, root: float, x: MemoryInputs) -> tuple[float, float]:
@@ -394,7 +397,8 @@ def offload_note(host: float, shares, args, dims, x: MemoryInputs, gpu: GPU) -> 
     return (f"cpu_offload: weights, gradients and AdamW state in host memory, {host / GIB:,.1f} GiB per rank{node} "
             f"(assumed available: {HOST_GIB_PER_GPU:g} GiB per GPU); per micro-batch {h2d / 1e9:,.2f} GB to the GPU "
             f"and {d2h / 1e9:,.2f} GB back, at an assumed {pcie_gbps(gpu):g} GB/s per direction (PCIe; in 'fsdp'); "
-            f"the step on the host at an assumed {HOST_GBPS:g} GB/s of host memory bandwidth (in 'optimizer')")
+            f"the step on the host at {HOST_GBPS:g} GB/s and its gradient norm at {HOST_NORM_GBPS:g} GB/s (fitted to "
+            "one H100 host; in 'optimizer')")
 
 
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
