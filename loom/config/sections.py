@@ -214,7 +214,8 @@ class ParallelConfig:
                         "keeping parameters gathered from forward to backward, 3 = FSDP2 (docs/parallelism.md); sets "
                         "dp_shard / dp_replicate / reshard_after_forward; -1 = those fields decide", min=-1, max=3)
     ddp_bucket_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True)
-    cpu_offload: bool = opt(False, "FSDP: keep parameters, gradients and optimizer state on the CPU")
+    cpu_offload: bool = opt(False, "keep parameters, gradients and AdamW state in host memory (FSDP2's offload, on one "
+                                   "GPU too); the GPU holds the blocks being computed (docs/operations.md)")
     backend: str = opt("auto", "process-group backend", choices=("auto", "nccl", "gloo"))
     timeout_s: float = opt(600.0, "seconds a collective waits for the other ranks before the run stops with a "
                                   "hang report naming the stuck ranks (<run.dir>/hang_report.txt); start-up waits at "
