@@ -68,7 +68,10 @@ def greedy_accuracy(ctx) -> dict[str, float]:
     grpo = cfg.get("grpo", {})
     task = ArithmeticTask(seed=-1, digits=int(grpo.get("digits", 1)), ops=grpo.get("ops", "+"))
     rows = task.problems(200, ("held-out",))
-    gen = Generator.from_model(ctx.model, ctx.tokenizer, compile=False, max_batch=200)
+    from loom.rl.sync import whole_model
+
+    model = whole_model(ctx.model)  # under FSDP2 a gathered copy: the engine needs whole weights
+    gen = Generator.from_model(model, ctx.tokenizer, compile=False, max_batch=200)
     try:
         outs = gen.generate_ids([ctx.tokenizer.encode(r["prompt"]) for r in rows],
                                 SamplingParams(max_new_tokens=2 * task.digits + 2))

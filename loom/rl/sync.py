@@ -80,3 +80,36 @@ class EngineWeights:
             torch.cuda.synchronize()
         self.synced_once = True
         self.seconds, self.bytes = time.perf_counter() - start, moved
+
+
+@torch.no_grad()
+def whole_model(model: nn.Module) -> nn.Module:
+    """A plain, unsharded fp32 copy of a sharded policy (FSDP2) on its device, its LoRA adapters merged (W + scaling
+    x B A), for work that runs the engine on the model outside the rollouts (an eval hook); ``model`` itself when
+    it is whole. Every rank calls it (the gathers are collectives)."""
+    from loom.models.common.lora import LoRALinear
+    from loom.models.llama import Llama
+
+    if not is_sharded(model):
+        return model
+    full = lambda t: (dequantized(t) if is_nf4(t) else t).float().full_tensor() if hasattr(t, "full_tensor") \
+        else (dequantized(t) if is_nf4(t) else t).float()
+    device = next(model.parameters()).device
+    with torch.device("meta"):
+        copy = Llama(model.args)
+    shared = _shared_parameters(copy)
+    copy = copy.to_empty(device=device)
+    for (mod0, name0), *others in shared:
+        for mod, name in others:
+            setattr(mod, name, getattr(mod0, name0))
+    copy.init_buffers(device)
+    adapted = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    for name, dst in copy.named_parameters():
+        value = full(params[name])
+        owner, _, leaf = name.rpartition(".")
+        if owner in adapted and leaf == "weight":  # (out, r) @ (r, in)
+            m = adapted[owner]
+            value = value + full(m.lora_B.weight) @ full(m.lora_A.weight) * m.scaling
+        dst.copy_(value)
+    return copy.requires_grad_(False).eval()
