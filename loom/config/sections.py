@@ -209,7 +209,8 @@ class ParallelConfig:
                                         "(uneven allowed); empty = balanced by compute")
     loss_parallel: bool = opt(True, "TP: cross-entropy on vocab-sharded logits (full logits never gathered)")
     async_tp: bool = opt(False, "TP: micro-pipelined (asynchronous) TP matmuls; needs CUDA and training.compile")
-    reshard_after_forward: bool = opt(True, "FSDP: true = ZeRO-3, false = keep params gathered until backward (ZeRO-2-like)")
+    reshard_after_forward: bool = opt(True, "FSDP: true = ZeRO-3, false = keep params gathered until backward "
+                                                "(ZeRO-2-like); read with parallel.zero = -1")
     zero: int = opt(-1, "ZeRO stage over the data-parallel ranks: 0 = DDP, 1 = DDP + optimizer state sharded, 2 = FSDP2 "
                         "keeping parameters gathered from forward to backward, 3 = FSDP2 (docs/parallelism.md); sets "
                         "dp_shard / dp_replicate / reshard_after_forward; -1 = those fields decide", min=-1, max=3)
