@@ -112,3 +112,40 @@ def test_engine_logits_equal_the_sharded_model(results, lora):
         assert syncs[1:] and all(b == got["adapter_bytes"] for b in syncs[1:]) and got["last_bytes"] == syncs[1]
     else:
         assert all(b == got["total_bytes"] for b in syncs) and got["last_bytes"] == got["total_bytes"]
+
+
+HSDP = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}
+WIDE = {"training.global_batch_size": 16}  # whole groups of 4 on each of 4 ranks
+
+
+def hsdp_jobs(rank: int, world: int) -> dict:
+    from loom.parallel.env import init_distributed
+
+    tmp = f"/tmp/loom_rl_hsdp_{world}"
+    env = init_distributed("cpu", "gloo")
+    out = {}
+    for module, (name, _, _, extra) in ((grpo, GRPO_JOB), (ppo, PPO_JOB)):
+        job = module.overrides(tmp, f"{name}-{rank}", 4, **extra, **WIDE, **HSDP)
+        job["run.dir"] = f"{tmp}/{name}"
+        out[name] = train(module, job, env)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    return run_fn(4, hsdp_jobs, str(tmp_path_factory.mktemp("rl_hsdp")))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("module,name", [(grpo, GRPO_JOB[0]), (ppo, PPO_JOB[0])])
+def test_hsdp_2x2_step_equals_single_process(hsdp, tmp_path, module, name):
+    """HSDP (2 replicas of 2 shards, 4 ranks): the engine's copies gather from both mesh axes' shards."""
+    job_extra = (GRPO_JOB if module is grpo else PPO_JOB)[3]
+    ref, got = train(module, module.overrides(tmp_path, name, 8, **job_extra, **WIDE)), hsdp[name]
+    assert len(ref) == len(got) and got[1]["weight_sync_bytes"] > 0
+    for a, b in zip(got, ref):
+        for key in module.KEYS:
+            if b[key] is None:
+                assert a[key] is None, (key, a, b)
+                continue
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (name, key, a, b)
