@@ -61,7 +61,7 @@ class EngineWeights:
             return
         start = time.perf_counter()
         mine = dict(self.model.named_parameters())
-        moved = 0
+        moved, filled = 0, set()
         for name, p in self.policy.named_parameters():  # the same order on every rank
             dst = mine.get(canonical_name(name))
             if dst is None or (self.synced_once and not p.requires_grad):  # value head / critic; unchanged frozen
@@ -71,6 +71,7 @@ class EngineWeights:
                 src = src.to(dst.dtype).full_tensor()  # cast first: the gather moves the copy's dtype
             dst.copy_(src)
             moved += dst.numel() * dst.element_size()
+            filled.add(canonical_name(name))
         buffers = dict(self.model.named_buffers())
         for name, b in self.policy.named_buffers():  # replicated, not sharded (an MoE router's bias moves)
             dst = buffers.get(canonical_name(name))
@@ -78,6 +79,7 @@ class EngineWeights:
                 dst.copy_(b)
         if self.model.tok_embeddings.weight.device.type == "cuda":
             torch.cuda.synchronize()
+        assert self.synced_once or filled == mine.keys(), sorted(mine.keys() - filled)  # every weight, once
         self.synced_once = True
         self.seconds, self.bytes = time.perf_counter() - start, moved
 
