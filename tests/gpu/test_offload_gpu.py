@@ -5,6 +5,7 @@ from a checkpoint work offloaded. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 
@@ -41,12 +42,15 @@ def cache(tmp_path_factory) -> str:
 
 
 def train(run_dir, cache, **extra) -> tuple[Trainer, list[dict], float]:
-    """The trainer, its records and the GPU's peak allocated GiB over its run."""
+    """The trainer, its records and the GPU's peak allocated GiB over its run, above what was allocated before it (an
+    earlier run's trainer may not be collected yet)."""
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     trainer = Trainer(tiny_config(run_dir, cache, **{**SHAPE, **extra}))
     records = trainer.fit()
-    return trainer, records, torch.cuda.max_memory_allocated() / 2**30
+    return trainer, records, (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
