@@ -27,6 +27,8 @@ options:
   --output FILE.jsonl      each row with its "score" (default: standard output)
   --batch-size N           sequences scored together (8)
   --device D               auto | cpu | cuda | cuda:N
+  --chat-template FILE     a .jinja chat template for conversations instead of the model's own (a Hugging Face
+                           export whose tokenizer folder has none)
   --quiet                  no summary line on stderr
 """
 
@@ -43,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="auto")
+    p.add_argument("--chat-template")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("-h", "--help", action="store_true")
     return p
@@ -108,6 +111,15 @@ def main(argv: list[str]) -> int:
 
     rows = read_rows(opts.file)
     scorer = load_reward_model(opts.model, str(pick_device(opts.device)))
+    if opts.chat_template:
+        from loom.data.chat import load_template
+
+        if scorer.tokenizer is None:
+            raise ConfigError("--chat-template", opts.chat_template, f"{opts.model} has no tokenizer to render with")
+        try:
+            scorer.template = load_template(opts.chat_template, scorer.tokenizer)
+        except ConfigError as err:  # the option's name, not the training field's
+            raise ConfigError("--chat-template", opts.chat_template, err.allowed) from None
     scores = scorer([item for _, item in rows], opts.batch_size)
     lines = "".join(json.dumps({**row, "score": s}, ensure_ascii=False) + "\n" for (row, _), s in zip(rows, scores))
     if opts.output:

@@ -1,6 +1,6 @@
 """``loom score``: the rows of a .jsonl come back with the scores the reward model's API gives for the same items
 (prompt/completion strings as a user and an assistant message, conversations, plain text), from a run's checkpoint
-and (plain text) from its Hugging Face export alike; a bad row or a missing option is one line and exit 2."""
+and from its Hugging Face export (with the run's chat template given) alike; a bad row or a missing option is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import pytest
 
 from loom.cli.main import main as loom_main
+from loom.data.chat import BUILTIN_TEMPLATE
 from loom.train.reward import score
 from tests.unit.test_reward import exported  # noqa: F401  (the module fixture: a reward run and its HF export)
 
@@ -39,21 +40,25 @@ def test_scores_equal_the_api(exported, tmp_path, capsys):  # noqa: F811
     assert [{k: v for k, v in g.items() if k != "score"} for g in got] == ROWS  # the other fields are kept
     assert [g["score"] for g in got] == pytest.approx(expected, abs=1e-6)
     assert len(set(expected)) == 4  # the items differ, so do their scores
-    text = tmp_path / "text.jsonl"  # (the export's tokenizer folder has no chat template: plain text only)
-    text.write_text(json.dumps(ROWS[3]) + "\n")
-    code, _, err = run(capsys, "--model", exported["hf"], "--file", str(text), "--output", str(tmp_path / "o.jsonl"),
-                       "--quiet", "--device", "cpu")
-    assert code == 0 and not err
-    (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
-    assert row["score"] == pytest.approx(expected[3], abs=1e-4)  # the export scores alike
+    template = tmp_path / "byte.jinja"  # the export's tokenizer folder has no chat template: the run's, given
+    template.write_text(BUILTIN_TEMPLATE)
+    code, _, err = run(capsys, "--model", exported["hf"], "--file", str(path), "--output", str(tmp_path / "o.jsonl"),
+                       "--chat-template", str(template), "--quiet", "--device", "cpu")
+    assert code == 0 and not err, err
+    hf = [json.loads(line)["score"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert hf == pytest.approx(expected, abs=1e-4)  # the export scores alike
 
 
 def test_mistakes_are_one_line(exported, tmp_path, capsys):  # noqa: F811
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "fine"}) + "\n")
     for argv, needle in ((["--model", exported["ckpt"], "--file", str(bad)], f"{bad}:2"),
                          (["--file", str(bad)], "--model"), (["--model", exported["ckpt"]], "--file"),
                          (["--model", exported["ckpt"], "--file", str(tmp_path / "none.jsonl")], "not readable"),
-                         (["--model", exported["ckpt"], "--file", str(bad), "--batch-size", "0"], "--batch-size")):
+                         (["--model", exported["ckpt"], "--file", str(bad), "--batch-size", "0"], "--batch-size"),
+                         (["--model", exported["hf"], "--file", str(good), "--chat-template", "no.jinja"],
+                          "--chat-template")):
         code, out, err = run(capsys, *argv)
         assert code == 2 and needle in err and err.count("\n") == 1 and not out, (argv, err)
