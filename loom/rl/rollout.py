@@ -192,7 +192,8 @@ class RolloutLoader:
             self.reference, self._reference_set = frozen_copy(trainer), False
 
     def engine_generator(self, trainer, max_batch: int):
-        """A generator on the policy's weights as the engine sees them (loom.rl.sync)."""
+        """A generator on the policy's weights as the engine sees them (loom.rl.sync); the judge, if any, is put on
+        the trainer's device too."""
         from loom.infer.generator import Generator
         from loom.rl.sync import EngineWeights
 
