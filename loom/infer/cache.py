@@ -167,8 +167,9 @@ class KVCache(nn.Module):
             return attend(q, k, v, backend, None, window)
         index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, Hkv, S, D)
         ck, cv = self.k[:bsz], self.v[:bsz]
-        ck.scatter_(2, index, k)
-        cv.scatter_(2, index, v)
+        # under autocast (rollouts in a training step) k / v come in the compute dtype, the cache in the weights'
+        ck.scatter_(2, index, k.to(ck.dtype))
+        cv.scatter_(2, index, v.to(cv.dtype))
         return cached_attention(q, ck, cv, visible(positions, self.length, window))
 
 

@@ -67,6 +67,23 @@ def test_prefill_then_decode_steps_equal_the_full_forward(variant):
         pos += 1
 
 
+def test_decode_under_autocast_with_float32_weights():
+    """Rollouts inside a training step run under the step's bf16 autocast while the weights (and so the cache) are
+    float32: decode steps store the bf16 K/V and follow the full forward under the same autocast."""
+    model = model_of("gqa")
+    rows = _rows([5, 8], 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        refs = reference(model, rows)
+        engine = Engine(model, compile=False, cuda_graphs=False)
+        logits, _, lens = engine.start([r[:n] for r, n in zip(rows, [5, 8])], reserve=4)
+        pos = lens.clone()
+        for i in range(4):
+            out = engine.step(torch.tensor([[r[n + i]] for r, n in zip(rows, [5, 8])]), pos[:, None])[:, 0]
+            for b, n in enumerate([5, 8]):
+                assert (out[b].float() - refs[b][n + i].float()).abs().max() < 0.1
+            pos += 1
+
+
 @pytest.mark.parametrize("variant", ["gqa", "window"])
 def test_every_position_through_steps_and_extensions(variant):
     """One-token prompts, then the rest as steps of 1, 3 and 2 tokens: every position of every row compared."""
