@@ -97,7 +97,8 @@ class LatentCache(nn.Module):
             self.kv[:bsz, :seq].copy_(rows)
             return attn.expanded(q_nope, q_pe, c_kv, k_pe, None)
         cache = self.kv[:bsz]
-        cache.scatter_(1, positions[:, :, None].expand(-1, -1, rows.shape[-1]), rows.to(cache.dtype))  # autocast: rows in the compute dtype
+        # under autocast the rows come in the compute dtype, the cache in the weights'
+        cache.scatter_(1, positions[:, :, None].expand(-1, -1, rows.shape[-1]), rows.to(cache.dtype))
         w = _local(attn.wkv_b.weight)  # (H * (Dn + Dv), R): this rank's heads
         w = w.view(-1, attn.nope_dim + attn.v_dim, self.rank)  # (H, Dn + Dv, R)
         w_uk, w_uv = w[:, :attn.nope_dim], w[:, attn.nope_dim:]  # (H, Dn, R), (H, Dv, R)
