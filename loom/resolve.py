@@ -144,7 +144,8 @@ def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
                           "blocks')")
     if t.activation_checkpointing not in ("none", "op"):
         raise ConfigError("training.cuda_graphs", True, f"not with training.activation_checkpointing "
-                          f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | op")
+                          f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | "
+                          "op")
     if t.objective not in ("lm", "sft", "dpo", "reward"):
         raise ConfigError("training.cuda_graphs", True, f"not with training.objective {t.objective} (its rollouts "
                           "run the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward")
