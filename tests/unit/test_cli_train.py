@@ -36,7 +36,7 @@ CASES = [
     ("unknown-key-other-section", ["--training.lr", "0.1"],
      ["training.lr", "unknown key", "did you mean 'optimizer.lr'?"]),
     ("unknown-section", ["--foo.bar", "1"],
-     ["foo.bar", "unknown key", "sections are run, model, data, training, optimizer, lora, dpo, grpo, reward, parallel, checkpoint, metrics"]),
+     ["foo.bar", "unknown key", "sections are run, model, data, training, optimizer, lora, dpo, grpo, ppo, reward, parallel, checkpoint, metrics"]),
     ("unknown-section-in-toml", ["--config", "{tmp}/typo.toml"],
      ["optimiser.lr", "unknown key", "did you mean 'optimizer.lr'?"]),
     ("wrong-type-int", ["--training.steps", "five"], ["training.steps = 'five'", "expected an integer"]),
