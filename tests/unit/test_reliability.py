@@ -255,7 +255,10 @@ def wait_for_checkpoint(run_dir, proc, step: int = 7) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("nproc", [1, *(pytest.param(n, marks=pytest.mark.slow) for n in (2, 4))])
+# 4 ranks: exhaustive since one CI rehearsal (4 ranks on 2 cores) saw a worker fail in a broadcast before the first
+# save; not reproduced in 6 runs by hand, 3 of them side by side
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.exhaustive)])
 def test_sigterm_is_a_clean_stop_on_every_rank(tmp_path, cache, nproc):
     """The ranks agree at the next step (not the next logged one: metrics.every 1000), save and exit 0."""
     run = tmp_path / "pre"
