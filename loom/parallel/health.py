@@ -528,7 +528,10 @@ class Health:
             self.phase = before
 
     def close(self) -> None:
+        """Stop the watcher and wait for it: it must not be inside a store call while the group is torn down."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10 * POLL_S)
 
     # ---- the hang ----
     def _key(self, *parts) -> str:
