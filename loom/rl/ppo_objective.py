@@ -26,12 +26,11 @@ from torch import nn
 
 from loom.config.errors import ConfigError
 from loom.data.loader import StepData
-from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE
 from loom.rl.grpo import kl_k3
 from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
-from loom.rl.rollout import HELD, RolloutBatch, RolloutLoader, copy_parameters, rows_to_batches, token_logps
-from loom.train.objective import release_gathered
+from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, copy_parameters, reference_logps, rows_to_batches,
+                             token_logps)
 from loom.train.reward import attach_score_head, score_head
 
 
@@ -269,13 +268,7 @@ class PpoRollouts(RolloutLoader):
                     logps.append(token_logps(logits, labels, g.temperature).cpu())
                     values.append(v.cpu())
                     if p.kl_coef > 0:
-                        if self.reference is not None:
-                            logits = self.reference(inputs)
-                            release_gathered(self.reference)
-                        else:
-                            with adapters_disabled(model):
-                                logits = model(inputs)
-                        refs.append(token_logps(logits, labels, g.temperature).cpu())
+                        refs.append(reference_logps(model, self.reference, inputs, labels, g.temperature))
         finally:
             model.train()
         return torch.cat(logps), torch.cat(values), (torch.cat(refs) if refs else None)

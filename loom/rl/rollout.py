@@ -54,6 +54,18 @@ class RolloutBatch(MicroBatch):
                                                   self.ref_token_logps)), warmup=self.warmup)
 
 
+
+def reference_logps(model, reference, inputs: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The reference policy's log-probabilities of ``labels`` (on the host): a frozen copy where there is one, else
+    ``model`` with its adapters disabled (LoRA)."""
+    if reference is not None:
+        logits = reference(inputs)
+        release_gathered(reference)
+    else:
+        with adapters_disabled(model):
+            logits = model(inputs)
+    return token_logps(logits, labels, temperature).cpu()
+
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Each labelled token's log-probability under logits / temperature, fp32, 0 where IGNORE: logits (B, S, V),
     labels (B, S) -> (B, S)."""
@@ -326,13 +338,7 @@ class RolloutLoader:
                     if g.iterations > 1:
                         mb.old_logps = token_logps(model(inputs), labels, g.temperature).cpu()
                     if g.beta > 0:
-                        if self.reference is not None:
-                            logits = self.reference(inputs)
-                            release_gathered(self.reference)
-                        else:
-                            with adapters_disabled(model):
-                                logits = model(inputs)
-                        mb.ref_token_logps = token_logps(logits, labels, g.temperature).cpu()
+                        mb.ref_token_logps = reference_logps(model, self.reference, inputs, labels, g.temperature)
         finally:
             model.train()
 
