@@ -111,6 +111,20 @@ def visible(positions: torch.Tensor, length: int, window: int = 0) -> torch.Tens
     return seen & (slots > p - window) if window > 0 else seen
 
 
+def store(cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write rows (B, S, ...) into cache (B', ..., L, ...) at each row's slots ``positions`` (B, S), in place.
+    ``cache[b, :, p] = rows[b, s]`` for a (B, H, L, D) cache (slot dim 2), ``cache[b, p] = rows[b, s]`` for a
+    (B, L, C) one (slot dim 1). As an index_put (not a scatter), so Inductor writes the S new slots into the
+    buffer: a compiled scatter on a buffer becomes a copy of the whole cache, the scatter and a copy back. Under
+    autocast (rollouts in a training step) the rows come in the compute dtype, the cache in the weights'."""
+    bsz = rows.shape[0]
+    batch = torch.arange(bsz, device=positions.device)[:, None]  # (B, 1)
+    if cache.dim() == 4:
+        cache[batch, :, positions] = rows.to(cache.dtype)  # advanced indices first: rows (B, S, H, D)
+    else:
+        cache[batch, positions] = rows.to(cache.dtype)
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q (B, Hq, S, D) over the cache k/v (B, Hkv, L, D) where ``mask`` (B, 1, S, L) is true. The query heads that
     share a KV head are folded into the query length, (B, Hkv, G*S, D), so each KV head's slots are read once and
@@ -165,12 +179,9 @@ class KVCache(nn.Module):
             self.k[:bsz, :, :seq].copy_(k)
             self.v[:bsz, :, :seq].copy_(v)
             return attend(q, k, v, backend, None, window)
-        index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, Hkv, S, D)
-        ck, cv = self.k[:bsz], self.v[:bsz]
-        # under autocast (rollouts in a training step) k / v come in the compute dtype, the cache in the weights'
-        ck.scatter_(2, index, k.to(ck.dtype))
-        cv.scatter_(2, index, v.to(cv.dtype))
-        return cached_attention(q, ck, cv, visible(positions, self.length, window))
+        store(self.k, k.transpose(1, 2), positions)
+        store(self.v, v.transpose(1, 2), positions)
+        return cached_attention(q, self.k[:bsz], self.v[:bsz], visible(positions, self.length, window))
 
 
 register_cache(Attention, KVCache.for_attention)

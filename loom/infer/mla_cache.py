@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.infer.cache import register_cache, visible
+from loom.infer.cache import register_cache, store, visible
 from loom.models.common.layers import attend
 from loom.models.common.mla import LatentAttention
 
@@ -96,9 +96,8 @@ class LatentCache(nn.Module):
         if positions is None:  # the prefill: slots 0..S-1, attention as in training
             self.kv[:bsz, :seq].copy_(rows)
             return attn.expanded(q_nope, q_pe, c_kv, k_pe, None)
+        store(self.kv, rows, positions)  # in place (under autocast: cast to the cache's dtype)
         cache = self.kv[:bsz]
-        # under autocast the rows come in the compute dtype, the cache in the weights'
-        cache.scatter_(1, positions[:, :, None].expand(-1, -1, rows.shape[-1]), rows.to(cache.dtype))
         w = _local(attn.wkv_b.weight)  # (H * (Dn + Dv), R): this rank's heads
         w = w.view(-1, attn.nope_dim + attn.v_dim, self.rank)  # (H, Dn + Dv, R)
         w_uk, w_uv = w[:, :attn.nope_dim], w[:, attn.nope_dim:]  # (H, Dn, R), (H, Dv, R)
