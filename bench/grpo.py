@@ -1,0 +1,501 @@
+"""GRPO on the embedded arithmetic task: loom against TRL's GRPOTrainer (transformers' generation, no vLLM), one GPU,
+one process, the same run, from the same weights, on the same prompts in the same order.
+
+    python -m bench.grpo --out bench/results/grpo_125m_h100.json                    # recipes/grpo_125m.toml, GPU
+    python -m bench.grpo --flavor debug --device cpu --steps 3 --sft-steps 20 --eval-problems 40 --out /tmp/g.json
+
+1. Warm-up: loom trains the recipe's model on the task's worked examples (``grpo.warmup_steps`` of supervised
+   steps, the GRPO objective's own warm-up) and exports it as a Hugging Face folder with its byte tokenizer (a
+   tokenizer.json that transformers' ``AutoTokenizer`` loads, the same ids).
+2. Accuracy before: greedy exact-match answers on a fixed held-out set of problems (``loom.rl.arithmetic``'s,
+   ``--eval-problems`` of them), one evaluator for every folder: loom's engine on the folder's weights in fp32
+   (transformers' greedy ``generate`` beside it, a check of the export).
+3. loom GRPO from the folder for ``--steps`` steps at a constant LR (the recipe's optimizer.lr x grpo.lr_ratio),
+   rollouts from loom's engine on the live weights (CUDA graphs on a GPU): steps/s, rollout tokens/s, weight-sync
+   time and the step's split (loom's ``time/*`` fields), reward curve; then exported and evaluated.
+4. TRL from the same folder: a ``datasets.Dataset`` of the prompts loom's rollouts drew, in that order (TRL's
+   sampler unshuffled), the same reward functions with the same weights, every hyperparameter mapped field by field
+   (``trl_mapping``: written into the result); steps/s, the split (its generation and reward calls timed), reward
+   curve; then saved and evaluated by the same evaluator.
+5. The comparison against the issue's bar: loom >= 2x TRL's steps/s, and loom's accuracy gain >= TRL's.
+
+Steps/s counts every step after the first ``--skip-steps`` (compilation, graph capture, allocator warm-up) as the
+wall time between the ends of consecutive steps, logging included, for both systems. The weights train in fp32
+under bf16 autocast on both sides (loom's training.dtype bfloat16; TRL's bf16 over the fp32 folder); on the CPU
+both run fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import time
+
+from bench.common import command, default_commit, environment, write_result
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "grpo_125m.toml")
+REWARDS = ("exact_answer", "digit_match")  # loom.rl.arithmetic's, the embedded task's (loom.rl.rollout)
+
+
+# ------------------------------------------------------------------------------------------------ loom's side
+def loom_config(a, run_dir: str, **overrides):
+    """The recipe with the command line's ``--set`` fields and the bench's own (``overrides``: dotted -> str)."""
+    from loom.config import build_config
+
+    base = {"model.flavor": a.flavor, "run.device": a.device, "run.dir": run_dir, "metrics.tensorboard": "false",
+            "metrics.progress": "false", "checkpoint.at_end": "false", "training.eval_every": "0",
+            "training.eval_hook": "", "metrics.every": "1"}
+    if a.device == "cpu":
+        base["training.dtype"] = "float32"
+    if a.loom_compile:
+        base["training.compile"] = "true"
+    sets = dict(s.split("=", 1) for s in a.set)
+    return build_config(a.recipe, {**base, **sets, **{k: str(v) for k, v in overrides.items()}})
+
+
+def trainer_of(cfg):
+    from loom.rl.objective import GroupRelative
+    from loom.train.trainer import Trainer
+
+    return Trainer(cfg, objective=GroupRelative(cfg))
+
+
+def export(trainer, folder: str) -> None:
+    """The trainer's model as a Hugging Face folder (fp32 weights) with the byte tokenizer as a tokenizer.json."""
+    from loom.checkpoint.hf import export_hf, tokenizer_export
+
+    shutil.rmtree(folder, ignore_errors=True)
+    state = {k: v.detach() for k, v in trainer.parts[0].state_dict().items()}
+    export_hf(state, trainer.model_args, folder, tokenizer=tokenizer_export(trainer.cfg.data.tokenizer,
+                                                                            trainer.model_args.max_seq_len))
+
+
+def warm_up(a, folder: str) -> dict:
+    """Supervised warm-up (the GRPO objective's warm-up steps only), exported to ``folder``."""
+    import torch
+
+    # loom refuses a GRPO run that is all warm-up: built with one GRPO step after it, stopped before that step
+    cfg = loom_config(a, os.path.join(a.run_dir, "warmup"), **{"training.steps": a.sft_steps + 1,
+                                                               "grpo.warmup_steps": a.sft_steps, "grpo.beta": 0})
+    trainer = trainer_of(cfg)
+    trainer.cfg.training.steps = a.sft_steps
+    t0 = time.perf_counter()
+    records = trainer.fit()
+    seconds = time.perf_counter() - t0
+    export(trainer, folder)
+    out = {"steps": a.sft_steps, "seconds": seconds, "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"],
+           "lr": cfg.optimizer.lr, "schedule": cfg.optimizer.schedule, "lr_warmup_steps": cfg.optimizer.warmup_steps,
+           "rows_per_step": cfg.training.global_batch_size}
+    free(trainer)
+    torch.manual_seed(0)
+    return out
+
+
+def grpo_config(a, folder: str, run_dir: str, lr: float):
+    """loom's GRPO part: from ``folder``, no warm-up, a constant LR ``lr`` from the first step."""
+    return loom_config(a, run_dir, **{"model.init_from": folder, "training.steps": a.steps,
+                                      "grpo.warmup_steps": 0, "optimizer.lr": lr, "grpo.lr_ratio": 1.0,
+                                      "optimizer.schedule": "constant", "optimizer.warmup_steps": 0})
+
+
+def run_loom(a, cfg, out_folder: str) -> dict:
+    """loom GRPO for cfg.training.steps steps: per-step records, the prompts its rollouts drew, the export."""
+    import torch
+
+    reset_memory(a.device)
+    trainer = trainer_of(cfg)
+    source = trainer.objective.loader.source
+    drawn, draw = [], source.problems
+
+    def recording(n, key):  # the bench's record of the prompts loom's rollouts draw (to check TRL gets the same)
+        rows = draw(n, key)
+        drawn.extend(rows)
+        return rows
+
+    source.problems = recording
+    t0 = time.perf_counter()
+    records = trainer.fit()
+    wall = time.perf_counter() - t0
+    export(trainer, out_folder)
+    per_step = cfg.training.global_batch_size * cfg.training.seq_len  # the tokens each record's tokens_per_s counts
+    step_s = [per_step / r["tokens_per_s"] for r in records]
+    assert [r["step"] for r in records] == list(range(1, cfg.training.steps + 1)), "metrics.every must be 1"
+    timed = records[a.skip_steps:]
+    split = {name: median(r.get(f"time/{name}_s", 0.0) for r in timed)
+             for name in ("generation", "scoring", "logps", "weight_sync")}
+    # time/training_s is the step before's: step k's is on record k + 1
+    split["training"] = median(r["time/training_s"] for r in records[a.skip_steps + 1:] if "time/training_s" in r)
+    split["step"] = median(step_s[a.skip_steps:])
+    split["other"] = split["step"] - sum(v for k, v in split.items() if k != "step")
+    out = {
+        "steps": len(records), "wall_s": wall, "first_step_s": step_s[0],
+        "steps_per_s": len(timed) / sum(step_s[a.skip_steps:]), "steps_per_s_all": len(records) / sum(step_s),
+        "step_s": step_s, "time_split_median_s": split,
+        "rollout_tokens_per_s_median": median(r["rollout_tokens_per_s"] for r in timed),
+        "weight_sync_s_mean": statistics.fmean(r.get("time/weight_sync_s", 0.0) for r in timed),
+        "weight_sync_bytes": records[-1].get("weight_sync_bytes", 0.0),
+        "reward_curve": [r["reward"] for r in records],
+        "exact_answer_curve": [r.get("rewards/exact_answer") for r in records],
+        "completion_length_curve": [r["completion_length"] for r in records],
+        "loss_curve": [r["loss"] for r in records],
+        "kernels": trainer.kernels.describe(), "compile": cfg.training.compile, "dtype": cfg.training.dtype,
+        "optimizer_implementation": cfg.optimizer.implementation,
+        "engine_cuda_graphs": bool(trainer.objective.loader.generator.engine.cuda_graphs),
+        "peak_memory_gib": peak_memory(a.device),
+    }
+    free(trainer)
+    return out, drawn
+
+
+# ------------------------------------------------------------------------------------------------- TRL's side
+def trl_mapping(cfg) -> list[dict]:
+    """Each loom field of the GRPO run and the TRL GRPOConfig field given its value (``trl`` None: no TRL
+    counterpart; ``note`` says how it is matched)."""
+    g, t, o = cfg.grpo, cfg.training, cfg.optimizer
+    bf16 = t.dtype == "bfloat16"
+    rows = [
+        ("grpo.group_size", "num_generations", g.group_size, ""),
+        ("training.global_batch_size", "per_device_train_batch_size", t.global_batch_size,
+         "completions per optimizer step (prompts per step x group size)"),
+        ("training.global_batch_size / grpo.group_size", "generation_batch_size / num_generations",
+         t.global_batch_size // g.group_size, "prompts per step (TRL: generation_batch_size = per-device batch x "
+                                              "steps_per_generation = per-device batch)"),
+        ("training.micro_batch_size", "gradient_accumulation_steps", t.global_batch_size // t.micro_batch_size,
+         "one forward / backward of the whole step's completions on both"),
+        (None, "steps_per_generation", 1, "one generation per optimizer step (x num_iterations)"),
+        ("grpo.iterations", "num_iterations", g.iterations, ""),
+        ("grpo.max_new_tokens", "max_completion_length", g.max_new_tokens, ""),
+        ("grpo.temperature", "temperature", g.temperature, ""),
+        ("grpo.top_p", "top_p", g.top_p, ""),
+        (None, "top_k", 0, "off on both"),
+        ("grpo.beta", "beta", g.beta, "k3 KL to a frozen reference (none at 0)"),
+        ("grpo.epsilon", "epsilon", g.epsilon, ""),
+        ("grpo.epsilon_high", "epsilon_high", g.epsilon_high or g.epsilon, "loom's 0 = epsilon"),
+        ("grpo.loss_type", "loss_type", g.loss_type, ""),
+        ("grpo.scale_rewards", "scale_rewards", g.scale_rewards, ""),
+        ("grpo.mask_truncated", "mask_truncated_completions", g.mask_truncated, ""),
+        ("grpo.rewards / grpo.reward_weights", "reward_funcs / reward_weights",
+         "loom.rl.arithmetic:exact_answer x 1, loom.rl.arithmetic:digit_match x 0.5",
+         "the same Python functions (the embedded task's; TRL calls them with the dataset's 'answer' column)"),
+        ("optimizer.lr x grpo.lr_ratio", "learning_rate", o.lr * g.lr_ratio, "constant (the bench's GRPO part)"),
+        ("optimizer.schedule", "lr_scheduler_type", "constant", ""),
+        ("optimizer.warmup_steps", "warmup_steps", 0, ""),
+        ("optimizer.betas", "adam_beta1 / adam_beta2", list(o.betas), ""),
+        ("optimizer.eps", "adam_epsilon", o.eps, ""),
+        ("optimizer.weight_decay", "weight_decay", o.weight_decay, ""),
+        ("training.max_norm", "max_grad_norm", t.max_norm, ""),
+        ("training.dtype", "bf16", bf16, "fp32 weights and AdamW state, bf16 autocast, on both"),
+        ("training.activation_checkpointing", "gradient_checkpointing", t.activation_checkpointing != "none",
+         "TRL's GRPOConfig defaults to True: set to loom's"),
+        ("run.seed", "seed", cfg.run.seed, "the sampling streams differ (each system's own RNG)"),
+        ("the prompts of loom's step k", "train_dataset + shuffle_dataset", False,
+         "a datasets.Dataset of the prompts loom's rollouts drew, in order; TRL's sampler unshuffled"),
+    ]
+    return [{"loom": lf, "trl": tf, "value": v, **({"note": n} if n else {})} for lf, tf, v, n in rows]
+
+
+def trl_config(cfg, out_dir: str, steps: int, device: str):
+    from trl import GRPOConfig
+
+    g, t, o = cfg.grpo, cfg.training, cfg.optimizer
+    return GRPOConfig(
+        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=t.global_batch_size,
+        gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size, steps_per_generation=1,
+        num_generations=g.group_size, num_iterations=g.iterations, max_completion_length=g.max_new_tokens,
+        temperature=g.temperature, top_p=g.top_p, top_k=0, beta=g.beta, epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high or g.epsilon, loss_type=g.loss_type, scale_rewards=g.scale_rewards,
+        mask_truncated_completions=g.mask_truncated, reward_weights=[1.0, 0.5], learning_rate=o.lr * g.lr_ratio,
+        lr_scheduler_type="constant", warmup_steps=0, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+        adam_epsilon=o.eps, weight_decay=o.weight_decay, max_grad_norm=t.max_norm,
+        bf16=t.dtype == "bfloat16", use_cpu=device == "cpu",
+        gradient_checkpointing=t.activation_checkpointing != "none", seed=cfg.run.seed, shuffle_dataset=False,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        log_completions=False, remove_unused_columns=False)
+
+
+class _Timed:
+    """Wall seconds spent in a wrapped callable, per TRL step (the GPU synchronized after each call)."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds = device, 0.0
+
+    def wrap(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync(self.device)
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def run_trl(a, cfg, folder: str, rows: list[dict], out_folder: str) -> dict:
+    """TRL's GRPOTrainer from ``folder`` on ``rows`` (in order) for ``a.steps`` steps, then saved to
+    ``out_folder``."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from loom.rl.arithmetic import digit_match, exact_answer
+
+    reset_memory(a.device)
+    generation, scoring = _Timed(a.device), _Timed(a.device)
+    seen: list[str] = []
+
+    def exact(prompts, completions, answer, **kw):
+        seen.extend(prompts[::cfg.grpo.group_size])  # each group's prompt, in the order TRL trains on them
+        return exact_answer(prompts, completions, answer)
+
+    exact.__name__ = "exact_answer"
+    funcs = [scoring.wrap(exact), scoring.wrap(digit_match)]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    args = trl_config(cfg, os.path.join(a.run_dir, "trl_out"), a.steps, a.device)
+    ends: list[float] = []
+    splits: list[tuple[float, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            sync(a.device)
+            ends.append(time.perf_counter())
+            splits.append((generation.seconds, scoring.seconds))
+            generation.seconds = scoring.seconds = 0.0
+
+    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer._generate_single_turn = generation.wrap(trainer._generate_single_turn)  # transformers' generate
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    shutil.rmtree(out_folder, ignore_errors=True)
+    trainer.save_model(out_folder)
+    step_s = [b - e for e, b in zip(ends, ends[1:])]
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    timed = slice(a.skip_steps, None)
+    split = {"generation": median(s[0] for s in splits[timed]), "scoring": median(s[1] for s in splits[timed]),
+             "step": median(step_s[timed])}
+    split["training_and_other"] = split["step"] - split["generation"] - split["scoring"]
+    out = {
+        "steps": len(step_s), "wall_s": wall, "first_step_s": step_s[0],
+        "steps_per_s": len(step_s[timed]) / sum(step_s[timed]), "steps_per_s_all": len(step_s) / sum(step_s),
+        "step_s": step_s, "time_split_median_s": split,
+        "reward_curve": [h["reward"] for h in logs],
+        "exact_answer_curve": [h.get("rewards/exact_answer/mean") for h in logs],
+        "completion_length_curve": [h.get("completions/mean_length") for h in logs],
+        "loss_curve": [h.get("loss") for h in logs],
+        "optim": str(args.optim), "bf16": args.bf16, "generation": "transformers generate (no vLLM, no compile)",
+        "prompts_match_dataset": seen[:len(rows)] == [r["prompt"] for r in rows][:len(seen)],
+        "peak_memory_gib": peak_memory(a.device),
+    }
+    del trainer, model
+    gc.collect()
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- evaluation
+def held_out(cfg, n: int) -> list[dict]:
+    """The fixed evaluation problems: loom.rl.arithmetic.greedy_accuracy's draw (seed -1), ``n`` of them."""
+    from loom.rl.arithmetic import ArithmeticTask
+
+    return ArithmeticTask(seed=-1, digits=cfg.grpo.digits, ops=cfg.grpo.ops).problems(n, ("held-out",))
+
+
+def accuracy(folder: str, problems: list[dict], device: str, max_new: int) -> float:
+    """Greedy exact-match accuracy of the folder's model on ``problems``: loom's engine on its fp32 weights (the one
+    evaluator of every system's weights)."""
+    import torch
+
+    from loom.data.tokenizers import ByteTokenizer
+    from loom.infer.generator import Generator
+    from loom.infer.sampling import SamplingParams
+    from loom.rl.arithmetic import exact_answer
+
+    gen = Generator(folder, device=device, dtype="float32", compile=False, max_batch=len(problems), tp=False)
+    enc = ByteTokenizer().encode  # the folder's tokenizer.json has the same ids; no BOS added, as in training
+    try:
+        outs = gen.generate_ids([enc(r["prompt"]) for r in problems],
+                                SamplingParams(max_new_tokens=max_new, temperature=0.0))
+    finally:
+        gen.engine.close()
+    del gen
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return sum(exact_answer([], [o.text for o in outs], [r["answer"] for r in problems])) / len(problems)
+
+
+def hf_accuracy(folder: str, problems: list[dict], device: str, max_new: int) -> float:
+    """The same with transformers' greedy ``generate`` (fp32, left-padded prompts): a check of the export."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loom.rl.arithmetic import exact_answer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    batch = tok([r["prompt"] for r in problems], return_tensors="pt", padding=True).to(device)
+    with torch.no_grad():
+        ids = model.generate(**batch, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(ids[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return sum(exact_answer([], texts, [r["answer"] for r in problems])) / len(problems)
+
+
+def evaluate(folder: str, problems: list[dict], device: str, max_new: int) -> dict:
+    return {"accuracy": accuracy(folder, problems, device, max_new),
+            "accuracy_transformers": hf_accuracy(folder, problems, device, max_new)}
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_memory(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: str) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+def free(trainer) -> None:
+    import torch
+
+    loader = getattr(trainer.objective, "loader", None)
+    if loader is not None and loader.generator is not None:
+        loader.generator.engine.close()
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def versions() -> dict:
+    out = {}
+    for mod in ("trl", "datasets", "accelerate", "peft"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            out[mod] = None
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default=RECIPE, help="loom's GRPO recipe (model, task, batch, LRs, [grpo])")
+    p.add_argument("--flavor", default="125M")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--steps", type=int, default=200, help="GRPO steps of each system")
+    p.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (default: the recipe's "
+                                                                  "grpo.warmup_steps)")
+    p.add_argument("--skip-steps", type=int, default=5, help="first GRPO steps left out of steps/s")
+    p.add_argument("--eval-problems", type=int, default=500)
+    p.add_argument("--systems", default="loom,trl")
+    p.add_argument("--loom-compile", action="store_true", help="training.compile true on loom's side")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a loom config field for both parts (TRL's config follows through the mapping)")
+    p.add_argument("--run-dir", default="/tmp/loom_bench_grpo")
+    p.add_argument("--out", default="bench/results/grpo.json")
+    p.add_argument("--commit", default=default_commit())
+    a = p.parse_args()
+    systems = a.systems.split(",")
+    base = loom_config(a, os.path.join(a.run_dir, "probe"))
+    if a.sft_steps is None:
+        a.sft_steps = base.grpo.warmup_steps
+    assert a.skip_steps < a.steps, "--skip-steps must leave timed steps"
+    lr = base.optimizer.lr * base.grpo.lr_ratio
+    warmed = os.path.join(a.run_dir, "hf_warmed")
+    t_start = time.perf_counter()
+
+    warm = warm_up(a, warmed)
+    cfg = grpo_config(a, warmed, os.path.join(a.run_dir, "loom_grpo"), lr)
+    problems = held_out(cfg, a.eval_problems)
+    max_new = cfg.grpo.max_new_tokens
+    before = evaluate(warmed, problems, a.device, max_new)
+    print(f"warm-up: {warm['steps']} steps in {warm['seconds']:.1f} s, loss {warm['loss_last']:.4f}; accuracy "
+          f"before GRPO {before['accuracy']:.3f} (transformers {before['accuracy_transformers']:.3f})", flush=True)
+    results, drawn = {}, None
+    if "loom" in systems:
+        results["loom"], drawn = run_loom(a, cfg, os.path.join(a.run_dir, "hf_loom_grpo"))
+        results["loom"]["after"] = evaluate(os.path.join(a.run_dir, "hf_loom_grpo"), problems, a.device, max_new)
+    # the prompts of loom's rollouts in order (loom.rl.rollout draws them from the task by step)
+    from loom.rl.arithmetic import ArithmeticTask
+
+    task, per_step = ArithmeticTask(cfg.run.seed, cfg.grpo.digits, cfg.grpo.ops), \
+        cfg.training.global_batch_size // cfg.grpo.group_size
+    rows = [r for s in range(1, a.steps + 1, cfg.grpo.iterations) for r in task.problems(per_step, ("grpo", s))]
+    if drawn is not None:
+        assert drawn == rows, "the bench's prompt list is not what loom's rollouts drew"
+    if "trl" in systems:
+        results["trl"] = run_trl(a, cfg, warmed, rows, os.path.join(a.run_dir, "hf_trl_grpo"))
+        results["trl"]["after"] = evaluate(os.path.join(a.run_dir, "hf_trl_grpo"), problems, a.device, max_new)
+    for r in results.values():
+        r["accuracy_gain"] = r["after"]["accuracy"] - before["accuracy"]
+
+    comparison = {}
+    if len(results) == 2:
+        ratio = results["loom"]["steps_per_s"] / results["trl"]["steps_per_s"]
+        comparison = {"steps_per_s_ratio": ratio, "steps_per_s_bar": 2.0, "meets_steps_per_s_bar": ratio >= 2.0,
+                      "accuracy_gain_loom": results["loom"]["accuracy_gain"],
+                      "accuracy_gain_trl": results["trl"]["accuracy_gain"],
+                      "meets_accuracy_bar": results["loom"]["accuracy_gain"] >= results["trl"]["accuracy_gain"]}
+    g = cfg.grpo
+    doc = {
+        "benchmark": "grpo", "environment": {**environment(a.commit, command()), **versions()},
+        "settings": {
+            "recipe": os.path.relpath(a.recipe, ROOT), "flavor": a.flavor, "device": a.device,
+            "task": {"digits": g.digits, "ops": g.ops, "seed": cfg.run.seed},
+            "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": per_step,
+            "group_size": g.group_size, "max_new_tokens": g.max_new_tokens, "grpo_lr": lr,
+            "eval_problems": a.eval_problems, "rewards": "1 x exact_answer + 0.5 x digit_match (loom.rl.arithmetic)",
+            "loom_overrides": a.set, "loom_compile": a.loom_compile},
+        "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "results": results,
+        "comparison": comparison, "total_wall_s": time.perf_counter() - t_start,
+    }
+    write_result(a.out, doc)
+    print(f"\n{'system':<6} {'steps/s':>8} {'step ms':>8} {'gen ms':>7} {'score ms':>8} {'acc before':>10} "
+          f"{'acc after':>9} {'gain':>6}")
+    for name, r in results.items():
+        s = r["time_split_median_s"]
+        print(f"{name:<6} {r['steps_per_s']:>8.2f} {1e3 * s['step']:>8.1f} {1e3 * s['generation']:>7.1f} "
+              f"{1e3 * s['scoring']:>8.1f} {before['accuracy']:>10.3f} {r['after']['accuracy']:>9.3f} "
+              f"{r['accuracy_gain']:>+6.3f}")
+    if comparison:
+        print("comparison:", json.dumps(comparison))
+    print(f"total {doc['total_wall_s']:.0f} s; wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
