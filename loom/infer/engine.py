@@ -215,7 +215,12 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, sequences: list) -> Stats:
         """Decode every prompt until its sequence says it is done (``sequences[i].add(token) -> done``) or the
-        token budget is spent. One forward per step for the whole batch: finished rows are computed and ignored."""
+        token budget is spent. One forward per step for the whole batch: finished rows are computed and ignored.
+
+        The host never waits for a step: each step's tokens go to the host by an asynchronous copy queued before
+        the next step, so the stop checks and streaming of step i run while step i + 1 computes (a batch whose
+        every row ended early computes one step too many). Every row advances one position per step, finished or
+        not: at most ``max_new_tokens`` - 1 positions, which the cache reserves."""
         t0 = time.perf_counter()
         logits, tokens, lens = self.start(prompts, params.max_new_tokens)
         generator = new_generator(params.seed, self.device)
@@ -223,22 +228,50 @@ class Engine:
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(len(prompts), logits.shape[-1], dtype=torch.bool, device=self.device)
             mark_seen(seen, tokens)
-        pos = lens.clone()  # (B,) the position of the token about to be sampled
+        pos = lens[:, None].clone()  # (B, 1) the position of the token about to be sampled
         stats = Stats(prompts=len(prompts), prompt_tokens=int(sum(len(p) for p in prompts)))
+        reader = _HostReader(len(prompts), self.device)
         for i in range(params.max_new_tokens):
             nxt = self.share(sample(logits, params, generator, seen))  # (B,)
             mark_seen(seen, nxt)
-            host = nxt.tolist()
+            reader.queue(nxt)
+            if i < params.max_new_tokens - 1:
+                logits = self.step(nxt[:, None], pos)[:, 0]  # (B, V), queued before the host waits for nxt
+                pos += 1
+            host = reader.get()
             if i == 0:
                 stats.prefill_seconds = time.perf_counter() - t0
             for seq, token in zip(sequences, host):
                 if not seq.done:
                     seq.add(token)
                     stats.new_tokens += 1
-            if all(seq.done for seq in sequences) or i == params.max_new_tokens - 1:
+            if all(seq.done for seq in sequences):
                 break
-            logits = self.step(nxt[:, None], pos[:, None])[:, 0]  # (B, V)
-            running = torch.tensor([not s.done for s in sequences], device=self.device)
-            pos += running  # a finished row stays where it is: its position never passes the cache
+        self.sync()
         stats.seconds = time.perf_counter() - t0
         return stats
+
+
+class _HostReader:
+    """Tokens (B,) to the host without waiting for the work queued after them: on CUDA a non-blocking copy to
+    pinned memory and an event (the host then waits for the copy, not for the stream); elsewhere ``tolist``."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buffer = torch.empty(batch, dtype=torch.long, pin_memory=True)
+            self.event = torch.cuda.Event()
+        self.tokens: torch.Tensor | None = None
+
+    def queue(self, tokens: torch.Tensor) -> None:
+        if self.cuda:
+            self.buffer.copy_(tokens, non_blocking=True)
+            self.event.record()
+        else:
+            self.tokens = tokens
+
+    def get(self) -> list[int]:
+        if self.cuda:
+            self.event.synchronize()
+            return self.buffer.tolist()
+        return self.tokens.tolist()

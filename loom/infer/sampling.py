@@ -103,6 +103,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
            seen: torch.Tensor | None = None) -> torch.Tensor:
     """The next token of each row: logits (N, V) -> (N,) int64."""
     if params.greedy:
+        if seen is None or params.repetition_penalty == 1.0:
+            return logits.argmax(-1)  # any float dtype widens to fp32 exactly: the same argmax, no fp32 copy
         return penalize(logits.float(), seen, params.repetition_penalty).argmax(-1)
     return draw(probabilities(logits, params, seen), generator)
 

@@ -239,6 +239,7 @@ def speculate(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
         stats.new_tokens += 1
     pos = lens.clone()  # (B,) the pending token's position
     steps = torch.arange(k + 1, device=engine.device)
+    running, running_for = None, None  # (B,) bool on the device: the rows not done, and the list it was made from
     while not all(s.done for s in sequences):
         done = [s.done for s in sequences]
         drafts, q, real = proposer.propose(pending, pending_host, pos, done)  # (B, k)
@@ -246,8 +247,11 @@ def speculate(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
         out = engine.step(torch.cat([pending[:, None], drafts], 1), pos[:, None] + steps)  # (B, k + 1, V)
         kept, nxt = verify(out, drafts, q, params, generator, seen)
         both = engine.share(torch.cat([kept, nxt]))
-        kept, nxt = both[:len(prompts)], both[len(prompts):]
-        kept_host, nxt_host, drafts_host = kept.tolist(), nxt.tolist(), drafts.tolist()
+        bsz = len(prompts)
+        kept, nxt = both[:bsz], both[bsz:]
+        host = torch.cat([both, drafts.flatten()]).tolist()  # the round's one wait for the device
+        kept_host, nxt_host = host[:bsz], host[bsz:2 * bsz]
+        drafts_host = [host[2 * bsz + b * k:2 * bsz + (b + 1) * k] for b in range(bsz)]
         stats.target_steps += 1
         for b, seq in enumerate(sequences):
             if done[b]:
@@ -263,11 +267,13 @@ def speculate(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
         if seen is not None:
             mark_seen(seen, torch.where(steps[:k] < kept[:, None], drafts, nxt[:, None]))  # the kept drafts
             mark_seen(seen, nxt)
-        running = torch.tensor([not d for d in done], device=engine.device)
+        if running is None or done != running_for:  # a row finished: a new mask (a copy to the device)
+            running, running_for = torch.tensor([not d for d in done], device=engine.device), done
         prev = torch.where(kept > 0, drafts.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0], pending)
         proposer.advance(prev, running)
         pos += (kept + 1) * running
         pending = torch.where(running, nxt, pending)
-        pending_host = pending.tolist()
+        pending_host = [p if d else n for p, n, d in zip(pending_host, nxt_host, done)]
+    engine.sync()
     stats.seconds = time.perf_counter() - t0
     return stats
