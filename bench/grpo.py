@@ -11,8 +11,9 @@ one process, the same run, from the same weights, on the same prompts in the sam
    ``--eval-problems`` of them), one evaluator for every folder: loom's engine on the folder's weights in fp32
    (transformers' greedy ``generate`` beside it, a check of the export).
 3. loom GRPO from the folder for ``--steps`` steps at a constant LR (the recipe's optimizer.lr x grpo.lr_ratio),
-   rollouts from loom's engine on the live weights (CUDA graphs on a GPU): steps/s, rollout tokens/s, weight-sync
-   time and the step's split (loom's ``time/*`` fields), reward curve; then exported and evaluated.
+   rollouts from loom's engine on the live weights (the recipe's compiled blocks, decode steps as CUDA graphs on a
+   GPU): steps/s, rollout tokens/s, weight-sync time and the step's split (loom's ``time/*`` fields), reward curve;
+   then exported and evaluated.
 4. TRL from the same folder: a ``datasets.Dataset`` of the prompts loom's rollouts drew, in that order (TRL's
    sampler unshuffled), the same reward functions with the same weights, every hyperparameter mapped field by field
    (``trl_mapping``: written into the result); steps/s, the split (its generation and reward calls timed), reward
@@ -22,7 +23,7 @@ one process, the same run, from the same weights, on the same prompts in the sam
 Steps/s counts every step after the first ``--skip-steps`` (compilation, graph capture, allocator warm-up) as the
 wall time between the ends of consecutive steps, logging included, for both systems. The weights train in fp32
 under bf16 autocast on both sides (loom's training.dtype bfloat16; TRL's bf16 over the fp32 folder); on the CPU
-both run fp32.
+both run fp32 and loom eager (``--set training.compile=true`` compiles there too).
 """
 
 from __future__ import annotations
@@ -50,10 +51,8 @@ def loom_config(a, run_dir: str, **overrides):
     base = {"model.flavor": a.flavor, "run.device": a.device, "run.dir": run_dir, "metrics.tensorboard": "false",
             "metrics.progress": "false", "checkpoint.at_end": "false", "training.eval_every": "0",
             "training.eval_hook": "", "metrics.every": "1"}
-    if a.device == "cpu":
-        base["training.dtype"] = "float32"
-    if a.loom_compile:
-        base["training.compile"] = "true"
+    if a.device == "cpu":  # fp32 and eager: the CPU run checks the pipeline, it measures nothing
+        base.update({"training.dtype": "float32", "training.compile": "false"})
     sets = dict(s.split("=", 1) for s in a.set)
     return build_config(a.recipe, {**base, **sets, **{k: str(v) for k, v in overrides.items()}})
 
@@ -80,8 +79,10 @@ def warm_up(a, folder: str) -> dict:
     import torch
 
     # loom refuses a GRPO run that is all warm-up: built with one GRPO step after it, stopped before that step
-    cfg = loom_config(a, os.path.join(a.run_dir, "warmup"), **{"training.steps": a.sft_steps + 1,
-                                                               "grpo.warmup_steps": a.sft_steps, "grpo.beta": 0})
+    run_dir = os.path.join(a.run_dir, "warmup")
+    lr_warmup = min(loom_config(a, run_dir).optimizer.warmup_steps, a.sft_steps)  # a short --sft-steps: all of it
+    cfg = loom_config(a, run_dir, **{"training.steps": a.sft_steps + 1, "grpo.warmup_steps": a.sft_steps,
+                                     "grpo.beta": 0, "optimizer.warmup_steps": lr_warmup})
     trainer = trainer_of(cfg)
     trainer.cfg.training.steps = a.sft_steps
     t0 = time.perf_counter()
@@ -126,16 +127,19 @@ def run_loom(a, cfg, out_folder: str) -> dict:
     step_s = [per_step / r["tokens_per_s"] for r in records]
     assert [r["step"] for r in records] == list(range(1, cfg.training.steps + 1)), "metrics.every must be 1"
     timed = records[a.skip_steps:]
-    split = {name: median(r.get(f"time/{name}_s", 0.0) for r in timed)
-             for name in ("generation", "scoring", "logps", "weight_sync")}
-    # time/training_s is the step before's: step k's is on record k + 1
-    split["training"] = median(r["time/training_s"] for r in records[a.skip_steps + 1:] if "time/training_s" in r)
-    split["step"] = median(step_s[a.skip_steps:])
+    # the step's split, mean seconds over the timed steps but the last: time/training_s is on the next record
+    split = {"step": [], "generation": [], "scoring": [], "logps": [], "weight_sync": [], "training": []}
+    for k in range(a.skip_steps, len(records) - 1):
+        split["step"].append(step_s[k])
+        for name in ("generation", "scoring", "logps", "weight_sync"):
+            split[name].append(records[k].get(f"time/{name}_s", 0.0))
+        split["training"].append(records[k + 1]["time/training_s"])
+    split = {name: mean(v) for name, v in split.items()}
     split["other"] = split["step"] - sum(v for k, v in split.items() if k != "step")
     out = {
         "steps": len(records), "wall_s": wall, "first_step_s": step_s[0],
         "steps_per_s": len(timed) / sum(step_s[a.skip_steps:]), "steps_per_s_all": len(records) / sum(step_s),
-        "step_s": step_s, "time_split_median_s": split,
+        "step_s": step_s, "time_split_mean_s": split,
         "rollout_tokens_per_s_median": median(r["rollout_tokens_per_s"] for r in timed),
         "weight_sync_s_mean": statistics.fmean(r.get("time/weight_sync_s", 0.0) for r in timed),
         "weight_sync_bytes": records[-1].get("weight_sync_bytes", 0.0),
@@ -285,13 +289,13 @@ def run_trl(a, cfg, folder: str, rows: list[dict], out_folder: str) -> dict:
     step_s = [b - e for e, b in zip(ends, ends[1:])]
     logs = [h for h in trainer.state.log_history if "reward" in h]
     timed = slice(a.skip_steps, None)
-    split = {"generation": median(s[0] for s in splits[timed]), "scoring": median(s[1] for s in splits[timed]),
-             "step": median(step_s[timed])}
+    split = {"step": mean(step_s[timed]), "generation": mean(s[0] for s in splits[timed]),
+             "scoring": mean(s[1] for s in splits[timed])}
     split["training_and_other"] = split["step"] - split["generation"] - split["scoring"]
     out = {
         "steps": len(step_s), "wall_s": wall, "first_step_s": step_s[0],
         "steps_per_s": len(step_s[timed]) / sum(step_s[timed]), "steps_per_s_all": len(step_s) / sum(step_s),
-        "step_s": step_s, "time_split_median_s": split,
+        "step_s": step_s, "time_split_mean_s": split,
         "reward_curve": [h["reward"] for h in logs],
         "exact_answer_curve": [h.get("rewards/exact_answer/mean") for h in logs],
         "completion_length_curve": [h.get("completions/mean_length") for h in logs],
@@ -369,6 +373,11 @@ def median(values) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def mean(values) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else 0.0
+
+
 def sync(device: str) -> None:
     import torch
 
@@ -423,7 +432,6 @@ def main() -> None:
     p.add_argument("--skip-steps", type=int, default=5, help="first GRPO steps left out of steps/s")
     p.add_argument("--eval-problems", type=int, default=500)
     p.add_argument("--systems", default="loom,trl")
-    p.add_argument("--loom-compile", action="store_true", help="training.compile true on loom's side")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="a loom config field for both parts (TRL's config follows through the mapping)")
     p.add_argument("--run-dir", default="/tmp/loom_bench_grpo")
@@ -480,7 +488,7 @@ def main() -> None:
             "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": per_step,
             "group_size": g.group_size, "max_new_tokens": g.max_new_tokens, "grpo_lr": lr,
             "eval_problems": a.eval_problems, "rewards": "1 x exact_answer + 0.5 x digit_match (loom.rl.arithmetic)",
-            "loom_overrides": a.set, "loom_compile": a.loom_compile},
+            "loom_overrides": a.set, "loom_compile": cfg.training.compile},
         "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "results": results,
         "comparison": comparison, "total_wall_s": time.perf_counter() - t_start,
     }
@@ -488,7 +496,7 @@ def main() -> None:
     print(f"\n{'system':<6} {'steps/s':>8} {'step ms':>8} {'gen ms':>7} {'score ms':>8} {'acc before':>10} "
           f"{'acc after':>9} {'gain':>6}")
     for name, r in results.items():
-        s = r["time_split_median_s"]
+        s = r["time_split_mean_s"]
         print(f"{name:<6} {r['steps_per_s']:>8.2f} {1e3 * s['step']:>8.1f} {1e3 * s['generation']:>7.1f} "
               f"{1e3 * s['scoring']:>8.1f} {before['accuracy']:>10.3f} {r['after']['accuracy']:>9.3f} "
               f"{r['accuracy_gain']:>+6.3f}")
