@@ -296,6 +296,9 @@ def run_trl(a, cfg, folder: str, rows: list[dict], out_folder: str) -> dict:
         "steps": len(step_s), "wall_s": wall, "first_step_s": step_s[0],
         "steps_per_s": len(step_s[timed]) / sum(step_s[timed]), "steps_per_s_all": len(step_s) / sum(step_s),
         "step_s": step_s, "time_split_mean_s": split,
+        # generated tokens (mean completion length x completions) per second of generation
+        "rollout_tokens_per_s_median": median(h["completions/mean_length"] * cfg.training.global_batch_size / s[0]
+                                              for h, s in list(zip(logs, splits))[timed]),
         "reward_curve": [h["reward"] for h in logs],
         "exact_answer_curve": [h.get("rewards/exact_answer/mean") for h in logs],
         "completion_length_curve": [h.get("completions/mean_length") for h in logs],
@@ -426,7 +429,8 @@ def main() -> None:
     p.add_argument("--recipe", default=RECIPE, help="loom's GRPO recipe (model, task, batch, LRs, [grpo])")
     p.add_argument("--flavor", default="125M")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--steps", type=int, default=200, help="GRPO steps of each system")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps of each system (default: the recipe's "
+                                                           "training.steps - grpo.warmup_steps)")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (default: the recipe's "
                                                                   "grpo.warmup_steps)")
     p.add_argument("--skip-steps", type=int, default=5, help="first GRPO steps left out of steps/s")
@@ -440,6 +444,8 @@ def main() -> None:
     a = p.parse_args()
     systems = a.systems.split(",")
     base = loom_config(a, os.path.join(a.run_dir, "probe"))
+    if a.steps is None:
+        a.steps = base.training.steps - base.grpo.warmup_steps
     if a.sft_steps is None:
         a.sft_steps = base.grpo.warmup_steps
     assert a.skip_steps < a.steps, "--skip-steps must leave timed steps"
