@@ -40,7 +40,6 @@ from bench.common import command, default_commit, environment, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "grpo_125m.toml")
-REWARDS = ("exact_answer", "digit_match")  # loom.rl.arithmetic's, the embedded task's (loom.rl.rollout)
 
 
 # ------------------------------------------------------------------------------------------------ loom's side
@@ -76,8 +75,6 @@ def export(trainer, folder: str) -> None:
 
 def warm_up(a, folder: str) -> dict:
     """Supervised warm-up (the GRPO objective's warm-up steps only), exported to ``folder``."""
-    import torch
-
     # loom refuses a GRPO run that is all warm-up: built with one GRPO step after it, stopped before that step
     run_dir = os.path.join(a.run_dir, "warmup")
     lr_warmup = min(loom_config(a, run_dir).optimizer.warmup_steps, a.sft_steps)  # a short --sft-steps: all of it
@@ -93,7 +90,6 @@ def warm_up(a, folder: str) -> dict:
            "lr": cfg.optimizer.lr, "schedule": cfg.optimizer.schedule, "lr_warmup_steps": cfg.optimizer.warmup_steps,
            "rows_per_step": cfg.training.global_batch_size}
     free(trainer)
-    torch.manual_seed(0)
     return out
 
 
@@ -104,10 +100,9 @@ def grpo_config(a, folder: str, run_dir: str, lr: float):
                                       "optimizer.schedule": "constant", "optimizer.warmup_steps": 0})
 
 
-def run_loom(a, cfg, out_folder: str) -> dict:
-    """loom GRPO for cfg.training.steps steps: per-step records, the prompts its rollouts drew, the export."""
-    import torch
-
+def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
+    """loom GRPO for cfg.training.steps steps, exported to ``out_folder``: (its figures, the prompt rows its
+    rollouts drew, in order)."""
     reset_memory(a.device)
     trainer = trainer_of(cfg)
     source = trainer.objective.loader.source
