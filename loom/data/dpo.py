@@ -71,11 +71,18 @@ def from_row(row: dict, where: str, errors: str = "strict") -> Pair:
 
 def docstring_preferences(paths: list[str]) -> Iterator[Pair]:
     """SFT's docstring pairs (loom.data.sft) as preferences: the prompt asks for a function's docstring, chosen is
-    its own, rejected the docstring of the function half the list away (another file's, the same on every run)."""
+    its own, rejected the docstring of the function half the list away (another file's, the same on every run).
+
+    Functions i and i + n/2 swap docstrings, and their two pairs come one after the other: every docstring is chosen
+    once and rejected once, in neighbouring pairs, so the held-out split (the last pairs) never holds a docstring
+    that training saw with the other label (half the list apart, a model that memorized docstrings would score
+    below chance there)."""
     convs = [c for c in docstring_pairs(paths) if len(c.messages[0]["content"]) <= MAX_CODE + 64]
-    n = len(convs)
-    for i, conv in enumerate(convs):
-        other = convs[(i + n // 2) % n].messages[1]
+    n, half = len(convs), len(convs) // 2
+    order = [k for i in range(half) for k in (i, i + half)] + ([n - 1] if n % 2 else [])
+    for k in order:
+        conv = convs[k]
+        other = convs[k + half if k < half else k - half].messages[1]
         if other["content"] == conv.messages[1]["content"]:
             continue
         yield Pair(conv.messages[:1], conv.messages[1:], [other], conv.where)
@@ -83,7 +90,7 @@ def docstring_preferences(paths: list[str]) -> Iterator[Pair]:
 
 def encoder_fingerprint(encoder: ChatEncoder) -> str:
     """The cache key of a DPO token file: the chat template (SFT's encoder) and this format's version."""
-    return hashlib.blake2b(f"loom-dpo-v1|{encoder.fingerprint()}".encode(), digest_size=8).hexdigest()
+    return hashlib.blake2b(f"loom-dpo-v2|{encoder.fingerprint()}".encode(), digest_size=8).hexdigest()
 
 
 def write_pairs(spec: SourceSpec, encoder: ChatEncoder, writer: TokenFileWriter) -> None:
