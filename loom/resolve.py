@@ -378,6 +378,9 @@ def check_parallel_fields(cfg: Config) -> None:
 def check_diloco(cfg: Config) -> None:
     """DiLoCo (loom.train.diloco): groups along dp_replicate that average their weights every H steps."""
     p = cfg.parallel
+    if p.diloco_overlap_steps and not p.diloco_inner_steps:
+        raise ConfigError("parallel.diloco_overlap_steps", p.diloco_overlap_steps,
+                          "0 without DiLoCo (parallel.diloco_inner_steps = 0)")
     if not p.diloco_inner_steps:
         return
     field, h = "parallel.diloco_inner_steps", p.diloco_inner_steps
@@ -395,6 +398,10 @@ def check_diloco(cfg: Config) -> None:
     if p.diloco_fragments > h:
         raise ConfigError("parallel.diloco_fragments", p.diloco_fragments,
                           f"at most parallel.diloco_inner_steps = {h} (each fragment synchronizes once per H steps)")
+    if p.diloco_overlap_steps >= h:
+        raise ConfigError("parallel.diloco_overlap_steps", p.diloco_overlap_steps,
+                          f"below parallel.diloco_inner_steps = {h} (a fragment's reduction is applied before the "
+                          "fragment is reduced again)")
 
 
 # ---- rules that need the world size ---------------------------------------------------

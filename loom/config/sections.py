@@ -232,6 +232,12 @@ class ParallelConfig:
     diloco_bf16: bool = opt(False, "DiLoCo: all-reduce the pseudo-gradients in bfloat16 (half the bytes)")
     diloco_fragments: int = opt(1, "DiLoCo: > 1 = streaming DiLoCo: the model split into this many fragments, "
                                    "each synchronized every H steps at staggered steps (H / fragments apart)", min=1)
+    diloco_overlap_steps: int = opt(0, "DiLoCo: > 0 = a fragment's outer all-reduce overlaps this many inner steps "
+                                       "tau (Streaming DiLoCo): launched at its synchronization step, applied tau "
+                                       "steps later; 0 = the all-reduce blocks its step", min=0)
+    diloco_overlap_alpha: float = opt(0.5, "DiLoCo with diloco_overlap_steps > 0: the weights after an applied outer "
+                                           "step are alpha x local + (1 - alpha) x outer (the local progress of the "
+                                           "overlapped steps mixed in; 0 = the outer weights)", min=0.0, max=1.0)
 
 
 @dataclass

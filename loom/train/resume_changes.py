@@ -204,6 +204,9 @@ RULES: dict[str, tuple[str, str]] = {
                                                 "buffers are kept)"),
     "parallel.diloco_bf16": (APPLIED, "the pseudo-gradients' precision on the wire from the next synchronization"),
     "parallel.diloco_fragments": (MUST_MATCH, "which parameters the outer weights of a round were taken for, and when"),
+    "parallel.diloco_overlap_steps": (MUST_MATCH, "which reductions are in flight at a step, and when each is "
+                                                  "applied (the checkpoint holds their averaged pseudo-gradients)"),
+    "parallel.diloco_overlap_alpha": (APPLIED, "the mixing of the next applied outer steps"),
 
     "checkpoint.every": (FREE, _OUTPUT),
     "checkpoint.keep": (FREE, _OUTPUT),

@@ -472,6 +472,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         restore_loss_scale(self.scaler, old, self.cfg.training)
         self.guard.load_state_dict(state.get("nonfinite", {}))  # steps whose batches are skipped stay skipped
+        if self.diloco:  # the checkpoint's pending outer reductions (parallel.diloco_overlap_steps)
+            self.diloco.resumed(self.step)
         torch.set_rng_state(torch.tensor(state["rng"]["cpu"], dtype=torch.uint8))
         if state["rng"].get("cuda") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(torch.tensor(state["rng"]["cuda"], dtype=torch.uint8))
@@ -665,6 +667,8 @@ class Trainer:
             else:
                 if cfg.checkpoint.at_end and not (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
+            if self.diloco:  # outer reductions still in flight finish before the process group can go
+                self.diloco.wait()
             self.checkpointer.wait()
             finished = True
         except RuntimeError as err:  # a collective that timed out: the hang report (loom.parallel.health)

@@ -7,11 +7,16 @@ with streaming fragments (loom.train.diloco).
 - The bytes that cross the groups (collectives whose ranks lie in both groups, counted at the c10d ops) per
   optimizer step are 1/H of the synchronous run's (1/(2H) with the bf16 wire), per-step scalars included.
 - A run saved inside a round resumes bit for bit (outer weights and momentum, each group's weights and AdamW state).
+- Overlapped reductions (parallel.diloco_overlap_steps = tau): two groups follow a one-process implementation of
+  Streaming DiLoCo's delayed rule, and a group's step does not wait for the reduction it launched (its peer joins
+  the reduction only after this group has taken tau - 1 more steps); in the trainer the bytes across the groups are
+  those of the blocking run, and a run saved while a reduction is in flight resumes bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
@@ -96,7 +101,8 @@ def _count_steps(trainer, world: int):
 
 def _runs(tmp: str, layout_name: str, rank: int, world: int) -> dict:
     _, layout, options = LAYOUTS[layout_name]
-    out = {}
+    # 0. DiLoCo alone, overlapped, 2 groups of one rank (in this spawn: starting processes costs more than it)
+    out = {"overlapped": _overlapped(tmp, rank, world)} if world == GROUPS else {}
     # 1. H = 1, outer LR 1, no momentum against synchronous data parallelism, both stepping with SGD (no clipping: a
     # DiLoCo group's gradient norm is its own); the synchronous run's cross-group bytes are counted
     one = {"parallel.diloco_outer_lr": 1.0, "parallel.diloco_outer_momentum": 0.0}
@@ -120,6 +126,21 @@ def _runs(tmp: str, layout_name: str, rank: int, world: int) -> dict:
     out["full"] = [r for r in _records_of(tmp, "full") if r[0] > 3]
     out["resumed"] = _records_of(tmp, "resumed")
     out["bf16"] = options.get("parallel.diloco_bf16") == "true"
+    # 3. the same with 2 fragments whose reductions overlap one step (H = 2: fragment 0 launched at steps 1, 3, 5 and
+    # applied at 2, 4, 6, fragment 1 launched at 2, 4, 6): saved at step 3 with fragment 0's reduction in flight
+    overlap = {**resume, "parallel.diloco_fragments": 2, "parallel.diloco_overlap_steps": 1}
+    full = _trainer(tmp, "overlap-full", layout, **overlap)
+    count = _count_steps(full, world)
+    records = full.fit()
+    out["bytes_overlap"], out["bytes_overlap_reported"] = count.bytes, records[-1]["diloco_bytes"] if records else None
+    with open(f"{tmp}/overlap-full/checkpoints/step_00000003/trainer_state.json") as fh:
+        out["overlap_saved"] = json.load(fh)["diloco"]
+    _trainer(tmp, "overlap-resumed", layout, **overlap,
+             **{"checkpoint.resume": f"{tmp}/overlap-full/checkpoints/step_00000003"}).fit()
+    out["overlap_full"] = [r for r in _records_of(tmp, "overlap-full") if r[0] > 3]
+    out["overlap_resumed"] = _records_of(tmp, "overlap-resumed")
+    out["overlap_h2"] = _records_of(tmp, "full")
+    out["overlap_all"] = _records_of(tmp, "overlap-full")
     return out
 
 
@@ -161,6 +182,83 @@ def test_resume_inside_a_round_is_bitwise(runs):
     full, resumed = runs["full"], runs["resumed"]
     assert [r[0] for r in resumed] == [4, 5, 6]
     assert [tuple(r) for r in resumed] == [tuple(r) for r in full]
+
+
+def test_overlapped_reductions_send_the_blocking_runs_bytes(runs):
+    """The same reductions, launched a step earlier than they are applied: the same bytes as the blocking H = 2
+    run, and the losses part from it (the outer steps land a step later, mixed with the local progress)."""
+    assert runs["bytes_overlap"] == runs["bytes_h2"]
+    assert runs["bytes_overlap_reported"] == runs["bytes_h2_reported"]
+    assert runs["overlap_all"][0] == runs["overlap_h2"][0]  # step 1: nothing applied yet in either run
+    assert [r[1] for r in runs["overlap_all"]] != [r[1] for r in runs["overlap_h2"]]
+
+
+def test_resume_mid_overlap_is_bitwise(runs):
+    assert runs["overlap_saved"]["pending"] == [[0, 4]]  # fragment 0's reduction was in flight at the save
+    full, resumed = runs["overlap_full"], runs["overlap_resumed"]
+    assert [r[0] for r in resumed] == [4, 5, 6]
+    assert [tuple(r) for r in resumed] == [tuple(r) for r in full]
+
+
+OVERLAP = {"steps": 12, "h": 4, "tau": 2, "alpha": 0.25, "lr": 0.7, "momentum": 0.9}
+
+
+def _overlapped(tmp: str, rank: int, world: int) -> dict:
+    """Two groups of one rank run DiLoCo on a small model with 2 fragments whose reductions overlap tau = 2 steps
+    (the inner steps are fixed changes of the weights). Rank 1 joins each reduction only after rank 0 has finished
+    step launch + tau - 1: if rank 0's step waited for the reduction it launched, neither would get there and rank 1
+    would give up (a store wait of 60 s). Rank 0 returns its weights after every step."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from loom.config.sections import ParallelConfig
+    from loom.train.diloco import DiLoCo
+    from tests.unit.test_diloco import _model, _perturb
+
+    o, store, out = OVERLAP, dist.FileStore(f"{tmp}/overlap_store", world), {}
+    for bf16 in (False, True):
+        model = _model()
+        cfg = ParallelConfig(diloco_inner_steps=o["h"], diloco_fragments=2, diloco_overlap_steps=o["tau"],
+                             diloco_overlap_alpha=o["alpha"], diloco_outer_lr=o["lr"],
+                             diloco_outer_momentum=o["momentum"], diloco_bf16=bf16)
+        diloco = DiLoCo([model], cfg, group=dist.group.WORLD, n_groups=world, replica=rank,
+                        outer_group=dist.new_group(list(range(world))))
+        history = []
+        for step in range(1, o["steps"] + 1):
+            _perturb(model, step, rank)
+            if rank == 1 and diloco.due(step):
+                ahead = min(step + o["tau"] - 1, o["steps"])  # the last reduction is waited for after the loop
+                store.wait([f"{bf16}-{ahead}"], datetime.timedelta(seconds=60))
+            diloco.after_step(step)
+            if rank == 0:
+                store.set(f"{bf16}-{step}", "done")
+            history.append([p.detach().flatten().tolist() for p in model.parameters()])
+        diloco.wait()
+        out[str(bf16)] = {"history": history, "bytes": diloco.bytes_sent,
+                          "fragments": [[list(diloco.params).index(k) for k in f] for f in diloco.fragments]}
+    return out
+
+
+def test_overlapped_groups_follow_the_delayed_rule_without_waiting(runs):
+    import torch
+
+    from tests.unit.test_diloco import _model, delayed_rule
+
+    if "overlapped" not in runs:
+        pytest.skip("run in the 2-rank layout's processes")
+    got = runs["overlapped"]
+    inits = [p.detach().clone() for p in _model().parameters()]
+    n = sum(t.numel() for t in inits)
+    for bf16 in (False, True):
+        run = got[str(bf16)]
+        history, _ = delayed_rule(inits, run["fragments"], groups=GROUPS, bf16=bf16,
+                                  **{k: v for k, v in OVERLAP.items()})
+        for step, (mine, want) in enumerate(zip(run["history"], history), 1):
+            for a, b in zip(mine, want[0]):  # rank 0 is replica 0
+                torch.testing.assert_close(torch.tensor(a), b.flatten(), rtol=1e-6, atol=1e-7, msg=f"step {step}")
+        assert run["bytes"] == 3 * n * (2 if bf16 else 4)  # 6 reductions of half the model in 12 steps
 
 
 @pytest.mark.exhaustive
