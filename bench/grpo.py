@@ -63,6 +63,23 @@ def trainer_of(cfg):
     return Trainer(cfg, objective=GroupRelative(cfg))
 
 
+def reward_functions(cfg):
+    """The run's reward functions and weights as loom's rollouts resolve them (``loom.rl.rewards.Rewards``): the
+    embedded task's two by default, or grpo.rewards / grpo.reward_weights."""
+    from loom.rl.rewards import Rewards
+    from loom.rl.rollout import EMBEDDED_REWARDS, EMBEDDED_WEIGHTS
+
+    g = cfg.grpo
+    specs = [s.strip() for s in g.rewards.split(",") if s.strip()]
+    weights = [float(w) for w in g.reward_weights.split(",") if w.strip()]
+    return Rewards(specs or list(EMBEDDED_REWARDS), weights or (None if specs else list(EMBEDDED_WEIGHTS)))
+
+
+def describe_rewards(rewards) -> str:
+    return " + ".join(f"{float(w):g} x {fn.__module__}:{fn.__name__}" for w, fn in zip(rewards.weights,
+                                                                                        rewards.functions))
+
+
 def export(trainer, folder: str) -> None:
     """The trainer's model as a Hugging Face folder (fp32 weights) with the byte tokenizer as a tokenizer.json."""
     from loom.checkpoint.hf import export_hf, tokenizer_export
@@ -114,6 +131,8 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
         return rows
 
     source.problems = recording
+    mine, theirs = trainer.objective.loader.rewards, reward_functions(cfg)  # what TRL is given
+    assert mine.functions == theirs.functions and mine.weights.tolist() == theirs.weights.tolist()
     t0 = time.perf_counter()
     records = trainer.fit()
     wall = time.perf_counter() - t0
@@ -178,9 +197,8 @@ def trl_mapping(cfg) -> list[dict]:
         ("grpo.loss_type", "loss_type", g.loss_type, ""),
         ("grpo.scale_rewards", "scale_rewards", g.scale_rewards, ""),
         ("grpo.mask_truncated", "mask_truncated_completions", g.mask_truncated, ""),
-        ("grpo.rewards / grpo.reward_weights", "reward_funcs / reward_weights",
-         "loom.rl.arithmetic:exact_answer x 1, loom.rl.arithmetic:digit_match x 0.5",
-         "the same Python functions (the embedded task's; TRL calls them with the dataset's 'answer' column)"),
+        ("grpo.rewards / grpo.reward_weights", "reward_funcs / reward_weights", describe_rewards(reward_functions(cfg)),
+         "the same Python functions (TRL calls them with the dataset's 'answer' column)"),
         ("optimizer.lr x grpo.lr_ratio", "learning_rate", o.lr * g.lr_ratio, "constant (the bench's GRPO part)"),
         ("optimizer.schedule", "lr_scheduler_type", "constant", ""),
         ("optimizer.warmup_steps", "warmup_steps", 0, ""),
@@ -208,7 +226,8 @@ def trl_config(cfg, out_dir: str, steps: int, device: str):
         num_generations=g.group_size, num_iterations=g.iterations, max_completion_length=g.max_new_tokens,
         temperature=g.temperature, top_p=g.top_p, top_k=0, beta=g.beta, epsilon=g.epsilon,
         epsilon_high=g.epsilon_high or g.epsilon, loss_type=g.loss_type, scale_rewards=g.scale_rewards,
-        mask_truncated_completions=g.mask_truncated, reward_weights=[1.0, 0.5], learning_rate=o.lr * g.lr_ratio,
+        mask_truncated_completions=g.mask_truncated, reward_weights=reward_functions(cfg).weights.tolist(),
+        learning_rate=o.lr * g.lr_ratio,
         lr_scheduler_type="constant", warmup_steps=0, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
         adam_epsilon=o.eps, weight_decay=o.weight_decay, max_grad_norm=t.max_norm,
         bf16=t.dtype == "bfloat16", use_cpu=device == "cpu",
@@ -245,18 +264,19 @@ def run_trl(a, cfg, folder: str, rows: list[dict], out_folder: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from loom.rl.arithmetic import digit_match, exact_answer
-
     reset_memory(a.device)
     generation, scoring = _Timed(a.device), _Timed(a.device)
     seen: list[str] = []
 
-    def exact(prompts, completions, answer, **kw):
-        seen.extend(prompts[::cfg.grpo.group_size])  # each group's prompt, in the order TRL trains on them
-        return exact_answer(prompts, completions, answer)
+    def recording(fn):  # the first function also records each group's prompt, in the order TRL trains on them
+        def first(prompts, completions, **kw):
+            seen.extend(prompts[::cfg.grpo.group_size])
+            return fn(prompts=prompts, completions=completions, **kw)
+        first.__name__ = fn.__name__
+        return first
 
-    exact.__name__ = "exact_answer"
-    funcs = [scoring.wrap(exact), scoring.wrap(digit_match)]
+    rewards = reward_functions(cfg)
+    funcs = [scoring.wrap(recording(fn) if k == 0 else fn) for k, fn in enumerate(rewards.functions)]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     args = trl_config(cfg, os.path.join(a.run_dir, "trl_out"), a.steps, a.device)
@@ -488,7 +508,7 @@ def main() -> None:
             "task": {"digits": g.digits, "ops": g.ops, "seed": cfg.run.seed},
             "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": per_step,
             "group_size": g.group_size, "max_new_tokens": g.max_new_tokens, "grpo_lr": lr,
-            "eval_problems": a.eval_problems, "rewards": "1 x exact_answer + 0.5 x digit_match (loom.rl.arithmetic)",
+            "eval_problems": a.eval_problems, "rewards": describe_rewards(reward_functions(cfg)),
             "loom_overrides": a.set, "loom_compile": cfg.training.compile},
         "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "results": results,
         "comparison": comparison, "total_wall_s": time.perf_counter() - t_start,
