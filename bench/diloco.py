@@ -4,7 +4,9 @@ each rank sends across the replica groups, for several H (``parallel.diloco_inne
 Every run is a ``loom train`` job on ``--groups`` processes (one replica group each: ``parallel.dp_replicate =
 groups``, ``dp_shard = 1``), the same model, data order, global batch, steps and inner AdamW schedule; the
 synchronous run is DDP. Validation runs once, at the last step, which is a multiple of every H, so each DiLoCo run
-is scored on its outer (synchronized) weights. Bytes: a DiLoCo run logs its all-reduce payload per rank
+is scored on its outer (synchronized) weights; with ``--fragments`` > 1 or ``--overlap`` > 0 (streaming DiLoCo, its
+overlapped reductions) only some fragments are in sync at that step, and the validation loss is the mean of the
+groups' losses on their own weights. Bytes: a DiLoCo run logs its all-reduce payload per rank
 (``diloco_bytes``); DDP all-reduces each fp32 gradient every step, 4 bytes a parameter a step (the parameter count
 is read back from a DiLoCo run's payload).
 
@@ -15,6 +17,7 @@ default is a small model on CPU ranks, far below the paper's scale and token cou
 checks the mechanics and shows the trend, it does not reproduce the paper's figure.
 
     nice -n 10 python -m bench.diloco --out bench/results/diloco_cpu.json            # 4 gloo ranks, CPU
+    nice -n 10 python -m bench.diloco --hs 50 --fragments 5 --overlap 2 --out bench/results/diloco_overlap_cpu.json
     python -m bench.diloco --device cuda --flavor 125M --steps 3000 --seq 512 --global-batch 64 \\
         --hs 1,50,500 --out bench/results/diloco_4gpu_h100.json                      # 4 GPUs
 """
@@ -42,12 +45,20 @@ def job(args, run_dir: str, cache: str, h: int) -> dict:
     if h:
         cfg.update({"parallel.diloco_inner_steps": h, "parallel.diloco_outer_lr": args.outer_lr,
                     "parallel.diloco_outer_momentum": args.outer_momentum,
-                    "parallel.diloco_bf16": str(args.bf16).lower()})
+                    "parallel.diloco_bf16": str(args.bf16).lower(), "parallel.diloco_fragments": args.fragments,
+                    "parallel.diloco_overlap_steps": args.overlap, "parallel.diloco_overlap_alpha": args.alpha})
     return cfg
 
 
+def variant(args, h: int) -> str:
+    if not h:
+        return "sync"
+    return f"diloco_h{h}" + (f"_f{args.fragments}" if args.fragments > 1 else "") + \
+        (f"_tau{args.overlap}" if args.overlap else "")
+
+
 def run_one(args, root: str, h: int) -> dict:
-    name = f"diloco_h{h}" if h else "sync"
+    name = variant(args, h)
     run_dir = os.path.join(root, name)
     proc, cmd, wall = run_train(job(args, run_dir, os.path.join(root, "cache"), h), args.groups, args.timeout)
     row = {"variant": name, "inner_steps": h, "command": cmd, "wall_s": wall}
@@ -76,6 +87,10 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, default=0.7, help="the paper's 0.7")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="the paper's Nesterov 0.9")
     p.add_argument("--bf16", action="store_true", help="all-reduce the pseudo-gradients in bfloat16")
+    p.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: fragments synchronized apart")
+    p.add_argument("--overlap", type=int, default=0,
+                   help="tau: each fragment's all-reduce overlaps this many inner steps (0 = blocking)")
+    p.add_argument("--alpha", type=float, default=0.5, help="with --overlap: the local weights' share after a merge")
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600)
@@ -86,6 +101,9 @@ def main() -> None:
     bad = [h for h in hs if h <= 0 or args.steps % h]
     if bad:
         p.error(f"--steps {args.steps} must be a multiple of every H (not of {bad})")
+    bad = [h for h in hs if args.fragments > h or args.overlap >= h]
+    if bad:
+        p.error(f"every H needs --fragments <= H and --overlap < H (not {bad})")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for h in [0] + hs:
@@ -106,12 +124,12 @@ def main() -> None:
                         "baseline's perplexity on the same tokens with 500x less communication",
            "results": rows}
     write_result(args.out, doc)
-    print(f"{'variant':<12} {'val_loss':>9} {'vs sync':>8} {'bytes/rank':>14} {'vs sync':>9}")
+    print(f"{'variant':<20} {'val_loss':>9} {'vs sync':>8} {'bytes/rank':>14} {'vs sync':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<12} error: {r['error'][:200]}")
+            print(f"{r['variant']:<20} error: {r['error'][:200]}")
             continue
-        print(f"{r['variant']:<12} {r['val_loss']:>9.4f} {r.get('val_loss_vs_sync', 0):>+8.4f} "
+        print(f"{r['variant']:<20} {r['val_loss']:>9.4f} {r.get('val_loss_vs_sync', 0):>+8.4f} "
               f"{r.get('bytes_per_rank', 0):>14,} {r.get('bytes_vs_sync', 1):>9.4f}")
 
 
