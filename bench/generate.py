@@ -51,6 +51,9 @@ def settings(a) -> dict:
         "spec_new": 24 if quick else a.spec_new,
         "spec_k": a.spec_k,
         "spec_dtype": a.spec_dtype,
+        "spec_fit_steps": 40 if quick else a.spec_fit_steps,
+        "spec_fit_lr": 3e-3 if quick else a.spec_fit_lr,
+        "profile": a.profile,
         "rates": [0.5, 1.0] if quick else [float(r) for r in a.rates.split(",")],
     }
 
@@ -164,6 +167,9 @@ def run_loom(flavor: str, s: dict) -> dict:
                               "loop_tokens_per_s": stats.new_tokens / (stats.seconds - stats.prefill_seconds),
                               "cache_bytes_per_token": gen.engine.cache_bytes_per_token})
         print(json.dumps(out["decode"][-1]), flush=True)
+        if s["profile"]:
+            out.setdefault("profile", []).append({"batch": batch, **profile_steps(gen.engine, prompts, dev)})
+            print(json.dumps(out["profile"][-1])[:2000], flush=True)
     for batch, seq in s["prefill"]:
         prompts = prompts_of(batch, seq, vocab, seed=2)
         gen.engine.start(prompts, 1)  # warm-up
@@ -173,6 +179,63 @@ def run_loom(flavor: str, s: dict) -> dict:
     out["setup_and_run_s"] = time.perf_counter() - t0
     out["roofline"] = roofline(model, out["decode"], s)
     return out
+
+
+KERNEL_KINDS = (("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_")),
+                ("attention", ("fmha", "attention", "flash", "efficient", "sdpa")),
+                ("copy", ("memcpy", "memset", "copy", "fill")),
+                ("triton", ("triton",)))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_steps(engine, prompts: list[list[int]], device: str, steps: int = 20, top: int = 25) -> dict:
+    """``steps`` decode steps as the engine runs them (CUDA graph replays on CUDA), timed, then recorded with
+    torch.profiler: per step the kernels launched and their summed time against the step's time (the rest is
+    time the GPU waits), by kind (GEMM, attention, Triton, copies), and the ``top`` kernels by time. Without a
+    GPU the same over CPU operators (a smoke test: nothing there is a kernel)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    logits, _, lens = engine.start(prompts, steps + 1)  # the caches (and graphs) of the decode runs, kept
+    tokens = logits.argmax(-1)[:, None]  # (B, 1)
+    pos = lens[:, None]  # (B, 1)
+
+    def run():
+        for i in range(steps):
+            engine.step(tokens, pos + i)
+
+    run()
+    step_s = _timed(run, device) / steps
+    cuda = device == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        run()
+        engine.sync()
+    rows = []
+    for a in prof.key_averages():
+        if cuda and a.device_type != DeviceType.CUDA:
+            continue
+        us = (getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0)) if cuda \
+            else a.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": a.key[:160], "kind": kernel_kind(a.key), "calls_per_step": a.count / steps,
+                         "us_per_step": us / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total_us = sum(r["us_per_step"] for r in rows)
+    kinds: dict[str, float] = {}
+    for r in rows:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["us_per_step"]
+    return {"what": "CUDA kernels" if cuda else "CPU operators (self time)", "graphs": bool(engine.cuda_graphs),
+            "steps": steps, "step_ms": 1000 * step_s, "kernel_ms_per_step": total_us / 1000,
+            "kernel_share_of_step": total_us / 1e6 / step_s if step_s else None,
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+            "ms_per_step_by_kind": {k: v / 1000 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [{**r, "share_of_kernels": r["us_per_step"] / total_us} for r in rows[:top]]}
 
 
 def roofline(model, decode: list[dict], s: dict) -> dict | None:
@@ -251,14 +314,18 @@ def run_hf(flavor: str, s: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- speculative
 class Oracle:
-    """Guesses of set accuracy: the target's greedy continuation (known from a plain run), each guessed token
-    replaced by a wrong one with probability 1 - ``rate``. Proposing costs what prompt lookup's lookup costs."""
+    """Guesses of set accuracy: ``continuation``, the target's own greedy tokens, each guessed token replaced by a
+    wrong one with probability 1 - ``rate`` (``continuation`` None: every guess is the pending token's id + 1, a
+    proposer that keeps about nothing). Proposing costs what prompt lookup's lookup costs (host lists).
 
-    def __init__(self, k: int, rate: float, continuation: list[list[int]], vocab: int):
-        import random
+    ``continuation`` comes from a speculative run of the same k (``run_speculative``), not from plain decoding:
+    a random model's next-token logits are nearly flat, and in bf16 the (k+1)-token verification forward rounds
+    differently from the one-token step, so the two decodings part at a near-tie, and every guess taken from the
+    plain run is wrong from there on (the first GPU run's oracle acceptance, docs/inference.md). A row's result in a (k+1)-token forward does not depend on the other rows, so every run with this k
+    gives the reference's tokens: each oracle run checks that it did (``same_tokens_as_reference``)."""
 
+    def __init__(self, k: int, rate: float, continuation: list[list[int]] | None, vocab: int):
         self.k, self.rate, self.continuation, self.vocab = k, rate, continuation, vocab
-        self._random = random.Random(0)
 
     def run(self, engine, prompts, params, sequences):
         from loom.infer.speculative import speculate
@@ -266,7 +333,10 @@ class Oracle:
         return speculate(engine, prompts, params, sequences, self)
 
     def start(self, prompts, reserve, params):
+        import random
+
         self._emitted = [0] * len(prompts)
+        self._random = random.Random(0)  # every run draws the same wrong guesses
 
     def propose(self, pending, pending_host, pos, done):
         import torch
@@ -274,6 +344,9 @@ class Oracle:
         guesses = []
         for b, finished in enumerate(done):
             self._emitted[b] += 0 if finished else 1  # the pending token
+            if self.continuation is None:
+                guesses.append([(pending_host[b] + 1) % self.vocab] * self.k)
+                continue
             cont = self.continuation[b][self._emitted[b]:self._emitted[b] + self.k]
             cont += [0] * (self.k - len(cont))
             guesses.append([t if self._random.random() < self.rate else (t + 1) % self.vocab for t in cont])
@@ -288,20 +361,77 @@ class Oracle:
         pass
 
 
+def fit(model, tokens: list[int], steps: int, lr: float) -> dict:
+    """A few AdamW steps of ``model`` (float32 weights, bf16 autocast on CUDA) on one sequence, so that its greedy continuation of a piece of that
+    text is the text with confident logits: a model whose output really repeats its prompt, for prompt lookup.
+    Returns the first and last loss."""
+    import torch
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    x = torch.tensor([tokens], device=device)  # (1, S)
+    params = list(model.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    model.train()
+    losses = []
+    for i in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (i + 1) / 10)  # 10 warm-up steps
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(x[:, :-1])  # (1, S - 1, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[0, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    for p in params:
+        p.requires_grad_(False)
+    del opt
+    return {"steps": steps, "lr": lr, "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None}
+
+
+def expected_acceptance(rate: float, k: int) -> float:
+    """Kept guesses over proposed ones when each guess is right with probability ``rate`` on its own: a round
+    keeps the agreeing prefix, on average rate + rate^2 + ... + rate^k of k."""
+    return sum(rate ** i for i in range(1, k + 1)) / k
+
+
 def run_speculative(flavor: str, s: dict) -> dict:
+    """Batch-1 speculative decoding on ``flavor`` (bf16 by default). With ``spec_fit_steps`` the model is first fit
+    (float32) on a piece of Python source, and the prompt is that source followed by its first line again: the
+    fitted model continues with the source, which prompt lookup finds in the prompt. The rows: plain decoding, prompt
+    lookup, the oracle curve (guesses of set accuracy) and a proposer that keeps about nothing; each with its
+    acceptance, tokens per target forward and speedup over plain decoding."""
     import torch
 
     from loom.infer import Generator, PromptLookup, SamplingParams
 
     torch._dynamo.config.cache_size_limit = 64
     dev = s["device"]
-    # float32 by default: a random model's next-token distribution is nearly flat (top-1 / top-2 gaps down to 0 in
-    # bf16), and bf16's rounding differs between the (k+1)-token verification and the one-token step, so greedy
-    # speculation flips near-ties there and the oracle's guesses (the plain run's tokens) stop matching: docs/inference.md
-    model = loom_model(flavor, dev, s["compile"], getattr(torch, s["spec_dtype"]))
+    dtype = getattr(torch, s["spec_dtype"])
+    text = code_prompt(512 if dev != "cpu" else 48)
+    restart = 32 if dev != "cpu" else 8  # the prompt repeats the source's first bytes: the model goes on from there
+    fitted = None
+    if s["spec_fit_steps"]:
+        model = loom_model(flavor, dev, s["compile"], torch.float32)
+        fitted = fit(model, text + text, s["spec_fit_steps"], s["spec_fit_lr"])
+        model = model.to(dtype)
+        model.init_buffers(dev)  # the RoPE table back in float32
+        prompt = [text + text[:restart]]
+        described = f"{CODE_MODULE} source ({len(text)} byte ids) and its first {restart} again, after the fit"
+    else:
+        model = loom_model(flavor, dev, s["compile"], dtype)
+        prompt = [text]
+        described = f"{CODE_MODULE} source, {len(text)} byte ids, random weights"
     gen = Generator.from_model(model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=1)
     params = SamplingParams(max_new_tokens=s["spec_new"], ignore_eos=True)
-    prompt = [code_prompt(512 if not s["device"] == "cpu" else 48)]
+    k = s["spec_k"]
+    vocab = model.args.vocab_size
 
     def measure(spec) -> dict:
         gen.generate_ids(prompt, params, speculative=spec)  # warm-up: compile, capture
@@ -312,21 +442,40 @@ def run_speculative(flavor: str, s: dict) -> dict:
             runs.append((st.new_tokens / (st.seconds - st.prefill_seconds), st, outs[0].token_ids))
         tps, st, tokens = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
         return {"tokens_per_s": tps, "acceptance": st.acceptance, "target_steps": st.target_steps,
+                "tokens_per_target_step": st.new_tokens / st.target_steps if st.target_steps else 1.0,
                 "tokens": tokens}
 
     plain = measure(False)
-    out = {"flavor": flavor, "k": s["spec_k"], "prompt": f"{CODE_MODULE} source, {len(prompt[0])} byte ids",
-           "new_tokens": s["spec_new"], "plain_tokens_per_s": plain["tokens_per_s"], "runs": []}
-    variants = [("prompt_lookup", PromptLookup(k=s["spec_k"]))]
-    variants += [(f"oracle_{r}", Oracle(s["spec_k"], r, [plain["tokens"]], model.args.vocab_size))
-                 for r in s["rates"]]
-    for name, spec in variants:
-        m = measure(spec)
-        row = {"proposer": name, "acceptance": m["acceptance"], "tokens_per_s": m["tokens_per_s"],
-               "speedup": m["tokens_per_s"] / plain["tokens_per_s"], "target_steps": m["target_steps"],
-               "same_tokens_as_plain": m["tokens"] == plain["tokens"]}
-        out["runs"].append(row)
-        print(json.dumps(row), flush=True)
+    reference = measure(Oracle(k, 0.0, None, vocab))  # the tokens every speculative run with this k gives
+    if fitted is not None:  # how much of plain decoding's output is the source going on (memorized, not looping)
+        source = text[restart:restart + len(plain["tokens"])]
+        fitted["output_follows_source"] = sum(a == b for a, b in zip(plain["tokens"], source)) / len(source)
+    out = {"flavor": flavor, "dtype": s["spec_dtype"], "k": k, "prompt": described, "fit": fitted,
+           "new_tokens": s["spec_new"], "plain_tokens_per_s": plain["tokens_per_s"],
+           "reference_same_as_plain": reference["tokens"] == plain["tokens"],
+           "reference_first_difference": next((i for i, (a, b) in enumerate(zip(reference["tokens"], plain["tokens"]))
+                                               if a != b), None), "runs": []}
+
+    def row(name: str, m: dict, rate: float | None = None) -> dict:
+        r = {"proposer": name, "acceptance": m["acceptance"], "tokens_per_s": m["tokens_per_s"],
+             "speedup": m["tokens_per_s"] / plain["tokens_per_s"], "target_steps": m["target_steps"],
+             "tokens_per_target_step": m["tokens_per_target_step"],
+             "same_tokens_as_plain": m["tokens"] == plain["tokens"],
+             "same_tokens_as_reference": m["tokens"] == reference["tokens"]}
+        if rate is not None:
+            r.update(guess_rate=rate, expected_acceptance=expected_acceptance(rate, k))
+        out["runs"].append(r)
+        print(json.dumps(r), flush=True)
+        return r
+
+    row("none", reference, 0.0)
+    row("prompt_lookup", measure(PromptLookup(k=k)))
+    for rate in s["rates"]:
+        row(f"oracle_{rate}", measure(Oracle(k, rate, [reference["tokens"]], vocab)), rate)
+    valid = [r for r in out["runs"] if r["same_tokens_as_reference"] and (r["acceptance"] or 0) >= 0.7]
+    out["bar"] = {"acceptance_at_least": 0.7, "speedup_at_least": 1.5, "rows": [r["proposer"] for r in valid],
+                  "min_speedup": min((r["speedup"] for r in valid), default=None)}
+    out["bar"]["met"] = bool(valid) and out["bar"]["min_speedup"] >= 1.5
     return out
 
 
@@ -350,8 +499,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--spec-flavor", default="1B")
     p.add_argument("--spec-new", type=int, default=256)
     p.add_argument("--spec-k", type=int, default=4)
-    p.add_argument("--spec-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the speculative runs' model dtype (float32: no near-tie flips between step shapes)")
+    p.add_argument("--spec-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                   help="the speculative runs' model dtype")
+    p.add_argument("--spec-fit-steps", type=int, default=150,
+                   help="AdamW steps fitting the speculative target to its prompt's source (0: random weights)")
+    p.add_argument("--spec-fit-lr", type=float, default=5e-4)
+    p.add_argument("--profile", action="store_true",
+                   help="record decode steps with torch.profiler: top kernels, kernel time against step time")
     p.add_argument("--rates", default="0.6,0.8,0.9,0.95,1.0", help="guess accuracies of the acceptance curve")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
@@ -426,10 +580,21 @@ def table(doc: dict) -> str:
             rf = r["roofline"]
             frac = f"{100 * rf['fraction']:.1f}% of the HBM roofline" if rf.get("fraction") else "no bandwidth figure"
             lines.append(f"{r['flavor']:<6} batch-1 decode: {frac}")
+        for p in r.get("profile", []):
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in p["ms_per_step_by_kind"].items())
+            lines.append(f"{r['flavor']:<6} profile batch {p['batch']}: step {p['step_ms']:.2f} ms, {p['what']} "
+                         f"{p['kernel_ms_per_step']:.2f} ms in {p['kernels_per_step']:.0f} ({kinds})")
         for run in r.get("runs", []):
             acc = "-" if run["acceptance"] is None else f"{100 * run['acceptance']:.0f}%"
-            lines.append(f"{r['flavor']:<6} speculative {run['proposer']:<14} acceptance {acc:>5}  speedup "
-                         f"{run['speedup']:.2f}x  same tokens: {run['same_tokens_as_plain']}")
+            want = f" (rate {run['guess_rate']}: {100 * run['expected_acceptance']:.0f}% expected)" \
+                if "guess_rate" in run else ""
+            lines.append(f"{r['flavor']:<6} speculative {run['proposer']:<14} acceptance {acc:>5}{want}  "
+                         f"{run['tokens_per_target_step']:.2f} tokens/forward  speedup {run['speedup']:.2f}x  "
+                         f"same tokens as reference: {run['same_tokens_as_reference']}")
+        if r.get("bar"):
+            lines.append(f"{r['flavor']:<6} speculative bar (>= 1.5x where acceptance >= 70%): {r['bar']}")
+        if r.get("fit"):
+            lines.append(f"{r['flavor']:<6} speculative target fit: {r['fit']}")
     lines.append("ratios: " + json.dumps({k: round(v, 3) for k, v in doc["ratios"].items()}))
     return "\n".join(lines)
 
