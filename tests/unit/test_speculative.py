@@ -7,13 +7,14 @@ fixed seeds, bounds far below the draft's own distance from the target)."""
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
 
 from loom.config.errors import ConfigError
 from loom.infer import DraftModel, Generator, PromptLookup, SamplingParams
-from loom.infer.speculative import _Ngrams, verify
+from loom.infer.speculative import _Ngrams, speculate, verify
 from loom.models.llama import Llama, LlamaArgs
 
 
@@ -52,6 +53,52 @@ def test_greedy_output_equals_target_only(proposer, penalty):
         assert g.stats.acceptance == 1.0
     if proposer == "other":
         assert g.stats.acceptance < 0.9
+
+
+class Knowing:
+    """A proposer that knows each row's greedy continuation and guesses each next token right with probability
+    ``rate`` (else the token after it): what the benchmark's acceptance curve runs."""
+
+    def __init__(self, k: int, rate: float, continuations: list[list[int]], vocab: int):
+        self.k, self.rate, self.continuations, self.vocab = k, rate, continuations, vocab
+
+    def run(self, engine, prompts, params, sequences):
+        return speculate(engine, prompts, params, sequences, self)
+
+    def start(self, prompts, reserve, params):
+        self.emitted, self.random = [0] * len(prompts), random.Random(0)
+
+    def propose(self, pending, pending_host, pos, done):
+        guesses = []
+        for b, finished in enumerate(done):
+            self.emitted[b] += 0 if finished else 1  # the pending token
+            cont = self.continuations[b][self.emitted[b]:self.emitted[b] + self.k]
+            cont = cont + [0] * (self.k - len(cont))
+            guesses.append([t if self.random.random() < self.rate else (t + 1) % self.vocab for t in cont])
+        return torch.tensor(guesses), None, [not d for d in done]
+
+    def accepted(self, kept, kept_host, drafts_host, done):
+        for b, m in enumerate(kept_host):
+            self.emitted[b] += 0 if done[b] else m
+
+    def advance(self, prev, running):
+        pass
+
+
+def test_acceptance_counts_the_kept_guesses():
+    """Guesses that are the target's greedy tokens are all kept: k + 1 tokens per target forward; guesses right
+    with probability p on their own keep rate p + p^2 + ... + p^k of k on average."""
+    target, k, new = tiny_model(0), 4, 41
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    plain = [o.token_ids for o in gen(target).generate_ids(PROMPTS, params)]
+    g = gen(target)
+    assert [o.token_ids for o in g.generate_ids(PROMPTS, params, speculative=Knowing(k, 1.0, plain, 64))] == plain
+    assert g.stats.acceptance == 1.0
+    assert g.stats.target_steps == (new - 1) // (k + 1)  # the prefill gives the first token, each forward k + 1
+    rate = 0.6
+    assert [o.token_ids for o in g.generate_ids(PROMPTS, params, speculative=Knowing(k, rate, plain, 64))] == plain
+    expected = sum(rate ** i for i in range(1, k + 1)) / k
+    assert abs(g.stats.acceptance - expected) < 0.1, (g.stats.acceptance, expected)
 
 
 def test_eos_and_stop_ids_inside_a_kept_run_end_the_sequence():
