@@ -172,20 +172,20 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
 
 # ------------------------------------------------------------------------------------------------- TRL's side
 def trl_mapping(cfg) -> list[dict]:
-    """Each loom field of the GRPO run and the TRL GRPOConfig field given its value (``trl`` None: no TRL
-    counterpart; ``note`` says how it is matched)."""
+    """Each loom field of the GRPO run and the TRL GRPOConfig field given its value (``loom`` None: a TRL field
+    set to what loom does without a field for it; ``note`` says how it is matched)."""
     g, t, o = cfg.grpo, cfg.training, cfg.optimizer
     bf16 = t.dtype == "bfloat16"
     rows = [
         ("grpo.group_size", "num_generations", g.group_size, ""),
-        ("training.global_batch_size", "per_device_train_batch_size", t.global_batch_size,
-         "completions per optimizer step (prompts per step x group size)"),
+        ("training.micro_batch_size", "per_device_train_batch_size", t.micro_batch_size,
+         "completions per forward / backward"),
+        ("training.global_batch_size / training.micro_batch_size", "gradient_accumulation_steps",
+         t.global_batch_size // t.micro_batch_size, "micro-batches per optimizer step"),
+        (None, "steps_per_generation", t.global_batch_size // t.micro_batch_size,
+         "one generation of training.global_batch_size completions per optimizer step (x num_iterations)"),
         ("training.global_batch_size / grpo.group_size", "generation_batch_size / num_generations",
-         t.global_batch_size // g.group_size, "prompts per step (TRL: generation_batch_size = per-device batch x "
-                                              "steps_per_generation = per-device batch)"),
-        ("training.micro_batch_size", "gradient_accumulation_steps", t.global_batch_size // t.micro_batch_size,
-         "one forward / backward of the whole step's completions on both"),
-        (None, "steps_per_generation", 1, "one generation per optimizer step (x num_iterations)"),
+         t.global_batch_size // g.group_size, "prompts per generation"),
         ("grpo.iterations", "num_iterations", g.iterations, ""),
         ("grpo.max_new_tokens", "max_completion_length", g.max_new_tokens, ""),
         ("grpo.temperature", "temperature", g.temperature, ""),
@@ -210,7 +210,7 @@ def trl_mapping(cfg) -> list[dict]:
         ("training.activation_checkpointing", "gradient_checkpointing", t.activation_checkpointing != "none",
          "TRL's GRPOConfig defaults to True: set to loom's"),
         ("run.seed", "seed", cfg.run.seed, "the sampling streams differ (each system's own RNG)"),
-        ("the prompts of loom's step k", "train_dataset + shuffle_dataset", False,
+        ("the prompts of loom's step k", "train_dataset, shuffle_dataset", "the same rows; shuffle_dataset false",
          "a datasets.Dataset of the prompts loom's rollouts drew, in order; TRL's sampler unshuffled"),
     ]
     return [{"loom": lf, "trl": tf, "value": v, **({"note": n} if n else {})} for lf, tf, v, n in rows]
@@ -221,8 +221,9 @@ def trl_config(cfg, out_dir: str, steps: int, device: str):
 
     g, t, o = cfg.grpo, cfg.training, cfg.optimizer
     return GRPOConfig(
-        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=t.global_batch_size,
-        gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size, steps_per_generation=1,
+        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size,
+        steps_per_generation=t.global_batch_size // t.micro_batch_size,
         num_generations=g.group_size, num_iterations=g.iterations, max_completion_length=g.max_new_tokens,
         temperature=g.temperature, top_p=g.top_p, top_k=0, beta=g.beta, epsilon=g.epsilon,
         epsilon_high=g.epsilon_high or g.epsilon, loss_type=g.loss_type, scale_rewards=g.scale_rewards,
