@@ -27,6 +27,11 @@ from loom.infer.sampling import SamplingParams, mark_seen, new_generator, sample
 
 SCRATCH = 16  # slots past the longest sequence: where a graph capture's warm-up writes land (and the longest S)
 ALIGN = 64  # cache lengths are rounded up to this: fewer re-allocations and captures across calls
+# Inductor's options for the blocks on CUDA. With coordinate-descent tuning Inductor lowers a matmul with one row
+# (a batch-1 decode step's projections) to its own Triton reduction instead of a cuBLAS call, which it can fuse with
+# the RMSNorm before it and the RoPE and residual after it, and tunes the block sizes of every Triton kernel for the
+# shapes it sees; other matmuls stay cuBLAS's. It lengthens the first compilation only.
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 
 
 @dataclass
@@ -116,7 +121,7 @@ class Engine:
         if self.compile:
             for block in model.layers.values():
                 if getattr(block, "_compiled_call_impl", None) is None:
-                    block.compile(fullgraph=True)
+                    block.compile(fullgraph=True, options=COMPILE_OPTIONS if cuda else None)
                     self._compiled.append(block)
 
     # ---- cache -------------------------------------------------------------------------------------------------
