@@ -148,7 +148,8 @@ def run_loom(flavor: str, s: dict) -> dict:
     model = loom_model(flavor, dev, s["compile"])
     n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    gen = Generator.from_model(model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=max(s["batches"]))
+    gen = Generator.from_model(model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=max(s["batches"]),
+                               pack=True)
     out = {"flavor": flavor, "system": "loom", "params": n_params, "decode": [], "prefill": []}
     vocab = model.args.vocab_size
     for batch in s["batches"]:
@@ -441,7 +442,7 @@ def run_speculative(flavor: str, s: dict) -> dict:
         model = loom_model(flavor, dev, s["compile"], dtype)
         prompt = [text]
         described = f"{CODE_MODULE} source, {len(text)} byte ids, random weights"
-    gen = Generator.from_model(model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=1)
+    gen = Generator.from_model(model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=1, pack=True)
     params = SamplingParams(max_new_tokens=s["spec_new"], ignore_eos=True)
     k = s["spec_k"]
     vocab = model.args.vocab_size

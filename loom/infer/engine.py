@@ -23,6 +23,8 @@ from torch import nn
 
 from loom.config.errors import ConfigError
 from loom.infer.cache import install, uninstall
+from loom.infer.pack import pack as packed_groups
+from loom.infer.pack import unpack
 from loom.infer.sampling import SamplingParams, mark_seen, new_generator, sample
 
 SCRATCH = 16  # slots past the longest sequence: where a graph capture's warm-up writes land (and the longest S)
@@ -97,10 +99,12 @@ class Engine:
     """``model`` (a loom Llama: plain, or split by ``loom.infer.tp``) with caches, steps and graphs.
 
     ``compile`` / ``cuda_graphs`` None: on for CUDA, off on the CPU. ``group``: the tensor-parallel process group
-    (sampled tokens are broadcast from its first rank, so every rank continues with the same ones)."""
+    (sampled tokens are broadcast from its first rank, so every rank continues with the same ones). ``pack``: the
+    projections that read one input as one matmul (``loom.infer.pack``; for a model the engine owns: a training
+    job's model stays as it is)."""
 
     def __init__(self, model: nn.Module, *, compile: bool | None = None, cuda_graphs: bool | None = None,
-                 group=None):
+                 group=None, pack: bool = False):
         self.model = model.eval()
         weight = next(iter(model.parameters()))
         weight = weight.to_local() if hasattr(weight, "to_local") else weight
@@ -117,6 +121,7 @@ class Engine:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._select: torch.Tensor | None = None
         self._hook = model.norm.register_forward_hook(self._last_positions)
+        self._packed = pack and packed_groups(model) > 0  # before compiling: the blocks trace the packed matmuls
         self._compiled = []
         if self.compile:
             for block in model.layers.values():
@@ -151,6 +156,9 @@ class Engine:
         for block in self._compiled:
             block._compiled_call_impl = None
         self._compiled = []
+        if self._packed:
+            unpack(self.model)
+            self._packed = False
 
     @property
     def cache_bytes_per_token(self) -> int:

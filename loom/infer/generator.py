@@ -59,27 +59,28 @@ class Generator:
         loaded = load(path, device=device, dtype=dtype, compile=compile, tp_mesh=mesh, chat_template=chat_template)
         self.name, self.kind = loaded.name, loaded.kind
         self._setup(loaded.model, loaded.codec, loaded.eos_ids, compile, cuda_graphs, max_batch, speculative,
-                    mesh.get_group() if mesh is not None else None)
+                    mesh.get_group() if mesh is not None else None, pack=True)  # the model is the generator's own
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, *, chat_template=None, eos_ids=None,
                    prefix: tuple[int, ...] = (), compile: bool | None = None, cuda_graphs: bool | None = None,
-                   max_batch: int = 64, speculative=None) -> "Generator":
+                   max_batch: int = 64, speculative=None, pack: bool = False) -> "Generator":
         """A plain loom ``Llama`` already built and loaded (on its device, in its dtype). ``tokenizer``: a loom
         tokenizer (``loom.data.build_tokenizer``) for text prompts; ``chat_template``: a ``ChatTemplate``;
-        ``eos_ids``: default the tokenizer's EOS; ``prefix``: ids before every plain prompt."""
+        ``eos_ids``: default the tokenizer's EOS; ``prefix``: ids before every plain prompt. ``pack``: pack the
+        model's projections (``loom.infer.pack``): only for a model nothing else trains or converts meanwhile."""
         self = cls.__new__(cls)
         self.name, self.kind = type(model).__name__, "model"
         codec = Codec(tokenizer, chat_template, prefix) if tokenizer is not None else None
         eos = tuple(eos_ids) if eos_ids is not None else ((tokenizer.eos_id,) if tokenizer is not None else ())
-        self._setup(model, codec, eos, compile, cuda_graphs, max_batch, speculative, None)
+        self._setup(model, codec, eos, compile, cuda_graphs, max_batch, speculative, None, pack=pack)
         return self
 
-    def _setup(self, model, codec, eos_ids, compile, cuda_graphs, max_batch, speculative, group):
+    def _setup(self, model, codec, eos_ids, compile, cuda_graphs, max_batch, speculative, group, pack=False):
         if max_batch < 1:
             raise ConfigError("max_batch", max_batch, "an integer >= 1")
         self.model, self.codec, self.eos_ids = model, codec, tuple(eos_ids)
-        self.engine = Engine(model, compile=compile, cuda_graphs=cuda_graphs, group=group)
+        self.engine = Engine(model, compile=compile, cuda_graphs=cuda_graphs, group=group, pack=pack)
         self.max_batch = max_batch
         self.speculative = speculative
         self.stats = Stats()
