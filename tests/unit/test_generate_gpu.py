@@ -1,6 +1,7 @@
-"""The CUDA paths the CPU suite cannot reach: decode steps under compiled blocks and CUDA graphs give the tokens of
-the eager engine (greedy, fp32), for plain decoding, seeded sampling, prompt lookup and a draft model; the cache in
-bf16 stays within bf16 noise of the full forward. Skipped without CUDA."""
+"""The CUDA paths the CPU suite cannot reach: decode steps under compiled blocks (packed projections, batch-1
+matmuls as Triton reductions) and CUDA graphs give the tokens of the eager engine (greedy, fp32), for plain
+decoding, seeded sampling, prompt lookup and a draft model; the cache in bf16 stays within bf16 noise of the full
+forward. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_graphs_and_compile_give_the_eager_tokens(mode):
                             **({"temperature": 0.8, "top_k": 20, "seed": 3} if mode == "sampled" else {}))
     spec = {"lookup": lambda: PromptLookup(k=3), "draft": lambda: DraftModel(tiny_model(1).cuda(), k=3)}
     eager = _gen(copy.deepcopy(target), False).generate_ids(PROMPTS, params)
-    fast = _gen(target, True, speculative=spec[mode]() if mode in spec else None)
+    fast = _gen(target, True, speculative=spec[mode]() if mode in spec else None, pack=True)
     for _ in range(2):  # the second call replays the captured graphs
         assert [o.token_ids for o in fast.generate_ids(PROMPTS, params)] == [o.token_ids for o in eager]
     assert fast.engine._graphs  # the steps ran from graphs
