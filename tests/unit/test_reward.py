@@ -1,9 +1,12 @@
 """Reward models (``training.objective reward``, loom.train.reward): the Bradley-Terry loss and its statistics equal
 a direct computation and TRL's RewardTrainer on the same model and pairs; a reward is the score at each row's last
-non-pad token; LoRA trains the head with the base frozen; `loom convert --to-hf` writes a
-LlamaForSequenceClassification that transformers scores as loom does, and ``model.init_from`` of it starts from its
-head; a resumed run continues bitwise; the config rules; a learnable synthetic preference generalizes to held-out
-pairs (slow). (On the embedded default a random debug model stays at chance on held-out pairs: docs/finetuning.md.)"""
+non-pad token; the embedded default's held-out pairs hold no docstring that training holds with the other label;
+LoRA trains the head with the base frozen; `loom convert --to-hf` writes a LlamaForSequenceClassification that
+transformers scores as loom does, and ``model.init_from`` of it starts from its head; a resumed run continues bitwise;
+the config rules; a learnable synthetic preference generalizes to held-out pairs (slow). On the embedded default a
+random debug model stays at chance on held-out pairs: telling a function's own docstring from another's means
+matching the docstring against the code, which one score at the last token of a 2-layer model cannot gather (DPO's
+per-token sum can); docs/finetuning.md (Reward model, Data) has the measurements."""
 
 from __future__ import annotations
 
@@ -150,6 +153,28 @@ def test_pair_batches_mark_padding_as_a_second_document(tmp_path):
         tokens, _ = source.sequence(2 * int(source.kept[row % 3]) + row // 3)
         assert int((mb.document_ids[row] == 0).sum()) == len(tokens)
         assert bool((mb.document_ids[row, :len(tokens)] == 0).all())
+
+
+def test_embedded_pairs_keep_each_docstring_on_one_side_of_the_split():
+    """Every docstring of the embedded default is chosen in one pair and rejected in the pair next to it, so the
+    held-out pairs (the last ones) never hold a docstring the training pairs hold with the other label (the swap
+    partner half the list away put ~40% of the held-out pairs there at seq_len 192: memorizing scored below
+    chance)."""
+    from loom.data.dpo import docstring_preferences
+    from loom.data.sources import stdlib_files
+
+    pairs = list(docstring_preferences(stdlib_files()[:80]))
+    text = lambda messages: messages[0]["content"]
+    chosen_at: dict[str, list[int]] = defaultdict(list)
+    for k, pair in enumerate(pairs):
+        chosen_at[text(pair.chosen)].append(k)
+    assert len(pairs) > 100
+    unique = [k for k, pair in enumerate(pairs) if len(chosen_at[text(pair.rejected)]) == 1]
+    assert len(unique) > 0.9 * len(pairs)
+    for k in unique:  # its rejected docstring is the chosen one of the neighbouring pair: the two swap
+        j = chosen_at[text(pairs[k].rejected)][0]
+        assert abs(j - k) == 1 and text(pairs[j].rejected) == text(pairs[k].chosen), (k, j)
+        assert pairs[j].where.split(" line ")[0] != pairs[k].where.split(" line ")[0]  # another file's
 
 
 # ---- training --------------------------------------------------------------------------------------------------
