@@ -1,7 +1,7 @@
 """The KV cache against the plain model: a row's logits at every position equal the full-sequence forward's (fp32,
 < 1e-5) whether the position came from the prefill, a decode step or a multi-token extension, with rows of different
 prompt lengths in one batch, for the attention variants loom has (GQA, sliding window, Qwen-style q/k/v biases with
-q/k norms, a mixture of experts); the cache holds only the KV heads."""
+q/k norms, a mixture of experts); the cache holds only the KV heads; a compiled step writes the cache in place."""
 
 from __future__ import annotations
 
@@ -135,3 +135,21 @@ def test_caches_leave_the_model_as_it_was():
     with torch.no_grad():
         assert torch.equal(model(tokens), before)
     assert not any(isinstance(b.attention.context, KVCache) for b in model.layers.values())
+
+
+def test_a_compiled_step_writes_the_cache_in_place():
+    """Inductor's code for a compiled decode step allocates nothing of the cache's size: the new K/V go into the
+    cache buffers (an in-place scatter on a buffer compiles into a copy of the whole cache and a copy back)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    engine = Engine(model_of("gqa"), compile=True, cuda_graphs=False)
+    engine.allocate(1, 8)  # no prefill: only the step compiles
+    shape = tuple(engine.caches[0].k.shape)  # (B, Hkv, L, D)
+    with torch.no_grad():
+        out, codes = run_and_get_code(engine.step, torch.tensor([[7]]), torch.tensor([[3]]))
+    engine.close()
+    step = [c for c in codes if "index_put" in c]
+    assert step, "the step's code writes the cache with index_put"
+    assert not any(f"empty_strided_cpu({shape}" in c for c in codes)
+    torch._dynamo.reset()
