@@ -182,10 +182,13 @@ def run_loom(flavor: str, s: dict) -> dict:
     return out
 
 
-KERNEL_KINDS = (("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_")),
+# kernel name pieces -> kind, first match wins: Inductor's Triton kernels (reductions: with coordinate-descent tuning
+# also the batch-1 projections; pointwise), then cuBLAS/CUTLASS matmuls, attention, copies
+KERNEL_KINDS = (("triton reduction", ("triton_red", "triton_per")),
+                ("triton pointwise", ("triton_poi", "triton")),
+                ("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_")),
                 ("attention", ("fmha", "attention", "flash", "efficient", "sdpa")),
-                ("copy", ("memcpy", "memset", "copy", "fill")),
-                ("triton", ("triton",)))
+                ("copy", ("memcpy", "memset", "copy", "fill")))
 
 
 def kernel_kind(name: str) -> str:
@@ -196,9 +199,10 @@ def kernel_kind(name: str) -> str:
 def profile_steps(engine, prompts: list[list[int]], device: str, steps: int = 20, top: int = 25) -> dict:
     """``steps`` decode steps as the engine runs them (CUDA graph replays on CUDA), timed, then recorded with
     torch.profiler: per step the kernels launched and their summed time against the step's time (the rest is
-    time the GPU waits), by kind (GEMM, attention, Triton, copies), and the ``top`` kernels by time. Where the
-    profiler sees no kernels inside graph replays, the steps are recorded without the graph (same kernels, launched
-    one by one). Without a GPU the same over CPU operators (a smoke test: nothing there is a kernel)."""
+    time the GPU waits), by kind (Triton reductions and pointwise, cuBLAS GEMM, attention, copies), and the ``top``
+    kernels by time. Where the profiler sees no kernels inside graph replays, the steps are recorded without the
+    graph (same kernels, launched one by one). Without a GPU the same over CPU operators (a smoke test: nothing
+    there is a kernel)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -228,8 +232,9 @@ def profile_steps(engine, prompts: list[list[int]], device: str, steps: int = 20
         for a in prof.key_averages():
             if cuda and a.device_type != DeviceType.CUDA:
                 continue
-            us = (getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0)) if cuda \
-                else a.self_cpu_time_total
+            us = next((t for t in (getattr(a, n, 0) for n in ("self_device_time_total", "device_time_total",
+                                                               "self_cuda_time_total", "cuda_time_total")) if t), 0) \
+                if cuda else a.self_cpu_time_total
             if us > 0:
                 rows.append({"name": a.key[:160], "kind": kernel_kind(a.key), "calls_per_step": a.count / steps,
                              "us_per_step": us / steps})
@@ -335,8 +340,9 @@ class Oracle:
     ``continuation`` comes from a speculative run of the same k (``run_speculative``), not from plain decoding:
     a random model's next-token logits are nearly flat, and in bf16 the (k+1)-token verification forward rounds
     differently from the one-token step, so the two decodings part at a near-tie, and every guess taken from the
-    plain run is wrong from there on (the first GPU run's oracle acceptance, docs/inference.md). A row's result in a (k+1)-token forward does not depend on the other rows, so every run with this k
-    gives the reference's tokens: each oracle run checks that it did (``same_tokens_as_reference``)."""
+    plain run is wrong from there on (the first GPU run's oracle acceptance, docs/inference.md). A row's result in
+    a (k+1)-token forward does not depend on the other rows, so every run with this k gives the reference's
+    tokens: each oracle run checks that it did (``same_tokens_as_reference``)."""
 
     def __init__(self, k: int, rate: float, continuation: list[list[int]] | None, vocab: int):
         self.k, self.rate, self.continuation, self.vocab = k, rate, continuation, vocab
@@ -376,9 +382,9 @@ class Oracle:
 
 
 def fit(model, tokens: list[int], steps: int, lr: float) -> dict:
-    """A few AdamW steps of ``model`` (float32 weights, bf16 autocast on CUDA) on one sequence, so that its greedy continuation of a piece of that
-    text is the text with confident logits: a model whose output really repeats its prompt, for prompt lookup.
-    Returns the first and last loss."""
+    """A few AdamW steps of ``model`` (float32 weights, bf16 autocast on CUDA) on one sequence, so that its greedy
+    continuation of a piece of that text is the text with confident logits: a model whose output really repeats its
+    prompt, for prompt lookup. Returns the first and last loss."""
     import torch
     import torch.nn.functional as F
 
