@@ -421,6 +421,23 @@ def expected_acceptance(rate: float, k: int) -> float:
     return sum(rate ** i for i in range(1, k + 1)) / k
 
 
+def forward_ms(engine, prompt: list[list[int]], k: int, device: str, n: int = 50) -> dict:
+    """The target's forward alone, as the runs replay it: one decode step (1 token) and one verification (k + 1
+    tokens), in ms. A round costs a verification plus the proposer and the host's bookkeeping; the speedup's
+    ceiling at full acceptance is (k + 1) x step / verification."""
+    import torch
+
+    logits, _, lens = engine.start(prompt, k + n + 1)
+    pos = lens[:, None]  # (1, 1)
+    out = {}
+    for name, width in (("step_ms", 1), ("verify_ms", k + 1)):
+        tokens = logits.argmax(-1)[:, None].expand(-1, width).contiguous()  # (1, width)
+        at = pos + torch.arange(width, device=pos.device)  # (1, width)
+        engine.step(tokens, at)
+        out[name] = 1000 * _timed(lambda: [engine.step(tokens, at) for _ in range(n)], device) / n
+    return out
+
+
 def run_speculative(flavor: str, s: dict) -> dict:
     """Batch-1 speculative decoding on ``flavor`` (bf16 by default). With ``spec_fit_steps`` the model is first fit
     (float32) on a piece of Python source, and the prompt is that source followed by its first line again: the
@@ -492,6 +509,7 @@ def run_speculative(flavor: str, s: dict) -> dict:
     row("prompt_lookup", measure(PromptLookup(k=k)))
     for rate in s["rates"]:
         row(f"oracle_{rate}", measure(Oracle(k, rate, [reference["tokens"]], vocab)), rate)
+    out.update(forward_ms(gen.engine, prompt, k, dev))
     valid = [r for r in out["runs"] if r["same_tokens_as_reference"] and (r["acceptance"] or 0) >= 0.7]
     out["bar"] = {"acceptance_at_least": 0.7, "speedup_at_least": 1.5, "rows": [r["proposer"] for r in valid],
                   "min_speedup": min((r["speedup"] for r in valid), default=None)}
@@ -611,6 +629,9 @@ def table(doc: dict) -> str:
             lines.append(f"{r['flavor']:<6} speculative {run['proposer']:<14} acceptance {acc:>5}{want}  "
                          f"{run['tokens_per_target_step']:.2f} tokens/forward  speedup {run['speedup']:.2f}x  "
                          f"same tokens as reference: {run['same_tokens_as_reference']}")
+        if r.get("verify_ms"):
+            lines.append(f"{r['flavor']:<6} speculative target forward: step {r['step_ms']:.2f} ms, verification of "
+                         f"{r['k'] + 1} tokens {r['verify_ms']:.2f} ms")
         if r.get("bar"):
             lines.append(f"{r['flavor']:<6} speculative bar (>= 1.5x where acceptance >= 70%): {r['bar']}")
         if r.get("fit"):
