@@ -394,6 +394,9 @@ class GrpoConfig:
     scale_rewards: str = opt("group", "advantages divided by the std of the group's rewards, of the global batch's, "
                                       "or not at all", choices=("group", "batch", "none"))
     mask_truncated: bool = opt(False, "completions cut at max_new_tokens (no EOS) take no loss")
+    keep_cache: bool = opt(True, "the rollout engine keeps its KV cache and CUDA graphs between steps (no "
+                                 "re-allocation or re-capture; the cache's memory stays held during training); "
+                                 "false = freed after each generation")
     prompts: str = opt("", "'' = the embedded arithmetic task; else a .jsonl file of rows with a 'prompt' string "
                            "(every other field goes to the reward functions)")
     rewards: str = opt("", "comma list of reward functions 'module:function' (docs/rl.md); '' = the embedded "

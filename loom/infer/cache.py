@@ -90,6 +90,14 @@ def install(model: nn.Module, batch: int, length: int, dtype: torch.dtype, devic
     return caches
 
 
+def reinstall(model: nn.Module, caches: list[nn.Module]) -> None:
+    """Put caches made by ``install`` for ``model`` back into its attention modules (layer order)."""
+    modules = attention_modules(model)
+    assert len(modules) == len(caches), (len(modules), len(caches))
+    for attn, cache in zip(modules, caches):
+        _set_context(attn, cache)
+
+
 def uninstall(model: nn.Module) -> None:
     """Every attention module back to ``LocalContext`` (the training behaviour); the caches' memory is released."""
     for attn in attention_modules(model):

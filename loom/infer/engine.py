@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from loom.config.errors import ConfigError
-from loom.infer.cache import install, uninstall
+from loom.infer.cache import install, reinstall, uninstall
 from loom.infer.pack import pack as packed_groups
 from loom.infer.pack import unpack
 from loom.infer.sampling import SamplingParams, mark_seen, new_generator, sample
@@ -119,6 +119,7 @@ class Engine:
         self.caches: list[nn.Module] = []
         self.batch = self.length = 0
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._parked = False  # caches kept but out of the model (``park``)
         self._select: torch.Tensor | None = None
         self._hook = model.norm.register_forward_hook(self._last_positions)
         self._packed = pack and packed_groups(model) > 0  # before compiling: the blocks trace the packed matmuls
@@ -133,6 +134,9 @@ class Engine:
     def allocate(self, batch: int, length: int) -> None:
         """Caches for ``batch`` rows of at least ``length`` positions each (kept when they already fit)."""
         if self.caches and batch == self.batch and length + SCRATCH <= self.length:
+            if self._parked:  # back into the model they were captured with: the graphs stay valid
+                reinstall(self.model, self.caches)
+                self._parked = False
             return
         self.release()
         size = -(-(length + SCRATCH) // ALIGN) * ALIGN
@@ -148,6 +152,15 @@ class Engine:
         if self.caches:
             uninstall(self.model)
             self.caches, self.batch, self.length = [], 0, 0
+        self._parked = False
+
+    def park(self) -> None:
+        """Take the caches out of the model (it attends as in training again) but keep them and the captured graphs
+        for the next ``allocate`` that fits (rollouts between training steps): no re-allocation or re-capture. The
+        graphs stay valid because the weights are updated in place and the caches' memory stays where it was."""
+        if self.caches and not self._parked:
+            uninstall(self.model)
+            self._parked = True
 
     def close(self) -> None:
         """Release everything and give the model back as it came (hook removed, blocks no longer compiled)."""

@@ -313,7 +313,8 @@ class RolloutLoader:
             with torch.no_grad(), trainer._autocast():
                 return self.generator.generate_ids(prompts, params)
         finally:
-            self.generator.engine.release()  # the caches out: training forwards run the plain model
+            engine = self.generator.engine  # the caches out: training forwards run the plain model
+            engine.park() if g.keep_cache else engine.release()
             if not self.weights.copied:
                 model.train()
 

@@ -152,6 +152,7 @@ RULES: dict[str, tuple[str, str]] = {
     "grpo.loss_type": (APPLIED, "the loss from the next step"),
     "grpo.scale_rewards": (APPLIED, "the advantages from the next step"),
     "grpo.mask_truncated": (APPLIED, "the loss from the next step"),
+    "grpo.keep_cache": (APPLIED, "the next generation"),
     "grpo.lr_ratio": (APPLIED, "the learning rate of the next GRPO step"),
     **{f"grpo.{key}": (APPLIED, "the rewards from the next batch of rollouts") for key in (
         "judge", "judge_template", "judge_score", "judge_pattern", "judge_range", "judge_tokens", "judge_weight",

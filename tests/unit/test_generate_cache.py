@@ -137,6 +137,37 @@ def test_caches_leave_the_model_as_it_was():
     assert not any(isinstance(b.attention.context, KVCache) for b in model.layers.values())
 
 
+def test_a_parked_cache_leaves_the_model_and_comes_back_after_an_update():
+    """park: the model attends as in training (no cache in it), the next generation that fits gets the same cache
+    tensors back (no re-allocation: CUDA graphs captured on them stay valid) and follows an in-place weight update
+    like a fresh engine; release frees them."""
+    model = model_of("gqa")
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 8))
+    engine = Engine(model, compile=False, cuda_graphs=False)
+    engine.start([[1, 2, 3], [4, 5]], reserve=4)
+    caches = list(engine.caches)
+    engine.park()
+    assert not any(isinstance(b.attention.context, KVCache) for b in model.layers.values())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)  # the update a training step makes in place
+        plain = model(tokens)
+    rows = [[7, 8, 9, 10], [11, 12]]
+    refs = reference(model, rows)
+    logits, _, _ = engine.start(rows, reserve=4)
+    assert all(got is kept for got, kept in zip(engine.caches, caches, strict=True))
+    assert all(isinstance(b.attention.context, KVCache) for b in model.layers.values())
+    for b, row in enumerate(rows):
+        assert (logits[b] - refs[b][len(row) - 1]).abs().max() < 1e-5
+    engine.park()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), plain)
+    engine.start([[1]], reserve=2)  # another batch size: new caches
+    assert not any(got is kept for got, kept in zip(engine.caches, caches, strict=True))
+    engine.release()
+    assert not engine.caches and not any(isinstance(b.attention.context, KVCache) for b in model.layers.values())
+
+
 def test_a_compiled_step_writes_the_cache_in_place():
     """Inductor's code for a compiled decode step allocates nothing of the cache's size: the new K/V go into the
     cache buffers (an in-place scatter on a buffer compiles into a copy of the whole cache and a copy back)."""
