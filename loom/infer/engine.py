@@ -73,6 +73,14 @@ class Stats:
         return {**out, **self.extra}
 
 
+def _uncached_autocast():
+    """The caller's CUDA autocast with its weight-cast cache off: a capture must cast the weights inside the graph,
+    not read a cached copy made from the weights of that moment (freed when the caller's autocast ends, and stale
+    once training updates the weights while the graph is kept)."""
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"),
+                          cache_enabled=False)
+
+
 class _Graph:
     """One captured step: static inputs, the captured graph, its static output."""
 
@@ -80,12 +88,12 @@ class _Graph:
         self.tokens, self.positions = tokens, positions
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up (and compilation) outside the capture, as CUDA graphs require
+        with torch.cuda.stream(stream), _uncached_autocast():  # warm-up (and compilation) outside the capture
             for _ in range(3):
                 fn(tokens, positions)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph), _uncached_autocast():
             self.out = fn(tokens, positions)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -25,22 +25,29 @@ def recipe(tmp_path, **overrides):
 
 
 def test_engine_with_cuda_graphs_follows_the_updates(tmp_path):
-    cfg = recipe(tmp_path, **{"training.steps": "8", "grpo.warmup_steps": "4", "training.dtype": "bfloat16",
-                              "training.eval_every": "0", "training.eval_hook": "", "grpo.beta": "0.04"})
+    """The rollout engine keeps its caches and decode graphs between steps (grpo.keep_cache): after more GRPO
+    updates, a replay of the graph captured at the first rollout gives the plain model's logits (the capture casts
+    the float32 weights inside the graph, not from autocast's cache of that moment)."""
+    cfg = recipe(tmp_path, **{"training.steps": "8", "grpo.warmup_steps": "4", "optimizer.warmup_steps": "2",
+                              "training.dtype": "bfloat16", "training.eval_every": "0", "training.eval_hook": "",
+                              "grpo.beta": "0.04"})
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
     records = trainer.fit()
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records) and "reward" in records[-1]
     engine, model = trainer.objective.loader.generator.engine, trainer.parts[0]
-    assert engine.cuda_graphs
-    tokens = torch.tensor([trainer.tokenizer.encode("3+4=7")], device=trainer.device)  # (1, 5)
+    assert engine.cuda_graphs and engine.caches and (engine.batch, 1) in engine._graphs  # parked, not freed
+    graph = engine._graphs[(engine.batch, 1)]
+    rows, device = engine.batch, trainer.device
+    tokens = torch.tensor([trainer.tokenizer.encode("3+4=7")] * rows, device=device)  # (B, 5)
     model.eval()
     with torch.no_grad(), trainer._autocast():
-        plain = model(tokens)[:, -1].float()
-        engine.allocate(1, tokens.shape[1])
-        engine.prefill(tokens[:, :-1], torch.tensor([3], device=trainer.device))
-        cached = engine.step(tokens[:, -1:], torch.tensor([[4]], device=trainer.device))[:, 0].float()
+        plain = model(tokens[:1])[:, -1].float()
+        engine.allocate(rows, tokens.shape[1])
+        engine.prefill(tokens[:, :-1], torch.full((rows,), 3, device=device))
+        cached = engine.step(tokens[:, -1:], torch.full((rows, 1), 4, device=device))[:, 0].float()
+        assert engine._graphs[(rows, 1)] is graph  # the replay of the first rollout's capture
         engine.release()
-    torch.testing.assert_close(cached, plain, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cached, plain.expand_as(cached), rtol=2e-2, atol=2e-2)
 
 
 def test_recipe_raises_the_accuracy(tmp_path):
