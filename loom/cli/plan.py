@@ -366,9 +366,10 @@ def main_generate(opts: dict, cfg, gpu, margin: float) -> int:
 
 
 def generate_assumptions(args, gpu, tp: int) -> str:
-    from loom.plan.timing import COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE, efficiency
+    from loom.plan.timing import COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE, DECODE_HBM_SHARE_BATCHED, efficiency
 
-    text = (f"; decode reads at {100 * DECODE_HBM_SHARE:.0f}% of HBM bandwidth and computes at "
+    text = (f"; decode reads at {100 * DECODE_HBM_SHARE:.0f}% of HBM bandwidth at batch 1, "
+            f"{100 * DECODE_HBM_SHARE_BATCHED:.0f}% above, and computes at "
             f"{100 * efficiency(args.dim, compiled=True):.0f}% of peak")
     if tp > 1:
         text += f"; each tensor-parallel collective {1e6 * COLLECTIVE_LATENCY_S:.0f} us + its bytes"

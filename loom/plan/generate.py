@@ -7,8 +7,8 @@
 - time to first token: the prefill, compute-bound (forward FLOPs at the planner's matmul and attention
   efficiencies) unless reading the weights once takes longer;
 - a decode step (one token per sequence): the bytes it reads (the weights a token goes through, the cache of every
-  sequence up to its position) at ``DECODE_HBM_SHARE`` of the HBM bandwidth, or its FLOPs where a large batch makes
-  those longer, plus the tensor-parallel collectives (exposed: a step has nothing to hide them behind).
+  sequence up to its position) at the measured share of the HBM bandwidth (``decode_hbm_share``), or its FLOPs
+  where a large batch makes those longer, plus the tensor-parallel collectives (exposed: a step has nothing to hide them behind).
 
 Not modelled: speculative decoding, a paged cache (its fragmentation and block tables), continuous batching
 (every sequence starts together and runs to ``output_len``), sampling's own time, kernel launch gaps (decode is
@@ -26,8 +26,8 @@ from loom.config.sections import Config, ParallelConfig
 from loom.plan.hardware import GPU, gpu_named
 from loom.plan.memory import BYTES, FRAGMENTATION, GIB, WORKSPACE_BYTES, ByteParts
 from loom.plan.shapes import attention_params, expert_params, ffn_params, layer_params, rank_shares
-from loom.plan.timing import (COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE, attention_efficiency, attention_flops,
-                              collective_s, efficiency)
+from loom.plan.timing import (COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE_BATCHED, attention_efficiency, attention_flops,
+                              collective_s, decode_hbm_share, efficiency)
 
 
 # ---------------------------------------------------------------------------------------------- the KV cache
@@ -144,10 +144,12 @@ def _gpu(gpu: GPU | str) -> GPU:
 
 
 def decode_step(args, batch: int, context_len: int, gpu: GPU | str, tp: int = 1, dtype: str = "bfloat16",
-                kv_dtype: str | None = None, hbm_share: float = DECODE_HBM_SHARE) -> DecodeStep:
+                kv_dtype: str | None = None, hbm_share: float | None = None) -> DecodeStep:
     """A decode step of ``batch`` sequences, each with ``context_len`` cached positions (the new token's included),
-    on one of ``tp`` GPUs of kind ``gpu`` (a ``loom.plan.hardware.GPUS`` entry or its name)."""
+    on one of ``tp`` GPUs of kind ``gpu`` (a ``loom.plan.hardware.GPUS`` entry or its name); ``hbm_share`` None: the
+    measured share at that batch (``loom.plan.timing.decode_hbm_share``)."""
     gpu = _gpu(gpu)
+    hbm_share = decode_hbm_share(batch) if hbm_share is None else hbm_share
     kv_dtype = kv_dtype or dtype
     shape = cache_shape(args)
     keys = min(context_len, args.sliding_window) if args.sliding_window else context_len
@@ -167,7 +169,7 @@ def decode_step(args, batch: int, context_len: int, gpu: GPU | str, tp: int = 1,
 
 
 def decode_time_per_token(args, batch: int, context_len: int, gpu: GPU | str, tp: int = 1, dtype: str = "bfloat16",
-                          kv_dtype: str | None = None, hbm_share: float = DECODE_HBM_SHARE) -> float:
+                          kv_dtype: str | None = None, hbm_share: float | None = None) -> float:
     """Planned seconds of one decode step at ``context_len`` cached positions: each of the ``batch`` sequences gets
     a token (``decode_step``; ``hbm_share=1`` gives the HBM roofline). For a benchmark's planned-vs-measured line."""
     return decode_step(args, batch, context_len, gpu, tp, dtype, kv_dtype, hbm_share).seconds
@@ -225,7 +227,7 @@ def prefill(args, batch: int, prompt_len: int, gpu: GPU, tp: int, dtype: str, kv
     comm = 0.0
     if tp > 1:  # per block two all-reduces of the activations (or sequence parallelism's gathers and scatters)
         comm = 2 * args.n_layers * all_reduce_s(tokens * args.dim * BYTES[dtype], tp, tp_bandwidth(gpu, tp))
-    return Prefill(matmul + attention, compute, read / (DECODE_HBM_SHARE * gpu.hbm_tbps * 1e12), comm)
+    return Prefill(matmul + attention, compute, read / (DECODE_HBM_SHARE_BATCHED * gpu.hbm_tbps * 1e12), comm)
 
 
 def prefill_activations(args, batch: int, prompt_len: int, tp: int, dtype: str) -> float:

@@ -73,13 +73,20 @@ ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
 # Generation (loom.plan.generate). A decode step streams every weight and the KV cache once, at the share of HBM
-# bandwidth loom's batch-1 decode of the 8B shape reached on an H100 (bench/results/generate_8b_h100.json: 7.38 ms
-# per step against 4.49 ms of bytes at the datasheet 3.35 TB/s; the batch-8 step of that run, 8.04 ms, is 7% slower
-# than this share plans). A small all-reduce or all-gather (decode's tensor-parallel collectives carry a few KiB)
-# costs a fixed latency on top of its bytes: an assumption of the order NCCL reports for small messages inside an
-# NVLink node.
-DECODE_HBM_SHARE = 0.61
+# bandwidth loom's decode of the 8B shape reached on an H100 (bench/results/generate_8b_h100.json): at batch 1
+# (6.01 ms per step against 4.49 ms of bytes at the datasheet 3.35 TB/s; the projections are Inductor's Triton
+# reductions), and at larger batches, where they are cuBLAS matmuls (fitted to its batch-8 and batch-64 steps, 6.77
+# and 7.98 ms). A small all-reduce or all-gather (decode's tensor-parallel collectives carry a few KiB) costs a
+# fixed latency on top of its bytes: an assumption of the order NCCL reports for small messages inside an NVLink
+# node.
+DECODE_HBM_SHARE = 0.746
+DECODE_HBM_SHARE_BATCHED = 0.65
 COLLECTIVE_LATENCY_S = 10e-6
+
+
+def decode_hbm_share(batch: int) -> float:
+    """The share of HBM bandwidth a decode step of ``batch`` sequences reads at (above)."""
+    return DECODE_HBM_SHARE if batch == 1 else DECODE_HBM_SHARE_BATCHED
 
 # MoE (see the module docstring). The casts of one 1B MoE layer's 8 x 2048 experts (12 B x 100.7M parameters)
 # took 0.522 ms on an H100: 2.31 TB/s of 3.35 (bench/results/moe_copies_h100.json, in git history at dc1b8aa).

@@ -102,19 +102,21 @@ def test_8b_on_an_h100_weights_and_decode_rate():
     assert raw.weight_bytes == pytest.approx(weights - embedding + args.dim * 2)
     assert 215 < 1 / raw.seconds < 230
     assert raw.bound == "memory" and raw.roofline_s == raw.seconds
-    assert 125 < 1 / decode_time_per_token(args, 1, 1024, "H100") < 140  # at DECODE_HBM_SHARE
+    assert 155 < 1 / decode_time_per_token(args, 1, 1024, "H100") < 170  # at DECODE_HBM_SHARE
 
 
 def test_decode_plan_against_the_measured_h100_run():
     """The plan of the 8B shape's decode steps against bench/results/generate_8b_h100.json (prompt 128, 128 new:
-    the mean context 192): batch 1 (what DECODE_HBM_SHARE was read from) within 2%, batch 8 within 10%."""
+    the mean context 192): batch 1 (what DECODE_HBM_SHARE was read from) within 2%, batches 8 and 64 (what
+    DECODE_HBM_SHARE_BATCHED was fitted to) within 5%."""
     import json
     import os
 
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "generate_8b_h100.json")) as fh:
         doc = json.load(fh)
     loom = next(r for r in doc["results"] if r.get("system") == "loom")
-    for row, tol in zip(loom["decode"], (0.02, 0.10)):
+    assert [row["batch"] for row in loom["decode"]] == [1, 8, 64]
+    for row, tol in zip(loom["decode"], (0.02, 0.05, 0.05)):
         planned = decode_time_per_token(FLAVORS["8B"], row["batch"], 192, "H100")
         assert planned == pytest.approx(row["step_ms"] / 1e3, rel=tol), row["batch"]
 
