@@ -6,8 +6,9 @@ rollout-time policy and of the reference. Before GRPO, ``warmup_steps`` steps of
 Weights (loom.rl.sync): in one process and under DDP the engine runs on the trainer's own module
 (``trainer.parts[0]``, the plain model inside any DDP wrapper; every rank's replica is whole and current after each
 optimizer step): nothing to copy. Under FSDP2 it runs on a plain copy on each rank, refreshed from the shards
-before each generation. The engine installs its KV caches for a generation and removes them after, so training's
-forwards run the plain model. TP / PP are refused (loom.resolve; docs/rl.md)."""
+before each generation; under TP it runs tensor-parallel over the tp group on the trainer's own shards. The engine
+installs its KV caches for a generation and removes them after, so training's forwards run the plain model. PP /
+CP / EP are refused (loom.resolve; docs/rl.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from loom.config.errors import ConfigError
 from loom.data.loader import MicroBatch, StepData
 from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE
+from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.rl.arithmetic import ArithmeticTask
 from loom.rl.grpo import group_advantages, loss_count
 from loom.rl.judge import Judge
@@ -67,22 +69,25 @@ def reference_logps(model, reference, inputs: torch.Tensor, labels: torch.Tensor
     return token_logps(logits, labels, temperature).cpu()
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Each labelled token's log-probability under logits / temperature, fp32, 0 where IGNORE: logits (B, S, V),
-    labels (B, S) -> (B, S)."""
+    """Each labelled token's log-probability under logits / temperature, fp32, 0 where IGNORE: logits (B, S, V)
+    (vocab-sharded under TP's loss parallel, inside its context), labels (B, S) -> (B, S), a plain tensor."""
     b, s = labels.shape
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
-    return -F.cross_entropy(scaled.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none").view(b, s)
+    nll = F.cross_entropy(scaled.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    return -to_local_loss(nll).view(b, s)
 
 
 def rows_to_batches(prompts: list[list[int]], completions: list[list[int]], micro: int, pad_id: int,
-                    seq_len: int, **per_row) -> list[RolloutBatch]:
+                    seq_len: int, multiple: int = 1, **per_row) -> list[RolloutBatch]:
     """Rows prompt + completion as next-token inputs (B, S) and labels that are the completion's tokens only,
-    right-padded to the longest row, cut into micro-batches of ``micro`` rows. ``per_row``: tensors (N, ...) cut
-    the same way (advantages)."""
+    right-padded to the longest row (rounded up to a multiple of ``multiple``: TP's sequence parallelism splits S
+    evenly), cut into micro-batches of ``micro`` rows. ``per_row``: tensors (N, ...) cut the same way
+    (advantages)."""
     full = [p + c for p, c in zip(prompts, completions)]
-    width = max(len(f) for f in full) - 1
+    width = -(-(max(len(f) for f in full) - 1) // multiple) * multiple
     if width > seq_len:
-        raise ConfigError("training.seq_len", seq_len, f"at least the longest prompt + completion ({width} tokens)")
+        raise ConfigError("training.seq_len", seq_len, f"at least the longest prompt + completion ({width} tokens"
+                          + (f", a multiple of parallel.tp = {multiple}" if multiple > 1 else "") + ")")
     inputs = torch.full((len(full), width), pad_id, dtype=torch.long)
     labels = torch.full((len(full), width), IGNORE, dtype=torch.long)
     for i, (f, p) in enumerate(zip(full, prompts)):
@@ -197,7 +202,8 @@ class RolloutLoader:
         self.step, self._held, self._uses = int(state.get("grpo_step", 0)), None, 0
 
     def bind(self, trainer, objective) -> None:
-        """The live model: a generator on the trainer's own module, or under FSDP2 on its synced copy."""
+        """The live model: a generator on the trainer's own module, under FSDP2 on its synced copy, under TP on the
+        engine's tensor-parallel module over the trainer's shards."""
         self.trainer, self.objective = trainer, objective
         self.generator = self.engine_generator(trainer, self.rows)
         if self.g.beta > 0 and not self.cfg.lora.rank:  # built in the policy's layout before the engine runs
@@ -212,7 +218,9 @@ class RolloutLoader:
         self.weights = EngineWeights.build(trainer)
         if self.judge is not None:
             self.judge.device = str(trainer.device)  # loaded there on first use
-        return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch)
+        generator = Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch)
+        generator.engine.group = self.weights.group  # under TP: every rank of the group continues with one token
+        return generator
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
@@ -254,7 +262,7 @@ class RolloutLoader:
         enc = self.tokenizer.encode
         batches = rows_to_batches([enc(r["prompt"]) for r in rows],
                                   [enc(r["answer"]) + [self.tokenizer.eos_id] for r in rows],
-                                  self.micro, self.pad_id, self.cfg.training.seq_len)
+                                  self.micro, self.pad_id, self.cfg.training.seq_len, self.cfg.parallel.tp)
         for mb in batches:
             mb.warmup = True
         return batches
@@ -264,7 +272,7 @@ class RolloutLoader:
         g, trainer, G = self.g, self.trainer, self.g.group_size
         rows = self._mine(self.source.problems(self.rows // G * self.dp_size, ("grpo", self.step)))
         prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]  # each prompt's group
-        self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
+        self.weights.sync()  # the engine on the policy's current weights (a gather where FSDP2 shards; else nothing)
         t0 = time.perf_counter()
         outs = self.sample(prompts)
         t1 = time.perf_counter()
@@ -284,7 +292,7 @@ class RolloutLoader:
         t2 = time.perf_counter()
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
         batches = rows_to_batches([p[:] for p in prompts], completions, self.micro, self.pad_id,
-                                  self.cfg.training.seq_len, advantages=advantages)
+                                  self.cfg.training.seq_len, self.cfg.parallel.tp, advantages=advantages)
         if g.mask_truncated:
             for i, mb in enumerate(batches):
                 cut = truncated[i * self.micro:(i + 1) * self.micro]
@@ -335,7 +343,7 @@ class RolloutLoader:
             for mb in batches:
                 inputs = mb.inputs.to(trainer.device)
                 labels = mb.labels.to(trainer.device)
-                with trainer._autocast():
+                with trainer._autocast(), loss_parallel_context(trainer.steps.ctx.loss_parallel):
                     if g.iterations > 1:
                         mb.old_logps = token_logps(model(inputs), labels, g.temperature).cpu()
                     if g.beta > 0:

@@ -30,8 +30,9 @@ def train(module, job: dict, env=None) -> list[dict]:
                                                                                         objective=objective).fit()]
 
 
-def engine_check(tmp: str, lora: bool, env=None) -> dict:
-    """GRPO with the real engine for 3 steps, then one more sync: the engine's logits against the policy's."""
+def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
+    """GRPO with the real engine for 3 steps, then one more sync: the engine's logits against the policy's.
+    ``layout``: the parallel overrides where ``env`` is given (a distributed run)."""
     from loom.config import build_config
     from loom.rl.objective import GroupRelative
     from loom.rl.sync import whole_model
@@ -39,30 +40,34 @@ def engine_check(tmp: str, lora: bool, env=None) -> dict:
 
     extra = {"lora.rank": 4, "lora.targets": "q,v", "optimizer.lr": 3e-2} if lora else {}
     job = grpo.overrides(tmp, "engine", 2, **{"training.steps": 3, "grpo.beta": 0.05, **extra,
-                                              **(FSDP if env is not None else {})})
+                                              **(layout if env is not None else {})})
     cfg = build_config(None, {k: str(v) for k, v in job.items()})
     trainer = Trainer(cfg, env=env, objective=GroupRelative(cfg))
     model, loader = trainer.parts[0], trainer.objective.loader
-    tokens = torch.tensor([trainer.tokenizer.encode("3+4=7"), trainer.tokenizer.encode("9*9=8")])  # (2, 5)
+    tokens = torch.tensor([trainer.tokenizer.encode("3+4=77"), trainer.tokenizer.encode("9*9=81")])  # (2, 6)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # TP's vocab-sharded logits
     with torch.no_grad():
-        before = model(tokens)
+        before = full(model(tokens))
     records = trainer.fit()
     loader.weights.sync()  # the last update is after the last rollouts
     engine = loader.generator.engine
     model.eval()
     with torch.no_grad():
-        after = model(tokens)  # (2, 5, V): the sharded policy's full logits
+        after = full(model(tokens))  # (2, 6, V): the sharded policy's full logits
         engine.allocate(2, tokens.shape[1])
-        prefill = engine.prefill(tokens[:, :-1], torch.tensor([3, 3]))  # (2, V) at position 3
-        step = engine.step(tokens[:, -1:], torch.tensor([[4], [4]]))[:, 0]  # (2, V) at position 4, from the cache
+        prefill = engine.prefill(tokens[:, :-1], torch.tensor([4, 4]))  # (2, V) at position 4
+        step = engine.step(tokens[:, -1:], torch.tensor([[5], [5]]))[:, 0]  # (2, V) at position 5, from the cache
         engine.release()
         whole = whole_model(model)(tokens)  # the eval hook's gathered copy, adapters merged
-    trainable = sum(p.numel() * 4 for n, p in loader.weights.model.named_parameters() if "lora_" in n)
-    return {"prefill": (prefill - after[:, 3]).abs().max().item(), "step": (step - after[:, 4]).abs().max().item(),
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    fills = loader.weights.fills
+    return {"prefill": (prefill - after[:, 4]).abs().max().item(), "step": (step - after[:, 5]).abs().max().item(),
             "whole": (whole - after).abs().max().item(),
             "moved": (after - before).abs().max().item(), "copied": loader.weights.copied,
+            "shared": len(loader.weights.shared), "filled": len(fills), "params": len(dict(model.named_parameters())),
             "bytes": [r.get("weight_sync_bytes") for r in records], "last_bytes": loader.weights.bytes,
-            "adapter_bytes": trainable, "total_bytes": sum(p.numel() * 4 for p in loader.weights.model.parameters())}
+            "adapter_bytes": sum(local(t).numel() * 4 for n, t in fills.items() if "lora_" in n),
+            "total_bytes": sum(local(t).numel() * 4 for t in fills.values())}
 
 
 def fsdp_jobs(rank: int, world: int) -> dict:
