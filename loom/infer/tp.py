@@ -34,7 +34,7 @@ def apply_inference_tp(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from loom.parallel.tensor_parallel import block_plan_for
+    from loom.parallel.tensor_parallel import block_plan_for, with_adapters
 
     tied = model.output.weight is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, {
@@ -48,7 +48,7 @@ def apply_inference_tp(model: nn.Module, tp_mesh) -> None:
         missing = [path for path in plan if not _has(block, path)]
         if missing:  # a rename in the model would otherwise leave a layer replicated and wrongly sized caches
             raise RuntimeError(f"tensor parallel plan names modules the block lacks: {missing}")
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, with_adapters(block, plan))  # LoRA factors split like their base
 
 
 def _has(module: nn.Module, path: str) -> bool:

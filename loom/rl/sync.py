@@ -125,12 +125,13 @@ def tp_engine_model(policy: nn.Module, args, lora, tp_mesh, dtype: torch.dtype, 
     Returns (model, fills, shared): the tensors ``sync`` fills and those it shares, by the policy's names."""
     from torch.distributed.tensor import DTensor
 
+    from loom.infer.tp import apply_inference_tp
     from loom.models.llama import Llama
 
     with torch.device("meta"):
         model = Llama(args)
     apply_lora(model, lora)
-    shard_for_engine(model, tp_mesh)
+    apply_inference_tp(model, tp_mesh)
     theirs = {canonical_name(n): p for n, p in policy.named_parameters()}
     done: dict[int, nn.Parameter] = {}  # a tied weight: one replacement for every place
     fills, shared = {}, {}
@@ -162,26 +163,6 @@ def _empty_like(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
         return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
                                   stride=t.stride())
     return torch.empty(t.shape, dtype=dtype, device=device)
-
-
-def shard_for_engine(model: nn.Module, tp_mesh) -> None:
-    """``loom.infer.tp.apply_inference_tp`` with LoRA adapters sharded as training shards them
-    (``loom.parallel.tensor_parallel.with_adapters``: an adapter's output has its base's layout)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from loom.infer.tp import inference_styles
-    from loom.parallel.tensor_parallel import block_plan_for, with_adapters
-
-    tied = model.output.weight is model.tok_embeddings.weight
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    })
-    if tied:  # both plans split the shared (V, E) weight by rows: one DTensor serves both again
-        model.output.weight = model.tok_embeddings.weight
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, with_adapters(block, inference_styles(block_plan_for(block))))
 
 
 @torch.no_grad()
