@@ -23,14 +23,15 @@ def command() -> str:
     return " ".join(["python", "-m", f"bench.{name}"] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
-def environment(commit: str, command: str) -> dict:
-    """Device, library versions, commit and command: what every result file records beside its figures."""
+def environment(commit: str, command: str, modules: tuple[str, ...] = ()) -> dict:
+    """Device, library versions (and those of ``modules``), commit and command: what every result file records
+    beside its figures."""
     import torch
 
     env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version(), "commit": commit, "command": command,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    for mod in ("transformers", "triton", "torchao"):
+    for mod in ("transformers", "triton", "torchao", *modules):
         try:
             env[mod] = __import__(mod).__version__
         except ImportError:

@@ -430,16 +430,6 @@ def free(trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def versions() -> dict:
-    out = {}
-    for mod in ("trl", "datasets", "accelerate", "peft"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:
-            out[mod] = None
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default=RECIPE, help="loom's GRPO recipe (model, task, batch, LRs, [grpo])")
@@ -503,7 +493,7 @@ def main() -> None:
                       "meets_accuracy_bar": results["loom"]["accuracy_gain"] >= results["trl"]["accuracy_gain"]}
     g = cfg.grpo
     doc = {
-        "benchmark": "grpo", "environment": {**environment(a.commit, command()), **versions()},
+        "benchmark": "grpo", "environment": environment(a.commit, command(), ("trl", "datasets", "accelerate", "peft")),
         "settings": {
             "recipe": os.path.relpath(a.recipe, ROOT), "flavor": a.flavor, "device": a.device,
             "task": {"digits": g.digits, "ops": g.ops, "seed": cfg.run.seed},

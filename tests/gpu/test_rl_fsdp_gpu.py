@@ -19,12 +19,13 @@ LOOM = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def train(run_dir, recipe: str, **extra) -> list[dict]:
-    over = {"run.device": "cuda", "training.dtype": "bfloat16", "parallel.dp_shard": 2, "parallel.dp_replicate": 1,
+def train(run_dir, recipe: str = "grpo_debug.toml", nproc: int = 2, **extra) -> list[dict]:
+    """A recipe for 30 steps (20 of warm-up) on ``nproc`` GPUs in bf16, the layout in ``extra``; its metrics."""
+    over = {"run.device": "cuda", "training.dtype": "bfloat16", "parallel.dp_replicate": 1,
             "training.micro_batch_size": 32, "training.steps": 30, "grpo.warmup_steps": 20,
             "optimizer.warmup_steps": 1, "training.eval_every": 10, "metrics.every": 1,
             "metrics.tensorboard": "false", "metrics.progress": "false", "run.dir": str(run_dir), **extra}
-    args = ["--config", os.path.join(ROOT, "recipes", recipe), "--nproc-per-node", "2"]
+    args = ["--config", os.path.join(ROOT, "recipes", recipe), "--nproc-per-node", str(nproc)]
     args += [f"--{k}={v}" for k, v in over.items()]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0"}
     proc = subprocess.run(LOOM + args, env=env, capture_output=True, text=True, timeout=600)
@@ -36,7 +37,7 @@ def train(run_dir, recipe: str, **extra) -> list[dict]:
 @pytest.mark.parametrize("recipe,lora", [("grpo_debug.toml", False), ("grpo_debug.toml", True),
                                          ("ppo_debug.toml", True)])
 def test_rollouts_under_fsdp2_on_two_gpus(tmp_path, recipe, lora):
-    records = train(tmp_path / "run", recipe, **({"lora.rank": 8} if lora else {}))
+    records = train(tmp_path / "run", recipe, **{"parallel.dp_shard": 2, **({"lora.rank": 8} if lora else {})})
     synced = [r for r in records if r.get("weight_sync_bytes")]
     assert len(records) == 30 and synced and all("eval/accuracy" in r for r in records[9::10])
     first, later = synced[0]["weight_sync_bytes"], [r["weight_sync_bytes"] for r in synced[1:]]

@@ -6,34 +6,16 @@ GPUs."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 
 import pytest
 import torch
 
-from tests.gpu.test_rl_fsdp_gpu import LOOM, ROOT
+from tests.gpu.test_rl_fsdp_gpu import train
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 TP = {"parallel.dp_shard": 1, "parallel.tp": 2}
-
-
-def train(run_dir, nproc: int = 2, **extra) -> list[dict]:
-    """The embedded GRPO recipe for 30 steps (20 of warm-up) on ``nproc`` GPUs; its metrics."""
-    over = {"run.device": "cuda", "training.dtype": "bfloat16", "parallel.dp_replicate": 1,
-            "training.micro_batch_size": 32, "training.steps": 30, "grpo.warmup_steps": 20,
-            "optimizer.warmup_steps": 1, "training.eval_every": 10, "metrics.every": 1,
-            "metrics.tensorboard": "false", "metrics.progress": "false", "run.dir": str(run_dir), **extra}
-    args = ["--config", os.path.join(ROOT, "recipes", "grpo_debug.toml"), "--nproc-per-node", str(nproc)]
-    args += [f"--{k}={v}" for k, v in over.items()]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0"}
-    proc = subprocess.run(LOOM + args, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
 
 
 def finite_run(records: list[dict]) -> list[dict]:
@@ -54,7 +36,7 @@ def test_grpo_under_tp_on_two_gpus(tmp_path, lora):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
 def test_grpo_under_fsdp2_x_tp_on_four_gpus(tmp_path):
-    records = train(tmp_path / "run", 4, **{**TP, "parallel.dp_shard": 2})
+    records = train(tmp_path / "run", nproc=4, **{**TP, "parallel.dp_shard": 2})
     sampled = finite_run(records)
     assert all(r["weight_sync_bytes"] > 0 for r in sampled)
     print(f"dp_shard 2 x tp 2: sync {sampled[1]['weight_sync_bytes'] / 2**20:.2f} MiB in "
