@@ -110,9 +110,9 @@ def warm_up(a, folder: str) -> dict:
     return out
 
 
-def grpo_config(a, folder: str, run_dir: str, lr: float):
-    """loom's GRPO part: from ``folder``, no warm-up, a constant LR ``lr`` from the first step."""
-    return loom_config(a, run_dir, **{"model.init_from": folder, "training.steps": a.steps,
+def grpo_config(a, folder: str, run_dir: str, lr: float, seed: int):
+    """loom's GRPO part: from ``folder``, no warm-up, a constant LR ``lr`` from the first step, ``run.seed`` seed."""
+    return loom_config(a, run_dir, **{"model.init_from": folder, "training.steps": a.steps, "run.seed": seed,
                                       "grpo.warmup_steps": 0, "optimizer.lr": lr, "grpo.lr_ratio": 1.0,
                                       "optimizer.schedule": "constant", "optimizer.warmup_steps": 0})
 
@@ -430,42 +430,10 @@ def free(trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", default=RECIPE, help="loom's GRPO recipe (model, task, batch, LRs, [grpo])")
-    p.add_argument("--flavor", default="125M")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps of each system (default: the recipe's "
-                                                           "training.steps - grpo.warmup_steps)")
-    p.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (default: the recipe's "
-                                                                  "grpo.warmup_steps)")
-    p.add_argument("--skip-steps", type=int, default=5, help="first GRPO steps left out of steps/s")
-    p.add_argument("--eval-problems", type=int, default=500)
-    p.add_argument("--systems", default="loom,trl")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="a loom config field for both parts (TRL's config follows through the mapping)")
-    p.add_argument("--run-dir", default="/tmp/loom_bench_grpo")
-    p.add_argument("--out", default="bench/results/grpo.json")
-    p.add_argument("--commit", default=default_commit())
-    a = p.parse_args()
-    systems = a.systems.split(",")
-    base = loom_config(a, os.path.join(a.run_dir, "probe"))
-    if a.steps is None:
-        a.steps = base.training.steps - base.grpo.warmup_steps
-    if a.sft_steps is None:
-        a.sft_steps = base.grpo.warmup_steps
-    assert a.skip_steps < a.steps, "--skip-steps must leave timed steps"
-    lr = base.optimizer.lr * base.grpo.lr_ratio
-    warmed = os.path.join(a.run_dir, "hf_warmed")
-    t_start = time.perf_counter()
-
-    warm = warm_up(a, warmed)
-    cfg = grpo_config(a, warmed, os.path.join(a.run_dir, "loom_grpo"), lr)
-    problems = held_out(cfg, a.eval_problems)
+def one_seed(a, warmed: str, lr: float, seed: int, problems: list[dict], before: dict, systems: list[str]) -> dict:
+    """Each system's GRPO from ``warmed`` with ``run.seed`` ``seed`` (its prompts and its sampling), evaluated."""
+    cfg = grpo_config(a, warmed, os.path.join(a.run_dir, "loom_grpo"), lr, seed)
     max_new = cfg.grpo.max_new_tokens
-    before = evaluate(warmed, problems, a.device, max_new)
-    print(f"warm-up: {warm['steps']} steps in {warm['seconds']:.1f} s, loss {warm['loss_last']:.4f}; accuracy "
-          f"before GRPO {before['accuracy']:.3f} (transformers {before['accuracy_transformers']:.3f})", flush=True)
     results, drawn = {}, None
     if "loom" in systems:
         results["loom"], drawn = run_loom(a, cfg, os.path.join(a.run_dir, "hf_loom_grpo"))
@@ -481,37 +449,92 @@ def main() -> None:
     if "trl" in systems:
         results["trl"] = run_trl(a, cfg, warmed, rows, os.path.join(a.run_dir, "hf_trl_grpo"))
         results["trl"]["after"] = evaluate(os.path.join(a.run_dir, "hf_trl_grpo"), problems, a.device, max_new)
-    for r in results.values():
+    for name, r in results.items():
         r["accuracy_gain"] = r["after"]["accuracy"] - before["accuracy"]
+        print(f"seed {seed}: {name} {r['steps_per_s']:.2f} steps/s, accuracy {r['after']['accuracy']:.4f} "
+              f"({r['accuracy_gain']:+.4f})", flush=True)
+    return {"seed": seed, "results": results}
 
-    comparison = {}
-    if len(results) == 2:
-        ratio = results["loom"]["steps_per_s"] / results["trl"]["steps_per_s"]
-        comparison = {"steps_per_s_ratio": ratio, "steps_per_s_bar": 2.0, "meets_steps_per_s_bar": ratio >= 2.0,
-                      "accuracy_gain_loom": results["loom"]["accuracy_gain"],
-                      "accuracy_gain_trl": results["trl"]["accuracy_gain"],
-                      "meets_accuracy_bar": results["loom"]["accuracy_gain"] >= results["trl"]["accuracy_gain"]}
+
+def compare(runs: list[dict]) -> dict:
+    """The issue's bars over the seeds: the median steps/s ratio (>= 2) and the mean accuracy gains (loom's >=
+    TRL's), with the standard error of the mean paired difference (0 with one seed)."""
+    ratios = [r["results"]["loom"]["steps_per_s"] / r["results"]["trl"]["steps_per_s"] for r in runs]
+    gains = {k: [r["results"][k]["accuracy_gain"] for r in runs] for k in ("loom", "trl")}
+    diffs = [x - y for x, y in zip(gains["loom"], gains["trl"])]
+    ratio = median(ratios)
+    return {"steps_per_s_ratio": ratio, "steps_per_s_ratios": ratios, "steps_per_s_bar": 2.0,
+            "meets_steps_per_s_bar": ratio >= 2.0, "seeds": len(runs),
+            "accuracy_gain_loom": mean(gains["loom"]), "accuracy_gain_trl": mean(gains["trl"]),
+            "accuracy_gain_difference": mean(diffs),
+            "accuracy_gain_difference_sem": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0,
+            "meets_accuracy_bar": mean(gains["loom"]) >= mean(gains["trl"])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default=RECIPE, help="loom's GRPO recipe (model, task, batch, LRs, [grpo])")
+    p.add_argument("--flavor", default="125M")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps of each system (default: the recipe's "
+                                                           "training.steps - grpo.warmup_steps)")
+    p.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (default: the recipe's "
+                                                                  "grpo.warmup_steps)")
+    p.add_argument("--skip-steps", type=int, default=5, help="first GRPO steps left out of steps/s")
+    p.add_argument("--eval-problems", type=int, default=2000)
+    p.add_argument("--seeds", default="0", help="GRPO runs of each system from the one warmed folder, one per run.seed "
+                                                "(its prompts and sampling), e.g. 0,1,2: the accuracy bar compares "
+                                                "mean gains")
+    p.add_argument("--systems", default="loom,trl")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a loom config field for both parts (TRL's config follows through the mapping)")
+    p.add_argument("--run-dir", default="/tmp/loom_bench_grpo")
+    p.add_argument("--out", default="bench/results/grpo.json")
+    p.add_argument("--commit", default=default_commit())
+    a = p.parse_args()
+    systems = a.systems.split(",")
+    a.seeds = [int(x) for x in a.seeds.split(",")]
+    base = loom_config(a, os.path.join(a.run_dir, "probe"))
+    if a.steps is None:
+        a.steps = base.training.steps - base.grpo.warmup_steps
+    if a.sft_steps is None:
+        a.sft_steps = base.grpo.warmup_steps
+    assert a.skip_steps < a.steps, "--skip-steps must leave timed steps"
+    lr = base.optimizer.lr * base.grpo.lr_ratio
+    warmed = os.path.join(a.run_dir, "hf_warmed")
+    t_start = time.perf_counter()
+
+    warm = warm_up(a, warmed)
+    cfg = grpo_config(a, warmed, os.path.join(a.run_dir, "loom_grpo"), lr, a.seeds[0])
+    problems = held_out(cfg, a.eval_problems)
+    max_new = cfg.grpo.max_new_tokens
+    before = evaluate(warmed, problems, a.device, max_new)
+    print(f"warm-up: {warm['steps']} steps in {warm['seconds']:.1f} s, loss {warm['loss_last']:.4f}; accuracy "
+          f"before GRPO {before['accuracy']:.3f} (transformers {before['accuracy_transformers']:.3f})", flush=True)
+    runs = [one_seed(a, warmed, lr, seed, problems, before, systems) for seed in a.seeds]
+    comparison = compare(runs) if len(systems) == 2 else {}
     g = cfg.grpo
     doc = {
         "benchmark": "grpo", "environment": environment(a.commit, command(), ("trl", "datasets", "accelerate", "peft")),
         "settings": {
             "recipe": os.path.relpath(a.recipe, ROOT), "flavor": a.flavor, "device": a.device,
-            "task": {"digits": g.digits, "ops": g.ops, "seed": cfg.run.seed},
-            "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": per_step,
+            "task": {"digits": g.digits, "ops": g.ops, "seeds": a.seeds},
+            "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": cfg.training.global_batch_size // g.group_size,
             "group_size": g.group_size, "max_new_tokens": g.max_new_tokens, "grpo_lr": lr,
             "eval_problems": a.eval_problems, "rewards": describe_rewards(reward_functions(cfg)),
             "loom_overrides": a.set, "loom_compile": cfg.training.compile},
-        "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "results": results,
+        "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "runs": runs,
         "comparison": comparison, "total_wall_s": time.perf_counter() - t_start,
     }
     write_result(a.out, doc)
-    print(f"\n{'system':<6} {'steps/s':>8} {'step ms':>8} {'gen ms':>7} {'score ms':>8} {'acc before':>10} "
+    print(f"\n{'seed':>4} {'system':<6} {'steps/s':>8} {'step ms':>8} {'gen ms':>7} {'score ms':>8} {'acc before':>10} "
           f"{'acc after':>9} {'gain':>6}")
-    for name, r in results.items():
-        s = r["time_split_mean_s"]
-        print(f"{name:<6} {r['steps_per_s']:>8.2f} {1e3 * s['step']:>8.1f} {1e3 * s['generation']:>7.1f} "
-              f"{1e3 * s['scoring']:>8.1f} {before['accuracy']:>10.3f} {r['after']['accuracy']:>9.3f} "
-              f"{r['accuracy_gain']:>+6.3f}")
+    for run in runs:
+        for name, r in run["results"].items():
+            s = r["time_split_mean_s"]
+            print(f"{run['seed']:>4} {name:<6} {r['steps_per_s']:>8.2f} {1e3 * s['step']:>8.1f} "
+                  f"{1e3 * s['generation']:>7.1f} {1e3 * s['scoring']:>8.1f} {before['accuracy']:>10.3f} "
+                  f"{r['after']['accuracy']:>9.3f} {r['accuracy_gain']:>+6.3f}")
     if comparison:
         print("comparison:", json.dumps(comparison))
     print(f"total {doc['total_wall_s']:.0f} s; wrote {a.out}")
