@@ -287,8 +287,7 @@ def check_grpo(cfg: Config, dims=None) -> None:
     """The [grpo] section: its fields only under training.objective grpo; the layouts the rollouts cannot run on
     yet: the engine generates on a whole model (the trainer's module, or under FSDP2 a copy gathered from the
     shards) or tensor-parallel on TP's shards (loom.rl.sync), so pipeline stages and context / expert parallelism
-    are refused, and TP under PPO (its value head and critic are not split by the TP plan); the logits are
-    needed (docs/rl.md)."""
+    are refused; the logits are needed (docs/rl.md)."""
     from loom.config.sections import GrpoConfig
 
     g, p, objective = cfg.grpo, cfg.parallel, cfg.training.objective
@@ -306,9 +305,6 @@ def check_grpo(cfg: Config, dims=None) -> None:
         if value > 1:
             raise ConfigError(key, value, f"not supported with training.objective {objective} yet (the engine runs "
                               "on the whole model or its tensor-parallel shards): allowed 1")
-    if objective == "ppo" and p.tp > 1:
-        raise ConfigError("parallel.tp", p.tp, "not supported with training.objective ppo yet (the TP plan does not "
-                          "split its value head or critic): allowed 1")
     if cfg.model.fused_loss == "true":
         raise ConfigError("model.fused_loss", True, f"training.objective {objective} needs the logits (per-token "
                           "log-probabilities): allowed auto | false")

@@ -170,8 +170,16 @@ def replicate_moe(moe: nn.Module, tp_mesh, experts: bool = True) -> None:
             setattr(module, name, nn.Parameter(distribute_tensor(p.data, tp_mesh, [Replicate()])))
 
 
+def is_score_head(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a ``dim -> 1`` head (a reward model's score head, PPO's value head or its critic's): one
+    output row, which a column split cannot share out over the tp ranks."""
+    return isinstance(module, nn.Linear) and module.out_features == 1
+
+
 def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
-    """Plan for the parts outside the blocks that this (possibly pipeline-pruned) model still has."""
+    """Plan for the parts outside the blocks that this (possibly pipeline-pruned) model still has: the embedding,
+    the final norm, the output head (a score head: ``score_head_style``), and PPO's value head on the norm's output
+    where the model has one (``value_head``: loom.rl.ppo_objective)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -180,11 +188,44 @@ def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if model.norm is not None:
         plan["norm"] = SequenceParallel()
-    if model.output is not None:
+    if is_score_head(model.output):
+        plan["output"] = score_head_style()()
+    elif model.output is not None:
         plan["output"] = ColwiseParallel(input_layouts=Shard(1),
                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                          use_local_output=not loss_parallel)
+    if is_score_head(model._modules.get("value_head")):
+        plan["value_head"] = score_head_style()()
     return plan
+
+
+@functools.cache
+def score_head_style() -> type:
+    """The ParallelStyle of a ``dim -> 1`` head on the sequence-sharded final hidden states."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ScoreHead(ParallelStyle):
+        """Weight replicated (a DTensor: DTensor sums its Partial gradient over tp, as for the norms), run on this
+        rank's positions, (B, S/tp, E) -> (B, S/tp, 1) with no communication; the outputs all-gathered into the
+        whole (B, S, 1) on every tp rank, a plain tensor (each rank's loss is the same: its gradient is this rank's
+        slice of the replicated one). What one process computes, at the cost of gathering one value per token."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def shard_inputs(mod, inputs, mesh):
+                x = inputs[0]  # (B, S/tp, E): the final norm's output (SequenceParallel)
+                if not isinstance(x, DTensor):
+                    x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+                elif tuple(x.placements) != (Shard(1),):
+                    x = x.redistribute(mesh, [Shard(1)])
+                return (x, *inputs[1:])
+
+            def whole_output(mod, out, mesh):
+                return out.redistribute(mesh, [Replicate()]).to_local()  # (B, S, 1)
+
+            return distribute_module(module, device_mesh, input_fn=shard_inputs, output_fn=whole_output)
+
+    return ScoreHead
 
 
 def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool = False,
@@ -196,13 +237,33 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
     over tp; ``expert_parallel``: the experts are left to loom.parallel.expert_parallel; ``expert_tp``
     (parallel.etp = tp): the experts sharded over tp by their hidden width (here, or by
     loom.parallel.expert_parallel together with ep), and the blocks gather the tp group's tokens and routing
-    before their experts and reduce-scatter the outputs (``ExpertTensorParallel``). A rename in the model would
+    before their experts and reduce-scatter the outputs (``ExpertTensorParallel``). A ``dim -> 1`` head (a reward
+    model's score head, PPO's value head) keeps its weight whole and gives the whole (B, S, 1) on every rank
+    (``score_head_style``); PPO's critic model (``model.critic``) gets the policy's plan. A rename in the model would
     leave a layer unsharded: ``check_all_sharded`` makes that an error."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
+    critic = model._modules.get("critic")  # PPO's critic (loom.rl.ppo_objective): a Llama of the policy's shape
+    for trunk in (model, critic) if critic is not None else (model,):
+        _apply_trunk_tp(trunk, tp_mesh, loss_parallel, expert_parallel, expert_tp)
+    par = moe_parallel(model)  # one for the MoE blocks of the policy and its critic: the tp group added once
+    if par is not None:
+        par.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
+        if expert_tp:
+            par.etp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
+    check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
+    for name, p in model.named_parameters():  # SequenceParallel and replicate_moe make new Parameters trainable
+        if name in frozen:
+            p.requires_grad_(False)
+    if async_tp:
+        enable_async_tp(tp_mesh)
+
+
+def _apply_trunk_tp(model: nn.Module, tp_mesh, loss_parallel: bool, expert_parallel: bool, expert_tp: bool) -> None:
+    """``apply_tp``'s plans on one Llama (the model, or PPO's critic inside it): its outer parts, then each block."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = model.output is not None and model.tok_embeddings is not None and \
         model.output.weight is model.tok_embeddings.weight
-    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
     parallelize_module(model, tp_mesh, outer_plan(model, loss_parallel))
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_own_storage)
@@ -216,17 +277,6 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
             replicate_moe(block.feed_forward, tp_mesh, experts=not (expert_parallel or expert_tp))
             if expert_tp and not expert_parallel:
                 shard_experts(block.feed_forward.experts, tp_mesh)
-    par = moe_parallel(model)
-    if par is not None:
-        par.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
-        if expert_tp:
-            par.etp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
-    check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
-    for name, p in model.named_parameters():  # SequenceParallel and replicate_moe make new Parameters trainable
-        if name in frozen:
-            p.requires_grad_(False)
-    if async_tp:
-        enable_async_tp(tp_mesh)
 
 
 def _own_storage(module, args, out: torch.Tensor) -> torch.Tensor:

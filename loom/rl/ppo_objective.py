@@ -13,7 +13,10 @@ The value function (ppo.critic) is attached to the policy before parallelization
 checkpoints treat it as any parameter: 'head' = the reward model's ``dim -> 1`` head (loom.train.reward.score_head)
 on the final norm's output, computed by a forward hook on the norm; 'model' = a separate model of the policy's
 shape with that head, run on the same tokens by a forward hook on the policy. Either runs inside the policy's
-forward, and only when asked (``forward_with_values``): the engine's generation forwards skip it."""
+forward, and only when asked (``forward_with_values``): the engine's generation forwards skip it. Under tensor
+parallelism the TP plan splits the critic like the policy, and either head runs on this rank's sequence shard of
+the hidden states with its weight whole, its values gathered whole on every rank (loom.parallel.tensor_parallel:
+``score_head_style``); the engine runs on the policy's shards alone (loom.rl.sync)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from torch import nn
 from loom.config.errors import ConfigError
 from loom.data.loader import StepData
 from loom.numerics import IGNORE
+from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.rl.grpo import kl_k3
 from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
 from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, copy_parameters, reference_logps, rows_to_batches,
@@ -217,7 +221,8 @@ class PpoRollouts(RolloutLoader):
         completions = [o.token_ids for o in outs]
         scores, per, names = self.score(rows, prompts, outs)
         t2 = time.perf_counter()
-        (local,) = rows_to_batches(prompts, completions, len(prompts), self.pad_id, self.cfg.training.seq_len)
+        (local,) = rows_to_batches(prompts, completions, len(prompts), self.pad_id, self.cfg.training.seq_len,
+                                   self.cfg.parallel.tp)  # TP's sequence parallelism splits the width evenly
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
         if g.mask_truncated:
             local.labels[truncated] = IGNORE
@@ -263,7 +268,7 @@ class PpoRollouts(RolloutLoader):
             for start in range(0, local.inputs.shape[0], self.micro):
                 inputs = local.inputs[start:start + self.micro].to(trainer.device)
                 labels = local.labels[start:start + self.micro].to(trainer.device)
-                with trainer._autocast():
+                with trainer._autocast(), loss_parallel_context(trainer.steps.ctx.loss_parallel):
                     logits, v = forward_with_values(model, inputs)
                     logps.append(token_logps(logits, labels, g.temperature).cpu())
                     values.append(v.cpu())

@@ -3,19 +3,43 @@ every step's loss, gradient norm and statistics equal the single process's (1e-5
 running tensor-parallel on the trainer's own shards (nothing copied, nothing synced), after updates its cached
 prefill and decode logits equal the trained model's full logits, under full fine-tuning and LoRA. Exhaustive:
 FSDP2 x TP (dp_shard 2 x tp 2, 4 ranks), where each sync fills the engine's TP shards from FSDP2's (under LoRA,
-after the first, the adapters only); under TP x2 a mixture of experts (parallel.etp too) and latent attention."""
+after the first, the adapters only); under TP x2 a mixture of experts (parallel.etp too) and latent attention.
+
+PPO under TP (test_ppo_layouts' fixed rollouts): with the value head (split by the TP plan: its weight whole, run on
+the sequence shards, the values gathered whole), TP x2 gives the single process's loss, gradient norm, values,
+returns and every PPO statistic at every step (1e-5 relative). Exhaustive: the separate critic model (the policy's
+TP plan) under TP x2, with the real engine too (it shares the policy's shards only: no value head, no critic,
+nothing synced); both value functions under FSDP2 x TP and the head under DDP x TP (dp_replicate 2 x tp 2)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from tests.distributed import test_grpo_layouts as grpo
+from tests.distributed import test_ppo_layouts as ppo
 from tests.distributed.harness import run_fn
 from tests.distributed.test_rl_fsdp import GRPO_JOB, engine_check, train
 
 TP = {"parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.tp": 2}
 FSDP_TP = {"parallel.dp_replicate": 1, "parallel.dp_shard": 2, "parallel.tp": 2}
+DDP_TP = {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.tp": 2}
 NAME, SINGLE_MB, DP_MB, EXTRA = GRPO_JOB
+# PPO's jobs: (test_ppo_layouts job, steps). The head's: the warm-up, then 3 of the 4 steps on one batch of rollouts
+PPO_HEAD, PPO_CRITIC = "ppo-head", "ppo-critic"
+PPO_JOBS = {PPO_HEAD: ("reward-kl-2x2", 4), PPO_CRITIC: ("critic-loss-kl-acc", 6)}
+
+
+def ppo_job(tmp, name: str, rank: int | None, layout: dict, dp: int) -> dict:
+    """PPO job ``name`` on ``dp`` data-parallel ranks (1: the single process's micro-batch) in ``layout``."""
+    base, steps = PPO_JOBS[name]
+    single_mb, dp_mb, extra = ppo.JOBS[base]
+    job = ppo.overrides(tmp, name if rank is None else f"{name}-{rank}", single_mb if dp == 1 else dp_mb,
+                        **{**extra, "training.steps": steps}, **layout)
+    if rank is not None:
+        job["run.dir"] = f"{tmp}/{name}"
+    return job
 
 
 def tp_jobs(rank: int, world: int) -> dict:
@@ -30,17 +54,25 @@ def tp_jobs(rank: int, world: int) -> dict:
     out = {NAME: train(grpo, job, env)}
     for lora in (False, True):
         out[f"engine-lora{int(lora)}"] = engine_check(f"{tmp}/engine-{int(lora)}-{rank}", lora, env, layout)
+    if world == 2:
+        out[PPO_HEAD] = train(ppo, ppo_job(tmp, PPO_HEAD, rank, TP, 1), env)
+    else:
+        for name in PPO_JOBS:
+            out[name] = train(ppo, ppo_job(tmp, name, rank, FSDP_TP, 2), env)
+        out[f"{PPO_HEAD}-ddp"] = train(ppo, ppo_job(f"{tmp}/ddp", PPO_HEAD, rank, DDP_TP, 2), env)
     return out
 
 
-def single(tmp) -> list[dict]:
-    return train(grpo, grpo.overrides(tmp, NAME, SINGLE_MB, **EXTRA))
+def single(tmp, ppo_names=(PPO_HEAD,)) -> dict:
+    """The single process's records: GRPO's job and PPO's ``ppo_names``."""
+    return {NAME: train(grpo, grpo.overrides(tmp, NAME, SINGLE_MB, **EXTRA)),
+            **{name: train(ppo, ppo_job(tmp, name, None, {}, 1)) for name in ppo_names}}
 
 
-def check_steps(ref: list[dict], got: list[dict]) -> None:
+def check_steps(ref: list[dict], got: list[dict], keys=grpo.KEYS) -> None:
     assert len(ref) == len(got) and all(r["grad_norm"] > 0.01 for r in ref)
     for a, b in zip(got, ref):
-        for key in grpo.KEYS:
+        for key in keys:
             if b[key] is None:
                 assert a[key] is None, (key, a, b)
                 continue
@@ -55,8 +87,16 @@ def tp2(tmp_path_factory):
 
 def test_tp2_step_equals_single_process(tp2):
     ref, got = tp2
-    check_steps(ref, got[NAME])
+    check_steps(ref[NAME], got[NAME])
     assert all(not r["weight_sync_bytes"] for r in got[NAME])  # the engine shares the shards: nothing synced
+
+
+def test_ppo_tp2_step_equals_single_process(tp2):
+    """PPO with its value head under TP x2: losses, values, returns, KL and clip fractions at every step."""
+    ref, got = tp2
+    check_steps(ref[PPO_HEAD], got[PPO_HEAD], ppo.KEYS)
+    assert max(r["ppo/clipfrac"] for r in ref[PPO_HEAD][1:]) > 0.05 and ref[PPO_HEAD][1]["ppo/values"] != 0
+    assert all(not r["weight_sync_bytes"] for r in got[PPO_HEAD])  # the value head is not the engine's
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -70,14 +110,86 @@ def test_tp2_engine_runs_on_the_trainers_shards(tp2, lora):
 @pytest.fixture(scope="module")
 def fsdp_tp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_fsdp_tp")
-    return single(tmp), run_fn(4, tp_jobs, str(tmp))
+    return single(tmp, tuple(PPO_JOBS)), run_fn(4, tp_jobs, str(tmp))
 
 
 @pytest.mark.exhaustive
 def test_fsdp2_x_tp_step_equals_single_process(fsdp_tp):
     ref, got = fsdp_tp
-    check_steps(ref, got[NAME])
+    check_steps(ref[NAME], got[NAME])
     assert got[NAME][1]["weight_sync_bytes"] > 0
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name", [PPO_HEAD, PPO_CRITIC, f"{PPO_HEAD}-ddp"])
+def test_ppo_fsdp2_or_ddp_x_tp_step_equals_single_process(fsdp_tp, name):
+    """dp_shard 2 x tp 2 (the value head; the critic model), dp_replicate 2 x tp 2 (the value head): the engine's
+    TP shards are filled from FSDP2's at each batch of rollouts, the value function's parameters are not."""
+    ref, got = fsdp_tp
+    check_steps(ref[name.removesuffix("-ddp")], got[name], ppo.KEYS)
+    assert got[name][1]["weight_sync_bytes"] > 0
+
+
+def ppo_critic_jobs(rank: int, world: int) -> dict:
+    from loom.parallel.env import init_distributed
+
+    tmp = f"/tmp/loom_ppo_tp_{world}"
+    env = init_distributed("cpu", "gloo")
+    return {PPO_CRITIC: train(ppo, ppo_job(tmp, PPO_CRITIC, rank, TP, 1), env),
+            "engine": ppo_engine_check(f"{tmp}/engine-{rank}", env)}
+
+
+def ppo_engine_check(tmp: str, env) -> dict:
+    """PPO with the critic model and the real engine under TP x2 for 3 steps: what the engine holds, and its prefill
+    logits against the trained policy's."""
+    import torch
+
+    from loom.config import build_config
+    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.train.trainer import Trainer
+
+    job = ppo.overrides(tmp, "engine", 2, **{"training.steps": 3, "ppo.critic": "model", "ppo.kl_coef": 0.05, **TP})
+    cfg = build_config(None, {k: str(v) for k, v in job.items()})
+    trainer = Trainer(cfg, env=env, objective=ProximalPolicy(cfg))
+    records = trainer.fit()
+    model, weights = trainer.parts[0], trainer.objective.loader.weights
+    tokens = torch.tensor([trainer.tokenizer.encode("3+4=77"), trainer.tokenizer.encode("9*9=81")])  # (2, 6)
+    model.eval()
+    engine = trainer.objective.loader.generator.engine
+    with torch.no_grad():
+        after = model(tokens)  # (2, 6, V)
+        after = after.full_tensor() if hasattr(after, "full_tensor") else after  # loss parallel's vocab shards
+        engine.allocate(2, tokens.shape[1])
+        prefill = engine.prefill(tokens[:, :-1], torch.tensor([4, 4]))  # (2, V) at position 4
+        engine.release()
+    names = [n for n, _ in weights.model.named_parameters()]
+    return {"prefill": (prefill - after[:, 4]).abs().max().item(), "shared": len(weights.shared),
+            "filled": len(weights.fills), "params": len(names),
+            "value_function": [n for n in names if "value_head" in n or "critic" in n],
+            "sampled": [r["loss"] for r in records if r.get("time/generation_s")],
+            "bytes": [r.get("weight_sync_bytes") for r in records]}
+
+
+@pytest.fixture(scope="module")
+def ppo_critic_tp2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ppo_critic_tp")
+    return train(ppo, ppo_job(tmp, PPO_CRITIC, None, {}, 1)), run_fn(2, ppo_critic_jobs, str(tmp))
+
+
+@pytest.mark.exhaustive
+def test_ppo_critic_model_tp2_step_equals_single_process(ppo_critic_tp2):
+    ref, got = ppo_critic_tp2
+    check_steps(ref, got[PPO_CRITIC], ppo.KEYS)
+
+
+@pytest.mark.exhaustive
+def test_ppo_tp2_engine_runs_on_the_policys_shards(ppo_critic_tp2):
+    """The real engine under PPO's TP: the policy's shards only (the critic is no part of it), nothing synced,
+    and after the updates its logits are the trained policy's."""
+    got = ppo_critic_tp2[1]["engine"]
+    assert got["shared"] == got["params"] and got["filled"] == 0 and not got["value_function"], got
+    assert got["sampled"] and all(math.isfinite(x) for x in got["sampled"]) and not any(got["bytes"]), got
+    assert got["prefill"] < 1e-5, got
 
 
 @pytest.mark.exhaustive

@@ -224,8 +224,9 @@ def test_config_rules():
         check(**{"training.objective": "ppo", "grpo.beta": 0.1})  # GRPO's loss fields do nothing under PPO
     with pytest.raises(ConfigError, match="ppo.kl_estimator"):
         check(**{"training.objective": "ppo", "ppo.kl_penalty": "loss", "ppo.kl_estimator": "k3"})
-    with pytest.raises(ConfigError, match="parallel.tp"):
-        check(**{"training.objective": "ppo", "parallel.tp": 2})
+    check(**{"training.objective": "ppo", "parallel.tp": 2})  # the TP plan splits the value head and the critic
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        check(**{"training.objective": "ppo", "parallel.pp": 2})
 
 
 @pytest.mark.exhaustive
