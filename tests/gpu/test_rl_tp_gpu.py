@@ -1,6 +1,7 @@
 """GRPO under tensor parallelism on two GPUs (NCCL, bf16): the embedded recipe runs with the real engine
 tensor-parallel on the trainer's own shards (CUDA graphs kept across updates, tokens broadcast over the tp group)
-and its eval hook; nothing is synced (weight_sync_bytes 0 throughout), full fine-tuning and LoRA. Four GPUs:
+and its eval hook; nothing is synced (weight_sync_bytes 0 throughout), full fine-tuning and LoRA; PPO's recipe
+likewise, with the value head (full fine-tuning, LoRA) and the critic model split by the TP plan. Four GPUs:
 FSDP2 x TP (dp_shard 2 x tp 2), where each rollout fills the engine's TP shards from FSDP2's. Skipped without the
 GPUs."""
 
@@ -32,6 +33,17 @@ def test_grpo_under_tp_on_two_gpus(tmp_path, lora):
     assert all(not r.get("weight_sync_bytes") for r in sampled)  # the engine shares the trainer's shards
     print(f"tp=2 lora={lora}: generation {sampled[1]['time/generation_s']:.4f} s, "
           f"{sampled[1]['rollout_tokens_per_s']:.0f} tokens/s")
+
+
+@pytest.mark.parametrize("critic,lora", [("head", False), ("head", True), ("model", False)])
+def test_ppo_under_tp_on_two_gpus(tmp_path, critic, lora):
+    records = train(tmp_path / "run", "ppo_debug.toml", **TP, **{"ppo.critic": critic},
+                    **({"lora.rank": 8} if lora else {}))
+    sampled = finite_run(records)
+    assert all(not r.get("weight_sync_bytes") for r in sampled)  # the engine holds the policy's shards only
+    assert all(math.isfinite(r["ppo/value_loss"]) and math.isfinite(r["ppo/values"]) for r in sampled)
+    print(f"ppo tp=2 critic={critic} lora={lora}: generation {sampled[1]['time/generation_s']:.4f} s, "
+          f"value loss {sampled[0]['ppo/value_loss']:.4f} -> {sampled[-1]['ppo/value_loss']:.4f}")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
