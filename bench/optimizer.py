@@ -2,6 +2,7 @@
 fused and foreach AdamW, all with a gradient factor (clipping) applied as training applies it.
 
     python -m bench.optimizer --flavor 1B --out bench/results/optimizer_1b_h100.json
+    python -m bench.optimizer --flavor 125M --out bench/results/optimizer_125m_h100.json   # many small tensors
 
 Each implementation is timed in two rounds in alternating order (the faster round counts); GB/s counts
 the 28 bytes an fp32 AdamW must move per parameter (read param, grad, two moments; write three).
@@ -24,8 +25,14 @@ BYTES_PER_PARAM = 28
 
 
 def make_model(flavor: str) -> torch.nn.Module:
+    args = FLAVORS[flavor]
+    if not args.vocab_size:  # a flavor without its own vocabulary: the byte tokenizer's, rounded as training rounds it
+        from loom.data.tokenizers import ByteTokenizer
+        from loom.models.llama import round_vocab
+
+        args = args.with_(vocab_size=round_vocab(ByteTokenizer().vocab_size))
     with torch.device("meta"):
-        model = Llama(FLAVORS[flavor])
+        model = Llama(args)
     model = model.to_empty(device="cuda")
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)

@@ -194,6 +194,17 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         for have, wanted in zip((ps, ms, vs), want):
             for a, b in zip(have, wanted):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a view at an offset that is not 16-byte aligned (its own launch) beside aligned tensors
+    ps, gs = [torch.randn(5001)[1:], torch.randn(300)], [torch.randn(5000), torch.randn(301)[1:]]
+    ms, vs = [torch.zeros(5000), torch.zeros(300)], [torch.zeros(5000), torch.zeros(300)]
+    want = [[t.clone() for t in ts] for ts in (ps, ms, vs)]
+    for i in range(2):
+        ref.adamw_step_(want[0][i], gs[i], want[1][i], want[2][i], None, 0.01, 0.9, 0.95, 1e-8, 0.1, 1)
+    adamw_step_multi_(ps, gs, ms, vs, lrs=[0.01] * 2, weight_decays=[0.1] * 2, steps=[1, 1], beta1=0.9, beta2=0.95,
+                      eps=1e-8)
+    for have, wanted in zip((ps, ms, vs), want):
+        for a, b in zip(have, wanted):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     def raises_multi(*lists, **kw):
         try:
             tk.adamw_step_multi(*lists, None, [0.1] * len(lists[0]), [0.0] * len(lists[0]), kw.get("steps", [1] * len(lists[0])), 0.9, 0.95, 1e-8)

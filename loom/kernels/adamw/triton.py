@@ -92,10 +92,11 @@ def _adamw_multi_kernel(table_ptr, scalars_ptr, block_map_ptr, factor_ptr, beta1
     pid = tl.program_id(0)
     t = tl.load(block_map_ptr + pid).to(tl.int64)
     row = table_ptr + t * 6
-    p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    # addresses from the table: 16-byte aligned (the launcher checks), which the compiler needs told to vectorize
+    p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
+    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE)), 16)
+    m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
+    v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
     n = tl.load(row + 4)
     first = tl.load(row + 5)
     decay = tl.load(scalars_ptr + t * 3)
@@ -140,6 +141,9 @@ def adamw_step_multi(params, grads, exp_avgs, exp_avg_sqs, grad_factor, lrs, wei
             raise ValueError(f"step: {step}, expected >= 1 (the count including this step)")
         n = p.numel()
         if n == 0:
+            continue
+        if any(t.data_ptr() % 16 for t in (p, g, m, v)):  # a view at an odd offset: its own launch
+            adamw_step(p, g, m, v, grad_factor, lr, beta1, beta2, eps, wd, step)
             continue
         ints += [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, sum(counts)]
         floats += [1.0 - lr * wd, lr / (1.0 - beta1**step), 1.0 / math.sqrt(1.0 - beta2**step)]
