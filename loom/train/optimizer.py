@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from loom.config.sections import OptimizerConfig
-from loom.kernels.adamw.op import adamw_step_multi_
+from loom.kernels.adamw.op import adamw_step_
 from loom.kernels.triton_support import has_triton
 from loom.train.grads import by_mesh, scale_grads, unique_params
 from loom.train.large_batch import build_large_batch
@@ -29,8 +29,8 @@ def resolve_implementation(impl: str, device: torch.device, offload: bool = Fals
 
 class TritonAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (same hyperparameters, same state and state dict: ``step``, ``exp_avg``,
-    ``exp_avg_sq``) stepping a group's tensors with loom's one-pass kernel, all in one launch per device and
-    gradient dtype (``loom::adamw_step_multi_``: Triton on CUDA, the reference elsewhere). ``step(grad_factor=t)`` multiplies the gradients by the one-element
+    ``exp_avg_sq``) stepping each tensor with loom's one-pass kernel (``loom::adamw_step_``: Triton on
+    CUDA, the reference elsewhere). ``step(grad_factor=t)`` multiplies the gradients by the one-element
     tensor ``t`` inside the kernel (clipping without a pass over the gradients, nor a host sync).
     Sharded (DTensor) parameters are stepped on their local shards."""
 
@@ -45,28 +45,22 @@ class TritonAdamW(torch.optim.AdamW):
                 loss = closure()
         factors: dict = {}
         for group in self.param_groups:
-            batches: dict = {}  # (device, grad dtype) -> the tensors one launch steps
+            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self._state_of(p)
                 state["step"] += 1
-                local = _local(p)
-                grad = _local(_like_param(p.grad, p))
-                batch = batches.setdefault((local.device, grad.dtype), ([], [], [], [], []))
-                for items, x in zip(batch, (local, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                                            int(state["step"]))):
-                    items.append(x)
-            beta1, beta2 = group["betas"]
-            lr, wd = float(group["lr"]), group["weight_decay"]
-            for (device, _), (ps, gs, ms, vs, steps) in batches.items():
                 factor = None
                 if grad_factor is not None:  # once per device (offloaded shards on the host, the factor on the GPU)
+                    device = _local(p).device
                     if device not in factors:
                         factors[device] = torch.as_tensor(grad_factor, dtype=torch.float32, device=device).reshape(1)
                     factor = factors[device]
-                adamw_step_multi_(ps, gs, ms, vs, lrs=[lr] * len(ps), weight_decays=[wd] * len(ps), steps=steps,
-                                  beta1=beta1, beta2=beta2, eps=group["eps"], grad_factor=factor)
+                grad = _like_param(p.grad, p)
+                adamw_step_(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"], step=int(state["step"]), grad_factor=factor)
         return loss
 
     def _state_of(self, p: torch.Tensor) -> dict:
