@@ -106,7 +106,8 @@ class _Graph:
 class Engine:
     """``model`` (a loom Llama: plain, or split by ``loom.infer.tp``) with caches, steps and graphs.
 
-    ``compile`` / ``cuda_graphs`` None: on for CUDA, off on the CPU. ``group``: the tensor-parallel process group
+    ``compile`` / ``cuda_graphs`` None: on for CUDA, off on the CPU (graphs also off under tensor parallelism).
+    ``group``: the tensor-parallel process group
     (sampled tokens are broadcast from its first rank, so every rank continues with the same ones). ``pack``: the
     projections that read one input as one matmul (``loom.infer.pack``; for a model the engine owns: a training
     job's model stays as it is)."""
@@ -119,9 +120,14 @@ class Engine:
         self.device, self.dtype = weight.device, weight.dtype
         cuda = self.device.type == "cuda"
         self.compile = cuda if compile is None else compile
-        self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
+        # under tensor parallelism the steps run NCCL collectives, whose capture failed on the GPU (the stream capture
+        # was invalidated): there the steps run compiled, without graphs
+        self.cuda_graphs = (cuda and group is None) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not cuda:
             raise ConfigError("cuda_graphs", True, f"CUDA graphs need a CUDA device (the model is on {self.device})")
+        if self.cuda_graphs and group is not None:
+            raise ConfigError("cuda_graphs", True, "not under tensor parallelism (its collectives are not captured "
+                              "yet): allowed false")
         self.group = group
         self.vocab_size = model.args.vocab_size
         self.caches: list[nn.Module] = []

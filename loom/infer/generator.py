@@ -64,16 +64,17 @@ class Generator:
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, *, chat_template=None, eos_ids=None,
                    prefix: tuple[int, ...] = (), compile: bool | None = None, cuda_graphs: bool | None = None,
-                   max_batch: int = 64, speculative=None, pack: bool = False) -> "Generator":
+                   max_batch: int = 64, speculative=None, pack: bool = False, group=None) -> "Generator":
         """A plain loom ``Llama`` already built and loaded (on its device, in its dtype). ``tokenizer``: a loom
         tokenizer (``loom.data.build_tokenizer``) for text prompts; ``chat_template``: a ``ChatTemplate``;
         ``eos_ids``: default the tokenizer's EOS; ``prefix``: ids before every plain prompt. ``pack``: pack the
-        model's projections (``loom.infer.pack``): only for a model nothing else trains or converts meanwhile."""
+        model's projections (``loom.infer.pack``): only for a model nothing else trains or converts meanwhile.
+        ``group``: the tensor-parallel group of a model split by ``loom.infer.tp``."""
         self = cls.__new__(cls)
         self.name, self.kind = type(model).__name__, "model"
         codec = Codec(tokenizer, chat_template, prefix) if tokenizer is not None else None
         eos = tuple(eos_ids) if eos_ids is not None else ((tokenizer.eos_id,) if tokenizer is not None else ())
-        self._setup(model, codec, eos, compile, cuda_graphs, max_batch, speculative, None, pack=pack)
+        self._setup(model, codec, eos, compile, cuda_graphs, max_batch, speculative, group, pack=pack)
         return self
 
     def _setup(self, model, codec, eos_ids, compile, cuda_graphs, max_batch, speculative, group, pack=False):

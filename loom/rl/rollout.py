@@ -218,9 +218,9 @@ class RolloutLoader:
         self.weights = EngineWeights.build(trainer)
         if self.judge is not None:
             self.judge.device = str(trainer.device)  # loaded there on first use
-        generator = Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch)
-        generator.engine.group = self.weights.group  # under TP: every rank of the group continues with one token
-        return generator
+        # under TP every rank of the group continues with one token (the group's first rank's)
+        return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch,
+                                    group=self.weights.group)
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
