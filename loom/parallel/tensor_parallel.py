@@ -207,21 +207,25 @@ def score_head_style() -> type:
 
     class ScoreHead(ParallelStyle):
         """Weight replicated (a DTensor: DTensor sums its Partial gradient over tp, as for the norms), run on this
-        rank's positions, (B, S/tp, E) -> (B, S/tp, 1) with no communication; the outputs all-gathered into the
-        whole (B, S, 1) on every tp rank, a plain tensor (each rank's loss is the same: its gradient is this rank's
-        slice of the replicated one). What one process computes, at the cost of gathering one value per token."""
+        rank's positions as rows, (B * S/tp, E) -> (B * S/tp, 1) with no communication (a 3-D input sharded on the
+        sequence would be flattened inside the linear, which DTensor refuses in torch 2.11); the outputs
+        all-gathered into the whole (B, S, 1) on every tp rank, a plain tensor (each rank's loss is the same: its
+        gradient is this rank's slice of the replicated one). What one process computes, at the cost of gathering
+        one value per token."""
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             def shard_inputs(mod, inputs, mesh):
                 x = inputs[0]  # (B, S/tp, E): the final norm's output (SequenceParallel)
-                if not isinstance(x, DTensor):
-                    x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-                elif tuple(x.placements) != (Shard(1),):
-                    x = x.redistribute(mesh, [Shard(1)])
-                return (x, *inputs[1:])
+                if isinstance(x, DTensor):
+                    x = (x if tuple(x.placements) == (Shard(1),) else x.redistribute(mesh, [Shard(1)])).to_local()
+                mod._local_positions = x.shape[:2]
+                rows = DTensor.from_local(x.reshape(-1, x.shape[-1]), mesh, [Shard(0)], run_check=False)
+                return (rows, *inputs[1:])  # (B * S/tp, E) on each rank
 
             def whole_output(mod, out, mesh):
-                return out.redistribute(mesh, [Replicate()]).to_local()  # (B, S, 1)
+                batch, local = mod._local_positions
+                rows = out.redistribute(mesh, [Replicate()]).to_local()  # (tp * B * S/tp, 1), rank by rank
+                return rows.view(mesh.size(), batch, local, -1).transpose(0, 1).reshape(batch, mesh.size() * local, -1)
 
             return distribute_module(module, device_mesh, input_fn=shard_inputs, output_fn=whole_output)
 
