@@ -103,12 +103,15 @@ class MoEParallel:
       counts are summed over them (one small all-reduce each, no gradient; again when recomputed), and each rank
       adds its own tokens' share of the mean router probability, so the ranks' terms add up to the whole
       sequence's loss and each rank's router gets exactly its tokens' gradient.
+    * ``sequence_slice``: (group, size) of tensor parallelism (``apply_tp``), whose ranks hold equal consecutive
+      slices of every sequence of the model's input, in rank order: ``local_tokens`` cuts per-token tensors so.
     * ``etp``: ``ExpertTensorParallel`` when the experts are sharded over tp by hidden width (``apply_tp``).
     * ``ep``: ``ExpertParallel`` when the experts are split over the ep ranks (``apply_expert_parallel``).
     * DTensor parameters (tp, ep, etp) run as their local shards (``local_weight``)."""
 
     def __init__(self):
         self.sequence_shards: tuple = ()
+        self.sequence_slice: tuple | None = None
         self.etp: ExpertTensorParallel | None = None
         self.ep: ExpertParallel | None = None
 
@@ -125,6 +128,12 @@ class MoEParallel:
         if self.ep is None:
             return experts(x, counts, self.local)
         return self.ep.run(experts, x, counts, self.local)
+
+    def local_tokens(self, mask: torch.Tensor) -> torch.Tensor:
+        if self.sequence_slice is None:
+            return mask
+        group, size = self.sequence_slice
+        return mask.chunk(size, dim=1)[dist.get_rank(group)]  # (B, S / tp, ...)
 
     def whole_sequence(self, counts: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
         from torch.distributed import _functional_collectives as fc

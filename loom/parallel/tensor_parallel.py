@@ -252,6 +252,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
     par = moe_parallel(model)  # one for the MoE blocks of the policy and its critic: the tp group added once
     if par is not None:
         par.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
+        par.sequence_slice = (tp_mesh.get_group(), tp_mesh.size())  # the balance loss's counted tokens (RL rows)
         if expert_tp:
             par.etp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
     check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)

@@ -71,10 +71,12 @@ def greedy_accuracy(ctx) -> dict[str, float]:
     from loom.rl.sync import whole_model
 
     model = whole_model(ctx.model)  # under FSDP2 a gathered copy: the engine needs whole weights
+    training = model.training  # the engine sets eval mode: in one process on the live policy, which trains on
     gen = Generator.from_model(model, ctx.tokenizer, compile=False, max_batch=200)
     try:
         outs = gen.generate_ids([ctx.tokenizer.encode(r["prompt"]) for r in rows],
                                 SamplingParams(max_new_tokens=2 * task.digits + 2))
     finally:
         gen.engine.close()  # the caches and the engine's hook off the live model
+        model.train(training)
     return {"accuracy": sum(exact_answer([], [o.text for o in outs], [r["answer"] for r in rows])) / len(rows)}

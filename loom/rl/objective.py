@@ -9,7 +9,7 @@ import torch
 
 from loom.numerics import IGNORE
 from loom.rl.grpo import loss_count, loss_sum, token_losses
-from loom.rl.rollout import RolloutBatch, RolloutLoader, token_logps
+from loom.rl.rollout import RolloutBatch, RolloutLoader, policy_forward, token_logps
 
 
 class GroupRelative:
@@ -43,9 +43,10 @@ class GroupRelative:
     def forward(self, model, mb: RolloutBatch, positions: torch.Tensor | None) -> torch.Tensor:
         g = self.g
         mask = (mb.labels != IGNORE).float()  # (B, S) the completion tokens
+        logits = policy_forward(model, mb.inputs, mb.labels, positions)  # (B, S, V)
         if mb.warmup:
-            return -(token_logps(model(mb.inputs, positions), mb.labels) * mask).sum()
-        logps = token_logps(model(mb.inputs, positions), mb.labels, g.temperature)  # (B, S)
+            return -(token_logps(logits, mb.labels) * mask).sum()
+        logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)
         old = mb.old_logps if mb.old_logps is not None else logps.detach()
         losses, kl, low, high = token_losses(logps, old, mb.advantages.float(), g.epsilon, g.epsilon_high or g.epsilon,
                                              mb.ref_token_logps, g.beta)

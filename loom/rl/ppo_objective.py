@@ -33,8 +33,8 @@ from loom.numerics import IGNORE
 from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.rl.grpo import kl_k3
 from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
-from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, copy_parameters, reference_logps, rows_to_batches,
-                             token_logps)
+from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, copy_parameters, policy_forward, reference_logps,
+                             rows_to_batches, token_logps)
 from loom.train.reward import attach_score_head, score_head
 
 
@@ -420,7 +420,8 @@ class ProximalPolicy:
     def forward(self, model, mb: PpoBatch, positions: torch.Tensor | None) -> torch.Tensor:
         g, p = self.g, self.p
         mask = (mb.labels != IGNORE).float()  # (B, S) the completion tokens
-        logits, values = forward_with_values(model, mb.inputs, positions)  # (B, S, V), (B, S)
+        # (B, S, V), (B, S)
+        logits, values = policy_forward(model, mb.inputs, mb.labels, positions, forward_with_values)
         if mb.warmup:  # the value head joins with weight 0: DDP expects a gradient for every trained parameter
             return -(token_logps(logits, mb.labels) * mask).sum() + 0.0 * values.sum()
         logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)

@@ -12,6 +12,7 @@ CP / EP are refused (loom.resolve; docs/rl.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from loom.config.errors import ConfigError
 from loom.data.loader import MicroBatch, StepData
 from loom.models.common.lora import adapters_disabled
+from loom.models.common.moe import counted_tokens
 from loom.numerics import IGNORE
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.rl.arithmetic import ArithmeticTask
@@ -75,6 +77,24 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float =
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
     nll = F.cross_entropy(scaled.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
     return -to_local_loss(nll).view(b, s)
+
+
+def row_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The tokens of each right-padded row, (B, S) bool: up to its last labelled position (its prompt and
+    completion), not the padding after it, whose width depends on the batch's other rows and on the layout
+    (``rows_to_batches`` rounds it up to a multiple of tp). labels (B, S) -> (B, S)."""
+    cols = torch.arange(labels.shape[1], device=labels.device)  # (S,)
+    last = torch.where(labels != IGNORE, cols, -1).amax(dim=1)  # (B,) -1: a row without labels counts nothing
+    return cols <= last.unsqueeze(1)
+
+
+def policy_forward(model, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+                   call=None):
+    """``call(model, inputs, positions)`` (default: ``model(inputs, positions)``) for a training step on rollout
+    rows: a mixture of experts' balance loss counts each row's own tokens only (``row_tokens``), so it is the same
+    whatever the padding, and so the same under tensor parallelism as in one process."""
+    with counted_tokens(model, row_tokens(labels)):
+        return model(inputs, positions) if call is None else call(model, inputs, positions)
 
 
 def rows_to_batches(prompts: list[list[int]], completions: list[list[int]], micro: int, pad_id: int,
@@ -139,6 +159,19 @@ def warmup_steps(cfg) -> int:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def kept_mode(model: torch.nn.Module):
+    """``model``'s training mode as it was after the block. The engine puts the model it is given in eval mode;
+    where that model is the policy itself (one process) the training steps before the first sampling (the
+    warm-up) would then run in eval mode: without a mixture of experts' balance loss, unlike any sharded layout,
+    whose engine runs its own module."""
+    training = model.training
+    try:
+        yield model
+    finally:
+        model.train(training)
+
+
 def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """``src``'s parameters into ``dst``'s (the same model, built the same way), by canonical name."""
     from loom.models.common.init import canonical_name
@@ -219,8 +252,9 @@ class RolloutLoader:
         if self.judge is not None:
             self.judge.device = str(trainer.device)  # loaded there on first use
         # under TP every rank of the group continues with one token (the group's first rank's)
-        return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch,
-                                    group=self.weights.group)
+        with kept_mode(self.weights.model):
+            return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch,
+                                        group=self.weights.group)
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()

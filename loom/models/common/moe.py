@@ -3,6 +3,7 @@ SwiGLU experts, dropless; parallel layouts plug in through one object per block,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -111,21 +112,26 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int,
-                          whole_sequence: Callable | None = None) -> torch.Tensor:
+                          whole_sequence: Callable | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, summed over sequences (so micro-batching and data parallelism
     leave it unchanged): per sequence ``sum_i f_i P_i``, ``f_i = n_experts / (top_k S) x (tokens routed to i)``
     and ``P_i`` the mean router probability of expert i. probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar.
 
+    ``counted`` (B, S) bool: the tokens it counts (S per sequence then their number); None: all. Rows padded to a
+    common width count only their own tokens, so the padding (which may depend on the layout) leaves it unchanged.
     ``whole_sequence`` (``MoE.parallel.whole_sequence``): (counts (B, n), S) of this rank's tokens -> those of
     the whole sequences, where ranks split every sequence (context, sequence parallelism); the result is then
     this rank's tokens' share of the sum, and the ranks' shares add up to it."""
     bsz, seq, k = experts.shape
-    counts = torch.zeros(bsz, n_experts, device=probs.device).scatter_add_(
-        1, experts.reshape(bsz, -1), torch.ones(bsz, seq * k, device=probs.device))  # (B, n)
+    weight = torch.ones(bsz, seq, device=probs.device) if counted is None else counted.float()  # (B, S)
+    counts = torch.zeros(bsz, n_experts + 1, device=probs.device).scatter_add_(
+        1, experts.reshape(bsz, -1), weight.repeat_interleave(k, dim=1))  # (B, n + 1), column n: unused
+    counts[:, n_experts] = weight.sum(dim=1)  # the counted tokens of each sequence, summed with the counts
     if whole_sequence is not None:
-        counts, seq = whole_sequence(counts, seq)
-    f = counts * (n_experts / (k * seq))  # (B, n), 1 everywhere when balanced
-    return (f * probs.sum(dim=1) / seq).sum()  # P: (B, n), this rank's tokens' share
+        counts, _ = whole_sequence(counts, seq)
+    tokens = counts[:, n_experts:].clamp(min=1)  # (B, 1) S of each whole sequence
+    f = counts[:, :n_experts] * n_experts / (k * tokens)  # (B, n), 1 everywhere when balanced
+    return (f * (probs * weight.unsqueeze(-1)).sum(dim=1) / tokens).sum()  # P: (B, n), this rank's tokens' share
 
 
 class LocalExperts:
@@ -154,6 +160,10 @@ class LocalExperts:
         ``sequence_balance_loss``)."""
         return counts, seq
 
+    def local_tokens(self, mask: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor (B, S, ...) of the model's input sequences -> this rank's tokens of them."""
+        return mask
+
 
 LOCAL_EXPERTS = LocalExperts()  # stateless: shared by every block until loom.parallel replaces it
 
@@ -178,6 +188,7 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, dim, hidden, fused=fused)
         self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
         self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
+        self.counted = None  # counted_tokens: (B, S) bool, the tokens the balance loss counts (None: all)
         self.parallel = LOCAL_EXPERTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,8 +200,9 @@ class MoE(nn.Module):
         out = out.view(bsz, seq, dim)
         record = _records_balance()
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
+            counted = None if self.counted is None else par.local_tokens(self.counted)  # (B, S)
             aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts,
-                                        par.whole_sequence)
+                                        par.whole_sequence, counted)
             if record:
                 seen = aux.detach()
                 self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
@@ -225,6 +237,21 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
     """Every MoE block of ``model`` weighs its per-sequence balance loss by ``aux_loss x scale`` this step."""
     for m in moe_modules(model):
         m.aux_scale = scale
+
+
+@contextlib.contextmanager
+def counted_tokens(model: nn.Module, mask: torch.Tensor | None):
+    """Within the block, ``model``'s MoE blocks count only the tokens ``mask`` (B, S) bool marks (of the model's
+    input) in their balance loss: a batch of rows right-padded to a common width, whose padding is no token of
+    theirs (``sequence_balance_loss``). None: every token."""
+    blocks = moe_modules(model)
+    for m in blocks:
+        m.counted = mask
+    try:
+        yield
+    finally:
+        for m in blocks:
+            m.counted = None
 
 
 def take_balance(model: nn.Module) -> torch.Tensor | None:
