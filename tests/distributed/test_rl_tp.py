@@ -7,9 +7,11 @@ after the first, the adapters only); under TP x2 a mixture of experts (parallel.
 
 PPO under TP (test_ppo_layouts' fixed rollouts): with the value head (split by the TP plan: its weight whole, run on
 the sequence shards, the values gathered whole), TP x2 gives the single process's loss, gradient norm, values,
-returns and every PPO statistic at every step (1e-5 relative). Exhaustive: the separate critic model (the policy's
-TP plan) under TP x2, with the real engine too (it shares the policy's shards only: no value head, no critic,
-nothing synced); both value functions under FSDP2 x TP and the head under DDP x TP (dp_replicate 2 x tp 2)."""
+returns and every PPO statistic at every step (1e-5 relative). On a mixture of experts with its balance loss
+(debug_moe), GRPO's and PPO's steps equal the single process's too, the warm-up included. Exhaustive: the separate
+critic model (the policy's TP plan) under TP x2, with the real engine too (it shares the policy's shards only: no
+value head, no critic, nothing synced); both value functions under FSDP2 x TP and the head under DDP x TP
+(dp_replicate 2 x tp 2)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ NAME, SINGLE_MB, DP_MB, EXTRA = GRPO_JOB
 # PPO's jobs: (test_ppo_layouts job, steps). The head's: the warm-up, then 3 of the 4 steps on one batch of rollouts
 PPO_HEAD, PPO_CRITIC = "ppo-head", "ppo-critic"
 PPO_JOBS = {PPO_HEAD: ("reward-kl-2x2", 4), PPO_CRITIC: ("critic-loss-kl-acc", 6)}
+# a mixture of experts with its balance loss (the default weight): the warm-up and two steps of each objective
+MOE = {"model.flavor": "debug_moe", "training.steps": 3}
 
 
 def ppo_job(tmp, name: str, rank: int | None, layout: dict, dp: int) -> dict:
@@ -56,6 +60,7 @@ def tp_jobs(rank: int, world: int) -> dict:
         out[f"engine-lora{int(lora)}"] = engine_check(f"{tmp}/engine-{int(lora)}-{rank}", lora, env, layout)
     if world == 2:
         out[PPO_HEAD] = train(ppo, ppo_job(tmp, PPO_HEAD, rank, TP, 1), env)
+        out.update({name: train(module, job, env) for name, (module, job) in moe_jobs(tmp, rank, TP).items()})
     else:
         for name in PPO_JOBS:
             out[name] = train(ppo, ppo_job(tmp, name, rank, FSDP_TP, 2), env)
@@ -63,10 +68,24 @@ def tp_jobs(rank: int, world: int) -> dict:
     return out
 
 
-def single(tmp, ppo_names=(PPO_HEAD,)) -> dict:
-    """The single process's records: GRPO's job and PPO's ``ppo_names``."""
+def moe_jobs(tmp, rank: int | None, layout: dict) -> dict:
+    """GRPO's and PPO's (value head) jobs on the debug_moe flavor (``MOE``) in ``layout`` (rank None: one process):
+    name -> (test module, job)."""
+    suffix = "" if rank is None else f"-{rank}"
+    jobs = {f"{NAME}-moe": (grpo, grpo.overrides(tmp, f"{NAME}-moe{suffix}", SINGLE_MB, **EXTRA, **MOE, **layout)),
+            f"{PPO_HEAD}-moe": (ppo, {**ppo_job(tmp, PPO_HEAD, rank, layout, 1), **MOE,
+                                      "run.dir": f"{tmp}/{PPO_HEAD}-moe{suffix}"})}
+    if rank is not None:  # one run folder for the group
+        for name, (_, job) in jobs.items():
+            job["run.dir"] = f"{tmp}/{name}"
+    return jobs
+
+
+def single(tmp, ppo_names=(PPO_HEAD,), moe: bool = False) -> dict:
+    """The single process's records: GRPO's job and PPO's ``ppo_names`` (and with ``moe`` both on debug_moe)."""
     return {NAME: train(grpo, grpo.overrides(tmp, NAME, SINGLE_MB, **EXTRA)),
-            **{name: train(ppo, ppo_job(tmp, name, None, {}, 1)) for name in ppo_names}}
+            **{name: train(ppo, ppo_job(tmp, name, None, {}, 1)) for name in ppo_names},
+            **({name: train(module, job) for name, (module, job) in moe_jobs(tmp, None, {}).items()} if moe else {})}
 
 
 def check_steps(ref: list[dict], got: list[dict], keys=grpo.KEYS) -> None:
@@ -82,7 +101,7 @@ def check_steps(ref: list[dict], got: list[dict], keys=grpo.KEYS) -> None:
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_tp")
-    return single(tmp), run_fn(2, tp_jobs, str(tmp))
+    return single(tmp, moe=True), run_fn(2, tp_jobs, str(tmp))
 
 
 def test_tp2_step_equals_single_process(tp2):
@@ -97,6 +116,15 @@ def test_ppo_tp2_step_equals_single_process(tp2):
     check_steps(ref[PPO_HEAD], got[PPO_HEAD], ppo.KEYS)
     assert max(r["ppo/clipfrac"] for r in ref[PPO_HEAD][1:]) > 0.05 and ref[PPO_HEAD][1]["ppo/values"] != 0
     assert all(not r["weight_sync_bytes"] for r in got[PPO_HEAD])  # the value head is not the engine's
+
+
+@pytest.mark.parametrize("name", [f"{NAME}-moe", f"{PPO_HEAD}-moe"])
+def test_moe_tp2_step_equals_single_process(tp2, name):
+    """A mixture of experts with its balance loss: its gradient is the single process's at the warm-up (the engine
+    built on the one process's policy left it in eval mode, without the balance loss) and on rollouts (the rows'
+    padding to a multiple of tp counted in it)."""
+    ref, got = tp2
+    check_steps(ref[name], got[name], grpo.KEYS if name.startswith(NAME) else ppo.KEYS)
 
 
 @pytest.mark.parametrize("lora", [False, True])
