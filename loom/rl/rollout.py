@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from loom.config.errors import ConfigError
 from loom.data.loader import MicroBatch, StepData
 from loom.models.common.lora import adapters_disabled
-from loom.models.common.moe import counted_tokens
+from loom.models.common.moe import count_tokens
 from loom.numerics import IGNORE
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.rl.arithmetic import ArithmeticTask
@@ -93,8 +93,8 @@ def policy_forward(model, inputs: torch.Tensor, labels: torch.Tensor, positions:
     """``call(model, inputs, positions)`` (default: ``model(inputs, positions)``) for a training step on rollout
     rows: a mixture of experts' balance loss counts each row's own tokens only (``row_tokens``), so it is the same
     whatever the padding, and so the same under tensor parallelism as in one process."""
-    with counted_tokens(model, row_tokens(labels)):
-        return model(inputs, positions) if call is None else call(model, inputs, positions)
+    count_tokens(model, row_tokens(labels))
+    return model(inputs, positions) if call is None else call(model, inputs, positions)
 
 
 def rows_to_batches(prompts: list[list[int]], completions: list[list[int]], micro: int, pad_id: int,

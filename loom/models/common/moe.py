@@ -3,7 +3,6 @@ SwiGLU experts, dropless; parallel layouts plug in through one object per block,
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -188,7 +187,7 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, dim, hidden, fused=fused)
         self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
         self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
-        self.counted = None  # counted_tokens: (B, S) bool, the tokens the balance loss counts (None: all)
+        self.counted = None  # count_tokens: (B, S) bool, the tokens the balance loss counts (None: all)
         self.parallel = LOCAL_EXPERTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +200,7 @@ class MoE(nn.Module):
         record = _records_balance()
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             counted = None if self.counted is None else par.local_tokens(self.counted)  # (B, S)
+            assert counted is None or counted.shape == (bsz, seq), "count_tokens: set the mask of each batch"
             aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts,
                                         par.whole_sequence, counted)
             if record:
@@ -239,19 +239,13 @@ def set_aux_scale(model: nn.Module, scale: float) -> None:
         m.aux_scale = scale
 
 
-@contextlib.contextmanager
-def counted_tokens(model: nn.Module, mask: torch.Tensor | None):
-    """Within the block, ``model``'s MoE blocks count only the tokens ``mask`` (B, S) bool marks (of the model's
-    input) in their balance loss: a batch of rows right-padded to a common width, whose padding is no token of
-    theirs (``sequence_balance_loss``). None: every token."""
-    blocks = moe_modules(model)
-    for m in blocks:
+def count_tokens(model: nn.Module, mask: torch.Tensor | None) -> None:
+    """From now on ``model``'s MoE blocks count only the tokens ``mask`` (B, S) bool marks (of the model's input)
+    in their balance loss: rows right-padded to a common width, whose padding is no token of theirs
+    (``sequence_balance_loss``); None: every token. Set before each forward it applies to; it stays set through
+    the backward, where activation checkpointing reruns the forward."""
+    for m in moe_modules(model):
         m.counted = mask
-    try:
-        yield
-    finally:
-        for m in blocks:
-            m.counted = None
 
 
 def take_balance(model: nn.Module) -> torch.Tensor | None:
