@@ -158,7 +158,6 @@ def warmup_steps(cfg) -> int:
     return 0 if g.prompts else cfg.training.steps // 2
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def kept_mode(model: torch.nn.Module):
     """``model``'s training mode as it was after the block. The engine puts the model it is given in eval mode;
@@ -172,6 +171,7 @@ def kept_mode(model: torch.nn.Module):
         model.train(training)
 
 
+@torch.no_grad()
 def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """``src``'s parameters into ``dst``'s (the same model, built the same way), by canonical name."""
     from loom.models.common.init import canonical_name
