@@ -31,7 +31,9 @@ def test_two_local_hosts_train_one_job(tmp_path, cache, single):  # noqa: F811
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("loom launch: 2 hosts, 2 workers, rendezvous c10d at 127.0.0.1:")
-    assert any(line.startswith("[127.0.0.1] ") and "FSDP (world 2: dp_shard=2)" in line for line in lines)
+    # rank 0 prints the layout; which host's agent holds it is the rendezvous's choice
+    assert any(line.startswith(("[127.0.0.1] ", "[localhost] ")) and "FSDP (world 2: dp_shard=2)" in line
+               for line in lines), proc.stdout[-3000:]
     assert all(line.startswith(("[127.0.0.1] ", "[localhost] ")) for line in lines[1:])
     assert_matches(losses_of(tmp_path / "run"), single)
 
