@@ -1,5 +1,5 @@
 """GRPO under tensor parallelism on two GPUs (NCCL, bf16): the embedded recipe runs with the real engine
-tensor-parallel on the trainer's own shards (CUDA graphs kept across updates, tokens broadcast over the tp group)
+tensor-parallel on the trainer's own shards (compiled steps without CUDA graphs, tokens broadcast over the tp group)
 and its eval hook; nothing is synced (weight_sync_bytes 0 throughout), full fine-tuning and LoRA; PPO's recipe
 likewise, with the value head (full fine-tuning, LoRA) and the critic model split by the TP plan. Four GPUs:
 FSDP2 x TP (dp_shard 2 x tp 2), where each rollout fills the engine's TP shards from FSDP2's. Skipped without the
