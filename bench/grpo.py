@@ -511,22 +511,23 @@ def main() -> None:
     before = evaluate(warmed, problems, a.device, max_new)
     print(f"warm-up: {warm['steps']} steps in {warm['seconds']:.1f} s, loss {warm['loss_last']:.4f}; accuracy "
           f"before GRPO {before['accuracy']:.3f} (transformers {before['accuracy_transformers']:.3f})", flush=True)
-    runs = [one_seed(a, warmed, lr, seed, problems, before, systems) for seed in a.seeds]
-    comparison = compare(runs) if len(systems) == 2 else {}
-    g = cfg.grpo
-    doc = {
-        "benchmark": "grpo", "environment": environment(a.commit, command(), ("trl", "datasets", "accelerate", "peft")),
-        "settings": {
-            "recipe": os.path.relpath(a.recipe, ROOT), "flavor": a.flavor, "device": a.device,
-            "task": {"digits": g.digits, "ops": g.ops, "seeds": a.seeds},
-            "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": cfg.training.global_batch_size // g.group_size,
-            "group_size": g.group_size, "max_new_tokens": g.max_new_tokens, "grpo_lr": lr,
-            "eval_problems": a.eval_problems, "rewards": describe_rewards(reward_functions(cfg)),
-            "loom_overrides": a.set, "loom_compile": cfg.training.compile},
-        "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "runs": runs,
-        "comparison": comparison, "total_wall_s": time.perf_counter() - t_start,
-    }
-    write_result(a.out, doc)
+    g, runs = cfg.grpo, []
+    for seed in a.seeds:  # the result is rewritten after each seed: a run cut short keeps the seeds it finished
+        runs.append(one_seed(a, warmed, lr, seed, problems, before, systems))
+        comparison = compare(runs) if len(systems) == 2 else {}
+        doc = {
+            "benchmark": "grpo", "environment": environment(a.commit, command(), ("trl", "datasets", "accelerate", "peft")),
+            "settings": {
+                "recipe": os.path.relpath(a.recipe, ROOT), "flavor": a.flavor, "device": a.device,
+                "task": {"digits": g.digits, "ops": g.ops, "seeds": [r["seed"] for r in runs]},
+                "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": cfg.training.global_batch_size // g.group_size,
+                "group_size": g.group_size, "max_new_tokens": g.max_new_tokens, "grpo_lr": lr,
+                "eval_problems": a.eval_problems, "rewards": describe_rewards(reward_functions(cfg)),
+                "loom_overrides": a.set, "loom_compile": cfg.training.compile},
+            "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "runs": runs,
+            "comparison": comparison, "total_wall_s": time.perf_counter() - t_start,
+        }
+        write_result(a.out, doc)
     print(f"\n{'seed':>4} {'system':<6} {'steps/s':>8} {'step ms':>8} {'gen ms':>7} {'score ms':>8} {'acc before':>10} "
           f"{'acc after':>9} {'gain':>6}")
     for run in runs:
