@@ -64,6 +64,14 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     return run if tokenizer is None else run.with_model(tokenizer)
 
 
+def embedded_rejected(cfg: Config) -> str:
+    """The rejected answers of the embedded preference pairs: data.embedded_rejected, 'auto' settled by the
+    objective (a reward model trained from its seed learns the echoed code, not another function's docstring)."""
+    if cfg.data.embedded_rejected != "auto":
+        return cfg.data.embedded_rejected
+    return "code" if cfg.training.objective == "reward" else "docstring"
+
+
 # ---- rules over the config alone -----------------------------------------------------
 
 def check_config(cfg: Config) -> None:
@@ -72,6 +80,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("model.n_layers", cfg.model.n_layers, "must be 0 with model.init_from (the checkpoint "
                           "fixes the layer count)")
     t = cfg.training
+    if cfg.data.embedded_rejected != "auto" and (cfg.data.source or t.objective not in ("dpo", "reward")):
+        raise ConfigError("data.embedded_rejected", cfg.data.embedded_rejected, "applies to the embedded preference "
+                          "pairs only (training.objective dpo or reward without data.source): leave it 'auto'")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError("training.global_batch_size", t.global_batch_size,
                           f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})")

@@ -98,6 +98,11 @@ class DataConfig:
                                         "assistant turn with its end-of-turn token (a prompt-completion pair: its "
                                         "completion), 'all' = the whole conversation",
                            choices=("assistant", "all"))
+    embedded_rejected: str = opt("auto", "the rejected answers of the embedded preference pairs (training.objective dpo "
+                                         "/ reward without data.source): 'docstring' = another function's docstring, "
+                                         "'code' = the function's code echoed back, 'auto' = 'docstring' for dpo, "
+                                         "'code' for reward (docs/finetuning.md)",
+                                 choices=("auto", "docstring", "code"))
 
 
 # training.objective: what a step minimizes (loom.train.objective.build_objective has one entry per name)

@@ -25,16 +25,19 @@ def chat_encoder(cfg: DataConfig, tokenizer, objective: str = "lm") -> ChatEncod
     return ChatEncoder(load_template(cfg.chat_template, tokenizer), tokenizer, cfg.loss_tokens)
 
 
-def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str, objective: str = "lm") -> list[tuple[str, float, str]]:
+def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str, objective: str = "lm",
+                 rejected: str = "docstring") -> list[tuple[str, float, str]]:
     """Tokenize (or find cached) every source; returns (token file, weight, label). Run on one rank first.
     ``objective`` (training.objective): 'sft' reads conversations and writes their loss masks, 'dpo' preference
-    pairs (one source)."""
+    pairs (one source); ``rejected``: the embedded pairs' rejected answers (loom.data.dpo.docstring_preferences)."""
     sft = chat_encoder(cfg, tokenizer, objective)
     out = []
     specs = parse_source(cfg.source, cfg.text_field, cfg.encoding_errors)
     if objective == "dpo" and len(specs) > 1:
         raise ConfigError("data.source", cfg.source, "training.objective dpo reads one source (no mixture)")
     for spec in specs:
+        if objective == "dpo" and spec.kind == "stdlib":
+            spec.extra["rejected"] = rejected
         path = ensure_token_file(spec, tokenizer, cache_dir, sft, dpo=objective == "dpo")
         out.append((path, spec.weight, spec.label))
     return out

@@ -40,7 +40,7 @@ class Pair:
 def pairs(spec: SourceSpec) -> Iterator[Pair]:
     """Every preference pair of ``spec``, in a fixed order."""
     if spec.kind == "stdlib":
-        yield from docstring_preferences(spec.paths)
+        yield from docstring_preferences(spec.paths, spec.extra.get("rejected", "docstring"))
         return
     if spec.kind not in ("jsonl", "parquet", "hf_dataset"):
         raise ConfigError("data.source", spec.label or spec.paths[0], "training.objective dpo reads preference pairs: "
@@ -69,15 +69,22 @@ def from_row(row: dict, where: str, errors: str = "strict") -> Pair:
                       f"messages; got {', '.join(type(v).__name__ for v in values)}")
 
 
-def docstring_preferences(paths: list[str]) -> Iterator[Pair]:
+def docstring_preferences(paths: list[str], rejected: str = "docstring") -> Iterator[Pair]:
     """SFT's docstring pairs (loom.data.sft) as preferences: the prompt asks for a function's docstring, chosen is
-    its own, rejected the docstring of the function half the list away (another file's, the same on every run).
+    its own. ``rejected``: 'docstring' = the docstring of the function half the list away (another file's, the same
+    on every run); 'code' = the function's code echoed back as the answer, fenced as the prompt shows it.
 
-    Functions i and i + n/2 swap docstrings, and their two pairs come one after the other: every docstring is chosen
-    once and rejected once, in neighbouring pairs, so the held-out split (the last pairs) never holds a docstring
-    that training saw with the other label (half the list apart, a model that memorized docstrings would score
-    below chance there)."""
+    'docstring': functions i and i + n/2 swap docstrings, and their two pairs come one after the other: every
+    docstring is chosen once and rejected once, in neighbouring pairs, so the held-out split (the last pairs) never
+    holds a docstring that training saw with the other label (half the list apart, a model that memorized
+    docstrings would score below chance there). 'code': one pair per function, in list order."""
     convs = [c for c in docstring_pairs(paths) if len(c.messages[0]["content"]) <= MAX_CODE + 64]
+    if rejected == "code":
+        for conv in convs:
+            ask = conv.messages[0]["content"]
+            yield Pair(conv.messages[:1], conv.messages[1:], [{"role": "assistant", "content": echoed_code(ask)}],
+                       conv.where)
+        return
     n, half = len(convs), len(convs) // 2
     order = [k for i in range(half) for k in (i, i + half)] + ([n - 1] if n % 2 else [])
     for k in order:
@@ -86,6 +93,11 @@ def docstring_preferences(paths: list[str]) -> Iterator[Pair]:
         if other["content"] == conv.messages[1]["content"]:
             continue
         yield Pair(conv.messages[:1], conv.messages[1:], [other], conv.where)
+
+
+def echoed_code(ask: str) -> str:
+    """The fenced code block of an embedded prompt (loom.data.sft.ASK), as an answer that repeats the question."""
+    return ask[ask.index("```python"):]
 
 
 def encoder_fingerprint(encoder: ChatEncoder) -> str:

@@ -151,6 +151,8 @@ def cache_path(spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | N
     depend on training.seq_len (the loader truncates)."""
     name = f"{spec.kind}-{spec.fingerprint()}-{tokenizer.fingerprint()}"
     if dpo:
+        pairing = spec.extra.get("rejected", "docstring")  # the embedded pairs' rejected answers
+        name += "" if pairing == "docstring" else f"-{pairing}"
         return os.path.join(cache_dir, f"dpo-{name}-{encoder_fingerprint(sft)}.bin")
     return os.path.join(cache_dir, f"sft-{name}-{sft.fingerprint()}.bin" if sft else f"{name}.bin")
 

@@ -37,7 +37,7 @@ from loom.parallel.expert_parallel import expert_params
 from loom.parallel.fault_tolerance import ReplicaGroups, data_shard, lighthouse_address
 from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
-from loom.resolve import resolve, times_attention
+from loom.resolve import embedded_rejected, resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.diloco import DiLoCo
 from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
@@ -165,7 +165,8 @@ class Trainer:
         error = None
         if self.env.is_main:  # one rank tokenizes (or finds the cache); the others wait, then map it
             try:
-                files = prepare_data(cfg.data, self.tokenizer, cache, data_objective(cfg.training.objective))
+                files = prepare_data(cfg.data, self.tokenizer, cache, data_objective(cfg.training.objective),
+                                     embedded_rejected(cfg))
                 describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
             except (ConfigError, UserError) as err:  # e.g. bytes that are not UTF-8: every rank stops, one line
                 error = str(err)
@@ -173,7 +174,8 @@ class Trainer:
         if error is not None:
             raise SharedError(error)
         if not self.env.is_main:
-            files = prepare_data(cfg.data, self.tokenizer, cache, data_objective(cfg.training.objective))
+            files = prepare_data(cfg.data, self.tokenizer, cache, data_objective(cfg.training.objective),
+                                 embedded_rejected(cfg))
         # sizes and modification times of the source files: a resume says when they changed under the same name
         self.data_fingerprints = [spec.fingerprint() for spec in
                                   parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)]
