@@ -8,7 +8,7 @@ after the first, the adapters only); under TP x2 a mixture of experts (parallel.
 PPO under TP (test_ppo_layouts' fixed rollouts): with the value head (split by the TP plan: its weight whole, run on
 the sequence shards, the values gathered whole), TP x2 gives the single process's loss, gradient norm, values,
 returns and every PPO statistic at every step (1e-5 relative). On a mixture of experts with its balance loss
-(debug_moe), GRPO's and PPO's steps equal the single process's too, the warm-up included. Exhaustive: the separate
+(debug_moe), GRPO's and PPO's steps equal the single process's too, the warm-up included, under TP x2 and FSDP2 x2. Exhaustive: the separate
 critic model (the policy's TP plan) under TP x2, with the real engine too (it shares the policy's shards only: no
 value head, no critic, nothing synced); both value functions under FSDP2 x TP and the head under DDP x TP
 (dp_replicate 2 x tp 2)."""
@@ -25,6 +25,7 @@ from tests.distributed.harness import run_fn
 from tests.distributed.test_rl_fsdp import GRPO_JOB, engine_check, train
 
 TP = {"parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.tp": 2}
+FSDP = {"parallel.dp_replicate": 1, "parallel.dp_shard": 2}
 FSDP_TP = {"parallel.dp_replicate": 1, "parallel.dp_shard": 2, "parallel.tp": 2}
 DDP_TP = {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.tp": 2}
 NAME, SINGLE_MB, DP_MB, EXTRA = GRPO_JOB
@@ -61,6 +62,8 @@ def tp_jobs(rank: int, world: int) -> dict:
     if world == 2:
         out[PPO_HEAD] = train(ppo, ppo_job(tmp, PPO_HEAD, rank, TP, 1), env)
         out.update({name: train(module, job, env) for name, (module, job) in moe_jobs(tmp, rank, TP).items()})
+        out.update({f"{name}-fsdp": train(module, job, env)
+                    for name, (module, job) in moe_jobs(f"{tmp}/fsdp", rank, FSDP, dp=2).items()})
     else:
         for name in PPO_JOBS:
             out[name] = train(ppo, ppo_job(tmp, name, rank, FSDP_TP, 2), env)
@@ -68,12 +71,13 @@ def tp_jobs(rank: int, world: int) -> dict:
     return out
 
 
-def moe_jobs(tmp, rank: int | None, layout: dict) -> dict:
-    """GRPO's and PPO's (value head) jobs on the debug_moe flavor (``MOE``) in ``layout`` (rank None: one process):
-    name -> (test module, job)."""
+def moe_jobs(tmp, rank: int | None, layout: dict, dp: int = 1) -> dict:
+    """GRPO's and PPO's (value head) jobs on the debug_moe flavor (``MOE``) in ``layout`` on ``dp`` data-parallel
+    ranks (rank None: one process): name -> (test module, job)."""
     suffix = "" if rank is None else f"-{rank}"
-    jobs = {f"{NAME}-moe": (grpo, grpo.overrides(tmp, f"{NAME}-moe{suffix}", SINGLE_MB, **EXTRA, **MOE, **layout)),
-            f"{PPO_HEAD}-moe": (ppo, {**ppo_job(tmp, PPO_HEAD, rank, layout, 1), **MOE,
+    mb = SINGLE_MB if dp == 1 else DP_MB
+    jobs = {f"{NAME}-moe": (grpo, grpo.overrides(tmp, f"{NAME}-moe{suffix}", mb, **EXTRA, **MOE, **layout)),
+            f"{PPO_HEAD}-moe": (ppo, {**ppo_job(tmp, PPO_HEAD, rank, layout, dp), **MOE,
                                       "run.dir": f"{tmp}/{PPO_HEAD}-moe{suffix}"})}
     if rank is not None:  # one run folder for the group
         for name, (_, job) in jobs.items():
@@ -125,6 +129,14 @@ def test_moe_tp2_step_equals_single_process(tp2, name):
     padding to a multiple of tp counted in it)."""
     ref, got = tp2
     check_steps(ref[name], got[name], grpo.KEYS if name.startswith(NAME) else ppo.KEYS)
+
+
+@pytest.mark.parametrize("name", [f"{NAME}-moe", f"{PPO_HEAD}-moe"])
+def test_moe_fsdp2_step_equals_single_process(tp2, name):
+    """The same mixture of experts under FSDP2 x2 (each rank its own rollout rows): the balance loss's counts and
+    the gradient are the global batch's."""
+    ref, got = tp2
+    check_steps(ref[name], got[f"{name}-fsdp"], grpo.KEYS if name.startswith(NAME) else ppo.KEYS)
 
 
 @pytest.mark.parametrize("lora", [False, True])
