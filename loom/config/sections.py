@@ -369,9 +369,6 @@ class PpoConfig:
     epochs: int = opt(4, "passes over each batch of rollouts (TRL's num_ppo_epochs), reshuffled each pass", min=1)
     mini_batches: int = opt(1, "optimizer steps per pass: a batch of rollouts is mini_batches x "
                                "training.global_batch_size completions (TRL's num_mini_batches)", min=1)
-    reward_model: str = opt("", "a reward model (a training.objective reward run or its checkpoint, or an HF "
-                                "*ForSequenceClassification folder; the policy's tokenizer) scoring prompt + "
-                                "completion, added to grpo.rewards (none by default when set)")
 
 
 @dataclass
@@ -402,12 +399,17 @@ class GrpoConfig:
     keep_cache: bool = opt(True, "the rollout engine keeps its KV cache and CUDA graphs between steps (no "
                                  "re-allocation or re-capture; the cache's memory stays held during training); "
                                  "false = freed after each generation")
-    prompts: str = opt("", "'' = the embedded arithmetic task; else a .jsonl file of rows with a 'prompt' string "
-                           "(every other field goes to the reward functions)")
+    prompts: str = opt("", "'' = the embedded arithmetic task; else a .jsonl / .parquet file or a saved Hugging Face "
+                           "dataset of rows with a 'prompt': a string, or chat messages rendered with the chat "
+                           "template (or a 'messages' column); every other field goes to the reward functions")
     rewards: str = opt("", "comma list of reward functions 'module:function' (docs/rl.md); '' = the embedded "
                            "task's loom.rl.arithmetic:exact_answer,loom.rl.arithmetic:digit_match")
     reward_weights: str = opt("", "comma list of weights, one per reward function; '' = the embedded task's 1,0.5, "
                                   "else 1 each")
+    reward_model: str = opt("", "a reward model (a training.objective reward run or its checkpoint, or an HF "
+                                "*ForSequenceClassification folder; the policy's tokenizer) scoring prompt + "
+                                "completion, added to grpo.rewards (none by default when set); GRPO and PPO")
+    reward_model_weight: float = opt(1.0, "the reward model's weight in the summed reward")
     digits: int = opt(1, "embedded task: operands of 1..digits digits", min=1, max=6)
     ops: str = opt("+", "embedded task: operators drawn from '+' and '*'")
     lr_ratio: float = opt(0.1, "GRPO steps train at this fraction of the LR schedule's value (the warm-up at all "

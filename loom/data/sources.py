@@ -289,15 +289,16 @@ def _hf_dataset_docs(path: str, text_field: str, errors: str = "strict") -> Iter
         row += batch.num_rows
 
 
-def _parquet_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
-    """(row number, {column: value}) of the ``columns`` the file has (nested lists and structs as Python values)."""
+def _parquet_rows(path: str, columns: tuple[str, ...] | None) -> Iterator[tuple[int, dict]]:
+    """(row number, {column: value}) of the ``columns`` the file has (None: all; nested lists and structs as Python
+    values)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError("data.source", path,
                           "parquet needs the 'pyarrow' package (pip install 'loom-train[data]')") from None
     pf = pq.ParquetFile(path)
-    have = [c for c in columns if c in pf.schema_arrow.names]
+    have = list(pf.schema_arrow.names) if columns is None else [c for c in columns if c in pf.schema_arrow.names]
     if not have:
         raise ConfigError("data.source", path,
                           f"has none of the columns {list(columns)}; it has {pf.schema_arrow.names}")
@@ -308,10 +309,10 @@ def _parquet_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, di
             yield row, values
 
 
-def _hf_dataset_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+def _hf_dataset_rows(path: str, columns: tuple[str, ...] | None) -> Iterator[tuple[int, dict]]:
     """(row number, {column: value}) of a dataset saved with ``save_to_disk`` (a DatasetDict's ``train`` split)."""
     ds = _load_dataset(path)
-    have = [c for c in columns if c in ds.column_names]
+    have = list(ds.column_names) if columns is None else [c for c in columns if c in ds.column_names]
     if not have:
         raise ConfigError("data.source", path, f"has none of the columns {list(columns)}; it has {ds.column_names}")
     row = 0
@@ -321,9 +322,10 @@ def _hf_dataset_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int,
             yield row, dict(zip(have, values))
 
 
-def rows(spec: SourceSpec, columns: tuple[str, ...]) -> Iterator[tuple[str, str, dict]]:
+def rows(spec: SourceSpec, columns: tuple[str, ...] | None) -> Iterator[tuple[str, str, dict]]:
     """(file, where, row) of every row of a jsonl / parquet / saved-dataset source, in a fixed order; ``where`` names
-    the line or row for errors. jsonl rows are whole objects; the others hold those of ``columns`` they have."""
+    the line or row for errors. jsonl rows are whole objects; the others hold those of ``columns`` they have (None:
+    every column)."""
     for path in spec.paths:
         if spec.kind == "jsonl":
             for lineno, row in _jsonl_rows(path, spec.encoding_errors):

@@ -79,6 +79,12 @@ def parse_range(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def plain(text) -> str:
+    """A prompt or completion as the judge's template reads it: a string as it is, chat messages (TRL's
+    conversational format) as their contents, one per line."""
+    return text if isinstance(text, str) else "\n".join(m["content"] for m in text)
+
+
 class Judge:
     """A reward function scoring completions with a judge model (see the module's docstring). ``g``: the [grpo]
     section; the model loads on first use, on ``device`` (set it before: the trainer's)."""
@@ -120,7 +126,7 @@ class Judge:
 
     def prompts(self, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[str]:
         """The judge's prompt text for each completion."""
-        return [self.template.render(prompt=p, completion=c, **{k: v[i] for k, v in fields.items()})
+        return [self.template.render(prompt=plain(p), completion=plain(c), **{k: v[i] for k, v in fields.items()})
                 for i, (p, c) in enumerate(zip(prompts, completions))]
 
     def parse(self, text: str) -> float | None:

@@ -158,18 +158,15 @@ class PpoRollouts(RolloutLoader):
     def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
         super().__init__(cfg, tokenizer, dp_rank, dp_size)
         self.p = cfg.ppo
-        self.reward_model = None  # its scorer: bound with the model
         self.plan: list[tuple[int, int]] = []  # (pass, mini-batch) steps left on the held rollouts
         self.held: dict[str, torch.Tensor] = {}  # the global batch of rollouts
         self.rollout_key = 0  # the step that sampled the held rollouts (seeds their shuffles)
 
     def describe(self, global_batch: int, steps: int) -> list[str]:
         p, g = self.p, self.g
-        sources = ([f"{float(w):g} x {n}" for w, n in zip(self.rewards.weights, self.rewards.names)]
-                   if self.rewards else []) + ([f"reward model {p.reward_model}"] if p.reward_model else [])
         return [f"data: ppo rollouts from {self.source.describe()}: {p.mini_batches} x {global_batch} completions "
                 f"({g.group_size} per prompt, up to {g.max_new_tokens} new tokens, temperature {g.temperature}) per "
-                f"batch of rollouts, {p.epochs} x {p.mini_batches} steps on each; rewards " + " + ".join(sources)
+                f"batch of rollouts, {p.epochs} x {p.mini_batches} steps on each; rewards " + self.describe_rewards()
                 + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")]
 
     def state_dict(self) -> dict:
@@ -183,10 +180,7 @@ class PpoRollouts(RolloutLoader):
         self.generator = self.engine_generator(trainer, self.rows * self.p.mini_batches)
         if self.p.kl_coef > 0 and not self.cfg.lora.rank:
             self.reference, self._reference_set = reference_model(trainer), False
-        if self.p.reward_model:
-            from loom.train.reward import load_reward_model
-
-            self.reward_model = load_reward_model(self.p.reward_model, str(trainer.device))
+        self.load_reward_model(trainer)
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
@@ -213,7 +207,7 @@ class PpoRollouts(RolloutLoader):
         global batch and compute its advantages and returns; sets ``held``, ``plan`` and ``stats``."""
         g, p, G = self.g, self.p, self.g.group_size
         rows = self._mine(self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step)))
-        prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]
+        prompts = self.prompt_ids(rows)
         self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
         t0 = time.perf_counter()
         outs = self.sample(prompts)
@@ -235,21 +229,6 @@ class PpoRollouts(RolloutLoader):
         self.plan = [(e, m) for e in range(p.epochs) for m in range(p.mini_batches)]
         self._set_ppo_stats(glob, names, (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds, self.weights.bytes,
                                              self.judge.unparsed if self.judge is not None else 0.0))
-
-    def score(self, rows, prompts, outs) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        """(total (N,), each source's rewards (N, K), their names): the weighted reward functions, plus the reward
-        model's score of prompt + completion."""
-        G, n = self.g.group_size, len(outs)
-        total, per, names = torch.zeros(n), torch.zeros(n, 0), []
-        if self.rewards is not None:
-            fields = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-            texts = [r["prompt"] for r in rows for _ in range(G)]
-            total, per = self.rewards.score(texts, [o.text for o in outs], [o.token_ids for o in outs], fields)
-            names = list(self.rewards.names)
-        if self.reward_model is not None:
-            model = torch.tensor(self.reward_model([pr + o.token_ids for pr, o in zip(prompts, outs)]))
-            total, per, names = total + model, torch.cat([per, model[:, None]], dim=1), names + ["reward_model"]
-        return total, per, names
 
     @torch.no_grad()
     def _rollout_forwards(self, local: RolloutBatch):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.rl.arithmetic import ArithmeticTask
 from loom.rl.grpo import group_advantages, loss_count
 from loom.rl.judge import Judge
+from loom.rl.prompts import PromptRows, conversational
 from loom.rl.rewards import Rewards
 from loom.train.objective import frozen_copy, release_gathered
 from loom.train.schedule import lr_factor
@@ -122,29 +122,6 @@ def rows_to_batches(prompts: list[list[int]], completions: list[list[int]], micr
     return out
 
 
-class JsonlPrompts:
-    """grpo.prompts: rows of a .jsonl file with a 'prompt' string, drawn in a seeded order (an epoch at a time)."""
-
-    def __init__(self, path: str, seed: int):
-        try:
-            with open(path) as fh:
-                self.rows = [json.loads(line) for line in fh if line.strip()]
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError("grpo.prompts", path, f"a readable .jsonl file ({type(err).__name__}: {err})") from None
-        if not self.rows or any(not isinstance(r.get("prompt"), str) for r in self.rows):
-            raise ConfigError("grpo.prompts", path, "rows with a 'prompt' string")
-        self.path, self.seed = path, seed
-
-    def problems(self, n: int, key: tuple) -> list[dict]:
-        """``n`` rows for (step, rank) ``key``: a pure function of it, so a resumed run draws the same."""
-        g = torch.Generator().manual_seed(int(hashlib.sha256(repr((self.seed, key)).encode()).hexdigest()[:15], 16))
-        picks = torch.randint(len(self.rows), (n,), generator=g).tolist()
-        return [self.rows[i] for i in picks]
-
-    def describe(self) -> str:
-        return f"{self.path} ({len(self.rows)} prompts)"
-
-
 def std_of(total: float, squares: float, n: float) -> float:
     """The unbiased std of n values from their sum and sum of squares (0 for one value)."""
     return max((squares - total * total / n) / max(n - 1, 1.0), 0.0) ** 0.5
@@ -196,8 +173,9 @@ class RolloutLoader:
         self.rows = t.global_batch_size // dp_size  # completions per step on this rank
         self.micro = t.micro_batch_size
         self.task = ArithmeticTask(cfg.run.seed, g.digits, g.ops) if not g.prompts else None
-        self.source = self.task or JsonlPrompts(g.prompts, cfg.run.seed)
-        embedded = not g.rewards and not g.judge and not getattr(cfg.ppo, "reward_model", "")
+        self.source = self.task or PromptRows(g.prompts, cfg.run.seed)
+        self.codec = None  # chat prompts' renderer (loom.infer.text.Codec), made on first use
+        embedded = not g.rewards and not g.judge and not g.reward_model
         specs = [s.strip() for s in g.rewards.split(",") if s.strip()] or (list(EMBEDDED_REWARDS) if embedded else [])
         weights = [float(w) for w in g.reward_weights.split(",") if w.strip()]
         if not weights and embedded:
@@ -205,6 +183,7 @@ class RolloutLoader:
         self.judge = Judge(g) if g.judge else None
         extra = (("judge", self.judge, g.judge_weight),) if self.judge else ()
         self.rewards = Rewards(specs, weights, extra) if specs or extra else None
+        self.reward_model = None  # grpo.reward_model's scorer (loom.train.reward.RewardScorer): loaded in bind
         self.warmup = warmup_steps(cfg)
         self.pad_id = tokenizer.eos_id
         self.step = 0  # steps handed out
@@ -221,9 +200,14 @@ class RolloutLoader:
         g = self.g
         return [f"data: grpo rollouts from {self.source.describe()}: {global_batch // g.group_size} prompts x "
                 f"{g.group_size} completions per step (up to {g.max_new_tokens} new tokens, temperature "
-                f"{g.temperature}), {g.iterations} step(s) per batch of rollouts; rewards "
-                + " + ".join(f"{float(w):g} x {n}" for w, n in zip(self.rewards.weights, self.rewards.names))
+                f"{g.temperature}), {g.iterations} step(s) per batch of rollouts; rewards " + self.describe_rewards()
                 + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")]
+
+    def describe_rewards(self) -> str:
+        g = self.g
+        return " + ".join(([f"{float(w):g} x {n}" for w, n in zip(self.rewards.weights, self.rewards.names)]
+                           if self.rewards else [])
+                          + ([f"{g.reward_model_weight:g} x reward model {g.reward_model}"] if g.reward_model else []))
 
     def validation(self, batches: int) -> list[MicroBatch]:
         return []
@@ -241,6 +225,14 @@ class RolloutLoader:
         self.generator = self.engine_generator(trainer, self.rows)
         if self.g.beta > 0 and not self.cfg.lora.rank:  # built in the policy's layout before the engine runs
             self.reference, self._reference_set = frozen_copy(trainer), False
+        self.load_reward_model(trainer)
+
+    def load_reward_model(self, trainer) -> None:
+        """grpo.reward_model on the trainer's device, whole on every rank (it scores this rank's rollouts)."""
+        if self.g.reward_model:
+            from loom.train.reward import load_reward_model
+
+            self.reward_model = load_reward_model(self.g.reward_model, str(trainer.device))
 
     def engine_generator(self, trainer, max_batch: int):
         """A generator on the policy's weights as the engine sees them (loom.rl.sync); the judge, if any, is put on
@@ -305,15 +297,13 @@ class RolloutLoader:
         """Sample, score, normalize, and compute the log-probabilities the loss needs; sets ``stats``."""
         g, trainer, G = self.g, self.trainer, self.g.group_size
         rows = self._mine(self.source.problems(self.rows // G * self.dp_size, ("grpo", self.step)))
-        prompts = [self.tokenizer.encode(r["prompt"]) for r in rows for _ in range(G)]  # each prompt's group
+        prompts = self.prompt_ids(rows)
         self.weights.sync()  # the engine on the policy's current weights (a gather where FSDP2 shards; else nothing)
         t0 = time.perf_counter()
         outs = self.sample(prompts)
         t1 = time.perf_counter()
         completions = [o.token_ids for o in outs]
-        fields = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        texts = [r["prompt"] for r in rows for _ in range(G)]
-        total, per = self.rewards.score(texts, [o.text for o in outs], completions, fields)
+        total, per, names = self.score(rows, prompts, outs)
         batch_std = None
         dims, device = trainer.dims, trainer.device
         sums = dims.data_sum(torch.stack([total.sum(), (total ** 2).sum(), torch.tensor(float(len(total)))])
@@ -333,9 +323,47 @@ class RolloutLoader:
                 mb.labels[cut] = IGNORE
         self._logps(batches)
         t3 = time.perf_counter()
-        self._set_stats(batches, total, per, sums, std, truncated, outs,
+        self._set_stats(batches, total, per, names, sums, std, truncated, outs,
                         (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds))
         return batches
+
+    def prompt_ids(self, rows: list[dict]) -> list[list[int]]:
+        """Each row's prompt ids, repeated for its group: a string tokenized as it is, a list of messages rendered
+        with the chat template (data.chat_template; the tokenizer folder's or the built-in one) and its generation
+        prompt, its special tokens as their ids (as ``apply_chat_template`` tokenizes)."""
+        out = []
+        for r in rows:
+            if conversational(r["prompt"]):
+                if self.codec is None:
+                    from loom.data.chat import load_template
+                    from loom.infer.text import Codec
+
+                    self.codec = Codec(self.tokenizer, load_template(self.cfg.data.chat_template, self.tokenizer))
+                ids = self.codec.encode(r["prompt"])
+            else:
+                ids = self.tokenizer.encode(r["prompt"])
+            out += [ids] * self.g.group_size
+        return [list(p) for p in out]
+
+    def score(self, rows: list[dict], prompts: list[list[int]], outs) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """(total (N,), each source's rewards (N, K), their names) of this rank's completions: the weighted reward
+        functions (and judge), plus grpo.reward_model_weight x the reward model's score of prompt + completion.
+        Conversational rows give the functions the prompt's messages and the completion as one assistant message
+        (TRL's convention)."""
+        G, n = self.g.group_size, len(outs)
+        total, per, names = torch.zeros(n), torch.zeros(n, 0), []
+        if self.rewards is not None:
+            fields = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+            texts = [r["prompt"] for r in rows for _ in range(G)]
+            answers = [[{"role": "assistant", "content": o.text}] if conversational(p) else o.text
+                       for p, o in zip(texts, outs)]
+            total, per = self.rewards.score(texts, answers, [o.token_ids for o in outs], fields)
+            names = list(self.rewards.names)
+        if self.reward_model is not None:
+            model = torch.tensor(self.reward_model([pr + o.token_ids for pr, o in zip(prompts, outs)]))
+            total = total + self.g.reward_model_weight * model
+            per, names = torch.cat([per, model[:, None]], dim=1), names + ["reward_model"]
+        return total, per, names
 
     def _mine(self, rows: list) -> list:
         """This rank's share of the global step's rows (the global batch is the same whatever the layout)."""
@@ -385,7 +413,7 @@ class RolloutLoader:
         finally:
             model.train()
 
-    def _set_stats(self, batches, total, per, sums, std, truncated, outs, seconds) -> None:
+    def _set_stats(self, batches, total, per, names, sums, std, truncated, outs, seconds) -> None:
         """The step's rollout figures over every data-parallel rank; the objective's normalizing counts."""
         g, dims, device = self.g, self.trainer.dims, self.trainer.device
         mask_tokens = sum(float((mb.labels != IGNORE).sum()) for mb in batches)
@@ -395,15 +423,15 @@ class RolloutLoader:
                               float(self.weights.bytes), self.judge.unparsed if self.judge is not None else 0.0,
                               *per.sum(0).tolist(), *(per.double() ** 2).sum(0).tolist()], dtype=torch.float64)
         glob = dims.data_sum(local.to(device)).cpu()
-        n, k = float(sums[2]), len(self.rewards.names)
+        n, k = float(sums[2]), len(names)
         self.objective.global_tokens, self.objective.global_count = float(glob[0]), float(glob[1])
         gen_s = float(glob[4]) / self.dp_size  # each rank's generation time, averaged over ranks
         self.stats = {
             "reward": float(sums[0]) / n,
             "reward_std": float(std),
-            **{f"rewards/{name}": float(v) / n for name, v in zip(self.rewards.names, glob[10:])},
+            **{f"rewards/{name}": float(v) / n for name, v in zip(names, glob[10:])},
             **{f"rewards/{name}_std": std_of(float(s), float(q), n)
-               for name, s, q in zip(self.rewards.names, glob[10:10 + k], glob[10 + k:])},
+               for name, s, q in zip(names, glob[10:10 + k], glob[10 + k:])},
             **({"judge/unparsed": float(glob[9]) / self.dp_size} if self.judge is not None else {}),
             "completion_length": float(glob[2]) / n,
             "truncated": float(glob[3]) / n,

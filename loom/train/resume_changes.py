@@ -75,6 +75,7 @@ RULES: dict[str, tuple[str, str]] = {
     "data.chat_template": (MUST_MATCH, "the token stream (conversations rendered into other tokens)"),
     "data.loss_tokens": (MUST_MATCH, "the token stream: which tokens take loss, and which conversations it holds "
                                      "(one without an assistant turn has nothing to train under 'assistant')"),
+    "data.embedded_rejected": (MUST_MATCH, "the embedded preference pairs (their rejected answers)"),
 
     "training.objective": (MUST_MATCH, "what the data stream is and what a step minimizes (to fine-tune a "
                                        "pretrained run, start a new one from its weights: model.init_from)"),
@@ -142,6 +143,8 @@ RULES: dict[str, tuple[str, str]] = {
     "grpo.group_size": (APPLIED, "the rollouts from the next step"),
     "grpo.rewards": (APPLIED, "the rewards from the next step"),
     "grpo.reward_weights": (APPLIED, "the rewards from the next step"),
+    "grpo.reward_model": (APPLIED, "the rewards from the next step"),
+    "grpo.reward_model_weight": (APPLIED, "the rewards from the next step"),
     "grpo.temperature": (APPLIED, "the rollouts from the next step"),
     "grpo.top_p": (APPLIED, "the rollouts from the next step"),
     "grpo.max_new_tokens": (APPLIED, "the rollouts from the next step"),
@@ -171,7 +174,6 @@ RULES: dict[str, tuple[str, str]] = {
     "ppo.whiten_rewards": (APPLIED, "the rewards of the next batch of rollouts"),
     "ppo.epochs": (APPLIED, "the steps on the next batch of rollouts"),
     "ppo.mini_batches": (APPLIED, "the size of the next batch of rollouts"),
-    "ppo.reward_model": (APPLIED, "the rewards of the next batch of rollouts"),
 
     "parallel.dp_replicate": (FREE, _LAYOUT),
     "parallel.dp_shard": (FREE, _LAYOUT),

@@ -98,6 +98,103 @@ def test_prompts_from_jsonl_reach_the_rewards(tmp_path):
     assert 0 <= records[-1]["reward"] <= 1
 
 
+CHAT_ROWS = [{"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{i}+1="}],
+              "answer": str(i + 1)} for i in range(4)]
+SEEN: dict[str, list] = {}
+
+
+def record_inputs(prompts, completions, completion_ids, answer, **fields) -> list[float]:
+    """A reward function (TRL's convention) that keeps what it was given: 1 per completion."""
+    SEEN.update(prompts=prompts, completions=completions, answer=answer)
+    return [1.0] * len(completions)
+
+
+def write_prompts(tmp_path, rows: list[dict], kind: str) -> str:
+    """``rows`` as a .jsonl file, a .parquet file or a dataset saved with ``save_to_disk``."""
+    if kind == "jsonl":
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet")
+        pa = pytest.importorskip("pyarrow")
+        path = tmp_path / "p.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        datasets = pytest.importorskip("datasets")
+        path = tmp_path / "p_dataset"
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf_dataset"])
+def test_prompt_sources_give_the_same_rows(tmp_path, kind):
+    """grpo.prompts reads a .jsonl or .parquet file or a saved dataset alike: the rows, chat messages included, in
+    the same seeded draws; a 'messages' column is the prompt; a row without a prompt is one line naming it."""
+    from loom.rl.prompts import PromptRows
+
+    plain = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)]
+    for rows in (plain, CHAT_ROWS):
+        got = PromptRows(write_prompts(tmp_path, rows, kind), 3)
+        assert got.rows == rows and got.chat == (rows is CHAT_ROWS)
+        as_jsonl = PromptRows(write_prompts(tmp_path, rows, "jsonl"), 3)
+        assert got.problems(6, ("grpo", 2)) == as_jsonl.problems(6, ("grpo", 2))
+    messages = [{"messages": r["prompt"], "answer": r["answer"]} for r in CHAT_ROWS]
+    assert PromptRows(write_prompts(tmp_path, messages, kind), 3).rows == CHAT_ROWS
+    with pytest.raises(ConfigError, match="grpo.prompts.*rows need a 'prompt'") as err:
+        PromptRows(write_prompts(tmp_path, [{"question": "1+1="}], kind), 3)
+    assert "\n" not in str(err.value)
+
+
+def test_chat_prompts_are_rendered_and_reach_the_rewards_as_messages(tmp_path):
+    """Prompts as chat messages: the rollouts' prompt ids are the chat template's rendering with its generation
+    prompt; the reward functions get the messages and each completion as one assistant message (TRL's
+    conversational convention), the other fields as they are."""
+    from loom.data.chat import load_template
+    from loom.infer.text import Codec
+
+    cfg = grpo_config(tmp_path, **{"grpo.prompts": write_prompts(tmp_path, CHAT_ROWS, "jsonl"),
+                                   "grpo.warmup_steps": 0, "training.steps": 1, "training.seq_len": 64,
+                                   "grpo.rewards": "tests.unit.test_grpo_train:record_inputs"})
+    trainer = Trainer(cfg, objective=GroupRelative(cfg))
+    loader = trainer.objective.loader
+    ids = loader.prompt_ids(CHAT_ROWS[:1])
+    text = load_template("", trainer.tokenizer).render(CHAT_ROWS[0]["prompt"], add_generation_prompt=True)
+    assert ids == [Codec(trainer.tokenizer).encode(text)] * 4 and text.endswith("assistant|>\n")
+    records = trainer.fit()
+    assert records[-1]["reward"] == 1.0 and len(SEEN["prompts"]) == 8
+    assert all(p in [r["prompt"] for r in CHAT_ROWS] for p in SEEN["prompts"])
+    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) and len(c) == 1
+               for c in SEEN["completions"])
+    assert SEEN["answer"][0] in {r["answer"] for r in CHAT_ROWS}
+
+
+def test_a_reward_model_scores_the_rollouts(tmp_path):
+    """grpo.reward_model: a reward run's checkpoint scores prompt + completion, weighted by
+    grpo.reward_model_weight, beside the reward functions (rewards/reward_model)."""
+    from loom.train.reward import load_reward_model
+    from tests.unit.test_reward import reward_run, write_pairs
+
+    Trainer(reward_run(tmp_path / "rm", tmp_path / "cache", write_pairs(tmp_path / "pairs.jsonl"),
+                       **{"training.steps": 1, "checkpoint.at_end": "true"})).fit()
+    ckpt = str(tmp_path / "rm" / "checkpoints" / "step_00000001")
+    cfg = grpo_config(tmp_path, **{"grpo.prompts": write_prompts(tmp_path, CHAT_ROWS, "jsonl"),
+                                   "grpo.warmup_steps": 0, "training.steps": 2, "grpo.reward_model": ckpt,
+                                   "training.seq_len": 64,
+                                   "grpo.reward_model_weight": 0.5,
+                                   "grpo.rewards": "tests.unit.test_grpo_train:record_inputs"})
+    trainer = Trainer(cfg, objective=GroupRelative(cfg))
+    records = trainer.fit()
+    for r in records:
+        assert r["reward"] == pytest.approx(r["rewards/record_inputs"] + 0.5 * r["rewards/reward_model"], abs=1e-6)
+    loader, scorer = trainer.objective.loader, load_reward_model(ckpt)
+    assert loader.reward_model is not None and records[0]["rewards/reward_model_std"] > 0
+    outs = loader.sample(loader.prompt_ids(CHAT_ROWS[:2]))
+    _, per, names = loader.score(CHAT_ROWS[:2], loader.prompt_ids(CHAT_ROWS[:2]), outs)
+    ids = [p + o.token_ids for p, o in zip(loader.prompt_ids(CHAT_ROWS[:2]), outs)]
+    assert names == ["record_inputs", "reward_model"]
+    assert per[:, 1].tolist() == pytest.approx(scorer(ids), abs=1e-5)
+
+
 def test_config_rules(tmp_path):
     with pytest.raises(ConfigError, match="grpo.group_size"):
         check_config(tiny_config(tmp_path, **{"grpo.group_size": 8}))  # no grpo objective

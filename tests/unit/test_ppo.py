@@ -253,7 +253,7 @@ def test_recipe_raises_the_accuracy(tmp_path):
 
 
 def test_reward_model_scores_the_rollouts(tmp_path):
-    """A reward model's scorer (what ppo.reward_model loads with loom.train.reward.load_reward_model, tested in
+    """A reward model's scorer (what grpo.reward_model loads with loom.train.reward.load_reward_model, tested in
     test_reward) scores prompt + completion; alone (no reward functions) it is the reward: rewards/reward_model."""
     from loom.config import build_config
     from loom.models.llama import Llama
