@@ -93,7 +93,9 @@ class _Graph:
                 fn(tokens, positions)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), _uncached_autocast():
+        # thread_local: the NCCL watchdog's event queries on another thread (a training job's collectives enqueued
+        # before the capture) must not invalidate it, as under the default "global" mode they may
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), _uncached_autocast():
             self.out = fn(tokens, positions)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
