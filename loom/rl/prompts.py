@@ -43,11 +43,11 @@ class PromptRows:
     """The rows of grpo.prompts, drawn ``n`` at a time for a (step, rank) key."""
 
     def __init__(self, source: str, seed: int):
-        specs = parse_source(source)
-        if len(specs) != 1 or specs[0].kind not in ("jsonl", "parquet", "hf_dataset"):
-            raise ConfigError(FIELD, source, "one .jsonl or .parquet file, or a Hugging Face dataset folder "
-                              "(save_to_disk), of rows with a 'prompt'")
-        try:
+        try:  # the data layer's errors name data.source: here they are grpo.prompts'
+            specs = parse_source(source)
+            if len(specs) != 1 or specs[0].kind not in ("jsonl", "parquet", "hf_dataset"):
+                raise ConfigError(FIELD, source, "one .jsonl or .parquet file, or a Hugging Face dataset folder "
+                                  "(save_to_disk), of rows with a 'prompt'")
             self.rows = [checked_prompt(row, f"{path} {where}") for path, where, row in rows(specs[0], None)]
         except ConfigError as err:
             if err.field != "data.source":

@@ -232,7 +232,10 @@ class RolloutLoader:
         if self.g.reward_model:
             from loom.train.reward import load_reward_model
 
-            self.reward_model = load_reward_model(self.g.reward_model, str(trainer.device))
+            try:
+                self.reward_model = load_reward_model(self.g.reward_model, str(trainer.device))
+            except ConfigError as err:  # the loader names its own argument ("model", "score")
+                raise ConfigError("grpo.reward_model", self.g.reward_model, err.allowed) from None
 
     def engine_generator(self, trainer, max_batch: int):
         """A generator on the policy's weights as the engine sees them (loom.rl.sync); the judge, if any, is put on

@@ -143,6 +143,8 @@ def test_prompt_sources_give_the_same_rows(tmp_path, kind):
     with pytest.raises(ConfigError, match="grpo.prompts.*rows need a 'prompt'") as err:
         PromptRows(write_prompts(tmp_path, [{"question": "1+1="}], kind), 3)
     assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="grpo.prompts = '.*nope.jsonl': no such file"):
+        PromptRows(str(tmp_path / "nope.jsonl"), 3)
 
 
 def test_chat_prompts_are_rendered_and_reach_the_rewards_as_messages(tmp_path):
@@ -193,6 +195,9 @@ def test_a_reward_model_scores_the_rollouts(tmp_path):
     ids = [p + o.token_ids for p, o in zip(loader.prompt_ids(CHAT_ROWS[:2]), outs)]
     assert names == ["record_inputs", "reward_model"]
     assert per[:, 1].tolist() == pytest.approx(scorer(ids), abs=1e-5)
+    loader.g = type(loader.g)(reward_model=str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="grpo.reward_model = '.*nope': folder not found"):
+        loader.load_reward_model(trainer)
 
 
 def test_config_rules(tmp_path):
