@@ -301,7 +301,7 @@ def _parquet_rows(path: str, columns: tuple[str, ...] | None) -> Iterator[tuple[
     have = list(pf.schema_arrow.names) if columns is None else [c for c in columns if c in pf.schema_arrow.names]
     if not have:
         raise ConfigError("data.source", path,
-                          f"has none of the columns {list(columns)}; it has {pf.schema_arrow.names}")
+                          f"has none of the columns {list(columns or ())}; it has {pf.schema_arrow.names}")
     row = 0
     for batch in pf.iter_batches(columns=have, batch_size=1024):
         for values in batch.to_pylist():
@@ -314,7 +314,8 @@ def _hf_dataset_rows(path: str, columns: tuple[str, ...] | None) -> Iterator[tup
     ds = _load_dataset(path)
     have = list(ds.column_names) if columns is None else [c for c in columns if c in ds.column_names]
     if not have:
-        raise ConfigError("data.source", path, f"has none of the columns {list(columns)}; it has {ds.column_names}")
+        raise ConfigError("data.source", path,
+                          f"has none of the columns {list(columns or ())}; it has {ds.column_names}")
     row = 0
     for batch in ds.select_columns(have).iter(batch_size=1024):  # {column: [values]}
         for values in zip(*(batch[c] for c in have)):
