@@ -12,6 +12,7 @@ import hashlib
 import torch
 
 from loom.config.errors import ConfigError
+from loom.data.sft import checked_messages
 from loom.data.sources import parse_source, rows
 
 FIELD = "grpo.prompts"
@@ -31,9 +32,8 @@ def checked_prompt(row: dict, where: str) -> dict:
     kind = "none" if prompt is None else type(prompt).__name__
     if isinstance(prompt, str) and prompt:
         return row
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                  and isinstance(m.get("content"), str) for m in prompt):
-        return row
+    if isinstance(prompt, list) and prompt:  # checked as SFT's and DPO's messages are
+        return {**row, "prompt": checked_messages(prompt, where, "prompt", "strict")}
     raise ConfigError(FIELD, where, "rows need a 'prompt' (a non-empty string, or a list of {'role', 'content'} "
                       f"messages; or a 'messages' list); this one has {kind}"
                       f" (columns {sorted(row)[:8]})")
