@@ -1,17 +1,24 @@
-"""Shared test setup: the tiny run builder (``tests/tiny.py``, importable from worker processes too) and the
-``exhaustive`` marker; GPU tests start with empty compile caches.
+"""Shared test setup: the tiny run builder (``tests/tiny.py``, importable from worker processes too), the
+``slow`` and ``exhaustive`` markers, per-test cleanup of processes, and the gloo rank pools' shutdown.
 
 Markers (pyproject.toml lists them):
 
-- ``slow``: broad matrices and the slowest tests. They run by default (``python -m pytest -q``, what CI runs);
-  ``python -m pytest -q -m "not slow"`` is the quick inner loop without them.
+- ``slow``: broad matrices and the slowest tests; deselected by default (``python -m pytest -q``, what CI runs).
+  ``python -m pytest -q --slow`` adds them; ``-m slow`` runs only them. Run them by hand before an issue closes.
 - ``exhaustive``: the widest matrices (the fault-injection matrix, 4-rank layout matrices), run by hand before an
-  issue is closed.
-  Deselected unless ``--exhaustive`` is given or ``-m`` names them (``-m exhaustive``); a ``-m`` that does not
-  name them leaves them out too.
+  issue is closed; deselected unless ``--exhaustive`` is given or ``-m`` names them.
+- ``gpu`` / ``multi_gpu``: need one CUDA device / several (skipped without them); ``-m "gpu and multi_gpu"``
+  runs the multi-GPU group on its machine.
+
+Every test has a time limit (pytest-timeout; pyproject.toml's ``timeout``, larger ones named with
+``@pytest.mark.timeout(s)``), and a process a test leaves running is killed when the test ends (and reported).
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
 
 import pytest
 
@@ -23,17 +30,98 @@ __all__ = ["TINY", "tiny_args", "tiny_config", "tiny_overrides"]  # re-exported;
 def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true", default=False,
                      help="also run the tests marked exhaustive (deselected by default)")
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (deselected by default)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--exhaustive") or "exhaustive" in (config.getoption("markexpr") or ""):
-        return
+    """Leave out ``exhaustive`` and ``slow`` tests unless asked for by option or named by ``-m``."""
+    markexpr = config.getoption("markexpr") or ""
+    left_out = [m for m in ("exhaustive", "slow") if not config.getoption(f"--{m}") and m not in markexpr]
     keep, drop = [], []
     for item in items:
-        (drop if item.get_closest_marker("exhaustive") else keep).append(item)
+        (drop if any(item.get_closest_marker(m) for m in left_out) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Live (not zombie) processes below ``root``, by pid, with their command lines (Linux ``/proc``)."""
+    parent, cmd = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd[int(entry)] = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            parent[int(entry)] = int(fields[1])
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, ppid in parent.items():
+            if ppid == pid and child not in found:
+                found[child] = cmd.get(child, "?")
+                frontier.append(child)
+    return found
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+# helpers that live for the session by design: multiprocessing's resource tracker and Inductor's compile workers
+SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+
+
+def _outside_pools(procs: dict[int, str]) -> dict[int, str]:
+    """Leave the session's gloo rank pools and long-lived helpers (and what they started) alone."""
+    from tests.distributed.harness import pool_pids
+
+    keep = set()
+    for pid in pool_pids() | {p for p, c in procs.items() if any(h in c for h in SESSION_HELPERS)}:
+        keep |= {pid, *_descendants(pid)}
+    return {p: c for p, c in procs.items() if p not in keep}
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind(request):
+    """A process the test started and left running is killed when the test ends, pass or fail, and reported."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    before = set(_descendants(os.getpid()))
+    yield
+    left = _outside_pools({p: c for p, c in _descendants(os.getpid()).items() if p not in before})
+    if left:
+        _kill(left)
+        print(f"\n{request.node.nodeid} left {len(left)} process(es) running, killed: "
+              + "; ".join(f"{p} {c[:120]}" for p, c in left.items()), file=sys.stderr)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The rank pools stop; any process still below this one is killed, and the run fails if there was one."""
+    from tests.distributed.harness import close_pools
+
+    close_pools()
+    if not sys.platform.startswith("linux"):
+        return
+    left = _outside_pools(_descendants(os.getpid()))
+    if left:
+        _kill(left)
+        print("\nprocesses left at the end of the session, killed: "
+              + "; ".join(f"{p} {c[:120]}" for p, c in left.items()), file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

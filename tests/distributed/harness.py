@@ -1,23 +1,32 @@
-"""Run several training jobs inside one process group per world size (process start dominates cost).
+"""Multi-process CPU tests on gloo, with the ranks spawned once per session (process start dominates cost).
 
-``run_jobs(world, jobs)`` spawns ``world`` gloo ranks once; each rank builds a Trainer for every job
-in turn (same group, fresh meshes) and rank 0 returns each job's logged records.
+One pool of ranks per (world size, backend) serves every test: the ranks meet once over a store the test process
+holds (port 0, so no port is raced for), then wait for jobs. ``run_jobs(world, jobs)`` trains each job (dotted
+overrides) in turn on the pool's group and returns rank 0's records; ``run_fn(world, fn)`` runs a module-level
+``fn(rank, world)`` on every rank and returns rank 0's JSON result. A job that raises on any rank, or hangs, ends
+its pool: the next call starts a fresh one, so no test inherits a group in an unknown state. ``reference(job)``
+is a single-process run computed once per session per configuration, shared across test files.
 """
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import gc
 import json
 import os
+import queue
 import socket
+import time
 import traceback
 
-import torch.multiprocessing as mp
-
 HANG_SECONDS = int(os.environ.get("LOOM_TEST_HANG_SECONDS", "300"))
+PATH_KEYS = ("run.dir", "data.cache_dir")  # where a run writes; never what it computes
 
 
 def free_port() -> int:
+    """A port for a child launcher that takes its own (``loom launch``, torchrun's c10d rendezvous): bound and
+    closed, so it can race; jobs of this harness never need one."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -34,40 +43,74 @@ def run_one(overrides: dict) -> list[dict]:
     return trainer.fit()
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[dict], out_path: str) -> None:
+def job_tmp() -> str:
+    """The calling test's temporary folder, inside a pooled rank (``run_fn``'s ``tmp_dir``)."""
+    return os.environ["LOOM_TEST_TMP"]
+
+
+# ---- the ranks ------------------------------------------------------------------------------------------------
+
+
+def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> None:
+    """A pooled rank: join the group, then run each job sent until told to stop (``None``)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import faulthandler
-
     import torch.distributed as dist
 
     faulthandler.enable()  # a native crash (SIGABRT/SIGSEGV) prints every thread's Python stack
-    dist.init_process_group("gloo")
-    results = []
-    try:
-        for job in jobs:
-            # a hang fails loudly, with stacks; the timer covers one job, not the sum of all of them
-            faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-            try:
-                results.append({"records": run_one(job)})
-            except Exception:  # keep going: report the failure with its traceback
-                results.append({"error": traceback.format_exc()})
-                traceback.print_exc()  # now, too: a peer may hang in a collective before the report
-                dist.barrier()
-    finally:
-        gc.collect()  # trainers (DDP reducers hold the group) go before the group does
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_timedelta(HANG_SECONDS))
+    generation = 0
+    while (msg := inbox.get()) is not None:
+        fn, tmp = msg
+        if not dist.is_initialized():  # the first job, or a job destroyed the group (loom doctor does)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"group{generation}", store), rank=rank,
+                                    world_size=world)
+            generation += 1
+        outbox.put((rank, *_run_job(fn, rank, world, tmp)))
+        _tidy()
+    if dist.is_initialized():
         _teardown(dist)
-    if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump(results, fh)
     _exit_now()
+
+
+def _run_job(fn, rank: int, world: int, tmp: str) -> tuple[str, object]:
+    """``("ok", result)`` or ``("error", traceback)``; the job's environment changes are undone after it. A hang
+    fails loudly, with every thread's stack, and ends the rank (its pool is then replaced)."""
+    saved_env = dict(os.environ)
+    os.environ["LOOM_TEST_TMP"] = tmp
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    try:
+        result = fn(rank, world)
+        return "ok", (json.loads(json.dumps(result)) if rank == 0 else None)
+    except BaseException:  # noqa: BLE001 - reported to the test with its traceback
+        traceback.print_exc()
+        return "error", traceback.format_exc()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _tidy() -> None:
+    """Between jobs: trainers (DDP reducers hold the group) go, and compiled code's guards do not pile up."""
+    import sys
+
+    gc.collect()
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
 
 
 def _exit_now() -> None:
     """End a rank whose work is done and reported without the interpreter's shutdown: on gloo, a rank that had run
     functional collectives (context parallelism's all-gathers) was sometimes killed at exit by PyTorch's C++
     teardown ('terminate called without an active exception', SIGABRT; about 1 in 25 runs of a 2-rank CP test,
-    torch 2.13 CPU) after its results were written, which failed the test. The results are on disk; stop here."""
+    torch 2.13 CPU) after its results were written, which failed the test. The results are reported; stop here."""
     import sys
 
     sys.stdout.flush()
@@ -77,51 +120,151 @@ def _exit_now() -> None:
 
 def _teardown(dist) -> None:
     """All ranks meet before the group goes: none closes its connections while a peer still uses them."""
-    import faulthandler
-
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
 
 
+# ---- the pools ------------------------------------------------------------------------------------------------
+
+
+class RankFailure(AssertionError):
+    """A pooled job raised on some rank, or a rank died or hung."""
+
+
+class Pool:
+    """``world`` gloo ranks meeting over a store this process holds; ``call(fn, tmp)`` runs ``fn(rank, world)``
+    on each and returns rank 0's result."""
+
+    def __init__(self, world: int, backend: str = "gloo"):
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        self.world = world
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.SimpleQueue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_serve, name=f"loom-test-rank{r}", args=(
+            r, world, self.store.port, backend, self.inboxes[r], self.outbox)) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def call(self, fn, tmp: str):
+        for box in self.inboxes:
+            box.put((fn, tmp))
+        replies: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + HANG_SECONDS + 60
+        while len(replies) < self.world:
+            try:
+                rank, status, payload = self.outbox.get(timeout=0.5)
+                replies[rank] = (status, payload)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if r not in replies and not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    why = f"rank(s) {dead} died" if dead else f"no reply in {HANG_SECONDS + 60} s"
+                    raise RankFailure(f"{why} running {_name(fn)} on {self.world} ranks (stacks above)")
+        errors = [f"rank {r}:\n{p}" for r, (s, p) in sorted(replies.items()) if s == "error"]
+        if errors:
+            raise RankFailure("\n".join(errors))
+        return replies[0][1]
+
+    def close(self, grace: float = 10.0) -> None:
+        """Stop the ranks: politely when they are idle, then by force; none outlives this call."""
+        for box in self.inboxes:
+            try:
+                box.put(None)
+            except (OSError, ValueError):
+                pass
+        end = time.monotonic() + grace
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+
+
+_POOLS: dict[tuple[int, str], Pool] = {}
+
+
+def pool_call(world: int, fn, tmp_dir: str, backend: str = "gloo"):
+    """``fn(rank, world)`` on the session's pool of ``world`` ranks; a failed or interrupted call ends the pool."""
+    key = (world, backend)
+    if key not in _POOLS:
+        _POOLS[key] = Pool(world, backend)
+    try:
+        return _POOLS[key].call(fn, str(tmp_dir))
+    except BaseException:  # an error, a hang, or the test's timeout: the group's state is unknown
+        _POOLS.pop(key).close(grace=2.0)
+        raise
+
+
+@atexit.register
+def close_pools() -> None:
+    """Every pooled rank stopped (the session's end; conftest calls it too)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def pool_pids() -> set[int]:
+    return {p.pid for pool in _POOLS.values() for p in pool.procs if p.pid is not None}
+
+
+# ---- what tests call ------------------------------------------------------------------------------------------
+
+
+def _jobs_on_rank(jobs: list[dict], rank: int, world: int) -> list[dict]:
+    """Each job in turn on this rank; a failed job is reported with its traceback and the rest still run."""
+    import torch.distributed as dist
+
+    results = []
+    for job in jobs:
+        try:
+            results.append({"records": run_one(job)})
+        except Exception:  # noqa: BLE001 - reported to the test
+            results.append({"error": traceback.format_exc()})
+            traceback.print_exc()  # now, too: a peer may hang in a collective before the report
+            dist.barrier()
+        gc.collect()
+    return results
+
+
 def run_jobs(world: int, jobs: list[dict], tmp_dir: str) -> list[dict]:
-    out = os.path.join(tmp_dir, f"results_w{world}_{os.getpid()}.json")
+    """Each job's rank-0 records (``{"records": [...]}``, or ``{"error": traceback}``), one process per rank."""
+    import functools
+
     if world == 1:
         return [{"records": run_one(job)} for job in jobs]
-    mp.spawn(_worker, args=(world, free_port(), jobs, out), nprocs=world, join=True)
-    with open(out) as fh:
-        return json.load(fh)
+    results = pool_call(world, functools.partial(_jobs_on_rank, jobs), tmp_dir)
+    if any("error" in r for r in results):  # the group survived (a barrier resynced it), but start afresh
+        _POOLS.pop((world, "gloo")).close()
+    return results
+
+
+def run_fn(world: int, fn, tmp_dir: str):
+    """Run ``fn(rank, world)`` (a module-level function or a partial of one) on ``world`` gloo ranks; rank 0's
+    JSON result. Inside, ``job_tmp()`` is ``tmp_dir``."""
+    return pool_call(world, fn, tmp_dir)
+
+
+_REFERENCES: dict[str, list[dict]] = {}
+
+
+def reference(job: dict) -> list[dict]:
+    """A single-process run's records, computed once per session per configuration (the job without its paths):
+    test files that compare layouts against the same configuration share it."""
+    key = json.dumps({k: str(v) for k, v in job.items() if k not in PATH_KEYS}, sort_keys=True)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_one(job)
+    return json.loads(json.dumps(_REFERENCES[key]))
 
 
 def losses(result: dict) -> list[float]:
     assert "error" not in result, result["error"]
     return [r["loss"] for r in result["records"]]
-
-
-def _fn_worker(rank: int, world: int, port: int, fn, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import faulthandler
-
-    import torch.distributed as dist
-
-    faulthandler.enable()
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-    dist.init_process_group("gloo")
-    try:
-        result = fn(rank, world)
-    finally:
-        _teardown(dist)
-    if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump(result, fh)
-    _exit_now()
-
-
-def run_fn(world: int, fn, tmp_dir: str):
-    """Run ``fn(rank, world)`` (a module-level function) on ``world`` gloo ranks; rank 0's JSON result."""
-    out = os.path.join(tmp_dir, f"fn_w{world}_{os.getpid()}.json")
-    mp.spawn(_fn_worker, args=(world, free_port(), fn, out), nprocs=world, join=True)
-    with open(out) as fh:
-        return json.load(fh)

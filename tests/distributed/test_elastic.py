@@ -33,7 +33,8 @@ RDZV_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3,
 def agents(tmp_path, nnodes: str, run_dir, cache, *, faults=(None, None), fault_rank: str = "*",  # noqa: F811
            backend: str = "c10d", extra=(), max_restarts: int = 1) -> list[subprocess.CompletedProcess]:
     """Two agents of one job: node 0 serves the rendezvous store (node 1 may not: --node-rank 1); node 1 starts
-    first (its client waits for the store) so that both join the first round. ``faults``: each node's
+    first and node 0 once node 1 has loaded torch (its client then waits for the store), so that both join the
+    first round, within its 5 s last call, however slowly the machine starts processes. ``faults``: each node's
     LOOM_RESTART_FAULT, armed in its worker of global rank ``fault_rank`` (``*``: any)."""
     endpoint = f"127.0.0.1:{free_port()}" if backend == "c10d" else str(tmp_path / "rdzv")
     procs = {}
@@ -44,7 +45,8 @@ def agents(tmp_path, nnodes: str, run_dir, cache, *, faults=(None, None), fault_
         log = {k: open(tmp_path / f"node{node}.{k}", "w+") for k in ("out", "err")}
         procs[node] = (subprocess.Popen(cmd, cwd=tmp_path, env=fault_env(faults[node], fault_rank), stdout=log["out"],
                                         stderr=log["err"], text=True), log)
-        time.sleep(0.5)
+        if node == 1:
+            wait_for_torch(procs[1][0])
     out = []
     for node in (0, 1):
         proc, log = procs[node]
@@ -52,6 +54,21 @@ def agents(tmp_path, nnodes: str, run_dir, cache, *, faults=(None, None), fault_
         log["out"].seek(0), log["err"].seek(0)
         out.append(subprocess.CompletedProcess(proc.args, rc, log["out"].read(), log["err"].read()))
     return out
+
+
+def wait_for_torch(proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until ``proc`` has loaded libtorch (its memory map shows it), with a deadline; a process that ended fails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"node 1 ended early with exit {proc.returncode}"
+        try:
+            with open(f"/proc/{proc.pid}/maps") as fh:
+                if "libtorch" in fh.read():
+                    return
+        except OSError:  # not Linux, or the process is being replaced: try again
+            pass
+        assert time.monotonic() < deadline, f"node 1 did not load torch in {timeout} s"
+        time.sleep(0.05)
 
 
 def check_losses(run_dir, reference):  # noqa: F811

@@ -14,7 +14,7 @@ import pytest
 from loom.infer.generator import Completion
 from loom.rl.objective import GroupRelative
 from loom.rl.rollout import RolloutLoader
-from tests.distributed.harness import run_fn
+from tests.distributed.harness import job_tmp, run_fn
 from tests.tiny import tiny_overrides
 
 KEYS = ("loss", "grad_norm", "kl", "clip_ratio/low", "clip_ratio/high", "reward", "targets")
@@ -70,7 +70,7 @@ def train(job: dict, env=None) -> list[dict]:
 def ddp_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = f"/tmp/loom_grpo_layouts_{world}"
+    tmp = job_tmp()
     out = {}
     for name, (_, mb, extra) in JOBS.items():
         job = overrides(tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world,

@@ -12,6 +12,7 @@ import pytest
 
 from loom.parallel.pipeline import V_SHAPED
 from tests.distributed.harness import losses, run_jobs
+from tests.distributed.harness import reference as single_reference
 from tests.tiny import tiny_overrides
 
 STEPS, GLOBAL, LAYERS = 5, 8, 4
@@ -28,7 +29,8 @@ def job(tmp, name, m=1, dp=1, tied=True, **parallel):
 
 
 def pipeline_only(tmp):
-    """World 2: TP2 alone, and every schedule on PP2 alone with two micro-batch counts."""
+    """World 2: TP2 alone, and every schedule on PP2 alone with two micro-batch counts (``CORE_PP``: the default
+    run's part, one count per schedule; the rest is ``slow``)."""
     out = {"tp2-m1": job(tmp, "tp2-m1", m=1, tp=2, dp_shard=1),
            "tp2-m2-untied": job(tmp, "tp2-m2-untied", m=2, tied=False, tp=2, dp_shard=1),
            # loom's AdamW steps local shards: TP hands back Partial (norm) and Replicate gradients
@@ -88,16 +90,19 @@ def compositions8(tmp):
     }
 
 
+# the default run's part of pipeline_only: every schedule once (the smaller micro-batch count), TP2 untied and with
+# loom's AdamW, float16 loss scaling and a manual split; the other counts and TP2 m1 are slow
+CORE_PP = {f"pp2-{s}-m{4 if s in V_SHAPED else 2}" for s in SCHEDULES} | {
+    "tp2-m2-untied", "tp2-m1-triton-adamw", "pp2-interleaved_1f1b-m2-fp16", "pp2-manual-split-3-1"}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Single-process records: tied and untied in fp32, tied in float16."""
+    """Single-process records: tied and untied in fp32, tied in float16 (shared by the session)."""
     tmp = tmp_path_factory.mktemp("ref")
-    res = run_jobs(1, [job(tmp, "single-tied"), job(tmp, "single-untied", tied=False),
-                       {**job(tmp, "single-fp16"), "training.dtype": "float16"}], str(tmp))
-    for r in res:
-        assert "error" not in r, r["error"]
-    return {("true", "float32"): res[0]["records"], ("false", "float32"): res[1]["records"],
-            ("true", "float16"): res[2]["records"]}
+    return {("true", "float32"): single_reference(job(tmp, "single-tied")),
+            ("false", "float32"): single_reference(job(tmp, "single-untied", tied=False)),
+            ("true", "float16"): single_reference({**job(tmp, "single-fp16"), "training.dtype": "float16"})}
 
 
 def max_rel(a, b):
@@ -125,8 +130,9 @@ def check(reference, jobs, results):
     assert not bad, "\n".join(bad + report)
 
 
-def test_tp_and_every_pipeline_schedule_match_single_process(reference, tmp_path):
-    jobs = pipeline_only(tmp_path)
+@pytest.mark.parametrize("broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"])
+def test_tp_and_every_pipeline_schedule_match_single_process(reference, tmp_path, broad):
+    jobs = {k: v for k, v in pipeline_only(tmp_path).items() if (k in CORE_PP) != broad}
     check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
 
 

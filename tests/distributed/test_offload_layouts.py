@@ -5,13 +5,11 @@ gradients' global-norm all-reduce and the host-side accumulation run through it.
 
 from __future__ import annotations
 
-import json
-import os
+import functools
 
 import pytest
-import torch.multiprocessing as mp
 
-from tests.distributed.harness import HANG_SECONDS, _exit_now, _teardown, free_port, losses, run_jobs, run_one
+from tests.distributed.harness import _jobs_on_rank, losses, pool_call, run_jobs
 from tests.tiny import tiny_overrides
 
 STEPS = 4
@@ -24,40 +22,15 @@ def job(tmp, name, mb, **over):
         "optimizer.warmup_steps": 1, "optimizer.lr": 3e-3, **over})
 
 
-def _worker(rank: int, world: int, port: int, backend: str, jobs: list[dict], out_path: str) -> None:
-    """As the harness's worker, on a group of ``backend``; rank 0 also reports the backend the group has."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import faulthandler
-    import traceback
-
+def _jobs_with_backend(jobs: list[dict], rank: int, world: int) -> list[dict]:
+    """The harness's jobs, each also reporting the backend its group has."""
     import torch.distributed as dist
 
-    faulthandler.enable()
-    dist.init_process_group(backend)
-    results = []
-    try:
-        for j in jobs:
-            faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-            try:
-                results.append({"records": run_one(j), "backend": dist.get_backend()})
-            except Exception:  # noqa: BLE001 - reported to the test with its traceback
-                results.append({"error": traceback.format_exc()})
-                traceback.print_exc()
-                dist.barrier()
-    finally:
-        _teardown(dist)
-    if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump(results, fh)
-    _exit_now()
+    return [{**r, "backend": dist.get_backend()} for r in _jobs_on_rank(jobs, rank, world)]
 
 
 def run_on(backend: str, world: int, jobs: list[dict], tmp) -> list[dict]:
-    out = os.path.join(str(tmp), f"offload_w{world}_{os.getpid()}.json")
-    mp.spawn(_worker, args=(world, free_port(), backend, jobs, out), nprocs=world, join=True)
-    with open(out) as fh:
-        return json.load(fh)
+    return pool_call(world, functools.partial(_jobs_with_backend, jobs), str(tmp), backend=backend)
 
 
 def max_rel(a: list[float], b: list[float]) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from loom.rl.ppo_objective import PpoRollouts, ProximalPolicy
-from tests.distributed.harness import run_fn
+from tests.distributed.harness import job_tmp, run_fn
 from tests.distributed.test_grpo_layouts import FixedRollouts
 from tests.tiny import tiny_overrides
 
@@ -56,7 +56,7 @@ def train(job: dict, env=None) -> list[dict]:
 def ddp_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = f"/tmp/loom_ppo_layouts_{world}"
+    tmp = job_tmp()
     out = {}
     for name, (_, mb, extra) in JOBS.items():
         job = overrides(tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world,

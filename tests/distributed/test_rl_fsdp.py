@@ -12,7 +12,7 @@ import torch
 
 from tests.distributed import test_grpo_layouts as grpo
 from tests.distributed import test_ppo_layouts as ppo
-from tests.distributed.harness import run_fn
+from tests.distributed.harness import job_tmp, run_fn
 
 FSDP = {"parallel.dp_replicate": 1, "parallel.dp_shard": 2}
 GRPO_JOB = ("dapo-copy-iter2", *grpo.JOBS["dapo-copy-iter2"])
@@ -73,7 +73,7 @@ def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
 def fsdp_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = f"/tmp/loom_rl_fsdp_{world}"
+    tmp = job_tmp()
     env = init_distributed("cpu", "gloo")
     out = {}
     for module, (name, _, mb, extra) in ((grpo, GRPO_JOB), (ppo, PPO_JOB)):
@@ -127,7 +127,7 @@ WIDE = {"training.global_batch_size": 16}  # whole groups of 4 on each of 4 rank
 def hsdp_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = f"/tmp/loom_rl_hsdp_{world}"
+    tmp = job_tmp()
     env = init_distributed("cpu", "gloo")
     out = {}
     for module, (name, _, _, extra) in ((grpo, GRPO_JOB), (ppo, PPO_JOB)):

@@ -21,7 +21,7 @@ import pytest
 
 from tests.distributed import test_grpo_layouts as grpo
 from tests.distributed import test_ppo_layouts as ppo
-from tests.distributed.harness import run_fn
+from tests.distributed.harness import job_tmp, run_fn
 from tests.distributed.test_rl_fsdp import GRPO_JOB, engine_check, train
 
 TP = {"parallel.dp_replicate": 1, "parallel.dp_shard": 1, "parallel.tp": 2}
@@ -50,7 +50,7 @@ def ppo_job(tmp, name: str, rank: int | None, layout: dict, dp: int) -> dict:
 def tp_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = f"/tmp/loom_rl_tp_{world}"
+    tmp = job_tmp()
     env = init_distributed("cpu", "gloo")
     layout = TP if world == 2 else FSDP_TP
     mb = SINGLE_MB if world == 2 else DP_MB  # the data-parallel ranks: 1 under TP x2, 2 under FSDP2 x TP
@@ -173,7 +173,7 @@ def test_ppo_fsdp2_or_ddp_x_tp_step_equals_single_process(fsdp_tp, name):
 def ppo_critic_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = f"/tmp/loom_ppo_tp_{world}"
+    tmp = job_tmp()
     env = init_distributed("cpu", "gloo")
     return {PPO_CRITIC: train(ppo, ppo_job(tmp, PPO_CRITIC, rank, TP, 1), env),
             "engine": ppo_engine_check(f"{tmp}/engine-{rank}", env)}
@@ -255,7 +255,7 @@ def model_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
     env = init_distributed("cpu", "gloo")
-    return {name: engine_check(f"/tmp/loom_rl_tp_models/{name}-{rank}", False, env, {**TP, **extra})
+    return {name: engine_check(f"{job_tmp()}/{name}-{rank}", False, env, {**TP, **extra})
             for name, extra in MODELS.items()}
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
 LOOM = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train"]

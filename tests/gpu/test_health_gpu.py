@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUTOLOAD = os.path.join(REPO, "tests", "faults", "autoload")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def two_gpus(test):
+    """A test that needs 2 CUDA devices: skipped with fewer, in the ``multi_gpu`` group."""
+    return pytest.mark.multi_gpu(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")(test))
 
 ONE_RANK = r'''
 import json, os, pickle, sys, time

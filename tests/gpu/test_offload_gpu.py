@@ -83,6 +83,7 @@ def test_offload_compiled_and_resumed(tmp_path, cache):
     assert max_rel([r["loss"] for r in resumed], [r["loss"] for r in eager[3:]]) < 1e-3
 
 
+@pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_offload_on_two_gpus_matches_one_gpu(tmp_path):
     """``loom train --nproc-per-node 2`` with dp_shard 2 and offload (the cuda:nccl,cpu:gloo group: the global norm

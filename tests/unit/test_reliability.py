@@ -248,10 +248,15 @@ def start(run_dir, cache, *extra: str, nproc: int = 1) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def wait_for_checkpoint(run_dir, proc, step: int = 7) -> None:
-    """Until checkpoint ``step`` exists (training is under way), bounded by the process itself."""
+def wait_for_checkpoint(run_dir, proc, step: int = 7, timeout: float = 240) -> None:
+    """Until checkpoint ``step`` exists (training is under way), bounded by the process itself and a deadline (the
+    run is killed at the deadline; the test's teardown would kill it otherwise)."""
+    deadline = time.monotonic() + timeout
     while not os.path.isdir(os.path.join(str(run_dir), "checkpoints", step_dir_name(step))):
         assert proc.poll() is None, proc.communicate()
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"no checkpoint {step} in {timeout} s: {proc.communicate()}")
         time.sleep(0.2)
 
 

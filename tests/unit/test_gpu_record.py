@@ -1,0 +1,39 @@
+"""The GPU run record (tests/gpu/README.md, tests/gpu/runs.json) lists every GPU test file, and the recorder folds a
+JUnit report in as documented: a clean file gets a new last pass, a failing one keeps its old pass."""
+
+from __future__ import annotations
+
+import json
+
+from tests.gpu import record
+
+
+def test_every_gpu_test_file_is_in_the_record():
+    files = record.gpu_test_files()
+    assert "tests/gpu/test_multi_gpu.py" in files and "tests/unit/test_grpo_gpu.py" in files
+    listed = json.loads(record.RUNS.read_text())["files"]
+    assert set(files) <= set(listed), sorted(set(files) - set(listed))
+    readme = record.README.read_text()
+    assert all(f"`{f}`" in readme for f in files)
+
+
+def test_a_report_updates_passes_and_keeps_them_through_failures(tmp_path):
+    def junit(name, body):
+        path = tmp_path / name
+        path.write_text(f'<testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+        return str(path)
+
+    ok = junit("a.xml", '<testcase classname="tests.gpu.test_multi_gpu" name="t1" file="tests/gpu/test_multi_gpu.py"/>'
+                        '<testcase classname="tests.gpu.test_multi_gpu" name="t2" file="tests/gpu/test_multi_gpu.py">'
+                        '<skipped message="needs 4"/></testcase>')
+    bad = junit("b.xml", '<testcase classname="tests.gpu.test_multi_gpu" name="t1" file="tests/gpu/test_multi_gpu.py">'
+                         '<failure message="boom"/></testcase>')
+    first = record.update({}, record.outcomes([ok]), {"commit": "aaa", "device": "2x H100", "date": "2026-11-28"})
+    entry = first["files"]["tests/gpu/test_multi_gpu.py"]
+    assert entry["last_pass"] == {"commit": "aaa", "device": "2x H100", "date": "2026-11-28", "passed": 1,
+                                  "skipped": 1}
+    second = record.update(first, record.outcomes([bad]), {"commit": "bbb", "device": "2x H100", "date": "2026-11-29"})
+    entry = second["files"]["tests/gpu/test_multi_gpu.py"]
+    assert entry["last_pass"]["commit"] == "aaa" and entry["last_run"]["failed"] == 1
+    assert "1 failed: bbb" in record.table(second)
+    assert set(record.gpu_test_files()) <= set(second["files"])  # files never run are listed too
