@@ -144,7 +144,8 @@ def two_gpus() -> bool:
 @pytest.mark.parametrize("device,ranks", [
     pytest.param("cpu", 1, marks=pytest.mark.slow),
     pytest.param("cpu", 2, marks=pytest.mark.exhaustive),
-    pytest.param("cuda", 1, marks=[pytest.mark.gpu, pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")])])
+    pytest.param("cuda", 1, marks=[pytest.mark.gpu, pytest.mark.multi_gpu,
+                                   pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")])])
 def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, cache, monkeypatch, device, ranks):
     """On CPU (gloo between the groups; groups of 2 ranks shard with FSDP2 and recover each rank's shards), or on
     2 GPUs, one per group (NCCL between them)."""
@@ -204,8 +205,7 @@ def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, cache, mo
 
 
 @needs_torchft
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow),
-                                   pytest.param(2, marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.exhaustive)])  # 1: in the default run
 def test_two_groups_train_as_one_process(tmp_path, cache, monkeypatch, ranks):
     """Without failures, two replica groups log the losses of one process that takes the whole global batch: the
     groups split it as data-parallel ranks would, and their gradients are summed exactly. Groups of 2 ranks shard the
