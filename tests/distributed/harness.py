@@ -21,6 +21,7 @@ import time
 import traceback
 
 HANG_SECONDS = int(os.environ.get("LOOM_TEST_HANG_SECONDS", "300"))
+SESSION_ENV = dict(os.environ)  # what pooled ranks start with: not the variables a test had set when one started
 PATH_KEYS = ("run.dir", "data.cache_dir")  # where a run writes; never what it computes
 
 
@@ -135,9 +136,9 @@ class RankFailure(AssertionError):
 
 class Pool:
     """``world`` gloo ranks meeting over a store this process holds; ``call(fn, tmp)`` runs ``fn(rank, world)``
-    on each and returns rank 0's result."""
+    on each and returns rank 0's result. ``env``: the ranks' environment (default: the session's at its start)."""
 
-    def __init__(self, world: int, backend: str = "gloo"):
+    def __init__(self, world: int, backend: str = "gloo", env: dict | None = None):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
@@ -148,8 +149,15 @@ class Pool:
         self.inboxes = [ctx.SimpleQueue() for _ in range(world)]
         self.procs = [ctx.Process(target=_serve, name=f"loom-test-rank{r}", args=(
             r, world, self.store.port, backend, self.inboxes[r], self.outbox)) for r in range(world)]
-        for p in self.procs:
-            p.start()
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(SESSION_ENV if env is None else env)
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
     def call(self, fn, tmp: str):
         for box in self.inboxes:
@@ -235,12 +243,20 @@ def _jobs_on_rank(jobs: list[dict], rank: int, world: int) -> list[dict]:
     return results
 
 
-def run_jobs(world: int, jobs: list[dict], tmp_dir: str) -> list[dict]:
-    """Each job's rank-0 records (``{"records": [...]}``, or ``{"error": traceback}``), one process per rank."""
+def run_jobs(world: int, jobs: list[dict], tmp_dir: str, fresh: bool = False) -> list[dict]:
+    """Each job's rank-0 records (``{"records": [...]}``, or ``{"error": traceback}``), one process per rank.
+    ``fresh``: on ranks started for this call, with the test's environment and output capture (a fault injected
+    through variables, output checked with ``capfd``), instead of the session's pool."""
     import functools
 
     if world == 1:
         return [{"records": run_one(job)} for job in jobs]
+    if fresh:
+        pool = Pool(world, env=dict(os.environ))
+        try:
+            return pool.call(functools.partial(_jobs_on_rank, jobs), tmp_dir)
+        finally:
+            pool.close()
     results = pool_call(world, functools.partial(_jobs_on_rank, jobs), tmp_dir)
     if any("error" in r for r in results):  # the group survived (a barrier resynced it), but start afresh
         _POOLS.pop((world, "gloo")).close()

@@ -22,7 +22,7 @@ def test_a_slow_rank_is_named(tmp_path, monkeypatch, capfd):
     # the spawned ranks import autoload/sitecustomize at start: rank 1's loader sleeps 0.4 s before each step
     monkeypatch.setenv("PYTHONPATH", AUTOLOAD + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("LOOM_FAULT_RANK", "slow:1:0.4")
-    (result,) = run_jobs(2, [job(tmp_path, "slow")], str(tmp_path))
+    (result,) = run_jobs(2, [job(tmp_path, "slow")], str(tmp_path), fresh=True)  # ranks with the fault, in capfd
     assert "error" not in result, result["error"]
     logged = [r for r in result["records"] if "straggler_ranks" in r]
     assert [r["step"] for r in logged] == [2, 4]
