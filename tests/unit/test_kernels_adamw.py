@@ -94,7 +94,9 @@ def _train(impl: str, factors, parts=None, opt=None):
 
 
 @pytest.mark.parametrize("factors", [[None, None], [0.5, torch.tensor(0.25)], [torch.tensor(1e-3), 1.0, None]])
-def test_triton_adamw_matches_torch_adamw(factors):
+def test_triton_adamw_optimizer_on_its_cpu_reference_matches_torch_adamw(factors):
+    """The optimizer class behind optimizer.implementation = triton (gradient factor folded in), on the CPU where
+    its op runs the PyTorch reference; the Triton kernel itself: test_triton_kernel_under_the_interpreter."""
     parts, opt = _train("triton", factors)
     assert opt.fold_grad_factor and all(isinstance(o, TritonAdamW) for o in opt.optimizers)
     ref_parts, _ = _train("foreach", factors)
