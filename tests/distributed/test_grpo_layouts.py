@@ -70,7 +70,7 @@ def train(job: dict, env=None) -> list[dict]:
 def ddp_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = job_tmp()
+    tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     out = {}
     for name, (_, mb, extra) in JOBS.items():
         job = overrides(tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world,

@@ -50,7 +50,7 @@ def ppo_job(tmp, name: str, rank: int | None, layout: dict, dp: int) -> dict:
 def tp_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = job_tmp()
+    tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     env = init_distributed("cpu", "gloo")
     layout = TP if world == 2 else FSDP_TP
     mb = SINGLE_MB if world == 2 else DP_MB  # the data-parallel ranks: 1 under TP x2, 2 under FSDP2 x TP
@@ -173,7 +173,7 @@ def test_ppo_fsdp2_or_ddp_x_tp_step_equals_single_process(fsdp_tp, name):
 def ppo_critic_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
-    tmp = job_tmp()
+    tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     env = init_distributed("cpu", "gloo")
     return {PPO_CRITIC: train(ppo, ppo_job(tmp, PPO_CRITIC, rank, TP, 1), env),
             "engine": ppo_engine_check(f"{tmp}/engine-{rank}", env)}
@@ -255,7 +255,7 @@ def model_jobs(rank: int, world: int) -> dict:
     from loom.parallel.env import init_distributed
 
     env = init_distributed("cpu", "gloo")
-    return {name: engine_check(f"{job_tmp()}/{name}-{rank}", False, env, {**TP, **extra})
+    return {name: engine_check(f"{job_tmp()}/ranks/{name}-{rank}", False, env, {**TP, **extra})
             for name, extra in MODELS.items()}
 
 
