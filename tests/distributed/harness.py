@@ -56,9 +56,12 @@ def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> Non
     """A pooled rank: join the group, then run each job sent until told to stop (``None``)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import threading
+
     import torch.distributed as dist
 
     faulthandler.enable()  # a native crash (SIGABRT/SIGSEGV) prints every thread's Python stack
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_timedelta(HANG_SECONDS))
     generation = 0
     while (msg := inbox.get()) is not None:
@@ -72,6 +75,13 @@ def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> Non
     if dist.is_initialized():
         _teardown(dist)
     _exit_now()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose test process died (killed, interrupted) ends too: none is left waiting for jobs."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _run_job(fn, rank: int, world: int, tmp: str) -> tuple[str, object]:
