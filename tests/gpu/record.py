@@ -27,12 +27,28 @@ def gpu_test_files() -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if marked.search(p.read_text()))
 
 
+def test_file(case: ET.Element) -> str | None:
+    """The test file of a JUnit test case: its ``file`` attribute (xunit1), else the longest prefix of its dotted
+    ``classname`` that is a file here (``tests.gpu.test_x`` or ``tests.gpu.test_x.TestClass``); None for a case
+    pytest wrote without a name (an interrupted run)."""
+    if case.get("file"):
+        return case.get("file")
+    parts = (case.get("classname") or "").split(".")
+    for n in range(len(parts), 0, -1):
+        path = "/".join(parts[:n]) + ".py"
+        if (ROOT / path).is_file():
+            return path
+    return None
+
+
 def outcomes(junit_paths: list[str]) -> dict[str, dict[str, int]]:
     """Per test file: counts of passed, failed (failures and errors) and skipped tests."""
     out: dict[str, dict[str, int]] = {}
     for path in junit_paths:
         for case in ET.parse(path).getroot().iter("testcase"):
-            file = case.get("file") or case.get("classname", "").replace(".", "/").rsplit("/", 1)[0] + ".py"
+            file = test_file(case)
+            if file is None or not case.get("name"):
+                continue
             kind = ("failed" if case.find("failure") is not None or case.find("error") is not None
                     else "skipped" if case.find("skipped") is not None else "passed")
             counts = out.setdefault(file, {"passed": 0, "failed": 0, "skipped": 0})
