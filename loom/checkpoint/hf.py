@@ -288,8 +288,28 @@ def _check_supported(cfg: dict, field: str, where: str) -> None:
                                         "projection too; loom biases q/k/v only, as Qwen2)")
 
 
+# config.json fields that are numbers (null allowed where transformers allows it)
+_NUMBERS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "rms_norm_eps", "max_position_embeddings", "head_dim", "num_local_experts",
+            "num_experts_per_tok", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "rope_theta", "sliding_window", "num_labels")
+_POSITIVE = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
+def _check_numbers(cfg: dict, field: str, where: str) -> None:
+    """A string (or a list, or a bool) where config.json has a number is one line naming the key, not a traceback."""
+    for key in _NUMBERS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(field, where, f"{CONFIG}: {key} = {value!r} is not a number")
+    for key in _POSITIVE:
+        if key in cfg and cfg[key] is not None and cfg[key] <= 0:
+            raise ConfigError(field, where, f"{CONFIG}: {key} = {cfg[key]!r} must be positive")
+
+
 def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: str = "") -> LlamaArgs:
     """LlamaArgs from a parsed config.json; ``max_seq_len`` = max_position_embeddings."""
+    _check_numbers(cfg, field, where)
     _check_supported(cfg, field, where)
     family = hf_family(cfg)
     try:
