@@ -128,3 +128,192 @@ def test_workers_of_a_killed_launcher_keep_the_run_dir_locked(tmp_path):
         worker.kill()
         worker.wait()
     acquire(str(run))  # the last worker gone: the run dir is free
+
+
+# ---- tracebacks that are one line now -------------------------------------------------------------------------------
+
+def bad_count(prompts, completions, **kw):
+    return [1.0]
+
+
+def returns_none(prompts, completions, **kw):
+    return None
+
+
+def test_reward_functions_that_do_not_fit_are_one_line():
+    from loom.rl.rewards import Rewards
+
+    with pytest.raises(ConfigError, match="grpo.rewards = 'math:sqrt': a reward function takes keyword arguments"):
+        Rewards(["math:sqrt"])
+    for name, needle in (("bad_count", "returned 1 rewards for 2 completions"), ("returns_none", "returned None")):
+        rewards = Rewards([f"tests.unit.test_nothing_silent:{name}"])
+        with pytest.raises(UserError, match=needle):
+            rewards.score(["p", "p"], ["a", "b"], [[1], [2]], {})
+
+
+def test_grpo_reward_weights_that_are_not_numbers_are_one_line(tmp_path):
+    from loom.data.tokenizers import ByteTokenizer
+    from loom.rl.rollout import RolloutLoader
+
+    cfg = tiny_config(tmp_path, **{"training.objective": "grpo", "grpo.reward_weights": "abc", "training.steps": 4})
+    with pytest.raises(ConfigError, match="grpo.reward_weights = 'abc': a comma list of numbers"):
+        RolloutLoader(cfg, ByteTokenizer(), 0, 1)
+
+
+def test_a_string_where_config_json_has_a_number_is_one_line():
+    from loom.checkpoint.hf import hf_config_from_args, llama_args_from_hf_config
+    from loom.models.llama import FLAVORS
+
+    cfg = hf_config_from_args(FLAVORS["debug"].with_(vocab_size=384), torch_dtype())
+    llama_args_from_hf_config(cfg, where="f")  # as exported: fine
+    for key, value in (("hidden_size", "64"), ("num_hidden_layers", "two"), ("rms_norm_eps", [1])):
+        with pytest.raises(ConfigError, match=f"config.json: {key} = .* is not a number"):
+            llama_args_from_hf_config({**cfg, key: value}, where="f")
+
+
+def torch_dtype():
+    import torch
+
+    return torch.float32
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("[1, 2]", "is a JSON list, not an object"),
+    ('{"r": 4, "lora_alpha": null, "target_modules": ["q_proj"]}', "lora_alpha = None is not a number"),
+    ('{"r": 4, "lora_alpha": "16", "target_modules": ["q_proj"]}', "lora_alpha = '16' is not a number"),
+    ('{"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", 3]}', "target_modules = ['q_proj', 3]"),
+])
+def test_malformed_adapter_config_is_one_line(tmp_path, content, needle):
+    from loom.checkpoint.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+
+    (tmp_path / ADAPTER_CONFIG).write_text(content)
+    (tmp_path / ADAPTER_WEIGHTS).write_bytes(b"")
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        read_adapter_config(str(tmp_path))
+
+
+def test_damaged_data_files_are_one_line(tmp_path):
+    """A corrupt parquet (data.source and grpo.prompts) and JSON nested 100,000 deep."""
+    from loom.data.sources import parse_source, rows
+    from loom.rl.prompts import PromptRows
+
+    parquet = tmp_path / "cut.parquet"
+    parquet.write_bytes(b"PAR1" + b"\x00" * 64)
+    (spec,) = parse_source(str(parquet))
+    with pytest.raises(ConfigError, match="data.source = .*not a readable parquet file"):
+        list(rows(spec, None))
+    with pytest.raises(ConfigError, match="grpo.prompts = .*not a readable parquet file"):
+        PromptRows(str(parquet), 0)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    (spec,) = parse_source(str(deep))
+    with pytest.raises(ConfigError, match="line 1 nests JSON too deeply"):
+        list(rows(spec, None))
+
+
+def test_a_judge_template_that_looks_like_a_missing_path_is_an_error(tmp_path):
+    from loom.rl.judge import Template
+
+    with pytest.raises(ConfigError, match="grpo.judge_template = .*no such file"):
+        Template(str(tmp_path / "judge.jinja"))
+    Template("Rate {completion} for {prompt}")  # text stays text
+
+
+def no_arguments():
+    return {}
+
+
+def test_an_eval_hook_with_the_wrong_signature_is_refused_at_start(tmp_path):
+    from loom.eval.hook import training_evals
+
+    cfg = tiny_config(tmp_path, **{"training.eval_hook": "tests.unit.test_nothing_silent:no_arguments",
+                                   "training.eval_every": 2, "data.val_fraction": 0.1})
+    with pytest.raises(ConfigError, match="training.eval_hook = .*takes one argument"):
+        training_evals(cfg, str(tmp_path), True)
+
+
+def test_convert_into_the_checkpoint_it_reads_is_refused(tmp_path, capsys):
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    line = cli_error(capsys, "convert", "--from", str(ckpt), "--to-hf", str(ckpt / "hf"))
+    assert "--to-hf" in line and "inside the checkpoint it reads" in line
+
+
+def test_dpo_pairs_without_signal_are_refused_or_counted(tmp_path):
+    import json
+
+    from loom.config.sections import DataConfig
+    from loom.data import prepare_data
+    from loom.data.dpo import PairFile
+    from loom.data.token_file import TokenFile
+    from loom.data.tokenizers import ByteTokenizer
+
+    def pair_file(rows, name):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        ((tokens, _, _),) = prepare_data(DataConfig(source=str(path)), ByteTokenizer(), str(tmp_path / "c"), "dpo")
+        return PairFile(TokenFile(tokens), 64, 0.0, name)
+
+    same = [{"prompt": f"p{i}", "chosen": "same", "rejected": "same"} for i in range(4)]
+    with pytest.raises(UserError, match="in every one of the 4 preference pairs chosen equals rejected"):
+        pair_file(same, "same")
+    mixed = pair_file(same[:3] + [{"prompt": "p", "chosen": "yes", "rejected": "no"}], "mixed")
+    assert mixed.no_signal == 3
+
+
+# ---- a full disk names the path and the bytes, and leaves nothing partial ------------------------------------------
+
+def enospc(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_under_generate_output_leaves_no_file(tmp_path, monkeypatch):
+    import builtins
+
+    from loom.cli.generate import write_whole
+
+    real_open = builtins.open
+
+    class HalfWritten:
+        def __init__(self, path, mode):
+            self.fh = real_open(path, mode)
+
+        def write(self, data):
+            self.fh.write(data[: len(data) // 2])
+            enospc()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    monkeypatch.setattr("loom.cli.generate.open", HalfWritten, raising=False)
+    target = tmp_path / "out.jsonl"
+    with pytest.raises(UserError) as caught:
+        write_whole("--output", str(target), "x" * 1000)
+    assert f"--output {target}: writing 1,000 bytes failed" in str(caught.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from loom.checkpoint.hf import export_hf
+    from loom.models.llama import FLAVORS, Llama
+
+    def half_then_full(tensors, path, metadata=None):
+        with open(path, "wb") as fh:
+            fh.write(b"\0" * 100)
+        enospc()
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_full)
+    args = FLAVORS["debug"].with_(vocab_size=384, n_layers=1)
+    state = Llama(args).state_dict()
+    with pytest.raises(UserError) as caught:
+        export_hf(state, args, str(tmp_path / "hf"))
+    message = str(caught.value)
+    assert str(tmp_path / "hf") in message and "no space" in message.lower() and "needs about" in message, message
+    assert not (tmp_path / "hf").exists()
