@@ -156,3 +156,42 @@ def test_message_content_is_a_string_or_text_parts():
         from_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]}, "f.jsonl:1")
     with pytest.raises(ConfigError, match="content parts must each be"):
         from_row({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "f.jsonl:1")
+
+
+def test_grpo_with_exploded_weights_stops_in_one_line_before_sampling(tmp_path):
+    """A huge learning rate blows the weights up in the warm-up step; the rollout of the next step would fail in the
+    sampler (NaN probabilities) while the logged loss stayed 0: the run stops with one line instead."""
+    from loom.config.errors import TrainingStopped
+
+    with pytest.raises(TrainingStopped, match="step 2: the policy's (weights|sampling logits) are not finite"):
+        rl_run(tmp_path / "run", "grpo", 3, **{"optimizer.lr": 1e20, "optimizer.warmup_steps": 0,
+                                               "checkpoint.every": 0, "grpo.lr_ratio": 1.0})
+
+
+# ---- a branch from an older checkpoint, through `loom train` -------------------------------------------------------
+
+@pytest.mark.slow  # the manager-level cases (test_checkpoint_manager.py) run by default
+def test_loom_train_from_an_older_checkpoint_refuses_then_branches_keeping_the_newer_ones(tmp_path, capsys):
+    """The issue's case: steps 2, 4, 6 saved; the same command resumed from step 2 exits 2 naming 4 and 6; with
+    --checkpoint.overwrite true it trains the branch, and the original 4 and 6 are in superseded/, byte for byte."""
+    from loom.checkpoint.manager import verify
+    from loom.cli.main import main as loom_main
+    from tests.tiny import tiny_args
+
+    run = tmp_path / "run"
+    args = tiny_args(run, tmp_path / "cache", **{"training.steps": 6, "checkpoint.every": 2, "checkpoint.keep": 0,
+                                                 "run.seed": 3})
+    assert loom_main(["train", *args]) == 0
+    ckpts = run / "checkpoints"
+    before = {s: verify(str(ckpts / f"step_0000000{s}"))["files"] for s in (4, 6)}
+    capsys.readouterr()
+    step2 = str(ckpts / "step_00000002")
+    with pytest.raises(SystemExit) as stop:
+        loom_main(["train", *args, "--checkpoint.resume", step2])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert stop.value.code == 2 and len(err) == 1 and "step 4, 6" in err[0] and "--checkpoint.overwrite" in err[0]
+    assert {s: verify(str(ckpts / f"step_0000000{s}"))["files"] for s in (4, 6)} == before
+    assert loom_main(["train", *args, "--checkpoint.resume", step2, "--checkpoint.overwrite", "true"]) == 0
+    (aside,) = os.listdir(ckpts / "superseded")
+    assert {s: verify(str(ckpts / "superseded" / aside / f"step_0000000{s}"))["files"] for s in (4, 6)} == before
+    assert sorted(os.listdir(ckpts / "superseded" / aside)) == ["step_00000004", "step_00000006"]

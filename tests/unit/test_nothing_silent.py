@@ -317,3 +317,10 @@ def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, mo
     message = str(caught.value)
     assert str(tmp_path / "hf") in message and "no space" in message.lower() and "needs about" in message, message
     assert not (tmp_path / "hf").exists()
+
+
+def test_plan_says_lora_is_not_modelled(tmp_path):
+    from loom.cli.plan import lora_note
+
+    assert lora_note(tiny_config(tmp_path)) is None
+    assert "lora.rank 16 is not modelled" in lora_note(tiny_config(tmp_path, **{"lora.rank": 16}))

@@ -83,3 +83,9 @@ def test_issue_49_refusals(exported, tmp_path, capsys):  # noqa: F811
             loom_main(command)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "this is a reward model" in err and "loom score" in err, (command, err)
+    from loom.config.errors import ConfigError
+    from loom.config.sections import GrpoConfig
+    from loom.rl.judge import Judge
+
+    with pytest.raises(ConfigError, match="grpo.judge = .*this is a reward model"):  # before training, not at step N
+        Judge(GrpoConfig(judge=exported["hf"], judge_template="{prompt} {completion}"))
