@@ -59,7 +59,8 @@ def export_peft(model_state: dict[str, torch.Tensor], lora: LoraConfig, out_fold
         raise UserError("the model holds no LoRA adapters (lora.rank 0): nothing to write as a PEFT adapter")
     if os.path.isdir(out_folder) and os.listdir(out_folder):
         raise ConfigError("--to-peft", out_folder, "is not empty; choose a new folder")
-    with whole_or_nothing(out_folder, "the PEFT adapter") as written:
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    with whole_or_nothing(out_folder, "the PEFT adapter", need) as written:
         written.append(os.path.join(out_folder, ADAPTER_WEIGHTS))
         save_file(tensors, written[-1], metadata={"format": "pt"})
         os.chmod(written[-1], 0o666 & ~current_umask())  # safetensors writes 0600

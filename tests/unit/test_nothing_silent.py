@@ -324,3 +324,38 @@ def test_plan_says_lora_is_not_modelled(tmp_path):
 
     assert lora_note(tiny_config(tmp_path)) is None
     assert "lora.rank 16 is not modelled" in lora_note(tiny_config(tmp_path, **{"lora.rank": 16}))
+
+
+@pytest.mark.slow  # lm-eval indexes its thousands of task files first (~15 s of CPU)
+def test_a_named_lm_eval_task_that_cannot_be_fetched_is_one_line_before_training(tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from loom.eval.hook import training_evals
+
+    for var, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf"))):
+        monkeypatch.setenv(var, value)
+    cfg = tiny_config(tmp_path, **{"training.eval_tasks": "arc_easy", "training.eval_every": 2,
+                                   "data.val_fraction": 0.1})
+    with pytest.raises(ConfigError, match="training.eval_tasks = 'arc_easy': cannot be loaded before training: its "
+                                          "dataset is not cached and cannot be fetched"):
+        training_evals(cfg, str(tmp_path), True)
+
+
+def test_a_full_disk_under_an_hf_import_leaves_nothing(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from loom.checkpoint.hf import import_hf_to_dcp
+    from tests.unit.test_nothing_lost import export_tiny
+
+    hf = export_tiny(tmp_path / "hf", 0)
+
+    def full(state, checkpoint_id, **kwargs):
+        with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as fh:
+            fh.write(b"\0" * 100)
+        enospc()
+
+    monkeypatch.setattr(dcp, "save", full)
+    with pytest.raises(UserError) as caught:
+        import_hf_to_dcp(hf, str(tmp_path / "ckpt"))
+    message = str(caught.value)
+    assert str(tmp_path / "ckpt") in message and "no space" in message and "needs about" in message, message
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither the target nor its temporary folder
