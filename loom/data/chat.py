@@ -293,9 +293,10 @@ PROBE_MARKERS = {"system": "LoomProbeSystemQx7", "user": "LoomProbeUserKz3", "as
 
 def probe_template(template: ChatTemplate, name: str) -> None:
     """Render one probe conversation (system, user, assistant; without the system message where the template refuses
-    one) and refuse (a ConfigError naming the template) one whose text lacks a message's content, e.g. ``m.text``
-    for ``m.content`` (it would train on role names or EOS only), or whose assistant mask misses the assistant's
-    reply. A template that refuses both conversations is left to the data's own errors."""
+    one) and refuse (a ConfigError naming the template) one whose text lacks a user's or the assistant's content,
+    e.g. ``m.text`` for ``m.content`` (it would train on role names or EOS only), or whose assistant mask misses the
+    assistant's reply; a template that leaves the system message out is a warning (some do so by design). A template
+    that refuses both conversations is left to the data's own errors."""
     conversations = [[{"role": r, "content": PROBE_MARKERS[r]} for r in ("system", "user", "assistant")],
                      [{"role": r, "content": PROBE_MARKERS[r]} for r in ("user", "assistant")]]
     for messages in conversations:
@@ -303,10 +304,16 @@ def probe_template(template: ChatTemplate, name: str) -> None:
             text = template.render(messages)
         except Exception:  # a ChatError (raise_exception), or the template's own runtime error
             continue
-        for i, m in enumerate(messages):
-            if m["content"] not in text:
+        missing = [(i, m["role"]) for i, m in enumerate(messages) if m["content"] not in text]
+        for i, role in missing:
+            if role != "system":
                 raise ConfigError("data.chat_template", name, f"the template renders a conversation without message "
-                                  f"{i}'s content (role {m['role']}): it must print each message's 'content'")
+                                  f"{i}'s content (role {role}): it must print each message's 'content'")
+        if missing:  # some real templates leave system messages out by design: said once, not refused
+            import warnings
+
+            warnings.warn(f"data.chat_template {name}: the template leaves a system message's content out of the "
+                          "conversation (system messages in the data are neither seen nor trained on)", stacklevel=2)
         try:
             _, spans = assistant_spans(template, messages)
         except Exception:

@@ -96,8 +96,8 @@ def test_dpo_cached_reference_is_keyed_by_the_weights_content(tmp_path, capsys):
 
 TEMPLATES = {
     "m.text typo": ("{% for m in messages %}<|{{ m.role }}|>{{ m.text }}{% if m.role == 'assistant' %}{{ eos_token }}"
-                    "{% endif %}\n{% endfor %}", "message 0's content (role system)"),
-    "roles only": ("{% for m in messages %}<|{{ m['role'] }}|>\n{% endfor %}", "message 0's content"),
+                    "{% endif %}\n{% endfor %}", "message 1's content (role user)"),
+    "roles only": ("{% for m in messages %}<|{{ m['role'] }}|>\n{% endfor %}", "message 1's content"),
     "no assistant": ("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}",
                      "message 2's content (role assistant)"),
     "mask misses the reply": ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ eos_token }}"
@@ -121,7 +121,8 @@ def test_a_template_that_drops_content_is_refused_naming_it(tmp_path, name):
 
 
 def test_good_templates_pass_the_probe(tmp_path):
-    """The built-in template, one that refuses a system message, and one with generation blocks."""
+    """The built-in template, one that refuses a system message, and one with generation blocks; one that leaves
+    system messages out is a warning."""
     from loom.data.chat import load_template
     from loom.data.tokenizers import ByteTokenizer
 
@@ -131,6 +132,9 @@ def test_good_templates_pass_the_probe(tmp_path):
                     "{% endif %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}"
                     "{% endgeneration %}{% else %}[{{ m.content }}]{% endif %}{% endfor %}")
     load_template(str(path), ByteTokenizer())
+    path.write_text("{% for m in messages %}{% if m.role != 'system' %}{{ m.content }}{% endif %}{% endfor %}")
+    with pytest.warns(UserWarning, match="leaves a system message's content out"):
+        load_template(str(path), ByteTokenizer())
 
 
 def test_a_non_utf8_template_is_one_line(tmp_path):
