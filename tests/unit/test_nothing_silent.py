@@ -235,6 +235,7 @@ def test_an_eval_hook_with_the_wrong_signature_is_refused_at_start(tmp_path):
 def test_convert_into_the_checkpoint_it_reads_is_refused(tmp_path, capsys):
     ckpt = tmp_path / "step_00000002"
     ckpt.mkdir()
+    (ckpt / "COMPLETE.json").write_text("{}")
     line = cli_error(capsys, "convert", "--from", str(ckpt), "--to-hf", str(ckpt / "hf"))
     assert "--to-hf" in line and "inside the checkpoint it reads" in line
 
