@@ -11,7 +11,7 @@ from typing import Callable
 
 from loom.config.errors import ConfigError
 from loom.config.load import profile_window
-from loom.config.sections import Config, ParallelConfig
+from loom.config.sections import Config, ParallelConfig, check_inactive_fields
 from loom.parallel.dims import ParallelDims, tp_limit
 from loom.parallel.fault_tolerance import lighthouse_address, replica_groups
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
@@ -103,6 +103,7 @@ def check_config(cfg: Config) -> None:
     check_grpo(cfg)
     check_ppo(cfg)
     check_reward(cfg)
+    check_inactive_fields(cfg)  # after the rules above, whose messages are more specific
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
                           f"must be <= training.steps ({t.steps})")
@@ -329,11 +330,6 @@ def check_grpo(cfg: Config, dims=None) -> None:
     if g.judge and not g.judge_template.strip():
         raise ConfigError("grpo.judge_template", "", "a template with {prompt} and {completion} for grpo.judge "
                           "(text, or a file holding it)")
-    if not g.judge:
-        for key in ("judge_template", "judge_score", "judge_pattern", "judge_range", "judge_tokens", "judge_weight",
-                    "judge_max_new_tokens"):
-            if getattr(g, key) != getattr(GrpoConfig(), key):
-                raise ConfigError(f"grpo.{key}", getattr(g, key), "used with grpo.judge only (a judge model's path)")
 
 
 def check_parallel_fields(cfg: Config) -> None:

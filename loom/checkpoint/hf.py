@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom.checkpoint.manager import MARKER, STATE, load_model_weights, verify, write_marker
+from loom.checkpoint.manager import MARKER, STATE, _disk_full, load_model_weights, verify, write_marker
 from loom.config.errors import ConfigError, UserError, require
 from loom.data.tokenizers import COMPANIONS, TOKENIZER_JSON, build_tokenizer, is_byte, tokenizer_files
 from loom.models.common.init import canonical_name
@@ -288,8 +288,28 @@ def _check_supported(cfg: dict, field: str, where: str) -> None:
                                         "projection too; loom biases q/k/v only, as Qwen2)")
 
 
+# config.json fields that are numbers (null allowed where transformers allows it)
+_NUMBERS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "rms_norm_eps", "max_position_embeddings", "head_dim", "num_local_experts",
+            "num_experts_per_tok", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "rope_theta", "sliding_window", "num_labels")
+_POSITIVE = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
+def _check_numbers(cfg: dict, field: str, where: str) -> None:
+    """A string (or a list, or a bool) where config.json has a number is one line naming the key, not a traceback."""
+    for key in _NUMBERS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(field, where, f"{CONFIG}: {key} = {value!r} is not a number")
+    for key in _POSITIVE:
+        if key in cfg and cfg[key] is not None and cfg[key] <= 0:
+            raise ConfigError(field, where, f"{CONFIG}: {key} = {cfg[key]!r} must be positive")
+
+
 def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: str = "") -> LlamaArgs:
     """LlamaArgs from a parsed config.json; ``max_seq_len`` = max_position_embeddings."""
+    _check_numbers(cfg, field, where)
     _check_supported(cfg, field, where)
     family = hf_family(cfg)
     try:
@@ -808,7 +828,8 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
     groups = plan_shards(tensors, max_shard_bytes)
     names = [SINGLE] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    with whole_or_nothing(out_folder, "the Hugging Face folder") as written:
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    with whole_or_nothing(out_folder, "the Hugging Face folder", need) as written:
         mode = 0o666 & ~current_umask()  # what open() gives; safetensors writes its files 0600
         for fname, group in zip(names, groups):
             written.append(os.path.join(out_folder, fname))
@@ -833,9 +854,10 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
 
 
 @contextlib.contextmanager
-def whole_or_nothing(out_folder: str, what: str):
+def whole_or_nothing(out_folder: str, what: str, need: int | None = None):
     """Yields a list for the paths the block writes into ``out_folder``; when the block fails they are removed (and
-    the folder, if it made it), so no half-written export is left for a reader to load."""
+    the folder, if it made it), so no half-written export is left for a reader to load. ``need``: the bytes the
+    block writes, named when the disk is full."""
     created = not os.path.isdir(out_folder)
     written: list[str] = []
     try:
@@ -848,10 +870,24 @@ def whole_or_nothing(out_folder: str, what: str):
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(out_folder)
-        if isinstance(err, OSError):
-            raise UserError(f"{out_folder}: writing {what} failed ({err.strerror or err}); nothing partial was "
-                            "kept") from None
+        if isinstance(err, OSError) or _disk_full(err):
+            space = f"; it needs about {need:,} bytes, {_free(out_folder):,} are free" if need and _disk_full(err) \
+                else ""
+            reason = getattr(err, "strerror", None) or "no space left on the device" if _disk_full(err) else \
+                (getattr(err, "strerror", None) or err)
+            raise UserError(f"{out_folder}: writing {what} failed ({reason}){space}; nothing partial was kept, the "
+                            "target is as it was") from None
         raise
+
+
+def _free(folder: str) -> int:
+    """Free bytes on the filesystem of ``folder`` (or of the nearest folder above it that exists)."""
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder.rstrip(os.sep)) or "."
+    try:
+        return shutil.disk_usage(folder or ".").free
+    except OSError:
+        return 0
 
 
 def current_umask() -> int:
@@ -936,8 +972,12 @@ def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") 
         with open(os.path.join(tmp, "config.toml"), "w") as fh:
             fh.write(_imported_config_toml(out_folder, args, has_tokenizer))
         write_marker(tmp, 0)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):  # DCP wraps it in a CheckpointException
+            need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            raise UserError(f"{out_folder}: writing the loom checkpoint failed (no space left on the device); it needs "
+                            f"about {need:,} bytes, {_free(parent):,} are free; nothing partial was kept") from None
         raise
     os.replace(tmp, out_folder)
     return args

@@ -18,7 +18,9 @@ step left by an earlier run is moved aside and replaced at that rename.
 
 Every run has a lineage: an id drawn at a fresh start, carried over on resume and written into each
 marker. Retention only removes checkpoints of the current lineage; a fresh start in a folder that holds
-checkpoints is refused unless ``checkpoint.overwrite`` moves them into ``superseded/<time>/``.
+checkpoints is refused unless ``checkpoint.overwrite`` moves them into ``superseded/<time>/``, and so is a resume from
+an older checkpoint (a branch) where newer ones exist. A corrupt checkpoint that ``auto`` skips moves into
+``corrupt/<time>/``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,28 @@ def file_digest(path: str) -> str:
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def content_fingerprint(path: str) -> str:
+    """A short hash of the weights a folder (or file) holds, by content, not by name: a loom checkpoint's marker
+    already records every file's hash; in any other folder (a Hugging Face export, a PEFT adapter) each weight,
+    config and tokenizer file is hashed. Re-exporting other weights to the same path changes it."""
+    h = hashlib.blake2b(digest_size=8)
+    if os.path.isfile(os.path.join(path, MARKER)):
+        with open(os.path.join(path, MARKER), "rb") as fh:
+            meta = json.loads(fh.read() or b"{}")
+        h.update(json.dumps(meta.get("files") if isinstance(meta, dict) else meta, sort_keys=True).encode())
+        return h.hexdigest()
+    if os.path.isfile(path):
+        names, root = [os.path.basename(path)], os.path.dirname(path)
+    else:
+        names, root = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".json", ".bin", ".pt",
+                                                                          ".model", ".jinja", ".txt"))), path
+    for name in names:
+        full = os.path.join(root, name)
+        if os.path.isfile(full):
+            h.update(f"{name}\0{os.path.getsize(full)}\0{file_digest(full)}\0".encode())
     return h.hexdigest()
 
 
@@ -304,6 +328,7 @@ class CheckpointManager:
         self._pending = None  # (future, tmp folder, final folder, step) of an async save
         self._last_saved = None  # the step this manager saved last
         self.lineage: str | None = None  # set by choose(): the resumed checkpoint's, or a new one
+        self.resumed_from: str | None = None  # set by load(): the checkpoint this run continues
         # async saves run collectives from a background thread: they need their own group, or their
         # messages interleave with the training step's on the default group
         self._group = _new_gloo_group() if cfg.async_save else None
@@ -369,13 +394,12 @@ class CheckpointManager:
 
     def _commit(self, tmp: str, final: str, step: int) -> None:
         write_marker(tmp, step, self.lineage)
-        # a folder of this step from an earlier run (resumed from an older checkpoint, or a corrupt
-        # one that `auto` skipped) is replaced, never kept in place of this save
-        old = self._move_aside(final) if os.path.lexists(final) else None
+        # a folder of this step from an earlier run is replaced, never kept in place of this save, and never
+        # deleted: it moves into superseded/ (resume refuses a branch over newer checkpoints unless overwrite)
+        if os.path.lexists(final):  # kept, never deleted: moved into superseded/<time>/
+            self._set_aside([final], "superseded", f"step {step} is saved again by this run")
         os.replace(tmp, final)  # the checkpoint exists from here on
         _fsync_dir(self.dir)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
         self._apply_retention()
 
     def _move_aside(self, folder: str) -> str:
@@ -438,17 +462,22 @@ class CheckpointManager:
             return None
         if mode != "auto":
             verify(mode)  # an explicit path must be good: its error names the problem
+            self._refuse_or_supersede_newer(mode)
             return mode
         found = list_steps(self.dir)
-        problems = []
+        problems, skipped = [], []
         for step, folder in reversed(found):
             try:
                 verify(folder)
             except CorruptCheckpoint as err:
                 problems.append(str(err))
+                skipped.append(folder)
                 continue
             if problems and self.is_main:
-                warnings.warn(f"{'; '.join(problems)}; falling back to step {step}", stacklevel=2)
+                # kept for inspection, out of the way of this run's saves of the same steps
+                dest = self._set_aside(skipped, "corrupt")
+                warnings.warn(f"{'; '.join(problems)}; falling back to step {step} (the skipped folder(s) moved "
+                              f"into {dest}/)", stacklevel=2)
             return folder
         if found:
             raise CorruptCheckpoint(
@@ -457,19 +486,56 @@ class CheckpointManager:
                 "--checkpoint.resume none --checkpoint.overwrite true (moves them aside)")
         return None
 
+    def _refuse_or_supersede_newer(self, folder: str) -> None:
+        """A resume from ``folder`` (an explicit path) where this run's checkpoint folder holds newer steps: the
+        branch would save over them, so it is refused in one line, or with ``overwrite`` they move into
+        ``superseded/<time>/`` (never deleted)."""
+        with open(os.path.join(folder, STATE)) as fh:
+            state = json.load(fh)
+        step = 0 if state.get("model_only") else int(state.get("step", 0))
+        here = os.path.realpath(folder)
+        newer = [(s, f) for s, f in list_steps(self.dir) if s > step and os.path.realpath(f) != here]
+        broken = []
+        for s, f in newer:
+            try:
+                verify(f)
+            except CorruptCheckpoint:
+                broken.append(f)
+        if broken:  # nothing a branch could lose: kept for inspection, out of its way
+            self._set_aside(broken, "corrupt", "incomplete or damaged, newer than the checkpoint resumed")
+            newer = [(s, f) for s, f in newer if f not in broken]
+        if not newer:
+            return
+        names = ", ".join(str(s) for s, _ in newer)
+        if not self.cfg.overwrite:
+            raise UserError(
+                f"checkpoint.resume {folder}: {self.dir} holds newer checkpoint(s) (step {names}) that a run "
+                f"branching from step {step} would save over: continue the newest with --checkpoint.resume auto, "
+                "use another --checkpoint.dir, or branch here with --checkpoint.overwrite true (moves them into "
+                f"{os.path.join(self.dir, 'superseded')}/, nothing is deleted)")
+        self._set_aside([f for _, f in newer], "superseded", f"branching from step {step}")
+
+    def _set_aside(self, folders: list[str], kind: str, why: str | None = None) -> str:
+        """Move ``folders`` into ``<dir>/<kind>/<time>/`` (never deleted; one printed line when ``why``) and return
+        that folder."""
+        dest = os.path.join(self.dir, kind, time.strftime("%Y%m%d-%H%M%S"))
+        while os.path.exists(dest):
+            dest += "+"
+        os.makedirs(dest)
+        for folder in folders:
+            os.replace(folder, os.path.join(dest, os.path.basename(folder)))
+        _fsync_dir(self.dir)
+        if why:
+            print(f"checkpoint: moved {len(folders)} checkpoint(s) into {dest} ({why})", flush=True)
+        return dest
+
     def _refuse_or_supersede(self) -> None:
         """``resume none`` where checkpoints exist: exit 2, or with ``overwrite`` move them (never delete)."""
         found = list_steps(self.dir)
         if not found:
             return
         refuse_fresh_start(self.cfg, self.dir)
-        dest = os.path.join(self.dir, "superseded", time.strftime("%Y%m%d-%H%M%S"))
-        while os.path.exists(dest):
-            dest += "+"
-        os.makedirs(dest)
-        for _, folder in found:
-            os.replace(folder, os.path.join(dest, os.path.basename(folder)))
-        _fsync_dir(self.dir)
+        dest = self._set_aside([f for _, f in found], "superseded")
         print(f"checkpoint.overwrite: moved {len(found)} checkpoint(s) into {dest}", flush=True)
 
     def _resolve_once(self) -> tuple[str | None, str]:
@@ -541,6 +607,7 @@ class CheckpointManager:
             set_model_state_dict(part, _take(state["model"], m, given), options=_options())
             set_optimizer_state_dict(part, opt, _take(state["optimizer"], o, given), options=_options())
         trainer_state["checkpoint"] = folder
+        self.resumed_from = folder
         if os.path.realpath(folder) == os.path.realpath(os.path.join(self.dir, step_dir_name(trainer_state["step"]))):
             self._last_saved = trainer_state["step"]  # e.g. at_end of a finished run: already saved here
         return trainer_state
@@ -564,6 +631,35 @@ def load_model_weights(folder: str, model: torch.nn.Module) -> None:
     sd = {"model": get_model_state_dict(model)}
     dcp.load(sd, checkpoint_id=folder, no_dist=_single_process())
     set_model_state_dict(model, sd["model"])
+
+
+def save_model_weights(model: torch.nn.Module, folder: str, *, is_main: bool, barrier: Callable[[], None],
+                       lineage: str | None = None) -> None:
+    """Only ``model``'s weights (any layout; all ranks call it) as a complete, verifiable folder, made visible by one
+    rename (a kill leaves the previous folder or none); a folder of that name is replaced."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    parent, name = os.path.split(os.path.abspath(folder))
+    tmp = os.path.join(parent, "." + name + ".tmp")
+    if is_main:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        _write_synced(os.path.join(tmp, STATE), json.dumps({"model_only": True}))
+    barrier()
+    dcp.save({"model": get_model_state_dict(model)}, storage_writer=_HashingWriter(tmp), no_dist=_single_process())
+    barrier()
+    if is_main:
+        write_marker(tmp, 0, lineage)
+        old = os.path.join(parent, "." + name + ".deleting")
+        if os.path.lexists(folder):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
 
 
 def load_model_only(folder: str, model: torch.nn.Module) -> None:

@@ -59,7 +59,8 @@ def export_peft(model_state: dict[str, torch.Tensor], lora: LoraConfig, out_fold
         raise UserError("the model holds no LoRA adapters (lora.rank 0): nothing to write as a PEFT adapter")
     if os.path.isdir(out_folder) and os.listdir(out_folder):
         raise ConfigError("--to-peft", out_folder, "is not empty; choose a new folder")
-    with whole_or_nothing(out_folder, "the PEFT adapter") as written:
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    with whole_or_nothing(out_folder, "the PEFT adapter", need) as written:
         written.append(os.path.join(out_folder, ADAPTER_WEIGHTS))
         save_file(tensors, written[-1], metadata={"format": "pt"})
         os.chmod(written[-1], 0o666 & ~current_umask())  # safetensors writes 0600
@@ -77,10 +78,24 @@ def read_adapter_config(folder: str, field: str = "lora.init_from") -> dict:
         raise ConfigError(field, folder, f"expected a PEFT LoRA adapter folder ({ADAPTER_CONFIG} and "
                           f"{ADAPTER_WEIGHTS}; PeftModel.save_pretrained writes them)")
     try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as err:  # a JSONDecodeError, or bytes that are not UTF-8
         raise ConfigError(field, folder, f"{ADAPTER_CONFIG} cannot be read ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(field, folder, f"{ADAPTER_CONFIG} is a JSON {type(cfg).__name__}, not an object (PEFT's "
+                          "LoraConfig fields)")
+    for key, kinds, what in (("r", (int,), "a whole number"), ("lora_alpha", (int, float), "a number"),
+                             ("use_rslora", (bool,), "true or false")):
+        value = cfg.get(key)
+        if key in cfg and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            raise ConfigError(field, folder, f"{ADAPTER_CONFIG}: {key} = {value!r} is not {what}")
+    targets = cfg.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ConfigError(field, folder, f"{ADAPTER_CONFIG}: target_modules = {targets!r} is not a module name or a "
+                          "list of names")
+    return cfg
 
 
 def check_adapter(folder: str, lora: LoraConfig, field: str = "lora.init_from") -> None:

@@ -176,6 +176,11 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     if not os.path.isdir(ckpt):
         raise ConfigError("--from", ckpt, "folder not found (expected a loom checkpoint folder step_N)")
     max_bytes = parse_size(opts["--max-shard-size"]) if "--max-shard-size" in opts else DEFAULT_MAX_SHARD_BYTES
+    out = os.path.realpath(opts["--to-hf"])
+    inside = out == os.path.realpath(ckpt) or out.startswith(os.path.realpath(ckpt) + os.sep)
+    if inside and os.path.isfile(os.path.join(ckpt, "COMPLETE.json")):
+        raise ConfigError("--to-hf", opts["--to-hf"], f"is inside the checkpoint it reads ({ckpt}): files added "
+                          "there would break its recorded hashes; choose a folder outside it")
     check_folder_writable("--to-hf", opts["--to-hf"])  # before the model is loaded
     check_empty_target(opts["--to-hf"])
     overrides = parse_overrides(rest)

@@ -124,6 +124,9 @@ def run_perplexity(em, args: dict) -> list[dict]:
                          batch_size=args["batch_size"], progress=progress)
     if shown:
         sys.stderr.write("\r\033[K")
+    if not sum(r.tokens for r in results):
+        raise ConfigError("--source", args.get("source", ""), "no document with a token to score (an empty source, or "
+                          "only empty documents): a perplexity needs at least one")
     rows = results + ([total(results)] if len(results) > 1 else [])
     for r in rows:
         print(f"loom eval: {r.line()}", flush=True)
@@ -178,6 +181,10 @@ def main(argv: list[str]) -> int:
 
     em = load(args["checkpoint"], device=args["device"], dtype=args["dtype"], max_length=args["max_length"])
     if "prefix_token_id" in args:
+        vocab = em.model.args.vocab_size
+        if args["prefix_token_id"] >= vocab:
+            raise ConfigError("--prefix-token-id", args["prefix_token_id"], f"allowed: 0 .. {vocab - 1} (the model's "
+                              "vocabulary)")
         em.prefix_id = args["prefix_token_id"]
     print(f"loom eval: {em.name} on {em.device.type}, {next(em.model.parameters()).dtype}, max length "
           f"{em.max_length}, prefix token {em.prefix_id}", flush=True)

@@ -4,12 +4,13 @@ terminal, optionally written as JSON lines; several GPUs through ``torchrun`` (t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 
-from loom.config.errors import ConfigError
+from loom.config.errors import ConfigError, UserError
 
 USAGE = """usage: loom generate --model PATH [PROMPT ...] [options]
        torchrun --nproc-per-node N -m loom generate --model PATH ...   (the model split over N GPUs)
@@ -94,7 +95,13 @@ def parse_prompt_line(line: str, where: str):
         obj = json.loads(line)
     except ValueError as err:
         raise ConfigError("--file", where, f"not a JSON object ({err.msg})") from None
+    except RecursionError:
+        raise ConfigError("--file", where, "nests JSON too deeply to read") from None
+    if not isinstance(obj, dict):
+        raise ConfigError("--file", where, "not a JSON object")
     if isinstance(obj.get("messages"), list):
+        if not obj["messages"]:
+            raise ConfigError("--file", where, '"messages" is empty: a conversation needs at least one message')
         return obj["messages"]
     if isinstance(obj.get("prompt"), str):
         return obj["prompt"]
@@ -110,8 +117,11 @@ def read_prompts(opts) -> list:
     if opts.file:
         if not os.path.isfile(opts.file):
             raise ConfigError("--file", opts.file, "file not found")
-        with open(opts.file, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
+        try:
+            with open(opts.file, encoding="utf-8") as fh:
+                lines = fh.read().splitlines()
+        except UnicodeDecodeError as err:
+            raise ConfigError("--file", opts.file, f"not UTF-8 text (byte {err.start})") from None
         name = opts.file
         as_json = opts.file.endswith((".jsonl", ".json", ".ndjson"))
     else:
@@ -215,7 +225,12 @@ def main(argv: list[str]) -> int:
     if opts.output and rank == 0:
         from loom.config.paths import check_folder_writable
 
+        if os.path.isdir(opts.output):  # before generating: the completions would be lost at the end
+            raise ConfigError("--output", opts.output, "is a folder: give a file path (FILE.jsonl)")
         check_folder_writable("--output", os.path.dirname(os.path.abspath(opts.output)))
+    if params.greedy and opts.top_p < 1.0 and rank == 0:
+        print(f"loom generate: --top-p {opts.top_p:g} is ignored: --temperature 0 decodes greedily", file=sys.stderr,
+              flush=True)
     stream = sys.stdout.isatty() and not opts.output if opts.stream is None else opts.stream
     stream = _share(stream, rank, world)  # every rank makes the same calls
     from loom.infer import Generator
@@ -223,6 +238,7 @@ def main(argv: list[str]) -> int:
     gen = Generator(opts.model, device=opts.device, dtype=opts.dtype, compile=False if opts.no_compile else None,
                     cuda_graphs=False if opts.no_cuda_graphs else None, chat_template=opts.chat_template,
                     max_batch=1 if stream else opts.batch_size, speculative=speculation(opts))
+    check_against_model(gen, params)
     t0 = time.perf_counter()
     completions, stats = _run(gen, prompts, params, stream, rank == 0)
     seconds = time.perf_counter() - t0
@@ -231,15 +247,44 @@ def main(argv: list[str]) -> int:
     if not stream and not opts.output:
         print("\n\n".join(c.text for c in completions), flush=True)
     if opts.output:
-        with open(opts.output, "w", encoding="utf-8") as out:
-            for prompt, c in zip(prompts, completions):
-                out.write(json.dumps({"prompt": prompt if isinstance(prompt, str) else None,
-                                      "messages": None if isinstance(prompt, str) else prompt, "completion": c.text,
-                                      "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
-                                      "finish_reason": c.finish_reason}, ensure_ascii=False) + "\n")
+        text = "".join(json.dumps({"prompt": prompt if isinstance(prompt, str) else None,
+                                   "messages": None if isinstance(prompt, str) else prompt, "completion": c.text,
+                                   "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+                                   "finish_reason": c.finish_reason}, ensure_ascii=False) + "\n"
+                       for prompt, c in zip(prompts, completions))
+        write_whole("--output", opts.output, text)
     if not opts.quiet:
         print(summary(stats, gen.speculative, len(prompts), seconds), file=sys.stderr, flush=True)
     return 0
+
+
+def check_against_model(gen, params) -> None:
+    """Options the model bounds, before anything is generated: stop ids in its vocabulary, and no more new tokens
+    than its context holds (a cache for a billion tokens would be allocated first)."""
+    vocab = gen.engine.vocab_size
+    bad = [i for i in params.stop_token_ids if not 0 <= i < vocab]
+    if bad:
+        raise ConfigError("--stop-token-id", bad[0], f"allowed: 0 .. {vocab - 1} (the model's vocabulary)")
+    context = getattr(getattr(gen.model, "args", None), "max_seq_len", None)
+    if context and params.max_new_tokens > context:
+        raise ConfigError("--max-new-tokens", params.max_new_tokens, f"at most {context:,}: the model's context "
+                          "(max_position_embeddings or training.seq_len) holds the prompt and the new tokens")
+
+
+def write_whole(option: str, path: str, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed at the end: a full disk leaves no partial file, and
+    the error is one line with the path and the bytes needed."""
+    data = text.encode("utf-8")
+    tmp = f"{path}.loom-tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise UserError(f"{option} {path}: writing {len(data):,} bytes failed ({err.strerror or err}); nothing "
+                        "was written") from None
 
 
 def _run(gen, prompts, params, stream: bool, show: bool):

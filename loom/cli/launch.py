@@ -4,7 +4,10 @@ Kubernetes (PyTorchJob and JobSet manifests). Arguments it does not know are ``l
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
+import re
 import shlex
 import sys
 
@@ -116,7 +119,43 @@ def parse(argv: list[str]):
         value = getattr(opts, name)
         if value is not None and value < (0 if name == "gpus_per_node" else 1):
             raise ConfigError("--" + name.replace("_", "-"), value, "expected a positive integer")
+    if opts.master_port is not None and opts.master_port > 65535:
+        raise ConfigError("--master-port", opts.master_port, "a TCP port is 1..65535")
+    if not (math.isfinite(opts.grace_s) and opts.grace_s >= 0):
+        raise ConfigError("--grace-s", opts.grace_s, "expected seconds >= 0 (how long workers get to save after "
+                          "SIGTERM)")
+    if opts.kubernetes and not DNS_1123.fullmatch(opts.name or ""):
+        raise ConfigError("--name", opts.name, "a Kubernetes name is a DNS-1123 label: at most 63 lowercase letters, "
+                          "digits or '-', starting and ending with a letter or digit")
+    if opts.slurm and opts.time and not SLURM_TIME.fullmatch(opts.time):
+        raise ConfigError("--time", opts.time, "SLURM's time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
+                          "D-HH:MM:SS, or UNLIMITED")
     return opts, train_args
+
+
+DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+SLURM_TIME = re.compile(r"(?i:unlimited|infinite)|\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+")
+
+
+def check_train_args(train_args: list[str], world_size: int | None) -> None:
+    """The `loom train` options every host will get, checked here as `loom train` checks them (a misspelled field,
+    a bad value, a layout that does not divide ``world_size`` workers) before any per-host command is written: an
+    error is one line now, not one per host later. Files the run reads may exist on the hosts only, so a missing
+    one is left to them."""
+    from loom.cli.train import load_config
+    from loom.config.errors import UserError
+    from loom.resolve import resolve
+
+    try:
+        cfg, _ = load_config(list(train_args))
+    except ConfigError as err:
+        if any(words in str(err) for words in ("no such", "not found", "does not exist")):
+            return  # a path that may exist on the hosts only
+        raise
+    except UserError:
+        return  # an environment problem of this machine (a file), not of the options
+    if world_size:
+        resolve(cfg, world_size)
 
 
 def main(argv: list[str]) -> int:
@@ -136,11 +175,15 @@ def hostfile(opts, train_args: list[str]) -> int:
                                  parse_hostfile, run_launches, select_hosts)
 
     try:
-        with open(opts.hostfile) as fh:
+        with open(opts.hostfile, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as err:
         raise ConfigError("--hostfile", opts.hostfile, f"cannot be read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError("--hostfile", opts.hostfile, f"not UTF-8 text (byte {err.start}): expected lines "
+                          "'HOST slots=N'") from None
     hosts = select_hosts(parse_hostfile(text, opts.hostfile), opts.include, opts.exclude)
+    check_train_args(train_args, sum(h.nproc for h in hosts))
     if opts.rdzv_file:
         rdzv = Rendezvous(os.path.abspath(opts.rdzv_file), backend="file")
     else:
@@ -170,6 +213,7 @@ def slurm(opts, train_args: list[str]) -> int:
     from loom.ops.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
 
     _need(opts, "nodes", "gpus_per_node")
+    check_train_args(train_args, None)  # the layout may be set on the cluster
     job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.account, opts.job_name,
                    cpus_per_node=opts.cpus_per_node, port=opts.master_port or DEFAULT_PORT, extra=opts.sbatch)
     text = sbatch_script(job, train_args, workdir=os.path.abspath(opts.workdir or os.getcwd()), python=opts.python,
@@ -178,9 +222,15 @@ def slurm(opts, train_args: list[str]) -> int:
         sys.stdout.write(text)
         return 0
     path = opts.script or f"loom_{opts.job_name}.sbatch"
-    with open(path, "w") as fh:
-        fh.write(text)
-    os.chmod(path, 0o755)
+    try:
+        with open(path, "w") as fh:
+            fh.write(text)
+        os.chmod(path, 0o755)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            if os.path.isfile(path) and os.path.getsize(path) < len(text.encode()):
+                os.remove(path)  # nothing partial
+        raise ConfigError("--script", path, f"cannot be written ({err.strerror or err})") from None
     print(f"loom launch: wrote {path} ({opts.nodes} nodes x {opts.gpus_per_node} GPUs); submit it with: sbatch {path}")
     return submit(path) if opts.submit else 0
 
@@ -189,6 +239,7 @@ def kubernetes(opts, train_args: list[str]) -> int:
     from loom.ops.launch import DEFAULT_PORT, KubeJob, dump_manifest, forwarded_env, jobset, pytorchjob
 
     _need(opts, "image", "nodes", "gpus_per_node")
+    check_train_args(train_args, None)  # the layout may be set on the cluster
     job = KubeJob(opts.name, opts.image, opts.nodes, opts.gpus_per_node, opts.master_port or DEFAULT_PORT,
                   opts.max_restarts, opts.namespace)
     env = forwarded_env({}, opts.env)  # this machine's variables mean nothing in the pods: only --env pairs
@@ -198,10 +249,16 @@ def kubernetes(opts, train_args: list[str]) -> int:
         if opts.dry_run:
             sys.stdout.write(f"# {kind}\n{text}")
             continue
-        os.makedirs(opts.out, exist_ok=True)
         path = os.path.join(opts.out, f"{opts.name}.{kind}.{ext}")
-        with open(path, "w") as fh:
-            fh.write(text)
+        try:
+            os.makedirs(opts.out, exist_ok=True)
+            with open(path, "w") as fh:
+                fh.write(text)
+        except OSError as err:
+            for done in written + [path]:
+                with contextlib.suppress(OSError):
+                    os.remove(done)  # nothing partial
+            raise ConfigError("--out", opts.out, f"cannot be written ({err.strerror or err})") from None
         written.append(path)
     if written:
         print(f"loom launch: wrote {' and '.join(written)}; start one with: kubectl apply -f {written[0]} "

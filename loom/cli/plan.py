@@ -233,6 +233,14 @@ def as_json(est) -> dict:
             "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu, "notes": est.notes}
 
 
+def lora_note(cfg) -> str | None:
+    """The planner models full training: a LoRA config is said to be planned as such, not silently."""
+    if not cfg.lora.rank:
+        return None
+    return (f"loom plan: lora.rank {cfg.lora.rank} is not modelled: these figures are full fine-tuning's (every "
+            "weight with gradients and optimizer state), an upper bound for the LoRA run")
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         from loom.plan.hardware import GPUS
@@ -247,6 +255,8 @@ def main(argv: list[str]) -> int:
         require("matplotlib", "report", purpose="loom plan --plot")
     gpu = gpu_kind(opts["gpu"])
     cfg = build_config(opts["config"], parse_overrides(rest))
+    if lora_note(cfg):
+        print(lora_note(cfg), file=sys.stderr, flush=True)
     margin = margin_gib(opts["margin"], gpu)
     if opts["generate"]:
         return main_generate(opts, cfg, gpu, margin)

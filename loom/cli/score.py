@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from loom.config.errors import ConfigError
@@ -75,10 +76,12 @@ def read_rows(path: str) -> list[tuple[dict, object]]:
         if path == "-":
             lines, name = sys.stdin.read().splitlines(), "stdin"
         else:
-            with open(path) as fh:
+            with open(path, encoding="utf-8") as fh:
                 lines, name = fh.read().splitlines(), path
     except OSError as err:
         raise ConfigError("--file", path, f"not readable ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError("--file", path, f"not UTF-8 text (byte {err.start}): JSON lines are UTF-8") from None
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -87,6 +90,8 @@ def read_rows(path: str) -> list[tuple[dict, object]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ConfigError("--file", f"{name}:{i}", f"not a JSON object ({err.msg})") from None
+        except RecursionError:
+            raise ConfigError("--file", f"{name}:{i}", "nests JSON too deeply to read") from None
         out.append((row, item_of(row, f"{name}:{i}")))
     if not out:
         raise ConfigError("--file", name, "holds no rows")
@@ -106,6 +111,8 @@ def main(argv: list[str]) -> int:
                           show_value=False)
     if opts.batch_size < 1:
         raise ConfigError("--batch-size", opts.batch_size, "an integer >= 1")
+    if opts.output and os.path.isdir(opts.output):  # before scoring: the scores would be lost at the end
+        raise ConfigError("--output", opts.output, "is a folder: give a file path (FILE.jsonl)")
     from loom.infer.load import pick_device
     from loom.train.reward import load_reward_model
 
@@ -123,8 +130,9 @@ def main(argv: list[str]) -> int:
     scores = scorer([item for _, item in rows], opts.batch_size)
     lines = "".join(json.dumps({**row, "score": s}, ensure_ascii=False) + "\n" for (row, _), s in zip(rows, scores))
     if opts.output:
-        with open(opts.output, "w") as fh:
-            fh.write(lines)
+        from loom.cli.generate import write_whole
+
+        write_whole("--output", opts.output, lines)
     else:
         sys.stdout.write(lines)
     if not opts.quiet:

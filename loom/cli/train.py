@@ -174,7 +174,20 @@ def parse_launch(argv: list[str]) -> tuple[Launch, list[str]]:
 
 
 def check_launch(launch: Launch) -> None:
-    """The rules between launcher options: where nodes meet must be said when there is more than one."""
+    """The rules between launcher options: where nodes meet must be said when there is more than one; a node rank
+    is below the node count (else the agent waits on the rendezvous forever); a c10d endpoint's port is a port."""
+    if launch.node_rank is not None and launch.node_rank >= launch.nnodes[1]:
+        raise ConfigError("--node-rank", launch.node_rank, f"must be below --nnodes "
+                          f"{':'.join(map(str, sorted(set(launch.nnodes))))} (0 <= rank < nodes)")
+    if launch.rdzv_backend == "file" and launch.rdzv_endpoint:
+        folder = os.path.dirname(os.path.abspath(launch.rdzv_endpoint))
+        if not os.path.isdir(folder):
+            raise ConfigError("--rdzv-endpoint", launch.rdzv_endpoint, f"its folder {folder} does not exist on this "
+                              "node (the file backend needs a filesystem every node mounts)")
+    if launch.rdzv_backend != "file" and launch.rdzv_endpoint and ":" in launch.rdzv_endpoint:
+        port = launch.rdzv_endpoint.rpartition(":")[2]
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError("--rdzv-endpoint", launch.rdzv_endpoint, "HOST:PORT with a port in 1..65535")
     if (launch.multi_node or launch.rdzv_backend == "file") and not launch.rdzv_endpoint:
         what = "PATH: a file on a filesystem every node mounts" if launch.rdzv_backend == "file" else \
             "HOST:PORT that every node reaches (the first agent there serves the rendezvous store)"

@@ -7,12 +7,53 @@ config reference come from one place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from loom.config.errors import ConfigError
 
 
-def opt(default, help: str, *, choices=None, min=None, max=None, min_exclusive=False):
-    """A dataclass field with the metadata validation and docs read."""
+# what turns a feature on, by the name a field's ``opt(needs=...)`` gives: (is it on for this config, how to say so)
+ACTIVATIONS = {
+    "lora.rank": (lambda c: c.lora.rank > 0, "lora.rank > 0 (LoRA)"),
+    "parallel.diloco_inner_steps": (lambda c: c.parallel.diloco_inner_steps > 0,
+                                    "parallel.diloco_inner_steps > 0 (DiLoCo)"),
+    "training.eval_tasks": (lambda c: bool(c.training.eval_tasks.strip()), "training.eval_tasks (lm-eval tasks)"),
+    "grpo.reward_model": (lambda c: bool(c.grpo.reward_model), "grpo.reward_model (a reward model)"),
+    "grpo.judge": (lambda c: bool(c.grpo.judge), "grpo.judge (a judge model's path)"),
+    "embedded task": (lambda c: not c.grpo.prompts, "the embedded arithmetic task (grpo.prompts empty)"),
+}
+
+
+def inactive_fields(cfg) -> list[tuple[str, object, str]]:
+    """(section.field, value, what activates it) of every field set away from its default while the feature it
+    belongs to is off (``opt(needs=...)``)."""
+    out = []
+    for section, cls in SECTIONS.items():
+        values = getattr(cfg, section, None)
+        if values is None:
+            continue
+        default = cls()
+        for f in fields(cls):
+            needs = f.metadata.get("needs")
+            if needs and getattr(values, f.name) != getattr(default, f.name) and not ACTIVATIONS[needs][0](cfg):
+                out.append((f"{section}.{f.name}", getattr(values, f.name), ACTIVATIONS[needs][1]))
+    return out
+
+
+def check_inactive_fields(cfg) -> None:
+    """One line (ConfigError) for the first field of a feature that is off: it would do nothing."""
+    for name, value, what in inactive_fields(cfg):
+        raise ConfigError(name, value, f"does nothing without {what}: set that too, or leave {name} out")
+
+
+def opt(default, help: str, *, choices=None, min=None, max=None, min_exclusive=False, needs: str | None = None):
+    """A dataclass field with the metadata validation and docs read. ``needs``: the name (in ``ACTIVATIONS``) of
+    what makes the field do something; set (not its default) while that is off, it is an error
+    (``check_inactive_fields``), so a field of a feature that is off is never silently ignored."""
     meta = {"help": help}
+    if needs is not None:
+        assert needs in ACTIVATIONS, needs
+        meta["needs"] = needs
     if choices is not None:
         meta["choices"] = tuple(choices)
     if min is not None:
@@ -144,9 +185,12 @@ class TrainingConfig:
     eval_tasks: str = opt("", "comma list of lm-evaluation-harness tasks also run at every validation point on the "
                               "live model (needs lm-eval: pip install 'loom-train[eval]'); logged as "
                               "eval/<task>/<metric>")
-    eval_tasks_include: str = opt("", "training.eval_tasks: a folder of task YAML files (your own tasks)")
-    eval_tasks_limit: int = opt(0, "training.eval_tasks: examples per task; 0 = every one", min=0)
-    eval_tasks_fewshot: int = opt(-1, "training.eval_tasks: examples in each prompt; -1 = the task's own", min=-1)
+    eval_tasks_include: str = opt("", "training.eval_tasks: a folder of task YAML files (your own tasks)",
+                                  needs="training.eval_tasks")
+    eval_tasks_limit: int = opt(0, "training.eval_tasks: examples per task; 0 = every one", min=0,
+                                needs="training.eval_tasks")
+    eval_tasks_fewshot: int = opt(-1, "training.eval_tasks: examples in each prompt; -1 = the task's own", min=-1,
+                                  needs="training.eval_tasks")
     loss_scale_init: float = opt(2.0**16, "float16: initial dynamic loss scale", min=1.0)
     loss_scale_window: int = opt(1000, "float16: overflow-free steps before the scale doubles", min=1)
     nonfinite: str = opt("skip", "a non-finite loss or gradient norm (agreed over all ranks, checked before the "
@@ -232,17 +276,22 @@ class ParallelConfig:
     diloco_inner_steps: int = opt(0, "DiLoCo: the dp_replicate groups train apart for this many optimizer steps H "
                                      "(no gradient all-reduce across groups), then average their pseudo-gradients "
                                      "and take an outer step; 0 = off (docs/algorithms.md)", min=0)
-    diloco_outer_lr: float = opt(0.7, "DiLoCo: outer (Nesterov SGD) learning rate", min=0.0, min_exclusive=True)
-    diloco_outer_momentum: float = opt(0.9, "DiLoCo: outer Nesterov momentum (0 = plain SGD)", min=0.0, max=1.0)
-    diloco_bf16: bool = opt(False, "DiLoCo: all-reduce the pseudo-gradients in bfloat16 (half the bytes)")
+    diloco_outer_lr: float = opt(0.7, "DiLoCo: outer (Nesterov SGD) learning rate", min=0.0, min_exclusive=True,
+                                 needs="parallel.diloco_inner_steps")
+    diloco_outer_momentum: float = opt(0.9, "DiLoCo: outer Nesterov momentum (0 = plain SGD)", min=0.0, max=1.0,
+                                       needs="parallel.diloco_inner_steps")
+    diloco_bf16: bool = opt(False, "DiLoCo: all-reduce the pseudo-gradients in bfloat16 (half the bytes)",
+                            needs="parallel.diloco_inner_steps")
     diloco_fragments: int = opt(1, "DiLoCo: > 1 = streaming DiLoCo: the model split into this many fragments, "
-                                   "each synchronized every H steps at staggered steps (H / fragments apart)", min=1)
+                                   "each synchronized every H steps at staggered steps (H / fragments apart)", min=1,
+                                needs="parallel.diloco_inner_steps")
     diloco_overlap_steps: int = opt(0, "DiLoCo: > 0 = a fragment's outer all-reduce overlaps this many inner steps "
                                        "tau (Streaming DiLoCo): launched at its synchronization step, applied tau "
                                        "steps later; 0 = the all-reduce blocks its step", min=0)
     diloco_overlap_alpha: float = opt(0.5, "DiLoCo with diloco_overlap_steps > 0: the weights after an applied outer "
                                            "step are alpha x local + (1 - alpha) x outer (the local progress of the "
-                                           "overlapped steps mixed in; 0 = the outer weights)", min=0.0, max=1.0)
+                                           "overlapped steps mixed in; 0 = the outer weights)", min=0.0, max=1.0,
+                                      needs="parallel.diloco_inner_steps")
 
 
 @dataclass
@@ -256,7 +305,8 @@ class CheckpointConfig:
     at_end: bool = opt(True, "save when training ends")
     dir: str = opt("", "checkpoint folder; empty = <run.dir>/checkpoints")
     overwrite: bool = opt(False, "with resume = none in a checkpoint folder that holds checkpoints: move them into "
-                                 "<checkpoint folder>/superseded/<time>/ (never deleted) and start fresh")
+                                 "<checkpoint folder>/superseded/<time>/ (never deleted) and start fresh; with "
+                                 "resume = an older checkpoint's path: move the newer ones there and branch")
     preempt_grace_s: float = opt(25.0, "SIGTERM/SIGINT: the ranks agree at the end of the current step, save and exit "
                                        "0; a rank still running this many seconds after the signal exits 1 (the last "
                                        "complete checkpoint stays)", min=0.0, min_exclusive=True)
@@ -296,12 +346,13 @@ class LoraConfig:
     rank: int = opt(0, "LoRA rank r: low-rank adapters on lora.targets, every other weight frozen; 0 = off (all "
                        "weights train)", min=0)
     alpha: float = opt(16.0, "the adapters' update B·A is scaled by alpha / rank (alpha / sqrt(rank) with "
-                             "lora.rslora)", min=0.0, min_exclusive=True)
+                             "lora.rslora)", min=0.0, min_exclusive=True, needs="lora.rank")
     dropout: float = opt(0.0, "dropout on the adapters' input in training steps (validation runs without it)",
-                         min=0.0, max=1.0)
+                         min=0.0, max=1.0, needs="lora.rank")
     targets: str = opt("q,k,v,o,gate,up,down", "comma list of the linears that get adapters: q, k, v, o "
-                                               "(attention), gate, up, down (SwiGLU), or all")
-    rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) (PEFT's use_rslora)")
+                                               "(attention), gate, up, down (SwiGLU), or all", needs="lora.rank")
+    rslora: bool = opt(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) (PEFT's use_rslora)",
+                       needs="lora.rank")
     base_dtype: str = opt("float32", "the frozen weights: float32 (as loaded), bfloat16 (every frozen weight in "
                                      "bf16: half the memory, no per-step casts; the usual LoRA setup; needs "
                                      "training.dtype bfloat16), or nf4 = QLoRA "
@@ -311,7 +362,7 @@ class LoraConfig:
                           choices=("float32", "bfloat16", "nf4"))
     init_from: str = opt("", "a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to start "
                              "the adapters from; its r, lora_alpha, target_modules and use_rslora must equal "
-                             "this section's")
+                             "this section's", needs="lora.rank")
     fused: str = opt("auto", "a plain frozen base and its adapter as one op (loom::lora_linear: the rank-r product "
                              "accumulated in the base GEMM's epilogue, forward and input gradient) or as two linears "
                              "and an add; auto = docs/lora.md's rule", choices=("auto", "true", "false"))
@@ -409,9 +460,9 @@ class GrpoConfig:
     reward_model: str = opt("", "a reward model (a training.objective reward run or its checkpoint, or an HF "
                                 "*ForSequenceClassification folder; the policy's tokenizer) scoring prompt + "
                                 "completion, added to grpo.rewards (none by default when set); GRPO and PPO")
-    reward_model_weight: float = opt(1.0, "the reward model's weight in the summed reward")
-    digits: int = opt(1, "embedded task: operands of 1..digits digits", min=1, max=6)
-    ops: str = opt("+", "embedded task: operators drawn from '+' and '*'")
+    reward_model_weight: float = opt(1.0, "the reward model's weight in the summed reward", needs="grpo.reward_model")
+    digits: int = opt(1, "embedded task: operands of 1..digits digits", min=1, max=6, needs="embedded task")
+    ops: str = opt("+", "embedded task: operators drawn from '+' and '*'", needs="embedded task")
     lr_ratio: float = opt(0.1, "GRPO steps train at this fraction of the LR schedule's value (the warm-up at all "
                                "of it): policy gradients on a model's own samples need smaller steps than supervised "
                                "ones", min=0.0, min_exclusive=True, max=1.0)
@@ -420,16 +471,19 @@ class GrpoConfig:
     judge: str = opt("", "a judge model (RLAIF: a loom checkpoint or run dir, or a Hugging Face folder) scoring each "
                          "completion as a reward beside grpo.rewards; '' = none (docs/rl.md)")
     judge_template: str = opt("", "the judge's prompt, or a file holding it: str.format or Jinja2 with {prompt}, "
-                                  "{completion} and the prompt rows' other fields")
+                                  "{completion} and the prompt rows' other fields", needs="grpo.judge")
     judge_score: str = opt("number", "'number' = the first match of judge_pattern in the judge's greedy output; "
                                      "'yes_no' = P(yes) / (P(yes) + P(no)) of its next token",
-                           choices=("number", "yes_no"))
+                           choices=("number", "yes_no"), needs="grpo.judge")
     judge_pattern: str = opt(r"(-?\d+(?:\.\d+)?)", "judge_score number: a regex whose one group is the score "
-                                                      "(no match: the range's low end, counted as judge/unparsed)")
-    judge_range: str = opt("0,10", "'low,high': a number is clipped to it; P(yes) is scaled onto it")
-    judge_tokens: str = opt("Yes,No", "judge_score yes_no: the two words (each one token of the judge's tokenizer)")
-    judge_weight: float = opt(1.0, "the judge's weight in the summed reward")
-    judge_max_new_tokens: int = opt(8, "judge_score number: the judge's output length", min=1)
+                                                      "(no match: the range's low end, counted as judge/unparsed)",
+                             needs="grpo.judge")
+    judge_range: str = opt("0,10", "'low,high': a number is clipped to it; P(yes) is scaled onto it",
+                           needs="grpo.judge")
+    judge_tokens: str = opt("Yes,No", "judge_score yes_no: the two words (each one token of the judge's tokenizer)",
+                            needs="grpo.judge")
+    judge_weight: float = opt(1.0, "the judge's weight in the summed reward", needs="grpo.judge")
+    judge_max_new_tokens: int = opt(8, "judge_score number: the judge's output length", min=1, needs="grpo.judge")
 
 
 SECTIONS = {

@@ -220,8 +220,12 @@ def _folder_template(config: dict, folder: str) -> tuple[str, str] | None:
     tokenizer_config.json's ``chat_template`` (a string; or named templates, of which ``default``)."""
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as fh:
-            return fh.read(), path
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return fh.read(), path
+        except UnicodeDecodeError as err:
+            raise ConfigError("data.chat_template", path, f"not UTF-8 text (byte {err.start}): a Jinja chat "
+                              "template is a UTF-8 text file") from None
     found = config.get("chat_template")
     origin = os.path.join(folder, "tokenizer_config.json")
     if isinstance(found, list):  # [{"name": ..., "template": ...}, ...]
@@ -259,8 +263,12 @@ def load_template(spec: str, tokenizer) -> ChatTemplate:
         if not os.path.isfile(spec):
             raise ConfigError("data.chat_template", spec, "no such file (a Jinja chat template, e.g. "
                               "chat_template.jinja; '' = the tokenizer folder's)")
-        with open(spec, encoding="utf-8") as fh:
-            source, origin = fh.read(), os.path.abspath(spec)
+        try:
+            with open(spec, encoding="utf-8") as fh:
+                source, origin = fh.read(), os.path.abspath(spec)
+        except UnicodeDecodeError as err:
+            raise ConfigError("data.chat_template", spec, f"not UTF-8 text (byte {err.start}): a Jinja chat "
+                              "template is a UTF-8 text file") from None
     elif path is None:
         source, origin = BUILTIN_TEMPLATE, BUILTIN
     else:
@@ -275,7 +283,47 @@ def load_template(spec: str, tokenizer) -> ChatTemplate:
         compile_template(source)
     except Exception as err:  # a TemplateSyntaxError, or an unknown tag
         raise ConfigError("data.chat_template", spec or origin, f"not a valid Jinja template ({err})") from None
+    probe_template(template, spec or origin)
     return template
+
+
+# a conversation of unique markers: a template that renders without one drops that message's content
+PROBE_MARKERS = {"system": "LoomProbeSystemQx7", "user": "LoomProbeUserKz3", "assistant": "LoomProbeAssistantVw5"}
+
+
+def probe_template(template: ChatTemplate, name: str) -> None:
+    """Render one probe conversation (system, user, assistant; without the system message where the template refuses
+    one) and refuse (a ConfigError naming the template) one whose text lacks a user's or the assistant's content,
+    e.g. ``m.text`` for ``m.content`` (it would train on role names or EOS only), or whose assistant mask misses the
+    assistant's reply; a template that leaves the system message out is a warning (some do so by design). A template
+    that refuses both conversations is left to the data's own errors."""
+    conversations = [[{"role": r, "content": PROBE_MARKERS[r]} for r in ("system", "user", "assistant")],
+                     [{"role": r, "content": PROBE_MARKERS[r]} for r in ("user", "assistant")]]
+    for messages in conversations:
+        try:
+            text = template.render(messages)
+        except Exception:  # a ChatError (raise_exception), or the template's own runtime error
+            continue
+        missing = [(i, m["role"]) for i, m in enumerate(messages) if m["content"] not in text]
+        for i, role in missing:
+            if role != "system":
+                raise ConfigError("data.chat_template", name, f"the template renders a conversation without message "
+                                  f"{i}'s content (role {role}): it must print each message's 'content'")
+        if missing:  # some real templates leave system messages out by design: said once, not refused
+            import warnings
+
+            warnings.warn(f"data.chat_template {name}: the template leaves a system message's content out of the "
+                          "conversation (system messages in the data are neither seen nor trained on)", stacklevel=2)
+        try:
+            _, spans = assistant_spans(template, messages)
+        except Exception:
+            return  # the data's own conversations report it (ChatError) where it matters
+        where = text.find(PROBE_MARKERS["assistant"])
+        end = where + len(PROBE_MARKERS["assistant"])
+        if not any(a <= where and end <= b for a, b in spans):
+            raise ConfigError("data.chat_template", name, "the assistant mask does not cover the assistant's reply "
+                              "(its {% generation %} block, or what an assistant turn adds, misses the content)")
+        return
 
 
 # ---- which characters are the assistant's ----------------------------------------------------------------------

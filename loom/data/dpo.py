@@ -142,6 +142,13 @@ class PairFile:
         if self.n_train < 1:
             raise UserError(f"data source {label} ({tokens.path}): no preference pair keeps a completion token "
                             f"within training.seq_len {seq_len} (raise training.seq_len or shorten the prompts)")
+        # a pair whose chosen and rejected sequences are the same tokens (within seq_len) has no signal: its
+        # margin is 0 whatever the model, so it trains nothing
+        self.no_signal = sum(torch.equal(self.sequence(2 * int(p))[0], self.sequence(2 * int(p) + 1)[0])
+                             for p in self.kept)
+        if self.no_signal == len(self.kept):
+            raise UserError(f"data source {label} ({tokens.path}): in every one of the {len(self.kept):,} preference "
+                            f"pairs chosen equals rejected (within training.seq_len {seq_len}): nothing to learn")
 
     def sequence(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (int64) and flags (uint8) of sequence ``s`` of the file, truncated to ``seq_len``."""
@@ -205,6 +212,9 @@ class PairLoader:
                  f"{f', {src.n_val} validation' if src.n_val else ''}; the run reads {_share_read(epochs)} of them"]
         if epochs > 1:
             lines.append(f"warning: {src.label} will be repeated: {epochs:.1f} epochs")
+        if src.no_signal:
+            lines.append(f"warning: {src.label}: {src.no_signal:,} of {len(src.kept):,} preference pairs have chosen "
+                         "equal to rejected (no signal: they train nothing)")
         return lines
 
     def _global_plan(self) -> list[int]:

@@ -54,8 +54,18 @@ def checked_messages(value, where: str, column: str, errors: str) -> list[dict]:
             keys = sorted(m) if isinstance(m, dict) else type(m).__name__
             raise ConfigError("data.source", where, f"'{column}' message {k} needs 'role' and 'content' "
                               f"({ROLES_HINT}); it has {keys}")
-        if isinstance(m["content"], str):
-            m = {**m, "content": no_surrogates(m["content"], errors, where, f"message {k}, ")}
+        content = m["content"]
+        if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ConfigError("data.source", where, f"'{column}' message {k}: content parts must each be "
+                                  "{\"type\": \"text\", \"text\": <a string>} (only text is trained)")
+            content = "".join(p["text"] for p in content)  # as one string: every template renders it
+        elif content is not None and not isinstance(content, str):
+            raise ConfigError("data.source", where, f"'{column}' message {k}: 'content' must be a string or a list "
+                              f"of text parts; got a {type(content).__name__} ({str(content)[:40]})")
+        if isinstance(content, str):
+            m = {**m, "content": no_surrogates(content, errors, where, f"message {k}, ")}
         out.append(m)
     return out
 

@@ -213,6 +213,8 @@ def _jsonl_rows(path: str, errors: str = "strict") -> Iterator[tuple[int, dict]]
                 row = json.loads(line)
             except json.JSONDecodeError:
                 raise ConfigError("data.source", path, f"line {lineno} is not valid JSON") from None
+            except RecursionError:
+                raise ConfigError("data.source", path, f"line {lineno} nests JSON too deeply to read") from None
             if not isinstance(row, dict):
                 raise ConfigError("data.source", path, f"line {lineno} is not a JSON object")
             yield lineno, row
@@ -250,16 +252,38 @@ def _arrow_texts(column, errors: str, path: str, first_row: int) -> list:
             for i, b in enumerate(raw.to_pylist())]
 
 
-def _parquet_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
+def _parquet_file(path: str):
+    """``pyarrow.parquet.ParquetFile(path)``; a damaged file (cut off, or not parquet) as a one-line error."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError("data.source", path, "parquet needs the 'pyarrow' package (pip install 'loom-train[data]')") from None
-    pf = pq.ParquetFile(path)
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise _bad_parquet(path, err) from None
+
+
+def _bad_parquet(path: str, err: BaseException) -> ConfigError:
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+    return ConfigError("data.source", path, f"not a readable parquet file ({reason}); it is probably truncated or "
+                       "damaged: write, download or copy it again")
+
+
+def _parquet_batches(pf, path: str, columns: list[str]):
+    """The file's record batches of ``columns``; damage found while reading is one line too."""
+    try:
+        yield from pf.iter_batches(columns=columns, batch_size=1024)
+    except (OSError, ValueError) as err:
+        raise _bad_parquet(path, err) from None
+
+
+def _parquet_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
+    pf = _parquet_file(path)
     if text_field not in pf.schema_arrow.names:
         raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {pf.schema_arrow.names}")
     row = 0
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+    for batch in _parquet_batches(pf, path, [text_field]):
         yield from _arrow_texts(batch.column(0), errors, path, row)
         row += batch.num_rows
 
@@ -292,18 +316,13 @@ def _hf_dataset_docs(path: str, text_field: str, errors: str = "strict") -> Iter
 def _parquet_rows(path: str, columns: tuple[str, ...] | None) -> Iterator[tuple[int, dict]]:
     """(row number, {column: value}) of the ``columns`` the file has (None: all; nested lists and structs as Python
     values)."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError("data.source", path,
-                          "parquet needs the 'pyarrow' package (pip install 'loom-train[data]')") from None
-    pf = pq.ParquetFile(path)
+    pf = _parquet_file(path)
     have = list(pf.schema_arrow.names) if columns is None else [c for c in columns if c in pf.schema_arrow.names]
     if not have:
         raise ConfigError("data.source", path,
                           f"has none of the columns {list(columns or ())}; it has {pf.schema_arrow.names}")
     row = 0
-    for batch in pf.iter_batches(columns=have, batch_size=1024):
+    for batch in _parquet_batches(pf, path, have):
         for values in batch.to_pylist():
             row += 1
             yield row, values

@@ -84,6 +84,22 @@ def import_callable(spec: str, field: str = "training.eval_hook") -> Callable:
     return obj
 
 
+def check_one_argument(fn: Callable, spec: str, field: str = "training.eval_hook") -> None:
+    """The hook is called with one argument (an EvalContext): a callable that cannot take it is one line at start,
+    not a traceback at the first validation point."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # no signature to read: the call says
+    try:
+        signature.bind(object())
+    except TypeError:
+        raise ConfigError(field, spec, f"an eval hook takes one argument (the EvalContext: model, step, run_dir); "
+                          f"this one has {signature}") from None
+
+
 def task_names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -95,20 +111,35 @@ class TrainingEvals:
     def __init__(self, training, parallel, run_dir: str, is_main: bool, sharded: bool = False):
         self.training, self.run_dir, self.is_main, self.tp = training, run_dir, is_main, parallel.tp
         self.hook = import_callable(training.eval_hook) if training.eval_hook else None
+        if self.hook is not None:
+            check_one_argument(self.hook, training.eval_hook)
         self.tasks = task_names(training.eval_tasks)
         if self.tasks:
             require("lm_eval", "eval", package="lm-eval", purpose="training.eval_tasks")
             from loom.eval.harness import task_manager
 
             self.manager = task_manager(self.tasks, training.eval_tasks_include or None)
+            self._task_dict = self._load_tasks()
             if sharded:
                 self._refuse_generation()
 
-    def _refuse_generation(self) -> None:
-        """loom's generation engine takes a whole model: generate_until tasks are refused on a sharded one (FSDP,
-        tensor parallel) before the run starts (loading the tasks to read their output types)."""
+    def _load_tasks(self) -> dict:
+        """The tasks with their datasets, loaded before the first step: a task whose dataset is neither cached nor
+        reachable (no network) is one line now, not a traceback at the first validation point."""
         from lm_eval.tasks import get_task_dict
 
+        try:
+            return get_task_dict(self.tasks, self.manager)
+        except Exception as err:  # datasets' ConnectionError, OfflineModeIsEnabled, FileNotFoundError, ...
+            reason = (str(err).strip().splitlines() or [""])[0][:160]
+            raise ConfigError("training.eval_tasks", ",".join(self.tasks), "cannot be loaded before training: its "
+                              f"dataset is not cached and cannot be fetched ({type(err).__name__}: {reason}); run "
+                              "once where the network reaches the Hugging Face Hub, or use local task YAMLs "
+                              "(training.eval_tasks_include)") from None
+
+    def _refuse_generation(self) -> None:
+        """loom's generation engine takes a whole model: generate_until tasks are refused on a sharded one (FSDP,
+        tensor parallel) before the run starts (the loaded tasks' output types)."""
         def output_types(tasks: dict):
             for name, task in tasks.items():
                 if isinstance(task, dict):
@@ -116,8 +147,7 @@ class TrainingEvals:
                 else:
                     yield getattr(name, "group_name", name), task.OUTPUT_TYPE
 
-        generating = [name for name, kind in output_types(get_task_dict(self.tasks, self.manager))
-                      if kind == "generate_until"]
+        generating = [name for name, kind in output_types(self._task_dict) if kind == "generate_until"]
         if generating:
             raise ConfigError("training.eval_tasks", ",".join(generating), "generate text, and loom's generation "
                               "engine takes a whole model, not one sharded by FSDP or tensor parallelism: train with "

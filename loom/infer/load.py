@@ -143,6 +143,22 @@ def generation_kernels(args, device: torch.device, compile: bool, tp: bool):
     return args.with_(**kernels.as_args())
 
 
+def refuse_reward_model(path: str, field: str = FIELD) -> None:
+    """A reward model (a ``training.objective reward`` run, or a ``*ForSequenceClassification`` folder) has a score
+    head, no LM head: nothing can generate from it or evaluate it as a language model (one line naming the field)."""
+    from loom.checkpoint.hf import CONFIG, is_score_config
+
+    kind, folder = find_source(path)
+    if kind == "run":
+        reward = _run_config(folder).training.objective == "reward"
+    else:
+        config = _read_json(os.path.join(folder, CONFIG)) if kind == "hf" else {}
+        reward = isinstance(config, dict) and is_score_config(config)
+    if reward:
+        raise ConfigError(field, path, "this is a reward model (a score head, no language-model head): use `loom "
+                          "score` to score texts with it (or grpo.reward_model to reward rollouts)")
+
+
 def load(path: str, *, device: str = "auto", dtype="auto", compile: bool | None = None, tp_mesh=None,
          chat_template: str | None = None) -> Loaded:
     """The model of ``path`` ready to generate (eval mode, weights in ``dtype``, RoPE table in fp32) with its
@@ -154,6 +170,7 @@ def load(path: str, *, device: str = "auto", dtype="auto", compile: bool | None 
     from loom.data.tokenizers import TOKENIZER_JSON
 
     kind, folder = find_source(path)
+    refuse_reward_model(path)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     compile = dev.type == "cuda" if compile is None else compile

@@ -158,12 +158,12 @@ def remote_command(workdir: str, env: dict[str, str], python: str, args: list[st
 def launcher_argv(template: str, host: str, cmd: str) -> list[str]:
     """The local command that runs ``cmd`` on ``host``: ``template``'s words with ``{host}`` and ``{cmd}`` filled
     in (``ssh -o BatchMode=yes {host} {cmd}``, ``pdsh -w {host} {cmd}``, ``bash -c {cmd}`` for this machine);
-    without ``{cmd}`` the host and command are appended."""
+    without ``{cmd}`` the command is appended (and the host before it, unless the template has ``{host}``)."""
     words = shlex.split(template)
     if not words:
         raise ConfigError("--launcher-cmd", template, "is empty")
-    if not any("{cmd}" in w for w in words):
-        words += ["{host}", "{cmd}"]
+    if not any("{cmd}" in w for w in words):  # only what the template does not name yet: `ssh {host}` + cmd
+        words += ([] if any("{host}" in w for w in words) else ["{host}"]) + ["{cmd}"]
     return [cmd if w == "{cmd}" else w.replace("{host}", host) for w in words]
 
 

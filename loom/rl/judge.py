@@ -34,8 +34,14 @@ class Template:
     def __init__(self, spec: str):
         text = spec
         if spec and "\n" not in spec and os.path.isfile(spec):
-            with open(spec) as fh:
-                text = fh.read()
+            try:
+                with open(spec, encoding="utf-8") as fh:
+                    text = fh.read()
+            except UnicodeDecodeError as err:
+                raise ConfigError(FIELD, spec, f"not UTF-8 text (byte {err.start})") from None
+        elif looks_like_path(spec):
+            raise ConfigError(FIELD, spec, "no such file (a value that looks like a path is read as one; template "
+                              "text has {prompt} and {completion})")
         if not text.strip():
             raise ConfigError(FIELD, spec, "a template with {prompt} and {completion} (text, or a file holding it)")
         self.spec, self.text = spec, text
@@ -69,6 +75,13 @@ class Template:
             raise
 
 
+def looks_like_path(spec: str) -> bool:
+    """A one-word value without template fields that names a file (a folder in it, or a template's extension)."""
+    word = spec.strip()
+    return bool(word) and not any(c.isspace() for c in word) and not any(c in word for c in "{}") and (
+        os.sep in word or word.endswith((".jinja", ".j2", ".txt", ".tmpl", ".template", ".md")))
+
+
 def parse_range(text: str) -> tuple[float, float]:
     try:
         lo, hi = (float(v) for v in text.split(","))
@@ -91,6 +104,10 @@ class Judge:
 
     def __init__(self, g, device: str = "cpu"):
         self.g, self.device = g, device
+        if os.path.isdir(g.judge):  # before training: a reward model cannot judge (it generates nothing)
+            from loom.infer.load import refuse_reward_model
+
+            refuse_reward_model(g.judge, "grpo.judge")
         self.template = Template(g.judge_template)
         self.low, self.high = parse_range(g.judge_range)
         try:

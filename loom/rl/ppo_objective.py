@@ -33,8 +33,8 @@ from loom.numerics import IGNORE
 from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.rl.grpo import kl_k3
 from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
-from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, copy_parameters, policy_forward, reference_logps,
-                             rows_to_batches, token_logps)
+from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, policy_forward, reference_logps, rows_to_batches,
+                             check_policy_finite, sample_checked, set_reference, token_logps)
 from loom.train.reward import attach_score_head, score_head
 
 
@@ -138,7 +138,7 @@ class PpoBatch(RolloutBatch):
 
 def reference_model(trainer) -> nn.Module:
     """A frozen policy without the value head, built in the policy's layout (its parameters are copied in when PPO
-    starts: ``copy_parameters``). No activation checkpointing: nothing runs backward through it."""
+    starts: ``set_reference``). No activation checkpointing: nothing runs backward through it."""
     from loom.models.llama import Llama
     from loom.parallel.parallelize import parallelize_llama
 
@@ -208,9 +208,10 @@ class PpoRollouts(RolloutLoader):
         g, p, G = self.g, self.p, self.g.group_size
         rows = self._mine(self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step)))
         prompts = self.prompt_ids(rows)
+        check_policy_finite(self.trainer, self.step)
         self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
         t0 = time.perf_counter()
-        outs = self.sample(prompts)
+        outs = sample_checked(self.sample, prompts, self.step)
         t1 = time.perf_counter()
         completions = [o.token_ids for o in outs]
         scores, per, names = self.score(rows, prompts, outs)
@@ -236,7 +237,7 @@ class PpoRollouts(RolloutLoader):
         (N, W; None without a KL), one no-grad forward each per micro-batch of rows."""
         g, p, trainer = self.g, self.p, self.trainer
         if p.kl_coef > 0 and self.reference is not None and not self._reference_set:
-            copy_parameters(trainer.parts[0], self.reference)  # the policy as PPO starts (after the warm-up)
+            set_reference(self)  # the policy as PPO starts (after the warm-up); on a resume, read back
             self._reference_set = True
         model = trainer.parts[0]
         if p.critic == "model" and self.step == self.warmup + 1:  # PPO starts here (a resumed run keeps its critic)

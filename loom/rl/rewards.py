@@ -7,10 +7,11 @@ weighted sum; each one's mean and std are logged."""
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch
 
-from loom.config.errors import ConfigError
+from loom.config.errors import ConfigError, UserError
 
 
 def load_function(spec: str, field: str = "grpo.rewards"):
@@ -24,6 +25,15 @@ def load_function(spec: str, field: str = "grpo.rewards"):
         raise ConfigError(field, spec, f"an importable 'module:function' ({type(err).__name__}: {err})") from None
     if not callable(fn):
         raise ConfigError(field, spec, "a callable")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # no signature to read (some builtins): the call says
+    try:
+        signature.bind_partial(prompts=[], completions=[], completion_ids=[])
+    except TypeError:
+        raise ConfigError(field, spec, f"a reward function takes keyword arguments prompts=, completions=, "
+                          f"completion_ids= (and the rows' fields, or **kwargs); it has {signature}") from None
     return fn
 
 
@@ -38,6 +48,7 @@ class Rewards:
         if len(weights) != len(specs):
             raise ConfigError("grpo.reward_weights", weights, f"one weight per reward function ({len(specs)})")
         self.functions = [load_function(s) for s in specs] + [fn for _, fn, _ in extra]
+        self.specs = list(specs) + [name for name, _, _ in extra]
         self.names = [s.partition(":")[2] for s in specs] + [name for name, _, _ in extra]
         self.weights = torch.tensor(weights + [w for _, _, w in extra], dtype=torch.float32)
 
@@ -45,11 +56,26 @@ class Rewards:
               fields: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted total (N,), each function's rewards (N, K)) of N completions, fp32 on the CPU."""
         per = torch.zeros(len(completions), len(self.functions))
-        for k, (fn, name) in enumerate(zip(self.functions, self.names)):
-            out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
-            values = [float(v) for v in out]
-            if len(values) != len(completions):
-                raise ValueError(f"reward function {name} returned {len(values)} rewards for {len(completions)} "
-                                 "completions (one per completion)")
-            per[:, k] = torch.tensor(values)
+        for k, (fn, spec) in enumerate(zip(self.functions, self.specs)):
+            try:
+                out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
+            except TypeError as err:  # a signature the call does not fit (one line; the function's own bugs too)
+                raise UserError(f"grpo.rewards: {spec} cannot be called as a reward function ({err}): it takes "
+                                "prompts=, completions=, completion_ids= and the rows' fields as keywords") from None
+            per[:, k] = torch.tensor(checked_rewards(out, spec, len(completions)))
         return per @ self.weights, per
+
+
+def checked_rewards(out, spec: str, n: int) -> list[float]:
+    """A reward function's result as n floats, or one line naming the function and what it returned."""
+    what = f"grpo.rewards: {spec} returned"
+    if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
+        kind = "None" if out is None else f"a {type(out).__name__}"
+        raise UserError(f"{what} {kind}: a reward function returns a list of {n} numbers (one per completion)")
+    try:
+        values = [float(v) for v in out]
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{what} a value that is not a number ({err}): it returns {n} numbers") from None
+    if len(values) != n:
+        raise UserError(f"{what} {len(values)} rewards for {n} completions (one per completion)")
+    return values

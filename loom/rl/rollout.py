@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -158,6 +159,76 @@ def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         p.copy_(mine[canonical_name(name)])
 
 
+def check_policy_finite(trainer, step: int) -> None:
+    """Before sampling: weights that are not finite (an update with a huge learning rate) would make the sampler
+    fail on NaN probabilities while the logged loss stays 0 (equal rewards give zero advantages). The run stops in
+    one line, as the guard stops it (exit 1; the last complete checkpoint stays)."""
+    from loom.config.errors import TrainingStopped
+
+    if trainer.env.any_rank(not trainer._weights_finite()):
+        raise TrainingStopped(f"step {step}: the policy's weights are not finite (the update before this step "
+                              "diverged; lower optimizer.lr): stopped before sampling, the last complete checkpoint "
+                              "stays")
+
+
+def sample_checked(sample, prompts, step: int):
+    """``sample(prompts)``; logits that overflow to inf / NaN (exploding but finite weights) stop the run in one
+    line instead of a traceback from the sampler."""
+    from loom.config.errors import TrainingStopped
+
+    try:
+        return sample(prompts)
+    except RuntimeError as err:
+        if "probability tensor contains" in str(err):
+            raise TrainingStopped(f"step {step}: the policy's sampling logits are not finite (its weights exploded; "
+                                  "lower optimizer.lr): stopped, the last complete checkpoint stays") from None
+        raise
+
+
+REFERENCE_DIR = "rl_reference"  # <checkpoint dir>/rl_reference/<lineage>/: the KL reference a lineage took
+
+
+def set_reference(loader) -> None:
+    """The KL reference (grpo.beta / ppo.kl_coef > 0 without LoRA) the first time rollouts need it. At the first RL
+    step (after the warm-up), the policy as it is then, saved under the run's checkpoint lineage
+    (``<checkpoint dir>/rl_reference/<lineage>/``); on a run resumed past that step, that saved reference, so the
+    resumed steps equal the uninterrupted run's (the resumed policy has moved away from it)."""
+    from loom.checkpoint.manager import CorruptCheckpoint, load_model_weights, save_model_weights, verify
+
+    trainer = loader.trainer
+    ckpt = trainer.checkpointer
+    lineage = ckpt.lineage or "none"
+    if loader.step <= loader.warmup + 1:
+        copy_parameters(trainer.parts[0], loader.reference)
+        save_model_weights(loader.reference, os.path.join(ckpt.dir, REFERENCE_DIR, lineage),
+                           is_main=trainer.env.is_main, barrier=trainer.env.barrier, lineage=lineage)
+        return
+    homes = [ckpt.dir] + ([os.path.dirname(ckpt.resumed_from)] if ckpt.resumed_from else [])
+    candidates = [os.path.join(h, REFERENCE_DIR, lineage) for h in homes]
+
+    def usable() -> str | None:
+        for folder in candidates:
+            try:
+                verify(folder)
+                return folder
+            except CorruptCheckpoint:
+                continue
+        return None
+
+    folder = trainer.env.share_from_main(usable() if trainer.env.is_main else None)
+    if folder is not None:
+        load_model_weights(folder, loader.reference)
+        if trainer.env.is_main:
+            print(f"KL reference: restored from {folder} (taken at step {loader.warmup + 1} of this lineage)",
+                  flush=True)
+        return
+    copy_parameters(trainer.parts[0], loader.reference)
+    if trainer.env.is_main:
+        print(f"KL reference: {candidates[0]} holds no complete reference of lineage {lineage} (a checkpoint from "
+              "before references were kept): the resumed policy is the reference, so the KL term differs from the "
+              "uninterrupted run's", flush=True)
+
+
 class RolloutLoader:
     """This rank's rollouts for each step (the trainer's loader interface: ``next_step``, ``describe``,
     ``validation``, ``state_dict``). ``bind(trainer, objective)`` (the objective's ``prepare``) gives it the model."""
@@ -177,7 +248,11 @@ class RolloutLoader:
         self.codec = None  # chat prompts' renderer (loom.infer.text.Codec), made on first use
         embedded = not g.rewards and not g.judge and not g.reward_model
         specs = [s.strip() for s in g.rewards.split(",") if s.strip()] or (list(EMBEDDED_REWARDS) if embedded else [])
-        weights = [float(w) for w in g.reward_weights.split(",") if w.strip()]
+        try:
+            weights = [float(w) for w in g.reward_weights.split(",") if w.strip()]
+        except ValueError:
+            raise ConfigError("grpo.reward_weights", g.reward_weights, "a comma list of numbers, one per reward "
+                              "function (e.g. 1,0.5)") from None
         if not weights and embedded:
             weights = list(EMBEDDED_WEIGHTS)
         self.judge = Judge(g) if g.judge else None
@@ -301,9 +376,10 @@ class RolloutLoader:
         g, trainer, G = self.g, self.trainer, self.g.group_size
         rows = self._mine(self.source.problems(self.rows // G * self.dp_size, ("grpo", self.step)))
         prompts = self.prompt_ids(rows)
+        check_policy_finite(trainer, self.step)
         self.weights.sync()  # the engine on the policy's current weights (a gather where FSDP2 shards; else nothing)
         t0 = time.perf_counter()
-        outs = self.sample(prompts)
+        outs = sample_checked(self.sample, prompts, self.step)
         t1 = time.perf_counter()
         completions = [o.token_ids for o in outs]
         total, per, names = self.score(rows, prompts, outs)
@@ -399,8 +475,8 @@ class RolloutLoader:
         if g.iterations == 1 and g.beta == 0:
             return
         if g.beta > 0 and not self.cfg.lora.rank and not self._reference_set:
-            # the policy as GRPO starts (after the warm-up, or as a resumed run finds it), frozen
-            copy_parameters(trainer.parts[0], self.reference)
+            # the policy as GRPO starts (after the warm-up), frozen; a resumed run reads it back from its lineage
+            set_reference(self)
             self._reference_set = True
         model = trainer.parts[0]
         model.eval()

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from loom.checkpoint.manager import content_fingerprint
+from loom.config.errors import UserError
 from loom.data.loader import MicroBatch
 from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE, cross_entropy_sum, valid_tokens
@@ -111,11 +113,20 @@ class DirectPreference:
         if self.reference != "cached" or not hasattr(loader, "reference"):
             return
         src, device = loader.source, trainer.device
+        # keyed by the initial weights' content, not their path: another model exported to the same folder (the
+        # usual workflow) is another reference
+        weights = trainer.env.share_from_main(
+            [content_fingerprint(p) if p and os.path.exists(p) else "" for p in (cfg.model.init_from,
+                                                                             cfg.lora.init_from)]
+            if trainer.env.is_main else None)
         key = hashlib.blake2b(repr((os.path.abspath(src.tokens.path), src.seq_len, cfg.run.seed, cfg.model.flavor,
                                     cfg.model.init_from, cfg.model.n_layers, cfg.model.vocab_size, cfg.lora.rank,
-                                    cfg.lora.init_from)).encode(), digest_size=8).hexdigest()
+                                    cfg.lora.init_from, weights)).encode(), digest_size=8).hexdigest()
         path = os.path.join(trainer.run_dir, "dpo_reference", f"reference-{key}.pt")
         ref = torch.load(path) if os.path.isfile(path) else None
+        if ref is not None and ref.shape == (len(src.kept), 2) and trainer.env.is_main:
+            print(f"dpo.reference cached: reusing {path} (computed for the same initial weights, by content, and "
+                  "the same pairs)", flush=True)
         if ref is None or ref.shape != (len(src.kept), 2):
             ref = torch.zeros(len(src.kept), 2, device=device)
             steps = trainer.steps
@@ -133,8 +144,14 @@ class DirectPreference:
             ref = trainer.dims.data_sum(ref).cpu()  # every pair computed on exactly one data-parallel rank
             if trainer.env.is_main:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                torch.save(ref, path + ".tmp")
-                os.replace(path + ".tmp", path)
+                try:
+                    torch.save(ref, path + ".tmp")
+                    os.replace(path + ".tmp", path)
+                except (OSError, RuntimeError) as err:  # torch.save wraps a full disk in a RuntimeError
+                    if os.path.exists(path + ".tmp"):
+                        os.remove(path + ".tmp")
+                    raise UserError(f"dpo.reference cached: writing {path} failed ({err}): it needs about "
+                                    f"{ref.numel() * ref.element_size():,} bytes; nothing partial was kept") from None
             trainer.env.barrier()
         loader.reference = ref
 

@@ -134,6 +134,11 @@ class RewardScorer:
         seqs = [self.encode(item) for item in items]
         if any(not s for s in seqs):
             raise ConfigError("score", "''", "an item without a token has no reward")
+        longest = getattr(getattr(self.model, "args", None), "max_seq_len", None)
+        for i, s in enumerate(seqs):
+            if longest and len(s) > longest:  # RoPE past the table: refused, not scored wrongly
+                raise ConfigError("score", f"item {i + 1}", f"{len(s):,} tokens, longer than the model's "
+                                  f"{longest:,} (its training.seq_len or max_position_embeddings): shorten it")
         device = next(self.model.parameters()).device
         out: list[float] = []
         for first in range(0, len(seqs), batch_size):

@@ -51,7 +51,7 @@ from loom.train.zero import OptimizerShard
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
                                        on_main, restore_loss_scale)
-from loom.train.run_dir import acquire, check_writable_dirs, record_run_files
+from loom.train.run_dir import acquire, check_writable_dirs, hold_as_worker, record_run_files
 from loom.train.schedule import SchedulerParts
 from loom.train.stragglers import Stragglers
 from loom.train.steps import LocalStep, PipelineStep, StepContext
@@ -136,6 +136,7 @@ class Trainer:
         self.run_dir = self.cfg.run.dir
         recorded = self.cfg  # what config.toml and every checkpoint record; only rank 0 writes them
         error = None
+        hold_as_worker(self.run_dir)  # every launched rank: the run dir stays locked while any of them lives
         if self.env.is_main:
             try:
                 check_writable_dirs(self.cfg)

@@ -123,14 +123,42 @@ def test_leftovers_are_removed_when_a_manager_starts(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["notes", step_dir_name(1)]
 
 
-def test_a_second_save_of_a_step_replaces_the_folder(tmp_path):
-    """A step folder left by another run (or a corrupt one) is replaced, not kept in place of the new save."""
+def test_a_second_save_of_a_step_replaces_the_folder_and_keeps_the_old_one_aside(tmp_path):
+    """A step folder left by another run (or a corrupt one) is replaced, not kept in place of the new save, and
+    not deleted either: it moves into superseded/<time>/."""
     save_steps(manager(tmp_path, keep=0), [2], *tiny_model_and_optimizer(seed=1))
     with open(os.path.join(folder(tmp_path, 2), "__0_0.distcp"), "r+b") as fh:
         fh.truncate(100)
     save_steps(manager(tmp_path, keep=0), [2], *tiny_model_and_optimizer(seed=2))
     verify(folder(tmp_path, 2))
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == [step_dir_name(2)]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [step_dir_name(2), "superseded"]
+    (aside,) = os.listdir(tmp_path / "checkpoints" / "superseded")
+    assert os.listdir(tmp_path / "checkpoints" / "superseded" / aside) == [step_dir_name(2)]
+
+
+def test_resuming_an_older_checkpoint_is_refused_naming_the_newer_ones_and_deletes_nothing(tmp_path):
+    """Issue 49: a branch from step 2 of a run with steps 2, 4, 6 saved over step 4 and 6."""
+    save_steps(lineage_manager(tmp_path, keep=0), [2, 4, 6])
+    before = {s: verify(folder(tmp_path, s))["files"] for s in (2, 4, 6)}
+    with pytest.raises(UserError) as caught:
+        manager(tmp_path, keep=0, resume=folder(tmp_path, 2)).choose()
+    message = str(caught.value)
+    assert "step 4, 6" in message and "--checkpoint.overwrite true" in message and "\n" not in message
+    assert {s: verify(folder(tmp_path, s))["files"] for s in (2, 4, 6)} == before
+
+
+def test_overwrite_branches_from_an_older_checkpoint_moving_the_newer_ones_aside(tmp_path, capsys):
+    save_steps(lineage_manager(tmp_path, keep=0), [2, 4, 6])
+    before = {s: verify(folder(tmp_path, s))["files"] for s in (4, 6)}
+    mgr = manager(tmp_path, keep=0, resume=folder(tmp_path, 2), overwrite=True)
+    model, optimizer = tiny_model_and_optimizer(seed=5)
+    assert mgr.load(mgr.choose(), model, optimizer)["step"] == 2
+    save_steps(mgr, [4, 6], model, optimizer)  # the branch's own step 4 and 6
+    (moved,) = os.listdir(os.path.join(str(tmp_path), "checkpoints", "superseded"))
+    aside = os.path.join(str(tmp_path), "checkpoints", "superseded", moved)
+    assert {s: verify(os.path.join(aside, step_dir_name(s)))["files"] for s in (4, 6)} == before
+    assert saved_steps(tmp_path) == [2, 4, 6]
+    assert f"moved 2 checkpoint(s) into {aside}" in capsys.readouterr().out
 
 
 def test_the_same_step_is_saved_once_by_one_manager(tmp_path):
@@ -228,6 +256,11 @@ def test_auto_falls_back_with_a_warning(tmp_path, kind):
         chosen = manager(tmp_path, resume="auto").resolve()
     assert chosen == folder(tmp_path, 2)
     assert folder(tmp_path, 4) in str(caught[0].message)
+    # the skipped folder is kept for inspection, out of the way of the resumed run's own step 4
+    (aside,) = os.listdir(tmp_path / "checkpoints" / "corrupt")
+    assert os.listdir(tmp_path / "checkpoints" / "corrupt" / aside) == [step_dir_name(4)]
+    assert not os.path.exists(folder(tmp_path, 4)) and f"moved into {tmp_path / 'checkpoints' / 'corrupt' / aside}" \
+        in str(caught[0].message)
 
 
 def test_auto_picks_the_newest_and_none_when_nothing_is_left(tmp_path):

@@ -309,6 +309,6 @@ def test_resume_mid_run_continues_bitwise(tmp_path, stdlib_cache, reference):
     whole = Trainer(dpo_run(tmp_path / "whole", stdlib_cache, **extra)).fit()
     shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
     step3 = str(tmp_path / "part" / "checkpoints" / step_dir_name(3))
-    resumed = Trainer(dpo_run(tmp_path / "part", stdlib_cache, **extra, **{"checkpoint.resume": step3})).fit()
+    resumed = Trainer(dpo_run(tmp_path / "part", stdlib_cache, **extra, **{"checkpoint.resume": step3, "checkpoint.overwrite": "true"})).fit()
     key = lambda recs: [(r["step"], r["loss"], r["grad_norm"], r["rewards/margins"], r["batch_hash"]) for r in recs]
     assert [r["step"] for r in resumed] == [4, 5, 6] and key(resumed) == key(whole[3:])

@@ -150,6 +150,8 @@ def test_limit_and_a_hugging_face_folder(tmp_path, monkeypatch):
 
 def test_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
     ckpt = checkpoint(tmp_path, monkeypatch)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     cases = [
         (["eval", "--source", "x.jsonl"], "CHECKPOINT: required"),
         (["eval", ckpt], "nothing to evaluate"),
@@ -159,6 +161,9 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
         (["eval", str(tmp_path / "nowhere"), "--source", "x.jsonl"], "folder not found"),
         (["eval", ckpt, "--source", str(tmp_path / "missing.jsonl")], "no such file or folder"),
         (["eval", ckpt, "--source", "x.jsonl", "--dtype", "int8"], "dtype = 'int8': allowed"),
+        # issue 49: an empty source is no perplexity (it was NaN with exit 0); a prefix id past the vocabulary
+        (["eval", ckpt, "--source", str(empty)], "no document with a token to score"),
+        (["eval", ckpt, "--source", str(empty), "--prefix-token-id", "100000"], "--prefix-token-id = 100000"),
     ]
     for argv, expected in cases:
         with pytest.raises(SystemExit) as exit_:

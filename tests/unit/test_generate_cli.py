@@ -113,3 +113,22 @@ def test_file_mistakes_exit_2_naming_the_line(folder, tmp_path, capsys):
     assert code == 2 and '"prompt"' in err
     code, _, err = _run(capsys, "-m", folder, "--file", str(tmp_path / "missing.txt"))
     assert code == 2 and "file not found" in err
+
+
+def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
+    """--max-new-tokens past the context, --stop-token-id past the vocabulary, --output a folder, a non-UTF-8
+    --file, an empty conversation: one line each, before any token is generated; greedy with --top-p says it is
+    ignored."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"messages": []}) + "\n")
+    for argv, needle in ((["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens = 1000000000: at most"),
+                         (["hi", "--stop-token-id", "99999999"], "--stop-token-id = 99999999"),
+                         (["hi", "--output", str(tmp_path)], "is a folder"),
+                         (["--file", str(latin)], "not UTF-8"),
+                         (["--file", str(empty)], "is empty")):
+        code, out, err = _run(capsys, "--model", folder, *argv)
+        assert code == 2 and needle in err and err.count("\n") == 1, (argv, err)
+    code, _, err = _run(capsys, "--model", folder, "hi", "--max-new-tokens", "2", "--top-p", "0.5")
+    assert code == 0 and "--top-p 0.5 is ignored" in err

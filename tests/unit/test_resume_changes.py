@@ -342,7 +342,7 @@ def changes_line(out: str) -> str | None:
 def test_resume_from_step_20_keeps_each_step_once_and_continues_bitwise(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     assert [r["step"] for r in records(run_dir)] == list(range(1, 31))
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20)})
+    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true"})
     assert "resumed from step 20" in out and "dropped 10 record(s) after step 20" in out
     assert changes_line(out) is None  # nothing changed, nothing printed
     assert [r["step"] for r in recs] == list(range(1, 31))  # each step exactly once
@@ -359,7 +359,7 @@ def expected_lr(step: int, total: int, **opt) -> float:
 @pytest.mark.slow
 def test_a_changed_lr_is_applied_and_printed(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "optimizer.lr": 0.01})
+    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true", "optimizer.lr": 0.01})
     assert changes_line(out) == "resuming with changes: optimizer.lr 0.001 -> 0.01"
     assert out.count("resuming with changes") == 1
     assert [r["step"] for r in recs] == list(range(1, 31))
@@ -399,7 +399,7 @@ def test_weight_decay_and_betas_reach_the_optimizer(base, cache, tmp_path):
 @pytest.mark.slow
 def test_a_changed_seq_len_goes_on_from_the_same_data_position(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20),
+    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true",
                                                    "training.seq_len": 16})
     assert changes_line(out).startswith("resuming with changes: training.seq_len 32 -> 16 (not exact: ")
     assert [r["step"] for r in recs] == list(range(1, 31))
@@ -412,7 +412,7 @@ def test_a_changed_seq_len_goes_on_from_the_same_data_position(base, cache, tmp_
 @pytest.mark.slow
 def test_a_changed_global_batch_size_continues_the_sample_order(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20),
+    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true",
                                                    "training.global_batch_size": 8})
     assert changes_line(out) == "resuming with changes: training.global_batch_size 4 -> 8"
     assert [r["tokens"] for r in recs[19:]] == [20 * 4 * 32 + i * 8 * 32 for i in range(11)]

@@ -62,3 +62,30 @@ def test_mistakes_are_one_line(exported, tmp_path, capsys):  # noqa: F811
                           "--chat-template")):
         code, out, err = run(capsys, *argv)
         assert code == 2 and needle in err and err.count("\n") == 1 and not out, (argv, err)
+
+
+def test_issue_49_refusals(exported, tmp_path, capsys):  # noqa: F811
+    """A non-UTF-8 file, --output a folder (before scoring), a text past the model's length: one line each; a
+    reward model given to `loom generate` or `loom eval` says to use `loom score`."""
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "caf\xe9"}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "fine"}) + "\n")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"text": "x" * 5000}) + "\n")
+    for argv, needle in ((["--model", exported["ckpt"], "--file", str(latin)], "not UTF-8"),
+                         (["--model", exported["ckpt"], "--file", str(good), "--output", str(tmp_path)], "is a folder"),
+                         (["--model", exported["ckpt"], "--file", str(long)], "longer than the model's")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and needle in err and err.count("\n") == 1 and not out, (argv, err)
+    for command in (["generate", "--model", exported["hf"], "hi"], ["eval", exported["ckpt"], "--source", str(good)]):
+        with pytest.raises(SystemExit) as exit_:
+            loom_main(command)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "this is a reward model" in err and "loom score" in err, (command, err)
+    from loom.config.errors import ConfigError
+    from loom.config.sections import GrpoConfig
+    from loom.rl.judge import Judge
+
+    with pytest.raises(ConfigError, match="grpo.judge = .*this is a reward model"):  # before training, not at step N
+        Judge(GrpoConfig(judge=exported["hf"], judge_template="{prompt} {completion}"))

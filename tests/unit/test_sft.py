@@ -287,7 +287,7 @@ def test_resume_mid_run_continues_bitwise(tmp_path, stdlib_cache):
     whole = Trainer(sft_run(tmp_path / "whole", stdlib_cache, **extra)).fit()
     shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
     step4 = str(tmp_path / "part" / "checkpoints" / step_dir_name(4))
-    resumed = Trainer(sft_run(tmp_path / "part", stdlib_cache, **extra, **{"checkpoint.resume": step4})).fit()
+    resumed = Trainer(sft_run(tmp_path / "part", stdlib_cache, **extra, **{"checkpoint.resume": step4, "checkpoint.overwrite": "true"})).fit()
     key = lambda recs: [(r["step"], r["loss"], r["grad_norm"], r["lr"], r["batch_hash"]) for r in recs]
     assert [r["step"] for r in resumed] == [5, 6, 7, 8] and key(resumed) == key(whole[4:])
 
