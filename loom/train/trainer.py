@@ -28,7 +28,7 @@ from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.common.layers import attend
 from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, quantize_base
-from loom.models.llama import Llama
+from loom.models.registry import build_model
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.env import DistEnv, ensure_process_group, init_distributed
@@ -61,7 +61,7 @@ def count_params(args, lora=None, score_head: bool = False) -> tuple[int, int]:
     """(parameters, trainable parameters) of the whole model (whatever this rank holds), with ``lora``'s
     adapters where it has a rank, and a reward model's score head in place of the LM head (``score_head``)."""
     with torch.device("meta"):
-        model = Llama(args)
+        model = build_model(args)
         if lora is not None:
             apply_lora(model, lora)
         if score_head:
@@ -195,7 +195,7 @@ class Trainer:
             self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
         self.kernels, self.model_args = self.run.kernels, self.run.model_args
         with torch.device("meta"):
-            model = Llama(self.model_args)
+            model = build_model(self.model_args)
         # LoRA: adapters on lora.targets, the rest frozen (0: off)
         self.n_adapted = apply_lora(model, cfg.lora, frozen_dtype(cfg.lora, cfg.training.dtype))
         self.score_head = cfg.training.objective == "reward"
@@ -314,7 +314,8 @@ class Trainer:
         else:
             self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
         self.moe = MoEBalance(self.parts, self.dims, cfg.training.global_batch_size, self.model_args.n_layers,
-                              cfg.training.compile, self.steps.stage_sum) if self.model_args.moe else None
+                              cfg.training.compile, self.steps.stage_sum,
+                              self.model_args) if self.model_args.moe else None
         # metrics.noise_scale (loom.train.noise_scale); resolve allows it only with accumulation and no pipeline
         self.noise = NoiseScaleProbe.build(self.steps, self.dims, self.objective) if cfg.metrics.noise_scale else None
 
@@ -404,6 +405,8 @@ class Trainer:
             if self.diloco:  # every H steps (per fragment), applied or not: the rounds stay aligned
                 self.diloco.after_step(self.step + 1)
         out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "stats": stats}
+        if self.moe:  # aux-loss-free balancing: the selection biases move after the update (loom.train.moe_stats)
+            out["moe_max_load"] = self.moe.update_bias(applies, self.device)
         if self.moe:
             balance = self.moe.read(self.device)
             # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
@@ -795,4 +798,5 @@ class Trainer:
             **getattr(self.objective, "record", dict)(),  # e.g. GRPO's rewards and time split
             **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
                if "moe_balance" in out else {}),
+            **({"moe_max_load": float(out["moe_max_load"])} if out.get("moe_max_load") is not None else {}),
         }
