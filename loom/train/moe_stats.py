@@ -26,26 +26,6 @@ class MoEBalance:
             self.n_layers = len(self.names)
         self.args = args
 
-    def update_bias(self, applies: torch.Tensor, device) -> torch.Tensor | None:
-        """After the optimizer step: the selection biases move by the step's loads summed over every rank
-        (``update_expert_bias``; every rank calls this). Returns the step's max / mean expert load, averaged over
-        the blocks (1 = balanced); None for a model without selection biases."""
-        if self.args is None or not self.args.moe_bias:
-            return None
-        blocks = {canonical_name(n): m for part in self.parts for n, m in part.named_modules() if isinstance(m, MoE)}
-        reduce = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            def reduce(t):
-                dist.all_reduce(t)
-                return t
-        load = update_expert_bias(blocks, self.names, self.args.moe_experts, self.args.moe_bias_speed, device,
-                                  applies, reduce)
-        counted = load.sum(dim=1) > 0
-        if not counted.any():
-            return None
-        ratio = load.amax(dim=1) / load.mean(dim=1).clamp(min=1e-9)
-        return ratio[counted].mean()
-
     def scale(self, loss_scale: float) -> None:
         for part in self.parts:
             set_aux_scale(part, self.dims.dp_size * self.dims.cp * loss_scale / self.global_batch)
@@ -59,3 +39,34 @@ class MoEBalance:
         if self.dims.tp > 1:  # each tp rank holds a slice of every sequence (sequence parallelism)
             dist.all_reduce(total, group=self.dims["tp"].get_group())
         return self.dims.data_sum(total) / (self.global_batch * self.n_layers)
+
+    def update_bias(self, applies: torch.Tensor, device) -> dict[str, torch.Tensor]:
+        """After the optimizer step: the selection biases move by the step's loads summed over every rank
+        (``update_expert_bias``; every rank calls this). Returns ``moe_max_load``: the step's max / mean expert load,
+        averaged over the blocks (1 = balanced), and, across ranks, ``moe_bias_spread``: the largest difference of
+        one expert's bias between the ranks that hold it (0: agreed everywhere); {} without selection biases."""
+        if self.args is None or not self.args.moe_bias:
+            return {}
+        blocks = {canonical_name(n): m for part in self.parts for n, m in part.named_modules() if isinstance(m, MoE)}
+        spread_across = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        reduce = None
+        if spread_across:
+            def reduce(t):
+                dist.all_reduce(t)
+                return t
+        load = update_expert_bias(blocks, self.names, self.args.moe_experts, self.args.moe_bias_speed, device,
+                                  applies, reduce)
+        out = {}
+        counted = load.sum(dim=1) > 0
+        if counted.any():
+            out["moe_max_load"] = (load.amax(dim=1) / load.mean(dim=1).clamp(min=1e-9))[counted].mean()
+        if spread_across:
+            held = torch.full((2, len(self.names), self.args.moe_experts), float("-inf"), device=device)
+            for i, name in enumerate(self.names):
+                if name in blocks:
+                    bias = blocks[name].router.expert_bias.to(device)
+                    held[0, i], held[1, i] = bias, -bias
+            dist.all_reduce(held, op=dist.ReduceOp.MAX)
+            seen = held[0] > float("-inf")
+            out["moe_bias_spread"] = (held[0] + held[1])[seen].max() if seen.any() else torch.zeros((), device=device)
+        return out

@@ -305,8 +305,10 @@ class Trainer:
     def _build_steps(self) -> None:
         """The step strategy, chosen once: the whole model on this rank, or a pipeline schedule over its stages."""
         cfg, pm = self.cfg, self.parallel_model
-        self.objective = self._objective or build_objective(cfg.training.objective, self.model_args.fused_loss,
-                                                            cfg.dpo, reward=cfg.reward)
+        # the loss inside the model's forward: fused (no full logits), or with multi-token prediction's own losses
+        in_forward = self.model_args.fused_loss or getattr(self.model_args, "mtp_depth", 0) > 0
+        self.objective = self._objective or build_objective(cfg.training.objective, in_forward, cfg.dpo,
+                                                            reward=cfg.reward)
         ctx = StepContext(self.dims, self.device, self._autocast, self.dims.tp_enabled and cfg.parallel.loss_parallel,
                           cfg.data.document_positions, self.profiler, cfg.training.cuda_graphs)
         if pm.plan is None:
@@ -406,7 +408,7 @@ class Trainer:
                 self.diloco.after_step(self.step + 1)
         out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "stats": stats}
         if self.moe:  # aux-loss-free balancing: the selection biases move after the update (loom.train.moe_stats)
-            out["moe_max_load"] = self.moe.update_bias(applies, self.device)
+            out["moe_bias"] = self.moe.update_bias(applies, self.device)
         if self.moe:
             balance = self.moe.read(self.device)
             # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
@@ -798,5 +800,5 @@ class Trainer:
             **getattr(self.objective, "record", dict)(),  # e.g. GRPO's rewards and time split
             **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
                if "moe_balance" in out else {}),
-            **({"moe_max_load": float(out["moe_max_load"])} if out.get("moe_max_load") is not None else {}),
+            **{k: float(v) for k, v in out.get("moe_bias", {}).items()},
         }

@@ -21,6 +21,15 @@ def _get(cfg: dict, *keys, default=None):
     return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
 
 
+def _dense_if_no_experts(args: DeepSeekV3Args) -> DeepSeekV3Args:
+    """A model none of whose blocks (MTP modules' included) has experts is a dense one (moe_experts 0), whatever
+    expert count its config names (transformers writes its default 256)."""
+    if any(args.moe_layer(i) for i in range(args.n_layers + args.mtp_depth)):
+        return args
+    fields = DeepSeekV3Args.__dataclass_fields__
+    return args.with_(**{f: fields[f].default for f in fields if f.startswith("moe_")})
+
+
 class DeepSeekV3HF(HFAdapter):
     architecture = "DeepseekV3ForCausalLM"
     model_type = "deepseek_v3"
@@ -32,14 +41,6 @@ class DeepSeekV3HF(HFAdapter):
     expert_names = {"feed_forward.experts.w1": "mlp.experts.{j}.gate_proj.weight",
                     "feed_forward.experts.w3": "mlp.experts.{j}.up_proj.weight",
                     "feed_forward.experts.w2": "mlp.experts.{j}.down_proj.weight"}
-
-    def claims(self, cfg: dict, archs: list[str]) -> bool:
-        """DeepSeek-V3 folders with MoE layers or MTP modules (dense ones stay loom's Llama with MLA)."""
-        if not super().claims(cfg, archs):
-            return False
-        dense = _get(cfg, "first_k_dense_replace", default=3)
-        return int(dense) < int(cfg.get("num_hidden_layers", 0)) or int(_get(cfg, "num_nextn_predict_layers",
-                                                                            default=0)) > 0
 
     def args(self, cfg: dict, base: LlamaArgs, field: str, where: str) -> DeepSeekV3Args:
         heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
@@ -54,7 +55,7 @@ class DeepSeekV3HF(HFAdapter):
                               "(allowed: sigmoid)")
         experts = int(_get(cfg, "n_routed_experts", "num_local_experts", default=0))
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-        return DeepSeekV3Args(**{
+        return _dense_if_no_experts(DeepSeekV3Args(**{
             **fields, "n_kv_heads": base.n_heads, "attention_kind": "mla",
             "q_lora_rank": int(cfg.get("q_lora_rank") or 0), "kv_lora_rank": int(cfg["kv_lora_rank"]),
             "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]), "qk_rope_head_dim": int(cfg["qk_rope_head_dim"]),
@@ -68,7 +69,7 @@ class DeepSeekV3HF(HFAdapter):
             "moe_shared_experts": int(_get(cfg, "n_shared_experts", default=0)), "moe_bias": experts > 0,
             "first_k_dense": int(_get(cfg, "first_k_dense_replace", default=3)),
             "moe_layer_freq": int(_get(cfg, "moe_layer_freq", default=1)),
-            "mtp_depth": int(_get(cfg, "num_nextn_predict_layers", default=0))})
+            "mtp_depth": int(_get(cfg, "num_nextn_predict_layers", default=0))}))
 
     def config(self, args: DeepSeekV3Args) -> dict:
         if args.moe and (args.moe_score != "sigmoid" or not args.moe_bias or args.moe_layer_freq != 1):
@@ -91,7 +92,7 @@ class DeepSeekV3HF(HFAdapter):
         """The MTP modules whose layer the folder holds (a transformers save keeps the count, not the layer)."""
         depth = next((k for k in range(args.mtp_depth) if not holds(f"mtp.{args.n_layers + k}.eh_proj.weight")),
                      args.mtp_depth)
-        return args.with_(mtp_depth=depth)
+        return _dense_if_no_experts(args.with_(mtp_depth=depth))
 
     def hf_name(self, name: str) -> str | None:
         m = re.fullmatch(r"mtp\.(\d+)\.(.+)", name)
