@@ -90,7 +90,7 @@ def test_bias_is_saved_and_resumed(tmp_path):
     ckpt = tmp_path / "ckpt"
     speed = {"model.moe_bias_speed": 0.02}  # a bias that changes the routing within two steps
     trainer, straight = _run(tmp_path, "straight", **speed, **{"training.steps": 4, "checkpoint.every": 2,
-                                                        "checkpoint.dir": str(ckpt)})
+                                                                  "checkpoint.dir": str(ckpt)})
     assert any(m.router.expert_bias.abs().sum() > 0 for m in trainer.parts[0].modules() if isinstance(m, MoE))
     saved = sorted(p for p in ckpt.iterdir() if p.name.startswith("step_"))[0]
     _, resumed = _run(tmp_path, "resumed", **speed, **{"training.steps": 4, "checkpoint.resume": str(saved)})
