@@ -96,3 +96,20 @@ def test_bias_is_saved_and_resumed(tmp_path):
     _, resumed = _run(tmp_path, "resumed", **speed, **{"training.steps": 4, "checkpoint.resume": str(saved)})
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[2:]], rel=1e-6)
+
+
+def test_flops_count_the_families_blocks():
+    """FLOPs per token from the family's args: dense blocks at ffn_dim, MoE blocks at the router + top_k routed +
+    shared experts, MTP modules as one more block, projection and head pass each (a count against the model's own
+    weights)."""
+    from loom.metrics.flops import matmul_params
+
+    args = all_flavors()["deepseek_v3_debug"].with_(vocab_size=256)
+    model = build_model(args)
+    routed = sum(m.experts.w1.numel() + m.experts.w2.numel() + m.experts.w3.numel()
+                 for m in model.modules() if isinstance(m, MoE))
+    total = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n)
+    active = total - routed * (args.moe_experts - args.moe_top_k) // args.moe_experts
+    # the tied head counts once per pass (main + MTP); the embedding lookup is no matmul
+    assert matmul_params(args) == active + args.mtp_depth * args.dim * args.vocab_size + \
+        (args.dim * args.vocab_size if args.tie_embeddings else 0)
