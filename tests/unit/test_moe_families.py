@@ -174,3 +174,45 @@ def test_cli_round_trip(tmp_path):
     assert loom_main(["convert", "--from", ckpt, "--to-hf", out]) == 0
     a, b = read_all(src), read_all(out)
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generation_from_the_folder_equals_transformers_greedy(tmp_path, family):
+    """`loom generate --model <folder>`'s engine (loom.infer: KV cache, MLA's latent cache) on each family's folder
+    gives transformers' greedy continuation."""
+    from loom.infer import Generator
+
+    hf = FAMILIES[family]()
+    folder = save_hf(hf, tmp_path / "hf")
+    prompts = [tokens_of(1, n, seed=n)[0].tolist() for n in (5, 9)]
+    outs = Generator(folder, compile=False).generate_ids(prompts, max_new_tokens=8)
+    for prompt, out in zip(prompts, outs):
+        x = torch.tensor([prompt])
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids[:len(want)] == want
+
+
+def test_training_starts_from_a_deepseek_folder_and_exports_back(tmp_path):
+    """model.init_from a DeepSeek-V3 MoE folder: step 1's loss is transformers' on that batch, two steps move the
+    selection bias, and `loom convert --to-hf` of the run's checkpoint loads in transformers with the moved bias."""
+    from tests.unit.test_hf import train_from_hf
+
+    hf = random_deepseek_v3()
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+    src = save_hf(hf, tmp_path / "hf")
+    trainer, first, records = train_from_hf(tmp_path, src)
+    with torch.no_grad():
+        sums = [torch.nn.functional.cross_entropy(hf(mb.inputs).logits.flatten(0, 1), mb.labels.flatten(),
+                                                  ignore_index=-100, reduction="sum") for mb in first]
+    want = sum(sums) / sum(int((mb.labels != -100).sum()) for mb in first)
+    assert records[0]["loss"] == pytest.approx(float(want), rel=1e-4)
+    out = str(tmp_path / "out")
+    ckpt = next(p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert loom_main(["convert", "--from", str(ckpt), "--to-hf", out]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(back) is type(hf)
+    assert back.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0

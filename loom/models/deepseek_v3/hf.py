@@ -67,6 +67,7 @@ class DeepSeekV3HF(HFAdapter):
             "moe_groups": int(_get(cfg, "n_group", default=1)), "moe_topk_groups": int(_get(cfg, "topk_group",
                                                                                               default=1)),
             "moe_shared_experts": int(_get(cfg, "n_shared_experts", default=0)), "moe_bias": experts > 0,
+            "moe_bias_speed": 0.001 if experts else 0.0,  # DeepSeek-V3's gamma; a folder does not say
             "first_k_dense": int(_get(cfg, "first_k_dense_replace", default=3)),
             "moe_layer_freq": int(_get(cfg, "moe_layer_freq", default=1)),
             "mtp_depth": int(_get(cfg, "num_nextn_predict_layers", default=0))}))
