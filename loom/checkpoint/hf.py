@@ -19,7 +19,8 @@ per expert (``block_sparse_moe.experts.{j}.w1.weight``, transposed), which trans
 A loom model with multi-head latent attention (``LlamaArgs.attention_kind = "mla"``) is a DeepSeek-V3
 (``DeepseekV3ForCausalLM``) whose layers are all dense (``first_k_dense_replace`` = the layer count): loom's
 ``LatentAttention`` keeps DeepSeek's weight layout (interleaved RoPE rows included: ``rope_interleave``), so this is
-renaming too. DeepSeek's MoE layers (sigmoid group-limited routing, shared experts) are refused on import.
+renaming too. A family registered with its own adapter (loom.models.registry: Qwen3-MoE, DeepSeek-V3 with its MoE
+layers and multi-token prediction) brings its own config mapping and names; this module applies them.
 
 Loading reads the safetensors files directly with ``safe_open(...).get_slice(name)[rows]``: every
 rank reads only the region of each tensor its (FSDP/HSDP-sharded) parameter holds. The alternative,

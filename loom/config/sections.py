@@ -38,11 +38,11 @@ class ModelConfig:
     # the names of every family's flavors (loom.models.registry.all_flavors; a test keeps both in step): listed here
     # so that a
     # wrong name is reported before torch is imported
-    flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
+    flavor: str = opt("debug", "model size preset of any family (loom.models.registry; docs/models.md)",
                       choices=("debug", "debug_moe", "debug_mla", "125M", "1B", "3B", "8B", "70B", "405B",
                                "deepseek_v2_lite", "qwen3_moe_debug", "qwen3_moe_30b_a3b", "deepseek_v3_debug",
                                "deepseek_v3_671b"))
-    init_from: str = opt("", "Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or dense DeepSeek-V3 folder "
+    init_from: str = opt("", "Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 folder "
                              "(config.json + safetensors), or a checkpoint of `loom convert --from-hf`, to start from")
     vocab_size: int = opt(0, "embedding rows; 0 = the flavor's (or model.init_from's), else the tokenizer's rounded "
                              "up to a multiple of 128", min=0)
