@@ -429,7 +429,7 @@ def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype, score: bool = False
     # a Mixtral's router: its own balance loss is not loom's (sequence-wise): off when loading in transformers
     moe = {"num_local_experts": args.moe_experts, "num_experts_per_tok": args.moe_top_k,
            "output_router_logits": False, "router_jitter_noise": 0.0} if args.moe and adapter is None else {}
-    if args.mla and adapter is None:  # every layer dense; transformers' DeepSeek-V3 keeps head_dim = the RoPE part's width
+    if args.mla and adapter is None:  # all dense; transformers' DeepSeek-V3 keeps head_dim = the RoPE part's width
         moe = {"q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
                "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
                "v_head_dim": args.v_head_dim, "rope_interleave": args.rope_interleave,
