@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from loom.models.deepseek_v3 import SPEC as DEEPSEEK_V3
+from loom.models.deepseek_v3 import SPEC_V2 as DEEPSEEK_V2
 from loom.models.llama import FLAVORS as LLAMA_FLAVORS
 from loom.models.llama import Llama, LlamaArgs
 from loom.models.qwen3_moe import SPEC as QWEN3_MOE
@@ -18,6 +19,7 @@ FAMILIES: list[ModelSpec] = [
     ModelSpec("llama", LlamaArgs, Llama, dict(LLAMA_FLAVORS)),
     QWEN3_MOE,
     DEEPSEEK_V3,
+    DEEPSEEK_V2,  # DeepSeek-V3's folder, DeepSeek-V2's Hugging Face layout
 ]
 
 

@@ -216,3 +216,30 @@ def test_training_starts_from_a_deepseek_folder_and_exports_back(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(back) is type(hf)
     assert back.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_logits_and_round_trip(tmp_path, method):
+    """DeepseekV2ForCausalLM (softmax scores, weights scaled not renormalized, greedy or group-limited top-k): the
+    DeepSeek-V3 family's model with V2's routing gives transformers' logits and exports the same folder back."""
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(**{**_SHAPE, **dict(
+        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16, kv_lora_rank=32,
+        q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, topk_method=method,
+        routed_scaling_factor=1.5, first_k_dense_replace=1, rope_theta=10000.0)})
+    hf = _widen(transformers.DeepseekV2ForCausalLM(cfg))
+    src = save_hf(hf, tmp_path / "hf")
+    model = loom_of(src)
+    assert model.args.moe_score == "softmax" and model.args.moe_groups == (4 if method != "greedy" else 1)
+    tokens = tokens_of(2, 24)
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+        assert theirs.abs().max() > 1.0 and (model(tokens) - theirs).abs().max() < 1e-4
+    out = str(tmp_path / "out")
+    export_hf(model.state_dict(), model.args, out)
+    a, b = read_all(src), read_all(out)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert type(back) is type(hf) and torch.equal(back(tokens).logits, theirs)

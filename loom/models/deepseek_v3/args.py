@@ -20,6 +20,12 @@ class DeepSeekV3Args(LlamaArgs):
         return self.moe and i >= self.first_k_dense and i % self.moe_layer_freq == 0
 
 
+@dataclass(frozen=True)
+class DeepSeekV2Args(DeepSeekV3Args):
+    """DeepSeek-V2 / V2-Lite: the same model with softmax routing (the weights scaled, not renormalized), no selection
+    bias and no MTP; its own Hugging Face architecture (``DeepseekV2ForCausalLM``)."""
+
+
 _MLA = dict(attention_kind="mla", rope_interleave=True)
 _V3_YARN = YarnScaling(factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                        mscale_all_dim=1.0)

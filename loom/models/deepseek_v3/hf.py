@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from loom.config.errors import ConfigError, UserError
-from loom.models.deepseek_v3.args import DeepSeekV3Args
+from loom.models.deepseek_v3.args import DeepSeekV2Args, DeepSeekV3Args
 from loom.models.llama import LlamaArgs
 from loom.models.spec import HFAdapter
 
@@ -113,3 +113,45 @@ class DeepSeekV3HF(HFAdapter):
     def ignored(self, name: str, args: DeepSeekV3Args) -> bool:
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
         return bool(m) and int(m.group(1)) >= args.n_layers and m.group(2) in _COPIES
+
+
+class DeepSeekV2HF(DeepSeekV3HF):
+    """``DeepseekV2ForCausalLM`` (V2, V2-Lite): softmax scores, top-k greedy or group-limited (a group scored by its
+    best score), the k weights times ``routed_scaling_factor`` without renormalizing (as transformers computes it),
+    no selection bias, no MTP layer."""
+
+    architecture = "DeepseekV2ForCausalLM"
+    model_type = "deepseek_v2"
+    layer_names = {k: v for k, v in DeepSeekV3HF.layer_names.items() if not k.endswith("expert_bias")}
+
+    def args(self, cfg: dict, base: LlamaArgs, field: str, where: str) -> DeepSeekV2Args:
+        method = cfg.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(field, where, f"topk_method {method!r} is not supported for DeepseekV2ForCausalLM "
+                              "(allowed: greedy | group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
+        v3 = super().args({**cfg, "scoring_func": "sigmoid", "num_nextn_predict_layers": 0, "rope_interleave": True},
+                          base, field, where)
+        fields = {f: getattr(v3, f) for f in v3.__dataclass_fields__}
+        return _dense_if_no_experts(DeepSeekV2Args(**{
+            **fields, "moe_score": "softmax", "moe_norm_topk": False, "moe_bias": False, "moe_bias_speed": 0.0,
+            "moe_groups": int(cfg.get("n_group") or 1) if grouped else 1,
+            "moe_topk_groups": int(cfg.get("topk_group") or 1) if grouped else 1}))
+
+    def config(self, args: DeepSeekV2Args) -> dict:
+        if args.moe and (args.moe_score != "softmax" or args.moe_bias or args.moe_norm_topk):
+            raise UserError("DeepseekV2ForCausalLM routes by softmax scores, not renormalized, without a selection "
+                            "bias; this model differs")
+        out = {k: v for k, v in super().config(args.with_(moe_score="sigmoid", moe_bias=True)).items()
+               if k not in ("scoring_func", "rope_interleave", "num_nextn_predict_layers")}
+        if args.moe:
+            out.update(norm_topk_prob=False, topk_method="group_limited_greedy" if args.moe_groups > 1 else "greedy",
+                       n_group=args.moe_groups if args.moe_groups > 1 else None,
+                       topk_group=args.moe_topk_groups if args.moe_groups > 1 else None)
+        return out
+
+    def fit(self, args: DeepSeekV2Args, holds) -> DeepSeekV2Args:
+        return args
+
+    def derived(self, tensors: dict, args) -> dict:
+        return {}
