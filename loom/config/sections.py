@@ -36,8 +36,7 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     # the names of every family's flavors (loom.models.registry.all_flavors; a test keeps both in step): listed here
-    # so that a
-    # wrong name is reported before torch is imported
+    # so that a wrong name is reported before torch is imported
     flavor: str = opt("debug", "model size preset of any family (loom.models.registry; docs/models.md)",
                       choices=("debug", "debug_moe", "debug_mla", "125M", "1B", "3B", "8B", "70B", "405B",
                                "deepseek_v2_lite", "qwen3_moe_debug", "qwen3_moe_30b_a3b", "deepseek_v3_debug",
