@@ -548,7 +548,8 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
     """Flavor shape (or model.init_from's) + vocabulary (flavor, then model.vocab_size, else the tokenizer's rounded
     to 128) + the sliding window (model.sliding_window, else the flavor's or the folder's) + ``kernels``, by default
     those ``kernel_choice`` picks without measuring."""
-    from loom.models.llama import FLAVORS, round_vocab
+    from loom.models.llama import round_vocab
+    from loom.models.registry import all_flavors
 
     if cfg.model.init_from:
         from loom.checkpoint.hf import llama_args_from_hf
@@ -562,7 +563,7 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
             raise ConfigError("model.moe_ffn_dim", cfg.model.moe_ffn_dim, f"model.init_from {cfg.model.init_from} "
                               f"has experts {args.expert_ffn_dim} wide: allowed 0 (the folder's)")
     else:
-        args = FLAVORS[cfg.model.flavor]
+        args = all_flavors()[cfg.model.flavor]
     window = cfg.model.sliding_window or args.sliding_window
     vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
     if vocab < tokenizer.vocab_size:
@@ -574,8 +575,34 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
                       n_layers=m.n_layers or args.n_layers, residual_init=m.residual_init, sliding_window=window,
                       moe_experts=m.moe_experts or args.moe_experts, moe_top_k=m.moe_top_k or args.moe_top_k,
                       moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim, moe_aux_loss=m.moe_aux_loss, **kernels.as_args())
+    args = family_settings(args, cfg)
     check_moe(args, cfg)
     check_mla(args, cfg)
+    return args
+
+
+def family_settings(args, cfg: Config):
+    """model.moe_bias_speed and model.mtp_depth / mtp_weight on the family's args, checked."""
+    m = cfg.model
+    if m.moe_bias_speed >= 0:
+        if m.moe_bias_speed > 0 and not args.moe:
+            raise ConfigError("model.moe_bias_speed", m.moe_bias_speed, "needs a mixture-of-experts model: allowed "
+                              "-1 | 0")
+        args = args.with_(moe_bias_speed=m.moe_bias_speed, moe_bias=args.moe_bias or m.moe_bias_speed > 0)
+    if args.moe_bias_speed > 0 and cfg.training.compile:
+        raise ConfigError("model.moe_bias_speed", args.moe_bias_speed, "not with training.compile yet (compiled "
+                          "blocks do not count the experts' loads): allowed 0")
+    has_mtp = "mtp_depth" in getattr(args, "__dataclass_fields__", {})
+    if m.mtp_depth > 0 and not has_mtp:
+        raise ConfigError("model.mtp_depth", m.mtp_depth, "multi-token prediction is the DeepSeek-V3 family's "
+                          "(a deepseek_v3 flavor or folder): allowed -1 | 0")
+    if has_mtp:
+        depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
+        args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
+        if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1 or cfg.parallel.tp > 1):
+            field = next(f for f in ("pp", "cp", "tp") if getattr(cfg.parallel, f) > 1)
+            raise ConfigError(f"parallel.{field}", getattr(cfg.parallel, field), "not with multi-token prediction "
+                              "(model.mtp_depth > 0) yet: allowed 1 (or model.mtp_depth = 0)")
     return args
 
 
@@ -592,6 +619,12 @@ def check_moe(args, cfg: Config) -> None:
         return
     if args.moe_top_k > args.moe_experts:
         raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})")
+    if args.moe_shared_experts and cfg.parallel.tp > 1:
+        raise ConfigError("parallel.tp", cfg.parallel.tp, "not with shared experts (the DeepSeek-V3 family) yet: "
+                          "allowed 1")
+    if args.moe_top_k > args.moe_experts // args.moe_groups * args.moe_topk_groups:
+        raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the experts of the {args.moe_topk_groups} "
+                          f"groups each token chooses among ({args.moe_experts // args.moe_groups} each)")
     if cfg.training.cuda_graphs:
         raise ConfigError("training.cuda_graphs", True, "not with a mixture-of-experts model (the experts' token "
                           "counts are read on the host every step)")
@@ -703,9 +736,9 @@ def mla_kernels(cfg: Config, kernels, device: str):
 def model_shape(cfg: Config):
     """The model's shape before it is resolved (the flavor's, or model.init_from's)."""
     if not cfg.model.init_from:
-        from loom.models.llama import FLAVORS
+        from loom.models.registry import all_flavors
 
-        return FLAVORS[cfg.model.flavor]
+        return all_flavors()[cfg.model.flavor]
     from loom.checkpoint.hf import llama_args_from_hf
 
     return llama_args_from_hf(cfg.model.init_from)

@@ -19,7 +19,8 @@ per expert (``block_sparse_moe.experts.{j}.w1.weight``, transposed), which trans
 A loom model with multi-head latent attention (``LlamaArgs.attention_kind = "mla"``) is a DeepSeek-V3
 (``DeepseekV3ForCausalLM``) whose layers are all dense (``first_k_dense_replace`` = the layer count): loom's
 ``LatentAttention`` keeps DeepSeek's weight layout (interleaved RoPE rows included: ``rope_interleave``), so this is
-renaming too. DeepSeek's MoE layers (sigmoid group-limited routing, shared experts) are refused on import.
+renaming too. A family registered with its own adapter (loom.models.registry: Qwen3-MoE, DeepSeek-V3 with its MoE
+layers and multi-token prediction) brings its own config mapping and names; this module applies them.
 
 Loading reads the safetensors files directly with ``safe_open(...).get_slice(name)[rows]``: every
 rank reads only the region of each tensor its (FSDP/HSDP-sharded) parameter holds. The alternative,
@@ -49,7 +50,7 @@ from loom.models.common.init import canonical_name
 from loom.models.common.mla import YarnScaling
 from loom.models.common.rope import RopeScaling
 from loom.models.llama.flavors import LlamaArgs
-from loom.models.llama.model import Llama
+from loom.models.registry import build_model, hf_adapter, spec_for_hf
 
 
 CONFIG = "config.json"
@@ -107,30 +108,54 @@ _EXPERTS = {"feed_forward.experts.w1": "block_sparse_moe.experts.{j}.w1.weight",
             "feed_forward.experts.w2": "block_sparse_moe.experts.{j}.w2.weight"}
 
 
-def hf_name(name: str) -> str:
+def _names(args: LlamaArgs | None) -> tuple[dict[str, str], dict[str, str], object]:
+    """(block leaf names, stacked expert templates, the family's adapter or None) for a model with ``args`` (None:
+    the Llama families')."""
+    adapter = None if args is None else hf_adapter(args)
+    if adapter is None:
+        return _LAYER_NAMES, _EXPERTS, None
+    return {**_LAYER_NAMES, **adapter.layer_names}, {**_EXPERTS, **adapter.expert_names}, adapter
+
+
+def _block_leaf(name: str) -> tuple[str, str] | None:
+    """(block index, leaf) of a block's tensor: ``layers.{i}.{leaf}``, or a multi-token prediction module's block
+    ``mtp.{i}.block.{leaf}`` (stored as layer i, DeepSeek's layout)."""
+    head, _, rest = name.partition(".")
+    index, _, leaf = rest.partition(".")
+    if head == "layers":
+        return index, leaf
+    if head == "mtp" and leaf.startswith("block."):
+        return index, leaf.removeprefix("block.")
+    return None
+
+
+def hf_name(name: str, args: LlamaArgs | None = None) -> str:
     """loom parameter name (wrapper segments allowed) -> Hugging Face tensor name (not for stacked experts:
-    ``hf_expert_names``)."""
+    ``hf_expert_names``); ``args``: the model's, for a family with its own names (None: the Llama families')."""
     name = canonical_name(name)
     if name in _TOP:
         return _TOP[name]
-    head, _, rest = name.partition(".")
-    index, _, leaf = rest.partition(".")
-    if head == "layers" and leaf in _LAYER_NAMES:
-        return f"model.layers.{index}.{_LAYER_NAMES[leaf]}"
-    raise KeyError(f"no Hugging Face name for loom parameter {name!r}")
+    layer_names, _, adapter = _names(args)
+    part = _block_leaf(name)
+    if part is not None and part[1] in layer_names:
+        return f"model.layers.{part[0]}.{layer_names[part[1]]}"
+    found = adapter.hf_name(name) if adapter is not None else None
+    if found is None:
+        raise KeyError(f"no Hugging Face name for loom parameter {name!r}")
+    return found
 
 
-def stacked_experts(name: str) -> bool:
+def stacked_experts(name: str, args: LlamaArgs | None = None) -> bool:
     """Whether loom parameter ``name`` is a stacked expert weight (one Hugging Face tensor per expert)."""
-    head, _, rest = canonical_name(name).partition(".")
-    return head == "layers" and rest.partition(".")[2] in _EXPERTS
+    part = _block_leaf(canonical_name(name))
+    return part is not None and part[1] in _names(args)[1]
 
 
-def hf_expert_names(name: str, n_experts: int) -> list[str]:
+def hf_expert_names(name: str, n_experts: int, args: LlamaArgs | None = None) -> list[str]:
     """Stacked loom expert weight -> the Hugging Face tensor of each expert, in expert order."""
-    _, _, rest = canonical_name(name).partition(".")
-    index, _, leaf = rest.partition(".")
-    return [f"model.layers.{index}.{_EXPERTS[leaf].format(j=j)}" for j in range(n_experts)]
+    index, leaf = _block_leaf(canonical_name(name))
+    template = _names(args)[1][leaf]
+    return [f"model.layers.{index}.{template.format(j=j)}" for j in range(n_experts)]
 
 
 def _ignorable(name: str) -> bool:
@@ -210,20 +235,6 @@ def _yarn_settings(params: dict, field: str, where: str) -> YarnScaling:
         raise ConfigError(field, where, f"yarn RoPE scaling lacks {err.args[0]!r}") from None
 
 
-def _check_deepseek(cfg: dict, field: str, where: str) -> None:
-    """A DeepSeek-V3 folder loom holds: multi-head latent attention over dense SwiGLU layers only."""
-    n = int(cfg.get("num_hidden_layers", 0))
-    dense = cfg.get("first_k_dense_replace", 3)
-    if dense is not None and int(dense) < n:
-        raise ConfigError(field, where, f"first_k_dense_replace = {dense} < num_hidden_layers = {n}: DeepSeek's MoE "
-                          "layers (sigmoid group-limited routing, shared experts) are not loom's mixture of experts; "
-                          "allowed: a dense model (first_k_dense_replace >= num_hidden_layers)")
-    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
-    if kv_heads is not None and kv_heads != heads:
-        raise ConfigError(field, where, f"num_key_value_heads = {kv_heads} is not supported for multi-head latent "
-                          f"attention (allowed: num_attention_heads = {heads})")
-
-
 def causal_architecture(name: str) -> str:
     """A ``*ForSequenceClassification`` architecture's ``*ForCausalLM`` (the same body; a reward model's score head
     in place of the LM head: loom.train.reward); any other name as it is."""
@@ -281,8 +292,6 @@ def _check_supported(cfg: dict, field: str, where: str) -> None:
         raise ConfigError(field, where, f"hidden_act {cfg['hidden_act']!r} is not supported (allowed: silu)")
     if cfg.get("mlp_bias"):
         raise ConfigError(field, where, "mlp_bias = true is not supported (loom's feed-forward has no biases)")
-    if family == "deepseek_v3":
-        _check_deepseek(cfg, field, where)
     if cfg.get("attention_bias") and family != "qwen2":  # Llama's and Qwen3's bias the output projection too
         raise ConfigError(field, where, f"attention_bias = true is not supported for {family} (it biases the output "
                                         "projection too; loom biases q/k/v only, as Qwen2)")
@@ -307,9 +316,38 @@ def _check_numbers(cfg: dict, field: str, where: str) -> None:
             raise ConfigError(field, where, f"{CONFIG}: {key} = {cfg[key]!r} must be positive")
 
 
+def _common_args(cfg: dict, field: str, where: str) -> LlamaArgs:
+    """What every family's config.json gives (a family with its own adapter adds the rest)."""
+    for key, allowed in (("hidden_act", "silu"), ("mlp_bias", False)):
+        if cfg.get(key, allowed) != allowed:
+            raise ConfigError(field, where, f"{key} = {cfg[key]!r} is not supported (allowed: {allowed})")
+    try:
+        dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        theta, scaling = _rope_settings(cfg, field, where, yarn=True)
+        return LlamaArgs(dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads, n_kv_heads=n_heads,
+                         ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+                         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+                         max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+                         head_dim=int(cfg.get("head_dim") or dim // n_heads))
+    except KeyError as err:
+        raise ConfigError(field, where, f"{CONFIG} lacks {err.args[0]!r}") from None
+
+
 def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: str = "") -> LlamaArgs:
-    """LlamaArgs from a parsed config.json; ``max_seq_len`` = max_position_embeddings."""
+    """LlamaArgs (a family's subclass where it registers an adapter: loom.models.registry) from a parsed
+    config.json; ``max_seq_len`` = max_position_embeddings."""
     _check_numbers(cfg, field, where)
+    spec = spec_for_hf(cfg)
+    if spec is not None:
+        try:
+            args = spec.hf.args(cfg, _common_args(cfg, field, where), field, where)
+        except KeyError as err:
+            raise ConfigError(field, where, f"{CONFIG} lacks {err.args[0]!r}") from None
+        if args.n_kv_heads != args.n_heads and args.n_heads % args.n_kv_heads:
+            raise ConfigError(field, where, f"num_key_value_heads = {args.n_kv_heads} does not divide "
+                              f"num_attention_heads = {args.n_heads}")
+        return args
     _check_supported(cfg, field, where)
     family = hf_family(cfg)
     try:
@@ -336,15 +374,26 @@ def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: 
 
 
 def llama_args_from_hf(folder: str, field: str = "model.init_from") -> LlamaArgs:
-    """The loom shape of a Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or dense DeepSeek-V3 folder (from its
-    config.json)."""
-    return llama_args_from_hf_config(read_hf_config(folder, field), field, folder)
+    """The loom shape of a Hugging Face folder of a registered family (from its config.json; a family's optional
+    modules as far as the weights hold them: ``HFAdapter.fit``)."""
+    args = llama_args_from_hf_config(read_hf_config(folder, field), field, folder)
+    adapter = hf_adapter(args)
+    if adapter is None or is_loom_checkpoint(folder):  # an import's config copy says what it holds
+        return args
+    try:
+        names = set(weight_files(folder))
+    except UserError:  # no weights to look at (a config alone): the config's word; loading says what is missing
+        return args
+    return adapter.fit(args, lambda name: hf_name(name, args) in names)
 
 
 def hf_architecture(args: LlamaArgs) -> str:
     """The Hugging Face architecture that holds a loom model with these args: Mixtral for experts, Qwen3 for q/k
     norms, Qwen2 for q/k/v biases, Mistral for a sliding window, else Llama; a UserError for a combination none
-    of them holds."""
+    of them holds; a family with its own adapter: its architecture."""
+    adapter = hf_adapter(args)
+    if adapter is not None:
+        return adapter.architecture
     if args.mla:
         if args.moe or args.qk_norm or args.attention_bias or args.sliding_window:
             raise UserError("no Hugging Face architecture holds multi-head latent attention with experts, q/k norms, "
@@ -395,11 +444,12 @@ def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype, score: bool = False
                    "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
     dtype_name = str(dtype).removeprefix("torch.")
     architecture = hf_architecture(args)
-    family = FAMILIES[architecture]
+    adapter = hf_adapter(args)
+    family = adapter.model_type if adapter is not None else FAMILIES[architecture]
     # a Mixtral's router: its own balance loss is not loom's (sequence-wise): off when loading in transformers
     moe = {"num_local_experts": args.moe_experts, "num_experts_per_tok": args.moe_top_k,
-           "output_router_logits": False, "router_jitter_noise": 0.0} if args.moe else {}
-    if args.mla:  # every layer dense; transformers' DeepSeek-V3 keeps head_dim = the RoPE part's width
+           "output_router_logits": False, "router_jitter_noise": 0.0} if args.moe and adapter is None else {}
+    if args.mla and adapter is None:  # all dense; transformers' DeepSeek-V3 keeps head_dim = the RoPE part's width
         moe = {"q_lora_rank": args.q_lora_rank or None, "kv_lora_rank": args.kv_lora_rank,
                "qk_nope_head_dim": args.qk_nope_head_dim, "qk_rope_head_dim": args.qk_rope_head_dim,
                "v_head_dim": args.v_head_dim, "rope_interleave": args.rope_interleave,
@@ -415,7 +465,7 @@ def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype, score: bool = False
         "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": args.attention_bias,
         "mlp_bias": False, "rope_theta": args.rope_theta, "rope_scaling": scaling,
         "rope_parameters": {"rope_theta": args.rope_theta, **(scaling or {"rope_type": "default"})},
-        "torch_dtype": dtype_name, "dtype": dtype_name,
+        "torch_dtype": dtype_name, "dtype": dtype_name, **(adapter.config(args) if adapter is not None else {}),
     }
 
 
@@ -504,12 +554,13 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def _source_names(name: str, param: torch.Tensor, files: dict[str, str], hf_tied: bool) -> list[str]:
+def _source_names(name: str, param: torch.Tensor, files: dict[str, str], hf_tied: bool,
+                  args: LlamaArgs | None = None) -> list[str]:
     """The stored tensors that fill loom parameter ``name``: one, or one per expert for stacked expert weights;
     an untied loom head may start from tied embeddings."""
-    if stacked_experts(name):
-        return hf_expert_names(name, param.shape[0])
-    src = hf_name(name)
+    if stacked_experts(name, args):
+        return hf_expert_names(name, param.shape[0], args)
+    src = hf_name(name, args)
     if src == "lm_head.weight" and src not in files and hf_tied:
         return ["model.embed_tokens.weight"]
     return [src]
@@ -596,7 +647,10 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     if not score:
         _check_tying(model, files, hf_tied, folder)
     params = dict(model.named_parameters())  # tied weights appear once
-    sources = {name: _source_names(name, param, files, hf_tied) for name, param in params.items()}
+    state = model.state_dict(keep_vars=True)  # persistent buffers (a router's selection bias) are weights too
+    params.update({n: b for n, b in model.named_buffers() if n in state})
+    args = model.args
+    sources = {name: _source_names(name, param, files, hf_tied, args) for name, param in params.items()}
     if score:  # a reward model's head: the folder's score head, or (a base model's folder) its own seeded init
         sources.update({n: [SCORE_WEIGHT] if SCORE_WEIGHT in files else [] for n in params
                         if canonical_name(n) == "output.weight"})
@@ -604,8 +658,10 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     missing = sorted(used - set(files))
     if missing:
         raise UserError(f"{folder}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    adapter = hf_adapter(args)
     unused = sorted(n for n in set(files) - used if not _ignorable(n)
-                    and not (n == "lm_head.weight" and (hf_tied or score)))
+                    and not (n == "lm_head.weight" and (hf_tied or score))
+                    and not (adapter is not None and adapter.ignored(n, args)))
     if unused and whole_model:
         raise UserError(f"{folder}: tensors with no place in the loom model: {', '.join(unused[:4])}"
                         f"{' ...' if len(unused) > 4 else ''}")
@@ -620,7 +676,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
         for name, param in params.items():
             if not sources[name]:
                 continue
-            if stacked_experts(name):
+            if stacked_experts(name, args):
                 _read_experts_into(handle_of, sources[name], param, folder)
             else:
                 _read_into(handle_of(sources[name][0]), sources[name][0], param, folder)
@@ -646,7 +702,12 @@ def _layer_leaves(args: LlamaArgs) -> list[str]:
 
 
 def expected_loom_names(args: LlamaArgs) -> list[str]:
-    """Every weight of a loom Llama with these args, in Hugging Face's order; the head only when untied."""
+    """Every weight of a loom Llama with these args, in Hugging Face's order; the head only when untied. A family
+    with its own adapter: its model's state names (persistent buffers included) in the model's order."""
+    if hf_adapter(args) is not None:
+        with torch.device("meta"):
+            names = list(build_model(args.with_(max_seq_len=1)).state_dict())
+        return [n for n in names if not (n == "output.weight" and args.tie_embeddings)]
     names = ["tok_embeddings.weight"]
     for i in range(args.n_layers):
         names += [f"layers.{i}.{leaf}" for leaf in _layer_leaves(args)]
@@ -673,13 +734,14 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs, score: 
         if hasattr(t, "full_tensor"):
             raise TypeError(f"{name} is a DTensor; export needs full tensors (gather them first)")
         t = t.detach().to("cpu")
-        if stacked_experts(name):  # (n, a, b) -> one (b, a) tensor per expert
-            out.update({src: t[j].T.contiguous() for j, src in enumerate(hf_expert_names(name, t.shape[0]))})
+        if stacked_experts(name, args):  # (n, a, b) -> one (b, a) tensor per expert
+            out.update({src: t[j].T.contiguous() for j, src in enumerate(hf_expert_names(name, t.shape[0], args))})
         elif score and name == "output.weight":
             out[SCORE_WEIGHT] = t.contiguous()
         else:
-            out[hf_name(name)] = t.contiguous()
-    return out
+            out[hf_name(name, args)] = t.contiguous()
+    adapter = hf_adapter(args)
+    return out if adapter is None or score else {**out, **adapter.derived(out, args)}
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -914,7 +976,7 @@ def weights_only_model(args: LlamaArgs) -> torch.nn.Module:
     """An uninitialized CPU Llama to load weights into. The RoPE table is not a weight (never saved),
     so it is built one row long instead of max_position_embeddings rows."""
     with torch.device("meta"):
-        model = Llama(args.with_(max_seq_len=1))
+        model = build_model(args.with_(max_seq_len=1))
     return model.to_empty(device="cpu")
 
 
@@ -967,7 +1029,11 @@ def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") 
         # model_only: there is no optimizer state or data position to resume, the run starts at step 0
         _write_json(os.path.join(tmp, STATE), {"step": 0, "model_only": True,
                                                "imported_from": os.path.abspath(hf_folder)})
-        shutil.copyfile(os.path.join(hf_folder, CONFIG), os.path.join(tmp, HF_CONFIG_COPY))
+        adapter = hf_adapter(args)
+        if adapter is None:
+            shutil.copyfile(os.path.join(hf_folder, CONFIG), os.path.join(tmp, HF_CONFIG_COPY))
+        else:  # the family's keys as the import holds them (optional modules its weights lack dropped: ``fit``)
+            _write_json(os.path.join(tmp, HF_CONFIG_COPY), {**read_hf_config(hf_folder, field), **adapter.config(args)})
         has_tokenizer = _copy_hf_companions(hf_folder, tmp)
         with open(os.path.join(tmp, "config.toml"), "w") as fh:
             fh.write(_imported_config_toml(out_folder, args, has_tokenizer))

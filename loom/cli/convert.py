@@ -129,7 +129,7 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
     from loom.checkpoint.hf import (HF_CONFIG_COPY, imported_tokenizer_export, llama_args_from_hf,
                                     llama_args_from_hf_config, tokenizer_export)
     from loom.data import build_tokenizer
-    from loom.models.llama import FLAVORS
+    from loom.models.registry import all_flavors
     from loom.resolve import resolve_model_args
 
     kept = os.path.join(ckpt, HF_CONFIG_COPY)
@@ -138,7 +138,7 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
             return llama_args_from_hf_config(json.load(fh), "--from", kept), imported_tokenizer_export(ckpt)
     cfg = run_config(ckpt, config_file, overrides)
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))
-    base = llama_args_from_hf(cfg.model.init_from) if cfg.model.init_from else FLAVORS[cfg.model.flavor]
+    base = llama_args_from_hf(cfg.model.init_from) if cfg.model.init_from else all_flavors()[cfg.model.flavor]
     args = args.with_(max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
     return args, tokenizer_export(cfg.data.tokenizer, args.max_seq_len)
 

@@ -519,11 +519,11 @@ def built_params(args) -> tuple[int, int]:
     """(parameters of the model built from ``args`` on the meta device, those one token uses: fewer with MoE)."""
     import torch
 
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
     from loom.parallel.expert_parallel import expert_params
 
     with torch.device("meta"):
-        model = Llama(args)
+        model = build_model(args)
     total = sum(p.numel() for p in model.parameters())
     if not args.moe:
         return total, total

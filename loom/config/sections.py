@@ -76,12 +76,13 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    # the names of loom.models.llama.flavors.FLAVORS (a test keeps both in step): listed here so that a
-    # wrong name is reported before torch is imported
-    flavor: str = opt("debug", "model size preset (see loom.models.llama.flavors)",
+    # the names of every family's flavors (loom.models.registry.all_flavors; a test keeps both in step): listed here
+    # so that a wrong name is reported before torch is imported
+    flavor: str = opt("debug", "model size preset of any family (loom.models.registry; docs/models.md)",
                       choices=("debug", "debug_moe", "debug_mla", "125M", "1B", "3B", "8B", "70B", "405B",
-                               "deepseek_v2_lite"))
-    init_from: str = opt("", "Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or dense DeepSeek-V3 folder "
+                               "deepseek_v2_lite", "qwen3_moe_debug", "qwen3_moe_30b_a3b", "deepseek_v3_debug",
+                               "deepseek_v3_671b"))
+    init_from: str = opt("", "Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 folder "
                              "(config.json + safetensors), or a checkpoint of `loom convert --from-hf`, to start from")
     vocab_size: int = opt(0, "embedding rows; 0 = the flavor's (or model.init_from's), else the tokenizer's rounded "
                              "up to a multiple of 128", min=0)
@@ -113,6 +114,16 @@ class ModelConfig:
     moe_ffn_dim: int = opt(0, "hidden width of each expert; 0 = the flavor's (its ffn_dim)", min=0)
     moe_aux_loss: float = opt(0.01, "weight of the sequence-wise load-balancing loss (its gradient joins the "
                                     "backward; the logged loss stays the language-model loss); 0 = off", min=0.0)
+    moe_bias_speed: float = opt(-1.0, "aux-loss-free balancing (DeepSeek-V3): each step every expert's selection "
+                                      "bias moves by this much towards balance (the sign of its load error, loads "
+                                      "summed over all ranks); -1 = the flavor's (0.001 for the DeepSeek-V3 "
+                                      "flavors, off otherwise) or model.init_from's (0.001 for DeepSeek-V3); 0 = "
+                                      "off (the bias stays as loaded)", min=-1.0)
+    mtp_depth: int = opt(-1, "multi-token prediction modules (DeepSeek-V3 family: each predicts one token further, "
+                             "sharing the embedding and output head; not run at inference); -1 = the flavor's or "
+                             "model.init_from's; 0 = none", min=-1)
+    mtp_weight: float = opt(0.3, "weight (lambda) of the multi-token prediction loss, the mean over its modules, "
+                                 "added to the token loss", min=0.0)
     sliding_window: int = opt(0, "sliding-window attention (Mistral): each token attends to itself and the "
                                  "sliding_window - 1 tokens before it; 0 = the model.init_from folder's (none for "
                                  "the flavors); not with parallel.cp > 1", min=0)

@@ -210,10 +210,10 @@ def load(path: str, *, device: str = "auto", dtype="auto", compile: bool | None 
 
 
 def _build(args, folder, kind, lora, dev, dtype, tp_mesh, load_hf_weights):
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
 
     with torch.device("meta"):
-        model = Llama(args)
+        model = build_model(args)
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         if kind == "run" and lora is not None and lora.rank:

@@ -55,12 +55,19 @@ def attention_matmul_params(args) -> int:
 
 
 def matmul_params(args) -> int:
-    """Weights that take part in a matmul per token (embedding lookup excluded, head included)."""
+    """Weights that take part in a matmul per token (embedding lookup excluded, head included): per block its
+    attention and either its dense SwiGLU or its router, the top_k experts a token goes through and the shared
+    experts (``args.moe_layer``: the MoE families keep some blocks dense); multi-token prediction modules
+    (``mtp_depth``) add a block, their input projection and a pass through the head each."""
     attn = attention_matmul_params(args)
-    mlp = 3 * args.dim * args.ffn_dim
-    if getattr(args, "moe_experts", 0):  # the router, and the top_k experts a token goes through
-        mlp = args.dim * args.moe_experts + args.moe_top_k * 3 * args.dim * args.expert_ffn_dim
-    return args.n_layers * (attn + mlp) + args.dim * args.vocab_size
+    dense = 3 * args.dim * args.ffn_dim
+    experts = getattr(args, "moe_experts", 0)
+    routed = args.dim * experts + (args.moe_top_k + getattr(args, "moe_shared_experts", 0)) * 3 * args.dim * \
+        args.expert_ffn_dim if experts else dense
+    moe_layer = getattr(args, "moe_layer", lambda i: bool(experts))
+    depth = getattr(args, "mtp_depth", 0)
+    blocks = sum(attn + (routed if moe_layer(i) else dense) for i in range(args.n_layers + depth))
+    return blocks + depth * 2 * args.dim * args.dim + (1 + depth) * args.dim * args.vocab_size
 
 
 def flops_per_token(args, seq_len: int, adapter_params: int | None = None) -> float:
@@ -70,7 +77,8 @@ def flops_per_token(args, seq_len: int, adapter_params: int | None = None) -> fl
     context = min(seq_len, window) if window else seq_len  # keys a token attends to, at most
     weights = 6 * matmul_params(args) if adapter_params is None else 4 * matmul_params(args) + 6 * adapter_params
     qk_v = args.head_dim + getattr(args, "value_head_dim", args.head_dim)  # scores over q/k, the sum over v
-    return weights + 6 * args.n_layers * args.n_heads * qk_v * context
+    layers = args.n_layers + getattr(args, "mtp_depth", 0)
+    return weights + 6 * layers * args.n_heads * qk_v * context
 
 
 def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None,

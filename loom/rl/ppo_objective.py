@@ -67,10 +67,10 @@ def attach_critic(model: nn.Module) -> nn.Module:
     in place of its LM head, run on the same tokens inside the policy's forward (a forward hook), so DDP, the
     optimizer and checkpoints hold it with the policy. It is trained in full (under LoRA too); PPO copies the
     policy's weights into its trunk as PPO starts (``copy_trunk``)."""
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
 
     with torch.device(model.tok_embeddings.weight.device):
-        critic = model.critic = attach_score_head(Llama(model.args))
+        critic = model.critic = attach_score_head(build_model(model.args))
     state = model.ppo_values = ValueCapture()
     init_policy_buffers = model.init_buffers
 
@@ -139,12 +139,12 @@ class PpoBatch(RolloutBatch):
 def reference_model(trainer) -> nn.Module:
     """A frozen policy without the value head, built in the policy's layout (its parameters are copied in when PPO
     starts: ``set_reference``). No activation checkpointing: nothing runs backward through it."""
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
     from loom.parallel.parallelize import parallelize_llama
 
     cfg = trainer.cfg
     with torch.device("meta"):
-        model = Llama(trainer.model_args)
+        model = build_model(trainer.model_args)
     training = replace(cfg.training, activation_checkpointing="none")
     (ref,) = parallelize_llama(model, trainer.dims, training, cfg.parallel, trainer.device, cfg.run.seed).parts
     ref.requires_grad_(False)

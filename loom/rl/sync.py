@@ -61,10 +61,10 @@ class EngineWeights:
             model, fills, shared = tp_engine_model(policy, trainer.model_args, trainer.cfg.lora, mesh, dtype,
                                                    trainer.device)
             return cls(policy, model, fills, shared, group=mesh.get_group())
-        from loom.models.llama import Llama
+        from loom.models.registry import build_model
 
         with torch.device("meta"):
-            copy = Llama(trainer.model_args)
+            copy = build_model(trainer.model_args)
         apply_lora(copy, trainer.cfg.lora)
         tied = _shared_parameters(copy)
         copy = copy.to(dtype).to_empty(device=trainer.device)
@@ -126,10 +126,10 @@ def tp_engine_model(policy: nn.Module, args, lora, tp_mesh, dtype: torch.dtype, 
     from torch.distributed.tensor import DTensor
 
     from loom.infer.tp import apply_inference_tp
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
 
     with torch.device("meta"):
-        model = Llama(args)
+        model = build_model(args)
     apply_lora(model, lora)
     apply_inference_tp(model, tp_mesh)
     theirs = {canonical_name(n): p for n, p in policy.named_parameters()}
@@ -171,7 +171,7 @@ def whole_model(model: nn.Module) -> nn.Module:
     x B A), for work that runs the engine on the model outside the rollouts (an eval hook); ``model`` itself when
     it is whole. Every rank calls it (the gathers are collectives)."""
     from loom.models.common.lora import LoRALinear
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
 
     if not is_sharded(model):
         return model
@@ -179,7 +179,7 @@ def whole_model(model: nn.Module) -> nn.Module:
         else (dequantized(t) if is_nf4(t) else t).float()
     device = next(model.parameters()).device
     with torch.device("meta"):
-        copy = Llama(model.args)
+        copy = build_model(model.args)
     shared = _shared_parameters(copy)
     copy = copy.to_empty(device=device)
     for (mod0, name0), *others in shared:

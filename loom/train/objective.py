@@ -205,12 +205,12 @@ def frozen_copy(trainer) -> torch.nn.Module:
     parameters and buffers copied from the policy's; no activation checkpointing (nothing runs backward through it)
     and no DDP wrapper (nothing to reduce: every data-parallel rank holds the same weights)."""
     from loom.models.common.init import canonical_name
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
     from loom.parallel.parallelize import parallelize_llama
 
     cfg, (policy,) = trainer.cfg, trainer.parts  # one part: pipeline parallelism is refused under dpo
     with torch.device("meta"):
-        model = Llama(trainer.model_args)
+        model = build_model(trainer.model_args)
     training = replace(cfg.training, activation_checkpointing="none")
     (ref,) = parallelize_llama(model, trainer.dims, training, cfg.parallel, trainer.device, cfg.run.seed).parts
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t

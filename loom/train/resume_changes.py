@@ -62,6 +62,9 @@ RULES: dict[str, tuple[str, str]] = {
     "model.moe_top_k": (APPLIED, "routing only (no weights): from the next step"),
     "model.moe_ffn_dim": (MUST_MATCH, "the expert weights"),
     "model.moe_aux_loss": (APPLIED, "the balance loss weight from the next step"),
+    "model.moe_bias_speed": (APPLIED, "the selection bias's step size from the next step"),
+    "model.mtp_depth": (MUST_MATCH, "the multi-token prediction modules are weights of the model"),
+    "model.mtp_weight": (APPLIED, "the multi-token prediction loss weight from the next step"),
     "model.sliding_window": (MUST_MATCH, "what each token attends to, which the weights were trained for"),
 
     "data.source": (MUST_MATCH, "the token stream that the loader's position counts in"),
@@ -237,10 +240,10 @@ RULES: dict[str, tuple[str, str]] = {
 
 # the fields that resolve to the model's shape: other spellings of the same model are not a change of it
 MODEL_FIELDS = ("model.flavor", "model.init_from", "model.vocab_size", "model.n_layers", "model.tie_embeddings",
-                "model.moe_experts", "model.moe_ffn_dim", "model.sliding_window")
+                "model.moe_experts", "model.moe_ffn_dim", "model.sliding_window", "model.mtp_depth")
 # LlamaArgs fields a resumed run may change (applied or free fields above): not part of "the same model"
 _ARGS_FREE = {"max_seq_len", "residual_init", "moe_top_k", "moe_aux_loss", "attention", "fused_norm",
-              "fused_rope", "fused_swiglu", "fused_loss"}
+              "fused_rope", "fused_swiglu", "fused_loss", "moe_bias_speed", "mtp_weight"}
 
 
 def kind_of(key: str) -> str:

@@ -157,7 +157,7 @@ def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch
     from loom.checkpoint.hf import CONFIG, is_score_config, llama_args_from_hf, load_hf_weights, read_hf_config
     from loom.data import build_tokenizer
     from loom.infer.load import _run_config, find_source
-    from loom.models.llama import Llama
+    from loom.models.registry import build_model
 
     kind, folder = find_source(path)
     if kind == "hf":
@@ -165,7 +165,7 @@ def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch
             raise ConfigError("score", folder, "not a reward model: its config.json names no *ForSequenceClassification "
                               "architecture with num_labels 1")
         with torch.device("meta"):
-            model = attach_score_head(Llama(llama_args_from_hf(folder, "score")))
+            model = attach_score_head(build_model(llama_args_from_hf(folder, "score")))
         model = model.to_empty(device=device)
         load_hf_weights(model, folder)
         tokenizer = build_tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
@@ -182,7 +182,7 @@ def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch
                               "a reward model (training.objective reward)")
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         with torch.device("meta"):
-            model = Llama(resolve_model_args(cfg, tokenizer).with_(fused_loss=False))
+            model = build_model(resolve_model_args(cfg, tokenizer).with_(fused_loss=False))
             apply_lora(model, cfg.lora)
             attach_score_head(model)
         model = model.to_empty(device=device)

@@ -28,7 +28,7 @@ from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.common.layers import attend
 from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, quantize_base
-from loom.models.llama import Llama
+from loom.models.registry import build_model
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.env import DistEnv, ensure_process_group, init_distributed
@@ -61,7 +61,7 @@ def count_params(args, lora=None, score_head: bool = False) -> tuple[int, int]:
     """(parameters, trainable parameters) of the whole model (whatever this rank holds), with ``lora``'s
     adapters where it has a rank, and a reward model's score head in place of the LM head (``score_head``)."""
     with torch.device("meta"):
-        model = Llama(args)
+        model = build_model(args)
         if lora is not None:
             apply_lora(model, lora)
         if score_head:
@@ -196,7 +196,7 @@ class Trainer:
             self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
         self.kernels, self.model_args = self.run.kernels, self.run.model_args
         with torch.device("meta"):
-            model = Llama(self.model_args)
+            model = build_model(self.model_args)
         # LoRA: adapters on lora.targets, the rest frozen (0: off)
         self.n_adapted = apply_lora(model, cfg.lora, frozen_dtype(cfg.lora, cfg.training.dtype))
         self.score_head = cfg.training.objective == "reward"
@@ -306,8 +306,10 @@ class Trainer:
     def _build_steps(self) -> None:
         """The step strategy, chosen once: the whole model on this rank, or a pipeline schedule over its stages."""
         cfg, pm = self.cfg, self.parallel_model
-        self.objective = self._objective or build_objective(cfg.training.objective, self.model_args.fused_loss,
-                                                            cfg.dpo, reward=cfg.reward)
+        # the loss inside the model's forward: fused (no full logits), or with multi-token prediction's own losses
+        in_forward = self.model_args.fused_loss or getattr(self.model_args, "mtp_depth", 0) > 0
+        self.objective = self._objective or build_objective(cfg.training.objective, in_forward, cfg.dpo,
+                                                            reward=cfg.reward)
         ctx = StepContext(self.dims, self.device, self._autocast, self.dims.tp_enabled and cfg.parallel.loss_parallel,
                           cfg.data.document_positions, self.profiler, cfg.training.cuda_graphs)
         if pm.plan is None:
@@ -315,7 +317,8 @@ class Trainer:
         else:
             self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
         self.moe = MoEBalance(self.parts, self.dims, cfg.training.global_batch_size, self.model_args.n_layers,
-                              cfg.training.compile, self.steps.stage_sum) if self.model_args.moe else None
+                              cfg.training.compile, self.steps.stage_sum,
+                              self.model_args) if self.model_args.moe else None
         # metrics.noise_scale (loom.train.noise_scale); resolve allows it only with accumulation and no pipeline
         self.noise = NoiseScaleProbe.build(self.steps, self.dims, self.objective) if cfg.metrics.noise_scale else None
 
@@ -405,6 +408,8 @@ class Trainer:
             if self.diloco:  # every H steps (per fragment), applied or not: the rounds stay aligned
                 self.diloco.after_step(self.step + 1)
         out = {"loss": loss, "grad_norm": norm, "tokens": n_tokens, "lr": lr, "stats": stats}
+        if self.moe:  # aux-loss-free balancing: the selection biases move after the update (loom.train.moe_stats)
+            out["moe_bias"] = self.moe.update_bias(applies, self.device)
         if self.moe:
             balance = self.moe.read(self.device)
             # a pipeline's first schedule run in a process also runs each stage on placeholder inputs (shape
@@ -796,4 +801,5 @@ class Trainer:
             **getattr(self.objective, "record", dict)(),  # e.g. GRPO's rewards and time split
             **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
                if "moe_balance" in out else {}),
+            **{k: float(v) for k, v in out.get("moe_bias", {}).items()},
         }

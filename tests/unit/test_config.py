@@ -133,10 +133,10 @@ def test_to_toml_round_trips_every_field(tmp_path):
 
 
 def test_flavor_choices_match_the_model_flavors():
-    from loom.models.llama.flavors import FLAVORS
+    from loom.models.registry import all_flavors
 
     flavor = next(f for f in dataclasses.fields(SECTIONS["model"]) if f.name == "flavor")
-    assert tuple(flavor.metadata["choices"]) == tuple(FLAVORS)
+    assert tuple(flavor.metadata["choices"]) == tuple(all_flavors())
 
 
 def test_every_field_has_help_and_a_valid_default():

@@ -5,6 +5,7 @@ line; the FLOPs and the planner's parameter counts equal the model's own."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -18,7 +19,7 @@ from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config import build_config  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402
 from loom.models.common.mla import YarnScaling, deinterleave, softmax_scale, yarn_rope_table  # noqa: E402
-from loom.models.llama import FLAVORS, Llama  # noqa: E402
+from loom.models.llama import FLAVORS, Llama, LlamaArgs  # noqa: E402
 from tests.unit.test_hf import (  # noqa: E402
     CONFIG_FIELDS, VOCAB, assert_same_folder, hf_loss, loom_from_hf, save_hf, train_from_hf, write_config)
 
@@ -180,7 +181,9 @@ def test_loom_model_exports_to_transformers(tmp_path, flavor, overrides):
     with torch.no_grad():
         ours = model(tokens)
         assert ours.abs().max() > 1.0 and (hf(tokens).logits - ours).abs().max() < 1e-4
-    assert llama_args_from_hf(out) == model.args.with_(attention="sdpa")
+    back = llama_args_from_hf(out)  # the DeepSeek-V3 family's args (loom.models.deepseek_v3): dense, the same shape
+    assert LlamaArgs(**{f.name: getattr(back, f.name) for f in dataclasses.fields(LlamaArgs)}) == \
+        model.args.with_(attention="sdpa") and not back.moe and not back.mtp_depth
 
 
 def test_round_trip_through_cli(tmp_path):
@@ -209,8 +212,8 @@ def test_training_starts_from_a_deepseek_folder_and_exports_back(tmp_path):
 
 def test_unsupported_deepseek_configs_are_one_line_errors(tmp_path):
     cfg = random_deepseek().config.to_dict()
-    with pytest.raises(ConfigError, match="first_k_dense_replace = 1 < num_hidden_layers = 2: DeepSeek's MoE"):
-        llama_args_from_hf(write_config(tmp_path / "moe", {**cfg, "first_k_dense_replace": 1}))
+    # DeepSeek's MoE layers are the DeepSeek-V3 family's (tests/unit/test_moe_families.py)
+    assert llama_args_from_hf(write_config(tmp_path / "moe", {**cfg, "first_k_dense_replace": 1})).moe_layer(1)
     with pytest.raises(ConfigError, match="num_key_value_heads = 2 is not supported"):
         llama_args_from_hf(write_config(tmp_path / "kv", {**cfg, "num_key_value_heads": 2}))
     with pytest.raises(ConfigError, match="YaRN with attention_factor = 2.0 is not supported"):

@@ -84,4 +84,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_
         for mod, name in others:
             setattr(mod, name, getattr(mod0, name0))
     init_buffers(device)
+    for mod in model.modules():  # state buffers a module keeps (a router's selection bias) start from its reset
+        if hasattr(mod, "reset_state"):
+            mod.reset_state()
     init_parameters(model, seed, std_of, draw_device)

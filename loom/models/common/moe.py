@@ -16,21 +16,49 @@ LocalWeight = Callable[[torch.Tensor], torch.Tensor]  # a parameter -> the tenso
 
 
 class Router(nn.Module):
-    """Top-k over a softmax of the gate's scores (fp32), the k weights renormalized to sum to 1."""
+    """Top-k routing over the gate's scores (fp32): a softmax over the experts (Mixtral, Qwen3-MoE, DeepSeek-V2) or a
+    sigmoid per expert (DeepSeek-V3). ``groups`` > 1: the experts form that many groups and each token picks among
+    the ``topk_groups`` best groups only (a group's score: its best two sigmoid scores summed, or its best softmax
+    score; DeepSeek's group-limited routing). ``bias``: a per-expert bias added to the scores for the choice only,
+    never to the weights (DeepSeek-V3's aux-loss-free balancing; ``expert_bias``, a persistent buffer updated by
+    ``update_expert_bias``). The k weights are renormalized to sum to 1 (``norm_topk``), then scaled by ``scale``."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int):
+    def __init__(self, dim: int, n_experts: int, top_k: int, score: str = "softmax", norm_topk: bool = True,
+                 scale: float = 1.0, groups: int = 1, topk_groups: int = 1, bias: bool = False):
         super().__init__()
-        self.top_k = top_k
+        assert score in ("softmax", "sigmoid") and n_experts % groups == 0 and topk_groups <= groups, \
+            (score, n_experts, groups, topk_groups)
+        self.top_k, self.score, self.norm_topk, self.scale = top_k, score, norm_topk, scale
+        self.groups, self.topk_groups = groups, topk_groups
         self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(n_experts) if bias else None)
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """The selection bias at zero (a model materialized from the meta device: loom.models.common.init)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
 
     def forward(self, x: torch.Tensor,
                 local: LocalWeight | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, E) -> weights (T, k) fp32, experts (T, k) int64, probs (T, n) fp32. ``local``: the gate's weight
-        as this rank computes with it (``MoE.parallel.local``); None: the weight itself."""
+        """x (T, E) -> weights (T, k) fp32, experts (T, k) int64, probs (T, n) fp32 (each token's distribution over
+        the experts, for the balance loss: the softmax, or the sigmoid scores normalized). ``local``: the gate's
+        weight as this rank computes with it (``MoE.parallel.local``); None: the weight itself."""
         weight = self.gate.weight if local is None else local(self.gate.weight)
-        probs = F.linear(x, weight).float().softmax(dim=-1)  # (T, n)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # (T, k)
-        return weights / weights.sum(dim=-1, keepdim=True), experts, probs
+        logits = F.linear(x, weight).float()  # (T, n)
+        scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.groups > 1:
+            grouped = choice.view(choice.shape[0], self.groups, -1)  # (T, G, n / G)
+            best = grouped.topk(2, dim=-1)[0].sum(-1) if self.score == "sigmoid" else grouped.amax(-1)  # (T, G)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_groups, dim=-1)[1], 1.0)  # (T, G)
+            choice = choice.masked_fill(keep.repeat_interleave(grouped.shape[-1], dim=1) == 0, float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1)[1]  # (T, k)
+        weights = scores.gather(1, experts)  # (T, k)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.score == "sigmoid" else scores
+        return weights * self.scale if self.scale != 1.0 else weights, experts, probs
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -176,15 +204,27 @@ class MoE(nn.Module):
     MoEAuxLossAutoScaler): the output, and so the logged loss, is unchanged, and ``set_aux_scale`` (the trainer,
     every step) makes the per-sequence sum that step's share of ``aux_loss x mean over the global batch``.
 
+    ``shared`` > 0: that many experts' width of a SwiGLU every token goes through besides its routed ones
+    (DeepSeekMoE's shared experts, ``shared_experts``: one feed-forward ``shared`` x ``hidden`` wide, as DeepSeek
+    stores it). ``routing``: the ``Router``'s keyword arguments (scores, groups, the selection bias). With the
+    selection bias, a training forward adds the tokens each expert received to ``load`` (the bias update's input:
+    ``update_expert_bias``).
+
     ``parallel``, the block's one extension point: where its experts' weights, tokens and sequences are
     (``LocalExperts``; loom.parallel installs ``loom.parallel.expert_parallel.MoEParallel``)."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, aux_loss: float = 0.0,
-                 fused: bool = False):
+                 fused: bool = False, shared: int = 0, **routing):
         super().__init__()
         self.n_experts, self.top_k, self.aux_loss = n_experts, top_k, aux_loss
-        self.router = Router(dim, n_experts, top_k)
+        self.router = Router(dim, n_experts, top_k, **routing)
         self.experts = Experts(n_experts, dim, hidden, fused=fused)
+        self.shared_experts = None
+        if shared:
+            from loom.models.common.layers import FeedForward
+
+            self.shared_experts = FeedForward(dim, shared * hidden, fused=fused)
+        self.load = None  # (n,) fp32 tokens per expert since the last bias update (with the selection bias only)
         self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
         self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
         self.counted = None  # count_tokens: (B, S) bool, the tokens the balance loss counts (None: all)
@@ -197,7 +237,12 @@ class MoE(nn.Module):
         weights, experts, probs = self.router(flat, par.local)  # (T, k), (T, k), (T, n)
         out = par.reduce_scatter(self._routed(par.gather(flat), par.gather(weights), par.gather(experts)))
         out = out.view(bsz, seq, dim)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         record = _records_balance()
+        if self.router.expert_bias is not None and self.training and record:
+            counts = torch.bincount(experts.flatten(), minlength=self.n_experts).float()  # (n,) this rank's tokens
+            self.load = counts if self.load is None else self.load + counts
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             counted = None if self.counted is None else par.local_tokens(self.counted)  # (B, S)
             assert counted is None or counted.shape == (bsz, seq), "count_tokens: set the mask of each batch"
@@ -255,3 +300,33 @@ def take_balance(model: nn.Module) -> torch.Tensor | None:
     for m in moe_modules(model):
         m.balance_sum = None
     return torch.stack(sums).sum() if sums else None
+
+
+@torch.no_grad()
+def update_expert_bias(blocks: dict[str, MoE], names: list[str], n_experts: int, speed: float, device,
+                       applies: torch.Tensor | None = None,
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each expert's selection bias moves by
+    ``speed`` towards balance, up where the expert received fewer tokens than its block's mean, down where more
+    (the sign of the load error only). ``names``: every MoE block of the whole model, in one order on every rank
+    (a pipeline stage holds some of them, maybe none: ``blocks``, by name); ``reduce`` sums the (blocks, n) loads
+    over every rank, so the bias moves alike everywhere, whatever the layout (a token counted on several ranks
+    counts alike for every expert of its block: the sign is unchanged). ``applies``: the step's verdict (a 0-dim
+    bool tensor; a skipped step moves nothing). Returns the loads (blocks, n) and resets the blocks' counts."""
+    load = torch.zeros(len(names), n_experts, device=device)
+    for i, name in enumerate(names):
+        block = blocks.get(name)
+        if block is not None and block.load is not None:
+            load[i] = block.load.to(device)
+        if block is not None:
+            block.load = None
+    if reduce is not None:
+        load = reduce(load)
+    step = speed * torch.sign(load.mean(dim=1, keepdim=True) - load)  # (blocks, n)
+    if applies is not None:
+        step = step * applies.to(device=device, dtype=step.dtype)
+    for i, name in enumerate(names):
+        block = blocks.get(name)
+        if block is not None and block.router.expert_bias is not None:
+            block.router.expert_bias.add_(step[i].to(block.router.expert_bias.device))
+    return load

@@ -43,6 +43,17 @@ class LlamaArgs:
     moe_top_k: int = 2
     moe_ffn_dim: int = 0  # each expert's hidden width; 0 = ffn_dim
     moe_aux_loss: float = 0.01  # weight of the sequence-wise load-balancing loss
+    # routing (loom.models.common.moe.Router): softmax or sigmoid scores, the k weights renormalized or not and
+    # scaled, group-limited choice (groups, groups kept), shared experts (their width in experts), the per-expert
+    # selection bias (aux-loss-free balancing) and its speed per step (0: the bias stays as loaded)
+    moe_score: str = "softmax"
+    moe_norm_topk: bool = True
+    moe_route_scale: float = 1.0
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_shared_experts: int = 0
+    moe_bias: bool = False
+    moe_bias_speed: float = 0.0
     # which attention every block uses: "gqa" (grouped-query, loom.models.common.layers.Attention) or "mla"
     # (DeepSeek's multi-head latent attention, loom.models.common.mla; docs/mla.md). MLA: n_kv_heads = n_heads,
     # head_dim = qk_nope_head_dim + qk_rope_head_dim (queries and keys), values v_head_dim wide
@@ -87,6 +98,16 @@ class LlamaArgs:
     @property
     def expert_ffn_dim(self) -> int:
         return self.moe_ffn_dim or self.ffn_dim
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` has experts (every block of a MoE model here; the MoE families choose their own)."""
+        return self.moe
+
+    def moe_routing(self) -> dict:
+        """``MoE``'s routing and shared-expert keyword arguments."""
+        return dict(score=self.moe_score, norm_topk=self.moe_norm_topk, scale=self.moe_route_scale,
+                    groups=self.moe_groups, topk_groups=self.moe_topk_groups, bias=self.moe_bias,
+                    shared=self.moe_shared_experts)
 
     def with_(self, **kw) -> "LlamaArgs":
         return replace(self, **kw)

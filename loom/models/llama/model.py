@@ -23,7 +23,9 @@ def model_rope_table(args: LlamaArgs, max_len: int, device=None) -> torch.Tensor
 
 
 class Block(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    """One transformer block; ``index``: its place in the model (whether it has experts: ``args.moe_layer``)."""
+
+    def __init__(self, args: LlamaArgs, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         if args.mla:
@@ -38,9 +40,9 @@ class Block(nn.Module):
                                        qk_norm=args.qk_norm, norm_eps=args.norm_eps, fused_norm=args.fused_norm,
                                        window=args.sliding_window)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
-        if args.moe:
+        if args.moe_layer(index):
             self.feed_forward = MoE(args.dim, args.expert_ffn_dim, args.moe_experts, args.moe_top_k,
-                                    aux_loss=args.moe_aux_loss, fused=args.fused_swiglu)
+                                    aux_loss=args.moe_aux_loss, fused=args.fused_swiglu, **args.moe_routing())
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim, fused=args.fused_swiglu)
 
@@ -57,7 +59,7 @@ class Llama(nn.Module):
         assert args.vocab_size > 0, "resolve the vocabulary size before building the model"
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:

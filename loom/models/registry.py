@@ -1,0 +1,62 @@
+"""The model families loom builds, each registered once (``FAMILIES``): its args type, flavors, how to build it,
+its Hugging Face adapter and FLOPs per token. Everything that builds a model or names a flavor goes through here, so
+a new family is one folder plus one line in ``FAMILIES``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from loom.models.deepseek_v3 import SPEC as DEEPSEEK_V3
+from loom.models.deepseek_v3 import SPEC_V2 as DEEPSEEK_V2
+from loom.models.llama import FLAVORS as LLAMA_FLAVORS
+from loom.models.llama import Llama, LlamaArgs
+from loom.models.qwen3_moe import SPEC as QWEN3_MOE
+from loom.models.spec import HFAdapter, ModelSpec
+
+
+# one line per family
+FAMILIES: list[ModelSpec] = [
+    ModelSpec("llama", LlamaArgs, Llama, dict(LLAMA_FLAVORS)),
+    QWEN3_MOE,
+    DEEPSEEK_V3,
+    DEEPSEEK_V2,  # DeepSeek-V3's folder, DeepSeek-V2's Hugging Face layout
+]
+
+
+def all_flavors() -> dict[str, LlamaArgs]:
+    """Every family's flavors by name."""
+    out: dict[str, LlamaArgs] = {}
+    for spec in FAMILIES:
+        clash = set(out) & set(spec.flavors)
+        assert not clash, f"flavor names {sorted(clash)} in two families"
+        out.update(spec.flavors)
+    return out
+
+
+def spec_of(args: LlamaArgs) -> ModelSpec:
+    """The family of a model's args (the most derived registered args type)."""
+    for klass in type(args).__mro__:
+        for spec in FAMILIES:
+            if spec.args_type is klass:
+                return spec
+    raise KeyError(f"no model family for {type(args).__name__}")
+
+
+def build_model(args: LlamaArgs) -> nn.Module:
+    """The plain model of ``args``' family (on the current default device: meta for a sharded build)."""
+    return spec_of(args).build(args)
+
+
+def hf_adapter(args: LlamaArgs) -> HFAdapter | None:
+    return spec_of(args).hf
+
+
+def spec_for_hf(cfg: dict) -> ModelSpec | None:
+    """The family with its own adapter whose architecture (or model_type) a parsed config.json names; None: the
+    Llama families' (loom.checkpoint.hf)."""
+    archs = [a.removesuffix("ForSequenceClassification") + "ForCausalLM" if a.endswith("ForSequenceClassification")
+             else a for a in cfg.get("architectures") or []]
+    for spec in FAMILIES:
+        if spec.hf is not None and spec.hf.claims(cfg, archs):
+            return spec
+    return None

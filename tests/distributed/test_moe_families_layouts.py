@@ -1,0 +1,42 @@
+"""The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2 and EP2 (FSDP2 over the rest) give one
+process's loss and grad norm at every step (fp32), with DeepSeek's shared experts, group-limited sigmoid routing,
+its aux-loss-free selection bias moving each step (the same max / mean expert load as one process, and the bias
+equal on every rank: ``moe_bias_spread`` 0) and its multi-token prediction module; all in one world-2 job group."""
+
+from __future__ import annotations
+
+from tests.distributed.harness import losses, run_jobs
+from tests.distributed.test_model_parallel import STEPS, job
+
+FLAVORS = {"ds": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01},
+           "q": {"model.flavor": "qwen3_moe_debug"}}
+
+
+def family_job(tmp, name: str, **kw) -> dict:
+    return {**job(tmp, name, **kw), **FLAVORS[name.split("-")[0]]}
+
+
+def test_moe_families_match_single_process(tmp_path):
+    ref = dict(zip(FLAVORS, run_jobs(1, [family_job(tmp_path, f"{f}-single") for f in FLAVORS], str(tmp_path))))
+    jobs = {name: family_job(tmp_path, name, **layout) for name, layout in (
+        ("ds-fsdp2", dict(dp=2, dp_shard=2)), ("ds-ep2", dict(dp=2, dp_shard=2, ep=2)),
+        ("q-fsdp2", dict(dp=2, dp_shard=2)), ("q-ep2", dict(dp=2, dp_shard=2, ep=2)))}
+    results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
+    report, bad = [], []
+    for name, res in results.items():
+        want = ref[name.split("-")[0]]["records"]
+        got = losses(res)
+        dev = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(got, want))
+        gdev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], want))
+        report.append(f"{name}: loss {dev:.1e}, grad norm {gdev:.1e}")
+        if len(got) != STEPS or not (dev < 1e-5 and gdev < 1e-4):
+            bad.append(report[-1])
+        if name.startswith("ds"):
+            if [r["moe_max_load"] for r in res["records"]] != [r["moe_max_load"] for r in want]:
+                bad.append(f"{name}: max / mean expert load differs from one process's")
+            if any(r["moe_bias_spread"] != 0 for r in res["records"]):
+                bad.append(f"{name}: the selection bias differs between ranks")
+    print("\n".join(report))
+    assert not bad, "\n".join(bad + report)
+    ds = ref["ds"]["records"]
+    assert ds[-1]["loss"] < ds[0]["loss"] and ref["q"]["records"][-1]["loss"] < ref["q"]["records"][0]["loss"]

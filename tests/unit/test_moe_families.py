@@ -1,0 +1,245 @@
+"""The Qwen3-MoE and DeepSeek-V3 families (loom.models.qwen3_moe, loom.models.deepseek_v3): logits equal
+transformers' (fp32) on tiny random models, HF -> loom -> HF gives the same tensors back and transformers loads the
+export with the same logits; DeepSeek's multi-token prediction layer round-trips in its published layout and
+transformers skips it; the registry builds each family from its flavor."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from loom.checkpoint.hf import export_hf, llama_args_from_hf, load_hf_weights  # noqa: E402
+from loom.cli.main import main as loom_main  # noqa: E402
+from loom.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Args  # noqa: E402
+from loom.models.qwen3_moe import Qwen3MoeArgs  # noqa: E402
+from loom.models.registry import all_flavors, build_model, spec_of  # noqa: E402
+from tests.unit.test_hf import VOCAB, read_all, save_hf  # noqa: E402
+
+_SHAPE = dict(hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=256,
+              tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _widen(model):
+    """Weights widened from HF's init (norms off 1, biases off 0) so a wrong tensor or route shows far above 1e-4."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if p.ndim == 1 else p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)  # a selection bias that changes which experts win
+    return model.eval()
+
+
+def random_qwen3_moe(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(**{**_SHAPE, **dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=24, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+        rope_theta=1e6, rms_norm_eps=1e-6), **overrides})
+    return _widen(transformers.Qwen3MoeForCausalLM(cfg))
+
+
+def random_deepseek_v3(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(**{**_SHAPE, **dict(
+        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16, kv_lora_rank=32,
+        q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, rope_parameters=YARN), **overrides})
+    return _widen(transformers.DeepseekV3ForCausalLM(cfg))
+
+
+FAMILIES = {"qwen3_moe": random_qwen3_moe, "deepseek_v3": random_deepseek_v3}
+
+
+def loom_of(folder: str):
+    model = build_model(llama_args_from_hf(folder))
+    load_hf_weights(model, folder)
+    return model.eval()
+
+
+def tokens_of(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_config_maps_to_each_family(tmp_path):
+    q = llama_args_from_hf(save_hf(random_qwen3_moe(), tmp_path / "q"))
+    assert type(q) is Qwen3MoeArgs and spec_of(q).name == "qwen3_moe"
+    assert (q.qk_norm, q.n_kv_heads, q.head_dim, q.moe_experts, q.moe_top_k, q.expert_ffn_dim, q.ffn_dim) == \
+        (True, 2, 24, 8, 3, 32, 96)
+    assert [q.moe_layer(i) for i in range(4)] == [True, False, True, True]  # mlp_only_layers = [1]
+    d = llama_args_from_hf(save_hf(random_deepseek_v3(), tmp_path / "d"))
+    assert type(d) is DeepSeekV3Args and d.mla and d.moe_score == "sigmoid" and d.moe_bias
+    assert (d.moe_groups, d.moe_topk_groups, d.moe_shared_experts, d.moe_route_scale, d.first_k_dense) == \
+        (4, 2, 2, 2.5, 1)
+    assert [d.moe_layer(i) for i in range(3)] == [False, True, True]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers(tmp_path, family):
+    hf = FAMILIES[family]()
+    model = loom_of(save_hf(hf, tmp_path / "hf"))
+    tokens = tokens_of(2, 24)
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+        assert theirs.abs().max() > 1.0
+        assert (model(tokens) - theirs).abs().max() < 1e-4
+
+
+def test_softmax_topk_without_renormalizing_matches(tmp_path):
+    """Qwen3-MoE with norm_topk_prob false (the raw softmax weights) and a sparse step of 2."""
+    hf = random_qwen3_moe(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])
+    model = loom_of(save_hf(hf, tmp_path / "hf"))
+    assert [model.args.moe_layer(i) for i in range(4)] == [False, True, False, True]
+    tokens = tokens_of(1, 20)
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_gives_the_folder_back(tmp_path, family):
+    hf = FAMILIES[family]()
+    src = save_hf(hf, tmp_path / "hf")
+    model = loom_of(src)
+    out = str(tmp_path / "out")
+    export_hf(model.state_dict(), model.args, out)
+    a, b = read_all(src), read_all(out)
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert llama_args_from_hf(out) == llama_args_from_hf(src)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(hf)
+    tokens = tokens_of(1, 16, seed=2)
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
+
+
+def test_mtp_layer_round_trips_in_deepseeks_layout(tmp_path):
+    """A loom DeepSeek-V3 with an MTP module exports it as layer n_layers (enorm, hnorm, eh_proj, shared_head, the
+    block, copies of the embedding and head); loom reads it back bit for bit; transformers loads the folder, skips
+    the extra layer and gives loom's logits (MTP is not run at inference)."""
+    args = all_flavors()["deepseek_v3_debug"].with_(vocab_size=VOCAB, max_seq_len=64)
+    torch.manual_seed(0)
+    model = _widen(build_model(args))
+    assert args.mtp_depth == 1 and isinstance(model, DeepSeekV3)
+    out = str(tmp_path / "out")
+    export_hf(model.state_dict(), args, out)
+    stored = read_all(out)
+    n = args.n_layers
+    assert {f"model.layers.{n}.{k}" for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                               "shared_head.norm.weight", "embed_tokens.weight",
+                                               "shared_head.head.weight", "mlp.gate.e_score_correction_bias",
+                                               "self_attn.kv_a_proj_with_mqa.weight")} <= set(stored)
+    with open(os.path.join(out, "config.json")) as fh:
+        assert json.load(fh)["num_nextn_predict_layers"] == 1
+    back = loom_of(out)
+    assert sorted(back.state_dict()) == sorted(model.state_dict())
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = tokens_of(2, 20)
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)).abs().max() < 1e-4
+
+
+def test_mtp_adds_its_weighted_loss_in_training_only():
+    args = all_flavors()["deepseek_v3_debug"].with_(vocab_size=VOCAB, max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.05) if p.ndim > 1 else torch.nn.init.ones_(p)
+    tokens = tokens_of(2, 16)
+    labels = torch.roll(tokens, -1, dims=1)
+    main = model.eval()(tokens, labels=labels)
+    with torch.no_grad():
+        both = model.train()(tokens, labels=labels)
+        plain = build_model(args.with_(mtp_depth=0))
+        plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
+        assert torch.equal(plain.train()(tokens, labels=labels), main)
+    assert both > main and float(both - main) / float(main) == pytest.approx(args.mtp_weight, rel=0.3)
+
+
+def test_cli_round_trip(tmp_path):
+    """`loom convert --from-hf` then `--to-hf` gives a DeepSeek-V3 (MoE) folder back."""
+    src = save_hf(random_deepseek_v3(), tmp_path / "hf")
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert loom_main(["convert", "--from-hf", src, "--to", ckpt]) == 0
+    assert loom_main(["convert", "--from", ckpt, "--to-hf", out]) == 0
+    a, b = read_all(src), read_all(out)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generation_from_the_folder_equals_transformers_greedy(tmp_path, family):
+    """`loom generate --model <folder>`'s engine (loom.infer: KV cache, MLA's latent cache) on each family's folder
+    gives transformers' greedy continuation."""
+    from loom.infer import Generator
+
+    hf = FAMILIES[family]()
+    folder = save_hf(hf, tmp_path / "hf")
+    prompts = [tokens_of(1, n, seed=n)[0].tolist() for n in (5, 9)]
+    outs = Generator(folder, compile=False).generate_ids(prompts, max_new_tokens=8)
+    for prompt, out in zip(prompts, outs):
+        x = torch.tensor([prompt])
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids[:len(want)] == want
+
+
+def test_training_starts_from_a_deepseek_folder_and_exports_back(tmp_path):
+    """model.init_from a DeepSeek-V3 MoE folder: step 1's loss is transformers' on that batch, two steps move the
+    selection bias, and `loom convert --to-hf` of the run's checkpoint loads in transformers with the moved bias."""
+    from tests.unit.test_hf import train_from_hf
+
+    hf = random_deepseek_v3()
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+    src = save_hf(hf, tmp_path / "hf")
+    trainer, first, records = train_from_hf(tmp_path, src)
+    with torch.no_grad():
+        sums = [torch.nn.functional.cross_entropy(hf(mb.inputs).logits.flatten(0, 1), mb.labels.flatten(),
+                                                  ignore_index=-100, reduction="sum") for mb in first]
+    want = sum(sums) / sum(int((mb.labels != -100).sum()) for mb in first)
+    assert records[0]["loss"] == pytest.approx(float(want), rel=1e-4)
+    out = str(tmp_path / "out")
+    ckpt = next(p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert loom_main(["convert", "--from", str(ckpt), "--to-hf", out]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(back) is type(hf)
+    assert back.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_logits_and_round_trip(tmp_path, method):
+    """DeepseekV2ForCausalLM (softmax scores, weights scaled not renormalized, greedy or group-limited top-k): the
+    DeepSeek-V3 family's model with V2's routing gives transformers' logits and exports the same folder back."""
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(**{**_SHAPE, **dict(
+        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16, kv_lora_rank=32,
+        q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, topk_method=method,
+        routed_scaling_factor=1.5, first_k_dense_replace=1, rope_theta=10000.0)})
+    hf = _widen(transformers.DeepseekV2ForCausalLM(cfg))
+    src = save_hf(hf, tmp_path / "hf")
+    model = loom_of(src)
+    assert model.args.moe_score == "softmax" and model.args.moe_groups == (4 if method != "greedy" else 1)
+    tokens = tokens_of(2, 24)
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+        assert theirs.abs().max() > 1.0 and (model(tokens) - theirs).abs().max() < 1e-4
+    out = str(tmp_path / "out")
+    export_hf(model.state_dict(), model.args, out)
+    a, b = read_all(src), read_all(out)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert type(back) is type(hf) and torch.equal(back(tokens).logits, theirs)
