@@ -27,7 +27,8 @@ def opt(default, help: str, *, choices=None, min=None, max=None, min_exclusive=F
 
 @dataclass
 class RunConfig:
-    dir: str = opt("runs/default", "run directory: resolved config, metrics, checkpoints")
+    dir: str = opt("runs/lm", "run directory: resolved config, metrics, checkpoints; unset = runs/<training.objective> "
+                             "(runs/lm, runs/sft, runs/dpo, ...), so runs of different objectives never share one")
     seed: int = opt(0, "seed for weights, data order and dropout-free RNG streams", min=0)
     deterministic: bool = opt(False, "deterministic algorithms (bitwise-reproducible on CPU)")
     device: str = opt("auto", "device type", choices=("auto", "cpu", "cuda"))
