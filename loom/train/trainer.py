@@ -411,8 +411,19 @@ class Trainer:
             out["moe_balance"] = None if result.shape_inference else balance
         return out
 
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether ``step`` has a validation pass: every training.eval_every steps, and the last step
+        (training.eval_at_end) where the layout can run it (a pipeline needs whole schedule runs)."""
+        t = self.cfg.training
+        if t.eval_every and step % t.eval_every == 0:
+            return True
+        return (t.eval_at_end and step == t.steps and self.cfg.data.val_fraction > 0
+                and (self.dims.pp == 1 or t.eval_batches % self.accum == 0))
+
     @torch.no_grad()
-    def evaluate(self) -> float | None:
+    def evaluate(self, quiet: bool = False) -> float | None:
+        """The validation loss on the held-out windows (None without any); ``quiet``: no warning when they hold no
+        target (the pass at the end that training.eval_at_end adds by default)."""
         batches = self.loader.validation(self.cfg.training.eval_batches)
         if not batches:
             return None
@@ -426,7 +437,7 @@ class Trainer:
         for part in self.parts:
             part.train()
         if float(count) == 0:  # held-out windows without a target (SFT: no assistant token): no loss to report
-            if self.env.is_main:
+            if self.env.is_main and not quiet:
                 print(f"step {self.step}: warning: the validation batches hold nothing to evaluate (targets 0): no "
                       "val_loss (raise training.eval_batches or training.seq_len)", flush=True)
             return None
@@ -643,8 +654,9 @@ class Trainer:
                 if logger:
                     logger.progress.update(self.step)
                 val, evals = None, {}
-                if verdict != "stop" and cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
-                    val = self.evaluate()
+                if verdict != "stop" and self._evaluates_at(self.step):
+                    val = self.evaluate(quiet=not (cfg.training.eval_every
+                                                   and self.step % cfg.training.eval_every == 0))
                     evals = self.run_evals()
                 if logs or verdict == "stop":  # the step that stops the run is on record too
                     now = time.perf_counter()

@@ -118,6 +118,15 @@ def test_metrics_jsonl_records(tmp_path):
     assert not os.path.exists(tmp_path / "run" / "tensorboard")  # disabled
 
 
+def test_a_run_ends_with_a_validation_loss_by_default(tmp_path):
+    """training.eval_every 0 (the default) still validates at the last step (training.eval_at_end); the pass
+    after the last step changes no training loss."""
+    records = run_one(job(tmp_path, "run", **{"training.steps": 3}))
+    assert [r["step"] for r in records] == [3] and 0 < records[-1]["val_loss"] < 10
+    off = run_one(job(tmp_path, "off", **{"training.steps": 3, "training.eval_at_end": "false"}))
+    assert off[-1]["val_loss"] is None and off[-1]["loss"] == records[-1]["loss"]
+
+
 def test_tensorboard_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
