@@ -140,7 +140,21 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))
     base = llama_args_from_hf(cfg.model.init_from) if cfg.model.init_from else FLAVORS[cfg.model.flavor]
     args = args.with_(max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
-    return args, tokenizer_export(cfg.data.tokenizer, args.max_seq_len)
+    return args, tokenizer_export(cfg.data.tokenizer, args.max_seq_len, run_chat_template(cfg))
+
+
+def run_chat_template(cfg) -> str | None:
+    """The text of the run's own chat template file (data.chat_template), None where it uses the tokenizer's (the
+    built-in one for the byte tokenizer); a recorded file that is gone is said in one line and left out."""
+    path = cfg.data.chat_template
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        print(f"loom convert: warning: the run's data.chat_template {path} is gone: the export carries the "
+              "tokenizer's own chat template", flush=True)
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
 
 
 def checkpoint_lora(ckpt: str, config_file: str | None, overrides: dict[str, str]):
