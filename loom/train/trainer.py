@@ -603,7 +603,8 @@ class Trainer:
                 print(line, flush=True)
         logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
                                progress=cfg.metrics.progress, start_step=self.step,
-                               config=cfg) if self.env.is_main else None
+                               config=cfg, console=getattr(self.objective, "console", ())) \
+            if self.env.is_main else None
         records: list[dict] = []
         reset_peak(self.device)
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
