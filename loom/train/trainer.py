@@ -715,6 +715,10 @@ class Trainer:
         lora = cfg.lora
         adapters = [f"LoRA rank {lora.rank} on {lora.targets} ({self.n_adapted} linears, base {lora.base_dtype}): "
                     f"{trainable / 1e6:.2f}M trainable parameters, {100 * trainable / total:.2f}%"] if lora.rank else []
+        if lora.rank and not cfg.model.init_from:  # the base stays frozen at its seeded random weights
+            adapters.append("warning: LoRA adapters on an untrained base (no model.init_from): the base stays frozen "
+                            "at its random initialization, so the adapters alone learn; set model.init_from to a "
+                            "trained model (a Hugging Face folder or a `loom convert --to-hf` export)")
         return [
             f"loom: run dir {os.path.abspath(self.run_dir)}",
             f"model: {name}, {total / 1e6:.1f}M params ({args.n_layers} layers, dim {args.dim}, "
