@@ -19,22 +19,33 @@ USAGE = """usage:
                [--max-shard-size 5GB] [--section.field VALUE ...]
   loom convert --from CKPT_FOLDER --to-peft OUT_FOLDER [--config RUN.toml] [--section.field VALUE ...]
 
---from-hf   a Hugging Face LlamaForCausalLM or MixtralForCausalLM folder (config.json + safetensors,
-            sharded or not);
+--from-hf   a Hugging Face folder (config.json + safetensors, sharded or not) of one of the families
+            {families};
             written as a complete loom checkpoint (weights only, step 0) at --to, with the folder's
             tokenizer files in CKPT_FOLDER/tokenizer. Train from it with
             loom train --model.init_from CKPT_FOLDER [--data.tokenizer CKPT_FOLDER/tokenizer].
 --from      a loom checkpoint folder (step_N with COMPLETE.json). Its model shape and tokenizer come
             from the config.toml saved in it (the tokenizer copy in its run dir, wherever that moved) or
             --config, with --flavor / --section.field overrides, e.g. --data.tokenizer when the run's
-            tokenizer is gone. Written to --to-hf as LlamaForCausalLM safetensors (MixtralForCausalLM for
-            a mixture-of-experts model; sharded with an index above --max-shard-size), with config.json,
-            generation_config.json and the tokenizer files: a folder transformers loads as it is.
+            tokenizer is gone. Written to --to-hf as safetensors of the family that holds the model (the
+            list above; sharded with an index above --max-shard-size), with config.json,
+            generation_config.json and the tokenizer files (the chat template the run trained with, the
+            byte tokenizer's built-in one included): a folder transformers loads as it is.
             A LoRA run's checkpoint (lora.rank > 0) is written merged: each adapted weight W + scaling B A.
             A reward model's (training.objective reward) as LlamaForSequenceClassification (num_labels 1,
             score.weight).
 --to-peft   a LoRA run's adapters alone, in PEFT's format (adapter_config.json, adapter_model.safetensors):
             peft.PeftModel.from_pretrained(base, OUT_FOLDER) loads them onto the base model's folder."""
+
+def usage() -> str:
+    """USAGE with the families loom.checkpoint.hf.FAMILIES reads and writes (one source for the help and the code)."""
+    import textwrap
+
+    from loom.checkpoint.hf import FAMILIES
+
+    listed = textwrap.fill(", ".join(FAMILIES), 100, subsequent_indent=" " * 12)
+    return USAGE.format(families=listed)
+
 
 _OPTIONS = ("--from-hf", "--to", "--from", "--to-hf", "--to-peft", "--config", "--flavor", "--max-shard-size")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -260,7 +271,7 @@ def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0
     opts, rest = split_args(argv)
     if "--from-hf" in opts:
