@@ -65,3 +65,20 @@ def test_the_documented_chains_run_as_written(tmp_path, monkeypatch):
             assert tok.apply_chat_template(chat, tokenize=False).endswith("2" + tok.eos_token + "\n")
     for run in ("lm", "sft", "dpo", "grpo", "ppo", "sft_lora", "dpo_merged"):
         assert os.path.isdir(tmp_path / "runs" / run / "checkpoints" / f"step_{STEPS:08d}"), run
+
+
+@pytest.mark.slow
+def test_the_readme_train_commands_run_in_order_in_one_folder(tmp_path, monkeypatch):
+    """The README's `loom train` (its first command's last step), then its `loom train --training.objective sft`
+    and `--training.objective dpo` lines, in one folder: each objective has its own default run dir."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    first = re.findall(r"```bash\n(.*?)```", readme, re.S)[0].strip().split(" && ")[-1]
+    lines = [first] + [ln.split("#")[0].strip() for ln in readme.splitlines()
+                       if re.match(r"loom train --training\.objective (sft|dpo) +#", ln)]
+    assert lines == ["loom train", "loom train --training.objective sft", "loom train --training.objective dpo"]
+    monkeypatch.chdir(tmp_path)
+    for line in lines:
+        extra = ["--dpo.reference", "copy"] if "dpo" in line else []
+        assert loom_main(shlex.split(line)[1:] + SMALL + extra) == 0, line
+    assert sorted(os.listdir(tmp_path / "runs")) == ["dpo", "lm", "sft"]
