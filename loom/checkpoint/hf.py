@@ -801,17 +801,21 @@ def _token_name(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
-def tokenizer_export(spec: str, max_len: int) -> ExportTokenizer:
+def tokenizer_export(spec: str, max_len: int, chat_template: str | None = None) -> ExportTokenizer:
     """The Hugging Face tokenizer files of loom tokenizer ``spec`` with its special ids: for the byte tokenizer
-    a tokenizer.json with the same ids (``ByteTokenizer.hf_json``); for a tokenizer.json its file and companions
-    (chat template included), tokenizer_config.json naming BOS / EOS as loom finds them. ``max_len``: the
-    tokenizer's model_max_length where its config has none."""
+    a tokenizer.json with the same ids (``ByteTokenizer.hf_json``) and the chat template a run on it renders with
+    (``chat_template`` or the built-in one), so that a fine-tuning run from the export and transformers'
+    ``apply_chat_template`` find it; for a tokenizer.json its file and companions (chat template included; a run's
+    own ``chat_template`` text replaces the folder's), tokenizer_config.json naming BOS / EOS as loom finds them.
+    ``max_len``: the tokenizer's model_max_length where its config has none."""
+    from loom.data.chat import BUILTIN_TEMPLATE
+
     tok = build_tokenizer(spec)
     if is_byte(spec):
         special = {"bos_token": tok.token(tok.bos_id), "eos_token": tok.token(tok.eos_id),
                    "pad_token": tok.token(tok.pad_id)}
         conf = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
-                "clean_up_tokenization_spaces": False}
+                "clean_up_tokenization_spaces": False, "chat_template": chat_template or BUILTIN_TEMPLATE}
         files = {TOKENIZER_JSON: tok.hf_json().encode(), "tokenizer_config.json": _json_bytes(conf),
                  "special_tokens_map.json": _json_bytes(special)}
         return ExportTokenizer(files, tok.bos_id, (tok.eos_id,), tok.pad_id)
@@ -827,6 +831,11 @@ def tokenizer_export(spec: str, max_len: int) -> ExportTokenizer:
                                             ("pad_token", pad)) if i is not None}
     conf = {**conf, "tokenizer_class": "PreTrainedTokenizerFast", **special}
     conf.pop("auto_map", None)  # remote code of the source's own tokenizer class: not what this folder holds
+    if chat_template is not None:  # the run's own template (data.chat_template) in place of the folder's
+        if "chat_template.jinja" in files:
+            files["chat_template.jinja"] = chat_template.encode()
+        else:
+            conf["chat_template"] = chat_template
     conf.setdefault("model_max_length", max_len)
     files["tokenizer_config.json"] = _json_bytes(conf)
     stated_map = _read_json_bytes(files.get("special_tokens_map.json"))

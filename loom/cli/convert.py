@@ -19,22 +19,33 @@ USAGE = """usage:
                [--max-shard-size 5GB] [--section.field VALUE ...]
   loom convert --from CKPT_FOLDER --to-peft OUT_FOLDER [--config RUN.toml] [--section.field VALUE ...]
 
---from-hf   a Hugging Face LlamaForCausalLM or MixtralForCausalLM folder (config.json + safetensors,
-            sharded or not);
+--from-hf   a Hugging Face folder (config.json + safetensors, sharded or not) of one of the families
+            {families};
             written as a complete loom checkpoint (weights only, step 0) at --to, with the folder's
             tokenizer files in CKPT_FOLDER/tokenizer. Train from it with
             loom train --model.init_from CKPT_FOLDER [--data.tokenizer CKPT_FOLDER/tokenizer].
 --from      a loom checkpoint folder (step_N with COMPLETE.json). Its model shape and tokenizer come
             from the config.toml saved in it (the tokenizer copy in its run dir, wherever that moved) or
             --config, with --flavor / --section.field overrides, e.g. --data.tokenizer when the run's
-            tokenizer is gone. Written to --to-hf as LlamaForCausalLM safetensors (MixtralForCausalLM for
-            a mixture-of-experts model; sharded with an index above --max-shard-size), with config.json,
-            generation_config.json and the tokenizer files: a folder transformers loads as it is.
+            tokenizer is gone. Written to --to-hf as safetensors of the family that holds the model (the
+            list above; sharded with an index above --max-shard-size), with config.json,
+            generation_config.json and the tokenizer files (the chat template the run trained with, the
+            byte tokenizer's built-in one included): a folder transformers loads as it is.
             A LoRA run's checkpoint (lora.rank > 0) is written merged: each adapted weight W + scaling B A.
             A reward model's (training.objective reward) as LlamaForSequenceClassification (num_labels 1,
             score.weight).
 --to-peft   a LoRA run's adapters alone, in PEFT's format (adapter_config.json, adapter_model.safetensors):
             peft.PeftModel.from_pretrained(base, OUT_FOLDER) loads them onto the base model's folder."""
+
+def usage() -> str:
+    """USAGE with the families loom.checkpoint.hf.FAMILIES reads and writes (one source for the help and the code)."""
+    import textwrap
+
+    from loom.checkpoint.hf import FAMILIES
+
+    listed = textwrap.fill(", ".join(FAMILIES), 100, subsequent_indent=" " * 12)
+    return USAGE.format(families=listed)
+
 
 _OPTIONS = ("--from-hf", "--to", "--from", "--to-hf", "--to-peft", "--config", "--flavor", "--max-shard-size")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -140,7 +151,21 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
     args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))
     base = llama_args_from_hf(cfg.model.init_from) if cfg.model.init_from else all_flavors()[cfg.model.flavor]
     args = args.with_(max_seq_len=max(base.max_seq_len, cfg.training.seq_len))
-    return args, tokenizer_export(cfg.data.tokenizer, args.max_seq_len)
+    return args, tokenizer_export(cfg.data.tokenizer, args.max_seq_len, run_chat_template(cfg))
+
+
+def run_chat_template(cfg) -> str | None:
+    """The text of the run's own chat template file (data.chat_template), None where it uses the tokenizer's (the
+    built-in one for the byte tokenizer); a recorded file that is gone is said in one line and left out."""
+    path = cfg.data.chat_template
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        print(f"loom convert: warning: the run's data.chat_template {path} is gone: the export carries the "
+              "tokenizer's own chat template", flush=True)
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
 
 
 def checkpoint_lora(ckpt: str, config_file: str | None, overrides: dict[str, str]):
@@ -251,7 +276,7 @@ def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0
     opts, rest = split_args(argv)
     if "--from-hf" in opts:

@@ -209,11 +209,34 @@ def _need(opts, *names: str) -> None:
             raise ConfigError("--" + name.replace("_", "-"), None, f"{mode} needs it", show_value=False)
 
 
+def check_script_config(train_args: list[str], workdir: str) -> None:
+    """The job's config before a script that runs later is written: --config FILE exists (a relative path from
+    ``workdir``, where the agents start) and, with the --section.field overrides, is a valid config."""
+    from loom.cli.train import parse_launch
+    from loom.config import build_config, parse_overrides
+
+    launch, rest = parse_launch(train_args)
+    path = launch.config
+    if path:
+        found = path if os.path.isabs(path) else os.path.join(workdir, path)
+        if not os.path.isfile(found):
+            raise ConfigError("--config", path, f"no such file (the job's loom train reads it from {found}; "
+                              "--workdir DIR sets the folder the agents start in)")
+        path = found
+    build_config(path, parse_overrides(rest))
+
+
 def slurm(opts, train_args: list[str]) -> int:
     from loom.ops.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
 
     _need(opts, "nodes", "gpus_per_node")
-    check_train_args(train_args, None)  # the layout may be set on the cluster
+    # the script runs on the cluster's shared filesystem: --config is looked for from --workdir (the layout may be
+    # set on the cluster, so it is not checked against a world size)
+    check_script_config(train_args, os.path.abspath(opts.workdir or os.getcwd()))
+    if not opts.cpus_per_node:
+        print("loom launch: warning: no --cpus-per-node, so the script asks for no --cpus-per-task and SLURM gives "
+              "each node's task (the agent and its workers) its default CPUs, often 1: data loading and the workers' "
+              "threads share them; pass --cpus-per-node C (e.g. the node's cores)", file=sys.stderr, flush=True)
     job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.account, opts.job_name,
                    cpus_per_node=opts.cpus_per_node, port=opts.master_port or DEFAULT_PORT, extra=opts.sbatch)
     text = sbatch_script(job, train_args, workdir=os.path.abspath(opts.workdir or os.getcwd()), python=opts.python,

@@ -9,6 +9,7 @@ import sys
 import time
 
 from loom.config import ConfigError, build_config, parse_overrides
+from loom.config.load import read_toml
 from loom.config.errors import require
 from loom.config.paths import check_file_writable
 
@@ -254,9 +255,12 @@ def main(argv: list[str]) -> int:
     if opts["plot"]:
         require("matplotlib", "report", purpose="loom plan --plot")
     gpu = gpu_kind(opts["gpu"])
-    cfg = build_config(opts["config"], parse_overrides(rest))
+    overrides = parse_overrides(rest)
+    cfg = build_config(opts["config"], overrides)
     if lora_note(cfg):
         print(lora_note(cfg), file=sys.stderr, flush=True)
+    if "training.global_batch_size" not in {**(read_toml(opts["config"]) if opts["config"] else {}), **overrides}:
+        fit_default_global_batch(cfg, opts["gpus"])
     margin = margin_gib(opts["margin"], gpu)
     if opts["generate"]:
         return main_generate(opts, cfg, gpu, margin)
@@ -291,6 +295,27 @@ def main(argv: list[str]) -> int:
 
         plot_plan(est, opts["plot"], ranked=best)
     return 0
+
+
+def fit_default_global_batch(cfg, gpus: int) -> None:
+    """The default training.global_batch_size (16 sequences: the debug run's) rounded up to a multiple of
+    micro_batch_size x the layout's data-parallel size on ``gpus`` GPUs, said in one line: a plan of a big layout
+    then runs without the user first working out a valid batch. A global batch the user set is never changed."""
+    from loom.parallel.dims import ParallelDims
+    from loom.parallel.fault_tolerance import replica_groups
+
+    try:
+        dp = ParallelDims.from_config(cfg.parallel, gpus).dp_size * replica_groups(cfg.parallel)
+    except ConfigError:  # an invalid layout is reported by the estimate, naming its field
+        return
+    t = cfg.training
+    unit = t.micro_batch_size * dp
+    if t.global_batch_size % unit:
+        planned = -(-t.global_batch_size // unit) * unit
+        print(f"loom plan: the default training.global_batch_size {t.global_batch_size} is not a multiple of "
+              f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp} on {gpus} GPUs: planned with "
+              f"{planned} (set --training.global_batch_size to choose)")
+        t.global_batch_size = planned
 
 
 def write_outputs(opts: dict, report: dict) -> None:

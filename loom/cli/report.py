@@ -10,35 +10,56 @@ from types import SimpleNamespace
 from loom.config.errors import ConfigError, UserError, require
 from loom.config.paths import check_file_writable
 
-USAGE = """usage: loom report RUN_DIR [RUN_DIR ...] [--out PREFIX]
+USAGE = """usage: loom report RUN_DIR [RUN_DIR ...] [--out PREFIX] [--metrics a,b,c]
 
 Plots loss and validation loss, learning rate, tokens/s, MFU, memory and gradient norm over steps from each
-RUN_DIR/metrics.jsonl, the runs overlaid and labelled by their dirs; for pipeline runs also each stage's
-measured idle fraction against the schedule's theoretical bubble. Writes PREFIX.png and PREFIX.html (the PNG
-inline and a table of the final figures; no external assets). Default PREFIX: RUN_DIR/report of the first run.
-Needs matplotlib (pip install 'loom-train[report]')."""
+RUN_DIR/metrics.jsonl, the runs overlaid and labelled by their dirs; then each run's method's own panels
+(training.objective in its config.toml: DPO and the reward model their accuracy and chosen / rejected rewards,
+GRPO and PPO their reward and its parts, accuracy and KL to the reference); for pipeline runs also each stage's
+measured idle fraction against the schedule's theoretical bubble. --metrics adds a panel per named field of
+metrics.jsonl (any field logged as a number, e.g. --metrics reward_std,completion_length). Writes PREFIX.png and
+PREFIX.html (the PNG inline and a table of the final figures; no external assets). Default PREFIX:
+RUN_DIR/report of the first run. Needs matplotlib (pip install 'loom-train[report]')."""
 
 
-def parse_args(argv: list[str]) -> tuple[list[str], str | None]:
-    """(run dirs, --out prefix or None)."""
-    dirs, out, i = [], None, 0
+def parse_args(argv: list[str]) -> tuple[list[str], str | None, tuple[str, ...]]:
+    """(run dirs, --out prefix or None, --metrics fields)."""
+    dirs, out, metrics, i = [], None, (), 0
     while i < len(argv):
         name, eq, val = argv[i].partition("=")
-        if name == "--out":
+        if name in ("--out", "--metrics"):
             if not eq:
                 if i + 1 >= len(argv):
-                    raise ConfigError("--out", None, "missing value after the option", show_value=False)
+                    raise ConfigError(name, None, "missing value after the option", show_value=False)
                 val, i = argv[i + 1], i + 1
-            out = val
+            if name == "--out":
+                out = val
+            else:
+                metrics = tuple(dict.fromkeys(k.strip() for k in val.split(",") if k.strip()))
+                if not metrics:
+                    raise ConfigError("--metrics", val, "expected a comma list of metrics.jsonl fields")
         elif argv[i].startswith("-"):
-            raise ConfigError(argv[i], None, "unknown option; allowed: --out PREFIX (see `loom report --help`)",
-                              show_value=False)
+            raise ConfigError(argv[i], None, "unknown option; allowed: --out PREFIX, --metrics a,b,c (see `loom "
+                              "report --help`)", show_value=False)
         else:
             dirs.append(argv[i])
         i += 1
     if not dirs:
         raise UserError("loom report needs at least one run dir (see `loom report --help`)")
-    return dirs, out
+    return dirs, out, metrics
+
+
+def method_panels(run_dir: str) -> tuple:
+    """The panels of the run's method (its objective class's ``panels``), from training.objective in its
+    config.toml; none where the config cannot say (a hand-made metrics.jsonl)."""
+    from loom.cli.train import OBJECTIVE_CLASSES, objective_class
+
+    try:
+        with open(os.path.join(run_dir, "config.toml"), "rb") as fh:
+            name = tomllib.load(fh).get("training", {}).get("objective", "lm")
+    except (OSError, tomllib.TOMLDecodeError):
+        return ()
+    return tuple(objective_class(name).panels) if name in OBJECTIVE_CLASSES else ()
 
 
 def output_paths(dirs: list[str], out: str | None) -> tuple[str, str]:
@@ -81,16 +102,17 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    dirs, out = parse_args(argv)
+    dirs, out, metrics = parse_args(argv)
     png_path, html_path = output_paths(dirs, out)
     for path in (png_path, html_path):
         check_file_writable("--out", path, "report.png")
-    from loom.metrics.report import load_run, write_report
+    from loom.metrics.report import extra_panels, load_run, write_report
 
     runs = [load_run(d) for d in dirs]  # a missing metrics.jsonl stops before any plotting
+    extra = extra_panels(runs, tuple(p for d in dirs for p in method_panels(d)), metrics)  # an unknown field too
     require("matplotlib", "report", purpose="loom report")
     for d, run in zip(dirs, runs):
         run.bubble = theoretical_bubble(d, run.records)
-    write_report(runs, png_path, html_path)
+    write_report(runs, png_path, html_path, extra)
     print(f"loom report: {png_path} and {html_path} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
     return 0

@@ -22,6 +22,9 @@ FILE (or - for standard input): JSON lines, each one of
   {"prompt": [messages], "completion": [messages]}   conversations: the prompt's messages, then the completion's
   {"messages": [messages]}                      a whole conversation
   {"text": "..."}                               text as it is (no template)
+  {"prompt": ..., "chosen": ..., "rejected": ...}   a preference pair, as `training.objective reward` and dpo read
+                                                it (strings, messages, or TRL's implicit prompt: no "prompt"):
+                                                both scored, as "score_chosen" and "score_rejected"
 other fields are kept.
 
 options:
@@ -52,6 +55,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def items_of(row, where: str) -> tuple:
+    """What the reward model scores for one row: (a conversation or a string,), or for a preference pair (the
+    training pairs' format, loom.data.dpo) (prompt + chosen, prompt + rejected)."""
+    if isinstance(row, dict) and "chosen" in row and "rejected" in row:
+        from loom.data.dpo import from_row
+
+        try:
+            pair = from_row(row, where)
+        except ConfigError as err:  # the option's name, not the training field's
+            raise ConfigError("--file", where, err.allowed) from None
+        return pair.prompt + pair.chosen, pair.prompt + pair.rejected
+    return (item_of(row, where),)
+
+
 def item_of(row, where: str):
     """What the reward model scores for one row: a conversation (a list of messages) or a string."""
     if not isinstance(row, dict):
@@ -70,8 +87,8 @@ def item_of(row, where: str):
     raise ConfigError("--file", where, 'a row needs "prompt" and "completion", "messages" or "text"')
 
 
-def read_rows(path: str) -> list[tuple[dict, object]]:
-    """(row, item) of every non-empty line of ``path`` ('-': stdin)."""
+def read_rows(path: str) -> list[tuple[dict, tuple]]:
+    """(row, items: ``items_of``) of every non-empty line of ``path`` ('-': stdin)."""
     try:
         if path == "-":
             lines, name = sys.stdin.read().splitlines(), "stdin"
@@ -92,7 +109,7 @@ def read_rows(path: str) -> list[tuple[dict, object]]:
             raise ConfigError("--file", f"{name}:{i}", f"not a JSON object ({err.msg})") from None
         except RecursionError:
             raise ConfigError("--file", f"{name}:{i}", "nests JSON too deeply to read") from None
-        out.append((row, item_of(row, f"{name}:{i}")))
+        out.append((row, items_of(row, f"{name}:{i}")))
     if not out:
         raise ConfigError("--file", name, "holds no rows")
     return out
@@ -127,8 +144,18 @@ def main(argv: list[str]) -> int:
             scorer.template = load_template(opts.chat_template, scorer.tokenizer)
         except ConfigError as err:  # the option's name, not the training field's
             raise ConfigError("--chat-template", opts.chat_template, err.allowed) from None
-    scores = scorer([item for _, item in rows], opts.batch_size)
-    lines = "".join(json.dumps({**row, "score": s}, ensure_ascii=False) + "\n" for (row, _), s in zip(rows, scores))
+    flat = scorer([item for _, items in rows for item in items], opts.batch_size)
+    scored, pairs, k = [], [], 0
+    for row, items in rows:
+        if len(items) == 2:  # a preference pair
+            c, r = flat[k], flat[k + 1]
+            scored.append({**row, "score_chosen": c, "score_rejected": r})
+            pairs.append(c > r)
+        else:
+            scored.append({**row, "score": flat[k]})
+        k += len(items)
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in scored)
+    scores = [row["score"] for row in scored if "score" in row]
     if opts.output:
         from loom.cli.generate import write_whole
 
@@ -136,7 +163,11 @@ def main(argv: list[str]) -> int:
     else:
         sys.stdout.write(lines)
     if not opts.quiet:
-        mean = sum(scores) / len(scores)
-        print(f"loom score: {len(scores)} row{'s' if len(scores) != 1 else ''}, mean score {mean:.4f}"
-              + (f" -> {opts.output}" if opts.output else ""), file=sys.stderr)
+        parts = [f"{len(scored)} row{'s' if len(scored) != 1 else ''}"]
+        if scores:
+            parts.append(f"mean score {sum(scores) / len(scores):.4f}")
+        if pairs:
+            parts.append(f"{len(pairs)} pair{'s' if len(pairs) != 1 else ''}, chosen above rejected in "
+                         f"{sum(pairs) / len(pairs):.1%}")
+        print(f"loom score: {', '.join(parts)}" + (f" -> {opts.output}" if opts.output else ""), file=sys.stderr)
     return 0

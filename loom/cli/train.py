@@ -330,6 +330,26 @@ def run_worker(argv: list[str]) -> None:
         raise
 
 
+# training.objective -> (module, class) of its objective; the classes carry each method's console fields and report
+# panels (``console``, ``panels``). The trainer builds the first four itself (loom.train.objective.build_objective);
+# loom.rl sits above loom.train, so GRPO's and PPO's are built here and handed in (HANDED_IN).
+OBJECTIVE_CLASSES = {"lm": ("loom.train.objective", "LanguageModeling"),
+                     "sft": ("loom.train.objective", "LanguageModeling"),
+                     "dpo": ("loom.train.objective", "DirectPreference"),
+                     "reward": ("loom.train.reward", "RewardModeling"),
+                     "grpo": ("loom.rl.objective", "GroupRelative"),
+                     "ppo": ("loom.rl.ppo_objective", "ProximalPolicy")}
+HANDED_IN = ("grpo", "ppo")
+
+
+def objective_class(name: str):
+    """The class of training.objective ``name`` (imported on demand)."""
+    import importlib
+
+    module, cls = OBJECTIVE_CLASSES[name]
+    return getattr(importlib.import_module(module), cls)
+
+
 def _train_worker(argv: list[str]) -> None:
     from loom.parallel.env import destroy_distributed
     from loom.train.restarts import check_layout
@@ -337,15 +357,8 @@ def _train_worker(argv: list[str]) -> None:
 
     cfg, _ = load_config(argv)
     check_layout(cfg, env_world_size())  # a job an elastic agent (re-)formed: a layout its world cannot hold
-    objective = None
-    if cfg.training.objective == "grpo":  # loom.rl sits above loom.train: the objective is handed in
-        from loom.rl.objective import GroupRelative
-
-        objective = GroupRelative(cfg)
-    elif cfg.training.objective == "ppo":
-        from loom.rl.ppo_objective import ProximalPolicy
-
-        objective = ProximalPolicy(cfg)
+    name = cfg.training.objective
+    objective = objective_class(name)(cfg) if name in HANDED_IN else None
     Trainer(cfg, objective=objective).fit()
     # Only after success: on an error, peers may sit in a collective and a collective teardown would hang
     # (the launcher stops them). The trainer is gone by now (DDP's reducer holds the group), so the group

@@ -68,7 +68,8 @@ def opt(default, help: str, *, choices=None, min=None, max=None, min_exclusive=F
 
 @dataclass
 class RunConfig:
-    dir: str = opt("runs/default", "run directory: resolved config, metrics, checkpoints")
+    dir: str = opt("runs/lm", "run directory: resolved config, metrics, checkpoints; unset = runs/<training.objective> "
+                             "(runs/lm, runs/sft, runs/dpo, ...), so runs of different objectives never share one")
     seed: int = opt(0, "seed for weights, data order and dropout-free RNG streams", min=0)
     deterministic: bool = opt(False, "deterministic algorithms (bitwise-reproducible on CPU)")
     device: str = opt("auto", "device type", choices=("auto", "cpu", "cuda"))
@@ -188,7 +189,10 @@ class TrainingConfig:
                                         choices=("none", "full", "every_k", "op"))
     ac_every: int = opt(2, "with activation_checkpointing=every_k: checkpoint every k-th block", min=1)
     max_norm: float = opt(1.0, "gradient clipping by global norm; 0 = off", min=0.0)
-    eval_every: int = opt(0, "validation every N steps; 0 = never", min=0)
+    eval_every: int = opt(0, "validation every N steps; 0 = only at the end (training.eval_at_end)", min=0)
+    eval_at_end: bool = opt(True, "a validation pass at the last step too, so every run ends with a val_loss "
+                                  "(skipped without held-out data, or where parallel.pp > 1 and training.eval_batches "
+                                  "is not a multiple of the pipeline's micro-batch count)")
     eval_batches: int = opt(4, "micro-batches per rank for one validation pass", min=1)
     eval_hook: str = opt("", "'module:function' also run at every validation point: called with a "
                              "loom.eval.hook.EvalContext (the live model, tokenizer, step), it returns {name: number}, "

@@ -53,7 +53,11 @@ def pairs(spec: SourceSpec) -> Iterator[Pair]:
 def from_row(row: dict, where: str, errors: str = "strict") -> Pair:
     """One row as a pair. Three strings: the prompt is a user message, chosen and rejected assistant messages (so
     that they go through the chat template, as SFT's prompt-completion strings do). Lists of messages (TRL's
-    conversational format): the prompt's messages, then the chosen or the rejected ones."""
+    conversational format): the prompt's messages, then the chosen or the rejected ones. Without 'prompt' (TRL's
+    implicit-prompt format: chosen and rejected are whole conversations, or texts, with a shared beginning) the
+    prompt is their common prefix, as TRL's ``extract_prompt`` takes it."""
+    if "prompt" not in row and "chosen" in row and "rejected" in row:
+        row = implicit_prompt(row, where)
     missing = [c for c in COLUMNS if c not in row]
     if missing:
         raise ConfigError("data.source", where, f"a preference pair needs 'prompt', 'chosen' and 'rejected'; it has "
@@ -67,6 +71,26 @@ def from_row(row: dict, where: str, errors: str = "strict") -> Pair:
         return Pair(*(checked_messages(v, where, c, errors) for v, c in zip(values, COLUMNS)), where)
     raise ConfigError("data.source", where, "'prompt', 'chosen' and 'rejected' must all be strings or all lists of "
                       f"messages; got {', '.join(type(v).__name__ for v in values)}")
+
+
+def implicit_prompt(row: dict, where: str) -> dict:
+    """``row`` with 'prompt' the longest common prefix of 'chosen' and 'rejected' (messages, or characters of two
+    texts, a space before the split going with the completions) and each of them the rest: TRL's extract_prompt."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if not (isinstance(chosen, list) and isinstance(rejected, list)
+            or isinstance(chosen, str) and isinstance(rejected, str)):
+        return row  # the missing 'prompt' is reported with the other columns' types
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+        n -= 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        what = "messages" if isinstance(chosen, list) else "characters"
+        raise ConfigError("data.source", where, "no 'prompt': chosen and rejected must then share a beginning (the "
+                          f"prompt, TRL's implicit-prompt format) and differ after it; they share {n} {what} of "
+                          f"{len(chosen)} and {len(rejected)}")
+    return {**row, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
 def docstring_preferences(paths: list[str], rejected: str = "docstring") -> Iterator[Pair]:

@@ -27,14 +27,43 @@ def _fmt_time(s: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def format_line(rec: dict, total_steps: int) -> str:
+# A console field: (label, record key, format spec). The objective chooses its own (its ``console`` attribute, e.g.
+# DPO's accuracy and margin, GRPO's reward and accuracy); a key ending in "/*" stands for every record key under that
+# prefix not shown yet (each shown under its own name, "_std" spreads left out); the spec "flag" shows the label
+# alone where the value is true (GRPO's warm-up steps).
+ConsoleField = tuple[str, str, str]
+
+
+def console_parts(rec: dict, fields: tuple[ConsoleField, ...]) -> list[str]:
+    """The objective's part of a console line: each field the record holds a number for, in ``fields`` order."""
+    parts, shown = [], set()
+    for label, key, spec in fields:
+        if key.endswith("/*"):
+            prefix = key[:-1]
+            keys = [k for k in rec if k.startswith(prefix) and not k.endswith("_std") and k not in shown]
+            named = [(k[len(prefix):], k) for k in keys]
+        else:
+            named = [(label, key)]
+        for name, k in named:
+            value = rec.get(k)
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            shown.add(k)
+            if spec == "flag":
+                if value:
+                    parts.append(name)
+            else:
+                parts.append(f"{name} {value:{spec}}")
+    return parts
+
+
+def format_line(rec: dict, total_steps: int, fields: tuple[ConsoleField, ...] = ()) -> str:
+    """The console line of a record: step, loss, validation loss, ``fields`` (the objective's), then the run's
+    figures (grad norm, LR, throughput, MFU, memory, skipped steps)."""
     parts = [f"step {rec['step']:>{len(str(total_steps))}}/{total_steps}", f"loss {rec['loss']:.4f}"]
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
-    if rec.get("val_rewards/accuracy") is not None:
-        parts.append(f"val acc {rec['val_rewards/accuracy']:.3f}")
-    if rec.get("rewards/accuracy") is not None:  # DPO
-        parts.append(f"acc {rec['rewards/accuracy']:.3f} margin {rec['rewards/margins']:.3f}")
+    parts += console_parts(rec, fields)
     if rec.get("moe_balance") is not None:
         parts.append(f"balance {rec['moe_balance']:.3f}")
     parts += [f"gnorm {rec['grad_norm']:.3f}", f"lr {rec['lr']:.2e}",
@@ -311,8 +340,8 @@ class MetricsLogger:
     ``metrics`` section asks (the flattened config is their run config)."""
 
     def __init__(self, run_dir: str, total_steps: int, *, tensorboard: bool, progress: bool, start_step: int,
-                 config=None):
-        self.total = total_steps
+                 config=None, console: tuple[ConsoleField, ...] = ()):
+        self.total, self.console = total_steps, tuple(console)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         # first: a missing package or a refused login stops the run before anything is written
         self._trackers = [] if config is None else \
@@ -361,7 +390,7 @@ class MetricsLogger:
         for tracker in self._trackers:
             tracker.log(values, rec["step"])
         self.progress.clear()
-        print(format_line(rec, self.total), flush=True)
+        print(format_line(rec, self.total, self.console), flush=True)
 
     def close(self) -> None:
         """Called from the trainer's ``finally``: an exception on its way out marks the W&B / MLflow run failed."""

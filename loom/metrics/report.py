@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 from loom.config.errors import UserError, require
 
-# (title, the record fields drawn in it, y axis label); a field's first panel is where it is drawn
+# (title, the record fields drawn in it, y axis label); a field's first panel is where it is drawn. A field ending in
+# "/*" stands for every recorded field under that prefix ("_std" spreads left out). Every run gets these; a method's
+# own panels (its objective's ``panels``, e.g. GRPO's reward, accuracy and KL) and `--metrics a,b,c` come after.
+Panel = tuple[str, tuple[str, ...], str]
 PANELS = (
     ("loss", ("loss", "val_loss"), "cross-entropy"),
     ("learning rate", ("lr",), "lr"),
@@ -92,12 +95,47 @@ def idle_series(records: list[dict]) -> dict[int, tuple[list[int], list[float]]]
     return out
 
 
+def recorded_keys(records: list[dict]) -> list[str]:
+    """Every field that is a number in some record, in first-seen order (what `--metrics` may name)."""
+    return list(dict.fromkeys(k for r in records for k, v in r.items() if k != "step" and _number(v)))
+
+
 def load_run(run_dir: str, label: str | None = None, bubble: float | None = None) -> RunSeries:
-    """A run dir's series, labelled by the dir as given unless ``label`` is."""
+    """A run dir's series (of the common panels' fields and every other field recorded as a number), labelled by
+    the dir as given unless ``label`` is."""
     path = metrics_path(run_dir)
     records = read_records(path)
-    return RunSeries(label or os.path.normpath(run_dir), path, records, {k: series(records, k) for k in SERIES},
+    keys = dict.fromkeys([*SERIES, *recorded_keys(records)])
+    return RunSeries(label or os.path.normpath(run_dir), path, records, {k: series(records, k) for k in keys},
                      idle_series(records), bubble)
+
+
+def panel_keys(keys: tuple[str, ...], run: RunSeries) -> list[str]:
+    """A panel's fields for ``run``: each "prefix/*" expanded to the run's recorded fields under it."""
+    out = []
+    for key in keys:
+        if key.endswith("/*"):
+            out += [k for k in run.series if k.startswith(key[:-1]) and not k.endswith("_std")]
+        else:
+            out.append(key)
+    return list(dict.fromkeys(out))
+
+
+def extra_panels(runs: list[RunSeries], method_panels: tuple[Panel, ...] = (),
+                 metrics: tuple[str, ...] = ()) -> tuple[Panel, ...]:
+    """The panels after the common ones: the methods' own that any run has data for, then one per ``metrics``
+    field (a field no run recorded is the user's one-line error naming the fields they did)."""
+    def drawn(keys):
+        return any(run.series.get(k, ((), ()))[0] for run in runs for k in panel_keys(keys, run))
+
+    out = [p for p in dict.fromkeys(method_panels) if drawn(p[1])]
+    for key in metrics:
+        if not drawn((key,)):
+            known = sorted({k for run in runs for k, (steps, _) in run.series.items() if steps})
+            raise UserError(f"--metrics: {key!r} is not a number in any record of "
+                            f"{', '.join(r.path for r in runs)}; recorded: {', '.join(known)}")
+        out.append((key, (key,), key))
+    return tuple(out)
 
 
 def steady(values: list[float]) -> list[float]:
@@ -139,28 +177,30 @@ def new_figure(purpose: str, **kwargs):
     return Figure(**kwargs)
 
 
-def figure(runs: list[RunSeries]):
-    """The report's figure: one panel per entry of PANELS, plus measured idle per pp rank against the
-    theoretical bubble when a run is a pipeline run; runs overlaid, one color each, labelled by run dir."""
+def figure(runs: list[RunSeries], extra: tuple[Panel, ...] = ()):
+    """The report's figure: one panel per entry of PANELS, then ``extra`` (``extra_panels``: the methods' own and
+    `--metrics`), plus measured idle per pp rank against the theoretical bubble when a run is a pipeline run; runs
+    overlaid, one color each, labelled by run dir."""
     from matplotlib.ticker import PercentFormatter
 
     pipeline = any(r.idle for r in runs)
-    panels = len(PANELS) + pipeline
+    drawn = PANELS + tuple(extra)
+    panels = len(drawn) + pipeline
     cols = 3
     rows = -(-panels // cols)
     fig = new_figure("loom report", figsize=(6 * cols, 4 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    for ax, (title, keys, ylabel) in zip(axes, PANELS):
+    for ax, (title, keys, ylabel) in zip(axes, drawn):
         for i, run in enumerate(runs):
-            for key in keys:
-                steps, values = run.series[key]
+            for key in panel_keys(keys, run):
+                steps, values = run.series.get(key, ([], []))
                 if steps:
                     ax.plot(steps, values, color=f"C{i}", label=f"{run.label}: {key}", **STYLE.get(key, {}))
         _finish(ax, title, ylabel)
         if "mfu" in keys:
             ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
     if pipeline:
-        ax = axes[len(PANELS)]
+        ax = axes[len(drawn)]
         for i, run in enumerate(runs):
             for rank, (steps, values) in sorted(run.idle.items()):
                 ax.plot(steps, values, color=f"C{i}", marker=MARKERS[rank % len(MARKERS)], markersize=4,
@@ -234,9 +274,9 @@ img{{max-width:100%}}</style></head>
 """
 
 
-def write_report(runs: list[RunSeries], png_path: str, html_path: str) -> None:
-    """The PNG and the HTML page (which embeds the same PNG)."""
-    png = png_bytes(figure(runs))
+def write_report(runs: list[RunSeries], png_path: str, html_path: str, extra: tuple[Panel, ...] = ()) -> None:
+    """The PNG and the HTML page (which embeds the same PNG); ``extra``: panels after the common ones."""
+    png = png_bytes(figure(runs, extra))
     for path, data, mode in ((png_path, png, "wb"), (html_path, html_page(runs, png), "w")):
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)

@@ -18,6 +18,16 @@ class GroupRelative:
 
     loss_in_forward = True  # the loss needs the advantages and old / reference log-probabilities beside the logits
 
+    # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method: the
+    # sampled rollouts' mean reward and its parts (the embedded task's exact_answer is their accuracy), the greedy
+    # accuracy of the evaluation hook (loom.rl.arithmetic:greedy_accuracy), the KL to the reference where computed
+    console = (("warm-up", "grpo/warmup", "flag"), ("reward", "reward", ".3f"), ("acc", "rewards/exact_answer", ".3f"),
+               ("", "rewards/*", ".3f"),
+               ("eval acc", "eval/accuracy", ".3f"), ("kl", "kl", ".4f"))
+    panels = (("reward", ("reward", "rewards/*"), "mean over the rollouts"),
+              ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
+              ("KL to the reference", ("kl",), "per completion token"))
+
     def __init__(self, cfg):
         self.cfg, self.g = cfg, cfg.grpo
         self._stats: dict[str, torch.Tensor] = {}

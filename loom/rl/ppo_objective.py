@@ -361,6 +361,15 @@ class ProximalPolicy:
 
     loss_in_forward = True  # the loss needs values, advantages and rollout-time log-probabilities beside the logits
     STATS = ("ppo/policy_loss", "ppo/value_loss", "ppo/clipfrac", "ppo/value_clipfrac", "ppo/approx_kl")
+    # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method: the
+    # sampled rollouts' mean reward and its parts (the embedded task's exact_answer is their accuracy), the greedy
+    # accuracy of the evaluation hook (loom.rl.arithmetic:greedy_accuracy), the KL to the reference where computed
+    console = (("warm-up", "grpo/warmup", "flag"), ("reward", "reward", ".3f"), ("acc", "rewards/exact_answer", ".3f"),
+               ("", "rewards/*", ".3f"),
+               ("eval acc", "eval/accuracy", ".3f"), ("kl", "ppo/rollout_kl", ".4f"))
+    panels = (("reward", ("reward", "rewards/*"), "mean over the rollouts"),
+              ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
+              ("KL to the reference", ("ppo/rollout_kl",), "per completion token"))
 
     def __init__(self, cfg):
         self.cfg, self.g, self.p = cfg, cfg.grpo, cfg.ppo

@@ -49,6 +49,9 @@ class LanguageModeling:
     """Next-token cross-entropy over every labelled token (labels equal to IGNORE take none). With
     ``fused_loss`` the model computes it inside its forward, never materializing the logits."""
 
+    console: tuple = ()  # the console line's own fields (loom.metrics.logger.ConsoleField): none beyond the loss
+    panels: tuple = ()  # `loom report`'s panels of this method (loom.metrics.report.PANELS' form): the common ones
+
     def __init__(self, fused_loss: bool):
         self.loss_in_forward = fused_loss
 
@@ -91,6 +94,12 @@ class DirectPreference:
 
     loss_in_forward = True  # the loss needs the reference beside the logits: forward returns it
     STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy")
+
+    # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method
+    console = (("val acc", "val_rewards/accuracy", ".3f"), ("acc", "rewards/accuracy", ".3f"),
+               ("margin", "rewards/margins", ".3f"))
+    panels = (("preference accuracy", ("rewards/accuracy", "val_rewards/accuracy"), "chosen above rejected"),
+              ("implicit rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "beta x log-ratio"))
 
     def __init__(self, beta: float, loss: str = "sigmoid", reference: str = "cached"):
         self.beta, self.kind, self.reference = beta, loss, reference

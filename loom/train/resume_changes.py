@@ -99,6 +99,7 @@ RULES: dict[str, tuple[str, str]] = {
     "training.max_norm": (APPLIED, "gradient clipping from the next step"),
     "training.eval_every": (APPLIED, "validation from the next step"),
     "training.eval_batches": (APPLIED, "validation from the next step"),
+    "training.eval_at_end": (APPLIED, "validation at the last step"),
     "training.eval_hook": (APPLIED, "evaluations from the next step"),
     "training.eval_tasks": (APPLIED, "evaluations from the next step"),
     "training.eval_tasks_include": (APPLIED, "evaluations from the next step"),

@@ -67,6 +67,11 @@ class RewardModeling:
     loss_in_forward = True  # the loss reads one position per row: forward returns it
     # DPO's names (its rewards are implicit, these the head's): the progress line and dashboards read both alike
     STATS = ("rewards/accuracy", "rewards/margins", "rewards/chosen", "rewards/rejected")
+    # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method
+    console = (("val acc", "val_rewards/accuracy", ".3f"), ("acc", "rewards/accuracy", ".3f"),
+               ("margin", "rewards/margins", ".3f"))
+    panels = (("pair accuracy", ("rewards/accuracy", "val_rewards/accuracy"), "chosen above rejected"),
+              ("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "score head"))
 
     def __init__(self, center: float = 0.0):
         self.center = center

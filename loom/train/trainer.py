@@ -417,8 +417,19 @@ class Trainer:
             out["moe_balance"] = None if result.shape_inference else balance
         return out
 
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether ``step`` has a validation pass: every training.eval_every steps, and the last step
+        (training.eval_at_end) where the layout can run it (a pipeline needs whole schedule runs)."""
+        t = self.cfg.training
+        if t.eval_every and step % t.eval_every == 0:
+            return True
+        return (t.eval_at_end and step == t.steps and self.cfg.data.val_fraction > 0
+                and (self.dims.pp == 1 or t.eval_batches % self.accum == 0))
+
     @torch.no_grad()
-    def evaluate(self) -> float | None:
+    def evaluate(self, quiet: bool = False) -> float | None:
+        """The validation loss on the held-out windows (None without any); ``quiet``: no warning when they hold no
+        target (the pass at the end that training.eval_at_end adds by default)."""
         batches = self.loader.validation(self.cfg.training.eval_batches)
         if not batches:
             return None
@@ -432,7 +443,7 @@ class Trainer:
         for part in self.parts:
             part.train()
         if float(count) == 0:  # held-out windows without a target (SFT: no assistant token): no loss to report
-            if self.env.is_main:
+            if self.env.is_main and not quiet:
                 print(f"step {self.step}: warning: the validation batches hold nothing to evaluate (targets 0): no "
                       "val_loss (raise training.eval_batches or training.seq_len)", flush=True)
             return None
@@ -598,7 +609,8 @@ class Trainer:
                 print(line, flush=True)
         logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
                                progress=cfg.metrics.progress, start_step=self.step,
-                               config=cfg) if self.env.is_main else None
+                               config=cfg, console=getattr(self.objective, "console", ())) \
+            if self.env.is_main else None
         records: list[dict] = []
         reset_peak(self.device)
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
@@ -649,8 +661,9 @@ class Trainer:
                 if logger:
                     logger.progress.update(self.step)
                 val, evals = None, {}
-                if verdict != "stop" and cfg.training.eval_every and self.step % cfg.training.eval_every == 0:
-                    val = self.evaluate()
+                if verdict != "stop" and self._evaluates_at(self.step):
+                    val = self.evaluate(quiet=not (cfg.training.eval_every
+                                                   and self.step % cfg.training.eval_every == 0))
                     evals = self.run_evals()
                 if logs or verdict == "stop":  # the step that stops the run is on record too
                     now = time.perf_counter()
@@ -708,6 +721,10 @@ class Trainer:
         lora = cfg.lora
         adapters = [f"LoRA rank {lora.rank} on {lora.targets} ({self.n_adapted} linears, base {lora.base_dtype}): "
                     f"{trainable / 1e6:.2f}M trainable parameters, {100 * trainable / total:.2f}%"] if lora.rank else []
+        if lora.rank and not cfg.model.init_from:  # the base stays frozen at its seeded random weights
+            adapters.append("warning: LoRA adapters on an untrained base (no model.init_from): the base stays frozen "
+                            "at its random initialization, so the adapters alone learn; set model.init_from to a "
+                            "trained model (a Hugging Face folder or a `loom convert --to-hf` export)")
         return [
             f"loom: run dir {os.path.abspath(self.run_dir)}",
             f"model: {name}, {total / 1e6:.1f}M params ({args.n_layers} layers, dim {args.dim}, "

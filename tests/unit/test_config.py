@@ -167,3 +167,12 @@ def test_default_warmup_shrinks_to_fit_a_short_run():
                                                                   "*.toml"))), ids=os.path.basename)
 def test_every_recipe_is_a_valid_config(recipe):
     check_config(build_config(recipe))
+
+
+def test_each_objective_has_its_own_default_run_dir():
+    """`loom train` then `loom train --training.objective sft` (the README's order) never share a run dir."""
+    from loom.config import build_config
+    assert build_config().run.dir == "runs/lm"
+    assert build_config(None, {"training.objective": "sft"}).run.dir == "runs/sft"
+    assert build_config(None, {"training.objective": "dpo"}).run.dir == "runs/dpo"
+    assert build_config(None, {"training.objective": "sft", "run.dir": "mine"}).run.dir == "mine"

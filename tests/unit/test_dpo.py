@@ -81,6 +81,27 @@ def test_every_format_gives_the_same_sequences(tmp_path):
     assert bytes(trained[:-1]).decode() == data[0]["chosen"] and trained[-1] == ByteTokenizer().eos_id
 
 
+def test_implicit_prompt_pairs_are_the_explicit_ones(tmp_path):
+    """TRL's implicit-prompt format (no 'prompt'; chosen and rejected whole conversations sharing their beginning)
+    gives the same sequences as the explicit format, the prompt being the common prefix (TRL's extract_prompt)."""
+    from loom.data.dpo import implicit_prompt
+
+    data = rows(12)
+    explicit = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": r["prompt"]}],
+                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                 "rejected": [{"role": "assistant", "content": r["rejected"] + "!"}]} for r in data]
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in explicit]
+    a = prepared(write_jsonl(tmp_path / "e.jsonl", explicit), tmp_path / "c")
+    b = prepared(write_jsonl(tmp_path / "i.jsonl", implicit), tmp_path / "c")
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask) and a.meta.documents == 24
+    trl_utils = pytest.importorskip("trl.data_utils")
+    for row in (implicit[0], {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+                {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"}):
+        assert implicit_prompt(row, "x") == trl_utils.extract_prompt(row)
+    with pytest.raises(ConfigError, match=r"i2.jsonl line 1': no 'prompt': chosen and rejected must then share"):
+        prepared(write_jsonl(tmp_path / "i2.jsonl", [{"chosen": "abc", "rejected": "xyz"}]), tmp_path / "c")
+
+
 def test_bad_rows_and_sources_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"b.jsonl line 1.*'prompt', 'chosen' and 'rejected'"):
         prepared(write_jsonl(tmp_path / "b.jsonl", [{"prompt": "x", "chosen": "y"}]), tmp_path / "c")

@@ -28,9 +28,10 @@ def grpo_config(tmp_path, **overrides):
         "metrics.progress": "false", **overrides})
 
 
-def test_engine_logits_equal_the_trained_model(tmp_path):
+def test_engine_logits_equal_the_trained_model(tmp_path, capsys):
     """The engine runs on the trainer's module itself: after GRPO updates (and a KL reference, two iterations per
-    batch of rollouts), a cached prefill and a decode step give the plain model's logits (fp32), which moved."""
+    batch of rollouts), a cached prefill and a decode step give the plain model's logits (fp32), which moved. The
+    console lines show GRPO's own fields: the warm-up step as such, then reward, accuracy and KL."""
     cfg = grpo_config(tmp_path, **{"grpo.beta": 0.05, "grpo.iterations": 2})
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
     model, engine = trainer.parts[0], trainer.objective.loader.generator.engine
@@ -39,6 +40,12 @@ def test_engine_logits_equal_the_trained_model(tmp_path):
         before = model(tokens)
     records = trainer.fit()
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "reward" in records[-1] and "kl" in records[-1]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 4 and "| warm-up |" in lines[0] and "reward" not in lines[0]
+    last = records[-1]
+    for part in (f"reward {last['reward']:.3f}", f"acc {last['rewards/exact_answer']:.3f}",
+                 f"digit_match {last['rewards/digit_match']:.3f}", f"kl {last['kl']:.4f}"):
+        assert f"| {part} |" in lines[-1], (part, lines[-1])
     model.eval()
     with torch.no_grad():
         after = model(tokens)  # (2, 5, V) the plain training forward

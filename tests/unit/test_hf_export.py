@@ -17,6 +17,7 @@ pytest.importorskip("tokenizers")
 
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config.errors import UserError  # noqa: E402
+from loom.data.chat import BUILTIN_TEMPLATE, ChatEncoder, load_template  # noqa: E402
 from loom.data.tokenizers import ByteTokenizer, HFTokenizer  # noqa: E402
 from tests.unit.test_hf import random_hf_llama, save_hf  # noqa: E402
 from tests.unit.test_run_dir import TEMPLATE, tokenizer_folder, train  # noqa: E402
@@ -63,6 +64,16 @@ def test_a_byte_run_exports_a_folder_transformers_loads(tmp_path, monkeypatch):
     ids = tok(TEXT, add_special_tokens=False).input_ids
     assert ids == loom.encode(TEXT) and tok.decode(ids) == TEXT
     assert tok(TEXT).input_ids == ids  # nothing added around a text, as in training
+
+    # the byte tokenizer's built-in chat template travels with it: transformers renders and tokenizes a
+    # conversation as loom's SFT does, and loom finds the same template in the export (a run from the export)
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    loom_template = load_template("", loom)
+    assert tok.chat_template == BUILTIN_TEMPLATE
+    assert tok.apply_chat_template(chat, tokenize=False) == loom_template.render(chat)
+    assert tok.apply_chat_template(chat, return_dict=False) == ChatEncoder(loom_template, loom).encode(chat)[0]
+    exported = load_template("", HFTokenizer(os.path.join(out, "tokenizer.json")))
+    assert exported.source == BUILTIN_TEMPLATE and exported.render(chat) == loom_template.render(chat)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (256, 257, 258)

@@ -122,6 +122,29 @@ def test_sbatch_script(tmp_path, monkeypatch):
     assert words[i + 13:i + 15] == ["--training.steps", "10"]
 
 
+def test_sbatch_checks_the_config_and_warns_without_cpus_per_node(tmp_path, monkeypatch, capsys):
+    """--slurm writes a script that runs later: a --config that is not there (from --workdir) or a bad field is one
+    line and exit 2 now, and no --cpus-per-node is a one-line warning (SLURM's default is often 1 CPU)."""
+    from loom.cli.errors import user_errors_exit
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--slurm", "--nodes", "1", "--gpus-per-node", "8", "--script", str(tmp_path / "job.sbatch")]
+    for extra, words in ((["--config", "missing.toml"], f"--config = 'missing.toml': no such file (the job's loom "
+                                                         f"train reads it from {tmp_path}/missing.toml"),
+                         (["--training.stepz", "10"], "did you mean")):
+        with pytest.raises(SystemExit) as exit_:
+            user_errors_exit(launch_main)(base + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "job.sbatch").exists()
+    (tmp_path / "run.toml").write_text("[training]\nsteps = 10\n")
+    assert launch_main(base + ["--config", "run.toml"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning: no --cpus-per-node" in err[0] and "--cpus-per-node C" in err[0]
+    assert launch_main(base + ["--config", "run.toml", "--cpus-per-node", "32"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_submit_without_sbatch(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
     with pytest.raises(UserError, match="sbatch is not on PATH"):

@@ -187,6 +187,16 @@ def test_resume_equals_the_uninterrupted_run(trained, tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
 
 
+def test_lora_on_a_random_base_warns_once_in_the_banner(trained, tmp_path):
+    """Adapters on a seeded random base (no model.init_from) train, but say so in one banner line; with a base,
+    nothing is said."""
+    warned = [ln for ln in trained["trainer"]._banner() if "warning" in ln]
+    assert warned == []
+    cfg = lora_run(tmp_path, "random", "", **{"checkpoint.at_end": "false"})
+    warned = [ln for ln in Trainer(cfg)._banner() if "warning" in ln]
+    assert len(warned) == 1 and "untrained base (no model.init_from)" in warned[0] and "\n" not in warned[0]
+
+
 def test_targets_and_names():
     assert parse_targets("all") == ["q", "k", "v", "o", "gate", "up", "down"]
     assert parse_targets("v, q") == ["q", "v"]

@@ -90,6 +90,25 @@ def test_strict_json_and_console_line():
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", "mem_gib", "val_loss"}
 
 
+def test_each_method_chooses_its_console_fields():
+    """The console line shows the objective's own fields (its ``console``), in its order, where the record has them:
+    DPO its accuracy and margin, GRPO its warm-up, reward and its parts, accuracy and KL; the LM none."""
+    from loom.rl.objective import GroupRelative
+    from loom.train.objective import DirectPreference, LanguageModeling
+
+    base = {"step": 3, "loss": 0.5, "val_loss": None, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0,
+            "tokens_per_s_per_device": 10.0, "mfu": None, "mem_gib": 1.0}
+    rl = {**base, "reward": 0.75, "reward_std": 0.1, "rewards/exact_answer": 0.5, "rewards/digit_match": 0.5,
+          "rewards/digit_match_std": 0.2, "kl": 0.0125, "eval/accuracy": 0.25}
+    line = format_line(rl, 10, GroupRelative.console)
+    assert "| reward 0.750 | acc 0.500 | digit_match 0.500 | eval acc 0.250 | kl 0.0125 | gnorm" in line, line
+    assert "_std" not in line and "warm-up" not in line
+    assert "| warm-up | gnorm" in format_line({**base, "grpo/warmup": 1.0}, 10, GroupRelative.console)
+    dpo = {**base, "rewards/accuracy": 0.625, "rewards/margins": 0.125, "rewards/chosen": 1.0}
+    assert "| loss 0.5000 | acc 0.625 | margin 0.125 | gnorm" in format_line(dpo, 10, DirectPreference.console)
+    assert format_line(rl, 10, LanguageModeling.console) == format_line(base, 10)  # the LM: no method fields
+
+
 def job(tmp_path, name, **extra):
     return tiny_overrides(tmp_path / name, tmp_path / "cache",
                           **{"training.global_batch_size": 4, "metrics.every": None, **extra})
@@ -116,6 +135,15 @@ def test_metrics_jsonl_records(tmp_path):
     assert [r["val_loss"] is not None for r in lines] == [True, False, True]
     assert all(0 < r["val_loss"] < 10 for r in lines if r["val_loss"] is not None)
     assert not os.path.exists(tmp_path / "run" / "tensorboard")  # disabled
+
+
+def test_a_run_ends_with_a_validation_loss_by_default(tmp_path):
+    """training.eval_every 0 (the default) still validates at the last step (training.eval_at_end); the pass
+    after the last step changes no training loss."""
+    records = run_one(job(tmp_path, "run", **{"training.steps": 3}))
+    assert [r["step"] for r in records] == [3] and 0 < records[-1]["val_loss"] < 10
+    off = run_one(job(tmp_path, "off", **{"training.steps": 3, "training.eval_at_end": "false"}))
+    assert off[-1]["val_loss"] is None and off[-1]["loss"] == records[-1]["loss"]
 
 
 def test_tensorboard_events(tmp_path):

@@ -163,6 +163,21 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     assert 2 <= len(progress) <= 11 and "(100%)" in progress[-1], r.stderr
 
 
+def test_the_default_global_batch_fits_the_layout_and_a_set_one_is_kept(capsys):
+    """`loom plan --gpus 8` of a config that leaves training.global_batch_size at its default (16) plans with the
+    smallest valid multiple (micro 8 x dp 8 = 64), said in one line; a global batch the user set is never changed."""
+    from loom.cli.errors import user_errors_exit
+    from loom.cli.plan import main as plan_main
+
+    assert plan_main(["--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the default training.global_batch_size 16 is not a multiple of micro_batch_size x data-parallel size = " \
+           "8 x 8 on 8 GPUs: planned with 64" in out and "global batch 64" in out
+    with pytest.raises(SystemExit) as exit_info:
+        user_errors_exit(plan_main)(["--gpus", "8", "--training.global_batch_size", "16"])
+    assert exit_info.value.code == 2 and "training.global_batch_size = 16" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,expect", [
     (["--gpu", "Z80"], ["--gpu", "'Z80'", "allowed: H100 | H200"]),
     (["--gpus", "0"], ["--gpus", "expected a positive integer"]),

@@ -196,7 +196,7 @@ def test_embedded_default_runs(tmp_path):
     assert ppo[3]["ppo/approx_kl"] > 0  # later steps on the same rollouts have moved the policy
 
 
-def test_cli_default_runs(tmp_path):
+def test_cli_default_runs(tmp_path, capsys):
     """`loom train --training.objective ppo` with nothing else but a short run: the embedded task and rewards."""
     from loom.cli.train import main
 
@@ -207,6 +207,8 @@ def test_cli_default_runs(tmp_path):
     with open(os.path.join(rd, "metrics.jsonl")) as fh:
         records = [json.loads(line) for line in fh]
     assert len(records) == 3 and "rewards/exact_answer" in records[-1] and "ppo/value_loss" in records[-1]
+    last = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")][-1]  # reward, accuracy
+    assert f"| reward {records[-1]['reward']:.3f} | acc {records[-1]['rewards/exact_answer']:.3f} |" in last, last
 
 
 def test_config_rules():

@@ -104,6 +104,45 @@ def test_report_writes_a_png_and_a_self_contained_page(runs, capsys):
     assert rows[1][-1] == "20.0%"  # 1f1b, 2 stages, 4 micro-batches: (p-1)/(m+p-1)
 
 
+def rl_run_dir(folder, objective="grpo"):
+    """A run dir as a GRPO run leaves it (its config.toml's objective, records with its fields), written by hand: the
+    report draws what metrics.jsonl holds, whatever wrote it."""
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.toml"), "w") as fh:
+        fh.write(f'[training]\nobjective = "{objective}"\n')
+    recs = [{"step": s, "loss": 0.1, "val_loss": None, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0,
+             "tokens_per_s_per_device": 10.0, "mfu": None, "mem_gib": 1.0, "reward": 0.1 * s,
+             "rewards/exact_answer": 0.05 * s, "rewards/digit_match": 0.1 * s, "rewards/digit_match_std": 0.3,
+             "completion_length": 3.0 + s, **({"eval/accuracy": 0.5} if s == 4 else {})} for s in (1, 2, 3, 4)]
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in recs)
+    return recs
+
+
+def test_a_grpo_run_has_its_reward_and_accuracy_panels_and_metrics_adds_any_field(tmp_path, capsys):
+    from loom.cli.report import method_panels
+    from loom.metrics.report import extra_panels
+
+    recs = rl_run_dir(str(tmp_path / "grpo"))
+    run = load_run(str(tmp_path / "grpo"))
+    extra = extra_panels([run], method_panels(str(tmp_path / "grpo")), ("completion_length",))
+    assert [title for title, _, _ in extra] == ["reward", "accuracy", "completion_length"]  # no KL logged: no panel
+    fig = figure([run], extra)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles[len(PANELS):] == ["reward", "accuracy", "completion_length"]
+    lines = figure_lines(fig)
+    label = run.label
+    for key in ("reward", "rewards/exact_answer", "rewards/digit_match", "eval/accuracy", "completion_length"):
+        assert lines[f"{label}: {key}"] == expected_series(recs, key), key
+    assert f"{label}: rewards/digit_match_std" not in lines
+    assert report_main([str(tmp_path / "grpo"), "--metrics", "completion_length"]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        user_errors_exit(report_main)([str(tmp_path / "grpo"), "--metrics", "nope"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'nope'" in err and "completion_length" in err
+
+
 def test_out_prefix(tmp_path):
     assert output_paths(["a", "b"], None) == (os.path.join("a", "report.png"), os.path.join("a", "report.html"))
     assert output_paths(["a"], "x/cmp") == ("x/cmp.png", "x/cmp.html")

@@ -49,6 +49,32 @@ def test_scores_equal_the_api(exported, tmp_path, capsys):  # noqa: F811
     assert hf == pytest.approx(expected, abs=1e-4)  # the export scores alike
 
 
+def test_the_training_pairs_format_scores_both_completions(exported, tmp_path, capsys):  # noqa: F811
+    """A reward model's own training rows (prompt / chosen / rejected: strings, messages, or TRL's implicit prompt)
+    come back with score_chosen and score_rejected, each the API's score of the prompt with that completion; the
+    summary gives the share of pairs ranked right. The export carries the run's chat template: no option needed."""
+    conv = [{"role": "user", "content": "Say hi."}]
+    pairs = [{"prompt": "The cat sat.", "chosen": "On a warm mat.", "rejected": "Ran past.", "id": 7},
+             {"prompt": conv, "chosen": [{"role": "assistant", "content": "Hi."}],
+              "rejected": [{"role": "assistant", "content": "No."}]},
+             {"chosen": conv + [{"role": "assistant", "content": "Hi."}],
+              "rejected": conv + [{"role": "assistant", "content": "No."}]}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    user = {"role": "user", "content": "The cat sat."}
+    items = [[user, {"role": "assistant", "content": "On a warm mat."}], [user, {"role": "assistant", "content": "Ran past."}],
+             pairs[2]["chosen"], pairs[2]["rejected"]]
+    expected = score(exported["ckpt"], items)
+    for model in (exported["ckpt"], exported["hf"]):
+        code, out, err = run(capsys, "--model", model, "--file", str(path), "--device", "cpu")
+        assert code == 0 and "3 rows, 3 pairs, chosen above rejected in" in err, err
+        got = [json.loads(line) for line in out.splitlines()]
+        assert [{k: v for k, v in g.items() if not k.startswith("score_")} for g in got] == pairs
+        flat = [x for g in got for x in (g["score_chosen"], g["score_rejected"])]
+        assert flat[:2] + flat[4:] == pytest.approx(expected, abs=1e-4)
+        assert flat[2:4] == pytest.approx(flat[4:], abs=1e-6)  # implicit prompt = the explicit messages
+
+
 def test_mistakes_are_one_line(exported, tmp_path, capsys):  # noqa: F811
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
