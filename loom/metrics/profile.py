@@ -16,7 +16,6 @@ off costs an attribute test per phase.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -24,8 +23,27 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-_OFF = contextlib.nullcontext()  # stateless, so one instance serves every phase
+from loom.metrics.nvtx import OFF, nvtx_range
+
+_OFF = OFF  # stateless, so one instance serves every phase
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept (the oldest are dropped): bounds the snapshot's size
+
+
+class _Both:
+    """Two contexts entered in order and left in reverse (a profiler range and an NVTX range of one phase)."""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self):
+        self.outer.__enter__()
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.__exit__(*exc)
+        self.outer.__exit__(*exc)
+        return False
 
 
 class BlockRanges:
@@ -121,8 +139,12 @@ class StepProfiler:
         return self._prof is not None
 
     def phase(self, name: str):
-        """A named range while the window is being profiled, else a shared no-op context."""
-        return record_function(name) if self._prof is not None else _OFF
+        """A named range while the window is being profiled, and an NVTX range with metrics.nvtx; else a shared
+        no-op context."""
+        nvtx = nvtx_range(name)
+        if self._prof is None:
+            return nvtx
+        return record_function(name) if nvtx is _OFF else _Both(record_function(name), nvtx)
 
     def start(self, step: int) -> None:
         """Begin profiling if ``step`` is in the window (the first step of it, or a later one after a resume)
