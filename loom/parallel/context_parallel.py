@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch import nn
 
-from loom.kernels.attention.op import attention_backward, attention_forward, flash_attention
+from loom.kernels.attention.op import _as_promised, attention_backward, attention_forward, flash_attention
 from loom.kernels.attention.reference import default_scale, doc_ids_from_positions, document_bounds, shift_bounds
 from loom.metrics.nvtx import nvtx_range
 from loom.models.common.layers import Attention
@@ -102,90 +103,131 @@ def _pair_docs(bounds: torch.Tensor | None, g: int, j: int, chunk: int) -> dict:
     return dict(zip(("bounds", "key_bounds"), pair_bounds(bounds, g, j, chunk)))
 
 
-class _RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's two query chunks over the whole sequence, K/V going round the cp ring.
-
-    Forward: cp steps; at step s this rank holds the K/V of cp rank (rank - s) mod cp, posts their send to the
-    next rank and the receive of the following block, attends its query chunks to the blocks ``ring_blocks``
-    names while they travel, and merges the partial outputs by log-sum-exp as they come (running, in fp32).
-    Backward: the K/V go round again, each with its dK/dV accumulator (fp32) travelling with it: at every step a
-    rank adds its blocks' dK/dV to the accumulator it received and passes it on, so after cp steps each
-    accumulator is back at the rank that owns those K/V; dQ stays local. Each block's backward uses the merged
-    output and log-sum-exp (the flash-attention identity: a block's dS needs only the final ones)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bounds, ring: _Ring, scale: float):
-        chunk = q.shape[2] // 2
-        qs = q.chunk(2, dim=2)
-        acc: list = [None, None]  # per query chunk: (out fp32, lse)
-        kv = torch.stack([k, v])  # (2, B, Hkv, S_local, D): one message per step
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            nxt, reqs = ring.shift(kv, 0) if step < ring.size - 1 else (None, [])
-            with nvtx_range(f"cp.ring.forward.step{step}"):
-                for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
-                    kh, vh = kv[:, :, :, h * chunk:(h + 1) * chunk].unbind(0)
-                    out, lse = attention_forward(qs[i], kh, vh, j == g, scale=scale, window=0,
-                                                 **_pair_docs(bounds, g, j, chunk))
-                    acc[i] = (out.float(), lse) if acc[i] is None else \
-                        merge_blocks_lse([acc[i][0], out], [acc[i][1], lse])
-            with nvtx_range("cp.ring.wait"):
-                _wait(reqs)
-            kv = nxt
-        out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
-        lse = torch.cat([a[1] for a in acc], dim=2)
-        ctx.save_for_backward(q, k, v, out, lse, bounds)
-        ctx.ring, ctx.scale = ring, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, bounds = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
-        chunk = q.shape[2] // 2
-        qs, outs, lses, douts = q.chunk(2, 2), out.chunk(2, 2), lse.chunk(2, 2), dout.chunk(2, 2)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dqs = dq.chunk(2, dim=2)
-        kv = torch.stack([k, v])
-        dkv_reqs: list = []
-        dkv_in = None
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            nxt, reqs = ring.shift(kv, 0) if step < ring.size - 1 else (None, [])
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's blocks' dK/dV
-            with nvtx_range(f"cp.ring.backward.step{step}"):
-                for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
-                    part = slice(h * chunk, (h + 1) * chunk)
-                    kh, vh = kv[:, :, :, part].unbind(0)
-                    dqb, dkb, dvb = attention_backward(douts[i], qs[i], kh, vh, outs[i], lses[i], None, j == g,
-                                                       scale=scale, window=0, lse_normalizes=True,
-                                                       **_pair_docs(bounds, g, j, chunk))
-                    dqs[i].add_(dqb)
-                    dkv[0, :, :, part] += dkb
-                    dkv[1, :, :, part] += dvb
-            with nvtx_range("cp.ring.wait"):
-                _wait(dkv_reqs)  # the accumulator of src's dK/dV the previous rank passed on
-            if dkv_in is not None:
-                dkv += dkv_in
-            # on to the next rank (after the last step: to src's owner, the next rank)
-            dkv_in, dkv_reqs = ring.shift(dkv, 1)
-            with nvtx_range("cp.ring.wait"):
-                _wait(reqs)
-            kv = nxt
+def _ring_forward(q, k, v, bounds, ring: _Ring, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention's forward: (out like q, lse (B, Hq, S_local) fp32). See ``ring_attention``."""
+    chunk = q.shape[2] // 2
+    qs = q.chunk(2, dim=2)
+    acc: list = [None, None]  # per query chunk: (out fp32, lse)
+    kv = torch.stack([k, v])  # (2, B, Hkv, S_local, D): one message per step
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        nxt, reqs = ring.shift(kv, 0) if step < ring.size - 1 else (None, [])
+        with nvtx_range(f"cp.ring.forward.step{step}"):
+            for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
+                kh, vh = kv[:, :, :, h * chunk:(h + 1) * chunk].unbind(0)
+                out, lse = attention_forward(qs[i], kh, vh, j == g, scale=scale, window=0,
+                                             **_pair_docs(bounds, g, j, chunk))
+                acc[i] = (out.float(), lse) if acc[i] is None else \
+                    merge_blocks_lse([acc[i][0], out], [acc[i][1], lse])
         with nvtx_range("cp.ring.wait"):
-            _wait(dkv_reqs)
-        dk, dv = dkv_in.unbind(0)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            _wait(reqs)
+        kv = nxt
+    out = _as_promised(torch.cat([a[0] for a in acc], dim=2).to(q.dtype), q)  # the fake's layout
+    lse = torch.cat([a[1] for a in acc], dim=2)
+    return out, lse
 
 
-@torch.compiler.disable
+def _ring_backward(dout, q, k, v, out, lse, dlse, bounds, ring: _Ring, scale: float):
+    """Ring attention's backward: (dq, dk, dv); ``dlse``: the gradient flowing into the lse, or None. See
+    ``ring_attention``."""
+    chunk = q.shape[2] // 2
+    qs, outs, lses, douts = q.chunk(2, 2), out.chunk(2, 2), lse.chunk(2, 2), dout.chunk(2, 2)
+    dlses = (None, None) if dlse is None else dlse.chunk(2, 2)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dqs = dq.chunk(2, dim=2)
+    kv = torch.stack([k, v])
+    dkv_reqs: list = []
+    dkv_in = None
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        nxt, reqs = ring.shift(kv, 0) if step < ring.size - 1 else (None, [])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's blocks' dK/dV
+        with nvtx_range(f"cp.ring.backward.step{step}"):
+            for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
+                part = slice(h * chunk, (h + 1) * chunk)
+                kh, vh = kv[:, :, :, part].unbind(0)
+                dqb, dkb, dvb = attention_backward(douts[i], qs[i], kh, vh, outs[i], lses[i], dlses[i], j == g,
+                                                   scale=scale, window=0, lse_normalizes=True,
+                                                   **_pair_docs(bounds, g, j, chunk))
+                dqs[i].add_(dqb)
+                dkv[0, :, :, part] += dkb
+                dkv[1, :, :, part] += dvb
+        with nvtx_range("cp.ring.wait"):
+            _wait(dkv_reqs)  # the accumulator of src's dK/dV the previous rank passed on
+        if dkv_in is not None:
+            dkv += dkv_in
+        # on to the next rank (after the last step: to src's owner, the next rank)
+        dkv_in, dkv_reqs = ring.shift(dkv, 1)
+        with nvtx_range("cp.ring.wait"):
+            _wait(reqs)
+        kv = nxt
+    with nvtx_range("cp.ring.wait"):
+        _wait(dkv_reqs)
+    dk, dv = dkv_in.unbind(0)
+    # in the fake's layouts (copies: a custom op's outputs may not alias each other)
+    return (_as_promised(dq.to(q.dtype), q), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
+
+
+def _ring(group_name: str, rank: int, size: int) -> _Ring:
+    return _Ring(resolve_process_group(group_name), rank, size)
+
+
+@torch.library.custom_op("loom::ring_attn", mutates_args=())
+def ring_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, group_name: str,
+                 rank: int, size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, bounds, _ring(group_name, rank, size), scale)
+
+
+@ring_attn_op.register_fake
+def _(q, k, v, bounds, group_name, rank, size, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("loom::ring_attn_backward", mutates_args=())
+def ring_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, dlse: torch.Tensor | None, bounds: torch.Tensor | None, group_name: str,
+                          rank: int, size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(dout, q, k, v, out, lse, dlse, bounds, _ring(group_name, rank, size), scale)
+
+
+@ring_attn_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, bounds, group_name, rank, size, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup_context(ctx, inputs, output):
+    q, k, v, bounds, group_name, rank, size, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, bounds)
+    ctx.args = group_name, rank, size, scale
+
+
+def _ring_autograd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, bounds = ctx.saved_tensors
+    dq, dk, dv = ring_attn_backward_op(dout.contiguous(), q, k, v, out, lse, dlse, bounds, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+ring_attn_op.register_autograd(_ring_autograd_backward, setup_context=_ring_setup_context)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, group,
                    rank: int, size: int) -> torch.Tensor:
     """Ring attention: q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) of cp rank ``rank``'s two chunks (the
-    2·cp layout), ``bounds`` the whole sequence's document bounds (2, B, S) or None -> causal attention output
-    (B, Hq, S_local, D) over the whole sequence, differentiable in q, k, v. Runs eagerly (a graph break under
-    torch.compile: point-to-point sends are not traced)."""
-    return _RingAttention.apply(q, k, v, bounds, _Ring(group, rank, size), default_scale(q.shape[-1]))
+    2·cp layout) of group ``group`` (``size`` ranks), ``bounds`` the whole sequence's document bounds (2, B, S) or
+    None -> causal attention output (B, Hq, S_local, D) over the whole sequence, differentiable in q, k, v.
+
+    Forward: cp steps; at step s this rank holds the K/V of cp rank (rank - s) mod cp, posts their send to the
+    next rank and the receive of the following block (``batch_isend_irecv``), attends its query chunks to the
+    blocks ``ring_blocks`` names while they travel, and merges the partial outputs by log-sum-exp as they come
+    (running, in fp32). Backward: the K/V go round again, each with its dK/dV accumulator (fp32) travelling with
+    it: at every step a rank adds its blocks' dK/dV to the accumulator it received and passes it on, so after cp
+    steps each accumulator is back at the rank that owns those K/V; dQ stays local. Each block's backward uses the
+    merged output and log-sum-exp (the flash-attention identity: a block's dS needs only the row's final ones).
+    Custom ops (``loom::ring_attn`` and its backward), so torch.compile traces around them and op-level
+    checkpointing saves their output like any attention's."""
+    out, _ = ring_attn_op(q, k, v, bounds, group.group_name, rank, size, default_scale(q.shape[-1]))
+    return out
 
 
 class ContextParallel:
