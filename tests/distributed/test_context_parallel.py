@@ -297,6 +297,7 @@ def test_cp_checkpoint_resumes_under_fsdp(tmp_path):
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.cp": "2", "training.seq_len": "30"}, "parallel.cp"),
+    ({"parallel.cp": "2", "parallel.cp_method": "ulysses"}, "parallel.cp_method"),
 ])
 def test_unsupported_cp_settings_name_the_field(overrides, field):
     from loom.resolve import check_config
