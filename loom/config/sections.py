@@ -203,7 +203,8 @@ class ParallelConfig:
     cp_method: str = opt("allgather", "how context-parallel attention sees the other ranks' K/V: 'allgather' = one "
                                       "all-gather per layer (every rank holds the whole sequence's K/V), 'ring' = "
                                       "K/V blocks passed round the cp ranks point to point, overlapped with each "
-                                      "block's attention (two ranks' K/V held at a time, not all cp; docs/parallelism.md)",
+                                      "block's attention (two ranks' K/V held at a time, not all cp; "
+                                      "docs/parallelism.md)",
                          choices=("allgather", "ring"))
     ep: int = opt(1, "expert-parallel degree: MoE experts split over this many dp_shard x cp ranks (divides "
                      "dp_shard x cp and the number of experts); under tp with etp = 1 the tp ranks count in: tp x a "
