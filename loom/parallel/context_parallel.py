@@ -156,8 +156,8 @@ def _ring_backward(dout, q, k, v, out, lse, dlse, bounds, ring: _Ring, scale: fl
             _wait(dkv_reqs)  # the accumulator of src's dK/dV the previous rank passed on
         if dkv_in is not None:
             dkv += dkv_in
-        # on to the next rank (after the last step: to src's owner, the next rank)
-        dkv_in, dkv_reqs = ring.shift(dkv, 1)
+        # on to the next rank (after the last step: to src's owner, the next rank); a ring of one keeps it
+        dkv_in, dkv_reqs = ring.shift(dkv, 1) if ring.size > 1 else (dkv, [])
         with nvtx_range("cp.ring.wait"):
             _wait(reqs)
         kv = nxt
