@@ -1,7 +1,8 @@
 """NVTX ranges for Nsight Systems (``metrics.nvtx = true``; docs/metrics.md gives the ``nsys profile`` command).
 
 The trainer marks each step, its data wait, micro-batches, forward / backward (``forward_backward`` for a pipeline
-schedule run), the optimizer phase (grad norm, step), validation and checkpoint saves; context parallelism marks
+schedule run), each transformer block's forward and backward (hooks; not under torch.compile), the optimizer
+phase (grad norm, step), validation and checkpoint saves; context parallelism marks
 its K/V all-gather and each ring step; the loss and token all-reduces are marked too. Ranges are pushed and popped
 on the thread that opens them (``torch.cuda.nvtx.range_push`` / ``range_pop``), so they nest on nsys's timeline
 under the CPU thread and project onto the GPU kernels they launch. Off (the default) each range is a shared no-op
@@ -38,7 +39,9 @@ def enabled() -> bool:
     return _enabled
 
 
-class _Range:
+class NvtxRange:
+    """An NVTX range as a context (pushed on entry, popped on exit), whatever ``enabled`` says."""
+
     __slots__ = ("name",)
 
     def __init__(self, name: str):
@@ -58,4 +61,4 @@ def nvtx_range(name: str):
     a torch.compile trace), else a shared no-op context."""
     if not _enabled or torch.compiler.is_compiling():
         return OFF
-    return _Range(name)
+    return NvtxRange(name)

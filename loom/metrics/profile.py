@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from loom.metrics.nvtx import OFF, nvtx_range
+from loom.metrics.nvtx import OFF, NvtxRange, nvtx_range
 
 _OFF = OFF  # stateless, so one instance serves every phase
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept (the oldest are dropped): bounds the snapshot's size
@@ -57,8 +57,10 @@ class BlockRanges:
     gradient only). Backward runs one block at a time per thread, so opening a backward range first closes
     any other one: block i's input is block i-1's output, and its two hooks run in registration order."""
 
-    def __init__(self, blocks: dict[str, nn.Module]):
-        self._open: dict[str, record_function] = {}
+    def __init__(self, blocks: dict[str, nn.Module], opener=record_function):
+        """``opener(name)``: the range's context (a profiler range, or ``NvtxRange`` for metrics.nvtx)."""
+        self._opener = opener
+        self._open: dict[str, object] = {}
         self._closed = False
         self._handles = []
         for name, block in blocks.items():
@@ -68,7 +70,7 @@ class BlockRanges:
     def _enter(self, key: str) -> None:
         if self._closed or key in self._open:
             return
-        rf = record_function(key)
+        rf = self._opener(key)
         rf.__enter__()
         self._open[key] = rf
 
@@ -104,6 +106,13 @@ class BlockRanges:
             handle.remove()
         for key in list(self._open):
             self._exit(key)
+
+
+def nvtx_block_ranges(blocks: dict[str, nn.Module] | None) -> BlockRanges | None:
+    """``block.<i>`` / ``block.<i>.backward`` NVTX ranges for the whole run (metrics.nvtx; ``blocks`` None under
+    torch.compile: none). Backward ranges open and close on the thread that runs the block's backward (autograd's
+    device thread on CUDA), so each thread's NVTX stack stays balanced."""
+    return BlockRanges(blocks, opener=NvtxRange) if blocks else None
 
 
 def transformer_blocks(parts: list[nn.Module]) -> dict[str, nn.Module]:

@@ -26,7 +26,7 @@ from loom.metrics.flops import device_peak, mfu, mfu_note
 from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.nvtx import nvtx_range, enable as enable_nvtx
-from loom.metrics.profile import StepProfiler, transformer_blocks
+from loom.metrics.profile import StepProfiler, nvtx_block_ranges, transformer_blocks
 from loom.models.common.layers import attend
 from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, quantize_base
 from loom.models.llama import Llama
@@ -325,6 +325,7 @@ class Trainer:
         ranges on or off for this process (metrics.nvtx: one run may follow another in a process)."""
         enable_nvtx(self.cfg.metrics.nvtx)
         blocks = None if self.cfg.training.compile else transformer_blocks(self.parts)
+        self.nvtx_blocks = nvtx_block_ranges(blocks) if self.cfg.metrics.nvtx else None
         # PyTorch's memory history made the backward of MoE blocks under activation checkpointing fail (torch 2.11,
         # H100: "run_backward returned NULL without setting an exception"; docs/metrics.md): no snapshot there
         no_snapshot = "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation " \
@@ -692,6 +693,8 @@ class Trainer:
                 self.ft.shutdown()
             self.preemption.restore()
             self.profiler.close()
+            if self.nvtx_blocks:
+                self.nvtx_blocks.close()
             if logger:
                 logger.close()
         if self.env.is_main:
@@ -704,7 +707,8 @@ class Trainer:
         name = f"{cfg.model.init_from} (imported)" if cfg.model.init_from else f"flavor {cfg.model.flavor}"
         moe = f", {args.moe_experts} experts (top {args.moe_top_k})" if args.moe_experts else ""
         note = mfu_note(self.device, cfg.training.dtype)
-        cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
+        cp_note = f" (cp > 1: attention goes through loom's flash_attention op, K/V by {cfg.parallel.cp_method})" \
+            if self.dims.cp_enabled else ""
         t = cfg.training
         total, trainable = count_params(args, cfg.lora, self.score_head)
         lora = cfg.lora

@@ -1,5 +1,5 @@
 """``metrics.nvtx``: a training run pushes its NVTX ranges (step, data wait, micro-batch, forward, backward,
-optimizer, grad norm, the loss all-reduce, validation, checkpoint save) and pops every one, nested as the step
+each block's forward and backward, optimizer, grad norm, the loss all-reduce, validation, checkpoint save) and pops every one, nested as the step
 is; off, it pushes none; a PyTorch that cannot emit NVTX (a CPU-only build) is a one-line config error."""
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ def test_a_training_run_pushes_and_pops_its_ranges_in_balance(tmp_path, monkeypa
             **{f"microbatch {i}": 3 for i in range(accum)}}
     assert {k: counts[k] for k in want} == want
     assert counts["allreduce.data_sum"] >= 3
-    within = {name: around for name, around in pushed}
+    within = {name: around for name, around in pushed}  # the last push of each name
+    # the blocks' ranges: forward in training and validation, backward inside each backward phase
+    assert counts["block.0.backward"] == counts["block.1.backward"] == 3 * accum
+    assert counts["block.0"] == counts["block.1"] > 3 * accum
+    assert within["block.0.backward"][-1] == "backward" and within["block.1"][-1] == "forward"
     assert within["forward"][-1] == "microbatch 3" and within["microbatch 3"][-1] == "step 3"
     assert within["grad_norm"][-2:] == ("step 3", "optimizer")
     assert within["data_wait"] == within["step 1"] == ()  # the data wait comes before its step
