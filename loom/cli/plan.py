@@ -30,7 +30,7 @@ peak leaves --margin free: GiB (--margin 2) or a share of the GPU's memory (defa
 --roofline adds, for the configured layout, every op of the step on its busiest rank (each matmul, attention,
 the norms, the SwiGLU gate, cross-entropy, AdamW, each collective): FLOPs, HBM bytes, communicated bytes,
 arithmetic and communication intensity, the bound (compute, HBM, network) and the ceiling on KIND
-(docs/planner.md, "Roofline"; dense models).
+(docs/planner.md, "Roofline"; dense models); with --plot, a roofline panel too.
 
 With --generate, plans sampling B sequences (default 1) of P prompt and N output tokens with a KV cache,
 tensor-parallel over the --gpus: memory per GPU (weights, KV cache, prefill activations), time to first
@@ -265,13 +265,13 @@ def main(argv: list[str]) -> int:
           f"{cfg.training.dtype}, compile {str(cfg.training.compile).lower()}, on {opts['gpus']} x {opts['gpu']}")
     print("assumed: " + assumptions(gpu, cfg.training.dtype))
     report: dict = {"gpus": opts["gpus"], "gpu": gpu.__dict__, "margin_gib": margin}
-    est, best = None, []
+    est, best, roof = None, [], None
     try:
         est = estimate(cfg, opts["gpus"], gpu, margin_gib=margin)
         print(breakdown(est))
         report["config"] = as_json(est)
         if opts["roofline"]:
-            report["roofline"] = print_roofline(cfg, opts["gpus"], gpu)
+            report["roofline"], roof = print_roofline(cfg, opts["gpus"], gpu)
     except ConfigError as err:
         if not opts["search"]:
             raise
@@ -288,12 +288,13 @@ def main(argv: list[str]) -> int:
     if opts["plot"]:
         from loom.plan.plot import plot_plan
 
-        plot_plan(est, opts["plot"], ranked=best)
+        plot_plan(est, opts["plot"], ranked=best, roofline=roof)
     return 0
 
 
-def print_roofline(cfg, gpus: int, gpu) -> dict:
-    """``--roofline``: the configured layout's ops on the roofline, printed; returns them for --json."""
+def print_roofline(cfg, gpus: int, gpu) -> tuple[dict, tuple]:
+    """``--roofline``: the configured layout's ops on the roofline, printed; returns them for --json, and
+    (ops, gpu, dtype) for --plot."""
     from loom.plan.roofline import roofline, table
 
     ops, what = roofline(cfg, gpus, gpu)
@@ -308,7 +309,7 @@ def print_roofline(cfg, gpus: int, gpu) -> dict:
              "comm_intensity": None if op.comm_intensity == float("inf") else op.comm_intensity,
              "bound": op.bound(gpu, dtype), "ceiling_flops": op.ceiling(gpu, dtype),
              "seconds_at_roof": op.seconds(gpu, dtype)} for op in ops]
-    return {**what, "ops": rows}
+    return {**what, "ops": rows}, (ops, gpu, dtype)
 
 
 def write_outputs(opts: dict, report: dict) -> None:

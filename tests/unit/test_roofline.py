@@ -87,3 +87,20 @@ def test_cli_roofline_prints_the_table_and_writes_json(tmp_path, capsys):
     assert ops["tp all-gather / reduce-scatter"]["comm_gbps"] == H100.link_gbps
     with pytest.raises(ConfigError, match="--roofline"):
         main(["--roofline", "--params", "1B"])
+
+
+def test_roofline_plot_points_and_png(tmp_path):
+    from loom.cli.plan import main
+    from loom.plan.plot import roofline_points
+
+    ops = [matmul("mm", 1, 4096, 4096, 4096, 2), Op("norm", 1, 12e3, 10e3), collective("ag", 1, 1e9, 2, 100.0)]
+    points = dict((name, (i, c)) for name, i, c in roofline_points(ops, H100, "bfloat16"))
+    assert set(points) == {"mm", "norm", "step"}  # the collective has no FLOPs to place
+    assert points["norm"] == pytest.approx((1.2, 1.2 * 3.35e12))
+    flops = 6 * 4096 ** 3 + 12e3
+    seconds = 6 * 4096 ** 3 / 989e12 + 10e3 / 3.35e12 + 0.5e9 / 100e9
+    assert points["step"] == pytest.approx((flops / (3 * 3 * 4096 ** 2 * 2 + 10e3), flops / seconds))
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    assert main(["--model.flavor", "debug", "--roofline", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
