@@ -292,7 +292,8 @@ class MetricsConfig:
                                           "exceeds the ranks' median by more than this fraction (console, metrics.jsonl "
                                           "straggler_ranks; docs/operations.md); 0 = off", min=0.0)
     nvtx: bool = opt(False, "NVTX ranges for Nsight Systems (step, data wait, micro-batch, forward, backward, "
-                            "each block's forward and backward, optimizer, validation, checkpoint save, the loss all-reduce and context parallelism's "
+                            "each block's forward and backward, optimizer, validation, checkpoint save, the loss "
+                            "all-reduce and context parallelism's "
                             "K/V exchange): run under `nsys profile` (docs/metrics.md); needs a PyTorch built with "
                             "CUDA")
     noise_scale: bool = opt(False, "log the gradient noise scale B_simple (McCandlish et al. 2018) as noise_scale: "

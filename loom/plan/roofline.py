@@ -203,6 +203,7 @@ def table(ops: list[Op], gpu: GPU, dtype: str) -> str:
                     f"{op.bound(gpu, dtype)} | {num(ceiling / 1e12, '') if ceiling else '-'} | "
                     f"{op.seconds(gpu, dtype) * 1e3:.2f} |")
     total = sum(op.seconds(gpu, dtype) for op in ops)
-    rows.append(f"| **sum** (no overlap) | | {sum(o.flops for o in ops) / 1e9:.1f} | {sum(o.hbm_bytes for o in ops) / 1e9:.1f} | "
+    flops, hbm = sum(o.flops for o in ops), sum(o.hbm_bytes for o in ops)
+    rows.append(f"| **sum** (no overlap) | | {flops / 1e9:.1f} | {hbm / 1e9:.1f} | "
                 f"{sum(o.comm_bytes for o in ops) / 1e9:.1f} | | | | | {total * 1e3:.2f} |")
     return "\n".join(rows)

@@ -1,6 +1,7 @@
 """``metrics.nvtx``: a training run pushes its NVTX ranges (step, data wait, micro-batch, forward, backward,
-each block's forward and backward, optimizer, grad norm, the loss all-reduce, validation, checkpoint save) and pops every one, nested as the step
-is; off, it pushes none; a PyTorch that cannot emit NVTX (a CPU-only build) is a one-line config error."""
+each block's forward and backward, optimizer, grad norm, the loss all-reduce, validation, checkpoint save) and
+pops every one, nested as the step is; off, it pushes none; a PyTorch that cannot emit NVTX (a CPU-only build)
+is a one-line config error."""
 
 from __future__ import annotations
 
