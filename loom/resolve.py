@@ -513,6 +513,12 @@ def check_machine(cfg: Config, device: str) -> None:
         if not lighthouse_address(cfg.parallel):
             raise ConfigError("parallel.ft_lighthouse", "", "parallel.fault_tolerance needs the torchft lighthouse's "
                               "address (http://host:port) here or in TORCHFT_LIGHTHOUSE", show_value=False)
+    if cfg.metrics.nvtx:
+        from loom.metrics.nvtx import unavailable
+
+        why = unavailable()
+        if why:
+            raise ConfigError("metrics.nvtx", True, f"{why}; install a CUDA build of PyTorch, or allowed: false")
     if cfg.training.float8 != "none":
         from loom.models.common.float8 import float8_available
 

@@ -14,7 +14,7 @@ from loom.config.errors import require
 from loom.config.paths import check_file_writable
 
 USAGE = """usage: loom plan [--config FILE.toml] [--gpus N] [--gpu KIND] [--search] [--top K] [--margin GIB | PCT%]
-                 [--json FILE] [--plot FILE.png] [--section.field VALUE ...]
+                 [--roofline] [--json FILE] [--plot FILE.png] [--section.field VALUE ...]
        loom plan --generate --prompt-len P --output-len N [--batch B] [--dtype DTYPE] [--kv-dtype DTYPE]
                  [--config FILE.toml] [--gpus N] [--gpu KIND] [--margin GIB | PCT%] [--json FILE]
                  [--section.field VALUE ...]
@@ -28,6 +28,10 @@ and prints the K fastest that fit (default 10), with its progress on stderr. A l
 peak leaves --margin free: GiB (--margin 2) or a share of the GPU's memory (default 5%).
 --plot FILE.png draws memory per GPU by component and, with --search, the ranked layouts
 (pip install 'loom-train[report]'). Nothing is trained, nothing needs a GPU.
+--roofline adds, for the configured layout, every op of the step on its busiest rank (each matmul, attention,
+the norms, the SwiGLU gate, cross-entropy, AdamW, each collective): FLOPs, HBM bytes, communicated bytes,
+arithmetic and communication intensity, the bound (compute, HBM, network) and the ceiling on KIND
+(docs/planner.md, "Roofline"; dense models); with --plot, a roofline panel too.
 
 With --generate, plans sampling B sequences (default 1) of P prompt and N output tokens with a KV cache,
 tensor-parallel over the --gpus: memory per GPU (weights, KV cache, prefill activations), time to first
@@ -49,7 +53,7 @@ _OPTIONS = {"--gpus": "gpus", "--gpu": "gpu", "--top": "top", "--margin": "margi
 BUDGET = ("flops", "params", "tokens")  # compute-optimal sizing (loom.plan.compute_optimal)
 # --generate's own options (given without it, an error) and the training plan's (given with it, an error)
 GENERATE_ONLY = ("batch", "prompt_len", "output_len", "dtype", "kv_dtype")
-TRAINING_ONLY = ("search", "top", "plot")
+TRAINING_ONLY = ("search", "top", "plot", "roofline")
 DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                "float32": "float32", "fp32": "float32"}
 # Files a plan writes (option -> a file name to suggest): each is checked writable before the plan is computed
@@ -60,14 +64,14 @@ OUTPUT_FILES = {"json": "plan.json", "plot": "plan.png"}
 def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """(planner options, --section.field overrides)."""
     opts = {"gpus": "1", "gpu": "H100", "top": None, "margin": None, "config": None, "search": False,
-            "generate": False, **{name: None for name in GENERATE_ONLY + BUDGET},
+            "generate": False, "roofline": False, **{name: None for name in GENERATE_ONLY + BUDGET},
             "noise_scale": None,
             **{name: "" for name in OUTPUT_FILES}}
     opts["cluster"] = any(a.partition("=")[0] in ("--gpus", "--gpu") for a in argv)  # GPU-hours asked for
     rest, i = [], 0
     while i < len(argv):
         name, eq, val = argv[i].partition("=")
-        if name in ("--search", "--generate"):
+        if name in ("--search", "--generate", "--roofline"):
             opts[name[2:]] = True
         elif name in _OPTIONS:
             if not eq:
@@ -102,6 +106,9 @@ def check_mode(opts: dict) -> None:
         raise ConfigError("--noise-scale", opts["noise_scale"], "only with --flops, --params or --tokens")
     if opts["generate"] and any(opts[key] is not None for key in BUDGET):
         raise ConfigError("--generate", None, "not with --flops / --params / --tokens", show_value=False)
+    if opts["roofline"] and any(opts[key] is not None for key in BUDGET):
+        raise ConfigError("--roofline", None, "not with --flops / --params / --tokens (it places the configured "
+                          "layout's ops)", show_value=False)
     if opts["generate"]:
         for key in TRAINING_ONLY:
             if opts[key] not in (None, False, ""):
@@ -272,11 +279,13 @@ def main(argv: list[str]) -> int:
           f"{cfg.training.dtype}, compile {str(cfg.training.compile).lower()}, on {opts['gpus']} x {opts['gpu']}")
     print("assumed: " + assumptions(gpu, cfg.training.dtype))
     report: dict = {"gpus": opts["gpus"], "gpu": gpu.__dict__, "margin_gib": margin}
-    est, best = None, []
+    est, best, roof = None, [], None
     try:
         est = estimate(cfg, opts["gpus"], gpu, margin_gib=margin)
         print(breakdown(est))
         report["config"] = as_json(est)
+        if opts["roofline"]:
+            report["roofline"], roof = print_roofline(cfg, opts["gpus"], gpu)
     except ConfigError as err:
         if not opts["search"]:
             raise
@@ -293,7 +302,7 @@ def main(argv: list[str]) -> int:
     if opts["plot"]:
         from loom.plan.plot import plot_plan
 
-        plot_plan(est, opts["plot"], ranked=best)
+        plot_plan(est, opts["plot"], ranked=best, roofline=roof)
     return 0
 
 
@@ -316,6 +325,26 @@ def fit_default_global_batch(cfg, gpus: int) -> None:
               f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp} on {gpus} GPUs: planned with "
               f"{planned} (set --training.global_batch_size to choose)")
         t.global_batch_size = planned
+
+
+def print_roofline(cfg, gpus: int, gpu) -> tuple[dict, tuple]:
+    """``--roofline``: the configured layout's ops on the roofline, printed; returns them for --json, and
+    (ops, gpu, dtype) for --plot."""
+    from loom.plan.roofline import roofline, table
+
+    ops, what = roofline(cfg, gpus, gpu)
+    dtype = cfg.training.dtype
+    print(f"\nroofline of one step on the busiest rank ({what['blocks']} blocks x {what['micro_batches']} "
+          f"micro-batches of {what['tokens_per_micro_batch']:,.0f} tokens); machine balance "
+          f"{what['machine_balance']:.0f} FLOP/B ({gpu.peak(dtype) / 1e12:.0f} TFLOP/s {dtype} / {gpu.hbm_tbps} TB/s):")
+    print(table(ops, gpu, dtype))
+    rows = [{"op": op.name, "calls": op.count, "flops": op.flops, "hbm_bytes": op.hbm_bytes,
+             "comm_bytes": op.comm_bytes, "comm_gbps": op.comm_gbps,
+             "intensity": None if op.intensity == float("inf") else op.intensity,
+             "comm_intensity": None if op.comm_intensity == float("inf") else op.comm_intensity,
+             "bound": op.bound(gpu, dtype), "ceiling_flops": op.ceiling(gpu, dtype),
+             "seconds_at_roof": op.seconds(gpu, dtype)} for op in ops]
+    return {**what, "ops": rows}, (ops, gpu, dtype)
 
 
 def write_outputs(opts: dict, report: dict) -> None:

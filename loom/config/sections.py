@@ -256,8 +256,15 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     cp: int = opt(1, "context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks, "
-                     "K/V all-gathered in attention); training.seq_len must divide by 2·cp",
+                     "K/V all-gathered or passed round a ring in attention: parallel.cp_method); training.seq_len "
+                     "must divide by 2·cp",
                   min=1)
+    cp_method: str = opt("allgather", "how context-parallel attention sees the other ranks' K/V: 'allgather' = one "
+                                      "all-gather per layer (every rank holds the whole sequence's K/V), 'ring' = "
+                                      "K/V blocks passed round the cp ranks point to point, overlapped with each "
+                                      "block's attention (two ranks' K/V held at a time, not all cp; "
+                                      "docs/parallelism.md)",
+                         choices=("allgather", "ring"))
     ep: int = opt(1, "expert-parallel degree: MoE experts split over this many dp_shard x cp ranks (divides "
                      "dp_shard x cp and the number of experts); under tp with etp = 1 the tp ranks count in: tp x a "
                      "divisor of dp_shard x cp", min=1)
@@ -349,6 +356,11 @@ class MetricsConfig:
                                           "its wait in collectives on GPUs; data wait + CPU time on the CPU) "
                                           "exceeds the ranks' median by more than this fraction (console, metrics.jsonl "
                                           "straggler_ranks; docs/operations.md); 0 = off", min=0.0)
+    nvtx: bool = opt(False, "NVTX ranges for Nsight Systems (step, data wait, micro-batch, forward, backward, "
+                            "each block's forward and backward, optimizer, validation, checkpoint save, the loss "
+                            "all-reduce and context parallelism's "
+                            "K/V exchange): run under `nsys profile` (docs/metrics.md); needs a PyTorch built with "
+                            "CUDA")
     noise_scale: bool = opt(False, "log the gradient noise scale B_simple (McCandlish et al. 2018) as noise_scale: "
                                    "the first micro-batch's gradient against the step's, smoothed; costs one more "
                                    "gradient norm per step; needs accumulation >= 2 (docs/algorithms.md)")

@@ -16,7 +16,6 @@ off costs an attribute test per phase.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -24,8 +23,27 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-_OFF = contextlib.nullcontext()  # stateless, so one instance serves every phase
+from loom.metrics.nvtx import OFF, NvtxRange, nvtx_range
+
+_OFF = OFF  # stateless, so one instance serves every phase
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept (the oldest are dropped): bounds the snapshot's size
+
+
+class _Both:
+    """Two contexts entered in order and left in reverse (a profiler range and an NVTX range of one phase)."""
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self):
+        self.outer.__enter__()
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.__exit__(*exc)
+        self.outer.__exit__(*exc)
+        return False
 
 
 class BlockRanges:
@@ -39,8 +57,10 @@ class BlockRanges:
     gradient only). Backward runs one block at a time per thread, so opening a backward range first closes
     any other one: block i's input is block i-1's output, and its two hooks run in registration order."""
 
-    def __init__(self, blocks: dict[str, nn.Module]):
-        self._open: dict[str, record_function] = {}
+    def __init__(self, blocks: dict[str, nn.Module], opener=record_function):
+        """``opener(name)``: the range's context (a profiler range, or ``NvtxRange`` for metrics.nvtx)."""
+        self._opener = opener
+        self._open: dict[str, object] = {}
         self._closed = False
         self._handles = []
         for name, block in blocks.items():
@@ -50,7 +70,7 @@ class BlockRanges:
     def _enter(self, key: str) -> None:
         if self._closed or key in self._open:
             return
-        rf = record_function(key)
+        rf = self._opener(key)
         rf.__enter__()
         self._open[key] = rf
 
@@ -88,6 +108,13 @@ class BlockRanges:
             self._exit(key)
 
 
+def nvtx_block_ranges(blocks: dict[str, nn.Module] | None) -> BlockRanges | None:
+    """``block.<i>`` / ``block.<i>.backward`` NVTX ranges for the whole run (metrics.nvtx; ``blocks`` None under
+    torch.compile: none). Backward ranges open and close on the thread that runs the block's backward (autograd's
+    device thread on CUDA), so each thread's NVTX stack stays balanced."""
+    return BlockRanges(blocks, opener=NvtxRange) if blocks else None
+
+
 def transformer_blocks(parts: list[nn.Module]) -> dict[str, nn.Module]:
     """This rank's blocks by their model-wide index (the ``layers`` keys survive pipeline splitting)."""
     return {name: block for part in parts for name, block in part.layers.items()}
@@ -121,8 +148,12 @@ class StepProfiler:
         return self._prof is not None
 
     def phase(self, name: str):
-        """A named range while the window is being profiled, else a shared no-op context."""
-        return record_function(name) if self._prof is not None else _OFF
+        """A named range while the window is being profiled, and an NVTX range with metrics.nvtx; else a shared
+        no-op context."""
+        nvtx = nvtx_range(name)
+        if self._prof is None:
+            return nvtx
+        return record_function(name) if nvtx is _OFF else _Both(record_function(name), nvtx)
 
     def start(self, step: int) -> None:
         """Begin profiling if ``step`` is in the window (the first step of it, or a later one after a resume)

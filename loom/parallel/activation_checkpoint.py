@@ -8,14 +8,17 @@ import torch
 from torch import nn
 
 import loom.kernels.attention.op  # noqa: F401  (registers torch.ops.loom.flash_attn)
+import loom.parallel.context_parallel  # noqa: F401  (registers torch.ops.loom.ring_attn)
 
 # op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
 # Like torchtitan, every second matmul is saved so memory stays between none and full; every attention
-# backend's forward is saved (its output and log-sum-exp are what its backward reads). Exception: FlexAttention
+# backend's forward is saved (its output and log-sum-exp are what its backward reads; ring attention's too, so its
+# sends are not repeated in backward). Exception: FlexAttention
 # in an eager model on CUDA runs as its own compiled function, which the policy does not see: it is recomputed.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.loom.flash_attn.default,
+    torch.ops.loom.ring_attn.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,

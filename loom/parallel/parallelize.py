@@ -96,7 +96,7 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
             apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp,
                      expert_parallel=dims.ep_enabled, expert_tp=dims.etp_enabled)
         if dims.cp_enabled:
-            apply_context_parallel(part, dims["cp"])
+            apply_context_parallel(part, dims["cp"], parallel.cp_method)
         if dims.ep_enabled:
             apply_expert_parallel(part, dims["ep"], dims["ep_tp"] if dims.etp_enabled else None)
         if training.float8 != "none":

@@ -75,6 +75,7 @@ class MemoryInputs:
     expert_params: float = 0.0  # of one block (all its experts)
     etp: int = 1  # tensor-parallel experts (parallel.etp = tp): each tp rank holds a 1/tp slice of every expert
     optimizer_shard: int = 1  # ZeRO-1 (parallel.zero = 1): the AdamW moments split over this many DDP replicas
+    cp_ring: bool = False  # parallel.cp_method = ring: no gathered K/V kept for the backward
 
 
 def held_params(share, x: MemoryInputs) -> float:
@@ -155,7 +156,8 @@ def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: Mem
     """Bytes one micro-batch holds on a stage of ``layers`` blocks between its forward and backward. Tensor
     parallelism with sequence parallelism shards every activation but the all-gathered inputs of the
     column-parallel linears (attention and MLP input, the head's input), which a stored block keeps whole;
-    context parallelism keeps the gathered K/V of each block for the backward unless the block is recomputed;
+    context parallelism keeps the gathered K/V of each block for the backward unless the block is recomputed (the
+    ring keeps none: its backward passes the K/V round again);
     tensor-parallel experts keep the routed slots of the tp group's tokens.
     ``stored``: share of blocks not checkpointed (``stored_blocks``)."""
     held = profile.held(layers, x.micro_batch, head=last) / x.tp
@@ -166,7 +168,7 @@ def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: Mem
     if x.etp > 1:  # tensor-parallel experts keep the tp group's routed slots whole (the permuted inputs of the
         # grouped GEMMs and the experts' outputs, k slots a token): estimated from the tensors kept, not measured
         held += 2 * args.moe_top_k * layers * stored * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
-    if x.cp > 1 and ac != "full":
+    if x.cp > 1 and ac != "full" and not x.cp_ring:
         kv_dim = args.n_kv_heads * args.head_dim
         held += layers * x.micro_batch * x.seq_len * (1 - 1 / x.cp) * 2 * kv_dim * BYTES[x.dtype] / x.tp
     return held

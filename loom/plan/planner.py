@@ -163,7 +163,8 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
                         reshard_after_forward=dims.reshard_after_forward and not split, micro_batch=t.micro_batch_size,
                         seq_len=t.seq_len, cpu_offload=p.cpu_offload, ep=dims.ep,
                         expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0, etp=dims.etp,
-                        optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1)
+                        optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1,
+                        cp_ring=dims.cp > 1 and p.cp_method == "ring")
 
 
 def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, profiles: dict | None = None):
@@ -295,9 +296,26 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
         st.tp += m * share.layers * per_block
     if dims.cp > 1:
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
-        per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, _bandwidth(dims, ("cp",), gpu))
+        bandwidth = _bandwidth(dims, ("cp",), gpu)
+        if x.cp_ring:
+            block_attention = attention / (peak * attention_efficiency(args.head_dim, t.seq_len)) / share.layers
+            per_block = ring_exposed_s(kv, c, dims.cp, bandwidth, block_attention, recomputed)
+        else:
+            per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, bandwidth)
         st.cp = m * share.layers * per_block
     return st
+
+
+def ring_exposed_s(kv: float, dtype_bytes: int, cp: int, gbps: float, attention_s: float, recomputed: bool) -> float:
+    """Exposed seconds of one block's ring attention (parallel.cp_method = ring): forward sends cp - 1 K/V blocks
+    of ``kv`` / cp bytes (``kv``: the whole sequence's K and V), backward cp - 1 again plus cp fp32 dK/dV
+    accumulators, each hidden behind the block's attention (``attention_s``, forward + backward, split 1 : 2.5
+    as ``attention_flops`` counts); a recomputed block runs its forward ring twice."""
+    block = kv / cp / (gbps * 1e9)
+    forward = (cp - 1) * block
+    backward = (cp - 1) * block + cp * block * 4 / dtype_bytes
+    fwd_s, bwd_s = attention_s / 3.5, attention_s * 2.5 / 3.5
+    return (2 if recomputed else 1) * max(0.0, forward - fwd_s) + max(0.0, backward - bwd_s)
 
 
 @dataclass

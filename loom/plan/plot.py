@@ -29,15 +29,50 @@ def throughputs(layouts: list[tuple[str, Estimate]]) -> list[float]:
     return [e.tokens_per_s_per_gpu for _, e in layouts]
 
 
-def plan_figure(result: Estimate | None, ranked: Sequence[Estimate] = ()):
+def roofline_points(ops, gpu, dtype: str) -> list[tuple[str, float, float]]:
+    """(op, arithmetic intensity, ceiling FLOP/s) of the ops that compute (collectives have no FLOPs), and the
+    step's own point: its FLOPs over its HBM bytes, at the FLOP/s its ops' roof times allow (no overlap)."""
+    points = [(op.name, op.intensity, op.ceiling(gpu, dtype)) for op in ops if op.flops and op.hbm_bytes]
+    flops, hbm = sum(op.flops for op in ops), sum(op.hbm_bytes for op in ops)
+    seconds = sum(op.seconds(gpu, dtype) for op in ops)
+    return points + [("step", flops / hbm, flops / seconds)]
+
+
+def _roofline_panel(ax, roofline) -> None:
+    """Log-log roofline: FLOP/s against FLOP per HBM byte, the roof min(peak, intensity x HBM), each op at its
+    ceiling and the step's point."""
+    ops, gpu, dtype = roofline
+    points = roofline_points(ops, gpu, dtype)
+    peak, hbm = gpu.peak(dtype), gpu.hbm_tbps * 1e12
+    lo = min(0.1, min(i for _, i, _ in points) / 2)
+    hi = max(10 * peak / hbm, max(i for _, i, _ in points) * 2)
+    xs = [lo * (hi / lo) ** (k / 200) for k in range(201)]
+    ax.plot(xs, [min(peak, x * hbm) / 1e12 for x in xs], color="black",
+            label=f"roof: {peak / 1e12:.0f} TFLOP/s, {gpu.hbm_tbps} TB/s")
+    for i, (name, intensity, ceiling) in enumerate(points):
+        step = name == "step"
+        ax.scatter([intensity], [ceiling / 1e12], marker="*" if step else "o", s=120 if step else 30,
+                   color="red" if step else f"C{i % 10}", zorder=3)
+        ax.annotate(name, (intensity, ceiling / 1e12), fontsize="x-small", xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity, FLOP per HBM byte")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"roofline of one step ({gpu.name}, {dtype}; ops at their ceilings)")
+    ax.grid(which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def plan_figure(result: Estimate | None, ranked: Sequence[Estimate] = (), roofline=None):
     """Memory per GPU stacked by component (one bar per layout) against the capacity; with ranked layouts, a
-    second panel of their throughput per GPU (MFU on each bar)."""
+    second panel of their throughput per GPU (MFU on each bar); with ``roofline`` (ops, gpu, dtype: ``loom plan
+    --roofline``), a roofline panel."""
     layouts = plan_layouts(result, ranked)
     if not layouts:
         raise UserError("--plot: nothing to draw (the configured layout is not valid and no layout fits)")
     labels = [label for label, _ in layouts]
     x = list(range(len(layouts)))
-    panels = 2 if ranked else 1
+    panels = 1 + bool(ranked) + bool(roofline)
     fig = new_figure("loom plan --plot", figsize=(max(6.0, 1.1 * len(layouts) + 3) * panels, 5.5),
                      layout="constrained")
     axes = fig.subplots(1, panels, squeeze=False).ravel()
@@ -66,6 +101,8 @@ def plan_figure(result: Estimate | None, ranked: Sequence[Estimate] = ()):
         ax.set_title("throughput per GPU (fastest that fit first)")
         ax.set_ylabel("tokens/s per GPU")
         _labels(ax, x, labels)
+    if roofline:
+        _roofline_panel(axes[-1], roofline)
     return fig
 
 
@@ -74,10 +111,10 @@ def _labels(ax, x: list[int], labels: list[str]) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
-def plot_plan(result: Estimate | None, path: str, ranked: Sequence[Estimate] = ()) -> None:
+def plot_plan(result: Estimate | None, path: str, ranked: Sequence[Estimate] = (), roofline=None) -> None:
     """Write the plan's PNG to ``path``: ``result`` is the configured layout's estimate (None where it is not
-    valid), ``ranked`` the layouts ``--search`` found, fastest first."""
-    fig = plan_figure(result, ranked)
+    valid), ``ranked`` the layouts ``--search`` found, fastest first, ``roofline`` (ops, gpu, dtype) or None."""
+    fig = plan_figure(result, ranked, roofline)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(path, format="png", dpi=100)

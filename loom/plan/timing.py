@@ -14,7 +14,8 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   the last backward;
 - tensor parallelism: 4 all-gathers / reduce-scatters of the sequence-parallel activations per block in
   forward and 4 in backward (4 more when the block is recomputed), exposed; context parallelism: an
-  all-gather of K and V per block in forward, a reduce-scatter of their gradients in backward, exposed;
+  all-gather of K and V per block in forward, a reduce-scatter of their gradients in backward, exposed (ring:
+  loom.plan.planner.ring_exposed_s);
   expert parallelism: each MoE block sends its routed token-slots to the experts' ranks and back, in forward and
   in backward (4 all-to-alls, costed like an all-gather of the slots), exposed; MoE FLOPs count the router
   and the top_k experts a token goes through, assuming balanced routing;

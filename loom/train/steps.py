@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from loom.data.loader import MicroBatch
+from loom.metrics.nvtx import nvtx_range
 from loom.parallel.pipeline import BusyClock, V_SHAPED, build_schedule, forward_chain, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, unique_params
@@ -67,7 +68,8 @@ class LocalStep:
         profiler = self.ctx.profiler
         for i, mb in enumerate(mbs):
             self.ctx.new_pass()
-            with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.ctx.loss_parallel):
+            with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.ctx.loss_parallel), \
+                    nvtx_range(f"microbatch {i}"):
                 with profiler.phase("forward"):
                     loss = self._loss(mb)
                 with profiler.phase("backward"):

@@ -25,7 +25,8 @@ from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
 from loom.metrics.flops import device_peak, mfu, mfu_note
 from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
-from loom.metrics.profile import StepProfiler, transformer_blocks
+from loom.metrics.nvtx import nvtx_range, enable as enable_nvtx
+from loom.metrics.profile import StepProfiler, nvtx_block_ranges, transformer_blocks
 from loom.models.common.layers import attend
 from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, quantize_base
 from loom.models.registry import build_model
@@ -277,8 +278,9 @@ class Trainer:
 
     def _data_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks that hold different tokens of a step, and over the replica groups."""
-        t = self.dims.data_sum(t)
-        return self.ft.sum_(t) if self.ft else t
+        with nvtx_range("allreduce.data_sum"):
+            t = self.dims.data_sum(t)
+            return self.ft.sum_(t) if self.ft else t
 
     def _build_checkpointer(self) -> None:
         self._check_checkpoint_space()
@@ -323,8 +325,11 @@ class Trainer:
         self.noise = NoiseScaleProbe.build(self.steps, self.dims, self.objective) if cfg.metrics.noise_scale else None
 
     def _build_profiler(self) -> None:
-        """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph)."""
+        """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph); NVTX
+        ranges on or off for this process (metrics.nvtx: one run may follow another in a process)."""
+        enable_nvtx(self.cfg.metrics.nvtx)
         blocks = None if self.cfg.training.compile else transformer_blocks(self.parts)
+        self.nvtx_blocks = nvtx_block_ranges(blocks) if self.cfg.metrics.nvtx else None
         # PyTorch's memory history made the backward of MoE blocks under activation checkpointing fail (torch 2.11,
         # H100: "run_backward returned NULL without setting an exception"; docs/metrics.md): no snapshot there
         no_snapshot = "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation " \
@@ -374,7 +379,8 @@ class Trainer:
             if self.ft and not self.ft.should_commit():  # a replica group failed during the step: no update
                 self.optimizer.zero_grad(set_to_none=True)
                 return {"committed": False}
-            norm = self.steps.grad_norm() / self.scaler.scale
+            with nvtx_range("grad_norm"):  # the norm's all-reduce over the shards / stages
+                norm = self.steps.grad_norm() / self.scaler.scale
             if self.noise:
                 self.noise.observe(norm, denominator)
             # both are global (summed and normed over every rank): every rank reaches the same verdict. Under
@@ -502,8 +508,9 @@ class Trainer:
         if self.env.any_rank(not self._weights_finite()):
             raise TrainingStopped(f"the weights are not finite at step {self.step}: no checkpoint written (the last "
                                   "complete one stays)")
-        self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_for_checkpoint(),
-                               self.recorded_toml, replica=self.diloco)
+        with nvtx_range("checkpoint_save"):
+            self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_for_checkpoint(),
+                                   self.recorded_toml, replica=self.diloco)
 
     def resume(self) -> None:
         # a restarted attempt continues the launch's own lineage; otherwise checkpoint.resume decides
@@ -637,10 +644,11 @@ class Trainer:
                         continue
                 logs = self._logs_at(self.step + 1)
                 position = self.loader.state_dict() if self.ft else None  # a step not committed reruns its batch
-                with self.stragglers.data_wait():
+                with self.stragglers.data_wait(), nvtx_range("data_wait"):
                     data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
                 self.profiler.start(self.step + 1)
-                out = self.train_step(data.micro_batches)
+                with nvtx_range(f"step {self.step + 1}"):
+                    out = self.train_step(data.micro_batches)
                 if not out.get("committed", True):
                     self.loader.load_state_dict(position)
                     if self.env.is_main:
@@ -662,9 +670,10 @@ class Trainer:
                     logger.progress.update(self.step)
                 val, evals = None, {}
                 if verdict != "stop" and self._evaluates_at(self.step):
-                    val = self.evaluate(quiet=not (cfg.training.eval_every
-                                                   and self.step % cfg.training.eval_every == 0))
-                    evals = self.run_evals()
+                    with nvtx_range("validation"):
+                        val = self.evaluate(quiet=not (cfg.training.eval_every
+                                                       and self.step % cfg.training.eval_every == 0))
+                        evals = self.run_evals()
                 if logs or verdict == "stop":  # the step that stops the run is on record too
                     now = time.perf_counter()
                     rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
@@ -703,6 +712,8 @@ class Trainer:
                 self.ft.shutdown()
             self.preemption.restore()
             self.profiler.close()
+            if self.nvtx_blocks:
+                self.nvtx_blocks.close()
             if logger:
                 logger.close()
         if self.env.is_main:
@@ -715,7 +726,8 @@ class Trainer:
         name = f"{cfg.model.init_from} (imported)" if cfg.model.init_from else f"flavor {cfg.model.flavor}"
         moe = f", {args.moe_experts} experts (top {args.moe_top_k})" if args.moe_experts else ""
         note = mfu_note(self.device, cfg.training.dtype)
-        cp_note = " (cp > 1: attention goes through loom's flash_attention op)" if self.dims.cp_enabled else ""
+        cp_note = f" (cp > 1: attention goes through loom's flash_attention op, K/V by {cfg.parallel.cp_method})" \
+            if self.dims.cp_enabled else ""
         t = cfg.training
         total, trainable = count_params(args, cfg.lora, self.score_head)
         lora = cfg.lora

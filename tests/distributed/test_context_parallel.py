@@ -14,7 +14,8 @@ import torch
 
 from loom.config import ConfigError, build_config
 from loom.kernels.attention import reference as R
-from loom.parallel.context_parallel import chunk_ids, local_positions, merge_blocks, pair_bounds, shard_sequence
+from loom.parallel.context_parallel import (chunk_ids, local_positions, merge_blocks, pair_bounds, ring_blocks,
+                                            shard_sequence)
 from tests.distributed.harness import losses, run_fn, run_jobs
 from tests.distributed.test_model_parallel import STEPS, job
 
@@ -42,6 +43,58 @@ def test_merging_key_blocks_by_lse_equals_attention_over_all_keys():
     blocks = [R.attention_forward(q, k[:, :, i:i + 6], v[:, :, i:i + 6], i == 12, None, 0, scale) for i in (0, 6, 12)]
     merged = merge_blocks([o for o, _ in blocks], [lse for _, lse in blocks])
     torch.testing.assert_close(merged, whole[:, :, 12:], rtol=1e-5, atol=1e-6)
+
+
+def test_merging_blocks_that_see_nothing_gives_zero_not_nan():
+    out, lse = torch.ones(1, 1, 2, 4), torch.tensor([[[float("-inf"), 0.0]]])
+    merged = merge_blocks([out, out], [lse, lse])
+    assert torch.equal(merged[0, 0, 0], torch.zeros(4)) and torch.equal(merged[0, 0, 1], torch.ones(4))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_ring_steps_cover_every_causal_chunk_pair_once_with_equal_work(cp):
+    """Over the cp steps of the ring (K/V of rank - s at step s) each rank computes every (query chunk, key
+    chunk <= it) pair of its two chunks exactly once, and every step costs the same on every rank (two chunk
+    pairs, a diagonal block counting half)."""
+    for rank in range(cp):
+        pairs = [(g, j) for s in range(cp) for _, _, g, j in ring_blocks(rank, (rank - s) % cp, cp)]
+        want = [(g, j) for g in chunk_ids(rank, cp) for j in range(g + 1)]
+        assert sorted(pairs) == sorted(want)
+        cost = [sum(0.5 if g == j else 1 for _, _, g, j in ring_blocks(rank, (rank - s) % cp, cp))
+                for s in range(cp)]
+        assert set(cost) == {2}
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_ring_attention_op_in_one_process_matches_attention(docs, tmp_path):
+    """The ring's custom ops on a ring of one (its own K/V: three chunk pairs merged, each block's backward
+    normalized by the row's lse) against plain attention, values and q/k/v gradients; torch.library.opcheck on
+    the forward op (fake layouts, autograd registration, torch.compile)."""
+    import torch.distributed as dist
+
+    from loom.kernels.attention.op import flash_attention
+    from loom.parallel.context_parallel import ring_attention, ring_attn_op
+
+    own = not dist.is_initialized()  # a one-process group left by an earlier in-process test serves as well
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 8, h, 4).transpose(1, 2).requires_grad_() for h in (4, 2, 2))  # GQA 4/2
+        dout = torch.randn(2, 4, 8, 4)
+        ids = R.doc_ids_from_positions(doc_positions(2, 8, seed=1)) if docs else None
+        bounds = R.document_bounds(ids) if docs else None
+        out = ring_attention(q, k, v, bounds, dist.group.WORLD, 0, 1)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref = flash_attention(q, k, v, causal=True, doc_ids=ids)
+        want = torch.autograd.grad(ref, (q, k, v), dout)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        for got, exp in zip(grads, want):
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+        torch.library.opcheck(ring_attn_op, (q, k, v, bounds, dist.group.WORLD.group_name, 0, 1, 0.5))
+    finally:
+        if own:
+            dist.destroy_process_group()
 
 
 def doc_positions(bsz: int, seq: int, seed: int) -> torch.Tensor:
@@ -77,6 +130,7 @@ def test_chunk_pair_bounds_give_the_whole_sequence_mask_in_pieces(cp):
 # ---- attention across ranks vs one process ------------------------------------------------------------
 
 def cp_attention_parity(rank: int, world: int, docs: bool = False) -> dict:
+    """Both methods' errors against one process: {"allgather.out": ..., "ring.dk": ...}."""
     import torch.distributed as dist
 
     from loom.kernels.attention.op import flash_attention
@@ -92,13 +146,15 @@ def cp_attention_parity(rank: int, world: int, docs: bool = False) -> dict:
     ref = flash_attention(*full, causal=True, doc_ids=ids)
     ref.backward(dout)
 
-    local = [shard_sequence(t, rank, world, dim=2).requires_grad_() for t in (q, k, v)]
-    mine = shard_sequence(positions, rank, world) if docs else None
-    out = ContextParallel(dist.group.WORLD, rank, world).attend(*local, mine)
-    out.backward(shard_sequence(dout, rank, world, dim=2))
-    errs = {"out": (out - shard_sequence(ref, rank, world, dim=2)).abs().max().item()}
-    for name, mine, whole in zip("qkv", local, full):
-        errs["d" + name] = (mine.grad - shard_sequence(whole.grad, rank, world, dim=2)).abs().max().item()
+    errs = {}
+    for method in ("allgather", "ring"):
+        local = [shard_sequence(t, rank, world, dim=2).requires_grad_() for t in (q, k, v)]
+        mine = shard_sequence(positions, rank, world) if docs else None
+        out = ContextParallel(dist.group.WORLD, rank, world, method).attend(*local, mine)
+        out.backward(shard_sequence(dout, rank, world, dim=2))
+        errs[f"{method}.out"] = (out - shard_sequence(ref, rank, world, dim=2)).abs().max().item()
+        for name, mine, whole in zip("qkv", local, full):
+            errs[f"{method}.d{name}"] = (mine.grad - shard_sequence(whole.grad, rank, world, dim=2)).abs().max().item()
     gathered = [None] * world
     dist.all_gather_object(gathered, errs)
     return {k: max(e[k] for e in gathered) for k in errs}
@@ -110,13 +166,13 @@ def cp_attention_parity_docs(rank: int, world: int) -> dict:
 
 def test_cp_attention_matches_one_process_forward_and_backward(tmp_path):
     errs = run_fn(2, cp_attention_parity, str(tmp_path))
-    assert max(errs.values()) < 1e-5, errs
+    assert len(errs) == 8 and max(errs.values()) < 1e-5, sorted(errs.items())  # all-gather and ring
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_with_packed_documents_matches_one_process(world, tmp_path):
     errs = run_fn(world, cp_attention_parity_docs, str(tmp_path))
-    assert max(errs.values()) < 1e-5, errs
+    assert len(errs) == 8 and max(errs.values()) < 1e-5, sorted(errs.items())  # all-gather and ring
 
 
 # ---- training layouts vs one process ------------------------------------------------------------------
@@ -151,7 +207,14 @@ def cp_jobs(tmp, world: int) -> dict:
                 # per-block torch.compile traces the all-gather and the attention op's fake implementation
                 "cp2-compile": {**job(tmp, "cp2-compile", cp=2, dp_shard=1), "training.compile": "true"},
                 # recomputation repeats the K/V all-gather in backward, in the same order on every rank
-                "cp2-ac-op": {**job(tmp, "cp2-ac-op", cp=2, dp_shard=1), "training.activation_checkpointing": "op"}}
+                "cp2-ac-op": {**job(tmp, "cp2-ac-op", cp=2, dp_shard=1), "training.activation_checkpointing": "op"},
+                # ring attention (parallel.cp_method ring): K/V round the ring, dK/dV back
+                "cp2-ring": job(tmp, "cp2-ring", cp=2, dp_shard=1, cp_method="ring"),
+                "cp2-ring-docs-m2": docs_job(tmp, "cp2-ring-docs-m2", m=2, cp=2, dp_shard=1, cp_method="ring"),
+                # the ring runs eagerly between the compiled pieces of a block (a graph break), and op-level
+                # recomputation replays its sends in backward, in the same order on every rank
+                "cp2-ring-compile-ac-op": {**job(tmp, "cp2-ring-compile-ac-op", cp=2, dp_shard=1, cp_method="ring"),
+                                           "training.compile": "true", "training.activation_checkpointing": "op"}}
     return {"fsdp2xcp2": job(tmp, "fsdp2xcp2", dp=2, cp=2, dp_shard=2),
             "cp4-docs-m2": docs_job(tmp, "cp4-docs-m2", m=2, cp=4, dp_shard=1),
             "fsdp2xcp2-docs": docs_job(tmp, "fsdp2xcp2-docs", dp=2, cp=2, dp_shard=2),
@@ -159,7 +222,12 @@ def cp_jobs(tmp, world: int) -> dict:
             "cp2xtp2": job(tmp, "cp2xtp2", cp=2, tp=2, dp_shard=1),
             # stages pass (B, S/cp, E) hidden states; each attention knows its tokens' positions
             "pp2xcp2-1f1b-m2": job(tmp, "pp2xcp2-1f1b-m2", m=2, pp=2, cp=2, dp_shard=1),
-            "pp2xcp2-zbv-m4": job(tmp, "pp2xcp2-zbv-m4", m=4, pp=2, cp=2, pp_schedule="zbv", dp_shard=1)}
+            "pp2xcp2-zbv-m4": job(tmp, "pp2xcp2-zbv-m4", m=4, pp=2, cp=2, pp_schedule="zbv", dp_shard=1),
+            # ring attention over 4 cp ranks (three hops each way), and beside a pipeline's own sends (ZBV's
+            # split backward runs the ring's backward in the input-gradient pass)
+            "cp4-ring-docs-m2": docs_job(tmp, "cp4-ring-docs-m2", m=2, cp=4, dp_shard=1, cp_method="ring"),
+            "pp2xcp2-ring-zbv-m4": job(tmp, "pp2xcp2-ring-zbv-m4", m=4, pp=2, cp=2, pp_schedule="zbv", dp_shard=1,
+                                       cp_method="ring")}
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +329,7 @@ def test_cp_checkpoint_resumes_under_fsdp(tmp_path):
 
 @pytest.mark.parametrize("overrides, field", [
     ({"parallel.cp": "2", "training.seq_len": "30"}, "parallel.cp"),
+    ({"parallel.cp": "2", "parallel.cp_method": "ulysses"}, "parallel.cp_method"),
 ])
 def test_unsupported_cp_settings_name_the_field(overrides, field):
     from loom.resolve import check_config

@@ -318,6 +318,24 @@ def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
     assert any(e.layout["etp"] > 1 for e in best)
 
 
+def test_ring_context_parallel_keeps_no_gathered_kv_and_hides_its_sends():
+    """parallel.cp_method = ring: the gathered K/V all-gather keeps for the backward are not held, and the ring's
+    sends are exposed only where they outlast the block's attention (hand-computed cases)."""
+    from loom.plan.planner import ring_exposed_s
+
+    base = dict(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=1,
+                training__micro_batch_size=1, training__seq_len=65536, parallel__cp=4, parallel__dp_shard=1)
+    ag, ring = (estimate(_cfg(**dict(base, parallel__cp_method=m)), 4, GPUS["H100"]) for m in ("allgather", "ring"))
+    kv = 16 * 65536 * (1 - 1 / 4) * 2 * 8 * 64 * 2  # 1B: 16 blocks, 8 KV heads of 64, bf16; the others' 3/4
+    assert ag.memory.activations - ring.memory.activations == pytest.approx(kv)
+    assert 0 <= ring.time.cp < ag.time.cp and ring.time.compute == ag.time.compute
+    # a block of 1e9 bytes (kv 4e9 over cp 4) at 100 GB/s takes 10 ms: forward 3 blocks (30 ms) against 10 ms of
+    # forward attention, backward 3 blocks + 4 fp32 accumulators (2 x 10 ms each) = 110 ms against 25 ms
+    assert ring_exposed_s(4e9, 2, 4, 100.0, 0.035, False) == pytest.approx(0.020 + 0.085)
+    assert ring_exposed_s(4e9, 2, 4, 100.0, 0.035, True) == pytest.approx(2 * 0.020 + 0.085)
+    assert ring_exposed_s(4e9, 2, 4, 100.0, 1.0, True) == 0.0  # all hidden
+
+
 def test_margin_keeps_layouts_near_the_limit_out():
     """A layout estimated at 78.8 of an H100's 79.2 GiB does not fit under the default 5% margin; margin 0 is the
     bare comparison."""

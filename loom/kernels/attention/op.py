@@ -39,15 +39,16 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, 
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       key_bounds=None):
+                       key_bounds=None, lse_normalizes: bool = False):
     """(dq, dk, dv) on the kernels ``dispatch.backward_kernels`` picks; ``dlse``: the gradient flowing into the
-    log-sum-exp, or None."""
+    log-sum-exp, or None. ``lse_normalizes``: the reference too normalizes by the given ``lse`` (the kernels
+    always do), for k, v a block of the keys whose out and lse are the whole row's."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dkdv, dq_kernel = dispatch.backward_kernels(q, k, v, dout, bounds, key_bounds, window)
     if dkdv == "reference":
         dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale,
-                                                  key_bounds)
+                                                  key_bounds, lse_normalizes)
         return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
     from loom.kernels.attention import triton as T
 

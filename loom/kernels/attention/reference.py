@@ -93,12 +93,13 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scores(q, k, v, causal, bounds, window, scale):
+def _scores(q, k, v, causal, bounds, window, scale, row_lse=None):
+    """(P, lse, K and V expanded to Hq heads); ``row_lse``: normalize P by it instead of the block's own lse."""
     group = q.shape[1] // k.shape[1]
     kf, vf = _expand_kv(_acc(k), group), _expand_kv(_acc(v), group)  # (B, Hq, S, D)
     s = (_acc(q) @ kf.transpose(-1, -2)) * scale  # (B, Hq, S, S)
     s = s.masked_fill(~visible(q.shape[2], causal, bounds, window, q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, S); -inf for rows that see nothing
+    lse = torch.logsumexp(s, dim=-1) if row_lse is None else row_lse.to(s.dtype)  # (B, Hq, S); -inf: sees nothing
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # (B, Hq, S, S); 0 where masked
     return p, lse, kf, vf
 
@@ -110,11 +111,14 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, 
 
 
 def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       key_bounds=None):
+                       key_bounds=None, lse_normalizes: bool = False):
     """Gradients (dq, dk, dv) of out and lse, by the flash-attention formulas:
-    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − δ) with δ = rowsum(dO ∘ O) − dLSE, dQ = s·dS K, dK = s·dSᵀ Q."""
+    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − δ) with δ = rowsum(dO ∘ O) − dLSE, dQ = s·dS K, dK = s·dSᵀ Q.
+    P is recomputed with the block's own log-sum-exp (exact in float64), or with ``lse_normalizes`` by the
+    given ``lse``, as the kernels always do: then k, v may be one block of the keys and out, lse the whole
+    row's (ring attention's backward, block by block)."""
     group = q.shape[1] // k.shape[1]
-    p, _, kf, vf = _scores(q, k, v, causal, bounds, window, scale)
+    p, _, kf, vf = _scores(q, k, v, causal, bounds, window, scale, lse if lse_normalizes else None)
     do = _acc(dout)
     delta = (do * _acc(out)).sum(-1)  # (B, Hq, S)
     if dlse is not None:

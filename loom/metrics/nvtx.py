@@ -1,0 +1,64 @@
+"""NVTX ranges for Nsight Systems (``metrics.nvtx = true``; docs/metrics.md gives the ``nsys profile`` command).
+
+The trainer marks each step, its data wait, micro-batches, forward / backward (``forward_backward`` for a pipeline
+schedule run), each transformer block's forward and backward (hooks; not under torch.compile), the optimizer
+phase (grad norm, step), validation and checkpoint saves; context parallelism marks
+its K/V all-gather and each ring step; the loss and token all-reduces are marked too. Ranges are pushed and popped
+on the thread that opens them (``torch.cuda.nvtx.range_push`` / ``range_pop``), so they nest on nsys's timeline
+under the CPU thread and project onto the GPU kernels they launch. Off (the default) each range is a shared no-op
+context: a flag test. Inside a ``torch.compile`` trace nothing is pushed (Dynamo would have to trace it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+OFF = contextlib.nullcontext()  # stateless: one shared no-op context (loom.metrics.profile's too)
+_enabled = False
+
+
+def unavailable() -> str:
+    """Why this PyTorch cannot emit NVTX ranges ("" = it can): a build without CUDA has no NVTX library."""
+    try:
+        torch.cuda.nvtx.range_push("loom.nvtx.check")
+        torch.cuda.nvtx.range_pop()
+    except (RuntimeError, AttributeError) as err:
+        return f"this PyTorch ({torch.__version__}) cannot emit NVTX ranges: {str(err).splitlines()[0]}"
+    return ""
+
+
+def enable(on: bool) -> None:
+    """Turn NVTX ranges on or off for this process (the trainer, from metrics.nvtx)."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+class NvtxRange:
+    """An NVTX range as a context (pushed on entry, popped on exit), whatever ``enabled`` says."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        torch.cuda.nvtx.range_push(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.nvtx.range_pop()
+        return False
+
+
+def nvtx_range(name: str):
+    """A context that pushes NVTX range ``name`` on entry and pops it on exit when ranges are on (and not inside
+    a torch.compile trace), else a shared no-op context."""
+    if not _enabled or torch.compiler.is_compiling():
+        return OFF
+    return NvtxRange(name)

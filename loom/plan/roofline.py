@@ -1,0 +1,209 @@
+"""``loom plan --roofline``: every op of a training step on one rank (the one holding the most blocks) placed on
+the GPU's roofline: its FLOPs, the bytes it moves through HBM, the bytes it communicates, its arithmetic
+intensity (FLOPs / HBM byte) and communication intensity (FLOPs / communicated byte), which roof bounds it
+(compute, HBM or network) and the FLOP/s ceiling that roof allows.
+
+Counting (forward + backward, per optimizer step, this rank; docs/planner.md "Roofline"):
+- a matmul (T x K) @ (K x N): 6 T K N FLOPs (forward, input gradient, weight gradient); bytes 3 x (T K + K N +
+  T N) elements (each of the three matmuls reads two operands and writes one), at the compute dtype;
+- attention (FlashAttention, causal): FLOPs as ``loom.plan.timing.attention_flops`` (forward 2 S D per query
+  token and head, backward 2.5x); bytes the compulsory traffic: forward reads Q, K, V and writes O, backward
+  reads Q, K, V, O, dO and writes dQ, dK, dV (K and V of the keys a rank attends to: the whole sequence's under
+  context parallelism); the tiles' re-reads are left out, so its intensity is an upper bound;
+- RMSNorm: 12 FLOPs per element (4 forward, 8 backward), 5 elements moved (forward reads x, writes y; backward
+  reads x and dy, writes dx); SwiGLU's gate: 15 FLOPs per element of the hidden width (5 forward, 10
+  backward), 8 elements moved (3 forward, 5 backward); cross-entropy on the logits: 10 FLOPs per logit, 3
+  logits' worth of bytes (read, gradient written, read once more) at 4 bytes;
+- AdamW: 14 FLOPs and ``ADAMW_BYTES_PER_PARAM`` bytes per parameter this rank owns;
+- collectives: the bytes this rank sends (a ring all-gather / reduce-scatter of B bytes over n ranks: B (n-1)/n;
+  an all-reduce twice that), no FLOPs, at the link the group spans (``loom.plan.planner._bandwidth``).
+An op's time at each roof: FLOPs / peak, bytes / HBM bandwidth, communicated bytes / link bandwidth; the largest
+bounds it, and its ceiling is min(peak, intensity x HBM bandwidth, communication intensity x link bandwidth).
+Dense models (no mixture of experts, no latent attention) without a pipeline's per-stage detail: the busiest
+rank's blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loom.config.errors import ConfigError
+from loom.config.sections import Config
+from loom.plan.hardware import GPU
+from loom.plan.memory import BYTES, held_params
+from loom.plan.timing import ADAMW_BYTES_PER_PARAM, attention_flops, recompute_share
+
+NORM_FLOPS, NORM_ELEMENTS = 12, 5
+SWIGLU_FLOPS, SWIGLU_ELEMENTS = 15, 8
+CROSS_ENTROPY_FLOPS, CROSS_ENTROPY_BYTES = 10, 3 * 4
+ADAMW_FLOPS = 14
+
+
+@dataclass
+class Op:
+    """One op of the step on this rank, summed over its calls (``count``: blocks x micro-batches, ...)."""
+
+    name: str
+    count: int
+    flops: float
+    hbm_bytes: float
+    comm_bytes: float = 0.0
+    comm_gbps: float = 0.0  # the link its bytes cross
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per HBM byte (inf without HBM traffic)."""
+        return self.flops / self.hbm_bytes if self.hbm_bytes else math.inf
+
+    @property
+    def comm_intensity(self) -> float:
+        """FLOPs per communicated byte (inf for an op that communicates nothing)."""
+        return self.flops / self.comm_bytes if self.comm_bytes else math.inf
+
+    def times(self, gpu: GPU, dtype: str) -> dict[str, float]:
+        """Seconds at each roof: compute, HBM, network."""
+        network = self.comm_bytes / (self.comm_gbps * 1e9) if self.comm_bytes else 0.0
+        return {"compute": self.flops / gpu.peak(dtype), "HBM": self.hbm_bytes / (gpu.hbm_tbps * 1e12),
+                "network": network}
+
+    def bound(self, gpu: GPU, dtype: str) -> str:
+        times = self.times(gpu, dtype)
+        return max(times, key=times.get)
+
+    def ceiling(self, gpu: GPU, dtype: str) -> float:
+        """The FLOP/s this op can reach at best: min(peak, intensity x HBM, communication intensity x link)
+        (0 for an op without FLOPs: a collective)."""
+        if not self.flops:
+            return 0.0
+        roofs = [gpu.peak(dtype), self.intensity * gpu.hbm_tbps * 1e12]
+        if self.comm_bytes:
+            roofs.append(self.comm_intensity * self.comm_gbps * 1e9)
+        return min(roofs)
+
+    def seconds(self, gpu: GPU, dtype: str) -> float:
+        """The op's time at its binding roof (the roofline's lower bound on its time)."""
+        return max(self.times(gpu, dtype).values())
+
+
+def matmul(name: str, count: int, tokens: float, k: float, n: float, c: int) -> Op:
+    """``count`` matmuls (tokens x k) @ (k x n), forward and backward (see the module docstring)."""
+    return Op(name, count, count * 6 * tokens * k * n, count * 3 * (tokens * k + k * n + tokens * n) * c)
+
+
+def collective(name: str, count: int, nbytes: float, ranks: int, gbps: float, all_reduce: bool = False) -> Op:
+    """``count`` ring collectives of a ``nbytes`` tensor over ``ranks`` ranks: what this rank sends."""
+    sent = nbytes * (ranks - 1) / ranks * (2 if all_reduce else 1)
+    return Op(name, count, 0.0, 0.0, count * sent, gbps)
+
+
+def _ops(cfg, dims, args, m, x, shares, link) -> tuple[list[Op], dict]:
+    """The step's ops on the rank holding the most blocks; ``link(axes)``: the GB/s of a group over mesh axes."""
+    t = cfg.training
+    share = max(shares, key=lambda s: (s.layers, any(s.last)))
+    c = BYTES[t.dtype]
+    tp, cp = dims.tp, dims.cp
+    tokens = x.micro_batch * t.seq_len / cp  # per micro-batch on this rank (whole, as the matmuls see them under SP)
+    rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
+    n = share.layers * m  # block calls per step
+    e, hd, hq, hkv, f = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim
+    ops = [matmul("wq", n, tokens, e, hq * hd / tp, c), matmul("wk", n, tokens, e, hkv * hd / tp, c),
+           matmul("wv", n, tokens, e, hkv * hd / tp, c), matmul("wo", n, tokens, hq * hd / tp, e, c),
+           matmul("w1 (gate)", n, tokens, e, f / tp, c), matmul("w3 (up)", n, tokens, e, f / tp, c),
+           matmul("w2 (down)", n, tokens, f / tp, e, c)]
+    if rec_mm:  # recomputation's extra forward matmuls, as a share of forward + backward
+        for op in ops:
+            op.flops, op.hbm_bytes = op.flops * (1 + rec_mm), op.hbm_bytes * (1 + rec_mm)
+    keys = t.seq_len  # the keys a rank's queries attend over (all of them under cp)
+    attn_flops = attention_flops(1, hq / tp, hd, t.seq_len, tokens, args.sliding_window) * (1 + rec_attn)
+    qo = tokens * hq * hd / tp  # elements of Q (and O, dO, dQ)
+    kv = keys * hkv * hd / tp  # elements of K (and V)
+    attn_bytes = ((2 * qo + 2 * kv) + (3 * qo + 2 * kv + qo + 2 * kv)) * c * (1 + rec_attn)
+    ops.append(Op("attention", n, n * attn_flops, n * attn_bytes))
+    ops.append(Op("rmsnorm", 2 * n, 2 * n * NORM_FLOPS * tokens * e, 2 * n * NORM_ELEMENTS * tokens * e * c))
+    ops.append(Op("swiglu gate", n, n * SWIGLU_FLOPS * tokens * f / tp, n * SWIGLU_ELEMENTS * tokens * f / tp * c))
+    if any(share.last):
+        v = args.vocab_size
+        ops.append(matmul("head", m, tokens, e, v / tp, c))
+        ops.append(Op("final rmsnorm", m, m * NORM_FLOPS * tokens * e, m * NORM_ELEMENTS * tokens * e * c))
+        ops.append(Op("cross-entropy", m, m * CROSS_ENTROPY_FLOPS * tokens * v / tp,
+                      m * CROSS_ENTROPY_BYTES * tokens * v / tp))
+    own = held_params(share, x) / x.shard
+    ops.append(Op("adamw", 1, ADAMW_FLOPS * own, ADAMW_BYTES_PER_PARAM * own))
+    ops += _collectives(cfg, dims, args, m, x, share, tokens, n, link)
+    return ops, {"blocks": share.layers, "micro_batches": m, "tokens_per_micro_batch": tokens}
+
+
+def _collectives(cfg, dims, args, m, x, share, tokens, n, link) -> list[Op]:
+    """The step's collectives on this rank, each at the bandwidth of the link its group spans."""
+    t, c = cfg.training, BYTES[cfg.training.dtype]
+    out: list[tuple[Op, tuple]] = []
+    params = held_params(share, x)
+    if dims.fsdp_enabled and x.shard > 1:
+        gathers = 2 if x.reshard_after_forward else 1
+        out.append((collective("fsdp all-gather", gathers * m, c * params, x.shard, 0), ("dp_shard", "cp")))
+        out.append((collective("fsdp reduce-scatter", m, 4 * params, x.shard, 0), ("dp_shard", "cp")))
+    if dims.dp_replicate > 1:
+        grads = 4 * params / (x.shard if dims.fsdp_enabled else 1)
+        out.append((collective("dp all-reduce", 1 if not dims.fsdp_enabled else m, grads, dims.dp_replicate, 0,
+                               all_reduce=True), ("dp_replicate",)))
+    recomputed = t.activation_checkpointing == "full"
+    if dims.tp > 1:
+        count = n * (8 + (4 if recomputed else 0))
+        out.append((collective("tp all-gather / reduce-scatter", count, tokens * args.dim * c, dims.tp, 0), ("tp",)))
+    if dims.cp > 1:
+        kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
+        if cfg.parallel.cp_method == "ring":
+            block = kv / dims.cp
+            sends = (dims.cp - 1) * (2 if recomputed else 1) + (dims.cp - 1)
+            out.append((Op("cp ring K/V sends", n, 0.0, 0.0, n * sends * block), ("cp",)))
+            out.append((Op("cp ring dK/dV sends", n, 0.0, 0.0, n * dims.cp * block * 4 / c), ("cp",)))
+        else:
+            count = n * (2 + (1 if recomputed else 0))
+            out.append((collective("cp K/V all-gather / reduce-scatter", count, kv, dims.cp, 0), ("cp",)))
+    if dims.pp > 1:
+        act = tokens * args.dim * c
+        out.append((Op("pp send / recv", 2 * m * len(share.stages), 0.0, 0.0, 2 * m * len(share.stages) * act),
+                    ("pp",)))
+    for op, axes in out:
+        op.comm_gbps = link(axes)
+    return [op for op, _ in out]
+
+
+def roofline(cfg: Config, world_size: int, gpu: GPU) -> tuple[list[Op], dict]:
+    """The ops of one optimizer step on the busiest rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu`` (each
+    collective at NVLink or network bandwidth, by where its group's ranks sit), and what they were counted for:
+    blocks, micro-batches, tokens per micro-batch, the machine balance (peak / HBM bandwidth, FLOP per byte)."""
+    from loom.plan.planner import _bandwidth, memory_inputs, validate
+    from loom.plan.shapes import rank_shares
+
+    dims, args, m = validate(cfg, world_size)
+    if args.moe or args.mla:
+        raise ConfigError("--roofline", None, "models dense attention and SwiGLU blocks only (not mixture of "
+                          "experts or multi-head latent attention yet)", show_value=False)
+    x = memory_inputs(cfg, dims, args)
+    ops, what = _ops(cfg, dims, args, m, x, rank_shares(args, dims.pp, cfg.parallel, cfg.training.seq_len),
+                     lambda axes: _bandwidth(dims, axes, gpu))
+    what["machine_balance"] = gpu.peak(cfg.training.dtype) / (gpu.hbm_tbps * 1e12)
+    return ops, what
+
+
+def table(ops: list[Op], gpu: GPU, dtype: str) -> str:
+    """The roofline as a markdown table, one row per op, and the step's sum."""
+    rows = ["| op | calls | GFLOP | HBM GB | comm GB | FLOP/B (HBM) | FLOP/B (comm) | bound | ceiling TFLOP/s | "
+            "ms at its roof |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def num(v: float, fmt: str) -> str:
+        return "-" if math.isinf(v) or (v == 0 and fmt != "ms") else format(v, ".1f" if fmt != "ms" else ".2f")
+
+    for op in ops:
+        ceiling = op.ceiling(gpu, dtype)
+        rows.append(f"| {op.name} | {op.count} | {num(op.flops / 1e9, '')} | {num(op.hbm_bytes / 1e9, '')} | "
+                    f"{num(op.comm_bytes / 1e9, '')} | {num(op.intensity, '')} | {num(op.comm_intensity, '')} | "
+                    f"{op.bound(gpu, dtype)} | {num(ceiling / 1e12, '') if ceiling else '-'} | "
+                    f"{op.seconds(gpu, dtype) * 1e3:.2f} |")
+    total = sum(op.seconds(gpu, dtype) for op in ops)
+    flops, hbm = sum(o.flops for o in ops), sum(o.hbm_bytes for o in ops)
+    rows.append(f"| **sum** (no overlap) | | {flops / 1e9:.1f} | {hbm / 1e9:.1f} | "
+                f"{sum(o.comm_bytes for o in ops) / 1e9:.1f} | | | | | {total * 1e3:.2f} |")
+    return "\n".join(rows)
