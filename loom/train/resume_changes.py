@@ -188,6 +188,7 @@ RULES: dict[str, tuple[str, str]] = {
     "parallel.ft_min_replicas": (FREE, "when a step of the replica groups commits"),
     "parallel.ft_timeout_s": (FREE, "how long the replica groups wait for each other"),
     "parallel.tp": (FREE, _LAYOUT),
+    "parallel.cp_method": (FREE, _LAYOUT + "; all-gather and ring attention compute the same attention"),
     "parallel.pp": (FREE, _LAYOUT),
     "parallel.cp": (FREE, _LAYOUT),
     "parallel.ep": (FREE, _LAYOUT),
@@ -222,6 +223,7 @@ RULES: dict[str, tuple[str, str]] = {
     "checkpoint.at_end": (FREE, _OUTPUT),
     "checkpoint.dir": (FREE, _OUTPUT),
     "checkpoint.overwrite": (FREE, _OUTPUT),
+    "metrics.nvtx": (FREE, _OUTPUT + ": NVTX ranges for a profiler's timeline"),
     "checkpoint.preempt_grace_s": (FREE, _OUTPUT),
 
     "metrics.every": (FREE, _OUTPUT),

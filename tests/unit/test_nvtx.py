@@ -42,6 +42,7 @@ def test_a_training_run_pushes_and_pops_its_ranges_in_balance(tmp_path, monkeypa
     pushed, open_now = record(monkeypatch)
     cfg = tiny_config(tmp_path / "run", tmp_path / "cache", **{
         "training.steps": 3, "metrics.nvtx": "true", "training.eval_every": 2, "training.eval_batches": 1,
+        "training.eval_at_end": "false",  # validation at step 2 only
         "checkpoint.every": 2, "metrics.profile_steps": "3:3"})  # the profiled step: both kinds of range
     Trainer(cfg).fit()
     assert not open_now, f"ranges left open: {open_now}"
