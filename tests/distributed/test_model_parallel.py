@@ -169,10 +169,10 @@ def test_validation_under_pp_and_tp_matches_single_process(tmp_path):
         return [(r["step"], r["val_loss"]) for r in res["records"] if r["val_loss"] is not None]
 
     expected = vals(ref)
-    assert [s for s, _ in expected] == [2, 4]
+    assert [s for s, _ in expected] == [2, 4, STEPS]  # and at the end (training.eval_at_end)
     for res in runs:
         got = vals(res)
-        assert [s for s, _ in got] == [2, 4]
+        assert [s for s, _ in got] == [2, 4, STEPS]
         assert max(abs(a - b) / b for (_, a), (_, b) in zip(got, expected)) < 1e-5, (got, expected)
 
 
