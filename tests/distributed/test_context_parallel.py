@@ -261,13 +261,21 @@ def check(reference, jobs, results):
     assert not bad, "\n".join(bad + report)
 
 
-def test_cp_on_2_ranks_matches_single_process(reference, tmp_path):
-    jobs = cp_jobs(tmp_path, 2)
+# the rest of each matrix (slow): plain compiled cp2 (cp2-docs-compile and the compiled ring trace the same and
+# more), and 4-rank cases whose paths the others cover (FSDP2 x CP2 with documents, CP4 and PP2 x CP2 under ring)
+BROAD = {"cp2-compile", "fsdp2xcp2", "cp4-docs-m2", "pp2xcp2-1f1b-m2", "pp2xcp2-ring-zbv-m4"}
+BREADTH = pytest.mark.parametrize("broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"])
+
+
+@BREADTH
+def test_cp_on_2_ranks_matches_single_process(reference, tmp_path, broad):
+    jobs = {k: v for k, v in cp_jobs(tmp_path, 2).items() if (k in BROAD) == broad}
     check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
 
 
-def test_cp_composed_on_4_ranks_matches_single_process(reference, tmp_path):
-    jobs = cp_jobs(tmp_path, 4)
+@BREADTH
+def test_cp_composed_on_4_ranks_matches_single_process(reference, tmp_path, broad):
+    jobs = {k: v for k, v in cp_jobs(tmp_path, 4).items() if (k in BROAD) == broad}
     check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))
 
 
