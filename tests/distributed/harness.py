@@ -53,7 +53,7 @@ def job_tmp() -> str:
 
 
 def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> None:
-    """A pooled rank: join the group, then run each job sent until told to stop (``None``)."""
+    """A pooled rank: for each job sent (until ``None``), join a fresh group, run it, tear the group down."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import threading
@@ -66,14 +66,15 @@ def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> Non
     generation = 0
     while (msg := inbox.get()) is not None:
         fn, tmp = msg
-        if not dist.is_initialized():  # the first job, or a job destroyed the group (loom doctor does)
+        if not dist.is_initialized():
             dist.init_process_group(backend, store=dist.PrefixStore(f"group{generation}", store), rank=rank,
                                     world_size=world)
             generation += 1
-        outbox.put((rank, *_run_job(fn, rank, world, tmp)))
+        reply = _run_job(fn, rank, world, tmp)
         _tidy()
-    if dist.is_initialized():
-        _teardown(dist)
+        if dist.is_initialized():  # every job gets a fresh group: the meshes' subgroups (and their gloo threads,
+            _teardown(dist)  # thousands after a few dozen jobs, each waking up) go with it
+        outbox.put((rank, *reply))
     _exit_now()
 
 
