@@ -80,8 +80,9 @@ def _kill(pids) -> None:
             pass
 
 
-# helpers that live for the session by design: multiprocessing's resource tracker and Inductor's compile workers
-SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker")
+# helpers that live for the session by design: multiprocessing's resource tracker, Inductor's compile workers and
+# wandb's service (one per process, reused by the next wandb.init: killing it breaks the next tracker test)
+SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker", "wandb-core")
 
 
 def _outside_pools(procs: dict[int, str]) -> dict[int, str]:

@@ -226,6 +226,14 @@ def check_script_config(train_args: list[str], workdir: str) -> None:
     build_config(path, parse_overrides(rest))
 
 
+def _warn_cpus(opts) -> None:
+    """Without --cpus-per-node SLURM's default (often 1 CPU) is shared by the agent, its workers and data loading."""
+    if not opts.cpus_per_node:
+        print("loom launch: warning: no --cpus-per-node, so the script asks for no --cpus-per-task and SLURM gives "
+              "each node's task (the agent and its workers) its default CPUs, often 1: data loading and the workers' "
+              "threads share them; pass --cpus-per-node C (e.g. the node's cores)", file=sys.stderr, flush=True)
+
+
 def slurm(opts, train_args: list[str]) -> int:
     from loom.ops.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
 
@@ -233,16 +241,13 @@ def slurm(opts, train_args: list[str]) -> int:
     # the script runs on the cluster's shared filesystem: --config is looked for from --workdir (the layout may be
     # set on the cluster, so it is not checked against a world size)
     check_script_config(train_args, os.path.abspath(opts.workdir or os.getcwd()))
-    if not opts.cpus_per_node:
-        print("loom launch: warning: no --cpus-per-node, so the script asks for no --cpus-per-task and SLURM gives "
-              "each node's task (the agent and its workers) its default CPUs, often 1: data loading and the workers' "
-              "threads share them; pass --cpus-per-node C (e.g. the node's cores)", file=sys.stderr, flush=True)
     job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.account, opts.job_name,
                    cpus_per_node=opts.cpus_per_node, port=opts.master_port or DEFAULT_PORT, extra=opts.sbatch)
     text = sbatch_script(job, train_args, workdir=os.path.abspath(opts.workdir or os.getcwd()), python=opts.python,
                          environ=dict(os.environ), extra_env=opts.env, max_restarts=opts.max_restarts)
     if opts.dry_run:
         sys.stdout.write(text)
+        _warn_cpus(opts)
         return 0
     path = opts.script or f"loom_{opts.job_name}.sbatch"
     try:
@@ -254,6 +259,7 @@ def slurm(opts, train_args: list[str]) -> int:
             if os.path.isfile(path) and os.path.getsize(path) < len(text.encode()):
                 os.remove(path)  # nothing partial
         raise ConfigError("--script", path, f"cannot be written ({err.strerror or err})") from None
+    _warn_cpus(opts)  # after every check: an error stays the one line printed
     print(f"loom launch: wrote {path} ({opts.nodes} nodes x {opts.gpus_per_node} GPUs); submit it with: sbatch {path}")
     return submit(path) if opts.submit else 0
 
