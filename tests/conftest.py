@@ -126,6 +126,24 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture
+def cli_error(capsys):
+    """``cli_error(*argv)``: ``loom argv`` in this process, expecting a user error; returns its one stderr line
+    (exit 2, printed once). Each command keeps one subprocess test (tests/unit/test_cli_commands.py); error cases
+    run here, without a process start (~4 s) each."""
+    from loom.cli.main import main
+
+    def run(*argv) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            main([str(a) for a in argv])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("loom: error: "), (exc.value.code, err)
+        return err[0]
+
+    return run
+
+
+@pytest.fixture
 def tiny(tmp_path):
     """``tiny(**overrides)``: the tiny run's ``Config``, writing under ``tmp_path`` (``run/`` and ``cache/``)."""
     def make(**overrides):

@@ -15,7 +15,6 @@ import gc
 import json
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -24,12 +23,14 @@ SESSION_ENV = dict(os.environ)  # what pooled ranks start with: not the variable
 PATH_KEYS = ("run.dir", "data.cache_dir")  # where a run writes; never what it computes
 
 
-def free_port() -> int:
-    """A port for a child launcher that takes its own (``loom launch``, torchrun's c10d rendezvous): bound and
-    closed, so it can race; jobs of this harness never need one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store():
+    """A TCPStore this test process serves on a port the kernel picked (port 0), for child launchers' c10d
+    rendezvous (``loom launch``, ``loom train --rdzv-endpoint``): the agent that would host finds the port taken and
+    joins as a client (torch's fallback), so no port is chosen by bind-and-close and raced for. Keep it alive while
+    the children run."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
 
 
 def run_one(overrides: dict) -> list[dict]:
@@ -211,9 +212,11 @@ def _name(fn) -> str:
 _POOLS: dict[tuple[int, str], Pool] = {}
 
 
-# Reusing ranks across calls (LOOM_TEST_REUSE_RANKS=1) is off by default: a 4-rank resharding test hung in its
-# second call on reused ranks (a process group cached by a job outlives the group's teardown; not yet found), so
-# each call starts its ranks, as mp.spawn did, over the store of this process.
+# Reusing ranks across calls (LOOM_TEST_REUSE_RANKS=1) is off by default: in its second call on reused ranks, the
+# PP x TP resharding test (test_model_parallel, slow) fails in the embedding's TP redistribute with "Could not
+# resolve the process group registered under the name 15" (a stale mesh outlives the group's teardown; clearing
+# DTensor's sharding-propagation caches between jobs did not cure it) or hangs, so each call starts its ranks, as
+# mp.spawn did, over the store of this process.
 REUSE_RANKS = os.environ.get("LOOM_TEST_REUSE_RANKS") == "1"
 
 
@@ -256,8 +259,9 @@ def _jobs_on_rank(jobs: list[dict], rank: int, world: int) -> list[dict]:
 
     results = []
     for job in jobs:
+        start = time.monotonic()
         try:
-            results.append({"records": run_one(job)})
+            results.append({"records": run_one(job), "seconds": time.monotonic() - start})
         except Exception:  # noqa: BLE001 - reported to the test
             results.append({"error": traceback.format_exc()})
             traceback.print_exc()  # now, too: a peer may hang in a collective before the report
@@ -273,17 +277,35 @@ def run_jobs(world: int, jobs: list[dict], tmp_dir: str, fresh: bool = False) ->
     import functools
 
     if world == 1:
-        return [{"records": run_one(job)} for job in jobs]
-    if fresh:
+        results = []
+        for job in jobs:
+            start = time.monotonic()
+            results.append({"records": run_one(job), "seconds": time.monotonic() - start})
+    elif fresh:
         pool = Pool(world, env=dict(os.environ))
         try:
-            return pool.call(functools.partial(_jobs_on_rank, jobs), tmp_dir)
+            results = pool.call(functools.partial(_jobs_on_rank, jobs), tmp_dir)
         finally:
             pool.close()
-    results = pool_call(world, functools.partial(_jobs_on_rank, jobs), tmp_dir)
-    if any("error" in r for r in results) and (world, "gloo") in _POOLS:  # start afresh after a failed job
-        _POOLS.pop((world, "gloo")).close()
+    else:
+        results = pool_call(world, functools.partial(_jobs_on_rank, jobs), tmp_dir)
+        if any("error" in r for r in results) and (world, "gloo") in _POOLS:  # start afresh after a failed job
+            _POOLS.pop((world, "gloo")).close()
+    _log_times(world, jobs, results)
     return results
+
+
+def _log_times(world: int, jobs: list[dict], results: list[dict]) -> None:
+    """With LOOM_TEST_JOB_TIMES=path, each job's seconds on rank 0 go to that file as a JSON line: where a layout
+    test's time goes, job by job (pytest's --durations sees only the whole test)."""
+    path = os.environ.get("LOOM_TEST_JOB_TIMES")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    with open(path, "a") as fh:
+        for job, res in zip(jobs, results):
+            fh.write(json.dumps({"test": test, "world": world, "job": os.path.basename(str(job.get("run.dir", "?"))),
+                                 "seconds": round(res.get("seconds", -1), 1)}) + "\n")
 
 
 def run_fn(world: int, fn, tmp_dir: str):

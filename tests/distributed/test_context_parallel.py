@@ -261,9 +261,10 @@ def check(reference, jobs, results):
     assert not bad, "\n".join(bad + report)
 
 
-# the rest of each matrix (slow): plain compiled cp2 (cp2-docs-compile and the compiled ring trace the same and
-# more), and 4-rank cases whose paths the others cover (FSDP2 x CP2 with documents, CP4 and PP2 x CP2 under ring)
-BROAD = {"cp2-compile", "fsdp2xcp2", "cp4-docs-m2", "pp2xcp2-1f1b-m2", "pp2xcp2-ring-zbv-m4"}
+# the rest of each matrix (slow): the compiled all-gather cases (compiling costs ~2 minutes of CPU each; the
+# compiled ring, under op-level recomputation, is the default run's compiled CP case), and 4-rank cases whose paths
+# the others cover (FSDP2 x CP2 with documents, CP4 and PP2 x CP2 under ring)
+BROAD = {"cp2-compile", "cp2-docs-compile", "fsdp2xcp2", "cp4-docs-m2", "pp2xcp2-1f1b-m2", "pp2xcp2-ring-zbv-m4"}
 BREADTH = pytest.mark.parametrize("broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"])
 
 

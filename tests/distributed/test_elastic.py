@@ -21,7 +21,7 @@ import time
 import pytest
 
 from loom.train import restarts
-from tests.distributed.harness import free_port
+from tests.distributed.harness import rendezvous_store
 from tests.distributed.test_restarts import (BIN, STEPS, cache, cli_args, fault_env, records_of,  # noqa: F401
                                              reference)
 
@@ -32,11 +32,12 @@ RDZV_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3,
 
 def agents(tmp_path, nnodes: str, run_dir, cache, *, faults=(None, None), fault_rank: str = "*",  # noqa: F811
            backend: str = "c10d", extra=(), max_restarts: int = 1) -> list[subprocess.CompletedProcess]:
-    """Two agents of one job: node 0 serves the rendezvous store (node 1 may not: --node-rank 1); node 1 starts
-    first and node 0 once node 1 has loaded torch (its client then waits for the store), so that both join the
-    first round, within its 5 s last call, however slowly the machine starts processes. ``faults``: each node's
+    """Two agents of one job, meeting at a rendezvous store this test serves (both join it as clients); node 1
+    starts first and node 0 once node 1 has loaded torch, so that both join the first round, within its 5 s last
+    call, however slowly the machine starts processes. ``faults``: each node's
     LOOM_RESTART_FAULT, armed in its worker of global rank ``fault_rank`` (``*``: any)."""
-    endpoint = f"127.0.0.1:{free_port()}" if backend == "c10d" else str(tmp_path / "rdzv")
+    store = rendezvous_store()  # noqa: F841 (served while the agents run)
+    endpoint = f"127.0.0.1:{store.port}" if backend == "c10d" else str(tmp_path / "rdzv")
     procs = {}
     for node in (1, 0):
         cmd = [os.path.join(BIN, "loom"), "train", "--nnodes", nnodes, "--nproc-per-node", "1", "--node-rank",
@@ -126,7 +127,8 @@ def test_a_node_that_joins_later_makes_the_job_re_form(tmp_path, cache, referenc
     """--nnodes 1:2: node 0 trains alone (slowly); node 1 joins mid-run. The agent stops the worker with SIGTERM,
     which saves like a preemption, and the job resumes from that step on 2 ranks with the same losses."""
     run_dir = tmp_path / "run"
-    endpoint = f"127.0.0.1:{free_port()}"
+    store = rendezvous_store()
+    endpoint = f"127.0.0.1:{store.port}"
     cmd = [os.path.join(BIN, "loom"), "train", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "0",
            "--rdzv-endpoint", endpoint, "--rdzv-id", "join", "--rdzv-conf", RDZV_CONF, *cli_args(run_dir, cache)]
     logs = {n: (open(tmp_path / f"node{n}.out", "w+"), open(tmp_path / f"node{n}.err", "w+")) for n in (0, 1)}

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.distributed.harness import free_port
+from tests.distributed.harness import rendezvous_store
 from tests.distributed.test_launch import CONFIG, assert_matches, cache, cli_args, losses_of, single  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,8 +20,9 @@ def launch(tmp_path, hostfile: str, launcher: str, *args: str) -> subprocess.Com
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
+    store = rendezvous_store()  # served while the launcher runs
     cmd = [sys.executable, "-m", "loom", "launch", "--hostfile", str(path), "--launcher-cmd", launcher,
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--grace-s", "30", *args]
+           "--master-addr", "127.0.0.1", "--master-port", str(store.port), "--grace-s", "30", *args]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 

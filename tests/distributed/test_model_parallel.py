@@ -190,6 +190,7 @@ def tail(result):
     return [(r["step"], r["loss"], r["batch_hash"]) for r in result["records"] if r["step"] > SAVE_AT]
 
 
+@pytest.mark.slow  # 4 ranks, two rounds (~1 minute): resharding resumes run by default in test_resume (FSDP 4 -> 2)
 def test_checkpoints_reshard_between_pp_x_tp_and_fsdp(tmp_path):
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
     pptp = dict(m=4, pp=2, tp=2, pp_schedule="interleaved_1f1b", dp_shard=1)  # the tied weight on two ranks

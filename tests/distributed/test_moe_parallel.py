@@ -155,6 +155,7 @@ def test_compiled_expert_parallel_matches_eager(tmp_path, broad):
         assert got != eager, f"{name}: bit-identical to eager, so nothing was compiled"
 
 
+@pytest.mark.slow  # compiling costs minutes on a CPU: the default run's compiled MoE block is the EP one above
 @BREADTH
 def test_compiled_tensor_parallel_matches_eager(tmp_path, broad):
     """Compiled blocks under TP2 against eager TP2 (bf16): MoE with no / full / op-level recomputation, MoE under
@@ -163,8 +164,7 @@ def test_compiled_tensor_parallel_matches_eager(tmp_path, broad):
     (the compiled graphs ran). Two bugs this guards: the compiled MoE block gave its input (the embedding's
     ``to_local`` view) no gradient and the embedding's backward failed; compiled around their checkpoint wrapper,
     fully recomputed TP blocks failed in AOTAutograd (a DeviceMesh among the saved tensors). Core: the fully
-    recomputed dense block (compiling costs minutes on a CPU; a compiled MoE block runs in the default part under
-    EP, the rest here in the broad part)."""
+    recomputed dense block."""
     from tests.distributed.test_model_parallel import job
 
     bf16 = {"training.dtype": "bfloat16"}
