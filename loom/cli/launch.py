@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
 
 
 def hostfile(opts, train_args: list[str]) -> int:
-    from loom.ops.launch import (DEFAULT_LAUNCHER, DEFAULT_PORT, LAUNCHER_ENV, Rendezvous, hostfile_launches,
+    from loom.cluster.launch import (DEFAULT_LAUNCHER, DEFAULT_PORT, LAUNCHER_ENV, Rendezvous, hostfile_launches,
                                  parse_hostfile, run_launches, select_hosts)
 
     try:
@@ -235,7 +235,7 @@ def _warn_cpus(opts) -> None:
 
 
 def slurm(opts, train_args: list[str]) -> int:
-    from loom.ops.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
+    from loom.cluster.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
 
     _need(opts, "nodes", "gpus_per_node")
     # the script runs on the cluster's shared filesystem: --config is looked for from --workdir (the layout may be
@@ -265,7 +265,7 @@ def slurm(opts, train_args: list[str]) -> int:
 
 
 def kubernetes(opts, train_args: list[str]) -> int:
-    from loom.ops.launch import DEFAULT_PORT, KubeJob, dump_manifest, forwarded_env, jobset, pytorchjob
+    from loom.cluster.launch import DEFAULT_PORT, KubeJob, dump_manifest, forwarded_env, jobset, pytorchjob
 
     _need(opts, "image", "nodes", "gpus_per_node")
     check_train_args(train_args, None)  # the layout may be set on the cluster

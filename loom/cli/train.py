@@ -248,7 +248,7 @@ def precheck(cfg, world_size: int, local: int | None = None):
 
 def local_ranks(world_size: int) -> int:
     """Ranks on this machine: the launcher's (torchrun's or SLURM's) LOCAL_WORLD_SIZE, else the whole world."""
-    from loom.parallel.env import env_from_slurm
+    from loom.runtime.env import env_from_slurm
 
     local = os.environ.get("LOCAL_WORLD_SIZE") or env_from_slurm(dict(os.environ)).get("LOCAL_WORLD_SIZE")
     return int(local) if local else world_size
@@ -256,7 +256,7 @@ def local_ranks(world_size: int) -> int:
 
 def env_world_size() -> int:
     """The world size this process belongs to: torchrun's WORLD_SIZE, else SLURM's task count, else 1."""
-    from loom.parallel.env import env_from_slurm
+    from loom.runtime.env import env_from_slurm
 
     world = os.environ.get("WORLD_SIZE") or env_from_slurm(dict(os.environ)).get("WORLD_SIZE") or "1"
     return int(world)
@@ -321,7 +321,7 @@ def checked_config(argv: list[str]):
 
 def run_worker(argv: list[str]) -> None:
     """The body of every worker process (also ``torchrun -m loom.train``)."""
-    from loom.train.restarts import record_error
+    from loom.runtime.restarts import record_error
 
     try:
         _train_worker(argv)
@@ -351,8 +351,8 @@ def objective_class(name: str):
 
 
 def _train_worker(argv: list[str]) -> None:
-    from loom.parallel.env import destroy_distributed
-    from loom.train.restarts import check_layout
+    from loom.runtime.env import destroy_distributed
+    from loom.runtime.restarts import check_layout
     from loom.train.trainer import Trainer
 
     cfg, _ = load_config(argv)
@@ -370,18 +370,18 @@ def _train_worker(argv: list[str]) -> None:
 def launch(argv: list[str], launch: Launch, cfg) -> int:
     """Start this node's workers with torch.distributed.run (elastic agent; one node: a local c10d store,
     several: ``--rdzv-backend`` on ``--rdzv-endpoint``). The agent restarts them up to ``--max-restarts`` times
-    (recording each failure: loom.train.restarts) and forwards SIGTERM / SIGINT to them, which agree, save and exit
+    (recording each failure: loom.runtime.restarts) and forwards SIGTERM / SIGINT to them, which agree, save and exit
     0 within checkpoint.preempt_grace_s; the agent waits a little longer than that before it kills them."""
     from torch.distributed.run import get_args_parser, run
 
-    from loom.train.restarts import ELASTIC_ENV, RESTARTS, describe_failures, failure_entries, recording_agent
+    from loom.runtime.restarts import ELASTIC_ENV, RESTARTS, describe_failures, failure_entries, recording_agent
 
     nproc = launch.nproc or 1
     if launch.rdzv_backend == "file":
         try:
-            from loom.parallel.rendezvous import register_file_rendezvous
+            from loom.runtime.rendezvous import register_file_rendezvous
         except ImportError:
-            raise ConfigError("--rdzv-backend", "file", "needs loom.parallel.rendezvous, not in this loom: allowed "
+            raise ConfigError("--rdzv-backend", "file", "needs loom.runtime.rendezvous, not in this loom: allowed "
                               "c10d") from None
         register_file_rendezvous()  # torch's registry knows c10d, etcd and static; this process learns "file"
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # stable restarts on gloo

@@ -4,7 +4,7 @@ ranks (docs/operations.md: Collective timeouts, the flight recorder and hang rep
 Every rank keeps PyTorch's flight recorder: a ring of its last collectives with their sequence numbers, per
 process group (NCCL on GPUs, gloo on the CPU). On a GPU, NCCL's watchdog writes every rank's ring to
 ``<run.dir>/flight_recorder/rank_<r>`` when a collective times out, and the next start (or ``python -m
-loom.parallel.health RUN_DIR``) reads them. On gloo a timeout raises on the ranks that waited; they signal
+loom.runtime.health RUN_DIR``) reads them. On gloo a timeout raises on the ranks that waited; they signal
 every rank through the job's store, each rank's watcher thread answers with its ring and its Python stack, and one
 of them writes the report: ``<run.dir>/hang_report.txt`` (and ``.json``) and a one-line summary on the console.
 """
@@ -285,7 +285,7 @@ class HangReport:
                 out.append(f"  at {frame}")
         out += ["", "Flight-recorder dumps (where written): flight_recorder/rank_<r>; PyTorch's analyzer of NCCL's "
                 "dumps: python -m torch.distributed.flight_recorder.fr_trace <run.dir>/flight_recorder --prefix rank_ "
-                "(python -m loom.parallel.health <run.dir> appends its output here)"]
+                "(python -m loom.runtime.health <run.dir> appends its output here)"]
         return "\n".join(out) + "\n"
 
     def to_json(self) -> dict:
@@ -641,10 +641,10 @@ def analyzer_text(folder: str, timeout_s: float = 300.0) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m loom.parallel.health RUN_DIR``: the report from the flight-recorder dumps in RUN_DIR, with
+    """``python -m loom.runtime.health RUN_DIR``: the report from the flight-recorder dumps in RUN_DIR, with
     PyTorch's analyzer's output appended."""
     if len(argv) != 1:
-        print("usage: python -m loom.parallel.health RUN_DIR", file=sys.stderr)
+        print("usage: python -m loom.runtime.health RUN_DIR", file=sys.stderr)
         return 2
     report = report_from_dumps(argv[0])
     if report is None:

@@ -32,19 +32,19 @@ from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, q
 from loom.models.registry import build_model
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
-from loom.parallel.env import DistEnv, ensure_process_group, init_distributed
-from loom.parallel.health import Health, prepare_process, startup_timeout
+from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
+from loom.runtime.health import Health, prepare_process, startup_timeout
 from loom.parallel.expert_parallel import expert_params
-from loom.parallel.fault_tolerance import ReplicaGroups, data_shard, lighthouse_address
+from loom.runtime.fault_tolerance import ReplicaGroups, data_shard, lighthouse_address
 from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
 from loom.resolve import embedded_rejected, resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.diloco import DiLoCo
-from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
+from loom.runtime.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
 from loom.train.moe_stats import MoEBalance
 from loom.train.objective import Objective, build_objective
-from loom.train.restarts import begin as begin_attempt, metrics_fields, restart_checkpoint, this_attempt
+from loom.runtime.restarts import begin as begin_attempt, metrics_fields, restart_checkpoint, this_attempt
 from loom.train.reward import attach_score_head
 from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.optimizer import OptimizerParts
@@ -54,7 +54,7 @@ from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint,
                                        on_main, restore_loss_scale)
 from loom.train.run_dir import acquire, check_writable_dirs, hold_as_worker, record_run_files
 from loom.train.schedule import SchedulerParts
-from loom.train.stragglers import Stragglers
+from loom.runtime.stragglers import Stragglers
 from loom.train.steps import LocalStep, PipelineStep, StepContext
 
 

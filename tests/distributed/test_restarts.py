@@ -1,4 +1,4 @@
-"""Restarts under the elastic agent (loom.train.restarts): a worker SIGKILLed or raising mid-step or mid-save under
+"""Restarts under the elastic agent (loom.runtime.restarts): a worker SIGKILLed or raising mid-step or mid-save under
 ``--max-restarts 1`` is restarted with its peers, the group resumes from the newest complete checkpoint by itself,
 and the run ends with the losses of an uninterrupted one (one process: the losses do not depend on the layout).
 Every restart is in ``restarts.jsonl`` (the agent's failure record, the attempt's restart record), in metrics.jsonl
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from loom.config.errors import ConfigError, SharedError
-from loom.train import restarts
+from loom.runtime import restarts
 from tests.distributed.harness import run_one
 from tests.tiny import tiny_overrides
 

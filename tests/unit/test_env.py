@@ -7,7 +7,7 @@ import os
 import pytest
 
 from loom.config import ConfigError
-from loom.parallel.env import env_from_slurm, expand_nodelist, expand_tasks_per_node, init_distributed
+from loom.runtime.env import env_from_slurm, expand_nodelist, expand_tasks_per_node, init_distributed
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

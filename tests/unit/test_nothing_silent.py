@@ -103,7 +103,7 @@ def test_launch_options_are_checked_up_front(tmp_path, capsys, monkeypatch):
 
 
 def test_a_launcher_template_with_host_gets_only_the_command_appended():
-    from loom.ops.launch import launcher_argv
+    from loom.cluster.launch import launcher_argv
 
     assert launcher_argv("ssh {host}", "a", "echo hi") == ["ssh", "a", "echo hi"]
     assert launcher_argv("ssh -p 2222", "a", "echo hi") == ["ssh", "-p", "2222", "a", "echo hi"]

@@ -296,7 +296,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(capsys):
     the CLI turns into one line and exit code 130 (checkpoints are written to a temporary folder and renamed,
     so an interrupted save never touches the last complete one: test_checkpoint_recovery)."""
     from loom.cli.errors import user_errors_exit
-    from loom.train.guard import Preemption
+    from loom.runtime.guard import Preemption
 
     stop = Preemption(60.0)
     try:
