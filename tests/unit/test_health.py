@@ -7,8 +7,9 @@ import json
 import os
 import pickle
 
-from loom.runtime.health import (FR_FOLDER, REPORT, build_report, is_collective_failure, process_env,
-                                  report_from_dumps, summarize_dump)
+from loom.runtime.flight_recorder import FR_FOLDER, summarize_dump
+from loom.runtime.hang_report import REPORT, build_report, report_from_dumps
+from loom.runtime.health import is_collective_failure, process_env
 from loom.runtime.stragglers import find_stragglers, straggler_line, summarize
 
 
@@ -111,7 +112,7 @@ def test_gloo_and_monitored_barrier_errors_are_collective_failures():
 
 
 def test_the_report_files(tmp_path):
-    from loom.runtime.health import write_report
+    from loom.runtime.hang_report import write_report
 
     report = build_report(answers({0: dump(HUNG, 2), 1: dump(BEFORE, 2)}), 2, detected_by=[0])
     path = write_report(str(tmp_path), report)
