@@ -13,7 +13,8 @@ import warnings
 from dataclasses import dataclass
 
 from loom.config import ConfigError, build_config, parse_overrides, to_toml
-from loom.train.run_dir import acquire, check_writable_dirs, checkpoint_dir, held_env
+from loom.runtime.run_lock import acquire, held_env
+from loom.train.run_dir import check_writable_dirs, checkpoint_dir
 
 USAGE = """usage: loom train [--config FILE.toml] [--nproc-per-node N] [--section.field VALUE ...]
                   [--print-config] [--dry-run]

@@ -52,7 +52,8 @@ from loom.train.zero import OptimizerShard
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
                                        on_main, restore_loss_scale)
-from loom.train.run_dir import acquire, check_writable_dirs, hold_as_worker, record_run_files
+from loom.runtime.run_lock import acquire, hold_as_worker
+from loom.train.run_dir import check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts
 from loom.runtime.stragglers import Stragglers
 from loom.train.steps import LocalStep, PipelineStep, StepContext

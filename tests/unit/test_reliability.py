@@ -96,7 +96,7 @@ def test_auto_with_every_checkpoint_corrupt_exits_2_and_keeps_them(tmp_path, cac
 def test_a_second_run_in_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, cache, capsys):
     run = tmp_path / "locked"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from loom.train.run_dir import acquire; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from loom.runtime.run_lock import acquire; "
                                "acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(run)],
                               env=env(), stdout=subprocess.PIPE, text=True)
     try:
