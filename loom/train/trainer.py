@@ -41,7 +41,7 @@ from loom.parallel.placement import check_placement
 from loom.resolve import embedded_rejected, resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.diloco import DiLoCo
-from loom.runtime.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
+from loom.runtime.guard import PREEMPTED, NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
 from loom.train.moe_stats import MoEBalance
 from loom.train.objective import Objective, build_objective
 from loom.runtime.restarts import begin as begin_attempt, metrics_fields, restart_checkpoint, this_attempt
@@ -75,9 +75,6 @@ def count_params(args, lora=None, score_head: bool = False) -> tuple[int, int]:
 def data_objective(objective: str) -> str:
     """The data an objective reads: a reward model trains on DPO's preference pairs (loom.data.dpo)."""
     return "dpo" if objective == "reward" else objective
-
-
-PREEMPTED = "preempted.json"  # written by rank 0 after a preemption save: the launcher reads it
 
 
 class Trainer:

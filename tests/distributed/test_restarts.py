@@ -190,19 +190,20 @@ def test_torchrun_cause_from_the_previous_attempts_error_files(tmp_path):
 
 
 def test_an_elastic_world_that_cannot_hold_the_layout_is_one_shared_line():
+    from loom.cli.preflight import check_layout
     from tests.tiny import tiny_config
 
     cfg = tiny_config(**{"parallel.dp_shard": 2})
     env = {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_MAX_RESTARTS": "1", "GROUP_WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1"}
-    restarts.check_layout(cfg, 2, env)
+    check_layout(cfg, 2, env)
     with pytest.raises(SharedError, match=r"parallel.dp_shard = 2: .*the job formed with 1 node\(s\) x 1 = 1 ranks"):
-        restarts.check_layout(cfg, 1, env)
-    restarts.check_layout(cfg, 1, {})  # not under an agent that restarts: the trainer's own error stands
+        check_layout(cfg, 1, env)
+    check_layout(cfg, 1, {})  # not under an agent that restarts: the trainer's own error stands
 
 
 def test_launcher_options():
-    from loom.cli.train import parse_launch
+    from loom.runtime.launch import parse_launch
 
     launch, rest = parse_launch(["--nproc-per-node", "2", "--max_restarts=3", "--nnodes", "1:4", "--rdzv-endpoint",
                                  "h:29500", "--rdzv-id", "j", "--node-rank", "1", "--training.steps", "5"])
