@@ -28,7 +28,8 @@ from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.nvtx import nvtx_range, enable as enable_nvtx
 from loom.metrics.profile import StepProfiler, nvtx_block_ranges, transformer_blocks
 from loom.models.common.layers import attend
-from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, quantize_base
+from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype
+from loom.parallel.shards import quantize_base
 from loom.models.registry import build_model
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
