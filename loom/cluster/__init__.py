@@ -1,1 +1,2 @@
-"""Operations around a training job: the environment doctor, cluster launchers and their manifests."""
+"""Cluster tooling around a training job: the environment doctor, host facts, NCCL variables, the communication
+benchmark, and multi-host launchers with their manifests."""
