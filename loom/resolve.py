@@ -13,7 +13,7 @@ from loom.config.errors import ConfigError
 from loom.config.load import profile_window
 from loom.config.sections import Config, ParallelConfig, check_inactive_fields
 from loom.parallel.dims import ParallelDims, tp_limit
-from loom.parallel.fault_tolerance import lighthouse_address, replica_groups
+from loom.runtime.fault_tolerance import lighthouse_address, replica_groups
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 

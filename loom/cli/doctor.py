@@ -1,5 +1,5 @@
 """``loom doctor``: the arguments, the local workers for ``--nproc-per-node`` (PyTorch's elastic launcher, as
-``loom train`` starts them) and the output; the checks are loom.ops.doctor."""
+``loom train`` starts them) and the output; the checks are loom.cluster.doctor."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _number(name: str, text: str, kind, low: float, high: float | None = None, w
 
 def parse_args(argv: list[str]):
     """(--nproc-per-node or None, --json path or None, doctor Options)."""
-    from loom.ops.doctor import Options
+    from loom.cluster.doctor import Options
 
     values, local, i = {}, False, 0
     while i < len(argv):
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--nproc-per-node", nproc, f"this host shows {torch.cuda.device_count()} GPU(s); "
                               "one rank per GPU")
         return launch(_without_nproc(argv), nproc)
-    from loom.ops.doctor import render, run, write_json
+    from loom.cluster.doctor import render, run, write_json
 
     report = run(opts)
     if report.is_main:

@@ -142,7 +142,7 @@ def check_train_args(train_args: list[str], world_size: int | None) -> None:
     a bad value, a layout that does not divide ``world_size`` workers) before any per-host command is written: an
     error is one line now, not one per host later. Files the run reads may exist on the hosts only, so a missing
     one is left to them."""
-    from loom.cli.train import load_config
+    from loom.cli.preflight import load_config
     from loom.config.errors import UserError
     from loom.resolve import resolve
 
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
 
 
 def hostfile(opts, train_args: list[str]) -> int:
-    from loom.ops.launch import (DEFAULT_LAUNCHER, DEFAULT_PORT, LAUNCHER_ENV, Rendezvous, hostfile_launches,
+    from loom.cluster.launch import (DEFAULT_LAUNCHER, DEFAULT_PORT, LAUNCHER_ENV, Rendezvous, hostfile_launches,
                                  parse_hostfile, run_launches, select_hosts)
 
     try:
@@ -212,7 +212,7 @@ def _need(opts, *names: str) -> None:
 def check_script_config(train_args: list[str], workdir: str) -> None:
     """The job's config before a script that runs later is written: --config FILE exists (a relative path from
     ``workdir``, where the agents start) and, with the --section.field overrides, is a valid config."""
-    from loom.cli.train import parse_launch
+    from loom.runtime.launch import parse_launch
     from loom.config import build_config, parse_overrides
 
     launch, rest = parse_launch(train_args)
@@ -235,7 +235,7 @@ def _warn_cpus(opts) -> None:
 
 
 def slurm(opts, train_args: list[str]) -> int:
-    from loom.ops.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
+    from loom.cluster.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
 
     _need(opts, "nodes", "gpus_per_node")
     # the script runs on the cluster's shared filesystem: --config is looked for from --workdir (the layout may be
@@ -265,7 +265,7 @@ def slurm(opts, train_args: list[str]) -> int:
 
 
 def kubernetes(opts, train_args: list[str]) -> int:
-    from loom.ops.launch import DEFAULT_PORT, KubeJob, dump_manifest, forwarded_env, jobset, pytorchjob
+    from loom.cluster.launch import DEFAULT_PORT, KubeJob, dump_manifest, forwarded_env, jobset, pytorchjob
 
     _need(opts, "image", "nodes", "gpus_per_node")
     check_train_args(train_args, None)  # the layout may be set on the cluster

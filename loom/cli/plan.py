@@ -311,7 +311,7 @@ def fit_default_global_batch(cfg, gpus: int) -> None:
     micro_batch_size x the layout's data-parallel size on ``gpus`` GPUs, said in one line: a plan of a big layout
     then runs without the user first working out a valid batch. A global batch the user set is never changed."""
     from loom.parallel.dims import ParallelDims
-    from loom.parallel.fault_tolerance import replica_groups
+    from loom.runtime.fault_tolerance import replica_groups
 
     try:
         dp = ParallelDims.from_config(cfg.parallel, gpus).dp_size * replica_groups(cfg.parallel)

@@ -48,6 +48,7 @@ from loom.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_expert
 from loom.parallel.dims import ParallelDims
 from loom.parallel.expert_parallel import apply_expert_parallel
 from loom.parallel.pipeline import SPLIT_BACKWARD, PipelinePlan, build_stage, split_layers, stage_ids, stages_per_rank
+from loom.parallel.shards import keep_shard
 from loom.parallel.tensor_parallel import apply_tp
 
 @dataclass
@@ -120,8 +121,8 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
                        cpu_offload=parallel.cpu_offload)
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device
-        materialize(part, init_device, seed, part.param_std, part.init_buffers, draw_device=device)
-        init_adapters(part, seed, draw_device=device)
+        materialize(part, init_device, seed, part.param_std, part.init_buffers, draw_device=device, keep=keep_shard)
+        init_adapters(part, seed, draw_device=device, keep=keep_shard)
         if parallel.cpu_offload:
             part.init_buffers(device)  # buffers are not offloaded: they live where compute runs
     modules = parts

@@ -28,23 +28,24 @@ from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.nvtx import nvtx_range, enable as enable_nvtx
 from loom.metrics.profile import StepProfiler, nvtx_block_ranges, transformer_blocks
 from loom.models.common.layers import attend
-from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype, quantize_base
+from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype
+from loom.parallel.shards import quantize_base
 from loom.models.registry import build_model
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
-from loom.parallel.env import DistEnv, ensure_process_group, init_distributed
-from loom.parallel.health import Health, prepare_process, startup_timeout
+from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
+from loom.runtime.health import Health, prepare_process, startup_timeout
 from loom.parallel.expert_parallel import expert_params
-from loom.parallel.fault_tolerance import ReplicaGroups, data_shard, lighthouse_address
+from loom.runtime.fault_tolerance import ReplicaGroups, data_shard, lighthouse_address
 from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
 from loom.resolve import embedded_rejected, resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.diloco import DiLoCo
-from loom.train.guard import NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
+from loom.runtime.guard import PREEMPTED, NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
 from loom.train.moe_stats import MoEBalance
 from loom.train.objective import Objective, build_objective
-from loom.train.restarts import begin as begin_attempt, metrics_fields, restart_checkpoint, this_attempt
+from loom.runtime.restarts import begin as begin_attempt, metrics_fields, restart_checkpoint, this_attempt
 from loom.train.reward import attach_score_head
 from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.optimizer import OptimizerParts
@@ -52,9 +53,10 @@ from loom.train.zero import OptimizerShard
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
                                        on_main, restore_loss_scale)
-from loom.train.run_dir import acquire, check_writable_dirs, hold_as_worker, record_run_files
+from loom.runtime.run_lock import acquire, hold_as_worker
+from loom.train.run_dir import check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts
-from loom.train.stragglers import Stragglers
+from loom.runtime.stragglers import Stragglers
 from loom.train.steps import LocalStep, PipelineStep, StepContext
 
 
@@ -74,9 +76,6 @@ def count_params(args, lora=None, score_head: bool = False) -> tuple[int, int]:
 def data_objective(objective: str) -> str:
     """The data an objective reads: a reward model trains on DPO's preference pairs (loom.data.dpo)."""
     return "dpo" if objective == "reward" else objective
-
-
-PREEMPTED = "preempted.json"  # written by rank 0 after a preemption save: the launcher reads it
 
 
 class Trainer:

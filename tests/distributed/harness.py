@@ -36,7 +36,7 @@ def rendezvous_store():
 def run_one(overrides: dict) -> list[dict]:
     """One job in this process (distributed or not); returns rank 0's records."""
     from loom.config import build_config
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
     from loom.train.trainer import Trainer
 
     cfg = build_config(None, {k: str(v) for k, v in overrides.items()})

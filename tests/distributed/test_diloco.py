@@ -63,7 +63,7 @@ def _cross_group_bytes(world: int, groups: int):
 
 def _trainer(tmp: str, name: str, layout: dict, **extra):
     from loom.config import build_config
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
     from loom.train.trainer import Trainer
 
     overrides = tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{

@@ -17,7 +17,7 @@ BIN = os.path.dirname(sys.executable)
 
 
 def doctor_on_two_ranks(rank: int, world: int):
-    from loom.ops.doctor import Options, render, run
+    from loom.cluster.doctor import Options, render, run
 
     if rank == 1:
         os.environ["NCCL_DEBUG"] = "INFO"  # one rank differs: the doctor names the variable

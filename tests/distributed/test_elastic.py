@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from loom.train import restarts
+from loom.runtime import restarts
 from tests.distributed.harness import rendezvous_store
 from tests.distributed.test_restarts import (BIN, STEPS, cache, cli_args, fault_env, records_of,  # noqa: F401
                                              reference)
@@ -152,7 +152,7 @@ def test_a_node_that_joins_later_makes_the_job_re_form(tmp_path, cache, referenc
 
 @pytest.mark.exhaustive
 def test_two_nodes_meet_through_a_file(tmp_path, cache, reference):  # noqa: F811
-    pytest.importorskip("loom.parallel.rendezvous")
+    pytest.importorskip("loom.runtime.rendezvous")
     run_dir = tmp_path / "run"
     first, second = agents(tmp_path, "2", run_dir, cache, backend="file", max_restarts=0)
     for a in (first, second):

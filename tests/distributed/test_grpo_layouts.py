@@ -68,7 +68,7 @@ def train(job: dict, env=None) -> list[dict]:
 
 
 def ddp_jobs(rank: int, world: int) -> dict:
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
 
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     out = {}

@@ -74,7 +74,7 @@ def test_lora_layouts_match_single_process(results, layout):
 
 
 def test_qlora_under_fsdp2_matches_single_process(results):
-    """Each rank quantizes the whole weight and keeps its rows (loom.models.common.lora.quantize_base): FSDP2's
+    """Each rank quantizes the whole weight and keeps its rows (loom.parallel.shards.quantize_base): FSDP2's
     all-gather rebuilds the single process's NF4 weight, so only the reduction order differs."""
     ref = results["qsingle"]
     assert ref[-1] < ref[0]

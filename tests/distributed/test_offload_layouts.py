@@ -1,6 +1,6 @@
 """parallel.cpu_offload across ranks: FSDP2 with its shards, gradients and AdamW state on the host gives the single
 process's losses (without offload) at every step. The ranks join a ``cpu:gloo`` group, the CPU half of the
-``cuda:nccl,cpu:gloo`` backend an offloaded GPU job uses (``loom.parallel.env.choose_backend``): the offloaded
+``cuda:nccl,cpu:gloo`` backend an offloaded GPU job uses (``loom.runtime.env.choose_backend``): the offloaded
 gradients' global-norm all-reduce and the host-side accumulation run through it."""
 
 from __future__ import annotations

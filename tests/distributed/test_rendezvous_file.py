@@ -1,4 +1,4 @@
-"""The ``file`` rendezvous backend (loom.parallel.rendezvous): two elastic agents on this machine, each started
+"""The ``file`` rendezvous backend (loom.runtime.rendezvous): two elastic agents on this machine, each started
 with ``--nnodes 2 --nproc-per-node 1 --rdzv-backend file --rdzv-endpoint PATH``, form one 2-rank job through a
 FileStore alone. One test trains the tiny run (``-m loom.train``) and compares its losses with one process; the
 other checks what the workers are handed and trains the same run in a process group formed over the FileStore
@@ -14,7 +14,7 @@ import sys
 from tests.distributed.test_launch import CONFIG, assert_matches, cache, cli_args, losses_of, single  # noqa: F401
 
 # an agent: register the backend in this process, then torch's launcher (torchrun's main) parses the rest
-AGENT = ("import sys; from loom.parallel.rendezvous import register_file_rendezvous; register_file_rendezvous(); "
+AGENT = ("import sys; from loom.runtime.rendezvous import register_file_rendezvous; register_file_rendezvous(); "
          "from torch.distributed.run import main; main(sys.argv[1:])")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,7 +49,7 @@ def test_two_agents_train_over_a_file_store(tmp_path, cache, single):  # noqa: F
 
 def test_process_group_over_the_file_store(tmp_path, cache, single):  # noqa: F811
     """Each worker is handed the process group's FileStore prefix; with MASTER_ADDR / MASTER_PORT removed, loom's
-    worker body (loom.parallel.env.init_distributed) forms the group over that store: the same losses."""
+    worker body (loom.runtime.env.init_distributed) forms the group over that store: the same losses."""
     out = tmp_path / "out"
     out.mkdir()
     agents = start_agents(str(tmp_path / "rdzv"), ["-m", "tests.distributed.test_rendezvous_file", str(out),
@@ -66,7 +66,7 @@ def test_process_group_over_the_file_store(tmp_path, cache, single):  # noqa: F8
 
 def _worker(out_dir: str, argv: list[str]) -> None:
     from loom.cli.train import run_worker
-    from loom.parallel.rendezvous import PG_STORE_ENV
+    from loom.runtime.rendezvous import PG_STORE_ENV
 
     master = [os.environ.pop("MASTER_ADDR"), os.environ.pop("MASTER_PORT")]
     rank = int(os.environ["RANK"])

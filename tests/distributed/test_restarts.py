@@ -1,4 +1,4 @@
-"""Restarts under the elastic agent (loom.train.restarts): a worker SIGKILLed or raising mid-step or mid-save under
+"""Restarts under the elastic agent (loom.runtime.restarts): a worker SIGKILLed or raising mid-step or mid-save under
 ``--max-restarts 1`` is restarted with its peers, the group resumes from the newest complete checkpoint by itself,
 and the run ends with the losses of an uninterrupted one (one process: the losses do not depend on the layout).
 Every restart is in ``restarts.jsonl`` (the agent's failure record, the attempt's restart record), in metrics.jsonl
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from loom.config.errors import ConfigError, SharedError
-from loom.train import restarts
+from loom.runtime import restarts
 from tests.distributed.harness import run_one
 from tests.tiny import tiny_overrides
 
@@ -190,19 +190,20 @@ def test_torchrun_cause_from_the_previous_attempts_error_files(tmp_path):
 
 
 def test_an_elastic_world_that_cannot_hold_the_layout_is_one_shared_line():
+    from loom.cli.preflight import check_layout
     from tests.tiny import tiny_config
 
     cfg = tiny_config(**{"parallel.dp_shard": 2})
     env = {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_MAX_RESTARTS": "1", "GROUP_WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1"}
-    restarts.check_layout(cfg, 2, env)
+    check_layout(cfg, 2, env)
     with pytest.raises(SharedError, match=r"parallel.dp_shard = 2: .*the job formed with 1 node\(s\) x 1 = 1 ranks"):
-        restarts.check_layout(cfg, 1, env)
-    restarts.check_layout(cfg, 1, {})  # not under an agent that restarts: the trainer's own error stands
+        check_layout(cfg, 1, env)
+    check_layout(cfg, 1, {})  # not under an agent that restarts: the trainer's own error stands
 
 
 def test_launcher_options():
-    from loom.cli.train import parse_launch
+    from loom.runtime.launch import parse_launch
 
     launch, rest = parse_launch(["--nproc-per-node", "2", "--max_restarts=3", "--nnodes", "1:4", "--rdzv-endpoint",
                                  "h:29500", "--rdzv-id", "j", "--node-rank", "1", "--training.steps", "5"])

@@ -71,7 +71,7 @@ def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
 
 
 def fsdp_jobs(rank: int, world: int) -> dict:
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
 
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     env = init_distributed("cpu", "gloo")
@@ -125,7 +125,7 @@ WIDE = {"training.global_batch_size": 16}  # whole groups of 4 on each of 4 rank
 
 
 def hsdp_jobs(rank: int, world: int) -> dict:
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
 
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     env = init_distributed("cpu", "gloo")

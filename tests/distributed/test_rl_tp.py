@@ -48,7 +48,7 @@ def ppo_job(tmp, name: str, rank: int | None, layout: dict, dp: int) -> dict:
 
 
 def tp_jobs(rank: int, world: int) -> dict:
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
 
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     env = init_distributed("cpu", "gloo")
@@ -171,7 +171,7 @@ def test_ppo_fsdp2_or_ddp_x_tp_step_equals_single_process(fsdp_tp, name):
 
 
 def ppo_critic_jobs(rank: int, world: int) -> dict:
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
 
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     env = init_distributed("cpu", "gloo")
@@ -252,7 +252,7 @@ MODELS = {"moe": {"model.flavor": "debug_moe"}, "mla": {"model.flavor": "debug_m
 
 
 def model_jobs(rank: int, world: int) -> dict:
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
 
     env = init_distributed("cpu", "gloo")
     return {name: engine_check(f"{job_tmp()}/ranks/{name}-{rank}", False, env, {**TP, **extra})

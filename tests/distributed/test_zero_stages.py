@@ -72,7 +72,7 @@ def _state_bytes(rank, world, tmp, stages):
     import torch.distributed as dist
 
     from loom.config import build_config
-    from loom.parallel.env import init_distributed
+    from loom.runtime.env import init_distributed
     from loom.train.trainer import Trainer
 
     out = {}

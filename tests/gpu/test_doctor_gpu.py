@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.ops import commbench, doctor, hostinfo
-from loom.ops.doctor import Options, Report
+from loom.cluster import commbench, doctor, hostinfo
+from loom.cluster.doctor import Options, Report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FAST = ("H100", "H200", "B200", "GH200")  # bf16 dense peak near 1000 TFLOP/s or more

@@ -1,4 +1,4 @@
-"""The flight recorder and collective timing on NCCL (loom.parallel.health, loom.train.stragglers).
+"""The flight recorder and collective timing on NCCL (loom.runtime.flight_recorder, loom.runtime.stragglers).
 
 One GPU: a 1-rank NCCL group formed with loom's flight-recorder variables records its collectives; the dump
 (``_dump_nccl_trace``) parses into the report's summary, and the on-completion hook sums CUDA-event durations.
@@ -26,11 +26,13 @@ def two_gpus(test):
 
 ONE_RANK = r'''
 import json, os, pickle, sys, time
-from loom.parallel.health import process_env, summarize_dump, dump_flight_recorder, write_report, report_from_dumps
+from loom.runtime.health import process_env
+from loom.runtime.flight_recorder import summarize_dump, dump_flight_recorder
+from loom.runtime.hang_report import write_report, report_from_dumps
 run_dir = sys.argv[1]
 os.environ.update(process_env(run_dir, "cuda", comm_timing=True))  # before the group forms, as the trainer does
 import torch, torch.distributed as dist
-from loom.train.stragglers import CommTimer
+from loom.runtime.stragglers import CommTimer
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
 timer = CommTimer()
@@ -89,7 +91,7 @@ def test_nccl_timeout_dumps_every_rank_and_the_report_names_the_stuck_one(tmp_pa
     # NCCL's watchdog dumps (TORCH_NCCL_DUMP_ON_TIMEOUT), or loom's own answer where the gloo vote timed out first
     dumps = sorted(os.listdir(run_dir / "flight_recorder"))
     assert "rank_0" in dumps, (dumps, proc.stderr[-3000:])
-    report = subprocess.run([sys.executable, "-m", "loom.parallel.health", str(run_dir)], capture_output=True,
+    report = subprocess.run([sys.executable, "-m", "loom.runtime.hang_report", str(run_dir)], capture_output=True,
                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
     assert report.returncode == 0, report.stderr
     with open(run_dir / "hang_report.json") as fh:

@@ -162,7 +162,7 @@ def test_print_config_is_the_resolved_config_and_writes_nothing(capsys, tmp_path
 # ---- --dry-run --------------------------------------------------------------------------
 
 def test_dry_run_prints_the_plan_and_writes_nothing(capsys, tmp_path, monkeypatch):
-    from loom.cli.train import built_params, load_config, precheck
+    from loom.cli.preflight import built_params, load_config, precheck
 
     monkeypatch.chdir(tmp_path)
     args = tiny_args(tmp_path / "run", **{"run.device": "cpu"})

@@ -12,9 +12,9 @@ import pytest
 
 from loom.cli.doctor import parse_size
 from loom.cli.main import main as loom_main
-from loom.ops import commbench, doctor, hostinfo, nccl_vars
-from loom.ops.doctor import FAIL, OK, SKIP, WARN, Options, Report
-from loom.ops.nccl_vars import HostContext
+from loom.cluster import commbench, doctor, hostinfo, nccl_vars
+from loom.cluster.doctor import FAIL, OK, SKIP, WARN, Options, Report
+from loom.cluster.nccl_vars import HostContext
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -253,7 +253,7 @@ def test_variables_explained_and_risky_values_warned(sysfs):
 def test_the_docs_carry_the_variable_table():
     text = (ROOT / "docs" / "operations.md").read_text()
     section = text.split("## `loom doctor`", 1)[1].split("\n## ", 1)[0]
-    assert nccl_vars.markdown_table() in section, "regenerate: python -c 'from loom.ops.nccl_vars import " \
+    assert nccl_vars.markdown_table() in section, "regenerate: python -c 'from loom.cluster.nccl_vars import " \
                                                   "markdown_table; print(markdown_table())'"
 
 

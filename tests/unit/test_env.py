@@ -7,7 +7,7 @@ import os
 import pytest
 
 from loom.config import ConfigError
-from loom.parallel.env import env_from_slurm, expand_nodelist, expand_tasks_per_node, init_distributed
+from loom.runtime.env import env_from_slurm, expand_nodelist, expand_tasks_per_node, init_distributed
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -78,7 +78,8 @@ def test_init_distributed_from_a_one_task_slurm_step(clean_env):
 
 def test_cli_precheck_uses_the_slurm_world_size(clean_env):
     """``srun -n 2 loom train ...``: each task checks the batch against 2 data-parallel ranks."""
-    from loom.cli.train import env_world_size, load_config, precheck
+    from loom.cli.preflight import load_config, precheck
+    from loom.runtime.launch import env_world_size
 
     for k, v in slurm(SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_NODEID="0").items():
         clean_env.setenv(k, v)

@@ -19,7 +19,7 @@ import torch
 
 from loom.checkpoint.hf import export_hf
 from loom.cli.main import COMMANDS, main as loom_main
-from loom.cli.train import checked_config
+from loom.cli.preflight import checked_config
 from loom.config import build_config
 from loom.config.errors import ConfigError, UserError
 from loom.config.sections import DataConfig

@@ -1,5 +1,5 @@
-"""The hang report from flight-recorder records (loom.parallel.health), built from synthetic records in PyTorch's
-dump format, and the straggler rule (loom.train.stragglers)."""
+"""The hang report from flight-recorder records (loom.runtime.health), built from synthetic records in PyTorch's
+dump format, and the straggler rule (loom.runtime.stragglers)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 import os
 import pickle
 
-from loom.parallel.health import (FR_FOLDER, REPORT, build_report, is_collective_failure, process_env,
-                                  report_from_dumps, summarize_dump)
-from loom.train.stragglers import find_stragglers, straggler_line, summarize
+from loom.runtime.flight_recorder import FR_FOLDER, summarize_dump
+from loom.runtime.hang_report import REPORT, build_report, report_from_dumps
+from loom.runtime.health import is_collective_failure, process_env
+from loom.runtime.stragglers import find_stragglers, straggler_line, summarize
 
 
 def entry(seq: int, op: str, sizes=((4,),), group=("0", "default_pg"), state="completed") -> dict:
@@ -111,7 +112,7 @@ def test_gloo_and_monitored_barrier_errors_are_collective_failures():
 
 
 def test_the_report_files(tmp_path):
-    from loom.parallel.health import write_report
+    from loom.runtime.hang_report import write_report
 
     report = build_report(answers({0: dump(HUNG, 2), 1: dump(BEFORE, 2)}), 2, detected_by=[0])
     path = write_report(str(tmp_path), report)
@@ -159,7 +160,7 @@ def test_point_to_point_ops_are_listed_apart_from_the_collectives():
 
 
 def test_the_next_start_reports_dumps_once(tmp_path):
-    from loom.parallel.health import previous_hang
+    from loom.runtime.health import previous_hang
 
     folder = tmp_path / FR_FOLDER
     folder.mkdir()
@@ -176,7 +177,7 @@ def test_the_next_start_reports_dumps_once(tmp_path):
 def test_distributed_debug_sets_torch_distributed_debug(monkeypatch, tmp_path):
     import torch.distributed as dist
 
-    from loom.parallel.health import prepare_process
+    from loom.runtime.health import prepare_process
 
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)

@@ -187,7 +187,7 @@ def hf_loss(hf, micro_batches) -> float:
 def train_from_hf(tmp_path, src: str):
     """Two training steps with model.init_from ``src`` on a small text file; returns the trainer, step 1's
     micro-batches and the records."""
-    from loom.cli.train import load_config
+    from loom.cli.preflight import load_config
     from loom.train.trainer import Trainer
 
     text = tmp_path / "corpus.txt"
@@ -335,7 +335,7 @@ def test_mixtral_folder_errors(tmp_path):
     cfg = random_hf_mixtral().config.to_dict()
     with pytest.raises(ConfigError, match="sliding_window = 4096 is not supported"):
         llama_args_from_hf(write_config(tmp_path / "window", {**cfg, "sliding_window": 4096}))
-    from loom.cli.train import load_config
+    from loom.cli.preflight import load_config
     from loom.data import build_tokenizer
     from loom.resolve import resolve_model_args
 

@@ -15,7 +15,7 @@ import pytest
 
 from loom.cli.launch import main as launch_main
 from loom.config.errors import ConfigError, UserError
-from loom.ops.launch import (KubeJob, Rendezvous, jobset, launcher_argv, parse_hostfile, pytorchjob, remote_command,
+from loom.cluster.launch import (KubeJob, Rendezvous, jobset, launcher_argv, parse_hostfile, pytorchjob, remote_command,
                              select_hosts)
 
 SCHEMAS = pathlib.Path(__file__).resolve().parents[1] / "data" / "k8s"

@@ -12,25 +12,39 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "loom"
 
 # lowest first; a module may import from its own layer and the layers below it
 LAYERS = [
+    # what everything reads: config sections and errors, metric logging, dtypes by name
     {"config", "metrics", "numerics"},
+    # sources, tokenizers and the loader: plain Python and tensors, no model
     {"data"},
+    # kernels and their references: below the models that call them
     {"kernels"},
+    # plain single-device models: no mesh, no process group
     {"models"},
+    # transforms applied to a built model with a mesh (dims, tp, cp, ep, pp, data parallel, compile, init of shards)
     {"parallel"},
+    # DCP and Hugging Face checkpoints of (possibly sharded) models
     {"checkpoint"},
+    # the running job (process env and rendezvous, hangs, fault tolerance, restarts, stragglers, preemption, the
+    # run dir's lock, the elastic launch): it reads only the config, so the resolver (fault tolerance's replica
+    # groups) and the trainer build on it; the layout checks a launch needs are the CLI's preflight (loom.cli)
+    {"runtime"},
+    # config + world size -> the resolved run: every rule between fields
     {"resolve"},
     # the trainer runs evaluations (loom.eval.hook); eval reads run checkpoints (loom.train.run_dir) and generates
     # through loom.infer, which reads run checkpoints the same way
     {"train", "eval", "infer"},
     # reinforcement learning: an objective (loom.train) whose rollouts come from the engine (loom.infer)
     {"rl"},
-    # operations around a job (doctor, launchers): they read plans, layouts and the environment
-    {"plan", "ops"},
+    # the planner and the cluster tooling around a job (doctor, multi-host launchers, NCCL variables, comm bench):
+    # tools beside training that read layouts, the resolver and the runtime's environment; the CLI calls them
+    {"plan", "cluster"},
+    # the commands: each parses argv and calls the layers below
     {"cli", "__main__"},
 ]
 # (importing module, imported module): the only imports allowed upwards, each with its reason
 ALLOWED_UP = {
-    # ``torchrun -m loom.train`` is the documented worker entry point; it runs the CLI's worker body
+    # ``torchrun -m loom.train`` is the documented worker entry point; it runs the CLI's worker body, which picks
+    # the objective (loom.rl's sit above loom.train) until the methods have a registry of their own
     ("loom.train.__main__", "loom.cli.errors"),
     ("loom.train.__main__", "loom.cli.train"),
 }

@@ -103,7 +103,7 @@ def test_launch_options_are_checked_up_front(tmp_path, capsys, monkeypatch):
 
 
 def test_a_launcher_template_with_host_gets_only_the_command_appended():
-    from loom.ops.launch import launcher_argv
+    from loom.cluster.launch import launcher_argv
 
     assert launcher_argv("ssh {host}", "a", "echo hi") == ["ssh", "a", "echo hi"]
     assert launcher_argv("ssh -p 2222", "a", "echo hi") == ["ssh", "-p", "2222", "a", "echo hi"]
@@ -112,11 +112,11 @@ def test_a_launcher_template_with_host_gets_only_the_command_appended():
 # ---- the run dir stays locked while a launched worker lives ---------------------------------------------------------
 
 def test_workers_of_a_killed_launcher_keep_the_run_dir_locked(tmp_path):
-    from loom.train.run_dir import LOCKED_ENV, acquire
+    from loom.runtime.run_lock import LOCKED_ENV, acquire
 
     run = tmp_path / "run"
     run.mkdir()
-    code = ("import sys, time; from loom.train.run_dir import hold_as_worker; hold_as_worker(sys.argv[1]); "
+    code = ("import sys, time; from loom.runtime.run_lock import hold_as_worker; hold_as_worker(sys.argv[1]); "
             "print('held', flush=True); time.sleep(60)")
     worker = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, LOCKED_ENV: os.path.realpath(run)})

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from loom.checkpoint.manager import step_dir_name
 from loom.config.errors import ConfigError
-from loom.parallel.env import choose_backend
+from loom.runtime.env import choose_backend
 from loom.plan.hardware import GPUS
 from loom.plan.memory import GIB
 from loom.plan.planner import HOST_GIB_PER_GPU, estimate, host_step_s, offload_bytes, search

@@ -14,7 +14,8 @@ pytest.importorskip("torchao")
 from loom.checkpoint.manager import load_model_only  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402
 from loom.config.sections import LoraConfig  # noqa: E402
-from loom.models.common.lora import apply_lora, dequantized, is_nf4, quantize_base  # noqa: E402
+from loom.models.common.lora import apply_lora, dequantized, is_nf4  # noqa: E402
+from loom.parallel.shards import quantize_base  # noqa: E402
 from loom.models.llama import FLAVORS, Llama  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402

@@ -96,7 +96,7 @@ def test_auto_with_every_checkpoint_corrupt_exits_2_and_keeps_them(tmp_path, cac
 def test_a_second_run_in_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, cache, capsys):
     run = tmp_path / "locked"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from loom.train.run_dir import acquire; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from loom.runtime.run_lock import acquire; "
                                "acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(run)],
                               env=env(), stdout=subprocess.PIPE, text=True)
     try:
@@ -296,7 +296,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(capsys):
     the CLI turns into one line and exit code 130 (checkpoints are written to a temporary folder and renamed,
     so an interrupted save never touches the last complete one: test_checkpoint_recovery)."""
     from loom.cli.errors import user_errors_exit
-    from loom.train.guard import Preemption
+    from loom.runtime.guard import Preemption
 
     stop = Preemption(60.0)
     try:

@@ -1,8 +1,8 @@
 """Layout-independent initialization.
 
 Every parameter is drawn on its full shape from a generator seeded by the run seed and the
-parameter's canonical name, then this rank keeps its own shard. So weights do not depend on the
-number of devices or the parallel layout.
+parameter's canonical name, then this rank keeps its own shard (``keep``: loom.parallel.shards.keep_shard for a
+sharded model). So weights do not depend on the number of devices or the parallel layout.
 """
 
 from __future__ import annotations
@@ -38,27 +38,22 @@ def _full_value(shape, std: float | None, seed: int, device: torch.device) -> to
     return nn.init.trunc_normal_(out, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
 
 
-def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(full)
+def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """A plain parameter takes its full value (a sharded one keeps its shard: loom.parallel.shards.keep_shard)."""
+    param.copy_(full)
 
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, std_of: Callable[[str], float | None],
-                    draw_device: torch.device | None = None) -> None:
+                    draw_device: torch.device | None = None, keep=copy_full) -> None:
     """Every parameter from its name: ``std_of(name)`` is a truncated normal's std, None for ones, 0 for zeros.
     ``draw_device``: where the values are drawn (a device's generator gives its own values: weights kept in host
-    memory for a GPU run are drawn on the GPU, as that run without offload draws them); None: where each lives."""
+    memory for a GPU run are drawn on the GPU, as that run without offload draws them); None: where each lives.
+    ``keep(param, full)``: what the parameter keeps of its full value (the parallel layout's part)."""
     for name, param in model.named_parameters():
         cname = canonical_name(name)
-        local = param.to_local() if hasattr(param, "to_local") else param
-        full = _full_value(param.shape, std_of(cname), param_seed(seed, cname), draw_device or local.device)
-        _copy_into(param, full)
+        full = _full_value(param.shape, std_of(cname), param_seed(seed, cname), draw_device or param.device)
+        keep(param, full)
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -72,7 +67,7 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_buffers,
-                draw_device: torch.device | None = None) -> None:
+                draw_device: torch.device | None = None, keep=copy_full) -> None:
     """Allocate storage for a meta-device model (sharded or not) and initialize it. A module marked ``host_weight``
     (QLoRA's base linears: quantized onto the device one at a time later) keeps its own tensors in host memory, so
     the device never holds the whole unquantized base."""
@@ -87,4 +82,4 @@ def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_
     for mod in model.modules():  # state buffers a module keeps (a router's selection bias) start from its reset
         if hasattr(mod, "reset_state"):
             mod.reset_state()
-    init_parameters(model, seed, std_of, draw_device)
+    init_parameters(model, seed, std_of, draw_device, keep)

@@ -5,8 +5,8 @@ parallelism), so the model code stays plain.
 (``layers.0.attention.wq.weight``: Hugging Face import, checkpoints and init by name are unchanged) and adds two
 trainable factors ``lora_A`` (r, in) and ``lora_B`` (out, r); everything else is frozen. ``init_adapters`` draws
 them as PEFT does (A kaiming-uniform, B zeros), each from a seed of its name, so the start does not depend on the
-layout. ``quantize_base`` stores the frozen base weights as torchao NF4 (QLoRA) once they hold their values;
-``merge_lora`` folds the adapters back into plain linears for export.
+layout. loom.parallel.shards.quantize_base stores the frozen base weights as torchao NF4 (QLoRA) once they hold
+their values; ``merge_lora`` folds the adapters back into plain linears for export.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.config.errors import ConfigError, require
+from loom.config.errors import ConfigError
 from loom.config.sections import LoraConfig
 from loom.kernels.lora import lora_linear
-from loom.models.common.init import canonical_name, param_seed
+from loom.models.common.init import canonical_name, copy_full, param_seed
 
 # lora.targets names -> the module path inside a block (Hugging Face names: q_proj, ..., down_proj)
 TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
@@ -179,18 +179,8 @@ def frozen_dtype(cfg: LoraConfig, compute_dtype: str) -> torch.dtype | None:
 
 # ---- initial values ------------------------------------------------------------------------------
 
-def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the full value into ``param``, or into this rank's shard of a DTensor ``param``."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param = param.to_local()
-    param.copy_(full)
-
-
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int, draw_device: torch.device | None = None) -> None:
+def init_adapters(model: nn.Module, seed: int, draw_device: torch.device | None = None, keep=copy_full) -> None:
     """PEFT's initial adapters: A kaiming-uniform (a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zeros, so the
     adapted model starts equal to its base. Each A is drawn on its full shape from a seed of the run seed and its
     name (loom.models.common.init), then this rank keeps its shard: the start does not depend on the layout."""
@@ -198,13 +188,12 @@ def init_adapters(model: nn.Module, seed: int, draw_device: torch.device | None 
         cname = canonical_name(name)
         if not is_adapter(cname):
             continue
-        local = p.to_local() if hasattr(p, "to_local") else p
-        device = draw_device or local.device  # as loom.models.common.init: drawn where compute runs
+        device = draw_device or p.device  # as loom.models.common.init: drawn where compute runs
         full = torch.zeros(p.shape, device=device, dtype=torch.float32)
         if ".lora_A." in cname:
             gen = torch.Generator(device=device).manual_seed(param_seed(seed, cname))
             nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
-        _copy_full(p, full.to(p.dtype))
+        keep(p, full.to(p.dtype))
 
 
 @contextlib.contextmanager
@@ -255,59 +244,15 @@ def dequantized(w: torch.Tensor) -> torch.Tensor:
     return w.get_original_weight().float()
 
 
-def _check_nf4_shape(name: str, w: torch.Tensor) -> None:
-    """NF4 needs whole scaler blocks per tensor (numel a multiple of 64 x 256) and, sharded over n ranks by rows, in
-    each shard (numel a multiple of 64 x 256 x n, rows a multiple of n)."""
-    shards = 1
-    if hasattr(w, "placements"):
-        shards = math.prod(w.device_mesh.size(i) for i, p in enumerate(w.placements) if p.is_shard())
+def check_nf4_shape(name: str, w: torch.Tensor, shards: int = 1) -> None:
+    """NF4 needs whole scaler blocks per tensor (numel a multiple of 64 x 256) and, sharded over ``shards`` ranks by
+    rows, in each shard (numel a multiple of 64 x 256 x n, rows a multiple of n)."""
     unit = NF4_BLOCK * NF4_SCALER_BLOCK * shards
     if w.numel() % unit or w.shape[0] % shards:
         where = f" on each of {shards} shards" if shards > 1 else ""
         raise ConfigError("lora.base_dtype", "nf4", f"{name} {list(w.shape)} does not split into NF4 blocks of "
                           f"{NF4_BLOCK} x {NF4_SCALER_BLOCK} weights{where}: allowed float32 for this model (or fewer "
                           "shards)")
-
-
-@torch.no_grad()
-def quantize_base(model: nn.Module) -> int:
-    """QLoRA: store every adapted linear's frozen base weight as torchao's NF4 (4-bit NormalFloat, 64 weights per
-    scale, the scales double-quantized 256 at a time) of its bfloat16 value; returns how many. Call once the base
-    holds its final values (init / model.init_from loaded) and before the first forward.
-
-    Under FSDP2 the whole weight is gathered and quantized, then each rank keeps its rows: the scales' mean is
-    the whole tensor's on every rank, so FSDP2's all-gather of the NF4 shards (torchao's FSDP extension) rebuilds
-    exactly the single-process NF4 weight. FSDP2 picks the new parameter up at its lazy init (it allows parameters
-    swapped after fully_shard); the old shard's storage is freed first, which also keeps FSDP2 from comparing
-    storages with the NF4 tensor (it has none)."""
-    to_nf4 = require("torchao.dtypes.nf4tensor", "qlora", package="torchao", purpose="lora.base_dtype nf4").to_nf4
-    from torch.distributed.tensor import DTensor
-
-    n = 0
-    for name, m in lora_modules(model):
-        w = m.weight
-        if is_nf4(w):
-            continue
-        _check_nf4_shape(name + ".weight", w)
-        device = m.lora_A.weight.device  # where compute runs: the base may still be in host memory (host_weight)
-        if isinstance(w, DTensor):
-            if any(p.is_shard() and p.dim != 0 for p in w.placements):
-                raise ConfigError("lora.base_dtype", "nf4", f"{name}.weight is sharded by columns (tensor "
-                                  "parallel): NF4 shards by rows only")
-            local = DTensor.from_local(w.to_local().to(device), w.device_mesh, w.placements, run_check=False,
-                                       shape=w.shape, stride=w.stride())
-            q = to_nf4(local.full_tensor().to(torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
-            mesh, coord = w.device_mesh, w.device_mesh.get_coordinate()
-            for i, p in enumerate(w.placements):  # (Replicate, Shard(0)) for HSDP: rows over the shard axis
-                if p.is_shard():
-                    q = torch.chunk(q, mesh.size(i), dim=0)[coord[i]]
-            w.to_local().untyped_storage().resize_(0)
-            new = DTensor.from_local(q, mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
-        else:
-            new = to_nf4(w.to(device, torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
-        m.weight = nn.Parameter(new, requires_grad=False)
-        n += 1
-    return n
 
 
 # ---- export ----------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def choose_backend(backend: str, device_type: str, cpu_offload: bool = False) ->
 def init_distributed(device_kind: str, backend: str, cpu_offload: bool = False,
                      timeout: "timedelta | None" = None) -> DistEnv:
     """Join the process group when launched by torchrun/elastic/SLURM; a plain process runs alone. ``timeout``:
-    the group's collective timeout (None: PyTorch's default; loom.parallel.health sets it)."""
+    the group's collective timeout (None: PyTorch's default; loom.runtime.health sets it)."""
     os.environ.update(env_from_slurm(dict(os.environ)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -161,7 +161,7 @@ def init_distributed(device_kind: str, backend: str, cpu_offload: bool = False,
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            from loom.parallel.rendezvous import worker_store
+            from loom.runtime.rendezvous import worker_store
 
             backend = choose_backend(backend, device.type, cpu_offload)
             store = worker_store()  # a file-rendezvous agent's workers meet over its FileStore, not a TCP port

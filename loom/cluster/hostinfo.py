@@ -11,7 +11,7 @@ import socket
 import subprocess
 from collections import Counter
 
-from loom.ops import nccl_vars
+from loom.cluster import nccl_vars
 
 MIB = 1 << 20
 NVLINKS_PER_GPU = 18  # H100 / H200 / B200: a pair with more links than a GPU has per peer goes through NVSwitch

@@ -124,7 +124,7 @@ def forwarded_env(environ: dict[str, str], extra: list[str] = ()) -> dict[str, s
 @dataclass
 class Rendezvous:
     """Where the agents meet: ``c10d`` at ``HOST:PORT`` (a TCPStore on the first host) or ``file`` at a path on a
-    filesystem every host mounts (loom.parallel.rendezvous)."""
+    filesystem every host mounts (loom.runtime.rendezvous)."""
     endpoint: str
     run_id: str = field(default_factory=lambda: f"loom-{uuid.uuid4().hex[:8]}")
     backend: str = "c10d"

@@ -12,9 +12,9 @@ import socket
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from loom.ops import nccl_vars
-from loom.ops.commbench import collective_test, default_sizes, flag_slow, matmul_tflops, physical_gpu
-from loom.ops.hostinfo import MIB, local_facts, roce_v2_ipv4_gid, summarize_topology
+from loom.cluster import nccl_vars
+from loom.cluster.commbench import collective_test, default_sizes, flag_slow, matmul_tflops, physical_gpu
+from loom.cluster.hostinfo import MIB, local_facts, roce_v2_ipv4_gid, summarize_topology
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 SECTIONS = {"software": "Software", "gpus": "GPUs and driver", "topology": "Topology", "network": "Network",
@@ -381,7 +381,7 @@ def _size(nbytes: int) -> str:
 def run(options: Options) -> Report:
     """The doctor on this process: alone, or as one rank of a job (torchrun / elastic / SLURM variables), where
     rank 0 gets every host's facts and every rank's results."""
-    from loom.parallel.env import env_from_slurm
+    from loom.runtime.env import env_from_slurm
 
     os.environ.update(env_from_slurm(dict(os.environ)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -431,7 +431,7 @@ def _join(world: int, local_rank: int, timeout_s: float):
     import torch
     import torch.distributed as dist
 
-    from loom.parallel.env import pick_device
+    from loom.runtime.env import pick_device
 
     device = pick_device("auto", local_rank)
     if world > 1 and not dist.is_initialized():
@@ -455,7 +455,7 @@ def _gather(obj, world: int) -> list:
 
 
 def _leave() -> None:
-    from loom.parallel.env import destroy_distributed
+    from loom.runtime.env import destroy_distributed
 
     destroy_distributed()
 

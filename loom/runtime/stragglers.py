@@ -30,7 +30,7 @@ FIELDS = ("step_time", "data_wait", "comm_time", "own_time")
 
 class CommTimer:
     """Seconds this rank's NCCL collectives ran (CUDA-event durations from each group's on-completion hook).
-    Needs TORCH_NCCL_ENABLE_TIMING=1 before the groups formed (loom.parallel.health.process_env sets it)."""
+    Needs TORCH_NCCL_ENABLE_TIMING=1 before the groups formed (loom.runtime.health.process_env sets it)."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -11,6 +11,8 @@ import torch
 
 from loom.config.errors import TrainingStopped
 
+PREEMPTED = "preempted.json"  # written by rank 0 after a preemption save: the launcher reads it
+
 
 class Preemption:
     """SIGTERM / SIGINT ask the run to stop: the ranks agree at the end of the current step, save and exit 0.

@@ -29,7 +29,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from loom.config.errors import ConfigError, SharedError, UserError
+from loom.config.errors import ConfigError, UserError
 
 RESTARTS = "restarts.jsonl"
 ELASTIC_ENV = "LOOM_ELASTIC_NODES"  # "MIN:MAX", set by loom train for its agent's workers when MIN < MAX
@@ -246,25 +246,6 @@ def record_error(err: BaseException) -> None:
     with contextlib.suppress(OSError):
         with open(path, "w") as fh:
             json.dump(data, fh)
-
-
-def check_layout(cfg, world_size: int, environ=None) -> None:
-    """A job that an elastic agent formed (or re-formed) on ``world_size`` ranks: a layout that cannot be built
-    there is one line from rank 0 (exit code 2 on every rank), naming the world the job formed with."""
-    from loom.resolve import check_config, resolve
-
-    env = os.environ if environ is None else environ
-    if not env.get("TORCHELASTIC_RUN_ID") or not (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-                                                  or env.get(ELASTIC_ENV)):
-        return
-    check_config(cfg)  # the rules over the config alone: not the world's doing
-    try:
-        resolve(cfg, world_size, device="cpu")  # the rules relating the config to the world size (no device check)
-    except ConfigError as err:
-        nodes, local = env.get("GROUP_WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
-        formed = f"{nodes} node(s) x {local} = {world_size} ranks" if nodes and local else f"{world_size} ranks"
-        raise SharedError(f"{err} (the job formed with {formed}; an elastic job needs a layout every node count "
-                          "allows: see docs/operations.md, Restarts and elastic node counts)") from None
 
 
 # ---- loom train's agent ----------------------------------------------------------------------------------

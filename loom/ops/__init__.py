@@ -1,1 +1,0 @@
-"""Operations around a training job: the environment doctor, cluster launchers and their manifests."""
