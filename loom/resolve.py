@@ -558,7 +558,7 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
     from loom.models.registry import all_flavors
 
     if cfg.model.init_from:
-        from loom.checkpoint.hf import llama_args_from_hf
+        from loom.checkpoint.hf.reader import llama_args_from_hf
 
         args = llama_args_from_hf(cfg.model.init_from)
         if cfg.model.moe_experts and cfg.model.moe_experts != args.moe_experts:
@@ -745,7 +745,7 @@ def model_shape(cfg: Config):
         from loom.models.registry import all_flavors
 
         return all_flavors()[cfg.model.flavor]
-    from loom.checkpoint.hf import llama_args_from_hf
+    from loom.checkpoint.hf.reader import llama_args_from_hf
 
     return llama_args_from_hf(cfg.model.init_from)
 
@@ -755,7 +755,7 @@ def model_window(cfg: Config) -> int:
     (0: none)."""
     if cfg.model.sliding_window or not cfg.model.init_from:
         return cfg.model.sliding_window
-    from loom.checkpoint.hf import llama_args_from_hf
+    from loom.checkpoint.hf.reader import llama_args_from_hf
 
     return llama_args_from_hf(cfg.model.init_from).sliding_window
 

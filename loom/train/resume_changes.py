@@ -452,7 +452,7 @@ def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> 
 def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None) -> None:
     """A weights-only checkpoint loads only into a model of its own shape: another one is a ResumeMismatch that
     says how to take the shape from the checkpoint (``--model.init_from``), before any weight is read."""
-    from loom.checkpoint.hf import HF_CONFIG_COPY, llama_args_from_hf_config
+    from loom.checkpoint.hf.config import HF_CONFIG_COPY, llama_args_from_hf_config
 
     kept = os.path.join(folder, HF_CONFIG_COPY)
     if not os.path.isfile(kept):

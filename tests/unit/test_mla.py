@@ -14,7 +14,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from loom.checkpoint.hf import export_hf, hf_architecture, llama_args_from_hf  # noqa: E402
+from loom.checkpoint.hf.config import hf_architecture  # noqa: E402
+from loom.checkpoint.hf.export import export_hf  # noqa: E402
+from loom.checkpoint.hf.reader import llama_args_from_hf  # noqa: E402
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config import build_config  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402
