@@ -27,7 +27,7 @@ from loom.plan.memory import (BYTES, GIB, WORKSPACE_BYTES, Memory, MemoryInputs,
 from loom.plan.shapes import block_params, expert_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency, attention_flops,
                               collective_s, efficiency, moe_overhead_s, recompute_share)
-from loom.resolve import accumulation_steps, kernel_choice, resolve, resolve_model_args
+from loom.resolve import accumulation_steps, model_kernels, resolve, resolve_model_args
 
 # Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
 # (-9%..+12% on the measured runs, docs/planner.md) and what the caching allocator cannot reuse after a long run;
@@ -87,7 +87,7 @@ def model_args(cfg: Config):
     """The model's shape and the kernels a CUDA run with Triton picks (the trainer's resolution, without timing
     attention)."""
     check_modelled(cfg)
-    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernel_choice(cfg, "cuda", triton=True))
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), model_kernels(cfg, "cuda", triton=True))
     check_modelled(cfg, args)
     return args
 

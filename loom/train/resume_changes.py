@@ -346,7 +346,8 @@ def restore_loss_scale(scaler, old: dict[str, Any] | None, training: TrainingCon
 
 def markdown() -> str:
     lines = ["# Resuming with another config", "",
-             "Generated from `loom/train/resume_changes.py` by `python -m loom.train.resume_changes`.", "",
+             "Generated from each field's `opt(resume=...)` in `loom/config/sections.py` by `python -m "
+             "loom.train.resume_changes`; the rows follow the config's order (docs/config.md).", "",
              "A resumed run (`--checkpoint.resume auto` or a path) compares its resolved config with the "
              "checkpoint's `config.toml`, field by field, before any weight is read:", "",
              "* **must match**: the checkpoint cannot hold anything else (the weights' shapes, the token stream "

@@ -18,10 +18,10 @@ LAYERS = [
     {"models"},
     {"parallel"},
     {"checkpoint"},
-    {"resolve"},
     # the trainer runs evaluations (loom.eval.hook); eval reads run checkpoints (loom.train.run_dir) and generates
-    # through loom.infer, which reads run checkpoints the same way
-    {"train", "eval", "infer"},
+    # through loom.infer, which reads run checkpoints the same way; the resolver runs the rule sets of features whose
+    # home is loom.train (loom.train.diloco_rules, zero_rules)
+    {"resolve", "train", "eval", "infer"},
     # reinforcement learning: an objective (loom.train) whose rollouts come from the engine (loom.infer)
     {"rl"},
     # operations around a job (doctor, launchers): they read plans, layouts and the environment
