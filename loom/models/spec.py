@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from loom.config.errors import ConfigError
@@ -61,13 +60,9 @@ class HFAdapter(LlamaHF):
         """The family's keys as the import holds them (optional modules its weights lack dropped: ``fit``)."""
         return {**cfg, **self.config(args)}
 
-    def state_names(self, args: LlamaArgs) -> list[str]:
-        """The model's state names (persistent buffers included) in the model's order; the head only when untied."""
-        from loom.models.registry import build_model
-
-        with torch.device("meta"):
-            names = list(build_model(args.with_(max_seq_len=1)).state_dict())
-        return [n for n in names if not (n == "output.weight" and args.tie_embeddings)]
+    def state_names(self, args: LlamaArgs) -> None:
+        """None: the model's own state names (persistent buffers included) in its order."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from loom.models.common.init import canonical_name
 from loom.models.llama.flavors import LlamaArgs
 from loom.models.llama.hf import TOP, LlamaHF
-from loom.models.registry import hf_adapter
+from loom.models.registry import build_model, hf_adapter
 
 
 def _adapter(args: LlamaArgs | None) -> LlamaHF:
@@ -61,5 +63,11 @@ def ignorable(name: str) -> bool:
 
 
 def expected_loom_names(args: LlamaArgs) -> list[str]:
-    """Every weight of a model with these args, in its family's export order; the head only when untied."""
-    return hf_adapter(args).state_names(args)
+    """Every weight of a model with these args, in its family's export order (the adapter's, else the model's state
+    names, persistent buffers included); the head only when untied."""
+    names = hf_adapter(args).state_names(args)
+    if names is not None:
+        return names
+    with torch.device("meta"):
+        names = list(build_model(args.with_(max_seq_len=1)).state_dict())
+    return [n for n in names if not (n == "output.weight" and args.tie_embeddings)]

@@ -311,8 +311,9 @@ class LlamaHF:
 
     # ---- names ----
 
-    def state_names(self, args: LlamaArgs) -> list[str]:
-        """Every weight of a model with these args, in Hugging Face's order; the head only when untied."""
+    def state_names(self, args: LlamaArgs) -> list[str] | None:
+        """Every weight of a model with these args, in Hugging Face's order; the head only when untied (None: the
+        model's own state names in its order, loom.checkpoint.hf.names)."""
         names = ["tok_embeddings.weight"]
         for i in range(args.n_layers):
             names += [f"layers.{i}.{leaf}" for leaf in _layer_leaves(args)]
