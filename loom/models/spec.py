@@ -69,8 +69,8 @@ class HFAdapter(LlamaHF):
 class ModelSpec:
     """One family: ``args_type`` (a LlamaArgs subclass: the fields every layer of loom reads), ``build`` (args ->
     plain single-device module), ``flavors`` (named shapes, unique across families), ``hf`` (its Hugging Face
-    adapter), ``parallelize`` (model, dims, training, parallel, ... -> the sharded model: loom.parallel's
-    composition order, which every Llama-like family shares)."""
+    adapter), ``parallelize`` (parallelize_llama's signature; None: loom.parallel.parallelize.parallelize_llama,
+    the composition order every Llama-like family shares)."""
 
     name: str
     args_type: type
@@ -83,11 +83,3 @@ class ModelSpec:
         from loom.metrics.flops import flops_per_token
 
         return flops_per_token(args, seq_len, adapter_params)
-
-    def parallelize_plan(self) -> Callable:
-        """The function that applies parallelism to this family's model (None registered: loom.parallel's)."""
-        if self.parallelize is not None:
-            return self.parallelize
-        from loom.parallel.parallelize import parallelize_llama
-
-        return parallelize_llama

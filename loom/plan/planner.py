@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
 from loom.data import build_tokenizer
-from loom.metrics.flops import flops_per_token
+from loom.models.registry import spec_of
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.parallel.pipeline import SPLIT_BACKWARD, schedule_actions, stage_ids, stages_per_rank, theoretical_bubble
 from loom.plan.activations import profile_activations
@@ -135,7 +135,7 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     memory = max(memories, key=lambda mem: mem.total)
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
-    mfu = tokens * flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
+    mfu = tokens * spec_of(args).flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
     layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
     layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=t.activation_checkpointing, accumulation=m, cpu_offload=p.cpu_offload,
