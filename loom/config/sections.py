@@ -2,7 +2,8 @@
 
 Each component receives only its own section. Allowed values live next to the
 field (``choices`` / ``min`` metadata) so that validation and the README's
-config reference come from one place.
+config reference come from one place; so does what a resumed run may do with a
+changed value (``resume``: loom.train.resume_changes, docs/resume.md).
 """
 
 from __future__ import annotations
