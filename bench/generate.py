@@ -87,7 +87,8 @@ def hf_model(model):
     import torch
     import transformers
 
-    from loom.checkpoint.hf import hf_config_from_args, hf_state_dict
+    from loom.checkpoint.hf.config import hf_config_from_args
+    from loom.checkpoint.hf.export import hf_state_dict
 
     args = model.args
     dtype = next(model.parameters()).dtype

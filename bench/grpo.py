@@ -82,7 +82,8 @@ def describe_rewards(rewards) -> str:
 
 def export(trainer, folder: str) -> None:
     """The trainer's model as a Hugging Face folder (fp32 weights) with the byte tokenizer as a tokenizer.json."""
-    from loom.checkpoint.hf import export_hf, tokenizer_export
+    from loom.checkpoint.hf.export import export_hf
+    from loom.checkpoint.hf.tokenizer import tokenizer_export
 
     shutil.rmtree(folder, ignore_errors=True)
     state = {k: v.detach() for k, v in trainer.parts[0].state_dict().items()}

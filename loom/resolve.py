@@ -1,7 +1,9 @@
 """One place that resolves a run: a ``Config``, a world size and the tokenizer become the parallel degrees, the
-accumulation count, the device, the model's shape and its kernels. Every rule that relates two fields (or a field
-and the world size, the model, the device) lives here, once; a single field's rules stay in its config section.
-``loom train`` (its precheck and the Trainer), ``loom plan`` and ``loom convert`` all resolve through here."""
+accumulation count, the device, the model's shape and its kernels (loom.kernels.dispatch chooses them). The
+resolver is a driver: the generic rules (degrees, accumulation, device, the model's shape) live here, then it runs
+the rule sets it is handed: each optional feature's (``FEATURES``, each in the feature's own module) and the
+training methods'. A single field's rules stay in its config section. ``loom train`` (its precheck and the
+Trainer), ``loom plan`` and ``loom convert`` all resolve through here."""
 
 from __future__ import annotations
 
@@ -12,9 +14,18 @@ from typing import Callable
 from loom.config.errors import ConfigError
 from loom.config.load import profile_window
 from loom.config.sections import Config, ParallelConfig, check_inactive_fields
+from loom.parallel.cuda_graphs_rules import RULES as CUDA_GRAPHS
 from loom.parallel.dims import ParallelDims, tp_limit
-from loom.runtime.fault_tolerance import lighthouse_address, replica_groups
+from loom.parallel.offload_rules import RULES as OFFLOAD
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
+from loom.runtime.fault_tolerance import replica_groups
+from loom.runtime.fault_tolerance_rules import RULES as FAULT_TOLERANCE
+from loom.train.diloco_rules import RULES as DILOCO
+from loom.train.zero_rules import RULES as ZERO
+
+# the optional features' rule sets, run in this order at each stage (config, layout, machine, device): which of
+# two broken rules is named first stays as it was
+FEATURES = (ZERO, OFFLOAD, CUDA_GRAPHS, FAULT_TOLERANCE, DILOCO)
 
 
 @dataclass(frozen=True)
@@ -31,14 +42,14 @@ class Run:
 
     def with_model(self, tokenizer) -> "Run":
         """The model's shape and kernels (chosen without timing) for this tokenizer, checked against the degrees."""
-        kernels = kernel_choice(self.cfg, self.device, triton=self.triton)
+        kernels = model_kernels(self.cfg, self.device, triton=self.triton)
         args = resolve_model_args(self.cfg, tokenizer, kernels)
         check_model(self.dims, args, self.cfg.parallel)
         return replace(self, model_args=args, kernels=kernels)
 
     def with_attention(self, measure: Callable[[], str]) -> "Run":
         """``model.attention = auto`` settled by timing the candidates (``measure`` names the faster)."""
-        kernels = kernel_choice(self.cfg, self.device, measure, self.triton, self.model_args.sliding_window)
+        kernels = model_kernels(self.cfg, self.device, measure, self.triton, self.model_args.sliding_window)
         return replace(self, kernels=kernels, model_args=self.model_args.with_(**kernels.as_args()))
 
 
@@ -49,10 +60,10 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     installed packages are then checked too); ``triton``: whether Triton is installed there (None: look here)."""
     check_config(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world_size)  # parallel.zero mapped there (dims.zero_degrees)
-    check_zero(cfg, dims)
     check_grpo(cfg, dims)
-    check_offload(cfg, dims)
-    check_cuda_graphs(cfg, dims)
+    for rules in FEATURES:
+        if rules.layout is not None:
+            rules.layout(cfg, dims)
     t = cfg.training
     accum = accumulation_steps(t, dims.dp_size * replica_groups(cfg.parallel))  # the groups split each global batch
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
@@ -94,9 +105,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
                           "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
     check_parallel_fields(cfg)
-    check_cuda_graphs(cfg)
-    check_fault_tolerance(cfg)
-    check_diloco(cfg)
+    for rules in FEATURES:
+        if rules.config is not None:
+            rules.config(cfg)
     check_lora(cfg)
     check_objective(cfg)
     check_dpo(cfg)
@@ -111,66 +122,6 @@ def check_config(cfg: Config) -> None:
     if window and window[1] > t.steps:
         raise ConfigError("metrics.profile_steps", cfg.metrics.profile_steps,
                           f"the last profiled step must be <= training.steps ({t.steps})")
-
-
-def check_fault_tolerance(cfg: Config) -> None:
-    """parallel.fault_tolerance (loom.parallel.fault_tolerance): the ft_* fields only with it; the replica groups are
-    the replicate axis (each group shards with dp_shard); the layouts and features tested with it so far."""
-    p = cfg.parallel
-    if not p.fault_tolerance:
-        for key in ("ft_replica_id", "ft_replica_groups", "ft_lighthouse", "ft_min_replicas", "ft_timeout_s"):
-            default = ParallelConfig.__dataclass_fields__[key].default
-            if getattr(p, key) != default:
-                raise ConfigError(f"parallel.{key}", getattr(p, key), "used by parallel.fault_tolerance only")
-        return
-    if p.ft_replica_id >= p.ft_replica_groups:
-        raise ConfigError("parallel.ft_replica_id", p.ft_replica_id,
-                          f"must be below parallel.ft_replica_groups ({p.ft_replica_groups})")
-    if p.ft_min_replicas > p.ft_replica_groups:
-        raise ConfigError("parallel.ft_min_replicas", p.ft_min_replicas,
-                          f"must be at most parallel.ft_replica_groups ({p.ft_replica_groups})")
-    if p.dp_replicate > 1:
-        raise ConfigError("parallel.dp_replicate", p.dp_replicate, "with parallel.fault_tolerance the replica groups "
-                          "are the replicate axis: allowed 1 (shard within a group with parallel.dp_shard)")
-    for key in ("tp", "pp", "cp", "ep"):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}", getattr(p, key), "not supported with parallel.fault_tolerance yet "
-                              "(data parallelism within a replica group only): allowed 1")
-    if cfg.training.nonfinite == "rollback":
-        raise ConfigError("training.nonfinite", "rollback", "not with parallel.fault_tolerance (one group would "
-                          "roll back alone): allowed skip | stop")
-    if cfg.training.objective in ("grpo", "ppo"):
-        raise ConfigError("training.objective", cfg.training.objective, "not with parallel.fault_tolerance (its "
-                          "rollouts are not split over replica groups)")
-
-
-def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
-    """training.cuda_graphs: what graph replay of the compiled blocks cannot take. ``dims``: also the layout's rule
-    (FSDP re-allocates its gathered parameters, tensor / pipeline / context parallelism and DDP run collectives or
-    hooks between and inside blocks: one process only)."""
-    t = cfg.training
-    if not t.cuda_graphs:
-        return
-    if not t.compile:
-        raise ConfigError("training.cuda_graphs", True, "needs training.compile true (the graphs are the compiled "
-                          "blocks')")
-    if t.activation_checkpointing not in ("none", "op"):
-        raise ConfigError("training.cuda_graphs", True, f"not with training.activation_checkpointing "
-                          f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | "
-                          "op")
-    if t.objective not in ("lm", "sft", "dpo", "reward"):
-        raise ConfigError("training.cuda_graphs", True, f"not with training.objective {t.objective} (its rollouts "
-                          "run the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward")
-    if cfg.parallel.cpu_offload:
-        raise ConfigError("training.cuda_graphs", True, "not with parallel.cpu_offload (parameters move between host "
-                          "and GPU every step)")
-    if cfg.parallel.fault_tolerance:
-        raise ConfigError("training.cuda_graphs", True, "not with parallel.fault_tolerance (gradients are summed "
-                          "across replica groups around the blocks)")
-    if dims is not None and dims.world_size > 1:
-        raise ConfigError("training.cuda_graphs", True, f"runs on one process (FSDP re-allocates gathered parameters; "
-                          f"DDP, tensor, context and pipeline parallelism run collectives around the blocks): got "
-                          f"{dims.world_size} ranks")
 
 
 def check_lora(cfg: Config) -> None:
@@ -382,67 +333,7 @@ def check_parallel_fields(cfg: Config) -> None:
                           "sharded or stage-split output): allowed auto | false there")
 
 
-def check_diloco(cfg: Config) -> None:
-    """DiLoCo (loom.train.diloco): groups along dp_replicate that average their weights every H steps."""
-    p = cfg.parallel
-    if p.diloco_overlap_steps and not p.diloco_inner_steps:
-        raise ConfigError("parallel.diloco_overlap_steps", p.diloco_overlap_steps,
-                          "0 without DiLoCo (parallel.diloco_inner_steps = 0)")
-    if not p.diloco_inner_steps:
-        return
-    field, h = "parallel.diloco_inner_steps", p.diloco_inner_steps
-    if p.dp_replicate < 2:
-        raise ConfigError(field, h, "needs parallel.dp_replicate >= 2 (the replica groups that train apart)")
-    for key, value, bad, why in (
-            ("parallel.ep", p.ep, p.ep > 1, "expert gradients are reduced over dp_replicate inside FSDP2"),
-            ("parallel.cpu_offload", True, p.cpu_offload, "the outer all-reduce runs on the training device"),
-            ("metrics.noise_scale", True, cfg.metrics.noise_scale, "its large batch is the all-reduced gradient"),
-            ("parallel.fault_tolerance", True, p.fault_tolerance, "torchft's replica groups reduce every step"),
-            ("training.objective", cfg.training.objective, cfg.training.objective in ("grpo", "ppo"),
-             "its rollouts read one policy")):
-        if bad:
-            raise ConfigError(field, h, f"not with {key} = {value} ({why})")
-    if p.diloco_fragments > h:
-        raise ConfigError("parallel.diloco_fragments", p.diloco_fragments,
-                          f"at most parallel.diloco_inner_steps = {h} (each fragment synchronizes once per H steps)")
-    if p.diloco_overlap_steps >= h:
-        raise ConfigError("parallel.diloco_overlap_steps", p.diloco_overlap_steps,
-                          f"below parallel.diloco_inner_steps = {h} (a fragment's reduction is applied before the "
-                          "fragment is reduced again)")
-
-
 # ---- rules that need the world size ---------------------------------------------------
-
-def check_zero(cfg: Config, dims: ParallelDims) -> None:
-    """ZeRO-1 (loom.train.zero) shards the optimizer over DDP replicas of whole, plain-tensor models: not where
-    FSDP2 replicates instead (tp, pp), nor with expert parallelism, DiLoCo or offloading."""
-    p = cfg.parallel
-    if p.zero != 1:
-        return
-    for field, value, on in (("parallel.tp", p.tp, p.tp > 1), ("parallel.pp", p.pp, p.pp > 1),
-                             ("parallel.ep", p.ep, p.ep > 1), ("parallel.cpu_offload", True, p.cpu_offload),
-                             ("parallel.diloco_inner_steps", p.diloco_inner_steps, p.diloco_inner_steps > 0),
-                             ("parallel.fault_tolerance", True, p.fault_tolerance)):
-        if on:
-            raise ConfigError(field, value, "not with parallel.zero = 1 (the optimizer sharded over DDP replicas); "
-                              "use zero 2 or 3 (FSDP2)")
-
-
-def check_offload(cfg: Config, dims: ParallelDims) -> None:
-    """parallel.cpu_offload runs FSDP2 with its shards on the host, on one rank too (a 1-rank mesh): not where
-    the model is replicated without sharding (DDP keeps its state on the device; sharding over the same ranks
-    holds less on the host), nor under GRPO (its engine generates on each rank's whole module)."""
-    p = cfg.parallel
-    if not p.cpu_offload:
-        return
-    if dims.ddp_enabled:
-        raise ConfigError("parallel.cpu_offload", True, f"needs FSDP2 (parallel.dp_shard x cp > 1, or one rank): "
-                          f"parallel.dp_replicate = {dims.dp_replicate} with dp_shard = 1 replicates the model with "
-                          "DDP; shard over those ranks instead (parallel.dp_shard)")
-    if cfg.training.objective in ("grpo", "ppo"):
-        raise ConfigError("parallel.cpu_offload", True, f"not with training.objective {cfg.training.objective} (its "
-                          "engine generates on each rank's whole module): allowed false")
-
 
 def accumulation_steps(training, dp_size: int) -> int:
     """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""
@@ -504,15 +395,9 @@ def check_machine(cfg: Config, device: str) -> None:
     """What the run needs installed, or of its device type, wherever it runs."""
     if cfg.parallel.async_tp and device != "cuda":
         raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
-    if cfg.parallel.fault_tolerance:
-        from importlib.util import find_spec
-
-        if find_spec("torchft") is None:
-            raise ConfigError("parallel.fault_tolerance", True, "needs the 'torchft' package (pip install "
-                              "'loom-train[ft]')")
-        if not lighthouse_address(cfg.parallel):
-            raise ConfigError("parallel.ft_lighthouse", "", "parallel.fault_tolerance needs the torchft lighthouse's "
-                              "address (http://host:port) here or in TORCHFT_LIGHTHOUSE", show_value=False)
+    for rules in FEATURES:
+        if rules.machine is not None:
+            rules.machine(cfg, device)
     if cfg.metrics.nvtx:
         from loom.metrics.nvtx import unavailable
 
@@ -539,9 +424,10 @@ def check_device(cfg: Config) -> None:
     if cfg.parallel.backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend", "nccl", "needs CUDA devices and this run is on the CPU"
                           f"{'' if cuda else ' (no CUDA device is visible)'}: allowed auto | gloo")
+    for rules in FEATURES:
+        if rules.device is not None:
+            rules.device(cfg, device)
     t = cfg.training
-    if t.cuda_graphs and device != "cuda":
-        raise ConfigError("training.cuda_graphs", True, "needs a CUDA device and this run is on the CPU: allowed false")
     if t.float8 != "none" and (device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9)):
         where = "this run is on the CPU" if device != "cuda" else f"{torch.cuda.get_device_name(0)} is older"
         raise ConfigError("training.float8", t.float8, f"float8 matmuls need a CUDA GPU of compute capability 8.9 or "
@@ -553,12 +439,12 @@ def check_device(cfg: Config) -> None:
 def resolve_model_args(cfg: Config, tokenizer, kernels=None):
     """Flavor shape (or model.init_from's) + vocabulary (flavor, then model.vocab_size, else the tokenizer's rounded
     to 128) + the sliding window (model.sliding_window, else the flavor's or the folder's) + ``kernels``, by default
-    those ``kernel_choice`` picks without measuring."""
+    those ``model_kernels`` picks without measuring."""
     from loom.models.llama import round_vocab
     from loom.models.registry import all_flavors
 
     if cfg.model.init_from:
-        from loom.checkpoint.hf import llama_args_from_hf
+        from loom.checkpoint.hf.reader import llama_args_from_hf
 
         args = llama_args_from_hf(cfg.model.init_from)
         if cfg.model.moe_experts and cfg.model.moe_experts != args.moe_experts:
@@ -576,7 +462,7 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
         raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     m = cfg.model
-    kernels = kernels or kernel_choice(cfg, run_device(cfg), window=window)
+    kernels = kernels or model_kernels(cfg, run_device(cfg), window=window)
     args = args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len,
                       n_layers=m.n_layers or args.n_layers, residual_init=m.residual_init, sliding_window=window,
                       moe_experts=m.moe_experts or args.moe_experts, moe_top_k=m.moe_top_k or args.moe_top_k,
@@ -682,61 +568,19 @@ def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
                               "pp_virtual_stages, or give parallel.pp_layers_per_stage)")
 
 
-def flex_unsupported(cfg: Config) -> bool:
-    """FlexAttention inside compiled blocks under op-level checkpointing: its backward hit a CUDA illegal address
-    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; docs/kernels.md). Full and
-    every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
-    return cfg.training.compile and cfg.training.activation_checkpointing == "op"
-
-
-def kernel_choice(cfg: Config, device: str, measure_attention: Callable[[], str] | None = None,
+def model_kernels(cfg: Config, device: str, measure_attention: Callable[[], str] | None = None,
                   triton: bool | None = None, window: int | None = None):
-    """model.attention / model.fused_* with ``auto`` resolved for ``device`` (loom.kernels.dispatch);
-    ``measure_attention`` times the attention backends on this run's shape (the trainer's); ``triton``: whether
-    Triton is there (None: look; the planner assumes a GPU machine that has it); ``window``: the model's sliding
-    window (None: ``model_window``)."""
-    from loom.kernels.dispatch import resolve_kernels
-    from loom.kernels.triton_support import has_triton
+    """The kernels loom.kernels.dispatch.kernel_choice picks for this config's model on ``device``: its sliding
+    window (``window``, None: ``model_window``) and its latent attention's head width (read only where loom's
+    kernel would run it)."""
+    from loom.kernels.dispatch import kernel_choice
 
-    if cfg.model.attention == "flex" and device != "cuda":
-        raise ConfigError("model.attention", "flex", "needs CUDA (PyTorch's FlexAttention has no backward on "
-                          "CPU): allowed auto | sdpa | flash")
-    if cfg.model.attention == "flex" and flex_unsupported(cfg):
-        raise ConfigError("model.attention", "flex", "under training.compile with training.activation_checkpointing "
-                          "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
-                          "flash there (or flex without compile, or with none | full | every_k checkpointing)")
-    triton = has_triton() if triton is None else triton
-    if device == "cuda" and not triton and (cfg.model.attention in ("flash", "flex") or "true" in (
-            cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
-        raise ConfigError("model.attention / model.fused_*",
-                          cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
-                          "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
-    window = model_window(cfg) if window is None else window
-    kernels = resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
-                              tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention,
-                              triton=triton, window=window > 0)
-    return mla_kernels(cfg, kernels, device)
+    def attention_width() -> int:
+        args = model_shape(cfg)
+        return max(args.head_dim, args.value_head_dim) if args.mla else 0
 
-
-# loom.kernels.attention.triton.HEAD_DIMS, which imports Triton (the planner resolves CUDA kernels without it; a test
-# keeps the two equal)
-FLASH_HEAD_DIMS = (16, 32, 64, 128)
-
-
-def mla_kernels(cfg: Config, kernels, device: str):
-    """Multi-head latent attention through loom's kernel on CUDA: its queries / keys and (zero-padded) values share
-    one head dim, which the Triton kernel must take; ``auto`` falls back to SDPA where it does not."""
-    if kernels.attention != "flash" or device != "cuda":
-        return kernels
-    args = model_shape(cfg)
-    width = max(args.head_dim, args.value_head_dim)
-    if not args.mla or width in FLASH_HEAD_DIMS:
-        return kernels
-    if cfg.model.attention == "flash":
-        dims = ", ".join(map(str, FLASH_HEAD_DIMS))
-        raise ConfigError("model.attention", "flash", f"loom's kernel takes head dims {dims} and this model's latent "
-                          f"attention needs {width}: allowed auto | sdpa")
-    return replace(kernels, attention="sdpa")
+    return kernel_choice(cfg, device, measure_attention, triton,
+                         (lambda: model_window(cfg)) if window is None else (lambda: window), attention_width)
 
 
 def model_shape(cfg: Config):
@@ -745,7 +589,7 @@ def model_shape(cfg: Config):
         from loom.models.registry import all_flavors
 
         return all_flavors()[cfg.model.flavor]
-    from loom.checkpoint.hf import llama_args_from_hf
+    from loom.checkpoint.hf.reader import llama_args_from_hf
 
     return llama_args_from_hf(cfg.model.init_from)
 
@@ -755,7 +599,7 @@ def model_window(cfg: Config) -> int:
     (0: none)."""
     if cfg.model.sliding_window or not cfg.model.init_from:
         return cfg.model.sliding_window
-    from loom.checkpoint.hf import llama_args_from_hf
+    from loom.checkpoint.hf.reader import llama_args_from_hf
 
     return llama_args_from_hf(cfg.model.init_from).sliding_window
 
@@ -766,6 +610,8 @@ def times_attention(run: Run) -> bool:
     only loom's kernel can run (Flex under compiled op-level checkpointing), nor with a sliding window (the timing
     runs the backends without one; loom's kernel skips the blocks outside the window), nor for multi-head latent
     attention (the timing runs grouped-query shapes)."""
+    from loom.kernels.dispatch import flex_unsupported
+
     cfg = run.cfg
     window = run.model_args is not None and run.model_args.sliding_window > 0
     mla = run.model_args is not None and run.model_args.mla  # the timing runs GQA's shapes

@@ -3,7 +3,7 @@ target_modules as Hugging Face module names, use_rslora, base_model_name_or_path
 (``base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight``, ...), which ``peft.PeftModel.from_pretrained``
 loads onto the base model's Hugging Face folder, and which ``lora.init_from`` loads into loom.
 
-Names come from loom.checkpoint.hf's map (``hf_name`` of the adapted linear's weight), so an adapter's keys are
+Names come from loom.checkpoint.hf.names' map (``hf_name`` of the adapted linear's weight), so an adapter's keys are
 those of its base model's family.
 """
 
@@ -14,7 +14,9 @@ import os
 
 import torch
 
-from loom.checkpoint.hf import current_umask, hf_name, open_weights, owned_region, whole_or_nothing
+from loom.checkpoint.hf.export import current_umask, whole_or_nothing
+from loom.checkpoint.hf.names import hf_name
+from loom.checkpoint.hf.reader import open_weights, owned_region
 from loom.config.errors import ConfigError, UserError, require
 from loom.config.sections import LoraConfig
 from loom.models.common.init import canonical_name

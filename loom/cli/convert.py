@@ -38,12 +38,13 @@ USAGE = """usage:
             peft.PeftModel.from_pretrained(base, OUT_FOLDER) loads them onto the base model's folder."""
 
 def usage() -> str:
-    """USAGE with the families loom.checkpoint.hf.FAMILIES reads and writes (one source for the help and the code)."""
+    """USAGE with the architectures loom.models.llama.hf.ARCHITECTURES reads and writes (one source for the help and
+    the code)."""
     import textwrap
 
-    from loom.checkpoint.hf import FAMILIES
+    from loom.models.llama.hf import ARCHITECTURES
 
-    listed = textwrap.fill(", ".join(FAMILIES), 100, subsequent_indent=" " * 12)
+    listed = textwrap.fill(", ".join(ARCHITECTURES), 100, subsequent_indent=" " * 12)
     return USAGE.format(families=listed)
 
 
@@ -83,7 +84,7 @@ def parse_size(text: str) -> int:
 
 
 def run_import(opts: dict[str, str], rest: list[str]) -> int:
-    from loom.checkpoint.hf import import_hf_to_dcp
+    from loom.checkpoint.hf.dcp_import import import_hf_to_dcp
 
     _reject(opts, rest, allowed=("--from-hf", "--to"), direction="--from-hf")
     if "--to" not in opts:
@@ -137,8 +138,9 @@ def checkpoint_model_args(ckpt: str, config_file: str | None, overrides: dict[st
     model's, or the run's seq_len."""
     import json
 
-    from loom.checkpoint.hf import (HF_CONFIG_COPY, imported_tokenizer_export, llama_args_from_hf,
-                                    llama_args_from_hf_config, tokenizer_export)
+    from loom.checkpoint.hf.config import HF_CONFIG_COPY, llama_args_from_hf_config
+    from loom.checkpoint.hf.reader import llama_args_from_hf
+    from loom.checkpoint.hf.tokenizer import imported_tokenizer_export, tokenizer_export
     from loom.data import build_tokenizer
     from loom.models.registry import all_flavors
     from loom.resolve import resolve_model_args
@@ -170,7 +172,7 @@ def run_chat_template(cfg) -> str | None:
 
 def checkpoint_lora(ckpt: str, config_file: str | None, overrides: dict[str, str]):
     """The [lora] section of the run that wrote ``ckpt`` (none for an imported checkpoint)."""
-    from loom.checkpoint.hf import HF_CONFIG_COPY
+    from loom.checkpoint.hf.config import HF_CONFIG_COPY
     from loom.config.sections import LoraConfig
 
     if os.path.isfile(os.path.join(ckpt, HF_CONFIG_COPY)) and not config_file and not overrides:
@@ -180,7 +182,7 @@ def checkpoint_lora(ckpt: str, config_file: str | None, overrides: dict[str, str
 
 def checkpoint_is_reward(ckpt: str, config_file: str | None, overrides: dict[str, str]) -> bool:
     """Whether the run that wrote ``ckpt`` trained a reward model (training.objective reward: a score head)."""
-    from loom.checkpoint.hf import HF_CONFIG_COPY
+    from loom.checkpoint.hf.config import HF_CONFIG_COPY
 
     if os.path.isfile(os.path.join(ckpt, HF_CONFIG_COPY)) and not config_file and not overrides:
         return False
@@ -188,8 +190,10 @@ def checkpoint_is_reward(ckpt: str, config_file: str | None, overrides: dict[str
 
 
 def run_export(opts: dict[str, str], rest: list[str]) -> int:
-    from loom.checkpoint.hf import (DEFAULT_MAX_SHARD_BYTES, check_checkpoint_shapes, check_empty_target, export_hf,
-                                    export_file_names, weights_only_model)
+    from loom.checkpoint.hf.dcp_import import weights_only_model
+    from loom.checkpoint.hf.export import DEFAULT_MAX_SHARD_BYTES, check_empty_target, export_hf
+    from loom.checkpoint.hf.reader import check_checkpoint_shapes
+    from loom.checkpoint.hf.tokenizer import export_file_names
     from loom.checkpoint.manager import load_model_only, verify
     from loom.config import parse_overrides
     from loom.models.common.lora import apply_lora, merge_lora
@@ -226,7 +230,7 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
         warnings.simplefilter("ignore", UserWarning)
         load_model_only(ckpt, model)
     merge_lora(model)
-    files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes, tokenizer, score=reward)
+    files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes, tokenizer)
     kind = ("Mixtral" if args.moe else "Llama") + (" reward model (SequenceClassification)" if reward else "")
     with_tokenizer = ", the tokenizer" if "tokenizer.json" in tokenizer.files else ""
     adapters = f", {merged} LoRA adapters merged" if merged else ""
@@ -238,7 +242,8 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
 
 def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
     """A LoRA run's checkpoint -> its adapters as a PEFT adapter folder."""
-    from loom.checkpoint.hf import check_checkpoint_shapes, weights_only_model
+    from loom.checkpoint.hf.dcp_import import weights_only_model
+    from loom.checkpoint.hf.reader import check_checkpoint_shapes
     from loom.checkpoint.manager import load_model_only, verify
     from loom.checkpoint.peft import export_peft
     from loom.config import parse_overrides

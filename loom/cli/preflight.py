@@ -57,7 +57,7 @@ def precheck(cfg, world_size: int, local: int | None = None):
             check_tokenizer(tf.path, tf.meta, tokenizer)
             check_ids(tf, tokenizer)
     if cfg.model.init_from:
-        from loom.checkpoint.hf import check_weights
+        from loom.checkpoint.hf.reader import check_weights
 
         check_weights(cfg.model.init_from)  # a truncated download, before any model is built
     check_before_start(cfg)  # a checkpoint this config cannot continue (model shape, data, ...): refused here

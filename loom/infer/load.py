@@ -58,7 +58,7 @@ def pick_dtype(dtype, device: torch.device) -> torch.dtype:
 def find_source(path: str) -> tuple[str, str]:
     """(kind, folder): "run" for a run's checkpoint (a run dir gives its newest complete one), "import" for an
     imported checkpoint, "hf" for a Hugging Face folder."""
-    from loom.checkpoint.hf import CONFIG, HF_CONFIG_COPY, is_loom_checkpoint
+    from loom.checkpoint.hf.config import CONFIG, HF_CONFIG_COPY, is_loom_checkpoint
 
     if not os.path.isdir(path):
         raise ConfigError(FIELD, path, "folder not found (expected a loom checkpoint or run dir, or a Hugging Face "
@@ -146,7 +146,8 @@ def generation_kernels(args, device: torch.device, compile: bool, tp: bool):
 def refuse_reward_model(path: str, field: str = FIELD) -> None:
     """A reward model (a ``training.objective reward`` run, or a ``*ForSequenceClassification`` folder) has a score
     head, no LM head: nothing can generate from it or evaluate it as a language model (one line naming the field)."""
-    from loom.checkpoint.hf import CONFIG, is_score_config
+    from loom.checkpoint.hf.config import CONFIG
+    from loom.checkpoint.hf.head import is_score_config
 
     kind, folder = find_source(path)
     if kind == "run":
@@ -164,8 +165,9 @@ def load(path: str, *, device: str = "auto", dtype="auto", compile: bool | None 
     """The model of ``path`` ready to generate (eval mode, weights in ``dtype``, RoPE table in fp32) with its
     codec and EOS ids. ``chat_template``: a .jinja file instead of the model's own. ``tp_mesh``: split the model
     over it (``loom.infer.tp``; every rank of the mesh calls this)."""
-    from loom.checkpoint.hf import (HF_CONFIG_COPY, HF_GENERATION_COPY, TOKENIZER_COPY, CONFIG, GENERATION_CONFIG,
-                                    llama_args_from_hf, llama_args_from_hf_config, load_hf_weights)
+    from loom.checkpoint.hf.config import (CONFIG, GENERATION_CONFIG, HF_CONFIG_COPY, HF_GENERATION_COPY, TOKENIZER_COPY,
+                                           llama_args_from_hf_config)
+    from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
     from loom.data import build_tokenizer
     from loom.data.tokenizers import TOKENIZER_JSON
 

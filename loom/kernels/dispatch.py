@@ -1,7 +1,8 @@
 """Every backend choice of loom's kernels, in one module (the reasons and figures: docs/kernels.md):
 
 - ``resolve_kernels``: the model's attention backend and fused ops from the config, ``auto`` resolved per device,
-  compile mode, data layout and parallelism;
+  compile mode, data layout and parallelism; ``kernel_choice``: that for a run's config, with what its device,
+  Triton and the model's latent attention refuse;
 - ``attention_candidates``, ``measure_attention``, ``fastest``: ``model.attention = auto`` on CUDA times the
   candidate backends on the run's shape at start-up and takes the fastest;
 - ``forward_kernel``, ``backward_kernels``: which kernels compute one ``loom::flash_attn`` call (the reference
@@ -14,11 +15,12 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
+from loom.config.errors import ConfigError
 from loom.kernels.triton_support import has_gluon_hopper, has_triton, interpreting, triton_runs_on
 
 
@@ -76,6 +78,62 @@ def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bo
 
 
 # --------------------------------------------------------------------- timing the attention backends
+# ------------------------------------------------------------------------------------ a run's kernel choice
+def flex_unsupported(cfg) -> bool:
+    """FlexAttention inside compiled blocks under op-level checkpointing: its backward hit a CUDA illegal address
+    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; docs/kernels.md). Full and
+    every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
+    return cfg.training.compile and cfg.training.activation_checkpointing == "op"
+
+
+def kernel_choice(cfg, device: str, measure_attention: Callable[[], str] | None = None, triton: bool | None = None,
+                  window: Callable[[], int] = lambda: 0,
+                  attention_width: Callable[[], int] = lambda: 0) -> KernelChoice:
+    """model.attention / model.fused_* of a ``Config`` with ``auto`` resolved for ``device`` (``resolve_kernels``);
+    ``measure_attention`` times the attention backends on this run's shape (the trainer's); ``triton``: whether
+    Triton is there (None: look; the planner assumes a GPU machine that has it); ``window()``: the model's sliding
+    window, ``attention_width()``: its latent attention's head width (0: not latent), each asked only when needed
+    (loom.resolve.model_kernels reads them from the model's shape)."""
+    if cfg.model.attention == "flex" and device != "cuda":
+        raise ConfigError("model.attention", "flex", "needs CUDA (PyTorch's FlexAttention has no backward on "
+                          "CPU): allowed auto | sdpa | flash")
+    if cfg.model.attention == "flex" and flex_unsupported(cfg):
+        raise ConfigError("model.attention", "flex", "under training.compile with training.activation_checkpointing "
+                          "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
+                          "flash there (or flex without compile, or with none | full | every_k checkpointing)")
+    triton = has_triton() if triton is None else triton
+    if device == "cuda" and not triton and (cfg.model.attention in ("flash", "flex") or "true" in (
+            cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
+        raise ConfigError("model.attention / model.fused_*",
+                          cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
+                          "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
+    kernels = resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
+                              tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention,
+                              triton=triton, window=window() > 0)
+    return mla_kernels(cfg, kernels, device, attention_width)
+
+
+# loom.kernels.attention.triton.HEAD_DIMS, which imports Triton (the planner resolves CUDA kernels without it; a test
+# keeps the two equal)
+FLASH_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def mla_kernels(cfg, kernels: KernelChoice, device: str, attention_width: Callable[[], int]) -> KernelChoice:
+    """Multi-head latent attention through loom's kernel on CUDA: its queries / keys and (zero-padded) values share
+    one head dim (``attention_width()``, 0: not latent attention), which the Triton kernel must take; ``auto`` falls
+    back to SDPA where it does not."""
+    if kernels.attention != "flash" or device != "cuda":
+        return kernels
+    width = attention_width()
+    if not width or width in FLASH_HEAD_DIMS:
+        return kernels
+    if cfg.model.attention == "flash":
+        dims = ", ".join(map(str, FLASH_HEAD_DIMS))
+        raise ConfigError("model.attention", "flash", f"loom's kernel takes head dims {dims} and this model's latent "
+                          f"attention needs {width}: allowed auto | sdpa")
+    return replace(kernels, attention="sdpa")
+
+
 def attention_candidates(documents: bool) -> tuple[str, str]:
     """The backends ``auto`` times: ours and FlexAttention for packed documents (both skip the masked blocks;
     SDPA would need a dense mask), else PyTorch's SDPA and ours."""

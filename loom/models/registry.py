@@ -1,6 +1,6 @@
 """The model families loom builds, each registered once (``FAMILIES``): its args type, flavors, how to build it,
-its Hugging Face adapter and FLOPs per token. Everything that builds a model or names a flavor goes through here, so
-a new family is one folder plus one line in ``FAMILIES``."""
+its Hugging Face adapter, parallelize plan and FLOPs per token. Everything that builds a model or names a flavor
+goes through here, so a new family is one folder plus one line in ``FAMILIES`` (or one ``register`` call)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,31 @@ from loom.models.deepseek_v3 import SPEC as DEEPSEEK_V3
 from loom.models.deepseek_v3 import SPEC_V2 as DEEPSEEK_V2
 from loom.models.llama import FLAVORS as LLAMA_FLAVORS
 from loom.models.llama import Llama, LlamaArgs
+from loom.models.llama.hf import LlamaHF, causal_architecture
 from loom.models.qwen3_moe import SPEC as QWEN3_MOE
-from loom.models.spec import HFAdapter, ModelSpec
+from loom.models.spec import ModelSpec
 
 
 # one line per family
 FAMILIES: list[ModelSpec] = [
-    ModelSpec("llama", LlamaArgs, Llama, dict(LLAMA_FLAVORS)),
+    ModelSpec("llama", LlamaArgs, Llama, dict(LLAMA_FLAVORS), LlamaHF()),
     QWEN3_MOE,
     DEEPSEEK_V3,
     DEEPSEEK_V2,  # DeepSeek-V3's folder, DeepSeek-V2's Hugging Face layout
 ]
+
+
+def register(spec: ModelSpec) -> None:
+    """Add a family at run time (a test's toy family); its flavor names must be new."""
+    clash = set(all_flavors()) & set(spec.flavors)
+    if any(s.name == spec.name for s in FAMILIES) or clash:
+        raise ValueError(f"model family {spec.name!r} or its flavors {sorted(clash)} are registered already")
+    FAMILIES.append(spec)
+
+
+def unregister(name: str) -> None:
+    """Remove a family added by ``register``."""
+    FAMILIES[:] = [s for s in FAMILIES if s.name != name]
 
 
 def all_flavors() -> dict[str, LlamaArgs]:
@@ -47,16 +61,15 @@ def build_model(args: LlamaArgs) -> nn.Module:
     return spec_of(args).build(args)
 
 
-def hf_adapter(args: LlamaArgs) -> HFAdapter | None:
+def hf_adapter(args: LlamaArgs) -> LlamaHF:
     return spec_of(args).hf
 
 
-def spec_for_hf(cfg: dict) -> ModelSpec | None:
-    """The family with its own adapter whose architecture (or model_type) a parsed config.json names; None: the
-    Llama families' (loom.checkpoint.hf)."""
-    archs = [a.removesuffix("ForSequenceClassification") + "ForCausalLM" if a.endswith("ForSequenceClassification")
-             else a for a in cfg.get("architectures") or []]
-    for spec in FAMILIES:
-        if spec.hf is not None and spec.hf.claims(cfg, archs):
+def spec_for_hf(cfg: dict) -> ModelSpec:
+    """The family whose adapter claims a parsed config.json (its architecture or model_type); the Llama families'
+    claim the rest (and name an architecture none of them holds)."""
+    archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
+    for spec in sorted(FAMILIES, key=lambda s: s.hf.fallback):  # stable: registration order, the fallback last
+        if spec.hf.claims(cfg, archs):
             return spec
-    return None
+    raise AssertionError("the Llama families' adapter claims every config")

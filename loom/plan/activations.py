@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from loom.models.common.moe import moe_modules
-from loom.models.llama.model import Llama
+from loom.models.registry import build_model
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 
 
@@ -91,7 +91,7 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
     with FakeTensorMode():
         torch.set_default_dtype(param_dtype)
         try:
-            model = Llama(args)
+            model = build_model(args)  # the family's model (DeepSeek-V3's MTP modules included)
         finally:
             torch.set_default_dtype(previous)
         for moe in moe_modules(model):  # the loop over experts needs real token counts: trace the grouped GEMM

@@ -57,15 +57,15 @@ def dense_flavors(vocab_size: int) -> dict[str, int]:
     ``vocab_size`` for the flavors whose vocabulary is the tokenizer's."""
     import torch
 
-    from loom.models.llama import Llama
     from loom.models.llama.flavors import FLAVORS
+    from loom.models.registry import build_model
 
     out = {}
     for name, args in FLAVORS.items():
         if name.startswith("debug") or args.moe_experts:
             continue
         with torch.device("meta"):
-            model = Llama(args if args.vocab_size else args.with_(vocab_size=vocab_size))
+            model = build_model(args if args.vocab_size else args.with_(vocab_size=vocab_size))
         out[name] = sum(p.numel() for p in model.parameters())
     return out
 

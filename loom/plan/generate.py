@@ -343,12 +343,12 @@ def generation_args(cfg: Config, tp: int, dtype: str, tokens: int):
     training.seq_len are not used."""
     from loom.data import build_tokenizer
     from loom.parallel.dims import ParallelDims
-    from loom.resolve import check_model, kernel_choice, resolve_model_args
+    from loom.resolve import check_model, model_kernels, resolve_model_args
 
     cfg = copy.deepcopy(cfg)
     cfg.parallel = ParallelConfig(tp=tp, dp_shard=1)
     cfg.training.seq_len = tokens  # the model's max_seq_len (its RoPE table)
-    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernel_choice(cfg, "cuda", triton=True))
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), model_kernels(cfg, "cuda", triton=True))
     try:
         check_model(ParallelDims.from_config(cfg.parallel, tp), args, cfg.parallel)
     except ConfigError as err:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
 from loom.data import build_tokenizer
-from loom.metrics.flops import flops_per_token
+from loom.models.registry import spec_of
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.parallel.pipeline import SPLIT_BACKWARD, schedule_actions, stage_ids, stages_per_rank, theoretical_bubble
 from loom.plan.activations import profile_activations
@@ -27,7 +27,7 @@ from loom.plan.memory import (BYTES, GIB, WORKSPACE_BYTES, Memory, MemoryInputs,
 from loom.plan.shapes import block_params, expert_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency, attention_flops,
                               collective_s, efficiency, moe_overhead_s, recompute_share)
-from loom.resolve import accumulation_steps, kernel_choice, resolve, resolve_model_args
+from loom.resolve import accumulation_steps, model_kernels, resolve, resolve_model_args
 
 # Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
 # (-9%..+12% on the measured runs, docs/planner.md) and what the caching allocator cannot reuse after a long run;
@@ -87,7 +87,7 @@ def model_args(cfg: Config):
     """The model's shape and the kernels a CUDA run with Triton picks (the trainer's resolution, without timing
     attention)."""
     check_modelled(cfg)
-    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), kernel_choice(cfg, "cuda", triton=True))
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), model_kernels(cfg, "cuda", triton=True))
     check_modelled(cfg, args)
     return args
 
@@ -135,7 +135,7 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     memory = max(memories, key=lambda mem: mem.total)
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
-    mfu = tokens * flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
+    mfu = tokens * spec_of(args).flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
     layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
     layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=t.activation_checkpointing, accumulation=m, cpu_offload=p.cpu_offload,

@@ -8,8 +8,9 @@
   where it cannot be honoured exactly;
 * free: where and how the same math runs (layout, kernels, outputs); changes silently.
 
-``python -m loom.train.resume_changes > docs/resume.md`` writes the table (a test keeps it current, another
-that every field of loom/config/sections.py is classified here).
+Each field's kind and why live with the field (``opt(resume=...)`` in loom/config/sections.py).
+``python -m loom.train.resume_changes > docs/resume.md`` writes the table (a test keeps it current, another that
+every field has a kind).
 """
 
 from __future__ import annotations
@@ -25,221 +26,18 @@ from typing import Any, Callable
 from loom.checkpoint.manager import STATE, list_complete, verify
 from loom.config.errors import ConfigError, SharedError, UserError
 from loom.config.load import all_keys, coerce
-from loom.config.sections import Config, OptimizerConfig, TrainingConfig
+from loom.config.sections import APPLIED, FREE, MUST_MATCH, SECTIONS, Config, OptimizerConfig, TrainingConfig
 from loom.data import build_tokenizer
 from loom.resolve import resolve_model_args
 from loom.train.large_batch import group_options
 from loom.train.run_dir import missing_tokenizer, recorded_values
 
 
-MUST_MATCH, APPLIED, FREE = "must match", "applied", "free"
+def rules() -> dict[str, tuple[str, str]]:
+    """Every config field's (kind, why), from its ``opt(resume=...)`` (loom.config.sections), in the config's order."""
+    return {f"{section}.{f.name}": f.metadata["resume"] for section, cls in SECTIONS.items()
+            for f in dataclasses.fields(cls) if "resume" in f.metadata}
 
-_SCHEDULE = "the LR schedule from the next step: that step's LR is the new schedule's at that step"
-_GROUPS = "into the optimizer's parameter groups (the checkpoint's value is replaced)"
-_KERNEL = "kernel choice: the same math"
-_LAYOUT = "layout: a checkpoint loads into any layout (resharded)"
-_OUTPUT = "what this run writes and where"
-
-# every field of loom.config.sections, with its kind and why (the test keeps this complete)
-RULES: dict[str, tuple[str, str]] = {
-    "run.dir": (FREE, _OUTPUT),
-    "run.seed": (MUST_MATCH, "draws the data order that the loader's position counts in"),
-    "run.deterministic": (FREE, "algorithm choice: the same math"),
-    "run.device": (FREE, _LAYOUT),
-
-    "model.flavor": (MUST_MATCH, "the model's shapes"),
-    "model.init_from": (MUST_MATCH, "the model's shapes (the folder's config.json)"),
-    "model.vocab_size": (MUST_MATCH, "embedding and output rows"),
-    "model.n_layers": (MUST_MATCH, "the blocks"),
-    "model.tie_embeddings": (MUST_MATCH, "one embedding weight or two"),
-    "model.residual_init": (APPLIED, "initialisation only: no effect on the resumed weights"),
-    "model.attention": (FREE, _KERNEL),
-    "model.fused_norm": (FREE, _KERNEL),
-    "model.fused_rope": (FREE, _KERNEL),
-    "model.fused_swiglu": (FREE, _KERNEL),
-    "model.fused_loss": (FREE, _KERNEL),
-    "model.moe_experts": (MUST_MATCH, "the expert weights"),
-    "model.moe_top_k": (APPLIED, "routing only (no weights): from the next step"),
-    "model.moe_ffn_dim": (MUST_MATCH, "the expert weights"),
-    "model.moe_aux_loss": (APPLIED, "the balance loss weight from the next step"),
-    "model.moe_bias_speed": (APPLIED, "the selection bias's step size from the next step"),
-    "model.mtp_depth": (MUST_MATCH, "the multi-token prediction modules are weights of the model"),
-    "model.mtp_weight": (APPLIED, "the multi-token prediction loss weight from the next step"),
-    "model.sliding_window": (MUST_MATCH, "what each token attends to, which the weights were trained for"),
-
-    "data.source": (MUST_MATCH, "the token stream that the loader's position counts in"),
-    "data.tokenizer": (MUST_MATCH, "what the token ids mean (another path to a file with the same bytes is "
-                                   "the same)"),
-    "data.text_field": (MUST_MATCH, "the token stream"),
-    "data.val_fraction": (MUST_MATCH, "which windows are training data"),
-    "data.cache_dir": (FREE, "where tokenized sources are cached"),
-    "data.document_positions": (APPLIED, "position ids and attention masks from the next batch"),
-    "data.encoding_errors": (FREE, "the tokens are the same, or preparing the data stops naming the bytes"),
-    "data.chat_template": (MUST_MATCH, "the token stream (conversations rendered into other tokens)"),
-    "data.loss_tokens": (MUST_MATCH, "the token stream: which tokens take loss, and which conversations it holds "
-                                     "(one without an assistant turn has nothing to train under 'assistant')"),
-    "data.embedded_rejected": (MUST_MATCH, "the embedded preference pairs (their rejected answers)"),
-
-    "training.objective": (MUST_MATCH, "what the data stream is and what a step minimizes (to fine-tune a "
-                                       "pretrained run, start a new one from its weights: model.init_from)"),
-    "training.steps": (APPLIED, "where the run ends and the LR schedule's length (the next step's LR is the "
-                                "new schedule's); at least the checkpoint's step"),
-    "training.seq_len": (APPLIED, "not exact: windows are cut at the new length, and each source goes on from "
-                                  "the same fraction of the same epoch, in a new order (other windows: no "
-                                  "exact continuation exists)"),
-    "training.global_batch_size": (APPLIED, "the data goes on from the same sample in the same order, in "
-                                            "batches of the new size; the LR schedule counts optimizer steps"),
-    "training.micro_batch_size": (FREE, "how the global batch is split into forward passes: the same math"),
-    "training.dtype": (APPLIED, "compute dtype from the next step (weights and optimizer state stay float32); "
-                                "into float16: the loss scale starts at training.loss_scale_init"),
-    "training.compile": (FREE, "how the same math runs"),
-    "training.float8": (APPLIED, "float8 matmuls from the next step"),
-    "training.activation_checkpointing": (FREE, "recomputation: the same math"),
-    "training.ac_every": (FREE, "recomputation: the same math"),
-    "training.max_norm": (APPLIED, "gradient clipping from the next step"),
-    "training.eval_every": (APPLIED, "validation from the next step"),
-    "training.eval_batches": (APPLIED, "validation from the next step"),
-    "training.eval_at_end": (APPLIED, "validation at the last step"),
-    "training.eval_hook": (APPLIED, "evaluations from the next step"),
-    "training.eval_tasks": (APPLIED, "evaluations from the next step"),
-    "training.eval_tasks_include": (APPLIED, "evaluations from the next step"),
-    "training.eval_tasks_limit": (APPLIED, "evaluations from the next step"),
-    "training.eval_tasks_fewshot": (APPLIED, "evaluations from the next step"),
-    "training.loss_scale_init": (APPLIED, "float16: the dynamic loss scale restarts from it"),
-    "training.loss_scale_window": (APPLIED, "float16: from the next step"),
-    "training.nonfinite": (APPLIED, "from the next step"),
-    "training.nonfinite_limit": (APPLIED, "from the next step"),
-
-    "optimizer.name": (MUST_MATCH, "the optimizer state's layout"),
-    "optimizer.lr": (APPLIED, _SCHEDULE),
-    "optimizer.min_lr_ratio": (APPLIED, _SCHEDULE),
-    "optimizer.betas": (APPLIED, _GROUPS),
-    "optimizer.eps": (APPLIED, _GROUPS),
-    "optimizer.weight_decay": (APPLIED, _GROUPS),
-    "optimizer.schedule": (APPLIED, _SCHEDULE),
-    "optimizer.warmup_steps": (APPLIED, _SCHEDULE),
-    "optimizer.decay_fraction": (APPLIED, _SCHEDULE),
-    "optimizer.implementation": (FREE, _KERNEL + " (the same optimizer state)"),
-    "optimizer.momentum": (APPLIED, _GROUPS),
-    "optimizer.trust_coefficient": (APPLIED, _GROUPS),
-    "optimizer.exclude_1d": (MUST_MATCH, "the optimizer's parameter groups"),
-
-    "lora.rank": (MUST_MATCH, "the adapters' shapes (and which weights train)"),
-    "lora.alpha": (APPLIED, "the adapters' scaling from the next step"),
-    "lora.dropout": (APPLIED, "from the next step"),
-    "lora.targets": (MUST_MATCH, "which linears have adapters"),
-    "lora.rslora": (APPLIED, "the adapters' scaling from the next step"),
-    "lora.base_dtype": (MUST_MATCH, "the frozen base's values (an NF4 base is rebuilt at start, not loaded)"),
-    "lora.init_from": (APPLIED, "initialisation only: the checkpoint's adapters are resumed"),
-    "lora.fused": (FREE, "the same product computed another way"),
-    "training.cuda_graphs": (FREE, "the same kernels, replayed"),
-
-    "dpo.beta": (APPLIED, "the loss and rewards from the next step"),
-    "dpo.loss": (APPLIED, "the loss from the next step"),
-    "dpo.reference": (MUST_MATCH, "what the policy is compared against"),
-
-    "reward.center_coefficient": (APPLIED, "the loss from the next step"),
-
-    "grpo.warmup_steps": (MUST_MATCH, "when the supervised warm-up ends, GRPO starts and its reference is taken"),
-    "grpo.prompts": (MUST_MATCH, "the prompt stream that the step counts in"),
-    "grpo.digits": (MUST_MATCH, "the embedded task's prompt stream"),
-    "grpo.ops": (MUST_MATCH, "the embedded task's prompt stream"),
-    "grpo.group_size": (APPLIED, "the rollouts from the next step"),
-    "grpo.rewards": (APPLIED, "the rewards from the next step"),
-    "grpo.reward_weights": (APPLIED, "the rewards from the next step"),
-    "grpo.reward_model": (APPLIED, "the rewards from the next step"),
-    "grpo.reward_model_weight": (APPLIED, "the rewards from the next step"),
-    "grpo.temperature": (APPLIED, "the rollouts from the next step"),
-    "grpo.top_p": (APPLIED, "the rollouts from the next step"),
-    "grpo.max_new_tokens": (APPLIED, "the rollouts from the next step"),
-    "grpo.epsilon": (APPLIED, "the loss from the next step"),
-    "grpo.epsilon_high": (APPLIED, "the loss from the next step"),
-    "grpo.beta": (APPLIED, "the loss from the next step"),
-    "grpo.iterations": (APPLIED, "the updates per batch of rollouts from the next step"),
-    "grpo.loss_type": (APPLIED, "the loss from the next step"),
-    "grpo.scale_rewards": (APPLIED, "the advantages from the next step"),
-    "grpo.mask_truncated": (APPLIED, "the loss from the next step"),
-    "grpo.keep_cache": (APPLIED, "the next generation"),
-    "grpo.lr_ratio": (APPLIED, "the learning rate of the next GRPO step"),
-    **{f"grpo.{key}": (APPLIED, "the rewards from the next batch of rollouts") for key in (
-        "judge", "judge_template", "judge_score", "judge_pattern", "judge_range", "judge_tokens", "judge_weight",
-        "judge_max_new_tokens")},
-
-    "ppo.critic": (MUST_MATCH, "the value function's parameters in the checkpoint"),
-    "ppo.kl_coef": (APPLIED, "the rewards or loss of the next batch of rollouts"),
-    "ppo.kl_penalty": (APPLIED, "the rewards or loss of the next batch of rollouts"),
-    "ppo.kl_estimator": (APPLIED, "the rewards of the next batch of rollouts"),
-    "ppo.gamma": (APPLIED, "the advantages of the next batch of rollouts"),
-    "ppo.lam": (APPLIED, "the advantages of the next batch of rollouts"),
-    "ppo.cliprange": (APPLIED, "the loss from the next step"),
-    "ppo.cliprange_value": (APPLIED, "the loss from the next step"),
-    "ppo.vf_coef": (APPLIED, "the loss from the next step"),
-    "ppo.whiten_advantages": (APPLIED, "the advantages of the next batch of rollouts"),
-    "ppo.whiten_rewards": (APPLIED, "the rewards of the next batch of rollouts"),
-    "ppo.epochs": (APPLIED, "the steps on the next batch of rollouts"),
-    "ppo.mini_batches": (APPLIED, "the size of the next batch of rollouts"),
-
-    "parallel.dp_replicate": (FREE, _LAYOUT),
-    "parallel.dp_shard": (FREE, _LAYOUT),
-    "parallel.fault_tolerance": (FREE, _LAYOUT + "; the replica groups split the same global batch"),
-    "parallel.ft_replica_id": (FREE, _LAYOUT + "; the replica groups split the same global batch"),
-    "parallel.ft_replica_groups": (FREE, _LAYOUT + "; the replica groups split the same global batch"),
-    "parallel.ft_lighthouse": (FREE, "where the replica groups meet"),
-    "parallel.ft_min_replicas": (FREE, "when a step of the replica groups commits"),
-    "parallel.ft_timeout_s": (FREE, "how long the replica groups wait for each other"),
-    "parallel.tp": (FREE, _LAYOUT),
-    "parallel.cp_method": (FREE, _LAYOUT + "; all-gather and ring attention compute the same attention"),
-    "parallel.pp": (FREE, _LAYOUT),
-    "parallel.cp": (FREE, _LAYOUT),
-    "parallel.ep": (FREE, _LAYOUT),
-    "parallel.etp": (FREE, _LAYOUT),
-    "parallel.pp_schedule": (FREE, _LAYOUT),
-    "parallel.pp_virtual_stages": (FREE, _LAYOUT),
-    "parallel.pp_layers_per_stage": (FREE, _LAYOUT),
-    "parallel.loss_parallel": (FREE, _LAYOUT),
-    "parallel.async_tp": (FREE, _LAYOUT),
-    "parallel.reshard_after_forward": (FREE, _LAYOUT),
-    "parallel.zero": (FREE, _LAYOUT + "; the optimizer state reshards between stages (DCP)"),
-    "parallel.ddp_bucket_mb": (FREE, _LAYOUT),
-    "parallel.cpu_offload": (FREE, _LAYOUT),
-    "parallel.backend": (FREE, _LAYOUT),
-    "parallel.timeout_s": (FREE, "how long a collective waits before the run stops with a hang report"),
-    "parallel.distributed_debug": (FREE, "PyTorch's collective checks: the same math"),
-    "parallel.diloco_inner_steps": (MUST_MATCH, "the checkpoint holds each replica group's weights and inner "
-                                                "optimizer state beside the outer state (or one model without DiLoCo)"),
-    "parallel.diloco_outer_lr": (APPLIED, "the outer step from the next synchronization"),
-    "parallel.diloco_outer_momentum": (APPLIED, "the outer step from the next synchronization (the momentum "
-                                                "buffers are kept)"),
-    "parallel.diloco_bf16": (APPLIED, "the pseudo-gradients' precision on the wire from the next synchronization"),
-    "parallel.diloco_fragments": (MUST_MATCH, "which parameters the outer weights of a round were taken for, and when"),
-    "parallel.diloco_overlap_steps": (MUST_MATCH, "which reductions are in flight at a step, and when each is "
-                                                  "applied (the checkpoint holds their averaged pseudo-gradients)"),
-    "parallel.diloco_overlap_alpha": (APPLIED, "the mixing of the next applied outer steps"),
-
-    "checkpoint.every": (FREE, _OUTPUT),
-    "checkpoint.keep": (FREE, _OUTPUT),
-    "checkpoint.resume": (FREE, "which checkpoint to start from"),
-    "checkpoint.async_save": (FREE, _OUTPUT),
-    "checkpoint.at_end": (FREE, _OUTPUT),
-    "checkpoint.dir": (FREE, _OUTPUT),
-    "checkpoint.overwrite": (FREE, _OUTPUT),
-    "metrics.nvtx": (FREE, _OUTPUT + ": NVTX ranges for a profiler's timeline"),
-    "checkpoint.preempt_grace_s": (FREE, _OUTPUT),
-
-    "metrics.every": (FREE, _OUTPUT),
-    "metrics.tensorboard": (FREE, _OUTPUT),
-    "metrics.wandb": (FREE, _OUTPUT),
-    "metrics.wandb_project": (FREE, _OUTPUT),
-    "metrics.wandb_entity": (FREE, _OUTPUT),
-    "metrics.mlflow": (FREE, _OUTPUT),
-    "metrics.mlflow_experiment": (FREE, _OUTPUT),
-    "metrics.mlflow_tracking_uri": (FREE, _OUTPUT),
-    "metrics.run_name": (FREE, _OUTPUT),
-    "metrics.progress": (FREE, _OUTPUT),
-    "metrics.profile_steps": (FREE, _OUTPUT),
-    "metrics.straggler_fraction": (FREE, _OUTPUT),
-    "metrics.noise_scale": (FREE, "a logged estimate (its smoothing restarts)"),
-}
 
 # the fields that resolve to the model's shape: other spellings of the same model are not a change of it
 MODEL_FIELDS = ("model.flavor", "model.init_from", "model.vocab_size", "model.n_layers", "model.tie_embeddings",
@@ -250,7 +48,7 @@ _ARGS_FREE = {"max_seq_len", "residual_init", "moe_top_k", "moe_aux_loss", "atte
 
 
 def kind_of(key: str) -> str:
-    return RULES[key][0]
+    return SECTIONS[key.partition(".")[0]].__dataclass_fields__[key.partition(".")[2]].metadata["resume"][0]
 
 
 # ---- the two configs --------------------------------------------------------------------------------
@@ -382,7 +180,7 @@ def compare(old: dict[str, Any], cfg: Config, *, folder: str, step: int,
     model) or the model comes from ``model.init_from`` (whose folder may have changed)."""
     new = config_values(cfg)
     applied, refused = [], []
-    for key, (kind, _) in RULES.items():
+    for key, (kind, _) in rules().items():
         if kind == FREE or key not in old or _same(key, old[key], new[key]):
             continue
         change = Change(key, old[key], new[key], _note(key, old, new))
@@ -393,7 +191,7 @@ def compare(old: dict[str, Any], cfg: Config, *, folder: str, step: int,
         if diff == [] and model:
             refused = [c for c in refused if c not in model]
             applied += [dataclasses.replace(c, note="the same model") for c in model]
-            order = list(RULES)
+            order = list(rules())
             applied.sort(key=lambda c: order.index(c.key))
         elif diff and not model:
             refused += diff
@@ -452,7 +250,7 @@ def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> 
 def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None) -> None:
     """A weights-only checkpoint loads only into a model of its own shape: another one is a ResumeMismatch that
     says how to take the shape from the checkpoint (``--model.init_from``), before any weight is read."""
-    from loom.checkpoint.hf import HF_CONFIG_COPY, llama_args_from_hf_config
+    from loom.checkpoint.hf.config import HF_CONFIG_COPY, llama_args_from_hf_config
 
     kept = os.path.join(folder, HF_CONFIG_COPY)
     if not os.path.isfile(kept):
@@ -548,7 +346,8 @@ def restore_loss_scale(scaler, old: dict[str, Any] | None, training: TrainingCon
 
 def markdown() -> str:
     lines = ["# Resuming with another config", "",
-             "Generated from `loom/train/resume_changes.py` by `python -m loom.train.resume_changes`.", "",
+             "Generated from each field's `opt(resume=...)` in `loom/config/sections.py` by `python -m "
+             "loom.train.resume_changes`; the rows follow the config's order (docs/config.md).", "",
              "A resumed run (`--checkpoint.resume auto` or a path) compares its resolved config with the "
              "checkpoint's `config.toml`, field by field, before any weight is read:", "",
              "* **must match**: the checkpoint cannot hold anything else (the weights' shapes, the token stream "
@@ -574,14 +373,14 @@ def markdown() -> str:
              "rewinds both the same way (`MetricsLogger.rewind`).", ""]
     for kind in (MUST_MATCH, APPLIED, FREE):
         lines += [f"## {kind}", "", "| key | why / what happens |", "|---|---|"]
-        lines += [f"| `{key}` | {why} |" for key, (k, why) in RULES.items() if k == kind]
+        lines += [f"| `{key}` | {why} |" for key, (k, why) in rules().items() if k == kind]
         lines.append("")
     return "\n".join(lines)
 
 
 def unclassified() -> list[str]:
-    """Config fields with no rule here (a test keeps this empty)."""
-    return [k for k in all_keys() if k not in RULES]
+    """Config fields whose ``opt()`` gives no ``resume`` (a test keeps this empty)."""
+    return [k for k in all_keys() if k not in rules()]
 
 
 if __name__ == "__main__":

@@ -159,7 +159,9 @@ class RewardScorer:
 def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> RewardScorer:
     """A reward model from a ``training.objective reward`` run's checkpoint (``step_N`` or its run dir; LoRA merged)
     or a Hugging Face ``*ForSequenceClassification`` folder (``loom convert --to-hf`` of one)."""
-    from loom.checkpoint.hf import CONFIG, is_score_config, llama_args_from_hf, load_hf_weights, read_hf_config
+    from loom.checkpoint.hf.config import CONFIG, read_hf_config
+    from loom.checkpoint.hf.head import is_score_config
+    from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
     from loom.data import build_tokenizer
     from loom.infer.load import _run_config, find_source
     from loom.models.registry import build_model

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from loom.checkpoint.hf import load_hf_weights
+from loom.checkpoint.hf.reader import load_hf_weights
 from loom.checkpoint.manager import CheckpointManager, step_dir_name
 from loom.checkpoint.peft import load_peft_adapter
 from loom.config.errors import ConfigError, SharedError, UserError

@@ -114,7 +114,7 @@ def sharded_hsdp(args, mesh_shape):
 
 def check_rank_holds_its_shard(model, full: dict[str, torch.Tensor], shards: int, shard_rank: int) -> int:
     """Every local shard equals this rank's torch.chunk of the stored tensor; returns the local bytes."""
-    from loom.checkpoint.hf import hf_name
+    from loom.checkpoint.hf.names import hf_name
 
     local_bytes = 0
     for name, param in model.named_parameters():
@@ -130,7 +130,7 @@ def worker(folder: str, rank: int, world: int) -> bool:
     """Runs on every rank inside the harness's gloo group (its teardown avoids gloo's rare SIGABRT at exit)."""
     import safetensors as st
 
-    from loom.checkpoint.hf import llama_args_from_hf, load_hf_weights
+    from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
     from loom.models.llama import Llama
 
     assert world == WORLD
@@ -184,7 +184,8 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
     with etp2 (each expert's hidden width sharded over tp) every rank holds its chunk of every expert's width."""
     import safetensors as st
 
-    from loom.checkpoint.hf import hf_expert_names, hf_name, llama_args_from_hf, load_hf_weights, stacked_experts
+    from loom.checkpoint.hf.names import hf_expert_names, hf_name, stacked_experts
+    from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
     from loom.config.sections import ParallelConfig, TrainingConfig
     from loom.models.llama import Llama
     from loom.parallel.parallelize import parallelize_llama

@@ -95,7 +95,7 @@ def test_moe_checkpoint_resumes_across_layouts_and_exports_as_mixtral(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from loom.checkpoint.hf import llama_args_from_hf, load_hf_weights
+    from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
     from loom.models.llama import Llama
 
     loom = os.path.join(os.path.dirname(sys.executable), "loom")

@@ -84,15 +84,15 @@ def test_every_objective_is_documented_and_has_its_class():
 
 def test_convert_help_and_readme_name_every_family():
     pytest.importorskip("torch")
-    from loom.checkpoint.hf import FAMILIES
+    from loom.models.llama.hf import ARCHITECTURES
     from loom.cli.convert import usage
 
     help_text = " ".join(usage().split())
-    assert all(arch in help_text for arch in FAMILIES), help_text
+    assert all(arch in help_text for arch in ARCHITECTURES), help_text
     hf = next(p for p in read("README.md").split("\n\n") if p.startswith("**Hugging Face.**")).lower()
     spelled = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
                "deepseek_v3": "deepseek-v3"}
-    for family in FAMILIES.values():
+    for family in ARCHITECTURES.values():
         assert spelled.get(family, family.replace("_", "-")) in hf, family
 
 

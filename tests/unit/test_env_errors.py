@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from loom.checkpoint.hf import export_hf
+from loom.checkpoint.hf.export import export_hf
 from loom.cli.main import COMMANDS, main as loom_main
 from loom.cli.preflight import checked_config
 from loom.config import build_config
@@ -437,12 +437,12 @@ def test_export_into_a_read_only_folder(tmp_path, capsys, loom_ckpt, read_only_d
 
 def test_export_failure_leaves_no_partial_folder(tmp_path, capsys, loom_ckpt, monkeypatch):
     """A write that fails part-way (a full disk, say) is one line and removes what the export wrote."""
-    import loom.checkpoint.hf as hf
+    import loom.checkpoint.hf.export as hf_export
 
     def full_disk(path, obj):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hf, "_write_json", full_disk)  # after the safetensors file was written
+    monkeypatch.setattr(hf_export, "write_json", full_disk)  # after the safetensors file was written
     out = tmp_path / "out"
     line = cli_error(capsys, "convert", "--from", loom_ckpt, "--to-hf", str(out))
     assert str(out) in line and "No space left on device" in line

@@ -63,7 +63,8 @@ def write_tasks(folder) -> str:
 def model_folders(tmp_path_factory):
     """(loom checkpoint, the Hugging Face folder exported from it, the task folder). The weights are wider than
     an initialization's, so that the models' choices are far from ties."""
-    from loom.checkpoint.hf import export_hf, tokenizer_export
+    from loom.checkpoint.hf.export import export_hf
+    from loom.checkpoint.hf.tokenizer import tokenizer_export
     from loom.models.llama import Llama
     from loom.models.llama.flavors import FLAVORS
 

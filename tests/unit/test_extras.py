@@ -22,7 +22,7 @@ def test_require_names_package_and_extra(monkeypatch):
 
 
 def test_export_without_safetensors_is_one_line(monkeypatch, tmp_path):
-    from loom.checkpoint.hf import export_hf
+    from loom.checkpoint.hf.export import export_hf
     from loom.models.llama.flavors import FLAVORS
 
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
@@ -32,7 +32,7 @@ def test_export_without_safetensors_is_one_line(monkeypatch, tmp_path):
 
 def test_a_failed_export_leaves_nothing(tmp_path):
     """A write that fails midway (a full disk) removes what it wrote and the folder it made: one line."""
-    from loom.checkpoint.hf import whole_or_nothing
+    from loom.checkpoint.hf.export import whole_or_nothing
 
     out = tmp_path / "out"
     with pytest.raises(UserError, match=r"out: writing the test folder failed \(No space left on device\); "

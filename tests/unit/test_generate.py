@@ -191,7 +191,7 @@ def test_parameter_errors_name_the_field():
 # ---- checkpoints --------------------------------------------------------------------------------------------
 
 def test_an_imported_checkpoint_generates_as_its_folder(hf_folder, tmp_path):
-    from loom.checkpoint.hf import import_hf_to_dcp
+    from loom.checkpoint.hf.dcp_import import import_hf_to_dcp
 
     folder, _ = hf_folder
     ckpt = str(tmp_path / "imported")

@@ -15,8 +15,9 @@ pytest.importorskip("safetensors")
 
 from safetensors import safe_open  # noqa: E402
 
-from loom.checkpoint.hf import (  # noqa: E402
-    export_hf, import_hf_to_dcp, llama_args_from_hf, load_hf_weights, weight_files)
+from loom.checkpoint.hf.dcp_import import import_hf_to_dcp  # noqa: E402
+from loom.checkpoint.hf.export import export_hf  # noqa: E402
+from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights, weight_files  # noqa: E402
 from loom.checkpoint.manager import load_model_only, verify  # noqa: E402
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402

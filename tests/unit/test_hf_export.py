@@ -133,7 +133,7 @@ def test_an_import_exports_its_source_tokenizer_and_generation_config_unchanged(
 
 
 def test_export_refuses_to_overwrite_tokenizer_files(tmp_path, monkeypatch):
-    from loom.checkpoint.hf import check_empty_target
+    from loom.checkpoint.hf.export import check_empty_target
 
     os.makedirs(tmp_path / "out")
     (tmp_path / "out" / "tokenizer.json").write_text("{}")

@@ -12,7 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from loom.checkpoint.hf import export_hf, hf_architecture, llama_args_from_hf  # noqa: E402
+from loom.checkpoint.hf.config import hf_architecture  # noqa: E402
+from loom.checkpoint.hf.export import export_hf  # noqa: E402
+from loom.checkpoint.hf.reader import llama_args_from_hf  # noqa: E402
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402
 from tests.unit.test_hf import (  # noqa: E402
@@ -206,14 +208,14 @@ def test_auto_attention_takes_loom_kernel_for_a_window_untimed(tmp_path):
     start-up timing runs without a window, so it is not asked); SDPA on the CPU."""
     from loom.config import build_config
     from loom.data.tokenizers import ByteTokenizer
-    from loom.resolve import kernel_choice, resolve, times_attention
+    from loom.resolve import model_kernels, resolve, times_attention
 
     src = save_hf(random_hf("mistral"), tmp_path / "hf")
     for overrides in ({"model.sliding_window": "16"}, {"model.init_from": src}):
         cfg = build_config(None, overrides)
-        assert kernel_choice(cfg, "cuda", triton=True).attention == "flash"
-        assert kernel_choice(cfg, "cpu").attention == "sdpa"
-    assert kernel_choice(build_config(None, {}), "cuda", triton=True).attention == "sdpa"
+        assert model_kernels(cfg, "cuda", triton=True).attention == "flash"
+        assert model_kernels(cfg, "cpu").attention == "sdpa"
+    assert model_kernels(build_config(None, {}), "cuda", triton=True).attention == "sdpa"
     assert not times_attention(resolve(build_config(None, {"model.sliding_window": "16"}), 1, device="cpu",
                                        tokenizer=ByteTokenizer()))
 

@@ -238,7 +238,7 @@ def test_flex_forward_matches_the_reference(documents, hq, hk, seq):
 
 def test_flex_is_a_config_error_off_cuda(tmp_path):
     from loom.config import ConfigError, build_config
-    from loom.resolve import kernel_choice
+    from loom.kernels.dispatch import kernel_choice
 
     cfg = build_config(None, {"model.attention": "flex", "run.device": "cpu"})
     with pytest.raises(ConfigError, match="model.attention.*flex.*needs CUDA"):
@@ -248,7 +248,7 @@ def test_flex_is_a_config_error_off_cuda(tmp_path):
 def test_flex_under_compiled_op_checkpointing_is_a_config_error():
     """Measured crash (torch 2.11, H100): refused with one line; Flex stays allowed under the other modes."""
     from loom.config import ConfigError, build_config
-    from loom.resolve import flex_unsupported, kernel_choice
+    from loom.kernels.dispatch import flex_unsupported, kernel_choice
 
     base = {"model.attention": "flex", "run.device": "cuda", "training.compile": "true"}
     with pytest.raises(ConfigError, match="model.attention = 'flex'.*training.compile.*op"):

@@ -28,11 +28,10 @@ LAYERS = [
     # run dir's lock, the elastic launch): it reads only the config, so the resolver (fault tolerance's replica
     # groups) and the trainer build on it; the layout checks a launch needs are the CLI's preflight (loom.cli)
     {"runtime"},
-    # config + world size -> the resolved run: every rule between fields
-    {"resolve"},
     # the trainer runs evaluations (loom.eval.hook); eval reads run checkpoints (loom.train.run_dir) and generates
-    # through loom.infer, which reads run checkpoints the same way
-    {"train", "eval", "infer"},
+    # through loom.infer, which reads run checkpoints the same way; the resolver runs the rule sets of features whose
+    # home is loom.train (loom.train.diloco_rules, zero_rules)
+    {"resolve", "train", "eval", "infer"},
     # reinforcement learning: an objective (loom.train) whose rollouts come from the engine (loom.infer)
     {"rl"},
     # the planner and the cluster tooling around a job (doctor, multi-host launchers, NCCL variables, comm bench):

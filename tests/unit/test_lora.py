@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from loom.checkpoint.hf import llama_args_from_hf, load_hf_weights  # noqa: E402
+from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights  # noqa: E402
 from loom.checkpoint.manager import load_model_only  # noqa: E402
 from loom.checkpoint.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter, peft_key  # noqa: E402
 from loom.cli.convert import main as convert_main  # noqa: E402

@@ -14,7 +14,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from loom.checkpoint.hf import export_hf, hf_architecture, llama_args_from_hf  # noqa: E402
+from loom.checkpoint.hf.config import hf_architecture  # noqa: E402
+from loom.checkpoint.hf.export import export_hf  # noqa: E402
+from loom.checkpoint.hf.reader import llama_args_from_hf  # noqa: E402
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config import build_config  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402
@@ -231,7 +233,8 @@ def test_config_rules(tmp_path):
     from loom.data.tokenizers import ByteTokenizer
     from loom.kernels.dispatch import KernelChoice
     from loom.parallel.dims import ParallelDims
-    from loom.resolve import check_model, kernel_choice, mla_kernels, resolve_model_args
+    from loom.kernels.dispatch import mla_kernels
+    from loom.resolve import check_model, model_kernels, resolve_model_args
 
     tok = ByteTokenizer()
     args = resolve_model_args(build_config(None, {"model.flavor": "debug_mla"}), tok)
@@ -243,18 +246,19 @@ def test_config_rules(tmp_path):
     # loom's kernel on CUDA: DeepSeek-V2-Lite's 192-wide heads fall back to SDPA under auto, are refused under flash
     flash = KernelChoice("flash", False, False, False, False)
     lite = build_config(None, {"model.flavor": "deepseek_v2_lite", "data.document_positions": "true"})
-    assert kernel_choice(lite, "cuda", triton=True).attention == "sdpa"
-    assert mla_kernels(build_config(None, {"model.flavor": "debug_mla"}), flash, "cuda") == flash  # 32 wide
-    assert mla_kernels(lite, flash, "cpu") == flash  # the reference takes any width
+    assert model_kernels(lite, "cuda", triton=True).attention == "sdpa"
+    debug = build_config(None, {"model.flavor": "debug_mla"})
+    assert mla_kernels(debug, flash, "cuda", lambda: max(args.head_dim, args.value_head_dim)) == flash  # 32 wide
+    assert mla_kernels(lite, flash, "cpu", lambda: 192) == flash  # the reference takes any width
     with pytest.raises(ConfigError, match="model.attention.*head dims 16, 32, 64, 128.*needs 192"):
-        kernel_choice(build_config(None, {"model.flavor": "deepseek_v2_lite", "model.attention": "flash"}), "cuda",
+        model_kernels(build_config(None, {"model.flavor": "deepseek_v2_lite", "model.attention": "flash"}), "cuda",
                       triton=True)
 
 
 def test_flash_head_dims_are_the_kernels():
     pytest.importorskip("triton")
     from loom.kernels.attention.triton import HEAD_DIMS
-    from loom.resolve import FLASH_HEAD_DIMS
+    from loom.kernels.dispatch import FLASH_HEAD_DIMS
 
     assert FLASH_HEAD_DIMS == HEAD_DIMS
 

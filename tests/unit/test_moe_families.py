@@ -14,7 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from loom.checkpoint.hf import export_hf, llama_args_from_hf, load_hf_weights  # noqa: E402
+from loom.checkpoint.hf.export import export_hf  # noqa: E402
+from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights  # noqa: E402
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.models.deepseek_v3 import DeepSeekV3, DeepSeekV3Args  # noqa: E402
 from loom.models.qwen3_moe import Qwen3MoeArgs  # noqa: E402

@@ -53,7 +53,7 @@ def test_a_resume_with_the_kl_term_on_is_bitwise(tmp_path, objective, kl):
 # ---- DPO's cached reference ---------------------------------------------------------------------------------------
 
 def export_tiny(folder, seed: int) -> str:
-    from loom.checkpoint.hf import export_hf
+    from loom.checkpoint.hf.export import export_hf
     from loom.models.llama import FLAVORS, Llama
 
     args = FLAVORS["debug"].with_(vocab_size=384, n_layers=1)

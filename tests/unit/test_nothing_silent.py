@@ -161,7 +161,7 @@ def test_grpo_reward_weights_that_are_not_numbers_are_one_line(tmp_path):
 
 
 def test_a_string_where_config_json_has_a_number_is_one_line():
-    from loom.checkpoint.hf import hf_config_from_args, llama_args_from_hf_config
+    from loom.checkpoint.hf.config import hf_config_from_args, llama_args_from_hf_config
     from loom.models.llama import FLAVORS
 
     cfg = hf_config_from_args(FLAVORS["debug"].with_(vocab_size=384), torch_dtype())
@@ -302,7 +302,7 @@ def test_a_full_disk_under_generate_output_leaves_no_file(tmp_path, monkeypatch)
 def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, monkeypatch):
     import safetensors.torch
 
-    from loom.checkpoint.hf import export_hf
+    from loom.checkpoint.hf.export import export_hf
     from loom.models.llama import FLAVORS, Llama
 
     def half_then_full(tensors, path, metadata=None):
@@ -344,7 +344,7 @@ def test_a_named_lm_eval_task_that_cannot_be_fetched_is_one_line_before_training
 def test_a_full_disk_under_an_hf_import_leaves_nothing(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from loom.checkpoint.hf import import_hf_to_dcp
+    from loom.checkpoint.hf.dcp_import import import_hf_to_dcp
     from tests.unit.test_nothing_lost import export_tiny
 
     hf = export_tiny(tmp_path / "hf", 0)

@@ -352,7 +352,7 @@ def test_recipe_on_cuda_raises_the_accuracy(tmp_path, critic):
 def test_init_from_loads_the_policy_beside_its_value_function(tmp_path, critic):
     """model.init_from: the folder's weights load into the policy (the value function is hidden while they load:
     the folder has none); the value function keeps its seeded init."""
-    from loom.checkpoint.hf import export_hf
+    from loom.checkpoint.hf.export import export_hf
     from loom.config import build_config
     from loom.models.llama import FLAVORS, Llama
     from loom.rl.ppo_objective import ProximalPolicy

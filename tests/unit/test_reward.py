@@ -19,7 +19,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from loom.checkpoint.hf import has_score_head, load_hf_weights
+from loom.checkpoint.hf.head import has_score_head
+from loom.checkpoint.hf.reader import load_hf_weights
 from loom.cli.main import main as loom_main
 from loom.config.errors import ConfigError
 from loom.config.sections import DataConfig
@@ -278,7 +279,7 @@ def test_init_from_the_export_starts_from_its_head(exported, tmp_path):
 def test_a_base_model_folder_keeps_the_seeded_head(exported, tmp_path):
     """A causal LM folder (no score head) starts the body from it; the head keeps its seeded init."""
     from loom.models.llama import Llama
-    from loom.checkpoint.hf import llama_args_from_hf
+    from loom.checkpoint.hf.reader import llama_args_from_hf
 
     lm = tmp_path / "lm"
     lm.mkdir()
