@@ -212,7 +212,8 @@ def precheck(cfg, world_size: int, local: int | None = None):
     """Errors that need the world size, the tokenizer, the data, the device or this machine's free memory, found
     once, before any worker starts (``local``: the ranks on this machine; default ``local_ranks``). Returns the
     resolved run (loom.resolve.Run, with its model)."""
-    from loom.resolve import check_device, resolve
+    from loom.methods import resolve  # the resolver with the chosen method's rules
+    from loom.resolve import check_device
 
     run = resolve(cfg, world_size)  # the rules relating fields and the world size (the model's come below)
     from loom.metrics.logger import check_trackers
@@ -269,7 +270,7 @@ def planned_world_size(launch: Launch, cfg=None) -> int:
     if not launch.agent:
         return env_world_size()
     if cfg is not None and launch.elastic:
-        from loom.resolve import resolve
+        from loom.methods import resolve
 
         for nodes in range(launch.nnodes[1], launch.nnodes[0] - 1, -1):
             try:
@@ -287,7 +288,7 @@ def planned_local(launch: Launch) -> int | None:
 
 def elastic_note(cfg, launch: Launch) -> str:
     """With --nnodes MIN:MAX, the node counts whose world the layout cannot be formed on (one line), else ''."""
-    from loom.resolve import resolve
+    from loom.methods import resolve
 
     bad = []
     for nodes in range(launch.nnodes[0], launch.nnodes[1] + 1):
@@ -330,36 +331,22 @@ def run_worker(argv: list[str]) -> None:
         raise
 
 
-# training.objective -> (module, class) of its objective; the classes carry each method's console fields and report
-# panels (``console``, ``panels``). The trainer builds the first four itself (loom.train.objective.build_objective);
-# loom.rl sits above loom.train, so GRPO's and PPO's are built here and handed in (HANDED_IN).
-OBJECTIVE_CLASSES = {"lm": ("loom.train.objective", "LanguageModeling"),
-                     "sft": ("loom.train.objective", "LanguageModeling"),
-                     "dpo": ("loom.train.objective", "DirectPreference"),
-                     "reward": ("loom.train.reward", "RewardModeling"),
-                     "grpo": ("loom.rl.objective", "GroupRelative"),
-                     "ppo": ("loom.rl.ppo_objective", "ProximalPolicy")}
-HANDED_IN = ("grpo", "ppo")
-
-
 def objective_class(name: str):
-    """The class of training.objective ``name`` (imported on demand)."""
-    import importlib
+    """The objective class of training.objective ``name`` (its ``console`` and ``panels``: loom.methods)."""
+    from loom.methods import method
 
-    module, cls = OBJECTIVE_CLASSES[name]
-    return getattr(importlib.import_module(module), cls)
+    return method(name).objective_class
 
 
 def _train_worker(argv: list[str]) -> None:
+    from loom.methods import method_of, rules_of
     from loom.parallel.env import destroy_distributed
     from loom.train.restarts import check_layout
-    from loom.train.trainer import Trainer
 
     cfg, _ = load_config(argv)
     check_layout(cfg, env_world_size())  # a job an elastic agent (re-)formed: a layout its world cannot hold
-    name = cfg.training.objective
-    objective = objective_class(name)(cfg) if name in HANDED_IN else None
-    Trainer(cfg, objective=objective).fit()
+    chosen = method_of(cfg)  # training.objective's method runs the job (loom.methods)
+    chosen.run(cfg, chosen.objective(cfg), rules=rules_of(cfg))
     # Only after success: on an error, peers may sit in a collective and a collective teardown would hang
     # (the launcher stops them). The trainer is gone by now (DDP's reducer holds the group), so the group
     # is really torn down here and not at interpreter exit, where gloo's threads can abort the process.

@@ -10,7 +10,7 @@ each step takes the next ``global_batch_size`` rows of it and each rank its slic
 loss, the whitening and the shuffle are the same whatever the data-parallel layout.
 
 The value function (ppo.critic) is attached to the policy before parallelization, so the optimizer, DDP and
-checkpoints treat it as any parameter: 'head' = the reward model's ``dim -> 1`` head (loom.train.reward.score_head)
+checkpoints treat it as any parameter: 'head' = the reward model's ``dim -> 1`` head (loom.infer.reward.score_head)
 on the final norm's output, computed by a forward hook on the norm; 'model' = a separate model of the policy's
 shape with that head, run on the same tokens by a forward hook on the policy. Either runs inside the policy's
 forward, and only when asked (``forward_with_values``): the engine's generation forwards skip it. Under tensor
@@ -22,20 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from loom.config.errors import ConfigError
 from loom.data.loader import StepData
 from loom.numerics import IGNORE
-from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.rl.grpo import kl_k3
 from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
 from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, policy_forward, reference_logps, rows_to_batches,
                              check_policy_finite, sample_checked, set_reference, token_logps)
-from loom.train.reward import attach_score_head, score_head
+from loom.infer.reward import attach_score_head, score_head
+from loom.train.objective import Objective
 
 
 # ---- the value function ------------------------------------------------------------------------------------------
@@ -136,21 +135,6 @@ class PpoBatch(RolloutBatch):
                         warmup=self.warmup, old_values=move(self.old_values), returns=move(self.returns))
 
 
-def reference_model(trainer) -> nn.Module:
-    """A frozen policy without the value head, built in the policy's layout (its parameters are copied in when PPO
-    starts: ``set_reference``). No activation checkpointing: nothing runs backward through it."""
-    from loom.models.registry import build_model
-    from loom.parallel.parallelize import parallelize_llama
-
-    cfg = trainer.cfg
-    with torch.device("meta"):
-        model = build_model(trainer.model_args)
-    training = replace(cfg.training, activation_checkpointing="none")
-    (ref,) = parallelize_llama(model, trainer.dims, training, cfg.parallel, trainer.device, cfg.run.seed).parts
-    ref.requires_grad_(False)
-    return ref.eval()
-
-
 class PpoRollouts(RolloutLoader):
     """This rank's PPO micro-batches for each step: the warm-up's worked examples, then a global batch of rollouts
     reused for ppo.epochs x ppo.mini_batches steps (see the module's docstring)."""
@@ -175,18 +159,19 @@ class PpoRollouts(RolloutLoader):
     def load_state_dict(self, state: dict) -> None:
         self.step, self.plan, self.held = int(state.get("grpo_step", 0)), [], {}
 
-    def bind(self, trainer, objective) -> None:
-        self.trainer, self.objective = trainer, objective
-        self.generator = self.engine_generator(trainer, self.rows * self.p.mini_batches)
+    def bind(self, engine, objective) -> None:
+        self.engine, self.objective = engine, objective
+        self.generator = self.engine_generator(engine, self.rows * self.p.mini_batches)
         if self.p.kl_coef > 0 and not self.cfg.lora.rank:
-            self.reference, self._reference_set = reference_model(trainer), False
-        self.load_reward_model(trainer)
+            # a frozen policy without the value head; its weights are copied in as PPO starts (``set_reference``)
+            self.reference, self._reference_set = engine.frozen_copy(copy_weights=False), False
+        self.load_reward_model(engine)
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
         trained = None if self._handed_out is None else now - self._handed_out
         self.step += 1
-        if self.step <= self.warmup or self.trainer is None:
+        if self.step <= self.warmup or self.engine is None:
             batches = self.worked_examples()
             self.stats = {"grpo/warmup": 1.0}
         else:
@@ -195,7 +180,7 @@ class PpoRollouts(RolloutLoader):
             else:
                 self.stats = {**self.stats, **HELD}
             batches = self.mini_batch(*self.plan.pop(0))
-            self._scale_lr()
+            self.engine.scale_lr(self.g.lr_ratio)
         if trained is not None:
             self.stats["time/training_s"] = trained
         self._handed_out = time.perf_counter()
@@ -208,7 +193,7 @@ class PpoRollouts(RolloutLoader):
         g, p, G = self.g, self.p, self.g.group_size
         rows = self._mine(self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step)))
         prompts = self.prompt_ids(rows)
-        check_policy_finite(self.trainer, self.step)
+        check_policy_finite(self.engine, self.step)
         self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
         t0 = time.perf_counter()
         outs = sample_checked(self.sample, prompts, self.step)
@@ -235,20 +220,20 @@ class PpoRollouts(RolloutLoader):
     def _rollout_forwards(self, local: RolloutBatch):
         """The rollout-time policy's log-probabilities and values (N, W), and the reference's log-probabilities
         (N, W; None without a KL), one no-grad forward each per micro-batch of rows."""
-        g, p, trainer = self.g, self.p, self.trainer
+        g, p, engine = self.g, self.p, self.engine
         if p.kl_coef > 0 and self.reference is not None and not self._reference_set:
             set_reference(self)  # the policy as PPO starts (after the warm-up); on a resume, read back
             self._reference_set = True
-        model = trainer.parts[0]
+        model = engine.parts[0]
         if p.critic == "model" and self.step == self.warmup + 1:  # PPO starts here (a resumed run keeps its critic)
             copy_trunk(model, model.critic)
         model.eval()
         logps, values, refs = [], [], []
         try:
             for start in range(0, local.inputs.shape[0], self.micro):
-                inputs = local.inputs[start:start + self.micro].to(trainer.device)
-                labels = local.labels[start:start + self.micro].to(trainer.device)
-                with trainer._autocast(), loss_parallel_context(trainer.steps.ctx.loss_parallel):
+                inputs = local.inputs[start:start + self.micro].to(engine.device)
+                labels = local.labels[start:start + self.micro].to(engine.device)
+                with engine.forward_context():
                     logits, v = forward_with_values(model, inputs)
                     logps.append(token_logps(logits, labels, g.temperature).cpu())
                     values.append(v.cpu())
@@ -261,7 +246,7 @@ class PpoRollouts(RolloutLoader):
     def _gather(self, inputs, labels, old_logps, values, ref_logps, scores, per, truncated, lengths) -> dict:
         """Every rank's rows in rank order, on every rank (a sum over the data-parallel ranks of tensors that hold
         this rank's rows and zeros elsewhere), right-padded to the widest rank's width; fp32 / int64 on the CPU."""
-        dims, device, n = self.trainer.dims, self.trainer.device, inputs.shape[0]
+        dims, device, n = self.engine.dims, self.engine.device, inputs.shape[0]
         widths = torch.zeros(self.dp_size, dtype=torch.float64)
         widths[self.dp_rank] = inputs.shape[1]
         width = int(dims.data_sum(widths.to(device)).max())
@@ -325,7 +310,7 @@ class PpoRollouts(RolloutLoader):
         """The batch of rollouts' figures (global: every rank holds the whole batch)."""
         mask, n = h["mask"], float(h["scores"].shape[0])
         tokens = mask.sum().clamp(min=1)
-        secs = self.trainer.dims.data_sum(torch.tensor(seconds, dtype=torch.float64).to(self.trainer.device)).cpu()
+        secs = self.engine.dims.data_sum(torch.tensor(seconds, dtype=torch.float64).to(self.engine.device)).cpu()
         secs = secs / self.dp_size
         new_tokens = float(h["lengths"].sum())
         scores = h["scores"]
@@ -352,7 +337,7 @@ class PpoRollouts(RolloutLoader):
 
 # ---- the objective ----------------------------------------------------------------------------------------------
 
-class ProximalPolicy:
+class ProximalPolicy(Objective):
     """PPO over the rollout loader's micro-batches (``build_loader``; ``prepare`` binds it to the built model): per
     completion token the clipped policy loss + ppo.vf_coef x the clipped value loss (+ ppo.kl_coef x the k3 KL to
     the reference with ppo.kl_penalty loss), summed; the count is completion tokens, so a step's loss is the mean
@@ -391,17 +376,12 @@ class ProximalPolicy:
             for part, name, module in hidden:
                 part._modules[name] = module
 
-    def build_loader(self, trainer) -> PpoRollouts:
-        self.loader = PpoRollouts(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)
+    def build_loader(self, engine) -> PpoRollouts:
+        self.loader = PpoRollouts(self.cfg, engine.tokenizer, engine.dims.dp_rank(), engine.dims.dp_size)
         return self.loader
 
-    def prepare(self, trainer) -> None:
-        if not hasattr(plain(trainer.parts[0]), "ppo_values"):
-            raise ConfigError("training.objective", "ppo", "a model with a value function: build the Trainer with the "
-                              "objective (Trainer(cfg, objective=ProximalPolicy(cfg)))")
-        if self.loader is None:
-            self.loader = trainer.loader = self.build_loader(trainer)
-        self.loader.bind(trainer, self)
+    def prepare(self, engine) -> None:
+        self.loader.bind(engine, self)
 
     def count(self, mb: RolloutBatch) -> torch.Tensor:
         return (mb.labels != IGNORE).sum()

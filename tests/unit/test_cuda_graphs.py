@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from loom.config import ConfigError, build_config
-from loom.resolve import check_cuda_graphs, resolve
+from loom.methods import resolve
+from loom.resolve import check_cuda_graphs
 
 
 def cfg(**over):

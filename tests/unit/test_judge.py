@@ -118,7 +118,7 @@ def test_templates(tmp_path, folder):
 
 
 def test_config_rules(tmp_path):
-    from loom.resolve import check_config
+    from loom.methods import check_config
     from tests.unit.test_grpo_train import grpo_config
 
     with pytest.raises(ConfigError, match="grpo.judge_template"):

@@ -24,6 +24,8 @@ LAYERS = [
     {"train", "eval", "infer"},
     # reinforcement learning: an objective (loom.train) whose rollouts come from the engine (loom.infer)
     {"rl"},
+    # training methods, one module each (lm, sft, dpo, reward, grpo, ppo): objective, data, heads, rules, run
+    {"methods"},
     # operations around a job (doctor, launchers): they read plans, layouts and the environment
     {"plan", "ops"},
     {"cli", "__main__"},
@@ -33,6 +35,9 @@ ALLOWED_UP = {
     # ``torchrun -m loom.train`` is the documented worker entry point; it runs the CLI's worker body
     ("loom.train.__main__", "loom.cli.errors"),
     ("loom.train.__main__", "loom.cli.train"),
+    # ``Trainer(cfg)`` (tests, examples, bench) keeps meaning "the job the config names": it asks the registry
+    # which method's objective and rules that is
+    ("loom.train.trainer", "loom.methods"),
 }
 
 

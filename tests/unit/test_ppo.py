@@ -214,7 +214,7 @@ def test_cli_default_runs(tmp_path, capsys):
 def test_config_rules():
     from loom.config import build_config
     from loom.config.errors import ConfigError
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     def check(**over):
         check_config(build_config(None, {k: str(v) for k, v in over.items()}))
@@ -260,7 +260,7 @@ def test_reward_model_scores_the_rollouts(tmp_path):
     from loom.config import build_config
     from loom.models.llama import Llama
     from loom.rl.ppo_objective import ProximalPolicy
-    from loom.train.reward import RewardScorer, attach_score_head
+    from loom.infer.reward import RewardScorer, attach_score_head
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
