@@ -14,7 +14,7 @@ from loom.config.errors import ConfigError
 from loom.numerics import IGNORE
 from loom.methods import check_config, resolve
 from loom.rl.arithmetic import ArithmeticTask, digit_match, exact_answer
-from loom.rl.objective import GroupRelative
+from loom.methods.grpo import GroupRelative
 from loom.rl.rewards import Rewards, load_function
 from loom.rl.rollout import rows_to_batches
 from loom.train.trainer import Trainer

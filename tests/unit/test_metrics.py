@@ -93,7 +93,7 @@ REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", 
 def test_each_method_chooses_its_console_fields():
     """The console line shows the objective's own fields (its ``console``), in its order, where the record has them:
     DPO its accuracy and margin, GRPO its warm-up, reward and its parts, accuracy and KL; the LM none."""
-    from loom.rl.objective import GroupRelative
+    from loom.methods.grpo import GroupRelative
     from loom.methods.dpo import DirectPreference
     from loom.train.objective import LanguageModeling
 
