@@ -331,13 +331,6 @@ def run_worker(argv: list[str]) -> None:
         raise
 
 
-def objective_class(name: str):
-    """The objective class of training.objective ``name`` (its ``console`` and ``panels``: loom.methods)."""
-    from loom.methods import method
-
-    return method(name).objective_class
-
-
 def _train_worker(argv: list[str]) -> None:
     from loom.methods import method_of, rules_of
     from loom.parallel.env import destroy_distributed
