@@ -44,7 +44,10 @@ from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.resolve import resolve, times_attention
 from loom.train.grads import scale_grads, unique_params
 from loom.train.guard import StepCheck
-from loom.train.hooks import StepHook, step_hooks
+from loom.train.diloco import DiLoCoHook
+from loom.train.hooks import FaultToleranceHook, StepHook
+from loom.train.moe_stats import MoEBalance
+from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.objective import Objective
 from loom.train.restarts import this_attempt
 from loom.train.optimizer import OptimizerParts
@@ -68,6 +71,23 @@ def count_params(args, lora=None, replace_head=None) -> tuple[int, int]:
             replace_head(model)
     params = list(model.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def step_hooks(cfg, engine, owner) -> list[StepHook]:
+    """The run's hooks, from its config: DiLoCo (parallel.diloco_inner_steps), a mixture of experts' balance
+    (the model has MoE blocks), the noise-scale probe (metrics.noise_scale), torchft (parallel.fault_tolerance).
+    ``owner``: the loop whose state a recovering torchft peer receives (``state_dict`` / ``load_state_dict``)."""
+    hooks: list[StepHook] = []
+    if cfg.parallel.diloco_inner_steps:  # the dp_replicate groups average their weights every H steps
+        hooks.append(DiLoCoHook.build(engine.parts, engine.dims, cfg.parallel))
+    if engine.model_args.moe:
+        hooks.append(MoEBalance(engine.parts, engine.dims, cfg.training.global_batch_size, engine.model_args.n_layers,
+                                cfg.training.compile, engine.steps.stage_sum, engine.model_args))
+    if cfg.metrics.noise_scale:  # resolve allows it only with accumulation and no pipeline
+        hooks.append(NoiseScaleProbe.build(engine.steps, engine.dims, engine.objective))
+    if cfg.parallel.fault_tolerance:  # this job is one of several torchft replica groups
+        hooks.append(FaultToleranceHook.build(cfg.parallel, engine, owner))
+    return hooks
 
 
 def embedded_rejected(cfg: Config, objective: Objective) -> str:

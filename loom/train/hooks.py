@@ -1,7 +1,7 @@
 """Step hooks: the optional features that join every training step (DiLoCo, torchft's replica groups, the
 gradient noise scale, a mixture of experts' balance statistics). Each lives in its feature's module as a
-``StepHook``; ``step_hooks`` picks them from the config in one list, and the engine and the loop call every hook
-at each point below, in list order, instead of asking which features are on."""
+``StepHook``; loom.train.engine.step_hooks picks them from the config in one list, and the engine and the loop call
+every hook at each point below, in list order, instead of asking which features are on."""
 
 from __future__ import annotations
 
@@ -92,27 +92,6 @@ class StepHook:
 
     def resumed(self, step: int) -> None:
         """A checkpoint's trainer state is loaded at ``step``."""
-
-
-def step_hooks(cfg, engine, owner) -> list[StepHook]:
-    """The run's hooks, from its config: DiLoCo (parallel.diloco_inner_steps), a mixture of experts' balance
-    (the model has MoE blocks), the noise-scale probe (metrics.noise_scale), torchft (parallel.fault_tolerance).
-    ``owner``: the loop whose state a recovering torchft peer receives (``state_dict`` / ``load_state_dict``)."""
-    from loom.train.diloco import DiLoCoHook
-    from loom.train.moe_stats import MoEBalance
-    from loom.train.noise_scale import NoiseScaleProbe
-
-    hooks: list[StepHook] = []
-    if cfg.parallel.diloco_inner_steps:  # the dp_replicate groups average their weights every H steps
-        hooks.append(DiLoCoHook.build(engine.parts, engine.dims, cfg.parallel))
-    if engine.model_args.moe:
-        hooks.append(MoEBalance(engine.parts, engine.dims, cfg.training.global_batch_size, engine.model_args.n_layers,
-                                cfg.training.compile, engine.steps.stage_sum, engine.model_args))
-    if cfg.metrics.noise_scale:  # resolve allows it only with accumulation and no pipeline
-        hooks.append(NoiseScaleProbe.build(engine.steps, engine.dims, engine.objective))
-    if cfg.parallel.fault_tolerance:  # this job is one of several torchft replica groups
-        hooks.append(FaultToleranceHook.build(cfg.parallel, engine, owner))
-    return hooks
 
 
 class FaultToleranceHook(StepHook):
