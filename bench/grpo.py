@@ -57,7 +57,7 @@ def loom_config(a, run_dir: str, **overrides):
 
 
 def trainer_of(cfg):
-    from loom.rl.objective import GroupRelative
+    from loom.methods.grpo import GroupRelative
     from loom.train.trainer import Trainer
 
     return Trainer(cfg, objective=GroupRelative(cfg))

@@ -7,9 +7,8 @@ Trainer), ``loom plan`` and ``loom convert`` all resolve through here."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from loom.config.errors import ConfigError
 from loom.config.load import profile_window
@@ -53,17 +52,17 @@ class Run:
         return replace(self, kernels=kernels, model_args=self.model_args.with_(**kernels.as_args()))
 
 
-def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None = None,
-            triton: bool | None = None) -> Run:
+def resolve(cfg: Config, world_size: int, tokenizer=None, *, rules: Sequence[Callable[[Config], None]] = (),
+            device: str | None = None, triton: bool | None = None) -> Run:
     """Check ``cfg`` for ``world_size`` ranks (and, given the tokenizer, the model's shape) and resolve it.
     ``device``: the device type to resolve kernels for (default: the run's, from run.device and this machine, whose
-    installed packages are then checked too); ``triton``: whether Triton is installed there (None: look here)."""
-    check_config(cfg)
+    installed packages are then checked too); ``triton``: whether Triton is installed there (None: look here).
+    ``rules``: the chosen method's (loom.methods.rules_of hands them)."""
+    check_config(cfg, rules)
     dims = ParallelDims.from_config(cfg.parallel, world_size)  # parallel.zero mapped there (dims.zero_degrees)
-    check_grpo(cfg, dims)
-    for rules in FEATURES:
-        if rules.layout is not None:
-            rules.layout(cfg, dims)
+    for feature in FEATURES:
+        if feature.layout is not None:
+            feature.layout(cfg, dims)
     t = cfg.training
     accum = accumulation_steps(t, dims.dp_size * replica_groups(cfg.parallel))  # the groups split each global batch
     check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
@@ -75,25 +74,15 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, device: str | None 
     return run if tokenizer is None else run.with_model(tokenizer)
 
 
-def embedded_rejected(cfg: Config) -> str:
-    """The rejected answers of the embedded preference pairs: data.embedded_rejected, 'auto' settled by the
-    objective (a reward model trained from its seed learns the echoed code, not another function's docstring)."""
-    if cfg.data.embedded_rejected != "auto":
-        return cfg.data.embedded_rejected
-    return "code" if cfg.training.objective == "reward" else "docstring"
-
-
 # ---- rules over the config alone -----------------------------------------------------
 
-def check_config(cfg: Config) -> None:
-    """Rules that relate fields of the config (no world size, model or device needed)."""
+def check_config(cfg: Config, rules: Sequence[Callable[[Config], None]] = ()) -> None:
+    """Rules that relate fields of the config (no world size, model or device needed); ``rules``: the chosen
+    method's, run after the features' (loom.methods hands them)."""
     if cfg.model.init_from and cfg.model.n_layers:
         raise ConfigError("model.n_layers", cfg.model.n_layers, "must be 0 with model.init_from (the checkpoint "
                           "fixes the layer count)")
     t = cfg.training
-    if cfg.data.embedded_rejected != "auto" and (cfg.data.source or t.objective not in ("dpo", "reward")):
-        raise ConfigError("data.embedded_rejected", cfg.data.embedded_rejected, "applies to the embedded preference "
-                          "pairs only (training.objective dpo or reward without data.source): leave it 'auto'")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError("training.global_batch_size", t.global_batch_size,
                           f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})")
@@ -105,15 +94,12 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
                           "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
     check_parallel_fields(cfg)
-    for rules in FEATURES:
-        if rules.config is not None:
-            rules.config(cfg)
+    for feature in FEATURES:
+        if feature.config is not None:
+            feature.config(cfg)
     check_lora(cfg)
-    check_objective(cfg)
-    check_dpo(cfg)
-    check_grpo(cfg)
-    check_ppo(cfg)
-    check_reward(cfg)
+    for rule in rules:
+        rule(cfg)
     check_inactive_fields(cfg)  # after the rules above, whose messages are more specific
     if cfg.optimizer.warmup_steps > t.steps:
         raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
@@ -151,136 +137,6 @@ def check_lora(cfg: Config) -> None:
             if bad:
                 raise ConfigError(key, value, "not with lora.base_dtype nf4 (the NF4 base shards by rows under "
                                   "FSDP only)")
-
-
-def check_objective(cfg: Config) -> None:
-    """training.objective against the data section. The SFT fields mean nothing to language modeling (a run that
-    sets them has most likely forgotten the objective); SFT packs conversations into windows, so it keeps attention
-    within each (data.document_positions defaults to true under sft; false is refused)."""
-    d = cfg.data
-    if cfg.training.objective != "sft":
-        pairs = cfg.training.objective in ("dpo", "reward")  # preference pairs, rendered with the chat template
-        if d.chat_template and not pairs:
-            raise ConfigError("data.chat_template", d.chat_template, "used by training.objective sft, dpo and reward "
-                              "only")
-        if d.loss_tokens != "assistant":
-            raise ConfigError("data.loss_tokens", d.loss_tokens, "used by training.objective sft only (dpo trains on "
-                              "the completions)")
-        if pairs and d.chat_template and not os.path.isfile(d.chat_template):
-            raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template; '' = the "
-                              "tokenizer folder's)")
-        return
-    if d.chat_template and not os.path.isfile(d.chat_template):
-        raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template; '' = the "
-                          "tokenizer folder's)")
-    if not d.document_positions:
-        raise ConfigError("data.document_positions", False, "training.objective sft packs conversations and keeps "
-                          "attention within each: allowed true")
-
-
-def check_dpo(cfg: Config) -> None:
-    """The [dpo] section: its fields only under training.objective dpo; the reference it names must be there; the
-    layouts a pair's loss cannot be split over yet (a pair's log-probabilities are summed before the loss, which is
-    not linear in them: pipeline stages and context-parallel chunks would each hold part of the sum)."""
-    from loom.config.sections import DpoConfig
-
-    dpo, p = cfg.dpo, cfg.parallel
-    if cfg.training.objective != "dpo":
-        for key, default in vars(DpoConfig()).items():
-            if getattr(dpo, key) != default:
-                raise ConfigError(f"dpo.{key}", getattr(dpo, key), "used by training.objective dpo only")
-        return
-    if dpo.reference == "copy" and cfg.lora.rank:
-        raise ConfigError("dpo.reference", "copy", "not with LoRA (lora.rank > 0), as TRL: allowed adapters_off (the "
-                          "base is the reference, no second copy) | cached")
-    if dpo.reference == "adapters_off" and not cfg.lora.rank:
-        raise ConfigError("dpo.reference", "adapters_off", "needs LoRA (lora.rank > 0): allowed cached without it")
-    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
-        if value > 1:
-            raise ConfigError(key, value, "not supported with training.objective dpo yet: allowed 1")
-    if cfg.model.fused_loss == "true":
-        raise ConfigError("model.fused_loss", True, "training.objective dpo needs the logits (per-token "
-                          "log-probabilities): allowed auto | false")
-
-
-def check_reward(cfg: Config) -> None:
-    """The [reward] section only under training.objective reward; the layouts a reward model does not take yet: a
-    pair's reward is one position of the last stage's output (pipeline), of one context-parallel chunk, and the
-    score head's single output row cannot be split over tensor-parallel ranks (loom.train.reward)."""
-    from loom.config.sections import RewardConfig
-
-    p = cfg.parallel
-    if cfg.training.objective != "reward":
-        for key, default in vars(RewardConfig()).items():
-            if getattr(cfg.reward, key) != default:
-                raise ConfigError(f"reward.{key}", getattr(cfg.reward, key), "used by training.objective reward only")
-        return
-    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.tp", p.tp)):
-        if value > 1:
-            raise ConfigError(key, value, "not supported with training.objective reward yet: allowed 1")
-    t = cfg.training
-    if t.eval_hook or t.eval_tasks:
-        field = "training.eval_hook" if t.eval_hook else "training.eval_tasks"
-        raise ConfigError(field, t.eval_hook or t.eval_tasks, "not with training.objective reward (a reward model "
-                          "has no LM head to generate or score text with): validation reports val_rewards/*")
-
-
-GRPO_LOSS_FIELDS = ("epsilon", "epsilon_high", "beta", "iterations", "loss_type", "scale_rewards")
-
-
-def check_ppo(cfg: Config) -> None:
-    """The [ppo] section: its fields only under training.objective ppo (its rollouts are the [grpo] section's:
-    check_grpo)."""
-    from loom.config.sections import PpoConfig
-
-    if cfg.training.objective != "ppo":
-        for key, default in vars(PpoConfig()).items():
-            if getattr(cfg.ppo, key) != default:
-                raise ConfigError(f"ppo.{key}", getattr(cfg.ppo, key), "used by training.objective ppo only")
-        return
-    if cfg.ppo.critic == "model" and cfg.lora.base_dtype == "nf4":
-        raise ConfigError("ppo.critic", "model", "not with lora.base_dtype nf4 (the critic copies the base weights): "
-                          "allowed head")
-    if cfg.ppo.kl_penalty == "loss" and cfg.ppo.kl_estimator != "k1":
-        raise ConfigError("ppo.kl_estimator", cfg.ppo.kl_estimator, "applies to the KL in the rewards: with "
-                          "ppo.kl_penalty loss the loss term is k3 (leave the estimator at k1)")
-
-
-def check_grpo(cfg: Config, dims=None) -> None:
-    """The [grpo] section: its fields only under training.objective grpo; the layouts the rollouts cannot run on
-    yet: the engine generates on a whole model (the trainer's module, or under FSDP2 a copy gathered from the
-    shards) or tensor-parallel on TP's shards (loom.rl.sync), so pipeline stages and context / expert parallelism
-    are refused; the logits are needed (docs/rl.md)."""
-    from loom.config.sections import GrpoConfig
-
-    g, p, objective = cfg.grpo, cfg.parallel, cfg.training.objective
-    if objective not in ("grpo", "ppo"):
-        for key, default in vars(GrpoConfig()).items():
-            if getattr(g, key) != default:
-                raise ConfigError(f"grpo.{key}", getattr(g, key), "used by training.objective grpo or ppo only")
-        return
-    if objective == "ppo":  # PPO samples with the [grpo] rollout fields; GRPO's loss fields would do nothing
-        for key in GRPO_LOSS_FIELDS:
-            if getattr(g, key) != getattr(GrpoConfig(), key):
-                raise ConfigError(f"grpo.{key}", getattr(g, key), "GRPO's loss: not used by training.objective ppo "
-                                  "(its [ppo] section has its own)")
-    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
-        if value > 1:
-            raise ConfigError(key, value, f"not supported with training.objective {objective} yet (the engine runs "
-                              "on the whole model or its tensor-parallel shards): allowed 1")
-    if cfg.model.fused_loss == "true":
-        raise ConfigError("model.fused_loss", True, f"training.objective {objective} needs the logits (per-token "
-                          "log-probabilities): allowed auto | false")
-    if g.warmup_steps > 0 and g.prompts:
-        raise ConfigError("grpo.warmup_steps", g.warmup_steps, "0 or -1 with grpo.prompts (the warm-up trains on "
-                          "the embedded task's worked examples)")
-    if g.warmup_steps >= cfg.training.steps:
-        raise ConfigError("grpo.warmup_steps", g.warmup_steps, f"< training.steps ({cfg.training.steps})")
-    if any(o not in "+*" for o in g.ops) or not g.ops:
-        raise ConfigError("grpo.ops", g.ops, "operators from '+' and '*'")
-    if g.judge and not g.judge_template.strip():
-        raise ConfigError("grpo.judge_template", "", "a template with {prompt} and {completion} for grpo.judge "
-                          "(text, or a file holding it)")
 
 
 def check_parallel_fields(cfg: Config) -> None:
@@ -395,9 +251,9 @@ def check_machine(cfg: Config, device: str) -> None:
     """What the run needs installed, or of its device type, wherever it runs."""
     if cfg.parallel.async_tp and device != "cuda":
         raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
-    for rules in FEATURES:
-        if rules.machine is not None:
-            rules.machine(cfg, device)
+    for feature in FEATURES:
+        if feature.machine is not None:
+            feature.machine(cfg, device)
     if cfg.metrics.nvtx:
         from loom.metrics.nvtx import unavailable
 
@@ -424,9 +280,9 @@ def check_device(cfg: Config) -> None:
     if cfg.parallel.backend == "nccl" and device != "cuda":
         raise ConfigError("parallel.backend", "nccl", "needs CUDA devices and this run is on the CPU"
                           f"{'' if cuda else ' (no CUDA device is visible)'}: allowed auto | gloo")
-    for rules in FEATURES:
-        if rules.device is not None:
-            rules.device(cfg, device)
+    for feature in FEATURES:
+        if feature.device is not None:
+            feature.device(cfg, device)
     t = cfg.training
     if t.float8 != "none" and (device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9)):
         where = "this run is on the CPU" if device != "cuda" else f"{torch.cuda.get_device_name(0)} is older"

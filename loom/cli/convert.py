@@ -221,8 +221,8 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     model = weights_only_model(args)
     merged = apply_lora(model, checkpoint_lora(ckpt, opts.get("--config"), overrides))
     reward = checkpoint_is_reward(ckpt, opts.get("--config"), overrides)
-    if reward:  # the score head in place of the LM head (loom.train.reward)
-        from loom.train.reward import attach_score_head
+    if reward:  # the score head in place of the LM head (loom.infer.reward)
+        from loom.infer.reward import attach_score_head
 
         attach_score_head(model)
     check_checkpoint_shapes(ckpt, model, "--from", hint="; pass the run's --config / --flavor / --data.tokenizer")

@@ -144,7 +144,7 @@ def check_train_args(train_args: list[str], world_size: int | None) -> None:
     one is left to them."""
     from loom.cli.preflight import load_config
     from loom.config.errors import UserError
-    from loom.resolve import resolve
+    from loom.methods import resolve
 
     try:
         cfg, _ = load_config(list(train_args))

@@ -31,7 +31,8 @@ def precheck(cfg, world_size: int, local: int | None = None):
     """Errors that need the world size, the tokenizer, the data, the device or this machine's free memory, found
     once, before any worker starts (``local``: the ranks on this machine; default ``local_ranks``). Returns the
     resolved run (loom.resolve.Run, with its model)."""
-    from loom.resolve import check_device, resolve
+    from loom.methods import resolve  # the resolver with the chosen method's rules
+    from loom.resolve import check_device
 
     run = resolve(cfg, world_size)  # the rules relating fields and the world size (the model's come below)
     from loom.metrics.logger import check_trackers
@@ -72,7 +73,7 @@ def planned_world_size(launch: Launch, cfg=None) -> int:
     if not launch.agent:
         return env_world_size()
     if cfg is not None and launch.elastic:
-        from loom.resolve import resolve
+        from loom.methods import resolve
 
         for nodes in range(launch.nnodes[1], launch.nnodes[0] - 1, -1):
             try:
@@ -90,7 +91,7 @@ def planned_local(launch: Launch) -> int | None:
 
 def elastic_note(cfg, launch: Launch) -> str:
     """With --nnodes MIN:MAX, the node counts whose world the layout cannot be formed on (one line), else ''."""
-    from loom.resolve import resolve
+    from loom.methods import resolve
 
     bad = []
     for nodes in range(launch.nnodes[0], launch.nnodes[1] + 1):
@@ -107,7 +108,7 @@ def elastic_note(cfg, launch: Launch) -> str:
 def check_layout(cfg, world_size: int, environ=None) -> None:
     """A job that an elastic agent formed (or re-formed) on ``world_size`` ranks: a layout that cannot be built
     there is one line from rank 0 (exit code 2 on every rank), naming the world the job formed with."""
-    from loom.resolve import check_config, resolve
+    from loom.methods import check_config, resolve  # with the chosen method's rules
 
     env = os.environ if environ is None else environ
     if not env.get("TORCHELASTIC_RUN_ID") or not (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)

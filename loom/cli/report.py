@@ -52,14 +52,14 @@ def parse_args(argv: list[str]) -> tuple[list[str], str | None, tuple[str, ...]]
 def method_panels(run_dir: str) -> tuple:
     """The panels of the run's method (its objective class's ``panels``), from training.objective in its
     config.toml; none where the config cannot say (a hand-made metrics.jsonl)."""
-    from loom.cli.train import OBJECTIVE_CLASSES, objective_class
+    from loom.methods import METHODS, method
 
     try:
         with open(os.path.join(run_dir, "config.toml"), "rb") as fh:
             name = tomllib.load(fh).get("training", {}).get("objective", "lm")
     except (OSError, tomllib.TOMLDecodeError):
         return ()
-    return tuple(objective_class(name).panels) if name in OBJECTIVE_CLASSES else ()
+    return tuple(method(name).objective_class.panels) if name in METHODS else ()
 
 
 def output_paths(dirs: list[str], out: str | None) -> tuple[str, str]:

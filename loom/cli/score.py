@@ -1,6 +1,6 @@
 """``loom score``: the reward of prompt/completion pairs under a reward model (a ``training.objective reward`` run's
 checkpoint or run dir, or its Hugging Face ``*ForSequenceClassification`` export), read from JSON lines and
-written back with a ``score`` field. Scored as training scores a pair (loom.train.reward.score): a prompt and a
+written back with a ``score`` field. Scored as training scores a pair (loom.infer.reward.score): a prompt and a
 completion that are strings are a user and an assistant message through the model's chat template."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     if opts.output and os.path.isdir(opts.output):  # before scoring: the scores would be lost at the end
         raise ConfigError("--output", opts.output, "is a folder: give a file path (FILE.jsonl)")
     from loom.infer.load import pick_device
-    from loom.train.reward import load_reward_model
+    from loom.infer.reward import load_reward_model
 
     rows = read_rows(opts.file)
     scorer = load_reward_model(opts.model, str(pick_device(opts.device)))

@@ -64,36 +64,15 @@ def run_worker(argv: list[str]) -> None:
         raise
 
 
-# training.objective -> (module, class) of its objective; the classes carry each method's console fields and report
-# panels (``console``, ``panels``). The trainer builds the first four itself (loom.train.objective.build_objective);
-# loom.rl sits above loom.train, so GRPO's and PPO's are built here and handed in (HANDED_IN).
-OBJECTIVE_CLASSES = {"lm": ("loom.train.objective", "LanguageModeling"),
-                     "sft": ("loom.train.objective", "LanguageModeling"),
-                     "dpo": ("loom.train.objective", "DirectPreference"),
-                     "reward": ("loom.train.reward", "RewardModeling"),
-                     "grpo": ("loom.rl.objective", "GroupRelative"),
-                     "ppo": ("loom.rl.ppo_objective", "ProximalPolicy")}
-HANDED_IN = ("grpo", "ppo")
-
-
-def objective_class(name: str):
-    """The class of training.objective ``name`` (imported on demand)."""
-    import importlib
-
-    module, cls = OBJECTIVE_CLASSES[name]
-    return getattr(importlib.import_module(module), cls)
-
-
 def _train_worker(argv: list[str]) -> None:
     from loom.runtime.env import destroy_distributed
     from loom.cli.preflight import check_layout
-    from loom.train.trainer import Trainer
+    from loom.methods import method_of, rules_of
 
     cfg, _ = load_config(argv)
     check_layout(cfg, env_world_size())  # a job an elastic agent (re-)formed: a layout its world cannot hold
-    name = cfg.training.objective
-    objective = objective_class(name)(cfg) if name in HANDED_IN else None
-    Trainer(cfg, objective=objective).fit()
+    chosen = method_of(cfg)  # training.objective's method runs the job (loom.methods)
+    chosen.run(cfg, chosen.objective(cfg), rules=rules_of(cfg))
     # Only after success: on an error, peers may sit in a collective and a collective teardown would hang
     # (the launcher stops them). The trainer is gone by now (DDP's reducer holds the group), so the group
     # is really torn down here and not at interpreter exit, where gloo's threads can abort the process.

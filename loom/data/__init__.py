@@ -17,28 +17,33 @@ from loom.data.tokenizers import build_tokenizer
 __all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer", "chat_encoder", "describe_sources",
            "prepare_data"]
 
+# the kinds of prepared data (a token file's mask: loom.data.prepare.check_mask); a method names the one it reads
+# (loom.train.objective.Objective.data)
+TEXT, CHAT, PAIRS = "lm", "sft", "dpo"
 
-def chat_encoder(cfg: DataConfig, tokenizer, objective: str = "lm") -> ChatEncoder | None:
-    """The conversation encoder of an SFT or DPO run (its chat template and loss mask); None for language modeling."""
-    if objective not in ("sft", "dpo"):
+
+def chat_encoder(cfg: DataConfig, tokenizer, kind: str = TEXT) -> ChatEncoder | None:
+    """The conversation encoder of conversations or pairs (its chat template and loss mask); None for plain text."""
+    if kind not in (CHAT, PAIRS):
         return None
     return ChatEncoder(load_template(cfg.chat_template, tokenizer), tokenizer, cfg.loss_tokens)
 
 
-def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str, objective: str = "lm",
+def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str, kind: str = TEXT,
                  rejected: str = "docstring") -> list[tuple[str, float, str]]:
     """Tokenize (or find cached) every source; returns (token file, weight, label). Run on one rank first.
-    ``objective`` (training.objective): 'sft' reads conversations and writes their loss masks, 'dpo' preference
-    pairs (one source); ``rejected``: the embedded pairs' rejected answers (loom.data.dpo.docstring_preferences)."""
-    sft = chat_encoder(cfg, tokenizer, objective)
+    ``kind``: CHAT reads conversations and writes their loss masks, PAIRS preference pairs (one source);
+    ``rejected``: the embedded pairs' rejected answers (loom.data.dpo.docstring_preferences)."""
+    sft = chat_encoder(cfg, tokenizer, kind)
     out = []
     specs = parse_source(cfg.source, cfg.text_field, cfg.encoding_errors)
-    if objective == "dpo" and len(specs) > 1:
+    pairs = kind == PAIRS
+    if pairs and len(specs) > 1:
         raise ConfigError("data.source", cfg.source, "training.objective dpo reads one source (no mixture)")
     for spec in specs:
-        if objective == "dpo" and spec.kind == "stdlib":
+        if pairs and spec.kind == "stdlib":
             spec.extra["rejected"] = rejected
-        path = ensure_token_file(spec, tokenizer, cache_dir, sft, dpo=objective == "dpo")
+        path = ensure_token_file(spec, tokenizer, cache_dir, sft, dpo=pairs)
         out.append((path, spec.weight, spec.label))
     return out
 
@@ -50,14 +55,14 @@ def check_tokenizer_match(path: str, meta, tokenizer) -> None:
 
 def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]], *, seq_len: int, seed: int,
                  dp_rank: int, dp_size: int, micro_batch: int, accumulation: int,
-                 objective: str = "lm") -> Loader | PairLoader:
-    """The loader of ``files``: packed windows, or under ``objective`` dpo preference pairs (global batches of
-    pairs; micro_batch and accumulation count pairs)."""
-    if objective == "dpo":
+                 kind: str = TEXT) -> Loader | PairLoader:
+    """The loader of ``files``: packed windows, or for PAIRS preference pairs (global batches of pairs;
+    micro_batch and accumulation count pairs)."""
+    if kind == PAIRS:
         ((path, _, label),) = files
         tf = TokenFile(path)
         check_tokenizer(path, tf.meta, tokenizer)
-        check_mask(path, tf.meta, "dpo")
+        check_mask(path, tf.meta, PAIRS)
         pad = getattr(tokenizer, "pad_id", None)
         return PairLoader(PairFile(tf, seq_len, cfg.val_fraction, label), seed=seed,
                           pad_id=tokenizer.eos_id if pad is None else pad, dp_rank=dp_rank, dp_size=dp_size,
@@ -66,7 +71,7 @@ def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]]
     for path, weight, label in files:
         tf = TokenFile(path)
         check_tokenizer(path, tf.meta, tokenizer)
-        check_mask(path, tf.meta, objective)
+        check_mask(path, tf.meta, kind)
         windows.append(Windows(tf, seq_len, cfg.val_fraction, label))
         weights.append(weight)
     return Loader(windows, weights, seed=seed, eos_id=tokenizer.eos_id, dp_rank=dp_rank, dp_size=dp_size,

@@ -188,7 +188,7 @@ class PairFile:
 def pair_batch(source: PairFile, ids: list[int], pad_id: int, ref: torch.Tensor | None) -> MicroBatch:
     """The micro-batch of kept pairs ``ids``: rows chosen 0..B-1, then rejected 0..B-1 (TRL's order), each
     padded to ``seq_len``; a label takes loss where its token is a completion token; document ids are 0 on a row's
-    tokens and 1 on its padding (a reward model reads each row's last token: loom.train.reward). ``ref``: the
+    tokens and 1 on its padding (a reward model reads each row's last token: loom.methods.reward). ``ref``: the
     reference log-probabilities (kept pairs, 2) of every pair, or None."""
     b, s = len(ids), source.seq_len
     inputs = torch.full((2 * b, s), pad_id, dtype=torch.int64)

@@ -66,14 +66,14 @@ def _write_conversations(spec: SourceSpec, encoder: ChatEncoder, writer: TokenFi
             progress(writer.meta.documents, writer.meta.tokens)
 
 
-def check_mask(path: str, meta: TokenFileMeta, objective, field: str = "data.source") -> None:
+def check_mask(path: str, meta: TokenFileMeta, kind, field: str = "data.source") -> None:
     """An SFT run reads only token files with a loss mask, a DPO run only files of pairs, a language-model run only
-    files without a mask. ``objective``: 'lm' | 'sft' | 'dpo' (True / False: 'sft' / 'lm')."""
-    objective = {True: "sft", False: "lm"}.get(objective, objective)
+    files without a mask. ``kind``: the data a run reads, 'lm' | 'sft' | 'dpo' (True / False: 'sft' / 'lm')."""
+    kind = {True: "sft", False: "lm"}.get(kind, kind)
     held = "dpo" if meta.mask == DPO_MASK else "sft" if meta.mask else "lm"
-    if objective == held:
+    if kind == held:
         return
-    if objective == "sft" and held == "lm":
+    if kind == "sft" and held == "lm":
         raise ConfigError(field, path, "holds no loss mask: training.objective sft trains on a token file written by "
                           "`loom data prepare --objective sft` (or on the conversations themselves)")
     if held == "sft":

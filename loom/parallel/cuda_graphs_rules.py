@@ -23,9 +23,6 @@ def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
         raise ConfigError("training.cuda_graphs", True, f"not with training.activation_checkpointing "
                           f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | "
                           "op")
-    if t.objective not in ("lm", "sft", "dpo", "reward"):
-        raise ConfigError("training.cuda_graphs", True, f"not with training.objective {t.objective} (its rollouts "
-                          "run the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward")
     if cfg.parallel.cpu_offload:
         raise ConfigError("training.cuda_graphs", True, "not with parallel.cpu_offload (parameters move between host "
                           "and GPU every step)")

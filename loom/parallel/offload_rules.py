@@ -12,7 +12,7 @@ from loom.parallel.dims import ParallelDims
 def check_offload(cfg: Config, dims: ParallelDims) -> None:
     """parallel.cpu_offload runs FSDP2 with its shards on the host, on one rank too (a 1-rank mesh): not where
     the model is replicated without sharding (DDP keeps its state on the device; sharding over the same ranks
-    holds less on the host), nor under GRPO (its engine generates on each rank's whole module)."""
+    holds less on the host); a method's own refusal is among its rules (loom.methods)."""
     p = cfg.parallel
     if not p.cpu_offload:
         return
@@ -20,9 +20,6 @@ def check_offload(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError("parallel.cpu_offload", True, f"needs FSDP2 (parallel.dp_shard x cp > 1, or one rank): "
                           f"parallel.dp_replicate = {dims.dp_replicate} with dp_shard = 1 replicates the model with "
                           "DDP; shard over those ranks instead (parallel.dp_shard)")
-    if cfg.training.objective in ("grpo", "ppo"):
-        raise ConfigError("parallel.cpu_offload", True, f"not with training.objective {cfg.training.objective} (its "
-                          "engine generates on each rank's whole module): allowed false")
 
 
 RULES = RuleSet("CPU offload", layout=check_offload)

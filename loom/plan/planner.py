@@ -27,7 +27,8 @@ from loom.plan.memory import (BYTES, GIB, WORKSPACE_BYTES, Memory, MemoryInputs,
 from loom.plan.shapes import block_params, expert_params, rank_shares
 from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency, attention_flops,
                               collective_s, efficiency, moe_overhead_s, recompute_share)
-from loom.resolve import accumulation_steps, model_kernels, resolve, resolve_model_args
+from loom.methods import resolve
+from loom.resolve import accumulation_steps, model_kernels, resolve_model_args
 
 # Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
 # (-9%..+12% on the measured runs, docs/planner.md) and what the caching allocator cannot reuse after a long run;

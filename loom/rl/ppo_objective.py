@@ -1,5 +1,6 @@
-"""``training.objective ppo``: PPO with a value head on the policy, on rollouts from loom's engine (the GRPO loader's
-prompts, sampling, rewards and warm-up: loom.rl.rollout), the math in loom.rl.ppo.
+"""``training.objective ppo``'s value function and rollouts: PPO with a value head on the policy, on rollouts from
+loom's engine (the GRPO loader's prompts, sampling, rewards and warm-up: loom.rl.rollout), the math in loom.rl.ppo,
+the objective in loom.methods.ppo.
 
 A batch of rollouts is ``ppo.mini_batches x training.global_batch_size`` completions. Each rank samples and scores
 its share and computes, with no-grad forwards, the rollout-time log-probabilities and values (and the reference's
@@ -10,7 +11,7 @@ each step takes the next ``global_batch_size`` rows of it and each rank its slic
 loss, the whitening and the shuffle are the same whatever the data-parallel layout.
 
 The value function (ppo.critic) is attached to the policy before parallelization, so the optimizer, DDP and
-checkpoints treat it as any parameter: 'head' = the reward model's ``dim -> 1`` head (loom.train.reward.score_head)
+checkpoints treat it as any parameter: 'head' = the reward model's ``dim -> 1`` head (loom.infer.reward.score_head)
 on the final norm's output, computed by a forward hook on the norm; 'model' = a separate model of the policy's
 shape with that head, run on the same tokens by a forward hook on the policy. Either runs inside the policy's
 forward, and only when asked (``forward_with_values``): the engine's generation forwards skip it. Under tensor
@@ -20,22 +21,18 @@ the hidden states with its weight whole, its values gathered whole on every rank
 
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from loom.config.errors import ConfigError
 from loom.data.loader import StepData
 from loom.numerics import IGNORE
-from loom.parallel.tensor_parallel import loss_parallel_context
-from loom.rl.grpo import kl_k3
-from loom.rl.ppo import gae, kl_estimate, policy_losses, token_rewards, value_losses, whiten
-from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, policy_forward, reference_logps, rows_to_batches,
+from loom.rl.ppo import gae, kl_estimate, token_rewards, whiten
+from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, reference_logps, rows_to_batches,
                              check_policy_finite, sample_checked, set_reference, token_logps)
-from loom.train.reward import attach_score_head, score_head
+from loom.infer.reward import attach_score_head, score_head
 
 
 # ---- the value function ------------------------------------------------------------------------------------------
@@ -136,21 +133,6 @@ class PpoBatch(RolloutBatch):
                         warmup=self.warmup, old_values=move(self.old_values), returns=move(self.returns))
 
 
-def reference_model(trainer) -> nn.Module:
-    """A frozen policy without the value head, built in the policy's layout (its parameters are copied in when PPO
-    starts: ``set_reference``). No activation checkpointing: nothing runs backward through it."""
-    from loom.models.registry import build_model
-    from loom.parallel.parallelize import parallelize_llama
-
-    cfg = trainer.cfg
-    with torch.device("meta"):
-        model = build_model(trainer.model_args)
-    training = replace(cfg.training, activation_checkpointing="none")
-    (ref,) = parallelize_llama(model, trainer.dims, training, cfg.parallel, trainer.device, cfg.run.seed).parts
-    ref.requires_grad_(False)
-    return ref.eval()
-
-
 class PpoRollouts(RolloutLoader):
     """This rank's PPO micro-batches for each step: the warm-up's worked examples, then a global batch of rollouts
     reused for ppo.epochs x ppo.mini_batches steps (see the module's docstring)."""
@@ -175,18 +157,19 @@ class PpoRollouts(RolloutLoader):
     def load_state_dict(self, state: dict) -> None:
         self.step, self.plan, self.held = int(state.get("grpo_step", 0)), [], {}
 
-    def bind(self, trainer, objective) -> None:
-        self.trainer, self.objective = trainer, objective
-        self.generator = self.engine_generator(trainer, self.rows * self.p.mini_batches)
+    def bind(self, engine, objective) -> None:
+        self.engine, self.objective = engine, objective
+        self.generator = self.engine_generator(engine, self.rows * self.p.mini_batches)
         if self.p.kl_coef > 0 and not self.cfg.lora.rank:
-            self.reference, self._reference_set = reference_model(trainer), False
-        self.load_reward_model(trainer)
+            # a frozen policy without the value head; its weights are copied in as PPO starts (``set_reference``)
+            self.reference, self._reference_set = engine.frozen_copy(copy_weights=False), False
+        self.load_reward_model(engine)
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
         trained = None if self._handed_out is None else now - self._handed_out
         self.step += 1
-        if self.step <= self.warmup or self.trainer is None:
+        if self.step <= self.warmup or self.engine is None:
             batches = self.worked_examples()
             self.stats = {"grpo/warmup": 1.0}
         else:
@@ -195,7 +178,7 @@ class PpoRollouts(RolloutLoader):
             else:
                 self.stats = {**self.stats, **HELD}
             batches = self.mini_batch(*self.plan.pop(0))
-            self._scale_lr()
+            self.engine.scale_lr(self.g.lr_ratio)
         if trained is not None:
             self.stats["time/training_s"] = trained
         self._handed_out = time.perf_counter()
@@ -208,7 +191,7 @@ class PpoRollouts(RolloutLoader):
         g, p, G = self.g, self.p, self.g.group_size
         rows = self._mine(self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step)))
         prompts = self.prompt_ids(rows)
-        check_policy_finite(self.trainer, self.step)
+        check_policy_finite(self.engine, self.step)
         self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
         t0 = time.perf_counter()
         outs = sample_checked(self.sample, prompts, self.step)
@@ -235,20 +218,20 @@ class PpoRollouts(RolloutLoader):
     def _rollout_forwards(self, local: RolloutBatch):
         """The rollout-time policy's log-probabilities and values (N, W), and the reference's log-probabilities
         (N, W; None without a KL), one no-grad forward each per micro-batch of rows."""
-        g, p, trainer = self.g, self.p, self.trainer
+        g, p, engine = self.g, self.p, self.engine
         if p.kl_coef > 0 and self.reference is not None and not self._reference_set:
             set_reference(self)  # the policy as PPO starts (after the warm-up); on a resume, read back
             self._reference_set = True
-        model = trainer.parts[0]
+        model = engine.parts[0]
         if p.critic == "model" and self.step == self.warmup + 1:  # PPO starts here (a resumed run keeps its critic)
             copy_trunk(model, model.critic)
         model.eval()
         logps, values, refs = [], [], []
         try:
             for start in range(0, local.inputs.shape[0], self.micro):
-                inputs = local.inputs[start:start + self.micro].to(trainer.device)
-                labels = local.labels[start:start + self.micro].to(trainer.device)
-                with trainer._autocast(), loss_parallel_context(trainer.steps.ctx.loss_parallel):
+                inputs = local.inputs[start:start + self.micro].to(engine.device)
+                labels = local.labels[start:start + self.micro].to(engine.device)
+                with engine.forward_context():
                     logits, v = forward_with_values(model, inputs)
                     logps.append(token_logps(logits, labels, g.temperature).cpu())
                     values.append(v.cpu())
@@ -261,7 +244,7 @@ class PpoRollouts(RolloutLoader):
     def _gather(self, inputs, labels, old_logps, values, ref_logps, scores, per, truncated, lengths) -> dict:
         """Every rank's rows in rank order, on every rank (a sum over the data-parallel ranks of tensors that hold
         this rank's rows and zeros elsewhere), right-padded to the widest rank's width; fp32 / int64 on the CPU."""
-        dims, device, n = self.trainer.dims, self.trainer.device, inputs.shape[0]
+        dims, device, n = self.engine.dims, self.engine.device, inputs.shape[0]
         widths = torch.zeros(self.dp_size, dtype=torch.float64)
         widths[self.dp_rank] = inputs.shape[1]
         width = int(dims.data_sum(widths.to(device)).max())
@@ -325,7 +308,7 @@ class PpoRollouts(RolloutLoader):
         """The batch of rollouts' figures (global: every rank holds the whole batch)."""
         mask, n = h["mask"], float(h["scores"].shape[0])
         tokens = mask.sum().clamp(min=1)
-        secs = self.trainer.dims.data_sum(torch.tensor(seconds, dtype=torch.float64).to(self.trainer.device)).cpu()
+        secs = self.engine.dims.data_sum(torch.tensor(seconds, dtype=torch.float64).to(self.engine.device)).cpu()
         secs = secs / self.dp_size
         new_tokens = float(h["lengths"].sum())
         scores = h["scores"]
@@ -348,93 +331,3 @@ class PpoRollouts(RolloutLoader):
             "time/weight_sync_s": float(secs[3]),
             "weight_sync_bytes": float(secs[4]),  # per rank
         }
-
-
-# ---- the objective ----------------------------------------------------------------------------------------------
-
-class ProximalPolicy:
-    """PPO over the rollout loader's micro-batches (``build_loader``; ``prepare`` binds it to the built model): per
-    completion token the clipped policy loss + ppo.vf_coef x the clipped value loss (+ ppo.kl_coef x the k3 KL to
-    the reference with ppo.kl_penalty loss), summed; the count is completion tokens, so a step's loss is the mean
-    per token of the global mini-batch whatever the layout. During the warm-up, cross-entropy on the worked
-    examples' answers."""
-
-    loss_in_forward = True  # the loss needs values, advantages and rollout-time log-probabilities beside the logits
-    STATS = ("ppo/policy_loss", "ppo/value_loss", "ppo/clipfrac", "ppo/value_clipfrac", "ppo/approx_kl")
-    # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method: the
-    # sampled rollouts' mean reward and its parts (the embedded task's exact_answer is their accuracy), the greedy
-    # accuracy of the evaluation hook (loom.rl.arithmetic:greedy_accuracy), the KL to the reference where computed
-    console = (("warm-up", "grpo/warmup", "flag"), ("reward", "reward", ".3f"), ("acc", "rewards/exact_answer", ".3f"),
-               ("", "rewards/*", ".3f"),
-               ("eval acc", "eval/accuracy", ".3f"), ("kl", "ppo/rollout_kl", ".4f"))
-    panels = (("reward", ("reward", "rewards/*"), "mean over the rollouts"),
-              ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
-              ("KL to the reference", ("ppo/rollout_kl",), "per completion token"))
-
-    def __init__(self, cfg):
-        self.cfg, self.g, self.p = cfg, cfg.grpo, cfg.ppo
-        self._stats: dict[str, torch.Tensor] = {}
-        self.loader: PpoRollouts | None = None
-
-    def attach(self, model: nn.Module) -> None:
-        (attach_critic if self.p.critic == "model" else attach_value_head)(model)
-
-    @contextlib.contextmanager
-    def heads_hidden(self, parts: list[nn.Module]):
-        """The parts without their value function for a while: model.init_from loads the policy's weights by the
-        policy's names (the folder holds no value head; it keeps its seeded init, a critic its copy at PPO's start)."""
-        hidden = [(part, name, part._modules.pop(name)) for part in parts for name in ("value_head", "critic")
-                  if name in part._modules]
-        try:
-            yield
-        finally:
-            for part, name, module in hidden:
-                part._modules[name] = module
-
-    def build_loader(self, trainer) -> PpoRollouts:
-        self.loader = PpoRollouts(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)
-        return self.loader
-
-    def prepare(self, trainer) -> None:
-        if not hasattr(plain(trainer.parts[0]), "ppo_values"):
-            raise ConfigError("training.objective", "ppo", "a model with a value function: build the Trainer with the "
-                              "objective (Trainer(cfg, objective=ProximalPolicy(cfg)))")
-        if self.loader is None:
-            self.loader = trainer.loader = self.build_loader(trainer)
-        self.loader.bind(trainer, self)
-
-    def count(self, mb: RolloutBatch) -> torch.Tensor:
-        return (mb.labels != IGNORE).sum()
-
-    def forward(self, model, mb: PpoBatch, positions: torch.Tensor | None) -> torch.Tensor:
-        g, p = self.g, self.p
-        mask = (mb.labels != IGNORE).float()  # (B, S) the completion tokens
-        # (B, S, V), (B, S)
-        logits, values = policy_forward(model, mb.inputs, mb.labels, positions, forward_with_values)
-        if mb.warmup:  # the value head joins with weight 0: DDP expects a gradient for every trained parameter
-            return -(token_logps(logits, mb.labels) * mask).sum() + 0.0 * values.sum()
-        logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)
-        pg, pg_clipped = policy_losses(logps, mb.old_logps, mb.advantages, p.cliprange)
-        vf, vf_clipped = value_losses(values, mb.old_values, mb.returns, p.cliprange_value)
-        losses = pg + p.vf_coef * vf
-        kl = None
-        if mb.ref_token_logps is not None:
-            kl = kl_k3(logps, mb.ref_token_logps)
-            losses = losses + p.kl_coef * kl
-        with torch.no_grad():
-            approx_kl = 0.5 * (logps - mb.old_logps) ** 2
-            for name, value in tuple(zip(self.STATS, (pg, vf, pg_clipped, vf_clipped, approx_kl))) + \
-                    ((("kl", kl),) if kl is not None else ()):
-                self._stats[name] = self._stats.get(name, 0) + (value.float() * mask).sum()
-        return (losses * mask).sum()
-
-    def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("PPO computes its loss in forward (pipeline parallelism is refused)")
-
-    def step_stats(self) -> dict[str, torch.Tensor]:
-        stats, self._stats = self._stats, {}
-        return stats
-
-    def record(self) -> dict[str, float]:
-        """The last step's rollout figures (global)."""
-        return dict(self.loader.stats) if self.loader is not None else {}

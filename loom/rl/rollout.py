@@ -26,14 +26,13 @@ from loom.data.loader import MicroBatch, StepData
 from loom.models.common.lora import adapters_disabled
 from loom.models.common.moe import count_tokens
 from loom.numerics import IGNORE
-from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
+from loom.parallel.tensor_parallel import to_local_loss
 from loom.rl.arithmetic import ArithmeticTask
 from loom.rl.grpo import group_advantages, loss_count
 from loom.rl.judge import Judge
 from loom.rl.prompts import PromptRows, conversational
 from loom.rl.rewards import Rewards
-from loom.train.objective import frozen_copy, release_gathered
-from loom.train.schedule import lr_factor
+from loom.train.objective import release_gathered
 
 EMBEDDED_REWARDS = ("loom.rl.arithmetic:exact_answer", "loom.rl.arithmetic:digit_match")
 EMBEDDED_WEIGHTS = (1.0, 0.5)
@@ -159,13 +158,13 @@ def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         p.copy_(mine[canonical_name(name)])
 
 
-def check_policy_finite(trainer, step: int) -> None:
+def check_policy_finite(engine, step: int) -> None:
     """Before sampling: weights that are not finite (an update with a huge learning rate) would make the sampler
     fail on NaN probabilities while the logged loss stays 0 (equal rewards give zero advantages). The run stops in
     one line, as the guard stops it (exit 1; the last complete checkpoint stays)."""
     from loom.config.errors import TrainingStopped
 
-    if trainer.env.any_rank(not trainer._weights_finite()):
+    if engine.env.any_rank(not engine.weights_finite()):
         raise TrainingStopped(f"step {step}: the policy's weights are not finite (the update before this step "
                               "diverged; lower optimizer.lr): stopped before sampling, the last complete checkpoint "
                               "stays")
@@ -195,13 +194,13 @@ def set_reference(loader) -> None:
     resumed steps equal the uninterrupted run's (the resumed policy has moved away from it)."""
     from loom.checkpoint.manager import CorruptCheckpoint, load_model_weights, save_model_weights, verify
 
-    trainer = loader.trainer
-    ckpt = trainer.checkpointer
+    engine = loader.engine
+    ckpt = engine.checkpointer
     lineage = ckpt.lineage or "none"
     if loader.step <= loader.warmup + 1:
-        copy_parameters(trainer.parts[0], loader.reference)
+        copy_parameters(engine.parts[0], loader.reference)
         save_model_weights(loader.reference, os.path.join(ckpt.dir, REFERENCE_DIR, lineage),
-                           is_main=trainer.env.is_main, barrier=trainer.env.barrier, lineage=lineage)
+                           is_main=engine.env.is_main, barrier=engine.env.barrier, lineage=lineage)
         return
     homes = [ckpt.dir] + ([os.path.dirname(ckpt.resumed_from)] if ckpt.resumed_from else [])
     candidates = [os.path.join(h, REFERENCE_DIR, lineage) for h in homes]
@@ -215,15 +214,15 @@ def set_reference(loader) -> None:
                 continue
         return None
 
-    folder = trainer.env.share_from_main(usable() if trainer.env.is_main else None)
+    folder = engine.env.share_from_main(usable() if engine.env.is_main else None)
     if folder is not None:
         load_model_weights(folder, loader.reference)
-        if trainer.env.is_main:
+        if engine.env.is_main:
             print(f"KL reference: restored from {folder} (taken at step {loader.warmup + 1} of this lineage)",
                   flush=True)
         return
-    copy_parameters(trainer.parts[0], loader.reference)
-    if trainer.env.is_main:
+    copy_parameters(engine.parts[0], loader.reference)
+    if engine.env.is_main:
         print(f"KL reference: {candidates[0]} holds no complete reference of lineage {lineage} (a checkpoint from "
               "before references were kept): the resumed policy is the reference, so the KL term differs from the "
               "uninterrupted run's", flush=True)
@@ -231,7 +230,7 @@ def set_reference(loader) -> None:
 
 class RolloutLoader:
     """This rank's rollouts for each step (the trainer's loader interface: ``next_step``, ``describe``,
-    ``validation``, ``state_dict``). ``bind(trainer, objective)`` (the objective's ``prepare``) gives it the model."""
+    ``validation``, ``state_dict``). ``bind(engine, objective)`` (the objective's ``prepare``) gives it the model."""
 
     def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
         g, t = cfg.grpo, cfg.training
@@ -258,13 +257,13 @@ class RolloutLoader:
         self.judge = Judge(g) if g.judge else None
         extra = (("judge", self.judge, g.judge_weight),) if self.judge else ()
         self.rewards = Rewards(specs, weights, extra) if specs or extra else None
-        self.reward_model = None  # grpo.reward_model's scorer (loom.train.reward.RewardScorer): loaded in bind
+        self.reward_model = None  # grpo.reward_model's scorer (loom.infer.reward.RewardScorer): loaded in bind
         self.warmup = warmup_steps(cfg)
         self.pad_id = tokenizer.eos_id
         self.step = 0  # steps handed out
         self._held: list[RolloutBatch] | None = None  # the last rollouts, reused grpo.iterations times
         self._uses = 0
-        self.trainer = self.objective = self.generator = self.weights = None
+        self.engine = self.objective = self.generator = self.weights = None
         self.reference = None  # beta > 0 without LoRA: a frozen copy of the policy as GRPO starts
         self._reference_set = False
         self.stats: dict[str, float] = {}
@@ -293,34 +292,34 @@ class RolloutLoader:
     def load_state_dict(self, state: dict) -> None:
         self.step, self._held, self._uses = int(state.get("grpo_step", 0)), None, 0
 
-    def bind(self, trainer, objective) -> None:
-        """The live model: a generator on the trainer's own module, under FSDP2 on its synced copy, under TP on the
-        engine's tensor-parallel module over the trainer's shards."""
-        self.trainer, self.objective = trainer, objective
-        self.generator = self.engine_generator(trainer, self.rows)
+    def bind(self, engine, objective) -> None:
+        """The live model: a generator on the engine's own module, under FSDP2 on its synced copy, under TP on the
+        inference engine's tensor-parallel module over the training shards."""
+        self.engine, self.objective = engine, objective
+        self.generator = self.engine_generator(engine, self.rows)
         if self.g.beta > 0 and not self.cfg.lora.rank:  # built in the policy's layout before the engine runs
-            self.reference, self._reference_set = frozen_copy(trainer), False
-        self.load_reward_model(trainer)
+            self.reference, self._reference_set = engine.frozen_copy(), False
+        self.load_reward_model(engine)
 
-    def load_reward_model(self, trainer) -> None:
-        """grpo.reward_model on the trainer's device, whole on every rank (it scores this rank's rollouts)."""
+    def load_reward_model(self, engine) -> None:
+        """grpo.reward_model on the engine's device, whole on every rank (it scores this rank's rollouts)."""
         if self.g.reward_model:
-            from loom.train.reward import load_reward_model
+            from loom.infer.reward import load_reward_model
 
             try:
-                self.reward_model = load_reward_model(self.g.reward_model, str(trainer.device))
+                self.reward_model = load_reward_model(self.g.reward_model, str(engine.device))
             except ConfigError as err:  # the loader names its own argument ("model", "score")
                 raise ConfigError("grpo.reward_model", self.g.reward_model, err.allowed) from None
 
-    def engine_generator(self, trainer, max_batch: int):
-        """A generator on the policy's weights as the engine sees them (loom.rl.sync); the judge, if any, is put on
-        the trainer's device too."""
+    def engine_generator(self, engine, max_batch: int):
+        """A generator on the policy's weights as the inference engine sees them (loom.rl.sync); the judge, if any,
+        is put on the training engine's device too."""
         from loom.infer.generator import Generator
         from loom.rl.sync import EngineWeights
 
-        self.weights = EngineWeights.build(trainer)
+        self.weights = EngineWeights.build(engine)
         if self.judge is not None:
-            self.judge.device = str(trainer.device)  # loaded there on first use
+            self.judge.device = str(engine.device)  # loaded there on first use
         # under TP every rank of the group continues with one token (the group's first rank's)
         with kept_mode(self.weights.model):
             return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch,
@@ -330,7 +329,7 @@ class RolloutLoader:
         now = time.perf_counter()
         trained = None if self._handed_out is None else now - self._handed_out  # the last step's training time
         self.step += 1
-        if self.step <= self.warmup or self.trainer is None:  # (the trainer may peek before binding)
+        if self.step <= self.warmup or self.engine is None:  # (the engine may peek before binding)
             batches = self.worked_examples()
             self.stats = {"grpo/warmup": 1.0}
         elif self._held is not None and self._uses < self.g.iterations:
@@ -340,21 +339,12 @@ class RolloutLoader:
         else:
             batches = self._held = self.rollouts()
             self._uses = 1
-        if self.trainer is not None and self.step > self.warmup:
-            self._scale_lr()
+        if self.engine is not None and self.step > self.warmup:
+            self.engine.scale_lr(self.g.lr_ratio)  # grpo.lr_ratio: this step's LR, the schedule's times the ratio
         if trained is not None:
             self.stats["time/training_s"] = trained  # of the step before this one
         self._handed_out = time.perf_counter()
         return StepData(list(batches), None)
-
-    def _scale_lr(self) -> None:
-        """grpo.lr_ratio: this step's LR, the schedule's times the ratio (the scheduler sets the plain value again
-        after each update; every GRPO step comes through here first)."""
-        sched, opt = self.trainer.scheduler, self.cfg.optimizer
-        for s in sched.schedulers:
-            lr = opt.lr * lr_factor(s.last_epoch, sched.total_steps, opt) * self.g.lr_ratio
-            for group in s.optimizer.param_groups:
-                group["lr"] = lr
 
     # ---- batches --------------------------------------------------------------------------------------------
     def worked_examples(self) -> list[RolloutBatch]:
@@ -373,10 +363,10 @@ class RolloutLoader:
 
     def rollouts(self) -> list[RolloutBatch]:
         """Sample, score, normalize, and compute the log-probabilities the loss needs; sets ``stats``."""
-        g, trainer, G = self.g, self.trainer, self.g.group_size
+        g, engine, G = self.g, self.engine, self.g.group_size
         rows = self._mine(self.source.problems(self.rows // G * self.dp_size, ("grpo", self.step)))
         prompts = self.prompt_ids(rows)
-        check_policy_finite(trainer, self.step)
+        check_policy_finite(engine, self.step)
         self.weights.sync()  # the engine on the policy's current weights (a gather where FSDP2 shards; else nothing)
         t0 = time.perf_counter()
         outs = sample_checked(self.sample, prompts, self.step)
@@ -384,7 +374,7 @@ class RolloutLoader:
         completions = [o.token_ids for o in outs]
         total, per, names = self.score(rows, prompts, outs)
         batch_std = None
-        dims, device = trainer.dims, trainer.device
+        dims, device = engine.dims, engine.device
         sums = dims.data_sum(torch.stack([total.sum(), (total ** 2).sum(), torch.tensor(float(len(total)))])
                              .to(device).double()).cpu()
         mean = sums[0] / sums[2]
@@ -453,13 +443,13 @@ class RolloutLoader:
         """One completion (``loom.infer.Completion``) per prompt id list, from the engine on the live weights."""
         from loom.infer.sampling import SamplingParams
 
-        g, trainer = self.g, self.trainer
+        g, engine = self.g, self.engine
         params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                 seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank)
         model = self.weights.model
         model.eval()
         try:
-            with torch.no_grad(), trainer._autocast():
+            with torch.no_grad(), engine.autocast():
                 return self.generator.generate_ids(prompts, params)
         finally:
             engine = self.generator.engine  # the caches out: training forwards run the plain model
@@ -471,20 +461,20 @@ class RolloutLoader:
     def _logps(self, batches: list[RolloutBatch]) -> None:
         """The rollout-time policy's token log-probabilities (grpo.iterations > 1: later steps' ratios are against
         them) and the reference's (beta > 0), one no-grad forward each per micro-batch."""
-        g, trainer = self.g, self.trainer
+        g, engine = self.g, self.engine
         if g.iterations == 1 and g.beta == 0:
             return
         if g.beta > 0 and not self.cfg.lora.rank and not self._reference_set:
             # the policy as GRPO starts (after the warm-up), frozen; a resumed run reads it back from its lineage
             set_reference(self)
             self._reference_set = True
-        model = trainer.parts[0]
+        model = engine.parts[0]
         model.eval()
         try:
             for mb in batches:
-                inputs = mb.inputs.to(trainer.device)
-                labels = mb.labels.to(trainer.device)
-                with trainer._autocast(), loss_parallel_context(trainer.steps.ctx.loss_parallel):
+                inputs = mb.inputs.to(engine.device)
+                labels = mb.labels.to(engine.device)
+                with engine.forward_context():
                     if g.iterations > 1:
                         mb.old_logps = token_logps(model(inputs), labels, g.temperature).cpu()
                     if g.beta > 0:
@@ -494,7 +484,7 @@ class RolloutLoader:
 
     def _set_stats(self, batches, total, per, names, sums, std, truncated, outs, seconds) -> None:
         """The step's rollout figures over every data-parallel rank; the objective's normalizing counts."""
-        g, dims, device = self.g, self.trainer.dims, self.trainer.device
+        g, dims, device = self.g, self.engine.dims, self.engine.device
         mask_tokens = sum(float((mb.labels != IGNORE).sum()) for mb in batches)
         count = sum(float(loss_count(mb.labels != IGNORE, g.loss_type, g.max_new_tokens)) for mb in batches)
         new_tokens = float(sum(len(o.token_ids) for o in outs))

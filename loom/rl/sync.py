@@ -48,30 +48,31 @@ class EngineWeights:
         self.seconds, self.bytes = 0.0, 0
 
     @classmethod
-    def build(cls, trainer) -> "EngineWeights":
-        """The trainer's own module where it is whole; under TP the engine's tensor-parallel module on the
-        trainer's shards (``tp_engine_model``); a plain copy of the policy (with its LoRA adapters, if any) on the
-        trainer's device under FSDP2. The engine's model holds no value head or critic: it only generates."""
-        policy = trainer.parts[0]
+    def build(cls, engine) -> "EngineWeights":
+        """The training engine's own module where it is whole; under TP the inference engine's tensor-parallel
+        module on the training shards (``tp_engine_model``); a plain copy of the policy (with its LoRA adapters, if
+        any) on the training device under FSDP2. The inference engine's model holds no value head or critic: it only
+        generates."""
+        policy = engine.parts[0]
         if not is_sharded(policy):
             return cls(policy, policy)
-        dtype = trainer.dtype if trainer.dtype in (torch.bfloat16, torch.float16) else torch.float32
-        if trainer.dims.tp_enabled:
-            mesh = trainer.dims["tp"]
-            model, fills, shared = tp_engine_model(policy, trainer.model_args, trainer.cfg.lora, mesh, dtype,
-                                                   trainer.device)
+        dtype = engine.dtype if engine.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        if engine.dims.tp_enabled:
+            mesh = engine.dims["tp"]
+            model, fills, shared = tp_engine_model(policy, engine.model_args, engine.cfg.lora, mesh, dtype,
+                                                   engine.device)
             return cls(policy, model, fills, shared, group=mesh.get_group())
         from loom.models.registry import build_model
 
         with torch.device("meta"):
-            copy = build_model(trainer.model_args)
-        apply_lora(copy, trainer.cfg.lora)
+            copy = build_model(engine.model_args)
+        apply_lora(copy, engine.cfg.lora)
         tied = _shared_parameters(copy)
-        copy = copy.to(dtype).to_empty(device=trainer.device)
+        copy = copy.to(dtype).to_empty(device=engine.device)
         for (mod0, name0), *others in tied:  # to_empty gives each place of a tied weight its own: re-tie
             for mod, name in others:
                 setattr(mod, name, getattr(mod0, name0))
-        copy.init_buffers(trainer.device)  # the RoPE table in fp32
+        copy.init_buffers(engine.device)  # the RoPE table in fp32
         copy.requires_grad_(False)
         return cls(policy, copy.eval())
 

@@ -35,9 +35,6 @@ def check_fault_tolerance(cfg: Config) -> None:
     if cfg.training.nonfinite == "rollback":
         raise ConfigError("training.nonfinite", "rollback", "not with parallel.fault_tolerance (one group would "
                           "roll back alone): allowed skip | stop")
-    if cfg.training.objective in ("grpo", "ppo"):
-        raise ConfigError("training.objective", cfg.training.objective, "not with parallel.fault_tolerance (its "
-                          "rollouts are not split over replica groups)")
 
 
 def check_torchft(cfg: Config, device: str) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from loom.checkpoint.manager import STATE
 from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
+from loom.train.hooks import StepHook
 
 # wrapper prefixes that activation checkpointing and torch.compile add to parameter names, and that the
 # checkpoint's state dicts leave out
@@ -315,3 +316,49 @@ class DiLoCo:
             _local(buf).zero_()
         self.wait()
         self.in_flight.clear()
+
+
+class DiLoCoHook(StepHook):
+    """DiLoCo as a step hook: a group's gradient is the mean over its own tokens, the groups agree on skipping a
+    step, the outer synchronization follows each optimizer step, and the outer state goes into checkpoints."""
+
+    def __init__(self, diloco: DiLoCo, dims):
+        self.diloco, self.dims = diloco, dims
+        self.replica = diloco  # the checkpoint's outer state (loom.checkpoint.manager)
+        self._group: torch.Tensor | None = None  # this step's count over the replica group
+
+    @classmethod
+    def build(cls, parts: list[torch.nn.Module], dims, cfg: ParallelConfig) -> "DiLoCoHook":
+        return cls(DiLoCo.build(parts, dims, cfg), dims)
+
+    def before_count(self, local: torch.Tensor) -> None:
+        self._group = self.diloco.group_sum(local.clone())  # a replica group's tokens
+
+    def grad_scale(self, scale: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        # a group's gradient is the mean over its own tokens (FSDP2 averages over dp_shard x cp)
+        return self.dims.dp_shard * self.dims.cp * loss_scale / self._group.clamp(min=1)
+
+    def agree(self, applies: torch.Tensor) -> torch.Tensor:
+        return self.diloco.agree(applies)  # a gradient norm is its group's: the groups skip together
+
+    def after_update(self, step: int) -> None:
+        self.diloco.after_step(step)  # every H steps (per fragment), applied or not: the rounds stay aligned
+
+    def record(self) -> dict:
+        return {"diloco_bytes": self.diloco.bytes_sent}
+
+    def finish(self) -> None:
+        self.diloco.wait()  # outer reductions still in flight finish before the process group can go
+
+    def state_dict(self, step: int) -> dict:
+        return {"diloco": self.diloco.record(step)}
+
+    def check_resume(self, folder: str) -> None:
+        self.diloco.check_resume(folder)  # another number of groups is refused
+
+    def loaded(self, with_state: bool) -> None:
+        if not with_state:  # weights only: the first round starts from them
+            self.diloco.restart()
+
+    def resumed(self, step: int) -> None:
+        self.diloco.resumed(step)  # the checkpoint's pending outer reductions

@@ -23,9 +23,7 @@ def check_diloco(cfg: Config) -> None:
             ("parallel.ep", p.ep, p.ep > 1, "expert gradients are reduced over dp_replicate inside FSDP2"),
             ("parallel.cpu_offload", True, p.cpu_offload, "the outer all-reduce runs on the training device"),
             ("metrics.noise_scale", True, cfg.metrics.noise_scale, "its large batch is the all-reduced gradient"),
-            ("parallel.fault_tolerance", True, p.fault_tolerance, "torchft's replica groups reduce every step"),
-            ("training.objective", cfg.training.objective, cfg.training.objective in ("grpo", "ppo"),
-             "its rollouts read one policy")):
+            ("parallel.fault_tolerance", True, p.fault_tolerance, "torchft's replica groups reduce every step")):
         if bad:
             raise ConfigError(field, h, f"not with {key} = {value} ({why})")
     if p.diloco_fragments > h:

@@ -8,9 +8,10 @@ import torch.distributed as dist
 from loom.models.common.init import canonical_name
 from loom.models.common.moe import MoE, set_aux_scale, take_balance, update_expert_bias
 from loom.models.registry import build_model
+from loom.train.hooks import StepHook
 
 
-class MoEBalance:
+class MoEBalance(StepHook):
     """``scale`` before a step: the balance loss is a mean over the step's sequences, reduced across ranks like
     the token loss. ``read`` after it: the step's balance per block and sequence (1 when tokens spread evenly
     over the experts, up to n_experts / top_k when every token of a sequence picks the same experts)."""
@@ -25,6 +26,17 @@ class MoEBalance:
                               if isinstance(m, MoE)]
             self.n_layers = len(self.names)
         self.args = args
+
+    def before_step(self, loss_scale: float) -> None:
+        self.scale(loss_scale)
+
+    def step_out(self, applies: torch.Tensor, shape_inference: bool, device: torch.device) -> dict:
+        """Aux-loss-free balancing: the selection biases move after the update; then the step's balance (a
+        pipeline's first schedule run in a process also runs each stage on placeholder inputs, shape inference,
+        whose routing is noise: that step's balance is not reported)."""
+        bias = self.update_bias(applies, device)
+        balance = self.read(device)
+        return {"moe_bias": bias, "moe_balance": None if shape_inference else balance}
 
     def scale(self, loss_scale: float) -> None:
         for part in self.parts:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loom.train.hooks import StepHook
+
 
 def unbiased_terms(small_sq, big_sq, b_small, b_big):
     """(|G|², tr(Σ)) from |G_small|², |G_big|² at batch sizes b_small < b_big (the paper's equations A.2, A.3)."""
@@ -58,7 +60,7 @@ class NoiseScale:
 
 
 @dataclass
-class NoiseScaleProbe:
+class NoiseScaleProbe(StepHook):
     """Runs a step's micro-batches through a step strategy in two parts, the first micro-batch alone, and reads
     the gradient norm in between (docstring of this module). ``local``: pure DDP, whose first micro-batch's
     gradient is this rank's own (its reduction waits for the last micro-batch)."""
@@ -73,6 +75,15 @@ class NoiseScaleProbe:
     def build(cls, steps, dims, objective) -> "NoiseScaleProbe":
         local = dims.ddp_enabled and not dims.replicate_with_fsdp
         return cls(steps, dims, objective.count, local, NoiseScale())
+
+    def run_step(self, steps, mbs: list, grad_scale: torch.Tensor, loss_scale: float):
+        return self.step(mbs, grad_scale, loss_scale)
+
+    def observe_norm(self, norm: torch.Tensor, denominator: torch.Tensor) -> None:
+        self.observe(norm, denominator)
+
+    def record(self) -> dict:
+        return {"noise_scale": self.value()}
 
     def step(self, mbs: list, grad_scale: torch.Tensor, loss_scale: float):
         """``steps.step`` over ``mbs``, noting the first micro-batch's gradient norm; returns its StepResult."""

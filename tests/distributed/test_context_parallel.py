@@ -343,7 +343,7 @@ def test_cp_checkpoint_resumes_under_fsdp(tmp_path):
     ({"parallel.cp": "2", "parallel.cp_method": "ulysses"}, "parallel.cp_method"),
 ])
 def test_unsupported_cp_settings_name_the_field(overrides, field):
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     with pytest.raises(ConfigError) as err:
         check_config(build_config(None, overrides))

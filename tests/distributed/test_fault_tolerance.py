@@ -242,7 +242,7 @@ def test_fault_tolerance_rules(monkeypatch):
     """The ft_* fields only with parallel.fault_tolerance; the groups take the replicate axis; what is not supported
     with it yet is refused by name; the global batch is split over the groups' data-parallel ranks."""
     from loom.config.errors import ConfigError
-    from loom.resolve import resolve
+    from loom.methods import resolve
     from tests.tiny import tiny_config
 
     ft = {"parallel.fault_tolerance": "true", "parallel.ft_replica_groups": 2, "parallel.ft_lighthouse": "http://h:1"}

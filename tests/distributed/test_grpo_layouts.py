@@ -12,7 +12,7 @@ import random
 import pytest
 
 from loom.infer.generator import Completion
-from loom.rl.objective import GroupRelative
+from loom.methods.grpo import GroupRelative
 from loom.rl.rollout import RolloutLoader
 from tests.distributed.harness import job_tmp, run_fn
 from tests.tiny import tiny_overrides

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from loom.rl.ppo_objective import PpoRollouts, ProximalPolicy
+from loom.methods.ppo import ProximalPolicy
+from loom.rl.ppo_objective import PpoRollouts
 from tests.distributed.harness import job_tmp, run_fn
 from tests.distributed.test_grpo_layouts import FixedRollouts
 from tests.tiny import tiny_overrides

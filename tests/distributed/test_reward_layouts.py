@@ -71,7 +71,7 @@ def test_reward_losses_and_statistics_match_single_process(results):
 def test_the_saved_head_is_the_single_process_one(results):
     """The score head trained under each layout (sharded by FSDP2 or replicated by DDP) is saved whole and equals
     the single process's."""
-    from loom.train.reward import load_reward_model
+    from loom.infer.reward import load_reward_model
 
     tmp, _, layouts = results
     ckpt = lambda name: str(tmp / name / "checkpoints" / f"step_{STEPS:08d}")

@@ -34,7 +34,7 @@ def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
     """GRPO with the real engine for 3 steps, then one more sync: the engine's logits against the policy's.
     ``layout``: the parallel overrides where ``env`` is given (a distributed run)."""
     from loom.config import build_config
-    from loom.rl.objective import GroupRelative
+    from loom.methods.grpo import GroupRelative
     from loom.rl.sync import whole_model
     from loom.train.trainer import Trainer
 

@@ -185,7 +185,7 @@ def ppo_engine_check(tmp: str, env) -> dict:
     import torch
 
     from loom.config import build_config
-    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
 
     job = ppo.overrides(tmp, "engine", 2, **{"training.steps": 3, "ppo.critic": "model", "ppo.kl_coef": 0.05, **TP})

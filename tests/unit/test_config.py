@@ -10,7 +10,8 @@ import pytest
 
 from loom.config import Config, ConfigError, build_config, parse_overrides, to_toml
 from loom.config.load import all_keys, read_toml
-from loom.resolve import accumulation_steps, check_config
+from loom.methods import check_config
+from loom.resolve import accumulation_steps
 from loom.config.sections import SECTIONS
 
 

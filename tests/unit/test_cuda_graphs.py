@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loom.config import ConfigError, build_config
-from loom.parallel.cuda_graphs_rules import check_cuda_graphs
-from loom.resolve import resolve
+from loom.methods import check_config, resolve
 
 
 def cfg(**over):
@@ -23,7 +22,7 @@ def cfg(**over):
 ])
 def test_what_graphs_cannot_take_is_refused(over, says):
     with pytest.raises(ConfigError, match="training.cuda_graphs") as err:
-        check_cuda_graphs(cfg(**over))
+        check_config(cfg(**over))  # the features' rules and the method's (a method's own refusal is in loom.methods)
     assert says in str(err.value)
 
 

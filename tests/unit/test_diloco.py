@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
-from loom.resolve import resolve
+from loom.methods import resolve
 from loom.train.diloco import DiLoCo, fragment_split, state_name
 from tests.tiny import tiny_config
 

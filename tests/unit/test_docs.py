@@ -71,10 +71,10 @@ def test_readme_extras_table_lists_every_extra():
 
 
 def test_every_objective_is_documented_and_has_its_class():
-    from loom.cli.train import OBJECTIVE_CLASSES
+    from loom.methods import METHODS
     from loom.config.sections import OBJECTIVES
 
-    assert list(OBJECTIVE_CLASSES) == list(OBJECTIVES)
+    assert list(METHODS) == list(OBJECTIVES)
     row = next(ln for ln in read("docs", "finetuning.md").splitlines() if ln.startswith("| `training.objective` |"))
     assert re.findall(r"`([a-z]+)`", row.split("|")[2]) == list(OBJECTIVES), row
     readme = read("README.md")

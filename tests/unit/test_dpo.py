@@ -16,15 +16,15 @@ import torch
 from loom.checkpoint.manager import step_dir_name
 from loom.cli.main import main as loom_main
 from loom.config.errors import ConfigError
-from loom.config.sections import DataConfig
+from loom.config.sections import Config, DataConfig
 from loom.data import build_loader, prepare_data
 from loom.data.dpo import pair_batch
 from loom.data.loader import MicroBatch
 from loom.data.token_file import TokenFile
 from loom.data.tokenizers import ByteTokenizer
 from loom.numerics import IGNORE
-from loom.resolve import check_config
-from loom.train.objective import DirectPreference, build_objective
+from loom.methods import check_config, method
+from loom.methods.dpo import DirectPreference
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
@@ -73,7 +73,7 @@ def test_every_format_gives_the_same_sequences(tmp_path):
     assert same(prepared(str(tmp_path / "ds"), tmp_path / "c"), strings)
     # the rendered text: the built-in template, the completion (and its EOS) flagged
     loader = build_loader(DataConfig(val_fraction=0.0), ByteTokenizer(), [(strings.path, 1.0, "s")], seq_len=128,
-                          seed=0, dp_rank=0, dp_size=1, micro_batch=1, accumulation=1, objective="dpo")
+                          seed=0, dp_rank=0, dp_size=1, micro_batch=1, accumulation=1, kind="dpo")
     mb = pair_batch(loader.source, [0], 0, None)
     text = bytes(t for t in mb.inputs[0].tolist() if t < 256).decode()
     assert text.startswith(f"<|user|>\n{data[0]['prompt']}\n<|assistant|>\n{data[0]['chosen']}")
@@ -118,7 +118,7 @@ def test_truncation_keeps_the_start_and_drops_pairs_without_a_completion(tmp_pat
                                                                            "rejected": "y"}]
     tf = prepared(write_jsonl(tmp_path / "t.jsonl", data), tmp_path / "c")
     loader = build_loader(DataConfig(val_fraction=0.0), ByteTokenizer(), [(tf.path, 1.0, "t")], seq_len=80, seed=0,
-                          dp_rank=0, dp_size=1, micro_batch=1, accumulation=1, objective="dpo")
+                          dp_rank=0, dp_size=1, micro_batch=1, accumulation=1, kind="dpo")
     assert loader.source.kept.tolist() == [0]  # the second prompt fills the window
     mb = pair_batch(loader.source, [0], 258, None)
     assert mb.inputs.shape == (2, 80) and int(mb.inputs[1, -1]) == 258  # the short rejected is padded
@@ -219,7 +219,7 @@ def test_config_rules(tiny):
     with pytest.raises(ConfigError, match="data.loss_tokens.*sft only"):
         check_config(tiny(**{"training.objective": "dpo", "data.loss_tokens": "all"}))
     check_config(tiny(**{"training.objective": "dpo", "dpo.loss": "ipo", "dpo.beta": 0.5}))
-    assert isinstance(build_objective("dpo", False), DirectPreference)
+    assert isinstance(method("dpo").objective(Config()), DirectPreference)
 
 
 def test_cli_error_is_one_line(capsys):

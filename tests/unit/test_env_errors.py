@@ -527,7 +527,7 @@ def test_float8_on_cpu(tmp_path, capsys):
 
 
 def test_eval_without_validation_data():
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     with pytest.raises(ConfigError, match=r"training.eval_every = 5.*data.val_fraction"):
         check_config(build_config(None, {"training.eval_every": "5", "data.val_fraction": "0"}))

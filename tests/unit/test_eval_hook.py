@@ -100,7 +100,7 @@ def test_wrong_settings_stop_the_run_before_it_starts(tmp_path, monkeypatch):
                            ("tests.unit.test_eval_hook:CALLS", "is not callable")):
         with pytest.raises(ConfigError, match=expected):
             training_evals(config(tmp_path, **{"training.eval_hook": spec}), "run", True)
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     with pytest.raises(ConfigError, match=r"not with parallel.pp > 1 or parallel.cp > 1"):
         check_config(config(tmp_path, **{"parallel.pp": 2}))

@@ -14,7 +14,7 @@ from loom.config.errors import ConfigError
 from loom.data import build_tokenizer
 from loom.plan.memory import GIB
 from loom.plan.planner import rank_needs
-from loom.resolve import resolve
+from loom.methods import resolve
 from tests.tiny import tiny_config
 
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")

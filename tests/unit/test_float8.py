@@ -45,7 +45,7 @@ def test_float8_loss_curve_stays_close_to_bf16(tmp_path, recipe):
 def test_float8_config_errors():
     from loom.config.errors import ConfigError
 
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     with pytest.raises(ConfigError, match="bfloat16"):
         check_config(build_config(None, {"training.float8": "tensorwise", "training.dtype": "float32"}))

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from loom.rl.objective import GroupRelative
+from loom.methods.grpo import GroupRelative
 from loom.train.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -40,7 +40,7 @@ def test_engine_with_cuda_graphs_follows_the_updates(tmp_path):
     rows, device = engine.batch, trainer.device
     tokens = torch.tensor([trainer.tokenizer.encode("3+4=7")] * rows, device=device)  # (B, 5)
     model.eval()
-    with torch.no_grad(), trainer._autocast():
+    with torch.no_grad(), trainer.engine.autocast():
         plain = model(tokens[:1])[:, -1].float()
         engine.allocate(rows, tokens.shape[1])
         engine.prefill(tokens[:, :-1], torch.full((rows,), 3, device=device))

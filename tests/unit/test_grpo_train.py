@@ -12,9 +12,9 @@ import torch
 
 from loom.config.errors import ConfigError
 from loom.numerics import IGNORE
-from loom.resolve import check_config, resolve
+from loom.methods import check_config, resolve
 from loom.rl.arithmetic import ArithmeticTask, digit_match, exact_answer
-from loom.rl.objective import GroupRelative
+from loom.methods.grpo import GroupRelative
 from loom.rl.rewards import Rewards, load_function
 from loom.rl.rollout import rows_to_batches
 from loom.train.trainer import Trainer
@@ -180,7 +180,7 @@ def test_chat_prompts_are_rendered_and_reach_the_rewards_as_messages(tmp_path):
 def test_a_reward_model_scores_the_rollouts(tmp_path):
     """grpo.reward_model: a reward run's checkpoint scores prompt + completion, weighted by
     grpo.reward_model_weight, beside the reward functions (rewards/reward_model)."""
-    from loom.train.reward import load_reward_model
+    from loom.infer.reward import load_reward_model
     from tests.unit.test_reward import reward_run, write_pairs
 
     Trainer(reward_run(tmp_path / "rm", tmp_path / "cache", write_pairs(tmp_path / "pairs.jsonl"),

@@ -208,7 +208,8 @@ def test_auto_attention_takes_loom_kernel_for_a_window_untimed(tmp_path):
     start-up timing runs without a window, so it is not asked); SDPA on the CPU."""
     from loom.config import build_config
     from loom.data.tokenizers import ByteTokenizer
-    from loom.resolve import model_kernels, resolve, times_attention
+    from loom.methods import resolve
+    from loom.resolve import model_kernels, times_attention
 
     src = save_hf(random_hf("mistral"), tmp_path / "hf")
     for overrides in ({"model.sliding_window": "16"}, {"model.init_from": src}):

@@ -118,7 +118,7 @@ def test_templates(tmp_path, folder):
 
 
 def test_config_rules(tmp_path):
-    from loom.resolve import check_config
+    from loom.methods import check_config
     from tests.unit.test_grpo_train import grpo_config
 
     with pytest.raises(ConfigError, match="grpo.judge_template"):
@@ -133,8 +133,8 @@ def test_config_rules(tmp_path):
 @pytest.mark.parametrize("objective", ["grpo", "ppo"])
 def test_rollouts_log_the_judge_beside_the_rewards(tmp_path, folder, objective):
     """GRPO and PPO (the same [grpo] reward fields): the judge is a weighted source; each source's mean and std."""
-    from loom.rl.objective import GroupRelative
-    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.methods.grpo import GroupRelative
+    from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
     from tests.unit.test_grpo_train import grpo_config
 

@@ -34,18 +34,23 @@ LAYERS = [
     {"resolve", "train", "eval", "infer"},
     # reinforcement learning: an objective (loom.train) whose rollouts come from the engine (loom.infer)
     {"rl"},
+    # training methods, one module each (lm, sft, dpo, reward, grpo, ppo): objective, data, heads, rules, run
+    {"methods"},
     # the planner and the cluster tooling around a job (doctor, multi-host launchers, NCCL variables, comm bench):
-    # tools beside training that read layouts, the resolver and the runtime's environment; the CLI calls them
+    # tools beside training that read layouts, the resolver (with a method's rules) and the runtime's environment
     {"plan", "cluster"},
     # the commands: each parses argv and calls the layers below
     {"cli", "__main__"},
 ]
 # (importing module, imported module): the only imports allowed upwards, each with its reason
 ALLOWED_UP = {
-    # ``torchrun -m loom.train`` is the documented worker entry point; it runs the CLI's worker body, which picks
-    # the objective (loom.rl's sit above loom.train) until the methods have a registry of their own
+    # ``torchrun -m loom.train`` is the documented worker entry point; it runs the CLI's worker body, which runs
+    # the method the config names (loom.methods)
     ("loom.train.__main__", "loom.cli.errors"),
     ("loom.train.__main__", "loom.cli.train"),
+    # ``Trainer(cfg)`` (tests, examples, bench) keeps meaning "the job the config names": it asks the registry
+    # which method's objective and rules that is
+    ("loom.train.trainer", "loom.methods"),
 }
 
 

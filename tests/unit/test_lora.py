@@ -28,7 +28,7 @@ from loom.config.sections import LoraConfig  # noqa: E402
 from loom.models.common.lora import (LoRALinear, adapters_hidden, apply_lora, lora_scaling,  # noqa: E402
                                      parse_targets)
 from loom.models.llama import Llama  # noqa: E402
-from loom.resolve import check_config  # noqa: E402
+from loom.methods import check_config  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 from tests.unit.test_hf import random_hf_llama, save_hf  # noqa: E402

@@ -93,8 +93,9 @@ REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", 
 def test_each_method_chooses_its_console_fields():
     """The console line shows the objective's own fields (its ``console``), in its order, where the record has them:
     DPO its accuracy and margin, GRPO its warm-up, reward and its parts, accuracy and KL; the LM none."""
-    from loom.rl.objective import GroupRelative
-    from loom.train.objective import DirectPreference, LanguageModeling
+    from loom.methods.grpo import GroupRelative
+    from loom.methods.dpo import DirectPreference
+    from loom.train.objective import LanguageModeling
 
     base = {"step": 3, "loss": 0.5, "val_loss": None, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0,
             "tokens_per_s_per_device": 10.0, "mfu": None, "mem_gib": 1.0}

@@ -126,7 +126,7 @@ def test_training_with_the_probe_keeps_the_losses_and_logs_it(tmp_path):
 
 def test_needs_accumulation():
     from loom.config.errors import ConfigError
-    from loom.resolve import resolve
+    from loom.methods import resolve
     from tests.tiny import tiny_config
 
     with pytest.raises(ConfigError, match="metrics.noise_scale.*2 or more micro-batches"):

@@ -30,8 +30,8 @@ def rl_run(run_dir, objective: str, steps: int, **extra) -> list[dict]:
         "metrics.progress": "false", "run.deterministic": "true", "checkpoint.every": 3, "checkpoint.keep": 0,
         **extra})
     cfg = build_config(None, {k: str(v) for k, v in over.items()})
-    from loom.rl.objective import GroupRelative
-    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.methods.grpo import GroupRelative
+    from loom.methods.ppo import ProximalPolicy
 
     return Trainer(cfg, objective=(ProximalPolicy if objective == "ppo" else GroupRelative)(cfg)).fit()
 

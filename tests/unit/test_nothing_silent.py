@@ -44,7 +44,7 @@ INACTIVE = [
 
 @pytest.mark.parametrize("fields,name,activator", INACTIVE, ids=[c[1] for c in INACTIVE])
 def test_a_field_of_a_feature_that_is_off_is_an_error_naming_what_turns_it_on(tmp_path, fields, name, activator):
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     with pytest.raises(ConfigError) as caught:
         check_config(tiny_config(tmp_path, **fields))
@@ -53,7 +53,7 @@ def test_a_field_of_a_feature_that_is_off_is_an_error_naming_what_turns_it_on(tm
 
 
 def test_the_same_fields_with_their_feature_on_are_accepted(tmp_path):
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     check_config(tiny_config(tmp_path, **{"lora.rank": 4, "lora.alpha": 32, "lora.targets": "q,v"}))
     check_config(tiny_config(tmp_path, **{"training.objective": "grpo", "grpo.digits": 3}))

@@ -12,7 +12,7 @@ import torch
 
 from loom.config import ConfigError
 from loom.metrics import nvtx
-from loom.resolve import resolve
+from loom.methods import resolve
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 

@@ -19,7 +19,7 @@ from loom.runtime.env import choose_backend
 from loom.plan.hardware import GPUS
 from loom.plan.memory import GIB
 from loom.plan.planner import HOST_GIB_PER_GPU, estimate, host_step_s, offload_bytes, search
-from loom.resolve import resolve
+from loom.methods import resolve
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 

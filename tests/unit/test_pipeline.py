@@ -11,7 +11,8 @@ from loom.config import ConfigError, build_config
 from loom.config.sections import ParallelConfig
 from loom.models.llama import FLAVORS, Llama
 from loom.parallel.dims import ParallelDims
-from loom.resolve import check_config, check_model
+from loom.methods import check_config
+from loom.resolve import check_model
 from loom.parallel.pipeline import (balanced_counts, build_stage, head_cost, layer_cost, split_layers, stage_ids,
                                     stage_rank, theoretical_bubble)
 

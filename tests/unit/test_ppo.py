@@ -167,7 +167,7 @@ def test_last_token_takes_the_score():
 
 def run(tmp_path, name: str, steps: int, **extra) -> list[dict]:
     from loom.config import build_config
-    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
@@ -214,7 +214,7 @@ def test_cli_default_runs(tmp_path, capsys):
 def test_config_rules():
     from loom.config import build_config
     from loom.config.errors import ConfigError
-    from loom.resolve import check_config
+    from loom.methods import check_config
 
     def check(**over):
         check_config(build_config(None, {k: str(v) for k, v in over.items()}))
@@ -239,7 +239,7 @@ def test_recipe_raises_the_accuracy(tmp_path):
     import pathlib
 
     from loom.config import build_config
-    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
 
     root = pathlib.Path(__file__).resolve().parents[2]
@@ -259,8 +259,8 @@ def test_reward_model_scores_the_rollouts(tmp_path):
     test_reward) scores prompt + completion; alone (no reward functions) it is the reward: rewards/reward_model."""
     from loom.config import build_config
     from loom.models.llama import Llama
-    from loom.rl.ppo_objective import ProximalPolicy
-    from loom.train.reward import RewardScorer, attach_score_head
+    from loom.methods.ppo import ProximalPolicy
+    from loom.infer.reward import RewardScorer, attach_score_head
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
@@ -284,7 +284,8 @@ def test_critic_model_is_materialized_and_starts_as_the_policy(tmp_path):
     """ppo.critic model: the critic inside the policy is materialized with it (its RoPE table too), copies the
     policy's trunk (not the head) as PPO starts, and one forward of the policy gives its values."""
     from loom.config import build_config
-    from loom.rl.ppo_objective import ProximalPolicy, copy_trunk, forward_with_values
+    from loom.methods.ppo import ProximalPolicy
+    from loom.rl.ppo_objective import copy_trunk, forward_with_values
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
@@ -334,7 +335,7 @@ def test_recipe_on_cuda_raises_the_accuracy(tmp_path, critic):
     import pathlib
 
     from loom.config import build_config
-    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
 
     root = pathlib.Path(__file__).resolve().parents[2]
@@ -355,7 +356,7 @@ def test_init_from_loads_the_policy_beside_its_value_function(tmp_path, critic):
     from loom.checkpoint.hf.export import export_hf
     from loom.config import build_config
     from loom.models.llama import FLAVORS, Llama
-    from loom.rl.ppo_objective import ProximalPolicy
+    from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 

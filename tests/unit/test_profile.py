@@ -9,7 +9,7 @@ import pytest
 
 from loom.config import ConfigError, build_config
 from loom.config.load import profile_window
-from loom.resolve import check_config
+from loom.methods import check_config
 from loom.config.sections import MetricsConfig
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config

@@ -159,10 +159,10 @@ def test_stop_mode_stops_at_the_first_non_finite_step(tmp_path, cache, capsys):
 @pytest.fixture
 def poisoned_step(monkeypatch):
     """The batch of optimizer step 5 gives a NaN loss, wherever and however often it is trained on."""
+    from loom.train.loop import Loop
     from loom.train.steps import LocalStep
-    from loom.train.trainer import Trainer
 
-    train_step, loss_of = Trainer.train_step, LocalStep._loss
+    train_step, loss_of = Loop.train_step, LocalStep._loss
     at = {"step": 0}
 
     def counted(self, micro_batches):
@@ -173,7 +173,7 @@ def poisoned_step(monkeypatch):
         loss = loss_of(self, mb)
         return loss * float("nan") if at["step"] == 5 else loss
 
-    monkeypatch.setattr(Trainer, "train_step", counted)
+    monkeypatch.setattr(Loop, "train_step", counted)  # the loop every method's run drives (loom.train.loop)
     monkeypatch.setattr(LocalStep, "_loss", poisoned)
 
 
@@ -367,10 +367,10 @@ def test_unusable_run_and_checkpoint_folders_are_one_line_before_anything_is_bui
 def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_at_start(tmp_path, cache, capsys, monkeypatch):
     import shutil
 
-    import loom.train.trainer as trainer
+    import loom.train.engine as engine
 
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(trainer.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: usage._replace(free=1000))
     code, _, err = run_main(capsys, tmp_path / "full", cache)
     line = one_line(err)
     assert code == 2 and "a checkpoint of this model needs about" in line and "the disk has 1,000 free" in line

@@ -1,4 +1,4 @@
-"""Reward models (``training.objective reward``, loom.train.reward): the Bradley-Terry loss and its statistics equal
+"""Reward models (``training.objective reward``, loom.methods.reward): the Bradley-Terry loss and its statistics equal
 a direct computation and TRL's RewardTrainer on the same model and pairs; a reward is the score at each row's last
 non-pad token; the embedded default's held-out pairs hold no docstring that training holds with the other label;
 LoRA trains the head with the base frozen; `loom convert --to-hf` writes a LlamaForSequenceClassification that
@@ -23,14 +23,14 @@ from loom.checkpoint.hf.head import has_score_head
 from loom.checkpoint.hf.reader import load_hf_weights
 from loom.cli.main import main as loom_main
 from loom.config.errors import ConfigError
-from loom.config.sections import DataConfig
+from loom.config.sections import Config, DataConfig
 from loom.data import prepare_data
 from loom.data.dpo import pair_batch
 from loom.data.loader import MicroBatch
 from loom.data.tokenizers import ByteTokenizer
-from loom.resolve import check_config
-from loom.train.objective import build_objective
-from loom.train.reward import RewardModeling, attach_score_head, bradley_terry, load_reward_model, score
+from loom.methods import check_config, method
+from loom.infer.reward import attach_score_head, load_reward_model, score
+from loom.methods.reward import RewardModeling, bradley_terry
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
@@ -184,7 +184,8 @@ def test_embedded_reward_pairs_reject_the_code_echoed_back():
     its docstring, rejected the fenced code of its own prompt; DPO's (auto = docstring) keep another's docstring."""
     from loom.data.dpo import docstring_preferences
     from loom.data.sources import stdlib_files
-    from loom.resolve import embedded_rejected
+    from loom.methods import method_of
+    from loom.train.engine import embedded_rejected
 
     pairs = list(docstring_preferences(stdlib_files()[:40], "code"))
     assert len(pairs) > 50 and len({p.where for p in pairs}) == len(pairs)
@@ -192,9 +193,10 @@ def test_embedded_reward_pairs_reject_the_code_echoed_back():
         ask, answer = pair.prompt[0]["content"], pair.rejected[0]["content"]
         assert answer.startswith("```python\n") and answer.endswith("\n```") and ask.endswith(answer)
         assert pair.chosen[0]["content"] not in ask
-    assert embedded_rejected(tiny_config(**{"training.objective": "reward"})) == "code"
-    assert embedded_rejected(tiny_config(**{"training.objective": "dpo"})) == "docstring"
-    assert embedded_rejected(tiny_config(**{"training.objective": "reward", "data.embedded_rejected": "docstring"})) \
+    rejected = lambda cfg: embedded_rejected(cfg, method_of(cfg).objective(cfg))
+    assert rejected(tiny_config(**{"training.objective": "reward"})) == "code"
+    assert rejected(tiny_config(**{"training.objective": "dpo"})) == "docstring"
+    assert rejected(tiny_config(**{"training.objective": "reward", "data.embedded_rejected": "docstring"})) \
         == "docstring"
 
 
@@ -318,7 +320,7 @@ def test_config_rules(tiny):
             check_config(tiny(**{"training.objective": "reward", "data.embedded_rejected": "code", **extra}))
     check_config(tiny(**{"training.objective": "dpo", "data.embedded_rejected": "code"}))
     check_config(tiny(**{"training.objective": "reward", "reward.center_coefficient": 0.01, "lora.rank": 4}))
-    assert isinstance(build_objective("reward", False), RewardModeling)
+    assert isinstance(method("reward").objective(Config()), RewardModeling)
 
 
 def test_cli_error_is_one_line(capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loom.cli.main import main as loom_main
-from loom.train.reward import score
+from loom.infer.reward import score
 from loom.train.trainer import Trainer
 from tests.unit.test_reward import reward_run, write_pairs
 

@@ -49,11 +49,11 @@ def tokenizer_folder(folder, chat_template: str | None = TEMPLATE) -> str:
 
 
 def recording(monkeypatch) -> None:
-    """The trainer records its config through record_run_files (what Trainer._setup_run_dir and save_checkpoint
-    do once trainer.py calls it; applying it twice changes nothing)."""
-    import loom.train.trainer as trainer_module
+    """The engine records its config through record_run_files (what Engine._setup_run_dir and save_checkpoint
+    do once engine.py calls it; applying it twice changes nothing)."""
+    import loom.train.engine as engine_module
 
-    monkeypatch.setattr(trainer_module, "to_toml", lambda cfg: to_toml(record_run_files(cfg)))
+    monkeypatch.setattr(engine_module, "to_toml", lambda cfg: to_toml(record_run_files(cfg)))
 
 
 def run_config(tmp_path, run_dir, tokenizer: str = "byte", steps: int = 2, **extra):

@@ -10,7 +10,7 @@ import pytest
 
 from loom.cli.main import main as loom_main
 from loom.data.chat import BUILTIN_TEMPLATE
-from loom.train.reward import score
+from loom.infer.reward import score
 from tests.unit.test_reward import exported  # noqa: F401  (the module fixture: a reward run and its HF export)
 
 ROWS = [{"prompt": "The cat sat.", "completion": "On a warm mat.", "id": 1},

@@ -18,7 +18,7 @@ from loom.checkpoint.manager import step_dir_name
 from loom.cli.data import parse_args
 from loom.cli.main import main as loom_main
 from loom.config.errors import ConfigError, UserError
-from loom.config.sections import OBJECTIVES, DataConfig
+from loom.config.sections import OBJECTIVES, Config, DataConfig
 from loom.data import chat_encoder, prepare_data
 from loom.data.chat import FLAG_LOSS, FLAG_START
 from loom.data.loader import make_micro_batch
@@ -30,8 +30,7 @@ from loom.data.tokenizers import ByteTokenizer
 from loom.models.common.init import materialize
 from loom.models.llama import FLAVORS, Llama
 from loom.numerics import IGNORE, cross_entropy_sum
-from loom.resolve import check_config
-from loom.train.objective import build_objective
+from loom.methods import check_config, method
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
@@ -171,9 +170,8 @@ def test_config_rules(tiny, tmp_path):
     assert cfg.data.document_positions  # conversations packed in a window never see each other
     with pytest.raises(ConfigError, match="data.document_positions = False: training.objective sft"):
         check_config(tiny(**{"training.objective": "sft", "data.document_positions": "false"}))
-    for name in OBJECTIVES:  # every choice of training.objective builds (grpo and ppo in loom.rl, above
-        if name not in ("grpo", "ppo"):  # loom.train: tests/unit/test_grpo_train.py, test_ppo.py)
-            assert build_objective(name, fused_loss=False).count is not None
+    for name in OBJECTIVES:  # every choice of training.objective builds
+        assert method(name).objective(Config()).count is not None
 
 
 def test_embedded_default_pairs_are_real_and_deterministic():
@@ -218,7 +216,7 @@ def test_labels_are_ignored_outside_assistant_tokens_and_the_loss_by_hand():
     assert mb.labels.tolist() == [[IGNORE, IGNORE, 3, 4, IGNORE, IGNORE, IGNORE, 8]]
     assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1]] and mb.document_ids.tolist() == [[0] * 6 + [1] * 2]
     logits = torch.randn(1, 8, 12)
-    objective = build_objective("sft", fused_loss=False)
+    objective = method("sft").objective(Config())
     by_hand = -(torch.log_softmax(logits[0, 2], -1)[3] + torch.log_softmax(logits[0, 3], -1)[4]
                 + torch.log_softmax(logits[0, 7], -1)[8])
     torch.testing.assert_close(objective.loss(logits, mb.labels), by_hand)

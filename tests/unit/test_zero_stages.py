@@ -16,7 +16,7 @@ from loom.plan.hardware import GPUS
 from loom.plan.memory import stage_state, zero_model_state
 from loom.models.llama.model import Llama
 from loom.plan.planner import candidates, estimate, model_args
-from loom.resolve import resolve
+from loom.methods import resolve
 from loom.train.zero import partition
 from tests.tiny import tiny_config
 

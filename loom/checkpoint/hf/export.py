@@ -83,7 +83,7 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
     generation_config.json, so that transformers, vLLM and PEFT load the folder as it is.
 
     ``model_state`` holds full tensors with loom names (``model.state_dict()`` of an unsharded model). A reward
-    model's (loom.train.reward: a score head) is written as the family's ``*ForSequenceClassification``."""
+    model's (loom.methods.reward: a score head) is written as the family's ``*ForSequenceClassification``."""
     save_file = require("safetensors.torch", "hf", purpose="writing a Hugging Face folder").save_file
 
     hf_architecture(args)  # a model no family holds fails before anything is written

@@ -1,4 +1,4 @@
-"""A reward model's score head (loom.train.reward): ``output`` of width 1 in place of the LM head, stored as the
+"""A reward model's score head (loom.methods.reward): ``output`` of width 1 in place of the LM head, stored as the
 family's ``*ForSequenceClassification`` with ``score.weight``. Whether a model has it is read from its tensors."""
 
 from __future__ import annotations

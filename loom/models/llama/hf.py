@@ -144,7 +144,7 @@ SCORE_SUFFIX = "ForSequenceClassification"  # a reward model's architecture: Lla
 
 def causal_architecture(name: str) -> str:
     """A ``*ForSequenceClassification`` architecture's ``*ForCausalLM`` (the same body; a reward model's score head
-    in place of the LM head: loom.train.reward); any other name as it is."""
+    in place of the LM head: loom.methods.reward); any other name as it is."""
     return name.removesuffix(SCORE_SUFFIX) + "ForCausalLM" if name.endswith(SCORE_SUFFIX) else name
 
 

@@ -5,7 +5,7 @@ rank) makes rank r fail the n-th time it reaches ``point``, in the first attempt
 worker lost mid-run, which the agent restarts; ``raise``: it raises a RuntimeError; ``node``: its agent and that
 agent's other workers are SIGKILLed with it (stopped first, so none reacts): a lost node.
 
-Points: ``step`` (the n-th training step, as it starts: ``Trainer.train_step``), ``slow:S`` (no fault: every step
+Points: ``step`` (the n-th training step, as it starts: ``Loop.train_step``), ``slow:S`` (no fault: every step
 waits S seconds as it starts, while TORCHELASTIC_RESTART_COUNT is 0, so that a test can act while it trains) and tests.faults.inject's
 kill points (``shard``: a rank about to fsync a checkpoint shard it has just written; ``marker``, ``rename``, ...)."""
 
@@ -43,7 +43,7 @@ if _armed():
         calls = {"n": 0}
 
         def patch(module) -> None:
-            train_step = module.Trainer.train_step
+            train_step = module.Loop.train_step
 
             def counted(self, *args, **kwargs):
                 calls["n"] += 1
@@ -53,13 +53,13 @@ if _armed():
                     fail(f"step {calls['n']}")
                 return train_step(self, *args, **kwargs)
 
-            module.Trainer.train_step = counted
+            module.Loop.train_step = counted
 
         class _PatchTrainer(importlib.abc.MetaPathFinder):
-            """Wraps Trainer.train_step as loom.train.trainer is first imported."""
+            """Wraps Loop.train_step as loom.train.loop is first imported."""
 
             def find_spec(self, name, path, target=None):
-                if name != "loom.train.trainer":
+                if name != "loom.train.loop":
                     return None
                 spec = importlib.machinery.PathFinder.find_spec(name, path)
                 run = spec.loader.exec_module

@@ -1,18 +1,22 @@
-"""``training.objective grpo``: the objective the trainer runs on the rollout loader's micro-batches
-(loom.rl.rollout). GRPO's token loss (loom.rl.grpo) summed over each micro-batch's completion tokens as
-``grpo.loss_type`` says, divided by the step by the global count, so a step is the same whatever the layout;
-during the warm-up, cross-entropy on the worked examples' answers (count: answer tokens)."""
+"""GRPO (``training.objective grpo``): group-relative policy optimization on rollouts sampled by loom's inference
+engine on the live policy (loom.rl.rollout). Its objective: GRPO's token loss (a pure function, loom.rl.grpo)
+summed over each micro-batch's completion tokens as ``grpo.loss_type`` says, divided by the step by the global
+count, so a step is the same whatever the layout; during the warm-up, cross-entropy on the worked examples'
+answers (count: answer tokens). Its rules: loom.methods.rollouts."""
 
 from __future__ import annotations
 
 import torch
 
+from loom.methods.base import Method
+from loom.methods.rollouts import rollout_rules
 from loom.numerics import IGNORE
 from loom.rl.grpo import loss_count, loss_sum, token_losses
 from loom.rl.rollout import RolloutBatch, RolloutLoader, policy_forward, token_logps
+from loom.train.objective import Objective
 
 
-class GroupRelative:
+class GroupRelative(Objective):
     """GRPO over rollouts made each step by the engine on the live policy (``build_loader``, then ``prepare``
     binds the loader to the built model). ``cfg``: the whole config (its [grpo] section and the run's sizes)."""
 
@@ -34,15 +38,13 @@ class GroupRelative:
         self.loader: RolloutLoader | None = None
         self.global_tokens = self.global_count = 1.0  # of the current rollouts: set by the loader
 
-    def build_loader(self, trainer) -> RolloutLoader:
-        """The objective's own data (the trainer asks before building the model)."""
-        self.loader = RolloutLoader(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)
+    def build_loader(self, engine) -> RolloutLoader:
+        """The objective's own data (the engine asks before building the model)."""
+        self.loader = RolloutLoader(self.cfg, engine.tokenizer, engine.dims.dp_rank(), engine.dims.dp_size)
         return self.loader
 
-    def prepare(self, trainer) -> None:
-        if self.loader is None:  # a trainer given another loader: GRPO makes its own
-            self.loader = trainer.loader = self.build_loader(trainer)
-        self.loader.bind(trainer, self)
+    def prepare(self, engine) -> None:
+        self.loader.bind(engine, self)
 
     def count(self, mb: RolloutBatch) -> torch.Tensor:
         mask = mb.labels != IGNORE
@@ -78,3 +80,6 @@ class GroupRelative:
     def record(self) -> dict[str, float]:
         """The last step's rollout figures (global): rewards, lengths, throughput, the time split."""
         return dict(self.loader.stats) if self.loader is not None else {}
+
+
+METHOD = Method("grpo", GroupRelative, GroupRelative, rules=rollout_rules)

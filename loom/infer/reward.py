@@ -1,14 +1,10 @@
-"""Reward models (``training.objective reward``): a scalar head on a loom Llama trained on preference pairs with the
-Bradley-Terry loss, and scoring with it.
-
-The head is the model's own ``output`` linear replaced by one of width 1 (``dim -> 1``, no bias, as transformers'
-``LlamaForSequenceClassification.score``), put on by ``attach_score_head`` after the model is built and before it
-is parallelized, as LoRA's adapters are. Replacing rather than adding keeps the model code untouched: its forward
-already ends in ``self.output(h)``, so it returns per-position scores (B, S, 1) instead of logits, and every later
-step (FSDP2's root unit, DDP, activation checkpointing, DCP checkpoints) treats the head as it treats the LM head;
-no (vocab, dim) head is allocated for nothing. In a loom checkpoint the head keeps the name ``output.weight`` (shape
-(1, dim)); a Hugging Face export names it ``score.weight`` (loom.checkpoint.hf). The reward of a sequence is the
-head's value at its last non-pad token, as transformers takes it."""
+"""Reward models' score head and scoring with a trained reward model. The head is the model's own ``output`` linear
+replaced by one of width 1 (``dim -> 1``, no bias, as transformers' ``LlamaForSequenceClassification.score``), put
+on by ``attach_score_head`` after the model is built and before it is parallelized, as LoRA's adapters are: its
+forward already ends in ``self.output(h)``, so it returns per-position scores (B, S, 1) instead of logits. In a loom
+checkpoint the head keeps the name ``output.weight`` (shape (1, dim)); a Hugging Face export names it
+``score.weight`` (loom.checkpoint.hf). The reward of a sequence is the head's value at its last non-pad token, as
+transformers takes it. Training one: loom.methods.reward."""
 
 from __future__ import annotations
 
@@ -16,11 +12,9 @@ import os
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loom.config.errors import ConfigError
-from loom.data.loader import MicroBatch
 
 
 def attach_score_head(model: nn.Module) -> nn.Module:
@@ -43,68 +37,6 @@ def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     """Each row's score at its last non-pad token, fp32 (N,). scores: (N, S, 1); lengths: (N,) tokens per row."""
     rows = torch.arange(scores.shape[0], device=scores.device)
     return scores[rows, (lengths - 1).clamp(min=0), 0].float()
-
-
-def pair_lengths(mb: MicroBatch) -> torch.Tensor:
-    """The tokens of each row of a pair micro-batch (loom.data.dpo.pair_batch marks padding as document 1)."""
-    return (mb.document_ids == 0).sum(dim=1)
-
-
-def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, center: float = 0.0) -> torch.Tensor:
-    """Per-pair loss (B,): -log sigmoid(r_chosen - r_rejected), plus TRL's ``center_rewards_coefficient`` term
-    ``center x (r_chosen + r_rejected)^2`` (it keeps rewards centred on 0) when ``center`` > 0."""
-    losses = -F.logsigmoid(chosen - rejected)
-    if center:
-        losses = losses + center * (chosen + rejected) ** 2
-    return losses
-
-
-class RewardModeling:
-    """The Bradley-Terry objective over micro-batches of pairs (loom.data.dpo: rows chosen 0..B-1, then rejected
-    0..B-1). The count is pairs, so a step's loss is the mean over the global batch's pairs whatever the layout and
-    accumulation (as DPO's). Statistics per pair: accuracy (chosen above rejected), margin, mean rewards."""
-
-    loss_in_forward = True  # the loss reads one position per row: forward returns it
-    # DPO's names (its rewards are implicit, these the head's): the progress line and dashboards read both alike
-    STATS = ("rewards/accuracy", "rewards/margins", "rewards/chosen", "rewards/rejected")
-    # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method
-    console = (("val acc", "val_rewards/accuracy", ".3f"), ("acc", "rewards/accuracy", ".3f"),
-               ("margin", "rewards/margins", ".3f"))
-    panels = (("pair accuracy", ("rewards/accuracy", "val_rewards/accuracy"), "chosen above rejected"),
-              ("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "score head"))
-
-    def __init__(self, center: float = 0.0):
-        self.center = center
-        self._stats: dict[str, torch.Tensor] = {}
-
-    def count(self, mb: MicroBatch) -> torch.Tensor:
-        return torch.tensor(mb.inputs.shape[0] // 2, device=mb.inputs.device)
-
-    def rewards(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
-        """Each row's reward (2B,), fp32."""
-        return last_token_scores(model(mb.inputs, positions), pair_lengths(mb))  # model: (2B, S, 1)
-
-    def forward(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
-        return self.pair_loss(self.rewards(model, mb, positions))
-
-    def pair_loss(self, rewards: torch.Tensor) -> torch.Tensor:
-        """The summed loss of the pairs from their rows' rewards (2B,); accumulates the statistics."""
-        chosen, rejected = rewards.chunk(2)  # (B,) each
-        with torch.no_grad():
-            c, r = chosen.detach(), rejected.detach()
-            for name, value in zip(self.STATS, ((c > r).float(), c - r, c, r)):
-                self._stats[name] = self._stats.get(name, 0) + value.sum()
-        return bradley_terry(chosen, rejected, self.center).sum()
-
-    def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("the reward objective computes its loss in forward (pipelines are refused)")
-
-    def step_stats(self) -> dict[str, torch.Tensor]:
-        stats, self._stats = self._stats, {}
-        return stats
-
-    def prepare(self, trainer) -> None:
-        pass
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------------

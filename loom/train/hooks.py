@@ -1,0 +1,142 @@
+"""Step hooks: the optional features that join every training step (DiLoCo, torchft's replica groups, the
+gradient noise scale, a mixture of experts' balance statistics). Each lives in its feature's module as a
+``StepHook``; loom.train.engine.step_hooks picks them from the config in one list, and the engine and the loop call
+every hook at each point below, in list order, instead of asking which features are on."""
+
+from __future__ import annotations
+
+import torch
+
+
+class StepHook:
+    """Every point a hook may join, each a no-op here. The engine's step: ``before_count`` → ``reduce`` (every
+    global sum) → ``grad_scale`` → ``before_step`` → ``run_step`` → ``after_backward`` → ``commits`` →
+    ``observe_norm`` → ``agree`` → ``after_update`` → ``step_out``. The loop: ``begin``, ``quorum``, ``record``,
+    ``describe``, ``finish``, ``close``; checkpoints: ``replica``, ``state_dict``, ``check_resume``, ``loaded``,
+    ``resumed``."""
+
+    may_abort = False  # a step may end without an update (``commits`` false): the loop keeps its data position
+    replica = None  # the state a checkpoint holds beside the model's (loom.checkpoint.manager ``replica``)
+
+    # ---- the step (loom.train.engine) ----------------------------------------------------------------------------
+    def before_count(self, local: torch.Tensor) -> None:
+        """This rank's count of the step's units, before it is summed over the data-parallel ranks."""
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (summed over the data-parallel ranks) summed further, e.g. over replica groups."""
+        return t
+
+    def grad_scale(self, scale: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        """The factor each micro-batch's summed loss is multiplied by before backward."""
+        return scale
+
+    def before_step(self, loss_scale: float) -> None:
+        """Just before the micro-batches run."""
+
+    def run_step(self, steps, mbs: list, grad_scale: torch.Tensor, loss_scale: float):
+        """The step's forward and backward run by this hook (a StepResult), or None to leave it to ``steps``."""
+        return None
+
+    def after_backward(self, params: list[torch.Tensor]) -> None:
+        """Every gradient is complete on this rank."""
+
+    def commits(self) -> bool:
+        """Whether the step may update the weights (false: every rank discards its gradients)."""
+        return True
+
+    def observe_norm(self, norm: torch.Tensor, denominator: torch.Tensor) -> None:
+        """The step's global gradient norm (loss scale removed) and its global count."""
+
+    def agree(self, applies: torch.Tensor) -> torch.Tensor:
+        """Whether the update applies, agreed over whatever this hook spans."""
+        return applies
+
+    def after_update(self, step: int) -> None:
+        """After the optimizer step of ``step`` (applied or not) and zero_grad."""
+
+    def step_out(self, applies: torch.Tensor, shape_inference: bool, device: torch.device) -> dict:
+        """Figures of the step for its output (the loop logs them)."""
+        return {}
+
+    # ---- the loop (loom.train.loop) ------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Training starts (or resumes) at ``step``."""
+
+    def quorum(self) -> None:
+        """Before a step reads its data (a peer's state may be loaded here)."""
+
+    def record(self) -> dict:
+        """Fields of a logged record."""
+        return {}
+
+    def describe(self) -> list[str]:
+        """Lines of the start-up banner."""
+        return []
+
+    def finish(self) -> None:
+        """Training ended: work still in flight completes."""
+
+    def close(self) -> None:
+        """The run stops (after an error too)."""
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self, step: int) -> dict:
+        """Entries of the trainer state a checkpoint saves."""
+        return {}
+
+    def check_resume(self, folder: str) -> None:
+        """Before any weight of ``folder`` is read."""
+
+    def loaded(self, with_state: bool) -> None:
+        """A checkpoint's weights are loaded (``with_state``: and its trainer state)."""
+
+    def resumed(self, step: int) -> None:
+        """A checkpoint's trainer state is loaded at ``step``."""
+
+
+class FaultToleranceHook(StepHook):
+    """parallel.fault_tolerance (loom.runtime.fault_tolerance.ReplicaGroups; kept there, below the trainer, with
+    the rest of torchft's code): per step the replica groups' quorum, their sums, the commit vote; a recovering peer
+    gets this group's weights, optimizer state and the loop's state."""
+
+    may_abort = True
+
+    def __init__(self, groups, parallel):
+        self.groups, self.parallel = groups, parallel
+
+    @classmethod
+    def build(cls, parallel, engine, owner) -> "FaultToleranceHook":
+        from loom.runtime.fault_tolerance import ReplicaGroups
+
+        return cls(ReplicaGroups(parallel, rank=engine.env.rank, world_size=engine.env.world_size,
+                                 device=engine.device, parts=engine.parts, optimizers=engine.optimizer.optimizers,
+                                 trainer_state=owner.state_dict, load_trainer_state=owner.load_state_dict), parallel)
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return self.groups.sum_(t)
+
+    def after_backward(self, params: list[torch.Tensor]) -> None:
+        # each group's gradient is its tokens' share of the global mean: summed over the groups
+        self.groups.sum_grads(params, self.parallel.ddp_bucket_mb)
+
+    def commits(self) -> bool:
+        return self.groups.should_commit()
+
+    def begin(self, step: int) -> None:
+        self.groups.set_step(step)  # the lighthouse compares the groups' steps: a group behind recovers
+
+    def quorum(self) -> None:
+        self.groups.start_step()
+
+    def record(self) -> dict:
+        return {"replica_groups": self.groups.participants}
+
+    def describe(self) -> list[str]:
+        from loom.runtime.fault_tolerance import lighthouse_address
+
+        p = self.parallel
+        return [f"fault tolerance: replica group {p.ft_replica_id} of {p.ft_replica_groups} (torchft, lighthouse "
+                f"{lighthouse_address(p)}); the groups split each global batch"]
+
+    def close(self) -> None:
+        self.groups.shutdown()
