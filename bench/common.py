@@ -28,9 +28,15 @@ def environment(commit: str, command: str, modules: tuple[str, ...] = ()) -> dic
     beside its figures."""
     import torch
 
-    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-           "cuda": torch.version.cuda, "python": platform.python_version(), "commit": commit, "command": command,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    env = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": commit,
+        "command": command,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     for mod in ("transformers", "triton", "torchao", *modules):
         try:
             env[mod] = __import__(mod).__version__
@@ -55,8 +61,13 @@ def bench_ms(fn, grads=None) -> float:
 
 # ------------------------------------------------------------------------------------------ loom train jobs
 # multicast (NVLS) off as the device notes ask; a fresh TCP store per torchrun (stale addresses otherwise)
-JOB_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
+JOB_ENV = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def run_train(cfg: dict, gpus: int, timeout: float) -> tuple[subprocess.CompletedProcess, str, float]:
@@ -80,8 +91,11 @@ def failure(proc: subprocess.CompletedProcess) -> str:
     """What a failed job said: each worker's exception line (the first cause, not the shutdown noise after
     it) and the last lines of its output."""
     text = proc.stderr or proc.stdout or ""
-    causes = [ln for ln in text.splitlines()
-              if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): ", ln) and "frame #" not in ln]
+    causes = [
+        ln
+        for ln in text.splitlines()
+        if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): ", ln) and "frame #" not in ln
+    ]
     tail = text[-1500:]
     return "\n".join(dict.fromkeys(causes[:8])) + ("\n...\n" if causes else "") + tail
 
@@ -99,14 +113,26 @@ def hf_llama_config(args, dtype):
 
     sc = args.rope_scaling
     return LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings, max_position_embeddings=131072,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        rms_norm_eps=args.norm_eps,
+        tie_word_embeddings=args.tie_embeddings,
+        max_position_embeddings=131072,
         rope_theta=args.rope_theta,
-        rope_scaling={"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
-                      "high_freq_factor": sc.high_freq_factor,
-                      "original_max_position_embeddings": sc.original_max_position},
-        attn_implementation="sdpa", dtype=dtype)
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": sc.factor,
+            "low_freq_factor": sc.low_freq_factor,
+            "high_freq_factor": sc.high_freq_factor,
+            "original_max_position_embeddings": sc.original_max_position,
+        },
+        attn_implementation="sdpa",
+        dtype=dtype,
+    )
 
 
 def hf_train_step(model, params, opt):
@@ -155,8 +181,9 @@ def run_children(module: str, variants: list[str], args: list[str], root: str) -
     ``RESULT {json}`` line each prints, or {"variant", "error"}; each printed as it comes."""
     results = []
     for v in variants:
-        proc = subprocess.run([sys.executable, "-m", module, "--variant", v] + args, capture_output=True, text=True,
-                              cwd=root)
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "--variant", v] + args, capture_output=True, text=True, cwd=root
+        )
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
             results.append({"variant": v, "error": (proc.stderr or proc.stdout)[-3000:]})

@@ -28,33 +28,63 @@ import argparse
 import os
 import tempfile
 
-from bench.common import command, config_rejection, default_commit, environment, failure, metrics, run_train, \
-    write_result
+from bench.common import (
+    command,
+    config_rejection,
+    default_commit,
+    environment,
+    failure,
+    metrics,
+    run_train,
+    write_result,
+)
 
 
 def job(args, run_dir: str, cache: str, h: int) -> dict:
     cfg = {
-        "run.dir": run_dir, "run.device": args.device, "run.seed": args.seed, "data.cache_dir": cache,
-        "model.flavor": args.flavor, "parallel.dp_replicate": args.groups, "parallel.dp_shard": 1,
-        "training.steps": args.steps, "training.seq_len": args.seq, "training.global_batch_size": args.global_batch,
-        "training.micro_batch_size": args.global_batch // args.groups, "training.eval_every": args.steps,
-        "training.eval_batches": args.eval_batches, "optimizer.lr": args.lr,
-        "optimizer.warmup_steps": max(1, args.steps // 20), "metrics.every": max(1, args.steps // 20),
-        "metrics.tensorboard": "false", "metrics.progress": "false", "checkpoint.at_end": "false",
+        "run.dir": run_dir,
+        "run.device": args.device,
+        "run.seed": args.seed,
+        "data.cache_dir": cache,
+        "model.flavor": args.flavor,
+        "parallel.dp_replicate": args.groups,
+        "parallel.dp_shard": 1,
+        "training.steps": args.steps,
+        "training.seq_len": args.seq,
+        "training.global_batch_size": args.global_batch,
+        "training.micro_batch_size": args.global_batch // args.groups,
+        "training.eval_every": args.steps,
+        "training.eval_batches": args.eval_batches,
+        "optimizer.lr": args.lr,
+        "optimizer.warmup_steps": max(1, args.steps // 20),
+        "metrics.every": max(1, args.steps // 20),
+        "metrics.tensorboard": "false",
+        "metrics.progress": "false",
+        "checkpoint.at_end": "false",
     }
     if h:
-        cfg.update({"parallel.diloco_inner_steps": h, "parallel.diloco_outer_lr": args.outer_lr,
-                    "parallel.diloco_outer_momentum": args.outer_momentum,
-                    "parallel.diloco_bf16": str(args.bf16).lower(), "parallel.diloco_fragments": args.fragments,
-                    "parallel.diloco_overlap_steps": args.overlap, "parallel.diloco_overlap_alpha": args.alpha})
+        cfg.update(
+            {
+                "parallel.diloco_inner_steps": h,
+                "parallel.diloco_outer_lr": args.outer_lr,
+                "parallel.diloco_outer_momentum": args.outer_momentum,
+                "parallel.diloco_bf16": str(args.bf16).lower(),
+                "parallel.diloco_fragments": args.fragments,
+                "parallel.diloco_overlap_steps": args.overlap,
+                "parallel.diloco_overlap_alpha": args.alpha,
+            }
+        )
     return cfg
 
 
 def variant(args, h: int) -> str:
     if not h:
         return "sync"
-    return f"diloco_h{h}" + (f"_f{args.fragments}" if args.fragments > 1 else "") + \
-        (f"_tau{args.overlap}" if args.overlap else "")
+    return (
+        f"diloco_h{h}"
+        + (f"_f{args.fragments}" if args.fragments > 1 else "")
+        + (f"_tau{args.overlap}" if args.overlap else "")
+    )
 
 
 def run_one(args, root: str, h: int) -> dict:
@@ -88,9 +118,15 @@ def main() -> None:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="the paper's Nesterov 0.9")
     p.add_argument("--bf16", action="store_true", help="all-reduce the pseudo-gradients in bfloat16")
     p.add_argument("--fragments", type=int, default=1, help="streaming DiLoCo: fragments synchronized apart")
-    p.add_argument("--overlap", type=int, default=0,
-                   help="tau: each fragment's all-reduce overlaps this many inner steps (0 = blocking)")
-    p.add_argument("--alpha", type=float, default=0.5, help="with --overlap: the local weights' share after a merge")
+    p.add_argument(
+        "--overlap",
+        type=int,
+        default=0,
+        help="tau: each fragment's all-reduce overlaps this many inner steps (0 = blocking)",
+    )
+    p.add_argument(
+        "--alpha", type=float, default=0.5, help="with --overlap: the local weights' share after a merge"
+    )
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600)
@@ -109,8 +145,14 @@ def main() -> None:
         for h in [0] + hs:
             rows.append(run_one(args, root, h))
             print(rows[-1], flush=True)
-    params = next((r["bytes_per_rank"] / (r["synchronizations"] * (2 if args.bf16 else 4))
-                   for r in rows if r.get("bytes_per_rank")), None)
+    params = next(
+        (
+            r["bytes_per_rank"] / (r["synchronizations"] * (2 if args.bf16 else 4))
+            for r in rows
+            if r.get("bytes_per_rank")
+        ),
+        None,
+    )
     for r in rows:
         if r["inner_steps"] == 0 and "error" not in r and params:
             r["bytes_per_rank"] = int(4 * params * args.steps)  # DDP: every fp32 gradient, every step
@@ -119,18 +161,24 @@ def main() -> None:
         if sync and "error" not in r and r.get("bytes_per_rank"):
             r["val_loss_vs_sync"] = r["val_loss"] - sync["val_loss"]
             r["bytes_vs_sync"] = r["bytes_per_rank"] / sync["bytes_per_rank"]
-    doc = {"environment": environment(args.commit, command()), "settings": vars(args), "parameters": params,
-           "reference": "Douillard et al. 2023 (arXiv:2311.08105): 8 replicas, H = 500 reach about the synchronous "
-                        "baseline's perplexity on the same tokens with 500x less communication",
-           "results": rows}
+    doc = {
+        "environment": environment(args.commit, command()),
+        "settings": vars(args),
+        "parameters": params,
+        "reference": "Douillard et al. 2023 (arXiv:2311.08105): 8 replicas, H = 500 reach about the synchronous "
+        "baseline's perplexity on the same tokens with 500x less communication",
+        "results": rows,
+    }
     write_result(args.out, doc)
     print(f"{'variant':<20} {'val_loss':>9} {'vs sync':>8} {'bytes/rank':>14} {'vs sync':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<20} error: {r['error'][:200]}")
             continue
-        print(f"{r['variant']:<20} {r['val_loss']:>9.4f} {r.get('val_loss_vs_sync', 0):>+8.4f} "
-              f"{r.get('bytes_per_rank', 0):>14,} {r.get('bytes_vs_sync', 1):>9.4f}")
+        print(
+            f"{r['variant']:<20} {r['val_loss']:>9.4f} {r.get('val_loss_vs_sync', 0):>+8.4f} "
+            f"{r.get('bytes_per_rank', 0):>14,} {r.get('bytes_vs_sync', 1):>9.4f}"
+        )
 
 
 if __name__ == "__main__":

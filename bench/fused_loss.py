@@ -40,7 +40,7 @@ def loss_fn(variant: str, chunk_tokens: int | None):
 def measure(variant: str, n: int, e: int, v: int, warmup: int, iters: int, chunk_tokens: int | None) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, e, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-    w = (torch.randn(v, e, device="cuda", generator=g) * e ** -0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, e, device="cuda", generator=g) * e**-0.5).bfloat16().requires_grad_()
     y = torch.randint(0, v, (n,), device="cuda", generator=g)
     fn = loss_fn(variant, chunk_tokens)
 
@@ -67,10 +67,21 @@ def measure(variant: str, n: int, e: int, v: int, warmup: int, iters: int, chunk
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     ms = statistics.median(times)
-    return {"variant": variant, "n": n, "e": e, "v": v, "dtype": "bfloat16",
-            "chunk_tokens": chunk_tokens or default_chunk_tokens(v, e, torch.bfloat16) if variant == "fused" else None,
-            "ms_fwd_bwd": ms, "ms_min": min(times), "tokens_per_s": n / ms * 1e3, "peak_extra_gib": peak / 2**30,
-            "loss": float(fn(h, w, y).detach())}
+    return {
+        "variant": variant,
+        "n": n,
+        "e": e,
+        "v": v,
+        "dtype": "bfloat16",
+        "chunk_tokens": chunk_tokens or default_chunk_tokens(v, e, torch.bfloat16)
+        if variant == "fused"
+        else None,
+        "ms_fwd_bwd": ms,
+        "ms_min": min(times),
+        "tokens_per_s": n / ms * 1e3,
+        "peak_extra_gib": peak / 2**30,
+        "loss": float(fn(h, w, y).detach()),
+    }
 
 
 def main() -> None:
@@ -79,7 +90,9 @@ def main() -> None:
     p.add_argument("--dims", default="2048,4096", help="hidden sizes E, comma-separated")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--variants", default="unfused,fused", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="fused chunk rows (default: the op's budget)")
+    p.add_argument(
+        "--chunk-tokens", type=int, default=None, help="fused chunk rows (default: the op's budget)"
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="bench/results/fused_loss.json")
@@ -100,10 +113,16 @@ def main() -> None:
         by = {r["variant"]: r for r in results if r["e"] == e and "error" not in r}
         if "fused" in by and "unfused" in by:
             f, u = by["fused"], by["unfused"]
-            ratios[f"E{e}"] = {"time_fused_over_unfused": f["ms_fwd_bwd"] / u["ms_fwd_bwd"],
-                               "peak_unfused_over_fused": u["peak_extra_gib"] / f["peak_extra_gib"]}
-    doc = {"benchmark": "fused_loss", "environment": environment(a.commit, command()), "results": results,
-           "ratios": ratios}
+            ratios[f"E{e}"] = {
+                "time_fused_over_unfused": f["ms_fwd_bwd"] / u["ms_fwd_bwd"],
+                "peak_unfused_over_fused": u["peak_extra_gib"] / f["peak_extra_gib"],
+            }
+    doc = {
+        "benchmark": "fused_loss",
+        "environment": environment(a.commit, command()),
+        "results": results,
+        "ratios": ratios,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(doc, fh, indent=1)
@@ -112,8 +131,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['e']:>5} {r['variant']:<16} ERROR {r['error'][:200]}")
         else:
-            print(f"{r['e']:>5} {r['variant']:<16} {r['ms_fwd_bwd']:>11.2f} {r['tokens_per_s'] / 1e6:>8.2f} "
-                  f"{r['peak_extra_gib']:>15.2f}")
+            print(
+                f"{r['e']:>5} {r['variant']:<16} {r['ms_fwd_bwd']:>11.2f} {r['tokens_per_s'] / 1e6:>8.2f} "
+                f"{r['peak_extra_gib']:>15.2f}"
+            )
     print("ratios:", json.dumps(ratios))
 
 

@@ -43,7 +43,9 @@ def settings(a) -> dict:
         "batches": [1, 2] if quick else [int(b) for b in a.batches.split(",")],
         "prompt": 16 if quick else a.prompt,
         "new": 24 if quick else a.new,
-        "prefill": [(1, 32), (2, 16)] if quick else [tuple(int(x) for x in s.split("x")) for s in a.prefill.split(",")],
+        "prefill": [(1, 32), (2, 16)]
+        if quick
+        else [tuple(int(x) for x in s.split("x")) for s in a.prefill.split(",")],
         "device": "cpu" if quick else "cuda",
         "compile": not quick and not a.no_compile,
         "graphs": not quick and not a.no_cuda_graphs,
@@ -76,7 +78,7 @@ def loom_model(flavor: str, device: str, compile_: bool, dtype=None):
     model = model.to(dtype).to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             p.fill_(1.0) if p.ndim == 1 else p.normal_(0.0, 0.02, generator=g)
     model.init_buffers(device)
     return model.eval()
@@ -149,8 +151,9 @@ def run_loom(flavor: str, s: dict) -> dict:
     model = loom_model(flavor, dev, s["compile"])
     n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
-    gen = Generator.from_model(model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=max(s["batches"]),
-                               pack=True)
+    gen = Generator.from_model(
+        model, compile=s["compile"], cuda_graphs=s["graphs"], max_batch=max(s["batches"]), pack=True
+    )
     out = {"flavor": flavor, "system": "loom", "params": n_params, "decode": [], "prefill": []}
     vocab = model.args.vocab_size
     for batch in s["batches"]:
@@ -161,13 +164,22 @@ def run_loom(flavor: str, s: dict) -> dict:
         longs = [_timed(lambda: gen.generate_ids(prompts, long_), dev) for _ in range(s["repeats"])]
         stats = gen.stats
         shorts = [_timed(lambda: gen.generate_ids(prompts, short), dev) for _ in range(s["repeats"])]
-        first = [_timed(lambda: gen.generate_ids(prompts, max_new_tokens=1, ignore_eos=True), dev)
-                 for _ in range(s["repeats"])]
+        first = [
+            _timed(lambda: gen.generate_ids(prompts, max_new_tokens=1, ignore_eos=True), dev)
+            for _ in range(s["repeats"])
+        ]
         step = (statistics.median(longs) - statistics.median(shorts)) / (s["new"] - SHORT)
-        out["decode"].append({"batch": batch, "decode_tokens_per_s": batch / step, "step_ms": 1000 * step,
-                              "ttft_s": statistics.median(first), "first_call_s": warm,
-                              "loop_tokens_per_s": stats.new_tokens / (stats.seconds - stats.prefill_seconds),
-                              "cache_bytes_per_token": gen.engine.cache_bytes_per_token})
+        out["decode"].append(
+            {
+                "batch": batch,
+                "decode_tokens_per_s": batch / step,
+                "step_ms": 1000 * step,
+                "ttft_s": statistics.median(first),
+                "first_call_s": warm,
+                "loop_tokens_per_s": stats.new_tokens / (stats.seconds - stats.prefill_seconds),
+                "cache_bytes_per_token": gen.engine.cache_bytes_per_token,
+            }
+        )
         print(json.dumps(out["decode"][-1]), flush=True)
         if s["profile"]:
             out.setdefault("profile", []).append({"batch": batch, **profile_steps(gen.engine, prompts, dev)})
@@ -176,7 +188,9 @@ def run_loom(flavor: str, s: dict) -> dict:
         prompts = prompts_of(batch, seq, vocab, seed=2)
         gen.engine.start(prompts, 1)  # warm-up
         t = statistics.median(_timed(lambda: gen.engine.start(prompts, 1), dev) for _ in range(s["repeats"]))
-        out["prefill"].append({"batch": batch, "seq": seq, "prefill_tokens_per_s": batch * seq / t, "seconds": t})
+        out["prefill"].append(
+            {"batch": batch, "seq": seq, "prefill_tokens_per_s": batch * seq / t, "seconds": t}
+        )
         print(json.dumps(out["prefill"][-1]), flush=True)
     out["setup_and_run_s"] = time.perf_counter() - t0
     out["roofline"] = roofline(model, out["decode"], s)
@@ -185,11 +199,13 @@ def run_loom(flavor: str, s: dict) -> dict:
 
 # kernel name pieces -> kind, first match wins: Inductor's Triton kernels (reductions: with coordinate-descent tuning
 # also the batch-1 projections; pointwise), then cuBLAS/CUTLASS matmuls, attention, copies
-KERNEL_KINDS = (("triton reduction", ("triton_red", "triton_per")),
-                ("triton pointwise", ("triton_poi", "triton")),
-                ("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_")),
-                ("attention", ("fmha", "attention", "flash", "efficient", "sdpa")),
-                ("copy", ("memcpy", "memset", "copy", "fill")))
+KERNEL_KINDS = (
+    ("triton reduction", ("triton_red", "triton_per")),
+    ("triton pointwise", ("triton_poi", "triton")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "cublas", "splitk", "sm90_", "sm80_")),
+    ("attention", ("fmha", "attention", "flash", "efficient", "sdpa")),
+    ("copy", ("memcpy", "memset", "copy", "fill")),
+)
 
 
 def kernel_kind(name: str) -> str:
@@ -233,12 +249,35 @@ def profile_steps(engine, prompts: list[list[int]], device: str, steps: int = 20
         for a in prof.key_averages():
             if cuda and a.device_type != DeviceType.CUDA:
                 continue
-            us = next((t for t in (getattr(a, n, 0) for n in ("self_device_time_total", "device_time_total",
-                                                               "self_cuda_time_total", "cuda_time_total")) if t), 0) \
-                if cuda else a.self_cpu_time_total
+            us = (
+                next(
+                    (
+                        t
+                        for t in (
+                            getattr(a, n, 0)
+                            for n in (
+                                "self_device_time_total",
+                                "device_time_total",
+                                "self_cuda_time_total",
+                                "cuda_time_total",
+                            )
+                        )
+                        if t
+                    ),
+                    0,
+                )
+                if cuda
+                else a.self_cpu_time_total
+            )
             if us > 0:
-                rows.append({"name": a.key[:160], "kind": kernel_kind(a.key), "calls_per_step": a.count / steps,
-                             "us_per_step": us / steps})
+                rows.append(
+                    {
+                        "name": a.key[:160],
+                        "kind": kernel_kind(a.key),
+                        "calls_per_step": a.count / steps,
+                        "us_per_step": us / steps,
+                    }
+                )
         return sorted(rows, key=lambda r: -r["us_per_step"])
 
     run()
@@ -250,12 +289,19 @@ def profile_steps(engine, prompts: list[list[int]], device: str, steps: int = 20
     kinds: dict[str, float] = {}
     for r in rows:
         kinds[r["kind"]] = kinds.get(r["kind"], 0.0) + r["us_per_step"]
-    return {"what": "CUDA kernels" if cuda else "CPU operators (self time)", "recorded_in_graphs": graphs,
-            "steps": steps, "step_ms": 1000 * step_s, "kernel_ms_per_step": total_us / 1000,
-            "kernel_share_of_step": total_us / 1e6 / step_s if step_s else None,
-            "kernels_per_step": sum(r["calls_per_step"] for r in rows),
-            "ms_per_step_by_kind": {k: v / 1000 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top": [{**r, "share_of_kernels": r["us_per_step"] / total_us if total_us else None} for r in rows[:top]]}
+    return {
+        "what": "CUDA kernels" if cuda else "CPU operators (self time)",
+        "recorded_in_graphs": graphs,
+        "steps": steps,
+        "step_ms": 1000 * step_s,
+        "kernel_ms_per_step": total_us / 1000,
+        "kernel_share_of_step": total_us / 1e6 / step_s if step_s else None,
+        "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+        "ms_per_step_by_kind": {k: v / 1000 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top": [
+            {**r, "share_of_kernels": r["us_per_step"] / total_us if total_us else None} for r in rows[:top]
+        ],
+    }
 
 
 def roofline(model, decode: list[dict], s: dict) -> dict | None:
@@ -276,8 +322,13 @@ def roofline(model, decode: list[dict], s: dict) -> dict | None:
     weight_bytes = (n_params - (0 if args.tie_embeddings else table)) * size
     context = s["prompt"] + s["new"] / 2
     kv_bytes = one["cache_bytes_per_token"] * context
-    out = {"device": name, "weight_bytes": weight_bytes, "kv_bytes_mean_context": kv_bytes,
-           "step_ms": one["step_ms"], "hbm_tbps": gpu.hbm_tbps if gpu else None}
+    out = {
+        "device": name,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_mean_context": kv_bytes,
+        "step_ms": one["step_ms"],
+        "hbm_tbps": gpu.hbm_tbps if gpu else None,
+    }
     if gpu:
         ideal = (weight_bytes + kv_bytes) / (gpu.hbm_tbps * 1e12)
         out.update(roofline_step_ms=1000 * ideal, fraction=ideal / (one["step_ms"] / 1000))
@@ -300,21 +351,34 @@ def run_hf(flavor: str, s: dict) -> dict:
     model = hf_model(loom_model(flavor, dev, False))
     if dev != "cuda":
         model.generation_config.disable_compile = True  # the CPU smoke test: eager
-    out = {"flavor": flavor, "system": "hf_static_compile" if dev == "cuda" else "hf_static", "decode": [],
-           "transformers": transformers.__version__}
+    out = {
+        "flavor": flavor,
+        "system": "hf_static_compile" if dev == "cuda" else "hf_static",
+        "decode": [],
+        "transformers": transformers.__version__,
+    }
     vocab = model.config.vocab_size
     for batch in s["batches"]:
         x = torch.tensor(prompts_of(batch, s["prompt"], vocab), device=dev)
         length = s["prompt"] + s["new"]
 
-        cache = transformers.StaticCache(config=model.config, max_cache_len=length)  # one per batch, reset per call
+        cache = transformers.StaticCache(
+            config=model.config, max_cache_len=length
+        )  # one per batch, reset per call
 
         def run(n):
             cache.reset()
             _sync(dev)
             t0 = time.perf_counter()
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0, **{CACHE_KWARG: cache})
+            model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                **{CACHE_KWARG: cache},
+            )
             _sync(dev)
             return time.perf_counter() - t0
 
@@ -326,8 +390,15 @@ def run_hf(flavor: str, s: dict) -> dict:
         shorts = [run(SHORT) for _ in range(s["repeats"])]
         first = [run(1) for _ in range(s["repeats"])]
         step = (statistics.median(longs) - statistics.median(shorts)) / (s["new"] - SHORT)
-        out["decode"].append({"batch": batch, "decode_tokens_per_s": batch / step, "step_ms": 1000 * step,
-                              "ttft_s": statistics.median(first), "first_calls_s": warm})
+        out["decode"].append(
+            {
+                "batch": batch,
+                "decode_tokens_per_s": batch / step,
+                "step_ms": 1000 * step,
+                "ttft_s": statistics.median(first),
+                "first_calls_s": warm,
+            }
+        )
         print(json.dumps(out["decode"][-1]), flush=True)
     return out
 
@@ -368,7 +439,7 @@ class Oracle:
             if self.continuation is None:
                 guesses.append([(pending_host[b] + 1) % self.vocab] * self.k)
                 continue
-            cont = self.continuation[b][self._emitted[b]:self._emitted[b] + self.k]
+            cont = self.continuation[b][self._emitted[b] : self._emitted[b] + self.k]
             cont += [0] * (self.k - len(cont))
             guesses.append([t if self._random.random() < self.rate else (t + 1) % self.vocab for t in cont])
         return torch.tensor(guesses, device=pending.device), None, [not d for d in done]
@@ -412,14 +483,18 @@ def fit(model, tokens: list[int], steps: int, lr: float) -> dict:
     for p in params:
         p.requires_grad_(False)
     del opt
-    return {"steps": steps, "lr": lr, "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None}
+    return {
+        "steps": steps,
+        "lr": lr,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+    }
 
 
 def expected_acceptance(rate: float, k: int) -> float:
     """Kept guesses over proposed ones when each guess is right with probability ``rate`` on its own: a round
     keeps the agreeing prefix, on average rate + rate^2 + ... + rate^k of k."""
-    return sum(rate ** i for i in range(1, k + 1)) / k
+    return sum(rate**i for i in range(1, k + 1)) / k
 
 
 def forward_ms(engine, prompt: list[list[int]], k: int, device: str, n: int = 50) -> dict:
@@ -453,7 +528,9 @@ def run_speculative(flavor: str, s: dict) -> dict:
     dev = s["device"]
     dtype = getattr(torch, s["spec_dtype"])
     text = code_prompt(512 if dev != "cpu" else 48)
-    restart = 32 if dev != "cpu" else 8  # the prompt repeats the source's first bytes: the model goes on from there
+    restart = (
+        32 if dev != "cpu" else 8
+    )  # the prompt repeats the source's first bytes: the model goes on from there
     fitted = None
     if s["spec_fit_steps"]:
         model = loom_model(flavor, dev, s["compile"], torch.float32)
@@ -461,7 +538,9 @@ def run_speculative(flavor: str, s: dict) -> dict:
         model = model.to(dtype)
         model.init_buffers(dev)  # the RoPE table back in float32
         prompt = [text + text[:restart]]
-        described = f"{CODE_MODULE} source ({len(text)} byte ids) and its first {restart} again, after the fit"
+        described = (
+            f"{CODE_MODULE} source ({len(text)} byte ids) and its first {restart} again, after the fit"
+        )
     else:
         model = loom_model(flavor, dev, s["compile"], dtype)
         prompt = [text]
@@ -479,27 +558,47 @@ def run_speculative(flavor: str, s: dict) -> dict:
             st = gen.stats
             runs.append((st.new_tokens / (st.seconds - st.prefill_seconds), st, outs[0].token_ids))
         tps, st, tokens = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-        return {"tokens_per_s": tps, "acceptance": st.acceptance, "target_steps": st.target_steps,
-                "tokens_per_target_step": st.new_tokens / st.target_steps if st.target_steps else 1.0,
-                "tokens": tokens}
+        return {
+            "tokens_per_s": tps,
+            "acceptance": st.acceptance,
+            "target_steps": st.target_steps,
+            "tokens_per_target_step": st.new_tokens / st.target_steps if st.target_steps else 1.0,
+            "tokens": tokens,
+        }
 
     plain = measure(False)
     reference = measure(Oracle(k, 0.0, None, vocab))  # the tokens every speculative run with this k gives
-    if fitted is not None:  # how much of plain decoding's output is the source going on (memorized, not looping)
-        source = text[restart:restart + len(plain["tokens"])]
+    if (
+        fitted is not None
+    ):  # how much of plain decoding's output is the source going on (memorized, not looping)
+        source = text[restart : restart + len(plain["tokens"])]
         fitted["output_follows_source"] = sum(a == b for a, b in zip(plain["tokens"], source)) / len(source)
-    out = {"flavor": flavor, "dtype": s["spec_dtype"], "k": k, "prompt": described, "fit": fitted,
-           "new_tokens": s["spec_new"], "plain_tokens_per_s": plain["tokens_per_s"],
-           "reference_same_as_plain": reference["tokens"] == plain["tokens"],
-           "reference_first_difference": next((i for i, (a, b) in enumerate(zip(reference["tokens"], plain["tokens"]))
-                                               if a != b), None), "runs": []}
+    out = {
+        "flavor": flavor,
+        "dtype": s["spec_dtype"],
+        "k": k,
+        "prompt": described,
+        "fit": fitted,
+        "new_tokens": s["spec_new"],
+        "plain_tokens_per_s": plain["tokens_per_s"],
+        "reference_same_as_plain": reference["tokens"] == plain["tokens"],
+        "reference_first_difference": next(
+            (i for i, (a, b) in enumerate(zip(reference["tokens"], plain["tokens"])) if a != b), None
+        ),
+        "runs": [],
+    }
 
     def row(name: str, m: dict, rate: float | None = None) -> dict:
-        r = {"proposer": name, "acceptance": m["acceptance"], "tokens_per_s": m["tokens_per_s"],
-             "speedup": m["tokens_per_s"] / plain["tokens_per_s"], "target_steps": m["target_steps"],
-             "tokens_per_target_step": m["tokens_per_target_step"],
-             "same_tokens_as_plain": m["tokens"] == plain["tokens"],
-             "same_tokens_as_reference": m["tokens"] == reference["tokens"]}
+        r = {
+            "proposer": name,
+            "acceptance": m["acceptance"],
+            "tokens_per_s": m["tokens_per_s"],
+            "speedup": m["tokens_per_s"] / plain["tokens_per_s"],
+            "target_steps": m["target_steps"],
+            "tokens_per_target_step": m["tokens_per_target_step"],
+            "same_tokens_as_plain": m["tokens"] == plain["tokens"],
+            "same_tokens_as_reference": m["tokens"] == reference["tokens"],
+        }
         if rate is not None:
             r.update(guess_rate=rate, expected_acceptance=expected_acceptance(rate, k))
         out["runs"].append(r)
@@ -512,8 +611,12 @@ def run_speculative(flavor: str, s: dict) -> dict:
         row(f"oracle_{rate}", measure(Oracle(k, rate, [reference["tokens"]], vocab)), rate)
     out.update(forward_ms(gen.engine, prompt, k, dev))
     valid = [r for r in out["runs"] if r["same_tokens_as_reference"] and (r["acceptance"] or 0) >= 0.7]
-    out["bar"] = {"acceptance_at_least": 0.7, "speedup_at_least": 1.5, "rows": [r["proposer"] for r in valid],
-                  "min_speedup": min((r["speedup"] for r in valid), default=None)}
+    out["bar"] = {
+        "acceptance_at_least": 0.7,
+        "speedup_at_least": 1.5,
+        "rows": [r["proposer"] for r in valid],
+        "min_speedup": min((r["speedup"] for r in valid), default=None),
+    }
     out["bar"]["met"] = bool(valid) and out["bar"]["min_speedup"] >= 1.5
     return out
 
@@ -538,17 +641,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--spec-flavor", default="1B")
     p.add_argument("--spec-new", type=int, default=256)
     p.add_argument("--spec-k", type=int, default=4)
-    p.add_argument("--spec-dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                   help="the speculative runs' model dtype")
-    p.add_argument("--spec-fit-steps", type=int, default=150,
-                   help="AdamW steps fitting the speculative target to its prompt's source (0: random weights)")
+    p.add_argument(
+        "--spec-dtype",
+        default="bfloat16",
+        choices=("float32", "bfloat16"),
+        help="the speculative runs' model dtype",
+    )
+    p.add_argument(
+        "--spec-fit-steps",
+        type=int,
+        default=150,
+        help="AdamW steps fitting the speculative target to its prompt's source (0: random weights)",
+    )
     p.add_argument("--spec-fit-lr", type=float, default=5e-4)
-    p.add_argument("--profile", action="store_true",
-                   help="record decode steps with torch.profiler: top kernels, kernel time against step time")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="record decode steps with torch.profiler: top kernels, kernel time against step time",
+    )
     p.add_argument("--rates", default="0.6,0.8,0.9,0.95,1.0", help="guess accuracies of the acceptance curve")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--quick", action="store_true", help="the debug flavor on the CPU, in-process: a smoke test")
+    p.add_argument(
+        "--quick", action="store_true", help="the debug flavor on the CPU, in-process: a smoke test"
+    )
     p.add_argument("--out", default="bench/results/generate.json")
     p.add_argument("--commit", default=default_commit())
     p.add_argument("--child", nargs=2, metavar=("JOB", "FLAVOR"), help=argparse.SUPPRESS)
@@ -569,16 +685,33 @@ def main(argv: list[str] | None = None) -> dict:
         if a.quick:  # in-process: seconds on a CPU
             res = child(job, flavor, s)
         else:
-            cmd = [sys.executable, "-m", "bench.generate", "--child", job, flavor, "--settings", json.dumps(s)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.generate",
+                "--child",
+                job,
+                flavor,
+                "--settings",
+                json.dumps(s),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            res = json.loads(line[-1][7:]) if not proc.returncode and line else \
-                {"job": job, "flavor": flavor, "error": (proc.stderr or proc.stdout)[-3000:]}
+            res = (
+                json.loads(line[-1][7:])
+                if not proc.returncode and line
+                else {"job": job, "flavor": flavor, "error": (proc.stderr or proc.stdout)[-3000:]}
+            )
         res["wall_s"] = time.perf_counter() - t0
         results.append(res)
         print(f"{job} {flavor}: {res['wall_s']:.0f} s" + (" ERROR" if "error" in res else ""), flush=True)
-        doc = {"benchmark": "generate", "environment": environment(a.commit, command()), "settings": s,
-               "results": results, "ratios": ratios(results)}
+        doc = {
+            "benchmark": "generate",
+            "environment": environment(a.commit, command()),
+            "settings": s,
+            "results": results,
+            "ratios": ratios(results),
+        }
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as fh:  # after every job: a run cut short keeps what it measured
             json.dump(doc, fh, indent=1)
@@ -604,35 +737,54 @@ def ratios(results: list[dict]) -> dict:
 
 
 def table(doc: dict) -> str:
-    lines = [f"\n{'flavor':<6} {'system':<18} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'TTFT ms':>8}"]
+    lines = [
+        f"\n{'flavor':<6} {'system':<18} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'TTFT ms':>8}"
+    ]
     for r in doc["results"]:
         if "error" in r:
             lines.append(f"{r.get('flavor', ''):<6} {r.get('job', ''):<18} ERROR {r['error'][-300:]}")
             continue
         for d in r.get("decode", []):
-            lines.append(f"{r['flavor']:<6} {r['system']:<18} {d['batch']:>5} {d['decode_tokens_per_s']:>13.1f} "
-                         f"{d['step_ms']:>8.2f} {1000 * d['ttft_s']:>8.1f}")
+            lines.append(
+                f"{r['flavor']:<6} {r['system']:<18} {d['batch']:>5} {d['decode_tokens_per_s']:>13.1f} "
+                f"{d['step_ms']:>8.2f} {1000 * d['ttft_s']:>8.1f}"
+            )
         for d in r.get("prefill", []):
-            lines.append(f"{r['flavor']:<6} {'loom prefill':<18} {d['batch']:>5} x {d['seq']}: "
-                         f"{d['prefill_tokens_per_s']:.0f} tokens/s")
+            lines.append(
+                f"{r['flavor']:<6} {'loom prefill':<18} {d['batch']:>5} x {d['seq']}: "
+                f"{d['prefill_tokens_per_s']:.0f} tokens/s"
+            )
         if r.get("roofline"):
             rf = r["roofline"]
-            frac = f"{100 * rf['fraction']:.1f}% of the HBM roofline" if rf.get("fraction") else "no bandwidth figure"
+            frac = (
+                f"{100 * rf['fraction']:.1f}% of the HBM roofline"
+                if rf.get("fraction")
+                else "no bandwidth figure"
+            )
             lines.append(f"{r['flavor']:<6} batch-1 decode: {frac}")
         for p in r.get("profile", []):
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in p["ms_per_step_by_kind"].items())
-            lines.append(f"{r['flavor']:<6} profile batch {p['batch']}: step {p['step_ms']:.2f} ms, {p['what']} "
-                         f"{p['kernel_ms_per_step']:.2f} ms in {p['kernels_per_step']:.0f} ({kinds})")
+            lines.append(
+                f"{r['flavor']:<6} profile batch {p['batch']}: step {p['step_ms']:.2f} ms, {p['what']} "
+                f"{p['kernel_ms_per_step']:.2f} ms in {p['kernels_per_step']:.0f} ({kinds})"
+            )
         for run in r.get("runs", []):
             acc = "-" if run["acceptance"] is None else f"{100 * run['acceptance']:.0f}%"
-            want = f" (rate {run['guess_rate']}: {100 * run['expected_acceptance']:.0f}% expected)" \
-                if "guess_rate" in run else ""
-            lines.append(f"{r['flavor']:<6} speculative {run['proposer']:<14} acceptance {acc:>5}{want}  "
-                         f"{run['tokens_per_target_step']:.2f} tokens/forward  speedup {run['speedup']:.2f}x  "
-                         f"same tokens as reference: {run['same_tokens_as_reference']}")
+            want = (
+                f" (rate {run['guess_rate']}: {100 * run['expected_acceptance']:.0f}% expected)"
+                if "guess_rate" in run
+                else ""
+            )
+            lines.append(
+                f"{r['flavor']:<6} speculative {run['proposer']:<14} acceptance {acc:>5}{want}  "
+                f"{run['tokens_per_target_step']:.2f} tokens/forward  speedup {run['speedup']:.2f}x  "
+                f"same tokens as reference: {run['same_tokens_as_reference']}"
+            )
         if r.get("verify_ms"):
-            lines.append(f"{r['flavor']:<6} speculative target forward: step {r['step_ms']:.2f} ms, verification of "
-                         f"{r['k'] + 1} tokens {r['verify_ms']:.2f} ms")
+            lines.append(
+                f"{r['flavor']:<6} speculative target forward: step {r['step_ms']:.2f} ms, verification of "
+                f"{r['k'] + 1} tokens {r['verify_ms']:.2f} ms"
+            )
         if r.get("bar"):
             lines.append(f"{r['flavor']:<6} speculative bar (>= 1.5x where acceptance >= 70%): {r['bar']}")
         if r.get("fit"):

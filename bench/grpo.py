@@ -47,9 +47,17 @@ def loom_config(a, run_dir: str, **overrides):
     """The recipe with the command line's ``--set`` fields and the bench's own (``overrides``: dotted -> str)."""
     from loom.config import build_config
 
-    base = {"model.flavor": a.flavor, "run.device": a.device, "run.dir": run_dir, "metrics.tensorboard": "false",
-            "metrics.progress": "false", "checkpoint.at_end": "false", "training.eval_every": "0",
-            "training.eval_hook": "", "metrics.every": "1"}
+    base = {
+        "model.flavor": a.flavor,
+        "run.device": a.device,
+        "run.dir": run_dir,
+        "metrics.tensorboard": "false",
+        "metrics.progress": "false",
+        "checkpoint.at_end": "false",
+        "training.eval_every": "0",
+        "training.eval_hook": "",
+        "metrics.every": "1",
+    }
     if a.device == "cpu":  # fp32 and eager: the CPU run checks the pipeline, it measures nothing
         base.update({"training.dtype": "float32", "training.compile": "false"})
     sets = dict(s.split("=", 1) for s in a.set)
@@ -76,8 +84,9 @@ def reward_functions(cfg):
 
 
 def describe_rewards(rewards) -> str:
-    return " + ".join(f"{float(w):g} x {fn.__module__}:{fn.__name__}" for w, fn in zip(rewards.weights,
-                                                                                        rewards.functions))
+    return " + ".join(
+        f"{float(w):g} x {fn.__module__}:{fn.__name__}" for w, fn in zip(rewards.weights, rewards.functions)
+    )
 
 
 def export(trainer, folder: str) -> None:
@@ -87,35 +96,67 @@ def export(trainer, folder: str) -> None:
 
     shutil.rmtree(folder, ignore_errors=True)
     state = {k: v.detach() for k, v in trainer.parts[0].state_dict().items()}
-    export_hf(state, trainer.model_args, folder, tokenizer=tokenizer_export(trainer.cfg.data.tokenizer,
-                                                                            trainer.model_args.max_seq_len))
+    export_hf(
+        state,
+        trainer.model_args,
+        folder,
+        tokenizer=tokenizer_export(trainer.cfg.data.tokenizer, trainer.model_args.max_seq_len),
+    )
 
 
 def warm_up(a, folder: str) -> dict:
     """Supervised warm-up (the GRPO objective's warm-up steps only), exported to ``folder``."""
     # loom refuses a GRPO run that is all warm-up: built with one GRPO step after it, stopped before that step
     run_dir = os.path.join(a.run_dir, "warmup")
-    lr_warmup = min(loom_config(a, run_dir).optimizer.warmup_steps, a.sft_steps)  # a short --sft-steps: all of it
-    cfg = loom_config(a, run_dir, **{"training.steps": a.sft_steps + 1, "grpo.warmup_steps": a.sft_steps,
-                                     "grpo.beta": 0, "optimizer.warmup_steps": lr_warmup})
+    lr_warmup = min(
+        loom_config(a, run_dir).optimizer.warmup_steps, a.sft_steps
+    )  # a short --sft-steps: all of it
+    cfg = loom_config(
+        a,
+        run_dir,
+        **{
+            "training.steps": a.sft_steps + 1,
+            "grpo.warmup_steps": a.sft_steps,
+            "grpo.beta": 0,
+            "optimizer.warmup_steps": lr_warmup,
+        },
+    )
     trainer = trainer_of(cfg)
     trainer.cfg.training.steps = a.sft_steps
     t0 = time.perf_counter()
     records = trainer.fit()
     seconds = time.perf_counter() - t0
     export(trainer, folder)
-    out = {"steps": a.sft_steps, "seconds": seconds, "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"],
-           "lr": cfg.optimizer.lr, "schedule": cfg.optimizer.schedule, "lr_warmup_steps": cfg.optimizer.warmup_steps,
-           "rows_per_step": cfg.training.global_batch_size}
+    out = {
+        "steps": a.sft_steps,
+        "seconds": seconds,
+        "loss_first": records[0]["loss"],
+        "loss_last": records[-1]["loss"],
+        "lr": cfg.optimizer.lr,
+        "schedule": cfg.optimizer.schedule,
+        "lr_warmup_steps": cfg.optimizer.warmup_steps,
+        "rows_per_step": cfg.training.global_batch_size,
+    }
     free(trainer)
     return out
 
 
 def grpo_config(a, folder: str, run_dir: str, lr: float, seed: int):
     """loom's GRPO part: from ``folder``, no warm-up, a constant LR ``lr`` from the first step, ``run.seed`` seed."""
-    return loom_config(a, run_dir, **{"model.init_from": folder, "training.steps": a.steps, "run.seed": seed,
-                                      "grpo.warmup_steps": 0, "optimizer.lr": lr, "grpo.lr_ratio": 1.0,
-                                      "optimizer.schedule": "constant", "optimizer.warmup_steps": 0})
+    return loom_config(
+        a,
+        run_dir,
+        **{
+            "model.init_from": folder,
+            "training.steps": a.steps,
+            "run.seed": seed,
+            "grpo.warmup_steps": 0,
+            "optimizer.lr": lr,
+            "grpo.lr_ratio": 1.0,
+            "optimizer.schedule": "constant",
+            "optimizer.warmup_steps": 0,
+        },
+    )
 
 
 def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
@@ -126,7 +167,9 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
     source = trainer.objective.loader.source
     drawn, draw = [], source.problems
 
-    def recording(n, key):  # the bench's record of the prompts loom's rollouts draw (to check TRL gets the same)
+    def recording(
+        n, key
+    ):  # the bench's record of the prompts loom's rollouts draw (to check TRL gets the same)
         rows = draw(n, key)
         drawn.extend(rows)
         return rows
@@ -138,10 +181,12 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
     records = trainer.fit()
     wall = time.perf_counter() - t0
     export(trainer, out_folder)
-    per_step = cfg.training.global_batch_size * cfg.training.seq_len  # the tokens each record's tokens_per_s counts
+    per_step = (
+        cfg.training.global_batch_size * cfg.training.seq_len
+    )  # the tokens each record's tokens_per_s counts
     step_s = [per_step / r["tokens_per_s"] for r in records]
     assert [r["step"] for r in records] == list(range(1, cfg.training.steps + 1)), "metrics.every must be 1"
-    timed = records[a.skip_steps:]
+    timed = records[a.skip_steps :]
     # the step's split, mean seconds over the timed steps but the last: time/training_s is on the next record
     split = {"step": [], "generation": [], "scoring": [], "logps": [], "weight_sync": [], "training": []}
     for k in range(a.skip_steps, len(records) - 1):
@@ -152,9 +197,13 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
     split = {name: mean(v) for name, v in split.items()}
     split["other"] = split["step"] - sum(v for k, v in split.items() if k != "step")
     out = {
-        "steps": len(records), "wall_s": wall, "first_step_s": step_s[0],
-        "steps_per_s": len(timed) / sum(step_s[a.skip_steps:]), "steps_per_s_all": len(records) / sum(step_s),
-        "step_s": step_s, "time_split_mean_s": split,
+        "steps": len(records),
+        "wall_s": wall,
+        "first_step_s": step_s[0],
+        "steps_per_s": len(timed) / sum(step_s[a.skip_steps :]),
+        "steps_per_s_all": len(records) / sum(step_s),
+        "step_s": step_s,
+        "time_split_mean_s": split,
         "rollout_tokens_per_s_median": median(r["rollout_tokens_per_s"] for r in timed),
         "weight_sync_s_mean": statistics.fmean(r.get("time/weight_sync_s", 0.0) for r in timed),
         "weight_sync_bytes": records[-1].get("weight_sync_bytes", 0.0),
@@ -162,7 +211,9 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
         "exact_answer_curve": [r.get("rewards/exact_answer") for r in records],
         "completion_length_curve": [r["completion_length"] for r in records],
         "loss_curve": [r["loss"] for r in records],
-        "kernels": trainer.kernels.describe(), "compile": cfg.training.compile, "dtype": cfg.training.dtype,
+        "kernels": trainer.kernels.describe(),
+        "compile": cfg.training.compile,
+        "dtype": cfg.training.dtype,
         "optimizer_implementation": cfg.optimizer.implementation,
         "engine_cuda_graphs": bool(trainer.objective.loader.generator.engine.cuda_graphs),
         "peak_memory_gib": peak_memory(a.device),
@@ -179,14 +230,30 @@ def trl_mapping(cfg) -> list[dict]:
     bf16 = t.dtype == "bfloat16"
     rows = [
         ("grpo.group_size", "num_generations", g.group_size, ""),
-        ("training.micro_batch_size", "per_device_train_batch_size", t.micro_batch_size,
-         "completions per forward / backward"),
-        ("training.global_batch_size / training.micro_batch_size", "gradient_accumulation_steps",
-         t.global_batch_size // t.micro_batch_size, "micro-batches per optimizer step"),
-        (None, "steps_per_generation", t.global_batch_size // t.micro_batch_size,
-         "one generation of training.global_batch_size completions per optimizer step (x num_iterations)"),
-        ("training.global_batch_size / grpo.group_size", "generation_batch_size / num_generations",
-         t.global_batch_size // g.group_size, "prompts per generation"),
+        (
+            "training.micro_batch_size",
+            "per_device_train_batch_size",
+            t.micro_batch_size,
+            "completions per forward / backward",
+        ),
+        (
+            "training.global_batch_size / training.micro_batch_size",
+            "gradient_accumulation_steps",
+            t.global_batch_size // t.micro_batch_size,
+            "micro-batches per optimizer step",
+        ),
+        (
+            None,
+            "steps_per_generation",
+            t.global_batch_size // t.micro_batch_size,
+            "one generation of training.global_batch_size completions per optimizer step (x num_iterations)",
+        ),
+        (
+            "training.global_batch_size / grpo.group_size",
+            "generation_batch_size / num_generations",
+            t.global_batch_size // g.group_size,
+            "prompts per generation",
+        ),
         ("grpo.iterations", "num_iterations", g.iterations, ""),
         ("grpo.max_new_tokens", "max_completion_length", g.max_new_tokens, ""),
         ("grpo.temperature", "temperature", g.temperature, ""),
@@ -198,9 +265,18 @@ def trl_mapping(cfg) -> list[dict]:
         ("grpo.loss_type", "loss_type", g.loss_type, ""),
         ("grpo.scale_rewards", "scale_rewards", g.scale_rewards, ""),
         ("grpo.mask_truncated", "mask_truncated_completions", g.mask_truncated, ""),
-        ("grpo.rewards / grpo.reward_weights", "reward_funcs / reward_weights", describe_rewards(reward_functions(cfg)),
-         "the same Python functions (TRL calls them with the dataset's 'answer' column)"),
-        ("optimizer.lr x grpo.lr_ratio", "learning_rate", o.lr * g.lr_ratio, "constant (the bench's GRPO part)"),
+        (
+            "grpo.rewards / grpo.reward_weights",
+            "reward_funcs / reward_weights",
+            describe_rewards(reward_functions(cfg)),
+            "the same Python functions (TRL calls them with the dataset's 'answer' column)",
+        ),
+        (
+            "optimizer.lr x grpo.lr_ratio",
+            "learning_rate",
+            o.lr * g.lr_ratio,
+            "constant (the bench's GRPO part)",
+        ),
         ("optimizer.schedule", "lr_scheduler_type", "constant", ""),
         ("optimizer.warmup_steps", "warmup_steps", 0, ""),
         ("optimizer.betas", "adam_beta1 / adam_beta2", list(o.betas), ""),
@@ -208,11 +284,19 @@ def trl_mapping(cfg) -> list[dict]:
         ("optimizer.weight_decay", "weight_decay", o.weight_decay, ""),
         ("training.max_norm", "max_grad_norm", t.max_norm, ""),
         ("training.dtype", "bf16", bf16, "fp32 weights and AdamW state, bf16 autocast, on both"),
-        ("training.activation_checkpointing", "gradient_checkpointing", t.activation_checkpointing != "none",
-         "TRL's GRPOConfig defaults to True: set to loom's"),
+        (
+            "training.activation_checkpointing",
+            "gradient_checkpointing",
+            t.activation_checkpointing != "none",
+            "TRL's GRPOConfig defaults to True: set to loom's",
+        ),
         ("run.seed", "seed", cfg.run.seed, "the sampling streams differ (each system's own RNG)"),
-        ("the prompts of loom's step k", "train_dataset, shuffle_dataset", "the same rows; shuffle_dataset false",
-         "a datasets.Dataset of the prompts loom's rollouts drew, in order; TRL's sampler unshuffled"),
+        (
+            "the prompts of loom's step k",
+            "train_dataset, shuffle_dataset",
+            "the same rows; shuffle_dataset false",
+            "a datasets.Dataset of the prompts loom's rollouts drew, in order; TRL's sampler unshuffled",
+        ),
     ]
     return [{"loom": lf, "trl": tf, "value": v, **({"note": n} if n else {})} for lf, tf, v, n in rows]
 
@@ -222,20 +306,45 @@ def trl_config(cfg, out_dir: str, steps: int, device: str):
 
     g, t, o = cfg.grpo, cfg.training, cfg.optimizer
     return GRPOConfig(
-        output_dir=out_dir, max_steps=steps, per_device_train_batch_size=t.micro_batch_size,
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=t.global_batch_size // t.micro_batch_size,
         steps_per_generation=t.global_batch_size // t.micro_batch_size,
-        num_generations=g.group_size, num_iterations=g.iterations, max_completion_length=g.max_new_tokens,
-        temperature=g.temperature, top_p=g.top_p, top_k=0, beta=g.beta, epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high or g.epsilon, loss_type=g.loss_type, scale_rewards=g.scale_rewards,
-        mask_truncated_completions=g.mask_truncated, reward_weights=reward_functions(cfg).weights.tolist(),
+        num_generations=g.group_size,
+        num_iterations=g.iterations,
+        max_completion_length=g.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=0,
+        beta=g.beta,
+        epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high or g.epsilon,
+        loss_type=g.loss_type,
+        scale_rewards=g.scale_rewards,
+        mask_truncated_completions=g.mask_truncated,
+        reward_weights=reward_functions(cfg).weights.tolist(),
         learning_rate=o.lr * g.lr_ratio,
-        lr_scheduler_type="constant", warmup_steps=0, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
-        adam_epsilon=o.eps, weight_decay=o.weight_decay, max_grad_norm=t.max_norm,
-        bf16=t.dtype == "bfloat16", use_cpu=device == "cpu",
-        gradient_checkpointing=t.activation_checkpointing != "none", seed=cfg.run.seed, shuffle_dataset=False,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-        log_completions=False, remove_unused_columns=False)
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        weight_decay=o.weight_decay,
+        max_grad_norm=t.max_norm,
+        bf16=t.dtype == "bfloat16",
+        use_cpu=device == "cpu",
+        gradient_checkpointing=t.activation_checkpointing != "none",
+        seed=cfg.run.seed,
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+        remove_unused_columns=False,
+    )
 
 
 class _Timed:
@@ -255,6 +364,7 @@ class _Timed:
             finally:
                 sync(self.device)
                 self.seconds += time.perf_counter() - t0
+
         return timed
 
 
@@ -272,8 +382,9 @@ def run_trl(a, cfg, folder: str, rows: list[dict], out_folder: str) -> dict:
 
     def recording(fn):  # the first function also records each group's prompt, in the order TRL trains on them
         def first(prompts, completions, **kw):
-            seen.extend(prompts[::cfg.grpo.group_size])
+            seen.extend(prompts[:: cfg.grpo.group_size])
             return fn(prompts=prompts, completions=completions, **kw)
+
         first.__name__ = fn.__name__
         return first
 
@@ -295,8 +406,14 @@ def run_trl(a, cfg, folder: str, rows: list[dict], out_folder: str) -> dict:
             splits.append((generation.seconds, scoring.seconds))
             generation.seconds = scoring.seconds = 0.0
 
-    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     trainer._generate_single_turn = generation.wrap(trainer._generate_single_turn)  # transformers' generate
     t0 = time.perf_counter()
     trainer.train()
@@ -306,22 +423,33 @@ def run_trl(a, cfg, folder: str, rows: list[dict], out_folder: str) -> dict:
     step_s = [b - e for e, b in zip(ends, ends[1:])]
     logs = [h for h in trainer.state.log_history if "reward" in h]
     timed = slice(a.skip_steps, None)
-    split = {"step": mean(step_s[timed]), "generation": mean(s[0] for s in splits[timed]),
-             "scoring": mean(s[1] for s in splits[timed])}
+    split = {
+        "step": mean(step_s[timed]),
+        "generation": mean(s[0] for s in splits[timed]),
+        "scoring": mean(s[1] for s in splits[timed]),
+    }
     split["training_and_other"] = split["step"] - split["generation"] - split["scoring"]
     out = {
-        "steps": len(step_s), "wall_s": wall, "first_step_s": step_s[0],
-        "steps_per_s": len(step_s[timed]) / sum(step_s[timed]), "steps_per_s_all": len(step_s) / sum(step_s),
-        "step_s": step_s, "time_split_mean_s": split,
+        "steps": len(step_s),
+        "wall_s": wall,
+        "first_step_s": step_s[0],
+        "steps_per_s": len(step_s[timed]) / sum(step_s[timed]),
+        "steps_per_s_all": len(step_s) / sum(step_s),
+        "step_s": step_s,
+        "time_split_mean_s": split,
         # generated tokens (mean completion length x completions) per second of generation
-        "rollout_tokens_per_s_median": median(h["completions/mean_length"] * cfg.training.global_batch_size / s[0]
-                                              for h, s in list(zip(logs, splits))[timed]),
+        "rollout_tokens_per_s_median": median(
+            h["completions/mean_length"] * cfg.training.global_batch_size / s[0]
+            for h, s in list(zip(logs, splits))[timed]
+        ),
         "reward_curve": [h["reward"] for h in logs],
         "exact_answer_curve": [h.get("rewards/exact_answer/mean") for h in logs],
         "completion_length_curve": [h.get("completions/mean_length") for h in logs],
         "loss_curve": [h.get("loss") for h in logs],
-        "optim": str(args.optim), "bf16": args.bf16, "generation": "transformers generate (no vLLM, no compile)",
-        "prompts_match_dataset": seen[:len(rows)] == [r["prompt"] for r in rows][:len(seen)],
+        "optim": str(args.optim),
+        "bf16": args.bf16,
+        "generation": "transformers generate (no vLLM, no compile)",
+        "prompts_match_dataset": seen[: len(rows)] == [r["prompt"] for r in rows][: len(seen)],
         "peak_memory_gib": peak_memory(a.device),
     }
     del trainer, model
@@ -352,8 +480,9 @@ def accuracy(folder: str, problems: list[dict], device: str, max_new: int) -> fl
     gen = Generator(folder, device=device, dtype="float32", compile=False, max_batch=len(problems), tp=False)
     enc = ByteTokenizer().encode  # the folder's tokenizer.json has the same ids; no BOS added, as in training
     try:
-        outs = gen.generate_ids([enc(r["prompt"]) for r in problems],
-                                SamplingParams(max_new_tokens=max_new, temperature=0.0))
+        outs = gen.generate_ids(
+            [enc(r["prompt"]) for r in problems], SamplingParams(max_new_tokens=max_new, temperature=0.0)
+        )
     finally:
         gen.engine.close()
     del gen
@@ -375,7 +504,7 @@ def hf_accuracy(folder: str, problems: list[dict], device: str, max_new: int) ->
     batch = tok([r["prompt"] for r in problems], return_tensors="pt", padding=True).to(device)
     with torch.no_grad():
         ids = model.generate(**batch, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
-    texts = tok.batch_decode(ids[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tok.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -383,8 +512,10 @@ def hf_accuracy(folder: str, problems: list[dict], device: str, max_new: int) ->
 
 
 def evaluate(folder: str, problems: list[dict], device: str, max_new: int) -> dict:
-    return {"accuracy": accuracy(folder, problems, device, max_new),
-            "accuracy_transformers": hf_accuracy(folder, problems, device, max_new)}
+    return {
+        "accuracy": accuracy(folder, problems, device, max_new),
+        "accuracy_transformers": hf_accuracy(folder, problems, device, max_new),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -431,29 +562,42 @@ def free(trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def one_seed(a, warmed: str, lr: float, seed: int, problems: list[dict], before: dict, systems: list[str]) -> dict:
+def one_seed(
+    a, warmed: str, lr: float, seed: int, problems: list[dict], before: dict, systems: list[str]
+) -> dict:
     """Each system's GRPO from ``warmed`` with ``run.seed`` ``seed`` (its prompts and its sampling), evaluated."""
     cfg = grpo_config(a, warmed, os.path.join(a.run_dir, "loom_grpo"), lr, seed)
     max_new = cfg.grpo.max_new_tokens
     results, drawn = {}, None
     if "loom" in systems:
         results["loom"], drawn = run_loom(a, cfg, os.path.join(a.run_dir, "hf_loom_grpo"))
-        results["loom"]["after"] = evaluate(os.path.join(a.run_dir, "hf_loom_grpo"), problems, a.device, max_new)
+        results["loom"]["after"] = evaluate(
+            os.path.join(a.run_dir, "hf_loom_grpo"), problems, a.device, max_new
+        )
     # the prompts of loom's rollouts in order (loom.rl.rollout draws them from the task by step)
     from loom.rl.arithmetic import ArithmeticTask
 
-    task, per_step = ArithmeticTask(cfg.run.seed, cfg.grpo.digits, cfg.grpo.ops), \
-        cfg.training.global_batch_size // cfg.grpo.group_size
-    rows = [r for s in range(1, a.steps + 1, cfg.grpo.iterations) for r in task.problems(per_step, ("grpo", s))]
+    task, per_step = (
+        ArithmeticTask(cfg.run.seed, cfg.grpo.digits, cfg.grpo.ops),
+        cfg.training.global_batch_size // cfg.grpo.group_size,
+    )
+    rows = [
+        r for s in range(1, a.steps + 1, cfg.grpo.iterations) for r in task.problems(per_step, ("grpo", s))
+    ]
     if drawn is not None:
         assert drawn == rows, "the bench's prompt list is not what loom's rollouts drew"
     if "trl" in systems:
         results["trl"] = run_trl(a, cfg, warmed, rows, os.path.join(a.run_dir, "hf_trl_grpo"))
-        results["trl"]["after"] = evaluate(os.path.join(a.run_dir, "hf_trl_grpo"), problems, a.device, max_new)
+        results["trl"]["after"] = evaluate(
+            os.path.join(a.run_dir, "hf_trl_grpo"), problems, a.device, max_new
+        )
     for name, r in results.items():
         r["accuracy_gain"] = r["after"]["accuracy"] - before["accuracy"]
-        print(f"seed {seed}: {name} {r['steps_per_s']:.2f} steps/s, accuracy {r['after']['accuracy']:.4f} "
-              f"({r['accuracy_gain']:+.4f})", flush=True)
+        print(
+            f"seed {seed}: {name} {r['steps_per_s']:.2f} steps/s, accuracy {r['after']['accuracy']:.4f} "
+            f"({r['accuracy_gain']:+.4f})",
+            flush=True,
+        )
     return {"seed": seed, "results": results}
 
 
@@ -464,12 +608,20 @@ def compare(runs: list[dict]) -> dict:
     gains = {k: [r["results"][k]["accuracy_gain"] for r in runs] for k in ("loom", "trl")}
     diffs = [x - y for x, y in zip(gains["loom"], gains["trl"])]
     ratio = median(ratios)
-    return {"steps_per_s_ratio": ratio, "steps_per_s_ratios": ratios, "steps_per_s_bar": 2.0,
-            "meets_steps_per_s_bar": ratio >= 2.0, "seeds": len(runs),
-            "accuracy_gain_loom": mean(gains["loom"]), "accuracy_gain_trl": mean(gains["trl"]),
-            "accuracy_gain_difference": mean(diffs),
-            "accuracy_gain_difference_sem": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0,
-            "meets_accuracy_bar": mean(gains["loom"]) >= mean(gains["trl"])}
+    return {
+        "steps_per_s_ratio": ratio,
+        "steps_per_s_ratios": ratios,
+        "steps_per_s_bar": 2.0,
+        "meets_steps_per_s_bar": ratio >= 2.0,
+        "seeds": len(runs),
+        "accuracy_gain_loom": mean(gains["loom"]),
+        "accuracy_gain_trl": mean(gains["trl"]),
+        "accuracy_gain_difference": mean(diffs),
+        "accuracy_gain_difference_sem": statistics.stdev(diffs) / len(diffs) ** 0.5
+        if len(diffs) > 1
+        else 0.0,
+        "meets_accuracy_bar": mean(gains["loom"]) >= mean(gains["trl"]),
+    }
 
 
 def main() -> None:
@@ -477,18 +629,32 @@ def main() -> None:
     p.add_argument("--recipe", default=RECIPE, help="loom's GRPO recipe (model, task, batch, LRs, [grpo])")
     p.add_argument("--flavor", default="125M")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps of each system (default: the recipe's "
-                                                           "training.steps - grpo.warmup_steps)")
-    p.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (default: the recipe's "
-                                                                  "grpo.warmup_steps)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="GRPO steps of each system (default: the recipe's training.steps - grpo.warmup_steps)",
+    )
+    p.add_argument(
+        "--sft-steps", type=int, default=None, help="warm-up steps (default: the recipe's grpo.warmup_steps)"
+    )
     p.add_argument("--skip-steps", type=int, default=5, help="first GRPO steps left out of steps/s")
     p.add_argument("--eval-problems", type=int, default=2000)
-    p.add_argument("--seeds", default="0", help="GRPO runs of each system from the one warmed folder, one per run.seed "
-                                                "(its prompts and sampling), e.g. 0,1,2: the accuracy bar compares "
-                                                "mean gains")
+    p.add_argument(
+        "--seeds",
+        default="0",
+        help="GRPO runs of each system from the one warmed folder, one per run.seed "
+        "(its prompts and sampling), e.g. 0,1,2: the accuracy bar compares "
+        "mean gains",
+    )
     p.add_argument("--systems", default="loom,trl")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="a loom config field for both parts (TRL's config follows through the mapping)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a loom config field for both parts (TRL's config follows through the mapping)",
+    )
     p.add_argument("--run-dir", default="/tmp/loom_bench_grpo")
     p.add_argument("--out", default="bench/results/grpo.json")
     p.add_argument("--commit", default=default_commit())
@@ -510,33 +676,56 @@ def main() -> None:
     problems = held_out(cfg, a.eval_problems)
     max_new = cfg.grpo.max_new_tokens
     before = evaluate(warmed, problems, a.device, max_new)
-    print(f"warm-up: {warm['steps']} steps in {warm['seconds']:.1f} s, loss {warm['loss_last']:.4f}; accuracy "
-          f"before GRPO {before['accuracy']:.3f} (transformers {before['accuracy_transformers']:.3f})", flush=True)
+    print(
+        f"warm-up: {warm['steps']} steps in {warm['seconds']:.1f} s, loss {warm['loss_last']:.4f}; accuracy "
+        f"before GRPO {before['accuracy']:.3f} (transformers {before['accuracy_transformers']:.3f})",
+        flush=True,
+    )
     g, runs = cfg.grpo, []
-    for seed in a.seeds:  # the result is rewritten after each seed: a run cut short keeps the seeds it finished
+    for (
+        seed
+    ) in a.seeds:  # the result is rewritten after each seed: a run cut short keeps the seeds it finished
         runs.append(one_seed(a, warmed, lr, seed, problems, before, systems))
         comparison = compare(runs) if len(systems) == 2 else {}
         doc = {
-            "benchmark": "grpo", "environment": environment(a.commit, command(), ("trl", "datasets", "accelerate", "peft")),
+            "benchmark": "grpo",
+            "environment": environment(a.commit, command(), ("trl", "datasets", "accelerate", "peft")),
             "settings": {
-                "recipe": os.path.relpath(a.recipe, ROOT), "flavor": a.flavor, "device": a.device,
+                "recipe": os.path.relpath(a.recipe, ROOT),
+                "flavor": a.flavor,
+                "device": a.device,
                 "task": {"digits": g.digits, "ops": g.ops, "seeds": [r["seed"] for r in runs]},
-                "grpo_steps": a.steps, "timed_steps": a.steps - a.skip_steps, "prompts_per_step": cfg.training.global_batch_size // g.group_size,
-                "group_size": g.group_size, "max_new_tokens": g.max_new_tokens, "grpo_lr": lr,
-                "eval_problems": a.eval_problems, "rewards": describe_rewards(reward_functions(cfg)),
-                "loom_overrides": a.set, "loom_compile": cfg.training.compile},
-            "trl_mapping": trl_mapping(cfg), "warmup": warm, "accuracy_before": before, "runs": runs,
-            "comparison": comparison, "total_wall_s": time.perf_counter() - t_start,
+                "grpo_steps": a.steps,
+                "timed_steps": a.steps - a.skip_steps,
+                "prompts_per_step": cfg.training.global_batch_size // g.group_size,
+                "group_size": g.group_size,
+                "max_new_tokens": g.max_new_tokens,
+                "grpo_lr": lr,
+                "eval_problems": a.eval_problems,
+                "rewards": describe_rewards(reward_functions(cfg)),
+                "loom_overrides": a.set,
+                "loom_compile": cfg.training.compile,
+            },
+            "trl_mapping": trl_mapping(cfg),
+            "warmup": warm,
+            "accuracy_before": before,
+            "runs": runs,
+            "comparison": comparison,
+            "total_wall_s": time.perf_counter() - t_start,
         }
         write_result(a.out, doc)
-    print(f"\n{'seed':>4} {'system':<6} {'steps/s':>8} {'step ms':>8} {'gen ms':>7} {'score ms':>8} {'acc before':>10} "
-          f"{'acc after':>9} {'gain':>6}")
+    print(
+        f"\n{'seed':>4} {'system':<6} {'steps/s':>8} {'step ms':>8} {'gen ms':>7} {'score ms':>8} {'acc before':>10} "
+        f"{'acc after':>9} {'gain':>6}"
+    )
     for run in runs:
         for name, r in run["results"].items():
             s = r["time_split_mean_s"]
-            print(f"{run['seed']:>4} {name:<6} {r['steps_per_s']:>8.2f} {1e3 * s['step']:>8.1f} "
-                  f"{1e3 * s['generation']:>7.1f} {1e3 * s['scoring']:>8.1f} {before['accuracy']:>10.3f} "
-                  f"{r['after']['accuracy']:>9.3f} {r['accuracy_gain']:>+6.3f}")
+            print(
+                f"{run['seed']:>4} {name:<6} {r['steps_per_s']:>8.2f} {1e3 * s['step']:>8.1f} "
+                f"{1e3 * s['generation']:>7.1f} {1e3 * s['scoring']:>8.1f} {before['accuracy']:>10.3f} "
+                f"{r['after']['accuracy']:>9.3f} {r['accuracy_gain']:>+6.3f}"
+            )
     if comparison:
         print("comparison:", json.dumps(comparison))
     print(f"total {doc['total_wall_s']:.0f} s; wrote {a.out}")

@@ -42,7 +42,9 @@ def random_doc_lens(b: int, s: int, gen: torch.Generator, lo: int = 256, hi: int
 
 
 def doc_ids(doc_lens: list[list[int]], device) -> torch.Tensor:
-    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in doc_lens]).to(device)
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in doc_lens]).to(
+        device
+    )
 
 
 # --------------------------------------------------------------------------------------------- backends
@@ -57,8 +59,12 @@ def loom_fn(q, k, v, causal, ids):
 def sdpa_fn(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    kind = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[backend]
 
     def make(q, k, v, causal, ids):
         gqa = q.shape[1] != k.shape[1]
@@ -89,8 +95,10 @@ def flex_fn(q, k, v, causal, ids):
     flex = torch.compile(flex_attention, dynamic=False)
     b, _, s, _ = q.shape
     if ids is not None:
+
         def mask_mod(bi, h, qi, ki):
             return (ids[bi, qi] == ids[bi, ki]) & (qi >= ki)
+
         block = create_block_mask(mask_mod, b, None, s, s, device=q.device)
     elif causal:
         block = create_block_mask(lambda bi, h, qi, ki: qi >= ki, None, None, s, s, device=q.device)
@@ -116,8 +124,14 @@ def reference_fn(q, k, v, causal, ids):
     return run
 
 
-BACKENDS = {"loom": loom_fn, "sdpa_flash": sdpa_fn("flash"), "sdpa_cudnn": sdpa_fn("cudnn"),
-            "sdpa_efficient": sdpa_fn("efficient"), "flex": flex_fn, "torch_reference": reference_fn}
+BACKENDS = {
+    "loom": loom_fn,
+    "sdpa_flash": sdpa_fn("flash"),
+    "sdpa_cudnn": sdpa_fn("cudnn"),
+    "sdpa_efficient": sdpa_fn("efficient"),
+    "flex": flex_fn,
+    "torch_reference": reference_fn,
+}
 
 
 ROUNDS = 2  # every backend is timed once per round, the order reversed each round; the faster round counts
@@ -167,32 +181,49 @@ def measure_all(backends: list[str], q, k, v, causal, ids) -> dict:
     for name in backends:
         try:
             ready[name] = prepare(name, q, k, v, causal, ids)
-        except Exception as e:  # a backend that does not support the case (e.g. cuDNN + GQA) is reported, not fatal
+        except (
+            Exception
+        ) as e:  # a backend that does not support the case (e.g. cuDNN + GQA) is reported, not fatal
             results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             for t in (q, k, v):
                 t.grad = None
         torch.cuda.empty_cache()
     rounds: dict[str, list[dict]] = {name: [] for name in ready}
     for i in range(ROUNDS):
-        for name in (list(ready) if i % 2 == 0 else list(reversed(ready))):
+        for name in list(ready) if i % 2 == 0 else list(reversed(ready)):
             rounds[name].append(timed(*ready[name], q, k, v))
             if name == "loom":
                 rounds[name][-1]["configs"] = loom_configs()
     for name, rs in rounds.items():
         best = min(rs, key=lambda r: r["fwd_bwd_ms"])
-        results[name] = {"fwd_ms": min(r["fwd_ms"] for r in rs), "fwd_bwd_ms": best["fwd_bwd_ms"], "rounds": rs}
+        results[name] = {
+            "fwd_ms": min(r["fwd_ms"] for r in rs),
+            "fwd_bwd_ms": best["fwd_bwd_ms"],
+            "rounds": rs,
+        }
     return {name: results[name] for name in backends if name in results}
 
 
 def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backends: list[str], dtype) -> dict:
     b = TOKENS // s
     gen = torch.Generator().manual_seed(s)
-    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype).requires_grad_() for h in (hq, hkv, hkv))
+    q, k, v = (
+        torch.randn(b, h, s, d, generator=gen).to("cuda", dtype).requires_grad_() for h in (hq, hkv, hkv)
+    )
     lens = random_doc_lens(b, s, gen) if docs else None
     ids = doc_ids(lens, "cuda") if docs else None
     flops = attention_flops(b, hq, d, lens, s, causal)
-    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "batch": b, "causal": causal, "docs": docs,
-           "flops_fwd": flops, "backends": {}}
+    row = {
+        "head_dim": d,
+        "heads": hq,
+        "kv_heads": hkv,
+        "seq": s,
+        "batch": b,
+        "causal": causal,
+        "docs": docs,
+        "flops_fwd": flops,
+        "backends": {},
+    }
     if docs:
         row["doc_lens_range"] = [min(min(r) for r in lens), max(max(r) for r in lens)]
     names = [n for n in backends if not (n == "torch_reference" and s > 4096)]  # S x S scores in memory
@@ -201,36 +232,80 @@ def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backen
             r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
             r["fwd_bwd_tflops"] = 3.5 * flops / r["fwd_bwd_ms"] / 1e9
         row["backends"][name] = r
-        print(f"d{d} h{hq}/{hkv} s{s} {'causal' if causal else 'full'}{' docs' if docs else ''} {name}: "
-              + (f"fwd {r['fwd_tflops']:.0f} fwd+bwd {r['fwd_bwd_tflops']:.0f} TFLOP/s" if "fwd_ms" in r else r["error"]),
-              flush=True)
+        print(
+            f"d{d} h{hq}/{hkv} s{s} {'causal' if causal else 'full'}{' docs' if docs else ''} {name}: "
+            + (
+                f"fwd {r['fwd_tflops']:.0f} fwd+bwd {r['fwd_bwd_tflops']:.0f} TFLOP/s"
+                if "fwd_ms" in r
+                else r["error"]
+            ),
+            flush=True,
+        )
     ours = row["backends"].get("loom", {})
     if "fwd_bwd_tflops" in ours:
-        row["ratios_fwd_bwd"] = {n: ours["fwd_bwd_tflops"] / r["fwd_bwd_tflops"]
-                                 for n, r in row["backends"].items() if n != "loom" and "fwd_bwd_tflops" in r}
-        row["ratios_fwd"] = {n: ours["fwd_tflops"] / r["fwd_tflops"]
-                             for n, r in row["backends"].items() if n != "loom" and "fwd_tflops" in r}
+        row["ratios_fwd_bwd"] = {
+            n: ours["fwd_bwd_tflops"] / r["fwd_bwd_tflops"]
+            for n, r in row["backends"].items()
+            if n != "loom" and "fwd_bwd_tflops" in r
+        }
+        row["ratios_fwd"] = {
+            n: ours["fwd_tflops"] / r["fwd_tflops"]
+            for n, r in row["backends"].items()
+            if n != "loom" and "fwd_tflops" in r
+        }
     return row
 
 
 SUITES = {
     # (head dim, q heads, kv heads) x sequences, causal and full
-    "causal": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[1024, 2048, 4096, 8192, 16384], causal=[True],
-                   docs=False, backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex", "torch_reference"]),
-    "full": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[2048, 8192], causal=[False], docs=False,
-                 backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
-    "gqa": dict(dims=[(64, 32, 8), (128, 32, 8), (128, 32, 4)], seqs=[2048, 8192], causal=[True], docs=False,
-                backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
-    "docs": dict(dims=[(64, 32, 8), (128, 16, 16)], seqs=[4096, 8192, 16384], causal=[True], docs=True,
-                 backends=["loom", "flex", "sdpa_efficient"]),
-    "bar": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[4096, 8192, 16384], causal=[True], docs=False,
-                backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
-    "quick": dict(dims=[(64, 32, 32), (128, 16, 16)], seqs=[8192], causal=[True], docs=False,
-                  backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"]),
+    "causal": dict(
+        dims=[(64, 32, 32), (128, 16, 16)],
+        seqs=[1024, 2048, 4096, 8192, 16384],
+        causal=[True],
+        docs=False,
+        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex", "torch_reference"],
+    ),
+    "full": dict(
+        dims=[(64, 32, 32), (128, 16, 16)],
+        seqs=[2048, 8192],
+        causal=[False],
+        docs=False,
+        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"],
+    ),
+    "gqa": dict(
+        dims=[(64, 32, 8), (128, 32, 8), (128, 32, 4)],
+        seqs=[2048, 8192],
+        causal=[True],
+        docs=False,
+        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"],
+    ),
+    "docs": dict(
+        dims=[(64, 32, 8), (128, 16, 16)],
+        seqs=[4096, 8192, 16384],
+        causal=[True],
+        docs=True,
+        backends=["loom", "flex", "sdpa_efficient"],
+    ),
+    "bar": dict(
+        dims=[(64, 32, 32), (128, 16, 16)],
+        seqs=[4096, 8192, 16384],
+        causal=[True],
+        docs=False,
+        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"],
+    ),
+    "quick": dict(
+        dims=[(64, 32, 32), (128, 16, 16)],
+        seqs=[8192],
+        causal=[True],
+        docs=False,
+        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"],
+    ),
 }
 
 
-def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, extra: dict | None = None) -> dict:
+def config_sweep(
+    d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, extra: dict | None = None
+) -> dict:
     """Every autotuning candidate of each backward kernel, one at a time (the other kernel at its first
     candidate): whole-backward time, registers and spills of the varied kernel; forward candidates (forward
     time) when ``extra`` names some. Explains what autotuning
@@ -242,7 +317,7 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, e
     gen = torch.Generator().manual_seed(s)
     q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype) for h in (hq, hkv, hkv))
     bounds = R.document_bounds(doc_ids(random_doc_lens(b, s, gen), "cuda")) if docs else None
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
     dout = torch.randn_like(out)
     raw = {"fwd": T._attn_fwd, "dkdv": T._attn_bwd_dkdv, "dq": T._attn_bwd_dq}
@@ -260,6 +335,7 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, e
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 compiled[self.kind] = raw[self.kind][grid](*args, **kw)
+
             return launch
 
     chosen = {kind: c[0] for kind, c in candidates.items()}
@@ -274,25 +350,61 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, e
 
                 def forced(name, pick=pick):
                     m, n, w, st, *cap = pick[name]
-                    return Capture(name), {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st,
-                                           **({"maxnreg": cap[0]} if cap else {})}
+                    return Capture(name), {
+                        "BLOCK_M": m,
+                        "BLOCK_N": n,
+                        "num_warps": w,
+                        "num_stages": st,
+                        **({"maxnreg": cap[0]} if cap else {}),
+                    }
 
                 T._kernel = forced
                 if kind == "fwd":
-                    run = lambda: T.triton_forward(q, k, v, torch.empty_like(out), torch.empty_like(lse),  # noqa: E731
-                                                   True, bounds, 0, scale)
+                    run = lambda: T.triton_forward(
+                        q,
+                        k,
+                        v,
+                        torch.empty_like(out),
+                        torch.empty_like(lse),
+                        True,
+                        bounds,
+                        0,
+                        scale,
+                    )
                 else:
-                    run = lambda: T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0,  # noqa: E731
-                                                       scale)
+                    run = lambda: T.attention_backward(
+                        dout,
+                        q,
+                        k,
+                        v,
+                        out,
+                        lse,
+                        None,
+                        True,
+                        bounds,
+                        0,
+                        scale,
+                    )
                 try:
                     run()
-                except Exception as e:  # a candidate the compiler rejects (ptxas has crashed on some): record it
-                    rows.append({"kernel": kind, "config": list(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                except (
+                    Exception
+                ) as e:  # a candidate the compiler rejects (ptxas has crashed on some): record it
+                    rows.append(
+                        {"kernel": kind, "config": list(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    )
                     print(dict(d=d, s=s, docs=docs, **rows[-1]), flush=True)
                     continue
                 ck = compiled[kind]
-                rows.append({"kernel": kind, "config": list(cfg), ("fwd_ms" if kind == "fwd" else "bwd_ms"): bench_ms(run),
-                             "n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None)})
+                rows.append(
+                    {
+                        "kernel": kind,
+                        "config": list(cfg),
+                        ("fwd_ms" if kind == "fwd" else "bwd_ms"): bench_ms(run),
+                        "n_regs": getattr(ck, "n_regs", None),
+                        "n_spills": getattr(ck, "n_spills", None),
+                    }
+                )
                 print(dict(d=d, s=s, docs=docs, **rows[-1]), flush=True)
     finally:
         T._kernel = original
@@ -300,30 +412,45 @@ def config_sweep(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, e
 
 
 # --breakdown cases: (head dim, q heads, kv heads, seq, packed documents), all causal
-BREAKDOWN = [(64, 32, 32, 4096, False), (64, 32, 32, 8192, False), (128, 16, 16, 4096, False),
-             (128, 16, 16, 8192, False), (64, 32, 8, 8192, False), (64, 32, 8, 4096, True), (64, 32, 8, 8192, True),
-             (128, 16, 16, 8192, True)]
+BREAKDOWN = [
+    (64, 32, 32, 4096, False),
+    (64, 32, 32, 8192, False),
+    (128, 16, 16, 4096, False),
+    (128, 16, 16, 8192, False),
+    (64, 32, 8, 8192, False),
+    (64, 32, 8, 4096, True),
+    (64, 32, 8, 8192, True),
+    (128, 16, 16, 8192, True),
+]
 
 CONFIG_SWEEP = [(128, 16, 16, 8192, False), (128, 16, 16, 8192, True), (64, 32, 32, 8192, False)]
 
 
 def markdown(rows: list[dict]) -> str:
     names = sorted({n for r in rows for n in r["backends"]}, key=list(BACKENDS).index)
-    head = "| d | heads q/kv | seq | mask | " + " | ".join(f"{n} fwd / fwd+bwd" for n in names) + \
-           " | loom ÷ best of sdpa_flash, flex (fwd+bwd) | loom ÷ cuDNN (fwd+bwd) |"
+    head = (
+        "| d | heads q/kv | seq | mask | "
+        + " | ".join(f"{n} fwd / fwd+bwd" for n in names)
+        + " | loom ÷ best of sdpa_flash, flex (fwd+bwd) | loom ÷ cuDNN (fwd+bwd) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = []
         for n in names:
             x = r["backends"].get(n)
-            cells.append(f"{x['fwd_tflops']:.0f} / {x['fwd_bwd_tflops']:.0f}" if x and "fwd_ms" in x else "n/a")
+            cells.append(
+                f"{x['fwd_tflops']:.0f} / {x['fwd_bwd_tflops']:.0f}" if x and "fwd_ms" in x else "n/a"
+            )
         rat = r.get("ratios_fwd_bwd", {})
         best = [rat[n] for n in ("sdpa_flash", "flex") if n in rat]
         mask = ("docs " if r["docs"] else "") + ("causal" if r["causal"] else "full")
         ratio_best = f"{min(best):.2f}" if best else "n/a"
         ratio_cudnn = f"{rat['sdpa_cudnn']:.2f}" if "sdpa_cudnn" in rat else "n/a"
-        lines.append(f"| {r['head_dim']} | {r['heads']}/{r['kv_heads']} | {r['seq']} | {mask} | " + " | ".join(cells)
-                     + f" | {ratio_best} | {ratio_cudnn} |")
+        lines.append(
+            f"| {r['head_dim']} | {r['heads']}/{r['kv_heads']} | {r['seq']} | {mask} | "
+            + " | ".join(cells)
+            + f" | {ratio_best} | {ratio_cudnn} |"
+        )
     return "\n".join(lines)
 
 
@@ -338,12 +465,19 @@ def breakdown(d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False) -> d
     q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype) for h in (hq, hkv, hkv))
     lens = random_doc_lens(b, s, gen) if docs else None
     bounds = R.document_bounds(doc_ids(lens, "cuda")) if docs else None
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = T.attention_forward(q, k, v, True, bounds, 0, scale)
     dout = torch.randn_like(out)
     flops = attention_flops(b, hq, d, lens, s, True)
-    row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "docs": docs,
-           "fwd_ms": bench_ms(lambda: T.attention_forward(q, k, v, True, bounds, 0, scale))}
+    row = {
+        "head_dim": d,
+        "heads": hq,
+        "kv_heads": hkv,
+        "seq": s,
+        "docs": docs,
+        "fwd_ms": bench_ms(lambda: T.attention_forward(q, k, v, True, bounds, 0, scale)),
+    }
+
     def bwd():
         T.attention_backward(dout, q, k, v, out, lse, None, True, bounds, 0, scale)
 
@@ -383,7 +517,9 @@ def profile_case(d: int, hq: int, hkv: int, s: int, dtype, backends: list[str], 
 
     b = TOKENS // s
     gen = torch.Generator().manual_seed(s)
-    q, k, v = (torch.randn(b, h, s, d, generator=gen).to("cuda", dtype).requires_grad_() for h in (hq, hkv, hkv))
+    q, k, v = (
+        torch.randn(b, h, s, d, generator=gen).to("cuda", dtype).requires_grad_() for h in (hq, hkv, hkv)
+    )
     flops = attention_flops(b, hq, d, None, s, True)
     row = {"head_dim": d, "heads": hq, "kv_heads": hkv, "seq": s, "batch": b, "backends": {}}
     for name in backends:
@@ -410,11 +546,19 @@ def profile_case(d: int, hq: int, hkv: int, s: int, dtype, backends: list[str], 
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
         loop_ms, cpu_ms = loop_times(fwd_bwd)
         bench = bench_ms(fwd_bwd, grads=[q, k, v])
-        row["backends"][name] = {"gpu_ms_per_call": total, "tflops_at_gpu_time": 3.5 * flops / total / 1e9,
-                                 "loop_ms_per_call": loop_ms, "cpu_ms_per_call": cpu_ms, "do_bench_ms": bench,
-                                 "kernels_ms": {n[:120]: round(t, 4) for n, t in top}}
-        print(f"d{d} s{s} {name}: {total:.3f} ms GPU per fwd+bwd ({3.5 * flops / total / 1e9:.0f} TFLOP/s); "
-              f"back-to-back loop {loop_ms:.3f} ms, CPU {cpu_ms:.3f} ms, do_bench {bench:.3f} ms per call", flush=True)
+        row["backends"][name] = {
+            "gpu_ms_per_call": total,
+            "tflops_at_gpu_time": 3.5 * flops / total / 1e9,
+            "loop_ms_per_call": loop_ms,
+            "cpu_ms_per_call": cpu_ms,
+            "do_bench_ms": bench,
+            "kernels_ms": {n[:120]: round(t, 4) for n, t in top},
+        }
+        print(
+            f"d{d} s{s} {name}: {total:.3f} ms GPU per fwd+bwd ({3.5 * flops / total / 1e9:.0f} TFLOP/s); "
+            f"back-to-back loop {loop_ms:.3f} ms, CPU {cpu_ms:.3f} ms, do_bench {bench:.3f} ms per call",
+            flush=True,
+        )
         for n, t in top:
             print(f"    {t:8.3f} ms  {n[:110]}", flush=True)
         for t in (q, k, v):
@@ -429,26 +573,47 @@ def main() -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=default_commit())
-    p.add_argument("--breakdown", action="store_true", help="time loom's forward and backward (BREAKDOWN cases)")
-    p.add_argument("--configs", action="store_true", help="every backward candidate config one by one "
-                                                           "(time, registers, spills) for CONFIG_SWEEP cases")
-    p.add_argument("--extra-dkdv", default="", help="with --configs: more dK/dV candidates, "
-                                                     "'M,N,warps,stages[,maxnreg];...'")
+    p.add_argument(
+        "--breakdown", action="store_true", help="time loom's forward and backward (BREAKDOWN cases)"
+    )
+    p.add_argument(
+        "--configs",
+        action="store_true",
+        help="every backward candidate config one by one (time, registers, spills) for CONFIG_SWEEP cases",
+    )
+    p.add_argument(
+        "--extra-dkdv",
+        default="",
+        help="with --configs: more dK/dV candidates, 'M,N,warps,stages[,maxnreg];...'",
+    )
     p.add_argument("--extra-dq", default="", help="with --configs: more dQ candidates (same form)")
     p.add_argument("--extra-fwd", default="", help="with --configs: forward candidates to time (same form)")
-    p.add_argument("--extra-only", action="store_true", help="with --configs: the first candidate and the extra ones")
-    p.add_argument("--cases", default="", help="with --configs: 'd,hq,hkv,seq,docs;...' instead of CONFIG_SWEEP")
-    p.add_argument("--profile", action="store_true", help="GPU time per kernel of each backend's forward+backward "
-                                                           "(PROFILE cases, torch.profiler)")
+    p.add_argument(
+        "--extra-only", action="store_true", help="with --configs: the first candidate and the extra ones"
+    )
+    p.add_argument(
+        "--cases", default="", help="with --configs: 'd,hq,hkv,seq,docs;...' instead of CONFIG_SWEEP"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU time per kernel of each backend's forward+backward (PROFILE cases, torch.profiler)",
+    )
     a = p.parse_args()
     if a.profile:
-        rows = [profile_case(d, hq, hkv, s, getattr(torch, a.dtype), ["loom", "flex", "sdpa_cudnn"])
-                for d, hq, hkv, s in PROFILE]
+        rows = [
+            profile_case(d, hq, hkv, s, getattr(torch, a.dtype), ["loom", "flex", "sdpa_cudnn"])
+            for d, hq, hkv, s in PROFILE
+        ]
         write_rows(a, rows)
         return
     if a.configs:
-        extra = {"fwd": parse_configs(a.extra_fwd), "dkdv": parse_configs(a.extra_dkdv), "dq": parse_configs(a.extra_dq),
-                 "only": a.extra_only}
+        extra = {
+            "fwd": parse_configs(a.extra_fwd),
+            "dkdv": parse_configs(a.extra_dkdv),
+            "dq": parse_configs(a.extra_dq),
+            "only": a.extra_only,
+        }
         rows = []
         for d, hq, hkv, s, docs in parse_configs(a.cases) or CONFIG_SWEEP:
             rows.append(config_sweep(d, hq, hkv, s, getattr(torch, a.dtype), bool(docs), extra))
@@ -479,18 +644,34 @@ def write_rows(a, rows: list[dict]) -> None:
     """JSON of a --profile / --configs / --breakdown run (no markdown table)."""
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"env": environment(a.commit, command()), "dtype": a.dtype,
-                       "tokens_per_measurement": TOKENS, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "env": environment(a.commit, command()),
+                    "dtype": a.dtype,
+                    "tokens_per_measurement": TOKENS,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 def write_results(a, rows: list[dict]) -> None:
-    result = {"env": environment(a.commit, command()), "suite": a.suite, "dtype": a.dtype,
-              "tokens_per_measurement": TOKENS, "rows": rows}
+    result = {
+        "env": environment(a.commit, command()),
+        "suite": a.suite,
+        "dtype": a.dtype,
+        "tokens_per_measurement": TOKENS,
+        "rows": rows,
+    }
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     with open(a.out.replace(".json", ".md"), "w") as f:
-        f.write(f"# bench.kernels --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
-                f"{a.dtype})\n\nTFLOP/s (forward / forward+backward)\n\n{markdown(rows)}\n")
+        f.write(
+            f"# bench.kernels --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
+            f"{a.dtype})\n\nTFLOP/s (forward / forward+backward)\n\n{markdown(rows)}\n"
+        )
+
 
 if __name__ == "__main__":
     main()

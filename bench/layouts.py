@@ -28,22 +28,32 @@ from bench.common import command, config_rejection, default_commit, environment,
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 # per flavor: model overrides (enough layers for 4 stages x 2 virtual) and sequence length
 # "debug_docs": the debug model on packed documents with per-document positions (the document mask on)
-FLAVOR_SETTINGS = {"debug": ({"model.n_layers": 8}, 128), "125M": ({}, 512),
-                   "debug_moe": ({"model.n_layers": 8, "model.moe_experts": 8}, 128),
-                   "debug_docs": ({"model.flavor": "debug", "model.n_layers": 8, "data.document_positions": "true"},
-                                  512)}
+FLAVOR_SETTINGS = {
+    "debug": ({"model.n_layers": 8}, 128),
+    "125M": ({}, 512),
+    "debug_moe": ({"model.n_layers": 8, "model.moe_experts": 8}, 128),
+    "debug_docs": ({"model.flavor": "debug", "model.n_layers": 8, "data.document_positions": "true"}, 512),
+}
 MOE_FLAVORS = ("debug_moe",)
 # expert-parallel layouts, run for MoE flavors only (with every other layout); under TP the ep ranks take in tp
-EP_LAYOUTS = {2: {"fsdp2_ep2": {"dp_shard": 2, "ep": 2}, "tp2_ep2": {"tp": 2, "dp_shard": 1, "ep": 2}},
-              4: {"fsdp4_ep2": {"dp_shard": 4, "ep": 2}, "fsdp4_ep4": {"dp_shard": 4, "ep": 4},
-                  "hsdp2x2_ep2": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
-                  "fsdp2_cp2_ep2": {"dp_shard": 2, "cp": 2, "ep": 2},
-                  "fsdp2_tp2_ep4": {"dp_shard": 2, "tp": 2, "ep": 4}},
-              8: {"fsdp8_ep8": {"dp_shard": 8, "ep": 8}, "fsdp8_ep2": {"dp_shard": 8, "ep": 2},
-                  "hsdp2x4_ep4": {"dp_replicate": 2, "dp_shard": 4, "ep": 4},
-                  "fsdp4_pp2_ep2_1f1b": {"dp_shard": 4, "pp": 2, "ep": 2, "pp_schedule": "1f1b"},
-                  "fsdp4_cp2_ep4": {"dp_shard": 4, "cp": 2, "ep": 4},
-                  "fsdp4_tp2_ep4": {"dp_shard": 4, "tp": 2, "ep": 4}}}
+EP_LAYOUTS = {
+    2: {"fsdp2_ep2": {"dp_shard": 2, "ep": 2}, "tp2_ep2": {"tp": 2, "dp_shard": 1, "ep": 2}},
+    4: {
+        "fsdp4_ep2": {"dp_shard": 4, "ep": 2},
+        "fsdp4_ep4": {"dp_shard": 4, "ep": 4},
+        "hsdp2x2_ep2": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        "fsdp2_cp2_ep2": {"dp_shard": 2, "cp": 2, "ep": 2},
+        "fsdp2_tp2_ep4": {"dp_shard": 2, "tp": 2, "ep": 4},
+    },
+    8: {
+        "fsdp8_ep8": {"dp_shard": 8, "ep": 8},
+        "fsdp8_ep2": {"dp_shard": 8, "ep": 2},
+        "hsdp2x4_ep4": {"dp_replicate": 2, "dp_shard": 4, "ep": 4},
+        "fsdp4_pp2_ep2_1f1b": {"dp_shard": 4, "pp": 2, "ep": 2, "pp_schedule": "1f1b"},
+        "fsdp4_cp2_ep4": {"dp_shard": 4, "cp": 2, "ep": 4},
+        "fsdp4_tp2_ep4": {"dp_shard": 4, "tp": 2, "ep": 4},
+    },
+}
 GLOBAL_BATCH = 16
 
 
@@ -55,23 +65,38 @@ def layouts(gpus: int) -> dict[str, dict]:
     """Layout name -> parallel degrees, for ``gpus`` GPUs."""
     table: dict[str, dict] = {}
     if gpus == 2:
-        table = {"fsdp2": {"dp_shard": 2}, "ddp2": {"dp_replicate": 2, "dp_shard": 1}, "tp2": {"tp": 2, "dp_shard": 1}}
+        table = {
+            "fsdp2": {"dp_shard": 2},
+            "ddp2": {"dp_replicate": 2, "dp_shard": 1},
+            "tp2": {"tp": 2, "dp_shard": 1},
+        }
         table.update(_pp("pp2", s, pp=2, dp_shard=1) for s in SCHEDULES)
         table["cp2"] = {"cp": 2, "dp_shard": 1}
     elif gpus == 4:
-        table = {"fsdp4": {"dp_shard": 4}, "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
-                 "fsdp2_tp2": {"dp_shard": 2, "tp": 2}}
+        table = {
+            "fsdp4": {"dp_shard": 4},
+            "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
+            "fsdp2_tp2": {"dp_shard": 2, "tp": 2},
+        }
         table.update(_pp("tp2_pp2", s, tp=2, pp=2, dp_shard=1) for s in SCHEDULES)
         table.update(_pp("fsdp2_pp2", s, pp=2, dp_shard=2) for s in SCHEDULES)
         table.update({"fsdp2_cp2": {"dp_shard": 2, "cp": 2}, "cp2_tp2": {"cp": 2, "tp": 2, "dp_shard": 1}})
     elif gpus == 8:
-        table = {"fsdp8": {"dp_shard": 8}, "hsdp2x4": {"dp_replicate": 2, "dp_shard": 4},
-                 "fsdp4_tp2": {"dp_shard": 4, "tp": 2}}
+        table = {
+            "fsdp8": {"dp_shard": 8},
+            "hsdp2x4": {"dp_replicate": 2, "dp_shard": 4},
+            "fsdp4_tp2": {"dp_shard": 4, "tp": 2},
+        }
         table.update(_pp("fsdp2_tp2_pp2", s, dp_shard=2, tp=2, pp=2) for s in SCHEDULES)
         table.update(_pp("pp4_tp2", s, pp=4, tp=2, dp_shard=1) for s in SCHEDULES)
         # context parallel: alone with FSDP, with TP, and with PP (a plain and a split-backward schedule)
-        table.update({"fsdp4_cp2": {"dp_shard": 4, "cp": 2}, "fsdp2_cp2_tp2": {"dp_shard": 2, "cp": 2, "tp": 2},
-                      "cp4_tp2": {"cp": 4, "tp": 2, "dp_shard": 1}})
+        table.update(
+            {
+                "fsdp4_cp2": {"dp_shard": 4, "cp": 2},
+                "fsdp2_cp2_tp2": {"dp_shard": 2, "cp": 2, "tp": 2},
+                "cp4_tp2": {"cp": 4, "tp": 2, "dp_shard": 1},
+            }
+        )
         table.update(_pp("fsdp2_cp2_pp2", s, dp_shard=2, cp=2, pp=2) for s in ("1f1b", "zbv"))
     else:
         raise SystemExit(f"--gpus {gpus}: layouts are defined for 2, 4 or 8 GPUs")
@@ -85,11 +110,25 @@ def applies(flavor: str, degrees: dict) -> bool:
 
 def job_config(flavor: str, degrees: dict, a, run_dir: str) -> dict:
     model, seq = FLAVOR_SETTINGS[flavor]
-    cfg = {"model.flavor": flavor, **model, "training.seq_len": seq, "training.dtype": a.dtype,
-           "training.global_batch_size": GLOBAL_BATCH, "training.micro_batch_size": 2 if not degrees else 1,
-           "training.steps": a.steps, "optimizer.lr": a.lr, "optimizer.warmup_steps": 5, "run.seed": 11, "run.deterministic": "true",
-           "run.device": a.device, "run.dir": run_dir, "metrics.every": 1, "metrics.tensorboard": "false",
-           "checkpoint.at_end": "false", "data.cache_dir": os.path.join(a.run_dir, "cache")}
+    cfg = {
+        "model.flavor": flavor,
+        **model,
+        "training.seq_len": seq,
+        "training.dtype": a.dtype,
+        "training.global_batch_size": GLOBAL_BATCH,
+        "training.micro_batch_size": 2 if not degrees else 1,
+        "training.steps": a.steps,
+        "optimizer.lr": a.lr,
+        "optimizer.warmup_steps": 5,
+        "run.seed": 11,
+        "run.deterministic": "true",
+        "run.device": a.device,
+        "run.dir": run_dir,
+        "metrics.every": 1,
+        "metrics.tensorboard": "false",
+        "checkpoint.at_end": "false",
+        "data.cache_dir": os.path.join(a.run_dir, "cache"),
+    }
     cfg.update({f"parallel.{k}": v for k, v in degrees.items()})
     return cfg
 
@@ -99,8 +138,15 @@ def run_job(flavor: str, name: str, degrees: dict, a) -> dict:
     run_dir = os.path.join(a.run_dir, f"{flavor}_{a.dtype}_{name}")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh metrics.jsonl
     proc, command, wall = run_train(job_config(flavor, degrees, a, run_dir), gpus, a.timeout)
-    out = {"flavor": flavor, "layout": name, "gpus": gpus, "dtype": a.dtype, "degrees": degrees,
-           "command": command, "wall_s": wall}
+    out = {
+        "flavor": flavor,
+        "layout": name,
+        "gpus": gpus,
+        "dtype": a.dtype,
+        "degrees": degrees,
+        "command": command,
+        "wall_s": wall,
+    }
     if rejected := config_rejection(proc):
         out["rejected"] = rejected
     elif proc.returncode:
@@ -132,9 +178,15 @@ def compare(res: dict, ref: dict, tol: float, dtype: str) -> None:
 
 def markdown(doc: dict) -> str:
     env = doc["environment"]
-    lines = [f"# bench.layouts ({env['device']}, torch {env['torch']}, {doc['dtype']}, {doc['steps']} steps, "
-             f"commit {env['commit']})", "", f"`{env['command']}`", "",
-             "| flavor | layout | GPUs | max rel. loss diff vs 1 GPU | result | wall s |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench.layouts ({env['device']}, torch {env['torch']}, {doc['dtype']}, {doc['steps']} steps, "
+        f"commit {env['commit']})",
+        "",
+        f"`{env['command']}`",
+        "",
+        "| flavor | layout | GPUs | max rel. loss diff vs 1 GPU | result | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in doc["results"]:
         if "rejected" in r:
             verdict, diff = "rejected: " + r["rejected"].replace("|", "/"), "-"
@@ -142,8 +194,11 @@ def markdown(doc: dict) -> str:
             verdict, diff = "ERROR", "-"
         else:
             diff = f"{r['max_rel_diff']:.2e}" if "max_rel_diff" in r else "-"
-            verdict = "reference" if r["layout"] == "single" else \
-                ("pass" if r.get("pass") else "FAIL" if "pass" in r else "spread")
+            verdict = (
+                "reference"
+                if r["layout"] == "single"
+                else ("pass" if r.get("pass") else "FAIL" if "pass" in r else "spread")
+            )
         lines.append(f"| {r['flavor']} | {r['layout']} | {r['gpus']} | {diff} | {verdict} | {r['wall_s']} |")
     return "\n".join(lines) + "\n"
 
@@ -161,7 +216,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--tol", type=float, default=1e-4)
     p.add_argument("--timeout", type=int, default=300)
-    p.add_argument("--resume", action="store_true", help="keep the results already in --out, skip those layouts")
+    p.add_argument(
+        "--resume", action="store_true", help="keep the results already in --out, skip those layouts"
+    )
     p.add_argument("--run-dir", default="/tmp/loom_layouts")
     p.add_argument("--out", default="bench/results/layouts.json")
     p.add_argument("--commit", default=default_commit())
@@ -171,8 +228,15 @@ def main() -> None:
     unknown = [n for n in chosen if n not in table]
     if unknown:
         raise SystemExit(f"--layouts: unknown {unknown}; for {a.gpus} GPUs: {', '.join(table)}")
-    doc = {"benchmark": "layouts", "environment": environment(a.commit, command()),
-           "dtype": a.dtype, "steps": a.steps, "global_batch": GLOBAL_BATCH, "tol": a.tol, "results": []}
+    doc = {
+        "benchmark": "layouts",
+        "environment": environment(a.commit, command()),
+        "dtype": a.dtype,
+        "steps": a.steps,
+        "global_batch": GLOBAL_BATCH,
+        "tol": a.tol,
+        "results": [],
+    }
     if a.resume and os.path.exists(a.out):
         with open(a.out) as fh:
             old = json.load(fh)
@@ -189,7 +253,10 @@ def main() -> None:
             if name != "single" and ref:
                 compare(res, ref, a.tol, a.dtype)
             doc["results"].append(res)
-            print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "command", "degrees")}), flush=True)
+            print(
+                json.dumps({k: v for k, v in res.items() if k not in ("losses", "command", "degrees")}),
+                flush=True,
+            )
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             with open(a.out, "w") as fh:
                 json.dump(doc, fh, indent=1)

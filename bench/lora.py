@@ -23,13 +23,26 @@ import json
 import os
 import statistics
 
-from bench.common import (command, default_commit, environment, hf_llama_config, hf_train_step, run_children,
-                          time_steps, write_result)
+from bench.common import (
+    command,
+    default_commit,
+    environment,
+    hf_llama_config,
+    hf_train_step,
+    run_children,
+    time_steps,
+    write_result,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, RANK, ALPHA = 2048, 16, 32
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-_LORA = {"lora.rank": str(RANK), "lora.alpha": str(ALPHA), "lora.targets": "all", "lora.base_dtype": "bfloat16"}
+_LORA = {
+    "lora.rank": str(RANK),
+    "lora.alpha": str(ALPHA),
+    "lora.targets": "all",
+    "lora.base_dtype": "bfloat16",
+}
 _QLORA = {**_LORA, "lora.base_dtype": "nf4", "training.activation_checkpointing": "full"}
 VARIANTS = {  # loom: config overrides; transformers: None
     "loom_lora": {**_LORA, "training.compile": "true"},
@@ -50,19 +63,38 @@ def loom_trainer(flavor: str, micro_batch: int, overrides: dict, run_dir: str, s
     from loom.config import build_config
     from loom.train.trainer import Trainer
 
-    cfg = build_config(None, {
-        "model.flavor": flavor, "training.seq_len": str(seq), "training.global_batch_size": str(micro_batch),
-        "training.micro_batch_size": str(micro_batch), "training.dtype": "bfloat16", "training.steps": "1000",
-        "optimizer.lr": "2e-4", "optimizer.weight_decay": "0.0", "optimizer.implementation": "auto",
-        "checkpoint.at_end": "false", "run.dir": run_dir, "metrics.tensorboard": "false", **overrides})
+    cfg = build_config(
+        None,
+        {
+            "model.flavor": flavor,
+            "training.seq_len": str(seq),
+            "training.global_batch_size": str(micro_batch),
+            "training.micro_batch_size": str(micro_batch),
+            "training.dtype": "bfloat16",
+            "training.steps": "1000",
+            "optimizer.lr": "2e-4",
+            "optimizer.weight_decay": "0.0",
+            "optimizer.implementation": "auto",
+            "checkpoint.at_end": "false",
+            "run.dir": run_dir,
+            "metrics.tensorboard": "false",
+            **overrides,
+        },
+    )
     return Trainer(cfg)
 
 
 def peft_config():
     from peft import LoraConfig
 
-    return LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS, bias="none",
-                      task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=RANK,
+        lora_alpha=ALPHA,
+        lora_dropout=0.0,
+        target_modules=HF_TARGETS,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def hf_lora_model(args, compile_: bool):
@@ -90,30 +122,48 @@ def hf_qlora_model(args, folder: str):
             LlamaForCausalLM(hf_llama_config(args, torch.bfloat16)).to(torch.bfloat16).save_pretrained(folder)
         torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                             bnb_4bit_compute_dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_pretrained(folder, quantization_config=bnb, dtype=torch.bfloat16,
-                                             device_map={"": 0})
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = LlamaForCausalLM.from_pretrained(
+        folder, quantization_config=bnb, dtype=torch.bfloat16, device_map={"": 0}
+    )
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
     return get_peft_model(model, peft_config())
 
 
-def run_variant(variant: str, flavor: str, micro_batch: int, steps: int, warmup: int, run_dir: str,
-                seq: int, profile_steps: bool = False) -> dict:
+def run_variant(
+    variant: str,
+    flavor: str,
+    micro_batch: int,
+    steps: int,
+    warmup: int,
+    run_dir: str,
+    seq: int,
+    profile_steps: bool = False,
+) -> dict:
     import torch
 
     from loom.config.sections import LoraConfig
     from loom.metrics.flops import flops_per_token, peak_flops
-    from loom.train.trainer import count_params
-
     from loom.models.llama import FLAVORS
+    from loom.train.trainer import count_params
 
     torch.manual_seed(0)
     overrides = VARIANTS[variant]
     # the data of every variant: loom's stdlib windows (for transformers, a one-layer loom model reads them)
-    trainer = loom_trainer(flavor, micro_batch, overrides if overrides is not None else {"model.n_layers": "1"},
-                           os.path.join(run_dir, variant), seq)
+    trainer = loom_trainer(
+        flavor,
+        micro_batch,
+        overrides if overrides is not None else {"model.n_layers": "1"},
+        os.path.join(run_dir, variant),
+        seq,
+    )
     args = trainer.model_args.with_(n_layers=FLAVORS[flavor].n_layers)
     batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
     kernels = trainer.kernels.describe() if overrides is not None else None
@@ -137,23 +187,38 @@ def run_variant(variant: str, flavor: str, micro_batch: int, steps: int, warmup:
         step_fn = hf_train_step(model, params, opt)
 
     expected = count_params(args, LoraConfig(rank=RANK, alpha=ALPHA))[1]
-    assert full_ft or trainable == expected, f"{variant}: {trainable} trainable parameters, loom's count {expected}"
+    assert full_ft or trainable == expected, (
+        f"{variant}: {trainable} trainable parameters, loom's count {expected}"
+    )
     build_peak = torch.cuda.max_memory_reserved() / 2**30
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    times, losses, first_step_s = time_steps(step_fn, batches[:warmup + steps], warmup)
-    profile = _profile(step_fn, batches[warmup:warmup + 4], run_dir, variant) if profile_steps else None
+    times, losses, first_step_s = time_steps(step_fn, batches[: warmup + steps], warmup)
+    profile = _profile(step_fn, batches[warmup : warmup + 4], run_dir, variant) if profile_steps else None
     tps = micro_batch * seq / statistics.median(times)
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
     flops = flops_per_token(args, seq, None if full_ft else expected)
     return {
-        "variant": variant, "flavor": flavor, "overrides": overrides, "kernels": kernels, "micro_batch": micro_batch,
-        "seq_len": seq, "trainable_params": trainable, "steps_timed": steps, "warmup_steps": warmup,
-        "step_s_median": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
-        "tokens_per_s": tps, "flops_per_token": flops, "mfu": tps * flops / peak if peak else None,
+        "variant": variant,
+        "flavor": flavor,
+        "overrides": overrides,
+        "kernels": kernels,
+        "micro_batch": micro_batch,
+        "seq_len": seq,
+        "trainable_params": trainable,
+        "steps_timed": steps,
+        "warmup_steps": warmup,
+        "step_s_median": statistics.median(times),
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "tokens_per_s": tps,
+        "flops_per_token": flops,
+        "mfu": tps * flops / peak if peak else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "build_peak_reserved_gib": build_peak, "first_step_s": first_step_s, "losses": losses,
+        "build_peak_reserved_gib": build_peak,
+        "first_step_s": first_step_s,
+        "losses": losses,
         "profile": profile,
     }
 
@@ -167,9 +232,11 @@ def _profile(step_fn, batches, run_dir: str, variant: str) -> dict:
     from loom.metrics.trace_summary import summarize
 
     path = os.path.join(run_dir, f"trace_{variant}.json")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 schedule=schedule(wait=0, warmup=1, active=len(batches) - 1),
-                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        schedule=schedule(wait=0, warmup=1, active=len(batches) - 1),
+        on_trace_ready=lambda p: p.export_chrome_trace(path),
+    ) as prof:
         for mbs in batches:
             step_fn(mbs)
             torch.cuda.synchronize()
@@ -190,25 +257,50 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/lora.json")
     p.add_argument("--commit", default=default_commit())
     p.add_argument("--run-dir", default="/tmp/loom_bench_lora")
-    p.add_argument("--profile", action="store_true", help="also the kernel time by category of 3 profiled steps")
+    p.add_argument(
+        "--profile", action="store_true", help="also the kernel time by category of 3 profiled steps"
+    )
     a = p.parse_args()
     if a.variant:  # child: one variant, result as the last stdout line
         res = run_variant(a.variant, a.flavor, a.micro_batch, a.steps, a.warmup, a.run_dir, a.seq, a.profile)
         print("RESULT " + json.dumps(res), flush=True)
         return
-    child = ["--flavor", a.flavor, "--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup",
-             str(a.warmup), "--run-dir", a.run_dir, "--seq", str(a.seq)] + (["--profile"] if a.profile else [])
+    child = [
+        "--flavor",
+        a.flavor,
+        "--micro-batch",
+        str(a.micro_batch),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--run-dir",
+        a.run_dir,
+        "--seq",
+        str(a.seq),
+    ] + (["--profile"] if a.profile else [])
     results = run_children("bench.lora", a.variants.split(","), child, ROOT)
     by = {r["variant"]: r for r in results if "error" not in r}
     ratios = {}
-    for loom_v, hf_v in (("loom_lora", "hf_peft_compile"), ("loom_lora_graphs", "hf_peft_compile"), ("loom_lora", "hf_peft"), ("loom_lora_eager", "hf_peft"),
-                         ("loom_qlora", "hf_qlora_bnb"), ("loom_qlora_eager", "hf_qlora_bnb")):
+    for loom_v, hf_v in (
+        ("loom_lora", "hf_peft_compile"),
+        ("loom_lora_graphs", "hf_peft_compile"),
+        ("loom_lora", "hf_peft"),
+        ("loom_lora_eager", "hf_peft"),
+        ("loom_qlora", "hf_qlora_bnb"),
+        ("loom_qlora_eager", "hf_qlora_bnb"),
+    ):
         if loom_v in by and hf_v in by:
             ratios[f"{loom_v}_vs_{hf_v}"] = {
                 "tokens_per_s": by[loom_v]["tokens_per_s"] / by[hf_v]["tokens_per_s"],
-                "peak_reserved": by[loom_v]["peak_reserved_gib"] / by[hf_v]["peak_reserved_gib"]}
-    doc = {"benchmark": "lora", "environment": environment(a.commit, command()), "results": results,
-           "ratios": ratios}
+                "peak_reserved": by[loom_v]["peak_reserved_gib"] / by[hf_v]["peak_reserved_gib"],
+            }
+    doc = {
+        "benchmark": "lora",
+        "environment": environment(a.commit, command()),
+        "results": results,
+        "ratios": ratios,
+    }
     write_result(a.out, doc)
     print(f"\n{'variant':<22} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'build GiB':>9} {'first s':>8}")
     for r in results:
@@ -216,8 +308,10 @@ def main() -> None:
             print(f"{r['variant']:<22} ERROR {r['error'][-600:]}")
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-            print(f"{r['variant']:<22} {r['tokens_per_s']:>9.0f} {mfu:>6} {r['peak_reserved_gib']:>9.2f} "
-                  f"{r['build_peak_reserved_gib']:>9.2f} {r['first_step_s']:>8.1f}")
+            print(
+                f"{r['variant']:<22} {r['tokens_per_s']:>9.0f} {mfu:>6} {r['peak_reserved_gib']:>9.2f} "
+                f"{r['build_peak_reserved_gib']:>9.2f} {r['first_step_s']:>8.1f}"
+            )
     print("ratios:", json.dumps(ratios))
 
 

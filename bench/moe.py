@@ -19,7 +19,12 @@ from bench.common import bench_ms, command, default_commit, environment
 from loom.models.common.moe import MoE
 
 # (tokens, dim, hidden, experts, top_k): a 1B-wide layer with 8 experts of width 2048 and with 64 small ones
-CASES = [(8192, 2048, 2048, 8, 2), (16384, 2048, 2048, 8, 2), (8192, 2048, 1024, 64, 8), (8192, 4096, 1792, 16, 2)]
+CASES = [
+    (8192, 2048, 2048, 8, 2),
+    (16384, 2048, 2048, 8, 2),
+    (8192, 2048, 1024, 64, 8),
+    (8192, 4096, 1792, 16, 2),
+]
 
 
 def time_case(tokens: int, dim: int, hidden: int, n: int, k: int) -> dict:
@@ -56,8 +61,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/moe_layer.json")
     p.add_argument("--commit", default=default_commit())
     a = p.parse_args()
-    doc = {"benchmark": "moe_layer", "environment": environment(a.commit, command()),
-           "rows": []}
+    doc = {"benchmark": "moe_layer", "environment": environment(a.commit, command()), "rows": []}
     for case in CASES:
         doc["rows"].append(time_case(*case))
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -70,14 +70,28 @@ def host_adamw_gbps(n: int = 256 * 2**20) -> float:
 def config(args, root: str):
     from loom.config import build_config
 
-    over = {"run.dir": os.path.join(root, "run"), "run.device": "cuda", "run.seed": 0,
-            "data.cache_dir": os.path.join(root, "cache"), "model.flavor": "8B", "model.n_layers": args.layers,
-            "training.dtype": "bfloat16", "training.seq_len": args.seq, "training.global_batch_size": args.global_batch,
-            "training.micro_batch_size": args.micro_batch, "training.activation_checkpointing": args.ac,
-            "training.compile": str(args.compile).lower(), "training.steps": args.steps,
-            "optimizer.warmup_steps": 1, "optimizer.lr": 1e-4, "parallel.cpu_offload": "true",
-            "metrics.every": 1, "metrics.tensorboard": "false", "metrics.progress": "false",
-            "checkpoint.at_end": "false"}
+    over = {
+        "run.dir": os.path.join(root, "run"),
+        "run.device": "cuda",
+        "run.seed": 0,
+        "data.cache_dir": os.path.join(root, "cache"),
+        "model.flavor": "8B",
+        "model.n_layers": args.layers,
+        "training.dtype": "bfloat16",
+        "training.seq_len": args.seq,
+        "training.global_batch_size": args.global_batch,
+        "training.micro_batch_size": args.micro_batch,
+        "training.activation_checkpointing": args.ac,
+        "training.compile": str(args.compile).lower(),
+        "training.steps": args.steps,
+        "optimizer.warmup_steps": 1,
+        "optimizer.lr": 1e-4,
+        "parallel.cpu_offload": "true",
+        "metrics.every": 1,
+        "metrics.tensorboard": "false",
+        "metrics.progress": "false",
+        "checkpoint.at_end": "false",
+    }
     return build_config(None, {k: str(v) for k, v in over.items()})
 
 
@@ -109,8 +123,14 @@ def plan(cfg, gpu_name: str, offload: bool) -> dict:
         est = estimate(c, 1, gpu_named(gpu_name))
     except ConfigError as err:
         return {"error": str(err)}
-    return {"tokens_per_s": est.tokens_per_s_per_gpu, "step_ms": est.time.ms(), "memory_gib": est.memory.gib(),
-            "fits": est.fits, "host_gib": est.host_gib, "notes": est.notes}
+    return {
+        "tokens_per_s": est.tokens_per_s_per_gpu,
+        "step_ms": est.time.ms(),
+        "memory_gib": est.memory.gib(),
+        "fits": est.fits,
+        "host_gib": est.host_gib,
+        "notes": est.notes,
+    }
 
 
 def main() -> None:
@@ -123,7 +143,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the throughput")
-    p.add_argument("--gpu", default="", help="the planner's GPU kind (default: H200 if the device says so, else H100)")
+    p.add_argument(
+        "--gpu", default="", help="the planner's GPU kind (default: H200 if the device says so, else H100)"
+    )
     p.add_argument("--commit", default=default_commit())
     p.add_argument("--out", default="bench/results/offload_8b_h100.json")
     args = p.parse_args()
@@ -150,34 +172,50 @@ def main() -> None:
         trainer.steps.grad_norm = timed(trainer.steps.grad_norm, norm_s)
         records = trainer.fit()
     params = sum(p.numel() for p in trainer.params)
-    kept = records[args.warmup:]
+    kept = records[args.warmup :]
     tokens = args.global_batch * args.seq
     seconds = [tokens / r["tokens_per_s"] for r in kept]
     measured = {
-        "parameters": params, "build_s": build_s, "tokens_per_s": tokens * len(kept) / sum(seconds),
-        "step_s": sum(seconds) / len(seconds), "optimizer_s": sum(optimizer_s[args.warmup:]) / len(kept),
-        "grad_norm_s": sum(norm_s[args.warmup:]) / len(kept),
+        "parameters": params,
+        "build_s": build_s,
+        "tokens_per_s": tokens * len(kept) / sum(seconds),
+        "step_s": sum(seconds) / len(seconds),
+        "optimizer_s": sum(optimizer_s[args.warmup :]) / len(kept),
+        "grad_norm_s": sum(norm_s[args.warmup :]) / len(kept),
         "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "losses": [r["loss"] for r in records],
     }
-    doc = {"environment": environment(args.commit, command()), "settings": {**vars(args), "gpu_kind": gpu},
-           "measured": measured, "measured_assumptions": assumptions, "planned": planned,
-           "planned_without_offload": without,
-           "measured_vs_planned": {
-               "tokens_per_s": measured["tokens_per_s"] / planned["tokens_per_s"] if "error" not in planned else None,
-               "gpu_peak": measured["gpu_peak_reserved_gib"] / planned["memory_gib"]["total"]
-               if "error" not in planned else None,
-               "host": measured["host_peak_rss_gib"] / planned["host_gib"] if "error" not in planned else None}}
+    doc = {
+        "environment": environment(args.commit, command()),
+        "settings": {**vars(args), "gpu_kind": gpu},
+        "measured": measured,
+        "measured_assumptions": assumptions,
+        "planned": planned,
+        "planned_without_offload": without,
+        "measured_vs_planned": {
+            "tokens_per_s": measured["tokens_per_s"] / planned["tokens_per_s"]
+            if "error" not in planned
+            else None,
+            "gpu_peak": measured["gpu_peak_reserved_gib"] / planned["memory_gib"]["total"]
+            if "error" not in planned
+            else None,
+            "host": measured["host_peak_rss_gib"] / planned["host_gib"] if "error" not in planned else None,
+        },
+    }
     write_result(args.out, doc)
-    print(f"measured: {measured['tokens_per_s']:,.0f} tokens/s, step {measured['step_s']:.2f} s (optimizer "
-          f"{measured['optimizer_s']:.2f} s, norm {measured['grad_norm_s']:.2f} s), GPU peak "
-          f"{measured['gpu_peak_reserved_gib']:.1f} GiB reserved, host RSS {measured['host_peak_rss_gib']:.1f} GiB")
+    print(
+        f"measured: {measured['tokens_per_s']:,.0f} tokens/s, step {measured['step_s']:.2f} s (optimizer "
+        f"{measured['optimizer_s']:.2f} s, norm {measured['grad_norm_s']:.2f} s), GPU peak "
+        f"{measured['gpu_peak_reserved_gib']:.1f} GiB reserved, host RSS {measured['host_peak_rss_gib']:.1f} GiB"
+    )
     if "error" not in planned:
-        print(f"planned:  {planned['tokens_per_s']:,.0f} tokens/s, step {planned['step_ms']['total'] / 1e3:.2f} s "
-              f"(optimizer {planned['step_ms']['optimizer'] / 1e3:.2f} s), GPU {planned['memory_gib']['total']:.1f} "
-              f"GiB, host {planned['host_gib']:.1f} GiB")
+        print(
+            f"planned:  {planned['tokens_per_s']:,.0f} tokens/s, step {planned['step_ms']['total'] / 1e3:.2f} s "
+            f"(optimizer {planned['step_ms']['optimizer'] / 1e3:.2f} s), GPU {planned['memory_gib']['total']:.1f} "
+            f"GiB, host {planned['host_gib']:.1f} GiB"
+        )
     print(f"wrote {args.out}")
 
 

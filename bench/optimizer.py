@@ -26,7 +26,9 @@ BYTES_PER_PARAM = 28
 
 def make_model(flavor: str) -> torch.nn.Module:
     args = FLAVORS[flavor]
-    if not args.vocab_size:  # a flavor without its own vocabulary: the byte tokenizer's, rounded as training rounds it
+    if (
+        not args.vocab_size
+    ):  # a flavor without its own vocabulary: the byte tokenizer's, rounded as training rounds it
         from loom.data.tokenizers import ByteTokenizer
         from loom.models.llama import round_vocab
 
@@ -68,23 +70,46 @@ def main() -> None:
     rounds: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
     for order in (IMPLEMENTATIONS, IMPLEMENTATIONS[::-1]):
         for impl in order:
-            opt = OptimizerParts([model], OptimizerConfig(lr=3e-4, betas=[0.9, 0.95], implementation=impl),
-                                 torch.device("cuda"))
+            opt = OptimizerParts(
+                [model],
+                OptimizerConfig(lr=3e-4, betas=[0.9, 0.95], implementation=impl),
+                torch.device("cuda"),
+            )
             rounds[impl].append(time_steps(opt, factor, a.iters))
             del opt
             torch.cuda.empty_cache()
     rows = []
     for impl, ms in rounds.items():
         best = min(ms)
-        rows.append({"implementation": impl, "ms": best, "rounds_ms": ms, "gb_per_s": n * BYTES_PER_PARAM / best / 1e6})
+        rows.append(
+            {
+                "implementation": impl,
+                "ms": best,
+                "rounds_ms": ms,
+                "gb_per_s": n * BYTES_PER_PARAM / best / 1e6,
+            }
+        )
         print(f"{impl:8s} {best:7.2f} ms  {rows[-1]['gb_per_s']:6.0f} GB/s  rounds {ms}", flush=True)
     ms = {r["implementation"]: r["ms"] for r in rows}
-    ratios = {"fused_ms / triton_ms": ms["fused"] / ms["triton"], "foreach_ms / triton_ms": ms["foreach"] / ms["triton"]}
+    ratios = {
+        "fused_ms / triton_ms": ms["fused"] / ms["triton"],
+        "foreach_ms / triton_ms": ms["foreach"] / ms["triton"],
+    }
     print(ratios)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"benchmark": "optimizer", "environment": environment(a.commit, command()), "flavor": a.flavor,
-                       "params": n, "rows": rows, "ratios": ratios}, f, indent=1)
+            json.dump(
+                {
+                    "benchmark": "optimizer",
+                    "environment": environment(a.commit, command()),
+                    "flavor": a.flavor,
+                    "params": n,
+                    "rows": rows,
+                    "ratios": ratios,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

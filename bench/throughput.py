@@ -34,9 +34,15 @@ from bench.common import command, config_rejection, default_commit, environment,
 # published figures for context: (flavor, seq) -> list of references
 REFERENCES = {
     ("8B", 8192): [
-        {"source": "torchtitan docs/performance.md Table 1: Llama 3.1 8B, 8x H100 (96 GB HBM2e, 500 W), FSDP, "
-                   "local batch 2, selective AC, eager", "tokens_per_s_per_gpu": 5762},
-        {"source": "torchtitan docs/performance.md Table 1: same, FSDP + torch.compile", "tokens_per_s_per_gpu": 6667},
+        {
+            "source": "torchtitan docs/performance.md Table 1: Llama 3.1 8B, 8x H100 (96 GB HBM2e, 500 W), FSDP, "
+            "local batch 2, selective AC, eager",
+            "tokens_per_s_per_gpu": 5762,
+        },
+        {
+            "source": "torchtitan docs/performance.md Table 1: same, FSDP + torch.compile",
+            "tokens_per_s_per_gpu": 6667,
+        },
     ],
 }
 _AXES = {"fsdp": "dp_shard", "ddp": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp"}
@@ -58,8 +64,10 @@ def parse_layout(name: str) -> dict:
         parts.pop(0)
     if parts:
         if degrees.get("pp", 1) == 1:
-            raise SystemExit(f"--layouts {name}: '{'_'.join(parts)}' is not a degree (fsdpN, ddpN, hsdpRxS, tpN, "
-                             "ppN, cpN) and there is no pipeline for it to be a schedule of")
+            raise SystemExit(
+                f"--layouts {name}: '{'_'.join(parts)}' is not a degree (fsdpN, ddpN, hsdpRxS, tpN, "
+                "ppN, cpN) and there is no pipeline for it to be a schedule of"
+            )
         degrees["pp_schedule"] = "_".join(parts)
     return degrees
 
@@ -68,8 +76,15 @@ def layout_name(layout: dict) -> str:
     """A planner layout dict (``loom plan --json``) -> the name ``parse_layout`` reads (fsdp8, hsdp2x4, fsdp4_tp2,
     fsdp2_pp2_1f1b)."""
     rep, shard = layout["dp_replicate"], layout["dp_shard"]
-    parts = [f"hsdp{rep}x{shard}"] if rep > 1 and shard > 1 else [f"ddp{rep}"] if rep > 1 else \
-        [f"fsdp{shard}"] if shard > 1 else []
+    parts = (
+        [f"hsdp{rep}x{shard}"]
+        if rep > 1 and shard > 1
+        else [f"ddp{rep}"]
+        if rep > 1
+        else [f"fsdp{shard}"]
+        if shard > 1
+        else []
+    )
     parts += [f"{axis}{layout[axis]}" for axis in ("tp", "pp", "cp") if layout[axis] > 1]
     if layout.get("ep", 1) > 1 or layout.get("etp", 1) > 1:
         raise SystemExit("bench.throughput has no expert-parallel or tensor-parallel-expert layouts")
@@ -99,15 +114,26 @@ def world(degrees: dict) -> int:
 
 
 def job_config(degrees: dict, a, run_dir: str) -> dict:
-    cfg = {"model.flavor": a.flavor, "training.seq_len": a.seq, "training.dtype": "bfloat16",
-           "training.global_batch_size": a.global_batch, "training.micro_batch_size": a.micro_batch,
-           "training.steps": a.steps, "training.compile": str(a.compile).lower(),
-           "training.activation_checkpointing": a.ac, "optimizer.lr": 3e-4, "metrics.every": a.every,
-           "metrics.tensorboard": "false", "checkpoint.at_end": "false", "run.device": a.device,
-           "run.dir": run_dir, "data.cache_dir": os.path.join(a.run_dir, "cache"),
-           # what `auto` picks on H100/H200 when it times the backends at start-up (docs/kernels.md), pinned so
-           # that start-up skips the timing (inside the 10-minute limit) and runs compare with earlier ones
-           "model.attention": "sdpa"}
+    cfg = {
+        "model.flavor": a.flavor,
+        "training.seq_len": a.seq,
+        "training.dtype": "bfloat16",
+        "training.global_batch_size": a.global_batch,
+        "training.micro_batch_size": a.micro_batch,
+        "training.steps": a.steps,
+        "training.compile": str(a.compile).lower(),
+        "training.activation_checkpointing": a.ac,
+        "optimizer.lr": 3e-4,
+        "metrics.every": a.every,
+        "metrics.tensorboard": "false",
+        "checkpoint.at_end": "false",
+        "run.device": a.device,
+        "run.dir": run_dir,
+        "data.cache_dir": os.path.join(a.run_dir, "cache"),
+        # what `auto` picks on H100/H200 when it times the backends at start-up (docs/kernels.md), pinned so
+        # that start-up skips the timing (inside the 10-minute limit) and runs compare with earlier ones
+        "model.attention": "sdpa",
+    }
     cfg.update({f"parallel.{k}": v for k, v in degrees.items()})
     cfg.update(dict(kv.split("=", 1) for kv in a.set))
     return cfg
@@ -116,11 +142,14 @@ def job_config(degrees: dict, a, run_dir: str) -> dict:
 def summarize(recs: list[dict]) -> dict:
     """Median tokens/s per GPU and MFU over the logged intervals after the first; peak memory of any rank."""
     timed = recs[1:] or recs
-    return {"intervals": len(timed), "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
-            "tokens_per_s_per_gpu_all": [r["tokens_per_s_per_device"] for r in timed],
-            "mfu": statistics.median(r["mfu"] for r in timed) if timed[0].get("mfu") is not None else None,
-            "peak_gib_max_rank": max(r.get("mem_gib_max_rank", r["mem_gib"]) for r in recs),
-            "final_loss": recs[-1]["loss"]}
+    return {
+        "intervals": len(timed),
+        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
+        "tokens_per_s_per_gpu_all": [r["tokens_per_s_per_device"] for r in timed],
+        "mfu": statistics.median(r["mfu"] for r in timed) if timed[0].get("mfu") is not None else None,
+        "peak_gib_max_rank": max(r.get("mem_gib_max_rank", r["mem_gib"]) for r in recs),
+        "final_loss": recs[-1]["loss"],
+    }
 
 
 def gpu_kind(device: str) -> str | None:
@@ -146,10 +175,16 @@ def predict(cfg: dict, gpus: int, kind: str | None) -> dict:
         from loom.plan.planner import estimate
 
         est = estimate(build_config(None, {k: str(v) for k, v in cfg.items()}), gpus, GPUS[kind])
-    except Exception as e:  # noqa: BLE001 - the measurement matters more than its prediction
+    except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"[:300]}
-    return {"gpu": kind, "peak_gib": est.memory.total / 2**30, "memory_gib": est.memory.gib(),
-            "step_ms": est.time.ms(), "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu}
+    return {
+        "gpu": kind,
+        "peak_gib": est.memory.total / 2**30,
+        "memory_gib": est.memory.gib(),
+        "step_ms": est.time.ms(),
+        "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
+        "mfu": est.mfu,
+    }
 
 
 def run_layout(name: str, a) -> dict:
@@ -160,37 +195,54 @@ def run_layout(name: str, a) -> dict:
     cfg = job_config(degrees, a, run_dir)
     predicted = predict(cfg, gpus, gpu_kind(a.device))
     proc, command, wall = run_train(cfg, gpus, a.timeout)
-    out = {"layout": name, "gpus": gpus, "degrees": degrees, "command": command, "wall_s": wall,
-           "predicted": predicted}
+    out = {
+        "layout": name,
+        "gpus": gpus,
+        "degrees": degrees,
+        "command": command,
+        "wall_s": wall,
+        "predicted": predicted,
+    }
     if rejected := config_rejection(proc):
         out["rejected"] = rejected
     elif proc.returncode:
         out["error"] = failure(proc)
     else:
         out.update(summarize(metrics(run_dir)))
-        out["log"] = [ln for ln in proc.stdout.splitlines() if ln.startswith(("loom:", "kernels:", "pipeline"))]
+        out["log"] = [
+            ln for ln in proc.stdout.splitlines() if ln.startswith(("loom:", "kernels:", "pipeline"))
+        ]
     return out
 
 
 def markdown(doc: dict) -> str:
     env, s = doc["environment"], doc["settings"]
-    lines = [f"# bench.throughput: {s['flavor']}, seq {s['seq']}, global batch {s['global_batch']} "
-             f"({env['device']}, torch {env['torch']}, commit {env['commit']})", "",
-             *[f"`{c}`" for c in doc["invocations"]], "",
-             "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank) | loom plan's prediction: tokens/s, "
-             "peak GiB | note |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench.throughput: {s['flavor']}, seq {s['seq']}, global batch {s['global_batch']} "
+        f"({env['device']}, torch {env['torch']}, commit {env['commit']})",
+        "",
+        *[f"`{c}`" for c in doc["invocations"]],
+        "",
+        "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank) | loom plan's prediction: tokens/s, "
+        "peak GiB | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in doc["results"]:
         pred = r.get("predicted", {})
         guess = f"{pred['tokens_per_s_per_gpu']:,.0f}, {pred['peak_gib']:.1f}" if "peak_gib" in pred else "-"
         if "tokens_per_s_per_gpu" in r:
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-            lines.append(f"| {r['layout']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
-                         f"{r['peak_gib_max_rank']:.1f} | {guess} | |")
+            lines.append(
+                f"| {r['layout']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
+                f"{r['peak_gib_max_rank']:.1f} | {guess} | |"
+            )
         else:
             note = r.get("rejected") or "ERROR: " + r["error"].strip().splitlines()[-1][:160]
             lines.append(f"| {r['layout']} | {r['gpus']} | - | - | - | {guess} | {note.replace('|', '/')} |")
     for ref in doc["references"]:
-        lines.append(f"| reference: {ref['source']} | | {ref['tokens_per_s_per_gpu']:,} | | | | context, not a bar |")
+        lines.append(
+            f"| reference: {ref['source']} | | {ref['tokens_per_s_per_gpu']:,} | | | | context, not a bar |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -200,16 +252,24 @@ def main() -> None:
     p.add_argument("--flavor", default="8B")
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--layouts", default="fsdp8")
-    p.add_argument("--plan", default="", metavar="FILE",
-                   help="measure the fastest layout of this `loom plan --search --json` output (sets --layouts, "
-                        "--micro-batch and --ac)")
-    p.add_argument("--global-batch", type=int, default=0, help="sequences per optimizer step (default: --gpus)")
+    p.add_argument(
+        "--plan",
+        default="",
+        metavar="FILE",
+        help="measure the fastest layout of this `loom plan --search --json` output (sets --layouts, "
+        "--micro-batch and --ac)",
+    )
+    p.add_argument(
+        "--global-batch", type=int, default=0, help="sequences per optimizer step (default: --gpus)"
+    )
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=3)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--ac", default="op", help="training.activation_checkpointing")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config for every job")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config for every job"
+    )
     p.add_argument("--device", default="cuda", help="cpu: a gloo smoke run of the script itself")
     p.add_argument("--timeout", type=int, default=540)
     p.add_argument("--resume", action="store_true")
@@ -224,9 +284,18 @@ def main() -> None:
     for name in names:
         if world(parse_layout(name)) != a.gpus:
             raise SystemExit(f"--layouts {name}: uses {world(parse_layout(name))} GPUs, --gpus is {a.gpus}")
-    settings = {k: getattr(a, k) for k in ("flavor", "seq", "global_batch", "micro_batch", "steps", "compile", "ac", "set")}
-    doc = {"benchmark": "throughput", "environment": environment(a.commit, command()),
-           "settings": settings, "references": REFERENCES.get((a.flavor, a.seq), []), "results": [], "invocations": []}
+    settings = {
+        k: getattr(a, k)
+        for k in ("flavor", "seq", "global_batch", "micro_batch", "steps", "compile", "ac", "set")
+    }
+    doc = {
+        "benchmark": "throughput",
+        "environment": environment(a.commit, command()),
+        "settings": settings,
+        "references": REFERENCES.get((a.flavor, a.seq), []),
+        "results": [],
+        "invocations": [],
+    }
     if a.resume and os.path.exists(a.out):
         with open(a.out) as fh:
             old = json.load(fh)
@@ -240,8 +309,12 @@ def main() -> None:
             continue
         res = run_layout(name, a)
         doc["results"].append(res)
-        print(json.dumps({k: v for k, v in res.items() if k not in ("command", "log", "tokens_per_s_per_gpu_all")}),
-              flush=True)
+        print(
+            json.dumps(
+                {k: v for k, v in res.items() if k not in ("command", "log", "tokens_per_s_per_gpu_all")}
+            ),
+            flush=True,
+        )
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as fh:
             json.dump(doc, fh, indent=1)

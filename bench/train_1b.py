@@ -20,14 +20,27 @@ import json
 import os
 import statistics
 
-from bench.common import (command, default_commit, environment, hf_llama_config, hf_train_step, run_children,
-                          time_steps, write_result)
+from bench.common import (
+    command,
+    default_commit,
+    environment,
+    hf_llama_config,
+    hf_train_step,
+    run_children,
+    time_steps,
+    write_result,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SEQ = 2048
-_PLAIN = {"model.attention": "sdpa", "model.fused_norm": "false", "model.fused_rope": "false",
-          "model.fused_swiglu": "false", "model.fused_loss": "false"}
+_PLAIN = {
+    "model.attention": "sdpa",
+    "model.fused_norm": "false",
+    "model.fused_rope": "false",
+    "model.fused_swiglu": "false",
+    "model.fused_loss": "false",
+}
 # loom variants: config overrides on top of the common settings; kernels default to ``auto``
 VARIANTS = {
     "loom_eager": {},
@@ -39,14 +52,29 @@ VARIANTS = {
     "loom_compile_float8_tensorwise": {"training.compile": "true", "training.float8": "tensorwise"},
     "loom_compile_float8_rowwise": {"training.compile": "true", "training.float8": "rowwise"},
     # packed documents (attention never crosses a document): loom's kernel vs SDPA with a dense mask
-    "loom_docs_flash": {"training.compile": "true", "data.document_positions": "true", "model.attention": "flash"},
-    "loom_docs_sdpa": {"training.compile": "true", "data.document_positions": "true", "model.attention": "sdpa"},
-    "loom_docs_flex": {"training.compile": "true", "data.document_positions": "true", "model.attention": "flex"},
+    "loom_docs_flash": {
+        "training.compile": "true",
+        "data.document_positions": "true",
+        "model.attention": "flash",
+    },
+    "loom_docs_sdpa": {
+        "training.compile": "true",
+        "data.document_positions": "true",
+        "model.attention": "sdpa",
+    },
+    "loom_docs_flex": {
+        "training.compile": "true",
+        "data.document_positions": "true",
+        "model.attention": "flex",
+    },
     "loom_docs_auto": {"training.compile": "true", "data.document_positions": "true"},  # times flash vs flex
     # early-loss experiments (same batches): no LR warmup (as the transformers variants here), and the
     # residual projections drawn with std 0.02 (flat, as transformers) or 0.02/sqrt(2 layers) (depth)
-    "loom_compile_no_warmup": {"training.compile": "true", "optimizer.warmup_steps": "0",
-                               "optimizer.schedule": "constant"},
+    "loom_compile_no_warmup": {
+        "training.compile": "true",
+        "optimizer.warmup_steps": "0",
+        "optimizer.schedule": "constant",
+    },
     "loom_compile_flat_init": {"training.compile": "true", "model.residual_init": "flat"},
     "loom_compile_depth_init": {"training.compile": "true", "model.residual_init": "depth"},
     "hf_eager": None,
@@ -59,13 +87,23 @@ def loom_trainer(micro_batch: int, overrides: dict, run_dir: str, seq: int):
     from loom.config import build_config
     from loom.train.trainer import Trainer
 
-    cfg = build_config(None, {
-        "model.flavor": "1B", "training.seq_len": str(seq), "training.global_batch_size": str(micro_batch),
-        "training.micro_batch_size": str(micro_batch), "training.dtype": "bfloat16",
-        "training.steps": "1000", "optimizer.lr": "3e-4",
-        "optimizer.implementation": "auto", "checkpoint.at_end": "false", "run.dir": run_dir,
-        "metrics.tensorboard": "false", **overrides,
-    })
+    cfg = build_config(
+        None,
+        {
+            "model.flavor": "1B",
+            "training.seq_len": str(seq),
+            "training.global_batch_size": str(micro_batch),
+            "training.micro_batch_size": str(micro_batch),
+            "training.dtype": "bfloat16",
+            "training.steps": "1000",
+            "optimizer.lr": "3e-4",
+            "optimizer.implementation": "auto",
+            "checkpoint.at_end": "false",
+            "run.dir": run_dir,
+            "metrics.tensorboard": "false",
+            **overrides,
+        },
+    )
     return Trainer(cfg)
 
 
@@ -79,8 +117,15 @@ def hf_model(args, compile_: bool):
     return model
 
 
-def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir: str, seq: int = SEQ,
-                extra: dict | None = None) -> dict:
+def run_variant(
+    variant: str,
+    micro_batch: int,
+    steps: int,
+    warmup: int,
+    run_dir: str,
+    seq: int = SEQ,
+    extra: dict | None = None,
+) -> dict:
     import torch
 
     torch.manual_seed(0)
@@ -89,7 +134,9 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
     kernels = _kernels(variant, trainer)
     args = trainer.model_args
     batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
-    attention_times = getattr(trainer, "attention_times", None)  # before the transformers variants drop the trainer
+    attention_times = getattr(
+        trainer, "attention_times", None
+    )  # before the transformers variants drop the trainer
     if variant.startswith("loom"):
         step_fn = trainer.train_step
         n_params = sum(p.numel() for p in trainer.params)
@@ -110,14 +157,24 @@ def run_variant(variant: str, micro_batch: int, steps: int, warmup: int, run_dir
     tps = tokens / med
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
     return {
-        "variant": variant, "overrides": overrides, "params": n_params, "micro_batch": micro_batch,
+        "variant": variant,
+        "overrides": overrides,
+        "params": n_params,
+        "micro_batch": micro_batch,
         "attention_times": attention_times,
-        "seq_len": seq, "kernels": kernels, "losses": losses,
-        "steps_timed": steps, "warmup_steps": warmup, "step_s_median": med, "step_s_min": min(times),
-        "step_s_max": max(times), "tokens_per_s": tps,
+        "seq_len": seq,
+        "kernels": kernels,
+        "losses": losses,
+        "steps_timed": steps,
+        "warmup_steps": warmup,
+        "step_s_median": med,
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "tokens_per_s": tps,
         "mfu": tps * flops_per_token(args, seq) / peak if peak else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "first_step_s": first_step_s, "final_loss": losses[-1],
+        "first_step_s": first_step_s,
+        "final_loss": losses[-1],
     }
 
 
@@ -138,17 +195,33 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/train_1b.json")
     p.add_argument("--commit", default=default_commit())
     p.add_argument("--run-dir", default="/tmp/loom_bench")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override for every loom variant, e.g. model.flavor=8B (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config override for every loom variant, e.g. model.flavor=8B (repeatable)",
+    )
     a = p.parse_args()
     extra = dict(kv.split("=", 1) for kv in a.set)
     if a.variant:  # child: one variant, result as the last stdout line
-        res = run_variant(a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant), a.seq,
-                          extra)
+        res = run_variant(
+            a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant), a.seq, extra
+        )
         print("RESULT " + json.dumps(res), flush=True)
         return
-    child = ["--micro-batch", str(a.micro_batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--run-dir",
-             a.run_dir, "--seq", str(a.seq)] + [x for kv in a.set for x in ("--set", kv)]
+    child = [
+        "--micro-batch",
+        str(a.micro_batch),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--run-dir",
+        a.run_dir,
+        "--seq",
+        str(a.seq),
+    ] + [x for kv in a.set for x in ("--set", kv)]
     results = run_children("bench.train_1b", a.variants.split(","), child, ROOT)
     by = {r["variant"]: r for r in results if "error" not in r}
     ratios = {}
@@ -157,14 +230,24 @@ def main() -> None:
     for v in by:
         if v.startswith("loom") and "hf_compile" in by:
             ratios[f"{v}_vs_hf_compile"] = by[v]["tokens_per_s"] / by["hf_compile"]["tokens_per_s"]
-    for a_, b_ in (("loom_compile", "loom_compile_unfused_loss"), ("loom_compile", "loom_compile_torch_adamw"), ("loom_docs_flash", "loom_docs_sdpa"),
-                   ("loom_docs_flex", "loom_docs_flash"), ("loom_docs_auto", "loom_docs_flash"),
-                   ("loom_compile_float8_tensorwise", "loom_compile"), ("loom_compile_float8_rowwise", "loom_compile"),
-                   ("loom_eager", "loom_eager_plain")):
+    for a_, b_ in (
+        ("loom_compile", "loom_compile_unfused_loss"),
+        ("loom_compile", "loom_compile_torch_adamw"),
+        ("loom_docs_flash", "loom_docs_sdpa"),
+        ("loom_docs_flex", "loom_docs_flash"),
+        ("loom_docs_auto", "loom_docs_flash"),
+        ("loom_compile_float8_tensorwise", "loom_compile"),
+        ("loom_compile_float8_rowwise", "loom_compile"),
+        ("loom_eager", "loom_eager_plain"),
+    ):
         if a_ in by and b_ in by:
             ratios[f"{a_}_vs_{b_}"] = by[a_]["tokens_per_s"] / by[b_]["tokens_per_s"]
-    doc = {"benchmark": "train_1b", "environment": environment(a.commit, command()), "results": results,
-           "ratios": ratios}
+    doc = {
+        "benchmark": "train_1b",
+        "environment": environment(a.commit, command()),
+        "results": results,
+        "ratios": ratios,
+    }
     write_result(a.out, doc)
     print(f"\n{'variant':<32} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'first step s':>12}")
     for r in results:
@@ -172,8 +255,10 @@ def main() -> None:
             print(f"{r['variant']:<32} ERROR {r['error'][-300:]}")
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
-            print(f"{r['variant']:<32} {r['tokens_per_s']:>10.0f} {mfu:>7} {r['peak_reserved_gib']:>9.1f} "
-                  f"{r['first_step_s']:>12.1f}")
+            print(
+                f"{r['variant']:<32} {r['tokens_per_s']:>10.0f} {mfu:>7} {r['peak_reserved_gib']:>9.1f} "
+                f"{r['first_step_s']:>12.1f}"
+            )
     print("ratios:", json.dumps(ratios))
 
 

@@ -33,7 +33,7 @@ def train_loop_per_worker(config: dict) -> None:
     if "--config" in argv:
         i = argv.index("--config")
         path = argv[i + 1]
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     cfg = build_config(path, parse_overrides(argv))
     records = Trainer(cfg).fit()  # rank 0's logged records; the other ranks return none
     if ray.train.get_context().get_world_rank() == 0 and records:
@@ -43,7 +43,9 @@ def train_loop_per_worker(config: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="Ray workers (ranks): one per GPU with --gpus")
-    parser.add_argument("--gpus", action="store_true", help="one GPU per worker (nccl); without it, CPU (gloo)")
+    parser.add_argument(
+        "--gpus", action="store_true", help="one GPU per worker (nccl); without it, CPU (gloo)"
+    )
     parser.add_argument("--max-failures", type=int, default=0, help="restarts of the worker group by Ray")
     parser.add_argument("loom_args", nargs=argparse.REMAINDER, help="after --: loom train's arguments")
     args = parser.parse_args()

@@ -9,7 +9,8 @@ DIST = "loom-train"  # the distribution name in pyproject.toml, whose version is
 
 def version() -> str:
     """The installed distribution's version, else (a source tree used without installing) pyproject.toml's."""
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
     try:
         return dist_version(DIST)
@@ -18,8 +19,9 @@ def version() -> str:
     import tomllib
 
     try:
-        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"),
-                  "rb") as fh:
+        with open(
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb"
+        ) as fh:
             return tomllib.load(fh)["project"]["version"]
     except (OSError, KeyError, tomllib.TOMLDecodeError):
         return "unknown"

@@ -12,7 +12,9 @@ IGNORE = -100  # a label that takes no loss (the kernels and losses skip it; pac
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """logits: (B, S, V); labels: (B, S) with IGNORE for no loss. Sum over tokens, in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
 
 
 def valid_tokens(labels: torch.Tensor) -> torch.Tensor:

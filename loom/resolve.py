@@ -7,8 +7,8 @@ Trainer), ``loom plan`` and ``loom convert`` all resolve through here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 from loom.config.errors import ConfigError
 from loom.config.load import profile_window
@@ -37,35 +37,50 @@ class Run:
     device: str  # "cuda" | "cpu"
     model_args: object = None
     kernels: object = None
-    triton: bool | None = None  # whether Triton is there (None: look; the planner assumes a GPU machine with it)
+    triton: bool | None = (
+        None  # whether Triton is there (None: look; the planner assumes a GPU machine with it)
+    )
 
-    def with_model(self, tokenizer) -> "Run":
+    def with_model(self, tokenizer) -> Run:
         """The model's shape and kernels (chosen without timing) for this tokenizer, checked against the degrees."""
         kernels = model_kernels(self.cfg, self.device, triton=self.triton)
         args = resolve_model_args(self.cfg, tokenizer, kernels)
         check_model(self.dims, args, self.cfg.parallel)
         return replace(self, model_args=args, kernels=kernels)
 
-    def with_attention(self, measure: Callable[[], str]) -> "Run":
+    def with_attention(self, measure: Callable[[], str]) -> Run:
         """``model.attention = auto`` settled by timing the candidates (``measure`` names the faster)."""
         kernels = model_kernels(self.cfg, self.device, measure, self.triton, self.model_args.sliding_window)
         return replace(self, kernels=kernels, model_args=self.model_args.with_(**kernels.as_args()))
 
 
-def resolve(cfg: Config, world_size: int, tokenizer=None, *, rules: Sequence[Callable[[Config], None]] = (),
-            device: str | None = None, triton: bool | None = None) -> Run:
+def resolve(
+    cfg: Config,
+    world_size: int,
+    tokenizer=None,
+    *,
+    rules: Sequence[Callable[[Config], None]] = (),
+    device: str | None = None,
+    triton: bool | None = None,
+) -> Run:
     """Check ``cfg`` for ``world_size`` ranks (and, given the tokenizer, the model's shape) and resolve it.
     ``device``: the device type to resolve kernels for (default: the run's, from run.device and this machine, whose
     installed packages are then checked too); ``triton``: whether Triton is installed there (None: look here).
     ``rules``: the chosen method's (loom.methods.rules_of hands them)."""
     check_config(cfg, rules)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)  # parallel.zero mapped there (dims.zero_degrees)
+    dims = ParallelDims.from_config(
+        cfg.parallel, world_size
+    )  # parallel.zero mapped there (dims.zero_degrees)
     for feature in FEATURES:
         if feature.layout is not None:
             feature.layout(cfg, dims)
     t = cfg.training
-    accum = accumulation_steps(t, dims.dp_size * replica_groups(cfg.parallel))  # the groups split each global batch
-    check_microbatches(dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None)
+    accum = accumulation_steps(
+        t, dims.dp_size * replica_groups(cfg.parallel)
+    )  # the groups split each global batch
+    check_microbatches(
+        dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None
+    )
     check_noise_scale(cfg, dims, accum)
     if device is None:  # this machine's (the planner names a device it does not have)
         device = run_device(cfg)
@@ -76,23 +91,38 @@ def resolve(cfg: Config, world_size: int, tokenizer=None, *, rules: Sequence[Cal
 
 # ---- rules over the config alone -----------------------------------------------------
 
+
 def check_config(cfg: Config, rules: Sequence[Callable[[Config], None]] = ()) -> None:
     """Rules that relate fields of the config (no world size, model or device needed); ``rules``: the chosen
     method's, run after the features' (loom.methods hands them)."""
     if cfg.model.init_from and cfg.model.n_layers:
-        raise ConfigError("model.n_layers", cfg.model.n_layers, "must be 0 with model.init_from (the checkpoint "
-                          "fixes the layer count)")
+        raise ConfigError(
+            "model.n_layers",
+            cfg.model.n_layers,
+            "must be 0 with model.init_from (the checkpoint fixes the layer count)",
+        )
     t = cfg.training
     if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError("training.global_batch_size", t.global_batch_size,
-                          f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})")
+        raise ConfigError(
+            "training.global_batch_size",
+            t.global_batch_size,
+            f"must be a multiple of training.micro_batch_size ({t.micro_batch_size})",
+        )
     if t.eval_every and cfg.data.val_fraction == 0:
-        raise ConfigError("training.eval_every", t.eval_every, "needs held-out data, but data.val_fraction is 0: "
-                          "set data.val_fraction > 0 (e.g. 0.01) or training.eval_every 0")
+        raise ConfigError(
+            "training.eval_every",
+            t.eval_every,
+            "needs held-out data, but data.val_fraction is 0: "
+            "set data.val_fraction > 0 (e.g. 0.01) or training.eval_every 0",
+        )
     if (t.eval_hook or t.eval_tasks) and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         field = "training.eval_hook" if t.eval_hook else "training.eval_tasks"
-        raise ConfigError(field, t.eval_hook or t.eval_tasks, "runs on the whole model: not with parallel.pp > 1 or "
-                          "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)")
+        raise ConfigError(
+            field,
+            t.eval_hook or t.eval_tasks,
+            "runs on the whole model: not with parallel.pp > 1 or "
+            "parallel.cp > 1 (evaluate the checkpoints with `loom eval`)",
+        )
     check_parallel_fields(cfg)
     for feature in FEATURES:
         if feature.config is not None:
@@ -102,12 +132,16 @@ def check_config(cfg: Config, rules: Sequence[Callable[[Config], None]] = ()) ->
         rule(cfg)
     check_inactive_fields(cfg)  # after the rules above, whose messages are more specific
     if cfg.optimizer.warmup_steps > t.steps:
-        raise ConfigError("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
-                          f"must be <= training.steps ({t.steps})")
+        raise ConfigError(
+            "optimizer.warmup_steps", cfg.optimizer.warmup_steps, f"must be <= training.steps ({t.steps})"
+        )
     window = profile_window(cfg.metrics)
     if window and window[1] > t.steps:
-        raise ConfigError("metrics.profile_steps", cfg.metrics.profile_steps,
-                          f"the last profiled step must be <= training.steps ({t.steps})")
+        raise ConfigError(
+            "metrics.profile_steps",
+            cfg.metrics.profile_steps,
+            f"the last profiled step must be <= training.steps ({t.steps})",
+        )
 
 
 def check_lora(cfg: Config) -> None:
@@ -116,27 +150,44 @@ def check_lora(cfg: Config) -> None:
 
     lora, p = cfg.lora, cfg.parallel
     if not lora.rank:
-        for key, value, off in (("init_from", lora.init_from, ""), ("base_dtype", lora.base_dtype, "float32")):
+        for key, value, off in (
+            ("init_from", lora.init_from, ""),
+            ("base_dtype", lora.base_dtype, "float32"),
+        ):
             if value != off:
                 raise ConfigError(f"lora.{key}", value, "needs lora.rank > 0 (LoRA is off)")
         return
     targets = parse_targets(lora.targets)
     if cfg.training.float8 != "none":
-        raise ConfigError("training.float8", cfg.training.float8, "not with LoRA (float8 would replace the adapted "
-                          "linears): allowed none with lora.rank > 0")
+        raise ConfigError(
+            "training.float8",
+            cfg.training.float8,
+            "not with LoRA (float8 would replace the adapted linears): allowed none with lora.rank > 0",
+        )
     ffn = [t for t in targets if t in ("gate", "up", "down")]
     if ffn and (cfg.model.moe_experts or cfg.model.flavor == "debug_moe"):
-        raise ConfigError("lora.targets", lora.targets, f"{', '.join(ffn)}: a mixture-of-experts model has no dense "
-                          "feed-forward linears; allowed q, k, v, o")
+        raise ConfigError(
+            "lora.targets",
+            lora.targets,
+            f"{', '.join(ffn)}: a mixture-of-experts model has no dense "
+            "feed-forward linears; allowed q, k, v, o",
+        )
     if lora.base_dtype == "bfloat16" and cfg.training.dtype != "bfloat16":
-        raise ConfigError("lora.base_dtype", "bfloat16", f"needs training.dtype bfloat16 (it is {cfg.training.dtype}: "
-                          "bf16 frozen weights would make the activations bf16): allowed float32 or nf4")
+        raise ConfigError(
+            "lora.base_dtype",
+            "bfloat16",
+            f"needs training.dtype bfloat16 (it is {cfg.training.dtype}: "
+            "bf16 frozen weights would make the activations bf16): allowed float32 or nf4",
+        )
     if lora.base_dtype == "nf4":
-        for key, value, bad in (("parallel.tp", p.tp, p.tp > 1), ("parallel.cpu_offload", p.cpu_offload,
-                                                                      p.cpu_offload)):
+        for key, value, bad in (
+            ("parallel.tp", p.tp, p.tp > 1),
+            ("parallel.cpu_offload", p.cpu_offload, p.cpu_offload),
+        ):
             if bad:
-                raise ConfigError(key, value, "not with lora.base_dtype nf4 (the NF4 base shards by rows under "
-                                  "FSDP only)")
+                raise ConfigError(
+                    key, value, "not with lora.base_dtype nf4 (the NF4 base shards by rows under FSDP only)"
+                )
 
 
 def check_parallel_fields(cfg: Config) -> None:
@@ -144,60 +195,98 @@ def check_parallel_fields(cfg: Config) -> None:
     p, t = cfg.parallel, cfg.training
     v = stages_per_rank(p)
     if p.pp_schedule in SINGLE_STAGE and v != 1:
-        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
-                          f"pp_schedule {p.pp_schedule} runs one stage per rank: allowed 0 or 1 "
-                          "(interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev run several)")
+        raise ConfigError(
+            "parallel.pp_virtual_stages",
+            p.pp_virtual_stages,
+            f"pp_schedule {p.pp_schedule} runs one stage per rank: allowed 0 or 1 "
+            "(interleaved_1f1b, looped_bfs, interleaved_zb, zbv, dualpipev run several)",
+        )
     if p.pp_schedule in V_SHAPED and v != 2:
-        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages,
-                          f"pp_schedule {p.pp_schedule} is V-shaped: exactly 2 stages per rank (allowed 0 or 2)")
+        raise ConfigError(
+            "parallel.pp_virtual_stages",
+            p.pp_virtual_stages,
+            f"pp_schedule {p.pp_schedule} is V-shaped: exactly 2 stages per rank (allowed 0 or 2)",
+        )
     split = p.pp_layers_per_stage
     if split:
         if len(split) != p.pp * v:
-            raise ConfigError("parallel.pp_layers_per_stage", split,
-                              f"expected one entry per pipeline stage: pp x stages per rank = {p.pp} x {v} = "
-                              f"{p.pp * v}")
+            raise ConfigError(
+                "parallel.pp_layers_per_stage",
+                split,
+                f"expected one entry per pipeline stage: pp x stages per rank = {p.pp} x {v} = {p.pp * v}",
+            )
         empty = next((s for s, n in enumerate(split) if n == 0 and 0 < s < len(split) - 1), None)
         if empty is not None:
-            raise ConfigError("parallel.pp_layers_per_stage", split,
-                              f"stage {empty} would hold nothing (no layer, no embedding, no head)")
+            raise ConfigError(
+                "parallel.pp_layers_per_stage",
+                split,
+                f"stage {empty} would hold nothing (no layer, no embedding, no head)",
+            )
     if p.pp > 1 and t.compile and p.pp_schedule in SPLIT_BACKWARD:
-        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
-                          "splits input and weight gradients, which torch.compile does not support: set "
-                          "training.compile false or use gpipe | 1f1b | interleaved_1f1b | looped_bfs")
+        raise ConfigError(
+            "parallel.pp_schedule",
+            p.pp_schedule,
+            "splits input and weight gradients, which torch.compile does not support: set "
+            "training.compile false or use gpipe | 1f1b | interleaved_1f1b | looped_bfs",
+        )
     if p.async_tp and p.tp == 1:
         raise ConfigError("parallel.async_tp", True, "needs parallel.tp > 1")
     if p.async_tp and not t.compile:
-        raise ConfigError("parallel.async_tp", True, "needs training.compile true (the pass runs in the compiler)")
+        raise ConfigError(
+            "parallel.async_tp", True, "needs training.compile true (the pass runs in the compiler)"
+        )
     if p.cp > 1:
         if t.seq_len % (2 * p.cp):
-            raise ConfigError("parallel.cp", p.cp, f"training.seq_len {t.seq_len} must split into 2 x cp = {2 * p.cp} "
-                              "equal chunks (each cp rank holds two: balanced causal work)")
+            raise ConfigError(
+                "parallel.cp",
+                p.cp,
+                f"training.seq_len {t.seq_len} must split into 2 x cp = {2 * p.cp} "
+                "equal chunks (each cp rank holds two: balanced causal work)",
+            )
     if p.cpu_offload and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.cpu_offload", True, "supported with data parallelism only (tp = pp = 1)")
     if p.cpu_offload and p.backend == "nccl":
-        raise ConfigError("parallel.backend", "nccl", "parallel.cpu_offload keeps the gradients on the host, which "
-                          "NCCL cannot reduce: allowed auto (cuda:nccl,cpu:gloo on GPUs) | gloo")
+        raise ConfigError(
+            "parallel.backend",
+            "nccl",
+            "parallel.cpu_offload keeps the gradients on the host, which "
+            "NCCL cannot reduce: allowed auto (cuda:nccl,cpu:gloo on GPUs) | gloo",
+        )
     if t.float8 != "none" and p.tp > 1:
-        raise ConfigError("training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there")
+        raise ConfigError(
+            "training.float8", t.float8, "not supported with parallel.tp > 1 yet: allowed none there"
+        )
     if t.float8 != "none" and t.dtype != "bfloat16":
         raise ConfigError("training.float8", t.float8, f"needs training.dtype bfloat16 (got {t.dtype})")
     if cfg.model.fused_norm == "true" and p.tp > 1:
-        raise ConfigError("model.fused_norm", True, "not supported with parallel.tp > 1 (sequence-parallel norms run "
-                          "on DTensors): allowed auto | false there")
+        raise ConfigError(
+            "model.fused_norm",
+            True,
+            "not supported with parallel.tp > 1 (sequence-parallel norms run "
+            "on DTensors): allowed auto | false there",
+        )
     if cfg.model.fused_loss == "true" and (p.tp > 1 or p.pp > 1):
-        raise ConfigError("model.fused_loss", True, "not supported with parallel.tp > 1 or parallel.pp > 1 (vocab-"
-                          "sharded or stage-split output): allowed auto | false there")
+        raise ConfigError(
+            "model.fused_loss",
+            True,
+            "not supported with parallel.tp > 1 or parallel.pp > 1 (vocab-"
+            "sharded or stage-split output): allowed auto | false there",
+        )
 
 
 # ---- rules that need the world size ---------------------------------------------------
+
 
 def accumulation_steps(training, dp_size: int) -> int:
     """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""
     per_pass = training.micro_batch_size * dp_size
     if training.global_batch_size % per_pass:
-        raise ConfigError("training.global_batch_size", training.global_batch_size,
-                          f"must be a multiple of micro_batch_size x data-parallel size = "
-                          f"{training.micro_batch_size} x {dp_size} = {per_pass}")
+        raise ConfigError(
+            "training.global_batch_size",
+            training.global_batch_size,
+            f"must be a multiple of micro_batch_size x data-parallel size = "
+            f"{training.micro_batch_size} x {dp_size} = {per_pass}",
+        )
     return training.global_batch_size // per_pass
 
 
@@ -210,41 +299,60 @@ def check_noise_scale(cfg: Config, dims: ParallelDims, accum: int) -> None:
     if dims.pp_enabled or dims.ep_enabled:
         raise ConfigError("metrics.noise_scale", True, "needs parallel.pp = 1 and parallel.ep = 1")
     if accum < 2:
-        raise ConfigError("metrics.noise_scale", True, f"needs 2 or more micro-batches per step on each rank (this "
-                          f"run has {accum}: training.global_batch_size / (micro_batch_size x {dims.dp_size} "
-                          "data-parallel ranks))")
+        raise ConfigError(
+            "metrics.noise_scale",
+            True,
+            f"needs 2 or more micro-batches per step on each rank (this "
+            f"run has {accum}: training.global_batch_size / (micro_batch_size x {dims.dp_size} "
+            "data-parallel ranks))",
+        )
 
 
-def check_microbatches(dims: ParallelDims, n: int, parallel: ParallelConfig, global_batch: int,
-                       eval_batches: int | None = None) -> None:
+def check_microbatches(
+    dims: ParallelDims, n: int, parallel: ParallelConfig, global_batch: int, eval_batches: int | None = None
+) -> None:
     """The pipeline's micro-batch count (the accumulation count) against what the schedule needs;
     ``eval_batches`` (when validation runs) must fill whole schedule runs of ``n`` micro-batches."""
     if dims.pp == 1:
         return
     if eval_batches is not None and eval_batches % n:
-        raise ConfigError("training.eval_batches", eval_batches,
-                          f"with parallel.pp > 1: a multiple of the pipeline's micro-batch count {n} "
-                          "(validation runs the schedule forward-only on that many micro-batches at a time)")
+        raise ConfigError(
+            "training.eval_batches",
+            eval_batches,
+            f"with parallel.pp > 1: a multiple of the pipeline's micro-batch count {n} "
+            "(validation runs the schedule forward-only on that many micro-batches at a time)",
+        )
     v_shaped = parallel.pp_schedule in V_SHAPED
     need, rule = (2 * dims.pp, "2 x pp") if v_shaped else (dims.pp, "pp")
     if n < need:
-        raise ConfigError("training.global_batch_size", global_batch,
-                          f"pp_schedule {parallel.pp_schedule} needs at least {rule} = {need} micro-batches per "
-                          f"step; global_batch_size / (micro_batch_size x data-parallel size) = {n}")
+        raise ConfigError(
+            "training.global_batch_size",
+            global_batch,
+            f"pp_schedule {parallel.pp_schedule} needs at least {rule} = {need} micro-batches per "
+            f"step; global_batch_size / (micro_batch_size x data-parallel size) = {n}",
+        )
     rounds = max(1, n // dims.pp)
     if parallel.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and n % rounds:
-        raise ConfigError("training.global_batch_size", global_batch,
-                          f"pp_schedule {parallel.pp_schedule} needs the micro-batch count ({n}) to be a multiple "
-                          f"of its rounds (micro-batches // pp = {rounds})")
+        raise ConfigError(
+            "training.global_batch_size",
+            global_batch,
+            f"pp_schedule {parallel.pp_schedule} needs the micro-batch count ({n}) to be a multiple "
+            f"of its rounds (micro-batches // pp = {rounds})",
+        )
 
 
 # ---- the device -----------------------------------------------------------------------
+
 
 def run_device(cfg: Config) -> str:
     """The device type this run trains on: run.device, ``auto`` meaning CUDA where this machine has it."""
     import torch
 
-    return "cuda" if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()) else "cpu"
+    return (
+        "cuda"
+        if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
 
 
 def check_machine(cfg: Config, device: str) -> None:
@@ -259,13 +367,18 @@ def check_machine(cfg: Config, device: str) -> None:
 
         why = unavailable()
         if why:
-            raise ConfigError("metrics.nvtx", True, f"{why}; install a CUDA build of PyTorch, or allowed: false")
+            raise ConfigError(
+                "metrics.nvtx", True, f"{why}; install a CUDA build of PyTorch, or allowed: false"
+            )
     if cfg.training.float8 != "none":
         from loom.models.common.float8 import float8_available
 
         if not float8_available():
-            raise ConfigError("training.float8", cfg.training.float8, "needs the 'torchao' package (pip install "
-                              "'loom-train[float8]'); allowed without it: none")
+            raise ConfigError(
+                "training.float8",
+                cfg.training.float8,
+                "needs the 'torchao' package (pip install 'loom-train[float8]'); allowed without it: none",
+            )
 
 
 def check_device(cfg: Config) -> None:
@@ -278,19 +391,28 @@ def check_device(cfg: Config) -> None:
         raise ConfigError("run.device", "cuda", "no CUDA device is visible; allowed here: auto | cpu")
     device = run_device(cfg)
     if cfg.parallel.backend == "nccl" and device != "cuda":
-        raise ConfigError("parallel.backend", "nccl", "needs CUDA devices and this run is on the CPU"
-                          f"{'' if cuda else ' (no CUDA device is visible)'}: allowed auto | gloo")
+        raise ConfigError(
+            "parallel.backend",
+            "nccl",
+            "needs CUDA devices and this run is on the CPU"
+            f"{'' if cuda else ' (no CUDA device is visible)'}: allowed auto | gloo",
+        )
     for feature in FEATURES:
         if feature.device is not None:
             feature.device(cfg, device)
     t = cfg.training
     if t.float8 != "none" and (device != "cuda" or torch.cuda.get_device_capability(0) < (8, 9)):
         where = "this run is on the CPU" if device != "cuda" else f"{torch.cuda.get_device_name(0)} is older"
-        raise ConfigError("training.float8", t.float8, f"float8 matmuls need a CUDA GPU of compute capability 8.9 or "
-                          f"newer (Ada, Hopper) and {where}: allowed none")
+        raise ConfigError(
+            "training.float8",
+            t.float8,
+            f"float8 matmuls need a CUDA GPU of compute capability 8.9 or "
+            f"newer (Ada, Hopper) and {where}: allowed none",
+        )
 
 
 # ---- the model and its kernels ----------------------------------------------------------
+
 
 def resolve_model_args(cfg: Config, tokenizer, kernels=None):
     """Flavor shape (or model.init_from's) + vocabulary (flavor, then model.vocab_size, else the tokenizer's rounded
@@ -305,24 +427,42 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
         args = llama_args_from_hf(cfg.model.init_from)
         if cfg.model.moe_experts and cfg.model.moe_experts != args.moe_experts:
             held = f"{args.moe_experts} experts" if args.moe else "a dense model"
-            raise ConfigError("model.moe_experts", cfg.model.moe_experts, f"model.init_from {cfg.model.init_from} "
-                              f"holds {held}: allowed 0 (the folder's)")
+            raise ConfigError(
+                "model.moe_experts",
+                cfg.model.moe_experts,
+                f"model.init_from {cfg.model.init_from} holds {held}: allowed 0 (the folder's)",
+            )
         if args.moe and cfg.model.moe_ffn_dim and cfg.model.moe_ffn_dim != args.expert_ffn_dim:
-            raise ConfigError("model.moe_ffn_dim", cfg.model.moe_ffn_dim, f"model.init_from {cfg.model.init_from} "
-                              f"has experts {args.expert_ffn_dim} wide: allowed 0 (the folder's)")
+            raise ConfigError(
+                "model.moe_ffn_dim",
+                cfg.model.moe_ffn_dim,
+                f"model.init_from {cfg.model.init_from} "
+                f"has experts {args.expert_ffn_dim} wide: allowed 0 (the folder's)",
+            )
     else:
         args = all_flavors()[cfg.model.flavor]
     window = cfg.model.sliding_window or args.sliding_window
     vocab = cfg.model.vocab_size or args.vocab_size or round_vocab(tokenizer.vocab_size)
     if vocab < tokenizer.vocab_size:
-        raise ConfigError("model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
+        raise ConfigError(
+            "model.vocab_size", vocab, f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})"
+        )
     tie = args.tie_embeddings if cfg.model.tie_embeddings == "flavor" else cfg.model.tie_embeddings == "true"
     m = cfg.model
     kernels = kernels or model_kernels(cfg, run_device(cfg), window=window)
-    args = args.with_(vocab_size=vocab, tie_embeddings=tie, max_seq_len=cfg.training.seq_len,
-                      n_layers=m.n_layers or args.n_layers, residual_init=m.residual_init, sliding_window=window,
-                      moe_experts=m.moe_experts or args.moe_experts, moe_top_k=m.moe_top_k or args.moe_top_k,
-                      moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim, moe_aux_loss=m.moe_aux_loss, **kernels.as_args())
+    args = args.with_(
+        vocab_size=vocab,
+        tie_embeddings=tie,
+        max_seq_len=cfg.training.seq_len,
+        n_layers=m.n_layers or args.n_layers,
+        residual_init=m.residual_init,
+        sliding_window=window,
+        moe_experts=m.moe_experts or args.moe_experts,
+        moe_top_k=m.moe_top_k or args.moe_top_k,
+        moe_ffn_dim=m.moe_ffn_dim or args.moe_ffn_dim,
+        moe_aux_loss=m.moe_aux_loss,
+        **kernels.as_args(),
+    )
     args = family_settings(args, cfg)
     check_moe(args, cfg)
     check_mla(args, cfg)
@@ -334,31 +474,46 @@ def family_settings(args, cfg: Config):
     m = cfg.model
     if m.moe_bias_speed >= 0:
         if m.moe_bias_speed > 0 and not args.moe:
-            raise ConfigError("model.moe_bias_speed", m.moe_bias_speed, "needs a mixture-of-experts model: allowed "
-                              "-1 | 0")
+            raise ConfigError(
+                "model.moe_bias_speed", m.moe_bias_speed, "needs a mixture-of-experts model: allowed -1 | 0"
+            )
         args = args.with_(moe_bias_speed=m.moe_bias_speed, moe_bias=args.moe_bias or m.moe_bias_speed > 0)
     if args.moe_bias_speed > 0 and cfg.training.compile:
-        raise ConfigError("model.moe_bias_speed", args.moe_bias_speed, "not with training.compile yet (compiled "
-                          "blocks do not count the experts' loads): allowed 0")
+        raise ConfigError(
+            "model.moe_bias_speed",
+            args.moe_bias_speed,
+            "not with training.compile yet (compiled blocks do not count the experts' loads): allowed 0",
+        )
     has_mtp = "mtp_depth" in getattr(args, "__dataclass_fields__", {})
     if m.mtp_depth > 0 and not has_mtp:
-        raise ConfigError("model.mtp_depth", m.mtp_depth, "multi-token prediction is the DeepSeek-V3 family's "
-                          "(a deepseek_v3 flavor or folder): allowed -1 | 0")
+        raise ConfigError(
+            "model.mtp_depth",
+            m.mtp_depth,
+            "multi-token prediction is the DeepSeek-V3 family's "
+            "(a deepseek_v3 flavor or folder): allowed -1 | 0",
+        )
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
         if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1 or cfg.parallel.tp > 1):
             field = next(f for f in ("pp", "cp", "tp") if getattr(cfg.parallel, f) > 1)
-            raise ConfigError(f"parallel.{field}", getattr(cfg.parallel, field), "not with multi-token prediction "
-                              "(model.mtp_depth > 0) yet: allowed 1 (or model.mtp_depth = 0)")
+            raise ConfigError(
+                f"parallel.{field}",
+                getattr(cfg.parallel, field),
+                "not with multi-token prediction "
+                "(model.mtp_depth > 0) yet: allowed 1 (or model.mtp_depth = 0)",
+            )
     return args
 
 
 def check_mla(args, cfg: Config) -> None:
     """What a model with multi-head latent attention does not support (yet), as config errors."""
     if args.mla and cfg.lora.rank:
-        raise ConfigError("lora.rank", cfg.lora.rank, "not with multi-head latent attention (the model's "
-                          "attention_kind mla) yet: allowed 0")
+        raise ConfigError(
+            "lora.rank",
+            cfg.lora.rank,
+            "not with multi-head latent attention (the model's attention_kind mla) yet: allowed 0",
+        )
 
 
 def check_moe(args, cfg: Config) -> None:
@@ -366,66 +521,116 @@ def check_moe(args, cfg: Config) -> None:
     if not args.moe:
         return
     if args.moe_top_k > args.moe_experts:
-        raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})")
+        raise ConfigError(
+            "model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})"
+        )
     if args.moe_shared_experts and cfg.parallel.tp > 1:
-        raise ConfigError("parallel.tp", cfg.parallel.tp, "not with shared experts (the DeepSeek-V3 family) yet: "
-                          "allowed 1")
+        raise ConfigError(
+            "parallel.tp", cfg.parallel.tp, "not with shared experts (the DeepSeek-V3 family) yet: allowed 1"
+        )
     if args.moe_top_k > args.moe_experts // args.moe_groups * args.moe_topk_groups:
-        raise ConfigError("model.moe_top_k", args.moe_top_k, f"must be <= the experts of the {args.moe_topk_groups} "
-                          f"groups each token chooses among ({args.moe_experts // args.moe_groups} each)")
+        raise ConfigError(
+            "model.moe_top_k",
+            args.moe_top_k,
+            f"must be <= the experts of the {args.moe_topk_groups} "
+            f"groups each token chooses among ({args.moe_experts // args.moe_groups} each)",
+        )
     if cfg.training.cuda_graphs:
-        raise ConfigError("training.cuda_graphs", True, "not with a mixture-of-experts model (the experts' token "
-                          "counts are read on the host every step)")
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            "not with a mixture-of-experts model (the experts' token counts are read on the host every step)",
+        )
     if cfg.training.compile and cfg.training.dtype != "bfloat16":
-        raise ConfigError("training.compile", True, "with a mixture-of-experts model needs training.dtype bfloat16 "
-                          "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "
-                          "data-dependent sizes): allowed false with " + cfg.training.dtype)
+        raise ConfigError(
+            "training.compile",
+            True,
+            "with a mixture-of-experts model needs training.dtype bfloat16 "
+            "(the experts' grouped GEMM keeps shapes static; the per-expert loop of other dtypes has "
+            "data-dependent sizes): allowed false with " + cfg.training.dtype,
+        )
 
 
 def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
     """The model's shape against the parallel degrees that split it."""
     if dims.etp > 1:
         if not args.moe:
-            raise ConfigError("parallel.etp", dims.etp, "needs a mixture-of-experts model: allowed 1 for a dense "
-                              "model")
+            raise ConfigError(
+                "parallel.etp", dims.etp, "needs a mixture-of-experts model: allowed 1 for a dense model"
+            )
         if args.expert_ffn_dim % (8 * dims.etp):
-            raise ConfigError("parallel.etp", dims.etp, f"must divide the experts' hidden width "
-                              f"({args.expert_ffn_dim}) into slices of a multiple of 8 (the bf16 grouped GEMM "
-                              "needs 16-byte rows)")
+            raise ConfigError(
+                "parallel.etp",
+                dims.etp,
+                f"must divide the experts' hidden width "
+                f"({args.expert_ffn_dim}) into slices of a multiple of 8 (the bf16 grouped GEMM "
+                "needs 16-byte rows)",
+            )
     if dims.ep > 1:
         if not args.moe:
-            raise ConfigError("parallel.ep", dims.ep, "needs a mixture-of-experts model (model.moe_experts > 0 "
-                              "or the debug_moe flavor): allowed 1 for a dense model")
+            raise ConfigError(
+                "parallel.ep",
+                dims.ep,
+                "needs a mixture-of-experts model (model.moe_experts > 0 "
+                "or the debug_moe flavor): allowed 1 for a dense model",
+            )
         if args.moe_experts % dims.ep:
-            raise ConfigError("parallel.ep", dims.ep, f"must divide the number of experts ({args.moe_experts})")
+            raise ConfigError(
+                "parallel.ep", dims.ep, f"must divide the number of experts ({args.moe_experts})"
+            )
     if dims.cp_enabled and args.mla:
-        raise ConfigError("parallel.cp", dims.cp, "not supported with multi-head latent attention (the model's "
-                          "attention_kind mla) yet: allowed 1")
+        raise ConfigError(
+            "parallel.cp",
+            dims.cp,
+            "not supported with multi-head latent attention (the model's attention_kind mla) yet: allowed 1",
+        )
     if dims.cp_enabled and args.sliding_window:
-        raise ConfigError("parallel.cp", dims.cp, f"not supported with a sliding window (the model's is "
-                          f"{args.sliding_window}: model.sliding_window or model.init_from's): allowed 1")
+        raise ConfigError(
+            "parallel.cp",
+            dims.cp,
+            f"not supported with a sliding window (the model's is "
+            f"{args.sliding_window}: model.sliding_window or model.init_from's): allowed 1",
+        )
     if dims.tp > 1:
-        for what, n in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads),
-                        ("feed-forward width", args.ffn_dim), ("vocabulary", args.vocab_size)):
+        for what, n in (
+            ("attention heads", args.n_heads),
+            ("KV heads", args.n_kv_heads),
+            ("feed-forward width", args.ffn_dim),
+            ("vocabulary", args.vocab_size),
+        ):
             if n % dims.tp:
-                raise ConfigError("parallel.tp", dims.tp,
-                                  f"must divide the model's {what} ({n}); allowed: a divisor of "
-                                  f"gcd(heads, KV heads, ffn, vocab) = {tp_limit(args)}")
+                raise ConfigError(
+                    "parallel.tp",
+                    dims.tp,
+                    f"must divide the model's {what} ({n}); allowed: a divisor of "
+                    f"gcd(heads, KV heads, ffn, vocab) = {tp_limit(args)}",
+                )
     if dims.pp > 1:
         stages = dims.pp * stages_per_rank(parallel)
         split = parallel.pp_layers_per_stage
         if split and sum(split) != args.n_layers:
-            raise ConfigError("parallel.pp_layers_per_stage", split,
-                              f"must add up to the model's {args.n_layers} layers (adds up to {sum(split)})")
+            raise ConfigError(
+                "parallel.pp_layers_per_stage",
+                split,
+                f"must add up to the model's {args.n_layers} layers (adds up to {sum(split)})",
+            )
         if not split and stages > args.n_layers:
-            raise ConfigError("parallel.pp", dims.pp,
-                              f"{stages} pipeline stages ({dims.pp} ranks x {stages // dims.pp}) for "
-                              f"{args.n_layers} layers: each stage needs a layer (lower parallel.pp or "
-                              "pp_virtual_stages, or give parallel.pp_layers_per_stage)")
+            raise ConfigError(
+                "parallel.pp",
+                dims.pp,
+                f"{stages} pipeline stages ({dims.pp} ranks x {stages // dims.pp}) for "
+                f"{args.n_layers} layers: each stage needs a layer (lower parallel.pp or "
+                "pp_virtual_stages, or give parallel.pp_layers_per_stage)",
+            )
 
 
-def model_kernels(cfg: Config, device: str, measure_attention: Callable[[], str] | None = None,
-                  triton: bool | None = None, window: int | None = None):
+def model_kernels(
+    cfg: Config,
+    device: str,
+    measure_attention: Callable[[], str] | None = None,
+    triton: bool | None = None,
+    window: int | None = None,
+):
     """The kernels loom.kernels.dispatch.kernel_choice picks for this config's model on ``device``: its sliding
     window (``window``, None: ``model_window``) and its latent attention's head width (read only where loom's
     kernel would run it)."""
@@ -435,8 +640,14 @@ def model_kernels(cfg: Config, device: str, measure_attention: Callable[[], str]
         args = model_shape(cfg)
         return max(args.head_dim, args.value_head_dim) if args.mla else 0
 
-    return kernel_choice(cfg, device, measure_attention, triton,
-                         (lambda: model_window(cfg)) if window is None else (lambda: window), attention_width)
+    return kernel_choice(
+        cfg,
+        device,
+        measure_attention,
+        triton,
+        (lambda: model_window(cfg)) if window is None else (lambda: window),
+        attention_width,
+    )
 
 
 def model_shape(cfg: Config):
@@ -471,6 +682,10 @@ def times_attention(run: Run) -> bool:
     cfg = run.cfg
     window = run.model_args is not None and run.model_args.sliding_window > 0
     mla = run.model_args is not None and run.model_args.mla  # the timing runs GQA's shapes
-    return not (cfg.run.deterministic or run.dims.cp_enabled or window or mla
-                or (cfg.data.document_positions and flex_unsupported(cfg)))
-
+    return not (
+        cfg.run.deterministic
+        or run.dims.cp_enabled
+        or window
+        or mla
+        or (cfg.data.document_positions and flex_unsupported(cfg))
+    )

@@ -24,14 +24,27 @@ import pytest
 
 from tests.tiny import TINY, tiny_args, tiny_config, tiny_overrides
 
-__all__ = ["TINY", "tiny_args", "tiny_config", "tiny_overrides"]  # re-exported; tests import them from tests.tiny
+__all__ = [
+    "TINY",
+    "tiny_args",
+    "tiny_config",
+    "tiny_overrides",
+]  # re-exported; tests import them from tests.tiny
 
 
 def pytest_addoption(parser):
-    parser.addoption("--exhaustive", action="store_true", default=False,
-                     help="also run the tests marked exhaustive (deselected by default)")
-    parser.addoption("--slow", action="store_true", default=False,
-                     help="also run the tests marked slow (deselected by default)")
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        default=False,
+        help="also run the tests marked exhaustive (deselected by default)",
+    )
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow (deselected by default)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -59,7 +72,7 @@ def _descendants(root: int) -> dict[int, str]:
                 cmd[int(entry)] = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z":
             parent[int(entry)] = int(fields[1])
     found, frontier = {}, [root]
@@ -82,7 +95,12 @@ def _kill(pids) -> None:
 
 # helpers that live for the session by design: multiprocessing's resource tracker, Inductor's compile workers and
 # wandb's service (one per process, reused by the next wandb.init: killing it breaks the next tracker test)
-SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "compile_worker", "wandb-core")
+SESSION_HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "compile_worker",
+    "wandb-core",
+)
 
 
 def _outside_pools(procs: dict[int, str]) -> dict[int, str]:
@@ -106,8 +124,11 @@ def _no_process_left_behind(request):
     left = _outside_pools({p: c for p, c in _descendants(os.getpid()).items() if p not in before})
     if left:
         _kill(left)
-        print(f"\n{request.node.nodeid} left {len(left)} process(es) running, killed: "
-              + "; ".join(f"{p} {c[:120]}" for p, c in left.items()), file=sys.stderr)
+        print(
+            f"\n{request.node.nodeid} left {len(left)} process(es) running, killed: "
+            + "; ".join(f"{p} {c[:120]}" for p, c in left.items()),
+            file=sys.stderr,
+        )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -120,8 +141,11 @@ def pytest_sessionfinish(session, exitstatus):
     left = _outside_pools(_descendants(os.getpid()))
     if left:
         _kill(left)
-        print("\nprocesses left at the end of the session, killed: "
-              + "; ".join(f"{p} {c[:120]}" for p, c in left.items()), file=sys.stderr)
+        print(
+            "\nprocesses left at the end of the session, killed: "
+            + "; ".join(f"{p} {c[:120]}" for p, c in left.items()),
+            file=sys.stderr,
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -137,7 +161,10 @@ def cli_error(capsys):
         with pytest.raises(SystemExit) as exc:
             main([str(a) for a in argv])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("loom: error: "), (exc.value.code, err)
+        assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("loom: error: "), (
+            exc.value.code,
+            err,
+        )
         return err[0]
 
     return run
@@ -146,8 +173,10 @@ def cli_error(capsys):
 @pytest.fixture
 def tiny(tmp_path):
     """``tiny(**overrides)``: the tiny run's ``Config``, writing under ``tmp_path`` (``run/`` and ``cache/``)."""
+
     def make(**overrides):
         return tiny_config(tmp_path / "run", tmp_path / "cache", **overrides)
+
     return make
 
 

@@ -8,8 +8,16 @@ dotted keys (``**{"training.steps": 3}``); a value of ``None`` drops the key, so
 
 from __future__ import annotations
 
-TINY = {"training.steps": 4, "training.seq_len": 32, "training.global_batch_size": 8, "training.micro_batch_size": 2,
-        "optimizer.warmup_steps": 1, "metrics.every": 1, "metrics.tensorboard": "false", "checkpoint.at_end": "false"}
+TINY = {
+    "training.steps": 4,
+    "training.seq_len": 32,
+    "training.global_batch_size": 8,
+    "training.micro_batch_size": 2,
+    "optimizer.warmup_steps": 1,
+    "metrics.every": 1,
+    "metrics.tensorboard": "false",
+    "checkpoint.at_end": "false",
+}
 
 
 def tiny_overrides(run_dir=None, cache=None, **overrides) -> dict:

@@ -25,6 +25,7 @@ an older checkpoint (a branch) where newer ones exist. A corrupt checkpoint that
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -34,15 +35,13 @@ import shutil
 import time
 import uuid
 import warnings
-import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from loom.config.errors import SharedError, UserError
 from loom.config.sections import CheckpointConfig
-
 
 
 def _quiet_dcp() -> None:
@@ -89,8 +88,14 @@ def content_fingerprint(path: str) -> str:
     if os.path.isfile(path):
         names, root = [os.path.basename(path)], os.path.dirname(path)
     else:
-        names, root = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".json", ".bin", ".pt",
-                                                                          ".model", ".jinja", ".txt"))), path
+        names, root = (
+            sorted(
+                n
+                for n in os.listdir(path)
+                if n.endswith((".safetensors", ".json", ".bin", ".pt", ".model", ".jinja", ".txt"))
+            ),
+            path,
+        )
     for name in names:
         full = os.path.join(root, name)
         if os.path.isfile(full):
@@ -140,7 +145,9 @@ def write_marker(folder: str, step: int, lineage: str | None = None) -> None:
             if rel in (MARKER, MARKER + ".partial"):
                 continue
             rec = recorded.get(rel)
-            files[rel] = rec if rec is not None and rec["size"] == os.path.getsize(full) else file_record(full)
+            files[rel] = (
+                rec if rec is not None and rec["size"] == os.path.getsize(full) else file_record(full)
+            )
     tmp = os.path.join(folder, MARKER + ".partial")
     _write_synced(tmp, json.dumps({"step": step, "lineage": lineage, "files": files}, indent=1))
     os.replace(tmp, os.path.join(folder, MARKER))
@@ -149,9 +156,12 @@ def write_marker(folder: str, step: int, lineage: str | None = None) -> None:
 def _marker_files(folder: str, meta) -> dict:
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or not all(
-            isinstance(i, dict) and isinstance(i.get("size"), int) and isinstance(i.get("blake2b"), str)
-            for i in files.values()):
-        raise CorruptCheckpoint(f"checkpoint {folder}: unreadable {MARKER} (no file list with sizes and hashes)")
+        isinstance(i, dict) and isinstance(i.get("size"), int) and isinstance(i.get("blake2b"), str)
+        for i in files.values()
+    ):
+        raise CorruptCheckpoint(
+            f"checkpoint {folder}: unreadable {MARKER} (no file list with sizes and hashes)"
+        )
     return files
 
 
@@ -174,8 +184,10 @@ def verify(folder: str, check_hash: bool = True) -> dict:
             raise CorruptCheckpoint(f"checkpoint {folder}: file {rel} is missing")
         size = os.path.getsize(path)
         if size != info["size"]:
-            raise CorruptCheckpoint(f"checkpoint {folder}: file {rel} has {size} bytes, expected {info['size']} "
-                                    "(truncated or overwritten)")
+            raise CorruptCheckpoint(
+                f"checkpoint {folder}: file {rel} has {size} bytes, expected {info['size']} "
+                "(truncated or overwritten)"
+            )
         if check_hash and file_digest(path) != info["blake2b"]:
             raise CorruptCheckpoint(f"checkpoint {folder}: file {rel} does not match its recorded hash")
     return meta
@@ -227,8 +239,9 @@ def _disk_full(err: BaseException | None) -> bool:
         if isinstance(err, OSError) and err.errno == errno.ENOSPC:
             return True
         failures = getattr(err, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict) and any(_disk_full(f[0] if isinstance(f, tuple) else f)
-                                              for f in failures.values()):
+        if isinstance(failures, dict) and any(
+            _disk_full(f[0] if isinstance(f, tuple) else f) for f in failures.values()
+        ):
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
@@ -268,8 +281,13 @@ def _part_states(pairs) -> list[tuple[dict, dict]]:
     """(model state, optimizer state) of every model part."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return [(get_model_state_dict(part, options=_options()), get_optimizer_state_dict(part, opt, options=_options()))
-            for part, opt in pairs]
+    return [
+        (
+            get_model_state_dict(part, options=_options()),
+            get_optimizer_state_dict(part, opt, options=_options()),
+        )
+        for part, opt in pairs
+    ]
 
 
 def _merged(states: list[tuple[dict, dict]]) -> dict:
@@ -313,12 +331,20 @@ def refuse_fresh_start(cfg: CheckpointConfig, ckpt_dir: str) -> None:
             f"checkpoint.resume none: {ckpt_dir} already holds {len(found)} checkpoint(s), the newest step "
             f"{found[-1][0]}: continue it with --checkpoint.resume auto, use another --run.dir (or "
             "--checkpoint.dir), or start over with --checkpoint.overwrite true (moves them into "
-            f"{os.path.join(ckpt_dir, 'superseded')}/, nothing is deleted)")
+            f"{os.path.join(ckpt_dir, 'superseded')}/, nothing is deleted)"
+        )
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, run_dir: str, *, is_main: bool, barrier: Callable[[], None],
-                 share: Callable[[object], object] | None = None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: str,
+        *,
+        is_main: bool,
+        barrier: Callable[[], None],
+        share: Callable[[object], object] | None = None,
+    ):
         """``share(obj)`` returns rank 0's ``obj`` on every rank (a broadcast); without it every rank
         verifies checkpoints itself."""
         _quiet_dcp()
@@ -385,12 +411,17 @@ class CheckpointManager:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
             done = list_complete(self.dir)
-            need = f"about {folder_bytes(done[-1][1]):,} bytes (the size of step {done[-1][0]})" if done else \
-                "more space"
+            need = (
+                f"about {folder_bytes(done[-1][1]):,} bytes (the size of step {done[-1][0]})"
+                if done
+                else "more space"
+            )
             free = shutil.disk_usage(self.dir).free
             kept = f"; step {done[-1][0]} is intact" if done else ""
-            raise DiskFull(f"checkpoint.dir {self.dir}: no space left on the device while saving step {step}: it "
-                           f"needs {need}, {free:,} bytes are free{kept}") from None
+            raise DiskFull(
+                f"checkpoint.dir {self.dir}: no space left on the device while saving step {step}: it "
+                f"needs {need}, {free:,} bytes are free{kept}"
+            ) from None
 
     def _commit(self, tmp: str, final: str, step: int) -> None:
         write_marker(tmp, step, self.lineage)
@@ -476,14 +507,19 @@ class CheckpointManager:
             if problems and self.is_main:
                 # kept for inspection, out of the way of this run's saves of the same steps
                 dest = self._set_aside(skipped, "corrupt")
-                warnings.warn(f"{'; '.join(problems)}; falling back to step {step} (the skipped folder(s) moved "
-                              f"into {dest}/)", stacklevel=2)
+                warnings.warn(
+                    f"{'; '.join(problems)}; falling back to step {step} (the skipped folder(s) moved "
+                    f"into {dest}/)",
+                    stacklevel=2,
+                )
             return folder
         if found:
             raise CorruptCheckpoint(
                 f"checkpoint.resume auto: none of the {len(found)} checkpoint(s) in {self.dir} can be loaded ("
-                + "; ".join(problems) + "): repair or move them, resume from a path, or start fresh with "
-                "--checkpoint.resume none --checkpoint.overwrite true (moves them aside)")
+                + "; ".join(problems)
+                + "): repair or move them, resume from a path, or start fresh with "
+                "--checkpoint.resume none --checkpoint.overwrite true (moves them aside)"
+            )
         return None
 
     def _refuse_or_supersede_newer(self, folder: str) -> None:
@@ -496,7 +532,7 @@ class CheckpointManager:
         here = os.path.realpath(folder)
         newer = [(s, f) for s, f in list_steps(self.dir) if s > step and os.path.realpath(f) != here]
         broken = []
-        for s, f in newer:
+        for _s, f in newer:
             try:
                 verify(f)
             except CorruptCheckpoint:
@@ -512,7 +548,8 @@ class CheckpointManager:
                 f"checkpoint.resume {folder}: {self.dir} holds newer checkpoint(s) (step {names}) that a run "
                 f"branching from step {step} would save over: continue the newest with --checkpoint.resume auto, "
                 "use another --checkpoint.dir, or branch here with --checkpoint.overwrite true (moves them into "
-                f"{os.path.join(self.dir, 'superseded')}/, nothing is deleted)")
+                f"{os.path.join(self.dir, 'superseded')}/, nothing is deleted)"
+            )
         self._set_aside([f for _, f in newer], "superseded", f"branching from step {step}")
 
     def _set_aside(self, folders: list[str], kind: str, why: str | None = None) -> str:
@@ -591,7 +628,9 @@ class CheckpointManager:
 
         with open(os.path.join(folder, STATE)) as fh:
             trainer_state = json.load(fh)
-        if trainer_state.get("model_only"):  # `loom convert --from-hf`: weights only; the run starts at step 0
+        if trainer_state.get(
+            "model_only"
+        ):  # `loom convert --from-hf`: weights only; the run starts at step 0
             for part, _ in _as_parts(parts, optimizers):
                 load_model_weights(folder, part)
             return None
@@ -608,7 +647,9 @@ class CheckpointManager:
             set_optimizer_state_dict(part, opt, _take(state["optimizer"], o, given), options=_options())
         trainer_state["checkpoint"] = folder
         self.resumed_from = folder
-        if os.path.realpath(folder) == os.path.realpath(os.path.join(self.dir, step_dir_name(trainer_state["step"]))):
+        if os.path.realpath(folder) == os.path.realpath(
+            os.path.join(self.dir, step_dir_name(trainer_state["step"]))
+        ):
             self._last_saved = trainer_state["step"]  # e.g. at_end of a finished run: already saved here
         return trainer_state
 
@@ -633,8 +674,14 @@ def load_model_weights(folder: str, model: torch.nn.Module) -> None:
     set_model_state_dict(model, sd["model"])
 
 
-def save_model_weights(model: torch.nn.Module, folder: str, *, is_main: bool, barrier: Callable[[], None],
-                       lineage: str | None = None) -> None:
+def save_model_weights(
+    model: torch.nn.Module,
+    folder: str,
+    *,
+    is_main: bool,
+    barrier: Callable[[], None],
+    lineage: str | None = None,
+) -> None:
     """Only ``model``'s weights (any layout; all ranks call it) as a complete, verifiable folder, made visible by one
     rename (a kill leaves the previous folder or none); a folder of that name is replaced."""
     import torch.distributed.checkpoint as dcp
@@ -648,7 +695,9 @@ def save_model_weights(model: torch.nn.Module, folder: str, *, is_main: bool, ba
         os.makedirs(tmp)
         _write_synced(os.path.join(tmp, STATE), json.dumps({"model_only": True}))
     barrier()
-    dcp.save({"model": get_model_state_dict(model)}, storage_writer=_HashingWriter(tmp), no_dist=_single_process())
+    dcp.save(
+        {"model": get_model_state_dict(model)}, storage_writer=_HashingWriter(tmp), no_dist=_single_process()
+    )
     barrier()
     if is_main:
         write_marker(tmp, 0, lineage)

@@ -43,20 +43,37 @@ def peft_key(name: str) -> str:
 def adapter_config(lora: LoraConfig, base_model: str = "") -> dict:
     """PEFT's adapter_config.json for an adapter trained with ``lora``."""
     alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
-            "r": lora.rank, "lora_alpha": alpha, "lora_dropout": lora.dropout, "use_rslora": lora.rslora,
-            "target_modules": [hf_module(t) for t in parse_targets(lora.targets)], "bias": "none",
-            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
-            "use_dora": False}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": lora.rank,
+        "lora_alpha": alpha,
+        "lora_dropout": lora.dropout,
+        "use_rslora": lora.rslora,
+        "target_modules": [hf_module(t) for t in parse_targets(lora.targets)],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": False,
+    }
 
 
-def export_peft(model_state: dict[str, torch.Tensor], lora: LoraConfig, out_folder: str,
-                base_model: str = "") -> list[str]:
+def export_peft(
+    model_state: dict[str, torch.Tensor], lora: LoraConfig, out_folder: str, base_model: str = ""
+) -> list[str]:
     """Write ``out_folder`` as a PEFT LoRA adapter from a full (unsharded) loom state dict's adapters; returns the
     files written. Nothing partial is left behind on failure."""
     save_file = require("safetensors.torch", "hf", purpose="writing a PEFT adapter").save_file
-    tensors = {peft_key(k): v.detach().to("cpu").contiguous() for k, v in model_state.items() if is_adapter(k)}
+    tensors = {
+        peft_key(k): v.detach().to("cpu").contiguous() for k, v in model_state.items() if is_adapter(k)
+    }
     if not tensors:
         raise UserError("the model holds no LoRA adapters (lora.rank 0): nothing to write as a PEFT adapter")
     if os.path.isdir(out_folder) and os.listdir(out_folder):
@@ -77,26 +94,42 @@ def read_adapter_config(folder: str, field: str = "lora.init_from") -> dict:
     """A PEFT adapter folder's adapter_config.json, or a ConfigError naming what is wrong with the folder."""
     path = os.path.join(folder, ADAPTER_CONFIG)
     if not os.path.isfile(path) or not os.path.isfile(os.path.join(folder, ADAPTER_WEIGHTS)):
-        raise ConfigError(field, folder, f"expected a PEFT LoRA adapter folder ({ADAPTER_CONFIG} and "
-                          f"{ADAPTER_WEIGHTS}; PeftModel.save_pretrained writes them)")
+        raise ConfigError(
+            field,
+            folder,
+            f"expected a PEFT LoRA adapter folder ({ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS}; PeftModel.save_pretrained writes them)",
+        )
     try:
         with open(path, encoding="utf-8") as fh:
             cfg = json.load(fh)
     except (OSError, ValueError) as err:  # a JSONDecodeError, or bytes that are not UTF-8
         raise ConfigError(field, folder, f"{ADAPTER_CONFIG} cannot be read ({err})") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(field, folder, f"{ADAPTER_CONFIG} is a JSON {type(cfg).__name__}, not an object (PEFT's "
-                          "LoraConfig fields)")
-    for key, kinds, what in (("r", (int,), "a whole number"), ("lora_alpha", (int, float), "a number"),
-                             ("use_rslora", (bool,), "true or false")):
+        raise ConfigError(
+            field,
+            folder,
+            f"{ADAPTER_CONFIG} is a JSON {type(cfg).__name__}, not an object (PEFT's LoraConfig fields)",
+        )
+    for key, kinds, what in (
+        ("r", (int,), "a whole number"),
+        ("lora_alpha", (int, float), "a number"),
+        ("use_rslora", (bool,), "true or false"),
+    ):
         value = cfg.get(key)
         if key in cfg and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
             raise ConfigError(field, folder, f"{ADAPTER_CONFIG}: {key} = {value!r} is not {what}")
     targets = cfg.get("target_modules")
-    if targets is not None and not isinstance(targets, str) and not (
-            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-        raise ConfigError(field, folder, f"{ADAPTER_CONFIG}: target_modules = {targets!r} is not a module name or a "
-                          "list of names")
+    if (
+        targets is not None
+        and not isinstance(targets, str)
+        and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets))
+    ):
+        raise ConfigError(
+            field,
+            folder,
+            f"{ADAPTER_CONFIG}: target_modules = {targets!r} is not a module name or a list of names",
+        )
     return cfg
 
 
@@ -106,21 +139,39 @@ def check_adapter(folder: str, lora: LoraConfig, field: str = "lora.init_from") 
     cfg = read_adapter_config(folder, field)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ConfigError(field, folder, f"holds a {cfg.get('peft_type')} adapter (allowed: LORA)")
-    for key, plain in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("modules_to_save", None),
-                       ("layers_to_transform", None), ("rank_pattern", {}), ("alpha_pattern", {})):
+    for key, plain in (
+        ("use_dora", False),
+        ("fan_in_fan_out", False),
+        ("bias", "none"),
+        ("modules_to_save", None),
+        ("layers_to_transform", None),
+        ("rank_pattern", {}),
+        ("alpha_pattern", {}),
+    ):
         if cfg.get(key) not in (plain, None):
-            raise ConfigError(field, folder, f"{key} = {cfg.get(key)!r} is not supported (allowed: {plain!r})")
+            raise ConfigError(
+                field, folder, f"{key} = {cfg.get(key)!r} is not supported (allowed: {plain!r})"
+            )
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else sorted(targets)
     ours = sorted(hf_module(t) for t in parse_targets(lora.targets))
     for key, peft_name, theirs, same in (
-            ("lora.rank", "r", cfg.get("r"), cfg.get("r") == lora.rank),
-            ("lora.alpha", "lora_alpha", cfg.get("lora_alpha"), float(cfg.get("lora_alpha", -1)) == lora.alpha),
-            ("lora.rslora", "use_rslora", cfg.get("use_rslora", False), bool(cfg.get("use_rslora")) == lora.rslora),
-            ("lora.targets", "target_modules", targets, targets == ours)):
+        ("lora.rank", "r", cfg.get("r"), cfg.get("r") == lora.rank),
+        ("lora.alpha", "lora_alpha", cfg.get("lora_alpha"), float(cfg.get("lora_alpha", -1)) == lora.alpha),
+        (
+            "lora.rslora",
+            "use_rslora",
+            cfg.get("use_rslora", False),
+            bool(cfg.get("use_rslora")) == lora.rslora,
+        ),
+        ("lora.targets", "target_modules", targets, targets == ours),
+    ):
         if not same:
-            raise ConfigError(key, getattr(lora, key.split(".")[1]), f"the adapter lora.init_from = {folder} has "
-                              f"{peft_name} = {theirs}: set {key} to match it")
+            raise ConfigError(
+                key,
+                getattr(lora, key.split(".")[1]),
+                f"the adapter lora.init_from = {folder} has {peft_name} = {theirs}: set {key} to match it",
+            )
 
 
 @torch.no_grad()
@@ -132,21 +183,29 @@ def load_peft_adapter(model: torch.nn.Module, lora: LoraConfig, whole_model: boo
     check_adapter(folder, lora)
     params = {canonical_name(n): p for n, p in model.named_parameters() if is_adapter(n)}
     with open_weights(os.path.join(folder, ADAPTER_WEIGHTS)) as handle:
-        stored = {k.replace(".default.weight", ".weight"): k for k in handle.keys()}  # old saves kept the name
+        stored = {
+            k.replace(".default.weight", ".weight"): k for k in handle.keys()
+        }  # old saves kept the name
         keys = {name: peft_key(name) for name in params}
         missing = sorted(k for k in keys.values() if k not in stored)
         if missing:
-            raise UserError(f"{folder}: missing adapter tensors {', '.join(missing[:3])}"
-                            f"{' ...' if len(missing) > 3 else ''} (another model, or other layers)")
+            raise UserError(
+                f"{folder}: missing adapter tensors {', '.join(missing[:3])}"
+                f"{' ...' if len(missing) > 3 else ''} (another model, or other layers)"
+            )
         extra = sorted(set(stored) - set(keys.values()))
         if extra and whole_model:
-            raise UserError(f"{folder}: adapter tensors with no place in this model: {', '.join(extra[:3])}"
-                            f"{' ...' if len(extra) > 3 else ''}")
+            raise UserError(
+                f"{folder}: adapter tensors with no place in this model: {', '.join(extra[:3])}"
+                f"{' ...' if len(extra) > 3 else ''}"
+            )
         for name, p in params.items():
             sl = handle.get_slice(stored[keys[name]])
             if tuple(sl.get_shape()) != tuple(p.shape):
-                raise UserError(f"{folder}: {keys[name]} has shape {list(sl.get_shape())}, this model expects "
-                                f"{list(p.shape)}")
+                raise UserError(
+                    f"{folder}: {keys[name]} has shape {list(sl.get_shape())}, this model expects "
+                    f"{list(p.shape)}"
+                )
             local = p.to_local() if hasattr(p, "to_local") else p
             if local.numel():
                 local.copy_(sl[owned_region(p)])

@@ -37,6 +37,7 @@ USAGE = """usage:
 --to-peft   a LoRA run's adapters alone, in PEFT's format (adapter_config.json, adapter_model.safetensors):
             peft.PeftModel.from_pretrained(base, OUT_FOLDER) loads them onto the base model's folder."""
 
+
 def usage() -> str:
     """USAGE with the architectures loom.models.llama.hf.ARCHITECTURES reads and writes (one source for the help and
     the code)."""
@@ -79,7 +80,9 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).upper() if m else None
     if not m or unit not in _UNITS or float(m.group(1)) * _UNITS[unit] < 1:
-        raise ConfigError("--max-shard-size", text, "expected a size such as 5GB, 500MB, 2GiB or a byte count")
+        raise ConfigError(
+            "--max-shard-size", text, "expected a size such as 5GB, 500MB, 2GiB or a byte count"
+        )
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -92,8 +95,11 @@ def run_import(opts: dict[str, str], rest: list[str]) -> int:
     if not os.path.exists(opts["--to"]):  # an existing one is refused by the import, naming it
         check_folder_writable("--to", opts["--to"])
     args = import_hf_to_dcp(opts["--from-hf"], opts["--to"])
-    print(f"loom convert: imported {opts['--from-hf']} ({args.n_layers} layers, dim {args.dim}, "
-          f"vocab {args.vocab_size}) as loom checkpoint {opts['--to']}", flush=True)
+    print(
+        f"loom convert: imported {opts['--from-hf']} ({args.n_layers} layers, dim {args.dim}, "
+        f"vocab {args.vocab_size}) as loom checkpoint {opts['--to']}",
+        flush=True,
+    )
     return 0
 
 
@@ -103,8 +109,9 @@ def _reject(opts: dict[str, str], rest: list[str], allowed: tuple[str, ...], dir
         if name not in allowed:
             raise ConfigError(name, opts[name], f"not used with {direction} (see `loom convert --help`)")
     if rest:
-        raise ConfigError(rest[0], None, f"unknown option with {direction} (see `loom convert --help`)",
-                          show_value=False)
+        raise ConfigError(
+            rest[0], None, f"unknown option with {direction} (see `loom convert --help`)", show_value=False
+        )
 
 
 def run_config(ckpt: str, config_file: str | None, overrides: dict[str, str]):
@@ -125,7 +132,9 @@ def run_config(ckpt: str, config_file: str | None, overrides: dict[str, str]):
         return build_config(None, fixed)
     raw = read_toml(path)
     if "data.tokenizer" not in overrides:
-        missing = missing_tokenizer(ckpt, raw, "pass --data.tokenizer PATH (the run's tokenizer.json or its folder)")
+        missing = missing_tokenizer(
+            ckpt, raw, "pass --data.tokenizer PATH (the run's tokenizer.json or its folder)"
+        )
         if missing is not None:
             raise missing
     return build_config(None, {**recorded_values(ckpt, raw), **fixed})
@@ -163,8 +172,11 @@ def run_chat_template(cfg) -> str | None:
     if not path:
         return None
     if not os.path.isfile(path):
-        print(f"loom convert: warning: the run's data.chat_template {path} is gone: the export carries the "
-              "tokenizer's own chat template", flush=True)
+        print(
+            f"loom convert: warning: the run's data.chat_template {path} is gone: the export carries the "
+            "tokenizer's own chat template",
+            flush=True,
+        )
         return None
     with open(path, encoding="utf-8") as fh:
         return fh.read()
@@ -198,18 +210,29 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     from loom.config import parse_overrides
     from loom.models.common.lora import apply_lora, merge_lora
 
-    _reject(opts, [], allowed=("--from", "--to-hf", "--config", "--flavor", "--max-shard-size"), direction="--to-hf")
+    _reject(
+        opts,
+        [],
+        allowed=("--from", "--to-hf", "--config", "--flavor", "--max-shard-size"),
+        direction="--to-hf",
+    )
     if "--from" not in opts:
         raise ConfigError("--from", None, "missing: the loom checkpoint folder to export", show_value=False)
     ckpt = opts["--from"]
     if not os.path.isdir(ckpt):
         raise ConfigError("--from", ckpt, "folder not found (expected a loom checkpoint folder step_N)")
-    max_bytes = parse_size(opts["--max-shard-size"]) if "--max-shard-size" in opts else DEFAULT_MAX_SHARD_BYTES
+    max_bytes = (
+        parse_size(opts["--max-shard-size"]) if "--max-shard-size" in opts else DEFAULT_MAX_SHARD_BYTES
+    )
     out = os.path.realpath(opts["--to-hf"])
     inside = out == os.path.realpath(ckpt) or out.startswith(os.path.realpath(ckpt) + os.sep)
     if inside and os.path.isfile(os.path.join(ckpt, "COMPLETE.json")):
-        raise ConfigError("--to-hf", opts["--to-hf"], f"is inside the checkpoint it reads ({ckpt}): files added "
-                          "there would break its recorded hashes; choose a folder outside it")
+        raise ConfigError(
+            "--to-hf",
+            opts["--to-hf"],
+            f"is inside the checkpoint it reads ({ckpt}): files added "
+            "there would break its recorded hashes; choose a folder outside it",
+        )
     check_folder_writable("--to-hf", opts["--to-hf"])  # before the model is loaded
     check_empty_target(opts["--to-hf"])
     overrides = parse_overrides(rest)
@@ -225,7 +248,9 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
         from loom.infer.reward import attach_score_head
 
         attach_score_head(model)
-    check_checkpoint_shapes(ckpt, model, "--from", hint="; pass the run's --config / --flavor / --data.tokenizer")
+    check_checkpoint_shapes(
+        ckpt, model, "--from", hint="; pass the run's --config / --flavor / --data.tokenizer"
+    )
     with warnings.catch_warnings():  # "no process group: loading in a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         load_model_only(ckpt, model)
@@ -234,9 +259,12 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     kind = ("Mixtral" if args.moe else "Llama") + (" reward model (SequenceClassification)" if reward else "")
     with_tokenizer = ", the tokenizer" if "tokenizer.json" in tokenizer.files else ""
     adapters = f", {merged} LoRA adapters merged" if merged else ""
-    print(f"loom convert: exported {ckpt} as a Hugging Face {kind} folder {opts['--to-hf']} "
-          f"({len(files)} safetensors file{'s' if len(files) > 1 else ''}{with_tokenizer}, generation_config.json"
-          f"{adapters})", flush=True)
+    print(
+        f"loom convert: exported {ckpt} as a Hugging Face {kind} folder {opts['--to-hf']} "
+        f"({len(files)} safetensors file{'s' if len(files) > 1 else ''}{with_tokenizer}, generation_config.json"
+        f"{adapters})",
+        flush=True,
+    )
     return 0
 
 
@@ -252,7 +280,9 @@ def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
     _reject(opts, [], allowed=("--from", "--to-peft", "--config"), direction="--to-peft")
     ckpt, out = opts.get("--from"), opts["--to-peft"]
     if not ckpt:
-        raise ConfigError("--from", None, "missing: the loom checkpoint folder of a LoRA run", show_value=False)
+        raise ConfigError(
+            "--from", None, "missing: the loom checkpoint folder of a LoRA run", show_value=False
+        )
     if not os.path.isdir(ckpt):
         raise ConfigError("--from", ckpt, "folder not found (expected a loom checkpoint folder step_N)")
     check_folder_writable("--to-peft", out)
@@ -260,11 +290,19 @@ def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
     verify(ckpt, check_hash=False)
     lora = checkpoint_lora(ckpt, opts.get("--config"), overrides)
     if not lora.rank:
-        raise ConfigError("--from", ckpt, "was not written by a LoRA run (lora.rank 0): nothing to write as a PEFT "
-                          "adapter; export the model with --to-hf")
+        raise ConfigError(
+            "--from",
+            ckpt,
+            "was not written by a LoRA run (lora.rank 0): nothing to write as a PEFT "
+            "adapter; export the model with --to-hf",
+        )
     if checkpoint_is_reward(ckpt, opts.get("--config"), overrides):
-        raise ConfigError("--from", ckpt, "is a reward model's (training.objective reward): its score head is not an "
-                          "adapter; export it merged with --to-hf")
+        raise ConfigError(
+            "--from",
+            ckpt,
+            "is a reward model's (training.objective reward): its score head is not an "
+            "adapter; export it merged with --to-hf",
+        )
     args, _ = checkpoint_model_args(ckpt, opts.get("--config"), overrides)
     model = weights_only_model(args)
     apply_lora(model, lora)
@@ -274,8 +312,11 @@ def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
         load_model_only(ckpt, model)
     base = run_config(ckpt, opts.get("--config"), overrides).model.init_from
     export_peft(model.state_dict(), lora, out, base_model=base)
-    print(f"loom convert: exported the LoRA adapters of {ckpt} (r {lora.rank}, {lora.targets}) as a PEFT adapter "
-          f"{out}", flush=True)
+    print(
+        f"loom convert: exported the LoRA adapters of {ckpt} (r {lora.rank}, {lora.targets}) as a PEFT adapter "
+        f"{out}",
+        flush=True,
+    )
     return 0
 
 
@@ -290,5 +331,9 @@ def main(argv: list[str]) -> int:
         return run_export(opts, rest)
     if "--to-peft" in opts:
         return run_export_peft(opts, rest)
-    raise ConfigError("loom convert", " ".join(argv), "expected --from-hf HF --to CKPT, --from CKPT --to-hf HF or "
-                      "--from CKPT --to-peft ADAPTER (see `loom convert --help`)")
+    raise ConfigError(
+        "loom convert",
+        " ".join(argv),
+        "expected --from-hf HF --to CKPT, --from CKPT --to-hf HF or "
+        "--from CKPT --to-peft ADAPTER (see `loom convert --help`)",
+    )

@@ -37,16 +37,29 @@ options:
   --loss-tokens       sft: 'assistant' (the default) = the assistant's turns take loss, 'all' = every token
   -h, --help          show this message"""
 
-OPTIONS = {"--source": "source", "--output": "output", "-o": "output", "--tokenizer": "tokenizer",
-           "--text-field": "text_field", "--encoding-errors": "encoding_errors", "--objective": "objective",
-           "--chat-template": "chat_template", "--loss-tokens": "loss_tokens"}
+OPTIONS = {
+    "--source": "source",
+    "--output": "output",
+    "-o": "output",
+    "--tokenizer": "tokenizer",
+    "--text-field": "text_field",
+    "--encoding-errors": "encoding_errors",
+    "--objective": "objective",
+    "--chat-template": "chat_template",
+    "--loss-tokens": "loss_tokens",
+}
 ENCODING_ERRORS = ("strict", "replace")
 PREPARED_OBJECTIVES = ("lm", "sft")  # the objectives whose data a token file can hold
 
 # The library names config fields; on this command line the same things are options.
-CLI_NAMES = {"data.source": "--source", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
-             "data.encoding_errors": "--encoding-errors", "data.chat_template": "--chat-template",
-             "data.loss_tokens": "--loss-tokens"}
+CLI_NAMES = {
+    "data.source": "--source",
+    "data.text_field": "--text-field",
+    "data.tokenizer": "--tokenizer",
+    "data.encoding_errors": "--encoding-errors",
+    "data.chat_template": "--chat-template",
+    "data.loss_tokens": "--loss-tokens",
+}
 
 
 def parse_args(argv: list[str]) -> dict[str, str]:
@@ -56,8 +69,13 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
         if name not in OPTIONS:
-            raise ConfigError(argv[i], None, f"unknown option; allowed: {', '.join(sorted(set(OPTIONS)))} "
-                              "(see `loom data prepare --help`)", show_value=False)
+            raise ConfigError(
+                argv[i],
+                None,
+                f"unknown option; allowed: {', '.join(sorted(set(OPTIONS)))} "
+                "(see `loom data prepare --help`)",
+                show_value=False,
+            )
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                 raise ConfigError(name, None, "missing value after the option", show_value=False)
@@ -66,11 +84,15 @@ def parse_args(argv: list[str]) -> dict[str, str]:
         i += 1
     for required in ("source", "output"):
         if required not in args:
-            raise ConfigError(f"--{required}", None, "required (see `loom data prepare --help`)", show_value=False)
+            raise ConfigError(
+                f"--{required}", None, "required (see `loom data prepare --help`)", show_value=False
+            )
     if not args["output"].endswith(".bin"):
         raise ConfigError("--output", args["output"], "a token file path must end in .bin")
     if args["encoding_errors"] not in ENCODING_ERRORS:
-        raise ConfigError("--encoding-errors", args["encoding_errors"], "allowed: " + " | ".join(ENCODING_ERRORS))
+        raise ConfigError(
+            "--encoding-errors", args["encoding_errors"], "allowed: " + " | ".join(ENCODING_ERRORS)
+        )
     if args.get("objective", "lm") not in PREPARED_OBJECTIVES:
         raise ConfigError("--objective", args["objective"], "allowed: " + " | ".join(PREPARED_OBJECTIVES))
     for sft_only in ("chat_template", "loss_tokens"):
@@ -83,8 +105,12 @@ def single_source(source: str, text_field: str, encoding_errors: str = "strict")
     """The one source to tokenize: the data.source grammar without mixtures or weights."""
     specs = parse_source(source, text_field, encoding_errors)
     if len(specs) != 1 or specs[0].weight != 1.0:
-        raise ConfigError("--source", source, "one source without a weight; mix prepared token files "
-                          "in training with --data.source 'a.bin:0.7,b.bin:0.3'")
+        raise ConfigError(
+            "--source",
+            source,
+            "one source without a weight; mix prepared token files "
+            "in training with --data.source 'a.bin:0.7,b.bin:0.3'",
+        )
     return specs[0]
 
 
@@ -139,8 +165,11 @@ def prepare(args: dict[str, str]) -> int:
         spec = single_source(args["source"], args["text_field"], args["encoding_errors"])
         sft = None
         if args.get("objective") == "sft":
-            sft = ChatEncoder(load_template(args.get("chat_template", ""), tokenizer), tokenizer,
-                              args.get("loss_tokens", "assistant"))
+            sft = ChatEncoder(
+                load_template(args.get("chat_template", ""), tokenizer),
+                tokenizer,
+                args.get("loss_tokens", "assistant"),
+            )
         meta = tokenize_to_file(spec, tokenizer, args["output"], progress=progress, sft=sft)
     except ConfigError as err:
         progress.end_line()
@@ -152,8 +181,10 @@ def prepare(args: dict[str, str]) -> int:
     size = os.path.getsize(args["output"])
     what = f"{meta.documents:,} conversations" if meta.mask else f"{meta.documents:,} documents"
     trained = f", {meta.trained_tokens:,} take loss" if meta.mask else ""
-    print(f"wrote {args['output']}: {what}, {meta.tokens:,} tokens{trained} ({meta.dtype}, "
-          f"{size / 2**20:.1f} MiB, tokenizer {meta.tokenizer}) in {seconds:.1f}s")
+    print(
+        f"wrote {args['output']}: {what}, {meta.tokens:,} tokens{trained} ({meta.dtype}, "
+        f"{size / 2**20:.1f} MiB, tokenizer {meta.tokenizer}) in {seconds:.1f}s"
+    )
     return 0
 
 
@@ -162,4 +193,3 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0
     return prepare(parse_args(argv))
-

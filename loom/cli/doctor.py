@@ -31,8 +31,16 @@ On a CPU machine it runs with gloo and fp32 and says what it cannot check. Exit 
   --min-busbw GBPS      FAIL when the largest size's bus bandwidth is below GBPS (an acceptance test)
   --timeout SECONDS     how long ranks wait for each other to start (default 300)"""
 
-_VALUED = ("--nproc-per-node", "--json", "--sizes", "--iters", "--matmul-size", "--slow-fraction", "--min-busbw",
-           "--timeout")
+_VALUED = (
+    "--nproc-per-node",
+    "--json",
+    "--sizes",
+    "--iters",
+    "--matmul-size",
+    "--slow-fraction",
+    "--min-busbw",
+    "--timeout",
+)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -44,7 +52,9 @@ def parse_size(text: str) -> int:
     try:
         value = float(number) * _UNITS[unit]
     except ValueError:
-        raise ConfigError("--sizes", text, "expected sizes like 1M,64M,1G (bytes; K/M/G = KiB/MiB/GiB)") from None
+        raise ConfigError(
+            "--sizes", text, "expected sizes like 1M,64M,1G (bytes; K/M/G = KiB/MiB/GiB)"
+        ) from None
     if value < 4:
         raise ConfigError("--sizes", text, "a size of at least 4 bytes (one float32)")
     return int(value)
@@ -77,13 +87,16 @@ def parse_args(argv: list[str]):
                 val, i = argv[i + 1], i + 1
             values[name] = val
         else:
-            raise ConfigError(argv[i], None, "unknown option or argument; see `loom doctor --help`",
-                              show_value=False)
+            raise ConfigError(
+                argv[i], None, "unknown option or argument; see `loom doctor --help`", show_value=False
+            )
         i += 1
     opts = Options(local_only=local)
     nproc = None
     if "--nproc-per-node" in values:
-        nproc = _number("--nproc-per-node", values["--nproc-per-node"], int, 1, what="expected a positive integer")
+        nproc = _number(
+            "--nproc-per-node", values["--nproc-per-node"], int, 1, what="expected a positive integer"
+        )
     if "--sizes" in values:
         opts.sizes = [parse_size(s) for s in values["--sizes"].split(",") if s.strip()]
         if not opts.sizes:
@@ -91,11 +104,18 @@ def parse_args(argv: list[str]):
     if "--iters" in values:
         opts.iters = _number("--iters", values["--iters"], int, 1, what="expected a positive integer")
     if "--matmul-size" in values:
-        opts.matmul_size = _number("--matmul-size", values["--matmul-size"], int, 16,
-                                   what="expected an integer of at least 16")
+        opts.matmul_size = _number(
+            "--matmul-size", values["--matmul-size"], int, 16, what="expected an integer of at least 16"
+        )
     if "--slow-fraction" in values:
-        opts.slow_fraction = _number("--slow-fraction", values["--slow-fraction"], float, 1e-9, 1.0,
-                                     what="expected a fraction between 0 and 1, e.g. 0.1")
+        opts.slow_fraction = _number(
+            "--slow-fraction",
+            values["--slow-fraction"],
+            float,
+            1e-9,
+            1.0,
+            what="expected a fraction between 0 and 1, e.g. 0.1",
+        )
     if "--min-busbw" in values:
         opts.min_busbw = _number("--min-busbw", values["--min-busbw"], float, 0.0, what="expected GB/s >= 0")
     if "--timeout" in values:
@@ -116,8 +136,11 @@ def main(argv: list[str]) -> int:
         import torch
 
         if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-            raise ConfigError("--nproc-per-node", nproc, f"this host shows {torch.cuda.device_count()} GPU(s); "
-                              "one rank per GPU")
+            raise ConfigError(
+                "--nproc-per-node",
+                nproc,
+                f"this host shows {torch.cuda.device_count()} GPU(s); one rank per GPU",
+            )
         return launch(_without_nproc(argv), nproc)
     from loom.cluster.doctor import render, run, write_json
 
@@ -168,7 +191,8 @@ def launch(argv: list[str], nproc: int) -> int:
         result = os.path.join(tmp, "exit_code")
         os.environ[RESULT_ENV] = result
         args = get_args_parser().parse_args(
-            ["--standalone", f"--nproc-per-node={nproc}", "--module", "loom", "doctor", *argv])
+            ["--standalone", f"--nproc-per-node={nproc}", "--module", "loom", "doctor", *argv]
+        )
         try:
             run(args)
         except ChildFailedError as err:

@@ -27,12 +27,18 @@ def user_errors_exit(fn):
             if err.errno != errno.ENOSPC:
                 raise
             where = f" writing {err.filename}" if err.filename else ""
-            print(f"loom: error: no space left on the device{where}: free some space or choose another folder",
-                  file=sys.stderr, flush=True)
+            print(
+                f"loom: error: no space left on the device{where}: free some space or choose another folder",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt:  # a second Ctrl-C (the first one saves at the next step)
-            print("loom: interrupted: stopped without a new checkpoint (the last complete one stays)",
-                  file=sys.stderr, flush=True)
+            print(
+                "loom: interrupted: stopped without a new checkpoint (the last complete one stays)",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(EXIT_INTERRUPTED)
         except TrainingStopped as err:  # decided on every rank alike: rank 0 says it
             if os.environ.get("RANK", "0") == "0":

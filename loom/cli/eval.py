@@ -41,18 +41,36 @@ given.
                     trained on EOS-separated documents; else BOS, or EOS where there is none)
 --out               write the results as JSON"""
 
-OPTIONS = {"--checkpoint": "checkpoint", "--source": "source", "--text-field": "text_field",
-           "--encoding-errors": "encoding_errors", "--tasks": "tasks", "--include-path": "include_path",
-           "--limit": "limit", "--num-fewshot": "num_fewshot", "--gen-kwargs": "gen_kwargs",
-           "--device": "device", "--dtype": "dtype", "--batch-size": "batch_size", "--max-length": "max_length",
-           "--prefix-token-id": "prefix_token_id", "--out": "out"}
+OPTIONS = {
+    "--checkpoint": "checkpoint",
+    "--source": "source",
+    "--text-field": "text_field",
+    "--encoding-errors": "encoding_errors",
+    "--tasks": "tasks",
+    "--include-path": "include_path",
+    "--limit": "limit",
+    "--num-fewshot": "num_fewshot",
+    "--gen-kwargs": "gen_kwargs",
+    "--device": "device",
+    "--dtype": "dtype",
+    "--batch-size": "batch_size",
+    "--max-length": "max_length",
+    "--prefix-token-id": "prefix_token_id",
+    "--out": "out",
+}
 FLAGS = {"--log-samples": "log_samples"}
 
 
 def parse_args(argv: list[str]) -> dict:
     """``--name value`` / ``--name=value``, flags, and CHECKPOINT as the first bare argument."""
-    args: dict = {"text_field": "text", "encoding_errors": "strict", "device": "auto", "dtype": "auto",
-                  "batch_size": "8", "max_length": "0"}
+    args: dict = {
+        "text_field": "text",
+        "encoding_errors": "strict",
+        "device": "auto",
+        "dtype": "auto",
+        "batch_size": "8",
+        "max_length": "0",
+    }
     i = 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -61,8 +79,12 @@ def parse_args(argv: list[str]) -> dict:
         elif not name.startswith("-") and "checkpoint" not in args:
             args["checkpoint"] = argv[i]
         elif name not in OPTIONS:
-            raise ConfigError(argv[i], None, f"unknown option; allowed: {', '.join(sorted({*OPTIONS, *FLAGS}))} "
-                              "(see `loom eval --help`)", show_value=False)
+            raise ConfigError(
+                argv[i],
+                None,
+                f"unknown option; allowed: {', '.join(sorted({*OPTIONS, *FLAGS}))} (see `loom eval --help`)",
+                show_value=False,
+            )
         else:
             if not eq:
                 if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and name != "--source"):
@@ -71,11 +93,18 @@ def parse_args(argv: list[str]) -> dict:
             args[OPTIONS[name]] = value
         i += 1
     if "checkpoint" not in args:
-        raise ConfigError("CHECKPOINT", None, "required: a loom checkpoint or Hugging Face folder (see `loom eval "
-                          "--help`)", show_value=False)
+        raise ConfigError(
+            "CHECKPOINT",
+            None,
+            "required: a loom checkpoint or Hugging Face folder (see `loom eval --help`)",
+            show_value=False,
+        )
     if "source" not in args and "tasks" not in args:
-        raise ConfigError("loom eval", args["checkpoint"], "nothing to evaluate: give --source SPEC and/or --tasks "
-                          "T1,T2 (see `loom eval --help`)")
+        raise ConfigError(
+            "loom eval",
+            args["checkpoint"],
+            "nothing to evaluate: give --source SPEC and/or --tasks T1,T2 (see `loom eval --help`)",
+        )
     for name in ("batch_size", "max_length"):
         args[name] = _count(f"--{name.replace('_', '-')}", args[name], 1 if name == "batch_size" else 0)
     if "num_fewshot" in args:
@@ -119,14 +148,24 @@ def run_perplexity(em, args: dict) -> list[dict]:
             sys.stderr.write(f"\r{p.label}: {p.documents:,} documents, {p.tokens:,} tokens ")
             sys.stderr.flush()
 
-    results = perplexity(em, args.get("source", ""), text_field=args["text_field"],
-                         encoding_errors=args["encoding_errors"], limit=int(args.get("limit", 0)),
-                         batch_size=args["batch_size"], progress=progress)
+    results = perplexity(
+        em,
+        args.get("source", ""),
+        text_field=args["text_field"],
+        encoding_errors=args["encoding_errors"],
+        limit=int(args.get("limit", 0)),
+        batch_size=args["batch_size"],
+        progress=progress,
+    )
     if shown:
         sys.stderr.write("\r\033[K")
     if not sum(r.tokens for r in results):
-        raise ConfigError("--source", args.get("source", ""), "no document with a token to score (an empty source, or "
-                          "only empty documents): a perplexity needs at least one")
+        raise ConfigError(
+            "--source",
+            args.get("source", ""),
+            "no document with a token to score (an empty source, or "
+            "only empty documents): a perplexity needs at least one",
+        )
     rows = results + ([total(results)] if len(results) > 1 else [])
     for r in rows:
         print(f"loom eval: {r.line()}", flush=True)
@@ -138,9 +177,15 @@ def run_harness(em, args: dict) -> dict:
 
     lm = LoomLM(model=em, batch_size=args["batch_size"], prefix_token_id=args.get("prefix_token_id"))
     tasks = [t.strip() for t in args["tasks"].split(",") if t.strip()]
-    results = run_tasks(lm, tasks, include_path=args.get("include_path"), limit=args.get("limit"),
-                        num_fewshot=args.get("num_fewshot"), gen_kwargs=args.get("gen_kwargs"),
-                        log_samples=bool(args.get("log_samples")))
+    results = run_tasks(
+        lm,
+        tasks,
+        include_path=args.get("include_path"),
+        limit=args.get("limit"),
+        num_fewshot=args.get("num_fewshot"),
+        gen_kwargs=args.get("gen_kwargs"),
+        log_samples=bool(args.get("log_samples")),
+    )
     from lm_eval.utils import make_table
 
     print(make_table(results), flush=True)
@@ -148,8 +193,16 @@ def run_harness(em, args: dict) -> dict:
 
 
 def _jsonable(results: dict, samples: bool) -> dict:
-    keep = ("results", "groups", "versions", "n-shot", "higher_is_better", "n-samples", "config",
-            *(("samples",) if samples else ()))
+    keep = (
+        "results",
+        "groups",
+        "versions",
+        "n-shot",
+        "higher_is_better",
+        "n-samples",
+        "config",
+        *(("samples",) if samples else ()),
+    )
     return json.loads(json.dumps({k: results[k] for k in keep if k in results}, default=str))
 
 
@@ -183,11 +236,17 @@ def main(argv: list[str]) -> int:
     if "prefix_token_id" in args:
         vocab = em.model.args.vocab_size
         if args["prefix_token_id"] >= vocab:
-            raise ConfigError("--prefix-token-id", args["prefix_token_id"], f"allowed: 0 .. {vocab - 1} (the model's "
-                              "vocabulary)")
+            raise ConfigError(
+                "--prefix-token-id",
+                args["prefix_token_id"],
+                f"allowed: 0 .. {vocab - 1} (the model's vocabulary)",
+            )
         em.prefix_id = args["prefix_token_id"]
-    print(f"loom eval: {em.name} on {em.device.type}, {next(em.model.parameters()).dtype}, max length "
-          f"{em.max_length}, prefix token {em.prefix_id}", flush=True)
+    print(
+        f"loom eval: {em.name} on {em.device.type}, {next(em.model.parameters()).dtype}, max length "
+        f"{em.max_length}, prefix token {em.prefix_id}",
+        flush=True,
+    )
     record: dict = {"checkpoint": em.name, "max_length": em.max_length, "prefix_token_id": em.prefix_id}
     if "source" in args:
         record["perplexity"] = run_perplexity(em, args)

@@ -101,7 +101,9 @@ def parse_prompt_line(line: str, where: str):
         raise ConfigError("--file", where, "not a JSON object")
     if isinstance(obj.get("messages"), list):
         if not obj["messages"]:
-            raise ConfigError("--file", where, '"messages" is empty: a conversation needs at least one message')
+            raise ConfigError(
+                "--file", where, '"messages" is empty: a conversation needs at least one message'
+            )
         return obj["messages"]
     if isinstance(obj.get("prompt"), str):
         return obj["prompt"]
@@ -126,8 +128,12 @@ def read_prompts(opts) -> list:
         as_json = opts.file.endswith((".jsonl", ".json", ".ndjson"))
     else:
         if sys.stdin.isatty():
-            raise ConfigError("loom generate", None, "no prompts: give them as arguments, with --file, or on stdin",
-                              show_value=False)
+            raise ConfigError(
+                "loom generate",
+                None,
+                "no prompts: give them as arguments, with --file, or on stdin",
+                show_value=False,
+            )
         lines, name, as_json = sys.stdin.read().splitlines(), "stdin", False
     prompts = []
     for i, line in enumerate(lines, 1):
@@ -154,10 +160,18 @@ def sampling_params(opts):
     from loom.infer import SamplingParams
 
     try:
-        return SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                              top_p=opts.top_p, min_p=opts.min_p, repetition_penalty=opts.repetition_penalty,
-                              stop=tuple(opts.stop), stop_token_ids=tuple(opts.stop_token_id),
-                              ignore_eos=opts.ignore_eos, seed=opts.seed)
+        return SamplingParams(
+            max_new_tokens=opts.max_new_tokens,
+            temperature=opts.temperature,
+            top_k=opts.top_k,
+            top_p=opts.top_p,
+            min_p=opts.min_p,
+            repetition_penalty=opts.repetition_penalty,
+            stop=tuple(opts.stop),
+            stop_token_ids=tuple(opts.stop_token_id),
+            ignore_eos=opts.ignore_eos,
+            seed=opts.seed,
+        )
     except ConfigError as err:  # the option's name, not the parameter's
         raise ConfigError("--" + err.field.replace("_", "-"), err.value, err.allowed) from None
 
@@ -170,8 +184,12 @@ def speculation(opts):
     if opts.prompt_lookup:
         return PromptLookup(k=opts.speculate_k)
     if opts.draft:
-        return DraftModel(opts.draft, k=opts.speculate_k, compile=not opts.no_compile,
-                          cuda_graphs=False if opts.no_cuda_graphs else None)
+        return DraftModel(
+            opts.draft,
+            k=opts.speculate_k,
+            compile=not opts.no_compile,
+            cuda_graphs=False if opts.no_cuda_graphs else None,
+        )
     return None
 
 
@@ -210,8 +228,9 @@ def main(argv: list[str]) -> int:
         return 0
     opts = parser().parse_args(argv)
     if not opts.model:
-        raise ConfigError("--model", None, "missing: a loom checkpoint, run dir or Hugging Face folder",
-                          show_value=False)
+        raise ConfigError(
+            "--model", None, "missing: a loom checkpoint, run dir or Hugging Face folder", show_value=False
+        )
     if opts.batch_size < 1:
         raise ConfigError("--batch-size", opts.batch_size, "an integer >= 1")
     params = sampling_params(opts)
@@ -229,15 +248,25 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--output", opts.output, "is a folder: give a file path (FILE.jsonl)")
         check_folder_writable("--output", os.path.dirname(os.path.abspath(opts.output)))
     if params.greedy and opts.top_p < 1.0 and rank == 0:
-        print(f"loom generate: --top-p {opts.top_p:g} is ignored: --temperature 0 decodes greedily", file=sys.stderr,
-              flush=True)
+        print(
+            f"loom generate: --top-p {opts.top_p:g} is ignored: --temperature 0 decodes greedily",
+            file=sys.stderr,
+            flush=True,
+        )
     stream = sys.stdout.isatty() and not opts.output if opts.stream is None else opts.stream
     stream = _share(stream, rank, world)  # every rank makes the same calls
     from loom.infer import Generator
 
-    gen = Generator(opts.model, device=opts.device, dtype=opts.dtype, compile=False if opts.no_compile else None,
-                    cuda_graphs=False if opts.no_cuda_graphs else None, chat_template=opts.chat_template,
-                    max_batch=1 if stream else opts.batch_size, speculative=speculation(opts))
+    gen = Generator(
+        opts.model,
+        device=opts.device,
+        dtype=opts.dtype,
+        compile=False if opts.no_compile else None,
+        cuda_graphs=False if opts.no_cuda_graphs else None,
+        chat_template=opts.chat_template,
+        max_batch=1 if stream else opts.batch_size,
+        speculative=speculation(opts),
+    )
     check_against_model(gen, params)
     t0 = time.perf_counter()
     completions, stats = _run(gen, prompts, params, stream, rank == 0)
@@ -247,11 +276,21 @@ def main(argv: list[str]) -> int:
     if not stream and not opts.output:
         print("\n\n".join(c.text for c in completions), flush=True)
     if opts.output:
-        text = "".join(json.dumps({"prompt": prompt if isinstance(prompt, str) else None,
-                                   "messages": None if isinstance(prompt, str) else prompt, "completion": c.text,
-                                   "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
-                                   "finish_reason": c.finish_reason}, ensure_ascii=False) + "\n"
-                       for prompt, c in zip(prompts, completions))
+        text = "".join(
+            json.dumps(
+                {
+                    "prompt": prompt if isinstance(prompt, str) else None,
+                    "messages": None if isinstance(prompt, str) else prompt,
+                    "completion": c.text,
+                    "prompt_tokens": c.prompt_tokens,
+                    "completion_tokens": len(c.token_ids),
+                    "finish_reason": c.finish_reason,
+                },
+                ensure_ascii=False,
+            )
+            + "\n"
+            for prompt, c in zip(prompts, completions)
+        )
         write_whole("--output", opts.output, text)
     if not opts.quiet:
         print(summary(stats, gen.speculative, len(prompts), seconds), file=sys.stderr, flush=True)
@@ -267,8 +306,12 @@ def check_against_model(gen, params) -> None:
         raise ConfigError("--stop-token-id", bad[0], f"allowed: 0 .. {vocab - 1} (the model's vocabulary)")
     context = getattr(getattr(gen.model, "args", None), "max_seq_len", None)
     if context and params.max_new_tokens > context:
-        raise ConfigError("--max-new-tokens", params.max_new_tokens, f"at most {context:,}: the model's context "
-                          "(max_position_embeddings or training.seq_len) holds the prompt and the new tokens")
+        raise ConfigError(
+            "--max-new-tokens",
+            params.max_new_tokens,
+            f"at most {context:,}: the model's context "
+            "(max_position_embeddings or training.seq_len) holds the prompt and the new tokens",
+        )
 
 
 def write_whole(option: str, path: str, text: str) -> None:
@@ -283,8 +326,10 @@ def write_whole(option: str, path: str, text: str) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise UserError(f"{option} {path}: writing {len(data):,} bytes failed ({err.strerror or err}); nothing "
-                        "was written") from None
+        raise UserError(
+            f"{option} {path}: writing {len(data):,} bytes failed ({err.strerror or err}); nothing "
+            "was written"
+        ) from None
 
 
 def _run(gen, prompts, params, stream: bool, show: bool):
@@ -307,9 +352,13 @@ def _run(gen, prompts, params, stream: bool, show: bool):
 
 def summary(stats, speculative, n: int, seconds: float) -> str:
     """One line: prompts, tokens, speed; with speculation the share of guesses kept and tokens per target forward."""
-    line = (f"loom generate: {n} prompt{'s' if n != 1 else ''}, {stats.new_tokens} new tokens in {seconds:.1f} s "
-            f"({stats.new_tokens / max(seconds, 1e-9):.1f} tokens/s, first tokens after {stats.prefill_seconds:.2f} s")
+    line = (
+        f"loom generate: {n} prompt{'s' if n != 1 else ''}, {stats.new_tokens} new tokens in {seconds:.1f} s "
+        f"({stats.new_tokens / max(seconds, 1e-9):.1f} tokens/s, first tokens after {stats.prefill_seconds:.2f} s"
+    )
     if speculative is not None and stats.proposed:
-        line += (f"; speculative k {speculative.k}: {100 * stats.acceptance:.0f}% of guesses kept, "
-                 f"{stats.new_tokens / max(stats.target_steps + stats.prompts, 1):.2f} tokens per target forward")
+        line += (
+            f"; speculative k {speculative.k}: {100 * stats.acceptance:.0f}% of guesses kept, "
+            f"{stats.new_tokens / max(stats.target_steps + stats.prompts, 1):.2f} tokens per target forward"
+        )
     return line + ")"

@@ -105,16 +105,24 @@ def parse(argv: list[str]):
     try:
         opts, train_args = p.parse_known_args(argv)
     except _Refusal as err:
-        raise ConfigError("loom launch", None, f"{err} (see `loom launch --help`)", show_value=False) from None
-    owned = {"--nnodes": "the hostfile's hosts or --nodes", "--nproc-per-node": "slots= or --gpus-per-node",
-             "--node-rank": "the host's place in the hostfile", "--rdzv-backend": "--rdzv-file",
-             "--rdzv-endpoint": "--master-addr / --master-port", "--rdzv-id": "a fresh id per launch",
-             "--standalone": "one agent per machine"}
+        raise ConfigError(
+            "loom launch", None, f"{err} (see `loom launch --help`)", show_value=False
+        ) from None
+    owned = {
+        "--nnodes": "the hostfile's hosts or --nodes",
+        "--nproc-per-node": "slots= or --gpus-per-node",
+        "--node-rank": "the host's place in the hostfile",
+        "--rdzv-backend": "--rdzv-file",
+        "--rdzv-endpoint": "--master-addr / --master-port",
+        "--rdzv-id": "a fresh id per launch",
+        "--standalone": "one agent per machine",
+    }
     for arg in train_args:
         name = arg.partition("=")[0].replace("_", "-")
         if name in owned:
-            raise ConfigError(name, None, f"loom launch sets it for every agent (from {owned[name]})",
-                              show_value=False)
+            raise ConfigError(
+                name, None, f"loom launch sets it for every agent (from {owned[name]})", show_value=False
+            )
     for name in ("nodes", "gpus_per_node", "master_port"):
         value = getattr(opts, name)
         if value is not None and value < (0 if name == "gpus_per_node" else 1):
@@ -122,19 +130,29 @@ def parse(argv: list[str]):
     if opts.master_port is not None and opts.master_port > 65535:
         raise ConfigError("--master-port", opts.master_port, "a TCP port is 1..65535")
     if not (math.isfinite(opts.grace_s) and opts.grace_s >= 0):
-        raise ConfigError("--grace-s", opts.grace_s, "expected seconds >= 0 (how long workers get to save after "
-                          "SIGTERM)")
+        raise ConfigError(
+            "--grace-s", opts.grace_s, "expected seconds >= 0 (how long workers get to save after SIGTERM)"
+        )
     if opts.kubernetes and not DNS_1123.fullmatch(opts.name or ""):
-        raise ConfigError("--name", opts.name, "a Kubernetes name is a DNS-1123 label: at most 63 lowercase letters, "
-                          "digits or '-', starting and ending with a letter or digit")
+        raise ConfigError(
+            "--name",
+            opts.name,
+            "a Kubernetes name is a DNS-1123 label: at most 63 lowercase letters, "
+            "digits or '-', starting and ending with a letter or digit",
+        )
     if opts.slurm and opts.time and not SLURM_TIME.fullmatch(opts.time):
-        raise ConfigError("--time", opts.time, "SLURM's time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
-                          "D-HH:MM:SS, or UNLIMITED")
+        raise ConfigError(
+            "--time",
+            opts.time,
+            "SLURM's time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED",
+        )
     return opts, train_args
 
 
 DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-SLURM_TIME = re.compile(r"(?i:unlimited|infinite)|\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+")
+SLURM_TIME = re.compile(
+    r"(?i:unlimited|infinite)|\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+"
+)
 
 
 def check_train_args(train_args: list[str], world_size: int | None) -> None:
@@ -171,8 +189,16 @@ def main(argv: list[str]) -> int:
 
 
 def hostfile(opts, train_args: list[str]) -> int:
-    from loom.cluster.launch import (DEFAULT_LAUNCHER, DEFAULT_PORT, LAUNCHER_ENV, Rendezvous, hostfile_launches,
-                                 parse_hostfile, run_launches, select_hosts)
+    from loom.cluster.launch import (
+        DEFAULT_LAUNCHER,
+        DEFAULT_PORT,
+        LAUNCHER_ENV,
+        Rendezvous,
+        hostfile_launches,
+        parse_hostfile,
+        run_launches,
+        select_hosts,
+    )
 
     try:
         with open(opts.hostfile, encoding="utf-8") as fh:
@@ -180,8 +206,9 @@ def hostfile(opts, train_args: list[str]) -> int:
     except OSError as err:
         raise ConfigError("--hostfile", opts.hostfile, f"cannot be read ({err.strerror})") from None
     except UnicodeDecodeError as err:
-        raise ConfigError("--hostfile", opts.hostfile, f"not UTF-8 text (byte {err.start}): expected lines "
-                          "'HOST slots=N'") from None
+        raise ConfigError(
+            "--hostfile", opts.hostfile, f"not UTF-8 text (byte {err.start}): expected lines 'HOST slots=N'"
+        ) from None
     hosts = select_hosts(parse_hostfile(text, opts.hostfile), opts.include, opts.exclude)
     check_train_args(train_args, sum(h.nproc for h in hosts))
     if opts.rdzv_file:
@@ -189,16 +216,27 @@ def hostfile(opts, train_args: list[str]) -> int:
     else:
         rdzv = Rendezvous(f"{opts.master_addr or hosts[0].name}:{opts.master_port or DEFAULT_PORT}")
     launcher = opts.launcher_cmd or os.environ.get(LAUNCHER_ENV) or DEFAULT_LAUNCHER
-    launches = hostfile_launches(hosts, train_args, workdir=os.path.abspath(opts.workdir or os.getcwd()),
-                                 python=opts.python, environ=dict(os.environ), launcher=launcher, rdzv=rdzv,
-                                 extra_env=opts.env, max_restarts=opts.max_restarts)
+    launches = hostfile_launches(
+        hosts,
+        train_args,
+        workdir=os.path.abspath(opts.workdir or os.getcwd()),
+        python=opts.python,
+        environ=dict(os.environ),
+        launcher=launcher,
+        rdzv=rdzv,
+        extra_env=opts.env,
+        max_restarts=opts.max_restarts,
+    )
     if opts.dry_run:
         for launch in launches:
             print(shlex.join(launch.argv))
         return 0
     total = sum(h.nproc for h in hosts)
-    print(f"loom launch: {len(hosts)} hosts, {total} workers, rendezvous {rdzv.backend} at {rdzv.endpoint} "
-          f"(id {rdzv.run_id})", flush=True)
+    print(
+        f"loom launch: {len(hosts)} hosts, {total} workers, rendezvous {rdzv.backend} at {rdzv.endpoint} "
+        f"(id {rdzv.run_id})",
+        flush=True,
+    )
     return run_launches(launches, grace_s=opts.grace_s)
 
 
@@ -212,16 +250,20 @@ def _need(opts, *names: str) -> None:
 def check_script_config(train_args: list[str], workdir: str) -> None:
     """The job's config before a script that runs later is written: --config FILE exists (a relative path from
     ``workdir``, where the agents start) and, with the --section.field overrides, is a valid config."""
-    from loom.runtime.launch import parse_launch
     from loom.config import build_config, parse_overrides
+    from loom.runtime.launch import parse_launch
 
     launch, rest = parse_launch(train_args)
     path = launch.config
     if path:
         found = path if os.path.isabs(path) else os.path.join(workdir, path)
         if not os.path.isfile(found):
-            raise ConfigError("--config", path, f"no such file (the job's loom train reads it from {found}; "
-                              "--workdir DIR sets the folder the agents start in)")
+            raise ConfigError(
+                "--config",
+                path,
+                f"no such file (the job's loom train reads it from {found}; "
+                "--workdir DIR sets the folder the agents start in)",
+            )
         path = found
     build_config(path, parse_overrides(rest))
 
@@ -229,9 +271,13 @@ def check_script_config(train_args: list[str], workdir: str) -> None:
 def _warn_cpus(opts) -> None:
     """Without --cpus-per-node SLURM's default (often 1 CPU) is shared by the agent, its workers and data loading."""
     if not opts.cpus_per_node:
-        print("loom launch: warning: no --cpus-per-node, so the script asks for no --cpus-per-task and SLURM gives "
-              "each node's task (the agent and its workers) its default CPUs, often 1: data loading and the workers' "
-              "threads share them; pass --cpus-per-node C (e.g. the node's cores)", file=sys.stderr, flush=True)
+        print(
+            "loom launch: warning: no --cpus-per-node, so the script asks for no --cpus-per-task and SLURM gives "
+            "each node's task (the agent and its workers) its default CPUs, often 1: data loading and the workers' "
+            "threads share them; pass --cpus-per-node C (e.g. the node's cores)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def slurm(opts, train_args: list[str]) -> int:
@@ -241,10 +287,26 @@ def slurm(opts, train_args: list[str]) -> int:
     # the script runs on the cluster's shared filesystem: --config is looked for from --workdir (the layout may be
     # set on the cluster, so it is not checked against a world size)
     check_script_config(train_args, os.path.abspath(opts.workdir or os.getcwd()))
-    job = SlurmJob(opts.nodes, opts.gpus_per_node, opts.partition, opts.time, opts.account, opts.job_name,
-                   cpus_per_node=opts.cpus_per_node, port=opts.master_port or DEFAULT_PORT, extra=opts.sbatch)
-    text = sbatch_script(job, train_args, workdir=os.path.abspath(opts.workdir or os.getcwd()), python=opts.python,
-                         environ=dict(os.environ), extra_env=opts.env, max_restarts=opts.max_restarts)
+    job = SlurmJob(
+        opts.nodes,
+        opts.gpus_per_node,
+        opts.partition,
+        opts.time,
+        opts.account,
+        opts.job_name,
+        cpus_per_node=opts.cpus_per_node,
+        port=opts.master_port or DEFAULT_PORT,
+        extra=opts.sbatch,
+    )
+    text = sbatch_script(
+        job,
+        train_args,
+        workdir=os.path.abspath(opts.workdir or os.getcwd()),
+        python=opts.python,
+        environ=dict(os.environ),
+        extra_env=opts.env,
+        max_restarts=opts.max_restarts,
+    )
     if opts.dry_run:
         sys.stdout.write(text)
         _warn_cpus(opts)
@@ -260,7 +322,9 @@ def slurm(opts, train_args: list[str]) -> int:
                 os.remove(path)  # nothing partial
         raise ConfigError("--script", path, f"cannot be written ({err.strerror or err})") from None
     _warn_cpus(opts)  # after every check: an error stays the one line printed
-    print(f"loom launch: wrote {path} ({opts.nodes} nodes x {opts.gpus_per_node} GPUs); submit it with: sbatch {path}")
+    print(
+        f"loom launch: wrote {path} ({opts.nodes} nodes x {opts.gpus_per_node} GPUs); submit it with: sbatch {path}"
+    )
     return submit(path) if opts.submit else 0
 
 
@@ -269,8 +333,15 @@ def kubernetes(opts, train_args: list[str]) -> int:
 
     _need(opts, "image", "nodes", "gpus_per_node")
     check_train_args(train_args, None)  # the layout may be set on the cluster
-    job = KubeJob(opts.name, opts.image, opts.nodes, opts.gpus_per_node, opts.master_port or DEFAULT_PORT,
-                  opts.max_restarts, opts.namespace)
+    job = KubeJob(
+        opts.name,
+        opts.image,
+        opts.nodes,
+        opts.gpus_per_node,
+        opts.master_port or DEFAULT_PORT,
+        opts.max_restarts,
+        opts.namespace,
+    )
     env = forwarded_env({}, opts.env)  # this machine's variables mean nothing in the pods: only --env pairs
     written = []
     for kind, build in (("pytorchjob", pytorchjob), ("jobset", jobset)):
@@ -290,6 +361,8 @@ def kubernetes(opts, train_args: list[str]) -> int:
             raise ConfigError("--out", opts.out, f"cannot be written ({err.strerror or err})") from None
         written.append(path)
     if written:
-        print(f"loom launch: wrote {' and '.join(written)}; start one with: kubectl apply -f {written[0]} "
-              "(the Kubeflow training operator) or the JobSet one (the JobSet controller)")
+        print(
+            f"loom launch: wrote {' and '.join(written)}; start one with: kubectl apply -f {written[0]} "
+            "(the Kubeflow training operator) or the JobSet one (the JobSet controller)"
+        )
     return 0

@@ -92,7 +92,18 @@ def version_line() -> str:
     return f"loom {loom_version()} (torch {torch}, Python {platform.python_version()})"
 
 
-COMMANDS = ("train", "launch", "plan", "convert", "generate", "score", "eval", "report", "data prepare", "doctor")
+COMMANDS = (
+    "train",
+    "launch",
+    "plan",
+    "convert",
+    "generate",
+    "score",
+    "eval",
+    "report",
+    "data prepare",
+    "doctor",
+)
 
 
 def unknown_command(argv: list[str]) -> UserError:

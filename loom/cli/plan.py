@@ -9,8 +9,8 @@ import sys
 import time
 
 from loom.config import ConfigError, build_config, parse_overrides
-from loom.config.load import read_toml
 from loom.config.errors import require
+from loom.config.load import read_toml
 from loom.config.paths import check_file_writable
 
 USAGE = """usage: loom plan [--config FILE.toml] [--gpus N] [--gpu KIND] [--search] [--top K] [--margin GIB | PCT%]
@@ -46,16 +46,37 @@ also the GPU-hours to train that flavor on those tokens at the planner's through
 (--search: the fastest layout that fits). --noise-scale B (tokens: a run's logged noise_scale, metrics.noise_scale)
 adds a recommended training.global_batch_size of about B tokens. docs/algorithms.md."""
 
-_OPTIONS = {"--gpus": "gpus", "--gpu": "gpu", "--top": "top", "--margin": "margin", "--json": "json",
-            "--plot": "plot", "--config": "config", "-c": "config", "--batch": "batch", "--prompt-len": "prompt_len",
-            "--output-len": "output_len", "--dtype": "dtype", "--kv-dtype": "kv_dtype", "--flops": "flops",
-            "--params": "params", "--tokens": "tokens", "--noise-scale": "noise_scale"}
+_OPTIONS = {
+    "--gpus": "gpus",
+    "--gpu": "gpu",
+    "--top": "top",
+    "--margin": "margin",
+    "--json": "json",
+    "--plot": "plot",
+    "--config": "config",
+    "-c": "config",
+    "--batch": "batch",
+    "--prompt-len": "prompt_len",
+    "--output-len": "output_len",
+    "--dtype": "dtype",
+    "--kv-dtype": "kv_dtype",
+    "--flops": "flops",
+    "--params": "params",
+    "--tokens": "tokens",
+    "--noise-scale": "noise_scale",
+}
 BUDGET = ("flops", "params", "tokens")  # compute-optimal sizing (loom.plan.compute_optimal)
 # --generate's own options (given without it, an error) and the training plan's (given with it, an error)
 GENERATE_ONLY = ("batch", "prompt_len", "output_len", "dtype", "kv_dtype")
 TRAINING_ONLY = ("search", "top", "plot", "roofline")
-DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-               "float32": "float32", "fp32": "float32"}
+DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+}
 # Files a plan writes (option -> a file name to suggest): each is checked writable before the plan is computed
 # and written once it is (``write_outputs``).
 OUTPUT_FILES = {"json": "plan.json", "plot": "plan.png"}
@@ -63,10 +84,19 @@ OUTPUT_FILES = {"json": "plan.json", "plot": "plan.png"}
 
 def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """(planner options, --section.field overrides)."""
-    opts = {"gpus": "1", "gpu": "H100", "top": None, "margin": None, "config": None, "search": False,
-            "generate": False, "roofline": False, **{name: None for name in GENERATE_ONLY + BUDGET},
-            "noise_scale": None,
-            **{name: "" for name in OUTPUT_FILES}}
+    opts = {
+        "gpus": "1",
+        "gpu": "H100",
+        "top": None,
+        "margin": None,
+        "config": None,
+        "search": False,
+        "generate": False,
+        "roofline": False,
+        **{name: None for name in GENERATE_ONLY + BUDGET},
+        "noise_scale": None,
+        **{name: "" for name in OUTPUT_FILES},
+    }
     opts["cluster"] = any(a.partition("=")[0] in ("--gpus", "--gpu") for a in argv)  # GPU-hours asked for
     rest, i = [], 0
     while i < len(argv):
@@ -99,6 +129,7 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
 
 def check_mode(opts: dict) -> None:
     """--generate's options only with it, the training plan's only without it; --generate needs both lengths."""
+
     def flag(key: str) -> str:
         return f"--{key.replace('_', '-')}"
 
@@ -107,17 +138,29 @@ def check_mode(opts: dict) -> None:
     if opts["generate"] and any(opts[key] is not None for key in BUDGET):
         raise ConfigError("--generate", None, "not with --flops / --params / --tokens", show_value=False)
     if opts["roofline"] and any(opts[key] is not None for key in BUDGET):
-        raise ConfigError("--roofline", None, "not with --flops / --params / --tokens (it places the configured "
-                          "layout's ops)", show_value=False)
+        raise ConfigError(
+            "--roofline",
+            None,
+            "not with --flops / --params / --tokens (it places the configured layout's ops)",
+            show_value=False,
+        )
     if opts["generate"]:
         for key in TRAINING_ONLY:
             if opts[key] not in (None, False, ""):
-                raise ConfigError(flag(key), None, "not with --generate (a generation plan has one layout: tensor "
-                                  "parallel over --gpus)", show_value=False)
+                raise ConfigError(
+                    flag(key),
+                    None,
+                    "not with --generate (a generation plan has one layout: tensor parallel over --gpus)",
+                    show_value=False,
+                )
         for key in ("prompt_len", "output_len"):
             if opts[key] is None:
-                raise ConfigError(flag(key), None, "required with --generate (a number of tokens per sequence)",
-                                  show_value=False)
+                raise ConfigError(
+                    flag(key),
+                    None,
+                    "required with --generate (a number of tokens per sequence)",
+                    show_value=False,
+                )
     else:
         for key in GENERATE_ONLY:
             if opts[key] is not None:
@@ -139,7 +182,9 @@ def dtype_name(flag: str, text: str) -> str:
     try:
         return DTYPE_NAMES[text.strip().lower()]
     except KeyError:
-        raise ConfigError(flag, text, "allowed: bfloat16 | float16 | float32 (or bf16 | fp16 | fp32)") from None
+        raise ConfigError(
+            flag, text, "allowed: bfloat16 | float16 | float32 (or bf16 | fp16 | fp32)"
+        ) from None
 
 
 def parse_margin(text: str) -> tuple[float, bool]:
@@ -150,8 +195,12 @@ def parse_margin(text: str) -> tuple[float, bool]:
     except ValueError:
         value = -1.0
     if not 0 <= value < (100 if share else float("inf")):
-        raise ConfigError("--margin", text, "expected GiB to leave free per GPU (e.g. 2) or a share of its memory "
-                          "(e.g. 5%), at least 0 and under 100%")
+        raise ConfigError(
+            "--margin",
+            text,
+            "expected GiB to leave free per GPU (e.g. 2) or a share of its memory "
+            "(e.g. 5%), at least 0 and under 100%",
+        )
     return (value / 100, True) if share else (value, False)
 
 
@@ -162,7 +211,9 @@ def margin_gib(margin: tuple[float, bool] | None, gpu) -> float:
     value, share = margin if margin is not None else (MARGIN, True)
     gib = value * gpu.memory_gib if share else value
     if gib >= gpu.memory_gib:
-        raise ConfigError("--margin", f"{value:g}", f"leaves nothing of the {gpu.name}'s {gpu.memory_gib:.1f} GiB")
+        raise ConfigError(
+            "--margin", f"{value:g}", f"leaves nothing of the {gpu.name}'s {gpu.memory_gib:.1f} GiB"
+        )
     return gib
 
 
@@ -190,8 +241,10 @@ class SearchProgress:
         if done < total and (now - self.shown < 0.5 if self.tty else mark == self.shown):
             return
         self.shown = mark
-        line = (f"loom plan: searched {done:,}/{total:,} layouts ({100 * done // total}%), {valid:,} valid, "
-                f"{now - self.started:.0f} s")
+        line = (
+            f"loom plan: searched {done:,}/{total:,} layouts ({100 * done // total}%), {valid:,} valid, "
+            f"{now - self.started:.0f} s"
+        )
         if self.tty:  # rewritten in place; the last one stays
             line = "\r" + line + ("\n" if done == total else "")
         else:
@@ -210,19 +263,25 @@ def gpu_kind(name: str):
 
 
 def assumptions(gpu, dtype: str) -> str:
-    return (f"{gpu.name}: {gpu.memory_gib:.1f} GiB, {gpu.peak(dtype) / 1e12:.0f} TFLOP/s {dtype}, HBM "
-            f"{gpu.hbm_tbps} TB/s, NVLink {gpu.link_gbps:.0f} GB/s bus, network {gpu.network_gbps:.0f} GB/s per GPU, "
-            f"{gpu.gpus_per_node} GPUs per node")
+    return (
+        f"{gpu.name}: {gpu.memory_gib:.1f} GiB, {gpu.peak(dtype) / 1e12:.0f} TFLOP/s {dtype}, HBM "
+        f"{gpu.hbm_tbps} TB/s, NVLink {gpu.link_gbps:.0f} GB/s bus, network {gpu.network_gbps:.0f} GB/s per GPU, "
+        f"{gpu.gpus_per_node} GPUs per node"
+    )
 
 
 def breakdown(est) -> str:
     mem = est.memory.gib()
     time = est.time.ms()
-    lines = [f"layout: {est.describe()} (accumulation {est.layout['accumulation']})",
-             "memory per GPU, GiB (busiest rank): " + ", ".join(f"{k} {v:.1f}" for k, v in mem.items())
-             + f" -> {'fits' if est.fits else 'does NOT fit'} in {limit_text(est.capacity_gib, est.margin_gib)}",
-             "step time, ms (slowest rank): " + ", ".join(f"{k} {v:.1f}" for k, v in time.items() if v or k == "total"),
-             f"throughput: {est.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * est.mfu:.1f}%"]
+    lines = [
+        f"layout: {est.describe()} (accumulation {est.layout['accumulation']})",
+        "memory per GPU, GiB (busiest rank): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in mem.items())
+        + f" -> {'fits' if est.fits else 'does NOT fit'} in {limit_text(est.capacity_gib, est.margin_gib)}",
+        "step time, ms (slowest rank): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in time.items() if v or k == "total"),
+        f"throughput: {est.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * est.mfu:.1f}%",
+    ]
     return "\n".join(lines + [f"note: {n}" for n in est.notes])
 
 
@@ -230,23 +289,34 @@ def table(ests) -> str:
     head = "| # | layout | tokens/s per GPU | MFU | peak GiB | step ms |"
     rows = [head, "|---|---|---|---|---|---|"]
     for i, e in enumerate(ests, 1):
-        rows.append(f"| {i} | {e.describe()} | {e.tokens_per_s_per_gpu:,.0f} | {100 * e.mfu:.1f}% | "
-                    f"{e.memory.total / 2**30:.1f} | {1e3 * e.time.total:.0f} |")
+        rows.append(
+            f"| {i} | {e.describe()} | {e.tokens_per_s_per_gpu:,.0f} | {100 * e.mfu:.1f}% | "
+            f"{e.memory.total / 2**30:.1f} | {1e3 * e.time.total:.0f} |"
+        )
     return "\n".join(rows)
 
 
 def as_json(est) -> dict:
-    return {"layout": est.layout, "memory_gib": est.memory.gib(), "step_ms": est.time.ms(), "fits": est.fits,
-            "limit_gib": est.limit_gib,
-            "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu, "mfu": est.mfu, "notes": est.notes}
+    return {
+        "layout": est.layout,
+        "memory_gib": est.memory.gib(),
+        "step_ms": est.time.ms(),
+        "fits": est.fits,
+        "limit_gib": est.limit_gib,
+        "tokens_per_s_per_gpu": est.tokens_per_s_per_gpu,
+        "mfu": est.mfu,
+        "notes": est.notes,
+    }
 
 
 def lora_note(cfg) -> str | None:
     """The planner models full training: a LoRA config is said to be planned as such, not silently."""
     if not cfg.lora.rank:
         return None
-    return (f"loom plan: lora.rank {cfg.lora.rank} is not modelled: these figures are full fine-tuning's (every "
-            "weight with gradients and optimizer state), an upper bound for the LoRA run")
+    return (
+        f"loom plan: lora.rank {cfg.lora.rank} is not modelled: these figures are full fine-tuning's (every "
+        "weight with gradients and optimizer state), an upper bound for the LoRA run"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -266,7 +336,10 @@ def main(argv: list[str]) -> int:
     cfg = build_config(opts["config"], overrides)
     if lora_note(cfg):
         print(lora_note(cfg), file=sys.stderr, flush=True)
-    if "training.global_batch_size" not in {**(read_toml(opts["config"]) if opts["config"] else {}), **overrides}:
+    if "training.global_batch_size" not in {
+        **(read_toml(opts["config"]) if opts["config"] else {}),
+        **overrides,
+    }:
         fit_default_global_batch(cfg, opts["gpus"])
     margin = margin_gib(opts["margin"], gpu)
     if opts["generate"]:
@@ -275,8 +348,10 @@ def main(argv: list[str]) -> int:
         return main_compute_optimal(opts, cfg, gpu, margin)
     from loom.plan.planner import estimate, search
 
-    print(f"loom plan: {cfg.model.flavor}, seq {cfg.training.seq_len}, global batch {cfg.training.global_batch_size}, "
-          f"{cfg.training.dtype}, compile {str(cfg.training.compile).lower()}, on {opts['gpus']} x {opts['gpu']}")
+    print(
+        f"loom plan: {cfg.model.flavor}, seq {cfg.training.seq_len}, global batch {cfg.training.global_batch_size}, "
+        f"{cfg.training.dtype}, compile {str(cfg.training.compile).lower()}, on {opts['gpus']} x {opts['gpu']}"
+    )
     print("assumed: " + assumptions(gpu, cfg.training.dtype))
     report: dict = {"gpus": opts["gpus"], "gpu": gpu.__dict__, "margin_gib": margin}
     est, best, roof = None, [], None
@@ -291,10 +366,15 @@ def main(argv: list[str]) -> int:
             raise
         print(f"the configured layout is not valid on {opts['gpus']} GPUs ({err}); searching")
     if opts["search"]:
-        best, valid = search(cfg, opts["gpus"], gpu, top=opts["top"], margin_gib=margin, progress=SearchProgress())
+        best, valid = search(
+            cfg, opts["gpus"], gpu, top=opts["top"], margin_gib=margin, progress=SearchProgress()
+        )
         limit = limit_text(gpu.memory_gib, margin)
-        print(f"\n{valid} valid layouts, {len(best)} fastest that fit in {limit} per GPU:" if best else
-              f"\n{valid} valid layouts, none fits in {limit} per GPU")
+        print(
+            f"\n{valid} valid layouts, {len(best)} fastest that fit in {limit} per GPU:"
+            if best
+            else f"\n{valid} valid layouts, none fits in {limit} per GPU"
+        )
         if best:
             print(table(best))
         report["search"] = {"valid": valid, "best": [as_json(e) for e in best]}
@@ -321,9 +401,11 @@ def fit_default_global_batch(cfg, gpus: int) -> None:
     unit = t.micro_batch_size * dp
     if t.global_batch_size % unit:
         planned = -(-t.global_batch_size // unit) * unit
-        print(f"loom plan: the default training.global_batch_size {t.global_batch_size} is not a multiple of "
-              f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp} on {gpus} GPUs: planned with "
-              f"{planned} (set --training.global_batch_size to choose)")
+        print(
+            f"loom plan: the default training.global_batch_size {t.global_batch_size} is not a multiple of "
+            f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp} on {gpus} GPUs: planned with "
+            f"{planned} (set --training.global_batch_size to choose)"
+        )
         t.global_batch_size = planned
 
 
@@ -334,16 +416,28 @@ def print_roofline(cfg, gpus: int, gpu) -> tuple[dict, tuple]:
 
     ops, what = roofline(cfg, gpus, gpu)
     dtype = cfg.training.dtype
-    print(f"\nroofline of one step on the busiest rank ({what['blocks']} blocks x {what['micro_batches']} "
-          f"micro-batches of {what['tokens_per_micro_batch']:,.0f} tokens); machine balance "
-          f"{what['machine_balance']:.0f} FLOP/B ({gpu.peak(dtype) / 1e12:.0f} TFLOP/s {dtype} / {gpu.hbm_tbps} TB/s):")
+    print(
+        f"\nroofline of one step on the busiest rank ({what['blocks']} blocks x {what['micro_batches']} "
+        f"micro-batches of {what['tokens_per_micro_batch']:,.0f} tokens); machine balance "
+        f"{what['machine_balance']:.0f} FLOP/B ({gpu.peak(dtype) / 1e12:.0f} TFLOP/s {dtype} / {gpu.hbm_tbps} TB/s):"
+    )
     print(table(ops, gpu, dtype))
-    rows = [{"op": op.name, "calls": op.count, "flops": op.flops, "hbm_bytes": op.hbm_bytes,
-             "comm_bytes": op.comm_bytes, "comm_gbps": op.comm_gbps,
-             "intensity": None if op.intensity == float("inf") else op.intensity,
-             "comm_intensity": None if op.comm_intensity == float("inf") else op.comm_intensity,
-             "bound": op.bound(gpu, dtype), "ceiling_flops": op.ceiling(gpu, dtype),
-             "seconds_at_roof": op.seconds(gpu, dtype)} for op in ops]
+    rows = [
+        {
+            "op": op.name,
+            "calls": op.count,
+            "flops": op.flops,
+            "hbm_bytes": op.hbm_bytes,
+            "comm_bytes": op.comm_bytes,
+            "comm_gbps": op.comm_gbps,
+            "intensity": None if op.intensity == float("inf") else op.intensity,
+            "comm_intensity": None if op.comm_intensity == float("inf") else op.comm_intensity,
+            "bound": op.bound(gpu, dtype),
+            "ceiling_flops": op.ceiling(gpu, dtype),
+            "seconds_at_roof": op.seconds(gpu, dtype),
+        }
+        for op in ops
+    ]
     return {**what, "ops": rows}, (ops, gpu, dtype)
 
 
@@ -371,43 +465,72 @@ def main_compute_optimal(opts: dict, cfg, gpu, margin: float) -> int:
     """Chinchilla's compute-optimal budget, loom's nearest flavor and, on a cluster, the GPU-hours."""
     from dataclasses import replace
 
-    from loom.plan.compute_optimal import (compute_optimal, dense_flavors, gpu_hours, nearest_flavor, parse_count,
-                                           recommended_batch, si)
+    from loom.plan.compute_optimal import (
+        compute_optimal,
+        dense_flavors,
+        gpu_hours,
+        nearest_flavor,
+        parse_count,
+        recommended_batch,
+        si,
+    )
     from loom.plan.planner import estimate, model_args, search
 
     given = {k: parse_count(f"--{k}", opts[k]) for k in BUDGET if opts[k] is not None}
     budget = compute_optimal(**given)
     flavor, n = nearest_flavor(budget.params, dense_flavors(model_args(cfg).vocab_size))
-    print(f"loom plan: compute-optimal for {', '.join(f'--{k} {v:.3g}' for k, v in given.items())} (Chinchilla: "
-          f"C = 6 N D, D = 20 N)")
+    print(
+        f"loom plan: compute-optimal for {', '.join(f'--{k} {v:.3g}' for k, v in given.items())} (Chinchilla: "
+        f"C = 6 N D, D = 20 N)"
+    )
     print(f"parameters {si(budget.params)}, tokens {si(budget.tokens)}, FLOPs {budget.flops:.3g}")
-    print(f"nearest flavor: {flavor} ({si(n)} parameters; on {si(budget.tokens)} tokens: "
-          f"{6 * n * budget.tokens:.3g} FLOPs)")
+    print(
+        f"nearest flavor: {flavor} ({si(n)} parameters; on {si(budget.tokens)} tokens: "
+        f"{6 * n * budget.tokens:.3g} FLOPs)"
+    )
     report: dict = {"compute_optimal": {**budget.__dict__, "flavor": flavor, "flavor_params": n}}
     if opts["noise_scale"] is not None:
         noise = parse_count("--noise-scale", opts["noise_scale"])
         batch = recommended_batch(noise, cfg.training.seq_len)
-        print(f"global batch: about {noise:,.0f} tokens = {batch} sequences of {cfg.training.seq_len} (the measured "
-              "noise scale estimates the critical batch: beyond it, more tokens per step save few steps)")
+        print(
+            f"global batch: about {noise:,.0f} tokens = {batch} sequences of {cfg.training.seq_len} (the measured "
+            "noise scale estimates the critical batch: beyond it, more tokens per step save few steps)"
+        )
         report["compute_optimal"].update(noise_scale=noise, recommended_global_batch_size=batch)
     if opts["cluster"]:
         fcfg = replace(cfg, model=replace(cfg.model, flavor=flavor))
         if opts["search"]:
             best, _ = search(fcfg, opts["gpus"], gpu, top=1, margin_gib=margin, progress=SearchProgress())
             if not best:
-                raise ConfigError("--search", None, f"no layout of {flavor} fits on {opts['gpus']} x {gpu.name}",
-                                  show_value=False)
+                raise ConfigError(
+                    "--search",
+                    None,
+                    f"no layout of {flavor} fits on {opts['gpus']} x {gpu.name}",
+                    show_value=False,
+                )
             est = best[0]
         else:
             est = estimate(fcfg, opts["gpus"], gpu, margin_gib=margin)
         hours = gpu_hours(budget.tokens, est.tokens_per_s_per_gpu)
-        print(f"on {opts['gpus']} x {gpu.name}, {est.describe()}, seq {cfg.training.seq_len}, global batch "
-              f"{cfg.training.global_batch_size}: {est.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (MFU "
-              f"{100 * est.mfu:.1f}%) -> {hours:,.0f} GPU-hours ({hours / opts['gpus'] / 24:,.1f} days)"
-              + ("" if est.fits else f"; this layout does NOT fit in {limit_text(est.capacity_gib, est.margin_gib)} "
-                 "(--search finds one that does)"))
-        report["compute_optimal"].update(gpus=opts["gpus"], gpu=gpu.name, layout=est.layout, fits=est.fits,
-                                         tokens_per_s_per_gpu=est.tokens_per_s_per_gpu, gpu_hours=hours)
+        print(
+            f"on {opts['gpus']} x {gpu.name}, {est.describe()}, seq {cfg.training.seq_len}, global batch "
+            f"{cfg.training.global_batch_size}: {est.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (MFU "
+            f"{100 * est.mfu:.1f}%) -> {hours:,.0f} GPU-hours ({hours / opts['gpus'] / 24:,.1f} days)"
+            + (
+                ""
+                if est.fits
+                else f"; this layout does NOT fit in {limit_text(est.capacity_gib, est.margin_gib)} "
+                "(--search finds one that does)"
+            )
+        )
+        report["compute_optimal"].update(
+            gpus=opts["gpus"],
+            gpu=gpu.name,
+            layout=est.layout,
+            fits=est.fits,
+            tokens_per_s_per_gpu=est.tokens_per_s_per_gpu,
+            gpu_hours=hours,
+        )
     write_outputs(opts, report)
     return 0
 
@@ -418,23 +541,39 @@ def main_generate(opts: dict, cfg, gpu, margin: float) -> int:
 
     tp, batch, prompt, output = opts["gpus"], opts["batch"], opts["prompt_len"], opts["output_len"]
     args = generation_args(cfg, tp, opts["dtype"], prompt + output)
-    plan = plan_generation(args, batch, prompt, output, gpu, tp, opts["dtype"], opts["kv_dtype"],
-                           compiled=cfg.training.compile, margin_gib=margin)
-    print(f"loom plan --generate: {cfg.model.init_from or cfg.model.flavor}, batch {batch}, prompt {prompt:,} + "
-          f"output {output:,} tokens, {plan.dtype} weights, {plan.kv_dtype} KV cache, on {tp} x {opts['gpu']}"
-          + (f" (tensor parallel {tp})" if tp > 1 else ""))
+    plan = plan_generation(
+        args,
+        batch,
+        prompt,
+        output,
+        gpu,
+        tp,
+        opts["dtype"],
+        opts["kv_dtype"],
+        compiled=cfg.training.compile,
+        margin_gib=margin,
+    )
+    print(
+        f"loom plan --generate: {cfg.model.init_from or cfg.model.flavor}, batch {batch}, prompt {prompt:,} + "
+        f"output {output:,} tokens, {plan.dtype} weights, {plan.kv_dtype} KV cache, on {tp} x {opts['gpu']}"
+        + (f" (tensor parallel {tp})" if tp > 1 else "")
+    )
     print("assumed: " + assumptions(gpu, plan.dtype) + generate_assumptions(args, gpu, tp))
     print(generation_text(plan, args))
-    write_outputs(opts, {"gpus": tp, "gpu": gpu.__dict__, "margin_gib": margin, "generate": generation_json(plan)})
+    write_outputs(
+        opts, {"gpus": tp, "gpu": gpu.__dict__, "margin_gib": margin, "generate": generation_json(plan)}
+    )
     return 0
 
 
 def generate_assumptions(args, gpu, tp: int) -> str:
     from loom.plan.timing import COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE, DECODE_HBM_SHARE_BATCHED, efficiency
 
-    text = (f"; decode reads at {100 * DECODE_HBM_SHARE:.0f}% of HBM bandwidth at batch 1, "
-            f"{100 * DECODE_HBM_SHARE_BATCHED:.0f}% above, and computes at "
-            f"{100 * efficiency(args.dim, compiled=True):.0f}% of peak")
+    text = (
+        f"; decode reads at {100 * DECODE_HBM_SHARE:.0f}% of HBM bandwidth at batch 1, "
+        f"{100 * DECODE_HBM_SHARE_BATCHED:.0f}% above, and computes at "
+        f"{100 * efficiency(args.dim, compiled=True):.0f}% of peak"
+    )
     if tp > 1:
         text += f"; each tensor-parallel collective {1e6 * COLLECTIVE_LATENCY_S:.0f} us + its bytes"
     return text
@@ -452,15 +591,21 @@ def generation_text(plan, args) -> str:
     fit = "fits" if plan.fits else "does NOT fit"
     tokens = plan.prompt_len + plan.output_len
     lines = [
-        "memory per GPU, GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items())
+        "memory per GPU, GiB: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in mem.items())
         + f" -> {fit} in {limit_text(plan.capacity_gib, plan.margin_gib)}; the largest batch that fits "
-          f"{tokens:,} positions: {plan.max_batch:,}",
+        f"{tokens:,} positions: {plan.max_batch:,}",
         f"KV cache ({plan.attention}): {_size(plan.kv_bytes_per_token)} per token of a sequence"
-        + (f" ({_size(plan.kv_bytes_per_token / plan.tp)} per GPU)" if plan.tp > 1 and plan.attention == "gqa" else "")
+        + (
+            f" ({_size(plan.kv_bytes_per_token / plan.tp)} per GPU)"
+            if plan.tp > 1 and plan.attention == "gqa"
+            else ""
+        )
         + f", {_size(plan.memory.kv_cache)} per GPU for {plan.batch} x {tokens:,} positions",
         f"time to first token: {1e3 * pre.seconds:.1f} ms (prefill of {plan.batch} x {plan.prompt_len:,} tokens, "
         f"{pre.flops / 1e12:.2f} TFLOP per GPU, {pre.bound}-bound"
-        + (f"; tensor-parallel all-reduces {1e3 * pre.tp_s:.2f} ms" if plan.tp > 1 else "") + ")",
+        + (f"; tensor-parallel all-reduces {1e3 * pre.tp_s:.2f} ms" if plan.tp > 1 else "")
+        + ")",
         f"decode, ms per step (a token for each sequence): first {1e3 * first.seconds:.2f}, last "
         f"{1e3 * last.seconds:.2f}, mean {1e3 * plan.mean_step_s:.2f} ({first.bound}-bound at the first; "
         f"{first.bytes / 1e9:.2f} GB read per GPU at the first step, {last.bytes / 1e9:.2f} at the last)",
@@ -470,28 +615,62 @@ def generation_text(plan, args) -> str:
         f"({plan.decode_tokens_per_s / plan.batch:,.1f} per sequence)",
     ]
     if plan.tp > 1:
-        lines.append(f"tensor-parallel collectives per decode step: {1e3 * first.tp_s:.3f} ms "
-                     f"({2 * args.n_layers + 1} all-reduces and the logits' all-gather)")
+        lines.append(
+            f"tensor-parallel collectives per decode step: {1e3 * first.tp_s:.3f} ms "
+            f"({2 * args.n_layers + 1} all-reduces and the logits' all-gather)"
+        )
     if plan.steps == 0:
-        lines.append("no decode step: the prefill gives the only output token (the step figures are the next one's)")
+        lines.append(
+            "no decode step: the prefill gives the only output token (the step figures are the next one's)"
+        )
     took = f"{plan.total_s:.2f} s" if plan.total_s >= 1 else f"{1e3 * plan.total_s:.1f} ms"
-    lines.append(f"the whole request: {took} for {plan.batch * plan.output_len:,} output tokens "
-                 f"({plan.batch * plan.output_len / plan.total_s:,.0f} tokens/s)")
+    lines.append(
+        f"the whole request: {took} for {plan.batch * plan.output_len:,} output tokens "
+        f"({plan.batch * plan.output_len / plan.total_s:,.0f} tokens/s)"
+    )
     return "\n".join(lines + [f"note: {n}" for n in plan.notes])
 
 
 def generation_json(plan) -> dict:
     def step(s) -> dict:
-        return {"context": s.context, "ms": 1e3 * s.seconds, "bound": s.bound, "weight_bytes": s.weight_bytes,
-                "kv_bytes": s.kv_bytes, "flops": s.flops, "memory_ms": 1e3 * s.memory_s,
-                "compute_ms": 1e3 * s.compute_s, "tp_ms": 1e3 * s.tp_s, "roofline_ms": 1e3 * s.roofline_s}
+        return {
+            "context": s.context,
+            "ms": 1e3 * s.seconds,
+            "bound": s.bound,
+            "weight_bytes": s.weight_bytes,
+            "kv_bytes": s.kv_bytes,
+            "flops": s.flops,
+            "memory_ms": 1e3 * s.memory_s,
+            "compute_ms": 1e3 * s.compute_s,
+            "tp_ms": 1e3 * s.tp_s,
+            "roofline_ms": 1e3 * s.roofline_s,
+        }
 
-    return {"batch": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len, "tp": plan.tp,
-            "dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "attention": plan.attention,
-            "kv_bytes_per_token": plan.kv_bytes_per_token, "memory_gib": plan.memory.gib(), "fits": plan.fits,
-            "limit_gib": plan.limit_gib, "max_batch": plan.max_batch,
-            "prefill": {"ms": 1e3 * plan.prefill.seconds, "bound": plan.prefill.bound, "flops": plan.prefill.flops,
-                        "compute_ms": 1e3 * plan.prefill.compute_s, "memory_ms": 1e3 * plan.prefill.memory_s,
-                        "tp_ms": 1e3 * plan.prefill.tp_s},
-            "decode_first": step(plan.first), "decode_last": step(plan.last), "decode_mean_ms": 1e3 * plan.mean_step_s,
-            "decode_tokens_per_s": plan.decode_tokens_per_s, "total_s": plan.total_s, "notes": plan.notes}
+    return {
+        "batch": plan.batch,
+        "prompt_len": plan.prompt_len,
+        "output_len": plan.output_len,
+        "tp": plan.tp,
+        "dtype": plan.dtype,
+        "kv_dtype": plan.kv_dtype,
+        "attention": plan.attention,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "memory_gib": plan.memory.gib(),
+        "fits": plan.fits,
+        "limit_gib": plan.limit_gib,
+        "max_batch": plan.max_batch,
+        "prefill": {
+            "ms": 1e3 * plan.prefill.seconds,
+            "bound": plan.prefill.bound,
+            "flops": plan.prefill.flops,
+            "compute_ms": 1e3 * plan.prefill.compute_s,
+            "memory_ms": 1e3 * plan.prefill.memory_s,
+            "tp_ms": 1e3 * plan.prefill.tp_s,
+        },
+        "decode_first": step(plan.first),
+        "decode_last": step(plan.last),
+        "decode_mean_ms": 1e3 * plan.mean_step_s,
+        "decode_tokens_per_s": plan.decode_tokens_per_s,
+        "total_s": plan.total_s,
+        "notes": plan.notes,
+    }

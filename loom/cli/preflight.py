@@ -37,7 +37,9 @@ def precheck(cfg, world_size: int, local: int | None = None):
     run = resolve(cfg, world_size)  # the rules relating fields and the world size (the model's come below)
     from loom.metrics.logger import check_trackers
 
-    check_trackers(cfg.metrics)  # metrics.wandb / mlflow without the package: one line before any worker starts
+    check_trackers(
+        cfg.metrics
+    )  # metrics.wandb / mlflow without the package: one line before any worker starts
     # these import torch: they come last, after every check that does not need it
     from loom.config.paths import check_folder_writable
     from loom.data import build_tokenizer
@@ -101,8 +103,10 @@ def elastic_note(cfg, launch: Launch) -> str:
             bad.append(f"{nodes} ({err})")
     if not bad:
         return ""
-    return (f"loom: note: with --nnodes {launch.nnodes[0]}:{launch.nnodes[1]}, a job (re-)formed on these node "
-            f"counts stops with exit code 2: {'; '.join(bad)}")
+    return (
+        f"loom: note: with --nnodes {launch.nnodes[0]}:{launch.nnodes[1]}, a job (re-)formed on these node "
+        f"counts stops with exit code 2: {'; '.join(bad)}"
+    )
 
 
 def check_layout(cfg, world_size: int, environ=None) -> None:
@@ -111,18 +115,24 @@ def check_layout(cfg, world_size: int, environ=None) -> None:
     from loom.methods import check_config, resolve  # with the chosen method's rules
 
     env = os.environ if environ is None else environ
-    if not env.get("TORCHELASTIC_RUN_ID") or not (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-                                                  or env.get(ELASTIC_ENV)):
+    if not env.get("TORCHELASTIC_RUN_ID") or not (
+        int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) or env.get(ELASTIC_ENV)
+    ):
         return
     check_config(cfg)  # the rules over the config alone: not the world's doing
     try:
-        resolve(cfg, world_size, device="cpu")  # the rules relating the config to the world size (no device check)
+        resolve(
+            cfg, world_size, device="cpu"
+        )  # the rules relating the config to the world size (no device check)
     except ConfigError as err:
         nodes, local = env.get("GROUP_WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
-        formed = f"{nodes} node(s) x {local} = {world_size} ranks" if nodes and local else f"{world_size} ranks"
-        raise SharedError(f"{err} (the job formed with {formed}; an elastic job needs a layout every node count "
-                          "allows: see docs/operations.md, Restarts and elastic node counts)") from None
-
+        formed = (
+            f"{nodes} node(s) x {local} = {world_size} ranks" if nodes and local else f"{world_size} ranks"
+        )
+        raise SharedError(
+            f"{err} (the job formed with {formed}; an elastic job needs a layout every node count "
+            "allows: see docs/operations.md, Restarts and elastic node counts)"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -165,24 +175,41 @@ def plan_text(cfg, run, world: int, local: int | None = None) -> str:
     t, dims, args = cfg.training, run.dims, run.model_args
     params, active = built_params(args)
     what = f"model.init_from {cfg.model.init_from}" if cfg.model.init_from else f"flavor {cfg.model.flavor}"
-    moe = (f", {args.moe_experts} experts (top {args.moe_top_k}): {active:,} active per token" if args.moe else "")
+    moe = (
+        f", {args.moe_experts} experts (top {args.moe_top_k}): {active:,} active per token"
+        if args.moe
+        else ""
+    )
     layout = dims.describe() + (f", pp_schedule {cfg.parallel.pp_schedule}" if dims.pp > 1 else "")
     timed = run.device == "cuda" and cfg.model.attention == "auto"
     attention = " (model.attention auto: timed at start)" if timed else ""
     tokens = t.global_batch_size * t.seq_len
     accum = f"{run.accum} accumulation step{'s' if run.accum > 1 else ''}"
-    rows = [("layout", layout),
-            ("device", f"{run.device}, {t.dtype}; kernels {run.kernels.describe()}{attention}"),
-            ("model", f"{what}: {params:,} parameters ({args.n_layers} layers, dim {args.dim}, vocabulary "
-                      f"{args.vocab_size:,}{moe}), built on the meta device"),
-            ("batch", f"{t.global_batch_size} sequences x {t.seq_len} tokens = {tokens:,} tokens per optimizer step "
-                      f"(micro-batch {t.micro_batch_size} x {accum} x {dims.dp_size} data-parallel)"),
-            ("training", f"{t.steps:,} steps = {t.steps * tokens:,} tokens"),
-            ("memory", memory_text(cfg, run)),
-            ("free", room_text(run.device, local or local_ranks(world))),
-            ("run dir", f"{cfg.run.dir} (not created)")]
-    return "\n".join([f"loom train --dry-run on {world} rank{'s' if world > 1 else ''}: every start-up check "
-                      "passed; nothing was started or written"] + [f"  {k + ':':<10} {v}" for k, v in rows])
+    rows = [
+        ("layout", layout),
+        ("device", f"{run.device}, {t.dtype}; kernels {run.kernels.describe()}{attention}"),
+        (
+            "model",
+            f"{what}: {params:,} parameters ({args.n_layers} layers, dim {args.dim}, vocabulary "
+            f"{args.vocab_size:,}{moe}), built on the meta device",
+        ),
+        (
+            "batch",
+            f"{t.global_batch_size} sequences x {t.seq_len} tokens = {tokens:,} tokens per optimizer step "
+            f"(micro-batch {t.micro_batch_size} x {accum} x {dims.dp_size} data-parallel)",
+        ),
+        ("training", f"{t.steps:,} steps = {t.steps * tokens:,} tokens"),
+        ("memory", memory_text(cfg, run)),
+        ("free", room_text(run.device, local or local_ranks(world))),
+        ("run dir", f"{cfg.run.dir} (not created)"),
+    ]
+    return "\n".join(
+        [
+            f"loom train --dry-run on {world} rank{'s' if world > 1 else ''}: every start-up check "
+            "passed; nothing was started or written"
+        ]
+        + [f"  {k + ':':<10} {v}" for k, v in rows]
+    )
 
 
 def built_params(args) -> tuple[int, int]:
@@ -212,11 +239,15 @@ def memory_text(cfg, run) -> str:
     unit = "GPU" if run.device == "cuda" else "rank"
     state = f"weights, gradients and AdamW state {size(needs.state_bytes)}"
     if cfg.parallel.cpu_offload:
-        state = f"weights, gradients and AdamW state {size(needs.host_bytes)} on the host (parallel.cpu_offload)"
+        state = (
+            f"weights, gradients and AdamW state {size(needs.host_bytes)} on the host (parallel.cpu_offload)"
+        )
     if needs.peak_bytes is None:
         return f"{state} per {unit}; activations not estimated (MoE outside bfloat16, or FlexAttention)"
-    return (f"~{size(needs.peak_bytes)} per {unit} at a step's peak: {state}, activations "
-            f"{size(needs.activation_bytes)} (the planner's estimate for the busiest rank)")
+    return (
+        f"~{size(needs.peak_bytes)} per {unit} at a step's peak: {state}, activations "
+        f"{size(needs.activation_bytes)} (the planner's estimate for the busiest rank)"
+    )
 
 
 def room_text(device: str, local: int) -> str:

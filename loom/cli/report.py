@@ -39,8 +39,12 @@ def parse_args(argv: list[str]) -> tuple[list[str], str | None, tuple[str, ...]]
                 if not metrics:
                     raise ConfigError("--metrics", val, "expected a comma list of metrics.jsonl fields")
         elif argv[i].startswith("-"):
-            raise ConfigError(argv[i], None, "unknown option; allowed: --out PREFIX, --metrics a,b,c (see `loom "
-                              "report --help`)", show_value=False)
+            raise ConfigError(
+                argv[i],
+                None,
+                "unknown option; allowed: --out PREFIX, --metrics a,b,c (see `loom report --help`)",
+                show_value=False,
+            )
         else:
             dirs.append(argv[i])
         i += 1
@@ -79,7 +83,8 @@ def theoretical_bubble(run_dir: str, records: list[dict]) -> float | None:
         return None
     from loom.config.sections import ParallelConfig
     from loom.parallel.dims import ParallelDims
-    from loom.parallel.pipeline import stages_per_rank, theoretical_bubble as bubble
+    from loom.parallel.pipeline import stages_per_rank
+    from loom.parallel.pipeline import theoretical_bubble as bubble
     from loom.resolve import accumulation_steps
 
     try:
@@ -92,8 +97,17 @@ def theoretical_bubble(run_dir: str, records: list[dict]) -> float | None:
         dims = ParallelDims.from_config(parallel, world)
         accum = accumulation_steps(SimpleNamespace(**conf["training"]), dims.dp_size)
         return bubble(parallel.pp_schedule, parallel.pp, accum, stages_per_rank(parallel))
-    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError, tomllib.TOMLDecodeError, RuntimeError,
-            ImportError, AttributeError) as err:
+    except (
+        OSError,
+        KeyError,
+        TypeError,
+        ValueError,
+        ZeroDivisionError,
+        tomllib.TOMLDecodeError,
+        RuntimeError,
+        ImportError,
+        AttributeError,
+    ) as err:
         print(f"loom report: {run_dir}: no theoretical bubble ({type(err).__name__}: {err})")
         return None
 
@@ -109,7 +123,9 @@ def main(argv: list[str]) -> int:
     from loom.metrics.report import extra_panels, load_run, write_report
 
     runs = [load_run(d) for d in dirs]  # a missing metrics.jsonl stops before any plotting
-    extra = extra_panels(runs, tuple(p for d in dirs for p in method_panels(d)), metrics)  # an unknown field too
+    extra = extra_panels(
+        runs, tuple(p for d in dirs for p in method_panels(d)), metrics
+    )  # an unknown field too
     require("matplotlib", "report", purpose="loom report")
     for d, run in zip(dirs, runs):
         run.bubble = theoretical_bubble(d, run.records)

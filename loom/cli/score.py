@@ -98,7 +98,9 @@ def read_rows(path: str) -> list[tuple[dict, tuple]]:
     except OSError as err:
         raise ConfigError("--file", path, f"not readable ({err.strerror})") from None
     except UnicodeDecodeError as err:
-        raise ConfigError("--file", path, f"not UTF-8 text (byte {err.start}): JSON lines are UTF-8") from None
+        raise ConfigError(
+            "--file", path, f"not UTF-8 text (byte {err.start}): JSON lines are UTF-8"
+        ) from None
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -121,11 +123,16 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0
     if not opts.model:
-        raise ConfigError("--model", None, "missing: a reward model's checkpoint, run dir or Hugging Face folder",
-                          show_value=False)
+        raise ConfigError(
+            "--model",
+            None,
+            "missing: a reward model's checkpoint, run dir or Hugging Face folder",
+            show_value=False,
+        )
     if not opts.file:
-        raise ConfigError("--file", None, "missing: a .jsonl of rows to score (- for standard input)",
-                          show_value=False)
+        raise ConfigError(
+            "--file", None, "missing: a .jsonl of rows to score (- for standard input)", show_value=False
+        )
     if opts.batch_size < 1:
         raise ConfigError("--batch-size", opts.batch_size, "an integer >= 1")
     if opts.output and os.path.isdir(opts.output):  # before scoring: the scores would be lost at the end
@@ -139,7 +146,9 @@ def main(argv: list[str]) -> int:
         from loom.data.chat import load_template
 
         if scorer.tokenizer is None:
-            raise ConfigError("--chat-template", opts.chat_template, f"{opts.model} has no tokenizer to render with")
+            raise ConfigError(
+                "--chat-template", opts.chat_template, f"{opts.model} has no tokenizer to render with"
+            )
         try:
             scorer.template = load_template(opts.chat_template, scorer.tokenizer)
         except ConfigError as err:  # the option's name, not the training field's
@@ -167,7 +176,11 @@ def main(argv: list[str]) -> int:
         if scores:
             parts.append(f"mean score {sum(scores) / len(scores):.4f}")
         if pairs:
-            parts.append(f"{len(pairs)} pair{'s' if len(pairs) != 1 else ''}, chosen above rejected in "
-                         f"{sum(pairs) / len(pairs):.1%}")
-        print(f"loom score: {', '.join(parts)}" + (f" -> {opts.output}" if opts.output else ""), file=sys.stderr)
+            parts.append(
+                f"{len(pairs)} pair{'s' if len(pairs) != 1 else ''}, chosen above rejected in "
+                f"{sum(pairs) / len(pairs):.1%}"
+            )
+        print(
+            f"loom score: {', '.join(parts)}" + (f" -> {opts.output}" if opts.output else ""), file=sys.stderr
+        )
     return 0

@@ -46,11 +46,20 @@ restarts and several nodes (PyTorch's elastic agent; docs/operations.md):
   --rdzv-conf K=V,...     rendezvous settings, e.g. join_timeout=600,last_call_timeout=30
 """
 
-PREVIEWS = {"--print-config": "print-config", "--print_config": "print-config", "--dry-run": "dry-run",
-            "--dry_run": "dry-run"}
+PREVIEWS = {
+    "--print-config": "print-config",
+    "--print_config": "print-config",
+    "--dry-run": "dry-run",
+    "--dry_run": "dry-run",
+}
 # loom train's own options: a misspelt one is named as such, not as an unknown config key
-OPTIONS = ("--config", "--print-config", "--dry-run", "--help",
-           *(k for k in LAUNCH_OPTIONS if k.startswith("--") and "_" not in k and k != "--config"))
+OPTIONS = (
+    "--config",
+    "--print-config",
+    "--dry-run",
+    "--help",
+    *(k for k in LAUNCH_OPTIONS if k.startswith("--") and "_" not in k and k != "--config"),
+)
 
 
 def run_worker(argv: list[str]) -> None:
@@ -65,9 +74,9 @@ def run_worker(argv: list[str]) -> None:
 
 
 def _train_worker(argv: list[str]) -> None:
-    from loom.runtime.env import destroy_distributed
     from loom.cli.preflight import check_layout
     from loom.methods import method_of, rules_of
+    from loom.runtime.env import destroy_distributed
 
     cfg, _ = load_config(argv)
     check_layout(cfg, env_world_size())  # a job an elastic agent (re-)formed: a layout its world cannot hold
@@ -113,8 +122,12 @@ def take_previews(argv: list[str]) -> tuple[set[str], list[str]]:
         if name.startswith("--") and "." not in name and name not in LAUNCH_OPTIONS:
             near = difflib.get_close_matches(name.replace("_", "-"), OPTIONS, n=1, cutoff=0.75)
             if near:
-                raise ConfigError(name, None, f"unknown option; did you mean '{near[0]}'? (see `loom train --help`)",
-                                  show_value=False)
+                raise ConfigError(
+                    name,
+                    None,
+                    f"unknown option; did you mean '{near[0]}'? (see `loom train --help`)",
+                    show_value=False,
+                )
         rest.append(arg)
     return previews, rest
 

@@ -25,7 +25,9 @@ def bandwidth(op: str, nbytes: int, seconds: float, n: int) -> tuple[float, floa
 
 
 def default_sizes(device_type: str) -> list[int]:
-    return [1 * MIB, 32 * MIB, 256 * MIB, 1024 * MIB] if device_type == "cuda" else [64 << 10, 1 * MIB, 8 * MIB]
+    return (
+        [1 * MIB, 32 * MIB, 256 * MIB, 1024 * MIB] if device_type == "cuda" else [64 << 10, 1 * MIB, 8 * MIB]
+    )
 
 
 def collective_test(op: str, sizes: list[int], iters: int, device, warmup: int = 2) -> list[dict]:
@@ -62,8 +64,16 @@ def collective_test(op: str, sizes: list[int], iters: int, device, warmup: int =
         dist.all_reduce(seconds)
         t = float(seconds) / n
         algbw, busbw = bandwidth(op, nbytes, t, n)
-        rows.append({"op": op, "bytes": nbytes, "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
-                     "wrong": _verify(op, inp, out, rank, n, gather)})
+        rows.append(
+            {
+                "op": op,
+                "bytes": nbytes,
+                "time_us": t * 1e6,
+                "algbw_gbps": algbw,
+                "busbw_gbps": busbw,
+                "wrong": _verify(op, inp, out, rank, n, gather),
+            }
+        )
     return rows
 
 
@@ -108,8 +118,12 @@ def matmul_tflops(device, size: int, iters: int, warmup: int = 2) -> dict:
         c = a @ b  # (size, size)
     _sync(device)
     seconds = (time.perf_counter() - start) / iters
-    return {"tflops": 2 * size ** 3 / seconds / 1e12, "dtype": str(dtype).removeprefix("torch."), "size": size,
-            "finite": bool(torch.isfinite(c).all())}
+    return {
+        "tflops": 2 * size**3 / seconds / 1e12,
+        "dtype": str(dtype).removeprefix("torch."),
+        "size": size,
+        "finite": bool(torch.isfinite(c).all()),
+    }
 
 
 def flag_slow(results: list[dict], fraction: float) -> tuple[float, list[dict]]:

@@ -17,10 +17,20 @@ from loom.cluster.commbench import collective_test, default_sizes, flag_slow, ma
 from loom.cluster.hostinfo import MIB, local_facts, roce_v2_ipv4_gid, summarize_topology
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
-SECTIONS = {"software": "Software", "gpus": "GPUs and driver", "topology": "Topology", "network": "Network",
-            "limits": "Host limits", "environment": "Variables", "hosts": "Across hosts", "collectives": "Collectives",
-            "matmul": "Matmul per rank"}
-BUSY_MIB = 2048  # memory in use on a GPU before the job starts that is worth a warning (a CUDA context is ~0.5 GiB)
+SECTIONS = {
+    "software": "Software",
+    "gpus": "GPUs and driver",
+    "topology": "Topology",
+    "network": "Network",
+    "limits": "Host limits",
+    "environment": "Variables",
+    "hosts": "Across hosts",
+    "collectives": "Collectives",
+    "matmul": "Matmul per rank",
+}
+BUSY_MIB = (
+    2048  # memory in use on a GPU before the job starts that is worth a warning (a CUDA context is ~0.5 GiB)
+)
 HOT_C = 85  # a GPU this hot is near its slowdown temperature
 MIN_PEAK_SHARE = 0.4  # a fixed large bf16 GEMM below this share of the device's peak is worth a warning
 
@@ -36,6 +46,7 @@ class Check:
 @dataclass
 class Options:
     """What the job-wide tests run; None picks the device's default (GPU: larger, bf16; CPU: small, fp32)."""
+
     sizes: list[int] | None = None  # collective sizes in bytes (nccl-tests' size column)
     iters: int | None = None
     matmul_size: int | None = None
@@ -65,6 +76,7 @@ class Report:
 
 # ---- local checks ---------------------------------------------------------------------------------
 
+
 def local_checks(facts: dict, nnodes: int = 1) -> list[Check]:
     """The checks of one host's facts."""
     r = Report()
@@ -73,9 +85,14 @@ def local_checks(facts: dict, nnodes: int = 1) -> list[Check]:
     _gpu_checks(r, sw, gpu, facts["env"])
     topo = _topology_checks(r, facts["topology"], {p["device"] for p in facts["ib"]})
     _network_checks(r, facts, nnodes)
-    host = nccl_vars.HostContext(interfaces=facts["interfaces"], ib_ports=facts["ib"],
-                                 nvlink=topo["nvlink"] if topo else None, gpu_count=len(gpu["gpus"]),
-                                 uses_nccl=sw["cuda_available"], nnodes=nnodes)
+    host = nccl_vars.HostContext(
+        interfaces=facts["interfaces"],
+        ib_ports=facts["ib"],
+        nvlink=topo["nvlink"] if topo else None,
+        gpu_count=len(gpu["gpus"]),
+        uses_nccl=sw["cuda_available"],
+        nnodes=nnodes,
+    )
     _limit_checks(r, facts.get("limits") or {}, facts, len(gpu["gpus"]))
     _env_checks(r, facts["env"], host, facts.get("nccl_conf") or {})
     return r.checks
@@ -86,29 +103,50 @@ def _software_checks(r: Report, sw: dict, gpu: dict) -> None:
     n_gpus = len(gpu["gpus"])
     if sw["cuda_available"]:
         driver = f" (the driver supports CUDA {sw['driver_cuda'] or gpu.get('driver_cuda') or '?'})"
-        r.add("software", OK, f"CUDA {sw['cuda_runtime']}: {sw['cuda_devices']} device(s) visible to torch",
-              "the CUDA torch was built with" + driver)
+        r.add(
+            "software",
+            OK,
+            f"CUDA {sw['cuda_runtime']}: {sw['cuda_devices']} device(s) visible to torch",
+            "the CUDA torch was built with" + driver,
+        )
         rt, drv = _version(sw["cuda_runtime"]), _version(sw["driver_cuda"] or gpu.get("driver_cuda"))
         if rt and drv and drv < rt:
-            r.add("software", WARN, f"driver's CUDA {'.'.join(map(str, drv))} is older than torch's CUDA "
-                  f"{sw['cuda_runtime']}", "runs by CUDA minor-version compatibility; kernels shipped only as PTX "
-                  "for the newer CUDA cannot load: update the driver")
+            r.add(
+                "software",
+                WARN,
+                f"driver's CUDA {'.'.join(map(str, drv))} is older than torch's CUDA {sw['cuda_runtime']}",
+                "runs by CUDA minor-version compatibility; kernels shipped only as PTX "
+                "for the newer CUDA cannot load: update the driver",
+            )
     elif n_gpus:
-        why = ("torch is a CPU build (torch.version.cuda is None): install the CUDA build" if not sw["cuda_runtime"]
-               else f"torch's CUDA {sw['cuda_runtime']} needs a newer driver than {gpu.get('driver')}, or "
-                    "CUDA_VISIBLE_DEVICES hides the GPUs")
+        why = (
+            "torch is a CPU build (torch.version.cuda is None): install the CUDA build"
+            if not sw["cuda_runtime"]
+            else f"torch's CUDA {sw['cuda_runtime']} needs a newer driver than {gpu.get('driver')}, or "
+            "CUDA_VISIBLE_DEVICES hides the GPUs"
+        )
         r.add("software", FAIL, f"torch sees no CUDA device, but this host has {n_gpus} GPU(s)", why)
     else:
-        r.add("software", SKIP, "no CUDA device: the GPU checks are skipped",
-              "collectives run on gloo and the matmul check in fp32 on the CPU")
+        r.add(
+            "software",
+            SKIP,
+            "no CUDA device: the GPU checks are skipped",
+            "collectives run on gloo and the matmul check in fp32 on the CPU",
+        )
     if sw["cuda_available"] and not sw["nccl_available"]:
-        r.add("software", FAIL, "this torch has no NCCL", "multi-GPU jobs need torch.distributed's NCCL backend")
+        r.add(
+            "software", FAIL, "this torch has no NCCL", "multi-GPU jobs need torch.distributed's NCCL backend"
+        )
     elif sw["nccl"]:
         r.add("software", OK, f"NCCL {sw['nccl']}", "the NCCL torch ships or was built with: GPU collectives")
     else:
         r.add("software", SKIP, "no NCCL in this torch build", "a CPU build: collectives run on gloo")
-    r.add("software", OK if sw["gloo"] else WARN, f"gloo {'available' if sw['gloo'] else 'missing'}",
-          "CPU collectives: CPU jobs, CPU offload's gradient norm, monitored barriers")
+    r.add(
+        "software",
+        OK if sw["gloo"] else WARN,
+        f"gloo {'available' if sw['gloo'] else 'missing'}",
+        "CPU collectives: CPU jobs, CPU offload's gradient norm, monitored barriers",
+    )
 
 
 def _version(text: str | None) -> tuple[int, ...] | None:
@@ -126,30 +164,54 @@ def _gpu_checks(r: Report, sw: dict, gpu: dict, env: dict) -> None:
         return
     src = gpu["source"]
     note = "" if src == "nvml" else f" ({gpu.get('nvml_error', 'no NVML')})"
-    r.add("gpus", OK, f"driver {gpu.get('driver')} (CUDA up to {gpu.get('driver_cuda') or '?'}): "
-          f"{len(gpu['gpus'])} GPU(s), read through {src}{note}")
+    r.add(
+        "gpus",
+        OK,
+        f"driver {gpu.get('driver')} (CUDA up to {gpu.get('driver_cuda') or '?'}): "
+        f"{len(gpu['gpus'])} GPU(s), read through {src}{note}",
+    )
     for g in gpu["gpus"]:
         mem = f"{g['memory_total_mib'] / 1024:.0f} GiB" if g.get("memory_total_mib") else "? GiB"
         temp = f", {g['temperature_c']} C" if g.get("temperature_c") is not None else ""
         r.add("gpus", OK, f"GPU{g['index']}: {g['name']}, {mem}{temp}, bus {g.get('bus_id')}")
         if (g.get("memory_used_mib") or 0) > BUSY_MIB:
-            r.add("gpus", WARN, f"GPU{g['index']}: {g['memory_used_mib'] / 1024:.1f} GiB already in use",
-                  "another process holds memory on it: a job sized for the whole GPU runs out (nvidia-smi lists "
-                  "the processes)")
+            r.add(
+                "gpus",
+                WARN,
+                f"GPU{g['index']}: {g['memory_used_mib'] / 1024:.1f} GiB already in use",
+                "another process holds memory on it: a job sized for the whole GPU runs out (nvidia-smi lists "
+                "the processes)",
+            )
         if (g.get("ecc_uncorrected") or 0) > 0:
-            r.add("gpus", FAIL, f"GPU{g['index']}: {g['ecc_uncorrected']} uncorrectable ECC error(s) since the "
-                  "driver loaded", "its memory is failing or a row remap is pending: reset or replace the GPU; "
-                  "jobs on it can crash (Xid 48/94/95) or compute wrong values")
+            r.add(
+                "gpus",
+                FAIL,
+                f"GPU{g['index']}: {g['ecc_uncorrected']} uncorrectable ECC error(s) since the driver loaded",
+                "its memory is failing or a row remap is pending: reset or replace the GPU; "
+                "jobs on it can crash (Xid 48/94/95) or compute wrong values",
+            )
         if (g.get("temperature_c") or 0) >= HOT_C:
-            r.add("gpus", WARN, f"GPU{g['index']}: {g['temperature_c']} C", "near its slowdown temperature: "
-                  "clocks drop and every rank waits for it (cooling, airflow)")
+            r.add(
+                "gpus",
+                WARN,
+                f"GPU{g['index']}: {g['temperature_c']} C",
+                "near its slowdown temperature: clocks drop and every rank waits for it (cooling, airflow)",
+            )
         if g.get("mig") == "Enabled":
-            r.add("gpus", WARN, f"GPU{g['index']}: MIG is on", "CUDA sees MIG instances, not the whole GPU: a "
-                  "training job expects whole GPUs (nvidia-smi -i N -mig 0)")
-    if sw["cuda_available"] and "CUDA_VISIBLE_DEVICES" not in env and \
-            sw["cuda_devices"] != len(gpu["gpus"]):
-        r.add("gpus", WARN, f"torch sees {sw['cuda_devices']} device(s), the driver lists {len(gpu['gpus'])}",
-              "some GPUs are hidden (a container's device list) or failed to initialize")
+            r.add(
+                "gpus",
+                WARN,
+                f"GPU{g['index']}: MIG is on",
+                "CUDA sees MIG instances, not the whole GPU: a "
+                "training job expects whole GPUs (nvidia-smi -i N -mig 0)",
+            )
+    if sw["cuda_available"] and "CUDA_VISIBLE_DEVICES" not in env and sw["cuda_devices"] != len(gpu["gpus"]):
+        r.add(
+            "gpus",
+            WARN,
+            f"torch sees {sw['cuda_devices']} device(s), the driver lists {len(gpu['gpus'])}",
+            "some GPUs are hidden (a container's device list) or failed to initialize",
+        )
 
 
 def _topology_checks(r: Report, topo_facts: dict, rdma: set[str]) -> dict | None:
@@ -159,33 +221,56 @@ def _topology_checks(r: Report, topo_facts: dict, rdma: set[str]) -> dict | None
         return None
     topo = summarize_topology(topo_facts, rdma)
     topo_facts["summary"] = topo
-    r.add("topology", OK, topo["summary"], "NV# = # bonded NVLinks; PIX / PXB = through PCIe switches; PHB = "
-          "through the CPU's host bridge; NODE / SYS = between host bridges / CPU sockets")
+    r.add(
+        "topology",
+        OK,
+        topo["summary"],
+        "NV# = # bonded NVLinks; PIX / PXB = through PCIe switches; PHB = "
+        "through the CPU's host bridge; NODE / SYS = between host bridges / CPU sockets",
+    )
     if topo["slow_pairs"]:
         shown = ", ".join(topo["slow_pairs"][:6]) + (" ..." if len(topo["slow_pairs"]) > 6 else "")
-        r.add("topology", WARN, f"{len(topo['slow_pairs'])} GPU pair(s) without NVLink: {shown}",
-              "tensor parallelism across them runs at PCIe speed: keep parallel.tp within an NVLink group")
+        r.add(
+            "topology",
+            WARN,
+            f"{len(topo['slow_pairs'])} GPU pair(s) without NVLink: {shown}",
+            "tensor parallelism across them runs at PCIe speed: keep parallel.tp within an NVLink group",
+        )
     far = {g: v for g, v in topo["nearest_nic"].items() if v["link"] in ("NODE", "SYS")}
     if far:
         shown = ", ".join(f"{g} ({v['nic']}, {v['link']})" for g, v in sorted(far.items()))
-        r.add("topology", WARN, f"{len(far)} GPU(s) have no RDMA NIC nearer than NODE / SYS: {shown}",
-              "GPUDirect RDMA is not used that far by default (NCCL_NET_GDR_LEVEL): their traffic between hosts "
-              "goes through host memory")
+        r.add(
+            "topology",
+            WARN,
+            f"{len(far)} GPU(s) have no RDMA NIC nearer than NODE / SYS: {shown}",
+            "GPUDirect RDMA is not used that far by default (NCCL_NET_GDR_LEVEL): their traffic between hosts "
+            "goes through host memory",
+        )
     return topo
 
 
 def _network_checks(r: Report, facts: dict, nnodes: int) -> None:
     ifs = facts["interfaces"]
     if ifs:
-        shown = ", ".join(f"{n} {v['operstate']}" + (f" {v['speed_mbps'] // 1000} Gb/s" if v["speed_mbps"] else "")
-                          for n, v in ifs.items())
+        shown = ", ".join(
+            f"{n} {v['operstate']}" + (f" {v['speed_mbps'] // 1000} Gb/s" if v["speed_mbps"] else "")
+            for n, v in ifs.items()
+        )
         r.add("network", OK, f"interfaces: {shown}", "what NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME can name")
     ports = facts["ib"]
     if not ports:
         status = WARN if nnodes > 1 else SKIP
-        r.add("network", status, "no InfiniBand / RoCE device (/sys/class/infiniband)",
-              "traffic between hosts goes over TCP sockets" + (": a fraction of RDMA bandwidth" if nnodes > 1 else
-                                                              " (one host: NVLink / PCIe / shared memory inside it)"))
+        r.add(
+            "network",
+            status,
+            "no InfiniBand / RoCE device (/sys/class/infiniband)",
+            "traffic between hosts goes over TCP sockets"
+            + (
+                ": a fraction of RDMA bandwidth"
+                if nnodes > 1
+                else " (one host: NVLink / PCIe / shared memory inside it)"
+            ),
+        )
         return
     hca = facts["env"].get("NCCL_IB_HCA")
     for p in ports:
@@ -199,37 +284,68 @@ def _network_checks(r: Report, facts: dict, nnodes: int) -> None:
         if hca and not nccl_vars.filter_matches(hca, p["device"], p["port"]):
             r.add("network", OK, line, "left out by NCCL_IB_HCA")
         elif p["state"] != "ACTIVE":
-            r.add("network", WARN, line, f"not ACTIVE ({p['phys_state']}): NCCL skips it, and the GPUs near it "
-                  "send through a farther NIC")
+            r.add(
+                "network",
+                WARN,
+                line,
+                f"not ACTIVE ({p['phys_state']}): NCCL skips it, and the GPUs near it "
+                "send through a farther NIC",
+            )
         else:
-            r.add("network", OK, line, "NCCL's IB transport uses ACTIVE ports" +
-                  ("; RoCE needs a lossless (PFC/ECN) Ethernet fabric" if p["link_layer"] == "Ethernet" else ""))
+            r.add(
+                "network",
+                OK,
+                line,
+                "NCCL's IB transport uses ACTIVE ports"
+                + (
+                    "; RoCE needs a lossless (PFC/ECN) Ethernet fabric"
+                    if p["link_layer"] == "Ethernet"
+                    else ""
+                ),
+            )
 
 
 def _limit_checks(r: Report, limits: dict, facts: dict, n_gpus: int) -> None:
     active = [p for p in facts["ib"] if p.get("state") == "ACTIVE"]
     if active and limits.get("memlock_bytes") is not None:
-        r.add("limits", WARN, f"locked memory limited to {_size(limits['memlock_bytes'])} (ulimit -l)",
-              "RDMA registers NCCL's buffers as locked memory: 'ibv_reg_mr failed' / 'Unable to register memory'; "
-              "set it unlimited (a container's --ulimit memlock=-1)")
+        r.add(
+            "limits",
+            WARN,
+            f"locked memory limited to {_size(limits['memlock_bytes'])} (ulimit -l)",
+            "RDMA registers NCCL's buffers as locked memory: 'ibv_reg_mr failed' / 'Unable to register memory'; "
+            "set it unlimited (a container's --ulimit memlock=-1)",
+        )
     elif active:
         r.add("limits", OK, "locked memory unlimited", "RDMA can register NCCL's buffers")
     shm = limits.get("shm_bytes")
     if shm is not None and n_gpus > 1 and shm < 1 << 30:
-        r.add("limits", WARN, f"/dev/shm is {_size(shm)}", "NCCL's shared-memory transport and data loader "
-              "workers need more: a container's default 64 MiB fails with bus errors (--shm-size / --ipc=host)")
+        r.add(
+            "limits",
+            WARN,
+            f"/dev/shm is {_size(shm)}",
+            "NCCL's shared-memory transport and data loader "
+            "workers need more: a container's default 64 MiB fails with bus errors (--shm-size / --ipc=host)",
+        )
     elif shm is not None:
-        r.add("limits", OK, f"/dev/shm {_size(shm)}", "shared memory for NCCL's SHM transport and loader workers")
+        r.add(
+            "limits",
+            OK,
+            f"/dev/shm {_size(shm)}",
+            "shared memory for NCCL's SHM transport and loader workers",
+        )
 
 
 def _env_checks(r: Report, env: dict, host: nccl_vars.HostContext, confs: dict[str, dict]) -> None:
     rows = nccl_vars.explain(env, host)
     for path, conf in confs.items():  # NCCL reads these files; a variable set in the environment wins
-        rows += [{**row, "source": path}
-                 for row in nccl_vars.explain(conf, host) if row["name"] not in env]
+        rows += [{**row, "source": path} for row in nccl_vars.explain(conf, host) if row["name"] not in env]
     if not rows:
-        r.add("environment", OK, "no NCCL_*, GLOO_*, TORCH_* or CUDA_VISIBLE_DEVICES variable set",
-              "NCCL and PyTorch use their defaults")
+        r.add(
+            "environment",
+            OK,
+            "no NCCL_*, GLOO_*, TORCH_* or CUDA_VISIBLE_DEVICES variable set",
+            "NCCL and PyTorch use their defaults",
+        )
     for row in rows:
         why = "; ".join(x for x in (row["does"], row["note"]) if x)
         where = f" (in {row['source']})" if row.get("source") else ""
@@ -237,6 +353,7 @@ def _env_checks(r: Report, env: dict, host: nccl_vars.HostContext, confs: dict[s
 
 
 # ---- across hosts ---------------------------------------------------------------------------------
+
 
 def host_consistency(per_host: dict[str, dict]) -> list[Check]:
     """Versions, GPU models and communication variables that differ between the job's hosts."""
@@ -255,18 +372,28 @@ def host_consistency(per_host: dict[str, dict]) -> list[Check]:
     differ("torch", lambda f: f["software"]["torch"], WARN, "ranks may disagree on collectives' behaviour")
     differ("NCCL", lambda f: f["software"]["nccl"], FAIL, "NCCL needs the same version on every rank")
     differ("driver", lambda f: f["gpu"].get("driver"), WARN, "one image per job avoids surprises")
-    differ("GPUs", lambda f: sorted(Counter(g["name"] for g in f["gpu"]["gpus"]).items()), WARN,
-           "the job runs at the slowest GPU's pace")
+    differ(
+        "GPUs",
+        lambda f: sorted(Counter(g["name"] for g in f["gpu"]["gpus"]).items()),
+        WARN,
+        "the job runs at the slowest GPU's pace",
+    )
     names = sorted({n for f in per_host.values() for n in f["env"] if n not in ("CUDA_VISIBLE_DEVICES",)})
     for n in names:
         values = {h: f["env"].get(n) for h, f in per_host.items()}
         if len(set(values.values())) > 1:
             shown = "; ".join(f"{h}: {v if v is not None else '(unset)'}" for h, v in sorted(values.items()))
-            r.add("hosts", WARN, f"{n} differs: {shown}", "set it alike on every host (the launcher's environment)")
+            r.add(
+                "hosts",
+                WARN,
+                f"{n} differs: {shown}",
+                "set it alike on every host (the launcher's environment)",
+            )
     return r.checks
 
 
 # ---- across the job: collectives and matmul -------------------------------------------------------
+
 
 def job_tests(options: Options, device, rank: int, local_rank: int, world: int) -> dict:
     """Run on every rank: the collective tests (with several ranks) and the matmul; rank 0 gets everything."""
@@ -277,7 +404,9 @@ def job_tests(options: Options, device, rank: int, local_rank: int, world: int) 
     if world > 1:
         sizes = options.sizes or default_sizes(device.type)
         iters = options.iters or (20 if on_gpu else 5)
-        out["collectives"] = {op: collective_test(op, sizes, iters, device) for op in ("all_reduce", "all_gather")}
+        out["collectives"] = {
+            op: collective_test(op, sizes, iters, device) for op in ("all_reduce", "all_gather")
+        }
     size = options.matmul_size or (8192 if on_gpu else 512)
     mine = matmul_tflops(device, size, options.iters or (20 if on_gpu else 5))
     name = "cpu"
@@ -285,8 +414,13 @@ def job_tests(options: Options, device, rank: int, local_rank: int, world: int) 
         import torch
 
         name = torch.cuda.get_device_name(device)
-    mine.update(rank=rank, host=socket.gethostname(), local_rank=local_rank, name=name,
-                gpu=physical_gpu(device.index or 0) if on_gpu else None)
+    mine.update(
+        rank=rank,
+        host=socket.gethostname(),
+        local_rank=local_rank,
+        name=name,
+        gpu=physical_gpu(device.index or 0) if on_gpu else None,
+    )
     if world > 1:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -300,28 +434,47 @@ def job_checks(r: Report, job: dict, options: Options, nhosts: int) -> None:
     """Checks and tables of ``job_tests``'s results (rank 0)."""
     world = job["world_size"]
     if "collectives" not in job:
-        r.add("collectives", SKIP, "one rank: no collective test", "start several: loom doctor --nproc-per-node N "
-              "(or torchrun --nproc-per-node N -m loom doctor, srun python -m loom doctor)")
+        r.add(
+            "collectives",
+            SKIP,
+            "one rank: no collective test",
+            "start several: loom doctor --nproc-per-node N "
+            "(or torchrun --nproc-per-node N -m loom doctor, srun python -m loom doctor)",
+        )
     else:
         lines = [f"  {'op':<11}{'size':>10}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}  wrong"]
         for op, rows in job["collectives"].items():
             for row in rows:
-                lines.append(f"  {op:<11}{_size(row['bytes']):>10}{row['time_us']:>12.1f}"
-                             f"{row['algbw_gbps']:>12.2f}{row['busbw_gbps']:>12.2f}  {row['wrong']}")
+                lines.append(
+                    f"  {op:<11}{_size(row['bytes']):>10}{row['time_us']:>12.1f}"
+                    f"{row['algbw_gbps']:>12.2f}{row['busbw_gbps']:>12.2f}  {row['wrong']}"
+                )
             last = rows[-1]
             label = op.replace("_", "-")
             where = f"{world} ranks on {nhosts} host{'s' * (nhosts > 1)}, {job['backend']}"
-            r.add("collectives", OK, f"{label}: busbw {last['busbw_gbps']:.1f} GB/s at {_size(last['bytes'])} "
-                  f"(algbw {last['algbw_gbps']:.1f}; {where})",
-                  f"nccl-tests' bus bandwidth: algbw x {'2(n-1)/n' if op == 'all_reduce' else '(n-1)/n'}, "
-                  "comparable with a link's peak whatever n")
+            r.add(
+                "collectives",
+                OK,
+                f"{label}: busbw {last['busbw_gbps']:.1f} GB/s at {_size(last['bytes'])} "
+                f"(algbw {last['algbw_gbps']:.1f}; {where})",
+                f"nccl-tests' bus bandwidth: algbw x {'2(n-1)/n' if op == 'all_reduce' else '(n-1)/n'}, "
+                "comparable with a link's peak whatever n",
+            )
             wrong = [row for row in rows if row["wrong"]]
             if wrong:
-                r.add("collectives", FAIL, f"{label}: wrong results at {', '.join(_size(w['bytes']) for w in wrong)}",
-                      "the collective returned wrong values: a broken transport (set NCCL_DEBUG=INFO and rerun)")
+                r.add(
+                    "collectives",
+                    FAIL,
+                    f"{label}: wrong results at {', '.join(_size(w['bytes']) for w in wrong)}",
+                    "the collective returned wrong values: a broken transport (set NCCL_DEBUG=INFO and rerun)",
+                )
             if options.min_busbw is not None and last["busbw_gbps"] < options.min_busbw:
-                r.add("collectives", FAIL, f"{label}: busbw {last['busbw_gbps']:.1f} GB/s < --min-busbw "
-                      f"{options.min_busbw:g}", "below the bandwidth this cluster should reach")
+                r.add(
+                    "collectives",
+                    FAIL,
+                    f"{label}: busbw {last['busbw_gbps']:.1f} GB/s < --min-busbw {options.min_busbw:g}",
+                    "below the bandwidth this cluster should reach",
+                )
         r.tables["collectives"] = "\n".join(lines)
     results = job["matmul"]
     first = results[0]
@@ -329,19 +482,35 @@ def job_checks(r: Report, job: dict, options: Options, nhosts: int) -> None:
     lo = min(results, key=lambda x: x["tflops"])
     what = f"{first['dtype']} {first['size']}^3 GEMM"
     if len(results) == 1:
-        r.add("matmul", OK, f"{_who(first)}: {_rate(first['tflops'])} ({what})", "one rank: nothing to compare")
+        r.add(
+            "matmul", OK, f"{_who(first)}: {_rate(first['tflops'])} ({what})", "one rank: nothing to compare"
+        )
     else:
-        r.add("matmul", OK, f"{len(results)} ranks: median {_rate(median)}, slowest {_who(lo)} at "
-              f"{_rate(lo['tflops'])}; {what}", "" if first["name"] == "cpu" else
-              f"a rank more than {options.slow_fraction:.0%} below the median is named")
+        r.add(
+            "matmul",
+            OK,
+            f"{len(results)} ranks: median {_rate(median)}, slowest {_who(lo)} at "
+            f"{_rate(lo['tflops'])}; {what}",
+            ""
+            if first["name"] == "cpu"
+            else f"a rank more than {options.slow_fraction:.0%} below the median is named",
+        )
     if first["name"] == "cpu" and len(results) > 1:
         slow = []
-        r.add("matmul", SKIP, "CPU ranks are not compared", "they share this host's cores, so their speeds differ "
-              "by scheduling, not by hardware")
+        r.add(
+            "matmul",
+            SKIP,
+            "CPU ranks are not compared",
+            "they share this host's cores, so their speeds differ by scheduling, not by hardware",
+        )
     for s in slow:
-        r.add("matmul", WARN, f"{_who(s)}: {_rate(s['tflops'])}, {1 - s['tflops'] / median:.0%} below the median",
-              "every step waits for the slowest GPU: throttling (power, heat), clocks set low, another process on "
-              "it (nvidia-smi -q -d PERFORMANCE,CLOCK)")
+        r.add(
+            "matmul",
+            WARN,
+            f"{_who(s)}: {_rate(s['tflops'])}, {1 - s['tflops'] / median:.0%} below the median",
+            "every step waits for the slowest GPU: throttling (power, heat), clocks set low, another process on "
+            "it (nvidia-smi -q -d PERFORMANCE,CLOCK)",
+        )
     for x in results:
         if not x["finite"]:
             r.add("matmul", FAIL, f"{_who(x)}: the GEMM returned NaN / inf", "the GPU computes wrong values")
@@ -351,12 +520,18 @@ def job_checks(r: Report, job: dict, options: Options, nhosts: int) -> None:
         for x in results:
             peak = peak_flops(x["name"], x["dtype"])
             if peak and x["tflops"] * 1e12 < MIN_PEAK_SHARE * peak:
-                r.add("matmul", WARN, f"{_who(x)}: {x['tflops']:.1f} TFLOP/s is {x['tflops'] * 1e12 / peak:.0%} of "
-                      f"the {x['name']}'s {peak / 1e12:.0f} TFLOP/s peak", "a large GEMM reaches well over half: "
-                      "throttled clocks, or a smaller --matmul-size")
+                r.add(
+                    "matmul",
+                    WARN,
+                    f"{_who(x)}: {x['tflops']:.1f} TFLOP/s is {x['tflops'] * 1e12 / peak:.0%} of "
+                    f"the {x['name']}'s {peak / 1e12:.0f} TFLOP/s peak",
+                    "a large GEMM reaches well over half: throttled clocks, or a smaller --matmul-size",
+                )
     lines = [f"  {'rank':>4}  {'host':<20}{'gpu':>4}  {'TFLOP/s':>9}  device"]
     for x in results:
-        lines.append(f"  {x['rank']:>4}  {x['host'][:20]:<20}{x['gpu'] or '-':>4}  {x['tflops']:>9.3f}  {x['name']}")
+        lines.append(
+            f"  {x['rank']:>4}  {x['host'][:20]:<20}{x['gpu'] or '-':>4}  {x['tflops']:>9.3f}  {x['name']}"
+        )
     r.tables["matmul"] = "\n".join(lines)
 
 
@@ -378,6 +553,7 @@ def _size(nbytes: int) -> str:
 
 # ---- the whole run --------------------------------------------------------------------------------
 
+
 def run(options: Options) -> Report:
     """The doctor on this process: alone, or as one rank of a job (torchrun / elastic / SLURM variables), where
     rank 0 gets every host's facts and every rank's results."""
@@ -391,12 +567,16 @@ def run(options: Options) -> Report:
     report = Report(is_main=rank == 0)
     try:
         device, joined = _join(world, local_rank, options.timeout_s)
-    except Exception as err:  # noqa: BLE001 - the reason the job could not start is the finding
+    except Exception as err:
         if facts is not None:
             report.checks += local_checks(facts)
-        report.add("collectives", FAIL, f"rank {rank}: the process group did not start: {type(err).__name__}: "
-                   f"{str(err).splitlines()[0] if str(err) else ''}",
-                   "see the FAIL / WARN lines above (interfaces, variables); NCCL_DEBUG=INFO says more")
+        report.add(
+            "collectives",
+            FAIL,
+            f"rank {rank}: the process group did not start: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}",
+            "see the FAIL / WARN lines above (interfaces, variables); NCCL_DEBUG=INFO says more",
+        )
         report.facts = {"hosts": {socket.gethostname(): facts}} if facts else {}
         return report
     try:
@@ -412,8 +592,11 @@ def run(options: Options) -> Report:
     report.checks += local_checks(per_host[main_host], nnodes=len(per_host))
     for host, f in per_host.items():
         if host != main_host:  # other hosts: their problems only (the full facts are in the JSON)
-            report.checks += [Check(c.section, c.status, f"{host}: {c.what}", c.why)
-                              for c in local_checks(f, nnodes=len(per_host)) if c.status in (WARN, FAIL)]
+            report.checks += [
+                Check(c.section, c.status, f"{host}: {c.what}", c.why)
+                for c in local_checks(f, nnodes=len(per_host))
+                if c.status in (WARN, FAIL)
+            ]
     if len(per_host) > 1:
         report.checks += host_consistency(per_host)
     _rank_env_differences(report, gathered)
@@ -436,8 +619,11 @@ def _join(world: int, local_rank: int, timeout_s: float):
     device = pick_device("auto", local_rank)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
         return device, True
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -469,20 +655,29 @@ def _rank_env_differences(r: Report, gathered: list) -> None:
         for n in sorted({k for e in envs for k in e} - {"CUDA_VISIBLE_DEVICES"}):
             values = {e.get(n) for e in envs}
             if len(values) > 1:
-                r.add("hosts", WARN, f"{host}: {n} differs between its ranks: "
-                      f"{', '.join(sorted(str(v) for v in values))}", "ranks of one job should agree")
+                r.add(
+                    "hosts",
+                    WARN,
+                    f"{host}: {n} differs between its ranks: {', '.join(sorted(str(v) for v in values))}",
+                    "ranks of one job should agree",
+                )
 
 
 # ---- output ---------------------------------------------------------------------------------------
+
 
 def render(report: Report) -> str:
     """Sections of OK / WARN / FAIL / SKIP lines, each with its reason below it, then a verdict."""
     out = []
     world = report.facts.get("world_size", 1)
     hosts = report.facts.get("hosts") or {}
-    names = ", ".join(sorted(hosts)[:4]) + (" ..." if len(hosts) > 4 else "") if hosts else socket.gethostname()
-    out.append(f"loom doctor: {world} rank{'s' * (world > 1)} on {len(hosts) or 1} host{'s' * (len(hosts) > 1)} "
-               f"({names})")
+    names = (
+        ", ".join(sorted(hosts)[:4]) + (" ..." if len(hosts) > 4 else "") if hosts else socket.gethostname()
+    )
+    out.append(
+        f"loom doctor: {world} rank{'s' * (world > 1)} on {len(hosts) or 1} host{'s' * (len(hosts) > 1)} "
+        f"({names})"
+    )
     for key, title in SECTIONS.items():
         checks = [c for c in report.checks if c.section == key]
         if not checks and key not in report.tables:

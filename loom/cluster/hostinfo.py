@@ -14,7 +14,9 @@ from collections import Counter
 from loom.cluster import nccl_vars
 
 MIB = 1 << 20
-NVLINKS_PER_GPU = 18  # H100 / H200 / B200: a pair with more links than a GPU has per peer goes through NVSwitch
+NVLINKS_PER_GPU = (
+    18  # H100 / H200 / B200: a pair with more links than a GPU has per peer goes through NVSwitch
+)
 
 
 def run_tool(args: list[str], timeout: float = 30.0) -> tuple[bool, str]:
@@ -40,10 +42,19 @@ def software_facts() -> dict:
     from loom import version
 
     cuda = torch.cuda.is_available()
-    return {"host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
-            "loom": version(), "cuda_runtime": torch.version.cuda, "cuda_available": cuda,
-            "cuda_devices": torch.cuda.device_count() if cuda else 0, "driver_cuda": driver_cuda_version(),
-            "nccl": nccl_version(), "nccl_available": dist.is_nccl_available(), "gloo": dist.is_gloo_available()}
+    return {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loom": version(),
+        "cuda_runtime": torch.version.cuda,
+        "cuda_available": cuda,
+        "cuda_devices": torch.cuda.device_count() if cuda else 0,
+        "driver_cuda": driver_cuda_version(),
+        "nccl": nccl_version(),
+        "nccl_available": dist.is_nccl_available(),
+        "gloo": dist.is_gloo_available(),
+    }
 
 
 def driver_cuda_version() -> str | None:
@@ -71,10 +82,30 @@ def nccl_version() -> str | None:
     return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
 
 
-SMI_FIELDS = ("index", "name", "uuid", "pci.bus_id", "driver_version", "memory.total", "memory.used",
-              "temperature.gpu", "ecc.errors.uncorrected.volatile.total", "mig.mode.current")
-_SMI_KEYS = ("index", "name", "uuid", "bus_id", "driver", "memory_total_mib", "memory_used_mib", "temperature_c",
-             "ecc_uncorrected", "mig")
+SMI_FIELDS = (
+    "index",
+    "name",
+    "uuid",
+    "pci.bus_id",
+    "driver_version",
+    "memory.total",
+    "memory.used",
+    "temperature.gpu",
+    "ecc.errors.uncorrected.volatile.total",
+    "mig.mode.current",
+)
+_SMI_KEYS = (
+    "index",
+    "name",
+    "uuid",
+    "bus_id",
+    "driver",
+    "memory_total_mib",
+    "memory_used_mib",
+    "temperature_c",
+    "ecc_uncorrected",
+    "mig",
+)
 _INT_KEYS = {"index", "memory_total_mib", "memory_used_mib", "temperature_c", "ecc_uncorrected"}
 
 
@@ -113,7 +144,7 @@ def gpu_facts() -> dict:
     if pynvml is not None:
         try:
             return _nvml_facts(pynvml)
-        except Exception as err:  # noqa: BLE001 - any NVML error means: try nvidia-smi
+        except Exception as err:
             nvml_error = f"NVML: {err}"
     ok, out = run_tool(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"])
     if not ok:
@@ -123,20 +154,26 @@ def gpu_facts() -> dict:
     ok, head = run_tool(["nvidia-smi"])
     if ok and (m := re.search(r"CUDA Version:\s*([\d.]+)", head)):
         driver_cuda = m.group(1)
-    return {"source": "nvidia-smi", "gpus": gpus, "driver": gpus[0]["driver"] if gpus else None,
-            "driver_cuda": driver_cuda, "nvml_error": nvml_error}
+    return {
+        "source": "nvidia-smi",
+        "gpus": gpus,
+        "driver": gpus[0]["driver"] if gpus else None,
+        "driver_cuda": driver_cuda,
+        "nvml_error": nvml_error,
+    }
 
 
 def _nvml_facts(nv) -> dict:
     nv.nvmlInit()
     try:
+
         def text(x):
             return x.decode() if isinstance(x, bytes) else x
 
         def maybe(fn, *args):
             try:
                 return fn(*args)
-            except Exception:  # noqa: BLE001 - a field this GPU does not support
+            except Exception:
                 return None
 
         gpus = []
@@ -145,17 +182,32 @@ def _nvml_facts(nv) -> dict:
             h = nv.nvmlDeviceGetHandleByIndex(i)
             mem = nv.nvmlDeviceGetMemoryInfo(h)
             mig = maybe(nv.nvmlDeviceGetMigMode, h)
-            gpus.append({
-                "index": i, "name": text(nv.nvmlDeviceGetName(h)), "uuid": text(nv.nvmlDeviceGetUUID(h)),
-                "bus_id": text(nv.nvmlDeviceGetPciInfo(h).busId), "driver": driver,
-                "memory_total_mib": mem.total // MIB, "memory_used_mib": mem.used // MIB,
-                "temperature_c": maybe(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
-                "ecc_uncorrected": maybe(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                         nv.NVML_VOLATILE_ECC),
-                "mig": None if mig is None else ("Enabled" if mig[0] else "Disabled")})
+            gpus.append(
+                {
+                    "index": i,
+                    "name": text(nv.nvmlDeviceGetName(h)),
+                    "uuid": text(nv.nvmlDeviceGetUUID(h)),
+                    "bus_id": text(nv.nvmlDeviceGetPciInfo(h).busId),
+                    "driver": driver,
+                    "memory_total_mib": mem.total // MIB,
+                    "memory_used_mib": mem.used // MIB,
+                    "temperature_c": maybe(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+                    "ecc_uncorrected": maybe(
+                        nv.nvmlDeviceGetTotalEccErrors,
+                        h,
+                        nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                        nv.NVML_VOLATILE_ECC,
+                    ),
+                    "mig": None if mig is None else ("Enabled" if mig[0] else "Disabled"),
+                }
+            )
         code = maybe(nv.nvmlSystemGetCudaDriverVersion)
-        return {"source": "nvml", "gpus": gpus, "driver": driver,
-                "driver_cuda": f"{code // 1000}.{code % 1000 // 10}" if code else None}
+        return {
+            "source": "nvml",
+            "gpus": gpus,
+            "driver": driver,
+            "driver_cuda": f"{code // 1000}.{code % 1000 // 10}" if code else None,
+        }
     finally:
         nv.nvmlShutdown()
 
@@ -174,7 +226,9 @@ def parse_topo_matrix(text: str) -> dict:
     for ln in lines:
         tokens = ln.split()
         if header is None:
-            if "GPU0" in tokens:  # the header comes first; the rows follow it up to a blank line or the legend
+            if (
+                "GPU0" in tokens
+            ):  # the header comes first; the rows follow it up to a blank line or the legend
                 header = tokens
             continue
         if not tokens or tokens[0].startswith("Legend"):
@@ -188,8 +242,8 @@ def parse_topo_matrix(text: str) -> dict:
     links, cpu, numa = {}, {}, {}
     for name in devices:
         cells = rows[name]
-        links[name] = dict(zip(devices, cells[:len(devices)]))
-        rest = cells[len(devices):]
+        links[name] = dict(zip(devices, cells[: len(devices)]))
+        rest = cells[len(devices) :]
         if name.startswith("GPU") and rest:
             cpu[name] = rest[0]
             if len(rest) > 1:
@@ -208,9 +262,12 @@ def summarize_topology(topo: dict, rdma: set[str] | None = None) -> dict:
     """GPU pairs by link ({"NV18": 28}), whether any / all pairs use NVLink, a one-line summary, the pairs that do
     not when some do, and each GPU's nearest NIC (among the ``rdma`` device names when given)."""
     gpus = [d for d in topo["devices"] if d.startswith("GPU")]
-    nics = [d for d in topo["devices"] if not d.startswith("GPU")
-            and (rdma is None or topo["nic_names"].get(d, d) in rdma)]
-    pairs = {(a, b): topo["links"][a].get(b, "?") for i, a in enumerate(gpus) for b in gpus[i + 1:]}
+    nics = [
+        d
+        for d in topo["devices"]
+        if not d.startswith("GPU") and (rdma is None or topo["nic_names"].get(d, d) in rdma)
+    ]
+    pairs = {(a, b): topo["links"][a].get(b, "?") for i, a in enumerate(gpus) for b in gpus[i + 1 :]}
     counts = Counter(pairs.values())
     nvlink = [p for p, link in pairs.items() if link.startswith("NV")]
     n = len(gpus)
@@ -222,17 +279,24 @@ def summarize_topology(topo: dict, rdma: set[str] | None = None) -> dict:
         if link.startswith("NV") and int(link[2:] or 0) * (n - 1) > NVLINKS_PER_GPU:
             text += " (NVSwitch)"
     else:
-        text = f"{n} GPUs: " + ", ".join(f"{link} x {c} pair{'s' * (c > 1)}"
-                                         for link, c in sorted(counts.items(), key=lambda kv: _link_order(kv[0])))
+        text = f"{n} GPUs: " + ", ".join(
+            f"{link} x {c} pair{'s' * (c > 1)}"
+            for link, c in sorted(counts.items(), key=lambda kv: _link_order(kv[0]))
+        )
     nearest = {}
     for g in gpus:
         if nics:
             nic = min(nics, key=lambda x: _link_order(topo["links"][g].get(x, "SYS")))
             nearest[g] = {"nic": topo["nic_names"].get(nic, nic), "link": topo["links"][g].get(nic, "?")}
-    return {"gpus": n, "pairs": dict(counts), "nvlink": bool(nvlink), "all_nvlink": bool(pairs) and
-            len(nvlink) == len(pairs), "summary": text,
-            "slow_pairs": [f"{a}-{b} {pairs[(a, b)]}" for (a, b) in pairs if nvlink and (a, b) not in nvlink],
-            "nearest_nic": nearest}
+    return {
+        "gpus": n,
+        "pairs": dict(counts),
+        "nvlink": bool(nvlink),
+        "all_nvlink": bool(pairs) and len(nvlink) == len(pairs),
+        "summary": text,
+        "slow_pairs": [f"{a}-{b} {pairs[(a, b)]}" for (a, b) in pairs if nvlink and (a, b) not in nvlink],
+        "nearest_nic": nearest,
+    }
 
 
 def _sysfs(path: str) -> str | None:
@@ -250,8 +314,11 @@ def read_ib_devices(root: str = "/sys/class/infiniband") -> list[dict]:
         return []
     ports = []
     for dev in sorted(os.listdir(root)):
-        netdevs = sorted(os.listdir(os.path.join(root, dev, "device", "net"))) \
-            if os.path.isdir(os.path.join(root, dev, "device", "net")) else []
+        netdevs = (
+            sorted(os.listdir(os.path.join(root, dev, "device", "net")))
+            if os.path.isdir(os.path.join(root, dev, "device", "net"))
+            else []
+        )
         ports_dir = os.path.join(root, dev, "ports")
         if not os.path.isdir(ports_dir):
             continue
@@ -259,13 +326,20 @@ def read_ib_devices(root: str = "/sys/class/infiniband") -> list[dict]:
             base = os.path.join(ports_dir, port)
             rate = _sysfs(os.path.join(base, "rate"))
             m = re.match(r"([\d.]+)\s*Gb/sec", rate or "")
-            ports.append({
-                "device": dev, "port": int(port) if port.isdigit() else port,
-                "state": _strip_code(_sysfs(os.path.join(base, "state"))),
-                "phys_state": _strip_code(_sysfs(os.path.join(base, "phys_state"))),
-                "rate": rate, "rate_gbps": float(m.group(1)) if m else None,
-                "link_layer": _sysfs(os.path.join(base, "link_layer")), "netdevs": netdevs,
-                "fw_ver": _sysfs(os.path.join(root, dev, "fw_ver")), "gids": _gids(base)})
+            ports.append(
+                {
+                    "device": dev,
+                    "port": int(port) if port.isdigit() else port,
+                    "state": _strip_code(_sysfs(os.path.join(base, "state"))),
+                    "phys_state": _strip_code(_sysfs(os.path.join(base, "phys_state"))),
+                    "rate": rate,
+                    "rate_gbps": float(m.group(1)) if m else None,
+                    "link_layer": _sysfs(os.path.join(base, "link_layer")),
+                    "netdevs": netdevs,
+                    "fw_ver": _sysfs(os.path.join(root, dev, "fw_ver")),
+                    "gids": _gids(base),
+                }
+            )
     return ports
 
 
@@ -283,9 +357,14 @@ def _gids(port_dir: str) -> list[dict]:
         gid = _sysfs(os.path.join(gid_dir, name))
         if not gid or set(gid.replace(":", "")) == {"0"}:
             continue
-        out.append({"index": int(name), "gid": gid,
-                    "type": _sysfs(os.path.join(port_dir, "gid_attrs", "types", name)),
-                    "netdev": _sysfs(os.path.join(port_dir, "gid_attrs", "ndevs", name))})
+        out.append(
+            {
+                "index": int(name),
+                "gid": gid,
+                "type": _sysfs(os.path.join(port_dir, "gid_attrs", "types", name)),
+                "netdev": _sysfs(os.path.join(port_dir, "gid_attrs", "ndevs", name)),
+            }
+        )
     return out
 
 
@@ -305,9 +384,11 @@ def read_interfaces(root: str = "/sys/class/net") -> dict[str, dict]:
     for name in sorted(os.listdir(root)):
         speed = _sysfs(os.path.join(root, name, "speed"))
         mtu = _sysfs(os.path.join(root, name, "mtu"))
-        out[name] = {"operstate": _sysfs(os.path.join(root, name, "operstate")),
-                     "mtu": int(mtu) if mtu and mtu.isdigit() else None,
-                     "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit() and int(speed) > 0 else None}
+        out[name] = {
+            "operstate": _sysfs(os.path.join(root, name, "operstate")),
+            "mtu": int(mtu) if mtu and mtu.isdigit() else None,
+            "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit() and int(speed) > 0 else None,
+        }
     return out
 
 
@@ -343,8 +424,13 @@ def host_limits() -> dict:
 def local_facts(environ: dict[str, str] | None = None) -> dict:
     """Everything the doctor reads on this host (one process per host gathers it)."""
     environ = dict(os.environ if environ is None else environ)
-    facts = {"software": software_facts(), "gpu": gpu_facts(), "ib": read_ib_devices(),
-             "interfaces": read_interfaces(), "limits": host_limits()}
+    facts = {
+        "software": software_facts(),
+        "gpu": gpu_facts(),
+        "ib": read_ib_devices(),
+        "interfaces": read_interfaces(),
+        "limits": host_limits(),
+    }
     ok, out = run_tool(["nvidia-smi", "topo", "-m"])
     facts["topology"] = {"raw": out, **parse_topo_matrix(out)} if ok else {"error": out}
     facts["env"] = {n: environ[n] for n in nccl_vars.listed(environ)}

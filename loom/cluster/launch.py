@@ -27,11 +27,20 @@ DEFAULT_LAUNCHER = "ssh -o BatchMode=yes {host} {cmd}"
 LAUNCHER_ENV = "LOOM_SSH"  # the launcher command when --launcher-cmd is not given
 # variables that change how a job communicates or finds its code: sent to every host (names or prefixes)
 FORWARD_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "UCX_", "FI_", "NVSHMEM_")
-FORWARD_NAMES = ("PYTHONPATH", "VIRTUAL_ENV", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS",
-                 "PYTORCH_CUDA_ALLOC_CONF", "TORCH_CPP_LOG_LEVEL", "HF_HOME", "LOOM_TEST_HANG_SECONDS")
+FORWARD_NAMES = (
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "OMP_NUM_THREADS",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "TORCH_CPP_LOG_LEVEL",
+    "HF_HOME",
+    "LOOM_TEST_HANG_SECONDS",
+)
 
 
 # ---- hostfiles ------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Host:
@@ -53,8 +62,9 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
             continue
         m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
         if m is None:
-            raise ConfigError("--hostfile", source, f"line {n} {raw.strip()!r}: expected 'HOST slots=N'",
-                              show_value=True)
+            raise ConfigError(
+                "--hostfile", source, f"line {n} {raw.strip()!r}: expected 'HOST slots=N'", show_value=True
+            )
         name, slots = m.group(1), int(m.group(2))
         if slots < 1:
             raise ConfigError("--hostfile", source, f"line {n}: slots must be at least 1")
@@ -109,6 +119,7 @@ def select_hosts(hosts: list[Host], include: str = "", exclude: str = "") -> lis
 
 # ---- the agent command ------------------------------------------------------------------------------------------
 
+
 def forwarded_env(environ: dict[str, str], extra: list[str] = ()) -> dict[str, str]:
     """The variables sent to every host: NCCL / GLOO / torch.distributed settings, the Python path and venv,
     then ``--env KEY=VALUE`` pairs."""
@@ -125,19 +136,33 @@ def forwarded_env(environ: dict[str, str], extra: list[str] = ()) -> dict[str, s
 class Rendezvous:
     """Where the agents meet: ``c10d`` at ``HOST:PORT`` (a TCPStore on the first host) or ``file`` at a path on a
     filesystem every host mounts (loom.runtime.rendezvous)."""
+
     endpoint: str
     run_id: str = field(default_factory=lambda: f"loom-{uuid.uuid4().hex[:8]}")
     backend: str = "c10d"
 
 
-def agent_args(nnodes: int | str, node_rank: int | str | None, nproc: int | str, rdzv: Rendezvous,
-               max_restarts: int | None = None) -> list[str]:
+def agent_args(
+    nnodes: int | str,
+    node_rank: int | str | None,
+    nproc: int | str,
+    rdzv: Rendezvous,
+    max_restarts: int | None = None,
+) -> list[str]:
     """``loom train``'s elastic-agent options for one node."""
     args = ["--nnodes", str(nnodes)]
     if node_rank is not None:
         args += ["--node-rank", str(node_rank)]
-    args += ["--nproc-per-node", str(nproc), "--rdzv-backend", rdzv.backend, "--rdzv-endpoint", rdzv.endpoint,
-             "--rdzv-id", rdzv.run_id]
+    args += [
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        rdzv.backend,
+        "--rdzv-endpoint",
+        rdzv.endpoint,
+        "--rdzv-id",
+        rdzv.run_id,
+    ]
     if max_restarts is not None:
         args += ["--max-restarts", str(max_restarts)]
     return args
@@ -147,12 +172,15 @@ def remote_command(workdir: str, env: dict[str, str], python: str, args: list[st
     """The shell line a host runs: the agent in ``workdir`` with ``env``, stopped (SIGTERM: the workers save and
     exit) when the launcher's connection closes, i.e. when the launcher stops it or dies."""
     assign = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    agent = " ".join(filter(None, ["env", assign, shlex.quote(python), "-m", "loom", "train",
-                                   *map(shlex.quote, args)]))
+    agent = " ".join(
+        filter(None, ["env", assign, shlex.quote(python), "-m", "loom", "train", *map(shlex.quote, args)])
+    )
     # a background job's stdin is /dev/null: the watcher reads the line's stdin through fd 3
     watch = "{ cat >/dev/null; kill -TERM $pid; } <&3 >/dev/null 2>&1 & watch=$!"
-    return (f"cd {shlex.quote(workdir)} && {{ {agent} </dev/null 3<&- & pid=$!; {watch}; wait $pid; rc=$?; "
-            f"kill $watch 2>/dev/null; exit $rc; }} 3<&0")
+    return (
+        f"cd {shlex.quote(workdir)} && {{ {agent} </dev/null 3<&- & pid=$!; {watch}; wait $pid; rc=$?; "
+        f"kill $watch 2>/dev/null; exit $rc; }} 3<&0"
+    )
 
 
 def launcher_argv(template: str, host: str, cmd: str) -> list[str]:
@@ -173,9 +201,18 @@ class HostLaunch:
     argv: list[str]
 
 
-def hostfile_launches(hosts: list[Host], train_args: list[str], *, workdir: str, python: str,
-                      environ: dict[str, str], launcher: str, rdzv: Rendezvous, extra_env: list[str] = (),
-                      max_restarts: int | None = None) -> list[HostLaunch]:
+def hostfile_launches(
+    hosts: list[Host],
+    train_args: list[str],
+    *,
+    workdir: str,
+    python: str,
+    environ: dict[str, str],
+    launcher: str,
+    rdzv: Rendezvous,
+    extra_env: list[str] = (),
+    max_restarts: int | None = None,
+) -> list[HostLaunch]:
     """One launch per host: the agent for node i with that host's slots (its devices where a subset is chosen)."""
     env = forwarded_env(environ, extra_env)
     out = []
@@ -184,8 +221,11 @@ def hostfile_launches(hosts: list[Host], train_args: list[str], *, workdir: str,
         if h.devices is not None:
             host_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, h.devices))
         args = agent_args(len(hosts), i, h.nproc, rdzv, max_restarts) + list(train_args)
-        out.append(HostLaunch(h.name, launcher_argv(launcher, h.name, remote_command(workdir, host_env, python,
-                                                                                        args))))
+        out.append(
+            HostLaunch(
+                h.name, launcher_argv(launcher, h.name, remote_command(workdir, host_env, python, args))
+            )
+        )
     return out
 
 
@@ -196,8 +236,18 @@ def run_launches(launches: list[HostLaunch], *, grace_s: float = 60.0, out=None)
     out = out or sys.stdout
     lock = threading.Lock()
     width = max(len(launch.host) for launch in launches)
-    procs = [subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, errors="replace", start_new_session=True) for launch in launches]
+    procs = [
+        subprocess.Popen(
+            launch.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+        for launch in launches
+    ]
 
     def pump(launch: HostLaunch, proc: subprocess.Popen) -> None:
         prefix = f"[{launch.host:<{width}}] "
@@ -215,7 +265,9 @@ def run_launches(launches: list[HostLaunch], *, grace_s: float = 60.0, out=None)
             codes = [p.poll() for p in procs]  # every one polled: a failure is seen while others still run
             failed = [c for c in codes if c not in (None, 0)]
             if failed or None not in codes:
-                code = (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0  # killed by N: 128 + N
+                code = (
+                    (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
+                )  # killed by N: 128 + N
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -223,8 +275,11 @@ def run_launches(launches: list[HostLaunch], *, grace_s: float = 60.0, out=None)
     if code:
         failed = [launch.host for launch, p in zip(launches, procs) if p.returncode not in (None, 0)]
         with lock:
-            print(f"loom launch: {', '.join(failed) or 'interrupted'}: stopping the other hosts", file=sys.stderr,
-                  flush=True)
+            print(
+                f"loom launch: {', '.join(failed) or 'interrupted'}: stopping the other hosts",
+                file=sys.stderr,
+                flush=True,
+            )
         _stop(procs, grace_s)
     for t in pumps:
         t.join(timeout=5)
@@ -252,6 +307,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 # ---- SLURM ---------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class SlurmJob:
     nodes: int
@@ -266,12 +322,24 @@ class SlurmJob:
     extra: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. --qos=high
 
 
-def sbatch_script(job: SlurmJob, train_args: list[str], *, workdir: str, python: str, environ: dict[str, str],
-                  extra_env: list[str] = (), max_restarts: int | None = None) -> str:
+def sbatch_script(
+    job: SlurmJob,
+    train_args: list[str],
+    *,
+    workdir: str,
+    python: str,
+    environ: dict[str, str],
+    extra_env: list[str] = (),
+    max_restarts: int | None = None,
+) -> str:
     """A batch script: one task per node (``srun --ntasks-per-node=1``), each an elastic agent with
     ``--gpus-per-node`` workers, meeting at the first node of the allocation."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={job.job_name}", f"#SBATCH --nodes={job.nodes}",
-             "#SBATCH --ntasks-per-node=1"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job.job_name}",
+        f"#SBATCH --nodes={job.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
     if job.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
     for name, value in (("partition", job.partition), ("time", job.time), ("account", job.account)):
@@ -281,15 +349,29 @@ def sbatch_script(job: SlurmJob, train_args: list[str], *, workdir: str, python:
         lines.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
     lines.append(f"#SBATCH --output={job.output}")
     lines += [f"#SBATCH {opt}" for opt in job.extra]
-    lines += ["", "set -euo pipefail", "# the first node of the allocation hosts the rendezvous",
-              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)']
+    lines += [
+        "",
+        "set -euo pipefail",
+        "# the first node of the allocation hosts the rendezvous",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    ]
     env = forwarded_env(environ, extra_env)
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     rdzv = Rendezvous("$head:" + str(job.port), "$SLURM_JOB_ID")
     # no --node-rank: the c10d rendezvous numbers the nodes; the variables are the batch shell's, the same everywhere
     args = agent_args("$SLURM_NNODES", None, job.gpus_per_node or 1, rdzv, max_restarts)
-    words = [shlex.quote(python), "-m", "loom", "train", *(_sh_word(a) for a in args), *map(shlex.quote, train_args)]
-    lines += [f"cd {shlex.quote(workdir)}", "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " + " ".join(words)]
+    words = [
+        shlex.quote(python),
+        "-m",
+        "loom",
+        "train",
+        *(_sh_word(a) for a in args),
+        *map(shlex.quote, train_args),
+    ]
+    lines += [
+        f"cd {shlex.quote(workdir)}",
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 " + " ".join(words),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -303,12 +385,15 @@ def submit(script_path: str) -> int:
     import shutil
 
     if shutil.which("sbatch") is None:
-        raise UserError(f"--submit: sbatch is not on PATH here; the script is {script_path}: submit it where SLURM "
-                        "runs (sbatch " + script_path + ")")
+        raise UserError(
+            f"--submit: sbatch is not on PATH here; the script is {script_path}: submit it where SLURM "
+            "runs (sbatch " + script_path + ")"
+        )
     return subprocess.call(["sbatch", script_path])
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class KubeJob:
@@ -322,11 +407,13 @@ class KubeJob:
 
 
 def _container(job: KubeJob, args: list[str], env: dict[str, str]) -> dict:
-    c = {"name": "pytorch",  # the training operator finds its container by this name
-         "image": job.image,
-         "command": ["python", "-m", "loom", "train"],
-         "args": args,
-         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}  # NCCL's shared-memory transport needs room
+    c = {
+        "name": "pytorch",  # the training operator finds its container by this name
+        "image": job.image,
+        "command": ["python", "-m", "loom", "train"],
+        "args": args,
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }  # NCCL's shared-memory transport needs room
     if env:
         c["env"] = [{"name": k, "value": v} for k, v in env.items()]
     if job.gpus_per_node:
@@ -335,8 +422,10 @@ def _container(job: KubeJob, args: list[str], env: dict[str, str]) -> dict:
 
 
 def _pod_spec(job: KubeJob, args: list[str], env: dict[str, str], restart: str | None = None) -> dict:
-    spec = {"containers": [_container(job, args, env)],
-            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
+    spec = {
+        "containers": [_container(job, args, env)],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+    }
     if restart:
         spec["restartPolicy"] = restart
     return spec
@@ -351,14 +440,30 @@ def pytorchjob(job: KubeJob, train_args: list[str], env: dict[str, str]) -> dict
     the first worker's service (``NAME-worker-0``), which the training operator creates."""
     rdzv = Rendezvous(f"{job.name}-worker-0:{job.port}", job.name)
     args = agent_args(job.nodes, None, job.gpus_per_node or 1, rdzv, job.max_restarts) + list(train_args)
-    elastic = {"rdzvBackend": "c10d", "rdzvPort": job.port, "minReplicas": job.nodes, "maxReplicas": job.nodes}
+    elastic = {
+        "rdzvBackend": "c10d",
+        "rdzvPort": job.port,
+        "minReplicas": job.nodes,
+        "maxReplicas": job.nodes,
+    }
     if job.max_restarts is not None:
         elastic["maxRestarts"] = job.max_restarts
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(job),
-            "spec": {"elasticPolicy": elastic, "nprocPerNode": str(job.gpus_per_node or 1),
-                     "pytorchReplicaSpecs": {"Worker": {
-                         "replicas": job.nodes, "restartPolicy": "OnFailure",
-                         "template": {"spec": _pod_spec(job, args, env)}}}}}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": _metadata(job),
+        "spec": {
+            "elasticPolicy": elastic,
+            "nprocPerNode": str(job.gpus_per_node or 1),
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": job.nodes,
+                    "restartPolicy": "OnFailure",
+                    "template": {"spec": _pod_spec(job, args, env)},
+                }
+            },
+        },
+    }
 
 
 def jobset(job: KubeJob, train_args: list[str], env: dict[str, str]) -> dict:
@@ -368,16 +473,39 @@ def jobset(job: KubeJob, train_args: list[str], env: dict[str, str]) -> dict:
     args = agent_args(job.nodes, "$(JOB_COMPLETION_INDEX)", job.gpus_per_node or 1, rdzv, job.max_restarts)
     pod = _pod_spec(job, args + list(train_args), env, "Never")
     # declared in the container so that $(JOB_COMPLETION_INDEX) in args expands: the annotation the Job sets
-    index = {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+    index = {
+        "name": "JOB_COMPLETION_INDEX",
+        "valueFrom": {
+            "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+        },
+    }
     pod["containers"][0]["env"] = [index, *pod["containers"][0].get("env", [])]
-    spec: dict = {"network": {"enableDNSHostnames": True},
-                  "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": {
-                      "parallelism": job.nodes, "completions": job.nodes, "completionMode": "Indexed",
-                      "backoffLimit": 0, "template": {"spec": pod}}}}]}
+    spec: dict = {
+        "network": {"enableDNSHostnames": True},
+        "replicatedJobs": [
+            {
+                "name": "node",
+                "replicas": 1,
+                "template": {
+                    "spec": {
+                        "parallelism": job.nodes,
+                        "completions": job.nodes,
+                        "completionMode": "Indexed",
+                        "backoffLimit": 0,
+                        "template": {"spec": pod},
+                    }
+                },
+            }
+        ],
+    }
     if job.max_restarts is not None:
         spec["failurePolicy"] = {"maxRestarts": job.max_restarts}
-    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _metadata(job), "spec": spec}
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": _metadata(job),
+        "spec": spec,
+    }
 
 
 def dump_manifest(obj: dict) -> tuple[str, str]:

@@ -18,6 +18,7 @@ _NVLINK_NOTE = "this host's GPUs are connected by NVLink"
 @dataclass
 class HostContext:
     """What the checks compare a value with; ``None`` where the doctor could not find out."""
+
     interfaces: dict[str, dict] = field(default_factory=dict)  # /sys/class/net: name -> {"operstate": ...}
     ib_ports: list[dict] = field(default_factory=list)  # read_ib_devices() ports
     nvlink: bool | None = None  # any GPU pair over NVLink (nvidia-smi topo -m)
@@ -30,10 +31,13 @@ class HostContext:
 class Var:
     name: str
     does: str
-    check: Callable[[str, HostContext, dict], tuple[str, str]] | None = None  # value, host, environ -> (status, note)
+    check: Callable[[str, HostContext, dict], tuple[str, str]] | None = (
+        None  # value, host, environ -> (status, note)
+    )
 
 
 # ---- name filters (NCCL_SOCKET_IFNAME, NCCL_IB_HCA) -----------------------------------------------
+
 
 def parse_filter(spec: str) -> tuple[bool, bool, list[tuple[str, int | None]]]:
     """NCCL's interface / HCA list syntax: ``[^][=]name[:port],...``: ``^`` excludes the listed, ``=`` matches
@@ -53,8 +57,10 @@ def parse_filter(spec: str) -> tuple[bool, bool, list[tuple[str, int | None]]]:
 def filter_matches(spec: str, name: str, port: int | None = None) -> bool:
     """Whether NCCL's filter ``spec`` selects interface / HCA ``name`` (and ``port`` when given)."""
     exclude, exact, entries = parse_filter(spec)
-    hit = any((name == want if exact else name.startswith(want)) and (p is None or port is None or p == port)
-              for want, p in entries)
+    hit = any(
+        (name == want if exact else name.startswith(want)) and (p is None or port is None or p == port)
+        for want, p in entries
+    )
     return hit != exclude
 
 
@@ -63,6 +69,7 @@ def selected(spec: str, names: list[str]) -> list[str]:
 
 
 # ---- checks of one variable ----------------------------------------------------------------------
+
 
 def _flag(value: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off")
@@ -76,8 +83,10 @@ def _socket_ifname(value: str, host: HostContext, env: dict) -> tuple[str, str]:
     if not chosen:
         severity = FAIL if host.uses_nccl else WARN
         extra = "" if host.uses_nccl else " (no GPU here: NCCL is not used on this host)"
-        return severity, (f"selects no interface of this host (it has {', '.join(names)}): NCCL's bootstrap fails "
-                          f"with 'no socket interface found'{extra}")
+        return severity, (
+            f"selects no interface of this host (it has {', '.join(names)}): NCCL's bootstrap fails "
+            f"with 'no socket interface found'{extra}"
+        )
     if host.nnodes > 1 and all(n == "lo" for n in chosen):
         return WARN, "selects only the loopback interface: other hosts cannot reach this one"
     down = [n for n in chosen if host.interfaces[n].get("operstate") == "down"]
@@ -94,8 +103,10 @@ def _gloo_ifname(value: str, host: HostContext, env: dict) -> tuple[str, str]:
     missing = [n for n in names if n not in host.interfaces]
     if missing:
         have = ", ".join(sorted(host.interfaces))
-        return FAIL, (f"{', '.join(missing)}: no such interface on this host (it has {have}); gloo takes exact "
-                      "names and its process group fails to start")
+        return FAIL, (
+            f"{', '.join(missing)}: no such interface on this host (it has {have}); gloo takes exact "
+            "names and its process group fails to start"
+        )
     if host.nnodes > 1 and all(n == "lo" for n in names):
         return WARN, "only the loopback interface: other hosts cannot reach this one"
     return OK, f"uses {', '.join(names)}"
@@ -103,7 +114,10 @@ def _gloo_ifname(value: str, host: HostContext, env: dict) -> tuple[str, str]:
 
 def _ib_hca(value: str, host: HostContext, env: dict) -> tuple[str, str]:
     if not host.ib_ports:
-        return WARN, "set, but this host has no InfiniBand/RoCE device (/sys/class/infiniband): NCCL uses sockets"
+        return (
+            WARN,
+            "set, but this host has no InfiniBand/RoCE device (/sys/class/infiniband): NCCL uses sockets",
+        )
     chosen = [p for p in host.ib_ports if filter_matches(value, p["device"], p["port"])]
     if not chosen:
         have = ", ".join(f"{p['device']}:{p['port']}" for p in host.ib_ports)
@@ -140,8 +154,10 @@ def _gid_index(value: str, host: HostContext, env: dict) -> tuple[str, str]:
 def _ib_disable(value: str, host: HostContext, env: dict) -> tuple[str, str]:
     active = [p for p in host.ib_ports if p.get("state") == "ACTIVE"]
     if _flag(value) and active:
-        return WARN, (f"IB/RoCE off although {len(active)} port(s) are ACTIVE: traffic between hosts goes over TCP "
-                      "sockets, a fraction of RDMA bandwidth")
+        return WARN, (
+            f"IB/RoCE off although {len(active)} port(s) are ACTIVE: traffic between hosts goes over TCP "
+            "sockets, a fraction of RDMA bandwidth"
+        )
     return OK, ""
 
 
@@ -149,15 +165,20 @@ def _p2p_disable(value: str, host: HostContext, env: dict) -> tuple[str, str]:
     if not _flag(value):
         return OK, ""
     if host.nvlink:
-        return WARN, (f"P2P off but {_NVLINK_NOTE}: GPU-to-GPU traffic goes through host shared memory instead, "
-                      "several times slower")
+        return WARN, (
+            f"P2P off but {_NVLINK_NOTE}: GPU-to-GPU traffic goes through host shared memory instead, "
+            "several times slower"
+        )
     return OK, "often a workaround for broken PCIe peer access (IOMMU, some VMs); check it is still needed"
 
 
 def _p2p_level(value: str, host: HostContext, env: dict) -> tuple[str, str]:
     if value.strip().upper() in ("LOC", "0") and host.nvlink:
         return WARN, f"LOC never uses P2P, but {_NVLINK_NOTE}: traffic goes through host memory"
-    if value.strip().upper() not in ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS") and not value.strip().isdigit():
+    if (
+        value.strip().upper() not in ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")
+        and not value.strip().isdigit()
+    ):
         return WARN, "not a level NCCL knows (LOC, NVL, PIX, PXB, PHB, SYS)"
     return OK, ""
 
@@ -181,15 +202,23 @@ def _names_in(value: str) -> list[str]:
     return out
 
 
-def _forced(known: set[str], what: str, exclusion_ok: str = "") -> Callable[[str, HostContext, dict], tuple[str, str]]:
+def _forced(
+    known: set[str], what: str, exclusion_ok: str = ""
+) -> Callable[[str, HostContext, dict], tuple[str, str]]:
     def check(value: str, host: HostContext, env: dict) -> tuple[str, str]:
         unknown = [n for n in _names_in(value) if n not in known]
         if unknown:
             return WARN, f"{', '.join(unknown)}: not a {what} NCCL knows ({', '.join(sorted(known))})"
         if exclusion_ok and value.replace(" ", "").lower() == exclusion_ok:
-            return OK, f"{value}: the documented workaround for LL128 data corruption on some H100 NCCL versions"
-        return WARN, (f"forces the {what}: NCCL's tuner no longer picks per size and topology; NCCL lists this "
-                      "under debugging, not for production")
+            return (
+                OK,
+                f"{value}: the documented workaround for LL128 data corruption on some H100 NCCL versions",
+            )
+        return WARN, (
+            f"forces the {what}: NCCL's tuner no longer picks per size and topology; NCCL lists this "
+            "under debugging, not for production"
+        )
+
     return check
 
 
@@ -240,57 +269,100 @@ def _visible_devices(value: str, host: HostContext, env: dict) -> tuple[str, str
     if host.gpu_count and numeric:
         beyond = [i for i in numeric if int(i) >= host.gpu_count]
         if beyond:
-            return WARN, (f"{', '.join(beyond)}: beyond this host's {host.gpu_count} GPUs; CUDA stops the list at "
-                          "the first invalid entry")
+            return WARN, (
+                f"{', '.join(beyond)}: beyond this host's {host.gpu_count} GPUs; CUDA stops the list at "
+                "the first invalid entry"
+            )
     return OK, f"{len(items)} GPU(s) visible to the processes"
 
 
 def _deprecated(new: str) -> Callable[[str, HostContext, dict], tuple[str, str]]:
     def check(value: str, host: HostContext, env: dict) -> tuple[str, str]:
         return WARN, f"the old name: recent PyTorch reads {new}"
+
     return check
 
 
 VARS: tuple[Var, ...] = (
     # ---- NCCL: system configuration
-    Var("NCCL_SOCKET_IFNAME", "IP interfaces NCCL uses for its bootstrap and socket transport (prefixes; ^ "
-        "excludes, = matches exactly)", _socket_ifname),
+    Var(
+        "NCCL_SOCKET_IFNAME",
+        "IP interfaces NCCL uses for its bootstrap and socket transport (prefixes; ^ "
+        "excludes, = matches exactly)",
+        _socket_ifname,
+    ),
     Var("NCCL_SOCKET_FAMILY", "AF_INET or AF_INET6: the address family of NCCL's sockets"),
-    Var("NCCL_IB_HCA", "which InfiniBand/RoCE adapters (and ports) NCCL uses (prefixes; ^ excludes, = exact, "
-        ":port)", _ib_hca),
-    Var("NCCL_IB_GID_INDEX", "the GID (address) of a RoCE port NCCL uses; unset or -1: NCCL picks a RoCE v2 GID "
-        "(since 2.21)", _gid_index),
-    Var("NCCL_IB_DISABLE", "1 turns off the IB/RoCE transport: traffic between hosts uses TCP sockets",
-        _ib_disable),
-    Var("NCCL_IB_TIMEOUT", "the InfiniBand verbs timeout (4.096 us x 2^value); raise it on large, busy fabrics"),
+    Var(
+        "NCCL_IB_HCA",
+        "which InfiniBand/RoCE adapters (and ports) NCCL uses (prefixes; ^ excludes, = exact, :port)",
+        _ib_hca,
+    ),
+    Var(
+        "NCCL_IB_GID_INDEX",
+        "the GID (address) of a RoCE port NCCL uses; unset or -1: NCCL picks a RoCE v2 GID (since 2.21)",
+        _gid_index,
+    ),
+    Var(
+        "NCCL_IB_DISABLE",
+        "1 turns off the IB/RoCE transport: traffic between hosts uses TCP sockets",
+        _ib_disable,
+    ),
+    Var(
+        "NCCL_IB_TIMEOUT",
+        "the InfiniBand verbs timeout (4.096 us x 2^value); raise it on large, busy fabrics",
+    ),
     Var("NCCL_IB_RETRY_CNT", "InfiniBand retries before a connection fails"),
     Var("NCCL_IB_TC", "the traffic class of IB/RoCE packets (the fabric's QoS / lossless class)"),
     Var("NCCL_IB_SL", "the InfiniBand service level of NCCL's queue pairs"),
-    Var("NCCL_IB_QPS_PER_CONNECTION", "queue pairs per connection: more spread traffic over a multi-path fabric"),
-    Var("NCCL_IB_PCI_RELAXED_ORDERING", "PCIe relaxed ordering for IB traffic (0 is one workaround for LL128 "
-        "corruption on some H100 systems)"),
+    Var(
+        "NCCL_IB_QPS_PER_CONNECTION",
+        "queue pairs per connection: more spread traffic over a multi-path fabric",
+    ),
+    Var(
+        "NCCL_IB_PCI_RELAXED_ORDERING",
+        "PCIe relaxed ordering for IB traffic (0 is one workaround for LL128 "
+        "corruption on some H100 systems)",
+    ),
     Var("NCCL_NET", "force the network transport ('IB' or 'Socket', or a plugin's name)"),
     Var("NCCL_NET_PLUGIN", "which network plugin library NCCL loads (e.g. a cloud's EFA or TCPX plugin)"),
     Var("NCCL_NET_GDR_LEVEL", "the farthest GPU-NIC distance at which GPUDirect RDMA is used (LOC .. SYS)"),
     Var("NCCL_NET_GDR_READ", "GPUDirect RDMA for sends too (reads from GPU memory)"),
-    Var("NCCL_CROSS_NIC", "whether rings/trees may use different NICs on different hosts (rail-optimized fabrics "
-        "want 0)"),
-    Var("NCCL_TOPO_FILE", "an XML topology NCCL loads instead of detecting one (VMs hide the real PCIe tree)",
-        _topo_file),
+    Var(
+        "NCCL_CROSS_NIC",
+        "whether rings/trees may use different NICs on different hosts (rail-optimized fabrics want 0)",
+    ),
+    Var(
+        "NCCL_TOPO_FILE",
+        "an XML topology NCCL loads instead of detecting one (VMs hide the real PCIe tree)",
+        _topo_file,
+    ),
     Var("NCCL_TOPO_DUMP_FILE", "where NCCL writes the topology it detected (for debugging)"),
     Var("NCCL_CONF_FILE", "a file of NCCL variables read at start (besides /etc/nccl.conf)"),
     Var("NCCL_COLLNET_ENABLE", "1 uses in-network reductions (IB SHARP) through the CollNet plugin"),
     Var("NCCL_MNNVL_ENABLE", "multi-node NVLink (GB200 NVL racks): NVLink between hosts"),
-    Var("NCCL_NVLS_ENABLE", "NVLink SHARP: all-reduce reduced inside NVSwitch (H100 and later); 0 turns it off "
-        "and frees its buffers, where multicast is unsupported or memory is short"),
-    Var("NCCL_CUMEM_ENABLE", "NCCL's buffers through the cuMem* API (default since 2.19); 0 was a workaround for "
-        "a bug fixed in NCCL 2.22.3"),
+    Var(
+        "NCCL_NVLS_ENABLE",
+        "NVLink SHARP: all-reduce reduced inside NVSwitch (H100 and later); 0 turns it off "
+        "and frees its buffers, where multicast is unsupported or memory is short",
+    ),
+    Var(
+        "NCCL_CUMEM_ENABLE",
+        "NCCL's buffers through the cuMem* API (default since 2.19); 0 was a workaround for "
+        "a bug fixed in NCCL 2.22.3",
+    ),
     # ---- NCCL: transports and tuning
     Var("NCCL_P2P_DISABLE", "1 turns off direct GPU-to-GPU copies over NVLink / PCIe", _p2p_disable),
-    Var("NCCL_P2P_LEVEL", "the farthest GPU pair that still uses P2P (LOC, NVL, PIX, PXB, PHB, SYS)", _p2p_level),
+    Var(
+        "NCCL_P2P_LEVEL",
+        "the farthest GPU pair that still uses P2P (LOC, NVL, PIX, PXB, PHB, SYS)",
+        _p2p_level,
+    ),
     Var("NCCL_SHM_DISABLE", "1 turns off the shared-memory transport used where P2P cannot go", _shm_disable),
-    Var("NCCL_ALGO", "restrict the collective algorithms (Ring, Tree, CollnetDirect, CollnetChain, NVLS, "
-        "NVLSTree, PAT)", _forced(_ALGOS, "algorithm")),
+    Var(
+        "NCCL_ALGO",
+        "restrict the collective algorithms (Ring, Tree, CollnetDirect, CollnetChain, NVLS, NVLSTree, PAT)",
+        _forced(_ALGOS, "algorithm"),
+    ),
     Var("NCCL_PROTO", "restrict the protocols (LL, LL128, Simple)", _forced(_PROTOS, "protocol", "^ll128")),
     Var("NCCL_MIN_NCHANNELS", "at least this many channels (parallel rings/trees; each takes SMs)"),
     Var("NCCL_MAX_NCHANNELS", "at most this many channels: fewer SMs for NCCL, less bandwidth"),
@@ -298,48 +370,87 @@ VARS: tuple[Var, ...] = (
     Var("NCCL_NTHREADS", "CUDA threads per NCCL block"),
     Var("NCCL_SOCKET_NTHREADS", "CPU threads per socket connection (cloud TCP networks tune it)"),
     Var("NCCL_NSOCKS_PERTHREAD", "sockets per thread (cloud TCP networks tune it)"),
-    Var("NCCL_LAUNCH_MODE", "PARALLEL or GROUP: how NCCL launches kernels when one process drives several GPUs"),
+    Var(
+        "NCCL_LAUNCH_MODE",
+        "PARALLEL or GROUP: how NCCL launches kernels when one process drives several GPUs",
+    ),
     # ---- NCCL: debugging
     Var("NCCL_DEBUG", "NCCL's log level (VERSION, WARN, INFO, TRACE)", _debug),
     Var("NCCL_DEBUG_SUBSYS", "which parts log (INIT, COLL, P2P, NET, GRAPH, ENV, ALL, ...)"),
     Var("NCCL_DEBUG_FILE", "write NCCL's log to this file (%h host, %p pid) instead of stdout"),
-    Var("NCCL_ASYNC_ERROR_HANDLING", "PyTorch's old name of TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        _deprecated("TORCH_NCCL_ASYNC_ERROR_HANDLING")),
-    Var("NCCL_BLOCKING_WAIT", "PyTorch's old name of TORCH_NCCL_BLOCKING_WAIT",
-        _deprecated("TORCH_NCCL_BLOCKING_WAIT")),
+    Var(
+        "NCCL_ASYNC_ERROR_HANDLING",
+        "PyTorch's old name of TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        _deprecated("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+    ),
+    Var(
+        "NCCL_BLOCKING_WAIT",
+        "PyTorch's old name of TORCH_NCCL_BLOCKING_WAIT",
+        _deprecated("TORCH_NCCL_BLOCKING_WAIT"),
+    ),
     # ---- gloo
-    Var("GLOO_SOCKET_IFNAME", "the interface(s) gloo uses (exact names, comma-separated): CPU collectives and "
-        "CPU offload", _gloo_ifname),
+    Var(
+        "GLOO_SOCKET_IFNAME",
+        "the interface(s) gloo uses (exact names, comma-separated): CPU collectives and CPU offload",
+        _gloo_ifname,
+    ),
     Var("GLOO_DEVICE_TRANSPORT", "gloo's transport (TCP, or UV)"),
     # ---- PyTorch distributed
-    Var("TORCH_NCCL_ASYNC_ERROR_HANDLING", "what a failed or timed-out NCCL collective does (0 nothing, 1 abort "
-        "and tear down, 2 clean up only, 3 abort without cleanup)", _async_error_handling),
-    Var("TORCH_NCCL_BLOCKING_WAIT", "1: the host waits on each collective, so a timeout raises where it happened"),
-    Var("TORCH_NCCL_TRACE_BUFFER_SIZE", "entries of the NCCL flight recorder (0 turns it off): the last "
-        "collectives of each rank, dumped on a timeout"),
+    Var(
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "what a failed or timed-out NCCL collective does (0 nothing, 1 abort "
+        "and tear down, 2 clean up only, 3 abort without cleanup)",
+        _async_error_handling,
+    ),
+    Var(
+        "TORCH_NCCL_BLOCKING_WAIT",
+        "1: the host waits on each collective, so a timeout raises where it happened",
+    ),
+    Var(
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "entries of the NCCL flight recorder (0 turns it off): the last "
+        "collectives of each rank, dumped on a timeout",
+    ),
     Var("TORCH_NCCL_DUMP_ON_TIMEOUT", "1 dumps the flight recorder when a collective times out"),
     Var("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "file prefix of the flight recorder's dumps (one per rank)"),
     Var("TORCH_NCCL_ENABLE_MONITORING", "the watchdog's heartbeat monitor that kills a stuck process"),
-    Var("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "seconds the heartbeat monitor waits before it kills the process"),
+    Var(
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "seconds the heartbeat monitor waits before it kills the process"
+    ),
     Var("TORCH_NCCL_DESYNC_DEBUG", "on a timeout, report which rank is behind (costs some speed)"),
     Var("TORCH_NCCL_AVOID_RECORD_STREAMS", "free tensors of async collectives without recordStream"),
     Var("TORCH_NCCL_HIGH_PRIORITY", "NCCL's streams at high priority"),
     Var("TORCH_NCCL_NAN_CHECK", "check collective inputs for NaN (slow)"),
-    Var("TORCH_DISTRIBUTED_DEBUG", "OFF, INFO or DETAIL: extra checks and logs of torch.distributed",
-        _distributed_debug),
+    Var(
+        "TORCH_DISTRIBUTED_DEBUG",
+        "OFF, INFO or DETAIL: extra checks and logs of torch.distributed",
+        _distributed_debug,
+    ),
     Var("TORCH_CPP_LOG_LEVEL", "PyTorch's C++ log level (INFO shows the process group's start-up)"),
     Var("TORCH_SHOW_CPP_STACKTRACES", "C++ stack traces in PyTorch's errors"),
-    Var("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "the elastic agent's store not reused by the workers (loom's "
-        "launcher sets it: stable restarts on gloo)"),
+    Var(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "the elastic agent's store not reused by the workers (loom's "
+        "launcher sets it: stable restarts on gloo)",
+    ),
     Var("TORCH_LOGS", "torch.compile / dynamo logging"),
     # ---- CUDA
-    Var("CUDA_VISIBLE_DEVICES", "which GPUs (indices or UUIDs) the processes see, renumbered from 0",
-        _visible_devices),
-    Var("CUDA_DEVICE_MAX_CONNECTIONS", "hardware queues per device (1 keeps communication and compute kernels "
-        "in issue order, as Megatron's overlap wants)"),
+    Var(
+        "CUDA_VISIBLE_DEVICES",
+        "which GPUs (indices or UUIDs) the processes see, renumbered from 0",
+        _visible_devices,
+    ),
+    Var(
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "hardware queues per device (1 keeps communication and compute kernels "
+        "in issue order, as Megatron's overlap wants)",
+    ),
     Var("CUDA_LAUNCH_BLOCKING", "1 makes every kernel launch synchronous (debugging)", _launch_blocking),
     Var("CUDA_MODULE_LOADING", "LAZY (default) loads kernels when first used"),
-    Var("PYTORCH_CUDA_ALLOC_CONF", "PyTorch's caching allocator (expandable_segments:True reduces fragmentation)"),
+    Var(
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "PyTorch's caching allocator (expandable_segments:True reduces fragmentation)",
+    ),
     Var("PYTORCH_ALLOC_CONF", "PyTorch's caching allocator (the newer name of PYTORCH_CUDA_ALLOC_CONF)"),
 )
 KNOWN = {v.name: v for v in VARS}
@@ -359,8 +470,16 @@ def explain(environ: dict[str, str], host: HostContext) -> list[dict]:
         if var is None:
             near = difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.85)
             if near and name.startswith(("NCCL_", "GLOO_", "TORCH_NCCL_")):
-                rows.append(_row(name, value, WARN, "", f"not a variable loom knows; did you mean {near[0]}? "
-                                                         "(NCCL ignores names it does not read)"))
+                rows.append(
+                    _row(
+                        name,
+                        value,
+                        WARN,
+                        "",
+                        f"not a variable loom knows; did you mean {near[0]}? "
+                        "(NCCL ignores names it does not read)",
+                    )
+                )
             else:
                 rows.append(_row(name, value, OK, "", "not in loom's table (see NCCL's or PyTorch's docs)"))
             continue
@@ -399,4 +518,3 @@ def markdown_table() -> str:
     for v in VARS:
         lines.append(f"| `{v.name}` | {v.does.replace('|', '/')} | {warns.get(v.name, '')} |")
     return "\n".join(lines)
-

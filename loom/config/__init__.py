@@ -13,7 +13,18 @@ from loom.config.sections import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "MetricsConfig", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "RunConfig", "TrainingConfig", "UserError",
-    "build_config", "parse_overrides", "to_toml",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainingConfig",
+    "UserError",
+    "build_config",
+    "parse_overrides",
+    "to_toml",
 ]

@@ -49,8 +49,11 @@ def nearest_keys(key: str) -> list[str]:
     fields = difflib.get_close_matches(name, sorted({f for _, f in keys}), n=1, cutoff=0.6)
     if fields:
         owners = [s for s, f in keys if f == fields[0]]
-        owner = section if section in owners else max(
-            owners, key=lambda s: difflib.SequenceMatcher(None, section, s).ratio())
+        owner = (
+            section
+            if section in owners
+            else max(owners, key=lambda s: difflib.SequenceMatcher(None, section, s).ratio())
+        )
         return [f"{owner}.{fields[0]}"]
     if section in SECTIONS:
         return []
@@ -125,8 +128,13 @@ def coerce(key: str, value: Any) -> Any:
             return numbers
     except (ValueError, TypeError, json.JSONDecodeError):
         pass
-    name = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
-            list: "a list of numbers"}[typ]
+    name = {
+        bool: "true or false",
+        int: "an integer",
+        float: "a finite number",
+        str: "a string",
+        list: "a list of numbers",
+    }[typ]
     raise ConfigError(key, value, f"expected {name}")
 
 
@@ -178,8 +186,12 @@ def read_toml(path: str) -> dict[str, Any]:
     try:
         raw = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as err:  # TOML is UTF-8 text: a binary file or another encoding is not TOML
-        raise ConfigError("--config", path, f"not UTF-8 text (byte 0x{data[err.start]:02x} at byte offset "
-                          f"{err.start}); expected a TOML file saved as UTF-8") from None
+        raise ConfigError(
+            "--config",
+            path,
+            f"not UTF-8 text (byte 0x{data[err.start]:02x} at byte offset "
+            f"{err.start}); expected a TOML file saved as UTF-8",
+        ) from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError("--config", path, f"not valid TOML ({err})") from None
     flat: dict[str, Any] = {}
@@ -206,7 +218,9 @@ def build_config(file: str | None = None, overrides: dict[str, Any] | None = Non
         setattr(getattr(cfg, section), name, value)
     if "optimizer.warmup_steps" not in values:  # the default warmup shrinks to fit a short run
         cfg.optimizer.warmup_steps = min(cfg.optimizer.warmup_steps, cfg.training.steps // 10)
-    if "run.dir" not in values:  # each objective its own run dir: `loom train`, then `... objective sft`, both run
+    if (
+        "run.dir" not in values
+    ):  # each objective its own run dir: `loom train`, then `... objective sft`, both run
         cfg.run.dir = f"runs/{cfg.training.objective}"
     if "data.document_positions" not in values and cfg.training.objective == "sft":
         cfg.data.document_positions = True  # packed conversations never attend to each other
@@ -217,14 +231,18 @@ def build_config(file: str | None = None, overrides: dict[str, Any] | None = Non
 def check_fields(cfg: Config) -> None:
     """A single field's rules that the choices/min/max metadata cannot say (rules relating fields: loom.resolve)."""
     if cfg.model.init_from and not os.path.isdir(cfg.model.init_from):
-        raise ConfigError("model.init_from", cfg.model.init_from,
-                          "no such folder; expected a Hugging Face Llama folder (config.json + safetensors)")
+        raise ConfigError(
+            "model.init_from",
+            cfg.model.init_from,
+            "no such folder; expected a Hugging Face Llama folder (config.json + safetensors)",
+        )
     b = len(cfg.optimizer.betas)
     if b != 2 or not all(0.0 <= x < 1.0 for x in cfg.optimizer.betas):
         raise ConfigError("optimizer.betas", cfg.optimizer.betas, "expected two numbers in [0, 1)")
     if cfg.checkpoint.resume not in ("none", "auto") and not os.path.exists(cfg.checkpoint.resume):
-        raise ConfigError("checkpoint.resume", cfg.checkpoint.resume,
-                          "allowed: none | auto | an existing checkpoint path")
+        raise ConfigError(
+            "checkpoint.resume", cfg.checkpoint.resume, "allowed: none | auto | an existing checkpoint path"
+        )
     split = cfg.parallel.pp_layers_per_stage
     if split:
         if not all(float(n).is_integer() and n >= 0 for n in split):
@@ -242,8 +260,11 @@ def profile_window(metrics) -> tuple[int, int] | None:
     whole = all(n.isascii() and n.isdecimal() for n in (first, last))
     if sep and whole and 1 <= int(first) <= int(last):
         return int(first), int(last)
-    raise ConfigError("metrics.profile_steps", metrics.profile_steps,
-                      "allowed: '' (off) or 'A:B', whole numbers with 1 <= A <= B (optimizer steps, 1-based)")
+    raise ConfigError(
+        "metrics.profile_steps",
+        metrics.profile_steps,
+        "allowed: '' (off) or 'A:B', whole numbers with 1 <= A <= B (optimizer steps, 1-based)",
+    )
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -49,7 +49,9 @@ def check_file_writable(field: str, path: str, example: str) -> None:
     """``path`` can be written as a file: not a folder, and its folder writable or creatable. ``example``: a file
     name to suggest inside ``path`` when it is a folder."""
     if os.path.isdir(path):
-        raise ConfigError(field, path, f"is a folder; expected a file path such as {os.path.join(path, example)}")
+        raise ConfigError(
+            field, path, f"is a folder; expected a file path such as {os.path.join(path, example)}"
+        )
     full = os.path.abspath(path)
     base = nearest_existing(os.path.dirname(full))
     if not os.path.isdir(base):

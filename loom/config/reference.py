@@ -27,7 +27,7 @@ SECTION_HELP = {
     "dpo": "direct preference optimization (training.objective dpo): beta, loss, where the reference comes from",
     "grpo": "GRPO (training.objective grpo): groups, sampling, clipping, KL, loss normalization, rewards, warm-up",
     "ppo": "PPO (training.objective ppo): KL penalty, GAE, clipped policy and value losses, whitening, epochs, "
-           "mini-batches, a reward model (rollouts from [grpo])",
+    "mini-batches, a reward model (rollouts from [grpo])",
     "lora": "LoRA / QLoRA fine-tuning: adapter rank and scaling, targets, NF4 base, a PEFT adapter to start from",
     "reward": "reward model (training.objective reward): the Bradley-Terry loss's centring term",
 }
@@ -65,19 +65,28 @@ def rows(section: str, sep: str = " | ", quote: str = "") -> list[Row]:
     out = []
     for f in dataclasses.fields(SECTIONS[section]):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append(Row(f"{section}.{f.name}", toml_value(default), allowed(f.metadata, sep, quote),
-                        f.metadata.get("help", "")))
+        out.append(
+            Row(
+                f"{section}.{f.name}",
+                toml_value(default),
+                allowed(f.metadata, sep, quote),
+                f.metadata.get("help", ""),
+            )
+        )
     return out
 
 
 def markdown() -> str:
-    lines = ["# Configuration reference", "",
-             "Generated from `loom/config/sections.py` by `python -m loom.config.reference`. Precedence: "
-             "defaults < TOML file (`--config`) < command line (`--section.field value` or `--section.field=value`). "
-             "The resolved config is written to `<run.dir>/config.toml` and into every checkpoint. Defaults are "
-             "written as in a TOML file. On the command line: `loom train --help` lists the sections, "
-             "`loom train --help SECTION` prints one, `loom train ... --print-config` prints the resolved config.",
-             ""]
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `loom/config/sections.py` by `python -m loom.config.reference`. Precedence: "
+        "defaults < TOML file (`--config`) < command line (`--section.field value` or `--section.field=value`). "
+        "The resolved config is written to `<run.dir>/config.toml` and into every checkpoint. Defaults are "
+        "written as in a TOML file. On the command line: `loom train --help` lists the sections, "
+        "`loom train --help SECTION` prints one, `loom train ... --print-config` prints the resolved config.",
+        "",
+    ]
     for section in SECTIONS:
         lines += [f"## `[{section}]`", ""]
         about = section_help(section)
@@ -102,9 +111,11 @@ def section_text(section: str, width: int = 100) -> str:
     """`loom train --help SECTION`: every field with its default, allowed values and meaning."""
     if section not in SECTIONS:
         raise unknown_section(section)
-    lines = [f"[{section}]  {section_help(section)}".rstrip(),
-             f"key = default (allowed values); set one with --{section}.FIELD VALUE or in a TOML file's [{section}] "
-             "table (docs/config.md)"]
+    lines = [
+        f"[{section}]  {section_help(section)}".rstrip(),
+        f"key = default (allowed values); set one with --{section}.FIELD VALUE or in a TOML file's [{section}] "
+        "table (docs/config.md)",
+    ]
     for r in rows(section):
         lines += ["", f"  {r.key} = {r.default}" + (f"  ({r.allowed})" if r.allowed else "")]
         lines += textwrap.wrap(r.meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6)

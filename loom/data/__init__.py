@@ -14,8 +14,16 @@ from loom.data.sources import content_hash, parse_source
 from loom.data.token_file import TokenFile, check_tokenizer, read_meta
 from loom.data.tokenizers import build_tokenizer
 
-__all__ = ["Loader", "MicroBatch", "StepData", "build_loader", "build_tokenizer", "chat_encoder", "describe_sources",
-           "prepare_data"]
+__all__ = [
+    "Loader",
+    "MicroBatch",
+    "StepData",
+    "build_loader",
+    "build_tokenizer",
+    "chat_encoder",
+    "describe_sources",
+    "prepare_data",
+]
 
 # the kinds of prepared data (a token file's mask: loom.data.prepare.check_mask); a method names the one it reads
 # (loom.train.objective.Objective.data)
@@ -29,8 +37,9 @@ def chat_encoder(cfg: DataConfig, tokenizer, kind: str = TEXT) -> ChatEncoder | 
     return ChatEncoder(load_template(cfg.chat_template, tokenizer), tokenizer, cfg.loss_tokens)
 
 
-def prepare_data(cfg: DataConfig, tokenizer, cache_dir: str, kind: str = TEXT,
-                 rejected: str = "docstring") -> list[tuple[str, float, str]]:
+def prepare_data(
+    cfg: DataConfig, tokenizer, cache_dir: str, kind: str = TEXT, rejected: str = "docstring"
+) -> list[tuple[str, float, str]]:
     """Tokenize (or find cached) every source; returns (token file, weight, label). Run on one rank first.
     ``kind``: CHAT reads conversations and writes their loss masks, PAIRS preference pairs (one source);
     ``rejected``: the embedded pairs' rejected answers (loom.data.dpo.docstring_preferences)."""
@@ -53,9 +62,19 @@ def check_tokenizer_match(path: str, meta, tokenizer) -> None:
     check_tokenizer(path, meta, tokenizer)
 
 
-def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]], *, seq_len: int, seed: int,
-                 dp_rank: int, dp_size: int, micro_batch: int, accumulation: int,
-                 kind: str = TEXT) -> Loader | PairLoader:
+def build_loader(
+    cfg: DataConfig,
+    tokenizer,
+    files: list[tuple[str, float, str]],
+    *,
+    seq_len: int,
+    seed: int,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch: int,
+    accumulation: int,
+    kind: str = TEXT,
+) -> Loader | PairLoader:
     """The loader of ``files``: packed windows, or for PAIRS preference pairs (global batches of pairs;
     micro_batch and accumulation count pairs)."""
     if kind == PAIRS:
@@ -64,9 +83,15 @@ def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]]
         check_tokenizer(path, tf.meta, tokenizer)
         check_mask(path, tf.meta, PAIRS)
         pad = getattr(tokenizer, "pad_id", None)
-        return PairLoader(PairFile(tf, seq_len, cfg.val_fraction, label), seed=seed,
-                          pad_id=tokenizer.eos_id if pad is None else pad, dp_rank=dp_rank, dp_size=dp_size,
-                          micro_batch=micro_batch, accumulation=accumulation)
+        return PairLoader(
+            PairFile(tf, seq_len, cfg.val_fraction, label),
+            seed=seed,
+            pad_id=tokenizer.eos_id if pad is None else pad,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batch=micro_batch,
+            accumulation=accumulation,
+        )
     windows, weights = [], []
     for path, weight, label in files:
         tf = TokenFile(path)
@@ -74,8 +99,16 @@ def build_loader(cfg: DataConfig, tokenizer, files: list[tuple[str, float, str]]
         check_mask(path, tf.meta, kind)
         windows.append(Windows(tf, seq_len, cfg.val_fraction, label))
         weights.append(weight)
-    return Loader(windows, weights, seed=seed, eos_id=tokenizer.eos_id, dp_rank=dp_rank, dp_size=dp_size,
-                  micro_batch=micro_batch, accumulation=accumulation)
+    return Loader(
+        windows,
+        weights,
+        seed=seed,
+        eos_id=tokenizer.eos_id,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batch=micro_batch,
+        accumulation=accumulation,
+    )
 
 
 def describe_sources(cfg: DataConfig, files, out_path: str) -> None:
@@ -83,15 +116,27 @@ def describe_sources(cfg: DataConfig, files, out_path: str) -> None:
     installed Python, so it also gets its file list and a content hash (same hash = same training text). An SFT
     token file adds its chat template (origin and fingerprint), loss mask and conversation count."""
     records = []
-    for spec, (path, weight, label) in zip(parse_source(cfg.source, cfg.text_field, cfg.encoding_errors), files):
-        rec = {"label": label, "kind": spec.kind, "weight": weight, "token_file": path,
-               "fingerprint": spec.fingerprint(), "files": len(spec.paths)}
+    for spec, (path, weight, label) in zip(
+        parse_source(cfg.source, cfg.text_field, cfg.encoding_errors), files
+    ):
+        rec = {
+            "label": label,
+            "kind": spec.kind,
+            "weight": weight,
+            "token_file": path,
+            "fingerprint": spec.fingerprint(),
+            "files": len(spec.paths),
+        }
         meta = read_meta(path)
         if meta.mask == "dpo":
             rec.update(chat_template=meta.chat_template, pairs=meta.documents // 2)
         elif meta.mask:
-            rec.update(chat_template=meta.chat_template, loss_tokens=meta.mask, conversations=meta.documents,
-                       trained_tokens=meta.trained_tokens)
+            rec.update(
+                chat_template=meta.chat_template,
+                loss_tokens=meta.mask,
+                conversations=meta.documents,
+                trained_tokens=meta.trained_tokens,
+            )
         if spec.kind == "stdlib":
             rec["file_list"] = spec.paths
             rec["content_hash"] = content_hash(spec.paths)

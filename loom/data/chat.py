@@ -49,6 +49,7 @@ class ChatError(ValueError):
 
 # ---- the Jinja environment (transformers' _cached_compile_jinja_template) -------------------------------------
 
+
 @lru_cache(maxsize=16)
 def compile_template(source: str):
     """``source`` compiled in the environment transformers renders chat templates in."""
@@ -73,7 +74,9 @@ def compile_template(source: str):
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_generation_support"), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_generation_support"), [], [], body).set_lineno(
+                lineno
+            )
 
         @jinja2.pass_eval_context
         def _generation_support(self, context, caller) -> str:
@@ -98,7 +101,9 @@ def compile_template(source: str):
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # transformers' filter: Jinja's own escapes HTML characters
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(format):
         return datetime.now().strftime(format)
@@ -129,13 +134,20 @@ def compile_template(source: str):
         @staticmethod
         def _check_name(name):
             if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"chat templates cannot store underscore attributes ({name!r})")
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot store underscore attributes ({name!r})"
+                )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[AssistantTracker, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[AssistantTracker, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
-                       namespace=TemplateNamespace)
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=strftime_now,
+        dict=TemplateDict(),
+        namespace=TemplateNamespace,
+    )
     return env.from_string(source)
 
 
@@ -177,8 +189,13 @@ class ChatTemplate:
         import jinja2
 
         template = compile_template(self.source)
-        kwargs = dict(self.variables, messages=_plain(messages), tools=None, documents=None,
-                      add_generation_prompt=add_generation_prompt)
+        kwargs = dict(
+            self.variables,
+            messages=_plain(messages),
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
             if spans is None:
                 return template.render(**kwargs)
@@ -198,6 +215,7 @@ class ChatTemplate:
 
 
 # ---- where a template comes from ------------------------------------------------------------------------------
+
 
 def _token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with ``content``."""
@@ -224,16 +242,23 @@ def _folder_template(config: dict, folder: str) -> tuple[str, str] | None:
             with open(path, encoding="utf-8") as fh:
                 return fh.read(), path
         except UnicodeDecodeError as err:
-            raise ConfigError("data.chat_template", path, f"not UTF-8 text (byte {err.start}): a Jinja chat "
-                              "template is a UTF-8 text file") from None
+            raise ConfigError(
+                "data.chat_template",
+                path,
+                f"not UTF-8 text (byte {err.start}): a Jinja chat template is a UTF-8 text file",
+            ) from None
     found = config.get("chat_template")
     origin = os.path.join(folder, "tokenizer_config.json")
     if isinstance(found, list):  # [{"name": ..., "template": ...}, ...]
         found = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
     if isinstance(found, dict):
         if "default" not in found:
-            raise ConfigError("data.chat_template", "", f"{origin} has named chat templates {sorted(found)} but no "
-                              "'default': pass one as a .jinja file")
+            raise ConfigError(
+                "data.chat_template",
+                "",
+                f"{origin} has named chat templates {sorted(found)} but no "
+                "'default': pass one as a .jinja file",
+            )
         found = found["default"]
     return (found, origin) if isinstance(found, str) and found else None
 
@@ -248,9 +273,14 @@ def load_template(spec: str, tokenizer) -> ChatTemplate:
     if path is not None and os.path.basename(path) == "tokenizer.json":
         folder = os.path.dirname(path)
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-    if path is None:  # the byte tokenizer: its special tokens under the names its tokenizer.json export gives them
-        variables = {"bos_token": tokenizer.token(tokenizer.bos_id), "eos_token": tokenizer.token(tokenizer.eos_id),
-                     "pad_token": tokenizer.token(tokenizer.pad_id)}
+    if (
+        path is None
+    ):  # the byte tokenizer: its special tokens under the names its tokenizer.json export gives them
+        variables = {
+            "bos_token": tokenizer.token(tokenizer.bos_id),
+            "eos_token": tokenizer.token(tokenizer.eos_id),
+            "pad_token": tokenizer.token(tokenizer.pad_id),
+        }
     else:
         mapped = _read_json(os.path.join(folder, "special_tokens_map.json")) if folder else {}
         variables = {}
@@ -261,34 +291,50 @@ def load_template(spec: str, tokenizer) -> ChatTemplate:
                 variables[name] = text
     if spec:
         if not os.path.isfile(spec):
-            raise ConfigError("data.chat_template", spec, "no such file (a Jinja chat template, e.g. "
-                              "chat_template.jinja; '' = the tokenizer folder's)")
+            raise ConfigError(
+                "data.chat_template",
+                spec,
+                "no such file (a Jinja chat template, e.g. chat_template.jinja; '' = the tokenizer folder's)",
+            )
         try:
             with open(spec, encoding="utf-8") as fh:
                 source, origin = fh.read(), os.path.abspath(spec)
         except UnicodeDecodeError as err:
-            raise ConfigError("data.chat_template", spec, f"not UTF-8 text (byte {err.start}): a Jinja chat "
-                              "template is a UTF-8 text file") from None
+            raise ConfigError(
+                "data.chat_template",
+                spec,
+                f"not UTF-8 text (byte {err.start}): a Jinja chat template is a UTF-8 text file",
+            ) from None
     elif path is None:
         source, origin = BUILTIN_TEMPLATE, BUILTIN
     else:
         found = _folder_template(config, folder) if folder else None
         if found is None:
-            raise ConfigError("data.chat_template", "", f"the tokenizer {path} has no chat template (no "
-                              "chat_template.jinja or tokenizer_config.json chat_template beside it): pass a .jinja "
-                              "file (docs/finetuning.md)")
+            raise ConfigError(
+                "data.chat_template",
+                "",
+                f"the tokenizer {path} has no chat template (no "
+                "chat_template.jinja or tokenizer_config.json chat_template beside it): pass a .jinja "
+                "file (docs/finetuning.md)",
+            )
         source, origin = found
     template = ChatTemplate(source, origin, tuple(sorted(variables.items())))
     try:
         compile_template(source)
     except Exception as err:  # a TemplateSyntaxError, or an unknown tag
-        raise ConfigError("data.chat_template", spec or origin, f"not a valid Jinja template ({err})") from None
+        raise ConfigError(
+            "data.chat_template", spec or origin, f"not a valid Jinja template ({err})"
+        ) from None
     probe_template(template, spec or origin)
     return template
 
 
 # a conversation of unique markers: a template that renders without one drops that message's content
-PROBE_MARKERS = {"system": "LoomProbeSystemQx7", "user": "LoomProbeUserKz3", "assistant": "LoomProbeAssistantVw5"}
+PROBE_MARKERS = {
+    "system": "LoomProbeSystemQx7",
+    "user": "LoomProbeUserKz3",
+    "assistant": "LoomProbeAssistantVw5",
+}
 
 
 def probe_template(template: ChatTemplate, name: str) -> None:
@@ -297,8 +343,10 @@ def probe_template(template: ChatTemplate, name: str) -> None:
     e.g. ``m.text`` for ``m.content`` (it would train on role names or EOS only), or whose assistant mask misses the
     assistant's reply; a template that leaves the system message out is a warning (some do so by design). A template
     that refuses both conversations is left to the data's own errors."""
-    conversations = [[{"role": r, "content": PROBE_MARKERS[r]} for r in ("system", "user", "assistant")],
-                     [{"role": r, "content": PROBE_MARKERS[r]} for r in ("user", "assistant")]]
+    conversations = [
+        [{"role": r, "content": PROBE_MARKERS[r]} for r in ("system", "user", "assistant")],
+        [{"role": r, "content": PROBE_MARKERS[r]} for r in ("user", "assistant")],
+    ]
     for messages in conversations:
         try:
             text = template.render(messages)
@@ -307,13 +355,20 @@ def probe_template(template: ChatTemplate, name: str) -> None:
         missing = [(i, m["role"]) for i, m in enumerate(messages) if m["content"] not in text]
         for i, role in missing:
             if role != "system":
-                raise ConfigError("data.chat_template", name, f"the template renders a conversation without message "
-                                  f"{i}'s content (role {role}): it must print each message's 'content'")
+                raise ConfigError(
+                    "data.chat_template",
+                    name,
+                    f"the template renders a conversation without message "
+                    f"{i}'s content (role {role}): it must print each message's 'content'",
+                )
         if missing:  # some real templates leave system messages out by design: said once, not refused
             import warnings
 
-            warnings.warn(f"data.chat_template {name}: the template leaves a system message's content out of the "
-                          "conversation (system messages in the data are neither seen nor trained on)", stacklevel=2)
+            warnings.warn(
+                f"data.chat_template {name}: the template leaves a system message's content out of the "
+                "conversation (system messages in the data are neither seen nor trained on)",
+                stacklevel=2,
+            )
         try:
             _, spans = assistant_spans(template, messages)
         except Exception:
@@ -321,14 +376,21 @@ def probe_template(template: ChatTemplate, name: str) -> None:
         where = text.find(PROBE_MARKERS["assistant"])
         end = where + len(PROBE_MARKERS["assistant"])
         if not any(a <= where and end <= b for a, b in spans):
-            raise ConfigError("data.chat_template", name, "the assistant mask does not cover the assistant's reply "
-                              "(its {% generation %} block, or what an assistant turn adds, misses the content)")
+            raise ConfigError(
+                "data.chat_template",
+                name,
+                "the assistant mask does not cover the assistant's reply "
+                "(its {% generation %} block, or what an assistant turn adds, misses the content)",
+            )
         return
 
 
 # ---- which characters are the assistant's ----------------------------------------------------------------------
 
-def assistant_spans(template: ChatTemplate, messages: list[dict], first: int = 0) -> tuple[str, list[tuple[int, int]]]:
+
+def assistant_spans(
+    template: ChatTemplate, messages: list[dict], first: int = 0
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns from message ``first`` on (a
     prompt-completion pair trains its completion only). ``{% generation %}`` blocks where the template has them;
     otherwise incremental rendering, which needs a template that renders a conversation's beginning the same
@@ -343,11 +405,13 @@ def assistant_spans(template: ChatTemplate, messages: list[dict], first: int = 0
         if messages[i].get("role") != "assistant":
             continue
         before = template.render(messages[:i], add_generation_prompt=True)
-        upto = template.render(messages[:i + 1])
+        upto = template.render(messages[: i + 1])
         if not (upto.startswith(before) and text.startswith(upto)):
-            raise ChatError(f"message {i}: the chat template renders the conversation's beginning differently once "
-                            "later messages follow, so the assistant's turns cannot be located; use a template with "
-                            "{% generation %} blocks (data.chat_template)")
+            raise ChatError(
+                f"message {i}: the chat template renders the conversation's beginning differently once "
+                "later messages follow, so the assistant's turns cannot be located; use a template with "
+                "{% generation %} blocks (data.chat_template)"
+            )
         spans.append((len(before), max(len(before), len(upto.rstrip()))))
     return text, spans
 
@@ -369,14 +433,16 @@ def overlap_mask(offsets, spans: list[tuple[int, int]]):
 
 # ---- tokens with their character offsets -----------------------------------------------------------------------
 
+
 class _ByteChat:
     """The byte tokenizer on rendered chats: the special tokens' names (``<s>``, ``</s>``, ``<pad>``) are their ids,
     as in the byte tokenizer's tokenizer.json export; every other character is its UTF-8 bytes."""
 
     def __init__(self, tokenizer):
         self.special = {tokenizer.token(i): i for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)}
-        self._split = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.special, key=len, reverse=True))
-                                 + ")")
+        self._split = re.compile(
+            "(" + "|".join(re.escape(s) for s in sorted(self.special, key=len, reverse=True)) + ")"
+        )
 
     def encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         ids, offsets, pos = [], [], 0
@@ -411,7 +477,10 @@ class _HFChat:
 
 
 LOSS_TOKENS = ("assistant", "all")
-FLAG_LOSS, FLAG_START = 1, 2  # per-token flags of an SFT token file: takes loss as a target; starts a conversation
+FLAG_LOSS, FLAG_START = (
+    1,
+    2,
+)  # per-token flags of an SFT token file: takes loss as a target; starts a conversation
 
 
 class ChatEncoder:
@@ -439,8 +508,13 @@ class ChatEncoder:
         else:
             text, spans = assistant_spans(self.template, messages, first)
         ids, offsets = self._enc.encode(text)
-        flags = bytearray([FLAG_LOSS]) * len(ids) if spans is None else \
-            bytearray((overlap_mask(offsets, spans) * FLAG_LOSS).astype("uint8").tobytes())
+        flags = (
+            bytearray([FLAG_LOSS]) * len(ids)
+            if spans is None
+            else bytearray((overlap_mask(offsets, spans) * FLAG_LOSS).astype("uint8").tobytes())
+        )
         if ids:
-            flags[0] = FLAG_START  # a conversation's first token is never a target: nothing before it is its context
+            flags[0] = (
+                FLAG_START  # a conversation's first token is never a target: nothing before it is its context
+            )
         return list(ids), flags

@@ -10,8 +10,8 @@ start (TRL's ``keep_start``), leaves out pairs that keep no completion token, an
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -43,9 +43,13 @@ def pairs(spec: SourceSpec) -> Iterator[Pair]:
         yield from docstring_preferences(spec.paths, spec.extra.get("rejected", "docstring"))
         return
     if spec.kind not in ("jsonl", "parquet", "hf_dataset"):
-        raise ConfigError("data.source", spec.label or spec.paths[0], "training.objective dpo reads preference pairs: "
-                          "jsonl, parquet or a saved Hugging Face dataset with 'prompt', 'chosen' and 'rejected' "
-                          f"(this source is {spec.kind})")
+        raise ConfigError(
+            "data.source",
+            spec.label or spec.paths[0],
+            "training.objective dpo reads preference pairs: "
+            "jsonl, parquet or a saved Hugging Face dataset with 'prompt', 'chosen' and 'rejected' "
+            f"(this source is {spec.kind})",
+        )
     for path, where, row in rows(spec, COLUMNS):
         yield from_row(row, f"{path} {where}", spec.encoding_errors)
 
@@ -60,25 +64,40 @@ def from_row(row: dict, where: str, errors: str = "strict") -> Pair:
         row = implicit_prompt(row, where)
     missing = [c for c in COLUMNS if c not in row]
     if missing:
-        raise ConfigError("data.source", where, f"a preference pair needs 'prompt', 'chosen' and 'rejected'; it has "
-                          f"{sorted(row)[:8]}")
+        raise ConfigError(
+            "data.source",
+            where,
+            f"a preference pair needs 'prompt', 'chosen' and 'rejected'; it has {sorted(row)[:8]}",
+        )
     values = [row[c] for c in COLUMNS]
     if all(isinstance(v, str) for v in values):
         p, c, r = (no_surrogates(v, errors, where, "") for v in values)
-        return Pair([{"role": "user", "content": p}], [{"role": "assistant", "content": c}],
-                    [{"role": "assistant", "content": r}], where)
+        return Pair(
+            [{"role": "user", "content": p}],
+            [{"role": "assistant", "content": c}],
+            [{"role": "assistant", "content": r}],
+            where,
+        )
     if all(isinstance(v, list) for v in values):
         return Pair(*(checked_messages(v, where, c, errors) for v, c in zip(values, COLUMNS)), where)
-    raise ConfigError("data.source", where, "'prompt', 'chosen' and 'rejected' must all be strings or all lists of "
-                      f"messages; got {', '.join(type(v).__name__ for v in values)}")
+    raise ConfigError(
+        "data.source",
+        where,
+        "'prompt', 'chosen' and 'rejected' must all be strings or all lists of "
+        f"messages; got {', '.join(type(v).__name__ for v in values)}",
+    )
 
 
 def implicit_prompt(row: dict, where: str) -> dict:
     """``row`` with 'prompt' the longest common prefix of 'chosen' and 'rejected' (messages, or characters of two
     texts, a space before the split going with the completions) and each of them the rest: TRL's extract_prompt."""
     chosen, rejected = row["chosen"], row["rejected"]
-    if not (isinstance(chosen, list) and isinstance(rejected, list)
-            or isinstance(chosen, str) and isinstance(rejected, str)):
+    if not (
+        isinstance(chosen, list)
+        and isinstance(rejected, list)
+        or isinstance(chosen, str)
+        and isinstance(rejected, str)
+    ):
         return row  # the missing 'prompt' is reported with the other columns' types
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -87,9 +106,13 @@ def implicit_prompt(row: dict, where: str) -> dict:
         n -= 1
     if n == 0 or n == len(chosen) or n == len(rejected):
         what = "messages" if isinstance(chosen, list) else "characters"
-        raise ConfigError("data.source", where, "no 'prompt': chosen and rejected must then share a beginning (the "
-                          f"prompt, TRL's implicit-prompt format) and differ after it; they share {n} {what} of "
-                          f"{len(chosen)} and {len(rejected)}")
+        raise ConfigError(
+            "data.source",
+            where,
+            "no 'prompt': chosen and rejected must then share a beginning (the "
+            f"prompt, TRL's implicit-prompt format) and differ after it; they share {n} {what} of "
+            f"{len(chosen)} and {len(rejected)}",
+        )
     return {**row, "prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
@@ -106,8 +129,12 @@ def docstring_preferences(paths: list[str], rejected: str = "docstring") -> Iter
     if rejected == "code":
         for conv in convs:
             ask = conv.messages[0]["content"]
-            yield Pair(conv.messages[:1], conv.messages[1:], [{"role": "assistant", "content": echoed_code(ask)}],
-                       conv.where)
+            yield Pair(
+                conv.messages[:1],
+                conv.messages[1:],
+                [{"role": "assistant", "content": echoed_code(ask)}],
+                conv.where,
+            )
         return
     n, half = len(convs), len(convs) // 2
     order = [k for i in range(half) for k in (i, i + half)] + ([n - 1] if n % 2 else [])
@@ -121,7 +148,7 @@ def docstring_preferences(paths: list[str], rejected: str = "docstring") -> Iter
 
 def echoed_code(ask: str) -> str:
     """The fenced code block of an embedded prompt (loom.data.sft.ASK), as an answer that repeats the question."""
-    return ask[ask.index("```python"):]
+    return ask[ask.index("```python") :]
 
 
 def encoder_fingerprint(encoder: ChatEncoder) -> str:
@@ -133,8 +160,10 @@ def write_pairs(spec: SourceSpec, encoder: ChatEncoder, writer: TokenFileWriter)
     """Each pair as two flagged sequences; a pair whose completions hold no token to train on is left out."""
     for pair in pairs(spec):
         try:
-            seqs = [encoder.encode(pair.prompt + completion, len(pair.prompt))
-                    for completion in (pair.chosen, pair.rejected)]
+            seqs = [
+                encoder.encode(pair.prompt + completion, len(pair.prompt))
+                for completion in (pair.chosen, pair.rejected)
+            ]
         except ChatError as err:
             raise ConfigError("data.source", pair.where, str(err)) from None
         if all(any(f & FLAG_LOSS for f in flags) for _, flags in seqs):
@@ -143,6 +172,7 @@ def write_pairs(spec: SourceSpec, encoder: ChatEncoder, writer: TokenFileWriter)
 
 
 # ---- the loader ------------------------------------------------------------------------------------------------
+
 
 class PairFile:
     """The pairs of a DPO token file at one ``seq_len``: where each sequence starts and ends, which pairs keep a
@@ -161,18 +191,25 @@ class PairFile:
         self.kept = torch.nonzero(fits.view(-1, 2).all(dim=1)).flatten()  # pair indices of the file
         self.n_pairs = len(self.starts) // 2
         n = len(self.kept)
-        self.n_val = max(1, int(n * val_fraction)) if val_fraction > 0 and n >= 2 else 0  # as windows are split
+        self.n_val = (
+            max(1, int(n * val_fraction)) if val_fraction > 0 and n >= 2 else 0
+        )  # as windows are split
         self.n_train = n - self.n_val
         if self.n_train < 1:
-            raise UserError(f"data source {label} ({tokens.path}): no preference pair keeps a completion token "
-                            f"within training.seq_len {seq_len} (raise training.seq_len or shorten the prompts)")
+            raise UserError(
+                f"data source {label} ({tokens.path}): no preference pair keeps a completion token "
+                f"within training.seq_len {seq_len} (raise training.seq_len or shorten the prompts)"
+            )
         # a pair whose chosen and rejected sequences are the same tokens (within seq_len) has no signal: its
         # margin is 0 whatever the model, so it trains nothing
-        self.no_signal = sum(torch.equal(self.sequence(2 * int(p))[0], self.sequence(2 * int(p) + 1)[0])
-                             for p in self.kept)
+        self.no_signal = sum(
+            torch.equal(self.sequence(2 * int(p))[0], self.sequence(2 * int(p) + 1)[0]) for p in self.kept
+        )
         if self.no_signal == len(self.kept):
-            raise UserError(f"data source {label} ({tokens.path}): in every one of the {len(self.kept):,} preference "
-                            f"pairs chosen equals rejected (within training.seq_len {seq_len}): nothing to learn")
+            raise UserError(
+                f"data source {label} ({tokens.path}): in every one of the {len(self.kept):,} preference "
+                f"pairs chosen equals rejected (within training.seq_len {seq_len}): nothing to learn"
+            )
 
     def sequence(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (int64) and flags (uint8) of sequence ``s`` of the file, truncated to ``seq_len``."""
@@ -199,9 +236,11 @@ def pair_batch(source: PairFile, ids: list[int], pad_id: int, ref: torch.Tensor 
             tokens, flags = source.sequence(2 * int(source.kept[k]) + half)
             row, n = half * b + i, len(tokens)
             inputs[row, :n], documents[row, :n] = tokens, 0
-            labels[row, :n - 1] = torch.where((flags[1:] & FLAG_LOSS) > 0, tokens[1:], IGNORE)
+            labels[row, : n - 1] = torch.where((flags[1:] & FLAG_LOSS) > 0, tokens[1:], IGNORE)
     positions = torch.arange(s).expand(2 * b, s).contiguous()
-    refs = None if ref is None else ref[torch.tensor(ids, dtype=torch.int64)].T.flatten().contiguous()  # (2B,)
+    refs = (
+        None if ref is None else ref[torch.tensor(ids, dtype=torch.int64)].T.flatten().contiguous()
+    )  # (2B,)
     return MicroBatch(inputs, labels, positions, documents, refs)
 
 
@@ -210,8 +249,17 @@ class PairLoader:
     pairs ``consumed .. consumed + global_batch`` of a seeded permutation per epoch, whatever the layout; a rank
     takes micro-batch j's pairs at ``(j x dp + rank) x micro_batch``. ``training.global_batch_size`` counts pairs."""
 
-    def __init__(self, source: PairFile, *, seed: int, pad_id: int, dp_rank: int, dp_size: int, micro_batch: int,
-                 accumulation: int):
+    def __init__(
+        self,
+        source: PairFile,
+        *,
+        seed: int,
+        pad_id: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch: int,
+        accumulation: int,
+    ):
         self.source, self.seed, self.pad_id = source, seed, pad_id
         self.sources = [source]
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -231,14 +279,18 @@ class PairLoader:
         src = self.source
         epochs = steps * global_batch / src.n_train
         dropped = src.n_pairs - len(src.kept)
-        lines = [f"data: {src.label}: {src.n_pairs:,} preference pairs ({dropped:,} without a completion token within "
-                 f"seq_len {src.seq_len} left out), {src.n_train} training pairs"
-                 f"{f', {src.n_val} validation' if src.n_val else ''}; the run reads {_share_read(epochs)} of them"]
+        lines = [
+            f"data: {src.label}: {src.n_pairs:,} preference pairs ({dropped:,} without a completion token within "
+            f"seq_len {src.seq_len} left out), {src.n_train} training pairs"
+            f"{f', {src.n_val} validation' if src.n_val else ''}; the run reads {_share_read(epochs)} of them"
+        ]
         if epochs > 1:
             lines.append(f"warning: {src.label} will be repeated: {epochs:.1f} epochs")
         if src.no_signal:
-            lines.append(f"warning: {src.label}: {src.no_signal:,} of {len(src.kept):,} preference pairs have chosen "
-                         "equal to rejected (no signal: they train nothing)")
+            lines.append(
+                f"warning: {src.label}: {src.no_signal:,} of {len(src.kept):,} preference pairs have chosen "
+                "equal to rejected (no signal: they train nothing)"
+            )
         return lines
 
     def _global_plan(self) -> list[int]:
@@ -251,14 +303,18 @@ class PairLoader:
         micro = []
         for j in range(self.accumulation):
             start = (j * dp + self.dp_rank) * mb
-            micro.append(pair_batch(self.source, plan[start:start + mb], self.pad_id, self.reference))
+            micro.append(pair_batch(self.source, plan[start : start + mb], self.pad_id, self.reference))
         digest = None
         if with_hash:
             h = hashlib.blake2b(digest_size=16)
             for k in plan:
                 for half in range(2):
-                    h.update(self.source.sequence(2 * int(self.source.kept[k]) + half)[0].to(torch.int32)
-                             .numpy().tobytes())
+                    h.update(
+                        self.source.sequence(2 * int(self.source.kept[k]) + half)[0]
+                        .to(torch.int32)
+                        .numpy()
+                        .tobytes()
+                    )
             digest = h.hexdigest()
         self.consumed += len(plan)
         return StepData(micro, digest)
@@ -286,12 +342,19 @@ class PairLoader:
             yield pair_batch(self.source, [max(k, 0) for k in ids], self.pad_id, None), torch.tensor(ids)
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "counts": [self.consumed], "seed": self.seed,
-                "sources": [self.source.label], "seq_len": self.seq_len}
+        return {
+            "consumed": self.consumed,
+            "counts": [self.consumed],
+            "seed": self.seed,
+            "sources": [self.source.label],
+            "seq_len": self.seq_len,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """The position: pairs handed out (at another ``seq_len`` the kept pairs may differ; the count goes on)."""
         if int(state["seed"]) != self.seed:
-            raise UserError(f"checkpoint's data order was drawn with run.seed {state['seed']}, this run has "
-                            f"{self.seed}: resume with the same seed")
+            raise UserError(
+                f"checkpoint's data order was drawn with run.seed {state['seed']}, this run has "
+                f"{self.seed}: resume with the same seed"
+            )
         self.consumed = int(state["consumed"])

@@ -31,6 +31,7 @@ _MASK31 = (1 << 31) - 1
 
 # ---- a stateless permutation of [0, n) -----------------------------------------
 
+
 def _round(x: torch.Tensor, key: int, mask: int) -> torch.Tensor:
     x = ((x * 0x2545F491 + key) & _MASK31) ^ (x >> 5)
     x = ((x * 0x1B873593) & _MASK31) ^ (x >> 13)
@@ -70,6 +71,7 @@ def uniform(idx: torch.Tensor, seed: int) -> torch.Tensor:
 
 # ---- windows of one source -----------------------------------------------------
 
+
 def split_windows(n_tokens: int, seq_len: int, val_fraction: float) -> tuple[int, int]:
     """(training, validation) windows of ``seq_len + 1`` tokens (stride ``seq_len``) in ``n_tokens`` tokens."""
     n = (n_tokens - 1) // seq_len
@@ -94,8 +96,10 @@ class Windows:
         self.tokens, self.seq_len, self.label, self.val_fraction = tokens, seq_len, label, val_fraction
         self.n_train, self.n_val = split_windows(len(tokens), seq_len, val_fraction)
         if self.n_train < 1:
-            raise UserError(f"data source {label} ({tokens.path}): {len(tokens)} tokens are fewer than one "
-                            f"training window of {seq_len + 1} (lower training.seq_len or add data)")
+            raise UserError(
+                f"data source {label} ({tokens.path}): {len(tokens)} tokens are fewer than one "
+                f"training window of {seq_len + 1} (lower training.seq_len or add data)"
+            )
 
     def window(self, w: int) -> torch.Tensor:
         start = w * self.seq_len
@@ -131,17 +135,24 @@ def _share_read(epochs: float) -> str:
 
 # ---- batches ------------------------------------------------------------------
 
+
 @dataclass
 class MicroBatch:
     inputs: torch.Tensor  # (B, S) int64
     labels: torch.Tensor  # (B, S) int64: the next token at every position
     positions: torch.Tensor  # (B, S) position within its document
     document_ids: torch.Tensor  # (B, S) document index within the window
-    ref_logps: torch.Tensor | None = None  # DPO (loom.data.dpo): the reference's log-probability of each row, (B,)
+    ref_logps: torch.Tensor | None = (
+        None  # DPO (loom.data.dpo): the reference's log-probability of each row, (B,)
+    )
 
-    def to(self, device) -> "MicroBatch":
-        return MicroBatch(*(None if t is None else t.to(device, non_blocking=True) for t in
-                            (self.inputs, self.labels, self.positions, self.document_ids, self.ref_logps)))
+    def to(self, device) -> MicroBatch:
+        return MicroBatch(
+            *(
+                None if t is None else t.to(device, non_blocking=True)
+                for t in (self.inputs, self.labels, self.positions, self.document_ids, self.ref_logps)
+            )
+        )
 
 
 def positions_from_starts(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,8 +172,9 @@ def document_positions(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor,
     return positions_from_starts(starts)
 
 
-def make_micro_batch(windows: list[torch.Tensor], eos_id: int,
-                     flags: list[torch.Tensor] | None = None) -> MicroBatch:
+def make_micro_batch(
+    windows: list[torch.Tensor], eos_id: int, flags: list[torch.Tensor] | None = None
+) -> MicroBatch:
     """Inputs, labels and per-document positions of windows (S+1,) each. ``flags`` (an SFT file's, (S+1,) each): a
     label takes loss only where its token is flagged, and documents start at flagged tokens instead of after EOS."""
     w = torch.stack(windows)  # (B, S+1)
@@ -185,12 +197,23 @@ class StepData:
 class Loader:
     """Yields this rank's micro-batches for each step; ``state_dict`` holds the exact position."""
 
-    def __init__(self, sources: list[Windows], weights: list[float], *, seed: int, eos_id: int,
-                 dp_rank: int, dp_size: int, micro_batch: int, accumulation: int):
+    def __init__(
+        self,
+        sources: list[Windows],
+        weights: list[float],
+        *,
+        seed: int,
+        eos_id: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch: int,
+        accumulation: int,
+    ):
         self.sources, self.seed, self.eos_id = sources, seed, eos_id
         total = sum(weights)
-        self.cum_weights = torch.tensor([sum(weights[: i + 1]) / total for i in range(len(weights))],
-                                        dtype=torch.float64)
+        self.cum_weights = torch.tensor(
+            [sum(weights[: i + 1]) / total for i in range(len(weights))], dtype=torch.float64
+        )
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.consumed = 0  # global samples handed out
@@ -208,15 +231,25 @@ class Loader:
             weight = f", weight {share:.2f}" if len(self.sources) > 1 else ""
             meta = src.tokens.meta
             trained = meta.trained_tokens / max(meta.tokens, 1)
-            sft = f" ({meta.documents:,} conversations, {trained:.0%} of the tokens take loss)" if meta.mask else ""
-            lines.append(f"data: {src.label}: {len(src.tokens):,} tokens{sft}, {src.n_train} training windows"
-                         f"{val}{weight}; the run reads {_share_read(epochs)} of it")
+            sft = (
+                f" ({meta.documents:,} conversations, {trained:.0%} of the tokens take loss)"
+                if meta.mask
+                else ""
+            )
+            lines.append(
+                f"data: {src.label}: {len(src.tokens):,} tokens{sft}, {src.n_train} training windows"
+                f"{val}{weight}; the run reads {_share_read(epochs)} of it"
+            )
             if src.n_train < global_batch * share:
-                lines.append(f"warning: {src.label} holds fewer windows ({src.n_train}) than one step takes from it "
-                             f"({global_batch * share:.0f}): every step repeats windows")
+                lines.append(
+                    f"warning: {src.label} holds fewer windows ({src.n_train}) than one step takes from it "
+                    f"({global_batch * share:.0f}): every step repeats windows"
+                )
             elif epochs > 1:
-                lines.append(f"warning: {src.label} will be repeated: {epochs:.1f} epochs (more data, or "
-                             "fewer training.steps, avoids training on the same windows again)")
+                lines.append(
+                    f"warning: {src.label} will be repeated: {epochs:.1f} epochs (more data, or "
+                    "fewer training.steps, avoids training on the same windows again)"
+                )
         return lines
 
     @property
@@ -249,7 +282,7 @@ class Loader:
         micro = []
         for j in range(self.accumulation):
             start = (j * dp + self.dp_rank) * mb  # micro-batch j of this rank
-            micro.append(self._micro_batch(plan[start:start + mb]))
+            micro.append(self._micro_batch(plan[start : start + mb]))
         digest = None
         if with_hash:
             h = hashlib.blake2b(digest_size=16)
@@ -273,7 +306,9 @@ class Loader:
         out = []
         for j in range(batches):
             start = (j * self.dp_size + self.dp_rank) * self.micro_batch
-            out.append(self._micro_batch([(i, src.val_window_id(k)) for k in range(start, start + self.micro_batch)]))
+            out.append(
+                self._micro_batch([(i, src.val_window_id(k)) for k in range(start, start + self.micro_batch)])
+            )
         return out
 
     @property
@@ -281,19 +316,28 @@ class Loader:
         return self.sources[0].seq_len
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "counts": list(self.counts), "seed": self.seed,
-                "sources": [s.label for s in self.sources], "seq_len": self.seq_len}
+        return {
+            "consumed": self.consumed,
+            "counts": list(self.counts),
+            "seed": self.seed,
+            "sources": [s.label for s in self.sources],
+            "seq_len": self.seq_len,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """The position of ``state_dict``. Saved at another ``seq_len`` (``state["seq_len"]``, absent in older
         checkpoints: the same), each source goes on from the same fraction of the same epoch (``recut_count``);
         another global batch size needs nothing: the position counts samples, whatever the batch."""
         if len(state["counts"]) != len(self.sources):
-            raise UserError(f"checkpoint's data loader has {len(state['counts'])} sources, this run has "
-                            f"{len(self.sources)}: resume with the same data.source")
+            raise UserError(
+                f"checkpoint's data loader has {len(state['counts'])} sources, this run has "
+                f"{len(self.sources)}: resume with the same data.source"
+            )
         if int(state["seed"]) != self.seed:
-            raise UserError(f"checkpoint's data order was drawn with run.seed {state['seed']}, this run has "
-                            f"{self.seed}: resume with the same seed")
+            raise UserError(
+                f"checkpoint's data order was drawn with run.seed {state['seed']}, this run has "
+                f"{self.seed}: resume with the same seed"
+            )
         self.consumed, self.counts = int(state["consumed"]), [int(c) for c in state["counts"]]
         old_seq_len = int(state.get("seq_len", self.seq_len))
         if old_seq_len != self.seq_len:

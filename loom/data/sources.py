@@ -21,8 +21,8 @@ import json
 import os
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from loom.config.errors import ConfigError
 
@@ -78,8 +78,11 @@ def stdlib_files() -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root).split(os.sep)
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")
-                       and not d.startswith(("test", "idle_test"))]
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if d not in ("site-packages", "__pycache__") and not d.startswith(("test", "idle_test"))
+        ]
         if rel[0] != "." and (rel[0].startswith("test") or "site-packages" in rel):
             continue
         out += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
@@ -89,11 +92,17 @@ def stdlib_files() -> list[str]:
 def _kind_of(path: str) -> str:
     if os.path.isdir(path):
         # save_to_disk writes state.json + dataset_info.json for a Dataset, dataset_dict.json for a DatasetDict
-        if any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json",
-                                                                 "dataset_dict.json")):
+        if any(
+            os.path.isfile(os.path.join(path, f))
+            for f in ("dataset_info.json", "state.json", "dataset_dict.json")
+        ):
             return "hf_dataset"
-        raise ConfigError("data.source", path, "a folder must be a Hugging Face dataset saved with "
-                          "save_to_disk; for files inside it use a glob such as 'folder/*.txt'")
+        raise ConfigError(
+            "data.source",
+            path,
+            "a folder must be a Hugging Face dataset saved with "
+            "save_to_disk; for files inside it use a glob such as 'folder/*.txt'",
+        )
     if path.endswith(".bin"):
         return "tokens"
     if path.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
@@ -127,7 +136,9 @@ def _split_weight(entry: str) -> tuple[str, float | None]:
 def parse_source(source: str, text_field: str = "text", encoding_errors: str = "strict") -> list[SourceSpec]:
     """The ``data.source`` string as a list of specs (one per mixture entry)."""
     if not source:
-        return [SourceSpec("stdlib", stdlib_files(), 1.0, text_field, EMBEDDED, encoding_errors=encoding_errors)]
+        return [
+            SourceSpec("stdlib", stdlib_files(), 1.0, text_field, EMBEDDED, encoding_errors=encoding_errors)
+        ]
     entries = [e.strip() for e in source.split(",") if e.strip()]
     specs = []
     for entry in entries:
@@ -143,17 +154,24 @@ def parse_source(source: str, text_field: str = "text", encoding_errors: str = "
         kind = kinds.pop()
         if kind == "tokens" and len(paths) > 1:
             raise ConfigError("data.source", pattern, "one token file per mixture entry")
-        specs.append(SourceSpec(kind, paths, weight or 1.0, text_field, pattern, encoding_errors=encoding_errors))
+        specs.append(
+            SourceSpec(kind, paths, weight or 1.0, text_field, pattern, encoding_errors=encoding_errors)
+        )
     return specs
 
 
 # ---- documents ---------------------------------------------------------------
 
+
 def not_utf8(path: str, where: str) -> ConfigError:
     """Bytes that are not UTF-8 under ``data.encoding_errors = strict``: the file, where, and the way out.
     ``loom data prepare`` names its own option in place of --data.encoding_errors."""
-    return ConfigError("data.encoding_errors", "strict", f"{path} is not valid UTF-8 at {where}; "
-                       "--data.encoding_errors replace would decode it with U+FFFD replacement characters")
+    return ConfigError(
+        "data.encoding_errors",
+        "strict",
+        f"{path} is not valid UTF-8 at {where}; "
+        "--data.encoding_errors replace would decode it with U+FFFD replacement characters",
+    )
 
 
 def decode(data: bytes, errors: str, path: str, where: str = "") -> str:
@@ -176,7 +194,9 @@ def no_surrogates(text: str, errors: str, path: str, where: str) -> str:
     if found is None:
         return text
     if errors == "strict":
-        raise not_utf8(path, f"{where}character {found.start()} (a lone surrogate \\u{ord(found.group()):04x})")
+        raise not_utf8(
+            path, f"{where}character {found.start()} (a lone surrogate \\u{ord(found.group()):04x})"
+        )
     return _SURROGATE.sub("\ufffd", text)
 
 
@@ -214,7 +234,9 @@ def _jsonl_rows(path: str, errors: str = "strict") -> Iterator[tuple[int, dict]]
             except json.JSONDecodeError:
                 raise ConfigError("data.source", path, f"line {lineno} is not valid JSON") from None
             except RecursionError:
-                raise ConfigError("data.source", path, f"line {lineno} nests JSON too deeply to read") from None
+                raise ConfigError(
+                    "data.source", path, f"line {lineno} nests JSON too deeply to read"
+                ) from None
             if not isinstance(row, dict):
                 raise ConfigError("data.source", path, f"line {lineno} is not a JSON object")
             yield lineno, row
@@ -223,8 +245,11 @@ def _jsonl_rows(path: str, errors: str = "strict") -> Iterator[tuple[int, dict]]
 def _jsonl_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
     for lineno, row in _jsonl_rows(path, errors):
         if text_field not in row:
-            raise ConfigError("data.text_field", text_field,
-                              f"not a field of {path} line {lineno}; it has {sorted(row)[:8]}")
+            raise ConfigError(
+                "data.text_field",
+                text_field,
+                f"not a field of {path} line {lineno}; it has {sorted(row)[:8]}",
+            )
         text = row[text_field]
         yield no_surrogates(text, errors, path, f"line {lineno}, ") if isinstance(text, str) else text
 
@@ -234,8 +259,9 @@ def _gz_lines(fh, path: str) -> Iterator[bytes]:
     try:
         yield from fh
     except (OSError, EOFError) as err:
-        raise ConfigError("data.source", path, f"is not a complete gzip file ({err}); download or copy it again") \
-            from None
+        raise ConfigError(
+            "data.source", path, f"is not a complete gzip file ({err}); download or copy it again"
+        ) from None
 
 
 def _arrow_texts(column, errors: str, path: str, first_row: int) -> list:
@@ -248,8 +274,10 @@ def _arrow_texts(column, errors: str, path: str, first_row: int) -> list:
     import pyarrow as pa
 
     raw = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
-    return [None if b is None else decode(b, errors, path, f"row {first_row + i + 1}, ")
-            for i, b in enumerate(raw.to_pylist())]
+    return [
+        None if b is None else decode(b, errors, path, f"row {first_row + i + 1}, ")
+        for i, b in enumerate(raw.to_pylist())
+    ]
 
 
 def _parquet_file(path: str):
@@ -257,7 +285,9 @@ def _parquet_file(path: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError("data.source", path, "parquet needs the 'pyarrow' package (pip install 'loom-train[data]')") from None
+        raise ConfigError(
+            "data.source", path, "parquet needs the 'pyarrow' package (pip install 'loom-train[data]')"
+        ) from None
     try:
         return pq.ParquetFile(path)
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
@@ -266,8 +296,12 @@ def _parquet_file(path: str):
 
 def _bad_parquet(path: str, err: BaseException) -> ConfigError:
     reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-    return ConfigError("data.source", path, f"not a readable parquet file ({reason}); it is probably truncated or "
-                       "damaged: write, download or copy it again")
+    return ConfigError(
+        "data.source",
+        path,
+        f"not a readable parquet file ({reason}); it is probably truncated or "
+        "damaged: write, download or copy it again",
+    )
 
 
 def _parquet_batches(pf, path: str, columns: list[str]):
@@ -281,7 +315,9 @@ def _parquet_batches(pf, path: str, columns: list[str]):
 def _parquet_docs(path: str, text_field: str, errors: str = "strict") -> Iterator[str]:
     pf = _parquet_file(path)
     if text_field not in pf.schema_arrow.names:
-        raise ConfigError("data.text_field", text_field, f"not a column of {path}; it has {pf.schema_arrow.names}")
+        raise ConfigError(
+            "data.text_field", text_field, f"not a column of {path}; it has {pf.schema_arrow.names}"
+        )
     row = 0
     for batch in _parquet_batches(pf, path, [text_field]):
         yield from _arrow_texts(batch.column(0), errors, path, row)
@@ -293,8 +329,11 @@ def _load_dataset(path: str):
     try:
         import datasets
     except ImportError:
-        raise ConfigError("data.source", path,
-                          "a saved Hugging Face dataset needs the 'datasets' package (pip install 'loom-train[data]')") from None
+        raise ConfigError(
+            "data.source",
+            path,
+            "a saved Hugging Face dataset needs the 'datasets' package (pip install 'loom-train[data]')",
+        ) from None
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
@@ -317,10 +356,15 @@ def _parquet_rows(path: str, columns: tuple[str, ...] | None) -> Iterator[tuple[
     """(row number, {column: value}) of the ``columns`` the file has (None: all; nested lists and structs as Python
     values)."""
     pf = _parquet_file(path)
-    have = list(pf.schema_arrow.names) if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+    have = (
+        list(pf.schema_arrow.names) if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+    )
     if not have:
-        raise ConfigError("data.source", path,
-                          f"has none of the columns {list(columns or ())}; it has {pf.schema_arrow.names}")
+        raise ConfigError(
+            "data.source",
+            path,
+            f"has none of the columns {list(columns or ())}; it has {pf.schema_arrow.names}",
+        )
     row = 0
     for batch in _parquet_batches(pf, path, have):
         for values in batch.to_pylist():
@@ -333,8 +377,9 @@ def _hf_dataset_rows(path: str, columns: tuple[str, ...] | None) -> Iterator[tup
     ds = _load_dataset(path)
     have = list(ds.column_names) if columns is None else [c for c in columns if c in ds.column_names]
     if not have:
-        raise ConfigError("data.source", path,
-                          f"has none of the columns {list(columns or ())}; it has {ds.column_names}")
+        raise ConfigError(
+            "data.source", path, f"has none of the columns {list(columns or ())}; it has {ds.column_names}"
+        )
     row = 0
     for batch in ds.select_columns(have).iter(batch_size=1024):  # {column: [values]}
         for values in zip(*(batch[c] for c in have)):
@@ -368,8 +413,9 @@ def _strings(texts: Iterator, path: str, text_field: str) -> Iterator[str]:
         elif isinstance(text, str):
             yield text
         else:
-            raise ConfigError("data.text_field", text_field,
-                              f"holds a {type(text).__name__}, not text, in {path}")
+            raise ConfigError(
+                "data.text_field", text_field, f"holds a {type(text).__name__}, not text, in {path}"
+            )
 
 
 def documents(spec: SourceSpec) -> Iterator[str]:

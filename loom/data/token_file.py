@@ -50,7 +50,9 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
-TEMP_TAG = ".loom-tmp-"  # <file>.loom-tmp-<host>-<pid>: a file being written, renamed into place when complete
+TEMP_TAG = (
+    ".loom-tmp-"  # <file>.loom-tmp-<host>-<pid>: a file being written, renamed into place when complete
+)
 
 
 def temp_path(path: str) -> str:
@@ -106,12 +108,21 @@ class TokenFileWriter:
     """Append documents' token ids; ``close()`` writes the metadata last and renames into place. ``mask`` (an SFT
     file's loss-mask mode): every document also gets its per-token flags, written to ``mask_path``."""
 
-    def __init__(self, path: str, *, eos_id: int, vocab_size: int, tokenizer: str, mask: str = "",
-                 chat_template: str = ""):
+    def __init__(
+        self,
+        path: str,
+        *,
+        eos_id: int,
+        vocab_size: int,
+        tokenizer: str,
+        mask: str = "",
+        chat_template: str = "",
+    ):
         self.path = path
         self.dtype = dtype_for_vocab(vocab_size)
-        self.meta = TokenFileMeta(self.dtype, 0, 0, eos_id, vocab_size, tokenizer, mask=mask,
-                                  chat_template=chat_template)
+        self.meta = TokenFileMeta(
+            self.dtype, 0, 0, eos_id, vocab_size, tokenizer, mask=mask, chat_template=chat_template
+        )
         self._tmp = temp_path(path)
         self._tmp_mask = temp_path(mask_path(path)) if mask else None
         self._mask_fh = None
@@ -131,10 +142,14 @@ class TokenFileWriter:
         t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
         t = torch.cat([t.to(DTYPES[self.dtype]), self._eos])
         if self._mask_fh is not None:
-            assert flags is not None and len(flags) == t.numel() - 1, "an SFT document needs one flag per token"
+            assert flags is not None and len(flags) == t.numel() - 1, (
+                "an SFT document needs one flag per token"
+            )
             self._write(self._mask_fh, bytes(flags) + b"\0")
             if flags:
-                self.meta.trained_tokens += int((torch.frombuffer(bytearray(flags), dtype=torch.uint8) & 1).sum())
+                self.meta.trained_tokens += int(
+                    (torch.frombuffer(bytearray(flags), dtype=torch.uint8) & 1).sum()
+                )
         self._write(self._fh, t.numpy().tobytes())
         self.meta.tokens += t.numel()
         self.meta.documents += 1
@@ -188,38 +203,49 @@ class TokenFileWriter:
 def read_meta(path: str) -> TokenFileMeta:
     mp = meta_path(path)
     if not os.path.isfile(mp):
-        raise UserError(f"token file {path}: its description {mp} is missing "
-                        "(write token files with `loom data prepare`)")
+        raise UserError(
+            f"token file {path}: its description {mp} is missing (write token files with `loom data prepare`)"
+        )
     try:
         with open(mp) as fh:
             meta = TokenFileMeta(**json.load(fh))
     except (ValueError, TypeError) as err:
-        raise UserError(f"token file {path}: its description {mp} is not a loom token file description "
-                        f"({err})") from None
+        raise UserError(
+            f"token file {path}: its description {mp} is not a loom token file description ({err})"
+        ) from None
     if meta.dtype not in DTYPES:
-        raise UserError(f"token file {path}: unknown dtype {meta.dtype!r} in {mp} (allowed: {', '.join(DTYPES)})")
+        raise UserError(
+            f"token file {path}: unknown dtype {meta.dtype!r} in {mp} (allowed: {', '.join(DTYPES)})"
+        )
     if not os.path.isfile(path):
         raise UserError(f"token file {path} is missing (only its description {mp} exists)")
     size = os.path.getsize(path)
     itemsize = DTYPES[meta.dtype].itemsize
     if size != meta.tokens * itemsize:
-        raise UserError(f"token file {path}: {size} bytes, expected {meta.tokens * itemsize} "
-                        f"({meta.tokens} {meta.dtype} tokens); the file is truncated or not a loom token file")
+        raise UserError(
+            f"token file {path}: {size} bytes, expected {meta.tokens * itemsize} "
+            f"({meta.tokens} {meta.dtype} tokens); the file is truncated or not a loom token file"
+        )
     if meta.mask:
         mp = mask_path(path)
         if not os.path.isfile(mp) or os.path.getsize(mp) != meta.tokens:
             found = f"{os.path.getsize(mp)} bytes" if os.path.isfile(mp) else "missing"
-            raise UserError(f"token file {path}: its loss mask {mp} is {found}, expected {meta.tokens} bytes (one per "
-                            "token); write it again with `loom data prepare --objective sft`")
+            raise UserError(
+                f"token file {path}: its loss mask {mp} is {found}, expected {meta.tokens} bytes (one per "
+                "token); write it again with `loom data prepare --objective sft`"
+            )
     return meta
 
 
 def check_tokenizer(path: str, meta: TokenFileMeta, tokenizer, field: str = "data.tokenizer") -> None:
     """Token ids only mean something with the tokenizer that wrote them: refuse any other one."""
     if meta.tokenizer != tokenizer.fingerprint() or meta.eos_id != tokenizer.eos_id:
-        raise ConfigError(field, tokenizer.fingerprint(),
-                          f"token file {path} was written with tokenizer {meta.tokenizer} "
-                          f"(vocab {meta.vocab_size}, eos {meta.eos_id}); pass the same tokenizer")
+        raise ConfigError(
+            field,
+            tokenizer.fingerprint(),
+            f"token file {path} was written with tokenizer {meta.tokenizer} "
+            f"(vocab {meta.vocab_size}, eos {meta.eos_id}); pass the same tokenizer",
+        )
 
 
 class TokenFile:
@@ -263,9 +289,9 @@ class TokenFile:
             ids = np.frombuffer(self._mm, dtype=self.meta.dtype)
             best, where = -1, 0
             for start in range(0, len(ids), chunk):
-                top = int(ids[start:start + chunk].max())
+                top = int(ids[start : start + chunk].max())
                 if top > best:
-                    best, where = top, start + int(ids[start:start + chunk].argmax())
+                    best, where = top, start + int(ids[start : start + chunk].argmax())
             _LARGEST[key] = (best, where)
         return _LARGEST[key]
 
@@ -278,7 +304,11 @@ def check_ids(tf: TokenFile, tokenizer, field: str = "data.source") -> None:
     crash, or on a model with spare rows, training on rows no text maps to)."""
     top, where = tf.largest_id()
     if top >= tokenizer.vocab_size:
-        raise ConfigError(field, tf.path, f"holds token id {top} (token {where}), but tokenizer "
-                          f"{tokenizer.fingerprint()} has {tokenizer.vocab_size} ids (0..{tokenizer.vocab_size - 1}): "
-                          "written with another tokenizer or damaged; re-create it with `loom data prepare` and the "
-                          "tokenizer you train with")
+        raise ConfigError(
+            field,
+            tf.path,
+            f"holds token id {top} (token {where}), but tokenizer "
+            f"{tokenizer.fingerprint()} has {tokenizer.vocab_size} ids (0..{tokenizer.vocab_size - 1}): "
+            "written with another tokenizer or damaged; re-create it with `loom data prepare` and the "
+            "tokenizer you train with",
+        )

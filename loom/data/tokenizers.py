@@ -23,8 +23,12 @@ def tokenizer_json(spec: str, field: str = "data.tokenizer") -> str:
     path = os.path.join(spec, TOKENIZER_JSON) if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
         what = f"no {TOKENIZER_JSON} in this folder" if os.path.isdir(spec) else "not found"
-        raise ConfigError(field, spec, f"{what} ({os.path.abspath(path)}); allowed: byte | path to a tokenizer.json "
-                          "or a folder holding one")
+        raise ConfigError(
+            field,
+            spec,
+            f"{what} ({os.path.abspath(path)}); allowed: byte | path to a tokenizer.json "
+            "or a folder holding one",
+        )
     return path
 
 
@@ -35,7 +39,9 @@ def tokenizer_files(spec: str, field: str = "data.tokenizer") -> dict[str, str]:
     files = {TOKENIZER_JSON: path}
     if os.path.basename(path) == TOKENIZER_JSON:
         folder = os.path.dirname(path)
-        files.update({n: os.path.join(folder, n) for n in COMPANIONS if os.path.isfile(os.path.join(folder, n))})
+        files.update(
+            {n: os.path.join(folder, n) for n in COMPANIONS if os.path.isfile(os.path.join(folder, n))}
+        )
     return files
 
 
@@ -89,7 +95,9 @@ class ByteTokenizer:
         tok = tk.Tokenizer(tk.models.BPE(vocab={c: b for b, c in enumerate(chars)}, merges=[]))
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = tk.decoders.ByteLevel()
-        tok.add_special_tokens([tk.AddedToken(name, special=True, normalized=False) for name in self._NAMES.values()])
+        tok.add_special_tokens(
+            [tk.AddedToken(name, special=True, normalized=False) for name in self._NAMES.values()]
+        )
         assert all(tok.token_to_id(name) == i for i, name in self._NAMES.items())
         return tok.to_str(pretty=True)
 
@@ -113,8 +121,11 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._find(self._EOS_CANDIDATES)
         if self.eos_id is None:
-            raise ConfigError("data.tokenizer", path, "no end-of-text token found "
-                              f"(looked for {', '.join(self._EOS_CANDIDATES)})")
+            raise ConfigError(
+                "data.tokenizer",
+                path,
+                f"no end-of-text token found (looked for {', '.join(self._EOS_CANDIDATES)})",
+            )
         self.bos_id = self._find(("<|begin_of_text|>", "<s>", "<bos>"))
         self.name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf"
 

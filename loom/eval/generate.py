@@ -23,10 +23,18 @@ def sampling_params(kwargs: dict, max_gen_toks: int, stop: list[str]):
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
     extra = {k: kwargs.pop(k) for k in _SAMPLING if k in kwargs}
     if kwargs:
-        raise ConfigError("gen_kwargs", ",".join(sorted(kwargs)), "not a generation setting loom knows: allowed "
-                          f"until, max_gen_toks, do_sample, temperature, {', '.join(_SAMPLING)}")
-    return SamplingParams(max_new_tokens=max_gen_toks, temperature=temperature if do_sample else 0.0,
-                          stop=tuple(s for s in stop if s), **extra)
+        raise ConfigError(
+            "gen_kwargs",
+            ",".join(sorted(kwargs)),
+            "not a generation setting loom knows: allowed "
+            f"until, max_gen_toks, do_sample, temperature, {', '.join(_SAMPLING)}",
+        )
+    return SamplingParams(
+        max_new_tokens=max_gen_toks,
+        temperature=temperature if do_sample else 0.0,
+        stop=tuple(s for s in stop if s),
+        **extra,
+    )
 
 
 def generate_until(lm, requests: list[tuple[str, dict]]) -> list[str]:
@@ -47,14 +55,18 @@ def generate_until(lm, requests: list[tuple[str, dict]]) -> list[str]:
         max_gen = int(kwargs.pop("max_gen_toks"))
         room = lm.max_length - max_gen
         if room < 1:
-            raise ConfigError("max_gen_toks", max_gen, f"leaves no room for a context in the model's max length "
-                              f"({lm.max_length})")
+            raise ConfigError(
+                "max_gen_toks",
+                max_gen,
+                f"leaves no room for a context in the model's max length ({lm.max_length})",
+            )
         params = sampling_params(kwargs, max_gen, until)
-        contexts = {i: lm.tok_encode(requests[i][0], left_truncate_len=room) or [lm.prefix_token_id]
-                    for i in members}
+        contexts = {
+            i: lm.tok_encode(requests[i][0], left_truncate_len=room) or [lm.prefix_token_id] for i in members
+        }
         ordered = sorted(members, key=lambda i: -len(contexts[i]))
         for start in range(0, len(ordered), lm.batch_size):
-            batch = ordered[start:start + lm.batch_size]
+            batch = ordered[start : start + lm.batch_size]
             completions = generator.generate_ids([contexts[i] for i in batch], params)
             for i, completion in zip(batch, completions):
                 out[i] = postprocess_generated_text(completion.text, until, None)

@@ -24,7 +24,9 @@ from loom.config.errors import ConfigError, UserError, require
 from loom.eval.model import EvalModel, load
 from loom.eval.scoring import continuation_window, rolling_windows, score
 
-_model_api = require("lm_eval.api.model", "eval", package="lm-eval", purpose="the lm-evaluation-harness backend")
+_model_api = require(
+    "lm_eval.api.model", "eval", package="lm-eval", purpose="the lm-evaluation-harness backend"
+)
 _registry = require("lm_eval.api.registry", "eval", package="lm-eval")
 # lm-eval registers its own backends (lazily) only while its registry is empty: before ours joins it
 require("lm_eval.models", "eval", package="lm-eval")
@@ -58,18 +60,30 @@ class LoomLM(_model_api.TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, checkpoint: str | None = None, *, model: EvalModel | None = None, device: str = "auto",
-                 dtype: str = "auto", batch_size: int | str | None = DEFAULT_BATCH, max_length: int | str = 0,
-                 max_gen_toks: int | str = 256, prefix_token_id: int | str | None = None,
-                 max_batch_size: int | None = None):
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        *,
+        model: EvalModel | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int | str | None = DEFAULT_BATCH,
+        max_length: int | str = 0,
+        max_gen_toks: int | str = 256,
+        prefix_token_id: int | str | None = None,
+        max_batch_size: int | None = None,
+    ):
         super().__init__()
         if (checkpoint is None) == (model is None):
             raise ConfigError("checkpoint", checkpoint, "pass exactly one of checkpoint=PATH or an EvalModel")
-        self.em = model or load(checkpoint, device=device or "auto", dtype=dtype,
-                                max_length=_int("max_length", max_length, 0))
+        self.em = model or load(
+            checkpoint, device=device or "auto", dtype=dtype, max_length=_int("max_length", max_length, 0)
+        )
         self.batch_size = _batch(batch_size)
         self.max_gen_toks = _int("max_gen_toks", max_gen_toks, 1)
-        self._prefix = self.em.prefix_id if prefix_token_id is None else _int("prefix_token_id", prefix_token_id, 0)
+        self._prefix = (
+            self.em.prefix_id if prefix_token_id is None else _int("prefix_token_id", prefix_token_id, 0)
+        )
         self.tokenizer = self.em.tokenizer
         self._device = self.em.device
         self._generator = None
@@ -87,8 +101,13 @@ class LoomLM(_model_api.TemplateLM):
     def max_length(self) -> int:
         return self.em.max_length
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self,
+        string: str,
+        add_special_tokens: bool | None = None,
+        left_truncate_len: int | None = None,
+        **kwargs,
+    ) -> list[int]:
         """The text's ids as loom tokenizes (nothing added around it; special-token names in the text are text)."""
         ids = list(self.tokenizer.encode(string))
         return ids[-left_truncate_len:] if left_truncate_len else ids
@@ -133,12 +152,20 @@ class LoomLM(_model_api.TemplateLM):
             from loom.infer import Generator
 
             if any(hasattr(p, "full_tensor") for p in self.em.model.parameters()):
-                raise UserError("generate_until on a sharded model (FSDP or tensor parallel during training): loom's "
-                                "generation engine takes a whole model; generate from the run's checkpoints with "
-                                "`loom eval`, or train with data parallelism alone (parallel.dp_replicate)")
+                raise UserError(
+                    "generate_until on a sharded model (FSDP or tensor parallel during training): loom's "
+                    "generation engine takes a whole model; generate from the run's checkpoints with "
+                    "`loom eval`, or train with data parallelism alone (parallel.dp_replicate)"
+                )
 
-            self._generator = Generator.from_model(self.em.model, self.em.tokenizer, eos_ids=self.em.stop_ids,
-                                                   compile=False, cuda_graphs=False, max_batch=self.batch_size)
+            self._generator = Generator.from_model(
+                self.em.model,
+                self.em.tokenizer,
+                eos_ids=self.em.stop_ids,
+                compile=False,
+                cuda_graphs=False,
+                max_batch=self.batch_size,
+            )
         return self._generator
 
     def get_model_info(self) -> dict:
@@ -150,6 +177,7 @@ if __name__ != "__main__":  # run as a script, the module registers itself on im
 
 
 # ---- running tasks ----------------------------------------------------------------------------------
+
 
 def task_manager(tasks: list[str], include_path: str | None = None):
     """lm-eval's TaskManager for ``tasks``: only ``include_path`` indexed when it holds every one of them (indexing
@@ -170,17 +198,35 @@ def task_manager(tasks: list[str], include_path: str | None = None):
     return manager
 
 
-def run_tasks(lm: LoomLM, tasks: list[str], *, include_path: str | None = None, manager=None,
-              limit: float | None = None, num_fewshot: int | None = None, gen_kwargs: dict | str | None = None,
-              log_samples: bool = False, seed: int = 1234) -> dict | None:
+def run_tasks(
+    lm: LoomLM,
+    tasks: list[str],
+    *,
+    include_path: str | None = None,
+    manager=None,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    gen_kwargs: dict | str | None = None,
+    log_samples: bool = False,
+    seed: int = 1234,
+) -> dict | None:
     """lm-eval's ``simple_evaluate`` of ``tasks`` (lm-eval's own, or task YAMLs under ``include_path``; ``manager``:
     a ``task_manager`` already built) on ``lm``: lm-eval's results dict (None on a process whose LOCAL_RANK is not
     0: lm-eval reports on one). ``limit``: examples per task (a fraction below 1)."""
     evaluator = require("lm_eval.evaluator", "eval", package="lm-eval")
-    return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                     task_manager=manager or task_manager(tasks, include_path), gen_kwargs=gen_kwargs,
-                                     log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
-                                     torch_random_seed=seed, fewshot_random_seed=seed)
+    return evaluator.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager or task_manager(tasks, include_path),
+        gen_kwargs=gen_kwargs,
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
 
 
 def flat_metrics(results: dict, prefix: str = "") -> dict[str, float]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -96,8 +96,12 @@ def check_one_argument(fn: Callable, spec: str, field: str = "training.eval_hook
     try:
         signature.bind(object())
     except TypeError:
-        raise ConfigError(field, spec, f"an eval hook takes one argument (the EvalContext: model, step, run_dir); "
-                          f"this one has {signature}") from None
+        raise ConfigError(
+            field,
+            spec,
+            f"an eval hook takes one argument (the EvalContext: model, step, run_dir); "
+            f"this one has {signature}",
+        ) from None
 
 
 def task_names(text: str) -> list[str]:
@@ -132,14 +136,19 @@ class TrainingEvals:
             return get_task_dict(self.tasks, self.manager)
         except Exception as err:  # datasets' ConnectionError, OfflineModeIsEnabled, FileNotFoundError, ...
             reason = (str(err).strip().splitlines() or [""])[0][:160]
-            raise ConfigError("training.eval_tasks", ",".join(self.tasks), "cannot be loaded before training: its "
-                              f"dataset is not cached and cannot be fetched ({type(err).__name__}: {reason}); run "
-                              "once where the network reaches the Hugging Face Hub, or use local task YAMLs "
-                              "(training.eval_tasks_include)") from None
+            raise ConfigError(
+                "training.eval_tasks",
+                ",".join(self.tasks),
+                "cannot be loaded before training: its "
+                f"dataset is not cached and cannot be fetched ({type(err).__name__}: {reason}); run "
+                "once where the network reaches the Hugging Face Hub, or use local task YAMLs "
+                "(training.eval_tasks_include)",
+            ) from None
 
     def _refuse_generation(self) -> None:
         """loom's generation engine takes a whole model: generate_until tasks are refused on a sharded one (FSDP,
         tensor parallel) before the run starts (the loaded tasks' output types)."""
+
         def output_types(tasks: dict):
             for name, task in tasks.items():
                 if isinstance(task, dict):
@@ -149,16 +158,34 @@ class TrainingEvals:
 
         generating = [name for name, kind in output_types(self._task_dict) if kind == "generate_until"]
         if generating:
-            raise ConfigError("training.eval_tasks", ",".join(generating), "generate text, and loom's generation "
-                              "engine takes a whole model, not one sharded by FSDP or tensor parallelism: train with "
-                              "data parallelism alone (parallel.dp_replicate) or evaluate the checkpoints with "
-                              "`loom eval`")
+            raise ConfigError(
+                "training.eval_tasks",
+                ",".join(generating),
+                "generate text, and loom's generation "
+                "engine takes a whole model, not one sharded by FSDP or tensor parallelism: train with "
+                "data parallelism alone (parallel.dp_replicate) or evaluate the checkpoints with "
+                "`loom eval`",
+            )
 
-    def __call__(self, model: torch.nn.Module, tokenizer, step: int, device: torch.device,
-                 autocast: Callable[[], contextlib.AbstractContextManager]) -> dict[str, float]:
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        step: int,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> dict[str, float]:
         """``{"eval/<name>": value}`` of the callable's numbers and the tasks' metrics at ``step``."""
-        em = EvalModel(model, tokenizer, device, self.training.seq_len, tokenizer.eos_id, name=f"step {step}",
-                       autocast=autocast, width_multiple=self.tp)
+        em = EvalModel(
+            model,
+            tokenizer,
+            device,
+            self.training.seq_len,
+            tokenizer.eos_id,
+            name=f"step {step}",
+            autocast=autocast,
+            width_multiple=self.tp,
+        )
         out: dict[str, float] = {}
         with kept_rng(device), torch.no_grad():
             if self.hook is not None:
@@ -169,15 +196,19 @@ class TrainingEvals:
 
     def _hook_values(self, values) -> dict[str, float]:
         if not isinstance(values, dict):
-            raise UserError(f"training.eval_hook {self.training.eval_hook}: returned a {type(values).__name__}; "
-                            "it must return a dict of names to numbers")
+            raise UserError(
+                f"training.eval_hook {self.training.eval_hook}: returned a {type(values).__name__}; "
+                "it must return a dict of names to numbers"
+            )
         out = {}
         for name, value in values.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise UserError(f"training.eval_hook {self.training.eval_hook}: {name!r} is a "
-                                f"{type(value).__name__}; the values must be numbers")
+                raise UserError(
+                    f"training.eval_hook {self.training.eval_hook}: {name!r} is a "
+                    f"{type(value).__name__}; the values must be numbers"
+                )
             out[f"eval/{name}"] = float(value)
         return out
 
@@ -185,14 +216,21 @@ class TrainingEvals:
         from loom.eval.harness import LoomLM, flat_metrics, run_tasks
 
         t = self.training
-        results = run_tasks(LoomLM(model=em), self.tasks, manager=self.manager, limit=t.eval_tasks_limit or None,
-                            num_fewshot=None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot)
+        results = run_tasks(
+            LoomLM(model=em),
+            self.tasks,
+            manager=self.manager,
+            limit=t.eval_tasks_limit or None,
+            num_fewshot=None if t.eval_tasks_fewshot < 0 else t.eval_tasks_fewshot,
+        )
         if results is None:  # another process than LOCAL_RANK 0, which reports
             return {}
         return {k: v for k, v in flat_metrics(results, "eval/").items() if math.isfinite(v)}
 
 
-def training_evals(cfg, run_dir: str, is_main: bool, model: torch.nn.Module | None = None) -> TrainingEvals | None:
+def training_evals(
+    cfg, run_dir: str, is_main: bool, model: torch.nn.Module | None = None
+) -> TrainingEvals | None:
     """The run's evaluations besides the validation loss; None when it asks for none (or never evaluates).
     ``model``: the run's (parallelized) model, whose sharding decides whether generation tasks can run."""
     t = cfg.training

@@ -4,8 +4,8 @@ the live model of a training run (an ``EvalModel`` built around it)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -55,7 +55,9 @@ def load(path: str, *, device: str = "auto", dtype: str = "auto", max_length: in
 
     loaded = load_model(path, device=device, dtype=dtype, compile=False)
     if loaded.codec is None:
-        raise ConfigError("model", path, "no tokenizer.json beside the weights: evaluation needs the model's tokenizer")
+        raise ConfigError(
+            "model", path, "no tokenizer.json beside the weights: evaluation needs the model's tokenizer"
+        )
     model, tokenizer = loaded.model, loaded.codec.tokenizer
     dev = next(model.parameters()).device
     length = max_length or model.args.max_seq_len

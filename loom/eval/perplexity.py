@@ -19,14 +19,16 @@ bits per byte.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from loom.config.errors import ConfigError
 from loom.eval.model import EvalModel
 from loom.eval.scoring import Window, bits, rolling_windows, score
 
-NO_BYTES = "bits per byte: not available for a token file (it holds ids, not text: evaluate its text source for bpb)"
+NO_BYTES = (
+    "bits per byte: not available for a token file (it holds ids, not text: evaluate its text source for bpb)"
+)
 
 
 @dataclass
@@ -52,28 +54,49 @@ class Perplexity:
         return None if not self.bytes else bits(self.nll) / self.bytes
 
     def as_dict(self) -> dict:
-        return {"source": self.label, "documents": self.documents, "tokens": self.tokens, "bytes": self.bytes,
-                "nll": self.nll, "nll_per_token": self.nll_per_token, "token_perplexity": self.token_perplexity,
-                "bits_per_byte": self.bits_per_byte}
+        return {
+            "source": self.label,
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "nll": self.nll,
+            "nll_per_token": self.nll_per_token,
+            "token_perplexity": self.token_perplexity,
+            "bits_per_byte": self.bits_per_byte,
+        }
 
     def line(self) -> str:
         """One line for a terminal."""
         bpb = f"bits/byte {self.bits_per_byte:.4f}" if self.bits_per_byte is not None else NO_BYTES
-        return (f"{self.label}: {self.documents:,} documents, {self.tokens:,} tokens: perplexity "
-                f"{self.token_perplexity:.4f} (NLL {self.nll_per_token:.4f} nats/token); {bpb}")
+        return (
+            f"{self.label}: {self.documents:,} documents, {self.tokens:,} tokens: perplexity "
+            f"{self.token_perplexity:.4f} (NLL {self.nll_per_token:.4f} nats/token); {bpb}"
+        )
 
 
 def total(results: list[Perplexity]) -> Perplexity:
     """The sources together (bytes only where every source has text)."""
-    out = Perplexity("total", sum(r.documents for r in results), sum(r.tokens for r in results),
-                     None if any(r.bytes is None for r in results) else sum(r.bytes for r in results),
-                     sum(r.nll for r in results))
+    out = Perplexity(
+        "total",
+        sum(r.documents for r in results),
+        sum(r.tokens for r in results),
+        None if any(r.bytes is None for r in results) else sum(r.bytes for r in results),
+        sum(r.nll for r in results),
+    )
     return out
 
 
-def perplexity(em: EvalModel, source: str, *, text_field: str = "text", encoding_errors: str = "strict",
-               limit: int = 0, batch_size: int = 8, progress: Callable[[Perplexity], None] | None = None,
-               pending_windows: int = 512) -> list[Perplexity]:
+def perplexity(
+    em: EvalModel,
+    source: str,
+    *,
+    text_field: str = "text",
+    encoding_errors: str = "strict",
+    limit: int = 0,
+    batch_size: int = 8,
+    progress: Callable[[Perplexity], None] | None = None,
+    pending_windows: int = 512,
+) -> list[Perplexity]:
     """Perplexity (and bits per byte where there is text) of ``em`` on each entry of ``source`` (a
     ``data.source`` string; '' = the embedded default). ``limit`` > 0: the first ``limit`` documents of each
     entry. ``progress`` is called with the running totals after each scored batch of windows."""
@@ -112,8 +135,11 @@ def _documents(spec, tokenizer, limit: int) -> Iterator[tuple[list[int], int | N
     from loom.data.sources import documents
 
     n = 0
-    docs = token_file_documents(spec.paths[0], tokenizer) if spec.kind == "tokens" else (
-        _tokenized(text, tokenizer) for text in documents(spec) if text)
+    docs = (
+        token_file_documents(spec.paths[0], tokenizer)
+        if spec.kind == "tokens"
+        else (_tokenized(text, tokenizer) for text in documents(spec) if text)
+    )
     for ids, nbytes in docs:
         if not ids:
             continue
@@ -135,8 +161,11 @@ def token_file_documents(path: str, tokenizer, chunk: int = 1 << 22) -> Iterator
     tf = TokenFile(path)
     check_tokenizer(path, tf.meta, tokenizer, field="--source")
     if tf.meta.mask:
-        raise ConfigError("--source", path, "holds SFT conversations or DPO pairs (a loss mask): perplexity reads "
-                          "plain text token files")
+        raise ConfigError(
+            "--source",
+            path,
+            "holds SFT conversations or DPO pairs (a loss mask): perplexity reads plain text token files",
+        )
     eos, pending = tf.meta.eos_id, []
     for start in range(0, len(tf), chunk):
         part = tf.slice(start, min(start + chunk, len(tf)))  # (chunk,) int64

@@ -10,8 +10,8 @@ batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -31,9 +31,10 @@ def continuation_window(context: list[int], continuation: list[int], max_length:
     """The window scoring ``continuation`` after ``context``, cut from the left to ``max_length`` inputs (as
     lm-eval's Hugging Face backend: ``(context + continuation)[-(max_length + 1):]``)."""
     if not continuation or len(continuation) > max_length:
-        raise ValueError(f"a continuation of {len(continuation)} tokens: allowed 1..{max_length} (the model's "
-                         "max length)")
-    return Window((context + continuation)[-(max_length + 1):], len(continuation))
+        raise ValueError(
+            f"a continuation of {len(continuation)} tokens: allowed 1..{max_length} (the model's max length)"
+        )
+    return Window((context + continuation)[-(max_length + 1) :], len(continuation))
 
 
 def rolling_windows(tokens: list[int], prefix_id: int, max_length: int) -> list[Window]:
@@ -49,7 +50,7 @@ def rolling_windows(tokens: list[int], prefix_id: int, max_length: int) -> list[
     while done < len(tokens):
         n = min(len(tokens) - done, max_length)
         end = done + n
-        out.append(Window(tokens[end - max_length - 1:end], n))
+        out.append(Window(tokens[end - max_length - 1 : end], n))
         done = end
     return out
 
@@ -61,12 +62,13 @@ def score(em: EvalModel, windows: list[Window], batch_size: int = 8) -> list[tup
     assert batch_size >= 1
     for w in windows:
         if len(w.ids) - 1 > em.max_length:
-            raise ValueError(f"a window of {len(w.ids) - 1} inputs is longer than the model's max length "
-                             f"({em.max_length})")
+            raise ValueError(
+                f"a window of {len(w.ids) - 1} inputs is longer than the model's max length ({em.max_length})"
+            )
     order = sorted(range(len(windows)), key=lambda i: -len(windows[i].ids))
     out: list[tuple[float, bool] | None] = [None] * len(windows)
     for start in range(0, len(order), batch_size):
-        picked = order[start:start + batch_size]
+        picked = order[start : start + batch_size]
         for i, result in zip(picked, _score_batch(em, [windows[i] for i in picked])):
             out[i] = result
     return out  # type: ignore[return-value]
@@ -77,15 +79,15 @@ def _score_batch(em: EvalModel, rows: list[Window]) -> Iterable[tuple[float, boo
     width = -(-width // em.width_multiple) * em.width_multiple  # right padding changes no real position
     inputs = torch.zeros(len(rows), width, dtype=torch.int64)  # (B, S): right padding (any id) after each row
     for r, w in enumerate(rows):
-        inputs[r, :len(w.ids) - 1] = torch.tensor(w.ids[:-1], dtype=torch.int64)
+        inputs[r, : len(w.ids) - 1] = torch.tensor(w.ids[:-1], dtype=torch.int64)
     with em.autocast():
         logits = em.model(inputs.to(em.device))  # (B, S, V)
     if hasattr(logits, "full_tensor"):  # a tensor-parallel model's vocabulary-sharded logits
         logits = logits.full_tensor()
     for r, w in enumerate(rows):
         end = len(w.ids) - 1
-        logp = logits[r, end - w.n:end].float().log_softmax(-1)  # (n, V)
-        target = torch.tensor(w.ids[-w.n:], dtype=torch.int64, device=logp.device)  # (n,)
+        logp = logits[r, end - w.n : end].float().log_softmax(-1)  # (n, V)
+        target = torch.tensor(w.ids[-w.n :], dtype=torch.int64, device=logp.device)  # (n,)
         picked = logp.gather(-1, target[:, None])  # (n, 1)
         yield float(picked.sum()), bool((logp.argmax(-1) == target).all())
 

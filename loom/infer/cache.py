@@ -31,7 +31,7 @@ module of ``loom.infer`` that registers one is listed in ``PROVIDERS``, imported
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +71,10 @@ def make_cache(attention: nn.Module, batch: int, length: int, dtype: torch.dtype
     for cls in type(attention).__mro__:
         if cls in _FACTORIES:
             return _FACTORIES[cls](attention, batch, length, dtype, device)
-    raise TypeError(f"no cache for attention class {type(attention).__name__}: define make_cache(batch, length, dtype, "
-                    "device) on it or register_cache(its class, factory) (loom.infer.cache)")
+    raise TypeError(
+        f"no cache for attention class {type(attention).__name__}: define make_cache(batch, length, dtype, "
+        "device) on it or register_cache(its class, factory) (loom.infer.cache)"
+    )
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -156,7 +158,7 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     @classmethod
-    def for_attention(cls, attn: Attention, batch: int, length: int, dtype: torch.dtype, device) -> "KVCache":
+    def for_attention(cls, attn: Attention, batch: int, length: int, dtype: torch.dtype, device) -> KVCache:
         """Sized from the module's key projection: under tensor parallelism, this rank's KV heads only."""
         weight = attn.wk.weight
         rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
@@ -175,12 +177,21 @@ class KVCache(nn.Module):
         """K and V of one token in this layer on this rank: 2 * Hkv * D elements."""
         return 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
 
-    def rope_positions(self, positions: torch.Tensor | None, bsz: int, seq: int, device) -> torch.Tensor | None:
+    def rope_positions(
+        self, positions: torch.Tensor | None, bsz: int, seq: int, device
+    ) -> torch.Tensor | None:
         """The tokens' positions are their RoPE positions (None: 0..S-1, the prefill)."""
         return positions
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
-               backend: str, window: int = 0) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None,
+        backend: str,
+        window: int = 0,
+    ) -> torch.Tensor:
         """Store k/v (B, Hkv, S, D) at the tokens' slots, then attend: q (B, Hq, S, D) -> (B, Hq, S, D)."""
         bsz, _, seq, _ = k.shape
         if positions is None:  # the prefill: slots 0..S-1, nothing cached before them

@@ -27,7 +27,9 @@ from loom.infer.pack import pack as packed_groups
 from loom.infer.pack import unpack
 from loom.infer.sampling import SamplingParams, mark_seen, new_generator, sample
 
-SCRATCH = 16  # slots past the longest sequence: where a graph capture's warm-up writes land (and the longest S)
+SCRATCH = (
+    16  # slots past the longest sequence: where a graph capture's warm-up writes land (and the longest S)
+)
 ALIGN = 64  # cache lengths are rounded up to this: fewer re-allocations and captures across calls
 # Inductor's options for the blocks on CUDA. With coordinate-descent tuning Inductor lowers a matmul with one row
 # (a batch-1 decode step's projections) to its own Triton reduction instead of a cuBLAS call, which it can fuse with
@@ -59,17 +61,32 @@ class Stats:
     def acceptance(self) -> float | None:
         return self.accepted / self.proposed if self.proposed else None
 
-    def add(self, other: "Stats") -> None:
-        for name in ("prompts", "prompt_tokens", "new_tokens", "seconds", "prefill_seconds", "proposed", "accepted",
-                     "target_steps"):
+    def add(self, other: Stats) -> None:
+        for name in (
+            "prompts",
+            "prompt_tokens",
+            "new_tokens",
+            "seconds",
+            "prefill_seconds",
+            "proposed",
+            "accepted",
+            "target_steps",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in ("prompts", "prompt_tokens", "new_tokens", "seconds", "prefill_seconds")}
+        out = {
+            k: getattr(self, k)
+            for k in ("prompts", "prompt_tokens", "new_tokens", "seconds", "prefill_seconds")
+        }
         out["tokens_per_s"] = self.tokens_per_s
         if self.proposed:
-            out.update(proposed=self.proposed, accepted=self.accepted, acceptance=self.acceptance,
-                       target_steps=self.target_steps)
+            out.update(
+                proposed=self.proposed,
+                accepted=self.accepted,
+                acceptance=self.acceptance,
+                target_steps=self.target_steps,
+            )
         return {**out, **self.extra}
 
 
@@ -77,8 +94,12 @@ def _uncached_autocast():
     """The caller's CUDA autocast with its weight-cast cache off: a capture must cast the weights inside the graph,
     not read a cached copy made from the weights of that moment (freed when the caller's autocast ends, and stale
     once training updates the weights while the graph is kept)."""
-    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"),
-                          cache_enabled=False)
+    return torch.autocast(
+        "cuda",
+        dtype=torch.get_autocast_dtype("cuda"),
+        enabled=torch.is_autocast_enabled("cuda"),
+        cache_enabled=False,
+    )
 
 
 class _Graph:
@@ -114,8 +135,15 @@ class Engine:
     projections that read one input as one matmul (``loom.infer.pack``; for a model the engine owns: a training
     job's model stays as it is)."""
 
-    def __init__(self, model: nn.Module, *, compile: bool | None = None, cuda_graphs: bool | None = None,
-                 group=None, pack: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        compile: bool | None = None,
+        cuda_graphs: bool | None = None,
+        group=None,
+        pack: bool = False,
+    ):
         self.model = model.eval()
         weight = next(iter(model.parameters()))
         weight = weight.to_local() if hasattr(weight, "to_local") else weight
@@ -126,10 +154,15 @@ class Engine:
         # was invalidated): there the steps run compiled, without graphs
         self.cuda_graphs = (cuda and group is None) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not cuda:
-            raise ConfigError("cuda_graphs", True, f"CUDA graphs need a CUDA device (the model is on {self.device})")
+            raise ConfigError(
+                "cuda_graphs", True, f"CUDA graphs need a CUDA device (the model is on {self.device})"
+            )
         if self.cuda_graphs and group is not None:
-            raise ConfigError("cuda_graphs", True, "not under tensor parallelism (its collectives are not captured "
-                              "yet): allowed false")
+            raise ConfigError(
+                "cuda_graphs",
+                True,
+                "not under tensor parallelism (its collectives are not captured yet): allowed false",
+            )
         self.group = group
         self.vocab_size = model.args.vocab_size
         self.caches: list[nn.Module] = []
@@ -138,7 +171,9 @@ class Engine:
         self._parked = False  # caches kept but out of the model (``park``)
         self._select: torch.Tensor | None = None
         self._hook = model.norm.register_forward_hook(self._last_positions)
-        self._packed = pack and packed_groups(model) > 0  # before compiling: the blocks trace the packed matmuls
+        self._packed = (
+            pack and packed_groups(model) > 0
+        )  # before compiling: the blocks trace the packed matmuls
         self._compiled = []
         if self.compile:
             for block in model.layers.values():
@@ -240,7 +275,9 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     # ---- the decode loop ---------------------------------------------------------------------------------------
-    def start(self, prompts: list[list[int]], reserve: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def start(
+        self, prompts: list[list[int]], reserve: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Allocate for ``prompts`` plus ``reserve`` positions each and prefill them: (logits (B, V) at each last
         prompt position, the prompts right-padded (B, S), their lengths (B,)) on the device."""
         lengths = [len(p) for p in prompts]

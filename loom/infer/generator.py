@@ -5,8 +5,8 @@ Face folder (``loom.infer.load``), or a model already built (``Generator.from_mo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -50,21 +50,54 @@ class Generator:
     call (a call can override it). ``tp`` None: under ``torch.distributed`` with several ranks, split the model over
     all of them (every rank calls every method with the same arguments); False: never."""
 
-    def __init__(self, path: str, *, device: str = "auto", dtype="auto", compile: bool | None = None,
-                 cuda_graphs: bool | None = None, max_batch: int = 64, chat_template: str | None = None,
-                 speculative=None, tp: bool | None = None):
+    def __init__(
+        self,
+        path: str,
+        *,
+        device: str = "auto",
+        dtype="auto",
+        compile: bool | None = None,
+        cuda_graphs: bool | None = None,
+        max_batch: int = 64,
+        chat_template: str | None = None,
+        speculative=None,
+        tp: bool | None = None,
+    ):
         from loom.infer.load import load, pick_device
 
         mesh = _tp_mesh(pick_device(device), tp)
-        loaded = load(path, device=device, dtype=dtype, compile=compile, tp_mesh=mesh, chat_template=chat_template)
+        loaded = load(
+            path, device=device, dtype=dtype, compile=compile, tp_mesh=mesh, chat_template=chat_template
+        )
         self.name, self.kind = loaded.name, loaded.kind
-        self._setup(loaded.model, loaded.codec, loaded.eos_ids, compile, cuda_graphs, max_batch, speculative,
-                    mesh.get_group() if mesh is not None else None, pack=True)  # the model is the generator's own
+        self._setup(
+            loaded.model,
+            loaded.codec,
+            loaded.eos_ids,
+            compile,
+            cuda_graphs,
+            max_batch,
+            speculative,
+            mesh.get_group() if mesh is not None else None,
+            pack=True,
+        )  # the model is the generator's own
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, tokenizer=None, *, chat_template=None, eos_ids=None,
-                   prefix: tuple[int, ...] = (), compile: bool | None = None, cuda_graphs: bool | None = None,
-                   max_batch: int = 64, speculative=None, pack: bool = False, group=None) -> "Generator":
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        chat_template=None,
+        eos_ids=None,
+        prefix: tuple[int, ...] = (),
+        compile: bool | None = None,
+        cuda_graphs: bool | None = None,
+        max_batch: int = 64,
+        speculative=None,
+        pack: bool = False,
+        group=None,
+    ) -> Generator:
         """A plain loom ``Llama`` already built and loaded (on its device, in its dtype). ``tokenizer``: a loom
         tokenizer (``loom.data.build_tokenizer``) for text prompts; ``chat_template``: a ``ChatTemplate``;
         ``eos_ids``: default the tokenizer's EOS; ``prefix``: ids before every plain prompt. ``pack``: pack the
@@ -73,7 +106,9 @@ class Generator:
         self = cls.__new__(cls)
         self.name, self.kind = type(model).__name__, "model"
         codec = Codec(tokenizer, chat_template, prefix) if tokenizer is not None else None
-        eos = tuple(eos_ids) if eos_ids is not None else ((tokenizer.eos_id,) if tokenizer is not None else ())
+        eos = (
+            tuple(eos_ids) if eos_ids is not None else ((tokenizer.eos_id,) if tokenizer is not None else ())
+        )
         self._setup(model, codec, eos, compile, cuda_graphs, max_batch, speculative, group, pack=pack)
         return self
 
@@ -93,23 +128,42 @@ class Generator:
     def encode(self, prompt) -> list[int]:
         """A plain prompt or a conversation as the ids generation starts from."""
         if self.codec is None:
-            raise ConfigError("prompt", repr(prompt)[:60], f"{self.name} has no tokenizer.json: give token ids "
-                              "(generate_ids)")
+            raise ConfigError(
+                "prompt",
+                repr(prompt)[:60],
+                f"{self.name} has no tokenizer.json: give token ids (generate_ids)",
+            )
         return self.codec.encode(prompt)
 
-    def generate(self, prompts, params: SamplingParams | None = None, *,
-                 on_text: Callable[[int, str], None] | None = None, speculative=None, **sampling) -> list[Completion]:
+    def generate(
+        self,
+        prompts,
+        params: SamplingParams | None = None,
+        *,
+        on_text: Callable[[int, str], None] | None = None,
+        speculative=None,
+        **sampling,
+    ) -> list[Completion]:
         """Completions of ``prompts``: one prompt (a string, or a conversation: a list of {"role", "content"}
         messages) or a list of them. ``params`` or keyword arguments of ``SamplingParams``; ``on_text(i, delta)``:
         prompt i's new text as it is decided (streaming)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
+        ):
             prompts = [prompts]
-        return self.generate_ids([self.encode(p) for p in prompts], params, on_text=on_text,
-                                 speculative=speculative, **sampling)
+        return self.generate_ids(
+            [self.encode(p) for p in prompts], params, on_text=on_text, speculative=speculative, **sampling
+        )
 
-    def generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams | None = None, *,
-                     on_text: Callable[[int, str], None] | None = None, speculative=None,
-                     **sampling) -> list[Completion]:
+    def generate_ids(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams | None = None,
+        *,
+        on_text: Callable[[int, str], None] | None = None,
+        speculative=None,
+        **sampling,
+    ) -> list[Completion]:
         """Completions of prompts given as token ids (the text decoded where there is a tokenizer)."""
         params = params.with_(**sampling) if params is not None else SamplingParams(**sampling)
         spec = self.speculative if speculative is None else (speculative or None)
@@ -121,11 +175,19 @@ class Generator:
         self.stats = Stats()
         out: list[Completion] = []
         for start in range(0, len(prompt_ids), self.max_batch):
-            chunk = [list(map(int, p)) for p in prompt_ids[start:start + self.max_batch]]
-            seqs = [Sequence(params, self.eos_ids, self.codec,
-                             None if on_text is None else (lambda d, i=start + j: on_text(i, d)))
-                    for j in range(len(chunk))]
-            chunk_params = params if params.seed is None or start == 0 else params.with_(seed=params.seed + start)
+            chunk = [list(map(int, p)) for p in prompt_ids[start : start + self.max_batch]]
+            seqs = [
+                Sequence(
+                    params,
+                    self.eos_ids,
+                    self.codec,
+                    None if on_text is None else (lambda d, i=start + j: on_text(i, d)),
+                )
+                for j in range(len(chunk))
+            ]
+            chunk_params = (
+                params if params.seed is None or start == 0 else params.with_(seed=params.seed + start)
+            )
             if spec is not None:
                 stats = spec.run(self.engine, chunk, chunk_params, seqs)
             else:

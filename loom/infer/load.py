@@ -61,8 +61,9 @@ def find_source(path: str) -> tuple[str, str]:
     from loom.checkpoint.hf.config import CONFIG, HF_CONFIG_COPY, is_loom_checkpoint
 
     if not os.path.isdir(path):
-        raise ConfigError(FIELD, path, "folder not found (expected a loom checkpoint or run dir, or a Hugging Face "
-                          "folder)")
+        raise ConfigError(
+            FIELD, path, "folder not found (expected a loom checkpoint or run dir, or a Hugging Face folder)"
+        )
     if is_loom_checkpoint(path):
         return ("import" if os.path.isfile(os.path.join(path, HF_CONFIG_COPY)) else "run"), path
     if os.path.isfile(os.path.join(path, CONFIG)):
@@ -77,8 +78,12 @@ def find_source(path: str) -> tuple[str, str]:
         if not complete:
             raise ConfigError(FIELD, path, f"a run dir without a complete checkpoint (none in {ckpt_dir})")
         return "run", complete[-1][1]
-    raise ConfigError(FIELD, path, "neither a loom checkpoint (COMPLETE.json), a run dir (config.toml) nor a Hugging "
-                      "Face folder (config.json)")
+    raise ConfigError(
+        FIELD,
+        path,
+        "neither a loom checkpoint (COMPLETE.json), a run dir (config.toml) nor a Hugging "
+        "Face folder (config.json)",
+    )
 
 
 def _run_config(folder: str):
@@ -88,7 +93,9 @@ def _run_config(folder: str):
 
     toml = os.path.join(folder, "config.toml")
     if not os.path.isfile(toml):
-        raise ConfigError(FIELD, folder, "a loom checkpoint without its config.toml: the model's shape is unknown")
+        raise ConfigError(
+            FIELD, folder, "a loom checkpoint without its config.toml: the model's shape is unknown"
+        )
     raw = read_toml(toml)
     missing = missing_tokenizer(folder, raw, "the run's tokenizer is needed to generate from its checkpoint")
     if missing is not None:
@@ -137,8 +144,9 @@ def generation_kernels(args, device: torch.device, compile: bool, tp: bool):
     them itself otherwise); never the fused loss (generation takes logits)."""
     from loom.kernels.dispatch import resolve_kernels
 
-    auto = SimpleNamespace(attention="sdpa", fused_norm="auto", fused_rope="auto", fused_swiglu="auto",
-                           fused_loss="false")
+    auto = SimpleNamespace(
+        attention="sdpa", fused_norm="auto", fused_rope="auto", fused_swiglu="auto", fused_loss="false"
+    )
     kernels = resolve_kernels(auto, device.type, compile=compile, documents=False, tp=tp)
     return args.with_(**kernels.as_args())
 
@@ -156,17 +164,34 @@ def refuse_reward_model(path: str, field: str = FIELD) -> None:
         config = _read_json(os.path.join(folder, CONFIG)) if kind == "hf" else {}
         reward = isinstance(config, dict) and is_score_config(config)
     if reward:
-        raise ConfigError(field, path, "this is a reward model (a score head, no language-model head): use `loom "
-                          "score` to score texts with it (or grpo.reward_model to reward rollouts)")
+        raise ConfigError(
+            field,
+            path,
+            "this is a reward model (a score head, no language-model head): use `loom "
+            "score` to score texts with it (or grpo.reward_model to reward rollouts)",
+        )
 
 
-def load(path: str, *, device: str = "auto", dtype="auto", compile: bool | None = None, tp_mesh=None,
-         chat_template: str | None = None) -> Loaded:
+def load(
+    path: str,
+    *,
+    device: str = "auto",
+    dtype="auto",
+    compile: bool | None = None,
+    tp_mesh=None,
+    chat_template: str | None = None,
+) -> Loaded:
     """The model of ``path`` ready to generate (eval mode, weights in ``dtype``, RoPE table in fp32) with its
     codec and EOS ids. ``chat_template``: a .jinja file instead of the model's own. ``tp_mesh``: split the model
     over it (``loom.infer.tp``; every rank of the mesh calls this)."""
-    from loom.checkpoint.hf.config import (CONFIG, GENERATION_CONFIG, HF_CONFIG_COPY, HF_GENERATION_COPY, TOKENIZER_COPY,
-                                           llama_args_from_hf_config)
+    from loom.checkpoint.hf.config import (
+        CONFIG,
+        GENERATION_CONFIG,
+        HF_CONFIG_COPY,
+        HF_GENERATION_COPY,
+        TOKENIZER_COPY,
+        llama_args_from_hf_config,
+    )
     from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
     from loom.data import build_tokenizer
     from loom.data.tokenizers import TOKENIZER_JSON
@@ -202,8 +227,12 @@ def load(path: str, *, device: str = "auto", dtype="auto", compile: bool | None 
             args = llama_args_from_hf(folder, FIELD)
             generation = _read_json(os.path.join(folder, GENERATION_CONFIG))
             tok_folder = folder
-        tokenizer = build_tokenizer(tok_folder) if os.path.isfile(os.path.join(tok_folder, TOKENIZER_JSON)) else None
-        template = _template(chat_template or "", tokenizer, required=bool(chat_template)) if tokenizer else None
+        tokenizer = (
+            build_tokenizer(tok_folder) if os.path.isfile(os.path.join(tok_folder, TOKENIZER_JSON)) else None
+        )
+        template = (
+            _template(chat_template or "", tokenizer, required=bool(chat_template)) if tokenizer else None
+        )
         codec = Codec(tokenizer, template, add_special_tokens=True) if tokenizer else None
         eos_ids = hf_eos_ids(config, generation, tokenizer)
     args = generation_kernels(args, dev, compile, tp_mesh is not None)
@@ -220,8 +249,12 @@ def _build(args, folder, kind, lora, dev, dtype, tp_mesh, load_hf_weights):
         warnings.simplefilter("ignore", UserWarning)
         if kind == "run" and lora is not None and lora.rank:
             if tp_mesh is not None:
-                raise ConfigError(FIELD, folder, "a LoRA run's checkpoint under tensor parallelism: export it merged "
-                                  "first (loom convert --from CKPT --to-hf OUT) and generate from OUT")
+                raise ConfigError(
+                    FIELD,
+                    folder,
+                    "a LoRA run's checkpoint under tensor parallelism: export it merged "
+                    "first (loom convert --from CKPT --to-hf OUT) and generate from OUT",
+                )
             from loom.checkpoint.manager import load_model_only
             from loom.models.common.lora import apply_lora, merge_lora
 
@@ -239,7 +272,9 @@ def _build(args, folder, kind, lora, dev, dtype, tp_mesh, load_hf_weights):
                 from loom.checkpoint.manager import load_model_weights, verify
 
                 verify(folder)
-                model = model.to_empty(device=dev)  # DCP reads the fp32 checkpoint into fp32 tensors, then cast
+                model = model.to_empty(
+                    device=dev
+                )  # DCP reads the fp32 checkpoint into fp32 tensors, then cast
                 load_model_weights(folder, model)
                 model = model.to(dtype)
             else:

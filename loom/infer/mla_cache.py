@@ -33,14 +33,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def absorbed_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rank: int, mask: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def absorbed_attention(
+    q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rank: int, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Every head over the cached latents: q_lat (B, S, H, R) (W_UK absorbed), q_pe (B, S, H, Dr), cache (B, L, R + Dr)
     = [c_kv, k_pe] per slot, ``mask`` (B, 1, S, L) -> sum_j p_j c_j (B, S, H, R). The heads are folded into the
     query length, (B, 1, H*S, R + Dr), so SDPA sees one key/value head and reads each slot once."""
     bsz, seq, heads, _ = q_lat.shape
     length = cache.shape[1]
-    q = torch.cat([q_lat, q_pe], dim=-1).permute(0, 2, 1, 3).reshape(bsz, 1, heads * seq, -1)  # (B, 1, H*S, R + Dr)
+    q = (
+        torch.cat([q_lat, q_pe], dim=-1).permute(0, 2, 1, 3).reshape(bsz, 1, heads * seq, -1)
+    )  # (B, 1, H*S, R + Dr)
     k = cache[:, None]  # (B, 1, L, R + Dr)
     v = cache[:, None, :, :rank]  # (B, 1, L, R)
     m = mask[:, :, None].expand(bsz, 1, heads, seq, length).reshape(bsz, 1, heads * seq, length)
@@ -54,12 +57,16 @@ class LatentCache(nn.Module):
     def __init__(self, batch: int, length: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype, device):
         super().__init__()
         self.rank = kv_lora_rank
-        self.register_buffer("kv", torch.zeros(batch, length, kv_lora_rank + rope_dim, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "kv",
+            torch.zeros(batch, length, kv_lora_rank + rope_dim, dtype=dtype, device=device),
+            persistent=False,
+        )
 
     @classmethod
-    def for_attention(cls, attn: LatentAttention, batch: int, length: int, dtype: torch.dtype, device
-                      ) -> "LatentCache":
+    def for_attention(
+        cls, attn: LatentAttention, batch: int, length: int, dtype: torch.dtype, device
+    ) -> LatentCache:
         """Sized from the module: the latent and the RoPE key are the same on every tensor-parallel rank."""
         return cls(batch, length, attn.kv_rank, attn.rope_dim, dtype, device)
 
@@ -76,18 +83,34 @@ class LatentCache(nn.Module):
         """The latent and the RoPE key of one token in this layer: kv_lora_rank + qk_rope_head_dim elements."""
         return self.kv.shape[2] * self.kv.element_size()
 
-    def rope_positions(self, positions: torch.Tensor | None, bsz: int, seq: int, device) -> torch.Tensor | None:
+    def rope_positions(
+        self, positions: torch.Tensor | None, bsz: int, seq: int, device
+    ) -> torch.Tensor | None:
         """The tokens' positions are their RoPE positions (None: 0..S-1, the prefill)."""
         return positions
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
-               backend: str, window: int = 0) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None,
+        backend: str,
+        window: int = 0,
+    ) -> torch.Tensor:
         """The prefill's attention over its own up-projected keys and values (``LatentAttention.expanded``)."""
         assert positions is None, "extensions attend through attend_latent"
         return attend(q, k, v, backend, None, window)
 
-    def attend_latent(self, attn: LatentAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
-                      k_pe: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    def attend_latent(
+        self,
+        attn: LatentAttention,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Store the tokens' c_kv (B, S, R) and k_pe (B, S, Dr) at their slots, then attend: q_nope (B, S, H, Dn),
         q_pe (B, S, H, Dr) -> (B, S, H, Dv)."""
         c_kv = _local(c_kv)
@@ -100,7 +123,7 @@ class LatentCache(nn.Module):
         cache = self.kv[:bsz]
         w = _local(attn.wkv_b.weight)  # (H * (Dn + Dv), R): this rank's heads
         w = w.view(-1, attn.nope_dim + attn.v_dim, self.rank)  # (H, Dn + Dv, R)
-        w_uk, w_uv = w[:, :attn.nope_dim], w[:, attn.nope_dim:]  # (H, Dn, R), (H, Dv, R)
+        w_uk, w_uv = w[:, : attn.nope_dim], w[:, attn.nope_dim :]  # (H, Dn, R), (H, Dv, R)
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)  # (B, S, H, R)
         mask = visible(positions, self.length)  # (B, 1, S, L)
         o_lat = absorbed_attention(q_lat, q_pe, cache, self.rank, mask, attn.scale)  # (B, S, H, R)

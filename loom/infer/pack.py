@@ -32,14 +32,18 @@ class PackedLinear(nn.Linear):
         sizes = getattr(first, "packed_sizes", None)
         if sizes is None or len(linears) != len(sizes):
             return None
-        return list(F.linear(x, first.packed_weight, first.packed_bias).split(sizes, dim=-1))  # each (..., N_i)
+        return list(
+            F.linear(x, first.packed_weight, first.packed_bias).split(sizes, dim=-1)
+        )  # each (..., N_i)
 
 
 def _packable(mods: list) -> bool:
     if not all(type(m) is nn.Linear for m in mods):
         return False
     tensors = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-    if any(type(t.data) is not torch.Tensor for t in tensors):  # DTensor, NF4 and other subclasses stay as they are
+    if any(
+        type(t.data) is not torch.Tensor for t in tensors
+    ):  # DTensor, NF4 and other subclasses stay as they are
         return False
     if len({(t.dtype, t.device) for t in tensors}) != 1:
         return False
@@ -51,7 +55,7 @@ def _into(tensors: list[torch.Tensor]) -> torch.Tensor:
     packed = torch.cat([t.detach() for t in tensors])  # (sum N_i, ...)
     start = 0
     for t in tensors:
-        t.data = packed[start:start + t.shape[0]]
+        t.data = packed[start : start + t.shape[0]]
         start += t.shape[0]
     return packed
 

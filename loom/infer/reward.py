@@ -41,6 +41,7 @@ def last_token_scores(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 
 # ---- scoring ---------------------------------------------------------------------------------------------------
 
+
 class RewardScorer:
     """A reward model ready to score: the model (eval, fp32 unless told), its tokenizer (None: token ids only) and
     chat template (None: strings only)."""
@@ -62,9 +63,13 @@ class RewardScorer:
             if self._encoder is None:
                 from loom.data.chat import ChatEncoder, load_template
 
-                self._encoder = ChatEncoder(self.template or load_template("", self.tokenizer), self.tokenizer)
+                self._encoder = ChatEncoder(
+                    self.template or load_template("", self.tokenizer), self.tokenizer
+                )
             return self._encoder.encode(list(item))[0]
-        raise ConfigError("score", type(item).__name__, "allowed: a string, a list of messages or a list of token ids")
+        raise ConfigError(
+            "score", type(item).__name__, "allowed: a string, a list of messages or a list of token ids"
+        )
 
     @torch.no_grad()
     def __call__(self, items, batch_size: int = 8) -> list[float]:
@@ -74,17 +79,25 @@ class RewardScorer:
         longest = getattr(getattr(self.model, "args", None), "max_seq_len", None)
         for i, s in enumerate(seqs):
             if longest and len(s) > longest:  # RoPE past the table: refused, not scored wrongly
-                raise ConfigError("score", f"item {i + 1}", f"{len(s):,} tokens, longer than the model's "
-                                  f"{longest:,} (its training.seq_len or max_position_embeddings): shorten it")
+                raise ConfigError(
+                    "score",
+                    f"item {i + 1}",
+                    f"{len(s):,} tokens, longer than the model's "
+                    f"{longest:,} (its training.seq_len or max_position_embeddings): shorten it",
+                )
         device = next(self.model.parameters()).device
         out: list[float] = []
         for first in range(0, len(seqs), batch_size):
-            chunk = seqs[first:first + batch_size]
+            chunk = seqs[first : first + batch_size]
             lengths = torch.tensor([len(s) for s in chunk], device=device)
-            ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.int64, device=device)  # right-padded
+            ids = torch.zeros(
+                len(chunk), int(lengths.max()), dtype=torch.int64, device=device
+            )  # right-padded
             for i, s in enumerate(chunk):
-                ids[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
-            out += last_token_scores(self.model(ids), lengths).tolist()  # causal: padding after a row changes nothing
+                ids[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
+            out += last_token_scores(
+                self.model(ids), lengths
+            ).tolist()  # causal: padding after a row changes nothing
         return out
 
 
@@ -101,13 +114,19 @@ def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch
     kind, folder = find_source(path)
     if kind == "hf":
         if not is_score_config(read_hf_config(folder, "score")):
-            raise ConfigError("score", folder, "not a reward model: its config.json names no *ForSequenceClassification "
-                              "architecture with num_labels 1")
+            raise ConfigError(
+                "score",
+                folder,
+                "not a reward model: its config.json names no *ForSequenceClassification "
+                "architecture with num_labels 1",
+            )
         with torch.device("meta"):
             model = attach_score_head(build_model(llama_args_from_hf(folder, "score")))
         model = model.to_empty(device=device)
         load_hf_weights(model, folder)
-        tokenizer = build_tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+        tokenizer = (
+            build_tokenizer(folder) if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+        )
         template = None
     elif kind == "run":
         from loom.checkpoint.manager import load_model_weights, verify
@@ -117,8 +136,12 @@ def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch
 
         cfg = _run_config(folder)
         if cfg.training.objective != "reward":
-            raise ConfigError("score", folder, f"written by a training.objective {cfg.training.objective} run, not "
-                              "a reward model (training.objective reward)")
+            raise ConfigError(
+                "score",
+                folder,
+                f"written by a training.objective {cfg.training.objective} run, not "
+                "a reward model (training.objective reward)",
+            )
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         with torch.device("meta"):
             model = build_model(resolve_model_args(cfg, tokenizer).with_(fused_loss=False))
@@ -132,8 +155,11 @@ def load_reward_model(path: str, device: str = "cpu", dtype: torch.dtype = torch
         merge_lora(model)
         template = load_template(cfg.data.chat_template, tokenizer)
     else:
-        raise ConfigError("score", folder, f"a {CONFIG} import of `loom convert --from-hf`: score the Hugging Face "
-                          "folder itself")
+        raise ConfigError(
+            "score",
+            folder,
+            f"a {CONFIG} import of `loom convert --from-hf`: score the Hugging Face folder itself",
+        )
     model.init_buffers(torch.device(device))
     return RewardScorer(model.to(dtype).eval(), tokenizer, template)
 

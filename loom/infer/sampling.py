@@ -34,12 +34,14 @@ class SamplingParams:
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
-        checks = (("max_new_tokens", self.max_new_tokens >= 1, "an integer >= 1"),
-                  ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
-                  ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
-                  ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
-                  ("min_p", 0 <= self.min_p < 1, "in [0, 1) (0 = off)"),
-                  ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"))
+        checks = (
+            ("max_new_tokens", self.max_new_tokens >= 1, "an integer >= 1"),
+            ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
+            ("min_p", 0 <= self.min_p < 1, "in [0, 1) (0 = off)"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
+        )
         for name, ok, allowed in checks:
             if not ok:
                 raise ConfigError(name, getattr(self, name), allowed)
@@ -50,7 +52,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def with_(self, **kw) -> "SamplingParams":
+    def with_(self, **kw) -> SamplingParams:
         from dataclasses import replace
 
         return replace(self, **kw)
@@ -94,13 +96,16 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None
+) -> torch.Tensor:
     """The distribution a non-greedy draw samples from: logits (N, V) -> probabilities (N, V) fp32."""
     return warp(penalize(logits.float(), seen, params.repetition_penalty), params).softmax(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-           seen: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, seen: torch.Tensor | None = None
+) -> torch.Tensor:
     """The next token of each row: logits (N, V) -> (N,) int64."""
     if params.greedy:
         if seen is None or params.repetition_penalty == 1.0:

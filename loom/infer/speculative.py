@@ -28,8 +28,16 @@ import torch
 
 from loom.config.errors import ConfigError
 from loom.infer.engine import SCRATCH, Engine, Stats
-from loom.infer.sampling import (SamplingParams, draw, mark_seen, new_generator, penalize, probabilities, sample,
-                                 warp)
+from loom.infer.sampling import (
+    SamplingParams,
+    draw,
+    mark_seen,
+    new_generator,
+    penalize,
+    probabilities,
+    sample,
+    warp,
+)
 
 
 def _check_k(k: int) -> int:
@@ -45,12 +53,18 @@ def _step_seen(seen: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor 
         return None
     out = seen[:, None].repeat(1, drafts.shape[1] + 1, 1)
     for i in range(drafts.shape[1]):
-        out[:, i + 1:].scatter_(2, drafts[:, i, None, None].expand(-1, out.shape[1] - i - 1, 1), True)
+        out[:, i + 1 :].scatter_(2, drafts[:, i, None, None].expand(-1, out.shape[1] - i - 1, 1), True)
     return out
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: SamplingParams,
-           generator: torch.Generator, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+    seen: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's logits (B, k + 1, V) at the pending token and the k drafts (B, k); q (B, k, V): the draft
     distributions (None: point masses on the drafts). Returns (kept (B,): how many drafts each row keeps, next
     (B,): the token that follows them)."""
@@ -68,7 +82,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, p
     q_d = torch.ones_like(p_d) if q is None else q.gather(2, drafts[..., None])[..., 0]
     u = torch.rand(bsz, k, generator=generator, device=drafts.device)
     kept = (u * q_d < p_d).long().cumprod(1).sum(1)  # (B,)
-    at = p[rows, kept]  # (B, V): the target's distribution where the first rejection is (or after the last draft)
+    at = p[
+        rows, kept
+    ]  # (B, V): the target's distribution where the first rejection is (or after the last draft)
     if q is None:
         minus = torch.zeros_like(at).scatter_(1, drafts[rows, kept.clamp(max=k - 1), None], 1.0)
     else:
@@ -94,7 +110,7 @@ class _Ngrams:
         end = len(self.tokens) - 1  # the new token continues the n-gram just before it
         for n in range(self.min_n, self.max_n + 1):
             if end >= n:
-                self.index[n][tuple(self.tokens[end - n:end])] = end
+                self.index[n][tuple(self.tokens[end - n : end])] = end
 
     def propose(self, k: int) -> list[int] | None:
         for n in range(self.max_n, self.min_n - 1, -1):
@@ -102,7 +118,7 @@ class _Ngrams:
                 continue
             start = self.index[n].get(tuple(self.tokens[-n:]))
             if start is not None:
-                guess = self.tokens[start:start + k]
+                guess = self.tokens[start : start + k]
                 return guess + [guess[-1]] * (k - len(guess))
         return None
 
@@ -135,8 +151,9 @@ class PromptLookup:
             guesses.append(guess or [token] * self.k)
         return torch.tensor(guesses, dtype=torch.long, device=pending.device), None, real
 
-    def accepted(self, kept: torch.Tensor, kept_host: list[int], drafts_host: list[list[int]],
-                 done: list[bool]) -> None:
+    def accepted(
+        self, kept: torch.Tensor, kept_host: list[int], drafts_host: list[list[int]], done: list[bool]
+    ) -> None:
         for row, m, guess, finished in zip(self._rows, kept_host, drafts_host, done):
             if not finished:
                 for t in guess[:m]:
@@ -165,8 +182,11 @@ class DraftModel:
                 device = self._load.pop("device", str(target.device))
                 draft = Generator(draft, device=device, dtype=dtype, tp=False, **self._load)
             model = draft.model if isinstance(draft, Generator) else draft
-            self.engine = draft.engine if isinstance(draft, Generator) else Engine(
-                model, compile=target.compile, cuda_graphs=target.cuda_graphs)
+            self.engine = (
+                draft.engine
+                if isinstance(draft, Generator)
+                else Engine(model, compile=target.compile, cuda_graphs=target.cuda_graphs)
+            )
         return self.engine
 
     def run(self, engine: Engine, prompts, params, sequences) -> Stats:
@@ -180,14 +200,16 @@ class DraftModel:
         self._generator = new_generator(None if params.seed is None else params.seed + 1, draft.device)
         self._vocab = self._target.vocab_size
         last = [p[-1] for p in prompts]
-        self._prev = torch.tensor(last, dtype=torch.long, device=draft.device)  # the token before the pending one
+        self._prev = torch.tensor(
+            last, dtype=torch.long, device=draft.device
+        )  # the token before the pending one
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits (B, V_draft) -> (token (B,), q (B, V_target) or None for greedy)."""
         logits = logits.float()
         vd = logits.shape[-1]
         if vd > self._vocab:
-            logits = logits[:, :self._vocab]
+            logits = logits[:, : self._vocab]
         elif vd < self._vocab:
             logits = torch.nn.functional.pad(logits, (0, self._vocab - vd), value=float("-inf"))
         if self._params.greedy:
@@ -239,7 +261,10 @@ def speculate(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
         stats.new_tokens += 1
     pos = lens.clone()  # (B,) the pending token's position
     steps = torch.arange(k + 1, device=engine.device)
-    running, running_for = None, None  # (B,) bool on the device: the rows not done, and the list it was made from
+    running, running_for = (
+        None,
+        None,
+    )  # (B,) bool on the device: the rows not done, and the list it was made from
     while not all(s.done for s in sequences):
         done = [s.done for s in sequences]
         drafts, q, real = proposer.propose(pending, pending_host, pos, done)  # (B, k)
@@ -250,8 +275,8 @@ def speculate(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
         bsz = len(prompts)
         kept, nxt = both[:bsz], both[bsz:]
         host = torch.cat([both, drafts.flatten()]).tolist()  # the round's one wait for the device
-        kept_host, nxt_host = host[:bsz], host[bsz:2 * bsz]
-        drafts_host = [host[2 * bsz + b * k:2 * bsz + (b + 1) * k] for b in range(bsz)]
+        kept_host, nxt_host = host[:bsz], host[bsz : 2 * bsz]
+        drafts_host = [host[2 * bsz + b * k : 2 * bsz + (b + 1) * k] for b in range(bsz)]
         stats.target_steps += 1
         for b, seq in enumerate(sequences):
             if done[b]:
@@ -259,7 +284,7 @@ def speculate(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
             if real[b]:
                 stats.proposed += k
                 stats.accepted += kept_host[b]
-            for token in drafts_host[b][:kept_host[b]] + [nxt_host[b]]:
+            for token in drafts_host[b][: kept_host[b]] + [nxt_host[b]]:
                 stats.new_tokens += 1
                 if seq.add(token):
                     break

@@ -5,7 +5,7 @@ model's chat template, ``loom.data.chat``), incremental detokenizing for streami
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from loom.config.errors import ConfigError
 
@@ -18,16 +18,22 @@ class Codec:
     None; a rendered conversation is tokenized with the special tokens it writes as their ids and nothing added,
     as ``apply_chat_template`` does. Text out skips special tokens."""
 
-    def __init__(self, tokenizer, template=None, prefix: tuple[int, ...] = (), add_special_tokens: bool = False):
+    def __init__(
+        self, tokenizer, template=None, prefix: tuple[int, ...] = (), add_special_tokens: bool = False
+    ):
         self.tokenizer, self.template = tokenizer, template
         self.prefix, self.add_special_tokens = tuple(prefix), add_special_tokens
         self._hf = None
-        if getattr(tokenizer, "path", None):  # an HF tokenizer.json: a second instance that reads special tokens
+        if getattr(
+            tokenizer, "path", None
+        ):  # an HF tokenizer.json: a second instance that reads special tokens
             from tokenizers import Tokenizer
 
             self._hf = Tokenizer.from_file(tokenizer.path)
         else:
-            self._special = {tokenizer.token(i): i for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)}
+            self._special = {
+                tokenizer.token(i): i for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+            }
             self._split = re.compile("(" + "|".join(re.escape(s) for s in self._special) + ")")
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -45,10 +51,16 @@ class Codec:
         if isinstance(prompt, dict) and "messages" in prompt:
             prompt = prompt["messages"]
         if not (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
-            raise ConfigError("prompt", repr(prompt)[:60], "a string, or a list of {'role', 'content'} messages")
+            raise ConfigError(
+                "prompt", repr(prompt)[:60], "a string, or a list of {'role', 'content'} messages"
+            )
         if self.template is None:
-            raise ConfigError("prompt", "messages", "this model has no chat template (give plain text, or a template: "
-                              "chat_template=PATH / --chat-template PATH)")
+            raise ConfigError(
+                "prompt",
+                "messages",
+                "this model has no chat template (give plain text, or a template: "
+                "chat_template=PATH / --chat-template PATH)",
+            )
         from loom.data.chat import ChatError
 
         try:
@@ -77,10 +89,10 @@ class Detokenizer:
     def add(self, token: int) -> str:
         """Append ``token``; returns the text this decided (maybe empty)."""
         self.ids.append(token)
-        before = self.decode(self.ids[self._prefix:self._read])
-        now = self.decode(self.ids[self._prefix:])
+        before = self.decode(self.ids[self._prefix : self._read])
+        now = self.decode(self.ids[self._prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
-            delta = now[len(before):]
+            delta = now[len(before) :]
             self.text += delta
             self._prefix, self._read = self._read, len(self.ids)
             return delta
@@ -88,7 +100,7 @@ class Detokenizer:
 
     def flush(self) -> str:
         """Whatever is left undecided (an incomplete character at the end) as it decodes."""
-        rest = self.decode(self.ids[self._prefix:])[len(self.decode(self.ids[self._prefix:self._read])):]
+        rest = self.decode(self.ids[self._prefix :])[len(self.decode(self.ids[self._prefix : self._read])) :]
         self.text += rest
         self._prefix = self._read = len(self.ids)
         return rest
@@ -102,7 +114,9 @@ class Sequence:
     ``params.max_new_tokens`` ("length"). ``on_text(delta)``: streaming; text that could still become a stop
     string is held back until it cannot."""
 
-    def __init__(self, params, eos_ids=(), codec: Codec | None = None, on_text: Callable[[str], None] | None = None):
+    def __init__(
+        self, params, eos_ids=(), codec: Codec | None = None, on_text: Callable[[str], None] | None = None
+    ):
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.token_ids: list[int] = []
@@ -148,7 +162,7 @@ class Sequence:
         found = [i for i in (self._text.find(s, start) for s in self.params.stop) if i >= 0]
         if not found:
             return False
-        self._text = self._text[:min(found)]
+        self._text = self._text[: min(found)]
         self._finish("stop")
         return True
 
@@ -158,5 +172,5 @@ class Sequence:
 
     def _stream(self, upto: int) -> None:
         if self.on_text is not None and upto > self._sent:
-            self.on_text(self._text[self._sent:upto])
+            self.on_text(self._text[self._sent : upto])
             self._sent = upto

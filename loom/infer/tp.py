@@ -22,7 +22,9 @@ def inference_styles(plan: dict) -> dict:
     for path, style in plan.items():
         kind = type(style).__name__
         if kind == "ColwiseParallel":
-            out[path] = ColwiseParallel()  # replicated in, this rank's heads / hidden units out (a plain tensor)
+            out[path] = (
+                ColwiseParallel()
+            )  # replicated in, this rank's heads / hidden units out (a plain tensor)
         elif kind == "RowwiseParallel":
             out[path] = RowwiseParallel()  # this rank's part in, all-reduced out (a plain tensor)
     return out
@@ -37,10 +39,14 @@ def apply_inference_tp(model: nn.Module, tp_mesh) -> None:
     from loom.parallel.tensor_parallel import block_plan_for, with_adapters
 
     tied = model.output.weight is model.tok_embeddings.weight
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     if tied:  # both plans split the shared (V, E) weight by rows: one DTensor serves both again
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():

@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -34,8 +34,13 @@ class KernelChoice:
     fused_loss: bool
 
     def as_args(self) -> dict:
-        return dict(attention=self.attention, fused_norm=self.fused_norm, fused_rope=self.fused_rope,
-                    fused_swiglu=self.fused_swiglu, fused_loss=self.fused_loss)
+        return dict(
+            attention=self.attention,
+            fused_norm=self.fused_norm,
+            fused_rope=self.fused_rope,
+            fused_swiglu=self.fused_swiglu,
+            fused_loss=self.fused_loss,
+        )
 
     def describe(self) -> str:
         fused = [n for n in ("norm", "rope", "swiglu", "loss") if getattr(self, f"fused_{n}")]
@@ -46,9 +51,18 @@ def _flag(value: str, auto: bool) -> bool:
     return auto if value == "auto" else value == "true"
 
 
-def resolve_kernels(model_cfg, device_type: str, *, compile: bool, documents: bool, tp: bool = False,
-                    pp: bool = False, measure_attention: Callable[[], str] | None = None,
-                    triton: bool | None = None, window: bool = False) -> KernelChoice:
+def resolve_kernels(
+    model_cfg,
+    device_type: str,
+    *,
+    compile: bool,
+    documents: bool,
+    tp: bool = False,
+    pp: bool = False,
+    measure_attention: Callable[[], str] | None = None,
+    triton: bool | None = None,
+    window: bool = False,
+) -> KernelChoice:
     """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
     ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it);
     ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it);
@@ -86,30 +100,59 @@ def flex_unsupported(cfg) -> bool:
     return cfg.training.compile and cfg.training.activation_checkpointing == "op"
 
 
-def kernel_choice(cfg, device: str, measure_attention: Callable[[], str] | None = None, triton: bool | None = None,
-                  window: Callable[[], int] = lambda: 0,
-                  attention_width: Callable[[], int] = lambda: 0) -> KernelChoice:
+def kernel_choice(
+    cfg,
+    device: str,
+    measure_attention: Callable[[], str] | None = None,
+    triton: bool | None = None,
+    window: Callable[[], int] = lambda: 0,
+    attention_width: Callable[[], int] = lambda: 0,
+) -> KernelChoice:
     """model.attention / model.fused_* of a ``Config`` with ``auto`` resolved for ``device`` (``resolve_kernels``);
     ``measure_attention`` times the attention backends on this run's shape (the trainer's); ``triton``: whether
     Triton is there (None: look; the planner assumes a GPU machine that has it); ``window()``: the model's sliding
     window, ``attention_width()``: its latent attention's head width (0: not latent), each asked only when needed
     (loom.resolve.model_kernels reads them from the model's shape)."""
     if cfg.model.attention == "flex" and device != "cuda":
-        raise ConfigError("model.attention", "flex", "needs CUDA (PyTorch's FlexAttention has no backward on "
-                          "CPU): allowed auto | sdpa | flash")
+        raise ConfigError(
+            "model.attention",
+            "flex",
+            "needs CUDA (PyTorch's FlexAttention has no backward on CPU): allowed auto | sdpa | flash",
+        )
     if cfg.model.attention == "flex" and flex_unsupported(cfg):
-        raise ConfigError("model.attention", "flex", "under training.compile with training.activation_checkpointing "
-                          "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
-                          "flash there (or flex without compile, or with none | full | every_k checkpointing)")
+        raise ConfigError(
+            "model.attention",
+            "flex",
+            "under training.compile with training.activation_checkpointing "
+            "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
+            "flash there (or flex without compile, or with none | full | every_k checkpointing)",
+        )
     triton = has_triton() if triton is None else triton
-    if device == "cuda" and not triton and (cfg.model.attention in ("flash", "flex") or "true" in (
-            cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)):
-        raise ConfigError("model.attention / model.fused_*",
-                          cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
-                          "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it")
-    kernels = resolve_kernels(cfg.model, device, compile=cfg.training.compile, documents=cfg.data.document_positions,
-                              tp=cfg.parallel.tp > 1, pp=cfg.parallel.pp > 1, measure_attention=measure_attention,
-                              triton=triton, window=window() > 0)
+    if (
+        device == "cuda"
+        and not triton
+        and (
+            cfg.model.attention in ("flash", "flex")
+            or "true"
+            in (cfg.model.fused_norm, cfg.model.fused_rope, cfg.model.fused_swiglu, cfg.model.fused_loss)
+        )
+    ):
+        raise ConfigError(
+            "model.attention / model.fused_*",
+            cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
+            "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it",
+        )
+    kernels = resolve_kernels(
+        cfg.model,
+        device,
+        compile=cfg.training.compile,
+        documents=cfg.data.document_positions,
+        tp=cfg.parallel.tp > 1,
+        pp=cfg.parallel.pp > 1,
+        measure_attention=measure_attention,
+        triton=triton,
+        window=window() > 0,
+    )
     return mla_kernels(cfg, kernels, device, attention_width)
 
 
@@ -129,8 +172,12 @@ def mla_kernels(cfg, kernels: KernelChoice, device: str, attention_width: Callab
         return kernels
     if cfg.model.attention == "flash":
         dims = ", ".join(map(str, FLASH_HEAD_DIMS))
-        raise ConfigError("model.attention", "flash", f"loom's kernel takes head dims {dims} and this model's latent "
-                          f"attention needs {width}: allowed auto | sdpa")
+        raise ConfigError(
+            "model.attention",
+            "flash",
+            f"loom's kernel takes head dims {dims} and this model's latent "
+            f"attention needs {width}: allowed auto | sdpa",
+        )
     return replace(kernels, attention="sdpa")
 
 
@@ -152,15 +199,21 @@ class AttentionShape:
     dtype: torch.dtype
 
     def describe(self) -> str:
-        return (f"{self.batch}x{self.heads}/{self.kv_heads}x{self.seq}x{self.head_dim} "
-                f"{str(self.dtype).removeprefix('torch.')}")
+        return (
+            f"{self.batch}x{self.heads}/{self.kv_heads}x{self.seq}x{self.head_dim} "
+            f"{str(self.dtype).removeprefix('torch.')}"
+        )
 
 
 def attention_inputs(shape: AttentionShape, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
     """Random q, k, v (B, H, S, D) leaves that need gradients."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randn(shape.batch, h, shape.seq, shape.head_dim, device=device, dtype=shape.dtype,
-                        generator=gen).requires_grad_() for h in (shape.heads, shape.kv_heads, shape.kv_heads)]
+    return [
+        torch.randn(
+            shape.batch, h, shape.seq, shape.head_dim, device=device, dtype=shape.dtype, generator=gen
+        ).requires_grad_()
+        for h in (shape.heads, shape.kv_heads, shape.kv_heads)
+    ]
 
 
 @functools.cache
@@ -208,6 +261,7 @@ def fwd_bwd_step(fn: Callable, inputs: list[torch.Tensor]) -> Callable[[], None]
         for t in inputs:
             t.grad = None
         fn(*inputs).backward(grad)
+
     return step
 
 
@@ -232,16 +286,20 @@ def time_fwd_bwd(fn: Callable, inputs: list[torch.Tensor], warmup: int = 3, iter
     return timing.gpu_ms
 
 
-def measure(candidates: dict[str, Callable], inputs: list[torch.Tensor], timer=time_fwd_bwd) -> dict[str, float]:
+def measure(
+    candidates: dict[str, Callable], inputs: list[torch.Tensor], timer=time_fwd_bwd
+) -> dict[str, float]:
     """Milliseconds per call of each candidate; one that fails (unsupported shape, out of memory, a kernel
     that does not compile for this GPU) gets inf, so it is never chosen, and the others are still measured."""
     times = {}
     for name, fn in candidates.items():
         try:
             times[name] = timer(fn, inputs)
-        except Exception as e:  # noqa: BLE001 - any failure only rules the candidate out
-            print(f"kernels: {name} not usable here ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
-                  flush=True)
+        except Exception as e:
+            print(
+                f"kernels: {name} not usable here ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+                flush=True,
+            )
             times[name] = math.inf
         for t in inputs:
             t.grad = None
@@ -255,12 +313,19 @@ def fastest(times: dict[str, float]) -> str:
     return min(times, key=lambda name: times[name])
 
 
-def measure_attention(attend: Callable, shape: AttentionShape, device: torch.device,
-                      positions: torch.Tensor | None = None, timer=time_fwd_bwd) -> dict[str, float]:
+def measure_attention(
+    attend: Callable,
+    shape: AttentionShape,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
+    timer=time_fwd_bwd,
+) -> dict[str, float]:
     """Milliseconds per forward + backward of each of ``attention_candidates`` through ``attend(q, k, v, backend,
     positions)`` (the model's attention call) on ``shape``; ``positions``: packed documents' (B, S) positions."""
-    candidates = {name: (lambda q, k, v, name=name: attend(q, k, v, name, positions))
-                  for name in attention_candidates(positions is not None)}
+    candidates = {
+        name: (lambda q, k, v, name=name: attend(q, k, v, name, positions))
+        for name in attention_candidates(positions is not None)
+    }
     return measure(candidates, attention_inputs(shape, device), timer)
 
 
@@ -289,8 +354,9 @@ def forward_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bounds
     return "hopper" if _hopper_takes((q, k, v), window, key_bounds) else "triton"
 
 
-def backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, bounds, key_bounds,
-                     window: int) -> tuple[str, str]:
+def backward_kernels(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, bounds, key_bounds, window: int
+) -> tuple[str, str]:
     """The backward's (dK/dV kernel, dQ kernel). dK/dV: "reference", "triton", "hopper" or "hopper_persistent"
     (the persistent Gluon dK/dV wins on head dim 128 MHA packed documents only); dQ: "reference", "triton" or
     "hopper" (the Gluon dQ wins at head dim 128, loses at 64). ``dout`` as the kernels read it (stride 1 in the

@@ -23,8 +23,10 @@ def has_gluon_hopper() -> bool:
         hopper = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
     except ImportError:
         return False
-    return all(hasattr(hopper, name) for name in ("fence_async_shared", "mbarrier", "tma", "warpgroup_mma",
-                                                  "warpgroup_mma_wait"))
+    return all(
+        hasattr(hopper, name)
+        for name in ("fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait")
+    )
 
 
 def interpreting() -> bool:

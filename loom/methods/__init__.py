@@ -8,9 +8,21 @@ from __future__ import annotations
 from loom.config.sections import Config
 from loom.methods.base import Method
 from loom.methods.registry import METHODS, method, method_of, rules_of, sections_unused
-from loom.resolve import Run, check_config as _check_config, resolve as _resolve
+from loom.resolve import Run
+from loom.resolve import check_config as _check_config
+from loom.resolve import resolve as _resolve
 
-__all__ = ["METHODS", "Method", "check_config", "method", "method_of", "resolve", "rules_of", "sections_unused"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "check_config",
+    "method",
+    "method_of",
+    "resolve",
+    "rules_of",
+    "sections_unused",
+]
+
 
 def check_config(cfg: Config) -> None:
     """loom.resolve.check_config with the chosen method's rules."""

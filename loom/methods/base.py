@@ -4,8 +4,8 @@ cross-field rules and its run, described by a ``Method`` that the registry (loom
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
@@ -17,8 +17,12 @@ def no_rules(cfg: Config) -> None:
     """A method without rules of its own beyond the generic ones."""
 
 
-def run_loop(cfg: Config, objective: Objective, env: DistEnv | None = None,
-             rules: Sequence[Callable[[Config], None]] = ()) -> list[dict]:
+def run_loop(
+    cfg: Config,
+    objective: Objective,
+    env: DistEnv | None = None,
+    rules: Sequence[Callable[[Config], None]] = (),
+) -> list[dict]:
     """The loop around the engine for ``objective`` (``rules``: the method's, for the resolver): the records rank 0
     logged."""
     from loom.train.loop import Loop
@@ -44,8 +48,11 @@ def chat_template_exists(cfg: Config) -> None:
     """data.chat_template names a file, or '' (the tokenizer folder's)."""
     d = cfg.data
     if d.chat_template and not os.path.isfile(d.chat_template):
-        raise ConfigError("data.chat_template", d.chat_template, "no such file (a Jinja chat template; '' = the "
-                          "tokenizer folder's)")
+        raise ConfigError(
+            "data.chat_template",
+            d.chat_template,
+            "no such file (a Jinja chat template; '' = the tokenizer folder's)",
+        )
 
 
 def plain_text_rules(cfg: Config) -> None:
@@ -53,22 +60,38 @@ def plain_text_rules(cfg: Config) -> None:
     nothing to it (a run that sets them has most likely forgotten the objective)."""
     d = cfg.data
     if d.chat_template:
-        raise ConfigError("data.chat_template", d.chat_template, "used by training.objective sft, dpo and reward only")
+        raise ConfigError(
+            "data.chat_template", d.chat_template, "used by training.objective sft, dpo and reward only"
+        )
     if d.loss_tokens != "assistant":
-        raise ConfigError("data.loss_tokens", d.loss_tokens, "used by training.objective sft only (dpo trains on the "
-                          "completions)")
+        raise ConfigError(
+            "data.loss_tokens",
+            d.loss_tokens,
+            "used by training.objective sft only (dpo trains on the completions)",
+        )
     if d.embedded_rejected != "auto":
-        raise ConfigError("data.embedded_rejected", d.embedded_rejected, "applies to the embedded preference pairs "
-                          "only (training.objective dpo or reward without data.source): leave it 'auto'")
+        raise ConfigError(
+            "data.embedded_rejected",
+            d.embedded_rejected,
+            "applies to the embedded preference pairs "
+            "only (training.objective dpo or reward without data.source): leave it 'auto'",
+        )
 
 
 def pair_rules(cfg: Config) -> None:
     """A method that reads preference pairs (dpo, reward), rendered with the chat template."""
     d = cfg.data
     if d.embedded_rejected != "auto" and d.source:
-        raise ConfigError("data.embedded_rejected", d.embedded_rejected, "applies to the embedded preference pairs "
-                          "only (training.objective dpo or reward without data.source): leave it 'auto'")
+        raise ConfigError(
+            "data.embedded_rejected",
+            d.embedded_rejected,
+            "applies to the embedded preference pairs "
+            "only (training.objective dpo or reward without data.source): leave it 'auto'",
+        )
     if d.loss_tokens != "assistant":
-        raise ConfigError("data.loss_tokens", d.loss_tokens, "used by training.objective sft only (dpo trains on the "
-                          "completions)")
+        raise ConfigError(
+            "data.loss_tokens",
+            d.loss_tokens,
+            "used by training.objective sft only (dpo trains on the completions)",
+        )
     chat_template_exists(cfg)

@@ -25,7 +25,9 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     """Each row's summed log-probability of its labelled tokens, fp32 (N,), and their count (N,). logits: (N, S, V)
     (or vocab-sharded under loss parallel); labels: (N, S), IGNORE where a token is not the completion's."""
     n, s = labels.shape
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    nll = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="none"
+    )
     return -to_local_loss(nll).view(n, s).sum(dim=1), (labels != IGNORE).sum(dim=1)
 
 
@@ -45,10 +47,15 @@ class DirectPreference(Objective):
     STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy")
 
     # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method
-    console = (("val acc", "val_rewards/accuracy", ".3f"), ("acc", "rewards/accuracy", ".3f"),
-               ("margin", "rewards/margins", ".3f"))
-    panels = (("preference accuracy", ("rewards/accuracy", "val_rewards/accuracy"), "chosen above rejected"),
-              ("implicit rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "beta x log-ratio"))
+    console = (
+        ("val acc", "val_rewards/accuracy", ".3f"),
+        ("acc", "rewards/accuracy", ".3f"),
+        ("margin", "rewards/margins", ".3f"),
+    )
+    panels = (
+        ("preference accuracy", ("rewards/accuracy", "val_rewards/accuracy"), "chosen above rejected"),
+        ("implicit rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "beta x log-ratio"),
+    )
 
     def __init__(self, beta: float, loss: str = "sigmoid", reference: str = "cached"):
         self.beta, self.kind, self.reference = beta, loss, reference
@@ -74,17 +81,38 @@ class DirectPreference(Objective):
         # keyed by the initial weights' content, not their path: another model exported to the same folder (the
         # usual workflow) is another reference
         weights = engine.env.share_from_main(
-            [content_fingerprint(p) if p and os.path.exists(p) else "" for p in (cfg.model.init_from,
-                                                                             cfg.lora.init_from)]
-            if engine.env.is_main else None)
-        key = hashlib.blake2b(repr((os.path.abspath(src.tokens.path), src.seq_len, cfg.run.seed, cfg.model.flavor,
-                                    cfg.model.init_from, cfg.model.n_layers, cfg.model.vocab_size, cfg.lora.rank,
-                                    cfg.lora.init_from, weights)).encode(), digest_size=8).hexdigest()
+            [
+                content_fingerprint(p) if p and os.path.exists(p) else ""
+                for p in (cfg.model.init_from, cfg.lora.init_from)
+            ]
+            if engine.env.is_main
+            else None
+        )
+        key = hashlib.blake2b(
+            repr(
+                (
+                    os.path.abspath(src.tokens.path),
+                    src.seq_len,
+                    cfg.run.seed,
+                    cfg.model.flavor,
+                    cfg.model.init_from,
+                    cfg.model.n_layers,
+                    cfg.model.vocab_size,
+                    cfg.lora.rank,
+                    cfg.lora.init_from,
+                    weights,
+                )
+            ).encode(),
+            digest_size=8,
+        ).hexdigest()
         path = os.path.join(engine.run_dir, "dpo_reference", f"reference-{key}.pt")
         ref = torch.load(path) if os.path.isfile(path) else None
         if ref is not None and ref.shape == (len(src.kept), 2) and engine.env.is_main:
-            print(f"dpo.reference cached: reusing {path} (computed for the same initial weights, by content, and "
-                  "the same pairs)", flush=True)
+            print(
+                f"dpo.reference cached: reusing {path} (computed for the same initial weights, by content, and "
+                "the same pairs)",
+                flush=True,
+            )
         if ref is None or ref.shape != (len(src.kept), 2):
             ref = torch.zeros(len(src.kept), 2, device=device)
             for part in engine.parts:
@@ -107,12 +135,16 @@ class DirectPreference(Objective):
                 except (OSError, RuntimeError) as err:  # torch.save wraps a full disk in a RuntimeError
                     if os.path.exists(path + ".tmp"):
                         os.remove(path + ".tmp")
-                    raise UserError(f"dpo.reference cached: writing {path} failed ({err}): it needs about "
-                                    f"{ref.numel() * ref.element_size():,} bytes; nothing partial was kept") from None
+                    raise UserError(
+                        f"dpo.reference cached: writing {path} failed ({err}): it needs about "
+                        f"{ref.numel() * ref.element_size():,} bytes; nothing partial was kept"
+                    ) from None
             engine.env.barrier()
         loader.reference = ref
 
-    def logps(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def logps(
+        self, model, mb: MicroBatch, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probability sums (2B,), completion token counts (2B,)) of the micro-batch's rows under ``model``."""
         return sequence_logps(model(mb.inputs, positions), mb.labels)
 
@@ -121,13 +153,17 @@ class DirectPreference(Objective):
             with torch.no_grad(), adapters_disabled(model):
                 ref = self.logps(model, mb, positions)[0]
         elif self.reference == "copy":
-            assert self.reference_model is not None, "dpo.reference copy: prepare(engine) builds the reference model"
+            assert self.reference_model is not None, (
+                "dpo.reference copy: prepare(engine) builds the reference model"
+            )
             with torch.no_grad():
                 ref = self.logps(self.reference_model, mb, positions)[0]
             release_gathered(self.reference_model)
         else:
             ref = mb.ref_logps
-            assert ref is not None, "dpo.reference cached: the loader hands out no reference log-probabilities"
+            assert ref is not None, (
+                "dpo.reference cached: the loader hands out no reference log-probabilities"
+            )
         policy, counts = self.logps(model, mb, positions)
         return self.pair_loss(policy, ref.to(policy.dtype), counts)
 
@@ -142,13 +178,17 @@ class DirectPreference(Objective):
             losses = -F.logsigmoid(self.beta * (chosen - rejected))
         with torch.no_grad():
             r_chosen, r_rejected = self.beta * chosen.detach(), self.beta * rejected.detach()
-            for name, value in zip(self.STATS, (r_chosen, r_rejected, r_chosen - r_rejected,
-                                                (r_chosen > r_rejected).to(policy.dtype))):
+            for name, value in zip(
+                self.STATS,
+                (r_chosen, r_rejected, r_chosen - r_rejected, (r_chosen > r_rejected).to(policy.dtype)),
+            ):
                 self._stats[name] = self._stats.get(name, 0) + value.sum()
         return losses.sum()
 
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("DPO computes its loss in forward (a pipeline stage cannot: refused by the config)")
+        raise NotImplementedError(
+            "DPO computes its loss in forward (a pipeline stage cannot: refused by the config)"
+        )
 
     def step_stats(self) -> dict[str, torch.Tensor]:
         stats, self._stats = self._stats, {}
@@ -166,16 +206,25 @@ def rules(cfg: Config) -> None:
     pair_rules(cfg)
     dpo, p = cfg.dpo, cfg.parallel
     if dpo.reference == "copy" and cfg.lora.rank:
-        raise ConfigError("dpo.reference", "copy", "not with LoRA (lora.rank > 0), as TRL: allowed adapters_off (the "
-                          "base is the reference, no second copy) | cached")
+        raise ConfigError(
+            "dpo.reference",
+            "copy",
+            "not with LoRA (lora.rank > 0), as TRL: allowed adapters_off (the "
+            "base is the reference, no second copy) | cached",
+        )
     if dpo.reference == "adapters_off" and not cfg.lora.rank:
-        raise ConfigError("dpo.reference", "adapters_off", "needs LoRA (lora.rank > 0): allowed cached without it")
+        raise ConfigError(
+            "dpo.reference", "adapters_off", "needs LoRA (lora.rank > 0): allowed cached without it"
+        )
     for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
         if value > 1:
             raise ConfigError(key, value, "not supported with training.objective dpo yet: allowed 1")
     if cfg.model.fused_loss == "true":
-        raise ConfigError("model.fused_loss", True, "training.objective dpo needs the logits (per-token "
-                          "log-probabilities): allowed auto | false")
+        raise ConfigError(
+            "model.fused_loss",
+            True,
+            "training.objective dpo needs the logits (per-token log-probabilities): allowed auto | false",
+        )
 
 
 METHOD = Method("dpo", DirectPreference, objective, rules=rules)

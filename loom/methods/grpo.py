@@ -20,17 +20,26 @@ class GroupRelative(Objective):
     """GRPO over rollouts made each step by the engine on the live policy (``build_loader``, then ``prepare``
     binds the loader to the built model). ``cfg``: the whole config (its [grpo] section and the run's sizes)."""
 
-    loss_in_forward = True  # the loss needs the advantages and old / reference log-probabilities beside the logits
+    loss_in_forward = (
+        True  # the loss needs the advantages and old / reference log-probabilities beside the logits
+    )
 
     # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method: the
     # sampled rollouts' mean reward and its parts (the embedded task's exact_answer is their accuracy), the greedy
     # accuracy of the evaluation hook (loom.rl.arithmetic:greedy_accuracy), the KL to the reference where computed
-    console = (("warm-up", "grpo/warmup", "flag"), ("reward", "reward", ".3f"), ("acc", "rewards/exact_answer", ".3f"),
-               ("", "rewards/*", ".3f"),
-               ("eval acc", "eval/accuracy", ".3f"), ("kl", "kl", ".4f"))
-    panels = (("reward", ("reward", "rewards/*"), "mean over the rollouts"),
-              ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
-              ("KL to the reference", ("kl",), "per completion token"))
+    console = (
+        ("warm-up", "grpo/warmup", "flag"),
+        ("reward", "reward", ".3f"),
+        ("acc", "rewards/exact_answer", ".3f"),
+        ("", "rewards/*", ".3f"),
+        ("eval acc", "eval/accuracy", ".3f"),
+        ("kl", "kl", ".4f"),
+    )
+    panels = (
+        ("reward", ("reward", "rewards/*"), "mean over the rollouts"),
+        ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
+        ("KL to the reference", ("kl",), "per completion token"),
+    )
 
     def __init__(self, cfg):
         self.cfg, self.g = cfg, cfg.grpo
@@ -60,13 +69,21 @@ class GroupRelative(Objective):
             return -(token_logps(logits, mb.labels) * mask).sum()
         logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)
         old = mb.old_logps if mb.old_logps is not None else logps.detach()
-        losses, kl, low, high = token_losses(logps, old, mb.advantages.float(), g.epsilon, g.epsilon_high or g.epsilon,
-                                             mb.ref_token_logps, g.beta)
+        losses, kl, low, high = token_losses(
+            logps,
+            old,
+            mb.advantages.float(),
+            g.epsilon,
+            g.epsilon_high or g.epsilon,
+            mb.ref_token_logps,
+            g.beta,
+        )
         with torch.no_grad():
             # the trainer divides each statistic by the global count: scaled so that gives a mean per token
             per_token = self.global_count / max(self.global_tokens, 1.0)
-            for name, value in (("clip_ratio/low", low), ("clip_ratio/high", high)) + \
-                    ((("kl", kl),) if kl is not None else ()):
+            for name, value in (("clip_ratio/low", low), ("clip_ratio/high", high)) + (
+                (("kl", kl),) if kl is not None else ()
+            ):
                 self._stats[name] = self._stats.get(name, 0) + (value.float() * mask).sum() * per_token
         return loss_sum(losses, mask, g.loss_type)
 

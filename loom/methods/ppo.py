@@ -27,17 +27,26 @@ class ProximalPolicy(Objective):
     per token of the global mini-batch whatever the layout. During the warm-up, cross-entropy on the worked
     examples' answers."""
 
-    loss_in_forward = True  # the loss needs values, advantages and rollout-time log-probabilities beside the logits
+    loss_in_forward = (
+        True  # the loss needs values, advantages and rollout-time log-probabilities beside the logits
+    )
     STATS = ("ppo/policy_loss", "ppo/value_loss", "ppo/clipfrac", "ppo/value_clipfrac", "ppo/approx_kl")
     # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method: the
     # sampled rollouts' mean reward and its parts (the embedded task's exact_answer is their accuracy), the greedy
     # accuracy of the evaluation hook (loom.rl.arithmetic:greedy_accuracy), the KL to the reference where computed
-    console = (("warm-up", "grpo/warmup", "flag"), ("reward", "reward", ".3f"), ("acc", "rewards/exact_answer", ".3f"),
-               ("", "rewards/*", ".3f"),
-               ("eval acc", "eval/accuracy", ".3f"), ("kl", "ppo/rollout_kl", ".4f"))
-    panels = (("reward", ("reward", "rewards/*"), "mean over the rollouts"),
-              ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
-              ("KL to the reference", ("ppo/rollout_kl",), "per completion token"))
+    console = (
+        ("warm-up", "grpo/warmup", "flag"),
+        ("reward", "reward", ".3f"),
+        ("acc", "rewards/exact_answer", ".3f"),
+        ("", "rewards/*", ".3f"),
+        ("eval acc", "eval/accuracy", ".3f"),
+        ("kl", "ppo/rollout_kl", ".4f"),
+    )
+    panels = (
+        ("reward", ("reward", "rewards/*"), "mean over the rollouts"),
+        ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
+        ("KL to the reference", ("ppo/rollout_kl",), "per completion token"),
+    )
 
     def __init__(self, cfg):
         self.cfg, self.g, self.p = cfg, cfg.grpo, cfg.ppo
@@ -51,8 +60,12 @@ class ProximalPolicy(Objective):
     def heads_hidden(self, parts: list[nn.Module]):
         """The parts without their value function for a while: model.init_from loads the policy's weights by the
         policy's names (the folder holds no value head; it keeps its seeded init, a critic its copy at PPO's start)."""
-        hidden = [(part, name, part._modules.pop(name)) for part in parts for name in ("value_head", "critic")
-                  if name in part._modules]
+        hidden = [
+            (part, name, part._modules.pop(name))
+            for part in parts
+            for name in ("value_head", "critic")
+            if name in part._modules
+        ]
         try:
             yield
         finally:
@@ -74,7 +87,9 @@ class ProximalPolicy(Objective):
         mask = (mb.labels != IGNORE).float()  # (B, S) the completion tokens
         # (B, S, V), (B, S)
         logits, values = policy_forward(model, mb.inputs, mb.labels, positions, forward_with_values)
-        if mb.warmup:  # the value head joins with weight 0: DDP expects a gradient for every trained parameter
+        if (
+            mb.warmup
+        ):  # the value head joins with weight 0: DDP expects a gradient for every trained parameter
             return -(token_logps(logits, mb.labels) * mask).sum() + 0.0 * values.sum()
         logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)
         pg, pg_clipped = policy_losses(logps, mb.old_logps, mb.advantages, p.cliprange)
@@ -86,8 +101,9 @@ class ProximalPolicy(Objective):
             losses = losses + p.kl_coef * kl
         with torch.no_grad():
             approx_kl = 0.5 * (logps - mb.old_logps) ** 2
-            for name, value in tuple(zip(self.STATS, (pg, vf, pg_clipped, vf_clipped, approx_kl))) + \
-                    ((("kl", kl),) if kl is not None else ()):
+            for name, value in tuple(zip(self.STATS, (pg, vf, pg_clipped, vf_clipped, approx_kl))) + (
+                (("kl", kl),) if kl is not None else ()
+            ):
                 self._stats[name] = self._stats.get(name, 0) + (value.float() * mask).sum()
         return (losses * mask).sum()
 
@@ -108,11 +124,18 @@ def rules(cfg) -> None:
     grpo_loss_unused(cfg)
     rollout_rules(cfg)
     if cfg.ppo.critic == "model" and cfg.lora.base_dtype == "nf4":
-        raise ConfigError("ppo.critic", "model", "not with lora.base_dtype nf4 (the critic copies the base weights): "
-                          "allowed head")
+        raise ConfigError(
+            "ppo.critic",
+            "model",
+            "not with lora.base_dtype nf4 (the critic copies the base weights): allowed head",
+        )
     if cfg.ppo.kl_penalty == "loss" and cfg.ppo.kl_estimator != "k1":
-        raise ConfigError("ppo.kl_estimator", cfg.ppo.kl_estimator, "applies to the KL in the rewards: with "
-                          "ppo.kl_penalty loss the loss term is k3 (leave the estimator at k1)")
+        raise ConfigError(
+            "ppo.kl_estimator",
+            cfg.ppo.kl_estimator,
+            "applies to the KL in the rewards: with "
+            "ppo.kl_penalty loss the loss term is k3 (leave the estimator at k1)",
+        )
 
 
 METHOD = Method("ppo", ProximalPolicy, ProximalPolicy, rules=rules)

@@ -4,19 +4,21 @@ reads; the rules the resolver is handed for a config (``rules_of``)."""
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
 from loom.methods.base import Method
 
 # name -> (its module, the config sections it reads); a method's sections stay at their defaults under the others
-METHODS = {"lm": ("loom.methods.lm", ()),
-           "sft": ("loom.methods.sft", ()),
-           "dpo": ("loom.methods.dpo", ("dpo",)),
-           "reward": ("loom.methods.reward", ("reward",)),
-           "grpo": ("loom.methods.grpo", ("grpo",)),
-           "ppo": ("loom.methods.ppo", ("grpo", "ppo"))}
+METHODS = {
+    "lm": ("loom.methods.lm", ()),
+    "sft": ("loom.methods.sft", ()),
+    "dpo": ("loom.methods.dpo", ("dpo",)),
+    "reward": ("loom.methods.reward", ("reward",)),
+    "grpo": ("loom.methods.grpo", ("grpo",)),
+    "ppo": ("loom.methods.ppo", ("grpo", "ppo")),
+}
 
 
 def method(name: str) -> Method:
@@ -43,12 +45,13 @@ def sections_unused(cfg: Config) -> None:
         values, defaults = getattr(cfg, section), type(getattr(cfg, section))()
         for key, default in vars(defaults).items():
             if getattr(values, key) != default:
-                raise ConfigError(f"{section}.{key}", getattr(values, key),
-                                  f"used by training.objective {' or '.join(names)} only")
+                raise ConfigError(
+                    f"{section}.{key}",
+                    getattr(values, key),
+                    f"used by training.objective {' or '.join(names)} only",
+                )
 
 
 def rules_of(cfg: Config) -> tuple[Callable[[Config], None], ...]:
     """The rules the resolver is handed for ``cfg``: its method's, then the other methods' sections unused."""
     return method_of(cfg).rules, sections_unused
-
-

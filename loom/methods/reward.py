@@ -35,14 +35,21 @@ class RewardModeling(Objective):
 
     loss_in_forward = True  # the loss reads one position per row: forward returns it
     data = "dpo"  # DPO's preference pairs (loom.data.dpo)
-    rejected = "code"  # the embedded pairs' rejected answers: a model trained from its seed learns the echoed code
+    rejected = (
+        "code"  # the embedded pairs' rejected answers: a model trained from its seed learns the echoed code
+    )
     # DPO's names (its rewards are implicit, these the head's): the progress line and dashboards read both alike
     STATS = ("rewards/accuracy", "rewards/margins", "rewards/chosen", "rewards/rejected")
     # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method
-    console = (("val acc", "val_rewards/accuracy", ".3f"), ("acc", "rewards/accuracy", ".3f"),
-               ("margin", "rewards/margins", ".3f"))
-    panels = (("pair accuracy", ("rewards/accuracy", "val_rewards/accuracy"), "chosen above rejected"),
-              ("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "score head"))
+    console = (
+        ("val acc", "val_rewards/accuracy", ".3f"),
+        ("acc", "rewards/accuracy", ".3f"),
+        ("margin", "rewards/margins", ".3f"),
+    )
+    panels = (
+        ("pair accuracy", ("rewards/accuracy", "val_rewards/accuracy"), "chosen above rejected"),
+        ("rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "score head"),
+    )
 
     def __init__(self, center: float = 0.0):
         self.center = center
@@ -94,8 +101,12 @@ def rules(cfg) -> None:
     t = cfg.training
     if t.eval_hook or t.eval_tasks:
         field = "training.eval_hook" if t.eval_hook else "training.eval_tasks"
-        raise ConfigError(field, t.eval_hook or t.eval_tasks, "not with training.objective reward (a reward model "
-                          "has no LM head to generate or score text with): validation reports val_rewards/*")
+        raise ConfigError(
+            field,
+            t.eval_hook or t.eval_tasks,
+            "not with training.objective reward (a reward model "
+            "has no LM head to generate or score text with): validation reports val_rewards/*",
+        )
 
 
 METHOD = Method("reward", RewardModeling, objective, rules=rules)

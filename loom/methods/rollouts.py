@@ -18,39 +18,70 @@ def rollout_rules(cfg: Config) -> None:
     plain_text_rules(cfg)
     g, p, t, objective = cfg.grpo, cfg.parallel, cfg.training, cfg.training.objective
     if p.fault_tolerance:
-        raise ConfigError("training.objective", objective, "not with parallel.fault_tolerance (its rollouts are not "
-                          "split over replica groups)")
+        raise ConfigError(
+            "training.objective",
+            objective,
+            "not with parallel.fault_tolerance (its rollouts are not split over replica groups)",
+        )
     if p.diloco_inner_steps:
-        raise ConfigError("parallel.diloco_inner_steps", p.diloco_inner_steps, f"not with training.objective = "
-                          f"{objective} (its rollouts read one policy)")
+        raise ConfigError(
+            "parallel.diloco_inner_steps",
+            p.diloco_inner_steps,
+            f"not with training.objective = {objective} (its rollouts read one policy)",
+        )
     if t.cuda_graphs:
-        raise ConfigError("training.cuda_graphs", True, f"not with training.objective {objective} (its rollouts run "
-                          "the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward")
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            f"not with training.objective {objective} (its rollouts run "
+            "the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward",
+        )
     if p.cpu_offload:
-        raise ConfigError("parallel.cpu_offload", True, f"not with training.objective {objective} (its engine "
-                          "generates on each rank's whole module): allowed false")
+        raise ConfigError(
+            "parallel.cpu_offload",
+            True,
+            f"not with training.objective {objective} (its engine "
+            "generates on each rank's whole module): allowed false",
+        )
     for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)):
         if value > 1:
-            raise ConfigError(key, value, f"not supported with training.objective {objective} yet (the engine runs "
-                              "on the whole model or its tensor-parallel shards): allowed 1")
+            raise ConfigError(
+                key,
+                value,
+                f"not supported with training.objective {objective} yet (the engine runs "
+                "on the whole model or its tensor-parallel shards): allowed 1",
+            )
     if cfg.model.fused_loss == "true":
-        raise ConfigError("model.fused_loss", True, f"training.objective {objective} needs the logits (per-token "
-                          "log-probabilities): allowed auto | false")
+        raise ConfigError(
+            "model.fused_loss",
+            True,
+            f"training.objective {objective} needs the logits (per-token "
+            "log-probabilities): allowed auto | false",
+        )
     if g.warmup_steps > 0 and g.prompts:
-        raise ConfigError("grpo.warmup_steps", g.warmup_steps, "0 or -1 with grpo.prompts (the warm-up trains on "
-                          "the embedded task's worked examples)")
+        raise ConfigError(
+            "grpo.warmup_steps",
+            g.warmup_steps,
+            "0 or -1 with grpo.prompts (the warm-up trains on the embedded task's worked examples)",
+        )
     if g.warmup_steps >= t.steps:
         raise ConfigError("grpo.warmup_steps", g.warmup_steps, f"< training.steps ({t.steps})")
     if any(o not in "+*" for o in g.ops) or not g.ops:
         raise ConfigError("grpo.ops", g.ops, "operators from '+' and '*'")
     if g.judge and not g.judge_template.strip():
-        raise ConfigError("grpo.judge_template", "", "a template with {prompt} and {completion} for grpo.judge "
-                          "(text, or a file holding it)")
+        raise ConfigError(
+            "grpo.judge_template",
+            "",
+            "a template with {prompt} and {completion} for grpo.judge (text, or a file holding it)",
+        )
 
 
 def grpo_loss_unused(cfg: Config) -> None:
     """PPO samples with the [grpo] rollout fields; GRPO's loss fields would do nothing."""
     for key in GRPO_LOSS_FIELDS:
         if getattr(cfg.grpo, key) != getattr(GrpoConfig(), key):
-            raise ConfigError(f"grpo.{key}", getattr(cfg.grpo, key), "GRPO's loss: not used by training.objective "
-                              "ppo (its [ppo] section has its own)")
+            raise ConfigError(
+                f"grpo.{key}",
+                getattr(cfg.grpo, key),
+                "GRPO's loss: not used by training.objective ppo (its [ppo] section has its own)",
+            )

@@ -18,12 +18,19 @@ def rules(cfg) -> None:
     """SFT packs conversations into windows, so it keeps attention within each (data.document_positions defaults to
     true under sft; false is refused)."""
     if cfg.data.embedded_rejected != "auto":
-        raise ConfigError("data.embedded_rejected", cfg.data.embedded_rejected, "applies to the embedded preference "
-                          "pairs only (training.objective dpo or reward without data.source): leave it 'auto'")
+        raise ConfigError(
+            "data.embedded_rejected",
+            cfg.data.embedded_rejected,
+            "applies to the embedded preference "
+            "pairs only (training.objective dpo or reward without data.source): leave it 'auto'",
+        )
     chat_template_exists(cfg)
     if not cfg.data.document_positions:
-        raise ConfigError("data.document_positions", False, "training.objective sft packs conversations and keeps "
-                          "attention within each: allowed true")
+        raise ConfigError(
+            "data.document_positions",
+            False,
+            "training.objective sft packs conversations and keeps attention within each: allowed true",
+        )
 
 
 METHOD = Method("sft", LanguageModeling, objective, rules=rules)

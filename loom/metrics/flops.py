@@ -11,7 +11,6 @@ up-projections as they run in training (keys and values up-projected per token; 
 
 from __future__ import annotations
 
-
 # Dense (no sparsity) peak TFLOP/s by compute dtype. Matched against the device name, first hit wins.
 # float32 is the plain FP32 (non-tensor-core) rate: loom never enables TF32 (PyTorch's default leaves fp32 matmuls
 # in full precision), so quoting an fp32 run against the TF32 tensor-core peak would understate its MFU ~7x.
@@ -62,8 +61,12 @@ def matmul_params(args) -> int:
     attn = attention_matmul_params(args)
     dense = 3 * args.dim * args.ffn_dim
     experts = getattr(args, "moe_experts", 0)
-    routed = args.dim * experts + (args.moe_top_k + getattr(args, "moe_shared_experts", 0)) * 3 * args.dim * \
-        args.expert_ffn_dim if experts else dense
+    routed = (
+        args.dim * experts
+        + (args.moe_top_k + getattr(args, "moe_shared_experts", 0)) * 3 * args.dim * args.expert_ffn_dim
+        if experts
+        else dense
+    )
     moe_layer = getattr(args, "moe_layer", lambda i: bool(experts))
     depth = getattr(args, "mtp_depth", 0)
     blocks = sum(attn + (routed if moe_layer(i) else dense) for i in range(args.n_layers + depth))
@@ -75,14 +78,17 @@ def flops_per_token(args, seq_len: int, adapter_params: int | None = None) -> fl
     ``adapter_params`` (LoRA: the base frozen) the base's weights cost 4 (no weight gradient) and the adapters 6."""
     window = getattr(args, "sliding_window", 0)
     context = min(seq_len, window) if window else seq_len  # keys a token attends to, at most
-    weights = 6 * matmul_params(args) if adapter_params is None else 4 * matmul_params(args) + 6 * adapter_params
+    weights = (
+        6 * matmul_params(args) if adapter_params is None else 4 * matmul_params(args) + 6 * adapter_params
+    )
     qk_v = args.head_dim + getattr(args, "value_head_dim", args.head_dim)  # scores over q/k, the sum over v
     layers = args.n_layers + getattr(args, "mtp_depth", 0)
     return weights + 6 * layers * args.n_heads * qk_v * context
 
 
-def mfu(tokens_per_s_per_device: float, args, seq_len: int, peak: float | None,
-        adapter_params: int | None = None) -> float | None:
+def mfu(
+    tokens_per_s_per_device: float, args, seq_len: int, peak: float | None, adapter_params: int | None = None
+) -> float | None:
     if peak is None:
         return None
     return tokens_per_s_per_device * flops_per_token(args, seq_len, adapter_params) / peak
@@ -105,5 +111,7 @@ def mfu_note(device, dtype: str) -> str:
         return ""
     if device.type != "cuda":
         return f"MFU not reported on {device.type}"
-    return (f"MFU not reported: no peak {dtype} throughput known for {device_name(device)!r} "
-            "(loom.metrics.flops.PEAK_TFLOPS)")
+    return (
+        f"MFU not reported: no peak {dtype} throughput known for {device_name(device)!r} "
+        "(loom.metrics.flops.PEAK_TFLOPS)"
+    )

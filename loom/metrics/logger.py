@@ -41,7 +41,7 @@ def console_parts(rec: dict, fields: tuple[ConsoleField, ...]) -> list[str]:
         if key.endswith("/*"):
             prefix = key[:-1]
             keys = [k for k in rec if k.startswith(prefix) and not k.endswith("_std") and k not in shown]
-            named = [(k[len(prefix):], k) for k in keys]
+            named = [(k[len(prefix) :], k) for k in keys]
         else:
             named = [(label, key)]
         for name, k in named:
@@ -66,8 +66,11 @@ def format_line(rec: dict, total_steps: int, fields: tuple[ConsoleField, ...] = 
     parts += console_parts(rec, fields)
     if rec.get("moe_balance") is not None:
         parts.append(f"balance {rec['moe_balance']:.3f}")
-    parts += [f"gnorm {rec['grad_norm']:.3f}", f"lr {rec['lr']:.2e}",
-              f"tok/s {_fmt_count(rec['tokens_per_s'])} ({_fmt_count(rec['tokens_per_s_per_device'])}/dev)"]
+    parts += [
+        f"gnorm {rec['grad_norm']:.3f}",
+        f"lr {rec['lr']:.2e}",
+        f"tok/s {_fmt_count(rec['tokens_per_s'])} ({_fmt_count(rec['tokens_per_s_per_device'])}/dev)",
+    ]
     if rec.get("mfu") is not None:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     parts.append(f"mem {rec['mem_gib']:.2f}GiB")
@@ -101,8 +104,10 @@ class Progress:
         width = 30
         fill = int(width * step / self.total)
         eta_s = _fmt_time(eta) if math.isfinite(eta) else "?"
-        sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {step}/{self.total} "
-                         f"elapsed {_fmt_time(elapsed)} eta {eta_s} ")
+        sys.stderr.write(
+            f"\r[{'#' * fill}{'.' * (width - fill)}] {step}/{self.total} "
+            f"elapsed {_fmt_time(elapsed)} eta {eta_s} "
+        )
         sys.stderr.flush()
 
     def clear(self) -> None:
@@ -141,8 +146,11 @@ def rewind_metrics(path: str, step: int) -> int:
 
 def flat_config(cfg) -> dict:
     """``{"section.field": value}`` of a resolved config: what W&B and MLflow record as the run's config."""
-    return {f"{section}.{name}": value for section, body in dataclasses.asdict(cfg).items()
-            for name, value in body.items()}
+    return {
+        f"{section}.{name}": value
+        for section, body in dataclasses.asdict(cfg).items()
+        for name, value in body.items()
+    }
 
 
 def scalars(rec: dict) -> dict[str, float]:
@@ -154,7 +162,7 @@ def scalars(rec: dict) -> dict[str, float]:
         if key == "step":
             continue
         if key.endswith("_ranks") and isinstance(value, list):
-            out[key[:-len("_ranks")] + "s"] = float(len(value))
+            out[key[: -len("_ranks")] + "s"] = float(len(value))
         elif isinstance(value, list):
             out.update({f"{key}/{i}": float(v) for i, v in enumerate(value) if _is_number(v)})
         elif _is_number(value):
@@ -194,16 +202,27 @@ class WandbTracker:
     def __init__(self, metrics, run_dir: str, params: dict, resume: dict | None):
         wandb = require("wandb", "wandb", purpose="metrics.wandb = true")
         self.where = {"project": metrics.wandb_project, "entity": metrics.wandb_entity}
-        same = resume is not None and resume.get("project") == self.where["project"] and \
-            resume.get("entity") == self.where["entity"]
+        same = (
+            resume is not None
+            and resume.get("project") == self.where["project"]
+            and resume.get("entity") == self.where["entity"]
+        )
         try:
-            self.run = wandb.init(project=metrics.wandb_project, entity=metrics.wandb_entity or None,
-                                  name=run_name(metrics, run_dir), dir=os.environ.get("WANDB_DIR") or run_dir,
-                                  config=params, id=resume["id"] if same else None,
-                                  resume="allow" if same else None, allow_val_change=True)
+            self.run = wandb.init(
+                project=metrics.wandb_project,
+                entity=metrics.wandb_entity or None,
+                name=run_name(metrics, run_dir),
+                dir=os.environ.get("WANDB_DIR") or run_dir,
+                config=params,
+                id=resume["id"] if same else None,
+                resume="allow" if same else None,
+                allow_val_change=True,
+            )
         except wandb.errors.Error as err:  # no login, a refused entity: the user's to fix
-            raise UserError(f"metrics.wandb: W&B could not start the run: {_first_line(err)} (`wandb login`, "
-                            "or WANDB_MODE=offline)") from None
+            raise UserError(
+                f"metrics.wandb: W&B could not start the run: {_first_line(err)} (`wandb login`, "
+                "or WANDB_MODE=offline)"
+            ) from None
         self.last_step = self.run.step - 1  # a resumed online run starts after the steps W&B already has
         self.dropped: list[int] = []
 
@@ -213,8 +232,11 @@ class WandbTracker:
     def log(self, values: dict, step: int) -> None:
         if step <= self.last_step:  # replayed after a rollback or a resume from an earlier checkpoint
             if not self.dropped:
-                print(f"wandb: step {step} was already sent; W&B keeps the first values of replayed steps "
-                      "(metrics.jsonl and TensorBoard have the replayed ones)", flush=True)
+                print(
+                    f"wandb: step {step} was already sent; W&B keeps the first values of replayed steps "
+                    "(metrics.jsonl and TensorBoard have the replayed ones)",
+                    flush=True,
+                )
             self.dropped.append(step)
             return
         self.run.log(values, step=step)
@@ -226,8 +248,11 @@ class WandbTracker:
 
 def mlflow_tracking_uri(metrics, run_dir: str) -> str:
     """``metrics.mlflow_tracking_uri``, else MLFLOW_TRACKING_URI, else the file store ``<run.dir>/mlruns``."""
-    return (metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-            or pathlib.Path(run_dir, "mlruns").absolute().as_uri())
+    return (
+        metrics.mlflow_tracking_uri
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or pathlib.Path(run_dir, "mlruns").absolute().as_uri()
+    )
 
 
 def _is_file_store(uri: str) -> bool:
@@ -265,24 +290,34 @@ class MlflowTracker:
                 self.client.update_run(old, status="RUNNING")
                 have = self.client.get_run(old).data.params
             else:
-                run = self.client.create_run(exp_id, run_name=run_name(metrics, run_dir),
-                                             tags={"loom.run_dir": os.path.abspath(run_dir)})
+                run = self.client.create_run(
+                    exp_id,
+                    run_name=run_name(metrics, run_dir),
+                    tags={"loom.run_dir": os.path.abspath(run_dir)},
+                )
                 self.run_id, have = run.info.run_id, {}
             new = [Param(k, v) for k, v in ((k, self._text(v)) for k, v in params.items()) if k not in have]
             for i in range(0, len(new), self.PER_BATCH):
-                self.client.log_batch(self.run_id, params=new[i:i + self.PER_BATCH])
+                self.client.log_batch(self.run_id, params=new[i : i + self.PER_BATCH])
         except MlflowException as err:
-            raise UserError(f"metrics.mlflow: MLflow could not start the run at {self.uri}: "
-                            f"{_first_line(err)}") from None
-        view = f" (to view: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {self.uri})" \
-            if _is_file_store(self.uri) else ""
-        print(f"mlflow: run {self.run_id} ({run_name(metrics, run_dir)!r}) in experiment "
-              f"{metrics.mlflow_experiment!r} at {self.uri}{view}", flush=True)
+            raise UserError(
+                f"metrics.mlflow: MLflow could not start the run at {self.uri}: {_first_line(err)}"
+            ) from None
+        view = (
+            f" (to view: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {self.uri})"
+            if _is_file_store(self.uri)
+            else ""
+        )
+        print(
+            f"mlflow: run {self.run_id} ({run_name(metrics, run_dir)!r}) in experiment "
+            f"{metrics.mlflow_experiment!r} at {self.uri}{view}",
+            flush=True,
+        )
         self.failed = False
 
     def _text(self, value) -> str:
         text = value if isinstance(value, str) else json.dumps(value)
-        return text if len(text) <= self.MAX_VALUE else text[:self.MAX_VALUE - 3] + "..."
+        return text if len(text) <= self.MAX_VALUE else text[: self.MAX_VALUE - 3] + "..."
 
     def state(self) -> dict:
         return {"tracking_uri": self.uri, "run_id": self.run_id}
@@ -292,11 +327,16 @@ class MlflowTracker:
             return
         now = int(time.time() * 1000)
         try:
-            self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in values.items()])
+            self.client.log_batch(
+                self.run_id, metrics=[self._metric(k, v, now, step) for k, v in values.items()]
+            )
         except Exception as err:  # a tracking server gone mid-run must not end days of training
             self.failed = True
-            print(f"mlflow: logging failed at step {step} ({_first_line(err)}); no more MLflow records in this "
-                  "run (metrics.jsonl has them all)", flush=True)
+            print(
+                f"mlflow: logging failed at step {step} ({_first_line(err)}); no more MLflow records in this "
+                "run (metrics.jsonl has them all)",
+                flush=True,
+            )
 
     def close(self, failed: bool) -> None:
         try:
@@ -339,13 +379,23 @@ class MetricsLogger:
     """metrics.jsonl, TensorBoard, the console line and, given the resolved ``config``, W&B and MLflow as its
     ``metrics`` section asks (the flattened config is their run config)."""
 
-    def __init__(self, run_dir: str, total_steps: int, *, tensorboard: bool, progress: bool, start_step: int,
-                 config=None, console: tuple[ConsoleField, ...] = ()):
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        *,
+        tensorboard: bool,
+        progress: bool,
+        start_step: int,
+        config=None,
+        console: tuple[ConsoleField, ...] = (),
+    ):
         self.total, self.console = total_steps, tuple(console)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         # first: a missing package or a refused login stops the run before anything is written
-        self._trackers = [] if config is None else \
-            open_trackers(config.metrics, run_dir, flat_config(config), start_step)
+        self._trackers = (
+            [] if config is None else open_trackers(config.metrics, run_dir, flat_config(config), start_step)
+        )
         self._fh = open(self.path, "a")
         self.progress = Progress(total_steps, progress, start_step)
         self._tb_dir = os.path.join(run_dir, "tensorboard") if tensorboard else None
@@ -363,12 +413,19 @@ class MetricsLogger:
             return SummaryWriter(self._tb_dir, purge_step=step + 1 if step > 0 else None)
         except Exception as err:  # tensorboard is optional: the run goes on, and says so once
             if self._tb_note:
-                why = "the 'tensorboard' package is not installed" if isinstance(err, ImportError) else \
-                    f"TensorBoard could not start ({_first_line(err)})"
-                print(f"metrics.tensorboard: {why}, so no TensorBoard events (pip install tensorboard, or "
-                      "--metrics.tensorboard false)", flush=True)
+                why = (
+                    "the 'tensorboard' package is not installed"
+                    if isinstance(err, ImportError)
+                    else f"TensorBoard could not start ({_first_line(err)})"
+                )
+                print(
+                    f"metrics.tensorboard: {why}, so no TensorBoard events (pip install tensorboard, or "
+                    "--metrics.tensorboard false)",
+                    flush=True,
+                )
                 self._tb_note = False
             return None
+
     def rewind(self, step: int) -> int:
         """Back to ``step`` inside a run (a rollback to an earlier checkpoint): later records leave
         metrics.jsonl and TensorBoard, so the replayed steps appear once; returns the records dropped."""

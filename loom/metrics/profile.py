@@ -64,7 +64,9 @@ class BlockRanges:
         self._closed = False
         self._handles = []
         for name, block in blocks.items():
-            self._handles.append(block.register_forward_pre_hook(functools.partial(self._pre, name), prepend=True))
+            self._handles.append(
+                block.register_forward_pre_hook(functools.partial(self._pre, name), prepend=True)
+            )
             self._handles.append(block.register_forward_hook(functools.partial(self._post, name)))
 
     def _enter(self, key: str) -> None:
@@ -128,8 +130,16 @@ class StepProfiler:
     ``blocks`` are the modules that get ``block.<i>`` ranges (``None``: none, e.g. under torch.compile,
     where the hooks would run inside the compiled graph)."""
 
-    def __init__(self, window: tuple[int, int] | None, run_dir: str, rank: int, device: torch.device,
-                 blocks: dict[str, nn.Module] | None = None, is_main: bool = True, no_snapshot: str = ""):
+    def __init__(
+        self,
+        window: tuple[int, int] | None,
+        run_dir: str,
+        rank: int,
+        device: torch.device,
+        blocks: dict[str, nn.Module] | None = None,
+        is_main: bool = True,
+        no_snapshot: str = "",
+    ):
         self.window = window
         self.out_dir = os.path.join(run_dir, "profile")
         self.rank, self.device, self.blocks, self.is_main = rank, device, blocks, is_main
@@ -188,8 +198,9 @@ class StepProfiler:
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if self.snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, stacks="python",
-                                                     device=self.device)
+            torch.cuda.memory._record_memory_history(
+                max_entries=MEMORY_HISTORY_ENTRIES, stacks="python", device=self.device
+            )
         self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
         self._prof.start()
         if self.blocks:
@@ -211,7 +222,9 @@ class StepProfiler:
         prof.stop()
         prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
         if self.snapshot:
-            torch.cuda.memory._dump_snapshot(os.path.join(self.out_dir, f"memory_snapshot_rank{self.rank}.pickle"))
+            torch.cuda.memory._dump_snapshot(
+                os.path.join(self.out_dir, f"memory_snapshot_rank{self.rank}.pickle")
+            )
             torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
         self.done = True
         if self.is_main:
@@ -219,11 +232,24 @@ class StepProfiler:
 
     def describe(self) -> str:
         """The one log line: which steps, where the files are, how to open them."""
-        steps = f"step {self._first_step}" if self._first_step == self._last_step else \
-            f"steps {self._first_step}-{self._last_step}"
-        memory = ("memory_snapshot_rank<r>.pickle (pytorch.org/memory_viz)" if self.snapshot
-                  else f"no memory snapshot ({self.no_snapshot})" if self.cuda
-                  else f"no memory snapshot (CUDA only; this run is on {self.device.type})")
-        blocks = "" if self.blocks is not None else " (no block ranges: hooks would run inside torch.compile's graph)"
-        return (f"profile: {steps} -> {self.out_dir}: trace_rank<r>.json (ui.perfetto.dev or chrome://tracing)"
-                f"{blocks}, {memory}")
+        steps = (
+            f"step {self._first_step}"
+            if self._first_step == self._last_step
+            else f"steps {self._first_step}-{self._last_step}"
+        )
+        memory = (
+            "memory_snapshot_rank<r>.pickle (pytorch.org/memory_viz)"
+            if self.snapshot
+            else f"no memory snapshot ({self.no_snapshot})"
+            if self.cuda
+            else f"no memory snapshot (CUDA only; this run is on {self.device.type})"
+        )
+        blocks = (
+            ""
+            if self.blocks is not None
+            else " (no block ranges: hooks would run inside torch.compile's graph)"
+        )
+        return (
+            f"profile: {steps} -> {self.out_dir}: trace_rank<r>.json (ui.perfetto.dev or chrome://tracing)"
+            f"{blocks}, {memory}"
+        )

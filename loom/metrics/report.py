@@ -106,8 +106,14 @@ def load_run(run_dir: str, label: str | None = None, bubble: float | None = None
     path = metrics_path(run_dir)
     records = read_records(path)
     keys = dict.fromkeys([*SERIES, *recorded_keys(records)])
-    return RunSeries(label or os.path.normpath(run_dir), path, records, {k: series(records, k) for k in keys},
-                     idle_series(records), bubble)
+    return RunSeries(
+        label or os.path.normpath(run_dir),
+        path,
+        records,
+        {k: series(records, k) for k in keys},
+        idle_series(records),
+        bubble,
+    )
 
 
 def panel_keys(keys: tuple[str, ...], run: RunSeries) -> list[str]:
@@ -121,10 +127,12 @@ def panel_keys(keys: tuple[str, ...], run: RunSeries) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def extra_panels(runs: list[RunSeries], method_panels: tuple[Panel, ...] = (),
-                 metrics: tuple[str, ...] = ()) -> tuple[Panel, ...]:
+def extra_panels(
+    runs: list[RunSeries], method_panels: tuple[Panel, ...] = (), metrics: tuple[str, ...] = ()
+) -> tuple[Panel, ...]:
     """The panels after the common ones: the methods' own that any run has data for, then one per ``metrics``
     field (a field no run recorded is the user's one-line error naming the fields they did)."""
+
     def drawn(keys):
         return any(run.series.get(k, ((), ()))[0] for run in runs for k in panel_keys(keys, run))
 
@@ -132,8 +140,10 @@ def extra_panels(runs: list[RunSeries], method_panels: tuple[Panel, ...] = (),
     for key in metrics:
         if not drawn((key,)):
             known = sorted({k for run in runs for k, (steps, _) in run.series.items() if steps})
-            raise UserError(f"--metrics: {key!r} is not a number in any record of "
-                            f"{', '.join(r.path for r in runs)}; recorded: {', '.join(known)}")
+            raise UserError(
+                f"--metrics: {key!r} is not a number in any record of "
+                f"{', '.join(r.path for r in runs)}; recorded: {', '.join(known)}"
+            )
         out.append((key, (key,), key))
     return tuple(out)
 
@@ -146,6 +156,7 @@ def steady(values: list[float]) -> list[float]:
 def final_figures(run: RunSeries) -> dict[str, float | int | None]:
     """The table row: last step, last loss / validation loss / LR / gradient norm, mean throughput and MFU after
     the first record, peak memory, and for pipelines each rank's mean idle fraction and the theoretical bubble."""
+
     def last(key):
         values = run.series[key][1]
         return values[-1] if values else None
@@ -155,9 +166,16 @@ def final_figures(run: RunSeries) -> dict[str, float | int | None]:
         return sum(values) / len(values) if values else None
 
     memory = run.series["mem_gib_max_rank"][1] or run.series["mem_gib"][1]
-    out = {"step": run.records[-1]["step"], "loss": last("loss"), "val_loss": last("val_loss"), "lr": last("lr"),
-           "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"), "mem_gib": max(memory) if memory else None,
-           "grad_norm": last("grad_norm")}
+    out = {
+        "step": run.records[-1]["step"],
+        "loss": last("loss"),
+        "val_loss": last("val_loss"),
+        "lr": last("lr"),
+        "tokens_per_s": mean("tokens_per_s"),
+        "mfu": mean("mfu"),
+        "mem_gib": max(memory) if memory else None,
+        "grad_norm": last("grad_norm"),
+    }
     for rank, (_, values) in sorted(run.idle.items()):
         kept = steady(values)
         out[f"{IDLE}/{rank}"] = sum(kept) / len(kept)
@@ -167,6 +185,7 @@ def final_figures(run: RunSeries) -> dict[str, float | int | None]:
 
 
 # ---- plotting -------------------------------------------------------------------------------------------
+
 
 def new_figure(purpose: str, **kwargs):
     """A matplotlib Figure on the Agg canvas (no pyplot, no display, no global state), or the one-line error
@@ -203,10 +222,18 @@ def figure(runs: list[RunSeries], extra: tuple[Panel, ...] = ()):
         ax = axes[len(drawn)]
         for i, run in enumerate(runs):
             for rank, (steps, values) in sorted(run.idle.items()):
-                ax.plot(steps, values, color=f"C{i}", marker=MARKERS[rank % len(MARKERS)], markersize=4,
-                        label=f"{run.label}: pp rank {rank} idle")
+                ax.plot(
+                    steps,
+                    values,
+                    color=f"C{i}",
+                    marker=MARKERS[rank % len(MARKERS)],
+                    markersize=4,
+                    label=f"{run.label}: pp rank {rank} idle",
+                )
             if run.idle and run.bubble is not None:
-                ax.axhline(run.bubble, color=f"C{i}", linestyle="--", label=f"{run.label}: theoretical bubble")
+                ax.axhline(
+                    run.bubble, color=f"C{i}", linestyle="--", label=f"{run.label}: theoretical bubble"
+                )
         _finish(ax, "pipeline idle per stage", "idle / step time")
         ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
     for ax in axes[panels:]:
@@ -234,21 +261,32 @@ def png_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
-COLUMNS = (("step", "steps", "{:d}"), ("loss", "loss", "{:.4f}"), ("val_loss", "val loss", "{:.4f}"),
-           ("lr", "LR", "{:.2e}"), ("tokens_per_s", "tokens/s*", "{:,.0f}"), ("mfu", "MFU*", "{:.1%}"),
-           ("mem_gib", "peak GiB", "{:.2f}"), ("grad_norm", "grad norm", "{:.3f}"))
+COLUMNS = (
+    ("step", "steps", "{:d}"),
+    ("loss", "loss", "{:.4f}"),
+    ("val_loss", "val loss", "{:.4f}"),
+    ("lr", "LR", "{:.2e}"),
+    ("tokens_per_s", "tokens/s*", "{:,.0f}"),
+    ("mfu", "MFU*", "{:.1%}"),
+    ("mem_gib", "peak GiB", "{:.2f}"),
+    ("grad_norm", "grad norm", "{:.3f}"),
+)
 
 
 def table_rows(runs: list[RunSeries]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the final figures, formatted; '-' where a run has no value."""
     figures = [final_figures(r) for r in runs]
-    idle_keys = sorted({k for f in figures for k in f if k.startswith(IDLE)}, key=lambda k: int(k.split("/")[1]))
+    idle_keys = sorted(
+        {k for f in figures for k in f if k.startswith(IDLE)}, key=lambda k: int(k.split("/")[1])
+    )
     columns = list(COLUMNS) + [(k, f"idle rank {k.split('/')[1]}*", "{:.1%}") for k in idle_keys]
     if idle_keys:
         columns.append(("bubble", "theoretical bubble", "{:.1%}"))
     header = ["run"] + [name for _, name, _ in columns]
-    rows = [[r.label] + ["-" if f.get(k) is None else fmt.format(f[k]) for k, _, fmt in columns]
-            for r, f in zip(runs, figures)]
+    rows = [
+        [r.label] + ["-" if f.get(k) is None else fmt.format(f[k]) for k, _, fmt in columns]
+        for r, f in zip(runs, figures)
+    ]
     return header, rows
 
 

@@ -38,8 +38,13 @@ def category(name: str) -> str:
 
 def summarize(trace: dict) -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
-             and e.get("cat") != "gpu_user_annotation"]  # each step also appears as a range on the GPU rows
+    steps = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and str(e.get("name", "")).startswith("ProfilerStep#")
+        and e.get("cat") != "gpu_user_annotation"
+    ]  # each step also appears as a range on the GPU rows
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         raise SystemExit("no GPU kernels in this trace (a CPU run?)")
@@ -62,9 +67,11 @@ def summarize(trace: dict) -> dict:
             cur_b = max(cur_b, b)
     covered += cur_b - cur_a
     span = end - start
-    ms = lambda us: us / 1000 / n_steps  # noqa: E731
+    ms = lambda us: us / 1000 / n_steps
     return {
-        "steps": n_steps, "gpu_span_ms_per_step": ms(span), "gpu_busy_ms_per_step": ms(covered),
+        "steps": n_steps,
+        "gpu_span_ms_per_step": ms(span),
+        "gpu_busy_ms_per_step": ms(covered),
         "gpu_idle_fraction": 1 - covered / span,
         "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top_kernels_ms_per_step": {n: ms(t) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:15]},
@@ -72,8 +79,10 @@ def summarize(trace: dict) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m loom.metrics.trace_summary",
-                                description="Where a profiled training step's GPU time goes, by kernel category.")
+    p = argparse.ArgumentParser(
+        prog="python -m loom.metrics.trace_summary",
+        description="Where a profiled training step's GPU time goes, by kernel category.",
+    )
     p.add_argument("trace", help="a trace_rank<r>.json that --metrics.profile_steps wrote")
     p.add_argument("--out", default="", help="also write the summary as JSON here")
     p.add_argument("--label", default="", help="a name printed and stored with the summary")
@@ -85,8 +94,10 @@ def main() -> None:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     busy = res["gpu_busy_ms_per_step"]
-    print(f"{a.label}: GPU span {res['gpu_span_ms_per_step']:.1f} ms/step, busy {busy:.1f}, "
-          f"idle {100 * res['gpu_idle_fraction']:.1f}%")
+    print(
+        f"{a.label}: GPU span {res['gpu_span_ms_per_step']:.1f} ms/step, busy {busy:.1f}, "
+        f"idle {100 * res['gpu_idle_fraction']:.1f}%"
+    )
     for c, t in res["by_category_ms_per_step"].items():
         print(f"  {c:<28} {t:8.2f} ms  {100 * t / busy:5.1f}%")
     for n, t in list(res["top_kernels_ms_per_step"].items())[:8]:

@@ -14,7 +14,6 @@ from loom.models.llama.hf import LlamaHF, causal_architecture
 from loom.models.qwen3_moe import SPEC as QWEN3_MOE
 from loom.models.spec import ModelSpec
 
-
 # one line per family
 FAMILIES: list[ModelSpec] = [
     ModelSpec("llama", LlamaArgs, Llama, dict(LLAMA_FLAVORS), LlamaHF()),
@@ -69,7 +68,9 @@ def spec_for_hf(cfg: dict) -> ModelSpec:
     """The family whose adapter claims a parsed config.json (its architecture or model_type); the Llama families'
     claim the rest (and name an architecture none of them holds)."""
     archs = [causal_architecture(a) for a in cfg.get("architectures") or []]
-    for spec in sorted(FAMILIES, key=lambda s: s.hf.fallback):  # stable: registration order, the fallback last
+    for spec in sorted(
+        FAMILIES, key=lambda s: s.hf.fallback
+    ):  # stable: registration order, the fallback last
         if spec.hf.claims(cfg, archs):
             return spec
     raise AssertionError("the Llama families' adapter claims every config")

@@ -33,8 +33,12 @@ class HFAdapter(LlamaHF):
         except KeyError as err:
             raise ConfigError(field, where, f"{CONFIG} lacks {err.args[0]!r}") from None
         if args.n_kv_heads != args.n_heads and args.n_heads % args.n_kv_heads:
-            raise ConfigError(field, where, f"num_key_value_heads = {args.n_kv_heads} does not divide "
-                              f"num_attention_heads = {args.n_heads}")
+            raise ConfigError(
+                field,
+                where,
+                f"num_key_value_heads = {args.n_kv_heads} does not divide "
+                f"num_attention_heads = {args.n_heads}",
+            )
         return args
 
     def args(self, cfg: dict, base: LlamaArgs, field: str, where: str) -> LlamaArgs:

@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-import loom.kernels.attention.op  # noqa: F401  (registers torch.ops.loom.flash_attn)
+import loom.kernels.attention.op
 import loom.parallel.context_parallel  # noqa: F401  (registers torch.ops.loom.ring_attn)
 
 # op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
@@ -57,6 +57,7 @@ def _ignoring_profiler(mode):
     PyTorch (2.11-2.13) raise a replay mismatch (torchtitan#3427; pytorch#196862 ignores them the same way)."""
     base = type(mode)
     if base not in _IGNORING:
+
         def dispatch(self, func, types, args=(), kwargs=None):
             if getattr(func, "namespace", None) == "profiler":
                 return func(*args, **(kwargs or {}))

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch import nn
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
 from loom.kernels.attention.op import _as_promised, attention_backward, attention_forward, flash_attention
-from loom.kernels.attention.reference import default_scale, doc_ids_from_positions, document_bounds, shift_bounds
+from loom.kernels.attention.reference import (
+    default_scale,
+    doc_ids_from_positions,
+    document_bounds,
+    shift_bounds,
+)
 from loom.metrics.nvtx import nvtx_range
 from loom.models.common.layers import Attention
 from loom.parallel.collectives import gather_along
@@ -42,9 +47,11 @@ def pair_bounds(bounds: torch.Tensor, g: int, j: int, chunk: int) -> tuple[torch
     """Document bounds (2, B, S) of the whole sequence -> (query side, key side), each (2, B, chunk) int32, for
     query chunk ``g`` attending to key chunk ``j``: each query's keys in chunk j's coordinates, each key's
     queries in chunk g's (``flash_attention``'s ``bounds`` and ``key_bounds``)."""
-    rows = lambda i: bounds[:, :, i * chunk:(i + 1) * chunk]  # noqa: E731
+    rows = lambda i: bounds[:, :, i * chunk : (i + 1) * chunk]
     queries = shift_bounds(rows(g), j * chunk, chunk)
-    return queries, queries if j == g else shift_bounds(rows(j), g * chunk, chunk)  # one table on the diagonal
+    return queries, queries if j == g else shift_bounds(
+        rows(j), g * chunk, chunk
+    )  # one table on the diagonal
 
 
 def merge_blocks_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +77,12 @@ def ring_blocks(rank: int, src: int, cp: int) -> list[tuple[int, int, int, int]]
     causal diagonal). Under the 2·cp layout every step costs the same: its own K/V give three blocks (one of them
     two triangles), any other rank's two (src < rank: both query chunks see src's first chunk; src > rank: the
     second query chunk sees both)."""
-    return [(i, h, g, j) for i, g in enumerate(chunk_ids(rank, cp)) for h, j in enumerate(chunk_ids(src, cp))
-            if j <= g]
+    return [
+        (i, h, g, j)
+        for i, g in enumerate(chunk_ids(rank, cp))
+        for h, j in enumerate(chunk_ids(src, cp))
+        if j <= g
+    ]
 
 
 class _Ring:
@@ -87,8 +98,10 @@ class _Ring:
         buffer, the requests to wait for). ``tag``: distinct for messages in flight together (K/V and dK/dV in
         backward), so gloo never pairs one with the other; every rank posts in the same order (NCCL's rule)."""
         recv = torch.empty_like(t)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        ops = [
+            dist.P2POp(dist.isend, t, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
         return recv, dist.batch_isend_irecv(ops)
 
 
@@ -114,11 +127,15 @@ def _ring_forward(q, k, v, bounds, ring: _Ring, scale: float) -> tuple[torch.Ten
         nxt, reqs = ring.shift(kv, 0) if step < ring.size - 1 else (None, [])
         with nvtx_range(f"cp.ring.forward.step{step}"):
             for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
-                kh, vh = kv[:, :, :, h * chunk:(h + 1) * chunk].unbind(0)
-                out, lse = attention_forward(qs[i], kh, vh, j == g, scale=scale, window=0,
-                                             **_pair_docs(bounds, g, j, chunk))
-                acc[i] = (out.float(), lse) if acc[i] is None else \
-                    merge_blocks_lse([acc[i][0], out], [acc[i][1], lse])
+                kh, vh = kv[:, :, :, h * chunk : (h + 1) * chunk].unbind(0)
+                out, lse = attention_forward(
+                    qs[i], kh, vh, j == g, scale=scale, window=0, **_pair_docs(bounds, g, j, chunk)
+                )
+                acc[i] = (
+                    (out.float(), lse)
+                    if acc[i] is None
+                    else merge_blocks_lse([acc[i][0], out], [acc[i][1], lse])
+                )
         with nvtx_range("cp.ring.wait"):
             _wait(reqs)
         kv = nxt
@@ -146,9 +163,20 @@ def _ring_backward(dout, q, k, v, out, lse, dlse, bounds, ring: _Ring, scale: fl
             for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
                 part = slice(h * chunk, (h + 1) * chunk)
                 kh, vh = kv[:, :, :, part].unbind(0)
-                dqb, dkb, dvb = attention_backward(douts[i], qs[i], kh, vh, outs[i], lses[i], dlses[i], j == g,
-                                                   scale=scale, window=0, lse_normalizes=True,
-                                                   **_pair_docs(bounds, g, j, chunk))
+                dqb, dkb, dvb = attention_backward(
+                    douts[i],
+                    qs[i],
+                    kh,
+                    vh,
+                    outs[i],
+                    lses[i],
+                    dlses[i],
+                    j == g,
+                    scale=scale,
+                    window=0,
+                    lse_normalizes=True,
+                    **_pair_docs(bounds, g, j, chunk),
+                )
                 dqs[i].add_(dqb)
                 dkv[0, :, :, part] += dkb
                 dkv[1, :, :, part] += dvb
@@ -173,8 +201,16 @@ def _ring(group_name: str, rank: int, size: int) -> _Ring:
 
 
 @torch.library.custom_op("loom::ring_attn", mutates_args=())
-def ring_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, group_name: str,
-                 rank: int, size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_attn_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    group_name: str,
+    rank: int,
+    size: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _ring_forward(q, k, v, bounds, _ring(group_name, rank, size), scale)
 
 
@@ -184,9 +220,20 @@ def _(q, k, v, bounds, group_name, rank, size, scale):
 
 
 @torch.library.custom_op("loom::ring_attn_backward", mutates_args=())
-def ring_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, dlse: torch.Tensor | None, bounds: torch.Tensor | None, group_name: str,
-                          rank: int, size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_attn_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    bounds: torch.Tensor | None,
+    group_name: str,
+    rank: int,
+    size: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ring_backward(dout, q, k, v, out, lse, dlse, bounds, _ring(group_name, rank, size), scale)
 
 
@@ -211,8 +258,15 @@ def _ring_autograd_backward(ctx, dout, dlse):
 ring_attn_op.register_autograd(_ring_autograd_backward, setup_context=_ring_setup_context)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, group,
-                   rank: int, size: int) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    group,
+    rank: int,
+    size: int,
+) -> torch.Tensor:
     """Ring attention: q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) of cp rank ``rank``'s two chunks (the
     2·cp layout) of group ``group`` (``size`` ranks), ``bounds`` the whole sequence's document bounds (2, B, S) or
     None -> causal attention output (B, Hq, S_local, D) over the whole sequence, differentiable in q, k, v.
@@ -253,16 +307,22 @@ class ContextParallel:
     def positions(self, seq_local: int, device) -> torch.Tensor:
         return local_positions(seq_local, self.rank, self.size, device)
 
-    def rope_positions(self, positions: torch.Tensor | None, bsz: int, seq_local: int, device) -> torch.Tensor:
+    def rope_positions(
+        self, positions: torch.Tensor | None, bsz: int, seq_local: int, device
+    ) -> torch.Tensor:
         """RoPE positions (B, S_local) of this rank's tokens: the per-document ``positions`` of packed documents
         (sharded with the tokens), else their places in the whole sequence."""
-        return positions if positions is not None else self.positions(seq_local, device).expand(bsz, seq_local)
+        return (
+            positions if positions is not None else self.positions(seq_local, device).expand(bsz, seq_local)
+        )
 
     def _gather(self, t: torch.Tensor, dim: int = 2, autograd: bool = True) -> list[torch.Tensor]:
         """``t`` with this rank's S_local tokens along ``dim`` from every cp rank -> the 2·cp chunks in global
         order. ``autograd``: the backward reduce-scatters the gradients (K/V); not for integer tensors."""
         full = gather_along(t if autograd else t.detach(), dim, self.group, self.size)  # (..., cp·S_l, ...)
-        pieces = full.chunk(2 * self.size, dim=dim)  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
+        pieces = full.chunk(
+            2 * self.size, dim=dim
+        )  # rank r's shard = pieces 2r (chunk r), 2r+1 (chunk 2cp-1-r)
         ordered: list[torch.Tensor] = [None] * (2 * self.size)  # type: ignore[list-item]
         for r in range(self.size):
             a, b = chunk_ids(r, self.size)
@@ -275,8 +335,15 @@ class ContextParallel:
         whole = torch.cat(self._gather(positions, dim=1, autograd=False), dim=1)  # (B, S) in global order
         return document_bounds(doc_ids_from_positions(whole))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
-               backend: str | None = None, window: int = 0) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        backend: str | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
         """q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) of this rank's chunks -> causal attention output
         (B, Hq, S_local, D) over the whole sequence; with per-document ``positions`` (B, S_local), packed
         documents do not attend to each other. ``backend`` (the model's) is not used: always ``flash_attention``;
@@ -295,7 +362,11 @@ class ContextParallel:
         for qc, g in zip(q.chunk(2, dim=2), chunk_ids(self.rank, self.size)):
             blocks = []
             for j in range(g + 1):
-                docs = {} if bounds is None else dict(zip(("bounds", "key_bounds"), pair_bounds(bounds, g, j, chunk)))
+                docs = (
+                    {}
+                    if bounds is None
+                    else dict(zip(("bounds", "key_bounds"), pair_bounds(bounds, g, j, chunk)))
+                )
                 blocks.append(flash_attention(qc, ks[j], vs[j], causal=j == g, return_lse=True, **docs))
             outs.append(merge_blocks([o for o, _ in blocks], [lse for _, lse in blocks]))
         return torch.cat(outs, dim=2)

@@ -17,28 +17,46 @@ def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
     if not t.cuda_graphs:
         return
     if not t.compile:
-        raise ConfigError("training.cuda_graphs", True, "needs training.compile true (the graphs are the compiled "
-                          "blocks')")
+        raise ConfigError(
+            "training.cuda_graphs", True, "needs training.compile true (the graphs are the compiled blocks')"
+        )
     if t.activation_checkpointing not in ("none", "op"):
-        raise ConfigError("training.cuda_graphs", True, f"not with training.activation_checkpointing "
-                          f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | "
-                          "op")
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            f"not with training.activation_checkpointing "
+            f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | "
+            "op",
+        )
     if cfg.parallel.cpu_offload:
-        raise ConfigError("training.cuda_graphs", True, "not with parallel.cpu_offload (parameters move between host "
-                          "and GPU every step)")
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            "not with parallel.cpu_offload (parameters move between host and GPU every step)",
+        )
     if cfg.parallel.fault_tolerance:
-        raise ConfigError("training.cuda_graphs", True, "not with parallel.fault_tolerance (gradients are summed "
-                          "across replica groups around the blocks)")
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            "not with parallel.fault_tolerance (gradients are summed "
+            "across replica groups around the blocks)",
+        )
     if dims is not None and dims.world_size > 1:
-        raise ConfigError("training.cuda_graphs", True, f"runs on one process (FSDP re-allocates gathered parameters; "
-                          f"DDP, tensor, context and pipeline parallelism run collectives around the blocks): got "
-                          f"{dims.world_size} ranks")
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            f"runs on one process (FSDP re-allocates gathered parameters; "
+            f"DDP, tensor, context and pipeline parallelism run collectives around the blocks): got "
+            f"{dims.world_size} ranks",
+        )
 
 
 def check_cuda_device(cfg: Config, device: str) -> None:
     """Graphs are CUDA's."""
     if cfg.training.cuda_graphs and device != "cuda":
-        raise ConfigError("training.cuda_graphs", True, "needs a CUDA device and this run is on the CPU: allowed false")
+        raise ConfigError(
+            "training.cuda_graphs", True, "needs a CUDA device and this run is on the CPU: allowed false"
+        )
 
 
 RULES = RuleSet("CUDA graphs", config=check_cuda_graphs, layout=check_cuda_graphs, device=check_cuda_device)

@@ -25,14 +25,24 @@ def offload_policy(mesh, cpu_offload: bool):
     return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, *, compute_dtype: torch.dtype,
-               reshard_after_forward: bool, cpu_offload: bool) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh,
+    *,
+    compute_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+) -> nn.Module:
     """Shard each block, then the root (embeddings, final norm, head). ``mesh`` is 1-D (FSDP) or 2-D (HSDP), of
     one rank for CPU offload alone (nothing is sharded: FSDP2 streams each block's parameters to the device)."""
     from torch.distributed.fsdp import fully_shard
 
-    kw = dict(mesh=mesh, mp_policy=mixed_precision_policy(compute_dtype),
-              offload_policy=offload_policy(mesh, cpu_offload))
+    kw = dict(
+        mesh=mesh,
+        mp_policy=mixed_precision_policy(compute_dtype),
+        offload_policy=offload_policy(mesh, cpu_offload),
+    )
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # the root's parameters are used last in forward and first in backward: never reshard them
@@ -40,8 +50,14 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh, *, compute_dtype
     return model
 
 
-def apply_fsdp_experts(model: nn.Module, mesh, *, compute_dtype: torch.dtype, reshard_after_forward: bool,
-                       cpu_offload: bool = False) -> None:
+def apply_fsdp_experts(
+    model: nn.Module,
+    mesh,
+    *,
+    compute_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    cpu_offload: bool = False,
+) -> None:
     """Under expert parallelism: shard each MoE block's experts over ``mesh`` (the ranks holding the same
     experts), before the blocks are sharded (their fully_shard then leaves these parameters alone). Their
     reduction averages over ``mesh`` while the other gradients average over every data-parallel rank: the
@@ -49,8 +65,13 @@ def apply_fsdp_experts(model: nn.Module, mesh, *, compute_dtype: torch.dtype, re
     from torch.distributed.fsdp import fully_shard
 
     for moe in moe_modules(model):
-        fully_shard(moe.experts, mesh=mesh, mp_policy=mixed_precision_policy(compute_dtype),
-                    reshard_after_forward=reshard_after_forward, offload_policy=offload_policy(mesh, cpu_offload))
+        fully_shard(
+            moe.experts,
+            mesh=mesh,
+            mp_policy=mixed_precision_policy(compute_dtype),
+            reshard_after_forward=reshard_after_forward,
+            offload_policy=offload_policy(mesh, cpu_offload),
+        )
 
 
 def apply_ddp(model: nn.Module, mesh, *, bucket_mb: float) -> nn.Module:
@@ -58,8 +79,13 @@ def apply_ddp(model: nn.Module, mesh, *, bucket_mb: float) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = None if model_device(model).type == "cpu" else [model_device(model)]
-    return DistributedDataParallel(model, process_group=mesh.get_group(), bucket_cap_mb=bucket_mb,
-                                   device_ids=device_ids, gradient_as_bucket_view=True)
+    return DistributedDataParallel(
+        model,
+        process_group=mesh.get_group(),
+        bucket_cap_mb=bucket_mb,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+    )
 
 
 def model_device(model: nn.Module) -> torch.device:

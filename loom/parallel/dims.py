@@ -45,40 +45,73 @@ class ParallelDims:
     _flat: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         cfg = zero_degrees(cfg, world_size)
         others = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             if world_size % others:
-                culprit = next((a for a in ("tp", "pp", "cp", "dp_replicate") if getattr(cfg, a) > 1), "dp_replicate")
-                raise ConfigError(f"parallel.{culprit}", getattr(cfg, culprit),
-                                  f"dp_replicate x tp x pp x cp = {others} must divide the world size {world_size}")
+                culprit = next(
+                    (a for a in ("tp", "pp", "cp", "dp_replicate") if getattr(cfg, a) > 1), "dp_replicate"
+                )
+                raise ConfigError(
+                    f"parallel.{culprit}",
+                    getattr(cfg, culprit),
+                    f"dp_replicate x tp x pp x cp = {others} must divide the world size {world_size}",
+                )
             dp_shard = world_size // others
         if dp_shard == 0:
             raise ConfigError("parallel.dp_shard", dp_shard, "allowed: -1 (auto) or >= 1")
         product = others * dp_shard
         if product != world_size:
-            raise ConfigError("parallel.dp_shard", cfg.dp_shard,
-                              f"dp_replicate x dp_shard x tp x pp x cp = {product} must equal the world size "
-                              f"{world_size}")
+            raise ConfigError(
+                "parallel.dp_shard",
+                cfg.dp_shard,
+                f"dp_replicate x dp_shard x tp x pp x cp = {product} must equal the world size {world_size}",
+            )
         if cfg.etp not in (1, cfg.tp):
-            raise ConfigError("parallel.etp", cfg.etp, f"allowed 1 (experts replicated over tp, each tp rank routes its "
-                              f"own tokens) or parallel.tp = {cfg.tp} (experts sharded over tp)")
+            raise ConfigError(
+                "parallel.etp",
+                cfg.etp,
+                f"allowed 1 (experts replicated over tp, each tp rank routes its "
+                f"own tokens) or parallel.tp = {cfg.tp} (experts sharded over tp)",
+            )
         if cfg.ep > 1 and cfg.tp > 1 and cfg.etp == 1:
             if cfg.ep % cfg.tp or (dp_shard * cfg.cp) % (cfg.ep // cfg.tp):
-                raise ConfigError("parallel.ep", cfg.ep, f"with parallel.tp = {cfg.tp} must be tp x a divisor of "
-                                  f"parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): the expert-parallel ranks take "
-                                  "in the tp ranks")
+                raise ConfigError(
+                    "parallel.ep",
+                    cfg.ep,
+                    f"with parallel.tp = {cfg.tp} must be tp x a divisor of "
+                    f"parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): the expert-parallel ranks take "
+                    "in the tp ranks",
+                )
         elif (dp_shard * cfg.cp) % cfg.ep:
-            raise ConfigError("parallel.ep", cfg.ep, f"must divide parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): "
-                              "expert-parallel ranks are data/context-parallel ranks that hold different experts")
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp, world_size,
-                   diloco=cfg.diloco_inner_steps > 0, reshard_after_forward=cfg.reshard_after_forward,
-                   shard_optimizer=cfg.zero == 1)
+            raise ConfigError(
+                "parallel.ep",
+                cfg.ep,
+                f"must divide parallel.dp_shard x cp ({dp_shard} x {cfg.cp}): "
+                "expert-parallel ranks are data/context-parallel ranks that hold different experts",
+            )
+        dims = cls(
+            cfg.dp_replicate,
+            dp_shard,
+            cfg.tp,
+            cfg.pp,
+            cfg.cp,
+            cfg.ep,
+            cfg.etp,
+            world_size,
+            diloco=cfg.diloco_inner_steps > 0,
+            reshard_after_forward=cfg.reshard_after_forward,
+            shard_optimizer=cfg.zero == 1,
+        )
         if cfg.zero >= 2 and dims.dp_size > 1 and not dims.fsdp_enabled:
-            raise ConfigError("parallel.zero", cfg.zero, f"shards over parallel.dp_shard x cp, here 1 x 1 with "
-                              f"dp_replicate = {dims.dp_replicate}: set dp_shard (or leave it -1 with dp_replicate 1)")
+            raise ConfigError(
+                "parallel.zero",
+                cfg.zero,
+                f"shards over parallel.dp_shard x cp, here 1 x 1 with "
+                f"dp_replicate = {dims.dp_replicate}: set dp_shard (or leave it -1 with dp_replicate 1)",
+            )
         return dims
 
     @property
@@ -184,10 +217,14 @@ class ParallelDims:
             shape = [sizes.get(a) or getattr(self, a) for a in EXPERT_AXIS_ORDER]
             experts = init_device_mesh(device_type, tuple(shape), mesh_dim_names=EXPERT_AXIS_ORDER)
             self._flat["ep"] = experts["ep"]
-            if self.etp > 1:  # the experts' own 2-D mesh: sharded over ep (which experts) and tp (their width)
+            if (
+                self.etp > 1
+            ):  # the experts' own 2-D mesh: sharded over ep (which experts) and tp (their width)
                 self._flat["ep_tp"] = experts["ep", "tp"]
             self._flat["edp"] = experts["edp"]
-            self._flat["experts_dp"] = experts["dp_replicate", "edp"] if self.dp_replicate > 1 else experts["edp"]
+            self._flat["experts_dp"] = (
+                experts["dp_replicate", "edp"] if self.dp_replicate > 1 else experts["edp"]
+            )
         return mesh
 
     @property
@@ -227,15 +264,32 @@ class ParallelDims:
         return self["pp"].get_local_rank() if self.pp > 1 else 0
 
     def describe(self) -> str:
-        parts = [name for name, on in (("PP", self.pp_enabled), ("CP", self.cp_enabled), ("TP", self.tp_enabled),
-                                       ("EP", self.ep_enabled)) if on]
+        parts = [
+            name
+            for name, on in (
+                ("PP", self.pp_enabled),
+                ("CP", self.cp_enabled),
+                ("TP", self.tp_enabled),
+                ("EP", self.ep_enabled),
+            )
+            if on
+        ]
         if self.diloco:  # groups along dp_replicate, each FSDP-sharded (or not) inside
             parts.append("DiLoCo" + ("(FSDP)" if self.fsdp_enabled else ""))
         elif self.dp_size > 1 or self.fsdp_enabled:  # FSDP shards over dp_shard x cp
-            parts.append("HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else
-                         "DDP(ZeRO-1)" if self.shard_optimizer else "DDP")
+            parts.append(
+                "HSDP"
+                if self.hsdp_enabled
+                else "FSDP"
+                if self.fsdp_enabled
+                else "DDP(ZeRO-1)"
+                if self.shard_optimizer
+                else "DDP"
+            )
         kind = "x".join(parts) or "single"
-        degrees = ", ".join(f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep", "etp") if getattr(self, a) > 1)
+        degrees = ", ".join(
+            f"{a}={getattr(self, a)}" for a in AXIS_ORDER + ("ep", "etp") if getattr(self, a) > 1
+        )
         return f"{kind} (world {self.world_size}{': ' + degrees if degrees else ''})"
 
 
@@ -251,11 +305,19 @@ def zero_degrees(cfg: ParallelConfig, world_size: int) -> ParallelConfig:
         return cfg
     if z <= 1:
         if cfg.dp_shard not in (-1, 1):
-            raise ConfigError("parallel.dp_shard", cfg.dp_shard, f"parallel.zero = {z} replicates over the data-parallel "
-                              "ranks: allowed -1 or 1 (zero 2 or 3 shard with FSDP2)")
+            raise ConfigError(
+                "parallel.dp_shard",
+                cfg.dp_shard,
+                f"parallel.zero = {z} replicates over the data-parallel "
+                "ranks: allowed -1 or 1 (zero 2 or 3 shard with FSDP2)",
+            )
         if cfg.cp > 1:
-            raise ConfigError("parallel.zero", z, "context parallelism shards with FSDP2 over dp_shard x cp: allowed "
-                              "2 or 3 with parallel.cp > 1")
+            raise ConfigError(
+                "parallel.zero",
+                z,
+                "context parallelism shards with FSDP2 over dp_shard x cp: allowed "
+                "2 or 3 with parallel.cp > 1",
+            )
         others = cfg.tp * cfg.pp * cfg.cp
         replicate = cfg.dp_replicate
         if replicate == 1 and world_size % others == 0:

@@ -18,14 +18,17 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty(sum(recv), x.shape[1])
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         back = grad.new_empty(sum(ctx.send), grad.shape[1])
-        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
+        dist.all_to_all_single(
+            back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
+        )
         return back, None, None, None
 
 
@@ -170,8 +173,14 @@ def shard_experts(experts: nn.Module, mesh, placements_before: tuple = ()) -> No
 
     for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
         p = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [*placements_before, Shard(dim)]),
-                                            requires_grad=p.requires_grad))
+        setattr(
+            experts,
+            name,
+            nn.Parameter(
+                distribute_tensor(p.data, mesh, [*placements_before, Shard(dim)]),
+                requires_grad=p.requires_grad,
+            ),
+        )
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
@@ -187,8 +196,13 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
         else:
             for name in ("w1", "w2", "w3"):
                 p = getattr(moe.experts, name)
-                setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
-                                                        requires_grad=p.requires_grad))
+                setattr(
+                    moe.experts,
+                    name,
+                    nn.Parameter(
+                        distribute_tensor(p.data, ep_mesh, [Shard(0)]), requires_grad=p.requires_grad
+                    ),
+                )
     par = moe_parallel(model)
     if par is not None:
         par.ep = ep

@@ -17,9 +17,13 @@ def check_offload(cfg: Config, dims: ParallelDims) -> None:
     if not p.cpu_offload:
         return
     if dims.ddp_enabled:
-        raise ConfigError("parallel.cpu_offload", True, f"needs FSDP2 (parallel.dp_shard x cp > 1, or one rank): "
-                          f"parallel.dp_replicate = {dims.dp_replicate} with dp_shard = 1 replicates the model with "
-                          "DDP; shard over those ranks instead (parallel.dp_shard)")
+        raise ConfigError(
+            "parallel.cpu_offload",
+            True,
+            f"needs FSDP2 (parallel.dp_shard x cp > 1, or one rank): "
+            f"parallel.dp_replicate = {dims.dp_replicate} with dp_shard = 1 replicates the model with "
+            "DDP; shard over those ranks instead (parallel.dp_shard)",
+        )
 
 
 RULES = RuleSet("CPU offload", layout=check_offload)

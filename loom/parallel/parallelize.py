@@ -37,19 +37,27 @@ from torch import nn
 
 from loom.config.sections import ParallelConfig, TrainingConfig
 from loom.models.common.float8 import apply_float8
-from loom.numerics import DTYPES
 from loom.models.common.init import materialize
 from loom.models.common.lora import init_adapters
 from loom.models.llama.model import Llama
+from loom.numerics import DTYPES
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 from loom.parallel.compile import apply_compile
 from loom.parallel.context_parallel import apply_context_parallel
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
 from loom.parallel.dims import ParallelDims
 from loom.parallel.expert_parallel import apply_expert_parallel
-from loom.parallel.pipeline import SPLIT_BACKWARD, PipelinePlan, build_stage, split_layers, stage_ids, stages_per_rank
+from loom.parallel.pipeline import (
+    SPLIT_BACKWARD,
+    PipelinePlan,
+    build_stage,
+    split_layers,
+    stage_ids,
+    stages_per_rank,
+)
 from loom.parallel.shards import keep_shard
 from loom.parallel.tensor_parallel import apply_tp
+
 
 @dataclass
 class ParallelModel:
@@ -88,14 +96,26 @@ def fsdp_wraps(dims: ParallelDims, parallel: ParallelConfig) -> bool:
     return dims.fsdp_applied or parallel.cpu_offload
 
 
-def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig, parallel: ParallelConfig,
-                      device: torch.device, seed: int) -> ParallelModel:
+def parallelize_llama(
+    model: Llama,
+    dims: ParallelDims,
+    training: TrainingConfig,
+    parallel: ParallelConfig,
+    device: torch.device,
+    seed: int,
+) -> ParallelModel:
     plan = pipeline_plan(model, dims, parallel, training.seq_len) if dims.pp_enabled else None
     parts = split_pipeline(model, plan) if plan else [model]
     for part in parts:
         if dims.tp_enabled:
-            apply_tp(part, dims["tp"], loss_parallel=parallel.loss_parallel, async_tp=parallel.async_tp,
-                     expert_parallel=dims.ep_enabled, expert_tp=dims.etp_enabled)
+            apply_tp(
+                part,
+                dims["tp"],
+                loss_parallel=parallel.loss_parallel,
+                async_tp=parallel.async_tp,
+                expert_parallel=dims.ep_enabled,
+                expert_tp=dims.etp_enabled,
+            )
         if dims.cp_enabled:
             apply_context_parallel(part, dims["cp"], parallel.cp_method)
         if dims.ep_enabled:
@@ -107,21 +127,36 @@ def parallelize_llama(model: Llama, dims: ParallelDims, training: TrainingConfig
             # recompute-everything checkpointing outside the compiled block: under TP (a DeviceMesh among the
             # saved tensors crashed, torch 2.13) and with FlexAttention (its backward hit a CUDA illegal address
             # when compiled inside a checkpoint, torch 2.11)
-            apply_compile(part.layers, inside_checkpoint=(dims.tp_enabled or model.args.attention == "flex")
-                          and training.activation_checkpointing in ("full", "every_k"), cuda_graphs=training.cuda_graphs)
+            apply_compile(
+                part.layers,
+                inside_checkpoint=(dims.tp_enabled or model.args.attention == "flex")
+                and training.activation_checkpointing in ("full", "every_k"),
+                cuda_graphs=training.cuda_graphs,
+            )
         if dims.ep_enabled:
-            apply_fsdp_experts(part, dims["experts_dp"], compute_dtype=DTYPES[training.dtype],
-                               reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
-                               cpu_offload=parallel.cpu_offload)
+            apply_fsdp_experts(
+                part,
+                dims["experts_dp"],
+                compute_dtype=DTYPES[training.dtype],
+                reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
+                cpu_offload=parallel.cpu_offload,
+            )
         if fsdp_wraps(dims, parallel):
             # under DiLoCo each dp_replicate group shards on its own: no gradient reduction across groups
             mesh = dims["dp_replicate", "dp_shard_cp"] if dims.replicate_reduces else dims["dp_shard_cp"]
-            apply_fsdp(part, list(part.layers.values()), mesh, compute_dtype=DTYPES[training.dtype],
-                       reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
-                       cpu_offload=parallel.cpu_offload)
+            apply_fsdp(
+                part,
+                list(part.layers.values()),
+                mesh,
+                compute_dtype=DTYPES[training.dtype],
+                reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
+                cpu_offload=parallel.cpu_offload,
+            )
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device
-        materialize(part, init_device, seed, part.param_std, part.init_buffers, draw_device=device, keep=keep_shard)
+        materialize(
+            part, init_device, seed, part.param_std, part.init_buffers, draw_device=device, keep=keep_shard
+        )
         init_adapters(part, seed, draw_device=device, keep=keep_shard)
         if parallel.cpu_offload:
             part.init_buffers(device)  # buffers are not offloaded: they live where compute runs

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from loom.metrics.flops import attention_matmul_params
 
-
 # loom name -> torch.distributed.pipelining class name
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -41,6 +40,7 @@ def stages_per_rank(parallel) -> int:
 
 
 # ---- the split ----------------------------------------------------------------------
+
 
 def layer_cost(args, seq_len: int) -> float:
     """Training FLOPs per token of one block: 6 x matmul parameters + causal attention scores (grouped-query or
@@ -67,7 +67,9 @@ def split_layers(args, n_stages: int, seq_len: int, manual: list[int] | None = N
     if manual:  # checked against the stage count and the model by loom.resolve
         counts = list(manual)
     else:
-        counts = balanced_counts(n, n_stages, layer_cost(args, seq_len), embedding_cost(args), head_cost(args))
+        counts = balanced_counts(
+            n, n_stages, layer_cost(args, seq_len), embedding_cost(args), head_cost(args)
+        )
     out, start = [], 0
     for c in counts:
         out.append(list(range(start, start + c)))
@@ -75,7 +77,9 @@ def split_layers(args, n_stages: int, seq_len: int, manual: list[int] | None = N
     return out
 
 
-def balanced_counts(n_layers: int, n_stages: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
+def balanced_counts(
+    n_layers: int, n_stages: int, layer: float, first_extra: float, last_extra: float
+) -> list[int]:
     """Layers per stage (each >= 1) minimizing the most expensive stage; ties go to the earliest stages
     holding more (later stages then hold fewer activations in 1F1B). Dynamic programming over cut points."""
     if n_stages > n_layers:  # a user's config is refused earlier (loom.resolve.check_model)
@@ -119,6 +123,7 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
 
 # ---- stage modules ------------------------------------------------------------------------
 
+
 def build_stage(model, layers: list[int], first: bool, last: bool):
     """A copy of the meta-device ``model`` keeping only this stage's parts (names unchanged).
 
@@ -139,6 +144,7 @@ def build_stage(model, layers: list[int], first: bool, last: bool):
 
 
 # ---- schedules ------------------------------------------------------------------------------
+
 
 @dataclass
 class PipelinePlan:
@@ -163,9 +169,12 @@ class PipelinePlan:
         return self.n_stages - 1 in self.local
 
     def describe(self) -> str:
-        return "; ".join(f"stage {s} (rank {stage_rank(s, self.pp, self.schedule)}): layers "
-                         f"{_span(self.layers[s])}{' + embedding' if s == 0 else ''}"
-                         f"{' + head' if s == self.n_stages - 1 else ''}" for s in range(self.n_stages))
+        return "; ".join(
+            f"stage {s} (rank {stage_rank(s, self.pp, self.schedule)}): layers "
+            f"{_span(self.layers[s])}{' + embedding' if s == 0 else ''}"
+            f"{' + head' if s == self.n_stages - 1 else ''}"
+            for s in range(self.n_stages)
+        )
 
 
 def _span(ids: list[int]) -> str:
@@ -232,7 +241,9 @@ def _timed_stage_class():
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.held_graphs: dict[int, list] = {}  # chunk -> grad_fn of its outputs, input pass -> weight pass
+            self.held_graphs: dict[
+                int, list
+            ] = {}  # chunk -> grad_fn of its outputs, input pass -> weight pass
 
         def _timed(self, fn, *args, **kwargs):
             start = self.clock.now()
@@ -246,10 +257,16 @@ def _timed_stage_class():
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             if not full_backward and self.has_backward:
                 outputs = [loss] if self.is_last else self.fwd_cache[bwd_chunk_id][0]
-                self.held_graphs[bwd_chunk_id] = [t.grad_fn for t in outputs
-                                                  if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-            return self._timed(super().backward_one_chunk, bwd_chunk_id, loss=loss, full_backward=full_backward,
-                               last_backward=last_backward)
+                self.held_graphs[bwd_chunk_id] = [
+                    t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                ]
+            return self._timed(
+                super().backward_one_chunk,
+                bwd_chunk_id,
+                loss=loss,
+                full_backward=full_backward,
+                last_backward=last_backward,
+            )
 
         def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
             try:
@@ -260,8 +277,9 @@ def _timed_stage_class():
     return TimedStage
 
 
-def build_schedule(plan: PipelinePlan, stage_modules: list, pp_group, device, n_microbatches: int, loss_fn,
-                   clock: BusyClock):
+def build_schedule(
+    plan: PipelinePlan, stage_modules: list, pp_group, device, n_microbatches: int, loss_fn, clock: BusyClock
+):
     """The torch schedule over this rank's stages. ``loss_fn`` returns each micro-batch's loss already
     scaled to its share of the global batch, so the schedule must not divide gradients again."""
     from torch.distributed import pipelining
@@ -313,7 +331,7 @@ def _send_hidden(h, group, dst: int) -> None:
     h = h.contiguous()
     header = torch.zeros(8, dtype=torch.int64, device=h.device)  # ndim, dtype, shape...
     header[0], header[1] = h.dim(), _WIRE_DTYPES.index(str(h.dtype).removeprefix("torch."))
-    header[2:2 + h.dim()] = torch.tensor(h.shape)
+    header[2 : 2 + h.dim()] = torch.tensor(h.shape)
     dist.send(header, group=group, group_dst=dst)
     dist.send(h, group=group, group_dst=dst)
 
@@ -325,7 +343,7 @@ def _recv_hidden(group, src: int, device):
     header = torch.zeros(8, dtype=torch.int64, device=device)
     dist.recv(header, group=group, group_src=src)
     ndim, dtype = int(header[0]), getattr(torch, _WIRE_DTYPES[int(header[1])])
-    h = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
+    h = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
     dist.recv(h, group=group, group_src=src)
     return h
 
@@ -353,7 +371,7 @@ def schedule_actions(schedule: str, pp: int, m: int, per_rank: int) -> list[list
         for a in rank_ops:
             if a is None:
                 continue
-            for sub in (a.sub_actions or (a,)):  # OVERLAP_F_B: an F and a B run together
+            for sub in a.sub_actions or (a,):  # OVERLAP_F_B: an F and a B run together
                 kind = sub.computation_type.value
                 if kind in ("F", "B", "I", "W"):
                     acts.append((kind, sub.stage_index, sub.microbatch_index))

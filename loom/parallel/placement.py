@@ -30,14 +30,17 @@ def axis_groups(sizes: dict[str, int], axis: str) -> list[list[int]]:
     shape = [sizes.get(a, 1) for a in AXIS_ORDER]
     i = AXIS_ORDER.index(axis)
     stride = 1
-    for n in shape[i + 1:]:
+    for n in shape[i + 1 :]:
         stride *= n
     world = stride * shape[i]
     for n in shape[:i]:
         world *= n
     block = stride * shape[i]  # ranks that share every coordinate outside this axis and the axes inside it
-    return [[base + off + k * stride for k in range(shape[i])]
-            for base in range(0, world, block) for off in range(stride)]
+    return [
+        [base + off + k * stride for k in range(shape[i])]
+        for base in range(0, world, block)
+        for off in range(stride)
+    ]
 
 
 def spanning_groups(hosts: list[str], sizes: dict[str, int]) -> list[tuple[str, list[int], list[str]]]:
@@ -57,9 +60,11 @@ def spanning_groups(hosts: list[str], sizes: dict[str, int]) -> list[tuple[str, 
 def placement_warnings(hosts: list[str], sizes: dict[str, int]) -> list[str]:
     """One line per group that spans hosts, naming its ranks and hosts (at most 4 lines and a count)."""
     bad = spanning_groups(hosts, sizes)
-    lines = [f"warning: the {axis} group of ranks {_ranks(ranks)} spans hosts {', '.join(names)}: its collectives "
-             f"(every layer) leave the host; keep {axis} x the axes inside it within the ranks per host"
-             for axis, ranks, names in bad[:4]]
+    lines = [
+        f"warning: the {axis} group of ranks {_ranks(ranks)} spans hosts {', '.join(names)}: its collectives "
+        f"(every layer) leave the host; keep {axis} x the axes inside it within the ranks per host"
+        for axis, ranks, names in bad[:4]
+    ]
     if len(bad) > 4:
         lines.append(f"warning: {len(bad) - 4} more tp/cp group(s) span hosts")
     return lines

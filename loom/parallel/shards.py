@@ -41,7 +41,9 @@ def quantize_base(model: nn.Module) -> int:
     exactly the single-process NF4 weight. FSDP2 picks the new parameter up at its lazy init (it allows parameters
     swapped after fully_shard); the old shard's storage is freed first, which also keeps FSDP2 from comparing
     storages with the NF4 tensor (it has none)."""
-    to_nf4 = require("torchao.dtypes.nf4tensor", "qlora", package="torchao", purpose="lora.base_dtype nf4").to_nf4
+    to_nf4 = require(
+        "torchao.dtypes.nf4tensor", "qlora", package="torchao", purpose="lora.base_dtype nf4"
+    ).to_nf4
     from torch.distributed.tensor import DTensor
 
     n = 0
@@ -50,13 +52,24 @@ def quantize_base(model: nn.Module) -> int:
         if is_nf4(w):
             continue
         check_nf4_shape(name + ".weight", w, shard_count(w))
-        device = m.lora_A.weight.device  # where compute runs: the base may still be in host memory (host_weight)
+        device = (
+            m.lora_A.weight.device
+        )  # where compute runs: the base may still be in host memory (host_weight)
         if isinstance(w, DTensor):
             if any(p.is_shard() and p.dim != 0 for p in w.placements):
-                raise ConfigError("lora.base_dtype", "nf4", f"{name}.weight is sharded by columns (tensor "
-                                  "parallel): NF4 shards by rows only")
-            local = DTensor.from_local(w.to_local().to(device), w.device_mesh, w.placements, run_check=False,
-                                       shape=w.shape, stride=w.stride())
+                raise ConfigError(
+                    "lora.base_dtype",
+                    "nf4",
+                    f"{name}.weight is sharded by columns (tensor parallel): NF4 shards by rows only",
+                )
+            local = DTensor.from_local(
+                w.to_local().to(device),
+                w.device_mesh,
+                w.placements,
+                run_check=False,
+                shape=w.shape,
+                stride=w.stride(),
+            )
             q = to_nf4(local.full_tensor().to(torch.bfloat16), NF4_BLOCK, NF4_SCALER_BLOCK)
             mesh, coord = w.device_mesh, w.device_mesh.get_coordinate()
             for i, p in enumerate(w.placements):  # (Replicate, Shard(0)) for HSDP: rows over the shard axis

@@ -23,8 +23,12 @@ def block_plan(moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lo
     (Qwen3) see this rank's heads: replicated weights whose gradients are summed over the group. ``mla``: multi-head
     latent attention in place of GQA (``mla_plan``; ``q_lora``: its query is compressed)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     mlp = {
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -33,21 +37,35 @@ def block_plan(moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lo
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
     if moe:  # this rank's tokens, (B, S/tp, E), as a plain tensor; the output stays its sequence slice
-        mlp = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                                  use_local_output=True)}
-    attention = mla_plan(q_lora) if mla else {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        **({name: SequenceParallel(sequence_dim=2, use_local_output=True)
-            for name in ("attention.q_norm", "attention.k_norm")} if qk_norm else {}),
-    }
+        mlp = {
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
+        }
+    attention = (
+        mla_plan(q_lora)
+        if mla
+        else {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            **(
+                {
+                    name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                    for name in ("attention.q_norm", "attention.k_norm")
+                }
+                if qk_norm
+                else {}
+            ),
+        }
+    )
     return {
         "attention_norm": SequenceParallel(),
         # forward(x, rope, positions): only x is sharded; rope and positions stay plain tensors
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         **attention,
         "ffn_norm": SequenceParallel(),
         **mlp,
@@ -58,8 +76,12 @@ def block_plan_for(block: nn.Module) -> dict:
     """``block_plan`` with the switches read from the block: a mixture of experts, q/k norms, latent attention."""
     attention = block.attention
     mla = isinstance(attention, LatentAttention)
-    return block_plan(isinstance(block.feed_forward, MoE), qk_norm=not mla and attention.q_norm is not None, mla=mla,
-                      q_lora=mla and attention.wq is None)
+    return block_plan(
+        isinstance(block.feed_forward, MoE),
+        qk_norm=not mla and attention.q_norm is not None,
+        mla=mla,
+        q_lora=mla and attention.wq is None,
+    )
 
 
 def mla_plan(q_lora: bool) -> dict:
@@ -73,8 +95,15 @@ def mla_plan(q_lora: bool) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     replicated = replicated_compute()
-    query = {"attention.wq_a": replicated(), "attention.q_a_norm": replicated(), "attention.wq_b": ColwiseParallel()} \
-        if q_lora else {"attention.wq": ColwiseParallel()}
+    query = (
+        {
+            "attention.wq_a": replicated(),
+            "attention.q_a_norm": replicated(),
+            "attention.wq_b": ColwiseParallel(),
+        }
+        if q_lora
+        else {"attention.wq": ColwiseParallel()}
+    )
     return {
         **query,
         "attention.wkv_a": replicated(),
@@ -103,8 +132,12 @@ def replicated_compute() -> type:
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             def replicate_inputs(mod, inputs, mesh):
-                return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+                return tuple(
+                    DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                    else t
+                    for t in inputs
+                )
 
             def local_output(mod, out, mesh):
                 return out.to_local(grad_placements=[Partial()]) if self.partial_grad_output else out
@@ -140,8 +173,12 @@ def lora_styles() -> tuple[type, type]:
         for name in names:
             p = getattr(module, name)
             if p is not None:
-                module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [placement], src_data_rank=
-                                                                               src_data_rank), p.requires_grad))
+                module.register_parameter(
+                    name,
+                    nn.Parameter(
+                        distribute_tensor(p, mesh, [placement], src_data_rank=src_data_rank), p.requires_grad
+                    ),
+                )
 
     # distribute_module calls these for the adapted linear ("") and each child; what they leave is replicated
     class LoRAColwiseParallel(ColwiseParallel):
@@ -191,9 +228,11 @@ def outer_plan(model: nn.Module, loss_parallel: bool) -> dict:
     if is_score_head(model.output):
         plan["output"] = score_head_style()()
     elif model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Shard(1),
-                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                         use_local_output=not loss_parallel)
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     if is_score_head(model._modules.get("value_head")):
         plan["value_head"] = score_head_style()()
     return plan
@@ -217,7 +256,9 @@ def score_head_style() -> type:
             def shard_inputs(mod, inputs, mesh):
                 x = inputs[0]  # (B, S/tp, E): the final norm's output (SequenceParallel)
                 if isinstance(x, DTensor):
-                    x = (x if tuple(x.placements) == (Shard(1),) else x.redistribute(mesh, [Shard(1)])).to_local()
+                    x = (
+                        x if tuple(x.placements) == (Shard(1),) else x.redistribute(mesh, [Shard(1)])
+                    ).to_local()
                 mod._local_positions = x.shape[:2]
                 rows = DTensor.from_local(x.reshape(-1, x.shape[-1]), mesh, [Shard(0)], run_check=False)
                 return (rows, *inputs[1:])  # (B * S/tp, E) on each rank
@@ -225,15 +266,26 @@ def score_head_style() -> type:
             def whole_output(mod, out, mesh):
                 batch, local = mod._local_positions
                 rows = out.redistribute(mesh, [Replicate()]).to_local()  # (tp * B * S/tp, 1), rank by rank
-                return rows.view(mesh.size(), batch, local, -1).transpose(0, 1).reshape(batch, mesh.size() * local, -1)
+                return (
+                    rows.view(mesh.size(), batch, local, -1)
+                    .transpose(0, 1)
+                    .reshape(batch, mesh.size() * local, -1)
+                )
 
             return distribute_module(module, device_mesh, input_fn=shard_inputs, output_fn=whole_output)
 
     return ScoreHead
 
 
-def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool = False,
-             expert_parallel: bool = False, expert_tp: bool = False) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh,
+    *,
+    loss_parallel: bool,
+    async_tp: bool = False,
+    expert_parallel: bool = False,
+    expert_tp: bool = False,
+) -> None:
     """Shard ``model`` (a Llama or a pipeline stage of one) in place over the 1-D ``tp_mesh``. The embedding is
     vocab-parallel (rows sharded; the output leaves as sequence shards), the output head column-parallel over the
     vocabulary; with ``loss_parallel`` its logits stay vocab-sharded, (B, S, V/tp), and the cross-entropy runs on
@@ -246,29 +298,42 @@ def apply_tp(model: nn.Module, tp_mesh, *, loss_parallel: bool, async_tp: bool =
     (``score_head_style``); PPO's critic model (``model.critic``) gets the policy's plan. A rename in the model would
     leave a layer unsharded: ``check_all_sharded`` makes that an error."""
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base
-    critic = model._modules.get("critic")  # PPO's critic (loom.rl.ppo_objective): a Llama of the policy's shape
+    critic = model._modules.get(
+        "critic"
+    )  # PPO's critic (loom.rl.ppo_objective): a Llama of the policy's shape
     for trunk in (model, critic) if critic is not None else (model,):
         _apply_trunk_tp(trunk, tp_mesh, loss_parallel, expert_parallel, expert_tp)
     par = moe_parallel(model)  # one for the MoE blocks of the policy and its critic: the tp group added once
     if par is not None:
         par.sequence_shards += ((tp_mesh.get_group(), tp_mesh.size()),)
-        par.sequence_slice = (tp_mesh.get_group(), tp_mesh.size())  # the balance loss's counted tokens (RL rows)
+        par.sequence_slice = (
+            tp_mesh.get_group(),
+            tp_mesh.size(),
+        )  # the balance loss's counted tokens (RL rows)
         if expert_tp:
             par.etp = ExpertTensorParallel(tp_mesh.get_group(), tp_mesh.size())
     check_all_sharded(model, tp_mesh, skip=".experts." if expert_parallel else None)
-    for name, p in model.named_parameters():  # SequenceParallel and replicate_moe make new Parameters trainable
+    for (
+        name,
+        p,
+    ) in model.named_parameters():  # SequenceParallel and replicate_moe make new Parameters trainable
         if name in frozen:
             p.requires_grad_(False)
     if async_tp:
         enable_async_tp(tp_mesh)
 
 
-def _apply_trunk_tp(model: nn.Module, tp_mesh, loss_parallel: bool, expert_parallel: bool, expert_tp: bool) -> None:
+def _apply_trunk_tp(
+    model: nn.Module, tp_mesh, loss_parallel: bool, expert_parallel: bool, expert_tp: bool
+) -> None:
     """``apply_tp``'s plans on one Llama (the model, or PPO's critic inside it): its outer parts, then each block."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tied = model.output is not None and model.tok_embeddings is not None and \
-        model.output.weight is model.tok_embeddings.weight
+    tied = (
+        model.output is not None
+        and model.tok_embeddings is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
     parallelize_module(model, tp_mesh, outer_plan(model, loss_parallel))
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_own_storage)
@@ -297,10 +362,14 @@ def check_all_sharded(model: nn.Module, tp_mesh, skip: str | None = None) -> Non
     whose name contains ``skip``."""
     from torch.distributed.tensor import DTensor
 
-    missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) and not (skip and skip in n)]
+    missed = [
+        n for n, p in model.named_parameters() if not isinstance(p, DTensor) and not (skip and skip in n)
+    ]
     if missed:
-        raise RuntimeError(f"tensor parallel plan missed parameters {missed}: the plan's module names no longer "
-                           "match the model")
+        raise RuntimeError(
+            f"tensor parallel plan missed parameters {missed}: the plan's module names no longer "
+            "match the model"
+        )
 
 
 def enable_async_tp(tp_mesh) -> None:

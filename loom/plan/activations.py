@@ -32,7 +32,9 @@ class ActivationProfile:
     layer_fixed: float  # held per layer whatever the batch (bf16 weight copies under autocast)
     head_per_seq: float  # embedding, final norm, output head and loss, per sequence
     head_fixed: float
-    backward_peak: float  # above what forward holds, at the peak of a 1-layer model's backward, per micro-batch
+    backward_peak: (
+        float  # above what forward holds, at the peak of a 1-layer model's backward, per micro-batch
+    )
 
     def held(self, layers: float, micro_batch: int, head: bool = True) -> float:
         """Bytes one micro-batch holds between its forward and its backward over ``layers`` layers."""
@@ -75,8 +77,11 @@ class _Tracker(TorchDispatchMode):
     def _grad_bytes(self) -> int:
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        seen = {StorageWeakRef(p.grad.untyped_storage()).cdata: p.grad.untyped_storage().nbytes()
-                for p in self.params if p.grad is not None}
+        seen = {
+            StorageWeakRef(p.grad.untyped_storage()).cdata: p.grad.untyped_storage().nbytes()
+            for p in self.params
+            if p.grad is not None
+        }
         return sum(n for key, n in seen.items() if key in self.live)
 
 
@@ -84,8 +89,13 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
     """(bytes held after forward, peak extra bytes during backward) of one micro-batch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    param_dtype = torch.bfloat16 if precision == "bf16_params" else torch.float16 if precision == "fp16_params" \
+    param_dtype = (
+        torch.bfloat16
+        if precision == "bf16_params"
+        else torch.float16
+        if precision == "fp16_params"
         else torch.float32
+    )
     autocast = {"autocast_bf16": torch.bfloat16, "autocast_fp16": torch.float16}.get(precision)
     previous = torch.get_default_dtype()
     with FakeTensorMode():
@@ -94,7 +104,9 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
             model = build_model(args)  # the family's model (DeepSeek-V3's MTP modules included)
         finally:
             torch.set_default_dtype(previous)
-        for moe in moe_modules(model):  # the loop over experts needs real token counts: trace the grouped GEMM
+        for moe in moe_modules(
+            model
+        ):  # the loop over experts needs real token counts: trace the grouped GEMM
             moe.experts.grouped = True  # (bf16 only, as it runs: the planner plans MoE models in bf16)
         apply_activation_checkpointing(model.layers, ac, ac_every)
         tokens = torch.zeros(micro_batch, seq, dtype=torch.long)
@@ -145,8 +157,9 @@ def trace_precision(dtype: str, fsdp: bool) -> str:
     return f"{short}_params" if fsdp else f"autocast_{short}"
 
 
-def profile_activations(args, seq: int, micro_batch: int, dtype: str, fsdp: bool, ac: str,
-                        ac_every: int = 2) -> ActivationProfile:
+def profile_activations(
+    args, seq: int, micro_batch: int, dtype: str, fsdp: bool, ac: str, ac_every: int = 2
+) -> ActivationProfile:
     """Activation bytes of ``args`` (a resolved LlamaArgs: vocabulary and kernels set) at ``seq`` tokens per
     sequence; ``backward_peak`` is traced at ``micro_batch`` sequences."""
     precision = trace_precision(dtype, fsdp)
@@ -158,8 +171,13 @@ def profile_activations(args, seq: int, micro_batch: int, dtype: str, fsdp: bool
         def mix(a: float, b: float) -> float:
             return share * a + (1 - share) * b
 
-        return ActivationProfile(mix(full.layer_per_seq, none.layer_per_seq), mix(full.layer_fixed, none.layer_fixed),
-                                 none.head_per_seq, none.head_fixed, max(full.backward_peak, none.backward_peak))
+        return ActivationProfile(
+            mix(full.layer_per_seq, none.layer_per_seq),
+            mix(full.layer_fixed, none.layer_fixed),
+            none.head_per_seq,
+            none.head_fixed,
+            max(full.backward_peak, none.backward_peak),
+        )
     held = {}
     for layers in (1, 2):
         for batch in (1, 2):
@@ -167,6 +185,10 @@ def profile_activations(args, seq: int, micro_batch: int, dtype: str, fsdp: bool
     layer_b1, layer_b2 = held[2, 1] - held[1, 1], held[2, 2] - held[1, 2]
     head_b1, head_b2 = held[1, 1] - layer_b1, held[1, 2] - layer_b2
     _, backward_peak = _trace(args.with_(n_layers=1), micro_batch, seq, precision, ac, ac_every)
-    return ActivationProfile(layer_per_seq=layer_b2 - layer_b1, layer_fixed=2 * layer_b1 - layer_b2,
-                             head_per_seq=head_b2 - head_b1, head_fixed=2 * head_b1 - head_b2,
-                             backward_peak=backward_peak)
+    return ActivationProfile(
+        layer_per_seq=layer_b2 - layer_b1,
+        layer_fixed=2 * layer_b1 - layer_b2,
+        head_per_seq=head_b2 - head_b1,
+        head_fixed=2 * head_b1 - head_b2,
+        backward_peak=backward_peak,
+    )

@@ -22,13 +22,21 @@ class Budget:
     tokens: float
 
 
-def compute_optimal(flops: float | None = None, params: float | None = None, tokens: float | None = None) -> Budget:
+def compute_optimal(
+    flops: float | None = None, params: float | None = None, tokens: float | None = None
+) -> Budget:
     """The compute-optimal budget from exactly one of FLOPs, parameters or tokens (the others None)."""
-    given = {k: v for k, v in (("--flops", flops), ("--params", params), ("--tokens", tokens)) if v is not None}
+    given = {
+        k: v for k, v in (("--flops", flops), ("--params", params), ("--tokens", tokens)) if v is not None
+    }
     if len(given) != 1:
-        raise ConfigError(" / ".join(given) or "--flops", None, "give exactly one of --flops, --params, --tokens",
-                          show_value=False)
-    (flag, value), = given.items()
+        raise ConfigError(
+            " / ".join(given) or "--flops",
+            None,
+            "give exactly one of --flops, --params, --tokens",
+            show_value=False,
+        )
+    ((flag, value),) = given.items()
     if not value > 0 or not math.isfinite(value):
         raise ConfigError(flag, value, "expected a positive number")
     if flops is not None:

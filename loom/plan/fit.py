@@ -48,9 +48,10 @@ def host_room() -> tuple[float, str] | None:
 
 def _cgroup_room() -> float | None:
     """What the memory cgroup (v2, else v1) still allows, None without a limit."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             with open(limit_file) as fh:
                 limit = fh.read().strip()
@@ -91,16 +92,18 @@ def _nvml_free(count: int) -> float | None:
         pynvml.nvmlInit()
         free = []
         for i in range(count):
-            uuid = str(torch.cuda.get_device_properties(i).uuid)  # the same device whatever CUDA_VISIBLE_DEVICES says
+            uuid = str(
+                torch.cuda.get_device_properties(i).uuid
+            )  # the same device whatever CUDA_VISIBLE_DEVICES says
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
             free.append(float(pynvml.nvmlDeviceGetMemoryInfo(handle).free))
         return min(free)
-    except Exception:  # noqa: BLE001 - pynvml raises NVMLError subclasses per driver state: fall back
+    except Exception:
         return None
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -124,48 +127,70 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
     state = needs.host_bytes if offloaded else needs.state_bytes
     gpu = device == "cuda"
-    step_room = (_room(gpu_room(local_ranks, local_ranks == 1), 1) if gpu
-                 else _host_room(host_room(), local_ranks))
+    step_room = (
+        _room(gpu_room(local_ranks, local_ranks == 1), 1) if gpu else _host_room(host_room(), local_ranks)
+    )
     state_room = _host_room(host_room(), local_ranks) if offloaded else step_room
     if state_room and state > state_room[0]:
         field, value = model_field(cfg)
         sharded = f" / {shard} FSDP shards" if shard > 1 else ""
         hint = _layers_hint(cfg, dims, args, device, state_room[0], offloaded)
         fewer = "fewer processes on this machine, " if local_ranks > 1 and shard == 1 else ""
-        more = ("or more ranks to shard it over (parallel.dp_shard)" if gpu else
-                f"{fewer}or a GPU (processes on one host share its memory)")
+        more = (
+            "or more ranks to shard it over (parallel.dp_shard)"
+            if gpu
+            else f"{fewer}or a GPU (processes on one host share its memory)"
+        )
         if gpu and not offloaded:
             more += ", or parallel.cpu_offload true (the state in host memory)"
-        raise ConfigError(field, value, f"model needs ~{state / GIB:,.1f} GiB for weights, gradients and optimizer "
-                          f"state per rank; {state_room[1]}: {needs.params / 1e9:,.3g}B parameters x 16 bytes"
-                          f"{sharded}; use a smaller model{hint}, {more}")
+        raise ConfigError(
+            field,
+            value,
+            f"model needs ~{state / GIB:,.1f} GiB for weights, gradients and optimizer "
+            f"state per rank; {state_room[1]}: {needs.params / 1e9:,.3g}B parameters x 16 bytes"
+            f"{sharded}; use a smaller model{hint}, {more}",
+        )
     if step_room is None or (args.moe and t.dtype != "bfloat16") or args.attention == "flex":
         return  # the activation tracer runs MoE blocks in bf16 only and has no FlexAttention (as loom plan)
     needs = rank_needs(cfg, dims, args, device)
     if needs.peak_bytes is None or needs.peak_bytes <= step_room[0]:
         return
-    step = (f"a training step needs ~{needs.peak_bytes / GIB:,.1f} GiB per rank by the planner's estimate "
-            f"({needs.activation_bytes / GIB:,.1f} GiB of it activations of {t.micro_batch_size} x {t.seq_len} "
-            f"tokens)")
+    step = (
+        f"a training step needs ~{needs.peak_bytes / GIB:,.1f} GiB per rank by the planner's estimate "
+        f"({needs.activation_bytes / GIB:,.1f} GiB of it activations of {t.micro_batch_size} x {t.seq_len} "
+        f"tokens)"
+    )
     grows = needs.peak_bytes - needs.fixed_bytes
     fit = int(t.micro_batch_size * (step_room[0] - needs.fixed_bytes) / grows) if grows > 0 else 0
     if fit >= 1:
-        raise ConfigError("training.micro_batch_size", t.micro_batch_size,
-                          f"{step}; {step_room[1]}: lower training.micro_batch_size (about {fit} fit; "
-                          f"global_batch_size stays, with more accumulation)")
+        raise ConfigError(
+            "training.micro_batch_size",
+            t.micro_batch_size,
+            f"{step}; {step_room[1]}: lower training.micro_batch_size (about {fit} fit; "
+            f"global_batch_size stays, with more accumulation)",
+        )
     least = _smallest_step(cfg, dims, args, device)
     if least < step_room[0]:
-        raise ConfigError("training.micro_batch_size", t.micro_batch_size,
-                          f"{step}; {step_room[1]}: even micro_batch_size 1 does not fit: set "
-                          f"training.activation_checkpointing full (with micro_batch_size 1: ~{least / GIB:,.1f} "
-                          f"GiB) or lower training.seq_len")
+        raise ConfigError(
+            "training.micro_batch_size",
+            t.micro_batch_size,
+            f"{step}; {step_room[1]}: even micro_batch_size 1 does not fit: set "
+            f"training.activation_checkpointing full (with micro_batch_size 1: ~{least / GIB:,.1f} "
+            f"GiB) or lower training.seq_len",
+        )
     field, value = model_field(cfg)
     fewer = "fewer processes on this machine, " if local_ranks > 1 else ""
-    todo = ("a smaller model, or more GPUs to shard it over (parallel.dp_shard)" if gpu else
-            f"a smaller model (model.flavor debug runs anywhere), {fewer}or a GPU")
+    todo = (
+        "a smaller model, or more GPUs to shard it over (parallel.dp_shard)"
+        if gpu
+        else f"a smaller model (model.flavor debug runs anywhere), {fewer}or a GPU"
+    )
     lightest = t.micro_batch_size == 1 and t.activation_checkpointing == "full"
-    step += "" if lightest else (f", and even micro_batch_size 1 with activation_checkpointing full "
-                                 f"~{least / GIB:,.1f} GiB")
+    step += (
+        ""
+        if lightest
+        else (f", and even micro_batch_size 1 with activation_checkpointing full ~{least / GIB:,.1f} GiB")
+    )
     raise ConfigError(field, value, f"{step}; {step_room[1]}: use {todo}")
 
 
@@ -192,8 +217,10 @@ def _host_room(room: tuple[float, str] | None, ranks: int) -> tuple[float, str] 
         return None
     usable = max(0.0, (shared[0] - HOST_RESERVE_BYTES) / (1 + HOST_MARGIN))
     each = " each" if ranks > 1 else ""
-    return usable, (f"{shared[1]}, room for ~{usable / GIB:,.1f} GiB{each} after a margin of "
-                    f"{HOST_RESERVE_BYTES / GIB:g} GiB + {100 * HOST_MARGIN:g}% per process")
+    return usable, (
+        f"{shared[1]}, room for ~{usable / GIB:,.1f} GiB{each} after a margin of "
+        f"{HOST_RESERVE_BYTES / GIB:g} GiB + {100 * HOST_MARGIN:g}% per process"
+    )
 
 
 def _layers_hint(cfg: Config, dims, args, device: str, avail: float, offloaded: bool) -> str:

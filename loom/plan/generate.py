@@ -26,8 +26,15 @@ from loom.config.sections import Config, ParallelConfig
 from loom.plan.hardware import GPU, gpu_named
 from loom.plan.memory import BYTES, FRAGMENTATION, GIB, WORKSPACE_BYTES, ByteParts
 from loom.plan.shapes import attention_params, expert_params, ffn_params, layer_params, rank_shares
-from loom.plan.timing import (COLLECTIVE_LATENCY_S, DECODE_HBM_SHARE_BATCHED, attention_efficiency, attention_flops,
-                              collective_s, decode_hbm_share, efficiency)
+from loom.plan.timing import (
+    COLLECTIVE_LATENCY_S,
+    DECODE_HBM_SHARE_BATCHED,
+    attention_efficiency,
+    attention_flops,
+    collective_s,
+    decode_hbm_share,
+    efficiency,
+)
 
 
 # ---------------------------------------------------------------------------------------------- the KV cache
@@ -37,7 +44,9 @@ class CacheShape:
 
     kind: str
     elements: int  # cached elements per token and layer
-    tp_sharded: bool  # tensor parallelism splits them (whole heads per rank), else every tp rank holds them all
+    tp_sharded: (
+        bool  # tensor parallelism splits them (whole heads per rank), else every tp rank holds them all
+    )
     flops_per_key: int  # a decode step's attention FLOPs per query token, cached key and layer (all heads)
 
 
@@ -143,8 +152,16 @@ def _gpu(gpu: GPU | str) -> GPU:
     return gpu_named(gpu) if isinstance(gpu, str) else gpu
 
 
-def decode_step(args, batch: int, context_len: int, gpu: GPU | str, tp: int = 1, dtype: str = "bfloat16",
-                kv_dtype: str | None = None, hbm_share: float | None = None) -> DecodeStep:
+def decode_step(
+    args,
+    batch: int,
+    context_len: int,
+    gpu: GPU | str,
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    kv_dtype: str | None = None,
+    hbm_share: float | None = None,
+) -> DecodeStep:
     """A decode step of ``batch`` sequences, each with ``context_len`` cached positions (the new token's included),
     on one of ``tp`` GPUs of kind ``gpu`` (a ``loom.plan.hardware.GPUS`` entry or its name); ``hbm_share`` None: the
     measured share at that batch (``loom.plan.timing.decode_hbm_share``)."""
@@ -160,16 +177,35 @@ def decode_step(args, batch: int, context_len: int, gpu: GPU | str, tp: int = 1,
     compute = flops / (gpu.peak(dtype) * efficiency(args.dim, compiled=True))
     hbm = gpu.hbm_tbps * 1e12
     comm = 0.0
-    if tp > 1:  # per block: attention's and the MLP's row-parallel outputs; the embedding's; the logits gathered
+    if (
+        tp > 1
+    ):  # per block: attention's and the MLP's row-parallel outputs; the embedding's; the logits gathered
         bw, act = tp_bandwidth(gpu, tp), batch * args.dim * BYTES[dtype]
-        comm = (2 * args.n_layers + 1) * all_reduce_s(act, tp, bw) + \
-            all_gather_s(batch * args.vocab_size * BYTES[dtype], tp, bw)
-    return DecodeStep(context_len, weights, kv, flops, (weights + kv) / (hbm_share * hbm), compute, comm,
-                      (weights + kv) / hbm)
+        comm = (2 * args.n_layers + 1) * all_reduce_s(act, tp, bw) + all_gather_s(
+            batch * args.vocab_size * BYTES[dtype], tp, bw
+        )
+    return DecodeStep(
+        context_len,
+        weights,
+        kv,
+        flops,
+        (weights + kv) / (hbm_share * hbm),
+        compute,
+        comm,
+        (weights + kv) / hbm,
+    )
 
 
-def decode_time_per_token(args, batch: int, context_len: int, gpu: GPU | str, tp: int = 1, dtype: str = "bfloat16",
-                          kv_dtype: str | None = None, hbm_share: float | None = None) -> float:
+def decode_time_per_token(
+    args,
+    batch: int,
+    context_len: int,
+    gpu: GPU | str,
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    kv_dtype: str | None = None,
+    hbm_share: float | None = None,
+) -> float:
     """Planned seconds of one decode step at ``context_len`` cached positions: each of the ``batch`` sequences gets
     a token (``decode_step``; ``hbm_share=1`` gives the HBM roofline). For a benchmark's planned-vs-measured line."""
     return decode_step(args, batch, context_len, gpu, tp, dtype, kv_dtype, hbm_share).seconds
@@ -210,22 +246,31 @@ class Prefill:
         return max(self.compute_s, self.memory_s) + self.tp_s
 
 
-def prefill(args, batch: int, prompt_len: int, gpu: GPU, tp: int, dtype: str, kv_dtype: str,
-            compiled: bool) -> Prefill:
+def prefill(
+    args, batch: int, prompt_len: int, gpu: GPU, tp: int, dtype: str, kv_dtype: str, compiled: bool
+) -> Prefill:
     """The prompts' forward (the head on each sequence's last position only), all ``batch`` at once: matmuls at
     ``efficiency(dim)`` and causal attention's forward at the attention kernel's rate (loom.plan.timing)."""
     tokens = batch * prompt_len
     block = attention_params(args) + ffn_params(args, active=True)
     matmul = 2 * tokens * args.n_layers * block / tp + 2 * batch * args.vocab_size * args.dim / tp
-    width = (args.head_dim + getattr(args, "value_head_dim", args.head_dim)) / 2  # MLA: values narrower than keys
-    attention = attention_flops(args.n_layers, args.n_heads, width, prompt_len, tokens,
-                                args.sliding_window) / 3.5 / tp  # the forward's share of forward + backward
+    width = (
+        args.head_dim + getattr(args, "value_head_dim", args.head_dim)
+    ) / 2  # MLA: values narrower than keys
+    attention = (
+        attention_flops(args.n_layers, args.n_heads, width, prompt_len, tokens, args.sliding_window)
+        / 3.5
+        / tp
+    )  # the forward's share of forward + backward
     peak = gpu.peak(dtype)
-    compute = matmul / (peak * efficiency(args.dim, compiled)) + \
-        attention / (peak * attention_efficiency(args.head_dim, prompt_len))
+    compute = matmul / (peak * efficiency(args.dim, compiled)) + attention / (
+        peak * attention_efficiency(args.head_dim, prompt_len)
+    )
     read = weight_bytes(args, tp, dtype) + kv_cache_bytes(args, batch, prompt_len, kv_dtype, tp)
     comm = 0.0
-    if tp > 1:  # per block two all-reduces of the activations (or sequence parallelism's gathers and scatters)
+    if (
+        tp > 1
+    ):  # per block two all-reduces of the activations (or sequence parallelism's gathers and scatters)
         comm = 2 * args.n_layers * all_reduce_s(tokens * args.dim * BYTES[dtype], tp, tp_bandwidth(gpu, tp))
     return Prefill(matmul + attention, compute, read / (DECODE_HBM_SHARE_BATCHED * gpu.hbm_tbps * 1e12), comm)
 
@@ -235,7 +280,9 @@ def prefill_activations(args, batch: int, prompt_len: int, tp: int, dtype: str) 
     for its all-gathered input, and the last positions' logits (all-gathered; plus an fp32 copy for sampling)."""
     from loom.plan.activations import forward_peak
 
-    traced = args.with_(attention="flash") if args.attention == "flex" else args  # no Flex on fake CPU tensors
+    traced = (
+        args.with_(attention="flash") if args.attention == "flex" else args
+    )  # no Flex on fake CPU tensors
     block = forward_peak(traced, batch, prompt_len, dtype)
     gathered = batch * prompt_len * args.dim * BYTES[dtype] * (1 - 1 / tp)
     return block / tp + gathered + batch * args.vocab_size * (BYTES[dtype] + 4)
@@ -300,9 +347,18 @@ class GenerationPlan:
         return self.prefill.seconds + self.decode_s
 
 
-def plan_generation(args, batch: int, prompt_len: int, output_len: int, gpu: GPU | str, tp: int = 1,
-                    dtype: str = "bfloat16", kv_dtype: str | None = None, compiled: bool = False,
-                    margin_gib: float | None = None) -> GenerationPlan:
+def plan_generation(
+    args,
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    gpu: GPU | str,
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    kv_dtype: str | None = None,
+    compiled: bool = False,
+    margin_gib: float | None = None,
+) -> GenerationPlan:
     """Memory and time of generating ``output_len`` tokens after ``prompt_len`` for each of ``batch`` sequences on
     ``tp`` GPUs (tensor-parallel) of kind ``gpu``. ``args``: a resolved LlamaArgs (vocabulary set; ``generation_args``
     resolves a config's); ``compiled``: the prefill's matmul efficiency (compiled or eager); ``margin_gib``: memory a
@@ -312,9 +368,11 @@ def plan_generation(args, batch: int, prompt_len: int, output_len: int, gpu: GPU
     gpu = _gpu(gpu)
     kv_dtype = kv_dtype or dtype
     tokens = prompt_len + output_len
-    memory = GenerationMemory(weights=weight_bytes(args, tp, dtype), kv_cache=kv_cache_bytes(args, batch, tokens,
-                                                                                              kv_dtype, tp),
-                              activations=prefill_activations(args, batch, prompt_len, tp, dtype))
+    memory = GenerationMemory(
+        weights=weight_bytes(args, tp, dtype),
+        kv_cache=kv_cache_bytes(args, batch, tokens, kv_dtype, tp),
+        activations=prefill_activations(args, batch, prompt_len, tp, dtype),
+    )
     memory.workspace = WORKSPACE_BYTES + FRAGMENTATION * memory.total
     margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
     per_seq = (memory.kv_cache + memory.activations) / batch  # both grow in proportion to the batch
@@ -328,12 +386,29 @@ def plan_generation(args, batch: int, prompt_len: int, output_len: int, gpu: GPU
     first, last = step(prompt_len + 1), step(prompt_len + max(1, output_len - 1))
     notes = []
     if args.sliding_window:
-        notes.append(f"sliding window {args.sliding_window}: a step reads at most that many cached positions; the "
-                     "cache is still preallocated for every position")
-    return GenerationPlan(batch, prompt_len, output_len, tp, dtype, kv_dtype, attention_kind(args),
-                          kv_cache_bytes(args, 1, 1, kv_dtype), memory, gpu.memory_gib, margin, max_batch,
-                          prefill(args, batch, prompt_len, gpu, tp, dtype, kv_dtype, compiled), first, last,
-                          decode_seconds(step, prompt_len + 1, prompt_len + output_len - 1), notes)
+        notes.append(
+            f"sliding window {args.sliding_window}: a step reads at most that many cached positions; the "
+            "cache is still preallocated for every position"
+        )
+    return GenerationPlan(
+        batch,
+        prompt_len,
+        output_len,
+        tp,
+        dtype,
+        kv_dtype,
+        attention_kind(args),
+        kv_cache_bytes(args, 1, 1, kv_dtype),
+        memory,
+        gpu.memory_gib,
+        margin,
+        max_batch,
+        prefill(args, batch, prompt_len, gpu, tp, dtype, kv_dtype, compiled),
+        first,
+        last,
+        decode_seconds(step, prompt_len + 1, prompt_len + output_len - 1),
+        notes,
+    )
 
 
 def generation_args(cfg: Config, tp: int, dtype: str, tokens: int):
@@ -348,7 +423,9 @@ def generation_args(cfg: Config, tp: int, dtype: str, tokens: int):
     cfg = copy.deepcopy(cfg)
     cfg.parallel = ParallelConfig(tp=tp, dp_shard=1)
     cfg.training.seq_len = tokens  # the model's max_seq_len (its RoPE table)
-    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), model_kernels(cfg, "cuda", triton=True))
+    args = resolve_model_args(
+        cfg, build_tokenizer(cfg.data.tokenizer), model_kernels(cfg, "cuda", triton=True)
+    )
     try:
         check_model(ParallelDims.from_config(cfg.parallel, tp), args, cfg.parallel)
     except ConfigError as err:
@@ -356,6 +433,10 @@ def generation_args(cfg: Config, tp: int, dtype: str, tokens: int):
             raise ConfigError("--gpus", tp, err.allowed) from None
         raise
     if args.moe and dtype != "bfloat16":
-        raise ConfigError("--dtype", dtype, "loom plan models mixture-of-experts models in bfloat16 only (their "
-                          "activations are traced through the bf16 grouped GEMM)")
+        raise ConfigError(
+            "--dtype",
+            dtype,
+            "loom plan models mixture-of-experts models in bfloat16 only (their "
+            "activations are traced through the bf16 grouped GEMM)",
+        )
     return args

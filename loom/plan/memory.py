@@ -71,10 +71,16 @@ class MemoryInputs:
     micro_batch: int
     seq_len: int
     cpu_offload: bool = False
-    ep: int = 1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard x cp (x tp) / ep only
+    ep: int = (
+        1  # expert parallelism: FSDP2 gathers a block's experts over edp = dp_shard x cp (x tp) / ep only
+    )
     expert_params: float = 0.0  # of one block (all its experts)
-    etp: int = 1  # tensor-parallel experts (parallel.etp = tp): each tp rank holds a 1/tp slice of every expert
-    optimizer_shard: int = 1  # ZeRO-1 (parallel.zero = 1): the AdamW moments split over this many DDP replicas
+    etp: int = (
+        1  # tensor-parallel experts (parallel.etp = tp): each tp rank holds a 1/tp slice of every expert
+    )
+    optimizer_shard: int = (
+        1  # ZeRO-1 (parallel.zero = 1): the AdamW moments split over this many DDP replicas
+    )
     cp_ring: bool = False  # parallel.cp_method = ring: no gathered K/V kept for the backward
 
 
@@ -92,10 +98,14 @@ def state_memory(params: float, x: MemoryInputs) -> Memory:
     """fp32 weights, fp32 gradients and AdamW moments of ``params`` (one tp rank's share)."""
     if x.cpu_offload:
         return Memory()
-    if x.shard > 1:  # FSDP2 (ZeRO 2 and 3) keeps all three sharded between uses; zero 2's gathered copies: gathered
+    if (
+        x.shard > 1
+    ):  # FSDP2 (ZeRO 2 and 3) keeps all three sharded between uses; zero 2's gathered copies: gathered
         weights, grads, optimizer = stage_state(params, x.shard, 3, 4, 4, 8)
     else:
-        weights, grads, optimizer = stage_state(params, x.optimizer_shard, 1 if x.optimizer_shard > 1 else 0, 4, 4, 8)
+        weights, grads, optimizer = stage_state(
+            params, x.optimizer_shard, 1 if x.optimizer_shard > 1 else 0, 4, 4, 8
+        )
     return Memory(weights=weights, gradients=grads, optimizer=optimizer)
 
 
@@ -108,7 +118,9 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     root = share.params(x.tp) - share.layers * block
     block -= x.expert_params * (1 - 1 / (x.ep * x.etp))  # only its own experts (ep), its width slice (etp)
     grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
-    staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0  # fp32 shards copied in, then cast
+    staging = (
+        4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
+    )  # fp32 shards copied in, then cast
     return compute * (gathered_layers * block + root) + grads + staging
 
 
@@ -126,19 +138,30 @@ def autocast_cache(share, args, x: MemoryInputs, compiled: bool, held_fixed: flo
     return max(0.0, BYTES[x.dtype] * params - held_fixed)
 
 
-def step_peak(state: Memory, gathered: float, cache: float, activations: float, backward: float,
-              grads_before: float) -> Memory:
+def step_peak(
+    state: Memory, gathered: float, cache: float, activations: float, backward: float, grads_before: float
+) -> Memory:
     """The busiest of three moments of a step without a pipeline. ``zero_grad(set_to_none)`` frees gradients
     after every step, so they build up during the backward while activations are freed (both per block):
     the end of the forward holds the activations, autocast's cache and the gradients of earlier
     micro-batches (``grads_before``); the start of the backward holds the activations and the backward's extra;
     its end holds every gradient and the extra."""
-    def moment(grads: float, held: float, extra: float, cached: float) -> Memory:
-        return Memory(weights=state.weights, gradients=grads, optimizer=state.optimizer, gathered=gathered + cached,
-                      activations=held, backward=extra)
 
-    moments = [moment(grads_before, activations, 0.0, cache), moment(grads_before, activations, backward, 0.0),
-               moment(state.gradients, 0.0, backward, 0.0)]
+    def moment(grads: float, held: float, extra: float, cached: float) -> Memory:
+        return Memory(
+            weights=state.weights,
+            gradients=grads,
+            optimizer=state.optimizer,
+            gathered=gathered + cached,
+            activations=held,
+            backward=extra,
+        )
+
+    moments = [
+        moment(grads_before, activations, 0.0, cache),
+        moment(grads_before, activations, backward, 0.0),
+        moment(state.gradients, 0.0, backward, 0.0),
+    ]
     return max(moments, key=lambda m: m.total)
 
 
@@ -151,8 +174,9 @@ def stored_blocks(ac: str, ac_every: int, n_layers: int) -> float:
     return 0.0  # full, or op-level (which recomputes the all-gathers below)
 
 
-def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: MemoryInputs, args, ac: str,
-                     stored: float) -> float:
+def stage_activation(
+    profile: ActivationProfile, layers: int, last: bool, x: MemoryInputs, args, ac: str, stored: float
+) -> float:
     """Bytes one micro-batch holds on a stage of ``layers`` blocks between its forward and backward. Tensor
     parallelism with sequence parallelism shards every activation but the all-gathered inputs of the
     column-parallel linears (attention and MLP input, the head's input), which a stored block keeps whole;
@@ -165,7 +189,9 @@ def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: Mem
     if x.tp > 1:
         gathered_inputs = 2 * layers * stored + (1 if last else 0)
         held += gathered_inputs * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
-    if x.etp > 1:  # tensor-parallel experts keep the tp group's routed slots whole (the permuted inputs of the
+    if (
+        x.etp > 1
+    ):  # tensor-parallel experts keep the tp group's routed slots whole (the permuted inputs of the
         # grouped GEMMs and the experts' outputs, k slots a token): estimated from the tensors kept, not measured
         held += 2 * args.moe_top_k * layers * stored * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
     if x.cp > 1 and ac != "full" and not x.cp_ring:
@@ -174,7 +200,9 @@ def stage_activation(profile: ActivationProfile, layers: int, last: bool, x: Mem
     return held
 
 
-def pipeline_peak(actions: list[tuple[str, int, int]], per_stage: dict[int, float], split_backward: bool) -> float:
+def pipeline_peak(
+    actions: list[tuple[str, int, int]], per_stage: dict[int, float], split_backward: bool
+) -> float:
     """Largest sum of activations in flight on one pp rank over its schedule: a forward adds its stage's
     activations, the backward that finishes with them (the weight pass of split-backward schedules) frees them."""
     held = peak = 0.0
@@ -202,13 +230,17 @@ def zero_model_state(params: float, n_gpus: int, stage: int, k: int = 12) -> flo
     return sum(stage_state(params, n_gpus, stage, 2, 2, k))
 
 
-def stage_state(params: float, n_gpus: int, stage: int, weight_bytes: float, grad_bytes: float,
-                optimizer_bytes: float) -> tuple[float, float, float]:
+def stage_state(
+    params: float, n_gpus: int, stage: int, weight_bytes: float, grad_bytes: float, optimizer_bytes: float
+) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes per GPU under ZeRO ``stage``: what the stage shards is divided
     by ``n_gpus``. The paper's accounting is (2, 2, 12) bytes a parameter (``zero_model_state``); loom's
     ``state_memory`` is (4, 4, 8): fp32 weights that are their own master copy, fp32 gradients, AdamW moments."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {stage}: expected 0, 1, 2 or 3")
     n = {name: (n_gpus if stage >= s else 1) for name, s in (("optimizer", 1), ("grads", 2), ("weights", 3))}
-    return (weight_bytes * params / n["weights"], grad_bytes * params / n["grads"],
-            optimizer_bytes * params / n["optimizer"])
+    return (
+        weight_bytes * params / n["weights"],
+        grad_bytes * params / n["grads"],
+        optimizer_bytes * params / n["optimizer"],
+    )

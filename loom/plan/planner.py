@@ -16,18 +16,46 @@ from dataclasses import dataclass, field
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
 from loom.data import build_tokenizer
+from loom.methods import resolve
 from loom.models.registry import spec_of
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
-from loom.parallel.pipeline import SPLIT_BACKWARD, schedule_actions, stage_ids, stages_per_rank, theoretical_bubble
+from loom.parallel.pipeline import (
+    SPLIT_BACKWARD,
+    schedule_actions,
+    stage_ids,
+    stages_per_rank,
+    theoretical_bubble,
+)
 from loom.plan.activations import profile_activations
 from loom.plan.hardware import GPU
-from loom.plan.memory import (BYTES, GIB, WORKSPACE_BYTES, Memory, MemoryInputs, autocast_cache, gathered_memory,
-                              held_params, pipeline_peak, stage_activation, state_memory, step_peak, stored_blocks,
-                              with_workspace)
+from loom.plan.memory import (
+    BYTES,
+    GIB,
+    WORKSPACE_BYTES,
+    Memory,
+    MemoryInputs,
+    autocast_cache,
+    gathered_memory,
+    held_params,
+    pipeline_peak,
+    stage_activation,
+    state_memory,
+    step_peak,
+    stored_blocks,
+    with_workspace,
+)
 from loom.plan.shapes import block_params, expert_params, rank_shares
-from loom.plan.timing import (ADAMW_BYTES_PER_PARAM, ADAMW_HBM_SHARE, StepTime, attention_efficiency, attention_flops,
-                              collective_s, efficiency, moe_overhead_s, recompute_share)
-from loom.methods import resolve
+from loom.plan.timing import (
+    ADAMW_BYTES_PER_PARAM,
+    ADAMW_HBM_SHARE,
+    StepTime,
+    attention_efficiency,
+    attention_flops,
+    collective_s,
+    efficiency,
+    moe_overhead_s,
+    recompute_share,
+)
 from loom.resolve import accumulation_steps, model_kernels, resolve_model_args
 
 # Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
@@ -46,7 +74,9 @@ class Estimate:
     capacity_gib: float
     notes: list[str] = field(default_factory=list)
     margin_gib: float = 0.0  # left free under capacity_gib
-    host_gib: float = 0.0  # parallel.cpu_offload: weights, gradients and AdamW state each rank keeps in host memory
+    host_gib: float = (
+        0.0  # parallel.cpu_offload: weights, gradients and AdamW state each rank keeps in host memory
+    )
     host_limit_gib: float = math.inf  # what a rank may keep there (HOST_GIB_PER_GPU)
 
     @property
@@ -63,32 +93,48 @@ class Estimate:
 
 
 def layout_name(layout: dict) -> str:
-    parts = [f"{a}{layout[a]}" for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
-             if layout.get(a, 1) > 1]
+    parts = [
+        f"{a}{layout[a]}"
+        for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
+        if layout.get(a, 1) > 1
+    ]
     if layout["pp"] > 1:
         parts.append(layout["pp_schedule"])
     if layout.get("cpu_offload"):
         parts.append("cpu_offload")
     if layout.get("zero") in (1, 2):  # 0 and 3 are what the degrees say (DDP, FSDP2)
         parts.append(f"zero{layout['zero']}")
-    return " ".join(parts or ["single"]) + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
+    return (
+        " ".join(parts or ["single"])
+        + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
+    )
 
 
 def check_modelled(cfg: Config, args=None) -> None:
     """What the planner does not model (``args``: the resolved model, once known)."""
     if cfg.model.attention == "flex":
-        raise ConfigError("model.attention", "flex", "loom plan does not model FlexAttention (its activations are "
-                          "traced on the CPU, where Flex has no backward): allowed auto | sdpa | flash")
+        raise ConfigError(
+            "model.attention",
+            "flex",
+            "loom plan does not model FlexAttention (its activations are "
+            "traced on the CPU, where Flex has no backward): allowed auto | sdpa | flash",
+        )
     if args is not None and args.moe and cfg.training.dtype != "bfloat16":
-        raise ConfigError("training.dtype", cfg.training.dtype, "loom plan models mixture-of-experts models in "
-                          "bfloat16 only (their activations are traced through the bf16 grouped GEMM)")
+        raise ConfigError(
+            "training.dtype",
+            cfg.training.dtype,
+            "loom plan models mixture-of-experts models in "
+            "bfloat16 only (their activations are traced through the bf16 grouped GEMM)",
+        )
 
 
 def model_args(cfg: Config):
     """The model's shape and the kernels a CUDA run with Triton picks (the trainer's resolution, without timing
     attention)."""
     check_modelled(cfg)
-    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer), model_kernels(cfg, "cuda", triton=True))
+    args = resolve_model_args(
+        cfg, build_tokenizer(cfg.data.tokenizer), model_kernels(cfg, "cuda", triton=True)
+    )
     check_modelled(cfg, args)
     return args
 
@@ -102,7 +148,7 @@ def traced_args(args, compile: bool):
 def spans_nodes(dims: ParallelDims, axes: tuple[str, ...], gpu: GPU) -> bool:
     """Whether a group over ``axes`` (adjacent in the mesh order) has ranks on more than one node."""
     inner = 1
-    for a in AXIS_ORDER[AXIS_ORDER.index(axes[-1]) + 1:]:
+    for a in AXIS_ORDER[AXIS_ORDER.index(axes[-1]) + 1 :]:
         inner *= getattr(dims, a)
     size = math.prod(getattr(dims, a) for a in axes)
     return inner * size > gpu.gpus_per_node
@@ -121,8 +167,9 @@ def validate(cfg: Config, world_size: int):
     return run.dims, run.model_args, run.accum
 
 
-def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = None,
-             margin_gib: float | None = None) -> Estimate:
+def estimate(
+    cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = None, margin_gib: float | None = None
+) -> Estimate:
     """Memory and step time of ``cfg`` on ``world_size`` GPUs of kind ``gpu`` (raises ConfigError when loom
     would reject the layout). ``profiles`` caches activation traces across calls (search); ``margin_gib``: memory
     a fitting layout leaves free (default ``MARGIN`` of the GPU's)."""
@@ -138,9 +185,14 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
     mfu = tokens * spec_of(args).flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
     layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
-    layout.update(pp_schedule=p.pp_schedule, micro_batch_size=t.micro_batch_size,
-                  activation_checkpointing=t.activation_checkpointing, accumulation=m, cpu_offload=p.cpu_offload,
-                  zero=dims.zero)
+    layout.update(
+        pp_schedule=p.pp_schedule,
+        micro_batch_size=t.micro_batch_size,
+        activation_checkpointing=t.activation_checkpointing,
+        accumulation=m,
+        cpu_offload=p.cpu_offload,
+        zero=dims.zero,
+    )
     notes = []
     host = max(offloaded_state(held_params(share, x), x) for share in shares)
     if p.cpu_offload:
@@ -148,35 +200,70 @@ def estimate(cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = Non
     if t.float8 != "none":
         notes.append("float8 is not modelled: estimated as bf16")
     if dims.tp > 1 and not t.compile:
-        notes.append("eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
-                     "not in this estimate (docs/benchmarks.md)")
+        notes.append(
+            "eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
+            "not in this estimate (docs/benchmarks.md)"
+        )
     margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
-    return Estimate(layout, memory, time, tokens, mfu, gpu.memory_gib, notes, margin, host / GIB,
-                    HOST_GIB_PER_GPU if p.cpu_offload else math.inf)
+    return Estimate(
+        layout,
+        memory,
+        time,
+        tokens,
+        mfu,
+        gpu.memory_gib,
+        notes,
+        margin,
+        host / GIB,
+        HOST_GIB_PER_GPU if p.cpu_offload else math.inf,
+    )
 
 
 def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
     t, p = cfg.training, cfg.parallel
     split = dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD
-    return MemoryInputs(dtype=t.dtype, tp=dims.tp, cp=dims.cp,
-                        shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
-                        fsdp=dims.fsdp_applied or p.cpu_offload,  # offload: FSDP2 on one rank too
-                        reshard_after_forward=dims.reshard_after_forward and not split, micro_batch=t.micro_batch_size,
-                        seq_len=t.seq_len, cpu_offload=p.cpu_offload, ep=dims.ep,
-                        expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0, etp=dims.etp,
-                        optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1,
-                        cp_ring=dims.cp > 1 and p.cp_method == "ring")
+    return MemoryInputs(
+        dtype=t.dtype,
+        tp=dims.tp,
+        cp=dims.cp,
+        shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
+        fsdp=dims.fsdp_applied or p.cpu_offload,  # offload: FSDP2 on one rank too
+        reshard_after_forward=dims.reshard_after_forward and not split,
+        micro_batch=t.micro_batch_size,
+        seq_len=t.seq_len,
+        cpu_offload=p.cpu_offload,
+        ep=dims.ep,
+        expert_params=args.moe_experts * expert_params(args) if args.moe else 0.0,
+        etp=dims.etp,
+        optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1,
+        cp_ring=dims.cp > 1 and p.cp_method == "ring",
+    )
 
 
 def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, profiles: dict | None = None):
     """The traced activation bytes of this config (``profiles`` caches them across calls)."""
     t = cfg.training
     traced = traced_args(args, t.compile)
-    key = (traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp, t.activation_checkpointing, t.ac_every)
+    key = (
+        traced,
+        t.seq_len // dims.cp,
+        t.micro_batch_size,
+        t.dtype,
+        x.fsdp,
+        t.activation_checkpointing,
+        t.ac_every,
+    )
     profiles = {} if profiles is None else profiles
     if key not in profiles:
-        profiles[key] = profile_activations(traced, t.seq_len // dims.cp, t.micro_batch_size, t.dtype, x.fsdp,
-                                            t.activation_checkpointing, t.ac_every)
+        profiles[key] = profile_activations(
+            traced,
+            t.seq_len // dims.cp,
+            t.micro_batch_size,
+            t.dtype,
+            x.fsdp,
+            t.activation_checkpointing,
+            t.ac_every,
+        )
     return profiles[key]
 
 
@@ -185,10 +272,16 @@ class RankNeeds:
     """What the busiest rank of a run needs, for ``loom train``'s check against this machine's memory."""
 
     params: float  # parameters it holds before data-parallel sharding
-    state_bytes: float  # fp32 weights, gradients and AdamW moments after sharding (0 with cpu_offload: on the host)
-    peak_bytes: float | None  # a training step's peak (state, activations, gathered weights); None: not modelled
+    state_bytes: (
+        float  # fp32 weights, gradients and AdamW moments after sharding (0 with cpu_offload: on the host)
+    )
+    peak_bytes: (
+        float | None
+    )  # a training step's peak (state, activations, gathered weights); None: not modelled
     activation_bytes: float  # of that peak, the activations (and the backward's extra) of one micro-batch
-    fixed_bytes: float = 0.0  # of that peak, what does not grow with the micro-batch (state, gathered weights,
+    fixed_bytes: float = (
+        0.0  # of that peak, what does not grow with the micro-batch (state, gathered weights,
+    )
     # the allocator's fixed workspace); the rest grows about in proportion to it
     host_bytes: float = 0.0  # parallel.cpu_offload: the state it keeps in host memory instead
 
@@ -212,7 +305,13 @@ def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = 
     busiest = max(memories, key=lambda mem: mem.total)
     gpu = device != "cpu"
     total = busiest.total - (0.0 if gpu else busiest.workspace)
-    fixed = busiest.weights + busiest.gradients + busiest.optimizer + busiest.gathered + (WORKSPACE_BYTES if gpu else 0)
+    fixed = (
+        busiest.weights
+        + busiest.gradients
+        + busiest.optimizer
+        + busiest.gathered
+        + (WORKSPACE_BYTES if gpu else 0)
+    )
     return RankNeeds(params, state_bytes, total, busiest.activations + busiest.backward, fixed, host)
 
 
@@ -229,11 +328,12 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
     backward = profile.backward_peak / dims.tp
     if dims.pp > 1:  # several micro-batches in flight in different phases: every term at once
-
         per_rank = stages_per_rank(cfg.parallel)
         ids = stage_ids(rank, dims.pp, per_rank, cfg.parallel.pp_schedule)
-        per_stage = {s: stage_activation(profile, len(layers), last, x, args, ac, stored)
-                     for s, layers, last in zip(ids, share.stages, share.last)}
+        per_stage = {
+            s: stage_activation(profile, len(layers), last, x, args, ac, stored)
+            for s, layers, last in zip(ids, share.stages, share.last)
+        }
         actions = schedule_actions(cfg.parallel.pp_schedule, dims.pp, m, per_rank)[rank]
         split = cfg.parallel.pp_schedule in SPLIT_BACKWARD
         state.activations = pipeline_peak(actions, per_stage, split)
@@ -243,7 +343,9 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     activations = stage_activation(profile, share.layers, True, x, args, ac, stored)
     held_fixed = (share.layers * profile.layer_fixed + profile.head_fixed) / dims.tp
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
-    grads_before = state.gradients if m > 1 else 0.0  # earlier micro-batches' (accumulated or sharded) gradients
+    grads_before = (
+        state.gradients if m > 1 else 0.0
+    )  # earlier micro-batches' (accumulated or sharded) gradients
     return with_workspace(step_peak(state, gathered, cache, activations, backward, grads_before))
 
 
@@ -255,11 +357,17 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
     head = args.vocab_size * args.dim if any(share.last) else 0
     block_mm = 6 * share.active_matmul_params / dims.tp * tokens * (1 + rec_mm)
-    head_dim = (args.head_dim + args.value_head_dim) / 2  # scores over q/k's width, the sum over v's (MLA: apart)
-    attention = attention_flops(share.layers, args.n_heads, head_dim, t.seq_len, tokens,
-                                args.sliding_window) / dims.tp * (1 + rec_attn)
-    compute_mb = (block_mm + 6 * head / dims.tp * tokens) / (peak * eff) \
-        + attention / (peak * attention_efficiency(args.head_dim, t.seq_len))
+    head_dim = (
+        args.head_dim + args.value_head_dim
+    ) / 2  # scores over q/k's width, the sum over v's (MLA: apart)
+    attention = (
+        attention_flops(share.layers, args.n_heads, head_dim, t.seq_len, tokens, args.sliding_window)
+        / dims.tp
+        * (1 + rec_attn)
+    )
+    compute_mb = (block_mm + 6 * head / dims.tp * tokens) / (peak * eff) + attention / (
+        peak * attention_efficiency(args.head_dim, t.seq_len)
+    )
     if args.moe:
         moe_mb = moe_time_s(share, args, dims, tokens, t, gpu)
         compute_mb += moe_mb.extra_matmul / (peak * eff)
@@ -274,14 +382,17 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     own = held_params(share, x) / x.shard
     st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
-    if x.cpu_offload:  # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
+    if (
+        x.cpu_offload
+    ):  # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
         st.optimizer = host_step_s(own, m)
         st.fsdp += offload_copies_s(own, root_share(share, args, x), x, compute_mb, m, dims.world_size, gpu)
     c = BYTES[t.dtype]
     recomputed = t.activation_checkpointing == "full"
     if dims.tp > 1:
-        per_block = (8 + (4 if recomputed else 0)) * collective_s(tokens * args.dim * c, dims.tp,
-                                                                   _bandwidth(dims, ("tp",), gpu))
+        per_block = (8 + (4 if recomputed else 0)) * collective_s(
+            tokens * args.dim * c, dims.tp, _bandwidth(dims, ("tp",), gpu)
+        )
         st.tp = m * share.layers * per_block
     if dims.ep > 1:  # every routed token-slot to its expert's rank and back, forward and backward, exposed
         # each tp rank sends its sequence slice; with tensor-parallel experts, the tp group's gathered slots
@@ -291,15 +402,23 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
         bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
         per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.layers * per_block
-    if dims.etp > 1:  # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
-        rerun = moe_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)  # per block, forward and backward
-        per_block = (4 + 2 * rerun) * collective_s(tokens * args.dim * c, dims.tp, _bandwidth(dims, ("tp",), gpu))
+    if (
+        dims.etp > 1
+    ):  # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
+        rerun = moe_rerun(
+            t.activation_checkpointing, t.ac_every, args.n_layers
+        )  # per block, forward and backward
+        per_block = (4 + 2 * rerun) * collective_s(
+            tokens * args.dim * c, dims.tp, _bandwidth(dims, ("tp",), gpu)
+        )
         st.tp += m * share.layers * per_block
     if dims.cp > 1:
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
         bandwidth = _bandwidth(dims, ("cp",), gpu)
         if x.cp_ring:
-            block_attention = attention / (peak * attention_efficiency(args.head_dim, t.seq_len)) / share.layers
+            block_attention = (
+                attention / (peak * attention_efficiency(args.head_dim, t.seq_len)) / share.layers
+            )
             per_block = ring_exposed_s(kv, c, dims.cp, bandwidth, block_attention, recomputed)
         else:
             per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, bandwidth)
@@ -307,7 +426,9 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     return st
 
 
-def ring_exposed_s(kv: float, dtype_bytes: int, cp: int, gbps: float, attention_s: float, recomputed: bool) -> float:
+def ring_exposed_s(
+    kv: float, dtype_bytes: int, cp: int, gbps: float, attention_s: float, recomputed: bool
+) -> float:
     """Exposed seconds of one block's ring attention (parallel.cp_method = ring): forward sends cp - 1 K/V blocks
     of ``kv`` / cp bytes (``kv``: the whole sequence's K and V), backward cp - 1 again plus cp fp32 dK/dV
     accumulators, each hidden behind the block's attention (``attention_s``, forward + backward, split 1 : 2.5
@@ -378,8 +499,10 @@ def offloaded_state(params: float, x: MemoryInputs) -> float:
 
 def host_step_s(own: float, m: int) -> float:
     """Seconds of the optimizer step on the host for ``own`` parameters, with ``m`` micro-batches' gradients."""
-    return ((ADAMW_BYTES_PER_PARAM + HOST_ACCUMULATE_BYTES * (m - 1)) / (HOST_GBPS * 1e9)
-            + 4 / (HOST_NORM_GBPS * 1e9)) * own
+    return (
+        (ADAMW_BYTES_PER_PARAM + HOST_ACCUMULATE_BYTES * (m - 1)) / (HOST_GBPS * 1e9)
+        + 4 / (HOST_NORM_GBPS * 1e9)
+    ) * own
 
 
 def offload_bytes(own: float, root: float, x: MemoryInputs) -> tuple[float, float]:
@@ -395,8 +518,9 @@ def root_share(share, args, x: MemoryInputs) -> float:
     return (share.params(x.tp) - share.layers * block_params(args, x.tp)) / x.shard
 
 
-def offload_copies_s(own: float, root: float, x: MemoryInputs, compute_mb: float, m: int, world: int,
-                     gpu: GPU) -> float:
+def offload_copies_s(
+    own: float, root: float, x: MemoryInputs, compute_mb: float, m: int, world: int, gpu: GPU
+) -> float:
     """Exposed seconds of the host <-> GPU copies per step. On one rank FSDP2 copies the shards in on the compute
     stream (its 1-rank path gathers nothing, so the copy is not prefetched): exposed in full; the gradients go out
     on its reduction stream, behind the backward (two thirds of the compute). On more ranks the copies run on
@@ -413,11 +537,13 @@ def offload_note(host: float, shares, args, dims, x: MemoryInputs, gpu: GPU) -> 
     h2d, d2h = offload_bytes(held_params(share, x) / x.shard, root_share(share, args, x), x)
     per_node = min(gpu.gpus_per_node, dims.world_size)
     node = f" ({host * per_node / GIB:,.1f} GiB for {per_node} ranks on a node)" if per_node > 1 else ""
-    return (f"cpu_offload: weights, gradients and AdamW state in host memory, {host / GIB:,.1f} GiB per rank{node} "
-            f"(assumed available: {HOST_GIB_PER_GPU:g} GiB per GPU); per micro-batch {h2d / 1e9:,.2f} GB to the GPU "
-            f"and {d2h / 1e9:,.2f} GB back, at an assumed {pcie_gbps(gpu):g} GB/s per direction (PCIe; in 'fsdp'); "
-            f"the step on the host at {HOST_GBPS:g} GB/s and its gradient norm at {HOST_NORM_GBPS:g} GB/s (fitted to "
-            "one H100 host; in 'optimizer')")
+    return (
+        f"cpu_offload: weights, gradients and AdamW state in host memory, {host / GIB:,.1f} GiB per rank{node} "
+        f"(assumed available: {HOST_GIB_PER_GPU:g} GiB per GPU); per micro-batch {h2d / 1e9:,.2f} GB to the GPU "
+        f"and {d2h / 1e9:,.2f} GB back, at an assumed {pcie_gbps(gpu):g} GB/s per direction (PCIe; in 'fsdp'); "
+        f"the step on the host at {HOST_GBPS:g} GB/s and its gradient norm at {HOST_NORM_GBPS:g} GB/s (fitted to "
+        "one H100 host; in 'optimizer')"
+    )
 
 
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
@@ -430,8 +556,9 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
         gathers = 2 if x.reshard_after_forward else 1
         per_mb = collective_s(gathers * c * params + 4 * params, x.shard, bw)
         if dims.dp_replicate > 1:  # HSDP: the shard's gradients all-reduced across replicas
-            per_mb += 2 * collective_s(4 * params / x.shard, dims.dp_replicate,
-                                       _bandwidth(dims, ("dp_replicate",), gpu))
+            per_mb += 2 * collective_s(
+                4 * params / x.shard, dims.dp_replicate, _bandwidth(dims, ("dp_replicate",), gpu)
+            )
         edges = collective_s((c + 4) * block, x.shard, bw)  # the first gather and the last reduction
         return m * (max(0.0, per_mb - compute_mb) + edges)
     if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
@@ -439,12 +566,18 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
         reduce = 2 * collective_s(4 * params, dims.dp_replicate, bw)
         # ZeRO-1: each replica's updated fp32 parameters go to the others after the step (an all-gather's bytes)
         gather = collective_s(4 * params, dims.dp_replicate, bw) if dims.shard_optimizer else 0.0
-        return max(0.0, reduce - compute_mb * 2 / 3) + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw) + gather
+        return (
+            max(0.0, reduce - compute_mb * 2 / 3)
+            + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw)
+            + gather
+        )
     return 0.0
 
 
 # ------------------------------------------------------------------------------------------------- search
-def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False, offload: bool = False) -> list[Config]:
+def candidates(
+    cfg: Config, world_size: int, max_tp: int, moe: bool = False, offload: bool = False
+) -> list[Config]:
     """Every layout of ``world_size`` ranks with the config's global batch: degrees, pipeline schedule,
     micro-batch size, activation checkpointing and, for a MoE model (``moe``) under tp, replicated or
     tensor-parallel experts; with ``offload``, those that parallel.cpu_offload takes (tp = pp = 1), offloaded.
@@ -452,7 +585,7 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False, off
     out = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp in (d for d in divisors if d <= (1 if offload else max_tp)):
-        for pp in (divisors if not offload else [1]):
+        for pp in divisors if not offload else [1]:
             for cp in divisors:
                 for rep in divisors:
                     rest = world_size // (tp * pp * cp * rep) if world_size % (tp * pp * cp * rep) == 0 else 0
@@ -462,8 +595,11 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False, off
                     if cfg.training.global_batch_size % dp:
                         continue
                     local = cfg.training.global_batch_size // dp
-                    schedules = sorted({cfg.parallel.pp_schedule, "1f1b", "interleaved_1f1b"}) if pp > 1 else \
-                        [cfg.parallel.pp_schedule]
+                    schedules = (
+                        sorted({cfg.parallel.pp_schedule, "1f1b", "interleaved_1f1b"})
+                        if pp > 1
+                        else [cfg.parallel.pp_schedule]
+                    )
                     for mb in (d for d in range(1, local + 1) if local % d == 0):
                         for ac in ("none", "op", "full"):
                             for schedule in schedules:
@@ -474,7 +610,9 @@ def candidates(cfg: Config, world_size: int, max_tp: int, moe: bool = False, off
                                 c.parallel.pp_virtual_stages = 0
                                 c.parallel.etp = 1
                                 c.parallel.cpu_offload = offload
-                                c.parallel.zero = -1  # the degrees above decide; the stages are variants below
+                                c.parallel.zero = (
+                                    -1
+                                )  # the degrees above decide; the stages are variants below
                                 c.training.micro_batch_size = mb
                                 c.training.activation_checkpointing = ac
                                 out.append(c)
@@ -500,8 +638,14 @@ def zero_variants(c: Config) -> list[Config]:
     return [z]
 
 
-def search(cfg: Config, world_size: int, gpu: GPU, top: int = 10, margin_gib: float | None = None,
-           progress: Callable[[int, int, int], None] | None = None) -> tuple[list[Estimate], int]:
+def search(
+    cfg: Config,
+    world_size: int,
+    gpu: GPU,
+    top: int = 10,
+    margin_gib: float | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> tuple[list[Estimate], int]:
     """The ``top`` fastest layouts that fit in memory less ``margin_gib`` (``estimate``'s default), fastest first,
     and how many layouts were valid. Where none fits with the state on the GPUs, the layouts of parallel.cpu_offload
     are searched next (weights, gradients and AdamW state in host memory: slower, but the GPU holds only the working

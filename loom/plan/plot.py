@@ -5,7 +5,7 @@ throughput per GPU). The data are plain functions of the planner's ``Estimate``s
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from loom.config.errors import ConfigError, UserError
 from loom.metrics.report import new_figure
@@ -47,13 +47,25 @@ def _roofline_panel(ax, roofline) -> None:
     lo = min(0.1, min(i for _, i, _ in points) / 2)
     hi = max(10 * peak / hbm, max(i for _, i, _ in points) * 2)
     xs = [lo * (hi / lo) ** (k / 200) for k in range(201)]
-    ax.plot(xs, [min(peak, x * hbm) / 1e12 for x in xs], color="black",
-            label=f"roof: {peak / 1e12:.0f} TFLOP/s, {gpu.hbm_tbps} TB/s")
+    ax.plot(
+        xs,
+        [min(peak, x * hbm) / 1e12 for x in xs],
+        color="black",
+        label=f"roof: {peak / 1e12:.0f} TFLOP/s, {gpu.hbm_tbps} TB/s",
+    )
     for i, (name, intensity, ceiling) in enumerate(points):
         step = name == "step"
-        ax.scatter([intensity], [ceiling / 1e12], marker="*" if step else "o", s=120 if step else 30,
-                   color="red" if step else f"C{i % 10}", zorder=3)
-        ax.annotate(name, (intensity, ceiling / 1e12), fontsize="x-small", xytext=(3, 3), textcoords="offset points")
+        ax.scatter(
+            [intensity],
+            [ceiling / 1e12],
+            marker="*" if step else "o",
+            s=120 if step else 30,
+            color="red" if step else f"C{i % 10}",
+            zorder=3,
+        )
+        ax.annotate(
+            name, (intensity, ceiling / 1e12), fontsize="x-small", xytext=(3, 3), textcoords="offset points"
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity, FLOP per HBM byte")
@@ -73,8 +85,9 @@ def plan_figure(result: Estimate | None, ranked: Sequence[Estimate] = (), roofli
     labels = [label for label, _ in layouts]
     x = list(range(len(layouts)))
     panels = 1 + bool(ranked) + bool(roofline)
-    fig = new_figure("loom plan --plot", figsize=(max(6.0, 1.1 * len(layouts) + 3) * panels, 5.5),
-                     layout="constrained")
+    fig = new_figure(
+        "loom plan --plot", figsize=(max(6.0, 1.1 * len(layouts) + 3) * panels, 5.5), layout="constrained"
+    )
     axes = fig.subplots(1, panels, squeeze=False).ravel()
     ax = axes[0]
     bottom = [0.0] * len(layouts)
@@ -87,8 +100,12 @@ def plan_figure(result: Estimate | None, ranked: Sequence[Estimate] = (), roofli
     first = layouts[0][1]  # every layout is on the same GPU kind, with the same margin
     ax.axhline(first.capacity_gib, color="black", label=f"GPU memory {first.capacity_gib:.1f} GiB")
     if first.margin_gib:
-        ax.axhline(first.limit_gib, color="black", linestyle="--",
-                   label=f"fits below {first.limit_gib:.1f} GiB ({first.margin_gib:.1f} GiB margin)")
+        ax.axhline(
+            first.limit_gib,
+            color="black",
+            linestyle="--",
+            label=f"fits below {first.limit_gib:.1f} GiB ({first.margin_gib:.1f} GiB margin)",
+        )
     ax.set_title("memory per GPU (busiest rank)")
     ax.set_ylabel("GiB")
     _labels(ax, x, labels)
@@ -96,7 +113,12 @@ def plan_figure(result: Estimate | None, ranked: Sequence[Estimate] = (), roofli
     if ranked:
         ax = axes[1]
         values = throughputs(layouts)
-        bars = ax.bar(x, values, width=0.6, color=["gray" if label.startswith("configured") else "C0" for label in labels])
+        bars = ax.bar(
+            x,
+            values,
+            width=0.6,
+            color=["gray" if label.startswith("configured") else "C0" for label in labels],
+        )
         ax.bar_label(bars, labels=[f"MFU {100 * e.mfu:.0f}%" for _, e in layouts], fontsize="small")
         ax.set_title("throughput per GPU (fastest that fit first)")
         ax.set_ylabel("tokens/s per GPU")

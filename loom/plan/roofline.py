@@ -64,8 +64,11 @@ class Op:
     def times(self, gpu: GPU, dtype: str) -> dict[str, float]:
         """Seconds at each roof: compute, HBM, network."""
         network = self.comm_bytes / (self.comm_gbps * 1e9) if self.comm_bytes else 0.0
-        return {"compute": self.flops / gpu.peak(dtype), "HBM": self.hbm_bytes / (gpu.hbm_tbps * 1e12),
-                "network": network}
+        return {
+            "compute": self.flops / gpu.peak(dtype),
+            "HBM": self.hbm_bytes / (gpu.hbm_tbps * 1e12),
+            "network": network,
+        }
 
     def bound(self, gpu: GPU, dtype: str) -> str:
         times = self.times(gpu, dtype)
@@ -103,14 +106,21 @@ def _ops(cfg, dims, args, m, x, shares, link) -> tuple[list[Op], dict]:
     share = max(shares, key=lambda s: (s.layers, any(s.last)))
     c = BYTES[t.dtype]
     tp, cp = dims.tp, dims.cp
-    tokens = x.micro_batch * t.seq_len / cp  # per micro-batch on this rank (whole, as the matmuls see them under SP)
+    tokens = (
+        x.micro_batch * t.seq_len / cp
+    )  # per micro-batch on this rank (whole, as the matmuls see them under SP)
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
     n = share.layers * m  # block calls per step
     e, hd, hq, hkv, f = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim
-    ops = [matmul("wq", n, tokens, e, hq * hd / tp, c), matmul("wk", n, tokens, e, hkv * hd / tp, c),
-           matmul("wv", n, tokens, e, hkv * hd / tp, c), matmul("wo", n, tokens, hq * hd / tp, e, c),
-           matmul("w1 (gate)", n, tokens, e, f / tp, c), matmul("w3 (up)", n, tokens, e, f / tp, c),
-           matmul("w2 (down)", n, tokens, f / tp, e, c)]
+    ops = [
+        matmul("wq", n, tokens, e, hq * hd / tp, c),
+        matmul("wk", n, tokens, e, hkv * hd / tp, c),
+        matmul("wv", n, tokens, e, hkv * hd / tp, c),
+        matmul("wo", n, tokens, hq * hd / tp, e, c),
+        matmul("w1 (gate)", n, tokens, e, f / tp, c),
+        matmul("w3 (up)", n, tokens, e, f / tp, c),
+        matmul("w2 (down)", n, tokens, f / tp, e, c),
+    ]
     if rec_mm:  # recomputation's extra forward matmuls, as a share of forward + backward
         for op in ops:
             op.flops, op.hbm_bytes = op.flops * (1 + rec_mm), op.hbm_bytes * (1 + rec_mm)
@@ -121,13 +131,21 @@ def _ops(cfg, dims, args, m, x, shares, link) -> tuple[list[Op], dict]:
     attn_bytes = ((2 * qo + 2 * kv) + (3 * qo + 2 * kv + qo + 2 * kv)) * c * (1 + rec_attn)
     ops.append(Op("attention", n, n * attn_flops, n * attn_bytes))
     ops.append(Op("rmsnorm", 2 * n, 2 * n * NORM_FLOPS * tokens * e, 2 * n * NORM_ELEMENTS * tokens * e * c))
-    ops.append(Op("swiglu gate", n, n * SWIGLU_FLOPS * tokens * f / tp, n * SWIGLU_ELEMENTS * tokens * f / tp * c))
+    ops.append(
+        Op("swiglu gate", n, n * SWIGLU_FLOPS * tokens * f / tp, n * SWIGLU_ELEMENTS * tokens * f / tp * c)
+    )
     if any(share.last):
         v = args.vocab_size
         ops.append(matmul("head", m, tokens, e, v / tp, c))
         ops.append(Op("final rmsnorm", m, m * NORM_FLOPS * tokens * e, m * NORM_ELEMENTS * tokens * e * c))
-        ops.append(Op("cross-entropy", m, m * CROSS_ENTROPY_FLOPS * tokens * v / tp,
-                      m * CROSS_ENTROPY_BYTES * tokens * v / tp))
+        ops.append(
+            Op(
+                "cross-entropy",
+                m,
+                m * CROSS_ENTROPY_FLOPS * tokens * v / tp,
+                m * CROSS_ENTROPY_BYTES * tokens * v / tp,
+            )
+        )
     own = held_params(share, x) / x.shard
     ops.append(Op("adamw", 1, ADAMW_FLOPS * own, ADAMW_BYTES_PER_PARAM * own))
     ops += _collectives(cfg, dims, args, m, x, share, tokens, n, link)
@@ -145,12 +163,25 @@ def _collectives(cfg, dims, args, m, x, share, tokens, n, link) -> list[Op]:
         out.append((collective("fsdp reduce-scatter", m, 4 * params, x.shard, 0), ("dp_shard", "cp")))
     if dims.dp_replicate > 1:
         grads = 4 * params / (x.shard if dims.fsdp_enabled else 1)
-        out.append((collective("dp all-reduce", 1 if not dims.fsdp_enabled else m, grads, dims.dp_replicate, 0,
-                               all_reduce=True), ("dp_replicate",)))
+        out.append(
+            (
+                collective(
+                    "dp all-reduce",
+                    1 if not dims.fsdp_enabled else m,
+                    grads,
+                    dims.dp_replicate,
+                    0,
+                    all_reduce=True,
+                ),
+                ("dp_replicate",),
+            )
+        )
     recomputed = t.activation_checkpointing == "full"
     if dims.tp > 1:
         count = n * (8 + (4 if recomputed else 0))
-        out.append((collective("tp all-gather / reduce-scatter", count, tokens * args.dim * c, dims.tp, 0), ("tp",)))
+        out.append(
+            (collective("tp all-gather / reduce-scatter", count, tokens * args.dim * c, dims.tp, 0), ("tp",))
+        )
     if dims.cp > 1:
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
         if cfg.parallel.cp_method == "ring":
@@ -163,8 +194,12 @@ def _collectives(cfg, dims, args, m, x, share, tokens, n, link) -> list[Op]:
             out.append((collective("cp K/V all-gather / reduce-scatter", count, kv, dims.cp, 0), ("cp",)))
     if dims.pp > 1:
         act = tokens * args.dim * c
-        out.append((Op("pp send / recv", 2 * m * len(share.stages), 0.0, 0.0, 2 * m * len(share.stages) * act),
-                    ("pp",)))
+        out.append(
+            (
+                Op("pp send / recv", 2 * m * len(share.stages), 0.0, 0.0, 2 * m * len(share.stages) * act),
+                ("pp",),
+            )
+        )
     for op, axes in out:
         op.comm_gbps = link(axes)
     return [op for op, _ in out]
@@ -179,31 +214,52 @@ def roofline(cfg: Config, world_size: int, gpu: GPU) -> tuple[list[Op], dict]:
 
     dims, args, m = validate(cfg, world_size)
     if args.moe or args.mla:
-        raise ConfigError("--roofline", None, "models dense attention and SwiGLU blocks only (not mixture of "
-                          "experts or multi-head latent attention yet)", show_value=False)
+        raise ConfigError(
+            "--roofline",
+            None,
+            "models dense attention and SwiGLU blocks only (not mixture of "
+            "experts or multi-head latent attention yet)",
+            show_value=False,
+        )
     x = memory_inputs(cfg, dims, args)
-    ops, what = _ops(cfg, dims, args, m, x, rank_shares(args, dims.pp, cfg.parallel, cfg.training.seq_len),
-                     lambda axes: _bandwidth(dims, axes, gpu))
+    ops, what = _ops(
+        cfg,
+        dims,
+        args,
+        m,
+        x,
+        rank_shares(args, dims.pp, cfg.parallel, cfg.training.seq_len),
+        lambda axes: _bandwidth(dims, axes, gpu),
+    )
     what["machine_balance"] = gpu.peak(cfg.training.dtype) / (gpu.hbm_tbps * 1e12)
     return ops, what
 
 
 def table(ops: list[Op], gpu: GPU, dtype: str) -> str:
     """The roofline as a markdown table, one row per op, and the step's sum."""
-    rows = ["| op | calls | GFLOP | HBM GB | comm GB | FLOP/B (HBM) | FLOP/B (comm) | bound | ceiling TFLOP/s | "
-            "ms at its roof |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| op | calls | GFLOP | HBM GB | comm GB | FLOP/B (HBM) | FLOP/B (comm) | bound | ceiling TFLOP/s | "
+        "ms at its roof |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def num(v: float, fmt: str) -> str:
-        return "-" if math.isinf(v) or (v == 0 and fmt != "ms") else format(v, ".1f" if fmt != "ms" else ".2f")
+        return (
+            "-" if math.isinf(v) or (v == 0 and fmt != "ms") else format(v, ".1f" if fmt != "ms" else ".2f")
+        )
 
     for op in ops:
         ceiling = op.ceiling(gpu, dtype)
-        rows.append(f"| {op.name} | {op.count} | {num(op.flops / 1e9, '')} | {num(op.hbm_bytes / 1e9, '')} | "
-                    f"{num(op.comm_bytes / 1e9, '')} | {num(op.intensity, '')} | {num(op.comm_intensity, '')} | "
-                    f"{op.bound(gpu, dtype)} | {num(ceiling / 1e12, '') if ceiling else '-'} | "
-                    f"{op.seconds(gpu, dtype) * 1e3:.2f} |")
+        rows.append(
+            f"| {op.name} | {op.count} | {num(op.flops / 1e9, '')} | {num(op.hbm_bytes / 1e9, '')} | "
+            f"{num(op.comm_bytes / 1e9, '')} | {num(op.intensity, '')} | {num(op.comm_intensity, '')} | "
+            f"{op.bound(gpu, dtype)} | {num(ceiling / 1e12, '') if ceiling else '-'} | "
+            f"{op.seconds(gpu, dtype) * 1e3:.2f} |"
+        )
     total = sum(op.seconds(gpu, dtype) for op in ops)
     flops, hbm = sum(o.flops for o in ops), sum(o.hbm_bytes for o in ops)
-    rows.append(f"| **sum** (no overlap) | | {flops / 1e9:.1f} | {hbm / 1e9:.1f} | "
-                f"{sum(o.comm_bytes for o in ops) / 1e9:.1f} | | | | | {total * 1e3:.2f} |")
+    rows.append(
+        f"| **sum** (no overlap) | | {flops / 1e9:.1f} | {hbm / 1e9:.1f} | "
+        f"{sum(o.comm_bytes for o in ops) / 1e9:.1f} | | | | | {total * 1e3:.2f} |"
+    )
     return "\n".join(rows)

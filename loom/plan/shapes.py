@@ -79,8 +79,11 @@ def rank_shares(args, pp: int, parallel, seq_len: int) -> list[RankShare]:
     own copy of the embedding (loom.parallel.pipeline.build_stage)."""
     per_rank = stages_per_rank(parallel) if pp > 1 else 1
     n_stages = pp * per_rank
-    split = split_layers(args, n_stages, seq_len, parallel.pp_layers_per_stage or None) if pp > 1 \
+    split = (
+        split_layers(args, n_stages, seq_len, parallel.pp_layers_per_stage or None)
+        if pp > 1
         else [list(range(args.n_layers))]
+    )
     mm, norms = layer_params(args)
     shares = []
     for rank in range(pp):
@@ -94,6 +97,16 @@ def rank_shares(args, pp: int, parallel, seq_len: int) -> list[RankShare]:
         if any(last) and not (args.tie_embeddings and any(first)):
             vocab += args.vocab_size * args.dim  # the head, or the tied weight's copy on the last stage
         active = attention_params(args) + ffn_params(args, active=True)
-        shares.append(RankShare(layers, [split[s] for s in ids], first, last, vocab,
-                                layers * norms + (args.dim if any(last) else 0), layers * mm, layers * active))
+        shares.append(
+            RankShare(
+                layers,
+                [split[s] for s in ids],
+                first,
+                last,
+                vocab,
+                layers * norms + (args.dim if any(last) else 0),
+                layers * mm,
+                layers * active,
+            )
+        )
     return shares

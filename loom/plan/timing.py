@@ -64,12 +64,16 @@ def attention_efficiency(head_dim: int, seq: int) -> float:
     return lo + f * (hi - lo)
 
 
-def attention_flops(layers: float, heads: int, head_dim: int, seq: int, tokens: float, window: int = 0) -> float:
+def attention_flops(
+    layers: float, heads: int, head_dim: int, seq: int, tokens: float, window: int = 0
+) -> float:
     """Causal attention forward + backward FLOPs of ``tokens`` query tokens in sequences of ``seq``: forward
     4 S D per token and head, halved by the mask; backward 2.5x the forward. A sliding ``window`` shorter than the
     sequence bounds the keys each query sees (about ``window`` instead of S / 2 on average)."""
     keys = seq if not window or window >= seq else 2 * window * (1 - window / (2 * seq))
     return 3.5 * 2 * layers * heads * head_dim * keys * tokens
+
+
 ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
@@ -89,6 +93,7 @@ def decode_hbm_share(batch: int) -> float:
     """The share of HBM bandwidth a decode step of ``batch`` sequences reads at (above)."""
     return DECODE_HBM_SHARE if batch == 1 else DECODE_HBM_SHARE_BATCHED
 
+
 # MoE (see the module docstring). The casts of one 1B MoE layer's 8 x 2048 experts (12 B x 100.7M parameters)
 # took 0.522 ms on an H100: 2.31 TB/s of 3.35 (bench/results/moe_copies_h100.json, in git history at dc1b8aa).
 # Per slot x dim element, fwd + bwd, what one layer took beyond its matmuls at the planner's eager rate and the
@@ -99,8 +104,9 @@ MOE_WEIGHT_CAST_BYTES = 12
 MOE_SLOT_BYTES = {"eager": 59, "compiled": 80}
 
 
-def moe_overhead_s(expert_params: float, slots: float, dim: int, compiled: bool, rerun: float,
-                   hbm_tbps: float) -> float:
+def moe_overhead_s(
+    expert_params: float, slots: float, dim: int, compiled: bool, rerun: float, hbm_tbps: float
+) -> float:
     """Seconds per MoE layer and micro-batch beyond the active experts' matmuls: ``expert_params`` on this rank,
     ``slots`` = tokens x top_k routed through it, ``rerun``: the share of layers whose forward is recomputed
     (its casts, 6 B per parameter, and a third of the routing, again)."""

@@ -21,7 +21,7 @@ class ArithmeticTask:
     def problems(self, n: int, key: tuple = ()) -> list[dict]:
         """``n`` rows {"prompt": "a+b=", "answer": "c"}."""
         rng = random.Random(repr((self.seed, self.digits, self.ops, key)))
-        top = 10 ** self.digits - 1
+        top = 10**self.digits - 1
         rows = []
         for _ in range(n):
             a, b, op = rng.randint(0, top), rng.randint(0, top), rng.choice(self.ops)
@@ -74,9 +74,13 @@ def greedy_accuracy(ctx) -> dict[str, float]:
     training = model.training  # the engine sets eval mode: in one process on the live policy, which trains on
     gen = Generator.from_model(model, ctx.tokenizer, compile=False, max_batch=200)
     try:
-        outs = gen.generate_ids([ctx.tokenizer.encode(r["prompt"]) for r in rows],
-                                SamplingParams(max_new_tokens=2 * task.digits + 2))
+        outs = gen.generate_ids(
+            [ctx.tokenizer.encode(r["prompt"]) for r in rows],
+            SamplingParams(max_new_tokens=2 * task.digits + 2),
+        )
     finally:
         gen.engine.close()  # the caches and the engine's hook off the live model
         model.train(training)
-    return {"accuracy": sum(exact_answer([], [o.text for o in outs], [r["answer"] for r in rows])) / len(rows)}
+    return {
+        "accuracy": sum(exact_answer([], [o.text for o in outs], [r["answer"] for r in rows])) / len(rows)
+    }

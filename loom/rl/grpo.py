@@ -25,8 +25,9 @@ SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # added to the std before dividing, as TRL does (a group of equal rewards gets advantages 0)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     batch_std: torch.Tensor | None = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str = "group", batch_std: torch.Tensor | None = None
+) -> torch.Tensor:
     """Advantages of rewards (N,) laid out as N / group_size groups of consecutive completions of one prompt: each
     reward minus its group's mean, divided (``scale``) by its group's std ('group'), by the std of all N rewards
     ('batch'; ``batch_std`` overrides it with the global batch's when the rollouts are spread over ranks) or by
@@ -39,7 +40,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if scale == "group":
         std = groups.std(dim=1).repeat_interleave(group_size) if group_size > 1 else torch.zeros_like(rewards)
     elif scale == "batch":
-        std = batch_std if batch_std is not None else (rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()))
+        std = (
+            batch_std
+            if batch_std is not None
+            else (rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()))
+        )
         std = std.expand_as(rewards)
     else:
         raise ValueError(f"scale_rewards {scale!r}: allowed {SCALE_REWARDS}")
@@ -53,9 +58,15 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def token_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
-                 epsilon_high: float, ref_logps: torch.Tensor | None = None,
-                 beta: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def token_losses(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token, plus beta x KL to the reference (skipped when beta is 0):
     -min(ratio A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) A) with ratio = exp(logp - old_logp).
     logps / old_logps / ref_logps (B, T) fp32, advantages (B,). Returns (loss (B, T), kl (B, T) or None, clipped
@@ -100,9 +111,18 @@ def loss_count(mask: torch.Tensor, loss_type: str, max_completion_length: int) -
     raise ValueError(f"loss_type {loss_type!r}: allowed {LOSS_TYPES}")
 
 
-def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              loss_type: str, epsilon_low: float, epsilon_high: float, max_completion_length: int,
-              ref_logps: torch.Tensor | None = None, beta: float = 0.0) -> torch.Tensor:
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    max_completion_length: int,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> torch.Tensor:
     """The mean loss of one whole batch (``loss_sum`` / ``loss_count``): what TRL's ``_compute_loss`` returns for
     one process without accumulation. For tests and single-batch use; training divides by the global count."""
     losses = token_losses(logps, old_logps, advantages, epsilon_low, epsilon_high, ref_logps, beta)[0]

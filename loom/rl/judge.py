@@ -40,27 +40,38 @@ class Template:
             except UnicodeDecodeError as err:
                 raise ConfigError(FIELD, spec, f"not UTF-8 text (byte {err.start})") from None
         elif looks_like_path(spec):
-            raise ConfigError(FIELD, spec, "no such file (a value that looks like a path is read as one; template "
-                              "text has {prompt} and {completion})")
+            raise ConfigError(
+                FIELD,
+                spec,
+                "no such file (a value that looks like a path is read as one; template "
+                "text has {prompt} and {completion})",
+            )
         if not text.strip():
-            raise ConfigError(FIELD, spec, "a template with {prompt} and {completion} (text, or a file holding it)")
+            raise ConfigError(
+                FIELD, spec, "a template with {prompt} and {completion} (text, or a file holding it)"
+            )
         self.spec, self.text = spec, text
         self.jinja = spec.endswith(".jinja") or "{{" in text or "{%" in text
         if self.jinja:
             import jinja2
+
             try:
                 self._template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(text)
             except jinja2.TemplateSyntaxError as err:
-                raise ConfigError(FIELD, spec, f"a Jinja2 template that parses (line {err.lineno}: {err.message})") \
-                    from None
+                raise ConfigError(
+                    FIELD, spec, f"a Jinja2 template that parses (line {err.lineno}: {err.message})"
+                ) from None
         else:
             try:
                 names = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
             except ValueError as err:
-                raise ConfigError(FIELD, spec, f"a str.format template ({err}); use {{{{ and }}}} for braces") \
-                    from None
+                raise ConfigError(
+                    FIELD, spec, f"a str.format template ({err}); use {{{{ and }}}} for braces"
+                ) from None
             if any(not n or not n.isidentifier() for n in names):
-                raise ConfigError(FIELD, spec, "named fields only ({prompt}, {completion}, a prompt row's field)")
+                raise ConfigError(
+                    FIELD, spec, "named fields only ({prompt}, {completion}, a prompt row's field)"
+                )
 
     def render(self, **values) -> str:
         try:
@@ -68,7 +79,9 @@ class Template:
                 return self._template.render(**values)
             return self.text.format(**values)
         except KeyError as err:
-            raise ConfigError(FIELD, self.spec, f"fields from {sorted(values)} (the rows have no {err})") from None
+            raise ConfigError(
+                FIELD, self.spec, f"fields from {sorted(values)} (the rows have no {err})"
+            ) from None
         except Exception as err:  # jinja2.UndefinedError and the like: one line, naming the field
             if type(err).__name__ == "UndefinedError":
                 raise ConfigError(FIELD, self.spec, f"fields from {sorted(values)} ({err})") from None
@@ -78,8 +91,12 @@ class Template:
 def looks_like_path(spec: str) -> bool:
     """A one-word value without template fields that names a file (a folder in it, or a template's extension)."""
     word = spec.strip()
-    return bool(word) and not any(c.isspace() for c in word) and not any(c in word for c in "{}") and (
-        os.sep in word or word.endswith((".jinja", ".j2", ".txt", ".tmpl", ".template", ".md")))
+    return (
+        bool(word)
+        and not any(c.isspace() for c in word)
+        and not any(c in word for c in "{}")
+        and (os.sep in word or word.endswith((".jinja", ".j2", ".txt", ".tmpl", ".template", ".md")))
+    )
 
 
 def parse_range(text: str) -> tuple[float, float]:
@@ -113,12 +130,16 @@ class Judge:
         try:
             self.pattern = re.compile(g.judge_pattern)
         except re.error as err:
-            raise ConfigError("grpo.judge_pattern", g.judge_pattern, f"a regular expression ({err})") from None
+            raise ConfigError(
+                "grpo.judge_pattern", g.judge_pattern, f"a regular expression ({err})"
+            ) from None
         if g.judge_score == "number" and self.pattern.groups != 1:
             raise ConfigError("grpo.judge_pattern", g.judge_pattern, "one capturing group: the number")
         words = [w for w in g.judge_tokens.split(",")]
         if len(words) != 2 or not all(words):
-            raise ConfigError("grpo.judge_tokens", g.judge_tokens, "two words 'yes,no' (each one judge token)")
+            raise ConfigError(
+                "grpo.judge_tokens", g.judge_tokens, "two words 'yes,no' (each one judge token)"
+            )
         self.words = words
         self.generator = None
         self.token_ids: tuple[int, int] | None = None
@@ -137,14 +158,19 @@ class Judge:
     def _one_token(self, word: str) -> int:
         ids = self.generator.codec._encode(word, False) if self.generator.codec is not None else []
         if len(ids) != 1:
-            raise ConfigError("grpo.judge_tokens", self.g.judge_tokens, f"words that are one token of the judge's "
-                              f"tokenizer ({word!r} is {len(ids)})")
+            raise ConfigError(
+                "grpo.judge_tokens",
+                self.g.judge_tokens,
+                f"words that are one token of the judge's tokenizer ({word!r} is {len(ids)})",
+            )
         return ids[0]
 
     def prompts(self, prompts: list[str], completions: list[str], fields: dict[str, list]) -> list[str]:
         """The judge's prompt text for each completion."""
-        return [self.template.render(prompt=plain(p), completion=plain(c), **{k: v[i] for k, v in fields.items()})
-                for i, (p, c) in enumerate(zip(prompts, completions))]
+        return [
+            self.template.render(prompt=plain(p), completion=plain(c), **{k: v[i] for k, v in fields.items()})
+            for i, (p, c) in enumerate(zip(prompts, completions))
+        ]
 
     def parse(self, text: str) -> float | None:
         """The number of a judge's output, clipped to the range; None: no match."""
@@ -163,18 +189,22 @@ class Judge:
         model, yes, no = gen.model, *self.token_ids
         out = []
         for start in range(0, len(texts), gen.max_batch):
-            ids = [gen.encode(t) for t in texts[start:start + gen.max_batch]]
+            ids = [gen.encode(t) for t in texts[start : start + gen.max_batch]]
             lengths = torch.tensor([len(i) for i in ids])
-            tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)  # (B, S) right-padded (causal)
+            tokens = torch.zeros(
+                len(ids), int(lengths.max()), dtype=torch.long
+            )  # (B, S) right-padded (causal)
             for i, row in enumerate(ids):
-                tokens[i, :len(row)] = torch.tensor(row)
+                tokens[i, : len(row)] = torch.tensor(row)
             logits = model(tokens.to(gen.device))  # (B, S, V)
             last = logits[torch.arange(len(ids)), (lengths - 1).to(gen.device)].float()  # (B, V)
             pair = torch.stack([last[:, yes], last[:, no]], dim=1).softmax(dim=1)  # (B, 2)
             out += pair[:, 0].cpu().tolist()
         return out
 
-    def __call__(self, prompts: list[str], completions: list[str], completion_ids=None, **fields) -> list[float]:
+    def __call__(
+        self, prompts: list[str], completions: list[str], completion_ids=None, **fields
+    ) -> list[float]:
         texts = self.prompts(prompts, completions, fields)
         gen = self.load()
         if self.g.judge_score == "yes_no":

@@ -39,8 +39,9 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), positions, -1).max(dim=1).values
 
 
-def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
+def token_rewards(
+    scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """Per-token rewards (B, T) fp32: -kl_coef x kl on every completion token (none without ``kl``), plus each
     completion's score (B,) on its last token; 0 off the mask."""
     mask = mask.float()
@@ -67,8 +68,9 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) ->
     return out * mask
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation over each row's completion tokens: delta_t = r_t + gamma V_{t+1} - V_t
     (V after the last token is 0), A_t = delta_t + gamma lam A_{t+1}; returns R_t = A_t + V_t. rewards / values /
     mask (B, T) -> (advantages (B, T), returns (B, T)) fp32, 0 off the mask."""
@@ -85,8 +87,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, (advantages + values) * mask
 
 
-def policy_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
-                  cliprange: float) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_losses(
+    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, cliprange: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token: max(-A r, -A clip(r, 1 - c, 1 + c)) with r = exp(logp - old_logp).
     logps / old_logps / advantages (B, T) -> (loss (B, T), clipped (B, T) bool: the clipped term is the larger)."""
     ratio = torch.exp(logps - old_logps)
@@ -95,8 +98,9 @@ def policy_losses(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torc
     return torch.max(unclipped, clipped), (clipped > unclipped).detach()
 
 
-def value_losses(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                 cliprange_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+def value_losses(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped value loss per token: 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
     (B, T) -> (loss (B, T), clipped (B, T) bool: the clipped term is the larger)."""
     clipped_values = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
@@ -104,9 +108,18 @@ def value_losses(values: torch.Tensor, old_values: torch.Tensor, returns: torch.
     return 0.5 * torch.max(unclipped, clipped), (clipped > unclipped).detach()
 
 
-def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
-             old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange: float,
-             cliprange_value: float, vf_coef: float) -> torch.Tensor:
+def ppo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+    cliprange_value: float,
+    vf_coef: float,
+) -> torch.Tensor:
     """The mean loss of one batch, policy + vf_coef x value, each a mean over the completion tokens: what TRL's
     PPOTrainer minimizes per mini-batch. For tests and single-batch use; training divides by the global count."""
     mask = mask.float()

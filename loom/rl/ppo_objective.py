@@ -28,14 +28,23 @@ import torch
 from torch import nn
 
 from loom.data.loader import StepData
+from loom.infer.reward import attach_score_head, score_head
 from loom.numerics import IGNORE
 from loom.rl.ppo import gae, kl_estimate, token_rewards, whiten
-from loom.rl.rollout import (HELD, RolloutBatch, RolloutLoader, reference_logps, rows_to_batches,
-                             check_policy_finite, sample_checked, set_reference, token_logps)
-from loom.infer.reward import attach_score_head, score_head
-
+from loom.rl.rollout import (
+    HELD,
+    RolloutBatch,
+    RolloutLoader,
+    check_policy_finite,
+    reference_logps,
+    rows_to_batches,
+    sample_checked,
+    set_reference,
+    token_logps,
+)
 
 # ---- the value function ------------------------------------------------------------------------------------------
+
 
 class ValueCapture:
     """Whether the next forward should compute values (``capture``), and the values it computed (B, S) fp32."""
@@ -90,7 +99,11 @@ def copy_trunk(policy: nn.Module, critic: nn.Module) -> None:
     not the adapters)."""
     from loom.models.common.init import canonical_name
 
-    mine = {canonical_name(n): p for n, p in policy.named_parameters() if not canonical_name(n).startswith("critic.")}
+    mine = {
+        canonical_name(n): p
+        for n, p in policy.named_parameters()
+        if not canonical_name(n).startswith("critic.")
+    }
     for name, p in critic.named_parameters():
         src = mine.get(canonical_name(name))
         if src is not None and src.shape == p.shape and name != "output.weight":
@@ -102,8 +115,9 @@ def plain(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def forward_with_values(model: nn.Module, inputs: torch.Tensor,
-                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_with_values(
+    model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits (B, S, V), values (B, S) fp32) of one forward of ``model`` (DDP-wrapped or not)."""
     state = plain(model).ppo_values
     state.capture = True
@@ -117,6 +131,7 @@ def forward_with_values(model: nn.Module, inputs: torch.Tensor,
 
 # ---- rollouts ---------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class PpoBatch(RolloutBatch):
     """A micro-batch of PPO's rollouts: beside the completion tokens (``labels``), per token the rollout-time
@@ -126,11 +141,26 @@ class PpoBatch(RolloutBatch):
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
-    def to(self, device) -> "PpoBatch":
+    def to(self, device) -> PpoBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return PpoBatch(*(move(t) for t in (self.inputs, self.labels, self.positions, self.document_ids,
-                                              self.ref_logps, self.advantages, self.old_logps, self.ref_token_logps)),
-                        warmup=self.warmup, old_values=move(self.old_values), returns=move(self.returns))
+        return PpoBatch(
+            *(
+                move(t)
+                for t in (
+                    self.inputs,
+                    self.labels,
+                    self.positions,
+                    self.document_ids,
+                    self.ref_logps,
+                    self.advantages,
+                    self.old_logps,
+                    self.ref_token_logps,
+                )
+            ),
+            warmup=self.warmup,
+            old_values=move(self.old_values),
+            returns=move(self.returns),
+        )
 
 
 class PpoRollouts(RolloutLoader):
@@ -146,10 +176,13 @@ class PpoRollouts(RolloutLoader):
 
     def describe(self, global_batch: int, steps: int) -> list[str]:
         p, g = self.p, self.g
-        return [f"data: ppo rollouts from {self.source.describe()}: {p.mini_batches} x {global_batch} completions "
-                f"({g.group_size} per prompt, up to {g.max_new_tokens} new tokens, temperature {g.temperature}) per "
-                f"batch of rollouts, {p.epochs} x {p.mini_batches} steps on each; rewards " + self.describe_rewards()
-                + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")]
+        return [
+            f"data: ppo rollouts from {self.source.describe()}: {p.mini_batches} x {global_batch} completions "
+            f"({g.group_size} per prompt, up to {g.max_new_tokens} new tokens, temperature {g.temperature}) per "
+            f"batch of rollouts, {p.epochs} x {p.mini_batches} steps on each; rewards "
+            + self.describe_rewards()
+            + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")
+        ]
 
     def state_dict(self) -> dict:
         return {"grpo_step": self.step}
@@ -189,7 +222,9 @@ class PpoRollouts(RolloutLoader):
         """Sample and score this rank's share, compute its rollout-time log-probabilities and values, gather the
         global batch and compute its advantages and returns; sets ``held``, ``plan`` and ``stats``."""
         g, p, G = self.g, self.p, self.g.group_size
-        rows = self._mine(self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step)))
+        rows = self._mine(
+            self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step))
+        )
         prompts = self.prompt_ids(rows)
         check_policy_finite(self.engine, self.step)
         self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
@@ -199,20 +234,40 @@ class PpoRollouts(RolloutLoader):
         completions = [o.token_ids for o in outs]
         scores, per, names = self.score(rows, prompts, outs)
         t2 = time.perf_counter()
-        (local,) = rows_to_batches(prompts, completions, len(prompts), self.pad_id, self.cfg.training.seq_len,
-                                   self.cfg.parallel.tp)  # TP's sequence parallelism splits the width evenly
+        (local,) = rows_to_batches(
+            prompts, completions, len(prompts), self.pad_id, self.cfg.training.seq_len, self.cfg.parallel.tp
+        )  # TP's sequence parallelism splits the width evenly
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
         if g.mask_truncated:
             local.labels[truncated] = IGNORE
         old_logps, values, ref_logps = self._rollout_forwards(local)
         t3 = time.perf_counter()
-        glob = self._gather(local.inputs, local.labels, old_logps, values, ref_logps, scores, per, truncated,
-                            [len(c) for c in completions])
+        glob = self._gather(
+            local.inputs,
+            local.labels,
+            old_logps,
+            values,
+            ref_logps,
+            scores,
+            per,
+            truncated,
+            [len(c) for c in completions],
+        )
         self._advantages(glob)
         self.held, self.rollout_key = glob, self.step
         self.plan = [(e, m) for e in range(p.epochs) for m in range(p.mini_batches)]
-        self._set_ppo_stats(glob, names, (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds, self.weights.bytes,
-                                             self.judge.unparsed if self.judge is not None else 0.0))
+        self._set_ppo_stats(
+            glob,
+            names,
+            (
+                t1 - t0,
+                t2 - t1,
+                t3 - t2,
+                self.weights.seconds,
+                self.weights.bytes,
+                self.judge.unparsed if self.judge is not None else 0.0,
+            ),
+        )
 
     @torch.no_grad()
     def _rollout_forwards(self, local: RolloutBatch):
@@ -223,14 +278,16 @@ class PpoRollouts(RolloutLoader):
             set_reference(self)  # the policy as PPO starts (after the warm-up); on a resume, read back
             self._reference_set = True
         model = engine.parts[0]
-        if p.critic == "model" and self.step == self.warmup + 1:  # PPO starts here (a resumed run keeps its critic)
+        if (
+            p.critic == "model" and self.step == self.warmup + 1
+        ):  # PPO starts here (a resumed run keeps its critic)
             copy_trunk(model, model.critic)
         model.eval()
         logps, values, refs = [], [], []
         try:
             for start in range(0, local.inputs.shape[0], self.micro):
-                inputs = local.inputs[start:start + self.micro].to(engine.device)
-                labels = local.labels[start:start + self.micro].to(engine.device)
+                inputs = local.inputs[start : start + self.micro].to(engine.device)
+                labels = local.labels[start : start + self.micro].to(engine.device)
                 with engine.forward_context():
                     logits, v = forward_with_values(model, inputs)
                     logps.append(token_logps(logits, labels, g.temperature).cpu())
@@ -252,18 +309,24 @@ class PpoRollouts(RolloutLoader):
         def gather(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
             shape = (n * self.dp_size, width) if t.dim() == 2 else (n * self.dp_size, *t.shape[1:])
             out = torch.zeros(shape, dtype=torch.float64)
-            mine = out[self.dp_rank * n:(self.dp_rank + 1) * n]
+            mine = out[self.dp_rank * n : (self.dp_rank + 1) * n]
             if t.dim() == 2:
                 mine.fill_(fill)
-                mine[:, :t.shape[1]] = t.double()
+                mine[:, : t.shape[1]] = t.double()
             else:
                 mine.copy_(t.double())
             return dims.data_sum(out.to(device)).cpu()
 
-        glob = {"inputs": gather(inputs, self.pad_id).long(), "labels": gather(labels, IGNORE).long(),
-                "old_logps": gather(old_logps).float(), "old_values": gather(values).float(),
-                "scores": gather(scores).float(), "per": gather(per).float(), "truncated": gather(truncated.float()),
-                "lengths": gather(torch.tensor(lengths, dtype=torch.float64))}
+        glob = {
+            "inputs": gather(inputs, self.pad_id).long(),
+            "labels": gather(labels, IGNORE).long(),
+            "old_logps": gather(old_logps).float(),
+            "old_values": gather(values).float(),
+            "scores": gather(scores).float(),
+            "per": gather(per).float(),
+            "truncated": gather(truncated.float()),
+            "lengths": gather(torch.tensor(lengths, dtype=torch.float64)),
+        }
         if ref_logps is not None:
             glob["ref_logps"] = gather(ref_logps).float()
         return glob
@@ -290,25 +353,37 @@ class PpoRollouts(RolloutLoader):
         h = self.held
         total, step_rows = h["inputs"].shape[0], self.rows * self.dp_size
         gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.rollout_key * 1009 + epoch)
-        order = torch.randperm(total, generator=gen)[index * step_rows:(index + 1) * step_rows]
-        mine = order[self.dp_rank * self.rows:(self.dp_rank + 1) * self.rows]
+        order = torch.randperm(total, generator=gen)[index * step_rows : (index + 1) * step_rows]
+        mine = order[self.dp_rank * self.rows : (self.dp_rank + 1) * self.rows]
         width = h["inputs"].shape[1]
         out = []
         for start in range(0, len(mine), self.micro):
-            rows = mine[start:start + self.micro]
+            rows = mine[start : start + self.micro]
             positions = torch.arange(width).expand(len(rows), width).contiguous()
-            out.append(PpoBatch(h["inputs"][rows], h["labels"][rows], positions, torch.zeros_like(positions),
-                                advantages=h["advantages"][rows], old_logps=h["old_logps"][rows],
-                                ref_token_logps=h["ref_logps"][rows] if self.p.kl_penalty == "loss" and
-                                "ref_logps" in h else None,
-                                old_values=h["old_values"][rows], returns=h["returns"][rows]))
+            out.append(
+                PpoBatch(
+                    h["inputs"][rows],
+                    h["labels"][rows],
+                    positions,
+                    torch.zeros_like(positions),
+                    advantages=h["advantages"][rows],
+                    old_logps=h["old_logps"][rows],
+                    ref_token_logps=h["ref_logps"][rows]
+                    if self.p.kl_penalty == "loss" and "ref_logps" in h
+                    else None,
+                    old_values=h["old_values"][rows],
+                    returns=h["returns"][rows],
+                )
+            )
         return out
 
     def _set_ppo_stats(self, h: dict, names: list[str], seconds) -> None:
         """The batch of rollouts' figures (global: every rank holds the whole batch)."""
         mask, n = h["mask"], float(h["scores"].shape[0])
         tokens = mask.sum().clamp(min=1)
-        secs = self.engine.dims.data_sum(torch.tensor(seconds, dtype=torch.float64).to(self.engine.device)).cpu()
+        secs = self.engine.dims.data_sum(
+            torch.tensor(seconds, dtype=torch.float64).to(self.engine.device)
+        ).cpu()
         secs = secs / self.dp_size
         new_tokens = float(h["lengths"].sum())
         scores = h["scores"]
@@ -326,7 +401,10 @@ class PpoRollouts(RolloutLoader):
             "time/generation_s": float(secs[0]),
             "time/scoring_s": float(secs[1]),
             "time/logps_s": float(secs[2]),
-            **{f"rewards/{name}_std": float(h["per"][:, k].std()) if n > 1 else 0.0 for k, name in enumerate(names)},
+            **{
+                f"rewards/{name}_std": float(h["per"][:, k].std()) if n > 1 else 0.0
+                for k, name in enumerate(names)
+            },
             **({"judge/unparsed": float(secs[5])} if self.judge is not None else {}),
             "time/weight_sync_s": float(secs[3]),
             "weight_sync_bytes": float(secs[4]),  # per rank

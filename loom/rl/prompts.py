@@ -34,9 +34,13 @@ def checked_prompt(row: dict, where: str) -> dict:
         return row
     if isinstance(prompt, list) and prompt:  # checked as SFT's and DPO's messages are
         return {**row, "prompt": checked_messages(prompt, where, "prompt", "strict")}
-    raise ConfigError(FIELD, where, "rows need a 'prompt' (a non-empty string, or a list of {'role', 'content'} "
-                      f"messages; or a 'messages' list); this one has {kind}"
-                      f" (columns {sorted(row)[:8]})")
+    raise ConfigError(
+        FIELD,
+        where,
+        "rows need a 'prompt' (a non-empty string, or a list of {'role', 'content'} "
+        f"messages; or a 'messages' list); this one has {kind}"
+        f" (columns {sorted(row)[:8]})",
+    )
 
 
 class PromptRows:
@@ -46,8 +50,12 @@ class PromptRows:
         try:  # the data layer's errors name data.source: here they are grpo.prompts'
             specs = parse_source(source)
             if len(specs) != 1 or specs[0].kind not in ("jsonl", "parquet", "hf_dataset"):
-                raise ConfigError(FIELD, source, "one .jsonl or .parquet file, or a Hugging Face dataset folder "
-                                  "(save_to_disk), of rows with a 'prompt'")
+                raise ConfigError(
+                    FIELD,
+                    source,
+                    "one .jsonl or .parquet file, or a Hugging Face dataset folder "
+                    "(save_to_disk), of rows with a 'prompt'",
+                )
             self.rows = [checked_prompt(row, f"{path} {where}") for path, where, row in rows(specs[0], None)]
         except ConfigError as err:
             if err.field != "data.source":
@@ -62,7 +70,9 @@ class PromptRows:
 
     def problems(self, n: int, key: tuple) -> list[dict]:
         """``n`` rows for (step, rank) ``key``: a pure function of it, so a resumed run draws the same."""
-        g = torch.Generator().manual_seed(int(hashlib.sha256(repr((self.seed, key)).encode()).hexdigest()[:15], 16))
+        g = torch.Generator().manual_seed(
+            int(hashlib.sha256(repr((self.seed, key)).encode()).hexdigest()[:15], 16)
+        )
         picks = torch.randint(len(self.rows), (n,), generator=g).tolist()
         return [self.rows[i] for i in picks]
 

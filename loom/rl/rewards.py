@@ -22,7 +22,9 @@ def load_function(spec: str, field: str = "grpo.rewards"):
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise ConfigError(field, spec, f"an importable 'module:function' ({type(err).__name__}: {err})") from None
+        raise ConfigError(
+            field, spec, f"an importable 'module:function' ({type(err).__name__}: {err})"
+        ) from None
     if not callable(fn):
         raise ConfigError(field, spec, "a callable")
     try:
@@ -32,8 +34,12 @@ def load_function(spec: str, field: str = "grpo.rewards"):
     try:
         signature.bind_partial(prompts=[], completions=[], completion_ids=[])
     except TypeError:
-        raise ConfigError(field, spec, f"a reward function takes keyword arguments prompts=, completions=, "
-                          f"completion_ids= (and the rows' fields, or **kwargs); it has {signature}") from None
+        raise ConfigError(
+            field,
+            spec,
+            f"a reward function takes keyword arguments prompts=, completions=, "
+            f"completion_ids= (and the rows' fields, or **kwargs); it has {signature}",
+        ) from None
     return fn
 
 
@@ -46,22 +52,33 @@ class Rewards:
         if not specs and not extra:
             raise ConfigError("grpo.rewards", "", "at least one 'module:function'")
         if len(weights) != len(specs):
-            raise ConfigError("grpo.reward_weights", weights, f"one weight per reward function ({len(specs)})")
+            raise ConfigError(
+                "grpo.reward_weights", weights, f"one weight per reward function ({len(specs)})"
+            )
         self.functions = [load_function(s) for s in specs] + [fn for _, fn, _ in extra]
         self.specs = list(specs) + [name for name, _, _ in extra]
         self.names = [s.partition(":")[2] for s in specs] + [name for name, _, _ in extra]
         self.weights = torch.tensor(weights + [w for _, _, w in extra], dtype=torch.float32)
 
-    def score(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-              fields: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        fields: dict[str, list],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted total (N,), each function's rewards (N, K)) of N completions, fp32 on the CPU."""
         per = torch.zeros(len(completions), len(self.functions))
         for k, (fn, spec) in enumerate(zip(self.functions, self.specs)):
             try:
                 out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
-            except TypeError as err:  # a signature the call does not fit (one line; the function's own bugs too)
-                raise UserError(f"grpo.rewards: {spec} cannot be called as a reward function ({err}): it takes "
-                                "prompts=, completions=, completion_ids= and the rows' fields as keywords") from None
+            except (
+                TypeError
+            ) as err:  # a signature the call does not fit (one line; the function's own bugs too)
+                raise UserError(
+                    f"grpo.rewards: {spec} cannot be called as a reward function ({err}): it takes "
+                    "prompts=, completions=, completion_ids= and the rows' fields as keywords"
+                ) from None
             per[:, k] = torch.tensor(checked_rewards(out, spec, len(completions)))
         return per @ self.weights, per
 
@@ -71,7 +88,9 @@ def checked_rewards(out, spec: str, n: int) -> list[float]:
     what = f"grpo.rewards: {spec} returned"
     if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
         kind = "None" if out is None else f"a {type(out).__name__}"
-        raise UserError(f"{what} {kind}: a reward function returns a list of {n} numbers (one per completion)")
+        raise UserError(
+            f"{what} {kind}: a reward function returns a list of {n} numbers (one per completion)"
+        )
     try:
         values = [float(v) for v in out]
     except (TypeError, ValueError) as err:

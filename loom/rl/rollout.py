@@ -13,7 +13,6 @@ CP / EP are refused (loom.resolve; docs/rl.md)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -36,8 +35,13 @@ from loom.train.objective import release_gathered
 
 EMBEDDED_REWARDS = ("loom.rl.arithmetic:exact_answer", "loom.rl.arithmetic:digit_match")
 EMBEDDED_WEIGHTS = (1.0, 0.5)
-HELD = {"time/generation_s": 0.0, "time/scoring_s": 0.0, "time/logps_s": 0.0, "time/weight_sync_s": 0.0,
-        "weight_sync_bytes": 0.0}  # the figures of a step on held rollouts: nothing sampled, scored or synced
+HELD = {
+    "time/generation_s": 0.0,
+    "time/scoring_s": 0.0,
+    "time/logps_s": 0.0,
+    "time/weight_sync_s": 0.0,
+    "weight_sync_bytes": 0.0,
+}  # the figures of a step on held rollouts: nothing sampled, scored or synced
 
 
 @dataclass
@@ -51,15 +55,29 @@ class RolloutBatch(MicroBatch):
     ref_token_logps: torch.Tensor | None = None
     warmup: bool = False
 
-    def to(self, device) -> "RolloutBatch":
+    def to(self, device) -> RolloutBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return RolloutBatch(*(move(t) for t in (self.inputs, self.labels, self.positions, self.document_ids,
-                                                  self.ref_logps, self.advantages, self.old_logps,
-                                                  self.ref_token_logps)), warmup=self.warmup)
+        return RolloutBatch(
+            *(
+                move(t)
+                for t in (
+                    self.inputs,
+                    self.labels,
+                    self.positions,
+                    self.document_ids,
+                    self.ref_logps,
+                    self.advantages,
+                    self.old_logps,
+                    self.ref_token_logps,
+                )
+            ),
+            warmup=self.warmup,
+        )
 
 
-
-def reference_logps(model, reference, inputs: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def reference_logps(
+    model, reference, inputs: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """The reference policy's log-probabilities of ``labels`` (on the host): a frozen copy where there is one, else
     ``model`` with its adapters disabled (LoRA)."""
     if reference is not None:
@@ -69,6 +87,7 @@ def reference_logps(model, reference, inputs: torch.Tensor, labels: torch.Tensor
         with adapters_disabled(model):
             logits = model(inputs)
     return token_logps(logits, labels, temperature).cpu()
+
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Each labelled token's log-probability under logits / temperature, fp32, 0 where IGNORE: logits (B, S, V)
@@ -88,8 +107,9 @@ def row_tokens(labels: torch.Tensor) -> torch.Tensor:
     return cols <= last.unsqueeze(1)
 
 
-def policy_forward(model, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                   call=None):
+def policy_forward(
+    model, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None, call=None
+):
     """``call(model, inputs, positions)`` (default: ``model(inputs, positions)``) for a training step on rollout
     rows: a mixture of experts' balance loss counts each row's own tokens only (``row_tokens``), so it is the same
     whatever the padding, and so the same under tensor parallelism as in one process."""
@@ -97,8 +117,15 @@ def policy_forward(model, inputs: torch.Tensor, labels: torch.Tensor, positions:
     return model(inputs, positions) if call is None else call(model, inputs, positions)
 
 
-def rows_to_batches(prompts: list[list[int]], completions: list[list[int]], micro: int, pad_id: int,
-                    seq_len: int, multiple: int = 1, **per_row) -> list[RolloutBatch]:
+def rows_to_batches(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    micro: int,
+    pad_id: int,
+    seq_len: int,
+    multiple: int = 1,
+    **per_row,
+) -> list[RolloutBatch]:
     """Rows prompt + completion as next-token inputs (B, S) and labels that are the completion's tokens only,
     right-padded to the longest row (rounded up to a multiple of ``multiple``: TP's sequence parallelism splits S
     evenly), cut into micro-batches of ``micro`` rows. ``per_row``: tensors (N, ...) cut the same way
@@ -106,19 +133,31 @@ def rows_to_batches(prompts: list[list[int]], completions: list[list[int]], micr
     full = [p + c for p, c in zip(prompts, completions)]
     width = -(-(max(len(f) for f in full) - 1) // multiple) * multiple
     if width > seq_len:
-        raise ConfigError("training.seq_len", seq_len, f"at least the longest prompt + completion ({width} tokens"
-                          + (f", a multiple of parallel.tp = {multiple}" if multiple > 1 else "") + ")")
+        raise ConfigError(
+            "training.seq_len",
+            seq_len,
+            f"at least the longest prompt + completion ({width} tokens"
+            + (f", a multiple of parallel.tp = {multiple}" if multiple > 1 else "")
+            + ")",
+        )
     inputs = torch.full((len(full), width), pad_id, dtype=torch.long)
     labels = torch.full((len(full), width), IGNORE, dtype=torch.long)
     for i, (f, p) in enumerate(zip(full, prompts)):
-        inputs[i, :len(f) - 1] = torch.tensor(f[:-1])
-        labels[i, len(p) - 1:len(f) - 1] = torch.tensor(f[len(p):])
+        inputs[i, : len(f) - 1] = torch.tensor(f[:-1])
+        labels[i, len(p) - 1 : len(f) - 1] = torch.tensor(f[len(p) :])
     positions = torch.arange(width).expand(len(full), width).contiguous()
     out = []
     for start in range(0, len(full), micro):
         rows = slice(start, start + micro)
-        out.append(RolloutBatch(inputs[rows], labels[rows], positions[rows], torch.zeros_like(positions[rows]),
-                                **{k: v[rows] for k, v in per_row.items()}))
+        out.append(
+            RolloutBatch(
+                inputs[rows],
+                labels[rows],
+                positions[rows],
+                torch.zeros_like(positions[rows]),
+                **{k: v[rows] for k, v in per_row.items()},
+            )
+        )
     return out
 
 
@@ -165,9 +204,11 @@ def check_policy_finite(engine, step: int) -> None:
     from loom.config.errors import TrainingStopped
 
     if engine.env.any_rank(not engine.weights_finite()):
-        raise TrainingStopped(f"step {step}: the policy's weights are not finite (the update before this step "
-                              "diverged; lower optimizer.lr): stopped before sampling, the last complete checkpoint "
-                              "stays")
+        raise TrainingStopped(
+            f"step {step}: the policy's weights are not finite (the update before this step "
+            "diverged; lower optimizer.lr): stopped before sampling, the last complete checkpoint "
+            "stays"
+        )
 
 
 def sample_checked(sample, prompts, step: int):
@@ -179,8 +220,10 @@ def sample_checked(sample, prompts, step: int):
         return sample(prompts)
     except RuntimeError as err:
         if "probability tensor contains" in str(err):
-            raise TrainingStopped(f"step {step}: the policy's sampling logits are not finite (its weights exploded; "
-                                  "lower optimizer.lr): stopped, the last complete checkpoint stays") from None
+            raise TrainingStopped(
+                f"step {step}: the policy's sampling logits are not finite (its weights exploded; "
+                "lower optimizer.lr): stopped, the last complete checkpoint stays"
+            ) from None
         raise
 
 
@@ -199,8 +242,13 @@ def set_reference(loader) -> None:
     lineage = ckpt.lineage or "none"
     if loader.step <= loader.warmup + 1:
         copy_parameters(engine.parts[0], loader.reference)
-        save_model_weights(loader.reference, os.path.join(ckpt.dir, REFERENCE_DIR, lineage),
-                           is_main=engine.env.is_main, barrier=engine.env.barrier, lineage=lineage)
+        save_model_weights(
+            loader.reference,
+            os.path.join(ckpt.dir, REFERENCE_DIR, lineage),
+            is_main=engine.env.is_main,
+            barrier=engine.env.barrier,
+            lineage=lineage,
+        )
         return
     homes = [ckpt.dir] + ([os.path.dirname(ckpt.resumed_from)] if ckpt.resumed_from else [])
     candidates = [os.path.join(h, REFERENCE_DIR, lineage) for h in homes]
@@ -218,14 +266,19 @@ def set_reference(loader) -> None:
     if folder is not None:
         load_model_weights(folder, loader.reference)
         if engine.env.is_main:
-            print(f"KL reference: restored from {folder} (taken at step {loader.warmup + 1} of this lineage)",
-                  flush=True)
+            print(
+                f"KL reference: restored from {folder} (taken at step {loader.warmup + 1} of this lineage)",
+                flush=True,
+            )
         return
     copy_parameters(engine.parts[0], loader.reference)
     if engine.env.is_main:
-        print(f"KL reference: {candidates[0]} holds no complete reference of lineage {lineage} (a checkpoint from "
-              "before references were kept): the resumed policy is the reference, so the KL term differs from the "
-              "uninterrupted run's", flush=True)
+        print(
+            f"KL reference: {candidates[0]} holds no complete reference of lineage {lineage} (a checkpoint from "
+            "before references were kept): the resumed policy is the reference, so the KL term differs from the "
+            "uninterrupted run's",
+            flush=True,
+        )
 
 
 class RolloutLoader:
@@ -235,9 +288,12 @@ class RolloutLoader:
     def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
         g, t = cfg.grpo, cfg.training
         if t.global_batch_size % (g.group_size * dp_size):
-            raise ConfigError("training.global_batch_size", t.global_batch_size,
-                              f"a multiple of grpo.group_size x data-parallel ranks ({g.group_size} x {dp_size}): "
-                              "every rank samples whole groups")
+            raise ConfigError(
+                "training.global_batch_size",
+                t.global_batch_size,
+                f"a multiple of grpo.group_size x data-parallel ranks ({g.group_size} x {dp_size}): "
+                "every rank samples whole groups",
+            )
         self.cfg, self.g, self.tokenizer = cfg, g, tokenizer
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.rows = t.global_batch_size // dp_size  # completions per step on this rank
@@ -246,18 +302,25 @@ class RolloutLoader:
         self.source = self.task or PromptRows(g.prompts, cfg.run.seed)
         self.codec = None  # chat prompts' renderer (loom.infer.text.Codec), made on first use
         embedded = not g.rewards and not g.judge and not g.reward_model
-        specs = [s.strip() for s in g.rewards.split(",") if s.strip()] or (list(EMBEDDED_REWARDS) if embedded else [])
+        specs = [s.strip() for s in g.rewards.split(",") if s.strip()] or (
+            list(EMBEDDED_REWARDS) if embedded else []
+        )
         try:
             weights = [float(w) for w in g.reward_weights.split(",") if w.strip()]
         except ValueError:
-            raise ConfigError("grpo.reward_weights", g.reward_weights, "a comma list of numbers, one per reward "
-                              "function (e.g. 1,0.5)") from None
+            raise ConfigError(
+                "grpo.reward_weights",
+                g.reward_weights,
+                "a comma list of numbers, one per reward function (e.g. 1,0.5)",
+            ) from None
         if not weights and embedded:
             weights = list(EMBEDDED_WEIGHTS)
         self.judge = Judge(g) if g.judge else None
         extra = (("judge", self.judge, g.judge_weight),) if self.judge else ()
         self.rewards = Rewards(specs, weights, extra) if specs or extra else None
-        self.reward_model = None  # grpo.reward_model's scorer (loom.infer.reward.RewardScorer): loaded in bind
+        self.reward_model = (
+            None  # grpo.reward_model's scorer (loom.infer.reward.RewardScorer): loaded in bind
+        )
         self.warmup = warmup_steps(cfg)
         self.pad_id = tokenizer.eos_id
         self.step = 0  # steps handed out
@@ -272,16 +335,24 @@ class RolloutLoader:
     # ---- the trainer's loader interface ---------------------------------------------------------------------
     def describe(self, global_batch: int, steps: int) -> list[str]:
         g = self.g
-        return [f"data: grpo rollouts from {self.source.describe()}: {global_batch // g.group_size} prompts x "
-                f"{g.group_size} completions per step (up to {g.max_new_tokens} new tokens, temperature "
-                f"{g.temperature}), {g.iterations} step(s) per batch of rollouts; rewards " + self.describe_rewards()
-                + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")]
+        return [
+            f"data: grpo rollouts from {self.source.describe()}: {global_batch // g.group_size} prompts x "
+            f"{g.group_size} completions per step (up to {g.max_new_tokens} new tokens, temperature "
+            f"{g.temperature}), {g.iterations} step(s) per batch of rollouts; rewards "
+            + self.describe_rewards()
+            + (f"; first {self.warmup} step(s): supervised warm-up on worked examples" if self.warmup else "")
+        ]
 
     def describe_rewards(self) -> str:
         g = self.g
-        return " + ".join(([f"{float(w):g} x {n}" for w, n in zip(self.rewards.weights, self.rewards.names)]
-                           if self.rewards else [])
-                          + ([f"{g.reward_model_weight:g} x reward model {g.reward_model}"] if g.reward_model else []))
+        return " + ".join(
+            (
+                [f"{float(w):g} x {n}" for w, n in zip(self.rewards.weights, self.rewards.names)]
+                if self.rewards
+                else []
+            )
+            + ([f"{g.reward_model_weight:g} x reward model {g.reward_model}"] if g.reward_model else [])
+        )
 
     def validation(self, batches: int) -> list[MicroBatch]:
         return []
@@ -322,12 +393,19 @@ class RolloutLoader:
             self.judge.device = str(engine.device)  # loaded there on first use
         # under TP every rank of the group continues with one token (the group's first rank's)
         with kept_mode(self.weights.model):
-            return Generator.from_model(self.weights.model, self.tokenizer, compile=False, max_batch=max_batch,
-                                        group=self.weights.group)
+            return Generator.from_model(
+                self.weights.model,
+                self.tokenizer,
+                compile=False,
+                max_batch=max_batch,
+                group=self.weights.group,
+            )
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
-        trained = None if self._handed_out is None else now - self._handed_out  # the last step's training time
+        trained = (
+            None if self._handed_out is None else now - self._handed_out
+        )  # the last step's training time
         self.step += 1
         if self.step <= self.warmup or self.engine is None:  # (the engine may peek before binding)
             batches = self.worked_examples()
@@ -340,7 +418,9 @@ class RolloutLoader:
             batches = self._held = self.rollouts()
             self._uses = 1
         if self.engine is not None and self.step > self.warmup:
-            self.engine.scale_lr(self.g.lr_ratio)  # grpo.lr_ratio: this step's LR, the schedule's times the ratio
+            self.engine.scale_lr(
+                self.g.lr_ratio
+            )  # grpo.lr_ratio: this step's LR, the schedule's times the ratio
         if trained is not None:
             self.stats["time/training_s"] = trained  # of the step before this one
         self._handed_out = time.perf_counter()
@@ -350,13 +430,21 @@ class RolloutLoader:
     def worked_examples(self) -> list[RolloutBatch]:
         """The embedded task's problems with their answers (and the EOS) as targets: the warm-up's batches."""
         if self.task is None:
-            raise ConfigError("grpo.warmup_steps", self.warmup, "0 with grpo.prompts (the warm-up trains on the "
-                              "embedded task's worked examples)")
+            raise ConfigError(
+                "grpo.warmup_steps",
+                self.warmup,
+                "0 with grpo.prompts (the warm-up trains on the embedded task's worked examples)",
+            )
         rows = self._mine(self.task.problems(self.rows * self.dp_size, ("warmup", self.step)))
         enc = self.tokenizer.encode
-        batches = rows_to_batches([enc(r["prompt"]) for r in rows],
-                                  [enc(r["answer"]) + [self.tokenizer.eos_id] for r in rows],
-                                  self.micro, self.pad_id, self.cfg.training.seq_len, self.cfg.parallel.tp)
+        batches = rows_to_batches(
+            [enc(r["prompt"]) for r in rows],
+            [enc(r["answer"]) + [self.tokenizer.eos_id] for r in rows],
+            self.micro,
+            self.pad_id,
+            self.cfg.training.seq_len,
+            self.cfg.parallel.tp,
+        )
         for mb in batches:
             mb.warmup = True
         return batches
@@ -375,25 +463,42 @@ class RolloutLoader:
         total, per, names = self.score(rows, prompts, outs)
         batch_std = None
         dims, device = engine.dims, engine.device
-        sums = dims.data_sum(torch.stack([total.sum(), (total ** 2).sum(), torch.tensor(float(len(total)))])
-                             .to(device).double()).cpu()
+        sums = dims.data_sum(
+            torch.stack([total.sum(), (total**2).sum(), torch.tensor(float(len(total)))]).to(device).double()
+        ).cpu()
         mean = sums[0] / sums[2]
-        std = ((sums[1] - sums[2] * mean ** 2) / (sums[2] - 1).clamp(min=1)).clamp(min=0).sqrt()
+        std = ((sums[1] - sums[2] * mean**2) / (sums[2] - 1).clamp(min=1)).clamp(min=0).sqrt()
         if g.scale_rewards == "batch":
             batch_std = std.float()
         advantages = group_advantages(total, G, g.scale_rewards, batch_std)
         t2 = time.perf_counter()
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
-        batches = rows_to_batches([p[:] for p in prompts], completions, self.micro, self.pad_id,
-                                  self.cfg.training.seq_len, self.cfg.parallel.tp, advantages=advantages)
+        batches = rows_to_batches(
+            [p[:] for p in prompts],
+            completions,
+            self.micro,
+            self.pad_id,
+            self.cfg.training.seq_len,
+            self.cfg.parallel.tp,
+            advantages=advantages,
+        )
         if g.mask_truncated:
             for i, mb in enumerate(batches):
-                cut = truncated[i * self.micro:(i + 1) * self.micro]
+                cut = truncated[i * self.micro : (i + 1) * self.micro]
                 mb.labels[cut] = IGNORE
         self._logps(batches)
         t3 = time.perf_counter()
-        self._set_stats(batches, total, per, names, sums, std, truncated, outs,
-                        (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds))
+        self._set_stats(
+            batches,
+            total,
+            per,
+            names,
+            sums,
+            std,
+            truncated,
+            outs,
+            (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds),
+        )
         return batches
 
     def prompt_ids(self, rows: list[dict]) -> list[list[int]]:
@@ -407,14 +512,18 @@ class RolloutLoader:
                     from loom.data.chat import load_template
                     from loom.infer.text import Codec
 
-                    self.codec = Codec(self.tokenizer, load_template(self.cfg.data.chat_template, self.tokenizer))
+                    self.codec = Codec(
+                        self.tokenizer, load_template(self.cfg.data.chat_template, self.tokenizer)
+                    )
                 ids = self.codec.encode(r["prompt"])
             else:
                 ids = self.tokenizer.encode(r["prompt"])
             out += [ids] * self.g.group_size
         return [list(p) for p in out]
 
-    def score(self, rows: list[dict], prompts: list[list[int]], outs) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    def score(
+        self, rows: list[dict], prompts: list[list[int]], outs
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """(total (N,), each source's rewards (N, K), their names) of this rank's completions: the weighted reward
         functions (and judge), plus grpo.reward_model_weight x the reward model's score of prompt + completion.
         Conversational rows give the functions the prompt's messages and the completion as one assistant message
@@ -424,8 +533,10 @@ class RolloutLoader:
         if self.rewards is not None:
             fields = {k: [r.get(k) for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
             texts = [r["prompt"] for r in rows for _ in range(G)]
-            answers = [[{"role": "assistant", "content": o.text}] if conversational(p) else o.text
-                       for p, o in zip(texts, outs)]
+            answers = [
+                [{"role": "assistant", "content": o.text}] if conversational(p) else o.text
+                for p, o in zip(texts, outs)
+            ]
             total, per = self.rewards.score(texts, answers, [o.token_ids for o in outs], fields)
             names = list(self.rewards.names)
         if self.reward_model is not None:
@@ -437,15 +548,19 @@ class RolloutLoader:
     def _mine(self, rows: list) -> list:
         """This rank's share of the global step's rows (the global batch is the same whatever the layout)."""
         n = len(rows) // self.dp_size
-        return rows[self.dp_rank * n:(self.dp_rank + 1) * n]
+        return rows[self.dp_rank * n : (self.dp_rank + 1) * n]
 
     def sample(self, prompts: list[list[int]]) -> list:
         """One completion (``loom.infer.Completion``) per prompt id list, from the engine on the live weights."""
         from loom.infer.sampling import SamplingParams
 
         g, engine = self.g, self.engine
-        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank)
+        params = SamplingParams(
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank,
+        )
         model = self.weights.model
         model.eval()
         try:
@@ -478,7 +593,9 @@ class RolloutLoader:
                     if g.iterations > 1:
                         mb.old_logps = token_logps(model(inputs), labels, g.temperature).cpu()
                     if g.beta > 0:
-                        mb.ref_token_logps = reference_logps(model, self.reference, inputs, labels, g.temperature)
+                        mb.ref_token_logps = reference_logps(
+                            model, self.reference, inputs, labels, g.temperature
+                        )
         finally:
             model.train()
 
@@ -488,9 +605,20 @@ class RolloutLoader:
         mask_tokens = sum(float((mb.labels != IGNORE).sum()) for mb in batches)
         count = sum(float(loss_count(mb.labels != IGNORE, g.loss_type, g.max_new_tokens)) for mb in batches)
         new_tokens = float(sum(len(o.token_ids) for o in outs))
-        local = torch.tensor([mask_tokens, count, new_tokens, float(truncated.sum()), *seconds,
-                              float(self.weights.bytes), self.judge.unparsed if self.judge is not None else 0.0,
-                              *per.sum(0).tolist(), *(per.double() ** 2).sum(0).tolist()], dtype=torch.float64)
+        local = torch.tensor(
+            [
+                mask_tokens,
+                count,
+                new_tokens,
+                float(truncated.sum()),
+                *seconds,
+                float(self.weights.bytes),
+                self.judge.unparsed if self.judge is not None else 0.0,
+                *per.sum(0).tolist(),
+                *(per.double() ** 2).sum(0).tolist(),
+            ],
+            dtype=torch.float64,
+        )
         glob = dims.data_sum(local.to(device)).cpu()
         n, k = float(sums[2]), len(names)
         self.objective.global_tokens, self.objective.global_count = float(glob[0]), float(glob[1])
@@ -499,8 +627,10 @@ class RolloutLoader:
             "reward": float(sums[0]) / n,
             "reward_std": float(std),
             **{f"rewards/{name}": float(v) / n for name, v in zip(names, glob[10:])},
-            **{f"rewards/{name}_std": std_of(float(s), float(q), n)
-               for name, s, q in zip(names, glob[10:10 + k], glob[10 + k:])},
+            **{
+                f"rewards/{name}_std": std_of(float(s), float(q), n)
+                for name, s, q in zip(names, glob[10 : 10 + k], glob[10 + k :])
+            },
             **({"judge/unparsed": float(glob[9]) / self.dp_size} if self.judge is not None else {}),
             "completion_length": float(glob[2]) / n,
             "truncated": float(glob[3]) / n,
@@ -509,5 +639,6 @@ class RolloutLoader:
             "time/scoring_s": float(glob[5]) / self.dp_size,
             "time/logps_s": float(glob[6]) / self.dp_size,
             "time/weight_sync_s": float(glob[7]) / self.dp_size,
-            "weight_sync_bytes": float(glob[8]) / self.dp_size,  # per rank: each rank's copy receives the whole
+            "weight_sync_bytes": float(glob[8])
+            / self.dp_size,  # per rank: each rank's copy receives the whole
         }

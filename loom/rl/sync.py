@@ -38,8 +38,14 @@ class EngineWeights:
     the engine's tensors that are the policy's own storage. ``group``: the tensor-parallel group the engine runs
     over (None: each rank generates alone). ``seconds`` / ``bytes``: the last sync's."""
 
-    def __init__(self, policy: nn.Module, model: nn.Module, fills: dict | None = None, shared: dict | None = None,
-                 group=None):
+    def __init__(
+        self,
+        policy: nn.Module,
+        model: nn.Module,
+        fills: dict | None = None,
+        shared: dict | None = None,
+        group=None,
+    ):
         self.policy, self.model, self.group = policy, model, group
         self.copied = model is not policy
         self.fills = dict(model.named_parameters()) if fills is None and self.copied else (fills or {})
@@ -48,7 +54,7 @@ class EngineWeights:
         self.seconds, self.bytes = 0.0, 0
 
     @classmethod
-    def build(cls, engine) -> "EngineWeights":
+    def build(cls, engine) -> EngineWeights:
         """The training engine's own module where it is whole; under TP the inference engine's tensor-parallel
         module on the training shards (``tp_engine_model``); a plain copy of the policy (with its LoRA adapters, if
         any) on the training device under FSDP2. The inference engine's model holds no value head or critic: it only
@@ -59,8 +65,9 @@ class EngineWeights:
         dtype = engine.dtype if engine.dtype in (torch.bfloat16, torch.float16) else torch.float32
         if engine.dims.tp_enabled:
             mesh = engine.dims["tp"]
-            model, fills, shared = tp_engine_model(policy, engine.model_args, engine.cfg.lora, mesh, dtype,
-                                                   engine.device)
+            model, fills, shared = tp_engine_model(
+                policy, engine.model_args, engine.cfg.lora, mesh, dtype, engine.device
+            )
             return cls(policy, model, fills, shared, group=mesh.get_group())
         from loom.models.registry import build_model
 
@@ -90,7 +97,9 @@ class EngineWeights:
             if name in self.shared:  # the optimizer updates it in place: still the same storage
                 assert _local(self.shared[name]).data_ptr() == _local(p).data_ptr(), name
             dst = self.fills.get(name)
-            if dst is None or (self.synced_once and not p.requires_grad):  # value head / critic; unchanged frozen
+            if dst is None or (
+                self.synced_once and not p.requires_grad
+            ):  # value head / critic; unchanged frozen
                 continue
             src = dequantized(p) if is_nf4(p) else p  # QLoRA's base: the copy holds its bf16 values
             if hasattr(src, "full_tensor"):
@@ -110,7 +119,9 @@ class EngineWeights:
                 dst.copy_(b)
         if self.model.tok_embeddings.weight.device.type == "cuda":
             torch.cuda.synchronize()
-        assert self.synced_once or filled == self.fills.keys(), sorted(self.fills.keys() - filled)  # each, once
+        assert self.synced_once or filled == self.fills.keys(), sorted(
+            self.fills.keys() - filled
+        )  # each, once
         self.synced_once = True
         self.seconds, self.bytes = time.perf_counter() - start, moved
 
@@ -149,7 +160,9 @@ def tp_engine_model(policy: nn.Module, args, lora, tp_mesh, dtype: torch.dtype, 
                 elif on_tp and not isinstance(t, DTensor) and all(x.is_replicate() for x in p.placements):
                     done[id(t)] = shared[name] = nn.Parameter(p.to_local(), requires_grad=False)  # a view
                 else:
-                    done[id(t)] = fills[name] = nn.Parameter(_empty_like(t, dtype, device), requires_grad=False)
+                    done[id(t)] = fills[name] = nn.Parameter(
+                        _empty_like(t, dtype, device), requires_grad=False
+                    )
             module._parameters[leaf] = done[id(t)]
     model.init_buffers(device)  # the RoPE table in fp32
     return model.eval(), fills, shared
@@ -161,8 +174,9 @@ def _empty_like(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
 
     if isinstance(t, DTensor):
         local = torch.empty(t.to_local().shape, dtype=dtype, device=device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
     return torch.empty(t.shape, dtype=dtype, device=device)
 
 
@@ -176,8 +190,11 @@ def whole_model(model: nn.Module) -> nn.Module:
 
     if not is_sharded(model):
         return model
-    full = lambda t: (dequantized(t) if is_nf4(t) else t).float().full_tensor() if hasattr(t, "full_tensor") \
+    full = lambda t: (
+        (dequantized(t) if is_nf4(t) else t).float().full_tensor()
+        if hasattr(t, "full_tensor")
         else (dequantized(t) if is_nf4(t) else t).float()
+    )
     device = next(model.parameters()).device
     with torch.device("meta"):
         copy = build_model(model.args)

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from loom.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
     from datetime import timedelta
+
+    import torch
 
 
 @dataclass
@@ -82,7 +83,7 @@ def _expand_host(expr: str) -> list[str]:
     m = re.search(r"\[([^\]]*)\]", expr)
     if m is None:
         return [expr]
-    head, tails = expr[:m.start()], _expand_host(expr[m.end():])
+    head, tails = expr[: m.start()], _expand_host(expr[m.end() :])
     out = []
     for part in m.group(1).split(","):
         lo, _, hi = part.strip().partition("-")
@@ -122,7 +123,7 @@ def env_from_slurm(environ: dict[str, str]) -> dict[str, str]:
     }
 
 
-def pick_device(kind: str, local_rank: int) -> "torch.device":
+def pick_device(kind: str, local_rank: int) -> torch.device:
     import torch
 
     if kind == "auto":
@@ -149,8 +150,9 @@ def choose_backend(backend: str, device_type: str, cpu_offload: bool = False) ->
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
-def init_distributed(device_kind: str, backend: str, cpu_offload: bool = False,
-                     timeout: "timedelta | None" = None) -> DistEnv:
+def init_distributed(
+    device_kind: str, backend: str, cpu_offload: bool = False, timeout: timedelta | None = None
+) -> DistEnv:
     """Join the process group when launched by torchrun/elastic/SLURM; a plain process runs alone. ``timeout``:
     the group's collective timeout (None: PyTorch's default; loom.runtime.health sets it)."""
     os.environ.update(env_from_slurm(dict(os.environ)))
@@ -164,10 +166,13 @@ def init_distributed(device_kind: str, backend: str, cpu_offload: bool = False,
             from loom.runtime.rendezvous import worker_store
 
             backend = choose_backend(backend, device.type, cpu_offload)
-            store = worker_store()  # a file-rendezvous agent's workers meet over its FileStore, not a TCP port
+            store = (
+                worker_store()
+            )  # a file-rendezvous agent's workers meet over its FileStore, not a TCP port
             where = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
-            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None,
-                                    timeout=timeout, **where)
+            dist.init_process_group(
+                backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout, **where
+            )
     return DistEnv(rank, local_rank, world, device)
 
 
@@ -180,8 +185,13 @@ def ensure_process_group(env: DistEnv, backend: str, cpu_offload: bool) -> None:
     if dist.is_initialized():
         return
     assert env.world_size == 1, "init_distributed joins the group of a launched job"
-    dist.init_process_group(backend=choose_backend(backend, env.device.type, cpu_offload), store=dist.HashStore(),
-                            rank=0, world_size=1, device_id=env.device if env.device.type == "cuda" else None)
+    dist.init_process_group(
+        backend=choose_backend(backend, env.device.type, cpu_offload),
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=env.device if env.device.type == "cuda" else None,
+    )
 
 
 def destroy_distributed() -> None:

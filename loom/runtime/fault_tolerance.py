@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from loom.config.errors import UserError, require
 from loom.config.sections import ParallelConfig
@@ -33,8 +34,10 @@ def replica_groups(parallel: ParallelConfig) -> int:
 def data_shard(parallel: ParallelConfig, dp_rank: int, dp_size: int) -> tuple[int, int]:
     """(rank, size) of this rank among the data-parallel ranks of every replica group: group g's ranks come after
     group g - 1's, so the groups together read what one job of all their ranks would."""
-    return parallel.ft_replica_id * dp_size + dp_rank if parallel.fault_tolerance else dp_rank, \
-        replica_groups(parallel) * dp_size
+    return (
+        parallel.ft_replica_id * dp_size + dp_rank if parallel.fault_tolerance else dp_rank,
+        replica_groups(parallel) * dp_size,
+    )
 
 
 def lighthouse_address(parallel: ParallelConfig) -> str:
@@ -60,14 +63,17 @@ def _rebuilt(template: dict, received: dict, what: str) -> dict:
 
     if set(template) != set(received):
         missing = sorted(set(template) ^ set(received))[:3]
-        raise UserError(f"parallel.fault_tolerance: the peer replica group's {what} differs from this group's (e.g. "
-                        f"{missing}): every replica group must run the same model, LoRA and layout")
+        raise UserError(
+            f"parallel.fault_tolerance: the peer replica group's {what} differs from this group's (e.g. "
+            f"{missing}): every replica group must run the same model, LoRA and layout"
+        )
     out = {}
     for k, t in template.items():
         v = received[k]
         if isinstance(t, DTensor):
-            v = DTensor.from_local(v.to(t.to_local().device), t.device_mesh, t.placements, shape=t.shape,
-                                   stride=t.stride())
+            v = DTensor.from_local(
+                v.to(t.to_local().device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+            )
         out[k] = v
     return out
 
@@ -78,9 +84,18 @@ class ReplicaGroups:
     optimizer step. ``trainer_state`` / ``load_trainer_state`` carry what is not weights or optimizer state (step,
     data position, LR schedule, loss scale) to a recovering peer."""
 
-    def __init__(self, parallel: ParallelConfig, *, rank: int, world_size: int, device: torch.device,
-                 parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 trainer_state: Callable[[], dict], load_trainer_state: Callable[[dict], None]):
+    def __init__(
+        self,
+        parallel: ParallelConfig,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        trainer_state: Callable[[], dict],
+        load_trainer_state: Callable[[dict], None],
+    ):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
         ft = require("torchft", "ft", purpose="parallel.fault_tolerance")
         self.parts, self.optimizers, self.rank = parts, optimizers, rank
@@ -92,12 +107,24 @@ class ReplicaGroups:
         on_host = device.type == "cpu" or parallel.cpu_offload or parallel.backend == "gloo"
         pg = ft.ProcessGroupGloo(timeout=timeout) if on_host else ft.ProcessGroupNCCL(timeout=timeout)
         self.manager = ft.Manager(
-            pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=parallel.ft_min_replicas,
+            pg=pg,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=parallel.ft_min_replicas,
             # every group draws the same weights from run.seed (loom's init does not depend on the layout): no
             # transfer at step 0, which would also have DCP give the sender's empty optimizer a step of its own
-            init_sync=False, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-            rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
-            lighthouse_addr=lighthouse_address(parallel), replica_id=f"loom_{parallel.ft_replica_id}")
+            init_sync=False,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_address(parallel),
+            replica_id=f"loom_{parallel.ft_replica_id}",
+        )
 
     # ---- the step -------------------------------------------------------------------
     def start_step(self) -> None:
@@ -125,7 +152,7 @@ class ReplicaGroups:
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        limit = bucket_mb * 2 ** 20
+        limit = bucket_mb * 2**20
         buckets: dict[tuple, list[list[torch.Tensor]]] = {}
         for g in grads:
             lists = buckets.setdefault((g.dtype, g.device), [[]])
@@ -159,26 +186,44 @@ class ReplicaGroups:
 
         opts = _options()
         # an optimizer that has not stepped yet has no state to send (DCP would initialize it with a step)
-        return {"model": [_shipped(get_model_state_dict(p, options=opts)) for p in self.parts],
-                "optimizer": [_shipped(get_optimizer_state_dict(p, o, options=opts)) if o.state else None
-                              for p, o in zip(self.parts, self.optimizers)],
-                "trainer": self.trainer_state()}
+        return {
+            "model": [_shipped(get_model_state_dict(p, options=opts)) for p in self.parts],
+            "optimizer": [
+                _shipped(get_optimizer_state_dict(p, o, options=opts)) if o.state else None
+                for p, o in zip(self.parts, self.optimizers)
+            ],
+            "trainer": self.trainer_state(),
+        }
 
     def _load(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = _options()
-        for part, opt, model_sd, optim_sd in zip(self.parts, self.optimizers, state["model"], state["optimizer"]):
-            set_model_state_dict(part, _rebuilt(get_model_state_dict(part, options=opts), model_sd, "model"),
-                                 options=opts)
+        for part, opt, model_sd, optim_sd in zip(
+            self.parts, self.optimizers, state["model"], state["optimizer"]
+        ):
+            set_model_state_dict(
+                part, _rebuilt(get_model_state_dict(part, options=opts), model_sd, "model"), options=opts
+            )
             if optim_sd is not None:
-                template = get_optimizer_state_dict(part, opt, options=opts)  # initializes a fresh optimizer's state
-                set_optimizer_state_dict(part, opt, _rebuilt(template, optim_sd, "optimizer state"), options=opts)
+                template = get_optimizer_state_dict(
+                    part, opt, options=opts
+                )  # initializes a fresh optimizer's state
+                set_optimizer_state_dict(
+                    part, opt, _rebuilt(template, optim_sd, "optimizer state"), options=opts
+                )
         self.load_trainer_state(state["trainer"])
         if self.rank == 0:
-            print(f"replica group {self.replica_id}: recovered step {state['trainer']['step']} from a live replica "
-                  "group (torchft)", flush=True)
+            print(
+                f"replica group {self.replica_id}: recovered step {state['trainer']['step']} from a live replica "
+                "group (torchft)",
+                flush=True,
+            )
 
 
 def _options():

@@ -20,21 +20,38 @@ def check_fault_tolerance(cfg: Config) -> None:
                 raise ConfigError(f"parallel.{key}", getattr(p, key), "used by parallel.fault_tolerance only")
         return
     if p.ft_replica_id >= p.ft_replica_groups:
-        raise ConfigError("parallel.ft_replica_id", p.ft_replica_id,
-                          f"must be below parallel.ft_replica_groups ({p.ft_replica_groups})")
+        raise ConfigError(
+            "parallel.ft_replica_id",
+            p.ft_replica_id,
+            f"must be below parallel.ft_replica_groups ({p.ft_replica_groups})",
+        )
     if p.ft_min_replicas > p.ft_replica_groups:
-        raise ConfigError("parallel.ft_min_replicas", p.ft_min_replicas,
-                          f"must be at most parallel.ft_replica_groups ({p.ft_replica_groups})")
+        raise ConfigError(
+            "parallel.ft_min_replicas",
+            p.ft_min_replicas,
+            f"must be at most parallel.ft_replica_groups ({p.ft_replica_groups})",
+        )
     if p.dp_replicate > 1:
-        raise ConfigError("parallel.dp_replicate", p.dp_replicate, "with parallel.fault_tolerance the replica groups "
-                          "are the replicate axis: allowed 1 (shard within a group with parallel.dp_shard)")
+        raise ConfigError(
+            "parallel.dp_replicate",
+            p.dp_replicate,
+            "with parallel.fault_tolerance the replica groups "
+            "are the replicate axis: allowed 1 (shard within a group with parallel.dp_shard)",
+        )
     for key in ("tp", "pp", "cp", "ep"):
         if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}", getattr(p, key), "not supported with parallel.fault_tolerance yet "
-                              "(data parallelism within a replica group only): allowed 1")
+            raise ConfigError(
+                f"parallel.{key}",
+                getattr(p, key),
+                "not supported with parallel.fault_tolerance yet "
+                "(data parallelism within a replica group only): allowed 1",
+            )
     if cfg.training.nonfinite == "rollback":
-        raise ConfigError("training.nonfinite", "rollback", "not with parallel.fault_tolerance (one group would "
-                          "roll back alone): allowed skip | stop")
+        raise ConfigError(
+            "training.nonfinite",
+            "rollback",
+            "not with parallel.fault_tolerance (one group would roll back alone): allowed skip | stop",
+        )
 
 
 def check_torchft(cfg: Config, device: str) -> None:
@@ -44,11 +61,17 @@ def check_torchft(cfg: Config, device: str) -> None:
     from importlib.util import find_spec
 
     if find_spec("torchft") is None:
-        raise ConfigError("parallel.fault_tolerance", True, "needs the 'torchft' package (pip install "
-                          "'loom-train[ft]')")
+        raise ConfigError(
+            "parallel.fault_tolerance", True, "needs the 'torchft' package (pip install 'loom-train[ft]')"
+        )
     if not lighthouse_address(cfg.parallel):
-        raise ConfigError("parallel.ft_lighthouse", "", "parallel.fault_tolerance needs the torchft lighthouse's "
-                          "address (http://host:port) here or in TORCHFT_LIGHTHOUSE", show_value=False)
+        raise ConfigError(
+            "parallel.ft_lighthouse",
+            "",
+            "parallel.fault_tolerance needs the torchft lighthouse's "
+            "address (http://host:port) here or in TORCHFT_LIGHTHOUSE",
+            show_value=False,
+        )
 
 
 RULES = RuleSet("fault tolerance", config=check_fault_tolerance, machine=check_torchft)

@@ -8,7 +8,9 @@ import pickle
 import sys
 
 FR_FOLDER = "flight_recorder"
-FR_PREFIX = "rank_"  # the dump of rank r is <run.dir>/flight_recorder/rank_<r> (torch's analyzer reads this layout)
+FR_PREFIX = (
+    "rank_"  # the dump of rank r is <run.dir>/flight_recorder/rank_<r> (torch's analyzer reads this layout)
+)
 FR_ENTRIES = 20000  # collectives each rank's flight recorder keeps
 
 
@@ -55,8 +57,13 @@ def summarize_dump(dump: dict | None, last: int = 4) -> dict[str, dict]:
         p2p = bool(e.get("is_p2p"))
         seq = int(e.get("p2p_seq_id" if p2p else "collective_seq_id", 0))
         g["p2p" if p2p else "collectives"][seq] = {
-            "seq": seq, "op": _op_name(e.get("profiling_name")), "sizes": e.get("input_sizes"),
-            "dtypes": e.get("input_dtypes"), "state": e.get("state"), "duration_ms": e.get("duration_ms")}
+            "seq": seq,
+            "op": _op_name(e.get("profiling_name")),
+            "sizes": e.get("input_sizes"),
+            "dtypes": e.get("input_dtypes"),
+            "state": e.get("state"),
+            "duration_ms": e.get("duration_ms"),
+        }
     for name, g in groups.items():
         for kind in ("collectives", "p2p"):
             g[kind] = [g[kind][seq] for seq in sorted(g[kind])][-last:]
@@ -67,7 +74,9 @@ def summarize_dump(dump: dict | None, last: int = 4) -> dict[str, dict]:
             except ValueError:
                 g["ranks"] = None
         st = status.get(name) or {}
-        g["last_enqueued"] = st.get("last_enqueued_collective", g["collectives"][-1]["seq"] if g["collectives"] else 0)
+        g["last_enqueued"] = st.get(
+            "last_enqueued_collective", g["collectives"][-1]["seq"] if g["collectives"] else 0
+        )
         g["last_completed"] = st.get("last_completed_collective")
     return groups
 
@@ -86,7 +95,7 @@ def read_dumps(folder: str, since: float = 0.0) -> dict[int, dict]:
     except FileNotFoundError:
         return out
     for name in names:
-        rank = name[len(FR_PREFIX):]
+        rank = name[len(FR_PREFIX) :]
         path = os.path.join(folder, name)
         if not (name.startswith(FR_PREFIX) and rank.isdecimal()) or os.path.getmtime(path) < since:
             continue
@@ -98,15 +107,25 @@ def read_dumps(folder: str, since: float = 0.0) -> dict[int, dict]:
     return out
 
 
-
 def analyzer_text(folder: str, timeout_s: float = 300.0) -> str:
     """PyTorch's own analyzer (``torch.distributed.flight_recorder.fr_trace``) on the dumps in ``folder``: its
     output, or why there is none. It reads NCCL's dumps; gloo's (PyTorch 2.13) lack the group names it needs."""
     import subprocess
 
     try:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder, "--prefix",
-                               FR_PREFIX], capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.flight_recorder.fr_trace",
+                folder,
+                "--prefix",
+                FR_PREFIX,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"PyTorch's analyzer did not run: {err}"
     text = (proc.stdout + proc.stderr).strip()

@@ -25,7 +25,9 @@ class Preemption:
         self.requested, self.reason = False, ""
         self._timer: threading.Timer | None = None
         self._old: dict = {}
-        self._worker = "TORCHELASTIC_RUN_ID" in os.environ  # started by an elastic agent (loom's or torchrun's)
+        self._worker = (
+            "TORCHELASTIC_RUN_ID" in os.environ
+        )  # started by an elastic agent (loom's or torchrun's)
         if threading.current_thread() is threading.main_thread():
             self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         self._done = threading.Event()
@@ -53,9 +55,12 @@ class Preemption:
         self._timer.start()
 
     def _expire(self) -> None:
-        print(f"loom: rank {self.rank}: still running {self.grace_s:g} s after {self.reason} "
-              "(checkpoint.preempt_grace_s); exiting without a new checkpoint (the last complete one stays)",
-              file=sys.stderr, flush=True)
+        print(
+            f"loom: rank {self.rank}: still running {self.grace_s:g} s after {self.reason} "
+            "(checkpoint.preempt_grace_s); exiting without a new checkpoint (the last complete one stays)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     def restore(self) -> None:
@@ -81,8 +86,11 @@ class NonFiniteGuard:
         self.why = ""  # what made bad_step answer "stop"
 
     def state_dict(self) -> dict:
-        return {"skipped": self.skipped, "skip_steps": sorted(self.skip_steps),
-                "rollbacks": {str(k): v for k, v in self.rollbacks.items()}}
+        return {
+            "skipped": self.skipped,
+            "skip_steps": sorted(self.skip_steps),
+            "rollbacks": {str(k): v for k, v in self.rollbacks.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped = int(state.get("skipped", 0))
@@ -98,24 +106,30 @@ class NonFiniteGuard:
         self.streak += 1
         what = f"step {step}: loss {loss}, grad norm {norm}"
         if self.mode == "stop":
-            self.why = (f"non-finite {what} (training.nonfinite = stop); the update was not applied and the last "
-                        "complete checkpoint stays")
+            self.why = (
+                f"non-finite {what} (training.nonfinite = stop); the update was not applied and the last "
+                "complete checkpoint stays"
+            )
             return "stop"
         if self.mode == "rollback":
             self.skip_steps.add(step)
             return "rollback"
         if self.streak >= self.limit:
-            self.why = (f"{self.streak} non-finite steps in a row (training.nonfinite_limit = {self.limit}), the "
-                        f"last {what}; stopping (the last complete checkpoint stays)")
+            self.why = (
+                f"{self.streak} non-finite steps in a row (training.nonfinite_limit = {self.limit}), the "
+                f"last {what}; stopping (the last complete checkpoint stays)"
+            )
             return "stop"
         return "skip"
 
     def rolled_back_to(self, step: int) -> None:
         self.rollbacks[step] = self.rollbacks.get(step, 0) + 1
         if self.rollbacks[step] > self.limit:
-            raise TrainingStopped(f"rolled back to the checkpoint of step {step} {self.rollbacks[step] - 1} times "
-                                  f"(training.nonfinite_limit = {self.limit}) and the loss is still not finite; "
-                                  "stopping")
+            raise TrainingStopped(
+                f"rolled back to the checkpoint of step {step} {self.rollbacks[step] - 1} times "
+                f"(training.nonfinite_limit = {self.limit}) and the loss is still not finite; "
+                "stopping"
+            )
 
 
 class StepCheck:
@@ -123,9 +137,13 @@ class StepCheck:
     ``read`` waits only for that copy, so the host learns it a step late for free (the GPU has moved on).
     ``deferred``: the device already decided (skipped the update itself), the host only takes back counts."""
 
-    def __init__(self, step: int, finite: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor, deferred: bool):
+    def __init__(
+        self, step: int, finite: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor, deferred: bool
+    ):
         self.step, self.deferred = step, deferred
-        values = torch.stack([finite.to(torch.float32), loss.detach().float(), norm.detach().float().to(loss.device)])
+        values = torch.stack(
+            [finite.to(torch.float32), loss.detach().float(), norm.detach().float().to(loss.device)]
+        )
         self._event = None
         if values.device.type == "cuda":
             self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)

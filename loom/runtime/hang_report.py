@@ -19,6 +19,7 @@ REPORT = "hang_report"  # <run.dir>/hang_report.txt and .json
 class Finding:
     """One process group where the ranks disagree: ``behind`` never joined collective ``seq`` (``op``) that
     ``waiting`` were in, or (``desync``) the ranks issued different collectives under one sequence number."""
+
     group: str
     desc: str
     seq: int
@@ -45,20 +46,28 @@ class HangReport:
             f = self.findings[0]
             who = _ranks(list(f.behind))
             if f.op == BARRIER:
-                text += (f"rank{_s(f.behind)} {who} never reached the monitored barrier ({f.desc}) that "
-                         f"rank{_s(f.waiting)} {_ranks(f.waiting)} waited at")
+                text += (
+                    f"rank{_s(f.behind)} {who} never reached the monitored barrier ({f.desc}) that "
+                    f"rank{_s(f.waiting)} {_ranks(f.waiting)} waited at"
+                )
             elif f.desync:
-                text += (f"rank{_s(f.behind)} {who} issued another collective than rank{_s(f.waiting)} "
-                         f"{_ranks(f.waiting)} at #{f.seq} ({f.op}) on group {f.desc}")
+                text += (
+                    f"rank{_s(f.behind)} {who} issued another collective than rank{_s(f.waiting)} "
+                    f"{_ranks(f.waiting)} at #{f.seq} ({f.op}) on group {f.desc}"
+                )
             else:
                 lasts = "; ".join(f"rank {r}'s last: {last}" for r, last in list(f.behind.items())[:3])
-                text += (f"rank{_s(f.behind)} {who} never joined {f.op} #{f.seq} on group {f.desc}, which "
-                         f"rank{_s(f.waiting)} {_ranks(f.waiting)} waited in ({lasts})")
+                text += (
+                    f"rank{_s(f.behind)} {who} never joined {f.op} #{f.seq} on group {f.desc}, which "
+                    f"rank{_s(f.waiting)} {_ranks(f.waiting)} waited in ({lasts})"
+                )
             extra = [r for r in self.silent if r not in f.behind]
             if extra:
                 text += f"; no answer from rank{_s(extra)} {_ranks(extra)}"
         elif self.silent:
-            text += f"no answer from rank{_s(self.silent)} {_ranks(self.silent)} (dead, or stuck holding Python)"
+            text += (
+                f"no answer from rank{_s(self.silent)} {_ranks(self.silent)} (dead, or stuck holding Python)"
+            )
         else:
             text += f"every rank reached the same collective; {self.error or 'see the report'}"
         stuck = [r for r in self.stuck if r in self.ranks and self.ranks[r].get("stack")]
@@ -71,34 +80,49 @@ class HangReport:
 
     def text(self) -> str:
         """The report file: the summary, then each rank's answer."""
-        out = [self.line(), "", f"world {self.world}; stuck: {_ranks(self.stuck) or 'none named'}; "
-               f"detected by rank(s) {_ranks(self.detected_by) or '?'}"]
+        out = [
+            self.line(),
+            "",
+            f"world {self.world}; stuck: {_ranks(self.stuck) or 'none named'}; "
+            f"detected by rank(s) {_ranks(self.detected_by) or '?'}",
+        ]
         if self.error:
             out.append(f"error: {self.error}")
         for f in self.findings:
             kind = "desync" if f.desync else "hang"
-            out.append(f"{kind} on group {f.desc} ({f.group}): collective #{f.seq} {f.op}; waiting: "
-                       f"{_ranks(f.waiting)}; " + ", ".join(f"rank {r}: {v}" for r, v in f.behind.items()))
+            out.append(
+                f"{kind} on group {f.desc} ({f.group}): collective #{f.seq} {f.op}; waiting: "
+                f"{_ranks(f.waiting)}; " + ", ".join(f"rank {r}: {v}" for r, v in f.behind.items())
+            )
         for r in range(self.world):
             info = self.ranks.get(r)
             out.append("")
             if info is None:
                 out.append(f"rank {r}: no answer")
                 continue
-            out.append(f"rank {r} ({info.get('host', '?')}, pid {info.get('pid', '?')}): {info.get('source', '?')}, "
-                       f"after step {info.get('step')}, {info.get('phase', '')}" +
-                       (f"; error: {info['error']}" if info.get("error") else ""))
+            out.append(
+                f"rank {r} ({info.get('host', '?')}, pid {info.get('pid', '?')}): {info.get('source', '?')}, "
+                f"after step {info.get('step')}, {info.get('phase', '')}"
+                + (f"; error: {info['error']}" if info.get("error") else "")
+            )
             for name, g in sorted((info.get("groups") or {}).items()):
-                colls = ", ".join(f"#{c['seq']} {c['op']} {c['sizes']} {c['state']}" for c in g["collectives"])
+                colls = ", ".join(
+                    f"#{c['seq']} {c['op']} {c['sizes']} {c['state']}" for c in g["collectives"]
+                )
                 out.append(f"  group {g['desc']} ({name}): last enqueued #{g.get('last_enqueued')}: {colls}")
                 if g.get("p2p"):
-                    out.append("    point-to-point: " + ", ".join(f"#{c['seq']} {c['op']} {c['sizes']} {c['state']}"
-                                                                 for c in g["p2p"]))
+                    out.append(
+                        "    point-to-point: "
+                        + ", ".join(f"#{c['seq']} {c['op']} {c['sizes']} {c['state']}" for c in g["p2p"])
+                    )
             for frame in info.get("stack") or []:
                 out.append(f"  at {frame}")
-        out += ["", "Flight-recorder dumps (where written): flight_recorder/rank_<r>; PyTorch's analyzer of NCCL's "
-                "dumps: python -m torch.distributed.flight_recorder.fr_trace <run.dir>/flight_recorder --prefix rank_ "
-                "(python -m loom.runtime.hang_report <run.dir> appends its output here)"]
+        out += [
+            "",
+            "Flight-recorder dumps (where written): flight_recorder/rank_<r>; PyTorch's analyzer of NCCL's "
+            "dumps: python -m torch.distributed.flight_recorder.fr_trace <run.dir>/flight_recorder --prefix rank_ "
+            "(python -m loom.runtime.hang_report <run.dir> appends its output here)",
+        ]
         return "\n".join(out) + "\n"
 
     def to_json(self) -> dict:
@@ -120,8 +144,9 @@ BARRIER = "monitored barrier"
 _MISSED = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
-def build_report(answers: dict[int, dict | None], world: int, detected_by: list[int] | None = None,
-                 error: str = "") -> HangReport:
+def build_report(
+    answers: dict[int, dict | None], world: int, detected_by: list[int] | None = None, error: str = ""
+) -> HangReport:
     """Compare every rank's last collectives per process group (``answers[r]["groups"]``, as
     ``summarize_dump`` makes them; None: rank r did not answer) and name the ranks the others waited for; a
     monitored barrier's error (in ``error`` or a rank's answer) names the ranks that never reached it."""
@@ -134,16 +159,27 @@ def build_report(answers: dict[int, dict | None], world: int, detected_by: list[
             missed |= {int(r) for r in re.findall(r"\d+", m.group(1))}
     if missed:
         phase = next((a.get("phase") for a in answers.values() if a and a.get("error")), None) or "?"
-        findings.append(Finding(BARRIER, phase, 0, BARRIER, sorted(r for r, a in answers.items()
-                                                                  if a is not None and r not in missed),
-                                {r: "no answer" if answers.get(r) is None else
-                                 (_where(answers[r]["stack"]) if answers[r].get("stack") else "?")
-                                 for r in sorted(missed)}))
+        findings.append(
+            Finding(
+                BARRIER,
+                phase,
+                0,
+                BARRIER,
+                sorted(r for r, a in answers.items() if a is not None and r not in missed),
+                {
+                    r: "no answer"
+                    if answers.get(r) is None
+                    else (_where(answers[r]["stack"]) if answers[r].get("stack") else "?")
+                    for r in sorted(missed)
+                },
+            )
+        )
     groups: dict[str, dict] = {}
     for r, info in answers.items():
         for name, g in ((info or {}).get("groups") or {}).items():
-            entry = groups.setdefault(name, {"desc": g.get("desc"), "members": set(g.get("ranks") or []),
-                                             "by_rank": {}})
+            entry = groups.setdefault(
+                name, {"desc": g.get("desc"), "members": set(g.get("ranks") or []), "by_rank": {}}
+            )
             entry["by_rank"][r] = g
     for name, entry in groups.items():
         by_rank = entry["by_rank"]
@@ -164,14 +200,24 @@ def build_report(answers: dict[int, dict | None], world: int, detected_by: list[
                 counts[s] = counts.get(s, 0) + 1
             major = max(counts, key=lambda s: (counts[s], s == sigs[waiting[0]]))
             odd = {r: f"{s[0]} {s[1]}" for r, s in sigs.items() if s != major}
-            findings.append(Finding(name, entry["desc"], top, f"{major[0]} {major[1]}",
-                                    sorted(r for r, s in sigs.items() if s == major), odd, desync=True))
+            findings.append(
+                Finding(
+                    name,
+                    entry["desc"],
+                    top,
+                    f"{major[0]} {major[1]}",
+                    sorted(r for r, s in sigs.items() if s == major),
+                    odd,
+                    desync=True,
+                )
+            )
     detected = sorted(detected_by or [])
     # the group where the detecting ranks waited first, then hangs before desyncs, then the furthest collective
     findings.sort(key=lambda f: (f.op != BARRIER, not set(f.waiting) & set(detected), f.desync, -f.seq))
     stuck = sorted({r for f in findings for r in f.behind} | set(silent))
-    return HangReport(world, stuck, silent, findings, {r: a for r, a in answers.items() if a is not None},
-                      detected, error)
+    return HangReport(
+        world, stuck, silent, findings, {r: a for r, a in answers.items() if a is not None}, detected, error
+    )
 
 
 def _coll_at(g: dict, seq: int) -> dict | None:
@@ -210,19 +256,22 @@ def report_from_dumps(run_dir: str, since: float = 0.0, world: int | None = None
     dumps = read_dumps(os.path.join(run_dir, FR_FOLDER), since)
     if not dumps:
         return None
-    answers = {r: {"rank": r, "source": "flight-recorder dump", "groups": summarize_dump(d)}
-               for r, d in dumps.items()}
+    answers = {
+        r: {"rank": r, "source": "flight-recorder dump", "groups": summarize_dump(d)}
+        for r, d in dumps.items()
+    }
     if world is None:
         members = [r for a in answers.values() for g in a["groups"].values() for r in (g.get("ranks") or [])]
         world = max([*answers, *members]) + 1
-    return build_report(answers, world, error=f"from the flight-recorder dumps in {os.path.join(run_dir, FR_FOLDER)}")
+    return build_report(
+        answers, world, error=f"from the flight-recorder dumps in {os.path.join(run_dir, FR_FOLDER)}"
+    )
 
 
 def _where(stack: list[str]) -> str:
     """The innermost frame, and the innermost of loom's own when that is another one."""
     own = next((f for f in reversed(stack) if f.startswith("loom/")), None)
     return stack[-1] + (f", called from {own}" if own and own != stack[-1] else "")
-
 
 
 def _main(argv: list[str]) -> int:

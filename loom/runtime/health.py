@@ -25,11 +25,19 @@ import uuid
 from datetime import timedelta
 
 from loom.config.errors import TrainingStopped
-from loom.runtime.flight_recorder import FR_ENTRIES, FR_FOLDER, FR_PREFIX, dump_flight_recorder, summarize_dump
+from loom.runtime.flight_recorder import (
+    FR_ENTRIES,
+    FR_FOLDER,
+    FR_PREFIX,
+    dump_flight_recorder,
+    summarize_dump,
+)
 from loom.runtime.hang_report import REPORT, build_report, report_from_dumps, write_report
 
 STARTUP_TIMEOUT_S = 1800.0  # start-up (rank 0 tokenizing, the resume, compiling) waits at least this long
-POLL_S = 1.0  # how often a rank's watcher looks for a hang signal in the store (per 1024 ranks: the store's load)
+POLL_S = (
+    1.0  # how often a rank's watcher looks for a hang signal in the store (per 1024 ranks: the store's load)
+)
 ANSWER_S = 15.0  # how long the reporting rank waits for the others' answers
 EXIT_HANG = 1
 
@@ -40,8 +48,10 @@ class CollectiveTimeout(TrainingStopped):
 
 # ---- before the process group forms ------------------------------------------------------------------------
 
-def process_env(run_dir: str, device_type: str, distributed_debug: str = "OFF",
-                comm_timing: bool = False) -> dict[str, str]:
+
+def process_env(
+    run_dir: str, device_type: str, distributed_debug: str = "OFF", comm_timing: bool = False
+) -> dict[str, str]:
     """The variables that must be set before the process group forms: the flight recorder's size (gloo and
     NCCL collectives; PyTorch 2.9 renamed TORCH_NCCL_TRACE_BUFFER_SIZE and TORCH_NCCL_DEBUG_INFO_TEMP_FILE to
     TORCH_FR_BUFFER_SIZE and TORCH_FR_DUMP_TEMP_FILE and warns about the old names), NCCL's dump on timeout into
@@ -50,8 +60,13 @@ def process_env(run_dir: str, device_type: str, distributed_debug: str = "OFF",
     env = {"TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES)}
     if device_type == "cuda":
         prefix = os.path.join(os.path.abspath(run_dir), FR_FOLDER, FR_PREFIX)
-        env.update({"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
-                    "TORCH_NCCL_ENABLE_MONITORING": "1"})
+        env.update(
+            {
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_FR_DUMP_TEMP_FILE": prefix,
+                "TORCH_NCCL_ENABLE_MONITORING": "1",
+            }
+        )
         if comm_timing:
             env["TORCH_NCCL_ENABLE_TIMING"] = "1"
     if distributed_debug != "OFF":
@@ -59,12 +74,16 @@ def process_env(run_dir: str, device_type: str, distributed_debug: str = "OFF",
     return env
 
 
-def prepare_process(run_dir: str, device_kind: str, distributed_debug: str = "OFF", comm_timing: bool = False) -> None:
+def prepare_process(
+    run_dir: str, device_kind: str, distributed_debug: str = "OFF", comm_timing: bool = False
+) -> None:
     """Set ``process_env``'s variables (a value already in the environment wins, except TORCH_DISTRIBUTED_DEBUG
     when the config asks for a level) and create the dump folder; call before ``init_distributed``."""
     import torch
 
-    device_type = "cuda" if device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = (
+        "cuda" if device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     for key, value in process_env(run_dir, device_type, distributed_debug, comm_timing).items():
         if key == "TORCH_DISTRIBUTED_DEBUG":
             os.environ[key] = value
@@ -101,6 +120,7 @@ def set_timeouts(seconds: float) -> int:
 
 # ---- what one rank knows ---------------------------------------------------------------------------------------
 
+
 def main_stack(limit: int = 8) -> list[str]:
     """The main thread's innermost ``limit`` Python frames, ``path:line in function``, innermost last."""
     frame = sys._current_frames().get(threading.main_thread().ident)
@@ -122,7 +142,7 @@ def _short(path: str) -> str:
     for marker in ("/site-packages/", "/loom/", "/tests/"):
         i = path.rfind(marker)
         if i >= 0:
-            return path[i + 1:] if marker != "/site-packages/" else path[i + len(marker):]
+            return path[i + 1 :] if marker != "/site-packages/" else path[i + len(marker) :]
     return path
 
 
@@ -142,12 +162,22 @@ def previous_hang(run_dir: str) -> str | None:
 def is_collective_failure(err: BaseException) -> bool:
     """A collective that timed out or lost a peer (gloo's and NCCL's messages), or a missed monitored barrier."""
     text = str(err)
-    return isinstance(err, RuntimeError) and any(s in text for s in (
-        "Timed out waiting", "timed out", "Timeout", "monitoredBarrier", "Connection closed by peer",
-        "Connection reset by peer", "DistBackendError"))
+    return isinstance(err, RuntimeError) and any(
+        s in text
+        for s in (
+            "Timed out waiting",
+            "timed out",
+            "Timeout",
+            "monitoredBarrier",
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "DistBackendError",
+        )
+    )
 
 
 # ---- one rank's part ------------------------------------------------------------------------------------------
+
 
 class Health:
     """One rank's hang handling: monitored barriers, the timeouts, the watcher that answers a hang signal, and
@@ -172,11 +202,16 @@ class Health:
         os.makedirs(os.path.join(run_dir, FR_FOLDER), exist_ok=True)  # where NCCL's watchdog dumps
         from torch.distributed import distributed_c10d as c10d
 
-        token = env.share_from_main(uuid.uuid4().hex[:12])  # this start's keys (a store may outlive a restart)
+        token = env.share_from_main(
+            uuid.uuid4().hex[:12]
+        )  # this start's keys (a store may outlive a restart)
         self.store = dist.PrefixStore(f"loom_health/{token}/", c10d._get_default_store())
         # monitored_barrier needs gloo: the default group where it is gloo, else a gloo side group
-        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo",
-                                                                              timeout=startup_timeout(timeout_s))
+        self.group = (
+            None
+            if dist.get_backend() == "gloo"
+            else dist.new_group(backend="gloo", timeout=startup_timeout(timeout_s))
+        )
         self._thread = threading.Thread(target=self._watch, name="loom-health", daemon=True)
         self._thread.start()
 
@@ -187,10 +222,18 @@ class Health:
             return
         import torch.distributed as dist
 
-        if timeout_s is None:  # before training (the checkpoint manager's start, the resume): the start-up timeout
-            timeout_s = self.timeout_s if self.phase != "start-up" else startup_timeout(self.timeout_s).total_seconds()
+        if (
+            timeout_s is None
+        ):  # before training (the checkpoint manager's start, the resume): the start-up timeout
+            timeout_s = (
+                self.timeout_s
+                if self.phase != "start-up"
+                else startup_timeout(self.timeout_s).total_seconds()
+            )
         with self.watch(what):
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+            dist.monitored_barrier(
+                group=self.group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True
+            )
 
     def start_barrier(self) -> None:
         """Every rank is built and about to train (the start-up timeout)."""
@@ -249,9 +292,17 @@ class Health:
                 os.makedirs(folder, exist_ok=True)
                 with open(os.path.join(folder, f"{FR_PREFIX}{self.env.rank}"), "wb") as fh:
                     pickle.dump(dump, fh)
-        info = {"rank": self.env.rank, "host": socket.gethostname(), "pid": os.getpid(), "source": source,
-                "step": self.step, "phase": self.phase, "error": error, "stack": stack or main_stack(),
-                "groups": summarize_dump(dump)}
+        info = {
+            "rank": self.env.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "source": source,
+            "step": self.step,
+            "phase": self.phase,
+            "error": error,
+            "stack": stack or main_stack(),
+            "groups": summarize_dump(dump),
+        }
         self.store.set(self._key("answer", self.env.rank), json.dumps(info, default=str))
         return info
 
@@ -317,7 +368,10 @@ class Health:
             if self._handling or self._stop.is_set():
                 return  # this rank's own collective failed meanwhile: its main thread reports and stops
             if self.env.rank == 0:
-                print(f"loom: stopped: {line or 'another rank reported a collective timeout'}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"loom: stopped: {line or 'another rank reported a collective timeout'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             sys.stdout.flush()
             os._exit(EXIT_HANG)

@@ -56,10 +56,17 @@ class Launch:
         lo, hi = self.nnodes
         conf = [c for c in self.rdzv_conf.split(",") if c]
         if self.rdzv_backend == "c10d" and self.node_rank and not any(c.startswith("is_host=") for c in conf):
-            conf.append("is_host=0")  # only node 0 may serve the store (it does where it runs on the endpoint's host)
-        return [*args, f"--nnodes={lo}:{hi}" if lo < hi else f"--nnodes={lo}", f"--rdzv-backend={self.rdzv_backend}",
-                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}",
-                *([f"--rdzv-conf={','.join(conf)}"] if conf else [])]
+            conf.append(
+                "is_host=0"
+            )  # only node 0 may serve the store (it does where it runs on the endpoint's host)
+        return [
+            *args,
+            f"--nnodes={lo}:{hi}" if lo < hi else f"--nnodes={lo}",
+            f"--rdzv-backend={self.rdzv_backend}",
+            f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.rdzv_id}",
+            *([f"--rdzv-conf={','.join(conf)}"] if conf else []),
+        ]
 
 
 def _count(name: str, val: str, least: int) -> int:
@@ -68,8 +75,11 @@ def _count(name: str, val: str, least: int) -> int:
     except ValueError:
         n = None
     if n is None or n < least:
-        raise ConfigError(name, val if n is None else n,
-                          "expected a positive integer" if least else "expected a whole number >= 0")
+        raise ConfigError(
+            name,
+            val if n is None else n,
+            "expected a positive integer" if least else "expected a whole number >= 0",
+        )
     return n
 
 
@@ -98,7 +108,8 @@ def _backend(val: str) -> str:
 
 # option -> (Launch field, how its value is read); torchrun's underscore spellings are accepted too
 LAUNCH_OPTIONS = {
-    "--config": ("config", str), "-c": ("config", str),
+    "--config": ("config", str),
+    "-c": ("config", str),
     "--nproc-per-node": ("nproc", lambda v: _count("--nproc-per-node", v, 1)),
     "--max-restarts": ("max_restarts", lambda v: _count("--max-restarts", v, 0)),
     "--nnodes": ("nnodes", _nnodes),
@@ -108,8 +119,13 @@ LAUNCH_OPTIONS = {
     "--rdzv-id": ("rdzv_id", str),
     "--rdzv-conf": ("rdzv_conf", _rdzv_conf),
 }
-LAUNCH_OPTIONS.update({k.replace("-", "_").replace("__", "--"): v for k, v in list(LAUNCH_OPTIONS.items())
-                       if k.startswith("--")})
+LAUNCH_OPTIONS.update(
+    {
+        k.replace("-", "_").replace("__", "--"): v
+        for k, v in list(LAUNCH_OPTIONS.items())
+        if k.startswith("--")
+    }
+)
 
 
 def parse_launch(argv: list[str]) -> tuple[Launch, list[str]]:
@@ -137,22 +153,35 @@ def check_launch(launch: Launch) -> None:
     """The rules between launcher options: where nodes meet must be said when there is more than one; a node rank
     is below the node count (else the agent waits on the rendezvous forever); a c10d endpoint's port is a port."""
     if launch.node_rank is not None and launch.node_rank >= launch.nnodes[1]:
-        raise ConfigError("--node-rank", launch.node_rank, f"must be below --nnodes "
-                          f"{':'.join(map(str, sorted(set(launch.nnodes))))} (0 <= rank < nodes)")
+        raise ConfigError(
+            "--node-rank",
+            launch.node_rank,
+            f"must be below --nnodes {':'.join(map(str, sorted(set(launch.nnodes))))} (0 <= rank < nodes)",
+        )
     if launch.rdzv_backend == "file" and launch.rdzv_endpoint:
         folder = os.path.dirname(os.path.abspath(launch.rdzv_endpoint))
         if not os.path.isdir(folder):
-            raise ConfigError("--rdzv-endpoint", launch.rdzv_endpoint, f"its folder {folder} does not exist on this "
-                              "node (the file backend needs a filesystem every node mounts)")
+            raise ConfigError(
+                "--rdzv-endpoint",
+                launch.rdzv_endpoint,
+                f"its folder {folder} does not exist on this "
+                "node (the file backend needs a filesystem every node mounts)",
+            )
     if launch.rdzv_backend != "file" and launch.rdzv_endpoint and ":" in launch.rdzv_endpoint:
         port = launch.rdzv_endpoint.rpartition(":")[2]
         if not (port.isdigit() and 1 <= int(port) <= 65535):
             raise ConfigError("--rdzv-endpoint", launch.rdzv_endpoint, "HOST:PORT with a port in 1..65535")
     if (launch.multi_node or launch.rdzv_backend == "file") and not launch.rdzv_endpoint:
-        what = "PATH: a file on a filesystem every node mounts" if launch.rdzv_backend == "file" else \
-            "HOST:PORT that every node reaches (the first agent there serves the rendezvous store)"
-        why = "--rdzv-backend file" if launch.rdzv_backend == "file" else \
-            f"--nnodes {':'.join(map(str, sorted(set(launch.nnodes))))}"
+        what = (
+            "PATH: a file on a filesystem every node mounts"
+            if launch.rdzv_backend == "file"
+            else "HOST:PORT that every node reaches (the first agent there serves the rendezvous store)"
+        )
+        why = (
+            "--rdzv-backend file"
+            if launch.rdzv_backend == "file"
+            else f"--nnodes {':'.join(map(str, sorted(set(launch.nnodes))))}"
+        )
         raise ConfigError("--rdzv-endpoint", None, f"needed with {why}: {what}", show_value=False)
 
 
@@ -179,15 +208,22 @@ def launch(argv: list[str], launch: Launch, cfg) -> int:
     0 within checkpoint.preempt_grace_s; the agent waits a little longer than that before it kills them."""
     from torch.distributed.run import get_args_parser, run
 
-    from loom.runtime.restarts import ELASTIC_ENV, RESTARTS, describe_failures, failure_entries, recording_agent
+    from loom.runtime.restarts import (
+        ELASTIC_ENV,
+        RESTARTS,
+        describe_failures,
+        failure_entries,
+        recording_agent,
+    )
 
     nproc = launch.nproc or 1
     if launch.rdzv_backend == "file":
         try:
             from loom.runtime.rendezvous import register_file_rendezvous
         except ImportError:
-            raise ConfigError("--rdzv-backend", "file", "needs loom.runtime.rendezvous, not in this loom: allowed "
-                              "c10d") from None
+            raise ConfigError(
+                "--rdzv-backend", "file", "needs loom.runtime.rendezvous, not in this loom: allowed c10d"
+            ) from None
         register_file_rendezvous()  # torch's registry knows c10d, etcd and static; this process learns "file"
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # stable restarts on gloo
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -211,12 +247,16 @@ def launch(argv: list[str], launch: Launch, cfg) -> int:
         # the agent stops the other workers (negative codes: killed by a signal) once one has failed
         code = 2 if {c for c in codes if c >= 0} == {2} else 1
         if code == 2:
-            print(f"loom: a worker failed (exit codes {sorted(codes)}); see its message above", file=sys.stderr)
+            print(
+                f"loom: a worker failed (exit codes {sorted(codes)}); see its message above", file=sys.stderr
+            )
         else:
             log, n = os.path.join(cfg.run.dir, RESTARTS), launch.max_restarts
             used = f"; no restarts left (--max-restarts {n}): see {log}" if n else ""
-            print(f"loom: a worker failed: {describe_failures(failure_entries(err.failures, ''))}{used}",
-                  file=sys.stderr)
+            print(
+                f"loom: a worker failed: {describe_failures(failure_entries(err.failures, ''))}{used}",
+                file=sys.stderr,
+            )
         return code
     return 0
 
@@ -236,6 +276,9 @@ def _after_signal(run_dir: str, sigval, started: float) -> int:
             return 0
     except (OSError, ValueError, KeyError):
         pass
-    print(f"loom: {name}: the workers stopped before saving a checkpoint (the last complete one stays)",
-          file=sys.stderr, flush=True)
+    print(
+        f"loom: {name}: the workers stopped before saving a checkpoint (the last complete one stays)",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1

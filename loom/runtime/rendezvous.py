@@ -41,7 +41,10 @@ def _create_handler(params):
     from torch.distributed import FileStore
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
 
     class FileRendezvousBackend(C10dRendezvousBackend):
         """The c10d backend's state machine over a FileStore; named ``file`` (the registry checks the name)."""
@@ -60,7 +63,9 @@ def _create_handler(params):
 
         def next_rendezvous(self):
             info = super().next_rendezvous()
-            if info.rank == 0:  # the round's store is fresh each round: one prefix per round, chosen by node 0
+            if (
+                info.rank == 0
+            ):  # the round's store is fresh each round: one prefix per round, chosen by node 0
                 info.store.set(_TOKEN_KEY, f"loom_pg/{uuid.uuid4().hex}")
             prefix = info.store.get(_TOKEN_KEY).decode()
             os.environ[PG_STORE_ENV] = f"{prefix}@{path}"  # the agent starts its workers with its environment
@@ -68,10 +73,14 @@ def _create_handler(params):
 
     path = os.path.abspath(params.endpoint.strip()) if params.endpoint and params.endpoint.strip() else ""
     if not path:
-        raise ValueError("--rdzv-backend file needs --rdzv-endpoint PATH: a file on a filesystem every node mounts")
+        raise ValueError(
+            "--rdzv-backend file needs --rdzv-endpoint PATH: a file on a filesystem every node mounts"
+        )
     if not os.path.isdir(os.path.dirname(path)):
-        raise RendezvousConnectionError(f"--rdzv-endpoint {path}: its folder does not exist on this node (the "
-                                        "file backend needs a filesystem every node mounts)")
+        raise RendezvousConnectionError(
+            f"--rdzv-endpoint {path}: its folder does not exist on this node (the "
+            "file backend needs a filesystem every node mounts)"
+        )
     # The agent's own TCPStore sharing (torch's default) would serve a port on node 0: the file backend exists to
     # avoid it. Set in the agent process, so its workers see it too.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -80,9 +89,16 @@ def _create_handler(params):
     timeouts = [params.get_as_int(f"{key}_timeout") for key in ("join", "last_call", "close", "heartbeat")]
     timeout = RendezvousTimeout(*(None if t is None else timedelta(seconds=t) for t in timeouts))
     return FileRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
         keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
-        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3))
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3),
+    )
 
 
 def worker_store():

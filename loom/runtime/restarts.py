@@ -33,11 +33,20 @@ from loom.config.errors import ConfigError, UserError
 
 RESTARTS = "restarts.jsonl"
 ELASTIC_ENV = "LOOM_ELASTIC_NODES"  # "MIN:MAX", set by loom train for its agent's workers when MIN < MAX
-_PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "connection reset", "Broken pipe",
-                "ECONNRESET", "NCCL communicator was aborted", "ProcessGroupNCCL", "Socket Timeout")
+_PEER_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "connection reset",
+    "Broken pipe",
+    "ECONNRESET",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL",
+    "Socket Timeout",
+)
 
 
 # ---- the log ---------------------------------------------------------------------------------------------
+
 
 def append(run_dir: str, record: dict) -> None:
     """One line at the end of ``<run_dir>/restarts.jsonl`` (written whole: several nodes' agents may append)."""
@@ -66,6 +75,7 @@ def read(run_dir: str) -> list[dict]:
 
 # ---- a worker's attempt ----------------------------------------------------------------------------------
 
+
 @dataclass
 class Attempt:
     """This attempt of a launch, as rank 0 read it from the environment and restarts.jsonl."""
@@ -77,7 +87,9 @@ class Attempt:
     lineage: str | None = None  # the first attempt's checkpoint lineage (None: unknown)
     previous_world: int | None = None  # the world size of the attempt before (None: unknown)
     cause: str = ""  # one line: why the previous attempt ended
-    failures: list = field(default_factory=list)  # the agents' failure entries since the previous attempt began
+    failures: list = field(
+        default_factory=list
+    )  # the agents' failure entries since the previous attempt began
 
     @property
     def restarted(self) -> bool:
@@ -95,7 +107,7 @@ def this_attempt(run_dir: str, environ=None) -> Attempt | None:
     max_restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     records = [r for r in read(run_dir) if r.get("run_id") == run_id]
     starts = [i for i, r in enumerate(records) if r["event"] == "start"]
-    launch = records[starts[-1]:] if starts else []  # this launch's records, its start first
+    launch = records[starts[-1] :] if starts else []  # this launch's records, its start first
     # a membership change restarts the group without counting: loom's agent says so before it restarts
     membership = bool(records) and records[-1]["event"] == "membership"
     restarted = count > 0 or (membership and bool(launch))
@@ -104,11 +116,14 @@ def this_attempt(run_dir: str, environ=None) -> Attempt | None:
     if not restarted:
         return Attempt(run_id, 0, count, max_restarts)
     index = sum(1 for r in launch if r["event"] in ("start", "restart"))
-    since = next((i for i in range(len(records) - 1, -1, -1) if records[i]["event"] in ("start", "restart")), -1)
-    agents = records[since + 1:]
+    since = next(
+        (i for i in range(len(records) - 1, -1, -1) if records[i]["event"] in ("start", "restart")), -1
+    )
+    agents = records[since + 1 :]
     # the failures of the attempt that ended (an agent on another node may append late, after a restart began)
-    ended = [r for r in agents if r["event"] == "failure" and r.get("restart_count") == count - 1] or \
-        [r for r in agents if r["event"] == "failure"]
+    ended = [r for r in agents if r["event"] == "failure" and r.get("restart_count") == count - 1] or [
+        r for r in agents if r["event"] == "failure"
+    ]
     failures = [f for r in ended for f in r.get("failures", [])]
     if failures:
         cause = describe_failures(failures)
@@ -119,8 +134,16 @@ def this_attempt(run_dir: str, environ=None) -> Attempt | None:
         cause = previous_errors(env.get("TORCHELASTIC_ERROR_FILE", ""), count)
     lineage = launch[0].get("lineage") if launch else None
     previous = records[since].get("world_size") if since >= 0 else None
-    return Attempt(run_id, max(index, 1), count, max_restarts, lineage=lineage, previous_world=previous,
-                   cause=cause, failures=failures)
+    return Attempt(
+        run_id,
+        max(index, 1),
+        count,
+        max_restarts,
+        lineage=lineage,
+        previous_world=previous,
+        cause=cause,
+        failures=failures,
+    )
 
 
 def restart_checkpoint(attempt: Attempt | None, checkpointer) -> str | None:
@@ -137,25 +160,39 @@ def restart_checkpoint(attempt: Attempt | None, checkpointer) -> str | None:
     return folder
 
 
-def begin(attempt: Attempt | None, run_dir: str, *, step: int, world_size: int, lineage: str | None,
-          is_main: bool) -> None:
+def begin(
+    attempt: Attempt | None, run_dir: str, *, step: int, world_size: int, lineage: str | None, is_main: bool
+) -> None:
     """Rank 0 records this attempt (``start`` or ``restart``) and, on a restart, prints one line."""
     if attempt is None or not is_main:
         return
-    rec = {"event": "restart" if attempt.restarted else "start", "run_id": attempt.run_id,
-           "restart": attempt.index, "restart_count": attempt.restart_count, "max_restarts": attempt.max_restarts,
-           "world_size": world_size, "nodes": _nodes(), "host": socket.gethostname(), "step": step,
-           "lineage": lineage}
+    rec = {
+        "event": "restart" if attempt.restarted else "start",
+        "run_id": attempt.run_id,
+        "restart": attempt.index,
+        "restart_count": attempt.restart_count,
+        "max_restarts": attempt.max_restarts,
+        "world_size": world_size,
+        "nodes": _nodes(),
+        "host": socket.gethostname(),
+        "step": step,
+        "lineage": lineage,
+    }
     if attempt.restarted:
         rec.update(cause=attempt.cause, previous_world_size=attempt.previous_world)
     append(run_dir, rec)
     if attempt.restarted:
-        where = f"resumed from step {step}" if step else "no checkpoint of this run yet: started over at step 1"
+        where = (
+            f"resumed from step {step}" if step else "no checkpoint of this run yet: started over at step 1"
+        )
         ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
         if attempt.previous_world not in (None, world_size):
             ranks += f" (was {attempt.previous_world}: re-formed)"
-        print(f"loom: restart {attempt.index} (--max-restarts {attempt.max_restarts}, {attempt.restart_count} "
-              f"used): {attempt.cause}; {where} on {ranks}", flush=True)
+        print(
+            f"loom: restart {attempt.index} (--max-restarts {attempt.max_restarts}, {attempt.restart_count} "
+            f"used): {attempt.cause}; {where} on {ranks}",
+            flush=True,
+        )
 
 
 def metrics_fields(attempt: Attempt | None) -> dict:
@@ -171,6 +208,7 @@ def _nodes() -> int | None:
 def describe_failures(failures: list[dict]) -> str:
     """One line for failed workers: the first cause (a signal other than SIGTERM, which the agent sends to stop a
     group, else an error that is not a lost connection to a peer, else the earliest) and how many failed with it."""
+
     def rank(f):  # a signal other than the agent's SIGTERM, then an error of its own, then the rest
         peer = any(p.lower() in (f.get("error") or "").lower() for p in _PEER_ERRORS)
         signal, error = f.get("signal"), f.get("error")
@@ -184,8 +222,11 @@ def describe_failures(failures: list[dict]) -> str:
 
 def describe_failure(f: dict) -> str:
     who = f"rank {f['rank']}" if f.get("rank") is not None else f"local rank {f.get('local_rank')}"
-    where = ", ".join(x for x in (f"pid {f['pid']}" if f.get("pid") else "",
-                                  f"host {f['host']}" if f.get("host") else "") if x)
+    where = ", ".join(
+        x
+        for x in (f"pid {f['pid']}" if f.get("pid") else "", f"host {f['host']}" if f.get("host") else "")
+        if x
+    )
     where = f" ({where})" if where else ""
     error = (f.get("error") or "").strip().splitlines()
     signal = f.get("signal")
@@ -201,8 +242,10 @@ def describe_failure(f: dict) -> str:
 def previous_errors(error_file: str, count: int) -> str:
     """Under plain torchrun: this node's error files of the previous attempt (torch's log folder keeps one per
     local rank, ``.../attempt_<n>/<local rank>/error.json``), as one line."""
-    unknown = ("the previous attempt's cause is unknown here (no worker of this node left an error: a signal such "
-               "as SIGKILL or the OOM killer, or another node's failure; the agent's log names it)")
+    unknown = (
+        "the previous attempt's cause is unknown here (no worker of this node left an error: a signal such "
+        "as SIGKILL or the OOM killer, or another node's failure; the agent's log names it)"
+    )
     if not error_file or count < 1:
         return unknown
     attempt_dir = os.path.dirname(os.path.dirname(error_file))
@@ -214,9 +257,20 @@ def previous_errors(error_file: str, count: int) -> str:
                 with open(os.path.join(previous, name, "error.json")) as fh:
                     data = json.load(fh)
                 message, timestamp = _error_message(data)
-                rank = data["message"].get("extraInfo", {}).get("rank") if isinstance(data["message"], dict) else None
-                failures.append({"rank": rank, "local_rank": int(name), "error": message, "timestamp": timestamp,
-                                 "host": socket.gethostname()})
+                rank = (
+                    data["message"].get("extraInfo", {}).get("rank")
+                    if isinstance(data["message"], dict)
+                    else None
+                )
+                failures.append(
+                    {
+                        "rank": rank,
+                        "local_rank": int(name),
+                        "error": message,
+                        "timestamp": timestamp,
+                        "host": socket.gethostname(),
+                    }
+                )
     return describe_failures(failures) if failures else unknown
 
 
@@ -239,10 +293,16 @@ def record_error(err: BaseException) -> None:
     import traceback
 
     user = isinstance(err, (ConfigError, UserError))
-    data = {"message": {"message": f"{type(err).__name__}: {err}",
-                        "extraInfo": {"py_callstack": "" if user else traceback.format_exc(),
-                                      "timestamp": str(int(time.time())),
-                                      "rank": int(os.environ.get("RANK", "0"))}}}
+    data = {
+        "message": {
+            "message": f"{type(err).__name__}: {err}",
+            "extraInfo": {
+                "py_callstack": "" if user else traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+                "rank": int(os.environ.get("RANK", "0")),
+            },
+        }
+    }
     with contextlib.suppress(OSError):
         with open(path, "w") as fh:
             json.dump(data, fh)
@@ -250,15 +310,18 @@ def record_error(err: BaseException) -> None:
 
 # ---- loom train's agent ----------------------------------------------------------------------------------
 
+
 def user_stop(failures: list[dict]) -> bool:
     """Whether the workers stopped on purpose: a user error (exit code 2: config, files, disk space) or a run that
     stopped itself (non-finite steps), which a restart would meet again. The others may show as SIGTERM: torch's
     agent stops a group's remaining workers with it as soon as one has failed."""
+
     def deliberate(f):
         return f.get("exitcode") == 2 or (f.get("error") or "").startswith("TrainingStopped")
 
-    return any(deliberate(f) for f in failures) and all(deliberate(f) or f.get("signal") == "SIGTERM"
-                                                        for f in failures)
+    return any(deliberate(f) for f in failures) and all(
+        deliberate(f) or f.get("signal") == "SIGTERM" for f in failures
+    )
 
 
 def failure_entries(failures, host: str) -> list[dict]:
@@ -267,10 +330,20 @@ def failure_entries(failures, host: str) -> list[dict]:
     for rank, f in sorted(failures.items()):
         message, timestamp = _error_message(getattr(f, "error_file_data", {}) or {})
         signal = f.signal_name() if f.exitcode < 0 else None
-        out.append({"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "host": host, "exitcode": f.exitcode,
-                    "signal": signal if signal and signal != "<N/A>" else (f"signal {-f.exitcode}"
-                                                                           if f.exitcode < 0 else None),
-                    "error": message or None, "timestamp": timestamp or int(getattr(f, "timestamp", 0) or 0)})
+        out.append(
+            {
+                "rank": rank,
+                "local_rank": f.local_rank,
+                "pid": f.pid,
+                "host": host,
+                "exitcode": f.exitcode,
+                "signal": signal
+                if signal and signal != "<N/A>"
+                else (f"signal {-f.exitcode}" if f.exitcode < 0 else None),
+                "error": message or None,
+                "timestamp": timestamp or int(getattr(f, "timestamp", 0) or 0),
+            }
+        )
     return out
 
 
@@ -301,20 +374,38 @@ def recording_agent(run_dir: str):
             failures = failure_entries(result.failures, host)
             stop = user_stop(failures)
             restarting = self._remaining_restarts > 0 and not stop
-            append(run_dir, {"event": "failure", "run_id": spec.rdzv_handler.get_run_id(),
-                             "node": worker_group.group_rank, "host": host,
-                             "restart_count": spec.max_restarts - self._remaining_restarts,
-                             "max_restarts": spec.max_restarts, "failures": failures, "restarting": restarting})
+            append(
+                run_dir,
+                {
+                    "event": "failure",
+                    "run_id": spec.rdzv_handler.get_run_id(),
+                    "node": worker_group.group_rank,
+                    "host": host,
+                    "restart_count": spec.max_restarts - self._remaining_restarts,
+                    "max_restarts": spec.max_restarts,
+                    "failures": failures,
+                    "restarting": restarting,
+                },
+            )
             if stop:
-                self._remaining_restarts = 0  # the group fails now: loom train's launcher says why in one line
+                self._remaining_restarts = (
+                    0  # the group fails now: loom train's launcher says why in one line
+                )
             self._loom_failed = True
 
         def _restart_workers(self, worker_group):
             if not self._loom_failed and worker_group.group_rank == 0:  # nodes wait to join: one record
                 with contextlib.suppress(Exception):
-                    append(run_dir, {"event": "membership", "run_id": worker_group.spec.rdzv_handler.get_run_id(),
-                                     "host": socket.gethostname(), "nodes": worker_group.group_world_size,
-                                     "nodes_waiting": worker_group.spec.rdzv_handler.num_nodes_waiting()})
+                    append(
+                        run_dir,
+                        {
+                            "event": "membership",
+                            "run_id": worker_group.spec.rdzv_handler.get_run_id(),
+                            "host": socket.gethostname(),
+                            "nodes": worker_group.group_world_size,
+                            "nodes_waiting": worker_group.spec.rdzv_handler.num_nodes_waiting(),
+                        },
+                    )
             self._loom_failed = False
             super()._restart_workers(worker_group)
 

@@ -30,23 +30,34 @@ def acquire(run_dir: str) -> None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise ConfigError("run.dir", run_dir, f"cannot create its lock file {path} ({err.strerror})") from None
+        raise ConfigError(
+            "run.dir", run_dir, f"cannot create its lock file {path} ({err.strerror})"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = _read_holder(fd)
         os.close(fd)
-        raise UserError(f"run.dir {run_dir} is in use by another run ({holder}): wait for it to end, stop it, or "
-                        "use another --run.dir") from None
+        raise UserError(
+            f"run.dir {run_dir} is in use by another run ({holder}): wait for it to end, stop it, or "
+            "use another --run.dir"
+        ) from None
     if workers_alive(run_dir):
         holder = _read_holder(fd)
         os.close(fd)
-        raise UserError(f"run.dir {run_dir} is in use: workers of an earlier run are still running (their launcher, "
-                        f"{holder}, has exited; they stop at their next step): wait for them to end, or use another "
-                        "--run.dir") from None
+        raise UserError(
+            f"run.dir {run_dir} is in use: workers of an earlier run are still running (their launcher, "
+            f"{holder}, has exited; they stop at their next step): wait for them to end, or use another "
+            "--run.dir"
+        ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                              "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+    os.pwrite(
+        fd,
+        json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        ).encode(),
+        0,
+    )
     _held[real] = fd
 
 

@@ -42,8 +42,11 @@ class CommTimer:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
-        if not (dist.is_initialized() and torch.cuda.is_available()
-                and os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"):
+        if not (
+            dist.is_initialized()
+            and torch.cuda.is_available()
+            and os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
+        ):
             return False
         for pg in list(c10d._world.pg_map):
             with contextlib.suppress(Exception):  # a gloo group, or a group without this rank
@@ -91,9 +94,12 @@ def straggler_line(step: int, per_rank: dict[str, list[float | None]], straggler
     for r in stragglers[:8]:
         own = per_rank["own_time"][r]
         comm = per_rank["comm_time"][r]
-        parts.append(f"rank {r} {own:.3f} s/step of its own vs median {med:.3f} s (+{100 * (own / med - 1):.0f}%; "
-                     f"data wait {per_rank['data_wait'][r]:.3f} s" +
-                     (f", in collectives {comm:.3f} s" if comm is not None else "") + ")")
+        parts.append(
+            f"rank {r} {own:.3f} s/step of its own vs median {med:.3f} s (+{100 * (own / med - 1):.0f}%; "
+            f"data wait {per_rank['data_wait'][r]:.3f} s"
+            + (f", in collectives {comm:.3f} s" if comm is not None else "")
+            + ")"
+        )
     more = f" and {len(stragglers) - 8} more" if len(stragglers) > 8 else ""
     # not "step N: ...": tools read lines that start with "step " as metric lines
     return f"straggler{'s' if len(stragglers) > 1 else ''} at step {step}: " + "; ".join(parts) + more
@@ -167,7 +173,9 @@ class Stragglers:
         if not self.env.is_main:
             return {}
         table = torch.stack(gathered).tolist()  # [world][FIELDS]
-        per_rank = {name: [None if math.isnan(row[i]) else row[i] for row in table] for i, name in enumerate(FIELDS)}
+        per_rank = {
+            name: [None if math.isnan(row[i]) else row[i] for row in table] for i, name in enumerate(FIELDS)
+        }
         fields = summarize(per_rank, self.fraction)
         if fields["straggler_ranks"]:
             print(straggler_line(step, per_rank, fields["straggler_ranks"]), flush=True)

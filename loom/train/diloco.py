@@ -75,6 +75,7 @@ class _Reduction:
     """A fragment's outer all-reduce, launched after one step and applied after step ``due``: in flight (``work``
     and its buffer ``wire``) until waited for, then the averaged pseudo-gradient (``mean``, one fp32 tensor per
     parameter of the fragment, shaped like its local shard)."""
+
     due: int
     wire: torch.Tensor | None = None
     work: object | None = None
@@ -85,13 +86,25 @@ class DiLoCo:
     """The outer state and step of one rank: ``after_step(step)`` after every optimizer step synchronizes the
     fragments due at that step (with overlap: launches their reductions and applies those due)."""
 
-    def __init__(self, parts: list[torch.nn.Module], cfg: ParallelConfig, *, group, n_groups: int, replica: int,
-                 inner_group=None, outer_group=None):
+    def __init__(
+        self,
+        parts: list[torch.nn.Module],
+        cfg: ParallelConfig,
+        *,
+        group,
+        n_groups: int,
+        replica: int,
+        inner_group=None,
+        outer_group=None,
+    ):
         """``group``: this rank's process group along dp_replicate (``n_groups`` ranks, this one the ``replica``-th);
         ``inner_group``: the ranks of its replica group that hold different tokens (None: only this rank);
         ``outer_group``: the group the overlapped reductions run on (the same ranks as ``group``; None: ``group``)."""
-        self.inner_steps, self.outer_lr, self.momentum_coef = cfg.diloco_inner_steps, cfg.diloco_outer_lr, \
-            cfg.diloco_outer_momentum
+        self.inner_steps, self.outer_lr, self.momentum_coef = (
+            cfg.diloco_inner_steps,
+            cfg.diloco_outer_lr,
+            cfg.diloco_outer_momentum,
+        )
         self.bf16, self.n_groups, self.group, self.replica = cfg.diloco_bf16, n_groups, group, replica
         self.inner_group = inner_group
         self.overlap, self.alpha = cfg.diloco_overlap_steps, cfg.diloco_overlap_alpha
@@ -119,7 +132,7 @@ class DiLoCo:
         self.syncs = 0
 
     @classmethod
-    def build(cls, parts: list[torch.nn.Module], dims, cfg: ParallelConfig) -> "DiLoCo":
+    def build(cls, parts: list[torch.nn.Module], dims, cfg: ParallelConfig) -> DiLoCo:
         """The groups from the mesh: along ``dp_replicate``, and a group's token ranks along FSDP2's shard axis;
         with overlap, a second group along ``dp_replicate`` for the outer reductions (every rank creates every such
         group, in the same order)."""
@@ -130,8 +143,15 @@ class DiLoCo:
             axis = dims.mesh.mesh_dim_names.index("dp_replicate")
             lists = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
             outer, _ = dist.new_subgroups_by_enumeration(lists, group_desc="diloco_outer")
-        return cls(parts, cfg, group=dims["dp_replicate"].get_group(), n_groups=dims.dp_replicate,
-                   replica=dims["dp_replicate"].get_local_rank(), inner_group=inner, outer_group=outer)
+        return cls(
+            parts,
+            cfg,
+            group=dims["dp_replicate"].get_group(),
+            n_groups=dims.dp_replicate,
+            replica=dims["dp_replicate"].get_local_rank(),
+            inner_group=inner,
+            outer_group=outer,
+        )
 
     # ---- during a step ---------------------------------------------------------------
     def group_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +211,7 @@ class DiLoCo:
         out, start = [], 0
         for k in names:
             o = _local(self.outer[k])
-            out.append(mean[start:start + o.numel()].view_as(o))
+            out.append(mean[start : start + o.numel()].view_as(o))
             start += o.numel()
         return out
 
@@ -261,8 +281,10 @@ class DiLoCo:
         not yet applied (the reductions in flight are waited for first). DCP loads into these same tensors."""
         missing = sorted(set(self.outer) - set(model_state))
         assert not missing, f"parameters without a state dict name: {missing[:3]}"
-        state = {"model": {k: self.outer.get(k, v) for k, v in model_state.items()},
-                 "diloco_momentum": dict(self.momentum)}
+        state = {
+            "model": {k: self.outer.get(k, v) for k, v in model_state.items()},
+            "diloco_momentum": dict(self.momentum),
+        }
         if self.overlap:
             self.wait()
             self._buffers = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in self.outer.items()}
@@ -278,15 +300,21 @@ class DiLoCo:
         if not self.overlap:
             return
         assert self._buffers is not None, "resumed() follows a load through shared_state()"
-        self.in_flight = {f: _Reduction(due=due, mean=[_local(self._buffers[k]) for k in self.fragments[f]])
-                          for f, due in self.pending_at(step)}
+        self.in_flight = {
+            f: _Reduction(due=due, mean=[_local(self._buffers[k]) for k in self.fragments[f]])
+            for f, due in self.pending_at(step)
+        }
         self._buffers = None
 
     def record(self, step: int) -> dict:
         """What trainer_state.json keeps: H, the groups and fragments (checked on resume) and the position in the
         round after ``step`` (steps since the last synchronization of the first fragment)."""
-        out = {"inner_steps": self.inner_steps, "groups": self.n_groups, "fragments": len(self.fragments),
-               "position": (step - self.offsets[0]) % self.inner_steps if step >= self.offsets[0] else step}
+        out = {
+            "inner_steps": self.inner_steps,
+            "groups": self.n_groups,
+            "fragments": len(self.fragments),
+            "position": (step - self.offsets[0]) % self.inner_steps if step >= self.offsets[0] else step,
+        }
         if self.overlap:  # for the reader: resumed() derives the same from the step
             out.update(overlap_steps=self.overlap, pending=[list(p) for p in self.pending_at(step)])
         return out
@@ -300,12 +328,18 @@ class DiLoCo:
         if state.get("model_only"):
             return
         if saved is None:
-            raise ConfigError("parallel.diloco_inner_steps", self.inner_steps,
-                              "the checkpoint was written without DiLoCo: resume it without DiLoCo")
+            raise ConfigError(
+                "parallel.diloco_inner_steps",
+                self.inner_steps,
+                "the checkpoint was written without DiLoCo: resume it without DiLoCo",
+            )
         if saved["groups"] != self.n_groups:
-            raise ConfigError("parallel.dp_replicate", self.n_groups,
-                              f"the DiLoCo checkpoint holds {saved['groups']} replica groups: resume with "
-                              f"parallel.dp_replicate = {saved['groups']}")
+            raise ConfigError(
+                "parallel.dp_replicate",
+                self.n_groups,
+                f"the DiLoCo checkpoint holds {saved['groups']} replica groups: resume with "
+                f"parallel.dp_replicate = {saved['groups']}",
+            )
 
     @torch.no_grad()
     def restart(self) -> None:
@@ -328,7 +362,7 @@ class DiLoCoHook(StepHook):
         self._group: torch.Tensor | None = None  # this step's count over the replica group
 
     @classmethod
-    def build(cls, parts: list[torch.nn.Module], dims, cfg: ParallelConfig) -> "DiLoCoHook":
+    def build(cls, parts: list[torch.nn.Module], dims, cfg: ParallelConfig) -> DiLoCoHook:
         return cls(DiLoCo.build(parts, dims, cfg), dims)
 
     def before_count(self, local: torch.Tensor) -> None:

@@ -11,8 +11,8 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -27,38 +27,39 @@ from loom.data import build_loader, build_tokenizer, describe_sources, prepare_d
 from loom.data.loader import MicroBatch
 from loom.data.sources import parse_source
 from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
-from loom.metrics.nvtx import nvtx_range, enable as enable_nvtx
+from loom.metrics.nvtx import enable as enable_nvtx
+from loom.metrics.nvtx import nvtx_range
 from loom.metrics.profile import StepProfiler, nvtx_block_ranges, transformer_blocks
 from loom.models.common.layers import attend
 from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype
 from loom.models.registry import build_model, spec_of
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
-from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
-from loom.runtime.health import Health, prepare_process, startup_timeout
 from loom.parallel.expert_parallel import expert_params
-from loom.runtime.fault_tolerance import data_shard
 from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
 from loom.parallel.shards import quantize_base
 from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.resolve import resolve, times_attention
-from loom.train.grads import scale_grads, unique_params
+from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
+from loom.runtime.fault_tolerance import data_shard
 from loom.runtime.guard import PREEMPTED, StepCheck
+from loom.runtime.health import Health, prepare_process, startup_timeout
+from loom.runtime.restarts import this_attempt
+from loom.runtime.run_lock import acquire, hold_as_worker
+from loom.runtime.stragglers import Stragglers
 from loom.train.diloco import DiLoCoHook
+from loom.train.grads import scale_grads, unique_params
 from loom.train.hooks import FaultToleranceHook, StepHook
 from loom.train.moe_stats import MoEBalance
 from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.objective import Objective
-from loom.runtime.restarts import this_attempt
 from loom.train.optimizer import OptimizerParts
-from loom.train.zero import OptimizerShard
 from loom.train.precision import LossScaler, autocast_context
-from loom.runtime.run_lock import acquire, hold_as_worker
 from loom.train.run_dir import check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts, lr_factor
-from loom.runtime.stragglers import Stragglers
 from loom.train.steps import LocalStep, PipelineStep, StepContext
+from loom.train.zero import OptimizerShard
 
 
 def parallelize(model):
@@ -88,8 +89,17 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
     if cfg.parallel.diloco_inner_steps:  # the dp_replicate groups average their weights every H steps
         hooks.append(DiLoCoHook.build(engine.parts, engine.dims, cfg.parallel))
     if engine.model_args.moe:
-        hooks.append(MoEBalance(engine.parts, engine.dims, cfg.training.global_batch_size, engine.model_args.n_layers,
-                                cfg.training.compile, engine.steps.stage_sum, engine.model_args))
+        hooks.append(
+            MoEBalance(
+                engine.parts,
+                engine.dims,
+                cfg.training.global_batch_size,
+                engine.model_args.n_layers,
+                cfg.training.compile,
+                engine.steps.stage_sum,
+                engine.model_args,
+            )
+        )
     if cfg.metrics.noise_scale:  # resolve allows it only with accumulation and no pipeline
         hooks.append(NoiseScaleProbe.build(engine.steps, engine.dims, engine.objective))
     if cfg.parallel.fault_tolerance:  # this job is one of several torchft replica groups
@@ -102,8 +112,6 @@ def embedded_rejected(cfg: Config, objective: Objective) -> str:
     reward model trained from its seed learns the echoed code, not another function's docstring)."""
     chosen = cfg.data.embedded_rejected
     return objective.rejected if chosen == "auto" else chosen
-
-
 
 
 @dataclass
@@ -124,8 +132,14 @@ class StepOut:
         """The step's fields as the loop's records read them."""
         if not self.committed:
             return {"committed": False}
-        return {"loss": self.loss, "grad_norm": self.grad_norm, "tokens": self.tokens, "lr": self.lr,
-                "stats": self.stats, **self.figures}
+        return {
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "tokens": self.tokens,
+            "lr": self.lr,
+            "stats": self.stats,
+            **self.figures,
+        }
 
 
 class Engine:
@@ -134,30 +148,49 @@ class Engine:
     ``state_dict`` / ``load_state_dict`` a recovering torchft peer receives; ``rules``: the method's, handed to the
     resolver (loom.methods.rules_of)."""
 
-    def __init__(self, cfg: Config, objective: Objective, owner, env: DistEnv | None = None,
-                 rules: Sequence[Callable[[Config], None]] = ()):
+    def __init__(
+        self,
+        cfg: Config,
+        objective: Objective,
+        owner,
+        env: DistEnv | None = None,
+        rules: Sequence[Callable[[Config], None]] = (),
+    ):
         self.cfg, self.objective = cfg, objective
         if env is None:  # the flight recorder and TORCH_DISTRIBUTED_DEBUG are read as the group forms
-            prepare_process(cfg.run.dir, cfg.run.device, cfg.parallel.distributed_debug,
-                            comm_timing=cfg.metrics.straggler_fraction > 0)
-        self.env = env or init_distributed(cfg.run.device, cfg.parallel.backend, cfg.parallel.cpu_offload,
-                                           timeout=startup_timeout(cfg.parallel.timeout_s))
+            prepare_process(
+                cfg.run.dir,
+                cfg.run.device,
+                cfg.parallel.distributed_debug,
+                comm_timing=cfg.metrics.straggler_fraction > 0,
+            )
+        self.env = env or init_distributed(
+            cfg.run.device,
+            cfg.parallel.backend,
+            cfg.parallel.cpu_offload,
+            timeout=startup_timeout(cfg.parallel.timeout_s),
+        )
         self.device = self.env.device
         # every cross-field rule (the method's too); the model's come with the tokenizer
         self.run = resolve(cfg, self.env.world_size, rules=rules)
         self.dims, self.accum = self.run.dims, self.run.accum
-        if self.dims.distributed or cfg.parallel.cpu_offload:  # offload runs FSDP2, on a 1-rank mesh when alone
+        if (
+            self.dims.distributed or cfg.parallel.cpu_offload
+        ):  # offload runs FSDP2, on a 1-rank mesh when alone
             ensure_process_group(self.env, cfg.parallel.backend, cfg.parallel.cpu_offload)
             self.dims.build_mesh(self.device.type)
-            for line in check_placement(self.dims):  # tp / cp groups that span hosts (loom.parallel.placement)
+            for line in check_placement(
+                self.dims
+            ):  # tp / cp groups that span hosts (loom.parallel.placement)
                 if self.env.is_main:
                     print(line, flush=True)
         self._setup_determinism()
         self._setup_run_dir()
         # monitored barriers, timeouts and hang reports (loom.runtime.health); per-rank timing (loom.runtime.stragglers)
         self.health = Health(self.env, cfg.parallel.timeout_s, self.run_dir, step=lambda: owner.step)
-        self.stragglers = Stragglers(self.env, cfg.metrics.straggler_fraction, self.run_dir, self.device,
-                                     group=self.health.group)
+        self.stragglers = Stragglers(
+            self.env, cfg.metrics.straggler_fraction, self.run_dir, self.device, group=self.health.group
+        )
         # an elastic agent's restart of this run (rank 0 reads <run.dir>/restarts.jsonl): what it resumes from
         self.attempt = self.env.share_from_main(this_attempt(self.run_dir) if self.env.is_main else None)
         self._build_data()
@@ -207,8 +240,9 @@ class Engine:
         if not self.dims.cp_enabled:
             return mb
         rank, cp = self.dims.cp_rank(), self.dims.cp
-        return MicroBatch(*(shard_sequence(t, rank, cp) for t in (mb.inputs, mb.labels, mb.positions,
-                                                                   mb.document_ids)))
+        return MicroBatch(
+            *(shard_sequence(t, rank, cp) for t in (mb.inputs, mb.labels, mb.positions, mb.document_ids))
+        )
 
     def data_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks that hold different tokens of a step, and over whatever the hooks add
@@ -256,7 +290,9 @@ class Engine:
     def weights_finite(self) -> bool:
         """Whether every weight this rank holds is finite."""
         local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in self.params]
-        return bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all()) if local else True
+        return (
+            bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all()) if local else True
+        )
 
     # ---- build steps ------------------------------------------------------
     def _setup_determinism(self) -> None:
@@ -288,7 +324,9 @@ class Engine:
             with open(os.path.join(self.run_dir, "config.toml"), "w") as fh:
                 fh.write(self.recorded_toml)
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.run_dir, PREEMPTED))  # an earlier run's: the launcher reads this one's
+                os.remove(
+                    os.path.join(self.run_dir, PREEMPTED)
+                )  # an earlier run's: the launcher reads this one's
         self.env.barrier()
 
     def _build_data(self) -> None:
@@ -302,31 +340,52 @@ class Engine:
         error = None
         if self.env.is_main:  # one rank tokenizes (or finds the cache); the others wait, then map it
             try:
-                files = prepare_data(cfg.data, self.tokenizer, cache, self.objective.data,
-                                     embedded_rejected(cfg, self.objective))
+                files = prepare_data(
+                    cfg.data,
+                    self.tokenizer,
+                    cache,
+                    self.objective.data,
+                    embedded_rejected(cfg, self.objective),
+                )
                 describe_sources(cfg.data, files, os.path.join(self.run_dir, "data_sources.json"))
-            except (ConfigError, UserError) as err:  # e.g. bytes that are not UTF-8: every rank stops, one line
+            except (
+                ConfigError,
+                UserError,
+            ) as err:  # e.g. bytes that are not UTF-8: every rank stops, one line
                 error = str(err)
         error = self.env.share_from_main(error)
         if error is not None:
             raise SharedError(error)
         if not self.env.is_main:
-            files = prepare_data(cfg.data, self.tokenizer, cache, self.objective.data,
-                                 embedded_rejected(cfg, self.objective))
+            files = prepare_data(
+                cfg.data, self.tokenizer, cache, self.objective.data, embedded_rejected(cfg, self.objective)
+            )
         # sizes and modification times of the source files: a resume says when they changed under the same name
-        self.data_fingerprints = [spec.fingerprint() for spec in
-                                  parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)]
+        self.data_fingerprints = [
+            spec.fingerprint()
+            for spec in parse_source(cfg.data.source, cfg.data.text_field, cfg.data.encoding_errors)
+        ]
         t = cfg.training
         # with fault tolerance, this rank's place among the ranks of every replica group
         dp_rank, dp_size = data_shard(cfg.parallel, self.dims.dp_rank(), self.dims.dp_size)
-        self.loader = build_loader(cfg.data, self.tokenizer, files, seq_len=t.seq_len, seed=cfg.run.seed,
-                                   dp_rank=dp_rank, dp_size=dp_size,
-                                   micro_batch=t.micro_batch_size, accumulation=self.accum,
-                                   kind=self.objective.data)
+        self.loader = build_loader(
+            cfg.data,
+            self.tokenizer,
+            files,
+            seq_len=t.seq_len,
+            seed=cfg.run.seed,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batch=t.micro_batch_size,
+            accumulation=self.accum,
+            kind=self.objective.data,
+        )
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        self.run = self.run.with_model(self.tokenizer)  # checked against the degrees before attention is timed
+        self.run = self.run.with_model(
+            self.tokenizer
+        )  # checked against the degrees before attention is timed
         self.attention_times: dict | None = None
         if times_attention(self.run):
             self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
@@ -338,8 +397,11 @@ class Engine:
         self.objective.replace_head(model)  # a reward model's score head in place of the LM head
         self.objective.attach(model)  # heads it trains beside the model (PPO's value function)
         # MFU counts what the run computes: a frozen base takes no weight gradients (loom.metrics.flops)
-        self.adapter_params = count_params(self.model_args, cfg.lora, self.objective.replace_head)[1] \
-            if self.n_adapted else None
+        self.adapter_params = (
+            count_params(self.model_args, cfg.lora, self.objective.replace_head)[1]
+            if self.n_adapted
+            else None
+        )
         pm = parallelize(model)(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
         self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)
         if cfg.model.init_from:
@@ -350,7 +412,9 @@ class Engine:
         if cfg.lora.rank and cfg.lora.init_from:
             for part in self.parts:
                 load_peft_adapter(part, cfg.lora, whole_model=pm.plan is None)
-        if cfg.lora.rank and cfg.lora.base_dtype == "nf4":  # QLoRA: the base is final now; before the first forward
+        if (
+            cfg.lora.rank and cfg.lora.base_dtype == "nf4"
+        ):  # QLoRA: the base is final now; before the first forward
             for part in self.parts:
                 quantize_base(part)
         self.params = unique_params(self.parts)
@@ -362,8 +426,14 @@ class Engine:
         (packed documents: loom's kernel and FlexAttention on the run's first micro-batch's documents; otherwise
         SDPA and loom's kernel); every rank uses rank 0's figures, so all choose the same backend."""
         cfg, tp = self.cfg, self.cfg.parallel.tp
-        shape = AttentionShape(cfg.training.micro_batch_size, args.n_heads // tp, args.n_kv_heads // tp,
-                               cfg.training.seq_len, args.head_dim, DTYPES[cfg.training.dtype])
+        shape = AttentionShape(
+            cfg.training.micro_batch_size,
+            args.n_heads // tp,
+            args.n_kv_heads // tp,
+            cfg.training.seq_len,
+            args.head_dim,
+            DTYPES[cfg.training.dtype],
+        )
         positions = self._first_positions() if cfg.data.document_positions else None
         times = self.env.share_from_main(measure_attention(attend, shape, self.device, positions))
         torch.cuda.empty_cache()
@@ -382,12 +452,17 @@ class Engine:
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        opt_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device  # offload: state on the host
+        opt_device = (
+            torch.device("cpu") if cfg.parallel.cpu_offload else self.device
+        )  # offload: state on the host
         shard = None
         if self.dims.shard_optimizer:  # ZeRO-1: each DDP replica steps its own parameters (loom.train.zero)
-            shard = OptimizerShard(self.params, self.dims["dp_replicate"] if self.dims.dp_replicate > 1 else None)
-        self.optimizer = OptimizerParts(self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload,
-                                        shard=shard)
+            shard = OptimizerShard(
+                self.params, self.dims["dp_replicate"] if self.dims.dp_replicate > 1 else None
+            )
+        self.optimizer = OptimizerParts(
+            self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload, shard=shard
+        )
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
         # training.cuda_graphs: gradients accumulate into tensors of their own, kept between steps; a first backward
         # would otherwise hand the graphs' output memory to .grad, which the next micro-batch's replay overwrites
@@ -396,13 +471,19 @@ class Engine:
             for p in self.params:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        self.scaler = LossScaler(cfg.training.dtype == "float16", cfg.training.loss_scale_init,
-                                 cfg.training.loss_scale_window)
+        self.scaler = LossScaler(
+            cfg.training.dtype == "float16", cfg.training.loss_scale_init, cfg.training.loss_scale_window
+        )
 
     def _build_checkpointer(self) -> None:
         self._check_checkpoint_space()
-        self.checkpointer = CheckpointManager(self.cfg.checkpoint, self.run_dir, is_main=self.env.is_main,
-                                              barrier=self.health.barrier, share=self.env.share_from_main)
+        self.checkpointer = CheckpointManager(
+            self.cfg.checkpoint,
+            self.run_dir,
+            is_main=self.env.is_main,
+            barrier=self.health.barrier,
+            share=self.env.share_from_main,
+        )
 
     def _check_checkpoint_space(self) -> None:
         """A run that will save refuses to start when the checkpoint folder's disk cannot hold one checkpoint
@@ -415,9 +496,11 @@ class Engine:
             need = 4 * (total + 2 * trainable)  # the AdamW moments of the trainable parameters only
             free = shutil.disk_usage(folder).free
             if free < need:
-                error = (f"checkpoint.dir {folder}: a checkpoint of this model needs about {need:,} bytes (float32 "
-                         f"weights and AdamW moments), the disk has {free:,} free: free space or choose another "
-                         "checkpoint.dir")
+                error = (
+                    f"checkpoint.dir {folder}: a checkpoint of this model needs about {need:,} bytes (float32 "
+                    f"weights and AdamW moments), the disk has {free:,} free: free space or choose another "
+                    "checkpoint.dir"
+                )
         error = self.env.share_from_main(error)
         if error is not None:
             raise SharedError(error)
@@ -426,8 +509,15 @@ class Engine:
         """The step strategy, chosen once: the whole model on this rank, or a pipeline schedule over its stages."""
         cfg, pm = self.cfg, self.parallel_model
         self.objective.configure(self.model_args)  # e.g. whether the model's forward computes the loss
-        ctx = StepContext(self.dims, self.device, self.autocast, self.loss_parallel, cfg.data.document_positions,
-                          self.profiler, cfg.training.cuda_graphs)
+        ctx = StepContext(
+            self.dims,
+            self.device,
+            self.autocast,
+            self.loss_parallel,
+            cfg.data.document_positions,
+            self.profiler,
+            cfg.training.cuda_graphs,
+        )
         if pm.plan is None:
             self.steps: LocalStep | PipelineStep = LocalStep(pm.modules[0], self.parts, self.objective, ctx)
         else:
@@ -441,10 +531,21 @@ class Engine:
         self.nvtx_blocks = nvtx_block_ranges(blocks) if self.cfg.metrics.nvtx else None
         # PyTorch's memory history made the backward of MoE blocks under activation checkpointing fail (torch 2.11,
         # H100: "run_backward returned NULL without setting an exception"; docs/metrics.md): no snapshot there
-        no_snapshot = "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation " \
-            "checkpointing" if self.model_args.moe and self.cfg.training.activation_checkpointing != "none" else ""
-        self.profiler = StepProfiler(profile_window(self.cfg.metrics), self.run_dir, self.env.rank, self.device,
-                                     blocks, is_main=self.env.is_main, no_snapshot=no_snapshot)
+        no_snapshot = (
+            "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation "
+            "checkpointing"
+            if self.model_args.moe and self.cfg.training.activation_checkpointing != "none"
+            else ""
+        )
+        self.profiler = StepProfiler(
+            profile_window(self.cfg.metrics),
+            self.run_dir,
+            self.env.rank,
+            self.device,
+            blocks,
+            is_main=self.env.is_main,
+            no_snapshot=no_snapshot,
+        )
 
     # ---- one step -------------------------------------------------------------
     def step(self, micro_batches: list[MicroBatch], number: int) -> StepOut:
@@ -467,16 +568,22 @@ class Engine:
         for hook in self.hooks:
             hook.before_step(loss_scale)
         self.objective.step_stats()  # statistics of forwards before this step are not its own
-        result = next((r for h in self.hooks if (r := h.run_step(self.steps, mbs, grad_scale, loss_scale))
-                       is not None), None) or self.steps.step(mbs, grad_scale)
+        result = next(
+            (r for h in self.hooks if (r := h.run_step(self.steps, mbs, grad_scale, loss_scale)) is not None),
+            None,
+        ) or self.steps.step(mbs, grad_scale)
         stats = self.objective_stats(denominator)
-        if self.dims.ep_enabled:  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
+        if (
+            self.dims.ep_enabled
+        ):  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
         for hook in self.hooks:
             hook.after_backward(self.params)
         loss = self.data_sum(result.loss_sum) / denominator
-        with self.profiler.phase("optimizer"):  # grad norm, clipping, step (skipped where not finite), zero_grad
+        with self.profiler.phase(
+            "optimizer"
+        ):  # grad norm, clipping, step (skipped where not finite), zero_grad
             if not all([hook.commits() for hook in self.hooks]):  # e.g. a replica group failed: no update
                 self.optimizer.zero_grad(set_to_none=True)
                 return StepOut(committed=False)
@@ -490,8 +597,9 @@ class Engine:
             out.figures.update(hook.step_out(applies, result.shape_inference, self.device))
         return out
 
-    def _update(self, loss: torch.Tensor, norm: torch.Tensor, has_units: torch.Tensor,
-                number: int) -> tuple[torch.Tensor, StepCheck]:
+    def _update(
+        self, loss: torch.Tensor, norm: torch.Tensor, has_units: torch.Tensor, number: int
+    ) -> tuple[torch.Tensor, StepCheck]:
         """Clip and step the optimizer where the update applies; (whether it applies, the step's verdict)."""
         t = self.cfg.training
         # both are global (summed and normed over every rank): every rank reaches the same verdict. Under
@@ -544,8 +652,10 @@ class Engine:
         """The objective's statistics of the micro-batches just run, summed over the data-parallel ranks and divided
         by the global ``count`` (e.g. DPO's rewards and accuracy per pair)."""
         stats = self.objective.step_stats()
-        return {k: self.data_sum(torch.as_tensor(v, dtype=torch.float32, device=self.device).clone()) / count
-                for k, v in sorted(stats.items())}
+        return {
+            k: self.data_sum(torch.as_tensor(v, dtype=torch.float32, device=self.device).clone()) / count
+            for k, v in sorted(stats.items())
+        }
 
     # ---- what the banner says ---------------------------------------------------
     def measured(self) -> str:
@@ -560,9 +670,15 @@ class Engine:
         """The step strategy's banner lines."""
         lines = self.steps.describe(self.accum)
         plan = self.parallel_model.plan
-        if plan is not None and self.dims.fsdp_applied and self.dims.reshard_after_forward and not \
-                fsdp_reshard_after_forward(self.dims, plan):
-            lines.append(f"pipeline: {plan.schedule} computes weight gradients in a pass of their own, so FSDP keeps "
-                         "each block's parameters gathered from forward to the gradient reduction (parallel."
-                         "reshard_after_forward = true does not apply)")
+        if (
+            plan is not None
+            and self.dims.fsdp_applied
+            and self.dims.reshard_after_forward
+            and not fsdp_reshard_after_forward(self.dims, plan)
+        ):
+            lines.append(
+                f"pipeline: {plan.schedule} computes weight gradients in a pass of their own, so FSDP keeps "
+                "each block's parameters gathered from forward to the gradient reduction (parallel."
+                "reshard_after_forward = true does not apply)"
+            )
         return lines

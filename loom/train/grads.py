@@ -13,7 +13,9 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     if not grads:
         return torch.zeros((), device=params[0].device if params else None)
     norms = []
-    for group in by_mesh(grads):  # DTensor norms reduce over their own mesh (experts and the rest differ under ep)
+    for group in by_mesh(
+        grads
+    ):  # DTensor norms reduce over their own mesh (experts and the rest differ under ep)
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, error_if_nonfinite=False, foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor grads: partial norms are reduced across their mesh
             norm = norm.full_tensor()
@@ -23,7 +25,9 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 @torch.no_grad()
 def scale_grads(params: list[torch.nn.Parameter], factor: float | torch.Tensor) -> None:
-    for grads in by_mesh([p.grad for p in params if p.grad is not None]):  # foreach ops take one mesh at a time
+    for grads in by_mesh(
+        [p.grad for p in params if p.grad is not None]
+    ):  # foreach ops take one mesh at a time
         torch._foreach_mul_(grads, factor)
 
 
@@ -63,8 +67,11 @@ class TiedEmbeddingGrads:
     def __init__(self, parts, plan, dims):
         self.copies = []  # this rank's copies: (stage, parameter)
         if parts[0].args.tie_embeddings:
-            self.copies = [(s, part.tok_embeddings.weight) for s, part in zip(plan.local, parts)
-                           if part.tok_embeddings is not None]
+            self.copies = [
+                (s, part.tok_embeddings.weight)
+                for s, part in zip(plan.local, parts)
+                if part.tok_embeddings is not None
+            ]
         self.group = None
         first_rank, last_rank = 0, _rank_of_last(plan)
         if parts[0].args.tie_embeddings and first_rank != last_rank:

@@ -15,7 +15,9 @@ class StepHook:
     ``describe``, ``finish``, ``close``; checkpoints: ``replica``, ``state_dict``, ``check_resume``, ``loaded``,
     ``resumed``."""
 
-    may_abort = False  # a step may end without an update (``commits`` false): the loop keeps its data position
+    may_abort = (
+        False  # a step may end without an update (``commits`` false): the loop keeps its data position
+    )
     replica = None  # the state a checkpoint holds beside the model's (loom.checkpoint.manager ``replica``)
 
     # ---- the step (loom.train.engine) ----------------------------------------------------------------------------
@@ -105,12 +107,22 @@ class FaultToleranceHook(StepHook):
         self.groups, self.parallel = groups, parallel
 
     @classmethod
-    def build(cls, parallel, engine, owner) -> "FaultToleranceHook":
+    def build(cls, parallel, engine, owner) -> FaultToleranceHook:
         from loom.runtime.fault_tolerance import ReplicaGroups
 
-        return cls(ReplicaGroups(parallel, rank=engine.env.rank, world_size=engine.env.world_size,
-                                 device=engine.device, parts=engine.parts, optimizers=engine.optimizer.optimizers,
-                                 trainer_state=owner.state_dict, load_trainer_state=owner.load_state_dict), parallel)
+        return cls(
+            ReplicaGroups(
+                parallel,
+                rank=engine.env.rank,
+                world_size=engine.env.world_size,
+                device=engine.device,
+                parts=engine.parts,
+                optimizers=engine.optimizer.optimizers,
+                trainer_state=owner.state_dict,
+                load_trainer_state=owner.load_state_dict,
+            ),
+            parallel,
+        )
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         return self.groups.sum_(t)
@@ -135,8 +147,10 @@ class FaultToleranceHook(StepHook):
         from loom.runtime.fault_tolerance import lighthouse_address
 
         p = self.parallel
-        return [f"fault tolerance: replica group {p.ft_replica_id} of {p.ft_replica_groups} (torchft, lighthouse "
-                f"{lighthouse_address(p)}); the groups split each global batch"]
+        return [
+            f"fault tolerance: replica group {p.ft_replica_id} of {p.ft_replica_groups} (torchft, lighthouse "
+            f"{lighthouse_address(p)}); the groups split each global batch"
+        ]
 
     def close(self) -> None:
         self.groups.shutdown()

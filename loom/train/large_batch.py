@@ -71,8 +71,15 @@ class Lamb(torch.optim.Optimizer):
     scaled per parameter by ``||w|| / ||u||``: ``w ← w − lr · (||w|| / ||u||) · u``. State as AdamW's
     (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints reshard the same way."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
-                 exclude_1d: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        exclude_1d: bool = True,
+    ):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.exclude_1d = exclude_1d
 
@@ -99,8 +106,8 @@ class Lamb(torch.optim.Optimizer):
                 m, v, w = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p)
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-                u = (m / (1 - beta1 ** t)).div_(denom)
+                denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+                u = (m / (1 - beta1**t)).div_(denom)
                 if group["weight_decay"]:
                     u.add_(w, alpha=group["weight_decay"])
                 params.append(p)
@@ -115,10 +122,26 @@ class Lars(torch.optim.Optimizer):
     ``b ← μ·b + lr·λ·(g + wd·w)``, ``w ← w − b`` (the LR inside the buffer, as the paper writes it). Excluded
     (1-D) parameters take ``λ = 1`` and no decay: momentum SGD."""
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 1e-3, eps: float = 1e-8, exclude_1d: bool = True):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, eps=eps))
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 1e-3,
+        eps: float = 1e-8,
+        exclude_1d: bool = True,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                weight_decay=weight_decay,
+                trust_coefficient=trust_coefficient,
+                eps=eps,
+            ),
+        )
         self.exclude_1d = exclude_1d
 
     @torch.no_grad()
@@ -135,14 +158,17 @@ class Lars(torch.optim.Optimizer):
         if not entries:
             return loss
         norms = whole_norms([p for _, p, _ in entries] + [g for _, _, g in entries])
-        w_norm, g_norm = norms[:len(entries)], norms[len(entries):]
+        w_norm, g_norm = norms[: len(entries)], norms[len(entries) :]
         for i, (group, p, grad) in enumerate(entries):
             wd = group["weight_decay"]
             g, w = _local(grad), _local(p)
             if _adapts(p, self.exclude_1d):
                 ok = (w_norm[i] > 0) & (g_norm[i] > 0)
-                local_lr = torch.where(ok, group["trust_coefficient"] * w_norm[i]
-                                       / (g_norm[i] + wd * w_norm[i] + group["eps"]), torch.ones_like(w_norm[i]))
+                local_lr = torch.where(
+                    ok,
+                    group["trust_coefficient"] * w_norm[i] / (g_norm[i] + wd * w_norm[i] + group["eps"]),
+                    torch.ones_like(w_norm[i]),
+                )
                 d = g.add(w, alpha=wd) if wd else g.clone()
             else:
                 local_lr, d = 1.0, g.clone()
@@ -162,8 +188,9 @@ def _wrap_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                              stride=p.stride())
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _apply(params: list, updates: list, lrs: list, exclude_1d: bool) -> None:
@@ -171,7 +198,7 @@ def _apply(params: list, updates: list, lrs: list, exclude_1d: bool) -> None:
     if not params:
         return
     norms = whole_norms(params + updates)
-    w_norm, u_norm = norms[:len(params)], norms[len(params):]
+    w_norm, u_norm = norms[: len(params)], norms[len(params) :]
     trust = _trust(w_norm, u_norm)
     for i, (p, u, lr) in enumerate(zip(params, updates, lrs)):
         ratio = trust[i] if _adapts(p, exclude_1d) else 1.0

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,20 +21,32 @@ from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.nvtx import nvtx_range
 from loom.runtime.env import DistEnv
-from loom.train.engine import Engine, count_params
 from loom.runtime.guard import PREEMPTED, NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
+from loom.runtime.restarts import begin as begin_attempt
+from loom.runtime.restarts import metrics_fields, restart_checkpoint
+from loom.train.engine import Engine, count_params
 from loom.train.objective import Objective
-from loom.runtime.restarts import begin as begin_attempt, metrics_fields, restart_checkpoint
-from loom.train.resume_changes import (apply_optimizer_config, check_checkpoint, checkpoint_values, loader_state,
-                                       on_main, restore_loss_scale)
+from loom.train.resume_changes import (
+    apply_optimizer_config,
+    check_checkpoint,
+    checkpoint_values,
+    loader_state,
+    on_main,
+    restore_loss_scale,
+)
 
 
 class Loop:
     """Training to ``training.steps`` around an ``Engine`` built for ``objective`` (``rules``: its method's, for the
     resolver). ``fit()`` is the whole job."""
 
-    def __init__(self, cfg: Config, objective: Objective, env: DistEnv | None = None,
-                 rules: Sequence[Callable[[Config], None]] = ()):
+    def __init__(
+        self,
+        cfg: Config,
+        objective: Objective,
+        env: DistEnv | None = None,
+        rules: Sequence[Callable[[Config], None]] = (),
+    ):
         self.cfg = cfg
         self.step, self.tokens_seen = 0, 0
         self.engine = Engine(cfg, objective, self, env, rules)
@@ -44,7 +56,9 @@ class Loop:
         self.preemption: Preemption | None = None  # set while fit() runs
         self._pending: StepCheck | None = None  # the last step's verdict, until the host has read it
         self.val_stats: dict[str, float] = {}  # the objective's statistics of the last validation pass
-        self.stop_vote = StopVote(torch.distributed.new_group(backend="gloo") if e.env.world_size > 1 else None)
+        self.stop_vote = StopVote(
+            torch.distributed.new_group(backend="gloo") if e.env.world_size > 1 else None
+        )
 
     def __getattr__(self, name: str):
         """The engine's public attributes, read through the loop (``trainer.parts``, ``trainer.optimizer``)."""
@@ -65,8 +79,12 @@ class Loop:
         t = self.cfg.training
         if t.eval_every and step % t.eval_every == 0:
             return True
-        return (t.eval_at_end and step == t.steps and self.cfg.data.val_fraction > 0
-                and (self.dims.pp == 1 or t.eval_batches % self.accum == 0))
+        return (
+            t.eval_at_end
+            and step == t.steps
+            and self.cfg.data.val_fraction > 0
+            and (self.dims.pp == 1 or t.eval_batches % self.accum == 0)
+        )
 
     @torch.no_grad()
     def evaluate(self, quiet: bool = False) -> float | None:
@@ -76,10 +94,15 @@ class Loop:
         if not batches:
             return None
         total, count, self.val_stats = self.engine.evaluate(batches)
-        if float(count) == 0:  # held-out windows without a target (SFT: no assistant token): no loss to report
+        if (
+            float(count) == 0
+        ):  # held-out windows without a target (SFT: no assistant token): no loss to report
             if self.env.is_main and not quiet:
-                print(f"step {self.step}: warning: the validation batches hold nothing to evaluate (targets 0): no "
-                      "val_loss (raise training.eval_batches or training.seq_len)", flush=True)
+                print(
+                    f"step {self.step}: warning: the validation batches hold nothing to evaluate (targets 0): no "
+                    "val_loss (raise training.eval_batches or training.seq_len)",
+                    flush=True,
+                )
             return None
         return float(self.engine.data_sum(total) / count)
 
@@ -99,13 +122,21 @@ class Loop:
     # ---- the loop ---------------------------------------------------------------
     def state_dict(self) -> dict:
         """The trainer state a checkpoint saves beside the weights (and a recovering torchft peer receives)."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "lineage": self.checkpointer.lineage, "nonfinite": self.guard.state_dict(),
-                "data_fingerprints": self.data_fingerprints,
-                **{k: v for hook in self.engine.hooks for k, v in hook.state_dict(self.step).items()},
-                "rng": {"cpu": torch.get_rng_state().tolist(),
-                        "cuda": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None}}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "loader": self.loader.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "lineage": self.checkpointer.lineage,
+            "nonfinite": self.guard.state_dict(),
+            "data_fingerprints": self.data_fingerprints,
+            **{k: v for hook in self.engine.hooks for k, v in hook.state_dict(self.step).items()},
+            "rng": {
+                "cpu": torch.get_rng_state().tolist(),
+                "cuda": torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None,
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """A loaded checkpoint's trainer state, adapted to this run's config where it differs from the one the
@@ -119,7 +150,9 @@ class Loop:
         self.scaler.load_state_dict(state["scaler"])
         restore_loss_scale(self.scaler, old, self.cfg.training)
         self.guard.load_state_dict(state.get("nonfinite", {}))  # steps whose batches are skipped stay skipped
-        for hook in self.engine.hooks:  # e.g. DiLoCo's pending outer reductions (parallel.diloco_overlap_steps)
+        for (
+            hook
+        ) in self.engine.hooks:  # e.g. DiLoCo's pending outer reductions (parallel.diloco_overlap_steps)
             hook.resumed(self.step)
         torch.set_rng_state(torch.tensor(state["rng"]["cpu"], dtype=torch.uint8))
         if state["rng"].get("cuda") is not None and self.device.type == "cuda":
@@ -128,11 +161,19 @@ class Loop:
     def save_checkpoint(self) -> None:
         """Save this step; weights that are not finite are never written (the run stops, the last checkpoint stays)."""
         if self.env.any_rank(not self.engine.weights_finite()):
-            raise TrainingStopped(f"the weights are not finite at step {self.step}: no checkpoint written (the last "
-                                  "complete one stays)")
+            raise TrainingStopped(
+                f"the weights are not finite at step {self.step}: no checkpoint written (the last "
+                "complete one stays)"
+            )
         with nvtx_range("checkpoint_save"):
-            self.checkpointer.save(self.step, self.parts, self.optimizer, self.state_dict(),
-                                   self.recorded_toml, replica=self.engine.replica)
+            self.checkpointer.save(
+                self.step,
+                self.parts,
+                self.optimizer,
+                self.state_dict(),
+                self.recorded_toml,
+                replica=self.engine.replica,
+            )
 
     def resume(self) -> None:
         # a restarted attempt continues the launch's own lineage; otherwise checkpoint.resume decides
@@ -140,8 +181,11 @@ class Loop:
         if folder is None:
             return
         # this run's config against the checkpoint's before any weight is read: a shape change stops here
-        changes = on_main(lambda: check_checkpoint(folder, self.cfg, self.tokenizer, self.kernels),
-                          self.env.is_main, self.env.share_from_main)
+        changes = on_main(
+            lambda: check_checkpoint(folder, self.cfg, self.tokenizer, self.kernels),
+            self.env.is_main,
+            self.env.share_from_main,
+        )
         for hook in self.engine.hooks:  # before any weight is read (DiLoCo refuses another number of groups)
             hook.check_resume(folder)
         state = self.checkpointer.load(folder, self.parts, self.optimizer, replica=self.engine.replica)
@@ -154,9 +198,12 @@ class Loop:
                 if changes.line():
                     print(changes.line(), flush=True)
                 if state.get("data_fingerprints", self.data_fingerprints) != self.data_fingerprints:
-                    print(f"data.source = {self.cfg.data.source or '<stdlib>'!r}: its files changed since the "
-                          "checkpoint (sizes or modification times); the data position continues in the new "
-                          "content, so the batches differ from an uninterrupted run", flush=True)
+                    print(
+                        f"data.source = {self.cfg.data.source or '<stdlib>'!r}: its files changed since the "
+                        "checkpoint (sizes or modification times); the data position continues in the new "
+                        "content, so the batches differ from an uninterrupted run",
+                        flush=True,
+                    )
                 # records a run wrote past this checkpoint: the resumed run writes those steps again
                 dropped = rewind_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
                 if dropped:
@@ -168,8 +215,10 @@ class Loop:
         self.checkpointer.wait()
         folder = self.checkpointer.latest()
         if folder is None:
-            raise TrainingStopped(f"non-finite step {self.step} and no complete checkpoint of this run to roll back "
-                                  "to (training.nonfinite = rollback; save with checkpoint.every)")
+            raise TrainingStopped(
+                f"non-finite step {self.step} and no complete checkpoint of this run to roll back "
+                "to (training.nonfinite = rollback; save with checkpoint.every)"
+            )
         guard = self.guard.state_dict()
         state = self.checkpointer.load(folder, self.parts, self.optimizer, replica=self.engine.replica)
         self.load_state_dict(state)
@@ -179,8 +228,11 @@ class Loop:
         if logger:
             logger.rewind(self.step)
         if self.env.is_main:
-            print(f"rolled back to step {self.step} ({folder}); the batches of step(s) "
-                  f"{', '.join(map(str, sorted(self.guard.skip_steps)))} will be skipped", flush=True)
+            print(
+                f"rolled back to step {self.step} ({folder}); the batches of step(s) "
+                f"{', '.join(map(str, sorted(self.guard.skip_steps)))} will be skipped",
+                flush=True,
+            )
 
     def _skip_offending_batch(self) -> None:
         """A step whose batch made a rollback happen: its data is consumed, no update is made."""
@@ -188,7 +240,9 @@ class Loop:
         self.step += 1
         self.tokens_seen += self.cfg.training.global_batch_size * self.cfg.training.seq_len
         if self.env.is_main:
-            print(f"step {self.step}: batch skipped (it made the loss non-finite before a rollback)", flush=True)
+            print(
+                f"step {self.step}: batch skipped (it made the loss non-finite before a rollback)", flush=True
+            )
 
     def _settle(self) -> str:
         """Read the last step's verdict: ``ok``; or, for a step without an update, take back the host's counts of
@@ -204,25 +258,38 @@ class Loop:
         if check.deferred:
             self.optimizer.unstep()
             self.scheduler.unstep()
-        if math.isfinite(loss) and math.isfinite(norm):  # not applied, yet finite: the global batch counted nothing
+        if math.isfinite(loss) and math.isfinite(
+            norm
+        ):  # not applied, yet finite: the global batch counted nothing
             if self.env.is_main:
-                print(f"step {check.step}: warning: nothing to train on in the global batch (targets 0: every label "
-                      "masked): loss 0, no update (the optimizer and the LR schedule do not advance; the data does)",
-                      flush=True)
+                print(
+                    f"step {check.step}: warning: nothing to train on in the global batch (targets 0: every label "
+                    "masked): loss 0, no update (the optimizer and the LR schedule do not advance; the data does)",
+                    flush=True,
+                )
             return "ok"
         action = self.guard.bad_step(check.step, loss, norm)
         if self.env.is_main:
-            print(f"step {check.step}: non-finite loss {loss} / grad norm {norm}: update skipped "
-                  f"({self.guard.streak} in a row, {self.guard.skipped} in all; training.nonfinite = "
-                  f"{self.guard.mode})", flush=True)
+            print(
+                f"step {check.step}: non-finite loss {loss} / grad norm {norm}: update skipped "
+                f"({self.guard.streak} in a row, {self.guard.skipped} in all; training.nonfinite = "
+                f"{self.guard.mode})",
+                flush=True,
+            )
         return action
 
     def fit(self) -> list[dict]:
         """Train to ``training.steps``; returns the logged records (rank 0; others get [])."""
         cfg = self.cfg
         self.resume()
-        begin_attempt(self.attempt, self.run_dir, step=self.step, world_size=self.env.world_size,
-                      lineage=self.checkpointer.lineage, is_main=self.env.is_main)  # restarts.jsonl, one line
+        begin_attempt(
+            self.attempt,
+            self.run_dir,
+            step=self.step,
+            world_size=self.env.world_size,
+            lineage=self.checkpointer.lineage,
+            is_main=self.env.is_main,
+        )  # restarts.jsonl, one line
         hooks = self.engine.hooks
         may_abort = any(hook.may_abort for hook in hooks)  # a step may end uncommitted: it reruns its batch
         for hook in hooks:  # e.g. torchft: the lighthouse compares the groups' steps, a group behind recovers
@@ -234,10 +301,19 @@ class Loop:
         if self.env.is_main:
             for line in self._banner():
                 print(line, flush=True)
-        logger = MetricsLogger(self.run_dir, cfg.training.steps, tensorboard=cfg.metrics.tensorboard,
-                               progress=cfg.metrics.progress, start_step=self.step,
-                               config=cfg, console=self.objective.console) \
-            if self.env.is_main else None
+        logger = (
+            MetricsLogger(
+                self.run_dir,
+                cfg.training.steps,
+                tensorboard=cfg.metrics.tensorboard,
+                progress=cfg.metrics.progress,
+                start_step=self.step,
+                config=cfg,
+                console=self.objective.console,
+            )
+            if self.env.is_main
+            else None
+        )
         records: list[dict] = []
         reset_peak(self.device)
         t_last, tokens_last = time.perf_counter(), self.tokens_seen
@@ -258,27 +334,38 @@ class Loop:
                 if self.step + 1 in self.guard.skip_steps:
                     self._skip_offending_batch()
                     continue
-                for hook in hooks:  # e.g. the replica groups' quorum: a group behind the others takes a peer's state
+                for (
+                    hook
+                ) in hooks:  # e.g. the replica groups' quorum: a group behind the others takes a peer's state
                     hook.quorum()
                 if self.step >= cfg.training.steps:
                     continue
                 logs = self._logs_at(self.step + 1)
-                position = self.loader.state_dict() if may_abort else None  # a step not committed reruns its batch
+                position = (
+                    self.loader.state_dict() if may_abort else None
+                )  # a step not committed reruns its batch
                 with self.stragglers.data_wait(), nvtx_range("data_wait"):
-                    data = self.loader.next_step(with_hash=self.env.is_main and logs)  # the hash reads the whole batch
+                    data = self.loader.next_step(
+                        with_hash=self.env.is_main and logs
+                    )  # the hash reads the whole batch
                 self.profiler.start(self.step + 1)
                 with nvtx_range(f"step {self.step + 1}"):
                     out = self.train_step(data.micro_batches)
                 if not out.get("committed", True):
                     self.loader.load_state_dict(position)
                     if self.env.is_main:
-                        print(f"step {self.step + 1}: not committed (a replica group failed during it): it runs "
-                              "again", flush=True)
+                        print(
+                            f"step {self.step + 1}: not committed (a replica group failed during it): it runs "
+                            "again",
+                            flush=True,
+                        )
                     continue
                 self.step += 1
                 self.profiler.step_done(self.step)
                 self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
-                preempted = self.stop_vote.agreed(self.preemption.requested)  # every step: schedulers give 30 s
+                preempted = self.stop_vote.agreed(
+                    self.preemption.requested
+                )  # every step: schedulers give 30 s
                 saves = bool(cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or preempted
                 # records and checkpoints see this step's verdict (these steps sync the host anyway)
                 verdict = self._settle() if logs or saves or self.step == cfg.training.steps else "unread"
@@ -291,14 +378,19 @@ class Loop:
                 val, evals = None, {}
                 if verdict != "stop" and self._evaluates_at(self.step):
                     with nvtx_range("validation"):
-                        val = self.evaluate(quiet=not (cfg.training.eval_every
-                                                       and self.step % cfg.training.eval_every == 0))
+                        val = self.evaluate(
+                            quiet=not (cfg.training.eval_every and self.step % cfg.training.eval_every == 0)
+                        )
                         evals = self.run_evals()
                 if logs or verdict == "stop":  # the step that stops the run is on record too
                     now = time.perf_counter()
-                    rec = self._record(out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak)
+                    rec = self._record(
+                        out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak
+                    )
                     rec.update(evals)
-                    rec.update(self.stragglers.interval(self.step, now - t_last))  # every rank: one all_gather
+                    rec.update(
+                        self.stragglers.interval(self.step, now - t_last)
+                    )  # every rank: one all_gather
                     t_last, tokens_last = now, self.tokens_seen
                     if logger:
                         logger.log(rec)
@@ -312,12 +404,19 @@ class Loop:
                     if self.env.is_main:
                         with open(os.path.join(self.run_dir, PREEMPTED), "w") as fh:
                             json.dump({"step": self.step, "reason": self.preemption.reason}, fh)
-                        print(f"{self.preemption.reason or 'stop request'}: saved step {self.step}, exiting", flush=True)
+                        print(
+                            f"{self.preemption.reason or 'stop request'}: saved step {self.step}, exiting",
+                            flush=True,
+                        )
                     break
             else:
-                if cfg.checkpoint.at_end and not (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                if cfg.checkpoint.at_end and not (
+                    cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
+                ):
                     self.save_checkpoint()
-            for hook in hooks:  # e.g. DiLoCo's outer reductions in flight finish before the process group can go
+            for (
+                hook
+            ) in hooks:  # e.g. DiLoCo's outer reductions in flight finish before the process group can go
                 hook.finish()
             self.checkpointer.wait()
             finished = True
@@ -346,17 +445,28 @@ class Loop:
         name = f"{cfg.model.init_from} (imported)" if cfg.model.init_from else f"flavor {cfg.model.flavor}"
         moe = f", {args.moe_experts} experts (top {args.moe_top_k})" if args.moe_experts else ""
         note = mfu_note(self.device, cfg.training.dtype)
-        cp_note = f" (cp > 1: attention goes through loom's flash_attention op, K/V by {cfg.parallel.cp_method})" \
-            if self.dims.cp_enabled else ""
+        cp_note = (
+            f" (cp > 1: attention goes through loom's flash_attention op, K/V by {cfg.parallel.cp_method})"
+            if self.dims.cp_enabled
+            else ""
+        )
         t = cfg.training
         total, trainable = count_params(args, cfg.lora, self.objective.replace_head)
         lora = cfg.lora
-        adapters = [f"LoRA rank {lora.rank} on {lora.targets} ({self.n_adapted} linears, base {lora.base_dtype}): "
-                    f"{trainable / 1e6:.2f}M trainable parameters, {100 * trainable / total:.2f}%"] if lora.rank else []
+        adapters = (
+            [
+                f"LoRA rank {lora.rank} on {lora.targets} ({self.n_adapted} linears, base {lora.base_dtype}): "
+                f"{trainable / 1e6:.2f}M trainable parameters, {100 * trainable / total:.2f}%"
+            ]
+            if lora.rank
+            else []
+        )
         if lora.rank and not cfg.model.init_from:  # the base stays frozen at its seeded random weights
-            adapters.append("warning: LoRA adapters on an untrained base (no model.init_from): the base stays frozen "
-                            "at its random initialization, so the adapters alone learn; set model.init_from to a "
-                            "trained model (a Hugging Face folder or a `loom convert --to-hf` export)")
+            adapters.append(
+                "warning: LoRA adapters on an untrained base (no model.init_from): the base stays frozen "
+                "at its random initialization, so the adapters alone learn; set model.init_from to a "
+                "trained model (a Hugging Face folder or a `loom convert --to-hf` export)"
+            )
         return [
             f"loom: run dir {os.path.abspath(self.run_dir)}",
             f"model: {name}, {total / 1e6:.1f}M params ({args.n_layers} layers, dim {args.dim}, "
@@ -364,8 +474,14 @@ class Loop:
             *adapters,
             f"layout: {self.dims.describe()}, accumulation {self.accum}, dtype {t.dtype}, device {self.device.type}"
             f"{'; ' + note if note else ''}",
-            *(["offload: FSDP2 keeps the weights, gradients and AdamW state in host memory; the device holds the "
-               "blocks being computed (parallel.cpu_offload)"] if cfg.parallel.cpu_offload else []),
+            *(
+                [
+                    "offload: FSDP2 keeps the weights, gradients and AdamW state in host memory; the device holds the "
+                    "blocks being computed (parallel.cpu_offload)"
+                ]
+                if cfg.parallel.cpu_offload
+                else []
+            ),
             f"batch: {t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, "
             f"{t.steps} steps",
             *self.loader.describe(t.global_batch_size, t.steps),
@@ -398,8 +514,11 @@ class Loop:
     def _logs_at(self, step: int) -> bool:
         """Whether ``step`` is logged (metrics.every, the last step, or a validation step)."""
         t = self.cfg.training
-        return (step % self.cfg.metrics.every == 0 or step == t.steps
-                or bool(t.eval_every and step % t.eval_every == 0))
+        return (
+            step % self.cfg.metrics.every == 0
+            or step == t.steps
+            or bool(t.eval_every and step % t.eval_every == 0)
+        )
 
     def _record(self, out: dict, batch_hash, val, seconds: float, tokens: int, peak) -> dict:
         tps = tokens / max(seconds, 1e-9)
@@ -415,19 +534,27 @@ class Loop:
             "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak, self.adapter_params),
             "mem_gib": peak_memory_gib(self.device),
             "val_loss": val,
-            "targets": float(out["tokens"]),  # the global count the loss is averaged over (tokens; DPO: pairs)
+            "targets": float(
+                out["tokens"]
+            ),  # the global count the loss is averaged over (tokens; DPO: pairs)
             **{k: float(v) for k, v in out.get("stats", {}).items()},
             **({f"val_{k}": v for k, v in self.val_stats.items()} if val is not None else {}),
             "skipped_steps": self.scaler.skipped,
             "nonfinite_steps": self.guard.skipped,
             "batch_hash": batch_hash,
             **{k: v for hook in self.engine.hooks for k, v in hook.record().items()},
-            **({"mem_gib_max_rank": self.env.max_over_ranks(peak_memory_gib(self.device))}
-               if self.dims.distributed else {}),
+            **(
+                {"mem_gib_max_rank": self.env.max_over_ranks(peak_memory_gib(self.device))}
+                if self.dims.distributed
+                else {}
+            ),
             **self.steps.record(),
             **metrics_fields(self.attempt),  # restarts: this attempt's index after an elastic restart
             **self.objective.record(),  # e.g. GRPO's rewards and time split
-            **({"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
-               if "moe_balance" in out else {}),
+            **(
+                {"moe_balance": None if out["moe_balance"] is None else float(out["moe_balance"])}
+                if "moe_balance" in out
+                else {}
+            ),
             **{k: float(v) for k, v in out.get("moe_bias", {}).items()},
         }

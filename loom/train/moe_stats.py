@@ -19,11 +19,14 @@ class MoEBalance(StepHook):
     def __init__(self, parts, dims, global_batch: int, n_layers: int, compiled: bool, stage_sum, args=None):
         self.parts, self.dims, self.global_batch, self.n_layers = parts, dims, global_batch, n_layers
         self.compiled, self.stage_sum = compiled, stage_sum
-        self.names: list[str] = []  # every MoE block of the whole model, by canonical name (the same on every rank)
+        self.names: list[
+            str
+        ] = []  # every MoE block of the whole model, by canonical name (the same on every rank)
         if args is not None:
             with torch.device("meta"):
-                self.names = [n for n, m in build_model(args.with_(max_seq_len=1)).named_modules()
-                              if isinstance(m, MoE)]
+                self.names = [
+                    n for n, m in build_model(args.with_(max_seq_len=1)).named_modules() if isinstance(m, MoE)
+                ]
             self.n_layers = len(self.names)
         self.args = args
 
@@ -59,15 +62,20 @@ class MoEBalance(StepHook):
         one expert's bias between the ranks that hold it (0: agreed everywhere); {} without selection biases."""
         if self.args is None or not self.args.moe_bias:
             return {}
-        blocks = {canonical_name(n): m for part in self.parts for n, m in part.named_modules() if isinstance(m, MoE)}
+        blocks = {
+            canonical_name(n): m for part in self.parts for n, m in part.named_modules() if isinstance(m, MoE)
+        }
         spread_across = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         reduce = None
         if spread_across:
+
             def reduce(t):
                 dist.all_reduce(t)
                 return t
-        load = update_expert_bias(blocks, self.names, self.args.moe_experts, self.args.moe_bias_speed, device,
-                                  applies, reduce)
+
+        load = update_expert_bias(
+            blocks, self.names, self.args.moe_experts, self.args.moe_bias_speed, device, applies, reduce
+        )
         out = {}
         counted = load.sum(dim=1) > 0
         if counted.any():
@@ -80,5 +88,7 @@ class MoEBalance(StepHook):
                     held[0, i], held[1, i] = bias, -bias
             dist.all_reduce(held, op=dist.ReduceOp.MAX)
             seen = held[0] > float("-inf")
-            out["moe_bias_spread"] = (held[0] + held[1])[seen].max() if seen.any() else torch.zeros((), device=device)
+            out["moe_bias_spread"] = (
+                (held[0] + held[1])[seen].max() if seen.any() else torch.zeros((), device=device)
+            )
         return out

@@ -40,12 +40,15 @@ class NoiseScale:
 
     @torch.no_grad()
     def update(self, small_sq, big_sq, b_small, b_big) -> None:
-        small_sq, big_sq, b_small, b_big = (torch.as_tensor(x, dtype=torch.float64)
-                                            for x in (small_sq, big_sq, b_small, b_big))
+        small_sq, big_sq, b_small, b_big = (
+            torch.as_tensor(x, dtype=torch.float64) for x in (small_sq, big_sq, b_small, b_big)
+        )
         g2, trace = unbiased_terms(small_sq, big_sq, b_small, b_big)
         if self.g2 is None:
             self.g2, self.trace = torch.zeros_like(g2), torch.zeros_like(trace)
-            self.weight = torch.zeros_like(g2)  # the averages' total weight (their bias, which the ratio cancels)
+            self.weight = torch.zeros_like(
+                g2
+            )  # the averages' total weight (their bias, which the ratio cancels)
         ok = torch.isfinite(g2) & torch.isfinite(trace) & (0 < b_small) & (b_small < b_big)
         for name, new in (("g2", g2), ("trace", trace), ("weight", torch.ones_like(g2))):
             old = getattr(self, name)
@@ -72,7 +75,7 @@ class NoiseScaleProbe(StepHook):
     estimator: NoiseScale
 
     @classmethod
-    def build(cls, steps, dims, objective) -> "NoiseScaleProbe":
+    def build(cls, steps, dims, objective) -> NoiseScaleProbe:
         local = dims.ddp_enabled and not dims.replicate_with_fsdp
         return cls(steps, dims, objective.count, local, NoiseScale())
 
@@ -89,7 +92,9 @@ class NoiseScaleProbe(StepHook):
         """``steps.step`` over ``mbs``, noting the first micro-batch's gradient norm; returns its StepResult."""
         with self._no_sync():  # under DDP the first micro-batch must not reduce (it is not the step's last)
             first = self.steps.step(mbs[:1], grad_scale)
-        norm = self.steps.grad_norm().to(torch.float64) / loss_scale  # |A_1|: this micro-batch times grad_scale
+        norm = (
+            self.steps.grad_norm().to(torch.float64) / loss_scale
+        )  # |A_1|: this micro-batch times grad_scale
         count = self.count(mbs[0]).to(device=norm.device, dtype=torch.float64)
         rest = self.steps.step(mbs[1:], grad_scale)
         self._pending = (norm, count)
@@ -105,7 +110,9 @@ class NoiseScaleProbe(StepHook):
         if self.local:
             # A_1 = grad_scale x (this rank's summed gradient) = ranks / B_big x sum: its mean is A_1 B_big / (ranks b)
             small_sq = (norm * b_big / (ranks * count.clamp(min=1))) ** 2
-            both = self.dims.data_sum(torch.stack([small_sq, count])) / ranks  # the ranks' mean estimate and size
+            both = (
+                self.dims.data_sum(torch.stack([small_sq, count])) / ranks
+            )  # the ranks' mean estimate and size
             small_sq, b_small = both[0], both[1]
         else:  # reduced in backward: A_1 = (every rank's first micro-batch summed) / B_big
             b_small = self.dims.data_sum(count.clone())

@@ -18,9 +18,13 @@ class Objective:
     """The loss of one micro-batch, summed over the units it counts (an fp32 scalar), and every hook the engine and
     the loop call on it, each with its default here (a method overrides what it needs: loom.methods)."""
 
-    loss_in_forward: bool = True  # forward() already returns the summed loss (the model computes it: no logits kept)
+    loss_in_forward: bool = (
+        True  # forward() already returns the summed loss (the model computes it: no logits kept)
+    )
     data: str = "lm"  # the prepared data the engine's loader reads (loom.data's kinds: lm, sft, dpo)
-    rejected: str = "docstring"  # the embedded preference pairs' rejected answers (data.embedded_rejected auto)
+    rejected: str = (
+        "docstring"  # the embedded preference pairs' rejected answers (data.embedded_rejected auto)
+    )
     console: tuple = ()  # the console line's own fields (loom.metrics.logger.ConsoleField): none beyond the loss
     panels: tuple = ()  # `loom report`'s panels of this method (loom.metrics.report.PANELS' form): the common ones
 
@@ -34,7 +38,9 @@ class Objective:
 
     def loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed loss from the model's outputs (a pipeline's last stage calls only this)."""
-        raise NotImplementedError(f"{type(self).__name__} computes its loss in forward (pipelines are refused)")
+        raise NotImplementedError(
+            f"{type(self).__name__} computes its loss in forward (pipelines are refused)"
+        )
 
     def configure(self, model_args) -> None:
         """The model's resolved arguments, before the step strategy is built (e.g. whether its forward computes

@@ -34,7 +34,9 @@ class TritonAdamW(torch.optim.AdamW):
     tensor ``t`` inside the kernel (clipping without a pass over the gradients, nor a host sync).
     Sharded (DTensor) parameters are stepped on their local shards."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+    def __init__(
+        self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+    ):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
 
     @torch.no_grad()
@@ -52,15 +54,29 @@ class TritonAdamW(torch.optim.AdamW):
                 state = self._state_of(p)
                 state["step"] += 1
                 factor = None
-                if grad_factor is not None:  # once per device (offloaded shards on the host, the factor on the GPU)
+                if (
+                    grad_factor is not None
+                ):  # once per device (offloaded shards on the host, the factor on the GPU)
                     device = _local(p).device
                     if device not in factors:
-                        factors[device] = torch.as_tensor(grad_factor, dtype=torch.float32, device=device).reshape(1)
+                        factors[device] = torch.as_tensor(
+                            grad_factor, dtype=torch.float32, device=device
+                        ).reshape(1)
                     factor = factors[device]
                 grad = _like_param(p.grad, p)
-                adamw_step_(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], step=int(state["step"]), grad_factor=factor)
+                adamw_step_(
+                    _local(p),
+                    _local(grad),
+                    _local(state["exp_avg"]),
+                    _local(state["exp_avg_sq"]),
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=int(state["step"]),
+                    grad_factor=factor,
+                )
         return loss
 
     def _state_of(self, p: torch.Tensor) -> dict:
@@ -87,8 +103,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
-                    offload: bool = False, keeps=None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, device: torch.device, offload: bool = False, keeps=None
+) -> torch.optim.Optimizer:
     """``optimizer.name``: AdamW, or LAMB / LARS (loom.train.large_batch). Weight decay on matrices only
     (not norms; for LAMB / LARS unless ``exclude_1d`` is off); only trainable parameters (with LoRA: the
     adapters) get a place and state. PyTorch's fused and foreach kernels take the tensors of a group together,
@@ -103,8 +120,14 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     # an empty group (LoRA trains matrices only) would break the checkpoint's flattened optimizer state
     if cfg.name != "adamw" and not cfg.exclude_1d:  # lamb / lars: every parameter decays and adapts
         decay, no_decay = decay + no_decay, []
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]] or [{"params": decay}]
+    groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ] or [{"params": decay}]
     if cfg.name != "adamw":
         return build_large_batch(cfg.name, groups, cfg)
     impl = resolve_implementation(cfg.implementation, device, offload)
@@ -132,8 +155,14 @@ class OptimizerParts:
     ``offload``: the parameters and their state live on the host (parallel.cpu_offload). ``shard`` (ZeRO-1,
     loom.train.zero.OptimizerShard): this rank steps its own parameters only, then the owners broadcast them."""
 
-    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, device: torch.device, offload: bool = False,
-                 shard=None):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        cfg: OptimizerConfig,
+        device: torch.device,
+        offload: bool = False,
+        shard=None,
+    ):
         self.parts = parts
         self.shard = shard
         keeps = shard.keeps if shard is not None else None
@@ -145,7 +174,8 @@ class OptimizerParts:
         # they divide by, as GradScaler uses it): no separate pass over the gradients. Only when no
         # parameter sits in two optimizers (each kernel rescales its gradients in place).
         self.fold_grad_factor = n_held == len(self.params) and all(
-            isinstance(opt, TritonAdamW) or opt.defaults.get("fused") for opt in self.optimizers)
+            isinstance(opt, TritonAdamW) or opt.defaults.get("fused") for opt in self.optimizers
+        )
 
     @property
     def param_groups(self) -> list[dict]:
@@ -164,14 +194,20 @@ class OptimizerParts:
                 for state in opt.state.values():
                     state["step"] -= 1
 
-    def step(self, grad_factor: float | torch.Tensor | None = None, finite: torch.Tensor | None = None) -> None:
+    def step(
+        self, grad_factor: float | torch.Tensor | None = None, finite: torch.Tensor | None = None
+    ) -> None:
         """Step every part; ``grad_factor`` (clipping, loss-scale removal) multiplies the gradients first.
         ``finite`` (a one-element bool device tensor, only where ``skips_on_device``): false skips the update
         on the device; the caller takes back host counts with ``unstep`` once it reads the flag."""
         if finite is not None:
             assert self.skips_on_device, "finite= needs loom's Triton or PyTorch's fused AdamW"
-            skip = finite.to(torch.float32).reciprocal()  # 1, or inf: a factor that is not finite skips the update
-            factor = skip if grad_factor is None else grad_factor * skip  # (no host value reaches the device: no sync)
+            skip = finite.to(
+                torch.float32
+            ).reciprocal()  # 1, or inf: a factor that is not finite skips the update
+            factor = (
+                skip if grad_factor is None else grad_factor * skip
+            )  # (no host value reaches the device: no sync)
             for opt in self.optimizers:
                 if not isinstance(opt, TritonAdamW):  # on the parameters' device (the host under cpu_offload)
                     opt.found_inf = (~finite).to(torch.float32).to(opt.param_groups[0]["params"][0].device)
@@ -209,7 +245,9 @@ class OptimizerParts:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
-        if self.shard is not None:  # ZeRO-1: the gradients of parameters other replicas step (DDP fills them all)
+        if (
+            self.shard is not None
+        ):  # ZeRO-1: the gradients of parameters other replicas step (DDP fills them all)
             held = {id(p) for p in self.params}
             for p in self.all_params:
                 if id(p) not in held and p.grad is not None:
@@ -217,4 +255,3 @@ class OptimizerParts:
                         p.grad = None
                     else:
                         p.grad.zero_()
-

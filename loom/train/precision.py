@@ -7,6 +7,7 @@ import math
 
 import torch
 
+
 def autocast_context(dtype: torch.dtype, device: torch.device, fsdp_casts: bool):
     """Autocast unless fp32, or FSDP2 already runs the forward in the compute dtype."""
     if dtype == torch.float32 or fsdp_casts:

@@ -20,8 +20,9 @@ import dataclasses
 import json
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from loom.checkpoint.manager import STATE, list_complete, verify
 from loom.config.errors import ConfigError, SharedError, UserError
@@ -35,16 +36,40 @@ from loom.train.run_dir import missing_tokenizer, recorded_values
 
 def rules() -> dict[str, tuple[str, str]]:
     """Every config field's (kind, why), from its ``opt(resume=...)`` (loom.config.sections), in the config's order."""
-    return {f"{section}.{f.name}": f.metadata["resume"] for section, cls in SECTIONS.items()
-            for f in dataclasses.fields(cls) if "resume" in f.metadata}
+    return {
+        f"{section}.{f.name}": f.metadata["resume"]
+        for section, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+        if "resume" in f.metadata
+    }
 
 
 # the fields that resolve to the model's shape: other spellings of the same model are not a change of it
-MODEL_FIELDS = ("model.flavor", "model.init_from", "model.vocab_size", "model.n_layers", "model.tie_embeddings",
-                "model.moe_experts", "model.moe_ffn_dim", "model.sliding_window", "model.mtp_depth")
+MODEL_FIELDS = (
+    "model.flavor",
+    "model.init_from",
+    "model.vocab_size",
+    "model.n_layers",
+    "model.tie_embeddings",
+    "model.moe_experts",
+    "model.moe_ffn_dim",
+    "model.sliding_window",
+    "model.mtp_depth",
+)
 # LlamaArgs fields a resumed run may change (applied or free fields above): not part of "the same model"
-_ARGS_FREE = {"max_seq_len", "residual_init", "moe_top_k", "moe_aux_loss", "attention", "fused_norm",
-              "fused_rope", "fused_swiglu", "fused_loss", "moe_bias_speed", "mtp_weight"}
+_ARGS_FREE = {
+    "max_seq_len",
+    "residual_init",
+    "moe_top_k",
+    "moe_aux_loss",
+    "attention",
+    "fused_norm",
+    "fused_rope",
+    "fused_swiglu",
+    "fused_loss",
+    "moe_bias_speed",
+    "mtp_weight",
+}
 
 
 def kind_of(key: str) -> str:
@@ -52,6 +77,7 @@ def kind_of(key: str) -> str:
 
 
 # ---- the two configs --------------------------------------------------------------------------------
+
 
 def config_values(cfg: Config) -> dict[str, Any]:
     """``{"section.field": value}`` of a config."""
@@ -75,7 +101,7 @@ def _recorded(folder: str | None) -> dict[str, Any] | None:
         raw = tomllib.load(fh)
     values = config_values(Config())
     for section, body in raw.items():
-        for name, value in (body.items() if isinstance(body, dict) else ()):
+        for name, value in body.items() if isinstance(body, dict) else ():
             key = f"{section}.{name}"
             if key in values:
                 try:
@@ -140,6 +166,7 @@ class Change:
 @dataclass
 class ResumeChanges:
     """What resuming from ``folder`` (at ``step``) changes; ``unchecked`` says why nothing was compared."""
+
     folder: str
     step: int
     applied: list[Change] = field(default_factory=list)
@@ -165,15 +192,24 @@ def _note(key: str, old: dict, new: dict) -> str:
     if key == "model.residual_init":
         return "initialisation only: no effect on the resumed weights"
     if key == "training.loss_scale_init":
-        return "the loss scale restarts from it" if new["training.dtype"] == "float16" else \
-            "no effect: training.dtype is not float16"
+        return (
+            "the loss scale restarts from it"
+            if new["training.dtype"] == "float16"
+            else "no effect: training.dtype is not float16"
+        )
     if key == "training.dtype" and new[key] == "float16":
         return f"the loss scale starts at {_show(new['training.loss_scale_init'])}"
     return ""
 
 
-def compare(old: dict[str, Any], cfg: Config, *, folder: str, step: int,
-            model_difference: Callable[[], list[Change] | None] | None = None) -> ResumeChanges:
+def compare(
+    old: dict[str, Any],
+    cfg: Config,
+    *,
+    folder: str,
+    step: int,
+    model_difference: Callable[[], list[Change] | None] | None = None,
+) -> ResumeChanges:
     """The applied changes from the checkpoint's config ``old`` to ``cfg``, or ResumeMismatch naming every
     must-match field that differs. ``model_difference()``: the resolved models' differences ([] = the same
     model, None = unknown), asked when a model field differs (``n_layers 0`` is the flavor's count: the same
@@ -199,10 +235,13 @@ def compare(old: dict[str, Any], cfg: Config, *, folder: str, step: int,
         raise ResumeMismatch(
             f"cannot resume from {folder} (step {step}): {', '.join(map(str, refused))}: must match the checkpoint "
             "(the weights' shapes, the data stream or the optimizer state; docs/resume.md): pass the checkpoint's "
-            "values, or start a new run in another run.dir")
+            "values, or start a new run in another run.dir"
+        )
     if cfg.training.steps < step:
-        raise ResumeMismatch(f"training.steps = {cfg.training.steps}: the checkpoint {folder} is at step {step}; "
-                             f"allowed >= {step}")
+        raise ResumeMismatch(
+            f"training.steps = {cfg.training.steps}: the checkpoint {folder} is at step {step}; "
+            f"allowed >= {step}"
+        )
     return ResumeChanges(folder, step, applied)
 
 
@@ -221,9 +260,11 @@ def model_difference(old: dict[str, Any], cfg: Config, tokenizer=None, kernels=N
     except (ConfigError, UserError, OSError, ValueError, KeyError):
         return None
     now = resolve_model_args(cfg, tokenizer, kernels)
-    return [Change(f"model ({f.name})", getattr(before, f.name), getattr(now, f.name))
-            for f in dataclasses.fields(now) if f.name not in _ARGS_FREE
-            and getattr(before, f.name) != getattr(now, f.name)]
+    return [
+        Change(f"model ({f.name})", getattr(before, f.name), getattr(now, f.name))
+        for f in dataclasses.fields(now)
+        if f.name not in _ARGS_FREE and getattr(before, f.name) != getattr(now, f.name)
+    ]
 
 
 def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> ResumeChanges:
@@ -239,12 +280,19 @@ def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> 
     raw = _recorded(folder)
     if raw is None:
         return ResumeChanges(folder, step, unchecked=f"{folder} has no config.toml")
-    missing = missing_tokenizer(folder, raw, "restore the run's tokenizer copy, or start a new run in another run.dir")
+    missing = missing_tokenizer(
+        folder, raw, "restore the run's tokenizer copy, or start a new run in another run.dir"
+    )
     if missing is not None:
         raise missing
     old = recorded_values(folder, raw)
-    return compare(old, cfg, folder=folder, step=step,
-                   model_difference=lambda: model_difference(old, cfg, tokenizer, kernels))
+    return compare(
+        old,
+        cfg,
+        folder=folder,
+        step=step,
+        model_difference=lambda: model_difference(old, cfg, tokenizer, kernels),
+    )
 
 
 def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None) -> None:
@@ -258,12 +306,17 @@ def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None)
     with open(kept) as fh:
         stored = llama_args_from_hf_config(json.load(fh), "checkpoint.resume", kept)
     now = resolve_model_args(cfg, tokenizer or build_tokenizer(cfg.data.tokenizer), kernels)
-    diff = [f"{f.name} {getattr(stored, f.name)!r} -> {getattr(now, f.name)!r}" for f in dataclasses.fields(now)
-            if f.name not in _ARGS_FREE and getattr(stored, f.name) != getattr(now, f.name)]
+    diff = [
+        f"{f.name} {getattr(stored, f.name)!r} -> {getattr(now, f.name)!r}"
+        for f in dataclasses.fields(now)
+        if f.name not in _ARGS_FREE and getattr(stored, f.name) != getattr(now, f.name)
+    ]
     if diff:
-        raise ResumeMismatch(f"checkpoint.resume {folder}: a weights-only checkpoint (loom convert --from-hf) of "
-                             f"another model than this run's ({', '.join(diff)}): start from it with --model.init_from "
-                             f"{folder}, which takes the model's shape from it")
+        raise ResumeMismatch(
+            f"checkpoint.resume {folder}: a weights-only checkpoint (loom convert --from-hf) of "
+            f"another model than this run's ({', '.join(diff)}): start from it with --model.init_from "
+            f"{folder}, which takes the model's shape from it"
+        )
 
 
 def _candidate(cfg: Config) -> str | None:
@@ -312,6 +365,7 @@ def on_main(check: Callable[[], Any], is_main: bool, share: Callable[[Any], Any]
 
 # ---- applying the changes once the checkpoint is loaded -----------------------------------------------
 
+
 def loader_state(state: dict, old: dict[str, Any] | None) -> dict:
     """The loader's state with the ``seq_len`` it was saved at (older checkpoints lack it: their config's)."""
     if "seq_len" in state or old is None:
@@ -337,40 +391,49 @@ def restore_loss_scale(scaler, old: dict[str, Any] | None, training: TrainingCon
     if not scaler.enabled:
         scaler.scale, scaler.good_steps = 1.0, 0
         return
-    if old is not None and (old["training.dtype"] != "float16"
-                            or old["training.loss_scale_init"] != training.loss_scale_init):
+    if old is not None and (
+        old["training.dtype"] != "float16" or old["training.loss_scale_init"] != training.loss_scale_init
+    ):
         scaler.scale, scaler.good_steps = training.loss_scale_init, 0
 
 
 # ---- the document ------------------------------------------------------------------------------------
 
+
 def markdown() -> str:
-    lines = ["# Resuming with another config", "",
-             "Generated from each field's `opt(resume=...)` in `loom/config/sections.py` by `python -m "
-             "loom.train.resume_changes`; the rows follow the config's order (docs/config.md).", "",
-             "A resumed run (`--checkpoint.resume auto` or a path) compares its resolved config with the "
-             "checkpoint's `config.toml`, field by field, before any weight is read:", "",
-             "* **must match**: the checkpoint cannot hold anything else (the weights' shapes, the token stream "
-             "and its order, the optimizer state). A change exits with code 2 naming every such field with the "
-             "checkpoint's value and this run's, e.g. `cannot resume from runs/a/checkpoints/step_00000020 (step "
-             "20): model.n_layers 0 -> 4: must match the checkpoint ...`. `loom train` finds it before any "
-             "worker starts. Another spelling of the same model is not refused: `model.n_layers 2` where the "
-             "checkpoint has 0 (the `debug` flavor's 2 layers) is printed with the note `the same model`.",
-             "* **applied**: takes effect from the resumed step on and is printed once, e.g. `resuming with "
-             "changes: training.steps 30 -> 40, optimizer.lr 0.001 -> 0.01`, with a note in parentheses where "
-             "it cannot be honoured exactly (`training.seq_len`) or has no effect. The LR schedule keeps only "
-             "its position (optimizer steps taken) from the checkpoint: peak, shape, warmup and length are this "
-             "run's, so the next step's LR is the new schedule's at that step. `training.steps` must be at least "
-             "the checkpoint's step. Another `global_batch_size` continues the same sample order from the same "
-             "sample; another `seq_len` re-cuts the windows, and each source goes on from the same fraction of "
-             "the same epoch in a new order.",
-             "* **free**: where and how the same math runs (layout, kernels, outputs); it changes silently. A "
-             "checkpoint saved under one layout loads under any other.", "",
-             "Weights-only checkpoints (`loom convert --from-hf`) start a run at step 0 and are not compared. "
-             "After a resume at step N, `metrics.jsonl` keeps the records up to step N: those a run wrote past "
-             "the checkpoint are dropped (the file is rewritten atomically), so each step appears once; "
-             "TensorBoard hides them (`purge_step`). A rollback inside a run (`training.nonfinite = rollback`) "
-             "rewinds both the same way (`MetricsLogger.rewind`).", ""]
+    lines = [
+        "# Resuming with another config",
+        "",
+        "Generated from each field's `opt(resume=...)` in `loom/config/sections.py` by `python -m "
+        "loom.train.resume_changes`; the rows follow the config's order (docs/config.md).",
+        "",
+        "A resumed run (`--checkpoint.resume auto` or a path) compares its resolved config with the "
+        "checkpoint's `config.toml`, field by field, before any weight is read:",
+        "",
+        "* **must match**: the checkpoint cannot hold anything else (the weights' shapes, the token stream "
+        "and its order, the optimizer state). A change exits with code 2 naming every such field with the "
+        "checkpoint's value and this run's, e.g. `cannot resume from runs/a/checkpoints/step_00000020 (step "
+        "20): model.n_layers 0 -> 4: must match the checkpoint ...`. `loom train` finds it before any "
+        "worker starts. Another spelling of the same model is not refused: `model.n_layers 2` where the "
+        "checkpoint has 0 (the `debug` flavor's 2 layers) is printed with the note `the same model`.",
+        "* **applied**: takes effect from the resumed step on and is printed once, e.g. `resuming with "
+        "changes: training.steps 30 -> 40, optimizer.lr 0.001 -> 0.01`, with a note in parentheses where "
+        "it cannot be honoured exactly (`training.seq_len`) or has no effect. The LR schedule keeps only "
+        "its position (optimizer steps taken) from the checkpoint: peak, shape, warmup and length are this "
+        "run's, so the next step's LR is the new schedule's at that step. `training.steps` must be at least "
+        "the checkpoint's step. Another `global_batch_size` continues the same sample order from the same "
+        "sample; another `seq_len` re-cuts the windows, and each source goes on from the same fraction of "
+        "the same epoch in a new order.",
+        "* **free**: where and how the same math runs (layout, kernels, outputs); it changes silently. A "
+        "checkpoint saved under one layout loads under any other.",
+        "",
+        "Weights-only checkpoints (`loom convert --from-hf`) start a run at step 0 and are not compared. "
+        "After a resume at step N, `metrics.jsonl` keeps the records up to step N: those a run wrote past "
+        "the checkpoint are dropped (the file is rewritten atomically), so each step appears once; "
+        "TensorBoard hides them (`purge_step`). A rollback inside a run (`training.nonfinite = rollback`) "
+        "rewinds both the same way (`MetricsLogger.rewind`).",
+        "",
+    ]
     for kind in (MUST_MATCH, APPLIED, FREE):
         lines += [f"## {kind}", "", "| key | why / what happens |", "|---|---|"]
         lines += [f"| `{key}` | {why} |" for key, (k, why) in rules().items() if k == kind]

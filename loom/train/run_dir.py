@@ -36,8 +36,13 @@ def check_writable_dirs(cfg) -> None:
 
 TOKENIZER_COPY = "tokenizer"
 STATE = "trainer_state.json"  # loom.checkpoint.manager's, repeated: the CLI imports this module before torch
-_PATH_FIELDS = (("model", "init_from"), ("data", "cache_dir"), ("data", "chat_template"), ("checkpoint", "dir"),
-                ("lora", "init_from"))
+_PATH_FIELDS = (
+    ("model", "init_from"),
+    ("data", "cache_dir"),
+    ("data", "chat_template"),
+    ("checkpoint", "dir"),
+    ("lora", "init_from"),
+)
 
 
 def record_run_files(cfg: Config) -> Config:
@@ -72,8 +77,10 @@ def _read_files(files: dict[str, str]) -> dict[str, bytes]:
 def _holds(folder: str, content: dict[str, bytes]) -> bool:
     """Whether ``folder`` holds exactly these files with these bytes."""
     try:
-        return sorted(os.listdir(folder)) == sorted(content) and _read_files(
-            {n: os.path.join(folder, n) for n in content}) == content
+        return (
+            sorted(os.listdir(folder)) == sorted(content)
+            and _read_files({n: os.path.join(folder, n) for n in content}) == content
+        )
     except OSError:
         return False
 
@@ -92,7 +99,9 @@ def copy_tokenizer(spec: str, run_dir: str) -> str:
     digest = hashlib.blake2b(digest_size=4)
     for name in sorted(content):
         digest.update(name.encode() + b"\0" + content[name] + b"\0")
-    plain, hashed = (os.path.join(run_dir, name) for name in (TOKENIZER_COPY, f"{TOKENIZER_COPY}-{digest.hexdigest()}"))
+    plain, hashed = (
+        os.path.join(run_dir, name) for name in (TOKENIZER_COPY, f"{TOKENIZER_COPY}-{digest.hexdigest()}")
+    )
     for target in (plain, hashed):
         if _holds(target, content):
             return os.path.abspath(target)
@@ -110,8 +119,9 @@ def copy_tokenizer(spec: str, run_dir: str) -> str:
         os.replace(tmp, target)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"run.dir {run_dir}: copying the tokenizer {spec} into it failed ({err.strerror or err})") \
-            from None
+        raise UserError(
+            f"run.dir {run_dir}: copying the tokenizer {spec} into it failed ({err.strerror or err})"
+        ) from None
     return os.path.abspath(target)
 
 
@@ -169,8 +179,11 @@ def missing_tokenizer(folder: str, values: dict[str, Any], fix: str) -> ConfigEr
     if any(_is_byte(c) or os.path.exists(c) for c in candidates):
         return None
     tried = " nor at ".join(dict.fromkeys(os.path.abspath(c) for c in candidates))
-    return ConfigError("data.tokenizer", spec, f"recorded in {os.path.join(folder, 'config.toml')}: missing (not at "
-                       f"{tried}); {fix}")
+    return ConfigError(
+        "data.tokenizer",
+        spec,
+        f"recorded in {os.path.join(folder, 'config.toml')}: missing (not at {tried}); {fix}",
+    )
 
 
 def recorded_values(folder: str, raw: dict[str, Any]) -> dict[str, Any]:

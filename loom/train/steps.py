@@ -6,15 +6,15 @@ objective (loom.train.objective) says what the loss of a micro-batch is."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from loom.data.loader import MicroBatch
 from loom.metrics.nvtx import nvtx_range
-from loom.parallel.pipeline import BusyClock, V_SHAPED, build_schedule, forward_chain, theoretical_bubble
+from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, unique_params
 from loom.train.objective import Objective
@@ -22,8 +22,12 @@ from loom.train.objective import Objective
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor  # this data-parallel rank's summed loss over the step's micro-batches (every pp rank)
-    shape_inference: bool = False  # the run also ran each stage on placeholder inputs (a pipeline's first run)
+    loss_sum: (
+        torch.Tensor
+    )  # this data-parallel rank's summed loss over the step's micro-batches (every pp rank)
+    shape_inference: bool = (
+        False  # the run also ran each stage on placeholder inputs (a pipeline's first run)
+    )
 
 
 @dataclass
@@ -68,8 +72,11 @@ class LocalStep:
         profiler = self.ctx.profiler
         for i, mb in enumerate(mbs):
             self.ctx.new_pass()
-            with self._no_sync(last=i == len(mbs) - 1), loss_parallel_context(self.ctx.loss_parallel), \
-                    nvtx_range(f"microbatch {i}"):
+            with (
+                self._no_sync(last=i == len(mbs) - 1),
+                loss_parallel_context(self.ctx.loss_parallel),
+                nvtx_range(f"microbatch {i}"),
+            ):
                 with profiler.phase("forward"):
                     loss = self._loss(mb)
                 with profiler.phase("backward"):
@@ -138,7 +145,11 @@ class PipelineStep:
             losses = self._run(self.schedule.step, mbs)
         self.busy.stop()
         self.tied.sync()
-        loss_sum = torch.stack(losses).sum().detach() / grad_scale if losses else torch.zeros((), device=self.ctx.device)
+        loss_sum = (
+            torch.stack(losses).sum().detach() / grad_scale
+            if losses
+            else torch.zeros((), device=self.ctx.device)
+        )
         dist.all_reduce(loss_sum, group=self.group)  # only the last stage holds it
         first, self.ran = not self.ran, True
         return StepResult(loss_sum, shape_inference=first)
@@ -169,13 +180,14 @@ class PipelineStep:
         if self.plan.schedule in V_SHAPED:  # torch's forward-only run of these fails: stage by stage instead
             for mb in mbs:
                 with self.ctx.autocast(), loss_parallel_context(self.ctx.loss_parallel):
-                    out = forward_chain(self.plan, self.parts, self.group, mb.inputs, self.ctx.device,
-                                        self.ctx.positions(mb))
+                    out = forward_chain(
+                        self.plan, self.parts, self.group, mb.inputs, self.ctx.device, self.ctx.positions(mb)
+                    )
                     if out is not None:
                         total += self.loss_fn(out, mb.labels)
         else:
             for i in range(0, len(mbs), self.accum):
-                losses = self._run(self.schedule.eval, mbs[i:i + self.accum])
+                losses = self._run(self.schedule.eval, mbs[i : i + self.accum])
                 if losses:
                     total += torch.stack(losses).sum()
         del self.busy.spans[timed:]  # the logged idle fraction is the training step's
@@ -183,7 +195,9 @@ class PipelineStep:
         return total
 
     def grad_norm(self) -> torch.Tensor:
-        sq = global_grad_norm(self.norm_params).to(self.ctx.device) ** 2  # each stage's share, tied weight once
+        sq = (
+            global_grad_norm(self.norm_params).to(self.ctx.device) ** 2
+        )  # each stage's share, tied weight once
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
 
@@ -198,8 +212,11 @@ class PipelineStep:
             bubble = f"{100 * theoretical_bubble(p.schedule, p.pp, accum, p.per_rank):.1f}%"
         except (ImportError, AttributeError, RuntimeError, ValueError) as err:  # private torch API moved
             bubble = f"unknown ({type(err).__name__}: {err})"
-        return [f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {accum} micro-batches: "
-                f"theoretical bubble {bubble} (idle / total, F=1 B=2)", f"pipeline split: {p.describe()}"]
+        return [
+            f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {accum} micro-batches: "
+            f"theoretical bubble {bubble} (idle / total, F=1 B=2)",
+            f"pipeline split: {p.describe()}",
+        ]
 
     def record(self) -> dict:
         """Each pp rank's idle fraction in the last step (rank order), measured, for the log."""

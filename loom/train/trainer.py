@@ -16,6 +16,9 @@ class Trainer(Loop):
     """The loop for ``objective`` (default: that of the method the config names), with that method's rules."""
 
     def __init__(self, cfg: Config, env: DistEnv | None = None, objective: Objective | None = None):
-        from loom.methods import method_of, rules_of  # the registry sits above loom.train (tests/unit/test_layers.py)
+        from loom.methods import (
+            method_of,
+            rules_of,
+        )  # the registry sits above loom.train (tests/unit/test_layers.py)
 
         super().__init__(cfg, objective or method_of(cfg).objective(cfg), env, rules_of(cfg))

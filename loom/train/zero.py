@@ -41,8 +41,10 @@ class OptimizerShard:
         self._mine = {id(p) for p, o in zip(params, self.owner) if o == rank}
         self.rank = rank
         if params and not self._mine:
-            raise ValueError(f"parallel.zero = 1: {len(params)} parameters for {self.n} replicas leave rank {rank} "
-                             "none to step")
+            raise ValueError(
+                f"parallel.zero = 1: {len(params)} parameters for {self.n} replicas leave rank {rank} "
+                "none to step"
+            )
 
     def keeps(self, p: torch.nn.Parameter) -> bool:
         return id(p) in self._mine
@@ -66,5 +68,10 @@ class OptimizerShard:
 
     def state_bytes(self, optimizers) -> int:
         """Bytes of the optimizer state tensors this rank holds (the test of 1/n per rank counts them)."""
-        return sum(t.numel() * t.element_size() for opt in optimizers for state in opt.state.values()
-                   for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        return sum(
+            t.numel() * t.element_size()
+            for opt in optimizers
+            for state in opt.state.values()
+            for t in state.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )

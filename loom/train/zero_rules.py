@@ -15,13 +15,21 @@ def check_zero(cfg: Config, dims: ParallelDims) -> None:
     p = cfg.parallel
     if p.zero != 1:
         return
-    for field, value, on in (("parallel.tp", p.tp, p.tp > 1), ("parallel.pp", p.pp, p.pp > 1),
-                             ("parallel.ep", p.ep, p.ep > 1), ("parallel.cpu_offload", True, p.cpu_offload),
-                             ("parallel.diloco_inner_steps", p.diloco_inner_steps, p.diloco_inner_steps > 0),
-                             ("parallel.fault_tolerance", True, p.fault_tolerance)):
+    for field, value, on in (
+        ("parallel.tp", p.tp, p.tp > 1),
+        ("parallel.pp", p.pp, p.pp > 1),
+        ("parallel.ep", p.ep, p.ep > 1),
+        ("parallel.cpu_offload", True, p.cpu_offload),
+        ("parallel.diloco_inner_steps", p.diloco_inner_steps, p.diloco_inner_steps > 0),
+        ("parallel.fault_tolerance", True, p.fault_tolerance),
+    ):
         if on:
-            raise ConfigError(field, value, "not with parallel.zero = 1 (the optimizer sharded over DDP replicas); "
-                              "use zero 2 or 3 (FSDP2)")
+            raise ConfigError(
+                field,
+                value,
+                "not with parallel.zero = 1 (the optimizer sharded over DDP replicas); "
+                "use zero 2 or 3 (FSDP2)",
+            )
 
 
 RULES = RuleSet("ZeRO-1", layout=check_zero)

@@ -19,7 +19,9 @@ import time
 import traceback
 
 HANG_SECONDS = int(os.environ.get("LOOM_TEST_HANG_SECONDS", "300"))
-SESSION_ENV = dict(os.environ)  # what pooled ranks start with: not the variables a test had set when one started
+SESSION_ENV = dict(
+    os.environ
+)  # what pooled ranks start with: not the variables a test had set when one started
 PATH_KEYS = ("run.dir", "data.cache_dir")  # where a run writes; never what it computes
 
 
@@ -54,8 +56,15 @@ def job_tmp() -> str:
 
 def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> None:
     """A pooled rank: for each job sent (until ``None``), join a fresh group, run it, tear the group down."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import threading
 
     import torch.distributed as dist
@@ -67,12 +76,15 @@ def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> Non
     while (msg := inbox.get()) is not None:
         fn, tmp = msg
         if not dist.is_initialized():
-            dist.init_process_group(backend, store=dist.PrefixStore(f"group{generation}", store), rank=rank,
-                                    world_size=world)
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(f"group{generation}", store), rank=rank, world_size=world
+            )
             generation += 1
         reply = _run_job(fn, rank, world, tmp)
         _tidy()
-        if dist.is_initialized():  # every job gets a fresh group: the meshes' subgroups (and their gloo threads,
+        if (
+            dist.is_initialized()
+        ):  # every job gets a fresh group: the meshes' subgroups (and their gloo threads,
             _teardown(dist)  # thousands after a few dozen jobs, each waking up) go with it
         outbox.put((rank, *reply))
     _exit_now()
@@ -94,7 +106,7 @@ def _run_job(fn, rank: int, world: int, tmp: str) -> tuple[str, object]:
     try:
         result = fn(rank, world)
         return "ok", (json.loads(json.dumps(result)) if rank == 0 else None)
-    except BaseException:  # noqa: BLE001 - reported to the test with its traceback
+    except BaseException:
         traceback.print_exc()
         return "error", traceback.format_exc()
     finally:
@@ -158,8 +170,14 @@ class Pool:
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.SimpleQueue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_serve, name=f"loom-test-rank{r}", args=(
-            r, world, self.store.port, backend, self.inboxes[r], self.outbox)) for r in range(world)]
+        self.procs = [
+            ctx.Process(
+                target=_serve,
+                name=f"loom-test-rank{r}",
+                args=(r, world, self.store.port, backend, self.inboxes[r], self.outbox),
+            )
+            for r in range(world)
+        ]
         saved = dict(os.environ)
         os.environ.clear()
         os.environ.update(SESSION_ENV if env is None else env)
@@ -183,7 +201,9 @@ class Pool:
                 dead = [r for r, p in enumerate(self.procs) if r not in replies and not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     why = f"rank(s) {dead} died" if dead else f"no reply in {HANG_SECONDS + 60} s"
-                    raise RankFailure(f"{why} running {_name(fn)} on {self.world} ranks (stacks above)")
+                    raise RankFailure(
+                        f"{why} running {_name(fn)} on {self.world} ranks (stacks above)"
+                    ) from None
         errors = [f"rank {r}:\n{p}" for r, (s, p) in sorted(replies.items()) if s == "error"]
         if errors:
             raise RankFailure("\n".join(errors))
@@ -262,7 +282,7 @@ def _jobs_on_rank(jobs: list[dict], rank: int, world: int) -> list[dict]:
         start = time.monotonic()
         try:
             results.append({"records": run_one(job), "seconds": time.monotonic() - start})
-        except Exception:  # noqa: BLE001 - reported to the test
+        except Exception:
             results.append({"error": traceback.format_exc()})
             traceback.print_exc()  # now, too: a peer may hang in a collective before the report
             dist.barrier()
@@ -289,7 +309,9 @@ def run_jobs(world: int, jobs: list[dict], tmp_dir: str, fresh: bool = False) ->
             pool.close()
     else:
         results = pool_call(world, functools.partial(_jobs_on_rank, jobs), tmp_dir)
-        if any("error" in r for r in results) and (world, "gloo") in _POOLS:  # start afresh after a failed job
+        if (
+            any("error" in r for r in results) and (world, "gloo") in _POOLS
+        ):  # start afresh after a failed job
             _POOLS.pop((world, "gloo")).close()
     _log_times(world, jobs, results)
     return results
@@ -304,8 +326,17 @@ def _log_times(world: int, jobs: list[dict], results: list[dict]) -> None:
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     with open(path, "a") as fh:
         for job, res in zip(jobs, results):
-            fh.write(json.dumps({"test": test, "world": world, "job": os.path.basename(str(job.get("run.dir", "?"))),
-                                 "seconds": round(res.get("seconds", -1), 1)}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "test": test,
+                        "world": world,
+                        "job": os.path.basename(str(job.get("run.dir", "?"))),
+                        "seconds": round(res.get("seconds", -1), 1),
+                    }
+                )
+                + "\n"
+            )
 
 
 def run_fn(world: int, fn, tmp_dir: str):

@@ -27,8 +27,11 @@ GROUPS = 2
 LAYOUTS = {  # world, overrides, the resumed run's DiLoCo options (bf16 wire, streaming fragments)
     "ddp2": (2, {"parallel.dp_shard": 1}, {}),
     # one micro-batch per rank: FSDP2 reduces at every micro-batch, HSDP's bytes a step would grow with accumulation
-    "hsdp4": (4, {"parallel.dp_shard": 2, "training.micro_batch_size": 2},
-              {"parallel.diloco_bf16": "true", "parallel.diloco_fragments": 2}),
+    "hsdp4": (
+        4,
+        {"parallel.dp_shard": 2, "training.micro_batch_size": 2},
+        {"parallel.diloco_bf16": "true", "parallel.diloco_fragments": 2},
+    ),
 }
 
 
@@ -52,8 +55,12 @@ def _cross_group_bytes(world: int, groups: int):
                 pgs = [a for a in args if isinstance(a, torch.ScriptObject)]
                 ranks = dist.get_process_group_ranks(torch._C._distributed_c10d.ProcessGroup.unbox(pgs[0]))
                 if len({r // per_group for r in ranks}) > 1:
-                    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
-                               if isinstance(t, torch.Tensor)]
+                    tensors = [
+                        t
+                        for a in args
+                        for t in (a if isinstance(a, (list, tuple)) else [a])
+                        if isinstance(t, torch.Tensor)
+                    ]
                     self.bytes += max((t.numel() * t.element_size() for t in tensors), default=0)
                     self.calls += 1
             return func(*args, **(kwargs or {}))
@@ -66,9 +73,19 @@ def _trainer(tmp: str, name: str, layout: dict, **extra):
     from loom.runtime.env import init_distributed
     from loom.train.trainer import Trainer
 
-    overrides = tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "run.seed": 3, "run.deterministic": "true", "parallel.dp_replicate": GROUPS, "optimizer.warmup_steps": 1,
-        "optimizer.lr": 3e-3, **layout, **extra})
+    overrides = tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "run.seed": 3,
+            "run.deterministic": "true",
+            "parallel.dp_replicate": GROUPS,
+            "optimizer.warmup_steps": 1,
+            "optimizer.lr": 3e-3,
+            **layout,
+            **extra,
+        },
+    )
     cfg = build_config(None, {k: str(v) for k, v in overrides.items()})
     return Trainer(cfg, env=init_distributed(cfg.run.device, cfg.parallel.backend))
 
@@ -77,8 +94,9 @@ def _with_sgd(trainer, lr: float):
     """The trainer's inner optimizer swapped for torch's SGD (linear in the gradient), one per model part."""
     import torch
 
-    trainer.optimizer.optimizers = [torch.optim.SGD([p for p in part.parameters() if p.requires_grad], lr=lr)
-                                    for part in trainer.parts]
+    trainer.optimizer.optimizers = [
+        torch.optim.SGD([p for p in part.parameters() if p.requires_grad], lr=lr) for part in trainer.parts
+    ]
     trainer.optimizer.fold_grad_factor = False
     return trainer
 
@@ -110,18 +128,30 @@ def _runs(tmp: str, layout_name: str, rank: int, world: int) -> dict:
     count = _count_steps(sync, world)
     out["sgd_sync"], out["bytes_sync"] = _losses(sync.fit()), count.bytes
     out["shard_params"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in sync.params)
-    out["sgd_h1"] = _losses(_with_sgd(_trainer(tmp, "sgd-h1", layout, **{"training.max_norm": 0,
-                                                                          "parallel.diloco_inner_steps": 1}, **one),
-                                      0.1).fit())
+    out["sgd_h1"] = _losses(
+        _with_sgd(
+            _trainer(
+                tmp, "sgd-h1", layout, **{"training.max_norm": 0, "parallel.diloco_inner_steps": 1}, **one
+            ),
+            0.1,
+        ).fit()
+    )
     # 2. AdamW, H = 2 (with the layout's options), saved at step 3 of 6 (after the outer step at 2, inside the round
     # that ends at 4) and resumed from there; the bytes of the uninterrupted run's steps are counted
-    resume = {"parallel.diloco_inner_steps": 2, "training.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 0,
-              **options}
+    resume = {
+        "parallel.diloco_inner_steps": 2,
+        "training.steps": 6,
+        "checkpoint.every": 3,
+        "checkpoint.keep": 0,
+        **options,
+    }
     full = _trainer(tmp, "full", layout, **resume)
     count = _count_steps(full, world)
     records = full.fit()
     out["bytes_h2"], out["bytes_h2_reported"] = count.bytes, records[-1]["diloco_bytes"] if records else None
-    resumed = _trainer(tmp, "resumed", layout, **resume, **{"checkpoint.resume": f"{tmp}/full/checkpoints/step_00000003"})
+    resumed = _trainer(
+        tmp, "resumed", layout, **resume, **{"checkpoint.resume": f"{tmp}/full/checkpoints/step_00000003"}
+    )
     resumed.fit()
     out["full"] = [r for r in _records_of(tmp, "full") if r[0] > 3]
     out["resumed"] = _records_of(tmp, "resumed")
@@ -132,11 +162,19 @@ def _runs(tmp: str, layout_name: str, rank: int, world: int) -> dict:
     full = _trainer(tmp, "overlap-full", layout, **overlap)
     count = _count_steps(full, world)
     records = full.fit()
-    out["bytes_overlap"], out["bytes_overlap_reported"] = count.bytes, records[-1]["diloco_bytes"] if records else None
+    out["bytes_overlap"], out["bytes_overlap_reported"] = (
+        count.bytes,
+        records[-1]["diloco_bytes"] if records else None,
+    )
     with open(f"{tmp}/overlap-full/checkpoints/step_00000003/trainer_state.json") as fh:
         out["overlap_saved"] = json.load(fh)["diloco"]
-    _trainer(tmp, "overlap-resumed", layout, **overlap,
-             **{"checkpoint.resume": f"{tmp}/overlap-full/checkpoints/step_00000003"}).fit()
+    _trainer(
+        tmp,
+        "overlap-resumed",
+        layout,
+        **overlap,
+        **{"checkpoint.resume": f"{tmp}/overlap-full/checkpoints/step_00000003"},
+    ).fit()
     out["overlap_full"] = [r for r in _records_of(tmp, "overlap-full") if r[0] > 3]
     out["overlap_resumed"] = _records_of(tmp, "overlap-resumed")
     out["overlap_h2"] = _records_of(tmp, "full")
@@ -151,8 +189,9 @@ def _records_of(tmp: str, name: str) -> list:
         return [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in map(json.loads, fh)]
 
 
-@pytest.fixture(scope="module", params=[pytest.param("ddp2"),
-                                        pytest.param("hsdp4", marks=pytest.mark.exhaustive)])
+@pytest.fixture(
+    scope="module", params=[pytest.param("ddp2"), pytest.param("hsdp4", marks=pytest.mark.exhaustive)]
+)
 def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     return run_fn(LAYOUTS[request.param][0], functools.partial(_runs, str(tmp), request.param), str(tmp))
@@ -174,7 +213,9 @@ def test_bytes_across_groups_are_one_over_h_of_synchronous(runs):
     assert 4 * 4 * runs["shard_params"] <= sync <= 4 * 4 * runs["shard_params"] * 1.01, figures
     # H = 2 over 6 steps: 3 synchronizations; per step 1/H of the synchronous bytes (1/(2H) on the bf16 wire)
     assert (runs["bytes_h2"] / 6) / (sync / 4) == pytest.approx(per_param / 4 / 2, rel=0.01), figures
-    assert runs["bytes_h2"] - runs["bytes_h2_reported"] <= 6 * 16  # beside the outer all-reduces: scalars a step
+    assert (
+        runs["bytes_h2"] - runs["bytes_h2_reported"] <= 6 * 16
+    )  # beside the outer all-reduces: scalars a step
     assert runs["bytes_h2_reported"] == 3 * per_param * runs["shard_params"]
 
 
@@ -210,7 +251,6 @@ def _overlapped(tmp: str, rank: int, world: int) -> dict:
     would give up (a store wait of 60 s). Rank 0 returns its weights after every step."""
     import datetime
 
-    import torch
     import torch.distributed as dist
 
     from loom.config.sections import ParallelConfig
@@ -220,24 +260,41 @@ def _overlapped(tmp: str, rank: int, world: int) -> dict:
     o, store, out = OVERLAP, dist.FileStore(f"{tmp}/overlap_store", world), {}
     for bf16 in (False, True):
         model = _model()
-        cfg = ParallelConfig(diloco_inner_steps=o["h"], diloco_fragments=2, diloco_overlap_steps=o["tau"],
-                             diloco_overlap_alpha=o["alpha"], diloco_outer_lr=o["lr"],
-                             diloco_outer_momentum=o["momentum"], diloco_bf16=bf16)
-        diloco = DiLoCo([model], cfg, group=dist.group.WORLD, n_groups=world, replica=rank,
-                        outer_group=dist.new_group(list(range(world))))
+        cfg = ParallelConfig(
+            diloco_inner_steps=o["h"],
+            diloco_fragments=2,
+            diloco_overlap_steps=o["tau"],
+            diloco_overlap_alpha=o["alpha"],
+            diloco_outer_lr=o["lr"],
+            diloco_outer_momentum=o["momentum"],
+            diloco_bf16=bf16,
+        )
+        diloco = DiLoCo(
+            [model],
+            cfg,
+            group=dist.group.WORLD,
+            n_groups=world,
+            replica=rank,
+            outer_group=dist.new_group(list(range(world))),
+        )
         history = []
         for step in range(1, o["steps"] + 1):
             _perturb(model, step, rank)
             if rank == 1 and diloco.due(step):
-                ahead = min(step + o["tau"] - 1, o["steps"])  # the last reduction is waited for after the loop
+                ahead = min(
+                    step + o["tau"] - 1, o["steps"]
+                )  # the last reduction is waited for after the loop
                 store.wait([f"{bf16}-{ahead}"], datetime.timedelta(seconds=60))
             diloco.after_step(step)
             if rank == 0:
                 store.set(f"{bf16}-{step}", "done")
             history.append([p.detach().flatten().tolist() for p in model.parameters()])
         diloco.wait()
-        out[str(bf16)] = {"history": history, "bytes": diloco.bytes_sent,
-                          "fragments": [[list(diloco.params).index(k) for k in f] for f in diloco.fragments]}
+        out[str(bf16)] = {
+            "history": history,
+            "bytes": diloco.bytes_sent,
+            "fragments": [[list(diloco.params).index(k) for k in f] for f in diloco.fragments],
+        }
     return out
 
 
@@ -253,11 +310,14 @@ def test_overlapped_groups_follow_the_delayed_rule_without_waiting(runs):
     n = sum(t.numel() for t in inits)
     for bf16 in (False, True):
         run = got[str(bf16)]
-        history, _ = delayed_rule(inits, run["fragments"], groups=GROUPS, bf16=bf16,
-                                  **{k: v for k, v in OVERLAP.items()})
+        history, _ = delayed_rule(
+            inits, run["fragments"], groups=GROUPS, bf16=bf16, **{k: v for k, v in OVERLAP.items()}
+        )
         for step, (mine, want) in enumerate(zip(run["history"], history), 1):
             for a, b in zip(mine, want[0]):  # rank 0 is replica 0
-                torch.testing.assert_close(torch.tensor(a), b.flatten(), rtol=1e-6, atol=1e-7, msg=f"step {step}")
+                torch.testing.assert_close(
+                    torch.tensor(a), b.flatten(), rtol=1e-6, atol=1e-7, msg=f"step {step}"
+                )
         assert run["bytes"] == 3 * n * (2 if bf16 else 4)  # 6 reductions of half the model in 12 steps
 
 
@@ -267,11 +327,23 @@ def test_tensor_and_pipeline_parallel_groups_give_the_one_rank_groups_losses(tmp
     two rounds of H = 2 (TP and PP are layout-invariant inside a group; the outer all-reduce runs per shard / stage)."""
     from tests.distributed.harness import losses, run_jobs
 
-    base = {"run.seed": 3, "parallel.dp_replicate": GROUPS, "parallel.dp_shard": 1, "parallel.diloco_inner_steps": 2}
-    ref = losses(run_jobs(2, [tiny_overrides(tmp_path / "one", tmp_path / "cache", **base)], str(tmp_path))[0])
-    tp, pp = run_jobs(4, [tiny_overrides(tmp_path / "tp", tmp_path / "cache", **base, **{"parallel.tp": 2}),
-                          tiny_overrides(tmp_path / "pp", tmp_path / "cache", **base, **{"parallel.pp": 2})],
-                      str(tmp_path))
+    base = {
+        "run.seed": 3,
+        "parallel.dp_replicate": GROUPS,
+        "parallel.dp_shard": 1,
+        "parallel.diloco_inner_steps": 2,
+    }
+    ref = losses(
+        run_jobs(2, [tiny_overrides(tmp_path / "one", tmp_path / "cache", **base)], str(tmp_path))[0]
+    )
+    tp, pp = run_jobs(
+        4,
+        [
+            tiny_overrides(tmp_path / "tp", tmp_path / "cache", **base, **{"parallel.tp": 2}),
+            tiny_overrides(tmp_path / "pp", tmp_path / "cache", **base, **{"parallel.pp": 2}),
+        ],
+        str(tmp_path),
+    )
     for got in (losses(tp), losses(pp)):
         assert len(got) == len(ref) == 4
         for a, b in zip(got, ref):

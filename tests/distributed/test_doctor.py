@@ -32,28 +32,55 @@ def test_two_ranks_measure_and_gather(tmp_path):
     assert job["world_size"] == 2 and job["backend"] == "gloo"
     for op in ("all_reduce", "all_gather"):
         rows = job["collectives"][op]
-        assert [r["bytes"] for r in rows] == [4096, 65536]  # all-gather: the gathered output, 2 x 2048 / 32768
+        assert [r["bytes"] for r in rows] == [
+            4096,
+            65536,
+        ]  # all-gather: the gathered output, 2 x 2048 / 32768
         for r in rows:
             assert r["wrong"] == 0 and r["time_us"] > 0
             factor = 1.0 if op == "all_reduce" else 0.5  # 2(n-1)/n and (n-1)/n at n = 2
             assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
             assert r["algbw_gbps"] == pytest.approx(r["bytes"] / 1e9 / (r["time_us"] / 1e6))
     assert [m["rank"] for m in job["matmul"]] == [0, 1]
-    assert all(m["tflops"] > 0 and m["finite"] and m["dtype"] == "float32" and m["size"] == 64
-               for m in job["matmul"])
+    assert all(
+        m["tflops"] > 0 and m["finite"] and m["dtype"] == "float32" and m["size"] == 64 for m in job["matmul"]
+    )
     checks = {(c["status"], c["what"]) for c in out["json"]["checks"]}
     assert any(s == "WARN" and "NCCL_DEBUG differs between its ranks" in w for s, w in checks)
-    assert any(s == "OK" and w.startswith("all-reduce: busbw") and "2 ranks on 1 host, gloo" in w for s, w in checks)
+    assert any(
+        s == "OK" and w.startswith("all-reduce: busbw") and "2 ranks on 1 host, gloo" in w for s, w in checks
+    )
     assert "Collectives" in out["text"] and "all_gather" in out["text"]
 
 
 @pytest.mark.slow
 def test_nproc_per_node_reports_once_with_json(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([os.path.join(BIN, "loom"), "doctor", "--nproc-per-node", "2", "--sizes", "4K",
-                           "--iters", "1", "--matmul-size", "32", "--json", str(tmp_path / "d.json")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [
+            os.path.join(BIN, "loom"),
+            "doctor",
+            "--nproc-per-node",
+            "2",
+            "--sizes",
+            "4K",
+            "--iters",
+            "1",
+            "--matmul-size",
+            "32",
+            "--json",
+            str(tmp_path / "d.json"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("loom doctor: 2 ranks on 1 host") == 1
     data = json.loads((tmp_path / "d.json").read_text())

@@ -25,35 +25,65 @@ def write_pairs(path, n: int = 120, seed: int = 0) -> str:
     say = lambda k: " ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + "."
     with open(path, "w") as fh:
         for _ in range(n):
-            fh.write(json.dumps({"prompt": say(rng.randint(2, 6)), "chosen": say(rng.randint(2, 8)),
-                                 "rejected": say(rng.randint(2, 8))}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "prompt": say(rng.randint(2, 6)),
+                        "chosen": say(rng.randint(2, 8)),
+                        "rejected": say(rng.randint(2, 8)),
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
 def job(tmp, source, name, mb, lora=False, copy=False, **parallel):
     extra = {"lora.rank": 4, "dpo.reference": "adapters_off", "optimizer.lr": 3e-2} if lora else {}
     extra.update({"dpo.reference": "copy"} if copy else {})
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "training.objective": "dpo", "data.source": source, "run.seed": 5, "training.steps": STEPS,
-        "training.seq_len": 96, "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb,
-        "optimizer.warmup_steps": 1, "optimizer.lr": 3e-3, "dpo.beta": 0.5, **extra,
-        **{f"parallel.{k}": v for k, v in parallel.items()}})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "training.objective": "dpo",
+            "data.source": source,
+            "run.seed": 5,
+            "training.steps": STEPS,
+            "training.seq_len": 96,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "optimizer.warmup_steps": 1,
+            "optimizer.lr": 3e-3,
+            "dpo.beta": 0.5,
+            **extra,
+            **{f"parallel.{k}": v for k, v in parallel.items()},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo_layouts")
     source = write_pairs(tmp / "pairs.jsonl")
-    single = run_jobs(1, [job(tmp, source, "single", GLOBAL), job(tmp, source, "lora", GLOBAL, lora=True),
-                          job(tmp, source, "copy", GLOBAL, copy=True)], str(tmp))
+    single = run_jobs(
+        1,
+        [
+            job(tmp, source, "single", GLOBAL),
+            job(tmp, source, "lora", GLOBAL, lora=True),
+            job(tmp, source, "copy", GLOBAL, copy=True),
+        ],
+        str(tmp),
+    )
     names = ["ddp2", "fsdp2-acc2", "tp2", "lora-fsdp2", "copy-ddp2", "copy-fsdp2-acc2", "copy-tp2"]
-    jobs = [job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
-            job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
-            job(tmp, source, "tp2", GLOBAL, tp=2, dp_shard=1),
-            job(tmp, source, "lora-fsdp2", GLOBAL // 2, lora=True, dp_shard=2),
-            job(tmp, source, "copy-ddp2", GLOBAL // 2, copy=True, dp_replicate=2, dp_shard=1),
-            job(tmp, source, "copy-fsdp2-acc2", GLOBAL // 4, copy=True, dp_shard=2),
-            job(tmp, source, "copy-tp2", GLOBAL, copy=True, tp=2, dp_shard=1)]
+    jobs = [
+        job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
+        job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
+        job(tmp, source, "tp2", GLOBAL, tp=2, dp_shard=1),
+        job(tmp, source, "lora-fsdp2", GLOBAL // 2, lora=True, dp_shard=2),
+        job(tmp, source, "copy-ddp2", GLOBAL // 2, copy=True, dp_replicate=2, dp_shard=1),
+        job(tmp, source, "copy-fsdp2-acc2", GLOBAL // 4, copy=True, dp_shard=2),
+        job(tmp, source, "copy-tp2", GLOBAL, copy=True, tp=2, dp_shard=1),
+    ]
     return single, dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
 
@@ -63,9 +93,11 @@ def results4(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo_layouts4")
     source = write_pairs(tmp / "pairs.jsonl")
     names = ["fsdp4-acc2", "lora-fsdp4-acc2", "copy-fsdp4-acc2"]
-    jobs = [job(tmp, source, "fsdp4-acc2", GLOBAL // 8, dp_shard=4),
-            job(tmp, source, "lora-fsdp4-acc2", GLOBAL // 8, lora=True, dp_shard=4),
-            job(tmp, source, "copy-fsdp4-acc2", GLOBAL // 8, copy=True, dp_shard=4)]
+    jobs = [
+        job(tmp, source, "fsdp4-acc2", GLOBAL // 8, dp_shard=4),
+        job(tmp, source, "lora-fsdp4-acc2", GLOBAL // 8, lora=True, dp_shard=4),
+        job(tmp, source, "copy-fsdp4-acc2", GLOBAL // 8, copy=True, dp_shard=4),
+    ]
     return dict(zip(names, run_jobs(4, jobs, str(tmp))))
 
 
@@ -82,10 +114,16 @@ def test_dpo_losses_match_single_process(results):
         ref, got = losses(base), losses(res)
         assert len(ref) == STEPS and len(got) == STEPS, res
         margins = [r["rewards/margins"] for r in res["records"]]
-        dev = max(deviation(got, ref), deviation(margins, [r["rewards/margins"] for r in base["records"]], 1.0))
+        dev = max(
+            deviation(got, ref), deviation(margins, [r["rewards/margins"] for r in base["records"]], 1.0)
+        )
         report.append(f"{name}: max rel deviation {dev:.2e}")
         assert dev < 1e-5, "\n".join(report)
-    for res in (reference, lora, copy):  # the policy moves away from its reference (random pairs: no trend to expect)
+    for res in (
+        reference,
+        lora,
+        copy,
+    ):  # the policy moves away from its reference (random pairs: no trend to expect)
         assert abs(losses(res)[-1] - losses(res)[0]) > 1e-3
     # the copy's log-probabilities are the cached ones, batched differently (float rounding)
     assert deviation(losses(copy), losses(reference)) < 1e-5
@@ -99,8 +137,10 @@ def test_dpo_under_fsdp2_x4_with_accumulation_matches_single_process(results, re
         base = {"lora": lora, "copy": copy}.get(name.split("-")[0], reference)
         assert len(losses(res)) == STEPS
         margins = [r["rewards/margins"] for r in res["records"]]
-        dev = max(deviation(losses(res), losses(base)),
-                  deviation(margins, [r["rewards/margins"] for r in base["records"]], 1.0))
+        dev = max(
+            deviation(losses(res), losses(base)),
+            deviation(margins, [r["rewards/margins"] for r in base["records"]], 1.0),
+        )
         report.append(f"{name}: max rel deviation {dev:.2e}")
         assert dev < 1e-5, "\n".join(report)
         assert [r["batch_hash"] for r in res["records"]] == [r["batch_hash"] for r in base["records"]]
@@ -126,18 +166,29 @@ def copy_under_fsdp(tmp: str, source: str, rank: int, world: int) -> dict:
     trainer = Trainer(build_config(None, {k: str(v) for k, v in overrides.items()}))
     policy = dict(trainer.parts[0].named_parameters())
     ref = dict(trainer.objective.reference_model.named_parameters())
-    same = all(isinstance(r, DTensor) and r.placements == policy[n].placements and
-               torch.equal(r.to_local(), policy[n].to_local()) for n, r in ref.items())
+    same = all(
+        isinstance(r, DTensor)
+        and r.placements == policy[n].placements
+        and torch.equal(r.to_local(), policy[n].to_local())
+        for n, r in ref.items()
+    )
     before = {n: r.to_local().clone() for n, r in ref.items()}
     full = {n: r.full_tensor() for n, r in ref.items()}
     trainer.fit()
-    after = dict(trainer.objective.reference_model.named_parameters())  # FSDP2 registers the sharded ones back
-    return {"names": sorted(ref) == sorted(policy), "sharded_as_policy": same,
-            "frozen": all(not r.requires_grad and r.grad is None for r in after.values()),
-            "resharded": all(isinstance(r, DTensor) and r.to_local().shape == before[n].shape
-                             for n, r in after.items()),
-            "unchanged": all(torch.equal(r.full_tensor() if isinstance(r, DTensor) else r, full[n])
-                             for n, r in after.items())}
+    after = dict(
+        trainer.objective.reference_model.named_parameters()
+    )  # FSDP2 registers the sharded ones back
+    return {
+        "names": sorted(ref) == sorted(policy),
+        "sharded_as_policy": same,
+        "frozen": all(not r.requires_grad and r.grad is None for r in after.values()),
+        "resharded": all(
+            isinstance(r, DTensor) and r.to_local().shape == before[n].shape for n, r in after.items()
+        ),
+        "unchanged": all(
+            torch.equal(r.full_tensor() if isinstance(r, DTensor) else r, full[n]) for n, r in after.items()
+        ),
+    }
 
 
 def test_reference_copy_is_sharded_as_the_policy_under_fsdp2(tmp_path):

@@ -22,30 +22,72 @@ import pytest
 
 from loom.runtime import restarts
 from tests.distributed.harness import rendezvous_store
-from tests.distributed.test_restarts import (BIN, STEPS, cache, cli_args, fault_env, records_of,  # noqa: F401
-                                             reference)
+from tests.distributed.test_restarts import (
+    BIN,
+    STEPS,
+    cli_args,
+    fault_env,
+    records_of,
+)
 
 # quick re-forming on one machine: a lost agent is noticed after 3 missed heartbeats of 2 s, and a round waits
 # 5 s for more nodes once it has the fewest it needs
 RDZV_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=120"
 
 
-def agents(tmp_path, nnodes: str, run_dir, cache, *, faults=(None, None), fault_rank: str = "*",  # noqa: F811
-           backend: str = "c10d", extra=(), max_restarts: int = 1) -> list[subprocess.CompletedProcess]:
+def agents(
+    tmp_path,
+    nnodes: str,
+    run_dir,
+    cache,
+    *,
+    faults=(None, None),
+    fault_rank: str = "*",
+    backend: str = "c10d",
+    extra=(),
+    max_restarts: int = 1,
+) -> list[subprocess.CompletedProcess]:
     """Two agents of one job, meeting at a rendezvous store this test serves (both join it as clients); node 1
     starts first and node 0 once node 1 has loaded torch, so that both join the first round, within its 5 s last
     call, however slowly the machine starts processes. ``faults``: each node's
     LOOM_RESTART_FAULT, armed in its worker of global rank ``fault_rank`` (``*``: any)."""
-    store = rendezvous_store()  # noqa: F841 (served while the agents run)
+    store = rendezvous_store()
     endpoint = f"127.0.0.1:{store.port}" if backend == "c10d" else str(tmp_path / "rdzv")
     procs = {}
     for node in (1, 0):
-        cmd = [os.path.join(BIN, "loom"), "train", "--nnodes", nnodes, "--nproc-per-node", "1", "--node-rank",
-               str(node), "--max-restarts", str(max_restarts), "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
-               "--rdzv-id", "elastic", "--rdzv-conf", RDZV_CONF, *cli_args(run_dir, cache, **dict(extra))]
+        cmd = [
+            os.path.join(BIN, "loom"),
+            "train",
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node),
+            "--max-restarts",
+            str(max_restarts),
+            "--rdzv-backend",
+            backend,
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "elastic",
+            "--rdzv-conf",
+            RDZV_CONF,
+            *cli_args(run_dir, cache, **dict(extra)),
+        ]
         log = {k: open(tmp_path / f"node{node}.{k}", "w+") for k in ("out", "err")}
-        procs[node] = (subprocess.Popen(cmd, cwd=tmp_path, env=fault_env(faults[node], fault_rank), stdout=log["out"],
-                                        stderr=log["err"], text=True), log)
+        procs[node] = (
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env=fault_env(faults[node], fault_rank),
+                stdout=log["out"],
+                stderr=log["err"],
+                text=True,
+            ),
+            log,
+        )
         if node == 1:
             wait_for_torch(procs[1][0])
     out = []
@@ -72,14 +114,14 @@ def wait_for_torch(proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def check_losses(run_dir, reference):  # noqa: F811
+def check_losses(run_dir, reference):
     recs = records_of(run_dir)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     got = [r["loss"] for r in recs]
     assert max(abs(a - b) / abs(b) for a, b in zip(got, reference)) < 1e-5, (got, reference)
 
 
-def test_a_lost_node_leaves_the_other_to_finish_alone(tmp_path, cache, reference):  # noqa: F811
+def test_a_lost_node_leaves_the_other_to_finish_alone(tmp_path, cache, reference):
     run_dir = tmp_path / "run"
     survivor, lost = agents(tmp_path, "1:2", run_dir, cache, faults=(None, "step:4:node"))
     assert lost.returncode < 0 or lost.returncode == 137, lost.stderr[-2000:]  # SIGKILLed with its worker
@@ -95,20 +137,27 @@ def test_a_lost_node_leaves_the_other_to_finish_alone(tmp_path, cache, reference
 
 
 @pytest.mark.exhaustive
-def test_a_layout_the_smaller_job_cannot_hold_stops_with_one_line(tmp_path, cache):  # noqa: F811
+def test_a_layout_the_smaller_job_cannot_hold_stops_with_one_line(tmp_path, cache):
     run_dir = tmp_path / "run"
-    survivor, lost = agents(tmp_path, "1:2", run_dir, cache, faults=(None, "step:4:node"),
-                            extra={"parallel.dp_shard": 2})
+    survivor, lost = agents(
+        tmp_path, "1:2", run_dir, cache, faults=(None, "step:4:node"), extra={"parallel.dp_shard": 2}
+    )
     assert survivor.returncode == 2, survivor.stderr[-4000:]
-    assert "with --nnodes 1:2, a job (re-)formed on these node counts stops with exit code 2: 1 (" in survivor.stderr
+    assert (
+        "with --nnodes 1:2, a job (re-)formed on these node counts stops with exit code 2: 1 ("
+        in survivor.stderr
+    )
     errors = [line for line in survivor.stderr.splitlines() if line.startswith("loom: error:")]
-    assert len(errors) == 1 and "parallel.dp_shard = 2" in errors[0] and \
-        "the job formed with 1 node(s) x 1 = 1 ranks" in errors[0], survivor.stderr[-4000:]
+    assert (
+        len(errors) == 1
+        and "parallel.dp_shard = 2" in errors[0]
+        and "the job formed with 1 node(s) x 1 = 1 ranks" in errors[0]
+    ), survivor.stderr[-4000:]
     assert restarts.read(run_dir)[-1]["restarting"] is False
 
 
 @pytest.mark.exhaustive
-def test_two_nodes_train_checkpoint_and_resume_after_a_lost_worker(tmp_path, cache, reference):  # noqa: F811
+def test_two_nodes_train_checkpoint_and_resume_after_a_lost_worker(tmp_path, cache, reference):
     """--nnodes 2: rank 1's worker (not its agent) dies at step 4; both agents restart their workers, the job
     re-forms on 2 nodes and resumes from step 2."""
     run_dir = tmp_path / "run"
@@ -123,23 +172,52 @@ def test_two_nodes_train_checkpoint_and_resume_after_a_lost_worker(tmp_path, cac
 
 
 @pytest.mark.exhaustive
-def test_a_node_that_joins_later_makes_the_job_re_form(tmp_path, cache, reference):  # noqa: F811
+def test_a_node_that_joins_later_makes_the_job_re_form(tmp_path, cache, reference):
     """--nnodes 1:2: node 0 trains alone (slowly); node 1 joins mid-run. The agent stops the worker with SIGTERM,
     which saves like a preemption, and the job resumes from that step on 2 ranks with the same losses."""
     run_dir = tmp_path / "run"
     store = rendezvous_store()
     endpoint = f"127.0.0.1:{store.port}"
-    cmd = [os.path.join(BIN, "loom"), "train", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "0",
-           "--rdzv-endpoint", endpoint, "--rdzv-id", "join", "--rdzv-conf", RDZV_CONF, *cli_args(run_dir, cache)]
+    cmd = [
+        os.path.join(BIN, "loom"),
+        "train",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "join",
+        "--rdzv-conf",
+        RDZV_CONF,
+        *cli_args(run_dir, cache),
+    ]
     logs = {n: (open(tmp_path / f"node{n}.out", "w+"), open(tmp_path / f"node{n}.err", "w+")) for n in (0, 1)}
-    first = subprocess.Popen([*cmd, "--node-rank", "0"], cwd=tmp_path, env=fault_env("slow:8", "*"),
-                             stdout=logs[0][0], stderr=logs[0][1], text=True)
+    first = subprocess.Popen(
+        [*cmd, "--node-rank", "0"],
+        cwd=tmp_path,
+        env=fault_env("slow:8", "*"),
+        stdout=logs[0][0],
+        stderr=logs[0][1],
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while "step 1/" not in (tmp_path / "node0.out").read_text():
-        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.err").read_text()[-3000:]
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.err").read_text()[
+            -3000:
+        ]
         time.sleep(0.5)
-    second = subprocess.Popen([*cmd, "--node-rank", "1"], cwd=tmp_path, env=fault_env("slow:8", "*"),
-                              stdout=logs[1][0], stderr=logs[1][1], text=True)
+    second = subprocess.Popen(
+        [*cmd, "--node-rank", "1"],
+        cwd=tmp_path,
+        env=fault_env("slow:8", "*"),
+        stdout=logs[1][0],
+        stderr=logs[1][1],
+        text=True,
+    )
     for n, proc in ((0, first), (1, second)):
         assert proc.wait(timeout=600) == 0, (tmp_path / f"node{n}.err").read_text()[-3000:]
     check_losses(run_dir, reference)
@@ -151,7 +229,7 @@ def test_a_node_that_joins_later_makes_the_job_re_form(tmp_path, cache, referenc
 
 
 @pytest.mark.exhaustive
-def test_two_nodes_meet_through_a_file(tmp_path, cache, reference):  # noqa: F811
+def test_two_nodes_meet_through_a_file(tmp_path, cache, reference):
     pytest.importorskip("loom.runtime.rendezvous")
     run_dir = tmp_path / "run"
     first, second = agents(tmp_path, "2", run_dir, cache, backend="file", max_restarts=0)

@@ -20,7 +20,9 @@ import pytest
 
 from tests.tiny import tiny_overrides
 
-needs_torchft = pytest.mark.skipif(find_spec("torchft") is None, reason="needs torchft (pip install 'loom-train[ft]')")
+needs_torchft = pytest.mark.skipif(
+    find_spec("torchft") is None, reason="needs torchft (pip install 'loom-train[ft]')"
+)
 
 BIN = os.path.dirname(sys.executable)
 STEPS = 150
@@ -28,10 +30,21 @@ WAIT_S = 240  # no phase of a healthy run comes near this: a hang fails the test
 
 
 def group_args(run_dir, cache, replica: int, lighthouse: str, device: str = "cpu") -> list[str]:
-    cfg = tiny_overrides(run_dir, cache, **{"run.device": device,
-        "training.steps": STEPS, "checkpoint.at_end": "true", "run.seed": 3, "parallel.fault_tolerance": "true",
-        "parallel.ft_replica_id": replica, "parallel.ft_replica_groups": 2, "parallel.ft_lighthouse": lighthouse,
-        "parallel.ft_timeout_s": 30})
+    cfg = tiny_overrides(
+        run_dir,
+        cache,
+        **{
+            "run.device": device,
+            "training.steps": STEPS,
+            "checkpoint.at_end": "true",
+            "run.seed": 3,
+            "parallel.fault_tolerance": "true",
+            "parallel.ft_replica_id": replica,
+            "parallel.ft_replica_groups": 2,
+            "parallel.ft_lighthouse": lighthouse,
+            "parallel.ft_timeout_s": 30,
+        },
+    )
     return [f"--{k}={v}" for k, v in cfg.items()]
 
 
@@ -40,15 +53,22 @@ class Group:
 
     def __init__(self, run_dir, args: list[str], **env_vars):
         self.run_dir, self.args, self.proc, self.starts = run_dir, args, None, 0
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+        }
         self.env = {**env, "MASTER_ADDR": "127.0.0.1", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1", **env_vars}
 
     def start(self, *launcher: str) -> None:
         self.starts += 1
         log = open(f"{self.run_dir}.{self.starts}.log", "w")
-        self.proc = subprocess.Popen([os.path.join(BIN, "loom"), "train", *launcher, *self.args], env=self.env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [os.path.join(BIN, "loom"), "train", *launcher, *self.args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def records(self) -> list[dict]:
         path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -95,10 +115,13 @@ def wait_for(condition, what: str, groups: list[Group], paced=lambda: None) -> N
     while not condition():
         for g in groups:
             if g.proc.poll() not in (None, 0, -signal.SIGKILL):
-                raise AssertionError(f"{g.run_dir} exited {g.proc.returncode} while waiting for {what}:\n"
-                                     f"{g.output()[-3000:]}")
+                raise AssertionError(
+                    f"{g.run_dir} exited {g.proc.returncode} while waiting for {what}:\n{g.output()[-3000:]}"
+                )
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(g.output()[-2000:] for g in groups))
+            raise AssertionError(
+                f"timed out waiting for {what}:\n" + "\n".join(g.output()[-2000:] for g in groups)
+            )
         held = paced()
         if held is not None:
             held.signal(signal.SIGCONT)
@@ -141,11 +164,22 @@ def two_gpus() -> bool:
 
 
 @needs_torchft
-@pytest.mark.parametrize("device,ranks", [
-    pytest.param("cpu", 1, marks=pytest.mark.slow),
-    pytest.param("cpu", 2, marks=pytest.mark.exhaustive),
-    pytest.param("cuda", 1, marks=[pytest.mark.gpu, pytest.mark.multi_gpu,
-                                   pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")])])
+@pytest.mark.parametrize(
+    "device,ranks",
+    [
+        pytest.param("cpu", 1, marks=pytest.mark.slow),
+        pytest.param("cpu", 2, marks=pytest.mark.exhaustive),
+        pytest.param(
+            "cuda",
+            1,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.multi_gpu,
+                pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs"),
+            ],
+        ),
+    ],
+)
 def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, cache, monkeypatch, device, ranks):
     """On CPU (gloo between the groups; groups of 2 ranks shard with FSDP2 and recover each rank's shards), or on
     2 GPUs, one per group (NCCL between them)."""
@@ -154,30 +188,45 @@ def test_survivor_continues_and_the_restarted_group_recovers(tmp_path, cache, mo
     import torch
     from torchft._torchft import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50,
-                                  heartbeat_timeout_ms=3000)
-    survivor, victim = (Group(tmp_path / f"g{i}", group_args(tmp_path / f"g{i}", cache, i, lighthouse.address(),
-                                                             device),
-                              **({"CUDA_VISIBLE_DEVICES": str(i)} if device == "cuda" else {})) for i in range(2))
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=50, heartbeat_timeout_ms=3000
+    )
+    survivor, victim = (
+        Group(
+            tmp_path / f"g{i}",
+            group_args(tmp_path / f"g{i}", cache, i, lighthouse.address(), device),
+            **({"CUDA_VISIBLE_DEVICES": str(i)} if device == "cuda" else {}),
+        )
+        for i in range(2)
+    )
     groups = [survivor, victim]
     try:
         survivor.start(*launcher)
         victim.start(*launcher)
         # both groups step (whichever starts first steps alone, held back, until the other recovers from it)
-        wait_for(lambda: survivor.records() and victim.records(), "both groups' first steps", groups,
-                 paced=lambda: next((g for g in groups if g.records()), None))
+        wait_for(
+            lambda: survivor.records() and victim.records(),
+            "both groups' first steps",
+            groups,
+            paced=lambda: next((g for g in groups if g.records()), None),
+        )
         wait_for(lambda: survivor.records()[-1]["replica_groups"] == 2, "a quorum of both groups", groups)
         victim.signal(signal.SIGKILL)
         victim.proc.wait()
         killed_at = survivor.records()[-1]["step"]
         # the survivor goes on alone: its step count advances while the other group is down
-        wait_for(lambda: sum(r["step"] > killed_at and r["replica_groups"] == 1 for r in survivor.records()) >= 3,
-                 "the survivor's steps alone", groups)
+        wait_for(
+            lambda: sum(r["step"] > killed_at and r["replica_groups"] == 1 for r in survivor.records()) >= 3,
+            "the survivor's steps alone",
+            groups,
+        )
         survivor.signal(signal.SIGSTOP)
         alone = [r["step"] for r in survivor.records() if r["step"] > killed_at and r["replica_groups"] == 1]
         os.replace(victim.run_dir / "metrics.jsonl", victim.run_dir / "metrics.before_kill.jsonl")
         victim.start(*launcher)
-        wait_for(lambda: bool(victim.records()), "the restarted group's first step", groups, paced=lambda: survivor)
+        wait_for(
+            lambda: bool(victim.records()), "the restarted group's first step", groups, paced=lambda: survivor
+        )
         wait_for(lambda: all(g.proc.poll() is not None for g in groups), "both groups to finish", groups)
         for g in groups:
             assert g.proc.returncode == 0, g.output()[-3000:]
@@ -218,8 +267,14 @@ def test_two_groups_train_as_one_process(tmp_path, cache, monkeypatch, ranks):
     steps = 4
     ref = run_one(tiny_overrides(tmp_path / "single", cache, **{"run.seed": 3}))
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)  # the first step waits for both groups
-    groups = [Group(tmp_path / f"g{i}", group_args(tmp_path / f"g{i}", cache, i, lighthouse.address())
-                    + [f"--training.steps={steps}", "--checkpoint.at_end=false"]) for i in range(2)]
+    groups = [
+        Group(
+            tmp_path / f"g{i}",
+            group_args(tmp_path / f"g{i}", cache, i, lighthouse.address())
+            + [f"--training.steps={steps}", "--checkpoint.at_end=false"],
+        )
+        for i in range(2)
+    ]
     try:
         for g in groups:
             g.start(*(["--nproc-per-node", str(ranks)] if ranks > 1 else []))
@@ -245,13 +300,19 @@ def test_fault_tolerance_rules(monkeypatch):
     from loom.methods import resolve
     from tests.tiny import tiny_config
 
-    ft = {"parallel.fault_tolerance": "true", "parallel.ft_replica_groups": 2, "parallel.ft_lighthouse": "http://h:1"}
-    refused = [({"parallel.ft_replica_groups": 2}, "parallel.ft_replica_groups"),
-               ({**ft, "parallel.ft_replica_id": 2}, "parallel.ft_replica_id"),
-               ({**ft, "parallel.ft_min_replicas": 3}, "parallel.ft_min_replicas"),
-               ({**ft, "parallel.dp_replicate": 2}, "parallel.dp_replicate"),
-               ({**ft, "parallel.tp": 2}, "parallel.tp"),
-               ({**ft, "training.nonfinite": "rollback"}, "training.nonfinite")]
+    ft = {
+        "parallel.fault_tolerance": "true",
+        "parallel.ft_replica_groups": 2,
+        "parallel.ft_lighthouse": "http://h:1",
+    }
+    refused = [
+        ({"parallel.ft_replica_groups": 2}, "parallel.ft_replica_groups"),
+        ({**ft, "parallel.ft_replica_id": 2}, "parallel.ft_replica_id"),
+        ({**ft, "parallel.ft_min_replicas": 3}, "parallel.ft_min_replicas"),
+        ({**ft, "parallel.dp_replicate": 2}, "parallel.dp_replicate"),
+        ({**ft, "parallel.tp": 2}, "parallel.tp"),
+        ({**ft, "training.nonfinite": "rollback"}, "training.nonfinite"),
+    ]
     for overrides, field in refused:
         with pytest.raises(ConfigError) as err:
             resolve(tiny_config(**overrides), 2, device="cpu")

@@ -19,9 +19,18 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 9, 10], [20]]
 
 def _folder(path: str, tied: bool) -> str:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=128, vocab_size=384, rope_theta=10000.0,
-                                   max_position_embeddings=128, tie_word_embeddings=tied, eos_token_id=3)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=384,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        eos_token_id=3,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -35,11 +44,19 @@ def _generate(folder: str) -> dict:
 
     gen = Generator(folder, compile=False)
     greedy = [o.token_ids for o in gen.generate_ids(PROMPTS, max_new_tokens=16)]
-    sampled = [o.token_ids for o in gen.generate_ids(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.8,
-                                                                            top_p=0.9, seed=5))]
+    sampled = [
+        o.token_ids
+        for o in gen.generate_ids(
+            PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=5)
+        )
+    ]
     spec = [o.token_ids for o in gen.generate_ids(PROMPTS, max_new_tokens=16, speculative=PromptLookup(k=3))]
-    return {"greedy": greedy, "sampled": sampled, "spec": spec,
-            "kv_heads": [c.k.shape[1] for c in gen.engine.caches]}
+    return {
+        "greedy": greedy,
+        "sampled": sampled,
+        "spec": spec,
+        "kv_heads": [c.k.shape[1] for c in gen.engine.caches],
+    }
 
 
 def tp_worker(folders: list[str], rank: int, world: int) -> list[dict]:

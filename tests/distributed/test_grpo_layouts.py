@@ -29,8 +29,13 @@ class FixedRollouts(RolloutLoader):
         for i, p in enumerate(prompts):
             rng = random.Random(repr((self.step, self.dp_rank * len(prompts) + i)))
             text = bytes(p).decode()
-            answer = str(eval(text[:-1])) if rng.random() < 0.4 else "".join(
-                rng.choice("0123456789") for _ in range(rng.randint(1, self.g.max_new_tokens - 1)))
+            answer = (
+                str(eval(text[:-1]))
+                if rng.random() < 0.4
+                else "".join(
+                    rng.choice("0123456789") for _ in range(rng.randint(1, self.g.max_new_tokens - 1))
+                )
+            )
             ids = list(answer.encode())
             eos = rng.random() < 0.8
             ids = ids + [self.tokenizer.eos_id] if eos else ids
@@ -45,11 +50,25 @@ class FixedGRPO(GroupRelative):
 
 
 def overrides(tmp, name, mb, **extra):
-    return tiny_overrides(f"{tmp}/{name}", None, **{
-        "training.objective": "grpo", "run.seed": 3, "training.steps": 5, "training.global_batch_size": 8,
-        "training.micro_batch_size": mb, "grpo.group_size": 4, "grpo.warmup_steps": 1, "grpo.max_new_tokens": 4,
-        "grpo.epsilon": 0.1, "optimizer.lr": 3e-2, "optimizer.warmup_steps": 1, "metrics.progress": "false",
-        **extra})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        None,
+        **{
+            "training.objective": "grpo",
+            "run.seed": 3,
+            "training.steps": 5,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": mb,
+            "grpo.group_size": 4,
+            "grpo.warmup_steps": 1,
+            "grpo.max_new_tokens": 4,
+            "grpo.epsilon": 0.1,
+            "optimizer.lr": 3e-2,
+            "optimizer.warmup_steps": 1,
+            "metrics.progress": "false",
+            **extra,
+        },
+    )
 
 
 JOBS = {  # name: (micro-batch on one process, micro-batch per DDP rank, extra overrides)
@@ -73,8 +92,9 @@ def ddp_jobs(rank: int, world: int) -> dict:
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     out = {}
     for name, (_, mb, extra) in JOBS.items():
-        job = overrides(tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world,
-                                                                "parallel.dp_shard": 1})
+        job = overrides(
+            tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world, "parallel.dp_shard": 1}
+        )
         job["run.dir"] = f"{tmp}/{name}"
         out[name] = train(job, init_distributed("cpu", "gloo"))
     return out
@@ -95,7 +115,9 @@ def test_ddp2_step_equals_single_process(results, name):
     assert all(r["grad_norm"] > 0.1 for r in ref)  # every step trains (the first is the warm-up's)
     if name == "dapo-copy-iter2":  # the second iteration on a batch of rollouts clips; the KL term is live
         assert max(r["clip_ratio/low"] + r["clip_ratio/high"] for r in ref[1:]) > 0.1
-        assert abs(ref[1]["kl"]) < 1e-6 < min(r["kl"] for r in ref[2:])  # the reference: the policy as GRPO starts
+        assert (
+            abs(ref[1]["kl"]) < 1e-6 < min(r["kl"] for r in ref[2:])
+        )  # the reference: the policy as GRPO starts
     for a, b in zip(got, ref):
         for key in KEYS:
             if b[key] is None:

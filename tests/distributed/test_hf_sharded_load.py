@@ -85,14 +85,16 @@ def sharded_via_loom(args, rank):
     """The trainer's path: ParallelDims mesh + parallelize_llama (1-D FSDP over both ranks)."""
     from loom.config.sections import ParallelConfig, TrainingConfig
     from loom.models.llama import Llama
-    from loom.parallel.parallelize import parallelize_llama
     from loom.parallel.dims import ParallelDims
+    from loom.parallel.parallelize import parallelize_llama
 
     dims = ParallelDims.from_config(ParallelConfig(), WORLD)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Llama(args)
-    return parallelize_llama(model, dims, TrainingConfig(), ParallelConfig(), torch.device("cpu"), seed=0).parts[0]
+    return parallelize_llama(
+        model, dims, TrainingConfig(), ParallelConfig(), torch.device("cpu"), seed=0
+    ).parts[0]
 
 
 def sharded_hsdp(args, mesh_shape):
@@ -106,8 +108,14 @@ def sharded_hsdp(args, mesh_shape):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
     with torch.device("meta"):
         model = Llama(args)
-    apply_fsdp(model, list(model.layers.values()), mesh, compute_dtype=torch.float32,
-               reshard_after_forward=True, cpu_offload=False)
+    apply_fsdp(
+        model,
+        list(model.layers.values()),
+        mesh,
+        compute_dtype=torch.float32,
+        reshard_after_forward=True,
+        cpu_offload=False,
+    )
     materialize(model, torch.device("cpu"), 0, model.param_std, model.init_buffers)
     return model
 
@@ -167,11 +175,20 @@ def worker(folder: str, rank: int, world: int) -> bool:
 
 
 def test_sharded_load_reads_only_the_local_rows(tmp_path):
-    transformers = pytest.importorskip("transformers")  # here, not at import: the workers re-import this module
+    transformers = pytest.importorskip(
+        "transformers"
+    )  # here, not at import: the workers re-import this module
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=128, vocab_size=VOCAB, tie_word_embeddings=False,
-                                   max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
     folder = str(tmp_path / "hf")
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder, max_shard_size="30KB")
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
@@ -188,8 +205,8 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
     from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
     from loom.config.sections import ParallelConfig, TrainingConfig
     from loom.models.llama import Llama
-    from loom.parallel.parallelize import parallelize_llama
     from loom.parallel.dims import ParallelDims
+    from loom.parallel.parallelize import parallelize_llama
 
     torch.set_num_threads(1)
     full = full_tensors(folder)
@@ -197,16 +214,23 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
     total_bytes = sum(t.numel() * t.element_size() for t in full.values())
     try:
         st.safe_open = CountingFile
-        for parallel in (ParallelConfig(dp_shard=WORLD), ParallelConfig(dp_shard=WORLD, ep=WORLD),
-                         ParallelConfig(dp_shard=1, tp=WORLD, etp=WORLD)):
+        for parallel in (
+            ParallelConfig(dp_shard=WORLD),
+            ParallelConfig(dp_shard=WORLD, ep=WORLD),
+            ParallelConfig(dp_shard=1, tp=WORLD, etp=WORLD),
+        ):
             dims = ParallelDims.from_config(parallel, WORLD)
             dims.build_mesh("cpu")
             with torch.device("meta"):
                 model = Llama(args)
-            model = parallelize_llama(model, dims, TrainingConfig(), parallel, torch.device("cpu"), seed=0).parts[0]
+            model = parallelize_llama(
+                model, dims, TrainingConfig(), parallel, torch.device("cpu"), seed=0
+            ).parts[0]
             CountingFile.log.clear()
             load_hf_weights(model, folder)
-            if parallel.etp > 1:  # w1 / w3 (n, E, H) split on H, w2 (n, H, E) on H; the rest is TP's own layout
+            if (
+                parallel.etp > 1
+            ):  # w1 / w3 (n, E, H) split on H, w2 (n, H, E) on H; the rest is TP's own layout
                 for name, param in model.named_parameters():
                     if stacked_experts(name):
                         whole = torch.stack([full[src].T for src in hf_expert_names(name, param.shape[0])])
@@ -235,9 +259,17 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
 def test_sharded_mixtral_load_reads_only_the_local_experts(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
-                                     num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64)
+    cfg = transformers.MixtralConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
     folder = str(tmp_path / "hf")
     transformers.MixtralForCausalLM(cfg).save_pretrained(folder, max_shard_size="30KB")
     assert run_fn(WORLD, functools.partial(mixtral_worker, folder), str(tmp_path)) is True

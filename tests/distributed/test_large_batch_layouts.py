@@ -17,10 +17,21 @@ NAMES = ("lamb", "lars")
 
 def job(tmp, name, opt, mb=GLOBAL, **extra):
     # LARS moves each matrix by about lr x trust_coefficient x ||w|| a step: an SGD-sized LR
-    return tiny_overrides(f"{tmp}/{name}-{opt}", f"{tmp}/cache", **{
-        "run.seed": 4, "training.steps": STEPS, "training.global_batch_size": GLOBAL,
-        "training.micro_batch_size": mb, "optimizer.name": opt, "optimizer.warmup_steps": 2,
-        "optimizer.lr": 2.0 if opt == "lars" else 3e-3, "optimizer.trust_coefficient": 0.02, **extra})
+    return tiny_overrides(
+        f"{tmp}/{name}-{opt}",
+        f"{tmp}/cache",
+        **{
+            "run.seed": 4,
+            "training.steps": STEPS,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "optimizer.name": opt,
+            "optimizer.warmup_steps": 2,
+            "optimizer.lr": 2.0 if opt == "lars" else 3e-3,
+            "optimizer.trust_coefficient": 0.02,
+            **extra,
+        },
+    )
 
 
 def max_rel(a, b):
@@ -38,8 +49,10 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("w2")
-    layouts = {"fsdp2": {"parallel.dp_shard": 2, "training.micro_batch_size": GLOBAL // 2},
-               "tp2": {"parallel.tp": 2, "parallel.dp_shard": 1}}
+    layouts = {
+        "fsdp2": {"parallel.dp_shard": 2, "training.micro_batch_size": GLOBAL // 2},
+        "tp2": {"parallel.tp": 2, "parallel.dp_shard": 1},
+    }
     names = [(lay, opt) for lay in layouts for opt in NAMES]
     res = run_jobs(2, [job(tmp, lay, opt, **layouts[lay]) for lay, opt in names], str(tmp))
     return dict(zip(names, res))
@@ -57,9 +70,13 @@ def _norms_of_shards(rank, world):
     full = [torch.randn(6, 4), torch.randn(3, 8), torch.randn(5), torch.randn(4, 4), torch.randn(4, 6)]
     mesh = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
-    dts = [distribute_tensor(full[0], mesh, [Shard(0)]), distribute_tensor(full[1], mesh, [Shard(1)]),
-           distribute_tensor(full[2], mesh, [Shard(0)]), distribute_tensor(full[3], mesh, [Replicate()]),
-           distribute_tensor(full[4], mesh2, [Replicate(), Shard(1)])]
+    dts = [
+        distribute_tensor(full[0], mesh, [Shard(0)]),
+        distribute_tensor(full[1], mesh, [Shard(1)]),
+        distribute_tensor(full[2], mesh, [Shard(0)]),
+        distribute_tensor(full[3], mesh, [Replicate()]),
+        distribute_tensor(full[4], mesh2, [Replicate(), Shard(1)]),
+    ]
     got = whole_norms(dts)
     want = torch.stack([torch.linalg.vector_norm(t) for t in full])
     return float((got - want).abs().max() / want.max())
@@ -79,8 +96,10 @@ def test_sharded_equals_single_process(reference, sharded, layout, opt):
 @pytest.mark.exhaustive  # 4 ranks: the widest matrix, run by hand (pytest --exhaustive)
 def test_fsdp_x_tp_and_hsdp_equal_single_process(reference, tmp_path):
     """World 4: a 2-D mesh sharding each matrix on both axes (FSDP2 x TP), and HSDP (Replicate x Shard)."""
-    layouts = {"fsdp2xtp2": {"parallel.dp_shard": 2, "parallel.tp": 2, "training.micro_batch_size": GLOBAL // 2},
-               "hsdp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "training.micro_batch_size": 2}}
+    layouts = {
+        "fsdp2xtp2": {"parallel.dp_shard": 2, "parallel.tp": 2, "training.micro_batch_size": GLOBAL // 2},
+        "hsdp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "training.micro_batch_size": 2},
+    }
     names = [(lay, opt) for lay in layouts for opt in NAMES]
     res = run_jobs(4, [job(tmp_path, lay, opt, **layouts[lay]) for lay, opt in names], str(tmp_path))
     for (lay, opt), r in zip(names, res):
@@ -99,7 +118,9 @@ def test_resume_is_exact(tmp_path, opt):
     extra = {"run.deterministic": "true", "checkpoint.every": save_at, "checkpoint.keep": 0}
     full = run_jobs(1, [job(tmp_path, "full", opt, **extra)], str(tmp_path))[0]
     ckpt = os.path.join(tmp_path, f"full-{opt}", "checkpoints", f"step_{save_at:08d}")
-    resumed = run_jobs(1, [job(tmp_path, "resumed", opt, **extra, **{"checkpoint.resume": ckpt})], str(tmp_path))[0]
+    resumed = run_jobs(
+        1, [job(tmp_path, "resumed", opt, **extra, **{"checkpoint.resume": ckpt})], str(tmp_path)
+    )[0]
     tail = [(r["step"], r["loss"]) for r in full["records"] if r["step"] > save_at]
     assert [(r["step"], r["loss"]) for r in resumed["records"]] == tail
 
@@ -109,9 +130,14 @@ def test_noise_scale_under_ddp_and_fsdp(tmp_path):
     in its backward; either way the losses are the single process's and an estimate is logged."""
     probe = {"metrics.noise_scale": "true", "training.micro_batch_size": 2}
     single = losses(run_jobs(1, [job(tmp_path, "single", "adamw")], str(tmp_path))[0])
-    ddp, fsdp = run_jobs(2, [job(tmp_path, "ddp2", "adamw", **probe, **{"parallel.dp_replicate": 2,
-                                                                       "parallel.dp_shard": 1}),
-                             job(tmp_path, "fsdp2", "adamw", **probe, **{"parallel.dp_shard": 2})], str(tmp_path))
+    ddp, fsdp = run_jobs(
+        2,
+        [
+            job(tmp_path, "ddp2", "adamw", **probe, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
+            job(tmp_path, "fsdp2", "adamw", **probe, **{"parallel.dp_shard": 2}),
+        ],
+        str(tmp_path),
+    )
     for res in (ddp, fsdp):
         assert max_rel(losses(res), single) < 1e-5
         assert res["records"][-1]["noise_scale"] > 0

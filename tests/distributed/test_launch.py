@@ -53,8 +53,10 @@ def assert_matches(got: list[float], ref: list[float]) -> None:
 
 
 def test_loom_train_nproc_per_node(tmp_path, cache, single):
-    proc = launch([os.path.join(BIN, "loom"), "train", "--nproc-per-node", "2", *cli_args(tmp_path / "run", cache)],
-                  tmp_path)
+    proc = launch(
+        [os.path.join(BIN, "loom"), "train", "--nproc-per-node", "2", *cli_args(tmp_path / "run", cache)],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FSDP (world 2: dp_shard=2), accumulation 2" in proc.stdout  # two ranks, printed once (rank 0)
     assert proc.stdout.count("step 4/4") == 1
@@ -62,9 +64,18 @@ def test_loom_train_nproc_per_node(tmp_path, cache, single):
 
 
 def test_torchrun_module(tmp_path, cache, single):
-    proc = launch([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "loom.train",
-                   *cli_args(tmp_path / "run", cache, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1})],
-                  tmp_path)
+    proc = launch(
+        [
+            os.path.join(BIN, "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "loom.train",
+            *cli_args(tmp_path / "run", cache, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DDP (world 2: dp_replicate=2)" in proc.stdout
     assert_matches(losses_of(tmp_path / "run"), single)
@@ -74,9 +85,19 @@ def test_worker_user_error_exits_2(tmp_path, cache):
     """An error only the workers find (bytes that are not UTF-8, found while rank 0 tokenizes) exits 2, one line."""
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"good text\n" * 50 + b"\xff\xfe not utf-8\n")
-    proc = launch([os.path.join(BIN, "loom"), "train", "--nproc-per-node", "2",
-                   *cli_args(tmp_path / "run", tmp_path / "fresh_cache", **{"data.source": str(bad)})], tmp_path)
+    proc = launch(
+        [
+            os.path.join(BIN, "loom"),
+            "train",
+            "--nproc-per-node",
+            "2",
+            *cli_args(tmp_path / "run", tmp_path / "fresh_cache", **{"data.source": str(bad)}),
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("loom: error:")]
-    assert len(errors) == 1 and str(bad) in errors[0] and "--data.encoding_errors replace" in errors[0], proc.stderr
+    assert len(errors) == 1 and str(bad) in errors[0] and "--data.encoding_errors replace" in errors[0], (
+        proc.stderr
+    )
     assert "Traceback" not in proc.stderr

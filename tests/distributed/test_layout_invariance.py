@@ -13,10 +13,20 @@ GLOBAL = 8
 
 
 def job(tmp, name, dtype, mb, **parallel):
-    return tiny_overrides(f"{tmp}/{name}-{dtype}", f"{tmp}/cache", **{
-        "run.seed": 3, "training.steps": STEPS, "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb,
-        "training.dtype": dtype, "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3,
-        **{f"parallel.{k}": v for k, v in parallel.items()}})
+    return tiny_overrides(
+        f"{tmp}/{name}-{dtype}",
+        f"{tmp}/cache",
+        **{
+            "run.seed": 3,
+            "training.steps": STEPS,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "training.dtype": dtype,
+            "optimizer.warmup_steps": 2,
+            "optimizer.lr": 3e-3,
+            **{f"parallel.{k}": v for k, v in parallel.items()},
+        },
+    )
 
 
 LAYOUTS = {
@@ -46,8 +56,10 @@ def reference(tmp_path_factory):
     return {"float32": losses(res[0]), "bfloat16": losses(res[1]), "acc4": losses(res[2])}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(2, id="world2"),
-                                        pytest.param(4, id="world4", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(2, id="world2"), pytest.param(4, id="world4", marks=pytest.mark.slow)],
+)
 def layout_results(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"w{request.param}")
     names, jobs = layout_jobs(tmp, request.param)

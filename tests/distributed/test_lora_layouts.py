@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("torchao")
 
-from tests.distributed.harness import losses, run_jobs  # noqa: E402
-from tests.tiny import tiny_overrides  # noqa: E402
+from tests.distributed.harness import losses, run_jobs
+from tests.tiny import tiny_overrides
 
 STEPS, GLOBAL, SAVE_AT = 6, 8, 3
 LORA = {"lora.rank": 4, "lora.alpha": 8, "lora.targets": "all"}
@@ -22,9 +22,19 @@ QLORA = {**LORA, "lora.base_dtype": "nf4", "model.flavor": "125M", "model.n_laye
 
 
 def job(tmp, name, mb, steps=STEPS, **extra):
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "run.seed": 3, "training.steps": steps, "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb,
-        "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3, **extra})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "run.seed": 3,
+            "training.steps": steps,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "optimizer.warmup_steps": 2,
+            "optimizer.lr": 3e-3,
+            **extra,
+        },
+    )
 
 
 def max_rel(a, b):
@@ -35,21 +45,51 @@ def max_rel(a, b):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
-    single = run_jobs(1, [job(tmp, "single", GLOBAL, **LORA), job(tmp, "qsingle", GLOBAL, steps=5, **QLORA)], str(tmp))
+    single = run_jobs(
+        1, [job(tmp, "single", GLOBAL, **LORA), job(tmp, "qsingle", GLOBAL, steps=5, **QLORA)], str(tmp)
+    )
     names = ["ddp2", "fsdp2-acc2", "tp2", "pp2", "qlora-fsdp2", "qlora-resumed"]
     qsaved = os.path.join(tmp, "qlora-fsdp2", "checkpoints", "step_00000002")
-    two = run_jobs(2, [
-        job(tmp, "ddp2", GLOBAL // 2, **LORA, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
-        job(tmp, "fsdp2-acc2", GLOBAL // 4, **LORA, **{"parallel.dp_shard": 2, "checkpoint.every": SAVE_AT}),
-        job(tmp, "tp2", GLOBAL, **LORA, **{"parallel.tp": 2, "parallel.dp_shard": 1}),
-        job(tmp, "pp2", GLOBAL // 2, **LORA, **{"parallel.pp": 2, "parallel.dp_shard": 1}),
-        job(tmp, "qlora-fsdp2", GLOBAL // 2, steps=5, **QLORA, **{"parallel.dp_shard": 2, "checkpoint.every": 2}),
-        job(tmp, "qlora-resumed", GLOBAL // 2, steps=5, **QLORA, **{"parallel.dp_shard": 2,
-                                                                     "checkpoint.resume": qsaved}),
-    ], str(tmp))
+    two = run_jobs(
+        2,
+        [
+            job(tmp, "ddp2", GLOBAL // 2, **LORA, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
+            job(
+                tmp,
+                "fsdp2-acc2",
+                GLOBAL // 4,
+                **LORA,
+                **{"parallel.dp_shard": 2, "checkpoint.every": SAVE_AT},
+            ),
+            job(tmp, "tp2", GLOBAL, **LORA, **{"parallel.tp": 2, "parallel.dp_shard": 1}),
+            job(tmp, "pp2", GLOBAL // 2, **LORA, **{"parallel.pp": 2, "parallel.dp_shard": 1}),
+            job(
+                tmp,
+                "qlora-fsdp2",
+                GLOBAL // 2,
+                steps=5,
+                **QLORA,
+                **{"parallel.dp_shard": 2, "checkpoint.every": 2},
+            ),
+            job(
+                tmp,
+                "qlora-resumed",
+                GLOBAL // 2,
+                steps=5,
+                **QLORA,
+                **{"parallel.dp_shard": 2, "checkpoint.resume": qsaved},
+            ),
+        ],
+        str(tmp),
+    )
     saved = os.path.join(tmp, "fsdp2-acc2", "checkpoints", f"step_{SAVE_AT:08d}")
     resumed = run_jobs(1, [job(tmp, "resumed", GLOBAL, **LORA, **{"checkpoint.resume": saved})], str(tmp))[0]
-    return {"single": losses(single[0]), "qsingle": losses(single[1]), **dict(zip(names, two)), "resumed": resumed}
+    return {
+        "single": losses(single[0]),
+        "qsingle": losses(single[1]),
+        **dict(zip(names, two)),
+        "resumed": resumed,
+    }
 
 
 @pytest.fixture(scope="module")

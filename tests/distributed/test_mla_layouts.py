@@ -74,15 +74,29 @@ def test_sharded_block_matches_unsharded(tmp_path):
 
 
 def job(tmp, name, mb, documents=False, **parallel):
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "model.flavor": "debug_mla", "run.seed": 3, "training.steps": STEPS, "training.global_batch_size": GLOBAL,
-        "training.micro_batch_size": mb, "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3,
-        "data.document_positions": "true" if documents else "false",
-        **{f"parallel.{k}": v for k, v in parallel.items()}})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "model.flavor": "debug_mla",
+            "run.seed": 3,
+            "training.steps": STEPS,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "optimizer.warmup_steps": 2,
+            "optimizer.lr": 3e-3,
+            "data.document_positions": "true" if documents else "false",
+            **{f"parallel.{k}": v for k, v in parallel.items()},
+        },
+    )
 
 
-LAYOUTS = {"ddp2": dict(dp_replicate=2, dp_shard=1), "fsdp2": dict(dp_shard=2), "tp2": dict(tp=2, dp_shard=1),
-           "pp2": dict(pp=2, dp_shard=1)}
+LAYOUTS = {
+    "ddp2": dict(dp_replicate=2, dp_shard=1),
+    "fsdp2": dict(dp_shard=2),
+    "tp2": dict(tp=2, dp_shard=1),
+    "pp2": dict(pp=2, dp_shard=1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +114,9 @@ def layout_results(tmp_path_factory):
         dp = 1 if name in ("tp2", "pp2") else 2
         for documents in (False, True):
             names.append((name, documents))
-            jobs.append(job(tmp, f"{name}-{documents}", GLOBAL // dp // 2, documents, **par))  # accumulation 2
+            jobs.append(
+                job(tmp, f"{name}-{documents}", GLOBAL // dp // 2, documents, **par)
+            )  # accumulation 2
     return dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
 
@@ -135,11 +151,16 @@ def tp_decode(rank, world):
     model = model_of("q_lora")
     lengths, new = [3, 7], 5
     rows = rows_of(len(lengths), max(lengths) + new)
-    refs = reference(model, [r[:n + new] for r, n in zip(rows, lengths)])
+    refs = reference(model, [r[: n + new] for r, n in zip(rows, lengths)])
     sharded = copy.deepcopy(model)
-    parallelize_module(sharded, mesh, {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
-                                                                         output_layouts=Replicate()),
-                                       "output": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(
+        sharded,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     for block in sharded.layers.values():
         parallelize_module(block, mesh, inference_styles(block_plan_for(block)))
     heads = sharded.layers["0"].attention.wkv_b.weight.to_local().shape[0] // (16 + 16)

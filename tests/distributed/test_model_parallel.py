@@ -21,30 +21,48 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb"
 
 def job(tmp, name, m=1, dp=1, tied=True, **parallel):
     """``m``: micro-batches per step on each data-parallel rank (accumulation = pipeline micro-batches)."""
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "run.seed": 7, "training.steps": STEPS, "training.global_batch_size": GLOBAL,
-        "training.micro_batch_size": GLOBAL // (dp * m), "model.n_layers": LAYERS,
-        "model.tie_embeddings": "true" if tied else "false", "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3,
-        **{f"parallel.{k}": v for k, v in parallel.items()}})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "run.seed": 7,
+            "training.steps": STEPS,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": GLOBAL // (dp * m),
+            "model.n_layers": LAYERS,
+            "model.tie_embeddings": "true" if tied else "false",
+            "optimizer.warmup_steps": 2,
+            "optimizer.lr": 3e-3,
+            **{f"parallel.{k}": v for k, v in parallel.items()},
+        },
+    )
 
 
 def pipeline_only(tmp):
     """World 2: TP2 alone, and every schedule on PP2 alone with two micro-batch counts (``CORE_PP``: the default
     run's part, one count per schedule; the rest is ``slow``)."""
-    out = {"tp2-m1": job(tmp, "tp2-m1", m=1, tp=2, dp_shard=1),
-           "tp2-m2-untied": job(tmp, "tp2-m2-untied", m=2, tied=False, tp=2, dp_shard=1),
-           # loom's AdamW steps local shards: TP hands back Partial (norm) and Replicate gradients
-           "tp2-m1-triton-adamw": {**job(tmp, "tp2-m1-triton-adamw", m=1, tp=2, dp_shard=1),
-                                   "optimizer.implementation": "triton"}}
+    out = {
+        "tp2-m1": job(tmp, "tp2-m1", m=1, tp=2, dp_shard=1),
+        "tp2-m2-untied": job(tmp, "tp2-m2-untied", m=2, tied=False, tp=2, dp_shard=1),
+        # loom's AdamW steps local shards: TP hands back Partial (norm) and Replicate gradients
+        "tp2-m1-triton-adamw": {
+            **job(tmp, "tp2-m1-triton-adamw", m=1, tp=2, dp_shard=1),
+            "optimizer.implementation": "triton",
+        },
+    }
     for s in SCHEDULES:
-        for m in ((4, 8) if s in V_SHAPED else (2, 4)):
+        for m in (4, 8) if s in V_SHAPED else (2, 4):
             name = f"pp2-{s}-m{m}"
             out[name] = job(tmp, name, m=m, pp=2, pp_schedule=s, dp_shard=1)
     out["pp2-1f1b-m2-untied"] = job(tmp, "pp2-1f1b-m2-untied", m=2, tied=False, pp=2, dp_shard=1)
     # float16: dynamic loss scaling and clipping decided on the norm over both stages
-    out["pp2-interleaved_1f1b-m2-fp16"] = {**job(tmp, "pp2-interleaved_1f1b-m2-fp16", m=2, pp=2, dp_shard=1,
-                                                pp_schedule="interleaved_1f1b"), "training.dtype": "float16"}
-    out["pp2-manual-split-3-1"] = job(tmp, "pp2-manual-split-3-1", m=2, pp=2, dp_shard=1, pp_layers_per_stage="[3,1]")
+    out["pp2-interleaved_1f1b-m2-fp16"] = {
+        **job(tmp, "pp2-interleaved_1f1b-m2-fp16", m=2, pp=2, dp_shard=1, pp_schedule="interleaved_1f1b"),
+        "training.dtype": "float16",
+    }
+    out["pp2-manual-split-3-1"] = job(
+        tmp, "pp2-manual-split-3-1", m=2, pp=2, dp_shard=1, pp_layers_per_stage="[3,1]"
+    )
     return out
 
 
@@ -54,26 +72,55 @@ def compositions4(tmp):
     return {
         "fsdp2xtp2-m1": job(tmp, "fsdp2xtp2-m1", dp=2, tp=2, dp_shard=2),
         "fsdp2xtp2-m2-untied": job(tmp, "fsdp2xtp2-m2-untied", m=2, dp=2, tied=False, tp=2, dp_shard=2),
-        "fsdp2xtp2-m1-triton-adamw": {**job(tmp, "fsdp2xtp2-m1-triton-adamw", dp=2, tp=2, dp_shard=2),
-                                      "optimizer.implementation": "triton"},
+        "fsdp2xtp2-m1-triton-adamw": {
+            **job(tmp, "fsdp2xtp2-m1-triton-adamw", dp=2, tp=2, dp_shard=2),
+            "optimizer.implementation": "triton",
+        },
         "ddp2xtp2": job(tmp, "ddp2xtp2", dp=2, tp=2, dp_replicate=2, dp_shard=1),
         "pp2xfsdp2-1f1b-m2": job(tmp, "pp2xfsdp2-1f1b-m2", m=2, dp=2, pp=2, dp_shard=2),
-        "pp2xddp2-interleaved_1f1b-m2": job(tmp, "pp2xddp2-interleaved_1f1b-m2", m=2, dp=2, pp=2,
-                                            pp_schedule="interleaved_1f1b", dp_replicate=2, dp_shard=1),
+        "pp2xddp2-interleaved_1f1b-m2": job(
+            tmp,
+            "pp2xddp2-interleaved_1f1b-m2",
+            m=2,
+            dp=2,
+            pp=2,
+            pp_schedule="interleaved_1f1b",
+            dp_replicate=2,
+            dp_shard=1,
+        ),
         "pp2xtp2-zbv-m4": job(tmp, "pp2xtp2-zbv-m4", m=4, pp=2, tp=2, pp_schedule="zbv", dp_shard=1),
-        "pp2xtp2-gpipe-m2-untied": job(tmp, "pp2xtp2-gpipe-m2-untied", m=2, tied=False, pp=2, tp=2,
-                                       pp_schedule="gpipe", dp_shard=1),
-        "pp2xtp2-dualpipev-m4": job(tmp, "pp2xtp2-dualpipev-m4", m=4, pp=2, tp=2, pp_schedule="dualpipev",
-                                    dp_shard=1),
-        "pp2xtp2-interleaved_zb-m2": job(tmp, "pp2xtp2-interleaved_zb-m2", m=2, pp=2, tp=2,
-                                         pp_schedule="interleaved_zb", dp_shard=1),
-        "pp2xddp2-looped_bfs-m2": job(tmp, "pp2xddp2-looped_bfs-m2", m=2, dp=2, pp=2, pp_schedule="looped_bfs",
-                                      dp_replicate=2, dp_shard=1),
+        "pp2xtp2-gpipe-m2-untied": job(
+            tmp, "pp2xtp2-gpipe-m2-untied", m=2, tied=False, pp=2, tp=2, pp_schedule="gpipe", dp_shard=1
+        ),
+        "pp2xtp2-dualpipev-m4": job(
+            tmp, "pp2xtp2-dualpipev-m4", m=4, pp=2, tp=2, pp_schedule="dualpipev", dp_shard=1
+        ),
+        "pp2xtp2-interleaved_zb-m2": job(
+            tmp, "pp2xtp2-interleaved_zb-m2", m=2, pp=2, tp=2, pp_schedule="interleaved_zb", dp_shard=1
+        ),
+        "pp2xddp2-looped_bfs-m2": job(
+            tmp,
+            "pp2xddp2-looped_bfs-m2",
+            m=2,
+            dp=2,
+            pp=2,
+            pp_schedule="looped_bfs",
+            dp_replicate=2,
+            dp_shard=1,
+        ),
         "pp4-1f1b-m4": job(tmp, "pp4-1f1b-m4", m=4, pp=4, dp_shard=1),
         # weight passes after FSDP's backward hooks: blocks keep their parameters gathered (1e-2 off otherwise)
         "pp2xfsdp2-zbv-m4": job(tmp, "pp2xfsdp2-zbv-m4", m=4, dp=2, pp=2, pp_schedule="zbv", dp_shard=2),
-        "pp2xddp2-interleaved_zb-m2": job(tmp, "pp2xddp2-interleaved_zb-m2", m=2, dp=2, pp=2,
-                                          pp_schedule="interleaved_zb", dp_replicate=2, dp_shard=1),
+        "pp2xddp2-interleaved_zb-m2": job(
+            tmp,
+            "pp2xddp2-interleaved_zb-m2",
+            m=2,
+            dp=2,
+            pp=2,
+            pp_schedule="interleaved_zb",
+            dp_replicate=2,
+            dp_shard=1,
+        ),
     }
 
 
@@ -83,26 +130,41 @@ def compositions8(tmp):
         "hsdp2x2xtp2": job(tmp, "hsdp2x2xtp2", dp=4, tp=2, dp_replicate=2, dp_shard=2),
         "pp2xhsdp2x2-1f1b-m2": job(tmp, "pp2xhsdp2x2-1f1b-m2", m=2, dp=4, pp=2, dp_replicate=2, dp_shard=2),
         "pp2xfsdp2xtp2-1f1b-m2": job(tmp, "pp2xfsdp2xtp2-1f1b-m2", m=2, dp=2, pp=2, tp=2, dp_shard=2),
-        "pp2xfsdp2xtp2-interleaved_1f1b-m4": job(tmp, "pp2xfsdp2xtp2-interleaved_1f1b-m4", m=4, dp=2, pp=2, tp=2,
-                                                 pp_schedule="interleaved_1f1b", dp_shard=2),
-        "pp2xfsdp2xtp2-dualpipev-m4": job(tmp, "pp2xfsdp2xtp2-dualpipev-m4", m=4, dp=2, pp=2, tp=2,
-                                          pp_schedule="dualpipev", dp_shard=2),
+        "pp2xfsdp2xtp2-interleaved_1f1b-m4": job(
+            tmp,
+            "pp2xfsdp2xtp2-interleaved_1f1b-m4",
+            m=4,
+            dp=2,
+            pp=2,
+            tp=2,
+            pp_schedule="interleaved_1f1b",
+            dp_shard=2,
+        ),
+        "pp2xfsdp2xtp2-dualpipev-m4": job(
+            tmp, "pp2xfsdp2xtp2-dualpipev-m4", m=4, dp=2, pp=2, tp=2, pp_schedule="dualpipev", dp_shard=2
+        ),
     }
 
 
 # the default run's part of pipeline_only: every schedule once (the smaller micro-batch count), TP2 untied and with
 # loom's AdamW, float16 loss scaling and a manual split; the other counts and TP2 m1 are slow
 CORE_PP = {f"pp2-{s}-m{4 if s in V_SHAPED else 2}" for s in SCHEDULES} | {
-    "tp2-m2-untied", "tp2-m1-triton-adamw", "pp2-interleaved_1f1b-m2-fp16", "pp2-manual-split-3-1"}
+    "tp2-m2-untied",
+    "tp2-m1-triton-adamw",
+    "pp2-interleaved_1f1b-m2-fp16",
+    "pp2-manual-split-3-1",
+}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process records: tied and untied in fp32, tied in float16 (shared by the session)."""
     tmp = tmp_path_factory.mktemp("ref")
-    return {("true", "float32"): single_reference(job(tmp, "single-tied")),
-            ("false", "float32"): single_reference(job(tmp, "single-untied", tied=False)),
-            ("true", "float16"): single_reference({**job(tmp, "single-fp16"), "training.dtype": "float16"})}
+    return {
+        ("true", "float32"): single_reference(job(tmp, "single-tied")),
+        ("false", "float32"): single_reference(job(tmp, "single-untied", tied=False)),
+        ("true", "float16"): single_reference({**job(tmp, "single-fp16"), "training.dtype": "float16"}),
+    }
 
 
 def max_rel(a, b):
@@ -153,16 +215,27 @@ def test_validation_under_pp_and_tp_matches_single_process(tmp_path):
     parallel under TP) equals the single process's on the same held-out windows."""
     val = {"training.eval_every": 2, "training.eval_batches": 4}
     ref = run_jobs(1, [{**job(tmp_path, "single-val", m=2), **val}], str(tmp_path))[0]
-    runs = run_jobs(2, [{**job(tmp_path, "pp2-val", m=2, pp=2, dp_shard=1), **val},
-                        {**job(tmp_path, "izb-val", m=2, pp=2, pp_schedule="interleaved_zb", dp_shard=1), **val},
-                        {**job(tmp_path, "tp2-val", m=2, tp=2, dp_shard=1), **val},
-                        # V-shaped (loom's own stage-by-stage forward: torch's forward-only run fails) need
-                        # m = 4, so micro-batches of 2: twice the batches hold the same held-out windows
-                        {**job(tmp_path, "zbv-val", m=4, pp=2, pp_schedule="zbv", dp_shard=1), **val,
-                         "training.eval_batches": 8},
-                        {**job(tmp_path, "dualpipev-val", m=4, pp=2, pp_schedule="dualpipev", dp_shard=1), **val,
-                         "training.eval_batches": 8}],
-                       str(tmp_path))
+    runs = run_jobs(
+        2,
+        [
+            {**job(tmp_path, "pp2-val", m=2, pp=2, dp_shard=1), **val},
+            {**job(tmp_path, "izb-val", m=2, pp=2, pp_schedule="interleaved_zb", dp_shard=1), **val},
+            {**job(tmp_path, "tp2-val", m=2, tp=2, dp_shard=1), **val},
+            # V-shaped (loom's own stage-by-stage forward: torch's forward-only run fails) need
+            # m = 4, so micro-batches of 2: twice the batches hold the same held-out windows
+            {
+                **job(tmp_path, "zbv-val", m=4, pp=2, pp_schedule="zbv", dp_shard=1),
+                **val,
+                "training.eval_batches": 8,
+            },
+            {
+                **job(tmp_path, "dualpipev-val", m=4, pp=2, pp_schedule="dualpipev", dp_shard=1),
+                **val,
+                "training.eval_batches": 8,
+            },
+        ],
+        str(tmp_path),
+    )
 
     def vals(res):
         assert "error" not in res, res["error"]
@@ -197,15 +270,25 @@ def test_checkpoints_reshard_between_pp_x_tp_and_fsdp(tmp_path):
     zbv = dict(m=4, pp=2, tp=2, pp_schedule="zbv", dp_shard=1)  # both copies of it on pp rank 0
     fsdp = dict(m=1, dp=4, dp_shard=4)
     a, b = str(tmp_path / "pptp"), str(tmp_path / "fsdp")
-    first = run_jobs(4, [{**job(tmp_path, "pptp", **pptp), **save}, {**job(tmp_path, "fsdp", **fsdp), **save}],
-                     str(tmp_path))
-    resumed = run_jobs(4, [
-        {**job(tmp_path, "fsdp-from-pptp", **fsdp), "checkpoint.resume": ckpt(a, SAVE_AT)},
-        {**job(tmp_path, "pptp-from-fsdp", **pptp), "checkpoint.resume": ckpt(b, SAVE_AT)},
-        {**job(tmp_path, "zbv-from-pptp", **zbv), "checkpoint.resume": ckpt(a, SAVE_AT)},
-    ], str(tmp_path))
-    pairs = [("fsdp-from-pptp", resumed[0], first[0]), ("pptp-from-fsdp", resumed[1], first[1]),
-             ("zbv-from-pptp", resumed[2], first[0])]
+    first = run_jobs(
+        4,
+        [{**job(tmp_path, "pptp", **pptp), **save}, {**job(tmp_path, "fsdp", **fsdp), **save}],
+        str(tmp_path),
+    )
+    resumed = run_jobs(
+        4,
+        [
+            {**job(tmp_path, "fsdp-from-pptp", **fsdp), "checkpoint.resume": ckpt(a, SAVE_AT)},
+            {**job(tmp_path, "pptp-from-fsdp", **pptp), "checkpoint.resume": ckpt(b, SAVE_AT)},
+            {**job(tmp_path, "zbv-from-pptp", **zbv), "checkpoint.resume": ckpt(a, SAVE_AT)},
+        ],
+        str(tmp_path),
+    )
+    pairs = [
+        ("fsdp-from-pptp", resumed[0], first[0]),
+        ("pptp-from-fsdp", resumed[1], first[1]),
+        ("zbv-from-pptp", resumed[2], first[0]),
+    ]
     for name, got, ref in pairs:
         got, ref = tail(got), tail(ref)
         assert [s for s, _, _ in got] == [s for s, _, _ in ref] == list(range(SAVE_AT + 1, STEPS + 1)), name
@@ -219,17 +302,29 @@ def compiled_layouts(tmp):
     c = {"training.compile": "true"}
     out = {}
     for ac in ("none", "full", "op"):
-        out[f"fsdp2-compiled-ac-{ac}"] = {**job(tmp, f"fsdp2-c-{ac}", dp=2, dp_shard=2), **c,
-                                          "training.activation_checkpointing": ac}
-        out[f"tp2-compiled-ac-{ac}"] = {**job(tmp, f"tp2-c-{ac}", tp=2, dp_shard=1), **c,
-                                        "training.activation_checkpointing": ac}
+        out[f"fsdp2-compiled-ac-{ac}"] = {
+            **job(tmp, f"fsdp2-c-{ac}", dp=2, dp_shard=2),
+            **c,
+            "training.activation_checkpointing": ac,
+        }
+        out[f"tp2-compiled-ac-{ac}"] = {
+            **job(tmp, f"tp2-c-{ac}", tp=2, dp_shard=1),
+            **c,
+            "training.activation_checkpointing": ac,
+        }
     out["tp2-compiled-ac-full"].update({"checkpoint.every": SAVE_AT, "checkpoint.keep": 0})  # resumed below
     out["ddp2-compiled"] = {**job(tmp, "ddp2-c", dp=2, dp_replicate=2, dp_shard=1), **c}
-    out["tp2-compiled-every-2"] = {**job(tmp, "tp2-c-every2", tp=2, dp_shard=1), **c,
-                                   "training.activation_checkpointing": "every_k", "training.ac_every": 2}
+    out["tp2-compiled-every-2"] = {
+        **job(tmp, "tp2-c-every2", tp=2, dp_shard=1),
+        **c,
+        "training.activation_checkpointing": "every_k",
+        "training.ac_every": 2,
+    }
     out["pp2-1f1b-compiled-m2"] = {**job(tmp, "pp2-1f1b-c", m=2, pp=2, pp_schedule="1f1b", dp_shard=1), **c}
-    out["pp2-interleaved-compiled-m4"] = {**job(tmp, "pp2-i1f1b-c", m=4, pp=2, pp_schedule="interleaved_1f1b",
-                                                dp_shard=1), **c}
+    out["pp2-interleaved-compiled-m4"] = {
+        **job(tmp, "pp2-i1f1b-c", m=4, pp=2, pp_schedule="interleaved_1f1b", dp_shard=1),
+        **c,
+    }
     return out
 
 
@@ -243,8 +338,16 @@ def test_compiled_layouts_match_single_process(reference, tmp_path):
     check(reference, jobs, results)
     # the compiled TP2 run's checkpoint (compiled, checkpoint-wrapped module names) resumes in one eager process
     compiled = results[list(jobs).index("tp2-compiled-ac-full")]
-    resumed = run_jobs(1, [{**job(tmp_path, "single-from-tp2-compiled"),
-                            "checkpoint.resume": ckpt(str(tmp_path / "tp2-c-full"), SAVE_AT)}], str(tmp_path))[0]
+    resumed = run_jobs(
+        1,
+        [
+            {
+                **job(tmp_path, "single-from-tp2-compiled"),
+                "checkpoint.resume": ckpt(str(tmp_path / "tp2-c-full"), SAVE_AT),
+            }
+        ],
+        str(tmp_path),
+    )[0]
     got, want = tail(resumed), tail(compiled)
     assert [(st, h) for st, _, h in got] == [(st, h) for st, _, h in want] and len(got) == STEPS - SAVE_AT
     assert max(abs(x - y) / y for (_, x, _), (_, y, _) in zip(got, want)) < 1e-5
@@ -255,12 +358,14 @@ def compiled_compositions4(tmp):
     (full), HSDP 2 x 2."""
     c = {"training.compile": "true"}
     full, op = {"training.activation_checkpointing": "full"}, {"training.activation_checkpointing": "op"}
-    return {"fsdp2-tp2-compiled-full": {**job(tmp, "fsdp2-tp2-c-full", dp=2, dp_shard=2, tp=2), **c, **full},
-            "fsdp2-tp2-compiled-op": {**job(tmp, "fsdp2-tp2-c-op", dp=2, dp_shard=2, tp=2), **c, **op},
-            "pp2-tp2-1f1b-compiled-m2": {**job(tmp, "pp2-tp2-c", m=2, pp=2, tp=2, dp_shard=1), **c},
-            "pp2-fsdp2-1f1b-compiled-full": {**job(tmp, "pp2-fsdp2-c", m=2, dp=2, pp=2, dp_shard=2), **c, **full},
-            "cp2-tp2-compiled-full": {**job(tmp, "cp2-tp2-c", cp=2, tp=2, dp_shard=1), **c, **full},
-            "hsdp2x2-compiled": {**job(tmp, "hsdp2x2-c", dp=4, dp_replicate=2, dp_shard=2), **c}}
+    return {
+        "fsdp2-tp2-compiled-full": {**job(tmp, "fsdp2-tp2-c-full", dp=2, dp_shard=2, tp=2), **c, **full},
+        "fsdp2-tp2-compiled-op": {**job(tmp, "fsdp2-tp2-c-op", dp=2, dp_shard=2, tp=2), **c, **op},
+        "pp2-tp2-1f1b-compiled-m2": {**job(tmp, "pp2-tp2-c", m=2, pp=2, tp=2, dp_shard=1), **c},
+        "pp2-fsdp2-1f1b-compiled-full": {**job(tmp, "pp2-fsdp2-c", m=2, dp=2, pp=2, dp_shard=2), **c, **full},
+        "cp2-tp2-compiled-full": {**job(tmp, "cp2-tp2-c", cp=2, tp=2, dp_shard=1), **c, **full},
+        "hsdp2x2-compiled": {**job(tmp, "hsdp2x2-c", dp=4, dp_replicate=2, dp_shard=2), **c},
+    }
 
 
 @pytest.mark.slow

@@ -8,8 +8,10 @@ from __future__ import annotations
 from tests.distributed.harness import losses, run_jobs
 from tests.distributed.test_model_parallel import STEPS, job
 
-FLAVORS = {"ds": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01},
-           "q": {"model.flavor": "qwen3_moe_debug"}}
+FLAVORS = {
+    "ds": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01},
+    "q": {"model.flavor": "qwen3_moe_debug"},
+}
 
 
 def family_job(tmp, name: str, **kw) -> dict:
@@ -17,17 +19,27 @@ def family_job(tmp, name: str, **kw) -> dict:
 
 
 def test_moe_families_match_single_process(tmp_path):
-    ref = dict(zip(FLAVORS, run_jobs(1, [family_job(tmp_path, f"{f}-single") for f in FLAVORS], str(tmp_path))))
-    jobs = {name: family_job(tmp_path, name, **layout) for name, layout in (
-        ("ds-fsdp2", dict(dp=2, dp_shard=2)), ("ds-ep2", dict(dp=2, dp_shard=2, ep=2)),
-        ("q-fsdp2", dict(dp=2, dp_shard=2)), ("q-ep2", dict(dp=2, dp_shard=2, ep=2)))}
+    ref = dict(
+        zip(FLAVORS, run_jobs(1, [family_job(tmp_path, f"{f}-single") for f in FLAVORS], str(tmp_path)))
+    )
+    jobs = {
+        name: family_job(tmp_path, name, **layout)
+        for name, layout in (
+            ("ds-fsdp2", dict(dp=2, dp_shard=2)),
+            ("ds-ep2", dict(dp=2, dp_shard=2, ep=2)),
+            ("q-fsdp2", dict(dp=2, dp_shard=2)),
+            ("q-ep2", dict(dp=2, dp_shard=2, ep=2)),
+        )
+    }
     results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
     report, bad = [], []
     for name, res in results.items():
         want = ref[name.split("-")[0]]["records"]
         got = losses(res)
         dev = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(got, want))
-        gdev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], want))
+        gdev = max(
+            abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], want)
+        )
         report.append(f"{name}: loss {dev:.1e}, grad norm {gdev:.1e}")
         if len(got) != STEPS or not (dev < 1e-5 and gdev < 1e-4):
             bad.append(report[-1])

@@ -15,7 +15,9 @@ from tests.distributed.harness import losses, reference, run_jobs
 from tests.distributed.test_model_parallel import STEPS, job
 
 # core: the default run's part of a matrix; broad: the rest of it (slow)
-BREADTH = pytest.mark.parametrize("broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"])
+BREADTH = pytest.mark.parametrize(
+    "broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"]
+)
 
 
 def moe_job(tmp, name, **kw) -> dict:
@@ -49,12 +51,17 @@ def check_against(want: list[dict], results: dict) -> None:
     for name, res in results.items():
         got = losses(res)
         # a pipeline does not report its first step's balance (shape inference runs inside it)
-        bal = max(abs(a["moe_balance"] - b["moe_balance"]) / b["moe_balance"] for a, b in zip(res["records"], want)
-                  if a["moe_balance"] is not None)
+        bal = max(
+            abs(a["moe_balance"] - b["moe_balance"]) / b["moe_balance"]
+            for a, b in zip(res["records"], want)
+            if a["moe_balance"] is not None
+        )
         if bal > 1e-5:
             bad.append(f"{name}: moe_balance deviates {bal:.1e}")
         dev = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(got, want))
-        gdev = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], want))
+        gdev = max(
+            abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(res["records"], want)
+        )
         report.append(f"{name}: loss {dev:.1e}, grad norm {gdev:.1e}")
         if len(got) != STEPS or not (dev < 1e-5 and gdev < 1e-4):
             bad.append(report[-1])
@@ -64,14 +71,18 @@ def check_against(want: list[dict], results: dict) -> None:
 
 def test_moe_layouts_match_single_process(tmp_path):
     want = single(tmp_path)
-    jobs = {"fsdp2": moe_job(tmp_path, "fsdp2", dp=2, dp_shard=2),
-            "ddp2-m2": moe_job(tmp_path, "ddp2-m2", m=2, dp=2, dp_replicate=2, dp_shard=1),
-            "pp2-1f1b-m2": moe_job(tmp_path, "pp2-1f1b-m2", m=2, pp=2, dp_shard=1)}
+    jobs = {
+        "fsdp2": moe_job(tmp_path, "fsdp2", dp=2, dp_shard=2),
+        "ddp2-m2": moe_job(tmp_path, "ddp2-m2", m=2, dp=2, dp_replicate=2, dp_shard=1),
+        "pp2-1f1b-m2": moe_job(tmp_path, "pp2-1f1b-m2", m=2, pp=2, dp_shard=1),
+    }
     results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
     results["single-m2"] = {"records": reference(moe_job(tmp_path, "single-m2", m=2))}
     check_against(want, results)
     assert want[-1]["loss"] < want[0]["loss"]  # it trains
-    assert all(0.9 <= r["moe_balance"] <= 2.0 for r in want)  # logged: about 1 when balanced, at most n / k = 2
+    assert all(
+        0.9 <= r["moe_balance"] <= 2.0 for r in want
+    )  # logged: about 1 when balanced, at most n / k = 2
 
 
 def test_moe_checkpoint_resumes_across_layouts_and_exports_as_mixtral(tmp_path):
@@ -86,7 +97,9 @@ def test_moe_checkpoint_resumes_across_layouts_and_exports_as_mixtral(tmp_path):
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
     first = run_jobs(2, [{**moe_job(tmp_path, "fsdp2-save", dp=2, dp_shard=2), **save}], str(tmp_path))[0]
     saved = ckpt(str(tmp_path / "fsdp2-save"), SAVE_AT)
-    resumed = run_jobs(1, [{**moe_job(tmp_path, "single-from-fsdp2"), "checkpoint.resume": saved}], str(tmp_path))[0]
+    resumed = run_jobs(
+        1, [{**moe_job(tmp_path, "single-from-fsdp2"), "checkpoint.resume": saved}], str(tmp_path)
+    )[0]
     want, got = tail(first), tail(resumed)
     assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(SAVE_AT + 1, STEPS + 1))
     for (_, a, ha), (_, b, hb) in zip(got, want):
@@ -99,8 +112,12 @@ def test_moe_checkpoint_resumes_across_layouts_and_exports_as_mixtral(tmp_path):
     from loom.models.llama import Llama
 
     loom = os.path.join(os.path.dirname(sys.executable), "loom")
-    proc = subprocess.run([loom, "convert", "--from", saved, "--to-hf", str(tmp_path / "hf")], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [loom, "convert", "--from", saved, "--to-hf", str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "Mixtral" in proc.stdout, proc.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert type(hf).__name__ == "MixtralForCausalLM"
@@ -118,18 +135,35 @@ def test_expert_parallel_matches_single_process(tmp_path, broad):
     checkpointing passes their profiler annotations through, PyTorch's raised a replay mismatch); on 4 ranks
     ep2 x edp2 (two ranks per expert shard), ep4, HSDP 2 x (ep2), and a 1F1B pipeline over ep2."""
     ref = single(tmp_path)
-    singles = {"single-ac-full": {**moe_job(tmp_path, "single-ac-full"), "training.activation_checkpointing": "full"},
-               "single-ac-op": {**moe_job(tmp_path, "single-ac-op"), "training.activation_checkpointing": "op"}}
-    jobs2 = {"ep2": moe_job(tmp_path, "ep2", dp=2, dp_shard=2, ep=2),
-             "ep2-m2": moe_job(tmp_path, "ep2-m2", m=2, dp=2, dp_shard=2, ep=2),
-             "ep2-ac-op-m2": {**moe_job(tmp_path, "ep2-ac-op-m2", m=2, dp=2, dp_shard=2, ep=2),
-                              "training.activation_checkpointing": "op"}}
-    jobs4 = {"ep2-edp2": moe_job(tmp_path, "ep2-edp2", dp=4, dp_shard=4, ep=2),
-             "ep4": moe_job(tmp_path, "ep4", dp=4, dp_shard=4, ep=4),
-             "hsdp2-ep2": moe_job(tmp_path, "hsdp2-ep2", dp=4, dp_replicate=2, dp_shard=2, ep=2),
-             "pp2-ep2-1f1b-m2": moe_job(tmp_path, "pp2-ep2-1f1b-m2", m=2, dp=2, pp=2, dp_shard=2, ep=2)}
-    results = run_parts({1: part(singles, {"single-ac-op"}, broad), 2: part(jobs2, {"ep2-ac-op-m2"}, broad),
-                         4: part(jobs4, {"ep2-edp2"}, broad)}, tmp_path)
+    singles = {
+        "single-ac-full": {
+            **moe_job(tmp_path, "single-ac-full"),
+            "training.activation_checkpointing": "full",
+        },
+        "single-ac-op": {**moe_job(tmp_path, "single-ac-op"), "training.activation_checkpointing": "op"},
+    }
+    jobs2 = {
+        "ep2": moe_job(tmp_path, "ep2", dp=2, dp_shard=2, ep=2),
+        "ep2-m2": moe_job(tmp_path, "ep2-m2", m=2, dp=2, dp_shard=2, ep=2),
+        "ep2-ac-op-m2": {
+            **moe_job(tmp_path, "ep2-ac-op-m2", m=2, dp=2, dp_shard=2, ep=2),
+            "training.activation_checkpointing": "op",
+        },
+    }
+    jobs4 = {
+        "ep2-edp2": moe_job(tmp_path, "ep2-edp2", dp=4, dp_shard=4, ep=2),
+        "ep4": moe_job(tmp_path, "ep4", dp=4, dp_shard=4, ep=4),
+        "hsdp2-ep2": moe_job(tmp_path, "hsdp2-ep2", dp=4, dp_replicate=2, dp_shard=2, ep=2),
+        "pp2-ep2-1f1b-m2": moe_job(tmp_path, "pp2-ep2-1f1b-m2", m=2, dp=2, pp=2, dp_shard=2, ep=2),
+    }
+    results = run_parts(
+        {
+            1: part(singles, {"single-ac-op"}, broad),
+            2: part(jobs2, {"ep2-ac-op-m2"}, broad),
+            4: part(jobs4, {"ep2-edp2"}, broad),
+        },
+        tmp_path,
+    )
     # recomputation reruns the forward in backward: the logged balance must not count it twice
     check_against(ref, results)
 
@@ -144,14 +178,25 @@ def test_compiled_expert_parallel_matches_eager(tmp_path, broad):
     layout = dict(dp=2, dp_shard=2, ep=2)
     compiled = {}
     for ac in ("none", "full", "op"):
-        compiled[f"compiled-ac-{ac}"] = {**moe_job(tmp_path, f"ep2-bf16-compile-{ac}", **layout), **bf16,
-                                         "training.compile": "true", "training.activation_checkpointing": ac}
-    jobs = {"eager": {**moe_job(tmp_path, "ep2-bf16", **layout), **bf16}, **part(compiled, {"compiled-ac-op"}, broad)}
+        compiled[f"compiled-ac-{ac}"] = {
+            **moe_job(tmp_path, f"ep2-bf16-compile-{ac}", **layout),
+            **bf16,
+            "training.compile": "true",
+            "training.activation_checkpointing": ac,
+        }
+    jobs = {
+        "eager": {**moe_job(tmp_path, "ep2-bf16", **layout), **bf16},
+        **part(compiled, {"compiled-ac-op"}, broad),
+    }
     runs = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
     eager = losses(runs.pop("eager"))
     for name, res in runs.items():
         got = losses(res)
-        assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, eager)) < 1e-3, (name, got, eager)
+        assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, eager)) < 1e-3, (
+            name,
+            got,
+            eager,
+        )
         assert got != eager, f"{name}: bit-identical to eager, so nothing was compiled"
 
 
@@ -171,25 +216,37 @@ def test_compiled_tensor_parallel_matches_eager(tmp_path, broad):
     tp2, tp2_ep2 = dict(tp=2, dp_shard=1), dict(tp=2, dp_shard=1, ep=2)
     ep_etp = dict(dp=2, dp_shard=2, tp=2, ep=2, etp=2)
     compiled = {"training.compile": "true"}
-    eager = {"moe-tp2": {**moe_job(tmp_path, "moe-tp2", **tp2), **bf16},
-             "moe-tp2-ep2": {**moe_job(tmp_path, "moe-tp2-ep2", **tp2_ep2), **bf16},
-             "dense-tp2": {**job(tmp_path, "dense-tp2", **tp2), **bf16},
-             # experts sharded over tp (etp = tp): the tokens' all-gather and the outputs' reduce-scatter traced
-             "moe-tp2-etp2": {**moe_job(tmp_path, "moe-tp2-etp2", **tp2, etp=2), **bf16},
-             # EP2 x TP2 with tensor-parallel experts on 4 ranks: the exchange breaks the graph between the tp gathers
-             "moe-ep2-tp2-etp2": {**moe_job(tmp_path, "moe-ep2-tp2-etp2", **ep_etp), **bf16}}
-    cases = {f"moe-tp2-compiled-{ac}": ("moe-tp2", {"training.activation_checkpointing": ac})
-             for ac in ("none", "full", "op")}
-    cases.update({"moe-tp2-etp2-compiled-op": ("moe-tp2-etp2", {"training.activation_checkpointing": "op"}),
-                  "moe-tp2-ep2-compiled": ("moe-tp2-ep2", {}),
-                  "dense-tp2-compiled-full": ("dense-tp2", {"training.activation_checkpointing": "full"}),
-                  "moe-ep2-tp2-etp2-compiled": ("moe-ep2-tp2-etp2", {})})
+    eager = {
+        "moe-tp2": {**moe_job(tmp_path, "moe-tp2", **tp2), **bf16},
+        "moe-tp2-ep2": {**moe_job(tmp_path, "moe-tp2-ep2", **tp2_ep2), **bf16},
+        "dense-tp2": {**job(tmp_path, "dense-tp2", **tp2), **bf16},
+        # experts sharded over tp (etp = tp): the tokens' all-gather and the outputs' reduce-scatter traced
+        "moe-tp2-etp2": {**moe_job(tmp_path, "moe-tp2-etp2", **tp2, etp=2), **bf16},
+        # EP2 x TP2 with tensor-parallel experts on 4 ranks: the exchange breaks the graph between the tp gathers
+        "moe-ep2-tp2-etp2": {**moe_job(tmp_path, "moe-ep2-tp2-etp2", **ep_etp), **bf16},
+    }
+    cases = {
+        f"moe-tp2-compiled-{ac}": ("moe-tp2", {"training.activation_checkpointing": ac})
+        for ac in ("none", "full", "op")
+    }
+    cases.update(
+        {
+            "moe-tp2-etp2-compiled-op": ("moe-tp2-etp2", {"training.activation_checkpointing": "op"}),
+            "moe-tp2-ep2-compiled": ("moe-tp2-ep2", {}),
+            "dense-tp2-compiled-full": ("dense-tp2", {"training.activation_checkpointing": "full"}),
+            "moe-ep2-tp2-etp2-compiled": ("moe-ep2-tp2-etp2", {}),
+        }
+    )
     cases = part(cases, {"dense-tp2-compiled-full"}, broad)
-    jobs = {name: {**eager[base], "run.dir": f"{tmp_path}/{name}", **compiled, **extra}
-            for name, (base, extra) in cases.items()}
+    jobs = {
+        name: {**eager[base], "run.dir": f"{tmp_path}/{name}", **compiled, **extra}
+        for name, (base, extra) in cases.items()
+    }
     jobs.update({base: eager[base] for base, _ in cases.values()})
-    by_world = {2: {k: v for k, v in jobs.items() if "ep2-tp2-etp2" not in k},
-                4: {k: v for k, v in jobs.items() if "ep2-tp2-etp2" in k}}
+    by_world = {
+        2: {k: v for k, v in jobs.items() if "ep2-tp2-etp2" not in k},
+        4: {k: v for k, v in jobs.items() if "ep2-tp2-etp2" in k},
+    }
     runs = run_parts(by_world, tmp_path)
     for name, (base, _) in cases.items():
         got, want = losses(runs[name]), losses(runs[base])
@@ -203,19 +260,31 @@ def test_expert_parallel_with_tensor_parallel_matches_single_process(tmp_path, b
     the tp ranks), with accumulation; on 4 ranks FSDP2 x tp2 with ep2 (experts sharded by FSDP2 over the two
     dp ranks) and with ep4 (one rank per expert). Expert gradients sum the tokens of ep / tp samples: a factor
     of 1 / ep instead of tp / ep fails the grad norm."""
-    jobs2 = {"tp2-ep2": moe_job(tmp_path, "tp2-ep2", tp=2, dp_shard=1, ep=2),
-             "tp2-ep2-m2": moe_job(tmp_path, "tp2-ep2-m2", m=2, tp=2, dp_shard=1, ep=2)}
-    jobs4 = {"fsdp2-tp2-ep2": moe_job(tmp_path, "fsdp2-tp2-ep2", dp=2, dp_shard=2, tp=2, ep=2),
-             "fsdp2-tp2-ep4": moe_job(tmp_path, "fsdp2-tp2-ep4", dp=2, dp_shard=2, tp=2, ep=4)}
-    check_against(single(tmp_path), run_parts({2: part(jobs2, {"tp2-ep2-m2"}, broad),
-                                               4: part(jobs4, {"fsdp2-tp2-ep4"}, broad)}, tmp_path))
+    jobs2 = {
+        "tp2-ep2": moe_job(tmp_path, "tp2-ep2", tp=2, dp_shard=1, ep=2),
+        "tp2-ep2-m2": moe_job(tmp_path, "tp2-ep2-m2", m=2, tp=2, dp_shard=1, ep=2),
+    }
+    jobs4 = {
+        "fsdp2-tp2-ep2": moe_job(tmp_path, "fsdp2-tp2-ep2", dp=2, dp_shard=2, tp=2, ep=2),
+        "fsdp2-tp2-ep4": moe_job(tmp_path, "fsdp2-tp2-ep4", dp=2, dp_shard=2, tp=2, ep=4),
+    }
+    check_against(
+        single(tmp_path),
+        run_parts(
+            {2: part(jobs2, {"tp2-ep2-m2"}, broad), 4: part(jobs4, {"fsdp2-tp2-ep4"}, broad)}, tmp_path
+        ),
+    )
 
 
-@pytest.mark.parametrize("name, layout", [
-    ("ep2", dict(dp=2, dp_shard=2, ep=2)),
-    pytest.param("tp2", dict(tp=2, dp_shard=1), marks=pytest.mark.slow),
-    pytest.param("tp2-ep2", dict(tp=2, dp_shard=1, ep=2), marks=pytest.mark.slow),
-    ("tp2-etp2", dict(tp=2, dp_shard=1, etp=2))])
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("ep2", dict(dp=2, dp_shard=2, ep=2)),
+        pytest.param("tp2", dict(tp=2, dp_shard=1), marks=pytest.mark.slow),
+        pytest.param("tp2-ep2", dict(tp=2, dp_shard=1, ep=2), marks=pytest.mark.slow),
+        ("tp2-etp2", dict(tp=2, dp_shard=1, etp=2)),
+    ],
+)
 def test_sharded_moe_checkpoint_resumes_in_one_process(tmp_path, name, layout):
     """Saved at step 3 under ep2 (experts as DTensors sharded over ep), tp2 (router and experts replicated
     over tp), tp2 x ep2 (experts sharded over the tp ranks, router replicated) or tp2 with etp2 (each expert's
@@ -225,8 +294,9 @@ def test_sharded_moe_checkpoint_resumes_in_one_process(tmp_path, name, layout):
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
     first = run_jobs(2, [{**moe_job(tmp_path, f"{name}-save", **layout), **save}], str(tmp_path))[0]
     saved = ckpt(str(tmp_path / f"{name}-save"), SAVE_AT)
-    resumed = run_jobs(1, [{**moe_job(tmp_path, f"single-from-{name}"), "checkpoint.resume": saved}],
-                       str(tmp_path))[0]
+    resumed = run_jobs(
+        1, [{**moe_job(tmp_path, f"single-from-{name}"), "checkpoint.resume": saved}], str(tmp_path)
+    )[0]
     want, got = tail(first), tail(resumed)
     assert [s for s, _, _ in got] == [s for s, _, _ in want] == list(range(SAVE_AT + 1, STEPS + 1))
     for (_, a, ha), (_, b, hb) in zip(got, want):
@@ -242,18 +312,33 @@ def test_moe_under_context_parallel_matches_single_process(tmp_path, broad):
     balance is logged at every step (a dense model logs none, so a silently dense run fails); in the broad part
     (compiling costs minutes on a CPU; compiled MoE blocks run in the default part under EP)."""
     bf16 = {"training.dtype": "bfloat16"}
-    jobs2 = {"cp2": moe_job(tmp_path, "cp2", cp=2, dp_shard=1),
-             "cp2-m2": moe_job(tmp_path, "cp2-m2", m=2, cp=2, dp_shard=1),
-             "cp2-ac-op": {**moe_job(tmp_path, "cp2-ac-op", cp=2, dp_shard=1),
-                           "training.activation_checkpointing": "op"}}
-    jobs4 = {"fsdp2-cp2": moe_job(tmp_path, "fsdp2-cp2", dp=2, dp_shard=2, cp=2),
-             "ep2-cp2": moe_job(tmp_path, "ep2-cp2", dp=2, dp_shard=2, cp=2, ep=2)}
-    compiled = {} if not broad else {
-        "cp2-bf16": {**moe_job(tmp_path, "cp2-bf16", cp=2, dp_shard=1), **bf16},
-        "cp2-bf16-compile": {**moe_job(tmp_path, "cp2-bf16-compile", cp=2, dp_shard=1), **bf16,
-                             "training.compile": "true"}}
-    results = run_parts({2: {**part(jobs2, {"cp2-ac-op"}, broad), **compiled},
-                         4: part(jobs4, {"ep2-cp2"}, broad)}, tmp_path)
+    jobs2 = {
+        "cp2": moe_job(tmp_path, "cp2", cp=2, dp_shard=1),
+        "cp2-m2": moe_job(tmp_path, "cp2-m2", m=2, cp=2, dp_shard=1),
+        "cp2-ac-op": {
+            **moe_job(tmp_path, "cp2-ac-op", cp=2, dp_shard=1),
+            "training.activation_checkpointing": "op",
+        },
+    }
+    jobs4 = {
+        "fsdp2-cp2": moe_job(tmp_path, "fsdp2-cp2", dp=2, dp_shard=2, cp=2),
+        "ep2-cp2": moe_job(tmp_path, "ep2-cp2", dp=2, dp_shard=2, cp=2, ep=2),
+    }
+    compiled = (
+        {}
+        if not broad
+        else {
+            "cp2-bf16": {**moe_job(tmp_path, "cp2-bf16", cp=2, dp_shard=1), **bf16},
+            "cp2-bf16-compile": {
+                **moe_job(tmp_path, "cp2-bf16-compile", cp=2, dp_shard=1),
+                **bf16,
+                "training.compile": "true",
+            },
+        }
+    )
+    results = run_parts(
+        {2: {**part(jobs2, {"cp2-ac-op"}, broad), **compiled}, 4: part(jobs4, {"ep2-cp2"}, broad)}, tmp_path
+    )
     if compiled:
         eager, comp = losses(results.pop("cp2-bf16")), results.pop("cp2-bf16-compile")
         got = losses(comp)
@@ -268,13 +353,19 @@ def test_moe_under_context_parallel_matches_single_process(tmp_path, broad):
 def test_moe_under_tensor_parallel_matches_single_process(tmp_path, broad):
     """tp2 (sequence parallel: each rank routes its sequence slice through replicated experts, gradients summed
     over tp) alone and with accumulation; on 4 ranks FSDP2 x tp2, tp2 x cp2 and a 1F1B pipeline over tp2."""
-    jobs2 = {"tp2": moe_job(tmp_path, "tp2", tp=2, dp_shard=1),
-             "tp2-m2": moe_job(tmp_path, "tp2-m2", m=2, tp=2, dp_shard=1)}
-    jobs4 = {"fsdp2-tp2": moe_job(tmp_path, "fsdp2-tp2", dp=2, dp_shard=2, tp=2),
-             "tp2-cp2": moe_job(tmp_path, "tp2-cp2", tp=2, cp=2, dp_shard=1),
-             "pp2-tp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1)}
-    check_against(single(tmp_path), run_parts({2: part(jobs2, {"tp2-m2"}, broad),
-                                               4: part(jobs4, {"pp2-tp2-1f1b-m2"}, broad)}, tmp_path))
+    jobs2 = {
+        "tp2": moe_job(tmp_path, "tp2", tp=2, dp_shard=1),
+        "tp2-m2": moe_job(tmp_path, "tp2-m2", m=2, tp=2, dp_shard=1),
+    }
+    jobs4 = {
+        "fsdp2-tp2": moe_job(tmp_path, "fsdp2-tp2", dp=2, dp_shard=2, tp=2),
+        "tp2-cp2": moe_job(tmp_path, "tp2-cp2", tp=2, cp=2, dp_shard=1),
+        "pp2-tp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1),
+    }
+    check_against(
+        single(tmp_path),
+        run_parts({2: part(jobs2, {"tp2-m2"}, broad), 4: part(jobs4, {"pp2-tp2-1f1b-m2"}, broad)}, tmp_path),
+    )
 
 
 @BREADTH
@@ -283,15 +374,30 @@ def test_expert_tensor_parallel_matches_single_process(tmp_path, broad):
     experts and reduce-scatter the outputs. tp2 alone and with accumulation; on 4 ranks FSDP2 x tp2, EP2 x tp2
     (ep from the dp ranks; experts DTensors over (ep, tp)), tp2 x cp2 and a 1F1B pipeline over tp2; on 8 ranks
     FSDP2 over EP2 x tp2 (edp = 2: FSDP2 shards the (ep, tp) DTensors) and HSDP 2x2 with EP2 x tp2."""
-    jobs2 = {"tp2-etp2": moe_job(tmp_path, "tp2-etp2", tp=2, dp_shard=1, etp=2),
-             "tp2-etp2-m2": moe_job(tmp_path, "tp2-etp2-m2", m=2, tp=2, dp_shard=1, etp=2)}
-    jobs4 = {"fsdp2-tp2-etp2": moe_job(tmp_path, "fsdp2-tp2-etp2", dp=2, dp_shard=2, tp=2, etp=2),
-             "ep2-tp2-etp2": moe_job(tmp_path, "ep2-tp2-etp2", dp=2, dp_shard=2, tp=2, ep=2, etp=2),
-             "tp2-cp2-etp2": moe_job(tmp_path, "tp2-cp2-etp2", tp=2, cp=2, dp_shard=1, etp=2),
-             "pp2-tp2-etp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-etp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1, etp=2)}
-    jobs8 = {"fsdp4-ep2-tp2-etp2": moe_job(tmp_path, "fsdp4-ep2-tp2-etp2", dp=4, dp_shard=4, tp=2, ep=2, etp=2),
-             "hsdp2x2-ep2-tp2-etp2": moe_job(tmp_path, "hsdp2x2-ep2-tp2-etp2", dp=4, dp_replicate=2, dp_shard=2, tp=2,
-                                             ep=2, etp=2)}
-    check_against(single(tmp_path), run_parts({2: part(jobs2, {"tp2-etp2-m2"}, broad),
-                                               4: part(jobs4, {"ep2-tp2-etp2"}, broad),
-                                               8: part(jobs8, set(), broad)}, tmp_path))
+    jobs2 = {
+        "tp2-etp2": moe_job(tmp_path, "tp2-etp2", tp=2, dp_shard=1, etp=2),
+        "tp2-etp2-m2": moe_job(tmp_path, "tp2-etp2-m2", m=2, tp=2, dp_shard=1, etp=2),
+    }
+    jobs4 = {
+        "fsdp2-tp2-etp2": moe_job(tmp_path, "fsdp2-tp2-etp2", dp=2, dp_shard=2, tp=2, etp=2),
+        "ep2-tp2-etp2": moe_job(tmp_path, "ep2-tp2-etp2", dp=2, dp_shard=2, tp=2, ep=2, etp=2),
+        "tp2-cp2-etp2": moe_job(tmp_path, "tp2-cp2-etp2", tp=2, cp=2, dp_shard=1, etp=2),
+        "pp2-tp2-etp2-1f1b-m2": moe_job(tmp_path, "pp2-tp2-etp2-1f1b-m2", m=2, pp=2, tp=2, dp_shard=1, etp=2),
+    }
+    jobs8 = {
+        "fsdp4-ep2-tp2-etp2": moe_job(tmp_path, "fsdp4-ep2-tp2-etp2", dp=4, dp_shard=4, tp=2, ep=2, etp=2),
+        "hsdp2x2-ep2-tp2-etp2": moe_job(
+            tmp_path, "hsdp2x2-ep2-tp2-etp2", dp=4, dp_replicate=2, dp_shard=2, tp=2, ep=2, etp=2
+        ),
+    }
+    check_against(
+        single(tmp_path),
+        run_parts(
+            {
+                2: part(jobs2, {"tp2-etp2-m2"}, broad),
+                4: part(jobs4, {"ep2-tp2-etp2"}, broad),
+                8: part(jobs8, set(), broad),
+            },
+            tmp_path,
+        ),
+    )

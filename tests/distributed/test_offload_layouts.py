@@ -17,9 +17,19 @@ GLOBAL = 8
 
 
 def job(tmp, name, mb, **over):
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "run.seed": 3, "training.steps": STEPS, "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb,
-        "optimizer.warmup_steps": 1, "optimizer.lr": 3e-3, **over})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "run.seed": 3,
+            "training.steps": STEPS,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "optimizer.warmup_steps": 1,
+            "optimizer.lr": 3e-3,
+            **over,
+        },
+    )
 
 
 def _jobs_with_backend(jobs: list[dict], rank: int, world: int) -> list[dict]:
@@ -54,9 +64,20 @@ def test_offload_with_context_and_expert_parallelism_equals_one_process(tmp_path
     """cp 2 (the shard axis is dp_shard x cp) and a MoE model with ep 2 (its experts sharded, offloaded, over edp)."""
     moe = {"model.flavor": "debug_moe"}
     singles = run_jobs(1, [job(tmp_path, "single", 4), job(tmp_path, "single_moe", 4, **moe)], str(tmp_path))
-    offloaded = run_on("cpu:gloo", 2, [
-        job(tmp_path, "cp2_offload", 4, **{"parallel.cp": 2, "parallel.cpu_offload": "true"}),
-        job(tmp_path, "ep2_offload", 2, **moe, **{"parallel.dp_shard": 2, "parallel.ep": 2,
-                                                  "parallel.cpu_offload": "true"})], tmp_path)
+    offloaded = run_on(
+        "cpu:gloo",
+        2,
+        [
+            job(tmp_path, "cp2_offload", 4, **{"parallel.cp": 2, "parallel.cpu_offload": "true"}),
+            job(
+                tmp_path,
+                "ep2_offload",
+                2,
+                **moe,
+                **{"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.cpu_offload": "true"},
+            ),
+        ],
+        tmp_path,
+    )
     for off, single in zip(offloaded, singles):
         assert max_rel(losses(off), losses(single)) < 1e-5

@@ -16,8 +16,20 @@ from tests.distributed.harness import job_tmp, run_fn
 from tests.distributed.test_grpo_layouts import FixedRollouts
 from tests.tiny import tiny_overrides
 
-KEYS = ("loss", "grad_norm", "ppo/policy_loss", "ppo/value_loss", "ppo/clipfrac", "ppo/approx_kl", "ppo/values",
-        "ppo/returns", "ppo/rollout_kl", "kl", "reward", "targets")
+KEYS = (
+    "loss",
+    "grad_norm",
+    "ppo/policy_loss",
+    "ppo/value_loss",
+    "ppo/clipfrac",
+    "ppo/approx_kl",
+    "ppo/values",
+    "ppo/returns",
+    "ppo/rollout_kl",
+    "kl",
+    "reward",
+    "targets",
+)
 
 
 class FixedPpoRollouts(PpoRollouts):
@@ -26,22 +38,48 @@ class FixedPpoRollouts(PpoRollouts):
 
 class FixedPPO(ProximalPolicy):
     def build_loader(self, trainer):
-        self.loader = FixedPpoRollouts(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)
+        self.loader = FixedPpoRollouts(
+            self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size
+        )
         return self.loader
 
 
 def overrides(tmp, name, mb, **extra):
-    return tiny_overrides(f"{tmp}/{name}", None, **{
-        "training.objective": "ppo", "run.seed": 3, "training.steps": 6, "training.global_batch_size": 8,
-        "training.micro_batch_size": mb, "grpo.group_size": 4, "grpo.warmup_steps": 1, "grpo.max_new_tokens": 4,
-        "ppo.cliprange": 0.1, "ppo.cliprange_value": 0.05, "optimizer.lr": 3e-2, "optimizer.warmup_steps": 1,
-        "metrics.progress": "false", **extra})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        None,
+        **{
+            "training.objective": "ppo",
+            "run.seed": 3,
+            "training.steps": 6,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": mb,
+            "grpo.group_size": 4,
+            "grpo.warmup_steps": 1,
+            "grpo.max_new_tokens": 4,
+            "ppo.cliprange": 0.1,
+            "ppo.cliprange_value": 0.05,
+            "optimizer.lr": 3e-2,
+            "optimizer.warmup_steps": 1,
+            "metrics.progress": "false",
+            **extra,
+        },
+    )
 
 
 JOBS = {  # name: (micro-batch on one process, micro-batch per DDP rank, extra overrides)
     "reward-kl-2x2": (8, 4, {"ppo.kl_coef": 0.1, "ppo.epochs": 2, "ppo.mini_batches": 2}),
-    "critic-loss-kl-acc": (2, 2, {"ppo.critic": "model", "ppo.kl_coef": 0.1, "ppo.kl_penalty": "loss",
-                                  "ppo.epochs": 2, "ppo.whiten_rewards": "true"}),
+    "critic-loss-kl-acc": (
+        2,
+        2,
+        {
+            "ppo.critic": "model",
+            "ppo.kl_coef": 0.1,
+            "ppo.kl_penalty": "loss",
+            "ppo.epochs": 2,
+            "ppo.whiten_rewards": "true",
+        },
+    ),
 }
 
 
@@ -60,8 +98,9 @@ def ddp_jobs(rank: int, world: int) -> dict:
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     out = {}
     for name, (_, mb, extra) in JOBS.items():
-        job = overrides(tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world,
-                                                                "parallel.dp_shard": 1})
+        job = overrides(
+            tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world, "parallel.dp_shard": 1}
+        )
         job["run.dir"] = f"{tmp}/{name}"
         out[name] = train(job, init_distributed("cpu", "gloo"))
     return out

@@ -10,8 +10,11 @@ from tests.tiny import tiny_overrides
 
 
 def job(tmp, name, **extra) -> dict:
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "training.steps": 2, "model.n_layers": 4, "metrics.profile_steps": "2:2", **extra})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{"training.steps": 2, "model.n_layers": 4, "metrics.profile_steps": "2:2", **extra},
+    )
 
 
 def range_names(path) -> set[str]:
@@ -20,8 +23,10 @@ def range_names(path) -> set[str]:
 
 
 def test_every_rank_traces_its_phases_blocks_and_collectives(tmp_path):
-    jobs = {"fsdp": job(tmp_path, "fsdp", **{"parallel.dp_shard": 2}),
-            "pp": job(tmp_path, "pp", **{"parallel.pp": 2, "parallel.dp_shard": 1})}
+    jobs = {
+        "fsdp": job(tmp_path, "fsdp", **{"parallel.dp_shard": 2}),
+        "pp": job(tmp_path, "pp", **{"parallel.pp": 2, "parallel.dp_shard": 1}),
+    }
     for result in run_jobs(2, list(jobs.values()), str(tmp_path)):
         assert "error" not in result, result["error"]
     for rank in (0, 1):

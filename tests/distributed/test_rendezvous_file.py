@@ -14,22 +14,60 @@ import sys
 from tests.distributed.test_launch import CONFIG, assert_matches, cache, cli_args, losses_of, single  # noqa: F401
 
 # an agent: register the backend in this process, then torch's launcher (torchrun's main) parses the rest
-AGENT = ("import sys; from loom.runtime.rendezvous import register_file_rendezvous; register_file_rendezvous(); "
-         "from torch.distributed.run import main; main(sys.argv[1:])")
+AGENT = (
+    "import sys; from loom.runtime.rendezvous import register_file_rendezvous; register_file_rendezvous(); "
+    "from torch.distributed.run import main; main(sys.argv[1:])"
+)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def start_agents(endpoint: str, module_args: list[str], cwd, job: str) -> list[subprocess.CompletedProcess]:
     """Two agents of one 2-node job (1 worker each) on the file backend; both are waited for."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        )
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
-    procs = [subprocess.Popen([sys.executable, "-c", AGENT, "--nnodes", "2", "--nproc-per-node", "1",
-                               "--rdzv-backend", "file", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-                               "--rdzv-conf", "join_timeout=120", "--monitor-interval", "0.2", *module_args],
-                              cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                AGENT,
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "file",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                job,
+                "--rdzv-conf",
+                "join_timeout=120",
+                "--monitor-interval",
+                "0.2",
+                *module_args,
+            ],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
@@ -38,8 +76,9 @@ def start_agents(endpoint: str, module_args: list[str], cwd, job: str) -> list[s
 
 
 def test_two_agents_train_over_a_file_store(tmp_path, cache, single):  # noqa: F811
-    agents = start_agents(str(tmp_path / "rdzv"), ["-m", "loom.train", *cli_args(tmp_path / "run", cache)], tmp_path,
-                          "train")
+    agents = start_agents(
+        str(tmp_path / "rdzv"), ["-m", "loom.train", *cli_args(tmp_path / "run", cache)], tmp_path, "train"
+    )
     for a in agents:
         assert a.returncode == 0, a.stderr[-3000:]
     out = "".join(a.stdout for a in agents)
@@ -52,8 +91,12 @@ def test_process_group_over_the_file_store(tmp_path, cache, single):  # noqa: F8
     worker body (loom.runtime.env.init_distributed) forms the group over that store: the same losses."""
     out = tmp_path / "out"
     out.mkdir()
-    agents = start_agents(str(tmp_path / "rdzv"), ["-m", "tests.distributed.test_rendezvous_file", str(out),
-                                                   *cli_args(tmp_path / "run", cache)], ROOT, "pg")
+    agents = start_agents(
+        str(tmp_path / "rdzv"),
+        ["-m", "tests.distributed.test_rendezvous_file", str(out), *cli_args(tmp_path / "run", cache)],
+        ROOT,
+        "pg",
+    )
     for a in agents:
         assert a.returncode == 0, a.stderr[-3000:]
     seen = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
@@ -71,8 +114,14 @@ def _worker(out_dir: str, argv: list[str]) -> None:
     master = [os.environ.pop("MASTER_ADDR"), os.environ.pop("MASTER_PORT")]
     rank = int(os.environ["RANK"])
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as fh:
-        json.dump({"store": os.environ[PG_STORE_ENV], "master": master,
-                   "agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"]}, fh)
+        json.dump(
+            {
+                "store": os.environ[PG_STORE_ENV],
+                "master": master,
+                "agent_store": os.environ["TORCHELASTIC_USE_AGENT_STORE"],
+            },
+            fh,
+        )
     run_worker(argv)  # forms the group over the FileStore: there is no address to reach
 
 

@@ -26,8 +26,10 @@ def train(module, job: dict, env=None) -> list[dict]:
 
     cfg = build_config(None, {k: str(v) for k, v in job.items()})
     objective = (module.FixedGRPO if module is grpo else module.FixedPPO)(cfg)
-    return [{k: r.get(k) for k in module.KEYS + ("weight_sync_bytes",)} for r in Trainer(cfg, env=env,
-                                                                                        objective=objective).fit()]
+    return [
+        {k: r.get(k) for k in module.KEYS + ("weight_sync_bytes",)}
+        for r in Trainer(cfg, env=env, objective=objective).fit()
+    ]
 
 
 def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
@@ -39,8 +41,12 @@ def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
     from loom.train.trainer import Trainer
 
     extra = {"lora.rank": 4, "lora.targets": "q,v", "optimizer.lr": 3e-2} if lora else {}
-    job = grpo.overrides(tmp, "engine", 2, **{"training.steps": 3, "grpo.beta": 0.05, **extra,
-                                              **(layout if env is not None else {})})
+    job = grpo.overrides(
+        tmp,
+        "engine",
+        2,
+        **{"training.steps": 3, "grpo.beta": 0.05, **extra, **(layout if env is not None else {})},
+    )
     cfg = build_config(None, {k: str(v) for k, v in job.items()})
     trainer = Trainer(cfg, env=env, objective=GroupRelative(cfg))
     model, loader = trainer.parts[0], trainer.objective.loader
@@ -56,18 +62,27 @@ def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
         after = full(model(tokens))  # (2, 6, V): the sharded policy's full logits
         engine.allocate(2, tokens.shape[1])
         prefill = engine.prefill(tokens[:, :-1], torch.tensor([4, 4]))  # (2, V) at position 4
-        step = engine.step(tokens[:, -1:], torch.tensor([[5], [5]]))[:, 0]  # (2, V) at position 5, from the cache
+        step = engine.step(tokens[:, -1:], torch.tensor([[5], [5]]))[
+            :, 0
+        ]  # (2, V) at position 5, from the cache
         engine.release()
         whole = whole_model(model)(tokens)  # the eval hook's gathered copy, adapters merged
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
     fills = loader.weights.fills
-    return {"prefill": (prefill - after[:, 4]).abs().max().item(), "step": (step - after[:, 5]).abs().max().item(),
-            "whole": (whole - after).abs().max().item(),
-            "moved": (after - before).abs().max().item(), "copied": loader.weights.copied,
-            "shared": len(loader.weights.shared), "filled": len(fills), "params": len(dict(model.named_parameters())),
-            "bytes": [r.get("weight_sync_bytes") for r in records], "last_bytes": loader.weights.bytes,
-            "adapter_bytes": sum(local(t).numel() * 4 for n, t in fills.items() if "lora_" in n),
-            "total_bytes": sum(local(t).numel() * 4 for t in fills.values())}
+    return {
+        "prefill": (prefill - after[:, 4]).abs().max().item(),
+        "step": (step - after[:, 5]).abs().max().item(),
+        "whole": (whole - after).abs().max().item(),
+        "moved": (after - before).abs().max().item(),
+        "copied": loader.weights.copied,
+        "shared": len(loader.weights.shared),
+        "filled": len(fills),
+        "params": len(dict(model.named_parameters())),
+        "bytes": [r.get("weight_sync_bytes") for r in records],
+        "last_bytes": loader.weights.bytes,
+        "adapter_bytes": sum(local(t).numel() * 4 for n, t in fills.items() if "lora_" in n),
+        "total_bytes": sum(local(t).numel() * 4 for t in fills.values()),
+    }
 
 
 def fsdp_jobs(rank: int, world: int) -> dict:
@@ -88,8 +103,10 @@ def fsdp_jobs(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_fsdp")
-    single = {name: train(module, module.overrides(tmp, name, mb, **extra))
-              for module, (name, mb, _, extra) in ((grpo, GRPO_JOB), (ppo, PPO_JOB))}
+    single = {
+        name: train(module, module.overrides(tmp, name, mb, **extra))
+        for module, (name, mb, _, extra) in ((grpo, GRPO_JOB), (ppo, PPO_JOB))
+    }
     return single, run_fn(2, fsdp_jobs, str(tmp))
 
 
@@ -115,7 +132,9 @@ def test_engine_logits_equal_the_sharded_model(results, lora):
     syncs = [b for b in got["bytes"] if b]  # steps that sampled (the warm-up and held rollouts sync nothing)
     assert syncs[0] == got["total_bytes"]  # the first sync copies every weight
     if lora:  # later ones the adapters only: the copy keeps the frozen base
-        assert syncs[1:] and all(b == got["adapter_bytes"] for b in syncs[1:]) and got["last_bytes"] == syncs[1]
+        assert (
+            syncs[1:] and all(b == got["adapter_bytes"] for b in syncs[1:]) and got["last_bytes"] == syncs[1]
+        )
     else:
         assert all(b == got["total_bytes"] for b in syncs) and got["last_bytes"] == got["total_bytes"]
 

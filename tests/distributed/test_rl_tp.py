@@ -40,8 +40,13 @@ def ppo_job(tmp, name: str, rank: int | None, layout: dict, dp: int) -> dict:
     """PPO job ``name`` on ``dp`` data-parallel ranks (1: the single process's micro-batch) in ``layout``."""
     base, steps = PPO_JOBS[name]
     single_mb, dp_mb, extra = ppo.JOBS[base]
-    job = ppo.overrides(tmp, name if rank is None else f"{name}-{rank}", single_mb if dp == 1 else dp_mb,
-                        **{**extra, "training.steps": steps}, **layout)
+    job = ppo.overrides(
+        tmp,
+        name if rank is None else f"{name}-{rank}",
+        single_mb if dp == 1 else dp_mb,
+        **{**extra, "training.steps": steps},
+        **layout,
+    )
     if rank is not None:
         job["run.dir"] = f"{tmp}/{name}"
     return job
@@ -62,8 +67,12 @@ def tp_jobs(rank: int, world: int) -> dict:
     if world == 2:
         out[PPO_HEAD] = train(ppo, ppo_job(tmp, PPO_HEAD, rank, TP, 1), env)
         out.update({name: train(module, job, env) for name, (module, job) in moe_jobs(tmp, rank, TP).items()})
-        out.update({f"{name}-fsdp": train(module, job, env)
-                    for name, (module, job) in moe_jobs(f"{tmp}/fsdp", rank, FSDP, dp=2).items()})
+        out.update(
+            {
+                f"{name}-fsdp": train(module, job, env)
+                for name, (module, job) in moe_jobs(f"{tmp}/fsdp", rank, FSDP, dp=2).items()
+            }
+        )
     else:
         for name in PPO_JOBS:
             out[name] = train(ppo, ppo_job(tmp, name, rank, FSDP_TP, 2), env)
@@ -76,9 +85,13 @@ def moe_jobs(tmp, rank: int | None, layout: dict, dp: int = 1) -> dict:
     ranks (rank None: one process): name -> (test module, job)."""
     suffix = "" if rank is None else f"-{rank}"
     mb = SINGLE_MB if dp == 1 else DP_MB
-    jobs = {f"{NAME}-moe": (grpo, grpo.overrides(tmp, f"{NAME}-moe{suffix}", mb, **EXTRA, **MOE, **layout)),
-            f"{PPO_HEAD}-moe": (ppo, {**ppo_job(tmp, PPO_HEAD, rank, layout, dp), **MOE,
-                                      "run.dir": f"{tmp}/{PPO_HEAD}-moe{suffix}"})}
+    jobs = {
+        f"{NAME}-moe": (grpo, grpo.overrides(tmp, f"{NAME}-moe{suffix}", mb, **EXTRA, **MOE, **layout)),
+        f"{PPO_HEAD}-moe": (
+            ppo,
+            {**ppo_job(tmp, PPO_HEAD, rank, layout, dp), **MOE, "run.dir": f"{tmp}/{PPO_HEAD}-moe{suffix}"},
+        ),
+    }
     if rank is not None:  # one run folder for the group
         for name, (_, job) in jobs.items():
             job["run.dir"] = f"{tmp}/{name}"
@@ -87,9 +100,15 @@ def moe_jobs(tmp, rank: int | None, layout: dict, dp: int = 1) -> dict:
 
 def single(tmp, ppo_names=(PPO_HEAD,), moe: bool = False) -> dict:
     """The single process's records: GRPO's job and PPO's ``ppo_names`` (and with ``moe`` both on debug_moe)."""
-    return {NAME: train(grpo, grpo.overrides(tmp, NAME, SINGLE_MB, **EXTRA)),
-            **{name: train(ppo, ppo_job(tmp, name, None, {}, 1)) for name in ppo_names},
-            **({name: train(module, job) for name, (module, job) in moe_jobs(tmp, None, {}).items()} if moe else {})}
+    return {
+        NAME: train(grpo, grpo.overrides(tmp, NAME, SINGLE_MB, **EXTRA)),
+        **{name: train(ppo, ppo_job(tmp, name, None, {}, 1)) for name in ppo_names},
+        **(
+            {name: train(module, job) for name, (module, job) in moe_jobs(tmp, None, {}).items()}
+            if moe
+            else {}
+        ),
+    }
 
 
 def check_steps(ref: list[dict], got: list[dict], keys=grpo.KEYS) -> None:
@@ -175,8 +194,10 @@ def ppo_critic_jobs(rank: int, world: int) -> dict:
 
     tmp = f"{job_tmp()}/ranks"  # apart from the single-process runs of the same names
     env = init_distributed("cpu", "gloo")
-    return {PPO_CRITIC: train(ppo, ppo_job(tmp, PPO_CRITIC, rank, TP, 1), env),
-            "engine": ppo_engine_check(f"{tmp}/engine-{rank}", env)}
+    return {
+        PPO_CRITIC: train(ppo, ppo_job(tmp, PPO_CRITIC, rank, TP, 1), env),
+        "engine": ppo_engine_check(f"{tmp}/engine-{rank}", env),
+    }
 
 
 def ppo_engine_check(tmp: str, env) -> dict:
@@ -188,7 +209,9 @@ def ppo_engine_check(tmp: str, env) -> dict:
     from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
 
-    job = ppo.overrides(tmp, "engine", 2, **{"training.steps": 3, "ppo.critic": "model", "ppo.kl_coef": 0.05, **TP})
+    job = ppo.overrides(
+        tmp, "engine", 2, **{"training.steps": 3, "ppo.critic": "model", "ppo.kl_coef": 0.05, **TP}
+    )
     cfg = build_config(None, {k: str(v) for k, v in job.items()})
     trainer = Trainer(cfg, env=env, objective=ProximalPolicy(cfg))
     records = trainer.fit()
@@ -198,16 +221,22 @@ def ppo_engine_check(tmp: str, env) -> dict:
     engine = trainer.objective.loader.generator.engine
     with torch.no_grad():
         after = model(tokens)  # (2, 6, V)
-        after = after.full_tensor() if hasattr(after, "full_tensor") else after  # loss parallel's vocab shards
+        after = (
+            after.full_tensor() if hasattr(after, "full_tensor") else after
+        )  # loss parallel's vocab shards
         engine.allocate(2, tokens.shape[1])
         prefill = engine.prefill(tokens[:, :-1], torch.tensor([4, 4]))  # (2, V) at position 4
         engine.release()
     names = [n for n, _ in weights.model.named_parameters()]
-    return {"prefill": (prefill - after[:, 4]).abs().max().item(), "shared": len(weights.shared),
-            "filled": len(weights.fills), "params": len(names),
-            "value_function": [n for n in names if "value_head" in n or "critic" in n],
-            "sampled": [r["loss"] for r in records if r.get("time/generation_s")],
-            "bytes": [r.get("weight_sync_bytes") for r in records]}
+    return {
+        "prefill": (prefill - after[:, 4]).abs().max().item(),
+        "shared": len(weights.shared),
+        "filled": len(weights.fills),
+        "params": len(names),
+        "value_function": [n for n in names if "value_head" in n or "critic" in n],
+        "sampled": [r["loss"] for r in records if r.get("time/generation_s")],
+        "bytes": [r.get("weight_sync_bytes") for r in records],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -247,16 +276,21 @@ def test_fsdp2_x_tp_engine_logits(fsdp_tp, lora):
     assert engine["prefill"] < 1e-5 and engine["step"] < 1e-5 and engine["whole"] < 1e-5, engine
 
 
-MODELS = {"moe": {"model.flavor": "debug_moe"}, "mla": {"model.flavor": "debug_mla"},
-          "moe-etp": {"model.flavor": "debug_moe", "parallel.etp": 2}}
+MODELS = {
+    "moe": {"model.flavor": "debug_moe"},
+    "mla": {"model.flavor": "debug_mla"},
+    "moe-etp": {"model.flavor": "debug_moe", "parallel.etp": 2},
+}
 
 
 def model_jobs(rank: int, world: int) -> dict:
     from loom.runtime.env import init_distributed
 
     env = init_distributed("cpu", "gloo")
-    return {name: engine_check(f"{job_tmp()}/ranks/{name}-{rank}", False, env, {**TP, **extra})
-            for name, extra in MODELS.items()}
+    return {
+        name: engine_check(f"{job_tmp()}/ranks/{name}-{rank}", False, env, {**TP, **extra})
+        for name, extra in MODELS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -272,5 +306,7 @@ def test_tp2_engine_logits_other_models(models, name):
     got = models[name]
     assert got["copied"] and got["moved"] > 1e-3
     assert got["shared"] + got["filled"] == got["params"] and (got["filled"] > 0) == (name == "moe-etp"), got
-    assert (got["total_bytes"] > 0) == (name == "moe-etp") and (got["last_bytes"] > 0) == (name == "moe-etp"), got
+    assert (got["total_bytes"] > 0) == (name == "moe-etp") and (got["last_bytes"] > 0) == (
+        name == "moe-etp"
+    ), got
     assert got["prefill"] < 1e-5 and got["step"] < 1e-5 and got["whole"] < 1e-5, got

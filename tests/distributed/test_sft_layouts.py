@@ -25,17 +25,31 @@ def write_conversations(path, n: int = 300, seed: int = 0) -> str:
         for _ in range(n):
             conv = [{"role": "system", "content": say(3)}]
             for _ in range(rng.randint(1, 3)):
-                conv += [{"role": "user", "content": say(rng.randint(2, 8))},
-                         {"role": "assistant", "content": say(rng.randint(2, 12))}]
+                conv += [
+                    {"role": "user", "content": say(rng.randint(2, 8))},
+                    {"role": "assistant", "content": say(rng.randint(2, 12))},
+                ]
             fh.write(json.dumps({"messages": conv}) + "\n")
     return str(path)
 
 
 def job(tmp, source, name, mb, **parallel):
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "training.objective": "sft", "data.source": source, "run.seed": 5, "training.steps": STEPS,
-        "training.seq_len": 48, "training.global_batch_size": GLOBAL, "training.micro_batch_size": mb,
-        "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3, **{f"parallel.{k}": v for k, v in parallel.items()}})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "training.objective": "sft",
+            "data.source": source,
+            "run.seed": 5,
+            "training.steps": STEPS,
+            "training.seq_len": 48,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "optimizer.warmup_steps": 2,
+            "optimizer.lr": 3e-3,
+            **{f"parallel.{k}": v for k, v in parallel.items()},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +58,11 @@ def results(tmp_path_factory):
     source = write_conversations(tmp / "chat.jsonl")
     reference = run_jobs(1, [job(tmp, source, "single", GLOBAL)], str(tmp))[0]
     names = ["ddp2", "fsdp2-acc2", "tp2"]
-    jobs = [job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
-            job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
-            job(tmp, source, "tp2", GLOBAL, tp=2, dp_shard=1)]
+    jobs = [
+        job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
+        job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
+        job(tmp, source, "tp2", GLOBAL, tp=2, dp_shard=1),
+    ]
     return reference, dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
 

@@ -15,14 +15,18 @@ AUTOLOAD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def job(tmp, name):
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{"run.seed": 5, "training.steps": 4, "metrics.every": 2})
+    return tiny_overrides(
+        f"{tmp}/{name}", f"{tmp}/cache", **{"run.seed": 5, "training.steps": 4, "metrics.every": 2}
+    )
 
 
 def test_a_slow_rank_is_named(tmp_path, monkeypatch, capfd):
     # the spawned ranks import autoload/sitecustomize at start: rank 1's loader sleeps 0.4 s before each step
     monkeypatch.setenv("PYTHONPATH", AUTOLOAD + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("LOOM_FAULT_RANK", "slow:1:0.4")
-    (result,) = run_jobs(2, [job(tmp_path, "slow")], str(tmp_path), fresh=True)  # ranks with the fault, in capfd
+    (result,) = run_jobs(
+        2, [job(tmp_path, "slow")], str(tmp_path), fresh=True
+    )  # ranks with the fault, in capfd
     assert "error" not in result, result["error"]
     logged = [r for r in result["records"] if "straggler_ranks" in r]
     assert [r["step"] for r in logged] == [2, 4]
@@ -37,5 +41,6 @@ def test_a_slow_rank_is_named(tmp_path, monkeypatch, capfd):
         assert r["data_wait"][1] > r["data_wait"][0] and r["own_time"][1] > r["own_time"][0]
         assert len(r["step_time"]) == 2 and r["comm_time"] == [None, None]
     out = capfd.readouterr().out
-    assert out.count("straggler at step 2: rank 1 ") == 1 and out.count("straggler at step 4: rank 1 ") == 1, \
-        out[-3000:]
+    assert (
+        out.count("straggler at step 2: rank 1 ") == 1 and out.count("straggler at step 4: rank 1 ") == 1
+    ), out[-3000:]

@@ -131,11 +131,14 @@ def model_parity_and_comms(rank, world):
                 logits = sharded(tokens)
                 loss = to_local_loss(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
                 loss.backward()
-            grad_errs = [_rel(p.grad.full_tensor(), dict(model.named_parameters())[n].grad)
-                         for n, p in sharded.named_parameters()]
+            grad_errs = [
+                _rel(p.grad.full_tensor(), dict(model.named_parameters())[n].grad)
+                for n, p in sharded.named_parameters()
+            ]
             out[f"tied={tied} loss_parallel={loss_parallel}"] = {
                 "loss_err": abs(float(loss.detach()) - float(ref_loss.detach())) / float(ref_loss.detach()),
-                "max_grad_err": max(grad_errs), "n_grads": len(grad_errs),
+                "max_grad_err": max(grad_errs),
+                "n_grads": len(grad_errs),
                 # anything holding a vocabulary shard per token (B x S x V/tp) or more; hidden states,
                 # B x S x E, are far smaller
                 "vocab_gathers": [n for n in comm.gathered if n >= tokens.numel() * 384 // world],

@@ -16,9 +16,19 @@ STEPS, GLOBAL, SAVE_AT = 4, 8, 2
 
 
 def job(tmp, name, mb=2, **extra):
-    return tiny_overrides(f"{tmp}/{name}", f"{tmp}/cache", **{
-        "run.seed": 5, "training.steps": STEPS, "training.global_batch_size": GLOBAL,
-        "training.micro_batch_size": mb, "optimizer.warmup_steps": 2, "optimizer.lr": 3e-3, **extra})
+    return tiny_overrides(
+        f"{tmp}/{name}",
+        f"{tmp}/cache",
+        **{
+            "run.seed": 5,
+            "training.steps": STEPS,
+            "training.global_batch_size": GLOBAL,
+            "training.micro_batch_size": mb,
+            "optimizer.warmup_steps": 2,
+            "optimizer.lr": 3e-3,
+            **extra,
+        },
+    )
 
 
 def max_rel(a, b):
@@ -44,10 +54,14 @@ def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("w2")
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
     jobs = [job(tmp, f"zero{z}", **{"parallel.zero": z, **save}) for z in range(4)]
-    jobs += [job(tmp, "z1_to_z3", **{"parallel.zero": 3, "checkpoint.resume": ckpt(tmp, "zero1")}),
-             job(tmp, "z3_to_z1", **{"parallel.zero": 1, "checkpoint.resume": ckpt(tmp, "zero3")})]
-    jobs += [job(tmp, f"zero1_{impl}", **{"parallel.zero": 1, "optimizer.implementation": impl})
-             for impl in ("fused", "triton")]
+    jobs += [
+        job(tmp, "z1_to_z3", **{"parallel.zero": 3, "checkpoint.resume": ckpt(tmp, "zero1")}),
+        job(tmp, "z3_to_z1", **{"parallel.zero": 1, "checkpoint.resume": ckpt(tmp, "zero3")}),
+    ]
+    jobs += [
+        job(tmp, f"zero1_{impl}", **{"parallel.zero": 1, "optimizer.implementation": impl})
+        for impl in ("fused", "triton")
+    ]
     res = run_jobs(2, jobs, str(tmp))
     names = [f"zero{z}" for z in range(4)] + ["z1_to_z3", "z3_to_z1", "zero1_fused", "zero1_triton"]
     return dict(zip(names, res))
@@ -77,18 +91,36 @@ def _state_bytes(rank, world, tmp, stages):
 
     out = {}
     for z in stages:
-        over = job(tmp, f"mem{z}", **{"parallel.zero": z, "training.steps": 1, "optimizer.warmup_steps": 0,
-                                      "checkpoint.at_end": "false"})
-        trainer = Trainer(build_config(None, {k: str(v) for k, v in over.items()}),
-                          env=init_distributed("cpu", "gloo"))
+        over = job(
+            tmp,
+            f"mem{z}",
+            **{
+                "parallel.zero": z,
+                "training.steps": 1,
+                "optimizer.warmup_steps": 0,
+                "checkpoint.at_end": "false",
+            },
+        )
+        trainer = Trainer(
+            build_config(None, {k: str(v) for k, v in over.items()}), env=init_distributed("cpu", "gloo")
+        )
         trainer.fit()
-        local = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
-                    for opt in trainer.optimizer.optimizers for state in opt.state.values()
-                    for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        local = sum(
+            t.to_local().numel() * t.element_size()
+            if hasattr(t, "to_local")
+            else t.numel() * t.element_size()
+            for opt in trainer.optimizer.optimizers
+            for state in opt.state.values()
+            for t in state.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
         every = [None] * world
         dist.all_gather_object(every, local)
-        out[z] = {"ranks": every, "params": sum(p.numel() for p in trainer.params),
-                  "largest": max(p.numel() for p in trainer.params)}
+        out[z] = {
+            "ranks": every,
+            "params": sum(p.numel() for p in trainer.params),
+            "largest": max(p.numel() for p in trainer.params),
+        }
         del trainer
     return out
 
@@ -100,13 +132,18 @@ def test_optimizer_state_per_rank_is_a_half(tmp_path):
     total = 8 * got["1"]["params"]  # fp32 exp_avg and exp_avg_sq of every parameter: each rank's at zero 0
     for z, slack in (("1", 8 * got["1"]["largest"]), ("3", total / 50)):
         ranks = got[z]["ranks"]
-        assert abs(sum(ranks) - total) <= slack / 2 and all(abs(r - total / 2) <= slack / 2 for r in ranks), (z, ranks)
+        assert abs(sum(ranks) - total) <= slack / 2 and all(abs(r - total / 2) <= slack / 2 for r in ranks), (
+            z,
+            ranks,
+        )
         assert max(ranks) < 0.6 * total
 
 
 @pytest.mark.exhaustive  # stages x accumulation on 4 ranks (pytest --exhaustive)
 def test_stages_by_accumulation_on_four_ranks(reference, tmp_path):
     names = [(z, mb) for z in range(4) for mb in (1, 2)]
-    res = run_jobs(4, [job(tmp_path, f"z{z}mb{mb}", mb=mb, **{"parallel.zero": z}) for z, mb in names], str(tmp_path))
+    res = run_jobs(
+        4, [job(tmp_path, f"z{z}mb{mb}", mb=mb, **{"parallel.zero": z}) for z, mb in names], str(tmp_path)
+    )
     for (z, mb), r in zip(names, res):
         assert max_rel(losses(r), reference) < 1e-5, (z, mb)

@@ -39,7 +39,9 @@ from tests.faults.inject import descendants, kill_tree
 from tests.unit.test_checkpoint_recovery import LOOM, comparable, env, resumed_from, train_args
 from tests.unit.test_reliability import alive
 
-AUTOLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autoload")  # its sitecustomize arms kill points
+AUTOLOAD = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "autoload"
+)  # its sitecustomize arms kill points
 EVERY, KEEP = 2, 2
 STALL_S = 180  # an attempt that prints nothing for this long is hung (a busy machine stays far below it)
 OUTSIDE = ("startup", "step", "save_window", "prepare")
@@ -80,11 +82,12 @@ class Kill:
 @dataclass
 class Timing:
     """Seconds to the first step line and per step (the latest attempt's that showed them); token cache bytes."""
+
     startup_s: float
     step_s: float
     cache_bytes: int
 
-    def update(self, a: "Attempt") -> None:
+    def update(self, a: Attempt) -> None:
         if a.first_step_s is not None:
             self.startup_s = a.first_step_s
         if a.step_s is not None:
@@ -133,11 +136,13 @@ class Report:
 
     def line(self) -> str:
         kinds = ",".join(f"{k}={v}" for k, v in sorted(self.kills_by_kind.items()))
-        return (f"faults {self.test}: seed {self.seed}, {self.kills} kills ({kinds}), {self.resumes} resumes, "
-                f"{self.fresh_starts} fresh starts, {self.attempts} attempts, {self.mismatches} mismatches, "
-                f"{self.wrong_resumes} wrong resumes, {self.corrupt_checkpoints} corrupt checkpoints, "
-                f"{self.leftovers_kept} leftovers kept, {self.duplicate_steps} duplicate steps, {self.hangs} hangs, "
-                f"{len(self.problems)} problems, {self.seconds:.0f} s")
+        return (
+            f"faults {self.test}: seed {self.seed}, {self.kills} kills ({kinds}), {self.resumes} resumes, "
+            f"{self.fresh_starts} fresh starts, {self.attempts} attempts, {self.mismatches} mismatches, "
+            f"{self.wrong_resumes} wrong resumes, {self.corrupt_checkpoints} corrupt checkpoints, "
+            f"{self.leftovers_kept} leftovers kept, {self.duplicate_steps} duplicate steps, {self.hangs} hangs, "
+            f"{len(self.problems)} problems, {self.seconds:.0f} s"
+        )
 
     def write(self) -> None:
         """The summary line and one line per attempt to stdout; the counts to LOOM_FAULTS_REPORT if set."""
@@ -148,16 +153,32 @@ class Report:
                 fh.write(json.dumps({k: v for k, v in asdict(self).items() if k != "log"}) + "\n")
 
     def failure(self) -> str:
-        return "\n".join([self.line(), f"replay: LOOM_FAULTS_SEED={self.seed} LOOM_FAULTS_KILLS={self.kills_wanted} "
-                          "(kill points replay exactly; timed kills land where the machine's speed puts them)",
-                          "problems:", *self.problems[:20], "attempts:", *self.log])
+        return "\n".join(
+            [
+                self.line(),
+                f"replay: LOOM_FAULTS_SEED={self.seed} LOOM_FAULTS_KILLS={self.kills_wanted} "
+                "(kill points replay exactly; timed kills land where the machine's speed puts them)",
+                "problems:",
+                *self.problems[:20],
+                "attempts:",
+                *self.log,
+            ]
+        )
 
 
 # ---- running attempts ---------------------------------------------------------------------------------
 def run_args(run_dir: str, cache: str, v: Variant) -> list[str]:
-    args = train_args(run_dir, cache, **{"training.steps": v.steps, "checkpoint.every": EVERY,
-                                         "checkpoint.keep": KEEP, "checkpoint.resume": "auto",
-                                         "checkpoint.async_save": str(v.async_save).lower()})
+    args = train_args(
+        run_dir,
+        cache,
+        **{
+            "training.steps": v.steps,
+            "checkpoint.every": EVERY,
+            "checkpoint.keep": KEEP,
+            "checkpoint.resume": "auto",
+            "checkpoint.async_save": str(v.async_save).lower(),
+        },
+    )
     return (["--nproc-per-node", str(v.nproc)] if v.nproc > 1 else []) + args
 
 
@@ -204,7 +225,9 @@ class _Watch:
         self.kill, self.ckpt_dir, self.cache, self.started = kill, ckpt_dir, cache, started
         self._out, self._partial = open(out_path), ""
         self.step_times: list[tuple[int, float]] = []  # (step, when its line appeared)
-        self.old_tmp = {e for e in _entries(ckpt_dir) if e[0].endswith(".tmp")}  # a kill's leftovers, not saves
+        self.old_tmp = {
+            e for e in _entries(ckpt_dir) if e[0].endswith(".tmp")
+        }  # a kill's leftovers, not saves
         self.new_tmp: set = set()
         self.seen_at: float | None = None
         self.note = ""
@@ -212,7 +235,9 @@ class _Watch:
     def read(self, now: float) -> None:
         self._partial += self._out.read()
         *lines, self._partial = self._partial.split("\n")
-        self.step_times += [(int(line.split()[1].split("/")[0]), now) for line in lines if line.startswith("step ")]
+        self.step_times += [
+            (int(line.split()[1].split("/")[0]), now) for line in lines if line.startswith("step ")
+        ]
 
     def due(self, now: float) -> bool:
         k = self.kill
@@ -229,8 +254,10 @@ class _Watch:
                 if len(self.new_tmp) >= k.n:
                     self.seen_at = now
             return self.seen_at is not None and now - self.seen_at >= k.at
-        if any(n.endswith(".bin") and os.path.isfile(meta_path(os.path.join(self.cache, n)))
-               for n in _names(self.cache)):
+        if any(
+            n.endswith(".bin") and os.path.isfile(meta_path(os.path.join(self.cache, n)))
+            for n in _names(self.cache)
+        ):
             self.note = "the cache was complete before the threshold: killed after data preparation"
             return True
         return any(_size(os.path.join(self.cache, n)) >= k.at for n in _names(self.cache) if TEMP_TAG in n)
@@ -312,9 +339,16 @@ def run_attempt(cmd: list[str], kill: Kill | None, ckpt_dir: str, cache: str, lo
 def reference_run(run_dir: str, cache: str, v: Variant) -> tuple[dict[int, tuple], Timing, dict]:
     """An uninterrupted run: (its record of each step, its timings, the shard hashes of its last checkpoint)."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    a = run_attempt([sys.executable, "-c", LOOM, "train", *run_args(run_dir, cache, v)], None, ckpt_dir, cache,
-                    run_dir + "-log")
-    assert a.rc == 0, f"the reference run {'hung' if a.hung else 'failed'}:\n{a.stdout[-2000:]}\n{a.stderr[-3000:]}"
+    a = run_attempt(
+        [sys.executable, "-c", LOOM, "train", *run_args(run_dir, cache, v)],
+        None,
+        ckpt_dir,
+        cache,
+        run_dir + "-log",
+    )
+    assert a.rc == 0, (
+        f"the reference run {'hung' if a.hung else 'failed'}:\n{a.stdout[-2000:]}\n{a.stderr[-3000:]}"
+    )
     recs = _records(os.path.join(run_dir, "metrics.jsonl"))[0]
     assert [r[0] for r in recs] == list(range(1, v.steps + 1)), recs
     (cache_file,) = [n for n in _names(cache) if n.endswith(".bin")]
@@ -342,14 +376,29 @@ def _records(path: str) -> tuple[list[tuple], int]:
 
 
 # ---- choosing the next kill ------------------------------------------------------------------------
-GROUPS = {"prepare": ("prepare", "prepare", "prepare", "cache_commit"),  # mostly mid-tokenization
-          "save": ("shard", "marker", "rename", "renamed"),  # kill points: each lands where it is aimed
-          "retention": ("deleting", "rmtree"),
-          "any": ("startup", "step", "step", "step", "save_window", "shard", "marker", "rename", "renamed",
-                  "deleting", "rmtree")}
+GROUPS = {
+    "prepare": ("prepare", "prepare", "prepare", "cache_commit"),  # mostly mid-tokenization
+    "save": ("shard", "marker", "rename", "renamed"),  # kill points: each lands where it is aimed
+    "retention": ("deleting", "rmtree"),
+    "any": (
+        "startup",
+        "step",
+        "step",
+        "step",
+        "save_window",
+        "shard",
+        "marker",
+        "rename",
+        "renamed",
+        "deleting",
+        "rmtree",
+    ),
+}
 
 
-def choose_kill(rng: random.Random, v: Variant, timing: Timing, start: int, complete: int, group: str) -> Kill:
+def choose_kill(
+    rng: random.Random, v: Variant, timing: Timing, start: int, complete: int, group: str
+) -> Kill:
     """A kill of ``group`` for an attempt that resumes at ``start`` with ``complete`` checkpoints of the lineage.
     Aimed at most 6 steps or 2 saves ahead, so that a run lasts for many kills."""
     saves = (v.steps - start) // EVERY
@@ -364,7 +413,9 @@ def choose_kill(rng: random.Random, v: Variant, timing: Timing, start: int, comp
     if kind == "startup":
         return Kill(kind, at=rng.uniform(0.0, timing.startup_s))
     if kind == "step":
-        return Kill(kind, start + rng.randint(1, min(6, v.steps - start)), rng.uniform(0.0, 1.5 * timing.step_s))
+        return Kill(
+            kind, start + rng.randint(1, min(6, v.steps - start)), rng.uniform(0.0, 1.5 * timing.step_s)
+        )
     if kind == "cache_commit":
         return Kill(kind, 1)
     n = rng.randint(1, max(1, min(2, removals if kind in GROUPS["retention"] else saves)))
@@ -375,8 +426,18 @@ def choose_kill(rng: random.Random, v: Variant, timing: Timing, start: int, comp
 class FaultedRun:
     """One run dir killed ``kills`` times (then left to finish), checked after every attempt and at the end."""
 
-    def __init__(self, v: Variant, seed: int, kills: int, root: str, cache: str,
-                 reference: dict[int, tuple], timing: Timing, ref_shards: dict, ref_cache: str):
+    def __init__(
+        self,
+        v: Variant,
+        seed: int,
+        kills: int,
+        root: str,
+        cache: str,
+        reference: dict[int, tuple],
+        timing: Timing,
+        ref_shards: dict,
+        ref_cache: str,
+    ):
         self.v, self.seed, self.kills_wanted = v, seed, kills
         self.run_dir = os.path.join(root, "run")
         os.makedirs(root, exist_ok=True)
@@ -397,8 +458,10 @@ class FaultedRun:
         return [sys.executable, "-c", LOOM, "train", *run_args(self.run_dir, self.cache, self.v)]
 
     def cache_ready(self) -> bool:
-        return any(n.endswith(".bin") and os.path.isfile(meta_path(os.path.join(self.cache, n)))
-                   for n in _names(self.cache))
+        return any(
+            n.endswith(".bin") and os.path.isfile(meta_path(os.path.join(self.cache, n)))
+            for n in _names(self.cache)
+        )
 
     def inspect(self, where: str) -> tuple[int | None, int, set]:
         """Check the checkpoint folder: (newest complete step of the lineage, complete count, leftovers)."""
@@ -438,7 +501,7 @@ class FaultedRun:
             elif name.endswith(".bin.json"):
                 with open(path) as fh:
                     meta = json.load(fh)
-                size = os.path.getsize(path[:-len(".json")]) if os.path.exists(path[:-len(".json")]) else -1
+                size = os.path.getsize(path[: -len(".json")]) if os.path.exists(path[: -len(".json")]) else -1
                 want = meta["tokens"] * (2 if meta["dtype"] == "uint16" else 4)
                 if size != want:
                     self.problem(f"{where}: {name} describes {want} bytes, the token file has {size}")
@@ -453,7 +516,9 @@ class FaultedRun:
                 if rec != self.reference.get(rec[0]) and (name, rec) not in self.bad_records:
                     self.bad_records.add((name, rec))
                     self.report.mismatches += 1
-                    self.problem(f"{where}: {name} step {rec[0]}: {rec} != reference {self.reference.get(rec[0])}")
+                    self.problem(
+                        f"{where}: {name} step {rec[0]}: {rec} != reference {self.reference.get(rec[0])}"
+                    )
 
     def check_start(self, a: Attempt, where: str, expected: int | None, leftovers: set, temps: set) -> None:
         """The attempt resumed from ``expected`` (None: a fresh start at step 1) and removed the leftovers."""
@@ -462,13 +527,17 @@ class FaultedRun:
             self.report.resumes += 1
             if got != expected:
                 self.report.wrong_resumes += 1
-                self.problem(f"{where}: resumed from step {got}, the newest complete checkpoint was {expected}")
+                self.problem(
+                    f"{where}: resumed from step {got}, the newest complete checkpoint was {expected}"
+                )
         elif a.started:
             self.report.fresh_starts += 1
             first = _first_step(a.stdout)
             if expected is not None or (first is not None and first != 1):
                 self.report.wrong_resumes += 1
-                self.problem(f"{where}: started at step {first} without resuming; newest checkpoint {expected}")
+                self.problem(
+                    f"{where}: started at step {first} without resuming; newest checkpoint {expected}"
+                )
         if a.started:
             still = leftovers & _entries(self.ckpt_dir)
             if still:
@@ -495,11 +564,18 @@ class FaultedRun:
         final = None
         for i in range(self.kills_wanted + 1):
             last = i == self.kills_wanted
-            kill = None if last else choose_kill(self.rng, self.v, self.timing, expected or 0, complete,
-                                                 self.group(i, prepare_left))
+            kill = (
+                None
+                if last
+                else choose_kill(
+                    self.rng, self.v, self.timing, expected or 0, complete, self.group(i, prepare_left)
+                )
+            )
             if kill is not None and kill.kind in GROUPS["prepare"]:
                 prepare_left -= 1
-            a = run_attempt(self.cmd(), kill, self.ckpt_dir, self.cache, os.path.join(self.root, f"attempt{i}"))
+            a = run_attempt(
+                self.cmd(), kill, self.ckpt_dir, self.cache, os.path.join(self.root, f"attempt{i}")
+            )
             self.timing.update(a)
             self.report.attempts += 1
             where = f"attempt {i} ({kill or 'no kill'})"
@@ -513,11 +589,14 @@ class FaultedRun:
             self.report.log.append(
                 f"  #{i} {kill or 'no kill'}: rc {a.rc}, {a.seconds:.1f}s, expected resume {expected_before}, "
                 f"resumed {resumed}, last step {_last_step(a.stdout)}, now newest {expected}, "
-                f"leftovers {sorted(n for n, _ in leftovers)}{', ' + a.note if a.note else ''}")
+                f"leftovers {sorted(n for n, _ in leftovers)}{', ' + a.note if a.note else ''}"
+            )
             if a.hung:
                 self.report.hangs += 1
-                self.problem(f"{where}: hung, no output for {STALL_S} s after {a.stdout.splitlines()[-1:]}; "
-                             f"its output is in {self.root}/attempt{i}.out and .err")
+                self.problem(
+                    f"{where}: hung, no output for {STALL_S} s after {a.stdout.splitlines()[-1:]}; "
+                    f"its output is in {self.root}/attempt{i}.out and .err"
+                )
                 break
             if killed and "saved step" in a.stdout:  # a worker outlived the kill and saved like a preemption
                 self.problem(f"{where}: a process survived the SIGKILL: {a.stdout[-500:]}")
@@ -559,18 +638,25 @@ class FaultedRun:
             self.problem(f"the run ended with {names} in {self.ckpt_dir}, expected {want}")
         final = os.path.join(self.ckpt_dir, step_dir_name(self.v.steps))
         if os.path.isdir(final) and _shard_hashes(final) != self.ref_shards:
-            self.problem(f"{final}: shards differ from the reference's ({_shard_hashes(final)} != {self.ref_shards})")
+            self.problem(
+                f"{final}: shards differ from the reference's ({_shard_hashes(final)} != {self.ref_shards})"
+            )
         usual = {".lock", "config.toml", "data_sources.json", "checkpoints", "metrics.jsonl"}
-        other = [n for n in _names(self.run_dir) if n not in usual and not re.match(r"^metrics\.[\d-]+\.jsonl$", n)]
+        other = [
+            n for n in _names(self.run_dir) if n not in usual and not re.match(r"^metrics\.[\d-]+\.jsonl$", n)
+        ]
         if other:  # noted, not failed: e.g. a metrics rewrite's temporary left by a kill
             self.report.log.append(f"  the run dir also holds {sorted(other)}")
         cache_names = sorted(_names(self.cache))
         if cache_names != sorted(_names(self.ref_cache)):
-            self.problem(f"the token cache holds {cache_names}, the reference's {sorted(_names(self.ref_cache))}")
+            self.problem(
+                f"the token cache holds {cache_names}, the reference's {sorted(_names(self.ref_cache))}"
+            )
         else:
             for n in cache_names:
                 if n.endswith(".bin") and file_digest(os.path.join(self.cache, n)) != file_digest(
-                        os.path.join(self.ref_cache, n)):
+                    os.path.join(self.ref_cache, n)
+                ):
                     self.problem(f"token cache {n} differs from the reference's")
 
 
@@ -581,5 +667,7 @@ def _last_step(stdout: str) -> int | None:
 
 def settings(default_seed: int, default_kills: int) -> tuple[int, int]:
     """The seed and kill count: the test's, or LOOM_FAULTS_SEED / LOOM_FAULTS_KILLS to reproduce or widen."""
-    return (int(os.environ.get("LOOM_FAULTS_SEED", default_seed)),
-            int(os.environ.get("LOOM_FAULTS_KILLS", default_kills)))
+    return (
+        int(os.environ.get("LOOM_FAULTS_SEED", default_seed)),
+        int(os.environ.get("LOOM_FAULTS_KILLS", default_kills)),
+    )

@@ -58,7 +58,9 @@ def _after_import(name: str, patch) -> None:
 def install(spec: str) -> None:
     kind, rank, arg = (spec.split(":") + ["", ""])[:3]
     if kind not in KINDS or not rank.isdecimal() or not arg:
-        raise ValueError(f"LOOM_FAULT_RANK={spec!r}: expected <kind>:<rank>:<arg> with kind one of {', '.join(KINDS)}")
+        raise ValueError(
+            f"LOOM_FAULT_RANK={spec!r}: expected <kind>:<rank>:<arg> with kind one of {', '.join(KINDS)}"
+        )
 
     def mine() -> bool:
         return os.environ.get("RANK") == rank
@@ -81,11 +83,16 @@ def install(spec: str) -> None:
     target, seen = int(arg), {"n": 0}
 
     def stall(what: str) -> None:
-        print(f"loom-fault: rank {rank} stalls {what} #{target} (pid {os.getpid()})", file=sys.stderr, flush=True)
+        print(
+            f"loom-fault: rank {rank} stalls {what} #{target} (pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
         while True:
             time.sleep(3600)
 
     if kind == "stall_save":
+
         def patch_manager(module):
             run = module.CheckpointManager.save
 
@@ -108,8 +115,11 @@ def install(spec: str) -> None:
             if mine() and seen["n"] == target:
                 if kind == "stall":
                     stall("all_reduce")
-                print(f"loom-fault: rank {rank} skips all_reduce #{target} (pid {os.getpid()})", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"loom-fault: rank {rank} skips all_reduce #{target} (pid {os.getpid()})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return None
             return run(*args, **kwargs)
 

@@ -18,11 +18,31 @@ SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "uneven_poll")
 def test_async_saves_finish_when_the_ranks_polls_disagree(tmp_path):
     run = tmp_path / "run"
     e = dict(env(), PYTHONPATH=SITE + os.pathsep + REPO)
-    cmd = [sys.executable, "-c", LOOM, "train", "--nproc-per-node", "2", *tiny_args(run, tmp_path / "cache", **{
-        "run.seed": 3, "training.steps": 8, "training.global_batch_size": 4, "optimizer.warmup_steps": None,
-        "checkpoint.every": 2, "checkpoint.keep": 0, "checkpoint.async_save": "true", "checkpoint.at_end": None})]
-    proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-c",
+        LOOM,
+        "train",
+        "--nproc-per-node",
+        "2",
+        *tiny_args(
+            run,
+            tmp_path / "cache",
+            **{
+                "run.seed": 3,
+                "training.steps": 8,
+                "training.global_batch_size": 4,
+                "optimizer.warmup_steps": None,
+                "checkpoint.every": 2,
+                "checkpoint.keep": 0,
+                "checkpoint.async_save": "true",
+                "checkpoint.at_end": None,
+            },
+        ),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=240)  # far above the run's own time: a hang fails here
     except subprocess.TimeoutExpired:

@@ -37,6 +37,7 @@ def references(tmp_path_factory):
         if key not in made:
             made[key] = reference_run(str(tmp_path_factory.mktemp("reference") / "run"), cache, v)
         return made[key], cache
+
     return get
 
 

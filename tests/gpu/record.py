@@ -24,7 +24,9 @@ BEGIN, END = "<!-- record: begin (written by python -m tests.gpu.record) -->", "
 def gpu_test_files() -> list[str]:
     """Every test file with a test marked ``gpu`` (the marker on a test, a class or the module)."""
     marked = re.compile(r"pytest\.mark\.gpu\b")
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if marked.search(p.read_text()))
+    return sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if marked.search(p.read_text())
+    )
 
 
 def test_file(case: ET.Element) -> str | None:
@@ -49,8 +51,13 @@ def outcomes(junit_paths: list[str]) -> dict[str, dict[str, int]]:
             file = test_file(case)
             if file is None or not case.get("name"):
                 continue
-            kind = ("failed" if case.find("failure") is not None or case.find("error") is not None
-                    else "skipped" if case.find("skipped") is not None else "passed")
+            kind = (
+                "failed"
+                if case.find("failure") is not None or case.find("error") is not None
+                else "skipped"
+                if case.find("skipped") is not None
+                else "passed"
+            )
             counts = out.setdefault(file, {"passed": 0, "failed": 0, "skipped": 0})
             counts[kind] += 1
     return out
@@ -71,11 +78,20 @@ def update(record: dict, results: dict[str, dict[str, int]], run: dict) -> dict:
 
 
 def table(record: dict) -> str:
-    rows = ["| file | last pass: commit, device, date (passed / skipped) | last run, if it failed |", "|---|---|---|"]
+    rows = [
+        "| file | last pass: commit, device, date (passed / skipped) | last run, if it failed |",
+        "|---|---|---|",
+    ]
     for file, entry in record["files"].items():
         p, r = entry.get("last_pass"), entry.get("last_run")
-        passed = f"{p['commit']}, {p['device']}, {p['date']} ({p['passed']} / {p['skipped']})" if p else "never recorded"
-        failed = (f"{r['failed']} failed: {r['commit']}, {r['device']}, {r['date']}" if r and r["failed"] else "")
+        passed = (
+            f"{p['commit']}, {p['device']}, {p['date']} ({p['passed']} / {p['skipped']})"
+            if p
+            else "never recorded"
+        )
+        failed = (
+            f"{r['failed']} failed: {r['commit']}, {r['device']}, {r['date']}" if r and r["failed"] else ""
+        )
         rows.append(f"| `{file}` | {passed} | {failed} |")
     return "\n".join(rows)
 

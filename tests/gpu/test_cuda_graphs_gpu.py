@@ -15,9 +15,18 @@ def losses(tmp_path, name: str, micro: int, **extra) -> list[float]:
     from loom.config import build_config
     from loom.train.trainer import Trainer
 
-    over = {**tiny_overrides(), "run.device": "cuda", "training.compile": "true", "training.steps": 6,
-            "training.global_batch_size": 8, "training.micro_batch_size": micro, "training.eval_every": 3,
-            "data.val_fraction": 0.1, "run.dir": str(tmp_path / name), **extra}
+    over = {
+        **tiny_overrides(),
+        "run.device": "cuda",
+        "training.compile": "true",
+        "training.steps": 6,
+        "training.global_batch_size": 8,
+        "training.micro_batch_size": micro,
+        "training.eval_every": 3,
+        "data.val_fraction": 0.1,
+        "run.dir": str(tmp_path / name),
+        **extra,
+    }
     cfg = build_config(None, {k: str(v) for k, v in over.items()})
     return [r["loss"] for r in Trainer(cfg).fit()]
 

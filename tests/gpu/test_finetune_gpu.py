@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from loom.train.trainer import Trainer
+from tests.tiny import tiny_config
 from tests.unit.test_dpo import rows, write_jsonl
 from tests.unit.test_sft_empty_steps import masked, same, sft, snapshot, write_chats
-from tests.tiny import tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,11 +22,25 @@ def test_dpo_reference_copy_matches_the_cached_reference_on_cuda(tmp_path, compi
     source = write_jsonl(tmp_path / "p.jsonl", rows(80))
     losses = {}
     for reference in ("cached", "copy"):
-        cfg = tiny_config(tmp_path / reference, tmp_path / "cache", **{
-            "run.device": "cuda", "training.dtype": "bfloat16", "training.compile": compile_,
-            "training.objective": "dpo", "data.source": source, "dpo.reference": reference, "dpo.beta": 0.5,
-            "training.seq_len": 128, "training.global_batch_size": 8, "training.micro_batch_size": 4,
-            "training.steps": 6, "optimizer.lr": 3e-3, "data.val_fraction": 0.0})
+        cfg = tiny_config(
+            tmp_path / reference,
+            tmp_path / "cache",
+            **{
+                "run.device": "cuda",
+                "training.dtype": "bfloat16",
+                "training.compile": compile_,
+                "training.objective": "dpo",
+                "data.source": source,
+                "dpo.reference": reference,
+                "dpo.beta": 0.5,
+                "training.seq_len": 128,
+                "training.global_batch_size": 8,
+                "training.micro_batch_size": 4,
+                "training.steps": 6,
+                "optimizer.lr": 3e-3,
+                "data.val_fraction": 0.0,
+            },
+        )
         losses[reference] = [r["loss"] for r in Trainer(cfg).fit()]
     assert all(math.isfinite(x) for x in losses["copy"])
     # bf16: the reference log-probabilities are the same model's, batched differently (rounding only)
@@ -36,8 +50,18 @@ def test_dpo_reference_copy_matches_the_cached_reference_on_cuda(tmp_path, compi
 @pytest.mark.parametrize("impl", ["triton", "fused"])
 def test_a_step_without_targets_is_skipped_on_the_device(tmp_path, capsys, impl):
     source = write_chats(tmp_path / "chat.jsonl", 60, 6)
-    trainer = Trainer(sft(tmp_path, source, **{"run.device": "cuda", "training.dtype": "bfloat16",
-                                               "optimizer.implementation": impl, "training.steps": 4}))
+    trainer = Trainer(
+        sft(
+            tmp_path,
+            source,
+            **{
+                "run.device": "cuda",
+                "training.dtype": "bfloat16",
+                "optimizer.implementation": impl,
+                "training.steps": 4,
+            },
+        )
+    )
     assert trainer.optimizer.skips_on_device
     trainer.train_step(trainer.loader.next_step().micro_batches)
     trainer.step = 1

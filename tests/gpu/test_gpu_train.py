@@ -13,9 +13,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def job(tmp_path, **extra):
-    d = {"run.dir": str(tmp_path / "run"), "run.device": "cuda", "training.steps": 6, "training.seq_len": 128,
-         "training.global_batch_size": 8, "training.micro_batch_size": 4, "optimizer.warmup_steps": 1,
-         "metrics.every": 1, "checkpoint.at_end": "false", "metrics.tensorboard": "false"}
+    d = {
+        "run.dir": str(tmp_path / "run"),
+        "run.device": "cuda",
+        "training.steps": 6,
+        "training.seq_len": 128,
+        "training.global_batch_size": 8,
+        "training.micro_batch_size": 4,
+        "optimizer.warmup_steps": 1,
+        "metrics.every": 1,
+        "checkpoint.at_end": "false",
+        "metrics.tensorboard": "false",
+    }
     d.update(extra)
     return d
 
@@ -37,8 +46,19 @@ def test_bf16_close_to_fp32_on_cuda(tmp_path):
 
 def test_compile_and_op_checkpointing_on_cuda(tmp_path):
     eager = [r["loss"] for r in run_one(job(tmp_path / "e", **{"training.dtype": "bfloat16"}))]
-    comp = [r["loss"] for r in run_one(job(tmp_path / "c", **{"training.dtype": "bfloat16", "training.compile": "true",
-                                                               "training.activation_checkpointing": "op"}))]
+    comp = [
+        r["loss"]
+        for r in run_one(
+            job(
+                tmp_path / "c",
+                **{
+                    "training.dtype": "bfloat16",
+                    "training.compile": "true",
+                    "training.activation_checkpointing": "op",
+                },
+            )
+        )
+    ]
     assert max(abs(a - b) / a for a, b in zip(eager, comp)) < 1e-2
 
 
@@ -48,8 +68,12 @@ def test_flash_attention_under_op_checkpointing_on_cuda(tmp_path):
     flash = {"training.dtype": "bfloat16", "model.attention": "flash"}
     plain = [r["loss"] for r in run_one(job(tmp_path / "p", **flash))]
     for name, extra in (("op", {}), ("op-compiled", {"training.compile": "true"})):
-        got = [r["loss"] for r in run_one(job(tmp_path / name, **flash, **extra,
-                                              **{"training.activation_checkpointing": "op"}))]
+        got = [
+            r["loss"]
+            for r in run_one(
+                job(tmp_path / name, **flash, **extra, **{"training.activation_checkpointing": "op"})
+            )
+        ]
         assert max(abs(a - b) / a for a, b in zip(plain, got)) < 1e-2, name
 
 
@@ -57,10 +81,18 @@ def test_moe_trains_on_cuda_close_to_fp32(tmp_path):
     """debug_moe with loom's fused kernels in bf16 (SwiGLU experts through the Triton gate) against fp32 with
     the references: the same routing decisions up to rounding, so the curves stay close."""
     moe = {"model.flavor": "debug_moe", "training.activation_checkpointing": "op"}
-    fp32 = [r["loss"] for r in run_one(job(tmp_path / "a", **moe, **{"training.dtype": "float32",
-                                                                     "model.fused_swiglu": "false"}))]
-    bf16 = [r["loss"] for r in run_one(job(tmp_path / "b", **moe, **{"training.dtype": "bfloat16",
-                                                                     "model.fused_swiglu": "true"}))]
+    fp32 = [
+        r["loss"]
+        for r in run_one(
+            job(tmp_path / "a", **moe, **{"training.dtype": "float32", "model.fused_swiglu": "false"})
+        )
+    ]
+    bf16 = [
+        r["loss"]
+        for r in run_one(
+            job(tmp_path / "b", **moe, **{"training.dtype": "bfloat16", "model.fused_swiglu": "true"})
+        )
+    ]
     assert all(math.isfinite(x) for x in bf16) and bf16[-1] < bf16[0]
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) < 3e-2
 
@@ -72,6 +104,8 @@ def test_moe_compiled_matches_eager_on_cuda(tmp_path):
     comp = [r["loss"] for r in run_one(job(tmp_path / "c", **moe, **{"training.compile": "true"}))]
     assert max(abs(a - b) / a for a, b in zip(eager, comp)) < 1e-2
     for ac in ("full", "op"):  # compiled checkpointed MoE blocks (the forward must not change module state)
-        recs = run_one(job(tmp_path / ac, **moe, **{"training.compile": "true", "training.activation_checkpointing": ac}))
+        recs = run_one(
+            job(tmp_path / ac, **moe, **{"training.compile": "true", "training.activation_checkpointing": ac})
+        )
         assert max(abs(a - r["loss"]) / a for a, r in zip(eager, recs)) < 1e-2
         assert all(r["moe_balance"] is None for r in recs)  # compiled runs do not report it

@@ -16,15 +16,23 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUTOLOAD = os.path.join(REPO, "tests", "faults", "autoload")
+
+
 def two_gpus(test):
     """A test that needs 2 CUDA devices: skipped with fewer, in the ``multi_gpu`` group."""
-    return pytest.mark.multi_gpu(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")(test))
+    return pytest.mark.multi_gpu(
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")(test)
+    )
 
-ONE_RANK = r'''
+
+ONE_RANK = r"""
 import json, os, pickle, sys, time
 from loom.runtime.health import process_env
 from loom.runtime.flight_recorder import summarize_dump, dump_flight_recorder
@@ -55,12 +63,17 @@ print(json.dumps({"attached": attached, "comm_seconds": seconds, "groups": group
                   "entries": len(raw["entries"]), "env": {k: os.environ.get(k) for k in
                   ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")}}))
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_one_rank_nccl_flight_recorder_dump_parses_and_collectives_are_timed(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", ONE_RANK, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_RANK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -73,14 +86,40 @@ def test_one_rank_nccl_flight_recorder_dump_parses_and_collectives_are_timed(tmp
 
 
 def launch(run_dir, nproc: int, fault: str, **extra) -> subprocess.CompletedProcess:
-    config = {"run.device": "cuda", "run.dir": str(run_dir), "training.steps": 6, "training.seq_len": 128,
-              "training.global_batch_size": 8, "training.micro_batch_size": 2, "metrics.every": 2,
-              "metrics.tensorboard": "false", "checkpoint.at_end": "false", **extra}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([AUTOLOAD, REPO]), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "NCCL_NVLS_ENABLE": "0", "LOOM_FAULT_RANK": fault}
-    return subprocess.run([sys.executable, "-c", "from loom.cli.main import entry; entry()", "train",
-                           "--nproc-per-node", str(nproc), *[f"--{k}={v}" for k, v in config.items()]],
-                          env=env, capture_output=True, text=True, timeout=900)
+    config = {
+        "run.device": "cuda",
+        "run.dir": str(run_dir),
+        "training.steps": 6,
+        "training.seq_len": 128,
+        "training.global_batch_size": 8,
+        "training.micro_batch_size": 2,
+        "metrics.every": 2,
+        "metrics.tensorboard": "false",
+        "checkpoint.at_end": "false",
+        **extra,
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([AUTOLOAD, REPO]),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "LOOM_FAULT_RANK": fault,
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from loom.cli.main import entry; entry()",
+            "train",
+            "--nproc-per-node",
+            str(nproc),
+            *[f"--{k}={v}" for k, v in config.items()],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @two_gpus
@@ -91,8 +130,13 @@ def test_nccl_timeout_dumps_every_rank_and_the_report_names_the_stuck_one(tmp_pa
     # NCCL's watchdog dumps (TORCH_NCCL_DUMP_ON_TIMEOUT), or loom's own answer where the gloo vote timed out first
     dumps = sorted(os.listdir(run_dir / "flight_recorder"))
     assert "rank_0" in dumps, (dumps, proc.stderr[-3000:])
-    report = subprocess.run([sys.executable, "-m", "loom.runtime.hang_report", str(run_dir)], capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    report = subprocess.run(
+        [sys.executable, "-m", "loom.runtime.hang_report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert report.returncode == 0, report.stderr
     with open(run_dir / "hang_report.json") as fh:
         data = json.load(fh)

@@ -35,7 +35,9 @@ def test_kernel_matches_reference(shape, grad_dtype, with_factor):
 
 def test_optimizer_matches_torch_fused_adamw():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 1000)).cuda()
+    model = nn.Sequential(
+        nn.Embedding(1000, 64), nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 1000)
+    ).cuda()
     ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
     ours = TritonAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     theirs = torch.optim.AdamW(ref, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)

@@ -30,7 +30,7 @@ def _docs(b, s, gen):
     """Random document boundaries anywhere, and a run of padding (id -1) in the first row."""
     cuts = torch.rand(b, s, generator=gen) < 0.004
     ids = cuts.cumsum(1)
-    ids[0, s // 3: s // 3 + 17] = -1
+    ids[0, s // 3 : s // 3 + 17] = -1
     return ids
 
 
@@ -66,7 +66,7 @@ def test_flash_attention_matches_reference(case, dtype, two_configs_per_kernel):
     q, k, v = (torch.randn(b, h, s, d, generator=gen).cuda() for h in (hq, hk, hk))
     bounds = R.document_bounds(_docs(b, s, gen).cuda()) if docs else None
     dout = torch.randn(b, hq, s, d, generator=gen).cuda()
-    scale = d ** -0.5
+    scale = d**-0.5
     ref_o, ref_lse = R.attention_forward(q, k, v, causal, bounds, window, scale)
     ref_g = R.attention_backward(dout, q, k, v, ref_o, ref_lse, None, causal, bounds, window, scale)
     rows = torch.isfinite(ref_lse)  # (B, Hq, S): queries that see some key
@@ -95,7 +95,9 @@ def test_flash_attention_matches_reference(case, dtype, two_configs_per_kernel):
 def test_flash_attention_compiles_fullgraph():
     from loom.kernels.attention.op import flash_attention
 
-    q, k, v = (torch.randn(2, h, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+    q, k, v = (
+        torch.randn(2, h, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2)
+    )
     f = torch.compile(lambda a, b, c: flash_attention(a, b, c).float().square().sum(), fullgraph=True)
     f(q, k, v).backward()
     eager = [t.grad.clone() for t in (q, k, v)]
@@ -109,11 +111,22 @@ def test_flash_attention_compiles_fullgraph():
 def test_model_trains_with_flash_on_packed_documents(tmp_path):
     from tests.distributed.harness import run_one
 
-    cfg = {"run.dir": str(tmp_path / "run"), "run.device": "cuda", "training.steps": 6, "training.seq_len": 256,
-           "training.global_batch_size": 8, "training.micro_batch_size": 4, "optimizer.warmup_steps": 1,
-           "metrics.every": 1, "checkpoint.at_end": "false", "metrics.tensorboard": "false",
-           "training.dtype": "bfloat16", "data.document_positions": "true", "model.flavor": "125M",
-           "model.n_layers": 2}
+    cfg = {
+        "run.dir": str(tmp_path / "run"),
+        "run.device": "cuda",
+        "training.steps": 6,
+        "training.seq_len": 256,
+        "training.global_batch_size": 8,
+        "training.micro_batch_size": 4,
+        "optimizer.warmup_steps": 1,
+        "metrics.every": 1,
+        "checkpoint.at_end": "false",
+        "metrics.tensorboard": "false",
+        "training.dtype": "bfloat16",
+        "data.document_positions": "true",
+        "model.flavor": "125M",
+        "model.n_layers": 2,
+    }
     flash = run_one(dict(cfg, **{"model.attention": "flash"}))
     sdpa = run_one(dict(cfg, **{"model.attention": "sdpa", "run.dir": str(tmp_path / "run2")}))
     for a, b in zip(flash, sdpa):
@@ -128,10 +141,20 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
 
     from tests.distributed.harness import run_one
 
-    cfg = {"run.dir": str(tmp_path / "run"), "run.device": "cuda", "training.steps": 2, "training.seq_len": 512,
-           "training.global_batch_size": 4, "training.micro_batch_size": 2, "optimizer.warmup_steps": 1,
-           "checkpoint.at_end": "false", "metrics.tensorboard": "false", "training.dtype": "bfloat16",
-           "model.flavor": "125M", "model.n_layers": 2}
+    cfg = {
+        "run.dir": str(tmp_path / "run"),
+        "run.device": "cuda",
+        "training.steps": 2,
+        "training.seq_len": 512,
+        "training.global_batch_size": 4,
+        "training.micro_batch_size": 2,
+        "optimizer.warmup_steps": 1,
+        "checkpoint.at_end": "false",
+        "metrics.tensorboard": "false",
+        "training.dtype": "bfloat16",
+        "model.flavor": "125M",
+        "model.n_layers": 2,
+    }
     run_one(cfg)
     with open(tmp_path / "run" / "kernels.json") as f:
         measured = json.load(f)
@@ -139,8 +162,12 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     assert set(times) == {"sdpa", "flash"} and all(math.isfinite(t) and t > 0 for t in times.values())
     assert measured["chosen"] == min(times, key=times.get)
     assert measured["shape"] == "2x12/4x512x64 bfloat16"
-    run_one(dict(cfg, **{"run.dir": str(tmp_path / "det"), "run.deterministic": "true",
-                         "training.dtype": "float32"}))
+    run_one(
+        dict(
+            cfg,
+            **{"run.dir": str(tmp_path / "det"), "run.deterministic": "true", "training.dtype": "float32"},
+        )
+    )
     assert not (tmp_path / "det" / "kernels.json").exists()
 
 
@@ -184,12 +211,20 @@ def test_loom_sdpa_leaves_pytorchs_backend_choice_alone():
     from pathlib import Path
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # the repository root
-    out = {who: subprocess.run([sys.executable, "-c", _SDPA_STATE, who], env=env, capture_output=True,
-                               text=True, check=True).stdout.strip() for who in ("torch", "loom")}
+    out = {
+        who: subprocess.run(
+            [sys.executable, "-c", _SDPA_STATE, who], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for who in ("torch", "loom")
+    }
     assert out["loom"] == out["torch"], out
 
 
-FLEX_CASES = [(1, 8, 2, 1000, 64, True, False, 0), (1, 8, 8, 1531, 128, True, True, 0), (2, 8, 2, 777, 64, True, True, 0)]
+FLEX_CASES = [
+    (1, 8, 2, 1000, 64, True, False, 0),
+    (1, 8, 8, 1531, 128, True, True, 0),
+    (2, 8, 2, 777, 64, True, True, 0),
+]
 
 
 @pytest.mark.parametrize("case", FLEX_CASES, ids=lambda c: "x".join(map(str, c)))
@@ -204,10 +239,10 @@ def test_flex_backend_matches_reference(case):
     q, k, v = (torch.randn(b, h, s, d, generator=gen).cuda() for h in (hq, hk, hk))
     bounds = R.document_bounds(_docs(b, s, gen).cuda()) if docs else None
     dout = torch.randn(b, hq, s, d, generator=gen).cuda()
-    ref_o, ref_lse = R.attention_forward(q, k, v, True, bounds, 0, d ** -0.5)
+    ref_o, ref_lse = R.attention_forward(q, k, v, True, bounds, 0, d**-0.5)
     rows = torch.isfinite(ref_lse)  # (B, Hq, S): queries that see some key
     dout = torch.where(rows[..., None], dout, 0)
-    ref_g = R.attention_backward(dout, q, k, v, ref_o, ref_lse, None, True, bounds, 0, d ** -0.5)
+    ref_g = R.attention_backward(dout, q, k, v, ref_o, ref_lse, None, True, bounds, 0, d**-0.5)
     x = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
     out = flex_attend(*x, None if bounds is None else bounds[0])
     out.backward(dout.to(torch.bfloat16))
@@ -231,22 +266,57 @@ def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_document
 
     from tests.distributed.harness import run_one
 
-    cfg = {"run.device": "cuda", "training.steps": 4, "training.seq_len": 512,
-           "training.global_batch_size": 8, "training.micro_batch_size": 4, "optimizer.warmup_steps": 1,
-           "metrics.every": 1, "checkpoint.at_end": "false", "metrics.tensorboard": "false",
-           "training.dtype": "bfloat16", "data.document_positions": "true", "model.flavor": "125M",
-           "model.n_layers": 2}
-    runs = {name: run_one(dict(cfg, **{"run.dir": str(tmp_path / name), **extra})) for name, extra in (
-        ("flash", {"model.attention": "flash"}), ("flex", {"model.attention": "flex"}),
-        ("flex_compiled", {"model.attention": "flex", "training.compile": "true"}),
-        ("flex_op_ac", {"model.attention": "flex", "training.activation_checkpointing": "op"}),
-        ("flex_compiled_full_ac", {"model.attention": "flex", "training.compile": "true",
-                                   "training.activation_checkpointing": "full"}),
-        ("flex_compiled_every_k", {"model.attention": "flex", "training.compile": "true",
-                                   "training.activation_checkpointing": "every_k"}),
-        ("auto", {}), ("auto_compiled_op_ac", {"training.compile": "true", "training.activation_checkpointing": "op"}))}
-    for name in ("flex", "flex_compiled", "flex_op_ac", "flex_compiled_full_ac", "flex_compiled_every_k", "auto",
-                 "auto_compiled_op_ac"):
+    cfg = {
+        "run.device": "cuda",
+        "training.steps": 4,
+        "training.seq_len": 512,
+        "training.global_batch_size": 8,
+        "training.micro_batch_size": 4,
+        "optimizer.warmup_steps": 1,
+        "metrics.every": 1,
+        "checkpoint.at_end": "false",
+        "metrics.tensorboard": "false",
+        "training.dtype": "bfloat16",
+        "data.document_positions": "true",
+        "model.flavor": "125M",
+        "model.n_layers": 2,
+    }
+    runs = {
+        name: run_one(dict(cfg, **{"run.dir": str(tmp_path / name), **extra}))
+        for name, extra in (
+            ("flash", {"model.attention": "flash"}),
+            ("flex", {"model.attention": "flex"}),
+            ("flex_compiled", {"model.attention": "flex", "training.compile": "true"}),
+            ("flex_op_ac", {"model.attention": "flex", "training.activation_checkpointing": "op"}),
+            (
+                "flex_compiled_full_ac",
+                {
+                    "model.attention": "flex",
+                    "training.compile": "true",
+                    "training.activation_checkpointing": "full",
+                },
+            ),
+            (
+                "flex_compiled_every_k",
+                {
+                    "model.attention": "flex",
+                    "training.compile": "true",
+                    "training.activation_checkpointing": "every_k",
+                },
+            ),
+            ("auto", {}),
+            ("auto_compiled_op_ac", {"training.compile": "true", "training.activation_checkpointing": "op"}),
+        )
+    }
+    for name in (
+        "flex",
+        "flex_compiled",
+        "flex_op_ac",
+        "flex_compiled_full_ac",
+        "flex_compiled_every_k",
+        "auto",
+        "auto_compiled_op_ac",
+    ):
         for a, b in zip(runs[name], runs["flash"]):
             assert abs(a["loss"] - b["loss"]) < 2e-2 * abs(b["loss"]), (name, a["loss"], b["loss"])
     with open(tmp_path / "auto" / "kernels.json") as f:
@@ -254,7 +324,9 @@ def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_document
     times = measured["ms_fwd_bwd"]
     assert set(times) == {"flash", "flex"} and all(math.isfinite(t) and t > 0 for t in times.values())
     assert measured["chosen"] == min(times, key=times.get)
-    assert not (tmp_path / "auto_compiled_op_ac" / "kernels.json").exists()  # flash without timing (Flex refused)
+    assert not (
+        tmp_path / "auto_compiled_op_ac" / "kernels.json"
+    ).exists()  # flash without timing (Flex refused)
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
@@ -296,13 +368,20 @@ def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs):
 
 
 HOPPER_CASES = [  # (B, Hq, Hkv, S, D, causal, model layout (B, S, H, D) seen as (B, H, S, D), packed documents)
-    (2, 4, 4, 1000, 64, True, False, False), (1, 4, 4, 777, 128, True, True, False),
-    (2, 2, 2, 1024, 128, False, False, False), (1, 8, 8, 300, 64, False, True, False),
-    (2, 2, 2, 64, 128, True, False, False), (1, 2, 2, 129, 64, True, True, False),
-    (1, 8, 2, 1000, 64, True, True, False), (2, 8, 1, 333, 128, True, False, False),
-    (1, 16, 2, 2048, 128, True, True, False), (1, 4, 1, 517, 64, False, True, False),
-    (2, 4, 4, 1000, 64, True, False, True), (1, 8, 2, 777, 128, True, True, True),
-    (2, 2, 2, 1024, 128, False, False, True), (1, 16, 2, 2048, 128, True, True, True),
+    (2, 4, 4, 1000, 64, True, False, False),
+    (1, 4, 4, 777, 128, True, True, False),
+    (2, 2, 2, 1024, 128, False, False, False),
+    (1, 8, 8, 300, 64, False, True, False),
+    (2, 2, 2, 64, 128, True, False, False),
+    (1, 2, 2, 129, 64, True, True, False),
+    (1, 8, 2, 1000, 64, True, True, False),
+    (2, 8, 1, 333, 128, True, False, False),
+    (1, 16, 2, 2048, 128, True, True, False),
+    (1, 4, 1, 517, 64, False, True, False),
+    (2, 4, 4, 1000, 64, True, False, True),
+    (1, 8, 2, 777, 128, True, True, True),
+    (2, 2, 2, 1024, 128, False, False, True),
+    (1, 16, 2, 2048, 128, True, True, True),
     (2, 4, 1, 517, 64, True, False, True),
 ]
 
@@ -312,7 +391,7 @@ def _packed_bounds(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
     from loom.kernels.attention.reference import document_bounds
 
     ids = torch.cumsum(torch.rand(b, s, generator=gen) < 1 / 150, dim=1)
-    ids[:, s - s // 10:] = -1  # padding: sees nothing, seen by nothing
+    ids[:, s - s // 10 :] = -1  # padding: sees nothing, seen by nothing
     return document_bounds(ids.cuda())
 
 
@@ -358,7 +437,9 @@ def _check_item_groups(q, k, v, do, lse2, delta, causal, bounds, scale) -> None:
             assert torch.equal(got, want), (name, group)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="sm_90"
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_kernel):
@@ -372,15 +453,19 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
 
     b, hq, hk, s, d, causal, model_layout, docs = case
     gen = torch.Generator().manual_seed(s)
-    q, k, v, do = (torch.randn(*((b, s, h, d) if model_layout else (b, h, s, d)), generator=gen).cuda().to(dtype)
-                   for h in (hq, hk, hk, hq))
+    q, k, v, do = (
+        torch.randn(*((b, s, h, d) if model_layout else (b, h, s, d)), generator=gen).cuda().to(dtype)
+        for h in (hq, hk, hk, hq)
+    )
     if model_layout:
         q, k, v, do = (t.transpose(1, 2) for t in (q, k, v, do))
     bounds = _packed_bounds(b, s, gen) if docs else None
     assert dispatch.backward_kernels(q, k, v, do, bounds, None, 0)[0].startswith("hopper")  # Gluon takes it
-    scale = d ** -0.5
+    scale = d**-0.5
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    T.triton_forward(q, k, v, out, lse, causal, bounds, 0, scale)  # the Triton kernel (dispatch would pick Gluon)
+    T.triton_forward(
+        q, k, v, out, lse, causal, bounds, 0, scale
+    )  # the Triton kernel (dispatch would pick Gluon)
     delta, lse2 = T.backward_preprocess(do, out, lse, None)
     _check_hopper_forward(q, k, v, causal, bounds, scale, out, lse)
     tk, tv = torch.empty_like(k), torch.empty_like(v)
@@ -394,8 +479,23 @@ def test_hopper_kernels_match_the_triton_kernels(case, dtype, two_configs_per_ke
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"dv {config}")
     for config, pairs in [(c, None) for c in [*hopper._CONFIGS["dkdv_p"], None]] + [(None, 1), (None, 3)]:
         gk, gv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))  # the persistent variant
-        hopper.dkdv(q, k, v, do, lse2, delta, gk, gv, causal, bounds, scale, T.seq_key(s), config=config,
-                    persistent=True, pairs_per_group=pairs)
+        hopper.dkdv(
+            q,
+            k,
+            v,
+            do,
+            lse2,
+            delta,
+            gk,
+            gv,
+            causal,
+            bounds,
+            scale,
+            T.seq_key(s),
+            config=config,
+            persistent=True,
+            pairs_per_group=pairs,
+        )
         torch.testing.assert_close(gk, tk, atol=1e-3, rtol=1e-3, msg=f"persistent dk {config} {pairs}")
         torch.testing.assert_close(gv, tv, atol=1e-3, rtol=1e-3, msg=f"persistent dv {config} {pairs}")
     for config in [*hopper._CONFIGS["dq"], None]:

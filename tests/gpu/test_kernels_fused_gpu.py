@@ -43,8 +43,9 @@ def assert_no_worse(name: str, fused: torch.Tensor, plain: torch.Tensor, truth: 
     err_fused = (fused.double() - truth).abs().max().item()
     err_plain = (plain.double() - truth).abs().max().item()
     atol = REL_ATOL[dtype] * truth.abs().max().item() + 1e-12
-    assert err_fused <= 2 * err_plain + atol, \
+    assert err_fused <= 2 * err_plain + atol, (
         f"{name} {dtype}: fused error {err_fused:.3g} > 2 x PyTorch's {err_plain:.3g} + {atol:.3g}"
+    )
 
 
 def grads(fn, inputs, grad):
@@ -60,8 +61,18 @@ def went_through_triton(kernel: str) -> None:
 
 # ---- RMSNorm ----------------------------------------------------------------------------------------
 
-NORM_SHAPES = [(1, 1, 4095), (3, 7, 2048), (2, 5, 8192), (1, 3, 16384), (8192, 512), (1000, 1000),
-               (2, 1536, 4096), (4, 64), (5, 3), (0, 128)]
+NORM_SHAPES = [
+    (1, 1, 4095),
+    (3, 7, 2048),
+    (2, 5, 8192),
+    (1, 3, 16384),
+    (8192, 512),
+    (1000, 1000),
+    (2, 1536, 4096),
+    (4, 64),
+    (5, 3),
+    (0, 128),
+]
 
 
 def norm_truth(x, w, eps):
@@ -87,12 +98,17 @@ def test_rmsnorm_matches_fp64(shape, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rmsnorm_fp32_weight_with_low_precision_input(dtype):
     """The autocast case: fp32 weight, x in the compute dtype; output in x's dtype, dweight in fp32."""
-    x, g, w = rand((4, 33, 2048), dtype, 2.0), rand((4, 33, 2048), dtype, seed=1), 1 + rand((2048,), torch.float32)
+    x, g, w = (
+        rand((4, 33, 2048), dtype, 2.0),
+        rand((4, 33, 2048), dtype, seed=1),
+        1 + rand((2048,), torch.float32),
+    )
     out, (dx, dw) = grads(lambda a, b: rms_norm(a, b, 1e-6), [x, w], g)
     out_p, (dx_p, dw_p) = grads(lambda a, b: norm_ref.rms_norm(a, b, 1e-6), [x, w], g)
     # truth: the weight rounded to x's dtype, as the model does
-    out_t, (dx_t, dw_t) = grads(lambda a, b: norm_truth(a, b.to(dtype).double(), 1e-6),
-                                [x.double(), w.double()], g.double())
+    out_t, (dx_t, dw_t) = grads(
+        lambda a, b: norm_truth(a, b.to(dtype).double(), 1e-6), [x.double(), w.double()], g.double()
+    )
     assert out.dtype == dtype and dx.dtype == dtype and dw.dtype == torch.float32
     assert_no_worse("out", out, out_p, out_t, dtype)
     assert_no_worse("dx", dx, dx_p, dx_t, dtype)
@@ -101,16 +117,26 @@ def test_rmsnorm_fp32_weight_with_low_precision_input(dtype):
 
 # ---- RoPE -------------------------------------------------------------------------------------------
 
-ROPE_CASES = [((1, 1, 1, 64), False), ((1, 4095, 8, 128), False), ((1, 4095, 8, 128), True),
-              ((3, 7, 32, 128), True), ((2, 257, 5, 80), True), ((2, 128, 128, 128), False),
-              ((4, 100, 3, 256), True), ((2, 64, 6, 96), False)]
+ROPE_CASES = [
+    ((1, 1, 1, 64), False),
+    ((1, 4095, 8, 128), False),
+    ((1, 4095, 8, 128), True),
+    ((3, 7, 32, 128), True),
+    ((2, 257, 5, 80), True),
+    ((2, 128, 128, 128), False),
+    ((4, 100, 3, 256), True),
+    ((2, 64, 6, 96), False),
+]
 TABLE_LEN = 4096
 
 
 def rope_truth(x, table, positions):
     seq = x.shape[1]
-    cos, sin = (table[0, :seq][None, :, None], table[1, :seq][None, :, None]) if positions is None else \
-        (table[0][positions][:, :, None], table[1][positions][:, :, None])
+    cos, sin = (
+        (table[0, :seq][None, :, None], table[1, :seq][None, :, None])
+        if positions is None
+        else (table[0][positions][:, :, None], table[1][positions][:, :, None])
+    )
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.double() + torch.cat([-x2, x1], dim=-1) * sin.double()
 
@@ -175,6 +201,7 @@ def test_swiglu_matches_fp64(shape, dtype):
 
 # ---- launchers refuse bad input; torch.compile traces every op ------------------------------------
 
+
 def test_launchers_raise_value_errors():
     from loom.kernels.rmsnorm import triton as norm_k
     from loom.kernels.rope import triton as rope_k
@@ -186,8 +213,9 @@ def test_launchers_raise_value_errors():
     with pytest.raises(ValueError, match="weight"):
         norm_k.rms_norm_forward(x, w.cpu(), 1e-5)
     with pytest.raises(ValueError, match="last dim"):
-        norm_k.rms_norm_forward(rand((2, norm_k.MAX_N + 1), torch.bfloat16), rand((norm_k.MAX_N + 1,),
-                                                                                   torch.bfloat16), 1e-5)
+        norm_k.rms_norm_forward(
+            rand((2, norm_k.MAX_N + 1), torch.bfloat16), rand((norm_k.MAX_N + 1,), torch.bfloat16), 1e-5
+        )
     table = rope_table(64, 16, 10000.0, None, device=CUDA)
     with pytest.raises(ValueError, match="sequence length"):
         rope_k.apply_rope_forward(rand((1, 32, 2, 64), torch.bfloat16), table, None)
@@ -228,6 +256,7 @@ def test_torch_compile_fullgraph_runs_every_op(dtype):
 
 # ---- the model with the fused flags on CUDA -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_with_fused_flags_matches_unfused_on_cuda(dtype):
     from loom.models.common.init import materialize
@@ -242,7 +271,9 @@ def test_model_with_fused_flags_matches_unfused_on_cuda(dtype):
 
     plain, fused = build(), build(fused_norm=True, fused_rope=True, fused_swiglu=True)
     fused.load_state_dict(plain.state_dict())
-    tokens = torch.randint(0, 512, (4, 129), device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(0))
+    tokens = torch.randint(
+        0, 512, (4, 129), device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(0)
+    )
     positions = packed_positions(4, 128)
     losses = []
     for model in (plain, fused):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.numerics import IGNORE
 from loom.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_unfused
 from loom.kernels.linear_ce.reference import ce_rows_torch_
 from loom.models.common.init import materialize
 from loom.models.llama import FLAVORS, Llama
+from loom.numerics import IGNORE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def inputs(n, e, v, dtype, seed=0, ignore_every=7):
     g = torch.Generator(device="cuda").manual_seed(seed)
     h = torch.randn(n, e, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(v, e, device="cuda", generator=g) * e ** -0.5).to(dtype)
+    w = (torch.randn(v, e, device="cuda", generator=g) * e**-0.5).to(dtype)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     labels[::ignore_every] = IGNORE
     labels[1] = v - 1  # the last column (a partial V-block)
@@ -44,7 +44,9 @@ def test_accuracy_vs_fp64_within_twice_the_unfused_error(dtype, n, e, v):
     truth = loss_and_grads(linear_cross_entropy_unfused, h.double(), w.double(), labels)
     unfused = loss_and_grads(linear_cross_entropy_unfused, h, w, labels)
     for chunk in (None, 100):  # the default (one chunk here) and several chunks, the last partial
-        fused = loss_and_grads(lambda a, b, c: linear_cross_entropy(a, b, c, chunk_tokens=chunk), h, w, labels)
+        fused = loss_and_grads(
+            lambda a, b, c: linear_cross_entropy(a, b, c, chunk_tokens=chunk), h, w, labels
+        )
         atol = 1e-3 if dtype == torch.bfloat16 else 1e-6
         for name, f, u, t in zip(("loss", "grad_h", "grad_w"), fused, unfused, truth):
             assert torch.isfinite(f).all(), name
@@ -65,7 +67,9 @@ def test_triton_rows_kernel_matches_torch(dtype):
     got, loss = x.clone(), torch.empty(n, device="cuda")
     ce_rows_triton_(got, labels, loss, True)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-5
+    )
     assert got[3].abs().max() == 0
 
 
@@ -103,7 +107,9 @@ def test_torch_compile_of_a_caller():
         return linear_cross_entropy(a * 1.5, b, c, chunk_tokens=128) / 2
 
     compiled = loss_and_grads(loss_fn, h, w, labels)
-    eager = loss_and_grads(lambda a, b, c: linear_cross_entropy(a * 1.5, b, c, chunk_tokens=128) / 2, h, w, labels)
+    eager = loss_and_grads(
+        lambda a, b, c: linear_cross_entropy(a * 1.5, b, c, chunk_tokens=128) / 2, h, w, labels
+    )
     for c, e in zip(compiled, eager):
         torch.testing.assert_close(c, e, rtol=1e-3, atol=1e-3)
 
@@ -115,6 +121,7 @@ def test_autocast_bf16_with_fp32_weights():
         def run(a, b, c):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 return fn(a, b, c)
+
         return run
 
     truth = loss_and_grads(linear_cross_entropy_unfused, h.double(), w.double(), labels)

@@ -10,20 +10,33 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multi_gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
 
 LOOM = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train"]
-CONFIG = {"run.device": "cuda", "run.seed": 7, "training.steps": 8, "training.seq_len": 128,
-          "training.global_batch_size": 8, "training.micro_batch_size": 2, "optimizer.warmup_steps": 1,
-          "metrics.every": 1, "checkpoint.every": 4, "metrics.tensorboard": "false"}
+CONFIG = {
+    "run.device": "cuda",
+    "run.seed": 7,
+    "training.steps": 8,
+    "training.seq_len": 128,
+    "training.global_batch_size": 8,
+    "training.micro_batch_size": 2,
+    "optimizer.warmup_steps": 1,
+    "metrics.every": 1,
+    "checkpoint.every": 4,
+    "metrics.tensorboard": "false",
+}
 
 
 def train(run_dir, nproc: int, **extra) -> list[float]:
     args = [f"--{k}={v}" for k, v in {**CONFIG, "run.dir": str(run_dir), **extra}.items()]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0"}
-    proc = subprocess.run(LOOM + ["--nproc-per-node", str(nproc)] + args, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        LOOM + ["--nproc-per-node", str(nproc)] + args, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         return [json.loads(line)["loss"] for line in fh]
@@ -36,8 +49,11 @@ def test_ddp_and_fsdp_on_two_gpus_match_one_gpu(tmp_path):
     for got in (fsdp, ddp):
         assert max(abs(a - b) / b for a, b in zip(got, one)) < 1e-4, (got, one)
     # resharding resume on GPUs: the FSDP2 checkpoint of step 4 continues on one GPU
-    resumed = train(tmp_path / "resumed", 1, **{"checkpoint.resume": str(tmp_path / "fsdp" / "checkpoints" /
-                                                                        "step_00000004")})
+    resumed = train(
+        tmp_path / "resumed",
+        1,
+        **{"checkpoint.resume": str(tmp_path / "fsdp" / "checkpoints" / "step_00000004")},
+    )
     assert max(abs(a - b) / b for a, b in zip(resumed, one[4:])) < 1e-4
 
 
@@ -48,8 +64,9 @@ def test_tp_and_pp_on_two_gpus_match_one_gpu(tmp_path):
     runs = {
         "tp2": train(tmp_path / "tp2", 2, **deep, **{"parallel.tp": 2}),
         "pp2-1f1b": train(tmp_path / "pp2", 2, **deep, **{"parallel.pp": 2}),
-        "pp2-interleaved": train(tmp_path / "pp2i", 2, **deep, **{"parallel.pp": 2,
-                                                                   "parallel.pp_schedule": "interleaved_1f1b"}),
+        "pp2-interleaved": train(
+            tmp_path / "pp2i", 2, **deep, **{"parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b"}
+        ),
     }
     for name, got in runs.items():
         assert max(abs(a - b) / b for a, b in zip(got, one)) < 1e-4, (name, got, one)
@@ -58,13 +75,25 @@ def test_tp_and_pp_on_two_gpus_match_one_gpu(tmp_path):
 def test_split_backward_schedules_with_fused_ops_on_two_gpus(tmp_path):
     """zbv and dualpipev through our fused RMSNorm / RoPE / SwiGLU on the 125M flavor: torch 2.11 freed the
     custom-op nodes between the input and weight passes here (a crash) until the stage held each chunk's graph."""
-    shape = {"model.flavor": "125M", "training.seq_len": 512, "training.steps": 6, "training.global_batch_size": 16,
-             "checkpoint.every": 0, "training.dtype": "float32", "run.deterministic": "true"}
+    shape = {
+        "model.flavor": "125M",
+        "training.seq_len": 512,
+        "training.steps": 6,
+        "training.global_batch_size": 16,
+        "checkpoint.every": 0,
+        "training.dtype": "float32",
+        "run.deterministic": "true",
+    }
     fused = {"model.fused_norm": "true", "model.fused_rope": "true", "model.fused_swiglu": "true"}
     one = train(tmp_path / "one", 1, **shape)
     for schedule in ("zbv", "dualpipev"):
-        got = train(tmp_path / schedule, 2, **shape, **fused, **{"parallel.pp": 2, "parallel.pp_schedule": schedule,
-                                                                 "training.micro_batch_size": 1})
+        got = train(
+            tmp_path / schedule,
+            2,
+            **shape,
+            **fused,
+            **{"parallel.pp": 2, "parallel.pp_schedule": schedule, "training.micro_batch_size": 1},
+        )
         assert max(abs(a - b) / b for a, b in zip(got, one)) < 1e-4, (schedule, got, one)
 
 

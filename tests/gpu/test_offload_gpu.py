@@ -22,9 +22,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 STEPS = 6
 # the 1B shape cut to 2 layers: its 128K-token embeddings and head make the state (16 bytes a parameter, ~6 GiB)
 # much larger than a step's activations at this batch
-SHAPE = {"model.flavor": "1B", "model.n_layers": 2, "run.device": "cuda", "run.seed": 5, "training.steps": STEPS,
-         "training.seq_len": 128, "training.global_batch_size": 8, "training.micro_batch_size": 4,
-         "optimizer.warmup_steps": 1, "optimizer.lr": 1e-3}
+SHAPE = {
+    "model.flavor": "1B",
+    "model.n_layers": 2,
+    "run.device": "cuda",
+    "run.seed": 5,
+    "training.steps": STEPS,
+    "training.seq_len": 128,
+    "training.global_batch_size": 8,
+    "training.micro_batch_size": 4,
+    "optimizer.warmup_steps": 1,
+    "optimizer.lr": 1e-3,
+}
 OFFLOAD = {"parallel.cpu_offload": "true"}
 
 
@@ -63,9 +72,13 @@ def test_offload_trains_on_one_gpu_like_the_run_without_it(tmp_path, cache, dtyp
     trainer, offload, peak = train(tmp_path / "offload", cache, **{"training.dtype": dtype}, **OFFLOAD)
     assert dist.get_backend() == "cuda:nccl,cpu:gloo"
     assert all(p.device.type == "cpu" and p.to_local().is_pinned() for p in trainer.params)
-    states = [t for s in trainer.optimizer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)]
+    states = [
+        t for s in trainer.optimizer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)
+    ]
     assert states and all(t.device.type == "cpu" for t in states)
-    assert all(b.device.type == "cuda" for b in trainer.parts[0].buffers())  # RoPE's tables live where compute runs
+    assert all(
+        b.device.type == "cuda" for b in trainer.parts[0].buffers()
+    )  # RoPE's tables live where compute runs
     assert peak < 0.5 * plain_peak, (peak, plain_peak)
     assert max_rel([r["loss"] for r in offload], [r["loss"] for r in plain]) < tol
     assert offload[-1]["loss"] < offload[0]["loss"]
@@ -93,12 +106,31 @@ def test_offload_on_two_gpus_matches_one_gpu(tmp_path):
     import sys
 
     def losses(run_dir, nproc: int, **extra) -> list[float]:
-        over = {**SHAPE, "training.dtype": "float32", "run.dir": str(run_dir), "metrics.every": 1,
-                "metrics.tensorboard": "false", "checkpoint.at_end": "false", **extra}
+        over = {
+            **SHAPE,
+            "training.dtype": "float32",
+            "run.dir": str(run_dir),
+            "metrics.every": 1,
+            "metrics.tensorboard": "false",
+            "checkpoint.at_end": "false",
+            **extra,
+        }
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0"}
-        proc = subprocess.run([sys.executable, "-c", "from loom.cli.main import entry; entry()", "train",
-                               "--nproc-per-node", str(nproc)] + [f"--{k}={v}" for k, v in over.items()],
-                              env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from loom.cli.main import entry; entry()",
+                "train",
+                "--nproc-per-node",
+                str(nproc),
+            ]
+            + [f"--{k}={v}" for k, v in over.items()],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
             return [json.loads(line)["loss"] for line in fh]

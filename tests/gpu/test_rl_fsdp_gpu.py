@@ -12,8 +12,11 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multi_gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
 
 LOOM = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "train"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,10 +24,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def train(run_dir, recipe: str = "grpo_debug.toml", nproc: int = 2, **extra) -> list[dict]:
     """A recipe for 30 steps (20 of warm-up) on ``nproc`` GPUs in bf16, the layout in ``extra``; its metrics."""
-    over = {"run.device": "cuda", "training.dtype": "bfloat16", "parallel.dp_replicate": 1,
-            "training.micro_batch_size": 32, "training.steps": 30, "grpo.warmup_steps": WARMUP,
-            "optimizer.warmup_steps": 1, "training.eval_every": 10, "metrics.every": 1,
-            "metrics.tensorboard": "false", "metrics.progress": "false", "run.dir": str(run_dir), **extra}
+    over = {
+        "run.device": "cuda",
+        "training.dtype": "bfloat16",
+        "parallel.dp_replicate": 1,
+        "training.micro_batch_size": 32,
+        "training.steps": 30,
+        "grpo.warmup_steps": WARMUP,
+        "optimizer.warmup_steps": 1,
+        "training.eval_every": 10,
+        "metrics.every": 1,
+        "metrics.tensorboard": "false",
+        "metrics.progress": "false",
+        "run.dir": str(run_dir),
+        **extra,
+    }
     args = ["--config", os.path.join(ROOT, "recipes", recipe), "--nproc-per-node", str(nproc)]
     args += [f"--{k}={v}" for k, v in over.items()]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0"}
@@ -53,8 +67,9 @@ def warmup_matches_one_gpu(records: list[dict], run_dir, recipe: str, **extra) -
     assert len(got) == len(want) == WARMUP and dev[0] < 1e-2 and max(dev) < 3e-2, (max(dev), got, want)
 
 
-@pytest.mark.parametrize("recipe,lora", [("grpo_debug.toml", False), ("grpo_debug.toml", True),
-                                         ("ppo_debug.toml", True)])
+@pytest.mark.parametrize(
+    "recipe,lora", [("grpo_debug.toml", False), ("grpo_debug.toml", True), ("ppo_debug.toml", True)]
+)
 def test_rollouts_under_fsdp2_on_two_gpus(tmp_path, recipe, lora):
     extra = {"lora.rank": 8} if lora else {}
     records = train(tmp_path / "run", recipe, **{"parallel.dp_shard": 2, **extra})
@@ -63,6 +78,8 @@ def test_rollouts_under_fsdp2_on_two_gpus(tmp_path, recipe, lora):
     assert len(records) == 30 and synced and all("eval/accuracy" in r for r in records[9::10])
     first, later = synced[0]["weight_sync_bytes"], [r["weight_sync_bytes"] for r in synced[1:]]
     assert later and (all(b < first / 4 for b in later) if lora else all(b == first for b in later))
-    print(f"{recipe} lora={lora}: first sync {first / 2**20:.2f} MiB in {synced[0]['time/weight_sync_s']:.4f} s; "
-          f"later {later[0] / 2**20:.2f} MiB in {synced[1]['time/weight_sync_s']:.4f} s; "
-          f"generation {synced[1]['time/generation_s']:.4f} s")
+    print(
+        f"{recipe} lora={lora}: first sync {first / 2**20:.2f} MiB in {synced[0]['time/weight_sync_s']:.4f} s; "
+        f"later {later[0] / 2**20:.2f} MiB in {synced[1]['time/weight_sync_s']:.4f} s; "
+        f"generation {synced[1]['time/generation_s']:.4f} s"
+    )

@@ -12,11 +12,21 @@ import torch
 
 from tests.gpu.test_multi_gpu import train
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multi_gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
 
-SHAPE = {"model.flavor": "125M", "training.seq_len": 256, "training.steps": 6, "training.global_batch_size": 8,
-         "training.micro_batch_size": 2, "training.dtype": "float32", "checkpoint.every": 0}
+SHAPE = {
+    "model.flavor": "125M",
+    "training.seq_len": 256,
+    "training.steps": 6,
+    "training.global_batch_size": 8,
+    "training.micro_batch_size": 2,
+    "training.dtype": "float32",
+    "checkpoint.every": 0,
+}
 
 
 def peak_gib(run_dir) -> float:

@@ -21,7 +21,9 @@ def test_banner_and_last_line(tiny, tmp_path, capsys):
     run = os.path.abspath(cfg.run.dir)
     assert out[0] == f"loom: run dir {run}"
     assert out[1].startswith("model: flavor debug, ") and "2 layers, dim 64" in out[1]
-    assert out[2].startswith("layout: single (world 1), accumulation 4") and "MFU not reported on cpu" in out[2]
+    assert (
+        out[2].startswith("layout: single (world 1), accumulation 4") and "MFU not reported on cpu" in out[2]
+    )
     assert out[3] == "batch: 8 x 32 = 256 tokens per step, 4 steps"
     assert out[4].startswith("data: <stdlib>: ") and "of it" in out[4]
     last = out[-1]
@@ -36,7 +38,9 @@ def test_small_corpus_warnings(tiny, tmp_path, capsys):
     out = _fit(tiny(**{"data.source": str(text), "training.steps": 3}), capsys)
     assert any(line.startswith("warning:") and "will be repeated: 1.4 epochs" in line for line in out)
     text.write_text("too short for a step. " * 5)  # 110 bytes: 2 training windows, a step takes 8
-    out = _fit(tiny(**{"data.source": str(text), "training.steps": 1, "run.dir": str(tmp_path / "run2")}), capsys)
+    out = _fit(
+        tiny(**{"data.source": str(text), "training.steps": 1, "run.dir": str(tmp_path / "run2")}), capsys
+    )
     assert any("fewer windows (2) than one step takes from it (8)" in line for line in out)
 
 

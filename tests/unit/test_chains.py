@@ -15,12 +15,22 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from loom.cli.main import main as loom_main  # noqa: E402
+from loom.cli.main import main as loom_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 2
-SMALL = ["--training.steps", str(STEPS), "--training.global_batch_size", "8",
-         "--training.micro_batch_size", "8", "--optimizer.warmup_steps", "1", "--metrics.tensorboard", "false"]
+SMALL = [
+    "--training.steps",
+    str(STEPS),
+    "--training.global_batch_size",
+    "8",
+    "--training.micro_batch_size",
+    "8",
+    "--optimizer.warmup_steps",
+    "1",
+    "--metrics.tensorboard",
+    "false",
+]
 
 
 def documented_chains() -> list[list[str]]:
@@ -55,7 +65,9 @@ def test_the_documented_chains_run_as_written(tmp_path, monkeypatch):
             args += SMALL + ["--data.cache_dir", str(tmp_path / "cache")]
             if " ".join(args).count("objective grpo") or " ".join(args).count("objective ppo"):
                 args += ["--grpo.warmup_steps", "1"]  # one supervised warm-up step, then RL
-            if " ".join(args).count("objective dpo"):  # the reference per step, not cached over every pair first
+            if " ".join(args).count(
+                "objective dpo"
+            ):  # the reference per step, not cached over every pair first
                 args += ["--dpo.reference", "copy"]
         assert loom_main(args) == 0, " ".join(argv)
         if args[0] == "convert":  # every export carries the chat template its run trained with
@@ -74,9 +86,16 @@ def test_the_readme_train_commands_run_in_order_in_one_folder(tmp_path, monkeypa
     with open(os.path.join(ROOT, "README.md")) as fh:
         readme = fh.read()
     first = re.findall(r"```bash\n(.*?)```", readme, re.S)[0].strip().split(" && ")[-1]
-    lines = [first] + [ln.split("#")[0].strip() for ln in readme.splitlines()
-                       if re.match(r"loom train --training\.objective (sft|dpo) +#", ln)]
-    assert lines == ["loom train", "loom train --training.objective sft", "loom train --training.objective dpo"]
+    lines = [first] + [
+        ln.split("#")[0].strip()
+        for ln in readme.splitlines()
+        if re.match(r"loom train --training\.objective (sft|dpo) +#", ln)
+    ]
+    assert lines == [
+        "loom train",
+        "loom train --training.objective sft",
+        "loom train --training.objective dpo",
+    ]
     monkeypatch.chdir(tmp_path)
     for line in lines:
         extra = ["--dpo.reference", "copy"] if "dpo" in line else []

@@ -12,16 +12,29 @@ import pytest
 import torch
 
 from loom.config.errors import ConfigError
-from loom.data.chat import (BUILTIN, FLAG_LOSS, FLAG_START, ChatEncoder, ChatError, ChatTemplate, assistant_spans,
-                            load_template)
+from loom.data.chat import (
+    BUILTIN,
+    FLAG_LOSS,
+    FLAG_START,
+    ChatEncoder,
+    ChatError,
+    ChatTemplate,
+    assistant_spans,
+    load_template,
+)
 from loom.data.tokenizers import ByteTokenizer, HFTokenizer
 from loom.numerics import IGNORE, cross_entropy_sum
 
 tokenizers = pytest.importorskip("tokenizers")
 
-CORPUS = ["You are a helpful assistant.", "What is the capital of France? Paris is the capital.",
-          "def add(a, b):\n    return a + b", "Tell me a joke about cats. Why did the cat sit on the computer?",
-          "Voilà, a naïve café in 東京 🙂", "Thanks! You're welcome. <b>bold</b> & \"quotes\""] * 4
+CORPUS = [
+    "You are a helpful assistant.",
+    "What is the capital of France? Paris is the capital.",
+    "def add(a, b):\n    return a + b",
+    "Tell me a joke about cats. Why did the cat sit on the computer?",
+    "Voilà, a naïve café in 東京 🙂",
+    'Thanks! You\'re welcome. <b>bold</b> & "quotes"',
+] * 4
 
 CHATML = """{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
@@ -115,17 +128,42 @@ JSONISH = """{%- set ns = namespace(n=0) %}
 """
 
 STYLES = {
-    "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-               {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}, CHATML, False),
-    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-               {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, LLAMA3, False),
-    "mistral": (["<unk>", "<s>", "</s>"],
-                {"bos_token": {"__type": "AddedToken", "content": "<s>", "special": True, "lstrip": False,
-                               "rstrip": False, "normalized": False, "single_word": False},
-                 "eos_token": "</s>", "unk_token": "<unk>"},
-                MISTRAL, True),
-    "chatml_generation": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                          {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, CHATML_GENERATION, False),
+    "chatml": (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None},
+        CHATML,
+        False,
+    ),
+    "llama3": (
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        LLAMA3,
+        False,
+    ),
+    "mistral": (
+        ["<unk>", "<s>", "</s>"],
+        {
+            "bos_token": {
+                "__type": "AddedToken",
+                "content": "<s>",
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            },
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+        },
+        MISTRAL,
+        True,
+    ),
+    "chatml_generation": (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        CHATML_GENERATION,
+        False,
+    ),
     "jsonish": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>"}, JSONISH, False),
 }
 
@@ -133,7 +171,7 @@ CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the capital of France?"},
     {"role": "assistant", "content": "Paris is the capital. Voilà!"},
-    {"role": "user", "content": "Tell me a joke about cats, in <b>bold</b> & \"quotes\"."},
+    {"role": "user", "content": 'Tell me a joke about cats, in <b>bold</b> & "quotes".'},
     {"role": "assistant", "content": "Why did the cat sit on the computer? 🙂 To keep an eye on the mouse."},
 ]
 
@@ -148,17 +186,27 @@ def build_folder(folder, style: str, *, as_file: bool = False) -> str:
         tok = tk.Tokenizer(tk.models.BPE(byte_fallback=True, unk_token="<unk>"))
         tok.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
         tok.decoder = tk.decoders.Metaspace(replacement="▁", prepend_scheme="first")
-        trainer = tk.trainers.BpeTrainer(vocab_size=500, show_progress=False,
-                                         special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)])
+        trainer = tk.trainers.BpeTrainer(
+            vocab_size=500,
+            show_progress=False,
+            special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)],
+        )
     else:  # byte-level, as GPT-2's, Llama 3's and Qwen's
         tok = tk.Tokenizer(tk.models.BPE())
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = tk.decoders.ByteLevel()
-        trainer = tk.trainers.BpeTrainer(vocab_size=500, special_tokens=specials, show_progress=False,
-                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+        trainer = tk.trainers.BpeTrainer(
+            vocab_size=500,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(os.path.join(folder, "tokenizer.json"))
-    conf = {"tokenizer_class": "PreTrainedTokenizerFast", **{k: v for k, v in config.items() if v is not None}}
+    conf = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{k: v for k, v in config.items() if v is not None},
+    }
     if as_file:
         with open(os.path.join(folder, "chat_template.jinja"), "w") as fh:
             fh.write(template)
@@ -220,7 +268,9 @@ def test_a_template_file_and_named_templates(folders, tmp_path):
 
 def test_generation_blocks_give_transformers_assistant_mask(folders):
     _, ids, tok = hf_reference(folders["chatml_generation"], CONVERSATION)
-    ref = tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ref = tok.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     tokenizer = HFTokenizer(folders["chatml_generation"])
     got_ids, flags = ChatEncoder(load_template("", tokenizer), tokenizer).encode(CONVERSATION)
     assert got_ids == ids
@@ -239,8 +289,9 @@ def _trained_texts(decode, ids, flags) -> list[str]:
     return [decode(s) for s in out + ([cur] if cur else [])]
 
 
-@pytest.mark.parametrize("style,turn_end", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>"),
-                                            ("mistral", "</s>")])
+@pytest.mark.parametrize(
+    "style,turn_end", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>"), ("mistral", "</s>")]
+)
 def test_every_assistant_turn_and_its_end_token_is_trained(folders, style, turn_end):
     tokenizer = HFTokenizer(folders[style])
     ids, flags = ChatEncoder(load_template("", tokenizer), tokenizer).encode(CONVERSATION)
@@ -250,7 +301,7 @@ def test_every_assistant_turn_and_its_end_token_is_trained(folders, style, turn_
     assert len(texts) == 2  # both assistant turns, nothing of the system or user messages
     for text, message in zip(texts, (CONVERSATION[2], CONVERSATION[4])):
         assert text.strip().endswith(turn_end)
-        assert text.strip()[:-len(turn_end)].strip() == message["content"]
+        assert text.strip()[: -len(turn_end)].strip() == message["content"]
 
 
 def test_builtin_template_for_the_byte_tokenizer():
@@ -268,7 +319,10 @@ def test_builtin_template_for_the_byte_tokenizer():
     assert sum(1 for i, f in zip(ids, flags) if f & FLAG_LOSS and i == tok.eos_id) == 2  # each turn's end
     # a prompt-completion pair trains its completion only; 'all' trains every token but the first
     _, flags_pc = ChatEncoder(template, tok).encode(CONVERSATION, first=3)
-    assert bytes(i for i, f in zip(ids, flags_pc) if f & FLAG_LOSS and i < 256).decode() == CONVERSATION[4]["content"]
+    assert (
+        bytes(i for i, f in zip(ids, flags_pc) if f & FLAG_LOSS and i < 256).decode()
+        == CONVERSATION[4]["content"]
+    )
     _, flags_all = ChatEncoder(template, tok, "all").encode(CONVERSATION)
     assert flags_all[0] == FLAG_START and all(f == FLAG_LOSS for f in flags_all[1:])
 
@@ -279,9 +333,13 @@ def test_template_errors_are_chat_errors(folders):
     with pytest.raises(ChatError, match="roles must alternate"):
         enc.encode([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
     # a template that moves the system prompt into the last user turn (Mistral v0.3) is not prefix-stable
-    moving = ChatTemplate("{% for m in messages %}{% if m.role == 'user' and loop.last %}[{{ m.content }}|sys]"
-                          "{% elif m.role == 'user' %}[{{ m.content }}]{% elif m.role == 'assistant' %}"
-                          "{{ m.content }}</s>{% endif %}{% endfor %}", "x", ())
+    moving = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'user' and loop.last %}[{{ m.content }}|sys]"
+        "{% elif m.role == 'user' %}[{{ m.content }}]{% elif m.role == 'assistant' %}"
+        "{{ m.content }}</s>{% endif %}{% endfor %}",
+        "x",
+        (),
+    )
     with pytest.raises(ChatError, match="generation"):
         assistant_spans(moving, CONVERSATION[1:3])
 

@@ -13,8 +13,20 @@ import warnings
 import pytest
 import torch
 
-from loom.checkpoint.manager import (MARKER, STATE, CheckpointManager, CorruptCheckpoint, DiskFull, _HashingWriter,
-                                     file_record, folder_bytes, list_complete, step_dir_name, verify, write_marker)
+from loom.checkpoint.manager import (
+    MARKER,
+    STATE,
+    CheckpointManager,
+    CorruptCheckpoint,
+    DiskFull,
+    _HashingWriter,
+    file_record,
+    folder_bytes,
+    list_complete,
+    step_dir_name,
+    verify,
+    write_marker,
+)
 from loom.config import CheckpointConfig
 from loom.config.errors import UserError
 
@@ -259,8 +271,9 @@ def test_auto_falls_back_with_a_warning(tmp_path, kind):
     # the skipped folder is kept for inspection, out of the way of the resumed run's own step 4
     (aside,) = os.listdir(tmp_path / "checkpoints" / "corrupt")
     assert os.listdir(tmp_path / "checkpoints" / "corrupt" / aside) == [step_dir_name(4)]
-    assert not os.path.exists(folder(tmp_path, 4)) and f"moved into {tmp_path / 'checkpoints' / 'corrupt' / aside}" \
-        in str(caught[0].message)
+    assert not os.path.exists(
+        folder(tmp_path, 4)
+    ) and f"moved into {tmp_path / 'checkpoints' / 'corrupt' / aside}" in str(caught[0].message)
 
 
 def test_auto_picks_the_newest_and_none_when_nothing_is_left(tmp_path):
@@ -269,6 +282,7 @@ def test_auto_picks_the_newest_and_none_when_nothing_is_left(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert manager(tmp_path, resume="auto").resolve() == folder(tmp_path, 4)
+
 
 def test_auto_with_no_loadable_checkpoint_is_an_error_naming_each(tmp_path):
     """Starting from scratch is only ever an explicit choice; a deleted marker is one more incomplete checkpoint."""
@@ -289,7 +303,9 @@ def test_auto_with_no_loadable_checkpoint_is_an_error_naming_each(tmp_path):
 def test_a_deleted_marker_is_skipped_with_a_warning_like_any_incomplete_checkpoint(tmp_path):
     save_steps(manager(tmp_path, keep=0), [2, 4])
     os.remove(os.path.join(folder(tmp_path, 4), MARKER))
-    with pytest.warns(UserWarning, match=f"{step_dir_name(4)} is incomplete: no {MARKER}; falling back to step 2"):
+    with pytest.warns(
+        UserWarning, match=f"{step_dir_name(4)} is incomplete: no {MARKER}; falling back to step 2"
+    ):
         assert manager(tmp_path, resume="auto").resolve() == folder(tmp_path, 2)
 
 
@@ -334,10 +350,13 @@ def test_every_marker_names_the_lineage_and_a_resume_carries_it_over(tmp_path):
     model, optimizer = tiny_model_and_optimizer()
     for step in (1, 2):
         first.save(step, model, optimizer, {"step": step, "lineage": first.lineage}, "")
-    assert [json.load(open(os.path.join(folder(tmp_path, s), MARKER)))["lineage"] for s in (1, 2)] == \
-        [first.lineage] * 2
+    assert [json.load(open(os.path.join(folder(tmp_path, s), MARKER)))["lineage"] for s in (1, 2)] == [
+        first.lineage
+    ] * 2
     assert lineage_manager(tmp_path, resume="auto").lineage == first.lineage
-    assert lineage_manager(tmp_path / "other", resume="auto").lineage != first.lineage  # a fresh start: a new one
+    assert (
+        lineage_manager(tmp_path / "other", resume="auto").lineage != first.lineage
+    )  # a fresh start: a new one
 
 
 def test_retention_removes_only_the_current_lineages_checkpoints(tmp_path):
@@ -347,7 +366,9 @@ def test_retention_removes_only_the_current_lineages_checkpoints(tmp_path):
     for step in range(1, 28):  # the old run kept step 28..30 only
         shutil.rmtree(folder(tmp_path, step))
     new = manager(tmp_path, keep=2)
-    new.lineage = "a-new-run"  # as a fresh start with checkpoint.overwrite would (without moving the old ones)
+    new.lineage = (
+        "a-new-run"  # as a fresh start with checkpoint.overwrite would (without moving the old ones)
+    )
     save_steps(new, [5, 10, 15])
     assert saved_steps(tmp_path) == [10, 15, 28, 29, 30]
 
@@ -386,7 +407,9 @@ def test_latest_is_the_newest_verified_checkpoint_of_this_lineage(tmp_path):
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, async_save):
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, async_save
+):
     mgr = lineage_manager(tmp_path, keep=0, async_save=async_save)
     save_steps(mgr, [2])
     real_write = _HashingWriter.write_data
@@ -402,5 +425,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     assert f"about {folder_bytes(folder(tmp_path, 2)):,} bytes (the size of step 2)" in message
     assert "step 2 is intact" in message
     monkeypatch.setattr(_HashingWriter, "write_data", real_write)
-    assert sorted(os.listdir(os.path.join(str(tmp_path), "checkpoints"))) == [step_dir_name(2)]  # no partial folder
+    assert sorted(os.listdir(os.path.join(str(tmp_path), "checkpoints"))) == [
+        step_dir_name(2)
+    ]  # no partial folder
     verify(folder(tmp_path, 2))

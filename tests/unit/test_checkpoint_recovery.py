@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(loom.__file__)))
 LOOM = "import sys; from loom.cli.main import entry; entry()"  # what the `loom` command runs
 
 # Runs `loom train ARGS` like the command does, and SIGKILLs itself at POINT during the second save.
-DRIVER = r'''
+DRIVER = r"""
 import os, shutil, signal, sys
 
 import loom.checkpoint.manager as manager
@@ -95,7 +95,7 @@ os.replace = wrap_replace(os.replace)
 os.unlink = wrap_unlink(os.unlink)
 shutil.rmtree = wrap_rmtree(shutil.rmtree)
 sys.exit(main(["train", *sys.argv[2:]]))
-'''
+"""
 
 
 # ---- running the trainer ------------------------------------------------------------
@@ -106,14 +106,30 @@ def env() -> dict:
 
 
 def train_args(run_dir, cache, **extra) -> list[str]:
-    return tiny_args(run_dir, cache, **{"run.seed": 3, "run.deterministic": "true", "training.steps": STEPS,
-                                        "training.global_batch_size": 4, "checkpoint.every": EVERY,
-                                        "checkpoint.keep": 1, "checkpoint.at_end": None, **extra})
+    return tiny_args(
+        run_dir,
+        cache,
+        **{
+            "run.seed": 3,
+            "run.deterministic": "true",
+            "training.steps": STEPS,
+            "training.global_batch_size": 4,
+            "checkpoint.every": EVERY,
+            "checkpoint.keep": 1,
+            "checkpoint.at_end": None,
+            **extra,
+        },
+    )
 
 
 def loom_train(run_dir, cache, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", LOOM, "train", *train_args(run_dir, cache, **extra)],
-                          env=env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", LOOM, "train", *train_args(run_dir, cache, **extra)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -206,16 +222,29 @@ def check_state_at_kill(run_dir, point: str) -> None:
                 verify(deleting)  # partly removed
 
 
-@pytest.mark.parametrize("point,resume_step", [  # the quick loop (-m "not slow"): one kill in a save, one in retention
-    ("shards", 2), pytest.param("marker", 2, marks=pytest.mark.slow), pytest.param("rename", 2, marks=pytest.mark.slow),
-    ("deleting", 4), pytest.param("rmtree", 4, marks=pytest.mark.slow)])
-def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache, reference, point,
-                                                                    resume_step):
+@pytest.mark.parametrize(
+    "point,resume_step",
+    [  # the quick loop (-m "not slow"): one kill in a save, one in retention
+        ("shards", 2),
+        pytest.param("marker", 2, marks=pytest.mark.slow),
+        pytest.param("rename", 2, marks=pytest.mark.slow),
+        ("deleting", 4),
+        pytest.param("rmtree", 4, marks=pytest.mark.slow),
+    ],
+)
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
+    tmp_path, cache, reference, point, resume_step
+):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     run_dir = str(tmp_path / "run")
-    killed = subprocess.run([sys.executable, str(driver), point, *train_args(run_dir, cache)], env=env(),
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, str(driver), point, *train_args(run_dir, cache)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]  # killed while saving step 4
     check_state_at_kill(run_dir, point)
@@ -273,11 +302,17 @@ def test_an_explicit_corrupt_checkpoint_is_a_one_line_error(tmp_path, cache, ref
 # ---- SIGTERM ---------------------------------------------------------------------------
 def train_until_sigterm(run_dir, cache, log) -> tuple[int, int, str]:
     """Start a long run, SIGTERM it once it printed a step line; (first step, exit code, stdout)."""
-    args = train_args(run_dir, cache, **{"training.steps": 500, "checkpoint.every": 0,
-                                         "checkpoint.resume": "auto"})
+    args = train_args(
+        run_dir, cache, **{"training.steps": 500, "checkpoint.every": 0, "checkpoint.resume": "auto"}
+    )
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", LOOM, "train", *args], env=env(), text=True,
-                                stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LOOM, "train", *args],
+            env=env(),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
         lines = []
         for line in proc.stdout:
             lines.append(line)

@@ -21,8 +21,9 @@ STEPS = 2
 def loom(*argv, cwd=None, timeout=180) -> subprocess.CompletedProcess:
     """``loom ARGV`` on this machine's CPU; the process is ended at ``timeout`` (its output so far in the error)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([LOOM, *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=env)
+    return subprocess.run(
+        [LOOM, *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -37,10 +38,15 @@ def runs(tmp_path_factory):
     from tests.unit.test_reward import reward_run, write_pairs
 
     tmp = tmp_path_factory.mktemp("cli_commands")
-    Trainer(tiny_config(tmp / "lm", tmp / "cache", **{"training.steps": STEPS, "checkpoint.at_end": "true"})).fit()
+    Trainer(
+        tiny_config(tmp / "lm", tmp / "cache", **{"training.steps": STEPS, "checkpoint.at_end": "true"})
+    ).fit()
     source = write_pairs(tmp / "pairs.jsonl")
-    Trainer(reward_run(tmp / "rm", tmp / "cache", source, **{"training.steps": STEPS,
-                                                              "checkpoint.at_end": "true"})).fit()
+    Trainer(
+        reward_run(
+            tmp / "rm", tmp / "cache", source, **{"training.steps": STEPS, "checkpoint.at_end": "true"}
+        )
+    ).fit()
     step = f"checkpoints/step_{STEPS:08d}"
     return {"tmp": tmp, "lm": tmp / "lm", "ckpt": tmp / "lm" / step, "rm": tmp / "rm" / step}
 
@@ -52,10 +58,19 @@ def test_generate(runs):
 
 def test_score(runs):
     rows = runs["tmp"] / "rows.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in (
-        {"prompt": "The cat sat.", "completion": "On a mat.", "id": 1}, {"text": "One bird sang."})))
-    got = [json.loads(line) for line in ok(loom("score", "--model", runs["rm"], "--file", rows, "--device",
-                                                "cpu")).splitlines()]
+    rows.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in (
+                {"prompt": "The cat sat.", "completion": "On a mat.", "id": 1},
+                {"text": "One bird sang."},
+            )
+        )
+    )
+    got = [
+        json.loads(line)
+        for line in ok(loom("score", "--model", runs["rm"], "--file", rows, "--device", "cpu")).splitlines()
+    ]
     assert [r.get("id") for r in got] == [1, None] and all(isinstance(r["score"], float) for r in got)
 
 
@@ -97,11 +112,39 @@ def test_doctor_local(runs):
 
 def test_launch_writes_slurm_and_kubernetes_files(runs):
     tmp = runs["tmp"]
-    ok(loom("launch", "--slurm", "--nodes", 2, "--gpus-per-node", 8, "--cpus-per-node", 32,
-            "--script", tmp / "job.sbatch", "--training.steps", 10))
+    ok(
+        loom(
+            "launch",
+            "--slurm",
+            "--nodes",
+            2,
+            "--gpus-per-node",
+            8,
+            "--cpus-per-node",
+            32,
+            "--script",
+            tmp / "job.sbatch",
+            "--training.steps",
+            10,
+        )
+    )
     script = (tmp / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "loom" in script
-    ok(loom("launch", "--kubernetes", "--image", "loom:latest", "--nodes", 2, "--gpus-per-node", 8,
-            "--name", "tiny", "--out", tmp / "k8s"))
+    ok(
+        loom(
+            "launch",
+            "--kubernetes",
+            "--image",
+            "loom:latest",
+            "--nodes",
+            2,
+            "--gpus-per-node",
+            8,
+            "--name",
+            "tiny",
+            "--out",
+            tmp / "k8s",
+        )
+    )
     written = sorted(p.name for p in (tmp / "k8s").iterdir())
     assert written == ["tiny.jobset.yaml", "tiny.pytorchjob.yaml"], written

@@ -46,6 +46,7 @@ def user_error(capsys, *argv: str) -> str:
 
 # ---- --version --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("flag", ["--version", "-V"])
 def test_version_is_pyprojects_with_torchs(capsys, flag):
     from importlib.metadata import version
@@ -65,6 +66,7 @@ def test_loom_version_attribute_is_the_same():
 
 
 # ---- loom train --help [SECTION] --------------------------------------------------------
+
 
 def test_every_section_has_a_description():
     assert set(SECTION_HELP) == set(SECTIONS)
@@ -99,7 +101,7 @@ def test_help_section_lists_every_field_with_its_default(capsys, section):
 
 def test_help_and_docs_read_the_same_rows():
     doc = markdown()
-    assert "| `training.dtype` | `\"float32\"` | `float32` \\| `bfloat16` \\| `float16` |" in doc
+    assert '| `training.dtype` | `"float32"` | `float32` \\| `bfloat16` \\| `float16` |' in doc
     assert SECTION_HELP["parallel"][1:] in doc
 
 
@@ -111,16 +113,20 @@ def test_unknown_section_suggests_the_nearest(capsys):
 
 # ---- unknown keys: the nearest of any section -------------------------------------------
 
-@pytest.mark.parametrize("arg,near", [
-    ("--training.lr", "'optimizer.lr'"),  # an exact field name in another section
-    ("--training.seed", "'run.seed'"),
-    ("--training.dir", "'run.dir' or 'checkpoint.dir'"),
-    ("--training.stpes", "'training.steps'"),  # a typo in the typed section
-    ("--optimiser.lr", "'optimizer.lr'"),  # a typo in the section
-    ("--training.warmup", "'optimizer.warmup_steps'"),
-    ("--lr", "'optimizer.lr'"),  # no section
-    ("--training_steps", "'training.steps'"),
-])
+
+@pytest.mark.parametrize(
+    "arg,near",
+    [
+        ("--training.lr", "'optimizer.lr'"),  # an exact field name in another section
+        ("--training.seed", "'run.seed'"),
+        ("--training.dir", "'run.dir' or 'checkpoint.dir'"),
+        ("--training.stpes", "'training.steps'"),  # a typo in the typed section
+        ("--optimiser.lr", "'optimizer.lr'"),  # a typo in the section
+        ("--training.warmup", "'optimizer.warmup_steps'"),
+        ("--lr", "'optimizer.lr'"),  # no section
+        ("--training_steps", "'training.steps'"),
+    ],
+)
 def test_unknown_key_suggests_across_sections(capsys, arg, near):
     line = user_error(capsys, "train", arg, "1")
     assert line == f"loom: error: {arg[2:]}: unknown key; did you mean {near}?"
@@ -128,7 +134,8 @@ def test_unknown_key_suggests_across_sections(capsys, arg, near):
 
 def test_unknown_key_without_a_near_one(capsys, tmp_path):
     assert user_error(capsys, "train", "--training.foo", "1").endswith(
-        "training.foo: unknown key; see `loom train --help training` for its fields")
+        "training.foo: unknown key; see `loom train --help training` for its fields"
+    )
     assert "sections are run, model, data" in user_error(capsys, "train", "--zzz.qqq", "1")
     toml = tmp_path / "t.toml"
     toml.write_text("[training]\nlr = 0.1\n")
@@ -137,22 +144,35 @@ def test_unknown_key_without_a_near_one(capsys, tmp_path):
 
 def test_misspelt_option_names_the_option(capsys):
     assert user_error(capsys, "train", "--dryrun").endswith(
-        "--dryrun: unknown option; did you mean '--dry-run'? (see `loom train --help`)")
+        "--dryrun: unknown option; did you mean '--dry-run'? (see `loom train --help`)"
+    )
     assert "did you mean '--print-config'?" in user_error(capsys, "train", "--print-conifg")
 
 
 # ---- --print-config ---------------------------------------------------------------------
 
+
 def test_print_config_is_the_resolved_config_and_writes_nothing(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     toml = tmp_path / "train.toml"
-    toml.write_text('[training]\nsteps = 50\nseq_len = 64\n[optimizer]\nlr = 0.01\n')
-    out = run(capsys, "train", "--config", str(toml), "--print-config", "--training.steps", "7",
-              "--nproc-per-node", "2")
+    toml.write_text("[training]\nsteps = 50\nseq_len = 64\n[optimizer]\nlr = 0.01\n")
+    out = run(
+        capsys,
+        "train",
+        "--config",
+        str(toml),
+        "--print-config",
+        "--training.steps",
+        "7",
+        "--nproc-per-node",
+        "2",
+    )
     want = build_config(str(toml), {"training.steps": "7"})
     assert out == to_toml(want)
     parsed = tomllib.loads(out)
-    assert parsed["training"]["steps"] == 7 and parsed["training"]["seq_len"] == 64  # overrides < file < defaults
+    assert (
+        parsed["training"]["steps"] == 7 and parsed["training"]["seq_len"] == 64
+    )  # overrides < file < defaults
     assert parsed["optimizer"]["lr"] == 0.01 and parsed["run"]["dir"] == "runs/lm"
     (tmp_path / "printed.toml").write_text(out)
     assert build_config(str(tmp_path / "printed.toml")) == want  # it reads back as the same config
@@ -160,6 +180,7 @@ def test_print_config_is_the_resolved_config_and_writes_nothing(capsys, tmp_path
 
 
 # ---- --dry-run --------------------------------------------------------------------------
+
 
 def test_dry_run_prints_the_plan_and_writes_nothing(capsys, tmp_path, monkeypatch):
     from loom.cli.preflight import built_params, load_config, precheck
@@ -172,7 +193,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(capsys, tmp_path, monkeypatc
     assert params == sum(p.numel() for p in _debug_model(run_.model_args).parameters())
     assert "layout:    single (world 1)" in out
     assert f"flavor debug: {params:,} parameters" in out
-    assert "8 sequences x 32 tokens = 256 tokens per optimizer step (micro-batch 2 x 4 accumulation steps" in out
+    assert (
+        "8 sequences x 32 tokens = 256 tokens per optimizer step (micro-batch 2 x 4 accumulation steps" in out
+    )
     assert "per rank at a step's peak" in out and "MiB" in out
     assert "not created" in out
     assert os.listdir(tmp_path) == []  # no run dir, no lock, no cache
@@ -189,8 +212,14 @@ def _debug_model(args):
 
 def test_dry_run_plans_for_nproc_per_node(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    out = run(capsys, "train", *tiny_args(tmp_path / "run", **{"run.device": "cpu"}), "--nproc-per-node", "2",
-              "--dry-run")
+    out = run(
+        capsys,
+        "train",
+        *tiny_args(tmp_path / "run", **{"run.device": "cpu"}),
+        "--nproc-per-node",
+        "2",
+        "--dry-run",
+    )
     assert "on 2 ranks" in out and "(world 2: dp_shard=2)" in out
     assert "micro-batch 2 x 2 accumulation steps x 2 data-parallel" in out
     assert os.listdir(tmp_path) == []
@@ -198,8 +227,16 @@ def test_dry_run_plans_for_nproc_per_node(capsys, tmp_path, monkeypatch):
 
 def test_dry_run_refuses_what_a_start_refuses(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    line = user_error(capsys, "train", *tiny_args(tmp_path / "run"), "--nproc-per-node", "2",
-                      "--training.global_batch_size", "6", "--dry-run")
+    line = user_error(
+        capsys,
+        "train",
+        *tiny_args(tmp_path / "run"),
+        "--nproc-per-node",
+        "2",
+        "--training.global_batch_size",
+        "6",
+        "--dry-run",
+    )
     assert "training.global_batch_size = 6" in line
     (tmp_path / "file").write_text("")
     assert "run.dir" in user_error(capsys, "train", *tiny_args(tmp_path / "file" / "run"), "--dry-run")
@@ -211,12 +248,21 @@ def test_dry_run_counts_the_imported_model(capsys, tmp_path, monkeypatch):
     """With model.init_from the plan counts the folder's model, not the flavor's."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, vocab_size=384, tie_word_embeddings=False,
-                                   max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=384,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
     hf = transformers.LlamaForCausalLM(cfg)
     hf.save_pretrained(tmp_path / "hf")
     monkeypatch.chdir(tmp_path)
-    out = run(capsys, "train", *tiny_args(tmp_path / "run"), "--model.init_from", str(tmp_path / "hf"), "--dry-run")
+    out = run(
+        capsys, "train", *tiny_args(tmp_path / "run"), "--model.init_from", str(tmp_path / "hf"), "--dry-run"
+    )
     assert f"model.init_from {tmp_path / 'hf'}: {hf.num_parameters():,} parameters (3 layers, dim 32" in out
     assert sorted(os.listdir(tmp_path)) == ["hf"]

@@ -9,7 +9,13 @@ import subprocess
 import pytest
 
 from loom.config.errors import ConfigError
-from loom.plan.compute_optimal import compute_optimal, gpu_hours, nearest_flavor, parse_count, recommended_batch
+from loom.plan.compute_optimal import (
+    compute_optimal,
+    gpu_hours,
+    nearest_flavor,
+    parse_count,
+    recommended_batch,
+)
 
 LOOM = "loom"
 
@@ -46,27 +52,50 @@ def _plan(*args):
 
 def test_cli_prints_the_budget_flavor_and_gpu_hours(tmp_path):
     out = tmp_path / "plan.json"
-    r = _plan("--flops", "5.76e23", "--gpus", "64", "--gpu", "H100", "--training.seq_len", "2048",
-              "--training.global_batch_size", "512", "--training.micro_batch_size", "1",
-              "--training.dtype", "bfloat16", "--json", str(out))
+    r = _plan(
+        "--flops",
+        "5.76e23",
+        "--gpus",
+        "64",
+        "--gpu",
+        "H100",
+        "--training.seq_len",
+        "2048",
+        "--training.global_batch_size",
+        "512",
+        "--training.micro_batch_size",
+        "1",
+        "--training.dtype",
+        "bfloat16",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "parameters 69.3B, tokens 1.39T, FLOPs 5.76e+23" in r.stdout
     assert "nearest flavor: 70B" in r.stdout and "GPU-hours" in r.stdout
     report = json.loads(out.read_text())["compute_optimal"]
     assert report["flavor"] == "70B" and report["gpus"] == 64
     assert report["gpu_hours"] == pytest.approx(report["tokens"] / report["tokens_per_s_per_gpu"] / 3600)
-    r = _plan("--params", "125M", "--noise-scale", "2e5", "--training.seq_len", "2048")  # no cluster: no GPU-hours
+    r = _plan(
+        "--params", "125M", "--noise-scale", "2e5", "--training.seq_len", "2048"
+    )  # no cluster: no GPU-hours
     assert r.returncode == 0 and "nearest flavor: 125M" in r.stdout and "GPU-hours" not in r.stdout
     assert "global batch: about 200,000 tokens = 98 sequences of 2048" in r.stdout
 
 
-@pytest.mark.parametrize("args,expect", [
-    (["--flops", "lots"], ["--flops = 'lots'", "expected a positive number"]),
-    (["--flops", "0"], ["--flops = '0'", "expected a positive number"]),
-    (["--flops", "1e22", "--params", "1B"], ["give exactly one of --flops, --params, --tokens"]),
-    (["--noise-scale", "1e5"], ["--noise-scale = '1e5'", "only with --flops, --params or --tokens"]),
-    (["--flops", "1e22", "--generate", "--prompt-len", "8", "--output-len", "8"], ["--generate", "not with --flops"]),
-])
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["--flops", "lots"], ["--flops = 'lots'", "expected a positive number"]),
+        (["--flops", "0"], ["--flops = '0'", "expected a positive number"]),
+        (["--flops", "1e22", "--params", "1B"], ["give exactly one of --flops, --params, --tokens"]),
+        (["--noise-scale", "1e5"], ["--noise-scale = '1e5'", "only with --flops, --params or --tokens"]),
+        (
+            ["--flops", "1e22", "--generate", "--prompt-len", "8", "--output-len", "8"],
+            ["--generate", "not with --flops"],
+        ),
+    ],
+)
 def test_cli_errors_are_one_line(cli_error, args, expect):
     line = cli_error("plan", *args)
     assert all(e in line for e in expect), line

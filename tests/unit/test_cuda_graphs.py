@@ -14,15 +14,20 @@ def cfg(**over):
     return build_config(None, {**base, **{k: str(v) for k, v in over.items()}})
 
 
-@pytest.mark.parametrize("over, says", [
-    ({"training.compile": "false"}, "needs training.compile true"),
-    ({"training.activation_checkpointing": "full"}, "allowed none | op"),
-    ({"training.objective": "grpo"}, "allowed lm | sft | dpo | reward"),
-    ({"parallel.cpu_offload": "true"}, "parallel.cpu_offload"),
-])
+@pytest.mark.parametrize(
+    "over, says",
+    [
+        ({"training.compile": "false"}, "needs training.compile true"),
+        ({"training.activation_checkpointing": "full"}, "allowed none | op"),
+        ({"training.objective": "grpo"}, "allowed lm | sft | dpo | reward"),
+        ({"parallel.cpu_offload": "true"}, "parallel.cpu_offload"),
+    ],
+)
 def test_what_graphs_cannot_take_is_refused(over, says):
     with pytest.raises(ConfigError, match="training.cuda_graphs") as err:
-        check_config(cfg(**over))  # the features' rules and the method's (a method's own refusal is in loom.methods)
+        check_config(
+            cfg(**over)
+        )  # the features' rules and the method's (a method's own refusal is in loom.methods)
     assert says in str(err.value)
 
 
@@ -39,7 +44,15 @@ def test_the_cpu_is_refused():
 
 
 def test_one_process_with_op_checkpointing_resolves():
-    run = resolve(cfg(**{"training.activation_checkpointing": "op", "training.global_batch_size": 8,
-                         "training.micro_batch_size": 8}), 1, device="cuda")
+    run = resolve(
+        cfg(
+            **{
+                "training.activation_checkpointing": "op",
+                "training.global_batch_size": 8,
+                "training.micro_batch_size": 8,
+            }
+        ),
+        1,
+        device="cuda",
+    )
     assert run.dims.world_size == 1
-

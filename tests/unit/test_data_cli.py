@@ -30,8 +30,9 @@ def user_error(capsys, *args: str) -> str:
 @pytest.fixture
 def jsonl(tmp_path) -> str:
     path = tmp_path / "c.jsonl"
-    path.write_text("".join(json.dumps({"text": f"document number {i}\n" * (1 + i % 3)}) + "\n"
-                            for i in range(600)))
+    path.write_text(
+        "".join(json.dumps({"text": f"document number {i}\n" * (1 + i % 3)}) + "\n" for i in range(600))
+    )
     return str(path)
 
 
@@ -78,21 +79,45 @@ def test_progress_line_is_throttled():
 
 def test_parse_args_defaults_and_equals_form():
     assert parse_args(["--source", "a.jsonl", "--output=o.bin"]) == {
-        "source": "a.jsonl", "output": "o.bin", "tokenizer": "byte", "text_field": "text", "encoding_errors": "strict"}
-    assert parse_args(["--source=", "-o", "x.bin", "--text-field", "body", "--tokenizer", "t.json",
-                       "--encoding-errors", "replace"]) == {
-        "source": "", "output": "x.bin", "tokenizer": "t.json", "text_field": "body", "encoding_errors": "replace"}
+        "source": "a.jsonl",
+        "output": "o.bin",
+        "tokenizer": "byte",
+        "text_field": "text",
+        "encoding_errors": "strict",
+    }
+    assert parse_args(
+        [
+            "--source=",
+            "-o",
+            "x.bin",
+            "--text-field",
+            "body",
+            "--tokenizer",
+            "t.json",
+            "--encoding-errors",
+            "replace",
+        ]
+    ) == {
+        "source": "",
+        "output": "x.bin",
+        "tokenizer": "t.json",
+        "text_field": "body",
+        "encoding_errors": "replace",
+    }
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--source", "a.jsonl"], "--output: required"),
-    (["--output", "a.bin"], "--source: required"),
-    (["--source", "a.jsonl", "--output", "a.bin", "--bogus", "1"], "--bogus: unknown option"),
-    (["stray", "--output", "a.bin"], "stray: unknown option"),
-    (["--source", "a.jsonl", "--output"], "--output: missing value"),
-    (["--source", "--output", "a.bin"], "--source: missing value"),
-    (["--source", "a.jsonl", "--output", "a.txt"], "must end in .bin"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--source", "a.jsonl"], "--output: required"),
+        (["--output", "a.bin"], "--source: required"),
+        (["--source", "a.jsonl", "--output", "a.bin", "--bogus", "1"], "--bogus: unknown option"),
+        (["stray", "--output", "a.bin"], "stray: unknown option"),
+        (["--source", "a.jsonl", "--output"], "--output: missing value"),
+        (["--source", "--output", "a.bin"], "--source: missing value"),
+        (["--source", "a.jsonl", "--output", "a.txt"], "must end in .bin"),
+    ],
+)
 def test_argument_errors(args, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_args(args)
@@ -137,6 +162,13 @@ def test_token_file_source(jsonl, tmp_path, capsys):
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.train_from_iterator(["document number"], trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
     tok.save(str(tmp_path / "tokenizer.json"))
-    line = user_error(capsys, "--source", first, "--tokenizer", str(tmp_path / "tokenizer.json"),
-                      "--output", str(tmp_path / "second.bin"))
+    line = user_error(
+        capsys,
+        "--source",
+        first,
+        "--tokenizer",
+        str(tmp_path / "tokenizer.json"),
+        "--output",
+        str(tmp_path / "second.bin"),
+    )
     assert line.startswith("loom: error: --tokenizer") and "written with tokenizer byte-v1" in line

@@ -115,8 +115,17 @@ def test_truncated_token_file(tmp_path):
     assert path in str(err.value)
     cfg = DataConfig(source=path)  # and on the training path
     with pytest.raises(UserError, match="truncated"):
-        build_loader(cfg, ByteTokenizer(), prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache")),
-                     seq_len=8, seed=0, dp_rank=0, dp_size=1, micro_batch=1, accumulation=1)
+        build_loader(
+            cfg,
+            ByteTokenizer(),
+            prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache")),
+            seq_len=8,
+            seed=0,
+            dp_rank=0,
+            dp_size=1,
+            micro_batch=1,
+            accumulation=1,
+        )
 
 
 def test_token_file_without_its_description(tmp_path):
@@ -139,8 +148,17 @@ def test_fewer_tokens_than_one_window(tmp_path):
     cfg = DataConfig(source=path, val_fraction=0.0)
     files = prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache"))
     with pytest.raises(UserError, match="5 tokens are fewer than one training window of 9") as err:
-        build_loader(cfg, ByteTokenizer(), files, seq_len=8, seed=0, dp_rank=0, dp_size=1, micro_batch=1,
-                     accumulation=1)
+        build_loader(
+            cfg,
+            ByteTokenizer(),
+            files,
+            seq_len=8,
+            seed=0,
+            dp_rank=0,
+            dp_size=1,
+            micro_batch=1,
+            accumulation=1,
+        )
     assert path in str(err.value)
 
 
@@ -155,8 +173,17 @@ def test_token_file_from_another_tokenizer(tmp_path):
     cfg = DataConfig(source=path, val_fraction=0.0)
     hf = build_tokenizer(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ConfigError, match="written with tokenizer byte-v1") as err:
-        build_loader(cfg, hf, prepare_data(cfg, hf, str(tmp_path / "cache")), seq_len=8, seed=0, dp_rank=0,
-                     dp_size=1, micro_batch=1, accumulation=1)
+        build_loader(
+            cfg,
+            hf,
+            prepare_data(cfg, hf, str(tmp_path / "cache")),
+            seq_len=8,
+            seed=0,
+            dp_rank=0,
+            dp_size=1,
+            micro_batch=1,
+            accumulation=1,
+        )
     assert path in str(err.value)
 
 

@@ -68,10 +68,12 @@ def write_hf_dataset(path, docs) -> str:
 
 def write_corpus(root, fmt: str, docs=CORPUS) -> str:
     """``docs`` in format ``fmt`` under ``root``; returns the data.source string for it."""
-    writers = {"text": lambda: write_text_files(os.path.join(root, "text"), docs),
-               "jsonl": lambda: write_jsonl(os.path.join(root, "corpus.jsonl"), docs),
-               "parquet": lambda: write_parquet(os.path.join(root, "corpus.parquet"), docs),
-               "hf_dataset": lambda: write_hf_dataset(os.path.join(root, "hf_ds"), docs)}
+    writers = {
+        "text": lambda: write_text_files(os.path.join(root, "text"), docs),
+        "jsonl": lambda: write_jsonl(os.path.join(root, "corpus.jsonl"), docs),
+        "parquet": lambda: write_parquet(os.path.join(root, "corpus.parquet"), docs),
+        "hf_dataset": lambda: write_hf_dataset(os.path.join(root, "hf_ds"), docs),
+    }
     return writers[fmt]()
 
 
@@ -82,8 +84,9 @@ def train_hf_tokenizer(path) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([d for d in CORPUS if d], trainer)
     tok.save(str(path))
     return str(path)
@@ -148,8 +151,10 @@ def test_prepare_cli_writes_the_same_token_file(corpora, tokenizer, tmp_path, ca
         assert read_bytes(out) == reference, fmt
     # a prepared token file as the source: copied as is, and again identical
     again = str(tmp_path / "again.bin")
-    assert prepare_main(["--source", str(tmp_path / "cli_jsonl.bin"), "--tokenizer", tok_arg,
-                         "--output", again]) == 0
+    assert (
+        prepare_main(["--source", str(tmp_path / "cli_jsonl.bin"), "--tokenizer", tok_arg, "--output", again])
+        == 0
+    )
     assert read_bytes(again) == reference
     assert read_meta(again) == read_meta(str(tmp_path / "reference.bin"))
 
@@ -163,8 +168,9 @@ def test_every_format_trains_on_the_same_batches(corpora, tokenizer, tmp_path):
     for source in [*corpora.values(), prepared]:
         cfg = DataConfig(source=source, val_fraction=0.0)
         files = prepare_data(cfg, tokenizer, str(tmp_path / "cache"))
-        loader = build_loader(cfg, tokenizer, files, seq_len=8, seed=3, dp_rank=0, dp_size=1,
-                              micro_batch=2, accumulation=2)
+        loader = build_loader(
+            cfg, tokenizer, files, seq_len=8, seed=3, dp_rank=0, dp_size=1, micro_batch=2, accumulation=2
+        )
         hashes.add(tuple(loader.next_step(with_hash=True).global_hash for _ in range(5)))
     assert len(hashes) == 1
 
@@ -201,7 +207,8 @@ def test_gzipped_jsonl_and_dataset_dict_read_like_the_plain_ones(tmp_path):
     with gzip.open(tmp_path / "c.jsonl.gz", "wt", encoding="utf-8") as fh:
         fh.writelines(json.dumps({"body": d}) + "\n" for d in CORPUS)
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": CORPUS})}).save_to_disk(
-        str(tmp_path / "dd"))
+        str(tmp_path / "dd")
+    )
     with gzip.open(tmp_path / "c.ndjson.gz", "wt", encoding="utf-8") as fh:
         fh.writelines(json.dumps({"body": d}) + "\n" for d in CORPUS)
     for source in (str(tmp_path / "c.jsonl.gz"), str(tmp_path / "c.ndjson.gz"), str(tmp_path / "dd")):

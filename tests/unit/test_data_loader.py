@@ -28,11 +28,28 @@ def counting_file(path, n_tokens: int) -> TokenFile:
     return TokenFile(str(path))
 
 
-def make_loader(tf: TokenFile, *, dp_rank=0, dp_size=1, micro_batch=1, accumulation=1, seed=0,
-                val_fraction=0.0, seq_len=SEQ) -> Loader:
+def make_loader(
+    tf: TokenFile,
+    *,
+    dp_rank=0,
+    dp_size=1,
+    micro_batch=1,
+    accumulation=1,
+    seed=0,
+    val_fraction=0.0,
+    seq_len=SEQ,
+) -> Loader:
     windows = Windows(tf, seq_len, val_fraction, "counting")
-    return Loader([windows], [1.0], seed=seed, eos_id=EOS, dp_rank=dp_rank, dp_size=dp_size,
-                  micro_batch=micro_batch, accumulation=accumulation)
+    return Loader(
+        [windows],
+        [1.0],
+        seed=seed,
+        eos_id=EOS,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batch=micro_batch,
+        accumulation=accumulation,
+    )
 
 
 def window_ids(mb, seq_len=SEQ) -> list[int]:
@@ -45,6 +62,7 @@ def counting(tmp_path) -> TokenFile:
 
 
 # ---- permute -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [1, 2, 7, 1000, 4097])
 def test_permute_is_a_bijection(n):
@@ -69,15 +87,13 @@ def test_permute_of_a_subset_agrees_with_the_whole():
 
 # ---- packing --------------------------------------------------------------------------
 
+
 def test_document_positions_restart_after_eos():
     e = 9
-    inputs = torch.tensor([[1, 2, e, 3, 4, 5, e, e],
-                           [e, 1, 2, 3, 4, 5, 6, 7]])  # (B, S)
+    inputs = torch.tensor([[1, 2, e, 3, 4, 5, e, e], [e, 1, 2, 3, 4, 5, 6, 7]])  # (B, S)
     pos, doc = document_positions(inputs, e)
-    assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0],
-                            [0, 0, 1, 2, 3, 4, 5, 6]]
-    assert doc.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2],
-                            [0, 1, 1, 1, 1, 1, 1, 1]]
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 1, 2, 3, 4, 5, 6]]
+    assert doc.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1, 1]]
     assert (doc.diff(dim=1) >= 0).all()
 
 
@@ -104,8 +120,9 @@ LAYOUTS = [(1, 8, 1), (1, 1, 8), (2, 2, 2), (2, 4, 1), (4, 1, 2), (8, 1, 1)]  # 
 
 def run_layout(tf, dp, mb, acc, steps, seed=0):
     """Per step: rank 0's global hash and every window any rank received."""
-    loaders = [make_loader(tf, dp_rank=r, dp_size=dp, micro_batch=mb, accumulation=acc, seed=seed)
-               for r in range(dp)]
+    loaders = [
+        make_loader(tf, dp_rank=r, dp_size=dp, micro_batch=mb, accumulation=acc, seed=seed) for r in range(dp)
+    ]
     hashes, received = [], []
     for _ in range(steps):
         got = []
@@ -149,6 +166,7 @@ def test_different_seeds_give_different_batches(counting):
 
 # ---- resume ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("resume_layout", [(1, 4, 2), (2, 2, 2), (4, 1, 2)])
 def test_resume_continues_exactly(counting, resume_layout):
     straight = make_loader(counting, micro_batch=8)
@@ -166,19 +184,28 @@ def test_resume_continues_exactly(counting, resume_layout):
 
 def test_resume_refuses_another_number_of_sources(counting, tmp_path):
     other = counting_file(tmp_path / "other.bin", 20 * SEQ + 1)
-    two = Loader([Windows(counting, SEQ, 0.0, "a"), Windows(other, SEQ, 0.0, "b")], [1.0, 1.0], seed=0,
-                 eos_id=EOS, dp_rank=0, dp_size=1, micro_batch=2, accumulation=1)
+    two = Loader(
+        [Windows(counting, SEQ, 0.0, "a"), Windows(other, SEQ, 0.0, "b")],
+        [1.0, 1.0],
+        seed=0,
+        eos_id=EOS,
+        dp_rank=0,
+        dp_size=1,
+        micro_batch=2,
+        accumulation=1,
+    )
     with pytest.raises(UserError, match="2 sources"):
         make_loader(counting).load_state_dict(two.state_dict())
 
 
 # ---- epochs and validation ------------------------------------------------------------------------
 
+
 def test_each_epoch_visits_every_window_once_in_a_new_order(tmp_path):
     tf = counting_file(tmp_path / "tiny.bin", 10 * SEQ + 1)  # 10 windows
     loader = make_loader(tf, micro_batch=5, seed=4)
     seen = [w for _ in range(8) for w in window_ids(loader.next_step().micro_batches[0])]  # 4 epochs
-    epochs = [seen[i:i + 10] for i in range(0, 40, 10)]
+    epochs = [seen[i : i + 10] for i in range(0, 40, 10)]
     for order in epochs:
         assert sorted(order) == list(range(10))
     assert len({tuple(order) for order in epochs}) == 4
@@ -190,7 +217,7 @@ def test_epochs_span_step_boundaries(tmp_path):
     loader = make_loader(tf, micro_batch=3, seed=2)
     seen = [w for _ in range(7) for w in window_ids(loader.next_step().micro_batches[0])]
     for e in range(3):
-        assert sorted(seen[7 * e:7 * e + 7]) == list(range(7))
+        assert sorted(seen[7 * e : 7 * e + 7]) == list(range(7))
 
 
 def test_validation_windows_never_reach_training(tmp_path):
@@ -217,6 +244,7 @@ def test_no_validation_when_the_fraction_is_zero(counting):
 
 # ---- mixtures -----------------------------------------------------------------------------------
 
+
 def one_letter_file(path, letter: str, docs: int) -> str:
     """A byte-tokenized token file of ``letter`` documents: each window's content names its source."""
     tok = ByteTokenizer()
@@ -234,8 +262,17 @@ def mixture_loader(tmp_path, seed: int, dp_rank=0, dp_size=1):
     cfg = DataConfig(source=f"{a}:0.7,{b}:0.3", val_fraction=0.0)
     files = prepare_data(cfg, tok, str(tmp_path / "cache"))
     assert [f[1] for f in files] == [0.7, 0.3]
-    return build_loader(cfg, tok, files, seq_len=16, seed=seed, dp_rank=dp_rank, dp_size=dp_size,
-                        micro_batch=50 // dp_size, accumulation=1)
+    return build_loader(
+        cfg,
+        tok,
+        files,
+        seq_len=16,
+        seed=seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        micro_batch=50 // dp_size,
+        accumulation=1,
+    )
 
 
 def source_of(mb) -> list[str]:

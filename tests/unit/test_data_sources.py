@@ -108,10 +108,10 @@ def test_the_cache_follows_the_source(tmp_path):
     doc = tmp_path / "d.txt"
     doc.write_text("first version")
     cfg = DataConfig(source=str(doc))
-    (first, _, _), = prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache"))
+    ((first, _, _),) = prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache"))
     assert prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache"))[0][0] == first  # reused
     doc.write_text("the second, longer version")
-    (second, _, _), = prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache"))
+    ((second, _, _),) = prepare_data(cfg, ByteTokenizer(), str(tmp_path / "cache"))
     assert second != first
     assert read_meta(second).tokens == len("the second, longer version") + 1
     (spec,) = parse_source(str(doc))

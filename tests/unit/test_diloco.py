@@ -42,14 +42,28 @@ def test_fragments_are_contiguous_balanced_and_never_empty():
 def test_schedule_one_fragment_and_streaming(one_rank):
     plain = DiLoCo([_model()], ParallelConfig(diloco_inner_steps=4), group=one_rank, n_groups=1, replica=0)
     assert [s for s in range(1, 13) if plain.due(s)] == [4, 8, 12]
-    stream = DiLoCo([_model()], ParallelConfig(diloco_inner_steps=4, diloco_fragments=2), group=one_rank,
-                    n_groups=1, replica=0)
-    assert [(s, stream.due(s)) for s in range(1, 11) if stream.due(s)] == [(2, [0]), (4, [1]), (6, [0]), (8, [1]),
-                                                                            (10, [0])]
-    assert sorted(sum(stream.fragments, [])) == sorted(stream.params)  # every parameter in exactly one fragment
+    stream = DiLoCo(
+        [_model()],
+        ParallelConfig(diloco_inner_steps=4, diloco_fragments=2),
+        group=one_rank,
+        n_groups=1,
+        replica=0,
+    )
+    assert [(s, stream.due(s)) for s in range(1, 11) if stream.due(s)] == [
+        (2, [0]),
+        (4, [1]),
+        (6, [0]),
+        (8, [1]),
+        (10, [0]),
+    ]
+    assert sorted(sum(stream.fragments, [])) == sorted(
+        stream.params
+    )  # every parameter in exactly one fragment
     assert stream.record(6) == {"inner_steps": 4, "groups": 1, "fragments": 2, "position": 0}
-    assert state_name("layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == \
-        "layers.0.attention.wq.weight"
+    assert (
+        state_name("layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight")
+        == "layers.0.attention.wq.weight"
+    )
 
 
 @pytest.mark.parametrize("lr,momentum", [(0.7, 0.9), (1.0, 0.0)])
@@ -57,8 +71,13 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient(one_rank, lr, momentu
     """One group: the averaged pseudo-gradient is the group's own, so each round is one step of torch's SGD with
     ``nesterov=True`` on the outer weights with gradient = outer - current."""
     model = _model()
-    diloco = DiLoCo([model], ParallelConfig(diloco_inner_steps=3, diloco_outer_lr=lr, diloco_outer_momentum=momentum),
-                    group=one_rank, n_groups=1, replica=0)
+    diloco = DiLoCo(
+        [model],
+        ParallelConfig(diloco_inner_steps=3, diloco_outer_lr=lr, diloco_outer_momentum=momentum),
+        group=one_rank,
+        n_groups=1,
+        replica=0,
+    )
     ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
     sgd = torch.optim.SGD(ref, lr=lr, momentum=momentum, nesterov=momentum > 0)
     gen = torch.Generator().manual_seed(1)
@@ -79,8 +98,15 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient(one_rank, lr, momentu
 
 def test_bf16_wire_halves_the_bytes_and_rounds_the_pseudo_gradient(one_rank):
     model = _model()
-    diloco = DiLoCo([model], ParallelConfig(diloco_inner_steps=1, diloco_outer_lr=1.0, diloco_outer_momentum=0.0,
-                                            diloco_bf16=True), group=one_rank, n_groups=1, replica=0)
+    diloco = DiLoCo(
+        [model],
+        ParallelConfig(
+            diloco_inner_steps=1, diloco_outer_lr=1.0, diloco_outer_momentum=0.0, diloco_bf16=True
+        ),
+        group=one_rank,
+        n_groups=1,
+        replica=0,
+    )
     start = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         for p in model.parameters():
@@ -88,7 +114,7 @@ def test_bf16_wire_halves_the_bytes_and_rounds_the_pseudo_gradient(one_rank):
     diloco.after_step(1)
     assert diloco.bytes_sent == 2 * sum(p.numel() for p in model.parameters())
     for s, p in zip(start, model.parameters()):
-        delta = (s - (s + 0.1 + 1e-4 * torch.arange(p.numel()).reshape(p.shape)))
+        delta = s - (s + 0.1 + 1e-4 * torch.arange(p.numel()).reshape(p.shape))
         torch.testing.assert_close(p.detach(), s - delta.bfloat16().float(), rtol=0, atol=1e-7)
 
 
@@ -144,12 +170,19 @@ def test_overlap_applies_the_delayed_rule(one_rank, tau, alpha):
     fragment is launched while the other's is pending)."""
     model = _model()
     inits = [p.detach().clone() for p in model.parameters()]
-    cfg = ParallelConfig(diloco_inner_steps=4, diloco_fragments=2, diloco_overlap_steps=tau,
-                         diloco_overlap_alpha=alpha, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
+    cfg = ParallelConfig(
+        diloco_inner_steps=4,
+        diloco_fragments=2,
+        diloco_overlap_steps=tau,
+        diloco_overlap_alpha=alpha,
+        diloco_outer_lr=0.7,
+        diloco_outer_momentum=0.9,
+    )
     diloco = DiLoCo([model], cfg, group=one_rank, n_groups=1, replica=0)
     fragments = [[list(diloco.params).index(k) for k in names] for names in diloco.fragments]
-    history, outer = delayed_rule(inits, fragments, groups=1, steps=13, h=4, tau=tau, alpha=alpha, lr=0.7,
-                                  momentum=0.9)
+    history, outer = delayed_rule(
+        inits, fragments, groups=1, steps=13, h=4, tau=tau, alpha=alpha, lr=0.7, momentum=0.9
+    )
     in_flight = []
     for step in range(1, 14):
         _perturb(model, step)
@@ -164,12 +197,30 @@ def test_overlap_applies_the_delayed_rule(one_rank, tau, alpha):
 
 
 def test_overlap_schedule_and_record(one_rank):
-    diloco = DiLoCo([_model()], ParallelConfig(diloco_inner_steps=4, diloco_fragments=2, diloco_overlap_steps=3),
-                    group=one_rank, n_groups=1, replica=0)
+    diloco = DiLoCo(
+        [_model()],
+        ParallelConfig(diloco_inner_steps=4, diloco_fragments=2, diloco_overlap_steps=3),
+        group=one_rank,
+        n_groups=1,
+        replica=0,
+    )
     assert [diloco.pending_at(s) for s in (1, 2, 4, 5, 6, 7, 8)] == [
-        [], [(0, 5)], [(0, 5), (1, 7)], [(1, 7)], [(0, 9), (1, 7)], [(0, 9)], [(0, 9), (1, 11)]]
-    assert diloco.record(6) == {"inner_steps": 4, "groups": 1, "fragments": 2, "position": 0, "overlap_steps": 3,
-                                "pending": [[0, 9], [1, 7]]}
+        [],
+        [(0, 5)],
+        [(0, 5), (1, 7)],
+        [(1, 7)],
+        [(0, 9), (1, 7)],
+        [(0, 9)],
+        [(0, 9), (1, 11)],
+    ]
+    assert diloco.record(6) == {
+        "inner_steps": 4,
+        "groups": 1,
+        "fragments": 2,
+        "position": 0,
+        "overlap_steps": 3,
+        "pending": [[0, 9], [1, 7]],
+    }
 
 
 def test_overlap_pending_reductions_survive_a_checkpoint(one_rank):
@@ -189,9 +240,13 @@ def test_overlap_pending_reductions_survive_a_checkpoint(one_rank):
     stopped = DiLoCo([first], cfg, group=one_rank, n_groups=1, replica=0)
     run(first, stopped, range(1, 7))  # after step 6 both fragments' reductions are in flight
     assert sorted(f for f, r in stopped.in_flight.items() if r.work is not None) == [0, 1]
-    saved = {"weights": {k: v.clone() for k, v in first.state_dict().items()},
-             **{key: {k: v.clone() for k, v in part.items()}
-                for key, part in stopped.shared_state(first.state_dict()).items()}}
+    saved = {
+        "weights": {k: v.clone() for k, v in first.state_dict().items()},
+        **{
+            key: {k: v.clone() for k, v in part.items()}
+            for key, part in stopped.shared_state(first.state_dict()).items()
+        },
+    }
     assert saved["diloco_pending"]["0.weight"].abs().sum() > 0
     second = _model()
     resumed = DiLoCo([second], cfg, group=one_rank, n_groups=1, replica=0)
@@ -207,15 +262,21 @@ def test_overlap_pending_reductions_survive_a_checkpoint(one_rank):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ({"parallel.dp_replicate": 1}, "parallel.diloco_inner_steps"),
-    ({"parallel.ep": 2, "model.moe_experts": 4}, "parallel.diloco_inner_steps"),
-    ({"metrics.noise_scale": "true"}, "parallel.diloco_inner_steps"),
-    ({"parallel.cpu_offload": "true"}, "parallel.diloco_inner_steps"),
-    ({"parallel.diloco_fragments": 5}, "parallel.diloco_fragments"),
-    ({"parallel.diloco_overlap_steps": 4}, "parallel.diloco_overlap_steps"),
-    ({"parallel.diloco_inner_steps": 0, "parallel.diloco_overlap_steps": 1}, "parallel.diloco_overlap_steps"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"parallel.dp_replicate": 1}, "parallel.diloco_inner_steps"),
+        ({"parallel.ep": 2, "model.moe_experts": 4}, "parallel.diloco_inner_steps"),
+        ({"metrics.noise_scale": "true"}, "parallel.diloco_inner_steps"),
+        ({"parallel.cpu_offload": "true"}, "parallel.diloco_inner_steps"),
+        ({"parallel.diloco_fragments": 5}, "parallel.diloco_fragments"),
+        ({"parallel.diloco_overlap_steps": 4}, "parallel.diloco_overlap_steps"),
+        (
+            {"parallel.diloco_inner_steps": 0, "parallel.diloco_overlap_steps": 1},
+            "parallel.diloco_overlap_steps",
+        ),
+    ],
+)
 def test_config_rules(tmp_path, overrides, field):
     cfg = tiny_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.diloco_inner_steps": 4, **overrides})
     with pytest.raises(ConfigError) as err:
@@ -224,8 +285,9 @@ def test_config_rules(tmp_path, overrides, field):
 
 
 def test_a_valid_layout_resolves_without_replicate_reduction(tmp_path):
-    cfg = tiny_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 2,
-                                   "parallel.diloco_inner_steps": 4})
+    cfg = tiny_config(
+        tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.diloco_inner_steps": 4}
+    )
     dims = resolve(cfg, 4).dims
     assert dims.diloco and not dims.hsdp_enabled and not dims.replicate_reduces and dims.fsdp_applied
     assert dims.describe().startswith("DiLoCo(FSDP)")

@@ -24,8 +24,9 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_config_reference_is_current():
-    assert read("docs", "config.md").strip() == markdown().strip(), \
+    assert read("docs", "config.md").strip() == markdown().strip(), (
         "regenerate: python -m loom.config.reference > docs/config.md"
+    )
 
 
 def _strip_comments(text, name):
@@ -44,8 +45,9 @@ def _strip_comments(text, name):
 
 
 def test_markdown_html_comments_are_balanced():
-    names = ["README.md"] + [os.path.join("docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs")))
-                             if n.endswith(".md")]
+    names = ["README.md"] + [
+        os.path.join("docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))) if n.endswith(".md")
+    ]
     for name in names:
         _strip_comments(read(name), name)
 
@@ -62,6 +64,7 @@ def test_readme_first_screen_is_title_intro_then_two_commands():
 
 # ---- lists the docs and the program must agree on (one source where the help can be generated) ----
 
+
 def test_readme_extras_table_lists_every_extra():
     import tomllib
 
@@ -71,11 +74,13 @@ def test_readme_extras_table_lists_every_extra():
 
 
 def test_every_objective_is_documented_and_has_its_class():
-    from loom.methods import METHODS
     from loom.config.sections import OBJECTIVES
+    from loom.methods import METHODS
 
     assert list(METHODS) == list(OBJECTIVES)
-    row = next(ln for ln in read("docs", "finetuning.md").splitlines() if ln.startswith("| `training.objective` |"))
+    row = next(
+        ln for ln in read("docs", "finetuning.md").splitlines() if ln.startswith("| `training.objective` |")
+    )
     assert re.findall(r"`([a-z]+)`", row.split("|")[2]) == list(OBJECTIVES), row
     readme = read("README.md")
     for name in OBJECTIVES[1:]:
@@ -84,14 +89,20 @@ def test_every_objective_is_documented_and_has_its_class():
 
 def test_convert_help_and_readme_name_every_family():
     pytest.importorskip("torch")
-    from loom.models.llama.hf import ARCHITECTURES
     from loom.cli.convert import usage
+    from loom.models.llama.hf import ARCHITECTURES
 
     help_text = " ".join(usage().split())
     assert all(arch in help_text for arch in ARCHITECTURES), help_text
     hf = next(p for p in read("README.md").split("\n\n") if p.startswith("**Hugging Face.**")).lower()
-    spelled = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
-               "deepseek_v3": "deepseek-v3"}
+    spelled = {
+        "llama": "llama",
+        "mistral": "mistral",
+        "qwen2": "qwen2",
+        "qwen3": "qwen3",
+        "mixtral": "mixtral",
+        "deepseek_v3": "deepseek-v3",
+    }
     for family in ARCHITECTURES.values():
         assert spelled.get(family, family.replace("_", "-")) in hf, family
 

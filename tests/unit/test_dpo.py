@@ -22,9 +22,9 @@ from loom.data.dpo import pair_batch
 from loom.data.loader import MicroBatch
 from loom.data.token_file import TokenFile
 from loom.data.tokenizers import ByteTokenizer
-from loom.numerics import IGNORE
 from loom.methods import check_config, method
 from loom.methods.dpo import DirectPreference
+from loom.numerics import IGNORE
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
@@ -36,8 +36,14 @@ def rows(n: int, seed: int = 0) -> list[dict]:
 
     rng = random.Random(seed)
     say = lambda k: " ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + "."
-    return [{"prompt": say(rng.randint(2, 8)), "chosen": say(rng.randint(2, 10)), "rejected": say(rng.randint(2, 10))}
-            for _ in range(n)]
+    return [
+        {
+            "prompt": say(rng.randint(2, 8)),
+            "chosen": say(rng.randint(2, 10)),
+            "rejected": say(rng.randint(2, 10)),
+        }
+        for _ in range(n)
+    ]
 
 
 def write_jsonl(path, data) -> str:
@@ -54,12 +60,18 @@ def prepared(source: str, cache) -> TokenFile:
 
 # ---- data ----------------------------------------------------------------------------------------------------
 
+
 def test_every_format_gives_the_same_sequences(tmp_path):
     data = rows(12)
     strings = prepared(write_jsonl(tmp_path / "s.jsonl", data), tmp_path / "c")
-    conversational = [{"prompt": [{"role": "user", "content": r["prompt"]}],
-                       "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                       "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in data]
+    conversational = [
+        {
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "chosen": [{"role": "assistant", "content": r["chosen"]}],
+            "rejected": [{"role": "assistant", "content": r["rejected"]}],
+        }
+        for r in data
+    ]
     conv = prepared(write_jsonl(tmp_path / "c.jsonl", conversational), tmp_path / "c")
     same = lambda a, b: torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
     assert same(strings, conv) and strings.meta.documents == 24 and strings.meta.mask == "dpo"
@@ -72,8 +84,18 @@ def test_every_format_gives_the_same_sequences(tmp_path):
     datasets.Dataset.from_list(data).save_to_disk(str(tmp_path / "ds"))
     assert same(prepared(str(tmp_path / "ds"), tmp_path / "c"), strings)
     # the rendered text: the built-in template, the completion (and its EOS) flagged
-    loader = build_loader(DataConfig(val_fraction=0.0), ByteTokenizer(), [(strings.path, 1.0, "s")], seq_len=128,
-                          seed=0, dp_rank=0, dp_size=1, micro_batch=1, accumulation=1, kind="dpo")
+    loader = build_loader(
+        DataConfig(val_fraction=0.0),
+        ByteTokenizer(),
+        [(strings.path, 1.0, "s")],
+        seq_len=128,
+        seed=0,
+        dp_rank=0,
+        dp_size=1,
+        micro_batch=1,
+        accumulation=1,
+        kind="dpo",
+    )
     mb = pair_batch(loader.source, [0], 0, None)
     text = bytes(t for t in mb.inputs[0].tolist() if t < 256).decode()
     assert text.startswith(f"<|user|>\n{data[0]['prompt']}\n<|assistant|>\n{data[0]['chosen']}")
@@ -87,18 +109,30 @@ def test_implicit_prompt_pairs_are_the_explicit_ones(tmp_path):
     from loom.data.dpo import implicit_prompt
 
     data = rows(12)
-    explicit = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": r["prompt"]}],
-                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                 "rejected": [{"role": "assistant", "content": r["rejected"] + "!"}]} for r in data]
-    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in explicit]
+    explicit = [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": r["prompt"]}],
+            "chosen": [{"role": "assistant", "content": r["chosen"]}],
+            "rejected": [{"role": "assistant", "content": r["rejected"] + "!"}],
+        }
+        for r in data
+    ]
+    implicit = [
+        {"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in explicit
+    ]
     a = prepared(write_jsonl(tmp_path / "e.jsonl", explicit), tmp_path / "c")
     b = prepared(write_jsonl(tmp_path / "i.jsonl", implicit), tmp_path / "c")
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask) and a.meta.documents == 24
     trl_utils = pytest.importorskip("trl.data_utils")
-    for row in (implicit[0], {"chosen": "The sky is blue.", "rejected": "The sky is green."},
-                {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"}):
+    for row in (
+        implicit[0],
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+        {"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"},
+    ):
         assert implicit_prompt(row, "x") == trl_utils.extract_prompt(row)
-    with pytest.raises(ConfigError, match=r"i2.jsonl line 1': no 'prompt': chosen and rejected must then share"):
+    with pytest.raises(
+        ConfigError, match=r"i2.jsonl line 1': no 'prompt': chosen and rejected must then share"
+    ):
         prepared(write_jsonl(tmp_path / "i2.jsonl", [{"chosen": "abc", "rejected": "xyz"}]), tmp_path / "c")
 
 
@@ -106,7 +140,10 @@ def test_bad_rows_and_sources_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"b.jsonl line 1.*'prompt', 'chosen' and 'rejected'"):
         prepared(write_jsonl(tmp_path / "b.jsonl", [{"prompt": "x", "chosen": "y"}]), tmp_path / "c")
     with pytest.raises(ConfigError, match="all be strings or all lists"):
-        prepared(write_jsonl(tmp_path / "m.jsonl", [{"prompt": "x", "chosen": "y", "rejected": []}]), tmp_path / "c")
+        prepared(
+            write_jsonl(tmp_path / "m.jsonl", [{"prompt": "x", "chosen": "y", "rejected": []}]),
+            tmp_path / "c",
+        )
     text = tmp_path / "t.txt"
     text.write_text("plain")
     with pytest.raises(ConfigError, match="dpo reads preference pairs"):
@@ -114,11 +151,23 @@ def test_bad_rows_and_sources_are_named(tmp_path):
 
 
 def test_truncation_keeps_the_start_and_drops_pairs_without_a_completion(tmp_path):
-    data = [{"prompt": "p" * 30, "chosen": "c" * 60, "rejected": "r" * 5}, {"prompt": "q" * 200, "chosen": "x",
-                                                                           "rejected": "y"}]
+    data = [
+        {"prompt": "p" * 30, "chosen": "c" * 60, "rejected": "r" * 5},
+        {"prompt": "q" * 200, "chosen": "x", "rejected": "y"},
+    ]
     tf = prepared(write_jsonl(tmp_path / "t.jsonl", data), tmp_path / "c")
-    loader = build_loader(DataConfig(val_fraction=0.0), ByteTokenizer(), [(tf.path, 1.0, "t")], seq_len=80, seed=0,
-                          dp_rank=0, dp_size=1, micro_batch=1, accumulation=1, kind="dpo")
+    loader = build_loader(
+        DataConfig(val_fraction=0.0),
+        ByteTokenizer(),
+        [(tf.path, 1.0, "t")],
+        seq_len=80,
+        seed=0,
+        dp_rank=0,
+        dp_size=1,
+        micro_batch=1,
+        accumulation=1,
+        kind="dpo",
+    )
     assert loader.source.kept.tolist() == [0]  # the second prompt fills the window
     mb = pair_batch(loader.source, [0], 258, None)
     assert mb.inputs.shape == (2, 80) and int(mb.inputs[1, -1]) == 258  # the short rejected is padded
@@ -127,6 +176,7 @@ def test_truncation_keeps_the_start_and_drops_pairs_without_a_completion(tmp_pat
 
 
 # ---- the loss ------------------------------------------------------------------------------------------------
+
 
 def batch(b: int = 3, s: int = 24, vocab: int = 384, seed: int = 0):
     """A padded pair batch: (input_ids, completion_mask) as TRL's collator builds them, and loom's micro-batch."""
@@ -171,13 +221,30 @@ def test_loss_and_rewards_equal_trl(tmp_path, kind):
     add_fused_lm_head(hf, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     hf.train()
     fake = types.SimpleNamespace(
-        model=hf, accelerator=types.SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x,
-                                                    gather=lambda x: x),
-        aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
-        loss_types=[kind], loss_weights=[1.0], beta=beta, use_weighting=False, label_smoothing=0.0, _tp_size=1,
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0)
-    inputs = {"input_ids": ids, "attention_mask": attention, "completion_mask": mask,
-              "ref_chosen_logps": ref[:b], "ref_rejected_logps": ref[b:]}
+        model=hf,
+        accelerator=types.SimpleNamespace(
+            device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x
+        ),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[kind],
+        loss_weights=[1.0],
+        beta=beta,
+        use_weighting=False,
+        label_smoothing=0.0,
+        _tp_size=1,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+    )
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": mask,
+        "ref_chosen_logps": ref[:b],
+        "ref_rejected_logps": ref[b:],
+    }
     with torch.no_grad():
         trl_loss = DPOTrainer._compute_loss(fake, hf, inputs, False)
     torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)
@@ -224,7 +291,18 @@ def test_config_rules(tiny):
 
 def test_cli_error_is_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
-        loom_main(["train", "--training.objective", "dpo", "--dpo.reference", "copy", "--lora.rank", "4", "--dry-run"])
+        loom_main(
+            [
+                "train",
+                "--training.objective",
+                "dpo",
+                "--dpo.reference",
+                "copy",
+                "--lora.rank",
+                "4",
+                "--dry-run",
+            ]
+        )
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "dpo.reference" in err[0] and "copy" in err[0]
@@ -240,6 +318,7 @@ def test_pipeline_parallelism_is_refused_in_one_line(capsys):
 
 # ---- runs ----------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def stdlib_cache(tmp_path_factory) -> str:
     """The embedded DPO default prepared once for the module."""
@@ -250,18 +329,32 @@ def stdlib_cache(tmp_path_factory) -> str:
 
 def dpo_run(run_dir, cache, **extra):
     # 128 bytes per sequence keeps the reference pass short: ~170 pairs fit, a fifth held out
-    return tiny_config(run_dir, cache, **{"training.objective": "dpo", "training.seq_len": 128,
-                                          "training.global_batch_size": 8, "training.micro_batch_size": 4,
-                                          "data.val_fraction": 0.2, "optimizer.lr": 3e-3,
-                                          "optimizer.warmup_steps": 2, "run.seed": 1, **extra})
+    return tiny_config(
+        run_dir,
+        cache,
+        **{
+            "training.objective": "dpo",
+            "training.seq_len": 128,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "data.val_fraction": 0.2,
+            "optimizer.lr": 3e-3,
+            "optimizer.warmup_steps": 2,
+            "run.seed": 1,
+            **extra,
+        },
+    )
 
 
 @pytest.mark.slow
 def test_embedded_default_learns_the_preference(tmp_path, stdlib_cache):
     """The debug model on the standard library's docstring preferences: held-out accuracy (chosen reward above
     rejected) above chance after 30 steps; the step records carry the rewards."""
-    cfg = dpo_run(tmp_path / "run", stdlib_cache, **{"training.steps": 30, "training.eval_every": 15,
-                                                       "training.eval_batches": 4, "metrics.every": 5})
+    cfg = dpo_run(
+        tmp_path / "run",
+        stdlib_cache,
+        **{"training.steps": 30, "training.eval_every": 15, "training.eval_batches": 4, "metrics.every": 5},
+    )
     records = Trainer(cfg).fit()
     vals = [r["val_rewards/accuracy"] for r in records if r["val_loss"] is not None]
     assert len(vals) == 2 and vals[-1] > 0.5, vals
@@ -273,13 +366,19 @@ def test_embedded_default_learns_the_preference(tmp_path, stdlib_cache):
 def test_the_step_loss_is_the_mean_over_pairs(tmp_path, stdlib_cache):
     """The trainer's step (2 micro-batches accumulated) equals the mean of the pairs' losses, computed by hand from
     the model before the step and the cached reference (the initial model: zero margins, loss log 2)."""
-    trainer = Trainer(dpo_run(tmp_path / "run", stdlib_cache, **{"training.steps": 1, "optimizer.warmup_steps": 0}))
+    trainer = Trainer(
+        dpo_run(tmp_path / "run", stdlib_cache, **{"training.steps": 1, "optimizer.warmup_steps": 0})
+    )
     data = trainer.loader.next_step()
     assert len(data.micro_batches) == 2
     objective = DirectPreference(0.1)
     with torch.no_grad():
-        per = [objective.pair_loss(objective.logps(trainer.parts[0], mb, None)[0], mb.ref_logps,
-                                   (mb.labels != IGNORE).sum(1)) for mb in data.micro_batches]
+        per = [
+            objective.pair_loss(
+                objective.logps(trainer.parts[0], mb, None)[0], mb.ref_logps, (mb.labels != IGNORE).sum(1)
+            )
+            for mb in data.micro_batches
+        ]
     out = trainer.train_step(data.micro_batches)
     torch.testing.assert_close(out["loss"], sum(per) / 8, rtol=1e-6, atol=0)
     torch.testing.assert_close(out["loss"], torch.log(torch.tensor(2.0)), rtol=1e-5, atol=0)
@@ -295,9 +394,19 @@ def test_reference_copy_equals_the_cached_reference_and_stays_frozen(tmp_path):
     the initial policy, takes no gradient and no optimizer state, and is bitwise unchanged after training while the
     policy moves."""
     source = write_jsonl(tmp_path / "p.jsonl", rows(80))
-    run = lambda name, reference: Trainer(dpo_run(tmp_path / name, tmp_path / "cache", **{
-        "data.source": source, "dpo.reference": reference, "training.steps": 5, "data.val_fraction": 0.0,
-        "dpo.beta": 0.5}))
+    run = lambda name, reference: Trainer(
+        dpo_run(
+            tmp_path / name,
+            tmp_path / "cache",
+            **{
+                "data.source": source,
+                "dpo.reference": reference,
+                "training.steps": 5,
+                "data.val_fraction": 0.0,
+                "dpo.beta": 0.5,
+            },
+        )
+    )
     cached = run("cached", "cached").fit()
     trainer = run("copy", "copy")
     reference = trainer.objective.reference_model
@@ -316,7 +425,9 @@ def test_reference_copy_equals_the_cached_reference_and_stays_frozen(tmp_path):
     assert all(torch.equal(p, frozen[name]) for name, p in reference.named_parameters())
     assert not all(torch.equal(p, initial[name]) for name, p in trainer.parts[0].named_parameters())
     assert len(copied) == 5 and abs(copied[-1]["loss"] - copied[0]["loss"]) > 1e-3
-    assert not (tmp_path / "copy" / "dpo_reference").exists()  # nothing cached: the copy computes it every step
+    assert not (
+        tmp_path / "copy" / "dpo_reference"
+    ).exists()  # nothing cached: the copy computes it every step
 
 
 @pytest.mark.slow
@@ -325,11 +436,25 @@ def test_resume_mid_run_continues_bitwise(tmp_path, stdlib_cache, reference):
     """6 steps saved at 3; a copy of the run resumed from step 3 writes steps 4..6 exactly as the uninterrupted run
     did (the cached reference is read back from the run dir; the reference copy is rebuilt from the initial
     policy before the checkpoint is loaded)."""
-    extra = {"training.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 0, "run.deterministic": "true",
-             "dpo.reference": reference}
+    extra = {
+        "training.steps": 6,
+        "checkpoint.every": 3,
+        "checkpoint.keep": 0,
+        "run.deterministic": "true",
+        "dpo.reference": reference,
+    }
     whole = Trainer(dpo_run(tmp_path / "whole", stdlib_cache, **extra)).fit()
     shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
     step3 = str(tmp_path / "part" / "checkpoints" / step_dir_name(3))
-    resumed = Trainer(dpo_run(tmp_path / "part", stdlib_cache, **extra, **{"checkpoint.resume": step3, "checkpoint.overwrite": "true"})).fit()
-    key = lambda recs: [(r["step"], r["loss"], r["grad_norm"], r["rewards/margins"], r["batch_hash"]) for r in recs]
+    resumed = Trainer(
+        dpo_run(
+            tmp_path / "part",
+            stdlib_cache,
+            **extra,
+            **{"checkpoint.resume": step3, "checkpoint.overwrite": "true"},
+        )
+    ).fit()
+    key = lambda recs: [
+        (r["step"], r["loss"], r["grad_norm"], r["rewards/margins"], r["batch_hash"]) for r in recs
+    ]
     assert [r["step"] for r in resumed] == [4, 5, 6] and key(resumed) == key(whole[3:])

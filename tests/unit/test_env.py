@@ -12,17 +12,20 @@ from loom.runtime.env import env_from_slurm, expand_nodelist, expand_tasks_per_n
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-@pytest.mark.parametrize("nodelist,hosts", [
-    ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
-    ("node[1-2]", ["node1", "node2"]),
-    ("a,b", ["a", "b"]),
-    ("single", ["single"]),
-    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("x[3],y[1-2]", ["x3", "y1", "y2"]),
-    ("rack[1-2]-gpu[1-2]", ["rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2"]),
-    ("gpu[1-2]-ib,cpu", ["gpu1-ib", "gpu2-ib", "cpu"]),
-])
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+        ("node[1-2]", ["node1", "node2"]),
+        ("a,b", ["a", "b"]),
+        ("single", ["single"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("x[3],y[1-2]", ["x3", "y1", "y2"]),
+        ("rack[1-2]-gpu[1-2]", ["rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2"]),
+        ("gpu[1-2]-ib,cpu", ["gpu1-ib", "gpu2-ib", "cpu"]),
+    ],
+)
 def test_expand_nodelist(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
 
@@ -34,22 +37,41 @@ def test_expand_tasks_per_node():
 
 def slurm(**extra) -> dict[str, str]:
     """The variables ``srun --ntasks-per-node 4`` sets for task 6 of 8 on the second of two nodes."""
-    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
-           "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_TASKS_PER_NODE": "4(x2)",
-           "PATH": "/usr/bin"}
+    env = {
+        "SLURM_PROCID": "6",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "PATH": "/usr/bin",
+    }
     env.update(extra)
     return env
 
 
 def test_env_from_slurm():
     assert env_from_slurm(slurm()) == {
-        "RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(20000 + 123456 % 20000)}
+        "RANK": "6",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(20000 + 123456 % 20000),
+    }
 
 
 def test_env_from_slurm_prefers_the_step_and_explicit_master():
-    env = env_from_slurm(slurm(SLURM_STEP_NODELIST="gpu[08,11]", SLURM_STEP_NUM_TASKS="5",
-                               SLURM_STEP_TASKS_PER_NODE="3,2", MASTER_ADDR="head", MASTER_PORT="29400"))
+    env = env_from_slurm(
+        slurm(
+            SLURM_STEP_NODELIST="gpu[08,11]",
+            SLURM_STEP_NUM_TASKS="5",
+            SLURM_STEP_TASKS_PER_NODE="3,2",
+            MASTER_ADDR="head",
+            MASTER_PORT="29400",
+        )
+    )
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("head", "29400")
     assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("5", "2")  # node 1 of the step runs 2 tasks
 
@@ -68,8 +90,14 @@ def clean_env(monkeypatch):
 
 
 def test_init_distributed_from_a_one_task_slurm_step(clean_env):
-    for k, v in slurm(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_NODEID="0",
-                      SLURM_TASKS_PER_NODE="1", SLURM_JOB_NODELIST="localhost").items():
+    for k, v in slurm(
+        SLURM_PROCID="0",
+        SLURM_NTASKS="1",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_TASKS_PER_NODE="1",
+        SLURM_JOB_NODELIST="localhost",
+    ).items():
         clean_env.setenv(k, v)
     env = init_distributed("cpu", "auto")
     assert (env.rank, env.local_rank, env.world_size, env.device.type) == (0, 0, 1, "cpu")

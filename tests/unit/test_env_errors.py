@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from loom.checkpoint.hf.export import export_hf
-from loom.cli.main import COMMANDS, main as loom_main
+from loom.cli.main import COMMANDS
+from loom.cli.main import main as loom_main
 from loom.cli.preflight import checked_config
 from loom.config import build_config
 from loom.config.errors import ConfigError, UserError
@@ -29,10 +30,13 @@ from loom.data.tokenizers import ByteTokenizer
 from loom.models.llama import FLAVORS, Llama
 from tests.tiny import tiny_args
 
-REPLACEMENT = "\ufffd".encode()  # U+FFFD as UTF-8 bytes: what ``encoding_errors = replace`` decodes bad bytes to
+REPLACEMENT = (
+    "\ufffd".encode()
+)  # U+FFFD as UTF-8 bytes: what ``encoding_errors = replace`` decodes bad bytes to
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
 
 def cli_error(capsys, *argv: str) -> str:
     """Run ``loom argv`` in this process expecting a user error; returns its one stderr line."""
@@ -48,8 +52,14 @@ def loom_process(cwd, *args: str, timeout: float = 180) -> subprocess.CompletedP
     env = {**os.environ, "PYTHONWARNINGS": "always"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "loom", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "loom", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_line(proc: subprocess.CompletedProcess) -> str:
@@ -61,9 +71,20 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 
 def train_args(tmp_path, *extra: str) -> list[str]:
     """A one-step debug run that writes only under ``tmp_path``."""
-    return [*tiny_args(tmp_path / "run", tmp_path / "cache", **{
-        "training.steps": 1, "training.seq_len": 16, "training.global_batch_size": 2,
-        "optimizer.warmup_steps": None, "metrics.every": None}), *extra]
+    return [
+        *tiny_args(
+            tmp_path / "run",
+            tmp_path / "cache",
+            **{
+                "training.steps": 1,
+                "training.seq_len": 16,
+                "training.global_batch_size": 2,
+                "optimizer.warmup_steps": None,
+                "metrics.every": None,
+            },
+        ),
+        *extra,
+    ]
 
 
 def can_write(folder: str) -> bool:
@@ -114,8 +135,10 @@ def truncate(path, keep: float = 0.5) -> None:
 
 # ---- 1. a binary or non-UTF-8 TOML file --------------------------------------------------------
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00\x01binary", b"[training]\nsteps = 5\n# caf\xe9\n"],
-                         ids=["binary", "latin-1"])
+
+@pytest.mark.parametrize(
+    "content", [b"\xff\xfe\x00\x01binary", b"[training]\nsteps = 5\n# caf\xe9\n"], ids=["binary", "latin-1"]
+)
 def test_non_utf8_toml_is_one_line(tmp_path, capsys, content):
     path = tmp_path / "bad.toml"
     path.write_bytes(content)
@@ -127,6 +150,7 @@ def test_non_utf8_toml_is_one_line(tmp_path, capsys, content):
 
 
 # ---- 2. non-UTF-8 bytes in a data source --------------------------------------------------------
+
 
 def bad_text(tmp_path) -> str:
     path = tmp_path / "bad.txt"
@@ -154,14 +178,22 @@ def bad_parquet(tmp_path) -> str:
     pq = pytest.importorskip("pyarrow.parquet")
     raw = pa.array([b"fine", b"caf\xe9 au lait"], type=pa.binary())
     path = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({"text": raw.view(pa.string())}), str(path))  # a string column holding invalid UTF-8
+    pq.write_table(
+        pa.table({"text": raw.view(pa.string())}), str(path)
+    )  # a string column holding invalid UTF-8
     return str(path)
 
 
-@pytest.mark.parametrize("make,where", [(bad_text, "line 1, byte offset 6"), (bad_jsonl, "line 2, byte offset 30"),
-                                        (bad_jsonl_gz, "line 2, byte offset 30 of the decompressed text"),
-                                        (bad_parquet, "row 2, byte offset 3")],
-                         ids=["text", "jsonl", "jsonl.gz", "parquet"])
+@pytest.mark.parametrize(
+    "make,where",
+    [
+        (bad_text, "line 1, byte offset 6"),
+        (bad_jsonl, "line 2, byte offset 30"),
+        (bad_jsonl_gz, "line 2, byte offset 30 of the decompressed text"),
+        (bad_parquet, "row 2, byte offset 3"),
+    ],
+    ids=["text", "jsonl", "jsonl.gz", "parquet"],
+)
 def test_non_utf8_source_names_file_and_offset_then_replace_works(tmp_path, capsys, make, where):
     source = make(tmp_path)
     out = str(tmp_path / "out.bin")
@@ -169,7 +201,10 @@ def test_non_utf8_source_names_file_and_offset_then_replace_works(tmp_path, caps
     assert source in line and where in line and "--encoding-errors replace" in line and "U+FFFD" in line
     assert not os.path.exists(out) and leftovers(tmp_path) == []
 
-    assert loom_main(["data", "prepare", "--source", source, "--output", out, "--encoding-errors", "replace"]) == 0
+    assert (
+        loom_main(["data", "prepare", "--source", source, "--output", out, "--encoding-errors", "replace"])
+        == 0
+    )
     data = TokenFile(out).tokens.numpy().astype("uint8").tobytes()  # byte tokenizer: ids < 256 are the bytes
     assert REPLACEMENT in data
 
@@ -195,7 +230,9 @@ def test_replace_has_its_own_cache_entry(tmp_path):
     good = tmp_path / "good.txt"
     good.write_text("valid text\n")
     ((strict_path, _, _),) = prepare_data(DataConfig(source=str(good)), tok, cache)
-    ((replace_path, _, _),) = prepare_data(DataConfig(source=str(good), encoding_errors="replace"), tok, cache)
+    ((replace_path, _, _),) = prepare_data(
+        DataConfig(source=str(good), encoding_errors="replace"), tok, cache
+    )
     assert strict_path != replace_path and strict_path != replaced
     assert torch.equal(TokenFile(strict_path).tokens, TokenFile(replace_path).tokens)
 
@@ -207,7 +244,10 @@ def test_lone_surrogate_escape_in_jsonl(tmp_path, capsys):
     out = str(tmp_path / "out.bin")
     line = cli_error(capsys, "data", "prepare", "--source", str(path), "--output", out)
     assert str(path) in line and "line 2" in line and "--encoding-errors replace" in line
-    assert loom_main(["data", "prepare", "--source", str(path), "--output", out, "--encoding-errors", "replace"]) == 0
+    assert (
+        loom_main(["data", "prepare", "--source", str(path), "--output", out, "--encoding-errors", "replace"])
+        == 0
+    )
     assert REPLACEMENT in TokenFile(out).tokens.numpy().astype("uint8").tobytes()
 
 
@@ -216,8 +256,10 @@ def test_damaged_gzip_source(tmp_path, capsys, damage):
     import gzip
 
     path = tmp_path / "c.jsonl.gz"
-    data = gzip.compress("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(200)).encode())
-    path.write_bytes(data[:len(data) // 2] if damage == "cut" else b"plain text, not gzip\n")
+    data = gzip.compress(
+        "".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(200)).encode()
+    )
+    path.write_bytes(data[: len(data) // 2] if damage == "cut" else b"plain text, not gzip\n")
     out = str(tmp_path / "out.bin")
     line = cli_error(capsys, "data", "prepare", "--source", str(path), "--output", out)
     assert str(path) in line and "not a complete gzip file" in line
@@ -253,6 +295,7 @@ def test_full_disk_while_tokenizing(tmp_path, capsys, monkeypatch):
 
 # ---- 3. data.cache_dir read-only or a file ------------------------------------------------------
 
+
 def test_cache_dir_that_is_a_file(tmp_path, capsys):
     source = tmp_path / "a.txt"
     source.write_text("some text " * 50)
@@ -271,7 +314,9 @@ def test_read_only_cache_dir(tmp_path, capsys, read_only_dir):
     cache = os.path.join(read_only_dir, "cache")
     with pytest.raises(ConfigError, match="data.cache_dir"):
         checked_config(train_args(tmp_path, "--data.source", str(source), "--data.cache_dir", cache))
-    line = cli_error(capsys, "train", *train_args(tmp_path, "--data.source", str(source), "--data.cache_dir", cache))
+    line = cli_error(
+        capsys, "train", *train_args(tmp_path, "--data.source", str(source), "--data.cache_dir", cache)
+    )
     assert cache in line and "not writable" in line
     assert not os.path.exists(tmp_path / "run")
 
@@ -283,10 +328,13 @@ def test_read_only_cache_dir_is_fine_for_token_files(tmp_path, read_only_dir):
     w = TokenFileWriter(path, eos_id=tok.eos_id, vocab_size=tok.vocab_size, tokenizer=tok.fingerprint())
     w.add(tok.encode("x" * 500))
     w.close()
-    checked_config(train_args(tmp_path, "--data.source", path, "--data.cache_dir", os.path.join(read_only_dir, "c")))
+    checked_config(
+        train_args(tmp_path, "--data.source", path, "--data.cache_dir", os.path.join(read_only_dir, "c"))
+    )
 
 
 # ---- 4. a token file with ids beyond the tokenizer's vocabulary ---------------------------------
+
 
 def out_of_vocab_token_file(tmp_path) -> str:
     tok = ByteTokenizer()
@@ -311,8 +359,12 @@ def test_token_ids_beyond_the_vocabulary(tmp_path, capsys):
 
 # ---- 5. a truncated safetensors file ------------------------------------------------------------
 
-@pytest.mark.parametrize("keep,shards", [(0.5, False), (0.0002, False), (0.5, True)],
-                         ids=["data-cut", "header-cut", "one-shard-of-an-index"])
+
+@pytest.mark.parametrize(
+    "keep,shards",
+    [(0.5, False), (0.0002, False), (0.5, True)],
+    ids=["data-cut", "header-cut", "one-shard-of-an-index"],
+)
 def test_truncated_safetensors_convert(tmp_path, capsys, keep, shards):
     folder = tiny_hf_folder(tmp_path / "hf", max_shard_bytes=100_000 if shards else None)
     name = "model-00002-of-00004.safetensors" if shards else "model.safetensors"
@@ -339,6 +391,7 @@ def test_intact_folder_still_converts(tmp_path):
 
 
 # ---- 6. data prepare --output: a folder, read-only, killed --------------------------------------
+
 
 def small_jsonl(tmp_path) -> str:
     path = tmp_path / "c.jsonl"
@@ -370,8 +423,12 @@ def test_killed_prepare_leaves_a_recognisable_temp_file_that_the_next_run_remove
     os.mkfifo(fifo)
     out = tmp_path / "out.bin"
     env = {**os.environ}
-    proc = subprocess.Popen([sys.executable, "-m", "loom", "data", "prepare", "--source", str(fifo), "--output",
-                             str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loom", "data", "prepare", "--source", str(fifo), "--output", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         for _ in range(1200):  # polls until the temporary file exists (the interpreter and torch start first)
             if leftovers(tmp_path) or proc.poll() is not None:
@@ -395,7 +452,9 @@ def test_a_live_writers_temp_file_is_left_alone(tmp_path):
 
     source = small_jsonl(tmp_path)
     out = str(tmp_path / "out.bin")
-    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # stands in for a live writer
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"]
+    )  # stands in for a live writer
     try:
         live = f"{out}{TEMP_TAG}{socket.gethostname()}-{writer.pid}"
         elsewhere = f"{out}{TEMP_TAG}another-host-1"  # a writer on another machine sharing the folder
@@ -410,6 +469,7 @@ def test_a_live_writers_temp_file_is_left_alone(tmp_path):
 
 
 # ---- 7. convert --to-hf and plan --json onto bad targets ----------------------------------------
+
 
 @pytest.fixture
 def loom_ckpt(tmp_path) -> str:
@@ -471,6 +531,7 @@ def test_plan_json_written(tmp_path, capsys):
 
 # ---- 8. convert writes files with normal permissions --------------------------------------------
 
+
 @pytest.mark.parametrize("mask", [0o022, 0o027])
 def test_convert_files_follow_the_umask(tmp_path, mask):
     old = os.umask(mask)
@@ -493,10 +554,16 @@ def test_convert_files_follow_the_umask(tmp_path, mask):
 
 # ---- 9. a mistyped command ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv,hint", [(["trian"], "did you mean 'loom train'?"),
-                                       (["data", "prep"], "did you mean 'loom data prepare'?"),
-                                       (["covnert", "--from-hf", "x"], "did you mean 'loom convert'?"),
-                                       (["data"], "did you mean 'loom data prepare'?")])
+
+@pytest.mark.parametrize(
+    "argv,hint",
+    [
+        (["trian"], "did you mean 'loom train'?"),
+        (["data", "prep"], "did you mean 'loom data prepare'?"),
+        (["covnert", "--from-hf", "x"], "did you mean 'loom convert'?"),
+        (["data"], "did you mean 'loom data prepare'?"),
+    ],
+)
 def test_mistyped_command_suggests_the_nearest(capsys, argv, hint):
     line = cli_error(capsys, *argv)
     assert "unknown command" in line and hint in line
@@ -509,6 +576,7 @@ def test_unknown_command_lists_the_commands(capsys):
 
 
 # ---- 10. settings that cannot work here ---------------------------------------------------------
+
 
 def test_nccl_without_cuda(tmp_path):
     with pytest.raises(ConfigError, match="parallel.backend = 'nccl'.*CUDA"):
@@ -531,14 +599,20 @@ def test_eval_without_validation_data():
 
     with pytest.raises(ConfigError, match=r"training.eval_every = 5.*data.val_fraction"):
         check_config(build_config(None, {"training.eval_every": "5", "data.val_fraction": "0"}))
-    check_config(build_config(None, {"training.eval_every": "0", "data.val_fraction": "0"}))  # no evaluation: fine
+    check_config(
+        build_config(None, {"training.eval_every": "0", "data.val_fraction": "0"})
+    )  # no evaluation: fine
 
 
 # ---- 11/12. models and batches that cannot fit in memory ----------------------------------------
 
+
 def test_model_too_large_for_memory_is_refused_up_front(tmp_path):
-    with pytest.raises(ConfigError, match=r"model.n_layers = 1000000.*GiB for weights, gradients and optimizer "
-                                          r"state per rank; this machine has .* GiB available"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.n_layers = 1000000.*GiB for weights, gradients and optimizer "
+        r"state per rank; this machine has .* GiB available",
+    ):
         checked_config(train_args(tmp_path, "--model.n_layers", "1000000"))
 
 
@@ -551,8 +625,17 @@ def test_model_too_large_through_the_command(tmp_path):
 
 def test_absurd_batch_is_refused_from_the_memory_estimate(tmp_path):
     with pytest.raises(ConfigError, match=r"training.micro_batch_size = 100000.*GiB.*GiB available"):
-        checked_config(train_args(tmp_path, "--training.micro_batch_size", "100000", "--training.global_batch_size",
-                                  "100000", "--training.seq_len", "2048"))
+        checked_config(
+            train_args(
+                tmp_path,
+                "--training.micro_batch_size",
+                "100000",
+                "--training.global_batch_size",
+                "100000",
+                "--training.seq_len",
+                "2048",
+            )
+        )
 
 
 def test_default_run_passes_the_memory_check(tmp_path):
@@ -580,14 +663,24 @@ def test_threshold_is_the_estimate_against_free_memory(tmp_path, monkeypatch):
     import loom.plan.fit as fit
     from loom.plan.planner import memory_check_estimate
 
-    args = train_args(tmp_path, "--training.micro_batch_size", "64", "--training.global_batch_size", "64",
-                      "--training.seq_len", "256")
+    args = train_args(
+        tmp_path,
+        "--training.micro_batch_size",
+        "64",
+        "--training.global_batch_size",
+        "64",
+        "--training.seq_len",
+        "256",
+    )
     peak = memory_check_estimate(checked_config(args)[0], world_size=1, device="cpu").peak_bytes
     need = peak * (1 + fit.HOST_MARGIN) + fit.HOST_RESERVE_BYTES
     monkeypatch.setattr(fit, "host_room", lambda: (1.01 * need, "test memory"))
     checked_config(args)
     monkeypatch.setattr(fit, "host_room", lambda: (0.99 * need, "test memory"))
-    with pytest.raises(ConfigError, match=r"training.micro_batch_size = 64: a training step needs ~.* GiB per rank "
-                                          r"by the planner's estimate .*available \(test memory\), room for .* after "
-                                          r"a margin .*: lower training.micro_batch_size \(about 6[0-3] fit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.micro_batch_size = 64: a training step needs ~.* GiB per rank "
+        r"by the planner's estimate .*available \(test memory\), room for .* after "
+        r"a margin .*: lower training.micro_batch_size \(about 6[0-3] fit",
+    ):
         checked_config(args)

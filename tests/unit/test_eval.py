@@ -82,7 +82,7 @@ def test_long_documents_are_scored_in_rolling_windows_once_per_token(tmp_path, m
     nll = 0.0
     for w in windows:
         for k in range(w.n):
-            ids = w.ids[:len(w.ids) - w.n + k + 1]
+            ids = w.ids[: len(w.ids) - w.n + k + 1]
             with torch.no_grad():
                 logp = em.model(torch.tensor([ids[:-1]])).float().log_softmax(-1)  # (1, S, V)
             nll -= float(logp[0, -1, ids[-1]])
@@ -95,16 +95,24 @@ def test_rolling_windows_are_lm_evals():
     for max_length in (1, 2, 5, 16, 41, 64):
         for n in (0, 1, 5, 16, 17, 41):
             ours = [(w.ids, w.n) for w in rolling_windows(tokens[:n], 7, max_length)]
-            theirs = [((ctx + cont)[-(max_length + 1):], len(cont)) for ctx, cont in
-                      map(utils.make_disjoint_window, utils.get_rolling_token_windows(tokens[:n], 7, max_length, 1))]
+            theirs = [
+                ((ctx + cont)[-(max_length + 1) :], len(cont))
+                for ctx, cont in map(
+                    utils.make_disjoint_window, utils.get_rolling_token_windows(tokens[:n], 7, max_length, 1)
+                )
+            ]
             assert ours == theirs
 
 
 def test_a_window_scores_the_same_in_any_batch(tmp_path, monkeypatch):
     """Right padding after a shorter window never changes it (causal attention)."""
     em = load(checkpoint(tmp_path, monkeypatch), device="cpu")
-    windows = [Window([em.prefix_id, *em.tokenizer.encode(t)], len(t)) for t in ("a", "hello there", "x = 1\n" * 3)]
-    windows.append(continuation_window(em.tokenizer.encode("def f("), em.tokenizer.encode("x):"), em.max_length))
+    windows = [
+        Window([em.prefix_id, *em.tokenizer.encode(t)], len(t)) for t in ("a", "hello there", "x = 1\n" * 3)
+    ]
+    windows.append(
+        continuation_window(em.tokenizer.encode("def f("), em.tokenizer.encode("x):"), em.max_length)
+    )
     one = [score(em, [w])[0] for w in windows]
     for batch in (2, 8):
         for (a, ga), (b, gb) in zip(one, score(em, windows, batch)):
@@ -125,8 +133,21 @@ def test_a_token_file_gives_the_same_perplexity_without_bits_per_byte(tmp_path, 
     assert both.tokens == 2 * text.tokens and both.bytes is None
     capsys.readouterr()
     out = tmp_path / "eval.json"
-    assert loom_main(["eval", ckpt, "--source", f"{source}:1,{tmp_path / 'docs.bin'}:1", "--device", "cpu",
-                      "--out", str(out)]) == 0
+    assert (
+        loom_main(
+            [
+                "eval",
+                ckpt,
+                "--source",
+                f"{source}:1,{tmp_path / 'docs.bin'}:1",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "perplexity" in ln]
     assert len(lines) == 3 and NO_BYTES in lines[1] and lines[2].startswith("loom eval: total:")
     record = json.loads(out.read_text())
@@ -155,7 +176,10 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
     cases = [
         (["eval", "--source", "x.jsonl"], "CHECKPOINT: required"),
         (["eval", ckpt], "nothing to evaluate"),
-        (["eval", ckpt, "--source", "x.jsonl", "--batch-size", "0"], "--batch-size = '0': allowed: 1 or more"),
+        (
+            ["eval", ckpt, "--source", "x.jsonl", "--batch-size", "0"],
+            "--batch-size = '0': allowed: 1 or more",
+        ),
         (["eval", ckpt, "--source", "x.jsonl", "--limit", "0.5"], "--limit = '0.5'"),
         (["eval", ckpt, "--sorce", "x.jsonl"], "--sorce: unknown option"),
         (["eval", str(tmp_path / "nowhere"), "--source", "x.jsonl"], "folder not found"),

@@ -13,11 +13,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from tests.unit.test_eval_harness import evaluate, hf_backend, model_folders, responses  # noqa: E402,F401
 from loom.eval.harness import LoomLM, flat_metrics  # noqa: E402
+from tests.unit.test_eval_harness import evaluate, hf_backend, model_folders, responses  # noqa: E402,F401
 
 
-def test_perplexity_on_cuda_equals_the_cpu(model_folders, tmp_path):
+def test_perplexity_on_cuda_equals_the_cpu(model_folders, tmp_path):  # noqa: F811
     ckpt, _, tasks = model_folders
     source = f"{tasks}/roll.jsonl"
     (cpu,) = perplexity(load(ckpt, device="cpu"), source)
@@ -27,12 +27,14 @@ def test_perplexity_on_cuda_equals_the_cpu(model_folders, tmp_path):
     assert bf16.bits_per_byte == pytest.approx(cpu.bits_per_byte, rel=2e-2)
 
 
-def test_the_backend_on_cuda_equals_lm_evals_hf_backend(model_folders):
+def test_the_backend_on_cuda_equals_lm_evals_hf_backend(model_folders):  # noqa: F811
     ckpt, hf, tasks = model_folders
     names = ["loomtest_mc", "loomtest_roll", "loomtest_gen"]
     from lm_eval.models.huggingface import HFLM
 
-    theirs = evaluate(HFLM(pretrained=hf, device="cuda", dtype="float32", batch_size=3, max_length=64), names, tasks)
+    theirs = evaluate(
+        HFLM(pretrained=hf, device="cuda", dtype="float32", batch_size=3, max_length=64), names, tasks
+    )
     ours = evaluate(LoomLM(ckpt, device="cuda", dtype="float32", batch_size=3), names, tasks)
     a, b = flat_metrics(ours), flat_metrics(theirs)
     assert a.keys() == b.keys()

@@ -28,21 +28,40 @@ from loom.eval.harness import LoomLM, flat_metrics, task_manager  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_LENGTH = 64
-MC = [{"question": f"Question {i}: which letter follows {c}?", "choices": [" a", " b", " cc", " d"], "answer": i % 4}
-      for i, c in enumerate("wxyz")]
+MC = [
+    {
+        "question": f"Question {i}: which letter follows {c}?",
+        "choices": [" a", " b", " cc", " d"],
+        "answer": i % 4,
+    }
+    for i, c in enumerate("wxyz")
+]
 GEN = [{"prompt": f"def f{i}(x):\n    return", "target": " x"} for i in range(3)] + [
-    {"prompt": "# a long prompt\n" * 8 + "value =", "target": " 1"}]  # cut from the left to 64 - 12 tokens
+    {"prompt": "# a long prompt\n" * 8 + "value =", "target": " 1"}
+]  # cut from the left to 64 - 12 tokens
 ROLL = [{"text": "The quick brown fox jumps over the lazy dog. " * k} for k in (1, 3)]  # 45 and 135 tokens
 TASKS = {
-    "loomtest_mc": ("mc", MC, 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\n'
-                              'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
-                              "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"),
-    "loomtest_roll": ("roll", ROLL, 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
-                                    "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
-                                    "  - metric: bits_per_byte\n"),
-    "loomtest_gen": ("gen", GEN, 'output_type: generate_until\ndoc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
-                                 'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 12\n  do_sample: false\n'
-                                 "metric_list:\n  - metric: exact_match\n"),
+    "loomtest_mc": (
+        "mc",
+        MC,
+        'output_type: multiple_choice\ndoc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    ),
+    "loomtest_roll": (
+        "roll",
+        ROLL,
+        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
+        "  - metric: bits_per_byte\n",
+    ),
+    "loomtest_gen": (
+        "gen",
+        GEN,
+        'output_type: generate_until\ndoc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 12\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n",
+    ),
 }
 
 
@@ -54,8 +73,10 @@ def write_tasks(folder) -> str:
         with open(data, "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
         with open(os.path.join(folder, f"{name}.yaml"), "w") as fh:
-            fh.write(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-                     f"  cache_dir: {os.path.join(folder, 'cache')}\ntest_split: test\n{body}")
+            fh.write(
+                f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                f"  cache_dir: {os.path.join(folder, 'cache')}\ntest_split: test\n{body}"
+            )
     return str(folder)
 
 
@@ -130,20 +151,67 @@ def test_loom_eval_tasks_and_lm_evals_command_line(model_folders, tmp_path, caps
     command line with ``--model loom``."""
     ckpt, _, tasks = model_folders
     out = tmp_path / "eval.json"
-    assert loom_main(["eval", ckpt, "--tasks", "loomtest_mc,loomtest_roll", "--include-path", tasks, "--limit", "2",
-                      "--device", "cpu", "--out", str(out)]) == 0
+    assert (
+        loom_main(
+            [
+                "eval",
+                ckpt,
+                "--tasks",
+                "loomtest_mc,loomtest_roll",
+                "--include-path",
+                tasks,
+                "--limit",
+                "2",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     record = json.loads(out.read_text())
-    direct = simple_evaluate(model=LoomLM(ckpt, device="cpu"), tasks=["loomtest_mc", "loomtest_roll"], limit=2,
-                             task_manager=task_manager(["loomtest_mc"], tasks))
+    direct = simple_evaluate(
+        model=LoomLM(ckpt, device="cpu"),
+        tasks=["loomtest_mc", "loomtest_roll"],
+        limit=2,
+        task_manager=task_manager(["loomtest_mc"], tasks),
+    )
     assert record["tasks"]["metrics"] == pytest.approx(flat_metrics(direct))
     assert "loomtest_roll" in capsys.readouterr().out  # lm-eval's table
 
-    proc = subprocess.run([sys.executable, "-m", "loom.eval.harness", "--model", "loom", "--model_args",
-                           f"checkpoint={ckpt}", "--device", "cpu", "--tasks", "loomtest_mc", "--include_path", tasks,
-                           "--limit", "2", "--output_path", str(tmp_path / "lm_eval")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom.eval.harness",
+            "--model",
+            "loom",
+            "--model_args",
+            f"checkpoint={ckpt}",
+            "--device",
+            "cpu",
+            "--tasks",
+            "loomtest_mc",
+            "--include_path",
+            tasks,
+            "--limit",
+            "2",
+            "--output_path",
+            str(tmp_path / "lm_eval"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (found,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "lm_eval") for f in fs if f.startswith("results")]
+    (found,) = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(tmp_path / "lm_eval")
+        for f in fs
+        if f.startswith("results")
+    ]
     with open(found) as fh:
         results = json.load(fh)["results"]["loomtest_mc"]
     assert results["acc,none"] == pytest.approx(flat_metrics(direct)["loomtest_mc/acc"])
@@ -154,9 +222,14 @@ def test_errors_are_one_line(model_folders, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         loom_main(["eval", ckpt, "--tasks", "no_such_task_here", "--include-path", tasks, "--device", "cpu"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "--tasks = 'no_such_task_here': no such task" in err and err.count("\n") == 1
+    assert (
+        exit_.value.code == 2
+        and "--tasks = 'no_such_task_here': no such task" in err
+        and err.count("\n") == 1
+    )
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # lm-eval not installed
     with pytest.raises(SystemExit):
         loom_main(["eval", ckpt, "--tasks", "loomtest_mc"])
-    assert capsys.readouterr().err == ("loom: error: loom eval --tasks needs the 'lm-eval' package (pip install "
-                                       "'loom-train[eval]')\n")
+    assert capsys.readouterr().err == (
+        "loom: error: loom eval --tasks needs the 'lm-eval' package (pip install 'loom-train[eval]')\n"
+    )

@@ -26,7 +26,7 @@ def probe(ctx: EvalContext) -> dict:
     context says; it draws from every random generator, which the run must not notice."""
     torch.rand(3), random.random(), np.random.rand()
     CALLS.append({"step": ctx.step, "training": ctx.model.training, "main": ctx.is_main})
-    (logp, _), = ctx.harness().loglikelihood([_Request(("def main():", "\n    return 0"))])
+    ((logp, _),) = ctx.harness().loglikelihood([_Request(("def main():", "\n    return 0"))])
     return {"loglik": logp, "tokens": torch.tensor(len(ctx.tokenizer.encode("def main():")))}
 
 
@@ -40,9 +40,18 @@ class _Request:
 
 
 def config(tmp_path, **overrides):
-    return tiny_config(tmp_path / "run", tmp_path / "cache", **{
-        "run.device": "cpu", "training.eval_every": 2, "training.eval_batches": 1, "metrics.progress": "false",
-        "training.eval_hook": "tests.unit.test_eval_hook:probe", **overrides})
+    return tiny_config(
+        tmp_path / "run",
+        tmp_path / "cache",
+        **{
+            "run.device": "cpu",
+            "training.eval_every": 2,
+            "training.eval_batches": 1,
+            "metrics.progress": "false",
+            "training.eval_hook": "tests.unit.test_eval_hook:probe",
+            **overrides,
+        },
+    )
 
 
 def records(tmp_path) -> list[dict]:
@@ -86,18 +95,30 @@ def test_harness_tasks_are_logged(tmp_path):
     from tests.unit.test_eval_harness import write_tasks
 
     tasks = write_tasks(tmp_path / "tasks")
-    Trainer(config(tmp_path, **{"training.eval_hook": None, "training.eval_tasks": "loomtest_mc,loomtest_roll",
-                                "training.eval_tasks_include": tasks, "training.eval_tasks_limit": 2,
-                                "training.steps": 2})).fit()
+    Trainer(
+        config(
+            tmp_path,
+            **{
+                "training.eval_hook": None,
+                "training.eval_tasks": "loomtest_mc,loomtest_roll",
+                "training.eval_tasks_include": tasks,
+                "training.eval_tasks_limit": 2,
+                "training.steps": 2,
+            },
+        )
+    ).fit()
     (last,) = [r for r in records(tmp_path) if r["step"] == 2]
     assert 0 <= last["eval/loomtest_mc/acc"] <= 1 and last["eval/loomtest_roll/bits_per_byte"] > 0
     assert last["eval/loomtest_mc/sample_len"] == 2
 
 
 def test_wrong_settings_stop_the_run_before_it_starts(tmp_path, monkeypatch):
-    for spec, expected in (("no_colon", "expected 'module:function'"), ("no.such.module:f", "cannot be imported"),
-                           ("tests.unit.test_eval_hook:missing", "has no 'missing'"),
-                           ("tests.unit.test_eval_hook:CALLS", "is not callable")):
+    for spec, expected in (
+        ("no_colon", "expected 'module:function'"),
+        ("no.such.module:f", "cannot be imported"),
+        ("tests.unit.test_eval_hook:missing", "has no 'missing'"),
+        ("tests.unit.test_eval_hook:CALLS", "is not callable"),
+    ):
         with pytest.raises(ConfigError, match=expected):
             training_evals(config(tmp_path, **{"training.eval_hook": spec}), "run", True)
     from loom.methods import check_config
@@ -106,8 +127,11 @@ def test_wrong_settings_stop_the_run_before_it_starts(tmp_path, monkeypatch):
         check_config(config(tmp_path, **{"parallel.pp": 2}))
     assert training_evals(config(tmp_path, **{"training.eval_every": 0}), "run", True) is None
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    with pytest.raises(UserError, match=r"^training.eval_tasks needs the 'lm-eval' package \(pip install "
-                                        r"'loom-train\[eval\]'\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^training.eval_tasks needs the 'lm-eval' package \(pip install "
+        r"'loom-train\[eval\]'\)$",
+    ):
         training_evals(config(tmp_path, **{"training.eval_tasks": "hellaswag"}), "run", True)
 
 
@@ -133,18 +157,35 @@ def test_on_two_ranks(tmp_path):
     tasks = write_tasks(tmp_path / "tasks")
 
     def job(name, **extra):
-        return tiny_overrides(tmp_path / name, tmp_path / "cache", **{
-            "training.steps": 2, "training.eval_every": 2, "training.eval_batches": 1, "metrics.progress": "false",
-            "training.eval_hook": "tests.unit.test_eval_hook:probe", **extra})
+        return tiny_overrides(
+            tmp_path / name,
+            tmp_path / "cache",
+            **{
+                "training.steps": 2,
+                "training.eval_every": 2,
+                "training.eval_batches": 1,
+                "metrics.progress": "false",
+                "training.eval_hook": "tests.unit.test_eval_hook:probe",
+                **extra,
+            },
+        )
 
-    generating = {"training.eval_hook": None, "training.eval_tasks": "loomtest_gen",
-                  "training.eval_tasks_include": tasks}
+    generating = {
+        "training.eval_hook": None,
+        "training.eval_tasks": "loomtest_gen",
+        "training.eval_tasks_include": tasks,
+    }
     single = run_one(job("single"))[-1]
-    fsdp, tp, ddp, refused = run_jobs(2, [job("fsdp", **{"parallel.dp_shard": 2}),
-                                          job("tp", **{"parallel.tp": 2, "parallel.dp_shard": 1}),
-                                          job("ddp", **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1},
-                                              **generating),
-                                          job("refused", **{"parallel.dp_shard": 2}, **generating)], str(tmp_path))
+    fsdp, tp, ddp, refused = run_jobs(
+        2,
+        [
+            job("fsdp", **{"parallel.dp_shard": 2}),
+            job("tp", **{"parallel.tp": 2, "parallel.dp_shard": 1}),
+            job("ddp", **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}, **generating),
+            job("refused", **{"parallel.dp_shard": 2}, **generating),
+        ],
+        str(tmp_path),
+    )
     for result in (fsdp, tp):
         assert "error" not in result, result.get("error")
         last = result["records"][-1]

@@ -17,7 +17,9 @@ def test_require_names_package_and_extra(monkeypatch):
     with pytest.raises(UserError) as err:
         require("safetensors.torch", "hf", purpose="writing a Hugging Face folder")
     msg = str(err.value)
-    assert msg == "writing a Hugging Face folder needs the 'safetensors' package (pip install 'loom-train[hf]')"
+    assert (
+        msg == "writing a Hugging Face folder needs the 'safetensors' package (pip install 'loom-train[hf]')"
+    )
     assert "\n" not in msg
 
 
@@ -26,7 +28,9 @@ def test_export_without_safetensors_is_one_line(monkeypatch, tmp_path):
     from loom.models.llama.flavors import FLAVORS
 
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
-    with pytest.raises(UserError, match=r"needs the 'safetensors' package \(pip install 'loom-train\[hf\]'\)"):
+    with pytest.raises(
+        UserError, match=r"needs the 'safetensors' package \(pip install 'loom-train\[hf\]'\)"
+    ):
         export_hf({}, FLAVORS["debug"], str(tmp_path / "out"))
 
 
@@ -35,8 +39,11 @@ def test_a_failed_export_leaves_nothing(tmp_path):
     from loom.checkpoint.hf.export import whole_or_nothing
 
     out = tmp_path / "out"
-    with pytest.raises(UserError, match=r"out: writing the test folder failed \(No space left on device\); "
-                                        r"nothing partial was kept"):
+    with pytest.raises(
+        UserError,
+        match=r"out: writing the test folder failed \(No space left on device\); "
+        r"nothing partial was kept",
+    ):
         with whole_or_nothing(str(out), "the test folder") as written:
             written.append(str(out / "a.bin"))
             (out / "a.bin").write_bytes(b"x")

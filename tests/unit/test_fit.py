@@ -12,9 +12,9 @@ import loom.plan.fit as fit
 from loom.config import build_config
 from loom.config.errors import ConfigError
 from loom.data import build_tokenizer
+from loom.methods import resolve
 from loom.plan.memory import GIB
 from loom.plan.planner import rank_needs
-from loom.methods import resolve
 from tests.tiny import tiny_config
 
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
@@ -27,7 +27,9 @@ def _run(cfg, world: int = 1):
 
 
 def _recipe(name: str, **over):
-    return build_config(os.path.join(RECIPES, name), {"run.device": "cpu", **{k: str(v) for k, v in over.items()}})
+    return build_config(
+        os.path.join(RECIPES, name), {"run.device": "cpu", **{k: str(v) for k, v in over.items()}}
+    )
 
 
 def _host(monkeypatch, gib: float):
@@ -54,18 +56,31 @@ def test_1b_recipe_is_refused_on_a_24_gib_host(monkeypatch):
 def test_lightest_1b_step_is_refused_by_the_margin(monkeypatch):
     """Micro-batch 1 with every block recomputed is estimated at 22.1 GiB: under the 22.9 GiB free, but not with
     what a process holds beyond its tensors (the margin), so it is refused rather than killed."""
-    cfg = _recipe("llama3_1b.toml", **{"training.micro_batch_size": 1, "training.activation_checkpointing": "full"})
+    cfg = _recipe(
+        "llama3_1b.toml", **{"training.micro_batch_size": 1, "training.activation_checkpointing": "full"}
+    )
     assert 21 * GIB < rank_needs(cfg, *_run(cfg), "cpu").peak_bytes < 22.9 * GIB
     _host(monkeypatch, 22.9)
-    with pytest.raises(ConfigError, match=r"model.flavor = '1B': .*room for ~19.9 GiB after a margin of 1 GiB \+ "
-                                          r"10% per process: use a smaller model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.flavor = '1B': .*room for ~19.9 GiB after a margin of 1 GiB \+ "
+        r"10% per process: use a smaller model",
+    ):
         _check(cfg)
     _host(monkeypatch, 27.0)  # 22.1 x 1.1 + 1 = 25.3 GiB
     _check(cfg)
 
 
-@pytest.mark.parametrize("cfg", [build_config(None, {}), build_config(None, {"model.flavor": "debug_moe"}),
-                                 tiny_config(), _recipe("debug.toml")], ids=["default", "debug_moe", "tiny", "debug"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        build_config(None, {}),
+        build_config(None, {"model.flavor": "debug_moe"}),
+        tiny_config(),
+        _recipe("debug.toml"),
+    ],
+    ids=["default", "debug_moe", "tiny", "debug"],
+)
 def test_small_runs_pass_on_a_small_host(monkeypatch, cfg):
     """The default run, the tests' run and the debug recipe pass on a 2 GiB host, and as 4 processes on 6 GiB."""
     _host(monkeypatch, 2.0)
@@ -78,29 +93,41 @@ def test_small_runs_pass_on_a_small_host(monkeypatch, cfg):
 def test_host_threshold_is_the_estimate_with_its_margin(monkeypatch):
     """Refused exactly when processes x (estimate x 1.1 + 1 GiB) exceed the available memory; the micro-batch hint
     counts what fits under the same margin."""
-    cfg = tiny_config(**{"training.micro_batch_size": 64, "training.global_batch_size": 128,
-                         "training.seq_len": 256})
+    cfg = tiny_config(
+        **{"training.micro_batch_size": 64, "training.global_batch_size": 128, "training.seq_len": 256}
+    )
     peak = rank_needs(cfg, *_run(cfg, 2), "cpu").peak_bytes
     need = 2 * (peak * (1 + fit.HOST_MARGIN) + fit.HOST_RESERVE_BYTES)
     _host(monkeypatch, 1.001 * need / GIB)
     _check(cfg, ranks=2)
     _host(monkeypatch, 0.999 * need / GIB)
-    with pytest.raises(ConfigError, match=r"training.micro_batch_size = 64: a training step needs .* per rank by the "
-                                          r"planner's estimate .*available \(test memory, shared by 2 ranks\), room "
-                                          r"for .* each after a margin .*: lower training.micro_batch_size \(about "
-                                          r"6[0-3] fit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.micro_batch_size = 64: a training step needs .* per rank by the "
+        r"planner's estimate .*available \(test memory, shared by 2 ranks\), room "
+        r"for .* each after a margin .*: lower training.micro_batch_size \(about "
+        r"6[0-3] fit",
+    ):
         _check(cfg, ranks=2)
 
 
 def test_model_state_too_large_names_the_model_and_fewer_processes(monkeypatch):
     _host(monkeypatch, 22.9)
-    with pytest.raises(ConfigError, match=r"model.flavor = '3B': model needs ~47.9 GiB for weights, gradients and "
-                                          r"optimizer state per rank; .*use a smaller model, or a GPU"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.flavor = '3B': model needs ~47.9 GiB for weights, gradients and "
+        r"optimizer state per rank; .*use a smaller model, or a GPU",
+    ):
         _check(_recipe("llama3_1b.toml", **{"model.flavor": "3B"}))
     # two DDP processes each hold the whole state: fewer of them helps
-    ddp = _recipe("llama3_1b.toml", **{"model.n_layers": 12, "parallel.dp_shard": 1, "parallel.dp_replicate": 2})
-    with pytest.raises(ConfigError, match=r"model.n_layers = 12: .*use a smaller model \(about .* layers fit\), "
-                                          r"fewer processes on this machine, or a GPU"):
+    ddp = _recipe(
+        "llama3_1b.toml", **{"model.n_layers": 12, "parallel.dp_shard": 1, "parallel.dp_replicate": 2}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"model.n_layers = 12: .*use a smaller model \(about .* layers fit\), "
+        r"fewer processes on this machine, or a GPU",
+    ):
         _check(ddp, ranks=2)
 
 
@@ -125,6 +152,9 @@ def test_gpu_threshold_is_the_estimate_against_free_memory(monkeypatch):
     monkeypatch.setattr(fit, "gpu_room", lambda count, own: (1.01 * peak, "test GPU memory"))
     fit.check_fits(cfg, dims, args, "cuda", 1)
     monkeypatch.setattr(fit, "gpu_room", lambda count, own: (0.99 * peak, "test GPU memory"))
-    with pytest.raises(ConfigError, match=r"training.micro_batch_size = 4: .* GiB available \(test GPU memory\): "
-                                          r"lower training.micro_batch_size \(about 3 fit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.micro_batch_size = 4: .* GiB available \(test GPU memory\): "
+        r"lower training.micro_batch_size \(about 3 fit",
+    ):
         fit.check_fits(cfg, dims, args, "cuda", 1)

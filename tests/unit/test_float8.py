@@ -44,11 +44,13 @@ def test_float8_loss_curve_stays_close_to_bf16(tmp_path, recipe):
 
 def test_float8_config_errors():
     from loom.config.errors import ConfigError
-
     from loom.methods import check_config
 
     with pytest.raises(ConfigError, match="bfloat16"):
         check_config(build_config(None, {"training.float8": "tensorwise", "training.dtype": "float32"}))
     with pytest.raises(ConfigError, match="tp"):
-        check_config(build_config(None, {"training.float8": "tensorwise", "training.dtype": "bfloat16",
-                                         "parallel.tp": "2"}))
+        check_config(
+            build_config(
+                None, {"training.float8": "tensorwise", "training.dtype": "bfloat16", "parallel.tp": "2"}
+            )
+        )

@@ -26,11 +26,24 @@ EOS = 4  # "<|eot_id|>" in the llama3-style tokenizer folder of tests/unit/test_
 def random_hf_llama(seed: int = 0, **kw):
     """A small LlamaForCausalLM whose weights are widened from HF's init, so that greedy choices are well apart."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**{
-        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": VOCAB, "rope_theta": 10000.0, "max_position_embeddings": 128,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": EOS,
-        "pad_token_id": 0, **kw})
+    cfg = transformers.LlamaConfig(
+        **{
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "vocab_size": VOCAB,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 128,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "bos_token_id": 0,
+            "eos_token_id": EOS,
+            "pad_token_id": 0,
+            **kw,
+        }
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -52,10 +65,18 @@ def hf_folder(tmp_path_factory):
 
 
 def hf_greedy(model, ids: list[int], new: int) -> list[int]:
-    x = torch.tensor([ids])  # an explicit mask: transformers would take the prompt's id 0 (BOS here) for padding
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, eos_token_id=EOS,
-                         pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    x = torch.tensor(
+        [ids]
+    )  # an explicit mask: transformers would take the prompt's id 0 (BOS here) for padding
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def test_greedy_ids_equal_transformers(hf_folder):
@@ -76,10 +97,15 @@ def test_text_and_chat_prompts_equal_transformers(hf_folder):
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     gen = Generator(folder, compile=False)
     text = "What is the capital of France?"
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "Tell me a joke about cats."}]
-    chat_ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"])
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Tell me a joke about cats."},
+    ]
+    chat_ids = list(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
     assert gen.encode(text) == tok(text)["input_ids"]
     assert gen.encode(messages) == chat_ids
     plain, chat = gen.generate([text, messages], max_new_tokens=12)
@@ -90,16 +116,24 @@ def test_text_and_chat_prompts_equal_transformers(hf_folder):
 
 
 def test_sampling_filters_equal_transformers_processors():
-    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=g) * 3
     seen_ids = torch.randint(0, 50, (3, 6), generator=g)
     seen = torch.zeros(3, 50, dtype=torch.bool).scatter_(1, seen_ids, True)
-    for params in (SamplingParams(temperature=0.7, top_k=10), SamplingParams(temperature=1.3, top_p=0.8),
-                   SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=0.9, top_k=20, top_p=0.9,
-                                                                              min_p=0.05, repetition_penalty=1.3)):
+    for params in (
+        SamplingParams(temperature=0.7, top_k=10),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    ):
         ref = logits.clone()
         if params.repetition_penalty != 1.0:
             ref = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(seen_ids, ref)
@@ -133,12 +167,19 @@ def test_batches_and_max_batch_give_the_same_greedy_tokens(hf_folder):
     folder, _ = hf_folder
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in (2, 7, 4, 9, 5)]
-    one = [o.token_ids for o in Generator(folder, compile=False, max_batch=1).generate_ids(prompts, max_new_tokens=9)]
-    two = [o.token_ids for o in Generator(folder, compile=False, max_batch=2).generate_ids(prompts, max_new_tokens=9)]
+    one = [
+        o.token_ids
+        for o in Generator(folder, compile=False, max_batch=1).generate_ids(prompts, max_new_tokens=9)
+    ]
+    two = [
+        o.token_ids
+        for o in Generator(folder, compile=False, max_batch=2).generate_ids(prompts, max_new_tokens=9)
+    ]
     assert one == two
 
 
 # ---- stopping -----------------------------------------------------------------------------------------------
+
 
 def _feed(seq: Sequence, text: str) -> None:
     for token in text.encode():
@@ -149,8 +190,12 @@ def _feed(seq: Sequence, text: str) -> None:
 def test_stop_strings_cut_the_text_and_streaming_never_shows_them():
     codec = Codec(ByteTokenizer())
     deltas = []
-    seq = Sequence(SamplingParams(max_new_tokens=100, stop=("\n\n", "END")), eos_ids=(257,), codec=codec,
-                   on_text=deltas.append)
+    seq = Sequence(
+        SamplingParams(max_new_tokens=100, stop=("\n\n", "END")),
+        eos_ids=(257,),
+        codec=codec,
+        on_text=deltas.append,
+    )
     _feed(seq, "def f():\n    return 1\n\nprint(f())")
     assert seq.finish_reason == "stop" and seq.text == "def f():\n    return 1"
     assert "".join(deltas) == seq.text
@@ -182,13 +227,19 @@ def test_multibyte_characters_stream_whole():
 
 
 def test_parameter_errors_name_the_field():
-    for kw, field in (({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"min_p": 1.0}, "min_p"),
-                      ({"max_new_tokens": 0}, "max_new_tokens"), ({"stop": ("",)}, "stop")):
+    for kw, field in (
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"min_p": 1.0}, "min_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop": ("",)}, "stop"),
+    ):
         with pytest.raises(ConfigError, match=field):
             SamplingParams(**kw)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------
+
 
 def test_an_imported_checkpoint_generates_as_its_folder(hf_folder, tmp_path):
     from loom.checkpoint.hf.dcp_import import import_hf_to_dcp
@@ -208,14 +259,21 @@ def test_a_run_checkpoint_and_its_run_dir(tmp_path):
     from tests.tiny import tiny_overrides
 
     run = tmp_path / "run"
-    cfg = build_config(None, {k: str(v) for k, v in tiny_overrides(run, tmp_path / "cache",
-                                                                   **{"checkpoint.at_end": None}).items()})
+    cfg = build_config(
+        None,
+        {
+            k: str(v)
+            for k, v in tiny_overrides(run, tmp_path / "cache", **{"checkpoint.at_end": None}).items()
+        },
+    )
     Trainer(cfg).fit()
     step = os.path.join(run, "checkpoints", "step_00000004")
     by_step = Generator(step, compile=False).generate("def ", max_new_tokens=8)[0]
     by_dir = Generator(str(run), compile=False).generate("def ", max_new_tokens=8)[0]
     assert by_step.token_ids == by_dir.token_ids and len(by_step.token_ids) >= 1
-    chat = Generator(str(run), compile=False).generate([[{"role": "user", "content": "hi"}]], max_new_tokens=4)
+    chat = Generator(str(run), compile=False).generate(
+        [[{"role": "user", "content": "hi"}]], max_new_tokens=4
+    )
     assert chat[0].finish_reason in ("eos", "length")
 
 

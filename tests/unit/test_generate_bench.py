@@ -22,12 +22,17 @@ def test_quick_mode_writes_every_figure(tmp_path):
     assert not [r for r in doc["results"] if "error" in r]
     for system in ("loom", "hf_static"):
         assert [d["batch"] for d in results[system]["decode"]] == [1, 2]
-        assert all(isinstance(d["decode_tokens_per_s"], float) for d in results[system]["decode"])  # no timing claims
+        assert all(
+            isinstance(d["decode_tokens_per_s"], float) for d in results[system]["decode"]
+        )  # no timing claims
     assert [(p["batch"], p["seq"]) for p in results["loom"]["prefill"]] == [(1, 32), (2, 16)]
-    assert set(doc["ratios"]) == {f"debug_batch{b}_{what}" for b in (1, 2)
-                                  for what in ("decode_loom_vs_hf", "ttft_hf_vs_loom")}
+    assert set(doc["ratios"]) == {
+        f"debug_batch{b}_{what}" for b in (1, 2) for what in ("decode_loom_vs_hf", "ttft_hf_vs_loom")
+    }
     profiles = results["loom"]["profile"]
-    assert [p["batch"] for p in profiles] == [1, 2] and all(p["top"] and p["kernels_per_step"] > 0 for p in profiles)
+    assert [p["batch"] for p in profiles] == [1, 2] and all(
+        p["top"] and p["kernels_per_step"] > 0 for p in profiles
+    )
     spec = results["speculative"]
     runs = {r["proposer"]: r for r in spec["runs"]}
     assert list(runs) == ["none", "prompt_lookup", "oracle_0.5", "oracle_1.0"]

@@ -12,8 +12,16 @@ from loom.infer.cache import KVCache
 from loom.infer.engine import Engine
 from loom.models.llama import Llama, LlamaArgs
 
-BASE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=384, rope_theta=10000.0,
-            max_seq_len=64)
+BASE = dict(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=96,
+    vocab_size=384,
+    rope_theta=10000.0,
+    max_seq_len=64,
+)
 VARIANTS = {
     "gqa": {},
     "mqa": {"n_kv_heads": 1},
@@ -28,7 +36,9 @@ def model_of(variant: str, seed: int = 0) -> Llama:
 
     torch.manual_seed(seed)
     model = Llama(LlamaArgs(**{**BASE, **VARIANTS[variant]})).eval()
-    init_parameters(model, seed, model.param_std)  # every weight (an MoE's experts are allocated, not initialized)
+    init_parameters(
+        model, seed, model.param_std
+    )  # every weight (an MoE's experts are allocated, not initialized)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):  # zero by default: give them something to get wrong
@@ -52,7 +62,7 @@ def test_prefill_then_decode_steps_equal_the_full_forward(variant):
     model = model_of(variant)
     lengths, new = [3, 9, 6], 7
     rows = _rows(lengths, max(lengths) + new)
-    refs = reference(model, [r[:n + new] for r, n in zip(rows, lengths)])
+    refs = reference(model, [r[: n + new] for r, n in zip(rows, lengths)])
     engine = Engine(model, compile=False, cuda_graphs=False)
     logits, _, lens = engine.start([r[:n] for r, n in zip(rows, lengths)], reserve=new)
     assert all(c.k.shape[1] == model.args.n_kv_heads for c in engine.caches)  # KV heads only
@@ -96,11 +106,11 @@ def test_every_position_through_steps_and_extensions(variant):
         assert (logits[b] - refs[b][0]).abs().max() < 1e-5
     at = 1
     for width in (1, 3, 2, 3, 1, 2):
-        tokens = torch.tensor([r[at:at + width] for r in rows])  # (B, S)
+        tokens = torch.tensor([r[at : at + width] for r in rows])  # (B, S)
         positions = torch.arange(at, at + width).expand(2, width)
         out = engine.step(tokens, positions)  # (B, S, V)
         for b in range(2):
-            assert (out[b] - refs[b][at:at + width]).abs().max() < 1e-5, (variant, at, b)
+            assert (out[b] - refs[b][at : at + width]).abs().max() < 1e-5, (variant, at, b)
         at += width
     assert at == 13
 
@@ -165,7 +175,9 @@ def test_a_parked_cache_leaves_the_model_and_comes_back_after_an_update():
     engine.start([[1]], reserve=2)  # another batch size: new caches
     assert not any(got is kept for got, kept in zip(engine.caches, caches, strict=True))
     engine.release()
-    assert not engine.caches and not any(isinstance(b.attention.context, KVCache) for b in model.layers.values())
+    assert not engine.caches and not any(
+        isinstance(b.attention.context, KVCache) for b in model.layers.values()
+    )
 
 
 def test_a_compiled_step_writes_the_cache_in_place():

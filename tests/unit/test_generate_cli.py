@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from loom.cli.main import main as loom_main  # noqa: E402
-from loom.infer import Generator  # noqa: E402
+from loom.cli.main import main as loom_main
+from loom.infer import Generator
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +42,16 @@ MESSAGES = [{"role": "user", "content": "Tell me a joke about cats."}]
 
 
 def test_arguments_file_and_stdin_give_the_api_completions(folder, tmp_path, capsys, monkeypatch):
-    expected = [c.text for c in Generator(folder, compile=False).generate(["Paris is", "def add(", MESSAGES],
-                                                                           max_new_tokens=10)]
+    expected = [
+        c.text
+        for c in Generator(folder, compile=False).generate(
+            ["Paris is", "def add(", MESSAGES], max_new_tokens=10
+        )
+    ]
     out = tmp_path / "out.jsonl"
-    code, _, err = _run(capsys, "--model", folder, "Paris is", "def add(", "--max-new-tokens", "10",
-                        "--output", str(out))
+    code, _, err = _run(
+        capsys, "--model", folder, "Paris is", "def add(", "--max-new-tokens", "10", "--output", str(out)
+    )
     assert code == 0 and "2 prompts" in err
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["completion"] for r in records] == expected[:2]
@@ -54,7 +59,9 @@ def test_arguments_file_and_stdin_give_the_api_completions(folder, tmp_path, cap
 
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text(json.dumps({"prompt": "Paris is"}) + "\n\n" + json.dumps({"messages": MESSAGES}) + "\n")
-    code, _, _ = _run(capsys, "-m", folder, "--file", str(jsonl), "--max-new-tokens", "10", "--output", str(out))
+    code, _, _ = _run(
+        capsys, "-m", folder, "--file", str(jsonl), "--max-new-tokens", "10", "--output", str(out)
+    )
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert code == 0 and [r["completion"] for r in records] == [expected[0], expected[2]]
     assert records[1]["messages"] == MESSAGES
@@ -70,32 +77,47 @@ def test_arguments_file_and_stdin_give_the_api_completions(folder, tmp_path, cap
 
 
 def test_streaming_prints_the_same_text(folder, capsys):
-    _, plain, _ = _run(capsys, "-m", folder, "Paris is", "def add(", "--max-new-tokens", "12", "--no-stream",
-                       "--quiet")
-    _, streamed, _ = _run(capsys, "-m", folder, "Paris is", "def add(", "--max-new-tokens", "12", "--stream",
-                          "--quiet")
+    _, plain, _ = _run(
+        capsys, "-m", folder, "Paris is", "def add(", "--max-new-tokens", "12", "--no-stream", "--quiet"
+    )
+    _, streamed, _ = _run(
+        capsys, "-m", folder, "Paris is", "def add(", "--max-new-tokens", "12", "--stream", "--quiet"
+    )
     assert streamed == plain and plain.strip()
 
 
 def test_prompt_lookup_keeps_the_greedy_text_and_reports_acceptance(folder, capsys):
     prompt = "the cat sat on the mat; the cat sat on the"
     _, plain, _ = _run(capsys, "-m", folder, prompt, "--max-new-tokens", "16", "--no-stream", "--quiet")
-    code, spec, err = _run(capsys, "-m", folder, prompt, "--max-new-tokens", "16", "--no-stream",
-                           "--prompt-lookup", "--speculate-k", "3")
+    code, spec, err = _run(
+        capsys,
+        "-m",
+        folder,
+        prompt,
+        "--max-new-tokens",
+        "16",
+        "--no-stream",
+        "--prompt-lookup",
+        "--speculate-k",
+        "3",
+    )
     assert code == 0 and spec == plain
     assert "speculative k 3" in err and "of guesses kept" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "/no/such/folder", "hi"], "model = '/no/such/folder': folder not found"),
-    (["hi"], "--model: missing"),
-    (["--temperature", "-1", "hi"], "--temperature = -1.0: >= 0"),
-    (["--top-p", "2", "hi"], "--top-p = 2.0"),
-    (["--system", "be nice", "hi"], "--system = 'be nice': needs --chat"),
-    (["--bogus", "hi"], "unrecognized arguments: --bogus"),
-    (["--max-new-tokens", "many", "hi"], "invalid int value"),
-    (["--prompt-lookup", "--draft", "x", "hi"], "choose --prompt-lookup or --draft"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/folder", "hi"], "model = '/no/such/folder': folder not found"),
+        (["hi"], "--model: missing"),
+        (["--temperature", "-1", "hi"], "--temperature = -1.0: >= 0"),
+        (["--top-p", "2", "hi"], "--top-p = 2.0"),
+        (["--system", "be nice", "hi"], "--system = 'be nice': needs --chat"),
+        (["--bogus", "hi"], "unrecognized arguments: --bogus"),
+        (["--max-new-tokens", "many", "hi"], "invalid int value"),
+        (["--prompt-lookup", "--draft", "x", "hi"], "choose --prompt-lookup or --draft"),
+    ],
+)
 def test_mistakes_exit_2_with_one_line(folder, capsys, argv, message):
     if "--model" not in argv and argv != ["hi"]:
         argv = ["--model", folder, *argv]
@@ -123,11 +145,13 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
     latin.write_bytes(b"caf\xe9\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"messages": []}) + "\n")
-    for argv, needle in ((["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens = 1000000000: at most"),
-                         (["hi", "--stop-token-id", "99999999"], "--stop-token-id = 99999999"),
-                         (["hi", "--output", str(tmp_path)], "is a folder"),
-                         (["--file", str(latin)], "not UTF-8"),
-                         (["--file", str(empty)], "is empty")):
+    for argv, needle in (
+        (["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens = 1000000000: at most"),
+        (["hi", "--stop-token-id", "99999999"], "--stop-token-id = 99999999"),
+        (["hi", "--output", str(tmp_path)], "is a folder"),
+        (["--file", str(latin)], "not UTF-8"),
+        (["--file", str(empty)], "is empty"),
+    ):
         code, out, err = _run(capsys, "--model", folder, *argv)
         assert code == 2 and needle in err and err.count("\n") == 1, (argv, err)
     code, _, err = _run(capsys, "--model", folder, "hi", "--max-new-tokens", "2", "--top-p", "0.5")

@@ -24,8 +24,11 @@ def _gen(model, graphs: bool, **kw) -> Generator:
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "lookup", "draft"])
 def test_graphs_and_compile_give_the_eager_tokens(mode):
     target = tiny_model(0).cuda()
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True,
-                            **({"temperature": 0.8, "top_k": 20, "seed": 3} if mode == "sampled" else {}))
+    params = SamplingParams(
+        max_new_tokens=24,
+        ignore_eos=True,
+        **({"temperature": 0.8, "top_k": 20, "seed": 3} if mode == "sampled" else {}),
+    )
     spec = {"lookup": lambda: PromptLookup(k=3), "draft": lambda: DraftModel(tiny_model(1).cuda(), k=3)}
     eager = _gen(copy.deepcopy(target), False).generate_ids(PROMPTS, params)
     fast = _gen(target, True, speculative=spec[mode]() if mode in spec else None, pack=True)
@@ -44,7 +47,7 @@ def test_bf16_cache_against_the_full_forward():
     errs = [(logits.float() - full[:, 7]).abs().max()]
     pos = torch.full((3,), 8, device="cuda")
     for i in range(8, 20):
-        out = engine.step(rows[:, i:i + 1], pos[:, None])[:, 0].float()
+        out = engine.step(rows[:, i : i + 1], pos[:, None])[:, 0].float()
         errs.append((out - full[:, i]).abs().max())
         pos += 1
     assert max(errs) < 0.05 * full.abs().max()

@@ -17,11 +17,22 @@ import tempfile
 import pytest
 import torch
 
-GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "debug_losses.json")
+GOLDEN = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "debug_losses.json"
+)
 # the debug flavor on the embedded corpus with the default optimizer and schedule; fp32, deterministic
-OVERRIDES = {"run.seed": "0", "run.deterministic": "true", "run.device": "cpu", "training.steps": "30",
-             "training.seq_len": "64", "training.global_batch_size": "8", "training.micro_batch_size": "4",
-             "metrics.every": "1", "metrics.tensorboard": "false", "checkpoint.at_end": "false"}
+OVERRIDES = {
+    "run.seed": "0",
+    "run.deterministic": "true",
+    "run.device": "cpu",
+    "training.steps": "30",
+    "training.seq_len": "64",
+    "training.global_batch_size": "8",
+    "training.micro_batch_size": "4",
+    "metrics.every": "1",
+    "metrics.tensorboard": "false",
+    "checkpoint.at_end": "false",
+}
 # CPU kernels may sum in a different order on another processor: far below what a real change moves
 RTOL = 1e-3
 
@@ -50,8 +61,16 @@ def write() -> None:
         losses = golden_losses(os.path.join(tmp, "run"))
     os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
     with open(GOLDEN, "w") as f:
-        json.dump({"overrides": OVERRIDES, "torch": torch.__version__, "python": sys.version.split()[0],
-                   "losses": losses}, f, indent=1)
+        json.dump(
+            {
+                "overrides": OVERRIDES,
+                "torch": torch.__version__,
+                "python": sys.version.split()[0],
+                "losses": losses,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {GOLDEN}: {len(losses)} losses, last {losses[-1]:.4f}")
 
 

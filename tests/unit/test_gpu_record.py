@@ -23,18 +23,35 @@ def test_a_report_updates_passes_and_keeps_them_through_failures(tmp_path):
         path.write_text(f'<testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
         return str(path)
 
-    ok = junit("a.xml", '<testcase classname="tests.gpu.test_multi_gpu" name="t1" file="tests/gpu/test_multi_gpu.py"/>'
-                        '<testcase classname="tests.gpu.test_multi_gpu" name="t2" file="tests/gpu/test_multi_gpu.py">'
-                        '<skipped message="needs 4"/></testcase>')
+    ok = junit(
+        "a.xml",
+        '<testcase classname="tests.gpu.test_multi_gpu" name="t1" file="tests/gpu/test_multi_gpu.py"/>'
+        '<testcase classname="tests.gpu.test_multi_gpu" name="t2" file="tests/gpu/test_multi_gpu.py">'
+        '<skipped message="needs 4"/></testcase>',
+    )
     # xunit2 (pytest's default) writes no file: the classname gives it; a nameless case (an interrupted run) is left out
-    bad = junit("b.xml", '<testcase classname="tests.gpu.test_multi_gpu" name="t1"><failure message="boom"/></testcase>'
-                         '<testcase classname="" name=""/>')
-    first = record.update({}, record.outcomes([ok]), {"commit": "aaa", "device": "2x H100", "date": "2026-11-28"})
+    bad = junit(
+        "b.xml",
+        '<testcase classname="tests.gpu.test_multi_gpu" name="t1"><failure message="boom"/></testcase>'
+        '<testcase classname="" name=""/>',
+    )
+    first = record.update(
+        {}, record.outcomes([ok]), {"commit": "aaa", "device": "2x H100", "date": "2026-11-28"}
+    )
     entry = first["files"]["tests/gpu/test_multi_gpu.py"]
-    assert entry["last_pass"] == {"commit": "aaa", "device": "2x H100", "date": "2026-11-28", "passed": 1,
-                                  "skipped": 1}
-    second = record.update(first, record.outcomes([bad]), {"commit": "bbb", "device": "2x H100", "date": "2026-11-29"})
+    assert entry["last_pass"] == {
+        "commit": "aaa",
+        "device": "2x H100",
+        "date": "2026-11-28",
+        "passed": 1,
+        "skipped": 1,
+    }
+    second = record.update(
+        first, record.outcomes([bad]), {"commit": "bbb", "device": "2x H100", "date": "2026-11-29"}
+    )
     entry = second["files"]["tests/gpu/test_multi_gpu.py"]
     assert entry["last_pass"]["commit"] == "aaa" and entry["last_run"]["failed"] == 1
-    assert "1 failed: bbb" in record.table(second) and "" not in second["files"] and ".py" not in second["files"]
+    assert (
+        "1 failed: bbb" in record.table(second) and "" not in second["files"] and ".py" not in second["files"]
+    )
     assert set(record.gpu_test_files()) <= set(second["files"])  # files never run are listed too

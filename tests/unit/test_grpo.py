@@ -31,19 +31,36 @@ def trl_loss(loss_type: str, beta: float, logps, old, ref, mask, adv, eps_low=0.
     trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
     model = types.SimpleNamespace(training=True)
     fake = types.SimpleNamespace(
-        model=model, top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
-        beta=beta, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
-        aux_loss_enabled=False, _entropy_bonus_enabled=False, current_gradient_accumulation_steps=1,
+        model=model,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1,
         max_completion_length=MAX_LEN,
         args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
-        accelerator=types.SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
-                                          reduce=lambda x, reduction: x),
+        accelerator=types.SimpleNamespace(
+            num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x
+        ),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None))
-    inputs = {"prompt_ids": torch.ones(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
-              "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+    )
+    inputs = {
+        "prompt_ids": torch.ones(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.ones(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
     loss = trl_grpo.GRPOTrainer._compute_loss(fake, model, inputs)
     return loss, fake._metrics["train"]
 
@@ -59,7 +76,9 @@ def test_loss_equals_trl(loss_type, beta):
     tokens = mask.sum()
     assert float((low * mask).sum() / tokens) == pytest.approx(metrics["clip_ratio/low_mean"][0], abs=1e-6)
     assert float((high * mask).sum() / tokens) == pytest.approx(metrics["clip_ratio/high_mean"][0], abs=1e-6)
-    assert metrics["clip_ratio/low_mean"][0] > 0 and metrics["clip_ratio/high_mean"][0] > 0  # both regions occur
+    assert (
+        metrics["clip_ratio/low_mean"][0] > 0 and metrics["clip_ratio/high_mean"][0] > 0
+    )  # both regions occur
     if beta:
         assert float((kl * mask).sum() / tokens) == pytest.approx(metrics["kl"][0], rel=1e-5)
     # the gradient too: the same function of logps
@@ -112,7 +131,9 @@ def test_advantages_per_group(scale):
     adv = group_advantages(rewards, 4, scale)
     torch.testing.assert_close(adv, trl_advantages(rewards, 4, scale), rtol=1e-6, atol=1e-6)
     groups = adv.view(3, 4)
-    torch.testing.assert_close(groups.sum(dim=1), torch.zeros(3), atol=1e-5, rtol=0)  # centred within each group
+    torch.testing.assert_close(
+        groups.sum(dim=1), torch.zeros(3), atol=1e-5, rtol=0
+    )  # centred within each group
     assert torch.equal(groups[1], torch.zeros(4))  # equal rewards: no signal
     if scale == "group":  # unit (unbiased) std within each group whose rewards differ
         torch.testing.assert_close(groups[[0, 2]].std(dim=1), torch.ones(2), atol=1e-3, rtol=0)

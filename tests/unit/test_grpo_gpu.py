@@ -19,18 +19,35 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def recipe(tmp_path, **overrides):
     from loom.config import build_config
 
-    return build_config(str(ROOT / "recipes" / "grpo_debug.toml"), {
-        "run.dir": str(tmp_path / "run"), "run.device": "cuda", "metrics.progress": "false",
-        "metrics.tensorboard": "false", "checkpoint.at_end": "false", **overrides})
+    return build_config(
+        str(ROOT / "recipes" / "grpo_debug.toml"),
+        {
+            "run.dir": str(tmp_path / "run"),
+            "run.device": "cuda",
+            "metrics.progress": "false",
+            "metrics.tensorboard": "false",
+            "checkpoint.at_end": "false",
+            **overrides,
+        },
+    )
 
 
 def test_engine_with_cuda_graphs_follows_the_updates(tmp_path):
     """The rollout engine keeps its caches and decode graphs between steps (grpo.keep_cache): after more GRPO
     updates, a replay of the graph captured at the first rollout gives the plain model's logits (the capture casts
     the float32 weights inside the graph, not from autocast's cache of that moment)."""
-    cfg = recipe(tmp_path, **{"training.steps": "8", "grpo.warmup_steps": "4", "optimizer.warmup_steps": "2",
-                              "training.dtype": "bfloat16", "training.eval_every": "0", "training.eval_hook": "",
-                              "grpo.beta": "0.04"})
+    cfg = recipe(
+        tmp_path,
+        **{
+            "training.steps": "8",
+            "grpo.warmup_steps": "4",
+            "optimizer.warmup_steps": "2",
+            "training.dtype": "bfloat16",
+            "training.eval_every": "0",
+            "training.eval_hook": "",
+            "grpo.beta": "0.04",
+        },
+    )
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
     records = trainer.fit()
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records) and "reward" in records[-1]

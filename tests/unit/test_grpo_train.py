@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from loom.config.errors import ConfigError
-from loom.numerics import IGNORE
 from loom.methods import check_config, resolve
-from loom.rl.arithmetic import ArithmeticTask, digit_match, exact_answer
 from loom.methods.grpo import GroupRelative
+from loom.numerics import IGNORE
+from loom.rl.arithmetic import ArithmeticTask, digit_match, exact_answer
 from loom.rl.rewards import Rewards, load_function
 from loom.rl.rollout import rows_to_batches
 from loom.train.trainer import Trainer
@@ -22,10 +22,21 @@ from tests.tiny import tiny_config
 
 
 def grpo_config(tmp_path, **overrides):
-    return tiny_config(tmp_path / "run", None, **{
-        "training.objective": "grpo", "training.steps": 4, "training.global_batch_size": 8,
-        "training.micro_batch_size": 4, "grpo.group_size": 4, "grpo.warmup_steps": 1, "grpo.max_new_tokens": 4,
-        "metrics.progress": "false", **overrides})
+    return tiny_config(
+        tmp_path / "run",
+        None,
+        **{
+            "training.objective": "grpo",
+            "training.steps": 4,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "grpo.group_size": 4,
+            "grpo.warmup_steps": 1,
+            "grpo.max_new_tokens": 4,
+            "metrics.progress": "false",
+            **overrides,
+        },
+    )
 
 
 def test_engine_logits_equal_the_trained_model(tmp_path, capsys):
@@ -43,15 +54,21 @@ def test_engine_logits_equal_the_trained_model(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
     assert len(lines) == 4 and "| warm-up |" in lines[0] and "reward" not in lines[0]
     last = records[-1]
-    for part in (f"reward {last['reward']:.3f}", f"acc {last['rewards/exact_answer']:.3f}",
-                 f"digit_match {last['rewards/digit_match']:.3f}", f"kl {last['kl']:.4f}"):
+    for part in (
+        f"reward {last['reward']:.3f}",
+        f"acc {last['rewards/exact_answer']:.3f}",
+        f"digit_match {last['rewards/digit_match']:.3f}",
+        f"kl {last['kl']:.4f}",
+    ):
         assert f"| {part} |" in lines[-1], (part, lines[-1])
     model.eval()
     with torch.no_grad():
         after = model(tokens)  # (2, 5, V) the plain training forward
         engine.allocate(2, tokens.shape[1])
         prefill = engine.prefill(tokens[:, :-1], torch.tensor([3, 3]))  # (2, V) at position 3
-        step = engine.step(tokens[:, -1:], torch.tensor([[4], [4]]))[:, 0]  # (2, V) at position 4, from the cache
+        step = engine.step(tokens[:, -1:], torch.tensor([[4], [4]]))[
+            :, 0
+        ]  # (2, V) at position 4, from the cache
         engine.release()
     torch.testing.assert_close(prefill, after[:, 3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(step, after[:, 4], rtol=1e-5, atol=1e-5)
@@ -60,8 +77,14 @@ def test_engine_logits_equal_the_trained_model(tmp_path, capsys):
 
 def test_rows_and_labels():
     """prompt + completion as next-token rows: only the completion's tokens (its EOS included) are labels."""
-    (mb,) = rows_to_batches([[1, 2, 3], [4]], [[5, 6, 9], [7, 9]], micro=2, pad_id=9, seq_len=8,
-                            advantages=torch.tensor([0.5, -0.5]))
+    (mb,) = rows_to_batches(
+        [[1, 2, 3], [4]],
+        [[5, 6, 9], [7, 9]],
+        micro=2,
+        pad_id=9,
+        seq_len=8,
+        advantages=torch.tensor([0.5, -0.5]),
+    )
     assert mb.inputs.tolist() == [[1, 2, 3, 5, 6], [4, 7, 9, 9, 9]]
     assert mb.labels.tolist() == [[IGNORE, IGNORE, 5, 6, 9], [7, 9, IGNORE, IGNORE, IGNORE]]
     assert mb.advantages.tolist() == [0.5, -0.5]
@@ -71,8 +94,9 @@ def test_rows_and_labels():
 
 def test_rewards_weighted_and_per_function():
     rewards = Rewards(["loom.rl.arithmetic:exact_answer", "loom.rl.arithmetic:digit_match"], [1.0, 0.5])
-    total, per = rewards.score(["3+9=", "3+9=", "3+9="], ["12", "13\nx", " 2"], [[], [], []],
-                               {"answer": ["12", "12", "12"]})
+    total, per = rewards.score(
+        ["3+9=", "3+9=", "3+9="], ["12", "13\nx", " 2"], [[], [], []], {"answer": ["12", "12", "12"]}
+    )
     assert per.tolist() == [[1.0, 1.0], [0.0, 0.5], [0.0, 0.5]]
     assert total.tolist() == [1.5, 0.25, 0.25]
     assert exact_answer([], ["7 "], answer=["7"]) == [1.0] and digit_match([], ["107"], answer=["7"]) == [0.0]
@@ -90,7 +114,9 @@ def test_task_is_seeded_and_correct():
     assert rows == task.problems(50, ("grpo", 7)) and rows != task.problems(50, ("grpo", 8))
     for r in rows:
         a, op, b = r["prompt"][:-1].replace("*", " * ").replace("+", " + ").split()
-        assert r["prompt"].endswith("=") and int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+        assert r["prompt"].endswith("=") and int(r["answer"]) == (
+            int(a) + int(b) if op == "+" else int(a) * int(b)
+        )
     assert {r["prompt"][:-1].strip("0123456789")[:1] for r in rows} == {"+", "*"}
 
 
@@ -98,15 +124,27 @@ def test_prompts_from_jsonl_reach_the_rewards(tmp_path):
     """grpo.prompts: every other field of a row goes to the reward functions, one value per completion."""
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)))
-    cfg = grpo_config(tmp_path, **{"grpo.prompts": str(path), "grpo.warmup_steps": 0, "training.steps": 2,
-                                   "grpo.rewards": "loom.rl.arithmetic:exact_answer"})
+    cfg = grpo_config(
+        tmp_path,
+        **{
+            "grpo.prompts": str(path),
+            "grpo.warmup_steps": 0,
+            "training.steps": 2,
+            "grpo.rewards": "loom.rl.arithmetic:exact_answer",
+        },
+    )
     records = Trainer(cfg, objective=GroupRelative(cfg)).fit()
     assert {"reward", "rewards/exact_answer", "completion_length", "time/generation_s"} <= records[-1].keys()
     assert 0 <= records[-1]["reward"] <= 1
 
 
-CHAT_ROWS = [{"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{i}+1="}],
-              "answer": str(i + 1)} for i in range(4)]
+CHAT_ROWS = [
+    {
+        "prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{i}+1="}],
+        "answer": str(i + 1),
+    }
+    for i in range(4)
+]
 SEEN: dict[str, list] = {}
 
 
@@ -161,9 +199,16 @@ def test_chat_prompts_are_rendered_and_reach_the_rewards_as_messages(tmp_path):
     from loom.data.chat import load_template
     from loom.infer.text import Codec
 
-    cfg = grpo_config(tmp_path, **{"grpo.prompts": write_prompts(tmp_path, CHAT_ROWS, "jsonl"),
-                                   "grpo.warmup_steps": 0, "training.steps": 1, "training.seq_len": 64,
-                                   "grpo.rewards": "tests.unit.test_grpo_train:record_inputs"})
+    cfg = grpo_config(
+        tmp_path,
+        **{
+            "grpo.prompts": write_prompts(tmp_path, CHAT_ROWS, "jsonl"),
+            "grpo.warmup_steps": 0,
+            "training.steps": 1,
+            "training.seq_len": 64,
+            "grpo.rewards": "tests.unit.test_grpo_train:record_inputs",
+        },
+    )
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
     loader = trainer.objective.loader
     ids = loader.prompt_ids(CHAT_ROWS[:1])
@@ -172,8 +217,10 @@ def test_chat_prompts_are_rendered_and_reach_the_rewards_as_messages(tmp_path):
     records = trainer.fit()
     assert records[-1]["reward"] == 1.0 and len(SEEN["prompts"]) == 8
     assert all(p in [r["prompt"] for r in CHAT_ROWS] for p in SEEN["prompts"])
-    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) and len(c) == 1
-               for c in SEEN["completions"])
+    assert all(
+        c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) and len(c) == 1
+        for c in SEEN["completions"]
+    )
     assert SEEN["answer"][0] in {r["answer"] for r in CHAT_ROWS}
 
 
@@ -183,18 +230,33 @@ def test_a_reward_model_scores_the_rollouts(tmp_path):
     from loom.infer.reward import load_reward_model
     from tests.unit.test_reward import reward_run, write_pairs
 
-    Trainer(reward_run(tmp_path / "rm", tmp_path / "cache", write_pairs(tmp_path / "pairs.jsonl"),
-                       **{"training.steps": 1, "checkpoint.at_end": "true"})).fit()
+    Trainer(
+        reward_run(
+            tmp_path / "rm",
+            tmp_path / "cache",
+            write_pairs(tmp_path / "pairs.jsonl"),
+            **{"training.steps": 1, "checkpoint.at_end": "true"},
+        )
+    ).fit()
     ckpt = str(tmp_path / "rm" / "checkpoints" / "step_00000001")
-    cfg = grpo_config(tmp_path, **{"grpo.prompts": write_prompts(tmp_path, CHAT_ROWS, "jsonl"),
-                                   "grpo.warmup_steps": 0, "training.steps": 2, "grpo.reward_model": ckpt,
-                                   "training.seq_len": 64,
-                                   "grpo.reward_model_weight": 0.5,
-                                   "grpo.rewards": "tests.unit.test_grpo_train:record_inputs"})
+    cfg = grpo_config(
+        tmp_path,
+        **{
+            "grpo.prompts": write_prompts(tmp_path, CHAT_ROWS, "jsonl"),
+            "grpo.warmup_steps": 0,
+            "training.steps": 2,
+            "grpo.reward_model": ckpt,
+            "training.seq_len": 64,
+            "grpo.reward_model_weight": 0.5,
+            "grpo.rewards": "tests.unit.test_grpo_train:record_inputs",
+        },
+    )
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
     records = trainer.fit()
     for r in records:
-        assert r["reward"] == pytest.approx(r["rewards/record_inputs"] + 0.5 * r["rewards/reward_model"], abs=1e-6)
+        assert r["reward"] == pytest.approx(
+            r["rewards/record_inputs"] + 0.5 * r["rewards/reward_model"], abs=1e-6
+        )
     loader, scorer = trainer.objective.loader, load_reward_model(ckpt)
     assert loader.reward_model is not None and records[0]["rewards/reward_model_std"] > 0
     outs = loader.sample(loader.prompt_ids(CHAT_ROWS[:2]))
@@ -213,7 +275,9 @@ def test_config_rules(tmp_path):
     with pytest.raises(ConfigError, match="parallel.pp"):
         check_config(grpo_config(tmp_path, **{"parallel.pp": 2}))
     resolve(grpo_config(tmp_path, **{"parallel.dp_shard": 2}), 2)  # FSDP2: the engine runs on a synced copy
-    resolve(grpo_config(tmp_path, **{"parallel.tp": 2}), 2)  # TP: the engine runs tensor-parallel on the shards
+    resolve(
+        grpo_config(tmp_path, **{"parallel.tp": 2}), 2
+    )  # TP: the engine runs tensor-parallel on the shards
     resolve(grpo_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 1}), 2)  # DDP: fine
     with pytest.raises(ConfigError, match="grpo.warmup_steps"):
         check_config(grpo_config(tmp_path, **{"grpo.prompts": "x.jsonl", "grpo.warmup_steps": 2}))
@@ -226,9 +290,17 @@ def test_embedded_default_raises_the_accuracy(tmp_path):
     clear margin: at least a third of the warm-up's errors are gone."""
     from loom.config import build_config
 
-    cfg = build_config(str(ROOT / "recipes" / "grpo_debug.toml"), {
-        "run.dir": str(tmp_path / "run"), "training.steps": "160", "metrics.every": "1",
-        "metrics.progress": "false", "metrics.tensorboard": "false", "checkpoint.at_end": "false"})
+    cfg = build_config(
+        str(ROOT / "recipes" / "grpo_debug.toml"),
+        {
+            "run.dir": str(tmp_path / "run"),
+            "training.steps": "160",
+            "metrics.every": "1",
+            "metrics.progress": "false",
+            "metrics.tensorboard": "false",
+            "checkpoint.at_end": "false",
+        },
+    )
     records = Trainer(cfg, objective=GroupRelative(cfg)).fit()
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
     rewards = [round(r["reward"], 3) for r in records if "reward" in r]

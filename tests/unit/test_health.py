@@ -15,25 +15,55 @@ from loom.runtime.stragglers import find_stragglers, straggler_line, summarize
 
 def entry(seq: int, op: str, sizes=((4,),), group=("0", "default_pg"), state="completed") -> dict:
     """One collective as PyTorch's flight recorder dumps it."""
-    return {"record_id": seq, "pg_id": 0, "process_group": group, "collective_seq_id": seq, "p2p_seq_id": 0,
-            "op_id": seq, "profiling_name": f"nccl:{op}", "time_created_ns": seq,
-            "input_sizes": [list(s) for s in sizes],
-            "input_dtypes": ["Float"], "output_sizes": [list(s) for s in sizes], "output_dtypes": ["Float"],
-            "state": state, "retired": state == "completed", "timeout_ms": 5000, "is_p2p": False}
+    return {
+        "record_id": seq,
+        "pg_id": 0,
+        "process_group": group,
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "profiling_name": f"nccl:{op}",
+        "time_created_ns": seq,
+        "input_sizes": [list(s) for s in sizes],
+        "input_dtypes": ["Float"],
+        "output_sizes": [list(s) for s in sizes],
+        "output_dtypes": ["Float"],
+        "state": state,
+        "retired": state == "completed",
+        "timeout_ms": 5000,
+        "is_p2p": False,
+    }
 
 
 def dump(entries: list[dict], world: int) -> dict:
     last = max(e["collective_seq_id"] for e in entries)
     done = max((e["collective_seq_id"] for e in entries if e["state"] == "completed"), default=0)
-    return {"version": "2.10", "entries": entries,
-            "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}},
-            "pg_status": {"0": {"last_enqueued_collective": last, "last_started_collective": last,
-                                "last_completed_collective": done}}}
+    return {
+        "version": "2.10",
+        "entries": entries,
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}},
+        "pg_status": {
+            "0": {
+                "last_enqueued_collective": last,
+                "last_started_collective": last,
+                "last_completed_collective": done,
+            }
+        },
+    }
 
 
 def answers(dumps: dict[int, dict | None]) -> dict:
-    return {r: None if d is None else {"rank": r, "step": 7, "stack": ["loom/train/trainer.py:300 in train_step"],
-                                       "groups": summarize_dump(d)} for r, d in dumps.items()}
+    return {
+        r: None
+        if d is None
+        else {
+            "rank": r,
+            "step": 7,
+            "stack": ["loom/train/trainer.py:300 in train_step"],
+            "groups": summarize_dump(d),
+        }
+        for r, d in dumps.items()
+    }
 
 
 BEFORE = [entry(54, "all_gather", ((8,),)), entry(55, "broadcast")]
@@ -41,11 +71,19 @@ HUNG = BEFORE + [entry(56, "all_reduce", state="started")]
 
 
 def test_a_rank_that_never_joined_is_named_with_the_collective_and_what_the_others_did():
-    report = build_report(answers({0: dump(HUNG, 3), 1: dump(HUNG, 3), 2: dump(BEFORE, 3)}), 3, detected_by=[0, 1])
+    report = build_report(
+        answers({0: dump(HUNG, 3), 1: dump(HUNG, 3), 2: dump(BEFORE, 3)}), 3, detected_by=[0, 1]
+    )
     assert report.stuck == [2] and report.silent == []
     (f,) = report.findings
-    assert (f.desc, f.seq, f.op, f.waiting, f.behind, f.desync) == ("default_pg", 56, "all_reduce", [0, 1],
-                                                                       {2: "broadcast #55"}, False)
+    assert (f.desc, f.seq, f.op, f.waiting, f.behind, f.desync) == (
+        "default_pg",
+        56,
+        "all_reduce",
+        [0, 1],
+        {2: "broadcast #55"},
+        False,
+    )
     line = report.line()
     assert "rank 2 never joined all_reduce #56 on group default_pg" in line
     assert "ranks 0, 1 waited in" in line and "rank 2's last: broadcast #55" in line
@@ -56,7 +94,7 @@ def test_ranks_that_issued_another_collective_under_the_same_number_are_a_desync
     odd = BEFORE + [entry(56, "all_gather", ((8,),), state="started")]
     report = build_report(answers({0: dump(HUNG, 3), 1: dump(odd, 3), 2: dump(HUNG, 3)}), 3, detected_by=[0])
     (f,) = report.findings
-    assert f.desync and f.behind == {1: 'all_gather [[8]]'} and f.waiting == [0, 2]
+    assert f.desync and f.behind == {1: "all_gather [[8]]"} and f.waiting == [0, 2]
     assert report.stuck == [1]
     assert "rank 1 issued another collective than ranks 0, 2 at #56" in report.line()
 
@@ -83,14 +121,19 @@ def test_the_report_from_dump_files_as_nccl_writes_them(tmp_path):
     report = report_from_dumps(str(tmp_path))
     assert report.world == 4 and report.stuck == [1]
     assert report.findings[0].op == "all_reduce" and report.findings[0].waiting == [0, 2, 3]
-    assert report_from_dumps(str(tmp_path), since=os.path.getmtime(folder / "rank_3") + 10) is None  # older dumps
+    assert (
+        report_from_dumps(str(tmp_path), since=os.path.getmtime(folder / "rank_3") + 10) is None
+    )  # older dumps
 
 
 def test_summarize_keeps_each_groups_last_collectives_and_its_members():
     groups = summarize_dump(dump(HUNG + [entry(3, "all_reduce", group=("5", "mesh_tp"))], 2), last=2)
     assert sorted(groups) == ["0", "5"]
     assert groups["0"]["ranks"] == [0, 1] and groups["0"]["last_enqueued"] == 56
-    assert [(c["seq"], c["op"]) for c in groups["0"]["collectives"]] == [(55, "broadcast"), (56, "all_reduce")]
+    assert [(c["seq"], c["op"]) for c in groups["0"]["collectives"]] == [
+        (55, "broadcast"),
+        (56, "all_reduce"),
+    ]
     assert groups["5"]["desc"] == "mesh_tp" and groups["5"]["ranks"] is None
 
 
@@ -104,8 +147,12 @@ def test_process_env_turns_on_the_flight_recorder_and_nccl_dumps_into_the_run_di
 
 
 def test_gloo_and_monitored_barrier_errors_are_collective_failures():
-    assert is_collective_failure(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
-                                              "for recv operation to complete"))
+    assert is_collective_failure(
+        RuntimeError(
+            "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
+            "for recv operation to complete"
+        )
+    )
     assert is_collective_failure(RuntimeError("Rank 1 failed to pass monitoredBarrier in 5000 ms"))
     assert not is_collective_failure(RuntimeError("CUDA out of memory"))
     assert not is_collective_failure(ValueError("Timed out"))
@@ -127,13 +174,22 @@ def test_a_rank_whose_own_time_exceeds_the_median_by_the_fraction_is_a_straggler
     assert find_stragglers([1.0, 1.1, 1.5, 0.9], 0.2) == [2]  # median 1.05: 1.5 > 1.26
     assert find_stragglers([1.0, 1.1, 1.5, 0.9], 0.5) == []
     assert find_stragglers([1.0, 3.0], 0.0) == []  # 0 = off
-    per_rank = {"step_time": [2.0, 2.0], "data_wait": [0.0, 1.0], "comm_time": [None, None],
-                "own_time": [0.5, 1.5]}
+    per_rank = {
+        "step_time": [2.0, 2.0],
+        "data_wait": [0.0, 1.0],
+        "comm_time": [None, None],
+        "own_time": [0.5, 1.5],
+    }
     fields = summarize(per_rank, 0.2)
-    assert fields["straggler_ranks"] == [1] and fields["own_time_median"] == 1.0 and fields["own_time_max"] == 1.5
+    assert (
+        fields["straggler_ranks"] == [1]
+        and fields["own_time_median"] == 1.0
+        and fields["own_time_max"] == 1.5
+    )
     assert fields["comm_time_median"] is None
-    assert straggler_line(10, per_rank, [1]).startswith("straggler at step 10: rank 1 1.500 s/step of its own vs "
-                                                         "median 1.000 s (+50%; data wait 1.000 s)")
+    assert straggler_line(10, per_rank, [1]).startswith(
+        "straggler at step 10: rank 1 1.500 s/step of its own vs median 1.000 s (+50%; data wait 1.000 s)"
+    )
 
 
 def test_the_ranks_a_monitored_barrier_missed_are_named_with_where_they_are():
@@ -143,17 +199,23 @@ def test_the_ranks_a_monitored_barrier_missed_are_named_with_where_they_are():
     report = build_report(waited, 3, detected_by=[0])
     f = report.findings[0]
     assert (f.op, f.desc, f.waiting) == ("monitored barrier", "checkpoint", [0])
-    assert f.behind == {1: "loom/train/trainer.py:300 in train_step",
-                        2: "tests/faults/ranks.py:90 in save, called from loom/checkpoint/manager.py:340 in save"}
+    assert f.behind == {
+        1: "loom/train/trainer.py:300 in train_step",
+        2: "tests/faults/ranks.py:90 in save, called from loom/checkpoint/manager.py:340 in save",
+    }
     assert report.stuck == [1, 2]
-    assert report.line().startswith("collective timeout: ranks 1, 2 never reached the monitored barrier (checkpoint) "
-                                    "that rank 0 waited at")
+    assert report.line().startswith(
+        "collective timeout: ranks 1, 2 never reached the monitored barrier (checkpoint) "
+        "that rank 0 waited at"
+    )
 
 
 def test_point_to_point_ops_are_listed_apart_from_the_collectives():
     send = {**entry(1, "send", group=("7", "pp")), "is_p2p": True, "p2p_seq_id": 3, "collective_seq_id": 0}
     groups = summarize_dump(dump(HUNG + [send], 2))
-    assert [(c["seq"], c["op"]) for c in groups["7"]["p2p"]] == [(3, "send")] and groups["7"]["collectives"] == []
+    assert [(c["seq"], c["op"]) for c in groups["7"]["p2p"]] == [(3, "send")] and groups["7"][
+        "collectives"
+    ] == []
     assert groups["0"]["p2p"] == [] and groups["0"]["collectives"][-1]["seq"] == 56
     report = build_report(answers({0: dump(HUNG + [send], 2), 1: dump(BEFORE, 2)}), 2)
     assert report.stuck == [1] and "point-to-point: #3 send" in report.text()
@@ -184,8 +246,13 @@ def test_distributed_debug_sets_torch_distributed_debug(monkeypatch, tmp_path):
     before = dist.get_debug_level()
     try:
         prepare_process(str(tmp_path), "cpu", "DETAIL")
-        assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and os.environ["TORCH_FR_BUFFER_SIZE"] == "20000"
-        assert dist.get_debug_level() == dist.DebugLevel.DETAIL  # torch.distributed read the variable at import
+        assert (
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+            and os.environ["TORCH_FR_BUFFER_SIZE"] == "20000"
+        )
+        assert (
+            dist.get_debug_level() == dist.DebugLevel.DETAIL
+        )  # torch.distributed read the variable at import
     finally:
         monkeypatch.undo()
         dist.set_debug_level(before)

@@ -26,12 +26,29 @@ from loom.models.llama import Llama  # noqa: E402
 from tests.tiny import tiny_args  # noqa: E402
 
 VOCAB = 384
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 # compared after the save: what a reader of the folder sees
-CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
-                 "tie_word_embeddings", "rope_parameters", "dtype", "architectures")
+CONFIG_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "dtype",
+    "architectures",
+)
 
 
 def random_hf_llama(tied: bool, seed: int = 0):
@@ -39,9 +56,18 @@ def random_hf_llama(tied: bool, seed: int = 0):
     norms moved off 1) so that a wrong tensor or RoPE detail shows up far above the tolerance."""
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=VOCAB, rope_theta=10000.0, rope_scaling=dict(LLAMA3), tie_word_embeddings=tied,
-        max_position_embeddings=256, rms_norm_eps=1e-5)
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        rope_theta=10000.0,
+        rope_scaling=dict(LLAMA3),
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -70,6 +96,7 @@ def loom_from_hf(folder: str, **overrides) -> Llama:
 
 
 # ---- logits ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("max_seq_len", [None, 100], ids=["table-from-config", "table-exactly-seq"])
@@ -110,6 +137,7 @@ def test_wrong_vocabulary_names_the_tensor(tmp_path):
 
 # ---- round trips -------------------------------------------------------------------------------
 
+
 def assert_same_folder(a: str, b: str, fields=CONFIG_FIELDS) -> None:
     """Bitwise-equal tensors under the same names, and configs that transformers reads the same way."""
     ta, tb = read_all(a), read_all(b)
@@ -122,7 +150,9 @@ def assert_same_folder(a: str, b: str, fields=CONFIG_FIELDS) -> None:
     assert llama_args_from_hf(a) == llama_args_from_hf(b)
 
 
-@pytest.mark.parametrize("tied,shard", [(True, None), (False, "20KB")], ids=["tied-single-file", "untied-sharded"])
+@pytest.mark.parametrize(
+    "tied,shard", [(True, None), (False, "20KB")], ids=["tied-single-file", "untied-sharded"]
+)
 def test_round_trip_through_cli(tmp_path, tied, shard, capsys):
     hf = random_hf_llama(tied)
     src = save_hf(hf, tmp_path / "hf", shard)
@@ -173,14 +203,16 @@ def test_export_shards_by_size_and_indexes_every_tensor(tmp_path):
 
 # ---- training from a Hugging Face folder -------------------------------------------------------
 
+
 def hf_loss(hf, micro_batches) -> float:
     """The trainer's loss definition (token-mean over the step) computed with transformers."""
     total, count = 0.0, 0
     with torch.no_grad():
         for mb in micro_batches:
             logits = hf(mb.inputs).logits  # (B, S, V)
-            total += F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), ignore_index=-100,
-                                     reduction="sum").item()
+            total += F.cross_entropy(
+                logits.flatten(0, 1), mb.labels.flatten(), ignore_index=-100, reduction="sum"
+            ).item()
             count += int((mb.labels != -100).sum())
     return total / count
 
@@ -193,10 +225,21 @@ def train_from_hf(tmp_path, src: str):
 
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox {i * 7 % 13} jumps\n" for i in range(600)))
-    cfg, _ = load_config(tiny_args(tmp_path / "run", **{
-        "run.device": "cpu", "model.init_from": src, "data.source": str(text), "training.steps": 2,
-        "training.global_batch_size": 4, "optimizer.warmup_steps": 0, "metrics.progress": "false",
-        "checkpoint.at_end": None}))
+    cfg, _ = load_config(
+        tiny_args(
+            tmp_path / "run",
+            **{
+                "run.device": "cpu",
+                "model.init_from": src,
+                "data.source": str(text),
+                "training.steps": 2,
+                "training.global_batch_size": 4,
+                "optimizer.warmup_steps": 0,
+                "metrics.progress": "false",
+                "checkpoint.at_end": None,
+            },
+        )
+    )
     trainer = Trainer(cfg)
     state = trainer.loader.state_dict()
     first = trainer.loader.next_step().micro_batches  # peek at step 1's batch, then rewind
@@ -218,7 +261,9 @@ def test_training_starts_from_hf_weights_and_exports_back(tmp_path, capsys):
     assert loom_main(["convert", "--from", ckpt, "--to-hf", out]) == 0
     exported = read_all(out)
     trained = trainer.parts[0].state_dict()
-    assert torch.equal(exported["model.layers.0.self_attn.k_proj.weight"], trained["layers.0.attention.wk.weight"])
+    assert torch.equal(
+        exported["model.layers.0.self_attn.k_proj.weight"], trained["layers.0.attention.wk.weight"]
+    )
     assert torch.equal(exported["lm_head.weight"], trained["output.weight"])
     assert llama_args_from_hf(out) == llama_args_from_hf(src)
 
@@ -233,8 +278,18 @@ def test_training_starts_from_an_imported_checkpoint(tmp_path):
     assert trainer.model_args.n_layers == 2 and trainer.model_args.vocab_size == VOCAB
     assert records[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
     out = str(tmp_path / "out")
-    assert loom_main(["convert", "--from", os.path.join(tmp_path, "run", "checkpoints", "step_00000002"),
-                      "--to-hf", out]) == 0
+    assert (
+        loom_main(
+            [
+                "convert",
+                "--from",
+                os.path.join(tmp_path, "run", "checkpoints", "step_00000002"),
+                "--to-hf",
+                out,
+            ]
+        )
+        == 0
+    )
     assert llama_args_from_hf(out) == llama_args_from_hf(ckpt)
 
 
@@ -250,29 +305,49 @@ def test_an_imported_checkpoint_names_the_command_that_trains_from_it(tmp_path, 
         loom_main(["train", *tiny_args(tmp_path / "run"), "--checkpoint.resume", ckpt])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
-    assert f"checkpoint.resume {ckpt}: a weights-only checkpoint" in err and f"--model.init_from {ckpt}," in err
-    cfg = build_config(os.path.join(ckpt, "config.toml"), {"training.steps": "2"})  # the default warmup shrinks
+    assert (
+        f"checkpoint.resume {ckpt}: a weights-only checkpoint" in err and f"--model.init_from {ckpt}," in err
+    )
+    cfg = build_config(
+        os.path.join(ckpt, "config.toml"), {"training.steps": "2"}
+    )  # the default warmup shrinks
     assert (cfg.model.init_from, cfg.model.vocab_size, cfg.optimizer.warmup_steps) == (ckpt, VOCAB, 0)
     with pytest.raises(ConfigError, match="model.tie_embeddings"):  # a tied checkpoint has no head of its own
-        load_hf_weights(Llama(llama_args_from_hf(ckpt).with_(tie_embeddings=True)), save_hf(
-            random_hf_llama(tied=False), tmp_path / "untied"))
+        load_hf_weights(
+            Llama(llama_args_from_hf(ckpt).with_(tie_embeddings=True)),
+            save_hf(random_hf_llama(tied=False), tmp_path / "untied"),
+        )
     model = Llama(llama_args_from_hf(ckpt).with_(n_layers=1))
     with pytest.raises(ConfigError, match="holds tensors with no place in this model: layers.1"):
         load_hf_weights(model, ckpt)
-    trainer_folder = save_hf(random_hf_llama(tied=True), tmp_path / "checkpoint-500")  # transformers' Trainer's
+    trainer_folder = save_hf(
+        random_hf_llama(tied=True), tmp_path / "checkpoint-500"
+    )  # transformers' Trainer's
     (tmp_path / "checkpoint-500" / "trainer_state.json").write_text("{}")
-    assert llama_args_from_hf(trainer_folder) == llama_args_from_hf(ckpt)  # a Hugging Face folder all the same
+    assert llama_args_from_hf(trainer_folder) == llama_args_from_hf(
+        ckpt
+    )  # a Hugging Face folder all the same
 
 
 # ---- Mixtral (loom's mixture of experts) -------------------------------------------------------
+
 
 def random_hf_mixtral(seed: int = 0):
     """A small MixtralForCausalLM (4 experts, top 2), weights widened as for the Llama above."""
     torch.manual_seed(seed)
     cfg = transformers.MixtralConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=256,
-        rms_norm_eps=1e-5, tie_word_embeddings=False)
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     model = transformers.MixtralForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -287,8 +362,10 @@ def test_mixtral_logits_match_transformers(tmp_path):
     assert (args.moe_experts, args.moe_top_k, args.expert_ffn_dim) == (4, 2, 96)
     model = loom_from_hf(folder)
     stored = read_all(folder)  # one (H, E) tensor per expert, loom stacks them transposed
-    assert torch.equal(model.layers["1"].feed_forward.experts.w1[2],
-                       stored["model.layers.1.block_sparse_moe.experts.2.w1.weight"].T)
+    assert torch.equal(
+        model.layers["1"].feed_forward.experts.w1[2],
+        stored["model.layers.1.block_sparse_moe.experts.2.w1.weight"].T,
+    )
     tokens = torch.randint(0, VOCAB, (2, 50), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits  # (B, S, V)
@@ -303,7 +380,10 @@ def test_mixtral_round_trip_through_cli(tmp_path):
     assert loom_main(["convert", "--from-hf", src, "--to", ckpt]) == 0
     assert loom_main(["convert", "--from", ckpt, "--to-hf", out, "--max-shard-size", "40KB"]) == 0
     # transformers' Mixtral leaves head_dim null (hidden / heads); loom writes the value: same model
-    mixtral_fields = [f for f in CONFIG_FIELDS if f != "head_dim"] + ["num_local_experts", "num_experts_per_tok"]
+    mixtral_fields = [f for f in CONFIG_FIELDS if f != "head_dim"] + [
+        "num_local_experts",
+        "num_experts_per_tok",
+    ]
     assert_same_folder(src, out, mixtral_fields)
     back = transformers.MixtralForCausalLM.from_pretrained(out).eval()
     tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
@@ -325,10 +405,14 @@ def test_training_starts_from_mixtral_weights_and_exports_back(tmp_path):
     out = str(tmp_path / "out")
     assert loom_main(["convert", "--from", ckpt, "--to-hf", out]) == 0
     exported, trained = read_all(out), trainer.parts[0].state_dict()
-    assert torch.equal(exported["model.layers.1.block_sparse_moe.experts.3.w2.weight"],
-                       trained["layers.1.feed_forward.experts.w2"][3].T)
-    assert torch.equal(exported["model.layers.0.block_sparse_moe.gate.weight"],
-                       trained["layers.0.feed_forward.router.gate.weight"])
+    assert torch.equal(
+        exported["model.layers.1.block_sparse_moe.experts.3.w2.weight"],
+        trained["layers.1.feed_forward.experts.w2"][3].T,
+    )
+    assert torch.equal(
+        exported["model.layers.0.block_sparse_moe.gate.weight"],
+        trained["layers.0.feed_forward.router.gate.weight"],
+    )
     assert llama_args_from_hf(out) == llama_args_from_hf(src)
 
 
@@ -350,6 +434,7 @@ def test_mixtral_folder_errors(tmp_path):
 
 
 # ---- user errors -------------------------------------------------------------------------------
+
 
 def write_config(folder, cfg: dict) -> str:
     os.makedirs(folder, exist_ok=True)
@@ -414,4 +499,6 @@ def test_export_with_the_wrong_flavor_names_the_mismatch(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         loom_main(["convert", "--from", ckpt, "--to-hf", str(tmp_path / "out"), "--flavor", "125M"])
     assert exit_info.value.code == 2
-    assert "tok_embeddings.weight has shape [384, 64] but the config gives [384, 768]" in capsys.readouterr().err
+    assert (
+        "tok_embeddings.weight has shape [384, 64] but the config gives [384, 768]" in capsys.readouterr().err
+    )

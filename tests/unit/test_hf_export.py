@@ -23,8 +23,14 @@ from tests.unit.test_hf import random_hf_llama, save_hf  # noqa: E402
 from tests.unit.test_run_dir import TEMPLATE, tokenizer_folder, train  # noqa: E402
 
 TEXT = "déjà vu: 3 < 4 && x != y\n\tthe quick brown fox 🙂"
-FOLDER_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "special_tokens_map.json"}
+FOLDER_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+}
 
 
 def export(tmp_path, ckpt: str) -> str:
@@ -71,12 +77,18 @@ def test_a_byte_run_exports_a_folder_transformers_loads(tmp_path, monkeypatch):
     loom_template = load_template("", loom)
     assert tok.chat_template == BUILTIN_TEMPLATE
     assert tok.apply_chat_template(chat, tokenize=False) == loom_template.render(chat)
-    assert tok.apply_chat_template(chat, return_dict=False) == ChatEncoder(loom_template, loom).encode(chat)[0]
+    assert (
+        tok.apply_chat_template(chat, return_dict=False) == ChatEncoder(loom_template, loom).encode(chat)[0]
+    )
     exported = load_template("", HFTokenizer(os.path.join(out, "tokenizer.json")))
     assert exported.source == BUILTIN_TEMPLATE and exported.render(chat) == loom_template.render(chat)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (256, 257, 258)
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (
+        256,
+        257,
+        258,
+    )
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (257, 258)
     tokens = torch.tensor([loom.encode("def main():\n    return 0")])  # (1, S)
     ours = trainer.parts[0].eval()
@@ -84,7 +96,9 @@ def test_a_byte_run_exports_a_folder_transformers_loads(tmp_path, monkeypatch):
         assert (model(tokens).logits - ours(tokens)).abs().max() < 1e-4
     generates(model, loom.encode("def "))
     with pytest.raises(SystemExit):  # the folder holds a model now: not written over
-        loom_main(["convert", "--from", str(tmp_path / "run" / "checkpoints" / "step_00000002"), "--to-hf", out])
+        loom_main(
+            ["convert", "--from", str(tmp_path / "run" / "checkpoints" / "step_00000002"), "--to-hf", out]
+        )
 
 
 def test_a_tokenizer_folder_run_exports_its_tokenizer_and_chat_template(tmp_path, monkeypatch):
@@ -98,8 +112,10 @@ def test_a_tokenizer_folder_run_exports_its_tokenizer_and_chat_template(tmp_path
     assert tok(TEXT, add_special_tokens=False).input_ids == loom.encode(TEXT)
     assert tok.chat_template == TEMPLATE
     chat = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        "<|begin_of_text|>user\nhi<|eot_id|><|begin_of_text|>assistant\n"
+    assert (
+        tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        == "<|begin_of_text|>user\nhi<|eot_id|><|begin_of_text|>assistant\n"
+    )
 
     # config.json: loom's end of document; generation also stops at the end of a chat turn the source names
     assert read_json(out, "config.json")["eos_token_id"] == 1

@@ -18,25 +18,56 @@ from loom.checkpoint.hf.reader import llama_args_from_hf  # noqa: E402
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config.errors import ConfigError, UserError  # noqa: E402
 from tests.unit.test_hf import (  # noqa: E402
-    CONFIG_FIELDS, VOCAB, assert_same_folder, hf_loss, loom_from_hf, read_all, save_hf, train_from_hf, write_config)
+    CONFIG_FIELDS,
+    VOCAB,
+    assert_same_folder,
+    hf_loss,
+    loom_from_hf,
+    read_all,
+    save_hf,
+    train_from_hf,
+    write_config,
+)
 
 WINDOW = 8  # Mistral's window in these tests: shorter than every test sequence
-_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-              vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5)
+_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 # family -> (config class, model class, config overrides)
 FAMILIES = {
     "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=False)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6, sliding_window=WINDOW,
-                                                            tie_word_embeddings=False)),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(rope_theta=1e6, sliding_window=WINDOW, tie_word_embeddings=False),
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=24, tie_word_embeddings=False)),
-    "qwen3-tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=24, tie_word_embeddings=True)),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(rope_theta=1e6, head_dim=24, tie_word_embeddings=False),
+    ),
+    "qwen3-tied": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(rope_theta=1e6, head_dim=24, tie_word_embeddings=True),
+    ),
 }
 # what each family's config.json says beyond CONFIG_FIELDS (Qwen2's config has no head_dim: hidden / heads)
-EXTRA_FIELDS = {"llama2": ("model_type",), "mistral": ("model_type", "sliding_window"),
-                "qwen2": ("model_type", "use_sliding_window", "sliding_window", "layer_types"),
-                "qwen3": ("model_type", "use_sliding_window", "sliding_window", "layer_types", "attention_bias"),
-                "qwen3-tied": ("model_type", "layer_types")}
+EXTRA_FIELDS = {
+    "llama2": ("model_type",),
+    "mistral": ("model_type", "sliding_window"),
+    "qwen2": ("model_type", "use_sliding_window", "sliding_window", "layer_types"),
+    "qwen3": ("model_type", "use_sliding_window", "sliding_window", "layer_types", "attention_bias"),
+    "qwen3-tied": ("model_type", "layer_types"),
+}
 
 
 def random_hf(family: str, seed: int = 0, **overrides):
@@ -58,18 +89,28 @@ def tokens_of(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
 
 # ---- config mapping ----------------------------------------------------------------------------
 
+
 def test_each_family_maps_to_its_switches(tmp_path):
-    expect = {"llama2": (False, False, 0, 16), "mistral": (False, False, WINDOW, 16), "qwen2": (True, False, 0, 16),
-              "qwen3": (False, True, 0, 24)}
+    expect = {
+        "llama2": (False, False, 0, 16),
+        "mistral": (False, False, WINDOW, 16),
+        "qwen2": (True, False, 0, 16),
+        "qwen3": (False, True, 0, 24),
+    }
     for family, (bias, qk_norm, window, head_dim) in expect.items():
         args = llama_args_from_hf(save_hf(random_hf(family), tmp_path / family))
-        assert (args.attention_bias, args.qk_norm, args.sliding_window, args.head_dim) == \
-            (bias, qk_norm, window, head_dim), family
+        assert (args.attention_bias, args.qk_norm, args.sliding_window, args.head_dim) == (
+            bias,
+            qk_norm,
+            window,
+            head_dim,
+        ), family
         assert args.rope_scaling is None and args.rope_theta == FAMILIES[family][2]["rope_theta"]
     assert llama_args_from_hf(save_hf(random_hf("qwen2"), tmp_path / "q2")).tie_embeddings
 
 
 # ---- logits ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_transformers(tmp_path, family):
@@ -93,7 +134,9 @@ def test_mistral_window_matters(tmp_path):
     with torch.no_grad():
         full = loom_from_hf(folder, sliding_window=0)(tokens)
         assert (full - hf(tokens).logits)[:, WINDOW:].abs().max() > 1e-2
-        assert (full - hf(tokens).logits)[:, :WINDOW].abs().max() < 1e-4  # the first window sees the same keys
+        assert (full - hf(tokens).logits)[
+            :, :WINDOW
+        ].abs().max() < 1e-4  # the first window sees the same keys
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flash"])
@@ -109,10 +152,11 @@ def test_packed_documents_with_a_window_match_each_document_alone(tmp_path, back
         ours = model(tokens, positions)  # (1, S, V)
         for doc, start in zip(tokens.split(lengths, dim=1), torch.tensor([0, *lengths]).cumsum(0)):
             theirs = hf(doc).logits  # (1, n, V)
-            assert (ours[:, start:start + doc.shape[1]] - theirs).abs().max() < 1e-4
+            assert (ours[:, start : start + doc.shape[1]] - theirs).abs().max() < 1e-4
 
 
 # ---- round trips -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_gives_the_folder_back(tmp_path, family):
@@ -123,7 +167,9 @@ def test_export_gives_the_folder_back(tmp_path, family):
     model = loom_from_hf(src)
     out = str(tmp_path / "out")
     export_hf(model.state_dict(), model.args, out)
-    fields = [f for f in CONFIG_FIELDS if not (family == "qwen2" and f == "head_dim")] + list(EXTRA_FIELDS[family])
+    fields = [f for f in CONFIG_FIELDS if not (family == "qwen2" and f == "head_dim")] + list(
+        EXTRA_FIELDS[family]
+    )
     assert_same_folder(src, out, fields)
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back) is type(hf)
@@ -165,21 +211,33 @@ def test_qwen_with_a_window_in_every_layer_round_trips(tmp_path):
     with torch.no_grad():
         assert (model(tokens) - hf(tokens).logits).abs().max() < 1e-4
     export_hf(model.state_dict(), model.args, str(tmp_path / "out"))
-    assert_same_folder(src, str(tmp_path / "out"), [f for f in CONFIG_FIELDS if f != "head_dim"]
-                       + list(EXTRA_FIELDS["qwen2"]) + ["max_window_layers"])
+    assert_same_folder(
+        src,
+        str(tmp_path / "out"),
+        [f for f in CONFIG_FIELDS if f != "head_dim"] + list(EXTRA_FIELDS["qwen2"]) + ["max_window_layers"],
+    )
 
 
 # ---- what loom does not hold -------------------------------------------------------------------
 
+
 def test_unsupported_family_variants_are_config_errors(tmp_path):
     cfg = random_hf("qwen2").config.to_dict()
-    mixed = {**cfg, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 1, "layer_types": None}
+    mixed = {
+        **cfg,
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "max_window_layers": 1,
+        "layer_types": None,
+    }
     with pytest.raises(ConfigError, match="sliding window in some layers only"):
         llama_args_from_hf(write_config(tmp_path / "mixed", mixed))
     qwen3 = {**random_hf("qwen3").config.to_dict(), "attention_bias": True}
     with pytest.raises(ConfigError, match="attention_bias = true is not supported for qwen3"):
         llama_args_from_hf(write_config(tmp_path / "bias", qwen3))
-    with pytest.raises(ConfigError, match="architecture Gemma2ForCausalLM is not supported.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        ConfigError, match="architecture Gemma2ForCausalLM is not supported.*Qwen3ForCausalLM"
+    ):
         llama_args_from_hf(write_config(tmp_path / "gemma", {"architectures": ["Gemma2ForCausalLM"]}))
 
 
@@ -196,8 +254,12 @@ def test_sliding_window_reaches_the_model_and_refuses_context_parallelism(tmp_pa
     assert args.sliding_window == 16
     src = save_hf(random_hf("mistral"), tmp_path / "hf")
     assert resolve_model_args(build_config(None, {"model.init_from": src}), tok).sliding_window == WINDOW
-    assert resolve_model_args(build_config(None, {"model.init_from": src, "model.sliding_window": "32"}),
-                              tok).sliding_window == 32
+    assert (
+        resolve_model_args(
+            build_config(None, {"model.init_from": src, "model.sliding_window": "32"}), tok
+        ).sliding_window
+        == 32
+    )
     cp = build_config(None, {"parallel.cp": "2", "parallel.dp_shard": "1"})
     with pytest.raises(ConfigError, match="parallel.cp.*sliding window"):
         check_model(ParallelDims.from_config(cp.parallel, 2), args, cp.parallel)
@@ -217,11 +279,15 @@ def test_auto_attention_takes_loom_kernel_for_a_window_untimed(tmp_path):
         assert model_kernels(cfg, "cuda", triton=True).attention == "flash"
         assert model_kernels(cfg, "cpu").attention == "sdpa"
     assert model_kernels(build_config(None, {}), "cuda", triton=True).attention == "sdpa"
-    assert not times_attention(resolve(build_config(None, {"model.sliding_window": "16"}), 1, device="cpu",
-                                       tokenizer=ByteTokenizer()))
+    assert not times_attention(
+        resolve(
+            build_config(None, {"model.sliding_window": "16"}), 1, device="cpu", tokenizer=ByteTokenizer()
+        )
+    )
 
 
 # ---- training ----------------------------------------------------------------------------------
+
 
 def test_training_starts_from_a_mistral_folder_and_exports_back(tmp_path):
     """model.init_from a Mistral folder whose window (8) is shorter than the run's sequences (32): the first loss is
@@ -233,12 +299,24 @@ def test_training_starts_from_a_mistral_folder_and_exports_back(tmp_path):
     assert records[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
     assert records[1]["loss"] != records[0]["loss"]
     out = str(tmp_path / "out")
-    assert loom_main(["convert", "--from", os.path.join(tmp_path, "run", "checkpoints", "step_00000002"),
-                      "--to-hf", out]) == 0
+    assert (
+        loom_main(
+            [
+                "convert",
+                "--from",
+                os.path.join(tmp_path, "run", "checkpoints", "step_00000002"),
+                "--to-hf",
+                out,
+            ]
+        )
+        == 0
+    )
     assert llama_args_from_hf(out) == llama_args_from_hf(src)
     assert transformers.AutoConfig.from_pretrained(out).sliding_window == WINDOW
-    assert torch.equal(read_all(out)["model.layers.1.self_attn.q_proj.weight"],
-                       trainer.parts[0].state_dict()["layers.1.attention.wq.weight"])
+    assert torch.equal(
+        read_all(out)["model.layers.1.self_attn.q_proj.weight"],
+        trainer.parts[0].state_dict()["layers.1.attention.wq.weight"],
+    )
 
 
 def test_planner_counts_biases_and_q_k_norms():
@@ -247,7 +325,11 @@ def test_planner_counts_biases_and_q_k_norms():
     from loom.models.llama import FLAVORS, Llama
     from loom.plan.shapes import rank_shares
 
-    for kw in (dict(attention_bias=True), dict(qk_norm=True, head_dim=24), dict(attention_bias=True, moe_experts=4)):
+    for kw in (
+        dict(attention_bias=True),
+        dict(qk_norm=True, head_dim=24),
+        dict(attention_bias=True, moe_experts=4),
+    ):
         args = FLAVORS["debug"].with_(vocab_size=VOCAB, **kw)
         with torch.device("meta"):
             total = sum(p.numel() for p in Llama(args).parameters())

@@ -38,14 +38,19 @@ def test_packed_model_computes_the_same_logits(bias):
         model.load_state_dict(other.state_dict())  # writes into the views: the packed tensor follows
         torch.testing.assert_close(model(tokens), other(tokens), atol=1e-5, rtol=1e-5)
     unpack(model)
-    assert all(type(m) is nn.Linear for m in (attn.wq, attn.wk, attn.wv)) and "packed_weight" not in attn.wq._buffers
+    assert (
+        all(type(m) is nn.Linear for m in (attn.wq, attn.wk, attn.wv))
+        and "packed_weight" not in attn.wq._buffers
+    )
 
 
 def test_packed_generation_gives_the_same_tokens():
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     target = tiny_model(0)
-    expected = [o.token_ids for o in Generator.from_model(copy.deepcopy(target), compile=False).generate_ids(
-        PROMPTS, params)]
+    expected = [
+        o.token_ids
+        for o in Generator.from_model(copy.deepcopy(target), compile=False).generate_ids(PROMPTS, params)
+    ]
     gen = Generator.from_model(target, compile=False, pack=True)
     assert type(target.layers["0"].feed_forward.w1) is PackedLinear
     assert [o.token_ids for o in gen.generate_ids(PROMPTS, params)] == expected

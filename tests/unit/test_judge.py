@@ -20,7 +20,11 @@ from loom.config.sections import GrpoConfig  # noqa: E402
 from loom.rl.judge import Judge, Template  # noqa: E402
 
 TEMPLATE = "Question: {prompt}\nAnswer: {completion}\nExpected: {answer}\nScore:"
-ROWS = (["2+2=", "Paris is", "def add("], ["4", "the capital", "return a + b"], {"answer": ["4", "Paris", "a+b"]})
+ROWS = (
+    ["2+2=", "Paris is", "def add("],
+    ["4", "the capital", "return a + b"],
+    {"answer": ["4", "Paris", "a+b"]},
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +75,15 @@ def test_number_scores_equal_a_direct_generation(folder, digits_folder):
         Judge(section(path, judge_pattern=pattern))
     judge = Judge(section(path, judge_pattern=r"(\d)", judge_range="0,5", judge_max_new_tokens=4))
     scores = judge(*ROWS[:2], completion_ids=None, **ROWS[2])
-    texts = [TEMPLATE.format(prompt=p, completion=c, answer=a) for p, c, a in zip(*ROWS[:2], ROWS[2]["answer"])]
+    texts = [
+        TEMPLATE.format(prompt=p, completion=c, answer=a) for p, c, a in zip(*ROWS[:2], ROWS[2]["answer"])
+    ]
     outs = Generator(path, compile=False, tp=False).generate(texts, max_new_tokens=4, temperature=0.0)
     assert all(re.fullmatch("[73]{4}", o.text) for o in outs), [o.text for o in outs]
-    assert scores == [min(float(o.text[0]), 5.0) for o in outs] and set(scores) == {3.0, 5.0}  # 7 clipped to 5
+    assert scores == [min(float(o.text[0]), 5.0) for o in outs] and set(scores) == {
+        3.0,
+        5.0,
+    }  # 7 clipped to 5
     assert judge.unparsed == 0.0
     mute = Judge(section(path, judge_pattern=r"Score: (\d)"))  # never in its output: the fallback, counted
     assert mute(*ROWS[:2], **ROWS[2]) == [0.0, 0.0, 0.0] and mute.unparsed == 1.0
@@ -108,8 +117,14 @@ def test_templates(tmp_path, folder):
     jinja = tmp_path / "judge.jinja"
     jinja.write_text("{{ prompt }}|{{ completion | upper }}|{{ answer }}")
     assert Template(str(jinja)).render(prompt="a", completion="b", answer="c") == "a|B|c"
-    for bad, match in (("{prompt} {unknown}", "no 'unknown'"), ("{{ prompt }} {{ unknown }}", "unknown"),
-                       ("{{ prompt ", "parses"), ("{0}", "named fields"), ("{prompt", "str.format"), ("", "template")):
+    for bad, match in (
+        ("{prompt} {unknown}", "no 'unknown'"),
+        ("{{ prompt }} {{ unknown }}", "unknown"),
+        ("{{ prompt ", "parses"),
+        ("{0}", "named fields"),
+        ("{prompt", "str.format"),
+        ("", "template"),
+    ):
         with pytest.raises(ConfigError, match="grpo.judge_template") as err:
             Judge(section(path, judge_template=bad))(["p"], ["c"])
         assert match in str(err.value) and "\n" not in str(err.value)
@@ -126,8 +141,12 @@ def test_config_rules(tmp_path):
     with pytest.raises(ConfigError, match="grpo.judge_weight"):
         check_config(grpo_config(tmp_path, **{"grpo.judge_weight": 2.0}))  # no judge
     with pytest.raises(ConfigError, match="grpo.judge_score"):
-        check_config(grpo_config(tmp_path, **{"grpo.judge": "j", "grpo.judge_template": "{prompt}",
-                                              "grpo.judge_score": "stars"}))
+        check_config(
+            grpo_config(
+                tmp_path,
+                **{"grpo.judge": "j", "grpo.judge_template": "{prompt}", "grpo.judge_score": "stars"},
+            )
+        )
 
 
 @pytest.mark.parametrize("objective", ["grpo", "ppo"])
@@ -139,12 +158,24 @@ def test_rollouts_log_the_judge_beside_the_rewards(tmp_path, folder, objective):
     from tests.unit.test_grpo_train import grpo_config
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)))
-    cfg = grpo_config(tmp_path, **{"training.objective": objective, "grpo.prompts": str(prompts),
-                                   "grpo.warmup_steps": 0, "training.steps": 1,
-                                   "grpo.rewards": "loom.rl.arithmetic:exact_answer", "grpo.judge": folder[0],
-                                   "grpo.judge_template": TEMPLATE, "grpo.judge_score": "yes_no",
-                                   "grpo.judge_tokens": "Y,N", "grpo.judge_weight": 0.5})
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5))
+    )
+    cfg = grpo_config(
+        tmp_path,
+        **{
+            "training.objective": objective,
+            "grpo.prompts": str(prompts),
+            "grpo.warmup_steps": 0,
+            "training.steps": 1,
+            "grpo.rewards": "loom.rl.arithmetic:exact_answer",
+            "grpo.judge": folder[0],
+            "grpo.judge_template": TEMPLATE,
+            "grpo.judge_score": "yes_no",
+            "grpo.judge_tokens": "Y,N",
+            "grpo.judge_weight": 0.5,
+        },
+    )
     trainer = Trainer(cfg, objective=(GroupRelative if objective == "grpo" else ProximalPolicy)(cfg))
     (record,) = trainer.fit()
     names = ("exact_answer", "judge")

@@ -54,7 +54,11 @@ def test_grad_factor_scales_the_gradient():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_factor_that_is_not_finite_skips_the_step(bad):
     gen = torch.Generator().manual_seed(1)
-    p, m, v = torch.randn(6, 4, generator=gen), torch.randn(6, 4, generator=gen), torch.rand(6, 4, generator=gen)
+    p, m, v = (
+        torch.randn(6, 4, generator=gen),
+        torch.randn(6, 4, generator=gen),
+        torch.rand(6, 4, generator=gen),
+    )
     before = [p.clone(), m.clone(), v.clone()]
     g = torch.full((6, 4), float("nan"))
     adamw_step_(p, g, m, v, step=2, grad_factor=torch.tensor([bad]), **HYPER)
@@ -66,9 +70,14 @@ def test_opcheck():
     from torch.library import opcheck
 
     p, g = torch.randn(4, 3), torch.randn(4, 3)
-    opcheck(torch.ops.loom.adamw_step_, (p, g, torch.zeros(4, 3), torch.rand(4, 3), torch.tensor([0.5]),
-                                         0.01, 0.9, 0.95, 1e-8, 0.1, 3))
-    opcheck(torch.ops.loom.adamw_step_, (p, g, torch.zeros(4, 3), torch.rand(4, 3), None, 0.01, 0.9, 0.95, 1e-8, 0.0, 1))
+    opcheck(
+        torch.ops.loom.adamw_step_,
+        (p, g, torch.zeros(4, 3), torch.rand(4, 3), torch.tensor([0.5]), 0.01, 0.9, 0.95, 1e-8, 0.1, 3),
+    )
+    opcheck(
+        torch.ops.loom.adamw_step_,
+        (p, g, torch.zeros(4, 3), torch.rand(4, 3), None, 0.01, 0.9, 0.95, 1e-8, 0.0, 1),
+    )
 
 
 def test_public_function_rejects_mismatched_shapes():
@@ -93,15 +102,18 @@ def _train(impl: str, factors, parts=None, opt=None):
     return parts, opt
 
 
-@pytest.mark.parametrize("factors", [[None, None], [0.5, torch.tensor(0.25)], [torch.tensor(1e-3), 1.0, None]])
+@pytest.mark.parametrize(
+    "factors", [[None, None], [0.5, torch.tensor(0.25)], [torch.tensor(1e-3), 1.0, None]]
+)
 def test_triton_adamw_optimizer_on_its_cpu_reference_matches_torch_adamw(factors):
     """The optimizer class behind optimizer.implementation = triton (gradient factor folded in), on the CPU where
     its op runs the PyTorch reference; the Triton kernel itself: test_triton_kernel_under_the_interpreter."""
     parts, opt = _train("triton", factors)
     assert opt.fold_grad_factor and all(isinstance(o, TritonAdamW) for o in opt.optimizers)
     ref_parts, _ = _train("foreach", factors)
-    for a, b in zip((p for part in parts for p in part.parameters()),
-                    (p for part in ref_parts for p in part.parameters())):
+    for a, b in zip(
+        (p for part in parts for p in part.parameters()), (p for part in ref_parts for p in part.parameters())
+    ):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -113,13 +125,17 @@ def test_state_dict_is_torch_adamws_both_ways():
         resumed_parts = [part for part in _parts()]
         for mine, theirs in zip(resumed_parts, parts):
             mine.load_state_dict(theirs.state_dict())
-        resumed = OptimizerParts(resumed_parts, OptimizerConfig(lr=0.05, implementation=second), torch.device("cpu"))
+        resumed = OptimizerParts(
+            resumed_parts, OptimizerConfig(lr=0.05, implementation=second), torch.device("cpu")
+        )
         for o, s in zip(resumed.optimizers, states):
             o.load_state_dict(s)
         _train(second, [0.25, None], resumed_parts, resumed)
         _train(first, [0.25, None], parts, opt)  # the uninterrupted run
-        for a, b in zip((p for part in parts for p in part.parameters()),
-                        (p for part in resumed_parts for p in part.parameters())):
+        for a, b in zip(
+            (p for part in parts for p in part.parameters()),
+            (p for part in resumed_parts for p in part.parameters()),
+        ):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         for o in resumed.optimizers:
             assert all(s["step"].item() == 4 for s in o.state.values())
@@ -178,7 +194,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(triton_skip_reason() is not None, reason=str(triton_skip_reason()))
 def test_triton_kernel_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok adamw" in proc.stdout

@@ -61,8 +61,12 @@ def test_document_mask_is_block_diagonal_and_window_limits_distance():
 @pytest.mark.parametrize("case", ["causal", "docs", "window", "full_docs_window"])
 def test_reference_gradients_match_autograd(case):
     ids = torch.tensor([[0] * 7 + [1] * 10 + [-1] * 2 + [3] * 5, [4] * 24])
-    causal, bounds, window = {"causal": (True, None, 0), "docs": (True, R.document_bounds(ids), 0),
-                              "window": (True, None, 5), "full_docs_window": (False, R.document_bounds(ids), 4)}[case]
+    causal, bounds, window = {
+        "causal": (True, None, 0),
+        "docs": (True, R.document_bounds(ids), 0),
+        "window": (True, None, 5),
+        "full_docs_window": (False, R.document_bounds(ids), 4),
+    }[case]
     q, k, v = qkv(dtype=torch.float64, grad=True)
     # plain autograd through a masked softmax (padding rows give exactly zero output)
     mask = R.visible(24, causal, bounds, window, "cpu")
@@ -73,7 +77,9 @@ def test_reference_gradients_match_autograd(case):
     out = p @ v.repeat_interleave(2, 1)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     dlse = torch.where(torch.isinf(lse), 0.0, dlse)
-    grads = torch.autograd.grad((out * dout).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum(), (q, k, v))
+    grads = torch.autograd.grad(
+        (out * dout).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * dlse).sum(), (q, k, v)
+    )
     o2, lse2 = R.attention_forward(q, k, v, causal, bounds, window, 0.3)
     torch.testing.assert_close(o2, out)
     mine = R.attention_backward(dout, q, k, v, o2, lse2, dlse, causal, bounds, window, 0.3)
@@ -100,8 +106,10 @@ def test_op_passes_opcheck():
     torch.library.opcheck(flash_attn_op, (q, k, v, b, b.clone(), False, 0, 0.25))
     q, k, v = (t.detach() for t in (q, k, v))  # the backward op has no double backward
     out, lse = flash_attn_op(q, k, v, b, None, True, 0, 0.25)
-    torch.library.opcheck(flash_attn_backward_op, (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse),
-                                                   b, b.clone(), True, 0, 0.25))
+    torch.library.opcheck(
+        flash_attn_backward_op,
+        (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), b, b.clone(), True, 0, 0.25),
+    )
 
 
 @pytest.mark.slow
@@ -115,7 +123,9 @@ def test_gradcheck_through_the_op():
 def test_bad_arguments_are_named():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="at most one"):
-        flash_attention(q, k, v, doc_ids=torch.zeros(2, 24, dtype=torch.long), cu_seqlens=torch.tensor([0, 24]))
+        flash_attention(
+            q, k, v, doc_ids=torch.zeros(2, 24, dtype=torch.long), cu_seqlens=torch.tensor([0, 24])
+        )
     with pytest.raises(ValueError, match="batch 1"):
         flash_attention(q, k, v, cu_seqlens=torch.tensor([0, 24]))
 
@@ -149,8 +159,9 @@ def test_dispatch_auto_choices():
     auto = ModelConfig()
     cpu = dispatch.resolve_kernels(auto, "cpu", compile=False, documents=True)
     assert cpu.attention == "sdpa" and not (cpu.fused_norm or cpu.fused_loss)
-    forced = dispatch.resolve_kernels(ModelConfig(attention="flash", fused_norm="true"), "cpu", compile=False,
-                                      documents=False)
+    forced = dispatch.resolve_kernels(
+        ModelConfig(attention="flash", fused_norm="true"), "cpu", compile=False, documents=False
+    )
     assert forced.attention == "flash" and forced.fused_norm
     if dispatch.has_triton():
         gpu_docs = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True)
@@ -172,19 +183,41 @@ def test_dispatch_measures_attention_only_where_auto_needs_it():
         return "flash"
 
     auto = ModelConfig()
-    assert dispatch.resolve_kernels(auto, "cpu", compile=False, documents=False, measure_attention=measure).attention \
+    assert (
+        dispatch.resolve_kernels(
+            auto, "cpu", compile=False, documents=False, measure_attention=measure
+        ).attention
         == "sdpa"
-    assert dispatch.resolve_kernels(ModelConfig(attention="sdpa"), "cuda", compile=False, documents=False,
-                                    measure_attention=measure).attention == "sdpa"
+    )
+    assert (
+        dispatch.resolve_kernels(
+            ModelConfig(attention="sdpa"), "cuda", compile=False, documents=False, measure_attention=measure
+        ).attention
+        == "sdpa"
+    )
     assert not calls
     if dispatch.has_triton():
-        assert dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True,
-                                        measure_attention=lambda: calls.append(1) or "flex").attention == "flex"
+        assert (
+            dispatch.resolve_kernels(
+                auto,
+                "cuda",
+                compile=False,
+                documents=True,
+                measure_attention=lambda: calls.append(1) or "flex",
+            ).attention
+            == "flex"
+        )
         assert calls == [1]  # packed documents are timed too (the trainer times flash vs flex)
-        assert dispatch.resolve_kernels(auto, "cuda", compile=True, documents=False,
-                                        measure_attention=measure).attention == "flash"
+        assert (
+            dispatch.resolve_kernels(
+                auto, "cuda", compile=True, documents=False, measure_attention=measure
+            ).attention
+            == "flash"
+        )
         assert calls == [1, 1]
-        assert dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True).attention == "flash"  # untimed
+        assert (
+            dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True).attention == "flash"
+        )  # untimed
 
 
 def _random_documents(bsz: int, seq: int, gen: torch.Generator, longest: int) -> torch.Tensor:
@@ -254,9 +287,14 @@ def test_flex_under_compiled_op_checkpointing_is_a_config_error():
     with pytest.raises(ConfigError, match="model.attention = 'flex'.*training.compile.*op"):
         kernel_choice(build_config(None, dict(base, **{"training.activation_checkpointing": "op"})), "cuda")
     for ac in ("none", "full", "every_k"):
-        assert not flex_unsupported(build_config(None, dict(base, **{"training.activation_checkpointing": ac})))
-    assert not flex_unsupported(build_config(None, dict(base, **{"training.compile": "false",
-                                                                 "training.activation_checkpointing": "op"})))
+        assert not flex_unsupported(
+            build_config(None, dict(base, **{"training.activation_checkpointing": ac}))
+        )
+    assert not flex_unsupported(
+        build_config(
+            None, dict(base, **{"training.compile": "false", "training.activation_checkpointing": "op"})
+        )
+    )
 
 
 def test_measure_times_every_candidate_and_never_picks_a_failing_one():
@@ -270,13 +308,14 @@ def test_measure_times_every_candidate_and_never_picks_a_failing_one():
     def broken(*inputs):
         raise RuntimeError("CUDA out of memory\nmore lines")
 
-    times = measure({"a": lambda *x: 2.0, "broken": broken, "b": lambda *x: 1.5}, [torch.zeros(1)], timer=timer)
+    times = measure(
+        {"a": lambda *x: 2.0, "broken": broken, "b": lambda *x: 1.5}, [torch.zeros(1)], timer=timer
+    )
     assert times["a"] == 2.0 and times["b"] == 1.5 and math.isinf(times["broken"])
     assert fastest(times) == "b"
     assert fastest({"x": 1.0, "y": 1.0}) == "x"
     with pytest.raises(RuntimeError, match="no candidate ran"):
         fastest({"broken": math.inf})
-
 
 
 def test_measure_attention_times_the_candidates_through_the_models_call():
@@ -295,7 +334,10 @@ def test_measure_attention_times_the_candidates_through_the_models_call():
 
     shape = AttentionShape(2, 4, 2, 8, 16, torch.float32)
     positions = torch.arange(8).expand(2, 8)
-    assert measure_attention(attend, shape, torch.device("cpu"), positions, timer=timer) == {"flash": 4.0, "flex": 4.0}
+    assert measure_attention(attend, shape, torch.device("cpu"), positions, timer=timer) == {
+        "flash": 4.0,
+        "flex": 4.0,
+    }
     assert [c[0] for c in calls] == ["flash", "flex"] and all(c[3] is positions for c in calls)
     assert calls[0][1:3] == ((2, 4, 8, 16), (2, 2, 8, 16))
     calls.clear()
@@ -360,14 +402,19 @@ def _interpreter_ok() -> str | None:
     except ImportError:
         return "triton is not installed"
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    return None if (major, minor) >= (3, 8) else f"triton {triton.__version__} < 3.8 (its interpreter fails here)"
+    return (
+        None
+        if (major, minor) >= (3, 8)
+        else f"triton {triton.__version__} < 3.8 (its interpreter fails here)"
+    )
 
 
 @pytest.mark.skipif(_interpreter_ok() is not None, reason=str(_interpreter_ok()))
 def test_triton_kernels_in_the_cpu_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     worst = float(res.stdout.split("WORST")[1])
     assert worst < 1e-4, worst

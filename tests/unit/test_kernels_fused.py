@@ -30,12 +30,14 @@ def rope_tables(head_dim: int = 16, max_len: int = 32) -> list[torch.Tensor]:
     """The model's table, one with Llama-3 scaling, and one whose cos/sin halves differ (tests the general
     rotate-half formula, not only the model's duplicated-halves table)."""
     plain = model_rope.rope_table(head_dim, max_len, 10000.0, None)
-    scaled = model_rope.rope_table(head_dim, max_len, 500000.0, model_rope.RopeScaling(factor=8.0,
-                                                                                       original_max_position=16))
+    scaled = model_rope.rope_table(
+        head_dim, max_len, 500000.0, model_rope.RopeScaling(factor=8.0, original_max_position=16)
+    )
     return [plain, scaled, torch.randn(2, max_len, head_dim, generator=torch.Generator().manual_seed(3))]
 
 
 # ---- closed-form backward references vs autograd through the forward reference -------------------
+
 
 def autograd_grads(fn, inputs, grad):
     inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
@@ -43,8 +45,10 @@ def autograd_grads(fn, inputs, grad):
     return [t.grad for t in inputs if t.requires_grad]
 
 
-@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float64, torch.float64),
-                                                (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,weight_dtype",
+    [(torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float32, torch.bfloat16)],
+)
 def test_rmsnorm_backward_reference_matches_autograd(dtype, weight_dtype):
     x, g = torch.randn(4, 3, 40, dtype=dtype) * 2, torch.randn(4, 3, 40, dtype=dtype)
     w = torch.randn(40).to(weight_dtype)
@@ -62,18 +66,24 @@ def test_rope_backward_reference_matches_autograd(with_positions):
     positions = torch.randint(0, 32, (2, 7)) if with_positions else None
     for table in rope_tables():
         (want,) = autograd_grads(lambda t: rope_ref.apply_rope(t, table, positions), [x], g)
-        torch.testing.assert_close(rope_ref.apply_rope_backward(g, table, positions), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            rope_ref.apply_rope_backward(g, table, positions), want, rtol=1e-6, atol=1e-6
+        )
 
 
 def test_swiglu_backward_reference_matches_autograd():
-    a, b, g = torch.randn(5, 33, dtype=torch.float64) * 4, torch.randn(5, 33, dtype=torch.float64), \
-        torch.randn(5, 33, dtype=torch.float64)
+    a, b, g = (
+        torch.randn(5, 33, dtype=torch.float64) * 4,
+        torch.randn(5, 33, dtype=torch.float64),
+        torch.randn(5, 33, dtype=torch.float64),
+    )
     got = swiglu_ref.swiglu_backward(g, a, b)
     for have, want in zip(got, autograd_grads(swiglu_ref.swiglu, [a, b], g)):
         torch.testing.assert_close(have, want, rtol=1e-12, atol=1e-12)
 
 
 # ---- the custom ops: opcheck, gradients of the public functions ---------------------------------
+
 
 def test_opcheck_every_op():
     from torch.library import opcheck
@@ -105,8 +115,10 @@ def test_public_functions_grads_match_autograd_through_reference():
     (want,) = autograd_grads(lambda t: rope_ref.apply_rope(t, table, positions), [q], gq)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
-    a, b = torch.randn(3, 7, dtype=torch.float64, requires_grad=True), torch.randn(3, 7, dtype=torch.float64,
-                                                                                  requires_grad=True)
+    a, b = (
+        torch.randn(3, 7, dtype=torch.float64, requires_grad=True),
+        torch.randn(3, 7, dtype=torch.float64, requires_grad=True),
+    )
     assert torch.autograd.gradcheck(swiglu, (a, b))
 
 
@@ -121,6 +133,7 @@ def test_public_functions_reject_mismatched_inputs():
 
 # ---- the model with the fused flags ----------------------------------------------------------------
 
+
 def build(**flags) -> Llama:
     args = FLAVORS["debug"].with_(vocab_size=256, max_seq_len=32, **flags)
     with torch.device("meta"):
@@ -132,7 +145,9 @@ def build(**flags) -> Llama:
 @pytest.mark.parametrize("with_positions", [False, True])
 def test_model_with_fused_flags_gives_the_same_loss_and_grads(with_positions):
     plain, fused = build(), build(fused_norm=True, fused_rope=True, fused_swiglu=True)
-    assert [(n, p.shape) for n, p in plain.named_parameters()] == [(n, p.shape) for n, p in fused.named_parameters()]
+    assert [(n, p.shape) for n, p in plain.named_parameters()] == [
+        (n, p.shape) for n, p in fused.named_parameters()
+    ]
     fused.load_state_dict(plain.state_dict())
     block = fused.layers["0"]
     assert fused.norm.fused and block.ffn_norm.fused and block.feed_forward.fused
@@ -151,6 +166,7 @@ def test_model_with_fused_flags_gives_the_same_loss_and_grads(with_positions):
 
 
 # ---- the Triton kernels under the CPU interpreter ---------------------------------------------------
+
 
 def triton_skip_reason() -> str | None:
     if importlib.util.find_spec("triton") is None:
@@ -252,7 +268,12 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "swiglu"])
 def test_triton_kernel_under_the_interpreter(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, kernel], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_SCRIPT, kernel],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"ok {kernel}" in proc.stdout

@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from loom.numerics import IGNORE
 from loom.kernels.linear_ce import default_chunk_tokens, linear_cross_entropy, linear_cross_entropy_unfused
 from loom.kernels.linear_ce.reference import chunked_linear_cross_entropy
 from loom.kernels.triton_support import has_triton
 from loom.models.common.init import materialize
 from loom.models.llama import FLAVORS, Llama
+from loom.numerics import IGNORE
 
 N, E, V = 37, 16, 101
 
@@ -120,7 +120,9 @@ def test_public_function_autograd_leading_dims_and_no_grad():
     torch.testing.assert_close(h3.grad.reshape(N, E), 3 * ref_gh, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ww.grad, 3 * ref_gw, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # validation: no gradients computed
-        torch.testing.assert_close(linear_cross_entropy(h3, ww, labels.reshape(1, N)), ref_loss, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(
+            linear_cross_entropy(h3, ww, labels.reshape(1, N)), ref_loss, rtol=1e-6, atol=1e-5
+        )
 
 
 def test_argument_errors():
@@ -140,8 +142,10 @@ def test_autocast_bf16_matches_unfused_autocast():
     get fp32 gradients through the casts."""
     h, w, labels = inputs()
     grads = []
-    for fn in (lambda a, b: linear_cross_entropy(a, b, labels, chunk_tokens=8),
-               lambda a, b: linear_cross_entropy_unfused(a, b, labels)):
+    for fn in (
+        lambda a, b: linear_cross_entropy(a, b, labels, chunk_tokens=8),
+        lambda a, b: linear_cross_entropy_unfused(a, b, labels),
+    ):
         a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = fn(a, b)
@@ -249,6 +253,7 @@ def test_triton_kernel_under_interpreter():
     if _triton_version() < (3, 8):
         pytest.skip(f"the Triton CPU interpreter before 3.8 is not trusted here (have {_triton_version()})")
     env = dict(os.environ, TRITON_INTERPRET="1")  # must be set before triton is imported
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "INTERPRETER OK" in proc.stdout, proc.stderr[-3000:]

@@ -60,8 +60,16 @@ def lars_reference(params, grads, state, lr, mu, wd, eta, eps, exclude_1d):
 @pytest.mark.parametrize("name", ["lamb", "lars"])
 @pytest.mark.parametrize("exclude_1d", [True, False])
 def test_steps_match_the_dense_reference(name, exclude_1d):
-    cfg = OptimizerConfig(name=name, lr=0.05, weight_decay=0.1, betas=[0.9, 0.99], eps=1e-6,
-                          momentum=0.8, trust_coefficient=0.02, exclude_1d=exclude_1d)
+    cfg = OptimizerConfig(
+        name=name,
+        lr=0.05,
+        weight_decay=0.1,
+        betas=[0.9, 0.99],
+        eps=1e-6,
+        momentum=0.8,
+        trust_coefficient=0.02,
+        exclude_1d=exclude_1d,
+    )
     model = _model()
     opt = OptimizerParts([model], cfg, torch.device("cpu"))
     ref = [p.detach().clone() for p in model.parameters()]
@@ -76,8 +84,17 @@ def test_steps_match_the_dense_reference(name, exclude_1d):
         if name == "lamb":
             ref = lamb_reference(ref, grads, state, cfg.lr, *cfg.betas, cfg.eps, cfg.weight_decay, exclude_1d)
         else:
-            ref = lars_reference(ref, grads, state, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.trust_coefficient,
-                                 cfg.eps, exclude_1d)
+            ref = lars_reference(
+                ref,
+                grads,
+                state,
+                cfg.lr,
+                cfg.momentum,
+                cfg.weight_decay,
+                cfg.trust_coefficient,
+                cfg.eps,
+                exclude_1d,
+            )
         for p, r in zip(model.parameters(), ref):
             torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
 
@@ -95,8 +112,9 @@ def test_lamb_first_step_by_hand():
     w.grad = torch.tensor([[1.0, -2.0]], dtype=torch.float64)
     Lamb([w], lr=0.1, eps=1e-12, weight_decay=0.5).step()
     u = torch.tensor([[2.5, 1.0]], dtype=torch.float64)
-    torch.testing.assert_close(w.detach(), torch.tensor([[3.0, 4.0]], dtype=torch.float64)
-                               - 0.1 * 5 / math.sqrt(7.25) * u)
+    torch.testing.assert_close(
+        w.detach(), torch.tensor([[3.0, 4.0]], dtype=torch.float64) - 0.1 * 5 / math.sqrt(7.25) * u
+    )
 
 
 def test_excluded_vectors_take_plain_steps():
@@ -106,7 +124,9 @@ def test_excluded_vectors_take_plain_steps():
         b.grad = torch.tensor([1.0, 1.0, -1.0])
         Lars([b], lr=0.1, momentum=0.0, weight_decay=0.0, trust_coefficient=1.0, exclude_1d=exclude).step()
         moved = torch.linalg.vector_norm(b.detach() - torch.tensor([0.5, -1.0, 2.0]))
-        expected = 0.1 * math.sqrt(3) if exclude else 0.1 * math.sqrt(5.25) / (math.sqrt(3) + 1e-8) * math.sqrt(3)
+        expected = (
+            0.1 * math.sqrt(3) if exclude else 0.1 * math.sqrt(5.25) / (math.sqrt(3) + 1e-8) * math.sqrt(3)
+        )
         assert abs(float(moved) - expected) < 1e-6
 
 

@@ -14,9 +14,17 @@ import subprocess
 import pytest
 
 from loom.cli.launch import main as launch_main
+from loom.cluster.launch import (
+    KubeJob,
+    Rendezvous,
+    jobset,
+    launcher_argv,
+    parse_hostfile,
+    pytorchjob,
+    remote_command,
+    select_hosts,
+)
 from loom.config.errors import ConfigError, UserError
-from loom.cluster.launch import (KubeJob, Rendezvous, jobset, launcher_argv, parse_hostfile, pytorchjob, remote_command,
-                             select_hosts)
 
 SCHEMAS = pathlib.Path(__file__).resolve().parents[1] / "data" / "k8s"
 HOSTFILE = """# two nodes
@@ -33,8 +41,11 @@ def test_hostfile_parsing_and_selection():
     assert [(h.name, h.devices, h.nproc) for h in picked] == [("node-b", [0, 2], 2)]
     left = select_hosts(hosts, exclude="node-a@node-b:3")
     assert [(h.name, h.devices) for h in left] == [("node-b", [0, 1, 2])]
-    for text, words in (("node-a\n", "expected 'HOST slots=N'"), ("a slots=1\na slots=2\n", "listed twice"),
-                        ("# nothing\n", "names no host")):
+    for text, words in (
+        ("node-a\n", "expected 'HOST slots=N'"),
+        ("a slots=1\na slots=2\n", "listed twice"),
+        ("# nothing\n", "names no host"),
+    ):
         with pytest.raises(ConfigError, match=words):
             parse_hostfile(text)
     with pytest.raises(ConfigError, match="not in the hostfile"):
@@ -49,8 +60,24 @@ def test_hostfile_dry_run(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     monkeypatch.setenv("LOOM_RUN_DIR_LOCKED", "/x")  # a launcher's own lock marker is not forwarded
     monkeypatch.delenv("LOOM_SSH", raising=False)
-    assert launch_main(["--hostfile", str(hostfile), "--dry-run", "--master-port", "29511", "--env", "A_B=1 2",
-                        "--config", "run.toml", "--training.steps", "10"]) == 0
+    assert (
+        launch_main(
+            [
+                "--hostfile",
+                str(hostfile),
+                "--dry-run",
+                "--master-port",
+                "29511",
+                "--env",
+                "A_B=1 2",
+                "--config",
+                "run.toml",
+                "--training.steps",
+                "10",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
     for rank, (line, host, nproc) in enumerate(zip(lines, ("node-a", "node-b"), (8, 4))):
@@ -62,9 +89,19 @@ def test_hostfile_dry_run(tmp_path, capsys, monkeypatch):
         assert "NCCL_SOCKET_IFNAME=ib0" in agent and "A_B=1 2" in agent
         assert not any(a.startswith("LOOM_RUN_DIR_LOCKED") for a in agent)
         i = agent.index("train")
-        assert agent[i - 2:i] == ["-m", "loom"]
-        assert agent[i + 1:i + 11] == ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", str(nproc),
-                                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "node-a:29511"]
+        assert agent[i - 2 : i] == ["-m", "loom"]
+        assert agent[i + 1 : i + 11] == [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "node-a:29511",
+        ]
         assert agent[-4:] == ["--config", "run.toml", "--training.steps", "10"]
 
 
@@ -78,9 +115,11 @@ def test_remote_line_stops_the_agent_when_the_launcher_goes(tmp_path):
     """The agent (here ``sleep``'s stand-in Python) gets SIGTERM when the line's stdin closes, and its code is the
     line's code; a line whose stdin stays open runs the agent to its end."""
     mark = tmp_path / "term"
-    prog = ("import signal, sys, time\n"
-            f"signal.signal(signal.SIGTERM, lambda *a: (open({str(mark)!r}, 'w').close(), sys.exit(7)))\n"
-            "time.sleep(60)\n")
+    prog = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(mark)!r}, 'w').close(), sys.exit(7)))\n"
+        "time.sleep(60)\n"
+    )
     fake_python = tmp_path / "py"
     fake_python.write_text(f"#!/bin/sh\nexec python3 -c {shlex.quote(prog)}\n")
     fake_python.chmod(0o755)
@@ -95,31 +134,80 @@ def test_remote_line_stops_the_agent_when_the_launcher_goes(tmp_path):
 def test_sbatch_script(tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0")
     script = tmp_path / "job.sbatch"
-    assert launch_main(["--slurm", "--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--time", "02:00:00",
-                        "--account", "proj", "--cpus-per-node", "64", "--sbatch=--qos=high", "--script", str(script),
-                        "--max-restarts", "3", "--training.steps", "10"]) == 0
+    assert (
+        launch_main(
+            [
+                "--slurm",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "8",
+                "--partition",
+                "gpu",
+                "--time",
+                "02:00:00",
+                "--account",
+                "proj",
+                "--cpus-per-node",
+                "64",
+                "--sbatch=--qos=high",
+                "--script",
+                str(script),
+                "--max-restarts",
+                "3",
+                "--training.steps",
+                "10",
+            ]
+        )
+        == 0
+    )
     text = script.read_text()
     subprocess.run(["bash", "-n", str(script)], check=True)
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00", "#SBATCH --account=proj",
-                 "#SBATCH --cpus-per-task=64", "#SBATCH --qos=high", "export NCCL_IB_HCA=mlx5_0"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=02:00:00",
+        "#SBATCH --account=proj",
+        "#SBATCH --cpus-per-task=64",
+        "#SBATCH --qos=high",
+        "export NCCL_IB_HCA=mlx5_0",
+    ):
         assert line in text.splitlines(), line
     # run it with stand-ins: scontrol names the nodes, srun prints what each node would run
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-07\\ngpu-08\\n'\n")
-    (bin_dir / "srun").write_text("#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[07-08]",
-           "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "gpu-[07-08]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+    }
     run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True)
     words = run.stdout.split("\n")
     assert words[:2] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     i = words.index("train")
-    assert words[i + 1:i + 13] == ["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
-                                   "--rdzv-endpoint", "gpu-07:29500", "--rdzv-id", "4242", "--max-restarts", "3"]
-    assert words[i + 13:i + 15] == ["--training.steps", "10"]
+    assert words[i + 1 : i + 13] == [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "gpu-07:29500",
+        "--rdzv-id",
+        "4242",
+        "--max-restarts",
+        "3",
+    ]
+    assert words[i + 13 : i + 15] == ["--training.steps", "10"]
 
 
 def test_sbatch_checks_the_config_and_warns_without_cpus_per_node(tmp_path, monkeypatch, capsys):
@@ -129,9 +217,14 @@ def test_sbatch_checks_the_config_and_warns_without_cpus_per_node(tmp_path, monk
 
     monkeypatch.chdir(tmp_path)
     base = ["--slurm", "--nodes", "1", "--gpus-per-node", "8", "--script", str(tmp_path / "job.sbatch")]
-    for extra, words in ((["--config", "missing.toml"], f"--config = 'missing.toml': no such file (the job's loom "
-                                                         f"train reads it from {tmp_path}/missing.toml"),
-                         (["--training.stepz", "10"], "did you mean")):
+    for extra, words in (
+        (
+            ["--config", "missing.toml"],
+            f"--config = 'missing.toml': no such file (the job's loom "
+            f"train reads it from {tmp_path}/missing.toml",
+        ),
+        (["--training.stepz", "10"], "did you mean"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             user_errors_exit(launch_main)(base + extra)
         err = capsys.readouterr().err.strip().splitlines()
@@ -148,10 +241,13 @@ def test_sbatch_checks_the_config_and_warns_without_cpus_per_node(tmp_path, monk
 def test_submit_without_sbatch(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
     with pytest.raises(UserError, match="sbatch is not on PATH"):
-        launch_main(["--slurm", "--nodes", "1", "--gpus-per-node", "1", "--script", str(tmp_path / "s"), "--submit"])
+        launch_main(
+            ["--slurm", "--nodes", "1", "--gpus-per-node", "1", "--script", str(tmp_path / "s"), "--submit"]
+        )
 
 
 # ---- Kubernetes: the manifests against the CRDs' schemas --------------------------------------------------------
+
 
 def validate(value, schema: dict, path: str = "$") -> list[str]:
     """Errors of ``value`` against the subset of OpenAPI v3 the CRD schemas use: type (with int32 / int64
@@ -202,9 +298,30 @@ def _schema(name: str) -> dict:
 
 
 def test_manifests_are_valid_for_their_crds(tmp_path, capsys):
-    assert launch_main(["--kubernetes", "--image", "registry.example/loom:1", "--nodes", "4", "--gpus-per-node", "8",
-                        "--name", "demo", "--max-restarts", "2", "--env", "NCCL_DEBUG=WARN", "--out", str(tmp_path),
-                        "--training.steps", "100"]) == 0
+    assert (
+        launch_main(
+            [
+                "--kubernetes",
+                "--image",
+                "registry.example/loom:1",
+                "--nodes",
+                "4",
+                "--gpus-per-node",
+                "8",
+                "--name",
+                "demo",
+                "--max-restarts",
+                "2",
+                "--env",
+                "NCCL_DEBUG=WARN",
+                "--out",
+                str(tmp_path),
+                "--training.steps",
+                "100",
+            ]
+        )
+        == 0
+    )
     written = sorted(p.name for p in tmp_path.iterdir())
     ext = written[0].rsplit(".", 1)[1]
     assert written == [f"demo.jobset.{ext}", f"demo.pytorchjob.{ext}"]
@@ -214,14 +331,24 @@ def test_manifests_are_valid_for_their_crds(tmp_path, capsys):
     assert validate(ptj, _schema("pytorchjob")) == []
     assert validate(js, _schema("jobset")) == []
     assert (ptj["apiVersion"], ptj["kind"], js["apiVersion"], js["kind"]) == (
-        "kubeflow.org/v1", "PyTorchJob", "jobset.x-k8s.io/v1alpha2", "JobSet")
+        "kubeflow.org/v1",
+        "PyTorchJob",
+        "jobset.x-k8s.io/v1alpha2",
+        "JobSet",
+    )
     worker = ptj["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4 and ptj["spec"]["elasticPolicy"]["rdzvPort"] == 29500
     c = worker["template"]["spec"]["containers"][0]
-    assert c["command"] == ["python", "-m", "loom", "train"] and c["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert " ".join(c["args"]).startswith("--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "
-                                          "demo-worker-0:29500 --rdzv-id demo --max-restarts 2")
-    assert c["args"][-2:] == ["--training.steps", "100"] and c["env"] == [{"name": "NCCL_DEBUG", "value": "WARN"}]
+    assert (
+        c["command"] == ["python", "-m", "loom", "train"] and c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    )
+    assert " ".join(c["args"]).startswith(
+        "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint "
+        "demo-worker-0:29500 --rdzv-id demo --max-restarts 2"
+    )
+    assert c["args"][-2:] == ["--training.steps", "100"] and c["env"] == [
+        {"name": "NCCL_DEBUG", "value": "WARN"}
+    ]
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert (job["parallelism"], job["completions"], job["completionMode"]) == (4, 4, "Indexed")
     c = job["template"]["spec"]["containers"][0]
@@ -244,7 +371,9 @@ def test_the_validator_finds_errors():
     assert any("unknown field 'rdzvBackendd'" in e for e in errors)
     js = jobset(job, [], {})
     js["spec"]["successPolicy"] = {"operator": "Some"}
-    assert validate(js, _schema("jobset")) == ["$.spec.successPolicy.operator: 'Some' is not one of ['All', 'Any']"]
+    assert validate(js, _schema("jobset")) == [
+        "$.spec.successPolicy.operator: 'Some' is not one of ['All', 'Any']"
+    ]
 
 
 def test_rendezvous_ids_differ_per_launch():
@@ -256,9 +385,11 @@ def test_cli_help_and_user_errors(capsys):
 
     assert loom_main(["launch", "--help"]) == 0
     assert "--hostfile FILE" in capsys.readouterr().out
-    for argv, words in ((["launch", "--slurm", "--gpus-per-node", "8"], "--nodes: --slurm needs it"),
-                        (["launch", "--kubernetes", "--nodes", "x"], "invalid int value"),
-                        (["launch", "--hostfile", "h", "--nproc-per-node", "8"], "loom launch sets it")):
+    for argv, words in (
+        (["launch", "--slurm", "--gpus-per-node", "8"], "--nodes: --slurm needs it"),
+        (["launch", "--kubernetes", "--nodes", "x"], "invalid int value"),
+        (["launch", "--hostfile", "h", "--nproc-per-node", "8"], "loom launch sets it"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             loom_main(argv)
         err = capsys.readouterr().err.strip().splitlines()

@@ -81,7 +81,7 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative import
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             if not base.startswith("loom"):
                 continue
@@ -102,16 +102,23 @@ def test_every_package_has_a_layer():
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n != "loom"))
 def test_imports_go_only_downwards(name):
-    upward = sorted(m for m in GRAPH[name] if m != "loom" and _layer_of(m) > _layer_of(name)
-                    and (name, m) not in ALLOWED_UP)
+    upward = sorted(
+        m
+        for m in GRAPH[name]
+        if m != "loom" and _layer_of(m) > _layer_of(name) and (name, m) not in ALLOWED_UP
+    )
     assert not upward, f"{name} imports from a higher layer: {upward}"
 
 
 def test_no_import_cycles():
     """Between modules (a package's __init__ re-exporting its own modules is not a cycle)."""
+
     def edges(name):
-        return {m for m in GRAPH[name] if m in GRAPH and not (name.startswith(m + ".") and MODULES[m].name ==
-                                                                "__init__.py")}
+        return {
+            m
+            for m in GRAPH[name]
+            if m in GRAPH and not (name.startswith(m + ".") and MODULES[m].name == "__init__.py")
+        }
 
     state: dict[str, int] = {}
     cycles = []
@@ -121,7 +128,7 @@ def test_no_import_cycles():
         stack.append(node)
         for nxt in sorted(edges(node)):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack)
         stack.pop()

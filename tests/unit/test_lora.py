@@ -25,10 +25,15 @@ from loom.cli.convert import main as convert_main  # noqa: E402
 from loom.cli.main import main as loom_main  # noqa: E402
 from loom.config.errors import ConfigError  # noqa: E402
 from loom.config.sections import LoraConfig  # noqa: E402
-from loom.models.common.lora import (LoRALinear, adapters_hidden, apply_lora, lora_scaling,  # noqa: E402
-                                     parse_targets)
-from loom.models.llama import Llama  # noqa: E402
 from loom.methods import check_config  # noqa: E402
+from loom.models.common.lora import (  # noqa: E402
+    LoRALinear,
+    adapters_hidden,
+    apply_lora,
+    lora_scaling,
+    parse_targets,
+)
+from loom.models.llama import Llama  # noqa: E402
 from loom.train.trainer import Trainer  # noqa: E402
 from tests.tiny import tiny_config  # noqa: E402
 from tests.unit.test_hf import random_hf_llama, save_hf  # noqa: E402
@@ -43,11 +48,26 @@ def lora_run(tmp, name, base, **extra):
     text = tmp / "corpus.txt"
     if not text.exists():
         text.write_text(CORPUS)
-    return tiny_config(tmp / name, tmp / "cache", **{
-        "run.device": "cpu", "data.source": str(text), "model.init_from": base, "lora.rank": 4, "lora.alpha": 8,
-        "lora.targets": "all", "optimizer.lr": 3e-2, "optimizer.weight_decay": 0.0, "optimizer.warmup_steps": 0,
-        "training.steps": 3, "training.global_batch_size": 4, "checkpoint.at_end": "true", "metrics.progress": "false",
-        **extra})
+    return tiny_config(
+        tmp / name,
+        tmp / "cache",
+        **{
+            "run.device": "cpu",
+            "data.source": str(text),
+            "model.init_from": base,
+            "lora.rank": 4,
+            "lora.alpha": 8,
+            "lora.targets": "all",
+            "optimizer.lr": 3e-2,
+            "optimizer.weight_decay": 0.0,
+            "optimizer.warmup_steps": 0,
+            "training.steps": 3,
+            "training.global_batch_size": 4,
+            "checkpoint.at_end": "true",
+            "metrics.progress": "false",
+            **extra,
+        },
+    )
 
 
 def loom_model(base: str, lora: LoraConfig | None = None) -> Llama:
@@ -80,8 +100,17 @@ def trained(tmp_path_factory):
     lora = trainer.cfg.lora
     model = loom_model(base, lora)
     load_model_only(ckpt, model)
-    return dict(tmp=tmp, base=base, ckpt=ckpt, adapter=str(tmp / "adapter"), merged=str(tmp / "merged"), lora=lora,
-                model=model, records=records, trainer=trainer)
+    return dict(
+        tmp=tmp,
+        base=base,
+        ckpt=ckpt,
+        adapter=str(tmp / "adapter"),
+        merged=str(tmp / "merged"),
+        lora=lora,
+        model=model,
+        records=records,
+        trainer=trainer,
+    )
 
 
 def hf_model(folder: str):
@@ -101,7 +130,9 @@ def test_a_loom_adapter_loads_in_peft_with_loom_logits(trained):
     model = peft.PeftModel.from_pretrained(hf_model(trained["base"]), trained["adapter"]).eval()
     ours = logits(trained["model"])
     assert (logits(model, True) - ours).abs().max() < 1e-4
-    assert (logits(hf_model(trained["base"]), True) - ours).abs().max() > 1e-2  # without the adapter: not the same
+    assert (
+        logits(hf_model(trained["base"]), True) - ours
+    ).abs().max() > 1e-2  # without the adapter: not the same
 
 
 def test_the_merged_export_equals_peft_merge_and_unload(trained):
@@ -116,9 +147,16 @@ def test_the_merged_export_equals_peft_merge_and_unload(trained):
 
 def test_a_peft_made_adapter_imports_into_loom(trained, tmp_path):
     base = trained["base"]
-    model = peft.get_peft_model(hf_model(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
-                                                                                                 "down_proj"],
-                                                                 use_rslora=True, lora_dropout=0.0))
+    model = peft.get_peft_model(
+        hf_model(base),
+        peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            use_rslora=True,
+            lora_dropout=0.0,
+        ),
+    )
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -132,8 +170,18 @@ def test_a_peft_made_adapter_imports_into_loom(trained, tmp_path):
     assert load_peft_adapter(ours, lora) == 2 * 3 * 2
     assert (logits(ours) - logits(model.eval(), True)).abs().max() < 1e-4
     # and through the trainer: lora.init_from gives the run these adapters
-    trainer = Trainer(lora_run(tmp_path, "run", base, **{"lora.targets": "q,v,down", "lora.rslora": "true",
-                                                         "lora.init_from": str(tmp_path / "adapter")}))
+    trainer = Trainer(
+        lora_run(
+            tmp_path,
+            "run",
+            base,
+            **{
+                "lora.targets": "q,v,down",
+                "lora.rslora": "true",
+                "lora.init_from": str(tmp_path / "adapter"),
+            },
+        )
+    )
     got = dict(trainer.parts[0].named_parameters())
     for name, p in ours.named_parameters():
         assert torch.equal(got[name], p), name
@@ -141,8 +189,10 @@ def test_a_peft_made_adapter_imports_into_loom(trained, tmp_path):
 
 def test_rslora_scaling_matches_peft(trained):
     for rslora in (False, True):
-        model = peft.get_peft_model(hf_model(trained["base"]), peft.LoraConfig(
-            r=16, lora_alpha=8, target_modules=["q_proj"], use_rslora=rslora))
+        model = peft.get_peft_model(
+            hf_model(trained["base"]),
+            peft.LoraConfig(r=16, lora_alpha=8, target_modules=["q_proj"], use_rslora=rslora),
+        )
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
         assert lora_scaling(8.0, 16, rslora) == pytest.approx(layer.scaling["default"], rel=1e-12)
     assert lora_scaling(8.0, 16, True) == 2.0 and lora_scaling(8.0, 16, False) == 0.5
@@ -162,7 +212,9 @@ def test_training_moves_only_the_adapters(trained, tmp_path):
             assert torch.equal(p, frozen[name]), name  # bitwise: no gradient, no update, no weight decay
     assert any(not torch.equal(p, adapters[n]) for n, p in part.named_parameters() if n in adapters)
     names = {id(p): n for n, p in part.named_parameters()}
-    held = [names[id(p)] for opt in trainer.optimizer.optimizers for g in opt.param_groups for p in g["params"]]
+    held = [
+        names[id(p)] for opt in trainer.optimizer.optimizers for g in opt.param_groups for p in g["params"]
+    ]
     assert sorted(held) == sorted(adapters)
     state = [names[id(p)] for opt in trainer.optimizer.optimizers for p in opt.state]
     assert sorted(state) == sorted(adapters)
@@ -181,7 +233,9 @@ def test_resume_equals_the_uninterrupted_run(trained, tmp_path):
     whole = Trainer(lora_run(tmp_path, "whole", trained["base"], **{"training.steps": 4})).fit()
     Trainer(lora_run(tmp_path, "cut", trained["base"], **{"training.steps": 4, "checkpoint.every": 2})).fit()
     cut = tmp_path / "cut" / "checkpoints"
-    os.rename(cut / "step_00000004", tmp_path / "aside")  # keep step 2 only: the resumed run continues from it
+    os.rename(
+        cut / "step_00000004", tmp_path / "aside"
+    )  # keep step 2 only: the resumed run continues from it
     resumed = Trainer(lora_run(tmp_path, "cut", trained["base"], **{"training.steps": 4})).fit()
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
@@ -202,10 +256,14 @@ def test_targets_and_names():
     assert parse_targets("v, q") == ["q", "v"]
     with pytest.raises(ConfigError, match="lora.targets"):
         parse_targets("q,x")
-    assert peft_key("layers.3.feed_forward.w3.lora_B.weight") == \
-        "base_model.model.model.layers.3.mlp.up_proj.lora_B.weight"
-    assert peft_key("_orig_mod.layers.0.attention.wo.lora_A.weight") == \
-        "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"
+    assert (
+        peft_key("layers.3.feed_forward.w3.lora_B.weight")
+        == "base_model.model.model.layers.3.mlp.up_proj.lora_B.weight"
+    )
+    assert (
+        peft_key("_orig_mod.layers.0.attention.wo.lora_A.weight")
+        == "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight"
+    )
 
 
 def test_apply_lora_keeps_the_base_names_and_freezes_the_rest():
@@ -216,8 +274,11 @@ def test_apply_lora_keeps_the_base_names_and_freezes_the_rest():
     after = dict(model.named_parameters())
     assert names <= set(after)
     assert {n for n, p in after.items() if p.requires_grad} == {
-        f"layers.{i}.{m}.lora_{f}.weight" for i in range(2) for m in ("attention.wq", "feed_forward.w2")
-        for f in "AB"}
+        f"layers.{i}.{m}.lora_{f}.weight"
+        for i in range(2)
+        for m in ("attention.wq", "feed_forward.w2")
+        for f in "AB"
+    }
     assert isinstance(model.layers["0"].attention.wq, LoRALinear)
     assert not isinstance(model.layers["0"].attention.wk, LoRALinear)
     assert apply_lora(model, LoraConfig(rank=0)) == 0
@@ -239,15 +300,18 @@ def llama_args_from_hf_like():
     return FLAVORS["debug"].with_(vocab_size=384)
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"lora.init_from": "x"}, "lora.init_from"),  # rank 0: off
-    ({"lora.base_dtype": "nf4"}, "lora.base_dtype"),
-    ({"lora.rank": 4, "lora.base_dtype": "bfloat16"}, "lora.base_dtype"),  # under float32 compute
-    ({"lora.rank": 4, "lora.targets": "q,qq"}, "lora.targets"),
-    ({"lora.rank": 4, "training.float8": "tensorwise"}, "training.float8"),
-    ({"lora.rank": 4, "model.flavor": "debug_moe"}, "lora.targets"),
-    ({"lora.rank": 4, "lora.base_dtype": "nf4", "parallel.tp": 2}, "parallel.tp"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"lora.init_from": "x"}, "lora.init_from"),  # rank 0: off
+        ({"lora.base_dtype": "nf4"}, "lora.base_dtype"),
+        ({"lora.rank": 4, "lora.base_dtype": "bfloat16"}, "lora.base_dtype"),  # under float32 compute
+        ({"lora.rank": 4, "lora.targets": "q,qq"}, "lora.targets"),
+        ({"lora.rank": 4, "training.float8": "tensorwise"}, "training.float8"),
+        ({"lora.rank": 4, "model.flavor": "debug_moe"}, "lora.targets"),
+        ({"lora.rank": 4, "lora.base_dtype": "nf4", "parallel.tp": 2}, "parallel.tp"),
+    ],
+)
 def test_config_errors(overrides, field):
     with pytest.raises(ConfigError) as err:
         check_config(tiny_config(**overrides))
@@ -256,27 +320,47 @@ def test_config_errors(overrides, field):
 
 
 def test_an_adapter_that_does_not_match_the_section_is_one_line(trained):
-    model = loom_model(trained["base"], LoraConfig(rank=8, alpha=8.0, targets="all", init_from=trained["adapter"]))
-    with pytest.raises(ConfigError, match=r"lora.rank = 8: the adapter .* has r = 4: set lora.rank to match it"):
+    model = loom_model(
+        trained["base"], LoraConfig(rank=8, alpha=8.0, targets="all", init_from=trained["adapter"])
+    )
+    with pytest.raises(
+        ConfigError, match=r"lora.rank = 8: the adapter .* has r = 4: set lora.rank to match it"
+    ):
         load_peft_adapter(model, LoraConfig(rank=8, alpha=8.0, targets="all", init_from=trained["adapter"]))
     with pytest.raises(ConfigError, match="target_modules"):
         load_peft_adapter(model, LoraConfig(rank=4, alpha=8.0, targets="q,v", init_from=trained["adapter"]))
 
 
 def test_to_peft_needs_a_lora_checkpoint(trained, tmp_path):
-    run = tiny_config(tmp_path / "plain", tmp_path / "cache", **{
-        "data.source": str(trained["tmp"] / "corpus.txt"), "training.steps": 1, "checkpoint.at_end": "true",
-        "training.global_batch_size": 4, "metrics.progress": "false"})
+    run = tiny_config(
+        tmp_path / "plain",
+        tmp_path / "cache",
+        **{
+            "data.source": str(trained["tmp"] / "corpus.txt"),
+            "training.steps": 1,
+            "checkpoint.at_end": "true",
+            "training.global_batch_size": 4,
+            "metrics.progress": "false",
+        },
+    )
     Trainer(run).fit()
     with pytest.raises(ConfigError, match="not written by a LoRA run"):
-        convert_main(["--from", str(tmp_path / "plain" / "checkpoints" / "step_00000001"),
-                   "--to-peft", str(tmp_path / "a")])
+        convert_main(
+            [
+                "--from",
+                str(tmp_path / "plain" / "checkpoints" / "step_00000001"),
+                "--to-peft",
+                str(tmp_path / "a"),
+            ]
+        )
 
 
 def test_a_bfloat16_base_trains_frozen_in_bf16_with_fp32_adapters(trained, tmp_path):
     """lora.base_dtype bfloat16: every frozen weight (tied or not) is stored in bf16 and stays bitwise, the adapters
     stay fp32 and train, and the run follows the fp32-base run within bf16's rounding; the export loads as before."""
-    run = lora_run(tmp_path, "bf16", trained["base"], **{"lora.base_dtype": "bfloat16", "training.dtype": "bfloat16"})
+    run = lora_run(
+        tmp_path, "bf16", trained["base"], **{"lora.base_dtype": "bfloat16", "training.dtype": "bfloat16"}
+    )
     trainer = Trainer(run)
     part = trainer.parts[0]
     frozen = {n: p.detach().clone() for n, p in part.named_parameters() if not p.requires_grad}
@@ -286,8 +370,11 @@ def test_a_bfloat16_base_trains_frozen_in_bf16_with_fp32_adapters(trained, tmp_p
     for name, p in part.named_parameters():
         if name in frozen:
             assert torch.equal(p, frozen[name]), name
-    fp32 = Trainer(lora_run(tmp_path, "fp32", trained["base"], **{"training.dtype": "bfloat16",
-                                                                   "checkpoint.at_end": "false"})).fit()
+    fp32 = Trainer(
+        lora_run(
+            tmp_path, "fp32", trained["base"], **{"training.dtype": "bfloat16", "checkpoint.at_end": "false"}
+        )
+    ).fit()
     for a, b in zip(records, fp32):
         assert abs(a["loss"] - b["loss"]) / b["loss"] < 2e-2
     assert records[-1]["loss"] < records[0]["loss"]
@@ -319,7 +406,9 @@ def test_the_fused_lora_product_equals_the_plain_one(x_grad):
     y = m(x)
     g = torch.randn_like(y)
     y.backward(g)
-    grads = [m.lora_A.weight.grad.clone(), m.lora_B.weight.grad.clone()] + ([x.grad.clone()] if x_grad else [])
+    grads = [m.lora_A.weight.grad.clone(), m.lora_B.weight.grad.clone()] + (
+        [x.grad.clone()] if x_grad else []
+    )
     m.zero_grad()
     x2 = x.detach().clone().requires_grad_(x_grad)
     ref = torch.nn.functional.linear(x2, m.weight) + m.lora_B(m.lora_A(x2) * 2.5)
@@ -342,9 +431,19 @@ def test_lora_linear_opcheck():
         torch.library.opcheck(lora_linear_op, (x, ws, a, b, 0.5))
         *ys, u = lora_linear_op(x, ws, a, b, 0.5)
         for input_grad in (True, False):
-            torch.library.opcheck(lora_linear_backward_op, ([torch.randn_like(y) for y in ys], x.detach(), ws,
-                                                            [t.detach() for t in a], [t.detach() for t in b],
-                                                            u.detach(), 0.5, input_grad))
+            torch.library.opcheck(
+                lora_linear_backward_op,
+                (
+                    [torch.randn_like(y) for y in ys],
+                    x.detach(),
+                    ws,
+                    [t.detach() for t in a],
+                    [t.detach() for t in b],
+                    u.detach(),
+                    0.5,
+                    input_grad,
+                ),
+            )
 
 
 def test_linears_of_one_input_in_one_call_equal_one_by_one():
@@ -358,13 +457,19 @@ def test_linears_of_one_input_in_one_call_equal_one_by_one():
         torch.nn.init.normal_(m.lora_B.weight)
     x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
     together = project(x, tuple(mods))
-    grads = torch.autograd.grad(sum((y * y.detach().sin()).sum() for y in together),
-                                [x] + [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)])
+    grads = torch.autograd.grad(
+        sum((y * y.detach().sin()).sum() for y in together),
+        [x] + [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)],
+    )
     x2 = x.detach().clone().requires_grad_()
-    apart = [F.linear(x2, m.weight) + F.linear(F.linear(x2, m.lora_A.weight), m.lora_B.weight) * m.scaling
-             for m in mods]
-    want = torch.autograd.grad(sum((y * y.detach().sin()).sum() for y in apart),
-                               [x2] + [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)])
+    apart = [
+        F.linear(x2, m.weight) + F.linear(F.linear(x2, m.lora_A.weight), m.lora_B.weight) * m.scaling
+        for m in mods
+    ]
+    want = torch.autograd.grad(
+        sum((y * y.detach().sin()).sum() for y in apart),
+        [x2] + [p for m in mods for p in (m.lora_A.weight, m.lora_B.weight)],
+    )
     for got, exp in zip(list(together) + list(grads), apart + list(want)):
         torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
     mods[1].disabled = True  # one linear without its adapter: each computes on its own

@@ -55,19 +55,22 @@ def test_matmul_params_match_the_model(flavor, vocab):
     assert matmul_params(args) == matrices - embedding
 
 
-@pytest.mark.parametrize("name,dtype,tflops", [
-    (H100, "bfloat16", 989.0),
-    ("NVIDIA H100 80GB HBM3", "float16", 989.0),
-    ("NVIDIA H200", "bfloat16", 989.0),
-    ("NVIDIA H200 NVL", "bfloat16", 835.0),
-    ("NVIDIA GH200 480GB", "bfloat16", 989.0),
-    ("NVIDIA H100 PCIe", "bfloat16", 756.0),
-    ("NVIDIA H100 NVL", "bfloat16", 835.0),
-    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312.0),
-    ("NVIDIA A100 80GB PCIe", "float32", 19.5),  # FP32, not TF32: loom leaves TF32 off
-    ("NVIDIA H100 80GB HBM3", "float32", 67.0),
-    ("nvidia h100 80gb hbm3", "bfloat16", 989.0),
-])
+@pytest.mark.parametrize(
+    "name,dtype,tflops",
+    [
+        (H100, "bfloat16", 989.0),
+        ("NVIDIA H100 80GB HBM3", "float16", 989.0),
+        ("NVIDIA H200", "bfloat16", 989.0),
+        ("NVIDIA H200 NVL", "bfloat16", 835.0),
+        ("NVIDIA GH200 480GB", "bfloat16", 989.0),
+        ("NVIDIA H100 PCIe", "bfloat16", 756.0),
+        ("NVIDIA H100 NVL", "bfloat16", 835.0),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "float32", 19.5),  # FP32, not TF32: loom leaves TF32 off
+        ("NVIDIA H100 80GB HBM3", "float32", 67.0),
+        ("nvidia h100 80gb hbm3", "bfloat16", 989.0),
+    ],
+)
 def test_peak_table(name, dtype, tflops):
     assert peak_flops(name, dtype) == tflops * 1e12
 
@@ -78,13 +81,24 @@ def test_unknown_device_has_no_peak_and_no_mfu():
 
 
 def test_strict_json_and_console_line():
-    rec = {"step": 3, "loss": 2.5, "grad_norm": math.inf, "lr": 1e-3, "tokens_per_s": 1234.0,
-           "tokens_per_s_per_device": 617.0, "mfu": 0.4, "mem_gib": 1.5, "val_loss": math.nan,
-           "skipped_steps": 1}
+    rec = {
+        "step": 3,
+        "loss": 2.5,
+        "grad_norm": math.inf,
+        "lr": 1e-3,
+        "tokens_per_s": 1234.0,
+        "tokens_per_s_per_device": 617.0,
+        "mfu": 0.4,
+        "mem_gib": 1.5,
+        "val_loss": math.nan,
+        "skipped_steps": 1,
+    }
     assert strict_json(rec)["grad_norm"] is None and strict_json(rec)["val_loss"] is None
     assert strict_json(rec)["loss"] == 2.5
-    assert format_line(rec, 10) == ("step  3/10 | loss 2.5000 | val nan | gnorm inf | lr 1.00e-03 | "
-                                    "tok/s 1.2k (617/dev) | mfu 40.0% | mem 1.50GiB | skipped 1")
+    assert format_line(rec, 10) == (
+        "step  3/10 | loss 2.5000 | val nan | gnorm inf | lr 1.00e-03 | "
+        "tok/s 1.2k (617/dev) | mfu 40.0% | mem 1.50GiB | skipped 1"
+    )
 
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", "mem_gib", "val_loss"}
@@ -93,26 +107,48 @@ REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu", 
 def test_each_method_chooses_its_console_fields():
     """The console line shows the objective's own fields (its ``console``), in its order, where the record has them:
     DPO its accuracy and margin, GRPO its warm-up, reward and its parts, accuracy and KL; the LM none."""
-    from loom.methods.grpo import GroupRelative
     from loom.methods.dpo import DirectPreference
+    from loom.methods.grpo import GroupRelative
     from loom.train.objective import LanguageModeling
 
-    base = {"step": 3, "loss": 0.5, "val_loss": None, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0,
-            "tokens_per_s_per_device": 10.0, "mfu": None, "mem_gib": 1.0}
-    rl = {**base, "reward": 0.75, "reward_std": 0.1, "rewards/exact_answer": 0.5, "rewards/digit_match": 0.5,
-          "rewards/digit_match_std": 0.2, "kl": 0.0125, "eval/accuracy": 0.25}
+    base = {
+        "step": 3,
+        "loss": 0.5,
+        "val_loss": None,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 10.0,
+        "tokens_per_s_per_device": 10.0,
+        "mfu": None,
+        "mem_gib": 1.0,
+    }
+    rl = {
+        **base,
+        "reward": 0.75,
+        "reward_std": 0.1,
+        "rewards/exact_answer": 0.5,
+        "rewards/digit_match": 0.5,
+        "rewards/digit_match_std": 0.2,
+        "kl": 0.0125,
+        "eval/accuracy": 0.25,
+    }
     line = format_line(rl, 10, GroupRelative.console)
     assert "| reward 0.750 | acc 0.500 | digit_match 0.500 | eval acc 0.250 | kl 0.0125 | gnorm" in line, line
     assert "_std" not in line and "warm-up" not in line
     assert "| warm-up | gnorm" in format_line({**base, "grpo/warmup": 1.0}, 10, GroupRelative.console)
     dpo = {**base, "rewards/accuracy": 0.625, "rewards/margins": 0.125, "rewards/chosen": 1.0}
-    assert "| loss 0.5000 | acc 0.625 | margin 0.125 | gnorm" in format_line(dpo, 10, DirectPreference.console)
+    assert "| loss 0.5000 | acc 0.625 | margin 0.125 | gnorm" in format_line(
+        dpo, 10, DirectPreference.console
+    )
     assert format_line(rl, 10, LanguageModeling.console) == format_line(base, 10)  # the LM: no method fields
 
 
 def job(tmp_path, name, **extra):
-    return tiny_overrides(tmp_path / name, tmp_path / "cache",
-                          **{"training.global_batch_size": 4, "metrics.every": None, **extra})
+    return tiny_overrides(
+        tmp_path / name,
+        tmp_path / "cache",
+        **{"training.global_batch_size": 4, "metrics.every": None, **extra},
+    )
 
 
 def read_jsonl(path):
@@ -169,5 +205,7 @@ def test_docs_peak_table_matches_the_code():
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "metrics.md")
     with open(path) as fh:
         rows = [line.split("|")[1:-1] for line in fh if line.startswith("| `")]
-    table = [(cells[0].strip().split("`")[1], [float(c) for c in cells[1:4]]) for cells in rows if len(cells) == 4]
+    table = [
+        (cells[0].strip().split("`")[1], [float(c) for c in cells[1:4]]) for cells in rows if len(cells) == 4
+    ]
     assert table == [(name, [t["bfloat16"], t["float16"], t["float32"]]) for name, t in PEAK_TFLOPS]

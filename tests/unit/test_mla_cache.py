@@ -18,8 +18,11 @@ from loom.models.llama import FLAVORS, Llama
 VOCAB = 384
 VARIANTS = {
     "q_lora": {},  # debug_mla: compressed queries, values 16 wide against queries / keys 32
-    "direct_q-interleaved-yarn": {"q_lora_rank": 0, "rope_interleave": True, "rope_scaling": YarnScaling(
-        factor=4.0, original_max_position=8, mscale=1.0, mscale_all_dim=0.8)},
+    "direct_q-interleaved-yarn": {
+        "q_lora_rank": 0,
+        "rope_interleave": True,
+        "rope_scaling": YarnScaling(factor=4.0, original_max_position=8, mscale=1.0, mscale_all_dim=0.8),
+    },
 }
 
 
@@ -50,7 +53,7 @@ def test_prefill_then_decode_steps_equal_the_full_forward(variant):
     model = model_of(variant)
     lengths, new = [3, 9, 6], 7
     rows = rows_of(len(lengths), max(lengths) + new)
-    refs = reference(model, [r[:n + new] for r, n in zip(rows, lengths)])
+    refs = reference(model, [r[: n + new] for r, n in zip(rows, lengths)])
     assert max(r.abs().max() for r in refs) > 1.0
     engine = Engine(model, compile=False, cuda_graphs=False)
     logits, _, lens = engine.start([r[:n] for r, n in zip(rows, lengths)], reserve=new)
@@ -78,10 +81,10 @@ def test_every_position_through_steps_and_extensions():
         assert (logits[b] - refs[b][0]).abs().max() < 1e-5
     at = 1
     for width in (1, 3, 2, 3, 1, 2):
-        tokens = torch.tensor([r[at:at + width] for r in rows])  # (B, S)
+        tokens = torch.tensor([r[at : at + width] for r in rows])  # (B, S)
         out = engine.step(tokens, torch.arange(at, at + width).expand(2, width))  # (B, S, V)
         for b in range(2):
-            assert (out[b] - refs[b][at:at + width]).abs().max() < 1e-5, (at, width, b)
+            assert (out[b] - refs[b][at : at + width]).abs().max() < 1e-5, (at, width, b)
         at += width
 
 
@@ -106,7 +109,9 @@ def test_bytes_per_token_equal_the_formula():
     per_layer = (args.kv_lora_rank + args.qk_rope_head_dim) * 2  # bf16
     for cache in engine.caches:
         assert cache.bytes_per_token == per_layer
-        assert cache.kv.numel() * cache.kv.element_size() == per_layer * cache.batch * cache.length  # its buffers
+        assert (
+            cache.kv.numel() * cache.kv.element_size() == per_layer * cache.batch * cache.length
+        )  # its buffers
     assert engine.cache_bytes_per_token == args.n_layers * per_layer
     assert per_layer == args.cache_elements_per_token * 2
 

@@ -17,10 +17,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def job(tmp_path, **extra):
-    d = {"run.dir": str(tmp_path / "run"), "run.device": "cuda", "model.flavor": "debug_mla", "training.steps": 6,
-         "training.seq_len": 128, "training.global_batch_size": 8, "training.micro_batch_size": 4,
-         "optimizer.warmup_steps": 1, "metrics.every": 1, "checkpoint.at_end": "false",
-         "metrics.tensorboard": "false"}
+    d = {
+        "run.dir": str(tmp_path / "run"),
+        "run.device": "cuda",
+        "model.flavor": "debug_mla",
+        "training.steps": 6,
+        "training.seq_len": 128,
+        "training.global_batch_size": 8,
+        "training.micro_batch_size": 4,
+        "optimizer.warmup_steps": 1,
+        "metrics.every": 1,
+        "checkpoint.at_end": "false",
+        "metrics.tensorboard": "false",
+    }
     d.update(extra)
     return d
 
@@ -35,26 +44,48 @@ def test_every_backend_trains_close_to_fp32(tmp_path):
     fp32 = losses(tmp_path / "fp32", **{"training.dtype": "float32", "model.attention": "sdpa"})
     for backend in ("sdpa", "flash", "flex"):
         for documents in ("false", "true"):
-            got = losses(tmp_path / f"{backend}-{documents}", **{"training.dtype": "bfloat16",
-                                                                 "model.attention": backend,
-                                                                 "data.document_positions": documents})
+            got = losses(
+                tmp_path / f"{backend}-{documents}",
+                **{
+                    "training.dtype": "bfloat16",
+                    "model.attention": backend,
+                    "data.document_positions": documents,
+                },
+            )
             if documents == "false":
                 assert max(abs(a - b) / a for a, b in zip(fp32, got)) < 2e-2, backend
 
 
 def test_compile_and_op_checkpointing(tmp_path):
     eager = losses(tmp_path / "e", **{"training.dtype": "bfloat16", "model.attention": "flash"})
-    comp = losses(tmp_path / "c", **{"training.dtype": "bfloat16", "model.attention": "flash", "training.compile":
-                                     "true", "training.activation_checkpointing": "op"})
+    comp = losses(
+        tmp_path / "c",
+        **{
+            "training.dtype": "bfloat16",
+            "model.attention": "flash",
+            "training.compile": "true",
+            "training.activation_checkpointing": "op",
+        },
+    )
     assert max(abs(a - b) / a for a, b in zip(eager, comp)) < 1e-2
 
 
 def test_deepseek_v2_lite_attention_shape_trains(tmp_path):
     """Two layers of the deepseek_v2_lite flavor (q/k heads 192 wide, values 128, YaRN): auto picks SDPA for packed
     documents (loom's kernel takes at most 128) and the model trains."""
-    records = run_one(job(tmp_path, **{"model.flavor": "deepseek_v2_lite", "model.n_layers": 2, "training.dtype":
-                                       "bfloat16", "data.document_positions": "true", "training.steps": 4,
-                                       "training.micro_batch_size": 2}))
+    records = run_one(
+        job(
+            tmp_path,
+            **{
+                "model.flavor": "deepseek_v2_lite",
+                "model.n_layers": 2,
+                "training.dtype": "bfloat16",
+                "data.document_positions": "true",
+                "training.steps": 4,
+                "training.micro_batch_size": 2,
+            },
+        )
+    )
     assert all(math.isfinite(r["loss"]) for r in records)
 
 
@@ -69,8 +100,9 @@ def test_logits_match_transformers_through_the_fused_kernels(tmp_path):
     with torch.no_grad():
         theirs = hf(tokens).logits
         for backend in ("sdpa", "flash"):
-            model = loom_from_hf(folder, attention=backend, fused_norm=True, fused_rope=True,
-                                 fused_swiglu=True).cuda()
+            model = loom_from_hf(
+                folder, attention=backend, fused_norm=True, fused_rope=True, fused_swiglu=True
+            ).cuda()
             assert (model(tokens.cuda()).cpu() - theirs).abs().max() < 1e-3, backend
 
 
@@ -82,7 +114,7 @@ def test_graph_captured_decode_equals_the_full_forward():
     model = model_of("q_lora")
     lengths, new = [3, 9, 6], 7
     rows = rows_of(len(lengths), max(lengths) + new)
-    refs = reference(model, [r[:n + new] for r, n in zip(rows, lengths)])  # on the CPU
+    refs = reference(model, [r[: n + new] for r, n in zip(rows, lengths)])  # on the CPU
     model = model.cuda()
     engine = Engine(model, compile=True, cuda_graphs=True)
     logits, _, lens = engine.start([r[:n] for r, n in zip(rows, lengths)], reserve=new)

@@ -36,9 +36,13 @@ def test_init_depends_on_seed_and_name_only():
 
 
 def test_canonical_name_strips_wrappers():
-    assert canonical_name("module.layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == \
-        "layers.0.attention.wq.weight"
-    assert param_seed(0, "module.layers.0.attention.wq.weight") == param_seed(0, "layers.0.attention.wq.weight")
+    assert (
+        canonical_name("module.layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight")
+        == "layers.0.attention.wq.weight"
+    )
+    assert param_seed(0, "module.layers.0.attention.wq.weight") == param_seed(
+        0, "layers.0.attention.wq.weight"
+    )
 
 
 def test_residual_init_depth_scales_only_the_residual_projections():
@@ -60,7 +64,9 @@ def test_residual_init_reaches_the_model_from_the_config():
 
     tok = ByteTokenizer()
     assert resolve_model_args(build_config(None, {}), tok).residual_init == "flat"
-    assert resolve_model_args(build_config(None, {"model.residual_init": "depth"}), tok).residual_init == "depth"
+    assert (
+        resolve_model_args(build_config(None, {"model.residual_init": "depth"}), tok).residual_init == "depth"
+    )
 
 
 class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -78,8 +84,10 @@ def test_op_level_checkpointing_keeps_every_attention_forward():
     per block, not again in the backward. The planner assumes it (loom.plan.timing.recompute_share)."""
     from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 
-    for backend, op in (("flash", "loom.flash_attn.default"),
-                        ("sdpa", "aten._scaled_dot_product_flash_attention_for_cpu.default")):
+    for backend, op in (
+        ("flash", "loom.flash_attn.default"),
+        ("sdpa", "aten._scaled_dot_product_flash_attention_for_cpu.default"),
+    ):
         args = FLAVORS["debug"].with_(vocab_size=384, max_seq_len=32, attention=backend)
         model = Llama(args)
         apply_activation_checkpointing(model.layers, "op", 1)
@@ -112,7 +120,9 @@ def test_family_switches_add_only_their_parameters_and_init_them_by_name():
     """q/k/v biases start at zero and q/k norms at one, by name like every other parameter; the switches' defaults
     add nothing (every flavor keeps its parameters)."""
     base = {n for n, _ in build(False).named_parameters()}
-    args = FLAVORS["debug"].with_(vocab_size=384, max_seq_len=64, attention_bias=True, qk_norm=True, head_dim=24)
+    args = FLAVORS["debug"].with_(
+        vocab_size=384, max_seq_len=64, attention_bias=True, qk_norm=True, head_dim=24
+    )
     models = []
     for _ in range(2):
         with torch.device("meta"):
@@ -121,8 +131,11 @@ def test_family_switches_add_only_their_parameters_and_init_them_by_name():
         models.append(model)
     params = dict(models[0].named_parameters())
     added = sorted(set(params) - base)
-    assert added == sorted(f"layers.{i}.attention.{leaf}" for i in range(2) for leaf in (
-        "wq.bias", "wk.bias", "wv.bias", "q_norm.weight", "k_norm.weight"))
+    assert added == sorted(
+        f"layers.{i}.attention.{leaf}"
+        for i in range(2)
+        for leaf in ("wq.bias", "wk.bias", "wv.bias", "q_norm.weight", "k_norm.weight")
+    )
     attn = models[0].layers["1"].attention
     assert attn.wq.bias.shape == (4 * 24,) and attn.wk.bias.shape == (2 * 24,) and attn.wo.bias is None
     assert not attn.wq.bias.any() and torch.equal(attn.k_norm.weight, torch.ones(24))
@@ -132,14 +145,20 @@ def test_family_switches_add_only_their_parameters_and_init_them_by_name():
     assert attn.q_norm.weight.grad is not None and attn.wv.bias.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("seq,window,documents", [(300, 70, False), (300, 70, True), (512, 300, False),
-                                                  (512, 300, True), (64, 1, True)])
+@pytest.mark.parametrize(
+    "seq,window,documents",
+    [(300, 70, False), (300, 70, True), (512, 300, False), (512, 300, True), (64, 1, True)],
+)
 def test_sliding_window_is_the_same_mask_on_every_backend(seq, window, documents):
     """``attend`` with a window: SDPA (banded mask), loom's op and FlexAttention (forward: Flex has no CPU backward)
     all equal the reference mask, query i seeing keys i - window < j <= i of its own document."""
     from loom.kernels.attention.flex import flex_attend
-    from loom.kernels.attention.reference import (doc_ids_from_positions, document_bounds, document_starts,
-                                                  visible)
+    from loom.kernels.attention.reference import (
+        doc_ids_from_positions,
+        document_bounds,
+        document_starts,
+        visible,
+    )
     from loom.models.common.layers import attend
 
     gen = torch.Generator().manual_seed(seq + window)
@@ -156,6 +175,8 @@ def test_sliding_window_is_the_same_mask_on_every_backend(seq, window, documents
     assert not (mask[0, 0] & ((j > i) | (j <= i - window))).any()  # transformers' convention
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     for backend in ("sdpa", "flash"):
-        torch.testing.assert_close(attend(q, k, v, backend, positions, window), expected, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            attend(q, k, v, backend, positions, window), expected, atol=2e-6, rtol=1e-5
+        )
     starts = None if positions is None else document_starts(doc_ids_from_positions(positions))
     torch.testing.assert_close(flex_attend(q, k, v, starts, window), expected, atol=2e-6, rtol=1e-5)

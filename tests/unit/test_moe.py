@@ -40,7 +40,7 @@ def test_dropless_a_tokens_output_does_not_depend_on_the_batch():
     x = torch.randn(4, 9, 16)
     whole = m(x)
     for b in range(4):
-        torch.testing.assert_close(m(x[b:b + 1]), whole[b:b + 1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m(x[b : b + 1]), whole[b : b + 1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m(x[:, :5]), whole[:, :5], rtol=1e-5, atol=1e-6)
 
 
@@ -79,7 +79,9 @@ def test_grouped_gemm_matches_the_loop_over_experts_in_bf16():
 def test_balance_loss_is_one_per_sequence_when_balanced():
     bsz, seq, n, k = 3, 8, 4, 2
     probs = torch.full((bsz, seq, n), 1 / n)
-    experts = torch.arange(seq * k).remainder(n).view(1, seq, k).expand(bsz, seq, k)  # each expert seq*k/n times
+    experts = (
+        torch.arange(seq * k).remainder(n).view(1, seq, k).expand(bsz, seq, k)
+    )  # each expert seq*k/n times
     assert sequence_balance_loss(probs, experts, n).item() == pytest.approx(bsz)
     skewed = torch.zeros(bsz, seq, k, dtype=torch.long)  # everything to expert 0 (and its top-2 twin 0)
     skewed[..., 1] = 1
@@ -103,7 +105,9 @@ def test_balance_loss_gradient_enters_through_backward_only():
     (out.square().sum() + 0.5 * 0.25 * aux).backward()
     for (name, a), b in zip(balanced.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
-    assert ref.router.gate.weight.grad.sub(_grad_without_aux(x)).abs().max() > 1e-6  # the aux term is not nothing
+    assert (
+        ref.router.gate.weight.grad.sub(_grad_without_aux(x)).abs().max() > 1e-6
+    )  # the aux term is not nothing
 
 
 def test_the_parallel_extension_point_left_empty_changes_nothing():
@@ -140,14 +144,22 @@ def test_flops_count_the_router_and_top_k_experts():
     moe = FLAVORS["debug_moe"].with_(vocab_size=256)
     attn = matmul_params(dense) - dense.n_layers * 3 * dense.dim * dense.ffn_dim - dense.dim * 256
     expert = 3 * moe.dim * moe.expert_ffn_dim
-    assert matmul_params(moe) == attn + moe.n_layers * (moe.dim * moe.moe_experts + moe.moe_top_k * expert) \
-        + moe.dim * 256
+    assert (
+        matmul_params(moe)
+        == attn + moe.n_layers * (moe.dim * moe.moe_experts + moe.moe_top_k * expert) + moe.dim * 256
+    )
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"model.moe_experts": "4", "model.moe_top_k": "5"}, "model.moe_top_k"),
-    ({"model.flavor": "debug_moe", "training.compile": "true", "training.dtype": "float32"}, "training.compile"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"model.moe_experts": "4", "model.moe_top_k": "5"}, "model.moe_top_k"),
+        (
+            {"model.flavor": "debug_moe", "training.compile": "true", "training.dtype": "float32"},
+            "training.compile",
+        ),
+    ],
+)
 def test_unsupported_moe_settings_name_the_field(overrides, field):
     from loom.data import build_tokenizer
     from loom.resolve import resolve_model_args
@@ -165,14 +177,22 @@ def test_the_planner_models_moe_in_bf16_only():
     with pytest.raises(ConfigError) as err:
         estimate(build_config(None, {"model.flavor": "debug_moe"}), 1, GPUS["H100"])
     assert err.value.field == "training.dtype"
-    est = estimate(build_config(None, {"model.flavor": "debug_moe", "training.dtype": "bfloat16"}), 1, GPUS["H100"])
+    est = estimate(
+        build_config(None, {"model.flavor": "debug_moe", "training.dtype": "bfloat16"}), 1, GPUS["H100"]
+    )
     assert est.memory.total > 0 and est.tokens_per_s_per_gpu > 0
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--model.moe_top_k", "9"], "model.moe_top_k"),
-    (["--parallel.tp", "2", "--parallel.ep", "3", "--nproc-per-node", "4"], "parallel.ep"),  # before workers start
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--model.moe_top_k", "9"], "model.moe_top_k"),
+        (
+            ["--parallel.tp", "2", "--parallel.ep", "3", "--nproc-per-node", "4"],
+            "parallel.ep",
+        ),  # before workers start
+    ],
+)
 def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
     from tests.unit.test_cli_train import loom_train
 
@@ -183,16 +203,42 @@ def test_cli_errors_for_moe_are_one_line(tmp_path, args, field):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("overrides, world, field, says", [
-    ({"parallel.ep": "2"}, 2, "parallel.ep", "mixture-of-experts"),  # a dense model
-    ({"model.flavor": "debug_moe", "model.moe_experts": "6", "parallel.ep": "4"}, 4, "parallel.ep", "experts (6)"),
-    ({"model.flavor": "debug_moe", "parallel.ep": "4", "parallel.dp_shard": "2", "parallel.dp_replicate": "2"},
-     4, "parallel.ep", "dp_shard x cp (2 x 1)"),
-    # under tp the ep ranks take in the tp ranks: ep = tp x a divisor of dp_shard x cp
-    ({"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "3"}, 4, "parallel.ep", "tp x a divisor"),
-    ({"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "6", "model.moe_experts": "6"}, 4,
-     "parallel.ep", "tp x a divisor of parallel.dp_shard x cp (2 x 1)"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, field, says",
+    [
+        ({"parallel.ep": "2"}, 2, "parallel.ep", "mixture-of-experts"),  # a dense model
+        (
+            {"model.flavor": "debug_moe", "model.moe_experts": "6", "parallel.ep": "4"},
+            4,
+            "parallel.ep",
+            "experts (6)",
+        ),
+        (
+            {
+                "model.flavor": "debug_moe",
+                "parallel.ep": "4",
+                "parallel.dp_shard": "2",
+                "parallel.dp_replicate": "2",
+            },
+            4,
+            "parallel.ep",
+            "dp_shard x cp (2 x 1)",
+        ),
+        # under tp the ep ranks take in the tp ranks: ep = tp x a divisor of dp_shard x cp
+        (
+            {"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "3"},
+            4,
+            "parallel.ep",
+            "tp x a divisor",
+        ),
+        (
+            {"model.flavor": "debug_moe", "parallel.tp": "2", "parallel.ep": "6", "model.moe_experts": "6"},
+            4,
+            "parallel.ep",
+            "tp x a divisor of parallel.dp_shard x cp (2 x 1)",
+        ),
+    ],
+)
 def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
     from loom.data import build_tokenizer
     from loom.parallel.dims import ParallelDims

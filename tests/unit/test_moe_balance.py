@@ -61,9 +61,17 @@ def test_model_counts_loads_in_training_only():
 def _run(tmp_path, name: str, **over):
     from loom.train.trainer import Trainer
 
-    cfg = tiny_config(tmp_path / name, tmp_path / "cache", **{
-        "model.flavor": "deepseek_v3_debug", "model.moe_aux_loss": 0.0, "training.global_batch_size": 8,
-        "training.micro_batch_size": 8, **over})
+    cfg = tiny_config(
+        tmp_path / name,
+        tmp_path / "cache",
+        **{
+            "model.flavor": "deepseek_v3_debug",
+            "model.moe_aux_loss": 0.0,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 8,
+            **over,
+        },
+    )
     trainer = Trainer(cfg)
     return trainer, trainer.fit()
 
@@ -76,7 +84,7 @@ def test_bias_update_balances_the_experts(tmp_path):
     steps = {"training.steps": 12}
     _, off = _run(tmp_path, "off", **steps, **{"model.moe_bias_speed": 0})
     trainer, on = _run(tmp_path, "on", **steps, **{"model.moe_bias_speed": 0.01})
-    late = lambda records: sum(r["moe_max_load"] for r in records[-6:]) / 6  # noqa: E731
+    late = lambda records: sum(r["moe_max_load"] for r in records[-6:]) / 6
     print(f"max/mean expert load, last 6 steps: off {late(off):.2f}, on {late(on):.2f}")
     assert late(on) < 0.85 * late(off)
     biases = [m.router.expert_bias for m in trainer.parts[0].modules() if isinstance(m, MoE)]
@@ -89,8 +97,12 @@ def test_bias_is_saved_and_resumed(tmp_path):
     the checkpoint (resumed at zero, the routing and the losses would differ)."""
     ckpt = tmp_path / "ckpt"
     speed = {"model.moe_bias_speed": 0.02}  # a bias that changes the routing within two steps
-    trainer, straight = _run(tmp_path, "straight", **speed, **{"training.steps": 4, "checkpoint.every": 2,
-                                                                  "checkpoint.dir": str(ckpt)})
+    trainer, straight = _run(
+        tmp_path,
+        "straight",
+        **speed,
+        **{"training.steps": 4, "checkpoint.every": 2, "checkpoint.dir": str(ckpt)},
+    )
     assert any(m.router.expert_bias.abs().sum() > 0 for m in trainer.parts[0].modules() if isinstance(m, MoE))
     saved = sorted(p for p in ckpt.iterdir() if p.name.startswith("step_"))[0]
     _, resumed = _run(tmp_path, "resumed", **speed, **{"training.steps": 4, "checkpoint.resume": str(saved)})
@@ -106,10 +118,14 @@ def test_flops_count_the_families_blocks():
 
     args = all_flavors()["deepseek_v3_debug"].with_(vocab_size=256)
     model = build_model(args)
-    routed = sum(m.experts.w1.numel() + m.experts.w2.numel() + m.experts.w3.numel()
-                 for m in model.modules() if isinstance(m, MoE))
+    routed = sum(
+        m.experts.w1.numel() + m.experts.w2.numel() + m.experts.w3.numel()
+        for m in model.modules()
+        if isinstance(m, MoE)
+    )
     total = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n)
     active = total - routed * (args.moe_experts - args.moe_top_k) // args.moe_experts
     # the tied head counts once per pass (main + MTP); the embedding lookup is no matmul
-    assert matmul_params(args) == active + args.mtp_depth * args.dim * args.vocab_size + \
-        (args.dim * args.vocab_size if args.tie_embeddings else 0)
+    assert matmul_params(args) == active + args.mtp_depth * args.dim * args.vocab_size + (
+        args.dim * args.vocab_size if args.tie_embeddings else 0
+    )

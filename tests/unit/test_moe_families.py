@@ -22,16 +22,29 @@ from loom.models.qwen3_moe import Qwen3MoeArgs  # noqa: E402
 from loom.models.registry import all_flavors, build_model, spec_of  # noqa: E402
 from tests.unit.test_hf import VOCAB, read_all, save_hf  # noqa: E402
 
-_SHAPE = dict(hidden_size=64, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=256,
-              tie_word_embeddings=False)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+_SHAPE = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
 
 
 def _widen(model):
     """Weights widened from HF's init (norms off 1, biases off 0) so a wrong tensor or route shows far above 1e-4."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             p.uniform_(0.5, 1.5) if p.ndim == 1 else p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -41,20 +54,58 @@ def _widen(model):
 
 def random_qwen3_moe(seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(**{**_SHAPE, **dict(
-        num_hidden_layers=4, num_key_value_heads=2, head_dim=24, intermediate_size=96, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-        rope_theta=1e6, rms_norm_eps=1e-6), **overrides})
+    cfg = transformers.Qwen3MoeConfig(
+        **{
+            **_SHAPE,
+            **dict(
+                num_hidden_layers=4,
+                num_key_value_heads=2,
+                head_dim=24,
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=3,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+                rope_theta=1e6,
+                rms_norm_eps=1e-6,
+            ),
+            **overrides,
+        }
+    )
     return _widen(transformers.Qwen3MoeForCausalLM(cfg))
 
 
 def random_deepseek_v3(seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    cfg = transformers.DeepseekV3Config(**{**_SHAPE, **dict(
-        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16, kv_lora_rank=32,
-        q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, rope_parameters=YARN), **overrides})
+    cfg = transformers.DeepseekV3Config(
+        **{
+            **_SHAPE,
+            **dict(
+                num_hidden_layers=3,
+                num_key_value_heads=4,
+                intermediate_size=96,
+                moe_intermediate_size=16,
+                kv_lora_rank=32,
+                q_lora_rank=24,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=12,
+                rope_interleave=True,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=2,
+                n_group=4,
+                topk_group=2,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+                first_k_dense_replace=1,
+                rope_parameters=YARN,
+            ),
+            **overrides,
+        }
+    )
     return _widen(transformers.DeepseekV3ForCausalLM(cfg))
 
 
@@ -74,13 +125,25 @@ def tokens_of(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
 def test_config_maps_to_each_family(tmp_path):
     q = llama_args_from_hf(save_hf(random_qwen3_moe(), tmp_path / "q"))
     assert type(q) is Qwen3MoeArgs and spec_of(q).name == "qwen3_moe"
-    assert (q.qk_norm, q.n_kv_heads, q.head_dim, q.moe_experts, q.moe_top_k, q.expert_ffn_dim, q.ffn_dim) == \
-        (True, 2, 24, 8, 3, 32, 96)
+    assert (q.qk_norm, q.n_kv_heads, q.head_dim, q.moe_experts, q.moe_top_k, q.expert_ffn_dim, q.ffn_dim) == (
+        True,
+        2,
+        24,
+        8,
+        3,
+        32,
+        96,
+    )
     assert [q.moe_layer(i) for i in range(4)] == [True, False, True, True]  # mlp_only_layers = [1]
     d = llama_args_from_hf(save_hf(random_deepseek_v3(), tmp_path / "d"))
     assert type(d) is DeepSeekV3Args and d.mla and d.moe_score == "sigmoid" and d.moe_bias
-    assert (d.moe_groups, d.moe_topk_groups, d.moe_shared_experts, d.moe_route_scale, d.first_k_dense) == \
-        (4, 2, 2, 2.5, 1)
+    assert (d.moe_groups, d.moe_topk_groups, d.moe_shared_experts, d.moe_route_scale, d.first_k_dense) == (
+        4,
+        2,
+        2,
+        2.5,
+        1,
+    )
     assert [d.moe_layer(i) for i in range(3)] == [False, True, True]
 
 
@@ -135,10 +198,19 @@ def test_mtp_layer_round_trips_in_deepseeks_layout(tmp_path):
     export_hf(model.state_dict(), args, out)
     stored = read_all(out)
     n = args.n_layers
-    assert {f"model.layers.{n}.{k}" for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
-                                               "shared_head.norm.weight", "embed_tokens.weight",
-                                               "shared_head.head.weight", "mlp.gate.e_score_correction_bias",
-                                               "self_attn.kv_a_proj_with_mqa.weight")} <= set(stored)
+    assert {
+        f"model.layers.{n}.{k}"
+        for k in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+            "embed_tokens.weight",
+            "shared_head.head.weight",
+            "mlp.gate.e_score_correction_bias",
+            "self_attn.kv_a_proj_with_mqa.weight",
+        )
+    } <= set(stored)
     with open(os.path.join(out, "config.json")) as fh:
         assert json.load(fh)["num_nextn_predict_layers"] == 1
     back = loom_of(out)
@@ -189,9 +261,15 @@ def test_generation_from_the_folder_equals_transformers_greedy(tmp_path, family)
     outs = Generator(folder, compile=False).generate_ids(prompts, max_new_tokens=8)
     for prompt, out in zip(prompts, outs):
         x = torch.tensor([prompt])
-        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids[:len(want)] == want
+        want = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert out.token_ids[: len(want)] == want
 
 
 def test_training_starts_from_a_deepseek_folder_and_exports_back(tmp_path):
@@ -207,8 +285,12 @@ def test_training_starts_from_a_deepseek_folder_and_exports_back(tmp_path):
     src = save_hf(hf, tmp_path / "hf")
     trainer, first, records = train_from_hf(tmp_path, src)
     with torch.no_grad():
-        sums = [torch.nn.functional.cross_entropy(hf(mb.inputs).logits.flatten(0, 1), mb.labels.flatten(),
-                                                  ignore_index=-100, reduction="sum") for mb in first]
+        sums = [
+            torch.nn.functional.cross_entropy(
+                hf(mb.inputs).logits.flatten(0, 1), mb.labels.flatten(), ignore_index=-100, reduction="sum"
+            )
+            for mb in first
+        ]
     want = sum(sums) / sum(int((mb.labels != -100).sum()) for mb in first)
     assert records[0]["loss"] == pytest.approx(float(want), rel=1e-4)
     out = str(tmp_path / "out")
@@ -224,11 +306,31 @@ def test_deepseek_v2_logits_and_round_trip(tmp_path, method):
     """DeepseekV2ForCausalLM (softmax scores, weights scaled not renormalized, greedy or group-limited top-k): the
     DeepSeek-V3 family's model with V2's routing gives transformers' logits and exports the same folder back."""
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV2Config(**{**_SHAPE, **dict(
-        num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=16, kv_lora_rank=32,
-        q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, topk_method=method,
-        routed_scaling_factor=1.5, first_k_dense_replace=1, rope_theta=10000.0)})
+    cfg = transformers.DeepseekV2Config(
+        **{
+            **_SHAPE,
+            **dict(
+                num_hidden_layers=3,
+                num_key_value_heads=4,
+                intermediate_size=96,
+                moe_intermediate_size=16,
+                kv_lora_rank=32,
+                q_lora_rank=24,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=12,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=4,
+                topk_group=2,
+                topk_method=method,
+                routed_scaling_factor=1.5,
+                first_k_dense_replace=1,
+                rope_theta=10000.0,
+            ),
+        }
+    )
     hf = _widen(transformers.DeepseekV2ForCausalLM(cfg))
     src = save_hf(hf, tmp_path / "hf")
     model = loom_of(src)

@@ -25,7 +25,7 @@ def problem(seed=0):
     w_star = torch.randn(D, generator=gen, dtype=torch.float64)
     delta = torch.randn(D, generator=gen, dtype=torch.float64)
     delta /= delta.norm()  # |δ| = 1
-    exact = (D * (1 + SIGMA ** 2) + 1) / 1.0
+    exact = (D * (1 + SIGMA**2) + 1) / 1.0
     return w_star, delta, exact
 
 
@@ -89,8 +89,14 @@ def test_probe_through_the_step_recovers_it():
     with torch.no_grad():
         model.weight.copy_((w_star + delta)[None])
     dims = ParallelDims.from_config(ParallelConfig(), 1)
-    ctx = StepContext(dims, torch.device("cpu"), contextlib.nullcontext, False, False,
-                      StepProfiler(None, "", 0, torch.device("cpu")))
+    ctx = StepContext(
+        dims,
+        torch.device("cpu"),
+        contextlib.nullcontext,
+        False,
+        False,
+        StepProfiler(None, "", 0, torch.device("cpu")),
+    )
     steps = LocalStep(model, [model], Regression(), ctx)
     probe = NoiseScaleProbe.build(steps, dims, Regression())
     probe.estimator = NoiseScale(decay=0.998)
@@ -98,7 +104,7 @@ def test_probe_through_the_step_recovers_it():
     accum, b = 4, 8
     for _ in range(2500):
         x, y = sample(w_star, accum * b, gen)
-        mbs = [MicroBatch(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b], None, None) for i in range(accum)]
+        mbs = [MicroBatch(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b], None, None) for i in range(accum)]
         n = torch.tensor(float(accum * b))
         result = probe.step(mbs, dims.dp_size * dims.cp / n, 1.0)  # the trainer's grad_scale (loss scale 1)
         probe.observe(steps.grad_norm(), n)
@@ -130,4 +136,6 @@ def test_needs_accumulation():
     from tests.tiny import tiny_config
 
     with pytest.raises(ConfigError, match="metrics.noise_scale.*2 or more micro-batches"):
-        resolve(tiny_config(**{"metrics.noise_scale": "true", "training.micro_batch_size": 8}), 1, device="cpu")
+        resolve(
+            tiny_config(**{"metrics.noise_scale": "true", "training.micro_batch_size": 8}), 1, device="cpu"
+        )

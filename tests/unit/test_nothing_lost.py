@@ -20,15 +20,29 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 # ---- the KL reference of PPO and GRPO on a resume ---------------------------------------------------------------
 
+
 def rl_run(run_dir, objective: str, steps: int, **extra) -> list[dict]:
     from loom.config import build_config
     from loom.train.trainer import Trainer
 
-    over = tiny_overrides(str(run_dir), None, **{
-        "training.objective": objective, "training.steps": steps, "training.global_batch_size": 8,
-        "training.micro_batch_size": 4, "grpo.group_size": 4, "grpo.max_new_tokens": 4, "grpo.warmup_steps": 1,
-        "metrics.progress": "false", "run.deterministic": "true", "checkpoint.every": 3, "checkpoint.keep": 0,
-        **extra})
+    over = tiny_overrides(
+        str(run_dir),
+        None,
+        **{
+            "training.objective": objective,
+            "training.steps": steps,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "grpo.group_size": 4,
+            "grpo.max_new_tokens": 4,
+            "grpo.warmup_steps": 1,
+            "metrics.progress": "false",
+            "run.deterministic": "true",
+            "checkpoint.every": 3,
+            "checkpoint.keep": 0,
+            **extra,
+        },
+    )
     cfg = build_config(None, {k: str(v) for k, v in over.items()})
     from loom.methods.grpo import GroupRelative
     from loom.methods.ppo import ProximalPolicy
@@ -36,8 +50,9 @@ def rl_run(run_dir, objective: str, steps: int, **extra) -> list[dict]:
     return Trainer(cfg, objective=(ProximalPolicy if objective == "ppo" else GroupRelative)(cfg)).fit()
 
 
-@pytest.mark.parametrize("objective,kl", [("ppo", {"ppo.kl_coef": 0.05, "ppo.epochs": 2}),
-                                          ("grpo", {"grpo.beta": 0.5})])
+@pytest.mark.parametrize(
+    "objective,kl", [("ppo", {"ppo.kl_coef": 0.05, "ppo.epochs": 2}), ("grpo", {"grpo.beta": 0.5})]
+)
 def test_a_resume_with_the_kl_term_on_is_bitwise(tmp_path, objective, kl):
     """Saved at step 3 (after the reference was taken at step 2), resumed: steps 4-5 equal the uninterrupted run's
     bitwise; the reference is read back from the lineage, not taken from the resumed policy."""
@@ -51,6 +66,7 @@ def test_a_resume_with_the_kl_term_on_is_bitwise(tmp_path, objective, kl):
 
 
 # ---- DPO's cached reference ---------------------------------------------------------------------------------------
+
 
 def export_tiny(folder, seed: int) -> str:
     from loom.checkpoint.hf.export import export_hf
@@ -71,16 +87,37 @@ def test_dpo_cached_reference_is_keyed_by_the_weights_content(tmp_path, capsys):
 
     words = "the cat sat on a warm mat while two dogs ran past".split()
     source = tmp_path / "pairs.jsonl"
-    source.write_text("".join(json.dumps({"prompt": " ".join(words[i % 5:i % 5 + 3]), "chosen": words[i % 12],
-                                          "rejected": words[(i + 5) % 12] + " no"}) + "\n" for i in range(16)))
+    source.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": " ".join(words[i % 5 : i % 5 + 3]),
+                    "chosen": words[i % 12],
+                    "rejected": words[(i + 5) % 12] + " no",
+                }
+            )
+            + "\n"
+            for i in range(16)
+        )
+    )
     hf = tmp_path / "sft_export"
 
     def dpo(seed: int) -> float:
         export_tiny(hf, seed)
-        over = tiny_overrides(tmp_path / "run", tmp_path / "cache", **{
-            "training.objective": "dpo", "training.steps": 1, "training.seq_len": 64, "data.source": str(source),
-            "model.init_from": str(hf), "data.val_fraction": 0.0, "metrics.progress": "false",
-            "optimizer.warmup_steps": 0})
+        over = tiny_overrides(
+            tmp_path / "run",
+            tmp_path / "cache",
+            **{
+                "training.objective": "dpo",
+                "training.steps": 1,
+                "training.seq_len": 64,
+                "data.source": str(source),
+                "model.init_from": str(hf),
+                "data.val_fraction": 0.0,
+                "metrics.progress": "false",
+                "optimizer.warmup_steps": 0,
+            },
+        )
         return Trainer(build_config(None, {k: str(v) for k, v in over.items()})).fit()[0]["loss"]
 
     assert dpo(0) == pytest.approx(0.693147, abs=1e-5)
@@ -95,14 +132,21 @@ def test_dpo_cached_reference_is_keyed_by_the_weights_content(tmp_path, capsys):
 # ---- the chat-template probe and message contents -------------------------------------------------------------------
 
 TEMPLATES = {
-    "m.text typo": ("{% for m in messages %}<|{{ m.role }}|>{{ m.text }}{% if m.role == 'assistant' %}{{ eos_token }}"
-                    "{% endif %}\n{% endfor %}", "message 1's content (role user)"),
+    "m.text typo": (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.text }}{% if m.role == 'assistant' %}{{ eos_token }}"
+        "{% endif %}\n{% endfor %}",
+        "message 1's content (role user)",
+    ),
     "roles only": ("{% for m in messages %}<|{{ m['role'] }}|>\n{% endfor %}", "message 1's content"),
-    "no assistant": ("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}",
-                     "message 2's content (role assistant)"),
-    "mask misses the reply": ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ eos_token }}"
-                              "{% endgeneration %}{{ m.content }}{% else %}{{ m.content }}{% endif %}{% endfor %}",
-                              "the assistant mask does not cover"),
+    "no assistant": (
+        "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}{% endfor %}",
+        "message 2's content (role assistant)",
+    ),
+    "mask misses the reply": (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ eos_token }}"
+        "{% endgeneration %}{{ m.content }}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+        "the assistant mask does not cover",
+    ),
 }
 
 
@@ -128,11 +172,15 @@ def test_good_templates_pass_the_probe(tmp_path):
 
     load_template("", ByteTokenizer())
     path = tmp_path / "t.jinja"
-    path.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}"
-                    "{% endif %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}"
-                    "{% endgeneration %}{% else %}[{{ m.content }}]{% endif %}{% endfor %}")
+    path.write_text(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}"
+        "{% endif %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}"
+        "{% endgeneration %}{% else %}[{{ m.content }}]{% endif %}{% endfor %}"
+    )
     load_template(str(path), ByteTokenizer())
-    path.write_text("{% for m in messages %}{% if m.role != 'system' %}{{ m.content }}{% endif %}{% endfor %}")
+    path.write_text(
+        "{% for m in messages %}{% if m.role != 'system' %}{{ m.content }}{% endif %}{% endfor %}"
+    )
     with pytest.warns(UserWarning, match="leaves a system message's content out"):
         load_template(str(path), ByteTokenizer())
 
@@ -152,14 +200,30 @@ def test_message_content_is_a_string_or_text_parts():
     line naming the message."""
     from loom.data.sft import from_row
 
-    parts = from_row({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "},
-                                                                  {"type": "text", "text": "there"}]},
-                                   {"role": "assistant", "content": "Hello"}]}, "f.jsonl:1")
+    parts = from_row(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+                },
+                {"role": "assistant", "content": "Hello"},
+            ]
+        },
+        "f.jsonl:1",
+    )
     assert parts.messages[0]["content"] == "Hi there"
-    with pytest.raises(ConfigError, match="message 1: 'content' must be a string or a list of text parts; got a int"):
-        from_row({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]}, "f.jsonl:1")
+    with pytest.raises(
+        ConfigError, match="message 1: 'content' must be a string or a list of text parts; got a int"
+    ):
+        from_row(
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]}, "f.jsonl:1"
+        )
     with pytest.raises(ConfigError, match="content parts must each be"):
-        from_row({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "f.jsonl:1")
+        from_row(
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+            "f.jsonl:1",
+        )
 
 
 def test_grpo_with_exploded_weights_stops_in_one_line_before_sampling(tmp_path):
@@ -167,12 +231,24 @@ def test_grpo_with_exploded_weights_stops_in_one_line_before_sampling(tmp_path):
     sampler (NaN probabilities) while the logged loss stayed 0: the run stops with one line instead."""
     from loom.config.errors import TrainingStopped
 
-    with pytest.raises(TrainingStopped, match="step 2: the policy's (weights|sampling logits) are not finite"):
-        rl_run(tmp_path / "run", "grpo", 3, **{"optimizer.lr": 1e20, "optimizer.warmup_steps": 0,
-                                               "checkpoint.every": 0, "grpo.lr_ratio": 1.0})
+    with pytest.raises(
+        TrainingStopped, match="step 2: the policy's (weights|sampling logits) are not finite"
+    ):
+        rl_run(
+            tmp_path / "run",
+            "grpo",
+            3,
+            **{
+                "optimizer.lr": 1e20,
+                "optimizer.warmup_steps": 0,
+                "checkpoint.every": 0,
+                "grpo.lr_ratio": 1.0,
+            },
+        )
 
 
 # ---- a branch from an older checkpoint, through `loom train` -------------------------------------------------------
+
 
 @pytest.mark.slow  # the manager-level cases (test_checkpoint_manager.py) run by default
 def test_loom_train_from_an_older_checkpoint_refuses_then_branches_keeping_the_newer_ones(tmp_path, capsys):
@@ -183,8 +259,11 @@ def test_loom_train_from_an_older_checkpoint_refuses_then_branches_keeping_the_n
     from tests.tiny import tiny_args
 
     run = tmp_path / "run"
-    args = tiny_args(run, tmp_path / "cache", **{"training.steps": 6, "checkpoint.every": 2, "checkpoint.keep": 0,
-                                                 "run.seed": 3})
+    args = tiny_args(
+        run,
+        tmp_path / "cache",
+        **{"training.steps": 6, "checkpoint.every": 2, "checkpoint.keep": 0, "run.seed": 3},
+    )
     assert loom_main(["train", *args]) == 0
     ckpts = run / "checkpoints"
     before = {s: verify(str(ckpts / f"step_0000000{s}"))["files"] for s in (4, 6)}
@@ -193,9 +272,16 @@ def test_loom_train_from_an_older_checkpoint_refuses_then_branches_keeping_the_n
     with pytest.raises(SystemExit) as stop:
         loom_main(["train", *args, "--checkpoint.resume", step2])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert stop.value.code == 2 and len(err) == 1 and "step 4, 6" in err[0] and "--checkpoint.overwrite" in err[0]
+    assert (
+        stop.value.code == 2
+        and len(err) == 1
+        and "step 4, 6" in err[0]
+        and "--checkpoint.overwrite" in err[0]
+    )
     assert {s: verify(str(ckpts / f"step_0000000{s}"))["files"] for s in (4, 6)} == before
     assert loom_main(["train", *args, "--checkpoint.resume", step2, "--checkpoint.overwrite", "true"]) == 0
     (aside,) = os.listdir(ckpts / "superseded")
-    assert {s: verify(str(ckpts / "superseded" / aside / f"step_0000000{s}"))["files"] for s in (4, 6)} == before
+    assert {
+        s: verify(str(ckpts / "superseded" / aside / f"step_0000000{s}"))["files"] for s in (4, 6)
+    } == before
     assert sorted(os.listdir(ckpts / "superseded" / aside)) == ["step_00000004", "step_00000006"]

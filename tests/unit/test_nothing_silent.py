@@ -34,16 +34,24 @@ INACTIVE = [
     ({"parallel.diloco_outer_lr": 0.5}, "parallel.diloco_outer_lr", "parallel.diloco_inner_steps > 0"),
     ({"parallel.diloco_fragments": 2}, "parallel.diloco_fragments", "parallel.diloco_inner_steps > 0"),
     ({"training.eval_tasks_limit": 5}, "training.eval_tasks_limit", "training.eval_tasks"),
-    ({"training.objective": "grpo", "grpo.reward_model_weight": 2.0}, "grpo.reward_model_weight",
-     "grpo.reward_model"),
-    ({"training.objective": "grpo", "grpo.prompts": "p.jsonl", "grpo.warmup_steps": 0, "grpo.digits": 3},
-     "grpo.digits", "the embedded arithmetic task"),
+    (
+        {"training.objective": "grpo", "grpo.reward_model_weight": 2.0},
+        "grpo.reward_model_weight",
+        "grpo.reward_model",
+    ),
+    (
+        {"training.objective": "grpo", "grpo.prompts": "p.jsonl", "grpo.warmup_steps": 0, "grpo.digits": 3},
+        "grpo.digits",
+        "the embedded arithmetic task",
+    ),
     ({"training.objective": "grpo", "grpo.judge_weight": 2.0}, "grpo.judge_weight", "grpo.judge"),
 ]
 
 
 @pytest.mark.parametrize("fields,name,activator", INACTIVE, ids=[c[1] for c in INACTIVE])
-def test_a_field_of_a_feature_that_is_off_is_an_error_naming_what_turns_it_on(tmp_path, fields, name, activator):
+def test_a_field_of_a_feature_that_is_off_is_an_error_naming_what_turns_it_on(
+    tmp_path, fields, name, activator
+):
     from loom.methods import check_config
 
     with pytest.raises(ConfigError) as caught:
@@ -71,10 +79,15 @@ def test_every_needs_names_a_known_activation():
 
 # ---- launch and rendezvous options --------------------------------------------------------------------------------
 
+
 def test_node_rank_and_ports_are_checked_before_any_rendezvous(tmp_path, capsys):
-    line = cli_error(capsys, "train", "--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "localhost:29555")
+    line = cli_error(
+        capsys, "train", "--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "localhost:29555"
+    )
     assert "--node-rank = 5: must be below --nnodes 2" in line
-    line = cli_error(capsys, "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "localhost:99999")
+    line = cli_error(
+        capsys, "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "localhost:99999"
+    )
     assert "--rdzv-endpoint = 'localhost:99999'" in line and "1..65535" in line
     missing = tmp_path / "nowhere" / "rdzv"
     line = cli_error(capsys, "train", "--rdzv-backend", "file", "--rdzv-endpoint", str(missing))
@@ -95,7 +108,9 @@ def test_launch_options_are_checked_up_front(tmp_path, capsys, monkeypatch):
     assert "not UTF-8" in cli_error(capsys, "launch", "--hostfile", str(binary), "--dry-run")
     k8s = ["launch", "--kubernetes", "--image", "img", "--nodes", "1", "--gpus-per-node", "1"]
     assert "DNS-1123" in cli_error(capsys, *k8s, "--name", "My_Job")
-    assert "--out" in cli_error(capsys, *k8s, "--out", str(hosts / "sub"))  # a file: no folder can be made there
+    assert "--out" in cli_error(
+        capsys, *k8s, "--out", str(hosts / "sub")
+    )  # a file: no folder can be made there
     slurm = ["launch", "--slurm", "--nodes", "1", "--gpus-per-node", "1"]
     assert "--time = 'forever'" in cli_error(capsys, *slurm, "--time", "forever")
     assert "--script" in cli_error(capsys, *slurm, "--script", str(hosts / "job.sbatch"))
@@ -111,17 +126,26 @@ def test_a_launcher_template_with_host_gets_only_the_command_appended():
 
 # ---- the run dir stays locked while a launched worker lives ---------------------------------------------------------
 
+
 def test_workers_of_a_killed_launcher_keep_the_run_dir_locked(tmp_path):
     from loom.runtime.run_lock import LOCKED_ENV, acquire
 
     run = tmp_path / "run"
     run.mkdir()
-    code = ("import sys, time; from loom.runtime.run_lock import hold_as_worker; hold_as_worker(sys.argv[1]); "
-            "print('held', flush=True); time.sleep(60)")
-    worker = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, LOCKED_ENV: os.path.realpath(run)})
+    code = (
+        "import sys, time; from loom.runtime.run_lock import hold_as_worker; hold_as_worker(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(60)"
+    )
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code, str(run)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, LOCKED_ENV: os.path.realpath(run)},
+    )
     try:
-        assert worker.stdout.readline().strip() == "held"  # its launcher (none here: as if SIGKILLed) holds nothing
+        assert (
+            worker.stdout.readline().strip() == "held"
+        )  # its launcher (none here: as if SIGKILLed) holds nothing
         with pytest.raises(UserError, match="workers of an earlier run are still running"):
             acquire(str(run))
     finally:
@@ -131,6 +155,7 @@ def test_workers_of_a_killed_launcher_keep_the_run_dir_locked(tmp_path):
 
 
 # ---- tracebacks that are one line now -------------------------------------------------------------------------------
+
 
 def bad_count(prompts, completions, **kw):
     return [1.0]
@@ -143,9 +168,14 @@ def returns_none(prompts, completions, **kw):
 def test_reward_functions_that_do_not_fit_are_one_line():
     from loom.rl.rewards import Rewards
 
-    with pytest.raises(ConfigError, match="grpo.rewards = 'math:sqrt': a reward function takes keyword arguments"):
+    with pytest.raises(
+        ConfigError, match="grpo.rewards = 'math:sqrt': a reward function takes keyword arguments"
+    ):
         Rewards(["math:sqrt"])
-    for name, needle in (("bad_count", "returned 1 rewards for 2 completions"), ("returns_none", "returned None")):
+    for name, needle in (
+        ("bad_count", "returned 1 rewards for 2 completions"),
+        ("returns_none", "returned None"),
+    ):
         rewards = Rewards([f"tests.unit.test_nothing_silent:{name}"])
         with pytest.raises(UserError, match=needle):
             rewards.score(["p", "p"], ["a", "b"], [[1], [2]], {})
@@ -155,7 +185,9 @@ def test_grpo_reward_weights_that_are_not_numbers_are_one_line(tmp_path):
     from loom.data.tokenizers import ByteTokenizer
     from loom.rl.rollout import RolloutLoader
 
-    cfg = tiny_config(tmp_path, **{"training.objective": "grpo", "grpo.reward_weights": "abc", "training.steps": 4})
+    cfg = tiny_config(
+        tmp_path, **{"training.objective": "grpo", "grpo.reward_weights": "abc", "training.steps": 4}
+    )
     with pytest.raises(ConfigError, match="grpo.reward_weights = 'abc': a comma list of numbers"):
         RolloutLoader(cfg, ByteTokenizer(), 0, 1)
 
@@ -177,12 +209,15 @@ def torch_dtype():
     return torch.float32
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("[1, 2]", "is a JSON list, not an object"),
-    ('{"r": 4, "lora_alpha": null, "target_modules": ["q_proj"]}', "lora_alpha = None is not a number"),
-    ('{"r": 4, "lora_alpha": "16", "target_modules": ["q_proj"]}', "lora_alpha = '16' is not a number"),
-    ('{"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", 3]}', "target_modules = ['q_proj', 3]"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("[1, 2]", "is a JSON list, not an object"),
+        ('{"r": 4, "lora_alpha": null, "target_modules": ["q_proj"]}', "lora_alpha = None is not a number"),
+        ('{"r": 4, "lora_alpha": "16", "target_modules": ["q_proj"]}', "lora_alpha = '16' is not a number"),
+        ('{"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", 3]}', "target_modules = ['q_proj', 3]"),
+    ],
+)
 def test_malformed_adapter_config_is_one_line(tmp_path, content, needle):
     from loom.checkpoint.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 
@@ -226,8 +261,14 @@ def no_arguments():
 def test_an_eval_hook_with_the_wrong_signature_is_refused_at_start(tmp_path):
     from loom.eval.hook import training_evals
 
-    cfg = tiny_config(tmp_path, **{"training.eval_hook": "tests.unit.test_nothing_silent:no_arguments",
-                                   "training.eval_every": 2, "data.val_fraction": 0.1})
+    cfg = tiny_config(
+        tmp_path,
+        **{
+            "training.eval_hook": "tests.unit.test_nothing_silent:no_arguments",
+            "training.eval_every": 2,
+            "data.val_fraction": 0.1,
+        },
+    )
     with pytest.raises(ConfigError, match="training.eval_hook = .*takes one argument"):
         training_evals(cfg, str(tmp_path), True)
 
@@ -252,7 +293,9 @@ def test_dpo_pairs_without_signal_are_refused_or_counted(tmp_path):
     def pair_file(rows, name):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        ((tokens, _, _),) = prepare_data(DataConfig(source=str(path)), ByteTokenizer(), str(tmp_path / "c"), "dpo")
+        ((tokens, _, _),) = prepare_data(
+            DataConfig(source=str(path)), ByteTokenizer(), str(tmp_path / "c"), "dpo"
+        )
         return PairFile(TokenFile(tokens), 64, 0.0, name)
 
     same = [{"prompt": f"p{i}", "chosen": "same", "rejected": "same"} for i in range(4)]
@@ -263,6 +306,7 @@ def test_dpo_pairs_without_signal_are_refused_or_counted(tmp_path):
 
 
 # ---- a full disk names the path and the bytes, and leaves nothing partial ------------------------------------------
+
 
 def enospc(*args, **kwargs):
     import errno
@@ -316,7 +360,9 @@ def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, mo
     with pytest.raises(UserError) as caught:
         export_hf(state, args, str(tmp_path / "hf"))
     message = str(caught.value)
-    assert str(tmp_path / "hf") in message and "no space" in message.lower() and "needs about" in message, message
+    assert str(tmp_path / "hf") in message and "no space" in message.lower() and "needs about" in message, (
+        message
+    )
     assert not (tmp_path / "hf").exists()
 
 
@@ -332,12 +378,20 @@ def test_a_named_lm_eval_task_that_cannot_be_fetched_is_one_line_before_training
     pytest.importorskip("lm_eval")
     from loom.eval.hook import training_evals
 
-    for var, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf"))):
+    for var, value in (
+        ("HF_DATASETS_OFFLINE", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_HOME", str(tmp_path / "hf")),
+    ):
         monkeypatch.setenv(var, value)
-    cfg = tiny_config(tmp_path, **{"training.eval_tasks": "arc_easy", "training.eval_every": 2,
-                                   "data.val_fraction": 0.1})
-    with pytest.raises(ConfigError, match="training.eval_tasks = 'arc_easy': cannot be loaded before training: its "
-                                          "dataset is not cached and cannot be fetched"):
+    cfg = tiny_config(
+        tmp_path, **{"training.eval_tasks": "arc_easy", "training.eval_every": 2, "data.val_fraction": 0.1}
+    )
+    with pytest.raises(
+        ConfigError,
+        match="training.eval_tasks = 'arc_easy': cannot be loaded before training: its "
+        "dataset is not cached and cannot be fetched",
+    ):
         training_evals(cfg, str(tmp_path), True)
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from loom.config import ConfigError
-from loom.metrics import nvtx
 from loom.methods import resolve
+from loom.metrics import nvtx
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
@@ -40,17 +40,36 @@ def record(monkeypatch) -> tuple[list[tuple[str, tuple[str, ...]]], list[str]]:
 
 def test_a_training_run_pushes_and_pops_its_ranges_in_balance(tmp_path, monkeypatch):
     pushed, open_now = record(monkeypatch)
-    cfg = tiny_config(tmp_path / "run", tmp_path / "cache", **{
-        "training.steps": 3, "metrics.nvtx": "true", "training.eval_every": 2, "training.eval_batches": 1,
-        "training.eval_at_end": "false",  # validation at step 2 only
-        "checkpoint.every": 2, "metrics.profile_steps": "3:3"})  # the profiled step: both kinds of range
+    cfg = tiny_config(
+        tmp_path / "run",
+        tmp_path / "cache",
+        **{
+            "training.steps": 3,
+            "metrics.nvtx": "true",
+            "training.eval_every": 2,
+            "training.eval_batches": 1,
+            "training.eval_at_end": "false",  # validation at step 2 only
+            "checkpoint.every": 2,
+            "metrics.profile_steps": "3:3",
+        },
+    )  # the profiled step: both kinds of range
     Trainer(cfg).fit()
     assert not open_now, f"ranges left open: {open_now}"
     counts = Counter(name for name, _ in pushed)
     accum = 4  # global batch 8 / micro-batch 2 on one rank
-    want = {"step 1": 1, "step 2": 1, "step 3": 1, "data_wait": 3, "optimizer": 3, "grad_norm": 3,
-            "forward": 3 * accum, "backward": 3 * accum, "validation": 1, "checkpoint_save": 1,
-            **{f"microbatch {i}": 3 for i in range(accum)}}
+    want = {
+        "step 1": 1,
+        "step 2": 1,
+        "step 3": 1,
+        "data_wait": 3,
+        "optimizer": 3,
+        "grad_norm": 3,
+        "forward": 3 * accum,
+        "backward": 3 * accum,
+        "validation": 1,
+        "checkpoint_save": 1,
+        **{f"microbatch {i}": 3 for i in range(accum)},
+    }
     assert {k: counts[k] for k in want} == want
     assert counts["allreduce.data_sum"] >= 3
     within = {name: around for name, around in pushed}  # the last push of each name

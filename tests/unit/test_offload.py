@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from loom.checkpoint.manager import step_dir_name
 from loom.config.errors import ConfigError
-from loom.runtime.env import choose_backend
+from loom.methods import resolve
 from loom.plan.hardware import GPUS
 from loom.plan.memory import GIB
 from loom.plan.planner import HOST_GIB_PER_GPU, estimate, host_step_s, offload_bytes, search
-from loom.methods import resolve
+from loom.runtime.env import choose_backend
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
@@ -66,7 +66,9 @@ def test_one_process_offload_equals_the_run_without_it(tmp_path, cache, plain):
     assert isinstance(part, FSDPModule) and all(isinstance(b, FSDPModule) for b in part.layers.values())
     assert part.layers["0"].attention.wq.weight.device_mesh.size() == 1  # a 1-rank mesh: nothing sharded
     assert all(p.device.type == "cpu" for p in trainer.params)
-    states = [t for s in trainer.optimizer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)]
+    states = [
+        t for s in trainer.optimizer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)
+    ]
     assert states and all(t.device.type == "cpu" for t in states)
     assert trainer.optimizer.optimizers[0].defaults["fused"]  # PyTorch's fused CPU kernel, not foreach
     assert max(r["grad_norm"] for r in records) > BASE.get("training.max_norm", 1.0)  # clipping took part
@@ -94,12 +96,15 @@ def test_backend_choice():
         choose_backend("nccl", "cpu")
 
 
-@pytest.mark.parametrize("over,world,field,words", [
-    ({"parallel.backend": "nccl"}, 1, "parallel.backend", "NCCL cannot reduce"),
-    ({"parallel.dp_replicate": 2}, 2, "parallel.cpu_offload", "shard over those ranks instead"),
-    ({"parallel.tp": 2}, 2, "parallel.cpu_offload", "tp = pp = 1"),
-    ({"training.objective": "grpo"}, 1, "parallel.cpu_offload", "grpo"),
-])
+@pytest.mark.parametrize(
+    "over,world,field,words",
+    [
+        ({"parallel.backend": "nccl"}, 1, "parallel.backend", "NCCL cannot reduce"),
+        ({"parallel.dp_replicate": 2}, 2, "parallel.cpu_offload", "shard over those ranks instead"),
+        ({"parallel.tp": 2}, 2, "parallel.cpu_offload", "tp = pp = 1"),
+        ({"training.objective": "grpo"}, 1, "parallel.cpu_offload", "grpo"),
+    ],
+)
 def test_layouts_offload_cannot_run_are_config_errors(over, world, field, words):
     with pytest.raises(ConfigError, match=words) as err:
         resolve(tiny_config(**OFFLOAD, **over), world)
@@ -108,10 +113,19 @@ def test_layouts_offload_cannot_run_are_config_errors(over, world, field, words)
 
 # ---- the planner -----------------------------------------------------------------------------
 
+
 def plan_config(**over):
-    return tiny_config(**{"model.flavor": "8B", "training.seq_len": 512, "training.dtype": "bfloat16",
-                          "training.global_batch_size": 8, "training.micro_batch_size": 8,
-                          "training.activation_checkpointing": "full", **over})
+    return tiny_config(
+        **{
+            "model.flavor": "8B",
+            "training.seq_len": 512,
+            "training.dtype": "bfloat16",
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 8,
+            "training.activation_checkpointing": "full",
+            **over,
+        }
+    )
 
 
 def test_plan_of_one_gpu_offload_moves_the_state_to_the_host():
@@ -146,8 +160,14 @@ def _inputs(cfg):
 def test_search_offers_offload_where_nothing_else_fits():
     """The 1B shape (20 GB of state) on a GPU of 12 GiB: no layout fits with the state on the GPU, so the search's
     answers are offloaded; on an H100, where layouts fit, offload is not searched."""
-    cfg = plan_config(**{"model.flavor": "1B", "training.seq_len": 256, "training.global_batch_size": 1,
-                         "training.micro_batch_size": 1})
+    cfg = plan_config(
+        **{
+            "model.flavor": "1B",
+            "training.seq_len": 256,
+            "training.global_batch_size": 1,
+            "training.micro_batch_size": 1,
+        }
+    )
     best, valid = search(cfg, 1, replace(GPUS["H100"], memory_gib=12.0), top=3, margin_gib=0.0)
     assert best and all(e.layout["cpu_offload"] and e.fits for e in best) and valid >= len(best)
     roomy, _ = search(cfg, 1, GPUS["H100"], top=3)
@@ -164,7 +184,11 @@ def test_train_precheck_weighs_the_offloaded_state_against_the_host(monkeypatch)
     from loom.plan.planner import rank_needs
 
     recipe = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "llama3_1b.toml")
-    light = {"run.device": "auto", "training.micro_batch_size": "1", "training.activation_checkpointing": "full"}
+    light = {
+        "run.device": "auto",
+        "training.micro_batch_size": "1",
+        "training.activation_checkpointing": "full",
+    }
     plain, off = (build_config(recipe, {**light, **o}) for o in ({}, OFFLOAD))
     run = resolve(off, 1).with_model(build_tokenizer(off.data.tokenizer))
     step = rank_needs(off, run.dims, run.model_args, "cuda")

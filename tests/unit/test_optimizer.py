@@ -30,7 +30,9 @@ def _train(impl: str, factors) -> list[torch.Tensor]:
 def test_folded_factor_matches_separate_pass(factors):
     fused = OptimizerParts(_parts(), OptimizerConfig(implementation="fused"), torch.device("cpu"))
     assert fused.fold_grad_factor
-    assert not OptimizerParts(_parts(), OptimizerConfig(implementation="foreach"), torch.device("cpu")).fold_grad_factor
+    assert not OptimizerParts(
+        _parts(), OptimizerConfig(implementation="foreach"), torch.device("cpu")
+    ).fold_grad_factor
     for a, b in zip(_train("fused", factors), _train("foreach", factors)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -43,5 +45,7 @@ def test_factor_changes_the_step():  # Adam ignores a constant factor; a changin
 
 def test_no_fold_when_a_parameter_is_shared():
     shared = nn.Linear(5, 5)
-    opt = OptimizerParts([shared, nn.Sequential(shared)], OptimizerConfig(implementation="fused"), torch.device("cpu"))
+    opt = OptimizerParts(
+        [shared, nn.Sequential(shared)], OptimizerConfig(implementation="fused"), torch.device("cpu")
+    )
     assert not opt.fold_grad_factor

@@ -9,12 +9,20 @@ import torch
 
 from loom.config import ConfigError, build_config
 from loom.config.sections import ParallelConfig
+from loom.methods import check_config
 from loom.models.llama import FLAVORS, Llama
 from loom.parallel.dims import ParallelDims
-from loom.methods import check_config
+from loom.parallel.pipeline import (
+    balanced_counts,
+    build_stage,
+    head_cost,
+    layer_cost,
+    split_layers,
+    stage_ids,
+    stage_rank,
+    theoretical_bubble,
+)
 from loom.resolve import check_model
-from loom.parallel.pipeline import (balanced_counts, build_stage, head_cost, layer_cost, split_layers, stage_ids,
-                                    stage_rank, theoretical_bubble)
 
 
 def test_balanced_split_counts_the_head():
@@ -22,7 +30,10 @@ def test_balanced_split_counts_the_head():
     layers = split_layers(args, 2, 2048)
     assert [len(s) for s in layers] == [10, 6]  # the head costs about four blocks
     assert sum(layers, []) == list(range(args.n_layers))
-    costs = [len(layers[0]) * layer_cost(args, 2048), len(layers[1]) * layer_cost(args, 2048) + head_cost(args)]
+    costs = [
+        len(layers[0]) * layer_cost(args, 2048),
+        len(layers[1]) * layer_cost(args, 2048) + head_cost(args),
+    ]
     assert max(costs) / min(costs) < 1.1
 
 
@@ -50,7 +61,9 @@ def test_manual_split_uneven_and_errors():
         check_model(ParallelDims.from_config(ParallelConfig(pp=6), 6), args, ParallelConfig(pp=6))
 
 
-@pytest.mark.parametrize("schedule,per_rank", [("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 3), ("zbv", 2)])
+@pytest.mark.parametrize(
+    "schedule,per_rank", [("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 3), ("zbv", 2)]
+)
 def test_every_stage_has_one_rank(schedule, per_rank):
     pp = 4
     held = sorted(s for r in range(pp) for s in stage_ids(r, pp, per_rank, schedule))
@@ -65,12 +78,19 @@ def test_stage_modules_keep_names_and_the_tied_weight():
     args = FLAVORS["debug"].with_(n_layers=4, vocab_size=256, tie_embeddings=True)
     with torch.device("meta"):
         model = Llama(args)
-    first, middle, last = (build_stage(model, [0], True, False), build_stage(model, [1, 2], False, False),
-                           build_stage(model, [3], False, True))
+    first, middle, last = (
+        build_stage(model, [0], True, False),
+        build_stage(model, [1, 2], False, False),
+        build_stage(model, [3], False, True),
+    )
     names = {n for m in (first, middle, last) for n, _ in m.named_parameters()}
     assert names == {n for n, _ in model.named_parameters()}  # same names: checkpoints reshard by name
-    assert list(middle.layers.keys()) == ["1", "2"] and middle.tok_embeddings is None and middle.output is None
-    assert last.output.weight is last.tok_embeddings.weight  # the head's weight is held as tok_embeddings.weight
+    assert (
+        list(middle.layers.keys()) == ["1", "2"] and middle.tok_embeddings is None and middle.output is None
+    )
+    assert (
+        last.output.weight is last.tok_embeddings.weight
+    )  # the head's weight is held as tok_embeddings.weight
     untied = build_stage(Llama(args.with_(tie_embeddings=False)).to("meta"), [3], False, True)
     assert untied.tok_embeddings is None
 
@@ -115,7 +135,9 @@ def test_config_rules_for_pipeline_fields():
     with pytest.raises(ConfigError, match="whole numbers"):
         build_config(None, overrides(parallel__pp=2, parallel__pp_layers_per_stage="[1.5, 0.5]"))
     with pytest.raises(ConfigError, match="runs one stage per rank"):
-        check_config(build_config(None, overrides(parallel__pp_schedule="1f1b", parallel__pp_virtual_stages=2)))
+        check_config(
+            build_config(None, overrides(parallel__pp_schedule="1f1b", parallel__pp_virtual_stages=2))
+        )
     with pytest.raises(ConfigError, match="model.init_from"):
         check_config(build_config(None, overrides(model__n_layers=4, model__init_from="/")))
 
@@ -161,8 +183,15 @@ def test_split_backward_keeps_each_chunks_graph_until_its_weight_pass(tmp_path):
     assert dist.get_world_size() == 1
     try:
         plan = PipelinePlan("zbv", pp=1, per_rank=2, layers=[[0], [1]], local=[0, 1])
-        schedule = build_schedule(plan, stages, dist.group.WORLD, torch.device("cpu"), 4,
-                                  lambda out, _: out.pow(2).mean() / 4, BusyClock(torch.device("cpu")))
+        schedule = build_schedule(
+            plan,
+            stages,
+            dist.group.WORLD,
+            torch.device("cpu"),
+            4,
+            lambda out, _: out.pow(2).mean() / 4,
+            BusyClock(torch.device("cpu")),
+        )
         seen = []
         for stage in schedule._stages:
             weight_pass = stage.backward_weight_one_chunk

@@ -12,7 +12,9 @@ def test_axis_groups_follow_the_device_mesh():
     """The groups equal those of a DeviceMesh built over AXIS_ORDER (the layout ParallelDims builds)."""
     torch = pytest.importorskip("torch")
     sizes = {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
-    ranks = torch.arange(16).reshape(2, 1, 2, 2, 2)  # init_device_mesh's layout: arange(world) over AXIS_ORDER
+    ranks = torch.arange(16).reshape(
+        2, 1, 2, 2, 2
+    )  # init_device_mesh's layout: arange(world) over AXIS_ORDER
     for i, axis in enumerate(("pp", "dp_replicate", "dp_shard", "cp", "tp")):
         want = sorted(ranks.movedim(i, -1).reshape(-1, ranks.shape[i]).tolist())
         assert sorted(axis_groups(sizes, axis)) == want, axis
@@ -31,8 +33,10 @@ def test_a_tp_group_across_hosts_is_named():
     bad = spanning_groups(hosts, {"dp_shard": 3, "tp": 2})
     assert bad == [("tp", [2, 3], ["a", "b"])]
     lines = placement_warnings(hosts, {"dp_shard": 3, "tp": 2})
-    assert lines == ["warning: the tp group of ranks 2,3 spans hosts a, b: its collectives (every layer) leave the "
-                     "host; keep tp x the axes inside it within the ranks per host"]
+    assert lines == [
+        "warning: the tp group of ranks 2,3 spans hosts a, b: its collectives (every layer) leave the "
+        "host; keep tp x the axes inside it within the ranks per host"
+    ]
 
 
 def test_a_cp_group_across_hosts_and_the_count_beyond_four():

@@ -52,15 +52,22 @@ def test_traced_activations_are_what_the_blocks_keep():
     none = profile_activations(args, seq, 2, "bfloat16", fsdp=True, ac="none")
     assert full.layer_per_seq < op.layer_per_seq < none.layer_per_seq
     none_autocast = profile_activations(args, seq, 2, "bfloat16", fsdp=False, ac="none")
-    matmul_weights = sum(p.numel() for n, p in Llama(args.with_(n_layers=1)).layers.named_parameters()
-                         if not n.endswith("norm.weight"))
-    assert none_autocast.layer_fixed == 2 * matmul_weights  # autocast's bf16 weight copies, saved for backward
+    matmul_weights = sum(
+        p.numel()
+        for n, p in Llama(args.with_(n_layers=1)).layers.named_parameters()
+        if not n.endswith("norm.weight")
+    )
+    assert (
+        none_autocast.layer_fixed == 2 * matmul_weights
+    )  # autocast's bf16 weight copies, saved for backward
     assert none.backward_peak > 0
 
 
 def test_pipeline_in_flight_micro_batches():
     acts = schedule_actions("1f1b", 4, 8, 1)
-    assert pipeline_peak(acts[0], {0: 1.0}, split_backward=False) == 4  # the first stage holds pp micro-batches
+    assert (
+        pipeline_peak(acts[0], {0: 1.0}, split_backward=False) == 4
+    )  # the first stage holds pp micro-batches
     assert pipeline_peak(acts[3], {3: 1.0}, split_backward=False) == 1
     gpipe = schedule_actions("gpipe", 4, 8, 1)
     assert pipeline_peak(gpipe[0], {0: 1.0}, split_backward=False) == 8
@@ -72,43 +79,129 @@ def _cfg(**over):
 
 def test_sharding_divides_the_state_and_bad_layouts_raise():
     # accumulation on both (8 and 2 micro-batches): gradients are held at every moment of the step
-    one = estimate(_cfg(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=8,
-                        training__micro_batch_size=1, training__seq_len=2048), 1, GPUS["H100"])
-    four = estimate(_cfg(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=8,
-                         training__micro_batch_size=1, training__seq_len=2048), 4, GPUS["H100"])
+    one = estimate(
+        _cfg(
+            model__flavor="1B",
+            training__dtype="bfloat16",
+            training__global_batch_size=8,
+            training__micro_batch_size=1,
+            training__seq_len=2048,
+        ),
+        1,
+        GPUS["H100"],
+    )
+    four = estimate(
+        _cfg(
+            model__flavor="1B",
+            training__dtype="bfloat16",
+            training__global_batch_size=8,
+            training__micro_batch_size=1,
+            training__seq_len=2048,
+        ),
+        4,
+        GPUS["H100"],
+    )
     for kind in ("weights", "gradients", "optimizer"):
         assert getattr(four.memory, kind) == pytest.approx(getattr(one.memory, kind) / 4)
     with pytest.raises(ConfigError, match="parallel.tp"):
-        estimate(_cfg(model__flavor="1B", parallel__tp=3, training__global_batch_size=1,
-                      training__micro_batch_size=1), 3, GPUS["H100"])
+        estimate(
+            _cfg(
+                model__flavor="1B",
+                parallel__tp=3,
+                training__global_batch_size=1,
+                training__micro_batch_size=1,
+            ),
+            3,
+            GPUS["H100"],
+        )
 
 
 # Runs measured on GPUs, figures from tests/data/plan_runs.json: (result file, row, config overrides, world size).
 # Runs at commit 331166b predate loom's fused kernels: their kernels are pinned to what ran.
-_OLD = dict(model__attention="sdpa", model__fused_norm="false", model__fused_rope="false",
-            model__fused_swiglu="false", model__fused_loss="false")
-_1B = dict(_OLD, model__flavor="1B", training__seq_len=2048, training__dtype="bfloat16", training__micro_batch_size=4)
+_OLD = dict(
+    model__attention="sdpa",
+    model__fused_norm="false",
+    model__fused_rope="false",
+    model__fused_swiglu="false",
+    model__fused_loss="false",
+)
+_1B = dict(
+    _OLD, model__flavor="1B", training__seq_len=2048, training__dtype="bfloat16", training__micro_batch_size=4
+)
 MEASURED = [
     ("parallel_2gpu_1b_h200.json", "single", dict(_1B, training__global_batch_size=8), 1),
-    ("parallel_2gpu_1b_h200.json", "fsdp2", dict(_1B, training__global_batch_size=16, parallel__dp_shard=2), 2),
-    ("parallel_2gpu_1b_h200.json", "pp2_1f1b", dict(_1B, training__global_batch_size=16, training__micro_batch_size=2,
-                                                     parallel__pp=2, parallel__dp_shard=1), 2),
-    ("parallel_2gpu_1b_h200.json", "pp2_interleaved", dict(_1B, training__global_batch_size=16,
-                                                            training__micro_batch_size=2, parallel__pp=2,
-                                                            parallel__dp_shard=1,
-                                                            parallel__pp_schedule="interleaved_1f1b"), 2),
+    (
+        "parallel_2gpu_1b_h200.json",
+        "fsdp2",
+        dict(_1B, training__global_batch_size=16, parallel__dp_shard=2),
+        2,
+    ),
+    (
+        "parallel_2gpu_1b_h200.json",
+        "pp2_1f1b",
+        dict(
+            _1B,
+            training__global_batch_size=16,
+            training__micro_batch_size=2,
+            parallel__pp=2,
+            parallel__dp_shard=1,
+        ),
+        2,
+    ),
+    (
+        "parallel_2gpu_1b_h200.json",
+        "pp2_interleaved",
+        dict(
+            _1B,
+            training__global_batch_size=16,
+            training__micro_batch_size=2,
+            parallel__pp=2,
+            parallel__dp_shard=1,
+            parallel__pp_schedule="interleaved_1f1b",
+        ),
+        2,
+    ),
     ("parallel_2gpu_3b_h200.json", "single", dict(_1B, model__flavor="3B", training__global_batch_size=8), 1),
-    ("parallel_2gpu_3b_h200.json", "fsdp2", dict(_1B, model__flavor="3B", training__global_batch_size=16,
-                                                  parallel__dp_shard=2), 2),
-    ("parallel_2gpu_3b_h200.json", "pp2_1f1b", dict(_1B, model__flavor="3B", training__global_batch_size=16,
-                                                     training__micro_batch_size=2, parallel__pp=2,
-                                                     parallel__dp_shard=1), 2),
-    ("parallel_2gpu_1b_compile_h200.json", "single_compile", dict(_1B, training__global_batch_size=8,
-                                                                   training__compile="true"), 1),
-    ("throughput_8b_2gpu_h200.json", "fsdp2", dict(model__flavor="8B", training__seq_len=8192,
-                                                    training__dtype="bfloat16", training__global_batch_size=4,
-                                                    training__micro_batch_size=1, training__compile="true",
-                                                    training__activation_checkpointing="op", parallel__dp_shard=2), 2),
+    (
+        "parallel_2gpu_3b_h200.json",
+        "fsdp2",
+        dict(_1B, model__flavor="3B", training__global_batch_size=16, parallel__dp_shard=2),
+        2,
+    ),
+    (
+        "parallel_2gpu_3b_h200.json",
+        "pp2_1f1b",
+        dict(
+            _1B,
+            model__flavor="3B",
+            training__global_batch_size=16,
+            training__micro_batch_size=2,
+            parallel__pp=2,
+            parallel__dp_shard=1,
+        ),
+        2,
+    ),
+    (
+        "parallel_2gpu_1b_compile_h200.json",
+        "single_compile",
+        dict(_1B, training__global_batch_size=8, training__compile="true"),
+        1,
+    ),
+    (
+        "throughput_8b_2gpu_h200.json",
+        "fsdp2",
+        dict(
+            model__flavor="8B",
+            training__seq_len=8192,
+            training__dtype="bfloat16",
+            training__global_batch_size=4,
+            training__micro_batch_size=1,
+            training__compile="true",
+            training__activation_checkpointing="op",
+            parallel__dp_shard=2,
+        ),
+        2,
+    ),
 ]
 
 
@@ -130,16 +223,30 @@ def test_estimates_against_measured_runs(name, row, over, world):
 
 @pytest.mark.slow
 def test_search_ranks_valid_layouts_that_fit():
-    cfg = _cfg(model__flavor="1B", training__seq_len=2048, training__dtype="bfloat16",
-               training__global_batch_size=8, training__micro_batch_size=1)
+    cfg = _cfg(
+        model__flavor="1B",
+        training__seq_len=2048,
+        training__dtype="bfloat16",
+        training__global_batch_size=8,
+        training__micro_batch_size=1,
+    )
     best, valid = search(cfg, 4, GPUS["H100"], top=5)
     assert valid > len(best) > 0
     speeds = [e.tokens_per_s_per_gpu for e in best]
     assert speeds == sorted(speeds, reverse=True)
     assert all(e.fits for e in best)
     # a 405B model does not fit on one GPU in any layout
-    best, valid = search(_cfg(model__flavor="405B", training__global_batch_size=1, training__micro_batch_size=1,
-                              training__seq_len=1024, training__dtype="bfloat16"), 1, GPUS["H100"])
+    best, valid = search(
+        _cfg(
+            model__flavor="405B",
+            training__global_batch_size=1,
+            training__micro_batch_size=1,
+            training__seq_len=1024,
+            training__dtype="bfloat16",
+        ),
+        1,
+        GPUS["H100"],
+    )
     assert best == [] and valid > 0
 
 
@@ -150,14 +257,31 @@ def _plan(*args, cwd=None):
 @pytest.mark.slow
 def test_cli_plan_prints_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
-    r = _plan("--model.flavor", "debug", "--training.global_batch_size", "8", "--training.micro_batch_size", "2",
-              "--gpus", "2", "--search", "--top", "3",
-              "--json", str(out))
+    r = _plan(
+        "--model.flavor",
+        "debug",
+        "--training.global_batch_size",
+        "8",
+        "--training.micro_batch_size",
+        "2",
+        "--gpus",
+        "2",
+        "--search",
+        "--top",
+        "3",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
-    assert "memory per GPU" in r.stdout and "fastest that fit in 75.2 GiB (79.2 less a 4.0 GiB margin)" in r.stdout
+    assert (
+        "memory per GPU" in r.stdout
+        and "fastest that fit in 75.2 GiB (79.2 less a 4.0 GiB margin)" in r.stdout
+    )
     report = json.loads(out.read_text())
     assert report["config"]["layout"]["dp_shard"] == 2 and len(report["search"]["best"]) == 3
-    assert report["margin_gib"] == pytest.approx(0.05 * 79.2) and report["config"]["limit_gib"] == pytest.approx(75.24)
+    assert report["margin_gib"] == pytest.approx(0.05 * 79.2) and report["config"][
+        "limit_gib"
+    ] == pytest.approx(75.24)
     # stderr is a pipe here: the progress is a line per tenth of the candidates, not one per candidate
     progress = [line for line in r.stderr.splitlines() if "searched" in line]
     assert 2 <= len(progress) <= 11 and "(100%)" in progress[-1], r.stderr
@@ -171,24 +295,33 @@ def test_the_default_global_batch_fits_the_layout_and_a_set_one_is_kept(capsys):
 
     assert plan_main(["--gpus", "8"]) == 0
     out = capsys.readouterr().out
-    assert "the default training.global_batch_size 16 is not a multiple of micro_batch_size x data-parallel size = " \
-           "8 x 8 on 8 GPUs: planned with 64" in out and "global batch 64" in out
+    assert (
+        "the default training.global_batch_size 16 is not a multiple of micro_batch_size x data-parallel size = "
+        "8 x 8 on 8 GPUs: planned with 64"
+        in out
+        and "global batch 64" in out
+    )
     with pytest.raises(SystemExit) as exit_info:
         user_errors_exit(plan_main)(["--gpus", "8", "--training.global_batch_size", "16"])
     assert exit_info.value.code == 2 and "training.global_batch_size = 16" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args,expect", [
-    (["--gpu", "Z80"], ["--gpu", "'Z80'", "allowed: H100 | H200"]),
-    (["--gpus", "0"], ["--gpus", "expected a positive integer"]),
-    (["--gpus", "3", "--parallel.tp", "2"], ["parallel.tp", "must divide the world size 3"]),
-    (["--gpus", "2", "--model.flavor", "debug", "--parallel.tp", "2", "--parallel.etp", "2"],
-     ["parallel.etp = 2", "needs a mixture-of-experts model"]),
-    (["--model.attention", "flex"], ["model.attention = 'flex'", "does not model FlexAttention"]),
-    (["--margin", "lots"], ["--margin = 'lots'", "expected GiB to leave free per GPU"]),
-    (["--margin", "100%"], ["--margin = '100%'", "under 100%"]),
-    (["--margin", "80"], ["--margin = '80'", "leaves nothing of the H100 SXM's 79.2 GiB"]),
-])
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["--gpu", "Z80"], ["--gpu", "'Z80'", "allowed: H100 | H200"]),
+        (["--gpus", "0"], ["--gpus", "expected a positive integer"]),
+        (["--gpus", "3", "--parallel.tp", "2"], ["parallel.tp", "must divide the world size 3"]),
+        (
+            ["--gpus", "2", "--model.flavor", "debug", "--parallel.tp", "2", "--parallel.etp", "2"],
+            ["parallel.etp = 2", "needs a mixture-of-experts model"],
+        ),
+        (["--model.attention", "flex"], ["model.attention = 'flex'", "does not model FlexAttention"]),
+        (["--margin", "lots"], ["--margin = 'lots'", "expected GiB to leave free per GPU"]),
+        (["--margin", "100%"], ["--margin = '100%'", "under 100%"]),
+        (["--margin", "80"], ["--margin = '80'", "leaves nothing of the H100 SXM's 79.2 GiB"]),
+    ],
+)
 def test_cli_plan_errors_are_one_line(cli_error, args, expect):
     line = cli_error("plan", *args)
     assert all(e in line for e in expect), line
@@ -216,30 +349,68 @@ def test_compiled_blocks_leave_only_the_root_in_autocasts_cache():
     cfg = _cfg(model__flavor="1B", training__dtype="bfloat16")
     args = model_args(cfg)
     share = rank_shares(args, 1, cfg.parallel, cfg.training.seq_len)[0]
-    x = MemoryInputs(dtype="bfloat16", tp=1, cp=1, shard=1, fsdp=False, reshard_after_forward=True, micro_batch=1,
-                     seq_len=2048)
+    x = MemoryInputs(
+        dtype="bfloat16",
+        tp=1,
+        cp=1,
+        shard=1,
+        fsdp=False,
+        reshard_after_forward=True,
+        micro_batch=1,
+        seq_len=2048,
+    )
     eager, compiled = autocast_cache(share, args, x, False, 0.0), autocast_cache(share, args, x, True, 0.0)
     assert eager == 2 * share.params(1)
     assert compiled == 2 * (share.params(1) - args.n_layers * sum(layer_params(args)))
-    assert autocast_cache(share, args, x, False, held_fixed=eager + 1) == 0.0  # copies the backward keeps anyway
+    assert (
+        autocast_cache(share, args, x, False, held_fixed=eager + 1) == 0.0
+    )  # copies the backward keeps anyway
     assert autocast_cache(share, args, MemoryInputs(**{**x.__dict__, "fsdp": True}), False, 0.0) == 0.0
 
 
 # MoE runs on one H100 (tests/data/plan_runs.json): the planner's memory -5%..+15%, its throughput within 20% (the
 # runs predicted at dc1b8aa before measuring included; not the eager op-AC run, host-bound: docs/planner.md)
-_MOE = dict(model__flavor="1B", model__moe_experts=8, model__moe_ffn_dim=2048, training__seq_len=2048,
-            training__dtype="bfloat16", training__global_batch_size=4, training__micro_batch_size=4,
-            model__attention="sdpa")
-MOE_MEASURED = [("moe_1b_8x2048_grouped_h100.json", dict(_MOE)),
-                ("moe_1b_8x2048_compile_h100.json", dict(_MOE, training__compile="true")),
-                ("plan_check3_moe_p1_h100.json", dict(_MOE, training__compile="true", model__moe_experts=16,
-                                                      model__moe_ffn_dim=1024, model__moe_top_k=4)),
-                ("plan_check3_moe_p2_h100.json", dict(_MOE, training__seq_len=4096, training__global_batch_size=2,
-                                                      training__micro_batch_size=2,
-                                                      training__activation_checkpointing="full")),
-                ("plan_check3_moe_p3_h100.json", dict(_MOE, training__compile="true", model__moe_experts=32,
-                                                      model__moe_ffn_dim=512, model__moe_top_k=8,
-                                                      training__activation_checkpointing="op"))]
+_MOE = dict(
+    model__flavor="1B",
+    model__moe_experts=8,
+    model__moe_ffn_dim=2048,
+    training__seq_len=2048,
+    training__dtype="bfloat16",
+    training__global_batch_size=4,
+    training__micro_batch_size=4,
+    model__attention="sdpa",
+)
+MOE_MEASURED = [
+    ("moe_1b_8x2048_grouped_h100.json", dict(_MOE)),
+    ("moe_1b_8x2048_compile_h100.json", dict(_MOE, training__compile="true")),
+    (
+        "plan_check3_moe_p1_h100.json",
+        dict(
+            _MOE, training__compile="true", model__moe_experts=16, model__moe_ffn_dim=1024, model__moe_top_k=4
+        ),
+    ),
+    (
+        "plan_check3_moe_p2_h100.json",
+        dict(
+            _MOE,
+            training__seq_len=4096,
+            training__global_batch_size=2,
+            training__micro_batch_size=2,
+            training__activation_checkpointing="full",
+        ),
+    ),
+    (
+        "plan_check3_moe_p3_h100.json",
+        dict(
+            _MOE,
+            training__compile="true",
+            model__moe_experts=32,
+            model__moe_ffn_dim=512,
+            model__moe_top_k=8,
+            training__activation_checkpointing="op",
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("name,over", MOE_MEASURED, ids=[m[0][:-5] for m in MOE_MEASURED])
@@ -264,8 +435,13 @@ def test_moe_overhead_counts_every_local_expert_and_recomputation():
     ep1, ep8 = (estimate(_cfg(**dict(fsdp, parallel__ep=e)), 8, GPUS["H200"]).time for e in (1, 8))
     assert ep8.moe < ep1.moe
     # op AC: compute grows by the grouped GEMMs' extra sixth on top of every other aten.mm
-    none_mm = estimate(_cfg(**dict(_MOE, model__moe_experts=0, model__moe_ffn_dim=0,
-                                   training__activation_checkpointing="op")), 1, GPUS["H100"]).time
+    none_mm = estimate(
+        _cfg(
+            **dict(_MOE, model__moe_experts=0, model__moe_ffn_dim=0, training__activation_checkpointing="op")
+        ),
+        1,
+        GPUS["H100"],
+    ).time
     assert op.compute - base.compute > none_mm.compute - dense.compute
 
 
@@ -278,7 +454,10 @@ def test_moe_flops_count_active_experts_and_ep_gathers_only_local_experts():
 
     moe_args = FLAVORS["1B"].with_(moe_experts=8, moe_ffn_dim=2048)
     assert ffn_params(moe_args, active=True) == 2048 * 8 + 2 * 3 * 2048 * 2048
-    assert ffn_params(moe_args, active=False) == 2048 * 8 + 8 * 3 * 2048 * 2048 and attention_params(moe_args) > 0
+    assert (
+        ffn_params(moe_args, active=False) == 2048 * 8 + 8 * 3 * 2048 * 2048
+        and attention_params(moe_args) > 0
+    )
     assert dense.time.compute * 0.6 < moe.time.compute < dense.time.compute
     fsdp = dict(_MOE, training__global_batch_size=8, training__micro_batch_size=1, parallel__dp_shard=8)
     ep1, ep8 = (estimate(_cfg(**dict(fsdp, parallel__ep=e)), 8, GPUS["H200"]) for e in (1, 8))
@@ -298,19 +477,28 @@ def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
     """etp = tp: each tp rank holds (and FSDP2 gathers) a 1/tp slice of every expert; the tp group's tokens are
     gathered and the outputs reduce-scattered in every MoE block (forward and backward, again when rerun); the
     routed slots of the gathered tokens are kept whole; the search proposes etp layouts for MoE models."""
-    tp = dict(_MOE, training__global_batch_size=8, training__micro_batch_size=2, parallel__dp_shard=4,
-              parallel__tp=2)
+    tp = dict(
+        _MOE,
+        training__global_batch_size=8,
+        training__micro_batch_size=2,
+        parallel__dp_shard=4,
+        parallel__tp=2,
+    )
     rep, etp = (estimate(_cfg(**dict(tp, parallel__etp=e)), 8, GPUS["H200"]) for e in (1, 2))
     experts = 16 * 8 * 3 * 2048 * 2048  # the 1B shape's 16 blocks of 8 experts
     assert rep.memory.weights - etp.memory.weights == pytest.approx(4 * experts / 2 / 4)
     assert etp.memory.gathered < rep.memory.gathered
     assert etp.memory.activations > rep.memory.activations
     assert etp.time.tp > rep.time.tp and etp.time.compute == pytest.approx(rep.time.compute)
-    full = estimate(_cfg(**dict(tp, parallel__etp=2, training__activation_checkpointing="full")), 8, GPUS["H200"])
+    full = estimate(
+        _cfg(**dict(tp, parallel__etp=2, training__activation_checkpointing="full")), 8, GPUS["H200"]
+    )
     assert full.time.tp - etp.time.tp > 0
     assert "etp2" in etp.describe()
     # with ep the all-to-alls carry the tp group's gathered slots (tp times those of a sequence slice)
-    ep_rep, ep_etp = (estimate(_cfg(**dict(tp, parallel__ep=2, parallel__etp=e)), 8, GPUS["H200"]) for e in (1, 2))
+    ep_rep, ep_etp = (
+        estimate(_cfg(**dict(tp, parallel__ep=2, parallel__etp=e)), 8, GPUS["H200"]) for e in (1, 2)
+    )
     assert ep_etp.time.ep == pytest.approx(2 * ep_rep.time.ep)
     best, _ = search(_cfg(**dict(tp, training__global_batch_size=4)), 4, GPUS["H200"], top=400)
     assert any(e.layout["etp"] > 1 for e in best)
@@ -321,9 +509,18 @@ def test_ring_context_parallel_keeps_no_gathered_kv_and_hides_its_sends():
     sends are exposed only where they outlast the block's attention (hand-computed cases)."""
     from loom.plan.planner import ring_exposed_s
 
-    base = dict(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=1,
-                training__micro_batch_size=1, training__seq_len=65536, parallel__cp=4, parallel__dp_shard=1)
-    ag, ring = (estimate(_cfg(**dict(base, parallel__cp_method=m)), 4, GPUS["H100"]) for m in ("allgather", "ring"))
+    base = dict(
+        model__flavor="1B",
+        training__dtype="bfloat16",
+        training__global_batch_size=1,
+        training__micro_batch_size=1,
+        training__seq_len=65536,
+        parallel__cp=4,
+        parallel__dp_shard=1,
+    )
+    ag, ring = (
+        estimate(_cfg(**dict(base, parallel__cp_method=m)), 4, GPUS["H100"]) for m in ("allgather", "ring")
+    )
     kv = 16 * 65536 * (1 - 1 / 4) * 2 * 8 * 64 * 2  # 1B: 16 blocks, 8 KV heads of 64, bf16; the others' 3/4
     assert ag.memory.activations - ring.memory.activations == pytest.approx(kv)
     assert 0 <= ring.time.cp < ag.time.cp and ring.time.compute == ag.time.compute
@@ -340,12 +537,21 @@ def test_margin_keeps_layouts_near_the_limit_out():
     from loom.plan.memory import GIB, Memory
     from loom.plan.planner import MARGIN, Estimate
 
-    near = dict(layout={}, memory=Memory(weights=78.8 * GIB), time=None, tokens_per_s_per_gpu=1.0, mfu=0.5,
-                capacity_gib=79.2)
+    near = dict(
+        layout={},
+        memory=Memory(weights=78.8 * GIB),
+        time=None,
+        tokens_per_s_per_gpu=1.0,
+        mfu=0.5,
+        capacity_gib=79.2,
+    )
     assert not Estimate(**near, margin_gib=MARGIN * 79.2).fits and Estimate(**near, margin_gib=0.0).fits
     assert Estimate(**near, margin_gib=0.0).limit_gib == 79.2
-    est = estimate(_cfg(model__flavor="debug", training__global_batch_size=2, training__micro_batch_size=2), 1,
-                   GPUS["H100"])
+    est = estimate(
+        _cfg(model__flavor="debug", training__global_batch_size=2, training__micro_batch_size=2),
+        1,
+        GPUS["H100"],
+    )
     assert est.margin_gib == pytest.approx(MARGIN * GPUS["H100"].memory_gib) and est.fits
 
 
@@ -373,7 +579,9 @@ def test_search_progress_lines():
     for done in range(1, 1001):
         progress(done, 1000, done // 2)
     lines = log.getvalue().splitlines()
-    assert len(lines) == 11 and lines[-1].startswith("loom plan: searched 1,000/1,000 layouts (100%), 500 valid")
+    assert len(lines) == 11 and lines[-1].startswith(
+        "loom plan: searched 1,000/1,000 layouts (100%), 500 valid"
+    )
 
     class Terminal(io.StringIO):
         def isatty(self):

@@ -15,8 +15,16 @@ from loom.config import build_config
 from loom.models.llama.flavors import FLAVORS
 from loom.models.llama.model import Llama
 from loom.plan import decode_time_per_token
-from loom.plan.generate import (attention_kind, cache_shape, decode_seconds, decode_step, generation_args,
-                                kv_cache_bytes, plan_generation, weight_bytes)
+from loom.plan.generate import (
+    attention_kind,
+    cache_shape,
+    decode_seconds,
+    decode_step,
+    generation_args,
+    kv_cache_bytes,
+    plan_generation,
+    weight_bytes,
+)
 from loom.plan.hardware import GPUS
 
 H100 = GPUS["H100"]
@@ -57,8 +65,9 @@ def test_mla_caches_the_latent_and_the_rope_key_for_every_head():
     """DeepSeek-V2's 512 + 64 elements per layer, against 2 x 8 KV heads x 128 for an 8-KV-head GQA layer (about
     3.6x smaller); the latent is shared by every head, so tensor parallelism does not split it. The formula reads
     only the shape's numbers: a namespace of DeepSeek-V2-Lite's stands in where the MLA flavor is not there."""
-    args = FLAVORS.get("deepseek_v2_lite") or types.SimpleNamespace(n_layers=27, n_heads=16, kv_lora_rank=512,
-                                                                     qk_rope_head_dim=64)
+    args = FLAVORS.get("deepseek_v2_lite") or types.SimpleNamespace(
+        n_layers=27, n_heads=16, kv_lora_rank=512, qk_rope_head_dim=64
+    )
     assert attention_kind(args) == "mla" and cache_shape(args).elements == 512 + 64
     assert kv_cache_bytes(args, 4, 10, "bfloat16") == 27 * 4 * 10 * 576 * 2
     assert kv_cache_bytes(args, 4, 10, "bfloat16", tp=2) == kv_cache_bytes(args, 4, 10, "bfloat16")
@@ -81,11 +90,17 @@ def test_mla_parameters_match_the_model(flavor):
         model = Llama(args)
     assert weight_bytes(args, 1, "bfloat16") == 2 * sum(p.numel() for p in model.parameters())
     attention = model.layers["0"].attention
-    replicated = sum(p.numel() for name, p in attention.named_parameters() if name.split(".")[0] in
-                     ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm"))
+    replicated = sum(
+        p.numel()
+        for name, p in attention.named_parameters()
+        if name.split(".")[0] in ("wq_a", "q_a_norm", "wkv_a", "kv_a_norm")
+    )
     assert attention_split(args) == (sum(p.numel() for p in attention.parameters()) - replicated, replicated)
     plan = plan_generation(args, 2, 64, 16, H100)
-    assert plan.attention == "mla" and plan.kv_bytes_per_token == args.n_layers * 2 * args.cache_elements_per_token
+    assert (
+        plan.attention == "mla"
+        and plan.kv_bytes_per_token == args.n_layers * 2 * args.cache_elements_per_token
+    )
 
 
 def test_8b_on_an_h100_weights_and_decode_rate():
@@ -112,7 +127,9 @@ def test_decode_plan_against_the_measured_h100_run():
     import json
     import os
 
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "generate_8b_h100.json")) as fh:
+    with open(
+        os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "generate_8b_h100.json")
+    ) as fh:
         doc = json.load(fh)
     loom = next(r for r in doc["results"] if r.get("system") == "loom")
     assert [row["batch"] for row in loom["decode"]] == [1, 8, 64]
@@ -124,7 +141,9 @@ def test_decode_plan_against_the_measured_h100_run():
 def test_tensor_parallel_halves_weights_and_cache_and_adds_collectives():
     args = FLAVORS["8B"]
     one, two = (plan_generation(args, 4, 512, 64, H100, tp=tp) for tp in (1, 2))
-    assert two.memory.weights == pytest.approx(one.memory.weights / 2, rel=1e-4)  # but for the replicated norms
+    assert two.memory.weights == pytest.approx(
+        one.memory.weights / 2, rel=1e-4
+    )  # but for the replicated norms
     assert two.memory.kv_cache == one.memory.kv_cache / 2
     assert one.first.tp_s == 0 < two.first.tp_s and one.prefill.tp_s == 0 < two.prefill.tp_s
     assert two.first.weight_bytes == pytest.approx(one.first.weight_bytes / 2, rel=1e-3)
@@ -194,12 +213,35 @@ def _loom(capsys, *argv) -> tuple[int, str, str]:
 
 def test_cli_generate_prints_and_writes_json(tmp_path, capsys):
     out = tmp_path / "gen.json"
-    code, stdout, err = _loom(capsys, "--generate", "--model.flavor", "8B", "--batch", "2", "--prompt-len", "512",
-                              "--output-len", "128", "--gpus", "2", "--dtype", "bf16", "--json", str(out))
+    code, stdout, err = _loom(
+        capsys,
+        "--generate",
+        "--model.flavor",
+        "8B",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "512",
+        "--output-len",
+        "128",
+        "--gpus",
+        "2",
+        "--dtype",
+        "bf16",
+        "--json",
+        str(out),
+    )
     assert code == 0, err
-    for text in ("on 2 x H100 (tensor parallel 2)", "memory per GPU, GiB: weights 7.48", "KV cache (gqa): 128.0 KiB",
-                 "time to first token", "decode, ms per step", "tokens/s at batch 2", "65 all-reduces",
-                 "HBM 3.35 TB/s"):
+    for text in (
+        "on 2 x H100 (tensor parallel 2)",
+        "memory per GPU, GiB: weights 7.48",
+        "KV cache (gqa): 128.0 KiB",
+        "time to first token",
+        "decode, ms per step",
+        "tokens/s at batch 2",
+        "65 all-reduces",
+        "HBM 3.35 TB/s",
+    ):
         assert text in stdout, stdout
     report = json.loads(out.read_text())["generate"]
     assert report["tp"] == 2 and report["kv_bytes_per_token"] == 131072 and report["fits"]
@@ -207,14 +249,26 @@ def test_cli_generate_prints_and_writes_json(tmp_path, capsys):
     assert report["decode_first"]["ms"] <= report["decode_mean_ms"] <= report["decode_last"]["ms"]
 
 
-@pytest.mark.parametrize("argv,expect", [
-    (["--batch", "2"], "--batch = '2': only with --generate"),
-    (["--generate", "--output-len", "8"], "--prompt-len: required with --generate"),
-    (["--generate", "--prompt-len", "8", "--output-len", "8", "--search"], "--search: not with --generate"),
-    (["--generate", "--prompt-len", "0", "--output-len", "8"], "--prompt-len = 0: expected a positive integer"),
-    (["--generate", "--prompt-len", "8", "--output-len", "8", "--dtype", "int4"], "--dtype = 'int4': allowed"),
-    (["--generate", "--prompt-len", "8", "--output-len", "8", "--gpus", "3"], "--gpus = 3: must divide"),
-])
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["--batch", "2"], "--batch = '2': only with --generate"),
+        (["--generate", "--output-len", "8"], "--prompt-len: required with --generate"),
+        (
+            ["--generate", "--prompt-len", "8", "--output-len", "8", "--search"],
+            "--search: not with --generate",
+        ),
+        (
+            ["--generate", "--prompt-len", "0", "--output-len", "8"],
+            "--prompt-len = 0: expected a positive integer",
+        ),
+        (
+            ["--generate", "--prompt-len", "8", "--output-len", "8", "--dtype", "int4"],
+            "--dtype = 'int4': allowed",
+        ),
+        (["--generate", "--prompt-len", "8", "--output-len", "8", "--gpus", "3"], "--gpus = 3: must divide"),
+    ],
+)
 def test_cli_generate_errors_are_one_line(capsys, argv, expect):
     code, _, err = _loom(capsys, *argv)
     lines = err.strip().splitlines()

@@ -15,13 +15,22 @@ import os
 import pytest
 import torch
 
-from loom.rl.ppo import (gae, kl_estimate, last_token_index, policy_losses, ppo_loss, token_rewards, value_losses,
-                         whiten)
+from loom.rl.ppo import (
+    gae,
+    kl_estimate,
+    last_token_index,
+    policy_losses,
+    ppo_loss,
+    token_rewards,
+    value_losses,
+    whiten,
+)
 
 B, T = 5, 7
 
 
 # ---- TRL's computations (trl/experimental/ppo/ppo_trainer.py), as references --------------------------------------
+
 
 def trl_masked_mean(values, mask):
     return (values * mask).sum() / mask.sum()
@@ -34,14 +43,15 @@ def trl_masked_whiten(values, mask, shift_mean=True):
     return whitened if shift_mean else whitened + mean
 
 
-def trl_rewards_and_gae(logprobs, ref_logprobs, values, scores, lengths, kl_coef, estimator, gamma, lam,
-                        whiten_rewards):
+def trl_rewards_and_gae(
+    logprobs, ref_logprobs, values, scores, lengths, kl_coef, estimator, gamma, lam, whiten_rewards
+):
     """TRL's steps 4-6 with the score on each completion's last token: TRL adds it at ``sequence_lengths_p1`` (one
     past the last token, a position whose value it keeps); given ``sequence_lengths`` one less than loom's last
     index, TRL's p1 masks are loom's completion masks, so both compute on the same masks."""
     idx = torch.arange(T).repeat(B, 1)
-    seq_len = lengths - 2  # TRL's sequence_lengths: sequence_lengths_p1 = lengths - 1 = the last token's index
-    padding_mask = idx > seq_len[:, None]
+    # TRL's sequence_lengths: sequence_lengths_p1 = lengths - 1 = the last token's index
+    seq_len = lengths - 2
     p1 = seq_len + 1
     padding_mask_p1 = idx > p1[:, None]
     logprobs = torch.masked_fill(logprobs, padding_mask_p1, 1.0)  # INVALID_LOGPROB, beyond every mask used
@@ -67,15 +77,19 @@ def trl_rewards_and_gae(logprobs, ref_logprobs, values, scores, lengths, kl_coef
     return kl, rewards, advantages, returns, ~padding_mask_p1
 
 
-def trl_minibatch_loss(new_logprobs, logprobs, advantages, vpred, values, returns, mask, cliprange, cliprange_value,
-                       vf_coef):
+def trl_minibatch_loss(
+    new_logprobs, logprobs, advantages, vpred, values, returns, mask, cliprange, cliprange_value, vf_coef
+):
     """TRL's mini-batch loss (one micro-batch, policy and value on the same mask) and its clip fractions."""
     vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
     vf_losses1, vf_losses2 = torch.square(vpred - returns), torch.square(vpredclipped - returns)
     vf_loss = 0.5 * trl_masked_mean(torch.max(vf_losses1, vf_losses2), mask)
     vf_clipfrac = trl_masked_mean((vf_losses2 > vf_losses1).float(), mask)
     ratio = torch.exp(new_logprobs - logprobs)
-    pg_losses, pg_losses2 = -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_losses, pg_losses2 = (
+        -advantages * ratio,
+        -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange),
+    )
     pg_loss = trl_masked_mean(torch.max(pg_losses, pg_losses2), mask)
     pg_clipfrac = trl_masked_mean((pg_losses2 > pg_losses).float(), mask)
     return pg_loss + vf_coef * vf_loss, pg_loss, vf_loss, pg_clipfrac, vf_clipfrac
@@ -90,17 +104,19 @@ def rollouts(seed: int = 0):
     vpred = values + torch.randn(B, T, generator=g) * 0.5
     scores = torch.randn(B, generator=g) * 2
     lengths = torch.tensor([7, 3, 5, 2, 6])  # completion tokens per row (one row fills the width)
-    mask = (torch.arange(T)[None] < lengths[:, None])
+    mask = torch.arange(T)[None] < lengths[:, None]
     return old, ref, new, values, vpred, scores, lengths, mask
 
 
 # ---- the math ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("estimator,whiten_rewards", [("k1", False), ("k3", True)])
 def test_rewards_gae_and_whitening_equal_trl(estimator, whiten_rewards):
     old, ref, _, values, _, scores, lengths, mask = rollouts()
     kl_ref, rewards_ref, adv_ref, ret_ref, trl_mask = trl_rewards_and_gae(
-        old, ref, values, scores, lengths, 0.05, estimator, 0.99, 0.95, whiten_rewards)
+        old, ref, values, scores, lengths, 0.05, estimator, 0.99, 0.95, whiten_rewards
+    )
     assert torch.equal(trl_mask, mask)
     m = mask.float()
     kl = kl_estimate(old, ref, estimator)
@@ -144,7 +160,8 @@ def test_losses_equal_trl():
     adv, ret = gae(token_rewards(scores, mask), values * m, mask, 1.0, 0.95)
     adv = whiten(adv, mask)
     expected, pg_ref, vf_ref, pg_clip_ref, vf_clip_ref = trl_minibatch_loss(
-        new, old, adv, vpred, values * m, ret, m, 0.2, 0.2, 0.1)
+        new, old, adv, vpred, values * m, ret, m, 0.2, 0.2, 0.1
+    )
     got = ppo_loss(new, old, adv, vpred, values * m, ret, mask, 0.2, 0.2, 0.1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     pg, pg_clipped = policy_losses(new, old, adv, 0.2)
@@ -165,16 +182,27 @@ def test_last_token_takes_the_score():
 
 # ---- the objective in a run ---------------------------------------------------------------------------------------
 
+
 def run(tmp_path, name: str, steps: int, **extra) -> list[dict]:
     from loom.config import build_config
     from loom.methods.ppo import ProximalPolicy
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
-    over = tiny_overrides(str(tmp_path / name), None, **{
-        "training.objective": "ppo", "training.steps": steps, "training.global_batch_size": 8,
-        "training.micro_batch_size": 4, "grpo.group_size": 4, "grpo.max_new_tokens": 4, "metrics.progress": "false",
-        **extra})
+    over = tiny_overrides(
+        str(tmp_path / name),
+        None,
+        **{
+            "training.objective": "ppo",
+            "training.steps": steps,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "grpo.group_size": 4,
+            "grpo.max_new_tokens": 4,
+            "metrics.progress": "false",
+            **extra,
+        },
+    )
     cfg = build_config(None, {k: str(v) for k, v in over.items()})
     return Trainer(cfg, objective=ProximalPolicy(cfg)).fit()
 
@@ -182,16 +210,31 @@ def run(tmp_path, name: str, steps: int, **extra) -> list[dict]:
 def test_embedded_default_runs(tmp_path):
     """`loom train --training.objective ppo`'s path: the warm-up, then PPO with a frozen-copy reference, two passes
     over two mini-batches of each batch of rollouts; every figure finite, the first PPO step's KL 0."""
-    records = run(tmp_path, "ppo", 6, **{"grpo.warmup_steps": 1, "ppo.epochs": 2, "ppo.mini_batches": 2,
-                                         "ppo.kl_coef": 0.1})
+    records = run(
+        tmp_path,
+        "ppo",
+        6,
+        **{"grpo.warmup_steps": 1, "ppo.epochs": 2, "ppo.mini_batches": 2, "ppo.kl_coef": 0.1},
+    )
     assert [("grpo/warmup" in r) for r in records] == [True] + [False] * 5
     ppo = records[1:]
     for r in ppo:
-        for key in ("loss", "grad_norm", "ppo/policy_loss", "ppo/value_loss", "ppo/approx_kl", "reward",
-                    "ppo/values", "ppo/returns", "ppo/rollout_kl"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "ppo/policy_loss",
+            "ppo/value_loss",
+            "ppo/approx_kl",
+            "reward",
+            "ppo/values",
+            "ppo/returns",
+            "ppo/rollout_kl",
+        ):
             assert r[key] is not None and r[key] == r[key] and abs(r[key]) < 1e3, (key, r)
     assert ppo[0]["ppo/rollout_kl"] == 0.0 and ppo[0]["ppo/approx_kl"] < 1e-8  # reference = policy; ratio 1
-    assert ppo[0]["time/generation_s"] > 0 and ppo[1]["time/generation_s"] == 0  # one batch of rollouts, 4 steps
+    assert (
+        ppo[0]["time/generation_s"] > 0 and ppo[1]["time/generation_s"] == 0
+    )  # one batch of rollouts, 4 steps
     assert ppo[4]["time/generation_s"] > 0
     assert ppo[3]["ppo/approx_kl"] > 0  # later steps on the same rollouts have moved the policy
 
@@ -201,14 +244,33 @@ def test_cli_default_runs(tmp_path, capsys):
     from loom.cli.train import main
 
     rd = tmp_path / "cli"
-    assert main(["--training.objective", "ppo", "--training.steps", "3", "--grpo.warmup_steps", "1",
-                 "--run.dir", str(rd), "--metrics.progress", "false", "--metrics.every", "1",
-                 "--checkpoint.at_end", "false"]) in (0, None)
+    assert main(
+        [
+            "--training.objective",
+            "ppo",
+            "--training.steps",
+            "3",
+            "--grpo.warmup_steps",
+            "1",
+            "--run.dir",
+            str(rd),
+            "--metrics.progress",
+            "false",
+            "--metrics.every",
+            "1",
+            "--checkpoint.at_end",
+            "false",
+        ]
+    ) in (0, None)
     with open(os.path.join(rd, "metrics.jsonl")) as fh:
         records = [json.loads(line) for line in fh]
     assert len(records) == 3 and "rewards/exact_answer" in records[-1] and "ppo/value_loss" in records[-1]
-    last = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")][-1]  # reward, accuracy
-    assert f"| reward {records[-1]['reward']:.3f} | acc {records[-1]['rewards/exact_answer']:.3f} |" in last, last
+    last = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")][
+        -1
+    ]  # reward, accuracy
+    assert (
+        f"| reward {records[-1]['reward']:.3f} | acc {records[-1]['rewards/exact_answer']:.3f} |" in last
+    ), last
 
 
 def test_config_rules():
@@ -226,7 +288,9 @@ def test_config_rules():
         check(**{"training.objective": "ppo", "grpo.beta": 0.1})  # GRPO's loss fields do nothing under PPO
     with pytest.raises(ConfigError, match="ppo.kl_estimator"):
         check(**{"training.objective": "ppo", "ppo.kl_penalty": "loss", "ppo.kl_estimator": "k3"})
-    check(**{"training.objective": "ppo", "parallel.tp": 2})  # the TP plan splits the value head and the critic
+    check(
+        **{"training.objective": "ppo", "parallel.tp": 2}
+    )  # the TP plan splits the value head and the critic
     with pytest.raises(ConfigError, match="parallel.pp"):
         check(**{"training.objective": "ppo", "parallel.pp": 2})
 
@@ -243,9 +307,17 @@ def test_recipe_raises_the_accuracy(tmp_path):
     from loom.train.trainer import Trainer
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    cfg = build_config(str(root / "recipes" / "ppo_debug.toml"), {
-        "run.dir": str(tmp_path / "run"), "training.steps": "160", "metrics.every": "1",
-        "metrics.progress": "false", "metrics.tensorboard": "false", "checkpoint.at_end": "false"})
+    cfg = build_config(
+        str(root / "recipes" / "ppo_debug.toml"),
+        {
+            "run.dir": str(tmp_path / "run"),
+            "training.steps": "160",
+            "metrics.every": "1",
+            "metrics.progress": "false",
+            "metrics.tensorboard": "false",
+            "checkpoint.at_end": "false",
+        },
+    )
     records = Trainer(cfg, objective=ProximalPolicy(cfg)).fit()
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
     rewards = [round(r["reward"], 3) for r in records if "reward" in r]
@@ -258,17 +330,30 @@ def test_reward_model_scores_the_rollouts(tmp_path):
     """A reward model's scorer (what grpo.reward_model loads with loom.train.reward.load_reward_model, tested in
     test_reward) scores prompt + completion; alone (no reward functions) it is the reward: rewards/reward_model."""
     from loom.config import build_config
-    from loom.models.llama import Llama
-    from loom.methods.ppo import ProximalPolicy
     from loom.infer.reward import RewardScorer, attach_score_head
+    from loom.methods.ppo import ProximalPolicy
+    from loom.models.llama import Llama
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
-    over = tiny_overrides(str(tmp_path / "ppo-rm"), None, **{
-        "training.objective": "ppo", "training.steps": 2, "training.global_batch_size": 8,
-        "training.micro_batch_size": 4, "grpo.group_size": 4, "grpo.max_new_tokens": 4, "grpo.warmup_steps": 0,
-        "grpo.prompts": str(tmp_path / "prompts.jsonl"), "metrics.progress": "false"})
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(9)))
+    over = tiny_overrides(
+        str(tmp_path / "ppo-rm"),
+        None,
+        **{
+            "training.objective": "ppo",
+            "training.steps": 2,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "grpo.group_size": 4,
+            "grpo.max_new_tokens": 4,
+            "grpo.warmup_steps": 0,
+            "grpo.prompts": str(tmp_path / "prompts.jsonl"),
+            "metrics.progress": "false",
+        },
+    )
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(9))
+    )
     cfg = build_config(None, {k: str(v) for k, v in over.items()})
     trainer = Trainer(cfg, objective=ProximalPolicy(cfg))
     torch.manual_seed(0)
@@ -289,9 +374,17 @@ def test_critic_model_is_materialized_and_starts_as_the_policy(tmp_path):
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
-    over = tiny_overrides(str(tmp_path / "critic"), None, **{
-        "training.objective": "ppo", "ppo.critic": "model", "training.global_batch_size": 8,
-        "grpo.group_size": 4, "metrics.progress": "false"})
+    over = tiny_overrides(
+        str(tmp_path / "critic"),
+        None,
+        **{
+            "training.objective": "ppo",
+            "ppo.critic": "model",
+            "training.global_batch_size": 8,
+            "grpo.group_size": 4,
+            "metrics.progress": "false",
+        },
+    )
     cfg = build_config(None, {k: str(v) for k, v in over.items()})
     model = Trainer(cfg, objective=ProximalPolicy(cfg)).parts[0]
     critic = model.critic
@@ -313,12 +406,19 @@ def test_resumed_run_continues_with_its_critic(tmp_path):
     """A checkpoint between two batches of rollouts holds the value function (here a separate critic): the resumed
     run's steps equal the uninterrupted run's (the rollouts are seeded by step; no KL: a resumed run takes its
     reference from the resumed policy)."""
-    extra = {"grpo.warmup_steps": 1, "ppo.critic": "model", "ppo.kl_coef": 0.0, "ppo.epochs": 2,
-             "run.deterministic": "true"}
+    extra = {
+        "grpo.warmup_steps": 1,
+        "ppo.critic": "model",
+        "ppo.kl_coef": 0.0,
+        "ppo.epochs": 2,
+        "run.deterministic": "true",
+    }
     import shutil
 
     whole = run(tmp_path, "run", 5, **extra, **{"checkpoint.every": 3})  # steps 2-3: one batch of rollouts
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000005", ignore_errors=True)  # (none without at_end)
+    shutil.rmtree(
+        tmp_path / "run" / "checkpoints" / "step_00000005", ignore_errors=True
+    )  # (none without at_end)
     resumed = run(tmp_path, "run", 5, **extra, **{"checkpoint.every": 3})
     assert [r["step"] for r in resumed] == [4, 5]
     for a, b in zip(resumed, whole[3:]):
@@ -339,10 +439,19 @@ def test_recipe_on_cuda_raises_the_accuracy(tmp_path, critic):
     from loom.train.trainer import Trainer
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    cfg = build_config(str(root / "recipes" / "ppo_debug.toml"), {
-        "run.dir": str(tmp_path / "run"), "run.device": "cuda", "training.dtype": "bfloat16", "ppo.critic": critic,
-        "metrics.every": "1", "metrics.progress": "false", "metrics.tensorboard": "false",
-        "checkpoint.at_end": "false"})
+    cfg = build_config(
+        str(root / "recipes" / "ppo_debug.toml"),
+        {
+            "run.dir": str(tmp_path / "run"),
+            "run.device": "cuda",
+            "training.dtype": "bfloat16",
+            "ppo.critic": critic,
+            "metrics.every": "1",
+            "metrics.progress": "false",
+            "metrics.tensorboard": "false",
+            "checkpoint.at_end": "false",
+        },
+    )
     records = Trainer(cfg, objective=ProximalPolicy(cfg)).fit()
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
@@ -355,8 +464,8 @@ def test_init_from_loads_the_policy_beside_its_value_function(tmp_path, critic):
     the folder has none); the value function keeps its seeded init."""
     from loom.checkpoint.hf.export import export_hf
     from loom.config import build_config
-    from loom.models.llama import FLAVORS, Llama
     from loom.methods.ppo import ProximalPolicy
+    from loom.models.llama import FLAVORS, Llama
     from loom.train.trainer import Trainer
     from tests.tiny import tiny_overrides
 
@@ -364,11 +473,22 @@ def test_init_from_loads_the_policy_beside_its_value_function(tmp_path, critic):
     torch.manual_seed(5)
     base = Llama(args)
     export_hf(base.state_dict(), args, str(tmp_path / "hf"))
-    over = tiny_overrides(str(tmp_path / "run"), None, **{
-        "training.objective": "ppo", "ppo.critic": critic, "model.init_from": str(tmp_path / "hf"),
-        "training.global_batch_size": 8, "grpo.group_size": 4, "metrics.progress": "false"})
+    over = tiny_overrides(
+        str(tmp_path / "run"),
+        None,
+        **{
+            "training.objective": "ppo",
+            "ppo.critic": critic,
+            "model.init_from": str(tmp_path / "hf"),
+            "training.global_batch_size": 8,
+            "grpo.group_size": 4,
+            "metrics.progress": "false",
+        },
+    )
     cfg = build_config(None, {k: str(v) for k, v in over.items()})
     model = Trainer(cfg, objective=ProximalPolicy(cfg)).parts[0]
     assert torch.equal(model.layers["0"].attention.wq.weight, base.layers["0"].attention.wq.weight)
     value = model.value_head.weight if critic == "head" else model.critic.output.weight
-    assert value.shape == (1, args.dim) and 0 < float(value.detach().std()) < 0.1  # its seeded init (std 0.02)
+    assert (
+        value.shape == (1, args.dim) and 0 < float(value.detach().std()) < 0.1
+    )  # its seeded init (std 0.02)

@@ -9,13 +9,15 @@ import pytest
 
 from loom.config import ConfigError, build_config
 from loom.config.load import profile_window
-from loom.methods import check_config
 from loom.config.sections import MetricsConfig
+from loom.methods import check_config
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
 
-@pytest.mark.parametrize("text,window", [("", None), ("2:3", (2, 3)), (" 1 : 1 ", (1, 1)), ("10:20", (10, 20))])
+@pytest.mark.parametrize(
+    "text,window", [("", None), ("2:3", (2, 3)), (" 1 : 1 ", (1, 1)), ("10:20", (10, 20))]
+)
 def test_window_parses(text, window):
     assert profile_window(MetricsConfig(profile_steps=text)) == window
 
@@ -37,7 +39,9 @@ def cache(tmp_path_factory) -> str:
 
 
 def run(run_dir, cache, **extra) -> Trainer:
-    trainer = Trainer(tiny_config(run_dir, cache, **{"training.steps": 3, "training.micro_batch_size": 4, **extra}))
+    trainer = Trainer(
+        tiny_config(run_dir, cache, **{"training.steps": 3, "training.micro_batch_size": 4, **extra})
+    )
     trainer.fit()
     return trainer
 
@@ -51,8 +55,11 @@ def test_profiled_steps_write_a_trace_with_phase_and_block_ranges(tmp_path, cach
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
     counts = {name: sum(e["name"] == name for e in ranges) for name in {e["name"] for e in ranges}}
     # 2 steps x 2 micro-batches of forward/backward, one optimizer phase per step, 2 blocks
-    assert {k: counts.get(k) for k in ("ProfilerStep#2", "ProfilerStep#3", "optimizer")} == \
-        {"ProfilerStep#2": 1, "ProfilerStep#3": 1, "optimizer": 2}
+    assert {k: counts.get(k) for k in ("ProfilerStep#2", "ProfilerStep#3", "optimizer")} == {
+        "ProfilerStep#2": 1,
+        "ProfilerStep#3": 1,
+        "optimizer": 2,
+    }
     for name in ("forward", "backward", "block.0", "block.1", "block.0.backward", "block.1.backward"):
         assert counts.get(name) == 4, (name, counts)
     assert "ProfilerStep#1" not in counts

@@ -11,19 +11,30 @@ import torch
 
 pytest.importorskip("torchao")
 
-from loom.checkpoint.manager import load_model_only  # noqa: E402
-from loom.config.errors import ConfigError, UserError  # noqa: E402
-from loom.config.sections import LoraConfig  # noqa: E402
-from loom.models.common.lora import apply_lora, dequantized, is_nf4  # noqa: E402
-from loom.parallel.shards import quantize_base  # noqa: E402
-from loom.models.llama import FLAVORS, Llama  # noqa: E402
-from loom.train.trainer import Trainer  # noqa: E402
-from tests.tiny import tiny_config  # noqa: E402
+from loom.checkpoint.manager import load_model_only
+from loom.config.errors import ConfigError, UserError
+from loom.config.sections import LoraConfig
+from loom.models.common.lora import apply_lora, dequantized, is_nf4
+from loom.models.llama import FLAVORS, Llama
+from loom.parallel.shards import quantize_base
+from loom.train.trainer import Trainer
+from tests.tiny import tiny_config
 
 # NF4 needs whole blocks of 64 x 256 weights per linear: the 125M shape, one block
-QLORA = {"model.flavor": "125M", "model.n_layers": 1, "lora.rank": 4, "lora.alpha": 8, "lora.targets": "all",
-         "lora.base_dtype": "nf4", "optimizer.lr": 1e-2, "optimizer.warmup_steps": 0, "metrics.progress": "false"}
-CORPUS = "".join(f"record {i}: a small corpus for the quantized base, {i * 11 % 17} words\n" for i in range(300))
+QLORA = {
+    "model.flavor": "125M",
+    "model.n_layers": 1,
+    "lora.rank": 4,
+    "lora.alpha": 8,
+    "lora.targets": "all",
+    "lora.base_dtype": "nf4",
+    "optimizer.lr": 1e-2,
+    "optimizer.warmup_steps": 0,
+    "metrics.progress": "false",
+}
+CORPUS = "".join(
+    f"record {i}: a small corpus for the quantized base, {i * 11 % 17} words\n" for i in range(300)
+)
 
 
 def run(tmp, name, **extra):
@@ -45,8 +56,11 @@ def test_qlora_trains_on_cpu_with_the_base_frozen_in_nf4(tmp_path):
     linears = {"wq": block.attention.wq, "wk": block.attention.wk, "w2": block.feed_forward.w2}
     assert all(is_nf4(m.weight) and not m.weight.requires_grad for m in linears.values())
     before = {k: nf4_parts(m.weight) for k, m in linears.items()}
-    others = {n: p.detach().clone() for n, p in trainer.parts[0].named_parameters()
-              if not p.requires_grad and not is_nf4(p)}
+    others = {
+        n: p.detach().clone()
+        for n, p in trainer.parts[0].named_parameters()
+        if not p.requires_grad and not is_nf4(p)
+    }
     records = trainer.fit()
     assert records[-1]["loss"] < records[0]["loss"] - 0.1
     for k, m in linears.items():
@@ -79,7 +93,11 @@ def test_nf4_is_close_to_the_weight_it_quantizes():
     original = w.detach().clone()
     assert quantize_base(model) == 1
     q = model.layers["0"].attention.wq.weight
-    assert is_nf4(q) and q.quantized_data.dtype == torch.uint8 and q.quantized_data.numel() == original.numel() // 2
+    assert (
+        is_nf4(q)
+        and q.quantized_data.dtype == torch.uint8
+        and q.quantized_data.numel() == original.numel() // 2
+    )
     err = (dequantized(q) - original).abs()
     assert err.mean() < 0.1 * original.abs().mean() and err.max() < 0.5 * original.abs().max()
 
@@ -87,13 +105,23 @@ def test_nf4_is_close_to_the_weight_it_quantizes():
 def test_resume_equals_the_uninterrupted_run(tmp_path):
     whole = Trainer(run(tmp_path, "whole", **{"training.steps": 4})).fit()
     Trainer(run(tmp_path, "cut", **{"training.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 0})).fit()
-    resumed = Trainer(run(tmp_path, "resumed", **{
-        "training.steps": 4, "checkpoint.resume": str(tmp_path / "cut" / "checkpoints" / "step_00000002")})).fit()
+    resumed = Trainer(
+        run(
+            tmp_path,
+            "resumed",
+            **{
+                "training.steps": 4,
+                "checkpoint.resume": str(tmp_path / "cut" / "checkpoints" / "step_00000002"),
+            },
+        )
+    ).fit()
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
 
 
 def test_a_shape_without_whole_nf4_blocks_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"lora.base_dtype = 'nf4': layers.0.attention.wq.weight \[64, 64\]"):
+    with pytest.raises(
+        ConfigError, match=r"lora.base_dtype = 'nf4': layers.0.attention.wq.weight \[64, 64\]"
+    ):
         Trainer(run(tmp_path, "run", **{"model.flavor": "debug", "model.n_layers": 0}))
 
 
@@ -104,4 +132,6 @@ def test_without_torchao_it_is_one_line(monkeypatch):
     apply_lora(model, LoraConfig(rank=2, targets="q"))
     with pytest.raises(UserError) as err:
         quantize_base(model)
-    assert str(err.value) == "lora.base_dtype nf4 needs the 'torchao' package (pip install 'loom-train[qlora]')"
+    assert (
+        str(err.value) == "lora.base_dtype nf4 needs the 'torchao' package (pip install 'loom-train[qlora]')"
+    )

@@ -15,8 +15,13 @@ def _constructs(path: pathlib.Path, classes: set[str]) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call):
-            name = node.func.id if isinstance(node.func, ast.Name) else \
-                node.func.attr if isinstance(node.func, ast.Attribute) else None
+            name = (
+                node.func.id
+                if isinstance(node.func, ast.Name)
+                else node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else None
+            )
             if name in classes:
                 found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {name}(")
     return found
@@ -28,8 +33,12 @@ def test_no_module_outside_models_constructs_a_family():
 
     classes = {spec.build.__name__ for spec in FAMILIES}
     assert {"Llama", "DeepSeekV3"} <= classes
-    found = [hit for path in sorted(ROOT.rglob("*.py")) if "models" not in path.relative_to(ROOT).parts[:1]
-             for hit in _constructs(path, classes)]
+    found = [
+        hit
+        for path in sorted(ROOT.rglob("*.py"))
+        if "models" not in path.relative_to(ROOT).parts[:1]
+        for hit in _constructs(path, classes)
+    ]
     assert found == [], "build through loom.models.registry.build_model: " + ", ".join(found)
 
 

@@ -24,8 +24,18 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def opts(run_dir, cache, **extra) -> list[str]:
-    return tiny_args(run_dir, cache, **{"run.seed": 3, "run.deterministic": "true", "training.steps": 6,
-                                        "training.global_batch_size": 4, "checkpoint.at_end": None, **extra})
+    return tiny_args(
+        run_dir,
+        cache,
+        **{
+            "run.seed": 3,
+            "run.deterministic": "true",
+            "training.steps": 6,
+            "training.global_batch_size": 4,
+            "checkpoint.at_end": None,
+            **extra,
+        },
+    )
 
 
 def run_main(capsys, run_dir, cache, **extra) -> tuple[int, str, str]:
@@ -60,20 +70,37 @@ def test_an_old_runs_checkpoints_neither_block_nor_delete_a_new_runs(tmp_path, c
     run = tmp_path / "a"
     assert run_main(capsys, run, cache, **{"training.steps": 12, "checkpoint.every": 1})[0] == 0
     assert steps_in(run) == [10, 11, 12]
-    code, _, err = run_main(capsys, run, cache, **{"training.steps": 4, "checkpoint.every": 2,
-                                                   "checkpoint.resume": "none"})
+    code, _, err = run_main(
+        capsys, run, cache, **{"training.steps": 4, "checkpoint.every": 2, "checkpoint.resume": "none"}
+    )
     line = one_line(err)
     assert code == 2 and "already holds 3 checkpoint(s), the newest step 12" in line
     assert "--checkpoint.resume auto" in line and "--checkpoint.overwrite true" in line
     assert steps_in(run) == [10, 11, 12]
 
-    code, out, _ = run_main(capsys, run, cache, **{"training.steps": 4, "checkpoint.every": 2,
-                                                   "checkpoint.resume": "none", "checkpoint.overwrite": "true"})
+    code, out, _ = run_main(
+        capsys,
+        run,
+        cache,
+        **{
+            "training.steps": 4,
+            "checkpoint.every": 2,
+            "checkpoint.resume": "none",
+            "checkpoint.overwrite": "true",
+        },
+    )
     assert code == 0 and "moved 3 checkpoint(s) into" in out
     assert steps_in(run) == [2, 4]  # the new run's checkpoints are all there
     (aside,) = os.listdir(run / "checkpoints" / "superseded")
-    assert sorted(os.listdir(run / "checkpoints" / "superseded" / aside)) == [step_dir_name(s) for s in (10, 11, 12)]
-    assert [r["step"] for r in records(run)] == [1, 2, 3, 4]  # the old run's metrics are set aside, not mixed in
+    assert sorted(os.listdir(run / "checkpoints" / "superseded" / aside)) == [
+        step_dir_name(s) for s in (10, 11, 12)
+    ]
+    assert [r["step"] for r in records(run)] == [
+        1,
+        2,
+        3,
+        4,
+    ]  # the old run's metrics are set aside, not mixed in
     assert any(n.startswith("metrics.") and n != "metrics.jsonl" for n in os.listdir(run))
 
 
@@ -96,9 +123,18 @@ def test_auto_with_every_checkpoint_corrupt_exits_2_and_keeps_them(tmp_path, cac
 def test_a_second_run_in_a_locked_run_dir_exits_2_naming_the_holder(tmp_path, cache, capsys):
     run = tmp_path / "locked"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from loom.runtime.run_lock import acquire; "
-                               "acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(run)],
-                              env=env(), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from loom.runtime.run_lock import acquire; "
+            "acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)",
+            str(run),
+        ],
+        env=env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         code, _, err = run_main(capsys, run, cache)
@@ -122,9 +158,18 @@ IMPLEMENTATIONS = ["foreach", *(pytest.param(impl, marks=pytest.mark.slow) for i
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_a_diverged_run_skips_then_stops_with_exit_1_and_one_line(tmp_path, cache, capsys, impl):
     run = tmp_path / "nan"
-    code, out, err = run_main(capsys, run, cache, **{"optimizer.lr": 1e6, "training.steps": 40,
-                                                     "training.nonfinite_limit": 3, "checkpoint.every": 1,
-                                                     "optimizer.implementation": impl})
+    code, out, err = run_main(
+        capsys,
+        run,
+        cache,
+        **{
+            "optimizer.lr": 1e6,
+            "training.steps": 40,
+            "training.nonfinite_limit": 3,
+            "checkpoint.every": 1,
+            "optimizer.implementation": impl,
+        },
+    )
     line = one_line(err)
     assert code == 1 and "3 non-finite steps in a row (training.nonfinite_limit = 3)" in line
     bad = [int(m.split()[1].rstrip(":")) for m in out.splitlines() if "non-finite loss" in m]
@@ -144,14 +189,19 @@ def weights_finite(folder: str) -> bool:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        sd, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return all(torch.isfinite(v).all() for k, v in sd.items() if k.startswith("model.")) and len(sd) > 0
 
 
 def test_stop_mode_stops_at_the_first_non_finite_step(tmp_path, cache, capsys):
-    code, out, err = run_main(capsys, tmp_path / "stop", cache, **{"optimizer.lr": 1e6, "training.steps": 40,
-                                                                   "training.nonfinite": "stop"})
+    code, out, err = run_main(
+        capsys,
+        tmp_path / "stop",
+        cache,
+        **{"optimizer.lr": 1e6, "training.steps": 40, "training.nonfinite": "stop"},
+    )
     line = one_line(err)
     assert code == 1 and "(training.nonfinite = stop)" in line and "non-finite step" in line
 
@@ -178,29 +228,46 @@ def poisoned_step(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_rollback_skips_the_offending_batch_and_continues_like_skip(tmp_path, cache, capsys, poisoned_step, impl):
+def test_rollback_skips_the_offending_batch_and_continues_like_skip(
+    tmp_path, cache, capsys, poisoned_step, impl
+):
     """Rolling back to step 4 and skipping batch 5 gives the weights a skipped update gives: steps 6-8 are equal."""
-    common = {"training.steps": 8, "checkpoint.every": 2, "checkpoint.keep": 0, "optimizer.implementation": impl}
+    common = {
+        "training.steps": 8,
+        "checkpoint.every": 2,
+        "checkpoint.keep": 0,
+        "optimizer.implementation": impl,
+    }
     assert run_main(capsys, tmp_path / "skip", cache, **common)[0] == 0
-    code, out, _ = run_main(capsys, tmp_path / "rollback", cache, **common, **{"training.nonfinite": "rollback"})
+    code, out, _ = run_main(
+        capsys, tmp_path / "rollback", cache, **common, **{"training.nonfinite": "rollback"}
+    )
     assert code == 0
     assert "rolled back to step 4" in out and "step 5: batch skipped" in out
     skipped, rolled = records(tmp_path / "skip"), records(tmp_path / "rollback")
     assert [r["step"] for r in rolled] == [1, 2, 3, 4, 6, 7, 8]  # each step once; 5 made no update
     assert [r["loss"] for r in rolled if r["step"] > 5] == [r["loss"] for r in skipped if r["step"] > 5]
     assert skipped[4]["step"] == 5 and skipped[4]["loss"] is None and skipped[4]["nonfinite_steps"] == 1
-    with open(os.path.join(str(tmp_path / "rollback"), "checkpoints", step_dir_name(8), "trainer_state.json")) as fh:
+    with open(
+        os.path.join(str(tmp_path / "rollback"), "checkpoints", step_dir_name(8), "trainer_state.json")
+    ) as fh:
         assert json.load(fh)["nonfinite"]["skip_steps"] == [5]  # a resumed run skips it too
 
 
 @pytest.mark.parametrize("impl", ["triton", pytest.param("fused", marks=pytest.mark.slow)])
-def test_a_skip_decided_on_the_device_is_a_skip_decided_on_the_host(tmp_path, cache, capsys, poisoned_step, impl):
+def test_a_skip_decided_on_the_device_is_a_skip_decided_on_the_host(
+    tmp_path, cache, capsys, poisoned_step, impl
+):
     """Logged every 3rd step, so step 5's verdict is read a step late: the LR schedule and AdamW's step count are
     taken back as if the host had skipped the step itself (same LRs as foreach; the same steps in the saved state)."""
     common = {"training.steps": 9, "metrics.every": 3, "checkpoint.every": 0}
-    code, out, _ = run_main(capsys, tmp_path / "host", cache, **common, **{"optimizer.implementation": "foreach"})
+    code, out, _ = run_main(
+        capsys, tmp_path / "host", cache, **common, **{"optimizer.implementation": "foreach"}
+    )
     assert code == 0 and "step 5: non-finite loss nan" in out
-    code, out, _ = run_main(capsys, tmp_path / "device", cache, **common, **{"optimizer.implementation": impl})
+    code, out, _ = run_main(
+        capsys, tmp_path / "device", cache, **common, **{"optimizer.implementation": impl}
+    )
     assert code == 0 and "step 5: non-finite loss nan" in out
     host, device = records(tmp_path / "host"), records(tmp_path / "device")
     assert [r["step"] for r in device] == [3, 6, 9] and device[-1]["nonfinite_steps"] == 1
@@ -208,8 +275,11 @@ def test_a_skip_decided_on_the_device_is_a_skip_decided_on_the_host(tmp_path, ca
     final = os.path.join(str(tmp_path / "device"), "checkpoints", step_dir_name(9))
     from torch.distributed.checkpoint import FileSystemReader
 
-    steps = {k: v for k, v in FileSystemReader(final).read_metadata().state_dict_metadata.items()
-             if k.startswith("optimizer.state.") and k.endswith(".step")}
+    steps = {
+        k: v
+        for k, v in FileSystemReader(final).read_metadata().state_dict_metadata.items()
+        if k.startswith("optimizer.state.") and k.endswith(".step")
+    }
     assert steps  # AdamW's per-tensor step counts: 8 updates of 9 steps
     sd = {k: torch.zeros(()) for k in steps}
     import torch.distributed.checkpoint as dcp
@@ -241,11 +311,26 @@ def test_weights_that_are_not_finite_are_never_saved(tmp_path, cache, capsys, mo
 
 # ---- preemption -----------------------------------------------------------------------------
 def start(run_dir, cache, *extra: str, nproc: int = 1) -> subprocess.Popen:
-    args = opts(run_dir, cache, **{"training.steps": 100000, "metrics.every": 1000, "checkpoint.every": 7,
-                                   "training.global_batch_size": 8, "training.micro_batch_size": 2})
+    args = opts(
+        run_dir,
+        cache,
+        **{
+            "training.steps": 100000,
+            "metrics.every": 1000,
+            "checkpoint.every": 7,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 2,
+        },
+    )
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return subprocess.Popen([sys.executable, "-c", LOOM, "train", *launch, *args, *extra], env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", LOOM, "train", *launch, *args, *extra],
+        env=env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def wait_for_checkpoint(run_dir, proc, step: int = 7, timeout: float = 240) -> None:
@@ -262,8 +347,9 @@ def wait_for_checkpoint(run_dir, proc, step: int = 7, timeout: float = 240) -> N
 
 # 4 ranks: exhaustive since one CI rehearsal (4 ranks on 2 cores) saw a worker fail in a broadcast before the first
 # save; not reproduced in 6 runs by hand, 3 of them side by side
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow),
-                                   pytest.param(4, marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize(
+    "nproc", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.exhaustive)]
+)
 def test_sigterm_is_a_clean_stop_on_every_rank(tmp_path, cache, nproc):
     """The ranks agree at the next step (not the next logged one: metrics.every 1000), save and exit 0."""
     run = tmp_path / "pre"
@@ -273,7 +359,11 @@ def test_sigterm_is_a_clean_stop_on_every_rank(tmp_path, cache, nproc):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
-    saved = [int(line.split()[3].rstrip(",")) for line in out.splitlines() if line.startswith("SIGTERM: saved step")]
+    saved = [
+        int(line.split()[3].rstrip(","))
+        for line in out.splitlines()
+        if line.startswith("SIGTERM: saved step")
+    ]
     assert len(saved) == 1 and saved[0] >= 7 and saved[0] % 1000, out
     assert steps_in(run)[-1] == saved[0]
     if nproc > 1:
@@ -312,8 +402,9 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(capsys):
     finally:
         stop.restore()
     assert code.value.code == 130
-    assert capsys.readouterr().err == ("loom: interrupted: stopped without a new checkpoint "
-                                       "(the last complete one stays)\n")
+    assert capsys.readouterr().err == (
+        "loom: interrupted: stopped without a new checkpoint (the last complete one stays)\n"
+    )
 
 
 def children(pid: int) -> list[int]:
@@ -348,7 +439,9 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path, cache):
 
 # ---- folders and space ----------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["run-dir-is-a-file", "run-dir-unwritable", "checkpoint-dir-is-a-file"])
-def test_unusable_run_and_checkpoint_folders_are_one_line_before_anything_is_built(tmp_path, cache, capsys, case):
+def test_unusable_run_and_checkpoint_folders_are_one_line_before_anything_is_built(
+    tmp_path, cache, capsys, case
+):
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
     run, extra = tmp_path / "run", {}
@@ -373,4 +466,6 @@ def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_at_start(tmp_path, ca
     monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: usage._replace(free=1000))
     code, _, err = run_main(capsys, tmp_path / "full", cache)
     line = one_line(err)
-    assert code == 2 and "a checkpoint of this model needs about" in line and "the disk has 1,000 free" in line
+    assert (
+        code == 2 and "a checkpoint of this model needs about" in line and "the disk has 1,000 free" in line
+    )

@@ -30,8 +30,11 @@ def runs(tmp_path_factory):
     """A single-device tiny run with validation, and a 2-stage pipeline (1f1b, 4 micro-batches) one."""
     root = tmp_path_factory.mktemp("report")
     run_one(tiny_overrides(root / "single", root / "cache", **{"training.eval_every": 2}))
-    run_jobs(2, [tiny_overrides(root / "pp", root / "cache", **{"parallel.pp": 2, "parallel.dp_shard": 1})],
-             str(root))
+    run_jobs(
+        2,
+        [tiny_overrides(root / "pp", root / "cache", **{"parallel.pp": 2, "parallel.dp_shard": 1})],
+        str(root),
+    )
     return root
 
 
@@ -46,8 +49,11 @@ def expected_series(records, key):
 
 
 def figure_lines(fig) -> dict[str, tuple[list, list]]:
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for ax in fig.axes
-            for line in ax.get_lines()}
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for ax in fig.axes
+        for line in ax.get_lines()
+    }
 
 
 def test_the_plotted_series_are_the_records(runs):
@@ -75,7 +81,9 @@ def test_pipeline_idle_per_stage_against_the_theoretical_bubble(runs):
     records = jsonl(runs / "pp")
     assert all(len(r["pp_idle"]) == 2 for r in records)
     bubble = bubble_of(str(runs / "pp"), records)
-    assert bubble == theoretical_bubble("1f1b", 2, 4, 1)  # global batch 8 / micro-batch 2 / 1 data-parallel rank
+    assert bubble == theoretical_bubble(
+        "1f1b", 2, 4, 1
+    )  # global batch 8 / micro-batch 2 / 1 data-parallel rank
     run = load_run(str(runs / "pp"), bubble=bubble)
     for rank in (0, 1):
         assert run.idle[rank] == ([r["step"] for r in records], [r["pp_idle"][rank] for r in records])
@@ -110,10 +118,26 @@ def rl_run_dir(folder, objective="grpo"):
     os.makedirs(folder)
     with open(os.path.join(folder, "config.toml"), "w") as fh:
         fh.write(f'[training]\nobjective = "{objective}"\n')
-    recs = [{"step": s, "loss": 0.1, "val_loss": None, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 10.0,
-             "tokens_per_s_per_device": 10.0, "mfu": None, "mem_gib": 1.0, "reward": 0.1 * s,
-             "rewards/exact_answer": 0.05 * s, "rewards/digit_match": 0.1 * s, "rewards/digit_match_std": 0.3,
-             "completion_length": 3.0 + s, **({"eval/accuracy": 0.5} if s == 4 else {})} for s in (1, 2, 3, 4)]
+    recs = [
+        {
+            "step": s,
+            "loss": 0.1,
+            "val_loss": None,
+            "grad_norm": 1.0,
+            "lr": 1e-3,
+            "tokens_per_s": 10.0,
+            "tokens_per_s_per_device": 10.0,
+            "mfu": None,
+            "mem_gib": 1.0,
+            "reward": 0.1 * s,
+            "rewards/exact_answer": 0.05 * s,
+            "rewards/digit_match": 0.1 * s,
+            "rewards/digit_match_std": 0.3,
+            "completion_length": 3.0 + s,
+            **({"eval/accuracy": 0.5} if s == 4 else {}),
+        }
+        for s in (1, 2, 3, 4)
+    ]
     with open(os.path.join(folder, "metrics.jsonl"), "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in recs)
     return recs
@@ -126,13 +150,23 @@ def test_a_grpo_run_has_its_reward_and_accuracy_panels_and_metrics_adds_any_fiel
     recs = rl_run_dir(str(tmp_path / "grpo"))
     run = load_run(str(tmp_path / "grpo"))
     extra = extra_panels([run], method_panels(str(tmp_path / "grpo")), ("completion_length",))
-    assert [title for title, _, _ in extra] == ["reward", "accuracy", "completion_length"]  # no KL logged: no panel
+    assert [title for title, _, _ in extra] == [
+        "reward",
+        "accuracy",
+        "completion_length",
+    ]  # no KL logged: no panel
     fig = figure([run], extra)
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
-    assert titles[len(PANELS):] == ["reward", "accuracy", "completion_length"]
+    assert titles[len(PANELS) :] == ["reward", "accuracy", "completion_length"]
     lines = figure_lines(fig)
     label = run.label
-    for key in ("reward", "rewards/exact_answer", "rewards/digit_match", "eval/accuracy", "completion_length"):
+    for key in (
+        "reward",
+        "rewards/exact_answer",
+        "rewards/digit_match",
+        "eval/accuracy",
+        "completion_length",
+    ):
         assert lines[f"{label}: {key}"] == expected_series(recs, key), key
     assert f"{label}: rewards/digit_match_std" not in lines
     assert report_main([str(tmp_path / "grpo"), "--metrics", "completion_length"]) == 0
@@ -144,7 +178,10 @@ def test_a_grpo_run_has_its_reward_and_accuracy_panels_and_metrics_adds_any_fiel
 
 
 def test_out_prefix(tmp_path):
-    assert output_paths(["a", "b"], None) == (os.path.join("a", "report.png"), os.path.join("a", "report.html"))
+    assert output_paths(["a", "b"], None) == (
+        os.path.join("a", "report.png"),
+        os.path.join("a", "report.html"),
+    )
     assert output_paths(["a"], "x/cmp") == ("x/cmp.png", "x/cmp.html")
     assert output_paths(["a"], "x/cmp.png") == ("x/cmp.png", "x/cmp.html")
 
@@ -156,15 +193,20 @@ def test_a_missing_metrics_file_is_one_line_and_exit_2(tmp_path, capsys):
         user_errors_exit(report_main)([str(missing)])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err == f"loom: error: {missing / 'metrics.jsonl'}: no such file (the run dir of a `loom train` run " \
-                  "has one)\n"
+    assert (
+        err == f"loom: error: {missing / 'metrics.jsonl'}: no such file (the run dir of a `loom train` run "
+        "has one)\n"
+    )
     assert not os.path.exists(missing / "report.png")
 
 
 def test_without_matplotlib_report_says_which_extra(runs, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(UserError, match=r"^loom report needs the 'matplotlib' package "
-                                        r"\(pip install 'loom-train\[report\]'\)$"):
+    with pytest.raises(
+        UserError,
+        match=r"^loom report needs the 'matplotlib' package "
+        r"\(pip install 'loom-train\[report\]'\)$",
+    ):
         report_main([str(runs / "single"), "--out", str(runs / "no-matplotlib")])
 
 
@@ -184,15 +226,21 @@ def test_plot_plan_draws_the_estimates(tmp_path):
     assert (tmp_path / "alone.png").read_bytes().startswith(PNG)
 
     layouts = plan_layouts(configured, [other, configured])
-    assert [label for label, _ in layouts] == [f"configured: {configured.describe()}", f"#1 {other.describe()}",
-                                               f"#2 {configured.describe()}"]
+    assert [label for label, _ in layouts] == [
+        f"configured: {configured.describe()}",
+        f"#1 {other.describe()}",
+        f"#2 {configured.describe()}",
+    ]
     stacks = memory_stacks(layouts)
     for i, (_, est) in enumerate(layouts):
         assert sum(stacks[c][i] for c in COMPONENTS) == pytest.approx(est.memory.total / 2**30)
     memory_ax, speed_ax = plan_figure(configured, [other, configured]).axes
     bars = {c: [p.get_height() for p in container] for c, container in zip(COMPONENTS, memory_ax.containers)}
     assert bars == stacks
-    assert [line.get_ydata()[0] for line in memory_ax.get_lines()] == [configured.capacity_gib, configured.limit_gib]
+    assert [line.get_ydata()[0] for line in memory_ax.get_lines()] == [
+        configured.capacity_gib,
+        configured.limit_gib,
+    ]
     assert configured.limit_gib < configured.capacity_gib  # the default margin
     assert [p.get_height() for p in speed_ax.containers[0]] == [e.tokens_per_s_per_gpu for _, e in layouts]
     assert all(math.isfinite(e.mfu) for _, e in layouts)

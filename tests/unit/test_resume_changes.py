@@ -32,6 +32,7 @@ STEPS, EVERY = 30, 10
 
 # ---- the classification ------------------------------------------------------------------------------
 
+
 def test_every_config_field_is_classified():
     """A field added to loom/config/sections.py fails here until its opt() says must match, applied or free."""
     fields = [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
@@ -41,29 +42,50 @@ def test_every_config_field_is_classified():
     assert all(why for _, why in rc.rules().values())
 
 
-@pytest.mark.parametrize("key,kind", [
-    ("model.flavor", rc.MUST_MATCH), ("model.n_layers", rc.MUST_MATCH), ("model.vocab_size", rc.MUST_MATCH),
-    ("model.tie_embeddings", rc.MUST_MATCH), ("model.moe_experts", rc.MUST_MATCH),
-    ("model.moe_ffn_dim", rc.MUST_MATCH), ("data.tokenizer", rc.MUST_MATCH), ("data.source", rc.MUST_MATCH),
-    ("run.seed", rc.MUST_MATCH), ("optimizer.name", rc.MUST_MATCH),
-    ("optimizer.lr", rc.APPLIED), ("optimizer.schedule", rc.APPLIED), ("training.steps", rc.APPLIED),
-    ("training.seq_len", rc.APPLIED), ("training.global_batch_size", rc.APPLIED), ("training.dtype", rc.APPLIED),
-    ("training.eval_every", rc.APPLIED), ("model.moe_top_k", rc.APPLIED),
-    ("model.attention", rc.FREE), ("model.fused_loss", rc.FREE), ("parallel.tp", rc.FREE),
-    ("checkpoint.every", rc.FREE), ("metrics.every", rc.FREE), ("run.dir", rc.FREE),
-    ("training.micro_batch_size", rc.FREE), ("optimizer.implementation", rc.FREE),
-])
+@pytest.mark.parametrize(
+    "key,kind",
+    [
+        ("model.flavor", rc.MUST_MATCH),
+        ("model.n_layers", rc.MUST_MATCH),
+        ("model.vocab_size", rc.MUST_MATCH),
+        ("model.tie_embeddings", rc.MUST_MATCH),
+        ("model.moe_experts", rc.MUST_MATCH),
+        ("model.moe_ffn_dim", rc.MUST_MATCH),
+        ("data.tokenizer", rc.MUST_MATCH),
+        ("data.source", rc.MUST_MATCH),
+        ("run.seed", rc.MUST_MATCH),
+        ("optimizer.name", rc.MUST_MATCH),
+        ("optimizer.lr", rc.APPLIED),
+        ("optimizer.schedule", rc.APPLIED),
+        ("training.steps", rc.APPLIED),
+        ("training.seq_len", rc.APPLIED),
+        ("training.global_batch_size", rc.APPLIED),
+        ("training.dtype", rc.APPLIED),
+        ("training.eval_every", rc.APPLIED),
+        ("model.moe_top_k", rc.APPLIED),
+        ("model.attention", rc.FREE),
+        ("model.fused_loss", rc.FREE),
+        ("parallel.tp", rc.FREE),
+        ("checkpoint.every", rc.FREE),
+        ("metrics.every", rc.FREE),
+        ("run.dir", rc.FREE),
+        ("training.micro_batch_size", rc.FREE),
+        ("optimizer.implementation", rc.FREE),
+    ],
+)
 def test_classification_of_key_fields(key, kind):
     assert rc.kind_of(key) == kind
 
 
 def test_docs_resume_md_is_current():
     with open(os.path.join(ROOT, "docs", "resume.md")) as fh:
-        assert fh.read().strip() == rc.markdown().strip(), \
+        assert fh.read().strip() == rc.markdown().strip(), (
             "regenerate: python -m loom.train.resume_changes > docs/resume.md"
+        )
 
 
 # ---- comparing two configs (no training) ---------------------------------------------------------------
+
 
 def with_(cfg: Config, **values) -> Config:
     cfg = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s)) for s in SECTIONS})
@@ -84,8 +106,15 @@ def test_applied_changes_make_the_one_printed_line():
 
 
 def test_free_changes_are_silent():
-    new = with_(BASE, parallel__tp=2, checkpoint__every=5, metrics__every=1, model__attention="flash",
-                run__dir="elsewhere", training__micro_batch_size=4)
+    new = with_(
+        BASE,
+        parallel__tp=2,
+        checkpoint__every=5,
+        metrics__every=1,
+        model__attention="flash",
+        run__dir="elsewhere",
+        training__micro_batch_size=4,
+    )
     assert rc.compare(rc.config_values(BASE), new, folder="ck", step=20).line() is None
 
 
@@ -106,15 +135,18 @@ def test_another_spelling_of_the_same_model_is_no_refusal():
     assert diff == []
     changes = rc.compare(rc.config_values(BASE), new, folder="ck", step=20, model_difference=lambda: diff)
     assert changes.line() == "resuming with changes: model.n_layers 0 -> 2 (the same model)"
-    assert [c.key for c in rc.model_difference(rc.config_values(BASE), with_(BASE, model__n_layers=3))] == \
-        ["model (n_layers)"]
+    assert [c.key for c in rc.model_difference(rc.config_values(BASE), with_(BASE, model__n_layers=3))] == [
+        "model (n_layers)"
+    ]
 
 
 def test_fewer_steps_than_the_checkpoint_is_refused():
     with pytest.raises(rc.ResumeMismatch, match=r"training.steps = 10: .* at step 20; allowed >= 20"):
         rc.compare(rc.config_values(BASE), with_(BASE, training__steps=10), folder="ck", step=20)
-    assert rc.compare(rc.config_values(BASE), with_(BASE, training__steps=20), folder="ck", step=20).line() \
+    assert (
+        rc.compare(rc.config_values(BASE), with_(BASE, training__steps=20), folder="ck", step=20).line()
         == "resuming with changes: training.steps 30 -> 20"
+    )
 
 
 def test_a_moved_tokenizer_file_with_the_same_bytes_is_the_same(tmp_path):
@@ -137,7 +169,9 @@ def test_a_recorded_tokenizer_copy_and_init_from_path_are_no_change(tmp_path, mo
     os.makedirs("hf")
     (tmp_path / "copy" / "tokenizer.json").write_text('{"x": 1}')
     (tmp_path / "tok.json").write_text('{"x": 1}')
-    old = rc.config_values(with_(BASE, data__tokenizer=str(tmp_path / "copy"), model__init_from=str(tmp_path / "hf")))
+    old = rc.config_values(
+        with_(BASE, data__tokenizer=str(tmp_path / "copy"), model__init_from=str(tmp_path / "hf"))
+    )
     new = with_(BASE, data__tokenizer="tok.json", model__init_from="hf")
     assert rc.compare(old, new, folder="ck", step=1, model_difference=lambda: []).line() is None
     (tmp_path / "tok.json").write_text('{"x": 2}')
@@ -152,7 +186,10 @@ def test_notes_where_a_change_is_not_exact():
 
 # ---- applying: LR schedule, optimizer groups, loss scale, data position (units) ---------------------------
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no optimizer steps here
+
+@pytest.mark.filterwarnings(
+    "ignore:Detected call of `lr_scheduler.step\\(\\)` before"
+)  # no optimizer steps here
 def test_scheduler_takes_only_its_position_from_a_checkpoint():
     p = torch.nn.Parameter(torch.zeros(2, 2))
 
@@ -168,10 +205,14 @@ def test_scheduler_takes_only_its_position_from_a_checkpoint():
 
     same = SchedulerParts(Parts(old), 30, old)
     same.load_state_dict(state)  # unchanged config: bitwise the LR the saved run would have stepped with
-    assert same.schedulers[0].optimizer.param_groups[0]["lr"] == a.schedulers[0].optimizer.param_groups[0]["lr"]
+    assert (
+        same.schedulers[0].optimizer.param_groups[0]["lr"] == a.schedulers[0].optimizer.param_groups[0]["lr"]
+    )
     same.step()
     a.step()
-    assert same.schedulers[0].optimizer.param_groups[0]["lr"] == a.schedulers[0].optimizer.param_groups[0]["lr"]
+    assert (
+        same.schedulers[0].optimizer.param_groups[0]["lr"] == a.schedulers[0].optimizer.param_groups[0]["lr"]
+    )
 
     new = OptimizerConfig(lr=1e-2, warmup_steps=1, schedule="linear")
     b = SchedulerParts(Parts(new), 40, new)
@@ -192,12 +233,15 @@ def test_optimizer_groups_take_this_runs_betas_eps_and_decay():
     assert no_decay["weight_decay"] == 0.0
 
 
-@pytest.mark.parametrize("old_dtype,new_dtype,old_init,expect", [
-    ("float16", "float32", 2.0**16, 1.0),  # a float16 checkpoint's scale must not multiply fp32 gradients
-    ("float32", "float16", 2.0**16, 2.0**10),  # into float16: the scale starts at loss_scale_init
-    ("float16", "float16", 2.0**16, 2.0**10),  # another loss_scale_init: the scale restarts from it
-    ("float16", "float16", 2.0**10, 512.0),  # unchanged: the checkpoint's dynamic scale goes on
-])
+@pytest.mark.parametrize(
+    "old_dtype,new_dtype,old_init,expect",
+    [
+        ("float16", "float32", 2.0**16, 1.0),  # a float16 checkpoint's scale must not multiply fp32 gradients
+        ("float32", "float16", 2.0**16, 2.0**10),  # into float16: the scale starts at loss_scale_init
+        ("float16", "float16", 2.0**16, 2.0**10),  # another loss_scale_init: the scale restarts from it
+        ("float16", "float16", 2.0**10, 512.0),  # unchanged: the checkpoint's dynamic scale goes on
+    ],
+)
 def test_loss_scale_follows_this_runs_dtype(old_dtype, new_dtype, old_init, expect):
     saved = LossScaler(old_dtype == "float16", old_init, 1000)
     saved.scale, saved.good_steps, saved.skipped = (512.0, 7, 3) if old_dtype == "float16" else (1.0, 0, 0)
@@ -218,8 +262,16 @@ def counting_file(path, n_tokens: int) -> TokenFile:
 
 
 def loader(tf, seq_len, micro_batch) -> Loader:
-    return Loader([Windows(tf, seq_len, 0.0, "count")], [1.0], seed=1, eos_id=65535, dp_rank=0, dp_size=1,
-                  micro_batch=micro_batch, accumulation=1)
+    return Loader(
+        [Windows(tf, seq_len, 0.0, "count")],
+        [1.0],
+        seed=1,
+        eos_id=65535,
+        dp_rank=0,
+        dp_size=1,
+        micro_batch=micro_batch,
+        accumulation=1,
+    )
 
 
 def starts(step) -> list[int]:
@@ -262,6 +314,7 @@ def test_another_seq_len_keeps_the_epoch_fraction(tmp_path):
 
 # ---- metrics.jsonl ---------------------------------------------------------------------------------------
 
+
 def test_rewind_metrics_keeps_steps_up_to_n_atomically(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)] + [json.dumps({"note": "x"})]
@@ -275,8 +328,14 @@ def test_rewind_metrics_keeps_steps_up_to_n_atomically(tmp_path):
 
 def test_metrics_logger_rewind_inside_a_run(tmp_path):
     logger = MetricsLogger(str(tmp_path), 10, tensorboard=False, progress=False, start_step=0)
-    rec = {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "tokens_per_s_per_device": 1.0,
-           "mem_gib": 0.0}
+    rec = {
+        "loss": 1.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 1.0,
+        "tokens_per_s_per_device": 1.0,
+        "mem_gib": 0.0,
+    }
     for s in range(1, 6):
         logger.log({"step": s, **rec})
     assert logger.rewind(3) == 2
@@ -290,11 +349,23 @@ def test_metrics_logger_rewind_inside_a_run(tmp_path):
 # ---- resumed runs (in process, the tiny debug model) ------------------------------------------------
 # All marked slow: they share a 30-step run; the quick loop (-m "not slow") keeps the unit tests above.
 
+
 def args(run_dir, cache, **extra) -> list[str]:
-    return tiny_args(run_dir, cache, **{"run.seed": 3, "run.deterministic": "true", "training.steps": STEPS,
-                                        "training.global_batch_size": 4, "checkpoint.every": EVERY,
-                                        "checkpoint.keep": 0, "checkpoint.at_end": None,
-                                        "metrics.progress": "false", **extra})
+    return tiny_args(
+        run_dir,
+        cache,
+        **{
+            "run.seed": 3,
+            "run.deterministic": "true",
+            "training.steps": STEPS,
+            "training.global_batch_size": 4,
+            "checkpoint.every": EVERY,
+            "checkpoint.keep": 0,
+            "checkpoint.at_end": None,
+            "metrics.progress": "false",
+            **extra,
+        },
+    )
 
 
 def records(run_dir) -> list[dict]:
@@ -342,7 +413,9 @@ def changes_line(out: str) -> str | None:
 def test_resume_from_step_20_keeps_each_step_once_and_continues_bitwise(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     assert [r["step"] for r in records(run_dir)] == list(range(1, 31))
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true"})
+    recs, out = resume(
+        run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true"}
+    )
     assert "resumed from step 20" in out and "dropped 10 record(s) after step 20" in out
     assert changes_line(out) is None  # nothing changed, nothing printed
     assert [r["step"] for r in recs] == list(range(1, 31))  # each step exactly once
@@ -359,7 +432,12 @@ def expected_lr(step: int, total: int, **opt) -> float:
 @pytest.mark.slow
 def test_a_changed_lr_is_applied_and_printed(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true", "optimizer.lr": 0.01})
+    recs, out = resume(
+        run_dir,
+        cache,
+        capsys,
+        **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true", "optimizer.lr": 0.01},
+    )
     assert changes_line(out) == "resuming with changes: optimizer.lr 0.001 -> 0.01"
     assert out.count("resuming with changes") == 1
     assert [r["step"] for r in recs] == list(range(1, 31))
@@ -374,7 +452,10 @@ def test_a_changed_lr_is_applied_and_printed(base, cache, tmp_path, capsys):
 def test_more_steps_and_another_schedule_are_applied(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
     recs, out = resume(run_dir, cache, capsys, **{"training.steps": 40, "optimizer.schedule": "linear"})
-    assert changes_line(out) == "resuming with changes: training.steps 30 -> 40, optimizer.schedule cosine -> linear"
+    assert (
+        changes_line(out)
+        == "resuming with changes: training.steps 30 -> 40, optimizer.schedule cosine -> linear"
+    )
     assert [r["step"] for r in recs] == list(range(1, 41))
     for r in recs[30:]:
         assert r["lr"] == pytest.approx(expected_lr(r["step"], 40, schedule="linear"), rel=1e-12)
@@ -386,8 +467,17 @@ def test_weight_decay_and_betas_reach_the_optimizer(base, cache, tmp_path):
     from loom.train.trainer import Trainer
 
     run_dir = copy_run(base, tmp_path)
-    cfg = build_config(None, dict(a[2:].split("=", 1) for a in args(
-        run_dir, cache, **{"optimizer.weight_decay": 0.02, "optimizer.betas": "0.8,0.9", "optimizer.eps": 1e-6})))
+    cfg = build_config(
+        None,
+        dict(
+            a[2:].split("=", 1)
+            for a in args(
+                run_dir,
+                cache,
+                **{"optimizer.weight_decay": 0.02, "optimizer.betas": "0.8,0.9", "optimizer.eps": 1e-6},
+            )
+        ),
+    )
     trainer = Trainer(cfg)
     trainer.resume()
     assert trainer.step == STEPS
@@ -399,21 +489,35 @@ def test_weight_decay_and_betas_reach_the_optimizer(base, cache, tmp_path):
 @pytest.mark.slow
 def test_a_changed_seq_len_goes_on_from_the_same_data_position(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true",
-                                                   "training.seq_len": 16})
+    recs, out = resume(
+        run_dir,
+        cache,
+        capsys,
+        **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true", "training.seq_len": 16},
+    )
     assert changes_line(out).startswith("resuming with changes: training.seq_len 32 -> 16 (not exact: ")
     assert [r["step"] for r in recs] == list(range(1, 31))
     assert [r["tokens"] for r in recs[19:]] == [20 * 4 * 32 + i * 4 * 16 for i in range(11)]
     with open(os.path.join(ckpt(run_dir, 30), "trainer_state.json")) as fh:
         loader_state = json.load(fh)["loader"]
-    assert loader_state["seq_len"] == 16 and loader_state["consumed"] == 2 * 20 * 4 + 10 * 4  # twice the windows
+    assert (
+        loader_state["seq_len"] == 16 and loader_state["consumed"] == 2 * 20 * 4 + 10 * 4
+    )  # twice the windows
 
 
 @pytest.mark.slow
 def test_a_changed_global_batch_size_continues_the_sample_order(base, cache, tmp_path, capsys):
     run_dir = copy_run(base, tmp_path)
-    recs, out = resume(run_dir, cache, capsys, **{"checkpoint.resume": ckpt(run_dir, 20), "checkpoint.overwrite": "true",
-                                                   "training.global_batch_size": 8})
+    recs, out = resume(
+        run_dir,
+        cache,
+        capsys,
+        **{
+            "checkpoint.resume": ckpt(run_dir, 20),
+            "checkpoint.overwrite": "true",
+            "training.global_batch_size": 8,
+        },
+    )
     assert changes_line(out) == "resuming with changes: training.global_batch_size 4 -> 8"
     assert [r["tokens"] for r in recs[19:]] == [20 * 4 * 32 + i * 8 * 32 for i in range(11)]
     with open(os.path.join(ckpt(run_dir, 30), "trainer_state.json")) as fh:
@@ -421,15 +525,21 @@ def test_a_changed_global_batch_size_continues_the_sample_order(base, cache, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra,named", [
-    ({"model.n_layers": 3}, ["model.n_layers 0 -> 3"]),
-    ({"model.flavor": "debug_moe"}, ["model.flavor debug -> debug_moe"]),
-    ({"model.vocab_size": 512, "model.tie_embeddings": "true"},
-     ["model.vocab_size 0 -> 512", "model.tie_embeddings flavor -> true"]),
-    ({"model.moe_experts": 2}, ["model.moe_experts 0 -> 2"]),
-])
-def test_a_shape_change_is_one_line_exit_2_before_any_worker(base, cache, tmp_path, capsys, monkeypatch, extra,
-                                                              named):
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        ({"model.n_layers": 3}, ["model.n_layers 0 -> 3"]),
+        ({"model.flavor": "debug_moe"}, ["model.flavor debug -> debug_moe"]),
+        (
+            {"model.vocab_size": 512, "model.tie_embeddings": "true"},
+            ["model.vocab_size 0 -> 512", "model.tie_embeddings flavor -> true"],
+        ),
+        ({"model.moe_experts": 2}, ["model.moe_experts 0 -> 2"]),
+    ],
+)
+def test_a_shape_change_is_one_line_exit_2_before_any_worker(
+    base, cache, tmp_path, capsys, monkeypatch, extra, named
+):
     import loom.cli.train
 
     def no_worker(argv):
@@ -484,8 +594,14 @@ def test_tensorboard_hides_the_steps_a_resume_writes_again(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    rec = {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "tokens_per_s_per_device": 1.0,
-           "mem_gib": 0.0}
+    rec = {
+        "loss": 1.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 1.0,
+        "tokens_per_s_per_device": 1.0,
+        "mem_gib": 0.0,
+    }
     first = MetricsLogger(str(tmp_path), 6, tensorboard=True, progress=False, start_step=0)
     for s in range(1, 6):
         first.log({"step": s, **rec, "loss": 1.0})
@@ -498,7 +614,13 @@ def test_tensorboard_hides_the_steps_a_resume_writes_again(tmp_path):
     resumed.close()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0),
-                                                                   (5, 2.0), (6, 3.0)]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (1, 1.0),
+        (2, 1.0),
+        (3, 1.0),
+        (4, 2.0),
+        (5, 2.0),
+        (6, 3.0),
+    ]
     with open(tmp_path / "metrics.jsonl") as fh:  # the resume itself rewinds the file (Trainer.resume)
         assert [json.loads(x)["step"] for x in fh] == [1, 2, 3, 4, 5, 4, 5, 6]

@@ -28,8 +28,8 @@ from loom.data import prepare_data
 from loom.data.dpo import pair_batch
 from loom.data.loader import MicroBatch
 from loom.data.tokenizers import ByteTokenizer
-from loom.methods import check_config, method
 from loom.infer.reward import attach_score_head, load_reward_model, score
+from loom.methods import check_config, method
 from loom.methods.reward import RewardModeling, bradley_terry
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
@@ -42,16 +42,35 @@ def write_pairs(path, n: int = 60, seed: int = 0) -> str:
     say = lambda k: " ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + "."
     with open(path, "w") as fh:
         for _ in range(n):
-            fh.write(json.dumps({"prompt": say(rng.randint(2, 6)), "chosen": say(rng.randint(2, 8)),
-                                 "rejected": say(rng.randint(2, 8))}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "prompt": say(rng.randint(2, 6)),
+                        "chosen": say(rng.randint(2, 8)),
+                        "rejected": say(rng.randint(2, 8)),
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
 def reward_run(run_dir, cache, source, **extra):
-    return tiny_config(run_dir, cache, **{"training.objective": "reward", "data.source": source,
-                                          "training.seq_len": 96, "training.global_batch_size": 8,
-                                          "training.micro_batch_size": 4, "optimizer.lr": 3e-3,
-                                          "metrics.progress": "false", "run.seed": 3, **extra})
+    return tiny_config(
+        run_dir,
+        cache,
+        **{
+            "training.objective": "reward",
+            "data.source": source,
+            "training.seq_len": 96,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "optimizer.lr": 3e-3,
+            "metrics.progress": "false",
+            "run.seed": 3,
+            **extra,
+        },
+    )
 
 
 def right_padded(b: int, s: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, MicroBatch]:
@@ -67,6 +86,7 @@ def right_padded(b: int, s: int, vocab: int, seed: int = 0) -> tuple[torch.Tenso
 
 # ---- the loss --------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("center", [0.0, 0.05])
 def test_loss_and_statistics_equal_a_direct_computation(center):
     gen = torch.Generator().manual_seed(0)
@@ -75,13 +95,15 @@ def test_loss_and_statistics_equal_a_direct_computation(center):
     loss = objective.pair_loss(rewards)
     c, r = rewards[:7].tolist(), rewards[7:].tolist()
     import math
+
     direct = sum(math.log1p(math.exp(-(a - b))) + center * (a + b) ** 2 for a, b in zip(c, r))
     assert float(loss) == pytest.approx(direct, rel=1e-12)
     stats = {k: float(v) / 7 for k, v in objective.step_stats().items()}
     assert stats["rewards/accuracy"] == pytest.approx(sum(a > b for a, b in zip(c, r)) / 7)
     assert stats["rewards/margins"] == pytest.approx(sum(a - b for a, b in zip(c, r)) / 7)
-    assert stats["rewards/chosen"] == pytest.approx(sum(c) / 7) and stats["rewards/rejected"] == pytest.approx(
-        sum(r) / 7)
+    assert stats["rewards/chosen"] == pytest.approx(sum(c) / 7) and stats[
+        "rewards/rejected"
+    ] == pytest.approx(sum(r) / 7)
     assert objective.step_stats() == {}  # reset by the read
     # large margins stay finite (logsigmoid, not log(sigmoid))
     assert torch.isfinite(bradley_terry(torch.tensor([-200.0]), torch.tensor([200.0]))).all()
@@ -95,9 +117,18 @@ def test_loss_equals_trl_reward_trainer(tmp_path):
     from trl import RewardTrainer
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=128, vocab_size=96, max_position_embeddings=64, num_labels=1,
-                                   pad_token_id=0, rms_norm_eps=1e-5)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=96,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=0,
+        rms_norm_eps=1e-5,
+    )
     hf = transformers.LlamaForSequenceClassification(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -112,9 +143,13 @@ def test_loss_equals_trl_reward_trainer(tmp_path):
         loss = objective.forward(model, mb, None) / b
     stats = {k: float(v) / b for k, v in objective.step_stats().items()}
     fake = types.SimpleNamespace(
-        model=hf, args=types.SimpleNamespace(center_rewards_coefficient=center),
+        model=hf,
+        args=types.SimpleNamespace(center_rewards_coefficient=center),
         accelerator=types.SimpleNamespace(gather_for_metrics=lambda x: x, gather=lambda x: x),
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
     with torch.no_grad():
         trl_loss = RewardTrainer.compute_loss(fake, hf, {"input_ids": ids, "attention_mask": attention})
     torch.testing.assert_close(loss, trl_loss.float(), rtol=1e-5, atol=1e-6)
@@ -133,28 +168,36 @@ def test_the_reward_is_the_score_at_the_last_token():
     objective = RewardModeling()
     with torch.no_grad():
         rewards = objective.rewards(model, mb, None)
-        noisy = MicroBatch(torch.where(mb.document_ids > 0, torch.randint_like(ids, 1, 96), ids), mb.labels,
-                           mb.positions, mb.document_ids)
+        noisy = MicroBatch(
+            torch.where(mb.document_ids > 0, torch.randint_like(ids, 1, 96), ids),
+            mb.labels,
+            mb.positions,
+            mb.document_ids,
+        )
         assert torch.equal(objective.rewards(model, noisy, None), rewards)
         for row in range(6):
             n = int((mb.document_ids[row] == 0).sum())
-            assert float(rewards[row]) == pytest.approx(float(model(ids[row:row + 1, :n])[0, -1, 0]), abs=1e-6)
-    assert score(model, [ids[0, :int((mb.document_ids[0] == 0).sum())].tolist()])[0] == pytest.approx(
-        float(rewards[0]), abs=1e-6)
+            assert float(rewards[row]) == pytest.approx(
+                float(model(ids[row : row + 1, :n])[0, -1, 0]), abs=1e-6
+            )
+    assert score(model, [ids[0, : int((mb.document_ids[0] == 0).sum())].tolist()])[0] == pytest.approx(
+        float(rewards[0]), abs=1e-6
+    )
 
 
 def test_pair_batches_mark_padding_as_a_second_document(tmp_path):
     from loom.data.dpo import PairFile
     from loom.data.token_file import TokenFile
 
-    ((path, _, _),) = prepare_data(DataConfig(source=write_pairs(tmp_path / "p.jsonl", 6)), ByteTokenizer(),
-                                   str(tmp_path / "c"), "dpo")
+    ((path, _, _),) = prepare_data(
+        DataConfig(source=write_pairs(tmp_path / "p.jsonl", 6)), ByteTokenizer(), str(tmp_path / "c"), "dpo"
+    )
     source = PairFile(TokenFile(path), 64, 0.0, "p")
     mb = pair_batch(source, [0, 1, 2], 0, None)
     for row in range(6):
         tokens, _ = source.sequence(2 * int(source.kept[row % 3]) + row // 3)
         assert int((mb.document_ids[row] == 0).sum()) == len(tokens)
-        assert bool((mb.document_ids[row, :len(tokens)] == 0).all())
+        assert bool((mb.document_ids[row, : len(tokens)] == 0).all())
 
 
 def test_embedded_pairs_keep_each_docstring_on_one_side_of_the_split():
@@ -196,18 +239,33 @@ def test_embedded_reward_pairs_reject_the_code_echoed_back():
     rejected = lambda cfg: embedded_rejected(cfg, method_of(cfg).objective(cfg))
     assert rejected(tiny_config(**{"training.objective": "reward"})) == "code"
     assert rejected(tiny_config(**{"training.objective": "dpo"})) == "docstring"
-    assert rejected(tiny_config(**{"training.objective": "reward", "data.embedded_rejected": "docstring"})) \
+    assert (
+        rejected(tiny_config(**{"training.objective": "reward", "data.embedded_rejected": "docstring"}))
         == "docstring"
+    )
 
 
 def test_on_the_embedded_pairs_held_out_accuracy_rises_above_chance(tmp_path):
     """`loom train --training.objective reward` on its embedded pairs (seeded): from rewards near 0 (loss log 2) to
     nearly every held-out pair ranked right within 20 steps. Held-out functions are not trained on."""
-    cfg = tiny_config(tmp_path / "run", tmp_path / "cache", **{
-        "training.objective": "reward", "training.steps": 20, "training.seq_len": 256,
-        "training.global_batch_size": 16, "training.micro_batch_size": 8, "optimizer.lr": 3e-3,
-        "optimizer.warmup_steps": 2, "metrics.progress": "false", "run.seed": 3, "data.val_fraction": 0.05,
-        "training.eval_every": 20, "training.eval_batches": 10})
+    cfg = tiny_config(
+        tmp_path / "run",
+        tmp_path / "cache",
+        **{
+            "training.objective": "reward",
+            "training.steps": 20,
+            "training.seq_len": 256,
+            "training.global_batch_size": 16,
+            "training.micro_batch_size": 8,
+            "optimizer.lr": 3e-3,
+            "optimizer.warmup_steps": 2,
+            "metrics.progress": "false",
+            "run.seed": 3,
+            "data.val_fraction": 0.05,
+            "training.eval_every": 20,
+            "training.eval_batches": 10,
+        },
+    )
     records = Trainer(cfg).fit()
     assert abs(records[0]["loss"] - 0.6931) < 0.02
     (last,) = [r for r in records if r["val_loss"] is not None]
@@ -216,10 +274,12 @@ def test_on_the_embedded_pairs_held_out_accuracy_rises_above_chance(tmp_path):
 
 # ---- training --------------------------------------------------------------------------------------------------
 
+
 def test_lora_trains_the_head_with_the_base_frozen(tmp_path):
     source = write_pairs(tmp_path / "pairs.jsonl")
-    trainer = Trainer(reward_run(tmp_path / "run", tmp_path / "cache", source, **{
-        "lora.rank": 4, "training.steps": 3}))
+    trainer = Trainer(
+        reward_run(tmp_path / "run", tmp_path / "cache", source, **{"lora.rank": 4, "training.steps": 3})
+    )
     part = trainer.parts[0]
     assert tuple(part.output.weight.shape) == (1, 64) and part.output.weight.requires_grad
     trainable = {n for n, p in part.named_parameters() if p.requires_grad}
@@ -238,7 +298,9 @@ def exported(tmp_path_factory):
     """A reward run (full fine-tuning) saved at its end, exported with `loom convert --to-hf`."""
     tmp = tmp_path_factory.mktemp("reward_export")
     source = write_pairs(tmp / "pairs.jsonl")
-    Trainer(reward_run(tmp / "run", tmp / "cache", source, **{"training.steps": 2, "checkpoint.at_end": "true"})).fit()
+    Trainer(
+        reward_run(tmp / "run", tmp / "cache", source, **{"training.steps": 2, "checkpoint.at_end": "true"})
+    ).fit()
     ckpt = str(tmp / "run" / "checkpoints" / "step_00000002")
     assert loom_main(["convert", "--from", ckpt, "--to-hf", str(tmp / "hf")]) == 0
     return {"tmp": tmp, "ckpt": ckpt, "hf": str(tmp / "hf"), "source": source}
@@ -271,17 +333,25 @@ def test_export_is_a_sequence_classifier_that_transformers_scores_alike(exported
 def test_init_from_the_export_starts_from_its_head(exported, tmp_path):
     from safetensors import safe_open
 
-    trainer = Trainer(reward_run(tmp_path / "run", exported["tmp"] / "cache", exported["source"], **{
-        "model.init_from": exported["hf"], "model.flavor": "debug", "training.steps": 1}))
+    trainer = Trainer(
+        reward_run(
+            tmp_path / "run",
+            exported["tmp"] / "cache",
+            exported["source"],
+            **{"model.init_from": exported["hf"], "model.flavor": "debug", "training.steps": 1},
+        )
+    )
     with safe_open(f"{exported['hf']}/model.safetensors", framework="pt") as fh:
         assert torch.equal(trainer.parts[0].output.weight.detach(), fh.get_tensor("score.weight"))
-        assert torch.equal(trainer.parts[0].tok_embeddings.weight.detach(), fh.get_tensor("model.embed_tokens.weight"))
+        assert torch.equal(
+            trainer.parts[0].tok_embeddings.weight.detach(), fh.get_tensor("model.embed_tokens.weight")
+        )
 
 
 def test_a_base_model_folder_keeps_the_seeded_head(exported, tmp_path):
     """A causal LM folder (no score head) starts the body from it; the head keeps its seeded init."""
-    from loom.models.llama import Llama
     from loom.checkpoint.hf.reader import llama_args_from_hf
+    from loom.models.llama import Llama
 
     lm = tmp_path / "lm"
     lm.mkdir()
@@ -307,6 +377,7 @@ def test_a_base_model_folder_keeps_the_seeded_head(exported, tmp_path):
 
 # ---- config and misuse -----------------------------------------------------------------------------------------
 
+
 def test_config_rules(tiny):
     with pytest.raises(ConfigError, match="reward.center_coefficient.*training.objective reward only"):
         check_config(tiny(**{"reward.center_coefficient": 0.01}))
@@ -316,7 +387,9 @@ def test_config_rules(tiny):
     with pytest.raises(ConfigError, match="training.eval_tasks.*not with training.objective reward"):
         check_config(tiny(**{"training.objective": "reward", "training.eval_tasks": "hellaswag"}))
     for extra in ({"data.source": "pairs.jsonl"}, {"training.objective": "sft"}):
-        with pytest.raises(ConfigError, match="data.embedded_rejected = 'code': applies to the embedded preference"):
+        with pytest.raises(
+            ConfigError, match="data.embedded_rejected = 'code': applies to the embedded preference"
+        ):
             check_config(tiny(**{"training.objective": "reward", "data.embedded_rejected": "code", **extra}))
     check_config(tiny(**{"training.objective": "dpo", "data.embedded_rejected": "code"}))
     check_config(tiny(**{"training.objective": "reward", "reward.center_coefficient": 0.01, "lora.rank": 4}))
@@ -347,8 +420,14 @@ def test_scoring_misuse_is_one_line(exported, tmp_path):
 
 def test_a_lora_reward_run_is_not_exported_as_a_peft_adapter(tmp_path, capsys):
     source = write_pairs(tmp_path / "pairs.jsonl", 20)
-    Trainer(reward_run(tmp_path / "run", tmp_path / "cache", source, **{
-        "lora.rank": 4, "training.steps": 1, "checkpoint.at_end": "true"})).fit()
+    Trainer(
+        reward_run(
+            tmp_path / "run",
+            tmp_path / "cache",
+            source,
+            **{"lora.rank": 4, "training.steps": 1, "checkpoint.at_end": "true"},
+        )
+    ).fit()
     ckpt = str(tmp_path / "run" / "checkpoints" / "step_00000001")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
@@ -378,7 +457,9 @@ def test_a_resumed_run_continues_bitwise(tmp_path):
     import shutil
 
     source = write_pairs(tmp_path / "pairs.jsonl", 40)
-    run = reward_run(tmp_path / "run", tmp_path / "cache", source, **{"training.steps": 4, "checkpoint.every": 2})
+    run = reward_run(
+        tmp_path / "run", tmp_path / "cache", source, **{"training.steps": 4, "checkpoint.every": 2}
+    )
     whole = Trainer(run).fit()
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")
     resumed = Trainer(run).fit()
@@ -392,16 +473,38 @@ def test_a_learnable_preference_generalizes_to_held_out_pairs(tmp_path):
     """Synthetic pairs whose chosen completion names a cat and whose rejected one a dog, otherwise random words:
     held-out accuracy far above chance within 40 steps (seeded; 40 held-out pairs), starting from chance."""
     rng = random.Random(0)
-    say = lambda animal: " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))) + f" {animal} " + " ".join(
-        rng.choice(WORDS) for _ in range(rng.randint(0, 4)))
-    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(3)), "chosen": say("cat"), "rejected": say("dog")}
-            for _ in range(200)]
+    say = lambda animal: (
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))
+        + f" {animal} "
+        + " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 4)))
+    )
+    rows = [
+        {
+            "prompt": " ".join(rng.choice(WORDS) for _ in range(3)),
+            "chosen": say("cat"),
+            "rejected": say("dog"),
+        }
+        for _ in range(200)
+    ]
     with open(tmp_path / "pairs.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows)
-    cfg = reward_run(tmp_path / "run", tmp_path / "cache", str(tmp_path / "pairs.jsonl"), **{
-        "training.steps": 40, "training.seq_len": 96, "data.val_fraction": 0.2, "training.eval_every": 20,
-        "training.eval_batches": 10, "optimizer.warmup_steps": 2, "metrics.every": 1})
+    cfg = reward_run(
+        tmp_path / "run",
+        tmp_path / "cache",
+        str(tmp_path / "pairs.jsonl"),
+        **{
+            "training.steps": 40,
+            "training.seq_len": 96,
+            "data.val_fraction": 0.2,
+            "training.eval_every": 20,
+            "training.eval_batches": 10,
+            "optimizer.warmup_steps": 2,
+            "metrics.every": 1,
+        },
+    )
     records = Trainer(cfg).fit()
     vals = [r["val_rewards/accuracy"] for r in records if r["val_loss"] is not None]
     assert len(vals) == 2 and vals[-1] >= 0.9, vals
-    assert records[0]["step"] == 1 and abs(records[0]["loss"] - 0.6931) < 0.02  # rewards start near 0: learned
+    assert (
+        records[0]["step"] == 1 and abs(records[0]["loss"] - 0.6931) < 0.02
+    )  # rewards start near 0: learned

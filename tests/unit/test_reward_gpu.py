@@ -17,27 +17,49 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def run(tmp_path, name, source, **extra):
-    return Trainer(reward_run(tmp_path / name, tmp_path / "cache", source, **{
-        "training.steps": 4, "checkpoint.at_end": "true", **extra})).fit()
+    return Trainer(
+        reward_run(
+            tmp_path / name,
+            tmp_path / "cache",
+            source,
+            **{"training.steps": 4, "checkpoint.at_end": "true", **extra},
+        )
+    ).fit()
 
 
 def start(tmp_path, source) -> str:
     """A one-step CPU reward run exported as a LlamaForSequenceClassification folder: the runs' common start."""
     run(tmp_path, "start", source, **{"run.device": "cpu", "training.steps": 1})
     folder = str(tmp_path / "start_hf")
-    assert loom_main(["convert", "--from", str(tmp_path / "start" / "checkpoints" / "step_00000001"),
-                      "--to-hf", folder]) == 0
+    assert (
+        loom_main(
+            [
+                "convert",
+                "--from",
+                str(tmp_path / "start" / "checkpoints" / "step_00000001"),
+                "--to-hf",
+                folder,
+            ]
+        )
+        == 0
+    )
     return folder
 
 
-@pytest.mark.parametrize("dtype,compile_,tol", [("float32", "false", 1e-4), ("bfloat16", "false", 2e-2),
-                                                ("bfloat16", "true", 2e-2)])
+@pytest.mark.parametrize(
+    "dtype,compile_,tol",
+    [("float32", "false", 1e-4), ("bfloat16", "false", 2e-2), ("bfloat16", "true", 2e-2)],
+)
 def test_a_cuda_run_follows_the_cpu_run(tmp_path, dtype, compile_, tol):
     source = write_pairs(tmp_path / "pairs.jsonl")
     init = {"model.init_from": start(tmp_path, source)}
     cpu = run(tmp_path, "cpu", source, **{"run.device": "cpu", **init})
-    gpu = run(tmp_path, "gpu", source, **{"run.device": "cuda", "training.dtype": dtype, "training.compile": compile_,
-                                          **init})
+    gpu = run(
+        tmp_path,
+        "gpu",
+        source,
+        **{"run.device": "cuda", "training.dtype": dtype, "training.compile": compile_, **init},
+    )
     for a, b in zip(gpu, cpu):
         assert a["loss"] == pytest.approx(b["loss"], rel=tol), (a, b)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=tol)
@@ -45,4 +67,3 @@ def test_a_cuda_run_follows_the_cpu_run(tmp_path, dtype, compile_, tol):
     ckpt = str(tmp_path / "gpu" / "checkpoints" / "step_00000004")
     on_cuda, on_cpu = score(ckpt, items, device="cuda"), score(ckpt, items)
     assert on_cuda == pytest.approx(on_cpu, abs=1e-4)
-

@@ -19,17 +19,17 @@ H100 = GPUS["H100"]  # 989 TFLOP/s bf16, 3.35 TB/s: machine balance 295.2 FLOP/B
 
 def test_a_square_matmul_is_compute_bound_at_peak():
     op = matmul("mm", 1, 4096, 4096, 4096, 2)
-    assert op.flops == 6 * 4096 ** 3  # forward, input gradient, weight gradient
-    assert op.hbm_bytes == 3 * 3 * 4096 ** 2 * 2  # each of the three reads two operands and writes one, bf16
+    assert op.flops == 6 * 4096**3  # forward, input gradient, weight gradient
+    assert op.hbm_bytes == 3 * 3 * 4096**2 * 2  # each of the three reads two operands and writes one, bf16
     assert op.intensity == pytest.approx(4096 / 3)
     assert op.bound(H100, "bfloat16") == "compute" and op.ceiling(H100, "bfloat16") == pytest.approx(989e12)
-    assert op.seconds(H100, "bfloat16") == pytest.approx(6 * 4096 ** 3 / 989e12)
+    assert op.seconds(H100, "bfloat16") == pytest.approx(6 * 4096**3 / 989e12)
 
 
 def test_a_thin_matmul_and_a_norm_are_hbm_bound():
     thin = matmul("mm", 1, 16, 4096, 4096, 2)  # decode-like: 16 tokens
     # 6 x 16 x 4096² FLOPs over 3 x (2 x 16 x 4096 + 4096²) x 2 bytes
-    want = 6 * 16 * 4096 ** 2 / (3 * (2 * 16 * 4096 + 4096 ** 2) * 2)
+    want = 6 * 16 * 4096**2 / (3 * (2 * 16 * 4096 + 4096**2) * 2)
     assert thin.intensity == pytest.approx(want) and want < 16
     assert thin.bound(H100, "bfloat16") == "HBM"
     assert thin.ceiling(H100, "bfloat16") == pytest.approx(want * 3.35e12)
@@ -47,8 +47,13 @@ def test_a_collective_is_network_bound_with_no_flops():
 
 
 def _cfg(**over):
-    base = {"model.flavor": "1B", "training.dtype": "bfloat16", "training.seq_len": "4096",
-            "training.global_batch_size": "2", "training.micro_batch_size": "1"}
+    base = {
+        "model.flavor": "1B",
+        "training.dtype": "bfloat16",
+        "training.seq_len": "4096",
+        "training.global_batch_size": "2",
+        "training.micro_batch_size": "1",
+    }
     return build_config(None, {**base, **{k: str(v) for k, v in over.items()}})
 
 
@@ -58,16 +63,26 @@ def test_the_step_counts_the_models_matmuls_attention_and_ring_sends():
     from loom.models.llama.flavors import FLAVORS
 
     a = FLAVORS["1B"]
-    tokens, calls = 4096 / 2, 16 * 2  # seq / cp per micro-batch; 16 blocks x 2 micro-batches (global 2 / dp 1)
+    tokens, calls = (
+        4096 / 2,
+        16 * 2,
+    )  # seq / cp per micro-batch; 16 blocks x 2 micro-batches (global 2 / dp 1)
     assert what["tokens_per_micro_batch"] == tokens and what["blocks"] * what["micro_batches"] == calls
     block = sum(by[n].flops for n in ("wq", "wk", "wv", "wo", "w1 (gate)", "w3 (up)", "w2 (down)"))
     assert block == pytest.approx(6 * (attention_params(a) + 3 * a.dim * a.ffn_dim) * tokens * calls)
     assert by["head"].flops == pytest.approx(6 * a.vocab_size * a.dim * tokens * 2)
-    assert by["attention"].flops == pytest.approx(calls * attention_flops(1, a.n_heads, a.head_dim, 4096, tokens))
+    assert by["attention"].flops == pytest.approx(
+        calls * attention_flops(1, a.n_heads, a.head_dim, 4096, tokens)
+    )
     kv = 4096 * 2 * a.n_kv_heads * a.head_dim * 2  # the whole sequence's K and V, bf16 (micro-batch 1)
     assert by["cp ring K/V sends"].comm_bytes == pytest.approx(calls * (1 + 1) * kv / 2)  # cp - 1 each way
-    assert by["cp ring dK/dV sends"].comm_bytes == pytest.approx(calls * 2 * kv / 2 * 2)  # cp fp32 accumulators
-    assert by["attention"].bound(H100, "bfloat16") == "compute" and by["rmsnorm"].bound(H100, "bfloat16") == "HBM"
+    assert by["cp ring dK/dV sends"].comm_bytes == pytest.approx(
+        calls * 2 * kv / 2 * 2
+    )  # cp fp32 accumulators
+    assert (
+        by["attention"].bound(H100, "bfloat16") == "compute"
+        and by["rmsnorm"].bound(H100, "bfloat16") == "HBM"
+    )
     assert what["machine_balance"] == pytest.approx(989e12 / 3.35e12)
     with pytest.raises(ConfigError, match="--roofline"):
         roofline(_cfg(**{"model.flavor": "debug_moe"}), 1, H100)
@@ -77,10 +92,18 @@ def test_cli_roofline_prints_the_table_and_writes_json(tmp_path, capsys):
     from loom.cli.plan import main
 
     out = tmp_path / "plan.json"
-    assert main(["--model.flavor", "debug", "--gpus", "2", "--parallel.tp", "2", "--roofline",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            ["--model.flavor", "debug", "--gpus", "2", "--parallel.tp", "2", "--roofline", "--json", str(out)]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
-    assert "roofline of one step" in text and "| tp all-gather / reduce-scatter |" in text and "| adamw |" in text
+    assert (
+        "roofline of one step" in text
+        and "| tp all-gather / reduce-scatter |" in text
+        and "| adamw |" in text
+    )
     report = json.loads(out.read_text())["roofline"]
     ops = {row["op"]: row for row in report["ops"]}
     assert ops["tp all-gather / reduce-scatter"]["bound"] == "network" and ops["wq"]["intensity"] > 0
@@ -93,13 +116,17 @@ def test_roofline_plot_points_and_png(tmp_path):
     from loom.cli.plan import main
     from loom.plan.plot import roofline_points
 
-    ops = [matmul("mm", 1, 4096, 4096, 4096, 2), Op("norm", 1, 12e3, 10e3), collective("ag", 1, 1e9, 2, 100.0)]
+    ops = [
+        matmul("mm", 1, 4096, 4096, 4096, 2),
+        Op("norm", 1, 12e3, 10e3),
+        collective("ag", 1, 1e9, 2, 100.0),
+    ]
     points = dict((name, (i, c)) for name, i, c in roofline_points(ops, H100, "bfloat16"))
     assert set(points) == {"mm", "norm", "step"}  # the collective has no FLOPs to place
     assert points["norm"] == pytest.approx((1.2, 1.2 * 3.35e12))
-    flops = 6 * 4096 ** 3 + 12e3
-    seconds = 6 * 4096 ** 3 / 989e12 + 10e3 / 3.35e12 + 0.5e9 / 100e9
-    assert points["step"] == pytest.approx((flops / (3 * 3 * 4096 ** 2 * 2 + 10e3), flops / seconds))
+    flops = 6 * 4096**3 + 12e3
+    seconds = 6 * 4096**3 / 989e12 + 10e3 / 3.35e12 + 0.5e9 / 100e9
+    assert points["step"] == pytest.approx((flops / (3 * 3 * 4096**2 * 2 + 10e3), flops / seconds))
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
     assert main(["--model.flavor", "debug", "--roofline", "--plot", str(out)]) == 0

@@ -16,7 +16,7 @@ from loom.config.errors import ConfigError
 from loom.config.load import to_toml
 from loom.data.tokenizers import HFTokenizer, build_tokenizer
 from loom.train import resume_changes as rc
-from loom.train.run_dir import recorded_run_dir, recorded_tokenizer, record_run_files
+from loom.train.run_dir import record_run_files, recorded_run_dir, recorded_tokenizer
 from tests.tiny import tiny_config
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -24,8 +24,10 @@ tokenizers = pytest.importorskip("tokenizers")
 CORPUS = "".join(f"line {i}: the quick brown fox {i * 7 % 13} jumps over the lazy dog\n" for i in range(600))
 # loom ends documents with <|end_of_text|>; the tokenizer_config names the chat turn's end as its EOS
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-TEMPLATE = ("{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}<|eot_id|>{% endfor %}"
-            "{% if add_generation_prompt %}<|begin_of_text|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|begin_of_text|>{{ m['role'] }}\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|begin_of_text|>assistant\n{% endif %}"
+)
 
 
 def tokenizer_folder(folder, chat_template: str | None = TEMPLATE) -> str:
@@ -35,12 +37,20 @@ def tokenizer_folder(folder, chat_template: str | None = TEMPLATE) -> str:
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS.splitlines(), trainer)
     os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "tokenizer_class": "LlamaTokenizer"}
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "tokenizer_class": "LlamaTokenizer",
+    }
     if chat_template is not None:
         config["chat_template"] = chat_template
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as fh:
@@ -61,10 +71,21 @@ def run_config(tmp_path, run_dir, tokenizer: str = "byte", steps: int = 2, **ext
     text = tmp_path / "corpus.txt"
     if not text.exists():
         text.write_text(CORPUS)
-    return tiny_config(run_dir, tmp_path / "cache", **{
-        "run.device": "cpu", "data.source": str(text), "data.tokenizer": tokenizer, "training.steps": steps,
-        "training.global_batch_size": 4, "optimizer.warmup_steps": 0, "metrics.progress": "false",
-        "checkpoint.at_end": None, **extra})
+    return tiny_config(
+        run_dir,
+        tmp_path / "cache",
+        **{
+            "run.device": "cpu",
+            "data.source": str(text),
+            "data.tokenizer": tokenizer,
+            "training.steps": steps,
+            "training.global_batch_size": 4,
+            "optimizer.warmup_steps": 0,
+            "metrics.progress": "false",
+            "checkpoint.at_end": None,
+            **extra,
+        },
+    )
 
 
 def train(tmp_path, monkeypatch, run_dir, tokenizer: str = "byte", steps: int = 2, **extra):
@@ -84,6 +105,7 @@ def recorded(path) -> dict:
 
 # ---- recording ----------------------------------------------------------------------------------------
 
+
 def test_the_tokenizer_is_copied_and_recorded_paths_are_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tokenizer_folder(tmp_path / "tok")
@@ -93,12 +115,22 @@ def test_the_tokenizer_is_copied_and_recorded_paths_are_absolute(tmp_path, monke
     cfg = tiny_config("run", **{"data.tokenizer": "tok/tokenizer.json", "model.init_from": "hf"})
     out = record_run_files(cfg)
     copy = str(tmp_path / "run" / "tokenizer")
-    assert (out.run.dir, out.data.tokenizer, out.model.init_from) == (str(tmp_path / "run"), copy, str(tmp_path / "hf"))
-    assert (cfg.run.dir, cfg.data.tokenizer) == ("run", "tok/tokenizer.json")  # the run's own config is untouched
+    assert (out.run.dir, out.data.tokenizer, out.model.init_from) == (
+        str(tmp_path / "run"),
+        copy,
+        str(tmp_path / "hf"),
+    )
+    assert (cfg.run.dir, cfg.data.tokenizer) == (
+        "run",
+        "tok/tokenizer.json",
+    )  # the run's own config is untouched
     assert sorted(os.listdir(copy)) == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
-    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").read_bytes() == \
-        (tmp_path / "tok" / "tokenizer.json").read_bytes()
-    assert build_tokenizer(copy).fingerprint() == build_tokenizer("tok").fingerprint()  # token caches stay valid
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").read_bytes() == (
+        tmp_path / "tok" / "tokenizer.json"
+    ).read_bytes()
+    assert (
+        build_tokenizer(copy).fingerprint() == build_tokenizer("tok").fingerprint()
+    )  # token caches stay valid
     assert record_run_files(cfg) == out and record_run_files(out) == out  # the same files: the same copy
     assert sorted(os.listdir(tmp_path / "run")) == ["tokenizer"]  # no temporary folder left
 
@@ -106,8 +138,10 @@ def test_the_tokenizer_is_copied_and_recorded_paths_are_absolute(tmp_path, monke
     (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|end_of_text|>"}')
     other = record_run_files(cfg).data.tokenizer
     assert os.path.basename(other).startswith("tokenizer-") and other != copy
-    assert json.loads((tmp_path / "run" / "tokenizer" / "tokenizer_config.json").read_text())["eos_token"] == \
-        "<|eot_id|>"
+    assert (
+        json.loads((tmp_path / "run" / "tokenizer" / "tokenizer_config.json").read_text())["eos_token"]
+        == "<|eot_id|>"
+    )
 
 
 def test_the_byte_tokenizer_copies_nothing_and_a_lone_file_is_copied_alone(tmp_path):
@@ -123,10 +157,14 @@ def test_a_missing_tokenizer_names_its_resolved_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as err:
         record_run_files(tiny_config("run", **{"data.tokenizer": "gone/tokenizer.json"}))
-    assert str(err.value) == (f"data.tokenizer = 'gone/tokenizer.json': not found ({tmp_path}/gone/tokenizer.json); "
-                              "allowed: byte | path to a tokenizer.json or a folder holding one")
+    assert str(err.value) == (
+        f"data.tokenizer = 'gone/tokenizer.json': not found ({tmp_path}/gone/tokenizer.json); "
+        "allowed: byte | path to a tokenizer.json or a folder holding one"
+    )
     os.makedirs("empty")
-    with pytest.raises(ConfigError, match=f"no tokenizer.json in this folder \\({tmp_path}/empty/tokenizer.json\\)"):
+    with pytest.raises(
+        ConfigError, match=f"no tokenizer.json in this folder \\({tmp_path}/empty/tokenizer.json\\)"
+    ):
         HFTokenizer("empty")
 
 
@@ -137,17 +175,24 @@ def test_a_checkpoint_finds_its_run_dir_where_it_is_now(tmp_path):
         (run / folder / "trainer_state.json").write_text("{}")
         assert recorded_run_dir(str(run / folder), {"run.dir": "/elsewhere"}) == str(run)
     # another checkpoint.dir: only the recorded run dir is known
-    assert recorded_run_dir(str(run / "checkpoints/step_00000002"),
-                            {"run.dir": "/elsewhere", "checkpoint.dir": "/ckpts"}) == "/elsewhere"
+    assert (
+        recorded_run_dir(
+            str(run / "checkpoints/step_00000002"), {"run.dir": "/elsewhere", "checkpoint.dir": "/ckpts"}
+        )
+        == "/elsewhere"
+    )
     # the run's copy where the run dir is now, else where it was recorded
     values = {"run.dir": str(tmp_path / "old"), "data.tokenizer": str(tmp_path / "old" / "tokenizer")}
     os.makedirs(tmp_path / "old" / "tokenizer")
-    assert recorded_tokenizer(str(run / "checkpoints/step_00000002"), values) == str(tmp_path / "old" / "tokenizer")
+    assert recorded_tokenizer(str(run / "checkpoints/step_00000002"), values) == str(
+        tmp_path / "old" / "tokenizer"
+    )
     os.makedirs(run / "tokenizer")
     assert recorded_tokenizer(str(run / "checkpoints/step_00000002"), values) == str(run / "tokenizer")
 
 
 # ---- a trained run, moved ------------------------------------------------------------------------------
+
 
 def test_a_moved_run_dir_exports_and_resumes_with_its_own_tokenizer(tmp_path, monkeypatch, capsys):
     pytest.importorskip("safetensors")
@@ -189,7 +234,9 @@ def test_a_moved_run_dir_exports_and_resumes_with_its_own_tokenizer(tmp_path, mo
         loom_main(["convert", "--from", ckpt, "--to-hf", "out2"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
-    assert f"data.tokenizer = '{copy}': recorded in {ckpt}/config.toml: missing (not at {moved}/tokenizer nor " \
-           f"at {copy}); pass --data.tokenizer" in err
+    assert (
+        f"data.tokenizer = '{copy}': recorded in {ckpt}/config.toml: missing (not at {moved}/tokenizer nor "
+        f"at {copy}); pass --data.tokenizer" in err
+    )
     with pytest.raises(ConfigError, match=f"missing \\(not at {moved}/tokenizer nor at {copy}\\)"):
         rc.check_checkpoint(ckpt, cfg)

@@ -13,12 +13,21 @@ from loom.data.chat import BUILTIN_TEMPLATE
 from loom.infer.reward import score
 from tests.unit.test_reward import exported  # noqa: F401  (the module fixture: a reward run and its HF export)
 
-ROWS = [{"prompt": "The cat sat.", "completion": "On a warm mat.", "id": 1},
-        {"prompt": [{"role": "user", "content": "Say hi."}], "completion": [{"role": "assistant", "content": "Hi."}]},
-        {"messages": [{"role": "user", "content": "Two dogs?"}, {"role": "assistant", "content": "Ran past."}]},
-        {"text": "One bird sang."}]
-ITEMS = [[{"role": "user", "content": "The cat sat."}, {"role": "assistant", "content": "On a warm mat."}],
-         ROWS[1]["prompt"] + ROWS[1]["completion"], ROWS[2]["messages"], "One bird sang."]
+ROWS = [
+    {"prompt": "The cat sat.", "completion": "On a warm mat.", "id": 1},
+    {
+        "prompt": [{"role": "user", "content": "Say hi."}],
+        "completion": [{"role": "assistant", "content": "Hi."}],
+    },
+    {"messages": [{"role": "user", "content": "Two dogs?"}, {"role": "assistant", "content": "Ran past."}]},
+    {"text": "One bird sang."},
+]
+ITEMS = [
+    [{"role": "user", "content": "The cat sat."}, {"role": "assistant", "content": "On a warm mat."}],
+    ROWS[1]["prompt"] + ROWS[1]["completion"],
+    ROWS[2]["messages"],
+    "One bird sang.",
+]
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -42,8 +51,20 @@ def test_scores_equal_the_api(exported, tmp_path, capsys):  # noqa: F811
     assert len(set(expected)) == 4  # the items differ, so do their scores
     template = tmp_path / "byte.jinja"  # the export's tokenizer folder has no chat template: the run's, given
     template.write_text(BUILTIN_TEMPLATE)
-    code, _, err = run(capsys, "--model", exported["hf"], "--file", str(path), "--output", str(tmp_path / "o.jsonl"),
-                       "--chat-template", str(template), "--quiet", "--device", "cpu")
+    code, _, err = run(
+        capsys,
+        "--model",
+        exported["hf"],
+        "--file",
+        str(path),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        "--chat-template",
+        str(template),
+        "--quiet",
+        "--device",
+        "cpu",
+    )
     assert code == 0 and not err, err
     hf = [json.loads(line)["score"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert hf == pytest.approx(expected, abs=1e-4)  # the export scores alike
@@ -54,16 +75,27 @@ def test_the_training_pairs_format_scores_both_completions(exported, tmp_path, c
     come back with score_chosen and score_rejected, each the API's score of the prompt with that completion; the
     summary gives the share of pairs ranked right. The export carries the run's chat template: no option needed."""
     conv = [{"role": "user", "content": "Say hi."}]
-    pairs = [{"prompt": "The cat sat.", "chosen": "On a warm mat.", "rejected": "Ran past.", "id": 7},
-             {"prompt": conv, "chosen": [{"role": "assistant", "content": "Hi."}],
-              "rejected": [{"role": "assistant", "content": "No."}]},
-             {"chosen": conv + [{"role": "assistant", "content": "Hi."}],
-              "rejected": conv + [{"role": "assistant", "content": "No."}]}]
+    pairs = [
+        {"prompt": "The cat sat.", "chosen": "On a warm mat.", "rejected": "Ran past.", "id": 7},
+        {
+            "prompt": conv,
+            "chosen": [{"role": "assistant", "content": "Hi."}],
+            "rejected": [{"role": "assistant", "content": "No."}],
+        },
+        {
+            "chosen": conv + [{"role": "assistant", "content": "Hi."}],
+            "rejected": conv + [{"role": "assistant", "content": "No."}],
+        },
+    ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in pairs))
     user = {"role": "user", "content": "The cat sat."}
-    items = [[user, {"role": "assistant", "content": "On a warm mat."}], [user, {"role": "assistant", "content": "Ran past."}],
-             pairs[2]["chosen"], pairs[2]["rejected"]]
+    items = [
+        [user, {"role": "assistant", "content": "On a warm mat."}],
+        [user, {"role": "assistant", "content": "Ran past."}],
+        pairs[2]["chosen"],
+        pairs[2]["rejected"],
+    ]
     expected = score(exported["ckpt"], items)
     for model in (exported["ckpt"], exported["hf"]):
         code, out, err = run(capsys, "--model", model, "--file", str(path), "--device", "cpu")
@@ -80,12 +112,14 @@ def test_mistakes_are_one_line(exported, tmp_path, capsys):  # noqa: F811
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"text": "fine"}) + "\n")
-    for argv, needle in ((["--model", exported["ckpt"], "--file", str(bad)], f"{bad}:2"),
-                         (["--file", str(bad)], "--model"), (["--model", exported["ckpt"]], "--file"),
-                         (["--model", exported["ckpt"], "--file", str(tmp_path / "none.jsonl")], "not readable"),
-                         (["--model", exported["ckpt"], "--file", str(bad), "--batch-size", "0"], "--batch-size"),
-                         (["--model", exported["hf"], "--file", str(good), "--chat-template", "no.jinja"],
-                          "--chat-template")):
+    for argv, needle in (
+        (["--model", exported["ckpt"], "--file", str(bad)], f"{bad}:2"),
+        (["--file", str(bad)], "--model"),
+        (["--model", exported["ckpt"]], "--file"),
+        (["--model", exported["ckpt"], "--file", str(tmp_path / "none.jsonl")], "not readable"),
+        (["--model", exported["ckpt"], "--file", str(bad), "--batch-size", "0"], "--batch-size"),
+        (["--model", exported["hf"], "--file", str(good), "--chat-template", "no.jinja"], "--chat-template"),
+    ):
         code, out, err = run(capsys, *argv)
         assert code == 2 and needle in err and err.count("\n") == 1 and not out, (argv, err)
 
@@ -99,19 +133,29 @@ def test_issue_49_refusals(exported, tmp_path, capsys):  # noqa: F811
     good.write_text(json.dumps({"text": "fine"}) + "\n")
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"text": "x" * 5000}) + "\n")
-    for argv, needle in ((["--model", exported["ckpt"], "--file", str(latin)], "not UTF-8"),
-                         (["--model", exported["ckpt"], "--file", str(good), "--output", str(tmp_path)], "is a folder"),
-                         (["--model", exported["ckpt"], "--file", str(long)], "longer than the model's")):
+    for argv, needle in (
+        (["--model", exported["ckpt"], "--file", str(latin)], "not UTF-8"),
+        (["--model", exported["ckpt"], "--file", str(good), "--output", str(tmp_path)], "is a folder"),
+        (["--model", exported["ckpt"], "--file", str(long)], "longer than the model's"),
+    ):
         code, out, err = run(capsys, *argv)
         assert code == 2 and needle in err and err.count("\n") == 1 and not out, (argv, err)
-    for command in (["generate", "--model", exported["hf"], "hi"], ["eval", exported["ckpt"], "--source", str(good)]):
+    for command in (
+        ["generate", "--model", exported["hf"], "hi"],
+        ["eval", exported["ckpt"], "--source", str(good)],
+    ):
         with pytest.raises(SystemExit) as exit_:
             loom_main(command)
         err = capsys.readouterr().err
-        assert exit_.value.code == 2 and "this is a reward model" in err and "loom score" in err, (command, err)
+        assert exit_.value.code == 2 and "this is a reward model" in err and "loom score" in err, (
+            command,
+            err,
+        )
     from loom.config.errors import ConfigError
     from loom.config.sections import GrpoConfig
     from loom.rl.judge import Judge
 
-    with pytest.raises(ConfigError, match="grpo.judge = .*this is a reward model"):  # before training, not at step N
+    with pytest.raises(
+        ConfigError, match="grpo.judge = .*this is a reward model"
+    ):  # before training, not at step N
         Judge(GrpoConfig(judge=exported["hf"], judge_template="{prompt} {completion}"))

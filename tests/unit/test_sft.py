@@ -27,10 +27,10 @@ from loom.data.sft import docstring_pairs
 from loom.data.sources import parse_source, stdlib_files
 from loom.data.token_file import TokenFile, mask_path
 from loom.data.tokenizers import ByteTokenizer
+from loom.methods import check_config, method
 from loom.models.common.init import materialize
 from loom.models.llama import FLAVORS, Llama
 from loom.numerics import IGNORE, cross_entropy_sum
-from loom.methods import check_config, method
 from loom.train.trainer import Trainer
 from tests.tiny import tiny_config
 
@@ -48,8 +48,10 @@ def conversations(n: int, seed: int = 0, turns: int = 2) -> list[list[dict]]:
     for _ in range(n):
         conv = [{"role": "system", "content": sentence(rng, 3)}]
         for _ in range(turns):
-            conv += [{"role": "user", "content": sentence(rng, rng.randint(2, 8))},
-                     {"role": "assistant", "content": sentence(rng, rng.randint(2, 10))}]
+            conv += [
+                {"role": "user", "content": sentence(rng, rng.randint(2, 8))},
+                {"role": "assistant", "content": sentence(rng, rng.randint(2, 10))},
+            ]
         out.append(conv)
     return out
 
@@ -73,6 +75,7 @@ def same_file(a: TokenFile, b: TokenFile) -> bool:
 
 # ---- data formats ---------------------------------------------------------------------------------------------
 
+
 def test_every_format_gives_the_same_tokens_and_mask(tmp_path):
     convs = conversations(20, turns=2)
     messages = prepared(write_jsonl(tmp_path / "m.jsonl", [{"messages": c} for c in convs]), tmp_path / "c")
@@ -87,14 +90,17 @@ def test_every_format_gives_the_same_tokens_and_mask(tmp_path):
 
     # one exchange: messages = a conversational prompt-completion pair = plain prompt / completion strings
     single = [c[:3] for c in convs]  # system, user, assistant
-    as_messages = prepared(write_jsonl(tmp_path / "s.jsonl", [{"messages": c} for c in single]), tmp_path / "c")
+    as_messages = prepared(
+        write_jsonl(tmp_path / "s.jsonl", [{"messages": c} for c in single]), tmp_path / "c"
+    )
     pairs = [{"prompt": c[:2], "completion": c[2:]} for c in single]
     assert same_file(prepared(write_jsonl(tmp_path / "p.jsonl", pairs), tmp_path / "c"), as_messages)
     no_system = [c[1:3] for c in convs]
     strings = [{"prompt": c[0]["content"], "completion": c[1]["content"]} for c in no_system]
-    assert same_file(prepared(write_jsonl(tmp_path / "ps.jsonl", strings), tmp_path / "c"),
-                     prepared(write_jsonl(tmp_path / "ms.jsonl", [{"messages": c} for c in no_system]),
-                              tmp_path / "c"))
+    assert same_file(
+        prepared(write_jsonl(tmp_path / "ps.jsonl", strings), tmp_path / "c"),
+        prepared(write_jsonl(tmp_path / "ms.jsonl", [{"messages": c} for c in no_system]), tmp_path / "c"),
+    )
 
 
 def test_a_prompt_completion_pair_trains_its_completion_only(tmp_path):
@@ -103,8 +109,9 @@ def test_a_prompt_completion_pair_trains_its_completion_only(tmp_path):
     pairs = [{"prompt": c[:4], "completion": c[4:]} for c in convs]  # the first exchange is prompt
     pc = prepared(write_jsonl(tmp_path / "p.jsonl", pairs), tmp_path / "c")
     assert torch.equal(pc.tokens, full.tokens)
-    trained = lambda tf: bytes(t for t, f in zip(tf.slice(0, len(tf)).tolist(), tf.mask.tolist())
-                               if f & FLAG_LOSS and t < 256).decode()
+    trained = lambda tf: bytes(
+        t for t, f in zip(tf.slice(0, len(tf)).tolist(), tf.mask.tolist()) if f & FLAG_LOSS and t < 256
+    ).decode()
     assert trained(full) == "".join(c[2]["content"] + c[4]["content"] for c in convs)
     assert trained(pc) == "".join(c[4]["content"] for c in convs)
 
@@ -164,7 +171,9 @@ def test_config_rules(tiny, tmp_path):
     with pytest.raises(ConfigError, match="data.loss_tokens.*training.objective sft only"):
         check_config(tiny(**{"data.loss_tokens": "all"}))
     with pytest.raises(ConfigError, match="data.chat_template.*no such file"):
-        check_config(tiny(**{"training.objective": "sft", "data.chat_template": str(tmp_path / "none.jinja")}))
+        check_config(
+            tiny(**{"training.objective": "sft", "data.chat_template": str(tmp_path / "none.jinja")})
+        )
     cfg = tiny(**{"training.objective": "sft"})
     check_config(cfg)
     assert cfg.data.document_positions  # conversations packed in a window never see each other
@@ -187,10 +196,13 @@ def test_embedded_default_pairs_are_real_and_deterministic():
 
 # ---- packing and the loss -------------------------------------------------------------------------------------
 
+
 def test_packed_conversations_never_attend_to_each_other(tmp_path):
     """A window packing several conversations gives every conversation's logits as if it were alone."""
-    tf = prepared(write_jsonl(tmp_path / "m.jsonl", [{"messages": c} for c in conversations(6, turns=1)]),
-                  tmp_path / "c")
+    tf = prepared(
+        write_jsonl(tmp_path / "m.jsonl", [{"messages": c} for c in conversations(6, turns=1)]),
+        tmp_path / "c",
+    )
     window = len(tf) - 1
     mb = make_micro_batch([tf.slice(0, window + 1)], ByteTokenizer().eos_id, [tf.flags(0, window + 1)])
     starts = (tf.mask[:window] & FLAG_START).nonzero().flatten().tolist()
@@ -211,14 +223,21 @@ def test_packed_conversations_never_attend_to_each_other(tmp_path):
 def test_labels_are_ignored_outside_assistant_tokens_and_the_loss_by_hand():
     """Tokens 0..9 with hand-set flags: the labels, and the loss summed over the two trained targets."""
     tokens = torch.arange(10)
-    flags = torch.tensor([FLAG_START, 0, 0, FLAG_LOSS, FLAG_LOSS, 0, FLAG_START, 0, FLAG_LOSS, 0], dtype=torch.uint8)
+    flags = torch.tensor(
+        [FLAG_START, 0, 0, FLAG_LOSS, FLAG_LOSS, 0, FLAG_START, 0, FLAG_LOSS, 0], dtype=torch.uint8
+    )
     mb = make_micro_batch([tokens[:9]], eos_id=99, flags=[flags[:9]])
     assert mb.labels.tolist() == [[IGNORE, IGNORE, 3, 4, IGNORE, IGNORE, IGNORE, 8]]
-    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1]] and mb.document_ids.tolist() == [[0] * 6 + [1] * 2]
+    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1]] and mb.document_ids.tolist() == [
+        [0] * 6 + [1] * 2
+    ]
     logits = torch.randn(1, 8, 12)
     objective = method("sft").objective(Config())
-    by_hand = -(torch.log_softmax(logits[0, 2], -1)[3] + torch.log_softmax(logits[0, 3], -1)[4]
-                + torch.log_softmax(logits[0, 7], -1)[8])
+    by_hand = -(
+        torch.log_softmax(logits[0, 2], -1)[3]
+        + torch.log_softmax(logits[0, 3], -1)[4]
+        + torch.log_softmax(logits[0, 7], -1)[8]
+    )
     torch.testing.assert_close(objective.loss(logits, mb.labels), by_hand)
     assert int(objective.count(mb)) == 3
 
@@ -234,8 +253,11 @@ def stdlib_cache(tmp_path_factory) -> str:
 def test_the_step_loss_is_the_assistant_loss_over_their_global_count(tmp_path, stdlib_cache):
     """The trainer's step (4 micro-batches accumulated) equals the summed loss of the assistant targets of the whole
     batch divided by their count, computed from the model before the step."""
-    cfg = tiny_config(tmp_path / "run", stdlib_cache, **{"training.objective": "sft", "training.steps": 1,
-                                                          "training.seq_len": 64})
+    cfg = tiny_config(
+        tmp_path / "run",
+        stdlib_cache,
+        **{"training.objective": "sft", "training.steps": 1, "training.seq_len": 64},
+    )
     trainer = Trainer(cfg)
     data = trainer.loader.next_step()
     assert len(data.micro_batches) == 4
@@ -250,23 +272,47 @@ def test_the_step_loss_is_the_assistant_loss_over_their_global_count(tmp_path, s
 
 # ---- runs -----------------------------------------------------------------------------------------------------
 
+
 def sft_run(run_dir, cache, **extra):
     # 16 windows of 64 bytes: a step without any assistant target (60% of such windows hold none) is unlikely
-    return tiny_config(run_dir, cache, **{"training.objective": "sft", "training.seq_len": 64,
-                                          "training.global_batch_size": 16, "training.micro_batch_size": 4,
-                                          "optimizer.lr": 3e-3, "optimizer.warmup_steps": 2, "run.seed": 1,
-                                          **extra})
+    return tiny_config(
+        run_dir,
+        cache,
+        **{
+            "training.objective": "sft",
+            "training.seq_len": 64,
+            "training.global_batch_size": 16,
+            "training.micro_batch_size": 4,
+            "optimizer.lr": 3e-3,
+            "optimizer.warmup_steps": 2,
+            "run.seed": 1,
+            **extra,
+        },
+    )
 
 
 def test_embedded_default_trains_and_validation_loss_falls(tmp_path, stdlib_cache, capsys):
     """``loom train --training.objective sft`` with nothing else: the debug model on the standard library's
     docstrings (byte tokenizer, built-in template); the held-out loss falls over 40 steps."""
     run_dir = tmp_path / "run"
-    args = [f"--{k}={v}" for k, v in {"training.objective": "sft", "run.dir": run_dir, "data.cache_dir": stdlib_cache,
-                                      "training.steps": 40, "training.seq_len": 64, "training.global_batch_size": 16,
-                                      "training.micro_batch_size": 8, "training.eval_every": 10,
-                                      "training.eval_batches": 2, "optimizer.lr": 3e-3, "metrics.every": 10,
-                                      "metrics.tensorboard": "false", "checkpoint.at_end": "false"}.items()]
+    args = [
+        f"--{k}={v}"
+        for k, v in {
+            "training.objective": "sft",
+            "run.dir": run_dir,
+            "data.cache_dir": stdlib_cache,
+            "training.steps": 40,
+            "training.seq_len": 64,
+            "training.global_batch_size": 16,
+            "training.micro_batch_size": 8,
+            "training.eval_every": 10,
+            "training.eval_batches": 2,
+            "optimizer.lr": 3e-3,
+            "metrics.every": 10,
+            "metrics.tensorboard": "false",
+            "checkpoint.at_end": "false",
+        }.items()
+    ]
     assert loom_main(["train", *args]) == 0
     assert "conversations" in capsys.readouterr().out  # the banner's data line
     with open(run_dir / "metrics.jsonl") as fh:
@@ -274,7 +320,9 @@ def test_embedded_default_trains_and_validation_loss_falls(tmp_path, stdlib_cach
     assert len(vals) == 4 and vals[-1] < vals[0] - 0.5, vals
     with open(run_dir / "data_sources.json") as fh:
         (record,) = json.load(fh)
-    assert record["kind"] == "stdlib" and record["loss_tokens"] == "assistant" and record["conversations"] > 1000
+    assert (
+        record["kind"] == "stdlib" and record["loss_tokens"] == "assistant" and record["conversations"] > 1000
+    )
 
 
 @pytest.mark.slow
@@ -285,7 +333,14 @@ def test_resume_mid_run_continues_bitwise(tmp_path, stdlib_cache):
     whole = Trainer(sft_run(tmp_path / "whole", stdlib_cache, **extra)).fit()
     shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
     step4 = str(tmp_path / "part" / "checkpoints" / step_dir_name(4))
-    resumed = Trainer(sft_run(tmp_path / "part", stdlib_cache, **extra, **{"checkpoint.resume": step4, "checkpoint.overwrite": "true"})).fit()
+    resumed = Trainer(
+        sft_run(
+            tmp_path / "part",
+            stdlib_cache,
+            **extra,
+            **{"checkpoint.resume": step4, "checkpoint.overwrite": "true"},
+        )
+    ).fit()
     key = lambda recs: [(r["step"], r["loss"], r["grad_norm"], r["lr"], r["batch_hash"]) for r in recs]
     assert [r["step"] for r in resumed] == [5, 6, 7, 8] and key(resumed) == key(whole[4:])
 
@@ -297,8 +352,13 @@ def test_prepared_sft_file_trains(tmp_path, capsys):
     assert "60 conversations" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="needs --objective sft"):
         parse_args(["--source", source, "--output", out, "--loss-tokens", "all"])
-    records = Trainer(sft_run(tmp_path / "run", tmp_path / "cache", **{"data.source": out, "training.steps": 2,
-                                                                       "data.val_fraction": 0.0})).fit()
+    records = Trainer(
+        sft_run(
+            tmp_path / "run",
+            tmp_path / "cache",
+            **{"data.source": out, "training.steps": 2, "data.val_fraction": 0.0},
+        )
+    ).fit()
     assert len(records) == 2 and all(r["loss"] > 0 for r in records)
     with pytest.raises(UserError):
         Trainer(tiny_config(tmp_path / "lm", tmp_path / "cache", **{"data.source": out, "training.steps": 1}))

@@ -20,10 +20,21 @@ from loom.models.llama import Llama, LlamaArgs
 
 def tiny_model(seed: int, vocab: int = 64, scale: float = 0.2, **kw) -> Llama:
     torch.manual_seed(seed)
-    model = Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=vocab,
-                            rope_theta=10000.0, max_seq_len=64, **kw)).eval()
+    model = Llama(
+        LlamaArgs(
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=64,
+            vocab_size=vocab,
+            rope_theta=10000.0,
+            max_seq_len=64,
+            **kw,
+        )
+    ).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim > 1:
                 p.normal_(0.0, scale)
     return model
@@ -42,9 +53,11 @@ def test_greedy_output_equals_target_only(proposer, penalty):
     target = tiny_model(0)
     params = SamplingParams(max_new_tokens=24, repetition_penalty=penalty, ignore_eos=True)
     expected = [o.token_ids for o in gen(target).generate_ids(PROMPTS, params)]
-    spec = {"lookup": lambda: PromptLookup(k=3),
-            "same": lambda: DraftModel(copy.deepcopy(target), k=4),  # agrees always: every guess kept
-            "other": lambda: DraftModel(tiny_model(1), k=2)}[proposer]()
+    spec = {
+        "lookup": lambda: PromptLookup(k=3),
+        "same": lambda: DraftModel(copy.deepcopy(target), k=4),  # agrees always: every guess kept
+        "other": lambda: DraftModel(tiny_model(1), k=2),
+    }[proposer]()
     g = gen(target, speculative=spec)
     outs = g.generate_ids(PROMPTS, params)
     assert [o.token_ids for o in outs] == expected
@@ -72,7 +85,7 @@ class Knowing:
         guesses = []
         for b, finished in enumerate(done):
             self.emitted[b] += 0 if finished else 1  # the pending token
-            cont = self.continuations[b][self.emitted[b]:self.emitted[b] + self.k]
+            cont = self.continuations[b][self.emitted[b] : self.emitted[b] + self.k]
             cont = cont + [0] * (self.k - len(cont))
             guesses.append([t if self.random.random() < self.rate else (t + 1) % self.vocab for t in cont])
         return torch.tensor(guesses), None, [not d for d in done]
@@ -92,12 +105,18 @@ def test_acceptance_counts_the_kept_guesses():
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     plain = [o.token_ids for o in gen(target).generate_ids(PROMPTS, params)]
     g = gen(target)
-    assert [o.token_ids for o in g.generate_ids(PROMPTS, params, speculative=Knowing(k, 1.0, plain, 64))] == plain
+    assert [
+        o.token_ids for o in g.generate_ids(PROMPTS, params, speculative=Knowing(k, 1.0, plain, 64))
+    ] == plain
     assert g.stats.acceptance == 1.0
-    assert g.stats.target_steps == (new - 1) // (k + 1)  # the prefill gives the first token, each forward k + 1
+    assert g.stats.target_steps == (new - 1) // (
+        k + 1
+    )  # the prefill gives the first token, each forward k + 1
     rate = 0.6
-    assert [o.token_ids for o in g.generate_ids(PROMPTS, params, speculative=Knowing(k, rate, plain, 64))] == plain
-    expected = sum(rate ** i for i in range(1, k + 1)) / k
+    assert [
+        o.token_ids for o in g.generate_ids(PROMPTS, params, speculative=Knowing(k, rate, plain, 64))
+    ] == plain
+    expected = sum(rate**i for i in range(1, k + 1)) / k
     assert abs(g.stats.acceptance - expected) < 0.1, (g.stats.acceptance, expected)
 
 
@@ -147,7 +166,9 @@ def test_rejection_step_follows_the_target():
             assert _tv(freq, ref) < 0.02, (point_mass, freq, ref)
 
 
-def _exact_marginals(model: Llama, prompt: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _exact_marginals(
+    model: Llama, prompt: list[int], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's exact distributions of its 1st, 2nd and 3rd new tokens (temperature 1) by enumeration."""
     with torch.no_grad():
         p1 = model(torch.tensor([prompt]))[0, -1].softmax(-1)  # (V,)
@@ -166,10 +187,14 @@ def test_sampled_tokens_follow_the_target_distribution(proposer):
     prompt = [1, 2, 1, 2, 1]
     marginals = _exact_marginals(target, prompt, vocab)
     draft_marginals = _exact_marginals(draft, prompt, vocab)
-    assert _tv(marginals[1], draft_marginals[1]) > 0.15  # a test that cannot pass by taking the draft's tokens
+    assert (
+        _tv(marginals[1], draft_marginals[1]) > 0.15
+    )  # a test that cannot pass by taking the draft's tokens
     spec = DraftModel(draft, k=2) if proposer == "draft" else PromptLookup(k=2, max_ngram=2)
     g = gen(target, speculative=spec, max_batch=n)
-    outs = g.generate_ids([prompt] * n, SamplingParams(max_new_tokens=3, temperature=1.0, seed=7, ignore_eos=True))
+    outs = g.generate_ids(
+        [prompt] * n, SamplingParams(max_new_tokens=3, temperature=1.0, seed=7, ignore_eos=True)
+    )
     tokens = torch.tensor([o.token_ids for o in outs])  # (n, 3)
     assert g.stats.accepted > 100  # guesses were kept, not only the target's own draws
     for i, ref in enumerate(marginals):

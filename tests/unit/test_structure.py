@@ -13,7 +13,9 @@ import pytest
 from loom.config.sections import OBJECTIVES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "loom"
-SOURCES = {str(p.relative_to(ROOT.parent)): ast.parse(p.read_text(), str(p)) for p in sorted(ROOT.rglob("*.py"))}
+SOURCES = {
+    str(p.relative_to(ROOT.parent)): ast.parse(p.read_text(), str(p)) for p in sorted(ROOT.rglob("*.py"))
+}
 
 # modules that read a finished run's recorded config (or a command's own option), below or beside the registry;
 # each compares one name for a reason of its own
@@ -37,8 +39,9 @@ def _mentions(node: ast.AST, word: str) -> bool:
 
 def _is_engine(node: ast.AST) -> bool:
     """``engine``, ``trainer`` or ``<anything>.engine``: the engine (or the loop over it) seen from outside."""
-    return (isinstance(node, ast.Name) and node.id in ("engine", "trainer")) or \
-        (isinstance(node, ast.Attribute) and node.attr == "engine")
+    return (isinstance(node, ast.Name) and node.id in ("engine", "trainer")) or (
+        isinstance(node, ast.Attribute) and node.attr == "engine"
+    )
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -50,20 +53,33 @@ def _names(node: ast.AST) -> set[str]:
     return set()
 
 
-@pytest.mark.parametrize("path", ["loom/train/engine.py", "loom/train/loop.py", "loom/train/trainer.py",
-                                  "loom/train/steps.py"])
+@pytest.mark.parametrize(
+    "path", ["loom/train/engine.py", "loom/train/loop.py", "loom/train/trainer.py", "loom/train/steps.py"]
+)
 def test_no_getattr_probes_of_objectives(path):
-    probes = [f"{path}:{n.lineno}" for n in ast.walk(SOURCES[path]) if isinstance(n, ast.Call)
-              and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr") and n.args
-              and _mentions(n.args[0], "objective")]
+    probes = [
+        f"{path}:{n.lineno}"
+        for n in ast.walk(SOURCES[path])
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id in ("getattr", "hasattr")
+        and n.args
+        and _mentions(n.args[0], "objective")
+    ]
     assert not probes, f"getattr / hasattr on an objective (declare the hook in Objective instead): {probes}"
 
 
 def test_nothing_reads_a_private_attribute_of_the_engine():
-    found = [f"{path}:{n.lineno} {ast.unparse(n)}" for path, tree in SOURCES.items()
-             if not path.startswith("loom/train/engine") for n in ast.walk(tree)
-             if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
-             and _is_engine(n.value)]
+    found = [
+        f"{path}:{n.lineno} {ast.unparse(n)}"
+        for path, tree in SOURCES.items()
+        if not path.startswith("loom/train/engine")
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr.startswith("_")
+        and not n.attr.startswith("__")
+        and _is_engine(n.value)
+    ]
     assert not found, f"private attributes of the engine read from outside it: {found}"
 
 
@@ -75,9 +91,13 @@ def test_objective_names_are_compared_only_in_the_methods():
         for n in ast.walk(tree):
             if isinstance(n, ast.Compare):
                 sides = [n.left, *n.comparators]
-                if any(_names(s) & set(OBJECTIVES) for s in sides) and any(_mentions(s, "objective") for s in sides):
+                if any(_names(s) & set(OBJECTIVES) for s in sides) and any(
+                    _mentions(s, "objective") for s in sides
+                ):
                     found.append(f"{path}:{n.lineno} {ast.unparse(n)}")
-    assert not found, f"training.objective compared outside loom.methods (add the method's hook instead): {found}"
+    assert not found, (
+        f"training.objective compared outside loom.methods (add the method's hook instead): {found}"
+    )
 
 
 def test_the_checks_see_what_they_look_for():
@@ -95,6 +115,12 @@ def test_optional_features_join_through_the_hook_list(path):
     """DiLoCo, torchft, the noise-scale probe and MoE statistics are step hooks (loom.train.hooks): the engine and
     the loop hold no attribute of their own for any of them."""
     features = {"diloco", "ft", "moe", "noise"}
-    found = [f"{path}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(SOURCES[path]) if isinstance(n, ast.Attribute)
-             and n.attr in features and isinstance(n.value, ast.Name) and n.value.id == "self"]
+    found = [
+        f"{path}:{n.lineno} {ast.unparse(n)}"
+        for n in ast.walk(SOURCES[path])
+        if isinstance(n, ast.Attribute)
+        and n.attr in features
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    ]
     assert not found, found

@@ -4,23 +4,21 @@ through the same paths as Llama."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("safetensors")
 
-from loom.checkpoint.hf.config import read_hf_config  # noqa: E402
-from loom.checkpoint.hf.dcp_import import import_hf_to_dcp, weights_only_model  # noqa: E402
-from loom.checkpoint.hf.export import export_hf  # noqa: E402
-from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights  # noqa: E402
-from loom.checkpoint.manager import load_model_only  # noqa: E402
-from loom.cli.main import main as loom_main  # noqa: E402
-from loom.models import registry  # noqa: E402
-from tests.tiny import tiny_args  # noqa: E402
-from tests.unit.toy_family import SPEC  # noqa: E402
-from tests.unit.toy_family.model import FLAVORS, ParallelBlock, Toy, ToyArgs  # noqa: E402
+from loom.checkpoint.hf.config import read_hf_config
+from loom.checkpoint.hf.dcp_import import import_hf_to_dcp, weights_only_model
+from loom.checkpoint.hf.export import export_hf
+from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
+from loom.checkpoint.manager import load_model_only
+from loom.cli.main import main as loom_main
+from loom.models import registry
+from tests.tiny import tiny_args
+from tests.unit.toy_family import SPEC
+from tests.unit.toy_family.model import FLAVORS, ParallelBlock, Toy, ToyArgs
 
 VOCAB = 384
 
@@ -70,7 +68,9 @@ def test_the_toy_family_trains_resumes_and_exports(toy, tmp_path):
     ckpt = tmp_path / "ckpt"
 
     def fit(run: str, **more) -> list[dict]:
-        cfg, _ = load_config(tiny_args(tmp_path / run, **{"run.device": "cpu", "model.init_from": src, **more}))
+        cfg, _ = load_config(
+            tiny_args(tmp_path / run, **{"run.device": "cpu", "model.init_from": src, **more})
+        )
         trainer = Trainer(cfg)
         assert isinstance(trainer.parts[0], Toy)
         return trainer.fit()

@@ -24,8 +24,10 @@ def test_summary_per_step_and_idle():
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 100, "dur": 100},
-        kernel("nvjet_gemm", 0, 60), kernel("cudnn_sdpa_flash_fprop", 50, 20),  # overlapping
-        kernel("nvjet_gemm", 100, 40), kernel("multi_tensor_apply_kernel_adam", 180, 20),
+        kernel("nvjet_gemm", 0, 60),
+        kernel("cudnn_sdpa_flash_fprop", 50, 20),  # overlapping
+        kernel("nvjet_gemm", 100, 40),
+        kernel("multi_tensor_apply_kernel_adam", 180, 20),
     ]
     s = summarize({"traceEvents": events})
     assert s["steps"] == 2

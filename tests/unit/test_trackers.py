@@ -20,8 +20,15 @@ from tests.tiny import tiny_config, tiny_overrides
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     """W&B offline with its settings under tmp_path, no tracking URI from the environment; nothing is sent."""
-    for name in ("WANDB_DIR", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME", "MLFLOW_TRACKING_URI",
-                 "MLFLOW_EXPERIMENT_NAME"):
+    for name in (
+        "WANDB_DIR",
+        "WANDB_ENTITY",
+        "WANDB_PROJECT",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -37,8 +44,15 @@ def offline(tmp_path, monkeypatch):
 
 
 def record(step: int) -> dict:
-    return {"step": step, "loss": 1.0 / step, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0,
-            "tokens_per_s_per_device": 1.0, "mem_gib": 0.1}
+    return {
+        "step": step,
+        "loss": 1.0 / step,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 1.0,
+        "tokens_per_s_per_device": 1.0,
+        "mem_gib": 0.1,
+    }
 
 
 def read_jsonl(path) -> list[dict]:
@@ -64,8 +78,8 @@ def wandb_records(path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunks += data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -105,15 +119,24 @@ def test_wandb_and_mlflow_get_the_records_and_the_config(tmp_path, offline):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"
-    overrides = tiny_overrides(run_dir, tmp_path / "cache", **{"metrics.wandb": "true", "metrics.mlflow": "true",
-                                                               "training.eval_every": 2})
+    overrides = tiny_overrides(
+        run_dir,
+        tmp_path / "cache",
+        **{"metrics.wandb": "true", "metrics.mlflow": "true", "training.eval_every": 2},
+    )
     run_one(overrides)
     lines = read_jsonl(run_dir / "metrics.jsonl")
-    expected = {r["step"]: {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
-                for r in lines}
+    expected = {
+        r["step"]: {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float))} for r in lines
+    }
     assert [r["step"] for r in lines] == [1, 2, 3, 4] and all("val_loss" in expected[s] for s in (2, 4))
-    cfg = flat_config(tiny_config(run_dir, tmp_path / "cache", **{"metrics.wandb": "true", "metrics.mlflow": "true",
-                                                                  "training.eval_every": 2}))
+    cfg = flat_config(
+        tiny_config(
+            run_dir,
+            tmp_path / "cache",
+            **{"metrics.wandb": "true", "metrics.mlflow": "true", "training.eval_every": 2},
+        )
+    )
 
     config, history = wandb_run(run_dir)
     assert history == expected
@@ -128,14 +151,28 @@ def test_wandb_and_mlflow_get_the_records_and_the_config(tmp_path, offline):
     params = run.data.params
     assert set(params) == set(cfg)
     assert params["training.steps"] == "4" and params["run.dir"] == str(run_dir)
-    assert params["optimizer.betas"] == json.dumps(cfg["optimizer.betas"]) and params["metrics.mlflow"] == "true"
+    assert (
+        params["optimizer.betas"] == json.dumps(cfg["optimizer.betas"]) and params["metrics.mlflow"] == "true"
+    )
 
 
 def test_scalars_of_a_record():
-    rec = {"step": 3, "loss": 2.0, "mfu": None, "batch_hash": "ab12", "pp_idle": [0.25, 0.5], "skipped_steps": 0,
-           "grad_norm": float("inf")}
-    assert scalars(rec) == {"loss": 2.0, "pp_idle/0": 0.25, "pp_idle/1": 0.5, "skipped_steps": 0.0,
-                            "grad_norm": float("inf")}
+    rec = {
+        "step": 3,
+        "loss": 2.0,
+        "mfu": None,
+        "batch_hash": "ab12",
+        "pp_idle": [0.25, 0.5],
+        "skipped_steps": 0,
+        "grad_norm": float("inf"),
+    }
+    assert scalars(rec) == {
+        "loss": 2.0,
+        "pp_idle/0": 0.25,
+        "pp_idle/1": 0.5,
+        "skipped_steps": 0.0,
+        "grad_norm": float("inf"),
+    }
 
 
 def test_a_resumed_run_continues_the_mlflow_and_wandb_runs(tmp_path, offline):
@@ -143,7 +180,6 @@ def test_a_resumed_run_continues_the_mlflow_and_wandb_runs(tmp_path, offline):
     pytest.importorskip("mlflow")
     cfg = tiny_config(tmp_path / "run", **{"metrics.wandb": "true", "metrics.mlflow": "true"})
     os.makedirs(cfg.run.dir)
-
 
     first = MetricsLogger(cfg.run.dir, 4, tensorboard=False, progress=False, start_step=0, config=cfg)
     for step in (1, 2, 3):
@@ -163,12 +199,18 @@ def test_a_resumed_run_continues_the_mlflow_and_wandb_runs(tmp_path, offline):
 
     client, run = mlflow_run(cfg.run.dir)
     assert run.info.run_id == ids["mlflow"]["run_id"] and run.info.status == "FAILED"
-    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == \
-        [(1, 1.0), (2, 0.5), (3, 1 / 3), (3, 1 / 3), (4, 0.25)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [
+        (1, 1.0),
+        (2, 0.5),
+        (3, 1 / 3),
+        (3, 1 / 3),
+        (4, 0.25),
+    ]
     assert run.data.params["training.steps"] == "4"
     runs = glob.glob(os.path.join(cfg.run.dir, "wandb", "offline-run-*"))
-    assert len(runs) == 2 and all(p.endswith(ids["wandb"]["id"]) or p.endswith(ids["wandb"]["id"] + "-1")
-                                  for p in runs)
+    assert len(runs) == 2 and all(
+        p.endswith(ids["wandb"]["id"]) or p.endswith(ids["wandb"]["id"] + "-1") for p in runs
+    )
 
 
 @pytest.mark.parametrize("option,package", [("wandb", "wandb"), ("mlflow", "mlflow")])
@@ -178,8 +220,9 @@ def test_a_missing_package_is_one_line_before_anything_is_written(tmp_path, monk
     os.makedirs(cfg.run.dir)
     with pytest.raises(UserError) as err:
         MetricsLogger(cfg.run.dir, 4, tensorboard=False, progress=False, start_step=0, config=cfg)
-    assert str(err.value) == (f"metrics.{option} = true needs the {package!r} package "
-                              f"(pip install 'loom-train[{option}]')")
+    assert str(err.value) == (
+        f"metrics.{option} = true needs the {package!r} package (pip install 'loom-train[{option}]')"
+    )
     assert os.listdir(cfg.run.dir) == []
 
 
@@ -190,14 +233,18 @@ def test_the_default_tensorboard_without_the_package_says_so_once(tmp_path, monk
     logger.rewind(0)  # reopens TensorBoard: no second note
     logger.close()
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("metrics.tensorboard")]
-    assert notes == ["metrics.tensorboard: the 'tensorboard' package is not installed, so no TensorBoard events "
-                     "(pip install tensorboard, or --metrics.tensorboard false)"]
+    assert notes == [
+        "metrics.tensorboard: the 'tensorboard' package is not installed, so no TensorBoard events "
+        "(pip install tensorboard, or --metrics.tensorboard false)"
+    ]
     assert not os.path.exists(tmp_path / "tensorboard")
 
 
 def test_a_tracker_that_cannot_start_is_one_line(tmp_path, offline):
     pytest.importorskip("mlflow")
-    cfg = tiny_config(tmp_path / "run", **{"metrics.mlflow": "true", "metrics.mlflow_tracking_uri": "bogus://x"})
+    cfg = tiny_config(
+        tmp_path / "run", **{"metrics.mlflow": "true", "metrics.mlflow_tracking_uri": "bogus://x"}
+    )
     os.makedirs(cfg.run.dir)
     with pytest.raises(UserError) as err:
         MetricsLogger(cfg.run.dir, 4, tensorboard=False, progress=False, start_step=0, config=cfg)

@@ -21,8 +21,17 @@ def cache(tmp_path_factory) -> str:
 
 
 def overrides(tmp_path, cache, name, **extra) -> dict:
-    return tiny_overrides(tmp_path / name, cache, **{"run.seed": 7, "training.steps": STEPS,
-                                                     "training.micro_batch_size": 4, "optimizer.lr": 3e-3, **extra})
+    return tiny_overrides(
+        tmp_path / name,
+        cache,
+        **{
+            "run.seed": 7,
+            "training.steps": STEPS,
+            "training.micro_batch_size": 4,
+            "optimizer.lr": 3e-3,
+            **extra,
+        },
+    )
 
 
 def train(tmp_path, cache, name, **extra) -> tuple[Trainer, list[dict]]:
@@ -46,12 +55,18 @@ def is_checkpointed(block) -> bool:
     return isinstance(block, CheckpointWrapper)
 
 
-@pytest.mark.parametrize("mode,wrapped", [("full", [True, True]),
-                                          pytest.param("every_k", [True, False], marks=pytest.mark.slow),
-                                          pytest.param("op", [True, True], marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode,wrapped",
+    [
+        ("full", [True, True]),
+        pytest.param("every_k", [True, False], marks=pytest.mark.slow),
+        pytest.param("op", [True, True], marks=pytest.mark.slow),
+    ],
+)
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache, eager, mode, wrapped):
-    trainer, records = train(tmp_path, cache, mode, **{"training.activation_checkpointing": mode,
-                                                       "training.ac_every": 2})
+    trainer, records = train(
+        tmp_path, cache, mode, **{"training.activation_checkpointing": mode, "training.ac_every": 2}
+    )
     assert [is_checkpointed(b) for b in trainer.parts[0].layers.values()] == wrapped
     assert max_rel([r["loss"] for r in records], [r["loss"] for r in eager]) < 1e-6
     assert max_rel([r["grad_norm"] for r in records], [r["grad_norm"] for r in eager]) < 1e-5
@@ -77,9 +92,19 @@ def test_float16_overflow_is_skipped_and_counted(tmp_path, cache):
     """A huge initial scale overflows: each such step is skipped (no optimizer or LR step) and counted, and the
     scale halves until steps go through."""
     steps, init = 40, 2.0**40
-    trainer, records = train(tmp_path, cache, "overflow", **{
-        "training.dtype": "float16", "training.loss_scale_init": init, "training.steps": steps,
-        "training.seq_len": 16, "training.global_batch_size": 4, "training.micro_batch_size": 4})
+    trainer, records = train(
+        tmp_path,
+        cache,
+        "overflow",
+        **{
+            "training.dtype": "float16",
+            "training.loss_scale_init": init,
+            "training.steps": steps,
+            "training.seq_len": 16,
+            "training.global_batch_size": 4,
+            "training.micro_batch_size": 4,
+        },
+    )
     skipped = [r["skipped_steps"] for r in records]
     assert skipped[:10] == list(range(1, 11))  # a scale of 2**30 and more overflows float16 for sure
     assert all(b - a in (0, 1) for a, b in zip(skipped, skipped[1:]))
@@ -90,15 +115,20 @@ def test_float16_overflow_is_skipped_and_counted(tmp_path, cache):
     assert {r["lr"] for r in records[:10]} == {records[0]["lr"]}  # the schedule waits while steps are skipped
     assert records[-1]["lr"] < records[0]["lr"] * 2  # ... and moved once steps were taken
     with open(tmp_path / "overflow" / "metrics.jsonl") as fh:
-        lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}")) for line in fh]
+        lines = [
+            json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}")) for line in fh
+        ]
     assert lines[0]["grad_norm"] is None and lines[0]["skipped_steps"] == 1  # an overflowed norm is null
 
 
 @pytest.mark.slow
 def test_fsdp_cpu_offload_matches(tmp_path, cache):
     base = overrides(tmp_path, cache, "fsdp", **{"parallel.dp_shard": 2, "training.micro_batch_size": 2})
-    plain, offload = run_jobs(2, [base, {**base, "run.dir": str(tmp_path / "offload"),
-                                         "parallel.cpu_offload": "true"}], str(tmp_path))
+    plain, offload = run_jobs(
+        2,
+        [base, {**base, "run.dir": str(tmp_path / "offload"), "parallel.cpu_offload": "true"}],
+        str(tmp_path),
+    )
     assert max_rel(losses(offload), losses(plain)) < 1e-6
 
 

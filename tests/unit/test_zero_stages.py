@@ -11,12 +11,12 @@ import torch
 from loom.config import build_config
 from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
+from loom.methods import resolve
+from loom.models.llama.model import Llama
 from loom.parallel.dims import ParallelDims
 from loom.plan.hardware import GPUS
 from loom.plan.memory import stage_state, zero_model_state
-from loom.models.llama.model import Llama
 from loom.plan.planner import candidates, estimate, model_args
-from loom.methods import resolve
 from loom.train.zero import partition
 from tests.tiny import tiny_config
 
@@ -25,8 +25,9 @@ def dims(world=4, **over) -> ParallelDims:
     return ParallelDims.from_config(ParallelConfig(**over), world)
 
 
-@pytest.mark.parametrize("zero,replicate,shard,raf", [(0, 4, 1, True), (1, 4, 1, True), (2, 1, 4, False),
-                                                      (3, 1, 4, True)])
+@pytest.mark.parametrize(
+    "zero,replicate,shard,raf", [(0, 4, 1, True), (1, 4, 1, True), (2, 1, 4, False), (3, 1, 4, True)]
+)
 def test_each_stage_sets_the_degrees(zero, replicate, shard, raf):
     d = dims(zero=zero)
     assert (d.dp_replicate, d.dp_shard, d.zero) == (replicate, shard, zero)
@@ -40,15 +41,21 @@ def test_unset_stage_is_what_the_degrees_were():
     assert dims(dp_replicate=4, dp_shard=1).zero == 0
     assert dims(world=1).zero == 0
     # stages with other degrees: replicas beside tp, HSDP shards over dp_shard only
-    assert (dims(world=8, zero=1, tp=2).dp_replicate, dims(world=8, zero=3, dp_replicate=2).dp_shard) == (4, 4)
+    assert (dims(world=8, zero=1, tp=2).dp_replicate, dims(world=8, zero=3, dp_replicate=2).dp_shard) == (
+        4,
+        4,
+    )
 
 
-@pytest.mark.parametrize("over,field", [
-    ({"zero": 0, "dp_shard": 2}, "parallel.dp_shard"),
-    ({"zero": 1, "dp_shard": 4}, "parallel.dp_shard"),
-    ({"zero": 1, "cp": 2}, "parallel.zero"),
-    ({"zero": 2, "dp_replicate": 4, "dp_shard": 1}, "parallel.zero"),
-])
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        ({"zero": 0, "dp_shard": 2}, "parallel.dp_shard"),
+        ({"zero": 1, "dp_shard": 4}, "parallel.dp_shard"),
+        ({"zero": 1, "cp": 2}, "parallel.zero"),
+        ({"zero": 2, "dp_replicate": 4, "dp_shard": 1}, "parallel.zero"),
+    ],
+)
 def test_contradictions_are_config_errors(over, field):
     with pytest.raises(ConfigError) as e:
         dims(**over)
@@ -74,8 +81,14 @@ def test_partition_is_balanced_by_size():
 
 
 def _cfg(**over):
-    base = {"model.flavor": "debug", "model.n_layers": 6, "training.dtype": "bfloat16", "training.global_batch_size": 16,
-            "training.micro_batch_size": 1, "training.seq_len": 256}
+    base = {
+        "model.flavor": "debug",
+        "model.n_layers": 6,
+        "training.dtype": "bfloat16",
+        "training.global_batch_size": 16,
+        "training.micro_batch_size": 1,
+        "training.seq_len": 256,
+    }
     return build_config(None, {k: str(v) for k, v in {**base, **over}.items()})
 
 
@@ -101,7 +114,10 @@ def test_plan_state_per_stage_is_the_stage_formula():
 
 def test_search_considers_the_stages():
     layouts = candidates(_cfg(**{"parallel.zero": 3}), 4, max_tp=1)
-    stages = {(c.parallel.zero, c.parallel.reshard_after_forward) for c in layouts
-              if c.parallel.pp == c.parallel.cp == 1}
+    stages = {
+        (c.parallel.zero, c.parallel.reshard_after_forward)
+        for c in layouts
+        if c.parallel.pp == c.parallel.cp == 1
+    }
     assert {(-1, True), (-1, False), (1, True)} <= stages
     assert {ParallelDims.from_config(c.parallel, 4).zero for c in layouts} == {0, 1, 2, 3}

@@ -16,7 +16,6 @@ from loom.models.llama.flavors import LlamaArgs
 from loom.models.llama.hf import CONFIG
 from loom.models.registry import hf_adapter, spec_for_hf
 
-
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 HF_CONFIG_COPY = "hf_config.json"  # the source config.json, kept inside an imported loom checkpoint
@@ -40,13 +39,21 @@ def read_hf_config(folder: str, field: str = "model.init_from") -> dict:
     if is_loom_checkpoint(folder):
         path = os.path.join(folder, HF_CONFIG_COPY)
         if not os.path.isfile(path):
-            raise ConfigError(field, folder, "a loom checkpoint of a training run, which starts nothing by its "
-                              "model shape alone: allowed a Hugging Face folder or a checkpoint of `loom convert "
-                              "--from-hf`; export this one with `loom convert --to-hf` and start from that, or "
-                              "continue it with --checkpoint.resume")
+            raise ConfigError(
+                field,
+                folder,
+                "a loom checkpoint of a training run, which starts nothing by its "
+                "model shape alone: allowed a Hugging Face folder or a checkpoint of `loom convert "
+                "--from-hf`; export this one with `loom convert --to-hf` and start from that, or "
+                "continue it with --checkpoint.resume",
+            )
     elif not os.path.isfile(path):
-        raise ConfigError(field, folder, f"no {CONFIG} in this folder (expected a Hugging Face Llama-family folder "
-                          "or a checkpoint of `loom convert --from-hf`)")
+        raise ConfigError(
+            field,
+            folder,
+            f"no {CONFIG} in this folder (expected a Hugging Face Llama-family folder "
+            "or a checkpoint of `loom convert --from-hf`)",
+        )
     try:
         with open(path) as fh:
             cfg = json.load(fh)
@@ -58,10 +65,27 @@ def read_hf_config(folder: str, field: str = "model.init_from") -> dict:
 
 
 # config.json fields that are numbers (null allowed where transformers allows it)
-_NUMBERS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
-            "vocab_size", "rms_norm_eps", "max_position_embeddings", "head_dim", "num_local_experts",
-            "num_experts_per_tok", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "rope_theta", "sliding_window", "num_labels")
+_NUMBERS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "head_dim",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_theta",
+    "sliding_window",
+    "num_labels",
+)
 _POSITIVE = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
@@ -96,24 +120,47 @@ def hf_config_from_args(args: LlamaArgs, dtype: torch.dtype) -> dict:
     scaling = None
     s = args.rope_scaling
     if isinstance(s, YarnScaling):
-        scaling = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_position,
-                   "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, **({"mscale": s.mscale} if s.mscale else {}),
-                   **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {})}
+        scaling = {
+            "rope_type": "yarn",
+            "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_position,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            **({"mscale": s.mscale} if s.mscale else {}),
+            **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {}),
+        }
     elif s is not None:
-        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                   "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position,
+        }
     dtype_name = str(dtype).removeprefix("torch.")
     adapter = hf_adapter(args)
     return {
         "architectures": [adapter.architecture_of(args)],
         "model_type": adapter.model_type_of(args),
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.rope_dim if args.mla else args.head_dim,
-        "intermediate_size": args.expert_ffn_dim if args.moe else args.ffn_dim, **adapter.shape_config(args),
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.rope_dim if args.mla else args.head_dim,
+        "intermediate_size": args.expert_ffn_dim if args.moe else args.ffn_dim,
+        **adapter.shape_config(args),
         **adapter.window_config(args),
-        "vocab_size": args.vocab_size, "tie_word_embeddings": args.tie_embeddings, "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": args.attention_bias,
-        "mlp_bias": False, "rope_theta": args.rope_theta, "rope_scaling": scaling,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": args.tie_embeddings,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": args.attention_bias,
+        "mlp_bias": False,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": scaling,
         "rope_parameters": {"rope_theta": args.rope_theta, **(scaling or {"rope_type": "default"})},
-        "torch_dtype": dtype_name, "dtype": dtype_name, **adapter.config(args),
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        **adapter.config(args),
     }

@@ -10,8 +10,14 @@ import warnings
 
 import torch
 
-from loom.checkpoint.hf.config import (CONFIG, GENERATION_CONFIG, HF_CONFIG_COPY, HF_GENERATION_COPY,
-                                       TOKENIZER_COPY, read_hf_config)
+from loom.checkpoint.hf.config import (
+    CONFIG,
+    GENERATION_CONFIG,
+    HF_CONFIG_COPY,
+    HF_GENERATION_COPY,
+    TOKENIZER_COPY,
+    read_hf_config,
+)
 from loom.checkpoint.hf.export import _free, write_json
 from loom.checkpoint.hf.reader import llama_args_from_hf, load_hf_weights
 from loom.checkpoint.manager import STATE, _disk_full, write_marker
@@ -34,8 +40,13 @@ def _imported_config_toml(out_folder: str, args: LlamaArgs, tokenizer: bool) -> 
     model starts from the checkpoint itself; with the source's tokenizer where it had one). Every other field
     keeps its default."""
     here = os.path.abspath(out_folder)
-    lines = ["[model]", f"init_from = {json.dumps(here)}", f"vocab_size = {args.vocab_size}",
-             f"tie_embeddings = {json.dumps('true' if args.tie_embeddings else 'false')}", ""]
+    lines = [
+        "[model]",
+        f"init_from = {json.dumps(here)}",
+        f"vocab_size = {args.vocab_size}",
+        f"tie_embeddings = {json.dumps('true' if args.tie_embeddings else 'false')}",
+        "",
+    ]
     if tokenizer:
         lines += ["[data]", f"tokenizer = {json.dumps(os.path.join(here, TOKENIZER_COPY))}", ""]
     return "\n".join(lines)
@@ -76,8 +87,10 @@ def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") 
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp, no_dist=True)
         # model_only: there is no optimizer state or data position to resume, the run starts at step 0
-        write_json(os.path.join(tmp, STATE), {"step": 0, "model_only": True,
-                                               "imported_from": os.path.abspath(hf_folder)})
+        write_json(
+            os.path.join(tmp, STATE),
+            {"step": 0, "model_only": True, "imported_from": os.path.abspath(hf_folder)},
+        )
         kept = hf_adapter(args).imported_config(read_hf_config(hf_folder, field), args)
         if kept is None:
             shutil.copyfile(os.path.join(hf_folder, CONFIG), os.path.join(tmp, HF_CONFIG_COPY))
@@ -91,8 +104,10 @@ def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") 
         shutil.rmtree(tmp, ignore_errors=True)
         if _disk_full(err):  # DCP wraps it in a CheckpointException
             need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-            raise UserError(f"{out_folder}: writing the loom checkpoint failed (no space left on the device); it needs "
-                            f"about {need:,} bytes, {_free(parent):,} are free; nothing partial was kept") from None
+            raise UserError(
+                f"{out_folder}: writing the loom checkpoint failed (no space left on the device); it needs "
+                f"about {need:,} bytes, {_free(parent):,} are free; nothing partial was kept"
+            ) from None
         raise
     os.replace(tmp, out_folder)
     return args

@@ -10,7 +10,14 @@ import shutil
 
 import torch
 
-from loom.checkpoint.hf.config import CONFIG, INDEX, SINGLE, GENERATION_CONFIG, hf_architecture, hf_config_from_args
+from loom.checkpoint.hf.config import (
+    CONFIG,
+    GENERATION_CONFIG,
+    INDEX,
+    SINGLE,
+    hf_architecture,
+    hf_config_from_args,
+)
 from loom.checkpoint.hf.head import SCORE_WEIGHT, score_config, state_has_score_head
 from loom.checkpoint.hf.names import expected_loom_names, hf_expert_names, hf_name, stacked_experts
 from loom.checkpoint.hf.tokenizer import ExportTokenizer, export_file_names, json_bytes
@@ -32,8 +39,9 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict
     missing = [n for n in expected if n not in state]
     extra = sorted(set(state) - set(expected) - {"output.weight"})
     if missing or extra:
-        raise UserError(f"the model state does not match the model shape: missing {missing[:4]}, "
-                        f"unexpected {extra[:4]}")
+        raise UserError(
+            f"the model state does not match the model shape: missing {missing[:4]}, unexpected {extra[:4]}"
+        )
     out = {}
     for name in expected:
         t = state[name]
@@ -41,7 +49,9 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict
             raise TypeError(f"{name} is a DTensor; export needs full tensors (gather them first)")
         t = t.detach().to("cpu")
         if stacked_experts(name, args):  # (n, a, b) -> one (b, a) tensor per expert
-            out.update({src: t[j].T.contiguous() for j, src in enumerate(hf_expert_names(name, t.shape[0], args))})
+            out.update(
+                {src: t[j].T.contiguous() for j, src in enumerate(hf_expert_names(name, t.shape[0], args))}
+            )
         elif score and name == "output.weight":
             out[SCORE_WEIGHT] = t.contiguous()
         else:
@@ -67,15 +77,21 @@ def check_empty_target(out_folder: str, also: tuple[str, ...] = ()) -> None:
     """Refuse to mix new files with a model already in the folder (stale shards would be loaded too), or to
     overwrite the files named in ``also`` (the tokenizer's)."""
     if os.path.isdir(out_folder):
-        clash = [f for f in sorted(os.listdir(out_folder)) if f.endswith(".safetensors") or f in (CONFIG, INDEX)]
+        clash = [
+            f for f in sorted(os.listdir(out_folder)) if f.endswith(".safetensors") or f in (CONFIG, INDEX)
+        ]
         clash += [f for f in also if os.path.exists(os.path.join(out_folder, f))]
         if clash:
             raise UserError(f"{out_folder} already holds a model ({clash[0]}); choose an empty folder")
 
 
-def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder: str,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: ExportTokenizer | None = None
-              ) -> list[str]:
+def export_hf(
+    model_state: dict[str, torch.Tensor],
+    args: LlamaArgs,
+    out_folder: str,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: ExportTokenizer | None = None,
+) -> list[str]:
     """Write ``out_folder`` as a Hugging Face folder of the family that holds the model (``hf_architecture``:
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM,
     DeepseekV3ForCausalLM); returns the
@@ -90,8 +106,11 @@ def export_hf(model_state: dict[str, torch.Tensor], args: LlamaArgs, out_folder:
     tensors = hf_state_dict(model_state, args)
     check_empty_target(out_folder, export_file_names(tokenizer))
     groups = plan_shards(tensors, max_shard_bytes)
-    names = [SINGLE] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = (
+        [SINGLE]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     with whole_or_nothing(out_folder, "the Hugging Face folder", need) as written:
         mode = 0o666 & ~current_umask()  # what open() gives; safetensors writes its files 0600
@@ -137,12 +156,20 @@ def whole_or_nothing(out_folder: str, what: str, need: int | None = None):
             with contextlib.suppress(OSError):
                 os.rmdir(out_folder)
         if isinstance(err, OSError) or _disk_full(err):
-            space = f"; it needs about {need:,} bytes, {_free(out_folder):,} are free" if need and _disk_full(err) \
+            space = (
+                f"; it needs about {need:,} bytes, {_free(out_folder):,} are free"
+                if need and _disk_full(err)
                 else ""
-            reason = getattr(err, "strerror", None) or "no space left on the device" if _disk_full(err) else \
-                (getattr(err, "strerror", None) or err)
-            raise UserError(f"{out_folder}: writing {what} failed ({reason}){space}; nothing partial was kept, the "
-                            "target is as it was") from None
+            )
+            reason = (
+                getattr(err, "strerror", None) or "no space left on the device"
+                if _disk_full(err)
+                else (getattr(err, "strerror", None) or err)
+            )
+            raise UserError(
+                f"{out_folder}: writing {what} failed ({reason}){space}; nothing partial was kept, the "
+                "target is as it was"
+            ) from None
         raise
 
 

@@ -35,6 +35,11 @@ def state_has_score_head(state: dict[str, torch.Tensor], args: LlamaArgs) -> boo
 def score_config(config: dict) -> dict:
     """A causal LM's config.json as its ``*ForSequenceClassification`` with one label (the score head has no tie
     to the embeddings)."""
-    head = {"architectures": [config["architectures"][0].removesuffix("ForCausalLM") + SCORE_SUFFIX],
-            "num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "tie_word_embeddings": False}
+    head = {
+        "architectures": [config["architectures"][0].removesuffix("ForCausalLM") + SCORE_SUFFIX],
+        "num_labels": 1,
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+        "tie_word_embeddings": False,
+    }
     return {**config, **head}

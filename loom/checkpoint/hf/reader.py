@@ -13,7 +13,12 @@ import os
 import torch
 
 from loom.checkpoint.hf.config import (
-    INDEX, SINGLE, is_loom_checkpoint, llama_args_from_hf_config, read_hf_config)
+    INDEX,
+    SINGLE,
+    is_loom_checkpoint,
+    llama_args_from_hf_config,
+    read_hf_config,
+)
 from loom.checkpoint.hf.head import SCORE_WEIGHT, has_score_head
 from loom.checkpoint.hf.names import hf_expert_names, hf_name, ignorable, stacked_experts
 from loom.checkpoint.manager import load_model_weights, verify
@@ -28,11 +33,15 @@ def llama_args_from_hf(folder: str, field: str = "model.init_from") -> LlamaArgs
     modules as far as the weights hold them: ``fit``)."""
     args = llama_args_from_hf_config(read_hf_config(folder, field), field, folder)
     adapter = hf_adapter(args)
-    if not adapter.optional_modules or is_loom_checkpoint(folder):  # an import's config copy says what it holds
+    if not adapter.optional_modules or is_loom_checkpoint(
+        folder
+    ):  # an import's config copy says what it holds
         return args
     try:
         names = set(weight_files(folder))
-    except UserError:  # no weights to look at (a config alone): the config's word; loading says what is missing
+    except (
+        UserError
+    ):  # no weights to look at (a config alone): the config's word; loading says what is missing
         return args
     return adapter.fit(args, lambda name: hf_name(name, args) in names)
 
@@ -45,8 +54,10 @@ def open_weights(path: str):
     try:
         return safe_open(path, framework="pt")
     except Exception as err:  # safetensors' SafetensorError derives from Exception only
-        raise UserError(f"{path}: not a readable safetensors file ({err}); it is probably truncated (an interrupted "
-                        "download or copy): download or copy it again") from None
+        raise UserError(
+            f"{path}: not a readable safetensors file ({err}); it is probably truncated (an interrupted "
+            "download or copy): download or copy it again"
+        ) from None
 
 
 def check_weights(folder: str) -> None:
@@ -69,15 +80,19 @@ def weight_files(folder: str) -> dict[str, str]:
                 weight_map = json.load(fh)["weight_map"]
             out = {name: os.path.join(folder, f) for name, f in weight_map.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise UserError(f"{index}: not a safetensors index with a weight_map ({err}); download it again") from None
+            raise UserError(
+                f"{index}: not a safetensors index with a weight_map ({err}); download it again"
+            ) from None
         for path in set(out.values()):
             if not os.path.isfile(path):
                 raise UserError(f"{index} names {os.path.basename(path)}, which is not in {folder}")
         return out
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
-        raise UserError(f"{folder}: no safetensors weights (need {SINGLE} or sharded files with {INDEX}; "
-                        "re-save .bin checkpoints with save_pretrained(safe_serialization=True))")
+        raise UserError(
+            f"{folder}: no safetensors weights (need {SINGLE} or sharded files with {INDEX}; "
+            "re-save .bin checkpoints with save_pretrained(safe_serialization=True))"
+        )
     out = {}
     for f in files:
         with open_weights(os.path.join(folder, f)) as handle:
@@ -101,8 +116,9 @@ def owned_region(param: torch.Tensor) -> tuple[slice, ...]:
     # plain shards first (mesh order), then the strided ones from the innermost out: a _StridedShard is a
     # split applied to what the later mesh dims' shards already left (FSDP2 after TP / EP)
     mesh, coord = param.device_mesh, param.device_mesh.get_coordinate()
-    order = [i for i, p in enumerate(param.placements) if type(p) is Shard] + \
-        [i for i, p in reversed(list(enumerate(param.placements))) if type(p) is _StridedShard]
+    order = [i for i, p in enumerate(param.placements) if type(p) is Shard] + [
+        i for i, p in reversed(list(enumerate(param.placements))) if type(p) is _StridedShard
+    ]
     region = [(0, n) for n in param.shape]
     for i in order:
         dim, size = param.placements[i].dim, mesh.size(i)
@@ -111,8 +127,12 @@ def owned_region(param: torch.Tensor) -> tuple[slice, ...]:
         lo = min(start + coord[i] * chunk, start + length)
         region[dim] = (lo, min(chunk, start + length - lo))
     shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
-    if tuple(n for _, n in region) != tuple(shape) or any(n and o != lo for (lo, n), o in zip(region, offset)):
-        raise NotImplementedError(f"loading into placements {param.placements}: the local shard is not one block")
+    if tuple(n for _, n in region) != tuple(shape) or any(
+        n and o != lo for (lo, n), o in zip(region, offset)
+    ):
+        raise NotImplementedError(
+            f"loading into placements {param.placements}: the local shard is not one block"
+        )
     return tuple(slice(lo, lo + n) for lo, n in region)
 
 
@@ -120,8 +140,9 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if hasattr(param, "to_local") else param
 
 
-def _source_names(name: str, param: torch.Tensor, files: dict[str, str], hf_tied: bool,
-                  args: LlamaArgs | None = None) -> list[str]:
+def _source_names(
+    name: str, param: torch.Tensor, files: dict[str, str], hf_tied: bool, args: LlamaArgs | None = None
+) -> list[str]:
     """The stored tensors that fill loom parameter ``name``: one, or one per expert for stacked expert weights;
     an untied loom head may start from tied embeddings."""
     if stacked_experts(name, args):
@@ -135,8 +156,12 @@ def _source_names(name: str, param: torch.Tensor, files: dict[str, str], hf_tied
 def _check_tying(model: torch.nn.Module, files: dict[str, str], hf_tied: bool, folder: str) -> None:
     """A tied loom model cannot hold a checkpoint whose head differs from its embeddings."""
     if model.args.tie_embeddings and not hf_tied and "lm_head.weight" in files:
-        raise ConfigError("model.tie_embeddings", "true", f"{folder} has its own lm_head weights "
-                          "(tie_word_embeddings is false); use model.tie_embeddings = false or flavor")
+        raise ConfigError(
+            "model.tie_embeddings",
+            "true",
+            f"{folder} has its own lm_head weights "
+            "(tie_word_embeddings is false); use model.tie_embeddings = false or flavor",
+        )
 
 
 def _read_into(handle, src: str, param: torch.Tensor, folder: str) -> None:
@@ -144,8 +169,10 @@ def _read_into(handle, src: str, param: torch.Tensor, folder: str) -> None:
     sl = handle.get_slice(src)
     stored = tuple(sl.get_shape())
     if stored != tuple(param.shape):
-        raise UserError(f"{folder}: tensor {src} has shape {list(stored)}, the loom model expects "
-                        f"{list(param.shape)} (check model.vocab_size / the model shape)")
+        raise UserError(
+            f"{folder}: tensor {src} has shape {list(stored)}, the loom model expects "
+            f"{list(param.shape)} (check model.vocab_size / the model shape)"
+        )
     region = owned_region(param)
     local = _local(param)
     if local.numel() == 0:
@@ -162,34 +189,50 @@ def _read_experts_into(handle_of, srcs: list[str], param: torch.Tensor, folder: 
         sl = handle_of(srcs[j]).get_slice(srcs[j])
         stored, want = tuple(sl.get_shape()), (param.shape[2], param.shape[1])
         if stored != want:
-            raise UserError(f"{folder}: tensor {srcs[j]} has shape {list(stored)}, the loom model expects "
-                            f"{list(want)} (check the expert width / model shape)")
+            raise UserError(
+                f"{folder}: tensor {srcs[j]} has shape {list(stored)}, the loom model expects "
+                f"{list(want)} (check the expert width / model shape)"
+            )
         local[k].copy_(sl[region[2], region[1]].T)  # (b, a) block -> (a, b)
 
 
-def check_checkpoint_shapes(folder: str, model: torch.nn.Module, field: str, whole_model: bool = True,
-                            hint: str = "") -> None:
+def check_checkpoint_shapes(
+    folder: str, model: torch.nn.Module, field: str, whole_model: bool = True, hint: str = ""
+) -> None:
     """``model``'s tensors against loom checkpoint ``folder``'s before loading, each mismatch one line naming the
     tensor (DCP's own error is a traceback) and then ``hint``; ``whole_model``: the checkpoint holds no model
     tensor it lacks."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    stored = {k.removeprefix("model."): tuple(m.size) for k, m in
-              FileSystemReader(folder).read_metadata().state_dict_metadata.items() if k.startswith("model.")}
+    stored = {
+        k.removeprefix("model."): tuple(m.size)
+        for k, m in FileSystemReader(folder).read_metadata().state_dict_metadata.items()
+        if k.startswith("model.")
+    }
     names = set()
     for name, t in model.state_dict().items():
         name = canonical_name(name)
         names.add(name)
         if name not in stored:
-            raise ConfigError(field, folder, f"has no model tensor {name} (not a loom Llama checkpoint, or "
-                              "another model.tie_embeddings)")
+            raise ConfigError(
+                field,
+                folder,
+                f"has no model tensor {name} (not a loom Llama checkpoint, or another model.tie_embeddings)",
+            )
         if stored[name] != tuple(t.shape):
-            raise ConfigError(field, folder, f"{name} has shape {list(stored[name])} but the config gives "
-                              f"{list(t.shape)}{hint}")
+            raise ConfigError(
+                field,
+                folder,
+                f"{name} has shape {list(stored[name])} but the config gives {list(t.shape)}{hint}",
+            )
     extra = sorted(set(stored) - names)
     if whole_model and extra:
-        raise ConfigError(field, folder, f"holds tensors with no place in this model: {', '.join(extra[:4])} "
-                          "(another model.tie_embeddings?)")
+        raise ConfigError(
+            field,
+            folder,
+            f"holds tensors with no place in this model: {', '.join(extra[:4])} "
+            "(another model.tie_embeddings?)",
+        )
 
 
 @torch.no_grad()
@@ -201,8 +244,12 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     if is_loom_checkpoint(folder):
         hf_tied = bool(read_hf_config(folder).get("tie_word_embeddings", False))
         if model.args.tie_embeddings and not hf_tied:
-            raise ConfigError("model.tie_embeddings", "true", f"{folder} has its own output weights "
-                              "(tie_word_embeddings is false); use model.tie_embeddings = false or flavor")
+            raise ConfigError(
+                "model.tie_embeddings",
+                "true",
+                f"{folder} has its own output weights "
+                "(tie_word_embeddings is false); use model.tie_embeddings = false or flavor",
+            )
         check_checkpoint_shapes(folder, model, "model.init_from", whole_model)
         load_model_weights(folder, model)
         return
@@ -217,20 +264,35 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     params.update({n: b for n, b in model.named_buffers() if n in state})
     args = model.args
     sources = {name: _source_names(name, param, files, hf_tied, args) for name, param in params.items()}
-    if score:  # a reward model's head: the folder's score head, or (a base model's folder) its own seeded init
-        sources.update({n: [SCORE_WEIGHT] if SCORE_WEIGHT in files else [] for n in params
-                        if canonical_name(n) == "output.weight"})
+    if (
+        score
+    ):  # a reward model's head: the folder's score head, or (a base model's folder) its own seeded init
+        sources.update(
+            {
+                n: [SCORE_WEIGHT] if SCORE_WEIGHT in files else []
+                for n in params
+                if canonical_name(n) == "output.weight"
+            }
+        )
     used = {src for srcs in sources.values() for src in srcs}
     missing = sorted(used - set(files))
     if missing:
-        raise UserError(f"{folder}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        raise UserError(
+            f"{folder}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+        )
     adapter = hf_adapter(args)
-    unused = sorted(n for n in set(files) - used if not ignorable(n)
-                    and not (n == "lm_head.weight" and (hf_tied or score))
-                    and not adapter.ignored(n, args))
+    unused = sorted(
+        n
+        for n in set(files) - used
+        if not ignorable(n)
+        and not (n == "lm_head.weight" and (hf_tied or score))
+        and not adapter.ignored(n, args)
+    )
     if unused and whole_model:
-        raise UserError(f"{folder}: tensors with no place in the loom model: {', '.join(unused[:4])}"
-                        f"{' ...' if len(unused) > 4 else ''}")
+        raise UserError(
+            f"{folder}: tensors with no place in the loom model: {', '.join(unused[:4])}"
+            f"{' ...' if len(unused) > 4 else ''}"
+        )
     with contextlib.ExitStack() as stack:
         handles: dict[str, object] = {}
 

@@ -17,6 +17,7 @@ class ExportTokenizer:
     """What an exported folder takes from the run's tokenizer: files written beside the weights (name -> bytes)
     and the special token ids for config.json and generation_config.json (None: unknown; ``eos_ids``: every id
     that ends a generation, loom's end-of-document id first)."""
+
     files: dict[str, bytes] = field(default_factory=dict)
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
@@ -24,8 +25,11 @@ class ExportTokenizer:
 
     def config_ids(self) -> dict:
         """The ids config.json gets (a single EOS: the one loom ends documents with)."""
-        ids = {"bos_token_id": self.bos_id, "eos_token_id": self.eos_ids[0] if self.eos_ids else None,
-               "pad_token_id": self.pad_id}
+        ids = {
+            "bos_token_id": self.bos_id,
+            "eos_token_id": self.eos_ids[0] if self.eos_ids else None,
+            "pad_token_id": self.pad_id,
+        }
         return {k: v for k, v in ids.items() if v is not None}
 
     def generation_config(self) -> dict:
@@ -54,12 +58,23 @@ def tokenizer_export(spec: str, max_len: int, chat_template: str | None = None) 
 
     tok = build_tokenizer(spec)
     if is_byte(spec):
-        special = {"bos_token": tok.token(tok.bos_id), "eos_token": tok.token(tok.eos_id),
-                   "pad_token": tok.token(tok.pad_id)}
-        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
-                "clean_up_tokenization_spaces": False, "chat_template": chat_template or BUILTIN_TEMPLATE}
-        files = {TOKENIZER_JSON: tok.hf_json().encode(), "tokenizer_config.json": json_bytes(conf),
-                 "special_tokens_map.json": json_bytes(special)}
+        special = {
+            "bos_token": tok.token(tok.bos_id),
+            "eos_token": tok.token(tok.eos_id),
+            "pad_token": tok.token(tok.pad_id),
+        }
+        conf = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": chat_template or BUILTIN_TEMPLATE,
+        }
+        files = {
+            TOKENIZER_JSON: tok.hf_json().encode(),
+            "tokenizer_config.json": json_bytes(conf),
+            "special_tokens_map.json": json_bytes(special),
+        }
         return ExportTokenizer(files, tok.bos_id, (tok.eos_id,), tok.pad_id)
     files = {}
     for name, path in tokenizer_files(spec).items():
@@ -67,10 +82,19 @@ def tokenizer_export(spec: str, max_len: int, chat_template: str | None = None) 
             files[name] = fh.read()
     conf = tok.config()
     stated_eos = _token_name(conf.get("eos_token"))
-    pad = next((i for i in (tok.token_id(n) for n in (_token_name(conf.get("pad_token")), "<pad>", "<|pad|>") if n)
-                if i is not None), None)
-    special = {k: tok.token(i) for k, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id),
-                                            ("pad_token", pad)) if i is not None}
+    pad = next(
+        (
+            i
+            for i in (tok.token_id(n) for n in (_token_name(conf.get("pad_token")), "<pad>", "<|pad|>") if n)
+            if i is not None
+        ),
+        None,
+    )
+    special = {
+        k: tok.token(i)
+        for k, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", pad))
+        if i is not None
+    }
     conf = {**conf, "tokenizer_class": "PreTrainedTokenizerFast", **special}
     conf.pop("auto_map", None)  # remote code of the source's own tokenizer class: not what this folder holds
     if chat_template is not None:  # the run's own template (data.chat_template) in place of the folder's

@@ -12,15 +12,29 @@ from loom.kernels.triton_support import triton_runs_on
 
 
 @torch.library.custom_op("loom::adamw_step_", mutates_args=("param", "exp_avg", "exp_avg_sq"))
-def adamw_step_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  grad_factor: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, step: int) -> None:
+def adamw_step_op(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad_factor: torch.Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
     if triton_runs_on(param.device):
         from loom.kernels.adamw import triton as kernels
 
-        kernels.adamw_step(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step)
+        kernels.adamw_step(
+            param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step
+        )
         return
-    reference.adamw_step_(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step)
+    reference.adamw_step_(
+        param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step
+    )
 
 
 @adamw_step_op.register_fake
@@ -28,13 +42,26 @@ def _(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weig
     return None
 
 
-def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                grad_factor: torch.Tensor | None = None) -> None:
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_factor: torch.Tensor | None = None,
+) -> None:
     """One AdamW step on one tensor, in place (``torch.optim.AdamW``'s math; ``step`` counts from 1);
     the gradient is multiplied by ``grad_factor`` (a one-element fp32 tensor) first when given, and a
     ``grad_factor`` that is not finite skips the step."""
     if not (param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
-        raise ValueError(f"adamw_step_: param {tuple(param.shape)}, grad {tuple(grad.shape)}, exp_avg "
-                         f"{tuple(exp_avg.shape)}, exp_avg_sq {tuple(exp_avg_sq.shape)} must have one shape")
+        raise ValueError(
+            f"adamw_step_: param {tuple(param.shape)}, grad {tuple(grad.shape)}, exp_avg "
+            f"{tuple(exp_avg.shape)}, exp_avg_sq {tuple(exp_avg_sq.shape)} must have one shape"
+        )
     adamw_step_op(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step)

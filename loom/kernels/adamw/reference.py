@@ -14,9 +14,19 @@ import torch
 
 
 @torch.no_grad()
-def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                grad_factor: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float, step: int) -> None:
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad_factor: torch.Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
     """Updates ``param``, ``exp_avg`` and ``exp_avg_sq`` in place; ``step`` counts from 1."""
     if grad_factor is not None and not bool(torch.isfinite(grad_factor).all()):
         return

@@ -22,8 +22,22 @@ BLOCK = 4096
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, factor_ptr, n, decay, beta1, beta2, step_size, inv_bc2_sqrt, eps,
-                  HAS_FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    factor_ptr,
+    n,
+    decay,
+    beta1,
+    beta2,
+    step_size,
+    inv_bc2_sqrt,
+    eps,
+    HAS_FACTOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -61,8 +75,19 @@ def check(param, grad, exp_avg, exp_avg_sq, grad_factor) -> None:
             raise ValueError(f"grad_factor: expected one element, got shape {tuple(grad_factor.shape)}")
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, grad_factor, lr: float, beta1: float, beta2: float, eps: float,
-               weight_decay: float, step: int) -> None:
+def adamw_step(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    grad_factor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
     """In place on param, exp_avg, exp_avg_sq (fp32, contiguous, one shape); ``step`` counts from 1."""
     check(param, grad, exp_avg, exp_avg_sq, grad_factor)
     if step < 1:
@@ -71,6 +96,19 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, grad_factor, lr: float, beta1: 
     if n == 0:
         return
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, grad_factor if grad_factor is not None else param, n,
-        1.0 - lr * weight_decay, beta1, beta2, lr / (1.0 - beta1**step), 1.0 / math.sqrt(1.0 - beta2**step), eps,
-        HAS_FACTOR=grad_factor is not None, BLOCK=BLOCK, num_warps=8)
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        grad_factor if grad_factor is not None else param,
+        n,
+        1.0 - lr * weight_decay,
+        beta1,
+        beta2,
+        lr / (1.0 - beta1**step),
+        1.0 / math.sqrt(1.0 - beta2**step),
+        eps,
+        HAS_FACTOR=grad_factor is not None,
+        BLOCK=BLOCK,
+        num_warps=8,
+    )

@@ -36,7 +36,7 @@ def block_ranges(start: torch.Tensor, seq: int, block: int = BLOCK) -> tuple[tor
     q_first, q_last = first[None, :, None], last[None, :, None]  # (1, nq, 1)
     k_first, k_last = first[None, None, :], last[None, None, :]  # (1, 1, nk)
     any_visible = (k_first <= q_last) & (k_last >= lo[:, :, None]) & (lo[:, :, None] <= q_last)
-    whole = (first + block <= seq)  # (n,) blocks that lie inside the sequence
+    whole = first + block <= seq  # (n,) blocks that lie inside the sequence
     full = (k_last <= q_first) & (k_first >= hi[:, :, None]) & whole[None, :, None] & whole[None, None, :]
     return any_visible & ~full, full
 
@@ -56,7 +56,9 @@ def document_block_mask(starts: torch.Tensor | None, seq: int, device: torch.dev
     from torch.nn.attention.flex_attention import BlockMask
 
     if starts is None and not window:
-        start = torch.zeros(1, seq, dtype=torch.int32, device=device)  # one sequence: every mask row is causal
+        start = torch.zeros(
+            1, seq, dtype=torch.int32, device=device
+        )  # one sequence: every mask row is causal
 
         def mask_mod(b, h, q, k):
             return k <= q
@@ -72,11 +74,13 @@ def document_block_mask(starts: torch.Tensor | None, seq: int, device: torch.dev
 
         def mask_mod(b, h, q, k):
             return (k <= q) & (k >= start[b, q])
+
     partial, full = block_ranges(start, seq)
     kv_num, kv_idx = _as_indices(partial)
     full_num, full_idx = _as_indices(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(seq, seq))
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(seq, seq)
+    )
 
 
 @functools.cache
@@ -88,8 +92,9 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None,
-                window: int = 0) -> torch.Tensor:
+def flex_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor | None, window: int = 0
+) -> torch.Tensor:
     """Causal attention over q (B, Hq, S, D), k/v (B, Hkv, S, D) with FlexAttention; packed documents when
     ``starts`` (B, S) is given (``reference.document_starts``); ``window`` > 0: a sliding window. On CUDA outside
     ``torch.compile`` the call is compiled (eager Flex materializes the scores); inside a compiled model Dynamo traces

@@ -38,8 +38,21 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, 
     return out, lse
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       key_bounds=None, lse_normalizes: bool = False):
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    causal: bool,
+    bounds,
+    window: int,
+    scale: float,
+    key_bounds=None,
+    lse_normalizes: bool = False,
+):
     """(dq, dk, dv) on the kernels ``dispatch.backward_kernels`` picks; ``dlse``: the gradient flowing into the
     log-sum-exp, or None. ``lse_normalizes``: the reference too normalizes by the given ``lse`` (the kernels
     always do), for k, v a block of the keys whose out and lse are the whole row's."""
@@ -47,8 +60,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
         dout = dout.contiguous()
     dkdv, dq_kernel = dispatch.backward_kernels(q, k, v, dout, bounds, key_bounds, window)
     if dkdv == "reference":
-        dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale,
-                                                  key_bounds, lse_normalizes)
+        dq, dk, dv = reference.attention_backward(
+            dout, q, k, v, out, lse, dlse, causal, bounds, window, scale, key_bounds, lse_normalizes
+        )
         return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
     from loom.kernels.attention import triton as T
 
@@ -60,7 +74,9 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
     delta, lse2 = T.backward_preprocess(dout, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     key = T.seq_key(q.shape[2])
-    H.dkdv(q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, key, persistent=dkdv == "hopper_persistent")
+    H.dkdv(
+        q, k, v, dout, lse2, delta, dk, dv, causal, bounds, scale, key, persistent=dkdv == "hopper_persistent"
+    )
     if dq_kernel == "hopper":
         H.dq(q, k, v, dout, lse2, delta, dq, causal, bounds, scale, key)
     else:
@@ -69,9 +85,16 @@ def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, wind
 
 
 @torch.library.custom_op("loom::flash_attn", mutates_args=())
-def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None,
-                  key_bounds: torch.Tensor | None, causal: bool, window: int,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attn_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    key_bounds: torch.Tensor | None,
+    causal: bool,
+    window: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return attention_forward(q, k, v, causal, bounds, window, scale, key_bounds)
 
 
@@ -81,10 +104,20 @@ def _(q, k, v, bounds, key_bounds, causal, window, scale):
 
 
 @torch.library.custom_op("loom::flash_attn_backward", mutates_args=())
-def flash_attn_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, dlse: torch.Tensor | None, bounds: torch.Tensor | None,
-                           key_bounds: torch.Tensor | None, causal: bool, window: int,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_attn_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    bounds: torch.Tensor | None,
+    key_bounds: torch.Tensor | None,
+    causal: bool,
+    window: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_backward(dout, q, k, v, out, lse, dlse, causal, bounds, window, scale, key_bounds)
 
 
@@ -102,18 +135,29 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, bounds, key_bounds = ctx.saved_tensors
-    dq, dk, dv = flash_attn_backward_op(dout, q, k, v, out, lse, dlse, bounds, key_bounds, ctx.causal, ctx.window,
-                                        ctx.scale)
+    dq, dk, dv = flash_attn_backward_op(
+        dout, q, k, v, out, lse, dlse, bounds, key_bounds, ctx.causal, ctx.window, ctx.scale
+    )
     return dq, dk, dv, None, None, None, None, None
 
 
 flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    doc_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                    bounds: torch.Tensor | None = None, key_bounds: torch.Tensor | None = None, window: int = 0,
-                    scale: float | None = None, return_lse: bool = False):
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    doc_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None,
+    key_bounds: torch.Tensor | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
     """Attention over q (B, Hq, S, D) and k, v (B, Hkv, S, D); Hq a multiple of Hkv (GQA without copies).
 
     Packed documents, one of: ``doc_ids`` (B, S) (runs of equal ids are documents, negative = padding),

@@ -99,7 +99,9 @@ def _scores(q, k, v, causal, bounds, window, scale, row_lse=None):
     kf, vf = _expand_kv(_acc(k), group), _expand_kv(_acc(v), group)  # (B, Hq, S, D)
     s = (_acc(q) @ kf.transpose(-1, -2)) * scale  # (B, Hq, S, S)
     s = s.masked_fill(~visible(q.shape[2], causal, bounds, window, q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if row_lse is None else row_lse.to(s.dtype)  # (B, Hq, S); -inf: sees nothing
+    lse = (
+        torch.logsumexp(s, dim=-1) if row_lse is None else row_lse.to(s.dtype)
+    )  # (B, Hq, S); -inf: sees nothing
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # (B, Hq, S, S); 0 where masked
     return p, lse, kf, vf
 
@@ -110,8 +112,21 @@ def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, 
     return (p @ vf).to(q.dtype), lse.float()
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       key_bounds=None, lse_normalizes: bool = False):
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    causal: bool,
+    bounds,
+    window: int,
+    scale: float,
+    key_bounds=None,
+    lse_normalizes: bool = False,
+):
     """Gradients (dq, dk, dv) of out and lse, by the flash-attention formulas:
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − δ) with δ = rowsum(dO ∘ O) − dLSE, dQ = s·dS K, dK = s·dSᵀ Q.
     P is recomputed with the block's own log-sum-exp (exact in float64), or with ``lse_normalizes`` by the

@@ -81,8 +81,17 @@ def _in_range(offs_n, lo, hi):
 
 
 @triton.jit
-def _key_range(m0, S, start_q, end_q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr):
+def _key_range(
+    m0,
+    S,
+    start_q,
+    end_q,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """Key blocks the queries [m0, m0 + BLOCK_M) can see, split into masked / unmasked parts."""
     lo = 0
     hi = S
@@ -107,8 +116,17 @@ def _key_range(m0, S, start_q, end_q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _query_range(n0, S, start_k, end_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr):
+def _query_range(
+    n0,
+    S,
+    start_k,
+    end_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """Query blocks that can see some key of [n0, n0 + BLOCK_N). A document is a contiguous run, so
     query i sees key j only if i lies in j's document: the key bounds give the query range."""
     lo = 0
@@ -135,15 +153,35 @@ def _query_range(n0, S, start_k, end_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 # ----------------------------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_d, S, lo_q, hi_q, qk_scale, lo, hi,
-                full_lo, full_hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_blocks(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_vs,
+    offs_d,
+    S,
+    lo_q,
+    hi_q,
+    qk_scale,
+    lo,
+    hi,
+    full_lo,
+    full_hi,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Key blocks [lo, hi). MASKED: 0 none is masked, 1 every one, 2 those outside [full_lo, full_hi) (one
     software-pipelined loop where a split into three would each fill and drain the pipeline: documents)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if MASKED > 0:
-            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S,
-                         other=0.0)  # (D, N)
+            kt = tl.load(
+                k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0
+            )  # (D, N)
         else:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
         s = tl.dot(q, kt) * qk_scale  # (M, N) fp32, log2 units
@@ -161,7 +199,9 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_d, 
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED > 0:
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S, other=0.0)
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S, other=0.0
+            )
         else:
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
         acc = acc * alpha[:, None]
@@ -171,10 +211,41 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_d, 
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos,
-              S, H, GROUP, B, S_KEY, qk_scale, CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # last (longest, when causal) query blocks first
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    BOUNDS,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sob,
+    soh,
+    sos,
+    S,
+    H,
+    GROUP,
+    B,
+    S_KEY,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    m0 = (
+        tl.num_programs(0) - 1 - tl.program_id(0)
+    ) * BLOCK_M  # last (longest, when causal) query blocks first
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -182,7 +253,9 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
+    )
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
     lo_q, hi_q = _row_range(offs_m, S, start_q, end_q, CAUSAL, WINDOW)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
@@ -192,34 +265,139 @@ def _attn_fwd(Q, K, V, O, LSE, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, s
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if HAS_DOCS:  # short key ranges with masked blocks at both ends: one loop
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                                    a, d, bb, c, 2, BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            a,
+            d,
+            bb,
+            c,
+            2,
+            BLOCK_N,
+        )
     else:
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                                    a, bb, a, d, 1, BLOCK_N)
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                                    bb, c, a, d, 0, BLOCK_N)
-        acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                                    c, d, a, d, 1, BLOCK_N)
+        acc, l_i, m_i = _fwd_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            a,
+            bb,
+            a,
+            d,
+            1,
+            BLOCK_N,
+        )
+        acc, l_i, m_i = _fwd_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            bb,
+            c,
+            a,
+            d,
+            0,
+            BLOCK_N,
+        )
+        acc, l_i, m_i = _fwd_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            c,
+            d,
+            a,
+            d,
+            1,
+            BLOCK_N,
+        )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=in_seq[:, None])
+    tl.store(
+        O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
     tl.store(LSE + bh * S + offs_m, lse, mask=in_seq)
 
 
 # ---------------------------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, offs_n, offs_d,
-                     S, START_B, END_B, qk_scale, lo, hi, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_dkdv_blocks(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qs,
+    stride_dos,
+    offs_n,
+    offs_d,
+    S,
+    START_B,
+    END_B,
+    qk_scale,
+    lo,
+    hi,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_seq = offs_m < S
         if MASKED:
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            q = tl.load(
+                q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=in_seq[:, None], other=0.0
+            )
+            do = tl.load(
+                do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=in_seq[:, None], other=0.0
+            )
             lse2 = tl.load(lse_base + offs_m, mask=in_seq, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=in_seq, other=0.0)
         else:
@@ -241,18 +419,63 @@ def _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
 
 
 @triton.jit
-def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, KBOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh,
-                  svs, sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale,
-                  CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dkdv_program(
+    n0,
+    b,
+    hk,
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    BOUNDS,
+    KBOUNDS,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    sdkb,
+    sdkh,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvs,
+    S,
+    H,
+    GROUP,
+    B,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group. The
     queries' mask reads BOUNDS; which query blocks to visit, KBOUNDS (the keys' side: the same table when
     queries and keys are one sequence)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    k = tl.load(
+        K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0
+    )
+    v = tl.load(
+        V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0
+    )
     start_k, end_k = _doc_bounds(KBOUNDS + b * S, KBOUNDS + (B + b) * S, S, offs_n, in_seq, HAS_DOCS)
     a, bb, c, d = _query_range(n0, S, start_k, end_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -263,27 +486,126 @@ def _dkdv_program(n0, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, KBOUNDS, 
         do_base = DO + b * sdob + h * sdoh
         lse_base = LSE2 + (b * H + h) * S
         delta_base = DELTA + (b * H + h) * S
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
-                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, a, bb, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
-                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, bb, c, False, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
-        dk, dv = _bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqs, sdos, offs_n, offs_d,
-                                  S, BOUNDS + b * S, BOUNDS + (B + b) * S, qk_scale, c, d, True, CAUSAL, HAS_DOCS, WINDOW, BLOCK_M)
-    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=in_seq[:, None])
-    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=in_seq[:, None])
+        dk, dv = _bwd_dkdv_blocks(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            sqs,
+            sdos,
+            offs_n,
+            offs_d,
+            S,
+            BOUNDS + b * S,
+            BOUNDS + (B + b) * S,
+            qk_scale,
+            a,
+            bb,
+            True,
+            CAUSAL,
+            HAS_DOCS,
+            WINDOW,
+            BLOCK_M,
+        )
+        dk, dv = _bwd_dkdv_blocks(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            sqs,
+            sdos,
+            offs_n,
+            offs_d,
+            S,
+            BOUNDS + b * S,
+            BOUNDS + (B + b) * S,
+            qk_scale,
+            bb,
+            c,
+            False,
+            CAUSAL,
+            HAS_DOCS,
+            WINDOW,
+            BLOCK_M,
+        )
+        dk, dv = _bwd_dkdv_blocks(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            sqs,
+            sdos,
+            offs_n,
+            offs_d,
+            S,
+            BOUNDS + b * S,
+            BOUNDS + (B + b) * S,
+            qk_scale,
+            c,
+            d,
+            True,
+            CAUSAL,
+            HAS_DOCS,
+            WINDOW,
+            BLOCK_M,
+        )
+    tl.store(
+        DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
+        (dk * sm_scale).to(DK.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
+    tl.store(
+        DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
 
 
 @triton.jit
-def _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, offs_d, S, lo_q, hi_q, qk_scale,
-                   lo, hi, full_lo, full_hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_dq_blocks(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    stride_ks,
+    stride_vs,
+    offs_d,
+    S,
+    lo_q,
+    hi_q,
+    qk_scale,
+    lo,
+    hi,
+    full_lo,
+    full_hi,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Key blocks [lo, hi); MASKED as in _fwd_blocks."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if MASKED > 0:
-            kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
-            vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0)
+            kt = tl.load(
+                k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0
+            )
+            vt = tl.load(
+                v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0
+            )
         else:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])  # (D, N)
             vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None])  # (D, N)
@@ -300,18 +622,58 @@ def _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
 
 
 @triton.jit
-def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL: tl.constexpr,
-                HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _dq_program(
+    m0,
+    b,
+    h,
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DQ,
+    BOUNDS,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    sdqb,
+    sdqh,
+    sdqs,
+    S,
+    H,
+    GROUP,
+    B,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """dQ of queries [m0, m0 + BLOCK_M) of head ``h``."""
     bh = b * H + h
     hk = h // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0
+    )
     lse2 = tl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
     delta = tl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
@@ -321,46 +683,297 @@ def _dq_program(m0, b, h, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, s
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if HAS_DOCS:  # one loop, as in the forward
-        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                            a, d, bb, c, 2, BLOCK_N)
+        dq = _bwd_dq_blocks(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            a,
+            d,
+            bb,
+            c,
+            2,
+            BLOCK_N,
+        )
     else:
-        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                            a, bb, a, d, 1, BLOCK_N)
-        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                            bb, c, a, d, 0, BLOCK_N)
-        dq = _bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, sks, svs, offs_d, S, lo_q, hi_q, qk_scale,
-                            c, d, a, d, 1, BLOCK_N)
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=in_seq[:, None])
+        dq = _bwd_dq_blocks(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            a,
+            bb,
+            a,
+            d,
+            1,
+            BLOCK_N,
+        )
+        dq = _bwd_dq_blocks(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            bb,
+            c,
+            a,
+            d,
+            0,
+            BLOCK_N,
+        )
+        dq = _bwd_dq_blocks(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_base,
+            v_base,
+            sks,
+            svs,
+            offs_d,
+            S,
+            lo_q,
+            hi_q,
+            qk_scale,
+            c,
+            d,
+            a,
+            d,
+            1,
+            BLOCK_N,
+        )
+    tl.store(
+        DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=in_seq[:, None],
+    )
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, KBOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                   sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
-                   CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    BOUNDS,
+    KBOUNDS,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    sdkb,
+    sdkh,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvs,
+    S,
+    H,
+    GROUP,
+    B,
+    S_KEY,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     HK = H // GROUP
-    _dkdv_program(tl.program_id(0) * BLOCK_N, tl.program_id(1) // HK, tl.program_id(1) % HK, Q, K, V, DO, LSE2,
-                  DELTA, DK, DV, BOUNDS, KBOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdkb, sdkh,
-                  sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, qk_scale, sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM,
-                  BLOCK_M, BLOCK_N)
+    _dkdv_program(
+        tl.program_id(0) * BLOCK_N,
+        tl.program_id(1) // HK,
+        tl.program_id(1) % HK,
+        Q,
+        K,
+        V,
+        DO,
+        LSE2,
+        DELTA,
+        DK,
+        DV,
+        BOUNDS,
+        KBOUNDS,
+        sqb,
+        sqh,
+        sqs,
+        skb,
+        skh,
+        sks,
+        svb,
+        svh,
+        svs,
+        sdob,
+        sdoh,
+        sdos,
+        sdkb,
+        sdkh,
+        sdks,
+        sdvb,
+        sdvh,
+        sdvs,
+        S,
+        H,
+        GROUP,
+        B,
+        qk_scale,
+        sm_scale,
+        CAUSAL,
+        HAS_DOCS,
+        WINDOW,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+    )
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                 sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale, CAUSAL: tl.constexpr,
-                 HAS_DOCS: tl.constexpr, WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DQ,
+    BOUNDS,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    sdqb,
+    sdqh,
+    sdqs,
+    S,
+    H,
+    GROUP,
+    B,
+    S_KEY,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
-    _dq_program(m0, tl.program_id(1) // H, tl.program_id(1) % H, Q, K, V, DO, LSE2, DELTA, DQ, BOUNDS, sqb, sqh,
-                sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, sdqb, sdqh, sdqs, S, H, GROUP, B, qk_scale,
-                sm_scale, CAUSAL, HAS_DOCS, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N)
+    _dq_program(
+        m0,
+        tl.program_id(1) // H,
+        tl.program_id(1) % H,
+        Q,
+        K,
+        V,
+        DO,
+        LSE2,
+        DELTA,
+        DQ,
+        BOUNDS,
+        sqb,
+        sqh,
+        sqs,
+        skb,
+        skh,
+        sks,
+        svb,
+        svh,
+        svs,
+        sdob,
+        sdoh,
+        sdos,
+        sdqb,
+        sdqh,
+        sdqs,
+        S,
+        H,
+        GROUP,
+        B,
+        qk_scale,
+        sm_scale,
+        CAUSAL,
+        HAS_DOCS,
+        WINDOW,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+    )
 
 
 # --------------------------------------------------------------------------------------------- launchers
 @triton.jit
-def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, sob, soh, sos, sdob, sdoh, sdos, S, H, HAS_DLSE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_preprocess(
+    O,
+    DO,
+    LSE,
+    DLSE,
+    DELTA,
+    LSE2,
+    sob,
+    soh,
+    sos,
+    sdob,
+    sdoh,
+    sdos,
+    S,
+    H,
+    HAS_DLSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """delta = rowsum(O * dO) - dLSE, and the log-sum-exp in log2 units (+inf where a row saw nothing)."""
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -369,8 +982,12 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, sob, soh, sos, sdob, sdoh, sd
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    o = tl.load(
+        O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=in_seq[:, None], other=0.0
+    )
+    do = tl.load(
+        DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + bh * S + offs_m, mask=in_seq, other=0.0)
@@ -383,19 +1000,51 @@ def _bwd_preprocess(O, DO, LSE, DLSE, DELTA, LSE2, sob, soh, sos, sdob, sdoh, sd
 def _configs(shapes) -> list:
     """(BLOCK_M, BLOCK_N, warps, stages[, register cap]) -> triton.Config; a cap (maxnreg) below the compiler's
     255 lets two or three programs share an SM."""
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, maxnreg=cap[0] if cap else None)
-            for m, n, w, s, *cap in shapes]
+    return [
+        triton.Config(
+            {"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, maxnreg=cap[0] if cap else None
+        )
+        for m, n, w, s, *cap in shapes
+    ]
 
 
 # candidates measured by autotuning on the first call of each (sequence bucket, group, head dim, mask) key
-_FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4)]
-_DKDV_CONFIGS = [(64, 128, 8, 3), (32, 128, 4, 5), (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 4),
-                 (128, 128, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3)]
-_DQ_CONFIGS = [(128, 64, 8, 3), (128, 32, 4, 5), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 8, 3), (128, 32, 8, 4),
-               (128, 32, 8, 3, 128)]  # capped at 128 registers: two programs per SM, no spill at d128
+_FWD_CONFIGS = [
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (128, 32, 4, 4),
+    (64, 64, 4, 4),
+    (128, 64, 8, 4),
+]
+_DKDV_CONFIGS = [
+    (64, 128, 8, 3),
+    (32, 128, 4, 5),
+    (64, 128, 4, 3),
+    (32, 128, 8, 4),
+    (64, 64, 4, 3),
+    (32, 64, 4, 4),
+    (128, 128, 8, 2),
+    (64, 128, 8, 2),
+    (32, 128, 4, 3),
+    (64, 64, 8, 3),
+    (128, 64, 8, 3),
+]
+_DQ_CONFIGS = [
+    (128, 64, 8, 3),
+    (128, 32, 4, 5),
+    (64, 64, 4, 3),
+    (128, 64, 4, 3),
+    (64, 128, 8, 3),
+    (128, 32, 8, 4),
+    (128, 32, 8, 3, 128),
+]  # capped at 128 registers: two programs per SM, no spill at d128
 _KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
-_INTERPRETER_BLOCKS = {"fwd": {"BLOCK_M": 32, "BLOCK_N": 16}, "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
-                       "dq": {"BLOCK_M": 32, "BLOCK_N": 16}}  # uneven: both split paths run
+_INTERPRETER_BLOCKS = {
+    "fwd": {"BLOCK_M": 32, "BLOCK_N": 16},
+    "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
+    "dq": {"BLOCK_M": 32, "BLOCK_N": 16},
+}  # uneven: both split paths run
 
 
 def seq_key(seq: int) -> int:
@@ -406,8 +1055,11 @@ def seq_key(seq: int) -> int:
 
 def _kernel(kind: str):
     """The kernel for ``kind``: autotuned on a GPU, fixed small blocks in the CPU interpreter."""
-    raw, configs = {"fwd": (_attn_fwd, _configs(_FWD_CONFIGS)), "dkdv": (_attn_bwd_dkdv, _configs(_DKDV_CONFIGS)),
-                    "dq": (_attn_bwd_dq, _configs(_DQ_CONFIGS))}[kind]
+    raw, configs = {
+        "fwd": (_attn_fwd, _configs(_FWD_CONFIGS)),
+        "dkdv": (_attn_bwd_dkdv, _configs(_DKDV_CONFIGS)),
+        "dq": (_attn_bwd_dq, _configs(_DQ_CONFIGS)),
+    }[kind]
     if interpreting():
         return raw, _INTERPRETER_BLOCKS[kind]
     if kind not in _TUNED:
@@ -418,18 +1070,28 @@ def _kernel(kind: str):
 _TUNED: dict = {}
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor | None, window: int,
-                 key_bounds: torch.Tensor | None = None) -> None:
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor | None,
+    window: int,
+    key_bounds: torch.Tensor | None = None,
+) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dtypes=DTYPES, ndim=4, device=q.device)
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride {t.stride(-1)})")
     if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must match each other "
-                         f"and q's dtype {q.dtype}")
+        raise ValueError(
+            f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must match each other "
+            f"and q's dtype {q.dtype}"
+        )
     bsz, hq, seq, dim = q.shape
     if k.shape[0] != bsz or k.shape[2] != seq or k.shape[3] != dim:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch, sequence and head dim must agree")
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch, sequence and head dim must agree"
+        )
     if hq % k.shape[1]:
         raise ValueError(f"query heads {hq} must be a multiple of key/value heads {k.shape[1]}")
     if dim not in HEAD_DIMS:
@@ -464,14 +1126,35 @@ def triton_forward(q, k, v, out, lse, causal: bool, bounds, window: int, scale: 
     """Fill out and lse with the Triton forward kernel."""
     bsz, hq, seq, dim = q.shape
     kernel, blocks = _kernel("fwd")
-    grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)  # noqa: E731
-    kernel[grid](q, k, v, out, lse, _dummy_bounds(q, bounds), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                 *out.stride()[:3], seq, hq, hq // k.shape[1], bsz, seq_key(seq), scale * LOG2E, CAUSAL=causal,
-                 HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim, **blocks)
+    grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)
+    kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        _dummy_bounds(q, bounds),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        seq,
+        hq,
+        hq // k.shape[1],
+        bsz,
+        seq_key(seq),
+        scale * LOG2E,
+        CAUSAL=causal,
+        HAS_DOCS=bounds is not None,
+        WINDOW=window,
+        HEAD_DIM=dim,
+        **blocks,
+    )
 
 
-def attention_backward(dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float,
-                       key_bounds=None):
+def attention_backward(
+    dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float, key_bounds=None
+):
     """Gradients (dq, dk, dv) by the Triton kernels, dK/dV then dQ (two launches); ``dlse`` (B, Hq, S) or None
     is the gradient flowing into the log-sum-exp."""
     check_inputs(q, k, v, bounds, window, key_bounds)
@@ -490,9 +1173,21 @@ def backward_preprocess(dout, out, lse, dlse):
     delta = torch.empty(bsz, hq, seq, dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta)
     dlse_c = dlse.float().contiguous() if dlse is not None else delta
-    _bwd_preprocess[(triton.cdiv(seq, 64), bsz * hq)](out, dout, lse.contiguous(), dlse_c, delta, lse2,
-                                                       *out.stride()[:3], *dout.stride()[:3], seq, hq,
-                                                       HAS_DLSE=dlse is not None, HEAD_DIM=dim, BLOCK_M=64)
+    _bwd_preprocess[(triton.cdiv(seq, 64), bsz * hq)](
+        out,
+        dout,
+        lse.contiguous(),
+        dlse_c,
+        delta,
+        lse2,
+        *out.stride()[:3],
+        *dout.stride()[:3],
+        seq,
+        hq,
+        HAS_DLSE=dlse is not None,
+        HEAD_DIM=dim,
+        BLOCK_M=64,
+    )
     return delta, lse2
 
 
@@ -512,7 +1207,8 @@ def triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scal
     kb_ = key_bounds if key_bounds is not None else b_  # same-sequence documents: one table serves both sides
     kernel, blocks = _kernel("dkdv")
     kernel[lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_N"]), q.shape[0] * k.shape[1])](
-        *args, dk, dv, b_, kb_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common)
+        *args, dk, dv, b_, kb_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common
+    )
 
 
 def triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale) -> None:
@@ -520,4 +1216,5 @@ def triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale) -> 
     args, strides, tail, common = _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale)
     kernel, blocks = _kernel("dq")
     kernel[lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[0] * q.shape[1])](
-        *args, dq, _dummy_bounds(q, bounds), *strides, *dq.stride()[:3], *tail, **blocks, **common)
+        *args, dq, _dummy_bounds(q, bounds), *strides, *dq.stride()[:3], *tail, **blocks, **common
+    )

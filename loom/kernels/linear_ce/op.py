@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from loom.kernels.linear_ce.reference import ce_rows_torch_, chunked_linear_cross_entropy, default_chunk_tokens
+from loom.kernels.linear_ce.reference import (
+    ce_rows_torch_,
+    chunked_linear_cross_entropy,
+    default_chunk_tokens,
+)
 from loom.kernels.triton_support import triton_runs_on
 
 
@@ -28,16 +32,23 @@ def _ce_rows_for(device: torch.device):
 
 
 @torch.library.custom_op("loom::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                            with_grads: bool, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_cross_entropy_op(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    with_grads: bool,
+    weight_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h (N, E), weight (V, E) of one dtype, labels (N,) int64. Returns (loss fp32 scalar, grad_h (N, E),
     grad_weight (V, E)) of the summed loss; the gradients are empty (0,) tensors without ``with_grads``, and
     grad_weight without ``weight_grad`` (a frozen weight)."""
     # Autocast's dispatch key falls through for this op but stays on for the ops inside: keep it off
     # so that the matmuls run in the input dtype (the caller has already cast for autocast).
     with torch.autocast(h.device.type, enabled=False):
-        return chunked_linear_cross_entropy(h, weight, labels, chunk_tokens, with_grads, _ce_rows_for(h.device),
-                                            weight_grad)
+        return chunked_linear_cross_entropy(
+            h, weight, labels, chunk_tokens, with_grads, _ce_rows_for(h.device), weight_grad
+        )
 
 
 @linear_cross_entropy_op.register_fake
@@ -65,8 +76,9 @@ def _backward(ctx, grad_loss, _grad_grad_h, _grad_grad_w):
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_tokens: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """Sum over tokens of cross_entropy(h @ weight.T, labels) (IGNORE = no loss) as an fp32 scalar,
     never holding more than ``chunk_tokens`` rows of logits (default: ``default_chunk_tokens``: a
     256 MiB buffer, or as large as grad_weight when 16-bit gradients are computed and that is larger).
@@ -74,18 +86,24 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     ``cross_entropy_sum(h @ weight.T, labels)``; a tied weight gets the sum of both uses' gradients
     from autograd as usual. Gradients are computed in the forward pass only when autograd needs them."""
     if h.dim() < 1 or weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_cross_entropy: h {tuple(h.shape)} and weight {tuple(weight.shape)} "
-                         "must be (..., E) and (V, E)")
+        raise ValueError(
+            f"linear_cross_entropy: h {tuple(h.shape)} and weight {tuple(weight.shape)} "
+            "must be (..., E) and (V, E)"
+        )
     if labels.shape != h.shape[:-1] or labels.dtype != torch.int64:
-        raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} {labels.dtype} must be int64 "
-                         f"of shape {tuple(h.shape[:-1])}")
+        raise ValueError(
+            f"linear_cross_entropy: labels {tuple(labels.shape)} {labels.dtype} must be int64 "
+            f"of shape {tuple(h.shape[:-1])}"
+        )
     device_type = h.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
     if h.dtype != weight.dtype:
-        raise ValueError(f"linear_cross_entropy: h is {h.dtype} and weight {weight.dtype}; "
-                         "cast them to one dtype (or use autocast)")
+        raise ValueError(
+            f"linear_cross_entropy: h is {h.dtype} and weight {weight.dtype}; "
+            "cast them to one dtype (or use autocast)"
+        )
     h2 = h.reshape(-1, h.shape[-1])  # (N, E)
     with_grads = torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad)
     weight_grad = with_grads and weight.requires_grad  # a frozen head (LoRA) takes no weight-gradient matmul
@@ -93,5 +111,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         chunk_tokens = default_chunk_tokens(weight.shape[0], weight.shape[1], h.dtype, weight_grad)
     if chunk_tokens < 1:
         raise ValueError(f"linear_cross_entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
-    loss, _, _ = linear_cross_entropy_op(h2, weight, labels.reshape(-1), chunk_tokens, with_grads, weight_grad)
+    loss, _, _ = linear_cross_entropy_op(
+        h2, weight, labels.reshape(-1), chunk_tokens, with_grads, weight_grad
+    )
     return loss

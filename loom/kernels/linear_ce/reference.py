@@ -16,7 +16,7 @@ the per-chunk CE with torch ops (what CPU runs execute, and the definition of th
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,9 +84,15 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.T
         acc.add_(dlogits.T @ h)
 
 
-def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                                 with_grads: bool = True, ce_rows: CeRows = ce_rows_torch_,
-                                 weight_grad: bool = True):
+def chunked_linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    with_grads: bool = True,
+    ce_rows: CeRows = ce_rows_torch_,
+    weight_grad: bool = True,
+):
     """h (N, E), weight (V, E) of one dtype, labels (N,) int64. Returns (loss fp32 scalar,
     grad_h (N, E) in h's dtype, grad_weight (V, E) in weight's dtype): the gradients of the summed
     loss, or empty tensors without ``with_grads`` (grad_weight alone without ``weight_grad``: a frozen head,

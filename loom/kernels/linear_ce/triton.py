@@ -18,16 +18,24 @@ import torch
 import triton
 import triton.language as tl
 
-from loom.numerics import IGNORE
 from loom.kernels.triton_support import check_tensor
+from loom.numerics import IGNORE
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_BLOCK_V = 4096  # elements of a row per step: 16 KiB fp32 in registers over 8 warps
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, V, stride_row, ignore_index,
-                    WITH_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _ce_rows_kernel(
+    logits_ptr,
+    labels_ptr,
+    loss_ptr,
+    V,
+    stride_row,
+    ignore_index,
+    WITH_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # int64: rows * V can pass 2**31 for large chunks
     row_ptr = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK_V)
@@ -60,8 +68,13 @@ def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, V, stride_row, ignore_inde
                 tl.store(row_ptr + start + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def ce_rows_triton_(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, with_grad: bool,
-                    block_v: int | None = None) -> None:
+def ce_rows_triton_(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss: torch.Tensor,
+    with_grad: bool,
+    block_v: int | None = None,
+) -> None:
     """logits (n, V) contiguous fp32/bf16/fp16; labels (n,) int64; loss (n,) fp32 contiguous, written.
     With ``with_grad`` the logits are overwritten with softmax - onehot (zero rows for IGNORE).
     ``block_v`` (a power of two) overrides the V-block size (tests use it to cover several blocks)."""
@@ -70,8 +83,10 @@ def ce_rows_triton_(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tens
     check_tensor("loss", loss, dtypes=(torch.float32,), ndim=1, device=logits.device)
     n_rows, vocab = logits.shape
     if labels.shape[0] != n_rows or loss.shape[0] != n_rows:
-        raise ValueError(f"labels {tuple(labels.shape)} and loss {tuple(loss.shape)} must have "
-                         f"{n_rows} rows, as logits {tuple(logits.shape)}")
+        raise ValueError(
+            f"labels {tuple(labels.shape)} and loss {tuple(loss.shape)} must have "
+            f"{n_rows} rows, as logits {tuple(logits.shape)}"
+        )
     for name, t in (("logits", logits), ("labels", labels), ("loss", loss)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
@@ -80,5 +95,14 @@ def ce_rows_triton_(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tens
     block = block_v or min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
     if block & (block - 1):
         raise ValueError(f"block_v: must be a power of two, got {block}")
-    _ce_rows_kernel[(n_rows,)](logits, labels, loss, vocab, logits.stride(0), IGNORE,
-                               WITH_GRAD=with_grad, BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
+    _ce_rows_kernel[(n_rows,)](
+        logits,
+        labels,
+        loss,
+        vocab,
+        logits.stride(0),
+        IGNORE,
+        WITH_GRAD=with_grad,
+        BLOCK_V=block,
+        num_warps=8 if block >= 2048 else 4,
+    )

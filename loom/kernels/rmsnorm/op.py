@@ -30,8 +30,9 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("loom::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward_op(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     grad, x, weight = grad.contiguous(), x.contiguous(), weight.contiguous()
     if triton_runs_on(x.device):
         from loom.kernels.rmsnorm import triton as kernels
@@ -42,8 +43,10 @@ def rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tens
 
 @rms_norm_backward_op.register_fake
 def _(grad, x, weight, eps):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(weight, memory_format=torch.contiguous_format))
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    )
 
 
 def _setup_context(ctx, inputs, output):

@@ -16,8 +16,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.type_as(x) * weight.type_as(x)
 
 
-def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``rms_norm`` w.r.t. x and weight: ((..., N) in x's dtype, (N,) in weight's dtype).
 
     With y = x * r, r = rsqrt(mean(x^2) + eps) and dy = grad * w:

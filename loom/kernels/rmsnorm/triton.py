@@ -24,8 +24,9 @@ _TILE = 2048  # elements per program forward: several short rows per program whe
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, eps,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_fwd_kernel(
+    x_ptr, w_ptr, out_ptr, n_rows, n_cols, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -41,8 +42,19 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, eps,
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(grad_ptr, x_ptr, w_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program,
-                         eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_bwd_kernel(
+    grad_ptr,
+    x_ptr,
+    w_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
@@ -78,7 +90,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor | None = No
     check_tensor("x", x, dtypes=DTYPES)
     check_tensor("weight", weight, dtypes=DTYPES, ndim=1, device=x.device)
     if x.dim() < 1 or x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
+        raise ValueError(
+            f"weight: shape {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}"
+        )
     n_cols = weight.shape[0]
     if not 0 < n_cols <= MAX_N:
         raise ValueError(f"x: last dim {n_cols} not supported (1..{MAX_N})")
@@ -103,7 +117,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
         return out
     block_m, block_n, num_warps = _blocks(n_cols)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        x, weight, out, n_rows, n_cols, eps, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        x, weight, out, n_rows, n_cols, eps, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps
+    )
     return out
 
 
@@ -120,8 +135,9 @@ def _n_programs(device: torch.device, n_rows: int) -> int:
     return max(1, min(n_rows, 4))  # the CPU interpreter: a few programs still exercise the reduction
 
 
-def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx in x's dtype, dweight in weight's dtype)."""
     n_cols = _check(x, weight, grad)
     dx = torch.empty_like(x)
@@ -134,6 +150,17 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_programs = triton.cdiv(n_rows, rows_per_program)  # no idle program
     dw_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)  # (P, N)
     _rms_norm_bwd_kernel[(n_programs,)](
-        grad, x, weight, dx, dw_partial, n_rows, n_cols, rows_per_program, eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        grad,
+        x,
+        weight,
+        dx,
+        dw_partial,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        eps,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return dx, dw_partial.sum(0).to(weight.dtype)

@@ -33,7 +33,9 @@ def _(x, table, positions):
 
 
 @torch.library.custom_op("loom::apply_rope_backward", mutates_args=())
-def apply_rope_backward_op(grad: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+def apply_rope_backward_op(
+    grad: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None
+) -> torch.Tensor:
     grad, table, positions = _contiguous(grad, table, positions)
     if triton_runs_on(grad.device):
         from loom.kernels.rope import triton as kernels
@@ -65,8 +67,12 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | N
 
     The same values as ``reference.apply_rope``; no gradient flows to table or positions."""
     if x.dim() != 4 or table.dim() != 3 or table.shape[-1] != x.shape[-1] or x.shape[-1] % 2:
-        raise ValueError(f"apply_rope: x {tuple(x.shape)} must be (B, S, H, D) with D even and the table "
-                         f"{tuple(table.shape)} (2, L, D)")
+        raise ValueError(
+            f"apply_rope: x {tuple(x.shape)} must be (B, S, H, D) with D even and the table "
+            f"{tuple(table.shape)} (2, L, D)"
+        )
     if positions is not None and tuple(positions.shape) != tuple(x.shape[:2]):
-        raise ValueError(f"apply_rope: positions {tuple(positions.shape)}, expected (B, S) = {tuple(x.shape[:2])}")
+        raise ValueError(
+            f"apply_rope: positions {tuple(positions.shape)}, expected (B, S) = {tuple(x.shape[:2])}"
+        )
     return apply_rope_op(x, table, positions)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def _cos_sin(table: torch.Tensor, seq: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(
+    table: torch.Tensor, seq: int, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if positions is None:
         return table[0, :seq][None, :, None], table[1, :seq][None, :, None]  # (1, S, 1, D)
     return table[0][positions][:, :, None], table[1][positions][:, :, None]  # (B, S, 1, D)
@@ -29,7 +31,9 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | N
     return (xf * cos + _rotate_half(xf) * sin).type_as(x)
 
 
-def apply_rope_backward(grad: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+def apply_rope_backward(
+    grad: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None
+) -> torch.Tensor:
     """Gradient of ``apply_rope`` w.r.t. x, given the output gradient (B, S, H, D); in grad's dtype."""
     cos, sin = _cos_sin(table, grad.shape[1], positions)
     gf = grad.float()

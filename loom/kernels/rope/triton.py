@@ -19,9 +19,20 @@ _TILE = 2048  # elements of one half-rotation per program
 
 
 @triton.jit
-def _rope_kernel(x_ptr, table_ptr, pos_ptr, out_ptr, seq_len, n_heads, table_len, HEAD_DIM: tl.constexpr,
-                 HAS_POSITIONS: tl.constexpr, BACKWARD: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    table_ptr,
+    pos_ptr,
+    out_ptr,
+    seq_len,
+    n_heads,
+    table_len,
+    HEAD_DIM: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     # HEAD_DIM a compile-time constant (one per model): the half offset and the masks fold away
     token = tl.program_id(0).to(tl.int64)  # b * S + s
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
@@ -75,7 +86,9 @@ def _check(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None,
             raise ValueError(f"{n}: must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
 
 
-def _launch(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None, backward: bool) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None, backward: bool
+) -> torch.Tensor:
     out = torch.empty_like(x)
     bsz, seq, n_heads, head_dim = x.shape
     if out.numel() == 0:
@@ -84,9 +97,21 @@ def _launch(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None
     block_h = max(1, min(triton.next_power_of_2(n_heads), _TILE // block_half))
     num_warps = 4 if block_h * block_half <= 2048 else 8
     grid = (bsz * seq, triton.cdiv(n_heads, block_h))
-    _rope_kernel[grid](x, table, positions if positions is not None else x, out, seq, n_heads, table.shape[1],
-                       HEAD_DIM=head_dim, HAS_POSITIONS=positions is not None, BACKWARD=backward,
-                       BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=num_warps)
+    _rope_kernel[grid](
+        x,
+        table,
+        positions if positions is not None else x,
+        out,
+        seq,
+        n_heads,
+        table.shape[1],
+        HEAD_DIM=head_dim,
+        HAS_POSITIONS=positions is not None,
+        BACKWARD=backward,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=num_warps,
+    )
     return out
 
 
@@ -96,7 +121,9 @@ def apply_rope_forward(x: torch.Tensor, table: torch.Tensor, positions: torch.Te
     return _launch(x, table, positions, backward=False)
 
 
-def apply_rope_backward(grad: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+def apply_rope_backward(
+    grad: torch.Tensor, table: torch.Tensor, positions: torch.Tensor | None
+) -> torch.Tensor:
     """grad: (B, S, H, D) contiguous. Returns dx (B, S, H, D) in grad's dtype."""
     _check(grad, table, positions, "grad")
     return _launch(grad, table, positions, backward=True)

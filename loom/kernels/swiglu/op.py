@@ -28,7 +28,9 @@ def _(a, b):
 
 
 @torch.library.custom_op("loom::swiglu_backward", mutates_args=())
-def swiglu_backward_op(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward_op(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     grad, a, b = grad.contiguous(), a.contiguous(), b.contiguous()
     if triton_runs_on(a.device):
         from loom.kernels.swiglu import triton as kernels
@@ -39,8 +41,10 @@ def swiglu_backward_op(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 @swiglu_backward_op.register_fake
 def _(grad, a, b):
-    return (torch.empty_like(a, memory_format=torch.contiguous_format),
-            torch.empty_like(b, memory_format=torch.contiguous_format))
+    return (
+        torch.empty_like(a, memory_format=torch.contiguous_format),
+        torch.empty_like(b, memory_format=torch.contiguous_format),
+    )
 
 
 def _setup_context(ctx, inputs, output):

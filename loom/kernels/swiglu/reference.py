@@ -16,7 +16,9 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``swiglu`` w.r.t. a and b, in their dtypes."""
     opmath = torch.promote_types(a.dtype, torch.float32)
     af, bf, gf = a.to(opmath), b.to(opmath), grad.to(opmath)

@@ -64,7 +64,9 @@ def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (da, db) in a's and b's dtype."""
     _check(a, b, grad)
     da, db = torch.empty_like(a), torch.empty_like(b)

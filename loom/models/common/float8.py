@@ -35,8 +35,9 @@ def apply_float8(model: nn.Module, recipe: str) -> int:
     if recipe not in RECIPES:
         raise ValueError(f"float8 recipe {recipe!r}: allowed {', '.join(RECIPES)}")
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=_convertible)
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=_convertible
+    )
     from torchao.float8.float8_linear import Float8Linear
 
     converted = sum(isinstance(m, Float8Linear) for m in model.modules())

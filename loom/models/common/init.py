@@ -8,7 +8,7 @@ sharded model). So weights do not depend on the number of devices or the paralle
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ def canonical_name(name: str) -> str:
     """Parameter name with wrapper segments (compile, activation checkpointing, DDP) removed."""
     for seg in _WRAPPER_SEGMENTS:
         name = name.replace(seg, "")
-    return name[len("module."):] if name.startswith("module.") else name
+    return name[len("module.") :] if name.startswith("module.") else name
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -44,8 +44,13 @@ def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, std_of: Callable[[str], float | None],
-                    draw_device: torch.device | None = None, keep=copy_full) -> None:
+def init_parameters(
+    model: nn.Module,
+    seed: int,
+    std_of: Callable[[str], float | None],
+    draw_device: torch.device | None = None,
+    keep=copy_full,
+) -> None:
     """Every parameter from its name: ``std_of(name)`` is a truncated normal's std, None for ones, 0 for zeros.
     ``draw_device``: where the values are drawn (a device's generator gives its own values: weights kept in host
     memory for a GPU run are drawn on the GPU, as that run without offload draws them); None: where each lives.
@@ -66,8 +71,15 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in places.values() if len(group) > 1]
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_buffers,
-                draw_device: torch.device | None = None, keep=copy_full) -> None:
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    seed: int,
+    std_of,
+    init_buffers,
+    draw_device: torch.device | None = None,
+    keep=copy_full,
+) -> None:
     """Allocate storage for a meta-device model (sharded or not) and initialize it. A module marked ``host_weight``
     (QLoRA's base linears: quantized onto the device one at a time later) keeps its own tensors in host memory, so
     the device never holds the whole unquantized base."""
@@ -79,7 +91,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int, std_of, init_
         for mod, name in others:
             setattr(mod, name, getattr(mod0, name0))
     init_buffers(device)
-    for mod in model.modules():  # state buffers a module keeps (a router's selection bias) start from its reset
+    for (
+        mod
+    ) in model.modules():  # state buffers a module keeps (a router's selection bias) start from its reset
         if hasattr(mod, "reset_state"):
             mod.reset_state()
     init_parameters(model, seed, std_of, draw_device, keep)

@@ -31,8 +31,14 @@ class RMSNorm(nn.Module):
         return (rms_norm if self.fused else rms_norm_reference)(x, self.weight, self.eps)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
-           positions: torch.Tensor | None, window: int = 0) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: str,
+    positions: torch.Tensor | None,
+    window: int = 0,
+) -> torch.Tensor:
     """Causal attention over q (B, Hq, S, D), k/v (B, Hkv, S, D). With per-document ``positions`` (B, S),
     packed documents never attend to each other (a document starts where its position is 0). ``window`` > 0:
     query i sees only keys i - window < j <= i (Mistral's sliding window; transformers' convention)."""
@@ -45,7 +51,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
         return flash_attention(q, k, v, causal=True, bounds=bounds, window=window)
     gqa = q.shape[1] != k.shape[1]
     masked = bounds is not None or window > 0
-    mask = visible(q.shape[2], True, bounds, window, q.device) if masked else None  # (B or 1, 1, S, S), slower
+    mask = (
+        visible(q.shape[2], True, bounds, window, q.device) if masked else None
+    )  # (B or 1, 1, S, S), slower
     # SDPA picks its own backend; no sdpa_kernel(..., set_priority=True) context: it changes other SDPA calls'
     # choice in the process (docs/kernels.md)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
@@ -66,13 +74,22 @@ class LocalContext:
     """``Attention.context`` by default: this rank holds whole sequences. Context parallelism installs its own
     (``loom.parallel.context_parallel.ContextParallel``): this rank's share of each sequence, attended across ranks."""
 
-    def rope_positions(self, positions: torch.Tensor | None, bsz: int, seq: int, device) -> torch.Tensor | None:
+    def rope_positions(
+        self, positions: torch.Tensor | None, bsz: int, seq: int, device
+    ) -> torch.Tensor | None:
         """RoPE positions of this rank's (B, S) tokens: the per-document ``positions`` of packed documents, or None
         for 0..S-1."""
         return positions
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
-               backend: str, window: int = 0) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None,
+        backend: str,
+        window: int = 0,
+    ) -> torch.Tensor:
         """Causal attention of q (B, Hq, S, D) over k/v (B, Hkv, S, D) (``attend``)."""
         return attend(q, k, v, backend, positions, window)
 
@@ -88,12 +105,25 @@ class Attention(nn.Module):
     ``context``, the module's one extension point: the sequences x's tokens belong to, which give their RoPE
     positions and what they attend to (``LocalContext``; context parallelism installs its own)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, fused_rope: bool = False,
-                 backend: str = "sdpa", bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-5,
-                 fused_norm: bool = False, window: int = 0):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        fused_rope: bool = False,
+        backend: str = "sdpa",
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        fused_norm: bool = False,
+        window: int = 0,
+    ):
         super().__init__()
         self.head_dim = head_dim
-        self.backend = backend  # "sdpa" (PyTorch), "flash" (loom's Triton FlashAttention-2), "flex" (FlexAttention)
+        self.backend = (
+            backend  # "sdpa" (PyTorch), "flash" (loom's Triton FlashAttention-2), "flex" (FlexAttention)
+        )
         self.window = window
         self.apply_rope = fused_apply_rope if fused_rope else apply_rope  # fused: one loom::apply_rope op
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)

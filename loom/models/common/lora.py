@@ -24,8 +24,15 @@ from loom.kernels.lora import lora_linear
 from loom.models.common.init import canonical_name, copy_full, param_seed
 
 # lora.targets names -> the module path inside a block (Hugging Face names: q_proj, ..., down_proj)
-TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
-           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+TARGETS = {
+    "q": "attention.wq",
+    "k": "attention.wk",
+    "v": "attention.wv",
+    "o": "attention.wo",
+    "gate": "feed_forward.w1",
+    "up": "feed_forward.w3",
+    "down": "feed_forward.w2",
+}
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: 64 weights per scale, 256 scales per double-quantized block
 
 
@@ -51,8 +58,18 @@ class LoRALinear(nn.Linear):
     children so tensor parallelism shards them like their base (loom.parallel.tensor_parallel). ``weight`` may be
     an NF4 tensor (QLoRA): ``F.linear`` then dequantizes it to the input's dtype (torchao's ``linear_nf4``)."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, scaling: float, dropout: float = 0.0,
-                 bias: bool = False, device=None, dtype=None, fused: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        scaling: float,
+        dropout: float = 0.0,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        fused: bool = True,
+    ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.rank, self.scaling = rank, scaling
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
@@ -69,7 +86,11 @@ class LoRALinear(nn.Linear):
         # under no_grad
         if self.fusable(x):
             return lora_linear(x, [self.weight], [self.lora_A.weight], [self.lora_B.weight], self.scaling)[0]
-        a_in = F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled()) if self.dropout else x
+        a_in = (
+            F.dropout(x, self.dropout, training=self.training and torch.is_grad_enabled())
+            if self.dropout
+            else x
+        )
         # the scaling multiplies the (.., r) tensor, not the (.., out) one PEFT scales: the same product, one
         # activation-sized pass fewer in forward and in backward
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(a_in) * self.scaling)
@@ -77,19 +98,31 @@ class LoRALinear(nn.Linear):
     def fusable(self, x: torch.Tensor) -> bool:
         """Whether ``loom::lora_linear`` computes this linear: fused, adapters on, no dropout or bias, a frozen
         plain base (not a DTensor or NF4)."""
-        return (self.fused and not self.disabled and not self.dropout and self.bias is None
-                and not self.weight.requires_grad
-                and all(type(t) in _PLAIN for t in (x, self.weight, self.lora_A.weight, self.lora_B.weight)))
+        return (
+            self.fused
+            and not self.disabled
+            and not self.dropout
+            and self.bias is None
+            and not self.weight.requires_grad
+            and all(type(t) in _PLAIN for t in (x, self.weight, self.lora_A.weight, self.lora_B.weight))
+        )
 
     @staticmethod
     def project_together(x: torch.Tensor, linears) -> list[torch.Tensor] | None:
         """Linears of one input (q, k, v; gate, up) in one ``loom::lora_linear`` call: one GEMM for their adapters'
         down-projections and one summed input gradient (``loom.models.common.layers.project``); None where one of
         them is not fusable or the scalings differ."""
-        if not all(m.fusable(x) and m.scaling == linears[0].scaling and m.rank == linears[0].rank for m in linears):
+        if not all(
+            m.fusable(x) and m.scaling == linears[0].scaling and m.rank == linears[0].rank for m in linears
+        ):
             return None
-        return lora_linear(x, [m.weight for m in linears], [m.lora_A.weight for m in linears],
-                           [m.lora_B.weight for m in linears], linears[0].scaling)
+        return lora_linear(
+            x,
+            [m.weight for m in linears],
+            [m.lora_A.weight for m in linears],
+            [m.lora_B.weight for m in linears],
+            linears[0].scaling,
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}, dropout={self.dropout:g}"
@@ -102,15 +135,18 @@ class LoRALinear(nn.Linear):
         if is_nf4(self.weight):
             destination[prefix + "weight"] = dequantized(self.weight)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         if not is_nf4(self.weight):
-            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                                 unexpected_keys, error_msgs)
+            return super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
         saved = state_dict.pop(prefix + "weight", None)
         try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
         finally:
             if saved is not None:
                 state_dict[prefix + "weight"] = saved
@@ -118,7 +154,10 @@ class LoRALinear(nn.Linear):
             missing_keys.remove(prefix + "weight")
 
 
-_PLAIN = (torch.Tensor, nn.Parameter)  # not DTensors (tensor parallel) or NF4 (QLoRA): those take F.linear's path
+_PLAIN = (
+    torch.Tensor,
+    nn.Parameter,
+)  # not DTensors (tensor parallel) or NF4 (QLoRA): those take F.linear's path
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
@@ -147,15 +186,30 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
             parent = block.get_submodule(parent_path)
             base = getattr(parent, leaf, None)
             if type(base) is not nn.Linear:
-                raise ConfigError("lora.targets", cfg.targets, f"{target} ({TARGETS[target]}) is not a dense linear "
-                                  "in this model (a mixture-of-experts feed-forward): adapt q, k, v, o only")
+                raise ConfigError(
+                    "lora.targets",
+                    cfg.targets,
+                    f"{target} ({TARGETS[target]}) is not a dense linear "
+                    "in this model (a mixture-of-experts feed-forward): adapt q, k, v, o only",
+                )
             w = base.weight
-            adapted = LoRALinear(base.in_features, base.out_features, cfg.rank, scaling, cfg.dropout,
-                                 bias=base.bias is not None, device=w.device, dtype=w.dtype, fused=fused)
+            adapted = LoRALinear(
+                base.in_features,
+                base.out_features,
+                cfg.rank,
+                scaling,
+                cfg.dropout,
+                bias=base.bias is not None,
+                device=w.device,
+                dtype=w.dtype,
+                fused=fused,
+            )
             adapted.weight = w  # the base's own parameters (their values, if it has any)
             if cfg.base_dtype == "nf4":  # quantized from bfloat16 anyway: half the memory until then
                 adapted.weight = nn.Parameter(w.detach().to(torch.bfloat16))
-                adapted.host_weight = True  # materialized in host memory, quantized onto the device (quantize_base)
+                adapted.host_weight = (
+                    True  # materialized in host memory, quantized onto the device (quantize_base)
+                )
             if base.bias is not None:
                 adapted.bias = base.bias
             setattr(parent, leaf, adapted)
@@ -172,15 +226,20 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
 def frozen_dtype(cfg: LoraConfig, compute_dtype: str) -> torch.dtype | None:
     """The storage dtype of the frozen weights (``apply_lora``): bf16 for lora.base_dtype bfloat16, and for nf4 (its
     unquantized frozen weights: embeddings, norms, head) when the run computes in bf16 anyway; None: as built."""
-    if cfg.rank and (cfg.base_dtype == "bfloat16" or (cfg.base_dtype == "nf4" and compute_dtype == "bfloat16")):
+    if cfg.rank and (
+        cfg.base_dtype == "bfloat16" or (cfg.base_dtype == "nf4" and compute_dtype == "bfloat16")
+    ):
         return torch.bfloat16
     return None
 
 
 # ---- initial values ------------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int, draw_device: torch.device | None = None, keep=copy_full) -> None:
+def init_adapters(
+    model: nn.Module, seed: int, draw_device: torch.device | None = None, keep=copy_full
+) -> None:
     """PEFT's initial adapters: A kaiming-uniform (a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zeros, so the
     adapted model starts equal to its base. Each A is drawn on its full shape from a seed of the run seed and its
     name (loom.models.common.init), then this rank keeps its shard: the start does not depend on the layout."""
@@ -227,6 +286,7 @@ def adapters_disabled(model: nn.Module):
 
 # ---- QLoRA: the frozen base in NF4 ---------------------------------------------------------------
 
+
 def is_nf4(t: torch.Tensor) -> bool:
     """Whether ``t`` (or a DTensor's local shard) is torchao's NF4Tensor; by name, so torchao need not be there."""
     local = t._local_tensor if hasattr(t, "_local_tensor") else t
@@ -239,8 +299,9 @@ def dequantized(w: torch.Tensor) -> torch.Tensor:
 
     if isinstance(w, DTensor):
         local = w.to_local().get_original_weight().float()
-        return DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape,
-                                  stride=w.stride())
+        return DTensor.from_local(
+            local, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
+        )
     return w.get_original_weight().float()
 
 
@@ -250,12 +311,17 @@ def check_nf4_shape(name: str, w: torch.Tensor, shards: int = 1) -> None:
     unit = NF4_BLOCK * NF4_SCALER_BLOCK * shards
     if w.numel() % unit or w.shape[0] % shards:
         where = f" on each of {shards} shards" if shards > 1 else ""
-        raise ConfigError("lora.base_dtype", "nf4", f"{name} {list(w.shape)} does not split into NF4 blocks of "
-                          f"{NF4_BLOCK} x {NF4_SCALER_BLOCK} weights{where}: allowed float32 for this model (or fewer "
-                          "shards)")
+        raise ConfigError(
+            "lora.base_dtype",
+            "nf4",
+            f"{name} {list(w.shape)} does not split into NF4 blocks of "
+            f"{NF4_BLOCK} x {NF4_SCALER_BLOCK} weights{where}: allowed float32 for this model (or fewer "
+            "shards)",
+        )
 
 
 # ---- export ----------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> int:
@@ -267,7 +333,9 @@ def merge_lora(model: nn.Module) -> int:
         w = dequantized(m.weight) if is_nf4(m.weight) else m.weight.float()
         delta = m.lora_B.weight.float() @ m.lora_A.weight.float() * m.scaling  # (out, r) @ (r, in)
         dtype = m.lora_A.weight.dtype
-        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=w.device, dtype=dtype)
+        plain = nn.Linear(
+            m.in_features, m.out_features, bias=m.bias is not None, device=w.device, dtype=dtype
+        )
         plain.weight.copy_(w + delta)
         if m.bias is not None:
             plain.bias.copy_(m.bias)

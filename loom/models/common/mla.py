@@ -25,7 +25,9 @@ from loom.kernels.rope.op import apply_rope as fused_apply_rope
 from loom.kernels.rope.reference import apply_rope
 from loom.models.common.layers import LOCAL_CONTEXT, LocalContext, RMSNorm
 
-LATENT_NORM_EPS = 1e-6  # the latents' RMSNorms: DeepSeek's (and transformers') fixed epsilon, not rms_norm_eps
+LATENT_NORM_EPS = (
+    1e-6  # the latents' RMSNorms: DeepSeek's (and transformers') fixed epsilon, not rms_norm_eps
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def yarn_inverse_frequencies(dim: int, theta: float, s: YarnScaling) -> tuple[torch.Tensor, float]:
     """(inverse frequencies (dim/2,) float32, the factor cos and sin are scaled by)."""
+
     def correction(rotations: float) -> float:  # the dimension whose wavelength fits ``rotations`` times
         return dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -68,14 +71,16 @@ def yarn_inverse_frequencies(dim: int, theta: float, s: YarnScaling) -> tuple[to
 def yarn_rope_table(dim: int, max_len: int, theta: float, s: YarnScaling, device=None) -> torch.Tensor:
     """cos and sin (2, max_len, dim) float32 of YaRN-scaled RoPE (rotate-half layout, as ``rope_table``)."""
     inv_freq, attention = yarn_inverse_frequencies(dim, theta, s)
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv_freq.to(device))  # (S, D/2)
+    freqs = torch.outer(
+        torch.arange(max_len, dtype=torch.float32, device=device), inv_freq.to(device)
+    )  # (S, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (S, D)
     return torch.stack([emb.cos() * attention, emb.sin() * attention])
 
 
 def softmax_scale(qk_head_dim: int, scaling) -> float:
     """DeepSeek's softmax scale: 1 / sqrt(qk head dim), times mscale(factor, mscale_all_dim)^2 under YaRN."""
-    scale = qk_head_dim ** -0.5
+    scale = qk_head_dim**-0.5
     if isinstance(scaling, YarnScaling) and scaling.mscale_all_dim:
         scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
     return scale
@@ -110,12 +115,28 @@ class LatentAttention(nn.Module):
     are; loom's kernel and FlexAttention need one head dim, so the values are zero-padded to the query/key dim there
     and the padding dropped from the output."""
 
-    def __init__(self, dim: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, fused_rope: bool = False, backend: str = "sdpa",
-                 fused_norm: bool = False, rope_interleave: bool = False, scaling=None):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        fused_rope: bool = False,
+        backend: str = "sdpa",
+        fused_norm: bool = False,
+        rope_interleave: bool = False,
+        scaling=None,
+    ):
         super().__init__()
-        self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, \
-            kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = (
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+            kv_lora_rank,
+        )
         self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
         self.backend = backend
         self.rope_interleave = rope_interleave
@@ -137,16 +158,18 @@ class LatentAttention(nn.Module):
 
     # ---- the pieces, shared with the latent cache's decode (loom.infer.mla_cache) ----
 
-    def query(self, x: torch.Tensor, rope: torch.Tensor, rope_at: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(
+        self, x: torch.Tensor, rope: torch.Tensor, rope_at: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, S, E) -> (q_nope (B, S, H, Dn), q_pe (B, S, H, Dr) rotated) for this rank's heads."""
         bsz, seq, _ = x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_a_norm(self.wq_a(x)))
         q_nope, q_pe = q.view(bsz, seq, -1, self.qk_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         return q_nope, self.rotate(q_pe, rope, rope_at)
 
-    def latent(self, x: torch.Tensor, rope: torch.Tensor, rope_at: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent(
+        self, x: torch.Tensor, rope: torch.Tensor, rope_at: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, S, E) -> (c_kv (B, S, R) normalized, k_pe (B, S, Dr) rotated): all a cache keeps of a token."""
         c_kv, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (B, S, R), (B, S, Dr)
         k_pe = self.rotate(self.shared_key(k_pe)[:, :, None], rope, rope_at)[:, :, 0]
@@ -164,14 +187,22 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = self.query(x, rope, rope_at)  # (B, S, H, Dn), (B, S, H, Dr)
         c_kv, k_pe = self.latent(x, rope, rope_at)  # (B, S, R), (B, S, Dr)
         attend_latent = getattr(self.context, "attend_latent", None)
-        if attend_latent is not None:  # a latent cache (loom.infer.mla_cache): keeps c_kv, k_pe; attends over it
+        if (
+            attend_latent is not None
+        ):  # a latent cache (loom.infer.mla_cache): keeps c_kv, k_pe; attends over it
             out = attend_latent(self, q_nope, q_pe, c_kv, k_pe, positions)  # (B, S, H, Dv)
         else:
             out = self.expanded(q_nope, q_pe, c_kv, k_pe, positions)  # (B, S, H, Dv)
         return self.wo(out.reshape(bsz, seq, -1))  # (B, S, E)
 
-    def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                 positions: torch.Tensor | None) -> torch.Tensor:
+    def expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Attention with the latents up-projected to every head's key and value (training, a prefill): q_nope
         (B, S, H, Dn), q_pe (B, S, H, Dr), c_kv (B, S, R), k_pe (B, S, Dr) -> (B, S, H, Dv)."""
         bsz, seq = c_kv.shape[:2]
@@ -179,18 +210,27 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B, H, S, Dq)
-        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)  # (B, H, S, Dq)
+        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, heads, -1)], dim=-1).transpose(
+            1, 2
+        )  # (B, H, S, Dq)
         return self.attend(q, k, v.transpose(1, 2), positions).transpose(1, 2)  # (B, S, H, Dv)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
-               ) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
         """Causal attention of q, k (B, H, S, Dq) and v (B, H, S, Dv) at DeepSeek's softmax scale -> (B, H, S, Dv)."""
         width = self.qk_dim
-        if self.v_dim != self.qk_dim and (self.backend != "sdpa" or not isinstance(self.context, LocalContext)):
-            width = max(self.qk_dim, self.v_dim)  # one head dim for loom's kernel / Flex: zero-pad the narrower
+        if self.v_dim != self.qk_dim and (
+            self.backend != "sdpa" or not isinstance(self.context, LocalContext)
+        ):
+            width = max(
+                self.qk_dim, self.v_dim
+            )  # one head dim for loom's kernel / Flex: zero-pad the narrower
             q, k = (F.pad(t, (0, width - self.qk_dim)) for t in (q, k))
             v = F.pad(v, (0, width - self.v_dim))
-        if not math.isclose(self.scale, default_scale(width)):  # the kernels scale by 1 / sqrt(their head dim)
+        if not math.isclose(
+            self.scale, default_scale(width)
+        ):  # the kernels scale by 1 / sqrt(their head dim)
             q = q * (self.scale / default_scale(width))
         out = self.context.attend(q, k, v, positions, self.backend)
-        return out[..., :self.v_dim]
+        return out[..., : self.v_dim]

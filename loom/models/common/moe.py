@@ -23,11 +23,25 @@ class Router(nn.Module):
     never to the weights (DeepSeek-V3's aux-loss-free balancing; ``expert_bias``, a persistent buffer updated by
     ``update_expert_bias``). The k weights are renormalized to sum to 1 (``norm_topk``), then scaled by ``scale``."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, score: str = "softmax", norm_topk: bool = True,
-                 scale: float = 1.0, groups: int = 1, topk_groups: int = 1, bias: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        score: str = "softmax",
+        norm_topk: bool = True,
+        scale: float = 1.0,
+        groups: int = 1,
+        topk_groups: int = 1,
+        bias: bool = False,
+    ):
         super().__init__()
-        assert score in ("softmax", "sigmoid") and n_experts % groups == 0 and topk_groups <= groups, \
-            (score, n_experts, groups, topk_groups)
+        assert score in ("softmax", "sigmoid") and n_experts % groups == 0 and topk_groups <= groups, (
+            score,
+            n_experts,
+            groups,
+            topk_groups,
+        )
         self.top_k, self.score, self.norm_topk, self.scale = top_k, score, norm_topk, scale
         self.groups, self.topk_groups = groups, topk_groups
         self.gate = nn.Linear(dim, n_experts, bias=False)
@@ -39,8 +53,9 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
-    def forward(self, x: torch.Tensor,
-                local: LocalWeight | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, local: LocalWeight | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, E) -> weights (T, k) fp32, experts (T, k) int64, probs (T, n) fp32 (each token's distribution over
         the experts, for the balance loss: the softmax, or the sigmoid scores normalized). ``local``: the gate's
         weight as this rank computes with it (``MoE.parallel.local``); None: the weight itself."""
@@ -50,7 +65,9 @@ class Router(nn.Module):
         choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
         if self.groups > 1:
             grouped = choice.view(choice.shape[0], self.groups, -1)  # (T, G, n / G)
-            best = grouped.topk(2, dim=-1)[0].sum(-1) if self.score == "sigmoid" else grouped.amax(-1)  # (T, G)
+            best = (
+                grouped.topk(2, dim=-1)[0].sum(-1) if self.score == "sigmoid" else grouped.amax(-1)
+            )  # (T, G)
             keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_groups, dim=-1)[1], 1.0)  # (T, G)
             choice = choice.masked_fill(keep.repeat_interleave(grouped.shape[-1], dim=1) == 0, float("-inf"))
         experts = choice.topk(self.top_k, dim=-1)[1]  # (T, k)
@@ -90,7 +107,9 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, local: LocalWeight | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor, local: LocalWeight | None = None
+    ) -> torch.Tensor:
         """x (T', E): tokens grouped by expert, ``counts[i]`` (int64, (n,)) of them for expert i -> (T', E).
         ``local``: each weight as this rank computes with it (``MoE.parallel.local``: under expert parallelism
         its experts' share); None: the weights themselves. Applied here, inside the call: a data-parallel
@@ -106,13 +125,16 @@ class Experts(nn.Module):
     def _gate(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return swiglu(a, b) if self.fused else swiglu_reference.swiglu(a, b)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
-                 local: LocalWeight | None) -> torch.Tensor:
+    def _grouped(
+        self, x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype, local: LocalWeight | None
+    ) -> torch.Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # (n,) end of each expert's rows
         x = x.to(dtype)
         w1, w3, w2 = (w.to(dtype) for w in self._weights(local))
         with torch.autocast(x.device.type, enabled=False):
-            h = self._gate(torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets))  # (T', H)
+            h = self._gate(
+                torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets)
+            )  # (T', H)
             return torch._grouped_mm(h, w2, offs=offsets)  # (T', E)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, local: LocalWeight | None) -> torch.Tensor:
@@ -138,8 +160,13 @@ class _AuxLossGrad(torch.autograd.Function):
         return grad_out, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
-def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int,
-                          whole_sequence: Callable | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
+def sequence_balance_loss(
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    n_experts: int,
+    whole_sequence: Callable | None = None,
+    counted: torch.Tensor | None = None,
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, summed over sequences (so micro-batching and data parallelism
     leave it unchanged): per sequence ``sum_i f_i P_i``, ``f_i = n_experts / (top_k S) x (tokens routed to i)``
     and ``P_i`` the mean router probability of expert i. probs (B, S, n) fp32, experts (B, S, k) -> fp32 scalar.
@@ -152,13 +179,16 @@ def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts:
     bsz, seq, k = experts.shape
     weight = torch.ones(bsz, seq, device=probs.device) if counted is None else counted.float()  # (B, S)
     counts = torch.zeros(bsz, n_experts + 1, device=probs.device).scatter_add_(
-        1, experts.reshape(bsz, -1), weight.repeat_interleave(k, dim=1))  # (B, n + 1), column n: unused
+        1, experts.reshape(bsz, -1), weight.repeat_interleave(k, dim=1)
+    )  # (B, n + 1), column n: unused
     counts[:, n_experts] = weight.sum(dim=1)  # the counted tokens of each sequence, summed with the counts
     if whole_sequence is not None:
         counts, _ = whole_sequence(counts, seq)
     tokens = counts[:, n_experts:].clamp(min=1)  # (B, 1) S of each whole sequence
     f = counts[:, :n_experts] * n_experts / (k * tokens)  # (B, n), 1 everywhere when balanced
-    return (f * (probs * weight.unsqueeze(-1)).sum(dim=1) / tokens).sum()  # P: (B, n), this rank's tokens' share
+    return (
+        f * (probs * weight.unsqueeze(-1)).sum(dim=1) / tokens
+    ).sum()  # P: (B, n), this rank's tokens' share
 
 
 class LocalExperts:
@@ -213,8 +243,17 @@ class MoE(nn.Module):
     ``parallel``, the block's one extension point: where its experts' weights, tokens and sequences are
     (``LocalExperts``; loom.parallel installs ``loom.parallel.expert_parallel.MoEParallel``)."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, aux_loss: float = 0.0,
-                 fused: bool = False, shared: int = 0, **routing):
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        aux_loss: float = 0.0,
+        fused: bool = False,
+        shared: int = 0,
+        **routing,
+    ):
         super().__init__()
         self.n_experts, self.top_k, self.aux_loss = n_experts, top_k, aux_loss
         self.router = Router(dim, n_experts, top_k, **routing)
@@ -224,9 +263,13 @@ class MoE(nn.Module):
             from loom.models.common.layers import FeedForward
 
             self.shared_experts = FeedForward(dim, shared * hidden, fused=fused)
-        self.load = None  # (n,) fp32 tokens per expert since the last bias update (with the selection bias only)
+        self.load = (
+            None  # (n,) fp32 tokens per expert since the last bias update (with the selection bias only)
+        )
         self.aux_scale = 1.0  # set_aux_scale: turns the per-sequence sum into this step's share of the loss
-        self.balance_sum = None  # the balance loss summed over the sequences seen since take_balance (logging)
+        self.balance_sum = (
+            None  # the balance loss summed over the sequences seen since take_balance (logging)
+        )
         self.counted = None  # count_tokens: (B, S) bool, the tokens the balance loss counts (None: all)
         self.parallel = LOCAL_EXPERTS
 
@@ -241,13 +284,20 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         record = _records_balance()
         if self.router.expert_bias is not None and self.training and record:
-            counts = torch.bincount(experts.flatten(), minlength=self.n_experts).float()  # (n,) this rank's tokens
+            counts = torch.bincount(
+                experts.flatten(), minlength=self.n_experts
+            ).float()  # (n,) this rank's tokens
             self.load = counts if self.load is None else self.load + counts
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             counted = None if self.counted is None else par.local_tokens(self.counted)  # (B, S)
             assert counted is None or counted.shape == (bsz, seq), "count_tokens: set the mask of each batch"
-            aux = sequence_balance_loss(probs.view(bsz, seq, -1), experts.view(bsz, seq, -1), self.n_experts,
-                                        par.whole_sequence, counted)
+            aux = sequence_balance_loss(
+                probs.view(bsz, seq, -1),
+                experts.view(bsz, seq, -1),
+                self.n_experts,
+                par.whole_sequence,
+                counted,
+            )
             if record:
                 seen = aux.detach()
                 self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
@@ -260,7 +310,8 @@ class MoE(nn.Module):
         experts' outputs."""
         order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
-            0, experts.flatten(), torch.ones_like(experts.flatten()))  # (n,) tokens per expert; static shape
+            0, experts.flatten(), torch.ones_like(experts.flatten())
+        )  # (n,) tokens per expert; static shape
         slots_in = flat[order // self.top_k]  # (T k, E) grouped by expert
         routed = self.parallel.run(self.experts, slots_in, counts)
         slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
@@ -303,9 +354,15 @@ def take_balance(model: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def update_expert_bias(blocks: dict[str, MoE], names: list[str], n_experts: int, speed: float, device,
-                       applies: torch.Tensor | None = None,
-                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def update_expert_bias(
+    blocks: dict[str, MoE],
+    names: list[str],
+    n_experts: int,
+    speed: float,
+    device,
+    applies: torch.Tensor | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each expert's selection bias moves by
     ``speed`` towards balance, up where the expert received fewer tokens than its block's mean, down where more
     (the sign of the load error only). ``names``: every MoE block of the whole model, in one order on every rank

@@ -35,12 +35,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(medium, blended, scaled).float()
 
 
-def rope_table(head_dim: int, max_len: int, theta: float, scaling: RopeScaling | None,
-               device=None) -> torch.Tensor:
+def rope_table(
+    head_dim: int, max_len: int, theta: float, scaling: RopeScaling | None, device=None
+) -> torch.Tensor:
     """cos and sin for every position, stacked: (2, max_len, head_dim), float32."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)  # (D/2,)
     t = torch.arange(max_len, dtype=torch.float32, device=device)
     freqs = torch.outer(t, inv_freq)  # (S, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (S, D)
     return torch.stack([emb.cos(), emb.sin()])
-

@@ -28,8 +28,9 @@ class MTP(nn.Module):
         self.block = Block(args, index)
         self.norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor,
-                positions: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, emb: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
         """h, emb (B, S, E) -> the next depth's hidden states (B, S, E)."""
         return self.block(self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), rope, positions)
 
@@ -47,8 +48,13 @@ class DeepSeekV3(Llama):
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args)
-        self.mtp = nn.ModuleDict({str(args.n_layers + k): MTP(args, args.n_layers + k)
-                                  for k in range(args.mtp_depth)}) if args.mtp_depth else None
+        self.mtp = (
+            nn.ModuleDict(
+                {str(args.n_layers + k): MTP(args, args.n_layers + k) for k in range(args.mtp_depth)}
+            )
+            if args.mtp_depth
+            else None
+        )
 
     def token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed token loss of normalized hidden states h (B, S, E) through the output head."""
@@ -56,10 +62,17 @@ class DeepSeekV3(Llama):
             return linear_cross_entropy(h, self.output.weight, labels)
         return cross_entropy_sum(self.output(h), labels)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        if (self.mtp is None or labels is None or not self.training or tokens.is_floating_point()
-                or self.output is None or self.tok_embeddings is None):
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if (
+            self.mtp is None
+            or labels is None
+            or not self.training
+            or tokens.is_floating_point()
+            or self.output is None
+            or self.tok_embeddings is None
+        ):
             return super().forward(tokens, positions, labels)
         h = self.tok_embeddings(tokens)  # (B, S, E)
         for layer in self.layers.values():

@@ -27,7 +27,9 @@ class LlamaArgs:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int = 0
-    attention: str = "sdpa"  # "sdpa" (PyTorch), "flash" (loom.kernels.attention, Triton on CUDA), "flex" (CUDA)
+    attention: str = (
+        "sdpa"  # "sdpa" (PyTorch), "flash" (loom.kernels.attention, Triton on CUDA), "flex" (CUDA)
+    )
     # fused Triton kernels on CUDA (loom.kernels.rmsnorm / rope / swiglu); the same math, reference on CPU
     fused_norm: bool = False
     fused_rope: bool = False
@@ -105,47 +107,107 @@ class LlamaArgs:
 
     def moe_routing(self) -> dict:
         """``MoE``'s routing and shared-expert keyword arguments."""
-        return dict(score=self.moe_score, norm_topk=self.moe_norm_topk, scale=self.moe_route_scale,
-                    groups=self.moe_groups, topk_groups=self.moe_topk_groups, bias=self.moe_bias,
-                    shared=self.moe_shared_experts)
+        return dict(
+            score=self.moe_score,
+            norm_topk=self.moe_norm_topk,
+            scale=self.moe_route_scale,
+            groups=self.moe_groups,
+            topk_groups=self.moe_topk_groups,
+            bias=self.moe_bias,
+            shared=self.moe_shared_experts,
+        )
 
-    def with_(self, **kw) -> "LlamaArgs":
+    def with_(self, **kw) -> LlamaArgs:
         return replace(self, **kw)
 
 
 _L31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 _L32 = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
-_V2_LITE_YARN = YarnScaling(factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0, mscale=0.707,
-                            mscale_all_dim=0.707)
+_V2_LITE_YARN = YarnScaling(
+    factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707
+)
 
 FLAVORS: dict[str, LlamaArgs] = {
     # tiny: every test uses it; trains in seconds on a CPU
     "debug": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, rope_theta=10000.0),
     # the same with 4 routed experts (top 2) per block
-    "debug_moe": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, rope_theta=10000.0, moe_experts=4),
+    "debug_moe": LlamaArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, rope_theta=10000.0, moe_experts=4
+    ),
     # the same with multi-head latent attention: compressed queries, values narrower than queries and keys
-    "debug_mla": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192, rope_theta=10000.0,
-                           attention_kind="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                           qk_rope_head_dim=16, v_head_dim=16),
-    "125M": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, tie_embeddings=True,
-                      rope_theta=10000.0),
+    "debug_mla": LlamaArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        ffn_dim=192,
+        rope_theta=10000.0,
+        attention_kind="mla",
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+    ),
+    "125M": LlamaArgs(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, tie_embeddings=True, rope_theta=10000.0
+    ),
     # the published Llama 3.2 / 3.1 shapes
-    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
-                    tie_embeddings=True, rope_scaling=_L32),
-    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
-                    tie_embeddings=True, rope_scaling=_L32),
-    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                    rope_scaling=_L31),
-    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
-                     rope_scaling=_L31),
-    "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256,
-                      rope_scaling=_L31),
+    "1B": LlamaArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        vocab_size=128256,
+        tie_embeddings=True,
+        rope_scaling=_L32,
+    ),
+    "3B": LlamaArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        vocab_size=128256,
+        tie_embeddings=True,
+        rope_scaling=_L32,
+    ),
+    "8B": LlamaArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, rope_scaling=_L31
+    ),
+    "70B": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, rope_scaling=_L31
+    ),
+    "405B": LlamaArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        vocab_size=128256,
+        rope_scaling=_L31,
+    ),
     # DeepSeek-V2-Lite's attention (MLA: latent 512, no query compression, 16 heads of 128 + 64 / 128) and shape, with
     # a dense SwiGLU of its dense layer's width in every block (its routed + shared experts are not loom's MoE)
-    "deepseek_v2_lite": LlamaArgs(dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, ffn_dim=10944, vocab_size=102400,
-                                  norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096, attention_kind="mla",
-                                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                                  rope_interleave=True, rope_scaling=_V2_LITE_YARN),
+    "deepseek_v2_lite": LlamaArgs(
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        n_kv_heads=16,
+        ffn_dim=10944,
+        vocab_size=102400,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_seq_len=4096,
+        attention_kind="mla",
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_interleave=True,
+        rope_scaling=_V2_LITE_YARN,
+    ),
 }
 
 

@@ -29,20 +29,45 @@ class Block(nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         if args.mla:
-            self.attention = LatentAttention(args.dim, args.n_heads, args.q_lora_rank, args.kv_lora_rank,
-                                             args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim,
-                                             fused_rope=args.fused_rope, backend=args.attention,
-                                             fused_norm=args.fused_norm, rope_interleave=args.rope_interleave,
-                                             scaling=args.rope_scaling)
+            self.attention = LatentAttention(
+                args.dim,
+                args.n_heads,
+                args.q_lora_rank,
+                args.kv_lora_rank,
+                args.qk_nope_head_dim,
+                args.qk_rope_head_dim,
+                args.v_head_dim,
+                fused_rope=args.fused_rope,
+                backend=args.attention,
+                fused_norm=args.fused_norm,
+                rope_interleave=args.rope_interleave,
+                scaling=args.rope_scaling,
+            )
         else:
-            self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
-                                       fused_rope=args.fused_rope, backend=args.attention, bias=args.attention_bias,
-                                       qk_norm=args.qk_norm, norm_eps=args.norm_eps, fused_norm=args.fused_norm,
-                                       window=args.sliding_window)
+            self.attention = Attention(
+                args.dim,
+                args.n_heads,
+                args.n_kv_heads,
+                args.head_dim,
+                fused_rope=args.fused_rope,
+                backend=args.attention,
+                bias=args.attention_bias,
+                qk_norm=args.qk_norm,
+                norm_eps=args.norm_eps,
+                fused_norm=args.fused_norm,
+                window=args.sliding_window,
+            )
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
         if args.moe_layer(index):
-            self.feed_forward = MoE(args.dim, args.expert_ffn_dim, args.moe_experts, args.moe_top_k,
-                                    aux_loss=args.moe_aux_loss, fused=args.fused_swiglu, **args.moe_routing())
+            self.feed_forward = MoE(
+                args.dim,
+                args.expert_ffn_dim,
+                args.moe_experts,
+                args.moe_top_k,
+                aux_loss=args.moe_aux_loss,
+                fused=args.fused_swiglu,
+                **args.moe_routing(),
+            )
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim, fused=args.fused_swiglu)
 
@@ -79,12 +104,15 @@ class Llama(nn.Module):
             return None
         if name.endswith(".bias"):
             return 0.0
-        if name.endswith(("wo.weight", "w2.weight", "experts.w2")) and self.args.residual_init == "depth":  # residual
+        if (
+            name.endswith(("wo.weight", "w2.weight", "experts.w2")) and self.args.residual_init == "depth"
+        ):  # residual
             return 0.02 / (2 * self.args.n_layers) ** 0.5
         return 0.02
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens: (B, S) int64; positions: (B, S) per-document positions or None. Returns logits (B, S, V),
         or with ``labels`` ((B, S) int64, IGNORE = no loss) the summed token loss (fp32 scalar): through
         ``linear_cross_entropy`` (no full logits) when ``args.fused_loss``, else ``cross_entropy_sum`` of

@@ -14,8 +14,11 @@ import os
 
 def _armed() -> bool:
     rank = os.environ.get("LOOM_RESTART_FAULT_RANK", "1")
-    return (bool(os.environ.get("LOOM_RESTART_FAULT")) and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-            and rank in ("*", os.environ.get("RANK")))
+    return (
+        bool(os.environ.get("LOOM_RESTART_FAULT"))
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        and rank in ("*", os.environ.get("RANK"))
+    )
 
 
 if _armed():
@@ -31,8 +34,11 @@ if _armed():
     n, _, how = rest.partition(":")
 
     def fail(where: str) -> None:
-        print(f"loom-fault: rank {os.environ['RANK']} fails at {where} ({how or 'SIGKILL'}, pid {os.getpid()})",
-              file=sys.stderr, flush=True)
+        print(
+            f"loom-fault: rank {os.environ['RANK']} fails at {where} ({how or 'SIGKILL'}, pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
         if how == "raise":
             raise RuntimeError(f"injected fault at {where}")
         if how == "node":  # its agent and every worker of that agent too: a lost node

@@ -8,7 +8,9 @@ if os.environ.get("LOOM_FAULT"):
 
     install(os.environ["LOOM_FAULT"])
 
-if os.environ.get("LOOM_FAULT_RANK"):  # one rank's fault (tests/faults/ranks.py): a stalled collective, a slow rank
+if os.environ.get(
+    "LOOM_FAULT_RANK"
+):  # one rank's fault (tests/faults/ranks.py): a stalled collective, a slow rank
     from tests.faults.ranks import install as install_rank_fault
 
     install_rank_fault(os.environ["LOOM_FAULT_RANK"])

@@ -8,6 +8,7 @@ if os.environ.get("RANK") is not None:
 
     _poll = manager.CheckpointManager.poll
     if os.environ["RANK"] == "0":
+
         def _poll_done(self):
             if self._pending is not None:
                 self._pending[0].result()

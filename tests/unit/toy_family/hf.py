@@ -14,8 +14,13 @@ class ToyHF(HFAdapter):
 
     def args(self, cfg: dict, base: LlamaArgs, field: str, where: str) -> ToyArgs:
         fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-        return ToyArgs(**{**fields, "n_kv_heads": int(cfg["num_key_value_heads"]),
-                          "parallel_residual": bool(cfg.get("parallel_residual", True))})
+        return ToyArgs(
+            **{
+                **fields,
+                "n_kv_heads": int(cfg["num_key_value_heads"]),
+                "parallel_residual": bool(cfg.get("parallel_residual", True)),
+            }
+        )
 
     def config(self, args: ToyArgs) -> dict:
         return {"parallel_residual": args.parallel_residual}

@@ -25,8 +25,16 @@ class ParallelBlock(nn.Module):
     def __init__(self, args: ToyArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, fused=args.fused_norm)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, fused_rope=args.fused_rope,
-                                   backend=args.attention, norm_eps=args.norm_eps, fused_norm=args.fused_norm)
+        self.attention = Attention(
+            args.dim,
+            args.n_heads,
+            args.n_kv_heads,
+            args.head_dim,
+            fused_rope=args.fused_rope,
+            backend=args.attention,
+            norm_eps=args.norm_eps,
+            fused_norm=args.fused_norm,
+        )
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, fused=args.fused_swiglu)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

@@ -34,8 +34,18 @@ def block_bounds(lo, hi):
 
 
 @gluon.jit
-def mask_cut(x, start, lo, hi, full_lo, full_hi, other, BLOCK: gl.constexpr, col_layout: gl.constexpr,
-             ONE_SIDED: gl.constexpr):
+def mask_cut(
+    x,
+    start,
+    lo,
+    hi,
+    full_lo,
+    full_hi,
+    other,
+    BLOCK: gl.constexpr,
+    col_layout: gl.constexpr,
+    ONE_SIDED: gl.constexpr,
+):
     """x (rows, BLOCK) over the columns [start, start + BLOCK), set to ``other`` outside each row's visible range
     [lo, hi] where the block is cut. ``ONE_SIDED`` (packed documents): only the sides that cut the block are
     compared, so a block holding a document's start but no row's last visible column (the first block of a
@@ -62,21 +72,62 @@ def documents_reach(START, END, p0, S, ROWS: gl.constexpr, num_warps: gl.constex
 
 
 @gluon.jit
-def head_descriptors(Q, K, V, DO, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, S, H, HKV, B,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def head_descriptors(
+    Q,
+    K,
+    V,
+    DO,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    S,
+    H,
+    HKV,
+    B,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+):
     """4-D TMA descriptors of Q and dO ([batch, head, row, dim] boxes of BLOCK_M rows of one head) and of K and V
     (BLOCK_N rows of one KV head); rows past S zero-filled on loads."""
     smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    return (tma.make_tensor_descriptor(Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4),
-            tma.make_tensor_descriptor(DO, [B, H, S, HEAD_DIM], [sdob, sdoh, sdos, 1], [1, 1, BLOCK_M, HEAD_DIM],
-                                       smem4),
-            tma.make_tensor_descriptor(K, [B, HKV, S, HEAD_DIM], [skb, skh, sks, 1], [1, 1, BLOCK_N, HEAD_DIM], smem4),
-            tma.make_tensor_descriptor(V, [B, HKV, S, HEAD_DIM], [svb, svh, svs, 1], [1, 1, BLOCK_N, HEAD_DIM], smem4))
+    return (
+        tma.make_tensor_descriptor(
+            Q, [B, H, S, HEAD_DIM], [sqb, sqh, sqs, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4
+        ),
+        tma.make_tensor_descriptor(
+            DO, [B, H, S, HEAD_DIM], [sdob, sdoh, sdos, 1], [1, 1, BLOCK_M, HEAD_DIM], smem4
+        ),
+        tma.make_tensor_descriptor(
+            K, [B, HKV, S, HEAD_DIM], [skb, skh, sks, 1], [1, 1, BLOCK_N, HEAD_DIM], smem4
+        ),
+        tma.make_tensor_descriptor(
+            V, [B, HKV, S, HEAD_DIM], [svb, svh, svs, 1], [1, 1, BLOCK_N, HEAD_DIM], smem4
+        ),
+    )
 
 
 @gluon.jit
-def key_blocks(START, END, m0, S, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+def key_blocks(
+    START,
+    END,
+    m0,
+    S,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """(first, count): the key blocks that queries [m0, m0 + BLOCK_M) can see."""
     k_lo = m0 * 0
     k_hi = m0 * 0 + S
@@ -115,13 +166,31 @@ def _part_bounds(rows, lo, hi, r0, ROWS: gl.constexpr):
     """block_bounds of rows [r0, r0 + ROWS) among ``rows`` (the others neutral)."""
     mine = (rows >= r0) & (rows < r0 + ROWS)
     big = 1 << 30
-    return (gl.max(gl.where(mine, lo, -big), 0), gl.min(gl.where(mine, hi, big), 0),
-            gl.min(gl.where(mine, lo, big), 0), gl.max(gl.where(mine, hi, -big), 0))
+    return (
+        gl.max(gl.where(mine, lo, -big), 0),
+        gl.min(gl.where(mine, hi, big), 0),
+        gl.min(gl.where(mine, lo, big), 0),
+        gl.max(gl.where(mine, hi, -big), 0),
+    )
 
 
 @gluon.jit
-def store_item(rows_smem, meta_smem, qb, BOUNDS, b, B, S, m0, first, n_blocks, CAUSAL: gl.constexpr,
-               HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr):
+def store_item(
+    rows_smem,
+    meta_smem,
+    qb,
+    BOUNDS,
+    b,
+    B,
+    S,
+    m0,
+    first,
+    n_blocks,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    ROWS: gl.constexpr,
+):
     """The producer's share of an item's set-up, stored with its Q so that no consumer waits on global loads or
     cross-warp reductions between items: each row's visible keys [lo, hi] (rows_smem[2 qb], [2 qb + 1]) and 16
     int32 (meta_smem[qb]): the key blocks (first, count), then per consumer of ROWS rows its block-level bounds
@@ -133,7 +202,9 @@ def store_item(rows_smem, meta_smem, qb, BOUNDS, b, B, S, m0, first, n_blocks, C
 
 
 @gluon.jit
-def store_ranges(rows_smem, meta_smem, qb, lo, hi, first, n_blocks, BLOCK_M: gl.constexpr, ROWS: gl.constexpr):
+def store_ranges(
+    rows_smem, meta_smem, qb, lo, hi, first, n_blocks, BLOCK_M: gl.constexpr, ROWS: gl.constexpr
+):
     """Per row [lo, hi] into rows_smem[2 qb], [2 qb + 1]; (first, n_blocks) and each consumer's block-level bounds
     into meta_smem[qb] (see store_item); one warp."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -152,8 +223,15 @@ def store_ranges(rows_smem, meta_smem, qb, lo, hi, first, n_blocks, BLOCK_M: gl.
 
 
 @gluon.jit
-def load_item(rows_smem, meta_smem, qb, row0: gl.constexpr, ROWS: gl.constexpr, row_layout: gl.constexpr,
-              WARPS: gl.constexpr):
+def load_item(
+    rows_smem,
+    meta_smem,
+    qb,
+    row0: gl.constexpr,
+    ROWS: gl.constexpr,
+    row_layout: gl.constexpr,
+    WARPS: gl.constexpr,
+):
     """A consumer's view of what store_item stored: (first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi)
     for its rows [row0, row0 + ROWS)."""
     layout: gl.constexpr = gl.BlockedLayout([16], [32], [WARPS], [0])  # every thread holds all 16
@@ -162,14 +240,32 @@ def load_item(rows_smem, meta_smem, qb, row0: gl.constexpr, ROWS: gl.constexpr, 
     c = 2 + 4 * (row0 // ROWS)
     lo = rows_smem.index(2 * qb).slice(row0, ROWS).load(row_layout)
     hi = rows_smem.index(2 * qb + 1).slice(row0, ROWS).load(row_layout)
-    return (gl.sum(gl.where(slot == 0, meta, 0), 0), gl.sum(gl.where(slot == 1, meta, 0), 0),
-            gl.sum(gl.where(slot == c, meta, 0), 0), gl.sum(gl.where(slot == c + 1, meta, 0), 0),
-            gl.sum(gl.where(slot == c + 2, meta, 0), 0), gl.sum(gl.where(slot == c + 3, meta, 0), 0), lo, hi)
+    return (
+        gl.sum(gl.where(slot == 0, meta, 0), 0),
+        gl.sum(gl.where(slot == 1, meta, 0), 0),
+        gl.sum(gl.where(slot == c, meta, 0), 0),
+        gl.sum(gl.where(slot == c + 1, meta, 0), 0),
+        gl.sum(gl.where(slot == c + 2, meta, 0), 0),
+        gl.sum(gl.where(slot == c + 3, meta, 0), 0),
+        lo,
+        hi,
+    )
 
 
 @gluon.jit
-def item_bounds(BOUNDS, b, B, S, m0, offs_m, in_seq, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+def item_bounds(
+    BOUNDS,
+    b,
+    B,
+    S,
+    m0,
+    offs_m,
+    in_seq,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    WARPS: gl.constexpr,
+):
     """Without packed documents, a consumer's (first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi) of an item,
     computed without loads (with documents it reads what the producer stored: load_item)."""
     first, n_blocks = key_blocks(BOUNDS, BOUNDS, m0, S, CAUSAL, False, BLOCK_M, BLOCK_N, WARPS)
@@ -199,8 +295,10 @@ def item_buffers(BLOCK_M: gl.constexpr, HAS_DOCS: gl.constexpr):
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     ROWS_STORED: gl.constexpr = BLOCK_M if HAS_DOCS else 1
     META: gl.constexpr = 16 if HAS_DOCS else 1
-    return (gl.allocate_shared_memory(gl.int32, [4, ROWS_STORED], layout),
-            gl.allocate_shared_memory(gl.int32, [2, META], layout))
+    return (
+        gl.allocate_shared_memory(gl.int32, [4, ROWS_STORED], layout),
+        gl.allocate_shared_memory(gl.int32, [2, META], layout),
+    )
 
 
 @gluon.jit
@@ -218,10 +316,37 @@ def visible_keys(BOUNDS, b, B, S, offs_m, in_seq, CAUSAL: gl.constexpr, HAS_DOCS
 
 
 @gluon.jit
-def query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, rows_smem, meta_smem, q_ready,
-                   q_empty, ready, empty, BOUNDS, S, H, GROUP, B, ITEM_HEADS, n_items, CAUSAL: gl.constexpr,
-                   HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   WITH_DO: gl.constexpr, ROWS: gl.constexpr, GROUPED: gl.constexpr):
+def query_producer(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    rows_smem,
+    meta_smem,
+    q_ready,
+    q_empty,
+    ready,
+    empty,
+    BOUNDS,
+    S,
+    H,
+    GROUP,
+    B,
+    ITEM_HEADS,
+    n_items,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    WITH_DO: gl.constexpr,
+    ROWS: gl.constexpr,
+    GROUPED: gl.constexpr,
+):
     """The persistent dQ's and forward's producer. Per work item: its queries' Q (and dO, ``WITH_DO``) into one of
     two buffers once the consumers freed it, with the item's set-up (store_item), then its key blocks' K and V
     into the ring, running ahead into the next item while the consumers finish this one."""
@@ -229,31 +354,60 @@ def query_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     i = 0  # items so far: the Q/dO buffer's position and phase
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, m0 = item_coords(w, S, H, B, ITEM_HEADS, BLOCK_M, GROUPED)
-        first, n_blocks = key_blocks(BOUNDS + b * S, BOUNDS + (B + b) * S, m0, S, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N,
-                                     1)
+        first, n_blocks = key_blocks(
+            BOUNDS + b * S, BOUNDS + (B + b) * S, m0, S, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, 1
+        )
         qb = i % 2
-        mbarrier.wait(q_empty.index(qb), ((i // 2) & 1) ^ 1)  # the first pass over a fresh buffer goes at once
+        mbarrier.wait(
+            q_empty.index(qb), ((i // 2) & 1) ^ 1
+        )  # the first pass over a fresh buffer goes at once
         if WITH_DO:
             mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         else:
             mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(qb).reshape(
-            q_desc.block_type.shape))
+        tma.async_copy_global_to_shared(
+            q_desc, [b, h, m0, 0], q_ready.index(qb), q_smem.index(qb).reshape(q_desc.block_type.shape)
+        )
         if WITH_DO:
-            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], q_ready.index(qb), do_smem.index(qb).reshape(
-                do_desc.block_type.shape))
+            tma.async_copy_global_to_shared(
+                do_desc, [b, h, m0, 0], q_ready.index(qb), do_smem.index(qb).reshape(do_desc.block_type.shape)
+            )
         if HAS_DOCS:  # (without, the consumers compute the item's bounds themselves, without loads)
-            store_item(rows_smem, meta_smem, qb, BOUNDS, b, B, S, m0, first, n_blocks, CAUSAL, HAS_DOCS, BLOCK_M,
-                       ROWS)
-            mbarrier.arrive(q_ready.index(qb))  # the second arrival: the stores above are visible to the waiters
+            store_item(
+                rows_smem,
+                meta_smem,
+                qb,
+                BOUNDS,
+                b,
+                B,
+                S,
+                m0,
+                first,
+                n_blocks,
+                CAUSAL,
+                HAS_DOCS,
+                BLOCK_M,
+                ROWS,
+            )
+            mbarrier.arrive(
+                q_ready.index(qb)
+            )  # the second arrival: the stores above are visible to the waiters
         for j in range(n_blocks):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             n0 = (first + j) * BLOCK_N
-            tma.async_copy_global_to_shared(k_desc, [b, h // GROUP, n0, 0], ready.index(s), k_smem.index(s).reshape(
-                k_desc.block_type.shape))
-            tma.async_copy_global_to_shared(v_desc, [b, h // GROUP, n0, 0], ready.index(s), v_smem.index(s).reshape(
-                v_desc.block_type.shape))
+            tma.async_copy_global_to_shared(
+                k_desc,
+                [b, h // GROUP, n0, 0],
+                ready.index(s),
+                k_smem.index(s).reshape(k_desc.block_type.shape),
+            )
+            tma.async_copy_global_to_shared(
+                v_desc,
+                [b, h // GROUP, n0, 0],
+                ready.index(s),
+                v_smem.index(s).reshape(v_desc.block_type.shape),
+            )
             t += 1
         i += 1

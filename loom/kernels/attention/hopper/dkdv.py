@@ -7,16 +7,53 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from loom.kernels.attention.hopper.common import (block_bounds, documents_reach, head_descriptors, init_ring,
-                                                  item_buffers, load_item, mask_cut, mma_layout, store_ranges)
+from loom.kernels.attention.hopper.common import (
+    block_bounds,
+    documents_reach,
+    head_descriptors,
+    init_ring,
+    item_buffers,
+    load_item,
+    mask_cut,
+    mma_layout,
+    store_ranges,
+)
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-              empty, LSE2, DELTA, row0, S, n0, first, n_blocks, GROUP, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _producer(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    kv_bar,
+    ready,
+    empty,
+    LSE2,
+    DELTA,
+    row0,
+    S,
+    n0,
+    first,
+    n_blocks,
+    GROUP,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """K and V once, then for each of the GROUP query heads sharing them, query block first + j into the next slot
     once the consumers freed it: Q and dO by TMA (a [head, row, dim] box of one head),
     its log-sum-exp and delta by this warp's loads (zero past S, where Q and dO are zero-filled), so the consumers
@@ -28,13 +65,17 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, 
     for t in range(GROUP * n_blocks):
         s = t % STAGES
         g = t // n_blocks
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)  # the first pass over a fresh slot goes at once
+        mbarrier.wait(
+            empty.index(s), ((t // STAGES) & 1) ^ 1
+        )  # the first pass over a fresh slot goes at once
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         m0 = (first + t % n_blocks) * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [g, m0, 0], ready.index(s), q_smem.index(s).reshape(
-            q_desc.block_type.shape))
-        tma.async_copy_global_to_shared(do_desc, [g, m0, 0], ready.index(s), do_smem.index(s).reshape(
-            do_desc.block_type.shape))
+        tma.async_copy_global_to_shared(
+            q_desc, [g, m0, 0], ready.index(s), q_smem.index(s).reshape(q_desc.block_type.shape)
+        )
+        tma.async_copy_global_to_shared(
+            do_desc, [g, m0, 0], ready.index(s), do_smem.index(s).reshape(do_desc.block_type.shape)
+        )
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
         in_seq = offs_m < S
         lse_smem.index(s).store(gl.load(LSE2 + (row0 + g) * S + offs_m, mask=in_seq, other=0.0))
@@ -43,10 +84,36 @@ def _producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, 
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc, dv_desc, n0, row0,
-              first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr,
-              WARPS: gl.constexpr):
+def _consumer(
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    kv_bar,
+    ready,
+    empty,
+    dk_desc,
+    dv_desc,
+    n0,
+    row0,
+    first,
+    n_blocks,
+    GROUP,
+    START,
+    END,
+    S,
+    qk_scale,
+    sm_scale,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
     """dK, dV of keys [n0 + row0, n0 + row0 + ROWS), written by TMA from the K / V buffers' rows they replace.
     Key j sees the queries [lo[j], hi[j]]: its document's (START, END: per-token bounds, symmetric within one
     sequence), from j on when causal; a block inside every key's range is not masked."""
@@ -85,15 +152,59 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         if (m0 <= any_hi) & (m0 + BLOCK_M > any_lo):  # a block none of these keys' queries lie in: skipped
             if HAS_DOCS:
-                st, dpt, dk, dv = _dkdv_block(k_mine, v_mine, q_smem.index(s), do_smem.index(s), lse_smem.index(s),
-                                              delta_smem.index(s), st, dpt, dk, dv, m0, n0 + row0, offs_n, lo, hi,
-                                              full_lo, full_hi, qk_scale, CAUSAL, True, BLOCK_M, ROWS, col_layout,
-                                              a_layout)
+                st, dpt, dk, dv = _dkdv_block(
+                    k_mine,
+                    v_mine,
+                    q_smem.index(s),
+                    do_smem.index(s),
+                    lse_smem.index(s),
+                    delta_smem.index(s),
+                    st,
+                    dpt,
+                    dk,
+                    dv,
+                    m0,
+                    n0 + row0,
+                    offs_n,
+                    lo,
+                    hi,
+                    full_lo,
+                    full_hi,
+                    qk_scale,
+                    CAUSAL,
+                    True,
+                    BLOCK_M,
+                    ROWS,
+                    col_layout,
+                    a_layout,
+                )
             else:  # no per-key ranges (the block bounds stand in for them, unused)
-                st, dpt, dk, dv = _dkdv_block(k_mine, v_mine, q_smem.index(s), do_smem.index(s), lse_smem.index(s),
-                                              delta_smem.index(s), st, dpt, dk, dv, m0, n0 + row0, offs_n, any_lo,
-                                              any_hi, any_lo, any_hi, qk_scale, CAUSAL, False, BLOCK_M, ROWS,
-                                              col_layout, a_layout)
+                st, dpt, dk, dv = _dkdv_block(
+                    k_mine,
+                    v_mine,
+                    q_smem.index(s),
+                    do_smem.index(s),
+                    lse_smem.index(s),
+                    delta_smem.index(s),
+                    st,
+                    dpt,
+                    dk,
+                    dv,
+                    m0,
+                    n0 + row0,
+                    offs_n,
+                    any_lo,
+                    any_hi,
+                    any_lo,
+                    any_hi,
+                    qk_scale,
+                    CAUSAL,
+                    False,
+                    BLOCK_M,
+                    ROWS,
+                    col_layout,
+                    a_layout,
+                )
         mbarrier.arrive(empty.index(s))
     # these keys' K and V are no longer read: their rows stage the results for the TMA stores (rows past S clipped)
     k_mine.store((dk * sm_scale).to(dtype))
@@ -105,9 +216,32 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
 
 @gluon.jit
-def _dkdv_block(k_mine, v_mine, q_s, do_s, lse_s, delta_s, st, dpt, dk, dv, m0, key0, offs_n, lo, hi, full_lo,
-                full_hi, qk_scale, CAUSAL: gl.constexpr, RANGES: gl.constexpr, BLOCK_M: gl.constexpr,
-                ROWS: gl.constexpr, col_layout: gl.constexpr, a_layout: gl.constexpr):
+def _dkdv_block(
+    k_mine,
+    v_mine,
+    q_s,
+    do_s,
+    lse_s,
+    delta_s,
+    st,
+    dpt,
+    dk,
+    dv,
+    m0,
+    key0,
+    offs_n,
+    lo,
+    hi,
+    full_lo,
+    full_hi,
+    qk_scale,
+    CAUSAL: gl.constexpr,
+    RANGES: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    ROWS: gl.constexpr,
+    col_layout: gl.constexpr,
+    a_layout: gl.constexpr,
+):
     """One query block's share of dK, dV for a consumer's keys (rows key0 + i, ``offs_n``) from one ring slot (Q,
     dO, their log-sum-exp and delta): returns (S^T, dP^T, dK, dV), the first two for the next block's registers.
     ``RANGES``: mask by each key's visible query range [lo, hi] where the block is cut; otherwise only a causal
@@ -118,7 +252,7 @@ def _dkdv_block(k_mine, v_mine, q_s, do_s, lse_s, delta_s, st, dpt, dk, dv, m0, 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
     lse2 = lse_s.load(col_layout)
     delta = delta_s.load(col_layout)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok, ))
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st_tok,))
     pt = gl.exp2(st * qk_scale - lse2[None, :])  # (ROWS, BLOCK_M)
     if RANGES:  # a document's edge, the diagonal, the end
         pt = mask_cut(pt, m0, lo, hi, full_lo, full_hi, 0.0, BLOCK_M, col_layout, True)
@@ -126,7 +260,7 @@ def _dkdv_block(k_mine, v_mine, q_s, do_s, lse_s, delta_s, st, dpt, dk, dv, m0, 
         if m0 < key0 + ROWS - 1:  # a block on the diagonal: keys after a query are masked
             pt = gl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
-    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok, ))
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt_tok,))
     dst = pt * (dpt - delta[None, :])
     dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q_s, dk, is_async=True)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
@@ -134,11 +268,50 @@ def _dkdv_block(k_mine, v_mine, q_s, do_s, lse_s, delta_s, st, dpt, dk, dv, m0, 
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob,
-                          sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale, sm_scale,
-                          CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                          num_warps: gl.constexpr):
+def _attn_bwd_dkdv_hopper(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    BOUNDS,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    sdkb,
+    sdkh,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvs,
+    S,
+    H,
+    GROUP,
+    B,
+    S_KEY,
+    qk_scale,
+    sm_scale,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    SPLIT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     dtype: gl.constexpr = Q.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N
     n0 = gl.program_id(0) * BLOCK_N  # first key blocks first: under causality they see the most queries
@@ -148,14 +321,24 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     smem3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     # Q and dO of the group's query heads: [head, row, dim], one head per box (rows past S zero-filled)
-    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * GROUP * sqh, [GROUP, S, HEAD_DIM], [sqh, sqs, 1],
-                                        [1, BLOCK_M, HEAD_DIM], smem3)
-    do_desc = tma.make_tensor_descriptor(DO + b * sdob + h * GROUP * sdoh, [GROUP, S, HEAD_DIM], [sdoh, sdos, 1],
-                                         [1, BLOCK_M, HEAD_DIM], smem3)
-    k_desc = tma.make_tensor_descriptor(K + b * skb + h * skh, [S, HEAD_DIM], [sks, 1], [BLOCK_N, HEAD_DIM], smem)
-    v_desc = tma.make_tensor_descriptor(V + b * svb + h * svh, [S, HEAD_DIM], [svs, 1], [BLOCK_N, HEAD_DIM], smem)
-    dk_desc = tma.make_tensor_descriptor(DK + b * sdkb + h * sdkh, [S, HEAD_DIM], [sdks, 1], [ROWS, HEAD_DIM], smem)
-    dv_desc = tma.make_tensor_descriptor(DV + b * sdvb + h * sdvh, [S, HEAD_DIM], [sdvs, 1], [ROWS, HEAD_DIM], smem)
+    q_desc = tma.make_tensor_descriptor(
+        Q + b * sqb + h * GROUP * sqh, [GROUP, S, HEAD_DIM], [sqh, sqs, 1], [1, BLOCK_M, HEAD_DIM], smem3
+    )
+    do_desc = tma.make_tensor_descriptor(
+        DO + b * sdob + h * GROUP * sdoh, [GROUP, S, HEAD_DIM], [sdoh, sdos, 1], [1, BLOCK_M, HEAD_DIM], smem3
+    )
+    k_desc = tma.make_tensor_descriptor(
+        K + b * skb + h * skh, [S, HEAD_DIM], [sks, 1], [BLOCK_N, HEAD_DIM], smem
+    )
+    v_desc = tma.make_tensor_descriptor(
+        V + b * svb + h * svh, [S, HEAD_DIM], [svs, 1], [BLOCK_N, HEAD_DIM], smem
+    )
+    dk_desc = tma.make_tensor_descriptor(
+        DK + b * sdkb + h * sdkh, [S, HEAD_DIM], [sdks, 1], [ROWS, HEAD_DIM], smem
+    )
+    dv_desc = tma.make_tensor_descriptor(
+        DV + b * sdvb + h * sdvh, [S, HEAD_DIM], [sdvs, 1], [ROWS, HEAD_DIM], smem
+    )
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], smem)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
@@ -167,7 +350,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    init_ring(ready, empty, STAGES, 2, SPLIT)  # ready: the TMA's expect and the producer's arrive (lse, delta)
+    init_ring(
+        ready, empty, STAGES, 2, SPLIT
+    )  # ready: the TMA's expect and the producer's arrive (lse, delta)
     START = BOUNDS + b * S  # per-token document bounds (2, B, S): first and last index of its document
     END = BOUNDS + (B + b) * S
     q_lo = n0 * 0  # the queries any of these keys can see: [q_lo, q_hi)
@@ -180,26 +365,174 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sq
     n_blocks = gl.maximum(gl.cdiv(q_hi, BLOCK_M) - first, 0)
     # each partition's arguments spelled out: Gluon's frontend took neither a tuple built ahead nor tuple addition
     if SPLIT:  # two consumer partitions of ROWS keys each, then the producer
-        gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, ROWS, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                         kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
-                         STAGES)),
-        ], [num_warps, 1], [240, 24])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        k_smem,
+                        v_smem,
+                        q_smem,
+                        do_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        ready,
+                        empty,
+                        dk_desc,
+                        dv_desc,
+                        n0,
+                        0,
+                        first,
+                        n_blocks,
+                        GROUP,
+                        START,
+                        END,
+                        S,
+                        qk_scale,
+                        sm_scale,
+                        CAUSAL,
+                        HAS_DOCS,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        ROWS,
+                        STAGES,
+                        num_warps,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        k_smem,
+                        v_smem,
+                        q_smem,
+                        do_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        ready,
+                        empty,
+                        dk_desc,
+                        dv_desc,
+                        n0,
+                        ROWS,
+                        first,
+                        n_blocks,
+                        GROUP,
+                        START,
+                        END,
+                        S,
+                        qk_scale,
+                        sm_scale,
+                        CAUSAL,
+                        HAS_DOCS,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        ROWS,
+                        STAGES,
+                        num_warps,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        q_desc,
+                        do_desc,
+                        k_desc,
+                        v_desc,
+                        k_smem,
+                        v_smem,
+                        q_smem,
+                        do_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        ready,
+                        empty,
+                        LSE2,
+                        DELTA,
+                        b * H + h * GROUP,
+                        S,
+                        n0,
+                        first,
+                        n_blocks,
+                        GROUP,
+                        BLOCK_M,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [num_warps, 1],
+            [240, 24],
+        )
     else:  # one consumer partition of all BLOCK_N keys, then the producer
-        gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, dk_desc,
-                         dv_desc, n0, 0, first, n_blocks, GROUP, START, END, S, qk_scale, sm_scale, CAUSAL, HAS_DOCS,
-                         HEAD_DIM, BLOCK_M, ROWS, STAGES, num_warps)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                         kv_bar, ready, empty, LSE2, DELTA, b * H + h * GROUP, S, n0, first, n_blocks, GROUP, BLOCK_M,
-                         STAGES)),
-        ], [1], [24])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        k_smem,
+                        v_smem,
+                        q_smem,
+                        do_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        ready,
+                        empty,
+                        dk_desc,
+                        dv_desc,
+                        n0,
+                        0,
+                        first,
+                        n_blocks,
+                        GROUP,
+                        START,
+                        END,
+                        S,
+                        qk_scale,
+                        sm_scale,
+                        CAUSAL,
+                        HAS_DOCS,
+                        HEAD_DIM,
+                        BLOCK_M,
+                        ROWS,
+                        STAGES,
+                        num_warps,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        q_desc,
+                        do_desc,
+                        k_desc,
+                        v_desc,
+                        k_smem,
+                        v_smem,
+                        q_smem,
+                        do_smem,
+                        lse_smem,
+                        delta_smem,
+                        kv_bar,
+                        ready,
+                        empty,
+                        LSE2,
+                        DELTA,
+                        b * H + h * GROUP,
+                        S,
+                        n0,
+                        first,
+                        n_blocks,
+                        GROUP,
+                        BLOCK_M,
+                        STAGES,
+                    ),
+                ),
+            ],
+            [1],
+            [24],
+        )
 
 
 # ------------------------------------------------------------------------------------ persistent dK/dV
@@ -218,8 +551,22 @@ def _kv_item(w, S, HKV, B, ITEM_PAIRS, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _store_kv_item(rows_smem, meta_smem, kb, BOUNDS, b, B, S, n0, first, n_blocks, CAUSAL: gl.constexpr,
-                   HAS_DOCS: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):
+def _store_kv_item(
+    rows_smem,
+    meta_smem,
+    kb,
+    BOUNDS,
+    b,
+    B,
+    S,
+    n0,
+    first,
+    n_blocks,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    ROWS: gl.constexpr,
+):
     """The producer's share of a key block's set-up (as store_item for queries): per key the queries that see it,
     [lo, hi] (its document's, from the key on when causal; empty past S), and the block counts and bounds."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -237,10 +584,39 @@ def _store_kv_item(rows_smem, meta_smem, kb, BOUNDS, b, B, S, n0, first, n_block
 
 
 @gluon.jit
-def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                     rows_smem, meta_smem, kv_ready, kv_empty, ready, empty, LSE2, DELTA, BOUNDS, S, H, GROUP, B,
-                     n_items, ITEM_PAIRS, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr):
+def _dkdv_producer_p(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    rows_smem,
+    meta_smem,
+    kv_ready,
+    kv_empty,
+    ready,
+    empty,
+    LSE2,
+    DELTA,
+    BOUNDS,
+    S,
+    H,
+    GROUP,
+    B,
+    n_items,
+    ITEM_PAIRS,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    ROWS: gl.constexpr,
+):
     """Per item: its K and V into one of two buffers once the consumers freed it, with the item's set-up
     (_store_kv_item), then for each query head of the group the query blocks into the ring as in _producer,
     running ahead into the next item while the consumers finish this one."""
@@ -260,12 +636,15 @@ def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do
         kb = i % 2
         mbarrier.wait(kv_empty.index(kb), ((i // 2) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], kv_ready.index(kb), k_smem.index(kb).reshape(
-            k_desc.block_type.shape))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], kv_ready.index(kb), v_smem.index(kb).reshape(
-            v_desc.block_type.shape))
-        _store_kv_item(rows_smem, meta_smem, kb, BOUNDS, b, B, S, n0, first, n_blocks, CAUSAL, HAS_DOCS, BLOCK_N,
-                       ROWS)
+        tma.async_copy_global_to_shared(
+            k_desc, [b, hk, n0, 0], kv_ready.index(kb), k_smem.index(kb).reshape(k_desc.block_type.shape)
+        )
+        tma.async_copy_global_to_shared(
+            v_desc, [b, hk, n0, 0], kv_ready.index(kb), v_smem.index(kb).reshape(v_desc.block_type.shape)
+        )
+        _store_kv_item(
+            rows_smem, meta_smem, kb, BOUNDS, b, B, S, n0, first, n_blocks, CAUSAL, HAS_DOCS, BLOCK_N, ROWS
+        )
         mbarrier.arrive(kv_ready.index(kb))
         for u in range(GROUP * n_blocks):
             s = t % STAGES
@@ -273,10 +652,12 @@ def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             m0 = (first + u % n_blocks) * BLOCK_M
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], ready.index(s), q_smem.index(s).reshape(
-                q_desc.block_type.shape))
-            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], ready.index(s), do_smem.index(s).reshape(
-                do_desc.block_type.shape))
+            tma.async_copy_global_to_shared(
+                q_desc, [b, h, m0, 0], ready.index(s), q_smem.index(s).reshape(q_desc.block_type.shape)
+            )
+            tma.async_copy_global_to_shared(
+                do_desc, [b, h, m0, 0], ready.index(s), do_smem.index(s).reshape(do_desc.block_type.shape)
+            )
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
             in_seq = offs_m < S
             lse_smem.index(s).store(gl.load(LSE2 + (b * H + h) * S + offs_m, mask=in_seq, other=0.0))
@@ -287,10 +668,37 @@ def _dkdv_producer_p(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do
 
 
 @gluon.jit
-def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready, kv_empty,
-                     ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ITEM_PAIRS, row0, qk_scale,
-                     sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-                     STAGES: gl.constexpr, WARPS: gl.constexpr):
+def _dkdv_consumer_p(
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    rows_smem,
+    meta_smem,
+    kv_ready,
+    kv_empty,
+    ready,
+    empty,
+    dk_desc,
+    dv_desc,
+    S,
+    H,
+    GROUP,
+    B,
+    n_items,
+    ITEM_PAIRS,
+    row0,
+    qk_scale,
+    sm_scale,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    ROWS: gl.constexpr,
+    STAGES: gl.constexpr,
+    WARPS: gl.constexpr,
+):
     """Per item, dK, dV of keys [n0 + row0, n0 + row0 + ROWS) as _consumer computes them, with the key ranges and
     block bounds from the producer; the results leave by TMA from the K / V rows they replace, and the K/V
     buffer goes back to the producer once those stores have read it, checked at the next item's start."""
@@ -309,8 +717,9 @@ def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows
         b, hk, n0 = _kv_item(w, S, H // GROUP, B, ITEM_PAIRS, BLOCK_N)
         kb = i % 2
         mbarrier.wait(kv_ready.index(kb), (i // 2) & 1)
-        first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = load_item(rows_smem, meta_smem, kb, row0, ROWS,
-                                                                              row_layout, WARPS)
+        first, n_blocks, full_lo, full_hi, any_lo, any_hi, lo, hi = load_item(
+            rows_smem, meta_smem, kb, row0, ROWS, row_layout, WARPS
+        )
         if i > 0:  # the previous item's dK/dV stores have read its K/V buffer: back to the producer
             tma.store_wait(pendings=0)
             mbarrier.arrive(kv_empty.index(1 - kb))
@@ -322,30 +731,95 @@ def _dkdv_consumer_p(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows
             s = t % STAGES
             m0 = (first + u % n_blocks) * BLOCK_M
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-            if (m0 <= any_hi) & (m0 + BLOCK_M > any_lo):  # a block none of these keys' queries lie in: skipped
-                st, dpt, dk, dv = _dkdv_block(k_mine, v_mine, q_smem.index(s), do_smem.index(s), lse_smem.index(s),
-                                              delta_smem.index(s), st, dpt, dk, dv, m0, n0 + row0, lo, lo, hi,
-                                              full_lo, full_hi, qk_scale, True, True, BLOCK_M, ROWS, col_layout,
-                                              a_layout)
+            if (m0 <= any_hi) & (
+                m0 + BLOCK_M > any_lo
+            ):  # a block none of these keys' queries lie in: skipped
+                st, dpt, dk, dv = _dkdv_block(
+                    k_mine,
+                    v_mine,
+                    q_smem.index(s),
+                    do_smem.index(s),
+                    lse_smem.index(s),
+                    delta_smem.index(s),
+                    st,
+                    dpt,
+                    dk,
+                    dv,
+                    m0,
+                    n0 + row0,
+                    lo,
+                    lo,
+                    hi,
+                    full_lo,
+                    full_hi,
+                    qk_scale,
+                    True,
+                    True,
+                    BLOCK_M,
+                    ROWS,
+                    col_layout,
+                    a_layout,
+                )
             mbarrier.arrive(empty.index(s))
             t += 1
         k_mine.store((dk * sm_scale).to(dtype))
         v_mine.store(dv.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [b, hk, n0 + row0, 0],
-                                        k_smem.index(kb).reshape(box).slice(row0, ROWS, dim=2))
-        tma.async_copy_shared_to_global(dv_desc, [b, hk, n0 + row0, 0],
-                                        v_smem.index(kb).reshape(box).slice(row0, ROWS, dim=2))
+        tma.async_copy_shared_to_global(
+            dk_desc, [b, hk, n0 + row0, 0], k_smem.index(kb).reshape(box).slice(row0, ROWS, dim=2)
+        )
+        tma.async_copy_shared_to_global(
+            dv_desc, [b, hk, n0 + row0, 0], v_smem.index(kb).reshape(box).slice(row0, ROWS, dim=2)
+        )
         i += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                              sdob, sdoh, sdos, sdkb, sdkh, sdks, sdvb, sdvh, sdvs, S, H, GROUP, B, S_KEY, qk_scale,
-                              sm_scale, ITEM_PAIRS, CAUSAL: gl.constexpr, HAS_DOCS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              num_warps: gl.constexpr):
+def _attn_bwd_dkdv_persistent(
+    Q,
+    K,
+    V,
+    DO,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    BOUNDS,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    sdkb,
+    sdkh,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvs,
+    S,
+    H,
+    GROUP,
+    B,
+    S_KEY,
+    qk_scale,
+    sm_scale,
+    ITEM_PAIRS,
+    CAUSAL: gl.constexpr,
+    HAS_DOCS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """dK/dV made persistent (one program per SM over (batch, KV head, key block) items; two 4-warp consumers):
     K/V double-buffered and each item's key ranges stored by the producer, so that an item's K/V loads, set-up
     and result stores overlap the neighbouring items' matmuls."""
@@ -354,12 +828,37 @@ def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh
     HKV = H // GROUP
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     smem4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    q_desc, do_desc, k_desc, v_desc = head_descriptors(Q, K, V, DO, sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
-                                                       sdob, sdoh, sdos, S, H, HKV, B, HEAD_DIM, BLOCK_M, BLOCK_N)
-    dk_desc = tma.make_tensor_descriptor(DK, [B, HKV, S, HEAD_DIM], [sdkb, sdkh, sdks, 1], [1, 1, ROWS, HEAD_DIM],
-                                         smem4)
-    dv_desc = tma.make_tensor_descriptor(DV, [B, HKV, S, HEAD_DIM], [sdvb, sdvh, sdvs, 1], [1, 1, ROWS, HEAD_DIM],
-                                         smem4)
+    q_desc, do_desc, k_desc, v_desc = head_descriptors(
+        Q,
+        K,
+        V,
+        DO,
+        sqb,
+        sqh,
+        sqs,
+        skb,
+        skh,
+        sks,
+        svb,
+        svh,
+        svs,
+        sdob,
+        sdoh,
+        sdos,
+        S,
+        H,
+        HKV,
+        B,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+    )
+    dk_desc = tma.make_tensor_descriptor(
+        DK, [B, HKV, S, HEAD_DIM], [sdkb, sdkh, sdks, 1], [1, 1, ROWS, HEAD_DIM], smem4
+    )
+    dv_desc = tma.make_tensor_descriptor(
+        DV, [B, HKV, S, HEAD_DIM], [sdvb, sdvh, sdvs, 1], [1, 1, ROWS, HEAD_DIM], smem4
+    )
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem)
     v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], smem)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], smem)
@@ -372,17 +871,118 @@ def _attn_bwd_dkdv_persistent(Q, K, V, DO, LSE2, DELTA, DK, DV, BOUNDS, sqb, sqh
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    init_ring(kv_ready, kv_empty, 2, 2, True)  # ready: the TMA's expect and the producer's arrive (the set-up)
+    init_ring(
+        kv_ready, kv_empty, 2, 2, True
+    )  # ready: the TMA's expect and the producer's arrive (the set-up)
     init_ring(ready, empty, STAGES, 2, True)  # ready: the TMA's expect and the producer's arrive (lse, delta)
     n_items = gl.cdiv(S, BLOCK_N) * B * HKV
-    gl.warp_specialize([
-        (_dkdv_consumer_p, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready,
-                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ITEM_PAIRS, 0, qk_scale,
-                            sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
-        (_dkdv_consumer_p, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, rows_smem, meta_smem, kv_ready,
-                            kv_empty, ready, empty, dk_desc, dv_desc, S, H, GROUP, B, n_items, ITEM_PAIRS, ROWS,
-                            qk_scale, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, ROWS, STAGES, num_warps)),
-        (_dkdv_producer_p, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                            rows_smem, meta_smem, kv_ready, kv_empty, ready, empty, LSE2, DELTA, BOUNDS, S, H, GROUP,
-                            B, n_items, ITEM_PAIRS, CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N, STAGES, ROWS)),
-    ], [num_warps, 1], [240, 24])
+    gl.warp_specialize(
+        [
+            (
+                _dkdv_consumer_p,
+                (
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    lse_smem,
+                    delta_smem,
+                    rows_smem,
+                    meta_smem,
+                    kv_ready,
+                    kv_empty,
+                    ready,
+                    empty,
+                    dk_desc,
+                    dv_desc,
+                    S,
+                    H,
+                    GROUP,
+                    B,
+                    n_items,
+                    ITEM_PAIRS,
+                    0,
+                    qk_scale,
+                    sm_scale,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    ROWS,
+                    STAGES,
+                    num_warps,
+                ),
+            ),
+            (
+                _dkdv_consumer_p,
+                (
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    lse_smem,
+                    delta_smem,
+                    rows_smem,
+                    meta_smem,
+                    kv_ready,
+                    kv_empty,
+                    ready,
+                    empty,
+                    dk_desc,
+                    dv_desc,
+                    S,
+                    H,
+                    GROUP,
+                    B,
+                    n_items,
+                    ITEM_PAIRS,
+                    ROWS,
+                    qk_scale,
+                    sm_scale,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_N,
+                    ROWS,
+                    STAGES,
+                    num_warps,
+                ),
+            ),
+            (
+                _dkdv_producer_p,
+                (
+                    q_desc,
+                    do_desc,
+                    k_desc,
+                    v_desc,
+                    k_smem,
+                    v_smem,
+                    q_smem,
+                    do_smem,
+                    lse_smem,
+                    delta_smem,
+                    rows_smem,
+                    meta_smem,
+                    kv_ready,
+                    kv_empty,
+                    ready,
+                    empty,
+                    LSE2,
+                    DELTA,
+                    BOUNDS,
+                    S,
+                    H,
+                    GROUP,
+                    B,
+                    n_items,
+                    ITEM_PAIRS,
+                    CAUSAL,
+                    HAS_DOCS,
+                    BLOCK_M,
+                    BLOCK_N,
+                    STAGES,
+                    ROWS,
+                ),
+            ),
+        ],
+        [num_warps, 1],
+        [240, 24],
+    )
