@@ -528,9 +528,8 @@ def run_speculative(flavor: str, s: dict) -> dict:
     dev = s["device"]
     dtype = getattr(torch, s["spec_dtype"])
     text = code_prompt(512 if dev != "cpu" else 48)
-    restart = (
-        32 if dev != "cpu" else 8
-    )  # the prompt repeats the source's first bytes: the model goes on from there
+    # the prompt repeats the source's first bytes: the model goes on from there
+    restart = 32 if dev != "cpu" else 8
     fitted = None
     if s["spec_fit_steps"]:
         model = loom_model(flavor, dev, s["compile"], torch.float32)
@@ -568,9 +567,8 @@ def run_speculative(flavor: str, s: dict) -> dict:
 
     plain = measure(False)
     reference = measure(Oracle(k, 0.0, None, vocab))  # the tokens every speculative run with this k gives
-    if (
-        fitted is not None
-    ):  # how much of plain decoding's output is the source going on (memorized, not looping)
+    # how much of plain decoding's output is the source going on (memorized, not looping)
+    if fitted is not None:
         source = text[restart : restart + len(plain["tokens"])]
         fitted["output_follows_source"] = sum(a == b for a, b in zip(plain["tokens"], source)) / len(source)
     out = {

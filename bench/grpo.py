@@ -181,9 +181,8 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
     records = trainer.fit()
     wall = time.perf_counter() - t0
     export(trainer, out_folder)
-    per_step = (
-        cfg.training.global_batch_size * cfg.training.seq_len
-    )  # the tokens each record's tokens_per_s counts
+    # the tokens each record's tokens_per_s counts
+    per_step = cfg.training.global_batch_size * cfg.training.seq_len
     step_s = [per_step / r["tokens_per_s"] for r in records]
     assert [r["step"] for r in records] == list(range(1, cfg.training.steps + 1)), "metrics.every must be 1"
     timed = records[a.skip_steps :]

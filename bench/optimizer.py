@@ -26,9 +26,8 @@ BYTES_PER_PARAM = 28
 
 def make_model(flavor: str) -> torch.nn.Module:
     args = FLAVORS[flavor]
-    if (
-        not args.vocab_size
-    ):  # a flavor without its own vocabulary: the byte tokenizer's, rounded as training rounds it
+    # a flavor without its own vocabulary: the byte tokenizer's, rounded as training rounds it
+    if not args.vocab_size:
         from loom.data.tokenizers import ByteTokenizer
         from loom.models.llama import round_vocab
 

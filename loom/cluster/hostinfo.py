@@ -226,9 +226,8 @@ def parse_topo_matrix(text: str) -> dict:
     for ln in lines:
         tokens = ln.split()
         if header is None:
-            if (
-                "GPU0" in tokens
-            ):  # the header comes first; the rows follow it up to a blank line or the legend
+            # the header comes first; the rows follow it up to a blank line or the legend
+            if "GPU0" in tokens:
                 header = tokens
             continue
         if not tokens or tokens[0].startswith("Legend"):

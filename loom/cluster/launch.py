@@ -265,9 +265,8 @@ def run_launches(launches: list[HostLaunch], *, grace_s: float = 60.0, out=None)
             codes = [p.poll() for p in procs]  # every one polled: a failure is seen while others still run
             failed = [c for c in codes if c not in (None, 0)]
             if failed or None not in codes:
-                code = (
-                    (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
-                )  # killed by N: 128 + N
+                # killed by N: 128 + N
+                code = (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:

@@ -218,9 +218,8 @@ def build_config(file: str | None = None, overrides: dict[str, Any] | None = Non
         setattr(getattr(cfg, section), name, value)
     if "optimizer.warmup_steps" not in values:  # the default warmup shrinks to fit a short run
         cfg.optimizer.warmup_steps = min(cfg.optimizer.warmup_steps, cfg.training.steps // 10)
-    if (
-        "run.dir" not in values
-    ):  # each objective its own run dir: `loom train`, then `... objective sft`, both run
+    # each objective its own run dir: `loom train`, then `... objective sft`, both run
+    if "run.dir" not in values:
         cfg.run.dir = f"runs/{cfg.training.objective}"
     if "data.document_positions" not in values and cfg.training.objective == "sft":
         cfg.data.document_positions = True  # packed conversations never attend to each other

@@ -273,9 +273,8 @@ def load_template(spec: str, tokenizer) -> ChatTemplate:
     if path is not None and os.path.basename(path) == "tokenizer.json":
         folder = os.path.dirname(path)
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-    if (
-        path is None
-    ):  # the byte tokenizer: its special tokens under the names its tokenizer.json export gives them
+    # the byte tokenizer: its special tokens under the names its tokenizer.json export gives them
+    if path is None:
         variables = {
             "bos_token": tokenizer.token(tokenizer.bos_id),
             "eos_token": tokenizer.token(tokenizer.eos_id),

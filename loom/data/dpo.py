@@ -191,9 +191,8 @@ class PairFile:
         self.kept = torch.nonzero(fits.view(-1, 2).all(dim=1)).flatten()  # pair indices of the file
         self.n_pairs = len(self.starts) // 2
         n = len(self.kept)
-        self.n_val = (
-            max(1, int(n * val_fraction)) if val_fraction > 0 and n >= 2 else 0
-        )  # as windows are split
+        # as windows are split
+        self.n_val = max(1, int(n * val_fraction)) if val_fraction > 0 and n >= 2 else 0
         self.n_train = n - self.n_val
         if self.n_train < 1:
             raise UserError(
@@ -238,9 +237,8 @@ def pair_batch(source: PairFile, ids: list[int], pad_id: int, ref: torch.Tensor 
             inputs[row, :n], documents[row, :n] = tokens, 0
             labels[row, : n - 1] = torch.where((flags[1:] & FLAG_LOSS) > 0, tokens[1:], IGNORE)
     positions = torch.arange(s).expand(2 * b, s).contiguous()
-    refs = (
-        None if ref is None else ref[torch.tensor(ids, dtype=torch.int64)].T.flatten().contiguous()
-    )  # (2B,)
+    # (2B,)
+    refs = None if ref is None else ref[torch.tensor(ids, dtype=torch.int64)].T.flatten().contiguous()
     return MicroBatch(inputs, labels, positions, documents, refs)
 
 

@@ -171,9 +171,8 @@ class Engine:
         self._parked = False  # caches kept but out of the model (``park``)
         self._select: torch.Tensor | None = None
         self._hook = model.norm.register_forward_hook(self._last_positions)
-        self._packed = (
-            pack and packed_groups(model) > 0
-        )  # before compiling: the blocks trace the packed matmuls
+        # before compiling: the blocks trace the packed matmuls
+        self._packed = pack and packed_groups(model) > 0
         self._compiled = []
         if self.compile:
             for block in model.layers.values():

@@ -41,9 +41,8 @@ def absorbed_attention(
     query length, (B, 1, H*S, R + Dr), so SDPA sees one key/value head and reads each slot once."""
     bsz, seq, heads, _ = q_lat.shape
     length = cache.shape[1]
-    q = (
-        torch.cat([q_lat, q_pe], dim=-1).permute(0, 2, 1, 3).reshape(bsz, 1, heads * seq, -1)
-    )  # (B, 1, H*S, R + Dr)
+    # (B, 1, H*S, R + Dr)
+    q = torch.cat([q_lat, q_pe], dim=-1).permute(0, 2, 1, 3).reshape(bsz, 1, heads * seq, -1)
     k = cache[:, None]  # (B, 1, L, R + Dr)
     v = cache[:, None, :, :rank]  # (B, 1, L, R)
     m = mask[:, :, None].expand(bsz, 1, heads, seq, length).reshape(bsz, 1, heads * seq, length)

@@ -22,9 +22,8 @@ def inference_styles(plan: dict) -> dict:
     for path, style in plan.items():
         kind = type(style).__name__
         if kind == "ColwiseParallel":
-            out[path] = (
-                ColwiseParallel()
-            )  # replicated in, this rank's heads / hidden units out (a plain tensor)
+            # replicated in, this rank's heads / hidden units out (a plain tensor)
+            out[path] = ColwiseParallel()
         elif kind == "RowwiseParallel":
             out[path] = RowwiseParallel()  # this rank's part in, all-reduced out (a plain tensor)
     return out

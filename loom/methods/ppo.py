@@ -87,9 +87,8 @@ class ProximalPolicy(Objective):
         mask = (mb.labels != IGNORE).float()  # (B, S) the completion tokens
         # (B, S, V), (B, S)
         logits, values = policy_forward(model, mb.inputs, mb.labels, positions, forward_with_values)
-        if (
-            mb.warmup
-        ):  # the value head joins with weight 0: DDP expects a gradient for every trained parameter
+        # the value head joins with weight 0: DDP expects a gradient for every trained parameter
+        if mb.warmup:
             return -(token_logps(logits, mb.labels) * mask).sum() + 0.0 * values.sum()
         logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)
         pg, pg_clipped = policy_losses(logps, mb.old_logps, mb.advantages, p.cliprange)

@@ -217,9 +217,8 @@ class ParallelDims:
             shape = [sizes.get(a) or getattr(self, a) for a in EXPERT_AXIS_ORDER]
             experts = init_device_mesh(device_type, tuple(shape), mesh_dim_names=EXPERT_AXIS_ORDER)
             self._flat["ep"] = experts["ep"]
-            if (
-                self.etp > 1
-            ):  # the experts' own 2-D mesh: sharded over ep (which experts) and tp (their width)
+            # the experts' own 2-D mesh: sharded over ep (which experts) and tp (their width)
+            if self.etp > 1:
                 self._flat["ep_tp"] = experts["ep", "tp"]
             self._flat["edp"] = experts["edp"]
             self._flat["experts_dp"] = (

@@ -52,9 +52,8 @@ def quantize_base(model: nn.Module) -> int:
         if is_nf4(w):
             continue
         check_nf4_shape(name + ".weight", w, shard_count(w))
-        device = (
-            m.lora_A.weight.device
-        )  # where compute runs: the base may still be in host memory (host_weight)
+        # where compute runs: the base may still be in host memory (host_weight)
+        device = m.lora_A.weight.device
         if isinstance(w, DTensor):
             if any(p.is_shard() and p.dim != 0 for p in w.placements):
                 raise ConfigError(

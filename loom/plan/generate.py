@@ -177,9 +177,8 @@ def decode_step(
     compute = flops / (gpu.peak(dtype) * efficiency(args.dim, compiled=True))
     hbm = gpu.hbm_tbps * 1e12
     comm = 0.0
-    if (
-        tp > 1
-    ):  # per block: attention's and the MLP's row-parallel outputs; the embedding's; the logits gathered
+    # per block: attention's and the MLP's row-parallel outputs; the embedding's; the logits gathered
+    if tp > 1:
         bw, act = tp_bandwidth(gpu, tp), batch * args.dim * BYTES[dtype]
         comm = (2 * args.n_layers + 1) * all_reduce_s(act, tp, bw) + all_gather_s(
             batch * args.vocab_size * BYTES[dtype], tp, bw
@@ -268,9 +267,8 @@ def prefill(
     )
     read = weight_bytes(args, tp, dtype) + kv_cache_bytes(args, batch, prompt_len, kv_dtype, tp)
     comm = 0.0
-    if (
-        tp > 1
-    ):  # per block two all-reduces of the activations (or sequence parallelism's gathers and scatters)
+    # per block two all-reduces of the activations (or sequence parallelism's gathers and scatters)
+    if tp > 1:
         comm = 2 * args.n_layers * all_reduce_s(tokens * args.dim * BYTES[dtype], tp, tp_bandwidth(gpu, tp))
     return Prefill(matmul + attention, compute, read / (DECODE_HBM_SHARE_BATCHED * gpu.hbm_tbps * 1e12), comm)
 
@@ -280,9 +278,8 @@ def prefill_activations(args, batch: int, prompt_len: int, tp: int, dtype: str) 
     for its all-gathered input, and the last positions' logits (all-gathered; plus an fp32 copy for sampling)."""
     from loom.plan.activations import forward_peak
 
-    traced = (
-        args.with_(attention="flash") if args.attention == "flex" else args
-    )  # no Flex on fake CPU tensors
+    # no Flex on fake CPU tensors
+    traced = args.with_(attention="flash") if args.attention == "flex" else args
     block = forward_peak(traced, batch, prompt_len, dtype)
     gathered = batch * prompt_len * args.dim * BYTES[dtype] * (1 - 1 / tp)
     return block / tp + gathered + batch * args.vocab_size * (BYTES[dtype] + 4)

@@ -98,9 +98,8 @@ def state_memory(params: float, x: MemoryInputs) -> Memory:
     """fp32 weights, fp32 gradients and AdamW moments of ``params`` (one tp rank's share)."""
     if x.cpu_offload:
         return Memory()
-    if (
-        x.shard > 1
-    ):  # FSDP2 (ZeRO 2 and 3) keeps all three sharded between uses; zero 2's gathered copies: gathered
+    # FSDP2 (ZeRO 2 and 3) keeps all three sharded between uses; zero 2's gathered copies: gathered
+    if x.shard > 1:
         weights, grads, optimizer = stage_state(params, x.shard, 3, 4, 4, 8)
     else:
         weights, grads, optimizer = stage_state(
@@ -118,9 +117,8 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     root = share.params(x.tp) - share.layers * block
     block -= x.expert_params * (1 - 1 / (x.ep * x.etp))  # only its own experts (ep), its width slice (etp)
     grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
-    staging = (
-        4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
-    )  # fp32 shards copied in, then cast
+    # fp32 shards copied in, then cast
+    staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
     return compute * (gathered_layers * block + root) + grads + staging
 
 
@@ -189,9 +187,8 @@ def stage_activation(
     if x.tp > 1:
         gathered_inputs = 2 * layers * stored + (1 if last else 0)
         held += gathered_inputs * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
-    if (
-        x.etp > 1
-    ):  # tensor-parallel experts keep the tp group's routed slots whole (the permuted inputs of the
+    # tensor-parallel experts keep the tp group's routed slots whole (the permuted inputs of the
+    if x.etp > 1:
         # grouped GEMMs and the experts' outputs, k slots a token): estimated from the tensors kept, not measured
         held += 2 * args.moe_top_k * layers * stored * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
     if x.cp > 1 and ac != "full" and not x.cp_ring:

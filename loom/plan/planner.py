@@ -343,9 +343,8 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     activations = stage_activation(profile, share.layers, True, x, args, ac, stored)
     held_fixed = (share.layers * profile.layer_fixed + profile.head_fixed) / dims.tp
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
-    grads_before = (
-        state.gradients if m > 1 else 0.0
-    )  # earlier micro-batches' (accumulated or sharded) gradients
+    # earlier micro-batches' (accumulated or sharded) gradients
+    grads_before = state.gradients if m > 1 else 0.0
     return with_workspace(step_peak(state, gathered, cache, activations, backward, grads_before))
 
 
@@ -382,9 +381,8 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     own = held_params(share, x) / x.shard
     st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
-    if (
-        x.cpu_offload
-    ):  # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
+    # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
+    if x.cpu_offload:
         st.optimizer = host_step_s(own, m)
         st.fsdp += offload_copies_s(own, root_share(share, args, x), x, compute_mb, m, dims.world_size, gpu)
     c = BYTES[t.dtype]
@@ -402,9 +400,8 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
         bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
         per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.layers * per_block
-    if (
-        dims.etp > 1
-    ):  # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
+    # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
+    if dims.etp > 1:
         rerun = moe_rerun(
             t.activation_checkpointing, t.ac_every, args.n_layers
         )  # per block, forward and backward
@@ -610,9 +607,8 @@ def candidates(
                                 c.parallel.pp_virtual_stages = 0
                                 c.parallel.etp = 1
                                 c.parallel.cpu_offload = offload
-                                c.parallel.zero = (
-                                    -1
-                                )  # the degrees above decide; the stages are variants below
+                                # the degrees above decide; the stages are variants below
+                                c.parallel.zero = -1
                                 c.training.micro_batch_size = mb
                                 c.training.activation_checkpointing = ac
                                 out.append(c)

@@ -106,9 +106,8 @@ def _ops(cfg, dims, args, m, x, shares, link) -> tuple[list[Op], dict]:
     share = max(shares, key=lambda s: (s.layers, any(s.last)))
     c = BYTES[t.dtype]
     tp, cp = dims.tp, dims.cp
-    tokens = (
-        x.micro_batch * t.seq_len / cp
-    )  # per micro-batch on this rank (whole, as the matmuls see them under SP)
+    # per micro-batch on this rank (whole, as the matmuls see them under SP)
+    tokens = x.micro_batch * t.seq_len / cp
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
     n = share.layers * m  # block calls per step
     e, hd, hq, hkv, f = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim

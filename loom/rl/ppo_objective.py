@@ -278,9 +278,8 @@ class PpoRollouts(RolloutLoader):
             set_reference(self)  # the policy as PPO starts (after the warm-up); on a resume, read back
             self._reference_set = True
         model = engine.parts[0]
-        if (
-            p.critic == "model" and self.step == self.warmup + 1
-        ):  # PPO starts here (a resumed run keeps its critic)
+        # PPO starts here (a resumed run keeps its critic)
+        if p.critic == "model" and self.step == self.warmup + 1:
             copy_trunk(model, model.critic)
         model.eval()
         logps, values, refs = [], [], []

@@ -403,9 +403,8 @@ class RolloutLoader:
 
     def next_step(self, with_hash: bool = False) -> StepData:
         now = time.perf_counter()
-        trained = (
-            None if self._handed_out is None else now - self._handed_out
-        )  # the last step's training time
+        # the last step's training time
+        trained = None if self._handed_out is None else now - self._handed_out
         self.step += 1
         if self.step <= self.warmup or self.engine is None:  # (the engine may peek before binding)
             batches = self.worked_examples()

@@ -166,9 +166,8 @@ def init_distributed(
             from loom.runtime.rendezvous import worker_store
 
             backend = choose_backend(backend, device.type, cpu_offload)
-            store = (
-                worker_store()
-            )  # a file-rendezvous agent's workers meet over its FileStore, not a TCP port
+            # a file-rendezvous agent's workers meet over its FileStore, not a TCP port
+            store = worker_store()
             where = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
             dist.init_process_group(
                 backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout, **where

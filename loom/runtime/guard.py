@@ -25,9 +25,8 @@ class Preemption:
         self.requested, self.reason = False, ""
         self._timer: threading.Timer | None = None
         self._old: dict = {}
-        self._worker = (
-            "TORCHELASTIC_RUN_ID" in os.environ
-        )  # started by an elastic agent (loom's or torchrun's)
+        # started by an elastic agent (loom's or torchrun's)
+        self._worker = "TORCHELASTIC_RUN_ID" in os.environ
         if threading.current_thread() is threading.main_thread():
             self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         self._done = threading.Event()

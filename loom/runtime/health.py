@@ -222,9 +222,8 @@ class Health:
             return
         import torch.distributed as dist
 
-        if (
-            timeout_s is None
-        ):  # before training (the checkpoint manager's start, the resume): the start-up timeout
+        # before training (the checkpoint manager's start, the resume): the start-up timeout
+        if timeout_s is None:
             timeout_s = (
                 self.timeout_s
                 if self.phase != "start-up"

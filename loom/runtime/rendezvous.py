@@ -63,9 +63,8 @@ def _create_handler(params):
 
         def next_rendezvous(self):
             info = super().next_rendezvous()
-            if (
-                info.rank == 0
-            ):  # the round's store is fresh each round: one prefix per round, chosen by node 0
+            # the round's store is fresh each round: one prefix per round, chosen by node 0
+            if info.rank == 0:
                 info.store.set(_TOKEN_KEY, f"loom_pg/{uuid.uuid4().hex}")
             prefix = info.store.get(_TOKEN_KEY).decode()
             os.environ[PG_STORE_ENV] = f"{prefix}@{path}"  # the agent starts its workers with its environment

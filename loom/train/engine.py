@@ -174,9 +174,8 @@ class Engine:
         # every cross-field rule (the method's too); the model's come with the tokenizer
         self.run = resolve(cfg, self.env.world_size, rules=rules)
         self.dims, self.accum = self.run.dims, self.run.accum
-        if (
-            self.dims.distributed or cfg.parallel.cpu_offload
-        ):  # offload runs FSDP2, on a 1-rank mesh when alone
+        # offload runs FSDP2, on a 1-rank mesh when alone
+        if self.dims.distributed or cfg.parallel.cpu_offload:
             ensure_process_group(self.env, cfg.parallel.backend, cfg.parallel.cpu_offload)
             self.dims.build_mesh(self.device.type)
             for line in check_placement(
@@ -412,9 +411,8 @@ class Engine:
         if cfg.lora.rank and cfg.lora.init_from:
             for part in self.parts:
                 load_peft_adapter(part, cfg.lora, whole_model=pm.plan is None)
-        if (
-            cfg.lora.rank and cfg.lora.base_dtype == "nf4"
-        ):  # QLoRA: the base is final now; before the first forward
+        # QLoRA: the base is final now; before the first forward
+        if cfg.lora.rank and cfg.lora.base_dtype == "nf4":
             for part in self.parts:
                 quantize_base(part)
         self.params = unique_params(self.parts)
@@ -452,9 +450,8 @@ class Engine:
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        opt_device = (
-            torch.device("cpu") if cfg.parallel.cpu_offload else self.device
-        )  # offload: state on the host
+        # offload: state on the host
+        opt_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
         shard = None
         if self.dims.shard_optimizer:  # ZeRO-1: each DDP replica steps its own parameters (loom.train.zero)
             shard = OptimizerShard(
@@ -573,9 +570,8 @@ class Engine:
             None,
         ) or self.steps.step(mbs, grad_scale)
         stats = self.objective_stats(denominator)
-        if (
-            self.dims.ep_enabled
-        ):  # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
+        # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
+        if self.dims.ep_enabled:
             scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
         for hook in self.hooks:

@@ -94,9 +94,8 @@ class Loop:
         if not batches:
             return None
         total, count, self.val_stats = self.engine.evaluate(batches)
-        if (
-            float(count) == 0
-        ):  # held-out windows without a target (SFT: no assistant token): no loss to report
+        # held-out windows without a target (SFT: no assistant token): no loss to report
+        if float(count) == 0:
             if self.env.is_main and not quiet:
                 print(
                     f"step {self.step}: warning: the validation batches hold nothing to evaluate (targets 0): no "
@@ -341,9 +340,8 @@ class Loop:
                 if self.step >= cfg.training.steps:
                     continue
                 logs = self._logs_at(self.step + 1)
-                position = (
-                    self.loader.state_dict() if may_abort else None
-                )  # a step not committed reruns its batch
+                # a step not committed reruns its batch
+                position = self.loader.state_dict() if may_abort else None
                 with self.stragglers.data_wait(), nvtx_range("data_wait"):
                     data = self.loader.next_step(
                         with_hash=self.env.is_main and logs

@@ -92,9 +92,8 @@ class NoiseScaleProbe(StepHook):
         """``steps.step`` over ``mbs``, noting the first micro-batch's gradient norm; returns its StepResult."""
         with self._no_sync():  # under DDP the first micro-batch must not reduce (it is not the step's last)
             first = self.steps.step(mbs[:1], grad_scale)
-        norm = (
-            self.steps.grad_norm().to(torch.float64) / loss_scale
-        )  # |A_1|: this micro-batch times grad_scale
+        # |A_1|: this micro-batch times grad_scale
+        norm = self.steps.grad_norm().to(torch.float64) / loss_scale
         count = self.count(mbs[0]).to(device=norm.device, dtype=torch.float64)
         rest = self.steps.step(mbs[1:], grad_scale)
         self._pending = (norm, count)
@@ -110,9 +109,8 @@ class NoiseScaleProbe(StepHook):
         if self.local:
             # A_1 = grad_scale x (this rank's summed gradient) = ranks / B_big x sum: its mean is A_1 B_big / (ranks b)
             small_sq = (norm * b_big / (ranks * count.clamp(min=1))) ** 2
-            both = (
-                self.dims.data_sum(torch.stack([small_sq, count])) / ranks
-            )  # the ranks' mean estimate and size
+            # the ranks' mean estimate and size
+            both = self.dims.data_sum(torch.stack([small_sq, count])) / ranks
             small_sq, b_small = both[0], both[1]
         else:  # reduced in backward: A_1 = (every rank's first micro-batch summed) / B_big
             b_small = self.dims.data_sum(count.clone())

@@ -54,9 +54,8 @@ class TritonAdamW(torch.optim.AdamW):
                 state = self._state_of(p)
                 state["step"] += 1
                 factor = None
-                if (
-                    grad_factor is not None
-                ):  # once per device (offloaded shards on the host, the factor on the GPU)
+                # once per device (offloaded shards on the host, the factor on the GPU)
+                if grad_factor is not None:
                     device = _local(p).device
                     if device not in factors:
                         factors[device] = torch.as_tensor(
@@ -205,9 +204,8 @@ class OptimizerParts:
             skip = finite.to(
                 torch.float32
             ).reciprocal()  # 1, or inf: a factor that is not finite skips the update
-            factor = (
-                skip if grad_factor is None else grad_factor * skip
-            )  # (no host value reaches the device: no sync)
+            # (no host value reaches the device: no sync)
+            factor = skip if grad_factor is None else grad_factor * skip
             for opt in self.optimizers:
                 if not isinstance(opt, TritonAdamW):  # on the parameters' device (the host under cpu_offload)
                     opt.found_inf = (~finite).to(torch.float32).to(opt.param_groups[0]["params"][0].device)
@@ -245,9 +243,8 @@ class OptimizerParts:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
-        if (
-            self.shard is not None
-        ):  # ZeRO-1: the gradients of parameters other replicas step (DDP fills them all)
+        # ZeRO-1: the gradients of parameters other replicas step (DDP fills them all)
+        if self.shard is not None:
             held = {id(p) for p in self.params}
             for p in self.all_params:
                 if id(p) not in held and p.grad is not None:

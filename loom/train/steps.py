@@ -195,9 +195,8 @@ class PipelineStep:
         return total
 
     def grad_norm(self) -> torch.Tensor:
-        sq = (
-            global_grad_norm(self.norm_params).to(self.ctx.device) ** 2
-        )  # each stage's share, tied weight once
+        # each stage's share, tied weight once
+        sq = global_grad_norm(self.norm_params).to(self.ctx.device) ** 2
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
 

@@ -82,9 +82,8 @@ def _serve(rank: int, world: int, port: int, backend: str, inbox, outbox) -> Non
             generation += 1
         reply = _run_job(fn, rank, world, tmp)
         _tidy()
-        if (
-            dist.is_initialized()
-        ):  # every job gets a fresh group: the meshes' subgroups (and their gloo threads,
+        # every job gets a fresh group: the meshes' subgroups (and their gloo threads,
+        if dist.is_initialized():
             _teardown(dist)  # thousands after a few dozen jobs, each waking up) go with it
         outbox.put((rank, *reply))
     _exit_now()
@@ -309,9 +308,8 @@ def run_jobs(world: int, jobs: list[dict], tmp_dir: str, fresh: bool = False) ->
             pool.close()
     else:
         results = pool_call(world, functools.partial(_jobs_on_rank, jobs), tmp_dir)
-        if (
-            any("error" in r for r in results) and (world, "gloo") in _POOLS
-        ):  # start afresh after a failed job
+        # start afresh after a failed job
+        if any("error" in r for r in results) and (world, "gloo") in _POOLS:
             _POOLS.pop((world, "gloo")).close()
     _log_times(world, jobs, results)
     return results

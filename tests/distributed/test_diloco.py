@@ -213,9 +213,8 @@ def test_bytes_across_groups_are_one_over_h_of_synchronous(runs):
     assert 4 * 4 * runs["shard_params"] <= sync <= 4 * 4 * runs["shard_params"] * 1.01, figures
     # H = 2 over 6 steps: 3 synchronizations; per step 1/H of the synchronous bytes (1/(2H) on the bf16 wire)
     assert (runs["bytes_h2"] / 6) / (sync / 4) == pytest.approx(per_param / 4 / 2, rel=0.01), figures
-    assert (
-        runs["bytes_h2"] - runs["bytes_h2_reported"] <= 6 * 16
-    )  # beside the outer all-reduces: scalars a step
+    # beside the outer all-reduces: scalars a step
+    assert runs["bytes_h2"] - runs["bytes_h2_reported"] <= 6 * 16
     assert runs["bytes_h2_reported"] == 3 * per_param * runs["shard_params"]
 
 

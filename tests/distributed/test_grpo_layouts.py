@@ -115,9 +115,8 @@ def test_ddp2_step_equals_single_process(results, name):
     assert all(r["grad_norm"] > 0.1 for r in ref)  # every step trains (the first is the warm-up's)
     if name == "dapo-copy-iter2":  # the second iteration on a batch of rollouts clips; the KL term is live
         assert max(r["clip_ratio/low"] + r["clip_ratio/high"] for r in ref[1:]) > 0.1
-        assert (
-            abs(ref[1]["kl"]) < 1e-6 < min(r["kl"] for r in ref[2:])
-        )  # the reference: the policy as GRPO starts
+        # the reference: the policy as GRPO starts
+        assert abs(ref[1]["kl"]) < 1e-6 < min(r["kl"] for r in ref[2:])
     for a, b in zip(got, ref):
         for key in KEYS:
             if b[key] is None:

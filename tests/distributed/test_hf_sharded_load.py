@@ -228,9 +228,8 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
             ).parts[0]
             CountingFile.log.clear()
             load_hf_weights(model, folder)
-            if (
-                parallel.etp > 1
-            ):  # w1 / w3 (n, E, H) split on H, w2 (n, H, E) on H; the rest is TP's own layout
+            # w1 / w3 (n, E, H) split on H, w2 (n, H, E) on H; the rest is TP's own layout
+            if parallel.etp > 1:
                 for name, param in model.named_parameters():
                     if stacked_experts(name):
                         whole = torch.stack([full[src].T for src in hf_expert_names(name, param.shape[0])])

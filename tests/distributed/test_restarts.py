@@ -258,9 +258,8 @@ def test_an_attempt_reads_the_launch_from_the_log(tmp_path):
     """The first attempt writes ``start``; a restart (TORCHELASTIC_RESTART_COUNT, or the agent's membership record)
     takes the launch's lineage, counts the attempts and names the failures since the previous one."""
     env = {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "2"}
-    assert (
-        restarts.this_attempt(str(tmp_path), {**env, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
-    )  # none can come
+    # none can come
+    assert restarts.this_attempt(str(tmp_path), {**env, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
     first = restarts.this_attempt(str(tmp_path), env)
     assert first is not None and not first.restarted and restarts.metrics_fields(first) == {}
     restarts.begin(first, str(tmp_path), step=0, world_size=4, lineage="L1", is_main=True)

@@ -221,9 +221,8 @@ def ppo_engine_check(tmp: str, env) -> dict:
     engine = trainer.objective.loader.generator.engine
     with torch.no_grad():
         after = model(tokens)  # (2, 6, V)
-        after = (
-            after.full_tensor() if hasattr(after, "full_tensor") else after
-        )  # loss parallel's vocab shards
+        # loss parallel's vocab shards
+        after = after.full_tensor() if hasattr(after, "full_tensor") else after
         engine.allocate(2, tokens.shape[1])
         prefill = engine.prefill(tokens[:, :-1], torch.tensor([4, 4]))  # (2, V) at position 4
         engine.release()

@@ -50,9 +50,8 @@ def test_one_rank_nccl_group_runs_the_collective_tests():
         for op in ("all_reduce", "all_gather"):
             (row,) = commbench.collective_test(op, [64 << 20], iters=5, device=device)
             assert row["wrong"] == 0 and row["time_us"] > 0 and row["algbw_gbps"] > 0
-            assert (
-                row["busbw_gbps"] == 0.0
-            )  # one rank moves nothing over a link: factor 2(n-1)/n = (n-1)/n = 0
+            # one rank moves nothing over a link: factor 2(n-1)/n = (n-1)/n = 0
+            assert row["busbw_gbps"] == 0.0
         job = doctor.job_tests(Options(iters=3, matmul_size=4096), device, 0, 0, 1)
         r = Report()
         doctor.job_checks(r, job, Options(), nhosts=1)

@@ -354,9 +354,8 @@ def test_every_marker_names_the_lineage_and_a_resume_carries_it_over(tmp_path):
         first.lineage
     ] * 2
     assert lineage_manager(tmp_path, resume="auto").lineage == first.lineage
-    assert (
-        lineage_manager(tmp_path / "other", resume="auto").lineage != first.lineage
-    )  # a fresh start: a new one
+    # a fresh start: a new one
+    assert lineage_manager(tmp_path / "other", resume="auto").lineage != first.lineage
 
 
 def test_retention_removes_only_the_current_lineages_checkpoints(tmp_path):

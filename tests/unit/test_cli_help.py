@@ -170,9 +170,8 @@ def test_print_config_is_the_resolved_config_and_writes_nothing(capsys, tmp_path
     want = build_config(str(toml), {"training.steps": "7"})
     assert out == to_toml(want)
     parsed = tomllib.loads(out)
-    assert (
-        parsed["training"]["steps"] == 7 and parsed["training"]["seq_len"] == 64
-    )  # overrides < file < defaults
+    # overrides < file < defaults
+    assert parsed["training"]["steps"] == 7 and parsed["training"]["seq_len"] == 64
     assert parsed["optimizer"]["lr"] == 0.01 and parsed["run"]["dir"] == "runs/lm"
     (tmp_path / "printed.toml").write_text(out)
     assert build_config(str(tmp_path / "printed.toml")) == want  # it reads back as the same config

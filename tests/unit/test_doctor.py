@@ -382,12 +382,10 @@ def test_variables_explained_and_risky_values_warned(sysfs):
         "GLOO_SOCKET_IFNAME": OK,
     }
     assert calm["NCCL_SOCKET_IFNAME"]["note"] == "selects eth0, eth2"
-    assert (
-        _explain({"NCCL_IB_GID_INDEX": "2"}, ib_ports=ports)["NCCL_IB_GID_INDEX"]["status"] == WARN
-    )  # RoCE v1
-    assert (
-        _explain({"NCCL_SOCKET_IFNAME": "ens"}, interfaces=ifs)["NCCL_SOCKET_IFNAME"]["status"] == WARN
-    )  # no GPU
+    # RoCE v1
+    assert _explain({"NCCL_IB_GID_INDEX": "2"}, ib_ports=ports)["NCCL_IB_GID_INDEX"]["status"] == WARN
+    # no GPU
+    assert _explain({"NCCL_SOCKET_IFNAME": "ens"}, interfaces=ifs)["NCCL_SOCKET_IFNAME"]["status"] == WARN
     assert (
         _explain({"NCCL_SOCKET_IFNAME": "lo"}, interfaces=ifs, nnodes=2)["NCCL_SOCKET_IFNAME"]["status"]
         == WARN

@@ -30,9 +30,8 @@ from loom.data.tokenizers import ByteTokenizer
 from loom.models.llama import FLAVORS, Llama
 from tests.tiny import tiny_args
 
-REPLACEMENT = (
-    "\ufffd".encode()
-)  # U+FFFD as UTF-8 bytes: what ``encoding_errors = replace`` decodes bad bytes to
+# U+FFFD as UTF-8 bytes: what ``encoding_errors = replace`` decodes bad bytes to
+REPLACEMENT = "\ufffd".encode()
 
 
 # ---- helpers -----------------------------------------------------------------------------------

@@ -76,9 +76,8 @@ def test_loss_equals_trl(loss_type, beta):
     tokens = mask.sum()
     assert float((low * mask).sum() / tokens) == pytest.approx(metrics["clip_ratio/low_mean"][0], abs=1e-6)
     assert float((high * mask).sum() / tokens) == pytest.approx(metrics["clip_ratio/high_mean"][0], abs=1e-6)
-    assert (
-        metrics["clip_ratio/low_mean"][0] > 0 and metrics["clip_ratio/high_mean"][0] > 0
-    )  # both regions occur
+    # both regions occur
+    assert metrics["clip_ratio/low_mean"][0] > 0 and metrics["clip_ratio/high_mean"][0] > 0
     if beta:
         assert float((kl * mask).sum() / tokens) == pytest.approx(metrics["kl"][0], rel=1e-5)
     # the gradient too: the same function of logps

@@ -121,9 +121,8 @@ def test_the_report_from_dump_files_as_nccl_writes_them(tmp_path):
     report = report_from_dumps(str(tmp_path))
     assert report.world == 4 and report.stuck == [1]
     assert report.findings[0].op == "all_reduce" and report.findings[0].waiting == [0, 2, 3]
-    assert (
-        report_from_dumps(str(tmp_path), since=os.path.getmtime(folder / "rank_3") + 10) is None
-    )  # older dumps
+    # older dumps
+    assert report_from_dumps(str(tmp_path), since=os.path.getmtime(folder / "rank_3") + 10) is None
 
 
 def test_summarize_keeps_each_groups_last_collectives_and_its_members():
@@ -250,9 +249,8 @@ def test_distributed_debug_sets_torch_distributed_debug(monkeypatch, tmp_path):
             os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
             and os.environ["TORCH_FR_BUFFER_SIZE"] == "20000"
         )
-        assert (
-            dist.get_debug_level() == dist.DebugLevel.DETAIL
-        )  # torch.distributed read the variable at import
+        # torch.distributed read the variable at import
+        assert dist.get_debug_level() == dist.DebugLevel.DETAIL
     finally:
         monkeypatch.undo()
         dist.set_debug_level(before)

@@ -215,9 +215,8 @@ def test_dispatch_measures_attention_only_where_auto_needs_it():
             == "flash"
         )
         assert calls == [1, 1]
-        assert (
-            dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True).attention == "flash"
-        )  # untimed
+        # untimed
+        assert dispatch.resolve_kernels(auto, "cuda", compile=False, documents=True).attention == "flash"
 
 
 def _random_documents(bsz: int, seq: int, gen: torch.Generator, longest: int) -> torch.Tensor:

@@ -326,9 +326,8 @@ def test_config_rules(tmp_path):
     lite = build_config(None, {"model.flavor": "deepseek_v2_lite", "data.document_positions": "true"})
     assert model_kernels(lite, "cuda", triton=True).attention == "sdpa"
     debug = build_config(None, {"model.flavor": "debug_mla"})
-    assert (
-        mla_kernels(debug, flash, "cuda", lambda: max(args.head_dim, args.value_head_dim)) == flash
-    )  # 32 wide
+    # 32 wide
+    assert mla_kernels(debug, flash, "cuda", lambda: max(args.head_dim, args.value_head_dim)) == flash
     assert mla_kernels(lite, flash, "cpu", lambda: 192) == flash  # the reference takes any width
     with pytest.raises(ConfigError, match="model.attention.*head dims 16, 32, 64, 128.*needs 192"):
         model_kernels(

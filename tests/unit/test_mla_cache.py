@@ -109,9 +109,8 @@ def test_bytes_per_token_equal_the_formula():
     per_layer = (args.kv_lora_rank + args.qk_rope_head_dim) * 2  # bf16
     for cache in engine.caches:
         assert cache.bytes_per_token == per_layer
-        assert (
-            cache.kv.numel() * cache.kv.element_size() == per_layer * cache.batch * cache.length
-        )  # its buffers
+        # its buffers
+        assert cache.kv.numel() * cache.kv.element_size() == per_layer * cache.batch * cache.length
     assert engine.cache_bytes_per_token == args.n_layers * per_layer
     assert per_layer == args.cache_elements_per_token * 2
 

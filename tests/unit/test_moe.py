@@ -79,9 +79,8 @@ def test_grouped_gemm_matches_the_loop_over_experts_in_bf16():
 def test_balance_loss_is_one_per_sequence_when_balanced():
     bsz, seq, n, k = 3, 8, 4, 2
     probs = torch.full((bsz, seq, n), 1 / n)
-    experts = (
-        torch.arange(seq * k).remainder(n).view(1, seq, k).expand(bsz, seq, k)
-    )  # each expert seq*k/n times
+    # each expert seq*k/n times
+    experts = torch.arange(seq * k).remainder(n).view(1, seq, k).expand(bsz, seq, k)
     assert sequence_balance_loss(probs, experts, n).item() == pytest.approx(bsz)
     skewed = torch.zeros(bsz, seq, k, dtype=torch.long)  # everything to expert 0 (and its top-2 twin 0)
     skewed[..., 1] = 1
@@ -105,9 +104,8 @@ def test_balance_loss_gradient_enters_through_backward_only():
     (out.square().sum() + 0.5 * 0.25 * aux).backward()
     for (name, a), b in zip(balanced.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
-    assert (
-        ref.router.gate.weight.grad.sub(_grad_without_aux(x)).abs().max() > 1e-6
-    )  # the aux term is not nothing
+    # the aux term is not nothing
+    assert ref.router.gate.weight.grad.sub(_grad_without_aux(x)).abs().max() > 1e-6
 
 
 def test_the_parallel_extension_point_left_empty_changes_nothing():

@@ -143,9 +143,8 @@ def test_workers_of_a_killed_launcher_keep_the_run_dir_locked(tmp_path):
         env={**os.environ, LOCKED_ENV: os.path.realpath(run)},
     )
     try:
-        assert (
-            worker.stdout.readline().strip() == "held"
-        )  # its launcher (none here: as if SIGKILLed) holds nothing
+        # its launcher (none here: as if SIGKILLed) holds nothing
+        assert worker.stdout.readline().strip() == "held"
         with pytest.raises(UserError, match="workers of an earlier run are still running"):
             acquire(str(run))
     finally:

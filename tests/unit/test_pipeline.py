@@ -88,9 +88,8 @@ def test_stage_modules_keep_names_and_the_tied_weight():
     assert (
         list(middle.layers.keys()) == ["1", "2"] and middle.tok_embeddings is None and middle.output is None
     )
-    assert (
-        last.output.weight is last.tok_embeddings.weight
-    )  # the head's weight is held as tok_embeddings.weight
+    # the head's weight is held as tok_embeddings.weight
+    assert last.output.weight is last.tok_embeddings.weight
     untied = build_stage(Llama(args.with_(tie_embeddings=False)).to("meta"), [3], False, True)
     assert untied.tok_embeddings is None
 

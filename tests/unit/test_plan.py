@@ -57,17 +57,15 @@ def test_traced_activations_are_what_the_blocks_keep():
         for n, p in Llama(args.with_(n_layers=1)).layers.named_parameters()
         if not n.endswith("norm.weight")
     )
-    assert (
-        none_autocast.layer_fixed == 2 * matmul_weights
-    )  # autocast's bf16 weight copies, saved for backward
+    # autocast's bf16 weight copies, saved for backward
+    assert none_autocast.layer_fixed == 2 * matmul_weights
     assert none.backward_peak > 0
 
 
 def test_pipeline_in_flight_micro_batches():
     acts = schedule_actions("1f1b", 4, 8, 1)
-    assert (
-        pipeline_peak(acts[0], {0: 1.0}, split_backward=False) == 4
-    )  # the first stage holds pp micro-batches
+    # the first stage holds pp micro-batches
+    assert pipeline_peak(acts[0], {0: 1.0}, split_backward=False) == 4
     assert pipeline_peak(acts[3], {3: 1.0}, split_backward=False) == 1
     gpipe = schedule_actions("gpipe", 4, 8, 1)
     assert pipeline_peak(gpipe[0], {0: 1.0}, split_backward=False) == 8
@@ -362,9 +360,8 @@ def test_compiled_blocks_leave_only_the_root_in_autocasts_cache():
     eager, compiled = autocast_cache(share, args, x, False, 0.0), autocast_cache(share, args, x, True, 0.0)
     assert eager == 2 * share.params(1)
     assert compiled == 2 * (share.params(1) - args.n_layers * sum(layer_params(args)))
-    assert (
-        autocast_cache(share, args, x, False, held_fixed=eager + 1) == 0.0
-    )  # copies the backward keeps anyway
+    # copies the backward keeps anyway
+    assert autocast_cache(share, args, x, False, held_fixed=eager + 1) == 0.0
     assert autocast_cache(share, args, MemoryInputs(**{**x.__dict__, "fsdp": True}), False, 0.0) == 0.0
 
 

@@ -232,9 +232,8 @@ def test_embedded_default_runs(tmp_path):
         ):
             assert r[key] is not None and r[key] == r[key] and abs(r[key]) < 1e3, (key, r)
     assert ppo[0]["ppo/rollout_kl"] == 0.0 and ppo[0]["ppo/approx_kl"] < 1e-8  # reference = policy; ratio 1
-    assert (
-        ppo[0]["time/generation_s"] > 0 and ppo[1]["time/generation_s"] == 0
-    )  # one batch of rollouts, 4 steps
+    # one batch of rollouts, 4 steps
+    assert ppo[0]["time/generation_s"] > 0 and ppo[1]["time/generation_s"] == 0
     assert ppo[4]["time/generation_s"] > 0
     assert ppo[3]["ppo/approx_kl"] > 0  # later steps on the same rollouts have moved the policy
 
@@ -489,6 +488,5 @@ def test_init_from_loads_the_policy_beside_its_value_function(tmp_path, critic):
     model = Trainer(cfg, objective=ProximalPolicy(cfg)).parts[0]
     assert torch.equal(model.layers["0"].attention.wq.weight, base.layers["0"].attention.wq.weight)
     value = model.value_head.weight if critic == "head" else model.critic.output.weight
-    assert (
-        value.shape == (1, args.dim) and 0 < float(value.detach().std()) < 0.1
-    )  # its seeded init (std 0.02)
+    # its seeded init (std 0.02)
+    assert value.shape == (1, args.dim) and 0 < float(value.detach().std()) < 0.1

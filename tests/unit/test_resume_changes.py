@@ -500,9 +500,8 @@ def test_a_changed_seq_len_goes_on_from_the_same_data_position(base, cache, tmp_
     assert [r["tokens"] for r in recs[19:]] == [20 * 4 * 32 + i * 4 * 16 for i in range(11)]
     with open(os.path.join(ckpt(run_dir, 30), "trainer_state.json")) as fh:
         loader_state = json.load(fh)["loader"]
-    assert (
-        loader_state["seq_len"] == 16 and loader_state["consumed"] == 2 * 20 * 4 + 10 * 4
-    )  # twice the windows
+    # twice the windows
+    assert loader_state["seq_len"] == 16 and loader_state["consumed"] == 2 * 20 * 4 + 10 * 4
 
 
 @pytest.mark.slow

@@ -505,6 +505,5 @@ def test_a_learnable_preference_generalizes_to_held_out_pairs(tmp_path):
     records = Trainer(cfg).fit()
     vals = [r["val_rewards/accuracy"] for r in records if r["val_loss"] is not None]
     assert len(vals) == 2 and vals[-1] >= 0.9, vals
-    assert (
-        records[0]["step"] == 1 and abs(records[0]["loss"] - 0.6931) < 0.02
-    )  # rewards start near 0: learned
+    # rewards start near 0: learned
+    assert records[0]["step"] == 1 and abs(records[0]["loss"] - 0.6931) < 0.02

@@ -128,9 +128,8 @@ def test_the_tokenizer_is_copied_and_recorded_paths_are_absolute(tmp_path, monke
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").read_bytes() == (
         tmp_path / "tok" / "tokenizer.json"
     ).read_bytes()
-    assert (
-        build_tokenizer(copy).fingerprint() == build_tokenizer("tok").fingerprint()
-    )  # token caches stay valid
+    # token caches stay valid
+    assert build_tokenizer(copy).fingerprint() == build_tokenizer("tok").fingerprint()
     assert record_run_files(cfg) == out and record_run_files(out) == out  # the same files: the same copy
     assert sorted(os.listdir(tmp_path / "run")) == ["tokenizer"]  # no temporary folder left
 

@@ -187,9 +187,8 @@ def test_sampled_tokens_follow_the_target_distribution(proposer):
     prompt = [1, 2, 1, 2, 1]
     marginals = _exact_marginals(target, prompt, vocab)
     draft_marginals = _exact_marginals(draft, prompt, vocab)
-    assert (
-        _tv(marginals[1], draft_marginals[1]) > 0.15
-    )  # a test that cannot pass by taking the draft's tokens
+    # a test that cannot pass by taking the draft's tokens
+    assert _tv(marginals[1], draft_marginals[1]) > 0.15
     spec = DraftModel(draft, k=2) if proposer == "draft" else PromptLookup(k=2, max_ngram=2)
     g = gen(target, speculative=spec, max_batch=n)
     outs = g.generate_ids(

@@ -264,9 +264,8 @@ def load_hf_weights(model: torch.nn.Module, folder: str, whole_model: bool = Tru
     params.update({n: b for n, b in model.named_buffers() if n in state})
     args = model.args
     sources = {name: _source_names(name, param, files, hf_tied, args) for name, param in params.items()}
-    if (
-        score
-    ):  # a reward model's head: the folder's score head, or (a base model's folder) its own seeded init
+    # a reward model's head: the folder's score head, or (a base model's folder) its own seeded init
+    if score:
         sources.update(
             {
                 n: [SCORE_WEIGHT] if SCORE_WEIGHT in files else []

@@ -99,9 +99,8 @@ def _scores(q, k, v, causal, bounds, window, scale, row_lse=None):
     kf, vf = _expand_kv(_acc(k), group), _expand_kv(_acc(v), group)  # (B, Hq, S, D)
     s = (_acc(q) @ kf.transpose(-1, -2)) * scale  # (B, Hq, S, S)
     s = s.masked_fill(~visible(q.shape[2], causal, bounds, window, q.device), float("-inf"))
-    lse = (
-        torch.logsumexp(s, dim=-1) if row_lse is None else row_lse.to(s.dtype)
-    )  # (B, Hq, S); -inf: sees nothing
+    # (B, Hq, S); -inf: sees nothing
+    lse = torch.logsumexp(s, dim=-1) if row_lse is None else row_lse.to(s.dtype)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # (B, Hq, S, S); 0 where masked
     return p, lse, kf, vf
 

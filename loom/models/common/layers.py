@@ -51,9 +51,8 @@ def attend(
         return flash_attention(q, k, v, causal=True, bounds=bounds, window=window)
     gqa = q.shape[1] != k.shape[1]
     masked = bounds is not None or window > 0
-    mask = (
-        visible(q.shape[2], True, bounds, window, q.device) if masked else None
-    )  # (B or 1, 1, S, S), slower
+    # (B or 1, 1, S, S), slower
+    mask = visible(q.shape[2], True, bounds, window, q.device) if masked else None
     # SDPA picks its own backend; no sdpa_kernel(..., set_priority=True) context: it changes other SDPA calls'
     # choice in the process (docs/kernels.md)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)

@@ -187,9 +187,8 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = self.query(x, rope, rope_at)  # (B, S, H, Dn), (B, S, H, Dr)
         c_kv, k_pe = self.latent(x, rope, rope_at)  # (B, S, R), (B, S, Dr)
         attend_latent = getattr(self.context, "attend_latent", None)
-        if (
-            attend_latent is not None
-        ):  # a latent cache (loom.infer.mla_cache): keeps c_kv, k_pe; attends over it
+        # a latent cache (loom.infer.mla_cache): keeps c_kv, k_pe; attends over it
+        if attend_latent is not None:
             out = attend_latent(self, q_nope, q_pe, c_kv, k_pe, positions)  # (B, S, H, Dv)
         else:
             out = self.expanded(q_nope, q_pe, c_kv, k_pe, positions)  # (B, S, H, Dv)

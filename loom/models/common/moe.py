@@ -65,9 +65,8 @@ class Router(nn.Module):
         choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
         if self.groups > 1:
             grouped = choice.view(choice.shape[0], self.groups, -1)  # (T, G, n / G)
-            best = (
-                grouped.topk(2, dim=-1)[0].sum(-1) if self.score == "sigmoid" else grouped.amax(-1)
-            )  # (T, G)
+            # (T, G)
+            best = grouped.topk(2, dim=-1)[0].sum(-1) if self.score == "sigmoid" else grouped.amax(-1)
             keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_groups, dim=-1)[1], 1.0)  # (T, G)
             choice = choice.masked_fill(keep.repeat_interleave(grouped.shape[-1], dim=1) == 0, float("-inf"))
         experts = choice.topk(self.top_k, dim=-1)[1]  # (T, k)

@@ -376,9 +376,8 @@ class LlamaHF:
 
     def shape_config(self, args: LlamaArgs) -> dict:
         """config.json's expert or latent-attention keys (after intermediate_size)."""
-        if (
-            args.moe
-        ):  # a Mixtral's router: its own balance loss is not loom's (sequence-wise): off in transformers
+        # a Mixtral's router: its own balance loss is not loom's (sequence-wise): off in transformers
+        if args.moe:
             return {
                 "num_local_experts": args.moe_experts,
                 "num_experts_per_tok": args.moe_top_k,

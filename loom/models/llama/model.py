@@ -104,9 +104,8 @@ class Llama(nn.Module):
             return None
         if name.endswith(".bias"):
             return 0.0
-        if (
-            name.endswith(("wo.weight", "w2.weight", "experts.w2")) and self.args.residual_init == "depth"
-        ):  # residual
+        # residual
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")) and self.args.residual_init == "depth":
             return 0.02 / (2 * self.args.n_layers) ** 0.5
         return 0.02
 
