@@ -22,13 +22,7 @@ import pytest
 
 from loom.runtime import restarts
 from tests.distributed.harness import rendezvous_store
-from tests.distributed.test_restarts import (
-    BIN,
-    STEPS,
-    cli_args,
-    fault_env,
-    records_of,
-)
+from tests.distributed.test_restarts import BIN, STEPS, cache, cli_args, fault_env, records_of, reference  # noqa: F401 (fixtures)
 
 # quick re-forming on one machine: a lost agent is noticed after 3 missed heartbeats of 2 s, and a round waits
 # 5 s for more nodes once it has the fewest it needs

@@ -104,6 +104,7 @@ def sharded_hsdp(args, mesh_shape):
     from loom.models.common.init import materialize
     from loom.models.llama import Llama
     from loom.parallel.data_parallel import apply_fsdp
+    from loom.parallel.shards import keep_shard
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
     with torch.device("meta"):
@@ -116,7 +117,7 @@ def sharded_hsdp(args, mesh_shape):
         reshard_after_forward=True,
         cpu_offload=False,
     )
-    materialize(model, torch.device("cpu"), 0, model.param_std, model.init_buffers)
+    materialize(model, torch.device("cpu"), 0, model.param_std, model.init_buffers, keep=keep_shard)
     return model
 
 

@@ -44,7 +44,7 @@ def launch(tmp_path, hostfile: str, launcher: str, *args: str) -> subprocess.Com
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_two_local_hosts_train_one_job(tmp_path, cache, single):  # noqa: F811
+def test_two_local_hosts_train_one_job(tmp_path, cache, single):
     proc = launch(
         tmp_path,
         "# both are this machine\n127.0.0.1 slots=1\nlocalhost slots=1\n",
@@ -63,7 +63,7 @@ def test_two_local_hosts_train_one_job(tmp_path, cache, single):  # noqa: F811
     assert_matches(losses_of(tmp_path / "run"), single)
 
 
-def test_a_failed_host_stops_the_others(tmp_path, cache):  # noqa: F811
+def test_a_failed_host_stops_the_others(tmp_path, cache):
     """Host ``bad`` exits 3 at once; the good host's agent, waiting at the rendezvous for it, is stopped."""
     launcher = "bash -c 'test {host} != bad || exit 3; eval \"$1\"' _ {cmd}"
     proc = launch(tmp_path, "good slots=1\nbad slots=1\n", launcher, *cli_args(tmp_path / "run", cache))

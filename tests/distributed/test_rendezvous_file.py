@@ -75,7 +75,7 @@ def start_agents(endpoint: str, module_args: list[str], cwd, job: str) -> list[s
     return out
 
 
-def test_two_agents_train_over_a_file_store(tmp_path, cache, single):  # noqa: F811
+def test_two_agents_train_over_a_file_store(tmp_path, cache, single):
     agents = start_agents(
         str(tmp_path / "rdzv"), ["-m", "loom.train", *cli_args(tmp_path / "run", cache)], tmp_path, "train"
     )
@@ -86,7 +86,7 @@ def test_two_agents_train_over_a_file_store(tmp_path, cache, single):  # noqa: F
     assert_matches(losses_of(tmp_path / "run"), single)
 
 
-def test_process_group_over_the_file_store(tmp_path, cache, single):  # noqa: F811
+def test_process_group_over_the_file_store(tmp_path, cache, single):
     """Each worker is handed the process group's FileStore prefix; with MASTER_ADDR / MASTER_PORT removed, loom's
     worker body (loom.runtime.env.init_distributed) forms the group over that store: the same losses."""
     out = tmp_path / "out"

@@ -17,7 +17,7 @@ from loom.eval.harness import LoomLM, flat_metrics  # noqa: E402
 from tests.unit.test_eval_harness import evaluate, hf_backend, model_folders, responses  # noqa: E402,F401
 
 
-def test_perplexity_on_cuda_equals_the_cpu(model_folders, tmp_path):  # noqa: F811
+def test_perplexity_on_cuda_equals_the_cpu(model_folders, tmp_path):
     ckpt, _, tasks = model_folders
     source = f"{tasks}/roll.jsonl"
     (cpu,) = perplexity(load(ckpt, device="cpu"), source)
@@ -27,7 +27,7 @@ def test_perplexity_on_cuda_equals_the_cpu(model_folders, tmp_path):  # noqa: F8
     assert bf16.bits_per_byte == pytest.approx(cpu.bits_per_byte, rel=2e-2)
 
 
-def test_the_backend_on_cuda_equals_lm_evals_hf_backend(model_folders):  # noqa: F811
+def test_the_backend_on_cuda_equals_lm_evals_hf_backend(model_folders):
     ckpt, hf, tasks = model_folders
     names = ["loomtest_mc", "loomtest_roll", "loomtest_gen"]
     from lm_eval.models.huggingface import HFLM

@@ -39,7 +39,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_scores_equal_the_api(exported, tmp_path, capsys):  # noqa: F811
+def test_scores_equal_the_api(exported, tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + "\n")
     expected = score(exported["ckpt"], ITEMS)
@@ -70,7 +70,7 @@ def test_scores_equal_the_api(exported, tmp_path, capsys):  # noqa: F811
     assert hf == pytest.approx(expected, abs=1e-4)  # the export scores alike
 
 
-def test_the_training_pairs_format_scores_both_completions(exported, tmp_path, capsys):  # noqa: F811
+def test_the_training_pairs_format_scores_both_completions(exported, tmp_path, capsys):
     """A reward model's own training rows (prompt / chosen / rejected: strings, messages, or TRL's implicit prompt)
     come back with score_chosen and score_rejected, each the API's score of the prompt with that completion; the
     summary gives the share of pairs ranked right. The export carries the run's chat template: no option needed."""
@@ -107,7 +107,7 @@ def test_the_training_pairs_format_scores_both_completions(exported, tmp_path, c
         assert flat[2:4] == pytest.approx(flat[4:], abs=1e-6)  # implicit prompt = the explicit messages
 
 
-def test_mistakes_are_one_line(exported, tmp_path, capsys):  # noqa: F811
+def test_mistakes_are_one_line(exported, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "only a prompt"}) + "\n")
     good = tmp_path / "good.jsonl"
@@ -124,7 +124,7 @@ def test_mistakes_are_one_line(exported, tmp_path, capsys):  # noqa: F811
         assert code == 2 and needle in err and err.count("\n") == 1 and not out, (argv, err)
 
 
-def test_issue_49_refusals(exported, tmp_path, capsys):  # noqa: F811
+def test_issue_49_refusals(exported, tmp_path, capsys):
     """A non-UTF-8 file, --output a folder (before scoring), a text past the model's length: one line each; a
     reward model given to `loom generate` or `loom eval` says to use `loom score`."""
     latin = tmp_path / "latin.jsonl"
