@@ -224,11 +224,11 @@ def check_state_at_kill(run_dir, point: str) -> None:
 
 @pytest.mark.parametrize(
     "point,resume_step",
-    [  # the quick loop (-m "not slow"): one kill in a save, one in retention
+    [  # the default run: one kill in a save (tests/faults/test_kills kills in retention too); the rest slow
         ("shards", 2),
         pytest.param("marker", 2, marks=pytest.mark.slow),
         pytest.param("rename", 2, marks=pytest.mark.slow),
-        ("deleting", 4),
+        pytest.param("deleting", 4, marks=pytest.mark.slow),
         pytest.param("rmtree", 4, marks=pytest.mark.slow),
     ],
 )
