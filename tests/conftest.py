@@ -32,6 +32,16 @@ __all__ = [
 ]  # re-exported; tests import them from tests.tiny
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the README's ``-n 2``) each worker computes on one thread: two workers on two cores with
+    torch's default of one thread per core would oversubscribe them (OpenMP threads spin while they wait)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--exhaustive",
