@@ -3,12 +3,18 @@ accumulation count, the device, the model's shape and its kernels (loom.kernels.
 resolver is a driver: the generic rules (degrees, accumulation, device, the model's shape) live here, then it runs
 the rule sets it is handed: each optional feature's (``FEATURES``, each in the feature's own module) and the
 training methods'. A single field's rules stay in its config section. ``loom train`` (its precheck and the
-Trainer), ``loom plan`` and ``loom convert`` all resolve through here."""
+Trainer), ``loom plan`` and ``loom convert`` all resolve through here. ``loom train`` resolves once, in the launching
+process, and hands its workers the result (``Resolved``, ``handing``, ``handed``): a worker resolves nothing
+again."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pickle
+import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from loom.config.errors import ConfigError
 from loom.config.load import profile_window
@@ -689,3 +695,62 @@ def times_attention(run: Run) -> bool:
         or mla
         or (cfg.data.document_positions and flex_unsupported(cfg))
     )
+
+
+# ---- the resolved run handed to the workers -------------------------------------------
+
+RESOLVED_ENV = "LOOM_RESOLVED_RUN"  # the file a launcher's workers read their resolved run from
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the launching process resolved for ``cfg``: per world size a job may form on, the run (``Run``) or the
+    one-line error that refuses the layout there. One world, or with ``--nnodes MIN:MAX`` every node count's: an
+    elastic job that re-forms on another node count reads that world's entry and resolves nothing again."""
+
+    cfg: Config
+    runs: dict[int, Run | str] = field(default_factory=dict)
+
+    def get(self, cfg: Config, world_size: int) -> Run | str | None:
+        """The run (or the refusal) for ``cfg`` on ``world_size`` ranks; None where this was resolved for another
+        config (its file was edited between restarts) or without that world."""
+        return self.runs.get(world_size) if cfg == self.cfg else None
+
+
+@contextlib.contextmanager
+def handing(resolved: Resolved | None):
+    """Inside, this process and the workers it starts (they inherit the environment) read ``resolved``: a pickle
+    in a private temporary file that ``LOOM_RESOLVED_RUN`` names, removed on exit. A pickle, not TOML: the
+    reader is the same loom on the same machine, and the run holds dataclasses (degrees, model shape, kernels)
+    that TOML cannot carry; the config a run records stays config.toml. None: nothing is handed."""
+    if resolved is None:
+        yield
+        return
+    fd, path = tempfile.mkstemp(prefix="loom-resolved-", suffix=".pkl")
+    with os.fdopen(fd, "wb") as fh:
+        pickle.dump(resolved, fh)
+    before = os.environ.get(RESOLVED_ENV)
+    os.environ[RESOLVED_ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RESOLVED_ENV, None)
+        else:
+            os.environ[RESOLVED_ENV] = before
+        os.remove(path)
+
+
+def handed(cfg: Config, world_size: int) -> Run | str | None:
+    """The run this process was handed for ``cfg`` on ``world_size`` ranks (a fresh copy: the engine builds its
+    mesh into the degrees), the error that refuses the layout there, or None where nothing was handed for them
+    (a worker ``torchrun`` started, a test building an engine): then the caller resolves."""
+    path = os.environ.get(RESOLVED_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            resolved = pickle.load(fh)
+    except OSError:  # the launcher is gone (a worker outliving it): resolve here
+        return None
+    return resolved.get(cfg, world_size)

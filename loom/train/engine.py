@@ -40,7 +40,7 @@ from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, pa
 from loom.parallel.placement import check_placement
 from loom.parallel.shards import quantize_base
 from loom.parallel.tensor_parallel import loss_parallel_context
-from loom.resolve import resolve, times_attention
+from loom.resolve import Run, handed, resolve, times_attention
 from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
 from loom.runtime.fault_tolerance import data_shard
 from loom.runtime.guard import PREEMPTED, StepCheck
@@ -171,8 +171,10 @@ class Engine:
             timeout=startup_timeout(cfg.parallel.timeout_s),
         )
         self.device = self.env.device
-        # every cross-field rule (the method's too); the model's come with the tokenizer
-        self.run = resolve(cfg, self.env.world_size, rules=rules)
+        # the run the launcher resolved (loom.resolve.handed), else every cross-field rule checked here (the
+        # method's too); the model's come with the tokenizer
+        run = handed(cfg, self.env.world_size)
+        self.run = run if isinstance(run, Run) else resolve(cfg, self.env.world_size, rules=rules)
         self.dims, self.accum = self.run.dims, self.run.accum
         # offload runs FSDP2, on a 1-rank mesh when alone
         if self.dims.distributed or cfg.parallel.cpu_offload:
@@ -382,9 +384,8 @@ class Engine:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        self.run = self.run.with_model(
-            self.tokenizer
-        )  # checked against the degrees before attention is timed
+        if self.run.model_args is None:  # checked against the degrees before attention is timed
+            self.run = self.run.with_model(self.tokenizer)
         self.attention_times: dict | None = None
         if times_attention(self.run):
             self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
