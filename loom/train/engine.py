@@ -527,8 +527,8 @@ class Engine:
         enable_nvtx(self.cfg.metrics.nvtx)
         blocks = None if self.cfg.training.compile else transformer_blocks(self.parts)
         self.nvtx_blocks = nvtx_block_ranges(blocks) if self.cfg.metrics.nvtx else None
-        # PyTorch's memory history made the backward of MoE blocks under activation checkpointing fail (torch 2.11,
-        # H100: "run_backward returned NULL without setting an exception"; docs/metrics.md): no snapshot there
+        # no memory snapshot of MoE blocks under activation checkpointing: PyTorch's memory history breaks their
+        # backward (docs/metrics.md)
         no_snapshot = (
             "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation "
             "checkpointing"
