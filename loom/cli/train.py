@@ -93,6 +93,12 @@ def _train_worker(argv: list[str]) -> None:
     destroy_distributed()
 
 
+def worker_args(argv: list[str], options) -> list[str]:
+    """What the launched workers receive: ``argv`` without the launcher's options (workers must not launch again)."""
+    _, overrides = parse_launch(argv)
+    return (["--config", options.config] if options.config else []) + overrides
+
+
 def help_topic(argv: list[str]) -> str | None:
     """None without -h / --help; else '' (the overview) or the SECTION after it (--help SECTION, --help=SECTION)."""
     for i, arg in enumerate(argv):
@@ -167,11 +173,8 @@ def main(argv: list[str]) -> int:
     if options.agent:
         if options.elastic and (note := elastic_note(options, resolved)):
             print(note, file=sys.stderr, flush=True)
-        # workers must not launch again: strip the launcher options from what they receive
-        _, overrides = parse_launch(argv)
-        worker_argv = (["--config", options.config] if options.config else []) + overrides
         with handing(resolved):  # every restart's workers read it (an elastic job: each node count's world)
-            return launch(worker_argv, options, cfg)
+            return launch(worker_args(argv, options), options, cfg)
     with handing(resolved):
         run_worker(argv)
     return 0

@@ -62,6 +62,19 @@ def test_a_handed_run_is_read_for_its_config_and_world_only(tmp_path, resolves):
     assert resolves == [1]
 
 
+def test_launched_workers_find_the_handed_run_for_their_arguments(tmp_path, resolves):
+    """The workers' arguments (the launcher's options stripped) give the config the launcher resolved."""
+    from loom.cli.preflight import load_config
+    from loom.cli.train import worker_args
+
+    argv = ["--max-restarts", "1", *tiny_args(tmp_path / "run", **{"run.device": "cpu"})]
+    _, launch, world, run, resolved = preflight(argv)
+    assert launch.agent and world == 1
+    with handing(resolved):
+        assert handed(load_config(worker_args(argv, launch))[0], 1) == run
+    assert resolves == [1]
+
+
 ELASTIC = {
     "TORCHELASTIC_RUN_ID": "job",
     "TORCHELASTIC_MAX_RESTARTS": "1",
