@@ -9,10 +9,11 @@ again."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import pickle
-import tempfile
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -699,7 +700,10 @@ def times_attention(run: Run) -> bool:
 
 # ---- the resolved run handed to the workers -------------------------------------------
 
-RESOLVED_ENV = "LOOM_RESOLVED_RUN"  # the file a launcher's workers read their resolved run from
+RESOLVED_ENV = "LOOM_RESOLVED_RUN"  # the resolved run a launcher's workers read (``handing``)
+# the most a hand-off may take of the environment (Linux caps one variable at 128 KiB); 128 node counts of a run
+# take ~5 KB: past this nothing is handed and each worker resolves its own world, once
+RESOLVED_MAX_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -719,18 +723,17 @@ class Resolved:
 
 @contextlib.contextmanager
 def handing(resolved: Resolved | None):
-    """Inside, this process and the workers it starts (they inherit the environment) read ``resolved``: a pickle
-    in a private temporary file that ``LOOM_RESOLVED_RUN`` names, removed on exit. A pickle, not TOML: the
-    reader is the same loom on the same machine, and the run holds dataclasses (degrees, model shape, kernels)
-    that TOML cannot carry; the config a run records stays config.toml. None: nothing is handed."""
-    if resolved is None:
+    """Inside, this process and the workers it starts read ``resolved``: pickled, compressed and base64-encoded
+    into the environment variable ``LOOM_RESOLVED_RUN``, which the elastic agent's workers inherit on every
+    restart; no file, so nothing is left behind by a launcher that is killed. A pickle, not TOML: the reader is
+    the same loom on the same machine, and the run holds dataclasses (degrees, model shape, kernels) that TOML
+    cannot carry; the config a run records stays config.toml. None (or too large): nothing is handed."""
+    encoded = None if resolved is None else base64.b64encode(zlib.compress(pickle.dumps(resolved))).decode()
+    if encoded is None or len(encoded) > RESOLVED_MAX_BYTES:
         yield
         return
-    fd, path = tempfile.mkstemp(prefix="loom-resolved-", suffix=".pkl")
-    with os.fdopen(fd, "wb") as fh:
-        pickle.dump(resolved, fh)
     before = os.environ.get(RESOLVED_ENV)
-    os.environ[RESOLVED_ENV] = path
+    os.environ[RESOLVED_ENV] = encoded
     try:
         yield
     finally:
@@ -738,19 +741,13 @@ def handing(resolved: Resolved | None):
             os.environ.pop(RESOLVED_ENV, None)
         else:
             os.environ[RESOLVED_ENV] = before
-        os.remove(path)
 
 
 def handed(cfg: Config, world_size: int) -> Run | str | None:
     """The run this process was handed for ``cfg`` on ``world_size`` ranks (a fresh copy: the engine builds its
     mesh into the degrees), the error that refuses the layout there, or None where nothing was handed for them
     (a worker ``torchrun`` started, a test building an engine): then the caller resolves."""
-    path = os.environ.get(RESOLVED_ENV)
-    if not path:
+    encoded = os.environ.get(RESOLVED_ENV)
+    if not encoded:
         return None
-    try:
-        with open(path, "rb") as fh:
-            resolved = pickle.load(fh)
-    except OSError:  # the launcher is gone (a worker outliving it): resolve here
-        return None
-    return resolved.get(cfg, world_size)
+    return pickle.loads(zlib.decompress(base64.b64decode(encoded))).get(cfg, world_size)

@@ -35,10 +35,8 @@ def precheck(cfg, world_size: int, local: int | None = None, run=None):
     from loom.methods import resolve  # the resolver with the chosen method's rules
     from loom.resolve import check_device
 
-    if run is None:
-        run = resolve(
-            cfg, world_size
-        )  # the rules relating fields and the world size (the model's come below)
+    if run is None:  # the rules relating fields and the world size (the model's come below)
+        run = resolve(cfg, world_size)
     from loom.metrics.logger import check_trackers
 
     check_trackers(
@@ -123,36 +121,31 @@ def check_layout(cfg, world_size: int, environ=None):
     there is one line from rank 0 (exit code 2 on every rank), naming the world the job formed with. Resolved
     here only where no launcher handed this world (``torchrun`` started the job), once: the engine is handed it."""
     from loom.methods import check_config, resolve  # with the chosen method's rules
-    from loom.resolve import Resolved, check_machine, handed, run_device
+    from loom.resolve import Resolved, Run, check_machine, handed, run_device
 
     env = os.environ if environ is None else environ
     got = handed(cfg, world_size)
-    elastic = env.get("TORCHELASTIC_RUN_ID") and (
-        int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) or env.get(ELASTIC_ENV)
-    )
-    if got is not None and not isinstance(got, str):
+    if isinstance(got, Run):
         return None  # the launcher resolved this world: the engine reads the same hand-off
-    if got is None and not elastic:
-        return None
-    run = None
     if got is None:
+        if not env.get("TORCHELASTIC_RUN_ID") or not (
+            int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) or env.get(ELASTIC_ENV)
+        ):
+            return None  # not under an agent that restarts: the engine resolves, once
         check_config(cfg)  # the rules over the config alone: not the world's doing
-        try:
-            # the rules relating the config to the world size; the machine's below (not the world's doing)
+        try:  # the rules relating the config to the world size
             run = resolve(cfg, world_size, device=run_device(cfg))
         except ConfigError as err:
             got = str(err)
-    if got is not None:
-        nodes, local = env.get("GROUP_WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
-        formed = (
-            f"{nodes} node(s) x {local} = {world_size} ranks" if nodes and local else f"{world_size} ranks"
-        )
-        raise SharedError(
-            f"{got} (the job formed with {formed}; an elastic job needs a layout every node count "
-            "allows: see docs/operations.md, Restarts and elastic node counts)"
-        )
-    check_machine(cfg, run.device)
-    return Resolved(cfg, {world_size: run})
+        else:
+            check_machine(cfg, run.device)  # what the machine lacks: not the world's doing either
+            return Resolved(cfg, {world_size: run})
+    nodes, local = env.get("GROUP_WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
+    formed = f"{nodes} node(s) x {local} = {world_size} ranks" if nodes and local else f"{world_size} ranks"
+    raise SharedError(
+        f"{got} (the job formed with {formed}; an elastic job needs a layout every node count "
+        "allows: see docs/operations.md, Restarts and elastic node counts)"
+    )
 
 
 @contextlib.contextmanager

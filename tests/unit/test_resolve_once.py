@@ -48,7 +48,7 @@ def test_loom_train_resolves_once_and_the_engine_reads_the_handed_run(tmp_path, 
     assert loom.resolve.RESOLVED_ENV not in __import__("os").environ  # the hand-off is gone with the job
 
 
-def test_a_handed_run_is_read_for_its_config_and_world_only(tmp_path, resolves):
+def test_a_handed_run_is_read_for_its_config_and_world_only(tmp_path, resolves, monkeypatch):
     cfg = tiny_config(tmp_path / "run", **{"run.device": "cpu"})
     _, _, world, run, resolved = preflight(tiny_args(tmp_path / "run", **{"run.device": "cpu"}))
     assert resolves == [1] and world == 1 and run.model_args is not None
@@ -59,6 +59,9 @@ def test_a_handed_run_is_read_for_its_config_and_world_only(tmp_path, resolves):
         other = tiny_config(tmp_path / "run", **{"run.device": "cpu", "training.steps": 3})
         assert handed(other, 1) is None  # the config changed between restarts: resolved again
     assert handed(cfg, 1) is None  # nothing handed outside
+    monkeypatch.setattr(loom.resolve, "RESOLVED_MAX_BYTES", 100)
+    with handing(resolved):  # too large for the environment: nothing is handed, each worker resolves
+        assert handed(cfg, 1) is None
     assert resolves == [1]
 
 
