@@ -3,12 +3,19 @@ accumulation count, the device, the model's shape and its kernels (loom.kernels.
 resolver is a driver: the generic rules (degrees, accumulation, device, the model's shape) live here, then it runs
 the rule sets it is handed: each optional feature's (``FEATURES``, each in the feature's own module) and the
 training methods'. A single field's rules stay in its config section. ``loom train`` (its precheck and the
-Trainer), ``loom plan`` and ``loom convert`` all resolve through here."""
+Trainer), ``loom plan`` and ``loom convert`` all resolve through here. ``loom train`` resolves once, in the launching
+process, and hands its workers the result (``Resolved``, ``handing``, ``handed``): a worker resolves nothing
+again."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import os
+import pickle
+import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from loom.config.errors import ConfigError
 from loom.config.load import profile_window
@@ -689,3 +696,58 @@ def times_attention(run: Run) -> bool:
         or mla
         or (cfg.data.document_positions and flex_unsupported(cfg))
     )
+
+
+# ---- the resolved run handed to the workers -------------------------------------------
+
+RESOLVED_ENV = "LOOM_RESOLVED_RUN"  # the resolved run a launcher's workers read (``handing``)
+# the most a hand-off may take of the environment (Linux caps one variable at 128 KiB); 128 node counts of a run
+# take ~5 KB: past this nothing is handed and each worker resolves its own world, once
+RESOLVED_MAX_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the launching process resolved for ``cfg``: per world size a job may form on, the run (``Run``) or the
+    one-line error that refuses the layout there. One world, or with ``--nnodes MIN:MAX`` every node count's: an
+    elastic job that re-forms on another node count reads that world's entry and resolves nothing again."""
+
+    cfg: Config
+    runs: dict[int, Run | str] = field(default_factory=dict)
+
+    def get(self, cfg: Config, world_size: int) -> Run | str | None:
+        """The run (or the refusal) for ``cfg`` on ``world_size`` ranks; None where this was resolved for another
+        config (its file was edited between restarts) or without that world."""
+        return self.runs.get(world_size) if cfg == self.cfg else None
+
+
+@contextlib.contextmanager
+def handing(resolved: Resolved | None):
+    """Inside, this process and the workers it starts read ``resolved``: pickled, compressed and base64-encoded
+    into the environment variable ``LOOM_RESOLVED_RUN``, which the elastic agent's workers inherit on every
+    restart; no file, so nothing is left behind by a launcher that is killed. A pickle, not TOML: the reader is
+    the same loom on the same machine, and the run holds dataclasses (degrees, model shape, kernels) that TOML
+    cannot carry; the config a run records stays config.toml. None (or too large): nothing is handed."""
+    encoded = None if resolved is None else base64.b64encode(zlib.compress(pickle.dumps(resolved))).decode()
+    if encoded is None or len(encoded) > RESOLVED_MAX_BYTES:
+        yield
+        return
+    before = os.environ.get(RESOLVED_ENV)
+    os.environ[RESOLVED_ENV] = encoded
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RESOLVED_ENV, None)
+        else:
+            os.environ[RESOLVED_ENV] = before
+
+
+def handed(cfg: Config, world_size: int) -> Run | str | None:
+    """The run this process was handed for ``cfg`` on ``world_size`` ranks (a fresh copy: the engine builds its
+    mesh into the degrees), the error that refuses the layout there, or None where nothing was handed for them
+    (a worker ``torchrun`` started, a test building an engine): then the caller resolves."""
+    encoded = os.environ.get(RESOLVED_ENV)
+    if not encoded:
+        return None
+    return pickle.loads(zlib.decompress(base64.b64decode(encoded))).get(cfg, world_size)

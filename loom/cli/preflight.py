@@ -27,14 +27,16 @@ def load_launch(argv: list[str]):
     return build_config(launch.config, parse_overrides(rest)), launch
 
 
-def precheck(cfg, world_size: int, local: int | None = None):
+def precheck(cfg, world_size: int, local: int | None = None, run=None):
     """Errors that need the world size, the tokenizer, the data, the device or this machine's free memory, found
-    once, before any worker starts (``local``: the ranks on this machine; default ``local_ranks``). Returns the
-    resolved run (loom.resolve.Run, with its model)."""
+    once, before any worker starts (``local``: the ranks on this machine; default ``local_ranks``; ``run``: the
+    config already resolved for ``world_size``, else resolved here). Returns the resolved run (loom.resolve.Run,
+    with its model)."""
     from loom.methods import resolve  # the resolver with the chosen method's rules
     from loom.resolve import check_device
 
-    run = resolve(cfg, world_size)  # the rules relating fields and the world size (the model's come below)
+    if run is None:  # the rules relating fields and the world size (the model's come below)
+        run = resolve(cfg, world_size)
     from loom.metrics.logger import check_trackers
 
     check_trackers(
@@ -63,27 +65,34 @@ def precheck(cfg, world_size: int, local: int | None = None):
         from loom.checkpoint.hf.reader import check_weights
 
         check_weights(cfg.model.init_from)  # a truncated download, before any model is built
-    check_before_start(cfg)  # a checkpoint this config cannot continue (model shape, data, ...): refused here
+    # a checkpoint this config cannot continue (model shape, data, ...): refused here
+    check_before_start(cfg, tokenizer, run.kernels, run.model_args)
     check_fits(cfg, run.dims, run.model_args, run.device, local or local_ranks(world_size))
     return run
 
 
-def planned_world_size(launch: Launch, cfg=None) -> int:
-    """The world size a start plans for: the launcher's (--nproc-per-node x --nnodes) where it launches workers,
-    else this process's. With --nnodes MIN:MAX (and ``cfg``): the most nodes whose world the layout can be formed
-    on (the most nodes where none can: its error is the one to show)."""
-    if not launch.agent:
-        return env_world_size()
-    if cfg is not None and launch.elastic:
-        from loom.methods import resolve
+def planned_worlds(cfg, launch: Launch) -> tuple[int, dict]:
+    """(the world size a start plans for, each world the job may form on resolved once: its run, or the
+    ConfigError that refuses the layout there). The world: the launcher's (--nproc-per-node x --nnodes) where it
+    launches workers, else this process's. With --nnodes MIN:MAX every node count's world is resolved (an elastic
+    job may re-form on any of them; its workers read that world's entry) and the plan is the most nodes whose
+    world the layout can be formed on (the most nodes where none can: its error is the one to show)."""
+    from loom.methods import resolve  # the resolver with the chosen method's rules
 
-        for nodes in range(launch.nnodes[1], launch.nnodes[0] - 1, -1):
-            try:
-                resolve(cfg, nodes * (launch.nproc or 1), device="cpu")  # the world's rules only
-                return nodes * (launch.nproc or 1)
-            except ConfigError:
-                continue
-    return launch.world_size
+    if not launch.agent:
+        worlds = [env_world_size()]
+    elif launch.elastic:
+        worlds = [nodes * (launch.nproc or 1) for nodes in range(launch.nnodes[0], launch.nnodes[1] + 1)]
+    else:
+        worlds = [launch.world_size]
+    runs = {}
+    for world in worlds:
+        try:
+            runs[world] = resolve(cfg, world)
+        except ConfigError as err:
+            runs[world] = err
+    formed = [w for w in worlds if not isinstance(runs[w], ConfigError)]
+    return max(formed or worlds), runs
 
 
 def planned_local(launch: Launch) -> int | None:
@@ -91,16 +100,12 @@ def planned_local(launch: Launch) -> int | None:
     return (launch.nproc or 1) if launch.agent else None
 
 
-def elastic_note(cfg, launch: Launch) -> str:
+def elastic_note(launch: Launch, resolved) -> str:
     """With --nnodes MIN:MAX, the node counts whose world the layout cannot be formed on (one line), else ''."""
-    from loom.methods import resolve
-
-    bad = []
-    for nodes in range(launch.nnodes[0], launch.nnodes[1] + 1):
-        try:
-            resolve(cfg, nodes * (launch.nproc or 1), device="cpu")  # the world's rules only
-        except ConfigError as err:
-            bad.append(f"{nodes} ({err})")
+    nproc = launch.nproc or 1
+    bad = [
+        f"{world // nproc} ({run})" for world, run in sorted(resolved.runs.items()) if isinstance(run, str)
+    ]
     if not bad:
         return ""
     return (
@@ -109,30 +114,38 @@ def elastic_note(cfg, launch: Launch) -> str:
     )
 
 
-def check_layout(cfg, world_size: int, environ=None) -> None:
-    """A job that an elastic agent formed (or re-formed) on ``world_size`` ranks: a layout that cannot be built
-    there is one line from rank 0 (exit code 2 on every rank), naming the world the job formed with."""
+def check_layout(cfg, world_size: int, environ=None):
+    """The resolved run a worker on ``world_size`` ranks builds, as loom.resolve.Resolved to hand its engine, or
+    None where the engine reads its launcher's hand-off (loom.resolve.handed) or resolves itself (a plain job).
+    In a job that an elastic agent formed (or re-formed) on ``world_size`` ranks, a layout that cannot be built
+    there is one line from rank 0 (exit code 2 on every rank), naming the world the job formed with. Resolved
+    here only where no launcher handed this world (``torchrun`` started the job), once: the engine is handed it."""
     from loom.methods import check_config, resolve  # with the chosen method's rules
+    from loom.resolve import Resolved, Run, check_machine, handed, run_device
 
     env = os.environ if environ is None else environ
-    if not env.get("TORCHELASTIC_RUN_ID") or not (
-        int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) or env.get(ELASTIC_ENV)
-    ):
-        return
-    check_config(cfg)  # the rules over the config alone: not the world's doing
-    try:
-        resolve(
-            cfg, world_size, device="cpu"
-        )  # the rules relating the config to the world size (no device check)
-    except ConfigError as err:
-        nodes, local = env.get("GROUP_WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
-        formed = (
-            f"{nodes} node(s) x {local} = {world_size} ranks" if nodes and local else f"{world_size} ranks"
-        )
-        raise SharedError(
-            f"{err} (the job formed with {formed}; an elastic job needs a layout every node count "
-            "allows: see docs/operations.md, Restarts and elastic node counts)"
-        ) from None
+    got = handed(cfg, world_size)
+    if isinstance(got, Run):
+        return None  # the launcher resolved this world: the engine reads the same hand-off
+    if got is None:
+        if not env.get("TORCHELASTIC_RUN_ID") or not (
+            int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) or env.get(ELASTIC_ENV)
+        ):
+            return None  # not under an agent that restarts: the engine resolves, once
+        check_config(cfg)  # the rules over the config alone: not the world's doing
+        try:  # the rules relating the config to the world size
+            run = resolve(cfg, world_size, device=run_device(cfg))
+        except ConfigError as err:
+            got = str(err)
+        else:
+            check_machine(cfg, run.device)  # what the machine lacks: not the world's doing either
+            return Resolved(cfg, {world_size: run})
+    nodes, local = env.get("GROUP_WORLD_SIZE"), env.get("LOCAL_WORLD_SIZE")
+    formed = f"{nodes} node(s) x {local} = {world_size} ranks" if nodes and local else f"{world_size} ranks"
+    raise SharedError(
+        f"{got} (the job formed with {formed}; an elastic job needs a layout every node count "
+        "allows: see docs/operations.md, Restarts and elastic node counts)"
+    )
 
 
 @contextlib.contextmanager
@@ -145,11 +158,26 @@ def warnings_after_success():
         warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
-def checked_config(argv: list[str]):
-    """The validated config and the launcher options."""
+def preflight(argv: list[str]):
+    """(the validated config, the launcher options, the world planned for, its resolved run, what the workers
+    are handed: loom.resolve.Resolved). The config is resolved here once per world the job may form on."""
+    from loom.resolve import Resolved
+
     with warnings_after_success():
         cfg, launch = load_launch(argv)
-        precheck(cfg, planned_world_size(launch, cfg), planned_local(launch))
+        world, runs = planned_worlds(cfg, launch)
+        if isinstance(runs[world], ConfigError):
+            raise runs[world]
+        run = precheck(cfg, world, planned_local(launch), runs[world])
+    handed = {
+        w: run if w == world else (str(r) if isinstance(r, ConfigError) else r) for w, r in runs.items()
+    }
+    return cfg, launch, world, run, Resolved(cfg, handed)
+
+
+def checked_config(argv: list[str]):
+    """The validated config and the launcher options."""
+    cfg, launch, *_ = preflight(argv)
     return cfg, launch
 
 
@@ -158,14 +186,12 @@ def dry_run(argv: list[str]) -> str:
     from loom.checkpoint.manager import refuse_fresh_start
     from loom.config.paths import check_folder_writable
 
+    cfg, launch, world, run, resolved = preflight(argv)
     with warnings_after_success():
-        cfg, launch = load_launch(argv)
-        world = planned_world_size(launch, cfg)
-        run = precheck(cfg, world, planned_local(launch))
         for field, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", checkpoint_dir(cfg))):
             check_folder_writable(field, path)  # what check_writable_dirs checks, without creating them
         refuse_fresh_start(cfg.checkpoint, checkpoint_dir(cfg))
-        note = elastic_note(cfg, launch) if launch.elastic else ""
+        note = elastic_note(launch, resolved) if launch.elastic else ""
         return plan_text(cfg, run, world, planned_local(launch)) + (f"\n{note}" if note else "")
 
 

@@ -7,7 +7,7 @@ import difflib
 import gc
 import sys
 
-from loom.cli.preflight import checked_config, dry_run, elastic_note, load_config
+from loom.cli.preflight import dry_run, elastic_note, load_config, preflight
 from loom.config import ConfigError, to_toml
 from loom.runtime.launch import LAUNCH_OPTIONS, env_world_size, launch, parse_launch
 from loom.runtime.run_lock import acquire
@@ -76,17 +76,27 @@ def run_worker(argv: list[str]) -> None:
 def _train_worker(argv: list[str]) -> None:
     from loom.cli.preflight import check_layout
     from loom.methods import method_of, rules_of
+    from loom.resolve import handing
     from loom.runtime.env import destroy_distributed
 
     cfg, _ = load_config(argv)
-    check_layout(cfg, env_world_size())  # a job an elastic agent (re-)formed: a layout its world cannot hold
+    # the launcher's resolved run is read by the engine; a job an elastic agent (re-)formed without one is
+    # resolved here, once, and handed on (a layout its world cannot hold stops here)
+    resolved = check_layout(cfg, env_world_size())
     chosen = method_of(cfg)  # training.objective's method runs the job (loom.methods)
-    chosen.run(cfg, chosen.objective(cfg), rules=rules_of(cfg))
+    with handing(resolved):
+        chosen.run(cfg, chosen.objective(cfg), rules=rules_of(cfg))
     # Only after success: on an error, peers may sit in a collective and a collective teardown would hang
     # (the launcher stops them). The trainer is gone by now (DDP's reducer holds the group), so the group
     # is really torn down here and not at interpreter exit, where gloo's threads can abort the process.
     gc.collect()
     destroy_distributed()
+
+
+def worker_args(argv: list[str], options) -> list[str]:
+    """What the launched workers receive: ``argv`` without the launcher's options (workers must not launch again)."""
+    _, overrides = parse_launch(argv)
+    return (["--config", options.config] if options.config else []) + overrides
 
 
 def help_topic(argv: list[str]) -> str | None:
@@ -149,7 +159,9 @@ def main(argv: list[str]) -> int:
     previews, argv = take_previews(argv)
     if previews:
         return preview(argv, previews)
-    cfg, options = checked_config(argv)
+    from loom.resolve import handing
+
+    cfg, options, _, _, resolved = preflight(argv)  # resolved once: the workers are handed it
     check_writable_dirs(cfg)  # before anything is built, and held (locked) for the whole run
     if not options.multi_node:
         # one node: this process holds the lock for its workers, across restarts. Several nodes: each runs a
@@ -159,11 +171,10 @@ def main(argv: list[str]) -> int:
 
     refuse_fresh_start(cfg.checkpoint, checkpoint_dir(cfg))
     if options.agent:
-        if options.elastic and (note := elastic_note(cfg, options)):
+        if options.elastic and (note := elastic_note(options, resolved)):
             print(note, file=sys.stderr, flush=True)
-        # workers must not launch again: strip the launcher options from what they receive
-        _, overrides = parse_launch(argv)
-        worker_argv = (["--config", options.config] if options.config else []) + overrides
-        return launch(worker_argv, options, cfg)
-    run_worker(argv)
+        with handing(resolved):  # every restart's workers read it (an elastic job: each node count's world)
+            return launch(worker_args(argv, options), options, cfg)
+    with handing(resolved):
+        run_worker(argv)
     return 0

@@ -354,7 +354,7 @@ class DataConfig:
     )
 
 
-# training.objective: what a step minimizes (loom.train.objective.build_objective has one entry per name)
+# training.objective: what a step minimizes (loom.methods.METHODS names the module of each)
 OBJECTIVES = ("lm", "sft", "dpo", "reward", "grpo", "ppo")
 
 

@@ -94,9 +94,8 @@ def resolve_kernels(
 # --------------------------------------------------------------------- timing the attention backends
 # ------------------------------------------------------------------------------------ a run's kernel choice
 def flex_unsupported(cfg) -> bool:
-    """FlexAttention inside compiled blocks under op-level checkpointing: its backward hit a CUDA illegal address
-    (torch 2.11 on an H100, whether the policy saved Flex's output or recomputed it; docs/kernels.md). Full and
-    every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
+    """FlexAttention inside compiled blocks under op-level checkpointing, where its backward fails (docs/kernels.md).
+    Full and every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
     return cfg.training.compile and cfg.training.activation_checkpointing == "op"
 
 

@@ -3,9 +3,8 @@ gradients summed and scattered back) and the reverse.
 
 Eager: blocking c10d collectives in autograd functions. Under torch.compile: PyTorch's functional collectives,
 which Dynamo traces and Inductor waits for. Eagerly the functional ones run asynchronously and are waited for
-on first use; on gloo (torch 2.13 CPU) they corrupted a rank's memory now and then (a segfault or a heap-
-corruption abort mid-step: 2 of ~6 runs of a 4-rank expert-tensor-parallel test, and the earlier unexplained
-crashes of context-parallel runs on 8 oversubscribed ranks), so eager code does not use them.
+on first use, which corrupted gloo ranks' memory now and then (docs/parallelism.md), so eager code does not use
+them.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False, cuda_g
     """Compile every block in place (parameter names do not change); ``cuda_graphs``: torch.compile's
     reduce-overhead mode, each block's forward and backward replayed as CUDA graphs; ``inside_checkpoint``: compile a
     checkpointed block's inner module rather than the wrapper (``parallelize_llama`` sets it under tensor
-    parallelism or with FlexAttention, with full / every-k recomputation: under TP, compiled around the wrapper,
-    AOTAutograd put a DeviceMesh among the tensors it saves for the recomputation and failed at the first step,
-    dense and MoE blocks alike, torch 2.13, gloo; op-level recomputation compiles around it there).
+    parallelism or with FlexAttention, with full / every-k recomputation, where compiling around the wrapper fails:
+    docs/parallelism.md; op-level recomputation compiles around it there).
 
     A block whose MoE runs its experts over expert parallelism is compiled around them: the token all-to-all has
     sizes known only on the host (``loom.parallel.expert_parallel.ExpertParallel.run`` is excluded from tracing),

@@ -124,9 +124,8 @@ def parallelize_llama(
             apply_float8(part, training.float8)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
         if training.compile:
-            # recompute-everything checkpointing outside the compiled block: under TP (a DeviceMesh among the
-            # saved tensors crashed, torch 2.13) and with FlexAttention (its backward hit a CUDA illegal address
-            # when compiled inside a checkpoint, torch 2.11)
+            # recompute-everything checkpointing outside the compiled block under TP and with FlexAttention,
+            # where compiling it inside fails (docs/parallelism.md, docs/kernels.md)
             apply_compile(
                 part.layers,
                 inside_checkpoint=(dims.tp_enabled or model.args.attention == "flex")

@@ -232,10 +232,9 @@ def _timed_stage_class():
         split-backward chunk's autograd graph alive from its input-gradient pass to its weight pass.
 
         torch's input pass detaches the stage outputs, leaving the graph held only by the gradient edges
-        it saved; in torch 2.11 an edge does not keep a Python autograd node (our custom ops' autograd is
-        one) alive, so the weight pass met a freed node ("Attribute '_input_metadata' is invalid": the
-        125M flavor with fused RMSNorm on 2xH200, zbv / dualpipev / interleaved_zb). Holding the outputs'
-        ``grad_fn`` until the weight pass keeps every node of the chunk alive."""
+        it saved, which do not keep a Python autograd node (our custom ops' autograd is one) alive: the weight
+        pass would meet a freed node (docs/parallelism.md). Holding the outputs' ``grad_fn`` until the weight pass
+        keeps every node of the chunk alive."""
 
         clock: BusyClock
 

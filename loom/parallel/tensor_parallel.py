@@ -351,9 +351,8 @@ def _apply_trunk_tp(
 
 def _own_storage(module, args, out: torch.Tensor) -> torch.Tensor:
     """The embedding's local output as a tensor of its own. RowwiseParallel hands on ``to_local()``'s output, a view
-    of a tensor that does not require grad; a compiled MoE block taking that view as its input gave it no gradient
-    (AOTAutograd, seen on torch 2.13 CPU; the embedding then failed in its backward). One copy of (B, S/tp, E) per
-    step."""
+    of a tensor that does not require grad, to which a compiled MoE block gives no gradient (docs/parallelism.md).
+    One copy of (B, S/tp, E) per step."""
     return out.clone()
 
 

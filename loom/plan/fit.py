@@ -18,8 +18,8 @@ from loom.plan.memory import GIB
 from loom.plan.planner import rank_needs
 
 # Host memory a CPU process holds beyond the planner's tensors: Python and PyTorch's libraries, the data loader,
-# the allocator's fragmentation (the debug run's peak RSS is 0.46 GiB for a few MiB of tensors), and the estimate's
-# own error (-9%..+12% on measured GPU runs, docs/planner.md). Going over is the kernel's OOM killer, no message.
+# the allocator's fragmentation, and the estimate's own error (docs/planner.md, loom train's memory check). Going
+# over is the kernel's OOM killer, no message.
 HOST_RESERVE_BYTES = 1.0 * GIB  # per process
 HOST_MARGIN = 0.10  # of the estimate
 

@@ -59,8 +59,7 @@ from loom.plan.timing import (
 from loom.resolve import accumulation_steps, model_kernels, resolve_model_args
 
 # Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
-# (-9%..+12% on the measured runs, docs/planner.md) and what the caching allocator cannot reuse after a long run;
-# a layout estimated at 78.8 of an H100's 79.2 GiB is not one to rent eight GPUs for.
+# (docs/planner.md) and what the caching allocator cannot reuse after a long run.
 MARGIN = 0.05
 
 
@@ -473,8 +472,7 @@ def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
 # - AdamW on the host (PyTorch's fused CPU kernel, 28 bytes a parameter like loom's GPU kernel) and, with
 #   accumulation, each later micro-batch's gradient added on the host (12 bytes: two reads, a write) at HOST_GBPS;
 #   the global norm (4 bytes a parameter, which also waits for the last gradients to reach the host) at
-#   HOST_NORM_GBPS. Both fitted to bench/offload.py's run on one H100 host of 16 cores (offload_8b_h100.json: AdamW
-#   0.90 s, the norm 1.64 s for 4.98B parameters; docs/planner.md), no other host measured.
+#   HOST_NORM_GBPS. Both fitted to one bench/offload.py run (docs/planner.md, CPU offload).
 # - host memory: HOST_GIB_PER_GPU for each GPU's rank (a DGX H100's 2 TiB over its 8 GPUs); an offloaded layout
 #   whose state needs more does not fit.
 HOST_GIB_PER_GPU = 256.0

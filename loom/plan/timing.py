@@ -7,7 +7,7 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   FLOPs, half the non-causal count MFU uses) at the attention kernel's measured rate
   (``attention_efficiency``);
 - optimizer: loom's AdamW reads and writes 28 bytes per parameter a rank owns, at ``ADAMW_HBM_SHARE`` of
-  the HBM bandwidth (bench/results/optimizer_1b_h100.json: 2,889 GB/s of 3,350);
+  the HBM bandwidth (measured: docs/planner.md);
 - FSDP2 all-gathers (forward, and backward when resharding) and reduce-scatters every micro-batch,
   overlapped with compute: exposed is what exceeds the compute, plus the first gather and the last
   reduction; HSDP adds an all-reduce over the replicas the same way; DDP all-reduces once per step during
@@ -24,9 +24,8 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   and routing moves each token-slot (sort, gather, scatter back, casts, the weighting and the gate's
   elementwise work: ``MOE_SLOT_BYTES`` per slot and model-dim element), both at the copy rate
   ``COPY_HBM_SHARE``; op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``: every
-  one of them, as full checkpointing does). Fitted on one layer's forward + backward (bench/results/
-  moe_copies_h100.json, in git history at dc1b8aa) and one compiled run (docs/planner.md); host time is not
-  modelled (eager MoE under op-level checkpointing left the GPU idle ~30% of the step);
+  one of them, as full checkpointing does). Fitted on one layer's forward + backward and one compiled run; host
+  time is not modelled (both: docs/planner.md);
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """
@@ -36,8 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 # Fraction of peak FLOP/s reached on the model's FLOPs (recomputation included): larger hidden sizes make larger
-# matmuls, so efficiency(dim) = top x dim / (dim + 650), fitted to four measured runs (docs/planner.md: 1B and
-# 8B compiled, 1B and 3B eager; the same 650 fits both modes).
+# matmuls, so efficiency(dim) = top x dim / (dim + 650) (the fit and its runs: docs/planner.md, Time).
 EFFICIENCY_TOP = {"compiled": 0.70, "eager": 0.51}
 EFFICIENCY_HALF_DIM = 650.0
 
@@ -47,10 +45,8 @@ def efficiency(dim: int, compiled: bool) -> float:
 
 
 # Causal attention forward + backward (cuDNN SDPA, what loom's `auto` picks for plain causal attention), as a
-# fraction of the bf16 peak, by head dim at seq 2048 / 8192 (a reference run of SDPA's cuDNN backend on one H100,
-# torch 2.11, 2026-11-22, kept in no result file: d64 297 / 406, d128 364 / 522 TFLOP/s counting causal FLOPs;
-# bench/results/kernels_bar_h100.md has cuDNN at 380-441 / 475-562 from seq 4096 to 16384); log-linear in
-# between, held outside.
+# fraction of the bf16 peak, by head dim at seq 2048 / 8192; log-linear in between, held outside (the run it comes
+# from: docs/planner.md, Time).
 ATTENTION_EFFICIENCY = {64: (0.30, 0.41), 128: (0.37, 0.53)}
 ATTENTION_SEQS = (2048, 8192)
 
@@ -78,12 +74,9 @@ ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
 # Generation (loom.plan.generate). A decode step streams every weight and the KV cache once, at the share of HBM
-# bandwidth loom's decode of the 8B shape reached on an H100 (bench/results/generate_8b_h100.json): at batch 1
-# (6.01 ms per step against 4.49 ms of bytes at the datasheet 3.35 TB/s; the projections are Inductor's Triton
-# reductions), and at larger batches, where they are cuBLAS matmuls (fitted to its batch-8 and batch-64 steps, 6.77
-# and 7.98 ms). A small all-reduce or all-gather (decode's tensor-parallel collectives carry a few KiB) costs a
-# fixed latency on top of its bytes: an assumption of the order NCCL reports for small messages inside an NVLink
-# node.
+# bandwidth loom's decode reaches: at batch 1, and at larger batches (its projections then cuBLAS matmuls). A small
+# collective costs a fixed latency on top of its bytes (the runs and the assumption: docs/planner.md, Measured and
+# assumed).
 DECODE_HBM_SHARE = 0.746
 DECODE_HBM_SHARE_BATCHED = 0.65
 COLLECTIVE_LATENCY_S = 10e-6
@@ -94,11 +87,8 @@ def decode_hbm_share(batch: int) -> float:
     return DECODE_HBM_SHARE if batch == 1 else DECODE_HBM_SHARE_BATCHED
 
 
-# MoE (see the module docstring). The casts of one 1B MoE layer's 8 x 2048 experts (12 B x 100.7M parameters)
-# took 0.522 ms on an H100: 2.31 TB/s of 3.35 (bench/results/moe_copies_h100.json, in git history at dc1b8aa).
-# Per slot x dim element, fwd + bwd, what one layer took beyond its matmuls at the planner's eager rate and the
-# weight casts: 57 B (8 x 2048, top 2) and 61 B (16 x 1024, top 4) in that file; compiled, the 1B 8 x 2048 run's
-# miss per layer (moe_1b_8x2048_compile_h100 in tests/data/plan_runs.json) gives 80 B.
+# MoE (see the module docstring): the experts' weight casts at COPY_HBM_SHARE of HBM bandwidth, and per routed
+# slot x dim element, forward + backward, the bytes of routing beyond the matmuls (the fits: docs/planner.md).
 COPY_HBM_SHARE = 0.69
 MOE_WEIGHT_CAST_BYTES = 12
 MOE_SLOT_BYTES = {"eager": 59, "compiled": 80}

@@ -40,7 +40,7 @@ from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, pa
 from loom.parallel.placement import check_placement
 from loom.parallel.shards import quantize_base
 from loom.parallel.tensor_parallel import loss_parallel_context
-from loom.resolve import resolve, times_attention
+from loom.resolve import Run, handed, resolve, times_attention
 from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
 from loom.runtime.fault_tolerance import data_shard
 from loom.runtime.guard import PREEMPTED, StepCheck
@@ -171,8 +171,10 @@ class Engine:
             timeout=startup_timeout(cfg.parallel.timeout_s),
         )
         self.device = self.env.device
-        # every cross-field rule (the method's too); the model's come with the tokenizer
-        self.run = resolve(cfg, self.env.world_size, rules=rules)
+        # the run the launcher resolved (loom.resolve.handed), else every cross-field rule checked here (the
+        # method's too); the model's come with the tokenizer
+        run = handed(cfg, self.env.world_size)
+        self.run = run if isinstance(run, Run) else resolve(cfg, self.env.world_size, rules=rules)
         self.dims, self.accum = self.run.dims, self.run.accum
         # offload runs FSDP2, on a 1-rank mesh when alone
         if self.dims.distributed or cfg.parallel.cpu_offload:
@@ -382,9 +384,8 @@ class Engine:
 
     def _build_model(self) -> None:
         cfg = self.cfg
-        self.run = self.run.with_model(
-            self.tokenizer
-        )  # checked against the degrees before attention is timed
+        if self.run.model_args is None:  # checked against the degrees before attention is timed
+            self.run = self.run.with_model(self.tokenizer)
         self.attention_times: dict | None = None
         if times_attention(self.run):
             self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
@@ -526,8 +527,8 @@ class Engine:
         enable_nvtx(self.cfg.metrics.nvtx)
         blocks = None if self.cfg.training.compile else transformer_blocks(self.parts)
         self.nvtx_blocks = nvtx_block_ranges(blocks) if self.cfg.metrics.nvtx else None
-        # PyTorch's memory history made the backward of MoE blocks under activation checkpointing fail (torch 2.11,
-        # H100: "run_backward returned NULL without setting an exception"; docs/metrics.md): no snapshot there
+        # no memory snapshot of MoE blocks under activation checkpointing: PyTorch's memory history breaks their
+        # backward (docs/metrics.md)
         no_snapshot = (
             "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation "
             "checkpointing"

@@ -181,7 +181,7 @@ class Loop:
             return
         # this run's config against the checkpoint's before any weight is read: a shape change stops here
         changes = on_main(
-            lambda: check_checkpoint(folder, self.cfg, self.tokenizer, self.kernels),
+            lambda: check_checkpoint(folder, self.cfg, self.tokenizer, self.kernels, self.model_args),
             self.env.is_main,
             self.env.share_from_main,
         )

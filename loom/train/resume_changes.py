@@ -245,10 +245,13 @@ def compare(
     return ResumeChanges(folder, step, applied)
 
 
-def model_difference(old: dict[str, Any], cfg: Config, tokenizer=None, kernels=None) -> list[Change] | None:
+def model_difference(
+    old: dict[str, Any], cfg: Config, tokenizer=None, kernels=None, args=None
+) -> list[Change] | None:
     """How the checkpoint's model differs from ``cfg``'s, resolved as the trainer builds them (flavor, then
     the model.* overrides, vocabulary from the tokenizer): [] for the same model, None when the checkpoint's
-    cannot be resolved here (its model.init_from folder is gone, ...)."""
+    cannot be resolved here (its model.init_from folder is gone, ...). ``args``: ``cfg``'s model as the run
+    resolved it (else resolved here)."""
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg.data.tokenizer)
     then = copy.deepcopy(cfg)
@@ -259,7 +262,7 @@ def model_difference(old: dict[str, Any], cfg: Config, tokenizer=None, kernels=N
         before = resolve_model_args(then, tokenizer, kernels)
     except (ConfigError, UserError, OSError, ValueError, KeyError):
         return None
-    now = resolve_model_args(cfg, tokenizer, kernels)
+    now = args if args is not None else resolve_model_args(cfg, tokenizer, kernels)
     return [
         Change(f"model ({f.name})", getattr(before, f.name), getattr(now, f.name))
         for f in dataclasses.fields(now)
@@ -267,14 +270,14 @@ def model_difference(old: dict[str, Any], cfg: Config, tokenizer=None, kernels=N
     ]
 
 
-def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> ResumeChanges:
+def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None, args=None) -> ResumeChanges:
     """``cfg`` against the config checkpoint ``folder`` was written with; reads small files only, so it runs
-    before any weight is loaded. Weights-only checkpoints (``loom convert --from-hf``) start a run at step 0
+    before any weight is loaded (``args``: ``cfg``'s model as the run resolved it, else resolved here). Weights-only checkpoints (``loom convert --from-hf``) start a run at step 0
     with nothing of a run to continue: only their model shape is compared (``check_imported_shape``)."""
     with open(os.path.join(folder, STATE)) as fh:
         state = json.load(fh)
     if state.get("model_only"):
-        check_imported_shape(folder, cfg, tokenizer, kernels)
+        check_imported_shape(folder, cfg, tokenizer, kernels, args)
         return ResumeChanges(folder, 0)
     step = int(state["step"])
     raw = _recorded(folder)
@@ -291,11 +294,11 @@ def check_checkpoint(folder: str, cfg: Config, tokenizer=None, kernels=None) -> 
         cfg,
         folder=folder,
         step=step,
-        model_difference=lambda: model_difference(old, cfg, tokenizer, kernels),
+        model_difference=lambda: model_difference(old, cfg, tokenizer, kernels, args),
     )
 
 
-def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None) -> None:
+def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None, args=None) -> None:
     """A weights-only checkpoint loads only into a model of its own shape: another one is a ResumeMismatch that
     says how to take the shape from the checkpoint (``--model.init_from``), before any weight is read."""
     from loom.checkpoint.hf.config import HF_CONFIG_COPY, llama_args_from_hf_config
@@ -305,7 +308,11 @@ def check_imported_shape(folder: str, cfg: Config, tokenizer=None, kernels=None)
         return
     with open(kept) as fh:
         stored = llama_args_from_hf_config(json.load(fh), "checkpoint.resume", kept)
-    now = resolve_model_args(cfg, tokenizer or build_tokenizer(cfg.data.tokenizer), kernels)
+    now = (
+        args
+        if args is not None
+        else resolve_model_args(cfg, tokenizer or build_tokenizer(cfg.data.tokenizer), kernels)
+    )
     diff = [
         f"{f.name} {getattr(stored, f.name)!r} -> {getattr(now, f.name)!r}"
         for f in dataclasses.fields(now)
@@ -336,14 +343,15 @@ def _candidate(cfg: Config) -> str | None:
     return None
 
 
-def check_before_start(cfg: Config) -> None:
+def check_before_start(cfg: Config, tokenizer=None, kernels=None, args=None) -> None:
     """``loom train``'s precheck: a checkpoint this run cannot resume from is refused before any worker starts
-    (the trainer checks the checkpoint it really picks again, before loading it)."""
+    (the trainer checks the checkpoint it really picks again, before loading it). ``tokenizer``, ``kernels``,
+    ``args``: the run's, as the precheck resolved them (else resolved here)."""
     folder = _candidate(cfg)
     if folder is None:
         return
     try:
-        check_checkpoint(folder, cfg)
+        check_checkpoint(folder, cfg, tokenizer, kernels, args)
     except (OSError, json.JSONDecodeError, tomllib.TOMLDecodeError):
         return  # an unreadable small file: the trainer's hash check names it
 
