@@ -127,6 +127,12 @@ def test_dpo_cached_reference_is_keyed_by_the_weights_content(tmp_path, capsys):
     assert dpo(1) == pytest.approx(0.693147, abs=1e-5)
     out = capsys.readouterr().out
     assert sum("dpo.reference cached: reusing" in line for line in out.splitlines()) == 1
+    # a damaged cache file (a crash on a filesystem that lost its tail) is computed again, said in one line
+    cached = max((tmp_path / "run" / "dpo_reference").glob("reference-*.pt"), key=os.path.getmtime)
+    cached.write_bytes(cached.read_bytes()[:40])
+    assert dpo(1) == pytest.approx(0.693147, abs=1e-5)
+    out = capsys.readouterr().out
+    assert "cannot be read" in out and "computing it again" in out and "reusing" not in out, out
 
 
 # ---- the chat-template probe and message contents -------------------------------------------------------------------
