@@ -225,6 +225,8 @@ def test_message_content_is_a_string_or_text_parts():
         from_row(
             {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]}, "f.jsonl:1"
         )
+    with pytest.raises(ConfigError, match="message 0: 'role' must be a string .*got a int"):
+        from_row({"messages": [{"role": 5, "content": "x"}]}, "f.jsonl:1")  # it said the role was missing
     with pytest.raises(ConfigError, match="content parts must each be"):
         from_row(
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
