@@ -45,6 +45,13 @@ INACTIVE = [
         "the embedded arithmetic task",
     ),
     ({"training.objective": "grpo", "grpo.judge_weight": 2.0}, "grpo.judge_weight", "grpo.judge"),
+    ({"training.loss_scale_init": 1024}, "training.loss_scale_init", "training.dtype float16"),
+    (
+        {"training.nonfinite": "stop", "training.nonfinite_limit": 3},
+        "training.nonfinite_limit",
+        "training.nonfinite skip or rollback",
+    ),
+    ({"checkpoint.overwrite": "true"}, "checkpoint.overwrite", "checkpoint.resume none"),
 ]
 
 
@@ -65,6 +72,8 @@ def test_the_same_fields_with_their_feature_on_are_accepted(tmp_path):
 
     check_config(tiny_config(tmp_path, **{"lora.rank": 4, "lora.alpha": 32, "lora.targets": "q,v"}))
     check_config(tiny_config(tmp_path, **{"training.objective": "grpo", "grpo.digits": 3}))
+    check_config(tiny_config(tmp_path, **{"training.dtype": "float16", "training.loss_scale_init": 1024}))
+    check_config(tiny_config(tmp_path, **{"checkpoint.resume": "none", "checkpoint.overwrite": "true"}))
 
 
 def test_every_needs_names_a_known_activation():
