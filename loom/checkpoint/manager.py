@@ -169,6 +169,18 @@ def verify(folder: str, check_hash: bool = True) -> dict:
     """Raise CorruptCheckpoint naming the problem, or return the marker."""
     marker = os.path.join(folder, MARKER)
     if not os.path.isfile(marker):
+        holds = (
+            os.path.join(folder, "checkpoints")
+            if os.path.isdir(os.path.join(folder, "checkpoints"))
+            else folder
+        )
+        found = list_complete(holds) if os.path.isdir(holds) else []
+        if found:  # a run dir or its checkpoint folder, not one checkpoint
+            raise CorruptCheckpoint(
+                f"checkpoint {folder} is not one checkpoint but a folder of them: give one of its step_N folders "
+                f"(the newest complete: {found[-1][1]}), or resume that run's newest with --run.dir and "
+                "--checkpoint.resume auto"
+            )
         raise CorruptCheckpoint(f"checkpoint {folder} is incomplete: no {MARKER}")
     try:
         with open(marker) as fh:

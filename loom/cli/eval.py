@@ -59,6 +59,11 @@ OPTIONS = {
     "--out": "out",
 }
 FLAGS = {"--log-samples": "log_samples"}
+# the options that only one mode reads, by the option that turns it on
+MODE_OPTIONS = {
+    "source": ("--text-field", "--encoding-errors"),
+    "tasks": ("--include-path", "--num-fewshot", "--gen-kwargs", "--log-samples"),
+}
 
 
 def parse_args(argv: list[str]) -> dict:
@@ -71,11 +76,13 @@ def parse_args(argv: list[str]) -> dict:
         "batch_size": "8",
         "max_length": "0",
     }
+    given: set[str] = set()
     i = 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
         if name in FLAGS and not eq:
             args[FLAGS[name]] = True
+            given.add(FLAGS[name])
         elif not name.startswith("-") and "checkpoint" not in args:
             args["checkpoint"] = argv[i]
         elif name not in OPTIONS:
@@ -91,6 +98,7 @@ def parse_args(argv: list[str]) -> dict:
                     raise ConfigError(name, None, "missing value after the option", show_value=False)
                 value, i = argv[i + 1], i + 1
             args[OPTIONS[name]] = value
+            given.add(OPTIONS[name])
         i += 1
     if "checkpoint" not in args:
         raise ConfigError(
@@ -105,6 +113,17 @@ def parse_args(argv: list[str]) -> dict:
             args["checkpoint"],
             "nothing to evaluate: give --source SPEC and/or --tasks T1,T2 (see `loom eval --help`)",
         )
+    # an option of the other mode would do nothing: refused, not silently ignored
+    for needs, names in MODE_OPTIONS.items():
+        if needs not in args:
+            for name in names:
+                if OPTIONS.get(name, FLAGS.get(name)) in given:
+                    raise ConfigError(
+                        name,
+                        None,
+                        f"applies to --{needs} only, and there is no --{needs}: give --{needs} or leave {name} out",
+                        show_value=False,
+                    )
     for name in ("batch_size", "max_length"):
         args[name] = _count(f"--{name.replace('_', '-')}", args[name], 1 if name == "batch_size" else 0)
     if "num_fewshot" in args:
@@ -253,8 +272,11 @@ def main(argv: list[str]) -> int:
     if "tasks" in args:
         record["tasks"] = run_harness(em, args)
     if "out" in args:
-        with open(args["out"], "w") as fh:
-            json.dump(_finite(record), fh, indent=1)
-            fh.write("\n")
+        from loom.cli.generate import write_whole
+
+        # its folder may not exist yet (check_file_writable allows one that can be made); written whole, so a
+        # full disk leaves no partial file
+        os.makedirs(os.path.dirname(os.path.abspath(args["out"])), exist_ok=True)
+        write_whole("--out", args["out"], json.dumps(_finite(record), indent=1) + "\n")
         print(f"loom eval: results in {os.path.abspath(args['out'])}", flush=True)
     return 0

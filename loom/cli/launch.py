@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default="")
     p.add_argument("--time", default="")
     p.add_argument("--account", default="")
-    p.add_argument("--cpus-per-node", type=int, default=0)
+    p.add_argument("--cpus-per-node", type=int, default=None)
     p.add_argument("--job-name", default="loom")
     p.add_argument("--sbatch", action="append", default=[])
     p.add_argument("--script", default=None)
@@ -123,10 +123,12 @@ def parse(argv: list[str]):
             raise ConfigError(
                 name, None, f"loom launch sets it for every agent (from {owned[name]})", show_value=False
             )
-    for name in ("nodes", "gpus_per_node", "master_port"):
+    for name in ("nodes", "gpus_per_node", "master_port", "cpus_per_node"):
         value = getattr(opts, name)
         if value is not None and value < (0 if name == "gpus_per_node" else 1):
             raise ConfigError("--" + name.replace("_", "-"), value, "expected a positive integer")
+    if opts.max_restarts is not None and opts.max_restarts < 0:
+        raise ConfigError("--max-restarts", opts.max_restarts, "expected 0 or more")
     if opts.master_port is not None and opts.master_port > 65535:
         raise ConfigError("--master-port", opts.master_port, "a TCP port is 1..65535")
     if not (math.isfinite(opts.grace_s) and opts.grace_s >= 0):
@@ -140,6 +142,17 @@ def parse(argv: list[str]):
             "a Kubernetes name is a DNS-1123 label: at most 63 lowercase letters, "
             "digits or '-', starting and ending with a letter or digit",
         )
+    if opts.kubernetes and opts.namespace and not DNS_1123.fullmatch(opts.namespace):
+        raise ConfigError(
+            "--namespace",
+            opts.namespace,
+            "a Kubernetes namespace is a DNS-1123 label: at most 63 lowercase letters, digits or '-', starting and "
+            "ending with a letter or digit",
+        )
+    if opts.slurm and not SLURM_NAME.fullmatch(opts.job_name):
+        raise ConfigError(
+            "--job-name", opts.job_name, "a SLURM job name here is letters, digits and . _ - (no spaces)"
+        )
     if opts.slurm and opts.time and not SLURM_TIME.fullmatch(opts.time):
         raise ConfigError(
             "--time",
@@ -150,19 +163,20 @@ def parse(argv: list[str]):
 
 
 DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")  # it names the script file too
 SLURM_TIME = re.compile(
     r"(?i:unlimited|infinite)|\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+"
 )
 
 
-def check_train_args(train_args: list[str], world_size: int | None) -> None:
+def check_train_args(train_args: list[str], world_size: int | None, device: str | None = None) -> None:
     """The `loom train` options every host will get, checked here as `loom train` checks them (a misspelled field,
     a bad value, a layout that does not divide ``world_size`` workers) before any per-host command is written: an
     error is one line now, not one per host later. Files the run reads may exist on the hosts only, so a missing
-    one is left to them."""
+    one is left to them. ``device``: the device type the workers have (a script for a cluster: not this machine's,
+    which is then not checked)."""
     from loom.cli.preflight import load_config
     from loom.config.errors import UserError
-    from loom.methods import resolve
 
     try:
         cfg, _ = load_config(list(train_args))
@@ -172,8 +186,20 @@ def check_train_args(train_args: list[str], world_size: int | None) -> None:
         raise
     except UserError:
         return  # an environment problem of this machine (a file), not of the options
+    check_layout(cfg, world_size, device)
+
+
+def check_layout(cfg, world_size: int | None, device: str | None) -> None:
+    """The layout (and every rule of `loom train`) for ``world_size`` workers; ``device``: theirs, where they are
+    not on this machine (SLURM nodes, Kubernetes pods)."""
+    from loom.methods import resolve
+
     if world_size:
-        resolve(cfg, world_size)
+        resolve(cfg, world_size, **({"device": device, "triton": device == "cuda"} if device else {}))
+
+
+def _cluster_device(opts) -> str:
+    return "cuda" if opts.gpus_per_node else "cpu"
 
 
 def main(argv: list[str]) -> int:
@@ -247,9 +273,10 @@ def _need(opts, *names: str) -> None:
             raise ConfigError("--" + name.replace("_", "-"), None, f"{mode} needs it", show_value=False)
 
 
-def check_script_config(train_args: list[str], workdir: str) -> None:
+def check_script_config(train_args: list[str], workdir: str, world_size: int, device: str) -> None:
     """The job's config before a script that runs later is written: --config FILE exists (a relative path from
-    ``workdir``, where the agents start) and, with the --section.field overrides, is a valid config."""
+    ``workdir``, where the agents start) and, with the --section.field overrides, is a valid config whose layout
+    divides the ``world_size`` workers the script asks for."""
     from loom.config import build_config, parse_overrides
     from loom.runtime.launch import parse_launch
 
@@ -265,7 +292,7 @@ def check_script_config(train_args: list[str], workdir: str) -> None:
                 "--workdir DIR sets the folder the agents start in)",
             )
         path = found
-    build_config(path, parse_overrides(rest))
+    check_layout(build_config(path, parse_overrides(rest)), world_size, device)
 
 
 def _warn_cpus(opts) -> None:
@@ -284,9 +311,14 @@ def slurm(opts, train_args: list[str]) -> int:
     from loom.cluster.launch import DEFAULT_PORT, SlurmJob, sbatch_script, submit
 
     _need(opts, "nodes", "gpus_per_node")
-    # the script runs on the cluster's shared filesystem: --config is looked for from --workdir (the layout may be
-    # set on the cluster, so it is not checked against a world size)
-    check_script_config(train_args, os.path.abspath(opts.workdir or os.getcwd()))
+    # the script runs on the cluster's shared filesystem: --config is looked for from --workdir; the layout is
+    # checked against the nodes x GPUs the script asks for
+    check_script_config(
+        train_args,
+        os.path.abspath(opts.workdir or os.getcwd()),
+        opts.nodes * opts.gpus_per_node,
+        _cluster_device(opts),
+    )
     job = SlurmJob(
         opts.nodes,
         opts.gpus_per_node,
@@ -294,7 +326,7 @@ def slurm(opts, train_args: list[str]) -> int:
         opts.time,
         opts.account,
         opts.job_name,
-        cpus_per_node=opts.cpus_per_node,
+        cpus_per_node=opts.cpus_per_node or 0,
         port=opts.master_port or DEFAULT_PORT,
         extra=opts.sbatch,
     )
@@ -332,7 +364,9 @@ def kubernetes(opts, train_args: list[str]) -> int:
     from loom.cluster.launch import DEFAULT_PORT, KubeJob, dump_manifest, forwarded_env, jobset, pytorchjob
 
     _need(opts, "image", "nodes", "gpus_per_node")
-    check_train_args(train_args, None)  # the layout may be set on the cluster
+    check_train_args(
+        train_args, opts.nodes * opts.gpus_per_node, _cluster_device(opts)
+    )  # the manifests' workers
     job = KubeJob(
         opts.name,
         opts.image,

@@ -186,13 +186,24 @@ def remote_command(workdir: str, env: dict[str, str], python: str, args: list[st
 def launcher_argv(template: str, host: str, cmd: str) -> list[str]:
     """The local command that runs ``cmd`` on ``host``: ``template``'s words with ``{host}`` and ``{cmd}`` filled
     in (``ssh -o BatchMode=yes {host} {cmd}``, ``pdsh -w {host} {cmd}``, ``bash -c {cmd}`` for this machine);
-    without ``{cmd}`` the command is appended (and the host before it, unless the template has ``{host}``)."""
-    words = shlex.split(template)
+    without ``{cmd}`` the command is appended (and the host before it, unless the template has ``{host}``).
+    ``{cmd}`` inside a word (``bash -lc 'cd /x && {cmd}'``) is filled in there."""
+    try:
+        words = shlex.split(template)
+    except ValueError as err:  # an unbalanced quote
+        raise ConfigError("--launcher-cmd", template, f"does not parse as shell words ({err})") from None
     if not words:
         raise ConfigError("--launcher-cmd", template, "is empty")
+    unknown = sorted(set(re.findall(r"\{[^{}\s]*\}", template)) - {"{host}", "{cmd}"})
+    if unknown:
+        raise ConfigError(
+            "--launcher-cmd",
+            template,
+            f"names {', '.join(unknown)}: the placeholders are {{host}} and {{cmd}}",
+        )
     if not any("{cmd}" in w for w in words):  # only what the template does not name yet: `ssh {host}` + cmd
         words += ([] if any("{host}" in w for w in words) else ["{host}"]) + ["{cmd}"]
-    return [cmd if w == "{cmd}" else w.replace("{host}", host) for w in words]
+    return [cmd if w == "{cmd}" else w.replace("{host}", host).replace("{cmd}", cmd) for w in words]
 
 
 @dataclass

@@ -36,6 +36,16 @@ ACTIVATIONS = {
     "grpo.reward_model": (lambda c: bool(c.grpo.reward_model), "grpo.reward_model (a reward model)"),
     "grpo.judge": (lambda c: bool(c.grpo.judge), "grpo.judge (a judge model's path)"),
     "embedded task": (lambda c: not c.grpo.prompts, "the embedded arithmetic task (grpo.prompts empty)"),
+    "float16": (lambda c: c.training.dtype == "float16", "training.dtype float16 (its loss scaling)"),
+    "nonfinite skip or rollback": (
+        lambda c: c.training.nonfinite != "stop",
+        "training.nonfinite skip or rollback (stop stops at the first)",
+    ),
+    "resume none or a path": (
+        lambda c: c.checkpoint.resume != "auto",
+        "checkpoint.resume none (start fresh, moving the old checkpoints aside) or an older checkpoint's "
+        "path (branch)",
+    ),
 }
 
 
@@ -515,12 +525,14 @@ class TrainingConfig:
         2.0**16,
         "float16: initial dynamic loss scale",
         min=1.0,
+        needs="float16",
         resume=(APPLIED, "float16: the dynamic loss scale restarts from it"),
     )
     loss_scale_window: int = opt(
         1000,
         "float16: overflow-free steps before the scale doubles",
         min=1,
+        needs="float16",
         resume=(APPLIED, "float16: from the next step"),
     )
     nonfinite: str = opt(
@@ -536,6 +548,7 @@ class TrainingConfig:
         10,
         "consecutive non-finite steps (or rollbacks to one checkpoint) before the run stops with exit 1",
         min=1,
+        needs="nonfinite skip or rollback",
         resume=(APPLIED, "from the next step"),
     )
 
@@ -834,6 +847,7 @@ class CheckpointConfig:
         "with resume = none in a checkpoint folder that holds checkpoints: move them into "
         "<checkpoint folder>/superseded/<time>/ (never deleted) and start fresh; with "
         "resume = an older checkpoint's path: move the newer ones there and branch",
+        needs="resume none or a path",
         resume=(FREE, OUTPUT),
     )
     preempt_grace_s: float = opt(

@@ -57,6 +57,13 @@ def checked_messages(value, where: str, column: str, errors: str) -> list[dict]:
         )
     out = []
     for k, m in enumerate(value):
+        if isinstance(m, dict) and "role" in m and "content" in m and not isinstance(m["role"], str):
+            raise ConfigError(
+                "data.source",
+                where,
+                f"'{column}' message {k}: 'role' must be a string (system, user, assistant ...); got a "
+                f"{type(m['role']).__name__} ({str(m['role'])[:40]})",
+            )
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             keys = sorted(m) if isinstance(m, dict) else type(m).__name__
             raise ConfigError(

@@ -106,14 +106,10 @@ class DirectPreference(Objective):
             digest_size=8,
         ).hexdigest()
         path = os.path.join(engine.run_dir, "dpo_reference", f"reference-{key}.pt")
-        ref = torch.load(path) if os.path.isfile(path) else None
-        if ref is not None and ref.shape == (len(src.kept), 2) and engine.env.is_main:
-            print(
-                f"dpo.reference cached: reusing {path} (computed for the same initial weights, by content, and "
-                "the same pairs)",
-                flush=True,
-            )
-        if ref is None or ref.shape != (len(src.kept), 2):
+        # rank 0 reads the cache and hands it to every rank (they agree on computing it or not); a file that
+        # cannot be read (cut short by a crash) is computed again, not a traceback
+        ref = engine.env.share_from_main(_read_reference(path, len(src.kept)) if engine.env.is_main else None)
+        if ref is None:
             ref = torch.zeros(len(src.kept), 2, device=device)
             for part in engine.parts:
                 part.eval()
@@ -130,7 +126,10 @@ class DirectPreference(Objective):
             if engine.env.is_main:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 try:
-                    torch.save(ref, path + ".tmp")
+                    with open(path + ".tmp", "wb") as fh:
+                        torch.save(ref, fh)
+                        fh.flush()
+                        os.fsync(fh.fileno())  # durable before the rename makes it the cache
                     os.replace(path + ".tmp", path)
                 except (OSError, RuntimeError) as err:  # torch.save wraps a full disk in a RuntimeError
                     if os.path.exists(path + ".tmp"):
@@ -228,3 +227,26 @@ def rules(cfg: Config) -> None:
 
 
 METHOD = Method("dpo", DirectPreference, objective, rules=rules)
+
+
+def _read_reference(path: str, pairs: int) -> torch.Tensor | None:
+    """The cached reference log-probabilities at ``path`` ((pairs, 2) float32), None where there is none to reuse:
+    no file, another shape, or a file that cannot be read (said in one line: it is computed again)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        ref = torch.load(path, weights_only=True)
+    except Exception as err:  # a cut-short zip: RuntimeError; other damage: pickle or OS errors
+        print(
+            f"dpo.reference cached: {path} cannot be read ({str(err).split('.')[0]}): computing it again",
+            flush=True,
+        )
+        return None
+    if not isinstance(ref, torch.Tensor) or ref.shape != (pairs, 2):
+        return None
+    print(
+        f"dpo.reference cached: reusing {path} (computed for the same initial weights, by content, and the same "
+        "pairs)",
+        flush=True,
+    )
+    return ref

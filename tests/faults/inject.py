@@ -11,6 +11,7 @@ imported at interpreter start by ``autoload/sitecustomize.py`` in the trainer, t
     rmtree        the first file of a .step_N.deleting folder has just been removed (by retention, or by the
                   next start clearing a kill's leftover)
     cache_commit  the token cache file has just been renamed into place, its description not yet written
+    dpo_reference DPO's cached reference is written to its temporary file, not yet fsynced or renamed into place
 
 A launched worker kills the launcher and every other worker with itself (stopped first, so none of them
 reacts): a lost machine, not a preemption. The workers of ``--nproc-per-node`` run in sessions of their own
@@ -26,7 +27,7 @@ import signal
 import sys
 import time
 
-POINTS = ("shard", "marker", "rename", "renamed", "deleting", "rmtree", "cache_commit")
+POINTS = ("shard", "marker", "rename", "renamed", "deleting", "rmtree", "cache_commit", "dpo_reference")
 
 
 def descendants(pid: int) -> list[int]:
@@ -87,11 +88,13 @@ def install(spec: str) -> None:
 
     def fsync_(fd):
         try:
-            is_shard = os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp")
+            path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            is_shard = False
-        if is_shard:
+            path = ""
+        if path.endswith(".distcp"):
             hit("shard")
+        if os.path.basename(path).startswith("reference-") and path.endswith(".pt.tmp"):
+            hit("dpo_reference")
         return fsync(fd)
 
     def replace_(src, dst, *args, **kwargs):

@@ -159,6 +159,19 @@ def test_resuming_an_older_checkpoint_is_refused_naming_the_newer_ones_and_delet
     assert {s: verify(folder(tmp_path, s))["files"] for s in (2, 4, 6)} == before
 
 
+def test_a_run_dir_given_as_the_checkpoint_names_its_newest_step(tmp_path):
+    """checkpoint.resume = a run dir or its checkpoint folder: one line naming a step_N to give (it said the folder
+    was an incomplete checkpoint)."""
+    save_steps(manager(tmp_path, keep=0), [2, 4])
+    for given in (str(tmp_path), str(tmp_path / "checkpoints")):
+        with pytest.raises(UserError) as caught:
+            verify(given)
+        message = str(caught.value)
+        assert "not one checkpoint but a folder of them" in message and folder(tmp_path, 4) in message, (
+            message
+        )
+
+
 def test_overwrite_branches_from_an_older_checkpoint_moving_the_newer_ones_aside(tmp_path, capsys):
     save_steps(lineage_manager(tmp_path, keep=0), [2, 4, 6])
     before = {s: verify(folder(tmp_path, s))["files"] for s in (4, 6)}

@@ -126,6 +126,8 @@ def test_launch_writes_slurm_and_kubernetes_files(runs):
             tmp / "job.sbatch",
             "--training.steps",
             10,
+            "--training.micro_batch_size",  # 1 x 16 workers divide the global batch of 16
+            1,
         )
     )
     script = (tmp / "job.sbatch").read_text()
@@ -144,6 +146,8 @@ def test_launch_writes_slurm_and_kubernetes_files(runs):
             "tiny",
             "--out",
             tmp / "k8s",
+            "--training.micro_batch_size",
+            1,
         )
     )
     written = sorted(p.name for p in (tmp / "k8s").iterdir())

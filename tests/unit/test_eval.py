@@ -188,6 +188,10 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
         # issue 49: an empty source is no perplexity (it was NaN with exit 0); a prefix id past the vocabulary
         (["eval", ckpt, "--source", str(empty)], "no document with a token to score"),
         (["eval", ckpt, "--source", str(empty), "--prefix-token-id", "100000"], "--prefix-token-id = 100000"),
+        # an option of the other mode does nothing: refused, naming what it needs
+        (["eval", ckpt, "--source", "x.jsonl", "--num-fewshot", "3"], "--num-fewshot: applies to --tasks"),
+        (["eval", ckpt, "--source", "x.jsonl", "--log-samples"], "--log-samples: applies to --tasks"),
+        (["eval", ckpt, "--tasks", "t", "--text-field", "body"], "--text-field: applies to --source"),
     ]
     for argv, expected in cases:
         with pytest.raises(SystemExit) as exit_:
@@ -197,3 +201,8 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(ConfigError, match="allowed: 0"):
         perplexity(load(ckpt, device="cpu"), "", limit=-1)
     assert os.path.isdir(ckpt)
+    # --out in a folder that does not exist yet: made (it was a traceback after the evaluation, results lost)
+    out = tmp_path / "new" / "dir" / "eval.json"
+    source = write_jsonl(tmp_path / "docs.jsonl")
+    assert loom_main(["eval", ckpt, "--source", source, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["perplexity"][0]["documents"] == 3

@@ -157,6 +157,8 @@ def test_sbatch_script(tmp_path, monkeypatch):
                 "3",
                 "--training.steps",
                 "10",
+                "--training.micro_batch_size",  # the layout is checked against the 16 workers
+                "1",
             ]
         )
         == 0
@@ -217,6 +219,7 @@ def test_sbatch_checks_the_config_and_warns_without_cpus_per_node(tmp_path, monk
 
     monkeypatch.chdir(tmp_path)
     base = ["--slurm", "--nodes", "1", "--gpus-per-node", "8", "--script", str(tmp_path / "job.sbatch")]
+    base += ["--training.micro_batch_size", "2"]  # 2 x 8 workers divide the global batch of 16
     for extra, words in (
         (
             ["--config", "missing.toml"],
@@ -316,6 +319,10 @@ def test_manifests_are_valid_for_their_crds(tmp_path, capsys):
                 "NCCL_DEBUG=WARN",
                 "--out",
                 str(tmp_path),
+                "--training.global_batch_size",  # the layout is checked against the 32 workers
+                "32",
+                "--training.micro_batch_size",
+                "1",
                 "--training.steps",
                 "100",
             ]

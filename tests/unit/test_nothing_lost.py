@@ -127,6 +127,12 @@ def test_dpo_cached_reference_is_keyed_by_the_weights_content(tmp_path, capsys):
     assert dpo(1) == pytest.approx(0.693147, abs=1e-5)
     out = capsys.readouterr().out
     assert sum("dpo.reference cached: reusing" in line for line in out.splitlines()) == 1
+    # a damaged cache file (a crash on a filesystem that lost its tail) is computed again, said in one line
+    cached = max((tmp_path / "run" / "dpo_reference").glob("reference-*.pt"), key=os.path.getmtime)
+    cached.write_bytes(cached.read_bytes()[:40])
+    assert dpo(1) == pytest.approx(0.693147, abs=1e-5)
+    out = capsys.readouterr().out
+    assert "cannot be read" in out and "computing it again" in out and "reusing" not in out, out
 
 
 # ---- the chat-template probe and message contents -------------------------------------------------------------------
@@ -219,6 +225,8 @@ def test_message_content_is_a_string_or_text_parts():
         from_row(
             {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]}, "f.jsonl:1"
         )
+    with pytest.raises(ConfigError, match="message 0: 'role' must be a string .*got a int"):
+        from_row({"messages": [{"role": 5, "content": "x"}]}, "f.jsonl:1")  # it said the role was missing
     with pytest.raises(ConfigError, match="content parts must each be"):
         from_row(
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},

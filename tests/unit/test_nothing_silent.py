@@ -45,6 +45,13 @@ INACTIVE = [
         "the embedded arithmetic task",
     ),
     ({"training.objective": "grpo", "grpo.judge_weight": 2.0}, "grpo.judge_weight", "grpo.judge"),
+    ({"training.loss_scale_init": 1024}, "training.loss_scale_init", "training.dtype float16"),
+    (
+        {"training.nonfinite": "stop", "training.nonfinite_limit": 3},
+        "training.nonfinite_limit",
+        "training.nonfinite skip or rollback",
+    ),
+    ({"checkpoint.overwrite": "true"}, "checkpoint.overwrite", "checkpoint.resume none"),
 ]
 
 
@@ -65,6 +72,8 @@ def test_the_same_fields_with_their_feature_on_are_accepted(tmp_path):
 
     check_config(tiny_config(tmp_path, **{"lora.rank": 4, "lora.alpha": 32, "lora.targets": "q,v"}))
     check_config(tiny_config(tmp_path, **{"training.objective": "grpo", "grpo.digits": 3}))
+    check_config(tiny_config(tmp_path, **{"training.dtype": "float16", "training.loss_scale_init": 1024}))
+    check_config(tiny_config(tmp_path, **{"checkpoint.resume": "none", "checkpoint.overwrite": "true"}))
 
 
 def test_every_needs_names_a_known_activation():
@@ -122,6 +131,36 @@ def test_a_launcher_template_with_host_gets_only_the_command_appended():
 
     assert launcher_argv("ssh {host}", "a", "echo hi") == ["ssh", "a", "echo hi"]
     assert launcher_argv("ssh -p 2222", "a", "echo hi") == ["ssh", "-p", "2222", "a", "echo hi"]
+    # {cmd} inside a word (a remote shell's script) is filled in, not passed on as the text "{cmd}"
+    assert launcher_argv("srun -w {host} bash -lc 'cd /x && {cmd}'", "a", "echo hi") == [
+        "srun",
+        "-w",
+        "a",
+        "bash",
+        "-lc",
+        "cd /x && echo hi",
+    ]
+
+
+def test_more_launch_options_are_checked_up_front(tmp_path, capsys, monkeypatch):
+    """A launcher template that does not parse or names an unknown placeholder, a negative --max-restarts, a SLURM
+    job name with a space or --cpus-per-node 0, a namespace that is not DNS-1123; and the layout against the
+    nodes x GPUs a SLURM script or Kubernetes manifest asks for (it was checked for hostfile workers only)."""
+    monkeypatch.chdir(tmp_path)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a slots=2\nb slots=2\n")
+    base = ["launch", "--hostfile", str(hosts), "--dry-run", "--training.global_batch_size", "32"]
+    assert "No closing quotation" in cli_error(capsys, *base, "--launcher-cmd", "ssh '{host}")
+    assert "{hots}" in cli_error(capsys, *base, "--launcher-cmd", "ssh {hots} {cmd}")
+    assert "--max-restarts = -1" in cli_error(capsys, *base, "--max-restarts", "-1")
+    slurm = ["launch", "--slurm", "--nodes", "1", "--gpus-per-node", "4", "--dry-run"]
+    assert "--job-name = 'a b'" in cli_error(capsys, *slurm, "--job-name", "a b")
+    assert "--cpus-per-node = 0" in cli_error(capsys, *slurm, "--cpus-per-node", "0")
+    assert "parallel.tp" in cli_error(capsys, *slurm, "--parallel.tp", "3")
+    k8s = ["launch", "--kubernetes", "--image", "img", "--nodes", "1", "--gpus-per-node", "4", "--dry-run"]
+    assert "--namespace = 'Bad_NS'" in cli_error(capsys, *k8s, "--namespace", "Bad_NS")
+    assert "parallel.tp" in cli_error(capsys, *k8s, "--parallel.tp", "3")
+    assert loom_main([*k8s, "--parallel.tp", "2"]) == 0
 
 
 # ---- the run dir stays locked while a launched worker lives ---------------------------------------------------------
