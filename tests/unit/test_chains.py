@@ -127,9 +127,8 @@ def test_the_readme_cpu_commands_are_found():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(
-    1800
-)  # 3 CPU-minutes (11.7 min wall on a loaded 2-core box): the plan search, a run each
+# 3 CPU-minutes (11.7 min wall on a loaded 2-core box): the plan search, a short run of each objective
+@pytest.mark.timeout(1800)
 def test_the_readme_cpu_commands_run_in_order_in_one_folder(tmp_path, monkeypatch):
     """The README's CPU-sized commands (readme_cpu_commands), in the README's order, in one folder, all exit 0:
     each objective has its own default run dir, and a run of an objective already used names its own. Every
