@@ -39,13 +39,13 @@ USAGE = """usage:
 
 
 def usage() -> str:
-    """USAGE with the architectures loom.models.llama.hf.ARCHITECTURES reads and writes (one source for the help and
-    the code)."""
+    """USAGE with the architectures the registered families read and write (loom.models.registry.hf_architectures:
+    one source for the help and the code)."""
     import textwrap
 
-    from loom.models.llama.hf import ARCHITECTURES
+    from loom.models.registry import hf_architectures
 
-    listed = textwrap.fill(", ".join(ARCHITECTURES), 100, subsequent_indent=" " * 12)
+    listed = textwrap.fill(", ".join(hf_architectures()), 100, subsequent_indent=" " * 12)
     return USAGE.format(families=listed)
 
 

@@ -214,19 +214,30 @@ def run_tasks(
     a ``task_manager`` already built) on ``lm``: lm-eval's results dict (None on a process whose LOCAL_RANK is not
     0: lm-eval reports on one). ``limit``: examples per task (a fraction below 1)."""
     evaluator = require("lm_eval.evaluator", "eval", package="lm-eval")
-    return evaluator.simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager or task_manager(tasks, include_path),
-        gen_kwargs=gen_kwargs,
-        log_samples=log_samples,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    try:
+        return evaluator.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager or task_manager(tasks, include_path),
+            gen_kwargs=gen_kwargs,
+            log_samples=log_samples,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    except (
+        ConnectionError
+    ) as err:  # datasets' (OfflineModeIsEnabled too): a task's dataset, offline and not cached
+        reason = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(
+            "--tasks",
+            ",".join(tasks),
+            f"a task's dataset is not cached and cannot be fetched ({type(err).__name__}: {reason}); run once "
+            "where the network reaches the Hugging Face Hub, or use local task YAMLs (--include-path)",
+        ) from None
 
 
 def flat_metrics(results: dict, prefix: str = "") -> dict[str, float]:

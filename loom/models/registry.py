@@ -64,6 +64,19 @@ def hf_adapter(args: LlamaArgs) -> LlamaHF:
     return spec_of(args).hf
 
 
+def hf_architectures() -> dict[str, str]:
+    """Every Hugging Face architecture some family reads and writes -> that family's name (the Llama families'
+    names first; one source for `loom convert --help` and the docs)."""
+    from loom.models.llama.hf import ARCHITECTURES
+
+    out = dict(ARCHITECTURES)
+    for spec in FAMILIES:
+        arch = getattr(spec.hf, "architecture", "")
+        if arch and arch not in out:
+            out[arch] = spec.name
+    return out
+
+
 def spec_for_hf(cfg: dict) -> ModelSpec:
     """The family whose adapter claims a parsed config.json (its architecture or model_type); the Llama families'
     claim the rest (and name an architecture none of them holds)."""

@@ -5,6 +5,7 @@ sizes appended to every `loom train`, the checkpoint names following the step co
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -79,25 +80,76 @@ def test_the_documented_chains_run_as_written(tmp_path, monkeypatch):
         assert os.path.isdir(tmp_path / "runs" / run / "checkpoints" / f"step_{STEPS:08d}"), run
 
 
-@pytest.mark.slow
-def test_the_readme_train_commands_run_in_order_in_one_folder(tmp_path, monkeypatch):
-    """The README's `loom train` (its first command's last step), then its `loom train --training.objective sft`
-    and `--training.objective dpo` lines, in one folder: each objective has its own default run dir."""
+# What makes a README command not runnable as written on a CPU in a fresh clone: a placeholder (`...`, an upper-case
+# name such as CKPT or PATH, path/to, runs/x), an input the clone does not have, or several processes or a GPU (the
+# README's GPU commands name the large recipes or CUDA graphs). An optional `[...]` group is left out.
+PLACEHOLDER = re.compile(r"\.\.\.|\b[A-Z][A-Z_]+\b|path/to|runs/x")
+NEEDS_GPU_OR_PROCESSES = ("--nproc-per-node", "--nnodes", "recipes/llama3_", "--training.cuda_graphs")
+INPUTS = ("--config", "--source", "--tokenizer", "--from", "--from-hf", "--model.init_from", "--data.source")
+INPUTS += ("--data.tokenizer", "--file", "--hostfile", "--model")
+
+
+def readme_cpu_commands() -> list[str]:
+    """The README's `loom` commands in the order they appear (each bash block's lines, and inline `loom train ...`
+    and `loom plan ...` spans of the prose, not of its tables), once each, that run as written on a CPU in a fresh
+    clone."""
     with open(os.path.join(ROOT, "README.md")) as fh:
-        readme = fh.read()
-    first = re.findall(r"```bash\n(.*?)```", readme, re.S)[0].strip().split(" && ")[-1]
-    lines = [first] + [
-        ln.split("#")[0].strip()
-        for ln in readme.splitlines()
-        if re.match(r"loom train --training\.objective (sft|dpo) +#", ln)
-    ]
-    assert lines == [
-        "loom train",
-        "loom train --training.objective sft",
-        "loom train --training.objective dpo",
-    ]
+        readme = re.sub(r"(?m)^\|.*$", "", fh.read())
+    found = []
+    for m in re.finditer(r"```bash\n(.*?)```|`(loom (?:train|plan|--)[^`\n]*)`", readme, re.S):
+        lines = m.group(1).replace("\\\n", " ").splitlines() if m.group(1) is not None else [m.group(2)]
+        for line in lines:
+            for cmd in line.split(" && "):
+                cmd = " ".join(re.sub(r"\[[^\]]*\]", "", cmd.split(" #")[0]).split())
+                if cmd.startswith("loom ") and cmd not in found:
+                    found.append(cmd)
+
+    def runnable(cmd: str) -> bool:
+        argv = shlex.split(cmd)
+        missing = any(
+            a in INPUTS and i + 1 < len(argv) and not os.path.exists(os.path.join(ROOT, argv[i + 1]))
+            for i, a in enumerate(argv)
+        )
+        return not (PLACEHOLDER.search(cmd) or missing or any(m in cmd for m in NEEDS_GPU_OR_PROCESSES))
+
+    return [c for c in found if runnable(c)]
+
+
+def test_the_readme_cpu_commands_are_found():
+    """The parse behind the slow test below finds the README's CPU-sized commands (and not its GPU ones)."""
+    cmds = readme_cpu_commands()
+    assert cmds[0] == "loom train", cmds
+    trains = [c for c in cmds if c.startswith("loom train --training.objective ")]
+    assert trains == [f"loom train --training.objective {o}" for o in ("sft", "dpo", "reward", "grpo")], cmds
+    assert any(c.startswith("loom train --model.flavor debug_moe") for c in cmds), cmds
+    assert any(c.startswith("loom plan ") for c in cmds) and "loom --version" in cmds, cmds
+    assert not any("--nproc-per-node" in c or "llama3_" in c or "path/to" in c for c in cmds), cmds
+
+
+@pytest.mark.slow
+# 3 CPU-minutes (11.7 min wall on a loaded 2-core box): the plan search, a short run of each objective
+@pytest.mark.timeout(1800)
+def test_the_readme_cpu_commands_run_in_order_in_one_folder(tmp_path, monkeypatch):
+    """The README's CPU-sized commands (readme_cpu_commands), in the README's order, in one folder, all exit 0:
+    each objective has its own default run dir, and a run of an objective already used names its own. Every
+    `loom train` gets the tiny sizes appended (SMALL, one shared tokenizer cache), the plan search a smaller global
+    batch; the default run ends with a validation loss."""
     monkeypatch.chdir(tmp_path)
-    for line in lines:
-        extra = ["--dpo.reference", "copy"] if "dpo" in line else []
-        assert loom_main(shlex.split(line)[1:] + SMALL + extra) == 0, line
-    assert sorted(os.listdir(tmp_path / "runs")) == ["dpo", "lm", "sft"]
+    os.symlink(os.path.join(ROOT, "recipes"), tmp_path / "recipes")  # the clone's files, as in its root
+    for cmd in readme_cpu_commands():
+        args = shlex.split(cmd)[1:]
+        if args[0] == "train" and "--help" not in args:
+            args += SMALL + ["--data.cache_dir", str(tmp_path / "cache")]
+            if "dpo" in args:  # the reference per step, not cached over every pair first
+                args += ["--dpo.reference", "copy"]
+            if "grpo" in args or "ppo" in args:  # one supervised warm-up step, then RL
+                args += ["--grpo.warmup_steps", "1"]
+        if (
+            args[0] == "plan" and "--search" in args
+        ):  # 171 layouts of 8 GPUs instead of 432 (2 CPU-min, not 4)
+            args += ["--training.global_batch_size", "8"]
+        assert loom_main(args) == 0, cmd
+    assert sorted(os.listdir(tmp_path / "runs")) == ["dpo", "grpo", "lm", "moe", "reward", "sft"]
+    with open(tmp_path / "runs" / "lm" / "metrics.jsonl") as fh:
+        last = [json.loads(ln) for ln in fh if ln.strip()][-1]
+    assert last["step"] == STEPS and last["val_loss"] is not None

@@ -90,10 +90,15 @@ def test_every_objective_is_documented_and_has_its_class():
 def test_convert_help_and_readme_name_every_family():
     pytest.importorskip("torch")
     from loom.cli.convert import usage
-    from loom.models.llama.hf import ARCHITECTURES
+    from loom.models.registry import FAMILIES, hf_architectures
 
+    ARCHITECTURES = hf_architectures()
     help_text = " ".join(usage().split())
     assert all(arch in help_text for arch in ARCHITECTURES), help_text
+    # every registered family with an architecture of its own is in the list
+    assert all(s.hf.architecture in ARCHITECTURES for s in FAMILIES if getattr(s.hf, "architecture", "")), (
+        FAMILIES
+    )
     hf = next(p for p in read("README.md").split("\n\n") if p.startswith("**Hugging Face.**")).lower()
     spelled = {
         "llama": "llama",
@@ -102,6 +107,8 @@ def test_convert_help_and_readme_name_every_family():
         "qwen3": "qwen3",
         "mixtral": "mixtral",
         "deepseek_v3": "deepseek-v3",
+        "deepseek_v2": "deepseek-v2",
+        "qwen3_moe": "qwen3-moe",
     }
     for family in ARCHITECTURES.values():
         assert spelled.get(family, family.replace("_", "-")) in hf, family

@@ -217,7 +217,7 @@ def test_loom_eval_tasks_and_lm_evals_command_line(model_folders, tmp_path, caps
     assert results["acc,none"] == pytest.approx(flat_metrics(direct)["loomtest_mc/acc"])
 
 
-def test_errors_are_one_line(model_folders, monkeypatch, capsys):
+def test_errors_are_one_line(model_folders, tmp_path, monkeypatch, capsys):
     ckpt, _, tasks = model_folders
     with pytest.raises(SystemExit) as exit_:
         loom_main(["eval", ckpt, "--tasks", "no_such_task_here", "--include-path", tasks, "--device", "cpu"])
@@ -227,6 +227,27 @@ def test_errors_are_one_line(model_folders, monkeypatch, capsys):
         and "--tasks = 'no_such_task_here': no such task" in err
         and err.count("\n") == 1
     )
+    # a task whose dataset is on the Hub, offline and not cached: one line, not datasets' traceback
+    offline = tmp_path / "offline"
+    offline.mkdir()
+    (offline / "hub.yaml").write_text(
+        "task: loomtest_hub\ndataset_path: loom-tests/not-cached\ntest_split: test\n"
+        'output_type: loglikelihood\ndoc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    for var, value in (
+        ("HF_DATASETS_OFFLINE", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_HOME", str(tmp_path / "hf")),
+    ):
+        monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as exit_:
+        loom_main(
+            ["eval", ckpt, "--tasks", "loomtest_hub", "--include-path", str(offline), "--device", "cpu"]
+        )
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert "--tasks = 'loomtest_hub': a task's dataset is not cached and cannot be fetched" in err, err
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # lm-eval not installed
     with pytest.raises(SystemExit):
         loom_main(["eval", ckpt, "--tasks", "loomtest_mc"])

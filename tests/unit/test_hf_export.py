@@ -156,3 +156,32 @@ def test_export_refuses_to_overwrite_tokenizer_files(tmp_path, monkeypatch):
     check_empty_target(str(tmp_path / "out"))  # a tokenizer alone is no model
     with pytest.raises(UserError, match="already holds a model \\(tokenizer.json\\)"):
         check_empty_target(str(tmp_path / "out"), ("tokenizer.json",))
+
+
+def test_a_byte_sft_run_with_its_own_chat_template_exports_that_template(tmp_path):
+    """An SFT run on the byte tokenizer with its own data.chat_template exports that template, not the built-in
+    one: transformers' apply_chat_template on the export renders and tokenizes as the run's SFT did. (No training:
+    the export's tokenizer files from the run's resolved config, as `loom convert --to-hf` writes them.)"""
+    from loom.checkpoint.hf.tokenizer import tokenizer_export
+    from loom.cli.convert import run_chat_template
+    from loom.config import build_config
+
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    (tmp_path / "own.jinja").write_text(own)
+    cfg = build_config(None, {"training.objective": "sft", "data.chat_template": str(tmp_path / "own.jinja")})
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, data in tokenizer_export(cfg.data.tokenizer, 256, run_chat_template(cfg)).files.items():
+        (out / name).write_bytes(data)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    loom, template = ByteTokenizer(), load_template(str(tmp_path / "own.jinja"), ByteTokenizer())
+    assert tok.chat_template == own != BUILTIN_TEMPLATE
+    assert (
+        tok.apply_chat_template(chat, tokenize=False)
+        == template.render(chat)
+        == "[user] 2+2?</s>[assistant] 4</s>"
+    )
+    assert tok.apply_chat_template(chat, return_dict=False) == ChatEncoder(template, loom).encode(chat)[0]
+    exported = load_template("", HFTokenizer(str(out / "tokenizer.json")))
+    assert exported.source == own
