@@ -136,3 +136,24 @@ def test_the_loop_names_no_runtime_feature_that_is_a_hook():
         for a in n.names
     }
     assert not imported & {"Stragglers", "Preemption", "StopVote", "PREEMPTED"}, imported
+
+
+def test_rl_rollouts_are_driven_not_loaders():
+    """GRPO's and PPO's drivers (loom.methods.grpo / ppo ``drive``) call the rollouts' pieces and the engine: no
+    module of loom.rl hands batches out as a loader (``next_step``) or sets the LR (``scale_lr``)."""
+    found = [
+        f"{path}:{n.lineno} {n.name if isinstance(n, ast.FunctionDef) else ast.unparse(n)}"
+        for path, tree in SOURCES.items()
+        if path.startswith("loom/rl/")
+        for n in ast.walk(tree)
+        if (isinstance(n, ast.FunctionDef) and n.name == "next_step")
+        or (isinstance(n, ast.Attribute) and n.attr == "scale_lr")
+    ]
+    assert not found, found
+    drivers = [
+        n.name
+        for path in ("loom/methods/grpo.py", "loom/methods/ppo.py")
+        for n in SOURCES[path].body
+        if isinstance(n, ast.FunctionDef) and n.name == "drive"
+    ]
+    assert drivers == ["drive", "drive"]
