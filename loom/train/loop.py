@@ -1,6 +1,7 @@
 """The loop: the cadence around the engine's steps (loom.train.engine). Each step: poll the checkpointer, settle
 the last step's verdict (skip, stop or roll back), the step itself, then validation, the logged record, saves and
-preemption; the hooks (loom.train.hooks) join at the points they declare."""
+a hook's stop request (preemption); the hooks (loom.train.hooks) join at the points they declare. ``Running`` holds
+those pieces, so the loop's ``fit`` and a method's driver (GRPO's, PPO's ``drive``) call the same ones."""
 
 from __future__ import annotations
 
@@ -299,7 +300,7 @@ class Loop:
 
     @contextlib.contextmanager
     def running(self, consume: Callable[[], object]):
-        """The cadence around the steps of ``fit`` or of a method's driver (loom.methods.rollouts): resume, the
+        """The cadence around the steps of ``fit`` or of a method's driver (loom.methods.grpo.drive): resume, the
         banner and the logger, then the ``Running`` whose ``next`` / ``step`` / ``after`` the caller's loop calls;
         at the end the last save and the hooks' ``finish``, after an error the hang report, always the closes.
         ``consume``: takes one step's data unused (a step whose batch made a rollback happen is skipped)."""
