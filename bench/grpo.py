@@ -164,7 +164,7 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
     rollouts drew, in order)."""
     reset_memory(a.device)
     trainer = trainer_of(cfg)
-    source = trainer.objective.loader.source
+    source = trainer.objective.rollouts.source
     drawn, draw = [], source.problems
 
     def recording(
@@ -175,7 +175,7 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
         return rows
 
     source.problems = recording
-    mine, theirs = trainer.objective.loader.rewards, reward_functions(cfg)  # what TRL is given
+    mine, theirs = trainer.objective.rollouts.rewards, reward_functions(cfg)  # what TRL is given
     assert mine.functions == theirs.functions and mine.weights.tolist() == theirs.weights.tolist()
     t0 = time.perf_counter()
     records = trainer.fit()
@@ -214,7 +214,7 @@ def run_loom(a, cfg, out_folder: str) -> tuple[dict, list[dict]]:
         "compile": cfg.training.compile,
         "dtype": cfg.training.dtype,
         "optimizer_implementation": cfg.optimizer.implementation,
-        "engine_cuda_graphs": bool(trainer.objective.loader.generator.engine.cuda_graphs),
+        "engine_cuda_graphs": bool(trainer.objective.rollouts.generator.engine.cuda_graphs),
         "peak_memory_gib": peak_memory(a.device),
     }
     free(trainer)
@@ -552,9 +552,9 @@ def peak_memory(device: str) -> float | None:
 def free(trainer) -> None:
     import torch
 
-    loader = getattr(trainer.objective, "loader", None)
-    if loader is not None and loader.generator is not None:
-        loader.generator.engine.close()
+    rollouts = getattr(trainer.objective, "rollouts", None)
+    if rollouts is not None and rollouts.generator is not None:
+        rollouts.generator.engine.close()
     del trainer
     gc.collect()
     if torch.cuda.is_available():

@@ -30,18 +30,27 @@ def run_loop(
     return Loop(cfg, objective, env, rules).fit()
 
 
+def fit_loop(loop) -> list[dict]:
+    """A built loop's own ``fit``: its loader's batches, step after step."""
+    from loom.train.loop import Loop
+
+    return Loop.fit(loop)
+
+
 @dataclass(frozen=True)
 class Method:
     """``objective(cfg)``: what a step minimizes, with the data it reads and the heads it trains (its class:
     ``objective_class``, whose ``console`` / ``panels`` the logger and `loom report` show); ``rules(cfg)``: the
     method's cross-field rules, which the resolver is handed (loom.methods.rules_of); ``run(cfg, objective, env,
-    rules)``: the whole job, returning rank 0's records."""
+    rules)``: the whole job, returning rank 0's records; ``drive(loop)``: what runs a built loop's steps (the
+    loop's ``fit``, or an RL driver), which ``Trainer(cfg).fit()`` calls too."""
 
     name: str
     objective_class: type
     objective: Callable[[Config], Objective]
     rules: Callable[[Config], None] = no_rules
     run: Callable[..., list[dict]] = run_loop
+    drive: Callable[..., list[dict]] = fit_loop
 
 
 def chat_template_exists(cfg: Config) -> None:

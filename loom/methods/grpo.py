@@ -1,10 +1,14 @@
 """GRPO (``training.objective grpo``): group-relative policy optimization on rollouts sampled by loom's inference
-engine on the live policy (loom.rl.rollout). Its objective: GRPO's token loss (a pure function, loom.rl.grpo)
+engine on the live policy (loom.rl.rollout). Its run is a driver that reads top to bottom (``drive``): per step
+sample → score → log-probabilities → the engine's step, in the loop's cadence. Its objective: GRPO's token loss (a pure function, loom.rl.grpo)
 summed over each micro-batch's completion tokens as ``grpo.loss_type`` says, divided by the step by the global
 count, so a step is the same whatever the layout; during the warm-up, cross-entropy on the worked examples'
 answers (count: answer tokens). Its rules: loom.methods.rollouts."""
 
 from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,13 +16,17 @@ from loom.methods.base import Method
 from loom.methods.rollouts import rollout_rules
 from loom.numerics import IGNORE
 from loom.rl.grpo import loss_count, loss_sum, token_losses
-from loom.rl.rollout import RolloutBatch, RolloutLoader, policy_forward, token_logps
+from loom.rl.rollout import RolloutBatch, Rollouts, policy_forward, token_logps
 from loom.train.objective import Objective
+
+if TYPE_CHECKING:
+    from loom.train.loop import Loop
 
 
 class GroupRelative(Objective):
-    """GRPO over rollouts made each step by the engine on the live policy (``build_loader``, then ``prepare``
-    binds the loader to the built model). ``cfg``: the whole config (its [grpo] section and the run's sizes)."""
+    """GRPO over rollouts made each step by the engine on the live policy (``build_loader`` makes the rollouts, the
+    engine keeps them as the run's data; ``prepare`` binds them to the built model). ``cfg``: the whole config (its
+    [grpo] section and the run's sizes)."""
 
     loss_in_forward = (
         True  # the loss needs the advantages and old / reference log-probabilities beside the logits
@@ -44,16 +52,16 @@ class GroupRelative(Objective):
     def __init__(self, cfg):
         self.cfg, self.g = cfg, cfg.grpo
         self._stats: dict[str, torch.Tensor] = {}
-        self.loader: RolloutLoader | None = None
-        self.global_tokens = self.global_count = 1.0  # of the current rollouts: set by the loader
+        self.rollouts: Rollouts | None = None
+        self.global_tokens = self.global_count = 1.0  # of the current rollouts: set by them
 
-    def build_loader(self, engine) -> RolloutLoader:
-        """The objective's own data (the engine asks before building the model)."""
-        self.loader = RolloutLoader(self.cfg, engine.tokenizer, engine.dims.dp_rank(), engine.dims.dp_size)
-        return self.loader
+    def build_loader(self, engine) -> Rollouts:
+        """The objective's own data, its rollouts (the engine asks before building the model)."""
+        self.rollouts = Rollouts(self.cfg, engine.tokenizer, engine.dims.dp_rank(), engine.dims.dp_size)
+        return self.rollouts
 
     def prepare(self, engine) -> None:
-        self.loader.bind(engine, self)
+        self.rollouts.bind(engine, self)
 
     def count(self, mb: RolloutBatch) -> torch.Tensor:
         mask = mb.labels != IGNORE
@@ -96,7 +104,56 @@ class GroupRelative(Objective):
 
     def record(self) -> dict[str, float]:
         """The last step's rollout figures (global): rewards, lengths, throughput, the time split."""
-        return dict(self.loader.stats) if self.loader is not None else {}
+        return dict(self.rollouts.stats) if self.rollouts is not None else {}
 
 
-METHOD = Method("grpo", GroupRelative, GroupRelative, rules=rollout_rules)
+def drive(loop: Loop) -> list[dict]:
+    """GRPO's run on a built loop, top to bottom: per step the warm-up's worked examples, or a new batch of
+    rollouts (sampled by the generator on the engine-synced policy, scored by the reward functions, reward model
+    and judge, their group-relative advantages, the rollout-time and reference log-probabilities under the
+    engine's forward context) used for grpo.iterations steps, the LR scaled by grpo.lr_ratio, the engine's step;
+    around each step the loop's cadence (loom.train.loop.Running: settle, roll back, validate, log, save, stop)."""
+    rollouts, engine, g = loop.objective.rollouts, loop.engine, loop.cfg.grpo
+
+    def batches() -> list[RolloutBatch]:
+        """This step's micro-batches (a step skipped after a rollback takes them too, unused)."""
+        if rollouts.begin_step() <= rollouts.warmup:  # supervised, on worked examples
+            return rollouts.end_step(rollouts.warmup_batches())
+        if rollouts.spent(g.iterations):
+            rows, prompts = rollouts.prompts()
+            rollouts.sync()  # the generator on the policy's current weights
+            t0 = time.perf_counter()
+            outs = rollouts.sample(prompts)
+            t1 = time.perf_counter()
+            total, per, names = rollouts.score(rows, prompts, outs)
+            advantages, sums, std = rollouts.advantages(total)
+            t2 = time.perf_counter()
+            mbs, truncated = rollouts.to_batches(prompts, outs, advantages)
+            rollouts.logps(mbs)  # the rollout-time policy's and the reference's, where the loss needs them
+            t3 = time.perf_counter()
+            seconds = (t1 - t0, t2 - t1, t3 - t2, rollouts.weights.seconds)
+            rollouts.set_stats(mbs, total, per, names, sums, std, truncated, outs, seconds)
+            mbs = rollouts.hold(mbs)
+        else:
+            mbs = rollouts.reuse()
+        engine.scale_lr(g.lr_ratio)  # this step's LR: the schedule's times grpo.lr_ratio
+        return rollouts.end_step(mbs)
+
+    with loop.running(consume=batches) as run:
+        while run.next():
+            with run.data_wait():
+                mbs = batches()
+            out = run.step(mbs)  # the engine's step
+            if run.after(out, None):  # a stop request saved this step
+                break
+    return run.records
+
+
+def run(cfg, objective: Objective, env=None, rules=()) -> list[dict]:
+    """The whole job: the loop built for ``objective``, driven by ``drive``."""
+    from loom.train.loop import Loop  # the engine's build is heavy: imported when a run starts
+
+    return drive(Loop(cfg, objective, env, rules))
+
+
+METHOD = Method("grpo", GroupRelative, GroupRelative, rules=rollout_rules, run=run, drive=drive)

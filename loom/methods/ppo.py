@@ -1,10 +1,12 @@
 """PPO (``training.objective ppo``): a value function on the policy and GAE over rollouts sampled as GRPO's are
-(loom.rl.ppo_objective), its losses pure functions (loom.rl.ppo); its objective and its rules (loom.methods.rollouts
-and below)."""
+(loom.rl.ppo_objective), its losses pure functions (loom.rl.ppo); its objective, its rules (loom.methods.rollouts
+and below) and its run, a driver that reads top to bottom (``drive``)."""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,9 +21,12 @@ from loom.rl.ppo_objective import PpoBatch, PpoRollouts, attach_critic, attach_v
 from loom.rl.rollout import RolloutBatch, policy_forward, token_logps
 from loom.train.objective import Objective
 
+if TYPE_CHECKING:
+    from loom.train.loop import Loop
+
 
 class ProximalPolicy(Objective):
-    """PPO over the rollout loader's micro-batches (``build_loader``; ``prepare`` binds it to the built model): per
+    """PPO over the rollouts' micro-batches (``build_loader``; ``prepare`` binds them to the built model): per
     completion token the clipped policy loss + ppo.vf_coef x the clipped value loss (+ ppo.kl_coef x the k3 KL to
     the reference with ppo.kl_penalty loss), summed; the count is completion tokens, so a step's loss is the mean
     per token of the global mini-batch whatever the layout. During the warm-up, cross-entropy on the worked
@@ -51,7 +56,7 @@ class ProximalPolicy(Objective):
     def __init__(self, cfg):
         self.cfg, self.g, self.p = cfg, cfg.grpo, cfg.ppo
         self._stats: dict[str, torch.Tensor] = {}
-        self.loader: PpoRollouts | None = None
+        self.rollouts: PpoRollouts | None = None
 
     def attach(self, model: nn.Module) -> None:
         (attach_critic if self.p.critic == "model" else attach_value_head)(model)
@@ -73,11 +78,12 @@ class ProximalPolicy(Objective):
                 part._modules[name] = module
 
     def build_loader(self, engine) -> PpoRollouts:
-        self.loader = PpoRollouts(self.cfg, engine.tokenizer, engine.dims.dp_rank(), engine.dims.dp_size)
-        return self.loader
+        """The objective's own data, its rollouts (the engine asks before building the model)."""
+        self.rollouts = PpoRollouts(self.cfg, engine.tokenizer, engine.dims.dp_rank(), engine.dims.dp_size)
+        return self.rollouts
 
     def prepare(self, engine) -> None:
-        self.loader.bind(engine, self)
+        self.rollouts.bind(engine, self)
 
     def count(self, mb: RolloutBatch) -> torch.Tensor:
         return (mb.labels != IGNORE).sum()
@@ -115,7 +121,7 @@ class ProximalPolicy(Objective):
 
     def record(self) -> dict[str, float]:
         """The last step's rollout figures (global)."""
-        return dict(self.loader.stats) if self.loader is not None else {}
+        return dict(self.rollouts.stats) if self.rollouts is not None else {}
 
 
 def rules(cfg) -> None:
@@ -137,4 +143,61 @@ def rules(cfg) -> None:
         )
 
 
-METHOD = Method("ppo", ProximalPolicy, ProximalPolicy, rules=rules)
+def drive(loop: Loop) -> list[dict]:
+    """PPO's run on a built loop, top to bottom: per step the warm-up's worked examples, or the next mini-batch of
+    the held global batch of rollouts; a new batch (ppo.mini_batches steps' worth) once the last has fed its
+    ppo.epochs x ppo.mini_batches steps: sampled by the generator on the engine-synced policy, scored by the reward
+    functions, reward model and judge, the rollout-time log-probabilities and values and the reference's
+    log-probabilities under the engine's forward context, gathered whole on every rank, its per-token rewards, GAE
+    advantages and returns; the LR scaled by grpo.lr_ratio, the engine's step; around each step the loop's cadence
+    (loom.train.loop.Running: settle, roll back, validate, log, save, stop)."""
+    rollouts, engine, g = loop.objective.rollouts, loop.engine, loop.cfg.grpo
+
+    def batches() -> list[PpoBatch]:
+        """This step's micro-batches (a step skipped after a rollback takes them too, unused)."""
+        if rollouts.begin_step() <= rollouts.warmup:  # supervised, on worked examples
+            return rollouts.end_step(rollouts.warmup_batches())
+        if not rollouts.plan:
+            rows, prompts = rollouts.prompts()
+            rollouts.sync()  # the generator on the policy's current weights
+            t0 = time.perf_counter()
+            outs = rollouts.sample(prompts)
+            t1 = time.perf_counter()
+            scores, per, names = rollouts.score(rows, prompts, outs)
+            t2 = time.perf_counter()
+            local, truncated = rollouts.to_rows(prompts, outs)
+            old_logps, values, ref_logps = rollouts.forwards(local)
+            t3 = time.perf_counter()
+            lengths = [len(o.token_ids) for o in outs]
+            batch = rollouts.gather(
+                local.inputs, local.labels, old_logps, values, ref_logps, scores, per, truncated, lengths
+            )
+            rollouts.gae_advantages(batch)  # the same on every rank: the batch is global
+            rollouts.hold_batch(batch)
+            judged = rollouts.judge.unparsed if rollouts.judge is not None else 0.0
+            w = rollouts.weights
+            rollouts.set_ppo_stats(batch, names, (t1 - t0, t2 - t1, t3 - t2, w.seconds, w.bytes, judged))
+        else:
+            rollouts.reuse()
+        mbs = rollouts.mini_batch(*rollouts.plan.pop(0))
+        engine.scale_lr(g.lr_ratio)  # this step's LR: the schedule's times grpo.lr_ratio
+        return rollouts.end_step(mbs)
+
+    with loop.running(consume=batches) as run:
+        while run.next():
+            with run.data_wait():
+                mbs = batches()
+            out = run.step(mbs)  # the engine's step
+            if run.after(out, None):  # a stop request saved this step
+                break
+    return run.records
+
+
+def run(cfg, objective: Objective, env=None, rules=()) -> list[dict]:
+    """The whole job: the loop built for ``objective``, driven by ``drive``."""
+    from loom.train.loop import Loop  # the engine's build is heavy: imported when a run starts
+
+    return drive(Loop(cfg, objective, env, rules))
+
+
+METHOD = Method("ppo", ProximalPolicy, ProximalPolicy, rules=rules, run=run, drive=drive)

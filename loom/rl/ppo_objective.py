@@ -1,6 +1,6 @@
 """``training.objective ppo``'s value function and rollouts: PPO with a value head on the policy, on rollouts from
-loom's engine (the GRPO loader's prompts, sampling, rewards and warm-up: loom.rl.rollout), the math in loom.rl.ppo,
-the objective in loom.methods.ppo.
+loom's engine (GRPO's prompts, sampling, rewards and warm-up: loom.rl.rollout), the math in loom.rl.ppo, the
+objective and the driver that calls these pieces in loom.methods.ppo.
 
 A batch of rollouts is ``ppo.mini_batches x training.global_batch_size`` completions. Each rank samples and scores
 its share and computes, with no-grad forwards, the rollout-time log-probabilities and values (and the reference's
@@ -21,24 +21,20 @@ the hidden states with its weight whole, its values gathered whole on every rank
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from loom.data.loader import StepData
 from loom.infer.reward import attach_score_head, score_head
 from loom.numerics import IGNORE
 from loom.rl.ppo import gae, kl_estimate, token_rewards, whiten
 from loom.rl.rollout import (
     HELD,
     RolloutBatch,
-    RolloutLoader,
-    check_policy_finite,
+    Rollouts,
     reference_logps,
     rows_to_batches,
-    sample_checked,
     set_reference,
     token_logps,
 )
@@ -163,9 +159,11 @@ class PpoBatch(RolloutBatch):
         )
 
 
-class PpoRollouts(RolloutLoader):
-    """This rank's PPO micro-batches for each step: the warm-up's worked examples, then a global batch of rollouts
-    reused for ppo.epochs x ppo.mini_batches steps (see the module's docstring)."""
+class PpoRollouts(Rollouts):
+    """This rank's share of PPO's rollouts: the pieces PPO's driver (loom.methods.ppo.drive) calls each step: the
+    warm-up's worked examples, then a global batch of rollouts (``prompts``, ``sample``, ``score``, ``to_rows``,
+    ``forwards``, ``gather``, ``gae_advantages``, ``hold_batch``, ``set_ppo_stats``) reused for ppo.epochs x
+    ppo.mini_batches steps (``mini_batch``; see the module's docstring)."""
 
     def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
         super().__init__(cfg, tokenizer, dp_rank, dp_size)
@@ -198,79 +196,43 @@ class PpoRollouts(RolloutLoader):
             self.reference, self._reference_set = engine.frozen_copy(copy_weights=False), False
         self.load_reward_model(engine)
 
-    def next_step(self, with_hash: bool = False) -> StepData:
-        now = time.perf_counter()
-        trained = None if self._handed_out is None else now - self._handed_out
-        self.step += 1
-        if self.step <= self.warmup or self.engine is None:
-            batches = self.worked_examples()
-            self.stats = {"grpo/warmup": 1.0}
-        else:
-            if not self.plan:
-                self.rollouts()
-            else:
-                self.stats = {**self.stats, **HELD}
-            batches = self.mini_batch(*self.plan.pop(0))
-            self.engine.scale_lr(self.g.lr_ratio)
-        if trained is not None:
-            self.stats["time/training_s"] = trained
-        self._handed_out = time.perf_counter()
-        return StepData(list(batches), None)
-
     # ---- one batch of rollouts ------------------------------------------------------------------------------------
-    def rollouts(self) -> None:
-        """Sample and score this rank's share, compute its rollout-time log-probabilities and values, gather the
-        global batch and compute its advantages and returns; sets ``held``, ``plan`` and ``stats``."""
-        g, p, G = self.g, self.p, self.g.group_size
-        rows = self._mine(
-            self.source.problems(self.rows * p.mini_batches // G * self.dp_size, ("ppo", self.step))
+    def prompts(self) -> tuple[list[dict], list[list[int]]]:
+        """This rank's rows of a batch of rollouts' prompts (ppo.mini_batches steps' worth) and their ids."""
+        G = self.g.group_size
+        rows = self.mine(
+            self.source.problems(self.rows * self.p.mini_batches // G * self.dp_size, ("ppo", self.step))
         )
-        prompts = self.prompt_ids(rows)
-        check_policy_finite(self.engine, self.step)
-        self.weights.sync()  # the engine on the policy's current weights (under FSDP2 a gather; else nothing)
-        t0 = time.perf_counter()
-        outs = sample_checked(self.sample, prompts, self.step)
-        t1 = time.perf_counter()
-        completions = [o.token_ids for o in outs]
-        scores, per, names = self.score(rows, prompts, outs)
-        t2 = time.perf_counter()
+        return rows, self.prompt_ids(rows)
+
+    def to_rows(self, prompts: list[list[int]], outs) -> tuple[RolloutBatch, torch.Tensor]:
+        """(this rank's prompt + completion rows as one batch, which rows were cut at grpo.max_new_tokens (N,)
+        bool); grpo.mask_truncated: those rows train on nothing."""
         (local,) = rows_to_batches(
-            prompts, completions, len(prompts), self.pad_id, self.cfg.training.seq_len, self.cfg.parallel.tp
+            prompts,
+            [o.token_ids for o in outs],
+            len(prompts),
+            self.pad_id,
+            self.cfg.training.seq_len,
+            self.cfg.parallel.tp,
         )  # TP's sequence parallelism splits the width evenly
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
-        if g.mask_truncated:
+        if self.g.mask_truncated:
             local.labels[truncated] = IGNORE
-        old_logps, values, ref_logps = self._rollout_forwards(local)
-        t3 = time.perf_counter()
-        glob = self._gather(
-            local.inputs,
-            local.labels,
-            old_logps,
-            values,
-            ref_logps,
-            scores,
-            per,
-            truncated,
-            [len(c) for c in completions],
-        )
-        self._advantages(glob)
+        return local, truncated
+
+    def hold_batch(self, glob: dict) -> None:
+        """The global batch held for ppo.epochs x ppo.mini_batches steps, its shuffles seeded by this step."""
+        p = self.p
         self.held, self.rollout_key = glob, self.step
         self.plan = [(e, m) for e in range(p.epochs) for m in range(p.mini_batches)]
-        self._set_ppo_stats(
-            glob,
-            names,
-            (
-                t1 - t0,
-                t2 - t1,
-                t3 - t2,
-                self.weights.seconds,
-                self.weights.bytes,
-                self.judge.unparsed if self.judge is not None else 0.0,
-            ),
-        )
+
+    def reuse(self) -> None:
+        """The held batch once more (nothing sampled, scored or synced)."""
+        self.stats = {**self.stats, **HELD}
 
     @torch.no_grad()
-    def _rollout_forwards(self, local: RolloutBatch):
+    def forwards(self, local: RolloutBatch):
         """The rollout-time policy's log-probabilities and values (N, W), and the reference's log-probabilities
         (N, W; None without a KL), one no-grad forward each per micro-batch of rows."""
         g, p, engine = self.g, self.p, self.engine
@@ -297,7 +259,7 @@ class PpoRollouts(RolloutLoader):
             model.train()
         return torch.cat(logps), torch.cat(values), (torch.cat(refs) if refs else None)
 
-    def _gather(self, inputs, labels, old_logps, values, ref_logps, scores, per, truncated, lengths) -> dict:
+    def gather(self, inputs, labels, old_logps, values, ref_logps, scores, per, truncated, lengths) -> dict:
         """Every rank's rows in rank order, on every rank (a sum over the data-parallel ranks of tensors that hold
         this rank's rows and zeros elsewhere), right-padded to the widest rank's width; fp32 / int64 on the CPU."""
         dims, device, n = self.engine.dims, self.engine.device, inputs.shape[0]
@@ -330,7 +292,7 @@ class PpoRollouts(RolloutLoader):
             glob["ref_logps"] = gather(ref_logps).float()
         return glob
 
-    def _advantages(self, glob: dict) -> None:
+    def gae_advantages(self, glob: dict) -> None:
         """Per-token rewards, GAE advantages and returns of the global batch (the same on every rank)."""
         p = self.p
         mask = (glob["labels"] != IGNORE).float()
@@ -376,7 +338,7 @@ class PpoRollouts(RolloutLoader):
             )
         return out
 
-    def _set_ppo_stats(self, h: dict, names: list[str], seconds) -> None:
+    def set_ppo_stats(self, h: dict, names: list[str], seconds) -> None:
         """The batch of rollouts' figures (global: every rank holds the whole batch)."""
         mask, n = h["mask"], float(h["scores"].shape[0])
         tokens = mask.sum().clamp(min=1)

@@ -1,7 +1,8 @@
-"""Rollouts: the loader of ``training.objective grpo``. Each step it hands the trainer this rank's micro-batches as
-any loader does, but makes them itself: prompts from the source, G completions each sampled by loom's engine on
-the policy's live weights, rewards, group-normalized advantages, and (when needed) the log-probabilities of the
-rollout-time policy and of the reference. Before GRPO, ``warmup_steps`` steps of worked examples (supervised).
+"""Rollouts: what GRPO's driver (loom.methods.grpo.drive) samples and scores each step, the parts it does so with
+(the generator on the policy's live weights, the reference, the reward functions, reward model and judge) and
+the rollouts' state: prompts from the source, G completions each sampled by loom's engine on the policy's live
+weights, rewards, group-normalized advantages, and (when needed) the log-probabilities of the rollout-time policy
+and of the reference. Before GRPO, ``warmup_steps`` steps of worked examples (supervised).
 
 Weights (loom.rl.sync): in one process and under DDP the engine runs on the trainer's own module
 (``trainer.parts[0]``, the plain model inside any DDP wrapper; every rank's replica is whole and current after each
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.config.errors import ConfigError
-from loom.data.loader import MicroBatch, StepData
+from loom.data.loader import MicroBatch
 from loom.models.common.lora import adapters_disabled
 from loom.models.common.moe import count_tokens
 from loom.numerics import IGNORE
@@ -230,20 +231,20 @@ def sample_checked(sample, prompts, step: int):
 REFERENCE_DIR = "rl_reference"  # <checkpoint dir>/rl_reference/<lineage>/: the KL reference a lineage took
 
 
-def set_reference(loader) -> None:
+def set_reference(rollouts) -> None:
     """The KL reference (grpo.beta / ppo.kl_coef > 0 without LoRA) the first time rollouts need it. At the first RL
     step (after the warm-up), the policy as it is then, saved under the run's checkpoint lineage
     (``<checkpoint dir>/rl_reference/<lineage>/``); on a run resumed past that step, that saved reference, so the
     resumed steps equal the uninterrupted run's (the resumed policy has moved away from it)."""
     from loom.checkpoint.manager import CorruptCheckpoint, load_model_weights, save_model_weights, verify
 
-    engine = loader.engine
+    engine = rollouts.engine
     ckpt = engine.checkpointer
     lineage = ckpt.lineage or "none"
-    if loader.step <= loader.warmup + 1:
-        copy_parameters(engine.parts[0], loader.reference)
+    if rollouts.step <= rollouts.warmup + 1:
+        copy_parameters(engine.parts[0], rollouts.reference)
         save_model_weights(
-            loader.reference,
+            rollouts.reference,
             os.path.join(ckpt.dir, REFERENCE_DIR, lineage),
             is_main=engine.env.is_main,
             barrier=engine.env.barrier,
@@ -264,14 +265,14 @@ def set_reference(loader) -> None:
 
     folder = engine.env.share_from_main(usable() if engine.env.is_main else None)
     if folder is not None:
-        load_model_weights(folder, loader.reference)
+        load_model_weights(folder, rollouts.reference)
         if engine.env.is_main:
             print(
-                f"KL reference: restored from {folder} (taken at step {loader.warmup + 1} of this lineage)",
+                f"KL reference: restored from {folder} (taken at step {rollouts.warmup + 1} of this lineage)",
                 flush=True,
             )
         return
-    copy_parameters(engine.parts[0], loader.reference)
+    copy_parameters(engine.parts[0], rollouts.reference)
     if engine.env.is_main:
         print(
             f"KL reference: {candidates[0]} holds no complete reference of lineage {lineage} (a checkpoint from "
@@ -281,9 +282,11 @@ def set_reference(loader) -> None:
         )
 
 
-class RolloutLoader:
-    """This rank's rollouts for each step (the trainer's loader interface: ``next_step``, ``describe``,
-    ``validation``, ``state_dict``). ``bind(engine, objective)`` (the objective's ``prepare``) gives it the model."""
+class Rollouts:
+    """This rank's rollouts: the pieces GRPO's driver calls each step (``begin_step``, ``warmup_batches``,
+    ``spent``, ``prompts``, ``sample``, ``score``, ``to_batches``, ``logps``, ``set_stats``, ``reuse``,
+    ``end_step``), and what the loop keeps of them as the run's data (``describe``, ``validation``,
+    ``state_dict``). ``bind(engine, objective)`` (the objective's ``prepare``) gives it the engine's model."""
 
     def __init__(self, cfg, tokenizer, dp_rank: int, dp_size: int):
         g, t = cfg.grpo, cfg.training
@@ -323,16 +326,17 @@ class RolloutLoader:
         )
         self.warmup = warmup_steps(cfg)
         self.pad_id = tokenizer.eos_id
-        self.step = 0  # steps handed out
-        self._held: list[RolloutBatch] | None = None  # the last rollouts, reused grpo.iterations times
-        self._uses = 0
+        self.step = 0  # steps begun
+        self.held: list[RolloutBatch] | None = None  # the last rollouts, reused grpo.iterations times
+        self.uses = 0
         self.engine = self.objective = self.generator = self.weights = None
         self.reference = None  # beta > 0 without LoRA: a frozen copy of the policy as GRPO starts
         self._reference_set = False
         self.stats: dict[str, float] = {}
-        self._handed_out: float | None = None
+        self._handed_out: float | None = None  # when the last step's batches were handed to the engine
+        self._trained: float | None = None  # the last step's training time
 
-    # ---- the trainer's loader interface ---------------------------------------------------------------------
+    # ---- what the loop keeps of them (the run's data) --------------------------------------------------------
     def describe(self, global_batch: int, steps: int) -> list[str]:
         g = self.g
         return [
@@ -361,7 +365,7 @@ class RolloutLoader:
         return {"grpo_step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self._held, self._uses = int(state.get("grpo_step", 0)), None, 0
+        self.step, self.held, self.uses = int(state.get("grpo_step", 0)), None, 0
 
     def bind(self, engine, objective) -> None:
         """The live model: a generator on the engine's own module, under FSDP2 on its synced copy, under TP on the
@@ -401,29 +405,41 @@ class RolloutLoader:
                 group=self.weights.group,
             )
 
-    def next_step(self, with_hash: bool = False) -> StepData:
+    # ---- a step (loom.methods.grpo.drive) ----------------------------------------------------------------------
+    def begin_step(self) -> int:
+        """Count the next step (returned); the time since the last step's batches were handed out is its training."""
         now = time.perf_counter()
-        # the last step's training time
-        trained = None if self._handed_out is None else now - self._handed_out
+        self._trained = None if self._handed_out is None else now - self._handed_out
         self.step += 1
-        if self.step <= self.warmup or self.engine is None:  # (the engine may peek before binding)
-            batches = self.worked_examples()
-            self.stats = {"grpo/warmup": 1.0}
-        elif self._held is not None and self._uses < self.g.iterations:
-            self._uses += 1
-            batches = self._held
-            self.stats = {**self.stats, **HELD}
-        else:
-            batches = self._held = self.rollouts()
-            self._uses = 1
-        if self.engine is not None and self.step > self.warmup:
-            self.engine.scale_lr(
-                self.g.lr_ratio
-            )  # grpo.lr_ratio: this step's LR, the schedule's times the ratio
-        if trained is not None:
-            self.stats["time/training_s"] = trained  # of the step before this one
+        return self.step
+
+    def warmup_batches(self) -> list[RolloutBatch]:
+        """The warm-up's batches (worked examples) with its figures."""
+        batches = self.worked_examples()
+        self.stats = {"grpo/warmup": 1.0}
+        return batches
+
+    def spent(self, uses: int) -> bool:
+        """Whether the held rollouts are used up (``uses`` steps each, or none held): the step samples anew."""
+        return self.held is None or self.uses >= uses
+
+    def hold(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
+        """New rollouts, this step their first use."""
+        self.held, self.uses = batches, 1
+        return batches
+
+    def reuse(self) -> list[RolloutBatch]:
+        """The held rollouts once more (nothing sampled, scored or synced)."""
+        self.uses += 1
+        self.stats = {**self.stats, **HELD}
+        return self.held
+
+    def end_step(self, batches: list[RolloutBatch]) -> list[RolloutBatch]:
+        """The step's batches, handed to the engine now; the last step's training time joins the figures."""
+        if self._trained is not None:
+            self.stats["time/training_s"] = self._trained  # of the step before this one
         self._handed_out = time.perf_counter()
-        return StepData(list(batches), None)
+        return list(batches)
 
     # ---- batches --------------------------------------------------------------------------------------------
     def worked_examples(self) -> list[RolloutBatch]:
@@ -434,7 +450,7 @@ class RolloutLoader:
                 self.warmup,
                 "0 with grpo.prompts (the warm-up trains on the embedded task's worked examples)",
             )
-        rows = self._mine(self.task.problems(self.rows * self.dp_size, ("warmup", self.step)))
+        rows = self.mine(self.task.problems(self.rows * self.dp_size, ("warmup", self.step)))
         enc = self.tokenizer.encode
         batches = rows_to_batches(
             [enc(r["prompt"]) for r in rows],
@@ -448,57 +464,56 @@ class RolloutLoader:
             mb.warmup = True
         return batches
 
-    def rollouts(self) -> list[RolloutBatch]:
-        """Sample, score, normalize, and compute the log-probabilities the loss needs; sets ``stats``."""
-        g, engine, G = self.g, self.engine, self.g.group_size
-        rows = self._mine(self.source.problems(self.rows // G * self.dp_size, ("grpo", self.step)))
-        prompts = self.prompt_ids(rows)
-        check_policy_finite(engine, self.step)
-        self.weights.sync()  # the engine on the policy's current weights (a gather where FSDP2 shards; else nothing)
-        t0 = time.perf_counter()
-        outs = sample_checked(self.sample, prompts, self.step)
-        t1 = time.perf_counter()
-        completions = [o.token_ids for o in outs]
-        total, per, names = self.score(rows, prompts, outs)
-        batch_std = None
-        dims, device = engine.dims, engine.device
+    def prompts(self) -> tuple[list[dict], list[list[int]]]:
+        """This rank's rows of the step's prompts and their ids, each repeated for its group (``prompt_ids``)."""
+        rows = self.mine(
+            self.source.problems(self.rows // self.g.group_size * self.dp_size, ("grpo", self.step))
+        )
+        return rows, self.prompt_ids(rows)
+
+    def sync(self) -> None:
+        """The generator on the policy's current weights (a gather where FSDP2 shards; else nothing); weights that
+        are not finite stop the run first."""
+        check_policy_finite(self.engine, self.step)
+        self.weights.sync()
+
+    def sample(self, prompts: list[list[int]]) -> list:
+        """One completion per prompt from the synced generator (``generate``); logits that are not finite stop
+        the run in one line."""
+        return sample_checked(self.generate, prompts, self.step)
+
+    def advantages(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(group-relative advantages (N,), the global (sum, sum of squares, count) of the rewards, their std):
+        the sums over every data-parallel rank (grpo.scale_rewards batch divides by the global std)."""
+        g, dims, device = self.g, self.engine.dims, self.engine.device
         sums = dims.data_sum(
             torch.stack([total.sum(), (total**2).sum(), torch.tensor(float(len(total)))]).to(device).double()
         ).cpu()
         mean = sums[0] / sums[2]
         std = ((sums[1] - sums[2] * mean**2) / (sums[2] - 1).clamp(min=1)).clamp(min=0).sqrt()
-        if g.scale_rewards == "batch":
-            batch_std = std.float()
-        advantages = group_advantages(total, G, g.scale_rewards, batch_std)
-        t2 = time.perf_counter()
+        batch_std = std.float() if g.scale_rewards == "batch" else None
+        return group_advantages(total, g.group_size, g.scale_rewards, batch_std), sums, std
+
+    def to_batches(
+        self, prompts: list[list[int]], outs, advantages: torch.Tensor
+    ) -> tuple[list[RolloutBatch], torch.Tensor]:
+        """(this rank's micro-batches of prompt + completion rows with their advantages, which rows were cut at
+        grpo.max_new_tokens (N,) bool); grpo.mask_truncated: those rows train on nothing."""
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
         batches = rows_to_batches(
             [p[:] for p in prompts],
-            completions,
+            [o.token_ids for o in outs],
             self.micro,
             self.pad_id,
             self.cfg.training.seq_len,
             self.cfg.parallel.tp,
             advantages=advantages,
         )
-        if g.mask_truncated:
+        if self.g.mask_truncated:
             for i, mb in enumerate(batches):
                 cut = truncated[i * self.micro : (i + 1) * self.micro]
                 mb.labels[cut] = IGNORE
-        self._logps(batches)
-        t3 = time.perf_counter()
-        self._set_stats(
-            batches,
-            total,
-            per,
-            names,
-            sums,
-            std,
-            truncated,
-            outs,
-            (t1 - t0, t2 - t1, t3 - t2, self.weights.seconds),
-        )
-        return batches
+        return batches, truncated
 
     def prompt_ids(self, rows: list[dict]) -> list[list[int]]:
         """Each row's prompt ids, repeated for its group: a string tokenized as it is, a list of messages rendered
@@ -544,12 +559,12 @@ class RolloutLoader:
             per, names = torch.cat([per, model[:, None]], dim=1), names + ["reward_model"]
         return total, per, names
 
-    def _mine(self, rows: list) -> list:
+    def mine(self, rows: list) -> list:
         """This rank's share of the global step's rows (the global batch is the same whatever the layout)."""
         n = len(rows) // self.dp_size
         return rows[self.dp_rank * n : (self.dp_rank + 1) * n]
 
-    def sample(self, prompts: list[list[int]]) -> list:
+    def generate(self, prompts: list[list[int]]) -> list:
         """One completion (``loom.infer.Completion``) per prompt id list, from the engine on the live weights."""
         from loom.infer.sampling import SamplingParams
 
@@ -572,7 +587,7 @@ class RolloutLoader:
                 model.train()
 
     @torch.no_grad()
-    def _logps(self, batches: list[RolloutBatch]) -> None:
+    def logps(self, batches: list[RolloutBatch]) -> None:
         """The rollout-time policy's token log-probabilities (grpo.iterations > 1: later steps' ratios are against
         them) and the reference's (beta > 0), one no-grad forward each per micro-batch."""
         g, engine = self.g, self.engine
@@ -598,7 +613,7 @@ class RolloutLoader:
         finally:
             model.train()
 
-    def _set_stats(self, batches, total, per, names, sums, std, truncated, outs, seconds) -> None:
+    def set_stats(self, batches, total, per, names, sums, std, truncated, outs, seconds) -> None:
         """The step's rollout figures over every data-parallel rank; the objective's normalizing counts."""
         g, dims, device = self.g, self.engine.dims, self.engine.device
         mask_tokens = sum(float((mb.labels != IGNORE).sum()) for mb in batches)

@@ -116,15 +116,17 @@ class Stragglers:
         if self.comm is not None and not self.comm.attach():
             self.comm = None
         self._threads = max(1, torch.get_num_threads())
+        self._fresh = False  # the next data wait starts the interval (``start``)
         self._reset()
 
     def start(self, step: int) -> None:
-        """Training starts (or resumes) at ``step``: rank 0 drops ranks.jsonl's records past it, as metrics.jsonl's."""
+        """Training starts (or resumes) at ``step``: rank 0 drops ranks.jsonl's records past it, as metrics.jsonl's.
+        The first interval is timed from the first step's data wait (not the banner and start-up barrier before)."""
         if self.enabled and self.env.is_main:
             from loom.metrics.logger import rewind_metrics
 
             rewind_metrics(os.path.join(self.run_dir, RANKS_FILE), step)
-        self._reset()
+        self._fresh = True
 
     def _reset(self) -> None:
         self._steps, self._data_s, self._data_cpu = 0, 0.0, 0.0
@@ -138,6 +140,9 @@ class Stragglers:
         if not self.enabled:
             yield
             return
+        if self._fresh:
+            self._fresh = False
+            self._reset()
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield

@@ -47,10 +47,9 @@ from loom.runtime.guard import PREEMPTED, StepCheck
 from loom.runtime.health import Health, prepare_process, startup_timeout
 from loom.runtime.restarts import this_attempt
 from loom.runtime.run_lock import acquire, hold_as_worker
-from loom.runtime.stragglers import Stragglers
 from loom.train.diloco import DiLoCoHook
 from loom.train.grads import scale_grads, unique_params
-from loom.train.hooks import FaultToleranceHook, StepHook
+from loom.train.hooks import FaultToleranceHook, PreemptionHook, StepHook, StragglersHook
 from loom.train.moe_stats import MoEBalance
 from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.objective import Objective
@@ -83,7 +82,8 @@ def count_params(args, lora=None, replace_head=None) -> tuple[int, int]:
 
 def step_hooks(cfg, engine, owner) -> list[StepHook]:
     """The run's hooks, from its config: DiLoCo (parallel.diloco_inner_steps), a mixture of experts' balance
-    (the model has MoE blocks), the noise-scale probe (metrics.noise_scale), torchft (parallel.fault_tolerance).
+    (the model has MoE blocks), the noise-scale probe (metrics.noise_scale), torchft (parallel.fault_tolerance),
+    stragglers (metrics.straggler_fraction, several ranks), preemption (always: a stop request saves and exits).
     ``owner``: the loop whose state a recovering torchft peer receives (``state_dict`` / ``load_state_dict``)."""
     hooks: list[StepHook] = []
     if cfg.parallel.diloco_inner_steps:  # the dp_replicate groups average their weights every H steps
@@ -104,6 +104,9 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
         hooks.append(NoiseScaleProbe.build(engine.steps, engine.dims, engine.objective))
     if cfg.parallel.fault_tolerance:  # this job is one of several torchft replica groups
         hooks.append(FaultToleranceHook.build(cfg.parallel, engine, owner))
+    if cfg.metrics.straggler_fraction > 0 and engine.env.world_size > 1:  # per-rank timing at logged steps
+        hooks.append(StragglersHook.build(engine, cfg.metrics.straggler_fraction))
+    hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))
     return hooks
 
 
@@ -187,11 +190,8 @@ class Engine:
                     print(line, flush=True)
         self._setup_determinism()
         self._setup_run_dir()
-        # monitored barriers, timeouts and hang reports (loom.runtime.health); per-rank timing (loom.runtime.stragglers)
+        # monitored barriers, timeouts and hang reports (loom.runtime.health)
         self.health = Health(self.env, cfg.parallel.timeout_s, self.run_dir, step=lambda: owner.step)
-        self.stragglers = Stragglers(
-            self.env, cfg.metrics.straggler_fraction, self.run_dir, self.device, group=self.health.group
-        )
         # an elastic agent's restart of this run (rank 0 reads <run.dir>/restarts.jsonl): what it resumes from
         self.attempt = self.env.share_from_main(this_attempt(self.run_dir) if self.env.is_main else None)
         self._build_data()

@@ -1,18 +1,26 @@
 """Step hooks: the optional features that join every training step (DiLoCo, torchft's replica groups, the
-gradient noise scale, a mixture of experts' balance statistics). Each lives in its feature's module as a
-``StepHook``; loom.train.engine.step_hooks picks them from the config in one list, and the engine and the loop call
-every hook at each point below, in list order, instead of asking which features are on."""
+gradient noise scale, a mixture of experts' balance statistics, stragglers, preemption). Each lives in its feature's
+module as a ``StepHook`` (the runtime's features, below loom.train, through an adapter here that holds them);
+loom.train.engine.step_hooks picks them from the config in one list, and the engine and the loop call every hook at
+each point below, in list order, instead of asking which features are on."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+
 import torch
+
+from loom.runtime.guard import PREEMPTED, Preemption, StopVote
+from loom.runtime.stragglers import Stragglers
 
 
 class StepHook:
     """Every point a hook may join, each a no-op here. The engine's step: ``before_count`` → ``reduce`` (every
     global sum) → ``grad_scale`` → ``before_step`` → ``run_step`` → ``after_backward`` → ``commits`` →
-    ``observe_norm`` → ``agree`` → ``after_update`` → ``step_out``. The loop: ``begin``, ``quorum``, ``record``,
-    ``describe``, ``finish``, ``close``; checkpoints: ``replica``, ``state_dict``, ``check_resume``, ``loaded``,
+    ``observe_norm`` → ``agree`` → ``after_update`` → ``step_out``. The loop: ``begin``, ``quorum``, ``data_wait``,
+    ``stops``, ``record``, ``interval``, ``stopped``, ``describe``, ``finish``, ``close``; checkpoints: ``replica``, ``state_dict``, ``check_resume``, ``loaded``,
     ``resumed``."""
 
     may_abort = (
@@ -67,9 +75,24 @@ class StepHook:
     def quorum(self) -> None:
         """Before a step reads its data (a peer's state may be loaded here)."""
 
+    def data_wait(self) -> contextlib.AbstractContextManager:
+        """Around the wait for a step's data (its loader's batches, or a driver's rollouts)."""
+        return contextlib.nullcontext()
+
+    def stops(self) -> bool:
+        """After a step: whether the run saves it and exits (every rank answers the same, at the same step)."""
+        return False
+
     def record(self) -> dict:
         """Fields of a logged record."""
         return {}
+
+    def interval(self, step: int, seconds: float) -> dict:
+        """Fields of a logged record that measure the ``seconds`` since the last one (every rank calls it)."""
+        return {}
+
+    def stopped(self, step: int) -> None:
+        """The run saved ``step`` for a stop that ``stops`` asked for, and exits."""
 
     def describe(self) -> list[str]:
         """Lines of the start-up banner."""
@@ -154,3 +177,57 @@ class FaultToleranceHook(StepHook):
 
     def close(self) -> None:
         self.groups.shutdown()
+
+
+class StragglersHook(StepHook):
+    """metrics.straggler_fraction (loom.runtime.stragglers.Stragglers, kept there, below the trainer, with the rest
+    of the per-rank timing): each rank's data wait, and at every logged step the ranks' figures gathered (one
+    all_gather) and the stragglers named."""
+
+    def __init__(self, stragglers: Stragglers):
+        self.stragglers = stragglers
+
+    @classmethod
+    def build(cls, engine, fraction: float) -> StragglersHook:
+        return cls(Stragglers(engine.env, fraction, engine.run_dir, engine.device, group=engine.health.group))
+
+    def begin(self, step: int) -> None:
+        self.stragglers.start(step)
+
+    def data_wait(self) -> contextlib.AbstractContextManager:
+        return self.stragglers.data_wait()
+
+    def interval(self, step: int, seconds: float) -> dict:
+        return self.stragglers.interval(step, seconds)
+
+
+class PreemptionHook(StepHook):
+    """checkpoint.preempt_grace_s (loom.runtime.guard.Preemption and StopVote, kept there with the rest of what
+    stops a run on purpose): SIGTERM / SIGINT or the launcher's death ask the run to stop; the ranks agree at the
+    end of a step (a vote on a gloo group of its own), save it, and rank 0 writes ``preempted.json`` for the
+    launcher."""
+
+    def __init__(self, grace_s: float, env, run_dir: str):
+        self.grace_s, self.env, self.run_dir = grace_s, env, run_dir
+        self.vote = StopVote(torch.distributed.new_group(backend="gloo") if env.world_size > 1 else None)
+        self.preemption: Preemption | None = None  # the signal handlers, installed while training runs
+
+    def begin(self, step: int) -> None:
+        self.preemption = Preemption(self.grace_s, rank=self.env.rank)
+
+    def stops(self) -> bool:
+        return self.vote.agreed(self.preemption.requested)  # every step: schedulers give 30 s
+
+    def stopped(self, step: int) -> None:
+        if self.env.is_main:
+            with open(os.path.join(self.run_dir, PREEMPTED), "w") as fh:
+                json.dump({"step": step, "reason": self.preemption.reason}, fh)
+            print(f"{self.preemption.reason or 'stop request'}: saved step {step}, exiting", flush=True)
+
+    def finish(self) -> None:
+        self.vote.close(wait=True)  # the vote in flight (every rank started it) ends before the group may go
+
+    def close(self) -> None:
+        self.vote.close(wait=False)  # after an error: not waited for
+        if self.preemption is not None:
+            self.preemption.restore()

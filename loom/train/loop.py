@@ -1,10 +1,11 @@
 """The loop: the cadence around the engine's steps (loom.train.engine). Each step: poll the checkpointer, settle
 the last step's verdict (skip, stop or roll back), the step itself, then validation, the logged record, saves and
-preemption; the hooks (loom.train.hooks) join at the points they declare."""
+a hook's stop request (preemption); the hooks (loom.train.hooks) join at the points they declare. ``Running`` holds
+those pieces, so the loop's ``fit`` and a method's driver (GRPO's, PPO's ``drive``) call the same ones."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
 import time
@@ -21,7 +22,7 @@ from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.nvtx import nvtx_range
 from loom.runtime.env import DistEnv
-from loom.runtime.guard import PREEMPTED, NonFiniteGuard, Preemption, StepCheck, StopVote, TrainingStopped
+from loom.runtime.guard import NonFiniteGuard, StepCheck, TrainingStopped
 from loom.runtime.restarts import begin as begin_attempt
 from loom.runtime.restarts import metrics_fields, restart_checkpoint
 from loom.train.engine import Engine, count_params
@@ -53,12 +54,8 @@ class Loop:
         e = self.engine
         self.evals = training_evals(cfg, e.run_dir, e.env.is_main, e.parts[0])  # eval_hook / eval_tasks
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
-        self.preemption: Preemption | None = None  # set while fit() runs
         self._pending: StepCheck | None = None  # the last step's verdict, until the host has read it
         self.val_stats: dict[str, float] = {}  # the objective's statistics of the last validation pass
-        self.stop_vote = StopVote(
-            torch.distributed.new_group(backend="gloo") if e.env.world_size > 1 else None
-        )
 
     def __getattr__(self, name: str):
         """The engine's public attributes, read through the loop (``trainer.parts``, ``trainer.optimizer``)."""
@@ -233,9 +230,9 @@ class Loop:
                 flush=True,
             )
 
-    def _skip_offending_batch(self) -> None:
-        """A step whose batch made a rollback happen: its data is consumed, no update is made."""
-        self.loader.next_step()
+    def _skip_offending_batch(self, consume: Callable[[], object]) -> None:
+        """A step whose batch made a rollback happen: its data is consumed (``consume``), no update is made."""
+        consume()
         self.step += 1
         self.tokens_seen += self.cfg.training.global_batch_size * self.cfg.training.seq_len
         if self.env.is_main:
@@ -278,77 +275,16 @@ class Loop:
         return action
 
     def fit(self) -> list[dict]:
-        """Train to ``training.steps``; returns the logged records (rank 0; others get [])."""
-        cfg = self.cfg
-        self.resume()
-        begin_attempt(
-            self.attempt,
-            self.run_dir,
-            step=self.step,
-            world_size=self.env.world_size,
-            lineage=self.checkpointer.lineage,
-            is_main=self.env.is_main,
-        )  # restarts.jsonl, one line
-        hooks = self.engine.hooks
-        may_abort = any(hook.may_abort for hook in hooks)  # a step may end uncommitted: it reruns its batch
-        for hook in hooks:  # e.g. torchft: the lighthouse compares the groups' steps, a group behind recovers
-            hook.begin(self.step)
-        if self.step == 0 and self.env.is_main:
-            self._set_aside_old_metrics()
-        self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, rank=self.env.rank)
-        peak = device_peak(self.device, cfg.training.dtype)
-        if self.env.is_main:
-            for line in self._banner():
-                print(line, flush=True)
-        logger = (
-            MetricsLogger(
-                self.run_dir,
-                cfg.training.steps,
-                tensorboard=cfg.metrics.tensorboard,
-                progress=cfg.metrics.progress,
-                start_step=self.step,
-                config=cfg,
-                console=self.objective.console,
-            )
-            if self.env.is_main
-            else None
-        )
-        records: list[dict] = []
-        reset_peak(self.device)
-        t_last, tokens_last = time.perf_counter(), self.tokens_seen
-        finished = False
-        try:
-            self.health.start_barrier()  # every rank built and resumed: names the ranks that never arrive
-            self.health.start_training()  # from here each collective waits at most parallel.timeout_s
-            self.stragglers.start(self.step)
-            while self.step < cfg.training.steps:
-                self.checkpointer.poll()
-                verdict = self._settle()  # the last step's, if still unread
-                if verdict == "stop":
-                    raise TrainingStopped(self.guard.why)
-                if verdict == "rollback":
-                    self._rollback(logger, records)
-                    t_last, tokens_last = time.perf_counter(), self.tokens_seen
-                    continue
-                if self.step + 1 in self.guard.skip_steps:
-                    self._skip_offending_batch()
-                    continue
-                for (
-                    hook
-                ) in hooks:  # e.g. the replica groups' quorum: a group behind the others takes a peer's state
-                    hook.quorum()
-                if self.step >= cfg.training.steps:
-                    continue
-                logs = self._logs_at(self.step + 1)
+        """Train to ``training.steps`` on the loader's batches; returns the logged records (rank 0; others get [])."""
+        with self.running(self.loader.next_step) as run:
+            while run.next():
                 # a step not committed reruns its batch
-                position = self.loader.state_dict() if may_abort else None
-                with self.stragglers.data_wait(), nvtx_range("data_wait"):
+                position = self.loader.state_dict() if run.may_abort else None
+                with run.data_wait():
                     data = self.loader.next_step(
-                        with_hash=self.env.is_main and logs
+                        with_hash=self.env.is_main and run.logs
                     )  # the hash reads the whole batch
-                self.profiler.start(self.step + 1)
-                with nvtx_range(f"step {self.step + 1}"):
-                    out = self.train_step(data.micro_batches)
+                out = run.step(data.micro_batches)
                 if not out.get("committed", True):
                     self.loader.load_state_dict(position)
                     if self.env.is_main:
@@ -358,84 +294,37 @@ class Loop:
                             flush=True,
                         )
                     continue
-                self.step += 1
-                self.profiler.step_done(self.step)
-                self.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
-                preempted = self.stop_vote.agreed(
-                    self.preemption.requested
-                )  # every step: schedulers give 30 s
-                saves = bool(cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or preempted
-                # records and checkpoints see this step's verdict (these steps sync the host anyway)
-                verdict = self._settle() if logs or saves or self.step == cfg.training.steps else "unread"
-                if verdict == "rollback":
-                    self._rollback(logger, records)
-                    t_last, tokens_last = time.perf_counter(), self.tokens_seen
-                    continue
-                if logger:
-                    logger.progress.update(self.step)
-                val, evals = None, {}
-                if verdict != "stop" and self._evaluates_at(self.step):
-                    with nvtx_range("validation"):
-                        val = self.evaluate(
-                            quiet=not (cfg.training.eval_every and self.step % cfg.training.eval_every == 0)
-                        )
-                        evals = self.run_evals()
-                if logs or verdict == "stop":  # the step that stops the run is on record too
-                    now = time.perf_counter()
-                    rec = self._record(
-                        out, data.global_hash, val, now - t_last, self.tokens_seen - tokens_last, peak
-                    )
-                    rec.update(evals)
-                    rec.update(
-                        self.stragglers.interval(self.step, now - t_last)
-                    )  # every rank: one all_gather
-                    t_last, tokens_last = now, self.tokens_seen
-                    if logger:
-                        logger.log(rec)
-                        records.append(rec)
-                if verdict == "stop":
-                    raise TrainingStopped(self.guard.why)
-                if saves:
-                    self.save_checkpoint()
-                if preempted:
-                    self.checkpointer.wait()
-                    if self.env.is_main:
-                        with open(os.path.join(self.run_dir, PREEMPTED), "w") as fh:
-                            json.dump({"step": self.step, "reason": self.preemption.reason}, fh)
-                        print(
-                            f"{self.preemption.reason or 'stop request'}: saved step {self.step}, exiting",
-                            flush=True,
-                        )
+                if run.after(out, data.global_hash):
                     break
-            else:
-                if cfg.checkpoint.at_end and not (
-                    cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
-                ):
-                    self.save_checkpoint()
-            for (
-                hook
-            ) in hooks:  # e.g. DiLoCo's outer reductions in flight finish before the process group can go
-                hook.finish()
-            self.checkpointer.wait()
-            finished = True
+        return run.records
+
+    @contextlib.contextmanager
+    def running(self, consume: Callable[[], object]):
+        """The cadence around the steps of ``fit`` or of a method's driver (loom.methods.grpo.drive): resume, the
+        banner and the logger, then the ``Running`` whose ``next`` / ``step`` / ``after`` the caller's loop calls;
+        at the end the last save and the hooks' ``finish``, after an error the hang report, always the closes.
+        ``consume``: takes one step's data unused (a step whose batch made a rollback happen is skipped)."""
+        run = Running(self, consume)
+        try:
+            self.health.start_barrier()  # every rank built and resumed: names the ranks that never arrive
+            self.health.start_training()  # from here each collective waits at most parallel.timeout_s
+            yield run
+            run.finish()
         except RuntimeError as err:  # a collective that timed out: the hang report (loom.runtime.health)
             if not self.health.is_hang(err):
                 raise
             raise self.health.hang(err) from None
         finally:
             self.health.close()
-            self.stop_vote.close(wait=finished)
-            for hook in hooks:
+            for hook in self.engine.hooks:
                 hook.close()
-            self.preemption.restore()
             self.profiler.close()
             if self.nvtx_blocks:
                 self.nvtx_blocks.close()
-            if logger:
-                logger.close()
+            if run.logger:
+                run.logger.close()
         if self.env.is_main:
             print(self._where_things_are(), flush=True)
-        return records
 
     def _banner(self) -> list[str]:
         """What this run is: its folder, the model actually built, the layout, the data, the kernels."""
@@ -556,3 +445,160 @@ class Loop:
             ),
             **{k: float(v) for k, v in out.get("moe_bias", {}).items()},
         }
+
+
+class Running:
+    """One ``fit`` of a loop, between its start (resume, restarts.jsonl, the hooks' ``begin``, the banner, the
+    logger) and its end: the pieces of the cadence that the loop's ``fit`` and a method's driver both call. Each
+    step: ``next`` (poll, settle the last step's verdict, roll back or skip, the hooks' quorum: whether a step
+    follows), the caller's data inside ``data_wait``, ``step`` (the engine's), ``after`` (count it, then the stop
+    vote, validation, the logged record, saves; true: the run stops here for a hook's request)."""
+
+    def __init__(self, loop: Loop, consume: Callable[[], object]):
+        self.loop, self.consume = loop, consume
+        cfg = loop.cfg
+        loop.resume()
+        begin_attempt(
+            loop.attempt,
+            loop.run_dir,
+            step=loop.step,
+            world_size=loop.env.world_size,
+            lineage=loop.checkpointer.lineage,
+            is_main=loop.env.is_main,
+        )  # restarts.jsonl, one line
+        self.hooks = loop.engine.hooks
+        self.may_abort = any(hook.may_abort for hook in self.hooks)  # a step may end uncommitted: it reruns
+        for (
+            hook
+        ) in self.hooks:  # e.g. torchft: the lighthouse compares the groups' steps, a group behind recovers
+            hook.begin(loop.step)
+        if loop.step == 0 and loop.env.is_main:
+            loop._set_aside_old_metrics()
+        self.peak = device_peak(loop.device, cfg.training.dtype)
+        if loop.env.is_main:
+            for line in loop._banner():
+                print(line, flush=True)
+        self.logger = (
+            MetricsLogger(
+                loop.run_dir,
+                cfg.training.steps,
+                tensorboard=cfg.metrics.tensorboard,
+                progress=cfg.metrics.progress,
+                start_step=loop.step,
+                config=cfg,
+                console=loop.objective.console,
+            )
+            if loop.env.is_main
+            else None
+        )
+        self.records: list[dict] = []
+        reset_peak(loop.device)
+        self.t_last, self.tokens_last = time.perf_counter(), loop.tokens_seen
+        self.logs = False  # whether the next step is logged (set by ``next``)
+        self.stopped = False  # a hook asked the run to stop: saved, no save at the end
+
+    def _rolled_back(self) -> None:
+        self.loop._rollback(self.logger, self.records)
+        self.t_last, self.tokens_last = time.perf_counter(), self.loop.tokens_seen
+
+    def next(self) -> bool:
+        """Whether a step follows: poll the checkpointer, settle the last step's verdict (stop, roll back, skip
+        an offending batch), the hooks' quorum; sets ``logs`` for the step."""
+        loop, steps = self.loop, self.loop.cfg.training.steps
+        while loop.step < steps:
+            loop.checkpointer.poll()
+            verdict = loop._settle()  # the last step's, if still unread
+            if verdict == "stop":
+                raise TrainingStopped(loop.guard.why)
+            if verdict == "rollback":
+                self._rolled_back()
+                continue
+            if loop.step + 1 in loop.guard.skip_steps:
+                loop._skip_offending_batch(self.consume)
+                continue
+            for hook in (
+                self.hooks
+            ):  # e.g. the replica groups' quorum: a group behind the others takes a peer's state
+                hook.quorum()
+            if loop.step >= steps:
+                continue
+            self.logs = loop._logs_at(loop.step + 1)
+            return True
+        return False
+
+    @contextlib.contextmanager
+    def data_wait(self):
+        """Around the wait for a step's data: every hook's ``data_wait`` (e.g. stragglers time it)."""
+        with contextlib.ExitStack() as stack, nvtx_range("data_wait"):
+            for hook in self.hooks:
+                stack.enter_context(hook.data_wait())
+            yield
+
+    def step(self, micro_batches: list[MicroBatch]) -> dict:
+        """The next step on this rank's ``micro_batches`` (the engine's, through the loop's ``train_step``)."""
+        loop = self.loop
+        loop.profiler.start(loop.step + 1)
+        with nvtx_range(f"step {loop.step + 1}"):
+            return loop.train_step(micro_batches)
+
+    def after(self, out: dict, batch_hash) -> bool:
+        """A committed step: count it, then the hooks' stop vote, its verdict where read, validation, the logged
+        record, saves; true where a hook's stop request saved it and the run ends here."""
+        loop, cfg = self.loop, self.loop.cfg
+        loop.step += 1
+        loop.profiler.step_done(loop.step)
+        loop.tokens_seen += cfg.training.global_batch_size * cfg.training.seq_len
+        stop = any([hook.stops() for hook in self.hooks])  # every hook votes (a collective each)
+        saves = bool(cfg.checkpoint.every and loop.step % cfg.checkpoint.every == 0) or stop
+        # records and checkpoints see this step's verdict (these steps sync the host anyway)
+        verdict = loop._settle() if self.logs or saves or loop.step == cfg.training.steps else "unread"
+        if verdict == "rollback":
+            self._rolled_back()
+            return False
+        if self.logger:
+            self.logger.progress.update(loop.step)
+        val, evals = None, {}
+        if verdict != "stop" and loop._evaluates_at(loop.step):
+            with nvtx_range("validation"):
+                val = loop.evaluate(
+                    quiet=not (cfg.training.eval_every and loop.step % cfg.training.eval_every == 0)
+                )
+                evals = loop.run_evals()
+        if self.logs or verdict == "stop":  # the step that stops the run is on record too
+            now = time.perf_counter()
+            rec = loop._record(
+                out, batch_hash, val, now - self.t_last, loop.tokens_seen - self.tokens_last, self.peak
+            )
+            rec.update(evals)
+            for hook in self.hooks:  # every rank (e.g. stragglers: one all_gather)
+                rec.update(hook.interval(loop.step, now - self.t_last))
+            self.t_last, self.tokens_last = now, loop.tokens_seen
+            if self.logger:
+                self.logger.log(rec)
+                self.records.append(rec)
+        if verdict == "stop":
+            raise TrainingStopped(loop.guard.why)
+        if saves:
+            loop.save_checkpoint()
+        if stop:
+            loop.checkpointer.wait()
+            for hook in self.hooks:
+                hook.stopped(loop.step)
+            self.stopped = True
+        return stop
+
+    def finish(self) -> None:
+        """The steps ended (all of them, or a stop request's): the last save (checkpoint.at_end) unless a stop
+        saved already, work the hooks have in flight, the checkpointer's writes."""
+        cfg, loop = self.loop.cfg, self.loop
+        if (
+            not self.stopped
+            and cfg.checkpoint.at_end
+            and not (cfg.checkpoint.every and loop.step % cfg.checkpoint.every == 0)
+        ):
+            loop.save_checkpoint()
+        for (
+            hook
+        ) in self.hooks:  # e.g. DiLoCo's outer reductions in flight finish before the process group can go
+            hook.finish()
+        loop.checkpointer.wait()

@@ -22,3 +22,8 @@ class Trainer(Loop):
         )  # the registry sits above loom.train (tests/unit/test_layers.py)
 
         super().__init__(cfg, objective or method_of(cfg).objective(cfg), env, rules_of(cfg))
+        self.method = method_of(cfg)
+
+    def fit(self) -> list[dict]:
+        """The method's run on this loop: the loop's own ``fit``, or its driver (GRPO, PPO)."""
+        return self.method.drive(self)

@@ -13,18 +13,18 @@ import pytest
 
 from loom.infer.generator import Completion
 from loom.methods.grpo import GroupRelative
-from loom.rl.rollout import RolloutLoader
+from loom.rl.rollout import Rollouts
 from tests.distributed.harness import job_tmp, run_fn
 from tests.tiny import tiny_overrides
 
 KEYS = ("loss", "grad_norm", "kl", "clip_ratio/low", "clip_ratio/high", "reward", "targets")
 
 
-class FixedRollouts(RolloutLoader):
+class FixedRollouts(Rollouts):
     """The engine's sampling replaced by completions that depend only on (step, global row): the right answer
     (and EOS) for some, random digits for others, some cut without an EOS."""
 
-    def sample(self, prompts):
+    def generate(self, prompts):
         out = []
         for i, p in enumerate(prompts):
             rng = random.Random(repr((self.step, self.dp_rank * len(prompts) + i)))
@@ -45,8 +45,10 @@ class FixedRollouts(RolloutLoader):
 
 class FixedGRPO(GroupRelative):
     def build_loader(self, trainer):
-        self.loader = FixedRollouts(self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size)
-        return self.loader
+        self.rollouts = FixedRollouts(
+            self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size
+        )
+        return self.rollouts
 
 
 def overrides(tmp, name, mb, **extra):

@@ -33,15 +33,15 @@ KEYS = (
 
 
 class FixedPpoRollouts(PpoRollouts):
-    sample = FixedRollouts.sample  # completions by (step, global row), not the engine's
+    generate = FixedRollouts.generate  # completions by (step, global row), not the engine's
 
 
 class FixedPPO(ProximalPolicy):
     def build_loader(self, trainer):
-        self.loader = FixedPpoRollouts(
+        self.rollouts = FixedPpoRollouts(
             self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size
         )
-        return self.loader
+        return self.rollouts
 
 
 def overrides(tmp, name, mb, **extra):

@@ -49,14 +49,14 @@ def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
     )
     cfg = build_config(None, {k: str(v) for k, v in job.items()})
     trainer = Trainer(cfg, env=env, objective=GroupRelative(cfg))
-    model, loader = trainer.parts[0], trainer.objective.loader
+    model, rollouts = trainer.parts[0], trainer.objective.rollouts
     tokens = torch.tensor([trainer.tokenizer.encode("3+4=77"), trainer.tokenizer.encode("9*9=81")])  # (2, 6)
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # TP's vocab-sharded logits
     with torch.no_grad():
         before = full(model(tokens))
     records = trainer.fit()
-    loader.weights.sync()  # the last update is after the last rollouts
-    engine = loader.generator.engine
+    rollouts.weights.sync()  # the last update is after the last rollouts
+    engine = rollouts.generator.engine
     model.eval()
     with torch.no_grad():
         after = full(model(tokens))  # (2, 6, V): the sharded policy's full logits
@@ -68,18 +68,18 @@ def engine_check(tmp: str, lora: bool, env=None, layout: dict = FSDP) -> dict:
         engine.release()
         whole = whole_model(model)(tokens)  # the eval hook's gathered copy, adapters merged
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-    fills = loader.weights.fills
+    fills = rollouts.weights.fills
     return {
         "prefill": (prefill - after[:, 4]).abs().max().item(),
         "step": (step - after[:, 5]).abs().max().item(),
         "whole": (whole - after).abs().max().item(),
         "moved": (after - before).abs().max().item(),
-        "copied": loader.weights.copied,
-        "shared": len(loader.weights.shared),
+        "copied": rollouts.weights.copied,
+        "shared": len(rollouts.weights.shared),
         "filled": len(fills),
         "params": len(dict(model.named_parameters())),
         "bytes": [r.get("weight_sync_bytes") for r in records],
-        "last_bytes": loader.weights.bytes,
+        "last_bytes": rollouts.weights.bytes,
         "adapter_bytes": sum(local(t).numel() * 4 for n, t in fills.items() if "lora_" in n),
         "total_bytes": sum(local(t).numel() * 4 for t in fills.values()),
     }

@@ -215,10 +215,10 @@ def ppo_engine_check(tmp: str, env) -> dict:
     cfg = build_config(None, {k: str(v) for k, v in job.items()})
     trainer = Trainer(cfg, env=env, objective=ProximalPolicy(cfg))
     records = trainer.fit()
-    model, weights = trainer.parts[0], trainer.objective.loader.weights
+    model, weights = trainer.parts[0], trainer.objective.rollouts.weights
     tokens = torch.tensor([trainer.tokenizer.encode("3+4=77"), trainer.tokenizer.encode("9*9=81")])  # (2, 6)
     model.eval()
-    engine = trainer.objective.loader.generator.engine
+    engine = trainer.objective.rollouts.generator.engine
     with torch.no_grad():
         after = model(tokens)  # (2, 6, V)
         # loss parallel's vocab shards

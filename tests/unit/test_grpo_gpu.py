@@ -51,7 +51,7 @@ def test_engine_with_cuda_graphs_follows_the_updates(tmp_path):
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
     records = trainer.fit()
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records) and "reward" in records[-1]
-    engine, model = trainer.objective.loader.generator.engine, trainer.parts[0]
+    engine, model = trainer.objective.rollouts.generator.engine, trainer.parts[0]
     assert engine.cuda_graphs and engine.caches and (engine.batch, 1) in engine._graphs  # parked, not freed
     graph = engine._graphs[(engine.batch, 1)]
     rows, device = engine.batch, trainer.device

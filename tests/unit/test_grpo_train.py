@@ -45,7 +45,7 @@ def test_engine_logits_equal_the_trained_model(tmp_path, capsys):
     console lines show GRPO's own fields: the warm-up step as such, then reward, accuracy and KL."""
     cfg = grpo_config(tmp_path, **{"grpo.beta": 0.05, "grpo.iterations": 2})
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
-    model, engine = trainer.parts[0], trainer.objective.loader.generator.engine
+    model, engine = trainer.parts[0], trainer.objective.rollouts.generator.engine
     tokens = torch.tensor([trainer.tokenizer.encode("3+4=7"), trainer.tokenizer.encode("9*9=8")])  # (2, 5)
     with torch.no_grad():
         before = model(tokens)
@@ -210,8 +210,8 @@ def test_chat_prompts_are_rendered_and_reach_the_rewards_as_messages(tmp_path):
         },
     )
     trainer = Trainer(cfg, objective=GroupRelative(cfg))
-    loader = trainer.objective.loader
-    ids = loader.prompt_ids(CHAT_ROWS[:1])
+    rollouts = trainer.objective.rollouts
+    ids = rollouts.prompt_ids(CHAT_ROWS[:1])
     text = load_template("", trainer.tokenizer).render(CHAT_ROWS[0]["prompt"], add_generation_prompt=True)
     assert ids == [Codec(trainer.tokenizer).encode(text)] * 4 and text.endswith("assistant|>\n")
     records = trainer.fit()
@@ -257,16 +257,16 @@ def test_a_reward_model_scores_the_rollouts(tmp_path):
         assert r["reward"] == pytest.approx(
             r["rewards/record_inputs"] + 0.5 * r["rewards/reward_model"], abs=1e-6
         )
-    loader, scorer = trainer.objective.loader, load_reward_model(ckpt)
-    assert loader.reward_model is not None and records[0]["rewards/reward_model_std"] > 0
-    outs = loader.sample(loader.prompt_ids(CHAT_ROWS[:2]))
-    _, per, names = loader.score(CHAT_ROWS[:2], loader.prompt_ids(CHAT_ROWS[:2]), outs)
-    ids = [p + o.token_ids for p, o in zip(loader.prompt_ids(CHAT_ROWS[:2]), outs)]
+    rollouts, scorer = trainer.objective.rollouts, load_reward_model(ckpt)
+    assert rollouts.reward_model is not None and records[0]["rewards/reward_model_std"] > 0
+    outs = rollouts.generate(rollouts.prompt_ids(CHAT_ROWS[:2]))
+    _, per, names = rollouts.score(CHAT_ROWS[:2], rollouts.prompt_ids(CHAT_ROWS[:2]), outs)
+    ids = [p + o.token_ids for p, o in zip(rollouts.prompt_ids(CHAT_ROWS[:2]), outs)]
     assert names == ["record_inputs", "reward_model"]
     assert per[:, 1].tolist() == pytest.approx(scorer(ids), abs=1e-5)
-    loader.g = type(loader.g)(reward_model=str(tmp_path / "nope"))
+    rollouts.g = type(rollouts.g)(reward_model=str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="grpo.reward_model = '.*nope': folder not found"):
-        loader.load_reward_model(trainer)
+        rollouts.load_reward_model(trainer)
 
 
 def test_config_rules(tmp_path):

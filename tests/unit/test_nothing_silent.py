@@ -221,13 +221,13 @@ def test_reward_functions_that_do_not_fit_are_one_line():
 
 def test_grpo_reward_weights_that_are_not_numbers_are_one_line(tmp_path):
     from loom.data.tokenizers import ByteTokenizer
-    from loom.rl.rollout import RolloutLoader
+    from loom.rl.rollout import Rollouts
 
     cfg = tiny_config(
         tmp_path, **{"training.objective": "grpo", "grpo.reward_weights": "abc", "training.steps": 4}
     )
     with pytest.raises(ConfigError, match="grpo.reward_weights = 'abc': a comma list of numbers"):
-        RolloutLoader(cfg, ByteTokenizer(), 0, 1)
+        Rollouts(cfg, ByteTokenizer(), 0, 1)
 
 
 def test_a_string_where_config_json_has_a_number_is_one_line():

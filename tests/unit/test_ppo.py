@@ -358,7 +358,8 @@ def test_reward_model_scores_the_rollouts(tmp_path):
     torch.manual_seed(0)
     scorer = attach_score_head(Llama(trainer.model_args))
     torch.nn.init.normal_(scorer.output.weight, std=1.0)
-    trainer.loader.reward_model, trainer.loader.rewards = RewardScorer(scorer.eval()), None
+    rollouts = trainer.objective.rollouts
+    rollouts.reward_model, rollouts.rewards = RewardScorer(scorer.eval()), None
     records = trainer.fit()
     assert all(r["reward"] == pytest.approx(r["rewards/reward_model"]) for r in records)
     assert "rewards/exact_answer" not in records[0] and records[0]["reward_std"] > 0

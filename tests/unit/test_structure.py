@@ -112,9 +112,9 @@ def test_the_checks_see_what_they_look_for():
 
 @pytest.mark.parametrize("path", ["loom/train/engine.py", "loom/train/loop.py"])
 def test_optional_features_join_through_the_hook_list(path):
-    """DiLoCo, torchft, the noise-scale probe and MoE statistics are step hooks (loom.train.hooks): the engine and
-    the loop hold no attribute of their own for any of them."""
-    features = {"diloco", "ft", "moe", "noise"}
+    """DiLoCo, torchft, the noise-scale probe, MoE statistics, stragglers and preemption are step hooks
+    (loom.train.hooks): the engine and the loop hold no attribute of their own for any of them."""
+    features = {"diloco", "ft", "moe", "noise", "stragglers", "preemption", "stop_vote"}
     found = [
         f"{path}:{n.lineno} {ast.unparse(n)}"
         for n in ast.walk(SOURCES[path])
@@ -124,3 +124,36 @@ def test_optional_features_join_through_the_hook_list(path):
         and n.value.id == "self"
     ]
     assert not found, found
+
+
+def test_the_loop_names_no_runtime_feature_that_is_a_hook():
+    """Stragglers and preemption join the loop only through the hook list: loop.py imports neither feature."""
+    tree = SOURCES["loom/train/loop.py"]
+    imported = {
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module in ("loom.runtime.stragglers", "loom.runtime.guard")
+        for a in n.names
+    }
+    assert not imported & {"Stragglers", "Preemption", "StopVote", "PREEMPTED"}, imported
+
+
+def test_rl_rollouts_are_driven_not_loaders():
+    """GRPO's and PPO's drivers (loom.methods.grpo / ppo ``drive``) call the rollouts' pieces and the engine: no
+    module of loom.rl hands batches out as a loader (``next_step``) or sets the LR (``scale_lr``)."""
+    found = [
+        f"{path}:{n.lineno} {n.name if isinstance(n, ast.FunctionDef) else ast.unparse(n)}"
+        for path, tree in SOURCES.items()
+        if path.startswith("loom/rl/")
+        for n in ast.walk(tree)
+        if (isinstance(n, ast.FunctionDef) and n.name == "next_step")
+        or (isinstance(n, ast.Attribute) and n.attr == "scale_lr")
+    ]
+    assert not found, found
+    drivers = [
+        n.name
+        for path in ("loom/methods/grpo.py", "loom/methods/ppo.py")
+        for n in SOURCES[path].body
+        if isinstance(n, ast.FunctionDef) and n.name == "drive"
+    ]
+    assert drivers == ["drive", "drive"]
