@@ -36,6 +36,12 @@ def rollout_rules(cfg: Config) -> None:
             f"not with training.objective {objective} (its rollouts run "
             "the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward",
         )
+    if cfg.data.document_positions:
+        raise ConfigError(
+            "data.document_positions",
+            True,
+            f"not with training.objective {objective} (each rollout is one sequence, positions from 0): allowed false",
+        )
     if p.cpu_offload:
         raise ConfigError(
             "parallel.cpu_offload",

@@ -139,3 +139,15 @@ def test_advantages_per_group(scale):
     # a global batch std handed in (rollouts spread over ranks) replaces the local one
     if scale == "batch":
         torch.testing.assert_close(group_advantages(rewards[:4], 4, "batch", rewards.std()), adv[:4])
+
+
+@pytest.mark.parametrize("objective", ["grpo", "ppo"])
+def test_rollouts_refuse_document_positions(tiny, objective):
+    """A rollout is one sequence whose positions start at 0: a packed-documents setting would do nothing."""
+    from loom.config import ConfigError
+    from loom.methods import check_config
+
+    with pytest.raises(
+        ConfigError, match=f"data.document_positions = True: not with training.objective {objective}"
+    ):
+        check_config(tiny(**{"training.objective": objective, "data.document_positions": "true"}))
