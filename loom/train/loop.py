@@ -429,8 +429,6 @@ class Loop:
                 hook.close()
             self.preemption.restore()
             self.profiler.close()
-            if self.nvtx_blocks:
-                self.nvtx_blocks.close()
             if logger:
                 logger.close()
         if self.env.is_main:
