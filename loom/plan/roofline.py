@@ -25,7 +25,9 @@ rank's blocks.
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from dataclasses import dataclass
 
 from loom.config.errors import ConfigError
@@ -262,3 +264,49 @@ def table(ops: list[Op], gpu: GPU, dtype: str) -> str:
         f"{sum(o.comm_bytes for o in ops) / 1e9:.1f} | | | | | {total * 1e3:.2f} |"
     )
     return "\n".join(rows)
+
+
+def measured_step(path: str, ops: list[Op], tokens_per_step: int, gpu: GPU, dtype: str) -> dict:
+    """The step's point from a run's ``metrics.jsonl`` (``--metrics``; the run of the same config and GPU count):
+    the median step time over its training records (the first one left out when there are more: compilation and
+    warm-up), from ``tokens_per_s`` and the step's ``tokens_per_step``; the FLOP/s it reached on the busiest rank
+    (the roofline's FLOPs over that time) at the step's arithmetic intensity; and the share of the no-overlap
+    roofline bound (the sum of the ops' times at their roofs) it reached."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as err:
+        raise ConfigError(
+            "--metrics", path, f"cannot be read ({err.strerror}); a run's metrics.jsonl"
+        ) from None
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError("--metrics", path, f"line {i} is not JSON; a run's metrics.jsonl") from None
+        if (
+            isinstance(rec, dict)
+            and isinstance(rec.get("tokens_per_s"), (int, float))
+            and rec["tokens_per_s"] > 0
+        ):
+            records.append(rec)
+    if not records:
+        raise ConfigError(
+            "--metrics", path, "has no training record with tokens_per_s; a run's metrics.jsonl"
+        )
+    timed = records[1:] if len(records) > 1 else records
+    step_s = statistics.median(tokens_per_step / r["tokens_per_s"] for r in timed)
+    flops, hbm = sum(op.flops for op in ops), sum(op.hbm_bytes for op in ops)
+    bound_s = sum(op.seconds(gpu, dtype) for op in ops)
+    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), (int, float))]
+    return {
+        "records": len(timed),
+        "first_step": timed[0].get("step"),
+        "step_s": step_s,
+        "flops_per_s": flops / step_s,
+        "intensity": flops / hbm,
+        "roofline_bound_s": bound_s,
+        "of_bound": bound_s / step_s,
+        "mfu": statistics.median(mfus) if mfus else None,
+    }

@@ -1,6 +1,6 @@
 """``loom plan --roofline``: ops placed on the roofline against hand-computed cases (a square matmul, a norm, a
-collective), the step's op list against the model's shape (matmul and attention FLOPs, ring CP's sends), and the
-CLI's table and JSON."""
+collective), the step's op list against the model's shape (matmul and attention FLOPs, ring CP's sends), a run's
+measured step from its metrics.jsonl, and the CLI's table, JSON and plot."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from loom.config import ConfigError, build_config
 from loom.plan.hardware import GPUS
-from loom.plan.roofline import Op, collective, matmul, roofline
+from loom.plan.roofline import Op, collective, matmul, measured_step, roofline
 from loom.plan.shapes import attention_params
 from loom.plan.timing import attention_flops
 
@@ -89,13 +89,23 @@ def test_the_step_counts_the_models_matmuls_attention_and_ring_sends():
 
 
 def test_cli_roofline_prints_the_table_and_writes_json(tmp_path, capsys):
+    """The table, the JSON, and with --metrics the run's measured step (8 x 256 tokens at 2000 tokens/s)."""
     from loom.cli.plan import main
 
     out = tmp_path / "plan.json"
+    metrics = _metrics(tmp_path / "metrics.jsonl", [100.0, 2000.0, 2000.0])
+    args = [
+        "--model.flavor",
+        "debug",
+        "--gpus",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--training.global_batch_size",
+        "8",
+    ]
     assert (
-        main(
-            ["--model.flavor", "debug", "--gpus", "2", "--parallel.tp", "2", "--roofline", "--json", str(out)]
-        )
+        main([*args, "--training.seq_len", "256", "--roofline", "--metrics", metrics, "--json", str(out)])
         == 0
     )
     text = capsys.readouterr().out
@@ -103,13 +113,19 @@ def test_cli_roofline_prints_the_table_and_writes_json(tmp_path, capsys):
         "roofline of one step" in text
         and "| tp all-gather / reduce-scatter |" in text
         and "| adamw |" in text
+        and "measured (" in text
     )
     report = json.loads(out.read_text())["roofline"]
     ops = {row["op"]: row for row in report["ops"]}
     assert ops["tp all-gather / reduce-scatter"]["bound"] == "network" and ops["wq"]["intensity"] > 0
     assert ops["tp all-gather / reduce-scatter"]["comm_gbps"] == H100.link_gbps
+    assert (
+        report["measured"]["step_s"] == pytest.approx(8 * 256 / 2000.0) and report["measured"]["records"] == 2
+    )
     with pytest.raises(ConfigError, match="--roofline"):
         main(["--roofline", "--params", "1B"])
+    with pytest.raises(ConfigError, match="only with --roofline"):
+        main([*args, "--metrics", metrics])
 
 
 def test_roofline_plot_points_and_png(tmp_path):
@@ -131,3 +147,48 @@ def test_roofline_plot_points_and_png(tmp_path):
     out = tmp_path / "plan.png"
     assert main(["--model.flavor", "debug", "--roofline", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics(path, tokens_per_s: list[float]) -> str:
+    """A metrics.jsonl of training records at these rates, with a validation-only line between them."""
+    lines = [
+        json.dumps({"step": i + 1, "loss": 2.0, "tokens_per_s": r, "mfu": 0.1 * (i + 1)})
+        for i, r in enumerate(tokens_per_s)
+    ]
+    lines.insert(1, json.dumps({"step": 1, "val_loss": 2.5}))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_the_measured_step_from_a_runs_metrics(tmp_path):
+    ops = [matmul("mm", 1, 4096, 4096, 4096, 2), Op("norm", 1, 12e3, 10e3)]
+    # 8192 tokens a step; the first record (warm-up) is left out: steps of 8192 / 4096 = 2 s, 1 s and 4 s
+    path = _metrics(tmp_path / "metrics.jsonl", [10.0, 4096.0, 8192.0, 2048.0])
+    m = measured_step(path, ops, 8192, H100, "bfloat16")
+    flops = 6 * 4096**3 + 12e3
+    assert m["records"] == 3 and m["first_step"] == 2 and m["step_s"] == pytest.approx(2.0)
+    assert m["flops_per_s"] == pytest.approx(flops / 2.0) and m["mfu"] == pytest.approx(0.3)
+    assert m["intensity"] == pytest.approx(flops / (3 * 3 * 4096**2 * 2 + 10e3))
+    bound = 6 * 4096**3 / 989e12 + 10e3 / 3.35e12
+    assert m["roofline_bound_s"] == pytest.approx(bound) and m["of_bound"] == pytest.approx(bound / 2.0)
+    from loom.plan.plot import roofline_points
+
+    points = {name: (i, c) for name, i, c in roofline_points(ops, H100, "bfloat16", m)}
+    assert points["measured"] == pytest.approx((m["intensity"], flops / 2.0))
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (None, "cannot be read"),
+        ("{}\n", "no training record"),
+        ('{"step": 1}\nnot json\n', "line 2 is not JSON"),
+    ],
+)
+def test_a_metrics_file_that_is_not_a_runs_is_one_line(tmp_path, text, says):
+    path = tmp_path / "metrics.jsonl"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=says) as err:
+        measured_step(str(path), [Op("norm", 1, 12e3, 10e3)], 8192, H100, "bfloat16")
+    assert err.value.field == "--metrics" and "\n" not in str(err.value)
