@@ -31,9 +31,9 @@ peak leaves --margin free: GiB (--margin 2) or a share of the GPU's memory (defa
 --roofline adds, for the configured layout, every op of the step on its busiest rank (each matmul, attention,
 the norms, the SwiGLU gate, cross-entropy, AdamW, each collective): FLOPs, HBM bytes, communicated bytes,
 arithmetic and communication intensity, the bound (compute, HBM, network) and the ceiling on KIND
-(docs/planner.md, "Roofline"; dense models); with --plot, a roofline panel too. --metrics FILE.jsonl (a run's
-metrics.jsonl, of this config on --gpus) adds the step's measured point: its median step time, the FLOP/s the
-busiest rank reached and the share of the roofline's no-overlap bound.
+(docs/planner.md, "Roofline"; MoE blocks: the router, experts and ep all-to-alls); with --plot, a roofline
+panel too. --metrics FILE.jsonl (a run's metrics.jsonl, of this config on --gpus) adds the step's measured
+point: its median step time, the FLOP/s the busiest rank reached and the share of the no-overlap bound.
 
 With --generate, plans sampling B sequences (default 1) of P prompt and N output tokens with a KV cache,
 tensor-parallel over the --gpus: memory per GPU (weights, KV cache, prefill activations), time to first

@@ -84,8 +84,44 @@ def test_the_step_counts_the_models_matmuls_attention_and_ring_sends():
         and by["rmsnorm"].bound(H100, "bfloat16") == "HBM"
     )
     assert what["machine_balance"] == pytest.approx(989e12 / 3.35e12)
-    with pytest.raises(ConfigError, match="--roofline"):
-        roofline(_cfg(**{"model.flavor": "debug_moe"}), 1, H100)
+
+
+def test_a_moe_block_counts_its_router_experts_and_all_to_alls():
+    """qwen3_moe_debug (3 blocks, the first dense; 8 experts of width 32, top 2) with ep 2 on 2 GPUs."""
+    cfg = _cfg(**{"model.flavor": "qwen3_moe_debug", "parallel.ep": 2, "training.seq_len": 256})
+    ops, what = roofline(cfg, 2, H100)
+    by = {op.name: op for op in ops}
+    m = what["micro_batches"]  # global 2 over dp 2: 1
+    tokens, moe_calls, e, w = 256, 2 * m, 64, 32
+    slots = tokens * 2  # top 2, balanced over the ep ranks
+    assert by["router"].flops == pytest.approx(moe_calls * 6 * tokens * e * 8)
+    assert by["experts w1 (gate)"].flops == pytest.approx(moe_calls * 6 * slots * e * w)
+    # each grouped GEMM reads (and writes the gradient of) its 4 local experts' weights once
+    assert by["experts w2 (down)"].hbm_bytes == pytest.approx(
+        moe_calls * 3 * (slots * w + 4 * w * e + slots * e) * 2
+    )
+    assert by["w1 (gate)"].count == m  # the dense first block
+    a2a = by["ep all-to-all (dispatch, combine)"]  # 4 exchanges a block, each sends half its slots away
+    assert a2a.count == 4 * moe_calls and a2a.comm_bytes == pytest.approx(4 * moe_calls * slots * e * 2 / 2)
+    assert a2a.bound(H100, "bfloat16") == "network" and a2a.comm_gbps == H100.link_gbps
+
+
+def test_latent_attention_matmuls_are_the_models_attention_weights():
+    """deepseek_v3_debug: MLA's matmul FLOPs are 6 x its attention weights x tokens; its one shared expert."""
+    from loom.metrics.flops import attention_matmul_params
+    from loom.models.registry import all_flavors
+
+    a = all_flavors()["deepseek_v3_debug"]
+    ops, what = roofline(_cfg(**{"model.flavor": "deepseek_v3_debug", "training.seq_len": 256}), 1, H100)
+    by = {op.name: op for op in ops}
+    calls = 3 * what["micro_batches"]
+    mla = sum(by[n].flops for n in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo"))
+    assert mla == pytest.approx(6 * attention_matmul_params(a) * 256 * calls)
+    qk, v = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+    assert by["attention"].flops == pytest.approx(
+        calls * attention_flops(1, a.n_heads, (qk + v) / 2, 256, 256)
+    )
+    assert by["shared w1 (gate)"].count == 2 * what["micro_batches"]  # first_k_dense 1 of 3 blocks
 
 
 def test_cli_roofline_prints_the_table_and_writes_json(tmp_path, capsys):
