@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 from dataclasses import dataclass, field
 
@@ -208,16 +209,22 @@ def measure(recipe: Recipe, a) -> dict:
         return {**out, "rejected": rejected}
     if proc.returncode:
         return {**out, "error": failure(proc)}
-    recs = [r for r in metrics(run_dir) if r.get("tokens_per_s")]
+    return {**out, **summarize(metrics(run_dir), recipe)}
+
+
+def summarize(records: list[dict], recipe: Recipe) -> dict:
+    """A job's figures from its metrics.jsonl records: the medians over the logged training intervals after the
+    first (compilation and warm-up) of the step time (the step's tokens over tokens/s), tokens/s per GPU and MFU,
+    and the largest peak memory of any rank."""
+    recs = [r for r in records if r.get("tokens_per_s")]
     timed = recs[1:] or recs
-    tps = sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2]
-    mfus = sorted(r["mfu"] for r in timed if r.get("mfu") is not None)
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {
-        **out,
         "intervals": len(timed),
         "time/step s": recipe.gbs * recipe.seq / tps,
         "tokens/s/GPU": tps / recipe.gpus,
-        "MFU": mfus[len(mfus) // 2] if mfus else None,
+        "MFU": statistics.median(mfus) if mfus else None,
         "peak GiB": max(r.get("mem_gib_max_rank", r["mem_gib"]) for r in recs),
     }
 

@@ -53,6 +53,21 @@ def test_the_table_puts_the_measured_row_next_to_the_prediction():
     assert cells["time/step s (measured)"] == "7.50"
 
 
+def test_a_jobs_figures_are_medians_after_the_first_interval():
+    recipe = recipes.BY_NAME["1b_fsdp2"]  # 16 x 8192 tokens a step on 2 GPUs
+    records = [
+        {"step": 5, "tokens_per_s": 1000.0, "mfu": 0.01, "mem_gib": 30.0, "mem_gib_max_rank": 31.0},
+        {"step": 10, "tokens_per_s": 65536.0, "mfu": 0.4, "mem_gib": 30.0, "mem_gib_max_rank": 33.5},
+        {"step": 10, "val_loss": 2.0},  # not a training interval
+        {"step": 15, "tokens_per_s": 131072.0, "mfu": 0.6, "mem_gib": 30.0, "mem_gib_max_rank": 32.0},
+        {"step": 20, "tokens_per_s": 32768.0, "mfu": 0.2, "mem_gib": 30.0, "mem_gib_max_rank": 32.0},
+    ]
+    got = recipes.summarize(records, recipe)
+    assert got["intervals"] == 3 and got["time/step s"] == pytest.approx(16 * 8192 / 65536)
+    assert got["tokens/s/GPU"] == pytest.approx(65536 / 2) and got["MFU"] == pytest.approx(0.4)
+    assert got["peak GiB"] == 33.5
+
+
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="on a GPU machine the tool measures (minutes)"
 )
