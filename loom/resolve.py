@@ -369,14 +369,6 @@ def check_machine(cfg: Config, device: str) -> None:
     for feature in FEATURES:
         if feature.machine is not None:
             feature.machine(cfg, device)
-    if cfg.metrics.nvtx:
-        from loom.metrics.nvtx import unavailable
-
-        why = unavailable()
-        if why:
-            raise ConfigError(
-                "metrics.nvtx", True, f"{why}; install a CUDA build of PyTorch, or allowed: false"
-            )
     if cfg.training.float8 != "none":
         from loom.models.common.float8 import float8_available
 

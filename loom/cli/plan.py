@@ -14,7 +14,7 @@ from loom.config.load import read_toml
 from loom.config.paths import check_file_writable
 
 USAGE = """usage: loom plan [--config FILE.toml] [--gpus N] [--gpu KIND] [--search] [--top K] [--margin GIB | PCT%]
-                 [--roofline] [--json FILE] [--plot FILE.png] [--section.field VALUE ...]
+                 [--roofline [--metrics FILE.jsonl]] [--json FILE] [--plot FILE.png] [--section.field VALUE ...]
        loom plan --generate --prompt-len P --output-len N [--batch B] [--dtype DTYPE] [--kv-dtype DTYPE]
                  [--config FILE.toml] [--gpus N] [--gpu KIND] [--margin GIB | PCT%] [--json FILE]
                  [--section.field VALUE ...]
@@ -31,7 +31,9 @@ peak leaves --margin free: GiB (--margin 2) or a share of the GPU's memory (defa
 --roofline adds, for the configured layout, every op of the step on its busiest rank (each matmul, attention,
 the norms, the SwiGLU gate, cross-entropy, AdamW, each collective): FLOPs, HBM bytes, communicated bytes,
 arithmetic and communication intensity, the bound (compute, HBM, network) and the ceiling on KIND
-(docs/planner.md, "Roofline"; dense models); with --plot, a roofline panel too.
+(docs/planner.md, "Roofline"; MoE blocks: the router, experts and ep all-to-alls); with --plot, a roofline
+panel too. --metrics FILE.jsonl (a run's metrics.jsonl, of this config on --gpus) adds the step's measured
+point: its median step time, the FLOP/s the busiest rank reached and the share of the no-overlap bound.
 
 With --generate, plans sampling B sequences (default 1) of P prompt and N output tokens with a KV cache,
 tensor-parallel over the --gpus: memory per GPU (weights, KV cache, prefill activations), time to first
@@ -64,11 +66,12 @@ _OPTIONS = {
     "--params": "params",
     "--tokens": "tokens",
     "--noise-scale": "noise_scale",
+    "--metrics": "metrics",
 }
 BUDGET = ("flops", "params", "tokens")  # compute-optimal sizing (loom.plan.compute_optimal)
 # --generate's own options (given without it, an error) and the training plan's (given with it, an error)
 GENERATE_ONLY = ("batch", "prompt_len", "output_len", "dtype", "kv_dtype")
-TRAINING_ONLY = ("search", "top", "plot", "roofline")
+TRAINING_ONLY = ("search", "top", "plot", "roofline", "metrics")
 DTYPE_NAMES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -95,6 +98,7 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
         "roofline": False,
         **{name: None for name in GENERATE_ONLY + BUDGET},
         "noise_scale": None,
+        "metrics": None,
         **{name: "" for name in OUTPUT_FILES},
     }
     opts["cluster"] = any(a.partition("=")[0] in ("--gpus", "--gpu") for a in argv)  # GPU-hours asked for
@@ -137,6 +141,10 @@ def check_mode(opts: dict) -> None:
         raise ConfigError("--noise-scale", opts["noise_scale"], "only with --flops, --params or --tokens")
     if opts["generate"] and any(opts[key] is not None for key in BUDGET):
         raise ConfigError("--generate", None, "not with --flops / --params / --tokens", show_value=False)
+    if opts["metrics"] is not None and not opts["roofline"]:
+        raise ConfigError(
+            "--metrics", opts["metrics"], "only with --roofline (it places the run's step on it)"
+        )
     if opts["roofline"] and any(opts[key] is not None for key in BUDGET):
         raise ConfigError(
             "--roofline",
@@ -360,7 +368,7 @@ def main(argv: list[str]) -> int:
         print(breakdown(est))
         report["config"] = as_json(est)
         if opts["roofline"]:
-            report["roofline"], roof = print_roofline(cfg, opts["gpus"], gpu)
+            report["roofline"], roof = print_roofline(cfg, opts["gpus"], gpu, opts["metrics"])
     except ConfigError as err:
         if not opts["search"]:
             raise
@@ -409,10 +417,10 @@ def fit_default_global_batch(cfg, gpus: int) -> None:
         t.global_batch_size = planned
 
 
-def print_roofline(cfg, gpus: int, gpu) -> tuple[dict, tuple]:
-    """``--roofline``: the configured layout's ops on the roofline, printed; returns them for --json, and
-    (ops, gpu, dtype) for --plot."""
-    from loom.plan.roofline import roofline, table
+def print_roofline(cfg, gpus: int, gpu, metrics: str | None = None) -> tuple[dict, tuple]:
+    """``--roofline``: the configured layout's ops on the roofline, printed, and with ``metrics`` (--metrics) the
+    run's measured step; returns them for --json, and (ops, gpu, dtype, measured or None) for --plot."""
+    from loom.plan.roofline import measured_step, roofline, table
 
     ops, what = roofline(cfg, gpus, gpu)
     dtype = cfg.training.dtype
@@ -438,7 +446,18 @@ def print_roofline(cfg, gpus: int, gpu) -> tuple[dict, tuple]:
         }
         for op in ops
     ]
-    return {**what, "ops": rows}, (ops, gpu, dtype)
+    measured = None
+    if metrics:
+        t = cfg.training
+        measured = measured_step(metrics, ops, t.global_batch_size * t.seq_len, gpu, dtype)
+        mfu = f", MFU {measured['mfu']:.1%}" if measured["mfu"] is not None else ""
+        print(
+            f"measured ({metrics}: median of {measured['records']} logged steps{mfu}): step "
+            f"{measured['step_s'] * 1e3:.1f} ms, {measured['flops_per_s'] / 1e12:.1f} TFLOP/s on the busiest rank "
+            f"at {measured['intensity']:.0f} FLOP/B; the roofline's no-overlap bound "
+            f"{measured['roofline_bound_s'] * 1e3:.1f} ms is {measured['of_bound']:.0%} of it"
+        )
+    return {**what, "ops": rows, **({"measured": measured} if measured else {})}, (ops, gpu, dtype, measured)
 
 
 def write_outputs(opts: dict, report: dict) -> None:

@@ -916,9 +916,9 @@ class MetricsConfig:
         False,
         "NVTX ranges for Nsight Systems (step, data wait, micro-batch, forward, backward, "
         "each block's forward and backward, optimizer, validation, checkpoint save, the loss "
-        "all-reduce and context parallelism's "
-        "K/V exchange): run under `nsys profile` (docs/metrics.md); needs a PyTorch built with "
-        "CUDA",
+        "all-reduce, context parallelism's "
+        "K/V exchange and expert parallelism's token all-to-alls): run under `nsys profile` "
+        "(docs/metrics.md); has effect only with a PyTorch built with CUDA (elsewhere the banner says so)",
         resume=(FREE, OUTPUT + ": NVTX ranges for a profiler's timeline"),
     )
     noise_scale: bool = opt(

@@ -6,7 +6,8 @@ phase (grad norm, step), validation and checkpoint saves; context parallelism ma
 its K/V all-gather and each ring step; the loss and token all-reduces are marked too. Ranges are pushed and popped
 on the thread that opens them (``torch.cuda.nvtx.range_push`` / ``range_pop``), so they nest on nsys's timeline
 under the CPU thread and project onto the GPU kernels they launch. Off (the default) each range is a shared no-op
-context: a flag test. Inside a ``torch.compile`` trace nothing is pushed (Dynamo would have to trace it).
+context: a flag test; so is on, in a PyTorch built without CUDA (no NVTX library: the banner says the setting
+has no effect). Inside a ``torch.compile`` trace nothing is pushed (Dynamo would have to trace it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 OFF = contextlib.nullcontext()  # stateless: one shared no-op context (loom.metrics.profile's too)
 _enabled = False
+_why_off = ""  # why ranges asked for stay off in this process ("" = they do as asked)
 
 
 def unavailable() -> str:
@@ -29,10 +31,18 @@ def unavailable() -> str:
     return ""
 
 
-def enable(on: bool) -> None:
-    """Turn NVTX ranges on or off for this process (the trainer, from metrics.nvtx)."""
-    global _enabled
-    _enabled = bool(on)
+def enable(on: bool) -> str:
+    """Turn NVTX ranges on or off for this process (the trainer, from metrics.nvtx) -> why they stay off though
+    asked for ("" = they do as asked): a PyTorch without NVTX accepts the setting and pushes nothing."""
+    global _enabled, _why_off
+    _why_off = unavailable() if on else ""
+    _enabled = bool(on) and not _why_off
+    return _why_off
+
+
+def why_off() -> str:
+    """Why the last ``enable(True)`` left ranges off ("" = it did not)."""
+    return _why_off
 
 
 def enabled() -> bool:

@@ -7,33 +7,43 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.metrics.nvtx import nvtx_range
 from loom.models.common.moe import MoE, moe_modules
 from loom.parallel.collectives import gather_rows, reduce_scatter_rows
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` (R, E) exchanged over ``group``: ``send[i]`` rows go to rank i, ``recv[i]`` come from it."""
+    """Rows of ``x`` (R, E) exchanged over ``group``: ``send[i]`` rows go to rank i, ``recv[i]`` come from it;
+    NVTX range ``name`` around the exchange (``name.backward`` around the backward's) under metrics.nvtx."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group, name: str) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.name = send, recv, group, name
         out = x.new_empty(sum(recv), x.shape[1])
-        dist.all_to_all_single(
-            out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
-        )
+        with nvtx_range(name):
+            dist.all_to_all_single(
+                out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
+            )
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         back = grad.new_empty(sum(ctx.send), grad.shape[1])
-        dist.all_to_all_single(
-            back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
-        )
-        return back, None, None, None
+        with nvtx_range(f"{ctx.name}.backward"):
+            dist.all_to_all_single(
+                back,
+                grad.contiguous(),
+                output_split_sizes=ctx.send,
+                input_split_sizes=ctx.recv,
+                group=ctx.group,
+            )
+        return back, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    return _AllToAll.apply(x, send, recv, group)
+def all_to_all(
+    x: torch.Tensor, send: list[int], recv: list[int], group, name: str = "ep.all_to_all"
+) -> torch.Tensor:
+    return _AllToAll.apply(x, send, recv, group, name)
 
 
 def local_weight(w: torch.Tensor) -> torch.Tensor:
@@ -86,14 +96,15 @@ class ExpertParallel:
         n_local = counts.numel() // self.size
         send_counts = counts.view(self.size, n_local)  # (ep, n_local): to rank i, per expert of rank i
         recv_counts = torch.empty_like(send_counts)  # (ep, n_local): from rank i, per local expert
-        dist.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1), group=self.group)
-        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        got = all_to_all(x, send, recv, self.group)  # (R, E): per source rank, grouped by local expert
+        with nvtx_range("ep.counts"):
+            dist.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1), group=self.group)
+            send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        got = all_to_all(x, send, recv, self.group, "ep.dispatch")  # (R, E): per source rank, by local expert
         expert = torch.arange(n_local, device=x.device).repeat(self.size)  # the local expert of each block
         order = torch.repeat_interleave(expert, recv_counts.reshape(-1)).argsort(stable=True)  # by expert
         out = experts(got[order], recv_counts.sum(0), local)  # (R, E) grouped by local expert
         back = torch.empty_like(out).index_copy_(0, order, out)  # (R, E) per source rank again
-        return all_to_all(back, recv, send, self.group)  # (T k, E)
+        return all_to_all(back, recv, send, self.group, "ep.combine")  # (T k, E)
 
 
 class MoEParallel:

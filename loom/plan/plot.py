@@ -29,20 +29,24 @@ def throughputs(layouts: list[tuple[str, Estimate]]) -> list[float]:
     return [e.tokens_per_s_per_gpu for _, e in layouts]
 
 
-def roofline_points(ops, gpu, dtype: str) -> list[tuple[str, float, float]]:
+def roofline_points(ops, gpu, dtype: str, measured: dict | None = None) -> list[tuple[str, float, float]]:
     """(op, arithmetic intensity, ceiling FLOP/s) of the ops that compute (collectives have no FLOPs), and the
-    step's own point: its FLOPs over its HBM bytes, at the FLOP/s its ops' roof times allow (no overlap)."""
+    step's own point: its FLOPs over its HBM bytes, at the FLOP/s its ops' roof times allow (no overlap); with
+    ``measured`` (loom.plan.roofline.measured_step), the run's point at the FLOP/s it reached."""
     points = [(op.name, op.intensity, op.ceiling(gpu, dtype)) for op in ops if op.flops and op.hbm_bytes]
     flops, hbm = sum(op.flops for op in ops), sum(op.hbm_bytes for op in ops)
     seconds = sum(op.seconds(gpu, dtype) for op in ops)
-    return points + [("step", flops / hbm, flops / seconds)]
+    points.append(("step", flops / hbm, flops / seconds))
+    if measured:
+        points.append(("measured", measured["intensity"], measured["flops_per_s"]))
+    return points
 
 
 def _roofline_panel(ax, roofline) -> None:
     """Log-log roofline: FLOP/s against FLOP per HBM byte, the roof min(peak, intensity x HBM), each op at its
     ceiling and the step's point."""
-    ops, gpu, dtype = roofline
-    points = roofline_points(ops, gpu, dtype)
+    ops, gpu, dtype, *measured = roofline
+    points = roofline_points(ops, gpu, dtype, measured[0] if measured else None)
     peak, hbm = gpu.peak(dtype), gpu.hbm_tbps * 1e12
     lo = min(0.1, min(i for _, i, _ in points) / 2)
     hi = max(10 * peak / hbm, max(i for _, i, _ in points) * 2)
@@ -54,13 +58,13 @@ def _roofline_panel(ax, roofline) -> None:
         label=f"roof: {peak / 1e12:.0f} TFLOP/s, {gpu.hbm_tbps} TB/s",
     )
     for i, (name, intensity, ceiling) in enumerate(points):
-        step = name == "step"
+        step = name in ("step", "measured")
         ax.scatter(
             [intensity],
             [ceiling / 1e12],
-            marker="*" if step else "o",
+            marker=("*" if name == "step" else "X") if step else "o",
             s=120 if step else 30,
-            color="red" if step else f"C{i % 10}",
+            color=("red" if name == "step" else "black") if step else f"C{i % 10}",
             zorder=3,
         )
         ax.annotate(
@@ -77,8 +81,8 @@ def _roofline_panel(ax, roofline) -> None:
 
 def plan_figure(result: Estimate | None, ranked: Sequence[Estimate] = (), roofline=None):
     """Memory per GPU stacked by component (one bar per layout) against the capacity; with ranked layouts, a
-    second panel of their throughput per GPU (MFU on each bar); with ``roofline`` (ops, gpu, dtype: ``loom plan
-    --roofline``), a roofline panel."""
+    second panel of their throughput per GPU (MFU on each bar); with ``roofline`` (ops, gpu, dtype and the
+    measured step or None: ``loom plan --roofline [--metrics]``), a roofline panel."""
     layouts = plan_layouts(result, ranked)
     if not layouts:
         raise UserError("--plot: nothing to draw (the configured layout is not valid and no layout fits)")
@@ -135,7 +139,7 @@ def _labels(ax, x: list[int], labels: list[str]) -> None:
 
 def plot_plan(result: Estimate | None, path: str, ranked: Sequence[Estimate] = (), roofline=None) -> None:
     """Write the plan's PNG to ``path``: ``result`` is the configured layout's estimate (None where it is not
-    valid), ``ranked`` the layouts ``--search`` found, fastest first, ``roofline`` (ops, gpu, dtype) or None."""
+    valid), ``ranked`` the layouts ``--search`` found, fastest first, ``roofline`` (ops, gpu, dtype, measured) or None."""
     fig = plan_figure(result, ranked, roofline)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

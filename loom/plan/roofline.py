@@ -19,13 +19,19 @@ Counting (forward + backward, per optimizer step, this rank; docs/planner.md "Ro
   an all-reduce twice that), no FLOPs, at the link the group spans (``loom.plan.planner._bandwidth``).
 An op's time at each roof: FLOPs / peak, bytes / HBM bandwidth, communicated bytes / link bandwidth; the largest
 bounds it, and its ceiling is min(peak, intensity x HBM bandwidth, communication intensity x link bandwidth).
-Dense models (no mixture of experts, no latent attention) without a pipeline's per-stage detail: the busiest
-rank's blocks.
+A MoE block: the router over the rank's routed tokens (its sequence slice under tp, the tp group's with
+tensor-parallel experts), its ep share of the experts as grouped GEMMs over top_k slots per routed token (balanced
+over the ep ranks; every local expert's weight read once per GEMM), the shared experts, and ep's four all-to-alls
+of the slots (dispatch and combine, forward and backward); multi-head latent attention: its five matmuls, and
+attention at the mean of the query/key and value widths. Without a pipeline's per-stage detail (the busiest
+rank's blocks) and without DeepSeek's multi-token-prediction modules.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from dataclasses import dataclass
 
 from loom.config.errors import ConfigError
@@ -110,29 +116,53 @@ def _ops(cfg, dims, args, m, x, shares, link) -> tuple[list[Op], dict]:
     tokens = x.micro_batch * t.seq_len / cp
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
     n = share.layers * m  # block calls per step
-    e, hd, hq, hkv, f = args.dim, args.head_dim, args.n_heads, args.n_kv_heads, args.ffn_dim
-    ops = [
-        matmul("wq", n, tokens, e, hq * hd / tp, c),
-        matmul("wk", n, tokens, e, hkv * hd / tp, c),
-        matmul("wv", n, tokens, e, hkv * hd / tp, c),
-        matmul("wo", n, tokens, hq * hd / tp, e, c),
-        matmul("w1 (gate)", n, tokens, e, f / tp, c),
-        matmul("w3 (up)", n, tokens, e, f / tp, c),
-        matmul("w2 (down)", n, tokens, f / tp, e, c),
-    ]
+    n_moe = sum(args.moe_layer(i) for stage in share.stages for i in stage) * m  # of them with experts
+    e, hq, hkv, f = args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim
+    ops = _attention_matmuls(args, n, tokens, tp, c)
+    if n > n_moe:  # dense SwiGLU blocks
+        ops += [
+            matmul("w1 (gate)", n - n_moe, tokens, e, f / tp, c),
+            matmul("w3 (up)", n - n_moe, tokens, e, f / tp, c),
+            matmul("w2 (down)", n - n_moe, tokens, f / tp, e, c),
+        ]
+    if n_moe:
+        ops += _moe_matmuls(args, dims, n_moe, tokens, c)
     if rec_mm:  # recomputation's extra forward matmuls, as a share of forward + backward
         for op in ops:
             op.flops, op.hbm_bytes = op.flops * (1 + rec_mm), op.hbm_bytes * (1 + rec_mm)
     keys = t.seq_len  # the keys a rank's queries attend over (all of them under cp)
-    attn_flops = attention_flops(1, hq / tp, hd, t.seq_len, tokens, args.sliding_window) * (1 + rec_attn)
-    qo = tokens * hq * hd / tp  # elements of Q (and O, dO, dQ)
-    kv = keys * hkv * hd / tp  # elements of K (and V)
-    attn_bytes = ((2 * qo + 2 * kv) + (3 * qo + 2 * kv + qo + 2 * kv)) * c * (1 + rec_attn)
-    ops.append(Op("attention", n, n * attn_flops, n * attn_bytes))
-    ops.append(Op("rmsnorm", 2 * n, 2 * n * NORM_FLOPS * tokens * e, 2 * n * NORM_ELEMENTS * tokens * e * c))
-    ops.append(
-        Op("swiglu gate", n, n * SWIGLU_FLOPS * tokens * f / tp, n * SWIGLU_ELEMENTS * tokens * f / tp * c)
+    qk, v = (
+        (args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim) if args.mla else (args.head_dim,) * 2
     )
+    # the scores use the query / key width, the weighted sum the value width: their mean as attention's one width
+    attn_flops = attention_flops(1, hq / tp, (qk + v) / 2, t.seq_len, tokens, args.sliding_window)
+    kv_heads = hq if args.mla else hkv  # MLA expands its latent into every head's K and V
+    q, o = tokens * hq * qk / tp, tokens * hq * v / tp  # elements of Q (dQ) and O (dO)
+    k, vv = keys * kv_heads * qk / tp, keys * kv_heads * v / tp  # elements of K (dK) and V (dV)
+    # forward reads Q, K, V and writes O; backward reads Q, K, V, O, dO and writes dQ, dK, dV
+    attn_bytes = 3 * (q + o + k + vv) * c * (1 + rec_attn)
+    ops.append(Op("attention", n, n * attn_flops * (1 + rec_attn), n * attn_bytes))
+    ops.append(Op("rmsnorm", 2 * n, 2 * n * NORM_FLOPS * tokens * e, 2 * n * NORM_ELEMENTS * tokens * e * c))
+    if n > n_moe:
+        d = n - n_moe
+        ops.append(
+            Op(
+                "swiglu gate",
+                d,
+                d * SWIGLU_FLOPS * tokens * f / tp,
+                d * SWIGLU_ELEMENTS * tokens * f / tp * c,
+            )
+        )
+    if n_moe:
+        slots, width = _slots(args, dims, tokens), args.expert_ffn_dim / dims.etp
+        ops.append(
+            Op(
+                "experts swiglu gate",
+                n_moe,
+                n_moe * SWIGLU_FLOPS * slots * width,
+                n_moe * SWIGLU_ELEMENTS * slots * width * c,
+            )
+        )
     if any(share.last):
         v = args.vocab_size
         ops.append(matmul("head", m, tokens, e, v / tp, c))
@@ -149,6 +179,74 @@ def _ops(cfg, dims, args, m, x, shares, link) -> tuple[list[Op], dict]:
     ops.append(Op("adamw", 1, ADAMW_FLOPS * own, ADAMW_BYTES_PER_PARAM * own))
     ops += _collectives(cfg, dims, args, m, x, share, tokens, n, link)
     return ops, {"blocks": share.layers, "micro_batches": m, "tokens_per_micro_batch": tokens}
+
+
+def _attention_matmuls(args, n: int, tokens: float, tp: int, c: int) -> list[Op]:
+    """The attention's matmuls: q/k/v/o of grouped-query attention, or multi-head latent attention's query
+    (compressed: ``wq_a`` then ``wq_b``), latent + RoPE key ``wkv_a``, per-head up-projection ``wkv_b`` and ``wo``
+    (the compressions replicated under tp, the rest split by heads)."""
+    e, h = args.dim, args.n_heads
+    if not args.mla:
+        hd, hkv = args.head_dim, args.n_kv_heads
+        return [
+            matmul("wq", n, tokens, e, h * hd / tp, c),
+            matmul("wk", n, tokens, e, hkv * hd / tp, c),
+            matmul("wv", n, tokens, e, hkv * hd / tp, c),
+            matmul("wo", n, tokens, h * hd / tp, e, c),
+        ]
+    qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
+    if args.q_lora_rank:
+        query = [
+            matmul("wq_a", n, tokens, e, args.q_lora_rank, c),
+            matmul("wq_b", n, tokens, args.q_lora_rank, h * qk / tp, c),
+        ]
+    else:
+        query = [matmul("wq", n, tokens, e, h * qk / tp, c)]
+    return query + [
+        matmul("wkv_a", n, tokens, e, args.kv_lora_rank + args.qk_rope_head_dim, c),
+        matmul("wkv_b", n, tokens, args.kv_lora_rank, h * (args.qk_nope_head_dim + v) / tp, c),
+        matmul("wo", n, tokens, h * v / tp, e, c),
+    ]
+
+
+def _slots(args, dims, tokens: float) -> float:
+    """Token-slots a rank's experts compute per MoE block and micro-batch: its routed tokens (its sequence slice
+    under tp, the tp group's with tensor-parallel experts) x top_k, balanced over the ep ranks."""
+    return tokens / (dims.tp // dims.etp) * args.moe_top_k
+
+
+def grouped_matmul(name: str, count: int, slots: float, k: float, n: float, experts: float, c: int) -> Op:
+    """``count`` grouped GEMMs of ``slots`` rows over ``experts`` (k x n) weights, forward and backward: the
+    FLOPs of one (slots x k) @ (k x n) matmul, the bytes of every expert's weight read (and its gradient
+    written) once per GEMM."""
+    return Op(
+        name, count, count * 6 * slots * k * n, count * 3 * (slots * k + experts * k * n + slots * n) * c
+    )
+
+
+def _moe_matmuls(args, dims, count: int, tokens: float, c: int) -> list[Op]:
+    """A MoE block's matmuls on this rank: the router over its routed tokens, its ep share of the experts' grouped
+    GEMMs (each expert's width / etp) over the slots it receives, and the shared experts (replicated under tp)."""
+    routed = tokens / (dims.tp // dims.etp)
+    slots, width, local = (
+        _slots(args, dims, tokens),
+        args.expert_ffn_dim / dims.etp,
+        args.moe_experts / dims.ep,
+    )
+    ops = [
+        matmul("router", count, routed, args.dim, args.moe_experts, c),
+        grouped_matmul("experts w1 (gate)", count, slots, args.dim, width, local, c),
+        grouped_matmul("experts w3 (up)", count, slots, args.dim, width, local, c),
+        grouped_matmul("experts w2 (down)", count, slots, width, args.dim, local, c),
+    ]
+    shared = args.moe_shared_experts * args.expert_ffn_dim
+    if shared:
+        ops += [
+            matmul("shared w1 (gate)", count, routed, args.dim, shared, c),
+            matmul("shared w3 (up)", count, routed, args.dim, shared, c),
+            matmul("shared w2 (down)", count, routed, shared, args.dim, c),
+        ]
+    return ops
 
 
 def _collectives(cfg, dims, args, m, x, share, tokens, n, link) -> list[Op]:
@@ -199,6 +297,22 @@ def _collectives(cfg, dims, args, m, x, share, tokens, n, link) -> list[Op]:
                 ("pp",),
             )
         )
+    n_moe = sum(args.moe_layer(i) for stage in share.stages for i in stage) * m
+    if (
+        n_moe and dims.ep > 1
+    ):  # the token-slots to their experts' ranks and back (loom.parallel.expert_parallel)
+        slots = _slots(args, dims, tokens) * args.dim * c
+        count = n_moe * (4 + (2 if recomputed else 0))  # dispatch and combine, forward and backward
+        out.append((collective("ep all-to-all (dispatch, combine)", count, slots, dims.ep, 0), ("ep",)))
+    if (
+        n_moe and dims.etp > 1
+    ):  # tensor-parallel experts: the tp group's tokens gathered, outputs reduce-scattered
+        from loom.plan.planner import moe_rerun
+
+        count = round(n_moe * (4 + 2 * moe_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)))
+        out.append(
+            (collective("etp all-gather / reduce-scatter", count, tokens * args.dim * c, dims.tp, 0), ("tp",))
+        )
     for op, axes in out:
         op.comm_gbps = link(axes)
     return [op for op, _ in out]
@@ -212,15 +326,9 @@ def roofline(cfg: Config, world_size: int, gpu: GPU) -> tuple[list[Op], dict]:
     from loom.plan.shapes import rank_shares
 
     dims, args, m = validate(cfg, world_size)
-    if args.moe or args.mla:
-        raise ConfigError(
-            "--roofline",
-            None,
-            "models dense attention and SwiGLU blocks only (not mixture of "
-            "experts or multi-head latent attention yet)",
-            show_value=False,
-        )
     x = memory_inputs(cfg, dims, args)
+    # an ep group spans ep ranks of dp_shard x cp with the tp ranks inside it (as the planner's step time)
+    ep_gbps = gpu.network_gbps if dims.ep * dims.etp > gpu.gpus_per_node else gpu.link_gbps
     ops, what = _ops(
         cfg,
         dims,
@@ -228,7 +336,7 @@ def roofline(cfg: Config, world_size: int, gpu: GPU) -> tuple[list[Op], dict]:
         m,
         x,
         rank_shares(args, dims.pp, cfg.parallel, cfg.training.seq_len),
-        lambda axes: _bandwidth(dims, axes, gpu),
+        lambda axes: ep_gbps if axes == ("ep",) else _bandwidth(dims, axes, gpu),
     )
     what["machine_balance"] = gpu.peak(cfg.training.dtype) / (gpu.hbm_tbps * 1e12)
     return ops, what
@@ -262,3 +370,49 @@ def table(ops: list[Op], gpu: GPU, dtype: str) -> str:
         f"{sum(o.comm_bytes for o in ops) / 1e9:.1f} | | | | | {total * 1e3:.2f} |"
     )
     return "\n".join(rows)
+
+
+def measured_step(path: str, ops: list[Op], tokens_per_step: int, gpu: GPU, dtype: str) -> dict:
+    """The step's point from a run's ``metrics.jsonl`` (``--metrics``; the run of the same config and GPU count):
+    the median step time over its training records (the first one left out when there are more: compilation and
+    warm-up), from ``tokens_per_s`` and the step's ``tokens_per_step``; the FLOP/s it reached on the busiest rank
+    (the roofline's FLOPs over that time) at the step's arithmetic intensity; and the share of the no-overlap
+    roofline bound (the sum of the ops' times at their roofs) it reached."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as err:
+        raise ConfigError(
+            "--metrics", path, f"cannot be read ({err.strerror}); a run's metrics.jsonl"
+        ) from None
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError("--metrics", path, f"line {i} is not JSON; a run's metrics.jsonl") from None
+        if (
+            isinstance(rec, dict)
+            and isinstance(rec.get("tokens_per_s"), (int, float))
+            and rec["tokens_per_s"] > 0
+        ):
+            records.append(rec)
+    if not records:
+        raise ConfigError(
+            "--metrics", path, "has no training record with tokens_per_s; a run's metrics.jsonl"
+        )
+    timed = records[1:] if len(records) > 1 else records
+    step_s = statistics.median(tokens_per_step / r["tokens_per_s"] for r in timed)
+    flops, hbm = sum(op.flops for op in ops), sum(op.hbm_bytes for op in ops)
+    bound_s = sum(op.seconds(gpu, dtype) for op in ops)
+    mfus = [r["mfu"] for r in timed if isinstance(r.get("mfu"), (int, float))]
+    return {
+        "records": len(timed),
+        "first_step": timed[0].get("step"),
+        "step_s": step_s,
+        "flops_per_s": flops / step_s,
+        "intensity": flops / hbm,
+        "roofline_bound_s": bound_s,
+        "of_bound": bound_s / step_s,
+        "mfu": statistics.median(mfus) if mfus else None,
+    }

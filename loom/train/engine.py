@@ -29,7 +29,7 @@ from loom.data.sources import parse_source
 from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
 from loom.metrics.nvtx import enable as enable_nvtx
 from loom.metrics.nvtx import nvtx_range
-from loom.metrics.profile import StepProfiler, nvtx_block_ranges, transformer_blocks
+from loom.metrics.profile import StepProfiler, transformer_blocks
 from loom.models.common.layers import attend
 from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype
 from loom.models.registry import build_model, spec_of
@@ -52,6 +52,7 @@ from loom.train.grads import scale_grads, unique_params
 from loom.train.hooks import FaultToleranceHook, PreemptionHook, StepHook, StragglersHook
 from loom.train.moe_stats import MoEBalance
 from loom.train.noise_scale import NoiseScaleProbe
+from loom.train.nvtx_ranges import NvtxRanges
 from loom.train.objective import Objective
 from loom.train.optimizer import OptimizerParts
 from loom.train.precision import LossScaler, autocast_context
@@ -83,7 +84,8 @@ def count_params(args, lora=None, replace_head=None) -> tuple[int, int]:
 def step_hooks(cfg, engine, owner) -> list[StepHook]:
     """The run's hooks, from its config: DiLoCo (parallel.diloco_inner_steps), a mixture of experts' balance
     (the model has MoE blocks), the noise-scale probe (metrics.noise_scale), torchft (parallel.fault_tolerance),
-    stragglers (metrics.straggler_fraction, several ranks), preemption (always: a stop request saves and exits).
+    NVTX ranges (metrics.nvtx), stragglers (metrics.straggler_fraction, several ranks), preemption (always: a stop
+    request saves and exits).
     ``owner``: the loop whose state a recovering torchft peer receives (``state_dict`` / ``load_state_dict``)."""
     hooks: list[StepHook] = []
     if cfg.parallel.diloco_inner_steps:  # the dp_replicate groups average their weights every H steps
@@ -104,6 +106,8 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
         hooks.append(NoiseScaleProbe.build(engine.steps, engine.dims, engine.objective))
     if cfg.parallel.fault_tolerance:  # this job is one of several torchft replica groups
         hooks.append(FaultToleranceHook.build(cfg.parallel, engine, owner))
+    if cfg.metrics.nvtx:  # the block ranges (none under torch.compile) and the banner's line
+        hooks.append(NvtxRanges(None if cfg.training.compile else transformer_blocks(engine.parts)))
     if cfg.metrics.straggler_fraction > 0 and engine.env.world_size > 1:  # per-rank timing at logged steps
         hooks.append(StragglersHook.build(engine, cfg.metrics.straggler_fraction))
     hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))
@@ -526,7 +530,6 @@ class Engine:
         ranges on or off for this process (metrics.nvtx: one run may follow another in a process)."""
         enable_nvtx(self.cfg.metrics.nvtx)
         blocks = None if self.cfg.training.compile else transformer_blocks(self.parts)
-        self.nvtx_blocks = nvtx_block_ranges(blocks) if self.cfg.metrics.nvtx else None
         # no memory snapshot of MoE blocks under activation checkpointing: PyTorch's memory history breaks their
         # backward (docs/metrics.md)
         no_snapshot = (

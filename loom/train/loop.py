@@ -319,8 +319,6 @@ class Loop:
             for hook in self.engine.hooks:
                 hook.close()
             self.profiler.close()
-            if self.nvtx_blocks:
-                self.nvtx_blocks.close()
             if run.logger:
                 run.logger.close()
         if self.env.is_main:

@@ -73,3 +73,65 @@ def test_profile_of_moe_under_activation_checkpointing_trains_on(tmp_path, capsy
     assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == ["trace_rank0.json"]
     out = capsys.readouterr().out
     assert "no memory snapshot (skipped: PyTorch's memory history" in out and "step 3/3" in out
+
+
+def test_nvtx_ranges_on_cuda_are_balanced_per_thread_and_share_the_traces_names(tmp_path, monkeypatch):
+    """metrics.nvtx on CUDA: the real torch.cuda.nvtx calls (wrapped, still made) push and pop in balance on each
+    thread (block backward ranges on autograd's device thread), and the profiled window's trace holds the same
+    phase names as user annotations (the profiler window opens both kinds of range)."""
+    import threading
+
+    from loom.metrics import nvtx
+
+    assert nvtx.unavailable() == ""  # a CUDA build carries NVTX
+    real_push, real_pop = torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+    stacks: dict[int, list[str]] = {}
+    pushed: list[str] = []
+    lock = threading.Lock()
+
+    def push(name):
+        with lock:
+            stacks.setdefault(threading.get_ident(), []).append(name)
+            pushed.append(name)
+        return real_push(name)
+
+    def pop():
+        with lock:
+            stack = stacks.get(threading.get_ident())
+            assert stack, "range_pop with no range open on this thread"
+            stack.pop()
+        return real_pop()
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", push)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", pop)
+    run_one(
+        {
+            "run.dir": str(tmp_path / "run"),
+            "run.device": "cuda",
+            "training.steps": 3,
+            "training.seq_len": 128,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "training.dtype": "bfloat16",
+            "metrics.every": 1,
+            "checkpoint.at_end": "false",
+            "metrics.tensorboard": "false",
+            "metrics.nvtx": "true",
+            "metrics.profile_steps": "2:2",
+        }
+    )
+    assert all(not s for s in stacks.values()), f"ranges left open: {stacks}"
+    assert {
+        "step 1",
+        "step 3",
+        "data_wait",
+        "microbatch 1",
+        "forward",
+        "backward",
+        "optimizer",
+        "grad_norm",
+    } <= set(pushed)
+    assert {"block.0", "block.0.backward"} <= set(pushed)
+    with open(tmp_path / "run" / "profile" / "trace_rank0.json") as fh:
+        names = {e["name"] for e in json.load(fh)["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {"forward", "backward", "optimizer", "block.0", "block.0.backward"} <= names & set(pushed)
