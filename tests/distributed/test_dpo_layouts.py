@@ -40,10 +40,11 @@ def write_pairs(path, n: int = 120, seed: int = 0) -> str:
     return str(path)
 
 
-def write_examples(pairs: str, path) -> str:
-    """KTO's unpaired examples from the pairs: chosen desirable, rejected undesirable."""
+def write_examples(pairs: str, path, n: int = 40) -> str:
+    """KTO's unpaired examples from the first ``n`` pairs (enough for the steps; a short cached reference pass):
+    chosen desirable, rejected undesirable."""
     with open(pairs) as src, open(path, "w") as fh:
-        for line in src:
+        for line in list(src)[:n]:
             row = json.loads(line)
             for key, label in (("chosen", True), ("rejected", False)):
                 fh.write(json.dumps({"prompt": row["prompt"], "completion": row[key], "label": label}) + "\n")
