@@ -30,6 +30,9 @@ SECTION_HELP = {
     "mini-batches, a reward model (rollouts from [grpo])",
     "lora": "LoRA / QLoRA fine-tuning: adapter rank and scaling, targets, NF4 base, a PEFT adapter to start from",
     "reward": "reward model (training.objective reward): the Bradley-Terry loss's centring term",
+    "kto": "KTO (training.objective kto): beta, desirable / undesirable weights, where the reference comes from",
+    "orpo": "ORPO (training.objective orpo): the odds-ratio term's weight",
+    "simpo": "SimPO (training.objective simpo): beta, the target margin gamma, the NLL term's weight",
 }
 
 

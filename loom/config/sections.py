@@ -365,7 +365,7 @@ class DataConfig:
 
 
 # training.objective: what a step minimizes (loom.methods.METHODS names the module of each)
-OBJECTIVES = ("lm", "sft", "dpo", "reward", "grpo", "ppo")
+OBJECTIVES = ("lm", "sft", "dpo", "reward", "grpo", "ppo", "kto", "orpo", "simpo")
 
 
 @dataclass
@@ -376,7 +376,9 @@ class TrainingConfig:
         "conversations: loss on the assistant's tokens, conversations packed with "
         "per-document attention; 'dpo' = direct preference optimization on prompt / chosen / "
         "rejected pairs ([dpo] section); 'reward' = a reward model (a scalar head) trained on "
-        "the same pairs with the Bradley-Terry loss ([reward] section) (docs/finetuning.md); 'grpo' / 'ppo' = "
+        "the same pairs with the Bradley-Terry loss ([reward] section); 'kto' = KTO on unpaired desirable / "
+        "undesirable completions ([kto]); 'orpo' / 'simpo' = ORPO / SimPO on the pairs, no reference model "
+        "([orpo] / [simpo]) (docs/finetuning.md); 'grpo' / 'ppo' = "
         "reinforcement learning on the policy's own samples ([grpo] / [ppo]; docs/rl.md)",
         choices=OBJECTIVES,
         resume=(
@@ -1044,6 +1046,83 @@ class RewardConfig:
 
 
 @dataclass
+class KtoConfig:
+    """Kahneman-Tversky optimization (training.objective kto; docs/finetuning.md): TRL's KTOTrainer loss."""
+
+    beta: float = opt(
+        0.1,
+        "the strength of the pull towards the reference: rewards are beta x (policy - reference) "
+        "log-probabilities of a completion",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss and rewards from the next step"),
+    )
+    desirable_weight: float = opt(
+        1.0,
+        "the weight of a desirable (label true) example's loss",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    undesirable_weight: float = opt(
+        1.0,
+        "the weight of an undesirable (label false) example's loss",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    reference: str = opt(
+        "cached",
+        "the reference model's log-probabilities, as dpo.reference: 'cached' = one pass of the "
+        "initial model before the first step, kept in the run dir; 'adapters_off' = the policy "
+        "with its LoRA adapters off (needs lora.rank > 0); 'copy' = a frozen copy of the initial "
+        "policy (not with LoRA)",
+        choices=("cached", "adapters_off", "copy"),
+        resume=(MUST_MATCH, "what the policy is compared against"),
+    )
+
+
+@dataclass
+class OrpoConfig:
+    """Odds-ratio preference optimization (training.objective orpo; docs/finetuning.md): TRL's ORPOTrainer."""
+
+    beta: float = opt(
+        0.1,
+        "the odds-ratio term's weight beside the chosen completions' NLL (the paper's lambda, TRL's beta)",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+
+
+@dataclass
+class SimpoConfig:
+    """SimPO (training.objective simpo; docs/finetuning.md): TRL's CPOTrainer with loss_type 'simpo'."""
+
+    beta: float = opt(
+        2.0,
+        "the scale of the length-normalised reward: rewards are beta x a completion's mean "
+        "token log-probability",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss and rewards from the next step"),
+    )
+    gamma: float = opt(
+        0.5,
+        "the target reward margin (TRL's simpo_gamma): the loss is -log sigmoid(beta x margin - gamma)",
+        min=0.0,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    cpo_alpha: float = opt(
+        0.0,
+        "the weight of the chosen completions' NLL added to the loss (TRL's cpo_alpha; 0 = SimPO "
+        "as published, TRL's CPOConfig defaults to 1.0)",
+        min=0.0,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+
+
+@dataclass
 class PpoConfig:
     """Proximal policy optimization with a value head (training.objective ppo; docs/rl.md). Rollouts, rewards and the
     warm-up come from the [grpo] section's sampling fields; each batch of rollouts is mini_batches x
@@ -1344,6 +1423,9 @@ SECTIONS = {
     "grpo": GrpoConfig,
     "ppo": PpoConfig,
     "reward": RewardConfig,
+    "kto": KtoConfig,
+    "orpo": OrpoConfig,
+    "simpo": SimpoConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -1362,6 +1444,9 @@ class Config:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     ppo: PpoConfig = field(default_factory=PpoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    kto: KtoConfig = field(default_factory=KtoConfig)
+    orpo: OrpoConfig = field(default_factory=OrpoConfig)
+    simpo: SimpoConfig = field(default_factory=SimpoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

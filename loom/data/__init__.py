@@ -27,12 +27,12 @@ __all__ = [
 
 # the kinds of prepared data (a token file's mask: loom.data.prepare.check_mask); a method names the one it reads
 # (loom.train.objective.Objective.data)
-TEXT, CHAT, PAIRS = "lm", "sft", "dpo"
+TEXT, CHAT, PAIRS, UNPAIRED = "lm", "sft", "dpo", "kto"
 
 
 def chat_encoder(cfg: DataConfig, tokenizer, kind: str = TEXT) -> ChatEncoder | None:
     """The conversation encoder of conversations or pairs (its chat template and loss mask); None for plain text."""
-    if kind not in (CHAT, PAIRS):
+    if kind not in (CHAT, PAIRS, UNPAIRED):
         return None
     return ChatEncoder(load_template(cfg.chat_template, tokenizer), tokenizer, cfg.loss_tokens)
 
@@ -46,13 +46,15 @@ def prepare_data(
     sft = chat_encoder(cfg, tokenizer, kind)
     out = []
     specs = parse_source(cfg.source, cfg.text_field, cfg.encoding_errors)
-    pairs = kind == PAIRS
+    pairs = kind in (PAIRS, UNPAIRED)
     if pairs and len(specs) > 1:
-        raise ConfigError("data.source", cfg.source, "training.objective dpo reads one source (no mixture)")
+        raise ConfigError(
+            "data.source", cfg.source, f"training.objective {kind} reads one source (no mixture)"
+        )
     for spec in specs:
         if pairs and spec.kind == "stdlib":
             spec.extra["rejected"] = rejected
-        path = ensure_token_file(spec, tokenizer, cache_dir, sft, dpo=pairs)
+        path = ensure_token_file(spec, tokenizer, cache_dir, sft, dpo=kind == PAIRS, kto=kind == UNPAIRED)
         out.append((path, spec.weight, spec.label))
     return out
 
@@ -77,11 +79,11 @@ def build_loader(
 ) -> Loader | PairLoader:
     """The loader of ``files``: packed windows, or for PAIRS preference pairs (global batches of pairs;
     micro_batch and accumulation count pairs)."""
-    if kind == PAIRS:
+    if kind in (PAIRS, UNPAIRED):  # KTO's examples are stored as pairs of sequences (loom.data.kto)
         ((path, _, label),) = files
         tf = TokenFile(path)
         check_tokenizer(path, tf.meta, tokenizer)
-        check_mask(path, tf.meta, PAIRS)
+        check_mask(path, tf.meta, kind)
         pad = getattr(tokenizer, "pad_id", None)
         return PairLoader(
             PairFile(tf, seq_len, cfg.val_fraction, label),

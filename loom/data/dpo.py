@@ -25,6 +25,7 @@ from loom.numerics import IGNORE
 
 COLUMNS = ("prompt", "chosen", "rejected")
 MASK = "dpo"  # the token file's mask mode: documents are pairs of sequences
+KTO_MASK, FLAG_DESIRABLE = "kto", 4  # a KTO file (loom.data.kto): its examples' labels, on their first token
 # the embedded default keeps functions this short (characters of code), so that most pairs fit the debug run's window
 MAX_CODE = 400
 
@@ -230,16 +231,20 @@ def pair_batch(source: PairFile, ids: list[int], pad_id: int, ref: torch.Tensor 
     inputs = torch.full((2 * b, s), pad_id, dtype=torch.int64)
     labels = torch.full((2 * b, s), IGNORE, dtype=torch.int64)
     documents = torch.ones((2 * b, s), dtype=torch.int64)
+    desirable = torch.zeros(b, dtype=torch.bool)  # a KTO file's labels (loom.data.kto)
     for half in range(2):
         for i, k in enumerate(ids):
             tokens, flags = source.sequence(2 * int(source.kept[k]) + half)
+            if half == 0:
+                desirable[i] = bool(flags[0] & FLAG_DESIRABLE)
             row, n = half * b + i, len(tokens)
             inputs[row, :n], documents[row, :n] = tokens, 0
             labels[row, : n - 1] = torch.where((flags[1:] & FLAG_LOSS) > 0, tokens[1:], IGNORE)
     positions = torch.arange(s).expand(2 * b, s).contiguous()
     # (2B,)
     refs = None if ref is None else ref[torch.tensor(ids, dtype=torch.int64)].T.flatten().contiguous()
-    return MicroBatch(inputs, labels, positions, documents, refs)
+    labelled = source.tokens.meta.mask == KTO_MASK
+    return MicroBatch(inputs, labels, positions, documents, refs, desirable if labelled else None)
 
 
 class PairLoader:
@@ -277,9 +282,10 @@ class PairLoader:
         src = self.source
         epochs = steps * global_batch / src.n_train
         dropped = src.n_pairs - len(src.kept)
+        what = "KTO examples" if src.tokens.meta.mask == KTO_MASK else "preference pairs"
         lines = [
-            f"data: {src.label}: {src.n_pairs:,} preference pairs ({dropped:,} without a completion token within "
-            f"seq_len {src.seq_len} left out), {src.n_train} training pairs"
+            f"data: {src.label}: {src.n_pairs:,} {what} ({dropped:,} without a completion token within "
+            f"seq_len {src.seq_len} left out), {src.n_train} training"
             f"{f', {src.n_val} validation' if src.n_val else ''}; the run reads {_share_read(epochs)} of them"
         ]
         if epochs > 1:

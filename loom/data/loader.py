@@ -145,12 +145,20 @@ class MicroBatch:
     ref_logps: torch.Tensor | None = (
         None  # DPO (loom.data.dpo): the reference's log-probability of each row, (B,)
     )
+    desirable: torch.Tensor | None = None  # KTO (loom.data.kto): each example's label, (B/2,) bool
 
     def to(self, device) -> MicroBatch:
         return MicroBatch(
             *(
                 None if t is None else t.to(device, non_blocking=True)
-                for t in (self.inputs, self.labels, self.positions, self.document_ids, self.ref_logps)
+                for t in (
+                    self.inputs,
+                    self.labels,
+                    self.positions,
+                    self.document_ids,
+                    self.ref_logps,
+                    self.desirable,
+                )
             )
         )
 

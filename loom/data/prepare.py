@@ -11,6 +11,9 @@ from loom.config.errors import ConfigError, UserError
 from loom.data.chat import FLAG_LOSS, FLAG_START, ChatEncoder, ChatError
 from loom.data.dpo import MASK as DPO_MASK
 from loom.data.dpo import encoder_fingerprint, write_pairs
+from loom.data.kto import MASK as KTO_MASK
+from loom.data.kto import encoder_fingerprint as kto_fingerprint
+from loom.data.kto import write_examples
 from loom.data.sft import conversations
 from loom.data.sources import SourceSpec, documents
 from loom.data.token_file import (
@@ -84,9 +87,18 @@ def check_mask(path: str, meta: TokenFileMeta, kind, field: str = "data.source")
     """An SFT run reads only token files with a loss mask, a DPO run only files of pairs, a language-model run only
     files without a mask. ``kind``: the data a run reads, 'lm' | 'sft' | 'dpo' (True / False: 'sft' / 'lm')."""
     kind = {True: "sft", False: "lm"}.get(kind, kind)
-    held = "dpo" if meta.mask == DPO_MASK else "sft" if meta.mask else "lm"
+    held = {DPO_MASK: "dpo", KTO_MASK: "kto", "": "lm"}.get(meta.mask, "sft")
     if kind == held:
         return
+    if held == "kto" or kind == "kto":
+        raise ConfigError(
+            field,
+            path,
+            "holds KTO examples: it is for training.objective kto"
+            if held == "kto"
+            else "training.objective kto reads unpaired examples ('prompt', 'completion', 'label' in jsonl, "
+            "parquet or a saved dataset), not a token file of another objective",
+        )
     if kind == "sft" and held == "lm":
         raise ConfigError(
             field,
@@ -118,7 +130,11 @@ def _copy_tokens(
     tokenizer only)."""
     src = TokenFile(spec.paths[0])
     check_tokenizer(src.path, src.meta, tokenizer)
-    check_mask(src.path, src.meta, "dpo" if writer.meta.mask == DPO_MASK else bool(writer.meta.mask))
+    check_mask(
+        src.path,
+        src.meta,
+        {DPO_MASK: "dpo", KTO_MASK: "kto"}.get(writer.meta.mask, bool(writer.meta.mask)),
+    )
     check_ids(src, tokenizer)
     if src.mask is not None:
         writer.meta.mask, writer.meta.chat_template = src.meta.mask, src.meta.chat_template
@@ -141,10 +157,11 @@ def tokenize_to_file(
     batch: int = 256,
     sft: ChatEncoder | None = None,
     dpo: bool = False,
+    kto: bool = False,
 ) -> TokenFileMeta:
     """Write every document of ``spec`` to ``out_path``; ``progress(docs, tokens)`` after each batch. ``sft``: the
     source's conversations, rendered and flagged by this encoder; with ``dpo`` its preference pairs, two sequences
-    each (loom.data.dpo).
+    each (loom.data.dpo); with ``kto`` its KTO examples, two sequences each (loom.data.kto).
 
     The file only appears (with its description, written last) when the whole source went through;
     a failure part-way leaves no partial token file behind."""
@@ -155,12 +172,14 @@ def tokenize_to_file(
         eos_id=tokenizer.eos_id,
         vocab_size=tokenizer.vocab_size,
         tokenizer=tokenizer.fingerprint(),
-        mask=DPO_MASK if dpo else sft.loss_tokens if sft else "",
+        mask=KTO_MASK if kto else DPO_MASK if dpo else sft.loss_tokens if sft else "",
         chat_template=f"{sft.template.origin} {sft.template.fingerprint()}" if sft else "",
     )
     try:
         if spec.kind == "tokens":
             _copy_tokens(spec, tokenizer, writer, progress)
+        elif kto:
+            write_examples(spec, sft, writer)
         elif dpo:
             write_pairs(spec, sft, writer)
         elif sft is not None:
@@ -171,6 +190,8 @@ def tokenize_to_file(
             what = (
                 "preference pairs with completions"
                 if dpo
+                else "KTO examples with completions"
+                if kto
                 else "conversations with an assistant turn"
                 if sft
                 else "non-empty documents"
@@ -195,30 +216,44 @@ def tokenize_to_file(
 
 
 def cache_path(
-    spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None, dpo: bool = False
+    spec: SourceSpec,
+    tokenizer,
+    cache_dir: str,
+    sft: ChatEncoder | None = None,
+    dpo: bool = False,
+    kto: bool = False,
 ) -> str:
     """The cached tokenization of ``spec``; an SFT or DPO one is named for its objective, chat template and loss
     mask too, so a language-model cache never serves an SFT run, nor one template's another's. A DPO file does not
     depend on training.seq_len (the loader truncates)."""
     name = f"{spec.kind}-{spec.fingerprint()}-{tokenizer.fingerprint()}"
-    if dpo:
+    if dpo or kto:
         pairing = spec.extra.get("rejected", "docstring")  # the embedded pairs' rejected answers
         name += "" if pairing == "docstring" else f"-{pairing}"
+        if kto:
+            return os.path.join(cache_dir, f"kto-{name}-{kto_fingerprint(sft)}.bin")
         return os.path.join(cache_dir, f"dpo-{name}-{encoder_fingerprint(sft)}.bin")
     return os.path.join(cache_dir, f"sft-{name}-{sft.fingerprint()}.bin" if sft else f"{name}.bin")
 
 
 def ensure_token_file(
-    spec: SourceSpec, tokenizer, cache_dir: str, sft: ChatEncoder | None = None, dpo: bool = False
+    spec: SourceSpec,
+    tokenizer,
+    cache_dir: str,
+    sft: ChatEncoder | None = None,
+    dpo: bool = False,
+    kto: bool = False,
 ) -> str:
     """Path of a token file for ``spec``: the file itself, or a cached tokenization (built if missing)."""
     if spec.kind == "tokens":
-        check_mask(spec.paths[0], read_meta(spec.paths[0]), "dpo" if dpo else sft is not None)
+        check_mask(
+            spec.paths[0], read_meta(spec.paths[0]), "kto" if kto else "dpo" if dpo else sft is not None
+        )
         return spec.paths[0]
-    path = cache_path(spec, tokenizer, cache_dir, sft, dpo)
+    path = cache_path(spec, tokenizer, cache_dir, sft, dpo, kto)
     if not os.path.isfile(meta_path(path)):  # the metadata is written last: its presence means complete
         try:
-            tokenize_to_file(spec, tokenizer, path, sft=sft, dpo=dpo)
+            tokenize_to_file(spec, tokenizer, path, sft=sft, dpo=dpo, kto=kto)
         except TokenFileWriteError as err:
             raise ConfigError(
                 "data.cache_dir",

@@ -147,22 +147,27 @@ class DirectPreference(Objective):
         """(log-probability sums (2B,), completion token counts (2B,)) of the micro-batch's rows under ``model``."""
         return sequence_logps(model(mb.inputs, positions), mb.labels)
 
-    def forward(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
+    def reference_logps(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
+        """The reference's log-probability sums of the micro-batch's rows (no gradient): the cached ones it carries,
+        the policy ``model`` with its adapters off, or the frozen copy (KTO calls this too)."""
         if self.reference == "adapters_off":
             with torch.no_grad(), adapters_disabled(model):
-                ref = self.logps(model, mb, positions)[0]
-        elif self.reference == "copy":
+                return self.logps(model, mb, positions)[0]
+        if self.reference == "copy":
             assert self.reference_model is not None, (
                 "dpo.reference copy: prepare(engine) builds the reference model"
             )
             with torch.no_grad():
                 ref = self.logps(self.reference_model, mb, positions)[0]
             release_gathered(self.reference_model)
-        else:
-            ref = mb.ref_logps
-            assert ref is not None, (
-                "dpo.reference cached: the loader hands out no reference log-probabilities"
-            )
+            return ref
+        assert mb.ref_logps is not None, (
+            "dpo.reference cached: the loader hands out no reference log-probabilities"
+        )
+        return mb.ref_logps
+
+    def forward(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
+        ref = self.reference_logps(model, mb, positions)
         policy, counts = self.logps(model, mb, positions)
         return self.pair_loss(policy, ref.to(policy.dtype), counts)
 

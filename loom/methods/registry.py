@@ -18,6 +18,9 @@ METHODS = {
     "reward": ("loom.methods.reward", ("reward",)),
     "grpo": ("loom.methods.grpo", ("grpo",)),
     "ppo": ("loom.methods.ppo", ("grpo", "ppo")),
+    "kto": ("loom.methods.kto", ("kto",)),
+    "orpo": ("loom.methods.orpo", ("orpo",)),
+    "simpo": ("loom.methods.simpo", ("simpo",)),
 }
 
 

@@ -557,6 +557,7 @@ class Engine:
         for hook in self.hooks:
             hook.before_count(local)
         n_tokens = self.data_sum(local)
+        self.objective.begin(mbs, self.data_sum)  # e.g. KTO's KL estimate over the global batch
         # a global batch without a unit to count (an SFT batch without an assistant token) has loss 0 and zero
         # gradients, not 0 / 0, and makes no update (``has_units``; the loop's settle says so)
         has_units, denominator = n_tokens > 0, n_tokens.clamp(min=1)
@@ -641,6 +642,7 @@ class Engine:
             part.eval()
         batches = [self.local_tokens(mb) for mb in batches]
         count = self.data_sum(sum(self.objective.count(mb) for mb in batches).to(torch.float32))
+        self.objective.begin(batches, self.data_sum)
         self.objective.step_stats()
         total = self.steps.evaluate(batches)
         stats = {k: float(v) for k, v in self.objective_stats(count).items()}

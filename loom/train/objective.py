@@ -66,6 +66,11 @@ class Objective:
         """Once the engine is built, before the first step: work the objective needs from the model and data
         (DPO's cached reference pass, or its frozen reference copy)."""
 
+    def begin(self, mbs: list[MicroBatch], data_sum) -> None:
+        """Before a step's (or a validation pass's) micro-batches run, with all of this rank's: work over the whole
+        global batch (``data_sum(t)``: ``t`` summed over the data-parallel ranks), e.g. KTO's KL estimate or ORPO's
+        count of chosen tokens, so that the loss is the same whatever the layout and accumulation."""
+
     def step_stats(self) -> dict[str, torch.Tensor]:
         """Statistics summed over the micro-batches run since the last call (then reset), e.g. DPO's rewards: the
         engine sums them over the data-parallel ranks and divides by the global count. {} for none."""

@@ -3,7 +3,9 @@ cached reference computed per pair on whichever rank, give the single-process lo
 DDP x2, FSDP2 x2 with accumulation and TP x2 (fp32, within 1e-5 relative over 5 steps), with the same global
 batches; LoRA with dpo.reference adapters_off likewise under FSDP2 x2; dpo.reference copy (a frozen copy of the
 policy in its layout) under DDP x2, FSDP2 x2 with accumulation and TP x2 against its single process; FSDP2 x4 with
-accumulation (slow) for the cached reference, the copy and LoRA with adapters_off."""
+accumulation (slow) for the cached reference, the copy and LoRA with adapters_off. In the same process groups, the
+other preference methods against their single process: KTO (its KL estimate over the global batch) and ORPO (its NLL
+token mean over the global batch) under FSDP2 x2 with accumulation, SimPO under DDP x2."""
 
 from __future__ import annotations
 
@@ -38,14 +40,34 @@ def write_pairs(path, n: int = 120, seed: int = 0) -> str:
     return str(path)
 
 
-def job(tmp, source, name, mb, lora=False, copy=False, **parallel):
+def write_examples(pairs: str, path, n: int = 40) -> str:
+    """KTO's unpaired examples from the first ``n`` pairs (enough for the steps; a short cached reference pass):
+    chosen desirable, rejected undesirable."""
+    with open(pairs) as src, open(path, "w") as fh:
+        for line in list(src)[:n]:
+            row = json.loads(line)
+            for key, label in (("chosen", True), ("rejected", False)):
+                fh.write(json.dumps({"prompt": row["prompt"], "completion": row[key], "label": label}) + "\n")
+    return str(path)
+
+
+# the other preference methods' sections (the dpo section stays at its defaults under them)
+METHOD_EXTRA = {
+    "kto": {"kto.beta": 0.5, "kto.undesirable_weight": 1.3},
+    "orpo": {"orpo.beta": 0.5},
+    "simpo": {"simpo.beta": 2.0, "simpo.gamma": 0.3, "simpo.cpo_alpha": 0.5},
+}
+
+
+def job(tmp, source, name, mb, lora=False, copy=False, objective="dpo", **parallel):
     extra = {"lora.rank": 4, "dpo.reference": "adapters_off", "optimizer.lr": 3e-2} if lora else {}
     extra.update({"dpo.reference": "copy"} if copy else {})
+    extra.update(METHOD_EXTRA.get(objective, {"dpo.beta": 0.5}))
     return tiny_overrides(
         f"{tmp}/{name}",
         f"{tmp}/cache",
         **{
-            "training.objective": "dpo",
+            "training.objective": objective,
             "data.source": source,
             "run.seed": 5,
             "training.steps": STEPS,
@@ -54,7 +76,6 @@ def job(tmp, source, name, mb, lora=False, copy=False, **parallel):
             "training.micro_batch_size": mb,
             "optimizer.warmup_steps": 1,
             "optimizer.lr": 3e-3,
-            "dpo.beta": 0.5,
             **extra,
             **{f"parallel.{k}": v for k, v in parallel.items()},
         },
@@ -65,16 +86,21 @@ def job(tmp, source, name, mb, lora=False, copy=False, **parallel):
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo_layouts")
     source = write_pairs(tmp / "pairs.jsonl")
+    examples = write_examples(source, tmp / "examples.jsonl")
     single = run_jobs(
         1,
         [
             job(tmp, source, "single", GLOBAL),
             job(tmp, source, "lora", GLOBAL, lora=True),
             job(tmp, source, "copy", GLOBAL, copy=True),
+            job(tmp, examples, "kto", GLOBAL, objective="kto"),
+            job(tmp, source, "orpo", GLOBAL, objective="orpo"),
+            job(tmp, source, "simpo", GLOBAL, objective="simpo"),
         ],
         str(tmp),
     )
     names = ["ddp2", "fsdp2-acc2", "tp2", "lora-fsdp2", "copy-ddp2", "copy-fsdp2-acc2", "copy-tp2"]
+    names += ["kto-fsdp2-acc2", "orpo-fsdp2-acc2", "simpo-ddp2"]
     jobs = [
         job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
         job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
@@ -83,8 +109,20 @@ def results(tmp_path_factory):
         job(tmp, source, "copy-ddp2", GLOBAL // 2, copy=True, dp_replicate=2, dp_shard=1),
         job(tmp, source, "copy-fsdp2-acc2", GLOBAL // 4, copy=True, dp_shard=2),
         job(tmp, source, "copy-tp2", GLOBAL, copy=True, tp=2, dp_shard=1),
+        job(tmp, examples, "kto-fsdp2-acc2", GLOBAL // 4, objective="kto", dp_shard=2),
+        job(tmp, source, "orpo-fsdp2-acc2", GLOBAL // 4, objective="orpo", dp_shard=2),
+        job(tmp, source, "simpo-ddp2", GLOBAL // 2, objective="simpo", dp_replicate=2, dp_shard=1),
     ]
     return single, dict(zip(names, run_jobs(2, jobs, str(tmp))))
+
+
+SINGLE = ("single", "lora", "copy", "kto", "orpo", "simpo")  # the single-process runs, in order
+
+
+def base_of(name: str, single: list[dict]) -> dict:
+    """The single-process run a layout's run is compared with (by its name's first word)."""
+    runs = dict(zip(SINGLE, single))
+    return runs.get(name.split("-")[0], runs["single"])
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +145,10 @@ def deviation(got: list[float], ref: list[float], floor: float = 1e-3) -> float:
 
 
 def test_dpo_losses_match_single_process(results):
-    (reference, lora, copy), layouts = results
-    report = []
+    single, layouts = results
+    reference, copy, report = single[0], single[2], []
     for name, res in layouts.items():
-        base = {"lora": lora, "copy": copy}.get(name.split("-")[0], reference)
+        base = base_of(name, single)
         ref, got = losses(base), losses(res)
         assert len(ref) == STEPS and len(got) == STEPS, res
         margins = [r["rewards/margins"] for r in res["records"]]
@@ -119,11 +157,7 @@ def test_dpo_losses_match_single_process(results):
         )
         report.append(f"{name}: max rel deviation {dev:.2e}")
         assert dev < 1e-5, "\n".join(report)
-    for res in (
-        reference,
-        lora,
-        copy,
-    ):  # the policy moves away from its reference (random pairs: no trend to expect)
+    for res in single:  # the policy moves away from its reference (random pairs: no trend to expect)
         assert abs(losses(res)[-1] - losses(res)[0]) > 1e-3
     # the copy's log-probabilities are the cached ones, batched differently (float rounding)
     assert deviation(losses(copy), losses(reference)) < 1e-5
@@ -132,9 +166,9 @@ def test_dpo_losses_match_single_process(results):
 
 @pytest.mark.exhaustive  # 4 ranks: the widest matrix, run by hand (pytest --exhaustive)
 def test_dpo_under_fsdp2_x4_with_accumulation_matches_single_process(results, results4):
-    (reference, lora, copy), report = results[0], []
+    report = []
     for name, res in results4.items():
-        base = {"lora": lora, "copy": copy}.get(name.split("-")[0], reference)
+        base = base_of(name, results[0])
         assert len(losses(res)) == STEPS
         margins = [r["rewards/margins"] for r in res["records"]]
         dev = max(
@@ -148,7 +182,9 @@ def test_dpo_under_fsdp2_x4_with_accumulation_matches_single_process(results, re
 
 
 def test_dpo_global_batches_are_layout_independent(results):
-    hashes = {tuple(r["batch_hash"] for r in res["records"]) for res in [*results[0], *results[1].values()]}
+    runs = [*results[0], *results[1].values()]
+    runs = [r for name, r in zip([*SINGLE, *results[1]], runs) if not name.startswith("kto")]  # other data
+    hashes = {tuple(r["batch_hash"] for r in res["records"]) for res in runs}
     assert len(hashes) == 1 and all(hashes.pop())
 
 
