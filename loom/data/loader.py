@@ -17,7 +17,7 @@ the EOS id).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -148,18 +148,11 @@ class MicroBatch:
     desirable: torch.Tensor | None = None  # KTO (loom.data.kto): each example's label, (B/2,) bool
 
     def to(self, device) -> MicroBatch:
-        return MicroBatch(
-            *(
-                None if t is None else t.to(device, non_blocking=True)
-                for t in (
-                    self.inputs,
-                    self.labels,
-                    self.positions,
-                    self.document_ids,
-                    self.ref_logps,
-                    self.desirable,
-                )
-            )
+        """A copy with every tensor field on ``device``, a subclass's fields too (the same type, the rest kept)."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(
+            self,
+            **{k: t.to(device, non_blocking=True) for k, t in tensors.items() if isinstance(t, torch.Tensor)},
         )
 
 

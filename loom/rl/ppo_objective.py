@@ -137,27 +137,6 @@ class PpoBatch(RolloutBatch):
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
-    def to(self, device) -> PpoBatch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return PpoBatch(
-            *(
-                move(t)
-                for t in (
-                    self.inputs,
-                    self.labels,
-                    self.positions,
-                    self.document_ids,
-                    self.ref_logps,
-                    self.advantages,
-                    self.old_logps,
-                    self.ref_token_logps,
-                )
-            ),
-            warmup=self.warmup,
-            old_values=move(self.old_values),
-            returns=move(self.returns),
-        )
-
 
 class PpoRollouts(Rollouts):
     """This rank's share of PPO's rollouts: the pieces PPO's driver (loom.methods.ppo.drive) calls each step: the

@@ -56,25 +56,6 @@ class RolloutBatch(MicroBatch):
     ref_token_logps: torch.Tensor | None = None
     warmup: bool = False
 
-    def to(self, device) -> RolloutBatch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return RolloutBatch(
-            *(
-                move(t)
-                for t in (
-                    self.inputs,
-                    self.labels,
-                    self.positions,
-                    self.document_ids,
-                    self.ref_logps,
-                    self.advantages,
-                    self.old_logps,
-                    self.ref_token_logps,
-                )
-            ),
-            warmup=self.warmup,
-        )
-
 
 def reference_logps(
     model, reference, inputs: torch.Tensor, labels: torch.Tensor, temperature: float

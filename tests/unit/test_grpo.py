@@ -151,3 +151,20 @@ def test_rollouts_refuse_document_positions(tiny, objective):
         ConfigError, match=f"data.document_positions = True: not with training.objective {objective}"
     ):
         check_config(tiny(**{"training.objective": objective, "data.document_positions": "true"}))
+
+
+def test_a_rollout_batch_moves_with_every_field():
+    """``to(device)`` keeps every field of a micro-batch subclass (a field added to MicroBatch once shifted a
+    positional copy and dropped the reference's log-probabilities)."""
+    from dataclasses import fields
+
+    from loom.rl.ppo_objective import PpoBatch
+
+    t = lambda: torch.randn(2, 3)
+    mb = PpoBatch(t(), t(), t(), t(), ref_logps=t(), desirable=t(), advantages=t(), old_logps=t())
+    mb.ref_token_logps, mb.old_values, mb.returns, mb.warmup = t(), t(), t(), True
+    moved = mb.to("cpu")
+    assert type(moved) is PpoBatch and moved.warmup
+    for f in fields(mb):
+        value = getattr(mb, f.name)
+        assert value is True or torch.equal(getattr(moved, f.name), value), f.name
