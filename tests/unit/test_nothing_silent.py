@@ -381,27 +381,37 @@ def test_a_full_disk_under_generate_output_leaves_no_file(tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == []
 
 
-def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+@pytest.mark.parametrize("export", ["hf", "peft"])
+def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, monkeypatch, export):
+    """convert --to-hf and --to-peft: safetensors reports a full disk as a SafetensorError (it was a traceback)."""
     import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
 
     from loom.checkpoint.hf.export import export_hf
+    from loom.checkpoint.peft import export_peft
+    from loom.config.sections import LoraConfig
     from loom.models.llama import FLAVORS, Llama
 
     def half_then_full(tensors, path, metadata=None):
         with open(path, "wb") as fh:
             fh.write(b"\0" * 100)
-        enospc()
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", half_then_full)
-    args = FLAVORS["debug"].with_(vocab_size=384, n_layers=1)
-    state = Llama(args).state_dict()
+    out = str(tmp_path / export)
     with pytest.raises(UserError) as caught:
-        export_hf(state, args, str(tmp_path / "hf"))
+        if export == "hf":
+            args = FLAVORS["debug"].with_(vocab_size=384, n_layers=1)
+            export_hf(Llama(args).state_dict(), args, out)
+        else:
+            adapters = {"layers.0.attention.wq.lora_A.weight": torch.zeros(4, 64)}
+            export_peft(adapters, LoraConfig(rank=4), out)
     message = str(caught.value)
-    assert str(tmp_path / "hf") in message and "no space" in message.lower() and "needs about" in message, (
-        message
-    )
-    assert not (tmp_path / "hf").exists()
+    assert (
+        message.startswith(f"{out}: writing the ") and "(No space left on device); it needs about" in message
+    ), message
+    assert not os.path.exists(out)
 
 
 def test_plan_says_lora_is_not_modelled(tmp_path):
