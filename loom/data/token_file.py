@@ -112,6 +112,23 @@ class TokenFileWriteError(UserError):
         )
 
 
+def write_whole(path: str, data: bytes) -> None:
+    """``data`` into ``path`` through a temporary file renamed at the end: a full disk leaves no partial file, and
+    the error is one line with the path, the bytes and what is free."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise UserError(
+            f"{path}: writing {len(data):,} bytes failed ({err.strerror or err}; {free_bytes(path):,} bytes free "
+            "there); nothing was written"
+        ) from None
+
+
 def free_bytes(path: str) -> int:
     """Free bytes on the file system that holds ``path``'s folder (0 where it cannot be asked)."""
     try:

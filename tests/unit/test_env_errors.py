@@ -318,6 +318,34 @@ def test_full_disk_while_tokenizing(tmp_path, capsys, monkeypatch):
     assert os.listdir(cache) == []
 
 
+def test_full_disk_under_the_run_dirs_source_record(tmp_path, monkeypatch):
+    """data_sources.json (the run dir's first large file) on a full disk: one line with the path and the bytes, no
+    partial file (a truncated 40 KB file was left, behind the generic no-space line)."""
+    import builtins
+
+    from loom.data.token_file import write_whole
+
+    real_open = builtins.open
+
+    def half_then_full(path, mode="r", *args, **kwargs):
+        fh = real_open(path, mode, *args, **kwargs)
+        real_write = fh.write
+
+        def write(data):
+            real_write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        fh.write = write
+        return fh
+
+    monkeypatch.setattr("loom.data.token_file.open", half_then_full, raising=False)
+    target = tmp_path / "data_sources.json"
+    with pytest.raises(UserError) as caught:
+        write_whole(str(target), b"x" * 5000)
+    assert str(caught.value).startswith(f"{target}: writing 5,000 bytes failed (No space left on device; ")
+    assert os.listdir(tmp_path) == []
+
+
 # ---- 3. data.cache_dir read-only or a file ------------------------------------------------------
 
 
