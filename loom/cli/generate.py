@@ -104,10 +104,21 @@ def parse_prompt_line(line: str, where: str):
             raise ConfigError(
                 "--file", where, '"messages" is empty: a conversation needs at least one message'
             )
-        return obj["messages"]
+        return checked_conversation(obj["messages"], where)
     if isinstance(obj.get("prompt"), str):
         return obj["prompt"]
     raise ConfigError("--file", where, 'a JSON line needs "prompt" (a string) or "messages" (a list)')
+
+
+def checked_conversation(messages: list, where: str) -> list[dict]:
+    """``messages`` checked as training checks them (a role and a string content each; OpenAI text parts joined
+    into one string, as transformers' templates render them), or one line naming ``--file`` and the line."""
+    from loom.data.sft import checked_messages
+
+    try:
+        return checked_messages(messages, where, "messages", "strict")
+    except ConfigError as err:  # the option's name, not the training field's
+        raise ConfigError("--file", where, err.allowed) from None
 
 
 def read_prompts(opts) -> list:

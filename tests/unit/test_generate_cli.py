@@ -145,7 +145,10 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
     latin.write_bytes(b"caf\xe9\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"messages": []}) + "\n")
+    number = tmp_path / "number.jsonl"
+    number.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     for argv, needle in (
+        (["--file", str(number)], "message 0: 'content' must be a string or a list of text parts; got a int"),
         (["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens = 1000000000: at most"),
         (["hi", "--stop-token-id", "99999999"], "--stop-token-id = 99999999"),
         (["hi", "--output", str(tmp_path)], "is a folder"),
@@ -156,3 +159,13 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
         assert code == 2 and needle in err and err.count("\n") == 1, (argv, err)
     code, _, err = _run(capsys, "--model", folder, "hi", "--max-new-tokens", "2", "--top-p", "0.5")
     assert code == 0 and "--top-p 0.5 is ignored" in err
+    # OpenAI content parts are the text they hold (the template printed the list's Python repr)
+    parts, plain = tmp_path / "parts.jsonl", tmp_path / "plain.jsonl"
+    text = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a joke."}]
+    parts.write_text(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
+    plain.write_text(json.dumps({"messages": [{"role": "user", "content": "Tell me a joke."}]}) + "\n")
+    outs = [
+        _run(capsys, "-m", folder, "--file", str(f), "--max-new-tokens", "4", "--quiet")
+        for f in (parts, plain)
+    ]
+    assert outs[0][0] == 0 and outs[0][1] == outs[1][1], outs
