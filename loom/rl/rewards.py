@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 
 import torch
 
@@ -97,4 +98,10 @@ def checked_rewards(out, spec: str, n: int) -> list[float]:
         raise UserError(f"{what} a value that is not a number ({err}): it returns {n} numbers") from None
     if len(values) != n:
         raise UserError(f"{what} {len(values)} rewards for {n} completions (one per completion)")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:  # one NaN makes every advantage of its group NaN: the step would be skipped or stop the run
+        raise UserError(
+            f"{what} {values[bad[0]]} for completion {bad[0]} ({len(bad)} of {n} not finite): rewards are finite "
+            "numbers"
+        )
     return values

@@ -203,6 +203,10 @@ def returns_none(prompts, completions, **kw):
     return None
 
 
+def returns_nan(prompts, completions, **kw):
+    return [1.0, float("nan")]
+
+
 def test_reward_functions_that_do_not_fit_are_one_line():
     from loom.rl.rewards import Rewards
 
@@ -213,6 +217,7 @@ def test_reward_functions_that_do_not_fit_are_one_line():
     for name, needle in (
         ("bad_count", "returned 1 rewards for 2 completions"),
         ("returns_none", "returned None"),
+        ("returns_nan", "returned nan for completion 1 \\(1 of 2 not finite\\)"),
     ):
         rewards = Rewards([f"tests.unit.test_nothing_silent:{name}"])
         with pytest.raises(UserError, match=needle):
