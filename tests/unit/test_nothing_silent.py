@@ -322,6 +322,9 @@ def test_convert_into_the_checkpoint_it_reads_is_refused(tmp_path, capsys):
     (ckpt / "COMPLETE.json").write_text("{}")
     line = cli_error(capsys, "convert", "--from", str(ckpt), "--to-hf", str(ckpt / "hf"))
     assert "--to-hf" in line and "inside the checkpoint it reads" in line
+    # a loom checkpoint given as the Hugging Face folder to import (was a FileNotFoundError traceback)
+    line = cli_error(capsys, "convert", "--from-hf", str(ckpt), "--to", str(tmp_path / "again"))
+    assert f"--from-hf = '{ckpt}': is a loom checkpoint already" in line
 
 
 def test_dpo_pairs_without_signal_are_refused_or_counted(tmp_path):
