@@ -331,6 +331,8 @@ def write_whole(option: str, path: str, text: str) -> None:
     data = text.encode("utf-8")
     tmp = f"{path}.loom-tmp-{os.getpid()}"
     try:
+        # a folder not yet made is made (checked as creatable before generating: the completions are not lost)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)

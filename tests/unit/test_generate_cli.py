@@ -110,7 +110,8 @@ def test_prompt_lookup_keeps_the_greedy_text_and_reports_acceptance(folder, caps
     [
         (["--model", "/no/such/folder", "hi"], "model = '/no/such/folder': folder not found"),
         (["hi"], "--model: missing"),
-        (["--temperature", "-1", "hi"], "--temperature = -1.0: >= 0"),
+        (["--temperature", "-1", "hi"], "--temperature = -1.0: a finite number >= 0"),
+        (["--temperature", "inf", "hi"], "--temperature = inf: a finite number >= 0"),
         (["--top-p", "2", "hi"], "--top-p = 2.0"),
         (["--system", "be nice", "hi"], "--system = 'be nice': needs --chat"),
         (["--bogus", "hi"], "unrecognized arguments: --bogus"),
@@ -159,6 +160,11 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
         assert code == 2 and needle in err and err.count("\n") == 1, (argv, err)
     code, _, err = _run(capsys, "--model", folder, "hi", "--max-new-tokens", "2", "--top-p", "0.5")
     assert code == 0 and "--top-p 0.5 is ignored" in err
+    # --output in a folder not yet made: made (it was checked as creatable, then the write failed after generating)
+    code, _, _ = _run(
+        capsys, "-m", folder, "hi", "--max-new-tokens", "2", "--output", str(tmp_path / "new" / "o.jsonl")
+    )
+    assert code == 0 and (tmp_path / "new" / "o.jsonl").is_file()
     # OpenAI content parts are the text they hold (the template printed the list's Python repr)
     parts, plain = tmp_path / "parts.jsonl", tmp_path / "plain.jsonl"
     text = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a joke."}]
