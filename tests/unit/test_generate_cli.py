@@ -154,6 +154,7 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
         (["hi", "--stop-token-id", "99999999"], "--stop-token-id = 99999999"),
         (["hi", "--output", str(tmp_path)], "is a folder"),
         (["--file", str(latin)], "not UTF-8"),
+        (["--chat", "--chat-template", str(latin), "hi"], f"--chat-template = '{latin}': not UTF-8 text"),
         (["--file", str(empty)], "is empty"),
     ):
         code, out, err = _run(capsys, "--model", folder, *argv)
