@@ -128,13 +128,17 @@ def read_prompts(opts) -> list:
     if opts.prompts:
         return list(opts.prompts)
     if opts.file:
-        if not os.path.isfile(opts.file):
+        if os.path.isdir(opts.file):
+            raise ConfigError("--file", opts.file, "is a folder: give a file of prompts")
+        if not os.path.exists(opts.file):  # a pipe (--file <(cmd)) or /dev/stdin is read as a file is
             raise ConfigError("--file", opts.file, "file not found")
         try:
             with open(opts.file, encoding="utf-8") as fh:
                 lines = fh.read().splitlines()
         except UnicodeDecodeError as err:
             raise ConfigError("--file", opts.file, f"not UTF-8 text (byte {err.start})") from None
+        except OSError as err:  # no permission, say: one line, not a traceback
+            raise ConfigError("--file", opts.file, f"not readable ({err.strerror or err})") from None
         name = opts.file
         as_json = opts.file.endswith((".jsonl", ".json", ".ndjson"))
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
@@ -156,6 +157,8 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
         (["--file", str(latin)], "not UTF-8"),
         (["--chat", "--chat-template", str(latin), "hi"], f"--chat-template = '{latin}': not UTF-8 text"),
         (["--file", str(empty)], "is empty"),
+        (["--file", str(tmp_path)], "is a folder: give a file of prompts"),
+        (["--file", os.devnull], "holds no prompts"),  # a pipe or device is read, not "file not found"
     ):
         code, out, err = _run(capsys, "--model", folder, *argv)
         assert code == 2 and needle in err and err.count("\n") == 1, (argv, err)
