@@ -56,6 +56,8 @@ class Rewards:
             raise ConfigError(
                 "grpo.reward_weights", weights, f"one weight per reward function ({len(specs)})"
             )
+        if not all(math.isfinite(w) for w in weights):  # float() reads "nan" and "inf": every total would be
+            raise ConfigError("grpo.reward_weights", weights, "finite numbers, one per reward function")
         self.functions = [load_function(s) for s in specs] + [fn for _, fn, _ in extra]
         self.specs = list(specs) + [name for name, _, _ in extra]
         self.names = [s.partition(":")[2] for s in specs] + [name for name, _, _ in extra]

@@ -233,6 +233,10 @@ def test_grpo_reward_weights_that_are_not_numbers_are_one_line(tmp_path):
     )
     with pytest.raises(ConfigError, match="grpo.reward_weights = 'abc': a comma list of numbers"):
         RolloutLoader(cfg, ByteTokenizer(), 0, 1)
+    from loom.rl.rewards import Rewards
+
+    with pytest.raises(ConfigError, match=r"grpo.reward_weights = \[1.0, nan\]: finite numbers"):
+        Rewards(["math:sqrt", "math:sqrt"], [1.0, float("nan")])  # refused before the functions load
 
 
 def test_a_string_where_config_json_has_a_number_is_one_line():
