@@ -140,6 +140,10 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--batch-size", opts.batch_size, "an integer >= 1")
     if opts.output and os.path.isdir(opts.output):  # before scoring: the scores would be lost at the end
         raise ConfigError("--output", opts.output, "is a folder: give a file path (FILE.jsonl)")
+    if opts.output:  # its folder writable or creatable (made at the end), also before scoring
+        from loom.config.paths import check_folder_writable
+
+        check_folder_writable("--output", os.path.dirname(os.path.abspath(opts.output)))
     from loom.infer.load import pick_device
     from loom.infer.reward import load_reward_model
 

@@ -5,6 +5,7 @@ workers keeping the run dir locked until the last one exits."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -247,6 +248,19 @@ def test_a_string_where_config_json_has_a_number_is_one_line():
     llama_args_from_hf_config(cfg, where="f")  # as exported: fine
     for key, value in (("hidden_size", "64"), ("num_hidden_layers", "two"), ("rms_norm_eps", [1])):
         with pytest.raises(ConfigError, match=f"config.json: {key} = .* is not a number"):
+            llama_args_from_hf_config({**cfg, key: value}, where="f")
+    # read silently as something else (0 kv heads as "as many as the heads", "no" as true) or a traceback
+    for key, value, needle in (
+        ("num_key_value_heads", 0, "num_key_value_heads = 0 must be positive"),
+        ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        ("max_position_embeddings", 0, "max_position_embeddings = 0 must be positive"),
+        ("rms_norm_eps", -1e-5, "rms_norm_eps = -1e-05 must be positive"),
+        ("tie_word_embeddings", "no", "tie_word_embeddings = 'no' is not true or false"),
+        ("rope_scaling", "yes", "rope_scaling = 'yes' is not an object or null"),
+        ("architectures", [5], "architectures = [5] is not a list of class names"),
+        ("architectures", "LlamaForCausalLM", "architectures = 'LlamaForCausalLM' is not a list"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"config.json: {needle}")):
             llama_args_from_hf_config({**cfg, key: value}, where="f")
 
 

@@ -142,6 +142,7 @@ def test_issue_49_refusals(exported, tmp_path, capsys):
         ),
         (["--model", exported["ckpt"], "--file", str(latin)], "not UTF-8"),
         (["--model", exported["ckpt"], "--file", str(good), "--output", str(tmp_path)], "is a folder"),
+        (["--model", exported["ckpt"], "--file", str(good), "--output", str(good / "x.jsonl")], "is a file"),
         (["--model", exported["ckpt"], "--file", str(long)], "longer than the model's"),
     ):
         code, out, err = run(capsys, *argv)
