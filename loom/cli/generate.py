@@ -104,10 +104,21 @@ def parse_prompt_line(line: str, where: str):
             raise ConfigError(
                 "--file", where, '"messages" is empty: a conversation needs at least one message'
             )
-        return obj["messages"]
+        return checked_conversation(obj["messages"], where)
     if isinstance(obj.get("prompt"), str):
         return obj["prompt"]
     raise ConfigError("--file", where, 'a JSON line needs "prompt" (a string) or "messages" (a list)')
+
+
+def checked_conversation(messages: list, where: str) -> list[dict]:
+    """``messages`` checked as training checks them (a role and a string content each; OpenAI text parts joined
+    into one string, as transformers' templates render them), or one line naming ``--file`` and the line."""
+    from loom.data.sft import checked_messages
+
+    try:
+        return checked_messages(messages, where, "messages", "strict")
+    except ConfigError as err:  # the option's name, not the training field's
+        raise ConfigError("--file", where, err.allowed) from None
 
 
 def read_prompts(opts) -> list:
@@ -117,13 +128,17 @@ def read_prompts(opts) -> list:
     if opts.prompts:
         return list(opts.prompts)
     if opts.file:
-        if not os.path.isfile(opts.file):
+        if os.path.isdir(opts.file):
+            raise ConfigError("--file", opts.file, "is a folder: give a file of prompts")
+        if not os.path.exists(opts.file):  # a pipe (--file <(cmd)) or /dev/stdin is read as a file is
             raise ConfigError("--file", opts.file, "file not found")
         try:
             with open(opts.file, encoding="utf-8") as fh:
                 lines = fh.read().splitlines()
         except UnicodeDecodeError as err:
             raise ConfigError("--file", opts.file, f"not UTF-8 text (byte {err.start})") from None
+        except OSError as err:  # no permission, say: one line, not a traceback
+            raise ConfigError("--file", opts.file, f"not readable ({err.strerror or err})") from None
         name = opts.file
         as_json = opts.file.endswith((".jsonl", ".json", ".ndjson"))
     else:
@@ -320,6 +335,8 @@ def write_whole(option: str, path: str, text: str) -> None:
     data = text.encode("utf-8")
     tmp = f"{path}.loom-tmp-{os.getpid()}"
     try:
+        # a folder not yet made is made (checked as creatable before generating: the completions are not lost)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(tmp, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)

@@ -67,8 +67,11 @@ def method_panels(run_dir: str) -> tuple:
 
 
 def output_paths(dirs: list[str], out: str | None) -> tuple[str, str]:
-    """PREFIX.png and PREFIX.html; a PREFIX ending in .png or .html loses that ending first."""
+    """PREFIX.png and PREFIX.html; a PREFIX ending in .png or .html loses that ending first; a folder (an existing
+    one, or a PREFIX ending in a separator) gets report.png and report.html in it (``--out ./`` wrote ./.png)."""
     prefix = out if out else os.path.join(dirs[0], "report")
+    if out and (out.endswith(("/", os.sep)) or os.path.isdir(out)):
+        prefix = os.path.join(out, "report")
     root, ext = os.path.splitext(prefix)
     if ext.lower() in (".png", ".html", ".htm"):
         prefix = root

@@ -70,7 +70,10 @@ def items_of(row, where: str) -> tuple:
 
 
 def item_of(row, where: str):
-    """What the reward model scores for one row: a conversation (a list of messages) or a string."""
+    """What the reward model scores for one row: a conversation (a list of messages, checked as training checks
+    them) or a string."""
+    from loom.cli.generate import checked_conversation
+
     if not isinstance(row, dict):
         raise ConfigError("--file", where, "not a JSON object")
     if "prompt" in row or "completion" in row:
@@ -78,10 +81,10 @@ def item_of(row, where: str):
         if isinstance(p, str) and isinstance(c, str):
             return [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
         if isinstance(p, list) and isinstance(c, list) and all(isinstance(m, dict) for m in p + c):
-            return p + c
+            return checked_conversation(p + c, where)
         raise ConfigError("--file", where, "'prompt' and 'completion' both strings or both lists of messages")
     if isinstance(row.get("messages"), list):
-        return row["messages"]
+        return checked_conversation(row["messages"], where)
     if isinstance(row.get("text"), str):
         return row["text"]
     raise ConfigError("--file", where, 'a row needs "prompt" and "completion", "messages" or "text"')
@@ -137,6 +140,10 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--batch-size", opts.batch_size, "an integer >= 1")
     if opts.output and os.path.isdir(opts.output):  # before scoring: the scores would be lost at the end
         raise ConfigError("--output", opts.output, "is a folder: give a file path (FILE.jsonl)")
+    if opts.output:  # its folder writable or creatable (made at the end), also before scoring
+        from loom.config.paths import check_folder_writable
+
+        check_folder_writable("--output", os.path.dirname(os.path.abspath(opts.output)))
     from loom.infer.load import pick_device
     from loom.infer.reward import load_reward_model
 

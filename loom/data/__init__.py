@@ -11,7 +11,7 @@ from loom.data.dpo import PairFile, PairLoader
 from loom.data.loader import Loader, MicroBatch, StepData, Windows
 from loom.data.prepare import check_mask, ensure_token_file
 from loom.data.sources import content_hash, parse_source
-from loom.data.token_file import TokenFile, check_tokenizer, read_meta
+from loom.data.token_file import TokenFile, check_tokenizer, read_meta, write_whole
 from loom.data.tokenizers import build_tokenizer
 
 __all__ = [
@@ -143,5 +143,4 @@ def describe_sources(cfg: DataConfig, files, out_path: str) -> None:
             rec["file_list"] = spec.paths
             rec["content_hash"] = content_hash(spec.paths)
         records.append(rec)
-    with open(out_path, "w") as fh:
-        json.dump(records, fh, indent=1)
+    write_whole(out_path, json.dumps(records, indent=1).encode())  # a full disk: one line, no partial file

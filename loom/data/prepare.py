@@ -258,6 +258,7 @@ def ensure_token_file(
             raise ConfigError(
                 "data.cache_dir",
                 cache_dir,
-                f"the tokenized source cannot be written there ({err.reason}); choose a writable folder",
+                f"the tokenized source cannot be written there ({err.detail}; no partial file was kept): "
+                "choose a writable folder with room",
             ) from None
     return path

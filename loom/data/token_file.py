@@ -9,9 +9,11 @@ loss as a target; the token starts a conversation), so a conversation may hold t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import shutil
 import socket
 import warnings
 from dataclasses import asdict, dataclass
@@ -99,9 +101,40 @@ def remove_stale_temps(path: str) -> None:
 class TokenFileWriteError(UserError):
     """A token file that could not be written (an unwritable folder, a full disk); nothing partial is left."""
 
-    def __init__(self, path: str, err: OSError):
+    def __init__(self, path: str, err: OSError, written: int | None = None):
         self.path, self.reason = path, err.strerror or str(err)
-        super().__init__(f"token file {path} could not be written ({self.reason}); no partial file was kept")
+        # a full disk: how far it got and what is free, so the user knows how much room to make
+        at = "" if written is None else f" after {written:,} bytes"
+        free = "" if written is None else f"; {free_bytes(path):,} bytes free there"
+        self.detail = f"{self.reason}{at}{free}"
+        super().__init__(
+            f"token file {path} could not be written{at} ({self.reason}{free}); no partial file was kept"
+        )
+
+
+def write_whole(path: str, data: bytes) -> None:
+    """``data`` into ``path`` through a temporary file renamed at the end: a full disk leaves no partial file, and
+    the error is one line with the path, the bytes and what is free."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise UserError(
+            f"{path}: writing {len(data):,} bytes failed ({err.strerror or err}; {free_bytes(path):,} bytes free "
+            "there); nothing was written"
+        ) from None
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the file system that holds ``path``'s folder (0 where it cannot be asked)."""
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return 0
 
 
 class TokenFileWriter:
@@ -135,6 +168,7 @@ class TokenFileWriter:
         except OSError as err:
             raise TokenFileWriteError(path, err) from None
         self._eos = torch.tensor([eos_id], dtype=DTYPES[self.dtype])
+        self._written = 0
 
     def add(self, ids, flags: bytes | None = None) -> None:
         """``ids``: a list of ints or an integer tensor (one document, without EOS); ``flags``: its per-token flags
@@ -167,13 +201,20 @@ class TokenFileWriter:
         try:
             fh.write(data)
         except OSError as err:  # a full disk: the caller aborts, which removes the partial file
-            raise TokenFileWriteError(self.path, err) from None
+            raise TokenFileWriteError(self.path, err, self.written()) from None
+        self._written += len(data)
+
+    def written(self) -> int:
+        """Bytes handed to the token (and mask) files so far."""
+        return self._written
 
     def abort(self) -> None:
-        """Drop the partial files, so a failed run leaves nothing that looks like a token file."""
+        """Drop the partial files, so a failed run leaves nothing that looks like a token file (closing a file
+        whose buffer a full disk cannot take fails too: the file goes all the same)."""
         for fh, tmp in ((self._fh, self._tmp), (self._mask_fh, self._tmp_mask)):
             if fh is not None:
-                fh.close()
+                with contextlib.suppress(OSError):
+                    fh.close()
             if tmp is not None and os.path.exists(tmp):
                 os.remove(tmp)
 
@@ -196,7 +237,7 @@ class TokenFileWriter:
             for leftover in (tmp_meta, self.path):  # without its description the token file is incomplete
                 if os.path.isfile(leftover):
                     os.remove(leftover)
-            raise TokenFileWriteError(self.path, err) from None
+            raise TokenFileWriteError(self.path, err, self.written()) from None
         return self.meta
 
 

@@ -61,6 +61,14 @@ def load(path: str, *, device: str = "auto", dtype: str = "auto", max_length: in
     model, tokenizer = loaded.model, loaded.codec.tokenizer
     dev = next(model.parameters()).device
     length = max_length or model.args.max_seq_len
+    if (
+        length > model.args.max_seq_len
+    ):  # a RoPE table for a billion positions would be built first (a "hang")
+        raise ConfigError(
+            "--max-length",
+            length,
+            f"at most {model.args.max_seq_len:,}: the model's context (max_position_embeddings or training.seq_len)",
+        )
     if length != model.args.max_seq_len:  # the RoPE table as long as the longest input
         model.args = model.args.with_(max_seq_len=length)
         model.init_buffers(dev)

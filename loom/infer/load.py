@@ -132,9 +132,9 @@ def _template(spec: str, tokenizer, required: bool):
 
     try:
         return load_template(spec, tokenizer)
-    except ConfigError:
-        if required:
-            raise
+    except ConfigError as err:
+        if required:  # the option the user gave (a generate/score flag), not the training field's name
+            raise ConfigError("--chat-template", spec, err.allowed) from None
         return None
 
 

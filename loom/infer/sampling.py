@@ -4,6 +4,7 @@ order), drawn with a seeded ``torch.Generator`` so that the same seed gives the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
         checks = (
             ("max_new_tokens", self.max_new_tokens >= 1, "an integer >= 1"),
-            ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("temperature", 0 <= self.temperature < math.inf, "a finite number >= 0 (0 = greedy)"),
             ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
             ("min_p", 0 <= self.min_p < 1, "in [0, 1) (0 = off)"),
-            ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "a finite number > 0 (1 = off)"),
         )
         for name, ok, allowed in checks:
             if not ok:

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 from loom.config.errors import UserError, require
@@ -50,8 +51,9 @@ def metrics_path(run_dir: str) -> str:
 
 
 def read_records(path: str) -> list[dict]:
-    """The records of a metrics.jsonl in file order; a line cut short by a kill is skipped. A missing file (or one
-    without records) is the user's one-line error naming it."""
+    """The records of a metrics.jsonl in file order; a line that is not a record (cut short by a kill, edited by
+    hand) is skipped, all of them counted in one warning. A missing file (or one without records) is the user's
+    one-line error naming it."""
     try:
         with open(path) as fh:
             lines = fh.read().splitlines()
@@ -59,16 +61,25 @@ def read_records(path: str) -> list[dict]:
         raise UserError(f"{path}: no such file (the run dir of a `loom train` run has one)") from None
     except OSError as err:
         raise UserError(f"{path}: cannot be read ({err.strerror or err})") from None
-    records = []
-    for line in lines:
+    records, malformed = [], []
+    for number, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
-        except ValueError:
-            continue
+        except (ValueError, RecursionError):
+            rec = None
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
             records.append(rec)
+        elif line.strip():
+            malformed.append(number)
     if not records:
         raise UserError(f"{path}: no records yet (the first is written at step metrics.every)")
+    if malformed:  # one warning with the count: a hand-edited or damaged file is not read as whole
+        shown = ", ".join(map(str, malformed[:5])) + (", ..." if len(malformed) > 5 else "")
+        print(
+            f"warning: {path}: {len(malformed):,} line{'s' if len(malformed) > 1 else ''} not a metrics record "
+            f"(line {shown}), skipped",
+            file=sys.stderr,
+        )
     return records
 
 

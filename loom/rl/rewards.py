@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 
 import torch
 
@@ -55,6 +56,8 @@ class Rewards:
             raise ConfigError(
                 "grpo.reward_weights", weights, f"one weight per reward function ({len(specs)})"
             )
+        if not all(math.isfinite(w) for w in weights):  # float() reads "nan" and "inf": every total would be
+            raise ConfigError("grpo.reward_weights", weights, "finite numbers, one per reward function")
         self.functions = [load_function(s) for s in specs] + [fn for _, fn, _ in extra]
         self.specs = list(specs) + [name for name, _, _ in extra]
         self.names = [s.partition(":")[2] for s in specs] + [name for name, _, _ in extra]
@@ -97,4 +100,10 @@ def checked_rewards(out, spec: str, n: int) -> list[float]:
         raise UserError(f"{what} a value that is not a number ({err}): it returns {n} numbers") from None
     if len(values) != n:
         raise UserError(f"{what} {len(values)} rewards for {n} completions (one per completion)")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:  # one NaN makes every advantage of its group NaN: the step would be skipped or stop the run
+        raise UserError(
+            f"{what} {values[bad[0]]} for completion {bad[0]} ({len(bad)} of {n} not finite): rewards are finite "
+            "numbers"
+        )
     return values

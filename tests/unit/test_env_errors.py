@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -265,31 +266,84 @@ def test_damaged_gzip_source(tmp_path, capsys, damage):
     assert not os.path.exists(out) and leftovers(tmp_path) == []
 
 
-def test_full_disk_while_tokenizing(tmp_path, capsys, monkeypatch):
-    """A write that fails part-way is one line naming the output, and the partial file is removed."""
+def full_disk_after(monkeypatch, room: int) -> None:
+    """Token files take ``room`` bytes, then fail as a full disk does: the write that does not fit writes what
+    fits and raises, and so does the close that would flush it (a buffered file's close on a full disk)."""
     import loom.data.token_file as token_file
 
     real_init = token_file.TokenFileWriter.__init__
 
     class FullDisk:
         def __init__(self, fh):
-            self.fh = fh
+            self.fh, self.left = fh, room
 
         def write(self, data):
-            raise OSError(28, "No space left on device")
+            self.fh.write(data[: self.left])
+            self.left -= min(self.left, len(data))
+            if not self.left:
+                raise OSError(28, "No space left on device")
 
         def close(self):
             self.fh.close()
+            if not self.left:
+                raise OSError(28, "No space left on device")
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         self._fh = FullDisk(self._fh)
 
     monkeypatch.setattr(token_file.TokenFileWriter, "__init__", init)
+
+
+def test_full_disk_while_tokenizing(tmp_path, capsys, monkeypatch):
+    """A write that fails part-way is one line naming the output and the bytes, and the partial file is removed
+    (the close that failed too left it, behind a traceback); the same under training's token cache."""
+    from loom.data.prepare import ensure_token_file
+    from loom.data.sources import parse_source
+    from loom.data.tokenizers import ByteTokenizer
+
+    full_disk_after(monkeypatch, 300)
     out = str(tmp_path / "out.bin")
     line = cli_error(capsys, "data", "prepare", "--source", small_jsonl(tmp_path), "--output", out)
-    assert out in line and "No space left on device" in line
+    written = re.search(
+        r"could not be written after ([\d,]+) bytes \(No space left on device; [\d,]+ bytes free", line
+    )
+    assert out in line and written and int(written[1].replace(",", "")) <= 300, line
     assert not os.path.exists(out) and leftovers(tmp_path) == []
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError) as caught:
+        ensure_token_file(parse_source(small_jsonl(tmp_path))[0], ByteTokenizer(), str(cache))
+    message = str(caught.value)
+    assert message.startswith(f"data.cache_dir = '{cache}'") and "bytes free there" in message, message
+    assert os.listdir(cache) == []
+
+
+def test_full_disk_under_the_run_dirs_source_record(tmp_path, monkeypatch):
+    """data_sources.json (the run dir's first large file) on a full disk: one line with the path and the bytes, no
+    partial file (a truncated 40 KB file was left, behind the generic no-space line)."""
+    import builtins
+
+    from loom.data.token_file import write_whole
+
+    real_open = builtins.open
+
+    def half_then_full(path, mode="r", *args, **kwargs):
+        fh = real_open(path, mode, *args, **kwargs)
+        real_write = fh.write
+
+        def write(data):
+            real_write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        fh.write = write
+        return fh
+
+    monkeypatch.setattr("loom.data.token_file.open", half_then_full, raising=False)
+    target = tmp_path / "data_sources.json"
+    with pytest.raises(UserError) as caught:
+        write_whole(str(target), b"x" * 5000)
+    assert str(caught.value).startswith(f"{target}: writing 5,000 bytes failed (No space left on device; ")
+    assert os.listdir(tmp_path) == []
 
 
 # ---- 3. data.cache_dir read-only or a file ------------------------------------------------------

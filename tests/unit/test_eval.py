@@ -188,6 +188,11 @@ def test_user_errors_are_one_line(tmp_path, monkeypatch, capsys):
         # issue 49: an empty source is no perplexity (it was NaN with exit 0); a prefix id past the vocabulary
         (["eval", ckpt, "--source", str(empty)], "no document with a token to score"),
         (["eval", ckpt, "--source", str(empty), "--prefix-token-id", "100000"], "--prefix-token-id = 100000"),
+        # past the model's context: refused before a RoPE table that long is built (it ran for minutes)
+        (
+            ["eval", ckpt, "--source", str(empty), "--max-length", "100000000"],
+            "--max-length = 100000000: at most",
+        ),
         # an option of the other mode does nothing: refused, naming what it needs
         (["eval", ckpt, "--source", "x.jsonl", "--num-fewshot", "3"], "--num-fewshot: applies to --tasks"),
         (["eval", ckpt, "--source", "x.jsonl", "--log-samples"], "--log-samples: applies to --tasks"),

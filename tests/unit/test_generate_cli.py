@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
@@ -110,7 +111,8 @@ def test_prompt_lookup_keeps_the_greedy_text_and_reports_acceptance(folder, caps
     [
         (["--model", "/no/such/folder", "hi"], "model = '/no/such/folder': folder not found"),
         (["hi"], "--model: missing"),
-        (["--temperature", "-1", "hi"], "--temperature = -1.0: >= 0"),
+        (["--temperature", "-1", "hi"], "--temperature = -1.0: a finite number >= 0"),
+        (["--temperature", "inf", "hi"], "--temperature = inf: a finite number >= 0"),
         (["--top-p", "2", "hi"], "--top-p = 2.0"),
         (["--system", "be nice", "hi"], "--system = 'be nice': needs --chat"),
         (["--bogus", "hi"], "unrecognized arguments: --bogus"),
@@ -145,14 +147,35 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
     latin.write_bytes(b"caf\xe9\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"messages": []}) + "\n")
+    number = tmp_path / "number.jsonl"
+    number.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     for argv, needle in (
+        (["--file", str(number)], "message 0: 'content' must be a string or a list of text parts; got a int"),
         (["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens = 1000000000: at most"),
         (["hi", "--stop-token-id", "99999999"], "--stop-token-id = 99999999"),
         (["hi", "--output", str(tmp_path)], "is a folder"),
         (["--file", str(latin)], "not UTF-8"),
+        (["--chat", "--chat-template", str(latin), "hi"], f"--chat-template = '{latin}': not UTF-8 text"),
         (["--file", str(empty)], "is empty"),
+        (["--file", str(tmp_path)], "is a folder: give a file of prompts"),
+        (["--file", os.devnull], "holds no prompts"),  # a pipe or device is read, not "file not found"
     ):
         code, out, err = _run(capsys, "--model", folder, *argv)
         assert code == 2 and needle in err and err.count("\n") == 1, (argv, err)
     code, _, err = _run(capsys, "--model", folder, "hi", "--max-new-tokens", "2", "--top-p", "0.5")
     assert code == 0 and "--top-p 0.5 is ignored" in err
+    # --output in a folder not yet made: made (it was checked as creatable, then the write failed after generating)
+    code, _, _ = _run(
+        capsys, "-m", folder, "hi", "--max-new-tokens", "2", "--output", str(tmp_path / "new" / "o.jsonl")
+    )
+    assert code == 0 and (tmp_path / "new" / "o.jsonl").is_file()
+    # OpenAI content parts are the text they hold (the template printed the list's Python repr)
+    parts, plain = tmp_path / "parts.jsonl", tmp_path / "plain.jsonl"
+    text = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a joke."}]
+    parts.write_text(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
+    plain.write_text(json.dumps({"messages": [{"role": "user", "content": "Tell me a joke."}]}) + "\n")
+    outs = [
+        _run(capsys, "-m", folder, "--file", str(f), "--max-new-tokens", "4", "--quiet")
+        for f in (parts, plain)
+    ]
+    assert outs[0][0] == 0 and outs[0][1] == outs[1][1], outs

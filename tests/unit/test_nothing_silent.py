@@ -5,6 +5,7 @@ workers keeping the run dir locked until the last one exits."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -203,6 +204,10 @@ def returns_none(prompts, completions, **kw):
     return None
 
 
+def returns_nan(prompts, completions, **kw):
+    return [1.0, float("nan")]
+
+
 def test_reward_functions_that_do_not_fit_are_one_line():
     from loom.rl.rewards import Rewards
 
@@ -213,6 +218,7 @@ def test_reward_functions_that_do_not_fit_are_one_line():
     for name, needle in (
         ("bad_count", "returned 1 rewards for 2 completions"),
         ("returns_none", "returned None"),
+        ("returns_nan", "returned nan for completion 1 \\(1 of 2 not finite\\)"),
     ):
         rewards = Rewards([f"tests.unit.test_nothing_silent:{name}"])
         with pytest.raises(UserError, match=needle):
@@ -228,6 +234,10 @@ def test_grpo_reward_weights_that_are_not_numbers_are_one_line(tmp_path):
     )
     with pytest.raises(ConfigError, match="grpo.reward_weights = 'abc': a comma list of numbers"):
         Rollouts(cfg, ByteTokenizer(), 0, 1)
+    from loom.rl.rewards import Rewards
+
+    with pytest.raises(ConfigError, match=r"grpo.reward_weights = \[1.0, nan\]: finite numbers"):
+        Rewards(["math:sqrt", "math:sqrt"], [1.0, float("nan")])  # refused before the functions load
 
 
 def test_a_string_where_config_json_has_a_number_is_one_line():
@@ -238,6 +248,19 @@ def test_a_string_where_config_json_has_a_number_is_one_line():
     llama_args_from_hf_config(cfg, where="f")  # as exported: fine
     for key, value in (("hidden_size", "64"), ("num_hidden_layers", "two"), ("rms_norm_eps", [1])):
         with pytest.raises(ConfigError, match=f"config.json: {key} = .* is not a number"):
+            llama_args_from_hf_config({**cfg, key: value}, where="f")
+    # read silently as something else (0 kv heads as "as many as the heads", "no" as true) or a traceback
+    for key, value, needle in (
+        ("num_key_value_heads", 0, "num_key_value_heads = 0 must be positive"),
+        ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        ("max_position_embeddings", 0, "max_position_embeddings = 0 must be positive"),
+        ("rms_norm_eps", -1e-5, "rms_norm_eps = -1e-05 must be positive"),
+        ("tie_word_embeddings", "no", "tie_word_embeddings = 'no' is not true or false"),
+        ("rope_scaling", "yes", "rope_scaling = 'yes' is not an object or null"),
+        ("architectures", [5], "architectures = [5] is not a list of class names"),
+        ("architectures", "LlamaForCausalLM", "architectures = 'LlamaForCausalLM' is not a list"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"config.json: {needle}")):
             llama_args_from_hf_config({**cfg, key: value}, where="f")
 
 
@@ -317,6 +340,9 @@ def test_convert_into_the_checkpoint_it_reads_is_refused(tmp_path, capsys):
     (ckpt / "COMPLETE.json").write_text("{}")
     line = cli_error(capsys, "convert", "--from", str(ckpt), "--to-hf", str(ckpt / "hf"))
     assert "--to-hf" in line and "inside the checkpoint it reads" in line
+    # a loom checkpoint given as the Hugging Face folder to import (was a FileNotFoundError traceback)
+    line = cli_error(capsys, "convert", "--from-hf", str(ckpt), "--to", str(tmp_path / "again"))
+    assert f"--from-hf = '{ckpt}': is a loom checkpoint already" in line
 
 
 def test_dpo_pairs_without_signal_are_refused_or_counted(tmp_path):
@@ -381,27 +407,37 @@ def test_a_full_disk_under_generate_output_leaves_no_file(tmp_path, monkeypatch)
     assert os.listdir(tmp_path) == []
 
 
-def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, monkeypatch):
+@pytest.mark.parametrize("export", ["hf", "peft"])
+def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, monkeypatch, export):
+    """convert --to-hf and --to-peft: safetensors reports a full disk as a SafetensorError (it was a traceback)."""
     import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
 
     from loom.checkpoint.hf.export import export_hf
+    from loom.checkpoint.peft import export_peft
+    from loom.config.sections import LoraConfig
     from loom.models.llama import FLAVORS, Llama
 
     def half_then_full(tensors, path, metadata=None):
         with open(path, "wb") as fh:
             fh.write(b"\0" * 100)
-        enospc()
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(safetensors.torch, "save_file", half_then_full)
-    args = FLAVORS["debug"].with_(vocab_size=384, n_layers=1)
-    state = Llama(args).state_dict()
+    out = str(tmp_path / export)
     with pytest.raises(UserError) as caught:
-        export_hf(state, args, str(tmp_path / "hf"))
+        if export == "hf":
+            args = FLAVORS["debug"].with_(vocab_size=384, n_layers=1)
+            export_hf(Llama(args).state_dict(), args, out)
+        else:
+            adapters = {"layers.0.attention.wq.lora_A.weight": torch.zeros(4, 64)}
+            export_peft(adapters, LoraConfig(rank=4), out)
     message = str(caught.value)
-    assert str(tmp_path / "hf") in message and "no space" in message.lower() and "needs about" in message, (
-        message
-    )
-    assert not (tmp_path / "hf").exists()
+    assert (
+        message.startswith(f"{out}: writing the ") and "(No space left on device); it needs about" in message
+    ), message
+    assert not os.path.exists(out)
 
 
 def test_plan_says_lora_is_not_modelled(tmp_path):

@@ -184,6 +184,23 @@ def test_out_prefix(tmp_path):
     )
     assert output_paths(["a"], "x/cmp") == ("x/cmp.png", "x/cmp.html")
     assert output_paths(["a"], "x/cmp.png") == ("x/cmp.png", "x/cmp.html")
+    # a folder gets report.png in it (`--out ./` wrote ./.png)
+    assert output_paths(["a"], "./") == (os.path.join(".", "report.png"), os.path.join(".", "report.html"))
+    assert output_paths(["a"], str(tmp_path))[0] == str(tmp_path / "report.png")
+
+
+def test_lines_that_are_not_records_are_counted_in_one_warning(tmp_path, capsys):
+    from loom.metrics.report import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2)]
+    path.write_text("\n".join([good[0], "not json", "", json.dumps([1]), good[1], '{"step": 3, "lo']) + "\n")
+    assert [r["step"] for r in read_records(str(path))] == [1, 2]
+    err = capsys.readouterr().err
+    assert err == f"warning: {path}: 3 lines not a metrics record (line 2, 4, 6), skipped\n", err
+    path.write_text("\n".join(good) + "\n")
+    read_records(str(path))
+    assert capsys.readouterr().err == ""
 
 
 def test_a_missing_metrics_file_is_one_line_and_exit_2(tmp_path, capsys):

@@ -133,9 +133,16 @@ def test_issue_49_refusals(exported, tmp_path, capsys):
     good.write_text(json.dumps({"text": "fine"}) + "\n")
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"text": "x" * 5000}) + "\n")
+    number = tmp_path / "number.jsonl"
+    number.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     for argv, needle in (
+        (
+            ["--model", exported["ckpt"], "--file", str(number)],
+            "'content' must be a string or a list of text parts",
+        ),
         (["--model", exported["ckpt"], "--file", str(latin)], "not UTF-8"),
         (["--model", exported["ckpt"], "--file", str(good), "--output", str(tmp_path)], "is a folder"),
+        (["--model", exported["ckpt"], "--file", str(good), "--output", str(good / "x.jsonl")], "is a file"),
         (["--model", exported["ckpt"], "--file", str(long)], "longer than the model's"),
     ):
         code, out, err = run(capsys, *argv)

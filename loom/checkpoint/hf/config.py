@@ -86,7 +86,23 @@ _NUMBERS = (
     "sliding_window",
     "num_labels",
 )
-_POSITIVE = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+_POSITIVE = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",  # 0 was read as "absent" (as many as the heads)
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "head_dim",
+)
+# config.json fields of other types: (key, the types allowed besides null, what to say)
+_TYPED = (
+    ("tie_word_embeddings", (bool,), "true or false"),  # the string "no" was read as true
+    ("rope_scaling", (dict,), "an object or null"),
+    ("model_type", (str,), "a string"),
+)
 
 
 def _check_numbers(cfg: dict, field: str, where: str) -> None:
@@ -98,6 +114,19 @@ def _check_numbers(cfg: dict, field: str, where: str) -> None:
     for key in _POSITIVE:
         if key in cfg and cfg[key] is not None and cfg[key] <= 0:
             raise ConfigError(field, where, f"{CONFIG}: {key} = {cfg[key]!r} must be positive")
+    for key, types, allowed in _TYPED:
+        if cfg.get(key) is not None and not isinstance(cfg[key], types):
+            raise ConfigError(field, where, f"{CONFIG}: {key} = {cfg[key]!r} is not {allowed}")
+    archs = cfg.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ConfigError(field, where, f"{CONFIG}: architectures = {archs!r} is not a list of class names")
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ConfigError(
+            field,
+            where,
+            f"{CONFIG}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+        )
 
 
 def llama_args_from_hf_config(cfg: dict, field: str = "model.init_from", where: str = "") -> LlamaArgs:

@@ -16,6 +16,7 @@ from loom.checkpoint.hf.config import (
     HF_CONFIG_COPY,
     HF_GENERATION_COPY,
     TOKENIZER_COPY,
+    is_loom_checkpoint,
     read_hf_config,
 )
 from loom.checkpoint.hf.export import _free, write_json
@@ -73,6 +74,15 @@ def import_hf_to_dcp(hf_folder: str, out_folder: str, field: str = "--from-hf") 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    if is_loom_checkpoint(
+        hf_folder
+    ):  # an import's copy of config.json would be read, then config.json missed
+        raise ConfigError(
+            field,
+            hf_folder,
+            "is a loom checkpoint already, not a Hugging Face folder: train from it as it is "
+            "(--model.init_from), or write a Hugging Face folder of it with `loom convert --from ... --to-hf`",
+        )
     args = llama_args_from_hf(hf_folder, field)
     if os.path.exists(out_folder):
         raise ConfigError("--to", out_folder, "already exists; choose a new checkpoint folder")

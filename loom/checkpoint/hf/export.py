@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -148,7 +149,8 @@ def whole_or_nothing(out_folder: str, what: str, need: int | None = None):
     try:
         os.makedirs(out_folder, exist_ok=True)
         yield written
-    except BaseException as err:
+    except BaseException as caught:
+        err = os_error_of(caught)
         for path in written:
             with contextlib.suppress(OSError):
                 os.remove(path)
@@ -171,6 +173,15 @@ def whole_or_nothing(out_folder: str, what: str, need: int | None = None):
                 "target is as it was"
             ) from None
         raise
+
+
+def os_error_of(err: BaseException) -> BaseException:
+    """``err``, or the OSError a safetensors write failure stands for: safetensors reports a full disk as a
+    SafetensorError ("I/O error: No space left on device (os error 28)"), not as an OSError."""
+    found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(err))
+    if type(err).__name__ == "SafetensorError" and found:
+        return OSError(int(found[2]), found[1])
+    return err
 
 
 def _free(folder: str) -> int:
