@@ -17,6 +17,7 @@ Every test has a time limit (pytest-timeout; pyproject.toml's ``timeout``, large
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -57,8 +58,32 @@ def pytest_addoption(parser):
     )
 
 
+LAUNCHES = re.compile(
+    r"--nproc-per-node|torchrun|subprocess|Popen"
+)  # a file that launches jobs of several ranks
+
+
+def xdist_group(item) -> str:
+    """Under ``-n 2 --dist loadgroup``: a file's tests run on one worker (its module fixtures once), and the files
+    that launch multi-rank jobs as processes (with timeouts, heartbeats, kills: tests/faults, and tests/distributed
+    or unit files that start ``loom train --nproc-per-node``) share one group, so two of them never share the 2
+    cores; the in-process rank pools (``run_jobs``) and single-process files run beside them."""
+    path = item.nodeid.split("::")[0]
+    source = item.path.read_text()
+    if path.startswith("tests/faults/"):
+        return "launches"
+    if path.startswith("tests/distributed/") and LAUNCHES.search(source):
+        return "launches"
+    if re.search(r"--nproc-per-node|torchrun", source):
+        return "launches"
+    return path
+
+
 def pytest_collection_modifyitems(config, items):
-    """Leave out ``exhaustive`` and ``slow`` tests unless asked for by option or named by ``-m``."""
+    """Leave out ``exhaustive`` and ``slow`` tests unless asked for by option or named by ``-m``; group the tests
+    for pytest-xdist (``xdist_group``)."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     markexpr = config.getoption("markexpr") or ""
     left_out = [m for m in ("exhaustive", "slow") if not config.getoption(f"--{m}") and m not in markexpr]
     keep, drop = [], []

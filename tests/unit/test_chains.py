@@ -120,7 +120,8 @@ def test_the_readme_cpu_commands_are_found():
     cmds = readme_cpu_commands()
     assert cmds[0] == "loom train", cmds
     trains = [c for c in cmds if c.startswith("loom train --training.objective ")]
-    assert trains == [f"loom train --training.objective {o}" for o in ("sft", "dpo", "reward", "grpo")], cmds
+    objectives = ("sft", "dpo", "reward", "kto", "orpo", "simpo", "grpo")
+    assert trains == [f"loom train --training.objective {o}" for o in objectives], cmds
     assert any(c.startswith("loom train --model.flavor debug_moe") for c in cmds), cmds
     assert any(c.startswith("loom plan ") for c in cmds) and "loom --version" in cmds, cmds
     assert not any("--nproc-per-node" in c or "llama3_" in c or "path/to" in c for c in cmds), cmds
