@@ -150,7 +150,8 @@ def test_the_readme_cpu_commands_run_in_order_in_one_folder(tmp_path, monkeypatc
         ):  # 171 layouts of 8 GPUs instead of 432 (2 CPU-min, not 4)
             args += ["--training.global_batch_size", "8"]
         assert loom_main(args) == 0, cmd
-    assert sorted(os.listdir(tmp_path / "runs")) == ["dpo", "grpo", "lm", "moe", "reward", "sft"]
+    runs = ["dpo", "grpo", "kto", "lm", "moe", "orpo", "reward", "sft", "simpo"]
+    assert sorted(os.listdir(tmp_path / "runs")) == runs
     with open(tmp_path / "runs" / "lm" / "metrics.jsonl") as fh:
         last = [json.loads(ln) for ln in fh if ln.strip()][-1]
     assert last["step"] == STEPS and last["val_loss"] is not None
