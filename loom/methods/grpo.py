@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.methods.base import Method
-from loom.methods.rollouts import rollout_rules
+from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
 from loom.rl.grpo import loss_count, loss_sum, token_losses
 from loom.rl.rollout import RolloutBatch, Rollouts, policy_forward, token_logps
@@ -139,21 +139,7 @@ def drive(loop: Loop) -> list[dict]:
         engine.scale_lr(g.lr_ratio)  # this step's LR: the schedule's times grpo.lr_ratio
         return rollouts.end_step(mbs)
 
-    with loop.running(consume=batches) as run:
-        while run.next():
-            with run.data_wait():
-                mbs = batches()
-            out = run.step(mbs)  # the engine's step
-            if run.after(out, None):  # a stop request saved this step
-                break
-    return run.records
+    return step_through(loop, batches)
 
 
-def run(cfg, objective: Objective, env=None, rules=()) -> list[dict]:
-    """The whole job: the loop built for ``objective``, driven by ``drive``."""
-    from loom.train.loop import Loop  # the engine's build is heavy: imported when a run starts
-
-    return drive(Loop(cfg, objective, env, rules))
-
-
-METHOD = Method("grpo", GroupRelative, GroupRelative, rules=rollout_rules, run=run, drive=drive)
+METHOD = Method("grpo", GroupRelative, GroupRelative, rules=rollout_rules, run=runner(drive), drive=drive)

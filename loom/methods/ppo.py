@@ -13,7 +13,7 @@ from torch import nn
 
 from loom.config.errors import ConfigError
 from loom.methods.base import Method
-from loom.methods.rollouts import grpo_loss_unused, rollout_rules
+from loom.methods.rollouts import grpo_loss_unused, rollout_rules, runner, step_through
 from loom.numerics import IGNORE
 from loom.rl.grpo import kl_k3
 from loom.rl.ppo import policy_losses, value_losses
@@ -183,21 +183,7 @@ def drive(loop: Loop) -> list[dict]:
         engine.scale_lr(g.lr_ratio)  # this step's LR: the schedule's times grpo.lr_ratio
         return rollouts.end_step(mbs)
 
-    with loop.running(consume=batches) as run:
-        while run.next():
-            with run.data_wait():
-                mbs = batches()
-            out = run.step(mbs)  # the engine's step
-            if run.after(out, None):  # a stop request saved this step
-                break
-    return run.records
+    return step_through(loop, batches)
 
 
-def run(cfg, objective: Objective, env=None, rules=()) -> list[dict]:
-    """The whole job: the loop built for ``objective``, driven by ``drive``."""
-    from loom.train.loop import Loop  # the engine's build is heavy: imported when a run starts
-
-    return drive(Loop(cfg, objective, env, rules))
-
-
-METHOD = Method("ppo", ProximalPolicy, ProximalPolicy, rules=rules, run=run, drive=drive)
+METHOD = Method("ppo", ProximalPolicy, ProximalPolicy, rules=rules, run=runner(drive), drive=drive)

@@ -91,3 +91,27 @@ def grpo_loss_unused(cfg: Config) -> None:
                 getattr(cfg.grpo, key),
                 "GRPO's loss: not used by training.objective ppo (its [ppo] section has its own)",
             )
+
+
+def step_through(loop, batches) -> list[dict]:
+    """A driver's steps: ``batches()`` (this step's micro-batches) and the engine's step, around each the loop's
+    cadence (loom.train.loop.Running), until the run ends or a stop request saved a step; the records."""
+    with loop.running(consume=batches) as run:
+        while run.next():
+            with run.data_wait():
+                mbs = batches()
+            out = run.step(mbs)  # the engine's step
+            if run.after(out, None):  # a stop request saved this step
+                break
+    return run.records
+
+
+def runner(drive):
+    """A method's ``run``: the loop built for its objective, driven by ``drive``."""
+
+    def run(cfg, objective, env=None, rules=()) -> list[dict]:
+        from loom.train.loop import Loop  # the engine's build is heavy: imported when a run starts
+
+        return drive(Loop(cfg, objective, env, rules))
+
+    return run
