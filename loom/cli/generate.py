@@ -4,7 +4,6 @@ terminal, optionally written as JSON lines; several GPUs through ``torchrun`` (t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -330,23 +329,18 @@ def check_against_model(gen, params) -> None:
 
 
 def write_whole(option: str, path: str, text: str) -> None:
-    """``text`` into ``path`` through a temporary file renamed at the end: a full disk leaves no partial file, and
-    the error is one line with the path and the bytes needed."""
-    data = text.encode("utf-8")
-    tmp = f"{path}.loom-tmp-{os.getpid()}"
+    """``text`` into ``path`` whole (loom.data.token_file.write_whole: a full disk leaves no partial file), its
+    folder made if it is not there yet (checked as creatable before generating: the completions are not lost); an
+    error is one line that names ``option``."""
+    from loom.data.token_file import write_whole as write_bytes
+
     try:
-        # a folder not yet made is made (checked as creatable before generating: the completions are not lost)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
+        write_bytes(path, text.encode("utf-8"))
     except OSError as err:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise UserError(
-            f"{option} {path}: writing {len(data):,} bytes failed ({err.strerror or err}); nothing "
-            "was written"
-        ) from None
+        raise UserError(f"{option} {path}: its folder could not be made ({err.strerror or err})") from None
+    except UserError as err:
+        raise UserError(f"{option} {err}") from None
 
 
 def _run(gen, prompts, params, stream: bool, show: bool):

@@ -399,7 +399,7 @@ def test_a_full_disk_under_generate_output_leaves_no_file(tmp_path, monkeypatch)
         def __exit__(self, *exc):
             self.fh.close()
 
-    monkeypatch.setattr("loom.cli.generate.open", HalfWritten, raising=False)
+    monkeypatch.setattr("loom.data.token_file.open", HalfWritten, raising=False)
     target = tmp_path / "out.jsonl"
     with pytest.raises(UserError) as caught:
         write_whole("--output", str(target), "x" * 1000)
