@@ -81,9 +81,11 @@ def test_every_needs_names_a_known_activation():
     """The rule is generic: every field naming what activates it is covered, and the names exist."""
     from dataclasses import fields
 
-    from loom.config.sections import ACTIVATIONS, SECTIONS
+    from loom.config.sections import ACTIVATIONS, all_sections
 
-    needs = {f.metadata["needs"] for cls in SECTIONS.values() for f in fields(cls) if "needs" in f.metadata}
+    needs = {
+        f.metadata["needs"] for cls in all_sections().values() for f in fields(cls) if "needs" in f.metadata
+    }
     assert needs == set(ACTIVATIONS)
 
 
