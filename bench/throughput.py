@@ -14,9 +14,11 @@ holds compilation and warm-up).
 
 ``--cp-method allgather,ring`` runs every context-parallel layout once per ``parallel.cp_method`` (its rows named
 ``cp2 (ring)``), so the two sit side by side: peak memory per GPU and tokens/s, e.g. at 64k tokens on 2 GPUs
+(op-level checkpointing, where all-gather keeps every layer's gathered K/V; under full checkpointing neither
+keeps any, and at cp <= 4 the ring's fp32 dK/dV accumulators make it the larger: docs/parallelism.md)
 
     python -m bench.throughput --gpus 2 --flavor 8B --seq 65536 --layouts cp2 --cp-method allgather,ring \\
-        --global-batch 1 --ac full --out bench/results/throughput_8b_cp_2gpu_h200.json
+        --global-batch 1 --ac op --out bench/results/throughput_8b_cp_2gpu_h200.json
 
 ``--plan FILE`` measures the fastest layout of a ``loom plan --search --json FILE`` instead of ``--layouts``
 (its layout, micro-batch size and activation checkpointing), so that a run measures what the planner proposed.
