@@ -111,21 +111,36 @@ def test_ring_attention_op_in_one_process_matches_attention(docs, tmp_path):
 
 class ThreadRing:
     """cp rank ``rank`` of a ring of threads in one process: the cp group's point-to-point transport replaced by
-    mailboxes (``shift`` puts a copy in the next rank's box for ``tag``; the request's ``wait`` takes the
-    previous rank's), so the ring's own schedule, block choice, merge and dK/dV hand-off run as on cp ranks."""
+    mailboxes, with its semantics (``shift`` hands the tensor itself to the next rank's box for ``tag``; the
+    request's ``wait`` copies the previous rank's into the receive buffer and returns once the next rank has
+    taken this one), so the ring's own schedule, block choice, merge, dK/dV hand-off and buffers run as on cp
+    ranks."""
 
     def __init__(self, rank: int, size: int, boxes: dict):
         self.rank, self.size, self.boxes = rank, size, boxes
 
     def shift(self, t: torch.Tensor, tag: int):
-        self.boxes[(self.rank + 1) % self.size, tag].put(t.clone())
-        recv, box = torch.empty_like(t), self.boxes[self.rank, tag]
+        import threading
 
-        class Request:
-            def wait(self):
-                recv.copy_(box.get(timeout=60))
+        taken = threading.Event()
+        self.boxes[(self.rank + 1) % self.size, tag].put((t, taken))
+        recv = torch.empty_like(t)
+        return recv, [MailRequest(recv, self.boxes[self.rank, tag], taken)]
 
-        return recv, [Request()]
+
+class MailRequest:
+    """A ``ThreadRing`` shift's request (a class of its own: one defined per call is a reference cycle that would
+    keep its receive buffer alive until the garbage collector runs)."""
+
+    def __init__(self, recv: torch.Tensor, box, taken):
+        self.recv, self.box, self.taken = recv, box, taken
+
+    def wait(self) -> None:
+        sent, done = self.box.get(timeout=60)
+        self.recv.copy_(sent)
+        del sent  # copied: the sender's buffer is its own again (not kept while this rank waits on its send)
+        done.set()
+        assert self.taken.wait(timeout=60), "the next rank never received"
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
@@ -164,6 +179,48 @@ def test_ring_over_simulated_ranks_matches_one_process(cp, docs):
         torch.testing.assert_close(lse, shard_sequence(ref_lse, r, cp, dim=2), rtol=1e-5, atol=1e-5)
         for got, whole in zip(grads, full):
             torch.testing.assert_close(got, shard_sequence(whole.grad, r, cp, dim=2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_backward_holds_five_blocks_of_one_ranks_kv(cp):
+    """What the planner's ``cp_attention_working`` counts for the ring: its backward, traced by the planner's
+    tracker on each simulated rank, holds at most five K/V blocks of one rank's size at once (the block attended,
+    the one arriving, and three fp32 dK/dV accumulators: this step's, the one arriving, the one leaving; a block
+    kept a step too long makes six) and never allocates the whole sequence's K/V (O(S/cp), not O(S))."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loom.parallel.context_parallel import _ring_backward, _ring_forward
+    from loom.plan.activations import _Tracker
+
+    class Blocks(_Tracker):  # the most storages of one K/V block's bytes alive at once, the largest storage
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            sizes = [n for _, n in self.live.values()]
+            self.most = max(getattr(self, "most", 0), sizes.count(block))
+            self.largest = max(getattr(self, "largest", 0), *sizes, 0)
+            return out
+
+    seq, hq, hkv, d = 16 * cp, 2, 2, 16
+    block = 2 * hkv * d * (seq // cp) * 4  # fp32 bytes of one rank's K and V; nothing else has this size
+    q, k, v, dout = (torch.randn(1, h, seq, d) for h in (hq, hkv, hkv, hq))
+    boxes = {(r, tag): queue.Queue() for r in range(cp) for tag in (0, 1)}
+
+    def rank(r: int) -> Blocks:
+        ring = ThreadRing(r, cp, boxes)
+        mine = [shard_sequence(t, r, cp, dim=2).contiguous() for t in (q, k, v, dout)]
+        out, lse = _ring_forward(*mine[:3], None, ring, d**-0.5)
+        tracker = Blocks(mine + [out, lse], [])
+        with tracker:
+            tracker.backward = True
+            _ring_backward(mine[3], *mine[:3], out, lse, None, None, ring, d**-0.5)
+        return tracker
+
+    with ThreadPoolExecutor(cp) as pool:
+        trackers = [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(cp)]]
+    # at cp = 2 the last step receives nothing: four
+    assert [t.most for t in trackers] == [4 if cp == 2 else 5] * cp
+    assert max(t.largest for t in trackers) == block  # nothing of the whole sequence's K/V (cp blocks)
 
 
 def doc_positions(bsz: int, seq: int, seed: int) -> torch.Tensor:
