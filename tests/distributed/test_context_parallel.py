@@ -182,11 +182,12 @@ def test_ring_over_simulated_ranks_matches_one_process(cp, docs):
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
-def test_ring_backward_holds_five_blocks_of_one_ranks_kv(cp):
-    """What the planner's ``cp_attention_working`` counts for the ring: its backward, traced by the planner's
-    tracker on each simulated rank, holds at most five K/V blocks of one rank's size at once (the block attended,
-    the one arriving, and three fp32 dK/dV accumulators: this step's, the one arriving, the one leaving; a block
-    kept a step too long makes six) and never allocates the whole sequence's K/V (O(S/cp), not O(S))."""
+def test_ring_holds_two_blocks_of_one_ranks_kv_forward_and_five_backward(cp):
+    """What the planner's ``cp_attention_working`` counts for the ring: traced by the planner's tracker on each
+    simulated rank, its forward holds two K/V blocks of one rank's size at once, its backward at most five (the
+    block attended, the one arriving, and three fp32 dK/dV accumulators: this step's, the one arriving, the one
+    leaving; a block kept a step too long makes one more), and neither allocates the whole sequence's K/V
+    (O(S/cp), not O(S))."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -209,18 +210,21 @@ def test_ring_backward_holds_five_blocks_of_one_ranks_kv(cp):
     def rank(r: int) -> Blocks:
         ring = ThreadRing(r, cp, boxes)
         mine = [shard_sequence(t, r, cp, dim=2).contiguous() for t in (q, k, v, dout)]
-        out, lse = _ring_forward(*mine[:3], None, ring, d**-0.5)
-        tracker = Blocks(mine + [out, lse], [])
-        with tracker:
-            tracker.backward = True
+        forward, backward = Blocks(mine, []), Blocks(mine, [])
+        with forward:
+            forward.backward = True  # (the tracker's switch that counts the peak)
+            out, lse = _ring_forward(*mine[:3], None, ring, d**-0.5)
+        with backward:
+            backward.backward = True
             _ring_backward(mine[3], *mine[:3], out, lse, None, None, ring, d**-0.5)
-        return tracker
+        return forward, backward
 
     with ThreadPoolExecutor(cp) as pool:
         trackers = [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(cp)]]
-    # at cp = 2 the last step receives nothing: four
-    assert [t.most for t in trackers] == [4 if cp == 2 else 5] * cp
-    assert max(t.largest for t in trackers) == block  # nothing of the whole sequence's K/V (cp blocks)
+    assert [f.most for f, _ in trackers] == [2] * cp  # forward: the block attended, the one arriving
+    # backward; at cp = 2 its last step receives nothing: four
+    assert [b.most for _, b in trackers] == [4 if cp == 2 else 5] * cp
+    assert max(t.largest for pair in trackers for t in pair) == block  # nothing of the whole sequence's K/V
 
 
 def doc_positions(bsz: int, seq: int, seed: int) -> torch.Tensor:
