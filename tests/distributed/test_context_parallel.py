@@ -379,6 +379,7 @@ def cp_jobs(tmp, world: int) -> dict:
         # ring attention over 4 cp ranks (three hops each way), and beside a pipeline's own sends (ZBV's
         # split backward runs the ring's backward in the input-gradient pass)
         "cp4-ring-docs-m2": docs_job(tmp, "cp4-ring-docs-m2", m=2, cp=4, dp_shard=1, cp_method="ring"),
+        "cp4-ring": job(tmp, "cp4-ring", cp=4, dp_shard=1, cp_method="ring"),  # causal (no document bounds)
         "pp2xcp2-ring-zbv-m4": job(
             tmp, "pp2xcp2-ring-zbv-m4", m=4, pp=2, cp=2, pp_schedule="zbv", dp_shard=1, cp_method="ring"
         ),
