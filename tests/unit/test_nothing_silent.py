@@ -13,7 +13,7 @@ import pytest
 
 from loom.cli.main import main as loom_main
 from loom.config.errors import ConfigError, UserError
-from tests.tiny import tiny_config
+from tests.tiny import tiny_args, tiny_config
 
 
 def cli_error(capsys, *argv: str) -> str:
@@ -206,6 +206,52 @@ def returns_none(prompts, completions, **kw):
 
 def returns_nan(prompts, completions, **kw):
     return [1.0, float("nan")]
+
+
+def raises(prompts, completions, **kw):
+    return [1.0 / 0 for _ in completions]
+
+
+def raises_type_error(prompts, completions, **kw):
+    return [len(c) + "x" for c in completions]  # the function's own TypeError, not a signature misfit
+
+
+def raises_on_rank_1(prompts, completions, **kw):
+    if os.environ.get("RANK", "0") == "1":
+        raise KeyError("answer")
+    return [0.0 for _ in completions]
+
+
+def test_a_reward_function_that_raises_stops_the_run_in_one_line(tmp_path, capsys):
+    """Issue 49: the user's exception (any type) is one line naming the function, where it is defined, the
+    exception and where it was raised; no traceback of theirs in the log (it was a traceback per rank)."""
+    from loom.rl.rewards import Rewards
+
+    here = os.path.abspath(__file__).removesuffix("c")
+    for name, needle in (
+        ("raises", "raised ZeroDivisionError: float division by zero at "),
+        ("raises_type_error", "raised TypeError: unsupported operand type(s) for +: 'int' and 'str' at "),
+    ):
+        with pytest.raises(UserError) as err:
+            Rewards([f"tests.unit.test_nothing_silent:{name}"]).score(["p", "p"], ["a", "b"], [[1], [2]], {})
+        assert f"grpo.rewards: tests.unit.test_nothing_silent:{name} (defined at {here}:" in str(err.value)
+        assert needle + here in str(err.value), str(err.value)
+    argv = tiny_args(
+        tmp_path / "run",
+        tmp_path / "cache",
+        **{
+            "training.objective": "grpo",
+            "grpo.rewards": "tests.unit.test_nothing_silent:raises",
+            "grpo.warmup_steps": 0,
+            "grpo.group_size": 2,
+            "grpo.max_new_tokens": 2,
+            "training.steps": 2,
+        },
+    )
+    line = cli_error(capsys, "train", *argv)
+    assert "grpo.rewards: tests.unit.test_nothing_silent:raises (defined at " in line
+    assert "raised ZeroDivisionError: float division by zero at " in line, line
+    assert not os.path.exists(tmp_path / "run" / "checkpoints" / "step_00000001")
 
 
 def test_reward_functions_that_do_not_fit_are_one_line():
