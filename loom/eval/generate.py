@@ -54,7 +54,7 @@ def parse_gen_kwargs(text: str, field: str = "--gen-kwargs") -> dict:
         except ValueError:
             allowed = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
             raise ConfigError(field, text, f"{key} = {value!r}: allowed {allowed}") from None
-    sampling = {k: v for k, v in out.items() if k not in ("until", "do_sample", "seed")}
+    sampling = {k: v for k, v in out.items() if k not in ("until", "do_sample")}
     if "max_gen_toks" in sampling:
         sampling["max_new_tokens"] = sampling.pop("max_gen_toks")
     from loom.infer import SamplingParams

@@ -254,6 +254,19 @@ def test_a_reward_function_that_raises_stops_the_run_in_one_line(tmp_path, capsy
     assert not os.path.exists(tmp_path / "run" / "checkpoints" / "step_00000001")
 
 
+def test_a_seed_out_of_range_is_one_line(capsys):
+    """Issue 49: run.seed past 32 bits was a torch overflow traceback at the start (or at GRPO's first sampling
+    seed, run.seed x 1,000,003 x 1009); a negative one is refused, since torch would take -1 as 2**64 - 1."""
+    from loom.infer import SamplingParams
+
+    line = cli_error(capsys, "train", "--run.seed", "18446744073709551616")
+    assert line == "loom: error: run.seed = 18446744073709551616: must be <= 4294967295"
+    assert cli_error(capsys, "train", "--run.seed=-1") == "loom: error: run.seed = -1: must be >= 0"
+    assert tiny_config(None, **{"run.seed": 2**32 - 1}).run.seed == 2**32 - 1
+    with pytest.raises(ConfigError, match=r"^seed = -1: None \(a fresh seed\) or 0 .. 2\*\*63 - 1$"):
+        SamplingParams(seed=-1)
+
+
 def test_reward_functions_that_do_not_fit_are_one_line():
     from loom.rl.rewards import Rewards
 
