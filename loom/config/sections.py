@@ -112,6 +112,9 @@ def opt(
     return field(default=default, metadata=meta)
 
 
+SEED_MAX = 2**32 - 1  # run.seed and `loom generate --seed`: a negative seed is refused (torch would wrap it)
+
+
 @dataclass
 class RunConfig:
     dir: str = opt(
@@ -122,8 +125,10 @@ class RunConfig:
     )
     seed: int = opt(
         0,
-        "seed for weights, data order and dropout-free RNG streams",
+        "seed for weights, data order and dropout-free RNG streams (32 bits: the seeds derived from it, "
+        "such as GRPO's per-step sampling seeds, must fit torch's 64)",
         min=0,
+        max=SEED_MAX,
         resume=(MUST_MATCH, "draws the data order that the loader's position counts in"),
     )
     deterministic: bool = opt(
