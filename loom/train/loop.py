@@ -318,6 +318,7 @@ class Loop:
             self.health.close()
             for hook in self.engine.hooks:
                 hook.close()
+            self.engine.optimizer.close()  # optimizer.offload nvme: its files go
             self.profiler.close()
             if run.logger:
                 run.logger.close()
