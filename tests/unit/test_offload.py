@@ -364,3 +364,27 @@ def test_nvme_offload_folder_refuses_a_path_without_room_or_write_access(tmp_pat
     (tmp_path / "other").write_text("x")
     folder.close()
     assert sorted(os.listdir(tmp_path)) == ["other"] and state.sum() == 5  # the mapped values stay readable
+
+
+def test_plan_models_activation_offload_and_nvme_offload():
+    """Activation offload: the offloaded blocks' saved tensors leave the GPU but for two blocks in flight, wait on
+    the host, and cost their PCIe copies where compute does not hide them. NVMe offload: the moments (8 bytes a
+    parameter) leave the GPU (or, with cpu_offload, the host) for the disk, and the step waits for their file IO."""
+    from loom.plan.planner import nvme_step_s
+
+    gpu, traced = GPUS["H100"], {}  # the activation traces shared
+    light = {**OFFLOAD, "model.n_layers": 8, "training.activation_checkpointing": "none"}
+    base = estimate(plan_config(**light), 1, gpu, traced)
+    off = estimate(plan_config(**light, **{"training.activation_offload": "all"}), 1, gpu, traced)
+    per_block = (off.host_gib - base.host_gib) * GIB / 8
+    assert per_block > 0 and base.time.offload == 0 < off.time.offload
+    assert base.memory.activations - off.memory.activations == pytest.approx(6 * per_block)
+    assert "act_offload8" in off.describe() and any("activation_offload: 8 blocks" in n for n in off.notes)
+    on_gpu, nvme = (estimate(plan_config(**o), 1, gpu, traced) for o in ({}, {"optimizer.offload": "nvme"}))
+    params = on_gpu.memory.weights / 4
+    assert nvme.memory.optimizer == 0 and nvme.disk_gib == pytest.approx(8 * params / GIB)
+    assert nvme.memory.weights == on_gpu.memory.weights and nvme.time.optimizer == pytest.approx(
+        nvme_step_s(params)
+    )
+    both = estimate(plan_config(**OFFLOAD, **{"optimizer.offload": "nvme"}), 1, gpu, traced)
+    assert both.host_gib == pytest.approx(8 * params / GIB) and "nvme" in both.describe()
