@@ -80,7 +80,7 @@ class ActivationOffload:
         if not torch.is_grad_enabled():
             self._active.append(None)
             return
-        skip = {t.untyped_storage().data_ptr() for t in _own_tensors(block)}
+        skip = {_storage(t) for t in _own_tensors(block)}
         record = _BlockRecord(self.last, skip)
         self.last = record
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t, r=record: self._pack(t, r), self._unpack)
@@ -159,6 +159,16 @@ class ActivationOffload:
 def _own_tensors(block: nn.Module):
     yield from block.parameters()
     yield from block.buffers()
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where ``t``'s memory starts (a DTensor's local shard's); None for a tensor whose storage cannot be read
+    (other subclasses: QLoRA's NF4 weights)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def apply_activation_offload(model: nn.Module, spec: str, device: torch.device) -> ActivationOffload | None:
