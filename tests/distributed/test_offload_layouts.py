@@ -53,10 +53,26 @@ def test_two_rank_offload_on_cpu_gloo_equals_one_process(tmp_path):
     clipping by the global norm (the tiny run's norms are above 1), against one process without offload."""
     (single,) = run_jobs(1, [job(tmp_path, "single", 2)], str(tmp_path))
     offloaded = job(tmp_path, "fsdp2_offload", 2, **{"parallel.dp_shard": 2, "parallel.cpu_offload": "true"})
-    (offload,) = run_on("cpu:gloo", 2, [offloaded], tmp_path)
+    # the same group: FSDP2 shards with their AdamW moments in files (DTensors around them, saved by DCP at step 2)
+    # and every block's saved activations (recomputed: its input) through the offload hooks
+    nvme = job(
+        tmp_path,
+        "fsdp2_nvme_activation_offload",
+        2,
+        **{
+            "parallel.dp_shard": 2,
+            "optimizer.offload": "nvme",
+            "optimizer.offload_chunk_mb": 0.01,
+            "training.activation_offload": "all",
+            "training.activation_checkpointing": "full",
+            "checkpoint.every": 2,
+        },
+    )
+    offload, files = run_on("cpu:gloo", 2, [offloaded, nvme], tmp_path)
     assert offload.get("backend") == "cpu:gloo", offload.get("error")
     assert max(r["grad_norm"] for r in single["records"]) > 1.0  # clipping by the global norm took part
     assert max_rel(losses(offload), losses(single)) < 1e-5
+    assert max_rel(losses(files), losses(single)) < 1e-5, files.get("error")
 
 
 @pytest.mark.exhaustive
