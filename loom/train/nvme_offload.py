@@ -135,7 +135,7 @@ class NvmeAdamW(torch.optim.AdamW):
                     if loaded.data_ptr() != file.data_ptr():
                         file.copy_(loaded)
                     state[key] = _like(file, p)
-                state["step"] = state["step"].detach().to("cpu", torch.float32)
+                state["step"] = state["step"].detach().to("cpu", torch.float32, copy=True)  # its own
 
     # -------------------------------------------------------------------------------------------------- step
     def _buffers(self, device: torch.device) -> list[torch.Tensor]:
