@@ -47,14 +47,6 @@ def check_offload_config(cfg: Config) -> None:
                 "hooks' host copies are Python side effects it cannot trace (fullgraph breaks); offload without "
                 "compile, or compile without offload",
             )
-        if cfg.parallel.pp > 1:
-            raise ConfigError(
-                FIELD,
-                t.activation_offload,
-                "not with parallel.pp > 1: a pipeline schedule keeps several micro-batches' activations and splits "
-                "backwards (zero-bubble) in an order the one-forward prefetch does not follow, and this pairing is "
-                "untested; use activation_checkpointing there",
-            )
     o = cfg.optimizer
     if o.offload == "nvme" and o.name != "adamw":
         raise ConfigError(

@@ -208,6 +208,10 @@ def estimate(
     if x.offload_blocks:
         host += parked
         notes.append(activation_offload_note(parked, per_block, x, gpu))
+        if dims.pp > 1:
+            notes.append(
+                "activation_offload under a pipeline is not modelled: the stages keep their activations"
+            )
     disk = max(nvme_state(held_params(share, x), x) for share in shares)
     if x.nvme:
         notes.append(nvme_note(disk))

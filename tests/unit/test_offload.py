@@ -283,18 +283,13 @@ def test_activation_offload_run_equals_the_run_without_it(tmp_path, cache, plain
             "training.activation_offload",
             "compile",
         ),
-        (
-            {"training.activation_offload": "0", "parallel.pp": 2},
-            "training.activation_offload",
-            "parallel.pp",
-        ),
         ({"optimizer.offload": "nvme", "optimizer.name": "lamb"}, "optimizer.offload", "use adamw"),
         ({"optimizer.offload_path": "/x"}, "optimizer.offload_path", "does nothing without"),
     ],
 )
 def test_offload_fields_that_cannot_run_are_config_errors(over, field, words):
     with pytest.raises(ConfigError, match=words) as err:
-        resolve(tiny_config(**over), 2 if "parallel.pp" in over else 1)
+        resolve(tiny_config(**over), 1)
     assert err.value.field == field
 
 
