@@ -125,7 +125,8 @@ def test_activation_offload_on_one_gpu_lowers_the_peak_with_the_same_losses(tmp_
 def test_nvme_offload_on_one_gpu_keeps_the_moments_in_files(tmp_path, cache):
     """The AdamW moments in files under tmp_path, stepped on the GPU chunk by chunk through pinned staging buffers:
     fp32 losses as without (PyTorch's fused kernel per chunk against loom's Triton AdamW), the GPU's peak lower by
-    most of the moments' bytes, and loom's folder removed at the end."""
+    most of the moments' bytes, loom's folder removed at the end, and a resume from the checkpoint at step 3 (the
+    moments saved from the files and loaded into new ones) repeats steps 4-6."""
     disk = tmp_path / "disk"
     disk.mkdir()
     fp32 = {"training.dtype": "float32"}
@@ -134,12 +135,18 @@ def test_nvme_offload_on_one_gpu_keeps_the_moments_in_files(tmp_path, cache):
         "optimizer.offload": "nvme",
         "optimizer.offload_path": str(disk),
         "optimizer.offload_chunk_mb": 16,
+        "checkpoint.every": 3,
     }
     trainer, records, peak = train(tmp_path / "nvme", cache, **fp32, **nvme)
     moments = 8 * sum(p.numel() for p in trainer.params) / 2**30
     assert peak < plain_peak - 0.5 * moments, (peak, plain_peak, moments)
     assert max_rel([r["loss"] for r in records], [r["loss"] for r in plain]) < 1e-4
     assert os.listdir(disk) == []
+    del trainer
+    shutil.rmtree(os.path.join(tmp_path, "nvme", "checkpoints", step_dir_name(STEPS)))  # resumed from step 3
+    _, resumed, _ = train(tmp_path / "nvme", cache, **fp32, **nvme)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert max_rel([r["loss"] for r in resumed], [r["loss"] for r in records[3:]]) < 1e-6
 
 
 @pytest.mark.multi_gpu
