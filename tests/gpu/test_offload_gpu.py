@@ -146,7 +146,7 @@ def test_nvme_offload_on_one_gpu_keeps_the_moments_in_files(tmp_path, cache):
     shutil.rmtree(os.path.join(tmp_path, "nvme", "checkpoints", step_dir_name(STEPS)))  # resumed from step 3
     _, resumed, _ = train(tmp_path / "nvme", cache, **fp32, **nvme)
     assert [r["step"] for r in resumed] == [4, 5, 6]
-    assert max_rel([r["loss"] for r in resumed], [r["loss"] for r in records[3:]]) < 1e-6
+    assert max_rel([r["loss"] for r in resumed], [r["loss"] for r in records[3:]]) < 1e-5
 
 
 @pytest.mark.multi_gpu
