@@ -494,8 +494,8 @@ def family_settings(args, cfg: Config):
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
-        if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1 or cfg.parallel.tp > 1):
-            field = next(f for f in ("pp", "cp", "tp") if getattr(cfg.parallel, f) > 1)
+        if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+            field = next(f for f in ("pp", "cp") if getattr(cfg.parallel, f) > 1)
             raise ConfigError(
                 f"parallel.{field}",
                 getattr(cfg.parallel, field),
@@ -522,10 +522,6 @@ def check_moe(args, cfg: Config) -> None:
     if args.moe_top_k > args.moe_experts:
         raise ConfigError(
             "model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})"
-        )
-    if args.moe_shared_experts and cfg.parallel.tp > 1:
-        raise ConfigError(
-            "parallel.tp", cfg.parallel.tp, "not with shared experts (the DeepSeek-V3 family) yet: allowed 1"
         )
     if args.moe_top_k > args.moe_experts // args.moe_groups * args.moe_topk_groups:
         raise ConfigError(

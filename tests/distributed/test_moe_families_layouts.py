@@ -1,5 +1,6 @@
-"""The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2 and EP2 (FSDP2 over the rest) give one
-process's loss and grad norm at every step (fp32), with DeepSeek's shared experts, group-limited sigmoid routing,
+"""The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2, EP2 (FSDP2 over the rest) and TP2 + SP
+with tensor-parallel experts (ETP2) give one process's loss and grad norm at every step (fp32), with DeepSeek's
+shared experts, group-limited sigmoid routing,
 its aux-loss-free selection bias moving each step (the same max / mean expert load as one process, and the bias
 equal on every rank: ``moe_bias_spread`` 0) and its multi-token prediction module; all in one world-2 job group."""
 
@@ -29,6 +30,10 @@ def test_moe_families_match_single_process(tmp_path):
             ("ds-ep2", dict(dp=2, dp_shard=2, ep=2)),
             ("q-fsdp2", dict(dp=2, dp_shard=2)),
             ("q-ep2", dict(dp=2, dp_shard=2, ep=2)),
+            # tensor + sequence parallel with the experts sharded over tp by width; DeepSeek's shared experts
+            # column / row-parallel like a dense MLP, its MTP module's projection and norms on the sequence slices
+            ("ds-tp2-etp2", dict(tp=2, dp_shard=1, etp=2)),
+            ("q-tp2-etp2", dict(tp=2, dp_shard=1, etp=2)),
         )
     }
     results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
