@@ -494,13 +494,18 @@ def family_settings(args, cfg: Config):
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
+        # the modules embed the tokens k ahead: a pipeline's last stage receives hidden states only, and a context-
+        # parallel rank's chunks end where the next token is another rank's
+        why = {
+            "pp": "the pipeline's last stage gets hidden states, not the tokens the MTP modules embed",
+            "cp": "a context-parallel rank lacks the tokens past its chunks that the MTP modules predict",
+        }
         if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
             field = next(f for f in ("pp", "cp") if getattr(cfg.parallel, f) > 1)
             raise ConfigError(
                 f"parallel.{field}",
                 getattr(cfg.parallel, field),
-                "not with multi-token prediction "
-                "(model.mtp_depth > 0) yet: allowed 1 (or model.mtp_depth = 0)",
+                f"not with multi-token prediction ({why[field]}): allowed 1, or model.mtp_depth = 0",
             )
     return args
 

@@ -1,8 +1,9 @@
-"""The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2, EP2 (FSDP2 over the rest) and TP2 + SP
-with tensor-parallel experts (ETP2) give one process's loss and grad norm at every step (fp32), with DeepSeek's
-shared experts, group-limited sigmoid routing,
-its aux-loss-free selection bias moving each step (the same max / mean expert load as one process, and the bias
-equal on every rank: ``moe_bias_spread`` 0) and its multi-token prediction module; all in one world-2 job group."""
+"""The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2, EP2 (FSDP2 over the rest), TP2 + SP with
+tensor-parallel experts (ETP2; DeepSeek's shared experts and MTP module sharded too) and PP2 (1F1B, DualPipeV;
+DeepSeek without its MTP module, which pipelines refuse) give one process's loss and grad norm at every step (fp32),
+with DeepSeek's shared experts, group-limited sigmoid routing, its aux-loss-free selection bias moving each step (the
+same max / mean expert load as one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one
+world-2 job group."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from tests.distributed.test_model_parallel import STEPS, job
 FLAVORS = {
     "ds": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01},
     "q": {"model.flavor": "qwen3_moe_debug"},
+    # without its MTP module: the layouts that refuse multi-token prediction (pipeline, context parallel)
+    "ds0": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01, "model.mtp_depth": 0},
 }
 
 
@@ -34,6 +37,11 @@ def test_moe_families_match_single_process(tmp_path):
             # column / row-parallel like a dense MLP, its MTP module's projection and norms on the sequence slices
             ("ds-tp2-etp2", dict(tp=2, dp_shard=1, etp=2)),
             ("q-tp2-etp2", dict(tp=2, dp_shard=1, etp=2)),
+            # pipelines: the dense first block and the MoE blocks split over two stages, 1F1B and DualPipeV
+            ("ds0-pp2-1f1b", dict(m=2, pp=2, dp_shard=1, pp_schedule="1f1b")),
+            ("ds0-pp2-dualpipev", dict(m=4, pp=2, dp_shard=1, pp_schedule="dualpipev")),
+            ("q-pp2-1f1b", dict(m=2, pp=2, dp_shard=1, pp_schedule="1f1b")),
+            ("q-pp2-dualpipev", dict(m=4, pp=2, dp_shard=1, pp_schedule="dualpipev")),
         )
     }
     results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))

@@ -129,3 +129,19 @@ def test_flops_count_the_families_blocks():
     assert matmul_params(args) == active + args.mtp_depth * args.dim * args.vocab_size + (
         args.dim * args.vocab_size if args.tie_embeddings else 0
     )
+
+
+@pytest.mark.parametrize("axis", ["pp", "cp"])
+def test_mtp_refuses_pipeline_and_context_parallel_in_one_line(axis):
+    """The MTP modules embed the tokens k ahead: a pipeline's last stage and a context-parallel rank lack them, so
+    those layouts ask for model.mtp_depth = 0 (tested layout-invariant so: tests/distributed/
+    test_moe_families_layouts.py)."""
+    from loom.config import ConfigError
+    from loom.data.tokenizers import ByteTokenizer
+    from loom.resolve import resolve_model_args
+
+    over = {"model.flavor": "deepseek_v3_debug", f"parallel.{axis}": 2, "parallel.dp_shard": 1}
+    with pytest.raises(ConfigError, match=f"parallel.{axis}.*multi-token prediction.*mtp_depth = 0"):
+        resolve_model_args(tiny_config(**over), ByteTokenizer())
+    args = resolve_model_args(tiny_config(**over, **{"model.mtp_depth": 0}), ByteTokenizer())
+    assert args.mtp_depth == 0 and args.moe_shared_experts == 1

@@ -343,6 +343,13 @@ def count_tokens(model: nn.Module, mask: torch.Tensor | None) -> None:
         m.counted = mask
 
 
+def forget_routing(model: nn.Module) -> None:
+    """Drop what ``model``'s MoE blocks counted since the last bias update and read (loads, balance): a forward
+    that was no training step's (a pipeline's shape inference on placeholder inputs)."""
+    for m in moe_modules(model):
+        m.load = m.balance_sum = None
+
+
 def take_balance(model: nn.Module) -> torch.Tensor | None:
     """The balance loss summed over every MoE block of ``model`` and the sequences since the last call (then
     reset); None without MoE blocks or before a training forward. 1 per block and sequence = balanced."""
