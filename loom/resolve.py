@@ -578,12 +578,6 @@ def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
             raise ConfigError(
                 "parallel.ep", dims.ep, f"must divide the number of experts ({args.moe_experts})"
             )
-    if dims.cp_enabled and args.mla:
-        raise ConfigError(
-            "parallel.cp",
-            dims.cp,
-            "not supported with multi-head latent attention (the model's attention_kind mla) yet: allowed 1",
-        )
     if dims.cp_enabled and args.sliding_window:
         raise ConfigError(
             "parallel.cp",
