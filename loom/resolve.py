@@ -511,12 +511,29 @@ def family_settings(args, cfg: Config):
 
 
 def check_mla(args, cfg: Config) -> None:
-    """What a model with multi-head latent attention does not support (yet), as config errors."""
-    if args.mla and cfg.lora.rank:
+    """LoRA targets against the model's attention kind: multi-head latent attention adapts q_a, q_b (or q where the
+    query is not compressed), kv_a, kv_b, o; grouped-query attention q, k, v, o."""
+    from loom.models.common.lora import MLA_TARGETS, parse_targets
+
+    if not cfg.lora.rank:
+        return
+    targets = parse_targets(cfg.lora.targets)
+    attention = [t for t in targets if t in MLA_TARGETS or t in ("k", "v")]
+    if args.mla:
+        have = ("q_a", "q_b") if args.q_lora_rank else ("q",)
+        allowed = [*have, "kv_a", "kv_b", "o"]
+        wrong = [t for t in attention if t not in allowed]
+        kind = "multi-head latent attention" + (" with a compressed query" if args.q_lora_rank else "")
+    else:
+        allowed = ["q", "k", "v", "o"]
+        wrong = [t for t in attention if t not in allowed]
+        kind = "grouped-query attention"
+    if wrong:
         raise ConfigError(
-            "lora.rank",
-            cfg.lora.rank,
-            "not with multi-head latent attention (the model's attention_kind mla) yet: allowed 0",
+            "lora.targets",
+            cfg.lora.targets,
+            f"{', '.join(wrong)}: not a linear of this model's {kind}: its attention targets are "
+            f"{', '.join(allowed)}",
         )
 
 

@@ -186,10 +186,12 @@ def with_adapters(block: nn.Module, plan: dict) -> dict:
     """``plan`` with the styles of LoRA-adapted linears (loom.models.common.lora) replaced by their LoRA versions:
     the adapter factors sharded consistently with their base, so the adapter's output has the base's layout."""
     colwise, rowwise = lora_styles()
+    lora_cls = {"ColwiseParallel": colwise, "RowwiseParallel": rowwise}
     out = dict(plan)
     for path, style in plan.items():
-        if isinstance(block.get_submodule(path), LoRALinear):
-            cls = {"ColwiseParallel": colwise, "RowwiseParallel": rowwise}[type(style).__name__]
+        # a replicated one (latent attention's compressions: ``replicated_compute``) replicates its factors too
+        if isinstance(block.get_submodule(path), LoRALinear) and type(style).__name__ in lora_cls:
+            cls = lora_cls[type(style).__name__]
             out[path] = cls.__new__(cls)
             out[path].__dict__.update(style.__dict__)  # the same input / output layouts
     return out

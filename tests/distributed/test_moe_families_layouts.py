@@ -17,6 +17,13 @@ FLAVORS = {
     "q": {"model.flavor": "qwen3_moe_debug"},
     # without its MTP module: the layouts that refuse multi-token prediction (pipeline, context parallel)
     "ds0": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01, "model.mtp_depth": 0},
+    # LoRA on the latent attention's five linears (the rest frozen; the selection bias still moves)
+    "dsl": {
+        "model.flavor": "deepseek_v3_debug",
+        "model.moe_bias_speed": 0.01,
+        "lora.rank": 4,
+        "lora.targets": "q_a,q_b,kv_a,kv_b,o",
+    },
 }
 
 
@@ -42,6 +49,8 @@ CORE = {
     # context parallel: DeepSeek's latent attention through the all-gather path (its MTP refuses cp)
     "ds0-cp2": dict(cp=2, dp_shard=1),
     "q-cp2": dict(cp=2, dp_shard=1),
+    # LoRA on the latent attention under TP: adapters of the replicated compressions replicated, the others split
+    "dsl-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
 }
 # slow (world 2): the experts replicated over tp (etp 1), TP with accumulation, the other pipeline schedules, the
 # ring method of context parallelism
@@ -56,6 +65,7 @@ BROAD = {
     },
     "ds0-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
     "q-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
+    "dsl-fsdp2": dict(dp=2, dp_shard=2),
 }
 
 
