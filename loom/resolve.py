@@ -477,12 +477,6 @@ def family_settings(args, cfg: Config):
                 "model.moe_bias_speed", m.moe_bias_speed, "needs a mixture-of-experts model: allowed -1 | 0"
             )
         args = args.with_(moe_bias_speed=m.moe_bias_speed, moe_bias=args.moe_bias or m.moe_bias_speed > 0)
-    if args.moe_bias_speed > 0 and cfg.training.compile:
-        raise ConfigError(
-            "model.moe_bias_speed",
-            args.moe_bias_speed,
-            "not with training.compile yet (compiled blocks do not count the experts' loads): allowed 0",
-        )
     has_mtp = "mtp_depth" in getattr(args, "__dataclass_fields__", {})
     if m.mtp_depth > 0 and not has_mtp:
         raise ConfigError(
