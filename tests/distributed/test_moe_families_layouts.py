@@ -1,9 +1,10 @@
 """The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2, EP2 (FSDP2 over the rest), TP2 + SP with
-tensor-parallel experts (ETP2; DeepSeek's shared experts and MTP module sharded too) and PP2 (1F1B, DualPipeV;
-DeepSeek without its MTP module, which pipelines refuse) give one process's loss and grad norm at every step (fp32),
-with DeepSeek's shared experts, group-limited sigmoid routing, its aux-loss-free selection bias moving each step (the
-same max / mean expert load as one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one
-world-2 job group."""
+tensor-parallel experts (ETP2; DeepSeek's shared experts and MTP module sharded too), PP2 (1F1B, DualPipeV) and CP2
+(DeepSeek's latent attention through the all-gather path; DeepSeek without its MTP module, which pipelines and
+context parallelism refuse) give one process's loss and grad norm at every step (fp32), with DeepSeek's shared
+experts, group-limited sigmoid routing, its aux-loss-free selection bias moving each step (the same max / mean
+expert load as one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one world-2 job group.
+Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules, ring CP, LoRA on the latent attention."""
 
 from __future__ import annotations
 
@@ -49,11 +50,9 @@ CORE = {
     # context parallel: DeepSeek's latent attention through the all-gather path (its MTP refuses cp)
     "ds0-cp2": dict(cp=2, dp_shard=1),
     "q-cp2": dict(cp=2, dp_shard=1),
-    # LoRA on the latent attention under TP: adapters of the replicated compressions replicated, the others split
-    "dsl-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
 }
 # slow (world 2): the experts replicated over tp (etp 1), TP with accumulation, the other pipeline schedules, the
-# ring method of context parallelism
+# ring method of context parallelism, LoRA on the latent attention (its PEFT names: tests/unit/test_moe_families.py)
 BROAD = {
     "ds-tp2": dict(tp=2, dp_shard=1),
     "q-tp2": dict(tp=2, dp_shard=1),
@@ -65,6 +64,8 @@ BROAD = {
     },
     "ds0-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
     "q-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
+    # under TP the adapters of the replicated compressions (q_a, kv_a) are replicated, the others split
+    "dsl-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
     "dsl-fsdp2": dict(dp=2, dp_shard=2),
 }
 
