@@ -4,7 +4,8 @@ tensor-parallel experts (ETP2; DeepSeek's shared experts and MTP module sharded 
 context parallelism refuse) give one process's loss and grad norm at every step (fp32), with DeepSeek's shared
 experts, group-limited sigmoid routing, its aux-loss-free selection bias moving each step (the same max / mean
 expert load as one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one world-2 job group.
-Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules, ring CP, LoRA on the latent attention."""
+Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules, ring CP, LoRA on the latent attention
+and on Qwen3-MoE's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ FLAVORS = {
         "lora.rank": 4,
         "lora.targets": "q_a,q_b,kv_a,kv_b,o",
     },
+    # LoRA on Qwen3-MoE's attention (gate, up, down are refused: its MoE blocks have no dense feed-forward)
+    "ql": {"model.flavor": "qwen3_moe_debug", "lora.rank": 4, "lora.targets": "q,k,v,o"},
 }
 
 
@@ -60,13 +63,20 @@ BROAD = {
     **{
         f"{f}-pp2-{s}-m{m}": dict(m=m, pp=2, dp_shard=1, pp_schedule=s)
         for f in ("ds0", "q")
-        for s, m in (("gpipe", 2), ("interleaved_1f1b", 2), ("interleaved_zb", 2), ("zbv", 4))
+        for s, m in (
+            ("gpipe", 2),
+            ("interleaved_1f1b", 2),
+            ("looped_bfs", 2),
+            ("interleaved_zb", 2),
+            ("zbv", 4),
+        )
     },
     "ds0-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
     "q-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
     # under TP the adapters of the replicated compressions (q_a, kv_a) are replicated, the others split
     "dsl-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
     "dsl-fsdp2": dict(dp=2, dp_shard=2),
+    "ql-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
 }
 
 
