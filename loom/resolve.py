@@ -477,12 +477,6 @@ def family_settings(args, cfg: Config):
                 "model.moe_bias_speed", m.moe_bias_speed, "needs a mixture-of-experts model: allowed -1 | 0"
             )
         args = args.with_(moe_bias_speed=m.moe_bias_speed, moe_bias=args.moe_bias or m.moe_bias_speed > 0)
-    if args.moe_bias_speed > 0 and cfg.training.compile:
-        raise ConfigError(
-            "model.moe_bias_speed",
-            args.moe_bias_speed,
-            "not with training.compile yet (compiled blocks do not count the experts' loads): allowed 0",
-        )
     has_mtp = "mtp_depth" in getattr(args, "__dataclass_fields__", {})
     if m.mtp_depth > 0 and not has_mtp:
         raise ConfigError(
@@ -494,24 +488,46 @@ def family_settings(args, cfg: Config):
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
-        if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1 or cfg.parallel.tp > 1):
-            field = next(f for f in ("pp", "cp", "tp") if getattr(cfg.parallel, f) > 1)
+        # the modules embed the tokens k ahead: a pipeline's last stage receives hidden states only, and a context-
+        # parallel rank's chunks end where the next token is another rank's
+        why = {
+            "pp": "the pipeline's last stage gets hidden states, not the tokens the MTP modules embed",
+            "cp": "a context-parallel rank lacks the tokens past its chunks that the MTP modules predict",
+        }
+        if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+            field = next(f for f in ("pp", "cp") if getattr(cfg.parallel, f) > 1)
             raise ConfigError(
                 f"parallel.{field}",
                 getattr(cfg.parallel, field),
-                "not with multi-token prediction "
-                "(model.mtp_depth > 0) yet: allowed 1 (or model.mtp_depth = 0)",
+                f"not with multi-token prediction ({why[field]}): allowed 1, or model.mtp_depth = 0",
             )
     return args
 
 
 def check_mla(args, cfg: Config) -> None:
-    """What a model with multi-head latent attention does not support (yet), as config errors."""
-    if args.mla and cfg.lora.rank:
+    """LoRA targets against the model's attention kind: multi-head latent attention adapts q_a, q_b (or q where the
+    query is not compressed), kv_a, kv_b, o; grouped-query attention q, k, v, o."""
+    from loom.models.common.lora import MLA_TARGETS, parse_targets
+
+    if not cfg.lora.rank:
+        return
+    targets = parse_targets(cfg.lora.targets)
+    attention = [t for t in targets if t in MLA_TARGETS or t in ("k", "v")]
+    if args.mla:
+        have = ("q_a", "q_b") if args.q_lora_rank else ("q",)
+        allowed = [*have, "kv_a", "kv_b", "o"]
+        wrong = [t for t in attention if t not in allowed]
+        kind = "multi-head latent attention" + (" with a compressed query" if args.q_lora_rank else "")
+    else:
+        allowed = ["q", "k", "v", "o"]
+        wrong = [t for t in attention if t not in allowed]
+        kind = "grouped-query attention"
+    if wrong:
         raise ConfigError(
-            "lora.rank",
-            cfg.lora.rank,
-            "not with multi-head latent attention (the model's attention_kind mla) yet: allowed 0",
+            "lora.targets",
+            cfg.lora.targets,
+            f"{', '.join(wrong)}: not a linear of this model's {kind}: its attention targets are "
+            f"{', '.join(allowed)}",
         )
 
 
@@ -522,10 +538,6 @@ def check_moe(args, cfg: Config) -> None:
     if args.moe_top_k > args.moe_experts:
         raise ConfigError(
             "model.moe_top_k", args.moe_top_k, f"must be <= the number of experts ({args.moe_experts})"
-        )
-    if args.moe_shared_experts and cfg.parallel.tp > 1:
-        raise ConfigError(
-            "parallel.tp", cfg.parallel.tp, "not with shared experts (the DeepSeek-V3 family) yet: allowed 1"
         )
     if args.moe_top_k > args.moe_experts // args.moe_groups * args.moe_topk_groups:
         raise ConfigError(
@@ -577,12 +589,6 @@ def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
             raise ConfigError(
                 "parallel.ep", dims.ep, f"must divide the number of experts ({args.moe_experts})"
             )
-    if dims.cp_enabled and args.mla:
-        raise ConfigError(
-            "parallel.cp",
-            dims.cp,
-            "not supported with multi-head latent attention (the model's attention_kind mla) yet: allowed 1",
-        )
     if dims.cp_enabled and args.sliding_window:
         raise ConfigError(
             "parallel.cp",

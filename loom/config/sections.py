@@ -1001,7 +1001,8 @@ class LoraConfig:
     targets: str = opt(
         "q,k,v,o,gate,up,down",
         "comma list of the linears that get adapters: q, k, v, o "
-        "(attention), gate, up, down (SwiGLU), or all",
+        "(attention), gate, up, down (SwiGLU), or all of those; multi-head latent attention: q_a, q_b "
+        "(or q), kv_a, kv_b, o",
         needs="lora.rank",
         resume=(MUST_MATCH, "which linears have adapters"),
     )

@@ -8,7 +8,13 @@ from loom.models.common.moe import moe_modules
 from loom.parallel.expert_parallel import exchanges_tokens
 
 
-def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False, cuda_graphs: bool = False) -> None:
+def apply_compile(
+    layers: nn.ModuleDict,
+    inside_checkpoint: bool = False,
+    cuda_graphs: bool = False,
+    counts_loads: bool = False,
+    backend: str = "inductor",
+) -> None:
     """Compile every block in place (parameter names do not change); ``cuda_graphs``: torch.compile's
     reduce-overhead mode, each block's forward and backward replayed as CUDA graphs; ``inside_checkpoint``: compile a
     checkpointed block's inner module rather than the wrapper (``parallelize_llama`` sets it under tensor
@@ -19,11 +25,19 @@ def apply_compile(layers: nn.ModuleDict, inside_checkpoint: bool = False, cuda_g
     sizes known only on the host (``loom.parallel.expert_parallel.ExpertParallel.run`` is excluded from tracing),
     so Dynamo splits that block into the graph before the exchange (attention, router) and the graph after
     (combine). Such a block is compiled inside its activation-checkpointing wrapper, not around it: Dynamo cannot
-    trace a checkpointed region that breaks, and would run the whole block eagerly."""
+    trace a checkpointed region that breaks, and would run the whole block eagerly.
+
+    ``counts_loads`` (the selection biases move: model.moe_bias_speed > 0): a block with experts counts each token's
+    experts eagerly (``MoE.count_loads``, excluded from tracing), so it breaks there too and is compiled inside its
+    checkpoint wrapper: a recomputing backward then reruns the count eagerly, where it sees the recomputation and
+    skips it. Otherwise compiled blocks count nothing. ``backend``: torch.compile's (tests: ``eager``)."""
     for block in layers.values():
-        ep = expert_parallel(block)
-        inner = getattr(block, "_checkpoint_wrapped_module", block) if ep or inside_checkpoint else block
-        inner.compile(fullgraph=not ep, mode="reduce-overhead" if cuda_graphs else None)
+        counted = counts_loads and bool(moe_modules(block))
+        for moe in moe_modules(block):
+            moe.count_loads = counts_loads
+        breaks = expert_parallel(block) or counted
+        inner = getattr(block, "_checkpoint_wrapped_module", block) if breaks or inside_checkpoint else block
+        inner.compile(fullgraph=not breaks, backend=backend, mode="reduce-overhead" if cuda_graphs else None)
 
 
 def expert_parallel(block: nn.Module) -> bool:

@@ -18,6 +18,7 @@ from loom.kernels.attention.reference import (
 )
 from loom.metrics.nvtx import nvtx_range
 from loom.models.common.layers import Attention
+from loom.models.common.mla import LatentAttention
 from loom.parallel.collectives import gather_along
 from loom.parallel.expert_parallel import moe_parallel
 
@@ -383,7 +384,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str = "allgather")
     whole sequences)."""
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), method)
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, LatentAttention)):
             module.context = cp
     par = moe_parallel(model)
     if par is not None:

@@ -133,6 +133,7 @@ def parallelize_llama(
                 inside_checkpoint=(dims.tp_enabled or model.args.attention == "flex")
                 and training.activation_checkpointing in ("full", "every_k"),
                 cuda_graphs=training.cuda_graphs,
+                counts_loads=model.args.moe_bias_speed > 0,
             )
         if dims.ep_enabled:
             apply_fsdp_experts(

@@ -227,6 +227,8 @@ def _timed_stage_class():
     import torch
     from torch.distributed.pipelining import PipelineStage
 
+    from loom.models.common.moe import forget_routing
+
     class TimedStage(PipelineStage):
         """A PipelineStage whose compute chunks are timed by a shared ``BusyClock``, and which keeps a
         split-backward chunk's autograd graph alive from its input-gradient pass to its weight pass.
@@ -252,6 +254,13 @@ def _timed_stage_class():
 
         def forward_one_chunk(self, *args, **kwargs):
             return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            # a first run infers the shapes by a forward on placeholder inputs: what its MoE blocks routed is
+            # no step's load (the selection bias would move by it), so it is forgotten before the real chunks
+            out = super()._prepare_forward_infra(*args, **kwargs)
+            forget_routing(self.submod)
+            return out
 
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             if not full_backward and self.has_backward:

@@ -14,14 +14,18 @@ from loom.models.common.moe import MoE
 from loom.parallel.expert_parallel import ExpertTensorParallel, moe_parallel, shard_experts
 
 
-def block_plan(moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lora: bool = False) -> dict:
+def block_plan(
+    moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lora: bool = False, shared: bool = False
+) -> dict:
     """One block's plan on the ``tp`` mesh. Attention: ``wq``/``wk``/``wv`` column-parallel (each rank owns whole
     heads, Q and KV heads alike), ``wo`` row-parallel; the MLP: ``w1``/``w3`` column-parallel, ``w2`` row-parallel.
     Sequence parallel: the residual stream and the norms hold a slice of the sequence, (B, S/tp, E); the entry of
     attention and MLP all-gathers the sequence, their row-parallel exit reduce-scatters it. A mixture-of-experts
     block in place of the MLP keeps its input's sequence slice (``apply_tp`` sets up the rest). Per-head q/k norms
     (Qwen3) see this rank's heads: replicated weights whose gradients are summed over the group. ``mla``: multi-head
-    latent attention in place of GQA (``mla_plan``; ``q_lora``: its query is compressed)."""
+    latent attention in place of GQA (``mla_plan``; ``q_lora``: its query is compressed). ``shared``: the mixture of
+    experts has shared experts (DeepSeekMoE), a SwiGLU sharded as the dense MLP is: the sequence slice all-gathered,
+    ``w1``/``w3`` column-parallel, ``w2`` row-parallel reduce-scattering back to this rank's slice."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -42,6 +46,17 @@ def block_plan(moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lo
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
             )
         }
+        if shared:  # its input: the plain (B, S/tp, E) the block hands on; its output the same slice
+            mlp.update(
+                {
+                    "feed_forward.shared_experts": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                    "feed_forward.shared_experts.w1": ColwiseParallel(),
+                    "feed_forward.shared_experts.w3": ColwiseParallel(),
+                    "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Shard(1)),
+                }
+            )
     attention = (
         mla_plan(q_lora)
         if mla
@@ -73,15 +88,35 @@ def block_plan(moe: bool = False, qk_norm: bool = False, mla: bool = False, q_lo
 
 
 def block_plan_for(block: nn.Module) -> dict:
-    """``block_plan`` with the switches read from the block: a mixture of experts, q/k norms, latent attention."""
+    """``block_plan`` with the switches read from the block: a mixture of experts (with shared experts), q/k norms,
+    latent attention."""
     attention = block.attention
     mla = isinstance(attention, LatentAttention)
+    moe = isinstance(block.feed_forward, MoE)
     return block_plan(
-        isinstance(block.feed_forward, MoE),
+        moe,
         qk_norm=not mla and attention.q_norm is not None,
         mla=mla,
         q_lora=mla and attention.wq is None,
+        shared=moe and block.feed_forward.shared_experts is not None,
     )
+
+
+def mtp_plan() -> dict:
+    """A multi-token prediction module (loom.models.deepseek_v3.model.MTP) on the ``tp`` mesh, around its block's own
+    plan: its norms sequence-parallel on this rank's slices of the hidden states and of the shifted tokens'
+    embeddings; ``eh_proj`` column-parallel on the gathered sequence, its output scattered back to the sequence
+    slice the block takes (a plain tensor, as the blocks hand on); its head's norm sequence-parallel before the
+    model's shared output head."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    return {
+        "enorm": SequenceParallel(),
+        "hnorm": SequenceParallel(),
+        "eh_proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
 
 
 def mla_plan(q_lora: bool) -> dict:
@@ -151,10 +186,12 @@ def with_adapters(block: nn.Module, plan: dict) -> dict:
     """``plan`` with the styles of LoRA-adapted linears (loom.models.common.lora) replaced by their LoRA versions:
     the adapter factors sharded consistently with their base, so the adapter's output has the base's layout."""
     colwise, rowwise = lora_styles()
+    lora_cls = {"ColwiseParallel": colwise, "RowwiseParallel": rowwise}
     out = dict(plan)
     for path, style in plan.items():
-        if isinstance(block.get_submodule(path), LoRALinear):
-            cls = {"ColwiseParallel": colwise, "RowwiseParallel": rowwise}[type(style).__name__]
+        # a replicated one (latent attention's compressions: ``replicated_compute``) replicates its factors too
+        if isinstance(block.get_submodule(path), LoRALinear) and type(style).__name__ in lora_cls:
+            cls = lora_cls[type(style).__name__]
             out[path] = cls.__new__(cls)
             out[path].__dict__.update(style.__dict__)  # the same input / output layouts
     return out
@@ -340,7 +377,11 @@ def _apply_trunk_tp(
     if tied:
         # both plans shard the shared (V, E) weight by rows (dim 0): one DTensor serves both again
         model.output.weight = model.tok_embeddings.weight
-    for block in model.layers.values():
+    mtp = model._modules.get("mtp")  # DeepSeek-V3's multi-token prediction modules: a block each
+    for module in mtp.values() if mtp is not None else ():
+        parallelize_module(module, tp_mesh, mtp_plan())
+    blocks = [*model.layers.values(), *(m.block for m in (mtp.values() if mtp is not None else ()))]
+    for block in blocks:
         moe = isinstance(block.feed_forward, MoE)
         parallelize_module(block, tp_mesh, with_adapters(block, block_plan_for(block)))
         if moe:

@@ -1,9 +1,15 @@
-"""The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2 and EP2 (FSDP2 over the rest) give one
-process's loss and grad norm at every step (fp32), with DeepSeek's shared experts, group-limited sigmoid routing,
-its aux-loss-free selection bias moving each step (the same max / mean expert load as one process, and the bias
-equal on every rank: ``moe_bias_spread`` 0) and its multi-token prediction module; all in one world-2 job group."""
+"""The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2, EP2 (FSDP2 over the rest), TP2 + SP with
+tensor-parallel experts (ETP2; DeepSeek's shared experts and MTP module sharded too), PP2 (1F1B, DualPipeV) and CP2
+(DeepSeek's latent attention through the all-gather path; DeepSeek without its MTP module, which pipelines and
+context parallelism refuse) give one process's loss and grad norm at every step (fp32), with DeepSeek's shared
+experts, group-limited sigmoid routing, its aux-loss-free selection bias moving each step (the same max / mean
+expert load as one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one world-2 job group.
+Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules, ring CP, LoRA on the latent attention
+and on Qwen3-MoE's."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.distributed.harness import losses, run_jobs
 from tests.distributed.test_model_parallel import STEPS, job
@@ -11,6 +17,17 @@ from tests.distributed.test_model_parallel import STEPS, job
 FLAVORS = {
     "ds": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01},
     "q": {"model.flavor": "qwen3_moe_debug"},
+    # without its MTP module: the layouts that refuse multi-token prediction (pipeline, context parallel)
+    "ds0": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01, "model.mtp_depth": 0},
+    # LoRA on the latent attention's five linears (the rest frozen; the selection bias still moves)
+    "dsl": {
+        "model.flavor": "deepseek_v3_debug",
+        "model.moe_bias_speed": 0.01,
+        "lora.rank": 4,
+        "lora.targets": "q_a,q_b,kv_a,kv_b,o",
+    },
+    # LoRA on Qwen3-MoE's attention (gate, up, down are refused: its MoE blocks have no dense feed-forward)
+    "ql": {"model.flavor": "qwen3_moe_debug", "lora.rank": 4, "lora.targets": "q,k,v,o"},
 }
 
 
@@ -18,19 +35,59 @@ def family_job(tmp, name: str, **kw) -> dict:
     return {**job(tmp, name, **kw), **FLAVORS[name.split("-")[0]]}
 
 
-def test_moe_families_match_single_process(tmp_path):
-    ref = dict(
-        zip(FLAVORS, run_jobs(1, [family_job(tmp_path, f"{f}-single") for f in FLAVORS], str(tmp_path)))
-    )
-    jobs = {
-        name: family_job(tmp_path, name, **layout)
-        for name, layout in (
-            ("ds-fsdp2", dict(dp=2, dp_shard=2)),
-            ("ds-ep2", dict(dp=2, dp_shard=2, ep=2)),
-            ("q-fsdp2", dict(dp=2, dp_shard=2)),
-            ("q-ep2", dict(dp=2, dp_shard=2, ep=2)),
+# the default run's layouts (world 2)
+CORE = {
+    "ds-fsdp2": dict(dp=2, dp_shard=2),
+    "ds-ep2": dict(dp=2, dp_shard=2, ep=2),
+    "q-fsdp2": dict(dp=2, dp_shard=2),
+    "q-ep2": dict(dp=2, dp_shard=2, ep=2),
+    # tensor + sequence parallel with the experts sharded over tp by width; DeepSeek's shared experts column /
+    # row-parallel like a dense MLP, its MTP module's projection and norms on the sequence slices
+    "ds-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
+    "q-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
+    # pipelines: the dense first block and the MoE blocks split over two stages, 1F1B and DualPipeV
+    "ds0-pp2-1f1b": dict(m=2, pp=2, dp_shard=1, pp_schedule="1f1b"),
+    "ds0-pp2-dualpipev": dict(m=4, pp=2, dp_shard=1, pp_schedule="dualpipev"),
+    "q-pp2-1f1b": dict(m=2, pp=2, dp_shard=1, pp_schedule="1f1b"),
+    "q-pp2-dualpipev": dict(m=4, pp=2, dp_shard=1, pp_schedule="dualpipev"),
+    # context parallel: DeepSeek's latent attention through the all-gather path (its MTP refuses cp)
+    "ds0-cp2": dict(cp=2, dp_shard=1),
+    "q-cp2": dict(cp=2, dp_shard=1),
+}
+# slow (world 2): the experts replicated over tp (etp 1), TP with accumulation, the other pipeline schedules, the
+# ring method of context parallelism, LoRA on the latent attention (its PEFT names: tests/unit/test_moe_families.py)
+BROAD = {
+    "ds-tp2": dict(tp=2, dp_shard=1),
+    "q-tp2": dict(tp=2, dp_shard=1),
+    "ds-tp2-etp2-m2": dict(m=2, tp=2, dp_shard=1, etp=2),
+    **{
+        f"{f}-pp2-{s}-m{m}": dict(m=m, pp=2, dp_shard=1, pp_schedule=s)
+        for f in ("ds0", "q")
+        for s, m in (
+            ("gpipe", 2),
+            ("interleaved_1f1b", 2),
+            ("looped_bfs", 2),
+            ("interleaved_zb", 2),
+            ("zbv", 4),
         )
-    }
+    },
+    "ds0-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
+    "q-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
+    # under TP the adapters of the replicated compressions (q_a, kv_a) are replicated, the others split
+    "dsl-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
+    "dsl-fsdp2": dict(dp=2, dp_shard=2),
+    "ql-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
+}
+
+
+@pytest.mark.parametrize("broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"])
+def test_moe_families_match_single_process(tmp_path, broad):
+    layouts = BROAD if broad else CORE
+    families = [f for f in FLAVORS if any(n.split("-")[0] == f for n in layouts)]
+    ref = dict(
+        zip(families, run_jobs(1, [family_job(tmp_path, f"{f}-single") for f in families], str(tmp_path)))
+    )
+    jobs = {name: family_job(tmp_path, name, **layout) for name, layout in layouts.items()}
     results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
     report, bad = [], []
     for name, res in results.items():
@@ -50,5 +107,4 @@ def test_moe_families_match_single_process(tmp_path):
                 bad.append(f"{name}: the selection bias differs between ranks")
     print("\n".join(report))
     assert not bad, "\n".join(bad + report)
-    ds = ref["ds"]["records"]
-    assert ds[-1]["loss"] < ds[0]["loss"] and ref["q"]["records"][-1]["loss"] < ref["q"]["records"][0]["loss"]
+    assert all(r["records"][-1]["loss"] < r["records"][0]["loss"] for r in ref.values())  # they train

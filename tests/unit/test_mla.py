@@ -317,10 +317,13 @@ def test_config_rules(tmp_path):
     tok = ByteTokenizer()
     args = resolve_model_args(build_config(None, {"model.flavor": "debug_mla"}), tok)
     cp = build_config(None, {"parallel.cp": "2", "parallel.dp_shard": "1"})
-    with pytest.raises(ConfigError, match="parallel.cp.*multi-head latent attention"):
-        check_model(ParallelDims.from_config(cp.parallel, 2), args, cp.parallel)
-    with pytest.raises(ConfigError, match="lora.rank.*multi-head latent attention"):
+    check_model(ParallelDims.from_config(cp.parallel, 2), args, cp.parallel)  # context parallel: accepted
+    with pytest.raises(
+        ConfigError, match="lora.targets.*k, v: not a linear of this model's multi-head latent"
+    ):
         resolve_model_args(build_config(None, {"model.flavor": "debug_mla", "lora.rank": "4"}), tok)
+    mla_lora = {"model.flavor": "debug_mla", "lora.rank": "4", "lora.targets": "q_a,q_b,kv_a,kv_b,o,gate"}
+    assert resolve_model_args(build_config(None, mla_lora), tok).mla  # LoRA on latent attention
     # loom's kernel on CUDA: DeepSeek-V2-Lite's 192-wide heads fall back to SDPA under auto, are refused under flash
     flash = KernelChoice("flash", False, False, False, False)
     lite = build_config(None, {"model.flavor": "deepseek_v2_lite", "data.document_positions": "true"})

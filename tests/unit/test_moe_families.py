@@ -346,3 +346,48 @@ def test_deepseek_v2_logits_and_round_trip(tmp_path, method):
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert type(back) is type(hf) and torch.equal(back(tokens).logits, theirs)
+
+
+def test_lora_on_latent_attention_loads_in_peft_with_loom_logits(tmp_path):
+    """LoRA on DeepSeek-V3's latent attention (q_a, q_b, kv_a, kv_b, o): the adapter exported in PEFT's format loads
+    with ``PeftModel.from_pretrained`` on the Hugging Face folder and gives loom's logits (fp32, 1e-4); a GQA target
+    on this model, or an MLA one on a GQA model, is one line naming the allowed ones."""
+    peft = pytest.importorskip("peft")
+    from loom.checkpoint.peft import ADAPTER_CONFIG, export_peft
+    from loom.config.errors import ConfigError
+    from loom.config.sections import LoraConfig
+    from loom.data.tokenizers import ByteTokenizer
+    from loom.models.common.lora import apply_lora
+    from loom.resolve import resolve_model_args
+    from tests.tiny import tiny_config
+
+    folder = save_hf(random_deepseek_v3(), tmp_path / "hf")
+    model = loom_of(folder)
+    lora = LoraConfig(rank=4, alpha=8.0, targets="q_a,q_b,kv_a,kv_b,o")
+    assert apply_lora(model, lora) == 5 * 3
+    with torch.no_grad():  # adapters that change the model (PEFT's B starts at zero)
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    export_peft(model.state_dict(), lora, str(tmp_path / "adapter"), folder)
+    cfg = json.load(open(tmp_path / "adapter" / ADAPTER_CONFIG))
+    assert sorted(cfg["target_modules"]) == sorted(
+        ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = tokens_of(2, 16)
+    with torch.no_grad():
+        base = hf(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()(tokens).logits
+        ours = model.eval()(tokens)
+    assert (ours - theirs).abs().max() < 1e-4 and (base - theirs).abs().max() > 1e-2
+    tok = ByteTokenizer()
+    for flavor, targets, says in (
+        ("deepseek_v3_debug", "q,k,v,o", "q, k, v: not a linear of this model's multi-head latent attention"),
+        ("qwen3_moe_debug", "q,kv_b", "kv_b: not a linear of this model's grouped-query attention"),
+    ):
+        with pytest.raises(ConfigError, match=says) as err:
+            resolve_model_args(
+                tiny_config(**{"model.flavor": flavor, "lora.rank": 4, "lora.targets": targets}), tok
+            )
+        assert "\n" not in str(err.value)

@@ -23,7 +23,9 @@ from loom.config.sections import LoraConfig
 from loom.kernels.lora import lora_linear
 from loom.models.common.init import canonical_name, copy_full, param_seed
 
-# lora.targets names -> the module path inside a block (Hugging Face names: q_proj, ..., down_proj)
+# lora.targets names -> the module path inside a block (Hugging Face names: q_proj, ..., down_proj); multi-head
+# latent attention's (loom.models.common.mla; DeepSeek's q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, and q_proj
+# where the query is not compressed, o_proj) are not in "all", which names grouped-query attention's and the SwiGLU's
 TARGETS = {
     "q": "attention.wq",
     "k": "attention.wk",
@@ -32,7 +34,13 @@ TARGETS = {
     "gate": "feed_forward.w1",
     "up": "feed_forward.w3",
     "down": "feed_forward.w2",
+    "q_a": "attention.wq_a",
+    "q_b": "attention.wq_b",
+    "kv_a": "attention.wkv_a",
+    "kv_b": "attention.wkv_b",
 }
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # lora.targets = all
+MLA_TARGETS = ("q", "q_a", "q_b", "kv_a", "kv_b", "o")  # those of multi-head latent attention
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: 64 weights per scale, 256 scales per double-quantized block
 
 
@@ -40,7 +48,7 @@ def parse_targets(text: str) -> list[str]:
     """``lora.targets`` ("q,v", "all") -> target names in TARGETS' order; a ConfigError names an unknown one."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["all"]:
-        return list(TARGETS)
+        return list(ALL_TARGETS)
     unknown = [t for t in names if t not in TARGETS]
     if unknown or not names:
         raise ConfigError("lora.targets", text, f"a comma list of {', '.join(TARGETS)} (or all)")
@@ -189,8 +197,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
                 raise ConfigError(
                     "lora.targets",
                     cfg.targets,
-                    f"{target} ({TARGETS[target]}) is not a dense linear "
-                    "in this model (a mixture-of-experts feed-forward): adapt q, k, v, o only",
+                    f"{target} ({TARGETS[target]}) is not a dense linear in every block of this model "
+                    "(a mixture-of-experts feed-forward, or the other attention kind's): adapt the "
+                    "attention's linears",
                 )
             w = base.weight
             adapted = LoRALinear(

@@ -270,6 +270,8 @@ class MoE(nn.Module):
             None  # the balance loss summed over the sequences seen since take_balance (logging)
         )
         self.counted = None  # count_tokens: (B, S) bool, the tokens the balance loss counts (None: all)
+        # with the selection bias, training forwards add to ``load`` (compiled blocks: loom.parallel.compile decides)
+        self.count_loads = True
         self.parallel = LOCAL_EXPERTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,11 +284,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         record = _records_balance()
-        if self.router.expert_bias is not None and self.training and record:
-            counts = torch.bincount(
-                experts.flatten(), minlength=self.n_experts
-            ).float()  # (n,) this rank's tokens
-            self.load = counts if self.load is None else self.load + counts
+        if self.router.expert_bias is not None and self.training and self.count_loads:
+            _count_load(self, experts)
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             counted = None if self.counted is None else par.local_tokens(self.counted)  # (B, S)
             assert counted is None or counted.shape == (bsz, seq), "count_tokens: set the mask of each batch"
@@ -317,6 +316,18 @@ class MoE(nn.Module):
         return (slots.view(-1, self.top_k, flat.shape[1]) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
 
 
+@torch.compiler.disable  # module state, counted eagerly: a compiled block breaks its graph here (apply_compile)
+def _count_load(moe: MoE, experts: torch.Tensor) -> None:
+    """Add the tokens each expert received, experts (T, k), to ``moe.load`` (the bias update's input); not when
+    activation checkpointing reruns the forward inside the backward (it would count twice)."""
+    if torch._C._current_graph_task_id() != -1:
+        return
+    counts = torch.zeros(moe.n_experts, device=experts.device).scatter_add_(
+        0, experts.flatten(), torch.ones(experts.numel(), device=experts.device)
+    )  # (n,) this rank's tokens
+    moe.load = counts if moe.load is None else moe.load + counts
+
+
 def _records_balance() -> bool:
     """Record the balance for logging in a first eager forward only: not when activation checkpointing reruns
     the forward inside the backward (it would count twice), not under torch.compile (a traced forward must not
@@ -341,6 +352,13 @@ def count_tokens(model: nn.Module, mask: torch.Tensor | None) -> None:
     the backward, where activation checkpointing reruns the forward."""
     for m in moe_modules(model):
         m.counted = mask
+
+
+def forget_routing(model: nn.Module) -> None:
+    """Drop what ``model``'s MoE blocks counted since the last bias update and read (loads, balance): a forward
+    that was no training step's (a pipeline's shape inference on placeholder inputs)."""
+    for m in moe_modules(model):
+        m.load = m.balance_sum = None
 
 
 def take_balance(model: nn.Module) -> torch.Tensor | None:

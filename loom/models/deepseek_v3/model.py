@@ -78,11 +78,12 @@ class DeepSeekV3(Llama):
         for layer in self.layers.values():
             h = layer(h, self.rope, positions)
         loss = self.token_loss(self.norm(h), labels)
-        extra = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        extra = None  # (a sum of the modules' losses: a DTensor under tensor parallelism, as ``loss``)
         for k, module in enumerate(self.mtp.values(), start=1):
             target = shifted(labels, k, IGNORE)  # (B, S) the token k + 1 ahead
             if positions is not None:  # the same document k tokens on
                 target = target.masked_fill(shifted(positions, k, -1) != positions + k, IGNORE)
             h = module(h, self.tok_embeddings(shifted(tokens, k, 0)), self.rope, positions)
-            extra = extra + self.token_loss(module.norm(h), target)
+            depth_loss = self.token_loss(module.norm(h), target)
+            extra = depth_loss if extra is None else extra + depth_loss
         return loss + self.args.mtp_weight / len(self.mtp) * extra
