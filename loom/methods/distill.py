@@ -232,7 +232,15 @@ class Distillation(Objective):
         student is the same one on a resume)."""
         if self.teacher:
             self.teacher_model = build_teacher(engine, self.teacher)
-        elif not engine.cfg.lora.rank:
+            return
+        if not engine.cfg.model.init_from and engine.env.is_main:
+            print(
+                "warning: distill.teacher is unset and there is no model.init_from: the teacher is the student's own "
+                "random initialization, a KL anchor to it and nothing to learn from; set distill.teacher to a "
+                "trained model's folder (a Hugging Face folder, a loom checkpoint or run dir)",
+                flush=True,
+            )
+        if not engine.cfg.lora.rank:
             self.teacher_model = engine.frozen_copy()
 
     def _teacher_hidden(self, model, mb: MicroBatch, positions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,15 +286,34 @@ class Distillation(Objective):
         return stats
 
 
+def teacher_folder(path: str) -> str:
+    """The folder the teacher is read from: ``path``, or for a loom run dir its newest complete checkpoint
+    (``checkpoints/step_N``)."""
+    from loom.checkpoint.hf.config import CONFIG, is_loom_checkpoint
+    from loom.checkpoint.manager import list_complete
+
+    if (
+        os.path.isdir(path)
+        and not is_loom_checkpoint(path)
+        and not os.path.isfile(os.path.join(path, CONFIG))
+    ):
+        done = list_complete(os.path.join(path, "checkpoints"))
+        if done:
+            return done[-1][1]
+    return path
+
+
 def teacher_kind(path: str) -> str:
     """'hf' for a Hugging Face folder or an imported loom checkpoint (``loom convert --from-hf``: its config kept),
-    'run' for a checkpoint a loom training run wrote (its config.toml says the shape); a ConfigError otherwise."""
+    'run' for a checkpoint a loom training run wrote (its config.toml says the shape) or a run dir with one; a
+    ConfigError otherwise."""
     from loom.checkpoint.hf.config import CONFIG, HF_CONFIG_COPY, is_loom_checkpoint
 
     if not os.path.isdir(path):
         raise ConfigError(
-            "distill.teacher", path, "folder not found (a Hugging Face folder or a loom checkpoint)"
+            "distill.teacher", path, "folder not found (a Hugging Face folder, a loom checkpoint or run dir)"
         )
+    path = teacher_folder(path)
     if is_loom_checkpoint(path):
         if os.path.isfile(os.path.join(path, HF_CONFIG_COPY)):
             return "hf"
@@ -297,15 +324,16 @@ def teacher_kind(path: str) -> str:
     raise ConfigError(
         "distill.teacher",
         path,
-        "neither a Hugging Face folder (config.json) nor a complete loom checkpoint (a run's step_N folder, or "
-        "`loom convert --from-hf`'s output)",
+        "neither a Hugging Face folder (config.json) nor a complete loom checkpoint (a run's step_N folder, "
+        "`loom convert --from-hf`'s output) nor a run dir with one in checkpoints/",
     )
 
 
 def teacher_args(engine, path: str):
     """The teacher's model args: its folder's shape (a Hugging Face config, or the recorded run's resolved as the
     trainer resolved it), run with this run's kernels and sequence length; its vocabulary must be the student's."""
-    if teacher_kind(path) == "hf":
+    kind, path = teacher_kind(path), teacher_folder(path)
+    if kind == "hf":
         from loom.checkpoint.hf.reader import llama_args_from_hf
 
         args = llama_args_from_hf(path, "distill.teacher")
@@ -346,13 +374,14 @@ def build_teacher(engine, path: str) -> torch.nn.Module:
 
     cfg = engine.cfg
     args = teacher_args(engine, path)
+    kind, path = teacher_kind(path), teacher_folder(path)
     with torch.device("meta"):
         model = build_model(args)
     training = replace(cfg.training, activation_checkpointing="none")
     (teacher,) = parallelize(model)(
         model, engine.dims, training, cfg.parallel, engine.device, cfg.run.seed
     ).parts
-    if teacher_kind(path) == "hf":
+    if kind == "hf":
         load_hf_weights(teacher, path)
     else:
         check_checkpoint_shapes(
