@@ -5,12 +5,18 @@ conventions; and it trains from ``loom train``."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from loom.methods.distill import chunked_distill_loss, token_losses
 from loom.numerics import IGNORE
+from tests.tiny import tiny_args, tiny_config
 
 
 def batch(seed=0, n=40, e=16, e_teacher=24, v=50):
@@ -144,3 +150,71 @@ def test_objective_forward_equals_the_definition_on_a_wider_deeper_teacher():
     stats = objective.step_stats()
     torch.testing.assert_close(stats["kd_loss"], expected[1].sum())
     torch.testing.assert_close(stats["ce_loss"], expected[2].sum())
+
+
+def distill_records(run_dir) -> list[dict]:
+    return [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "kd_loss" in r]
+
+
+def test_embedded_default_and_a_run_dir_teacher_train_from_the_cli(tmp_path):
+    """`loom train --training.objective distill` out of the box: the teacher is the initial student (KD 0 at the
+    first step, then above 0 as the student moves); then a deeper teacher from an lm run's dir (its newest
+    checkpoint, its shape from its recorded config): KD above 0 from the first step, finite losses."""
+    from loom.cli.main import main as loom_main
+
+    cache = tmp_path / "cache"
+    train = lambda run, *extra, **kw: loom_main(
+        ["train", *extra, *tiny_args(tmp_path / run, cache, **{"training.steps": 3, **kw})]
+    )
+    assert train("default", "--training.objective", "distill") in (0, None)
+    default = distill_records(tmp_path / "default")
+    assert len(default) == 3 and abs(default[0]["kd_loss"]) < 1e-6 and default[-1]["kd_loss"] > 1e-6
+    assert train("teacher", **{"model.n_layers": 3, "checkpoint.at_end": "true"}) in (0, None)
+    assert train(
+        "student", "--training.objective", "distill", "--distill.teacher", str(tmp_path / "teacher")
+    ) in (0, None)
+    student = distill_records(tmp_path / "student")
+    assert len(student) == 3 and all(r["kd_loss"] > 1e-4 and math.isfinite(r["loss"]) for r in student)
+
+
+def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, capsys):
+    """A Hugging Face teacher whose vocabulary is not the student's: exit 2 naming distill.teacher."""
+    from loom.checkpoint.hf.export import export_hf
+    from loom.cli.main import main as loom_main
+    from loom.models.llama import Llama
+    from loom.models.registry import all_flavors
+
+    args = all_flavors()["debug"].with_(vocab_size=512)
+    export_hf(Llama(args).state_dict(), args, str(tmp_path / "teacher"))
+    argv = ["train", "--training.objective", "distill", "--distill.teacher", str(tmp_path / "teacher")]
+    with pytest.raises(SystemExit) as err:
+        loom_main(argv + tiny_args(tmp_path / "run", tmp_path / "cache"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err.value.code == 2 and len(lines) == 1 and "distill.teacher" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_resume_mid_run_continues_bitwise(tmp_path):
+    """4 steps saved at 2; a copy of the run resumed from step 2 writes steps 3..4 exactly as the uninterrupted run
+    did (the default teacher, the initial student, rebuilt before the checkpoint is loaded)."""
+    from loom.checkpoint.manager import step_dir_name
+    from loom.train.trainer import Trainer
+
+    run = lambda name, **extra: tiny_config(
+        tmp_path / name,
+        tmp_path / "cache",
+        **{
+            "training.objective": "distill",
+            "training.steps": 4,
+            "checkpoint.every": 2,
+            "checkpoint.keep": 0,
+            "run.deterministic": "true",
+            **extra,
+        },
+    )
+    whole = Trainer(run("whole")).fit()
+    shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
+    step2 = str(tmp_path / "part" / "checkpoints" / step_dir_name(2))
+    resumed = Trainer(run("part", **{"checkpoint.resume": step2, "checkpoint.overwrite": "true"})).fit()
+    key = lambda recs: [(r["step"], r["loss"], r["grad_norm"], r["kd_loss"], r["batch_hash"]) for r in recs]
+    assert [r["step"] for r in resumed] == [3, 4] and key(resumed) == key(whole[2:])
