@@ -8,19 +8,63 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from loom.config.errors import ConfigError
-from loom.config.sections import Config
+from loom.config.sections import APPLIED, MUST_MATCH, Config, opt
 from loom.data.loader import MicroBatch
 from loom.methods import sft
 from loom.methods.base import Method, plain_text_rules
 from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE, valid_tokens
 from loom.train.objective import Objective, release_gathered
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation (training.objective distill; docs/finetuning.md): torchtune's KD recipe."""
+
+    teacher: str = opt(
+        "",
+        "the teacher's folder: a Hugging Face folder, a loom checkpoint (step_N, or `loom convert --from-hf`'s "
+        "output) or a loom run dir (its newest complete checkpoint), of the student's vocabulary; '' = the initial "
+        "student (a frozen copy; under LoRA the student with its adapters off)",
+        resume=(APPLIED, "the teacher of the resumed steps (a run dir's newest checkpoint then)"),
+    )
+    temperature: float = opt(
+        1.0,
+        "the softmax temperature of both models' logits in the KL terms (the CE term is at 1); not rescaled by T^2 "
+        "(TRL's GKD convention)",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    reverse_kl: float = opt(
+        0.0,
+        "the reverse KL(student || teacher)'s weight, 1 - it the forward KL(teacher || student)'s: 0 = forward KL "
+        "(torchtune's), 1 = reverse",
+        min=0.0,
+        max=1.0,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    kd_ratio: float = opt(
+        0.5,
+        "the KL term's weight, 1 - it the hard-label cross-entropy's (torchtune's kd_ratio); 1 = distillation alone",
+        min=0.0,
+        max=1.0,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    data: str = opt(
+        "lm",
+        "the data: 'lm' = packed text (every token takes the loss), 'sft' = conversations through the chat "
+        "template (the assistant's tokens; needs data.document_positions true)",
+        choices=("lm", "sft"),
+        resume=(MUST_MATCH, "what the data stream is"),
+    )
+
 
 CHUNK_BYTES = 64 * 2**20  # one fp32 (rows, vocab) buffer of a chunk; the chunk's math holds about six of them
 
