@@ -141,11 +141,13 @@ class _Distill(torch.autograd.Function):
     backward: nothing of the teacher and no (rows, V) buffer outlives a chunk."""
 
     @staticmethod
-    def forward(ctx, h, weight, h_teacher, w_teacher, labels, temperature, reverse, kd_ratio, rows, stats):
-        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+    def forward(
+        ctx, h, weight, h_teacher, w_teacher, labels, temperature, reverse, kd_ratio, rows, stats, grads
+    ):
+        grad_h = torch.zeros_like(h) if grads and ctx.needs_input_grad[0] else None
         grad_w = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if ctx.needs_input_grad[1]
+            if grads and ctx.needs_input_grad[1]
             else None
         )
         with_grad = grad_h is not None or grad_w is not None
@@ -172,7 +174,7 @@ class _Distill(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         dh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
         dw = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None, None
 
 
 def chunked_distill_loss(
@@ -213,6 +215,7 @@ def chunked_distill_loss(
             float(kd_ratio),
             rows,
             {} if stats is None else stats,
+            torch.is_grad_enabled(),  # a validation pass (no_grad) computes no gradient
         )
 
 
