@@ -44,8 +44,8 @@ class DistillConfig:
     )
     reverse_kl: float = opt(
         0.0,
-        "the reverse KL(student || teacher)'s weight, 1 - it the forward KL(teacher || student)'s: 0 = forward KL "
-        "(torchtune's), 1 = reverse",
+        "the reverse KL's weight (the student's distribution against the teacher's), 1 - it the forward KL's (the "
+        "teacher's against the student's): 0 = forward KL (torchtune's), 1 = reverse",
         min=0.0,
         max=1.0,
         resume=(APPLIED, "the loss from the next step"),
@@ -65,6 +65,8 @@ class DistillConfig:
         resume=(MUST_MATCH, "what the data stream is"),
     )
 
+
+SECTIONS = {"distill": DistillConfig}  # --distill.teacher, [distill]
 
 CHUNK_BYTES = 64 * 2**20  # one fp32 (rows, vocab) buffer of a chunk; the chunk's math holds about six of them
 
