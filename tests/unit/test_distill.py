@@ -225,3 +225,24 @@ def test_resume_mid_run_continues_bitwise(tmp_path):
     resumed = Trainer(run("part", **{"checkpoint.resume": step2, "checkpoint.overwrite": "true"})).fit()
     key = lambda recs: [(r["step"], r["loss"], r["grad_norm"], r["kd_loss"], r["batch_hash"]) for r in recs]
     assert [r["step"] for r in resumed] == [3, 4] and key(resumed) == key(whole[2:])
+
+
+def test_config_rules(tmp_path):
+    """Refused in one line naming the field: the section under another objective, a missing or unrecognized teacher
+    folder, tensor / context / pipeline parallelism, SFT data without per-document attention."""
+    from loom.config.errors import ConfigError
+    from loom.methods import check_config
+
+    distill = {"training.objective": "distill"}
+    with pytest.raises(ConfigError, match="distill.kd_ratio"):
+        check_config(tiny_config(**{"distill.kd_ratio": 1.0}))
+    with pytest.raises(ConfigError, match="distill.teacher.*folder not found"):
+        check_config(tiny_config(**distill, **{"distill.teacher": str(tmp_path / "nope")}))
+    with pytest.raises(ConfigError, match="distill.teacher.*neither"):
+        check_config(tiny_config(**distill, **{"distill.teacher": str(tmp_path)}))
+    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
+        with pytest.raises(ConfigError, match=key):
+            check_config(tiny_config(**distill, **{key: 2}))
+    with pytest.raises(ConfigError, match="data.document_positions"):
+        check_config(tiny_config(**distill, **{"distill.data": "sft"}))
+    check_config(tiny_config(**distill, **{"distill.data": "sft", "data.document_positions": "true"}))
