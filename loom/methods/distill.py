@@ -137,6 +137,17 @@ def _chunk_(
     return kd, ce
 
 
+def _accumulate(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
+    """acc (V, E) fp32 += dlogits.T (V, n) @ h (n, E), the product in the head's dtype: written in fp32 by cuBLAS on
+    CUDA, rounded to the dtype before the fp32 sum elsewhere (as the fused linear + cross-entropy accumulates)."""
+    if dlogits.dtype == acc.dtype:
+        acc.addmm_(dlogits.T, h)
+    elif dlogits.is_cuda:
+        torch.addmm(acc, dlogits.T, h, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(dlogits.T @ h)
+
+
 class _Distill(torch.autograd.Function):
     """The summed loss of ``chunked_distill_loss`` with its gradients computed chunk by chunk in forward (as the
     fused linear + cross-entropy does: loom.kernels.linear_ce), saved and scaled by the incoming scalar in
@@ -166,7 +177,7 @@ class _Distill(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[start : start + rows] = (zs.to(weight.dtype) @ weight).to(h.dtype)
             if grad_w is not None:
-                grad_w += zs.T @ h_c.float()
+                _accumulate(grad_w, zs.to(weight.dtype), h_c)
         stats.update(kd=kd_sum.detach(), ce=ce_sum.detach())
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return kd_ratio * kd_sum + (1 - kd_ratio) * ce_sum

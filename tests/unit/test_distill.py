@@ -246,3 +246,16 @@ def test_config_rules(tmp_path):
     with pytest.raises(ConfigError, match="data.document_positions"):
         check_config(tiny_config(**distill, **{"distill.data": "sft"}))
     check_config(tiny_config(**distill, **{"distill.data": "sft", "data.document_positions": "true"}))
+
+
+def test_bf16_autocast_runs_the_heads_in_bf16_and_stays_close():
+    """Under bf16 autocast the head matmuls run in bf16 (as the model's own head would), the KL in fp32: close to the
+    fp32 definition, and the head's fp32 weight gets an fp32 gradient."""
+    h, w, ht, wt, labels = batch(3)
+    h, w, ht, wt = h.float(), w.float().requires_grad_(), ht.float(), wt.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunked_distill_loss(h, w, ht, wt, labels, 1.5, 0.5, 0.5, chunk_rows=9)
+    got.backward()
+    expected = token_losses(h @ w.T, ht @ wt.T, labels, 1.5, 0.5, 0.5)[0].sum()
+    assert got.dtype == torch.float32 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=3e-2, atol=1e-2)
