@@ -337,7 +337,7 @@ class Distillation(Objective):
             loss = model(mb.inputs, positions)
         if self.teacher_model is not None:
             release_gathered(self.teacher_model)
-        for key, name in (("kd", "kd_loss"), ("ce", "ce_loss")):
+        for key, name in zip(("kd", "ce"), self.STATS):
             self._stats[name] = self._stats.get(name, 0) + stats[key]
         return loss
 
