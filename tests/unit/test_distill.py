@@ -184,18 +184,28 @@ def test_embedded_default_and_a_run_dir_teacher_train_from_the_cli(tmp_path):
     assert len(student) == 2 and all(r["kd_loss"] > 1e-4 and math.isfinite(r["loss"]) for r in student)
 
 
-def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, capsys):
-    """A Hugging Face teacher whose vocabulary is not the student's: exit 2 naming distill.teacher."""
+def test_a_hugging_face_teacher_loads_and_another_vocabulary_is_one_line(tmp_path, capsys):
+    """A Hugging Face folder as the teacher and as the student's model.init_from: KD 0 at the first step (the
+    teacher's weights read, on the same tokens and positions); a teacher of another vocabulary: exit 2 naming
+    distill.teacher."""
     from loom.checkpoint.hf.export import export_hf
     from loom.cli.main import main as loom_main
     from loom.models.llama import Llama
     from loom.models.registry import all_flavors
 
-    args = all_flavors()["debug"].with_(vocab_size=512)
-    export_hf(Llama(args).state_dict(), args, str(tmp_path / "teacher"))
-    argv = ["train", "--training.objective", "distill", "--distill.teacher", str(tmp_path / "teacher")]
+    for vocab in (384, 512):
+        args = all_flavors()["debug"].with_(vocab_size=vocab)
+        torch.manual_seed(0)
+        export_hf(Llama(args).state_dict(), args, str(tmp_path / f"hf{vocab}"))
+    train = lambda run, teacher, *extra: loom_main(
+        ["train", "--training.objective", "distill", "--distill.teacher", str(tmp_path / teacher), *extra]
+        + tiny_args(tmp_path / run, tmp_path / "cache", **{"training.steps": 1})
+    )
+    assert train("same", "hf384", "--model.init_from", str(tmp_path / "hf384")) in (0, None)
+    (record,) = distill_records(tmp_path / "same")
+    assert abs(record["kd_loss"]) < 1e-6 and record["ce_loss"] > 0
     with pytest.raises(SystemExit) as err:
-        loom_main(argv + tiny_args(tmp_path / "run", tmp_path / "cache"))
+        train("other", "hf512")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err.value.code == 2 and len(lines) == 1 and "distill.teacher" in lines[0], lines
 
