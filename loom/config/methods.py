@@ -16,4 +16,5 @@ METHODS = {
     "kto": ("loom.methods.kto", ("kto",)),
     "orpo": ("loom.methods.orpo", ("orpo",)),
     "simpo": ("loom.methods.simpo", ("simpo",)),
+    "distill": ("loom.methods.distill", ("distill",)),
 }

@@ -1,6 +1,9 @@
 """Layout invariance of SFT: conversations packed with per-document attention and a loss mask (only the assistant's
 tokens count) give the single-process loss at every step under DDP x2, FSDP2 x2 with accumulation and TP x2, and
-FSDP2 x4 with accumulation (slow) (fp32, within 1e-5 relative over 6 steps), and the same global batches."""
+FSDP2 x4 with accumulation (slow) (fp32, within 1e-5 relative over 6 steps), and the same global batches. In the
+same process groups, knowledge distillation on the same conversations from a wider, deeper teacher (a Hugging Face
+folder, sharded as the student is) under DDP x2 and FSDP2 x2 with accumulation, and under LoRA from the student with
+its adapters off under FSDP2 x2 with accumulation, against their single processes."""
 
 from __future__ import annotations
 
@@ -33,7 +36,35 @@ def write_conversations(path, n: int = 300, seed: int = 0) -> str:
     return str(path)
 
 
-def job(tmp, source, name, mb, **parallel):
+def write_teacher(folder) -> str:
+    """A Hugging Face folder of a Llama wider and deeper than the student (the `debug` flavor), same vocabulary."""
+    import torch
+
+    from loom.checkpoint.hf.export import export_hf
+    from loom.models.llama import Llama
+    from loom.models.registry import all_flavors
+
+    args = all_flavors()["debug"].with_(
+        vocab_size=384, dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=192
+    )
+    torch.manual_seed(1)
+    export_hf(Llama(args).state_dict(), args, str(folder))
+    return str(folder)
+
+
+def job(tmp, source, name, mb, teacher=None, lora=False, **parallel):
+    """An SFT run; with ``teacher`` (a folder, or '' = the initial student) distillation on the same conversations;
+    ``lora``: LoRA adapters (the default teacher is then the student with its adapters off)."""
+    extra = {"lora.rank": 4, "optimizer.lr": 3e-2} if lora else {}
+    if teacher is not None:
+        extra |= {
+            "training.objective": "distill",
+            "distill.teacher": teacher,
+            "distill.data": "sft",
+            "distill.temperature": 2.0,
+            "distill.reverse_kl": 0.3,
+            "data.document_positions": "true",
+        }
     return tiny_overrides(
         f"{tmp}/{name}",
         f"{tmp}/cache",
@@ -47,6 +78,7 @@ def job(tmp, source, name, mb, **parallel):
             "training.micro_batch_size": mb,
             "optimizer.warmup_steps": 2,
             "optimizer.lr": 3e-3,
+            **extra,
             **{f"parallel.{k}": v for k, v in parallel.items()},
         },
     )
@@ -56,14 +88,25 @@ def job(tmp, source, name, mb, **parallel):
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sft_layouts")
     source = write_conversations(tmp / "chat.jsonl")
-    reference = run_jobs(1, [job(tmp, source, "single", GLOBAL)], str(tmp))[0]
-    names = ["ddp2", "fsdp2-acc2", "tp2"]
+    teacher = write_teacher(tmp / "teacher")
+    singles = [
+        job(tmp, source, "single", GLOBAL),
+        job(tmp, source, "distill", GLOBAL, teacher),
+        job(tmp, source, "distill-lora", GLOBAL, "", lora=True),
+    ]
+    reference, distill, distill_lora = run_jobs(1, singles, str(tmp))
+    names = ["ddp2", "fsdp2-acc2", "tp2", "distill-ddp2", "distill-fsdp2-acc2", "distill-lora-fsdp2-acc2"]
     jobs = [
         job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
         job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
         job(tmp, source, "tp2", GLOBAL, tp=2, dp_shard=1),
+        job(tmp, source, "distill-ddp2", GLOBAL // 2, teacher, dp_replicate=2, dp_shard=1),
+        job(tmp, source, "distill-fsdp2-acc2", GLOBAL // 4, teacher, dp_shard=2),
+        job(tmp, source, "distill-lora-fsdp2-acc2", GLOBAL // 4, "", lora=True, dp_shard=2),
     ]
-    return reference, dict(zip(names, run_jobs(2, jobs, str(tmp))))
+    results = dict(zip(names, run_jobs(2, jobs, str(tmp))))
+    distills = {n: (distill_lora if "lora" in n else distill, results[n]) for n in names[3:]}
+    return reference, {n: results[n] for n in names[:3]}, distills
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +118,7 @@ def results4(tmp_path_factory):
 
 
 def test_sft_losses_match_single_process(results):
-    reference, layouts = results
+    reference, layouts, _ = results
     ref = losses(reference)
     assert len(ref) == STEPS and ref[-1] < ref[0]
     report = []
@@ -88,14 +131,33 @@ def test_sft_losses_match_single_process(results):
 
 
 def test_sft_global_batches_are_layout_independent(results):
-    reference, layouts = results
+    reference, layouts, _ = results
     hashes = {tuple(r["batch_hash"] for r in res["records"]) for res in [reference, *layouts.values()]}
     assert len(hashes) == 1 and all(hashes.pop())
 
 
+def test_distill_losses_match_single_process(results):
+    """Distillation from a wider, deeper teacher (FSDP2 shards it as it shards the student), and under LoRA from the
+    student with its adapters off: the loss, its KD and CE terms at every step equal one process's."""
+    report = []
+    for name, (reference, res) in results[2].items():
+        ref = losses(reference)
+        assert len(ref) == STEPS and ref[-1] < ref[0]
+        assert (
+            reference["records"][-1]["kd_loss"] > 0
+        )  # the student moved away from its teacher, or never was it
+        dev = max(abs(a - b) / abs(b) for a, b in zip(losses(res), ref))
+        for key in ("kd_loss", "ce_loss"):
+            got, want = [r[key] for r in res["records"]], [r[key] for r in reference["records"]]
+            dev = max(dev, *(abs(a - b) / max(abs(b), 1e-3) for a, b in zip(got, want)))
+        report.append(f"{name}: max rel deviation {dev:.2e}")
+        assert len(res["records"]) == STEPS and dev < 1e-5, "\n".join(report)
+    print("\n".join(report))
+
+
 @pytest.mark.exhaustive  # 4 ranks: the widest matrix, run by hand (pytest --exhaustive)
 def test_sft_under_fsdp2_x4_with_accumulation_matches_single_process(results, results4):
-    reference, _ = results
+    reference, _, _ = results
     ref, got = losses(reference), losses(results4)
     dev = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     print(f"fsdp4-acc2: max rel deviation {dev:.2e}")
