@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.config.errors import ConfigError
-from loom.config.sections import GrpoConfig
+from loom.config.sections import APPLIED, GrpoConfig, opt
 from loom.methods.base import Method
 from loom.methods.dpo import DirectPreference
 from loom.methods.rloo import rollout_logps
@@ -30,6 +30,36 @@ from loom.rl.rollout import RolloutBatch, Rollouts, policy_forward, token_logps
 
 if TYPE_CHECKING:
     from loom.train.loop import Loop
+
+
+@dataclass
+class OnlineDpoConfig:
+    """Online DPO (training.objective online_dpo; docs/rl.md): its sampling, rewards and warm-up are [grpo]'s (two
+    completions per prompt); these are its loss's."""
+
+    beta: float = opt(
+        0.1,
+        "the strength of the pull towards the reference: rewards are beta x (policy - reference) "
+        "log-probabilities of a completion",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss and rewards from the next step"),
+    )
+    loss: str = opt(
+        "sigmoid",
+        "'sigmoid' = DPO's -log sigmoid(beta x margin); 'ipo' = (margin - 1 / (2 beta))^2 on the summed "
+        "log-ratios, as TRL's online trainer",
+        choices=("sigmoid", "ipo"),
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    missing_eos_penalty: float = opt(
+        0.0,
+        "subtracted from the reward of a completion without an EOS (cut at grpo.max_new_tokens) before the "
+        "pair is ranked; 0 = off",
+        min=0.0,
+        resume=(APPLIED, "the ranking from the next step"),
+    )
+
 
 # [grpo]'s fields that are GRPO's loss or group and mean nothing here (online DPO samples 2 per prompt, one step each)
 UNUSED_GRPO_FIELDS = (
@@ -92,13 +122,17 @@ class OnlinePreference(DirectPreference):
         ("warm-up", "grpo/warmup", "flag"),
         ("reward", "reward", ".3f"),
         ("acc", "rewards/exact_answer", ".3f"),
-        ("", "rewards/*", ".3f"),
         ("eval acc", "eval/accuracy", ".3f"),
+        ("pref acc", "rewards/accuracy", ".3f"),
         ("margin", "rewards/margins", ".3f"),
         ("kl", "objective/kl", ".4f"),
     )
     panels = (
-        ("reward", ("reward", "rewards/*"), "mean over the rollouts"),
+        (
+            "reward",
+            ("reward", "objective/scores"),
+            "mean over the rollouts (scores: less the missing-EOS penalty)",
+        ),
         ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
         ("implicit rewards", ("rewards/chosen", "rewards/rejected", "rewards/margins"), "beta x log-ratio"),
         ("KL to the reference", ("objective/kl",), "summed over a completion's tokens"),

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from loom.config.errors import ConfigError
+from loom.config.sections import APPLIED, opt
 from loom.methods.base import Method
 from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
@@ -34,6 +36,31 @@ from loom.train.objective import Objective
 
 if TYPE_CHECKING:
     from loom.train.loop import Loop
+
+
+@dataclass
+class RlooConfig:
+    """RLOO (training.objective rloo; docs/rl.md): its rollouts, rewards, warm-up and clip range are [grpo]'s
+    (group_size = k, epsilon / epsilon_high, beta as the KL penalty in the reward, iterations); these are its own."""
+
+    normalize_advantages: bool = opt(
+        False,
+        "the leave-one-out advantages less their mean over the global batch, over their std (TRL's "
+        "normalize_advantages)",
+        resume=(APPLIED, "the advantages from the next step"),
+    )
+    reward_clip_min: float = opt(
+        -math.inf,
+        "the summed rewards clipped from below at this value before the baseline (TRL's reward_clip_range); "
+        "-inf = off",
+        resume=(APPLIED, "the advantages from the next step"),
+    )
+    reward_clip_max: float = opt(
+        math.inf,
+        "the summed rewards clipped from above at this value; inf = off",
+        resume=(APPLIED, "the advantages from the next step"),
+    )
+
 
 STD_EPS = 1e-4  # added to the std before dividing, as TRL does
 

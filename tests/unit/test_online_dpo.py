@@ -7,16 +7,23 @@ default trains from ``loom train``; the config rules."""
 from __future__ import annotations
 
 import functools
+import json
+import math
+import shutil
 import types
 from collections import defaultdict
 
 import pytest
 import torch
 
+from loom.checkpoint.manager import step_dir_name
+from loom.config.errors import ConfigError
+from loom.methods import check_config
 from loom.methods.online_dpo import OnlinePreference, PairRollouts, pair_order
 from loom.numerics import IGNORE
 from loom.rl.rewards import Rewards
 from loom.rl.rollout import rows_to_batches, token_logps
+from loom.train.trainer import Trainer
 
 N = 4  # prompts: 2N completions
 EOS = 2
@@ -155,3 +162,58 @@ def test_loss_gradient_and_figures_equal_trl(tmp_path, loss, penalty):
     for name in OnlinePreference.STATS:
         want = got[names.get(name, name)]
         assert abs(stats[name] - want) <= 1e-5 * max(1.0, abs(want)), (name, stats[name], want)
+
+
+def test_pair_order_puts_each_micro_batchs_chosen_rows_first():
+    rewards = torch.tensor(
+        [0.0, 1.0, 2.0, 2.0, 3.0, 1.0, 0.5, 0.7]
+    )  # pairs: second, tie (first), first, second
+    order, first = pair_order(rewards, 2)
+    assert first.tolist() == [False, True, True, False]
+    assert order == [1, 2, 0, 3, 4, 7, 5, 6]
+
+
+def test_config_rules(tmp_path):
+    from tests.unit.test_rloo import rl_config
+
+    with pytest.raises(ConfigError, match="online_dpo.beta"):
+        check_config(rl_config(tmp_path, "a", "grpo", **{"online_dpo.beta": 0.5}))
+    for key, value in (("grpo.group_size", 8), ("grpo.beta", 0.1), ("grpo.iterations", 2)):
+        with pytest.raises(ConfigError, match=key):
+            check_config(rl_config(tmp_path, "b", "online_dpo", **{key: value}))
+    with pytest.raises(ConfigError, match="training.micro_batch_size"):
+        check_config(rl_config(tmp_path, "c", "online_dpo", **{"training.micro_batch_size": 1}))
+    check_config(
+        rl_config(tmp_path, "d", "online_dpo", **{"online_dpo.loss": "ipo", "grpo.temperature": 0.9})
+    )
+
+
+def test_embedded_default_trains_from_the_cli(tmp_path):
+    """`loom train --training.objective online_dpo` with nothing but the tiny sizes: the warm-up, then online DPO's
+    steps with TRL's figures; the first step's policy is its own reference (loss ln 2, KL 0)."""
+    from loom.cli.main import main as loom_main
+    from tests.tiny import tiny_args
+
+    args = tiny_args(tmp_path / "run", None, **{"training.steps": 3, "grpo.warmup_steps": 1})
+    assert loom_main(["train", "--training.objective", "online_dpo", *args]) in (0, None)
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3 and steps[0].get("grpo/warmup") == 1.0
+    assert steps[1]["loss"] == pytest.approx(math.log(2), abs=1e-6) and steps[1]["objective/kl"] == 0.0
+    for r in steps[1:]:
+        assert set(OnlinePreference.STATS) | {"reward", "val/contain_eos_token"} <= set(r)
+
+
+@pytest.mark.slow
+def test_resume_mid_run_continues_bitwise(tmp_path):
+    """Saved at step 3 (the reference taken at step 2), resumed: steps 4-5 equal the uninterrupted run's bitwise."""
+    from tests.unit.test_rloo import rl_config
+
+    over = {"training.steps": 5, "run.deterministic": "true", "checkpoint.every": 3, "checkpoint.keep": 0}
+    whole = Trainer(rl_config(tmp_path, "whole", "online_dpo", **over)).fit()
+    shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / step_dir_name(5), ignore_errors=True)
+    resumed = Trainer(rl_config(tmp_path, "part", "online_dpo", **over)).fit()
+    keys = ("step", "loss", "grad_norm", "reward", "objective/kl")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[3:]]
+    assert whole[4]["objective/kl"] != 0

@@ -7,16 +7,23 @@ rules; a resumed run continues bitwise."""
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 import types
 from collections import defaultdict
 
 import pytest
 import torch
 
+from loom.checkpoint.manager import step_dir_name
+from loom.config.errors import ConfigError
+from loom.methods import check_config
 from loom.methods.rloo import LeaveOneOut, rloo_advantages, sequence_kl
 from loom.numerics import IGNORE
 from loom.rl.rewards import Rewards
 from loom.rl.rollout import RolloutBatch, std_of, token_logps
+from loom.train.trainer import Trainer
+from tests.tiny import tiny_config
 
 B, T, K = 8, 6, 4
 TRL_VERSION = "1.16.0"  # the version compared; another may move RLOO's math
@@ -222,3 +229,71 @@ def test_loss_clip_fractions_and_gradient_equal_trl(tmp_path):
     theirs.backward()
     for a, p in zip(mine, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def rl_config(tmp_path, name: str, objective: str, **overrides):
+    """A few steps of ``objective`` on the embedded task: one warm-up step, then RL."""
+    return tiny_config(
+        tmp_path / name,
+        None,
+        **{
+            "training.objective": objective,
+            "training.steps": 4,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "grpo.warmup_steps": 1,
+            "grpo.max_new_tokens": 4,
+            "metrics.progress": "false",
+            **overrides,
+        },
+    )
+
+
+def test_config_rules(tmp_path):
+    with pytest.raises(ConfigError, match="rloo.normalize_advantages"):
+        check_config(rl_config(tmp_path, "a", "grpo", **{"rloo.normalize_advantages": "true"}))
+    with pytest.raises(ConfigError, match="grpo.loss_type"):
+        check_config(rl_config(tmp_path, "b", "rloo", **{"grpo.loss_type": "grpo"}))
+    with pytest.raises(ConfigError, match="rloo.reward_clip_min"):
+        check_config(
+            rl_config(tmp_path, "c", "rloo", **{"rloo.reward_clip_min": 2, "rloo.reward_clip_max": 1})
+        )
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        check_config(rl_config(tmp_path, "d", "rloo", **{"parallel.pp": 2}))
+    check_config(rl_config(tmp_path, "e", "rloo", **{"rloo.normalize_advantages": "true", "grpo.beta": 0.1}))
+
+
+def test_embedded_default_trains_from_the_cli(tmp_path):
+    """`loom train --training.objective rloo` with nothing but the tiny sizes: the warm-up, then RLOO's steps with
+    its figures (the KL term on)."""
+    from loom.cli.main import main as loom_main
+    from tests.tiny import tiny_args
+
+    args = tiny_args(
+        tmp_path / "run", None, **{"training.steps": 3, "grpo.warmup_steps": 1, "grpo.beta": 0.05}
+    )
+    assert loom_main(["train", "--training.objective", "rloo", *args]) in (0, None)
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3 and steps[0].get("grpo/warmup") == 1.0
+    for r in steps[1:]:
+        assert torch.isfinite(torch.tensor(r["loss"]))
+        assert {"reward", "kl", "frac_reward_zero_std", "clip_ratio/region"} <= set(r)
+
+
+def test_resume_mid_run_continues_bitwise(tmp_path):
+    """Saved at step 3 (the reference taken at step 2), resumed: steps 4-5 equal the uninterrupted run's bitwise."""
+    over = {
+        "training.steps": 5,
+        "grpo.beta": 0.2,
+        "grpo.iterations": 2,
+        "run.deterministic": "true",
+        "checkpoint.every": 3,
+        "checkpoint.keep": 0,
+    }
+    whole = Trainer(rl_config(tmp_path, "whole", "rloo", **over)).fit()
+    shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / step_dir_name(5), ignore_errors=True)
+    resumed = Trainer(rl_config(tmp_path, "part", "rloo", **over)).fit()
+    keys = ("step", "loss", "grad_norm", "reward", "kl")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[3:]]
