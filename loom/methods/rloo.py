@@ -280,7 +280,13 @@ def drive(loop: Loop) -> list[dict]:
                     tokens = sum(m.sum() for m in masks)
             clip = reward_clip(r)
             advantages, zero_std = rloo_advantages(
-                total, g.group_size, kl, g.beta, r.normalize_advantages, clip, engine.dims.data_sum
+                total,
+                g.group_size,
+                kl,
+                g.beta,
+                r.normalize_advantages,
+                clip,
+                lambda t: engine.dims.data_sum(t.to(engine.device)).cpu(),  # NCCL sums device tensors
             )
             for i, mb in enumerate(mbs):
                 mb.advantages = advantages[i * rollouts.micro : (i + 1) * rollouts.micro]
