@@ -11,6 +11,9 @@ is recorded with the one-line reason, not as a failure.
 
     python -m bench.layouts --gpus 8 --flavors debug,125M --out bench/results/layouts_8gpu_h200.json
 
+``--cp-method ring`` runs the context-parallel layouts with ring attention (``parallel.cp_method``; rows named
+``cp2+ring``), so they sit beside the all-gather rows of an earlier invocation in the same file (``--resume``).
+
 The JSON is written after every layout (a command cut short keeps what finished) and, with ``--resume``,
 layouts already in it are skipped, so one matrix can be spread over several commands under a time limit.
 A markdown table goes next to it.
@@ -101,6 +104,19 @@ def layouts(gpus: int) -> dict[str, dict]:
     else:
         raise SystemExit(f"--gpus {gpus}: layouts are defined for 2, 4 or 8 GPUs")
     return table
+
+
+def with_cp_method(table: dict[str, dict], method: str) -> dict[str, dict]:
+    """``table`` with ``parallel.cp_method = method`` on its context-parallel layouts, renamed ``name+method``;
+    the default (allgather) leaves it as it is."""
+    if method == "allgather":
+        return table
+    return {
+        (f"{n}+{method}" if d.get("cp", 1) > 1 else n): (
+            {**d, "cp_method": method} if d.get("cp", 1) > 1 else d
+        )
+        for n, d in table.items()
+    }
 
 
 def applies(flavor: str, degrees: dict) -> bool:
@@ -211,6 +227,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a gloo smoke run of the script itself")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--cp-method",
+        choices=["allgather", "ring"],
+        default="allgather",
+        help="parallel.cp_method of the context-parallel layouts (ring: their rows named NAME+ring)",
+    )
     # 1e-3 with 2 warmup steps made the 125M loss spike (5.4 -> 8.7 at step 3) and chaotic training
     # magnifies rounding differences of any layout; invariance is measured on a stable run
     p.add_argument("--lr", type=float, default=3e-4)
@@ -228,6 +250,9 @@ def main() -> None:
     unknown = [n for n in chosen if n not in table]
     if unknown:
         raise SystemExit(f"--layouts: unknown {unknown}; for {a.gpus} GPUs: {', '.join(table)}")
+    renamed = with_cp_method(table, a.cp_method)
+    names = dict(zip(table, renamed))
+    table, chosen = renamed, [names[n] for n in chosen]
     doc = {
         "benchmark": "layouts",
         "environment": environment(a.commit, command()),

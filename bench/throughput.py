@@ -12,6 +12,14 @@ holds compilation and warm-up).
     python -m bench.throughput --gpus 8 --flavor 8B --seq 8192 --layouts fsdp8 --compile --ac op \\
         --out bench/results/throughput_8b_8gpu_h200.json
 
+``--cp-method allgather,ring`` runs every context-parallel layout once per ``parallel.cp_method`` (its rows named
+``cp2 (ring)``), so the two sit side by side: peak memory per GPU and tokens/s, e.g. at 64k tokens on 2 GPUs
+(op-level checkpointing, where all-gather keeps every layer's gathered K/V; under full checkpointing neither
+keeps any, and at cp <= 4 the ring's fp32 dK/dV accumulators make it the larger: docs/parallelism.md)
+
+    python -m bench.throughput --gpus 2 --flavor 8B --seq 65536 --layouts cp2 --cp-method allgather,ring \\
+        --global-batch 1 --ac op --out bench/results/throughput_8b_cp_2gpu_h200.json
+
 ``--plan FILE`` measures the fastest layout of a ``loom plan --search --json FILE`` instead of ``--layouts``
 (its layout, micro-batch size and activation checkpointing), so that a run measures what the planner proposed.
 
@@ -46,6 +54,7 @@ REFERENCES = {
     ],
 }
 _AXES = {"fsdp": "dp_shard", "ddp": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp"}
+CP_METHODS = ("allgather", "ring")  # parallel.cp_method's choices
 
 
 def parse_layout(name: str) -> dict:
@@ -96,6 +105,30 @@ def layout_name(layout: dict) -> str:
         if parsed.get(axis, 1) != layout[axis]:
             raise SystemExit(f"layout {layout} was named {name}, which reads back as {parsed}")
     return name
+
+
+def cp_methods(text: str) -> list[str]:
+    """``--cp-method`` ("allgather,ring") -> the methods, each one of parallel.cp_method's choices."""
+    methods = text.split(",")
+    bad = [m for m in methods if m not in CP_METHODS]
+    if bad or len(set(methods)) != len(methods):
+        raise SystemExit(f"--cp-method {text}: expected a comma-separated subset of {', '.join(CP_METHODS)}")
+    return methods
+
+
+def jobs(names: list[str], methods: list[str]) -> list[tuple[str, str | None]]:
+    """(layout name, parallel.cp_method) of every job: a context-parallel layout once per method, any other
+    once (None: the method does not apply)."""
+    return [
+        (name, method)
+        for name in names
+        for method in (methods if parse_layout(name).get("cp", 1) > 1 else [None])
+    ]
+
+
+def label(name: str, cp_method: str | None) -> str:
+    """A row's name: the layout, with its cp method where it has one (``cp2 (ring)``)."""
+    return name if cp_method is None else f"{name} ({cp_method})"
 
 
 def planned(path: str) -> tuple[str, int, str]:
@@ -187,16 +220,19 @@ def predict(cfg: dict, gpus: int, kind: str | None) -> dict:
     }
 
 
-def run_layout(name: str, a) -> dict:
+def run_layout(name: str, cp_method: str | None, a) -> dict:
     degrees = parse_layout(name)
     gpus = world(degrees)
-    run_dir = os.path.join(a.run_dir, f"{a.flavor}_{a.seq}_{name}")
+    if cp_method is not None:
+        degrees["cp_method"] = cp_method
+    run_dir = os.path.join(a.run_dir, f"{a.flavor}_{a.seq}_{name}" + (f"_{cp_method}" if cp_method else ""))
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = job_config(degrees, a, run_dir)
     predicted = predict(cfg, gpus, gpu_kind(a.device))
     proc, command, wall = run_train(cfg, gpus, a.timeout)
     out = {
         "layout": name,
+        "cp_method": cp_method,
         "gpus": gpus,
         "degrees": degrees,
         "command": command,
@@ -233,12 +269,15 @@ def markdown(doc: dict) -> str:
         if "tokens_per_s_per_gpu" in r:
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
             lines.append(
-                f"| {r['layout']} | {r['gpus']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
-                f"{r['peak_gib_max_rank']:.1f} | {guess} | |"
+                f"| {label(r['layout'], r.get('cp_method'))} | {r['gpus']} | "
+                f"{r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_gib_max_rank']:.1f} | {guess} | |"
             )
         else:
             note = r.get("rejected") or "ERROR: " + r["error"].strip().splitlines()[-1][:160]
-            lines.append(f"| {r['layout']} | {r['gpus']} | - | - | - | {guess} | {note.replace('|', '/')} |")
+            lines.append(
+                f"| {label(r['layout'], r.get('cp_method'))} | {r['gpus']} | - | - | - | {guess} | "
+                f"{note.replace('|', '/')} |"
+            )
     for ref in doc["references"]:
         lines.append(
             f"| reference: {ref['source']} | | {ref['tokens_per_s_per_gpu']:,} | | | | context, not a bar |"
@@ -268,6 +307,12 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--ac", default="op", help="training.activation_checkpointing")
     p.add_argument(
+        "--cp-method",
+        default="allgather",
+        help="parallel.cp_method of the context-parallel layouts; a comma-separated list runs each once per "
+        f"method (of {', '.join(CP_METHODS)})",
+    )
+    p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra loom config for every job"
     )
     p.add_argument("--device", default="cuda", help="cpu: a gloo smoke run of the script itself")
@@ -281,6 +326,7 @@ def main() -> None:
         a.layouts, a.micro_batch, a.ac = planned(a.plan)
     a.global_batch = a.global_batch or a.gpus
     names = a.layouts.split(",")
+    methods = cp_methods(a.cp_method)
     for name in names:
         if world(parse_layout(name)) != a.gpus:
             raise SystemExit(f"--layouts {name}: uses {world(parse_layout(name))} GPUs, --gpus is {a.gpus}")
@@ -303,11 +349,11 @@ def main() -> None:
             raise SystemExit(f"--resume: {a.out} was measured with other settings: {old['settings']}")
         doc["results"], doc["invocations"] = old["results"], old["invocations"]
     doc["invocations"].append(doc["environment"]["command"])
-    done = {r["layout"] for r in doc["results"]}
-    for name in names:
-        if name in done:
+    done = {(r["layout"], r.get("cp_method")) for r in doc["results"]}
+    for name, cp_method in jobs(names, methods):
+        if (name, cp_method) in done:
             continue
-        res = run_layout(name, a)
+        res = run_layout(name, cp_method, a)
         doc["results"].append(res)
         print(
             json.dumps(

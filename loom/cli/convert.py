@@ -234,7 +234,15 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
             "there would break its recorded hashes; choose a folder outside it",
         )
     check_folder_writable("--to-hf", opts["--to-hf"])  # before the model is loaded
-    check_empty_target(opts["--to-hf"])
+    check_empty_target(opts["--to-hf"])  # a model there (a previous export): named as such
+    entries = sorted(os.listdir(opts["--to-hf"])) if os.path.isdir(opts["--to-hf"]) else []
+    if entries:  # files of the user's own (`--to-hf .`) would sit among the model's, or be overwritten
+        raise ConfigError(
+            "--to-hf",
+            opts["--to-hf"],
+            f"is not empty ({len(entries)} entr{'ies' if len(entries) > 1 else 'y'}, e.g. {entries[0]!r}); "
+            "choose a new or empty folder (as --to-peft)",
+        )
     overrides = parse_overrides(rest)
     if "--flavor" in opts:  # a flavor names the shape; a recorded init_from would take precedence over it
         overrides.update({"model.flavor": opts["--flavor"], "model.init_from": ""})

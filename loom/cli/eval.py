@@ -132,6 +132,10 @@ def parse_args(argv: list[str]) -> dict:
         args["prefix_token_id"] = _count("--prefix-token-id", args["prefix_token_id"], 0)
     if "limit" in args:
         args["limit"] = _limit(args["limit"], "tasks" in args and "source" not in args)
+    if "gen_kwargs" in args:
+        from loom.eval.generate import parse_gen_kwargs
+
+        args["gen_kwargs"] = parse_gen_kwargs(args["gen_kwargs"])
     return args
 
 
@@ -191,15 +195,16 @@ def run_perplexity(em, args: dict) -> list[dict]:
     return [r.as_dict() for r in rows]
 
 
-def run_harness(em, args: dict) -> dict:
+def run_harness(em, args: dict, manager) -> dict:
+    """``--tasks`` on ``em``; ``manager``: lm-eval's TaskManager, built (and the names checked) before the model
+    loads."""
     from loom.eval.harness import LoomLM, flat_metrics, run_tasks
 
     lm = LoomLM(model=em, batch_size=args["batch_size"], prefix_token_id=args.get("prefix_token_id"))
-    tasks = [t.strip() for t in args["tasks"].split(",") if t.strip()]
     results = run_tasks(
         lm,
-        tasks,
-        include_path=args.get("include_path"),
+        task_list(args),
+        manager=manager,
         limit=args.get("limit"),
         num_fewshot=args.get("num_fewshot"),
         gen_kwargs=args.get("gen_kwargs"),
@@ -209,6 +214,10 @@ def run_harness(em, args: dict) -> dict:
 
     print(make_table(results), flush=True)
     return {"metrics": flat_metrics(results), "lm_eval": _jsonable(results, bool(args.get("log_samples")))}
+
+
+def task_list(args: dict) -> list[str]:
+    return [t.strip() for t in args["tasks"].split(",") if t.strip()]
 
 
 def _jsonable(results: dict, samples: bool) -> dict:
@@ -249,6 +258,10 @@ def main(argv: list[str]) -> int:
         from loom.config.errors import require
 
         require("lm_eval", "eval", package="lm-eval", purpose="loom eval --tasks")
+        from loom.eval.harness import task_manager
+
+        # unknown names and task files that do not load are one line before the model loads
+        manager = task_manager(task_list(args), args.get("include_path"))
     from loom.eval.model import load
 
     em = load(args["checkpoint"], device=args["device"], dtype=args["dtype"], max_length=args["max_length"])
@@ -270,7 +283,7 @@ def main(argv: list[str]) -> int:
     if "source" in args:
         record["perplexity"] = run_perplexity(em, args)
     if "tasks" in args:
-        record["tasks"] = run_harness(em, args)
+        record["tasks"] = run_harness(em, args, manager)
     if "out" in args:
         from loom.cli.generate import write_whole
 

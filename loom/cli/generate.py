@@ -27,7 +27,7 @@ chat template).
 
 sampling (defaults: greedy, 256 new tokens):
   --max-new-tokens N       --temperature T (0 = greedy)   --top-k K   --top-p P   --min-p P
-  --repetition-penalty R   --seed N (0; the same seed gives the same tokens)
+  --repetition-penalty R   --seed N (0 .. 2**32 - 1, default 0; the same seed gives the same tokens)
   --stop TEXT              end a completion at TEXT (repeatable; the text ends before it)
   --stop-token-id ID       end a completion at this token id (repeatable)   --ignore-eos
 
@@ -171,8 +171,13 @@ def as_chat(prompts: list, opts) -> list:
 
 
 def sampling_params(opts):
+    from loom.config.sections import SEED_MAX
     from loom.infer import SamplingParams
 
+    if not 0 <= opts.seed <= SEED_MAX:  # -1 is no "random seed" here: torch would take it as 2**64 - 1
+        raise ConfigError(
+            "--seed", opts.seed, f"allowed: 0 .. {SEED_MAX} (the same seed gives the same tokens)"
+        )
     try:
         return SamplingParams(
             max_new_tokens=opts.max_new_tokens,

@@ -482,7 +482,7 @@ def write_json(path: str, report: dict) -> None:
 # -------------------------------------------------------------------------------- --flops / --params / --tokens
 def main_compute_optimal(opts: dict, cfg, gpu, margin: float) -> int:
     """Chinchilla's compute-optimal budget, loom's nearest flavor and, on a cluster, the GPU-hours."""
-    from dataclasses import replace
+    import copy
 
     from loom.plan.compute_optimal import (
         compute_optimal,
@@ -517,7 +517,8 @@ def main_compute_optimal(opts: dict, cfg, gpu, margin: float) -> int:
         )
         report["compute_optimal"].update(noise_scale=noise, recommended_global_batch_size=batch)
     if opts["cluster"]:
-        fcfg = replace(cfg, model=replace(cfg.model, flavor=flavor))
+        fcfg = copy.deepcopy(cfg)
+        fcfg.model.flavor = flavor
         if opts["search"]:
             best, _ = search(fcfg, opts["gpus"], gpu, top=1, margin_gib=margin, progress=SearchProgress())
             if not best:

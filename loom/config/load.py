@@ -12,25 +12,26 @@ import typing
 from typing import Any
 
 from loom.config.errors import ConfigError
-from loom.config.sections import SECTIONS, Config
+from loom.config.sections import Config, all_sections, config_dict
 
 
 def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    return [f"{s}.{f.name}" for s, cls in all_sections().items() for f in dataclasses.fields(cls)]
 
 
 def _unknown_key(key: str) -> ConfigError:
     """One line: the nearest known keys (``nearest_keys``), else where to look."""
     near = nearest_keys(key)
     section = key.partition(".")[0]
-    if key in SECTIONS:  # a section where a field belongs: `--training 5`, or `training = 5` outside a table
+    sections = all_sections()
+    if key in sections:  # a section where a field belongs: `--training 5`, or `training = 5` outside a table
         hint = f"a section, not a field: set its fields as {key}.FIELD (see `loom train --help {key}`)"
     elif near:
         hint = "did you mean " + " or ".join(f"'{k}'" for k in near) + "?"
-    elif section in SECTIONS:
+    elif section in sections:
         hint = f"see `loom train --help {section}` for its fields"
     else:
-        hint = f"sections are {', '.join(SECTIONS)}"
+        hint = f"sections are {', '.join(sections)}"
     return ConfigError(key, None, f"unknown key; {hint}", show_value=False)
 
 
@@ -55,14 +56,14 @@ def nearest_keys(key: str) -> list[str]:
             else max(owners, key=lambda s: difflib.SequenceMatcher(None, section, s).ratio())
         )
         return [f"{owner}.{fields[0]}"]
-    if section in SECTIONS:
+    if section in all_sections():
         return []
     return difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
 
 
 def _field(key: str) -> dataclasses.Field:
     section, _, name = key.partition(".")
-    cls = SECTIONS.get(section)
+    cls = all_sections().get(section)
     if cls is None or not name:
         raise _unknown_key(key)
     for f in dataclasses.fields(cls):
@@ -72,13 +73,9 @@ def _field(key: str) -> dataclasses.Field:
 
 
 def _type_of(f: dataclasses.Field) -> type:
-    hints = typing.get_type_hints(SECTIONS_BY_FIELD[id(f)])
-    return hints[f.name]
+    owner = next(cls for cls in all_sections().values() if any(g is f for g in dataclasses.fields(cls)))
+    return typing.get_type_hints(owner)[f.name]
 
-
-SECTIONS_BY_FIELD: dict[int, type] = {
-    id(f): cls for cls in SECTIONS.values() for f in dataclasses.fields(cls)
-}
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -267,7 +264,7 @@ def profile_window(metrics) -> tuple[int, int] | None:
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(cfg)
+    return config_dict(cfg)
 
 
 def to_toml(cfg: Config) -> str:

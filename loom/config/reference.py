@@ -12,7 +12,8 @@ import textwrap
 
 from loom.config.errors import ConfigError
 from loom.config.load import toml_value
-from loom.config.sections import SECTIONS
+from loom.config.methods import METHODS
+from loom.config.sections import all_sections, section_names
 
 # one line per section, for the overview in `loom train --help` and the headings of docs/config.md
 SECTION_HELP = {
@@ -30,9 +31,6 @@ SECTION_HELP = {
     "mini-batches, a reward model (rollouts from [grpo])",
     "lora": "LoRA / QLoRA fine-tuning: adapter rank and scaling, targets, NF4 base, a PEFT adapter to start from",
     "reward": "reward model (training.objective reward): the Bradley-Terry loss's centring term",
-    "kto": "KTO (training.objective kto): beta, desirable / undesirable weights, where the reference comes from",
-    "orpo": "ORPO (training.objective orpo): the odds-ratio term's weight",
-    "simpo": "SimPO (training.objective simpo): beta, the target margin gamma, the NLL term's weight",
 }
 
 
@@ -47,8 +45,14 @@ class Row:
 
 
 def section_help(section: str) -> str:
-    """The section's one-line description ('' for a section not in SECTION_HELP yet: a test asks for one)."""
-    return SECTION_HELP.get(section, "")
+    """The section's one-line description: SECTION_HELP's, else (a method's own section) whose settings it holds
+    and where they are declared (read from the registry: listing the sections imports no method)."""
+    if section in SECTION_HELP:
+        return SECTION_HELP[section]
+    owners = [name for name, (_, sections) in METHODS.items() if section in sections]
+    if not owners:
+        return ""
+    return f"the settings of training.objective {' / '.join(owners)} (declared in {METHODS[owners[0]][0]})"
 
 
 def allowed(meta, sep: str = " | ", quote: str = "") -> str:
@@ -66,7 +70,7 @@ def allowed(meta, sep: str = " | ", quote: str = "") -> str:
 def rows(section: str, sep: str = " | ", quote: str = "") -> list[Row]:
     """The section's fields in declaration order; ``sep`` / ``quote`` format the allowed choices."""
     out = []
-    for f in dataclasses.fields(SECTIONS[section]):
+    for f in dataclasses.fields(all_sections()[section]):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append(
             Row(
@@ -90,7 +94,7 @@ def markdown() -> str:
         "`loom train --help SECTION` prints one, `loom train ... --print-config` prints the resolved config.",
         "",
     ]
-    for section in SECTIONS:
+    for section in all_sections():
         lines += [f"## `[{section}]`", ""]
         about = section_help(section)
         if about:
@@ -104,15 +108,16 @@ def markdown() -> str:
 
 def sections_text() -> str:
     """`loom train --help`'s list of sections: name and description, one line each."""
-    width = max(map(len, SECTIONS))
+    sections = section_names()
+    width = max(map(len, sections))
     lines = ["config sections (`loom train --help SECTION` lists one's fields; all of them: docs/config.md):"]
-    lines += [f"  {name:<{width}}  {section_help(name)}" for name in SECTIONS]
+    lines += [f"  {name:<{width}}  {section_help(name)}" for name in sections]
     return "\n".join(lines)
 
 
 def section_text(section: str, width: int = 100) -> str:
     """`loom train --help SECTION`: every field with its default, allowed values and meaning."""
-    if section not in SECTIONS:
+    if section not in all_sections():
         raise unknown_section(section)
     lines = [
         f"[{section}]  {section_help(section)}".rstrip(),
@@ -127,8 +132,9 @@ def section_text(section: str, width: int = 100) -> str:
 
 def unknown_section(section: str) -> ConfigError:
     """One line: the nearest section name (difflib), or the list of them."""
-    near = difflib.get_close_matches(section.lower(), list(SECTIONS), n=1, cutoff=0.5)
-    hint = f"did you mean '{near[0]}'?" if near else f"sections are {', '.join(SECTIONS)}"
+    sections = list(all_sections())
+    near = difflib.get_close_matches(section.lower(), sections, n=1, cutoff=0.5)
+    hint = f"did you mean '{near[0]}'?" if near else f"sections are {', '.join(sections)}"
     return ConfigError("--help", section, f"unknown config section; {hint} (`loom train --help` lists them)")
 
 

@@ -8,9 +8,12 @@ changed value (``resume``: loom.train.resume_changes, docs/resume.md).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from dataclasses import dataclass, field, fields
 
 from loom.config.errors import ConfigError
+from loom.config.methods import METHODS
 
 # what a resumed run may do with a changed field (``opt(resume=(kind, why))``; loom.train.resume_changes compares)
 MUST_MATCH, APPLIED, FREE = "must match", "applied", "free"
@@ -53,7 +56,7 @@ def inactive_fields(cfg) -> list[tuple[str, object, str]]:
     """(section.field, value, what activates it) of every field set away from its default while the feature it
     belongs to is off (``opt(needs=...)``)."""
     out = []
-    for section, cls in SECTIONS.items():
+    for section, cls in all_sections().items():
         values = getattr(cfg, section, None)
         if values is None:
             continue
@@ -97,8 +100,8 @@ def opt(
     if needs is not None:
         assert needs in ACTIVATIONS, needs
         meta["needs"] = needs
-    if choices is not None:
-        meta["choices"] = tuple(choices)
+    if choices is not None:  # a registry (a dict) is kept as is: what it names when a value is checked
+        meta["choices"] = choices if isinstance(choices, dict) else tuple(choices)
     if min is not None:
         meta["min"] = min
         meta["min_exclusive"] = min_exclusive
@@ -107,6 +110,9 @@ def opt(
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+SEED_MAX = 2**32 - 1  # run.seed and `loom generate --seed`: a negative seed is refused (torch would wrap it)
 
 
 @dataclass
@@ -119,8 +125,10 @@ class RunConfig:
     )
     seed: int = opt(
         0,
-        "seed for weights, data order and dropout-free RNG streams",
+        "seed for weights, data order and dropout-free RNG streams (32 bits: the seeds derived from it, "
+        "such as GRPO's per-step sampling seeds, must fit torch's 64)",
         min=0,
+        max=SEED_MAX,
         resume=(MUST_MATCH, "draws the data order that the loader's position counts in"),
     )
     deterministic: bool = opt(
@@ -364,10 +372,6 @@ class DataConfig:
     )
 
 
-# training.objective: what a step minimizes (loom.methods.METHODS names the module of each)
-OBJECTIVES = ("lm", "sft", "dpo", "reward", "grpo", "ppo", "kto", "orpo", "simpo")
-
-
 @dataclass
 class TrainingConfig:
     objective: str = opt(
@@ -380,7 +384,7 @@ class TrainingConfig:
         "undesirable completions ([kto]); 'orpo' / 'simpo' = ORPO / SimPO on the pairs, no reference model "
         "([orpo] / [simpo]) (docs/finetuning.md); 'grpo' / 'ppo' = "
         "reinforcement learning on the policy's own samples ([grpo] / [ppo]; docs/rl.md)",
-        choices=OBJECTIVES,
+        choices=METHODS,  # the registry (loom.config.methods), read when a value is checked
         resume=(
             MUST_MATCH,
             "what the data stream is and what a step minimizes (to fine-tune a "
@@ -1046,83 +1050,6 @@ class RewardConfig:
 
 
 @dataclass
-class KtoConfig:
-    """Kahneman-Tversky optimization (training.objective kto; docs/finetuning.md): TRL's KTOTrainer loss."""
-
-    beta: float = opt(
-        0.1,
-        "the strength of the pull towards the reference: rewards are beta x (policy - reference) "
-        "log-probabilities of a completion",
-        min=0.0,
-        min_exclusive=True,
-        resume=(APPLIED, "the loss and rewards from the next step"),
-    )
-    desirable_weight: float = opt(
-        1.0,
-        "the weight of a desirable (label true) example's loss",
-        min=0.0,
-        min_exclusive=True,
-        resume=(APPLIED, "the loss from the next step"),
-    )
-    undesirable_weight: float = opt(
-        1.0,
-        "the weight of an undesirable (label false) example's loss",
-        min=0.0,
-        min_exclusive=True,
-        resume=(APPLIED, "the loss from the next step"),
-    )
-    reference: str = opt(
-        "cached",
-        "the reference model's log-probabilities, as dpo.reference: 'cached' = one pass of the "
-        "initial model before the first step, kept in the run dir; 'adapters_off' = the policy "
-        "with its LoRA adapters off (needs lora.rank > 0); 'copy' = a frozen copy of the initial "
-        "policy (not with LoRA)",
-        choices=("cached", "adapters_off", "copy"),
-        resume=(MUST_MATCH, "what the policy is compared against"),
-    )
-
-
-@dataclass
-class OrpoConfig:
-    """Odds-ratio preference optimization (training.objective orpo; docs/finetuning.md): TRL's ORPOTrainer."""
-
-    beta: float = opt(
-        0.1,
-        "the odds-ratio term's weight beside the chosen completions' NLL (the paper's lambda, TRL's beta)",
-        min=0.0,
-        min_exclusive=True,
-        resume=(APPLIED, "the loss from the next step"),
-    )
-
-
-@dataclass
-class SimpoConfig:
-    """SimPO (training.objective simpo; docs/finetuning.md): TRL's CPOTrainer with loss_type 'simpo'."""
-
-    beta: float = opt(
-        2.0,
-        "the scale of the length-normalised reward: rewards are beta x a completion's mean "
-        "token log-probability",
-        min=0.0,
-        min_exclusive=True,
-        resume=(APPLIED, "the loss and rewards from the next step"),
-    )
-    gamma: float = opt(
-        0.5,
-        "the target reward margin (TRL's simpo_gamma): the loss is -log sigmoid(beta x margin - gamma)",
-        min=0.0,
-        resume=(APPLIED, "the loss from the next step"),
-    )
-    cpo_alpha: float = opt(
-        0.0,
-        "the weight of the chosen completions' NLL added to the loss (TRL's cpo_alpha; 0 = SimPO "
-        "as published, TRL's CPOConfig defaults to 1.0)",
-        min=0.0,
-        resume=(APPLIED, "the loss from the next step"),
-    )
-
-
-@dataclass
 class PpoConfig:
     """Proximal policy optimization with a value head (training.objective ppo; docs/rl.md). Rollouts, rewards and the
     warm-up come from the [grpo] section's sampling fields; each batch of rollouts is mini_batches x
@@ -1423,9 +1350,6 @@ SECTIONS = {
     "grpo": GrpoConfig,
     "ppo": PpoConfig,
     "reward": RewardConfig,
-    "kto": KtoConfig,
-    "orpo": OrpoConfig,
-    "simpo": SimpoConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,
@@ -1444,9 +1368,46 @@ class Config:
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     ppo: PpoConfig = field(default_factory=PpoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    kto: KtoConfig = field(default_factory=KtoConfig)
-    orpo: OrpoConfig = field(default_factory=OrpoConfig)
-    simpo: SimpoConfig = field(default_factory=SimpoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        """The sections the registered methods declare in their own modules, at their defaults."""
+        for name, cls in all_sections().items():
+            if name not in self.__dict__:
+                setattr(self, name, cls())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Config) and config_dict(self) == config_dict(other)
+
+
+def section_names() -> list[str]:
+    """Every section's name, in ``all_sections``' order, from the registry alone (no method module imported)."""
+    out = list(SECTIONS)
+    for _, names in METHODS.values():
+        out += [name for name in names if name not in out]
+    return out
+
+
+def all_sections() -> dict[str, type]:
+    """Every section: the ones above, then those a registered method declares in its module (``SECTIONS`` there),
+    read from the module its line in ``METHODS`` names."""
+    out = dict(SECTIONS)
+    for module, names in METHODS.values():
+        missing = [name for name in names if name not in out]
+        if missing:
+            declared = getattr(importlib.import_module(module), "SECTIONS", {})
+            for name in missing:
+                if name not in declared:
+                    raise ImportError(
+                        f"{module} declares no config section {name!r} (its line in METHODS names it)"
+                    )
+                out[name] = declared[name]
+    return out
+
+
+def config_dict(cfg: Config) -> dict[str, dict]:
+    """``{section: {field: value}}`` for every section, methods' own included (``dataclasses.asdict`` sees only
+    the fields above)."""
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in all_sections()}

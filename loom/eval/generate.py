@@ -13,6 +13,60 @@ from loom.config.errors import ConfigError
 _SAMPLING = ("top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
 
+# lm-eval's generation settings loom serves, and the kind of value each takes (``--gen-kwargs``)
+GEN_KWARGS = {
+    "until": str,
+    "max_gen_toks": int,
+    "do_sample": bool,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repetition_penalty": float,
+    "seed": int,
+}
+
+
+def parse_gen_kwargs(text: str, field: str = "--gen-kwargs") -> dict:
+    """``K=V,...`` (lm-eval's form) as a dict of typed values, checked before anything is loaded: each item a known
+    setting with a value of its kind and range (``until`` one stop string)."""
+    out: dict = {}
+    for item in (i for i in text.split(",") if i.strip()):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise ConfigError(
+                field, text, f"{item.strip()!r} is not K=V: expected K=V,... (temperature=0.7,top_p=0.9)"
+            )
+        kind = GEN_KWARGS.get(key)
+        if kind is None:
+            raise ConfigError(
+                field,
+                text,
+                f"{key!r} is not a generation setting loom knows: allowed {', '.join(GEN_KWARGS)}",
+            )
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError
+                out[key] = value.lower() == "true"
+            else:
+                out[key] = kind(value)
+        except ValueError:
+            allowed = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+            raise ConfigError(field, text, f"{key} = {value!r}: allowed {allowed}") from None
+    sampling = {k: v for k, v in out.items() if k not in ("until", "do_sample")}
+    if "max_gen_toks" in sampling:
+        sampling["max_new_tokens"] = sampling.pop("max_gen_toks")
+    from loom.infer import SamplingParams
+
+    try:
+        SamplingParams(**sampling)
+    except ConfigError as err:
+        name = "max_gen_toks" if err.field == "max_new_tokens" else err.field
+        raise ConfigError(field, text, f"{name} = {err.value!r}: allowed {err.allowed}") from None
+    return out
+
+
 def sampling_params(kwargs: dict, max_gen_toks: int, stop: list[str]):
     """loom's SamplingParams of one lm-eval request's normalized generation settings: greedy unless ``do_sample``
     (lm-eval's own rule: temperature 0 or no sampling is greedy); an unknown setting is one line."""

@@ -17,6 +17,7 @@ runs tasks too).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -179,23 +180,83 @@ if __name__ != "__main__":  # run as a script, the module registers itself on im
 # ---- running tasks ----------------------------------------------------------------------------------
 
 
-def task_manager(tasks: list[str], include_path: str | None = None):
+def task_manager(
+    tasks: list[str], include_path: str | None = None, fields: tuple[str, str] = ("--tasks", "--include-path")
+):
     """lm-eval's TaskManager for ``tasks``: only ``include_path`` indexed when it holds every one of them (indexing
-    lm-eval's own thousands of task files takes a while), else lm-eval's tasks too; an unknown task is one line."""
+    lm-eval's own thousands of task files takes a while), else lm-eval's tasks too. An unknown task is one line, and
+    so is a file of ``include_path`` that defines a requested task but cannot be loaded (a missing ``include:``).
+    A name found in no task file's text is refused without indexing lm-eval's tasks. ``fields``: the names of the
+    task list and the folder in the messages (``loom eval``'s options, or training's fields)."""
     from lm_eval.tasks import TaskManager
 
+    names, folder = fields
     if not tasks:
-        raise ConfigError("--tasks", "", "name at least one lm-eval task")
+        raise ConfigError(names, "", "name at least one lm-eval task")
     if include_path:
+        if not os.path.isdir(include_path):
+            raise ConfigError(folder, include_path, "not a folder: a folder of task YAML files")
+        _check_task_files(tasks, include_path, folder)
         own = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in own.all_tasks for t in tasks):
             return own
+    where = f"lm-eval's tasks{f' or {folder} {include_path}' if include_path else ''}"
+    absent = _named_in_no_task_file(tasks, include_path)
+    if absent:
+        raise ConfigError(names, ",".join(absent), f"no such task in {where}")
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        where = f"lm-eval's tasks{' and ' + include_path if include_path else ''}"
-        raise ConfigError("--tasks", ",".join(unknown), f"no such task in {where}")
+        raise ConfigError(names, ",".join(unknown), f"no such task in {where}")
     return manager
+
+
+def _yaml_files(root: str):
+    for folder, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in ("__pycache__", ".ipynb_checkpoints"))
+        yield from (os.path.join(folder, f) for f in sorted(files) if f.endswith(".yaml"))
+
+
+def _check_task_files(tasks: list[str], include_path: str, folder: str) -> None:
+    """A YAML file under ``include_path`` that names a requested task but does not load (lm-eval's index skips it
+    silently, and the task would be reported unknown): one line naming the file and why."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    for path in _yaml_files(include_path):
+        try:
+            load_yaml(path, resolve_func=False)
+            continue
+        except Exception as err:  # yaml's errors, a missing include, an include cycle
+            error = err
+        try:
+            own = load_yaml(path, resolve_func=False, recursive=False)
+        except Exception:
+            own = {}
+        name = own.get("task", own.get("group")) if isinstance(own, dict) else None
+        if not isinstance(name, str) or name not in tasks:
+            continue
+        if isinstance(error, FileNotFoundError):
+            reason = f"its include {error.filename} does not exist"
+        else:
+            reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:160]}"
+        raise ConfigError(folder, path, f"task {name!r} cannot be loaded: {reason}")
+
+
+def _named_in_no_task_file(names: list[str], include_path: str | None) -> list[str]:
+    """The names that occur in the text of no task file (lm-eval's own and ``include_path``'s): such a name is in
+    no index (its task, group and tag names are all YAML values), and reading the files takes half a second where
+    building lm-eval's index takes several."""
+    from lm_eval import tasks as lm_tasks
+
+    left = {name: name.encode() for name in names}
+    for root in (include_path, os.path.dirname(lm_tasks.__file__)):
+        for path in _yaml_files(root) if root else ():
+            with open(path, "rb") as fh:
+                text = fh.read()
+            left = {name: key for name, key in left.items() if key not in text}
+            if not left:
+                return []
+    return list(left)
 
 
 def run_tasks(

@@ -122,7 +122,11 @@ class TrainingEvals:
             require("lm_eval", "eval", package="lm-eval", purpose="training.eval_tasks")
             from loom.eval.harness import task_manager
 
-            self.manager = task_manager(self.tasks, training.eval_tasks_include or None)
+            self.manager = task_manager(
+                self.tasks,
+                training.eval_tasks_include or None,
+                ("training.eval_tasks", "training.eval_tasks_include"),
+            )
             self._task_dict = self._load_tasks()
             if sharded:
                 self._refuse_generation()

@@ -42,6 +42,8 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
             ("min_p", 0 <= self.min_p < 1, "in [0, 1) (0 = off)"),
             ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "a finite number > 0 (1 = off)"),
+            # torch takes a negative seed as another one (-1 as 2**64 - 1); the generator adds offsets to it
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "None (a fresh seed) or 0 .. 2**63 - 1"),
         )
         for name, ok, allowed in checks:
             if not ok:

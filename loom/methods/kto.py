@@ -5,15 +5,58 @@ against DPO's reference (cached, adapters off, or a frozen copy: loom.methods.dp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from loom.config.errors import ConfigError
-from loom.config.sections import Config
+from loom.config.sections import APPLIED, MUST_MATCH, Config, opt
 from loom.data.loader import MicroBatch
 from loom.methods.base import Method, pair_rules
 from loom.methods.dpo import DirectPreference
 from loom.parallel.tensor_parallel import loss_parallel_context
+
+
+@dataclass
+class KtoConfig:
+    """Kahneman-Tversky optimization (training.objective kto; docs/finetuning.md): TRL's KTOTrainer loss."""
+
+    beta: float = opt(
+        0.1,
+        "the strength of the pull towards the reference: rewards are beta x (policy - reference) "
+        "log-probabilities of a completion",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss and rewards from the next step"),
+    )
+    desirable_weight: float = opt(
+        1.0,
+        "the weight of a desirable (label true) example's loss",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    undesirable_weight: float = opt(
+        1.0,
+        "the weight of an undesirable (label false) example's loss",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    reference: str = opt(
+        "cached",
+        "the reference model's log-probabilities, as dpo.reference: 'cached' = one pass of the "
+        "initial model before the first step, kept in the run dir; 'adapters_off' = the policy "
+        "with its LoRA adapters off (needs lora.rank > 0); 'copy' = a frozen copy of the initial "
+        "policy (not with LoRA)",
+        choices=("cached", "adapters_off", "copy"),
+        resume=(MUST_MATCH, "what the policy is compared against"),
+    )
+
+
+# the config sections this method declares (its line in loom.config.methods.METHODS names them)
+SECTIONS = {"kto": KtoConfig}
 
 
 def kto_losses(

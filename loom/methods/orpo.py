@@ -4,12 +4,31 @@ loop)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from loom.config.sections import Config
+from loom.config.sections import APPLIED, Config, opt
 from loom.methods.base import Method
 from loom.methods.policy_pairs import PolicyPairs, reference_free_rules
+
+
+@dataclass
+class OrpoConfig:
+    """Odds-ratio preference optimization (training.objective orpo; docs/finetuning.md): TRL's ORPOTrainer."""
+
+    beta: float = opt(
+        0.1,
+        "the odds-ratio term's weight beside the chosen completions' NLL (the paper's lambda, TRL's beta)",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+
+
+# the config sections this method declares (its line in loom.config.methods.METHODS names them)
+SECTIONS = {"orpo": OrpoConfig}
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The registry: ``METHODS`` maps each ``training.objective`` name to its method's module and the config sections it
-reads; the rules the resolver is handed for a config (``rules_of``)."""
+"""The registry's use: ``METHODS`` (loom.config.methods: each ``training.objective`` name, its method's module and
+the config sections it reads) to the method of a config, and the rules the resolver is handed for it (``rules_of``)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,9 @@ import importlib
 from collections.abc import Callable
 
 from loom.config.errors import ConfigError
+from loom.config.methods import METHODS
 from loom.config.sections import Config
 from loom.methods.base import Method
-
-# name -> (its module, the config sections it reads); a method's sections stay at their defaults under the others
-METHODS = {
-    "lm": ("loom.methods.lm", ()),
-    "sft": ("loom.methods.sft", ()),
-    "dpo": ("loom.methods.dpo", ("dpo",)),
-    "reward": ("loom.methods.reward", ("reward",)),
-    "grpo": ("loom.methods.grpo", ("grpo",)),
-    "ppo": ("loom.methods.ppo", ("grpo", "ppo")),
-    "kto": ("loom.methods.kto", ("kto",)),
-    "orpo": ("loom.methods.orpo", ("orpo",)),
-    "simpo": ("loom.methods.simpo", ("simpo",)),
-}
 
 
 def method(name: str) -> Method:

@@ -4,12 +4,45 @@ gamma, no reference model (TRL's CPOTrainer with loss_type 'simpo', its cpo_alph
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from loom.config.sections import Config
+from loom.config.sections import APPLIED, Config, opt
 from loom.methods.base import Method
 from loom.methods.policy_pairs import PolicyPairs, reference_free_rules
+
+
+@dataclass
+class SimpoConfig:
+    """SimPO (training.objective simpo; docs/finetuning.md): TRL's CPOTrainer with loss_type 'simpo'."""
+
+    beta: float = opt(
+        2.0,
+        "the scale of the length-normalised reward: rewards are beta x a completion's mean "
+        "token log-probability",
+        min=0.0,
+        min_exclusive=True,
+        resume=(APPLIED, "the loss and rewards from the next step"),
+    )
+    gamma: float = opt(
+        0.5,
+        "the target reward margin (TRL's simpo_gamma): the loss is -log sigmoid(beta x margin - gamma)",
+        min=0.0,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    cpo_alpha: float = opt(
+        0.0,
+        "the weight of the chosen completions' NLL added to the loss (TRL's cpo_alpha; 0 = SimPO "
+        "as published, TRL's CPOConfig defaults to 1.0)",
+        min=0.0,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+
+
+# the config sections this method declares (its line in loom.config.methods.METHODS names them)
+SECTIONS = {"simpo": SimpoConfig}
 
 
 def simpo_losses(chosen: torch.Tensor, rejected: torch.Tensor, beta: float, gamma: float) -> torch.Tensor:

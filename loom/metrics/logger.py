@@ -3,7 +3,6 @@ compact console line, a progress bar."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import time
 from urllib.parse import urlparse
 
 from loom.config.errors import UserError, require
+from loom.config.sections import config_dict
 
 
 def _fmt_count(x: float) -> str:
@@ -148,7 +148,7 @@ def flat_config(cfg) -> dict:
     """``{"section.field": value}`` of a resolved config: what W&B and MLflow record as the run's config."""
     return {
         f"{section}.{name}": value
-        for section, body in dataclasses.asdict(cfg).items()
+        for section, body in config_dict(cfg).items()
         for name, value in body.items()
     }
 

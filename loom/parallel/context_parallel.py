@@ -127,9 +127,15 @@ def _ring_forward(q, k, v, bounds, ring: _Ring, scale: float) -> tuple[torch.Ten
         nxt, reqs = ring.shift(kv, 0) if step < ring.size - 1 else (None, [])
         with nvtx_range(f"cp.ring.forward.step{step}"):
             for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
-                kh, vh = kv[:, :, :, h * chunk : (h + 1) * chunk].unbind(0)
+                # the block's K/V views inline: a name bound to them would keep this step's block alive
+                # into the next step, beside the two the ring holds
                 out, lse = attention_forward(
-                    qs[i], kh, vh, j == g, scale=scale, window=0, **_pair_docs(bounds, g, j, chunk)
+                    qs[i],
+                    *kv[:, :, :, h * chunk : (h + 1) * chunk].unbind(0),
+                    j == g,
+                    scale=scale,
+                    window=0,
+                    **_pair_docs(bounds, g, j, chunk),
                 )
                 acc[i] = (
                     (out.float(), lse)
@@ -162,12 +168,10 @@ def _ring_backward(dout, q, k, v, out, lse, dlse, bounds, ring: _Ring, scale: fl
         with nvtx_range(f"cp.ring.backward.step{step}"):
             for i, h, g, j in ring_blocks(ring.rank, src, ring.size):
                 part = slice(h * chunk, (h + 1) * chunk)
-                kh, vh = kv[:, :, :, part].unbind(0)
-                dqb, dkb, dvb = attention_backward(
+                dqb, dkb, dvb = attention_backward(  # K/V views inline, as in the forward
                     douts[i],
                     qs[i],
-                    kh,
-                    vh,
+                    *kv[:, :, :, part].unbind(0),
                     outs[i],
                     lses[i],
                     dlses[i],

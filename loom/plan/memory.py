@@ -197,6 +197,24 @@ def stage_activation(
     return held
 
 
+def cp_attention_working(args, x: MemoryInputs, ac: str) -> float:
+    """Bytes context-parallel attention adds at the peak of one block's backward beyond the traced block (which
+    sees only this rank's K/V). ``allgather``, O(S) per rank: the gradient of the whole sequence's gathered K/V
+    (compute dtype) before its reduce-scatter, and, in a recomputed block (full checkpointing), the other ranks'
+    K/V gathered again. ``ring``, O(S/cp): the K/V block attended and the one arriving (compute dtype), three fp32
+    dK/dV accumulators of one rank's block (this step's, the one arriving, the one leaving) and the fp32 dQ."""
+    if x.cp == 1:
+        return 0.0
+    c = BYTES[x.dtype]
+    kv = (
+        x.micro_batch * x.seq_len * 2 * args.n_kv_heads * args.head_dim / x.tp
+    )  # the whole sequence's elements
+    if x.cp_ring:
+        q = x.micro_batch * x.seq_len / x.cp * args.n_heads * args.head_dim / x.tp
+        return kv / x.cp * (2 * c + 3 * 4) + 4 * q
+    return kv * c * (1 + ((1 - 1 / x.cp) if ac == "full" else 0.0))
+
+
 def pipeline_peak(
     actions: list[tuple[str, int, int]], per_stage: dict[int, float], split_backward: bool
 ) -> float:

@@ -35,6 +35,7 @@ from loom.plan.memory import (
     Memory,
     MemoryInputs,
     autocast_cache,
+    cp_attention_working,
     gathered_memory,
     held_params,
     pipeline_peak,
@@ -325,7 +326,7 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     stored = stored_blocks(ac, cfg.training.ac_every, args.n_layers)
     state = state_memory(held_params(share, x), x)
     gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
-    backward = profile.backward_peak / dims.tp
+    backward = profile.backward_peak / dims.tp + cp_attention_working(args, x, ac)
     if dims.pp > 1:  # several micro-batches in flight in different phases: every term at once
         per_rank = stages_per_rank(cfg.parallel)
         ids = stage_ids(rank, dims.pp, per_rank, cfg.parallel.pp_schedule)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import traceback
 
 import torch
 
@@ -59,6 +60,7 @@ class Rewards:
         if not all(math.isfinite(w) for w in weights):  # float() reads "nan" and "inf": every total would be
             raise ConfigError("grpo.reward_weights", weights, "finite numbers, one per reward function")
         self.functions = [load_function(s) for s in specs] + [fn for _, fn, _ in extra]
+        self.own = len(specs)  # the user's functions come first; the extra sources are loom's
         self.specs = list(specs) + [name for name, _, _ in extra]
         self.names = [s.partition(":")[2] for s in specs] + [name for name, _, _ in extra]
         self.weights = torch.tensor(weights + [w for _, _, w in extra], dtype=torch.float32)
@@ -75,15 +77,32 @@ class Rewards:
         for k, (fn, spec) in enumerate(zip(self.functions, self.specs)):
             try:
                 out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
-            except (
-                TypeError
-            ) as err:  # a signature the call does not fit (one line; the function's own bugs too)
-                raise UserError(
-                    f"grpo.rewards: {spec} cannot be called as a reward function ({err}): it takes "
-                    "prompts=, completions=, completion_ids= and the rows' fields as keywords"
-                ) from None
+            except Exception as err:
+                if k >= self.own:  # loom's own source (the judge): a bug keeps its traceback
+                    raise
+                raise raised_error(fn, spec, err) from None
             per[:, k] = torch.tensor(checked_rewards(out, spec, len(completions)))
         return per @ self.weights, per
+
+
+def raised_error(fn, spec: str, err: Exception) -> UserError:
+    """The one line for a reward function that raised: the function, where it is defined, the exception and where
+    it was raised (the user's traceback is theirs to reproduce, not spread over the run's log). A TypeError from
+    the call itself (no frame of the function's own) is a signature the call does not fit."""
+    frames = traceback.extract_tb(err.__traceback__)[1:]  # the first is the call in Rewards.score
+    if isinstance(err, TypeError) and not frames:
+        return UserError(
+            f"grpo.rewards: {spec} cannot be called as a reward function ({err}): it takes "
+            "prompts=, completions=, completion_ids= and the rows' fields as keywords"
+        )
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    defined = f" (defined at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    message = (str(err).strip().splitlines() or [""])[0][:200]
+    return UserError(
+        f"grpo.rewards: {spec}{defined} raised {type(err).__name__}: {message}{at}: the run stopped; a reward "
+        "function returns one number per completion"
+    )
 
 
 def checked_rewards(out, spec: str, n: int) -> list[float]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loom.config.errors import ConfigError
+from loom.config.errors import ConfigError, SharedError, UserError
 from loom.data.loader import MicroBatch
 from loom.models.common.lora import adapters_disabled
 from loom.models.common.moe import count_tokens
@@ -532,7 +532,14 @@ class Rollouts:
                 [{"role": "assistant", "content": o.text}] if conversational(p) else o.text
                 for p, o in zip(texts, outs)
             ]
-            total, per = self.rewards.score(texts, answers, [o.token_ids for o in outs], fields)
+            error = None
+            try:
+                total, per = self.rewards.score(texts, answers, [o.token_ids for o in outs], fields)
+            except UserError as err:  # a function that raised or returned what is not a reward
+                error = str(err)
+            error = self.engine.env.first_error(error) if self.engine is not None else error
+            if error is not None:  # every rank stops; rank 0 prints it (each rank scores its own completions)
+                raise SharedError(error)
             names = list(self.rewards.names)
         if self.reward_model is not None:
             model = torch.tensor(self.reward_model([pr + o.token_ids for pr, o in zip(prompts, outs)]))

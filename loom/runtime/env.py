@@ -56,6 +56,18 @@ class DistEnv:
     def any_rank(self, flag: bool) -> bool:
         return self.max_over_ranks(float(flag)) > 0
 
+    def first_error(self, error: str | None) -> str | None:
+        """The error of the lowest rank that has one, on every rank (None where no rank has one): ranks that
+        fail apart (each on its own data) stop together with one line. One scalar all-reduce; the messages are
+        gathered only when one failed."""
+        if self.world_size == 1 or not self.any_rank(error is not None):
+            return error
+        import torch.distributed as dist
+
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        return next(e for e in errors if e is not None)
+
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compact host list, e.g. ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1

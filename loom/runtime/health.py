@@ -24,7 +24,7 @@ import traceback
 import uuid
 from datetime import timedelta
 
-from loom.config.errors import TrainingStopped
+from loom.config.errors import TrainingStopped, UserError
 from loom.runtime.flight_recorder import (
     FR_ENTRIES,
     FR_FOLDER,
@@ -252,7 +252,10 @@ class Health:
 
     def is_hang(self, err: BaseException) -> bool:
         """Whether ``err`` is a collective's timeout (or lost peer) that the hang report explains."""
-        return self.enabled and not isinstance(err, TrainingStopped) and is_collective_failure(err)
+        # a user error is never a hang, whatever its text says (a reward function's "TimeoutError: timed out")
+        return (
+            self.enabled and not isinstance(err, (TrainingStopped, UserError)) and is_collective_failure(err)
+        )
 
     @contextlib.contextmanager
     def watch(self, phase: str | None = None):

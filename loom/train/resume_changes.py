@@ -27,7 +27,16 @@ from typing import Any
 from loom.checkpoint.manager import STATE, list_complete, verify
 from loom.config.errors import ConfigError, SharedError, UserError
 from loom.config.load import all_keys, coerce
-from loom.config.sections import APPLIED, FREE, MUST_MATCH, SECTIONS, Config, OptimizerConfig, TrainingConfig
+from loom.config.sections import (
+    APPLIED,
+    FREE,
+    MUST_MATCH,
+    Config,
+    OptimizerConfig,
+    TrainingConfig,
+    all_sections,
+    config_dict,
+)
 from loom.data import build_tokenizer
 from loom.resolve import resolve_model_args
 from loom.train.large_batch import group_options
@@ -38,7 +47,7 @@ def rules() -> dict[str, tuple[str, str]]:
     """Every config field's (kind, why), from its ``opt(resume=...)`` (loom.config.sections), in the config's order."""
     return {
         f"{section}.{f.name}": f.metadata["resume"]
-        for section, cls in SECTIONS.items()
+        for section, cls in all_sections().items()
         for f in dataclasses.fields(cls)
         if "resume" in f.metadata
     }
@@ -73,7 +82,11 @@ _ARGS_FREE = {
 
 
 def kind_of(key: str) -> str:
-    return SECTIONS[key.partition(".")[0]].__dataclass_fields__[key.partition(".")[2]].metadata["resume"][0]
+    return (
+        all_sections()[key.partition(".")[0]]
+        .__dataclass_fields__[key.partition(".")[2]]
+        .metadata["resume"][0]
+    )
 
 
 # ---- the two configs --------------------------------------------------------------------------------
@@ -81,7 +94,7 @@ def kind_of(key: str) -> str:
 
 def config_values(cfg: Config) -> dict[str, Any]:
     """``{"section.field": value}`` of a config."""
-    return {f"{s}.{k}": v for s, body in dataclasses.asdict(cfg).items() for k, v in body.items()}
+    return {f"{s}.{k}": v for s, body in config_dict(cfg).items() for k, v in body.items()}
 
 
 def checkpoint_values(folder: str | None) -> dict[str, Any] | None:

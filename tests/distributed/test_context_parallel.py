@@ -1,5 +1,6 @@
 """Context parallelism: the load-balanced sequence layout, the all-gather attention against one process's
-causal attention (outputs and q/k/v gradients, GQA, packed documents crossing the chunks), and layout
+causal attention (outputs and q/k/v gradients, GQA, packed documents crossing the chunks), ring attention
+the same way (on gloo ranks, and on 2-4 threads standing in for ranks in one process), and layout
 invariance of training with cp alone and composed with FSDP, HSDP, TP, PP and accumulation, with packed
 documents too (fp32, loss and grad norm within 1e-5 of one process at every step), validation included;
 config errors for what cp does not support yet."""
@@ -108,6 +109,124 @@ def test_ring_attention_op_in_one_process_matches_attention(docs, tmp_path):
             dist.destroy_process_group()
 
 
+class ThreadRing:
+    """cp rank ``rank`` of a ring of threads in one process: the cp group's point-to-point transport replaced by
+    mailboxes, with its semantics (``shift`` hands the tensor itself to the next rank's box for ``tag``; the
+    request's ``wait`` copies the previous rank's into the receive buffer and returns once the next rank has
+    taken this one), so the ring's own schedule, block choice, merge, dK/dV hand-off and buffers run as on cp
+    ranks."""
+
+    def __init__(self, rank: int, size: int, boxes: dict):
+        self.rank, self.size, self.boxes = rank, size, boxes
+
+    def shift(self, t: torch.Tensor, tag: int):
+        import threading
+
+        taken = threading.Event()
+        self.boxes[(self.rank + 1) % self.size, tag].put((t, taken))
+        recv = torch.empty_like(t)
+        return recv, [MailRequest(recv, self.boxes[self.rank, tag], taken)]
+
+
+class MailRequest:
+    """A ``ThreadRing`` shift's request (a class of its own: one defined per call is a reference cycle that would
+    keep its receive buffer alive until the garbage collector runs)."""
+
+    def __init__(self, recv: torch.Tensor, box, taken):
+        self.recv, self.box, self.taken = recv, box, taken
+
+    def wait(self) -> None:
+        sent, done = self.box.get(timeout=60)
+        self.recv.copy_(sent)
+        del sent  # copied: the sender's buffer is its own again (not kept while this rank waits on its send)
+        done.set()
+        assert self.taken.wait(timeout=60), "the next rank never received"
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_over_simulated_ranks_matches_one_process(cp, docs):
+    """The ring's forward and backward (``_ring_forward`` / ``_ring_backward``) on cp threads passing K/V and
+    dK/dV round mailboxes: each rank's output, log-sum-exp and q/k/v gradients equal its shard of one process's
+    attention (GQA 4/2, causal; packed documents crossing chunks and ranks), fp32 within 1e-5."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loom.parallel.context_parallel import _ring_backward, _ring_forward
+
+    torch.manual_seed(cp)
+    seq, scale = 6 * cp, 8**-0.5
+    q, k, v = torch.randn(2, 4, seq, 8), torch.randn(2, 2, seq, 8), torch.randn(2, 2, seq, 8)
+    dout = torch.randn(2, 4, seq, 8)
+    bounds = R.document_bounds(R.doc_ids_from_positions(doc_positions(2, seq, seed=cp))) if docs else None
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = R.attention_forward(*full, True, bounds, 0, scale)
+    ref.backward(dout)
+    boxes = {(r, tag): queue.Queue() for r in range(cp) for tag in (0, 1)}
+
+    def rank(r: int):
+        ring = ThreadRing(r, cp, boxes)
+        mine = [shard_sequence(t, r, cp, dim=2) for t in (q, k, v)]
+        out, lse = _ring_forward(*mine, bounds, ring, scale)
+        grads = _ring_backward(shard_sequence(dout, r, cp, dim=2), *mine, out, lse, None, bounds, ring, scale)
+        return out, lse, grads
+
+    with ThreadPoolExecutor(cp) as pool:
+        results = [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(cp)]]
+    assert all(box.empty() for box in boxes.values())  # every message received once
+    for r, (out, lse, grads) in enumerate(results):
+        torch.testing.assert_close(out, shard_sequence(ref, r, cp, dim=2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, shard_sequence(ref_lse, r, cp, dim=2), rtol=1e-5, atol=1e-5)
+        for got, whole in zip(grads, full):
+            torch.testing.assert_close(got, shard_sequence(whole.grad, r, cp, dim=2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_holds_two_blocks_of_one_ranks_kv_forward_and_five_backward(cp):
+    """What the planner's ``cp_attention_working`` counts for the ring: traced by the planner's tracker on each
+    simulated rank, its forward holds two K/V blocks of one rank's size at once, its backward at most five (the
+    block attended, the one arriving, and three fp32 dK/dV accumulators: this step's, the one arriving, the one
+    leaving; a block kept a step too long makes one more), and neither allocates the whole sequence's K/V
+    (O(S/cp), not O(S))."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loom.parallel.context_parallel import _ring_backward, _ring_forward
+    from loom.plan.activations import _Tracker
+
+    class Blocks(_Tracker):  # the most storages of one K/V block's bytes alive at once, the largest storage
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            sizes = [n for _, n in self.live.values()]
+            self.most = max(getattr(self, "most", 0), sizes.count(block))
+            self.largest = max(getattr(self, "largest", 0), *sizes, 0)
+            return out
+
+    seq, hq, hkv, d = 16 * cp, 2, 2, 16
+    block = 2 * hkv * d * (seq // cp) * 4  # fp32 bytes of one rank's K and V; nothing else has this size
+    q, k, v, dout = (torch.randn(1, h, seq, d) for h in (hq, hkv, hkv, hq))
+    boxes = {(r, tag): queue.Queue() for r in range(cp) for tag in (0, 1)}
+
+    def rank(r: int) -> Blocks:
+        ring = ThreadRing(r, cp, boxes)
+        mine = [shard_sequence(t, r, cp, dim=2).contiguous() for t in (q, k, v, dout)]
+        forward, backward = Blocks(mine, []), Blocks(mine, [])
+        with forward:
+            forward.backward = True  # (the tracker's switch that counts the peak)
+            out, lse = _ring_forward(*mine[:3], None, ring, d**-0.5)
+        with backward:
+            backward.backward = True
+            _ring_backward(mine[3], *mine[:3], out, lse, None, None, ring, d**-0.5)
+        return forward, backward
+
+    with ThreadPoolExecutor(cp) as pool:
+        trackers = [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(cp)]]
+    assert [f.most for f, _ in trackers] == [2] * cp  # forward: the block attended, the one arriving
+    # backward; at cp = 2 its last step receives nothing: four
+    assert [b.most for _, b in trackers] == [4 if cp == 2 else 5] * cp
+    assert max(t.largest for pair in trackers for t in pair) == block  # nothing of the whole sequence's K/V
+
+
 def doc_positions(bsz: int, seq: int, seed: int) -> torch.Tensor:
     """Per-document positions (B, S) of packed documents of 1-13 tokens: boundaries anywhere."""
     gen = torch.Generator().manual_seed(seed)
@@ -178,8 +297,10 @@ def cp_attention_parity_docs(rank: int, world: int) -> dict:
     return cp_attention_parity(rank, world, docs=True)
 
 
-def test_cp_attention_matches_one_process_forward_and_backward(tmp_path):
-    errs = run_fn(2, cp_attention_parity, str(tmp_path))
+# 4 ranks slow: the default run's 4-rank causal ring is the threads' cp 4 case and the composed matrix's ring cases
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_cp_attention_matches_one_process_forward_and_backward(world, tmp_path):
+    errs = run_fn(world, cp_attention_parity, str(tmp_path))
     assert len(errs) == 8 and max(errs.values()) < 1e-5, sorted(errs.items())  # all-gather and ring
 
 
@@ -258,6 +379,7 @@ def cp_jobs(tmp, world: int) -> dict:
         # ring attention over 4 cp ranks (three hops each way), and beside a pipeline's own sends (ZBV's
         # split backward runs the ring's backward in the input-gradient pass)
         "cp4-ring-docs-m2": docs_job(tmp, "cp4-ring-docs-m2", m=2, cp=4, dp_shard=1, cp_method="ring"),
+        "cp4-ring": job(tmp, "cp4-ring", cp=4, dp_shard=1, cp_method="ring"),  # causal (no document bounds)
         "pp2xcp2-ring-zbv-m4": job(
             tmp, "pp2xcp2-ring-zbv-m4", m=4, pp=2, cp=2, pp_schedule="zbv", dp_shard=1, cp_method="ring"
         ),

@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from loom.config.errors import SharedError
 from loom.infer.generator import Completion
 from loom.methods.grpo import GroupRelative
 from loom.methods.online_dpo import OnlinePreference, paired
@@ -171,6 +172,15 @@ def ddp_jobs(rank: int, world: int) -> dict:
         job = overrides(tmp, f"{name}-{rank}", mb, **extra, **layout)
         job["run.dir"] = f"{tmp}/{name}"
         out[name] = train(job, init_distributed("cpu", "gloo"))
+    # issue 49: a reward function that raises on rank 1 alone stops both ranks with its line, rank 0 included
+    # (which prints it, once: a SharedError), instead of rank 0 waiting in the step's collectives
+    job = overrides(tmp, f"raises-{rank}", 4, **{"parallel.dp_replicate": world, "parallel.dp_shard": 1})
+    job.update({"run.dir": f"{tmp}/raises", "grpo.warmup_steps": 0, "training.steps": 1})
+    job["grpo.rewards"] = "tests.unit.test_nothing_silent:raises_on_rank_1"
+    try:
+        train(job, init_distributed("cpu", "gloo"))
+    except SharedError as err:
+        out["raises"] = str(err)
     return out
 
 
@@ -181,6 +191,12 @@ def results(tmp_path_factory):
     for name, (mb, _, _, extra) in METHOD_JOBS.items():
         single[name] = train(overrides(tmp, name, mb, **extra))
     return single, run_fn(2, ddp_jobs, str(tmp))
+
+
+def test_a_reward_function_raising_on_one_rank_stops_every_rank_with_its_line(results):
+    _, ddp = results
+    assert "tests.unit.test_nothing_silent:raises_on_rank_1 (defined at " in ddp["raises"], ddp.get("raises")
+    assert "raised TimeoutError: the grader timed out at " in ddp["raises"]
 
 
 @pytest.mark.parametrize("name", sorted(JOBS))

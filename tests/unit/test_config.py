@@ -10,7 +10,7 @@ import pytest
 
 from loom.config import Config, ConfigError, build_config, parse_overrides, to_toml
 from loom.config.load import all_keys, read_toml
-from loom.config.sections import SECTIONS
+from loom.config.sections import all_sections
 from loom.methods import check_config
 from loom.resolve import accumulation_steps
 
@@ -162,12 +162,12 @@ def test_to_toml_round_trips_every_field(tmp_path):
 def test_flavor_choices_match_the_model_flavors():
     from loom.models.registry import all_flavors
 
-    flavor = next(f for f in dataclasses.fields(SECTIONS["model"]) if f.name == "flavor")
+    flavor = next(f for f in dataclasses.fields(all_sections()["model"]) if f.name == "flavor")
     assert tuple(flavor.metadata["choices"]) == tuple(all_flavors())
 
 
 def test_every_field_has_help_and_a_valid_default():
-    for section, cls in SECTIONS.items():
+    for section, cls in all_sections().items():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{section}.{f.name} has no help"
             if "choices" in f.metadata:

@@ -540,6 +540,22 @@ def test_export_onto_a_file(tmp_path, capsys, loom_ckpt):
     assert target.read_text() == "keep me"
 
 
+def test_export_into_a_folder_holding_other_files_is_refused(tmp_path, capsys, loom_ckpt, monkeypatch):
+    """Issue 49: `--to-hf .` wrote the model, config and tokenizer among the user's own files; refused as
+    --to-peft is, before the model loads (a folder that holds a model was already refused, naming it)."""
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (mine / "src").mkdir()
+    for target in (str(mine), "."):
+        monkeypatch.chdir(mine)
+        line = cli_error(capsys, "convert", "--from", loom_ckpt, "--to-hf", target)
+        assert (
+            f"--to-hf = '{target}': is not empty (2 entries, e.g. 'notes.txt'); choose a new or empty" in line
+        )
+        assert sorted(os.listdir(mine)) == ["notes.txt", "src"]
+
+
 @pytest.mark.parametrize("inside", [False, True], ids=["the-folder", "a-new-folder-in-it"])
 def test_export_into_a_read_only_folder(tmp_path, capsys, loom_ckpt, read_only_dir, inside):
     target = os.path.join(read_only_dir, "hf_out") if inside else read_only_dir

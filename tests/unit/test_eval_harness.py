@@ -157,11 +157,13 @@ def test_loom_eval_tasks_and_lm_evals_command_line(model_folders, tmp_path, caps
                 "eval",
                 ckpt,
                 "--tasks",
-                "loomtest_mc,loomtest_roll",
+                "loomtest_mc,loomtest_roll,loomtest_gen",
                 "--include-path",
                 tasks,
                 "--limit",
                 "2",
+                "--gen-kwargs",
+                "max_gen_toks=4,until=x",
                 "--device",
                 "cpu",
                 "--out",
@@ -173,11 +175,20 @@ def test_loom_eval_tasks_and_lm_evals_command_line(model_folders, tmp_path, caps
     record = json.loads(out.read_text())
     direct = simple_evaluate(
         model=LoomLM(ckpt, device="cpu"),
-        tasks=["loomtest_mc", "loomtest_roll"],
+        tasks=["loomtest_mc", "loomtest_roll", "loomtest_gen"],
         limit=2,
         task_manager=task_manager(["loomtest_mc"], tasks),
+        gen_kwargs="max_gen_toks=4,until=x",  # lm-eval's own reading of what --gen-kwargs checked and parsed
     )
     assert record["tasks"]["metrics"] == pytest.approx(flat_metrics(direct))
+    assert (
+        record["tasks"]["lm_eval"]["config"]["gen_kwargs"]
+        == direct["config"]["gen_kwargs"]
+        == {
+            "max_gen_toks": 4,
+            "until": "x",
+        }
+    )
     assert "loomtest_roll" in capsys.readouterr().out  # lm-eval's table
 
     proc = subprocess.run(
@@ -219,14 +230,65 @@ def test_loom_eval_tasks_and_lm_evals_command_line(model_folders, tmp_path, caps
 
 def test_errors_are_one_line(model_folders, tmp_path, monkeypatch, capsys):
     ckpt, _, tasks = model_folders
-    with pytest.raises(SystemExit) as exit_:
-        loom_main(["eval", ckpt, "--tasks", "no_such_task_here", "--include-path", tasks, "--device", "cpu"])
-    err = capsys.readouterr().err
-    assert (
-        exit_.value.code == 2
-        and "--tasks = 'no_such_task_here': no such task" in err
-        and err.count("\n") == 1
-    )
+    import lm_eval.tasks
+
+    built = []  # (include_defaults) of every TaskManager built: lm-eval's own index takes ~10 s to build
+
+    class Spy(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, include_defaults=True, **kwargs):
+            built.append(include_defaults)
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Spy)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "inc.yaml").write_text("include: nowhere.yaml\ntask: loomtest_inc\n")
+    (bad / "other.yaml").write_text("include: gone.yaml\ntask: loomtest_other\n")  # not asked for: no matter
+    cases = [
+        # issue 49: a name in no task file is refused without indexing lm-eval's thousands of tasks
+        (
+            ["--tasks", "no_such_task_here", "--include-path", tasks],
+            "--tasks = 'no_such_task_here': no such task",
+        ),
+        (
+            ["--tasks", "loomtest_mc,no_such_task_here", "--include-path", tasks],
+            f"--tasks = 'no_such_task_here': no such task in lm-eval's tasks or --include-path {tasks}",
+        ),
+        (
+            ["--tasks", "no_such_task_here"],
+            "--tasks = 'no_such_task_here': no such task in lm-eval's tasks\n",
+        ),
+        # a task file whose include is missing: named, not "no such task" (lm-eval's index skips it silently)
+        (
+            ["--tasks", "loomtest_inc", "--include-path", str(bad)],
+            f"--include-path = '{bad / 'inc.yaml'}': task 'loomtest_inc' cannot be loaded: its include "
+            f"{bad / 'nowhere.yaml'} does not exist",
+        ),
+        (["--tasks", "loomtest_mc", "--include-path", str(tmp_path / "none")], "--include-path = "),
+        # malformed generation settings: one line before anything loads (a traceback from lm-eval, or ignored)
+        (["--tasks", "loomtest_gen", "--gen-kwargs", "temperature"], "'temperature' is not K=V"),
+        (["--tasks", "loomtest_gen", "--gen-kwargs", "temperature="], "'temperature=' is not K=V"),
+        (
+            ["--tasks", "loomtest_gen", "--gen-kwargs", "temperature=hot"],
+            "temperature = 'hot': allowed a number",
+        ),
+        (["--tasks", "loomtest_gen", "--gen-kwargs", "top_p=2"], "top_p = 2.0: allowed in (0, 1]"),
+        (
+            ["--tasks", "loomtest_gen", "--gen-kwargs", "do_sample=yes"],
+            "do_sample = 'yes': allowed true or false",
+        ),
+        (
+            ["--tasks", "loomtest_gen", "--gen-kwargs", "temprature=1"],
+            "'temprature' is not a generation setting",
+        ),
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as exit_:
+            loom_main(["eval", ckpt, *argv, "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and expected in err and err.count("\n") == 1, (argv, err)
+    assert True not in built, built
+    monkeypatch.undo()
     # a task whose dataset is on the Hub, offline and not cached: one line, not datasets' traceback
     offline = tmp_path / "offline"
     offline.mkdir()

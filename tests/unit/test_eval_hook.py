@@ -5,6 +5,7 @@ before its first step."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -126,6 +127,11 @@ def test_wrong_settings_stop_the_run_before_it_starts(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"not with parallel.pp > 1 or parallel.cp > 1"):
         check_config(config(tmp_path, **{"parallel.pp": 2}))
     assert training_evals(config(tmp_path, **{"training.eval_every": 0}), "run", True) is None
+    if importlib.util.find_spec("lm_eval"):  # an unknown task names training's field, not loom eval's option
+        with pytest.raises(
+            ConfigError, match=r"^training.eval_tasks = 'no_such_task_x': no such task in lm-eval"
+        ):
+            training_evals(config(tmp_path, **{"training.eval_tasks": "no_such_task_x"}), "run", True)
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     with pytest.raises(
         UserError,

@@ -34,15 +34,23 @@ def test_the_doc_marks_its_five_examples():
 
 
 def test_the_method_registers_and_trains_two_steps(tiny, monkeypatch):
+    from loom.config import ConfigError, build_config
     from loom.methods.registry import METHODS, method_of, rules_of
 
     mod = load("method", monkeypatch, "extending_doc_smooth")
-    monkeypatch.setitem(METHODS, "smooth", (mod.__name__, ()))  # its line in METHODS
+    monkeypatch.setitem(METHODS, "smooth", (mod.__name__, ("smooth",)))  # its line in METHODS
     cfg = tiny(**{"training.steps": 2, "run.device": "cpu"})
-    cfg.training.objective = "smooth"  # what its name in OBJECTIVES lets --training.objective say
+    options = build_config(overrides={"training.objective": "smooth", "smooth.smoothing": "0.2"})
+    cfg.training.objective, cfg.smooth = (
+        options.training.objective,
+        options.smooth,
+    )  # its section, from its module
+    with pytest.raises(ConfigError, match="smooth.smoothing"):
+        build_config(overrides={"training.objective": "smooth", "smooth.smoothing": "2"})  # its opt()'s max
     chosen = method_of(cfg)
     assert chosen is mod.METHOD
     objective = chosen.objective(cfg)
+    assert objective.smoothing == 0.2
     records = chosen.run(cfg, objective, rules=rules_of(cfg))
     assert [r["step"] for r in records] == [1, 2] and all(math.isfinite(r["loss"]) for r in records)
     assert isinstance(objective, mod.LabelSmoothing) and not objective.loss_in_forward  # its loss() ran

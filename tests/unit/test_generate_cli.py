@@ -153,6 +153,8 @@ def test_issue_49_checks_come_before_generating(folder, tmp_path, capsys):
         (["--file", str(number)], "message 0: 'content' must be a string or a list of text parts; got a int"),
         (["hi", "--max-new-tokens", "1000000000"], "--max-new-tokens = 1000000000: at most"),
         (["hi", "--stop-token-id", "99999999"], "--stop-token-id = 99999999"),
+        # torch takes -1 as 2**64 - 1: no "random seed", and no silent other seed
+        (["hi", "--seed", "-1"], "--seed = -1: allowed: 0 .. 4294967295"),
         (["hi", "--output", str(tmp_path)], "is a folder"),
         (["--file", str(latin)], "not UTF-8"),
         (["--chat", "--chat-template", str(latin), "hi"], f"--chat-template = '{latin}': not UTF-8 text"),

@@ -135,6 +135,74 @@ def test_dpo_cached_reference_is_keyed_by_the_weights_content(tmp_path, capsys):
     assert "cannot be read" in out and "computing it again" in out and "reusing" not in out, out
 
 
+def test_a_full_disk_under_the_dpo_reference_names_the_path_and_bytes_and_leaves_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """The cached reference's write fails part-way with ENOSPC at its real write (torch.save into the file): one
+    line naming the file and the bytes it needs, exit 2, and neither the file nor its temporary is left."""
+    import errno
+
+    from loom.cli.main import main as loom_main
+    from tests.tiny import tiny_args
+
+    source = tmp_path / "pairs.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": f"no {i}"}) + "\n" for i in range(8)
+        )
+    )
+    opened = []
+
+    class FullDisk:
+        """The real file: the first write keeps half its bytes, then the disk is full."""
+
+        def __init__(self, path, mode="r", *args, **kwargs):
+            self.fh = open(path, mode, *args, **kwargs)
+            opened.append(path)
+
+        def write(self, data):
+            self.fh.write(bytes(data)[: len(data) // 2])
+            self.fh.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    monkeypatch.setattr("loom.methods.dpo.open", FullDisk, raising=False)
+    argv = tiny_args(
+        tmp_path / "run",
+        tmp_path / "cache",
+        **{
+            "training.objective": "dpo",
+            "training.steps": 1,
+            "training.seq_len": 32,
+            "data.source": str(source),
+            "data.val_fraction": 0.0,
+            "metrics.progress": "false",
+        },
+    )
+    with pytest.raises(SystemExit) as exit_:
+        loom_main(["train", *argv])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    folder = tmp_path / "run" / "dpo_reference"
+    (tmp,) = opened
+    assert tmp.startswith(str(folder / "reference-")) and tmp.endswith(".pt.tmp"), opened
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        f"loom: error: dpo.reference cached: writing {tmp.removesuffix('.tmp')} failed ("
+    )
+    assert (
+        "No space left on device" in err[0] and "it needs about 64 bytes; nothing partial was kept" in err[0]
+    )
+    assert os.listdir(folder) == []
+
+
 # ---- the chat-template probe and message contents -------------------------------------------------------------------
 
 TEMPLATES = {

@@ -13,7 +13,7 @@ import pytest
 
 from loom.cli.main import main as loom_main
 from loom.config.errors import ConfigError, UserError
-from tests.tiny import tiny_config
+from tests.tiny import tiny_args, tiny_config
 
 
 def cli_error(capsys, *argv: str) -> str:
@@ -81,9 +81,11 @@ def test_every_needs_names_a_known_activation():
     """The rule is generic: every field naming what activates it is covered, and the names exist."""
     from dataclasses import fields
 
-    from loom.config.sections import ACTIVATIONS, SECTIONS
+    from loom.config.sections import ACTIVATIONS, all_sections
 
-    needs = {f.metadata["needs"] for cls in SECTIONS.values() for f in fields(cls) if "needs" in f.metadata}
+    needs = {
+        f.metadata["needs"] for cls in all_sections().values() for f in fields(cls) if "needs" in f.metadata
+    }
     assert needs == set(ACTIVATIONS)
 
 
@@ -206,6 +208,65 @@ def returns_none(prompts, completions, **kw):
 
 def returns_nan(prompts, completions, **kw):
     return [1.0, float("nan")]
+
+
+def raises(prompts, completions, **kw):
+    return [1.0 / 0 for _ in completions]
+
+
+def raises_type_error(prompts, completions, **kw):
+    return [len(c) + "x" for c in completions]  # the function's own TypeError, not a signature misfit
+
+
+def raises_on_rank_1(prompts, completions, **kw):
+    if os.environ.get("RANK", "0") == "1":
+        raise TimeoutError("the grader timed out")  # a user error, not a hang, whatever its text
+    return [0.0 for _ in completions]
+
+
+def test_a_reward_function_that_raises_stops_the_run_in_one_line(tmp_path, capsys):
+    """Issue 49: the user's exception (any type) is one line naming the function, where it is defined, the
+    exception and where it was raised; no traceback of theirs in the log (it was a traceback per rank)."""
+    from loom.rl.rewards import Rewards
+
+    here = os.path.abspath(__file__).removesuffix("c")
+    for name, needle in (
+        ("raises", "raised ZeroDivisionError: float division by zero at "),
+        ("raises_type_error", "raised TypeError: unsupported operand type(s) for +: 'int' and 'str' at "),
+    ):
+        with pytest.raises(UserError) as err:
+            Rewards([f"tests.unit.test_nothing_silent:{name}"]).score(["p", "p"], ["a", "b"], [[1], [2]], {})
+        assert f"grpo.rewards: tests.unit.test_nothing_silent:{name} (defined at {here}:" in str(err.value)
+        assert needle + here in str(err.value), str(err.value)
+    argv = tiny_args(
+        tmp_path / "run",
+        tmp_path / "cache",
+        **{
+            "training.objective": "grpo",
+            "grpo.rewards": "tests.unit.test_nothing_silent:raises",
+            "grpo.warmup_steps": 0,
+            "grpo.group_size": 2,
+            "grpo.max_new_tokens": 2,
+            "training.steps": 2,
+        },
+    )
+    line = cli_error(capsys, "train", *argv)
+    assert "grpo.rewards: tests.unit.test_nothing_silent:raises (defined at " in line
+    assert "raised ZeroDivisionError: float division by zero at " in line, line
+    assert not os.path.exists(tmp_path / "run" / "checkpoints" / "step_00000001")
+
+
+def test_a_seed_out_of_range_is_one_line(capsys):
+    """Issue 49: run.seed past 32 bits was a torch overflow traceback at the start (or at GRPO's first sampling
+    seed, run.seed x 1,000,003 x 1009); a negative one is refused, since torch would take -1 as 2**64 - 1."""
+    from loom.infer import SamplingParams
+
+    line = cli_error(capsys, "train", "--run.seed", "18446744073709551616")
+    assert line == "loom: error: run.seed = 18446744073709551616: must be <= 4294967295"
+    assert cli_error(capsys, "train", "--run.seed=-1") == "loom: error: run.seed = -1: must be >= 0"
+    assert tiny_config(None, **{"run.seed": 2**32 - 1}).run.seed == 2**32 - 1
+    with pytest.raises(ConfigError, match=r"^seed = -1: None \(a fresh seed\) or 0 .. 2\*\*63 - 1$"):
+        SamplingParams(seed=-1)
 
 
 def test_reward_functions_that_do_not_fit_are_one_line():

@@ -502,8 +502,12 @@ def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
 
 
 def test_ring_context_parallel_keeps_no_gathered_kv_and_hides_its_sends():
-    """parallel.cp_method = ring: the gathered K/V all-gather keeps for the backward are not held, and the ring's
-    sends are exposed only where they outlast the block's attention (hand-computed cases)."""
+    """parallel.cp_method = ring: the gathered K/V all-gather keeps for the backward are not held, a block's
+    backward works on O(S/cp) K/V bytes instead of O(S), and the ring's sends are exposed only where they outlast
+    the block's attention (hand-computed cases)."""
+    from types import SimpleNamespace
+
+    from loom.plan.memory import MemoryInputs, cp_attention_working
     from loom.plan.planner import ring_exposed_s
 
     base = dict(
@@ -520,6 +524,19 @@ def test_ring_context_parallel_keeps_no_gathered_kv_and_hides_its_sends():
     )
     kv = 16 * 65536 * (1 - 1 / 4) * 2 * 8 * 64 * 2  # 1B: 16 blocks, 8 KV heads of 64, bf16; the others' 3/4
     assert ag.memory.activations - ring.memory.activations == pytest.approx(kv)
+    # one block's backward: all-gather's gradient of the whole K/V (bf16; with full checkpointing the others'
+    # K/V gathered again), the ring's two bf16 blocks of S/cp, three fp32 dK/dV of S/cp and an fp32 dQ (32 x 64)
+    whole, q = 65536 * 2 * 8 * 64, 65536 / 4 * 32 * 64
+    ring_work = whole / 4 * (2 * 2 + 3 * 4) + 4 * q
+    assert ag.memory.backward - ring.memory.backward == pytest.approx(2 * whole - ring_work)
+    # full checkpointing: nothing held by either, all-gather's block gathers the others' K/V again
+    shape = SimpleNamespace(n_kv_heads=8, head_dim=64, n_heads=32)
+    x = dict(dtype="bfloat16", tp=1, cp=4, shard=1, fsdp=False, reshard_after_forward=False, micro_batch=1)
+    full = [
+        cp_attention_working(shape, MemoryInputs(**x, seq_len=65536, cp_ring=m), "full")
+        for m in (False, True)
+    ]
+    assert full == [pytest.approx(2 * whole * 1.75), pytest.approx(ring_work)]  # all-gather, ring
     assert 0 <= ring.time.cp < ag.time.cp and ring.time.compute == ag.time.compute
     # a block of 1e9 bytes (kv 4e9 over cp 4) at 100 GB/s takes 10 ms: forward 3 blocks (30 ms) against 10 ms of
     # forward attention, backward 3 blocks + 4 fp32 accumulators (2 x 10 ms each) = 110 ms against 25 ms

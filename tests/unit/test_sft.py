@@ -18,7 +18,8 @@ from loom.checkpoint.manager import step_dir_name
 from loom.cli.data import parse_args
 from loom.cli.main import main as loom_main
 from loom.config.errors import ConfigError, UserError
-from loom.config.sections import OBJECTIVES, Config, DataConfig
+from loom.config.methods import METHODS as OBJECTIVES
+from loom.config.sections import Config, DataConfig
 from loom.data import chat_encoder, prepare_data
 from loom.data.chat import FLAG_LOSS, FLAG_START
 from loom.data.loader import make_micro_batch

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from loom.config.sections import OBJECTIVES
+from loom.config.methods import METHODS as OBJECTIVES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "loom"
 SOURCES = {
