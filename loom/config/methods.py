@@ -16,4 +16,6 @@ METHODS = {
     "kto": ("loom.methods.kto", ("kto",)),
     "orpo": ("loom.methods.orpo", ("orpo",)),
     "simpo": ("loom.methods.simpo", ("simpo",)),
+    "rloo": ("loom.methods.rloo", ("grpo", "rloo")),
+    "online_dpo": ("loom.methods.online_dpo", ("grpo", "online_dpo")),
 }

@@ -61,6 +61,9 @@ class OnlineDpoConfig:
     )
 
 
+SECTIONS = {"online_dpo": OnlineDpoConfig}  # --online_dpo.beta, [online_dpo]
+
+
 # [grpo]'s fields that are GRPO's loss or group and mean nothing here (online DPO samples 2 per prompt, one step each)
 UNUSED_GRPO_FIELDS = (
     "group_size",

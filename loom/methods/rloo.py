@@ -49,17 +49,15 @@ class RlooConfig:
         "normalize_advantages)",
         resume=(APPLIED, "the advantages from the next step"),
     )
-    reward_clip_min: float = opt(
-        -math.inf,
-        "the summed rewards clipped from below at this value before the baseline (TRL's reward_clip_range); "
-        "-inf = off",
+    reward_clip: str = opt(
+        "",
+        "'min,max': the summed rewards clipped to this range before the KL penalty and the baseline (TRL's "
+        "reward_clip_range), e.g. '-1,1'; '' = off",
         resume=(APPLIED, "the advantages from the next step"),
     )
-    reward_clip_max: float = opt(
-        math.inf,
-        "the summed rewards clipped from above at this value; inf = off",
-        resume=(APPLIED, "the advantages from the next step"),
-    )
+
+
+SECTIONS = {"rloo": RlooConfig}  # --rloo.normalize_advantages, [rloo]
 
 
 STD_EPS = 1e-4  # added to the std before dividing, as TRL does
@@ -322,18 +320,20 @@ def rules(cfg) -> None:
                 "GRPO's normalization: not used by training.objective rloo (leave-one-out baseline, mean over "
                 "completions; rloo.normalize_advantages)",
             )
-    r = cfg.rloo
-    if r.reward_clip_min > r.reward_clip_max:
-        raise ConfigError(
-            "rloo.reward_clip_min", r.reward_clip_min, f"<= rloo.reward_clip_max ({r.reward_clip_max})"
-        )
+    reward_clip(cfg.rloo)
 
 
 def reward_clip(r) -> tuple[float, float] | None:
-    """[rloo]'s clip range of the summed rewards (TRL's reward_clip_range), None where both ends are open."""
-    if math.isinf(r.reward_clip_min) and math.isinf(r.reward_clip_max):
+    """[rloo]'s clip range of the summed rewards (TRL's reward_clip_range), None where it is off ('')."""
+    if not r.reward_clip.strip():
         return None
-    return (r.reward_clip_min, r.reward_clip_max)
+    try:
+        low, high = (float(v) for v in r.reward_clip.split(","))
+    except ValueError:
+        low = high = math.nan
+    if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+        raise ConfigError("rloo.reward_clip", r.reward_clip, "'min,max' with min <= max (e.g. '-1,1'), or ''")
+    return low, high
 
 
 METHOD = Method("rloo", LeaveOneOut, LeaveOneOut, rules=rules, run=runner(drive), drive=drive)

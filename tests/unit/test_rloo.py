@@ -254,13 +254,19 @@ def test_config_rules(tmp_path):
         check_config(rl_config(tmp_path, "a", "grpo", **{"rloo.normalize_advantages": "true"}))
     with pytest.raises(ConfigError, match="grpo.loss_type"):
         check_config(rl_config(tmp_path, "b", "rloo", **{"grpo.loss_type": "grpo"}))
-    with pytest.raises(ConfigError, match="rloo.reward_clip_min"):
-        check_config(
-            rl_config(tmp_path, "c", "rloo", **{"rloo.reward_clip_min": 2, "rloo.reward_clip_max": 1})
-        )
+    for bad in ("2,1", "1", "a,b", "nan,1"):
+        with pytest.raises(ConfigError, match="rloo.reward_clip"):
+            check_config(rl_config(tmp_path, "c", "rloo", **{"rloo.reward_clip": bad}))
     with pytest.raises(ConfigError, match="parallel.pp"):
         check_config(rl_config(tmp_path, "d", "rloo", **{"parallel.pp": 2}))
-    check_config(rl_config(tmp_path, "e", "rloo", **{"rloo.normalize_advantages": "true", "grpo.beta": 0.1}))
+    check_config(
+        rl_config(
+            tmp_path,
+            "e",
+            "rloo",
+            **{"rloo.normalize_advantages": "true", "rloo.reward_clip": "-1,1", "grpo.beta": 0.1},
+        )
+    )
 
 
 def test_embedded_default_trains_from_the_cli(tmp_path):
