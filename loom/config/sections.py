@@ -39,6 +39,10 @@ ACTIVATIONS = {
     "grpo.reward_model": (lambda c: bool(c.grpo.reward_model), "grpo.reward_model (a reward model)"),
     "grpo.judge": (lambda c: bool(c.grpo.judge), "grpo.judge (a judge model's path)"),
     "embedded task": (lambda c: not c.grpo.prompts, "the embedded arithmetic task (grpo.prompts empty)"),
+    "optimizer.offload nvme": (
+        lambda c: c.optimizer.offload == "nvme",
+        "optimizer.offload nvme (the moments in files)",
+    ),
     "float16": (lambda c: c.training.dtype == "float16", "training.dtype float16 (its loss scaling)"),
     "nonfinite skip or rollback": (
         lambda c: c.training.nonfinite != "stop",
@@ -468,6 +472,13 @@ class TrainingConfig:
         min=1,
         resume=(FREE, "recomputation: the same math"),
     )
+    activation_offload: str = opt(
+        "none",
+        "blocks whose saved activations wait for backward in host memory (pinned, copied on a side CUDA stream, "
+        "the next block's prefetched during backward): 'none', 'all', or a comma list of block indices "
+        "('0,1,2'); a recomputed block (activation_checkpointing) offloads its input only (docs/operations.md)",
+        resume=(FREE, "where saved activations wait: the same math"),
+    )
     max_norm: float = opt(
         1.0,
         "gradient clipping by global norm; 0 = off",
@@ -611,6 +622,30 @@ class OptimizerConfig:
         "lamb / lars: biases and norm weights (1-D parameters) take neither weight decay "
         "nor the trust ratio, as the papers do",
         resume=(MUST_MATCH, "the optimizer's parameter groups"),
+    )
+    offload: str = opt(
+        "none",
+        "'nvme': the AdamW moments live in memory-mapped files (optimizer.offload_path), stepped chunk by chunk "
+        "through pinned staging buffers while a thread reads and writes the files (ZeRO-Infinity's optimizer "
+        "offload; checkpoints hold the values as usual; docs/operations.md)",
+        choices=("none", "nvme"),
+        resume=(FREE, "where the AdamW moments live: the same values (the checkpoint's)"),
+    )
+    offload_path: str = opt(
+        "",
+        "optimizer.offload nvme: the folder (a fast local disk) in which loom makes its own temporary "
+        "folder for the moments' files, removed at the end; empty = the run directory",
+        needs="optimizer.offload nvme",
+        resume=(FREE, "where the AdamW moments' files live"),
+    )
+    offload_chunk_mb: float = opt(
+        64.0,
+        "optimizer.offload nvme: MiB of each moment read, stepped and written back at a time (each of the two "
+        "staging buffers holds a chunk of both moments)",
+        min=0.0,
+        min_exclusive=True,
+        needs="optimizer.offload nvme",
+        resume=(FREE, "the same math in other chunks"),
     )
 
 

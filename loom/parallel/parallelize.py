@@ -9,7 +9,7 @@
    expert parallel: MoE experts split over the ep ranks               (parallel.ep)
    (experts sharded over tp by their hidden width                    (parallel.etp = tp))
    float8 linears (torchao)                                          (training.float8)
-4. activation checkpointing
+4. activation checkpointing; activation offload around the chosen blocks      (training.activation_offload)
 5. torch.compile per block
 6. FSDP2 / HSDP (on meta; the shard axis is dp_shard x cp; under ep the experts first, over edp); with
    parallel.cpu_offload the shards, their gradients and the optimizer state live on the host, and FSDP2 wraps a
@@ -42,6 +42,7 @@ from loom.models.common.lora import init_adapters
 from loom.models.llama.model import Llama
 from loom.numerics import DTYPES
 from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+from loom.parallel.activation_offload import apply_activation_offload
 from loom.parallel.compile import apply_compile
 from loom.parallel.context_parallel import apply_context_parallel
 from loom.parallel.data_parallel import apply_ddp, apply_fsdp, apply_fsdp_experts
@@ -123,6 +124,7 @@ def parallelize_llama(
         if training.float8 != "none":
             apply_float8(part, training.float8)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
+        apply_activation_offload(part, training.activation_offload, device)  # around the checkpoints
         if training.compile:
             # recompute-everything checkpointing outside the compiled block under TP and with FlexAttention,
             # where compiling it inside fails (docs/parallelism.md, docs/kernels.md)

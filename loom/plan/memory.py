@@ -10,7 +10,9 @@ unsharded gradients (compute dtype, then fp32 for the reduce-scatter) exist whil
 FSDP, autocast keeps a compute-dtype copy of every weight from its first use to the end of the forward.
 With ``parallel.cpu_offload`` the state lives in host memory (``loom.plan.planner.offloaded_state``); the device
 holds what FSDP2 gathers (on one rank as well), plus the fp32 copy of a block's shards on its way in before the
-cast.
+cast. With ``optimizer.offload nvme`` the AdamW moments live in files (``loom.plan.planner.nvme_state``), neither on
+the device nor on the host. With ``training.activation_offload`` the offloaded blocks' saved tensors wait on the
+host but for two blocks' worth in flight (``offloaded_activations``).
 
 Without a pipeline the peak is the busiest of three moments (``step_peak``): gradients are freed after every
 step and built during the backward while activations are freed, so the two do not add up in full. With a
@@ -82,6 +84,8 @@ class MemoryInputs:
         1  # ZeRO-1 (parallel.zero = 1): the AdamW moments split over this many DDP replicas
     )
     cp_ring: bool = False  # parallel.cp_method = ring: no gathered K/V kept for the backward
+    offload_blocks: int = 0  # training.activation_offload: blocks whose saved tensors wait on the host
+    nvme: bool = False  # optimizer.offload nvme: the AdamW moments in files
 
 
 def held_params(share, x: MemoryInputs) -> float:
@@ -99,13 +103,22 @@ def state_memory(params: float, x: MemoryInputs) -> Memory:
     if x.cpu_offload:
         return Memory()
     # FSDP2 (ZeRO 2 and 3) keeps all three sharded between uses; zero 2's gathered copies: gathered
+    moments = 0 if x.nvme else 8  # optimizer.offload nvme: in files
     if x.shard > 1:
-        weights, grads, optimizer = stage_state(params, x.shard, 3, 4, 4, 8)
+        weights, grads, optimizer = stage_state(params, x.shard, 3, 4, 4, moments)
     else:
         weights, grads, optimizer = stage_state(
-            params, x.optimizer_shard, 1 if x.optimizer_shard > 1 else 0, 4, 4, 8
+            params, x.optimizer_shard, 1 if x.optimizer_shard > 1 else 0, 4, 4, moments
         )
     return Memory(weights=weights, gradients=grads, optimizer=optimizer)
+
+
+def offloaded_activations(per_block: float, x: MemoryInputs) -> tuple[float, float]:
+    """(device bytes saved, host bytes held) of one micro-batch under training.activation_offload: each offloaded
+    block's saved tensors (``per_block``: its input alone when recomputed) wait on the host; on the device stay the
+    block whose backward runs and the one prefetched behind it (or the one whose copy out is in flight)."""
+    k = x.offload_blocks
+    return per_block * (k - min(k, 2)), per_block * k
 
 
 def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> float:

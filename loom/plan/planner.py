@@ -19,6 +19,7 @@ from loom.data import build_tokenizer
 from loom.methods import resolve
 from loom.models.registry import spec_of
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
+from loom.parallel.offload_rules import offloaded_blocks
 from loom.parallel.pipeline import (
     SPLIT_BACKWARD,
     schedule_actions,
@@ -38,6 +39,7 @@ from loom.plan.memory import (
     cp_attention_working,
     gathered_memory,
     held_params,
+    offloaded_activations,
     pipeline_peak,
     stage_activation,
     state_memory,
@@ -74,10 +76,9 @@ class Estimate:
     capacity_gib: float
     notes: list[str] = field(default_factory=list)
     margin_gib: float = 0.0  # left free under capacity_gib
-    host_gib: float = (
-        0.0  # parallel.cpu_offload: weights, gradients and AdamW state each rank keeps in host memory
-    )
+    host_gib: float = 0.0  # parallel.cpu_offload's weights, gradients and AdamW state and activation_offload's tensors, per rank
     host_limit_gib: float = math.inf  # what a rank may keep there (HOST_GIB_PER_GPU)
+    disk_gib: float = 0.0  # optimizer.offload nvme: the AdamW moments each rank keeps in files
 
     @property
     def limit_gib(self) -> float:
@@ -102,6 +103,10 @@ def layout_name(layout: dict) -> str:
         parts.append(layout["pp_schedule"])
     if layout.get("cpu_offload"):
         parts.append("cpu_offload")
+    if layout.get("activation_offload"):
+        parts.append(f"act_offload{layout['activation_offload']}")
+    if layout.get("optimizer_offload") == "nvme":
+        parts.append("nvme")
     if layout.get("zero") in (1, 2):  # 0 and 3 are what the degrees say (DDP, FSDP2)
         parts.append(f"zero{layout['zero']}")
     return (
@@ -179,7 +184,8 @@ def estimate(
     profile = activation_profile(cfg, dims, args, x, profiles)
     shares = rank_shares(args, dims.pp, p, t.seq_len)
     memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
-    times = [rank_time(share, args, dims, x, cfg, m, gpu) for share in shares]
+    per_block = offload_block_bytes(profile, x, args, cfg)
+    times = [rank_time(share, args, dims, x, cfg, m, gpu, per_block) for share in shares]
     memory = max(memories, key=lambda mem: mem.total)
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
@@ -192,11 +198,24 @@ def estimate(
         accumulation=m,
         cpu_offload=p.cpu_offload,
         zero=dims.zero,
+        activation_offload=x.offload_blocks,
+        optimizer_offload=cfg.optimizer.offload,
     )
     notes = []
     host = max(offloaded_state(held_params(share, x), x) for share in shares)
     if p.cpu_offload:
         notes.append(offload_note(host, shares, args, dims, x, gpu))
+    parked = offloaded_activations(per_block, x)[1]
+    if x.offload_blocks:
+        host += parked
+        notes.append(activation_offload_note(parked, per_block, x, gpu))
+        if dims.pp > 1:
+            notes.append(
+                "activation_offload under a pipeline is not modelled: the stages keep their activations"
+            )
+    disk = max(nvme_state(held_params(share, x), x) for share in shares)
+    if x.nvme:
+        notes.append(nvme_note(disk))
     if t.float8 != "none":
         notes.append("float8 is not modelled: estimated as bf16")
     if dims.tp > 1 and not t.compile:
@@ -215,7 +234,8 @@ def estimate(
         notes,
         margin,
         host / GIB,
-        HOST_GIB_PER_GPU if p.cpu_offload else math.inf,
+        HOST_GIB_PER_GPU if p.cpu_offload or x.offload_blocks else math.inf,
+        disk / GIB,
     )
 
 
@@ -237,6 +257,8 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         etp=dims.etp,
         optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1,
         cp_ring=dims.cp > 1 and p.cp_method == "ring",
+        offload_blocks=len(offloaded_blocks(t.activation_offload, args.n_layers)),
+        nvme=cfg.optimizer.offload == "nvme",
     )
 
 
@@ -341,6 +363,7 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
         state.backward = backward
         return with_workspace(state)
     activations = stage_activation(profile, share.layers, True, x, args, ac, stored)
+    activations -= offloaded_activations(offload_block_bytes(profile, x, args, cfg), x)[0]
     held_fixed = (share.layers * profile.layer_fixed + profile.head_fixed) / dims.tp
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
     # earlier micro-batches' (accumulated or sharded) gradients
@@ -348,7 +371,11 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     return with_workspace(step_peak(state, gathered, cache, activations, backward, grads_before))
 
 
-def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU) -> StepTime:
+def rank_time(
+    share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU, per_block: float = 0.0
+) -> StepTime:
+    """Seconds of one step on the rank of ``share``; ``per_block``: bytes one offloaded block parks on the host
+    per micro-batch (training.activation_offload)."""
     t, p = cfg.training, cfg.parallel
     peak = gpu.peak(t.dtype)
     eff = efficiency(args.dim, t.compile)
@@ -385,6 +412,9 @@ def rank_time(share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU)
     if x.cpu_offload:
         st.optimizer = host_step_s(own, m)
         st.fsdp += offload_copies_s(own, root_share(share, args, x), x, compute_mb, m, dims.world_size, gpu)
+    if x.nvme:  # the moments read and written back, behind the chunks' compute
+        st.optimizer = max(st.optimizer, nvme_step_s(own))
+    st.offload = activation_copies_s(per_block * x.offload_blocks, compute_mb, m, gpu)
     c = BYTES[t.dtype]
     recomputed = t.activation_checkpointing == "full"
     if dims.tp > 1:
@@ -489,8 +519,9 @@ def pcie_gbps(gpu: GPU) -> float:
 
 
 def offloaded_state(params: float, x: MemoryInputs) -> float:
-    """Host bytes of one rank under cpu_offload: fp32 weights, gradients and AdamW moments of its shard (0 without)."""
-    return 16 * params / x.shard if x.cpu_offload else 0.0
+    """Host bytes of one rank under cpu_offload: fp32 weights, gradients and AdamW moments of its shard (0 without;
+    the moments not with optimizer.offload nvme: in files)."""
+    return (8 if x.nvme else 16) * params / x.shard if x.cpu_offload else 0.0
 
 
 def host_step_s(own: float, m: int) -> float:
@@ -533,12 +564,67 @@ def offload_note(host: float, shares, args, dims, x: MemoryInputs, gpu: GPU) -> 
     h2d, d2h = offload_bytes(held_params(share, x) / x.shard, root_share(share, args, x), x)
     per_node = min(gpu.gpus_per_node, dims.world_size)
     node = f" ({host * per_node / GIB:,.1f} GiB for {per_node} ranks on a node)" if per_node > 1 else ""
+    kept = "weights and gradients (the moments in files)" if x.nvme else "weights, gradients and AdamW state"
     return (
-        f"cpu_offload: weights, gradients and AdamW state in host memory, {host / GIB:,.1f} GiB per rank{node} "
+        f"cpu_offload: {kept} in host memory, {host / GIB:,.1f} GiB per rank{node} "
         f"(assumed available: {HOST_GIB_PER_GPU:g} GiB per GPU); per micro-batch {h2d / 1e9:,.2f} GB to the GPU "
         f"and {d2h / 1e9:,.2f} GB back, at an assumed {pcie_gbps(gpu):g} GB/s per direction (PCIe; in 'fsdp'); "
         f"the step on the host at {HOST_GBPS:g} GB/s and its gradient norm at {HOST_NORM_GBPS:g} GB/s (fitted to "
         "one H100 host; in 'optimizer')"
+    )
+
+
+# --------------------------------------------------------------------------- activation offload, NVMe offload
+# training.activation_offload: each offloaded block's saved tensors go to pinned host memory during its forward (a
+# side stream, behind the next blocks' compute) and come back during the backward (prefetched one block ahead,
+# behind the backward's compute), at the same PCIe rate as CPU offload's copies; the forward is a third of a
+# micro-batch's compute, the backward two thirds. optimizer.offload nvme: the two AdamW moments (8 bytes a parameter)
+# read from and written back to local NVMe each step at NVME_READ_GBPS / NVME_WRITE_GBPS (a PCIe 4.0 data-center
+# drive's sequential rates), the chunks' compute and the host <-> GPU copies hidden behind the file IO.
+NVME_READ_GBPS = 6.0
+NVME_WRITE_GBPS = 3.0
+
+
+def offload_block_bytes(profile, x: MemoryInputs, args, cfg: Config) -> float:
+    """Bytes one offloaded block parks on the host per micro-batch: what it keeps for backward (with activation
+    checkpointing, as traced: a recomputed block's input)."""
+    if not x.offload_blocks:
+        return 0.0
+    t = cfg.training
+    stored = stored_blocks(t.activation_checkpointing, t.ac_every, args.n_layers)
+    return stage_activation(profile, 1, False, x, args, t.activation_checkpointing, stored)
+
+
+def activation_copies_s(nbytes: float, compute_mb: float, m: int, gpu: GPU) -> float:
+    """Exposed seconds per step of ``nbytes`` per micro-batch copied out in the forward and back in the backward."""
+    if not nbytes:
+        return 0.0
+    copy = nbytes / (pcie_gbps(gpu) * 1e9)
+    return m * (max(0.0, copy - compute_mb / 3) + max(0.0, copy - compute_mb * 2 / 3))
+
+
+def nvme_state(params: float, x: MemoryInputs) -> float:
+    """Disk bytes of one rank under optimizer.offload nvme: the AdamW moments of its shard (0 without)."""
+    return 8 * params / x.shard / x.optimizer_shard if x.nvme else 0.0
+
+
+def nvme_step_s(own: float) -> float:
+    """Seconds of reading and writing back ``own`` parameters' moments (the IO thread does one after the other)."""
+    return 8 * own * (1 / (NVME_READ_GBPS * 1e9) + 1 / (NVME_WRITE_GBPS * 1e9))
+
+
+def activation_offload_note(host: float, per_block: float, x: MemoryInputs, gpu: GPU) -> str:
+    return (
+        f"activation_offload: {x.offload_blocks} blocks' saved tensors on the host, {host / GIB:,.2f} GiB per "
+        f"micro-batch ({per_block / GIB:,.2f} GiB a block; two blocks' worth stay on the GPU in flight), copied at "
+        f"an assumed {pcie_gbps(gpu):g} GB/s per direction (PCIe; exposed part in 'offload')"
+    )
+
+
+def nvme_note(disk: float) -> str:
+    return (
+        f"optimizer.offload nvme: the AdamW moments in files, {disk / GIB:,.1f} GiB per rank on its disk, read at "
+        f"an assumed {NVME_READ_GBPS:g} GB/s and written at {NVME_WRITE_GBPS:g} GB/s each step (in 'optimizer')"
     )
 
 

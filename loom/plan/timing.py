@@ -118,6 +118,7 @@ class StepTime:
     ep: float = 0.0  # expert parallelism's token all-to-alls
     moe: float = 0.0  # expert weight casts and token routing (memory-bound)
     pp: float = 0.0  # activations sent between stages
+    offload: float = 0.0  # training.activation_offload's host copies not hidden behind compute
 
     @property
     def total(self) -> float:

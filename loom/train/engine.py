@@ -463,7 +463,13 @@ class Engine:
                 self.params, self.dims["dp_replicate"] if self.dims.dp_replicate > 1 else None
             )
         self.optimizer = OptimizerParts(
-            self.parts, cfg.optimizer, opt_device, offload=cfg.parallel.cpu_offload, shard=shard
+            self.parts,
+            cfg.optimizer,
+            opt_device,
+            offload=cfg.parallel.cpu_offload,
+            shard=shard,
+            state_root=self.run_dir,
+            rank=self.env.rank,
         )
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
         # training.cuda_graphs: gradients accumulate into tensors of their own, kept between steps; a first backward

@@ -318,6 +318,7 @@ class Loop:
             self.health.close()
             for hook in self.engine.hooks:
                 hook.close()
+            self.engine.optimizer.close()  # optimizer.offload nvme: its files go
             self.profiler.close()
             if run.logger:
                 run.logger.close()
@@ -365,6 +366,20 @@ class Loop:
                     "blocks being computed (parallel.cpu_offload)"
                 ]
                 if cfg.parallel.cpu_offload
+                else []
+            ),
+            *(
+                [
+                    f"offload: the saved activations of blocks {t.activation_offload} wait in host memory (training.activation_offload)"
+                ]
+                if t.activation_offload.strip().lower() not in ("none", "")
+                else []
+            ),
+            *(
+                [
+                    f"offload: the AdamW moments live in files under {self.optimizer.folder.path} (optimizer.offload)"
+                ]
+                if self.optimizer.folder is not None
                 else []
             ),
             f"batch: {t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, "

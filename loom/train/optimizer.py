@@ -103,7 +103,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, device: torch.device, offload: bool = False, keeps=None
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    device: torch.device,
+    offload: bool = False,
+    keeps=None,
+    folder=None,
 ) -> torch.optim.Optimizer:
     """``optimizer.name``: AdamW, or LAMB / LARS (loom.train.large_batch). Weight decay on matrices only
     (not norms; for LAMB / LARS unless ``exclude_1d`` is off); only trainable parameters (with LoRA: the
@@ -111,7 +116,8 @@ def build_optimizer(
     which DTensors on different meshes (experts under expert parallelism) cannot be: there its per-tensor AdamW
     runs instead (loom's Triton AdamW is per tensor anyway). ``offload``: the state lives on the host
     (parallel.cpu_offload; ``device`` is then the CPU). ``keeps``: which parameters this rank steps (ZeRO-1:
-    loom.train.zero); None = all."""
+    loom.train.zero); None = all. ``folder`` (optimizer.offload nvme): the ``loom.train.nvme_offload.StateFolder``
+    whose files hold the AdamW moments."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad and (keeps is None or keeps(p)):
@@ -130,6 +136,14 @@ def build_optimizer(
     if cfg.name != "adamw":
         return build_large_batch(cfg.name, groups, cfg)
     impl = resolve_implementation(cfg.implementation, device, offload)
+    if folder is not None:
+        from loom.train.nvme_offload import NvmeAdamW
+
+        kernel = "fused" if impl == "triton" else impl  # each chunk through PyTorch's kernels
+        if len(by_mesh(decay + no_decay)) > 1:
+            kernel = "for_loop"
+        chunk = int(cfg.offload_chunk_mb * 2**20) // 4
+        return NvmeAdamW(groups, folder, chunk, kernel, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if impl == "triton":
         return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if len(by_mesh(decay + no_decay)) > 1:
@@ -161,13 +175,21 @@ class OptimizerParts:
         device: torch.device,
         offload: bool = False,
         shard=None,
+        state_root: str = ".",
+        rank: int = 0,
     ):
         self.parts = parts
         self.shard = shard
         keeps = shard.keeps if shard is not None else None
-        self.optimizers = [build_optimizer(part, cfg, device, offload, keeps) for part in parts]
         self.all_params = unique_params(parts)
         self.params = [p for p in self.all_params if keeps is None or keeps(p)]  # those this rank steps
+        self.folder = None
+        if cfg.offload == "nvme":  # optimizer.offload: the moments in files of this rank's own folder
+            from loom.train.nvme_offload import StateFolder, moment_bytes
+
+            held = [p for p in self.params if p.requires_grad]
+            self.folder = StateFolder(cfg.offload_path or state_root, moment_bytes(held), rank)
+        self.optimizers = [build_optimizer(part, cfg, device, offload, keeps, self.folder) for part in parts]
         n_held = sum(len(g["params"]) for opt in self.optimizers for g in opt.param_groups)
         # the fused kernels can multiply the gradients themselves (their ``grad_scale`` input, which
         # they divide by, as GradScaler uses it): no separate pass over the gradients. Only when no
@@ -239,6 +261,14 @@ class OptimizerParts:
                 opt.step()
             finally:
                 opt.grad_scale = None
+
+    def close(self) -> None:
+        """optimizer.offload nvme: finish the file writes and remove this rank's files (nothing else)."""
+        for opt in self.optimizers:
+            if hasattr(opt, "folder"):
+                opt.close()
+        if self.folder is not None:
+            self.folder.close()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:

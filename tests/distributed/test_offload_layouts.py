@@ -1,5 +1,6 @@
 """parallel.cpu_offload across ranks: FSDP2 with its shards, gradients and AdamW state on the host gives the single
-process's losses (without offload) at every step. The ranks join a ``cpu:gloo`` group, the CPU half of the
+process's losses (without offload) at every step; so do the AdamW moments in files (optimizer.offload nvme) and
+activation offload, under FSDP2 and through a zero-bubble pipeline. The ranks join a ``cpu:gloo`` group, the CPU half of the
 ``cuda:nccl,cpu:gloo`` backend an offloaded GPU job uses (``loom.runtime.env.choose_backend``): the offloaded
 gradients' global-norm all-reduce and the host-side accumulation run through it."""
 
@@ -51,12 +52,40 @@ def max_rel(a: list[float], b: list[float]) -> float:
 def test_two_rank_offload_on_cpu_gloo_equals_one_process(tmp_path):
     """dp_shard 2 with offload, with gradient accumulation (each micro-batch's gradient added to the host shard) and
     clipping by the global norm (the tiny run's norms are above 1), against one process without offload."""
-    (single,) = run_jobs(1, [job(tmp_path, "single", 2)], str(tmp_path))
+    four = {"model.n_layers": 4}
+    single, single4 = run_jobs(
+        1, [job(tmp_path, "single", 2), job(tmp_path, "single4", 2, **four)], str(tmp_path)
+    )
     offloaded = job(tmp_path, "fsdp2_offload", 2, **{"parallel.dp_shard": 2, "parallel.cpu_offload": "true"})
-    (offload,) = run_on("cpu:gloo", 2, [offloaded], tmp_path)
+    # the same group: FSDP2 shards with their AdamW moments in files (DTensors around them, saved by DCP at step 2)
+    # and every block's saved activations (recomputed: its input) through the offload hooks
+    nvme = job(
+        tmp_path,
+        "fsdp2_nvme_activation_offload",
+        2,
+        **{
+            "parallel.dp_shard": 2,
+            "optimizer.offload": "nvme",
+            "optimizer.offload_chunk_mb": 0.01,
+            "training.activation_offload": "all",
+            "training.activation_checkpointing": "full",
+            "checkpoint.every": 2,
+        },
+    )
+    # and through a zero-bubble pipeline (ZBV: two stages a rank, input and weight gradients apart)
+    pipeline = job(
+        tmp_path,
+        "zbv_activation_offload",
+        2,
+        **four,
+        **{"parallel.pp": 2, "parallel.pp_schedule": "zbv", "training.activation_offload": "all"},
+    )
+    offload, files, zbv = run_on("cpu:gloo", 2, [offloaded, nvme, pipeline], tmp_path)
     assert offload.get("backend") == "cpu:gloo", offload.get("error")
     assert max(r["grad_norm"] for r in single["records"]) > 1.0  # clipping by the global norm took part
     assert max_rel(losses(offload), losses(single)) < 1e-5
+    assert max_rel(losses(files), losses(single)) < 1e-5, files.get("error")
+    assert max_rel(losses(zbv), losses(single4)) < 1e-5, zbv.get("error")
 
 
 @pytest.mark.exhaustive

@@ -202,3 +202,221 @@ def test_train_precheck_weighs_the_offloaded_state_against_the_host(monkeypatch)
     monkeypatch.setattr(fit, "host_room", lambda: (0.5 * state, "test host memory"))
     with pytest.raises(ConfigError, match=r"test host memory"):
         fit.check_fits(off, run.dims, run.model_args, "cuda", 1)
+
+
+# ---- activation offload (training.activation_offload) ------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(self.norm(x)))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(i): _Block() for i in range(3)})
+
+    def forward(self, x):
+        for block in self.layers.values():
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "op"])
+def test_activation_offload_packs_through_host_copies_with_the_same_gradients(ac):
+    """Every saved tensor of an offloaded block (not its weights) goes through the hooks and comes back with the
+    same gradients; a recomputed block (full or op checkpointing) offloads its input only, the rule documented."""
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+    from loom.parallel.activation_offload import apply_activation_offload
+
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(4, 8, 16)
+    apply_activation_checkpointing(model.layers, ac, 1)
+    model(x).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    offload = apply_activation_offload(model, "0,2", torch.device("cpu"))
+    model(x).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want))
+    block_input = x.numel() * 4
+    if ac == "none":  # the input, the normalized input, the linear's output (and more): never a weight
+        assert offload.packed_bytes > 2 * 2 * block_input
+    else:
+        assert offload.packed_bytes == 2 * block_input
+    packed = offload.packed_bytes
+    with torch.no_grad():
+        model(x)  # nothing is saved without gradients
+    assert offload.packed_bytes == packed
+
+
+def test_activation_offload_run_equals_the_run_without_it(tmp_path, cache, plain):
+    """A tiny run offloading both blocks, one of them recomputed (every_k), gives the same losses, bit for bit."""
+    trainer, records = train(
+        tmp_path,
+        cache,
+        **{
+            "training.activation_offload": "all",
+            "training.activation_checkpointing": "every_k",
+            "training.ac_every": 2,
+        },
+    )
+    assert trainer.parts[0].activation_offload.packed_bytes > 0
+    assert [r["loss"] for r in records] == [r["loss"] for r in plain]
+
+
+@pytest.mark.parametrize(
+    "over,field,words",
+    [
+        (
+            {"training.activation_offload": "0,x"},
+            "training.activation_offload",
+            "a comma list of block indices",
+        ),
+        ({"training.activation_offload": "1,1"}, "training.activation_offload", "each once"),
+        (
+            {"training.activation_offload": "all", "training.compile": "true"},
+            "training.activation_offload",
+            "compile",
+        ),
+        ({"optimizer.offload": "nvme", "optimizer.name": "lamb"}, "optimizer.offload", "use adamw"),
+        ({"optimizer.offload_path": "/x"}, "optimizer.offload_path", "does nothing without"),
+    ],
+)
+def test_offload_fields_that_cannot_run_are_config_errors(over, field, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        resolve(tiny_config(**over), 1)
+    assert err.value.field == field
+
+
+def test_activation_offload_block_beyond_the_model_is_a_config_error():
+    from loom.parallel.activation_offload import apply_activation_offload
+
+    with pytest.raises(ConfigError, match=r"0\.\.2") as err:
+        apply_activation_offload(_Stack(), "3", torch.device("cpu"))
+    assert err.value.field == "training.activation_offload"
+
+
+# ---- NVMe offload of the optimizer state (optimizer.offload nvme) -------------------------------------------------
+
+NVME = {
+    "optimizer.offload": "nvme",
+    "optimizer.offload_chunk_mb": 0.01,
+}  # chunks of 2,621 elements: many a step
+
+
+def test_nvme_offload_equals_the_run_without_it_and_resumes(tmp_path, cache, plain):
+    """The moments in files of a folder of loom's own in optimizer.offload_path, stepped in chunks: the losses equal
+    the run without offload bit for bit; the checkpoint at step 2 (DCP reads the file-backed moments) resumes steps
+    3 and 4 as the uninterrupted run's; at the end loom's folder is gone and a file of the user's there stays."""
+    from loom.train.nvme_offload import NvmeAdamW
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "mine.bin").write_bytes(b"keep")
+    run = tmp_path / "run"
+    every = {"checkpoint.every": 2, "optimizer.offload_path": str(disk), **NVME}
+    trainer, records = train(run, cache, **every)
+    opt = trainer.optimizer.optimizers[0]
+    assert isinstance(opt, NvmeAdamW) and opt._files
+    in_state = {s["exp_avg"].data_ptr() for s in opt.state.values()}
+    assert all(
+        m.data_ptr() in in_state for m, _ in opt._files.values()
+    )  # the moments are the file-backed tensors
+    assert max(p.numel() for p in trainer.params) > opt.chunk
+    assert [r["loss"] for r in records] == [r["loss"] for r in plain]
+    assert sorted(os.listdir(disk)) == ["mine.bin"] and (disk / "mine.bin").read_bytes() == b"keep"
+    shutil.rmtree(os.path.join(run, "checkpoints", step_dir_name(STEPS)))  # the run stopped after step 2
+    trainer, records = train(run, cache, **every)
+    assert [r["step"] for r in records] == [3, 4]
+    assert [r["loss"] for r in records] == [r["loss"] for r in plain[2:]]
+    assert sorted(os.listdir(disk)) == ["mine.bin"]
+
+
+def test_nvme_offload_folder_refuses_a_path_without_room_or_write_access(tmp_path, monkeypatch):
+    import loom.train.nvme_offload as nvme
+
+    with pytest.raises(ConfigError, match="is not a folder") as err:
+        nvme.StateFolder(str(tmp_path / "missing"), 1)
+    assert err.value.field == "optimizer.offload_path"
+    monkeypatch.setattr(
+        nvme.os, "access", lambda path, mode: False
+    )  # root writes anywhere: the check is patched
+    with pytest.raises(ConfigError, match="is not writable"):
+        nvme.StateFolder(str(tmp_path), 1)
+    monkeypatch.undo()
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ConfigError, match="GiB free and this rank's AdamW moments need"):
+        nvme.StateFolder(str(tmp_path), free + 2**40)
+    folder = nvme.StateFolder(str(tmp_path), 8)
+    state = folder.tensor("exp_avg", 5)
+    state += 1
+    assert os.path.getsize(folder.files[0]) == 20 and os.path.basename(folder.path).startswith(nvme.PREFIX)
+    (tmp_path / "other").write_text("x")
+    folder.close()
+    assert sorted(os.listdir(tmp_path)) == ["other"] and state.sum() == 5  # the mapped values stay readable
+
+
+def test_plan_models_activation_offload_and_nvme_offload():
+    """Activation offload: the offloaded blocks' saved tensors leave the GPU but for two blocks in flight, wait on
+    the host, and cost their PCIe copies where compute does not hide them. NVMe offload: the moments (8 bytes a
+    parameter) leave the GPU (or, with cpu_offload, the host) for the disk, and the step waits for their file IO."""
+    from loom.plan.planner import nvme_step_s
+
+    gpu, traced = GPUS["H100"], {}  # the activation traces shared
+    light = {**OFFLOAD, "model.n_layers": 8, "training.activation_checkpointing": "none"}
+    base = estimate(plan_config(**light), 1, gpu, traced)
+    off = estimate(plan_config(**light, **{"training.activation_offload": "all"}), 1, gpu, traced)
+    per_block = (off.host_gib - base.host_gib) * GIB / 8
+    assert per_block > 0 and base.time.offload == 0 < off.time.offload
+    assert base.memory.activations - off.memory.activations == pytest.approx(6 * per_block)
+    assert "act_offload8" in off.describe() and any("activation_offload: 8 blocks" in n for n in off.notes)
+    on_gpu, nvme = (estimate(plan_config(**o), 1, gpu, traced) for o in ({}, {"optimizer.offload": "nvme"}))
+    params = on_gpu.memory.weights / 4
+    assert nvme.memory.optimizer == 0 and nvme.disk_gib == pytest.approx(8 * params / GIB)
+    assert nvme.memory.weights == on_gpu.memory.weights and nvme.time.optimizer == pytest.approx(
+        nvme_step_s(params)
+    )
+    both = estimate(plan_config(**OFFLOAD, **{"optimizer.offload": "nvme"}), 1, gpu, traced)
+    assert both.host_gib == pytest.approx(8 * params / GIB) and "nvme" in both.describe()
+
+
+def test_nvme_adamw_steps_like_adamw_and_loads_its_state_into_files(tmp_path):
+    """Chunks that do not divide the tensors (7 elements) give PyTorch's AdamW's parameters bit for bit over steps;
+    a plain AdamW's state dict (a run saved without offload) loads into the files and steps on identically."""
+    from loom.train.nvme_offload import NvmeAdamW, StateFolder
+
+    torch.manual_seed(0)
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+    def make():
+        torch.manual_seed(1)
+        return [torch.nn.Parameter(torch.randn(5, 9)), torch.nn.Parameter(torch.randn(4))]
+
+    def step(params, opt, seed):
+        torch.manual_seed(seed)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    ref_params, nvme_params = make(), make()
+    ref = torch.optim.AdamW(ref_params, foreach=True, **hyper)
+    nvme = NvmeAdamW(nvme_params, StateFolder(str(tmp_path), 8 * 49), 7, "foreach", **hyper)
+    for seed in range(3):
+        step(ref_params, ref, seed)
+        step(nvme_params, nvme, seed)
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, nvme_params))
+    loaded = NvmeAdamW(nvme_params, StateFolder(str(tmp_path), 8 * 49), 7, "foreach", **hyper)
+    loaded.load_state_dict(ref.state_dict())
+    files = {m.data_ptr() for m, _ in loaded._files.values()}
+    assert {s["exp_avg"].data_ptr() for s in loaded.state.values()} == files
+    step(ref_params, ref, 9)
+    step(nvme_params, loaded, 9)
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, nvme_params))
+    for opt in (nvme, loaded):
+        opt.close()
+    assert os.listdir(tmp_path) == []
