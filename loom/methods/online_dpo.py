@@ -231,10 +231,10 @@ def drive(loop: Loop) -> list[dict]:
         outs = rollouts.sample(prompts)
         t1 = time.perf_counter()
         total, per, names = rollouts.score(rows, prompts, outs)
+        _, sums, std = rollouts.advantages(total)  # the global reward figures, as the sources scored them
         eos = torch.tensor([rollouts.tokenizer.eos_id in o_.token_ids for o_ in outs])
-        if o.missing_eos_penalty:
+        if o.missing_eos_penalty:  # the ranking's scores (TRL's objective/scores)
             total = total - o.missing_eos_penalty * (~eos).float()
-        _, sums, std = rollouts.advantages(total)  # the global reward figures
         t2 = time.perf_counter()
         order, _ = pair_order(total, rollouts.micro // 2)
         mbs, truncated = rollouts.to_batches(
