@@ -17,4 +17,6 @@ METHODS = {
     "orpo": ("loom.methods.orpo", ("orpo",)),
     "simpo": ("loom.methods.simpo", ("simpo",)),
     "distill": ("loom.methods.distill", ("distill",)),
+    "rloo": ("loom.methods.rloo", ("grpo", "rloo")),
+    "online_dpo": ("loom.methods.online_dpo", ("grpo", "online_dpo")),
 }

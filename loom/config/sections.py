@@ -380,14 +380,11 @@ class DataConfig:
 class TrainingConfig:
     objective: str = opt(
         "lm",
-        "'lm' = next-token loss on packed text; 'sft' = supervised fine-tuning on "
-        "conversations: loss on the assistant's tokens, conversations packed with "
-        "per-document attention; 'dpo' = direct preference optimization on prompt / chosen / "
-        "rejected pairs ([dpo] section); 'reward' = a reward model (a scalar head) trained on "
-        "the same pairs with the Bradley-Terry loss ([reward] section); 'kto' = KTO on unpaired desirable / "
-        "undesirable completions ([kto]); 'orpo' / 'simpo' = ORPO / SimPO on the pairs, no reference model "
-        "([orpo] / [simpo]) (docs/finetuning.md); 'grpo' / 'ppo' = "
-        "reinforcement learning on the policy's own samples ([grpo] / [ppo]; docs/rl.md)",
+        "what a step minimizes, one of the methods registered in loom/config/methods.py: 'lm' = next-token loss "
+        "on packed text; 'sft' = supervised fine-tuning on conversations (loss on the assistant's tokens, "
+        "conversations packed with per-document attention); the preference, reward, distillation and "
+        "reinforcement learning methods, each with its own section, are in docs/finetuning.md's method table "
+        "and docs/rl.md",
         choices=METHODS,  # the registry (loom.config.methods), read when a value is checked
         resume=(
             MUST_MATCH,

@@ -3,7 +3,9 @@ engine's samples (generation randomness is out of the comparison; everything aft
 advantages, the rollout-time and reference log-probabilities, the loss over the global count), DDP x2 gives the
 single process's loss, gradient norm, KL and clip fractions at every step (fp32, 1e-5 relative), for a per-token
 normalization with a frozen-copy reference and two iterations per batch of rollouts, and for the per-completion
-one with accumulation."""
+one with accumulation. RLOO and online DPO (their own drivers on the same fixed completions) under DDP x2 and
+FSDP2 x2 with accumulation give the single process's loss, gradient norm and figures too, in the same process
+group."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 from loom.config.errors import SharedError
 from loom.infer.generator import Completion
 from loom.methods.grpo import GroupRelative
+from loom.methods.online_dpo import OnlinePreference, paired
+from loom.methods.rloo import LeaveOneOut
 from loom.rl.rollout import Rollouts
 from tests.distributed.harness import job_tmp, run_fn
 from tests.tiny import tiny_overrides
@@ -52,6 +56,46 @@ class FixedGRPO(GroupRelative):
         return self.rollouts
 
 
+class FixedRLOO(LeaveOneOut):
+    def build_loader(self, trainer):
+        self.rollouts = FixedRollouts(
+            self.cfg, trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size
+        )
+        return self.rollouts
+
+
+class FixedOnlineDPO(OnlinePreference):
+    def build_loader(self, trainer):
+        self.rollouts = FixedRollouts(
+            paired(self.cfg), trainer.tokenizer, trainer.dims.dp_rank(), trainer.dims.dp_size
+        )
+        return self.rollouts
+
+
+FIXED = {"grpo": FixedGRPO, "rloo": FixedRLOO, "online_dpo": FixedOnlineDPO}
+METHOD_KEYS = {
+    "grpo": KEYS,
+    "rloo": (
+        "loss",
+        "grad_norm",
+        "kl",
+        "clip_ratio/low",
+        "clip_ratio/region",
+        "reward",
+        "frac_reward_zero_std",
+    ),
+    "online_dpo": (
+        "loss",
+        "grad_norm",
+        "rewards/margins",
+        "rewards/accuracy",
+        "objective/kl",
+        "objective/scores",
+        "reward",
+    ),
+}
+
+
 def overrides(tmp, name, mb, **extra):
     return tiny_overrides(
         f"{tmp}/{name}",
@@ -78,6 +122,29 @@ JOBS = {  # name: (micro-batch on one process, micro-batch per DDP rank, extra o
     "dapo-copy-iter2": (8, 4, {"grpo.loss_type": "dapo", "grpo.beta": 0.1, "grpo.iterations": 2}),
     "grpo-acc": (2, 2, {"grpo.loss_type": "grpo", "grpo.scale_rewards": "batch"}),
 }
+DDP, FSDP = (
+    {"parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+    {"parallel.dp_replicate": 1, "parallel.dp_shard": 2},
+)
+RLOO = {
+    "training.objective": "rloo",
+    "grpo.beta": 0.1,
+    "grpo.iterations": 2,
+    "rloo.normalize_advantages": "true",
+}
+ONLINE = {
+    "training.objective": "online_dpo",
+    "grpo.group_size": None,
+    "grpo.epsilon": None,
+    "online_dpo.beta": 0.5,
+}
+# RLOO and online DPO, name: (micro-batch on one process, micro-batch per rank, the 2-rank layout, extra overrides)
+METHOD_JOBS = {
+    "rloo-ddp": (8, 4, DDP, RLOO),
+    "rloo-fsdp-acc": (2, 2, FSDP, {**RLOO, "grpo.iterations": 1}),
+    "online_dpo-ddp": (8, 4, DDP, ONLINE),
+    "online_dpo-fsdp-acc": (2, 2, FSDP, ONLINE),
+}
 
 
 def train(job: dict, env=None) -> list[dict]:
@@ -85,8 +152,9 @@ def train(job: dict, env=None) -> list[dict]:
     from loom.train.trainer import Trainer
 
     cfg = build_config(None, {k: str(v) for k, v in job.items()})
-    trainer = Trainer(cfg, env=env, objective=FixedGRPO(cfg))
-    return [{k: r.get(k) for k in KEYS} for r in trainer.fit()]
+    method = cfg.training.objective
+    trainer = Trainer(cfg, env=env, objective=FIXED[method](cfg))
+    return [{k: r.get(k) for k in METHOD_KEYS[method]} for r in trainer.fit()]
 
 
 def ddp_jobs(rank: int, world: int) -> dict:
@@ -98,6 +166,10 @@ def ddp_jobs(rank: int, world: int) -> dict:
         job = overrides(
             tmp, f"{name}-{rank}", mb, **extra, **{"parallel.dp_replicate": world, "parallel.dp_shard": 1}
         )
+        job["run.dir"] = f"{tmp}/{name}"
+        out[name] = train(job, init_distributed("cpu", "gloo"))
+    for name, (_, mb, layout, extra) in METHOD_JOBS.items():
+        job = overrides(tmp, f"{name}-{rank}", mb, **extra, **layout)
         job["run.dir"] = f"{tmp}/{name}"
         out[name] = train(job, init_distributed("cpu", "gloo"))
     # issue 49: a reward function that raises on rank 1 alone stops both ranks with its line, rank 0 included
@@ -116,6 +188,8 @@ def ddp_jobs(rank: int, world: int) -> dict:
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_layouts")
     single = {name: train(overrides(tmp, name, mb, **extra)) for name, (mb, _, extra) in JOBS.items()}
+    for name, (mb, _, _, extra) in METHOD_JOBS.items():
+        single[name] = train(overrides(tmp, name, mb, **extra))
     return single, run_fn(2, ddp_jobs, str(tmp))
 
 
@@ -141,3 +215,24 @@ def test_ddp2_step_equals_single_process(results, name):
                 assert a[key] is None, (key, a, b)
                 continue
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (name, key, a, b)
+
+
+@pytest.mark.parametrize("name", sorted(METHOD_JOBS))
+def test_rloo_and_online_dpo_two_ranks_equal_single_process(results, name):
+    """DDP x2, and FSDP2 x2 with two micro-batches per rank, against one process: every step's figures."""
+    single, ranks = results
+    ref, got = single[name], ranks[name]
+    assert len(ref) == len(got) == 5
+    assert all(r["grad_norm"] > 1e-3 for r in ref)  # every step trains (the first is the warm-up's)
+    if name.startswith("rloo"):
+        assert (
+            max(abs(r["kl"]) for r in ref[2:]) > 1e-4
+        )  # the KL penalty (k1: signed) is live once the reference is taken
+    else:
+        assert max(abs(r["rewards/margins"]) for r in ref[2:]) > 1e-4 and ref[1]["objective/kl"] == 0.0
+    for a, b in zip(got, ref):
+        for key, want in b.items():
+            if want is None:
+                assert a[key] is None, (key, a, b)
+                continue
+            assert abs(a[key] - want) <= 1e-5 * max(1.0, abs(want)), (name, key, a, b)
