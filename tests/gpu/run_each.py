@@ -18,8 +18,9 @@ from tests.gpu.record import ROOT, gpu_test_files
 
 
 def run_file(path: str, mark: str, limit: float, report: Path) -> ET.Element | None:
-    """One file's pytest run: its JUnit suite, or a suite with one failed case when it ran past ``limit``."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", mark, path]
+    """One file's pytest run: its JUnit suite; past ``limit``, a suite of the tests that finished (from pytest's
+    verbose lines) and one failed case naming the test that was running."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", mark, path]
     cmd += [f"--junitxml={report}", "-o", "junit_family=xunit1"]
     start = time.monotonic()
     try:
@@ -27,15 +28,38 @@ def run_file(path: str, mark: str, limit: float, report: Path) -> ET.Element | N
         print(
             f"{path}: rc {out.returncode} in {time.monotonic() - start:.0f} s: {out.stdout.strip().splitlines()[-1:]}"
         )
-    except subprocess.TimeoutExpired:
-        print(f"{path}: past its {limit:.0f} s limit")
-        suite = ET.Element("testsuite", name=path, tests="1", failures="1")
-        case = ET.SubElement(
-            suite, "testcase", file=path, classname=path[:-3].replace("/", "."), name="time_limit"
-        )
-        ET.SubElement(case, "failure", message=f"past the {limit:.0f} s limit")
-        return suite
+    except subprocess.TimeoutExpired as err:
+        text = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+        return cut_short(path, limit, text)
     return ET.parse(report).getroot().find("testsuite") if report.exists() else None
+
+
+def cut_short(path: str, limit: float, text: str) -> ET.Element:
+    """The suite of a run stopped at ``limit``: each test its verbose output says finished, then the one running."""
+    classname = path[:-3].replace("/", ".")
+    suite = ET.Element("testsuite", name=path)
+    running = "time_limit"
+    for line in text.splitlines():
+        nodeid, _, rest = line.partition(" ")
+        if "::" not in nodeid:
+            continue
+        status = rest.split()[0] if rest.split() else ""
+        name = nodeid.split("::", 1)[1]
+        if status in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"):
+            case = ET.SubElement(suite, "testcase", file=path, classname=classname, name=name)
+            if status in ("FAILED", "ERROR"):
+                ET.SubElement(case, "failure", message=status.lower())
+            elif status in ("SKIPPED", "XFAIL"):
+                ET.SubElement(case, "skipped", message=status.lower())
+        else:
+            running = f"time_limit[{name}]"
+    case = ET.SubElement(suite, "testcase", file=path, classname=classname, name=running)
+    ET.SubElement(case, "failure", message=f"past the {limit:.0f} s limit")
+    print(f"{path}: past its {limit:.0f} s limit, in {running}")
+    cases = suite.findall("testcase")
+    suite.set("tests", str(len(cases)))
+    suite.set("failures", str(sum(c.find("failure") is not None for c in cases)))
+    return suite
 
 
 def main() -> None:

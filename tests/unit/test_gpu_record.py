@@ -55,3 +55,18 @@ def test_a_report_updates_passes_and_keeps_them_through_failures(tmp_path):
         "1 failed: bbb" in record.table(second) and "" not in second["files"] and ".py" not in second["files"]
     )
     assert set(record.gpu_test_files()) <= set(second["files"])  # files never run are listed too
+
+
+def test_a_file_cut_short_keeps_what_finished_and_names_the_running_test():
+    from tests.gpu.run_each import cut_short
+
+    text = (
+        "tests/gpu/test_x.py::test_a PASSED                    [ 33%]\n"
+        "tests/gpu/test_x.py::test_b[2] SKIPPED (needs 4 GPUs)  [ 66%]\n"
+        "tests/gpu/test_x.py::test_c "
+    )
+    suite = cut_short("tests/gpu/test_x.py", 90, text)
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    assert list(cases) == ["test_a", "test_b[2]", "time_limit[test_c]"]
+    assert cases["test_a"].find("failure") is None and cases["test_b[2]"].find("skipped") is not None
+    assert cases["time_limit[test_c]"].find("failure") is not None and suite.get("failures") == "1"
