@@ -86,7 +86,11 @@ class Topology:
 
     @classmethod
     def from_text(cls, text: str) -> Topology:
-        m = parse_matrix(text)
+        return cls.from_matrix(parse_matrix(text))
+
+    @classmethod
+    def from_matrix(cls, m: dict) -> Topology:
+        """From ``parse_matrix``'s dict."""
         gpus = [d for d in m["devices"] if d.startswith("GPU")]
         nics = [d for d in m["devices"] if d.startswith("NIC")]
         idx = {g: int(g[3:]) for g in gpus}
