@@ -1,7 +1,9 @@
-"""What ``loom doctor`` says about one host's GPU topology beyond its summary: the NVLink domains, the tensor-
-parallel degrees whose groups would cross a PCIe / SYS link (with local rank i on GPU i, and with
-``parallel.placement = auto``), and the NICs NCCL should use: each GPU's nearest RDMA NIC, as ``NCCL_IB_HCA`` and
-``NCCL_SOCKET_IFNAME`` suggestions. The matrix is read by loom.runtime.topology, which placement shares."""
+"""What ``loom doctor`` says about one host's GPU topology beyond its summary.
+
+The NVLink domains, the tensor-parallel degrees whose groups would cross a PCIe / SYS link (with local rank i on
+GPU i, and with ``parallel.placement = auto``), and the NICs NCCL should use: each GPU's nearest RDMA NIC, as
+``NCCL_IB_HCA`` and ``NCCL_SOCKET_IFNAME`` suggestions. The matrix is read by loom.runtime.topology, which
+placement shares."""
 
 from __future__ import annotations
 
