@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from loom.cluster import nccl_vars
 from loom.cluster.commbench import collective_test, default_sizes, flag_slow, matmul_tflops, physical_gpu
 from loom.cluster.hostinfo import MIB, local_facts, roce_v2_ipv4_gid, summarize_topology
+from loom.cluster.topology import domain_line, nic_suggestions, tp_findings
+from loom.runtime.topology import Topology
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 SECTIONS = {
@@ -83,7 +85,12 @@ def local_checks(facts: dict, nnodes: int = 1) -> list[Check]:
     sw, gpu = facts["software"], facts["gpu"]
     _software_checks(r, sw, gpu)
     _gpu_checks(r, sw, gpu, facts["env"])
-    topo = _topology_checks(r, facts["topology"], {p["device"] for p in facts["ib"]})
+    topo = _topology_checks(
+        r,
+        facts["topology"],
+        {p["device"] for p in facts["ib"]},
+        {p["device"]: p["netdevs"] for p in facts["ib"]},
+    )
     _network_checks(r, facts, nnodes)
     host = nccl_vars.HostContext(
         interfaces=facts["interfaces"],
@@ -214,8 +221,11 @@ def _gpu_checks(r: Report, sw: dict, gpu: dict, env: dict) -> None:
         )
 
 
-def _topology_checks(r: Report, topo_facts: dict, rdma: set[str]) -> dict | None:
-    """The topology's summary; ``rdma``: the host's InfiniBand / RoCE device names (NICs that matter)."""
+def _topology_checks(
+    r: Report, topo_facts: dict, rdma: set[str], netdevs: dict[str, list[str]] | None = None
+) -> dict | None:
+    """The topology's summary, NVLink domains, tp degrees that would cross slow links and the NICs to name;
+    ``rdma``: the host's InfiniBand / RoCE device names (NICs that matter), ``netdevs``: their interfaces."""
     if "error" in topo_facts:
         r.add("topology", SKIP, "no GPU topology", topo_facts["error"])
         return None
@@ -236,6 +246,11 @@ def _topology_checks(r: Report, topo_facts: dict, rdma: set[str]) -> dict | None
             f"{len(topo['slow_pairs'])} GPU pair(s) without NVLink: {shown}",
             "tensor parallelism across them runs at PCIe speed: keep parallel.tp within an NVLink group",
         )
+    graph = Topology.from_matrix(topo_facts)
+    if len(graph.gpus) > 1:
+        r.add("topology", OK, domain_line(graph), "tp and cp groups belong inside one NVLink domain")
+    for status, what, why in tp_findings(graph) + nic_suggestions(graph, rdma, netdevs or {}):
+        r.add("topology", status, what, why)
     far = {g: v for g, v in topo["nearest_nic"].items() if v["link"] in ("NODE", "SYS")}
     if far:
         shown = ", ".join(f"{g} ({v['nic']}, {v['link']})" for g, v in sorted(far.items()))

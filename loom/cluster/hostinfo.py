@@ -12,6 +12,7 @@ import subprocess
 from collections import Counter
 
 from loom.cluster import nccl_vars
+from loom.runtime.topology import parse_matrix
 
 MIB = 1 << 20
 NVLINKS_PER_GPU = (
@@ -212,42 +213,10 @@ def _nvml_facts(nv) -> dict:
         nv.nvmlShutdown()
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _LINK_RANK = {"X": 0, "PIX": 1, "PXB": 2, "PHB": 3, "NODE": 4, "SYS": 5}
-
-
-def parse_topo_matrix(text: str) -> dict:
-    """``nvidia-smi topo -m`` -> {"devices": [...], "links": {row: {col: link}}, "cpu_affinity": {gpu: ...},
-    "numa": {gpu: ...}, "nic_names": {"NIC0": "mlx5_0"}}. Columns are found by name (tabs or spaces)."""
-    lines = [_ANSI.sub("", ln).rstrip() for ln in text.splitlines()]
-    rows: dict[str, list[str]] = {}
-    header: list[str] | None = None
-    nic_names: dict[str, str] = {}
-    for ln in lines:
-        tokens = ln.split()
-        if header is None:
-            # the header comes first; the rows follow it up to a blank line or the legend
-            if "GPU0" in tokens:
-                header = tokens
-            continue
-        if not tokens or tokens[0].startswith("Legend"):
-            break
-        rows[tokens[0]] = tokens[1:]
-    header = header or []
-    for ln in lines:
-        if m := re.match(r"\s*(NIC\d+):\s*(\S+)\s*$", ln):
-            nic_names[m.group(1)] = m.group(2)
-    devices = [t for t in header if t in rows]
-    links, cpu, numa = {}, {}, {}
-    for name in devices:
-        cells = rows[name]
-        links[name] = dict(zip(devices, cells[: len(devices)]))
-        rest = cells[len(devices) :]
-        if name.startswith("GPU") and rest:
-            cpu[name] = rest[0]
-            if len(rest) > 1:
-                numa[name] = rest[1]
-    return {"devices": devices, "links": links, "cpu_affinity": cpu, "numa": numa, "nic_names": nic_names}
+parse_topo_matrix = (
+    parse_matrix  # the one parser of the matrix (loom.runtime.topology: placement reads it too)
+)
 
 
 def _link_order(link: str) -> tuple[int, int]:

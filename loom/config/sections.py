@@ -712,6 +712,15 @@ class ParallelConfig:
         choices=("allgather", "ring"),
         resume=(FREE, LAYOUT + "; all-gather and ring attention compute the same attention"),
     )
+    placement: str = opt(
+        "off",
+        "which GPU each local rank uses: 'off' = local rank i on CUDA device i; 'auto' = read this host's "
+        "topology (nvidia-smi topo -m) and order the local ranks so tp, then cp, then dp groups get the "
+        "fastest links (NVLink) and pipeline sends the slowest, and bind each rank to its GPU's NUMA CPUs "
+        "(docs/parallelism.md)",
+        choices=("off", "auto"),
+        resume=(FREE, "which GPU a rank runs on; the ranks and their work stay the same"),
+    )
     ep: int = opt(
         1,
         "expert-parallel degree: MoE experts split over this many dp_shard x cp ranks (divides "

@@ -135,7 +135,9 @@ def env_from_slurm(environ: dict[str, str]) -> dict[str, str]:
     }
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
+def pick_device(kind: str, local_rank: int, index: int | None = None) -> torch.device:
+    """The device this rank runs on; ``index``: the CUDA device topology-aware placement chose (None: the
+    local rank's)."""
     import torch
 
     if kind == "auto":
@@ -143,7 +145,7 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("run.device", "cuda", "no CUDA device is visible; allowed here: auto | cpu")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank % torch.cuda.device_count() if index is None else index)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -163,14 +165,19 @@ def choose_backend(backend: str, device_type: str, cpu_offload: bool = False) ->
 
 
 def init_distributed(
-    device_kind: str, backend: str, cpu_offload: bool = False, timeout: timedelta | None = None
+    device_kind: str,
+    backend: str,
+    cpu_offload: bool = False,
+    timeout: timedelta | None = None,
+    device_index: int | None = None,
 ) -> DistEnv:
     """Join the process group when launched by torchrun/elastic/SLURM; a plain process runs alone. ``timeout``:
-    the group's collective timeout (None: PyTorch's default; loom.runtime.health sets it)."""
+    the group's collective timeout (None: PyTorch's default; loom.runtime.health sets it); ``device_index``: the
+    CUDA device placement chose (loom.runtime.topology; None: the local rank's)."""
     os.environ.update(env_from_slurm(dict(os.environ)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(device_kind, local_rank)
+    device = pick_device(device_kind, local_rank, device_index)
     if world > 1:
         import torch.distributed as dist
 

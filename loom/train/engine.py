@@ -47,6 +47,7 @@ from loom.runtime.guard import PREEMPTED, StepCheck
 from loom.runtime.health import Health, prepare_process, startup_timeout
 from loom.runtime.restarts import this_attempt
 from loom.runtime.run_lock import acquire, hold_as_worker
+from loom.runtime.topology import apply_placement
 from loom.train.diloco import DiLoCoHook
 from loom.train.grads import scale_grads, unique_params
 from loom.train.hooks import FaultToleranceHook, PreemptionHook, StepHook, StragglersHook
@@ -171,11 +172,17 @@ class Engine:
                 cfg.parallel.distributed_debug,
                 comm_timing=cfg.metrics.straggler_fraction > 0,
             )
+        device_index = None
+        if env is None:  # parallel.placement = auto: this rank's GPU and CPUs from the host's topology
+            device_index, lines = apply_placement(cfg.parallel, cfg.run.device)
+            for line in lines:
+                print(line, flush=True)
         self.env = env or init_distributed(
             cfg.run.device,
             cfg.parallel.backend,
             cfg.parallel.cpu_offload,
             timeout=startup_timeout(cfg.parallel.timeout_s),
+            device_index=device_index,
         )
         self.device = self.env.device
         # the run the launcher resolved (loom.resolve.handed), else every cross-field rule checked here (the

@@ -95,7 +95,15 @@ def test_topology_with_pcie_pairs_warns_and_far_nics_are_named():
     assert sorted(s["slow_pairs"])[:2] == ["GPU0-GPU2 SYS", "GPU0-GPU3 SYS"]
     r = Report()
     doctor._topology_checks(r, hostinfo.parse_topo_matrix(MIXED), set())
-    assert [c.status for c in r.checks] == [OK, WARN] and "4 GPU pair(s) without NVLink" in r.checks[1].what
+    assert [c.status for c in r.checks] == [
+        OK,
+        WARN,
+        OK,
+        WARN,
+    ] and "4 GPU pair(s) without NVLink" in r.checks[1].what
+    # the NVLink domains; tp = 2 keeps to the bridged pairs as they are numbered, tp = 4 cannot (test_topology)
+    assert r.checks[2].what == "NVLink domains: GPU0,GPU1 (2 GPUs) | GPU2,GPU3 (2 GPUs)"
+    assert r.checks[3].what.startswith("tp = 4 would cross a SYS link")
     r = Report()
     doctor._topology_checks(
         r, hostinfo.parse_topo_matrix(DGX), {"mlx5_0", "mlx5_2"}
