@@ -258,3 +258,33 @@ def test_backend_mpi_runs_data_parallel_replicas_only():
         ["--parallel.backend", "mpi", "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"]
     )
     check_mpi_layout(cfg, ParallelDims.from_config(cfg.parallel, 4))  # DDP: all-reduce and broadcast
+
+
+# ---- Ray's ranks (loom launch --ray) -----------------------------------------------------------------------------
+
+
+def test_ray_rank_envs_number_ranks_node_by_node():
+    from loom.cli.ray_launch import rank_envs
+
+    envs = rank_envs(["n1", "n2", "n1", "n2"], "10.0.0.1", 40000)
+    assert [e["RANK"] for e in envs] == ["0", "2", "1", "3"]  # n1's actors are ranks 0, 1
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "1", "1"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"} and {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("10.0.0.1", "40000")}
+    assert rank_envs(["a", "b", "b"], "h", 1)[0]["RANK"] == "0"  # actor 0 is always rank 0 (the rendezvous)
+
+
+def test_launch_ray_without_ray_or_nproc_is_one_line():
+    from loom.cli.launch import main
+
+    with pytest.raises(ConfigError, match=r"--nproc: --ray needs it"):
+        main(["--ray"])
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        from loom.config.errors import UserError
+
+        with pytest.raises(
+            UserError, match=r"loom launch --ray needs the 'ray' package \(pip install 'loom-train\[ray\]'\)"
+        ):
+            main(["--ray", "--nproc", "2"])
