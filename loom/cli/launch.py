@@ -427,6 +427,12 @@ def ray(opts, train_args: list[str]) -> int:
 
     if not opts.nproc:
         raise ConfigError("--nproc", None, "--ray needs it: the job's ranks (Ray actors)", show_value=False)
+    if opts.max_restarts:
+        raise ConfigError(
+            "--max-restarts",
+            opts.max_restarts,
+            "--ray restarts nothing: run the command again and checkpoint.resume = auto continues (allowed: 0)",
+        )
     extra = {}
     for pair in opts.env:
         key, eq, value = pair.partition("=")

@@ -1,5 +1,5 @@
 """``loom launch --ray``: one training job on a Ray cluster, one Ray actor per rank, each running loom train's worker
-body (``loom.cli.train.run_worker``) in its own process; the ranks meet at a free port on rank 0's node and form
+body (``loom.cli.train.run_worker``) in its own process; the ranks meet at a store rank 0's actor serves and form
 a gloo (CPU) or NCCL (one GPU per actor) group as under torchrun. Ray is imported only here (``loom-train[ray]``)."""
 
 from __future__ import annotations
@@ -10,10 +10,14 @@ import sys
 from loom.config.errors import ConfigError, UserError, require
 
 
-def rank_envs(nodes: list[str], master_addr: str, master_port: int) -> list[dict[str, str]]:
+def rank_envs(
+    nodes: list[str], master_addr: str, master_port: int, gpus: list[str] | None = None
+) -> list[dict[str, str]]:
     """torchrun's variables for the actors on ``nodes`` (each actor's node id, in the order they were made):
     ranks numbered node by node, in the order nodes first appear (so a tp group of consecutive ranks stays on one
-    node where it fits), the local rank being the actor's place among its node's."""
+    node where it fits; actor 0 is rank 0), the local rank being the actor's place among its node's. ``gpus``: each
+    actor's GPU (Ray's id); every rank of a node then sees all of the node's job GPUs, its own at its local rank
+    (as torchrun's workers do: NCCL's peer-to-peer paths need the peers' GPUs visible; Ray shows each only its own)."""
     order = list(dict.fromkeys(nodes))
     per_node = {node: [i for i, n in enumerate(nodes) if n == node] for node in order}
     ranked = [i for node in order for i in per_node[node]]
@@ -29,6 +33,8 @@ def rank_envs(nodes: list[str], master_addr: str, master_port: int) -> list[dict
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
         }
+        if gpus:
+            envs[i]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[j] for j in mates)
     return envs
 
 
@@ -36,10 +42,11 @@ class Rank:
     """One rank of the job, as a Ray actor (``ray.remote(Rank)``): its node, a free port there (rank 0's becomes
     the rendezvous), then the worker body with the job's variables."""
 
-    def node(self) -> str:
+    def node(self) -> tuple[str, str]:
+        """(this actor's node id, the GPU Ray gave it, '' without)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id(), ",".join(str(g) for g in ray.get_gpu_ids())
 
     def address(self) -> tuple[str, int]:
         """This node's address and the port of a TCPStore this actor serves from now on (port 0: the kernel's
@@ -106,8 +113,9 @@ def run(
             )
         actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=1 if gpus else 0)(Rank)
         actors = [actor.remote() for _ in range(num_workers)]
-        nodes = ray.get([a.node.remote() for a in actors])
-        envs = rank_envs(nodes, *ray.get(actors[0].address.remote()))  # actor 0 is rank 0 (rank_envs)
+        nodes, gpu_ids = zip(*ray.get([a.node.remote() for a in actors]))
+        addr, port = ray.get(actors[0].address.remote())  # actor 0 is rank 0 (rank_envs)
+        envs = rank_envs(list(nodes), addr, port, list(gpu_ids) if gpus else None)
         threads = max(1, int(cpus_per_worker))
         for e in envs:
             e.setdefault("OMP_NUM_THREADS", str(threads))

@@ -272,6 +272,11 @@ def test_ray_rank_envs_number_ranks_node_by_node():
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"} and {e["WORLD_SIZE"] for e in envs} == {"4"}
     assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("10.0.0.1", "40000")}
     assert rank_envs(["a", "b", "b"], "h", 1)[0]["RANK"] == "0"  # actor 0 is always rank 0 (the rendezvous)
+    # GPUs: a rank sees its node's job GPUs, its own at its local rank (pick_device takes LOCAL_RANK's)
+    envs = rank_envs(["n1", "n1", "n2"], "h", 1, gpus=["3", "1", "0"])
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1", "0"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0"]
+    assert "CUDA_VISIBLE_DEVICES" not in rank_envs(["n1"], "h", 1)[0]
 
 
 def test_launch_ray_without_ray_or_nproc_is_one_line():
@@ -279,6 +284,8 @@ def test_launch_ray_without_ray_or_nproc_is_one_line():
 
     with pytest.raises(ConfigError, match=r"--nproc: --ray needs it"):
         main(["--ray"])
+    with pytest.raises(ConfigError, match=r"--max-restarts = 2: --ray restarts nothing"):
+        main(["--ray", "--nproc", "2", "--max-restarts", "2"])
     try:
         import ray  # noqa: F401
     except ImportError:
