@@ -81,6 +81,7 @@ def resolve(
     for feature in FEATURES:
         if feature.layout is not None:
             feature.layout(cfg, dims)
+    check_mpi_layout(cfg, dims)
     t = cfg.training
     accum = accumulation_steps(
         t, dims.dp_size * replica_groups(cfg.parallel)
@@ -284,6 +285,23 @@ def check_parallel_fields(cfg: Config) -> None:
 # ---- rules that need the world size ---------------------------------------------------
 
 
+def check_mpi_layout(cfg: Config, dims: ParallelDims) -> None:
+    """parallel.backend = mpi runs data-parallel replicas (DDP: all-reduce and broadcast) only: PyTorch's MPI
+    process group has no reduce-scatter, which FSDP, ZeRO and sequence-parallel tensor parallelism need, and the
+    other layouts are not tested on it."""
+    if cfg.parallel.backend != "mpi":
+        return
+    used = {n: getattr(dims, n) for n in ("dp_shard", "tp", "pp", "cp", "ep") if getattr(dims, n) > 1}
+    if used or cfg.parallel.cpu_offload:
+        what = ", ".join(f"{n} = {v}" for n, v in used.items()) or "cpu_offload = true"
+        raise ConfigError(
+            "parallel.backend",
+            "mpi",
+            f"runs data-parallel replicas only (parallel.dp_replicate = world, dp_shard = 1; PyTorch's MPI group "
+            f"has no reduce-scatter), and this layout has {what}: use auto | nccl | gloo with mpirun's ranks",
+        )
+
+
 def accumulation_steps(training, dp_size: int) -> int:
     """Micro-batches per rank per optimizer step, or a ConfigError when the global batch does not split."""
     per_pass = training.micro_batch_size * dp_size
@@ -364,6 +382,10 @@ def run_device(cfg: Config) -> str:
 
 def check_machine(cfg: Config, device: str) -> None:
     """What the run needs installed, or of its device type, wherever it runs."""
+    if cfg.parallel.backend == "mpi":
+        from loom.runtime.env import check_mpi
+
+        check_mpi()
     if cfg.parallel.async_tp and device != "cuda":
         raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
     for feature in FEATURES:

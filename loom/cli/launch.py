@@ -1,5 +1,5 @@
-"""``loom launch``: one training job on many machines, from a hostfile (ssh), SLURM (an sbatch script) or
-Kubernetes (PyTorchJob and JobSet manifests). Arguments it does not know are ``loom train``'s."""
+"""``loom launch``: one training job on many machines, from a hostfile (ssh), SLURM (an sbatch script),
+Kubernetes (PyTorchJob and JobSet manifests) or a Ray cluster (one actor per rank). Arguments it does not know are ``loom train``'s."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ USAGE = """usage: loom launch --hostfile FILE [--include H[:S,..]@.. | --exclude
        loom launch --slurm --nodes N --gpus-per-node G [--partition P] [--time T] [--account A] [--submit]
                    [loom train args ...]
        loom launch --kubernetes --image IMG --nodes N --gpus-per-node G [--name NAME] [loom train args ...]
+       loom launch --ray --nproc N [--gpus] [--address auto] [loom train args ...]
 
 Starts one elastic agent (`loom train --nnodes N --nproc-per-node G --rdzv-backend c10d ...`) per machine;
 the agents meet at the first machine's rendezvous and train one job. Arguments launch does not know are
@@ -48,6 +49,16 @@ Kubernetes:
                            PyYAML is missing (kubectl apply -f takes either)
   --image IMG --nodes N --gpus-per-node G --name NAME [--namespace NS] [--out DIR]
 
+Ray (pip install 'loom-train[ray]'):
+  --ray                    run the job on a Ray cluster: one actor per rank, each a `loom train` worker in its own
+                           process; they meet at a free port on rank 0's node (gloo, or NCCL with --gpus)
+  --nproc N                the job's ranks (Ray actors)
+  --gpus                   one GPU per rank (without it: CPU ranks on gloo)
+  --address ADDR           the Ray cluster: auto (the one `ray start` began here), ray://HOST:10001, or none given:
+                           the one ray.init finds (RAY_ADDRESS) or a local instance it starts
+  --cpus-per-worker C      CPUs Ray reserves for each rank (default 1; also its OMP_NUM_THREADS)
+  --env KEY=VALUE          one more variable for every rank
+
 every launcher:
   --master-port PORT       the rendezvous port on the first machine (default 29500)
   --max-restarts R         restarts of the workers before the job fails (loom train --max-restarts)
@@ -60,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--hostfile")
     mode.add_argument("--slurm", action="store_true")
     mode.add_argument("--kubernetes", action="store_true")
+    mode.add_argument("--ray", action="store_true")
+    p.add_argument("--nproc", type=int, default=None)
+    p.add_argument("--gpus", action="store_true")
+    p.add_argument("--address", default=None)
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--include", default="")
     p.add_argument("--exclude", default="")
@@ -123,10 +139,12 @@ def parse(argv: list[str]):
             raise ConfigError(
                 name, None, f"loom launch sets it for every agent (from {owned[name]})", show_value=False
             )
-    for name in ("nodes", "gpus_per_node", "master_port", "cpus_per_node"):
+    for name in ("nodes", "gpus_per_node", "master_port", "cpus_per_node", "nproc"):
         value = getattr(opts, name)
         if value is not None and value < (0 if name == "gpus_per_node" else 1):
             raise ConfigError("--" + name.replace("_", "-"), value, "expected a positive integer")
+    if not (math.isfinite(opts.cpus_per_worker) and opts.cpus_per_worker > 0):
+        raise ConfigError("--cpus-per-worker", opts.cpus_per_worker, "expected a number of CPUs > 0")
     if opts.max_restarts is not None and opts.max_restarts < 0:
         raise ConfigError("--max-restarts", opts.max_restarts, "expected 0 or more")
     if opts.master_port is not None and opts.master_port > 65535:
@@ -204,9 +222,11 @@ def _cluster_device(opts) -> str:
 
 def main(argv: list[str]) -> int:
     opts, train_args = parse(argv)
-    if opts.help or not (opts.hostfile or opts.slurm or opts.kubernetes):
+    if opts.help or not (opts.hostfile or opts.slurm or opts.kubernetes or opts.ray):
         print(USAGE)
         return 0 if opts.help else 2
+    if opts.ray:
+        return ray(opts, train_args)
     if opts.hostfile:
         return hostfile(opts, train_args)
     if opts.slurm:
@@ -400,3 +420,34 @@ def kubernetes(opts, train_args: list[str]) -> int:
             "(the Kubeflow training operator) or the JobSet one (the JobSet controller)"
         )
     return 0
+
+
+def ray(opts, train_args: list[str]) -> int:
+    from loom.cli.ray_launch import run
+
+    if not opts.nproc:
+        raise ConfigError("--nproc", None, "--ray needs it: the job's ranks (Ray actors)", show_value=False)
+    if opts.max_restarts:
+        raise ConfigError(
+            "--max-restarts",
+            opts.max_restarts,
+            "--ray restarts nothing: run the command again and checkpoint.resume = auto continues (allowed: 0)",
+        )
+    extra = {}
+    for pair in opts.env:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ConfigError("--env", pair, "expected KEY=VALUE")
+        extra[key] = value
+    check_train_args(
+        train_args, opts.nproc, "cuda" if opts.gpus else "cpu"
+    )  # one line before any actor starts
+    return run(
+        train_args,
+        opts.nproc,
+        gpus=opts.gpus,
+        address=opts.address,
+        cpus_per_worker=opts.cpus_per_worker,
+        workdir=opts.workdir,
+        env=extra,
+    )

@@ -13,7 +13,7 @@ USAGE = """usage: loom <command> [options]
 
 commands:
   train          train a model (see `loom train --help`)
-  launch         start one job on many machines: hostfile (ssh), SLURM, Kubernetes (`loom launch --help`)
+  launch         start one job on many machines: hostfile (ssh), SLURM, Kubernetes, Ray (`loom launch --help`)
   plan           memory and speed of a config on N GPUs, best layouts (`loom plan --help`; no GPU needed)
   convert        import a Hugging Face folder (Llama, Mistral, Qwen, Mixtral) / export a loom checkpoint
   generate       completions of prompts from a checkpoint or Hugging Face folder (`loom generate --help`)

@@ -163,9 +163,10 @@ def main(argv: list[str]) -> int:
 
     cfg, options, _, _, resolved = preflight(argv)  # resolved once: the workers are handed it
     check_writable_dirs(cfg)  # before anything is built, and held (locked) for the whole run
-    if not options.multi_node:
-        # one node: this process holds the lock for its workers, across restarts. Several nodes: each runs a
-        # `loom train` on the same run dir, so rank 0's worker takes it (the OS frees it when that worker dies)
+    if not options.multi_node and (options.agent or env_world_size() == 1):
+        # one node: this process holds the lock for its workers, across restarts. Several nodes, or a rank of a
+        # job srun / mpirun started: each runs a `loom train` on the same run dir, so rank 0's worker takes it
+        # (the OS frees it when that worker dies)
         acquire(cfg.run.dir)
     from loom.checkpoint.manager import refuse_fresh_start
 

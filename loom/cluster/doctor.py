@@ -570,11 +570,11 @@ def _size(nbytes: int) -> str:
 
 
 def run(options: Options) -> Report:
-    """The doctor on this process: alone, or as one rank of a job (torchrun / elastic / SLURM variables), where
+    """The doctor on this process: alone, or as one rank of a job (torchrun / elastic / SLURM / mpirun variables), where
     rank 0 gets every host's facts and every rank's results."""
-    from loom.runtime.env import env_from_slurm
+    from loom.runtime.env import env_from_launcher
 
-    os.environ.update(env_from_slurm(dict(os.environ)))
+    os.environ.update(env_from_launcher(dict(os.environ)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     facts = local_facts() if local_rank == 0 else None

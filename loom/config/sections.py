@@ -789,7 +789,11 @@ class ParallelConfig:
         resume=(FREE, LAYOUT),
     )
     backend: str = opt(
-        "auto", "process-group backend", choices=("auto", "nccl", "gloo"), resume=(FREE, LAYOUT)
+        "auto",
+        "process-group backend: auto (NCCL on GPUs, gloo on the CPU); mpi where PyTorch was built with MPI, for "
+        "data-parallel replicas (DDP) whose ranks mpirun starts (docs/operations.md#mpirun)",
+        choices=("auto", "nccl", "gloo", "mpi"),
+        resume=(FREE, LAYOUT),
     )
     timeout_s: float = opt(
         600.0,

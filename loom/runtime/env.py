@@ -1,4 +1,4 @@
-"""Process-group start-up from torchrun / elastic or SLURM environments, and device choice."""
+"""Process-group start-up from torchrun / elastic, SLURM or mpirun environments, and device choice."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from loom.config.errors import ConfigError
+from loom.config.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -135,6 +135,58 @@ def env_from_slurm(environ: dict[str, str]) -> dict[str, str]:
     }
 
 
+def env_from_mpi(environ: dict[str, str]) -> dict[str, str]:
+    """torchrun-style variables from mpirun's (``mpirun -np 8 loom train ...``): Open MPI's
+    ``OMPI_COMM_WORLD_RANK / SIZE / LOCAL_RANK / LOCAL_SIZE``, else MPICH's and Intel MPI's ``PMI_RANK / PMI_SIZE``
+    (the local rank from ``MPI_LOCALRANKID`` or ``PMI_LOCAL_RANK``; where none is given, the rank, which picks the
+    GPU ``rank % GPUs``). Nothing when not an MPI rank or when RANK is already set (torchrun wins). MASTER_ADDR /
+    MASTER_PORT are the user's (``mpirun -x``); where every rank is on one host they default to 127.0.0.1:29500.
+    Read before SLURM's: ranks that mpirun starts inside an allocation inherit a SLURM_PROCID that is not theirs."""
+    if "RANK" in environ:
+        return {}
+    if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
+        rank, world = environ["OMPI_COMM_WORLD_RANK"], environ["OMPI_COMM_WORLD_SIZE"]
+        local = environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
+        local_world = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif "PMI_RANK" in environ and "PMI_SIZE" in environ:
+        rank, world = environ["PMI_RANK"], environ["PMI_SIZE"]
+        local = environ.get("MPI_LOCALRANKID") or environ.get("PMI_LOCAL_RANK")
+        local_world = environ.get("MPI_LOCALNRANKS") or environ.get("PMI_LOCAL_SIZE")
+    else:
+        return {}
+    out = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local or rank}
+    if local_world:
+        out["LOCAL_WORLD_SIZE"] = local_world
+    one_host = local_world == world
+    for var, alone in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        if environ.get(var) or one_host:
+            out[var] = environ.get(var) or alone
+    return out
+
+
+def launched_by_mpi(environ: dict[str, str]) -> bool:
+    """Whether this process is a rank mpirun / mpiexec started (Open MPI, MPICH, Intel MPI)."""
+    return "OMPI_COMM_WORLD_RANK" in environ or ("PMI_RANK" in environ and "PMI_SIZE" in environ)
+
+
+def env_from_launcher(environ: dict[str, str]) -> dict[str, str]:
+    """torchrun-style variables from mpirun's, else from SLURM's (nothing when RANK is set or neither started us)."""
+    return env_from_mpi(environ) or env_from_slurm(environ)
+
+
+def check_mpi() -> None:
+    """parallel.backend = mpi needs a PyTorch built with MPI (the PyPI wheels are not): one line where it is not."""
+    import torch.distributed as dist
+
+    if not dist.is_mpi_available():
+        raise ConfigError(
+            "parallel.backend",
+            "mpi",
+            "this PyTorch build has no MPI (torch.distributed.is_mpi_available() is False): use auto | nccl | "
+            "gloo, which take the ranks mpirun starts as they are (docs/operations.md#mpirun)",
+        )
+
+
 def pick_device(kind: str, local_rank: int, index: int | None = None) -> torch.device:
     """The device this rank runs on; ``index``: the CUDA device topology-aware placement chose (None: the
     local rank's)."""
@@ -157,6 +209,8 @@ def choose_backend(backend: str, device_type: str, cpu_offload: bool = False) ->
     reduces device tensors only)."""
     if backend == "nccl" and device_type != "cuda":
         raise ConfigError("parallel.backend", backend, "nccl needs CUDA devices; allowed here: auto | gloo")
+    if backend == "mpi":
+        check_mpi()
     if backend != "auto":
         return backend
     if device_type != "cuda":
@@ -171,10 +225,10 @@ def init_distributed(
     timeout: timedelta | None = None,
     device_index: int | None = None,
 ) -> DistEnv:
-    """Join the process group when launched by torchrun/elastic/SLURM; a plain process runs alone. ``timeout``:
-    the group's collective timeout (None: PyTorch's default; loom.runtime.health sets it); ``device_index``: the
-    CUDA device placement chose (loom.runtime.topology; None: the local rank's)."""
-    os.environ.update(env_from_slurm(dict(os.environ)))
+    """Join the process group when launched by torchrun/elastic/SLURM/mpirun; a plain process runs alone.
+    ``timeout``: the group's collective timeout (None: PyTorch's default; loom.runtime.health sets it);
+    ``device_index``: the CUDA device placement chose (loom.runtime.topology; None: the local rank's)."""
+    os.environ.update(env_from_launcher(dict(os.environ)))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_kind, local_rank, device_index)
@@ -185,13 +239,44 @@ def init_distributed(
             from loom.runtime.rendezvous import worker_store
 
             backend = choose_backend(backend, device.type, cpu_offload)
+            if backend == "mpi":
+                check_mpi_ranks(dict(os.environ))
+                dist.init_process_group(backend="mpi", timeout=timeout)  # MPI itself numbers the ranks
+                return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), device)
             # a file-rendezvous agent's workers meet over its FileStore, not a TCP port
             store = worker_store()
+            if store is None:
+                check_master(dict(os.environ))
             where = {"store": store, "rank": rank, "world_size": world} if store is not None else {}
             dist.init_process_group(
                 backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout, **where
             )
     return DistEnv(rank, local_rank, world, device)
+
+
+def check_mpi_ranks(environ: dict[str, str]) -> None:
+    """An MPI group's ranks are the ones mpirun started: a job torchrun or SLURM started (WORLD_SIZE > 1, no MPI
+    rank) would have each process form a world of its own and wait forever."""
+    if not launched_by_mpi(environ):
+        raise ConfigError(
+            "parallel.backend",
+            "mpi",
+            f"this job's {environ.get('WORLD_SIZE')} ranks were not started by mpirun / mpiexec, and an MPI group "
+            "is formed by them: start it with `mpirun -np N loom train ...`, or use auto | nccl | gloo",
+        )
+
+
+def check_master(environ: dict[str, str]) -> None:
+    """Ranks of several processes meet at MASTER_ADDR:MASTER_PORT (env://); torchrun and SLURM give them, mpirun
+    does only on one host: one line instead of PyTorch's traceback."""
+    missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(var)]
+    if missing:
+        how = " -x MASTER_ADDR=<first host> -x MASTER_PORT=29500" if launched_by_mpi(environ) else ""
+        raise UserError(
+            f"{' and '.join(missing)} not set: rank {environ.get('RANK')} of {environ.get('WORLD_SIZE')} cannot "
+            f"find the others; set them to the first host's address and a free port (mpirun{how} ...; "
+            "docs/operations.md#mpirun)"
+        )
 
 
 def ensure_process_group(env: DistEnv, backend: str, cpu_offload: bool) -> None:
@@ -203,6 +288,8 @@ def ensure_process_group(env: DistEnv, backend: str, cpu_offload: bool) -> None:
     if dist.is_initialized():
         return
     assert env.world_size == 1, "init_distributed joins the group of a launched job"
+    if backend == "mpi":
+        backend = "auto"  # one rank: no MPI to join
     dist.init_process_group(
         backend=choose_backend(backend, env.device.type, cpu_offload),
         store=dist.HashStore(),

@@ -186,18 +186,19 @@ def check_launch(launch: Launch) -> None:
 
 
 def local_ranks(world_size: int) -> int:
-    """Ranks on this machine: the launcher's (torchrun's or SLURM's) LOCAL_WORLD_SIZE, else the whole world."""
-    from loom.runtime.env import env_from_slurm
+    """Ranks on this machine: the launcher's (torchrun's, mpirun's or SLURM's) LOCAL_WORLD_SIZE, else the whole
+    world."""
+    from loom.runtime.env import env_from_launcher
 
-    local = os.environ.get("LOCAL_WORLD_SIZE") or env_from_slurm(dict(os.environ)).get("LOCAL_WORLD_SIZE")
+    local = os.environ.get("LOCAL_WORLD_SIZE") or env_from_launcher(dict(os.environ)).get("LOCAL_WORLD_SIZE")
     return int(local) if local else world_size
 
 
 def env_world_size() -> int:
-    """The world size this process belongs to: torchrun's WORLD_SIZE, else SLURM's task count, else 1."""
-    from loom.runtime.env import env_from_slurm
+    """The world size this process belongs to: torchrun's WORLD_SIZE, else mpirun's or SLURM's task count, else 1."""
+    from loom.runtime.env import env_from_launcher
 
-    world = os.environ.get("WORLD_SIZE") or env_from_slurm(dict(os.environ)).get("WORLD_SIZE") or "1"
+    world = os.environ.get("WORLD_SIZE") or env_from_launcher(dict(os.environ)).get("WORLD_SIZE") or "1"
     return int(world)
 
 

@@ -300,12 +300,12 @@ def apply_placement(
     without a topology: (None, a line saying why where there is one). ``topo_text``: a recorded matrix (tests)."""
     from loom.config.errors import ConfigError
     from loom.parallel.dims import AXIS_ORDER, ParallelDims
-    from loom.runtime.env import env_from_slurm
+    from loom.runtime.env import env_from_launcher
 
     environ = os.environ if environ is None else environ
     if parallel.placement != "auto" or device_kind == "cpu":
         return None, []
-    environ.update(env_from_slurm(dict(environ)))
+    environ.update(env_from_launcher(dict(environ)))
     world = int(environ.get("WORLD_SIZE", "1"))
     rank, local = int(environ.get("RANK", "0")), int(environ.get("LOCAL_RANK", "0"))
     nlocal = int(environ.get("LOCAL_WORLD_SIZE", str(world)))

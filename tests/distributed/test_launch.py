@@ -101,3 +101,62 @@ def test_worker_user_error_exits_2(tmp_path, cache):
         proc.stderr
     )
     assert "Traceback" not in proc.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ranks_from_mpirun(tmp_path, cache, single):
+    """``mpirun -np 2 loom train ...`` on gloo: each rank reads Open MPI's variables (no RANK, no
+    MASTER_ADDR: one host, so 127.0.0.1) and the two train one process's losses. With mpirun on PATH it starts them;
+    without (the test machines), two processes get the variables Open MPI's mpirun gives its ranks."""
+    import shutil
+
+    args = cli_args(tmp_path / "run", cache)
+    port = str(free_port())
+    env = {**os.environ, "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(var, None)
+    cmd = [
+        os.path.join(BIN, "loom"),
+        "train",
+        *args,
+    ]  # each rank checks for 2 ranks; rank 0 locks the run dir
+    if shutil.which("mpirun"):
+        proc = subprocess.run(
+            ["mpirun", "-np", "2", "-x", "MASTER_PORT", "-x", "PYTHONPATH", *cmd],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env={
+                    **env,
+                    "OMPI_COMM_WORLD_RANK": str(r),
+                    "OMPI_COMM_WORLD_SIZE": "2",
+                    "OMPI_COMM_WORLD_LOCAL_RANK": str(r),
+                    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        outs = [p.communicate(timeout=300) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+        assert "FSDP (world 2: dp_shard=2)" in outs[0][0]
+    assert_matches(losses_of(tmp_path / "run"), single)

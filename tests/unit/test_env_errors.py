@@ -655,6 +655,17 @@ def test_nccl_without_cuda(tmp_path):
             checked_config(train_args(tmp_path, "--parallel.backend", "nccl"))
 
 
+def test_mpi_without_mpi(tmp_path):
+    """`loom train --parallel.backend mpi` on a PyTorch built without MPI (the PyPI wheels): one line, before any
+    worker starts."""
+    import torch.distributed as dist
+
+    if dist.is_mpi_available():
+        pytest.skip("this PyTorch has MPI")
+    with pytest.raises(ConfigError, match=r"parallel.backend = 'mpi': this PyTorch build has no MPI"):
+        checked_config(train_args(tmp_path, "--parallel.backend", "mpi"))
+
+
 def test_float8_on_cpu(tmp_path, capsys):
     args = ["--training.float8", "tensorwise", "--training.dtype", "bfloat16", "--run.device", "cpu"]
     with pytest.raises(ConfigError, match="training.float8 = 'tensorwise'.*CUDA"):
