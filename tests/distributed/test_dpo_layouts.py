@@ -4,10 +4,10 @@ DDP x2, FSDP2 x2 with accumulation and TP x2 (fp32, within 1e-5 relative over 5 
 batches; LoRA with dpo.reference adapters_off likewise under FSDP2 x2; dpo.reference copy (a frozen copy of the
 policy in its layout) under DDP x2, FSDP2 x2 with accumulation and TP x2 against its single process; FSDP2 x4 with
 accumulation (slow) for the cached reference, the copy and LoRA with adapters_off. In the same process groups, the
-other preference methods against their single process: KTO (its KL estimate over the global batch) and ORPO (its NLL
-token mean over the global batch) under FSDP2 x2 with accumulation, SimPO under DDP x2, all three under TP x2
-(sequence parallel, loss parallel: the defaults) and under LoRA with FSDP2 x2 and accumulation (KTO's reference the
-adapters off) against their own LoRA single process."""
+other preference methods against their single process: KTO (its KL estimate over the global batch), ORPO (its NLL
+token mean over the global batch) and SimPO under DDP x2, FSDP2 x2 with accumulation and TP x2 (sequence parallel,
+loss parallel: the defaults), and under LoRA with FSDP2 x2 and accumulation (KTO's reference the adapters off)
+against their own LoRA single process."""
 
 from __future__ import annotations
 
@@ -111,6 +111,7 @@ def results(tmp_path_factory):
     names = ["ddp2", "fsdp2-acc2", "tp2", "lora-fsdp2", "copy-ddp2", "copy-fsdp2-acc2", "copy-tp2"]
     names += ["kto-fsdp2-acc2", "orpo-fsdp2-acc2", "simpo-ddp2", "kto-tp2", "orpo-tp2", "simpo-tp2"]
     names += ["kto-lora-fsdp2-acc2", "orpo-lora-fsdp2-acc2", "simpo-lora-fsdp2-acc2"]
+    names += ["kto-ddp2", "orpo-ddp2", "simpo-fsdp2-acc2"]
     jobs = [
         job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
         job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
@@ -128,6 +129,9 @@ def results(tmp_path_factory):
         job(tmp, examples, "kto-lora-fsdp2-acc2", GLOBAL // 4, lora=True, objective="kto", dp_shard=2),
         job(tmp, source, "orpo-lora-fsdp2-acc2", GLOBAL // 4, lora=True, objective="orpo", dp_shard=2),
         job(tmp, source, "simpo-lora-fsdp2-acc2", GLOBAL // 4, lora=True, objective="simpo", dp_shard=2),
+        job(tmp, examples, "kto-ddp2", GLOBAL // 2, objective="kto", dp_replicate=2, dp_shard=1),
+        job(tmp, source, "orpo-ddp2", GLOBAL // 2, objective="orpo", dp_replicate=2, dp_shard=1),
+        job(tmp, source, "simpo-fsdp2-acc2", GLOBAL // 4, objective="simpo", dp_shard=2),
     ]
     return single, dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
