@@ -319,9 +319,10 @@ class Rollouts:
 
     # ---- what the loop keeps of them (the run's data) --------------------------------------------------------
     def describe(self, global_batch: int, steps: int) -> list[str]:
+        """The startup line, naming the method whose rollouts these are (grpo, rloo, online_dpo)."""
         g = self.g
         return [
-            f"data: grpo rollouts from {self.source.describe()}: {global_batch // g.group_size} prompts x "
+            f"data: {self.cfg.training.objective} rollouts from {self.source.describe()}: {global_batch // g.group_size} prompts x "
             f"{g.group_size} completions per step (up to {g.max_new_tokens} new tokens, temperature "
             f"{g.temperature}), {g.iterations} step(s) per batch of rollouts; rewards "
             + self.describe_rewards()

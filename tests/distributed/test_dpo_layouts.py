@@ -4,8 +4,10 @@ DDP x2, FSDP2 x2 with accumulation and TP x2 (fp32, within 1e-5 relative over 5 
 batches; LoRA with dpo.reference adapters_off likewise under FSDP2 x2; dpo.reference copy (a frozen copy of the
 policy in its layout) under DDP x2, FSDP2 x2 with accumulation and TP x2 against its single process; FSDP2 x4 with
 accumulation (slow) for the cached reference, the copy and LoRA with adapters_off. In the same process groups, the
-other preference methods against their single process: KTO (its KL estimate over the global batch) and ORPO (its NLL
-token mean over the global batch) under FSDP2 x2 with accumulation, SimPO under DDP x2."""
+other preference methods against their single process: KTO (its KL estimate over the global batch), ORPO (its NLL
+token mean over the global batch) and SimPO under DDP x2, FSDP2 x2 with accumulation and TP x2 (sequence parallel,
+loss parallel: the defaults), and under LoRA with FSDP2 x2 and accumulation (KTO's reference the adapters off)
+against their own LoRA single process."""
 
 from __future__ import annotations
 
@@ -59,8 +61,12 @@ METHOD_EXTRA = {
 }
 
 
+# under LoRA, each method's reference: DPO's and KTO's the policy with its adapters off; ORPO and SimPO have none
+LORA_REFERENCE = {"dpo": {"dpo.reference": "adapters_off"}, "kto": {"kto.reference": "adapters_off"}}
+
+
 def job(tmp, source, name, mb, lora=False, copy=False, objective="dpo", **parallel):
-    extra = {"lora.rank": 4, "dpo.reference": "adapters_off", "optimizer.lr": 3e-2} if lora else {}
+    extra = {"lora.rank": 4, **LORA_REFERENCE.get(objective, {}), "optimizer.lr": 3e-2} if lora else {}
     extra.update({"dpo.reference": "copy"} if copy else {})
     extra.update(METHOD_EXTRA.get(objective, {"dpo.beta": 0.5}))
     return tiny_overrides(
@@ -96,11 +102,16 @@ def results(tmp_path_factory):
             job(tmp, examples, "kto", GLOBAL, objective="kto"),
             job(tmp, source, "orpo", GLOBAL, objective="orpo"),
             job(tmp, source, "simpo", GLOBAL, objective="simpo"),
+            job(tmp, examples, "kto-lora", GLOBAL, lora=True, objective="kto"),
+            job(tmp, source, "orpo-lora", GLOBAL, lora=True, objective="orpo"),
+            job(tmp, source, "simpo-lora", GLOBAL, lora=True, objective="simpo"),
         ],
         str(tmp),
     )
     names = ["ddp2", "fsdp2-acc2", "tp2", "lora-fsdp2", "copy-ddp2", "copy-fsdp2-acc2", "copy-tp2"]
-    names += ["kto-fsdp2-acc2", "orpo-fsdp2-acc2", "simpo-ddp2"]
+    names += ["kto-fsdp2-acc2", "orpo-fsdp2-acc2", "simpo-ddp2", "kto-tp2", "orpo-tp2", "simpo-tp2"]
+    names += ["kto-lora-fsdp2-acc2", "orpo-lora-fsdp2-acc2", "simpo-lora-fsdp2-acc2"]
+    names += ["kto-ddp2", "orpo-ddp2", "simpo-fsdp2-acc2"]
     jobs = [
         job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
         job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
@@ -112,17 +123,29 @@ def results(tmp_path_factory):
         job(tmp, examples, "kto-fsdp2-acc2", GLOBAL // 4, objective="kto", dp_shard=2),
         job(tmp, source, "orpo-fsdp2-acc2", GLOBAL // 4, objective="orpo", dp_shard=2),
         job(tmp, source, "simpo-ddp2", GLOBAL // 2, objective="simpo", dp_replicate=2, dp_shard=1),
+        job(tmp, examples, "kto-tp2", GLOBAL, objective="kto", tp=2, dp_shard=1),
+        job(tmp, source, "orpo-tp2", GLOBAL, objective="orpo", tp=2, dp_shard=1),
+        job(tmp, source, "simpo-tp2", GLOBAL, objective="simpo", tp=2, dp_shard=1),
+        job(tmp, examples, "kto-lora-fsdp2-acc2", GLOBAL // 4, lora=True, objective="kto", dp_shard=2),
+        job(tmp, source, "orpo-lora-fsdp2-acc2", GLOBAL // 4, lora=True, objective="orpo", dp_shard=2),
+        job(tmp, source, "simpo-lora-fsdp2-acc2", GLOBAL // 4, lora=True, objective="simpo", dp_shard=2),
+        job(tmp, examples, "kto-ddp2", GLOBAL // 2, objective="kto", dp_replicate=2, dp_shard=1),
+        job(tmp, source, "orpo-ddp2", GLOBAL // 2, objective="orpo", dp_replicate=2, dp_shard=1),
+        job(tmp, source, "simpo-fsdp2-acc2", GLOBAL // 4, objective="simpo", dp_shard=2),
     ]
     return single, dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
 
-SINGLE = ("single", "lora", "copy", "kto", "orpo", "simpo")  # the single-process runs, in order
+# the single-process runs, in order
+SINGLE = ("single", "lora", "copy", "kto", "orpo", "simpo", "kto-lora", "orpo-lora", "simpo-lora")
 
 
 def base_of(name: str, single: list[dict]) -> dict:
-    """The single-process run a layout's run is compared with (by its name's first word)."""
+    """The single-process run a layout's run is compared with: the longest one its name starts with ('kto-lora'
+    for 'kto-lora-fsdp2-acc2'), else 'single'."""
     runs = dict(zip(SINGLE, single))
-    return runs.get(name.split("-")[0], runs["single"])
+    match = max((s for s in SINGLE if name.startswith(f"{s}-")), key=len, default="single")
+    return runs[match]
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,9 @@ prefill and decode logits equal the trained model's full logits, under full fine
 FSDP2 x TP (dp_shard 2 x tp 2, 4 ranks), where each sync fills the engine's TP shards from FSDP2's (under LoRA,
 after the first, the adapters only); under TP x2 a mixture of experts (parallel.etp too) and latent attention.
 
+RLOO and online DPO under TP x2 (their drivers on the same fixed completions): every step's loss, gradient norm and
+figures equal the single process's (1e-5 relative).
+
 PPO under TP (test_ppo_layouts' fixed rollouts): with the value head (split by the TP plan: its weight whole, run on
 the sequence shards, the values gathered whole), TP x2 gives the single process's loss, gradient norm, values,
 returns and every PPO statistic at every step (1e-5 relative). On a mixture of experts with its balance loss
@@ -66,6 +69,8 @@ def tp_jobs(rank: int, world: int) -> dict:
         out[f"engine-lora{int(lora)}"] = engine_check(f"{tmp}/engine-{int(lora)}-{rank}", lora, env, layout)
     if world == 2:
         out[PPO_HEAD] = train(ppo, ppo_job(tmp, PPO_HEAD, rank, TP, 1), env)
+        for name, job in method_jobs(tmp, rank, TP).items():
+            out[name] = grpo.train(job, env)
         out.update({name: train(module, job, env) for name, (module, job) in moe_jobs(tmp, rank, TP).items()})
         out.update(
             {
@@ -78,6 +83,22 @@ def tp_jobs(rank: int, world: int) -> dict:
             out[name] = train(ppo, ppo_job(tmp, name, rank, FSDP_TP, 2), env)
         out[f"{PPO_HEAD}-ddp"] = train(ppo, ppo_job(f"{tmp}/ddp", PPO_HEAD, rank, DDP_TP, 2), env)
     return out
+
+
+# RLOO's and online DPO's drivers on test_grpo_layouts' fixed completions (RLOO: the KL penalty and two iterations)
+METHODS = {"rloo-tp": grpo.RLOO, "online_dpo-tp": grpo.ONLINE}
+
+
+def method_jobs(tmp, rank: int | None, layout: dict) -> dict:
+    """RLOO's and online DPO's jobs (``METHODS``) in ``layout`` with one data-parallel rank (rank None: one
+    process): name -> job."""
+    jobs = {}
+    for name, extra in METHODS.items():
+        job = grpo.overrides(tmp, name if rank is None else f"{name}-{rank}", SINGLE_MB, **extra, **layout)
+        if rank is not None:  # one run folder for the group
+            job["run.dir"] = f"{tmp}/{name}"
+        jobs[name] = job
+    return jobs
 
 
 def moe_jobs(tmp, rank: int | None, layout: dict, dp: int = 1) -> dict:
@@ -99,8 +120,10 @@ def moe_jobs(tmp, rank: int | None, layout: dict, dp: int = 1) -> dict:
 
 
 def single(tmp, ppo_names=(PPO_HEAD,), moe: bool = False) -> dict:
-    """The single process's records: GRPO's job and PPO's ``ppo_names`` (and with ``moe`` both on debug_moe)."""
+    """The single process's records: GRPO's job and PPO's ``ppo_names`` (and with ``moe`` both on debug_moe, and
+    RLOO's and online DPO's)."""
     return {
+        **({name: grpo.train(job) for name, job in method_jobs(tmp, None, {}).items()} if moe else {}),
         NAME: train(grpo, grpo.overrides(tmp, NAME, SINGLE_MB, **EXTRA)),
         **{name: train(ppo, ppo_job(tmp, name, None, {}, 1)) for name in ppo_names},
         **(
@@ -111,8 +134,9 @@ def single(tmp, ppo_names=(PPO_HEAD,), moe: bool = False) -> dict:
     }
 
 
-def check_steps(ref: list[dict], got: list[dict], keys=grpo.KEYS) -> None:
-    assert len(ref) == len(got) and all(r["grad_norm"] > 0.01 for r in ref)
+def check_steps(ref: list[dict], got: list[dict], keys=grpo.KEYS, floor: float = 0.01) -> None:
+    """Every step trains (gradient norm above ``floor``) and its figures ``keys`` equal the reference's."""
+    assert len(ref) == len(got) and all(r["grad_norm"] > floor for r in ref)
     for a, b in zip(got, ref):
         for key in keys:
             if b[key] is None:
@@ -139,6 +163,19 @@ def test_ppo_tp2_step_equals_single_process(tp2):
     check_steps(ref[PPO_HEAD], got[PPO_HEAD], ppo.KEYS)
     assert max(r["ppo/clipfrac"] for r in ref[PPO_HEAD][1:]) > 0.05 and ref[PPO_HEAD][1]["ppo/values"] != 0
     assert all(not r["weight_sync_bytes"] for r in got[PPO_HEAD])  # the value head is not the engine's
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_rloo_and_online_dpo_tp2_step_equals_single_process(tp2, name):
+    """RLOO (its KL penalty live, two iterations per batch of rollouts) and online DPO under TP x2: every step's
+    loss, gradient norm and the method's figures (test_grpo_layouts' METHOD_KEYS)."""
+    ref, got = tp2
+    method = name.removesuffix("-tp")
+    check_steps(ref[name], got[name], grpo.METHOD_KEYS[method], floor=1e-3)
+    if method == "rloo":
+        assert max(abs(r["kl"]) for r in ref[name][2:]) > 1e-4
+    else:
+        assert max(abs(r["rewards/margins"]) for r in ref[name][2:]) > 1e-4
 
 
 @pytest.mark.parametrize("name", [f"{NAME}-moe", f"{PPO_HEAD}-moe"])

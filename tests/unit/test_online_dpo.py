@@ -188,7 +188,7 @@ def test_config_rules(tmp_path):
     )
 
 
-def test_embedded_default_trains_from_the_cli(tmp_path):
+def test_embedded_default_trains_from_the_cli(tmp_path, capsys):
     """`loom train --training.objective online_dpo` with nothing but the tiny sizes: the warm-up, then online DPO's
     steps with TRL's figures; the first step's policy is its own reference (loss ln 2, KL 0)."""
     from loom.cli.main import main as loom_main
@@ -196,6 +196,7 @@ def test_embedded_default_trains_from_the_cli(tmp_path):
 
     args = tiny_args(tmp_path / "run", None, **{"training.steps": 3, "grpo.warmup_steps": 1})
     assert loom_main(["train", "--training.objective", "online_dpo", *args]) in (0, None)
+    assert "data: online_dpo rollouts from " in capsys.readouterr().out  # the startup line names the method
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 3 and steps[0].get("grpo/warmup") == 1.0

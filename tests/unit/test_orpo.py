@@ -1,22 +1,24 @@
 """ORPO (``training.objective orpo``): the loss, rewards and logged statistics equal TRL's ORPOTrainer's for the
-same model and batch (fp32), the NLL's token mean is over the global batch whatever the accumulation, and the
-embedded default trains from ``loom train``."""
+same model and batch (fp32), the NLL's token mean is over the global batch whatever the accumulation, the
+embedded default trains from ``loom train``, and a run resumed mid-way continues bitwise."""
 
 from __future__ import annotations
 
 import functools
 import json
+import shutil
 import types
 
 import pytest
 import torch
 
+from loom.checkpoint.manager import step_dir_name
 from loom.cli.main import main as loom_main
 from loom.data.loader import MicroBatch
 from loom.methods import check_config
 from loom.methods.orpo import OddsRatioPreference
 from loom.numerics import IGNORE
-from tests.tiny import tiny_args
+from tests.tiny import tiny_args, tiny_config
 
 
 def pair_batch(b: int = 3, s: int = 24, seed: int = 0):
@@ -189,3 +191,38 @@ def test_trains_from_the_cli(tmp_path):
 def test_embedded_default_trains_from_the_cli(tmp_path):
     """`loom train --training.objective orpo` out of the box on the embedded pairs (preparing them takes a minute)."""
     cli_run(tmp_path, "orpo", None, "log_odds_ratio")
+
+
+def resume_check(tmp_path, objective: str, stat: str, **extra) -> None:
+    """4 steps of ``objective`` on a small jsonl of pairs saved at 2; a copy of the run resumed from step 2 writes
+    steps 3..4 exactly as the uninterrupted run did (loss, gradient norm, ``stat``, the batches)."""
+    from loom.train.trainer import Trainer
+    from tests.unit.test_dpo import rows, write_jsonl
+
+    source = write_jsonl(tmp_path / "p.jsonl", rows(40))
+    run = lambda name, **more: tiny_config(
+        tmp_path / name,
+        tmp_path / "cache",
+        **{
+            "training.objective": objective,
+            "data.source": source,
+            "training.seq_len": 64,
+            "training.steps": 4,
+            "checkpoint.every": 2,
+            "checkpoint.keep": 0,
+            "run.deterministic": "true",
+            **extra,
+            **more,
+        },
+    )
+    whole = Trainer(run("whole")).fit()
+    shutil.copytree(tmp_path / "whole", tmp_path / "part", ignore=shutil.ignore_patterns(".lock"))
+    step2 = str(tmp_path / "part" / "checkpoints" / step_dir_name(2))
+    resumed = Trainer(run("part", **{"checkpoint.resume": step2, "checkpoint.overwrite": "true"})).fit()
+    key = lambda recs: [(r["step"], r["loss"], r["grad_norm"], r[stat], r["batch_hash"]) for r in recs]
+    assert [r["step"] for r in resumed] == [3, 4] and key(resumed) == key(whole[2:])
+
+
+@pytest.mark.slow
+def test_resume_mid_run_continues_bitwise(tmp_path):
+    resume_check(tmp_path, "orpo", "log_odds_ratio")

@@ -269,7 +269,7 @@ def test_config_rules(tmp_path):
     )
 
 
-def test_embedded_default_trains_from_the_cli(tmp_path):
+def test_embedded_default_trains_from_the_cli(tmp_path, capsys):
     """`loom train --training.objective rloo` with nothing but the tiny sizes: the warm-up, then RLOO's steps with
     its figures (the KL term on)."""
     from loom.cli.main import main as loom_main
@@ -279,6 +279,7 @@ def test_embedded_default_trains_from_the_cli(tmp_path):
         tmp_path / "run", None, **{"training.steps": 3, "grpo.warmup_steps": 1, "grpo.beta": 0.05}
     )
     assert loom_main(["train", "--training.objective", "rloo", *args]) in (0, None)
+    assert "data: rloo rollouts from " in capsys.readouterr().out  # the startup line names the method
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 3 and steps[0].get("grpo/warmup") == 1.0

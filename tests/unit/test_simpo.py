@@ -1,6 +1,6 @@
 """SimPO (``training.objective simpo``): the loss, rewards and logged statistics equal TRL's CPOTrainer's with
-loss_type 'simpo' for the same model and batch (fp32), with and without its cpo_alpha NLL term, and it trains from
-``loom train``."""
+loss_type 'simpo' for the same model and batch (fp32), with and without its cpo_alpha NLL term, it trains from
+``loom train``, and a run resumed mid-way continues bitwise."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from loom.config.errors import ConfigError
 from loom.methods import check_config
 from loom.methods.simpo import SimplePreference
-from tests.unit.test_orpo import cli_run, compare
+from tests.unit.test_orpo import cli_run, compare, resume_check
 
 SIMPO_STATS = {
     "rewards/chosen": "rewards/chosen",
@@ -55,3 +55,9 @@ def test_trains_from_the_cli(tmp_path):
     from tests.unit.test_dpo import rows, write_jsonl
 
     cli_run(tmp_path, "simpo", write_jsonl(tmp_path / "p.jsonl", rows(40)), "rewards/margins")
+
+
+@pytest.mark.slow
+def test_resume_mid_run_continues_bitwise(tmp_path):
+    """With the chosen NLL term on (cpo_alpha 0.5): steps 3..4 after a resume from step 2 equal the whole run's."""
+    resume_check(tmp_path, "simpo", "rewards/margins", **{"simpo.cpo_alpha": 0.5})
