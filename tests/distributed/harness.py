@@ -121,25 +121,6 @@ def _tidy() -> None:
     gc.collect()
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
-    _forget_meshes(sys.modules)
-
-
-def _forget_meshes(modules) -> None:
-    """DTensor's caches keyed by sharding specs: a mesh of the next job equals one of the last (same shape and
-    names), so a cached output spec would hand the next job the last job's mesh, whose groups are gone ('could
-    not resolve the process group registered under the name N')."""
-    for name, mod in list(modules.items()):
-        if mod is None or not name.startswith("torch.distributed.tensor"):
-            continue
-        for value in list(vars(mod).values()):
-            if callable(getattr(value, "cache_clear", None)) and not isinstance(value, type):
-                value.cache_clear()
-    if "torch.distributed.tensor" in modules:
-        propagator = modules["torch.distributed.tensor"].DTensor._op_dispatcher.sharding_propagator
-        for attr in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-            clear = getattr(getattr(propagator, attr, None), "cache_clear", None)
-            if clear is not None:
-                clear()
 
 
 def _timedelta(seconds: float):
