@@ -852,7 +852,11 @@ def _summary(tmp_path_factory):
     whole sweep's; under -n, pass -s to see it, or read the file it names)."""
     yield
     path = classes_file(tmp_path_factory)
-    found = collections.Counter(line.split()[-1] for line in open(path)) if os.path.exists(path) else COUNTS
+    found = (
+        collections.Counter(line.split("\t")[0].split()[-1] for line in open(path))
+        if os.path.exists(path)
+        else COUNTS
+    )
     print(
         f"\nissue 49 hostile inputs, by class ({path}): "
         + ", ".join(f"{k} {v}" for k, v in sorted(found.items()))
@@ -876,7 +880,8 @@ def test_hostile_input(case, models, tmp_path, tmp_path_factory, request):
     got = classify(outcome, case.needle if "warned" in case.expect else None, case.check)
     COUNTS[got] += 1
     with open(classes_file(tmp_path_factory), "a") as fh:
-        fh.write(f"{case.id} {case.expect} {got}\n")
+        said = (outcome.lines() or [""])[0][:300] if got != "warned" else case.needle
+        fh.write(f"{case.id} {case.expect} {got}\t{said}\n")
     left = case.after(tmp_path) if case.after else None
     detail = f"{case.id}: {got} (exit {outcome.code})\nstdout: {outcome.out[-1500:]}\nstderr: {outcome.err[-3000:]}"
     assert got in case.expect.split("|"), detail
