@@ -8,7 +8,9 @@ subprocess with a time limit, and its outcome classified:
 - ``correct``: exit 0 and the case's own check of the result holds (a fixed wrong result, an accepted form);
 - ``traceback``, ``hang`` (the time limit passed), ``silent`` (exit 0 without the refusal or warning), ``other``.
 
-Each case asserts its expected class; the session prints the count per class at teardown. Run it by hand:
+Each case asserts its expected class and writes its id, expected and found class and its line to
+``hostile_classes.txt`` in pytest's base temporary folder; the module's teardown prints the count per class (seen with
+``-s`` without ``-n``). Run it by hand (docs/reliability.md):
 ``python -m pytest -q -m exhaustive tests/exhaustive/test_hostile_inputs.py`` (``-n 2`` at most)."""
 
 from __future__ import annotations
