@@ -240,15 +240,20 @@ def folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(folder) for n in names)
 
 
+# a write that found no room: a full disk, a full quota, a file size limit (ulimit -f)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 class DiskFull(UserError):
     pass
 
 
 def _disk_full(err: BaseException | None) -> bool:
-    """Whether ``err`` is, or wraps, ENOSPC (DCP reports each rank's exception inside a CheckpointException)."""
+    """Whether ``err`` is, or wraps, a write that found no room: ENOSPC, or a quota or file size limit (EDQUOT,
+    EFBIG) (DCP reports each rank's exception inside a CheckpointException)."""
     seen = 0
     while err is not None and seen < 20:
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        if isinstance(err, OSError) and err.errno in NO_ROOM:
             return True
         failures = getattr(err, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
         if isinstance(failures, dict) and any(

@@ -24,11 +24,12 @@ def user_errors_exit(fn):
                 print(f"loom: error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         except OSError as err:
-            if err.errno != errno.ENOSPC:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # no room: disk, quota, ulimit -f
                 raise
             where = f" writing {err.filename}" if err.filename else ""
             print(
-                f"loom: error: no space left on the device{where}: free some space or choose another folder",
+                f"loom: error: no space left on the device{where} ({err.strerror}): free some space or choose "
+                "another folder",
                 file=sys.stderr,
                 flush=True,
             )

@@ -549,3 +549,33 @@ def test_a_full_disk_under_an_hf_import_leaves_nothing(tmp_path, monkeypatch):
     message = str(caught.value)
     assert str(tmp_path / "ckpt") in message and "no space" in message and "needs about" in message, message
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither the target nor its temporary folder
+
+
+def test_a_quota_or_file_size_limit_is_no_room_as_a_full_disk_is(capsys):
+    """EDQUOT (a full quota) and EFBIG (a file size limit, ``ulimit -f``) fail a write as ENOSPC does: one line, not a
+    traceback (found by the hostile-input sweep, which fills the disk with RLIMIT_FSIZE)."""
+    import errno
+
+    from loom.checkpoint.manager import _disk_full
+    from loom.cli.errors import user_errors_exit
+
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        err = OSError(code, os.strerror(code), "/x/step_1/__0_0.distcp")
+        wrapped = RuntimeError("dcp")
+        wrapped.__cause__ = err
+        assert _disk_full(wrapped)
+
+        @user_errors_exit
+        def write():
+            raise err
+
+        with pytest.raises(SystemExit) as exc:
+            write()
+        lines = capsys.readouterr().err.splitlines()
+        assert exc.value.code == 2 and len(lines) == 1, lines
+        assert lines[0].startswith(
+            "loom: error: no space left on the device writing /x/step_1/__0_0.distcp ("
+        )
+    assert not _disk_full(OSError(errno.EACCES, "Permission denied")) and not _disk_full(
+        RuntimeError("other")
+    )
