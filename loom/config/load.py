@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import json
 import math
 import os
@@ -12,18 +13,20 @@ import typing
 from typing import Any
 
 from loom.config.errors import ConfigError
-from loom.config.sections import Config, all_sections, config_dict
+from loom.config.sections import SECTIONS, Config, all_sections, config_dict, section_class, section_names
 
 
-def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in all_sections().items() for f in dataclasses.fields(cls)]
+def all_keys(generic_only: bool = False) -> list[str]:
+    """Every ``section.field``; ``generic_only``: the config's own sections' (no method module imported)."""
+    sections = SECTIONS if generic_only else all_sections()
+    return [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls)]
 
 
 def _unknown_key(key: str) -> ConfigError:
     """One line: the nearest known keys (``nearest_keys``), else where to look."""
     near = nearest_keys(key)
     section = key.partition(".")[0]
-    sections = all_sections()
+    sections = section_names()
     if key in sections:  # a section where a field belongs: `--training 5`, or `training = 5` outside a table
         hint = f"a section, not a field: set its fields as {key}.FIELD (see `loom train --help {key}`)"
     elif near:
@@ -43,7 +46,14 @@ def nearest_keys(key: str) -> list[str]:
     section, dot, name = key.partition(".")
     if not dot:
         section, name = "", key
-    keys = [k.split(".", 1) for k in all_keys()]
+    # the config's own sections first: a method's are imported (its module) only for a key no generic one matches
+    if section not in SECTIONS or not (near := _nearest_in(section, name, key, all_keys(generic_only=True))):
+        near = _nearest_in(section, name, key, all_keys())
+    return near
+
+
+def _nearest_in(section: str, name: str, key: str, known: list[str]) -> list[str]:
+    keys = [k.split(".", 1) for k in known]
     exact = [f"{s}.{f}" for s, f in keys if f == name]
     if exact:
         return exact[:3]
@@ -56,14 +66,14 @@ def nearest_keys(key: str) -> list[str]:
             else max(owners, key=lambda s: difflib.SequenceMatcher(None, section, s).ratio())
         )
         return [f"{owner}.{fields[0]}"]
-    if section in all_sections():
+    if section in section_names():
         return []
-    return difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    return difflib.get_close_matches(key, known, n=1, cutoff=0.6)
 
 
 def _field(key: str) -> dataclasses.Field:
     section, _, name = key.partition(".")
-    cls = all_sections().get(section)
+    cls = section_class(section)
     if cls is None or not name:
         raise _unknown_key(key)
     for f in dataclasses.fields(cls):
@@ -73,7 +83,11 @@ def _field(key: str) -> dataclasses.Field:
 
 
 def _type_of(f: dataclasses.Field) -> type:
-    owner = next(cls for cls in all_sections().values() if any(g is f for g in dataclasses.fields(cls)))
+    # the generic sections first: a method's module is imported only for a field of its own section
+    owners = itertools.chain(
+        SECTIONS.values(), (section_class(n) for n in section_names() if n not in SECTIONS)
+    )
+    owner = next(cls for cls in owners if any(g is f for g in dataclasses.fields(cls)))
     return typing.get_type_hints(owner)[f.name]
 
 

@@ -1418,11 +1418,14 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
-    def __post_init__(self) -> None:
-        """The sections the registered methods declare in their own modules, at their defaults."""
-        for name, cls in all_sections().items():
-            if name not in self.__dict__:
-                setattr(self, name, cls())
+    def __getattr__(self, name: str):
+        """A section a registered method declares in its module, made at its defaults when first read (so a config
+        imports a method's module only when that method's section is used)."""
+        cls = section_class(name) if not name.startswith("__") else None
+        if cls is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.__dict__[name] = value = cls()
+        return value
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Config) and config_dict(self) == config_dict(other)
@@ -1436,21 +1439,25 @@ def section_names() -> list[str]:
     return out
 
 
-def all_sections() -> dict[str, type]:
-    """Every section: the ones above, then those a registered method declares in its module (``SECTIONS`` there),
-    read from the module its line in ``METHODS`` names."""
-    out = dict(SECTIONS)
+def section_class(name: str) -> type | None:
+    """The dataclass of section ``name``: one above, or one a registered method declares in its module (``SECTIONS``
+    there, read from the module its line in ``METHODS`` names, imported only then); None for no section."""
+    if name in SECTIONS:
+        return SECTIONS[name]
     for module, names in METHODS.values():
-        missing = [name for name in names if name not in out]
-        if missing:
+        if name in names:
             declared = getattr(importlib.import_module(module), "SECTIONS", {})
-            for name in missing:
-                if name not in declared:
-                    raise ImportError(
-                        f"{module} declares no config section {name!r} (its line in METHODS names it)"
-                    )
-                out[name] = declared[name]
-    return out
+            if name not in declared:
+                raise ImportError(
+                    f"{module} declares no config section {name!r} (its line in METHODS names it)"
+                )
+            return declared[name]
+    return None
+
+
+def all_sections() -> dict[str, type]:
+    """Every section: the ones above, then those the registered methods declare (importing their modules)."""
+    return {name: section_class(name) for name in section_names()}
 
 
 def config_dict(cfg: Config) -> dict[str, dict]:
