@@ -22,6 +22,7 @@ import torch
 from loom.config.errors import ConfigError
 from loom.config.sections import APPLIED, opt
 from loom.methods.base import Method
+from loom.methods.grpo import GroupRelative
 from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
 from loom.rl.rollout import (
@@ -151,18 +152,10 @@ class LeaveOneOut(Objective):
     )
     STATS = ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region")
 
-    # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels: as GRPO's
-    console = (
-        ("warm-up", "grpo/warmup", "flag"),
-        ("reward", "reward", ".3f"),
-        ("acc", "rewards/exact_answer", ".3f"),
-        ("", "rewards/*", ".3f"),
-        ("eval acc", "eval/accuracy", ".3f"),
-        ("kl", "kl", ".4f"),
-    )
+    # the console line's fields and `loom report`'s panels: GRPO's, its KL measured as RLOO's (k1, rollout policy)
+    console = GroupRelative.console
     panels = (
-        ("reward", ("reward", "rewards/*"), "mean over the rollouts"),
-        ("accuracy", ("rewards/exact_answer", "eval/accuracy"), "exact match (sampled; greedy at evals)"),
+        *GroupRelative.panels[:2],
         ("KL to the reference", ("kl",), "per completion token (k1, rollout-time policy)"),
     )
 
