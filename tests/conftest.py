@@ -166,6 +166,31 @@ def _no_process_left_behind(request):
         )
 
 
+# what a launcher sets: a test whose code under test sets one (init_distributed does) must not hand a world of 8
+# to whichever test its xdist worker runs next
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+
+
+@pytest.fixture(autouse=True)
+def _launch_env_restored():
+    """The launcher variables are as they were before the test, whatever the test or the code it ran set."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The rank pools stop; any process still below this one is killed, and the run fails if there was one."""
     from tests.distributed.harness import close_pools
