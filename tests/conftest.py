@@ -38,6 +38,8 @@ def pytest_configure(config):
     torch's default of one thread per core would oversubscribe them (OpenMP threads spin while they wait)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
+        # no Inductor compile-worker pool in each rank: on 2 cores it only adds processes
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         import torch
 
         torch.set_num_threads(1)

@@ -60,10 +60,8 @@ def inactive_fields(cfg) -> list[tuple[str, object, str]]:
     """(section.field, value, what activates it) of every field set away from its default while the feature it
     belongs to is off (``opt(needs=...)``)."""
     out = []
-    for section, cls in all_sections().items():
-        values = getattr(cfg, section, None)
-        if values is None:
-            continue
+    for section, values in vars(cfg).items():  # a method's section never read holds its defaults (Config)
+        cls = type(values)
         default = cls()
         for f in fields(cls):
             needs = f.metadata.get("needs")

@@ -31,7 +31,7 @@ def sections_unused(cfg: Config) -> None:
         for section in sections:
             owners.setdefault(section, []).append(name)
     for section, names in owners.items():
-        if section in mine:
+        if section in mine or section not in vars(cfg):  # a declared section never read holds its defaults
             continue
         values, defaults = getattr(cfg, section), type(getattr(cfg, section))()
         for key, default in vars(defaults).items():

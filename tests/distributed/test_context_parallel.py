@@ -430,6 +430,9 @@ BROAD = {
     "cp4-docs-m2",
     "pp2xcp2-1f1b-m2",
     "pp2xcp2-ring-zbv-m4",
+    # accumulation under cp: cp2-ring-docs-m2 and hsdp2x1xcp2-m2; the 4-rank ring: cp4-ring-docs-m2
+    "cp2-m2",
+    "cp4-ring",
 }
 BREADTH = pytest.mark.parametrize(
     "broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"]

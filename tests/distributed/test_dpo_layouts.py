@@ -7,7 +7,8 @@ accumulation (slow) for the cached reference, the copy and LoRA with adapters_of
 other preference methods against their single process: KTO (its KL estimate over the global batch), ORPO (its NLL
 token mean over the global batch) and SimPO under DDP x2, FSDP2 x2 with accumulation and TP x2 (sequence parallel,
 loss parallel: the defaults), and under LoRA with FSDP2 x2 and accumulation (KTO's reference the adapters off)
-against their own LoRA single process."""
+against their own LoRA single process. The default run covers each method and the copy under each layout kind at
+least once; ``--slow`` adds the rest of the method x layout grid (``BROAD``) to the same process groups."""
 
 from __future__ import annotations
 
@@ -88,8 +89,15 @@ def job(tmp, source, name, mb, lora=False, copy=False, objective="dpo", **parall
     )
 
 
+# the grid's other cells (--slow): each method and the copy are covered above under DDP, FSDP2 with accumulation,
+# TP and LoRA at least once each; these complete every method x layout pair in the same process groups
+BROAD = {"copy-fsdp2-acc2", "orpo-lora-fsdp2-acc2", "simpo-lora-fsdp2-acc2", "kto-ddp2", "orpo-ddp2"}
+BROAD |= {"simpo-fsdp2-acc2"}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
+    broad = request.config.getoption("--slow") or "slow" in (request.config.getoption("markexpr") or "")
     tmp = tmp_path_factory.mktemp("dpo_layouts")
     source = write_pairs(tmp / "pairs.jsonl")
     examples = write_examples(source, tmp / "examples.jsonl")
@@ -103,8 +111,14 @@ def results(tmp_path_factory):
             job(tmp, source, "orpo", GLOBAL, objective="orpo"),
             job(tmp, source, "simpo", GLOBAL, objective="simpo"),
             job(tmp, examples, "kto-lora", GLOBAL, lora=True, objective="kto"),
-            job(tmp, source, "orpo-lora", GLOBAL, lora=True, objective="orpo"),
-            job(tmp, source, "simpo-lora", GLOBAL, lora=True, objective="simpo"),
+            *(
+                [
+                    job(tmp, source, "orpo-lora", GLOBAL, lora=True, objective="orpo"),
+                    job(tmp, source, "simpo-lora", GLOBAL, lora=True, objective="simpo"),
+                ]
+                if broad
+                else []
+            ),
         ],
         str(tmp),
     )
@@ -133,10 +147,12 @@ def results(tmp_path_factory):
         job(tmp, source, "orpo-ddp2", GLOBAL // 2, objective="orpo", dp_replicate=2, dp_shard=1),
         job(tmp, source, "simpo-fsdp2-acc2", GLOBAL // 4, objective="simpo", dp_shard=2),
     ]
+    keep = [i for i, n in enumerate(names) if broad or n not in BROAD]
+    names, jobs = [names[i] for i in keep], [jobs[i] for i in keep]
     return single, dict(zip(names, run_jobs(2, jobs, str(tmp))))
 
 
-# the single-process runs, in order
+# the single-process runs, in order (the last two only with --slow)
 SINGLE = ("single", "lora", "copy", "kto", "orpo", "simpo", "kto-lora", "orpo-lora", "simpo-lora")
 
 
@@ -206,7 +222,8 @@ def test_dpo_under_fsdp2_x4_with_accumulation_matches_single_process(results, re
 
 def test_dpo_global_batches_are_layout_independent(results):
     runs = [*results[0], *results[1].values()]
-    runs = [r for name, r in zip([*SINGLE, *results[1]], runs) if not name.startswith("kto")]  # other data
+    names = [*SINGLE[: len(results[0])], *results[1]]
+    runs = [r for name, r in zip(names, runs) if not name.startswith("kto")]  # other data
     hashes = {tuple(r["batch_hash"] for r in res["records"]) for res in runs}
     assert len(hashes) == 1 and all(hashes.pop())
 
