@@ -146,7 +146,8 @@ def _outside_pools(procs: dict[int, str]) -> dict[int, str]:
 
     keep = set()
     for pid in pool_pids() | {p for p, c in procs.items() if any(h in c for h in SESSION_HELPERS)}:
-        keep |= {pid, *_descendants(pid)}
+        # the fork server's children are test ranks (tests/distributed/harness.py): kept only while pooled
+        keep |= {pid} if "multiprocessing.forkserver" in procs.get(pid, "") else {pid, *_descendants(pid)}
     return {p: c for p, c in procs.items() if p not in keep}
 
 

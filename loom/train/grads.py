@@ -25,9 +25,11 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 @torch.no_grad()
 def scale_grads(params: list[torch.nn.Parameter], factor: float | torch.Tensor) -> None:
-    for grads in by_mesh(
-        [p.grad for p in params if p.grad is not None]
-    ):  # foreach ops take one mesh at a time
+    """Multiply every gradient by ``factor`` in place, shard by shard: a scale is linear, so it holds for any
+    placement (sharded, replicated, partial), and the local shards skip DTensor's dispatch (its sharding
+    propagation missed its cache on every step here: a tenth of a tiny TP x EP step on the host)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if grads:
         torch._foreach_mul_(grads, factor)
 
 

@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import queue
+import sys
 import time
 import traceback
 
@@ -166,7 +167,7 @@ class Pool:
 
         self.world = world
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        ctx = _context(mp, env)
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.SimpleQueue() for _ in range(world)]
         self.procs = [
@@ -222,6 +223,23 @@ class Pool:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+# what a rank imports to run a job: the fork server imports it once, and each rank forked from it starts with it
+# imported (spawned, every rank of every call imported torch and loom anew: most of a layout test's CPU time)
+PRELOAD = ["tests.distributed.harness", "loom.train.trainer", "torch.distributed.pipelining"]
+
+
+def _context(mp, env: dict | None):
+    """Ranks in the session's environment are forked from a fork server that never joined a group (no state to
+    inherit but imports); ranks with an environment of their own (``env``) are spawned with it."""
+    if env is not None or not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    from loom.config.methods import METHODS
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD + sorted({module for module, _ in METHODS.values()}))
+    return ctx
 
 
 def _name(fn) -> str:
