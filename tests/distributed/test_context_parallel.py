@@ -483,9 +483,7 @@ def test_packed_documents_under_pipeline_match_single_process(tmp_path):
         {**docs_job(tmp_path, "pp2-docs-zbv-m4", m=4, pp=2, pp_schedule="zbv", dp_shard=1), **val},
     ]
     jobs4 = [{**docs_job(tmp_path, "pp2xcp2-docs-1f1b-m4", m=4, pp=2, cp=2, dp_shard=1), **val}]
-    # on ranks of their own: in the session's pools this test failed after the CP tests before it, and passed alone
-    # (a state the pooled ranks keep between jobs, not yet found)
-    runs = run_jobs(2, jobs2, str(tmp_path), fresh=True) + run_jobs(4, jobs4, str(tmp_path), fresh=True)
+    runs = run_jobs(2, jobs2, str(tmp_path)) + run_jobs(4, jobs4, str(tmp_path))  # each call starts its ranks
 
     def curve(res):
         assert "error" not in res, res["error"]
