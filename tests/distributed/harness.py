@@ -227,7 +227,12 @@ class Pool:
 
 # what a rank imports to run a job: the fork server imports it once, and each rank forked from it starts with it
 # imported (spawned, every rank of every call imported torch and loom anew: most of a layout test's CPU time)
-PRELOAD = ["tests.distributed.harness", "loom.train.trainer", "torch.distributed.pipelining"]
+PRELOAD = [
+    "tests.distributed.harness",
+    "loom.train.trainer",
+    "torch.distributed.pipelining",
+    "torch._inductor.compile_fx",
+]
 
 
 def _context(mp, env: dict | None):
