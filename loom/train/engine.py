@@ -59,7 +59,14 @@ from loom.train.optimizer import OptimizerParts
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.run_dir import check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts, lr_factor
-from loom.train.steps import LocalStep, PipelineStep, StepContext
+from loom.train.steps import (
+    DelayedLocalStep,
+    LocalStep,
+    PipelineStep,
+    StepContext,
+    TwoBWResume,
+    TwoBWStep,
+)
 from loom.train.zero import OptimizerShard
 
 
@@ -111,6 +118,8 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
         hooks.append(NvtxRanges(None if cfg.training.compile else transformer_blocks(engine.parts)))
     if cfg.metrics.straggler_fraction > 0 and engine.env.world_size > 1:  # per-rank timing at logged steps
         hooks.append(StragglersHook.build(engine, cfg.metrics.straggler_fraction))
+    if cfg.parallel.pp_schedule == "pipedream_2bw":  # its checkpoints lack the older weight version
+        hooks.append(TwoBWResume())
     hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))
     return hooks
 
@@ -533,10 +542,26 @@ class Engine:
             self.profiler,
             cfg.training.cuda_graphs,
         )
+        two_bw = cfg.parallel.pp_schedule == "pipedream_2bw"  # 1-step-delayed weights, whatever pp
         if pm.plan is None:
-            self.steps: LocalStep | PipelineStep = LocalStep(pm.modules[0], self.parts, self.objective, ctx)
+            local = DelayedLocalStep if two_bw else LocalStep
+            self.steps: LocalStep | PipelineStep = local(pm.modules[0], self.parts, self.objective, ctx)
+        elif two_bw:
+            self.steps = TwoBWStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
         else:
             self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
+        if pm.plan is not None:
+            self.steps.steps = cfg.training.steps
+
+    def _upcoming(self, number: int) -> list[MicroBatch] | None:
+        """Step ``number + 1``'s micro-batches on this rank, read without moving the loader (pipedream_2bw runs
+        their first forwards in step ``number``); None after the run's last step."""
+        if number >= self.cfg.training.steps:
+            return None
+        state = self.loader.state_dict()
+        batch = self.loader.next_step().micro_batches
+        self.loader.load_state_dict(state)
+        return [self.local_tokens(mb) for mb in batch]
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph); NVTX
@@ -583,6 +608,8 @@ class Engine:
         for hook in self.hooks:
             hook.before_step(loss_scale)
         self.objective.step_stats()  # statistics of forwards before this step are not its own
+        if isinstance(self.steps, TwoBWStep):  # it runs the next step's first forwards in this one
+            self.steps.upcoming = lambda: self._upcoming(number)
         result = next(
             (r for h in self.hooks if (r := h.run_step(self.steps, mbs, grad_scale, loss_scale)) is not None),
             None,
