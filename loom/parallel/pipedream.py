@@ -83,6 +83,36 @@ def _leaf_copies(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tenso
     return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
 
 
+def twobw_order(pp: int, rank: int, m: int, filled: bool, more: bool) -> list[tuple[str, str, int]]:
+    """One step's actions on pp rank ``rank`` of the 2BW stream, in order: ("F", version, i) runs micro-batch i of
+    this step ("current" version) or of the next ("newest"), ("B", "current", i) its backward. 1F1B's order
+    without its drain: the last ``pp - 1 - rank`` forwards are the next step's first. ``filled``: the step before
+    ran this step's first forwards; ``more``: a step follows (else the stream drains)."""
+    warm = min(pp - 1 - rank, m)
+    acts = [] if filled else [("F", "current", i) for i in range(warm)]
+    for i in range(m):
+        j = i + warm
+        if j < m:
+            acts.append(("F", "current", j))
+        elif more:
+            acts.append(("F", "newest", j - m))
+        acts.append(("B", "current", i))
+    return acts
+
+
+def twobw_stream(pp: int, m: int, steps: int) -> list[list[tuple[str, int, int]]]:
+    """The run's per-rank actions as ``schedule_actions`` writes them ((kind, stage, micro-batch of the run)):
+    ``twobw_order`` over ``steps`` steps, for the bubble's simulation."""
+    out = []
+    for r in range(pp):
+        acts = []
+        for t in range(steps):
+            for kind, version, i in twobw_order(pp, r, m, t > 0, t < steps - 1):
+                acts.append((kind, r, (t + (version == "newest")) * m + i))
+        out.append(acts)
+    return out
+
+
 class TwoBWPipeline:
     """This rank's stage in the 2BW stream: forwards and backwards in 1F1B order, hidden states and their
     gradients passed point to point (asynchronous sends), never drained between steps except at the run's last.
@@ -100,21 +130,18 @@ class TwoBWPipeline:
         self.ahead: list[torch.Tensor] | None = None  # inputs of the next step's micro-batches already run
 
     def step(self, batch: list, upcoming: list | None, loss_fn) -> list[torch.Tensor]:
-        m = len(batch)
-        warm = min(self.plan.pp - 1 - self.rank, m)
-        losses: list[torch.Tensor] = []
-        if self.ahead is None:  # the run's (or this process's) first step: fill the pipeline
-            for i in range(warm):
-                self._forward(batch[i], "current", loss_fn, losses)
-        else:
+        filled = self.ahead is not None
+        if filled:
             self._check_ahead(batch)
-        for i in range(m):
-            j = i + warm
-            if j < m:
-                self._forward(batch[j], "current", loss_fn, losses)
-            elif upcoming is not None:
-                self._forward(upcoming[j - m], "newest", loss_fn, losses)
-            self._backward()
+        losses: list[torch.Tensor] = []
+        for kind, version, i in twobw_order(
+            self.plan.pp, self.rank, len(batch), filled, upcoming is not None
+        ):
+            if kind == "B":
+                self._backward()
+            else:
+                self._forward((batch if version == "current" else upcoming)[i], version, loss_fn, losses)
+        warm = min(self.plan.pp - 1 - self.rank, len(batch))
         self.ahead = [mb[0] for mb in upcoming[:warm]] if upcoming is not None and warm else None
         if upcoming is None:  # drained: every send has its receive
             self.wait_sends()

@@ -416,8 +416,13 @@ def theoretical_bubble(schedule: str, pp: int, m: int, per_rank: int, steps: int
     (``twobw_bubble``); the other schedules flush at every step, so a step's fraction is the run's."""
     if schedule == TWO_BW:
         return twobw_bubble(pp, m, steps)
-    actions = schedule_actions(schedule, pp, m, per_rank)
-    n_stages = pp * per_rank
+    return simulated_bubble(schedule_actions(schedule, pp, m, per_rank), pp * per_rank, schedule)
+
+
+def simulated_bubble(actions: list[list[tuple[str, int, int]]], n_stages: int, name: str = "") -> float:
+    """Idle fraction of per-rank action lists (``schedule_actions``' form) run with unit costs (F = 1, B = 2,
+    I = W = 1), each action starting once its rank is free and its inputs are done."""
+    pp = len(actions)
     cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * pp
@@ -439,7 +444,7 @@ def theoretical_bubble(schedule: str, pp: int, m: int, per_rank: int, steps: int
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {schedule} (pp={pp}, m={m}) deadlocks in the simulation")
+            raise RuntimeError(f"schedule {name} ({pp} ranks) deadlocks in the simulation")
     return 1.0 - busy / (pp * max(clock))
 
 

@@ -227,7 +227,12 @@ class PipelineStep:
             bubble = f"unknown ({type(err).__name__}: {err})"
         return [
             f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {accum} micro-batches: "
-            f"theoretical bubble {bubble} (idle / total, F=1 B=2)",
+            f"theoretical bubble {bubble} (idle / total, F=1 B=2"
+            + (
+                f", over the run's {self.steps} steps: no flush between them)"
+                if p.schedule == TWO_BW
+                else ")"
+            ),
             f"pipeline split: {p.describe()}",
         ]
 

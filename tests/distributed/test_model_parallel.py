@@ -1,7 +1,9 @@
 """Layout invariance of tensor, sequence and pipeline parallelism and their compositions with FSDP/HSDP/DDP:
 for a fixed seed and global batch, the loss at every step equals the single-process loss (fp32, within
 1e-5 relative over 5 steps). Every pipeline schedule runs with m = p and m = 2p micro-batches (V-shaped
-ones with m = 2p and 4p); tied embeddings (the 1B/3B case) run under every schedule. Then checkpoints
+ones with m = 2p and 4p); tied embeddings (the 1B/3B case) run under every schedule. pipedream_2bw (1-step-delayed
+weights) equals one process running the same delayed rule (``pp_schedule = pipedream_2bw`` on one rank), which
+differs from synchronous training. Then checkpoints
 reshard across layouts: saved under PP2 x TP2, resumed under FSDP4, and the reverse."""
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from tests.distributed.harness import reference as single_reference
 from tests.tiny import tiny_overrides
 
 STEPS, GLOBAL, LAYERS = 5, 8, 4
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
+SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zb",
+    "zbv",
+    "dualpipev",
+    "pipedream_2bw",
+]
 
 
 def job(tmp, name, m=1, dp=1, tied=True, **parallel):
@@ -164,6 +175,10 @@ def reference(tmp_path_factory):
         ("true", "float32"): single_reference(job(tmp, "single-tied")),
         ("false", "float32"): single_reference(job(tmp, "single-untied", tied=False)),
         ("true", "float16"): single_reference({**job(tmp, "single-fp16"), "training.dtype": "float16"}),
+        # pipedream_2bw's rule (1-step-delayed weights) on one rank: what its pipelines must equal
+        ("true", "float32", "delayed"): single_reference(
+            job(tmp, "single-delayed", pp_schedule="pipedream_2bw")
+        ),
     }
 
 
@@ -181,7 +196,8 @@ def check(reference, jobs, results):
             bad.append(f"{name}: {res['error']}")
             continue
         dtype = j.get("training.dtype", "float32")
-        ref = reference[(j["model.tie_embeddings"], dtype)]
+        delayed = ("delayed",) if j.get("parallel.pp_schedule") == "pipedream_2bw" else ()
+        ref = reference[(j["model.tie_embeddings"], dtype, *delayed)]
         dev = max_rel(losses(res), [r["loss"] for r in ref])
         gdev = max_rel([r["grad_norm"] for r in res["records"]], [r["grad_norm"] for r in ref])
         report.append(f"{name}: max rel deviation loss {dev:.2e}, grad norm {gdev:.2e}")
@@ -196,6 +212,11 @@ def check(reference, jobs, results):
 def test_tp_and_every_pipeline_schedule_match_single_process(reference, tmp_path, broad):
     jobs = {k: v for k, v in pipeline_only(tmp_path).items() if (k in CORE_PP) != broad}
     check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
+    # the guard on pipedream_2bw's check: its delayed rule is not synchronous training from step 2 on
+    delayed = [r["loss"] for r in reference[("true", "float32", "delayed")]]
+    sync = [r["loss"] for r in reference[("true", "float32")]]
+    assert delayed[0] == pytest.approx(sync[0], rel=1e-6)
+    assert max(abs(x - y) / abs(y) for x, y in zip(delayed[1:], sync[1:])) > 1e-3
 
 
 @pytest.mark.slow
