@@ -26,6 +26,7 @@ SCHEDULES = {
     "interleaved_zb": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
+    "pipedream_2bw": None,  # loom's own runtime (loom.parallel.pipedream): torch's schedules drain every step
 }
 SINGLE_STAGE = ("gpipe", "1f1b", "pipedream_2bw")  # one stage per rank
 # no flush between steps, two weight versions (loom.parallel.pipedream: its own runtime, not a torch schedule)
