@@ -53,6 +53,7 @@ class WeightVersions:
             self.started = True
         self._copy_params(self.newest)
 
+    @torch.no_grad()
     def _copy_params(self, slot: int) -> None:
         for mine, params in zip(self.slots[slot], self.params):
             for name, p in params.items():
@@ -65,6 +66,18 @@ class WeightVersions:
         slot = self.current if version == "current" else self.newest
         with _reparametrize_module(self.modules[index], self.slots[slot][index], tie_weights=True):
             yield
+
+    def stash(self) -> dict[str, torch.Tensor]:
+        """The version the next step computes with (one update behind the optimizer's weights), by parameter name:
+        what a checkpoint holds beside the weights so that a resumed run continues as the uninterrupted one. A
+        checkpoint load writes into these tensors, then ``loaded``."""
+        if not self.started:  # no step ran: the next computes with the weights as they are
+            self._copy_params(self.newest)
+        return {n: t.detach() for slot in self.slots[self.newest] for n, t in slot.items()}
+
+    def loaded(self) -> None:
+        """A checkpoint's stash is in place: the next step computes with it."""
+        self.started = True
 
     @torch.no_grad()
     def finish(self) -> None:

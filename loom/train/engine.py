@@ -64,7 +64,7 @@ from loom.train.steps import (
     LocalStep,
     PipelineStep,
     StepContext,
-    TwoBWResume,
+    TwoBWCheckpoint,
     TwoBWStep,
 )
 from loom.train.zero import OptimizerShard
@@ -118,8 +118,8 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
         hooks.append(NvtxRanges(None if cfg.training.compile else transformer_blocks(engine.parts)))
     if cfg.metrics.straggler_fraction > 0 and engine.env.world_size > 1:  # per-rank timing at logged steps
         hooks.append(StragglersHook.build(engine, cfg.metrics.straggler_fraction))
-    if cfg.parallel.pp_schedule == "pipedream_2bw":  # its checkpoints lack the older weight version
-        hooks.append(TwoBWResume())
+    if cfg.parallel.pp_schedule == "pipedream_2bw":  # its checkpoints hold the older weight version too
+        hooks.append(TwoBWCheckpoint(engine.steps.versions))
     hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))
     return hooks
 
@@ -238,6 +238,10 @@ class Engine:
     def replica(self):
         """The state a checkpoint holds beside the model's, from the hooks (DiLoCo's outer state), or None."""
         return next((h.replica for h in self.hooks if h.replica is not None), None)
+
+    def extra_state(self) -> dict:
+        """Entries the hooks add to a checkpoint beside the model and optimizer state (``StepHook.extra_state``)."""
+        return {k: v for h in self.hooks for k, v in h.extra_state().items()}
 
     def autocast(self):
         """The step's autocast (none in float32, or where FSDP2 casts)."""

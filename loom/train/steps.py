@@ -310,15 +310,32 @@ class TwoBWStep(PipelineStep):
         return [(mb.inputs, mb.labels, self.ctx.positions(mb)) for mb in mbs]
 
 
-class TwoBWResume(StepHook):
-    """Refuses to resume a pipedream_2bw run (any pp): its checkpoints hold the newest weights and the optimizer
-    state, not the older version the next step computes with, so a resumed run could not continue as an
-    uninterrupted one would."""
+STASH_KEY = "pipedream_2bw_stash"  # a checkpoint's entry of the older weight version
+
+
+class TwoBWCheckpoint(StepHook):
+    """pipedream_2bw's checkpoints (any pp): beside the newest weights and the optimizer state, the older version the
+    next step computes with (``WeightVersions.stash``), so a resumed run continues as the uninterrupted one. A
+    checkpoint without it (written under another schedule) is refused: the delayed rule would restart there."""
+
+    def __init__(self, versions: WeightVersions):
+        self.versions = versions
 
     def check_resume(self, folder: str) -> None:
-        raise ConfigError(
-            "parallel.pp_schedule",
-            TWO_BW,
-            f"cannot resume from {folder}: its checkpoint holds the newest weights, not the older version the "
-            "next step computes with; start afresh (checkpoint.resume = none) or resume with another schedule",
-        )
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+        if not any(k.startswith(STASH_KEY + ".") for k in keys):
+            raise ConfigError(
+                "parallel.pp_schedule",
+                TWO_BW,
+                f"cannot resume from {folder}: written without pipedream_2bw, it lacks the older weight version "
+                "the next step computes with; start afresh (checkpoint.resume = none) or keep that run's schedule",
+            )
+
+    def extra_state(self) -> dict:
+        return {STASH_KEY: self.versions.stash()}
+
+    def loaded(self, with_state: bool) -> None:
+        if with_state:
+            self.versions.loaded()

@@ -393,3 +393,37 @@ def compiled_compositions4(tmp):
 def test_compiled_compositions_on_4_ranks_match_single_process(reference, tmp_path):
     jobs = compiled_compositions4(tmp_path)
     check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))
+
+
+def test_pipedream_2bw_resumes_as_the_uninterrupted_run(tmp_path):
+    """A pipedream_2bw checkpoint holds the older weight version too: resumed at step 2 on PP2 and on one rank, the
+    remaining steps equal the uninterrupted PP2 run's (same layout: exactly; one rank: fp32 tolerance)."""
+    two_bw = dict(m=2, pp_schedule="pipedream_2bw")
+    full_dir = str(tmp_path / "2bw-full")
+    resume = {"checkpoint.resume": ckpt(full_dir, 2)}
+    full, resumed = run_jobs(
+        2,
+        [
+            {
+                **job(tmp_path, "2bw-full", pp=2, dp_shard=1, **two_bw),
+                "checkpoint.every": 2,
+                "checkpoint.keep": 0,
+            },
+            {**job(tmp_path, "2bw-resumed", pp=2, dp_shard=1, **two_bw), **resume},
+        ],
+        str(tmp_path),
+    )
+    one = run_jobs(1, [{**job(tmp_path, "2bw-resumed-pp1", **two_bw), **resume}], str(tmp_path))[0]
+
+    def after_2(res):
+        assert "error" not in res, res["error"]
+        return [
+            (r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in res["records"] if r["step"] > 2
+        ]
+
+    want = after_2(full)
+    assert [r[0] for r in want] == list(range(3, STEPS + 1))
+    assert after_2(resumed) == want
+    got = after_2(one)
+    assert [(s, h) for s, _, _, h in got] == [(s, h) for s, _, _, h in want]
+    assert max(abs(a[1] - b[1]) / b[1] for a, b in zip(got, want)) < 1e-5

@@ -1,5 +1,5 @@
 """pipedream_2bw (loom.parallel.pipedream): the delayed-update rule against its formula, the stream's order (no
-flush between steps) and its bubble against 1F1B's, the config refusals and the refused resume."""
+flush between steps) and its bubble against 1F1B's, the config refusals, a resume without the older version."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from loom.config import ConfigError, build_config
 from loom.methods import resolve
 from loom.parallel.pipedream import WeightVersions, twobw_order, twobw_stream
 from loom.parallel.pipeline import simulated_bubble, theoretical_bubble, twobw_bubble
-from loom.train.steps import TwoBWResume
+from loom.train.steps import TwoBWCheckpoint
 
 
 def _delayed_run(model, batches, lr):
@@ -117,7 +117,17 @@ def test_pp_alone_and_one_rank_resolve():
     resolve(_cfg(), 1)  # the single-process reference of the rule
 
 
-def test_resume_is_refused_in_one_line(tmp_path):
+def test_resume_from_a_checkpoint_without_the_stash_is_refused_in_one_line(tmp_path):
+    """A checkpoint written under another schedule lacks the older weight version: refused before any weight is
+    read (pipedream_2bw's own checkpoints resume: tests/distributed/test_model_parallel.py)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = str(tmp_path / "step_00000002")
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=folder, no_dist=True)
+    hook = TwoBWCheckpoint(WeightVersions([torch.nn.Linear(2, 2)]))
     with pytest.raises(ConfigError) as exc:
-        TwoBWResume().check_resume(str(tmp_path / "step_4"))
-    assert "parallel.pp_schedule" in str(exc.value) and "\n" not in str(exc.value)
+        hook.check_resume(folder)
+    assert str(exc.value).startswith("parallel.pp_schedule = 'pipedream_2bw': cannot resume from")
+    assert "\n" not in str(exc.value)
+    dcp.save({"model": {"w": torch.zeros(2)}, **hook.extra_state()}, checkpoint_id=folder, no_dist=True)
+    hook.check_resume(folder)  # with the stash: resumes
