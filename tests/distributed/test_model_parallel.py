@@ -397,15 +397,19 @@ def test_compiled_compositions_on_4_ranks_match_single_process(reference, tmp_pa
 
 def test_pipedream_2bw_resumes_as_the_uninterrupted_run(tmp_path):
     """A pipedream_2bw checkpoint holds the older weight version too: resumed at step 2 on PP2 and on one rank, the
-    remaining steps equal the uninterrupted PP2 run's (same layout: exactly; one rank: fp32 tolerance)."""
+    remaining steps equal the uninterrupted PP2 run's (same layout: exactly; one rank: fp32 tolerance). Validation
+    runs between steps while the next step's first hidden states are in flight (steps 2 and 4) and leaves the
+    stream as it was."""
     two_bw = dict(m=2, pp_schedule="pipedream_2bw")
     full_dir = str(tmp_path / "2bw-full")
-    resume = {"checkpoint.resume": ckpt(full_dir, 2)}
+    val = {"training.eval_every": 2, "training.eval_batches": 4}
+    resume = {"checkpoint.resume": ckpt(full_dir, 2), **val}
     full, resumed = run_jobs(
         2,
         [
             {
                 **job(tmp_path, "2bw-full", pp=2, dp_shard=1, **two_bw),
+                **val,
                 "checkpoint.every": 2,
                 "checkpoint.keep": 0,
             },
@@ -427,3 +431,8 @@ def test_pipedream_2bw_resumes_as_the_uninterrupted_run(tmp_path):
     got = after_2(one)
     assert [(s, h) for s, _, _, h in got] == [(s, h) for s, _, _, h in want]
     assert max(abs(a[1] - b[1]) / b[1] for a, b in zip(got, want)) < 1e-5
+    vals = [
+        {r["step"]: r["val_loss"] for r in res["records"] if r["val_loss"] is not None} for res in (full, one)
+    ]
+    assert sorted(vals[0]) == [2, 4, STEPS] and sorted(vals[1]) == [4, STEPS]
+    assert all(abs(vals[1][s] - vals[0][s]) / vals[0][s] < 1e-5 for s in (4, STEPS))
