@@ -522,6 +522,8 @@ class Engine:
             folder = c.dir or os.path.join(self.run_dir, "checkpoints")
             total, trainable = count_params(self.model_args, self.cfg.lora, self.objective.replace_head)
             need = 4 * (total + 2 * trainable)  # the AdamW moments of the trainable parameters only
+            if self.cfg.parallel.pp_schedule == "pipedream_2bw":  # and the older weight version
+                need += 4 * total
             free = shutil.disk_usage(folder).free
             if free < need:
                 error = (
