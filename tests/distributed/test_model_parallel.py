@@ -120,6 +120,10 @@ def compositions4(tmp):
             dp_shard=1,
         ),
         "pp4-1f1b-m4": job(tmp, "pp4-1f1b-m4", m=4, pp=4, dp_shard=1),
+        # middle stages receive hidden states and send gradients both ways; against the one-rank delayed rule
+        "pp4-pipedream_2bw-m4": job(
+            tmp, "pp4-pipedream_2bw-m4", m=4, pp=4, dp_shard=1, pp_schedule="pipedream_2bw"
+        ),
         # weight passes after FSDP's backward hooks: blocks keep their parameters gathered (1e-2 off otherwise)
         "pp2xfsdp2-zbv-m4": job(tmp, "pp2xfsdp2-zbv-m4", m=4, dp=2, pp=2, pp_schedule="zbv", dp_shard=2),
         "pp2xddp2-interleaved_zb-m2": job(
