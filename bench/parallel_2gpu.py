@@ -1,4 +1,5 @@
-"""Two-GPU layouts against one GPU, same run: 1 GPU, FSDP2 x2, TP x2, PP x2 (1F1B and interleaved 1F1B).
+"""Two-GPU layouts against one GPU, same run: 1 GPU, FSDP2 x2, TP x2, PP x2 (1F1B and interleaved 1F1B; PipeDream-2BW
+with ``--layouts pp2_1f1b,pp2_2bw``, without ``--compile``).
 
 Each layout is a real ``loom train`` job (``--nproc-per-node``), bf16 compute over fp32 master weights,
 fused AdamW, seq 2048, at the same tokens per optimizer step per GPU (``--seqs-per-gpu`` sequences).
@@ -31,6 +32,9 @@ LAYOUTS = {
         2,
         {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "interleaved_1f1b"},
     ),
+    # PipeDream-2BW: no flush between steps (1-step-delayed weights, so its loss is not the others'): its bubble
+    # against pp2_1f1b's (without --compile: loom refuses compile with it)
+    "pp2_2bw": (2, {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "pipedream_2bw"}),
     "fsdp2_noreshard": (2, {"parallel.dp_shard": 2, "parallel.reshard_after_forward": "false"}),
     "single_compile": (1, {"training.compile": "true"}),
     # asynchronous (micro-pipelined) TP against plain TP, both compiled (the pass runs in Inductor)
@@ -106,7 +110,8 @@ def run_layout(flavor: str, layout: str, a, index: int) -> dict:
             {
                 "microbatches": m,
                 "stages_per_rank": per_rank,
-                "bubble_theoretical": theoretical_bubble(schedule, 2, m, per_rank),
+                # pipedream_2bw: over the run's steps (filled and drained once)
+                "bubble_theoretical": theoretical_bubble(schedule, 2, m, per_rank, cfg["training.steps"]),
                 "idle_measured_per_stage": idle,
                 "idle_measured_mean": sum(idle) / len(idle),
             }

@@ -317,11 +317,13 @@ def _merged(states: list[tuple[dict, dict]]) -> dict:
     return {"model": model, "optimizer": optim}
 
 
-def _app_state(state: dict, replica) -> dict:
+def _app_state(state: dict, replica, extra: dict | None = None) -> dict:
     """What DCP writes or reads: ``state`` (model and optimizer), or under DiLoCo (``replica``:
     loom.train.diloco.DiLoCo) this group's state under its own key beside the state all groups share, whose
-    ``model`` is the outer weights."""
-    return state if replica is None else {replica.key: state, **replica.shared_state(state["model"])}
+    ``model`` is the outer weights; ``extra``: entries of the step hooks beside them (pipedream_2bw's older
+    weight version), read back into the same tensors."""
+    out = state if replica is None else {replica.key: state, **replica.shared_state(state["model"])}
+    return {**out, **extra} if extra else out
 
 
 class _HashingWriter(FileSystemWriter):
@@ -386,9 +388,11 @@ class CheckpointManager:
             if name.startswith(".step_") and name.endswith((".tmp", ".deleting")):
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
-    def save(self, step: int, parts, optimizers, trainer_state: dict, config_toml: str, replica=None) -> None:
+    def save(
+        self, step: int, parts, optimizers, trainer_state: dict, config_toml: str, replica=None, extra=None
+    ) -> None:
         """``parts``: a model or this rank's model parts; ``optimizers``: its optimizer or an
-        ``OptimizerParts`` over the parts; ``replica``: DiLoCo's outer state (``_app_state``)."""
+        ``OptimizerParts`` over the parts; ``replica``: DiLoCo's outer state, ``extra``: the hooks' (``_app_state``)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()  # one save in flight at a time
@@ -403,7 +407,7 @@ class CheckpointManager:
             _write_synced(os.path.join(tmp, STATE), json.dumps(trainer_state))
             _write_synced(os.path.join(tmp, "config.toml"), config_toml)
         self.barrier()
-        state = _app_state(_merged(_part_states(_as_parts(parts, optimizers))), replica)
+        state = _app_state(_merged(_part_states(_as_parts(parts, optimizers))), replica, extra)
         writer = _HashingWriter(tmp)
         if self.cfg.async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=self._group)
@@ -637,7 +641,7 @@ class CheckpointManager:
             lineage = None if state.get("model_only") else (state.get("lineage") or marker_lineage(folder))
         return folder, lineage or new_lineage()
 
-    def load(self, folder: str, parts, optimizers, replica=None) -> dict | None:
+    def load(self, folder: str, parts, optimizers, replica=None, extra=None) -> dict | None:
         """Load checkpoint ``folder`` (from ``choose``) into the model parts and their optimizers (any layout:
         the names do not depend on it); returns its trainer state, None for a weights-only checkpoint."""
         import torch.distributed.checkpoint as dcp
@@ -654,7 +658,7 @@ class CheckpointManager:
         pairs = _as_parts(parts, optimizers)
         states = _part_states(pairs)
         state = _merged(states)
-        dcp.load(_app_state(state, replica), checkpoint_id=folder, no_dist=_single_process())
+        dcp.load(_app_state(state, replica, extra), checkpoint_id=folder, no_dist=_single_process())
         given: set[str] = set()
         for (part, opt), (m, o) in zip(pairs, states):
             # from the merged dict: a name shared by two local parts was loaded into one tensor, which each

@@ -99,7 +99,8 @@ def theoretical_bubble(run_dir: str, records: list[dict]) -> float | None:
         world = round(last["tokens_per_s"] / last["tokens_per_s_per_device"])
         dims = ParallelDims.from_config(parallel, world)
         accum = accumulation_steps(SimpleNamespace(**conf["training"]), dims.dp_size)
-        return bubble(parallel.pp_schedule, parallel.pp, accum, stages_per_rank(parallel))
+        steps = int(conf["training"].get("steps", 1))  # pipedream_2bw fills and drains once per run
+        return bubble(parallel.pp_schedule, parallel.pp, accum, stages_per_rank(parallel), steps)
     except (
         OSError,
         KeyError,

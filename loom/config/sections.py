@@ -737,13 +737,24 @@ class ParallelConfig:
     )
     pp_schedule: str = opt(
         "1f1b",
-        "pipeline schedule (docs/parallelism.md: bubble and memory of each)",
-        choices=("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"),
+        "pipeline schedule (docs/parallelism.md: bubble and memory of each); pipedream_2bw = PipeDream-2BW, no "
+        "flush between steps on two weight versions: each step computes with the weights one update behind "
+        "(1-step-delayed updates, a different rule from the others; with pp = 1 the same rule on one rank)",
+        choices=(
+            "gpipe",
+            "1f1b",
+            "interleaved_1f1b",
+            "looped_bfs",
+            "interleaved_zb",
+            "zbv",
+            "dualpipev",
+            "pipedream_2bw",
+        ),
         resume=(FREE, LAYOUT),
     )
     pp_virtual_stages: int = opt(
         0,
-        "pipeline stages per pp rank; 0 = the schedule's own (1 for gpipe/1f1b, "
+        "pipeline stages per pp rank; 0 = the schedule's own (1 for gpipe/1f1b/pipedream_2bw, "
         "2 otherwise; V-shaped zbv/dualpipev need exactly 2)",
         min=0,
         resume=(FREE, LAYOUT),

@@ -26,8 +26,11 @@ SCHEDULES = {
     "interleaved_zb": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
+    "pipedream_2bw": None,  # loom's own runtime (loom.parallel.pipedream): torch's schedules drain every step
 }
-SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank
+SINGLE_STAGE = ("gpipe", "1f1b", "pipedream_2bw")  # one stage per rank
+# no flush between steps, two weight versions (loom.parallel.pipedream: its own runtime, not a torch schedule)
+TWO_BW = "pipedream_2bw"
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, in a V
 SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # input and weight gradients computed apart
 
@@ -332,7 +335,8 @@ def forward_chain(plan: PipelinePlan, stage_modules: list, pp_group, x, device, 
     return h if plan.has_last else None
 
 
-def _send_hidden(h, group, dst: int) -> None:
+def _send_hidden(h, group, dst: int, tag: int = 0, wait: bool = True):
+    """A shape header, then ``h``; ``wait`` false: sent asynchronously, returns [(work, tensor)] to keep alive."""
     import torch
     import torch.distributed as dist
 
@@ -340,19 +344,22 @@ def _send_hidden(h, group, dst: int) -> None:
     header = torch.zeros(8, dtype=torch.int64, device=h.device)  # ndim, dtype, shape...
     header[0], header[1] = h.dim(), _WIRE_DTYPES.index(str(h.dtype).removeprefix("torch."))
     header[2 : 2 + h.dim()] = torch.tensor(h.shape)
-    dist.send(header, group=group, group_dst=dst)
-    dist.send(h, group=group, group_dst=dst)
+    if wait:
+        dist.send(header, group=group, group_dst=dst, tag=tag)
+        dist.send(h, group=group, group_dst=dst, tag=tag)
+        return []
+    return [(dist.isend(t, group=group, group_dst=dst, tag=tag), t) for t in (header, h)]
 
 
-def _recv_hidden(group, src: int, device):
+def _recv_hidden(group, src: int, device, tag: int = 0):
     import torch
     import torch.distributed as dist
 
     header = torch.zeros(8, dtype=torch.int64, device=device)
-    dist.recv(header, group=group, group_src=src)
+    dist.recv(header, group=group, group_src=src, tag=tag)
     ndim, dtype = int(header[0]), getattr(torch, _WIRE_DTYPES[int(header[1])])
     h = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=device)
-    dist.recv(h, group=group, group_src=src)
+    dist.recv(h, group=group, group_src=src, tag=tag)
     return h
 
 
@@ -363,13 +370,16 @@ FORMULAS = {
     "1f1b": "(p-1)/(m+p-1)",
     "interleaved_1f1b": "(p-1)/(v*m+p-1)",
     "looped_bfs": "(p-1)/(v*m+p-1)",
+    TWO_BW: "(p-1)/(T*m+p-1), T = the run's steps (filled and drained once per run)",
 }
 
 
 def schedule_actions(schedule: str, pp: int, m: int, per_rank: int) -> list[list[tuple[str, int, int]]]:
     """Per pp rank, the compute actions in order: (kind F|B|I|W, stage, micro-batch)."""
-    if schedule in ("gpipe", "1f1b"):
-        return [_single_stage_actions(schedule, r, pp, m) for r in range(pp)]
+    if schedule in SINGLE_STAGE:  # a 2BW step holds 1F1B's micro-batches in flight: its actions within a step
+        return [
+            _single_stage_actions("gpipe" if schedule == "gpipe" else "1f1b", r, pp, m) for r in range(pp)
+        ]
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     ops = get_schedule_ops(SCHEDULES[schedule].removeprefix("Schedule"), pp, m, num_stages_per_rank=per_rank)
@@ -401,11 +411,19 @@ def _single_stage_actions(schedule: str, rank: int, pp: int, m: int) -> list[tup
     return acts
 
 
-def theoretical_bubble(schedule: str, pp: int, m: int, per_rank: int) -> float:
+def theoretical_bubble(schedule: str, pp: int, m: int, per_rank: int, steps: int = 1) -> float:
     """Idle fraction of the schedule with forward = 1, full backward = 2 (input 1 + weight 1) per stage
-    and free communication: 1 - busy / (pp x makespan)."""
-    actions = schedule_actions(schedule, pp, m, per_rank)
-    n_stages = pp * per_rank
+    and free communication: 1 - busy / (pp x makespan). pipedream_2bw: over a run of ``steps`` steps
+    (``twobw_bubble``); the other schedules flush at every step, so a step's fraction is the run's."""
+    if schedule == TWO_BW:
+        return twobw_bubble(pp, m, steps)
+    return simulated_bubble(schedule_actions(schedule, pp, m, per_rank), pp * per_rank, schedule)
+
+
+def simulated_bubble(actions: list[list[tuple[str, int, int]]], n_stages: int, name: str = "") -> float:
+    """Idle fraction of per-rank action lists (``schedule_actions``' form) run with unit costs (F = 1, B = 2,
+    I = W = 1), each action starting once its rank is free and its inputs are done."""
+    pp = len(actions)
     cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * pp
@@ -427,7 +445,7 @@ def theoretical_bubble(schedule: str, pp: int, m: int, per_rank: int) -> float:
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {schedule} (pp={pp}, m={m}) deadlocks in the simulation")
+            raise RuntimeError(f"schedule {name} ({pp} ranks) deadlocks in the simulation")
     return 1.0 - busy / (pp * max(clock))
 
 
@@ -437,3 +455,11 @@ def _deps(kind: str, s: int, i: int, n_stages: int) -> list[tuple[str, int, int]
     if kind in ("B", "I"):
         return [("F", s, i)] + ([("B", s + 1, i)] if s < n_stages - 1 else [])
     return [("B", s, i)]  # W after the input gradient of the same stage and micro-batch
+
+
+def twobw_bubble(pp: int, m: int, steps: int) -> float:
+    """pipedream_2bw's idle fraction over a ``steps``-step run (F = 1, B = 2, free communication): one 1F1B stream
+    of steps x m micro-batches, filled and drained once, (p-1) / (steps*m + p-1), where 1F1B pays (p-1) / (m+p-1)
+    at every step; the steady state (many steps) has none. ``theoretical_bubble("1f1b", pp, steps * m, 1)`` is the
+    same stream simulated."""
+    return (pp - 1) / (steps * m + pp - 1)

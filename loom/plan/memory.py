@@ -86,6 +86,9 @@ class MemoryInputs:
     cp_ring: bool = False  # parallel.cp_method = ring: no gathered K/V kept for the backward
     offload_blocks: int = 0  # training.activation_offload: blocks whose saved tensors wait on the host
     nvme: bool = False  # optimizer.offload nvme: the AdamW moments in files
+    weight_versions: int = (
+        0  # pp_schedule pipedream_2bw: fp32 copies of the weights beside the optimizer's (2)
+    )
 
 
 def held_params(share, x: MemoryInputs) -> float:
@@ -110,6 +113,7 @@ def state_memory(params: float, x: MemoryInputs) -> Memory:
         weights, grads, optimizer = stage_state(
             params, x.optimizer_shard, 1 if x.optimizer_shard > 1 else 0, 4, 4, moments
         )
+    weights += x.weight_versions * 4 * params  # unsharded: pipedream_2bw runs on pipeline ranks alone
     return Memory(weights=weights, gradients=grads, optimizer=optimizer)
 
 

@@ -257,6 +257,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         etp=dims.etp,
         optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1,
         cp_ring=dims.cp > 1 and p.cp_method == "ring",
+        weight_versions=2 if p.pp_schedule == "pipedream_2bw" else 0,
         offload_blocks=len(offloaded_blocks(t.activation_offload, args.n_layers)),
         nvme=cfg.optimizer.offload == "nvme",
     )
@@ -401,7 +402,7 @@ def rank_time(
     if args.moe:
         st.moe = m * moe_mb.overhead
     if dims.pp > 1:
-        bubble = theoretical_bubble(p.pp_schedule, dims.pp, m, stages_per_rank(p))
+        bubble = theoretical_bubble(p.pp_schedule, dims.pp, m, stages_per_rank(p), t.steps)
         st.bubble = st.compute * bubble / (1 - bubble)
         act = tokens * args.dim * BYTES[t.dtype]
         st.pp = 2 * m * len(share.stages) * act / (_bandwidth(dims, ("pp",), gpu) * 1e9)

@@ -59,7 +59,14 @@ from loom.train.optimizer import OptimizerParts
 from loom.train.precision import LossScaler, autocast_context
 from loom.train.run_dir import check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts, lr_factor
-from loom.train.steps import LocalStep, PipelineStep, StepContext
+from loom.train.steps import (
+    DelayedLocalStep,
+    LocalStep,
+    PipelineStep,
+    StepContext,
+    TwoBWCheckpoint,
+    TwoBWStep,
+)
 from loom.train.zero import OptimizerShard
 
 
@@ -111,6 +118,8 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
         hooks.append(NvtxRanges(None if cfg.training.compile else transformer_blocks(engine.parts)))
     if cfg.metrics.straggler_fraction > 0 and engine.env.world_size > 1:  # per-rank timing at logged steps
         hooks.append(StragglersHook.build(engine, cfg.metrics.straggler_fraction))
+    if cfg.parallel.pp_schedule == "pipedream_2bw":  # its checkpoints hold the older weight version too
+        hooks.append(TwoBWCheckpoint(engine.steps.versions))
     hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))
     return hooks
 
@@ -229,6 +238,10 @@ class Engine:
     def replica(self):
         """The state a checkpoint holds beside the model's, from the hooks (DiLoCo's outer state), or None."""
         return next((h.replica for h in self.hooks if h.replica is not None), None)
+
+    def extra_state(self) -> dict:
+        """Entries the hooks add to a checkpoint beside the model and optimizer state (``StepHook.extra_state``)."""
+        return {k: v for h in self.hooks for k, v in h.extra_state().items()}
 
     def autocast(self):
         """The step's autocast (none in float32, or where FSDP2 casts)."""
@@ -509,6 +522,8 @@ class Engine:
             folder = c.dir or os.path.join(self.run_dir, "checkpoints")
             total, trainable = count_params(self.model_args, self.cfg.lora, self.objective.replace_head)
             need = 4 * (total + 2 * trainable)  # the AdamW moments of the trainable parameters only
+            if self.cfg.parallel.pp_schedule == "pipedream_2bw":  # and the older weight version
+                need += 4 * total
             free = shutil.disk_usage(folder).free
             if free < need:
                 error = (
@@ -533,10 +548,26 @@ class Engine:
             self.profiler,
             cfg.training.cuda_graphs,
         )
+        two_bw = cfg.parallel.pp_schedule == "pipedream_2bw"  # 1-step-delayed weights, whatever pp
         if pm.plan is None:
-            self.steps: LocalStep | PipelineStep = LocalStep(pm.modules[0], self.parts, self.objective, ctx)
+            local = DelayedLocalStep if two_bw else LocalStep
+            self.steps: LocalStep | PipelineStep = local(pm.modules[0], self.parts, self.objective, ctx)
+        elif two_bw:
+            self.steps = TwoBWStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
         else:
             self.steps = PipelineStep(pm.plan, self.parts, pm.modules, self.objective, ctx, self.accum)
+        if pm.plan is not None:
+            self.steps.steps = cfg.training.steps
+
+    def _upcoming(self, number: int) -> list[MicroBatch] | None:
+        """Step ``number + 1``'s micro-batches on this rank, read without moving the loader (pipedream_2bw runs
+        their first forwards in step ``number``); None after the run's last step."""
+        if number >= self.cfg.training.steps:
+            return None
+        state = self.loader.state_dict()
+        batch = self.loader.next_step().micro_batches
+        self.loader.load_state_dict(state)
+        return [self.local_tokens(mb) for mb in batch]
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph); NVTX
@@ -583,6 +614,8 @@ class Engine:
         for hook in self.hooks:
             hook.before_step(loss_scale)
         self.objective.step_stats()  # statistics of forwards before this step are not its own
+        if isinstance(self.steps, TwoBWStep):  # it runs the next step's first forwards in this one
+            self.steps.upcoming = lambda: self._upcoming(number)
         result = next(
             (r for h in self.hooks if (r := h.run_step(self.steps, mbs, grad_scale, loss_scale)) is not None),
             None,

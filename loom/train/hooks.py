@@ -20,7 +20,7 @@ class StepHook:
     """Every point a hook may join, each a no-op here. The engine's step: ``before_count`` → ``reduce`` (every
     global sum) → ``grad_scale`` → ``before_step`` → ``run_step`` → ``after_backward`` → ``commits`` →
     ``observe_norm`` → ``agree`` → ``after_update`` → ``step_out``. The loop: ``begin``, ``quorum``, ``data_wait``,
-    ``stops``, ``record``, ``interval``, ``stopped``, ``describe``, ``finish``, ``close``; checkpoints: ``replica``, ``state_dict``, ``check_resume``, ``loaded``,
+    ``stops``, ``record``, ``interval``, ``stopped``, ``describe``, ``finish``, ``close``; checkpoints: ``replica``, ``state_dict``, ``check_resume``, ``extra_state``, ``loaded``,
     ``resumed``."""
 
     may_abort = (
@@ -111,6 +111,11 @@ class StepHook:
 
     def check_resume(self, folder: str) -> None:
         """Before any weight of ``folder`` is read."""
+
+    def extra_state(self) -> dict:
+        """Entries a checkpoint holds beside the model and optimizer state (DCP: each rank its own tensors, read
+        back into the same tensors before ``loaded``)."""
+        return {}
 
     def loaded(self, with_state: bool) -> None:
         """A checkpoint's weights are loaded (``with_state``: and its trainer state)."""

@@ -169,6 +169,7 @@ class Loop:
                 self.state_dict(),
                 self.recorded_toml,
                 replica=self.engine.replica,
+                extra=self.engine.extra_state(),
             )
 
     def resume(self) -> None:
@@ -184,7 +185,9 @@ class Loop:
         )
         for hook in self.engine.hooks:  # before any weight is read (DiLoCo refuses another number of groups)
             hook.check_resume(folder)
-        state = self.checkpointer.load(folder, self.parts, self.optimizer, replica=self.engine.replica)
+        state = self.checkpointer.load(
+            folder, self.parts, self.optimizer, replica=self.engine.replica, extra=self.engine.extra_state()
+        )
         for hook in self.engine.hooks:
             hook.loaded(with_state=state is not None)
         if state is not None:

@@ -1,6 +1,7 @@
 """Step strategies: how a step's micro-batches run forward and backward on this rank. ``LocalStep`` runs them one
 after another through the whole model (gradient accumulation); ``PipelineStep`` runs them through a pipeline
-schedule over this rank's stages. The trainer picks one at build time and calls only this interface; the
+schedule over this rank's stages; under ``pp_schedule = pipedream_2bw`` (1-step-delayed weights) ``DelayedLocalStep``
+(one rank: the rule's reference) and ``TwoBWStep`` (a stream with no flush between steps). The trainer picks one at build time and calls only this interface; the
 objective (loom.train.objective) says what the loss of a micro-batch is."""
 
 from __future__ import annotations
@@ -12,11 +13,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from loom.config.errors import ConfigError
 from loom.data.loader import MicroBatch
 from loom.metrics.nvtx import nvtx_range
-from loom.parallel.pipeline import V_SHAPED, BusyClock, build_schedule, forward_chain, theoretical_bubble
+from loom.parallel.pipedream import TwoBWPipeline, WeightVersions
+from loom.parallel.pipeline import (
+    TWO_BW,
+    V_SHAPED,
+    BusyClock,
+    build_schedule,
+    forward_chain,
+    theoretical_bubble,
+)
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
 from loom.train.grads import TiedEmbeddingGrads, global_grad_norm, unique_params
+from loom.train.hooks import StepHook
 from loom.train.objective import Objective
 
 
@@ -137,6 +148,7 @@ class PipelineStep:
         self.tied = TiedEmbeddingGrads(parts, plan, ctx.dims)
         self.norm_params = self.tied.params_counted_once(parts)
         self.ran = False  # whether the schedule ran in this process (its first run infers shapes)
+        self.steps = 1  # steps of the run (the bubble of a schedule that flushes once per run)
 
     def step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> StepResult:
         self.loss_fn.scale = grad_scale
@@ -177,7 +189,9 @@ class PipelineStep:
         total = torch.zeros((), device=self.ctx.device)
         self.loss_fn.scale = 1.0
         timed = len(self.busy.spans)
-        if self.plan.schedule in V_SHAPED:  # torch's forward-only run of these fails: stage by stage instead
+        if self.plan.schedule in V_SHAPED + (
+            TWO_BW,
+        ):  # torch's forward-only run of these fails, 2BW has none
             for mb in mbs:
                 with self.ctx.autocast(), loss_parallel_context(self.ctx.loss_parallel):
                     out = forward_chain(
@@ -208,12 +222,17 @@ class PipelineStep:
     def describe(self, accum: int) -> list[str]:
         p = self.plan
         try:
-            bubble = f"{100 * theoretical_bubble(p.schedule, p.pp, accum, p.per_rank):.1f}%"
+            bubble = f"{100 * theoretical_bubble(p.schedule, p.pp, accum, p.per_rank, self.steps):.1f}%"
         except (ImportError, AttributeError, RuntimeError, ValueError) as err:  # private torch API moved
             bubble = f"unknown ({type(err).__name__}: {err})"
         return [
             f"pipeline: {p.schedule}, pp={p.pp}, {p.per_rank} stage(s) per rank, {accum} micro-batches: "
-            f"theoretical bubble {bubble} (idle / total, F=1 B=2)",
+            f"theoretical bubble {bubble} (idle / total, F=1 B=2"
+            + (
+                f", over the run's {self.steps} steps: no flush between them)"
+                if p.schedule == TWO_BW
+                else ")"
+            ),
             f"pipeline split: {p.describe()}",
         ]
 
@@ -223,3 +242,100 @@ class PipelineStep:
         out = [torch.zeros_like(t) for _ in range(self.ctx.dims.pp)]
         dist.all_gather(out, t, group=self.group)
         return {"pp_idle": [round(float(x), 4) for x in out]}
+
+
+# ---- pipedream_2bw --------------------------------------------------------------------------------------------------
+
+
+class DelayedLocalStep(LocalStep):
+    """``LocalStep`` on 1-step-delayed weights (loom.parallel.pipedream's rule): each step's micro-batches compute
+    with the weights one update behind the optimizer's, whose update their gradient then makes. On one rank this
+    is what pipedream_2bw computes on any number of stages: its single-process reference."""
+
+    def __init__(self, module, parts, objective: Objective, ctx: StepContext):
+        super().__init__(module, parts, objective, ctx)
+        self.versions = WeightVersions(parts)
+
+    def step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> StepResult:
+        self.versions.begin()
+        with self.versions.using("current"):
+            result = super().step(mbs, grad_scale)
+        self.versions.finish()
+        return result
+
+
+class TwoBWStep(PipelineStep):
+    """pipedream_2bw over this rank's one stage (``TwoBWPipeline``): the step's micro-batches on the current
+    weight version, then the next step's first ones on the newest (``upcoming``: the engine sets it to a function
+    returning the next step's micro-batches, or None at the run's last step). Validation runs stage by stage on
+    the newest weights (``forward_chain``)."""
+
+    def __init__(self, plan, parts, modules, objective: Objective, ctx: StepContext, accum: int):
+        self.plan, self.parts, self.modules, self.ctx, self.accum = plan, parts, modules, ctx, accum
+        self.group = ctx.dims["pp"].get_group()
+        self.busy = BusyClock(ctx.device)
+        self.loss_fn = _ScaledLoss(objective)
+        self.versions = WeightVersions(parts)
+        self.pipeline = TwoBWPipeline(plan, self.versions, self.group, ctx.device, self.busy)
+        self.tied = TiedEmbeddingGrads(parts, plan, ctx.dims)
+        self.norm_params = self.tied.params_counted_once(parts)
+        self.steps = 1
+        self.upcoming: Callable[[], list[MicroBatch] | None] = lambda: None
+
+    def step(self, mbs: list[MicroBatch], grad_scale: torch.Tensor) -> StepResult:
+        self.loss_fn.scale = grad_scale
+        upcoming = self.upcoming()
+        self.versions.begin()
+        self.busy.start()
+        with (
+            self.ctx.profiler.phase("forward_backward"),
+            self.ctx.autocast(),
+            loss_parallel_context(self.ctx.loss_parallel),
+        ):
+            losses = self.pipeline.step(
+                self._triples(mbs), self._triples(upcoming) if upcoming is not None else None, self.loss_fn
+            )
+        self.busy.stop()
+        self.versions.finish()
+        self.tied.sync()
+        loss_sum = (
+            torch.stack(losses).sum().detach() / grad_scale
+            if losses
+            else torch.zeros((), device=self.ctx.device)
+        )
+        dist.all_reduce(loss_sum, group=self.group)  # only the last stage holds it
+        return StepResult(loss_sum)
+
+    def _triples(self, mbs: list[MicroBatch]) -> list[tuple]:
+        return [(mb.inputs, mb.labels, self.ctx.positions(mb)) for mb in mbs]
+
+
+STASH_KEY = "pipedream_2bw_stash"  # a checkpoint's entry of the older weight version
+
+
+class TwoBWCheckpoint(StepHook):
+    """pipedream_2bw's checkpoints (any pp): beside the newest weights and the optimizer state, the older version the
+    next step computes with (``WeightVersions.stash``), so a resumed run continues as the uninterrupted one. A
+    checkpoint without it (written under another schedule) is refused: the delayed rule would restart there."""
+
+    def __init__(self, versions: WeightVersions):
+        self.versions = versions
+
+    def check_resume(self, folder: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+        if not any(k.startswith(STASH_KEY + ".") for k in keys):
+            raise ConfigError(
+                "parallel.pp_schedule",
+                TWO_BW,
+                f"cannot resume from {folder}: written without pipedream_2bw, it lacks the older weight version "
+                "the next step computes with; start afresh (checkpoint.resume = none) or keep that run's schedule",
+            )
+
+    def extra_state(self) -> dict:
+        return {STASH_KEY: self.versions.stash()}
+
+    def loaded(self, with_state: bool) -> None:
+        if with_state:
+            self.versions.loaded()

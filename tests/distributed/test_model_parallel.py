@@ -1,7 +1,9 @@
 """Layout invariance of tensor, sequence and pipeline parallelism and their compositions with FSDP/HSDP/DDP:
 for a fixed seed and global batch, the loss at every step equals the single-process loss (fp32, within
 1e-5 relative over 5 steps). Every pipeline schedule runs with m = p and m = 2p micro-batches (V-shaped
-ones with m = 2p and 4p); tied embeddings (the 1B/3B case) run under every schedule. Then checkpoints
+ones with m = 2p and 4p); tied embeddings (the 1B/3B case) run under every schedule. pipedream_2bw (1-step-delayed
+weights) equals one process running the same delayed rule (``pp_schedule = pipedream_2bw`` on one rank), which
+differs from synchronous training. Then checkpoints
 reshard across layouts: saved under PP2 x TP2, resumed under FSDP4, and the reverse."""
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from tests.distributed.harness import reference as single_reference
 from tests.tiny import tiny_overrides
 
 STEPS, GLOBAL, LAYERS = 5, 8, 4
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
+SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zb",
+    "zbv",
+    "dualpipev",
+    "pipedream_2bw",
+]
 
 
 def job(tmp, name, m=1, dp=1, tied=True, **parallel):
@@ -109,6 +120,10 @@ def compositions4(tmp):
             dp_shard=1,
         ),
         "pp4-1f1b-m4": job(tmp, "pp4-1f1b-m4", m=4, pp=4, dp_shard=1),
+        # middle stages receive hidden states and send gradients both ways; against the one-rank delayed rule
+        "pp4-pipedream_2bw-m4": job(
+            tmp, "pp4-pipedream_2bw-m4", m=4, pp=4, dp_shard=1, pp_schedule="pipedream_2bw"
+        ),
         # weight passes after FSDP's backward hooks: blocks keep their parameters gathered (1e-2 off otherwise)
         "pp2xfsdp2-zbv-m4": job(tmp, "pp2xfsdp2-zbv-m4", m=4, dp=2, pp=2, pp_schedule="zbv", dp_shard=2),
         "pp2xddp2-interleaved_zb-m2": job(
@@ -164,6 +179,10 @@ def reference(tmp_path_factory):
         ("true", "float32"): single_reference(job(tmp, "single-tied")),
         ("false", "float32"): single_reference(job(tmp, "single-untied", tied=False)),
         ("true", "float16"): single_reference({**job(tmp, "single-fp16"), "training.dtype": "float16"}),
+        # pipedream_2bw's rule (1-step-delayed weights) on one rank: what its pipelines must equal
+        ("true", "float32", "delayed"): single_reference(
+            job(tmp, "single-delayed", pp_schedule="pipedream_2bw")
+        ),
     }
 
 
@@ -181,7 +200,8 @@ def check(reference, jobs, results):
             bad.append(f"{name}: {res['error']}")
             continue
         dtype = j.get("training.dtype", "float32")
-        ref = reference[(j["model.tie_embeddings"], dtype)]
+        delayed = ("delayed",) if j.get("parallel.pp_schedule") == "pipedream_2bw" else ()
+        ref = reference[(j["model.tie_embeddings"], dtype, *delayed)]
         dev = max_rel(losses(res), [r["loss"] for r in ref])
         gdev = max_rel([r["grad_norm"] for r in res["records"]], [r["grad_norm"] for r in ref])
         report.append(f"{name}: max rel deviation loss {dev:.2e}, grad norm {gdev:.2e}")
@@ -196,6 +216,11 @@ def check(reference, jobs, results):
 def test_tp_and_every_pipeline_schedule_match_single_process(reference, tmp_path, broad):
     jobs = {k: v for k, v in pipeline_only(tmp_path).items() if (k in CORE_PP) != broad}
     check(reference, jobs, run_jobs(2, list(jobs.values()), str(tmp_path)))
+    # the guard on pipedream_2bw's check: its delayed rule is not synchronous training from step 2 on
+    delayed = [r["loss"] for r in reference[("true", "float32", "delayed")]]
+    sync = [r["loss"] for r in reference[("true", "float32")]]
+    assert delayed[0] == pytest.approx(sync[0], rel=1e-6)
+    assert max(abs(x - y) / abs(y) for x, y in zip(delayed[1:], sync[1:])) > 1e-3
 
 
 @pytest.mark.slow
@@ -372,3 +397,46 @@ def compiled_compositions4(tmp):
 def test_compiled_compositions_on_4_ranks_match_single_process(reference, tmp_path):
     jobs = compiled_compositions4(tmp_path)
     check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))
+
+
+def test_pipedream_2bw_resumes_as_the_uninterrupted_run(tmp_path):
+    """A pipedream_2bw checkpoint holds the older weight version too: resumed at step 2 on PP2 and on one rank, the
+    remaining steps equal the uninterrupted PP2 run's (same layout: exactly; one rank: fp32 tolerance). Validation
+    runs between steps while the next step's first hidden states are in flight (steps 2 and 4) and leaves the
+    stream as it was."""
+    two_bw = dict(m=2, pp_schedule="pipedream_2bw")
+    full_dir = str(tmp_path / "2bw-full")
+    val = {"training.eval_every": 2, "training.eval_batches": 4}
+    resume = {"checkpoint.resume": ckpt(full_dir, 2), **val}
+    full, resumed = run_jobs(
+        2,
+        [
+            {
+                **job(tmp_path, "2bw-full", pp=2, dp_shard=1, **two_bw),
+                **val,
+                "checkpoint.every": 2,
+                "checkpoint.keep": 0,
+            },
+            {**job(tmp_path, "2bw-resumed", pp=2, dp_shard=1, **two_bw), **resume},
+        ],
+        str(tmp_path),
+    )
+    one = run_jobs(1, [{**job(tmp_path, "2bw-resumed-pp1", **two_bw), **resume}], str(tmp_path))[0]
+
+    def after_2(res):
+        assert "error" not in res, res["error"]
+        return [
+            (r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in res["records"] if r["step"] > 2
+        ]
+
+    want = after_2(full)
+    assert [r[0] for r in want] == list(range(3, STEPS + 1))
+    assert after_2(resumed) == want
+    got = after_2(one)
+    assert [(s, h) for s, _, _, h in got] == [(s, h) for s, _, _, h in want]
+    assert max(abs(a[1] - b[1]) / b[1] for a, b in zip(got, want)) < 1e-5
+    vals = [
+        {r["step"]: r["val_loss"] for r in res["records"] if r["val_loss"] is not None} for res in (full, one)
+    ]
+    assert sorted(vals[0]) == [2, 4, STEPS] and sorted(vals[1]) == [4, STEPS]
+    assert all(abs(vals[1][s] - vals[0][s]) / vals[0][s] < 1e-5 for s in (4, STEPS))

@@ -1,0 +1,211 @@
+"""PipeDream-2BW (Narayanan et al., 2021): a pipeline without a flush between steps, on two weight versions.
+
+The rule, whatever the number of stages: step t's micro-batches run forward and backward on the weights one
+update behind the newest, and their gradient updates the newest,
+
+    W[t+1] = optimizer(W[t], grad f_t(W[t-1])),   W[-1] = W[0].
+
+``WeightVersions`` holds the two versions a rank computes with (the version of this step's micro-batches and the
+newest, which the next step's first micro-batches already run on) beside the optimizer's own weights; on one rank
+it is the whole rule (``pp_schedule = pipedream_2bw`` with pp = 1: the single-process reference). ``TwoBWPipeline``
+runs one stage per rank in 1F1B order as one stream over the steps: each step ends with the next step's first
+``pp - 1 - rank`` forwards, so the pipeline fills and drains once per run instead of once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils.stateless import _reparametrize_module
+
+from loom.parallel.pipeline import _recv_hidden, _send_hidden
+
+ACTIVATION_TAG, GRADIENT_TAG = 21, 22  # apart from validation's point-to-point traffic (tag 0)
+
+
+class WeightVersions:
+    """The two weight versions of ``modules`` (this rank's parts): ``current`` (one update behind the optimizer's
+    weights, what this step's micro-batches compute with) and ``newest`` (a copy of the optimizer's weights as the
+    step began, what the next step's micro-batches compute with). The optimizer's weights stay the modules' own
+    parameters: checkpoints, validation and export see the newest weights.
+
+    A step: ``begin`` → forwards / backwards inside ``using`` → ``finish`` (the gradients, accumulated on the
+    current version, move to the parameters the optimizer steps)."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        self.params = [dict(m.named_parameters()) for m in modules]  # a tied weight once per module
+        self.slots = [[_leaf_copies(p) for p in self.params] for _ in range(2)]
+        self.current, self.newest = 0, 1
+        self.started = False
+
+    @torch.no_grad()
+    def begin(self) -> None:
+        """Start of a step: the version of the step before becomes the current one; the newest is the optimizer's
+        weights now. The first step of a run computes with its initial weights (W[-1] = W[0])."""
+        if self.started:
+            self.current, self.newest = self.newest, self.current
+        else:
+            self._copy_params(self.current)
+            self.started = True
+        self._copy_params(self.newest)
+
+    @torch.no_grad()
+    def _copy_params(self, slot: int) -> None:
+        for mine, params in zip(self.slots[slot], self.params):
+            for name, p in params.items():
+                mine[name].copy_(p.detach())
+
+    @contextlib.contextmanager
+    def using(self, version: str, index: int = 0):
+        """Module ``index`` computes with ``version`` ('current' or 'newest') inside the block; the autograd graph
+        keeps that version's tensors, which only ``begin`` overwrites, two steps later."""
+        slot = self.current if version == "current" else self.newest
+        with _reparametrize_module(self.modules[index], self.slots[slot][index], tie_weights=True):
+            yield
+
+    def stash(self) -> dict[str, torch.Tensor]:
+        """The version the next step computes with (one update behind the optimizer's weights), by parameter name:
+        what a checkpoint holds beside the weights so that a resumed run continues as the uninterrupted one. A
+        checkpoint load writes into these tensors, then ``loaded``."""
+        if not self.started:  # no step ran: the next computes with the weights as they are
+            self._copy_params(self.newest)
+        return {n: t.detach() for slot in self.slots[self.newest] for n, t in slot.items()}
+
+    def loaded(self) -> None:
+        """A checkpoint's stash is in place: the next step computes with it."""
+        self.started = True
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """End of a step's backward: the current version's gradients become the parameters' (what the engine
+        norms, clips and steps)."""
+        for mine, params in zip(self.slots[self.current], self.params):
+            for name, p in params.items():
+                g = mine[name].grad
+                if g is None:
+                    continue
+                p.grad = g if p.grad is None else p.grad.add_(g)
+                mine[name].grad = None
+
+
+def _leaf_copies(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+
+
+def twobw_order(pp: int, rank: int, m: int, filled: bool, more: bool) -> list[tuple[str, str, int]]:
+    """One step's actions on pp rank ``rank`` of the 2BW stream, in order: ("F", version, i) runs micro-batch i of
+    this step ("current" version) or of the next ("newest"), ("B", "current", i) its backward. 1F1B's order
+    without its drain: the last ``pp - 1 - rank`` forwards are the next step's first. ``filled``: the step before
+    ran this step's first forwards; ``more``: a step follows (else the stream drains)."""
+    warm = min(pp - 1 - rank, m)
+    acts = [] if filled else [("F", "current", i) for i in range(warm)]
+    for i in range(m):
+        j = i + warm
+        if j < m:
+            acts.append(("F", "current", j))
+        elif more:
+            acts.append(("F", "newest", j - m))
+        acts.append(("B", "current", i))
+    return acts
+
+
+def twobw_stream(pp: int, m: int, steps: int) -> list[list[tuple[str, int, int]]]:
+    """The run's per-rank actions as ``schedule_actions`` writes them ((kind, stage, micro-batch of the run)):
+    ``twobw_order`` over ``steps`` steps, for the bubble's simulation."""
+    out = []
+    for r in range(pp):
+        acts = []
+        for t in range(steps):
+            for kind, version, i in twobw_order(pp, r, m, t > 0, t < steps - 1):
+                acts.append((kind, r, (t + (version == "newest")) * m + i))
+        out.append(acts)
+    return out
+
+
+class TwoBWPipeline:
+    """This rank's stage in the 2BW stream: forwards and backwards in 1F1B order, hidden states and their
+    gradients passed point to point (asynchronous sends), never drained between steps except at the run's last.
+
+    ``step(batch, upcoming, loss_fn)``: ``batch`` and ``upcoming`` (the next step's micro-batches, None at the
+    run's last step) are lists of (inputs, labels, positions); the first stage reads inputs, the last labels,
+    every stage positions. Returns the last stage's ``loss_fn`` outputs (empty elsewhere)."""
+
+    def __init__(self, plan, versions: WeightVersions, group, device, clock):
+        self.plan, self.versions, self.group, self.device, self.clock = plan, versions, group, device, clock
+        self.rank = dist.get_rank(group)
+        self.stage = versions.modules[0]
+        self.in_flight: deque = deque()  # (input, output) of forwards whose backward is to come, in order
+        self.sends: list = []  # (work, tensors kept alive until it completes)
+        self.ahead: list[torch.Tensor] | None = None  # inputs of the next step's micro-batches already run
+
+    def step(self, batch: list, upcoming: list | None, loss_fn) -> list[torch.Tensor]:
+        filled = self.ahead is not None
+        if filled:
+            self._check_ahead(batch)
+        losses: list[torch.Tensor] = []
+        for kind, version, i in twobw_order(
+            self.plan.pp, self.rank, len(batch), filled, upcoming is not None
+        ):
+            if kind == "B":
+                self._backward()
+            else:
+                self._forward((batch if version == "current" else upcoming)[i], version, loss_fn, losses)
+        warm = min(self.plan.pp - 1 - self.rank, len(batch))
+        self.ahead = [mb[0] for mb in upcoming[:warm]] if upcoming is not None and warm else None
+        if upcoming is None:  # drained: every send has its receive
+            self.wait_sends()
+        return losses
+
+    def _check_ahead(self, batch: list) -> None:
+        if len(self.ahead) > len(batch) or not all(torch.equal(a, mb[0]) for a, mb in zip(self.ahead, batch)):
+            raise RuntimeError(
+                "pipedream_2bw: this step's micro-batches are not the ones the step before already ran forward "
+                "(the data position moved between steps)"
+            )
+
+    def _forward(self, mb, version: str, loss_fn, losses: list) -> None:
+        inputs, labels, positions = mb
+        if self.plan.has_first:
+            x = inputs
+        else:
+            x = _recv_hidden(self.group, self.rank - 1, self.device, tag=ACTIVATION_TAG).requires_grad_()
+        start = self.clock.now()
+        with self.versions.using(version):
+            out = self.stage(x, positions)
+        if self.plan.has_last:
+            out = loss_fn(out, labels)
+            losses.append(out.detach())
+        self.clock.spans.append((start, self.clock.now()))
+        if not self.plan.has_last:
+            self._send(out.detach(), self.rank + 1, hidden=True)
+        self.in_flight.append((x, out))
+
+    def _backward(self) -> None:
+        x, out = self.in_flight.popleft()
+        if self.plan.has_last:
+            grad = None
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, group=self.group, group_src=self.rank + 1, tag=GRADIENT_TAG)
+        start = self.clock.now()
+        torch.autograd.backward(out, grad)
+        self.clock.spans.append((start, self.clock.now()))
+        if not self.plan.has_first:
+            self._send(x.grad, self.rank - 1, hidden=False)
+
+    def _send(self, t: torch.Tensor, dst: int, hidden: bool) -> None:
+        self.sends = [(w, k) for w, k in self.sends if not w.is_completed()]
+        if hidden:
+            self.sends.extend(_send_hidden(t, self.group, dst, tag=ACTIVATION_TAG, wait=False))
+        else:
+            t = t.contiguous()
+            self.sends.append((dist.isend(t, group=self.group, group_dst=dst, tag=GRADIENT_TAG), t))
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
