@@ -595,9 +595,9 @@ def objective(cfg: Config) -> Distillation:
 
 
 def rules(cfg: Config) -> None:
-    """The data's own rules (lm: plain text; sft: SFT's), the teacher's folder, and the layouts the chunked loss
-    does not take yet (a pipeline's last stage has no teacher; tensor and context parallelism would shard the
-    logits or the tokens the two heads meet on)."""
+    """The data's own rules (lm: plain text; sft: SFT's), the teacher's folder, the other divergence's field, and
+    the layouts the chunked loss does not take yet (a pipeline's last stage has no teacher; context parallelism
+    would shard the tokens the two heads meet on)."""
     d, p = cfg.distill, cfg.parallel
     (sft.rules if d.data == "sft" else plain_text_rules)(cfg)
     if d.teacher:
@@ -611,7 +611,7 @@ def rules(cfg: Config) -> None:
         raise ConfigError(
             name, value, f"does nothing without distill.divergence {needs}: set that too, or leave {name} out"
         )
-    for key, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
+    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
         if value > 1:
             raise ConfigError(key, value, "not supported with training.objective distill yet: allowed 1")
 

@@ -277,7 +277,8 @@ def test_resume_mid_run_continues_bitwise(tmp_path):
 
 def test_config_rules(tmp_path):
     """Refused in one line naming the field: the section under another objective, a missing or unrecognized teacher
-    folder, tensor / context / pipeline parallelism, SFT data without per-document attention."""
+    folder, the other divergence's field, context / pipeline parallelism, SFT data without per-document attention;
+    tensor parallelism is taken."""
     from loom.config.errors import ConfigError
     from loom.methods import check_config
     from loom.methods.distill import objective
@@ -296,9 +297,12 @@ def test_config_rules(tmp_path):
     jsd = tiny_config(**distill, **{"distill.divergence": "jsd", "distill.beta": 0.3})
     check_config(jsd)
     assert objective(jsd).jsd == 0.3 and objective(tiny_config(**distill)).jsd is None
-    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
+    for key in ("parallel.cp", "parallel.pp"):
         with pytest.raises(ConfigError, match=key):
             check_config(tiny_config(**distill, **{key: 2}))
+    check_config(
+        tiny_config(**distill, **{"parallel.tp": 2})
+    )  # vocab-parallel (tests/distributed/test_sft_layouts)
     with pytest.raises(ConfigError, match="data.document_positions"):
         check_config(tiny_config(**distill, **{"distill.data": "sft"}))
     check_config(tiny_config(**distill, **{"distill.data": "sft", "data.document_positions": "true"}))
