@@ -44,6 +44,7 @@ class GroupRelative(Objective):
         ("", "rewards/*", ".3f"),
         ("eval acc", "eval/accuracy", ".3f"),
         ("kl", "kl", ".4f"),
+        ("is", "is_weight", ".3f"),  # asynchronous GRPO's mean importance weight
     )
     panels = (
         ("reward", ("reward", "rewards/*"), "mean over the rollouts"),
