@@ -9,6 +9,7 @@ fixed seed. Everything collective (the weight refresh, scoring, advantages) stay
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ class AsyncSampler:
             self.generator = Generator.from_model(
                 self.weights.model, rollouts.tokenizer, compile=False, max_batch=rollouts.rows
             )
+        # on CUDA the thread's kernels go to a stream of their own, so they can run beside the trainer's (the
+        # refresh ends with a device synchronize; the thread's results reach the host before it reports done)
+        self.stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-sampler")
         self.jobs: dict[int, Future] = {}
         self.version = 0  # the snapshot's: optimizer steps in the weights it holds
@@ -74,10 +78,13 @@ class AsyncSampler:
         self.weights.sync()
         self.version = version
 
-    @torch.no_grad()
     def sample(self, step: int, version: int) -> Sampled:
         """On the thread: step ``step``'s prompts, their completions from the snapshot and its log-probabilities of
         them (no collective, nothing of the trainer's)."""
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            return self._sample(step, version)
+
+    def _sample(self, step: int, version: int) -> Sampled:
         r = self.rollouts
         start = time.perf_counter()
         rows, prompts = r.prompts(step)
