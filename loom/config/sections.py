@@ -1264,6 +1264,16 @@ class GrpoConfig:
         needs="grpo.max_staleness",
         resume=(APPLIED, "the loss from the next step"),
     )
+    sampler_device: str = opt(
+        "",
+        "asynchronous GRPO: the device the snapshot samples on, e.g. 'cuda:1' (a GPU of its own beside the "
+        "trainer's, one process); '' = the rank's own device",
+        needs="grpo.max_staleness",
+        resume=(
+            FREE,
+            "where the rollouts are sampled (a resumed run past its first GRPO step continues with 0)",
+        ),
+    )
     loss_type: str = opt(
         "dapo",
         "normalization: 'grpo' = per completion, then over completions; 'bnpo' / 'dapo' = "

@@ -98,6 +98,15 @@ def async_rules(cfg: Config) -> None:
     ):
         if bad:
             raise ConfigError(key, value, f"not with grpo.max_staleness {g.max_staleness}: allowed {allowed}")
+    if g.sampler_device:
+        import torch
+
+        try:
+            torch.device(g.sampler_device)
+        except RuntimeError:
+            raise ConfigError(
+                "grpo.sampler_device", g.sampler_device, "a device such as cuda:1, or '' (the rank's own)"
+            ) from None
 
 
 def grpo_loss_unused(cfg: Config) -> None:

@@ -42,14 +42,15 @@ class AsyncSampler:
 
         self.rollouts, self.k, self.last = rollouts, staleness, last_step
         engine = rollouts.engine
-        self.weights = EngineWeights.build(engine, copy=True)
+        self.device = sampler_device(engine, rollouts.g.sampler_device)
+        self.weights = EngineWeights.build(engine, copy=True, device=self.device)
         with kept_mode(self.weights.model):
             self.generator = Generator.from_model(
                 self.weights.model, rollouts.tokenizer, compile=False, max_batch=rollouts.rows
             )
         # on CUDA the thread's kernels go to a stream of their own, so they can run beside the trainer's (the
         # refresh ends with a device synchronize; the thread's results reach the host before it reports done)
-        self.stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-sampler")
         self.jobs: dict[int, Future] = {}
         self.version = 0  # the snapshot's: optimizer steps in the weights it holds
@@ -76,12 +77,19 @@ class AsyncSampler:
 
         check_policy_finite(self.rollouts.engine, self.rollouts.step)
         self.weights.sync()
+        if self.device.type == "cuda":  # the copies into another GPU done before the thread reads them
+            torch.cuda.synchronize(self.device)
         self.version = version
 
     def sample(self, step: int, version: int) -> Sampled:
         """On the thread: step ``step``'s prompts, their completions from the snapshot and its log-probabilities of
         them (no collective, nothing of the trainer's)."""
-        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+        cuda = self.stream is not None  # the thread's current device and stream: the snapshot's
+        with (
+            torch.no_grad(),
+            torch.cuda.device(self.device) if cuda else contextlib.nullcontext(),
+            torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext(),
+        ):
             return self._sample(step, version)
 
     def _sample(self, step: int, version: int) -> Sampled:
@@ -97,8 +105,8 @@ class AsyncSampler:
         logps = []
         for mb in batches:
             with engine.autocast():
-                logits = model(mb.inputs.to(engine.device))
-            logps.append(token_logps(logits, mb.labels.to(engine.device), r.g.temperature).cpu())
+                logits = model(mb.inputs.to(self.device))
+            logps.append(token_logps(logits, mb.labels.to(self.device), r.g.temperature).cpu())
         return Sampled(rows, prompts, outs, logps, version, seconds)
 
     def close(self) -> None:
@@ -107,3 +115,22 @@ class AsyncSampler:
             job.cancel()
         self.pool.shutdown(wait=True)
         self.jobs = {}
+
+
+def sampler_device(engine, value: str) -> torch.device:
+    """grpo.sampler_device resolved: '' = the training device; else a device of the training device's type (the
+    step's autocast applies to it), a GPU that exists, in a one-process run (each rank would need one of its own)."""
+    from loom.config.errors import ConfigError
+
+    if not value:
+        return engine.device
+    device = torch.device(value)  # the rules checked the spelling
+    if device.type != engine.device.type:
+        raise ConfigError("grpo.sampler_device", value, f"a {engine.device.type} device, as the trainer's")
+    if device.type == "cuda" and (device.index is None or device.index >= torch.cuda.device_count()):
+        raise ConfigError("grpo.sampler_device", value, f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    if engine.env.world_size > 1:
+        raise ConfigError(
+            "grpo.sampler_device", value, "'' with more than one process (a run of one process)"
+        )
+    return device

@@ -1,7 +1,7 @@
 """Asynchronous GRPO (grpo.max_staleness; loom.rl.async_sampler) on the CPU: with staleness 1 the first GRPO step is
 the synchronous run's (its batch sampled on the current weights, importance weights 1), later batches come from the
 weights one optimizer step old (their sampler log-probabilities are those of the checkpoint one step back, not of
-the current one), a run is deterministic for a fixed seed, the truncated importance weight enters the surrogate as
+the current one), a run is deterministic for a fixed seed (the sampler's device named or not), the truncated importance weight enters the surrogate as
 TRL applies it, a resume past the first GRPO step is refused in one line, and the config rules."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def runs(tmp_path_factory):
     take = async_sampler.AsyncSampler.take
     out = {}
     for name, staleness in (("sync", 0), ("async", 1), ("again", 1)):
+        device = {"grpo.sampler_device": "cpu"} if name == "again" else {}  # named: the same device
         seen = taken.setdefault(name, {})
 
         def recording(self, step, seen=seen):
@@ -64,7 +65,7 @@ def runs(tmp_path_factory):
         async_sampler.AsyncSampler.take = recording
         try:
             tmp = tmp_path_factory.mktemp(name)
-            out[name] = (tmp, fit(config(tmp, **{"grpo.max_staleness": staleness})))
+            out[name] = (tmp, fit(config(tmp, **{"grpo.max_staleness": staleness}, **device)))
         finally:
             async_sampler.AsyncSampler.take = take
     return out, taken
@@ -150,4 +151,14 @@ def test_config_rules(tmp_path):
             check_config(grpo_config(tmp_path, **async_on, **{key_: value}))
     with pytest.raises(ConfigError, match="grpo.is_cap.*grpo.max_staleness"):
         check_config(grpo_config(tmp_path, **{"grpo.is_cap": 2.0}))
-    check_config(grpo_config(tmp_path, **async_on, **{"grpo.is_cap": 2.0}))
+    with pytest.raises(ConfigError, match="grpo.sampler_device = 'gpu1': a device such as cuda:1"):
+        check_config(grpo_config(tmp_path, **async_on, **{"grpo.sampler_device": "gpu1"}))
+    check_config(grpo_config(tmp_path, **async_on, **{"grpo.is_cap": 2.0, "grpo.sampler_device": "cuda:1"}))
+
+
+def test_a_sampler_device_of_another_type_is_refused_in_one_line(tmp_path):
+    """The trainer on the CPU, the snapshot asked on a GPU: refused when the sampler is built (the first GRPO
+    step), naming the field."""
+    cfg = config(tmp_path, **{"grpo.max_staleness": 1, "grpo.sampler_device": "cuda:0", "training.steps": 2})
+    with pytest.raises(ConfigError, match="grpo.sampler_device = 'cuda:0': a cpu device, as the trainer's"):
+        fit(cfg)
