@@ -38,6 +38,10 @@ ACTIVATIONS = {
     ),
     "grpo.reward_model": (lambda c: bool(c.grpo.reward_model), "grpo.reward_model (a reward model)"),
     "grpo.judge": (lambda c: bool(c.grpo.judge), "grpo.judge (a judge model's path)"),
+    "grpo.max_staleness": (
+        lambda c: c.grpo.max_staleness > 0,
+        "grpo.max_staleness > 0 (asynchronous GRPO)",
+    ),
     "embedded task": (lambda c: not c.grpo.prompts, "the embedded arithmetic task (grpo.prompts empty)"),
     "optimizer.offload nvme": (
         lambda c: c.optimizer.offload == "nvme",
@@ -1250,6 +1254,34 @@ class GrpoConfig:
         "ratio is 1; later ones clip against the rollout-time log-probabilities",
         min=1,
         resume=(APPLIED, "the updates per batch of rollouts from the next step"),
+    )
+    max_staleness: int = opt(
+        0,
+        "asynchronous GRPO: the next steps' rollouts are sampled on a thread from a snapshot of the policy while "
+        "this step trains, each from the weights at most this many optimizer steps old (the batches in flight); "
+        "0 = synchronous (sampled on the current weights, as without it)",
+        min=0,
+        resume=(APPLIED, "from the next step (a run resumed past its first GRPO step continues with 0)"),
+    )
+    is_cap: float = opt(
+        3.0,
+        "asynchronous GRPO: each token's truncated importance weight min(pi_old / pi_sampler, is_cap) on its "
+        "surrogate loss (TRL's vllm_importance_sampling_clip_max, token_truncate): pi_sampler the stale "
+        "snapshot's probability of the token, pi_old the policy's at the step",
+        min=0.0,
+        min_exclusive=True,
+        needs="grpo.max_staleness",
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    sampler_device: str = opt(
+        "",
+        "asynchronous GRPO: the device the snapshot samples on, e.g. 'cuda:1' (a GPU of its own beside the "
+        "trainer's, one process); '' = the rank's own device",
+        needs="grpo.max_staleness",
+        resume=(
+            FREE,
+            "where the rollouts are sampled (a resumed run past its first GRPO step continues with 0)",
+        ),
     )
     loss_type: str = opt(
         "dapo",

@@ -1,17 +1,20 @@
 """Knowledge distillation (``training.objective distill``): a student trained on a frozen teacher's next-token
-distributions over LM or SFT data (torchtune's KD recipe; TRL's GKD loss at beta 0 / 1), the loss taken over token
-chunks from both models' final hidden states so that no full-vocabulary logits of the batch exist at once; the
-teacher (distill.teacher: a Hugging Face folder, a loom checkpoint or run dir, or the initial student) built and
+distributions over LM or SFT data (torchtune's KD recipe; TRL's GKD loss, its generalized JSD included), the loss
+taken over token chunks from both models' final hidden states so that no full-vocabulary logits of the batch exist at
+once (under tensor parallelism over each rank's vocabulary shard); the teacher (distill.teacher: a Hugging Face folder, a loom checkpoint or run dir, or the initial student) built and
 sharded as the student is; its rules; its run (the loop)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from loom.config.errors import ConfigError
 from loom.config.sections import APPLIED, MUST_MATCH, Config, opt
@@ -42,10 +45,25 @@ class DistillConfig:
         min_exclusive=True,
         resume=(APPLIED, "the loss from the next step"),
     )
+    divergence: str = opt(
+        "kl",
+        "the KD term: 'kl' = the KLs mixed by distill.reverse_kl; 'jsd' = TRL's generalized Jensen-Shannon "
+        "divergence at distill.beta (GKDTrainer.generalized_jsd_loss)",
+        choices=("kl", "jsd"),
+        resume=(APPLIED, "the loss from the next step"),
+    )
     reverse_kl: float = opt(
         0.0,
-        "the reverse KL's weight (the student's distribution against the teacher's), 1 - it the forward KL's (the "
-        "teacher's against the student's): 0 = forward KL (torchtune's), 1 = reverse",
+        "divergence kl: the reverse KL's weight (the student's distribution against the teacher's), 1 - it the "
+        "forward KL's (the teacher's against the student's): 0 = forward KL (torchtune's), 1 = reverse",
+        min=0.0,
+        max=1.0,
+        resume=(APPLIED, "the loss from the next step"),
+    )
+    beta: float = opt(
+        0.5,
+        "divergence jsd: TRL's GKD beta, the teacher's weight in the mixture m = beta p + (1 - beta) q; the term "
+        "beta KL(p || m) + (1 - beta) KL(q || m), at 0 the forward KL, at 1 the reverse (as TRL)",
         min=0.0,
         max=1.0,
         resume=(APPLIED, "the loss from the next step"),
@@ -76,6 +94,23 @@ def default_chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab))
 
 
+class Terms(NamedTuple):
+    """The loss's settings: KD = (1 - reverse) KL(p || q) + reverse KL(q || p), or with ``jsd`` (a beta in (0, 1))
+    TRL's generalized JSD; loss = kd_ratio KD + (1 - kd_ratio) CE; ``temperature`` divides both models' logits in KD."""
+
+    temperature: float = 1.0
+    reverse: float = 0.0
+    kd_ratio: float = 1.0
+    jsd: float | None = None
+
+
+def terms(temperature: float, reverse: float, kd_ratio: float, jsd: float | None) -> Terms:
+    """``Terms`` with TRL's endpoints of the JSD made its KLs (beta 0 = forward, 1 = reverse: its own branches)."""
+    if jsd is not None and jsd in (0.0, 1.0):
+        reverse, jsd = float(jsd), None
+    return Terms(float(temperature), float(reverse), float(kd_ratio), None if jsd is None else float(jsd))
+
+
 def token_losses(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -83,16 +118,24 @@ def token_losses(
     temperature: float = 1.0,
     reverse: float = 0.0,
     kd_ratio: float = 1.0,
+    jsd: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The definition on logits (N, V) of the student and teacher and labels (N,) (IGNORE: no loss), fp32: per token
     (the loss, its KD term, its CE term, the labelled mask). KD = (1 - reverse) KL(p || q) + reverse KL(q || p) with
-    p, q the teacher's and student's softmax at ``temperature`` (not rescaled by T^2: TRL's GKD convention); CE the
-    student's hard-label cross-entropy at temperature 1; loss = kd_ratio KD + (1 - kd_ratio) CE (torchtune's)."""
+    p, q the teacher's and student's softmax at ``temperature`` (not rescaled by T^2: TRL's GKD convention), or with
+    ``jsd`` = beta TRL's generalized JSD beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q (beta 0 /
+    1: the forward / reverse KL, as TRL); CE the student's hard-label cross-entropy at temperature 1; loss = kd_ratio
+    KD + (1 - kd_ratio) CE (torchtune's)."""
+    temperature, reverse, kd_ratio, jsd = terms(temperature, reverse, kd_ratio, jsd)
     s = torch.log_softmax(student.float() / temperature, dim=-1)  # (N, V)
     t = torch.log_softmax(teacher.float() / temperature, dim=-1)  # (N, V)
-    forward = (t.exp() * (t - s)).sum(-1)  # KL(teacher || student) (N,)
-    backward = (s.exp() * (s - t)).sum(-1)  # KL(student || teacher) (N,)
-    kd = (1 - reverse) * forward + reverse * backward
+    if jsd is None:
+        forward = (t.exp() * (t - s)).sum(-1)  # KL(teacher || student) (N,)
+        backward = (s.exp() * (s - t)).sum(-1)  # KL(student || teacher) (N,)
+        kd = (1 - reverse) * forward + reverse * backward
+    else:
+        m = torch.logaddexp(t + math.log(jsd), s + math.log1p(-jsd))  # (N, V) log of the mixture
+        kd = jsd * (t.exp() * (t - m)).sum(-1) + (1 - jsd) * (s.exp() * (s - m)).sum(-1)
     valid = labels != IGNORE
     ce = torch.nn.functional.cross_entropy(
         student.float(), torch.where(valid, labels, 0), reduction="none"
@@ -101,37 +144,99 @@ def token_losses(
     return kd_ratio * kd + (1 - kd_ratio) * ce, kd, ce, valid
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of a vocab-sharded head (tensor parallelism): vocabulary rows [start, start + its local
+    rows); ``group``: the tp ranks that hold the others, over which a chunk's vocabulary reductions run."""
+
+    group: object
+    start: int
+
+
+def vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, VocabShard | None]:
+    """A head's weight as this rank holds it: a plain tensor as it is (no shard); a DTensor sharded by rows over a
+    1-D tp mesh (TP's column-parallel head) as its local rows (V/tp, E) and their ``VocabShard``."""
+    if not isinstance(weight, DTensor):
+        return weight, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
+    assert mesh.ndim == 1 and placements == (Shard(0),), f"distill: a head laid out as {placements}"
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+    return weight.to_local(), VocabShard(mesh.get_group(), offset[0])
+
+
+def _vocab_lse(shard: VocabShard | None, *xs: torch.Tensor) -> torch.Tensor:
+    """The logsumexp over the whole vocabulary of each (n, v) slice in ``xs``: (len(xs), n), the same on every
+    rank of the shard's group (each rank's own logsumexps gathered and combined)."""
+    lse = torch.stack([torch.logsumexp(x, dim=-1) for x in xs])  # (k, n)
+    if shard is None:
+        return lse
+    parts = [torch.empty_like(lse) for _ in range(dist.get_world_size(shard.group))]
+    dist.all_gather(parts, lse, group=shard.group)
+    return torch.logsumexp(torch.stack(parts), dim=0)  # (k, n)
+
+
+def _vocab_sum(shard: VocabShard | None, *xs: torch.Tensor) -> torch.Tensor:
+    """Per-token sums (n,) over this rank's vocabulary slice completed over the whole vocabulary: (len(xs), n)."""
+    out = torch.stack(xs)  # (k, n)
+    if shard is not None:
+        dist.all_reduce(out, group=shard.group)
+    return out
+
+
 def _chunk_(
     zs: torch.Tensor,
     zt: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float,
-    reverse: float,
-    kd_ratio: float,
+    loss: Terms,
     with_grad: bool,
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: student logits zs (n, V) fp32 (overwritten with d(summed loss)/d(zs) under ``with_grad``),
-    teacher logits zt (n, V) fp32 (consumed), labels (n,). Returns the chunk's (KD, CE) token losses (n,), labelled
-    tokens only; the loss is their kd_ratio mix (``token_losses``), its gradient written in place."""
+    """One chunk: student logits zs (n, v) fp32 (overwritten with d(summed loss)/d(zs) under ``with_grad``),
+    teacher logits zt (n, v) fp32 (consumed), labels (n,); v the whole vocabulary, or under ``shard`` this rank's
+    slice of it (the softmax normalizers and per-token sums then completed over the tp group: two collectives).
+    Returns the chunk's (KD, CE) token losses (n,), labelled tokens only; the loss is their kd_ratio mix
+    (``token_losses``), its gradient written in place."""
+    temperature, reverse, kd_ratio, jsd = loss
     valid = labels != IGNORE  # (n,)
-    target = torch.where(valid, labels, 0)[:, None]  # (n, 1)
-    lse = torch.logsumexp(zs, dim=-1)  # (n,) at temperature 1, for CE
-    ce = torch.where(valid, lse - zs.gather(1, target).squeeze(1), 0.0)  # (n,)
-    t = torch.log_softmax(zt.div_(temperature), dim=-1)  # (n, V) teacher log p
-    s = torch.log_softmax(zs / temperature, dim=-1)  # (n, V) student log q
+    column = torch.where(valid, labels, 0) - (
+        shard.start if shard is not None else 0
+    )  # the label's column here
+    mine = (column >= 0) & (column < zs.shape[1])  # (n,) the label is in this slice
+    column = column.clamp(0, zs.shape[1] - 1)[:, None]  # (n, 1)
+    s = zs / temperature  # (n, v)
+    lse, lse_s, lse_t = _vocab_lse(shard, zs, s, zt.div_(temperature))  # (n,) each; CE's at temperature 1
+    s = s.sub_(lse_s[:, None])  # student log q
+    t = zt.sub_(lse_t[:, None])  # teacher log p
     p, q = t.exp(), s.exp()
-    log_ratio = s.sub_(t)  # log q - log p, in s's storage
-    forward = -(p * log_ratio).sum(-1)  # KL(p || q) (n,)
-    backward = (q * log_ratio).sum(-1)  # KL(q || p) (n,)
-    kd = torch.where(valid, (1 - reverse) * forward + reverse * backward, 0.0)
+    label = torch.where(mine, zs.gather(1, column).squeeze(1), 0.0)  # (n,) the label's logit, on its rank
+    g = None
+    if jsd is None:
+        log_ratio = s.sub_(t)  # log q - log p, in s's storage
+        forward, backward, label = _vocab_sum(
+            shard, -(p * log_ratio).sum(-1), (q * log_ratio).sum(-1), label
+        )  # KL(p || q), KL(q || p)
+        kd = (1 - reverse) * forward + reverse * backward
+        if with_grad:
+            # d KL(p||q)/dz = (q - p) / T;  d KL(q||p)/dz = q (log q - log p - KL(q||p)) / T
+            g = (q - p).mul_((1 - reverse) * kd_ratio / temperature)
+            if reverse:
+                g.add_(q * (log_ratio - backward[:, None]), alpha=reverse * kd_ratio / temperature)
+    else:
+        m = torch.logaddexp(t + math.log(jsd), s + math.log1p(-jsd))  # (n, v) log of beta p + (1 - beta) q
+        to_p, to_q = t.sub_(m), s.sub_(m)  # log p - log m, log q - log m, in place
+        kl_p, kl_q, label = _vocab_sum(shard, (p * to_p).sum(-1), (q * to_q).sum(-1), label)
+        kd = jsd * kl_p + (1 - jsd) * kl_q
+        if with_grad:
+            # d/dz [beta KL(p||m) + (1 - beta) KL(q||m)] = (1 - beta) q (log q - log m - KL(q||m)) / T
+            g = q.mul_(to_q.sub_(kl_q[:, None])).mul_((1 - jsd) * kd_ratio / temperature)
+    kd = torch.where(valid, kd, 0.0)
+    ce = torch.where(valid, lse - label, 0.0)  # (n,)
     if with_grad:
-        # d KL(p||q)/dz = (q - p) / T;  d KL(q||p)/dz = q (log q - log p - KL(q||p)) / T;  d CE/dz = softmax(z) - onehot
-        g = (q - p).mul_((1 - reverse) * kd_ratio / temperature)
-        if reverse:
-            g.add_(q * (log_ratio - backward[:, None]), alpha=reverse * kd_ratio / temperature)
-        if kd_ratio < 1:
+        if kd_ratio < 1:  # d CE/dz = softmax(z) - onehot(label)
             soft = zs.sub_(lse[:, None]).exp_()  # softmax at T = 1, in zs's storage
-            soft.scatter_add_(1, target, -torch.ones_like(soft[:, :1]))
+            soft.scatter_add_(1, column, -mine.to(soft.dtype)[:, None])
             g.add_(soft, alpha=1 - kd_ratio)
         zs.copy_(g.mul_(valid[:, None]))
     return kd, ce
@@ -151,12 +256,11 @@ def _accumulate(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> No
 class _Distill(torch.autograd.Function):
     """The summed loss of ``chunked_distill_loss`` with its gradients computed chunk by chunk in forward (as the
     fused linear + cross-entropy does: loom.kernels.linear_ce), saved and scaled by the incoming scalar in
-    backward: nothing of the teacher and no (rows, V) buffer outlives a chunk."""
+    backward: nothing of the teacher and no (rows, V) buffer outlives a chunk. Under a ``VocabShard`` the
+    gradient of h is this rank's vocabulary slice's part (its caller sums it over the tp group)."""
 
     @staticmethod
-    def forward(
-        ctx, h, weight, h_teacher, w_teacher, labels, temperature, reverse, kd_ratio, rows, stats, grads
-    ):
+    def forward(ctx, h, weight, h_teacher, w_teacher, labels, loss, rows, stats, grads, shard):
         grad_h = torch.zeros_like(h) if grads and ctx.needs_input_grad[0] else None
         grad_w = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -170,7 +274,7 @@ class _Distill(torch.autograd.Function):
             h_c = h[start : start + rows]  # (n, E)
             zs = (h_c @ weight.T).float()  # (n, V)
             zt = (h_teacher[start : start + rows] @ w_teacher.T).float()  # (n, V)
-            kd, ce = _chunk_(zs, zt, labels[start : start + rows], temperature, reverse, kd_ratio, with_grad)
+            kd, ce = _chunk_(zs, zt, labels[start : start + rows], loss, with_grad, shard)
             del zt
             kd_sum += kd.sum()
             ce_sum += ce.sum()
@@ -180,14 +284,14 @@ class _Distill(torch.autograd.Function):
                 _accumulate(grad_w, zs.to(weight.dtype), h_c)
         stats.update(kd=kd_sum.detach(), ce=ce_sum.detach())
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
-        return kd_ratio * kd_sum + (1 - kd_ratio) * ce_sum
+        return loss.kd_ratio * kd_sum + (1 - loss.kd_ratio) * ce_sum
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
         dh = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
         dw = None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype)
-        return dh, dw, None, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None
 
 
 def chunked_distill_loss(
@@ -201,11 +305,15 @@ def chunked_distill_loss(
     kd_ratio: float = 1.0,
     chunk_rows: int | None = None,
     stats: dict | None = None,
+    jsd: float | None = None,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """The summed ``token_losses`` (an fp32 scalar) of the student logits h @ weight.T against the teacher's
     h_teacher @ w_teacher.T, over token chunks of ``chunk_rows`` (default ``default_chunk_rows``): h (..., E),
     h_teacher (..., E_teacher), labels h's leading shape. Matmuls in the autocast dtype when autocast is on (as the
-    model's own head would run), softmax and KL in fp32. ``stats``: gets the summed KD and CE terms ('kd', 'ce')."""
+    model's own head would run), softmax and KL in fp32. ``stats``: gets the summed KD and CE terms ('kd', 'ce').
+    ``shard``: both weights are this rank's rows of the vocabulary (``vocab_shard``), h and h_teacher the whole
+    tokens; the loss is the whole vocabulary's on every rank, h's gradient this rank's part of it."""
     device_type = h.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -223,12 +331,11 @@ def chunked_distill_loss(
             h_teacher.reshape(-1, h_teacher.shape[-1]).detach(),
             w_teacher.detach(),
             labels.reshape(-1),
-            float(temperature),
-            float(reverse),
-            float(kd_ratio),
+            terms(temperature, reverse, kd_ratio, jsd),
             rows,
             {} if stats is None else stats,
             torch.is_grad_enabled(),  # a validation pass (no_grad) computes no gradient
+            shard,
         )
 
 
@@ -241,6 +348,16 @@ def _head(output: torch.nn.Module, fn):
         yield
     finally:
         del output.forward  # the class's forward again
+
+
+def _as_head_output(loss: torch.Tensor, mesh, loss_parallel: bool) -> torch.Tensor:
+    """The scalar loss (the same on every tp rank) as what TP's column-parallel head hands on unchanged: a
+    replicated DTensor, which its hook turns into the plain scalar, or under ``loss_parallel`` (logits left
+    vocab-sharded) a DTensor of one value per rank, which it passes on as it is (``Distillation.forward`` takes this
+    rank's value). No communication either way."""
+    if loss_parallel:
+        return DTensor.from_local(loss.reshape(1), mesh, [Shard(0)], run_check=False)
+    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -278,10 +395,12 @@ class Distillation(Objective):
         kd_ratio: float = 0.5,
         data: str = "lm",
         chunk_rows: int | None = None,
+        jsd: float | None = None,
     ):
         self.teacher, self.data, self.chunk_rows = teacher, data, chunk_rows
-        self.temperature, self.reverse, self.kd_ratio = temperature, reverse, kd_ratio
+        self.temperature, self.reverse, self.kd_ratio, self.jsd = temperature, reverse, kd_ratio, jsd
         self.teacher_model: torch.nn.Module | None = None  # set by prepare; None = the student, adapters off
+        self.loss_parallel = False  # set by prepare: under TP, the head's output is left vocab-sharded
         self._stats: dict[str, torch.Tensor] = {}
 
     def count(self, mb: MicroBatch) -> torch.Tensor:
@@ -290,6 +409,7 @@ class Distillation(Objective):
     def prepare(self, engine) -> None:
         """The teacher, built before the first step (before a resumed run loads its checkpoint, so the initial
         student is the same one on a resume)."""
+        self.loss_parallel = engine.loss_parallel
         if self.teacher:
             self.teacher_model = build_teacher(engine, self.teacher)
             return
@@ -304,37 +424,53 @@ class Distillation(Objective):
             self.teacher_model = engine.frozen_copy()
 
     def _teacher_hidden(self, model, mb: MicroBatch, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's final hidden states (B, S, E_teacher) of the micro-batch and its head's weight (V, E_teacher)
-        as its forward left it (gathered under FSDP2)."""
+        """The teacher's final hidden states (B, S, E_teacher) of the micro-batch (the whole sequence under TP: its
+        head's input hook gathers it) and its head's weight (V, E_teacher) as its forward left it (gathered under
+        FSDP2; under TP a DTensor of vocabulary rows)."""
         teacher = self.teacher_model if self.teacher_model is not None else _unwrapped(model)
         off = adapters_disabled(teacher) if self.teacher_model is None else contextlib.nullcontext()
-        with torch.no_grad(), off, _head(teacher.output, lambda h: h):
-            hidden = teacher(mb.inputs, positions)  # (B, S, E_teacher)
+        kept = []
+        with torch.no_grad(), off, _head(teacher.output, lambda h: kept.append(h) or h):
+            teacher(mb.inputs, positions)  # what TP's output hook makes of the hidden states is not read
+        (hidden,) = kept
         weight = teacher.output.weight
-        assert not isinstance(weight, DTensor), "distill: the teacher's head is sharded after its forward"
-        return hidden, weight
+        assert not isinstance(weight, DTensor) or weight.device_mesh.ndim == 1, (
+            "distill: the teacher's head is sharded after its forward"
+        )
+        return (hidden.to_local() if isinstance(hidden, DTensor) else hidden), weight
 
     def forward(self, model, mb: MicroBatch, positions: torch.Tensor | None) -> torch.Tensor:
-        hidden, weight = self._teacher_hidden(model, mb, positions)
+        hidden, teacher_weight = self._teacher_hidden(model, mb, positions)
+        w_teacher, _ = vocab_shard(teacher_weight)
         student = _unwrapped(model)
         stats: dict[str, torch.Tensor] = {}
 
         def loss_of(h: torch.Tensor) -> torch.Tensor:
-            return chunked_distill_loss(
+            weight, shard = vocab_shard(student.output.weight)
+            if (
+                shard is not None
+            ):  # TP: h is a DTensor, the whole sequence on every tp rank; its gradient summed
+                mesh, h = h.device_mesh, h.to_local(grad_placements=[Partial()])
+            loss = chunked_distill_loss(
                 h,
-                student.output.weight,
-                hidden,
                 weight,
+                hidden,
+                w_teacher,
                 mb.labels,
                 self.temperature,
                 self.reverse,
                 self.kd_ratio,
                 self.chunk_rows,
                 stats,
+                self.jsd,
+                shard,
             )
+            return loss if shard is None else _as_head_output(loss, mesh, self.loss_parallel)
 
         with _head(student.output, loss_of):
             loss = model(mb.inputs, positions)
+        if isinstance(loss, DTensor):
+            loss = loss.to_local().reshape(())
         if self.teacher_model is not None:
             release_gathered(self.teacher_model)
         for key, name in zip(("kd", "ce"), self.STATS):
@@ -454,18 +590,28 @@ def build_teacher(engine, path: str) -> torch.nn.Module:
 
 def objective(cfg: Config) -> Distillation:
     d = cfg.distill
-    return Distillation(d.teacher, d.temperature, d.reverse_kl, d.kd_ratio, d.data)
+    jsd = d.beta if d.divergence == "jsd" else None
+    return Distillation(d.teacher, d.temperature, d.reverse_kl, d.kd_ratio, d.data, jsd=jsd)
 
 
 def rules(cfg: Config) -> None:
-    """The data's own rules (lm: plain text; sft: SFT's), the teacher's folder, and the layouts the chunked loss
-    does not take yet (a pipeline's last stage has no teacher; tensor and context parallelism would shard the
-    logits or the tokens the two heads meet on)."""
+    """The data's own rules (lm: plain text; sft: SFT's), the teacher's folder, the other divergence's field, and
+    the layouts the chunked loss does not take yet (a pipeline's last stage has no teacher; context parallelism
+    would shard the tokens the two heads meet on)."""
     d, p = cfg.distill, cfg.parallel
     (sft.rules if d.data == "sft" else plain_text_rules)(cfg)
     if d.teacher:
         teacher_kind(d.teacher)
-    for key, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp)):
+    name, value, default, needs = (  # the other divergence's field, which this one does not read
+        ("distill.reverse_kl", d.reverse_kl, DistillConfig.reverse_kl, "kl")
+        if d.divergence == "jsd"
+        else ("distill.beta", d.beta, DistillConfig.beta, "jsd")
+    )
+    if value != default:
+        raise ConfigError(
+            name, value, f"does nothing without distill.divergence {needs}: set that too, or leave {name} out"
+        )
+    for key, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
         if value > 1:
             raise ConfigError(key, value, "not supported with training.objective distill yet: allowed 1")
 

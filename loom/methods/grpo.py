@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loom.config.errors import ConfigError
 from loom.methods.base import Method
 from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
+from loom.rl.async_sampler import AsyncSampler
 from loom.rl.grpo import loss_count, loss_sum, token_losses
 from loom.rl.rollout import RolloutBatch, Rollouts, policy_forward, token_logps
 from loom.train.objective import Objective
@@ -42,6 +44,7 @@ class GroupRelative(Objective):
         ("", "rewards/*", ".3f"),
         ("eval acc", "eval/accuracy", ".3f"),
         ("kl", "kl", ".4f"),
+        ("is", "is_weight", ".3f"),  # asynchronous GRPO's mean importance weight
     )
     panels = (
         ("reward", ("reward", "rewards/*"), "mean over the rollouts"),
@@ -77,6 +80,9 @@ class GroupRelative(Objective):
             return -(token_logps(logits, mb.labels) * mask).sum()
         logps = token_logps(logits, mb.labels, g.temperature)  # (B, S)
         old = mb.old_logps if mb.old_logps is not None else logps.detach()
+        weight = None  # asynchronous GRPO: a stale snapshot sampled the rows; truncated importance weights
+        if mb.sampler_logps is not None:
+            weight = torch.exp(old - mb.sampler_logps.to(old.device)).clamp(max=g.is_cap) * mask
         losses, kl, low, high = token_losses(
             logps,
             old,
@@ -85,12 +91,15 @@ class GroupRelative(Objective):
             g.epsilon_high or g.epsilon,
             mb.ref_token_logps,
             g.beta,
+            weight,
         )
         with torch.no_grad():
             # the trainer divides each statistic by the global count: scaled so that gives a mean per token
             per_token = self.global_count / max(self.global_tokens, 1.0)
-            for name, value in (("clip_ratio/low", low), ("clip_ratio/high", high)) + (
-                (("kl", kl),) if kl is not None else ()
+            for name, value in (
+                (("clip_ratio/low", low), ("clip_ratio/high", high))
+                + ((("kl", kl),) if kl is not None else ())
+                + ((("is_weight", weight),) if weight is not None else ())
             ):
                 self._stats[name] = self._stats.get(name, 0) + (value.float() * mask).sum() * per_token
         return loss_sum(losses, mask, g.loss_type)
@@ -114,12 +123,17 @@ def drive(loop: Loop) -> list[dict]:
     engine's forward context) used for grpo.iterations steps, the LR scaled by grpo.lr_ratio, the engine's step;
     around each step the loop's cadence (loom.train.loop.Running: settle, roll back, validate, log, save, stop)."""
     rollouts, engine, g = loop.objective.rollouts, loop.engine, loop.cfg.grpo
+    ahead: list[AsyncSampler] = []  # grpo.max_staleness > 0: the sampler, from the first GRPO step
 
     def batches() -> list[RolloutBatch]:
         """This step's micro-batches (a step skipped after a rollback takes them too, unused)."""
         if rollouts.begin_step() <= rollouts.warmup:  # supervised, on worked examples
             return rollouts.end_step(rollouts.warmup_batches())
-        if rollouts.spent(g.iterations):
+        if g.max_staleness:
+            if not ahead:
+                ahead.append(start_sampler(loop))
+            mbs = sampled_ahead(rollouts, ahead[0])
+        elif rollouts.spent(g.iterations):
             rows, prompts = rollouts.prompts()
             rollouts.sync()  # the generator on the policy's current weights
             t0 = time.perf_counter()
@@ -139,7 +153,50 @@ def drive(loop: Loop) -> list[dict]:
         engine.scale_lr(g.lr_ratio)  # this step's LR: the schedule's times grpo.lr_ratio
         return rollouts.end_step(mbs)
 
-    return step_through(loop, batches)
+    try:
+        return step_through(loop, batches)
+    finally:
+        for sampler in ahead:
+            sampler.close()
+
+
+def start_sampler(loop: Loop) -> AsyncSampler:
+    """Asynchronous GRPO's sampler, at the first GRPO step. A run resumed past that step is refused in one line:
+    the batches in flight at its checkpoint came from weights the checkpoint does not hold."""
+    rollouts, g = loop.objective.rollouts, loop.cfg.grpo
+    if rollouts.step > rollouts.warmup + 1:
+        raise ConfigError(
+            "grpo.max_staleness",
+            g.max_staleness,
+            f"0 to resume this run at step {rollouts.step} (the rollouts in flight at its checkpoint were sampled "
+            "from weights it does not hold): resume with --grpo.max_staleness 0, or start over",
+        )
+    return AsyncSampler(rollouts, g.max_staleness, loop.cfg.training.steps)
+
+
+def sampled_ahead(rollouts: Rollouts, sampler: AsyncSampler) -> list[RolloutBatch]:
+    """This step's batch from the sampler (sampled on a snapshot of the weights up to grpo.max_staleness steps
+    old), scored, its advantages and micro-batches made here, each row with the snapshot's log-probabilities."""
+    s = sampler.take(rollouts.step)
+    t1 = time.perf_counter()
+    total, per, names = rollouts.score(s.rows, s.prompts, s.outs)
+    advantages, sums, std = rollouts.advantages(total)
+    t2 = time.perf_counter()
+    mbs, truncated = rollouts.to_batches(s.prompts, s.outs, advantages)
+    for mb, logps in zip(mbs, s.sampler_logps, strict=True):
+        mb.sampler_logps = logps
+    rollouts.logps(mbs)  # the reference's, where the loss needs them (grpo.iterations is 1)
+    t3 = time.perf_counter()
+    seconds = (s.seconds, t2 - t1, t3 - t2, sampler.weights.seconds)
+    rollouts.set_stats(mbs, total, per, names, sums, std, truncated, s.outs, seconds)
+    rollouts.stats.update(
+        {
+            "async/staleness": float(rollouts.step - 1 - s.version),  # optimizer steps behind the policy
+            "async/wait_s": sampler.wait_s,  # the trainer's wait for this batch
+            "weight_sync_bytes": float(sampler.weights.bytes),
+        }
+    )
+    return rollouts.hold(mbs)
 
 
 METHOD = Method("grpo", GroupRelative, GroupRelative, rules=rollout_rules, run=runner(drive), drive=drive)

@@ -74,12 +74,39 @@ def rollout_rules(cfg: Config) -> None:
         raise ConfigError("grpo.warmup_steps", g.warmup_steps, f"< training.steps ({t.steps})")
     if any(o not in "+*" for o in g.ops) or not g.ops:
         raise ConfigError("grpo.ops", g.ops, "operators from '+' and '*'")
+    if g.max_staleness:
+        async_rules(cfg)
     if g.judge and not g.judge_template.strip():
         raise ConfigError(
             "grpo.judge_template",
             "",
             "a template with {prompt} and {completion} for grpo.judge (text, or a file holding it)",
         )
+
+
+def async_rules(cfg: Config) -> None:
+    """Asynchronous GRPO (grpo.max_staleness > 0; loom.rl.async_sampler): GRPO's alone; one update per batch of
+    rollouts (its importance weights are against the step's own policy); not under TP (the sampler's thread would
+    run the engine's collectives beside the trainer's) nor with a rollback (the batches in flight would not be
+    rolled back with the weights)."""
+    g, objective = cfg.grpo, cfg.training.objective
+    for key, value, bad, allowed in (
+        ("training.objective", objective, objective != "grpo", "grpo"),
+        ("grpo.iterations", g.iterations, g.iterations != 1, "1"),
+        ("parallel.tp", cfg.parallel.tp, cfg.parallel.tp > 1, "1"),
+        ("training.nonfinite", cfg.training.nonfinite, cfg.training.nonfinite == "rollback", "stop | skip"),
+    ):
+        if bad:
+            raise ConfigError(key, value, f"not with grpo.max_staleness {g.max_staleness}: allowed {allowed}")
+    if g.sampler_device:
+        import torch
+
+        try:
+            torch.device(g.sampler_device)
+        except RuntimeError:
+            raise ConfigError(
+                "grpo.sampler_device", g.sampler_device, "a device such as cuda:1, or '' (the rank's own)"
+            ) from None
 
 
 def grpo_loss_unused(cfg: Config) -> None:

@@ -66,16 +66,20 @@ def token_losses(
     epsilon_high: float,
     ref_logps: torch.Tensor | None = None,
     beta: float = 0.0,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token, plus beta x KL to the reference (skipped when beta is 0):
-    -min(ratio A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) A) with ratio = exp(logp - old_logp).
-    logps / old_logps / ref_logps (B, T) fp32, advantages (B,). Returns (loss (B, T), kl (B, T) or None, clipped
+    -min(ratio A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) A) with ratio = exp(logp - old_logp), the
+    surrogate times ``is_weight`` (B, T) where given (off-policy samples' truncated importance weights, before the
+    KL term: TRL's order). logps / old_logps / ref_logps (B, T) fp32, advantages (B,). Returns (loss (B, T), kl (B, T) or None, clipped
     low (B, T) bool, clipped high (B, T) bool): where the ratio left the trust region in the direction the
     advantage pushes it (TRL's clip_ratio/low and /high)."""
     adv = advantages[:, None]  # (B, 1)
     ratio = torch.exp(logps - old_logps)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     loss = -torch.min(ratio * adv, clipped * adv)
+    if is_weight is not None:
+        loss = loss * is_weight
     kl = None
     if beta != 0.0:
         assert ref_logps is not None, "beta > 0 needs the reference's log-probabilities"

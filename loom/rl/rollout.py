@@ -48,12 +48,14 @@ HELD = {
 @dataclass
 class RolloutBatch(MicroBatch):
     """A micro-batch of completions: ``labels`` are the completion tokens (IGNORE elsewhere); per row its
-    advantage (B,); per token the rollout-time policy's (None: the step's own, detached) and the reference's
-    (None: beta 0) log-probabilities (B, S), aligned with ``labels``. ``warmup``: worked examples (cross-entropy)."""
+    advantage (B,); per token the rollout-time policy's (None: the step's own, detached), the reference's
+    (None: beta 0) and the sampler's (asynchronous GRPO's stale snapshot; None: the live policy sampled them)
+    log-probabilities (B, S), aligned with ``labels``. ``warmup``: worked examples (cross-entropy)."""
 
     advantages: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_token_logps: torch.Tensor | None = None
+    sampler_logps: torch.Tensor | None = None
     warmup: bool = False
 
 
@@ -446,11 +448,11 @@ class Rollouts:
             mb.warmup = True
         return batches
 
-    def prompts(self) -> tuple[list[dict], list[list[int]]]:
-        """This rank's rows of the step's prompts and their ids, each repeated for its group (``prompt_ids``)."""
-        rows = self.mine(
-            self.source.problems(self.rows // self.g.group_size * self.dp_size, ("grpo", self.step))
-        )
+    def prompts(self, step: int | None = None) -> tuple[list[dict], list[list[int]]]:
+        """This rank's rows of the step's (or ``step``'s) prompts and their ids, each repeated for its group
+        (``prompt_ids``)."""
+        step = self.step if step is None else step
+        rows = self.mine(self.source.problems(self.rows // self.g.group_size * self.dp_size, ("grpo", step)))
         return rows, self.prompt_ids(rows)
 
     def sync(self) -> None:
@@ -553,26 +555,31 @@ class Rollouts:
         n = len(rows) // self.dp_size
         return rows[self.dp_rank * n : (self.dp_rank + 1) * n]
 
-    def generate(self, prompts: list[list[int]]) -> list:
-        """One completion (``loom.infer.Completion``) per prompt id list, from the engine on the live weights."""
+    def generate(
+        self, prompts: list[list[int]], step: int | None = None, generator=None, weights=None
+    ) -> list:
+        """One completion (``loom.infer.Completion``) per prompt id list, from the engine on the live weights (or
+        ``generator`` on ``weights``), seeded by the step (or ``step``)."""
         from loom.infer.sampling import SamplingParams
 
         g, engine = self.g, self.engine
+        generator, weights = generator or self.generator, weights or self.weights
+        step = self.step if step is None else step
         params = SamplingParams(
             max_new_tokens=g.max_new_tokens,
             temperature=g.temperature,
             top_p=g.top_p,
-            seed=(self.cfg.run.seed * 1_000_003 + self.step) * 1009 + self.dp_rank,
+            seed=(self.cfg.run.seed * 1_000_003 + step) * 1009 + self.dp_rank,
         )
-        model = self.weights.model
+        model = weights.model
         model.eval()
         try:
             with torch.no_grad(), engine.autocast():
-                return self.generator.generate_ids(prompts, params)
+                return generator.generate_ids(prompts, params)
         finally:
-            engine = self.generator.engine  # the caches out: training forwards run the plain model
+            engine = generator.engine  # the caches out: training forwards run the plain model
             engine.park() if g.keep_cache else engine.release()
-            if not self.weights.copied:
+            if not weights.copied:
                 model.train()
 
     @torch.no_grad()

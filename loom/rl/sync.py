@@ -54,16 +54,18 @@ class EngineWeights:
         self.seconds, self.bytes = 0.0, 0
 
     @classmethod
-    def build(cls, engine) -> EngineWeights:
+    def build(cls, engine, copy: bool = False, device=None) -> EngineWeights:
         """The training engine's own module where it is whole; under TP the inference engine's tensor-parallel
         module on the training shards (``tp_engine_model``); a plain copy of the policy (with its LoRA adapters, if
-        any) on the training device under FSDP2. The inference engine's model holds no value head or critic: it only
-        generates."""
+        any) on the training device under FSDP2, or with ``copy`` (a snapshot that ``sync`` refreshes: asynchronous
+        GRPO's sampler, which must not see the weights change under it; not under TP; on ``device``, default the
+        training device). The inference engine's model holds no value head or critic: it only generates."""
         policy = engine.parts[0]
-        if not is_sharded(policy):
+        if not is_sharded(policy) and not copy:
             return cls(policy, policy)
         dtype = engine.dtype if engine.dtype in (torch.bfloat16, torch.float16) else torch.float32
         if engine.dims.tp_enabled:
+            assert not copy, "a snapshot of a tensor-parallel policy"
             mesh = engine.dims["tp"]
             model, fills, shared = tp_engine_model(
                 policy, engine.model_args, engine.cfg.lora, mesh, dtype, engine.device
@@ -75,11 +77,12 @@ class EngineWeights:
             copy = build_model(engine.model_args)
         apply_lora(copy, engine.cfg.lora)
         tied = _shared_parameters(copy)
-        copy = copy.to(dtype).to_empty(device=engine.device)
+        device = engine.device if device is None else device
+        copy = copy.to(dtype).to_empty(device=device)
         for (mod0, name0), *others in tied:  # to_empty gives each place of a tied weight its own: re-tie
             for mod, name in others:
                 setattr(mod, name, getattr(mod0, name0))
-        copy.init_buffers(engine.device)  # the RoPE table in fp32
+        copy.init_buffers(device)  # the RoPE table in fp32
         copy.requires_grad_(False)
         return cls(policy, copy.eval())
 

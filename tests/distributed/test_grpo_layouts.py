@@ -4,8 +4,10 @@ advantages, the rollout-time and reference log-probabilities, the loss over the 
 single process's loss, gradient norm, KL and clip fractions at every step (fp32, 1e-5 relative), for a per-token
 normalization with a frozen-copy reference and two iterations per batch of rollouts, and for the per-completion
 one with accumulation. RLOO and online DPO (their own drivers on the same fixed completions) under DDP x2 and
-FSDP2 x2 with accumulation, and under LoRA (the reference: the adapters off) with FSDP2 x2 and accumulation, give
-the single process's loss, gradient norm and figures too, in the same process group."""
+FSDP2 x2 with accumulation, and under LoRA (the reference: the adapters off) with FSDP2 x2 and accumulation, and
+asynchronous GRPO (grpo.max_staleness 1: a snapshot refreshed from FSDP2's shards, its log-probabilities and the
+importance weights) under FSDP2 x2 with accumulation, give the single process's loss, gradient norm and figures
+too, in the same process group."""
 
 from __future__ import annotations
 
@@ -22,17 +24,19 @@ from loom.rl.rollout import Rollouts
 from tests.distributed.harness import job_tmp, run_fn
 from tests.tiny import tiny_overrides
 
-KEYS = ("loss", "grad_norm", "kl", "clip_ratio/low", "clip_ratio/high", "reward", "targets")
+KEYS = ("loss", "grad_norm", "kl", "clip_ratio/low", "clip_ratio/high", "reward", "targets", "is_weight")
 
 
 class FixedRollouts(Rollouts):
     """The engine's sampling replaced by completions that depend only on (step, global row): the right answer
     (and EOS) for some, random digits for others, some cut without an EOS."""
 
-    def generate(self, prompts):
+    def generate(self, prompts, step=None, generator=None, weights=None):
+        # asynchronous GRPO's sampler names the step it samples for
+        step = self.step if step is None else step
         out = []
         for i, p in enumerate(prompts):
-            rng = random.Random(repr((self.step, self.dp_rank * len(prompts) + i)))
+            rng = random.Random(repr((step, self.dp_rank * len(prompts) + i)))
             text = bytes(p).decode()
             answer = (
                 str(eval(text[:-1]))
@@ -147,6 +151,8 @@ METHOD_JOBS = {
     # under LoRA the reference is the policy with its adapters off (RLOO's KL penalty, online DPO's pairs)
     "rloo-lora-fsdp-acc": (2, 2, FSDP, {**RLOO, "grpo.iterations": 1, "lora.rank": 4}),
     "online_dpo-lora-fsdp-acc": (2, 2, FSDP, {**ONLINE, "lora.rank": 4}),
+    # asynchronous GRPO: the snapshot refreshed from FSDP2's shards, its log-probabilities, the importance weights
+    "grpo-async-fsdp-acc": (2, 2, FSDP, {"grpo.max_staleness": 1, "grpo.loss_type": "grpo"}),
 }
 
 
@@ -222,8 +228,8 @@ def test_ddp2_step_equals_single_process(results, name):
 
 @pytest.mark.parametrize("name", sorted(METHOD_JOBS))
 def test_rloo_and_online_dpo_two_ranks_equal_single_process(results, name):
-    """DDP x2, and FSDP2 x2 with two micro-batches per rank (full fine-tuning and LoRA), against one process:
-    every step's figures."""
+    """DDP x2, and FSDP2 x2 with two micro-batches per rank (full fine-tuning and LoRA; asynchronous GRPO), against
+    one process: every step's figures."""
     single, ranks = results
     ref, got = single[name], ranks[name]
     assert len(ref) == len(got) == 5
@@ -232,6 +238,8 @@ def test_rloo_and_online_dpo_two_ranks_equal_single_process(results, name):
         assert (
             max(abs(r["kl"]) for r in ref[2:]) > 1e-4
         )  # the KL penalty (k1: signed) is live once the reference is taken
+    elif name.startswith("grpo-async"):  # steps 3 to 5 train on rows sampled one step back: weights off 1
+        assert min(abs(r["is_weight"] - 1) for r in ref[2:]) > 1e-5, ref
     else:  # the first step's reference is the policy itself, but under LoRA the warm-up moved the adapters
         assert max(abs(r["rewards/margins"]) for r in ref[2:]) > 1e-4
         assert (ref[1]["objective/kl"] == 0.0) == ("lora" not in name), ref[1]

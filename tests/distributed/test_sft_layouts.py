@@ -2,8 +2,9 @@
 tokens count) give the single-process loss at every step under DDP x2, FSDP2 x2 with accumulation and TP x2, and
 FSDP2 x4 with accumulation (slow) (fp32, within 1e-5 relative over 6 steps), and the same global batches. In the
 same process groups, knowledge distillation on the same conversations from a wider, deeper teacher (a Hugging Face
-folder, sharded as the student is) under DDP x2 and FSDP2 x2 with accumulation, and under LoRA from the student with
-its adapters off under FSDP2 x2 with accumulation, against their single processes."""
+folder, sharded as the student is) under DDP x2, FSDP2 x2 with accumulation and TP x2, under LoRA from the student
+with its adapters off under FSDP2 x2 with accumulation, and with TRL's generalized JSD under TP x2, against their
+single processes."""
 
 from __future__ import annotations
 
@@ -52,17 +53,21 @@ def write_teacher(folder) -> str:
     return str(folder)
 
 
-def job(tmp, source, name, mb, teacher=None, lora=False, **parallel):
-    """An SFT run; with ``teacher`` (a folder, or '' = the initial student) distillation on the same conversations;
-    ``lora``: LoRA adapters (the default teacher is then the student with its adapters off)."""
+def job(tmp, source, name, mb, teacher=None, lora=False, jsd=None, **parallel):
+    """An SFT run; with ``teacher`` (a folder, or '' = the initial student) distillation on the same conversations
+    (the KLs mixed, or with ``jsd`` TRL's generalized JSD at that beta); ``lora``: LoRA adapters (the default
+    teacher is then the student with its adapters off)."""
     extra = {"lora.rank": 4, "optimizer.lr": 3e-2} if lora else {}
     if teacher is not None:
+        divergence = (
+            {"distill.reverse_kl": 0.3} if jsd is None else {"distill.divergence": "jsd", "distill.beta": jsd}
+        )
         extra |= {
             "training.objective": "distill",
             "distill.teacher": teacher,
             "distill.data": "sft",
             "distill.temperature": 2.0,
-            "distill.reverse_kl": 0.3,
+            **divergence,
             "data.document_positions": "true",
         }
     return tiny_overrides(
@@ -93,9 +98,11 @@ def results(tmp_path_factory):
         job(tmp, source, "single", GLOBAL),
         job(tmp, source, "distill", GLOBAL, teacher),
         job(tmp, source, "distill-lora", GLOBAL, "", lora=True),
+        job(tmp, source, "distill-jsd", GLOBAL, "", jsd=0.3),
     ]
-    reference, distill, distill_lora = run_jobs(1, singles, str(tmp))
+    reference, distill, distill_lora, distill_jsd = run_jobs(1, singles, str(tmp))
     names = ["ddp2", "fsdp2-acc2", "tp2", "distill-ddp2", "distill-fsdp2-acc2", "distill-lora-fsdp2-acc2"]
+    names += ["distill-tp2", "distill-jsd-tp2"]
     jobs = [
         job(tmp, source, "ddp2", GLOBAL // 2, dp_replicate=2, dp_shard=1),
         job(tmp, source, "fsdp2-acc2", GLOBAL // 4, dp_shard=2),
@@ -103,9 +110,12 @@ def results(tmp_path_factory):
         job(tmp, source, "distill-ddp2", GLOBAL // 2, teacher, dp_replicate=2, dp_shard=1),
         job(tmp, source, "distill-fsdp2-acc2", GLOBAL // 4, teacher, dp_shard=2),
         job(tmp, source, "distill-lora-fsdp2-acc2", GLOBAL // 4, "", lora=True, dp_shard=2),
+        job(tmp, source, "distill-tp2", GLOBAL, teacher, tp=2, dp_shard=1),
+        job(tmp, source, "distill-jsd-tp2", GLOBAL, "", jsd=0.3, tp=2, dp_shard=1, loss_parallel="false"),
     ]
     results = dict(zip(names, run_jobs(2, jobs, str(tmp))))
-    distills = {n: (distill_lora if "lora" in n else distill, results[n]) for n in names[3:]}
+    singles = {"lora": distill_lora, "jsd": distill_jsd}
+    distills = {n: (singles.get(n.split("-")[1], distill), results[n]) for n in names[3:]}
     return reference, {n: results[n] for n in names[:3]}, distills
 
 
@@ -137,8 +147,10 @@ def test_sft_global_batches_are_layout_independent(results):
 
 
 def test_distill_losses_match_single_process(results):
-    """Distillation from a wider, deeper teacher (FSDP2 shards it as it shards the student), and under LoRA from the
-    student with its adapters off: the loss, its KD and CE terms at every step equal one process's."""
+    """Distillation from a wider, deeper teacher (FSDP2 shards it as it shards the student; TP x2 shards both heads
+    by vocabulary, the loss parallel), under LoRA from the student with its adapters off, and TRL's generalized JSD
+    from the initial student under TP x2 with gathered logits (parallel.loss_parallel false): the loss, its KD and
+    CE terms at every step equal one process's."""
     report = []
     for name, (reference, res) in results[2].items():
         ref = losses(reference)

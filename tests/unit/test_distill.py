@@ -1,7 +1,7 @@
 """Knowledge distillation (``training.objective distill``): the chunked loss and its gradients equal the direct
 definition on full logits (forward, reverse and mixed KL, temperature, the hard-label CE mix, ignored tokens, a
-larger teacher); the definition equals TRL's GKD loss at beta 0 / 1 and torchtune's ForwardKLLoss up to their
-conventions; and it trains from ``loom train``."""
+larger teacher, TRL's generalized JSD); the definition equals TRL's GKD loss at beta 0 / 1 and torchtune's
+ForwardKLLoss up to their conventions, the chunked JSD and its gradients TRL's at betas in (0, 1); and it trains from ``loom train``."""
 
 from __future__ import annotations
 
@@ -32,24 +32,35 @@ def batch(seed=0, n=40, e=16, e_teacher=24, v=50):
 
 
 @pytest.mark.parametrize(
-    "temperature,reverse,kd_ratio",
-    [(1.0, 0.0, 1.0), (2.0, 1.0, 1.0), (0.7, 0.3, 0.5), (1.5, 0.0, 0.0), (1.0, 0.5, 0.25)],
+    "temperature,reverse,kd_ratio,jsd",
+    [
+        (1.0, 0.0, 1.0, None),
+        (2.0, 1.0, 1.0, None),
+        (0.7, 0.3, 0.5, None),
+        (1.5, 0.0, 0.0, None),
+        (1.0, 0.5, 0.25, None),
+        (1.0, 0.0, 1.0, 0.5),
+        (2.0, 0.0, 0.6, 0.1),
+        (0.7, 0.0, 1.0, 0.9),
+    ],
 )
-def test_chunked_loss_and_gradients_equal_the_definition(temperature, reverse, kd_ratio):
+def test_chunked_loss_and_gradients_equal_the_definition(temperature, reverse, kd_ratio, jsd):
     h, w, ht, wt, labels = batch()
     h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
-    expected = token_losses(h1 @ w1.T, ht @ wt.T, labels, temperature, reverse, kd_ratio)[0].double().sum()
+    expected = (
+        token_losses(h1 @ w1.T, ht @ wt.T, labels, temperature, reverse, kd_ratio, jsd)[0].double().sum()
+    )
     expected.backward()
     h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
     stats = {}
     got = chunked_distill_loss(
-        h2, w2, ht, wt, labels, temperature, reverse, kd_ratio, chunk_rows=7, stats=stats
+        h2, w2, ht, wt, labels, temperature, reverse, kd_ratio, chunk_rows=7, stats=stats, jsd=jsd
     )
     (2 * got).backward()  # the incoming gradient scales the saved ones
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h2.grad.double(), 2 * h1.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(w2.grad.double(), 2 * w1.grad, rtol=1e-4, atol=1e-6)
-    _, kd, ce, _ = token_losses(h @ w.T, ht @ wt.T, labels, temperature, reverse, kd_ratio)
+    _, kd, ce, _ = token_losses(h @ w.T, ht @ wt.T, labels, temperature, reverse, kd_ratio, jsd)
     torch.testing.assert_close(stats["kd"].double(), kd.double().sum(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats["ce"].double(), ce.double().sum(), rtol=1e-5, atol=1e-5)
 
@@ -97,6 +108,33 @@ def test_definition_equals_trl_gkd_at_beta_0_and_1():
             )
             mine = token_losses(student, teacher, labels, temperature, reverse, 1.0)[0]
             torch.testing.assert_close(mine.sum() / (labels != IGNORE).sum(), theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_generalized_jsd_and_its_gradients_equal_trl_gkd(beta):
+    """distill.divergence jsd at distill.beta: the chunked loss (kd_ratio 1, averaged over the labelled tokens) and
+    its gradients with respect to the student's hidden states and head equal TRL 1.16's
+    GKDTrainer.generalized_jsd_loss differentiated by autograd on the full logits, at several temperatures (fp32)."""
+    pytest.importorskip("trl", minversion="1.16")
+    import trl
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    assert trl.__version__ == "1.16.0"  # the version compared
+    h, w, ht, wt, labels = (x.float() if x.is_floating_point() else x for x in batch(4))
+    teacher = ht @ wt.T
+    count = (labels != IGNORE).sum()
+    for temperature in (1.0, 2.0, 0.5):
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        theirs = GKDTrainer.generalized_jsd_loss(
+            (h1 @ w1.T)[None], teacher[None], labels[None], beta=beta, temperature=temperature
+        )
+        theirs.backward()
+        h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        mine = chunked_distill_loss(h2, w2, ht, wt, labels, temperature, 0.0, 1.0, chunk_rows=11, jsd=beta)
+        (mine / count).backward()
+        torch.testing.assert_close(mine / count, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_torchtune_forward_kl_convention():
@@ -239,9 +277,11 @@ def test_resume_mid_run_continues_bitwise(tmp_path):
 
 def test_config_rules(tmp_path):
     """Refused in one line naming the field: the section under another objective, a missing or unrecognized teacher
-    folder, tensor / context / pipeline parallelism, SFT data without per-document attention."""
+    folder, the other divergence's field, context / pipeline parallelism, SFT data without per-document attention;
+    tensor parallelism is taken."""
     from loom.config.errors import ConfigError
     from loom.methods import check_config
+    from loom.methods.distill import objective
 
     distill = {"training.objective": "distill"}
     with pytest.raises(ConfigError, match="distill.kd_ratio"):
@@ -250,9 +290,19 @@ def test_config_rules(tmp_path):
         check_config(tiny_config(**distill, **{"distill.teacher": str(tmp_path / "nope")}))
     with pytest.raises(ConfigError, match="distill.teacher.*neither"):
         check_config(tiny_config(**distill, **{"distill.teacher": str(tmp_path)}))
-    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
+    with pytest.raises(ConfigError, match="distill.reverse_kl.*distill.divergence kl"):
+        check_config(tiny_config(**distill, **{"distill.divergence": "jsd", "distill.reverse_kl": 0.3}))
+    with pytest.raises(ConfigError, match="distill.beta.*distill.divergence jsd"):
+        check_config(tiny_config(**distill, **{"distill.beta": 0.3}))
+    jsd = tiny_config(**distill, **{"distill.divergence": "jsd", "distill.beta": 0.3})
+    check_config(jsd)
+    assert objective(jsd).jsd == 0.3 and objective(tiny_config(**distill)).jsd is None
+    for key in ("parallel.cp", "parallel.pp"):
         with pytest.raises(ConfigError, match=key):
             check_config(tiny_config(**distill, **{key: 2}))
+    check_config(
+        tiny_config(**distill, **{"parallel.tp": 2})
+    )  # vocab-parallel (tests/distributed/test_sft_layouts)
     with pytest.raises(ConfigError, match="data.document_positions"):
         check_config(tiny_config(**distill, **{"distill.data": "sft"}))
     check_config(tiny_config(**distill, **{"distill.data": "sft", "data.document_positions": "true"}))

@@ -163,6 +163,7 @@ def test_a_rollout_batch_moves_with_every_field():
     t = lambda: torch.randn(2, 3)
     mb = PpoBatch(t(), t(), t(), t(), ref_logps=t(), desirable=t(), advantages=t(), old_logps=t())
     mb.ref_token_logps, mb.old_values, mb.returns, mb.warmup = t(), t(), t(), True
+    mb.sampler_logps = t()  # asynchronous GRPO's
     moved = mb.to("cpu")
     assert type(moved) is PpoBatch and moved.warmup
     for f in fields(mb):
