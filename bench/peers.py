@@ -23,11 +23,12 @@ a ``sitecustomize`` that the loom side alone gets: ``--loom-sdpa default`` leave
 every step on both sides. torchtitan's trainer needs a CUDA device (it sets ``cuda:<local rank>``), so this runs on
 GPUs only; tests/unit/test_bench_peers.py checks the config writing and log parsing on the CPU.
 
-On the GPU machine (torchtitan 0.2.2 and what it needs that the image lacks, carried as wheels in bench/wheels/):
+torchtitan 0.2.2 and what it needs that the GPU image lacks travel as wheels: ``python -m bench.peers
+--download-wheels bench/wheels`` here (a git-ignored folder: carry it), then on the GPU machine
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site bench/wheels/*.whl && \\
         export PYTHONPATH=/tmp/site:$PYTHONPATH && \\
-        python -m bench.peers --workload llama3_3b --out bench/results/peers_llama3_3b_2gpu_h200.json
+        python3 -m bench.peers --workload llama3_3b --out $OUT/peers_llama3_3b_2gpu_h200.json
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -545,17 +548,24 @@ def stream(cmd: list[str], env: dict, timeout: float, log_path: str, first: re.P
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+    killed = []
+
+    def kill():  # the whole process group (torchrun's workers too), also when it has stopped printing
+        killed.append(True)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout, kill)
+    watchdog.start()
     with open(log_path, "w") as log:
         for line in proc.stdout:
             log.write(line)
             lines.append(line)
             if first_s is None and first.search(_ANSI.sub("", re.sub(r"^\[rank\d+\]:", "", line))):
                 first_s = time.time() - t0
-            if time.time() - t0 > timeout:
-                os.killpg(proc.pid, 9)
-                lines.append(f"bench.peers: killed after {timeout:.0f} s\n")
-                break
     rc = proc.wait()
+    watchdog.cancel()
+    if killed:
+        lines.append(f"bench.peers: killed after {timeout:.0f} s\n")
     return {"rc": rc, "output": "".join(lines), "first_step_s": first_s, "wall_s": round(time.time() - t0, 1)}
 
 
@@ -738,7 +748,9 @@ def main() -> None:
         help="loom's run.device; cpu (gloo, with --sides loom): a smoke run of this tool",
     )
     p.add_argument("--data-mb", type=float, default=8.0, help="MB of text in the shared data file")
-    p.add_argument("--timeout", type=int, default=540, help="seconds each side may run")
+    p.add_argument(
+        "--timeout", type=int, default=270, help="seconds each side may run (both inside a 10-minute call)"
+    )
     p.add_argument("--run-dir", default="/tmp/loom_peers")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=default_commit())

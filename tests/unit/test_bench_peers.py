@@ -198,3 +198,13 @@ def test_the_first_step_line_of_loom_is_recognized():
     rec = {"step": 1, "loss": 7.65, "grad_norm": 0.76, "lr": 1e-4, "tokens_per_s": 2100.0}
     line = format_line({**rec, "tokens_per_s_per_device": 1050.0, "mfu": None, "mem_gib": 0.47}, 30)
     assert peers._LOOM_STEP.search(line) and not peers._LOOM_STEP.search("batch: 4 x 256 tokens per step")
+
+
+def test_a_run_that_stops_printing_is_killed_at_its_timeout(tmp_path):
+    run = peers.stream(
+        ["bash", "-c", "echo 'step 1/3 | loss 1'; sleep 30"], {}, 0.5, str(tmp_path / "log"), peers._LOOM_STEP
+    )
+    assert run["rc"] != 0 and run["first_step_s"] is not None and run["wall_s"] < 10
+    assert run["output"].endswith("killed after 0 s\n") and (tmp_path / "log").read_text().startswith(
+        "step 1/3"
+    )
