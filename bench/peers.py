@@ -199,8 +199,8 @@ DIFFERENCES = (
     "also the outputs of reduce-scatter and max",
     "weight decay 0.1: torchtitan on every parameter, loom on matrices only",
     "documents: torchtitan adds BOS and EOS to each, loom EOS only (same file, same tokenizer)",
-    "data: torchtitan tokenizes on the fly (in --titan-workers data-loader processes, 1 by default; 0 = in its "
-    "training loop); loom tokenizes the file once before training (inside its launch-to-first-step time)",
+    "data: torchtitan tokenizes the text on the fly (in --titan-workers data-loader processes, 1 by default; 0 = in "
+    "its training loop); loom reads the same text tokenized before its launch (loom data prepare, not timed)",
     "LR schedule: both warm up over the same steps to 3e-4 then decay by cosine to 0.1 of it (torchtitan's "
     "lr_scheduler, loom's optimizer.schedule); no effect on speed",
     "garbage collection: torchtitan collects every 50 steps by hand (training.gc_freq), loom leaves Python's",
@@ -478,7 +478,7 @@ def loom_config(
         "model.tie_embeddings": "false",
         "model.attention": "sdpa",
         **w.loom_model,
-        "data.source": paths["data_file"],
+        "data.source": paths["loom_tokens"],  # the text file tokenized beforehand (prepare_loom_tokens)
         "data.tokenizer": paths["tokenizer"],
         "data.cache_dir": paths["loom_cache"],
         "training.seq_len": w.seq,
@@ -531,6 +531,25 @@ from torch.nn.attention import SDPBackend, _sdpa_kernel
 _sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH], set_priority=True)
 '''
 _LOOM_STEP = re.compile(r"^step\s+\d+/\d+\b")  # loom's console line (loom.metrics.logger.format_line)
+
+
+def prepare_loom_tokens(paths: dict) -> float:
+    """``loom data prepare`` of the shared text file into ``loom_tokens``: loom tokenizes before its launch is timed,
+    as torchtitan's tokenizing happens in its data-loader workers during the steps. Returns the seconds it took."""
+    t0 = time.time()
+    cmd = [sys.executable, "-c", "from loom.cli.main import entry; entry()", "data", "prepare"]
+    cmd += [
+        "--source",
+        paths["data_file"],
+        "--output",
+        paths["loom_tokens"],
+        "--tokenizer",
+        paths["tokenizer"],
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"bench.peers: loom data prepare failed:\n{(proc.stderr or proc.stdout)[-2000:]}")
+    return round(time.time() - t0, 1)
 
 
 def loom_command(cfg: dict, gpus: int) -> list[str]:
@@ -786,6 +805,7 @@ def main() -> None:
         "loom_dir": os.path.join(root, "loom"),
         "loom_py": os.path.join(root, "loom_py"),
         "loom_cache": os.path.join(root, "loom_cache"),
+        "loom_tokens": os.path.join(root, "loom_cache", "data.bin"),
     }
     for k in ("titan_dir", "titan_py", "loom_py"):
         os.makedirs(paths[k], exist_ok=True)
@@ -794,6 +814,7 @@ def main() -> None:
     vocab = make_tokenizer(paths["tokenizer"], paths["data_file"], w.vocab)
     inputs_s = round(time.time() - t0, 1)
     print(f"bench.peers: {docs} documents, tokenizer of {vocab} tokens ({inputs_s} s)", flush=True)
+    prepare_s = prepare_loom_tokens(paths) if "loom" in sides else None
 
     doc = {
         "benchmark": "peers",
@@ -813,6 +834,7 @@ def main() -> None:
                 "megabytes": a.data_mb,
                 "tokenizer_vocab": vocab,
                 "seconds": inputs_s,
+                "loom_prepare_s": prepare_s,
             },
             "allocator": f"PYTORCH_ALLOC_CONF={ALLOC_CONF}",
         },

@@ -30,6 +30,7 @@ def _paths(tmp_path) -> dict:
     out = {k: str(tmp_path / k) for k in keys}
     out["data_dir"] = str(tmp_path / "data")
     out.update(data_file=str(tmp_path / "data" / "data.jsonl"), tokenizer=str(tmp_path / "tokenizer"))
+    out["loom_tokens"] = str(tmp_path / "loom_cache" / "data.bin")
     return out
 
 
@@ -76,7 +77,8 @@ def test_the_toml_matches_the_loom_config(name, tmp_path):
     assert par["data_parallel_shard_degree"] == -1 and loom["parallel.dp_shard"] == 2  # every GPU in both
     assert par["expert_parallel_degree"] == loom["parallel.ep"] == w.ep
     assert titan["model"]["hf_assets_path"] == loom["data.tokenizer"]
-    assert loom["data.source"].startswith(titan["training"]["dataset_path"])  # the same text file
+    assert titan["training"]["dataset_path"] == paths["data_dir"]  # the text file's folder
+    assert loom["data.source"] == paths["loom_tokens"]  # the same file, tokenized by loom data prepare
     assert titan["experimental"]["custom_import"] == peers.FLAVOR_MODULE
     assert (
         titan["model"]["flavor"] == peers.FLAVOR
