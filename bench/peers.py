@@ -529,6 +529,18 @@ SDPA_SITECUSTOMIZE = '''"""Written by bench.peers: SDPA as torchtitan sets it (c
 from torch.nn.attention import SDPBackend, _sdpa_kernel
 
 _sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH], set_priority=True)
+
+# this file shadows any other sitecustomize on the path (the image's, say): run that one too
+import os as _os
+import sys as _sys
+
+_here = _os.path.dirname(_os.path.abspath(__file__))
+for _d in _sys.path:
+    _p = _os.path.join(_d or ".", "sitecustomize.py")
+    if _os.path.abspath(_d or ".") != _here and _os.path.isfile(_p):
+        with open(_p) as _f:
+            exec(compile(_f.read(), _p, "exec"), {"__name__": "sitecustomize", "__file__": _p})
+        break
 '''
 _LOOM_STEP = re.compile(r"^step\s+\d+/\d+\b")  # loom's console line (loom.metrics.logger.format_line)
 

@@ -210,3 +210,23 @@ def test_a_run_that_stops_printing_is_killed_at_its_timeout(tmp_path):
     assert run["output"].endswith("killed after 0 s\n") and (tmp_path / "log").read_text().startswith(
         "step 1/3"
     )
+
+
+def test_loom_processes_get_torchtitans_sdpa_backends(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(peers.SDPA_SITECUSTOMIZE)
+    probe = (
+        "import torch; from torch.nn.attention import SDPBackend as B; "
+        "order = torch._C._get_sdp_priority_order(); "
+        "print(order[:3] == [int(B.CUDNN_ATTENTION), int(B.FLASH_ATTENTION), int(B.MATH)], "
+        "torch.backends.cuda.mem_efficient_sdp_enabled())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [
+        "True",
+        "False",
+    ]  # cuDNN, flash, math first; memory-efficient off, as torchtitan
