@@ -146,12 +146,22 @@ total parameters\x1b[39m
 \x1b[36mtflops: 34.22  \x1b[35mmfu: 3.46%\x1b[39m
 [rank0]:[titan] 2026-11-27 10:00:41,000 - root - INFO - step: 10  loss:  7.81250  grad_norm:  1.0000  \
 memory: 41.40GiB(29.60%)  tps: 16,701  tflops: 463.13  mfu: 46.83%
+[rank0]:[titan] 2026-11-27 10:00:42,000 - root - WARNING - Dataset c4_test is being re-looped
+[rank0]:[titan] 2026-11-27 10:00:43,000 - root - INFO - step: 11  loss:  3.25000  grad_norm:  0.8000  \
+memory:  9.50GiB(65.00%)  tps: 7,300  tflops: 0.52  mfu: 0.17%
 """
 
 
 def test_the_log_parser_reads_torchtitans_metrics_lines():
     out = peers.parse_titan_log(_LOG)
-    first, second = out["steps"]
+    first, second, third = out["steps"]
+    # a one-digit memory figure is padded to width 5 (torchtitan's "{:5.2f}GiB")
+    assert (third["step"], third["mem_gib"], third["tps"], third["mfu"]) == (
+        11,
+        9.5,
+        7300.0,
+        pytest.approx(0.0017),
+    )
     assert first == {
         "step": 1,
         "loss": 12.25,
