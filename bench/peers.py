@@ -198,6 +198,10 @@ DIFFERENCES = (
     "op-level AC: each framework's own policy; both save every attention output and every second matmul, torchtitan "
     "also the outputs of reduce-scatter and max",
     "weight decay 0.1: torchtitan on every parameter, loom on matrices only",
+    "AdamW kernel: torchtitan PyTorch's fused one (optimizer.implementation = fused), loom its default "
+    "(optimizer.implementation auto: its Triton kernel on CUDA, as in the 2026-11-27 pair; with parameters on two "
+    "meshes, as under expert parallelism, loom's PyTorch fused choice falls back to a per-parameter step); "
+    "--loom-set optimizer.implementation=fused runs PyTorch's on both",
     "documents: torchtitan adds BOS and EOS to each, loom EOS only (same file, same tokenizer)",
     "data: torchtitan tokenizes the text on the fly (in --titan-workers data-loader processes, 1 by default; 0 = in "
     "its training loop); loom reads the same text tokenized before its launch (loom data prepare, not timed)",
@@ -493,7 +497,6 @@ def loom_config(
         "optimizer.lr": LR,
         "optimizer.eps": EPS,
         "optimizer.weight_decay": WEIGHT_DECAY,
-        "optimizer.implementation": "fused",
         "optimizer.warmup_steps": lr_warmup,
         "optimizer.schedule": "cosine",
         "optimizer.min_lr_ratio": MIN_LR,
