@@ -45,7 +45,7 @@ import sys
 import sysconfig
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from bench.common import JOB_ENV, command, default_commit, environment, failure, write_result
 
@@ -161,7 +161,9 @@ WORKLOADS = {
             ),
         ),
         # DeepSeek-V3's shape (MLA with q compression, 1 shared + routed experts, sigmoid group-limited routing,
-        # aux-loss-free bias at 1e-3 per step, 3 dense blocks first) with 5 blocks and 64 of its 256 experts; no MTP
+        # aux-loss-free bias at 1e-3 per step, 3 dense blocks first) with 4 blocks (the 4th with experts) and 64 of
+        # its 256 experts, as bench/recipes.py's proxy: 6.6B parameters, about 53 GB of fp32 weights, gradients
+        # and AdamW state per GPU on 2 (5 blocks: 9.7B, 78 GB; --layers 5 where the GPUs have room); no MTP
         # and no sequence-wise auxiliary loss (torchtitan has neither); SDPA causal instead of its flavor's Flex
         # block-causal attention (loom's documents are not separated either)
         Workload(
@@ -172,11 +174,11 @@ WORKLOADS = {
             vocab=129280,
             titan_model="deepseek_v3",
             titan_base="671B",
-            titan_args=dict(n_layers=5, attn_type="sdpa", attn_mask_type="causal"),
+            titan_args=dict(n_layers=4, attn_type="sdpa", attn_mask_type="causal"),
             titan_moe=dict(num_experts=64),
             loom_flavor="deepseek_v3_671b",
             loom_model={
-                "model.n_layers": 5,
+                "model.n_layers": 4,
                 "model.moe_experts": 64,
                 "model.mtp_depth": 0,
                 "model.moe_aux_loss": 0.0,
@@ -190,6 +192,16 @@ WORKLOADS = {
         ),
     ]
 }
+
+
+def with_layers(w: Workload, layers: int) -> Workload:
+    """The workload with ``layers`` transformer blocks on both sides (the MoE families keep their dense first ones)."""
+    return replace(
+        w,
+        titan_args={**w.titan_args, "n_layers": layers},
+        loom_model={**w.loom_model, "model.n_layers": layers},
+    )
+
 
 # what stays different whatever the workload (each framework's own implementation of a matched setting)
 DIFFERENCES = (
@@ -748,6 +760,9 @@ def main() -> None:
     )
     p.add_argument("--workload", choices=sorted(WORKLOADS))
     p.add_argument("--gpus", type=int, default=0, help="GPUs (default: the workload's); global batch follows")
+    p.add_argument(
+        "--layers", type=int, default=0, help="transformer blocks on both sides (default: the workload's)"
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
     p.add_argument("--lr-warmup", type=int, default=10, help="LR warm-up steps, both sides")
@@ -793,7 +808,7 @@ def main() -> None:
         return download_wheels(a.download_wheels)
     if not a.workload:
         p.error("--workload is required")
-    w = WORKLOADS[a.workload]
+    w = with_layers(WORKLOADS[a.workload], a.layers) if a.layers else WORKLOADS[a.workload]
     gpus = a.gpus or w.gpus
     a.ac = a.ac or w.ac
     a.compile = w.compile if a.compile is None else a.compile

@@ -20,7 +20,7 @@ TITAN_SHAPES = {
     "llama3_3b": (3_606_752_256, 2.773e10),
     "llama3_8b": (8_030_261_248, 5.791e10),
     "qwen3_moe_12l": (8_099_779_584, 8.379e09),
-    "deepseek_v3_proxy": (9_704_201_216, 2.81e10),
+    "deepseek_v3_proxy": (6_654_008_320, 2.359e10),
     "llama3_debug": (360_768, 1.771392e6),
 }
 
@@ -94,6 +94,9 @@ def test_other_ac_modes_and_refusals():
     with pytest.raises(SystemExit, match="every_k"):
         peers.ac_sections("every_k")
     assert peers._toml_literal("8") == 8 and peers._toml_literal("rowwise") == "rowwise"
+    deeper = peers.with_layers(peers.WORKLOADS["deepseek_v3_proxy"], 5)  # --layers: both sides
+    assert deeper.titan_args["n_layers"] == deeper.loom_model["model.n_layers"] == 5
+    assert deeper.titan_args["attn_type"] == "sdpa" and deeper.loom_model["model.moe_experts"] == 64
 
 
 @pytest.mark.parametrize("name", sorted(peers.WORKLOADS))
