@@ -10,17 +10,18 @@ shape both frameworks build, the GPUs, sequence length, batch, activation checkp
    <toml>``, with the TOML this tool writes (``titan_config``) and the model shape registered as a flavor by a module
    it imports (``experimental.custom_import``, the trainer's hook for it; the flavor starts from torchtitan's own,
    e.g. its ``30B-A3B`` with fewer layers);
-3. runs ``loom train`` with the same settings (``loom_config``) on the same file and tokenizer;
+3. runs ``loom train`` with the same settings (``loom_config``) on the same file (tokenized beforehand by ``loom data
+   prepare``) and tokenizer;
 4. writes one JSON: both sides' median tokens/s per GPU after ``--warmup`` steps, MFU on torchtitan's and on loom's
    FLOP convention, peak reserved memory, launch-to-first-step seconds, the ratio loom / torchtitan, the settings
    matched and every remaining difference (``DIFFERENCES`` and the workload's own), device, versions, commit, command.
 
 Settings matched (anchors of the 2026-11-27 pair): fp32 master weights, bf16 parameters for compute, fp32 gradient
 reduction (FSDP2 over every GPU; expert parallelism where the workload has it), per-block compile, op-level selective
-AC, fused AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1), clipping at 1.0, ``PYTORCH_ALLOC_CONF=
-expandable_segments:True``, SDPA with torchtitan's backend priority (cuDNN, flash, math; set for loom's processes by
-a ``sitecustomize`` that the loom side alone gets: ``--loom-sdpa default`` leaves PyTorch's order), a metrics line
-every step on both sides. torchtitan's trainer needs a CUDA device (it sets ``cuda:<local rank>``), so this runs on
+AC, AdamW (lr 3e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1; each framework's default kernel), clipping at 1.0,
+``PYTORCH_ALLOC_CONF=expandable_segments:True``, SDPA with torchtitan's backend priority (cuDNN, flash, math; set
+for loom's processes by a ``sitecustomize`` that the loom side alone gets: ``--loom-sdpa default`` leaves PyTorch's
+order), a metrics line every step on both sides. torchtitan's trainer needs a CUDA device (it sets ``cuda:<local rank>``), so this runs on
 GPUs only; tests/unit/test_bench_peers.py checks the config writing and log parsing on the CPU.
 
 torchtitan 0.2.2 and what it needs that the GPU image lacks travel as wheels: ``python -m bench.peers
@@ -796,7 +797,7 @@ def main() -> None:
         default="cuda",
         help="loom's run.device; cpu (gloo, with --sides loom): a smoke run of this tool",
     )
-    p.add_argument("--data-mb", type=float, default=8.0, help="MB of text in the shared data file")
+    p.add_argument("--data-mb", type=float, default=4.0, help="MB of text in the shared data file")
     p.add_argument(
         "--timeout", type=int, default=270, help="seconds each side may run (both inside a 10-minute call)"
     )
