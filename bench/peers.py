@@ -646,7 +646,7 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
     run = stream(
         cmd, env, a.timeout, os.path.join(paths["titan_dir"], "log.txt"), re.compile(r"\bstep:\s*1\s")
     )
-    out = {"command": " ".join(cmd[1:]), "config": cfg, "wall_s": run["wall_s"]}
+    out = {"command": "python " + " ".join(cmd[1:]), "config": cfg, "wall_s": run["wall_s"]}
     out["launch_to_first_step_s"] = run["first_step_s"]
     parsed = parse_titan_log(run["output"])
     steps = parsed.pop("steps")
