@@ -1,0 +1,247 @@
+"""bench.peers, loom against torchtitan on the same GPUs: the TOML it writes for torchtitan holds the settings of the
+loom config it runs beside it (parsed back with tomllib), loom's side of each workload builds torchtitan's shape
+(parameter count and FLOPs per token against torchtitan 0.2.2's count of the flavor the tool registers), and the log
+parser reads torchtitan's metrics line as its metrics processor prints it. No torchtitan run here: its trainer needs
+CUDA (it sets ``cuda:<local rank>``)."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+
+from bench import peers
+
+# torchtitan 0.2.2's parameter count and FLOPs per token (``get_nparams_and_flops``) of the flavor each workload
+# registers, its model built on the meta device from the module ``peers.flavor_module`` writes (recorded on the CPU
+# with torch 2.13; test_flavor_module_builds_the_recorded_shape re-derives them where torchtitan is installed)
+TITAN_SHAPES = {
+    "llama3_3b": (3_606_752_256, 2.773e10),
+    "llama3_8b": (8_030_261_248, 5.791e10),
+    "qwen3_moe_12l": (8_099_779_584, 8.379e09),
+    "deepseek_v3_proxy": (6_654_008_320, 2.359e10),
+    "llama3_debug": (360_768, 1.771392e6),
+}
+
+
+def _paths(tmp_path) -> dict:
+    keys = ("data_dir", "titan_dir", "titan_py", "loom_dir", "loom_py", "loom_cache")
+    out = {k: str(tmp_path / k) for k in keys}
+    out["data_dir"] = str(tmp_path / "data")
+    out.update(data_file=str(tmp_path / "data" / "data.jsonl"), tokenizer=str(tmp_path / "tokenizer"))
+    out["loom_tokens"] = str(tmp_path / "loom_cache" / "data.bin")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(peers.WORKLOADS))
+def test_the_toml_matches_the_loom_config(name, tmp_path):
+    w = peers.WORKLOADS[name]
+    paths = _paths(tmp_path)
+    titan = tomllib.loads(peers.to_toml(peers.titan_config(w, 2, 30, 10, paths, "op", True)))
+    loom = peers.loom_config(w, 2, 30, 10, paths, "op", True)
+    t = titan["training"]
+    assert (t["seq_len"], t["local_batch_size"], t["global_batch_size"], t["steps"], t["max_norm"]) == (
+        loom["training.seq_len"],
+        loom["training.micro_batch_size"],
+        loom["training.global_batch_size"],
+        loom["training.steps"],
+        loom["training.max_norm"],
+    )
+    # fp32 master weights, bf16 compute, fp32 reduction: loom's training.dtype is the compute dtype
+    assert (t["dtype"], t["mixed_precision_param"], t["mixed_precision_reduce"]) == (
+        "float32",
+        "bfloat16",
+        "float32",
+    )
+    assert loom["training.dtype"] == "bfloat16"
+    o = titan["optimizer"]
+    assert (o["lr"], o["eps"], o["weight_decay"]) == (
+        loom["optimizer.lr"],
+        loom["optimizer.eps"],
+        loom["optimizer.weight_decay"],
+    )
+    # the kernel is each framework's default (PyTorch's fused; loom's own): a difference the result lists
+    assert o["implementation"] == "fused" and "optimizer.implementation" not in loom
+    assert any(d.startswith("AdamW kernel") for d in peers.DIFFERENCES)
+    assert (o["beta1"], o["beta2"]) == (0.9, 0.95)  # loom's optimizer.betas default
+    assert titan["lr_scheduler"] == {"warmup_steps": 10, "decay_type": "cosine", "min_lr_factor": 0.1}
+    assert (loom["optimizer.warmup_steps"], loom["optimizer.schedule"], loom["optimizer.min_lr_ratio"]) == (
+        10,
+        "cosine",
+        0.1,
+    )
+    assert titan["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    assert loom["training.activation_checkpointing"] == "op"
+    assert titan["compile"] == {"enable": True, "components": ["model", "loss"]}
+    assert loom["training.compile"] == "true"
+    par = titan["parallelism"]
+    assert par["data_parallel_shard_degree"] == -1 and loom["parallel.dp_shard"] == 2  # every GPU in both
+    assert par["expert_parallel_degree"] == loom["parallel.ep"] == w.ep
+    assert titan["model"]["hf_assets_path"] == loom["data.tokenizer"]
+    assert titan["training"]["dataset_path"] == paths["data_dir"]  # the text file's folder
+    assert loom["data.source"] == paths["loom_tokens"]  # the same file, tokenized by loom data prepare
+    assert titan["experimental"]["custom_import"] == peers.FLAVOR_MODULE
+    assert (
+        titan["model"]["flavor"] == peers.FLAVOR
+        and titan["metrics"]["log_freq"] == loom["metrics.every"] == 1
+    )
+    assert titan["training"]["dataloader"]["num_workers"] == 1
+
+
+def test_other_ac_modes_and_refusals():
+    assert peers.ac_sections("full") == {"mode": "full"}
+    with pytest.raises(SystemExit, match="every_k"):
+        peers.ac_sections("every_k")
+    assert peers._toml_literal("8") == 8 and peers._toml_literal("rowwise") == "rowwise"
+    deeper = peers.with_layers(peers.WORKLOADS["deepseek_v3_proxy"], 5)  # --layers: both sides
+    assert deeper.titan_args["n_layers"] == deeper.loom_model["model.n_layers"] == 5
+    assert deeper.titan_args["attn_type"] == "sdpa" and deeper.loom_model["model.moe_experts"] == 64
+
+
+@pytest.mark.parametrize("name", sorted(peers.WORKLOADS))
+def test_loom_builds_torchtitans_shape(name, tmp_path):
+    w = peers.WORKLOADS[name]
+    cfg = peers.loom_config(w, w.gpus, 30, 10, _paths(tmp_path), "op", True)
+    cfg.update({"data.tokenizer": "byte", "data.source": "", "run.device": "cpu"})
+    shape = peers.loom_shape(cfg)
+    params, flops = TITAN_SHAPES[name]
+    assert shape["params"] == params
+    # torchtitan's count also takes 6 FLOPs per norm weight (1e-3 of the debug model's, less elsewhere)
+    assert shape["flops_per_token"] == pytest.approx(flops, rel=2e-3)
+
+
+def test_flavor_module_builds_the_recorded_shape(tmp_path, monkeypatch):
+    pytest.importorskip("torchtitan")
+    import importlib
+    import sys
+
+    import torch
+    from torchtitan.config import ConfigManager
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, w in peers.WORKLOADS.items():
+        (tmp_path / f"{peers.FLAVOR_MODULE}.py").write_text(peers.flavor_module(w))
+        sys.modules.pop(peers.FLAVOR_MODULE, None)
+        importlib.import_module(peers.FLAVOR_MODULE)
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        spec = get_train_spec(w.titan_model)
+        args = spec.model_args.pop(peers.FLAVOR)
+        toml = tmp_path / f"{name}.toml"
+        toml.write_text(peers.to_toml(peers.titan_config(w, 2, 30, 10, _paths(tmp_path), "op", True)))
+        args.update_from_config(ConfigManager().parse_args(["--job.config_file", str(toml)]))
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        params, flops = args.get_nparams_and_flops(model, w.seq)
+        assert (params, pytest.approx(flops, rel=1e-3)) == TITAN_SHAPES[name]
+
+
+# torchtitan's metrics line (components/metrics.py MetricsProcessor.log) with its colours, behind its logger's
+# format ("[titan] %(asctime)s - %(name)s - %(levelname)s - %(message)s") and torchrun's --role rank --tee prefix
+_LOG = """[rank0]:[titan] 2026-11-27 10:00:01,000 - root - INFO - Building llama3 loom_peerwith {
+[rank0]:  "dim": 3072,
+[rank0]:  "n_layers": 28
+[rank0]:}
+[rank0]:[titan] 2026-11-27 10:00:02,000 - root - INFO - \x1b[34mModel llama3 loom_peer \x1b[31msize: 3,606,752,256 \
+total parameters\x1b[39m
+[rank0]:[titan] 2026-11-27 10:00:03,000 - root - INFO - Peak FLOPS used for computing MFU: 9.890e+14
+[rank0]:[titan] 2026-11-27 10:00:40,000 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss: 12.25000  \
+\x1b[38;2;180;60;0mgrad_norm:  4.1234  \x1b[38;2;54;234;195mmemory: 39.87GiB(28.50%)  \x1b[34mtps: 1,234  \
+\x1b[36mtflops: 34.22  \x1b[35mmfu: 3.46%\x1b[39m
+[rank0]:[titan] 2026-11-27 10:00:41,000 - root - INFO - step: 10  loss:  7.81250  grad_norm:  1.0000  \
+memory: 41.40GiB(29.60%)  tps: 16,701  tflops: 463.13  mfu: 46.83%
+[rank0]:[titan] 2026-11-27 10:00:42,000 - root - WARNING - Dataset c4_test is being re-looped
+[rank0]:[titan] 2026-11-27 10:00:43,000 - root - INFO - step: 11  loss:  3.25000  grad_norm:  0.8000  \
+memory:  9.50GiB(65.00%)  tps: 7,300  tflops: 0.52  mfu: 0.17%
+"""
+
+
+def test_the_log_parser_reads_torchtitans_metrics_lines():
+    out = peers.parse_titan_log(_LOG)
+    first, second, third = out["steps"]
+    # a one-digit memory figure is padded to width 5 (torchtitan's "{:5.2f}GiB")
+    assert (third["step"], third["mem_gib"], third["tps"], third["mfu"]) == (
+        11,
+        9.5,
+        7300.0,
+        pytest.approx(0.0017),
+    )
+    assert first == {
+        "step": 1,
+        "loss": 12.25,
+        "grad_norm": 4.1234,
+        "mem_gib": 39.87,
+        "mem_pct": 28.5,
+        "tps": 1234.0,
+        "tflops": 34.22,
+        "mfu": pytest.approx(0.0346),
+    }
+    assert (second["step"], second["tps"], second["mem_gib"], second["mfu"]) == (10, 16701.0, 41.4, 0.4683)
+    assert out["peak_flops"] == 989e12 and out["params"] == 3_606_752_256
+    assert out["model_args"] == {"dim": 3072, "n_layers": 28}
+
+
+def test_medians_leave_out_the_warmup_and_mfu_is_given_on_both_conventions():
+    assert peers.timed([9.0, 1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
+    assert peers.timed([9.0], 5) == [9.0]  # fewer steps than the warm-up: all of them
+    titan = {"tokens_per_s_per_gpu": 1000.0, "mfu": 0.30, "peak_flops": 1e15, "flops_per_token": 3e11}
+    loom = {"tokens_per_s_per_gpu": 1200.0, "mfu": 0.372}  # loom counts 3.1e11 FLOPs per token here
+    peers.conventions(titan, loom)
+    assert titan["mfu_torchtitan_convention"] == 0.30 and loom["mfu_loom_convention"] == 0.372
+    assert loom["mfu_torchtitan_convention"] == pytest.approx(0.36)
+    assert titan["mfu_loom_convention"] == pytest.approx(0.31)
+
+
+def test_the_shared_inputs(tmp_path):
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "data" / "data.jsonl"
+    docs = peers.write_text(str(path), 0.05)
+    lines = path.read_text().splitlines()
+    assert docs == len(lines) > 0 and all(json.loads(ln)["text"] for ln in lines)
+    vocab = peers.make_tokenizer(str(tmp_path / "tok"), str(path), 1000, bpe_vocab=300, train_mb=0.05)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    assert vocab == tok.get_vocab_size() == 1000  # the model's vocabulary, filled with reserved tokens
+    assert tok.token_to_id("<|end_of_text|>") is not None
+    cfg = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert cfg == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+
+
+def test_the_first_step_line_of_loom_is_recognized():
+    from loom.metrics.logger import format_line
+
+    rec = {"step": 1, "loss": 7.65, "grad_norm": 0.76, "lr": 1e-4, "tokens_per_s": 2100.0}
+    line = format_line({**rec, "tokens_per_s_per_device": 1050.0, "mfu": None, "mem_gib": 0.47}, 30)
+    assert peers._LOOM_STEP.search(line) and not peers._LOOM_STEP.search("batch: 4 x 256 tokens per step")
+
+
+def test_a_run_that_stops_printing_is_killed_at_its_timeout(tmp_path):
+    run = peers.stream(
+        ["bash", "-c", "echo 'step 1/3 | loss 1'; sleep 30"], {}, 0.5, str(tmp_path / "log"), peers._LOOM_STEP
+    )
+    assert run["rc"] != 0 and run["first_step_s"] is not None and run["wall_s"] < 10
+    assert run["output"].endswith("killed after 0 s\n") and (tmp_path / "log").read_text().startswith(
+        "step 1/3"
+    )
+
+
+def test_loom_processes_get_torchtitans_sdpa_backends(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(peers.SDPA_SITECUSTOMIZE)
+    probe = (
+        "import torch; from torch.nn.attention import SDPBackend as B; "
+        "order = torch._C._get_sdp_priority_order(); "
+        "print(order[:3] == [int(B.CUDNN_ATTENTION), int(B.FLASH_ATTENTION), int(B.MATH)], "
+        "torch.backends.cuda.mem_efficient_sdp_enabled())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [
+        "True",
+        "False",
+    ]  # cuDNN, flash, math first; memory-efficient off, as torchtitan
