@@ -150,7 +150,8 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
 
 def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
     """Peak bytes of tensors one block's forward creates on (batch, seq) tokens without autograd (a prefill), its
-    input included: loom's block code run on fake tensors with ``dtype`` weights, as for training."""
+    input included: loom's block code run on fake tensors with ``dtype`` weights, as for training (a MoE model's
+    first block with experts: the MoE families keep their first blocks dense)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from loom.models.llama.model import Block, model_rope_table
@@ -160,11 +161,12 @@ def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
     with FakeTensorMode():
         torch.set_default_dtype(DTYPES[dtype])
         try:
-            block = Block(args)
+            index = next((i for i in range(args.n_layers) if args.moe_layer(i)), 0) if args.moe else 0
+            block = Block(args, index)
         finally:
             torch.set_default_dtype(previous)
-        if args.moe:
-            block.feed_forward.experts.grouped = True  # as in ``_trace``: bf16 grouped GEMM
+        for moe in moe_modules(block):
+            moe.experts.grouped = True  # as in ``_trace``: the grouped GEMM's shapes
         rope = model_rope_table(args, seq)
         tracker = _Tracker(list(block.parameters()), [rope])
         tracker.backward = True  # record the peak at every op (no gradients exist to subtract)
