@@ -511,18 +511,15 @@ def family_settings(args, cfg: Config):
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
-        # the modules embed the tokens k ahead: a pipeline's last stage receives hidden states only, and a context-
-        # parallel rank's chunks end where the next token is another rank's
-        why = {
-            "pp": "the pipeline's last stage gets hidden states, not the tokens the MTP modules embed",
-            "cp": "a context-parallel rank lacks the tokens past its chunks that the MTP modules predict",
-        }
-        if depth and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
-            field = next(f for f in ("pp", "cp") if getattr(cfg.parallel, f) > 1)
+        # the modules embed the tokens k ahead and share the embedding and head: a pipeline's last stage receives
+        # hidden states only and holds no embedding (context parallelism gathers the tokens past its chunks)
+        if depth and cfg.parallel.pp > 1:
             raise ConfigError(
-                f"parallel.{field}",
-                getattr(cfg.parallel, field),
-                f"not with multi-token prediction ({why[field]}): allowed 1, or model.mtp_depth = 0",
+                "parallel.pp",
+                cfg.parallel.pp,
+                "not with multi-token prediction (the pipeline's last stage gets hidden states, not the token ids "
+                "the MTP modules embed, and the embedding is the first stage's): allowed 1, or model.mtp_depth = 0 "
+                "(MTP trains under FSDP2, TP, EP and CP)",
             )
     return args
 

@@ -283,6 +283,8 @@ def breakdown(est) -> str:
     time = est.time.ms()
     lines = [
         f"layout: {est.describe()} (accumulation {est.layout['accumulation']})",
+        f"parameters: {est.params:,.0f} in the model, {est.rank_params:,.0f} on the busiest rank before "
+        "data-parallel sharding",
         "memory per GPU, GiB (busiest rank): "
         + ", ".join(f"{k} {v:.1f}" for k, v in mem.items())
         + f" -> {'fits' if est.fits else 'does NOT fit'} in {limit_text(est.capacity_gib, est.margin_gib)}",
@@ -308,6 +310,8 @@ def as_json(est) -> dict:
     return {
         "layout": est.layout,
         "memory_gib": est.memory.gib(),
+        "params": est.params,
+        "rank_params": est.rank_params,
         "step_ms": est.time.ms(),
         "fits": est.fits,
         "limit_gib": est.limit_gib,

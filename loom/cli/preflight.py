@@ -259,7 +259,7 @@ def memory_text(cfg, run) -> str:
     from loom.plan.planner import rank_needs
 
     args, t = run.model_args, cfg.training
-    # as check_fits: the activation tracer runs MoE blocks in bf16 only and has no FlexAttention
+    # as check_fits: fp32 MoE's traces are left to loom plan, and the tracer has no FlexAttention
     traced = not ((args.moe and t.dtype != "bfloat16") or args.attention == "flex")
     needs = rank_needs(cfg, run.dims, args, run.device, peak=traced)
     unit = "GPU" if run.device == "cuda" else "rank"

@@ -334,6 +334,14 @@ class ContextParallel:
             ordered[a], ordered[b] = pieces[2 * r], pieces[2 * r + 1]
         return ordered
 
+    def shifted(self, t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+        """(B, S_local) integers of this rank's tokens -> each one's value k tokens further in the whole sequence
+        (``fill`` past its end): the tokens, labels and positions a multi-token prediction module reads
+        (loom.models.deepseek_v3.model.DeepSeekV3.ahead), all-gathered (B x S integers) and sharded again."""
+        whole = torch.cat(self._gather(t, dim=1, autograd=False), dim=1)  # (B, S) in global order
+        ahead = torch.nn.functional.pad(whole[:, k:], (0, k), value=fill)  # (B, S)
+        return shard_sequence(ahead, self.rank, self.size)
+
     def document_bounds(self, positions: torch.Tensor) -> torch.Tensor:
         """Per-document positions (B, S_local) of this rank's tokens -> the whole sequence's document bounds
         (2, B, S)."""
@@ -381,11 +389,14 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str = "allgather")
     """Install one ``ContextParallel`` over the cp group of ``cp_mesh`` (K/V by ``method``: allgather | ring) as
     the ``Attention.context`` of every attention module of ``model`` (a model or a pipeline stage), and add the cp
     group to the sequence shards of its MoE blocks' ``MoE.parallel`` (the sequence-wise balance loss counts over
-    whole sequences)."""
+    whole sequences); a model that reads tokens ahead (DeepSeek-V3's multi-token prediction: a ``context``
+    attribute of its own) gets it too, for the tokens past its chunks."""
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), method)
     for module in model.modules():
         if isinstance(module, (Attention, LatentAttention)):
             module.context = cp
+    if getattr(model, "mtp", None) is not None:
+        model.context = cp
     par = moe_parallel(model)
     if par is not None:
         par.sequence_shards += ((cp.group, cp.size),)

@@ -35,11 +35,33 @@ class ActivationProfile:
     backward_peak: (
         float  # above what forward holds, at the peak of a 1-layer model's backward, per micro-batch
     )
+    # a MoE model's blocks without experts (DeepSeek-V3's first_k_dense, Qwen3-MoE's mlp_only_layers); the layer_*
+    # figures are then a block with experts'
+    dense_per_seq: float = 0.0
+    dense_fixed: float = 0.0
 
-    def held(self, layers: float, micro_batch: int, head: bool = True) -> float:
-        """Bytes one micro-batch holds between its forward and its backward over ``layers`` layers."""
-        out = layers * (self.layer_fixed + micro_batch * self.layer_per_seq)
+    def held(self, layers: float, micro_batch: int, head: bool = True, dense: float = 0) -> float:
+        """Bytes one micro-batch holds between its forward and its backward over ``layers`` layers, ``dense`` of
+        them a MoE model's blocks without experts."""
+        out = (layers - dense) * (self.layer_fixed + micro_batch * self.layer_per_seq)
+        out += dense * (self.dense_fixed + micro_batch * self.dense_per_seq)
         return out + ((self.head_fixed + micro_batch * self.head_per_seq) if head else 0.0)
+
+
+def _is_fp32_grouped_mm(func, args) -> bool:
+    return func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float32
+
+
+def _grouped_mm_fp32(args, kwargs) -> torch.Tensor:
+    """A float32 grouped GEMM's output on fake tensors: PyTorch's meta kernel takes bf16 only. An fp32 model runs its
+    experts as a loop of one matmul each (loom.models.common.moe.Experts), which needs real token counts; its
+    per-expert outputs add up to the rows and bytes of the grouped GEMM's, so the planner traces the grouped form
+    with the output shape the bf16 kernel gives, in float32 (a test compares it with a real fp32 forward)."""
+    bf16 = [
+        a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+    ]
+    out = torch.ops.aten._grouped_mm.default(*bf16, **(kwargs or {}))
+    return torch.empty(out.shape, dtype=torch.float32, device=out.device)
 
 
 class _Tracker(TorchDispatchMode):
@@ -59,7 +81,11 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        out = func(*args, **(kwargs or {}))
+        out = (
+            _grouped_mm_fp32(args, kwargs)
+            if _is_fp32_grouped_mm(func, args)
+            else func(*args, **(kwargs or {}))
+        )
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 ref = StorageWeakRef(t.untyped_storage())
@@ -107,7 +133,7 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
         for moe in moe_modules(
             model
         ):  # the loop over experts needs real token counts: trace the grouped GEMM
-            moe.experts.grouped = True  # (bf16 only, as it runs: the planner plans MoE models in bf16)
+            moe.experts.grouped = True  # (in fp32 the same tensors as the loop's: ``_Tracker``)
         apply_activation_checkpointing(model.layers, ac, ac_every)
         tokens = torch.zeros(micro_batch, seq, dtype=torch.long)
         tracker = _Tracker(list(model.parameters()), list(model.buffers()))
@@ -124,7 +150,8 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
 
 def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
     """Peak bytes of tensors one block's forward creates on (batch, seq) tokens without autograd (a prefill), its
-    input included: loom's block code run on fake tensors with ``dtype`` weights, as for training."""
+    input included: loom's block code run on fake tensors with ``dtype`` weights, as for training (a MoE model's
+    first block with experts: the MoE families keep their first blocks dense)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from loom.models.llama.model import Block, model_rope_table
@@ -134,11 +161,12 @@ def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
     with FakeTensorMode():
         torch.set_default_dtype(DTYPES[dtype])
         try:
-            block = Block(args)
+            index = next((i for i in range(args.n_layers) if args.moe_layer(i)), 0) if args.moe else 0
+            block = Block(args, index)
         finally:
             torch.set_default_dtype(previous)
-        if args.moe:
-            block.feed_forward.experts.grouped = True  # as in ``_trace``: bf16 grouped GEMM
+        for moe in moe_modules(block):
+            moe.experts.grouped = True  # as in ``_trace``: the grouped GEMM's shapes
         rope = model_rope_table(args, seq)
         tracker = _Tracker(list(block.parameters()), [rope])
         tracker.backward = True  # record the peak at every op (no gradients exist to subtract)
@@ -177,18 +205,34 @@ def profile_activations(
             none.head_per_seq,
             none.head_fixed,
             max(full.backward_peak, none.backward_peak),
+            mix(full.dense_per_seq, none.dense_per_seq),
+            mix(full.dense_fixed, none.dense_fixed),
         )
-    held = {}
-    for layers in (1, 2):
-        for batch in (1, 2):
+    # models of n and n + 1 blocks differ by block n: one with experts where the model has any (a MoE family keeps
+    # some blocks dense: DeepSeek-V3's first ones, Qwen3-MoE's mlp_only_layers), whose dense blocks are then traced
+    # apart (every block dense); the embedding, head, loss and MTP modules are what n blocks leave over
+    n = next((i for i in range(1, args.n_layers + 1) if args.moe_layer(i)), 1) if args.moe else 1
+    kinds = [args.moe_layer(i) for i in range(n)] if args.moe else [True] * n
+    held, dense = {}, {}
+    for batch in (1, 2):
+        for layers in (n, n + 1):
             held[layers, batch] = _trace(args.with_(n_layers=layers), batch, seq, precision, ac, ac_every)[0]
-    layer_b1, layer_b2 = held[2, 1] - held[1, 1], held[2, 2] - held[1, 2]
-    head_b1, head_b2 = held[1, 1] - layer_b1, held[1, 2] - layer_b2
-    _, backward_peak = _trace(args.with_(n_layers=1), micro_batch, seq, precision, ac, ac_every)
+        if not all(kinds):
+            plain = args.with_(moe_experts=0)
+            one, two = (
+                _trace(plain.with_(n_layers=k), batch, seq, precision, ac, ac_every)[0] for k in (1, 2)
+            )
+            dense[batch] = two - one
+    layer = {b: held[n + 1, b] - held[n, b] for b in (1, 2)}
+    dense = dense or layer
+    head = {b: held[n, b] - sum(layer[b] if moe else dense[b] for moe in kinds) for b in (1, 2)}
+    _, backward_peak = _trace(args.with_(n_layers=n + 1), micro_batch, seq, precision, ac, ac_every)
     return ActivationProfile(
-        layer_per_seq=layer_b2 - layer_b1,
-        layer_fixed=2 * layer_b1 - layer_b2,
-        head_per_seq=head_b2 - head_b1,
-        head_fixed=2 * head_b1 - head_b2,
+        layer_per_seq=layer[2] - layer[1],
+        layer_fixed=2 * layer[1] - layer[2],
+        head_per_seq=head[2] - head[1],
+        head_fixed=2 * head[1] - head[2],
         backward_peak=backward_peak,
+        dense_per_seq=dense[2] - dense[1],
+        dense_fixed=2 * dense[1] - dense[2],
     )

@@ -429,11 +429,4 @@ def generation_args(cfg: Config, tp: int, dtype: str, tokens: int):
         if err.field == "parallel.tp":  # the user said --gpus, not parallel.tp
             raise ConfigError("--gpus", tp, err.allowed) from None
         raise
-    if args.moe and dtype != "bfloat16":
-        raise ConfigError(
-            "--dtype",
-            dtype,
-            "loom plan models mixture-of-experts models in bfloat16 only (their "
-            "activations are traced through the bf16 grouped GEMM)",
-        )
     return args

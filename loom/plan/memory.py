@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from loom.plan.activations import ActivationProfile
-from loom.plan.shapes import block_params
 
 GIB = 2.0**30
 # Allocator and library workspace not in the tensors above (cuBLAS / NCCL buffers, the caching allocator's
@@ -97,7 +96,7 @@ def held_params(share, x: MemoryInputs) -> float:
     otherwise tp replicates them."""
     params = share.params(x.tp)
     if x.tp > 1 and (x.ep > 1 or x.etp > 1):
-        params -= share.layers * x.expert_params * (1 - 1 / x.tp)
+        params -= share.moe_layers * x.expert_params * (1 - 1 / x.tp)
     return params
 
 
@@ -130,9 +129,14 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     if not x.fsdp:
         return 0.0
     compute = BYTES[x.dtype]
-    block = block_params(args, x.tp)
-    root = share.params(x.tp) - share.layers * block
-    block -= x.expert_params * (1 - 1 / (x.ep * x.etp))  # only its own experts (ep), its width slice (etp)
+    held = 1 / (x.ep * x.etp)  # of each block's experts: only its own (ep), its width slice (etp)
+    block = share.largest_block(x.tp, x.expert_params, held)
+    root = share.params(x.tp) - share.blocks_params(x.tp)  # embeddings, head, final norm, MTP modules
+    root -= (
+        (share.moe_layers - (share.layers - share.dense_layers)) * x.expert_params * (1 - held)
+        if args.moe
+        else 0
+    )
     grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
     # fp32 shards copied in, then cast
     staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
@@ -149,7 +153,7 @@ def autocast_cache(share, args, x: MemoryInputs, compiled: bool, held_fixed: flo
         return 0.0
     params = share.params(x.tp)
     if compiled:
-        params -= share.layers * block_params(args, x.tp)
+        params -= share.blocks_params(x.tp)
     return max(0.0, BYTES[x.dtype] * params - held_fixed)
 
 
@@ -190,7 +194,14 @@ def stored_blocks(ac: str, ac_every: int, n_layers: int) -> float:
 
 
 def stage_activation(
-    profile: ActivationProfile, layers: int, last: bool, x: MemoryInputs, args, ac: str, stored: float
+    profile: ActivationProfile,
+    layers: int,
+    last: bool,
+    x: MemoryInputs,
+    args,
+    ac: str,
+    stored: float,
+    dense: int = 0,
 ) -> float:
     """Bytes one micro-batch holds on a stage of ``layers`` blocks between its forward and backward. Tensor
     parallelism with sequence parallelism shards every activation but the all-gathered inputs of the
@@ -198,8 +209,9 @@ def stage_activation(
     context parallelism keeps the gathered K/V of each block for the backward unless the block is recomputed (the
     ring keeps none: its backward passes the K/V round again);
     tensor-parallel experts keep the routed slots of the tp group's tokens.
-    ``stored``: share of blocks not checkpointed (``stored_blocks``)."""
-    held = profile.held(layers, x.micro_batch, head=last) / x.tp
+    ``stored``: share of blocks not checkpointed (``stored_blocks``); ``dense``: of a MoE model's ``layers``, those
+    without experts."""
+    held = profile.held(layers, x.micro_batch, head=last, dense=dense) / x.tp
     tokens = x.micro_batch * x.seq_len / x.cp  # per micro-batch on this rank
     if x.tp > 1:
         gathered_inputs = 2 * layers * stored + (1 if last else 0)
@@ -207,7 +219,16 @@ def stage_activation(
     # tensor-parallel experts keep the tp group's routed slots whole (the permuted inputs of the
     if x.etp > 1:
         # grouped GEMMs and the experts' outputs, k slots a token): estimated from the tensors kept, not measured
-        held += 2 * args.moe_top_k * layers * stored * tokens * args.dim * BYTES[x.dtype] * (1 - 1 / x.tp)
+        held += (
+            2
+            * args.moe_top_k
+            * (layers - dense)
+            * stored
+            * tokens
+            * args.dim
+            * BYTES[x.dtype]
+            * (1 - 1 / x.tp)
+        )
     if x.cp > 1 and ac != "full" and not x.cp_ring:
         kv_dim = args.n_kv_heads * args.head_dim
         held += layers * x.micro_batch * x.seq_len * (1 - 1 / x.cp) * 2 * kv_dim * BYTES[x.dtype] / x.tp

@@ -47,7 +47,7 @@ from loom.plan.memory import (
     stored_blocks,
     with_workspace,
 )
-from loom.plan.shapes import block_params, expert_params, rank_shares
+from loom.plan.shapes import expert_params, rank_shares
 from loom.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_HBM_SHARE,
@@ -79,6 +79,8 @@ class Estimate:
     host_gib: float = 0.0  # parallel.cpu_offload's weights, gradients and AdamW state and activation_offload's tensors, per rank
     host_limit_gib: float = math.inf  # what a rank may keep there (HOST_GIB_PER_GPU)
     disk_gib: float = 0.0  # optimizer.offload nvme: the AdamW moments each rank keeps in files
+    params: float = 0.0  # the model's parameters (the MTP modules' included)
+    rank_params: float = 0.0  # the busiest rank's before data-parallel sharding (its tp, pp and ep share)
 
     @property
     def limit_gib(self) -> float:
@@ -123,13 +125,6 @@ def check_modelled(cfg: Config, args=None) -> None:
             "flex",
             "loom plan does not model FlexAttention (its activations are "
             "traced on the CPU, where Flex has no backward): allowed auto | sdpa | flash",
-        )
-    if args is not None and args.moe and cfg.training.dtype != "bfloat16":
-        raise ConfigError(
-            "training.dtype",
-            cfg.training.dtype,
-            "loom plan models mixture-of-experts models in "
-            "bfloat16 only (their activations are traced through the bf16 grouped GEMM)",
         )
 
 
@@ -236,6 +231,8 @@ def estimate(
         host / GIB,
         HOST_GIB_PER_GPU if p.cpu_offload or x.offload_blocks else math.inf,
         disk / GIB,
+        rank_shares(args, 1, p, t.seq_len)[0].params(1),
+        max(held_params(share, x) for share in shares),
     )
 
 
@@ -354,7 +351,7 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
         per_rank = stages_per_rank(cfg.parallel)
         ids = stage_ids(rank, dims.pp, per_rank, cfg.parallel.pp_schedule)
         per_stage = {
-            s: stage_activation(profile, len(layers), last, x, args, ac, stored)
+            s: stage_activation(profile, len(layers), last, x, args, ac, stored, dense_blocks(args, layers))
             for s, layers, last in zip(ids, share.stages, share.last)
         }
         actions = schedule_actions(cfg.parallel.pp_schedule, dims.pp, m, per_rank)[rank]
@@ -363,13 +360,18 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
         state.gathered = gathered + autocast_cache(share, args, x, cfg.training.compile, 0.0)
         state.backward = backward
         return with_workspace(state)
-    activations = stage_activation(profile, share.layers, True, x, args, ac, stored)
+    activations = stage_activation(profile, share.layers, True, x, args, ac, stored, share.dense_layers)
     activations -= offloaded_activations(offload_block_bytes(profile, x, args, cfg), x)[0]
-    held_fixed = (share.layers * profile.layer_fixed + profile.head_fixed) / dims.tp
+    held_fixed = profile.held(share.layers, 0, dense=share.dense_layers) / dims.tp  # batch-independent
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
     # earlier micro-batches' (accumulated or sharded) gradients
     grads_before = state.gradients if m > 1 else 0.0
     return with_workspace(step_peak(state, gathered, cache, activations, backward, grads_before))
+
+
+def dense_blocks(args, layers: list[int]) -> int:
+    """Of a MoE model's blocks ``layers``, those without routed experts (0 for a dense model)."""
+    return sum(not args.moe_layer(i) for i in layers) if args.moe else 0
 
 
 def rank_time(
@@ -382,13 +384,15 @@ def rank_time(
     eff = efficiency(args.dim, t.compile)
     tokens = x.micro_batch * t.seq_len / dims.cp  # per micro-batch on this rank
     rec_mm, rec_attn = recompute_share(t.activation_checkpointing, t.ac_every, args.n_layers)
-    head = args.vocab_size * args.dim if any(share.last) else 0
+    # the head's pass, again for each multi-token prediction module
+    head = (1 + share.mtp) * args.vocab_size * args.dim if any(share.last) else 0
+    blocks = share.layers + share.mtp  # each MTP module runs one more block
     block_mm = 6 * share.active_matmul_params / dims.tp * tokens * (1 + rec_mm)
     head_dim = (
         args.head_dim + args.value_head_dim
     ) / 2  # scores over q/k's width, the sum over v's (MLA: apart)
     attention = (
-        attention_flops(share.layers, args.n_heads, head_dim, t.seq_len, tokens, args.sliding_window)
+        attention_flops(blocks, args.n_heads, head_dim, t.seq_len, tokens, args.sliding_window)
         / dims.tp
         * (1 + rec_attn)
     )
@@ -422,7 +426,7 @@ def rank_time(
         per_block = (8 + (4 if recomputed else 0)) * collective_s(
             tokens * args.dim * c, dims.tp, _bandwidth(dims, ("tp",), gpu)
         )
-        st.tp = m * share.layers * per_block
+        st.tp = m * blocks * per_block
     if dims.ep > 1:  # every routed token-slot to its expert's rank and back, forward and backward, exposed
         # each tp rank sends its sequence slice; with tensor-parallel experts, the tp group's gathered slots
         slots = tokens * args.moe_top_k * args.dim * c / (dims.tp // dims.etp)
@@ -430,7 +434,7 @@ def rank_time(
         span = dims.ep * dims.etp
         bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
         per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
-        st.ep = m * share.layers * per_block
+        st.ep = m * share.moe_layers * per_block
     # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
     if dims.etp > 1:
         rerun = moe_rerun(
@@ -439,18 +443,16 @@ def rank_time(
         per_block = (4 + 2 * rerun) * collective_s(
             tokens * args.dim * c, dims.tp, _bandwidth(dims, ("tp",), gpu)
         )
-        st.tp += m * share.layers * per_block
+        st.tp += m * share.moe_layers * per_block
     if dims.cp > 1:
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
         bandwidth = _bandwidth(dims, ("cp",), gpu)
         if x.cp_ring:
-            block_attention = (
-                attention / (peak * attention_efficiency(args.head_dim, t.seq_len)) / share.layers
-            )
+            block_attention = attention / (peak * attention_efficiency(args.head_dim, t.seq_len)) / blocks
             per_block = ring_exposed_s(kv, c, dims.cp, bandwidth, block_attention, recomputed)
         else:
             per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, bandwidth)
-        st.cp = m * share.layers * per_block
+        st.cp = m * blocks * per_block
     return st
 
 
@@ -483,7 +485,7 @@ def moe_rerun(ac: str, every: int, n_layers: int) -> float:
 def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
     """One micro-batch's MoE terms on this rank (see loom.plan.timing's docstring). With tensor-parallel experts
     (etp = tp) a rank routes the tp group's gathered slots through a 1/tp slice of each of its experts."""
-    ac, layers = t.activation_checkpointing, share.layers
+    ac, layers = t.activation_checkpointing, share.moe_layers
     rerun = moe_rerun(ac, t.ac_every, args.n_layers)
     slots = tokens * args.moe_top_k / (dims.tp // dims.etp)  # its sequence slice's slots, or the tp group's
     width = expert_params(args) / dims.etp  # of one expert, on this rank
@@ -543,7 +545,7 @@ def offload_bytes(own: float, root: float, x: MemoryInputs) -> tuple[float, floa
 
 def root_share(share, args, x: MemoryInputs) -> float:
     """The root's parameters (embeddings, final norm, head) in one rank's shard."""
-    return (share.params(x.tp) - share.layers * block_params(args, x.tp)) / x.shard
+    return (share.params(x.tp) - share.blocks_params(x.tp)) / x.shard
 
 
 def offload_copies_s(
@@ -633,7 +635,7 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
     """Exposed seconds of gradient / parameter communication per step."""
     params = held_params(share, x)
     c = BYTES[x.dtype]
-    block = block_params(args, dims.tp)
+    block = share.largest_block(dims.tp)
     if dims.fsdp_enabled:
         bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)
         gathers = 2 if x.reshard_after_forward else 1

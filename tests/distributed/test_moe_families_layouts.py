@@ -1,11 +1,11 @@
 """The DeepSeek-V3 and Qwen3-MoE families are layout-invariant: FSDP2 x 2, EP2 (FSDP2 over the rest), TP2 + SP with
 tensor-parallel experts (ETP2; DeepSeek's shared experts and MTP module sharded too), PP2 (1F1B, DualPipeV) and CP2
-(DeepSeek's latent attention through the all-gather path; DeepSeek without its MTP module, which pipelines and
-context parallelism refuse) give one process's loss and grad norm at every step (fp32), with DeepSeek's shared
+(DeepSeek's latent attention through the all-gather path, its MTP module included; DeepSeek without its MTP module
+under pipelines, which refuse it) give one process's loss and grad norm at every step (fp32), with DeepSeek's shared
 experts, group-limited sigmoid routing, its aux-loss-free selection bias moving each step (the same max / mean
 expert load as one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one world-2 job group.
 Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules, ring CP, LoRA on the latent attention
-and on Qwen3-MoE's."""
+and on Qwen3-MoE's; and on 4 ranks (``FOUR``) EP x FSDP, EP x TP x DP, CP x TP, PP x TP and PP x EP."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.distributed.test_model_parallel import STEPS, job
 FLAVORS = {
     "ds": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01},
     "q": {"model.flavor": "qwen3_moe_debug"},
-    # without its MTP module: the layouts that refuse multi-token prediction (pipeline, context parallel)
+    # without its MTP module: the layout that refuses multi-token prediction (pipeline)
     "ds0": {"model.flavor": "deepseek_v3_debug", "model.moe_bias_speed": 0.01, "model.mtp_depth": 0},
     # LoRA on the latent attention's five linears (the rest frozen; the selection bias still moves)
     "dsl": {
@@ -50,8 +50,9 @@ CORE = {
     "ds0-pp2-dualpipev": dict(m=4, pp=2, dp_shard=1, pp_schedule="dualpipev"),
     "q-pp2-1f1b": dict(m=2, pp=2, dp_shard=1, pp_schedule="1f1b"),
     "q-pp2-dualpipev": dict(m=4, pp=2, dp_shard=1, pp_schedule="dualpipev"),
-    # context parallel: DeepSeek's latent attention through the all-gather path (its MTP refuses cp)
-    "ds0-cp2": dict(cp=2, dp_shard=1),
+    # context parallel: DeepSeek's latent attention through the all-gather path, its MTP module reading the tokens
+    # past each rank's chunks from the other rank
+    "ds-cp2": dict(cp=2, dp_shard=1),
     "q-cp2": dict(cp=2, dp_shard=1),
 }
 # slow (world 2): the experts replicated over tp (etp 1), TP with accumulation, the other pipeline schedules, the
@@ -71,7 +72,7 @@ BROAD = {
             ("zbv", 4),
         )
     },
-    "ds0-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
+    "ds-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
     "q-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
     # under TP the adapters of the replicated compressions (q_a, kv_a) are replicated, the others split
     "dsl-tp2-etp2": dict(tp=2, dp_shard=1, etp=2),
@@ -80,15 +81,34 @@ BROAD = {
 }
 
 
+# slow (world 4): compositions of two or three axes. EP2 inside FSDP2 x 4 (two ranks per expert shard); EP2 x TP2
+# with tensor-parallel experts over DP2 (DeepSeek's shared experts and MTP module under TP, its routed experts split
+# by ep and by width); CP2 x TP2 with DeepSeek's MTP module; pipelines over TP2 and over EP2 (1F1B)
+FOUR = {
+    "ds-fsdp4-ep2": dict(dp=4, dp_shard=4, ep=2),
+    "ds-dp2-ep2-tp2-etp2": dict(dp=2, dp_shard=2, tp=2, ep=2, etp=2),
+    "ds-cp2-tp2": dict(cp=2, tp=2, dp_shard=1),
+    "q-dp2-ep2-tp2-etp2": dict(dp=2, dp_shard=2, tp=2, ep=2, etp=2),
+    "q-pp2-tp2-1f1b": dict(m=2, pp=2, tp=2, dp_shard=1, pp_schedule="1f1b"),
+    "ds0-pp2-ep2-1f1b": dict(m=2, dp=2, pp=2, dp_shard=2, ep=2, pp_schedule="1f1b"),
+}
+
+
 @pytest.mark.parametrize("broad", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["core", "broad"])
 def test_moe_families_match_single_process(tmp_path, broad):
-    layouts = BROAD if broad else CORE
+    layouts = {**BROAD, **FOUR} if broad else CORE
     families = [f for f in FLAVORS if any(n.split("-")[0] == f for n in layouts)]
     ref = dict(
         zip(families, run_jobs(1, [family_job(tmp_path, f"{f}-single") for f in families], str(tmp_path)))
     )
     jobs = {name: family_job(tmp_path, name, **layout) for name, layout in layouts.items()}
-    results = dict(zip(jobs, run_jobs(2, list(jobs.values()), str(tmp_path))))
+    by_world = [[n for n in jobs if (n in FOUR) == (world == 4)] for world in (2, 4)]
+    results = {
+        name: res
+        for world, names in zip((2, 4), by_world)
+        if names
+        for name, res in zip(names, run_jobs(world, [jobs[n] for n in names], str(tmp_path)))
+    }
     report, bad = [], []
     for name, res in results.items():
         want = ref[name.split("-")[0]]["records"]

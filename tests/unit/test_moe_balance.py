@@ -131,20 +131,23 @@ def test_flops_count_the_families_blocks():
     )
 
 
-@pytest.mark.parametrize("axis", ["pp", "cp"])
-def test_mtp_refuses_pipeline_and_context_parallel_in_one_line(axis):
-    """The MTP modules embed the tokens k ahead: a pipeline's last stage and a context-parallel rank lack them, so
-    those layouts ask for model.mtp_depth = 0 (tested layout-invariant so: tests/distributed/
-    test_moe_families_layouts.py)."""
+def test_mtp_refuses_pipelines_in_one_line_and_takes_context_parallel():
+    """The MTP modules embed the tokens k ahead with the first stage's embedding: a pipeline's last stage has
+    neither, so a pipeline asks for model.mtp_depth = 0 in one line naming what MTP runs under (tested
+    layout-invariant so: tests/distributed/test_moe_families_layouts.py); context parallelism gathers the tokens
+    past a rank's chunks and keeps the module (its layout job there: ``ds-cp2``)."""
     from loom.config import ConfigError
     from loom.data.tokenizers import ByteTokenizer
     from loom.resolve import resolve_model_args
 
-    over = {"model.flavor": "deepseek_v3_debug", f"parallel.{axis}": 2, "parallel.dp_shard": 1}
-    with pytest.raises(ConfigError, match=f"parallel.{axis}.*multi-token prediction.*mtp_depth = 0"):
+    over = {"model.flavor": "deepseek_v3_debug", "parallel.pp": 2, "parallel.dp_shard": 1}
+    with pytest.raises(ConfigError, match="parallel.pp.*multi-token prediction.*mtp_depth = 0.*CP") as err:
         resolve_model_args(tiny_config(**over), ByteTokenizer())
+    assert "\n" not in str(err.value)
     args = resolve_model_args(tiny_config(**over, **{"model.mtp_depth": 0}), ByteTokenizer())
     assert args.mtp_depth == 0 and args.moe_shared_experts == 1
+    cp = {"model.flavor": "deepseek_v3_debug", "parallel.cp": 2, "parallel.dp_shard": 1}
+    assert resolve_model_args(tiny_config(**cp), ByteTokenizer()).mtp_depth == 1
 
 
 @pytest.mark.parametrize("checkpointed", [True, pytest.param(False, marks=pytest.mark.slow)])

@@ -464,9 +464,10 @@ def test_moe_flops_count_active_experts_and_ep_gathers_only_local_experts():
     tp_only, tp_ep = (estimate(_cfg(**dict(tp, parallel__ep=e)), 8, GPUS["H200"]) for e in (1, 2))
     experts = 16 * 8 * 3 * 2048 * 2048  # the 1B shape's 16 blocks of 8 experts
     assert tp_only.memory.weights - tp_ep.memory.weights == pytest.approx(4 * experts / 2 / 4)
-    with pytest.raises(ConfigError) as err:
-        estimate(_cfg(**dict(_MOE, training__dtype="float32")), 1, GPUS["H100"])
-    assert err.value.field == "training.dtype"
+    # float32 is planned too (its experts' activations traced through the grouped GEMM's shapes): the same fp32
+    # state, activations in fp32 (the residual stream is already fp32 under bf16 autocast: more, not twice)
+    fp32 = estimate(_cfg(**dict(_MOE, training__dtype="float32")), 1, GPUS["H100"])
+    assert fp32.memory.weights == moe.memory.weights and fp32.memory.activations > moe.memory.activations
 
 
 @pytest.mark.slow
@@ -657,3 +658,87 @@ def test_the_moe_families_plan_under_their_checked_layouts(flavor, layout):
     est = estimate(_cfg(**base, **over), 2, GPUS["H200"])
     assert est.memory.activations > 0 and est.tokens_per_s_per_gpu > 0
     assert getattr(est.time, axis) > 0, est.time
+
+
+def _built_params(args) -> int:
+    from loom.models.registry import build_model
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(args).parameters())
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    ["deepseek_v3_debug", pytest.param("qwen3_moe_debug", marks=pytest.mark.slow)],  # each ~15 s of tracing
+)
+def test_loom_plan_models_the_fp32_moe_recipes(recipe, tmp_path):
+    """``loom plan`` on the fp32 MoE recipes (DeepSeek-V3: MLA, a dense first block, shared experts, an MTP module;
+    Qwen3-MoE: an mlp_only block) exits 0 and its parameter count and state memory are the built model's: fp32
+    weights and gradients 4 bytes a parameter, AdamW's moments 8."""
+    from loom.plan.planner import model_args
+
+    out = tmp_path / "plan.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "loom", "plan", "--config", f"recipes/{recipe}.toml", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=os.path.join(os.path.dirname(__file__), "..", ".."),
+    )
+    assert run.returncode == 0, run.stderr
+    plan = json.loads(out.read_text())["config"]
+    total = _built_params(model_args(build_config(f"recipes/{recipe}.toml", {})))
+    assert plan["params"] == plan["rank_params"] == total
+    assert f"parameters: {total:,} in the model" in run.stdout
+    gib = plan["memory_gib"]
+    assert gib["weights"] * 2**30 == pytest.approx(4 * total) and gib["gradients"] == gib["weights"]
+    assert gib["optimizer"] * 2**30 == pytest.approx(8 * total) and gib["activations"] > 0
+
+
+def test_fp32_moe_activations_are_a_real_forwards():
+    """The planner's fp32 MoE activations (traced on fake tensors through the grouped GEMM's shapes, its dense blocks
+    and MTP module apart) are what a real fp32 forward of the DeepSeek-V3 recipe's model keeps for its backward (the
+    experts as a loop of matmuls over the real routing), and the parameter shares split by tp, pp and the MTP module
+    add up to the model."""
+    from loom.models.registry import build_model
+    from loom.plan.activations import _Tracker
+    from loom.plan.planner import model_args
+
+    cfg = build_config("recipes/deepseek_v3_debug.toml", {})
+    args = model_args(cfg)
+    batch, seq = 2, 128
+    profile = profile_activations(args, seq, batch, "float32", fsdp=False, ac="none")
+    torch.manual_seed(0)
+    model = build_model(args)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq))
+    tracker = _Tracker(list(model.parameters()), list(model.buffers()))
+    with tracker:
+        loss = model(tokens, labels=tokens)  # its graph keeps what the backward needs
+        held = tracker.bytes()
+    assert loss.requires_grad
+    planned = profile.held(args.n_layers, batch, dense=args.first_k_dense)
+    assert planned == pytest.approx(held, rel=1e-4)
+    total = sum(p.numel() for p in model.parameters())
+    (one,) = rank_shares(args, 1, ParallelConfig(), seq)
+    assert one.params(1) == total and one.moe_layers == args.n_layers - args.first_k_dense + args.mtp_depth
+    tp2 = sum(p.numel() / 2 if n.startswith(_TP_SHARDED) else p.numel() for n, p in model.named_parameters())
+    assert one.params(2) == tp2
+    pp = rank_shares(args.with_(mtp_depth=0), 3, ParallelConfig(pp_schedule="1f1b"), seq)
+    mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    assert sum(s.params(1) for s in pp) == total - mtp and [s.dense_layers for s in pp] == [1, 0, 0]
+
+
+# the weights tensor parallelism shards (loom.parallel.tensor_parallel): by heads, the dense and shared SwiGLUs,
+# MTP's input projection, the embedding and head
+_TP_SHARDED = tuple(
+    f"{pre}.{leaf}"
+    for pre in ("layers.0", "layers.1", "layers.2", "mtp.3.block")
+    for leaf in (
+        "attention.wq_b",
+        "attention.wkv_b",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+        "feed_forward.shared_experts",
+    )
+) + ("mtp.3.eh_proj", "tok_embeddings", "output")

@@ -192,6 +192,23 @@ def test_moe_decode_reads_the_experts_its_tokens_go_to():
     assert many.weight_bytes - 4096 * args.dim * 2 == pytest.approx(weight_bytes(args, 1, "bfloat16") - table)
 
 
+def test_moe_families_plan_generation_in_float32():
+    """The MoE families' generation is planned in float32 too (its experts' prefill traced through the grouped
+    GEMM's shapes), with a block that has experts: DeepSeek-V3's and Qwen3-MoE's first blocks are dense."""
+    from loom.plan.activations import forward_peak
+
+    for flavor in ("deepseek_v3_debug", "qwen3_moe_debug"):
+        cfg = build_config(None, {"model.flavor": flavor})
+        args = generation_args(cfg, 1, "float32", 80)
+        plan = plan_generation(args, 1, 64, 16, H100, dtype="float32")
+        assert plan.fits and plan.memory.activations > 0
+        wide = args.with_(moe_ffn_dim=1024)  # experts wide enough that their hidden states set the peak
+        dense = forward_peak(
+            wide.with_(moe_experts=0), 1, 64, "float32"
+        )  # (before: the dense block 0 crashed)
+        assert forward_peak(wide, 1, 64, "float32") > dense  # k slots a token through 1024-wide experts
+
+
 def test_generation_args_check_tensor_parallelism():
     from loom.config.errors import ConfigError
 

@@ -44,10 +44,14 @@ class DeepSeekV3(Llama):
     """Llama's embedding, blocks, norm and head, plus ``mtp`` (a ModuleDict keyed by the MTP block's layer index,
     as DeepSeek numbers it: n_layers, n_layers + 1, ...; None without MTP). In training with labels, the k-th
     module predicts the token k + 1 ahead (not across packed documents) and the loss adds
-    ``mtp_weight / mtp_depth`` x their summed token losses; in eval, generation and export it is not run."""
+    ``mtp_weight / mtp_depth`` x their summed token losses; in eval, generation and export it is not run.
+
+    ``context``: where the tokens k ahead come from, its ``shifted(t, k, fill)`` as ``shifted``'s; None: this
+    process holds whole sequences (context parallelism installs its own: loom.parallel.context_parallel)."""
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args)
+        self.context = None
         self.mtp = (
             nn.ModuleDict(
                 {str(args.n_layers + k): MTP(args, args.n_layers + k) for k in range(args.mtp_depth)}
@@ -61,6 +65,10 @@ class DeepSeekV3(Llama):
         if self.args.fused_loss:
             return linear_cross_entropy(h, self.output.weight, labels)
         return cross_entropy_sum(self.output(h), labels)
+
+    def ahead(self, t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+        """(B, S) -> (B, S): each token's value k tokens further in the whole sequence, ``fill`` past its end."""
+        return shifted(t, k, fill) if self.context is None else self.context.shifted(t, k, fill)
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels: torch.Tensor | None = None
@@ -80,10 +88,10 @@ class DeepSeekV3(Llama):
         loss = self.token_loss(self.norm(h), labels)
         extra = None  # (a sum of the modules' losses: a DTensor under tensor parallelism, as ``loss``)
         for k, module in enumerate(self.mtp.values(), start=1):
-            target = shifted(labels, k, IGNORE)  # (B, S) the token k + 1 ahead
+            target = self.ahead(labels, k, IGNORE)  # (B, S) the token k + 1 ahead
             if positions is not None:  # the same document k tokens on
-                target = target.masked_fill(shifted(positions, k, -1) != positions + k, IGNORE)
-            h = module(h, self.tok_embeddings(shifted(tokens, k, 0)), self.rope, positions)
+                target = target.masked_fill(self.ahead(positions, k, -1) != positions + k, IGNORE)
+            h = module(h, self.tok_embeddings(self.ahead(tokens, k, 0)), self.rope, positions)
             depth_loss = self.token_loss(module.norm(h), target)
             extra = depth_loss if extra is None else extra + depth_loss
         return loss + self.args.mtp_weight / len(self.mtp) * extra
