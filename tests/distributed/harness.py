@@ -1,6 +1,7 @@
 """Multi-process CPU tests on gloo: ranks that meet over a store the test process holds (port 0, so no port is
-raced for) and run the jobs sent to them. Each call starts its own ranks; with LOOM_TEST_REUSE_RANKS=1 one pool of
-ranks per (world size, backend) serves every call (process start dominates cost), see ``REUSE_RANKS``. ``run_jobs(world, jobs)`` trains each job (dotted
+raced for) and run the jobs sent to them. Each call starts its own ranks, forked from a fork server that imported
+torch and loom once (``PRELOAD``: a start costs a fork, not an import); with LOOM_TEST_REUSE_RANKS=1 one pool of
+ranks per (world size, backend) serves every call instead, see ``REUSE_RANKS``. ``run_jobs(world, jobs)`` trains each job (dotted
 overrides) in turn on the pool's group and returns rank 0's records; ``run_fn(world, fn)`` runs a module-level
 ``fn(rank, world)`` on every rank and returns rank 0's JSON result. A job that raises on any rank, or hangs, ends
 its pool: the next call starts a fresh one, so no test inherits a group in an unknown state. ``reference(job)``
