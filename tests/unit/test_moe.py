@@ -168,17 +168,23 @@ def test_unsupported_moe_settings_name_the_field(overrides, field):
     assert err.value.field == field
 
 
-def test_the_planner_models_moe_in_bf16_only():
+def test_the_planner_models_moe_in_bf16_and_fp32():
+    """fp32 MoE is planned too (its grouped GEMMs traced at bf16's shapes; tests/unit/test_plan.py checks the figures
+    against a real fp32 forward)."""
     from loom.plan.hardware import GPUS
     from loom.plan.planner import estimate
 
-    with pytest.raises(ConfigError) as err:
-        estimate(build_config(None, {"model.flavor": "debug_moe"}), 1, GPUS["H100"])
-    assert err.value.field == "training.dtype"
-    est = estimate(
-        build_config(None, {"model.flavor": "debug_moe", "training.dtype": "bfloat16"}), 1, GPUS["H100"]
-    )
-    assert est.memory.total > 0 and est.tokens_per_s_per_gpu > 0
+    est = {
+        dtype: estimate(
+            build_config(None, {"model.flavor": "debug_moe", "training.dtype": dtype}), 1, GPUS["H100"]
+        )
+        for dtype in ("float32", "bfloat16")
+    }
+    for e in est.values():
+        assert e.memory.total > 0 and e.tokens_per_s_per_gpu > 0
+    # fp32 master weights either way; fp32 compute keeps activations twice as wide as bf16's
+    assert est["float32"].memory.weights == est["bfloat16"].memory.weights
+    assert est["float32"].memory.activations > est["bfloat16"].memory.activations
 
 
 @pytest.mark.parametrize(
