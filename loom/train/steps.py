@@ -157,12 +157,7 @@ class PipelineStep:
             losses = self._run(self.schedule.step, mbs)
         self.busy.stop()
         self.tied.sync()
-        loss_sum = (
-            torch.stack(losses).sum().detach() / grad_scale
-            if losses
-            else torch.zeros((), device=self.ctx.device)
-        )
-        dist.all_reduce(loss_sum, group=self.group)  # only the last stage holds it
+        loss_sum = stage_loss_sum(losses, grad_scale, self.ctx.device, self.group)
         first, self.ran = not self.ran, True
         return StepResult(loss_sum, shape_inference=first)
 
@@ -298,12 +293,7 @@ class TwoBWStep(PipelineStep):
         self.busy.stop()
         self.versions.finish()
         self.tied.sync()
-        loss_sum = (
-            torch.stack(losses).sum().detach() / grad_scale
-            if losses
-            else torch.zeros((), device=self.ctx.device)
-        )
-        dist.all_reduce(loss_sum, group=self.group)  # only the last stage holds it
+        loss_sum = stage_loss_sum(losses, grad_scale, self.ctx.device, self.group)
         return StepResult(loss_sum)
 
     def _triples(self, mbs: list[MicroBatch]) -> list[tuple]:
@@ -339,3 +329,10 @@ class TwoBWCheckpoint(StepHook):
     def loaded(self, with_state: bool) -> None:
         if with_state:
             self.versions.loaded()
+
+
+def stage_loss_sum(losses: list, grad_scale: torch.Tensor, device, group) -> torch.Tensor:
+    """A pipeline step's unscaled loss sum on every stage: only the last stage holds its micro-batches' losses."""
+    loss_sum = torch.stack(losses).sum().detach() / grad_scale if losses else torch.zeros((), device=device)
+    dist.all_reduce(loss_sum, group=group)
+    return loss_sum
