@@ -115,8 +115,13 @@ class _Graph:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog's event queries on another thread (a training job's collectives enqueued
-        # before the capture) must not invalidate it, as under the default "global" mode they may
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), _uncached_autocast():
+        # before the capture) must not invalidate it, as under the default "global" mode they may. stream: one on
+        # this device (torch.cuda.graph's default is one stream for the process, made on the device of the first
+        # capture: async GRPO's sampler captures on a second GPU after the trainer captured on the first)
+        with (
+            torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"),
+            _uncached_autocast(),
+        ):
             self.out = fn(tokens, positions)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -51,3 +51,25 @@ def test_bf16_cache_against_the_full_forward():
         errs.append((out - full[:, i]).abs().max())
         pos += 1
     assert max(errs) < 0.05 * full.abs().max()
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_graphs_on_a_second_gpu_from_a_thread_after_graphs_on_the_first():
+    """Async GRPO's case: the trainer's generator captured graphs on cuda:0, then the sampler's thread captures on
+    cuda:1 (a process-wide capture stream made on cuda:0 made that capture fail)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    first = _gen(tiny_model(0).cuda(), True).generate_ids(PROMPTS, params)
+    second = tiny_model(0).to("cuda:1")
+    eager = _gen(copy.deepcopy(second), False).generate_ids(PROMPTS, params)
+
+    def on_gpu1():
+        with torch.cuda.device(1), torch.cuda.stream(torch.cuda.Stream(1)):
+            fast = _gen(second, True)
+            return [o.token_ids for o in fast.generate_ids(PROMPTS, params)], fast.engine._graphs
+
+    with ThreadPoolExecutor(1) as pool:
+        tokens, graphs = pool.submit(on_gpu1).result()
+    assert graphs and tokens == [o.token_ids for o in eager] == [o.token_ids for o in first]
