@@ -128,6 +128,30 @@ def test_the_parallel_extension_point_left_empty_changes_nothing():
     assert torch.equal(a, b) and torch.equal(ba, bb) and all(torch.equal(u, v) for u, v in zip(ga, gb))
 
 
+@pytest.mark.parametrize("aux", [0.0, 0.5])
+def test_checkpointed_blocks_give_the_gradients_and_the_logged_balance(aux):
+    """Full and op-level activation checkpointing of a MoE block, balance loss on (aux 0.5) or only logged (aux 0):
+    the recomputation saves what the forward saved (it does not log; with aux 0 the logged balance once made the
+    forward save 3 tensors more, which checkpointing refused), and the gradients and the logged balance are the
+    block's own."""
+    from torch import nn
+
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    x = torch.randn(2, 6, 16)
+    runs = {}
+    for mode in ("none", "full", "op"):
+        layers = nn.ModuleDict({"0": _moe(aux=aux)})
+        apply_activation_checkpointing(layers, mode, 1)
+        layers["0"](x.clone().requires_grad_()).square().sum().backward()
+        moe = next(m for m in layers.modules() if isinstance(m, MoE))
+        runs[mode] = ([p.grad for p in moe.parameters()], moe.balance_sum)
+    for mode in ("full", "op"):
+        for got, want in zip(runs[mode][0], runs["none"][0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(runs[mode][1], runs["none"][1])
+
+
 def _grad_without_aux(x):
     m = _moe(aux=0.0)
     m(x).square().sum().backward()

@@ -3,6 +3,7 @@ SwiGLU experts, dropless; parallel layouts plug in through one object per block,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -289,13 +290,16 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             counted = None if self.counted is None else par.local_tokens(self.counted)  # (B, S)
             assert counted is None or counted.shape == (bsz, seq), "count_tokens: set the mask of each batch"
-            aux = sequence_balance_loss(
-                probs.view(bsz, seq, -1),
-                experts.view(bsz, seq, -1),
-                self.n_experts,
-                par.whole_sequence,
-                counted,
-            )
+            # only logged (aux_loss 0): out of autograd, so activation checkpointing's recomputation (which does
+            # not record) saves the same tensors as the forward did
+            with contextlib.nullcontext() if self.aux_loss > 0 else torch.no_grad():
+                aux = sequence_balance_loss(
+                    probs.view(bsz, seq, -1),
+                    experts.view(bsz, seq, -1),
+                    self.n_experts,
+                    par.whole_sequence,
+                    counted,
+                )
             if record:
                 seen = aux.detach()
                 self.balance_sum = seen if self.balance_sum is None else self.balance_sum + seen
