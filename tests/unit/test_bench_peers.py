@@ -138,11 +138,15 @@ def test_flavor_module_builds_the_recorded_shape(tmp_path, monkeypatch):
 
 
 # torchtitan's metrics line (components/metrics.py MetricsProcessor.log) with its colours, behind its logger's
-# format ("[titan] %(asctime)s - %(name)s - %(levelname)s - %(message)s") and torchrun's --role rank --tee prefix
+# format ("[titan] %(asctime)s - %(name)s - %(levelname)s - %(message)s") and torchrun's --role rank --tee prefix;
+# the MoE models' count line (models/utils.py) comes before the total the parser reads. Checked against torchtitan
+# 0.2.2's own output: its trainer run on the CPU through bench.peers.run_titan (gloo, a device shim; 2026-11-28)
 _LOG = """[rank0]:[titan] 2026-11-27 10:00:01,000 - root - INFO - Building llama3 loom_peerwith {
 [rank0]:  "dim": 3072,
 [rank0]:  "n_layers": 28
 [rank0]:}
+[rank0]:[titan] 2026-11-27 10:00:02,000 - root - INFO - Total parameter count: dense 848,876,544, sparse \
+7,250,903,040, active 1,305,007,104
 [rank0]:[titan] 2026-11-27 10:00:02,000 - root - INFO - \x1b[34mModel llama3 loom_peer \x1b[31msize: 3,606,752,256 \
 total parameters\x1b[39m
 [rank0]:[titan] 2026-11-27 10:00:03,000 - root - INFO - Peak FLOPS used for computing MFU: 9.890e+14
