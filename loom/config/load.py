@@ -25,8 +25,12 @@ def all_keys(generic_only: bool = False) -> list[str]:
 def _unknown_key(key: str) -> ConfigError:
     """One line: the nearest known keys (``nearest_keys``), else where to look."""
     near = nearest_keys(key)
-    section = key.partition(".")[0]
+    section, _, name = key.partition(".")
     sections = section_names()
+    if name and section not in sections and not difflib.get_close_matches(section, sections, n=1, cutoff=0.6):
+        near = [
+            k for k in near if k.partition(".")[2] == name
+        ]  # no section like it: only the field's exact name
     if key in sections:  # a section where a field belongs: `--training 5`, or `training = 5` outside a table
         hint = f"a section, not a field: set its fields as {key}.FIELD (see `loom train --help {key}`)"
     elif near:

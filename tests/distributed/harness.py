@@ -193,7 +193,8 @@ class Pool:
         for box in self.inboxes:
             box.put((fn, tmp))
         replies: dict[int, tuple[str, object]] = {}
-        deadline = time.monotonic() + HANG_SECONDS + 60
+        start = time.monotonic()
+        deadline = start + HANG_SECONDS * _jobs_in(fn) + 60
         while len(replies) < self.world:
             try:
                 rank, status, payload = self.outbox.get(timeout=0.5)
@@ -201,7 +202,7 @@ class Pool:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if r not in replies and not p.is_alive()]
                 if dead or time.monotonic() > deadline:
-                    why = f"rank(s) {dead} died" if dead else f"no reply in {HANG_SECONDS + 60} s"
+                    why = f"rank(s) {dead} died" if dead else f"no reply in {deadline - start:.0f} s"
                     raise RankFailure(
                         f"{why} running {_name(fn)} on {self.world} ranks (stacks above)"
                     ) from None
@@ -296,6 +297,11 @@ def pool_pids() -> set[int]:
 # ---- what tests call ------------------------------------------------------------------------------------------
 
 
+def _jobs_in(fn) -> int:
+    """How many jobs a call runs (its ranks' watchdog restarts at each): ``_jobs_on_rank``'s list, else 1."""
+    return len(fn.args[0]) if getattr(fn, "func", None) is _jobs_on_rank else 1
+
+
 def _jobs_on_rank(jobs: list[dict], rank: int, world: int) -> list[dict]:
     """Each job in turn on this rank; a failed job is reported with its traceback and the rest still run."""
     import torch.distributed as dist
@@ -303,6 +309,7 @@ def _jobs_on_rank(jobs: list[dict], rank: int, world: int) -> list[dict]:
     results = []
     for job in jobs:
         start = time.monotonic()
+        faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # the hang watchdog counts per job
         try:
             results.append({"records": run_one(job), "seconds": time.monotonic() - start})
         except Exception:

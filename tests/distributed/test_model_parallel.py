@@ -394,6 +394,7 @@ def compiled_compositions4(tmp):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # six compiled 4-rank jobs, each under the ranks' per-job hang watchdog
 def test_compiled_compositions_on_4_ranks_match_single_process(reference, tmp_path):
     jobs = compiled_compositions4(tmp_path)
     check(reference, jobs, run_jobs(4, list(jobs.values()), str(tmp_path)))

@@ -112,7 +112,10 @@ def test_moe_tensor_parallel_experts_on_two_gpus(tmp_path):
 def test_compiled_moe_tensor_parallel_experts_on_two_gpus(tmp_path):
     """The same layout compiled in bf16 against eager TP2 etp2 (the traced collectives): close, and not
     bit-identical (the compiled graphs ran)."""
-    bf16 = {"training.dtype": "bfloat16", "training.eval_at_end": "false"}  # no third (no_grad) graph to compile
+    bf16 = {
+        "training.dtype": "bfloat16",
+        "training.eval_at_end": "false",
+    }  # no third (no_grad) graph to compile
     eager = train(tmp_path / "etp-bf16", 2, **MOE, **ETP, **bf16)
     comp = train(tmp_path / "etp-bf16-c", 2, **MOE, **ETP, **bf16, **{"training.compile": "true"})
     assert max(abs(a - b) / b for a, b in zip(comp, eager)) < 1e-2, (comp, eager)
