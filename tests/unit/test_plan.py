@@ -249,7 +249,7 @@ def test_search_ranks_valid_layouts_that_fit():
 
 
 def _plan(*args, cwd=None):
-    return subprocess.run([LOOM, "plan", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run([LOOM, "plan", *args], capture_output=True, text=True, timeout=540, cwd=cwd)
 
 
 @pytest.mark.slow
