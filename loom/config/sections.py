@@ -1283,6 +1283,13 @@ class GrpoConfig:
             "where the rollouts are sampled (a resumed run past its first GRPO step continues with 0)",
         ),
     )
+    sampler_process: bool = opt(
+        False,
+        "asynchronous GRPO: the sampler in a process of its own (its own Python: generation never takes the "
+        "trainer's GIL; its snapshot shared with the trainer, refreshed in place) instead of a thread; one process",
+        needs="grpo.max_staleness",
+        resume=(FREE, "how the same rollouts are sampled"),
+    )
     loss_type: str = opt(
         "dapo",
         "normalization: 'grpo' = per completion, then over completions; 'bnpo' / 'dapo' = "
