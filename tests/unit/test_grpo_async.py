@@ -111,6 +111,42 @@ def test_stale_rollouts_come_from_the_previous_weights(runs):
         assert (got - logps[step - 1]).abs().max() > 1e-4
 
 
+def sampler_gaps(tmp_path, **overrides) -> list[tuple[float, float]]:
+    """A 4-step asynchronous run (staleness 1, ``overrides``); for steps 3 and 4 the largest gap between the
+    sampler's log-probabilities and those of the weights that sampled the rows (the checkpoint one step back) and
+    of the next weights (recomputed on the CPU in fp32). The GPU test's check (tests/unit/test_grpo_gpu.py)."""
+    from loom.checkpoint.manager import load_model_weights, step_dir_name
+    from loom.models.registry import build_model
+
+    seen: dict[int, async_sampler.Sampled] = {}
+    take = async_sampler.AsyncSampler.take
+
+    def recording(self, step):
+        seen[step] = take(self, step)
+        return seen[step]
+
+    async_sampler.AsyncSampler.take = recording
+    try:
+        cfg = config(tmp_path, **{"grpo.max_staleness": 1, **overrides})
+        trainer = Trainer(cfg, objective=GroupRelative(cfg))
+        trainer.fit()
+    finally:
+        async_sampler.AsyncSampler.take = take
+    model, r, gaps = build_model(trainer.model_args).eval(), trainer.objective.rollouts, []
+    for step in (3, 4):
+        s = seen[step]
+        (mb,) = rows_to_batches(s.prompts, [o.token_ids for o in s.outs], 8, r.pad_id, cfg.training.seq_len)
+        got, gap = torch.cat(s.sampler_logps).float(), []
+        for version in (step - 2, step - 1):
+            load_model_weights(str(tmp_path / "run" / "checkpoints" / step_dir_name(version)), model)
+            with torch.no_grad():
+                gap.append(
+                    (got - token_logps(model(mb.inputs), mb.labels, cfg.grpo.temperature)).abs().max().item()
+                )
+        gaps.append(tuple(gap))
+    return gaps
+
+
 def test_a_run_is_deterministic_for_a_fixed_seed(runs):
     out, taken = runs
     assert key(out["again"][1]) == key(out["async"][1])
