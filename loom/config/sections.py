@@ -1257,8 +1257,9 @@ class GrpoConfig:
     )
     max_staleness: int = opt(
         0,
-        "asynchronous GRPO: the next steps' rollouts are sampled on a thread from a snapshot of the policy while "
-        "this step trains, each from the weights at most this many optimizer steps old (the batches in flight); "
+        "asynchronous GRPO: the next steps' rollouts are sampled on a thread (or a process: grpo.sampler_process) "
+        "from a snapshot of the policy while this step trains, each from the weights at most this many optimizer "
+        "steps old (the batches in flight); "
         "0 = synchronous (sampled on the current weights, as without it)",
         min=0,
         resume=(APPLIED, "from the next step (a run resumed past its first GRPO step continues with 0)"),
