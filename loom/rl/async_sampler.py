@@ -46,7 +46,9 @@ class Sampled:
 class SampleSpec:
     """What sampling a step takes besides the model and its generator (it crosses to the sampler's process): the
     micro-batch cut, padding and length of the rows, the temperature of the log-probabilities, whether the
-    generator keeps its caches, the step's autocast dtype (None: fp32) and the snapshot's device."""
+    generator keeps its caches, the step's autocast dtype (None: fp32), the snapshot's device and whether the
+    sampler's process compiles its generator's blocks (training.compile: the synchronous engine runs the trainer's
+    blocks, compiled as that says)."""
 
     micro: int
     pad_id: int
@@ -56,6 +58,7 @@ class SampleSpec:
     keep_cache: bool
     autocast: torch.dtype | None
     device: torch.device
+    compile: bool
 
 
 def sample_spec(rollouts, device: torch.device) -> SampleSpec:
@@ -70,6 +73,7 @@ def sample_spec(rollouts, device: torch.device) -> SampleSpec:
         r.g.keep_cache,
         ctx.fast_dtype if isinstance(ctx, torch.autocast) else None,
         device,
+        r.cfg.training.compile,
     )
 
 
@@ -79,21 +83,28 @@ def _autocast(spec: SampleSpec):
     return torch.autocast(device_type=spec.device.type, dtype=spec.autocast)
 
 
-@torch.no_grad()
-def sample_on(spec: SampleSpec, model, generator, step: int, version: int, rows, prompts, params) -> Sampled:
-    """Step ``step``'s completions of ``prompts`` by ``generator`` on the snapshot ``model`` (as
-    ``Rollouts.generate`` samples, seeded by ``params``) and the snapshot's log-probabilities of them (no
-    collective, nothing of the trainer's: it runs on the sampler's thread or in its process)."""
-    start = time.perf_counter()
+def generate_on(spec: SampleSpec, model, generator, params):
+    """The sampler process's ``Rollouts.generate`` (which the thread calls, and subclasses may replace): one
+    completion per prompt from ``generator`` on the snapshot ``model``, seeded by ``params``, under the step's
+    autocast; the caches parked or released after (the log-probabilities run the plain model)."""
 
-    def generate(batch):
+    def generate(prompts):
         model.eval()
         try:
-            with _autocast(spec):
-                return generator.generate_ids(batch, params)
-        finally:  # the caches out: the log-probabilities below run the plain model
+            with torch.no_grad(), _autocast(spec):
+                return generator.generate_ids(prompts, params)
+        finally:
             generator.engine.park() if spec.keep_cache else generator.engine.release()
 
+    return generate
+
+
+@torch.no_grad()
+def sample_on(spec: SampleSpec, model, generate, step: int, version: int, rows, prompts) -> Sampled:
+    """Step ``step``'s completions of ``prompts`` (``generate(prompts)``) and the snapshot ``model``'s
+    log-probabilities of them (no collective, nothing of the trainer's: it runs on the sampler's thread or in its
+    process)."""
+    start = time.perf_counter()
     outs = sample_checked(generate, prompts, step)
     seconds = time.perf_counter() - start
     batches = rows_to_batches(
@@ -164,7 +175,7 @@ class AsyncSampler:
         self.version = version
 
     def prompts(self, step: int) -> tuple:
-        """Step ``step``'s prompt rows, their ids and its seeded sampling."""
+        """Step ``step``'s prompt rows, their ids and its seeded sampling (what a request to the process holds)."""
         rows, prompts = self.rollouts.prompts(step)
         return rows, prompts, self.rollouts.sampling_params(step)
 
@@ -188,9 +199,10 @@ class AsyncSampler:
             torch.cuda.device(self.device) if cuda else contextlib.nullcontext(),
             torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext(),
         ):
-            return sample_on(
-                self.spec, self.weights.model, self.generator, step, version, *self.prompts(step)
-            )
+            r = self.rollouts
+            rows, prompts = r.prompts(step)
+            generate = lambda p: r.generate(p, step, self.generator, self.weights)
+            return sample_on(self.spec, self.weights.model, generate, step, version, rows, prompts)
 
     def close(self) -> None:
         """Queued batches dropped, the thread ended (a run that stops early)."""
@@ -209,9 +221,10 @@ class ProcessSampler(AsyncSampler):
     The snapshot is allocated once here on the sampler's device and handed to the child once (CPU tensors in shared
     memory, CUDA tensors through CUDA IPC handles): each refresh writes it in place (a device-to-device copy and a
     synchronize) while the child is idle, and each request names the version it then holds. The child has its own
-    Generator (compiled, with CUDA graphs on a GPU, as the engine chooses); requests (step, version, prompts,
+    Generator (its blocks compiled with training.compile; CUDA graphs on a GPU, as the engine chooses); requests (step, version, prompts,
     sampling) go over one queue, results (or the child's error with its traceback) come back over another, the
-    wait checking that the child lives."""
+    wait checking that the child lives. The child samples with ``generate_on``, the engine's sampling as
+    ``Rollouts.generate`` does it (a subclass's own ``generate`` applies on the thread only)."""
 
     POLL_S = 1.0  # the wait's liveness check
 
@@ -307,7 +320,7 @@ def serve(
         if spec.device.type == "cuda":
             torch.cuda.set_device(spec.device)
         with kept_mode(model):
-            generator = Generator.from_model(model, tokenizer, max_batch=max_batch)
+            generator = Generator.from_model(model, tokenizer, compile=spec.compile, max_batch=max_batch)
         while True:
             try:
                 request = requests.get(timeout=5.0)
@@ -319,7 +332,8 @@ def serve(
                 results.cancel_join_thread()
                 return
             step, version, rows, prompts, params = request
-            sampled = sample_on(spec, model, generator, step, version, rows, prompts, params)
+            generate = generate_on(spec, model, generator, params)
+            sampled = sample_on(spec, model, generate, step, version, rows, prompts)
             if spec.device.type == "cuda":  # done reading the snapshot before the trainer may write it
                 torch.cuda.synchronize(spec.device)
             # the log-probabilities by value (a tensor would travel as a shared-memory handle that the trainer could

@@ -89,6 +89,7 @@ def test_the_sampler_process_samples_the_refreshed_weights(tmp_path):
         **{
             "run.device": "cuda",
             "training.dtype": "float32",
+            "training.compile": True,  # the child compiles its generator's blocks too
             "grpo.sampler_device": device,
             "grpo.sampler_process": True,
         },
