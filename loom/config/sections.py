@@ -1257,8 +1257,9 @@ class GrpoConfig:
     )
     max_staleness: int = opt(
         0,
-        "asynchronous GRPO: the next steps' rollouts are sampled on a thread from a snapshot of the policy while "
-        "this step trains, each from the weights at most this many optimizer steps old (the batches in flight); "
+        "asynchronous GRPO: the next steps' rollouts are sampled on a thread (or a process: grpo.sampler_process) "
+        "from a snapshot of the policy while this step trains, each from the weights at most this many optimizer "
+        "steps old (the batches in flight); "
         "0 = synchronous (sampled on the current weights, as without it)",
         min=0,
         resume=(APPLIED, "from the next step (a run resumed past its first GRPO step continues with 0)"),
@@ -1282,6 +1283,13 @@ class GrpoConfig:
             FREE,
             "where the rollouts are sampled (a resumed run past its first GRPO step continues with 0)",
         ),
+    )
+    sampler_process: bool = opt(
+        False,
+        "asynchronous GRPO: the sampler in a process of its own (its own Python: generation never takes the "
+        "trainer's GIL; its snapshot shared with the trainer, refreshed in place) instead of a thread; one process",
+        needs="grpo.max_staleness",
+        resume=(FREE, "how the same rollouts are sampled"),
     )
     loss_type: str = opt(
         "dapo",

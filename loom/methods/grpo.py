@@ -16,7 +16,7 @@ from loom.config.errors import ConfigError
 from loom.methods.base import Method
 from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
-from loom.rl.async_sampler import AsyncSampler
+from loom.rl.async_sampler import AsyncSampler, ProcessSampler
 from loom.rl.grpo import loss_count, loss_sum, token_losses
 from loom.rl.rollout import RolloutBatch, Rollouts, policy_forward, token_logps
 from loom.train.objective import Objective
@@ -161,8 +161,9 @@ def drive(loop: Loop) -> list[dict]:
 
 
 def start_sampler(loop: Loop) -> AsyncSampler:
-    """Asynchronous GRPO's sampler, at the first GRPO step. A run resumed past that step is refused in one line:
-    the batches in flight at its checkpoint came from weights the checkpoint does not hold."""
+    """Asynchronous GRPO's sampler (a thread, or with grpo.sampler_process a process), at the first GRPO step. A
+    run resumed past that step is refused in one line: the batches in flight at its checkpoint came from weights the
+    checkpoint does not hold."""
     rollouts, g = loop.objective.rollouts, loop.cfg.grpo
     if rollouts.step > rollouts.warmup + 1:
         raise ConfigError(
@@ -171,7 +172,8 @@ def start_sampler(loop: Loop) -> AsyncSampler:
             f"0 to resume this run at step {rollouts.step} (the rollouts in flight at its checkpoint were sampled "
             "from weights it does not hold): resume with --grpo.max_staleness 0, or start over",
         )
-    return AsyncSampler(rollouts, g.max_staleness, loop.cfg.training.steps)
+    kind = ProcessSampler if g.sampler_process else AsyncSampler  # in a process of its own, or on a thread
+    return kind(rollouts, g.max_staleness, loop.cfg.training.steps)
 
 
 def sampled_ahead(rollouts: Rollouts, sampler: AsyncSampler) -> list[RolloutBatch]:

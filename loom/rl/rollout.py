@@ -560,17 +560,9 @@ class Rollouts:
     ) -> list:
         """One completion (``loom.infer.Completion``) per prompt id list, from the engine on the live weights (or
         ``generator`` on ``weights``), seeded by the step (or ``step``)."""
-        from loom.infer.sampling import SamplingParams
-
         g, engine = self.g, self.engine
         generator, weights = generator or self.generator, weights or self.weights
-        step = self.step if step is None else step
-        params = SamplingParams(
-            max_new_tokens=g.max_new_tokens,
-            temperature=g.temperature,
-            top_p=g.top_p,
-            seed=(self.cfg.run.seed * 1_000_003 + step) * 1009 + self.dp_rank,
-        )
+        params = self.sampling_params(self.step if step is None else step)
         model = weights.model
         model.eval()
         try:
@@ -581,6 +573,18 @@ class Rollouts:
             engine.park() if g.keep_cache else engine.release()
             if not weights.copied:
                 model.train()
+
+    def sampling_params(self, step: int):
+        """The sampling of ``step``'s completions on this rank, its seed the run's, the step's and the rank's."""
+        from loom.infer.sampling import SamplingParams
+
+        g = self.g
+        return SamplingParams(
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            seed=(self.cfg.run.seed * 1_000_003 + step) * 1009 + self.dp_rank,
+        )
 
     @torch.no_grad()
     def logps(self, batches: list[RolloutBatch]) -> None:

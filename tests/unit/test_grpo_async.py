@@ -49,13 +49,16 @@ def key(records) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A synchronous run and two asynchronous runs (staleness 1) of one seed, 4 steps (1 warm-up), with what the
-    sampler handed out per step."""
+    """A synchronous run and three asynchronous runs (staleness 1: on a thread twice, in a process) of one seed, 4
+    steps (1 warm-up), with what the sampler handed out per step."""
     taken: dict[str, dict[int, async_sampler.Sampled]] = {}
     take = async_sampler.AsyncSampler.take
     out = {}
-    for name, staleness in (("sync", 0), ("async", 1), ("again", 1)):
-        device = {"grpo.sampler_device": "cpu"} if name == "again" else {}  # named: the same device
+    for name, staleness in (("sync", 0), ("async", 1), ("again", 1), ("process", 1)):
+        device = {
+            "again": {"grpo.sampler_device": "cpu"},  # named: the same device
+            "process": {"grpo.sampler_process": True},  # the sampler in a child process, its snapshot shared
+        }.get(name, {})
         seen = taken.setdefault(name, {})
 
         def recording(self, step, seen=seen):
@@ -108,6 +111,42 @@ def test_stale_rollouts_come_from_the_previous_weights(runs):
         assert (got - logps[step - 1]).abs().max() > 1e-4
 
 
+def sampler_gaps(tmp_path, **overrides) -> list[tuple[float, float]]:
+    """A 4-step asynchronous run (staleness 1, ``overrides``); for steps 3 and 4 the largest gap between the
+    sampler's log-probabilities and those of the weights that sampled the rows (the checkpoint one step back) and
+    of the next weights (recomputed on the CPU in fp32). The GPU test's check (tests/unit/test_grpo_gpu.py)."""
+    from loom.checkpoint.manager import load_model_weights, step_dir_name
+    from loom.models.registry import build_model
+
+    seen: dict[int, async_sampler.Sampled] = {}
+    take = async_sampler.AsyncSampler.take
+
+    def recording(self, step):
+        seen[step] = take(self, step)
+        return seen[step]
+
+    async_sampler.AsyncSampler.take = recording
+    try:
+        cfg = config(tmp_path, **{"grpo.max_staleness": 1, **overrides})
+        trainer = Trainer(cfg, objective=GroupRelative(cfg))
+        trainer.fit()
+    finally:
+        async_sampler.AsyncSampler.take = take
+    model, r, gaps = build_model(trainer.model_args).eval(), trainer.objective.rollouts, []
+    for step in (3, 4):
+        s = seen[step]
+        (mb,) = rows_to_batches(s.prompts, [o.token_ids for o in s.outs], 8, r.pad_id, cfg.training.seq_len)
+        got, gap = torch.cat(s.sampler_logps).float(), []
+        for version in (step - 2, step - 1):
+            load_model_weights(str(tmp_path / "run" / "checkpoints" / step_dir_name(version)), model)
+            with torch.no_grad():
+                gap.append(
+                    (got - token_logps(model(mb.inputs), mb.labels, cfg.grpo.temperature)).abs().max().item()
+                )
+        gaps.append(tuple(gap))
+    return gaps
+
+
 def test_a_run_is_deterministic_for_a_fixed_seed(runs):
     out, taken = runs
     assert key(out["again"][1]) == key(out["async"][1])
@@ -115,6 +154,60 @@ def test_a_run_is_deterministic_for_a_fixed_seed(runs):
         a, b = taken["async"][step], taken["again"][step]
         assert [o.token_ids for o in a.outs] == [o.token_ids for o in b.outs]
         assert all(torch.equal(x, y) for x, y in zip(a.sampler_logps, b.sampler_logps))
+
+
+def test_the_sampler_process_hands_out_the_thread_s_batches(runs):
+    """In a child process, on a snapshot in shared memory refreshed in place after each step, the same batches (the
+    same completions, log-probabilities bitwise, versions) as the thread's, so the same run; the child is gone."""
+    import multiprocessing
+
+    out, taken = runs
+    assert key(out["process"][1]) == key(out["async"][1]) and sorted(taken["process"]) == [2, 3, 4]
+    for step in (2, 3, 4):
+        a, b = taken["async"][step], taken["process"][step]
+        assert [o.token_ids for o in a.outs] == [o.token_ids for o in b.outs] and a.rows == b.rows
+        assert all(torch.equal(x, y) for x, y in zip(a.sampler_logps, b.sampler_logps, strict=True))
+        assert a.version == b.version == max(step - 2, 1)  # the warm-up's weights, then one step behind
+    assert not multiprocessing.active_children()
+
+
+def test_an_error_in_the_sampler_process_reaches_the_trainer(tmp_path, monkeypatch):
+    """Step 3's prompts poisoned with an id past the vocabulary: the child's error is raised in the trainer as the
+    same one-line error, its traceback the cause, and the child is gone (no hang)."""
+    import multiprocessing
+
+    prompts = async_sampler.ProcessSampler.prompts
+
+    def poisoned(self, step):
+        rows, ids, params = prompts(self, step)
+        return rows, [p[:-1] + [10**6] for p in ids] if step == 3 else ids, params
+
+    monkeypatch.setattr(async_sampler.ProcessSampler, "prompts", poisoned)
+    cfg = config(tmp_path, **{"grpo.max_staleness": 1, "grpo.sampler_process": True, "training.steps": 3})
+    with pytest.raises(ConfigError, match=r"^prompt = 1000000: token ids must be in \[0, 384\)$") as err:
+        fit(cfg)  # the engine's one-line error, raised in the child, rebuilt here
+    cause = err.value.__cause__
+    assert isinstance(cause, async_sampler.SamplerError), repr(err.value)
+    assert "in the GRPO sampler's process" in str(cause) and "Traceback" in str(cause)
+    assert not multiprocessing.active_children()
+
+
+def test_a_dead_sampler_process_stops_the_run_in_one_error(tmp_path, monkeypatch):
+    """The child killed while the trainer waits: the wait's liveness check raises, naming the exit code."""
+    import os
+    import signal
+
+    submit = async_sampler.ProcessSampler.submit
+
+    def killing(self, step, version):
+        submit(self, step, version)
+        if step == 3:
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(async_sampler.ProcessSampler, "submit", killing)
+    cfg = config(tmp_path, **{"grpo.max_staleness": 1, "grpo.sampler_process": True, "training.steps": 3})
+    with pytest.raises(async_sampler.SamplerError, match="process .* died with exit code -9"):
+        fit(cfg)
 
 
 def test_truncated_importance_weight_multiplies_the_surrogate_before_the_kl():

@@ -1,6 +1,7 @@
 """GRPO on a GPU (skipped without CUDA): the engine runs on the trainer's module with CUDA graphs; after GRPO
 updates in bfloat16 its cached decode logits equal the plain model's (float32 weights, both under the run's
-autocast), and the recipe's run raises the greedy accuracy as on the CPU."""
+autocast), the recipe's run raises the greedy accuracy as on the CPU, and asynchronous GRPO's sampler process
+samples on the refreshed weights."""
 
 from __future__ import annotations
 
@@ -71,3 +72,27 @@ def test_recipe_raises_the_accuracy(tmp_path):
     records = Trainer(cfg := recipe(tmp_path, **{"metrics.every": "1"}), objective=GroupRelative(cfg)).fit()
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
     assert 1 - accuracy[200] < (1 - accuracy[120]) * 2 / 3, accuracy
+
+
+def test_the_sampler_process_samples_the_refreshed_weights(tmp_path):
+    """grpo.sampler_process on the last GPU (cuda:1 beside the trainer's cuda:0 on two): the child's generator
+    (compiled, CUDA graphs) on the snapshot it shares through CUDA IPC, refreshed in place after each step: step 3's
+    and step 4's sampler log-probabilities are those of the weights one step back, far from the next weights'; no
+    child is left."""
+    import multiprocessing
+
+    from tests.unit.test_grpo_async import sampler_gaps
+
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    gaps = sampler_gaps(
+        tmp_path,
+        **{
+            "run.device": "cuda",
+            "training.dtype": "float32",
+            "training.compile": True,  # the child compiles its generator's blocks too
+            "grpo.sampler_device": device,
+            "grpo.sampler_process": True,
+        },
+    )
+    assert all(same < 2e-2 and other > max(10 * same, 5e-2) for same, other in gaps), gaps
+    assert not multiprocessing.active_children()
