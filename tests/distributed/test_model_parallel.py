@@ -402,14 +402,15 @@ def test_compiled_compositions_on_4_ranks_match_single_process(reference, tmp_pa
 
 def test_pipedream_2bw_resumes_as_the_uninterrupted_run(tmp_path):
     """A pipedream_2bw checkpoint holds the older weight version too: resumed at step 2 on PP2 and on one rank, the
-    remaining steps equal the uninterrupted PP2 run's (same layout: exactly; one rank: fp32 tolerance). Validation
+    remaining steps equal the uninterrupted PP2 run's (same layout: exactly; one rank: fp32 tolerance); resumed under
+    1F1B or without a pipeline it goes on synchronously from the newest weights (equal to each other). Validation
     runs between steps while the next step's first hidden states are in flight (steps 2 and 4) and leaves the
     stream as it was."""
     two_bw = dict(m=2, pp_schedule="pipedream_2bw")
     full_dir = str(tmp_path / "2bw-full")
     val = {"training.eval_every": 2, "training.eval_batches": 4}
     resume = {"checkpoint.resume": ckpt(full_dir, 2), **val}
-    full, resumed = run_jobs(
+    full, resumed, to_1f1b = run_jobs(
         2,
         [
             {
@@ -419,10 +420,18 @@ def test_pipedream_2bw_resumes_as_the_uninterrupted_run(tmp_path):
                 "checkpoint.keep": 0,
             },
             {**job(tmp_path, "2bw-resumed", pp=2, dp_shard=1, **two_bw), **resume},
+            {**job(tmp_path, "2bw-to-1f1b", pp=2, dp_shard=1, m=2, pp_schedule="1f1b"), **resume},
         ],
         str(tmp_path),
     )
-    one = run_jobs(1, [{**job(tmp_path, "2bw-resumed-pp1", **two_bw), **resume}], str(tmp_path))[0]
+    one, plain = run_jobs(
+        1,
+        [
+            {**job(tmp_path, "2bw-resumed-pp1", **two_bw), **resume},
+            {**job(tmp_path, "2bw-to-plain", m=2), **resume},
+        ],
+        str(tmp_path),
+    )
 
     def after_2(res):
         assert "error" not in res, res["error"]
@@ -433,6 +442,11 @@ def test_pipedream_2bw_resumes_as_the_uninterrupted_run(tmp_path):
     want = after_2(full)
     assert [r[0] for r in want] == list(range(3, STEPS + 1))
     assert after_2(resumed) == want
+    # under another schedule the run goes on synchronously from the newest weights (the older version is not
+    # used): PP2 1F1B as one process, and not as the delayed run
+    sync, alone = after_2(to_1f1b), after_2(plain)
+    assert max(abs(a[1] - b[1]) / b[1] for a, b in zip(sync, alone)) < 1e-5, (sync, alone)
+    assert max(abs(a[1] - b[1]) / b[1] for a, b in zip(sync, want)) > 1e-4, (sync, want)
     got = after_2(one)
     assert [(s, h) for s, _, _, h in got] == [(s, h) for s, _, _, h in want]
     assert max(abs(a[1] - b[1]) / b[1] for a, b in zip(got, want)) < 1e-5
