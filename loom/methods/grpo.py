@@ -16,7 +16,7 @@ from loom.config.errors import ConfigError
 from loom.methods.base import Method
 from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
-from loom.rl.async_sampler import AsyncSampler, ProcessSampler
+from loom.rl.async_sampler import AsyncSampler, ProcessSampler, check_layout
 from loom.rl.grpo import loss_count, loss_sum, token_losses
 from loom.rl.rollout import RolloutBatch, Rollouts, policy_forward, token_logps
 from loom.train.objective import Objective
@@ -124,6 +124,8 @@ def drive(loop: Loop) -> list[dict]:
     around each step the loop's cadence (loom.train.loop.Running: settle, roll back, validate, log, save, stop)."""
     rollouts, engine, g = loop.objective.rollouts, loop.engine, loop.cfg.grpo
     ahead: list[AsyncSampler] = []  # grpo.max_staleness > 0: the sampler, from the first GRPO step
+    if g.max_staleness:
+        check_layout(engine, g)  # before the warm-up's steps
 
     def batches() -> list[RolloutBatch]:
         """This step's micro-batches (a step skipped after a rollback takes them too, unused)."""

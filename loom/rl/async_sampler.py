@@ -231,12 +231,6 @@ class ProcessSampler(AsyncSampler):
     def start(self) -> None:
         import torch.multiprocessing as mp
 
-        from loom.config.errors import ConfigError
-
-        if self.rollouts.engine.env.world_size > 1:
-            raise ConfigError(
-                "grpo.sampler_process", True, "false with more than one process (a run of one process)"
-            )
         model = self.weights.model
         if self.device.type == "cpu":
             model.share_memory()  # in place: the refreshes write what the child reads
@@ -380,6 +374,18 @@ def stop(proc, requests, results) -> None:
     for q in (requests, results):
         q.cancel_join_thread()
         q.close()
+
+
+def check_layout(engine, g) -> None:
+    """grpo.sampler_device and grpo.sampler_process against this run's processes: checked when the run starts, not
+    at its first GRPO step (after the warm-up)."""
+    from loom.config.errors import ConfigError
+
+    sampler_device(engine, g.sampler_device)
+    if g.sampler_process and engine.env.world_size > 1:
+        raise ConfigError(
+            "grpo.sampler_process", True, "false with more than one process (a run of one process)"
+        )
 
 
 def sampler_device(engine, value: str) -> torch.device:

@@ -250,8 +250,22 @@ def test_config_rules(tmp_path):
 
 
 def test_a_sampler_device_of_another_type_is_refused_in_one_line(tmp_path):
-    """The trainer on the CPU, the snapshot asked on a GPU: refused when the sampler is built (the first GRPO
-    step), naming the field."""
+    """The trainer on the CPU, the snapshot asked on a GPU: refused when the run starts (before the warm-up),
+    naming the field."""
     cfg = config(tmp_path, **{"grpo.max_staleness": 1, "grpo.sampler_device": "cuda:0", "training.steps": 2})
     with pytest.raises(ConfigError, match="grpo.sampler_device = 'cuda:0': a cpu device, as the trainer's"):
         fit(cfg)
+
+
+def test_a_sampler_of_its_own_in_a_run_of_several_processes_is_refused_in_one_line():
+    """grpo.sampler_device and grpo.sampler_process hold for one process: with two, each is refused by name."""
+    from types import SimpleNamespace
+
+    from loom.config.sections import GrpoConfig
+
+    two = SimpleNamespace(device=torch.device("cpu"), env=SimpleNamespace(world_size=2))
+    for field, value in (("sampler_device", "cpu"), ("sampler_process", True)):
+        g = GrpoConfig(max_staleness=1, **{field: value})
+        with pytest.raises(ConfigError, match=f"grpo.{field} = .*more than one process"):
+            async_sampler.check_layout(two, g)
+    async_sampler.check_layout(two, GrpoConfig(max_staleness=1))  # the rank's own device, on a thread
