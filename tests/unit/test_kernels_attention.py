@@ -417,3 +417,27 @@ def test_triton_kernels_in_the_cpu_interpreter():
     assert res.returncode == 0, res.stderr[-3000:]
     worst = float(res.stdout.split("WORST")[1])
     assert worst < 1e-4, worst
+
+
+def test_fp32_inputs_keep_full_precision_matmuls_on_a_gpu(monkeypatch):
+    """Triton's fp32 dots default to TF32; the kernels follow PyTorch's float32 matmul precision instead (full fp32
+    at its default "highest"), through a launch option Triton's CUDA backend knows. 16-bit inputs: no option."""
+    pytest.importorskip("triton")
+    from dataclasses import fields
+
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    from loom.kernels.attention import triton as T
+
+    monkeypatch.setattr(T, "interpreting", lambda: False)
+    q32, q16 = torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
+    (option,) = T.dot_precision(q32).items()
+    assert option == ("default_dot_input_precision", "ieee")
+    assert option[0] in {f.name for f in fields(CUDAOptions)}
+    assert T.dot_precision(q16) == {}
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 allowed: Triton's default stands
+        assert T.dot_precision(q32) == {}
+    finally:
+        torch.set_float32_matmul_precision(old)

@@ -1070,6 +1070,14 @@ def _kernel(kind: str):
 _TUNED: dict = {}
 
 
+def dot_precision(q: torch.Tensor) -> dict:
+    """Launch options for fp32 inputs: the kernels' matmuls in full fp32 unless PyTorch's float32 matmul precision
+    allows TF32 (as torch.matmul does; Triton's own default for fp32 is TF32). Other dtypes: nothing."""
+    if q.dtype != torch.float32 or interpreting() or torch.get_float32_matmul_precision() != "highest":
+        return {}
+    return {"default_dot_input_precision": "ieee"}
+
+
 def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1149,6 +1157,7 @@ def triton_forward(q, k, v, out, lse, causal: bool, bounds, window: int, scale: 
         WINDOW=window,
         HEAD_DIM=dim,
         **blocks,
+        **dot_precision(q),
     )
 
 
@@ -1197,7 +1206,7 @@ def _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale):
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     tail = (seq, hq, hq // k.shape[1], bsz, seq_key(seq), scale * LOG2E, scale)
     common = dict(CAUSAL=causal, HAS_DOCS=bounds is not None, WINDOW=window, HEAD_DIM=dim)
-    return args, strides, tail, common
+    return args, strides, tail, {**common, **dot_precision(q)}
 
 
 def triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds=None) -> None:
