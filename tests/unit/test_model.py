@@ -57,6 +57,23 @@ def test_residual_init_depth_scales_only_the_residual_projections():
     assert flat.param_std("layers.3.attention_norm.weight") is None
 
 
+def test_a_wide_untied_head_starts_with_logits_of_std_one():
+    """0.02 x sqrt(dim) is the initial logits' std under a 0.02 head (1.7 at DeepSeek-V3's 7168: an initial loss
+    about 1.4 above ln V); past dim 2500 an untied head is drawn at dim**-0.5 (torchtitan's), below it at 0.02."""
+    with torch.device("meta"):
+        wide = Llama(FLAVORS["debug"].with_(vocab_size=384, dim=7168, n_heads=56, n_kv_heads=56, n_layers=1))
+        narrow = Llama(FLAVORS["125M"].with_(vocab_size=384))
+    assert wide.param_std("output.weight") == pytest.approx(7168**-0.5)
+    assert wide.param_std("tok_embeddings.weight") == wide.param_std("layers.0.attention.wq.weight") == 0.02
+    assert narrow.param_std("output.weight") == 0.02
+    head = torch.nn.Linear(7168, 384, bias=False)
+    materialize(
+        head, torch.device("cpu"), 0, lambda name: wide.param_std("output." + name), lambda device: None
+    )
+    logits = head(torch.nn.functional.rms_norm(torch.randn(512, 7168), (7168,)))
+    assert 0.9 < logits.std().item() < 1.1
+
+
 def test_residual_init_reaches_the_model_from_the_config():
     from loom.config import build_config
     from loom.data.tokenizers import ByteTokenizer

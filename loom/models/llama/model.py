@@ -107,6 +107,8 @@ class Llama(nn.Module):
         # residual
         if name.endswith(("wo.weight", "w2.weight", "experts.w2")) and self.args.residual_init == "depth":
             return 0.02 / (2 * self.args.n_layers) ** 0.5
+        if name == "output.weight":  # an untied head: initial logits' std at most 1 (dim**-0.5 past dim 2500)
+            return min(0.02, self.args.dim**-0.5)
         return 0.02
 
     def forward(
