@@ -32,14 +32,19 @@ CONFIG = {
 
 
 def train(run_dir, nproc: int, **extra) -> list[float]:
+    return train_logged(run_dir, nproc, {}, **extra)[0]
+
+
+def train_logged(run_dir, nproc: int, env: dict, **extra) -> tuple[list[float], str]:
+    """(the run's losses, its stderr), with ``env`` added to the environment."""
     args = [f"--{k}={v}" for k, v in {**CONFIG, "run.dir": str(run_dir), **extra}.items()]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NCCL_NVLS_ENABLE": "0", **env}
     proc = subprocess.run(
         LOOM + ["--nproc-per-node", str(nproc)] + args, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line)["loss"] for line in fh]
+        return [json.loads(line)["loss"] for line in fh], proc.stderr
 
 
 def test_ddp_and_fsdp_on_two_gpus_match_one_gpu(tmp_path):
@@ -120,3 +125,22 @@ def test_compiled_moe_tensor_parallel_experts_on_two_gpus(tmp_path):
     comp = train(tmp_path / "etp-bf16-c", 2, **MOE, **ETP, **bf16, **{"training.compile": "true"})
     assert max(abs(a - b) / b for a, b in zip(comp, eager)) < 1e-2, (comp, eager)
     assert comp != eager, "bit-identical to eager, so nothing was compiled"
+
+
+def test_async_tp_on_two_gpus_fuses_the_collectives_and_matches_plain_tp(tmp_path):
+    """parallel.async_tp: Inductor's micro-pipeline pass turns the sequence-parallel all-gather + matmul and matmul +
+    reduce-scatter into symmetric-memory fused ops in the compiled blocks (their names in the generated code), and
+    the fp32 losses equal plain compiled TP2's."""
+    shape = {
+        "model.n_layers": 2,
+        "parallel.tp": 2,
+        "training.compile": "true",
+        "training.eval_at_end": "false",
+        "checkpoint.every": 0,
+    }
+    plain = train(tmp_path / "tp2", 2, **shape)
+    fused, log = train_logged(
+        tmp_path / "async", 2, {"TORCH_LOGS": "output_code"}, **shape, **{"parallel.async_tp": "true"}
+    )
+    assert "fused_all_gather_matmul" in log or "fused_matmul_reduce_scatter" in log, log[-3000:]
+    assert max(abs(a - b) / b for a, b in zip(fused, plain)) < 1e-4, (fused, plain)
