@@ -211,7 +211,10 @@ class TwoBWPipeline:
             grad = torch.empty_like(out)
             dist.recv(grad, group=self.group, group_src=self.rank + 1, tag=GRADIENT_TAG)
         start = self.clock.now()
-        torch.autograd.backward(out, grad)
+        with self.versions.using(
+            "current"
+        ):  # a checkpointed block recomputes on the version it ran forward on
+            torch.autograd.backward(out, grad)
         self.clock.spans.append((start, self.clock.now()))
         if not self.plan.has_first:
             self._send(x.grad, self.rank - 1, hidden=False)
