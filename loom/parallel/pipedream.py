@@ -211,9 +211,8 @@ class TwoBWPipeline:
             grad = torch.empty_like(out)
             dist.recv(grad, group=self.group, group_src=self.rank + 1, tag=GRADIENT_TAG)
         start = self.clock.now()
-        with self.versions.using(
-            "current"
-        ):  # a checkpointed block recomputes on the version it ran forward on
+        # this step's version: a block under activation checkpointing recomputes on the weights it ran forward on
+        with self.versions.using("current"):
             torch.autograd.backward(out, grad)
         self.clock.spans.append((start, self.clock.now()))
         if not self.plan.has_first:
