@@ -5,9 +5,12 @@ update behind the newest, and their gradient updates the newest,
 
     W[t+1] = optimizer(W[t], grad f_t(W[t-1])),   W[-1] = W[0].
 
-``WeightVersions`` holds the two versions a rank computes with (the version of this step's micro-batches and the
-newest, which the next step's first micro-batches already run on) beside the optimizer's own weights; on one rank
-it is the whole rule (``pp_schedule = pipedream_2bw`` with pp = 1: the single-process reference). ``TwoBWPipeline``
+``WeightVersions`` holds the two versions a rank computes with in two buffers per weight, as the paper does: the
+optimizer's parameter lives on one (the newest weights) and the other is the stash (the version of this step's
+micro-batches). The next step's first forwards run on the newest before the optimizer steps it, so each step ends
+with the stash taking a copy of the newest and the parameter moving onto it: the update lands there and the
+buffer the parameter left keeps the version those forwards saved, the next step's. On one rank it is the whole
+rule (``pp_schedule = pipedream_2bw`` with pp = 1: the single-process reference). ``TwoBWPipeline``
 runs one stage per rank in 1F1B order as one stream over the steps: each step ends with the next step's first
 ``pp - 1 - rank`` forwards, so the pipeline fills and drains once per run instead of once per step.
 """
@@ -27,44 +30,49 @@ ACTIVATION_TAG, GRADIENT_TAG = 21, 22  # apart from validation's point-to-point 
 
 
 class WeightVersions:
-    """The two weight versions of ``modules`` (this rank's parts): ``current`` (one update behind the optimizer's
-    weights, what this step's micro-batches compute with) and ``newest`` (a copy of the optimizer's weights as the
-    step began, what the next step's micro-batches compute with). The optimizer's weights stay the modules' own
-    parameters: checkpoints, validation and export see the newest weights.
+    """The two weight versions of ``modules`` (this rank's parts), in two buffers per parameter: the optimizer's
+    parameter lives on one (``newest``), the other is the stash (``current``: one update behind, what this step's
+    micro-batches compute with). Checkpoints, validation and export see the parameters: the newest weights.
 
     A step: ``begin`` → forwards / backwards inside ``using`` → ``finish`` (the gradients, accumulated on the
-    current version, move to the parameters the optimizer steps)."""
+    stash, move to the parameters; the stash, free once the step's backwards are done, takes a copy of the newest
+    and the parameter moves onto it, so the optimizer's in-place update leaves the buffer the next step's early
+    forwards saved untouched: the graph of those forwards keeps the version it ran on)."""
 
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = modules
         self.params = [dict(m.named_parameters()) for m in modules]  # a tied weight once per module
-        self.slots = [[_leaf_copies(p) for p in self.params] for _ in range(2)]
-        self.current, self.newest = 0, 1
+        unique = {id(p): p for params in self.params for p in params.values()}  # and once across modules
+        # by parameter: [its alias, the stash]; the one parameter-sized copy each keeps
+        self.buffers = {i: [_alias(p), _leaf(p.detach().clone(), p)] for i, p in unique.items()}
+        self.unique = list(unique.values())
+        self.newest = 0  # the buffer the parameter lives on; 1 - newest is the stash
         self.started = False
 
     @torch.no_grad()
     def begin(self) -> None:
-        """Start of a step: the version of the step before becomes the current one; the newest is the optimizer's
-        weights now. The first step of a run computes with its initial weights (W[-1] = W[0])."""
-        if self.started:
-            self.current, self.newest = self.newest, self.current
-        else:
-            self._copy_params(self.current)
+        """Start of a step: the newest version is the parameters as they are now (an alias of their memory, which a
+        load or an init may have replaced since). The first step of a run computes with its initial weights
+        (W[-1] = W[0])."""
+        for p in self.unique:
+            self.buffers[id(p)][self.newest] = _alias(p)
+        if not self.started:
+            self._copy_params()
             self.started = True
-        self._copy_params(self.newest)
 
     @torch.no_grad()
-    def _copy_params(self, slot: int) -> None:
-        for mine, params in zip(self.slots[slot], self.params):
-            for name, p in params.items():
-                mine[name].copy_(p.detach())
+    def _copy_params(self) -> None:
+        for p in self.unique:
+            self.buffers[id(p)][1 - self.newest].copy_(p.detach())
 
     @contextlib.contextmanager
     def using(self, version: str, index: int = 0):
-        """Module ``index`` computes with ``version`` ('current' or 'newest') inside the block; the autograd graph
-        keeps that version's tensors, which only ``begin`` overwrites, two steps later."""
-        slot = self.current if version == "current" else self.newest
-        with _reparametrize_module(self.modules[index], self.slots[slot][index], tie_weights=True):
+        """Module ``index`` computes with ``version`` ('current', this step's, or 'newest', the next step's first
+        micro-batches') inside the block; the autograd graph keeps that version's buffer, which no one writes to
+        until the graph's backward has run."""
+        slot = 1 - self.newest if version == "current" else self.newest
+        tensors = {n: self.buffers[id(p)][slot] for n, p in self.params[index].items()}
+        with _reparametrize_module(self.modules[index], tensors, tie_weights=True):
             yield
 
     def stash(self) -> dict[str, torch.Tensor]:
@@ -72,8 +80,9 @@ class WeightVersions:
         what a checkpoint holds beside the weights so that a resumed run continues as the uninterrupted one. A
         checkpoint load writes into these tensors, then ``loaded``."""
         if not self.started:  # no step ran: the next computes with the weights as they are
-            self._copy_params(self.newest)
-        return {n: t.detach() for slot in self.slots[self.newest] for n, t in slot.items()}
+            self._copy_params()
+        slot = 1 - self.newest
+        return {n: self.buffers[id(p)][slot].detach() for params in self.params for n, p in params.items()}
 
     def loaded(self) -> None:
         """A checkpoint's stash is in place: the next step computes with it."""
@@ -81,19 +90,29 @@ class WeightVersions:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """End of a step's backward: the current version's gradients become the parameters' (what the engine
-        norms, clips and steps)."""
-        for mine, params in zip(self.slots[self.current], self.params):
-            for name, p in params.items():
-                g = mine[name].grad
-                if g is None:
-                    continue
+        """End of a step's backward (every backward of its micro-batches has run): the stash's gradients become the
+        parameters' (what the engine norms, clips and steps), the stash takes a copy of the newest weights and
+        the parameters move onto it; the buffer they leave holds the next step's version."""
+        stash = 1 - self.newest
+        for p in self.unique:
+            mine = self.buffers[id(p)][stash]
+            g = mine.grad
+            if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
-                mine[name].grad = None
+                mine.grad = None
+            mine.copy_(p.detach())
+            p.data = mine.detach()
+        self.newest = stash
 
 
-def _leaf_copies(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+def _alias(p: torch.nn.Parameter) -> torch.Tensor:
+    """A leaf on ``p``'s memory with a version counter of its own: the optimizer's in-place update of ``p`` (after
+    ``p`` moved to the other buffer) neither touches nor invalidates what a graph saved of it."""
+    return _leaf(p.data, p)
+
+
+def _leaf(t: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    return t.requires_grad_(p.requires_grad)
 
 
 def twobw_order(pp: int, rank: int, m: int, filled: bool, more: bool) -> list[tuple[str, str, int]]:
@@ -192,7 +211,9 @@ class TwoBWPipeline:
             grad = torch.empty_like(out)
             dist.recv(grad, group=self.group, group_src=self.rank + 1, tag=GRADIENT_TAG)
         start = self.clock.now()
-        torch.autograd.backward(out, grad)
+        # this step's version: a block under activation checkpointing recomputes on the weights it ran forward on
+        with self.versions.using("current"):
+            torch.autograd.backward(out, grad)
         self.clock.spans.append((start, self.clock.now()))
         if not self.plan.has_first:
             self._send(x.grad, self.rank - 1, hidden=False)

@@ -86,7 +86,7 @@ class MemoryInputs:
     offload_blocks: int = 0  # training.activation_offload: blocks whose saved tensors wait on the host
     nvme: bool = False  # optimizer.offload nvme: the AdamW moments in files
     weight_versions: int = (
-        0  # pp_schedule pipedream_2bw: fp32 copies of the weights beside the optimizer's (2)
+        0  # pp_schedule pipedream_2bw: fp32 copies of the weights beside the optimizer's (1: the stash)
     )
 
 

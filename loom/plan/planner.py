@@ -254,7 +254,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         etp=dims.etp,
         optimizer_shard=dims.dp_replicate if dims.shard_optimizer else 1,
         cp_ring=dims.cp > 1 and p.cp_method == "ring",
-        weight_versions=2 if p.pp_schedule == "pipedream_2bw" else 0,
+        weight_versions=1 if p.pp_schedule == "pipedream_2bw" else 0,
         offload_blocks=len(offloaded_blocks(t.activation_offload, args.n_layers)),
         nvme=cfg.optimizer.offload == "nvme",
     )

@@ -74,6 +74,11 @@ def pipeline_only(tmp):
     out["pp2-manual-split-3-1"] = job(
         tmp, "pp2-manual-split-3-1", m=2, pp=2, dp_shard=1, pp_layers_per_stage="[3,1]"
     )
+    # a checkpointed block recomputes in the backward: on the weight version its forward ran on, not the newest
+    out["pp2-pipedream_2bw-m2-ac"] = {
+        **job(tmp, "pp2-pipedream_2bw-m2-ac", m=2, pp=2, dp_shard=1, pp_schedule="pipedream_2bw"),
+        "training.activation_checkpointing": "full",
+    }
     return out
 
 
@@ -162,12 +167,14 @@ def compositions8(tmp):
 
 
 # the default run's part of pipeline_only: every schedule once (the smaller micro-batch count), TP2 untied and with
-# loom's AdamW, float16 loss scaling and a manual split; the other counts and TP2 m1 are slow
+# loom's AdamW, float16 loss scaling, a manual split and pipedream_2bw with activation checkpointing; the other
+# counts and TP2 m1 are slow
 CORE_PP = {f"pp2-{s}-m{4 if s in V_SHAPED else 2}" for s in SCHEDULES} | {
     "tp2-m2-untied",
     "tp2-m1-triton-adamw",
     "pp2-interleaved_1f1b-m2-fp16",
     "pp2-manual-split-3-1",
+    "pp2-pipedream_2bw-m2-ac",
 }
 
 

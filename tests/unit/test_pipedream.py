@@ -61,6 +61,61 @@ def test_weight_versions_make_the_one_step_delayed_rule():
     assert sync[1:] != pytest.approx(expected[1:], rel=1e-3)
 
 
+def _storages(versions, model):
+    """The distinct memory blocks the parameters and the weight versions hold."""
+    tensors = [*model.parameters(), *(t for pair in versions.buffers.values() for t in pair)]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (3, 2)])
+def test_early_forwards_keep_their_version_through_the_update_on_two_copies(pp, m):
+    """Rank 0's stream of a ``pp``-stage pipeline on one process (the whole model as its stage): the next step's
+    first forwards run on the newest weights before the optimizer's in-place update and their backward runs after
+    it; losses and weights follow the rule written out by hand, and every weight is held twice in all (the
+    parameter and one stash), never more."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    steps, lr = 4, 0.1
+    data = [[(torch.randn(2, 3), torch.randn(2, 2)) for _ in range(m)] for _ in range(steps)]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    versions = WeightVersions([model])
+    n_params = len(list(model.parameters()))
+    assert len(_storages(versions, model)) == 2 * n_params
+    seen, in_flight = [[] for _ in range(steps)], []
+    for t in range(steps):
+        versions.begin()
+        for kind, version, i in twobw_order(pp, 0, m, t > 0, t < steps - 1):
+            if kind == "F":
+                s = t if version == "current" else t + 1
+                x, y = data[s][i]
+                with versions.using(version):
+                    loss = ((model(x) - y) ** 2).sum()
+                seen[s].append(float(loss))
+                in_flight.append(loss)
+            else:
+                in_flight.pop(0).backward()
+        versions.finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert len(_storages(versions, model)) == 2 * n_params
+    assert not in_flight
+
+    def losses_and_grads(ws, batch):
+        ws = {n: w.clone().requires_grad_() for n, w in ws.items()}
+        losses = [((torch.func.functional_call(model, ws, (x,)) - y) ** 2).sum() for x, y in batch]
+        return [float(v) for v in losses], dict(zip(ws, torch.autograd.grad(sum(losses), list(ws.values()))))
+
+    prev, cur = w0, w0
+    for t in range(steps):
+        expected, grads = losses_and_grads(prev, data[t])
+        assert seen[t] == pytest.approx(expected, rel=1e-6)
+        prev, cur = cur, {n: w - lr * grads[n] for n, w in cur.items()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), cur[n])
+    torch.testing.assert_close(versions.stash(), dict(prev))  # what a checkpoint holds beside the weights
+
+
 def test_the_stream_never_flushes_between_steps():
     """Each step but the last ends with the next step's first pp-1-rank forwards on the newest weights; the
     run's bubble is 1F1B's stream of steps x m micro-batches, below 1F1B's at every step."""
