@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -303,11 +304,58 @@ SUITES = {
 }
 
 
+@dataclass(frozen=True)
+class SMLimits:
+    """One streaming multiprocessor's limits (defaults: H100/H200, sm_90): 32-bit registers, resident warps, shared
+    memory in bytes, resident blocks, the shared memory the hardware reserves per block."""
+
+    regs: int = 65536
+    warps: int = 64
+    shared: int = 233472
+    blocks: int = 32
+    reserved_shared: int = 1024
+
+
+def sm_limits(device=None) -> SMLimits:
+    """The current GPU's limits from its properties (the sm_90 defaults for those it does not report)."""
+    props, base = torch.cuda.get_device_properties(device), SMLimits()
+    return SMLimits(
+        regs=getattr(props, "regs_per_multiprocessor", base.regs),
+        warps=getattr(props, "max_threads_per_multi_processor", base.warps * 32) // 32,
+        shared=getattr(props, "shared_memory_per_multiprocessor", base.shared),
+    )
+
+
+def occupancy(n_regs: int, num_warps: int, shared: int, sm: SMLimits = SMLimits()) -> dict:
+    """A compiled kernel's theoretical occupancy (as Nsight Compute's): resident blocks per SM under each limit
+    (registers, allocated per warp in units of 256; warps; shared memory plus the per-block reserve; blocks),
+    the fraction of the SM's warps they fill and the limit that binds."""
+    per_warp = -(-n_regs * 32 // 256) * 256
+    limits = {
+        "registers": sm.regs // (per_warp * num_warps) if per_warp else sm.blocks,
+        "warps": sm.warps // num_warps,
+        "shared": sm.shared // (shared + sm.reserved_shared),
+        "blocks": sm.blocks,
+    }
+    limiter = min(limits, key=limits.get)
+    blocks = limits[limiter]
+    return {"blocks_per_sm": blocks, "occupancy": blocks * num_warps / sm.warps, "limited_by": limiter}
+
+
+def compiled_occupancy(ck) -> dict | None:
+    """``occupancy`` of a Triton ``CompiledKernel`` on the current GPU (None where it reports no registers)."""
+    n_regs = getattr(ck, "n_regs", None)
+    if n_regs is None:
+        return None
+    meta = ck.metadata
+    return occupancy(n_regs, meta.num_warps, meta.shared, sm_limits())
+
+
 def config_sweep(
     d: int, hq: int, hkv: int, s: int, dtype, docs: bool = False, extra: dict | None = None
 ) -> dict:
     """Every autotuning candidate of each backward kernel, one at a time (the other kernel at its first
-    candidate): whole-backward time, registers and spills of the varied kernel; forward candidates (forward
+    candidate): whole-backward time, registers, spills and occupancy of the varied kernel; forward candidates (forward
     time) when ``extra`` names some. Explains what autotuning
     picks and whether a kernel spills."""
     from loom.kernels.attention import reference as R
@@ -403,6 +451,7 @@ def config_sweep(
                         ("fwd_ms" if kind == "fwd" else "bwd_ms"): bench_ms(run),
                         "n_regs": getattr(ck, "n_regs", None),
                         "n_spills": getattr(ck, "n_spills", None),
+                        "occupancy": compiled_occupancy(ck),
                     }
                 )
                 print(dict(d=d, s=s, docs=docs, **rows[-1]), flush=True)
@@ -579,7 +628,7 @@ def main() -> None:
     p.add_argument(
         "--configs",
         action="store_true",
-        help="every backward candidate config one by one (time, registers, spills) for CONFIG_SWEEP cases",
+        help="every backward candidate config one by one (time, registers, spills, occupancy) for CONFIG_SWEEP cases",
     )
     p.add_argument(
         "--extra-dkdv",
