@@ -511,15 +511,16 @@ def family_settings(args, cfg: Config):
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
-        # the modules embed the tokens k ahead and share the embedding and head: a pipeline's last stage receives
-        # hidden states only and holds no embedding (context parallelism gathers the tokens past its chunks)
-        if depth and cfg.parallel.pp > 1:
+        # under a pipeline the modules sit on the last stage, which is given the token ids beside the labels and
+        # holds a copy of the embedding (loom.parallel.pipeline.build_stage); pipedream_2bw's own runtime does not
+        # pass them (loom.parallel.pipedream)
+        if depth and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "pipedream_2bw":
             raise ConfigError(
-                "parallel.pp",
-                cfg.parallel.pp,
-                "not with multi-token prediction (the pipeline's last stage gets hidden states, not the token ids "
-                "the MTP modules embed, and the embedding is the first stage's): allowed 1, or model.mtp_depth = 0 "
-                "(MTP trains under FSDP2, TP, EP and CP)",
+                "parallel.pp_schedule",
+                cfg.parallel.pp_schedule,
+                "not with multi-token prediction (its runtime gives the last stage no token ids to embed k ahead): "
+                "allowed gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev, or "
+                "model.mtp_depth = 0",
             )
     return args
 
