@@ -522,6 +522,22 @@ def family_settings(args, cfg: Config):
                 "allowed gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev, or "
                 "model.mtp_depth = 0",
             )
+        # torch's separate weight pass fails on a last stage whose tied weight is both the head and the embedding the
+        # modules read ("backward through the graph a second time"); DeepSeek-V3's own head is untied
+        if (
+            depth
+            and cfg.parallel.pp > 1
+            and args.tie_embeddings
+            and cfg.parallel.pp_schedule in SPLIT_BACKWARD
+        ):
+            raise ConfigError(
+                "model.tie_embeddings",
+                cfg.model.tie_embeddings,
+                f"a tied head with multi-token prediction under parallel.pp_schedule = {cfg.parallel.pp_schedule} "
+                "(input and weight gradients apart: torch's weight pass cannot run the last stage's graph where the "
+                "tied weight is both the head and the MTP modules' embedding): allowed false, or pp_schedule gpipe "
+                "| 1f1b | interleaved_1f1b | looped_bfs",
+            )
     return args
 
 

@@ -6,9 +6,9 @@ MTP module included) give one process's loss and grad norm at every step (fp32),
 group-limited sigmoid routing, its aux-loss-free selection bias moving each step (the same max / mean expert load as
 one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one world-2 job group, where a DualPipeV
 run also resumes the 1F1B run's checkpoint (the embedding written once, restored into both of its copies).
-Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules (with MTP and the tied head), ring CP,
-LoRA on the latent attention and on Qwen3-MoE's; and on 4 ranks (``FOUR``) EP x FSDP, EP x TP x DP, CP x TP,
-PP x TP and PP x EP."""
+Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules (with MTP, the head tied where the
+schedule allows), ring CP, LoRA on the latent attention and on Qwen3-MoE's; and on 4 ranks (``FOUR``) EP x FSDP,
+EP x TP x DP, CP x TP, PP x TP and PP x EP."""
 
 from __future__ import annotations
 
@@ -71,7 +71,6 @@ BROAD = {
     "ds-tp2-etp2-m2": dict(m=2, tp=2, dp_shard=1, etp=2),
     **{
         f"{f}-pp2-{s}-m{m}": dict(m=m, pp=2, dp_shard=1, pp_schedule=s)
-        for f in ("ds", "q")
         for s, m in (
             ("gpipe", 2),
             ("interleaved_1f1b", 2),
@@ -79,6 +78,8 @@ BROAD = {
             ("interleaved_zb", 2),
             ("zbv", 4),
         )
+        # DeepSeek's MTP with a tied head under the first three, untied under the two that split the backward
+        for f in ("ds" if s in ("gpipe", "interleaved_1f1b", "looped_bfs") else "dsu", "q")
     },
     "ds-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),
     "q-cp2-ring": dict(cp=2, dp_shard=1, cp_method="ring"),

@@ -135,7 +135,8 @@ def test_mtp_trains_under_pipelines_and_context_parallel_but_not_pipedream_2bw()
     """Under a pipeline the MTP modules sit on the last stage, given the token ids beside the labels, with a copy of
     the embedding (tested layout-invariant: tests/distributed/test_moe_families_layouts.py); context parallelism
     gathers the tokens past a rank's chunks. pipedream_2bw's own runtime passes no token ids to its last stage: one
-    line naming the field, its value and what is allowed."""
+    line naming the field, its value and what is allowed; so is a tied head under the schedules that compute weight
+    gradients apart (torch's weight pass fails on the last stage's graph)."""
     from loom.config import ConfigError
     from loom.data.tokenizers import ByteTokenizer
     from loom.resolve import resolve_model_args
@@ -151,6 +152,13 @@ def test_mtp_trains_under_pipelines_and_context_parallel_but_not_pipedream_2bw()
         resolve_model_args(tiny_config(**over), ByteTokenizer())
     assert "\n" not in str(err.value)
     assert resolve_model_args(tiny_config(**over, **{"model.mtp_depth": 0}), ByteTokenizer()).mtp_depth == 0
+    # a tied head under a schedule that computes weight gradients apart: one line naming the field
+    tied = {**over, "parallel.pp_schedule": "zbv", "model.tie_embeddings": "true"}
+    with pytest.raises(
+        ConfigError, match="model.tie_embeddings.*tied head with multi-token.*zbv.*allowed false"
+    ):
+        resolve_model_args(tiny_config(**tied), ByteTokenizer())
+    assert resolve_model_args(tiny_config(**tied, **{"model.mtp_depth": 0}), ByteTokenizer()).tie_embeddings
     cp = {"model.flavor": "deepseek_v3_debug", "parallel.cp": 2, "parallel.dp_shard": 1}
     assert resolve_model_args(tiny_config(**cp), ByteTokenizer()).mtp_depth == 1
 
