@@ -511,19 +511,10 @@ def family_settings(args, cfg: Config):
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
-        # under a pipeline the modules sit on the last stage, which is given the token ids beside the labels and
-        # holds a copy of the embedding (loom.parallel.pipeline.build_stage); pipedream_2bw's own runtime does not
-        # pass them (loom.parallel.pipedream)
-        if depth and cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "pipedream_2bw":
-            raise ConfigError(
-                "parallel.pp_schedule",
-                cfg.parallel.pp_schedule,
-                "not with multi-token prediction (its runtime gives the last stage no token ids to embed k ahead): "
-                "allowed gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zb | zbv | dualpipev, or "
-                "model.mtp_depth = 0",
-            )
-        # torch's separate weight pass fails on a last stage whose tied weight is both the head and the embedding the
-        # modules read ("backward through the graph a second time"); DeepSeek-V3's own head is untied
+        # under a pipeline the modules sit on the last stage, given the token ids beside the labels, with a copy of
+        # the embedding (loom.parallel.pipeline.build_stage). torch's separate weight pass fails on a last stage whose
+        # tied weight is both the head and the embedding the modules read ("backward through the graph a second
+        # time"); DeepSeek-V3's own head is untied
         if (
             depth
             and cfg.parallel.pp > 1
@@ -536,7 +527,7 @@ def family_settings(args, cfg: Config):
                 f"a tied head with multi-token prediction under parallel.pp_schedule = {cfg.parallel.pp_schedule} "
                 "(input and weight gradients apart: torch's weight pass cannot run the last stage's graph where the "
                 "tied weight is both the head and the MTP modules' embedding): allowed false, or pp_schedule gpipe "
-                "| 1f1b | interleaved_1f1b | looped_bfs",
+                "| 1f1b | interleaved_1f1b | looped_bfs | pipedream_2bw",
             )
     return args
 

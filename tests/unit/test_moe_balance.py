@@ -131,34 +131,33 @@ def test_flops_count_the_families_blocks():
     )
 
 
-def test_mtp_trains_under_pipelines_and_context_parallel_but_not_pipedream_2bw():
-    """Under a pipeline the MTP modules sit on the last stage, given the token ids beside the labels, with a copy of
-    the embedding (tested layout-invariant: tests/distributed/test_moe_families_layouts.py); context parallelism
-    gathers the tokens past a rank's chunks. pipedream_2bw's own runtime passes no token ids to its last stage: one
-    line naming the field, its value and what is allowed; so is a tied head under the schedules that compute weight
-    gradients apart (torch's weight pass fails on the last stage's graph)."""
+def test_mtp_trains_under_pipelines_and_context_parallel_but_not_a_tied_head_with_split_backward():
+    """Under a pipeline (every schedule, pipedream_2bw's too) the MTP modules sit on the last stage, given the token
+    ids beside the labels, with a copy of the embedding (tested layout-invariant:
+    tests/distributed/test_moe_families_layouts.py); context parallelism gathers the tokens past a rank's chunks. A
+    tied head under the schedules that compute weight gradients apart (torch's weight pass fails on the last stage's
+    graph) is one line naming the field, its value and what is allowed."""
     from loom.config import ConfigError
     from loom.data.tokenizers import ByteTokenizer
     from loom.resolve import resolve_model_args
 
-    for schedule in ("1f1b", "dualpipev"):
-        over = {"model.flavor": "deepseek_v3_debug", "parallel.pp": 2, "parallel.dp_shard": 1}
+    over = {"model.flavor": "deepseek_v3_debug", "parallel.pp": 2, "parallel.dp_shard": 1}
+    for schedule in ("1f1b", "dualpipev", "pipedream_2bw"):
         args = resolve_model_args(tiny_config(**over, **{"parallel.pp_schedule": schedule}), ByteTokenizer())
-        assert args.mtp_depth == 1 and args.moe_shared_experts == 1
-    over = {**over, "parallel.pp_schedule": "pipedream_2bw"}
-    with pytest.raises(
-        ConfigError, match="parallel.pp_schedule.*pipedream_2bw.*multi-token.*mtp_depth = 0"
-    ) as err:
-        resolve_model_args(tiny_config(**over), ByteTokenizer())
-    assert "\n" not in str(err.value)
-    assert resolve_model_args(tiny_config(**over, **{"model.mtp_depth": 0}), ByteTokenizer()).mtp_depth == 0
-    # a tied head under a schedule that computes weight gradients apart: one line naming the field
-    tied = {**over, "parallel.pp_schedule": "zbv", "model.tie_embeddings": "true"}
-    with pytest.raises(
-        ConfigError, match="model.tie_embeddings.*tied head with multi-token.*zbv.*allowed false"
-    ):
-        resolve_model_args(tiny_config(**tied), ByteTokenizer())
-    assert resolve_model_args(tiny_config(**tied, **{"model.mtp_depth": 0}), ByteTokenizer()).tie_embeddings
+        assert args.mtp_depth == 1 and args.moe_shared_experts == 1 and not args.tie_embeddings
+    for schedule in ("1f1b", "pipedream_2bw"):
+        tied = {**over, "parallel.pp_schedule": schedule, "model.tie_embeddings": "true"}
+        assert resolve_model_args(tiny_config(**tied), ByteTokenizer()).tie_embeddings
+    for schedule in ("interleaved_zb", "zbv", "dualpipev"):
+        tied = {**over, "parallel.pp_schedule": schedule, "model.tie_embeddings": "true"}
+        with pytest.raises(
+            ConfigError, match=f"model.tie_embeddings.*tied head with multi-token.*{schedule}.*allowed false"
+        ) as err:
+            resolve_model_args(tiny_config(**tied), ByteTokenizer())
+        assert "\n" not in str(err.value)
+        assert resolve_model_args(
+            tiny_config(**tied, **{"model.mtp_depth": 0}), ByteTokenizer()
+        ).tie_embeddings
     cp = {"model.flavor": "deepseek_v3_debug", "parallel.cp": 2, "parallel.dp_shard": 1}
     assert resolve_model_args(tiny_config(**cp), ByteTokenizer()).mtp_depth == 1
 
