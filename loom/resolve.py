@@ -511,15 +511,23 @@ def family_settings(args, cfg: Config):
     if has_mtp:
         depth = args.mtp_depth if m.mtp_depth < 0 else m.mtp_depth
         args = args.with_(mtp_depth=depth, mtp_weight=m.mtp_weight)
-        # the modules embed the tokens k ahead and share the embedding and head: a pipeline's last stage receives
-        # hidden states only and holds no embedding (context parallelism gathers the tokens past its chunks)
-        if depth and cfg.parallel.pp > 1:
+        # under a pipeline the modules sit on the last stage, given the token ids beside the labels, with a copy of
+        # the embedding (loom.parallel.pipeline.build_stage). torch's separate weight pass fails on a last stage whose
+        # tied weight is both the head and the embedding the modules read ("backward through the graph a second
+        # time"); DeepSeek-V3's own head is untied
+        if (
+            depth
+            and cfg.parallel.pp > 1
+            and args.tie_embeddings
+            and cfg.parallel.pp_schedule in SPLIT_BACKWARD
+        ):
             raise ConfigError(
-                "parallel.pp",
-                cfg.parallel.pp,
-                "not with multi-token prediction (the pipeline's last stage gets hidden states, not the token ids "
-                "the MTP modules embed, and the embedding is the first stage's): allowed 1, or model.mtp_depth = 0 "
-                "(MTP trains under FSDP2, TP, EP and CP)",
+                "model.tie_embeddings",
+                cfg.model.tie_embeddings,
+                f"a tied head with multi-token prediction under parallel.pp_schedule = {cfg.parallel.pp_schedule} "
+                "(input and weight gradients apart: torch's weight pass cannot run the last stage's graph where the "
+                "tied weight is both the head and the MTP modules' embedding): allowed false, or pp_schedule gpipe "
+                "| 1f1b | interleaved_1f1b | looped_bfs | pipedream_2bw",
             )
     return args
 

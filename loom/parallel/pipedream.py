@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils.stateless import _reparametrize_module
 
-from loom.parallel.pipeline import _recv_hidden, _send_hidden
+from loom.parallel.pipeline import _recv_hidden, _send_hidden, last_stage_inputs
 
 ACTIVATION_TAG, GRADIENT_TAG = 21, 22  # apart from validation's point-to-point traffic (tag 0)
 
@@ -193,8 +193,10 @@ class TwoBWPipeline:
         else:
             x = _recv_hidden(self.group, self.rank - 1, self.device, tag=ACTIVATION_TAG).requires_grad_()
         start = self.clock.now()
+        # the last stage's forward also reads the token ids and labels where it predicts tokens ahead (MTP)
+        extra = last_stage_inputs(self.stage.args, inputs, labels) if self.plan.has_last else {}
         with self.versions.using(version):
-            out = self.stage(x, positions)
+            out = self.stage(x, positions, **extra)
         if self.plan.has_last:
             out = loss_fn(out, labels)
             losses.append(out.detach())

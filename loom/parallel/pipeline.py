@@ -3,7 +3,9 @@
 * ``split_layers`` cuts the layers into contiguous stages, balanced by training FLOPs per token, the
   embedding and the output head counted with the first and last stage; or takes a manual split.
 * ``stage_ids`` says which stages a pp rank holds: ``r, r + p, ...`` (loop) or ``r, 2p - 1 - r`` (V).
-* ``build_stage`` prunes a copy of the (meta) model to one stage: the model code does not change.
+* ``build_stage`` prunes a copy of the (meta) model to one stage: the model code does not change; the last
+  stage holds the head, DeepSeek-V3's multi-token prediction modules and, for them or a tied head, a copy of the
+  embedding.
 * ``forward_chain`` runs one micro-batch forward through every stage in order (validation of the V-shaped
   schedules, whose forward-only run in torch fails).
 * ``theoretical_bubble`` replays a schedule's per-rank action order with unit costs and reports the
@@ -130,20 +132,37 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
 def build_stage(model, layers: list[int], first: bool, last: bool):
     """A copy of the meta-device ``model`` keeping only this stage's parts (names unchanged).
 
-    A last stage of a tied model keeps ``tok_embeddings`` as the holder of the shared weight, so the
-    weight has the same name (``tok_embeddings.weight``) in every layout and checkpoint."""
+    The last stage keeps ``tok_embeddings`` where it reads the embedding (``last_stage_embeds``: the weight a tied
+    head shares, the one DeepSeek-V3's multi-token prediction modules embed with), a copy of the first stage's with
+    the same name (``tok_embeddings.weight``) in every layout and checkpoint (loom.train.grads.TiedEmbeddingGrads
+    keeps the two equal). The MTP modules (``mtp``) sit on the last stage, beside the norm and head they share."""
     stage = copy.deepcopy(model)
     keep = {str(i) for i in layers}
     for name in list(stage.layers.keys()):
         if name not in keep:
             del stage.layers[name]
-    tied = model.args.tie_embeddings
-    if not first and not (last and tied):
+    if not first and not (last and last_stage_embeds(model.args)):
         stage.tok_embeddings = None
     if not last:
         stage.norm = None
         stage.output = None
+        if getattr(stage, "mtp", None) is not None:
+            stage.mtp = None
     return stage
+
+
+def last_stage_embeds(args) -> bool:
+    """Whether the last stage holds a copy of the embedding: a tied head, or multi-token prediction's modules."""
+    return bool(args.tie_embeddings or getattr(args, "mtp_depth", 0))
+
+
+def last_stage_inputs(args, inputs, labels) -> dict:
+    """The keywords the schedule gives every stage for the last stage's forward (the others ignore them): the
+    micro-batches' token ids and labels (M x B, S), which multi-token prediction embeds and predicts k tokens ahead
+    (loom.models.deepseek_v3.model.DeepSeekV3.forward); {} without it."""
+    if not getattr(args, "mtp_depth", 0):
+        return {}
+    return {"mtp_tokens": inputs, "mtp_labels": labels}
 
 
 # ---- schedules ------------------------------------------------------------------------------

@@ -117,8 +117,9 @@ class RankShare:
 
 
 def rank_shares(args, pp: int, parallel, seq_len: int) -> list[RankShare]:
-    """Per pp rank, what it holds (a single share without pipelining). The last stage of a tied model keeps its
-    own copy of the embedding (loom.parallel.pipeline.build_stage) and the multi-token prediction modules."""
+    """Per pp rank, what it holds (a single share without pipelining). The last stage keeps the multi-token
+    prediction modules and, for them or a tied head, its own copy of the embedding (loom.parallel.pipeline.build_stage;
+    under a V-shaped schedule beside the first stage's on rank 0)."""
     per_rank = stages_per_rank(parallel) if pp > 1 else 1
     n_stages = pp * per_rank
     split = (
@@ -139,6 +140,9 @@ def rank_shares(args, pp: int, parallel, seq_len: int) -> list[RankShare]:
             vocab += args.vocab_size * args.dim
         if any(last) and not (args.tie_embeddings and any(first)):
             vocab += args.vocab_size * args.dim  # the head, or the tied weight's copy on the last stage
+        if pp > 1 and any(last) and depth and not args.tie_embeddings:
+            # the copy of the embedding the MTP modules read, beside the head
+            vocab += args.vocab_size * args.dim
         blocks = [layer_params(args, i) for i in held]
         mtp = depth if any(last) else 0
         mtp_mm, mtp_other = mtp_params(args) if mtp else (0, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.parallel.pipeline import stage_rank
+from loom.parallel.pipeline import last_stage_embeds, stage_rank
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -58,17 +58,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class TiedEmbeddingGrads:
-    """Tied input/output embeddings under pipeline parallelism (as Megatron does).
+    """The embedding the last pipeline stage reads too, a tied head's or multi-token prediction's (as Megatron does).
 
     The first stage's ``tok_embeddings.weight`` and the last stage's copy of it (held as
-    ``tok_embeddings.weight`` too, under the head) start equal; after each backward their gradients
+    ``tok_embeddings.weight`` too: loom.parallel.pipeline.build_stage) start equal; after each backward their gradients
     are summed, so the two optimizers take identical steps and the copies stay equal. The copies live
     on the first and last pp rank (an all-reduce over a two-rank embedding group per coordinate of the
     other axes), or both on pp rank 0 with V-shaped schedules (a local sum)."""
 
     def __init__(self, parts, plan, dims):
         self.copies = []  # this rank's copies: (stage, parameter)
-        if parts[0].args.tie_embeddings:
+        shared = last_stage_embeds(parts[0].args)
+        if shared:
             self.copies = [
                 (s, part.tok_embeddings.weight)
                 for s, part in zip(plan.local, parts)
@@ -76,7 +77,7 @@ class TiedEmbeddingGrads:
             ]
         self.group = None
         first_rank, last_rank = 0, _rank_of_last(plan)
-        if parts[0].args.tie_embeddings and first_rank != last_rank:
+        if shared and first_rank != last_rank:
             self.group = _embedding_group(dims, first_rank, last_rank)
 
     def params_counted_once(self, parts) -> list[torch.nn.Parameter]:

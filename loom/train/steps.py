@@ -23,6 +23,7 @@ from loom.parallel.pipeline import (
     BusyClock,
     build_schedule,
     forward_chain,
+    last_stage_inputs,
     theoretical_bubble,
 )
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
@@ -132,7 +133,11 @@ class _ScaledLoss:
     def __init__(self, objective: Objective):
         self.objective, self.scale = objective, 1.0
 
-    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(outputs, tuple):
+            # the last stage's outputs and its own loss terms (multi-token prediction's)
+            outputs, extra = outputs
+            return to_local_loss(self.objective.loss(outputs, labels) + extra) * self.scale
         return to_local_loss(self.objective.loss(outputs, labels)) * self.scale
 
 
@@ -154,26 +159,30 @@ class PipelineStep:
         self.loss_fn.scale = grad_scale
         self.busy.start()
         with self.ctx.profiler.phase("forward_backward"):
-            losses = self._run(self.schedule.step, mbs)
+            # the last stage's outputs are not merged into one: only the losses are read
+            losses = self._run(self.schedule.step, mbs, return_outputs=False)
         self.busy.stop()
         self.tied.sync()
         loss_sum = stage_loss_sum(losses, grad_scale, self.ctx.device, self.group)
         first, self.ran = not self.ran, True
         return StepResult(loss_sum, shape_inference=first)
 
-    def _run(self, run, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        """``run`` (the schedule's step or eval) over ``mbs`` joined into (M x B, S), which the schedule
-        cuts back into M micro-batches; returns the last stage's loss_fn outputs (empty elsewhere)."""
+    def _run(self, run, mbs: list[MicroBatch], **options) -> list[torch.Tensor]:
+        """``run`` (the schedule's step or eval, with ``options``) over ``mbs`` joined into (M x B, S), which the
+        schedule cuts back into M micro-batches; returns the last stage's loss_fn outputs (empty elsewhere)."""
         labels = torch.cat([mb.labels for mb in mbs])
+        inputs = torch.cat([mb.inputs for mb in mbs])
         # per-document positions go to every stage as a keyword (the schedule cuts it like the inputs): each
-        # stage's attention masks its documents and RoPE restarts per document
+        # stage's attention masks its documents and RoPE restarts per document; and what the last stage's forward
+        # reads beside the hidden states (multi-token prediction's token ids and labels)
         kwargs = {"positions": torch.cat([mb.positions for mb in mbs])} if self.ctx.documents else {}
+        kwargs.update(last_stage_inputs(self.parts[0].args, inputs, labels))
         losses: list[torch.Tensor] = []
         with self.ctx.autocast(), loss_parallel_context(self.ctx.loss_parallel):
             if self.plan.has_first:
-                run(torch.cat([mb.inputs for mb in mbs]), target=labels, losses=losses, **kwargs)
+                run(inputs, target=labels, losses=losses, **options, **kwargs)
             else:
-                run(target=labels, losses=losses, **kwargs)
+                run(target=labels, losses=losses, **options, **kwargs)
         return losses
 
     @torch.no_grad()

@@ -131,23 +131,74 @@ def test_flops_count_the_families_blocks():
     )
 
 
-def test_mtp_refuses_pipelines_in_one_line_and_takes_context_parallel():
-    """The MTP modules embed the tokens k ahead with the first stage's embedding: a pipeline's last stage has
-    neither, so a pipeline asks for model.mtp_depth = 0 in one line naming what MTP runs under (tested
-    layout-invariant so: tests/distributed/test_moe_families_layouts.py); context parallelism gathers the tokens
-    past a rank's chunks and keeps the module (its layout job there: ``ds-cp2``)."""
+def test_mtp_trains_under_pipelines_and_context_parallel_but_not_a_tied_head_with_split_backward():
+    """Under a pipeline (every schedule, pipedream_2bw's too) the MTP modules sit on the last stage, given the token
+    ids beside the labels, with a copy of the embedding (tested layout-invariant:
+    tests/distributed/test_moe_families_layouts.py); context parallelism gathers the tokens past a rank's chunks. A
+    tied head under the schedules that compute weight gradients apart (torch's weight pass fails on the last stage's
+    graph) is one line naming the field, its value and what is allowed."""
     from loom.config import ConfigError
     from loom.data.tokenizers import ByteTokenizer
     from loom.resolve import resolve_model_args
 
     over = {"model.flavor": "deepseek_v3_debug", "parallel.pp": 2, "parallel.dp_shard": 1}
-    with pytest.raises(ConfigError, match="parallel.pp.*multi-token prediction.*mtp_depth = 0.*CP") as err:
-        resolve_model_args(tiny_config(**over), ByteTokenizer())
-    assert "\n" not in str(err.value)
-    args = resolve_model_args(tiny_config(**over, **{"model.mtp_depth": 0}), ByteTokenizer())
-    assert args.mtp_depth == 0 and args.moe_shared_experts == 1
+    for schedule in ("1f1b", "dualpipev", "pipedream_2bw"):
+        args = resolve_model_args(tiny_config(**over, **{"parallel.pp_schedule": schedule}), ByteTokenizer())
+        assert args.mtp_depth == 1 and args.moe_shared_experts == 1 and not args.tie_embeddings
+    for schedule in ("1f1b", "pipedream_2bw"):
+        tied = {**over, "parallel.pp_schedule": schedule, "model.tie_embeddings": "true"}
+        assert resolve_model_args(tiny_config(**tied), ByteTokenizer()).tie_embeddings
+    for schedule in ("interleaved_zb", "zbv", "dualpipev"):
+        tied = {**over, "parallel.pp_schedule": schedule, "model.tie_embeddings": "true"}
+        with pytest.raises(
+            ConfigError, match=f"model.tie_embeddings.*tied head with multi-token.*{schedule}.*allowed false"
+        ) as err:
+            resolve_model_args(tiny_config(**tied), ByteTokenizer())
+        assert "\n" not in str(err.value)
+        assert resolve_model_args(
+            tiny_config(**tied, **{"model.mtp_depth": 0}), ByteTokenizer()
+        ).tie_embeddings
     cp = {"model.flavor": "deepseek_v3_debug", "parallel.cp": 2, "parallel.dp_shard": 1}
     assert resolve_model_args(tiny_config(**cp), ByteTokenizer()).mtp_depth == 1
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_carry_mtp_to_the_last_stage(tied):
+    """``build_stage`` puts the MTP module, the head and a copy of the embedding on the last stage and none of them
+    on the first; the stages run in turn, the last given the token ids and labels (``last_stage_inputs``), give
+    (logits, the weighted MTP loss) whose sum with the logits' loss is the whole model's loss, packed documents
+    included, and the same gradients (the embedding's: the sum of its two copies')."""
+    from loom.numerics import cross_entropy_sum
+    from loom.parallel.pipeline import build_stage, last_stage_inputs
+
+    args = all_flavors()["deepseek_v3_debug"].with_(vocab_size=64, max_seq_len=16, tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = build_model(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.05) if p.ndim > 1 else torch.nn.init.ones_(p)
+    first, last = build_stage(model, [0, 1], True, False), build_stage(model, [2], False, True)
+    assert first.mtp is None and first.output is None and first.tok_embeddings is not None
+    assert last.mtp is not None and last.output is not None and last.tok_embeddings is not None
+    assert (last.output.weight is last.tok_embeddings.weight) == tied
+    tokens, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).repeat(2, 1)  # two documents a row
+    whole = model(tokens, positions, labels=labels)
+    h = first(tokens, positions, **last_stage_inputs(args, tokens, labels))
+    logits, extra = last(h, positions, **last_stage_inputs(args, tokens, labels))
+    staged = cross_entropy_sum(logits, labels) + extra
+    torch.testing.assert_close(staged, whole, rtol=1e-6, atol=0)
+    assert float(extra.detach()) > 0
+    whole.backward()
+    staged.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for stage in (first, last):
+        for n, p in stage.named_parameters():
+            if "tok_embeddings" not in n:
+                torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7)
+    embedding = first.tok_embeddings.weight.grad + last.tok_embeddings.weight.grad
+    torch.testing.assert_close(embedding, grads["tok_embeddings.weight"], rtol=1e-5, atol=1e-7)
+    model.eval(), last.eval()  # evaluation: the main logits only
+    assert last(h.detach(), positions, **last_stage_inputs(args, tokens, labels)).shape == (2, 16, 64)
 
 
 @pytest.mark.parametrize("checkpointed", [True, pytest.param(False, marks=pytest.mark.slow)])

@@ -725,6 +725,15 @@ def test_fp32_moe_activations_are_a_real_forwards():
     pp = rank_shares(args.with_(mtp_depth=0), 3, ParallelConfig(pp_schedule="1f1b"), seq)
     mtp = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
     assert sum(s.params(1) for s in pp) == total - mtp and [s.dense_layers for s in pp] == [1, 0, 0]
+    # with the MTP module: on the last stage, beside its copy of the embedding (tied head or not)
+    copy = args.vocab_size * args.dim
+    for tied in (False, True):
+        for schedule in ("1f1b", "dualpipev"):
+            shares = rank_shares(
+                args.with_(tie_embeddings=tied), 3, ParallelConfig(pp_schedule=schedule), seq
+            )
+            whole = sum(p.numel() for p in build_model(args.with_(tie_embeddings=tied)).parameters())
+            assert sum(s.params(1) for s in shares) == whole + copy and sum(s.mtp for s in shares) == 1
 
 
 # the weights tensor parallelism shards (loom.parallel.tensor_parallel): by heads, the dense and shared SwiGLUs,

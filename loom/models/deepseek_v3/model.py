@@ -71,8 +71,28 @@ class DeepSeekV3(Llama):
         return shifted(t, k, fill) if self.context is None else self.context.shifted(t, k, fill)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``Llama.forward``, plus the MTP losses in training with labels. A pipeline's last stage (hidden
+        states in; its schedule's loss function takes the main loss from the logits) is given the micro-batch's
+        token ids and labels as ``mtp_tokens`` / ``mtp_labels`` (B, S) and returns (logits (B, S, V), the weighted
+        MTP loss); the other stages ignore them (loom.parallel.pipeline.last_stage_inputs)."""
+        if (
+            self.mtp is not None
+            and self.training
+            and tokens.is_floating_point()
+            and mtp_labels is not None
+            and self.output is not None
+        ):
+            h = tokens  # (B, S, E) from the previous stage
+            for layer in self.layers.values():
+                h = layer(h, self.rope, positions)
+            return self.output(self.norm(h)), self.mtp_loss(h, mtp_tokens, mtp_labels, positions)
         if (
             self.mtp is None
             or labels is None
@@ -86,7 +106,14 @@ class DeepSeekV3(Llama):
         for layer in self.layers.values():
             h = layer(h, self.rope, positions)
         loss = self.token_loss(self.norm(h), labels)
-        extra = None  # (a sum of the modules' losses: a DTensor under tensor parallelism, as ``loss``)
+        return loss + self.mtp_loss(h, tokens, labels, positions)
+
+    def mtp_loss(
+        self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``mtp_weight / mtp_depth`` x the modules' summed token losses, from the last block's hidden states h
+        (B, S, E) and the (B, S) token ids and labels (a DTensor under tensor parallelism, as the main loss)."""
+        extra = None
         for k, module in enumerate(self.mtp.values(), start=1):
             target = self.ahead(labels, k, IGNORE)  # (B, S) the token k + 1 ahead
             if positions is not None:  # the same document k tokens on
@@ -94,4 +121,4 @@ class DeepSeekV3(Llama):
             h = module(h, self.tok_embeddings(self.ahead(tokens, k, 0)), self.rope, positions)
             depth_loss = self.token_loss(module.norm(h), target)
             extra = depth_loss if extra is None else extra + depth_loss
-        return loss + self.args.mtp_weight / len(self.mtp) * extra
+        return self.args.mtp_weight / len(self.mtp) * extra
