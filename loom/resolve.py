@@ -87,9 +87,7 @@ def resolve(
     accum = accumulation_steps(
         t, dims.dp_size * replica_groups(cfg.parallel)
     )  # the groups split each global batch
-    check_microbatches(
-        dims, accum, cfg.parallel, t.global_batch_size, t.eval_batches if t.eval_every else None
-    )
+    check_microbatches(dims, accum, cfg.parallel, t.global_batch_size)
     check_noise_scale(cfg, dims, accum)
     if device is None:  # this machine's (the planner names a device it does not have)
         device = run_device(cfg)
@@ -334,20 +332,11 @@ def check_noise_scale(cfg: Config, dims: ParallelDims, accum: int) -> None:
         )
 
 
-def check_microbatches(
-    dims: ParallelDims, n: int, parallel: ParallelConfig, global_batch: int, eval_batches: int | None = None
-) -> None:
-    """The pipeline's micro-batch count (the accumulation count) against what the schedule needs;
-    ``eval_batches`` (when validation runs) must fill whole schedule runs of ``n`` micro-batches."""
+def check_microbatches(dims: ParallelDims, n: int, parallel: ParallelConfig, global_batch: int) -> None:
+    """The pipeline's micro-batch count (the accumulation count) against what the schedule needs (validation runs
+    whole schedule runs of ``n`` micro-batches: training.eval_batches counts global batches)."""
     if dims.pp == 1:
         return
-    if eval_batches is not None and eval_batches % n:
-        raise ConfigError(
-            "training.eval_batches",
-            eval_batches,
-            f"with parallel.pp > 1: a multiple of the pipeline's micro-batch count {n} "
-            "(validation runs the schedule forward-only on that many micro-batches at a time)",
-        )
     v_shaped = parallel.pp_schedule in V_SHAPED
     need, rule = (2 * dims.pp, "2 x pp") if v_shaped else (dims.pp, "pp")
     if n < need:

@@ -493,13 +493,13 @@ class TrainingConfig:
     eval_at_end: bool = opt(
         True,
         "a validation pass at the last step too, so every run ends with a val_loss "
-        "(skipped without held-out data, or where parallel.pp > 1 and training.eval_batches "
-        "is not a multiple of the pipeline's micro-batch count)",
+        "(skipped without held-out data)",
         resume=(APPLIED, "validation at the last step"),
     )
     eval_batches: int = opt(
-        4,
-        "micro-batches per rank for one validation pass",
+        2,
+        "global batches (training.global_batch_size held-out windows each) per validation pass, split over the "
+        "ranks and micro-batches as a training step: the same windows, so the same val_loss, in every layout",
         min=1,
         resume=(APPLIED, "validation from the next step"),
     )

@@ -72,22 +72,18 @@ class Loop:
 
     def _evaluates_at(self, step: int) -> bool:
         """Whether ``step`` has a validation pass: every training.eval_every steps, and the last step
-        (training.eval_at_end) where the layout can run it (a pipeline needs whole schedule runs)."""
+        (training.eval_at_end) where there is held-out data."""
         t = self.cfg.training
         if t.eval_every and step % t.eval_every == 0:
             return True
-        return (
-            t.eval_at_end
-            and step == t.steps
-            and self.cfg.data.val_fraction > 0
-            and (self.dims.pp == 1 or t.eval_batches % self.accum == 0)
-        )
+        return t.eval_at_end and step == t.steps and self.cfg.data.val_fraction > 0
 
     @torch.no_grad()
     def evaluate(self, quiet: bool = False) -> float | None:
         """The validation loss on the held-out windows (None without any); ``quiet``: no warning when they hold no
         target (the pass at the end that training.eval_at_end adds by default)."""
-        batches = self.loader.validation(self.cfg.training.eval_batches)
+        # eval_batches global batches: accum micro-batches on each rank per batch, as a training step
+        batches = self.loader.validation(self.cfg.training.eval_batches * self.accum)
         if not batches:
             return None
         total, count, self.val_stats = self.engine.evaluate(batches)

@@ -18,8 +18,7 @@ STEPS, GLOBAL = 5, 8
 
 def job(tmp, source, name, mb, lora=False, **parallel):
     extra = {"lora.rank": 4, "optimizer.lr": 1e-2} if lora else {}
-    # the same 16 held-out pairs in every layout (each rank evaluates eval_batches micro-batches)
-    ranks = parallel.get("dp_replicate", 1) * parallel.get("dp_shard", 1)
+    # the same 16 held-out pairs in every layout (eval_batches global batches)
     return tiny_overrides(
         f"{tmp}/{name}",
         f"{tmp}/cache",
@@ -36,7 +35,7 @@ def job(tmp, source, name, mb, lora=False, **parallel):
             "reward.center_coefficient": 0.01,
             "data.val_fraction": 0.2,
             "training.eval_every": STEPS,
-            "training.eval_batches": 16 // (mb * ranks),
+            "training.eval_batches": 16 // GLOBAL,
             "checkpoint.at_end": "true",
             **extra,
             **{f"parallel.{k}": v for k, v in parallel.items()},

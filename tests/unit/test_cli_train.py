@@ -184,20 +184,6 @@ CASES = [
         ["parallel.pp_schedule = 'zbv'", "torch.compile does not support"],
     ),
     (
-        "pp-eval-batches",
-        [
-            "--nproc-per-node",
-            "2",
-            "--parallel.pp",
-            "2",
-            "--training.eval_every",
-            "5",
-            "--training.eval_batches",
-            "3",
-        ],
-        ["training.eval_batches = 3", "a multiple of the pipeline's micro-batch count 2"],
-    ),
-    (
         "async-tp-without-compile",
         ["--parallel.tp", "2", "--parallel.async_tp", "true"],
         ["parallel.async_tp = True", "needs training.compile true"],

@@ -353,7 +353,7 @@ def test_embedded_default_learns_the_preference(tmp_path, stdlib_cache):
     cfg = dpo_run(
         tmp_path / "run",
         stdlib_cache,
-        **{"training.steps": 30, "training.eval_every": 15, "training.eval_batches": 4, "metrics.every": 5},
+        **{"training.steps": 30, "training.eval_every": 15, "training.eval_batches": 2, "metrics.every": 5},
     )
     records = Trainer(cfg).fit()
     vals = [r["val_rewards/accuracy"] for r in records if r["val_loss"] is not None]

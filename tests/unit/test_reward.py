@@ -263,7 +263,7 @@ def test_on_the_embedded_pairs_held_out_accuracy_rises_above_chance(tmp_path):
             "run.seed": 3,
             "data.val_fraction": 0.05,
             "training.eval_every": 20,
-            "training.eval_batches": 10,
+            "training.eval_batches": 5,
         },
     )
     records = Trainer(cfg).fit()
@@ -497,7 +497,7 @@ def test_a_learnable_preference_generalizes_to_held_out_pairs(tmp_path):
             "training.seq_len": 96,
             "data.val_fraction": 0.2,
             "training.eval_every": 20,
-            "training.eval_batches": 10,
+            "training.eval_batches": 5,
             "optimizer.warmup_steps": 2,
             "metrics.every": 1,
         },

@@ -307,7 +307,7 @@ def test_embedded_default_trains_and_validation_loss_falls(tmp_path, stdlib_cach
             "training.global_batch_size": 16,
             "training.micro_batch_size": 8,
             "training.eval_every": 10,
-            "training.eval_batches": 2,
+            "training.eval_batches": 1,
             "optimizer.lr": 3e-3,
             "metrics.every": 10,
             "metrics.tensorboard": "false",
