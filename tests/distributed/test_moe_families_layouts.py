@@ -26,8 +26,8 @@ FLAVORS = {
         "model.moe_bias_speed": 0.01,
         "model.tie_embeddings": "false",
     },
-    # pipedream_2bw (its reference: the delayed rule on one rank), the selection bias frozen (moving, it is not yet
-    # one process's under pipedream_2bw, with or without MTP)
+    # pipedream_2bw (its reference: the delayed rule on one rank), the selection bias frozen (a moving one is refused
+    # under a 2BW pipeline: loom.resolve.check_bias_under_2bw)
     "ds2bw": {
         "model.flavor": "deepseek_v3_debug",
         "model.moe_bias_speed": 0,

@@ -142,11 +142,13 @@ def test_mtp_trains_under_pipelines_and_context_parallel_but_not_a_tied_head_wit
     from loom.resolve import resolve_model_args
 
     over = {"model.flavor": "deepseek_v3_debug", "parallel.pp": 2, "parallel.dp_shard": 1}
+    frozen = {"model.moe_bias_speed": 0}  # pipedream_2bw's (a moving bias: the next test)
     for schedule in ("1f1b", "dualpipev", "pipedream_2bw"):
-        args = resolve_model_args(tiny_config(**over, **{"parallel.pp_schedule": schedule}), ByteTokenizer())
+        cfg = tiny_config(**over, **frozen, **{"parallel.pp_schedule": schedule})
+        args = resolve_model_args(cfg, ByteTokenizer())
         assert args.mtp_depth == 1 and args.moe_shared_experts == 1 and not args.tie_embeddings
     for schedule in ("1f1b", "pipedream_2bw"):
-        tied = {**over, "parallel.pp_schedule": schedule, "model.tie_embeddings": "true"}
+        tied = {**over, **frozen, "parallel.pp_schedule": schedule, "model.tie_embeddings": "true"}
         assert resolve_model_args(tiny_config(**tied), ByteTokenizer()).tie_embeddings
     for schedule in ("interleaved_zb", "zbv", "dualpipev"):
         tied = {**over, "parallel.pp_schedule": schedule, "model.tie_embeddings": "true"}
@@ -160,6 +162,27 @@ def test_mtp_trains_under_pipelines_and_context_parallel_but_not_a_tied_head_wit
         ).tie_embeddings
     cp = {"model.flavor": "deepseek_v3_debug", "parallel.cp": 2, "parallel.dp_shard": 1}
     assert resolve_model_args(tiny_config(**cp), ByteTokenizer()).mtp_depth == 1
+
+
+def test_pipedream_2bw_refuses_a_moving_selection_bias_in_one_line():
+    """The next step's first forwards run before this step's bias update: a moving bias is refused under a 2BW
+    pipeline (the flavor's 0.001 too), frozen it trains (tests/distributed/test_moe_families_layouts.py's ds2bw)."""
+    from loom.config import ConfigError
+    from loom.data.tokenizers import ByteTokenizer
+    from loom.resolve import resolve_model_args
+
+    over = {"model.flavor": "deepseek_v3_debug", "parallel.pp": 2, "parallel.dp_shard": 1}
+    for speed in (-1, 0.01):  # the flavor's, and set
+        cfg = tiny_config(**over, **{"parallel.pp_schedule": "pipedream_2bw", "model.moe_bias_speed": speed})
+        with pytest.raises(
+            ConfigError, match="parallel.pp_schedule.*moving expert selection bias.*allowed"
+        ) as e:
+            resolve_model_args(cfg, ByteTokenizer())
+        assert "\n" not in str(e.value)
+    one_rank = {"model.flavor": "deepseek_v3_debug", "parallel.pp_schedule": "pipedream_2bw"}
+    assert (
+        resolve_model_args(tiny_config(**one_rank), ByteTokenizer()).moe_bias_speed > 0
+    )  # pp 1: the rule itself
 
 
 @pytest.mark.parametrize("tied", [False, True])
