@@ -138,8 +138,10 @@ def rank_shares(args, pp: int, parallel, seq_len: int) -> list[RankShare]:
         vocab = 0
         if any(first):
             vocab += args.vocab_size * args.dim
-        if any(last) and not (args.tie_embeddings and any(first)):
-            vocab += args.vocab_size * args.dim  # the head, or the tied weight's copy on the last stage
+        if any(last) and not (args.tie_embeddings and pp == 1):
+            # the head, or the tied weight's copy on the last stage (a second one on rank 0 under a V-shaped
+            # schedule: each stage holds its own, summed: loom.train.grads.TiedEmbeddingGrads)
+            vocab += args.vocab_size * args.dim
         if pp > 1 and any(last) and depth and not args.tie_embeddings:
             # the copy of the embedding the MTP modules read, beside the head
             vocab += args.vocab_size * args.dim

@@ -728,11 +728,11 @@ def test_fp32_moe_activations_are_a_real_forwards():
     # with the MTP module: on the last stage, beside its copy of the embedding (tied head or not)
     copy = args.vocab_size * args.dim
     for tied in (False, True):
-        for schedule in ("1f1b", "dualpipev"):
-            shares = rank_shares(
-                args.with_(tie_embeddings=tied), 3, ParallelConfig(pp_schedule=schedule), seq
-            )
-            whole = sum(p.numel() for p in build_model(args.with_(tie_embeddings=tied)).parameters())
+        # DualPipeV's 2 x pp stages: 4 blocks over pp 2
+        for schedule, pp, layers in (("1f1b", 3, args.n_layers), ("dualpipev", 2, 4)):
+            a = args.with_(tie_embeddings=tied, n_layers=layers)
+            shares = rank_shares(a, pp, ParallelConfig(pp_schedule=schedule), seq)
+            whole = sum(p.numel() for p in build_model(a).parameters())
             assert sum(s.params(1) for s in shares) == whole + copy and sum(s.mtp for s in shares) == 1
 
 
