@@ -35,6 +35,8 @@ torchtitan 0.2.2 and what it needs that the GPU image lacks travel as wheels: ``
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
 import re
@@ -616,9 +618,50 @@ def stream(cmd: list[str], env: dict, timeout: float, log_path: str, first: re.P
     return {"rc": rc, "output": "".join(lines), "first_step_s": first_s, "wall_s": round(time.time() - t0, 1)}
 
 
-def timed(values: list[float], warmup: int) -> list[float]:
-    """The values of the steps after the first ``warmup`` (all of them where there are no more)."""
+def timed(values: list, warmup: int, profiled: bool = False) -> list:
+    """The values of the steps after the first ``warmup`` (all of them where there are no more), less the last
+    step where it was profiled (--profile: the profiler slows the step it records)."""
+    values = values[:-1] if profiled and len(values) > 1 else values
     return values[warmup:] or values
+
+
+def titan_profiling(steps: int) -> dict:
+    """torchtitan's [profiling] section tracing its last step (torchtitan/tools/profiling.py: a schedule of
+    profile_freq - warmup - active steps waiting, then one warm-up and one active step)."""
+    return {
+        "enable_profiling": True,
+        "save_traces_folder": "profile_traces",
+        "profile_freq": steps,
+        "profiler_warmup": 1,
+        "profiler_active": 1,
+    }
+
+
+def loom_profiling(steps: int) -> dict:
+    """loom's built-in profiler on the last step (loom.metrics.profile)."""
+    return {"metrics.profile_steps": f"{steps}:{steps}"}
+
+
+def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
+    """The profiled step's GPU time by kernel category, top kernels and exposed communication
+    (loom.metrics.trace_summary) from rank 0's trace; the trace gzipped into ``keep_dir`` when one is given."""
+    from loom.metrics.trace_summary import summarize
+
+    if not os.path.exists(trace_path):
+        return {"error": f"no trace at {trace_path}"}
+    with open(trace_path, "rb") as fh:
+        raw = fh.read()
+    try:
+        out = {"trace": trace_path, **summarize(json.loads(raw))}
+    except SystemExit as e:  # no GPU kernels (a CPU smoke run)
+        return {"error": str(e), "trace": trace_path}
+    if keep_dir:
+        os.makedirs(keep_dir, exist_ok=True)
+        kept = os.path.join(keep_dir, f"{label}_trace_rank0.json.gz")
+        with gzip.open(kept, "wb", compresslevel=6) as fh:
+            fh.write(raw)
+        out["kept"] = kept
+    return out
 
 
 def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
@@ -627,6 +670,8 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
         key, value = kv.split("=", 1)
         section, name = key.rsplit(".", 1)
         cfg.setdefault(section, {})[name] = _toml_literal(value)
+    if a.profile:
+        cfg["profiling"] = titan_profiling(a.steps)
     toml_path = os.path.join(paths["titan_dir"], "job.toml")
     with open(toml_path, "w") as fh:
         fh.write(to_toml(cfg))
@@ -656,12 +701,12 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
             f"exit {run['rc']}, {len(steps)} of {a.steps} steps logged\n" + run["output"][-3000:]
         ).strip()
     if steps:
-        tps = [s["tps"] for s in timed(steps, a.warmup)]
+        kept = timed(steps, a.warmup, a.profile)
         out.update(
             {
-                "tokens_per_s_per_gpu": statistics.median(tps),
+                "tokens_per_s_per_gpu": statistics.median(s["tps"] for s in kept),
                 "tokens_per_s_per_gpu_all": [s["tps"] for s in steps],
-                "mfu": statistics.median(s["mfu"] for s in timed(steps, a.warmup)),
+                "mfu": statistics.median(s["mfu"] for s in kept),
                 # its FLOPs per token from its own figures (tflops = FLOPs/token x tps / 1e12)
                 "flops_per_token": statistics.median(
                     1e12 * s["tflops"] / s["tps"] for s in steps if s["tps"]
@@ -670,11 +715,19 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
                 "losses": [s["loss"] for s in steps],
             }
         )
+    if a.profile:
+        traces = sorted(
+            glob.glob(os.path.join(paths["titan_dir"], "profile_traces", "*", "rank0_trace.json"))
+        )
+        where = traces[-1] if traces else os.path.join(paths["titan_dir"], "profile_traces")
+        out["profile"] = profile_summary(where, a.profile_dir, "torchtitan")
     return out
 
 
 def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
     cfg = loom_config(w, gpus, a.steps, a.lr_warmup, paths, a.ac, a.compile, a.device)
+    if a.profile:
+        cfg.update(loom_profiling(a.steps))
     cfg.update(dict(kv.split("=", 1) for kv in a.loom_set))
     env = {**os.environ, **JOB_ENV, "PYTORCH_ALLOC_CONF": ALLOC_CONF}
     if a.loom_sdpa == "torchtitan":
@@ -694,7 +747,7 @@ def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
     if run["rc"]:
         out["error"] = failure(subprocess.CompletedProcess(cmd, run["rc"], run["output"], run["output"]))
     if recs:
-        timed_recs = timed(recs, a.warmup)
+        timed_recs = timed(recs, a.warmup, a.profile)
         out.update(
             {
                 "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed_recs),
@@ -706,6 +759,9 @@ def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
                 "losses": [r["loss"] for r in recs],
             }
         )
+    if a.profile:
+        trace = os.path.join(paths["loom_dir"], "profile", "trace_rank0.json")
+        out["profile"] = profile_summary(trace, a.profile_dir, "loom")
     return out
 
 
@@ -801,6 +857,13 @@ def main() -> None:
     p.add_argument(
         "--timeout", type=int, default=270, help="seconds each side may run (both inside a 10-minute call)"
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile each side's last step (torchtitan's [profiling], loom's metrics.profile_steps) and store "
+        "rank 0's GPU time by kernel category, top kernels and exposed communication; the medians leave it out",
+    )
+    p.add_argument("--profile-dir", default="", help="with --profile: keep both gzipped traces here")
     p.add_argument("--run-dir", default="/tmp/loom_peers")
     p.add_argument("--out", default="")
     p.add_argument("--commit", default=default_commit())
@@ -868,6 +931,7 @@ def main() -> None:
                 "loom_prepare_s": prepare_s,
             },
             "allocator": f"PYTORCH_ALLOC_CONF={ALLOC_CONF}",
+            "profiled": "the last step of each side, left out of the medians" if a.profile else None,
         },
         "differences": list(DIFFERENCES)
         + list(w.differences)

@@ -52,20 +52,16 @@ def summarize(trace: dict) -> dict:
     end = max(k["ts"] + k["dur"] for k in kernels)
     n_steps = max(len(steps), 1)
     by_cat, by_name = defaultdict(float), defaultdict(float)
-    busy = []
     for k in kernels:
         by_cat[category(k["name"])] += k["dur"]
         by_name[k["name"][:120]] += k["dur"]
-        busy.append((k["ts"], k["ts"] + k["dur"]))
-    busy.sort()
-    covered, cur_a, cur_b = 0.0, None, None
-    for a, b in busy:
-        if cur_b is None or a > cur_b:
-            covered += (cur_b - cur_a) if cur_b is not None else 0.0
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    covered += cur_b - cur_a
+    busy = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    comm = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) == "communication"])
+    compute = merged(
+        [(k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) != "communication"]
+    )
+    covered = sum(b - a for a, b in busy)
+    comm_total = sum(b - a for a, b in comm)
     span = end - start
     ms = lambda us: us / 1000 / n_steps
     return {
@@ -73,9 +69,34 @@ def summarize(trace: dict) -> dict:
         "gpu_span_ms_per_step": ms(span),
         "gpu_busy_ms_per_step": ms(covered),
         "gpu_idle_fraction": 1 - covered / span,
+        # communication kernels running while no other kernel runs: what overlap failed to hide
+        "exposed_communication_ms_per_step": ms(comm_total - overlap(comm, compute)),
         "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top_kernels_ms_per_step": {n: ms(t) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:15]},
     }
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping intervals covering the same time as ``intervals``."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Time covered by both of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def main() -> None:
@@ -96,7 +117,8 @@ def main() -> None:
     busy = res["gpu_busy_ms_per_step"]
     print(
         f"{a.label}: GPU span {res['gpu_span_ms_per_step']:.1f} ms/step, busy {busy:.1f}, "
-        f"idle {100 * res['gpu_idle_fraction']:.1f}%"
+        f"idle {100 * res['gpu_idle_fraction']:.1f}%, exposed communication "
+        f"{res['exposed_communication_ms_per_step']:.1f} ms"
     )
     for c, t in res["by_category_ms_per_step"].items():
         print(f"  {c:<28} {t:8.2f} ms  {100 * t / busy:5.1f}%")

@@ -189,6 +189,7 @@ def test_the_log_parser_reads_torchtitans_metrics_lines():
 def test_medians_leave_out_the_warmup_and_mfu_is_given_on_both_conventions():
     assert peers.timed([9.0, 1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
     assert peers.timed([9.0], 5) == [9.0]  # fewer steps than the warm-up: all of them
+    assert peers.timed([9.0, 1.0, 2.0, 30.0], 1, profiled=True) == [1.0, 2.0]  # the profiled last step out
     titan = {"tokens_per_s_per_gpu": 1000.0, "mfu": 0.30, "peak_flops": 1e15, "flops_per_token": 3e11}
     loom = {"tokens_per_s_per_gpu": 1200.0, "mfu": 0.372}  # loom counts 3.1e11 FLOPs per token here
     peers.conventions(titan, loom)
@@ -249,3 +250,24 @@ def test_loom_processes_get_torchtitans_sdpa_backends(tmp_path):
         "True",
         "False",
     ]  # cuDNN, flash, math first; memory-efficient off, as torchtitan
+
+
+def test_profile_sections_and_the_summary_of_a_kept_trace(tmp_path):
+    import gzip
+
+    prof = peers.titan_profiling(7)
+    assert (
+        prof["profile_freq"] - prof["profiler_warmup"] - prof["profiler_active"] == 5
+    )  # its wait: the last step
+    assert peers.loom_profiling(7) == {"metrics.profile_steps": "7:7"}
+    trace = tmp_path / "trace.json"
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    step = {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 100}
+    trace.write_text(
+        json.dumps({"traceEvents": [step, kernel("nvjet_gemm", 0, 60), kernel("ncclDevKernel_X", 60, 40)]})
+    )
+    out = peers.profile_summary(str(trace), str(tmp_path / "keep"), "loom")
+    assert out["by_category_ms_per_step"] == {"matmul": 0.06, "communication": 0.04}
+    assert out["exposed_communication_ms_per_step"] == pytest.approx(0.04)
+    assert json.loads(gzip.open(out["kept"]).read()) == json.loads(trace.read_text())
+    assert "error" in peers.profile_summary(str(tmp_path / "absent.json"), "", "loom")

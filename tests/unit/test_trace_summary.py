@@ -34,3 +34,14 @@ def test_summary_per_step_and_idle():
     assert s["by_category_ms_per_step"] == {"matmul": 0.05, "attention": 0.01, "optimizer": 0.01}
     assert abs(s["gpu_busy_ms_per_step"] - 0.065) < 1e-12  # union 0-70, 100-140, 180-200 = 130 us, / 2 steps
     assert abs(s["gpu_idle_fraction"] - 0.35) < 1e-12  # span 200 us
+
+
+def test_exposed_communication_is_what_no_other_kernel_hides():
+    events = [
+        kernel("ncclDevKernel_AllGather", 0, 50),
+        kernel("nvjet_gemm", 10, 20),  # hides 10-30 of it
+        kernel("nvjet_gemm", 40, 30),  # hides 40-50
+        kernel("ncclDevKernel_ReduceScatter", 80, 10),  # fully exposed
+    ]
+    s = summarize({"traceEvents": events})
+    assert abs(s["exposed_communication_ms_per_step"] - 0.03) < 1e-12  # 0-10, 30-40, 80-90
