@@ -295,12 +295,15 @@ class AttentionShape:
 
 
 def attention_inputs(shape: AttentionShape, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
-    """Random q, k, v (B, H, S, D) leaves that need gradients."""
+    """Random q, k, v (B, H, S, D) leaves that need gradients, laid out as the model's attention call gets them:
+    (B, S, H, D) transposed (the heads of a token side by side), so a backend is timed on the strides it runs on."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return [
         torch.randn(
-            shape.batch, h, shape.seq, shape.head_dim, device=device, dtype=shape.dtype, generator=gen
-        ).requires_grad_()
+            shape.batch, shape.seq, h, shape.head_dim, device=device, dtype=shape.dtype, generator=gen
+        )
+        .transpose(1, 2)
+        .requires_grad_()
         for h in (shape.heads, shape.kv_heads, shape.kv_heads)
     ]
 
