@@ -141,7 +141,7 @@ def kernel_choice(
             "flex",
             "under training.compile with training.activation_checkpointing "
             "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
-            "flash there (or flex without compile, or with none | full | every_k checkpointing)",
+            "sdpa_cudnn | sdpa_flash | flash there (or flex without compile, or with none | full | every_k checkpointing)",
         )
     triton = has_triton() if triton is None else triton
     if (
@@ -156,7 +156,8 @@ def kernel_choice(
         raise ConfigError(
             "model.attention / model.fused_*",
             cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
-            "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it",
+            "needs Triton on CUDA (pip install triton); allowed auto | sdpa | sdpa_cudnn | sdpa_flash | false "
+            "without it",
         )
     kernels = resolve_kernels(
         cfg.model,
@@ -192,7 +193,7 @@ def mla_kernels(cfg, kernels: KernelChoice, device: str, attention_width: Callab
             "model.attention",
             "flash",
             f"loom's kernel takes head dims {dims} and this model's latent "
-            f"attention needs {width}: allowed auto | sdpa",
+            f"attention needs {width}: allowed auto | sdpa | sdpa_cudnn | sdpa_flash",
         )
     return replace(kernels, attention="sdpa")
 
