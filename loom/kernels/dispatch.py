@@ -406,7 +406,8 @@ def fastest(times: dict[str, float]) -> str:
     return min(times, key=lambda name: times[name])
 
 
-# ``measure_attention``'s figures per (device, shape, candidates, documents): a shape is timed once per process
+# ``measure_attention``'s figures per (attention call, device, shape, candidates, documents): a shape is timed once
+# per process
 _TIMED: dict[tuple, dict[str, float]] = {}
 
 
@@ -421,7 +422,7 @@ def measure_attention(
     """Milliseconds per forward + backward of each candidate through ``attend(q, k, v, backend, positions)`` (the
     model's attention call) on ``shape``; ``positions``: packed documents' (B, S) positions; ``candidates``: None =
     ``attention_candidates`` for the shape's dtype and head dim, less the pinned SDPA backends PyTorch's own check
-    refuses on this device (not timed, not listed). Cached per device, shape, candidates and documents: a second
+    refuses on this device (not timed, not listed). Cached per call, device, shape, candidates and documents: a second
     call on the same shape (another model in the process, a restarted engine) times nothing."""
     dtype = str(shape.dtype).removeprefix("torch.")
     if candidates is None:
@@ -430,7 +431,7 @@ def measure_attention(
         sample = attention_inputs(replace(shape, batch=1), device)
         candidates = tuple(n for n in candidates if n not in PINNED_SDPA or torch_takes(n, *sample))
     docs = None if positions is None else hash(positions.cpu().numpy().tobytes())
-    key = (str(device), shape, candidates, docs)
+    key = (attend, str(device), shape, candidates, docs)
     if key not in _TIMED:
         fns = {name: (lambda q, k, v, name=name: attend(q, k, v, name, positions)) for name in candidates}
         _TIMED[key] = measure(fns, attention_inputs(shape, device), timer)
