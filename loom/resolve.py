@@ -678,9 +678,8 @@ def model_kernels(
         args = model_shape(cfg)
         return max(args.head_dim, args.value_head_dim) if args.mla else 0
 
-    def head_dim() -> (
-        int
-    ):  # what the attention call sees (latent attention pads to one width for pinned SDPA)
+    def head_dim() -> int:
+        # what the attention call sees (latent attention pads to one width for pinned SDPA)
         return attention_width() or model_shape(cfg).head_dim
 
     return kernel_choice(
