@@ -1,7 +1,11 @@
-"""Per-block torch.compile: one compiled graph reused by every block of the same shape."""
+"""Per-block torch.compile: one compiled graph reused by every block of the same shape; under training.cuda_graphs
+a second compile of each block without graphs, for the callers that run it at shapes of their own (``graph_free``)."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch import nn
 
 from loom.models.common.moe import moe_modules
@@ -38,6 +42,36 @@ def apply_compile(
         breaks = expert_parallel(block) or counted
         inner = getattr(block, "_checkpoint_wrapped_module", block) if breaks or inside_checkpoint else block
         inner.compile(fullgraph=not breaks, backend=backend, mode="reduce-overhead" if cuda_graphs else None)
+        if cuda_graphs:
+            # the same block compiled without graphs, for ``graph_free`` (compiled on its first call)
+            inner.__dict__[GRAPH_FREE] = torch.compile(
+                inner._call_impl, fullgraph=not breaks, backend=backend
+            )
+
+
+GRAPH_FREE = "_loom_graph_free_call"  # a graphed block's compile without CUDA graphs (``apply_compile``)
+
+
+def graph_free_blocks(model: nn.Module) -> list[tuple[nn.Module, object]]:
+    """(module, its compile without graphs) of every block of ``model`` compiled with CUDA graphs (none without
+    training.cuda_graphs): what ``graph_free`` swaps in."""
+    return [(m, m.__dict__[GRAPH_FREE]) for m in model.modules() if GRAPH_FREE in m.__dict__]
+
+
+@contextlib.contextmanager
+def graph_free(blocks: list[tuple[nn.Module, object]]):
+    """Inside, each of ``blocks`` (``graph_free_blocks``) runs its compile without CUDA graphs: the inference
+    engine's prefills and decode steps (no gradients, KV caches, shapes that change with every batch of prompts;
+    the engine captures its decode steps as graphs of its own) would otherwise each record a graph of training's
+    reduce-overhead compile and keep its memory. Only the training step's shapes are captured there."""
+    graphed = [(m, m._compiled_call_impl) for m, _ in blocks]
+    for m, plain in blocks:
+        m._compiled_call_impl = plain
+    try:
+        yield
+    finally:
+        for m, call in graphed:
+            m._compiled_call_impl = call
 
 
 def expert_parallel(block: nn.Module) -> bool:

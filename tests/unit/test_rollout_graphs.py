@@ -1,0 +1,123 @@
+"""training.cuda_graphs with rollouts (grpo, ppo): rows padded to a few fixed widths give the losses, gradient norms
+and weights of rows padded to their longest (fp32 rounding: the padding is masked); the inference engine runs the
+blocks through their compile without graphs, never through training's graph-replaying one (the GPU runs the graphs:
+bench/grpo.py with --set training.cuda_graphs=true)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.rl.rollout import bucket_width, rows_to_batches
+from loom.train.trainer import Trainer
+from tests.tiny import tiny_config
+
+
+def test_bucket_widths():
+    """8, 12, 16, 24, 32, 48, ...: a handful of shapes, at most seq_len (never narrower than the rows)."""
+    assert [bucket_width(w, 64) for w in (1, 8, 9, 12, 13, 17, 25, 33, 49, 64)] == [
+        8,
+        8,
+        12,
+        12,
+        16,
+        24,
+        32,
+        48,
+        64,
+        64,
+    ]
+    assert bucket_width(13, 14) == 14 and bucket_width(5, 6) == 6
+    assert len({bucket_width(w, 512) for w in range(1, 513)}) == 13
+    (mb,) = rows_to_batches(
+        [[1, 2, 3], [4]], [[5, 6, 9], [7, 9]], micro=2, pad_id=9, seq_len=32, bucketed=True
+    )
+    assert mb.inputs.tolist() == [[1, 2, 3, 5, 6, 9, 9, 9], [4, 7, 9, 9, 9, 9, 9, 9]]
+    assert mb.labels[:, 5:].eq(-100).all() and mb.positions.shape == (2, 8)
+
+
+def run(tmp_path, objective: str, bucketed: bool):
+    """4 steps (1 warm-up) of ``objective`` with a KL reference and reused rollouts, a reward that varies within a
+    group; (losses, grad norms, the widths trained on, the final weights)."""
+    extra = (
+        {"grpo.beta": 0.05, "grpo.iterations": 2}
+        if objective == "grpo"
+        else {"ppo.kl_coef": 0.05, "ppo.mini_batches": 2, "ppo.epochs": 1}
+    )
+    cfg = tiny_config(
+        tmp_path / f"{objective}_{bucketed}",
+        None,
+        **{
+            "training.objective": objective,
+            "training.steps": 4,
+            "training.global_batch_size": 8,
+            "training.micro_batch_size": 4,
+            "grpo.group_size": 4,
+            "grpo.warmup_steps": 1,
+            "grpo.max_new_tokens": 6,
+            "grpo.rewards": "tests.unit.test_grpo_async:token_sum_reward",
+            "grpo.lr_ratio": 1.0,
+            "optimizer.lr": 3e-2,
+            "metrics.progress": "false",
+            **extra,
+        },
+    )
+    trainer = Trainer(cfg)
+    trainer.objective.rollouts.bucketed = bucketed  # what training.cuda_graphs sets (graphs need a GPU)
+    widths, step = [], trainer.engine.step
+
+    def recording(mbs, number):
+        widths.append({mb.inputs.shape[1] for mb in mbs})
+        return step(mbs, number)
+
+    trainer.engine.step = recording
+    records = trainer.fit()
+    weights = {k: v.detach().clone() for k, v in trainer.parts[0].named_parameters()}
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], widths, weights
+
+
+@pytest.mark.parametrize("objective", ["grpo", "ppo"])
+def test_fixed_widths_give_the_same_steps(tmp_path, objective):
+    """The same run with rows padded to their longest and to the fixed widths: every step's loss and gradient norm
+    and the weights after the last equal to fp32 rounding (the wider rows' padding is masked); the widths differ."""
+    loss, norm, widths, weights = run(tmp_path, objective, False)
+    loss_b, norm_b, widths_b, weights_b = run(tmp_path, objective, True)
+    assert all(w == {8} or w == {12} for w in widths_b) and widths_b != widths
+    assert any(loss[1:]) and all(n > 0 for n in norm)  # the advantages are not all zero
+    torch.testing.assert_close(loss_b, loss, rtol=2e-5, atol=1e-7)
+    torch.testing.assert_close(norm_b, norm, rtol=2e-5, atol=1e-7)
+    for name, w in weights.items():
+        torch.testing.assert_close(weights_b[name], w, rtol=0, atol=5e-5, msg=name)
+
+
+def test_the_engine_runs_the_blocks_without_training_graphs():
+    """Blocks compiled as training.cuda_graphs compiles them (``apply_compile``, here with Dynamo's eager backend:
+    the CPU has no graphs): the engine's prefills and decode steps call each block's compile without graphs, never
+    the graph-replaying one, and give the plain model's greedy tokens; a training forward calls the graphed one."""
+    from loom.infer import Generator, SamplingParams
+    from loom.models.registry import all_flavors, build_model
+    from loom.parallel.compile import GRAPH_FREE, apply_compile
+
+    torch.manual_seed(0)
+    args = all_flavors()["debug"].with_(vocab_size=256, max_seq_len=64)
+    model, plain = build_model(args), build_model(args)
+    plain.load_state_dict(model.state_dict())
+    apply_compile(model.layers, cuda_graphs=True, backend="eager")
+    calls = {"graphed": 0}
+    for block in model.layers.values():
+        assert GRAPH_FREE in block.__dict__
+
+        def counted(*a, _call=block._compiled_call_impl, **kw):  # the graphed compile, counted as it runs
+            calls["graphed"] += 1
+            return _call(*a, **kw)
+
+        block._compiled_call_impl = counted
+    prompts = [[5, 6, 7], [8, 9]]
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    outs = Generator.from_model(model, compile=False, cuda_graphs=False).generate_ids(prompts, greedy)
+    want = Generator.from_model(plain, compile=False, cuda_graphs=False).generate_ids(prompts, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert calls["graphed"] == 0  # no prefill or decode shape reached the graphed compile
+    model.train()
+    model(torch.tensor(prompts[:1]))
+    assert calls["graphed"] == args.n_layers  # training's forwards still do
