@@ -97,7 +97,9 @@ def policy_forward(
     """``call(model, inputs, positions)`` (default: ``model(inputs, positions)``) for a training step on rollout
     rows: a mixture of experts' balance loss counts each row's own tokens only (``row_tokens``), so it is the same
     whatever the padding, and so the same under tensor parallelism as in one process."""
-    count_tokens(model, row_tokens(labels))
+    args = getattr(getattr(model, "module", model), "args", None)  # inside a DDP wrapper: its module's
+    if args is None or args.moe:  # a dense model counts nothing: no mask to build each step
+        count_tokens(model, row_tokens(labels))
     return model(inputs, positions) if call is None else call(model, inputs, positions)
 
 

@@ -121,3 +121,17 @@ def test_the_engine_runs_the_blocks_without_training_graphs():
     model.train()
     model(torch.tensor(prompts[:1]))
     assert calls["graphed"] == args.n_layers  # training's forwards still do
+
+
+def test_all_finite_reads_every_weight_with_one_sum_each():
+    """The check before each sampling (and each save): a NaN, +inf or -inf anywhere is caught; weights so large
+    that their sums overflow are still finite (checked element by element then); empty tensors count nothing."""
+    from loom.train.engine import all_finite
+
+    ok = [torch.randn(3, 4), torch.zeros(0), torch.randn(5, dtype=torch.bfloat16)]
+    assert all_finite(ok) and all_finite([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(7)
+        t[3] = bad
+        assert not all_finite([*ok, t])
+    assert all_finite([*ok, torch.full((10,), 3e38)])  # |sum| past fp32's range, every element finite
