@@ -93,10 +93,11 @@ def test_fixed_widths_give_the_same_steps(tmp_path, objective):
 def test_the_engine_runs_the_blocks_without_training_graphs():
     """Blocks compiled as training.cuda_graphs compiles them (``apply_compile``, here with Dynamo's eager backend:
     the CPU has no graphs): the engine's prefills and decode steps call each block's compile without graphs, never
-    the graph-replaying one, and give the plain model's greedy tokens; a training forward calls the graphed one."""
+    the graph-replaying one, and give the plain model's greedy tokens; so do the forwards inside ``graph_free`` (the
+    loop's evaluation hooks), an engine's own swap nested in it; a training forward calls the graphed one."""
     from loom.infer import Generator, SamplingParams
     from loom.models.registry import all_flavors, build_model
-    from loom.parallel.compile import GRAPH_FREE, apply_compile
+    from loom.parallel.compile import GRAPH_FREE, apply_compile, graph_free, graph_free_blocks
 
     torch.manual_seed(0)
     args = all_flavors()["debug"].with_(vocab_size=256, max_seq_len=64)
@@ -118,6 +119,12 @@ def test_the_engine_runs_the_blocks_without_training_graphs():
     want = Generator.from_model(plain, compile=False, cuda_graphs=False).generate_ids(prompts, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     assert calls["graphed"] == 0  # no prefill or decode shape reached the graphed compile
+    with graph_free(
+        graph_free_blocks(model)
+    ):  # as the loop runs its evaluation hooks: a generator inside too
+        Generator.from_model(model, compile=False, cuda_graphs=False).generate_ids(prompts, greedy)
+        model(torch.tensor(prompts[1:]))
+    assert calls["graphed"] == 0
     model.train()
     model(torch.tensor(prompts[:1]))
     assert calls["graphed"] == args.n_layers  # training's forwards still do
