@@ -11,6 +11,8 @@ from torch import nn
 from loom.models.common.moe import moe_modules
 from loom.parallel.expert_parallel import exchanges_tokens
 
+RECOMPILE_LIMIT = 64  # Dynamo's entries per code object, at least (``apply_compile``)
+
 
 def apply_compile(
     layers: nn.ModuleDict,
@@ -34,7 +36,14 @@ def apply_compile(
     ``counts_loads`` (the selection biases move: model.moe_bias_speed > 0): a block with experts counts each token's
     experts eagerly (``MoE.count_loads``, excluded from tracing), so it breaks there too and is compiled inside its
     checkpoint wrapper: a recomputing backward then reruns the count eagerly, where it sees the recomputation and
-    skips it. Otherwise compiled blocks count nothing. ``backend``: torch.compile's (tests: ``eager``)."""
+    skips it. Otherwise compiled blocks count nothing. ``backend``: torch.compile's (tests: ``eager``).
+
+    Every block runs one code object (the block class's ``forward``), compiled once per set of guards it meets:
+    training's forwards (gradients, each width), the no-gradient forwards of log-probabilities and evaluation, the
+    inference engine's prefills and decode steps with their KV caches, each static then dynamic, and under
+    ``cuda_graphs`` the graph-free compile's entries beside the graphed one's. Dynamo's default limit of 8 entries
+    is too few for an RL run that evaluates (and ``fullgraph`` turns an overflow into a failure): raised to 64."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in layers.values():
         counted = counts_loads and bool(moe_modules(block))
         for moe in moe_modules(block):

@@ -1,7 +1,8 @@
 """training.cuda_graphs with rollouts (grpo, ppo): rows padded to a few fixed widths give the losses, gradient norms
-and weights of rows padded to their longest (fp32 rounding: the padding is masked); the inference engine runs the
-blocks through their compile without graphs, never through training's graph-replaying one (the GPU runs the graphs:
-bench/grpo.py with --set training.cuda_graphs=true)."""
+and weights of rows padded to their longest (fp32 rounding: the padding is masked); the inference engine and the
+evaluation hooks run the blocks through their compile without graphs, never through training's graph-replaying one
+(the GPU runs the graphs: tests/gpu/test_cuda_graphs_gpu.py, bench/grpo.py with --set training.cuda_graphs=true); the
+finite-weights check before each sampling."""
 
 from __future__ import annotations
 
@@ -36,16 +37,27 @@ def test_bucket_widths():
     assert mb.labels[:, 5:].eq(-100).all() and mb.positions.shape == (2, 8)
 
 
-def run(tmp_path, objective: str, bucketed: bool):
+def run(tmp_path, objective: str, graphed: bool):
     """4 steps (1 warm-up) of ``objective`` with a KL reference and reused rollouts, a reward that varies within a
-    group; (losses, grad norms, the widths trained on, the final weights)."""
+    group (GRPO: an evaluation hook's greedy generation every 2 steps too); ``graphed``: as training.cuda_graphs runs them (the
+    CPU refuses the field, so set up here after the build): the rows at fixed widths, the blocks compiled as
+    ``apply_compile`` compiles them for graphs (Dynamo's eager backend), the generator rebuilt on them as the
+    rollouts' ``bind`` builds it. (losses, grad norms, the widths trained on, the final weights, the graphed
+    compile's calls: all, and those with gradients in train mode)."""
+    from loom.parallel.compile import apply_compile
+
     extra = (
-        {"grpo.beta": 0.05, "grpo.iterations": 2}
+        {
+            "grpo.beta": 0.05,
+            "grpo.iterations": 2,
+            "training.eval_every": 2,
+            "training.eval_hook": "loom.rl.arithmetic:greedy_accuracy",
+        }
         if objective == "grpo"
         else {"ppo.kl_coef": 0.05, "ppo.mini_batches": 2, "ppo.epochs": 1}
     )
     cfg = tiny_config(
-        tmp_path / f"{objective}_{bucketed}",
+        tmp_path / f"{objective}_{graphed}",
         None,
         **{
             "training.objective": objective,
@@ -63,7 +75,22 @@ def run(tmp_path, objective: str, bucketed: bool):
         },
     )
     trainer = Trainer(cfg)
-    trainer.objective.rollouts.bucketed = bucketed  # what training.cuda_graphs sets (graphs need a GPU)
+    calls = {"all": 0, "training": 0}
+    if graphed:
+        rollouts, model = trainer.objective.rollouts, trainer.parts[0]
+        rollouts.bucketed = True  # what training.cuda_graphs sets
+        apply_compile(model.layers, cuda_graphs=True, backend="eager")
+        for block in model.layers.values():
+
+            def counted(
+                *a, _call=block._compiled_call_impl, _block=block, **kw
+            ):  # the graphed compile, counted
+                calls["all"] += 1
+                calls["training"] += _block.training and torch.is_grad_enabled()
+                return _call(*a, **kw)
+
+            block._compiled_call_impl = counted
+        rollouts.generator = rollouts.engine_generator(trainer.engine, rollouts.generator.max_batch)
     widths, step = [], trainer.engine.step
 
     def recording(mbs, number):
@@ -72,22 +99,30 @@ def run(tmp_path, objective: str, bucketed: bool):
 
     trainer.engine.step = recording
     records = trainer.fit()
+    assert sum("eval/accuracy" in r for r in records) == (2 if objective == "grpo" else 0)
     weights = {k: v.detach().clone() for k, v in trainer.parts[0].named_parameters()}
-    return [r["loss"] for r in records], [r["grad_norm"] for r in records], widths, weights
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], widths, weights, calls
 
 
 @pytest.mark.parametrize("objective", ["grpo", "ppo"])
-def test_fixed_widths_give_the_same_steps(tmp_path, objective):
-    """The same run with rows padded to their longest and to the fixed widths: every step's loss and gradient norm
-    and the weights after the last equal to fp32 rounding (the wider rows' padding is masked); the widths differ."""
-    loss, norm, widths, weights = run(tmp_path, objective, False)
-    loss_b, norm_b, widths_b, weights_b = run(tmp_path, objective, True)
+def test_graphed_steps_give_the_same_losses(tmp_path, objective):
+    """The same run as it runs today and as training.cuda_graphs runs it: every step's loss and gradient norm and
+    the weights after the last equal to fp32 rounding (the wider rows' padding is masked; the blocks' compiles run
+    the same code); the trained widths are the fixed ones; the graphed compile ran for the training forwards alone
+    (2 blocks x 2 micro-batches x 4 steps, train mode, gradients) and the rollout-time log-probabilities' no-grad
+    forwards at the training widths, never for the rollouts' or the evaluation's generation."""
+    loss, norm, widths, weights, _ = run(tmp_path, objective, False)
+    loss_b, norm_b, widths_b, weights_b, calls = run(tmp_path, objective, True)
     assert all(w == {8} or w == {12} for w in widths_b) and widths_b != widths
     assert any(loss[1:]) and all(n > 0 for n in norm)  # the advantages are not all zero
     torch.testing.assert_close(loss_b, loss, rtol=2e-5, atol=1e-7)
     torch.testing.assert_close(norm_b, norm, rtol=2e-5, atol=1e-7)
     for name, w in weights.items():
         torch.testing.assert_close(weights_b[name], w, rtol=0, atol=5e-5, msg=name)
+    # the rollout-time log-probabilities' no-grad forwards at the training widths (the reference is a model of its
+    # own): per batch of rollouts (steps 2 and 4) its micro-batches (GRPO 2; PPO's two steps' worth, 4) x 2 blocks
+    assert calls["training"] == 2 * 2 * 4, calls
+    assert calls["all"] - calls["training"] == 2 * (2 if objective == "grpo" else 4) * 2, calls
 
 
 def test_the_engine_runs_the_blocks_without_training_graphs():
