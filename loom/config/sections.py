@@ -452,7 +452,9 @@ class TrainingConfig:
         "replay each compiled block's forward and backward as CUDA graphs (torch.compile's "
         "reduce-overhead mode): less host time per step where kernels are small; one "
         "process on CUDA, training.compile true, activation checkpointing none or op, "
-        "dense models, objectives lm | sft | dpo | reward",
+        "dense models; not with objectives rloo or online_dpo; grpo and ppo pad their rollout "
+        "rows to a few fixed widths (the step's shapes) and generate through compiles of "
+        "the blocks without graphs",
         resume=(FREE, "the same kernels, replayed"),
     )
     float8: str = opt(

@@ -15,6 +15,7 @@ a long prompt never makes a (B, S, V) logits tensor."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from loom.infer.cache import install, reinstall, uninstall
 from loom.infer.pack import pack as packed_groups
 from loom.infer.pack import unpack
 from loom.infer.sampling import SamplingParams, mark_seen, new_generator, sample
+from loom.parallel.compile import graph_free, graph_free_blocks
 
 SCRATCH = (
     16  # slots past the longest sequence: where a graph capture's warm-up writes land (and the longest S)
@@ -179,6 +181,9 @@ class Engine:
         # before compiling: the blocks trace the packed matmuls
         self._packed = pack and packed_groups(model) > 0
         self._compiled = []
+        # blocks a training job compiled with CUDA graphs (training.cuda_graphs): the engine's forwards run their
+        # compile without graphs, so no prefill or decode shape records a graph of training's
+        self._graph_free = graph_free_blocks(model)
         if self.compile:
             for block in model.layers.values():
                 if getattr(block, "_compiled_call_impl", None) is None:
@@ -246,7 +251,8 @@ class Engine:
         last prompt position ``last`` (B,)."""
         self._select = last
         try:
-            return self.model(tokens)[:, 0]
+            with self._plain_blocks():
+                return self.model(tokens)[:, 0]
         finally:
             self._select = None
 
@@ -259,12 +265,18 @@ class Engine:
             if graph is None:
                 graph = self._graphs[tuple(tokens.shape)] = self._capture(*tokens.shape)
             return graph(tokens, positions)
-        return self.model(tokens, positions)
+        with self._plain_blocks():
+            return self.model(tokens, positions)
 
     def _capture(self, batch: int, seq: int) -> _Graph:
         tokens = torch.zeros(batch, seq, dtype=torch.long, device=self.device)
         scratch = self.length - SCRATCH + torch.arange(seq, device=self.device)  # past every real position
-        return _Graph(self.model, tokens, scratch.expand(batch, seq).contiguous())
+        with self._plain_blocks():
+            return _Graph(self.model, tokens, scratch.expand(batch, seq).contiguous())
+
+    def _plain_blocks(self):
+        """Where the model's blocks replay training's CUDA graphs, their compile without graphs meanwhile."""
+        return graph_free(self._graph_free) if self._graph_free else contextlib.nullcontext()
 
     def share(self, tokens: torch.Tensor) -> torch.Tensor:
         """Under tensor parallelism, the first rank's tokens on every rank (in place)."""

@@ -14,7 +14,8 @@ GRPO_LOSS_FIELDS = ("epsilon", "epsilon_high", "beta", "iterations", "loss_type"
 def rollout_rules(cfg: Config) -> None:
     """The layouts and features the rollouts cannot run with yet: pipeline stages and context / expert parallelism
     (the engine runs on the whole model or its tensor-parallel shards), the logits fused away, torchft's replica
-    groups, DiLoCo, host offload, CUDA graphs (docs/rl.md); the [grpo] section's own cross-field rules."""
+    groups, DiLoCo, host offload, CUDA graphs beyond ``graph_rules`` (docs/rl.md); the [grpo] section's own
+    cross-field rules."""
     plain_text_rules(cfg)
     g, p, t, objective = cfg.grpo, cfg.parallel, cfg.training, cfg.training.objective
     if p.fault_tolerance:
@@ -30,12 +31,7 @@ def rollout_rules(cfg: Config) -> None:
             f"not with training.objective = {objective} (its rollouts read one policy)",
         )
     if t.cuda_graphs:
-        raise ConfigError(
-            "training.cuda_graphs",
-            True,
-            f"not with training.objective {objective} (its rollouts run "
-            "the blocks at other shapes, each a graph of its own): allowed lm | sft | dpo | reward",
-        )
+        graph_rules(cfg)
     if cfg.data.document_positions:
         raise ConfigError(
             "data.document_positions",
@@ -81,6 +77,33 @@ def rollout_rules(cfg: Config) -> None:
             "grpo.judge_template",
             "",
             "a template with {prompt} and {completion} for grpo.judge (text, or a file holding it)",
+        )
+
+
+# rollout methods whose training steps may replay CUDA graphs (training.cuda_graphs)
+GRAPHED_OBJECTIVES = ("grpo", "ppo")
+
+
+def graph_rules(cfg: Config) -> None:
+    """training.cuda_graphs with rollouts (the layout's rules are loom.parallel.cuda_graphs_rules'): their rows
+    are padded to a few fixed widths (loom.rl.rollout.bucket_width), the training step's shapes, and the engine
+    generates through compiles of the blocks of its own, without graphs (loom.parallel.compile.graph_free); GRPO's
+    and PPO's steps are the ones measured and tested so; not with asynchronous GRPO, whose sampler thread would run
+    its engine while the trainer's graphs replay or record."""
+    objective = cfg.training.objective
+    if objective not in GRAPHED_OBJECTIVES:
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            f"not with training.objective {objective} yet (graph replay of rollout training is tested for "
+            f"{' and '.join(GRAPHED_OBJECTIVES)} only): allowed false",
+        )
+    if cfg.grpo.max_staleness:
+        raise ConfigError(
+            "training.cuda_graphs",
+            True,
+            f"not with grpo.max_staleness {cfg.grpo.max_staleness} (the sampler's thread runs its engine while "
+            "the training step's graphs replay): allowed with grpo.max_staleness 0",
         )
 
 

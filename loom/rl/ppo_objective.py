@@ -194,7 +194,8 @@ class PpoRollouts(Rollouts):
             self.pad_id,
             self.cfg.training.seq_len,
             self.cfg.parallel.tp,
-        )  # TP's sequence parallelism splits the width evenly
+            self.bucketed,
+        )  # TP's sequence parallelism splits the width evenly; under training.cuda_graphs a fixed width
         truncated = torch.tensor([o.finish_reason == "length" for o in outs])
         if self.g.mask_truncated:
             local.labels[truncated] = IGNORE

@@ -97,8 +97,20 @@ def policy_forward(
     """``call(model, inputs, positions)`` (default: ``model(inputs, positions)``) for a training step on rollout
     rows: a mixture of experts' balance loss counts each row's own tokens only (``row_tokens``), so it is the same
     whatever the padding, and so the same under tensor parallelism as in one process."""
-    count_tokens(model, row_tokens(labels))
+    args = getattr(getattr(model, "module", model), "args", None)  # inside a DDP wrapper: its module's
+    if args is None or args.moe:  # a dense model counts nothing: no mask to build each step
+        count_tokens(model, row_tokens(labels))
     return model(inputs, positions) if call is None else call(model, inputs, positions)
+
+
+def bucket_width(width: int, seq_len: int) -> int:
+    """The fixed width a batch of rows ``width`` wide is padded to under training.cuda_graphs: the next of 8, 12,
+    16, 24, 32, 48, ... (powers of two and 1.5 x them: past 8, at most a third more tokens), at most ``seq_len``,
+    so a run's training forwards take a handful of shapes, each captured once, whatever its rows' lengths."""
+    bucket = 8
+    while bucket < width:  # 8 -> 12 -> 16 -> 24 -> 32 -> 48 -> ...
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
+    return max(width, min(bucket, seq_len))
 
 
 def rows_to_batches(
@@ -108,27 +120,34 @@ def rows_to_batches(
     pad_id: int,
     seq_len: int,
     multiple: int = 1,
+    bucketed: bool = False,
     **per_row,
 ) -> list[RolloutBatch]:
     """Rows prompt + completion as next-token inputs (B, S) and labels that are the completion's tokens only,
-    right-padded to the longest row (rounded up to a multiple of ``multiple``: TP's sequence parallelism splits S
-    evenly), cut into micro-batches of ``micro`` rows. ``per_row``: tensors (N, ...) cut the same way
-    (advantages)."""
+    right-padded to the longest row (``bucketed``: to its ``bucket_width``; rounded up to a multiple of
+    ``multiple``: TP's sequence parallelism splits S evenly), cut into micro-batches of ``micro`` rows. The
+    padding is masked (IGNORE labels after each row's end, causal attention), so the width changes no loss or
+    gradient. ``per_row``: tensors (N, ...) cut the same way (advantages)."""
     full = [p + c for p, c in zip(prompts, completions)]
-    width = -(-(max(len(f) for f in full) - 1) // multiple) * multiple
-    if width > seq_len:
+    need = -(-(max(len(f) for f in full) - 1) // multiple) * multiple
+    if need > seq_len:
         raise ConfigError(
             "training.seq_len",
             seq_len,
-            f"at least the longest prompt + completion ({width} tokens"
+            f"at least the longest prompt + completion ({need} tokens"
             + (f", a multiple of parallel.tp = {multiple}" if multiple > 1 else "")
             + ")",
         )
-    inputs = torch.full((len(full), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(full), width), IGNORE, dtype=torch.long)
-    for i, (f, p) in enumerate(zip(full, prompts)):
-        inputs[i, : len(f) - 1] = torch.tensor(f[:-1])
-        labels[i, len(p) - 1 : len(f) - 1] = torch.tensor(f[len(p) :])
+    width = max(need, bucket_width(need, seq_len) // multiple * multiple) if bucketed else need
+    # one tensor each from padded lists (not a small tensor per row: 2N host allocations a step)
+    inputs = torch.tensor([f[:-1] + [pad_id] * (width - len(f) + 1) for f in full], dtype=torch.long)
+    labels = torch.tensor(
+        [
+            [IGNORE] * (len(p) - 1) + f[len(p) :] + [IGNORE] * (width - len(f) + 1)
+            for f, p in zip(full, prompts)
+        ],
+        dtype=torch.long,
+    )
     positions = torch.arange(width).expand(len(full), width).contiguous()
     out = []
     for start in range(0, len(full), micro):
@@ -309,6 +328,9 @@ class Rollouts:
         )
         self.warmup = warmup_steps(cfg)
         self.pad_id = tokenizer.eos_id
+        # training.cuda_graphs: the rows padded to a few fixed widths (``bucket_width``), each a shape the training
+        # step's graphs are captured at once; otherwise to the longest row (the same losses and gradients)
+        self.bucketed = t.cuda_graphs
         self.step = 0  # steps begun
         self.held: list[RolloutBatch] | None = None  # the last rollouts, reused grpo.iterations times
         self.uses = 0
@@ -443,6 +465,7 @@ class Rollouts:
             self.pad_id,
             self.cfg.training.seq_len,
             self.cfg.parallel.tp,
+            self.bucketed,
         )
         for mb in batches:
             mb.warmup = True
@@ -491,6 +514,7 @@ class Rollouts:
             self.pad_id,
             self.cfg.training.seq_len,
             self.cfg.parallel.tp,
+            self.bucketed,
             advantages=advantages,
         )
         if self.g.mask_truncated:

@@ -21,6 +21,7 @@ from loom.metrics.flops import device_peak, mfu, mfu_note
 from loom.metrics.logger import MetricsLogger, rewind_metrics
 from loom.metrics.memory import peak_memory_gib, reset_peak
 from loom.metrics.nvtx import nvtx_range
+from loom.parallel.compile import graph_free, graph_free_blocks
 from loom.runtime.env import DistEnv
 from loom.runtime.guard import NonFiniteGuard, StepCheck, TrainingStopped
 from loom.runtime.restarts import begin as begin_attempt
@@ -105,8 +106,10 @@ class Loop:
         for part in self.parts:
             part.eval()
         try:
-            # the model itself (one part: no pipeline), not a DDP wrapper: evaluation takes no gradients
-            return self.evals(self.parts[0], self.tokenizer, self.step, self.device, self.engine.autocast)
+            # the model itself (one part: no pipeline), not a DDP wrapper: evaluation takes no gradients; its
+            # forwards at shapes of their own run the blocks' compile without CUDA graphs (training.cuda_graphs)
+            with graph_free(graph_free_blocks(self.parts[0])):
+                return self.evals(self.parts[0], self.tokenizer, self.step, self.device, self.engine.autocast)
         finally:
             for part in self.parts:
                 part.train()

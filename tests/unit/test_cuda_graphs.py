@@ -1,5 +1,6 @@
-"""training.cuda_graphs: where graph replay of the compiled blocks cannot run is a config error naming the field
-(tests/gpu/test_cuda_graphs_gpu.py runs the graphs)."""
+"""training.cuda_graphs: where graph replay of the compiled blocks cannot run is a config error naming the field,
+and GRPO and PPO resolve with it (tests/gpu/test_cuda_graphs_gpu.py runs the graphs; tests/unit/test_rollout_graphs.py
+the rollouts' fixed widths and the engine's graph-free blocks)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def cfg(**over):
     [
         ({"training.compile": "false"}, "needs training.compile true"),
         ({"training.activation_checkpointing": "full"}, "allowed none | op"),
-        ({"training.objective": "grpo"}, "allowed lm | sft | dpo | reward"),
+        ({"training.objective": "rloo"}, "tested for grpo and ppo only): allowed false"),
+        ({"training.objective": "online_dpo"}, "tested for grpo and ppo only): allowed false"),
+        ({"training.objective": "grpo", "grpo.max_staleness": 1}, "allowed with grpo.max_staleness 0"),
+        ({"training.objective": "grpo", "training.compile": "false"}, "needs training.compile true"),
         ({"parallel.cpu_offload": "true"}, "parallel.cpu_offload"),
     ],
 )
@@ -56,3 +60,19 @@ def test_one_process_with_op_checkpointing_resolves():
         device="cuda",
     )
     assert run.dims.world_size == 1
+
+
+@pytest.mark.parametrize("objective", ["grpo", "ppo"])
+def test_grpo_and_ppo_resolve_with_graphs(objective):
+    """Their rows are padded to fixed widths and the engine generates without training's graphs: accepted on one
+    CUDA process; the layout's refusal still holds."""
+    over = {
+        "training.objective": objective,
+        "training.global_batch_size": 16,
+        "training.micro_batch_size": 16,
+        "grpo.group_size": 8,
+    }
+    check_config(cfg(**over))
+    assert resolve(cfg(**over), 1, device="cuda").dims.world_size == 1
+    with pytest.raises(ConfigError, match="got 2 ranks"):
+        resolve(cfg(**over), 2, device="cuda")
