@@ -501,7 +501,9 @@ def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU, x: MemoryInputs | 
     local = args.moe_experts * width / dims.ep
     c = BYTES[t.dtype]
     weight_bytes = None
-    if x is not None and x.fsdp and not x.cpu_offload:
+    # FSDP2 shards the experts wherever it wraps the model, and on their own mesh under ep whatever the data-parallel
+    # degrees (loom.parallel.parallelize: apply_fsdp_experts)
+    if x is not None and (x.fsdp or dims.ep > 1) and not x.cpu_offload:
         # the experts' FSDP2 mesh: the ranks holding the same experts (edp) under ep, the block's otherwise
         shard = dims.edp if dims.ep > 1 else x.shard
         weight_bytes = fsdp_expert_bytes(shard, 2 if x.reshard_after_forward else 1, c)

@@ -140,17 +140,19 @@ def ep_overhead_s(
 
 
 # FSDP2's copies of a rank's experts (their own FSDP2 unit over the ranks holding the same experts under expert
-# parallelism, part of their block's otherwise), which take the place of the casts above: each all-gather casts the
-# fp32 shard into the gather buffer (4 + c bytes a parameter of the shard, c the compute dtype's) and copies the
-# gathered weights out into the parameters (2c a parameter); each reduction casts the gradient into the fp32 buffer
-# (c + 4) and, on a mesh of one rank, copies the buffer to the shard (8) where more ranks reduce-scatter it
-# (torch.distributed.fsdp's foreach_all_gather / foreach_reduce). Once per micro-batch; the gather twice when the
-# blocks reshard after the forward (the backward's gather also serves a recomputation).
+# parallelism, part of their block's otherwise), which take the place of the casts above (torch.distributed.fsdp's
+# foreach_all_gather / foreach_reduce). Each all-gather casts the fp32 shard to the compute dtype (4 + c bytes a
+# parameter of the shard, c the compute dtype's; no cast in fp32), copies it into the gather buffer (2c) and copies
+# the gathered weights out into the parameters (2c a gathered parameter); each reduction copies the gradient into the
+# fp32 buffer (c + 4) and, on a mesh of one rank, the buffer to the shard (8) where more ranks reduce-scatter it.
+# Once per micro-batch; the gather twice when the blocks reshard after the forward (the backward's gather also
+# serves a recomputation).
 def fsdp_expert_bytes(shard: int, gathers: int, dtype_bytes: int) -> float:
     """Bytes FSDP2 copies per expert parameter a rank holds (gathered), per micro-batch, the experts sharded
     over ``shard`` ranks and gathered ``gathers`` times."""
     c = dtype_bytes
-    gather = (4 + c) / shard + 2 * c
+    cast = 4 + c if c != 4 else 0
+    gather = (cast + 2 * c) / shard + 2 * c
     reduce = (c + 4) + (8 if shard == 1 else 0)
     return gathers * gather + reduce
 

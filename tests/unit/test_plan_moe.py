@@ -42,12 +42,13 @@ def test_ep_permutation_and_gradient_rescale_bytes():
 
 
 def test_fsdp_copies_of_the_experts():
-    """bf16 on a one-rank mesh, gathered twice: 2 x (6 copy-in + 4 copy-out) + 6 cast into the fp32 buffer + 8 its
-    copy to the shard = 34; once: 24; over 2 ranks, gathered twice: 2 x (6 / 2 + 4) + 6 (the reduce-scatter itself is
-    communication) = 20; fp32 on one rank, once: (4 + 4) + 8 + 8 + 8 = 32."""
-    assert fsdp_expert_bytes(1, 2, 2) == 34
-    assert fsdp_expert_bytes(1, 1, 2) == 24
-    assert fsdp_expert_bytes(2, 2, 2) == 20
+    """bf16 on a one-rank mesh, gathered twice: 2 x (6 cast + 4 into the gather buffer + 4 copy-out) + 6 into the
+    fp32 reduction buffer + 8 its copy to the shard = 42; gathered once: 28; over 2 ranks, gathered twice:
+    2 x (10 / 2 + 4) + 6 (the reduce-scatter itself is communication) = 24; fp32 on one rank, once (no cast):
+    (8 + 8) + 8 + 8 = 32."""
+    assert fsdp_expert_bytes(1, 2, 2) == 42
+    assert fsdp_expert_bytes(1, 1, 2) == 28
+    assert fsdp_expert_bytes(2, 2, 2) == 24
     assert fsdp_expert_bytes(1, 1, 4) == 32
 
 
@@ -82,7 +83,7 @@ def _layout(ac: str, ep: int = 2):
 
 def test_moe_terms_under_expert_parallelism():
     """ep 2, op AC: per MoE block and micro-batch the FSDP2 copies of the rank's 4 experts (one-rank mesh, gathered
-    twice: 34 B a parameter) and the routing at the fitted eager slot bytes, plus the permutation of its 256 x 2
+    twice: 42 B a parameter) and the routing at the fitted eager slot bytes, plus the permutation of its 256 x 2
     slots (14 elements of 2 bytes per slot x dim); once a step the rescale of its experts' gradients; the extra
     FLOPs: the grouped GEMMs' rerun sixth and their padding."""
     cfg, dims, args, m, x, share = _layout("op")
@@ -91,18 +92,18 @@ def test_moe_terms_under_expert_parallelism():
     local = 4 * expert_params(args)  # 4 of the 8 experts
     slots, layers, rate = 256 * 2, share.moe_layers, COPY_HBM_SHARE * H200.hbm_tbps * 1e12
     assert layers == 2 and dims.edp == 1
-    routing = moe_overhead_s(local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=34)
+    routing = moe_overhead_s(local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=42)
     assert got.overhead == pytest.approx(layers * (routing + 14 * slots * 64 * 2 / rate))
     assert got.per_step == pytest.approx(8 * layers * local / rate)
     rerun = 6 * expert_params(args) * slots * (1 / 3 - 1 / 6) * layers
     padding = layers * 4 * 64 / 2 * 3 * 2 * 64 * 32 * 3  # 128 rows an expert: 64-row tiles
     assert got.extra_matmul == pytest.approx(rerun + padding)
-    # without ep (4 -> 8 local experts, FSDP2 over the block's 2 ranks: 20 B a parameter): no permutation, no rescale
+    # without ep (4 -> 8 local experts, FSDP2 over the block's 2 ranks: 24 B a parameter): no permutation, no rescale
     cfg1, dims1, args1, m1, x1, share1 = _layout("op", ep=1)
     plain = moe_time_s(share1, args1, dims1, 256.0, cfg1.training, H200, x1)
     assert plain.per_step == 0.0
     assert plain.overhead == pytest.approx(
-        layers * moe_overhead_s(2 * local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=20)
+        layers * moe_overhead_s(2 * local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=24)
     )
 
 
@@ -129,7 +130,7 @@ def _peers(name: str) -> tuple[dict, float]:
     [
         # the DeepSeek-V3 proxy (one MoE block of four, EP2): within 20%
         ("peers_deepseek_v3_proxy_2gpu_h200.json", 0.20),
-        # Qwen3-MoE, 12 MoE blocks, EP2: +36% (measured 19,471; docs/planner.md: uneven routing and its
+        # Qwen3-MoE, 12 MoE blocks, EP2: +32% (measured 19,471; docs/planner.md: uneven routing and its
         # step-to-step spread of 376-487 ms are not modelled)
         ("peers_qwen3_moe_12l_2gpu_h200.json", 0.40),
     ],
