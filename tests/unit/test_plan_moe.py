@@ -118,6 +118,54 @@ def test_ep_all_to_alls_again_where_the_moe_forward_reruns():
         assert st.ep == pytest.approx(m * 2 * exchanges * per_a2a)
 
 
+def test_op_checkpointing_reruns_the_exchange(tmp_path, monkeypatch):
+    """What the six all-to-alls above count, in loom's code: a block with an expert-parallel exchange under op-level
+    checkpointing sends its slots twice in the forward (dispatch, combine), twice again in the recomputation (the
+    weighting after the combine saves its output, so the recomputation runs up to it) and twice in the backward (one
+    gloo rank: each exchange a copy), besides the two small exchanges of the counts."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import loom.parallel.expert_parallel as ep_module
+    from loom.parallel.activation_checkpoint import wrap_block
+    from loom.parallel.expert_parallel import ExpertParallel
+
+    sizes = []
+    real = dist.all_to_all_single
+
+    def counted(out, x, *args, **kwargs):
+        sizes.append(x.numel())
+        return real(out, x, *args, **kwargs)
+
+    monkeypatch.setattr(ep_module.dist, "all_to_all_single", counted)
+
+    class Exchange(nn.Module):
+        """As MoE._routed: the experts' outputs come back and are weighted, a product whose backward needs them."""
+
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            self.weights = nn.Parameter(torch.full((5, 1), 0.5))
+            self.ep = ExpertParallel(dist.group.WORLD, 1)
+
+        def forward(self, x):
+            out = self.ep.run(lambda rows, counts, local: rows * self.w, x, torch.tensor([2, 3]))
+            return out * self.weights
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        x = torch.randn(5, 3, requires_grad=True)
+        wrap_block(Exchange(), "op")(x).sum().backward()
+    finally:
+        if own:
+            dist.destroy_process_group()
+    slots = [n for n in sizes if n == 5 * 3]
+    assert len(slots) == 6 and len(sizes) - len(slots) == 2  # the counts: forward, recomputation
+
+
 def _peers(name: str) -> tuple[dict, float]:
     with open(os.path.join(RESULTS, name)) as f:
         loom = json.load(f)["loom"]
