@@ -179,7 +179,7 @@ def _peers(name: str) -> tuple[dict, float]:
         # the DeepSeek-V3 proxy (one MoE block of four, EP2): within 20%
         ("peers_deepseek_v3_proxy_2gpu_h200.json", 0.20),
         # Qwen3-MoE, 12 MoE blocks, EP2: +32% (measured 19,471; docs/planner.md: uneven routing and its
-        # step-to-step spread of 376-487 ms are not modelled)
+        # step-to-step spread of 377-487 ms are not modelled)
         ("peers_qwen3_moe_12l_2gpu_h200.json", 0.40),
     ],
 )
