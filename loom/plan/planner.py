@@ -477,11 +477,12 @@ def ring_exposed_s(
 
 @dataclass
 class MoETime:
-    extra_matmul: (
-        float  # FLOPs: grouped GEMMs op-level checkpointing recomputes beyond rec_mm, their tiles' padding
-    )
-    overhead: float  # seconds per micro-batch: weight casts (FSDP2's copies), routing, expert parallelism's permutation
-    per_step: float = 0.0  # seconds once per step: the expert-gradient rescale under expert parallelism
+    # FLOPs: the grouped GEMMs op-level checkpointing recomputes beyond rec_mm, and their part-filled tiles
+    extra_matmul: float
+    # seconds per micro-batch: weight casts (or FSDP2's copies), routing, expert parallelism's permutation
+    overhead: float
+    # seconds once per step: the expert-gradient rescale under expert parallelism
+    per_step: float = 0.0
 
 
 def moe_rerun(ac: str, every: int, n_layers: int) -> float:
@@ -511,9 +512,8 @@ def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU, x: MemoryInputs | 
         local, slots, args.dim, t.compile, rerun, gpu.hbm_tbps, weight_bytes=weight_bytes
     )
     per_step = 0.0
-    if (
-        dims.ep > 1
-    ):  # the slots a rank receives, permuted to its experts and back; its experts' gradients rescaled
+    if dims.ep > 1:
+        # the slots a rank receives, permuted to its experts and back; its experts' gradients rescaled
         permute, per_step = ep_overhead_s(slots, args.dim, c, rerun, layers * local, gpu.hbm_tbps)
         overhead += layers * permute
     # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM: they rerun in full

@@ -22,8 +22,8 @@ bounds it, and its ceiling is min(peak, intensity x HBM bandwidth, communication
 A MoE block: the router over the rank's routed tokens (its sequence slice under tp, the tp group's with
 tensor-parallel experts), its ep share of the experts as grouped GEMMs over top_k slots per routed token (balanced
 over the ep ranks; every local expert's weight read once per GEMM), the shared experts, and ep's four all-to-alls
-of the slots (dispatch and combine, forward and backward, again where the block reruns its forward); multi-head latent attention: its five matmuls, and
-attention at the mean of the query/key and value widths. Without a pipeline's per-stage detail (the busiest
+of the slots (dispatch and combine, forward and backward; six where the block reruns its forward); multi-head
+latent attention: its five matmuls, and attention at the mean of the query/key and value widths. Without a pipeline's per-stage detail (the busiest
 rank's blocks) and without DeepSeek's multi-token-prediction modules.
 """
 
