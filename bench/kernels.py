@@ -1,6 +1,9 @@
 """Attention kernels on one GPU: loom's Triton FlashAttention-2 vs PyTorch SDPA (flash and cuDNN backends),
 FlexAttention (compiled, block masks) and the plain PyTorch reference; forward and forward+backward
-TFLOP/s. Packed documents count useful FLOPs only (each document's own causal square).
+TFLOP/s. Packed documents count useful FLOPs only (each document's own causal square). Where the suite lists
+``auto``, each case also runs ``model.attention = auto``'s start-up timing (loom.kernels.dispatch.measure_attention
+through the model's attention call) and reports its choice and that choice's figures against cuDNN's from the same
+rounds: the bar is auto >= 1.0x cuDNN forward+backward on every case (``bar_verdict``).
 
     python -m bench.kernels --suite bar  --out bench/results/kernels_bar_h100.json
     python -m bench.kernels --suite docs --out bench/results/kernels_docs_h100.json
@@ -205,6 +208,75 @@ def measure_all(backends: list[str], q, k, v, causal, ids) -> dict:
     return {name: results[name] for name in backends if name in results}
 
 
+# model.attention = auto's backend names -> the backends of this script that run the same kernels
+AUTO_AS = {"flash": "loom", "sdpa_cudnn": "sdpa_cudnn", "sdpa_flash": "sdpa_flash", "flex": "flex"}
+
+
+def positions_from_ids(ids: torch.Tensor) -> torch.Tensor:
+    """Per-document positions (B, S) of packed documents' ids (B, S): 0 where a document starts."""
+    idx = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(1).values
+
+
+def auto_choice(q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor | None) -> dict:
+    """What ``model.attention = auto`` chooses for this case (causal): the trainer's start-up timing on the case's
+    shape and documents, its figures (ms per forward+backward) and the line the run prints."""
+    from loom.kernels.dispatch import AttentionShape, describe_choice, fastest, measure_attention
+    from loom.models.common.layers import attend
+
+    b, hq, s, d = q.shape
+    shape = AttentionShape(b, hq, k.shape[1], s, d, q.dtype)
+    positions = None if ids is None else positions_from_ids(ids)
+    times = measure_attention(attend, shape, q.device, positions)
+    return {"startup_ms_fwd_bwd": times, "chosen": fastest(times), "verdict": describe_choice(times)}
+
+
+def cudnn_ratios(row: dict) -> dict:
+    """Forward+backward against SDPA-cuDNN in one case (its time over theirs): loom's kernel's, and ``auto``'s
+    choice's (the same kernel's figures from the same rounds; n/a where cuDNN, or the choice, did not run here)."""
+    backends = row["backends"]
+    cudnn = backends.get("sdpa_cudnn", {}).get("fwd_bwd_ms")
+    out = {}
+    if cudnn is None:
+        return out
+    if "fwd_bwd_ms" in backends.get("loom", {}):
+        out["loom"] = cudnn / backends["loom"]["fwd_bwd_ms"]
+    auto = row.get("auto")
+    if auto is not None:
+        same = backends.get(AUTO_AS.get(auto["chosen"], ""), {})
+        if "fwd_bwd_ms" in same:
+            out["auto"] = cudnn / same["fwd_bwd_ms"]
+    return out
+
+
+def bar_verdict(rows: list[dict], bar: float = 1.0) -> str:
+    """One line: whether ``auto`` reached ``bar`` x cuDNN forward+backward on every case that timed both, with the
+    lowest ratios of auto and of loom's kernel (a case with no auto figure fails the bar)."""
+    autos, looms, missing = [], [], 0
+    for r in rows:
+        rat = cudnn_ratios(r)
+        if "sdpa_cudnn" not in r["backends"] or "fwd_bwd_ms" not in r["backends"]["sdpa_cudnn"]:
+            continue  # cuDNN did not run this case: nothing to hold auto against
+        if "auto" in rat:
+            autos.append(rat["auto"])
+        else:
+            missing += 1
+        if "loom" in rat:
+            looms.append(rat["loom"])
+    if not autos and not missing:
+        return "bar (auto >= 1.0x cuDNN): no case timed both"
+    ok = not missing and min(autos) >= bar
+    worst = f"lowest auto ÷ cuDNN {min(autos):.2f}" if autos else "no auto figure"
+    loom = f", loom's kernel ÷ cuDNN {min(looms):.2f}-{max(looms):.2f}" if looms else ""
+    gaps = f", {missing} case(s) without an auto figure" if missing else ""
+    return (
+        f"bar (auto >= {bar:.1f}x cuDNN fwd+bwd on every case): {'PASS' if ok else 'FAIL'} "
+        f"({worst} over {len(autos) + missing} cases{gaps}{loom})"
+    )
+
+
 def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backends: list[str], dtype) -> dict:
     b = TOKENS // s
     gen = torch.Generator().manual_seed(s)
@@ -227,7 +299,12 @@ def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backen
     }
     if docs:
         row["doc_lens_range"] = [min(min(r) for r in lens), max(max(r) for r in lens)]
-    names = [n for n in backends if not (n == "torch_reference" and s > 4096)]  # S x S scores in memory
+    if "auto" in backends and causal:
+        row["auto"] = auto_choice(q, k, ids)
+        torch.cuda.empty_cache()
+        print(f"d{d} h{hq}/{hkv} s{s} auto: {row['auto']['verdict']}", flush=True)
+    # S x S scores in memory; auto runs no kernel of its own (its choice's figures are that backend's)
+    names = [n for n in backends if n != "auto" and not (n == "torch_reference" and s > 4096)]
     for name, r in measure_all(names, q, k, v, causal, ids).items():
         if "fwd_ms" in r:
             r["fwd_tflops"] = flops / r["fwd_ms"] / 1e9
@@ -254,6 +331,8 @@ def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backen
             for n, r in row["backends"].items()
             if n != "loom" and "fwd_tflops" in r
         }
+    if row.get("auto") is not None:
+        row["vs_cudnn_fwd_bwd"] = cudnn_ratios(row)
     return row
 
 
@@ -292,14 +371,14 @@ SUITES = {
         seqs=[4096, 8192, 16384],
         causal=[True],
         docs=False,
-        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"],
+        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex", "auto"],
     ),
     "quick": dict(
         dims=[(64, 32, 32), (128, 16, 16)],
         seqs=[8192],
         causal=[True],
         docs=False,
-        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex"],
+        backends=["loom", "sdpa_flash", "sdpa_cudnn", "flex", "auto"],
     ),
 }
 
@@ -476,11 +555,15 @@ CONFIG_SWEEP = [(128, 16, 16, 8192, False), (128, 16, 16, 8192, True), (64, 32, 
 
 
 def markdown(rows: list[dict]) -> str:
+    """The suite's table (TFLOP/s; ratios forward+backward); with ``auto`` in the run, its choice, auto ÷ cuDNN
+    per case and the bar's verdict under the table."""
     names = sorted({n for r in rows for n in r["backends"]}, key=list(BACKENDS).index)
+    auto = any("auto" in r for r in rows)
     head = (
         "| d | heads q/kv | seq | mask | "
         + " | ".join(f"{n} fwd / fwd+bwd" for n in names)
         + " | loom ÷ best of sdpa_flash, flex (fwd+bwd) | loom ÷ cuDNN (fwd+bwd) |"
+        + (" auto's choice | auto ÷ cuDNN (fwd+bwd) |" if auto else "")
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -495,11 +578,18 @@ def markdown(rows: list[dict]) -> str:
         mask = ("docs " if r["docs"] else "") + ("causal" if r["causal"] else "full")
         ratio_best = f"{min(best):.2f}" if best else "n/a"
         ratio_cudnn = f"{rat['sdpa_cudnn']:.2f}" if "sdpa_cudnn" in rat else "n/a"
-        lines.append(
+        line = (
             f"| {r['head_dim']} | {r['heads']}/{r['kv_heads']} | {r['seq']} | {mask} | "
             + " | ".join(cells)
             + f" | {ratio_best} | {ratio_cudnn} |"
         )
+        if auto:
+            vs = cudnn_ratios(r)
+            choice = r["auto"]["chosen"] if "auto" in r else "n/a"
+            line += f" {choice} | {vs['auto']:.2f} |" if "auto" in vs else f" {choice} | n/a |"
+        lines.append(line)
+    if auto:
+        lines += ["", bar_verdict(rows)]
     return "\n".join(lines)
 
 

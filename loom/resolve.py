@@ -678,6 +678,10 @@ def model_kernels(
         args = model_shape(cfg)
         return max(args.head_dim, args.value_head_dim) if args.mla else 0
 
+    def head_dim() -> int:
+        # what the attention call sees (latent attention pads to one width for pinned SDPA)
+        return attention_width() or model_shape(cfg).head_dim
+
     return kernel_choice(
         cfg,
         device,
@@ -685,6 +689,7 @@ def model_kernels(
         triton,
         (lambda: model_window(cfg)) if window is None else (lambda: window),
         attention_width,
+        head_dim,
     )
 
 

@@ -205,13 +205,16 @@ class ModelConfig:
     )
     attention: str = opt(
         "auto",
-        "attention: 'sdpa' (PyTorch), 'flash' (loom's Triton FlashAttention-2), 'flex' "
-        "(PyTorch's FlexAttention, compiled; CUDA only; not with training.compile under "
-        "op-level checkpointing), 'auto' = on CUDA the faster one timed on this run's shape "
-        "at start-up: flash vs flex for packed documents, sdpa vs flash otherwise (sdpa on "
-        "CPU; flash for documents, sdpa otherwise, with run.deterministic or where flex is "
-        "refused)",
-        choices=("auto", "sdpa", "flash", "flex"),
+        "attention: 'sdpa' (PyTorch's SDPA, its own backend choice), 'sdpa_cudnn' / "
+        "'sdpa_flash' (SDPA pinned to cuDNN / FlashAttention-2: CUDA, bf16/fp16, no packed "
+        "documents or sliding window; cuDNN not with run.deterministic), 'flash' (loom's "
+        "Triton FlashAttention-2), 'flex' (PyTorch's FlexAttention, compiled; CUDA only; not "
+        "with training.compile under op-level checkpointing), 'auto' = on CUDA the fastest "
+        "one timed on this run's shape at start-up (once per shape in a process): flash vs "
+        "flex for packed documents, flash vs sdpa_cudnn vs sdpa_flash otherwise (those that "
+        "can run; sdpa on CPU; flash for documents, sdpa otherwise, with run.deterministic or "
+        "where flex is refused)",
+        choices=("auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash", "flex"),
         resume=(FREE, KERNEL),
     )
     fused_norm: str = opt(

@@ -4,7 +4,9 @@
   compile mode, data layout and parallelism; ``kernel_choice``: that for a run's config, with what its device,
   Triton and the model's latent attention refuse;
 - ``attention_candidates``, ``measure_attention``, ``fastest``: ``model.attention = auto`` on CUDA times the
-  candidate backends on the run's shape at start-up and takes the fastest;
+  candidate backends (loom's kernel, SDPA pinned to cuDNN and to FlashAttention-2, Flex for packed documents) on the
+  run's shape at start-up, once per shape in a process, and takes the fastest; ``sdpa_refusal`` /
+  ``check_pinned_sdpa``: where SDPA pinned to one backend cannot run;
 - ``forward_kernel``, ``backward_kernels``: which kernels compute one ``loom::flash_attn`` call (the reference
   where Triton does not run, the Gluon Hopper kernels where they take the call and win, the Triton kernels
   otherwise).
@@ -27,7 +29,7 @@ from loom.kernels.triton_support import has_gluon_hopper, has_triton, interpreti
 # ------------------------------------------------------------------------------------ the model's kernels
 @dataclass(frozen=True)
 class KernelChoice:
-    attention: str  # "sdpa" | "flash" | "flex"
+    attention: str  # "sdpa" | "sdpa_cudnn" | "sdpa_flash" | "flash" | "flex"
     fused_norm: bool
     fused_rope: bool
     fused_swiglu: bool
@@ -106,12 +108,27 @@ def kernel_choice(
     triton: bool | None = None,
     window: Callable[[], int] = lambda: 0,
     attention_width: Callable[[], int] = lambda: 0,
+    head_dim: Callable[[], int] = lambda: 0,
 ) -> KernelChoice:
     """model.attention / model.fused_* of a ``Config`` with ``auto`` resolved for ``device`` (``resolve_kernels``);
     ``measure_attention`` times the attention backends on this run's shape (the trainer's); ``triton``: whether
     Triton is there (None: look; the planner assumes a GPU machine that has it); ``window()``: the model's sliding
-    window, ``attention_width()``: its latent attention's head width (0: not latent), each asked only when needed
-    (loom.resolve.model_kernels reads them from the model's shape)."""
+    window, ``attention_width()``: its latent attention's head width (0: not latent), ``head_dim()``: the head dim
+    its attention call sees (0: unknown), each asked only when needed (loom.resolve.model_kernels reads them from
+    the model's shape)."""
+    if cfg.model.attention in PINNED_SDPA:
+        why = sdpa_refusal(
+            cfg.model.attention,
+            device,
+            cfg.training.dtype,
+            head_dim(),
+            masked=cfg.data.document_positions or window() > 0,
+            deterministic=cfg.run.deterministic,
+        )
+        if why:
+            raise ConfigError(
+                "model.attention", cfg.model.attention, f"{why}: allowed {ALLOWED_WITHOUT_PINNED}"
+            )
     if cfg.model.attention == "flex" and device != "cuda":
         raise ConfigError(
             "model.attention",
@@ -124,7 +141,7 @@ def kernel_choice(
             "flex",
             "under training.compile with training.activation_checkpointing "
             "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
-            "flash there (or flex without compile, or with none | full | every_k checkpointing)",
+            "sdpa_cudnn | sdpa_flash | flash there (or flex without compile, or with none | full | every_k checkpointing)",
         )
     triton = has_triton() if triton is None else triton
     if (
@@ -139,7 +156,8 @@ def kernel_choice(
         raise ConfigError(
             "model.attention / model.fused_*",
             cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
-            "needs Triton on CUDA (pip install triton); allowed auto | sdpa | false without it",
+            "needs Triton on CUDA (pip install triton); allowed auto | sdpa | sdpa_cudnn | sdpa_flash | false "
+            "without it",
         )
     kernels = resolve_kernels(
         cfg.model,
@@ -175,15 +193,88 @@ def mla_kernels(cfg, kernels: KernelChoice, device: str, attention_width: Callab
             "model.attention",
             "flash",
             f"loom's kernel takes head dims {dims} and this model's latent "
-            f"attention needs {width}: allowed auto | sdpa",
+            f"attention needs {width}: allowed auto | sdpa | sdpa_cudnn | sdpa_flash",
         )
     return replace(kernels, attention="sdpa")
 
 
-def attention_candidates(documents: bool) -> tuple[str, str]:
+# SDPA pinned to one of PyTorch's backends (``torch.nn.attention.sdpa_kernel``): the name -> SDPBackend's member
+PINNED_SDPA = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
+ALLOWED_WITHOUT_PINNED = "auto | sdpa | flash | flex"
+# the largest head dim PyTorch's checks let each pinned backend take (torch 2.11, sdp_utils.cpp: FlashAttention-2 up
+# to 256; cuDNN multiples of 8 up to 128, up to 256 on sm_90 / sm_100 with cuDNN > 9.22: only the device can tell,
+# so the static rule allows 256 and torch's own check decides on the device, ``check_pinned_sdpa``)
+PINNED_MAX_HEAD_DIM = {"sdpa_cudnn": 256, "sdpa_flash": 256}
+
+
+def sdpa_refusal(
+    backend: str,
+    device: str,
+    dtype: str,
+    head_dim: int = 0,
+    masked: bool = False,
+    deterministic: bool = False,
+) -> str | None:
+    """Why SDPA pinned to ``backend`` ("sdpa_cudnn" | "sdpa_flash") cannot run this run's attention, or None:
+    both are CUDA kernels for 16-bit inputs (``dtype``: training.dtype) of plain causal attention (``masked``:
+    packed documents or a sliding window, which need a dense mask: FlashAttention-2 takes none, and cuDNN's masked
+    path computes every block), within their head dims (``head_dim``, 0: unknown); cuDNN is refused under
+    ``run.deterministic`` (PyTorch does not select it when deterministic algorithms are on)."""
+    if device != "cuda":
+        return f"SDPA's {backend.removeprefix('sdpa_')} backend needs CUDA (device {device})"
+    if dtype not in ("bfloat16", "float16"):
+        return f"runs bfloat16 / float16 only (training.dtype {dtype})"
+    if masked:
+        return (
+            "runs plain causal attention only (packed documents, data.document_positions, or a sliding window "
+            "need a dense mask)"
+        )
+    limit = PINNED_MAX_HEAD_DIM[backend]
+    if head_dim and (head_dim > limit or (backend == "sdpa_cudnn" and head_dim % 8)):
+        eight = " and a multiple of 8" if backend == "sdpa_cudnn" else ""
+        return f"takes head dims up to {limit}{eight}; this model's attention has {head_dim}"
+    if backend == "sdpa_cudnn" and deterministic:
+        return "is not deterministic (run.deterministic = true: PyTorch does not select it)"
+    return None
+
+
+def attention_candidates(
+    documents: bool, device: str = "cuda", dtype: str = "bfloat16", head_dim: int = 0
+) -> tuple[str, ...]:
     """The backends ``auto`` times: ours and FlexAttention for packed documents (both skip the masked blocks;
-    SDPA would need a dense mask), else PyTorch's SDPA and ours."""
-    return ("flash", "flex") if documents else ("sdpa", "flash")
+    SDPA would need a dense mask); else ours and SDPA pinned to cuDNN and to FlashAttention-2, those of the two that
+    can run here (``sdpa_refusal``), or PyTorch's own SDPA choice where neither can (fp32: memory-efficient)."""
+    if documents:
+        return ("flash", "flex")
+    pinned = tuple(n for n in PINNED_SDPA if sdpa_refusal(n, device, dtype, head_dim) is None)
+    return ("flash", *pinned) if pinned else ("flash", "sdpa")
+
+
+def torch_takes(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether PyTorch's own check lets SDPA pinned to ``backend`` run causal attention on these q, k, v (its GPU,
+    cuDNN version, head dims and layout; what ``sdpa_refusal`` cannot know before the device is there)."""
+    check = {
+        "sdpa_cudnn": torch.backends.cuda.can_use_cudnn_attention,
+        "sdpa_flash": torch.backends.cuda.can_use_flash_attention,
+    }[backend]
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1])
+    return bool(check(params, False))
+
+
+def check_pinned_sdpa(backend: str, shape: AttentionShape, device: torch.device) -> None:
+    """A run that picked SDPA pinned to one backend by hand: PyTorch's own check on the run's attention shape (one
+    sample) on this device, a ConfigError where it refuses (instead of "No available kernel" at the first step)."""
+    if backend not in PINNED_SDPA or device.type != "cuda":
+        return
+    one = replace(shape, batch=1)
+    q, k, v = attention_inputs(one, device)
+    if not torch_takes(backend, q, k, v):
+        raise ConfigError(
+            "model.attention",
+            backend,
+            f"PyTorch's {backend.removeprefix('sdpa_')} SDPA backend does not take attention of {one.describe()} "
+            f"on {torch.cuda.get_device_name(device)}: allowed {ALLOWED_WITHOUT_PINNED}",
+        )
 
 
 @dataclass(frozen=True)
@@ -205,12 +296,15 @@ class AttentionShape:
 
 
 def attention_inputs(shape: AttentionShape, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
-    """Random q, k, v (B, H, S, D) leaves that need gradients."""
+    """Random q, k, v (B, H, S, D) leaves that need gradients, laid out as the model's attention call gets them:
+    (B, S, H, D) transposed (the heads of a token side by side), so a backend is timed on the strides it runs on."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return [
         torch.randn(
-            shape.batch, h, shape.seq, shape.head_dim, device=device, dtype=shape.dtype, generator=gen
-        ).requires_grad_()
+            shape.batch, shape.seq, h, shape.head_dim, device=device, dtype=shape.dtype, generator=gen
+        )
+        .transpose(1, 2)
+        .requires_grad_()
         for h in (shape.heads, shape.kv_heads, shape.kv_heads)
     ]
 
@@ -312,20 +406,46 @@ def fastest(times: dict[str, float]) -> str:
     return min(times, key=lambda name: times[name])
 
 
+# ``measure_attention``'s figures per (attention call, device, shape, candidates, documents): a shape is timed once
+# per process
+_TIMED: dict[tuple, dict[str, float]] = {}
+
+
 def measure_attention(
     attend: Callable,
     shape: AttentionShape,
     device: torch.device,
     positions: torch.Tensor | None = None,
     timer=time_fwd_bwd,
+    candidates: tuple[str, ...] | None = None,
 ) -> dict[str, float]:
-    """Milliseconds per forward + backward of each of ``attention_candidates`` through ``attend(q, k, v, backend,
-    positions)`` (the model's attention call) on ``shape``; ``positions``: packed documents' (B, S) positions."""
-    candidates = {
-        name: (lambda q, k, v, name=name: attend(q, k, v, name, positions))
-        for name in attention_candidates(positions is not None)
-    }
-    return measure(candidates, attention_inputs(shape, device), timer)
+    """Milliseconds per forward + backward of each candidate through ``attend(q, k, v, backend, positions)`` (the
+    model's attention call) on ``shape``; ``positions``: packed documents' (B, S) positions; ``candidates``: None =
+    ``attention_candidates`` for the shape's dtype and head dim, less the pinned SDPA backends PyTorch's own check
+    refuses on this device (not timed, not listed). Cached per call, device, shape, candidates and documents: a second
+    call on the same shape (another model in the process, a restarted engine) times nothing."""
+    dtype = str(shape.dtype).removeprefix("torch.")
+    if candidates is None:
+        candidates = attention_candidates(positions is not None, device.type, dtype, shape.head_dim)
+    if device.type == "cuda":  # PyTorch's check on one sample of the shape
+        sample = attention_inputs(replace(shape, batch=1), device)
+        candidates = tuple(n for n in candidates if n not in PINNED_SDPA or torch_takes(n, *sample))
+    docs = None if positions is None else hash(positions.cpu().numpy().tobytes())
+    key = (attend, str(device), shape, candidates, docs)
+    if key not in _TIMED:
+        fns = {name: (lambda q, k, v, name=name: attend(q, k, v, name, positions)) for name in candidates}
+        _TIMED[key] = measure(fns, attention_inputs(shape, device), timer)
+    return dict(_TIMED[key])
+
+
+def describe_choice(times: dict[str, float]) -> str:
+    """Which backend won a timing and by how much: 'sdpa_cudnn won, 1.06x flash (the next)' (each the time of the
+    next fastest over the winner's), or that it was the only one that ran."""
+    best = fastest(times)
+    rest = sorted((t, n) for n, t in times.items() if n != best and not math.isinf(t))
+    if not rest:
+        return f"{best} won (the only candidate that ran)"
+    return f"{best} won, {rest[0][0] / times[best]:.2f}x {rest[0][1]} (the next)"
 
 
 # ------------------------------------------------------------------------- one loom::flash_attn call

@@ -13,7 +13,8 @@ import loom.parallel.context_parallel  # noqa: F401  (registers torch.ops.loom.r
 # op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
 # Like torchtitan, every second matmul is saved so memory stays between none and full; every attention
 # backend's forward is saved (its output and log-sum-exp are what its backward reads; ring attention's too, so its
-# sends are not repeated in backward). Exception: FlexAttention
+# sends are not repeated in backward), and, as torchtitan, expert parallelism's token all-to-alls (the
+# recomputation replays them instead of exchanging the tokens again). Exception: FlexAttention
 # in an eager model on CUDA runs as its own compiled function, which the policy does not see: it is recomputed.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -24,6 +25,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.higher_order.flex_attention,
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 

@@ -33,9 +33,13 @@ def apply_fsdp(
     compute_dtype: torch.dtype,
     reshard_after_forward: bool,
     cpu_offload: bool,
+    explicit_prefetch: bool = False,
 ) -> nn.Module:
-    """Shard each block, then the root (embeddings, final norm, head). ``mesh`` is 1-D (FSDP) or 2-D (HSDP), of
-    one rank for CPU offload alone (nothing is sharded: FSDP2 streams each block's parameters to the device)."""
+    """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
+    and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
+    while the blocks' backward runs rather than at its end; then the root (what is left). ``mesh`` is 1-D (FSDP) or
+    2-D (HSDP), of one rank for CPU offload alone (nothing is sharded: FSDP2 streams each block's parameters to
+    the device). ``explicit_prefetch`` (expert parallelism): ``prefetch_in_order``."""
     from torch.distributed.fsdp import fully_shard
 
     kw = dict(
@@ -45,9 +49,52 @@ def apply_fsdp(
     )
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    embed, head = head_units(model)
+    if embed is not None:
+        fully_shard(embed, reshard_after_forward=reshard_after_forward, **kw)
+    if head:
+        fully_shard(head, reshard_after_forward=False, **kw)
     # the root's parameters are used last in forward and first in backward: never reshard them
     fully_shard(model, reshard_after_forward=False, **kw)
+    if explicit_prefetch:
+        prefetch_in_order(model, blocks, embed, head)
     return model
+
+
+def head_units(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """(the embedding, [final norm, head]) to shard as units of their own, each None / empty where it stays in
+    the root: tied embeddings (one weight for both), multi-token prediction (its modules embed and project again
+    after the blocks), a pipeline stage without them."""
+    embed, norm, output = (getattr(model, n, None) for n in ("tok_embeddings", "norm", "output"))
+    if getattr(model, "mtp", None) is not None:
+        return None, []
+    if embed is not None and output is not None and output.weight is embed.weight:
+        return None, []
+    return embed, [m for m in (norm, output) if m is not None] if output is not None else []
+
+
+def prefetch_in_order(
+    model: nn.Module, blocks: list[nn.Module], embed: nn.Module | None, head: list[nn.Module]
+) -> None:
+    """Each unit all-gathers the next one's parameters when its own forward starts (in backward the previous
+    one's), a MoE block's experts with it. Under expert parallelism every MoE block waits on the host for its
+    token counts, so the next unit's gather, issued implicitly when the host reaches it, would start too late to
+    hide behind this block's compute."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def with_experts(block: nn.Module) -> list[nn.Module]:
+        return [block] + [m.experts for m in moe_modules(block) if isinstance(m.experts, FSDPModule)]
+
+    if not blocks:
+        return
+    (embed if embed is not None else model).set_modules_to_forward_prefetch(with_experts(blocks[0]))
+    for block, nxt in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch(with_experts(nxt))
+    if head:
+        blocks[-1].set_modules_to_forward_prefetch([head[-1]])
+        head[-1].set_modules_to_backward_prefetch(with_experts(blocks[-1]))
+    for block, prev in zip(blocks[1:], blocks):
+        block.set_modules_to_backward_prefetch(with_experts(prev))
 
 
 def apply_fsdp_experts(

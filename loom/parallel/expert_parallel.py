@@ -12,6 +12,14 @@ from loom.models.common.moe import MoE, moe_modules
 from loom.parallel.collectives import gather_rows, reduce_scatter_rows
 
 
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows of ``x`` exchanged over ``group`` (``send[i]`` to rank i, ``recv[i]`` from it) by the functional
+    all-to-all, whose output op-level activation checkpointing saves (``_SAVE_OPS``): its recomputation in backward
+    replays the exchange instead of sending the tokens again."""
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), recv, send, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` (R, E) exchanged over ``group``: ``send[i]`` rows go to rank i, ``recv[i]`` come from it;
     NVTX range ``name`` around the exchange (``name.backward`` around the backward's) under metrics.nvtx."""
@@ -19,25 +27,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group, name: str) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group, ctx.name = send, recv, group, name
-        out = x.new_empty(sum(recv), x.shape[1])
         with nvtx_range(name):
-            dist.all_to_all_single(
-                out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
-            )
-        return out
+            return exchange(x, send, recv, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        back = grad.new_empty(sum(ctx.send), grad.shape[1])
         with nvtx_range(f"{ctx.name}.backward"):
-            dist.all_to_all_single(
-                back,
-                grad.contiguous(),
-                output_split_sizes=ctx.send,
-                input_split_sizes=ctx.recv,
-                group=ctx.group,
-            )
-        return back, None, None, None, None
+            return exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None, None
 
 
 def all_to_all(
@@ -95,10 +91,11 @@ class ExpertParallel:
         the experts' outputs, same rows. ``local``: passed on to ``experts`` (``MoEParallel.local``)."""
         n_local = counts.numel() // self.size
         send_counts = counts.view(self.size, n_local)  # (ep, n_local): to rank i, per expert of rank i
-        recv_counts = torch.empty_like(send_counts)  # (ep, n_local): from rank i, per local expert
         with nvtx_range("ep.counts"):
-            dist.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1), group=self.group)
-            send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+            equal = [n_local] * self.size
+            recv_counts = exchange(send_counts.reshape(-1), equal, equal, self.group).view(self.size, n_local)
+            # (ep, n_local): from rank i, per local expert; both split lists in one wait for the device
+            send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         got = all_to_all(x, send, recv, self.group, "ep.dispatch")  # (R, E): per source rank, by local expert
         expert = torch.arange(n_local, device=x.device).repeat(self.size)  # the local expert of each block
         order = torch.repeat_interleave(expert, recv_counts.reshape(-1)).argsort(stable=True)  # by expert

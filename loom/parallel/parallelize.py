@@ -153,6 +153,7 @@ def parallelize_llama(
                 compute_dtype=DTYPES[training.dtype],
                 reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                 cpu_offload=parallel.cpu_offload,
+                explicit_prefetch=dims.ep_enabled,
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device

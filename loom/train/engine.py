@@ -26,7 +26,13 @@ from loom.config.sections import Config
 from loom.data import build_loader, build_tokenizer, describe_sources, prepare_data
 from loom.data.loader import MicroBatch
 from loom.data.sources import parse_source
-from loom.kernels.dispatch import AttentionShape, fastest, measure_attention
+from loom.kernels.dispatch import (
+    AttentionShape,
+    check_pinned_sdpa,
+    describe_choice,
+    fastest,
+    measure_attention,
+)
 from loom.metrics.nvtx import enable as enable_nvtx
 from loom.metrics.nvtx import nvtx_range
 from loom.metrics.profile import StepProfiler, transformer_blocks
@@ -414,6 +420,8 @@ class Engine:
         if times_attention(self.run):
             self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
         self.kernels, self.model_args = self.run.kernels, self.run.model_args
+        # SDPA pinned to one backend by hand: PyTorch's own check on this rank's shape, a ConfigError where it refuses
+        check_pinned_sdpa(self.kernels.attention, self.attention_shape(self.model_args), self.device)
         with torch.device("meta"):
             model = build_model(self.model_args)
         # LoRA: adapters on lora.targets, the rest frozen (0: off)
@@ -444,12 +452,10 @@ class Engine:
         self.dtype = DTYPES[cfg.training.dtype]
         self.parallel_model = pm
 
-    def _measure_attention(self, args) -> str:
-        """``model.attention = auto`` on CUDA: forward + backward of the candidates on this rank's attention shape
-        (packed documents: loom's kernel and FlexAttention on the run's first micro-batch's documents; otherwise
-        SDPA and loom's kernel); every rank uses rank 0's figures, so all choose the same backend."""
+    def attention_shape(self, args) -> AttentionShape:
+        """What one attention call of this rank sees: a micro-batch of whole sequences, the heads tp leaves it."""
         cfg, tp = self.cfg, self.cfg.parallel.tp
-        shape = AttentionShape(
+        return AttentionShape(
             cfg.training.micro_batch_size,
             args.n_heads // tp,
             args.n_kv_heads // tp,
@@ -457,10 +463,23 @@ class Engine:
             args.head_dim,
             DTYPES[cfg.training.dtype],
         )
+
+    def _measure_attention(self, args) -> str:
+        """``model.attention = auto`` on CUDA: forward + backward of the candidates on this rank's attention shape
+        (packed documents: loom's kernel and FlexAttention on the run's first micro-batch's documents; otherwise
+        loom's kernel and SDPA pinned to cuDNN and to FlashAttention-2, those PyTorch lets run here), timed once
+        per shape in the process; every rank uses rank 0's figures, so all choose the same backend."""
+        cfg = self.cfg
+        shape = self.attention_shape(args)
         positions = self._first_positions() if cfg.data.document_positions else None
         times = self.env.share_from_main(measure_attention(attend, shape, self.device, positions))
         torch.cuda.empty_cache()
-        self.attention_times = {"shape": shape.describe(), "ms_fwd_bwd": times, "chosen": fastest(times)}
+        self.attention_times = {
+            "shape": shape.describe(),
+            "ms_fwd_bwd": times,
+            "chosen": fastest(times),
+            "verdict": describe_choice(times),
+        }
         if self.env.is_main:
             with open(os.path.join(self.run_dir, "kernels.json"), "w") as fh:
                 json.dump(self.attention_times, fh, indent=1)
@@ -712,7 +731,7 @@ class Engine:
             return ""
         t = self.attention_times
         figures = ", ".join(f"{name} {ms:.3f}" for name, ms in t["ms_fwd_bwd"].items())
-        return f" (attention measured at start-up, ms per forward+backward on {t['shape']}: {figures})"
+        return f" (attention timed at start-up on {t['shape']}: {t['verdict']}; ms per forward+backward: {figures})"
 
     def describe_steps(self) -> list[str]:
         """The step strategy's banner lines."""

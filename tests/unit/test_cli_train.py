@@ -216,6 +216,11 @@ CASES = [
     ),
     ("bad-attention", ["--model.attention", "flex"], ["model.attention = 'flex'", "auto", "sdpa", "flash"]),
     (
+        "pinned-sdpa-off-cuda",
+        ["--model.attention", "sdpa_cudnn"],
+        ["model.attention = 'sdpa_cudnn'", "needs CUDA", "allowed auto | sdpa | flash | flex"],
+    ),
+    (
         "fused-loss-with-tp",
         ["--parallel.tp", "2", "--model.fused_loss", "true"],
         ["model.fused_loss = True", "not supported with parallel.tp > 1"],

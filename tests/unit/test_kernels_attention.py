@@ -318,10 +318,8 @@ def test_measure_times_every_candidate_and_never_picks_a_failing_one():
 
 
 def test_measure_attention_times_the_candidates_through_the_models_call():
-    from loom.kernels.dispatch import AttentionShape, attention_candidates, measure_attention
+    from loom.kernels.dispatch import AttentionShape, measure_attention
 
-    assert attention_candidates(documents=True) == ("flash", "flex")
-    assert attention_candidates(documents=False) == ("sdpa", "flash")
     calls = []
 
     def attend(q, k, v, backend, positions):
@@ -341,7 +339,132 @@ def test_measure_attention_times_the_candidates_through_the_models_call():
     assert calls[0][1:3] == ((2, 4, 8, 16), (2, 2, 8, 16))
     calls.clear()
     measure_attention(attend, shape, torch.device("cpu"), timer=timer)
-    assert [c[0] for c in calls] == ["sdpa", "flash"] and calls[0][3] is None
+    # fp32 on the CPU: neither pinned SDPA backend can run, PyTorch's own SDPA choice is the other candidate
+    assert [c[0] for c in calls] == ["flash", "sdpa"] and calls[0][3] is None
+
+
+def test_attention_candidates_per_device_dtype_and_documents():
+    """auto times loom's kernel against SDPA pinned to cuDNN and to FlashAttention-2 wherever they can run (16-bit
+    on CUDA, their head dims), PyTorch's own SDPA choice where neither can, and Flex with packed documents."""
+    from loom.kernels.dispatch import attention_candidates
+
+    pinned = ("flash", "sdpa_cudnn", "sdpa_flash")
+    assert attention_candidates(False, "cuda", "bfloat16", 128) == pinned
+    assert attention_candidates(False, "cuda", "float16", 64) == pinned
+    assert attention_candidates(False, "cuda", "bfloat16") == pinned  # head dim unknown: the device decides
+    assert attention_candidates(False, "cuda", "float32", 128) == ("flash", "sdpa")
+    assert attention_candidates(False, "cpu", "bfloat16", 128) == ("flash", "sdpa")
+    assert attention_candidates(False, "cuda", "bfloat16", 36) == (
+        "flash",
+        "sdpa_flash",
+    )  # cuDNN: multiples of 8
+    assert attention_candidates(False, "cuda", "bfloat16", 320) == ("flash", "sdpa")
+    for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "bfloat16")):
+        assert attention_candidates(True, device, dtype, 128) == ("flash", "flex")
+
+
+def test_measure_attention_times_a_shape_once_per_process():
+    """The start-up timing is cached per shape (and device, candidates, documents): a second engine on the same
+    shape times nothing; another shape or other documents are timed."""
+    from loom.kernels.dispatch import AttentionShape, measure_attention
+
+    timed = []
+
+    def attend(q, k, v, backend, positions):
+        timed.append(backend)
+        return q
+
+    def timer(fn, inputs):
+        fn(*inputs)
+        return {"flash": 2.0, "sdpa": 1.0}[timed[-1]]
+
+    shape = AttentionShape(1, 2, 2, 8, 16, torch.float32)
+    cpu = torch.device("cpu")
+    first = measure_attention(attend, shape, cpu, timer=timer)
+    assert first == {"flash": 2.0, "sdpa": 1.0} and timed == ["flash", "sdpa"]
+    first["flash"] = 0.0  # a copy: the cache keeps its own figures
+    assert measure_attention(attend, shape, cpu, timer=timer) == {"flash": 2.0, "sdpa": 1.0}
+    assert len(timed) == 2
+    measure_attention(attend, AttentionShape(1, 2, 2, 16, 16, torch.float32), cpu, timer=timer)
+    assert len(timed) == 4
+    docs = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    timer_docs = lambda fn, inputs: fn(*inputs) is not None and 1.0
+    measure_attention(attend, shape, cpu, docs, timer=timer_docs)
+    measure_attention(attend, shape, cpu, docs.clone(), timer=timer_docs)  # the same documents: cached
+    assert timed[4:] == ["flash", "flex"]
+    measure_attention(attend, shape, cpu, torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]]), timer=timer_docs)
+    assert len(timed) == 8
+
+
+def test_the_start_up_line_names_the_winner_and_its_margin():
+    import math
+
+    from loom.kernels.dispatch import describe_choice
+
+    times = {"flash": 1.1, "sdpa_cudnn": 1.0, "sdpa_flash": 1.3}
+    assert describe_choice(times) == "sdpa_cudnn won, 1.10x flash (the next)"
+    assert (
+        describe_choice({"flash": 2.0, "sdpa_cudnn": math.inf}) == "flash won (the only candidate that ran)"
+    )
+
+
+def test_pinned_sdpa_is_refused_where_it_cannot_run():
+    """model.attention = sdpa_cudnn / sdpa_flash by hand: one line naming the field, the value and what is allowed
+    off CUDA, in fp32, with packed documents or a sliding window, past the head dims, cuDNN when deterministic."""
+    from loom.config import ConfigError, build_config
+    from loom.kernels.dispatch import kernel_choice
+
+    def choose(backend, device="cuda", head_dim=64, window=0, **fields):
+        cfg = build_config(None, {"model.attention": backend, "training.dtype": "bfloat16", **fields})
+        return kernel_choice(cfg, device, triton=False, window=lambda: window, head_dim=lambda: head_dim)
+
+    for backend in ("sdpa_cudnn", "sdpa_flash"):
+        assert choose(backend).attention == backend
+        cases = [
+            (dict(device="cpu"), "needs CUDA"),
+            (dict(**{"training.dtype": "float32"}), "bfloat16 / float16 only"),
+            (dict(**{"data.document_positions": "true"}), "plain causal attention only"),
+            (dict(window=128), "plain causal attention only"),
+            (dict(head_dim=512), "head dims up to 256"),
+        ]
+        for kwargs, match in cases:
+            with pytest.raises(ConfigError, match=f"model.attention = '{backend}': .*{match}") as err:
+                choose(backend, **kwargs)
+            assert "\n" not in str(err.value) and "allowed auto | sdpa | flash | flex" in str(err.value)
+    with pytest.raises(ConfigError, match="multiple of 8; this model's attention has 36"):
+        choose("sdpa_cudnn", head_dim=36)
+    assert choose("sdpa_flash", head_dim=36).attention == "sdpa_flash"
+    with pytest.raises(ConfigError, match="not deterministic"):
+        choose("sdpa_cudnn", **{"run.deterministic": "true"})
+    assert choose("sdpa_flash", **{"run.deterministic": "true"}).attention == "sdpa_flash"
+
+
+def test_pinned_sdpa_reads_the_models_head_dim():
+    """The resolver asks the model's shape for the head dim (the debug flavor's 16: both pinned backends take it)."""
+    from loom.config import ConfigError, build_config
+    from loom.resolve import model_kernels
+
+    cfg = build_config(
+        None, {"model.attention": "sdpa_cudnn", "model.flavor": "debug", "training.dtype": "bfloat16"}
+    )
+    assert model_kernels(cfg, "cuda", triton=False).attention == "sdpa_cudnn"
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        model_kernels(cfg, "cpu")
+
+
+def test_pinned_sdpa_off_cuda_is_plain_sdpa_and_torch_is_asked_on_cuda_only():
+    """Off CUDA (the planner's fake tensors) the pinned backends compute plain SDPA; PyTorch's own check (its
+    SDPAParams as this torch builds them) refuses CPU tensors; the run-time check is a no-op off CUDA."""
+    from loom.kernels.dispatch import AttentionShape, check_pinned_sdpa, torch_takes
+    from loom.models.common.layers import attend
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=gen) for h in (4, 2, 2))
+    plain = attend(q, k, v, "sdpa", None)
+    for backend in ("sdpa_cudnn", "sdpa_flash"):
+        assert torch.equal(attend(q, k, v, backend, None), plain)
+        assert not torch_takes(backend, q, k, v)
+        check_pinned_sdpa(backend, AttentionShape(2, 4, 2, 16, 8, torch.bfloat16), torch.device("cpu"))
 
 
 def test_attention_calls_off_triton_run_the_reference():
@@ -420,24 +543,26 @@ def test_triton_kernels_in_the_cpu_interpreter():
 
 
 def test_fp32_inputs_keep_full_precision_matmuls_on_a_gpu(monkeypatch):
-    """Triton's fp32 dots default to TF32; the kernels follow PyTorch's float32 matmul precision instead (full fp32
-    at its default "highest"), through a launch option Triton's CUDA backend knows. 16-bit inputs: no option."""
+    """``tl.dot`` turns an unset input precision into TF32 itself (a launch option never reaches it: measured on an
+    H200, 3.4e-2 off float64 either way), so every dot of the kernels takes DOT_PRECISION: "ieee" for fp32 at
+    PyTorch's default float32 matmul precision ("highest"), "tf32" where PyTorch allows TF32 or the inputs are 16-bit
+    (where it changes nothing); "ieee" in the CPU interpreter (which computes in fp32 anyway)."""
     pytest.importorskip("triton")
-    from dataclasses import fields
-
-    from triton.backends.nvidia.compiler import CUDAOptions
+    import inspect
 
     from loom.kernels.attention import triton as T
 
+    src = inspect.getsource(T)
+    assert src.count("tl.dot(") == src.count("input_precision=DOT_PRECISION") == 9
     monkeypatch.setattr(T, "interpreting", lambda: False)
     q32, q16 = torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16)
-    (option,) = T.dot_precision(q32).items()
-    assert option == ("default_dot_input_precision", "ieee")
-    assert option[0] in {f.name for f in fields(CUDAOptions)}
-    assert T.dot_precision(q16) == {}
+    assert T.dot_precision(q32) == {"DOT_PRECISION": "ieee"}
+    assert T.dot_precision(q16) == {"DOT_PRECISION": "tf32"}
     old = torch.get_float32_matmul_precision()
     try:
-        torch.set_float32_matmul_precision("high")  # TF32 allowed: Triton's default stands
-        assert T.dot_precision(q32) == {}
+        torch.set_float32_matmul_precision("high")  # TF32 allowed, as torch.matmul would use it
+        assert T.dot_precision(q32) == {"DOT_PRECISION": "tf32"}
     finally:
         torch.set_float32_matmul_precision(old)
+    monkeypatch.setattr(T, "interpreting", lambda: True)
+    assert T.dot_precision(q16) == {"DOT_PRECISION": "ieee"}

@@ -197,3 +197,20 @@ def test_sliding_window_is_the_same_mask_on_every_backend(seq, window, documents
         )
     starts = None if positions is None else document_starts(doc_ids_from_positions(positions))
     torch.testing.assert_close(flex_attend(q, k, v, starts, window), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_fsdp_units_of_their_own_for_an_untied_embedding_and_head():
+    """The embedding and [norm, head] get FSDP2 units of their own (the head's gradients then reduce while the
+    blocks' backward runs); tied embeddings, multi-token prediction and a pipeline stage without them keep them in
+    the root."""
+    from loom.parallel.data_parallel import head_units
+
+    with torch.device("meta"):
+        untied = Llama(FLAVORS["debug"].with_(vocab_size=384, tie_embeddings=False))
+        tied = Llama(FLAVORS["debug"].with_(vocab_size=384, tie_embeddings=True))
+    assert head_units(untied) == (untied.tok_embeddings, [untied.norm, untied.output])
+    assert head_units(tied) == (None, [])
+    untied.output = None  # a first pipeline stage
+    assert head_units(untied) == (untied.tok_embeddings, [])
+    untied.mtp = torch.nn.ModuleDict()  # multi-token prediction embeds again after the blocks
+    assert head_units(untied) == (None, [])

@@ -277,3 +277,45 @@ def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
         dims = ParallelDims.from_config(cfg.parallel, world)
         check_model(dims, resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), cfg.parallel)
     assert err.value.field == field and says in str(err.value)
+
+
+def test_op_level_checkpointing_replays_the_expert_exchange(tmp_path):
+    """Under expert parallelism (here over a group of one rank) op-level activation checkpointing saves the token
+    all-to-alls: its recomputation in backward exchanges nothing again (forward: counts, dispatch, combine; backward:
+    the two reverse exchanges), and the gradients are those of the block without checkpointing."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+    from loom.parallel.expert_parallel import ExpertParallel, moe_parallel
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func == torch.ops._c10d_functional.all_to_all_single.default
+            return func(*args, **(kwargs or {}))
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 6, 16)
+        grads, exchanges = {}, {}
+        for mode in ("none", "op"):
+            layers = nn.ModuleDict({"0": _moe()})
+            moe_parallel(layers).ep = ExpertParallel(dist.group.WORLD, 1)
+            apply_activation_checkpointing(layers, mode, 1)
+            with Count() as count:
+                layers["0"](x.clone().requires_grad_()).square().sum().backward()
+            moe = next(m for m in layers.modules() if isinstance(m, MoE))
+            grads[mode], exchanges[mode] = [p.grad for p in moe.parameters()], count.n
+    finally:
+        if own:
+            dist.destroy_process_group()
+    assert exchanges == {"none": 5, "op": 5}
+    for got, want in zip(grads["op"], grads["none"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

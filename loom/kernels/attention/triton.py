@@ -173,6 +173,7 @@ def _fwd_blocks(
     full_hi,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Key blocks [lo, hi). MASKED: 0 none is masked, 1 every one, 2 those outside [full_lo, full_hi) (one
     software-pipelined loop where a split into three would each fill and drain the pipeline: documents)."""
@@ -184,7 +185,7 @@ def _fwd_blocks(
             )  # (D, N)
         else:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
-        s = tl.dot(q, kt) * qk_scale  # (M, N) fp32, log2 units
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32, log2 units
         if MASKED == 1:
             s = tl.where(_in_range(offs_n, lo_q, hi_q), s, float("-inf"))
         if MASKED == 2:
@@ -205,7 +206,7 @@ def _fwd_blocks(
         else:
             v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -242,6 +243,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     m0 = (
         tl.num_programs(0) - 1 - tl.program_id(0)
@@ -285,6 +287,7 @@ def _attn_fwd(
             c,
             2,
             BLOCK_N,
+            DOT_PRECISION,
         )
     else:
         acc, l_i, m_i = _fwd_blocks(
@@ -307,6 +310,7 @@ def _attn_fwd(
             d,
             1,
             BLOCK_N,
+            DOT_PRECISION,
         )
         acc, l_i, m_i = _fwd_blocks(
             acc,
@@ -328,6 +332,7 @@ def _attn_fwd(
             d,
             0,
             BLOCK_N,
+            DOT_PRECISION,
         )
         acc, l_i, m_i = _fwd_blocks(
             acc,
@@ -349,6 +354,7 @@ def _attn_fwd(
             d,
             1,
             BLOCK_N,
+            DOT_PRECISION,
         )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -387,6 +393,7 @@ def _bwd_dkdv_blocks(
     HAS_DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -405,16 +412,18 @@ def _bwd_dkdv_blocks(
             do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
             lse2 = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
-        st = tl.dot(k, tl.trans(q)) * qk_scale  # (N, M): scores transposed, log2 units
+        st = (
+            tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        )  # (N, M): scores transposed, log2 units
         pt = tl.math.exp2(st - lse2[None, :])
         if MASKED:
             start_q, end_q = _doc_bounds(START_B, END_B, S, offs_m, in_seq, HAS_DOCS)
             lo_q, hi_q = _row_range(offs_m, S, start_q, end_q, CAUSAL, WINDOW)
             pt = tl.where((offs_n[:, None] >= lo_q[None, :]) & (offs_n[:, None] <= hi_q[None, :]), pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv)
-        dpt = tl.dot(v, tl.trans(do))  # (N, M)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (N, M)
         dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(q.dtype), q, dk)
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -463,6 +472,7 @@ def _dkdv_program(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group. The
     queries' mask reads BOUNDS; which query blocks to visit, KBOUNDS (the keys' side: the same table when
@@ -510,6 +520,7 @@ def _dkdv_program(
             HAS_DOCS,
             WINDOW,
             BLOCK_M,
+            DOT_PRECISION,
         )
         dk, dv = _bwd_dkdv_blocks(
             dk,
@@ -535,6 +546,7 @@ def _dkdv_program(
             HAS_DOCS,
             WINDOW,
             BLOCK_M,
+            DOT_PRECISION,
         )
         dk, dv = _bwd_dkdv_blocks(
             dk,
@@ -560,6 +572,7 @@ def _dkdv_program(
             HAS_DOCS,
             WINDOW,
             BLOCK_M,
+            DOT_PRECISION,
         )
     tl.store(
         DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
@@ -595,6 +608,7 @@ def _bwd_dq_blocks(
     full_hi,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Key blocks [lo, hi); MASKED as in _fwd_blocks."""
     for n0 in range(lo, hi, BLOCK_N):
@@ -609,15 +623,15 @@ def _bwd_dq_blocks(
         else:
             kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])  # (D, N)
             vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None])  # (D, N)
-        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])  # (M, N)
+        p = tl.math.exp2(tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])  # (M, N)
         if MASKED == 1:
             p = tl.where(_in_range(offs_n, lo_q, hi_q), p, 0.0)
         if MASKED == 2:
             if (n0 < full_lo) | (n0 >= full_hi):
                 p = tl.where(_in_range(offs_n, lo_q, hi_q), p, 0.0)
-        dp = tl.dot(do, vt)  # (M, N)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)  # (M, N)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -661,6 +675,7 @@ def _dq_program(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """dQ of queries [m0, m0 + BLOCK_M) of head ``h``."""
     bh = b * H + h
@@ -704,6 +719,7 @@ def _dq_program(
             c,
             2,
             BLOCK_N,
+            DOT_PRECISION,
         )
     else:
         dq = _bwd_dq_blocks(
@@ -727,6 +743,7 @@ def _dq_program(
             d,
             1,
             BLOCK_N,
+            DOT_PRECISION,
         )
         dq = _bwd_dq_blocks(
             dq,
@@ -749,6 +766,7 @@ def _dq_program(
             d,
             0,
             BLOCK_N,
+            DOT_PRECISION,
         )
         dq = _bwd_dq_blocks(
             dq,
@@ -771,6 +789,7 @@ def _dq_program(
             d,
             1,
             BLOCK_N,
+            DOT_PRECISION,
         )
     tl.store(
         DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
@@ -822,6 +841,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     HK = H // GROUP
     _dkdv_program(
@@ -868,6 +888,7 @@ def _attn_bwd_dkdv(
         HEAD_DIM,
         BLOCK_M,
         BLOCK_N,
+        DOT_PRECISION,
     )
 
 
@@ -909,6 +930,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
     _dq_program(
@@ -950,6 +972,7 @@ def _attn_bwd_dq(
         HEAD_DIM,
         BLOCK_M,
         BLOCK_N,
+        DOT_PRECISION,
     )
 
 
@@ -1071,11 +1094,11 @@ _TUNED: dict = {}
 
 
 def dot_precision(q: torch.Tensor) -> dict:
-    """Launch options for fp32 inputs: the kernels' matmuls in full fp32 unless PyTorch's float32 matmul precision
-    allows TF32 (as torch.matmul does; Triton's own default for fp32 is TF32). Other dtypes: nothing."""
-    if q.dtype != torch.float32 or interpreting() or torch.get_float32_matmul_precision() != "highest":
-        return {}
-    return {"default_dot_input_precision": "ieee"}
+    """The kernels' ``tl.dot`` input precision, passed explicitly (``tl.dot`` resolves an unset one to TF32 itself,
+    before any launch option is read): fp32 inputs in full fp32 unless PyTorch's float32 matmul precision allows
+    TF32 (as torch.matmul does); 16-bit inputs ignore it."""
+    tf32 = q.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest"
+    return {"DOT_PRECISION": "tf32" if tf32 and not interpreting() else "ieee"}
 
 
 def check_inputs(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from loom.kernels.attention.flex import flex_attend
 from loom.kernels.attention.op import flash_attention
 from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, document_starts, visible
+from loom.kernels.dispatch import PINNED_SDPA
 from loom.kernels.rmsnorm.op import rms_norm
 from loom.kernels.rmsnorm.reference import rms_norm as rms_norm_reference
 from loom.kernels.rope.op import apply_rope as fused_apply_rope
@@ -53,8 +55,17 @@ def attend(
     masked = bounds is not None or window > 0
     # (B or 1, 1, S, S), slower
     mask = visible(q.shape[2], True, bounds, window, q.device) if masked else None
-    # SDPA picks its own backend; no sdpa_kernel(..., set_priority=True) context: it changes other SDPA calls'
-    # choice in the process (docs/kernels.md)
+    if backend in PINNED_SDPA and q.is_cuda:
+        # SDPA on one of PyTorch's backends ("sdpa_cudnn", "sdpa_flash"): the context enables only that one and
+        # restores the previous set on exit; it leaves the process-wide priority order alone (docs/kernels.md).
+        # The backward runs the backend's own backward op, whatever context it runs in. Off CUDA (the planner's
+        # fake tensors) plain SDPA: the same math.
+        with sdpa_kernel(getattr(SDPBackend, PINNED_SDPA[backend])):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+            )
+    # "sdpa": PyTorch picks its own backend; no sdpa_kernel(..., set_priority=True) context: it changes other SDPA
+    # calls' choice in the process (docs/kernels.md)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
@@ -121,7 +132,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.backend = (
-            backend  # "sdpa" (PyTorch), "flash" (loom's Triton FlashAttention-2), "flex" (FlexAttention)
+            backend  # "sdpa" (PyTorch's choice), "sdpa_cudnn" / "sdpa_flash" (SDPA on that backend), "flash"
+            # (loom's Triton FlashAttention-2), "flex" (FlexAttention)
         )
         self.window = window
         self.apply_rope = fused_apply_rope if fused_rope else apply_rope  # fused: one loom::apply_rope op

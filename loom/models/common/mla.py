@@ -224,7 +224,7 @@ class LatentAttention(nn.Module):
         ):
             width = max(
                 self.qk_dim, self.v_dim
-            )  # one head dim for loom's kernel / Flex: zero-pad the narrower
+            )  # one head dim for loom's kernel / Flex / SDPA pinned to a backend: zero-pad the narrower
             q, k = (F.pad(t, (0, width - self.qk_dim)) for t in (q, k))
             v = F.pad(v, (0, width - self.v_dim))
         if not math.isclose(
