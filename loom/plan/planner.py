@@ -221,6 +221,13 @@ def estimate(
             "eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
             "not in this estimate (docs/benchmarks.md)"
         )
+    if dims.ep > 1 and args.moe:
+        notes.append(
+            "expert parallelism waits on the host for its token counts in every MoE block (forward and "
+            "recomputation), and the GPU idles until the host launches the rest: this estimate is the GPU's work "
+            "(Qwen3-MoE, 12 blocks, EP2 on 2xH200: 310 ms estimated, 316 ms of kernels in the profiled step, "
+            "37% of it idle; docs/planner.md, Expert parallelism)"
+        )
     margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
     return Estimate(
         layout,
@@ -436,8 +443,8 @@ def rank_time(
         # an ep group: ep ranks of dp_shard x cp, with the tp ranks inside it (etp = 1) or tp apart (etp = tp)
         span = dims.ep * dims.etp
         bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
-        # a recomputed MoE block exchanges its slots again (op-level checkpointing saves no collective)
-        rerun = moe_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)
+        # a block recomputed in full exchanges its slots again (op-level checkpointing replays the saved exchange)
+        rerun = exchange_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)
         per_block = (4 + 2 * rerun) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.moe_layers * per_block
     # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
@@ -489,6 +496,13 @@ def moe_rerun(ac: str, every: int, n_layers: int) -> float:
     """Share of MoE blocks whose forward reruns in the backward (op-level checkpointing reruns the MoE part of
     every block)."""
     return 1.0 if ac == "op" else 3 * recompute_share(ac, every, n_layers)[1]
+
+
+def exchange_rerun(ac: str, every: int, n_layers: int) -> float:
+    """Share of MoE blocks whose recomputation sends the slots through expert parallelism's all-to-alls again: those
+    recomputed in full (full, every-k); op-level checkpointing saves the exchanges' outputs and replays them
+    (loom.parallel.activation_checkpoint)."""
+    return 0.0 if ac == "op" else moe_rerun(ac, every, n_layers)
 
 
 def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU, x: MemoryInputs | None = None) -> MoETime:

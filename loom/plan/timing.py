@@ -17,9 +17,9 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   all-gather of K and V per block in forward, a reduce-scatter of their gradients in backward, exposed (ring:
   loom.plan.planner.ring_exposed_s);
   expert parallelism: each MoE block sends its routed token-slots to the experts' ranks and back, in forward and
-  in backward (4 all-to-alls, costed like an all-gather of the slots; 2 more where the block's MoE forward reruns:
-  op-level checkpointing saves no collective), exposed; MoE FLOPs count the router and the top_k experts a token
-  goes through, assuming balanced routing;
+  in backward (4 all-to-alls, costed like an all-gather of the slots; 2 more where full checkpointing reruns the
+  block: op-level checkpointing saves the exchanges and replays them), exposed; MoE FLOPs count the router and the
+  top_k experts a token goes through, assuming balanced routing;
 - mixture of experts, beyond the active experts' matmuls: every expert weight is cast to bf16 each forward and
   its gradient cast back (``MOE_WEIGHT_CAST_BYTES`` per parameter of a rank's experts, 6 more when recomputed;
   under FSDP2 its copies instead: ``fsdp_expert_bytes``), and routing moves each token-slot (sort, gather,
