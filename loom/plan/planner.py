@@ -56,6 +56,9 @@ from loom.plan.timing import (
     attention_flops,
     collective_s,
     efficiency,
+    ep_overhead_s,
+    fsdp_expert_bytes,
+    grouped_padding_flops,
     moe_overhead_s,
     recompute_share,
 )
@@ -217,6 +220,13 @@ def estimate(
         notes.append(
             "eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
             "not in this estimate (docs/benchmarks.md)"
+        )
+    if dims.ep > 1 and args.moe:
+        notes.append(
+            "expert parallelism waits on the host for its token counts in every MoE block (forward and "
+            "recomputation), and the GPU idles until the host launches the rest: this estimate is the GPU's work "
+            "(Qwen3-MoE, 12 blocks, EP2 on 2xH200: 310 ms estimated, 316 ms of kernels in the profiled step, "
+            "37% of it idle; docs/planner.md, Expert parallelism)"
         )
     margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
     return Estimate(
@@ -400,11 +410,11 @@ def rank_time(
         peak * attention_efficiency(args.head_dim, t.seq_len)
     )
     if args.moe:
-        moe_mb = moe_time_s(share, args, dims, tokens, t, gpu)
+        moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x)
         compute_mb += moe_mb.extra_matmul / (peak * eff)
     st = StepTime(compute=m * compute_mb)
     if args.moe:
-        st.moe = m * moe_mb.overhead
+        st.moe = m * moe_mb.overhead + moe_mb.per_step
     if dims.pp > 1:
         bubble = theoretical_bubble(p.pp_schedule, dims.pp, m, stages_per_rank(p), t.steps)
         st.bubble = st.compute * bubble / (1 - bubble)
@@ -433,7 +443,9 @@ def rank_time(
         # an ep group: ep ranks of dp_shard x cp, with the tp ranks inside it (etp = 1) or tp apart (etp = tp)
         span = dims.ep * dims.etp
         bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
-        per_block = (4 + (2 if recomputed else 0)) * collective_s(slots, dims.ep, bandwidth)
+        # a block recomputed in full exchanges its slots again (op-level checkpointing replays the saved exchange)
+        rerun = exchange_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)
+        per_block = (4 + 2 * rerun) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.moe_layers * per_block
     # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
     if dims.etp > 1:
@@ -472,8 +484,12 @@ def ring_exposed_s(
 
 @dataclass
 class MoETime:
-    extra_matmul: float  # FLOPs: the experts' grouped GEMMs op-level checkpointing recomputes beyond rec_mm
-    overhead: float  # seconds: weight casts and routing (loom.plan.timing.moe_overhead_s)
+    # FLOPs: the grouped GEMMs op-level checkpointing recomputes beyond rec_mm, and their part-filled tiles
+    extra_matmul: float
+    # seconds per micro-batch: weight casts (or FSDP2's copies), routing, expert parallelism's permutation
+    overhead: float
+    # seconds once per step: the expert-gradient rescale under expert parallelism
+    per_step: float = 0.0
 
 
 def moe_rerun(ac: str, every: int, n_layers: int) -> float:
@@ -482,18 +498,43 @@ def moe_rerun(ac: str, every: int, n_layers: int) -> float:
     return 1.0 if ac == "op" else 3 * recompute_share(ac, every, n_layers)[1]
 
 
-def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU) -> MoETime:
+def exchange_rerun(ac: str, every: int, n_layers: int) -> float:
+    """Share of MoE blocks whose recomputation sends the slots through expert parallelism's all-to-alls again: those
+    recomputed in full (full, every-k); op-level checkpointing saves the exchanges' outputs and replays them
+    (loom.parallel.activation_checkpoint)."""
+    return 0.0 if ac == "op" else moe_rerun(ac, every, n_layers)
+
+
+def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU, x: MemoryInputs | None = None) -> MoETime:
     """One micro-batch's MoE terms on this rank (see loom.plan.timing's docstring). With tensor-parallel experts
-    (etp = tp) a rank routes the tp group's gathered slots through a 1/tp slice of each of its experts."""
+    (etp = tp) a rank routes the tp group's gathered slots through a 1/tp slice of each of its experts. ``x``: the
+    layout's memory inputs (FSDP2 on the experts: their copies replace the casts)."""
     ac, layers = t.activation_checkpointing, share.moe_layers
     rerun = moe_rerun(ac, t.ac_every, args.n_layers)
     slots = tokens * args.moe_top_k / (dims.tp // dims.etp)  # its sequence slice's slots, or the tp group's
     width = expert_params(args) / dims.etp  # of one expert, on this rank
     local = args.moe_experts * width / dims.ep
-    overhead = layers * moe_overhead_s(local, slots, args.dim, t.compile, rerun, gpu.hbm_tbps)
+    c = BYTES[t.dtype]
+    weight_bytes = None
+    # FSDP2 shards the experts wherever it wraps the model, and on their own mesh under ep whatever the data-parallel
+    # degrees (loom.parallel.parallelize: apply_fsdp_experts)
+    if x is not None and (x.fsdp or dims.ep > 1) and not x.cpu_offload:
+        # the experts' FSDP2 mesh: the ranks holding the same experts (edp) under ep, the block's otherwise
+        shard = dims.edp if dims.ep > 1 else x.shard
+        weight_bytes = fsdp_expert_bytes(shard, 2 if x.reshard_after_forward else 1, c)
+    overhead = layers * moe_overhead_s(
+        local, slots, args.dim, t.compile, rerun, gpu.hbm_tbps, weight_bytes=weight_bytes
+    )
+    per_step = 0.0
+    if dims.ep > 1:
+        # the slots a rank receives, permuted to its experts and back; its experts' gradients rescaled
+        permute, per_step = ep_overhead_s(slots, args.dim, c, rerun, layers * local, gpu.hbm_tbps)
+        overhead += layers * permute
     # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM: they rerun in full
     extra = 6 * width * slots * (1 / 3 - 1 / 6) * layers if ac == "op" else 0.0
-    return MoETime(extra_matmul=extra, overhead=overhead)
+    hidden = args.expert_ffn_dim / dims.etp
+    extra += layers * grouped_padding_flops(args.moe_experts / dims.ep, slots, args.dim, hidden, rerun)
+    return MoETime(extra_matmul=extra, overhead=overhead, per_step=per_step)
 
 
 # ---------------------------------------------------------------------------------------------- CPU offload

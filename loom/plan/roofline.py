@@ -22,8 +22,8 @@ bounds it, and its ceiling is min(peak, intensity x HBM bandwidth, communication
 A MoE block: the router over the rank's routed tokens (its sequence slice under tp, the tp group's with
 tensor-parallel experts), its ep share of the experts as grouped GEMMs over top_k slots per routed token (balanced
 over the ep ranks; every local expert's weight read once per GEMM), the shared experts, and ep's four all-to-alls
-of the slots (dispatch and combine, forward and backward); multi-head latent attention: its five matmuls, and
-attention at the mean of the query/key and value widths. Without a pipeline's per-stage detail (the busiest
+of the slots (dispatch and combine, forward and backward; six where full checkpointing reruns the block); multi-head
+latent attention: its five matmuls, and attention at the mean of the query/key and value widths. Without a pipeline's per-stage detail (the busiest
 rank's blocks) and without DeepSeek's multi-token-prediction modules.
 """
 
@@ -301,8 +301,11 @@ def _collectives(cfg, dims, args, m, x, share, tokens, n, link) -> list[Op]:
     if (
         n_moe and dims.ep > 1
     ):  # the token-slots to their experts' ranks and back (loom.parallel.expert_parallel)
+        from loom.plan.planner import exchange_rerun
+
         slots = _slots(args, dims, tokens) * args.dim * c
-        count = n_moe * (4 + (2 if recomputed else 0))  # dispatch and combine, forward and backward
+        # dispatch and combine, forward and backward, and again where a block is recomputed in full
+        count = round(n_moe * (4 + 2 * exchange_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)))
         out.append((collective("ep all-to-all (dispatch, combine)", count, slots, dims.ep, 0), ("ep",)))
     if (
         n_moe and dims.etp > 1

@@ -17,15 +17,19 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   all-gather of K and V per block in forward, a reduce-scatter of their gradients in backward, exposed (ring:
   loom.plan.planner.ring_exposed_s);
   expert parallelism: each MoE block sends its routed token-slots to the experts' ranks and back, in forward and
-  in backward (4 all-to-alls, costed like an all-gather of the slots), exposed; MoE FLOPs count the router
-  and the top_k experts a token goes through, assuming balanced routing;
+  in backward (4 all-to-alls, costed like an all-gather of the slots; 2 more where full checkpointing reruns the
+  block: op-level checkpointing saves the exchanges and replays them), exposed; MoE FLOPs count the router and the
+  top_k experts a token goes through, assuming balanced routing;
 - mixture of experts, beyond the active experts' matmuls: every expert weight is cast to bf16 each forward and
-  its gradient cast back (``MOE_WEIGHT_CAST_BYTES`` per parameter of a rank's experts, 6 more when recomputed),
-  and routing moves each token-slot (sort, gather, scatter back, casts, the weighting and the gate's
-  elementwise work: ``MOE_SLOT_BYTES`` per slot and model-dim element), both at the copy rate
-  ``COPY_HBM_SHARE``; op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``: every
-  one of them, as full checkpointing does). Fitted on one layer's forward + backward and one compiled run; host
-  time is not modelled (both: docs/planner.md);
+  its gradient cast back (``MOE_WEIGHT_CAST_BYTES`` per parameter of a rank's experts, 6 more when recomputed;
+  under FSDP2 its copies instead: ``fsdp_expert_bytes``), and routing moves each token-slot (sort, gather,
+  scatter back, casts, the weighting and the gate's elementwise work: ``MOE_SLOT_BYTES`` per slot and model-dim
+  element), all at the copy rate ``COPY_HBM_SHARE``; under expert parallelism a rank also permutes the slots it
+  receives to its experts and back (``EP_SLOT_ELEMENTS``) and rescales its experts' gradients once a step
+  (``EP_GRAD_SCALE_BYTES``); op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``:
+  every one of them, as full checkpointing does), and the grouped GEMMs compute their experts' part-filled row
+  tiles (``grouped_padding_flops``). The casts and routing were fitted on one layer's forward + backward and one
+  compiled run; host time and uneven routing are not modelled (docs/planner.md);
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """
@@ -95,14 +99,79 @@ MOE_SLOT_BYTES = {"eager": 59, "compiled": 80}
 
 
 def moe_overhead_s(
-    expert_params: float, slots: float, dim: int, compiled: bool, rerun: float, hbm_tbps: float
+    expert_params: float,
+    slots: float,
+    dim: int,
+    compiled: bool,
+    rerun: float,
+    hbm_tbps: float,
+    weight_bytes: float | None = None,
 ) -> float:
     """Seconds per MoE layer and micro-batch beyond the active experts' matmuls: ``expert_params`` on this rank,
     ``slots`` = tokens x top_k routed through it, ``rerun``: the share of layers whose forward is recomputed
-    (its casts, 6 B per parameter, and a third of the routing, again)."""
-    casts = (MOE_WEIGHT_CAST_BYTES + 6 * rerun) * expert_params
+    (its casts, 6 B per parameter, and a third of the routing, again). ``weight_bytes``: bytes moved per expert
+    parameter in place of the casts (FSDP2's copies: ``fsdp_expert_bytes``)."""
+    per_param = MOE_WEIGHT_CAST_BYTES + 6 * rerun if weight_bytes is None else weight_bytes
+    casts = per_param * expert_params
     routing = MOE_SLOT_BYTES["compiled" if compiled else "eager"] * slots * dim * (1 + rerun / 3)
     return (casts + routing) / (COPY_HBM_SHARE * hbm_tbps * 1e12)
+
+
+# Expert parallelism beyond its all-to-alls (loom.parallel.expert_parallel.ExpertParallel.run, left out of the
+# compiled graphs): a rank gathers the slots it receives into local-expert order and scatters the experts' outputs
+# back into source-rank order, a read and a write of each slot x model-dim element apiece (forward: 4 elements); in
+# the backward the scatter's gradient is a gather (2) and the gather's an index_put into zeros (4: the fill, the
+# gradient read, the accumulating read and the write); a recomputed block runs the forward's again.
+EP_SLOT_ELEMENTS = {"forward": 4, "backward": 6}
+# After the backward the trainer multiplies every local expert's fp32 gradient by ParallelDims.expert_grad_factor
+# (loom.train.engine: a read and a write of 4 bytes a parameter), once per step.
+EP_GRAD_SCALE_BYTES = 8
+
+
+def ep_overhead_s(
+    slots: float, dim: int, dtype_bytes: int, rerun: float, expert_params: float, hbm_tbps: float
+) -> tuple[float, float]:
+    """(seconds per MoE layer and micro-batch, seconds per step) of expert parallelism's copies at the copy rate:
+    the ``slots`` a rank receives permuted to its experts and back (forward, backward, the forward again for the
+    ``rerun`` share of blocks), and the expert-gradient rescale of its ``expert_params`` (all its MoE layers')."""
+    rate = COPY_HBM_SHARE * hbm_tbps * 1e12
+    elements = EP_SLOT_ELEMENTS["forward"] * (1 + rerun) + EP_SLOT_ELEMENTS["backward"]
+    return elements * slots * dim * dtype_bytes / rate, EP_GRAD_SCALE_BYTES * expert_params / rate
+
+
+# FSDP2's copies of a rank's experts (their own FSDP2 unit over the ranks holding the same experts under expert
+# parallelism, part of their block's otherwise), which take the place of the casts above (torch.distributed.fsdp's
+# foreach_all_gather / foreach_reduce). Each all-gather casts the fp32 shard to the compute dtype (4 + c bytes a
+# parameter of the shard, c the compute dtype's; no cast in fp32), copies it into the gather buffer (2c) and copies
+# the gathered weights out into the parameters (2c a gathered parameter); each reduction copies the gradient into the
+# fp32 buffer (c + 4) and, on a mesh of one rank, the buffer to the shard (8) where more ranks reduce-scatter it.
+# Once per micro-batch; the gather twice when the blocks reshard after the forward (the backward's gather also
+# serves a recomputation).
+def fsdp_expert_bytes(shard: int, gathers: int, dtype_bytes: int) -> float:
+    """Bytes FSDP2 copies per expert parameter a rank holds (gathered), per micro-batch, the experts sharded
+    over ``shard`` ranks and gathered ``gathers`` times."""
+    c = dtype_bytes
+    cast = 4 + c if c != 4 else 0
+    gather = (cast + 2 * c) / shard + 2 * c
+    reduce = (c + 4) + (8 if shard == 1 else 0)
+    return gathers * gather + reduce
+
+
+# torch._grouped_mm on Hopper (aten/src/ATen/native/cuda/GroupMM.cu, dispatch_bf16_grouped_kernel_on_tile_size):
+# tiles of 128 rows, 64 where the experts' mean row count (or the width) is 128 or less. Each expert's rows end in a
+# part-filled tile, half a tile on average with uneven counts, computed in full by the GEMMs that tile the rows: the
+# forward (again where recomputed) and the input gradient; the weight gradient reduces over the rows.
+GROUPED_TILE_ROWS = {"small": 64, "large": 128}
+
+
+def grouped_padding_flops(local_experts: float, slots: float, dim: int, width: float, rerun: float) -> float:
+    """FLOPs per MoE layer and micro-batch the grouped GEMMs spend on their part-filled tiles: ``local_experts``
+    SwiGLU experts (three weights, dim x ``width``) receiving ``slots`` rows in all."""
+    if not local_experts:
+        return 0.0
+    mean = slots / local_experts
+    tile = GROUPED_TILE_ROWS["small" if mean <= 128 or width <= 128 else "large"]
+    return local_experts * tile / 2 * 3 * 2 * dim * width * (2 + rerun)
 
 
 @dataclass
