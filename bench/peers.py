@@ -619,9 +619,10 @@ def stream(cmd: list[str], env: dict, timeout: float, log_path: str, first: re.P
 
 
 def timed(values: list, warmup: int, profiled: bool = False) -> list:
-    """The values of the steps after the first ``warmup`` (all of them where there are no more), less the last
-    step where it was profiled (--profile: the profiler slows the step it records)."""
-    values = values[:-1] if profiled and len(values) > 1 else values
+    """The values of the steps after the first ``warmup`` (all of them where there are no more), less the last two
+    where the last was profiled (--profile: both profilers start on the step before the one they record, and slow
+    both)."""
+    values = values[:-2] if profiled and len(values) > 2 else values
     return values[warmup:] or values
 
 
@@ -861,7 +862,7 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="profile each side's last step (torchtitan's [profiling], loom's metrics.profile_steps) and store "
-        "rank 0's GPU time by kernel category, top kernels and exposed communication; the medians leave it out",
+        "rank 0's GPU time by kernel category, top kernels and exposed communication; the medians leave it and the profiler's warm-up step before it out",
     )
     p.add_argument("--profile-dir", default="", help="with --profile: keep both gzipped traces here")
     p.add_argument("--run-dir", default="/tmp/loom_peers")
@@ -931,7 +932,9 @@ def main() -> None:
                 "loom_prepare_s": prepare_s,
             },
             "allocator": f"PYTORCH_ALLOC_CONF={ALLOC_CONF}",
-            "profiled": "the last step of each side, left out of the medians" if a.profile else None,
+            "profiled": "the last step of each side (its profiler warms up over the one before); both left out of the medians"
+            if a.profile
+            else None,
         },
         "differences": list(DIFFERENCES)
         + list(w.differences)

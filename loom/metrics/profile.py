@@ -1,10 +1,11 @@
 """Built-in profiling of a window of optimizer steps (``metrics.profile_steps = "A:B"``).
 
-Over steps A..B (1-based, as the trainer logs them) every rank writes to ``<run.dir>/profile/``:
+Over steps A..B (1-based, as the trainer logs them; the profiler warms up over step A - 1, whose events it
+drops) every rank writes to ``<run.dir>/profile/``:
 
 * ``trace_rank<r>.json``: a ``torch.profiler`` trace (Chrome / Perfetto JSON; CPU, plus CUDA on a GPU) with
-  named ranges: ``ProfilerStep#<n>`` per step (the name torch.profiler's own step ranges use, so trace
-  analysis tools find the steps), ``forward`` / ``backward`` / ``optimizer`` (``forward_backward`` for a
+  named ranges: ``ProfilerStep#<n>`` per step (torch.profiler's own step ranges, numbered as the trainer's
+  steps), ``forward`` / ``backward`` / ``optimizer`` (``forward_backward`` for a
   pipeline schedule run) from the trainer, and ``block.<i>`` / ``block.<i>.backward`` per transformer block
   from hooks. The collectives of FSDP2 / DDP / TP / PP carry their own names (``c10d::`` ops, ``gloo:`` or
   ``nccl:`` ranges, NCCL kernels).
@@ -148,9 +149,9 @@ class StepProfiler:
         self.no_snapshot = no_snapshot
         self.snapshot = self.cuda and not no_snapshot
         self._prof: torch.profiler.profile | None = None
-        self._step_range: record_function | None = None
         self._block_ranges: BlockRanges | None = None
         self._first_step = self._last_step = 0
+        self._snapshotting = self._exported = False
         self.done = False
 
     @property
@@ -166,51 +167,72 @@ class StepProfiler:
         return record_function(name) if nvtx is _OFF else _Both(record_function(name), nvtx)
 
     def start(self, step: int) -> None:
-        """Begin profiling if ``step`` is in the window (the first step of it, or a later one after a resume)
-        and it has not run yet; then open the step's range."""
+        """Begin profiling at the step before the window (a warm-up step whose events are dropped: the profiler's
+        start-up costs fall there, not in the window, as torch.profiler's schedules and torchtitan do), or at the
+        window's first step, or at a later one after a resume; once running, torch.profiler opens each step's
+        ``ProfilerStep#<step>`` range itself."""
         if self.window is None or self.done:
             return
+        first, last = self.window
         if self._prof is None:
-            if not self.window[0] <= step <= self.window[1]:
+            if not max(first - 1, 1) <= step <= last:
                 return
             self._begin(step)
-        self._step_range = record_function(f"ProfilerStep#{step}")
-        self._step_range.__enter__()
+        if step >= first and self.snapshot and not self._snapshotting:
+            torch.cuda.memory._record_memory_history(
+                max_entries=MEMORY_HISTORY_ENTRIES, stacks="python", device=self.device
+            )
+            self._snapshotting = True
+        if step >= first and self.blocks and self._block_ranges is None:
+            self._block_ranges = BlockRanges(self.blocks)
+        if step >= first and not self._first_step:
+            self._first_step = step
 
     def step_done(self, step: int) -> None:
         if self._prof is None:
             return
-        self._end_step_range()
-        self._last_step = step
+        self._last_step = max(self._last_step, step)
         if step >= self.window[1]:
             self._finish()
+        else:
+            self._prof.step()
 
     def close(self) -> None:
         """Write out what was recorded if training stopped inside the window (SIGTERM, an error)."""
         if self._prof is not None:
-            self._end_step_range()
             self._finish()
 
     # ---- internals ----------------------------------------------------------------
     def _begin(self, step: int) -> None:
+        from torch.profiler import ProfilerAction
+
         os.makedirs(self.out_dir, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        if self.snapshot:
-            torch.cuda.memory._record_memory_history(
-                max_entries=MEMORY_HISTORY_ENTRIES, stacks="python", device=self.device
-            )
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
-        self._prof.start()
-        if self.blocks:
-            self._block_ranges = BlockRanges(self.blocks)
-        self._first_step = self._last_step = step
+        first, last = self.window
 
-    def _end_step_range(self) -> None:
-        if self._step_range is not None:
-            self._step_range.__exit__(None, None, None)
-            self._step_range = None
+        def schedule(n: int) -> ProfilerAction:
+            if n < first:
+                return ProfilerAction.WARMUP
+            return ProfilerAction.RECORD if n < last else ProfilerAction.RECORD_AND_SAVE
+
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self._export,
+            record_shapes=False,
+            with_stack=False,
+        )
+        self._prof.step_num, self._prof.current_action = (
+            step,
+            schedule(step),
+        )  # numbered as the trainer's steps
+        self._prof.start()
+
+    def _export(self, prof: torch.profiler.profile) -> None:
+        prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
+        self._exported = True
 
     def _finish(self) -> None:
         if self._block_ranges is not None:
@@ -219,15 +241,15 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the window's kernels are in the trace
         prof, self._prof = self._prof, None
-        prof.stop()
-        prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
-        if self.snapshot:
+        prof.stop()  # from a recording step: the trace is exported (_export); from the warm-up: nothing recorded
+        if self._snapshotting:
             torch.cuda.memory._dump_snapshot(
                 os.path.join(self.out_dir, f"memory_snapshot_rank{self.rank}.pickle")
             )
             torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+            self._snapshotting = False
         self.done = True
-        if self.is_main:
+        if self.is_main and self._exported:
             print(self.describe(), flush=True)
 
     def describe(self) -> str:

@@ -189,7 +189,10 @@ def test_the_log_parser_reads_torchtitans_metrics_lines():
 def test_medians_leave_out_the_warmup_and_mfu_is_given_on_both_conventions():
     assert peers.timed([9.0, 1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
     assert peers.timed([9.0], 5) == [9.0]  # fewer steps than the warm-up: all of them
-    assert peers.timed([9.0, 1.0, 2.0, 30.0], 1, profiled=True) == [1.0, 2.0]  # the profiled last step out
+    assert peers.timed([9.0, 1.0, 2.0, 20.0, 30.0], 1, profiled=True) == [
+        1.0,
+        2.0,
+    ]  # profiler warm-up, step out
     titan = {"tokens_per_s_per_gpu": 1000.0, "mfu": 0.30, "peak_flops": 1e15, "flops_per_token": 3e11}
     loom = {"tokens_per_s_per_gpu": 1200.0, "mfu": 0.372}  # loom counts 3.1e11 FLOPs per token here
     peers.conventions(titan, loom)
