@@ -82,8 +82,35 @@ class ExpertParallel:
     backward is the reverse exchange), runs its local experts on what every rank sent (grouped by expert), and
     the outputs travel back the same way. The expert-gradient factor this needs: ``ParallelDims.expert_grad_factor``."""
 
+    KEPT = (
+        1024  # split lists kept for recomputations (tiny tensors): past this, the oldest go (a recomputation
+    )
+    # that finds none waits for the device again)
+
     def __init__(self, group, size: int):
         self.group, self.size = group, size
+        # storage of a training forward's received counts -> (that tensor, send, recv): op-level activation
+        # checkpointing replays the counts exchange in its recomputation (the same storage), which then reads its
+        # split lists here instead of waiting for the device; holding the tensor keeps its storage from reuse
+        self._splits: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        self.host_waits = 0  # how often the host has waited for split counts (tests, diagnostics)
+
+    def host_splits(
+        self, send_counts: torch.Tensor, recv_counts: torch.Tensor
+    ) -> tuple[list[int], list[int]]:
+        """(send, recv) row counts per rank, read on the host: one wait for the device, none in a recomputation
+        that replays this forward's counts exchange."""
+        key = recv_counts.untyped_storage().data_ptr()
+        kept = self._splits.pop(key, None)
+        if kept is not None:
+            return kept[1], kept[2]
+        send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        self.host_waits += 1
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # a forward, not in backward
+            self._splits[key] = (recv_counts, send, recv)
+            while len(self._splits) > self.KEPT:
+                self._splits.pop(next(iter(self._splits)))
+        return send, recv
 
     @torch.compiler.disable  # the exchange's sizes are read on the host: compiled blocks break around it
     def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor, local=None) -> torch.Tensor:
@@ -93,9 +120,9 @@ class ExpertParallel:
         send_counts = counts.view(self.size, n_local)  # (ep, n_local): to rank i, per expert of rank i
         with nvtx_range("ep.counts"):
             equal = [n_local] * self.size
+            # (ep, n_local): from rank i, per local expert
             recv_counts = exchange(send_counts.reshape(-1), equal, equal, self.group).view(self.size, n_local)
-            # (ep, n_local): from rank i, per local expert; both split lists in one wait for the device
-            send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+            send, recv = self.host_splits(send_counts, recv_counts)
         got = all_to_all(x, send, recv, self.group, "ep.dispatch")  # (R, E): per source rank, by local expert
         expert = torch.arange(n_local, device=x.device).repeat(self.size)  # the local expert of each block
         order = torch.repeat_interleave(expert, recv_counts.reshape(-1)).argsort(stable=True)  # by expert

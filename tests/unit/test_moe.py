@@ -282,7 +282,9 @@ def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
 def test_op_level_checkpointing_replays_the_expert_exchange(tmp_path):
     """Under expert parallelism (here over a group of one rank) op-level activation checkpointing saves the token
     all-to-alls: its recomputation in backward exchanges nothing again (forward: counts, dispatch, combine; backward:
-    the two reverse exchanges), and the gradients are those of the block without checkpointing."""
+    the two reverse exchanges) and reads the forward's split lists instead of waiting for the device again (full
+    checkpointing, which exchanges again, waits again); the gradients are those of the block without
+    checkpointing."""
     import torch.distributed as dist
     from torch import nn
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -304,18 +306,20 @@ def test_op_level_checkpointing_replays_the_expert_exchange(tmp_path):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         x = torch.randn(2, 6, 16)
-        grads, exchanges = {}, {}
-        for mode in ("none", "op"):
+        grads, exchanges, waits = {}, {}, {}
+        for mode in ("none", "op", "full"):
             layers = nn.ModuleDict({"0": _moe()})
-            moe_parallel(layers).ep = ExpertParallel(dist.group.WORLD, 1)
+            ep = moe_parallel(layers).ep = ExpertParallel(dist.group.WORLD, 1)
             apply_activation_checkpointing(layers, mode, 1)
             with Count() as count:
                 layers["0"](x.clone().requires_grad_()).square().sum().backward()
             moe = next(m for m in layers.modules() if isinstance(m, MoE))
             grads[mode], exchanges[mode] = [p.grad for p in moe.parameters()], count.n
+            waits[mode] = ep.host_waits
     finally:
         if own:
             dist.destroy_process_group()
-    assert exchanges == {"none": 5, "op": 5}
-    for got, want in zip(grads["op"], grads["none"]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert exchanges == {"none": 5, "op": 5, "full": 8} and waits == {"none": 1, "op": 1, "full": 2}
+    for mode in ("op", "full"):
+        for got, want in zip(grads[mode], grads["none"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
