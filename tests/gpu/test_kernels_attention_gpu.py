@@ -289,8 +289,20 @@ def test_model_trains_with_pinned_sdpa(tmp_path):
         "model.n_layers": 2,
         "model.attention": "sdpa",
     }
+    from loom.kernels.dispatch import AttentionShape, attention_inputs, torch_takes
+
+    # the 125M flavor's attention (12 query heads over 4 key/value heads, head dim 64): a backend PyTorch's own
+    # check does not take for it on this GPU is refused at start-up (check_pinned_sdpa), so it is not trained here
+    shape = AttentionShape(1, 12, 4, 256, 64, torch.bfloat16)
+    taken = [
+        b
+        for b in ("sdpa_cudnn", "sdpa_flash")
+        if torch_takes(b, *attention_inputs(shape, torch.device("cuda")))
+    ]
+    if not taken:
+        pytest.skip("PyTorch takes neither pinned backend for this attention here")
     base = run_one(cfg)
-    for backend in ("sdpa_cudnn", "sdpa_flash"):
+    for backend in taken:
         got = run_one(dict(cfg, **{"model.attention": backend, "run.dir": str(tmp_path / backend)}))
         for a, b in zip(got, base):
             assert abs(a["loss"] - b["loss"]) < 2e-2 * abs(b["loss"]), (backend, a["loss"], b["loss"])
