@@ -862,7 +862,8 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="profile each side's last step (torchtitan's [profiling], loom's metrics.profile_steps) and store "
-        "rank 0's GPU time by kernel category, top kernels and exposed communication; the medians leave it and the profiler's warm-up step before it out",
+        "rank 0's GPU time by kernel category, top kernels and exposed communication; the medians leave out "
+        "that step and the profiler's warm-up step before it",
     )
     p.add_argument("--profile-dir", default="", help="with --profile: keep both gzipped traces here")
     p.add_argument("--run-dir", default="/tmp/loom_peers")
