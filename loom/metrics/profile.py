@@ -224,10 +224,9 @@ class StepProfiler:
             record_shapes=False,
             with_stack=False,
         )
-        self._prof.step_num, self._prof.current_action = (
-            step,
-            schedule(step),
-        )  # numbered as the trainer's steps
+        # numbered as the trainer's steps, in the phase of this one
+        self._prof.step_num = step
+        self._prof.current_action = schedule(step)
         self._prof.start()
 
     def _export(self, prof: torch.profiler.profile) -> None:

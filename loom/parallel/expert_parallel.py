@@ -82,10 +82,9 @@ class ExpertParallel:
     backward is the reverse exchange), runs its local experts on what every rank sent (grouped by expert), and
     the outputs travel back the same way. The expert-gradient factor this needs: ``ParallelDims.expert_grad_factor``."""
 
-    KEPT = (
-        1024  # split lists kept for recomputations (tiny tensors): past this, the oldest go (a recomputation
-    )
-    # that finds none waits for the device again)
+    # split lists kept for recomputations (tiny tensors): past this, the oldest go (a recomputation that finds
+    # none waits for the device again)
+    KEPT = 1024
 
     def __init__(self, group, size: int):
         self.group, self.size = group, size
