@@ -89,7 +89,7 @@ def test_balance_loss_is_one_per_sequence_when_balanced():
 
 
 def test_balance_loss_gradient_enters_through_backward_only():
-    x = torch.randn(2, 6, 16)
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
     plain, balanced = _moe(aux=0.0), _moe(aux=0.5)
     set_aux_scale(balanced, 0.25)
     out_plain, out_bal = plain(x), balanced(x)
@@ -102,8 +102,10 @@ def test_balance_loss_gradient_enters_through_backward_only():
     _, experts, probs = ref.router(x.reshape(-1, 16))
     aux = sequence_balance_loss(probs.view(2, 6, -1), experts.view(2, 6, -1), 4)
     (out.square().sum() + 0.5 * 0.25 * aux).backward()
+    # the two sum the same terms in another order: near-zero entries of a gradient whose largest is ~100 differ by
+    # fp32 rounding of that scale (an atol of 1e-7 failed 29 of 200 random inputs, the largest gap 1.5e-5 at 133)
     for (name, a), b in zip(balanced.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6 * b.grad.abs().max().item(), msg=name)
     # the aux term is not nothing
     assert ref.router.gate.weight.grad.sub(_grad_without_aux(x)).abs().max() > 1e-6
 
