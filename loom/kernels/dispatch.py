@@ -64,20 +64,22 @@ def resolve_kernels(
     measure_attention: Callable[[], str] | None = None,
     triton: bool | None = None,
     window: bool = False,
+    fp32: bool = False,
 ) -> KernelChoice:
     """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
     ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it);
     ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it);
-    ``window``: the model attends through a sliding window.
+    ``window``: the model attends through a sliding window; ``fp32``: the run computes in float32.
 
     ``auto``: attention measured on CUDA (untimed: ours for documents or a sliding window, whose masked blocks it
-    skips where SDPA would compute them under a dense mask, else SDPA; CPU: SDPA); the fused norm,
+    skips where SDPA would compute them under a dense mask, else SDPA; in fp32, a checking dtype whose full-precision
+    Triton dots compile for minutes per autotuned block, not timed either; CPU: SDPA); the fused norm,
     RoPE and SwiGLU on CUDA without torch.compile (Inductor fuses them itself), the norm not under tensor
     parallelism (its inputs are DTensors); the fused loss on CUDA without tensor or pipeline parallelism."""
     triton_gpu = device_type == "cuda" and (has_triton() if triton is None else triton)
     attention = model_cfg.attention
     if attention == "auto":
-        if triton_gpu and measure_attention is not None:
+        if triton_gpu and measure_attention is not None and not fp32:
             attention = measure_attention()
         elif triton_gpu and (documents or window):
             attention = "flash"
@@ -168,6 +170,7 @@ def kernel_choice(
         pp=cfg.parallel.pp > 1,
         measure_attention=measure_attention,
         triton=triton,
+        fp32=cfg.training.dtype == "float32",
         window=window() > 0,
     )
     return mla_kernels(cfg, kernels, device, attention_width)

@@ -195,6 +195,10 @@ def test_dispatch_measures_attention_only_where_auto_needs_it():
         ).attention
         == "sdpa"
     )
+    # fp32 is not timed: its full-precision Triton dots compile for minutes per autotuned block
+    fp32 = dict(compile=False, measure_attention=measure, triton=True, fp32=True)
+    assert dispatch.resolve_kernels(auto, "cuda", documents=False, **fp32).attention == "sdpa"
+    assert dispatch.resolve_kernels(auto, "cuda", documents=True, **fp32).attention == "flash"
     assert not calls
     if dispatch.has_triton():
         assert (
