@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -739,6 +740,14 @@ def main() -> None:
         help="GPU time per kernel of each backend's forward+backward (PROFILE cases, torch.profiler)",
     )
     a = p.parse_args()
+    if a.out and not a.out.endswith(
+        ".json"
+    ):  # the table goes beside it as .md: another suffix would overwrite it
+        print(
+            f"bench.kernels: --out {a.out}: allowed a path ending in .json (the table goes beside it as .md)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     if a.profile:
         rows = [
             profile_case(d, hq, hkv, s, getattr(torch, a.dtype), ["loom", "flex", "sdpa_cudnn"])

@@ -37,6 +37,7 @@ nothing).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import resource
 import tempfile
@@ -164,8 +165,11 @@ def measure(cfg, args, cuda: bool) -> dict:
 
     from loom.train.trainer import Trainer
 
-    if cuda:
+    if cuda:  # the peak is this run's: above what an earlier run left allocated
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     build_s = time.perf_counter() - t0
@@ -183,15 +187,17 @@ def measure(cfg, args, cuda: bool) -> dict:
         "step_s": sum(seconds) / len(seconds),
         "optimizer_s": sum(optimizer_s[args.warmup :]) / len(kept),
         "grad_norm_s": sum(norm_s[args.warmup :]) / len(kept),
-        "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "gpu_peak_allocated_gib": (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None,
         "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        "gpu_allocated_before_gib": before / 2**30 if cuda else None,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "losses": [r["loss"] for r in records],
     }
     offload = getattr(trainer.parts[0], "activation_offload", None)
     if offload is not None:
         out["activation_offload_bytes_per_step"] = offload.packed_bytes / len(records)
-    del trainer
+    del trainer, records, kept
+    gc.collect()  # the trainer's reference cycles: without it the next run's peak counted this one's state
     if cuda:
         torch.cuda.empty_cache()
     return out
