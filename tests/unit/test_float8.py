@@ -48,7 +48,9 @@ def test_float8_config_errors():
 
     with pytest.raises(ConfigError, match="bfloat16"):
         check_config(build_config(None, {"training.float8": "tensorwise", "training.dtype": "float32"}))
-    with pytest.raises(ConfigError, match="tp"):
+    with pytest.raises(
+        ConfigError, match="parallel.tp > 1: float8 under TP needs torchao.s float8 sharding plans"
+    ):
         check_config(
             build_config(
                 None, {"training.float8": "tensorwise", "training.dtype": "bfloat16", "parallel.tp": "2"}
