@@ -226,6 +226,29 @@ def test_multibyte_characters_stream_whole():
     assert "".join(deltas) == "café 東京" and all("\ufffd" not in d for d in deltas)
 
 
+def test_the_byte_tokenizers_ascii_fast_path_decides_what_decoding_decides():
+    """Detokenizer's fast path (an id below 128 after decided text, no decode) against the decoding path, on random
+    ids mixing ASCII, multi-byte characters cut anywhere, invalid bytes and special ids: the same delta at every
+    token and the same flush."""
+    import random
+
+    from loom.infer.text import Detokenizer
+
+    codec = Codec(ByteTokenizer())
+    assert codec.ascii_ids
+    rng = random.Random(0)
+    pool = list(range(128)) * 4 + list("é東€😀".encode()) + [0x80, 0xC3, 0xFF, 256, 257, 258]
+    fast_hits = 0
+    for _ in range(300):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 40))]
+        fast, slow = Detokenizer(codec.decode, ascii_ids=True), Detokenizer(codec.decode)
+        for t in ids:
+            fast_hits += t < 128 and fast._read == len(fast.ids)
+            assert fast.add(t) == slow.add(t), ids
+        assert fast.flush() == slow.flush() and fast.text == slow.text == codec.decode(ids), ids
+    assert fast_hits > 1000  # the fast path ran
+
+
 def test_parameter_errors_name_the_field():
     for kw, field in (
         ({"temperature": -1}, "temperature"),
