@@ -65,6 +65,9 @@ WHEELS = (
     "dill==0.4.1",
     "multiprocess==0.70.19",
 )
+# what the other GPU benches carry beside them (bench.grpo's TRL, float8 and QLoRA's torchao), fetched in the same
+# call so one folder serves every device run
+OTHER_WHEELS = ("trl==1.16.0", "torchao==0.17.0")
 ALLOC_CONF = "expandable_segments:True"
 FLAVOR = "loom_peer"  # the name the registered torchtitan flavor gets
 FLAVOR_MODULE = "loom_peer_flavor"  # the module torchtitan imports (experimental.custom_import)
@@ -785,7 +788,7 @@ def conventions(titan: dict, loom: dict) -> None:
 
 
 def download_wheels(folder: str) -> None:
-    """``WHEELS`` into ``folder`` (here, where the package index is reachable; the GPU machine installs them with
+    """``WHEELS`` and ``OTHER_WHEELS`` into ``folder`` (here, where the package index is reachable; the GPU machine installs them with
     ``pip install --no-index --no-deps``)."""
     subprocess.run(
         [
@@ -806,7 +809,7 @@ def download_wheels(folder: str) -> None:
             "--platform",
             "manylinux_2_17_x86_64",
         ]
-        + ["-d", folder, *WHEELS],
+        + ["-d", folder, *WHEELS, *OTHER_WHEELS],
         check=True,
     )
 
@@ -814,7 +817,9 @@ def download_wheels(folder: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--download-wheels", metavar="DIR", help="fetch torchtitan and what it needs into DIR, then exit"
+        "--download-wheels",
+        metavar="DIR",
+        help="fetch torchtitan and what it needs (and the trl and torchao wheels of the other GPU benches) into DIR, then exit",
     )
     p.add_argument("--workload", choices=sorted(WORKLOADS))
     p.add_argument("--gpus", type=int, default=0, help="GPUs (default: the workload's); global batch follows")
