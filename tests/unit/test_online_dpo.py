@@ -155,7 +155,10 @@ def test_loss_gradient_and_figures_equal_trl(tmp_path, loss, penalty):
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     theirs.backward()
     for a, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+        # the same terms summed in another order: fp32 rounding at the scale of the gradient's largest entries
+        # (5e-7 of it measured on an AMD EPYC, where an atol of 1e-6 failed for gradients of up to 7)
+        scale = max(1.0, float(p.grad.abs().max()))
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=2e-6 * scale)
     got = {k: v[0] for k, v in fake.stats.items()}
     assert 0 < got["rewards/accuracies"] < 1 and got["objective/kl"] != 0
     names = {"rewards/accuracy": "rewards/accuracies"}
