@@ -40,6 +40,7 @@ import argparse
 import gc
 import os
 import resource
+import statistics
 import tempfile
 import time
 
@@ -106,6 +107,9 @@ def config(args, root: str, **extra):
         "metrics.tensorboard": "false",
         "metrics.progress": "false",
         "checkpoint.at_end": "false",
+        # no validation: the end-of-run one fell in the last timed step and made the step a third of its speed
+        "training.eval_every": 0,
+        "training.eval_at_end": "false",
     }
     if args.tiny:  # the debug model on the CPU
         over.update({"run.device": "cpu", "model.flavor": "debug", "training.dtype": "float32"})
@@ -160,7 +164,8 @@ def plan(cfg, gpu_name: str) -> dict:
 
 
 def measure(cfg, args, cuda: bool) -> dict:
-    """One run of ``cfg``: tokens/s after the warmup, the optimizer step's and the norm's seconds, peak memory."""
+    """One run of ``cfg``: the median step's tokens/s after the warmup, the optimizer step's and the norm's seconds,
+    peak memory."""
     import torch
 
     from loom.train.trainer import Trainer
@@ -183,8 +188,8 @@ def measure(cfg, args, cuda: bool) -> dict:
     out = {
         "parameters": sum(p.numel() for p in trainer.params),
         "build_s": build_s,
-        "tokens_per_s": tokens * len(kept) / sum(seconds),
-        "step_s": sum(seconds) / len(seconds),
+        "tokens_per_s": tokens / statistics.median(seconds),  # the median step: one slow step moves a mean
+        "step_s": statistics.median(seconds),
         "optimizer_s": sum(optimizer_s[args.warmup :]) / len(kept),
         "grad_norm_s": sum(norm_s[args.warmup :]) / len(kept),
         "gpu_peak_allocated_gib": (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None,
