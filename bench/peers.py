@@ -331,14 +331,46 @@ def ac_sections(ac: str) -> dict:
     raise SystemExit(f"--ac {ac}: torchtitan has no match for it (allowed: op, full, none)")
 
 
+def float8_sections(float8: str, all_gather: bool) -> dict:
+    """loom's training.float8 (and float8_all_gather) as torchtitan's float8 converter: the same torchao recipe on
+    every block linear, the output head left in bf16 (loom never converts it), scales not precomputed (loom does
+    not precompute them)."""
+    if float8 == "none":
+        return {}
+    return {
+        "quantize.linear.float8": {
+            "recipe_name": float8,
+            "enable_fsdp_float8_all_gather": all_gather,
+            "precompute_float8_dynamic_scale_for_fsdp": False,
+            "filter_fqns": ["output"],
+        }
+    }
+
+
 def titan_config(
-    w: Workload, gpus: int, steps: int, lr_warmup: int, paths: dict, ac: str, compile_: bool, workers: int = 1
+    w: Workload,
+    gpus: int,
+    steps: int,
+    lr_warmup: int,
+    paths: dict,
+    ac: str,
+    compile_: bool,
+    workers: int = 1,
+    float8: str = "none",
+    float8_all_gather: bool = False,
 ) -> dict:
     """torchtitan's job config (TOML sections) for the workload."""
+    converters = {"converters": ["quantize.linear.float8"]} if float8 != "none" else {}
     return {
         "job": {"dump_folder": paths["titan_dir"], "description": f"bench.peers {w.name}"},
         "metrics": {"log_freq": 1, "disable_color_printing": True, "enable_tensorboard": False},
-        "model": {"name": w.titan_model, "flavor": FLAVOR, "hf_assets_path": paths["tokenizer"]},
+        "model": {
+            "name": w.titan_model,
+            "flavor": FLAVOR,
+            "hf_assets_path": paths["tokenizer"],
+            **converters,
+        },
+        **float8_sections(float8, float8_all_gather),
         "optimizer": {
             "name": "AdamW",
             "lr": LR,
@@ -492,9 +524,13 @@ def loom_config(
     ac: str,
     compile_: bool,
     device: str = "cuda",
+    float8: str = "none",
+    float8_all_gather: bool = False,
 ) -> dict:
     """``loom train`` settings (dotted name -> value) matched to ``titan_config``."""
     return {
+        "training.float8": float8,
+        "training.float8_all_gather": str(float8_all_gather).lower(),
         "model.flavor": w.loom_flavor,
         "model.vocab_size": w.vocab,
         "model.tie_embeddings": "false",
@@ -669,7 +705,9 @@ def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
 
 
 def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
-    cfg = titan_config(w, gpus, a.steps, a.lr_warmup, paths, a.ac, a.compile, a.titan_workers)
+    cfg = titan_config(
+        w, gpus, a.steps, a.lr_warmup, paths, a.ac, a.compile, a.titan_workers, a.float8, a.float8_all_gather
+    )
     for kv in a.titan_set:  # section.key=value, a deliberate difference (listed in the result)
         key, value = kv.split("=", 1)
         section, name = key.rsplit(".", 1)
@@ -729,7 +767,9 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
 
 
 def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
-    cfg = loom_config(w, gpus, a.steps, a.lr_warmup, paths, a.ac, a.compile, a.device)
+    cfg = loom_config(
+        w, gpus, a.steps, a.lr_warmup, paths, a.ac, a.compile, a.device, a.float8, a.float8_all_gather
+    )
     if a.profile:
         cfg.update(loom_profiling(a.steps))
     cfg.update(dict(kv.split("=", 1) for kv in a.loom_set))
@@ -831,6 +871,17 @@ def main() -> None:
     p.add_argument("--lr-warmup", type=int, default=10, help="LR warm-up steps, both sides")
     p.add_argument("--ac", default="", help="op, full or none (default: the workload's)")
     p.add_argument("--no-compile", dest="compile", action="store_false", default=None)
+    p.add_argument(
+        "--float8",
+        default="none",
+        choices=["none", "tensorwise", "rowwise"],
+        help="float8 block linears on both sides (torchao's recipe; loom's training.float8)",
+    )
+    p.add_argument(
+        "--float8-all-gather",
+        action="store_true",
+        help="with --float8 tensorwise: FSDP2 gathers their weights in float8 on both sides",
+    )
     p.add_argument("--sides", default="torchtitan,loom", help="which to run, in this order")
     p.add_argument(
         "--loom-sdpa",
@@ -882,6 +933,8 @@ def main() -> None:
     w = with_layers(WORKLOADS[a.workload], a.layers) if a.layers else WORKLOADS[a.workload]
     gpus = a.gpus or w.gpus
     a.ac = a.ac or w.ac
+    if a.float8_all_gather and a.float8 != "tensorwise":
+        p.error(f"--float8-all-gather needs --float8 tensorwise (got {a.float8})")
     a.compile = w.compile if a.compile is None else a.compile
     sides = a.sides.split(",")
     if not set(sides) <= {"torchtitan", "loom"}:
@@ -922,7 +975,14 @@ def main() -> None:
         "environment": environment(
             a.commit, command(), modules=("torchtitan", "tyro", "torchdata", "datasets", "tokenizers")
         ),
-        "workload": {**asdict(w), "gpus": gpus, "ac": a.ac, "compile": a.compile},
+        "workload": {
+            **asdict(w),
+            "gpus": gpus,
+            "ac": a.ac,
+            "compile": a.compile,
+            "float8": a.float8,
+            "float8_all_gather": a.float8_all_gather,
+        },
         "settings": {
             "steps": a.steps,
             "warmup": a.warmup,

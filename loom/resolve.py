@@ -84,6 +84,13 @@ def resolve(
             feature.layout(cfg, dims)
     check_mpi_layout(cfg, dims)
     t = cfg.training
+    if t.float8_all_gather and not dims.fsdp_enabled:
+        raise ConfigError(
+            "training.float8_all_gather",
+            True,
+            f"gathers FSDP2's weights, and this layout shards none (dp_shard {dims.dp_shard} x cp {dims.cp} on "
+            f"{world_size} ranks): allowed false here",
+        )
     accum = accumulation_steps(
         t, dims.dp_size * replica_groups(cfg.parallel)
     )  # the groups split each global batch
@@ -266,6 +273,13 @@ def check_parallel_fields(cfg: Config) -> None:
             "not with parallel.tp > 1: float8 under TP needs torchao's float8 sharding plans in place of "
             "loom's, not built because gloo (the CPU ranks loom's TP tests run on) refuses float8 "
             "collectives: allowed none there",
+        )
+    if t.float8_all_gather and (t.float8 != "tensorwise" or p.cpu_offload):
+        raise ConfigError(
+            "training.float8_all_gather",
+            True,
+            f"gathers float8 weights under FSDP2: needs training.float8 tensorwise (got {t.float8}) and no "
+            "parallel.cpu_offload (its weights are gathered from the host); allowed false otherwise",
         )
     if t.float8 != "none" and t.dtype != "bfloat16":
         raise ConfigError("training.float8", t.float8, f"needs training.dtype bfloat16 (got {t.dtype})")

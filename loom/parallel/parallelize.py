@@ -122,7 +122,7 @@ def parallelize_llama(
         if dims.ep_enabled:
             apply_expert_parallel(part, dims["ep"], dims["ep_tp"] if dims.etp_enabled else None)
         if training.float8 != "none":
-            apply_float8(part, training.float8)
+            apply_float8(part, training.float8, training.float8_all_gather)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
         apply_activation_offload(part, training.activation_offload, device)  # around the checkpoints
         if training.compile:

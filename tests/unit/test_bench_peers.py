@@ -87,6 +87,33 @@ def test_the_toml_matches_the_loom_config(name, tmp_path):
         and titan["metrics"]["log_freq"] == loom["metrics.every"] == 1
     )
     assert titan["training"]["dataloader"]["num_workers"] == 1
+    assert (
+        "converters" not in titan["model"] and "quantize" not in titan and loom["training.float8"] == "none"
+    )
+
+
+def test_float8_is_the_same_recipe_on_both_sides(tmp_path):
+    """--float8 tensorwise --float8-all-gather: torchtitan's float8 converter with torchao's recipe and FSDP float8
+    gather, its output head left out as loom leaves it; loom's two fields, a config loom resolves for 2 ranks."""
+    from loom.config import build_config
+    from loom.resolve import resolve
+
+    w = peers.WORKLOADS["llama3_3b"]
+    paths = _paths(tmp_path)
+    titan = tomllib.loads(
+        peers.to_toml(peers.titan_config(w, 2, 30, 10, paths, "op", True, 1, "tensorwise", True))
+    )
+    loom = peers.loom_config(w, 2, 30, 10, paths, "op", True, "cuda", "tensorwise", True)
+    assert titan["model"]["converters"] == ["quantize.linear.float8"]
+    assert titan["quantize"]["linear"]["float8"] == {
+        "recipe_name": "tensorwise",
+        "enable_fsdp_float8_all_gather": True,
+        "precompute_float8_dynamic_scale_for_fsdp": False,
+        "filter_fqns": ["output"],
+    }
+    assert (loom["training.float8"], loom["training.float8_all_gather"]) == ("tensorwise", "true")
+    cfg = {k: str(v) for k, v in loom.items() if not k.startswith(("data.", "run."))}
+    resolve(build_config(None, cfg), 2, device="cuda", triton=False)
 
 
 def test_other_ac_modes_and_refusals():

@@ -4,6 +4,7 @@ bf16 run whose loss curve stays close to the bf16 run without float8 (torchao em
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loom.config import build_config
 from loom.models.common.float8 import apply_float8, float8_available
@@ -56,3 +57,76 @@ def test_float8_config_errors():
                 None, {"training.float8": "tensorwise", "training.dtype": "bfloat16", "parallel.tp": "2"}
             )
         )
+
+
+@needs_torchao
+def test_float8_all_gather_weights_compute_as_the_plain_float8_linears(tmp_path):
+    """training.float8_all_gather's wrapped weights (what FSDP2 gathers in float8; gloo cannot gather float8, so the
+    gather itself is checked on GPUs: tests/gpu/test_multi_gpu.py): without FSDP the same forward and gradients as
+    the plain float8 linears, bit for bit; Hugging Face export writes plain tensors; a checkpoint of the plain model
+    loads into the wrapped one."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from loom.checkpoint.hf.export import hf_state_dict
+
+    torch.manual_seed(0)
+    plain = Llama(FLAVORS["debug"].with_(vocab_size=256))
+    wrapped = copy.deepcopy(plain)
+    assert apply_float8(plain, "tensorwise") == apply_float8(wrapped, "tensorwise", all_gather=True)
+    assert isinstance(wrapped.layers["0"].attention.wq.weight, WeightWithDynamicFloat8CastTensor)
+    assert not isinstance(wrapped.output.weight, WeightWithDynamicFloat8CastTensor)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_w = plain(tokens), wrapped(tokens)
+    assert torch.equal(out, out_w)
+    out.float().square().mean().backward()
+    out_w.float().square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+    exported = hf_state_dict(wrapped.state_dict(), wrapped.args)
+    assert all(type(t) is torch.Tensor for t in exported.values())
+    save_file(exported, str(tmp_path / "model.safetensors"))
+    reference = hf_state_dict(plain.state_dict(), plain.args)
+    assert all(
+        torch.equal(t, reference[k]) for k, t in load_file(str(tmp_path / "model.safetensors")).items()
+    )
+
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(1.0)
+    dcp.save(plain.state_dict(), checkpoint_id=str(tmp_path / "dcp"))
+    state = wrapped.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    for name, t in plain.state_dict().items():
+        assert torch.equal(torch.as_tensor(state[name]).detach().clone(), t), name
+    with pytest.raises(ValueError, match="tensorwise"):
+        apply_float8(Llama(FLAVORS["debug"].with_(vocab_size=256)), "rowwise", all_gather=True)
+
+
+def test_float8_all_gather_config_errors():
+    from loom.config.errors import ConfigError
+    from loom.methods import check_config
+    from loom.resolve import resolve
+
+    def cfg(**extra):
+        return build_config(
+            None, {"training.dtype": "bfloat16", "training.float8_all_gather": "true", **extra}
+        )
+
+    for extra, want in (
+        ({}, "needs training.float8 tensorwise \\(got none\\)"),
+        ({"training.float8": "rowwise"}, "got rowwise"),
+        ({"training.float8": "tensorwise", "parallel.cpu_offload": "true"}, "cpu_offload"),
+    ):
+        with pytest.raises(ConfigError, match="training.float8_all_gather = True: .*" + want):
+            check_config(cfg(**extra))
+    one = cfg(**{"training.float8": "tensorwise"})
+    check_config(one)
+    with pytest.raises(ConfigError, match="shards none \\(dp_shard 1 x cp 1 on 1 ranks\\)"):
+        resolve(one, 1, device="cpu")
+    resolve(one, 2, device="cpu")  # FSDP2 over 2 ranks

@@ -48,7 +48,7 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict
         t = state[name]
         if hasattr(t, "full_tensor"):
             raise TypeError(f"{name} is a DTensor; export needs full tensors (gather them first)")
-        t = t.detach().to("cpu")
+        t = plain(t).detach().to("cpu")
         if stacked_experts(name, args):  # (n, a, b) -> one (b, a) tensor per expert
             out.update(
                 {src: t[j].T.contiguous() for j, src in enumerate(hf_expert_names(name, t.shape[0], args))}
@@ -58,6 +58,17 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], args: LlamaArgs) -> dict
         else:
             out[hf_name(name, args)] = t.contiguous()
     return out if score else {**out, **hf_adapter(args).derived(out, args)}
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a wrapper subclass of one tensor holds (torchao's float8 all-gather weights,
+    ``training.float8_all_gather``): safetensors writes plain tensors only."""
+    while type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        if len(names) != 1:
+            break
+        t = getattr(t, names[0])
+    return t
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
