@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from loom.config.sections import OptimizerConfig
-from loom.kernels.adamw.op import adamw_step_
+from loom.kernels.adamw.op import SMALL, adamw_multi_step_, adamw_step_
 from loom.kernels.triton_support import has_triton
 from loom.train.grads import by_mesh, scale_grads, unique_params
 from loom.train.large_batch import build_large_batch
@@ -46,6 +46,7 @@ class TritonAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         factors: dict = {}
+        small: dict = {}  # tensors under SMALL elements, by device, gradient dtype and hyperparameters: one launch each
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -62,20 +63,29 @@ class TritonAdamW(torch.optim.AdamW):
                             grad_factor, dtype=torch.float32, device=device
                         ).reshape(1)
                     factor = factors[device]
-                grad = _like_param(p.grad, p)
-                adamw_step_(
+                tensors = (
                     _local(p),
-                    _local(grad),
+                    _local(_like_param(p.grad, p)),
                     _local(state["exp_avg"]),
                     _local(state["exp_avg_sq"]),
+                )
+                hyper = dict(
                     lr=float(group["lr"]),
                     beta1=beta1,
                     beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
                     step=int(state["step"]),
-                    grad_factor=factor,
                 )
+                if tensors[0].numel() >= SMALL:
+                    adamw_step_(*tensors, **hyper, grad_factor=factor)
+                    continue
+                key = (tensors[0].device, tensors[1].dtype, tuple(hyper.values()))
+                lists = small.setdefault(key, (hyper, factor, ([], [], [], [])))[2]
+                for kept, t in zip(lists, tensors):
+                    kept.append(t)
+        for hyper, factor, lists in small.values():
+            adamw_multi_step_(*lists, **hyper, grad_factor=factor)
         return loss
 
     def _state_of(self, p: torch.Tensor) -> dict:

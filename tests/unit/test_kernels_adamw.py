@@ -185,6 +185,59 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     raises(x, torch.zeros(4, 5), x, x, None, 0.1, 0.9, 0.95, 1e-8, 0.0, 1)  # grad shape
     raises(x, x, x, x, torch.zeros(2), 0.1, 0.9, 0.95, 1e-8, 0.0, 1)  # factor of two elements
     raises(x, x, x, x, None, 0.1, 0.9, 0.95, 1e-8, 0.0, 0)  # step 0
+    # many tensors in one launch (the multi-tensor kernel): each as the reference steps it, bf16 gradients too
+    from loom.kernels.adamw.op import adamw_multi_step_
+    shapes = [(3, 5, 48), (5000,), (1,), (4096,), (7, 1030)]
+    for g_dtype in (torch.float32, torch.bfloat16):
+        for factor in (None, torch.tensor([0.3])):
+            ps = [torch.randn(s) for s in shapes]
+            ms, vs = [torch.randn(s) * 0.1 for s in shapes], [torch.rand(s) * 0.01 for s in shapes]
+            want = [[t.clone() for t in ts] for ts in (ps, ms, vs)]
+            for step in (1, 4):
+                gs = [torch.randn(s).to(g_dtype) for s in shapes]
+                for i in range(len(shapes)):
+                    ref.adamw_step_(want[0][i], gs[i], want[1][i], want[2][i], factor, step=step, **hyper)
+                adamw_multi_step_(ps, gs, ms, vs, step=step, grad_factor=factor, **hyper)
+            for have, ref_ts in zip((ps, ms, vs), want):
+                for a, b in zip(have, ref_ts):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ps = [torch.randn(s) for s in shapes]
+    before = [p.clone() for p in ps]
+    adamw_multi_step_(ps, [torch.randn(s) for s in shapes], [torch.zeros(s) for s in shapes],
+                      [torch.zeros(s) for s in shapes], step=2, grad_factor=torch.tensor([float("nan")]), **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(ps, before))  # a factor that is not finite: nothing stored
+    try:
+        tk.adamw_multi_step([x], [x], [x, x], [x], None, 0.1, 0.9, 0.95, 1e-8, 0.0, 1)
+        raise SystemExit("no ValueError for lists of different lengths")
+    except ValueError:
+        pass
+    try:
+        tk.adamw_multi_step([x, x], [x, x.t()], [x, x], [x, x], None, 0.1, 0.9, 0.95, 1e-8, 0.0, 1)
+        raise SystemExit("no ValueError for a gradient that is not contiguous")
+    except ValueError as err:
+        assert "grad 1" in str(err), err
+    # the optimizer on a small model under the interpreter: its small tensors in one launch per step, torch's
+    # AdamW's parameters after three steps with a folded clip factor
+    from torch import nn
+    from loom.config.sections import OptimizerConfig
+    from loom.train.optimizer import OptimizerParts
+    launches = []
+    multi = tk.adamw_multi_step
+    tk.adamw_multi_step = lambda *a: launches.append(len(a[0])) or multi(*a)
+    runs = []
+    for impl in ("triton", "foreach"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+        opt = OptimizerParts([model], OptimizerConfig(lr=0.05, implementation=impl), torch.device("cpu"))
+        gen = torch.Generator().manual_seed(1)
+        for factor in (None, 0.5, torch.tensor(0.25)):
+            model(torch.randn(4, 6, generator=gen)).square().sum().backward()
+            opt.step(factor)
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert launches == [2, 4] * 3, launches  # per step: the two decayed matrices, then the biases and norm weights
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     import sys
     assert "loom.kernels.adamw.triton" in sys.modules
     print("ok adamw")

@@ -1,10 +1,14 @@
-"""AdamW step as one Triton kernel per tensor, and its checking launcher (imported only when Triton runs).
+"""AdamW step as one Triton kernel per tensor, or one launch for many small tensors, and their checking launchers
+(imported only when Triton runs).
 
 One pass over the tensor: reads param, grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq
 (28 bytes per fp32 parameter, the least an fp32 AdamW can move). fp32 math; the gradient may be bf16 or
 fp16. The optional gradient factor (clipping) is a one-element device tensor read by every program, so
 the step never waits for the host; a factor that is not finite skips the step (nothing is stored: the
 trainer's non-finite guard, decided on the device). Plain pointer arithmetic and masks: Triton 3.6 and newer.
+
+Many small tensors (a 125M model's ~110, each under ``loom.kernels.adamw.op.SMALL`` elements) cost more to launch
+one by one than to step: the multi-tensor kernel reads each block's tensor from a table of pointers and steps them all in one launch.
 """
 
 from __future__ import annotations
@@ -39,6 +43,90 @@ def _adamw_kernel(
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _adamw_block(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        factor_ptr,
+        offs,
+        n,
+        decay,
+        beta1,
+        beta2,
+        step_size,
+        inv_bc2_sqrt,
+        eps,
+        HAS_FACTOR,
+        BLOCK,
+    )
+
+
+@triton.jit
+def _adamw_multi_kernel(
+    ptrs,
+    block_tensor,
+    block_start,
+    sizes,
+    factor_ptr,
+    T,
+    decay,
+    beta1,
+    beta2,
+    step_size,
+    inv_bc2_sqrt,
+    eps,
+    G_DTYPE: tl.constexpr,
+    HAS_FACTOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One block of one of ``T`` tensors: ``ptrs`` holds the params', grads', exp_avgs' and exp_avg_sqs' addresses
+    (4 x T int64), ``block_tensor`` / ``block_start`` each block's tensor and first element."""
+    blk = tl.program_id(0)
+    t = tl.load(block_tensor + blk)
+    offs = tl.load(block_start + blk) + tl.arange(0, BLOCK)
+    p_ptr = tl.load(ptrs + t).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(ptrs + T + t).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(ptrs + 2 * T + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(ptrs + 3 * T + t).to(tl.pointer_type(tl.float32))
+    _adamw_block(
+        p_ptr,
+        g_ptr,
+        m_ptr,
+        v_ptr,
+        factor_ptr,
+        offs,
+        tl.load(sizes + t),
+        decay,
+        beta1,
+        beta2,
+        step_size,
+        inv_bc2_sqrt,
+        eps,
+        HAS_FACTOR,
+        BLOCK,
+    )
+
+
+@triton.jit
+def _adamw_block(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    factor_ptr,
+    offs,
+    n,
+    decay,
+    beta1,
+    beta2,
+    step_size,
+    inv_bc2_sqrt,
+    eps,
+    HAS_FACTOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The step on elements ``offs`` (those below ``n``) of one tensor."""
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_FACTOR:
@@ -90,8 +178,6 @@ def adamw_step(
 ) -> None:
     """In place on param, exp_avg, exp_avg_sq (fp32, contiguous, one shape); ``step`` counts from 1."""
     check(param, grad, exp_avg, exp_avg_sq, grad_factor)
-    if step < 1:
-        raise ValueError(f"step: {step}, expected >= 1 (the count including this step)")
     n = param.numel()
     if n == 0:
         return
@@ -102,12 +188,92 @@ def adamw_step(
         exp_avg_sq,
         grad_factor if grad_factor is not None else param,
         n,
+        *_scalars(lr, beta1, beta2, eps, weight_decay, step),
+        HAS_FACTOR=grad_factor is not None,
+        BLOCK=BLOCK,
+        num_warps=8,
+    )
+
+
+def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> tuple:
+    """The kernels' scalar arguments: decay, beta1, beta2, bias-corrected step size, 1 / sqrt(bias correction 2),
+    eps."""
+    if step < 1:
+        raise ValueError(f"step: {step}, expected >= 1 (the count including this step)")
+    return (
         1.0 - lr * weight_decay,
         beta1,
         beta2,
         lr / (1.0 - beta1**step),
         1.0 / math.sqrt(1.0 - beta2**step),
         eps,
+    )
+
+
+_GRAD_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_BLOCK_TABLES: dict = {}  # (tensor sizes, device) -> (block_tensor, block_start, sizes) on the device
+
+
+def _block_tables(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each block's tensor index and first element for tensors of ``sizes``, built once per set of sizes."""
+    key = (sizes, str(device))
+    if key not in _BLOCK_TABLES:
+        counts = torch.tensor([triton.cdiv(n, BLOCK) for n in sizes])
+        which = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), counts)
+        first = torch.cumsum(counts, 0) - counts  # each tensor's first block
+        start = (torch.arange(len(which)) - first[which.long()]) * BLOCK
+        sizes_t = torch.tensor(sizes, dtype=torch.int64)
+        _BLOCK_TABLES[key] = tuple(x.to(device) for x in (which, start.to(torch.int64), sizes_t))
+    return _BLOCK_TABLES[key]
+
+
+def adamw_multi_step(
+    params: list,
+    grads: list,
+    exp_avgs: list,
+    exp_avg_sqs: list,
+    grad_factor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """``adamw_step`` on every tensor of the lists in one launch: fp32 params and moments, grads of one dtype, all
+    on one device and contiguous, one shape per index; ``step`` is all of theirs."""
+    if not params:
+        return
+    if not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs):
+        raise ValueError(
+            f"params {len(params)}, grads {len(grads)}, exp_avgs {len(exp_avgs)}, exp_avg_sqs "
+            f"{len(exp_avg_sqs)}: one list length"
+        )
+    check(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], grad_factor)  # dtypes and device, from the first
+    device, g_dtype = params[0].device, grads[0].dtype
+    for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        n = group[0].numel()
+        for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), group):
+            wanted = g_dtype if name == "grad" else torch.float32
+            if t.numel() != n or t.dtype != wanted or t.device != device or not t.is_contiguous():
+                raise ValueError(
+                    f"{name} {i}: {t.numel()} elements of {t.dtype} on {t.device} (contiguous: "
+                    f"{t.is_contiguous()}), expected {n} contiguous of {wanted} on {device}"
+                )
+    sizes = tuple(p.numel() for p in params)
+    block_tensor, block_start, sizes_t = _block_tables(sizes, device)
+    if len(block_tensor) == 0:
+        return
+    ptrs = torch.tensor([t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts])
+    _adamw_multi_kernel[(len(block_tensor),)](
+        ptrs.to(device, non_blocking=True),
+        block_tensor,
+        block_start,
+        sizes_t,
+        grad_factor if grad_factor is not None else params[0],
+        len(params),
+        *_scalars(lr, beta1, beta2, eps, weight_decay, step),
+        G_DTYPE=_GRAD_TL[g_dtype],
         HAS_FACTOR=grad_factor is not None,
         BLOCK=BLOCK,
         num_warps=8,
