@@ -358,6 +358,7 @@ def titan_config(
     workers: int = 1,
     float8: str = "none",
     float8_all_gather: bool = False,
+    reduce_dtype: str = "float32",
 ) -> dict:
     """torchtitan's job config (TOML sections) for the workload."""
     converters = {"converters": ["quantize.linear.float8"]} if float8 != "none" else {}
@@ -391,7 +392,7 @@ def titan_config(
             "steps": steps,
             "dtype": "float32",
             "mixed_precision_param": "bfloat16",
-            "mixed_precision_reduce": "float32",
+            "mixed_precision_reduce": reduce_dtype,
         },
         # tokenizing in a worker process, off the step's critical path (loom reads a token file made before training)
         "training.dataloader": {"num_workers": workers, "persistent_workers": workers > 0},
@@ -526,9 +527,11 @@ def loom_config(
     device: str = "cuda",
     float8: str = "none",
     float8_all_gather: bool = False,
+    reduce_dtype: str = "float32",
 ) -> dict:
     """``loom train`` settings (dotted name -> value) matched to ``titan_config``."""
     return {
+        "parallel.reduce_dtype": reduce_dtype,
         "training.float8": float8,
         "training.float8_all_gather": str(float8_all_gather).lower(),
         "model.flavor": w.loom_flavor,
@@ -706,7 +709,17 @@ def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
 
 def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
     cfg = titan_config(
-        w, gpus, a.steps, a.lr_warmup, paths, a.ac, a.compile, a.titan_workers, a.float8, a.float8_all_gather
+        w,
+        gpus,
+        a.steps,
+        a.lr_warmup,
+        paths,
+        a.ac,
+        a.compile,
+        a.titan_workers,
+        a.float8,
+        a.float8_all_gather,
+        a.reduce_dtype,
     )
     for kv in a.titan_set:  # section.key=value, a deliberate difference (listed in the result)
         key, value = kv.split("=", 1)
@@ -768,7 +781,17 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
 
 def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
     cfg = loom_config(
-        w, gpus, a.steps, a.lr_warmup, paths, a.ac, a.compile, a.device, a.float8, a.float8_all_gather
+        w,
+        gpus,
+        a.steps,
+        a.lr_warmup,
+        paths,
+        a.ac,
+        a.compile,
+        a.device,
+        a.float8,
+        a.float8_all_gather,
+        a.reduce_dtype,
     )
     if a.profile:
         cfg.update(loom_profiling(a.steps))
@@ -878,6 +901,12 @@ def main() -> None:
         help="float8 block linears on both sides (torchao's recipe; loom's training.float8)",
     )
     p.add_argument(
+        "--reduce-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the FSDP2 gradient reduction dtype on both sides (torchtitan's mixed_precision_reduce)",
+    )
+    p.add_argument(
         "--float8-all-gather",
         action="store_true",
         help="with --float8 tensorwise: FSDP2 gathers their weights in float8 on both sides",
@@ -982,6 +1011,7 @@ def main() -> None:
             "compile": a.compile,
             "float8": a.float8,
             "float8_all_gather": a.float8_all_gather,
+            "reduce_dtype": a.reduce_dtype,
         },
         "settings": {
             "steps": a.steps,

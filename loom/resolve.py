@@ -84,6 +84,13 @@ def resolve(
             feature.layout(cfg, dims)
     check_mpi_layout(cfg, dims)
     t = cfg.training
+    if cfg.parallel.reduce_dtype != "float32" and not (dims.fsdp_enabled or dims.replicate_with_fsdp):
+        raise ConfigError(
+            "parallel.reduce_dtype",
+            cfg.parallel.reduce_dtype,
+            f"sets FSDP2's reduction, and this layout has none (dp_shard {dims.dp_shard}, dp_replicate "
+            f"{dims.dp_replicate} on {world_size} ranks: DDP or one replica): allowed float32 here",
+        )
     if t.float8_all_gather and not dims.fsdp_enabled:
         raise ConfigError(
             "training.float8_all_gather",
@@ -273,6 +280,13 @@ def check_parallel_fields(cfg: Config) -> None:
             "not with parallel.tp > 1: float8 under TP needs torchao's float8 sharding plans in place of "
             "loom's, not built because gloo (the CPU ranks loom's TP tests run on) refuses float8 "
             "collectives: allowed none there",
+        )
+    if p.reduce_dtype != "float32" and (t.dtype != "bfloat16" or p.cpu_offload):
+        raise ConfigError(
+            "parallel.reduce_dtype",
+            p.reduce_dtype,
+            f"reduces bf16 compute's gradients under FSDP2: needs training.dtype bfloat16 (got {t.dtype}) and no "
+            "parallel.cpu_offload; allowed float32 otherwise",
         )
     if t.float8_all_gather and (t.float8 != "tensorwise" or p.cpu_offload):
         raise ConfigError(

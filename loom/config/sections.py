@@ -807,6 +807,14 @@ class ParallelConfig:
     ddp_bucket_mb: float = opt(
         25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True, resume=(FREE, LAYOUT)
     )
+    reduce_dtype: str = opt(
+        "float32",
+        "dtype FSDP2 reduces gradients in (its MixedPrecisionPolicy.reduce_dtype; torchtitan's "
+        "mixed_precision_reduce): bfloat16 halves the reduce-scatter's bytes and rounds each summed "
+        "gradient to bf16; training.dtype bfloat16 under FSDP2 / HSDP, not with cpu_offload",
+        choices=("float32", "bfloat16"),
+        resume=(FREE, "the same gradients, summed in another dtype"),
+    )
     cpu_offload: bool = opt(
         False,
         "keep parameters, gradients and AdamW state in host memory (FSDP2's offload, on one "

@@ -8,13 +8,14 @@ from torch import nn
 from loom.models.common.moe import moe_modules
 
 
-def mixed_precision_policy(compute_dtype: torch.dtype):
-    """FSDP2 policy: parameters gathered in the compute dtype, gradients reduced in fp32."""
+def mixed_precision_policy(compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
+    """FSDP2 policy: parameters gathered in the compute dtype, gradients reduced in ``reduce_dtype``
+    (parallel.reduce_dtype: fp32 by default)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if compute_dtype == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
 
 
 def offload_policy(mesh, cpu_offload: bool):
@@ -34,6 +35,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     cpu_offload: bool,
     explicit_prefetch: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
     and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
@@ -44,7 +46,7 @@ def apply_fsdp(
 
     kw = dict(
         mesh=mesh,
-        mp_policy=mixed_precision_policy(compute_dtype),
+        mp_policy=mixed_precision_policy(compute_dtype, reduce_dtype),
         offload_policy=offload_policy(mesh, cpu_offload),
     )
     for block in blocks:
@@ -104,6 +106,7 @@ def apply_fsdp_experts(
     compute_dtype: torch.dtype,
     reshard_after_forward: bool,
     cpu_offload: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> None:
     """Under expert parallelism: shard each MoE block's experts over ``mesh`` (the ranks holding the same
     experts), before the blocks are sharded (their fully_shard then leaves these parameters alone). Their
@@ -115,7 +118,7 @@ def apply_fsdp_experts(
         fully_shard(
             moe.experts,
             mesh=mesh,
-            mp_policy=mixed_precision_policy(compute_dtype),
+            mp_policy=mixed_precision_policy(compute_dtype, reduce_dtype),
             reshard_after_forward=reshard_after_forward,
             offload_policy=offload_policy(mesh, cpu_offload),
         )

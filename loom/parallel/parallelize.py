@@ -142,6 +142,7 @@ def parallelize_llama(
                 compute_dtype=DTYPES[training.dtype],
                 reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                 cpu_offload=parallel.cpu_offload,
+                reduce_dtype=DTYPES[parallel.reduce_dtype],
             )
         if fsdp_wraps(dims, parallel):
             # under DiLoCo each dp_replicate group shards on its own: no gradient reduction across groups
@@ -154,6 +155,7 @@ def parallelize_llama(
                 reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                 cpu_offload=parallel.cpu_offload,
                 explicit_prefetch=dims.ep_enabled,
+                reduce_dtype=DTYPES[parallel.reduce_dtype],
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device

@@ -88,6 +88,7 @@ class MemoryInputs:
     weight_versions: int = (
         0  # pp_schedule pipedream_2bw: fp32 copies of the weights beside the optimizer's (1: the stash)
     )
+    reduce_bytes: int = 4  # parallel.reduce_dtype: the bytes of each gradient element FSDP2 reduces
 
 
 def held_params(share, x: MemoryInputs) -> float:
@@ -137,7 +138,8 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
         if args.moe
         else 0
     )
-    grads = (compute + (4 if compute != 4 else 0)) * block  # one block's unsharded grads (+ fp32 for reduce)
+    # one block's unsharded grads (+ a copy in the reduce dtype where it is not the compute dtype)
+    grads = (compute + (x.reduce_bytes if compute != x.reduce_bytes else 0)) * block
     # fp32 shards copied in, then cast
     staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
     return compute * (gathered_layers * block + root) + grads + staging

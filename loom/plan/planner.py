@@ -267,6 +267,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         weight_versions=1 if p.pp_schedule == "pipedream_2bw" else 0,
         offload_blocks=len(offloaded_blocks(t.activation_offload, args.n_layers)),
         nvme=cfg.optimizer.offload == "nvme",
+        reduce_bytes=BYTES[p.reduce_dtype],
     )
 
 
@@ -680,12 +681,13 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
     if dims.fsdp_enabled:
         bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)
         gathers = 2 if x.reshard_after_forward else 1
-        per_mb = collective_s(gathers * c * params + 4 * params, x.shard, bw)
+        r = x.reduce_bytes  # parallel.reduce_dtype
+        per_mb = collective_s(gathers * c * params + r * params, x.shard, bw)
         if dims.dp_replicate > 1:  # HSDP: the shard's gradients all-reduced across replicas
             per_mb += 2 * collective_s(
-                4 * params / x.shard, dims.dp_replicate, _bandwidth(dims, ("dp_replicate",), gpu)
+                r * params / x.shard, dims.dp_replicate, _bandwidth(dims, ("dp_replicate",), gpu)
             )
-        edges = collective_s((c + 4) * block, x.shard, bw)  # the first gather and the last reduction
+        edges = collective_s((c + r) * block, x.shard, bw)  # the first gather and the last reduction
         return m * (max(0.0, per_mb - compute_mb) + edges)
     if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
         bw = _bandwidth(dims, ("dp_replicate",), gpu)

@@ -92,18 +92,20 @@ def test_the_toml_matches_the_loom_config(name, tmp_path):
     )
 
 
-def test_float8_is_the_same_recipe_on_both_sides(tmp_path):
+def test_float8_and_the_reduce_dtype_are_the_same_on_both_sides(tmp_path):
     """--float8 tensorwise --float8-all-gather: torchtitan's float8 converter with torchao's recipe and FSDP float8
-    gather, its output head left out as loom leaves it; loom's two fields, a config loom resolves for 2 ranks."""
+    gather, its output head left out as loom leaves it; --reduce-dtype bfloat16: its mixed_precision_reduce; loom's
+    fields, a config loom resolves for 2 ranks."""
     from loom.config import build_config
     from loom.resolve import resolve
 
     w = peers.WORKLOADS["llama3_3b"]
     paths = _paths(tmp_path)
     titan = tomllib.loads(
-        peers.to_toml(peers.titan_config(w, 2, 30, 10, paths, "op", True, 1, "tensorwise", True))
+        peers.to_toml(peers.titan_config(w, 2, 30, 10, paths, "op", True, 1, "tensorwise", True, "bfloat16"))
     )
-    loom = peers.loom_config(w, 2, 30, 10, paths, "op", True, "cuda", "tensorwise", True)
+    loom = peers.loom_config(w, 2, 30, 10, paths, "op", True, "cuda", "tensorwise", True, "bfloat16")
+    assert titan["training"]["mixed_precision_reduce"] == loom["parallel.reduce_dtype"] == "bfloat16"
     assert titan["model"]["converters"] == ["quantize.linear.float8"]
     assert titan["quantize"]["linear"]["float8"] == {
         "recipe_name": "tensorwise",

@@ -75,6 +75,23 @@ def _cfg(**over):
     return build_config(None, {k.replace("__", "."): str(v) for k, v in over.items()})
 
 
+def test_a_bf16_reduction_halves_the_reduce_scatters_bytes():
+    """parallel.reduce_dtype bfloat16: FSDP2's exposed communication and the block's reduce copy shrink (its
+    gradient bytes, 4 -> 2 a parameter); everything else is the same."""
+    over = dict(
+        model__flavor="8B",
+        training__dtype="bfloat16",
+        training__global_batch_size=2,
+        training__micro_batch_size=1,
+        training__seq_len=8192,
+        training__activation_checkpointing="op",
+    )
+    fp32 = estimate(_cfg(**over), 2, GPUS["H100"])
+    bf16 = estimate(_cfg(**over, parallel__reduce_dtype="bfloat16"), 2, GPUS["H100"])
+    assert 0 < bf16.time.fsdp < fp32.time.fsdp and bf16.time.compute == fp32.time.compute
+    assert bf16.memory.total < fp32.memory.total and bf16.memory.weights == fp32.memory.weights
+
+
 def test_sharding_divides_the_state_and_bad_layouts_raise():
     # accumulation on both (8 and 2 micro-batches): gradients are held at every moment of the step
     one = estimate(
