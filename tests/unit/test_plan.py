@@ -504,7 +504,9 @@ def test_tensor_parallel_experts_split_expert_state_and_add_tp_collectives():
     assert rep.memory.weights - etp.memory.weights == pytest.approx(4 * experts / 2 / 4)
     assert etp.memory.gathered < rep.memory.gathered
     assert etp.memory.activations > rep.memory.activations
-    assert etp.time.tp > rep.time.tp and etp.time.compute == pytest.approx(rep.time.compute)
+    # the same FLOPs for the real rows; each expert's rows end in a part-filled tile (grouped_padding_flops) that is
+    # 1/tp as wide on a rank's slice of the expert: a little less compute under etp
+    assert etp.time.tp > rep.time.tp and rep.time.compute * 0.95 < etp.time.compute <= rep.time.compute
     full = estimate(
         _cfg(**dict(tp, parallel__etp=2, training__activation_checkpointing="full")), 8, GPUS["H200"]
     )
