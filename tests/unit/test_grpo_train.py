@@ -285,16 +285,17 @@ def test_config_rules(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_default_raises_the_accuracy(tmp_path):
-    """recipes/grpo_debug.toml, shortened to 40 GRPO steps after its supervised warm-up: the greedy exact-match
+    """recipes/grpo_debug.toml, shortened to 80 GRPO steps after its supervised warm-up: the greedy exact-match
     accuracy (the reward at temperature 0; loom.rl.arithmetic:greedy_accuracy, the recipe's eval hook) rises by a
-    clear margin: at least a third of the warm-up's errors are gone."""
+    clear margin: at least a third of the warm-up's errors are gone. (After 40 steps the same run removed 29% of them
+    on an AMD EPYC and more on the machines before; after 80, 86% there.)"""
     from loom.config import build_config
 
     cfg = build_config(
         str(ROOT / "recipes" / "grpo_debug.toml"),
         {
             "run.dir": str(tmp_path / "run"),
-            "training.steps": "160",
+            "training.steps": "200",
             "metrics.every": "1",
             "metrics.progress": "false",
             "metrics.tensorboard": "false",
@@ -304,9 +305,9 @@ def test_embedded_default_raises_the_accuracy(tmp_path):
     records = Trainer(cfg, objective=GroupRelative(cfg)).fit()
     accuracy = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
     rewards = [round(r["reward"], 3) for r in records if "reward" in r]
-    assert len(rewards) == 40 and sorted(accuracy) == [40, 80, 120, 160]
+    assert len(rewards) == 80 and sorted(accuracy) == [40, 80, 120, 160, 200]
     assert accuracy[120] > 0.3, accuracy  # the warm-up taught the format
-    assert 1 - accuracy[160] < (1 - accuracy[120]) * 2 / 3, (accuracy, rewards)
+    assert 1 - accuracy[200] < (1 - accuracy[120]) * 2 / 3, (accuracy, rewards)
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
