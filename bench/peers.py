@@ -347,21 +347,23 @@ def float8_sections(float8: str, all_gather: bool) -> dict:
     }
 
 
-def titan_config(
-    w: Workload,
-    gpus: int,
-    steps: int,
-    lr_warmup: int,
-    paths: dict,
-    ac: str,
-    compile_: bool,
-    workers: int = 1,
-    float8: str = "none",
-    float8_all_gather: bool = False,
-    reduce_dtype: str = "float32",
-) -> dict:
+@dataclass(frozen=True)
+class Matched:
+    """The settings both sides run with (the command line's): steps, LR warm-up, activation checkpointing,
+    compile, float8 and the gradient reduction's dtype."""
+
+    steps: int = 30
+    lr_warmup: int = 10
+    ac: str = "op"
+    compile: bool = True
+    float8: str = "none"
+    float8_all_gather: bool = False
+    reduce_dtype: str = "float32"
+
+
+def titan_config(w: Workload, gpus: int, paths: dict, m: Matched, workers: int = 1) -> dict:
     """torchtitan's job config (TOML sections) for the workload."""
-    converters = {"converters": ["quantize.linear.float8"]} if float8 != "none" else {}
+    converters = {"converters": ["quantize.linear.float8"]} if m.float8 != "none" else {}
     return {
         "job": {"dump_folder": paths["titan_dir"], "description": f"bench.peers {w.name}"},
         "metrics": {"log_freq": 1, "disable_color_printing": True, "enable_tensorboard": False},
@@ -371,7 +373,7 @@ def titan_config(
             "hf_assets_path": paths["tokenizer"],
             **converters,
         },
-        **float8_sections(float8, float8_all_gather),
+        **float8_sections(m.float8, m.float8_all_gather),
         "optimizer": {
             "name": "AdamW",
             "lr": LR,
@@ -381,7 +383,7 @@ def titan_config(
             "weight_decay": WEIGHT_DECAY,
             "implementation": "fused",
         },
-        "lr_scheduler": {"warmup_steps": lr_warmup, "decay_type": "cosine", "min_lr_factor": MIN_LR},
+        "lr_scheduler": {"warmup_steps": m.lr_warmup, "decay_type": "cosine", "min_lr_factor": MIN_LR},
         "training": {
             "dataset": "c4_test",  # its loader for a local folder of jsonl files: load_dataset(path, split="train")
             "dataset_path": paths["data_dir"],
@@ -389,10 +391,10 @@ def titan_config(
             "global_batch_size": w.local_batch * gpus,
             "seq_len": w.seq,
             "max_norm": MAX_NORM,
-            "steps": steps,
+            "steps": m.steps,
             "dtype": "float32",
             "mixed_precision_param": "bfloat16",
-            "mixed_precision_reduce": reduce_dtype,
+            "mixed_precision_reduce": m.reduce_dtype,
         },
         # tokenizing in a worker process, off the step's critical path (loom reads a token file made before training)
         "training.dataloader": {"num_workers": workers, "persistent_workers": workers > 0},
@@ -404,8 +406,8 @@ def titan_config(
             "context_parallel_degree": 1,
             "expert_parallel_degree": w.ep,
         },
-        "activation_checkpoint": ac_sections(ac),
-        "compile": {"enable": compile_, "components": ["model", "loss"]},
+        "activation_checkpoint": ac_sections(m.ac),
+        "compile": {"enable": m.compile, "components": ["model", "loss"]},
         "checkpoint": {"enable": False},
         "validation": {"enable": False},
         "experimental": {"custom_import": FLAVOR_MODULE},
@@ -516,24 +518,12 @@ def _model_args_json(text: str) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------------------ loom's side
-def loom_config(
-    w: Workload,
-    gpus: int,
-    steps: int,
-    lr_warmup: int,
-    paths: dict,
-    ac: str,
-    compile_: bool,
-    device: str = "cuda",
-    float8: str = "none",
-    float8_all_gather: bool = False,
-    reduce_dtype: str = "float32",
-) -> dict:
+def loom_config(w: Workload, gpus: int, paths: dict, m: Matched, device: str = "cuda") -> dict:
     """``loom train`` settings (dotted name -> value) matched to ``titan_config``."""
     return {
-        "parallel.reduce_dtype": reduce_dtype,
-        "training.float8": float8,
-        "training.float8_all_gather": str(float8_all_gather).lower(),
+        "parallel.reduce_dtype": m.reduce_dtype,
+        "training.float8": m.float8,
+        "training.float8_all_gather": str(m.float8_all_gather).lower(),
         "model.flavor": w.loom_flavor,
         "model.vocab_size": w.vocab,
         "model.tie_embeddings": "false",
@@ -545,16 +535,16 @@ def loom_config(
         "training.seq_len": w.seq,
         "training.global_batch_size": w.local_batch * gpus,
         "training.micro_batch_size": w.local_batch,
-        "training.steps": steps,
+        "training.steps": m.steps,
         "training.dtype": "bfloat16",
-        "training.compile": str(compile_).lower(),
-        "training.activation_checkpointing": ac,
+        "training.compile": str(m.compile).lower(),
+        "training.activation_checkpointing": m.ac,
         "training.max_norm": MAX_NORM,
         "training.eval_at_end": "false",
         "optimizer.lr": LR,
         "optimizer.eps": EPS,
         "optimizer.weight_decay": WEIGHT_DECAY,
-        "optimizer.warmup_steps": lr_warmup,
+        "optimizer.warmup_steps": m.lr_warmup,
         "optimizer.schedule": "cosine",
         "optimizer.min_lr_ratio": MIN_LR,
         "parallel.dp_shard": gpus,
@@ -707,20 +697,13 @@ def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
     return out
 
 
+def matched(a) -> Matched:
+    """The command line's shared settings."""
+    return Matched(a.steps, a.lr_warmup, a.ac, a.compile, a.float8, a.float8_all_gather, a.reduce_dtype)
+
+
 def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
-    cfg = titan_config(
-        w,
-        gpus,
-        a.steps,
-        a.lr_warmup,
-        paths,
-        a.ac,
-        a.compile,
-        a.titan_workers,
-        a.float8,
-        a.float8_all_gather,
-        a.reduce_dtype,
-    )
+    cfg = titan_config(w, gpus, paths, matched(a), a.titan_workers)
     for kv in a.titan_set:  # section.key=value, a deliberate difference (listed in the result)
         key, value = kv.split("=", 1)
         section, name = key.rsplit(".", 1)
@@ -780,19 +763,7 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
 
 
 def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
-    cfg = loom_config(
-        w,
-        gpus,
-        a.steps,
-        a.lr_warmup,
-        paths,
-        a.ac,
-        a.compile,
-        a.device,
-        a.float8,
-        a.float8_all_gather,
-        a.reduce_dtype,
-    )
+    cfg = loom_config(w, gpus, paths, matched(a), a.device)
     if a.profile:
         cfg.update(loom_profiling(a.steps))
     cfg.update(dict(kv.split("=", 1) for kv in a.loom_set))

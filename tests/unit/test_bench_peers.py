@@ -38,8 +38,8 @@ def _paths(tmp_path) -> dict:
 def test_the_toml_matches_the_loom_config(name, tmp_path):
     w = peers.WORKLOADS[name]
     paths = _paths(tmp_path)
-    titan = tomllib.loads(peers.to_toml(peers.titan_config(w, 2, 30, 10, paths, "op", True)))
-    loom = peers.loom_config(w, 2, 30, 10, paths, "op", True)
+    titan = tomllib.loads(peers.to_toml(peers.titan_config(w, 2, paths, peers.Matched())))
+    loom = peers.loom_config(w, 2, paths, peers.Matched())
     t = titan["training"]
     assert (t["seq_len"], t["local_batch_size"], t["global_batch_size"], t["steps"], t["max_norm"]) == (
         loom["training.seq_len"],
@@ -101,10 +101,9 @@ def test_float8_and_the_reduce_dtype_are_the_same_on_both_sides(tmp_path):
 
     w = peers.WORKLOADS["llama3_3b"]
     paths = _paths(tmp_path)
-    titan = tomllib.loads(
-        peers.to_toml(peers.titan_config(w, 2, 30, 10, paths, "op", True, 1, "tensorwise", True, "bfloat16"))
-    )
-    loom = peers.loom_config(w, 2, 30, 10, paths, "op", True, "cuda", "tensorwise", True, "bfloat16")
+    f8 = peers.Matched(float8="tensorwise", float8_all_gather=True, reduce_dtype="bfloat16")
+    titan = tomllib.loads(peers.to_toml(peers.titan_config(w, 2, paths, f8)))
+    loom = peers.loom_config(w, 2, paths, f8)
     assert titan["training"]["mixed_precision_reduce"] == loom["parallel.reduce_dtype"] == "bfloat16"
     assert titan["model"]["converters"] == ["quantize.linear.float8"]
     assert titan["quantize"]["linear"]["float8"] == {
@@ -131,7 +130,7 @@ def test_other_ac_modes_and_refusals():
 @pytest.mark.parametrize("name", sorted(peers.WORKLOADS))
 def test_loom_builds_torchtitans_shape(name, tmp_path):
     w = peers.WORKLOADS[name]
-    cfg = peers.loom_config(w, w.gpus, 30, 10, _paths(tmp_path), "op", True)
+    cfg = peers.loom_config(w, w.gpus, _paths(tmp_path), peers.Matched())
     cfg.update({"data.tokenizer": "byte", "data.source": "", "run.device": "cpu"})
     shape = peers.loom_shape(cfg)
     params, flops = TITAN_SHAPES[name]
@@ -158,7 +157,7 @@ def test_flavor_module_builds_the_recorded_shape(tmp_path, monkeypatch):
         spec = get_train_spec(w.titan_model)
         args = spec.model_args.pop(peers.FLAVOR)
         toml = tmp_path / f"{name}.toml"
-        toml.write_text(peers.to_toml(peers.titan_config(w, 2, 30, 10, _paths(tmp_path), "op", True)))
+        toml.write_text(peers.to_toml(peers.titan_config(w, 2, _paths(tmp_path), peers.Matched())))
         args.update_from_config(ConfigManager().parse_args(["--job.config_file", str(toml)]))
         with torch.device("meta"):
             model = spec.model_cls(args)
