@@ -76,17 +76,25 @@ def _adamw_multi_kernel(
     step_size,
     inv_bc2_sqrt,
     eps,
-    G_DTYPE: tl.constexpr,
+    G_KIND: tl.constexpr,
     HAS_FACTOR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One block of one of ``T`` tensors: ``ptrs`` holds the params', grads', exp_avgs' and exp_avg_sqs' addresses
-    (4 x T int64), ``block_tensor`` / ``block_start`` each block's tensor and first element."""
+    (4 x T int64), ``block_tensor`` / ``block_start`` each block's tensor and first element; ``G_KIND``: the
+    gradients' dtype, 0 fp32, 1 bf16, 2 fp16 (literal dtypes in each branch, as Triton's grouped-GEMM tutorial casts
+    its table's addresses)."""
     blk = tl.program_id(0)
     t = tl.load(block_tensor + blk)
     offs = tl.load(block_start + blk) + tl.arange(0, BLOCK)
     p_ptr = tl.load(ptrs + t).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(ptrs + T + t).to(tl.pointer_type(G_DTYPE))
+    g_addr = tl.load(ptrs + T + t)
+    if G_KIND == 1:
+        g_ptr = g_addr.to(tl.pointer_type(tl.bfloat16))
+    elif G_KIND == 2:
+        g_ptr = g_addr.to(tl.pointer_type(tl.float16))
+    else:
+        g_ptr = g_addr.to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(ptrs + 2 * T + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(ptrs + 3 * T + t).to(tl.pointer_type(tl.float32))
     _adamw_block(
@@ -210,7 +218,7 @@ def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: fl
     )
 
 
-_GRAD_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_GRAD_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BLOCK_TABLES: dict = {}  # (tensor sizes, device) -> (block_tensor, block_start, sizes) on the device
 
 
@@ -273,7 +281,7 @@ def adamw_multi_step(
         grad_factor if grad_factor is not None else params[0],
         len(params),
         *_scalars(lr, beta1, beta2, eps, weight_decay, step),
-        G_DTYPE=_GRAD_TL[g_dtype],
+        G_KIND=_GRAD_KIND[g_dtype],
         HAS_FACTOR=grad_factor is not None,
         BLOCK=BLOCK,
         num_warps=8,
