@@ -29,23 +29,26 @@ from loom.parallel.offload_rules import offloaded_blocks
 
 
 class _Saved:
-    """One packed tensor: its host copy, the device copy a prefetch brought back (until autograd takes it), and the
-    events that order the copies."""
+    """One packed tensor: its host copy, the device copy a prefetch brought back (until autograd has read it as
+    often as it was saved: ``uses``), and the events that order the copies."""
 
-    __slots__ = ("host", "back", "d2h", "h2d", "block", "__weakref__")
+    __slots__ = ("host", "back", "d2h", "h2d", "block", "uses", "__weakref__")
 
     def __init__(self, host: torch.Tensor, d2h, block: _BlockRecord):
-        self.host, self.back, self.d2h, self.h2d, self.block = host, None, d2h, None, block
+        self.host, self.back, self.d2h, self.h2d, self.block, self.uses = host, None, d2h, None, block, 1
 
 
 class _BlockRecord:
     """The tensors one forward of one block packed, and the block that ran before it in the same model forward
     (its backward comes next: prefetched when this block's backward starts)."""
 
-    __slots__ = ("saved", "before", "started", "skip", "__weakref__")
+    __slots__ = ("saved", "seen", "before", "started", "skip", "__weakref__")
 
     def __init__(self, before: _BlockRecord | None, skip: set[int]):
         self.saved: list[weakref.ref] = []
+        # a tensor saved again (the input of q, k and v; of gate and up) is copied once: its view's key -> the
+        # tensor (held until the block's forward ends, so its memory cannot be another tensor's) and its copy
+        self.seen: dict[tuple, tuple[torch.Tensor, weakref.ref]] = {}
         self.before = weakref.ref(before) if before is not None else None
         self.started = False
         self.skip = skip
@@ -85,12 +88,14 @@ class ActivationOffload:
         self.last = record
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t, r=record: self._pack(t, r), self._unpack)
         hooks.__enter__()
-        self._active.append(hooks)
+        self._active.append((hooks, record))
 
     def _exit(self, block: nn.Module, args, output) -> None:
-        hooks = self._active.pop()
-        if hooks is not None:
+        entered = self._active.pop()
+        if entered is not None:
+            hooks, record = entered
             hooks.__exit__(None, None, None)
+            record.seen.clear()
 
     # ---------------------------------------------------------------------------------------------- pack / unpack
     def _keeps(self, t: torch.Tensor, record: _BlockRecord) -> bool:
@@ -105,6 +110,12 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor, record: _BlockRecord):
         if self._keeps(t, record):
             return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+        _, packed = record.seen.get(key, (None, None))
+        saved = packed() if packed is not None else None
+        if saved is not None:
+            saved.uses += 1
+            return saved
         self.packed_bytes += t.numel() * t.element_size()
         if not self.cuda:  # the bookkeeping alone: a copy in its own memory
             saved = _Saved(t.detach().clone(), None, record)
@@ -118,6 +129,7 @@ class ActivationOffload:
                 done.record(self.stream)
             saved = _Saved(host, done, record)
         record.saved.append(weakref.ref(saved))
+        record.seen[key] = (t, weakref.ref(saved))
         return saved
 
     def _unpack(self, saved) -> torch.Tensor:
@@ -136,7 +148,9 @@ class ActivationOffload:
             current.wait_event(saved.h2d)
             out = saved.back
             out.record_stream(current)  # allocated on the side stream, freed after this stream's use
-            saved.back = None
+            saved.uses -= 1
+            if saved.uses <= 0:
+                saved.back = None
             return out
         current.wait_event(saved.d2h)
         return saved.host.to(self.device, non_blocking=True)

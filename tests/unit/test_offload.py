@@ -254,6 +254,33 @@ def test_activation_offload_packs_through_host_copies_with_the_same_gradients(ac
     assert offload.packed_bytes == packed
 
 
+class _Fork(torch.nn.Module):
+    """Two linears reading one tensor (as q, k and v do; gate and up): autograd saves it twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = x * 2  # a multiply by a number saves nothing
+        return self.a(h) * 0.5 + self.b(h)
+
+
+def test_activation_offload_copies_a_tensor_saved_twice_once():
+    """The tensor both linears save goes to the host once (one copy's bytes), and both backward reads get it back."""
+    from loom.parallel.activation_offload import apply_activation_offload
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(), torch.randn(4, 8, 16, requires_grad=True)
+    model.layers = torch.nn.ModuleDict({"0": _Fork()})
+    model.forward = lambda t: model.layers["0"](t).square().sum()
+    want = torch.autograd.grad(model(x), [x, *model.parameters()])
+    offload = apply_activation_offload(model, "all", torch.device("cpu"))
+    got = torch.autograd.grad(model(x), [x, *model.parameters()])
+    assert offload.packed_bytes == x.numel() * 4
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_activation_offload_run_equals_the_run_without_it(tmp_path, cache, plain):
     """A tiny run offloading both blocks, one of them recomputed (every_k), gives the same losses, bit for bit."""
     trainer, records = train(
