@@ -199,6 +199,18 @@ def test_sliding_window_is_the_same_mask_on_every_backend(seq, window, documents
     torch.testing.assert_close(flex_attend(q, k, v, starts, window), expected, atol=2e-6, rtol=1e-5)
 
 
+def test_sdpa_compiles_fullgraph_when_the_head_counts_change():
+    """A recompile over new head counts makes them symbolic; SDPA's enable_gqa must still get a plain bool (a
+    SymBool fails fake-tensor tracing: seen on an H200 with model.attention = sdpa_flash)."""
+    from loom.models.common.layers import attend
+
+    fn = torch.compile(lambda q, k: attend(q, k, k, "sdpa", None), fullgraph=True)
+    for hq, hkv in ((4, 4), (4, 2), (2, 1)):
+        q, k = torch.randn(1, hq, 8, 4), torch.randn(1, hkv, 8, 4)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(fn(q, k), want)
+
+
 def test_fsdp_units_of_their_own_for_an_untied_embedding_and_head():
     """The embedding and [norm, head] get FSDP2 units of their own (the head's gradients then reduce while the
     blocks' backward runs); tied embeddings, multi-token prediction and a pipeline stage without them keep them in
