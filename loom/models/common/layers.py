@@ -53,7 +53,7 @@ def attend(
         return flash_attention(q, k, v, causal=True, bounds=bounds, window=window)
     # a branch, not bool(): under compile with dynamic head counts the comparison is a SymBool, which SDPA's
     # enable_gqa refuses; branching on it specializes the graph to a plain bool (a guard)
-    gqa = True if q.shape[1] != k.shape[1] else False  # noqa: SIM210
+    gqa = True if q.shape[1] != k.shape[1] else False
     masked = bounds is not None or window > 0
     # (B or 1, 1, S, S), slower
     mask = visible(q.shape[2], True, bounds, window, q.device) if masked else None
