@@ -200,7 +200,10 @@ def measure(cfg, args, cuda: bool) -> dict:
     }
     offload = getattr(trainer.parts[0], "activation_offload", None)
     if offload is not None:
-        out["activation_offload_bytes_per_step"] = offload.packed_bytes / len(records)
+        out["activation_offload_bytes_per_step"] = offload.packed_bytes / len(records)  # copied to the host
+        out["activation_resident_bytes_per_step"] = offload.resident_bytes / len(
+            records
+        )  # kept without offload
     del trainer, records, kept
     gc.collect()  # the trainer's reference cycles: without it the next run's peak counted this one's state
     if cuda:

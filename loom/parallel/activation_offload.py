@@ -42,13 +42,14 @@ class _BlockRecord:
     """The tensors one forward of one block packed, and the block that ran before it in the same model forward
     (its backward comes next: prefetched when this block's backward starts)."""
 
-    __slots__ = ("saved", "seen", "before", "started", "skip", "__weakref__")
+    __slots__ = ("saved", "seen", "storages", "before", "started", "skip", "__weakref__")
 
     def __init__(self, before: _BlockRecord | None, skip: set[int]):
         self.saved: list[weakref.ref] = []
         # a tensor saved again (the input of q, k and v; of gate and up) is copied once: its view's key -> the
         # tensor (held until the block's forward ends, so its memory cannot be another tensor's) and its copy
         self.seen: dict[tuple, tuple[torch.Tensor, weakref.ref]] = {}
+        self.storages: set[int] = set()  # the memory those tensors keep alive, counted once (resident_bytes)
         self.before = weakref.ref(before) if before is not None else None
         self.started = False
         self.skip = skip
@@ -56,8 +57,9 @@ class _BlockRecord:
 
 class ActivationOffload:
     """Saved-tensor hooks for the selected blocks of one model part. ``device``: where the model computes; on CUDA
-    the copies run on one side stream shared by the part's blocks. ``packed_bytes`` counts what went to the host
-    (the tests and the run's metrics read it)."""
+    the copies run on one side stream shared by the part's blocks. ``packed_bytes`` counts what went to the host;
+    ``resident_bytes`` the device memory the same tensors would have kept alive until backward without offload
+    (each storage once: views of one tensor saved by several ops share it). The tests and benches read both."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -65,6 +67,7 @@ class ActivationOffload:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.last: _BlockRecord | None = None  # the previous offloaded block of the running model forward
         self.packed_bytes = 0
+        self.resident_bytes = 0
         self._active: list = []
 
     # ---------------------------------------------------------------------------------------------- module hooks
@@ -96,6 +99,7 @@ class ActivationOffload:
             hooks, record = entered
             hooks.__exit__(None, None, None)
             record.seen.clear()
+            record.storages.clear()
 
     # ---------------------------------------------------------------------------------------------- pack / unpack
     def _keeps(self, t: torch.Tensor, record: _BlockRecord) -> bool:
@@ -117,6 +121,9 @@ class ActivationOffload:
             saved.uses += 1
             return saved
         self.packed_bytes += t.numel() * t.element_size()
+        if key[0] not in record.storages:
+            record.storages.add(key[0])
+            self.resident_bytes += t.untyped_storage().nbytes()
         if not self.cuda:  # the bookkeeping alone: a copy in its own memory
             saved = _Saved(t.detach().clone(), None, record)
         else:

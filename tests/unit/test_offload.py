@@ -255,7 +255,8 @@ def test_activation_offload_packs_through_host_copies_with_the_same_gradients(ac
 
 
 class _Fork(torch.nn.Module):
-    """Two linears reading one tensor (as q, k and v do; gate and up): autograd saves it twice."""
+    """Two linears reading one tensor (as q, k and v do; gate and up): autograd saves it twice, as a 2-D view; a
+    sine saves it once more in its own shape."""
 
     def __init__(self):
         super().__init__()
@@ -263,11 +264,12 @@ class _Fork(torch.nn.Module):
 
     def forward(self, x):
         h = x * 2  # a multiply by a number saves nothing
-        return self.a(h) * 0.5 + self.b(h)
+        return self.a(h) * 0.5 + self.b(h) + torch.sin(h)
 
 
 def test_activation_offload_copies_a_tensor_saved_twice_once():
-    """The tensor both linears save goes to the host once (one copy's bytes), and both backward reads get it back."""
+    """The view both linears save goes to the host once, the sine's view once more (two copies' bytes, one storage
+    kept alive without offload), and every backward read gets it back."""
     from loom.parallel.activation_offload import apply_activation_offload
 
     torch.manual_seed(0)
@@ -277,7 +279,7 @@ def test_activation_offload_copies_a_tensor_saved_twice_once():
     want = torch.autograd.grad(model(x), [x, *model.parameters()])
     offload = apply_activation_offload(model, "all", torch.device("cpu"))
     got = torch.autograd.grad(model(x), [x, *model.parameters()])
-    assert offload.packed_bytes == x.numel() * 4
+    assert offload.packed_bytes == 2 * offload.resident_bytes == 2 * x.numel() * 4
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
