@@ -27,6 +27,9 @@ def resolve_implementation(impl: str, device: torch.device, offload: bool = Fals
     return "foreach"
 
 
+_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")  # the kernels' keyword arguments, in order
+
+
 class TritonAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (same hyperparameters, same state and state dict: ``step``, ``exp_avg``,
     ``exp_avg_sq``) stepping each tensor with loom's one-pass kernel (``loom::adamw_step_``: Triton on
@@ -45,47 +48,43 @@ class TritonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        factors: dict = {}
+        factors: dict = {}  # once per device (offloaded shards on the host, the factor on the GPU)
         small: dict = {}  # tensors under SMALL elements, by device, gradient dtype and hyperparameters: one launch each
         for group in self.param_groups:
+            live = [p for p in group["params"] if p.grad is not None]
+            if not live:
+                continue
+            states = [self._state_of(p) for p in live]
+            steps = [state["step"] for state in states]
+            torch._foreach_add_(steps, 1.0)  # one call for the group's counts (on the host: never a sync)
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self._state_of(p)
-                state["step"] += 1
-                factor = None
-                # once per device (offloaded shards on the host, the factor on the GPU)
-                if grad_factor is not None:
-                    device = _local(p).device
-                    if device not in factors:
-                        factors[device] = torch.as_tensor(
-                            grad_factor, dtype=torch.float32, device=device
-                        ).reshape(1)
-                    factor = factors[device]
+            base = (float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
+            for p, state, count in zip(live, states, [s.item() for s in steps]):
+                local = _local(p)
                 tensors = (
-                    _local(p),
+                    local,
                     _local(_like_param(p.grad, p)),
                     _local(state["exp_avg"]),
                     _local(state["exp_avg_sq"]),
                 )
-                hyper = dict(
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    step=int(state["step"]),
-                )
-                if tensors[0].numel() >= SMALL:
-                    adamw_step_(*tensors, **hyper, grad_factor=factor)
+                factor = None
+                if grad_factor is not None:
+                    factor = factors.get(local.device)
+                    if factor is None:
+                        factor = factors[local.device] = torch.as_tensor(
+                            grad_factor, dtype=torch.float32, device=local.device
+                        ).reshape(1)
+                hyper = (*base, int(count))
+                if local.numel() >= SMALL:
+                    adamw_step_(*tensors, **dict(zip(_HYPER, hyper)), grad_factor=factor)
                     continue
-                key = (tensors[0].device, tensors[1].dtype, tuple(hyper.values()))
-                lists = small.setdefault(key, (hyper, factor, ([], [], [], [])))[2]
+                lists = small.setdefault((local.device, tensors[1].dtype, hyper), (factor, ([], [], [], [])))[
+                    1
+                ]
                 for kept, t in zip(lists, tensors):
                     kept.append(t)
-        for hyper, factor, lists in small.values():
-            adamw_multi_step_(*lists, **hyper, grad_factor=factor)
+        for (_, _, hyper), (factor, lists) in small.items():
+            adamw_multi_step_(*lists, **dict(zip(_HYPER, hyper)), grad_factor=factor)
         return loss
 
     def _state_of(self, p: torch.Tensor) -> dict:

@@ -211,7 +211,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         raise SystemExit("no ValueError for lists of different lengths")
     except ValueError:
         pass
-    try:
+    tk.adamw_multi_step([x, x], [x, x], [x, x], [x, x], None, 0.1, 0.9, 0.95, 1e-8, 0.0, 1)  # checked, remembered
+    try:  # the same addresses, one of them now a transposed view: checked again
         tk.adamw_multi_step([x, x], [x, x.t()], [x, x], [x, x], None, 0.1, 0.9, 0.95, 1e-8, 0.0, 1)
         raise SystemExit("no ValueError for a gradient that is not contiguous")
     except ValueError as err:

@@ -71,6 +71,16 @@ def adamw_step_(
     adamw_step_op(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step)
 
 
+def _launch_multi(params, grads, exp_avgs, exp_avg_sqs, grad_factor, *hyper) -> bool:
+    """The multi-tensor Triton launch where Triton runs on the lists' device; False where it does not."""
+    if not params or not triton_runs_on(params[0].device):
+        return False
+    from loom.kernels.adamw import triton as kernels
+
+    kernels.adamw_multi_step(params, grads, exp_avgs, exp_avg_sqs, grad_factor, *hyper)
+    return True
+
+
 @torch.library.custom_op("loom::adamw_multi_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def adamw_multi_step_op(
     params: list[torch.Tensor],
@@ -85,12 +95,9 @@ def adamw_multi_step_op(
     weight_decay: float,
     step: int,
 ) -> None:
-    if params and triton_runs_on(params[0].device):
-        from loom.kernels.adamw import triton as kernels
-
-        kernels.adamw_multi_step(
-            params, grads, exp_avgs, exp_avg_sqs, grad_factor, lr, beta1, beta2, eps, weight_decay, step
-        )
+    if _launch_multi(
+        params, grads, exp_avgs, exp_avg_sqs, grad_factor, lr, beta1, beta2, eps, weight_decay, step
+    ):
         return
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         reference.adamw_step_(p, g, m, v, grad_factor, lr, beta1, beta2, eps, weight_decay, step)
@@ -116,7 +123,10 @@ def adamw_multi_step_(
     grad_factor: torch.Tensor | None = None,
 ) -> None:
     """``adamw_step_`` on each index of the lists (one step count for all), in one launch where Triton runs: many
-    small tensors cost one launch instead of one each."""
-    adamw_multi_step_op(
-        params, grads, exp_avgs, exp_avg_sqs, grad_factor, lr, beta1, beta2, eps, weight_decay, step
-    )
+    small tensors cost one launch instead of one each. Outside torch.compile the launcher is called directly: the
+    custom op's dispatch of four lists of ~110 tensors took 0.2 ms of host time a step, as long as a 125M model's
+    step on the GPU (the op is what a compiled graph records)."""
+    args = (params, grads, exp_avgs, exp_avg_sqs, grad_factor, lr, beta1, beta2, eps, weight_decay, step)
+    if not torch.compiler.is_compiling() and _launch_multi(*args):
+        return
+    adamw_multi_step_op(*args)

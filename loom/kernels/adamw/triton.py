@@ -220,6 +220,10 @@ def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: fl
 
 _GRAD_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BLOCK_TABLES: dict = {}  # (tensor sizes, device) -> (block_tensor, block_start, sizes) on the device
+# (addresses, sizes, grad dtype) -> the device's table of addresses: an optimizer's tensors keep their memory from
+# step to step, so the checks and the copy run once (a few recent sets: gradients freed and reallocated can move)
+_POINTERS: dict = {}
+_POINTER_SETS = 4
 
 
 def _block_tables(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -233,6 +237,43 @@ def _block_tables(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.T
         sizes_t = torch.tensor(sizes, dtype=torch.int64)
         _BLOCK_TABLES[key] = tuple(x.to(device) for x in (which, start.to(torch.int64), sizes_t))
     return _BLOCK_TABLES[key]
+
+
+def _tables(params, grads, exp_avgs, exp_avg_sqs, grad_factor) -> tuple[torch.Tensor, ...]:
+    """The kernel's tables for these lists: the 4 x T addresses on the device, each block's tensor and first element,
+    the sizes. The lists are checked when their addresses, sizes or gradient dtype are new (the per-step host time
+    at ~110 tensors was most of a 125M model's step: bench/optimizer.py)."""
+    if grad_factor is not None:
+        check_tensor("grad_factor", grad_factor, dtypes=(torch.float32,), device=params[0].device)
+    addresses = tuple(t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts)
+    sizes = tuple(p.numel() for p in params)
+    # contiguity in the key: a transposed view has its tensor's address
+    contiguous = all(t.is_contiguous() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts)
+    key = (addresses, sizes, contiguous, grads[0].dtype, params[0].device)
+    ptrs = _POINTERS.get(key)
+    if ptrs is None:
+        _check_lists(params, grads, exp_avgs, exp_avg_sqs, grad_factor)
+        host = torch.tensor(addresses, dtype=torch.int64).pin_memory() if params[0].is_cuda else None
+        ptrs = host.to(params[0].device, non_blocking=True) if host is not None else torch.tensor(addresses)
+        if len(_POINTERS) >= _POINTER_SETS:
+            _POINTERS.pop(next(iter(_POINTERS)))
+        _POINTERS[key] = ptrs
+    return (ptrs, *_block_tables(sizes, params[0].device))
+
+
+def _check_lists(params, grads, exp_avgs, exp_avg_sqs, grad_factor) -> None:
+    """fp32 params and moments, grads of one dtype, one device, contiguous, one size per index."""
+    check(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], grad_factor)  # dtypes and device, from the first
+    device, g_dtype = params[0].device, grads[0].dtype
+    for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        n = group[0].numel()
+        for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), group):
+            wanted = g_dtype if name == "grad" else torch.float32
+            if t.numel() != n or t.dtype != wanted or t.device != device or not t.is_contiguous():
+                raise ValueError(
+                    f"{name} {i}: {t.numel()} elements of {t.dtype} on {t.device} (contiguous: "
+                    f"{t.is_contiguous()}), expected {n} contiguous of {wanted} on {device}"
+                )
 
 
 def adamw_multi_step(
@@ -257,24 +298,12 @@ def adamw_multi_step(
             f"params {len(params)}, grads {len(grads)}, exp_avgs {len(exp_avgs)}, exp_avg_sqs "
             f"{len(exp_avg_sqs)}: one list length"
         )
-    check(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], grad_factor)  # dtypes and device, from the first
-    device, g_dtype = params[0].device, grads[0].dtype
-    for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        n = group[0].numel()
-        for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), group):
-            wanted = g_dtype if name == "grad" else torch.float32
-            if t.numel() != n or t.dtype != wanted or t.device != device or not t.is_contiguous():
-                raise ValueError(
-                    f"{name} {i}: {t.numel()} elements of {t.dtype} on {t.device} (contiguous: "
-                    f"{t.is_contiguous()}), expected {n} contiguous of {wanted} on {device}"
-                )
-    sizes = tuple(p.numel() for p in params)
-    block_tensor, block_start, sizes_t = _block_tables(sizes, device)
+    ptrs, block_tensor, block_start, sizes_t = _tables(params, grads, exp_avgs, exp_avg_sqs, grad_factor)
     if len(block_tensor) == 0:
         return
-    ptrs = torch.tensor([t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts])
+    g_dtype = grads[0].dtype
     _adamw_multi_kernel[(len(block_tensor),)](
-        ptrs.to(device, non_blocking=True),
+        ptrs,
         block_tensor,
         block_start,
         sizes_t,
