@@ -6,7 +6,8 @@ Each selected block's forward runs under ``torch.autograd.graph.saved_tensors_ho
 block's compute goes on; the device memory returns to the allocator once the copy is done, ``record_stream``), and
 during backward the first read of a block's tensors also starts copying back the block that ran before it (its
 backward is next), on the side stream, so the copy overlaps this block's backward. A tensor not yet back is copied
-when autograd asks for it.
+when autograd asks for it. A block's forward starts once the copies of the block two back are done (a wait on the
+device), so at most two blocks' tensors are on the device at a time.
 
 What is offloaded: every saved tensor of a plain device tensor type except the block's own parameters and buffers
 (under FSDP2 the gathered weights, gathered again for backward anyway). Tensor subclasses (the DTensors of tensor
@@ -42,7 +43,7 @@ class _BlockRecord:
     """The tensors one forward of one block packed, and the block that ran before it in the same model forward
     (its backward comes next: prefetched when this block's backward starts)."""
 
-    __slots__ = ("saved", "seen", "storages", "before", "started", "skip", "__weakref__")
+    __slots__ = ("saved", "seen", "storages", "copied", "before", "started", "skip", "__weakref__")
 
     def __init__(self, before: _BlockRecord | None, skip: set[int]):
         self.saved: list[weakref.ref] = []
@@ -50,6 +51,9 @@ class _BlockRecord:
         # tensor (held until the block's forward ends, so its memory cannot be another tensor's) and its copy
         self.seen: dict[tuple, tuple[torch.Tensor, weakref.ref]] = {}
         self.storages: set[int] = set()  # the memory those tensors keep alive, counted once (resident_bytes)
+        self.copied = (
+            None  # the event after this block's last copy to the host (the side stream runs in order)
+        )
         self.before = weakref.ref(before) if before is not None else None
         self.started = False
         self.skip = skip
@@ -87,11 +91,22 @@ class ActivationOffload:
             self._active.append(None)
             return
         skip = {_storage(t) for t in _own_tensors(block)}
+        self._bound_in_flight()
         record = _BlockRecord(self.last, skip)
         self.last = record
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t, r=record: self._pack(t, r), self._unpack)
         hooks.__enter__()
         self._active.append((hooks, record))
+
+    def _bound_in_flight(self) -> None:
+        """Before a block's forward, the device waits (on the GPU, not the host) until the copies of the offloaded
+        block two back have reached the host, so at most two blocks' saved tensors are on the device whatever the
+        copies' speed: over PCIe they are slower than the compute, and unbounded they fell behind, leaving most
+        blocks' tensors on the device when the forward ended (torchtune's OffloadActivations bounds its stash for
+        the same reason). The cost: a forward no faster than its copies, which bound an offloaded step anyway."""
+        before = self.last.before() if self.last is not None and self.last.before is not None else None
+        if self.cuda and before is not None and before.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(before.copied)
 
     def _exit(self, block: nn.Module, args, output) -> None:
         entered = self._active.pop()
@@ -134,6 +149,7 @@ class ActivationOffload:
                 t.record_stream(self.stream)  # its memory is reused only after the copy
                 done = torch.cuda.Event()
                 done.record(self.stream)
+            record.copied = done
             saved = _Saved(host, done, record)
         record.saved.append(weakref.ref(saved))
         record.seen[key] = (t, weakref.ref(saved))
