@@ -197,3 +197,27 @@ def write_result(path: str, doc: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
+
+
+def profile_steps_by_kind(step_fn, batches, run_dir: str, variant: str) -> dict:
+    """Kernel time per step by category over ``batches`` but the first (loom.metrics.trace_summary), after the timed
+    steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from loom.metrics.trace_summary import summarize
+
+    path = os.path.join(run_dir, f"trace_{variant}.json")
+    cuda = torch.cuda.is_available()
+    with profile(
+        activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+        schedule=schedule(wait=0, warmup=1, active=len(batches) - 1),
+        on_trace_ready=lambda p: p.export_chrome_trace(path),
+    ) as prof:
+        for mbs in batches:
+            step_fn(mbs)
+            if cuda:
+                torch.cuda.synchronize()
+            prof.step()
+    with open(path) as fh:
+        return summarize(json.load(fh))

@@ -29,6 +29,7 @@ from bench.common import (
     environment,
     hf_llama_config,
     hf_train_step,
+    profile_steps_by_kind,
     run_children,
     time_steps,
     write_result,
@@ -194,7 +195,11 @@ def run_variant(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     times, losses, first_step_s = time_steps(step_fn, batches[: warmup + steps], warmup)
-    profile = _profile(step_fn, batches[warmup : warmup + 4], run_dir, variant) if profile_steps else None
+    profile = (
+        profile_steps_by_kind(step_fn, batches[warmup : warmup + 4], run_dir, variant)
+        if profile_steps
+        else None
+    )
     tps = micro_batch * seq / statistics.median(times)
     peak = peak_flops(torch.cuda.get_device_name(), "bfloat16")
     flops = flops_per_token(args, seq, None if full_ft else expected)
@@ -221,28 +226,6 @@ def run_variant(
         "losses": losses,
         "profile": profile,
     }
-
-
-def _profile(step_fn, batches, run_dir: str, variant: str) -> dict:
-    """Kernel time per step by category over ``batches`` but the first (loom.metrics.trace_summary), after the timed
-    steps."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    from loom.metrics.trace_summary import summarize
-
-    path = os.path.join(run_dir, f"trace_{variant}.json")
-    with profile(
-        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-        schedule=schedule(wait=0, warmup=1, active=len(batches) - 1),
-        on_trace_ready=lambda p: p.export_chrome_trace(path),
-    ) as prof:
-        for mbs in batches:
-            step_fn(mbs)
-            torch.cuda.synchronize()
-            prof.step()
-    with open(path) as fh:
-        return summarize(json.load(fh))
 
 
 def main() -> None:

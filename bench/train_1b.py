@@ -26,6 +26,7 @@ from bench.common import (
     environment,
     hf_llama_config,
     hf_train_step,
+    profile_steps_by_kind,
     run_children,
     time_steps,
     write_result,
@@ -125,6 +126,7 @@ def run_variant(
     run_dir: str,
     seq: int = SEQ,
     extra: dict | None = None,
+    profile: bool = False,
 ) -> dict:
     import torch
 
@@ -133,7 +135,9 @@ def run_variant(
     trainer = loom_trainer(micro_batch, overrides, run_dir, seq)  # also the data source for HF
     kernels = _kernels(variant, trainer)
     args = trainer.model_args
-    batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
+    batches = [
+        trainer.loader.next_step().micro_batches for _ in range(warmup + steps + (4 if profile else 0))
+    ]
     attention_times = getattr(
         trainer, "attention_times", None
     )  # before the transformers variants drop the trainer
@@ -149,7 +153,9 @@ def run_variant(
         step_fn = hf_train_step(model, list(model.parameters()), opt)
 
     torch.cuda.reset_peak_memory_stats()
-    times, losses, first_step_s = time_steps(step_fn, batches, warmup)
+    times, losses, first_step_s = time_steps(step_fn, batches[: warmup + steps], warmup)
+    # after the timed steps, on batches of their own: kernel time per step by category (bench.lora's --profile)
+    by_kind = profile_steps_by_kind(step_fn, batches[warmup + steps :], run_dir, variant) if profile else None
     from loom.metrics.flops import flops_per_token, peak_flops
 
     tokens = micro_batch * seq
@@ -175,6 +181,7 @@ def run_variant(
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "first_step_s": first_step_s,
         "final_loss": losses[-1],
+        "profile": by_kind,
     }
 
 
@@ -202,26 +209,40 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="extra config override for every loom variant, e.g. model.flavor=8B (repeatable)",
     )
+    p.add_argument(
+        "--profile", action="store_true", help="also the kernel time by category of 3 profiled steps"
+    )
     a = p.parse_args()
     extra = dict(kv.split("=", 1) for kv in a.set)
     if a.variant:  # child: one variant, result as the last stdout line
         res = run_variant(
-            a.variant, a.micro_batch, a.steps, a.warmup, os.path.join(a.run_dir, a.variant), a.seq, extra
+            a.variant,
+            a.micro_batch,
+            a.steps,
+            a.warmup,
+            os.path.join(a.run_dir, a.variant),
+            a.seq,
+            extra,
+            a.profile,
         )
         print("RESULT " + json.dumps(res), flush=True)
         return
-    child = [
-        "--micro-batch",
-        str(a.micro_batch),
-        "--steps",
-        str(a.steps),
-        "--warmup",
-        str(a.warmup),
-        "--run-dir",
-        a.run_dir,
-        "--seq",
-        str(a.seq),
-    ] + [x for kv in a.set for x in ("--set", kv)]
+    child = (
+        [
+            "--micro-batch",
+            str(a.micro_batch),
+            "--steps",
+            str(a.steps),
+            "--warmup",
+            str(a.warmup),
+            "--run-dir",
+            a.run_dir,
+            "--seq",
+            str(a.seq),
+        ]
+        + [x for kv in a.set for x in ("--set", kv)]
+        + (["--profile"] if a.profile else [])
+    )
     results = run_children("bench.train_1b", a.variants.split(","), child, ROOT)
     by = {r["variant"]: r for r in results if "error" not in r}
     ratios = {}
