@@ -21,7 +21,10 @@ RUNS = os.path.join(
 
 
 def row(run: dict) -> str:
-    est = estimate(build_config(None, run["config"]), run["gpus"], GPUS[run["gpu"]])
+    # a run of older code is estimated with its own host waits under expert parallelism (the file's "about")
+    est = estimate(
+        build_config(None, run["config"]), run["gpus"], GPUS[run["gpu"]], ep_waits=run.get("ep_host_waits")
+    )
     peak, tps = run["peak_gib_max_rank"], run["tokens_per_s_per_gpu"]
     mem, est_tps = est.memory.total / 2**30, est.tokens_per_s_per_gpu
     name = run["run"] + (f" ({run['label']})" if run["label"] else "")

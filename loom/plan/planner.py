@@ -51,11 +51,13 @@ from loom.plan.shapes import expert_params, rank_shares
 from loom.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_HBM_SHARE,
+    EP_HOST_WAIT_S,
     StepTime,
     attention_efficiency,
     attention_flops,
     collective_s,
     efficiency,
+    ep_host_s,
     ep_overhead_s,
     fsdp_expert_bytes,
     grouped_padding_flops,
@@ -171,11 +173,17 @@ def validate(cfg: Config, world_size: int):
 
 
 def estimate(
-    cfg: Config, world_size: int, gpu: GPU, profiles: dict | None = None, margin_gib: float | None = None
+    cfg: Config,
+    world_size: int,
+    gpu: GPU,
+    profiles: dict | None = None,
+    margin_gib: float | None = None,
+    ep_waits: float | None = None,
 ) -> Estimate:
     """Memory and step time of ``cfg`` on ``world_size`` GPUs of kind ``gpu`` (raises ConfigError when loom
     would reject the layout). ``profiles`` caches activation traces across calls (search); ``margin_gib``: memory
-    a fitting layout leaves free (default ``MARGIN`` of the GPU's)."""
+    a fitting layout leaves free (default ``MARGIN`` of the GPU's); ``ep_waits``: expert parallelism's host waits
+    per MoE block and micro-batch (default: loom's, ``ep_host_waits``; a run of older code may have waited more)."""
     dims, args, m = validate(cfg, world_size)
     t, p = cfg.training, cfg.parallel
     x = memory_inputs(cfg, dims, args)
@@ -183,7 +191,7 @@ def estimate(
     shares = rank_shares(args, dims.pp, p, t.seq_len)
     memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
     per_block = offload_block_bytes(profile, x, args, cfg)
-    times = [rank_time(share, args, dims, x, cfg, m, gpu, per_block) for share in shares]
+    times = [rank_time(share, args, dims, x, cfg, m, gpu, per_block, ep_waits) for share in shares]
     memory = max(memories, key=lambda mem: mem.total)
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
@@ -223,10 +231,9 @@ def estimate(
         )
     if dims.ep > 1 and args.moe:
         notes.append(
-            "expert parallelism waits on the host for its token counts in every MoE block (forward and "
-            "recomputation), and the GPU idles until the host launches the rest: this estimate is the GPU's work "
-            "(Qwen3-MoE, 12 blocks, EP2 on 2xH200: 310 ms estimated, 316 ms of kernels in the profiled step, "
-            "37% of it idle; docs/planner.md, Expert parallelism)"
+            "expert parallelism waits on the host for its token counts in every MoE block, and the GPU idles until "
+            f"the host launches the rest: {1e3 * EP_HOST_WAIT_S:g} ms a wait (in 'host'; fitted to one EP2 run on "
+            "2xH200, docs/planner.md, Expert parallelism); uneven routing is not modelled"
         )
     margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
     return Estimate(
@@ -386,10 +393,19 @@ def dense_blocks(args, layers: list[int]) -> int:
 
 
 def rank_time(
-    share, args, dims, x: MemoryInputs, cfg: Config, m: int, gpu: GPU, per_block: float = 0.0
+    share,
+    args,
+    dims,
+    x: MemoryInputs,
+    cfg: Config,
+    m: int,
+    gpu: GPU,
+    per_block: float = 0.0,
+    ep_waits: float | None = None,
 ) -> StepTime:
     """Seconds of one step on the rank of ``share``; ``per_block``: bytes one offloaded block parks on the host
-    per micro-batch (training.activation_offload)."""
+    per micro-batch (training.activation_offload); ``ep_waits``: expert parallelism's host waits per MoE block and
+    micro-batch (None: ``ep_host_waits``)."""
     t, p = cfg.training, cfg.parallel
     peak = gpu.peak(t.dtype)
     eff = efficiency(args.dim, t.compile)
@@ -448,6 +464,9 @@ def rank_time(
         rerun = exchange_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)
         per_block = (4 + 2 * rerun) * collective_s(slots, dims.ep, bandwidth)
         st.ep = m * share.moe_layers * per_block
+        if ep_waits is None:
+            ep_waits = ep_host_waits(t.activation_checkpointing, t.ac_every, args.n_layers)
+        st.host = ep_host_s(ep_waits, share.moe_layers, m)
     # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
     if dims.etp > 1:
         rerun = moe_rerun(
@@ -504,6 +523,12 @@ def exchange_rerun(ac: str, every: int, n_layers: int) -> float:
     recomputed in full (full, every-k); op-level checkpointing saves the exchanges' outputs and replays them
     (loom.parallel.activation_checkpoint)."""
     return 0.0 if ac == "op" else moe_rerun(ac, every, n_layers)
+
+
+def ep_host_waits(ac: str, every: int, n_layers: int) -> float:
+    """Expert parallelism's host waits per MoE block and micro-batch in loom's code: one in the forward, one more in a
+    recomputation in full (op-level checkpointing's reads the forward's split lists: ExpertParallel.host_splits)."""
+    return 1 + exchange_rerun(ac, every, n_layers)
 
 
 def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU, x: MemoryInputs | None = None) -> MoETime:

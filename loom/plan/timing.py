@@ -29,7 +29,11 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   (``EP_GRAD_SCALE_BYTES``); op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``:
   every one of them, as full checkpointing does), and the grouped GEMMs compute their experts' part-filled row
   tiles (``grouped_padding_flops``). The casts and routing were fitted on one layer's forward + backward and one
-  compiled run; host time and uneven routing are not modelled (docs/planner.md);
+  compiled run (docs/planner.md);
+- expert parallelism's host waits: each MoE block reads its token counts on the host before its all-to-all, the
+  GPU drains its queue there and then idles while the host launches what follows (and the all-to-all waits for the
+  peer rank's host): ``EP_HOST_WAIT_S`` per wait, fitted to one run; other host time and uneven routing are not
+  modelled;
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """
@@ -174,6 +178,20 @@ def grouped_padding_flops(local_experts: float, slots: float, dim: int, width: f
     return local_experts * tile / 2 * 3 * 2 * dim * width * (2 + rerun)
 
 
+# Expert parallelism's host waits (loom.parallel.expert_parallel.ExpertParallel.host_splits): seconds a step loses
+# per wait, the GPU's drained queue idle until the host has launched the block's exchange and experts, and the
+# exchange waiting for the other rank's host to get there. Fitted to the Qwen3-MoE EP2 pair on two H200s, whose code
+# waited twice per MoE block (tests/data/plan_runs.json, marked fitted; docs/planner.md, Expert parallelism). The
+# device-to-host read itself is 0.26 ms of it (bench/results/moe_phases_h200.json): the rest is host time.
+EP_HOST_WAIT_S = 5.5e-3
+
+
+def ep_host_s(waits_per_block: float, moe_layers: int, micro_batches: int) -> float:
+    """Seconds per step the GPU idles at expert parallelism's host waits: ``waits_per_block`` per MoE block and
+    micro-batch, ``moe_layers`` MoE blocks on the rank, ``micro_batches`` a step."""
+    return EP_HOST_WAIT_S * waits_per_block * moe_layers * micro_batches
+
+
 @dataclass
 class StepTime:
     """Seconds per optimizer step on the slowest rank, by kind."""
@@ -188,6 +206,7 @@ class StepTime:
     moe: float = 0.0  # expert weight casts and token routing (memory-bound)
     pp: float = 0.0  # activations sent between stages
     offload: float = 0.0  # training.activation_offload's host copies not hidden behind compute
+    host: float = 0.0  # the GPU idle at expert parallelism's host waits for token counts
 
     @property
     def total(self) -> float:

@@ -1,7 +1,8 @@
 """The planner's MoE step-time terms (loom.plan.timing, loom.plan.planner.moe_time_s) on hand-computed cases: expert
 parallelism's slot permutation and expert-gradient rescale, FSDP2's copies of the experts, the grouped GEMMs'
-part-filled row tiles and the all-to-alls a block recomputed in full runs again; and the two MoE pairs profiled on
-two H200s (bench/results/peers_*_2gpu_h200.json) against the estimate."""
+part-filled row tiles, the all-to-alls a block recomputed in full runs again and the GPU's idle at expert
+parallelism's host waits; and the two MoE pairs measured on two H200s (bench/results/peers_*_2gpu_h200.json) against
+the estimate."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ import pytest
 
 from loom.config import build_config
 from loom.plan.hardware import GPUS
-from loom.plan.planner import estimate, memory_inputs, moe_time_s, rank_time, validate
+from loom.plan.planner import (
+    ep_host_waits,
+    estimate,
+    memory_inputs,
+    moe_time_s,
+    rank_time,
+    validate,
+)
 from loom.plan.shapes import expert_params, rank_shares
 from loom.plan.timing import (
     COPY_HBM_SHARE,
+    EP_HOST_WAIT_S,
     collective_s,
+    ep_host_s,
     ep_overhead_s,
     fsdp_expert_bytes,
     grouped_padding_flops,
@@ -126,21 +136,51 @@ def _peers(name: str) -> tuple[dict, dict]:
     return dict(row["config"]), row
 
 
+def test_ep_host_waits_per_block_and_their_idle():
+    """One host wait per MoE block and micro-batch in the forward, none more where op-level checkpointing replays
+    the forward's split lists, one more where the block is recomputed in full (ExpertParallel.host_splits, counted in
+    tests/unit/test_moe.py); 12 blocks x 2 micro-batches x 2 waits idle 48 waits of EP_HOST_WAIT_S."""
+    assert ep_host_waits("none", 1, 4) == ep_host_waits("op", 1, 4) == 1
+    assert ep_host_waits("full", 1, 4) == 2
+    assert ep_host_waits("every_k", 2, 4) == 1.5
+    assert ep_host_s(2, 12, 2) == pytest.approx(48 * EP_HOST_WAIT_S)
+
+
+def test_ep_host_idle_in_the_step_and_only_under_ep():
+    """The debug model's 2 MoE blocks, one micro-batch, op AC: 2 waits of EP_HOST_WAIT_S under ep 2 (4 with a run's
+    2 waits a block), none without ep."""
+    cfg, dims, args, m, x, share = _layout("op")
+    assert rank_time(share, args, dims, x, cfg, m, H200).host == pytest.approx(2 * EP_HOST_WAIT_S)
+    assert rank_time(share, args, dims, x, cfg, m, H200, ep_waits=2).host == pytest.approx(4 * EP_HOST_WAIT_S)
+    cfg1, dims1, args1, m1, x1, share1 = _layout("op", ep=1)
+    assert rank_time(share1, args1, dims1, x1, cfg1, m1, H200).host == 0.0
+
+
 @pytest.mark.parametrize(
-    "name,kernels,throughput",
+    "name,throughput",
     [
-        # the DeepSeek-V3 proxy (one MoE block of four, EP2): 248 ms against 265 ms of kernels; +21% throughput
-        ("peers_deepseek_v3_proxy_2gpu_h200.json", 0.10, 0.25),
-        # Qwen3-MoE, 12 MoE blocks, EP2: 310 ms against 316 ms of kernels, but the GPU idles at expert
-        # parallelism's host waits (37% of the profiled step), which the plan does not contain: +50% throughput
-        ("peers_qwen3_moe_12l_2gpu_h200.json", 0.10, 0.55),
+        # Qwen3-MoE, 12 MoE blocks, EP2: EP_HOST_WAIT_S is fitted to it (24 waits in its 443 ms step); +50% before
+        ("peers_qwen3_moe_12l_2gpu_h200.json", 0.02),
+        # the DeepSeek-V3 proxy (one MoE block of four, EP2), checked with the constant: +17% (+22% before); the rest
+        # is GPU work the plan misses (277 ms of kernels against 248 estimated) and idle outside the host waits
+        ("peers_deepseek_v3_proxy_2gpu_h200.json", 0.20),
     ],
 )
-def test_moe_pairs_on_two_h200s(name, kernels, throughput):
-    """The estimate's step against the GPU's kernel time in the profiled step (``gpu_busy_ms_per_step``, rank 0, at
-    ddec9c3) and its throughput against the measured median."""
+def test_moe_pairs_on_two_h200s(name, throughput):
+    """The estimate, with the host waits of the code each run measured (two a MoE block: the recomputation's wait
+    went in 52cc04f), against the measured median; the MoE runs' throughput tolerance (20%, tests/unit/test_plan.py)
+    on the run not fitted."""
     config, loom = _peers(name)
-    est = estimate(build_config(None, config), 2, H200)
-    assert est.time.total * 1e3 == pytest.approx(loom["gpu_busy_ms_per_step"], rel=kernels)
+    est = estimate(build_config(None, config), 2, H200, ep_waits=loom["ep_host_waits"])
     assert est.tokens_per_s_per_gpu == pytest.approx(loom["tokens_per_s_per_gpu"], rel=throughput)
     assert any("waits on the host" in n for n in est.notes)
+
+
+def test_moe_pair_kernel_time_on_two_h200s():
+    """The DeepSeek-V3 proxy's estimated GPU work (the step less the host idle) against the kernel time of its
+    profiled step (rank 0, 0885551): -11%. Qwen3-MoE's profiled step at 0885551 is not used: the profiler's start-up
+    slowed it (its all-to-alls' 137 ms of kernels are mostly waits for the other rank: docs/benchmarks.md)."""
+    config, loom = _peers("peers_deepseek_v3_proxy_2gpu_h200.json")
+    est = estimate(build_config(None, config), 2, H200, ep_waits=loom["ep_host_waits"])
+    gpu_work = est.time.total - est.time.host
+    assert gpu_work * 1e3 == pytest.approx(loom["gpu_busy_ms_per_step"], rel=0.12)
