@@ -522,6 +522,20 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     qb, kb = R.shift_bounds(whole[:, :, c:], 0, c), R.shift_bounds(whole[:, :, :c], c, c)
     q, k, v = torch.randn(2, 4, c, 16), torch.randn(2, 2, c, 16), torch.randn(2, 2, c, 16)
     worst = max(worst, check(q, k, v, False, qb, 0, 0.25, kb))
+    # bench.kernels --tensor-desc times these kernels through its own autograd call: the same gradients
+    from bench.kernels import BACKENDS
+    q, k, v = (torch.randn(1, h, 37, 16, requires_grad=True) for h in (2, 1, 1))
+    ids = torch.tensor([[0] * 20 + [1] * 17])
+    grads = []
+    for name in ("triton_plain", "triton_desc"):
+        BACKENDS[name](q, k, v, True, ids)().sum().backward()
+        grads.append([t.grad for t in (q, k, v)])
+        q.grad = k.grad = v.grad = None
+    bounds = R.document_bounds(ids)
+    o, lse = R.attention_forward(q, k, v, True, bounds, 0, 0.25)
+    ref = R.attention_backward(torch.ones_like(o), q, k, v, o, lse, None, True, bounds, 0, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(*grads)), "the bench's two variants differ"
+    worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(grads[0], ref)))
     print("WORST", worst)
 """)
 
@@ -574,3 +588,17 @@ def test_fp32_inputs_keep_full_precision_matmuls_on_a_gpu(monkeypatch):
         torch.set_float32_matmul_precision(old)
     monkeypatch.setattr(T, "interpreting", lambda: True)
     assert T.dot_precision(q16) == {"DOT_PRECISION": "ieee"}
+
+
+def test_tensor_descriptor_layout_is_checked_by_name():
+    """A TMA descriptor needs a 16-byte aligned start and 16-byte multiple strides (but the last): the launcher
+    of the tensor-descriptor variant refuses others naming the tensor, where the kernel would fault."""
+    pytest.importorskip("triton")
+    from loom.kernels.attention import triton as T
+
+    q = torch.zeros(2, 4, 40, 16)
+    T.check_descriptor_layout(q=q, k=q.transpose(1, 2))  # the model's (B, S, H, D) layout, transposed: fine
+    with pytest.raises(ValueError, match="k: tensor descriptors need a 16-byte aligned start"):
+        T.check_descriptor_layout(q=q, k=torch.zeros(q.numel() + 1)[1:].view(q.shape))  # 4 bytes in
+    with pytest.raises(ValueError, match="v: .*strides \\(1800, 450, 18, 1\\) of 4 bytes"):
+        T.check_descriptor_layout(v=torch.zeros(2, 4, 25, 18)[..., :16])
