@@ -532,6 +532,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         grads.append([t.grad for t in (q, k, v)])
         q.grad = k.grad = v.grad = None
     bounds = R.document_bounds(ids)
+    q, k, v = (t.detach() for t in (q, k, v))
     o, lse = R.attention_forward(q, k, v, True, bounds, 0, 0.25)
     ref = R.attention_backward(torch.ones_like(o), q, k, v, o, lse, None, True, bounds, 0, 0.25)
     assert all(torch.equal(a, b) for a, b in zip(*grads)), "the bench's two variants differ"

@@ -192,14 +192,12 @@ def _fwd_blocks(
     TENSOR_DESC: tl.constexpr,
 ):
     """Key blocks [lo, hi). MASKED: 0 none is masked, 1 every one, 2 those outside [full_lo, full_hi) (one
-    software-pipelined loop where a split into three would each fill and drain the pipeline: documents)."""
-    if TENSOR_DESC:
-        k_desc = _rows_desc(k_base, stride_ks, S, BLOCK_N, HEAD_DIM)
-        v_desc = _rows_desc(v_base, stride_vs, S, BLOCK_N, HEAD_DIM)
+    software-pipelined loop where a split into three would each fill and drain the pipeline: documents).
+    k_base, v_base: the head's K and V, base pointers or (TENSOR_DESC) descriptors made once per program."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if TENSOR_DESC:
-            kt = tl.trans(k_desc.load([n0, 0]))  # (D, N)
+            kt = tl.trans(k_base.load([n0, 0]))  # (D, N)
         elif MASKED > 0:
             kt = tl.load(
                 k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0
@@ -221,7 +219,7 @@ def _fwd_blocks(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TENSOR_DESC:
-            v = v_desc.load([n0, 0])
+            v = v_base.load([n0, 0])
         elif MASKED > 0:
             v = tl.load(
                 v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S, other=0.0
@@ -290,6 +288,9 @@ def _attn_fwd(
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    if TENSOR_DESC:
+        k_base = _rows_desc(k_base, sks, S, BLOCK_N, HEAD_DIM)
+        v_base = _rows_desc(v_base, svs, S, BLOCK_N, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -437,15 +438,14 @@ def _bwd_dkdv_blocks(
     HEAD_DIM: tl.constexpr,
     TENSOR_DESC: tl.constexpr,
 ):
-    if TENSOR_DESC:
-        q_desc = _rows_desc(q_base, stride_qs, S, BLOCK_M, HEAD_DIM)
-        do_desc = _rows_desc(do_base, stride_dos, S, BLOCK_M, HEAD_DIM)
+    """Query blocks [lo, hi) of one query head: q_base, do_base its Q and dO, base pointers or (TENSOR_DESC)
+    descriptors made once per head."""
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_seq = offs_m < S
         if TENSOR_DESC:
-            q = q_desc.load([m0, 0])
-            do = do_desc.load([m0, 0])
+            q = q_base.load([m0, 0])
+            do = do_base.load([m0, 0])
         elif MASKED:
             q = tl.load(
                 q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=in_seq[:, None], other=0.0
@@ -549,6 +549,9 @@ def _dkdv_program(
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
+        if TENSOR_DESC:
+            q_base = _rows_desc(q_base, sqs, S, BLOCK_M, HEAD_DIM)
+            do_base = _rows_desc(do_base, sdos, S, BLOCK_M, HEAD_DIM)
         lse_base = LSE2 + (b * H + h) * S
         delta_base = DELTA + (b * H + h) * S
         dk, dv = _bwd_dkdv_blocks(
@@ -679,15 +682,12 @@ def _bwd_dq_blocks(
     HEAD_DIM: tl.constexpr,
     TENSOR_DESC: tl.constexpr,
 ):
-    """Key blocks [lo, hi); MASKED as in _fwd_blocks."""
-    if TENSOR_DESC:
-        k_desc = _rows_desc(k_base, stride_ks, S, BLOCK_N, HEAD_DIM)
-        v_desc = _rows_desc(v_base, stride_vs, S, BLOCK_N, HEAD_DIM)
+    """Key blocks [lo, hi); MASKED, k_base and v_base as in _fwd_blocks."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if TENSOR_DESC:
-            kt = tl.trans(k_desc.load([n0, 0]))  # (D, N)
-            vt = tl.trans(v_desc.load([n0, 0]))  # (D, N)
+            kt = tl.trans(k_base.load([n0, 0]))  # (D, N)
+            vt = tl.trans(v_base.load([n0, 0]))  # (D, N)
         elif MASKED > 0:
             kt = tl.load(
                 k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0
@@ -778,6 +778,9 @@ def _dq_program(
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    if TENSOR_DESC:
+        k_base = _rows_desc(k_base, sks, S, BLOCK_N, HEAD_DIM)
+        v_base = _rows_desc(v_base, svs, S, BLOCK_N, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if HAS_DOCS:  # one loop, as in the forward
         dq = _bwd_dq_blocks(
