@@ -7,9 +7,9 @@ Grouped-query attention reads K/V at head ``h // group``: K and V are never repe
 dK/dV program of a KV head loops over its query heads, so no atomics are needed.
 
 Plain pointer arithmetic by default; TENSOR_DESC=True compiles a variant whose Q/K/V/O/dO/dQ/dK/dV tiles go
-through tensor descriptors (``tensor_desc=`` on the launchers; not the default until a GPU measures it faster).
-Both run on triton 3.6 and newer, and in the CPU interpreter for small fp32 cases. Kernels and launchers only: which kernels run a call is
-``loom.kernels.dispatch``'s choice.
+through tensor descriptors (``tensor_desc=`` on the launchers; not the default until a GPU measures it
+faster). Both run on triton 3.6 and newer, and in the CPU interpreter for small fp32 cases. Kernels and
+launchers only: which kernels run a call is ``loom.kernels.dispatch``'s choice.
 """
 
 from __future__ import annotations
@@ -158,10 +158,10 @@ def _query_range(
 # Hopper and newer, pointer arithmetic elsewhere); the descriptor clips ragged sequence ends itself (zero
 # padding on loads, nothing stored past S). Not block pointers (tl.make_block_ptr): Triton 3.9 removed them
 # (NotImplementedError, compiled or interpreted), while tensor descriptors are in 3.6 and 3.9 alike. The
-# default stays plain pointers until a GPU measures the variant faster (python -m bench.kernels --tensor-desc).
+# default stays plain pointers until a GPU measures the variant faster (bench.kernels --tensor-desc).
 @triton.jit
 def _rows_desc(base, stride, S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Descriptor of the (S, HEAD_DIM) matrix at ``base`` (row stride ``stride``), read in (BLOCK, HEAD_DIM) tiles."""
+    """Descriptor of the (S, HEAD_DIM) matrix at ``base`` (row stride ``stride``) in (BLOCK, HEAD_DIM) tiles."""
     return tl.make_tensor_descriptor(base, [S, HEAD_DIM], [stride, 1], [BLOCK, HEAD_DIM])
 
 
