@@ -7,6 +7,11 @@ rounds: the bar is auto >= 1.0x cuDNN forward+backward on every case (``bar_verd
 
     python -m bench.kernels --suite bar  --out bench/results/kernels_bar_h100.json
     python -m bench.kernels --suite docs --out bench/results/kernels_docs_h100.json
+    python -m bench.kernels --suite causal --tensor-desc --out bench/results/kernels_tensor_desc_h200.json
+
+``--tensor-desc`` times loom's portable Triton kernels themselves (called directly: on Hopper ``loom`` runs the Gluon
+kernels where they take the call) with plain pointers and with tensor descriptors on the suite's cases, side by
+side: the measurement that decides whether descriptors become the default.
 
 FLOPs: 4·B·H·S²·D forward (half of it when causal), ×3.5 for forward+backward (backward = 2.5× forward).
 Every row holds the ratios against the baselines of the same run. Each backend is timed in two rounds (the
@@ -59,6 +64,43 @@ def loom_fn(q, k, v, causal, ids):
 
     bounds = R.document_bounds(ids) if ids is not None else None
     return lambda: flash_attention(q, k, v, causal=causal, bounds=bounds)
+
+
+class _TritonAttention(torch.autograd.Function):
+    """loom's Triton forward and backward kernels as one autograd call, without dispatch (which on Hopper would
+    run the Gluon kernels instead)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, bounds, tensor_desc):
+        from loom.kernels.attention import triton as T
+
+        scale = q.shape[-1] ** -0.5
+        out, lse = T.attention_forward(q, k, v, causal, bounds, 0, scale, tensor_desc=tensor_desc)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = causal, bounds, scale, tensor_desc
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from loom.kernels.attention import triton as T
+
+        causal, bounds, scale, tensor_desc = ctx.args
+        dq, dk, dv = T.attention_backward(
+            dout, *ctx.saved_tensors, None, causal, bounds, 0, scale, tensor_desc=tensor_desc
+        )
+        return dq, dk, dv, None, None, None
+
+
+def triton_fn(tensor_desc: bool):
+    """loom's portable Triton kernels, plain pointers or (``tensor_desc``) tensor descriptors."""
+
+    def make(q, k, v, causal, ids):
+        from loom.kernels.attention import reference as R
+
+        bounds = R.document_bounds(ids) if ids is not None else None
+        return lambda: _TritonAttention.apply(q, k, v, causal, bounds, tensor_desc)
+
+    return make
 
 
 def sdpa_fn(backend):
@@ -136,7 +178,10 @@ BACKENDS = {
     "sdpa_efficient": sdpa_fn("efficient"),
     "flex": flex_fn,
     "torch_reference": reference_fn,
+    "triton_plain": triton_fn(False),
+    "triton_desc": triton_fn(True),
 }
+VARIANTS = ["triton_plain", "triton_desc"]  # --tensor-desc: the backends it times instead of the suite's
 
 
 ROUNDS = 2  # every backend is timed once per round, the order reversed each round; the faster round counts
@@ -197,7 +242,7 @@ def measure_all(backends: list[str], q, k, v, causal, ids) -> dict:
     for i in range(ROUNDS):
         for name in list(ready) if i % 2 == 0 else list(reversed(ready)):
             rounds[name].append(timed(*ready[name], q, k, v))
-            if name == "loom":
+            if name == "loom" or name in VARIANTS:
                 rounds[name][-1]["configs"] = loom_configs()
     for name, rs in rounds.items():
         best = min(rs, key=lambda r: r["fwd_bwd_ms"])
@@ -334,7 +379,54 @@ def run_case(d: int, hq: int, hkv: int, s: int, causal: bool, docs: bool, backen
         }
     if row.get("auto") is not None:
         row["vs_cudnn_fwd_bwd"] = cudnn_ratios(row)
+    if set(VARIANTS) <= set(row["backends"]):
+        row["desc_speedup"] = desc_speedup(row)
     return row
+
+
+def desc_speedup(row: dict) -> dict:
+    """Plain-pointer time over tensor-descriptor time, forward and forward+backward (> 1: descriptors faster);
+    n/a (absent) where either variant failed."""
+    plain, desc = (row["backends"].get(n, {}) for n in VARIANTS)
+    return {
+        key: plain[f"{key}_ms"] / desc[f"{key}_ms"]
+        for key in ("fwd", "fwd_bwd")
+        if f"{key}_ms" in desc and f"{key}_ms" in plain
+    }
+
+
+def variant_markdown(rows: list[dict]) -> str:
+    """The --tensor-desc table: both variants' TFLOP/s and the descriptors' speedup per case, and a verdict line
+    (the lowest and highest forward+backward speedup over the cases both ran)."""
+    head = (
+        "| d | heads q/kv | seq | mask | plain fwd / fwd+bwd | descriptors fwd / fwd+bwd "
+        "| speedup fwd | speedup fwd+bwd |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    speedups = []
+    for r in rows:
+        cells = []
+        for n in VARIANTS:
+            x = r["backends"].get(n, {})
+            cells.append(f"{x['fwd_tflops']:.0f} / {x['fwd_bwd_tflops']:.0f}" if "fwd_ms" in x else "n/a")
+        up = desc_speedup(r)
+        if "fwd_bwd" in up:
+            speedups.append(up["fwd_bwd"])
+        mask = ("docs " if r["docs"] else "") + ("causal" if r["causal"] else "full")
+        lines.append(
+            f"| {r['head_dim']} | {r['heads']}/{r['kv_heads']} | {r['seq']} | {mask} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{up[key]:.3f}" if key in up else "n/a" for key in ("fwd", "fwd_bwd"))
+            + " |"
+        )
+    verdict = (
+        f"tensor descriptors ÷ plain pointers, forward+backward: {min(speedups):.3f}-{max(speedups):.3f}x "
+        f"over {len(speedups)} of {len(rows)} cases (> 1: descriptors faster)"
+        if speedups
+        else "tensor descriptors ÷ plain pointers: no case ran both"
+    )
+    return "\n".join(lines + ["", verdict])
 
 
 SUITES = {
@@ -735,6 +827,11 @@ def main() -> None:
         "--cases", default="", help="with --configs: 'd,hq,hkv,seq,docs;...' instead of CONFIG_SWEEP"
     )
     p.add_argument(
+        "--tensor-desc",
+        action="store_true",
+        help="the suite's cases on loom's Triton kernels only, plain pointers vs tensor descriptors (both columns)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="GPU time per kernel of each backend's forward+backward (PROFILE cases, torch.profiler)",
@@ -773,14 +870,15 @@ def main() -> None:
         return
     suite = SUITES[a.suite]
     dtype = getattr(torch, a.dtype)
+    backends = VARIANTS if a.tensor_desc else suite["backends"]
     rows = []
     for d, hq, hkv in suite["dims"]:
         for s in suite["seqs"]:
             for causal in suite["causal"]:
-                rows.append(run_case(d, hq, hkv, s, causal, suite["docs"], suite["backends"], dtype))
+                rows.append(run_case(d, hq, hkv, s, causal, suite["docs"], backends, dtype))
                 if a.out:  # after every row: a run cut short keeps what it measured
                     write_results(a, rows)
-    print(markdown(rows))
+    print(table(a, rows))
 
 
 def parse_configs(text: str) -> list[tuple]:
@@ -804,10 +902,15 @@ def write_rows(a, rows: list[dict]) -> None:
             )
 
 
+def table(a, rows: list[dict]) -> str:
+    return variant_markdown(rows) if a.tensor_desc else markdown(rows)
+
+
 def write_results(a, rows: list[dict]) -> None:
     result = {
         "env": environment(a.commit, command()),
         "suite": a.suite,
+        "tensor_desc": a.tensor_desc,
         "dtype": a.dtype,
         "tokens_per_measurement": TOKENS,
         "rows": rows,
@@ -816,8 +919,9 @@ def write_results(a, rows: list[dict]) -> None:
         json.dump(result, f, indent=1)
     with open(a.out.replace(".json", ".md"), "w") as f:
         f.write(
-            f"# bench.kernels --suite {a.suite} ({result['env']['device']}, torch {torch.__version__}, "
-            f"{a.dtype})\n\nTFLOP/s (forward / forward+backward)\n\n{markdown(rows)}\n"
+            f"# bench.kernels --suite {a.suite}{' --tensor-desc' if a.tensor_desc else ''} "
+            f"({result['env']['device']}, torch {torch.__version__}, {a.dtype})\n\n"
+            f"TFLOP/s (forward / forward+backward)\n\n{table(a, rows)}\n"
         )
 
 

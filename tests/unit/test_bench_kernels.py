@@ -113,3 +113,22 @@ def test_positions_from_document_ids():
 
     ids = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
     assert positions_from_ids(ids).tolist() == [[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]]
+
+
+def test_tensor_desc_table_holds_both_variants_and_their_speedup():
+    from bench.kernels import desc_speedup, variant_markdown
+
+    rows = [
+        _row({"triton_plain": 2.0, "triton_desc": 1.6}, None),  # descriptors faster
+        _row({"triton_plain": 2.0, "triton_desc": 2.5}, None, seq=8192),  # slower
+        _row({"triton_plain": 2.0, "triton_desc": None}, None, seq=16384),  # failed: no speedup
+    ]
+    assert desc_speedup(rows[0]) == {"fwd": 1.25, "fwd_bwd": 1.25}
+    assert desc_speedup(rows[2]) == {}
+    lines = variant_markdown(rows).splitlines()
+    assert lines[2].endswith("| 1.250 | 1.250 |") and lines[3].endswith("| 0.800 | 0.800 |")
+    assert lines[4].endswith("| n/a | n/a | n/a |")
+    assert lines[-1] == (
+        "tensor descriptors ÷ plain pointers, forward+backward: 0.800-1.250x over 2 of 3 cases "
+        "(> 1: descriptors faster)"
+    )

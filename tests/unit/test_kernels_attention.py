@@ -483,41 +483,60 @@ def test_attention_calls_off_triton_run_the_reference():
 INTERPRETER_SCRIPT = textwrap.dedent("""
     import torch
     from loom.kernels.attention import reference as R, triton as T
+
+    def check(q, k, v, causal, bounds, window, scale, key_bounds=None):
+        # the Triton kernels' worst difference from the reference; the tensor-descriptor variant gives the same bits
+        o1, l1 = R.attention_forward(q, k, v, causal, bounds, window, scale)
+        do = torch.randn_like(o1)
+        g1 = R.attention_backward(do, q, k, v, o1, l1, None, causal, bounds, window, scale)
+        runs = []
+        for tensor_desc in (False, True):
+            o2, l2 = T.attention_forward(q, k, v, causal, bounds, window, scale, key_bounds, tensor_desc=tensor_desc)
+            g2 = T.attention_backward(
+                do, q, k, v, o2, l2, None, causal, bounds, window, scale, key_bounds, tensor_desc=tensor_desc
+            )
+            runs.append((o2, l2, *g2))
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), "tensor descriptors differ from plain pointers"
+        o2, l2, *g2 = runs[0]
+        assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and not torch.isnan(o2).any()
+        fin = torch.isfinite(l1)
+        errs = [(o1 - o2).abs().max(), (l1[fin] - l2[fin]).abs().max()] + [(a - c).abs().max() for a, c in zip(g1, g2)]
+        return max(float(e) for e in errs)
+
     torch.manual_seed(0)
     worst = 0.0
     for b, hq, hk, s, d, causal, docs, window in [(1, 2, 1, 37, 16, True, False, 0), (1, 2, 2, 45, 32, True, True, 0),
                                                   (2, 4, 2, 40, 16, False, True, 9), (1, 2, 1, 45, 16, True, False, 7),
-                                                  (1, 4, 1, 90, 16, True, True, 13)]:
+                                                  (1, 4, 1, 90, 16, True, True, 13), (1, 2, 1, 33, 64, False, False, 0)]:
         q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
         bounds = None
         if docs:
             ids = torch.sort(torch.randint(0, 4, (b, s)), dim=1).values
             ids[:, -3:] = -1  # padding rows: nothing visible
             bounds = R.document_bounds(ids)
-        o1, l1 = R.attention_forward(q, k, v, causal, bounds, window, d ** -0.5)
-        o2, l2 = T.attention_forward(q, k, v, causal, bounds, window, d ** -0.5)
-        assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and not torch.isnan(o2).any()
-        do = torch.randn_like(o1)
-        g1 = R.attention_backward(do, q, k, v, o1, l1, None, causal, bounds, window, d ** -0.5)
-        g2 = T.attention_backward(do, q, k, v, o2, l2, None, causal, bounds, window, d ** -0.5)
-        fin = torch.isfinite(l1)
-        errs = [(o1 - o2).abs().max(), (l1[fin] - l2[fin]).abs().max()] + [(a - c).abs().max() for a, c in zip(g1, g2)]
-        worst = max(worst, max(float(e) for e in errs))
+        worst = max(worst, check(q, k, v, causal, bounds, window, d ** -0.5))
     # a chunk pair, as context parallelism attends: queries are chunk 1 of a packed sequence, keys chunk 0
     c = 40
     ids = torch.sort(torch.randint(0, 5, (2, 2 * c)), dim=1).values
     whole = R.document_bounds(ids)
     qb, kb = R.shift_bounds(whole[:, :, c:], 0, c), R.shift_bounds(whole[:, :, :c], c, c)
     q, k, v = torch.randn(2, 4, c, 16), torch.randn(2, 2, c, 16), torch.randn(2, 2, c, 16)
-    o1, l1 = R.attention_forward(q, k, v, False, qb, 0, 0.25)
-    o2, l2 = T.attention_forward(q, k, v, False, qb, 0, 0.25, kb)
-    do = torch.randn_like(o1)
-    g1 = R.attention_backward(do, q, k, v, o1, l1, None, False, qb, 0, 0.25)
-    g2 = T.attention_backward(do, q, k, v, o2, l2, None, False, qb, 0, 0.25, kb)
-    assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and not torch.isnan(o2).any()
-    fin = torch.isfinite(l1)
-    errs = [(o1 - o2).abs().max(), (l1[fin] - l2[fin]).abs().max()] + [(a - b).abs().max() for a, b in zip(g1, g2)]
-    worst = max(worst, max(float(e) for e in errs))
+    worst = max(worst, check(q, k, v, False, qb, 0, 0.25, kb))
+    # bench.kernels --tensor-desc times these kernels through its own autograd call: the same gradients
+    from bench.kernels import BACKENDS
+    q, k, v = (torch.randn(1, h, 37, 16, requires_grad=True) for h in (2, 1, 1))
+    ids = torch.tensor([[0] * 20 + [1] * 17])
+    grads = []
+    for name in ("triton_plain", "triton_desc"):
+        BACKENDS[name](q, k, v, True, ids)().sum().backward()
+        grads.append([t.grad for t in (q, k, v)])
+        q.grad = k.grad = v.grad = None
+    bounds = R.document_bounds(ids)
+    q, k, v = (t.detach() for t in (q, k, v))
+    o, lse = R.attention_forward(q, k, v, True, bounds, 0, 0.25)
+    ref = R.attention_backward(torch.ones_like(o), q, k, v, o, lse, None, True, bounds, 0, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(*grads)), "the bench's two variants differ"
+    worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(grads[0], ref)))
     print("WORST", worst)
 """)
 
@@ -570,3 +589,17 @@ def test_fp32_inputs_keep_full_precision_matmuls_on_a_gpu(monkeypatch):
         torch.set_float32_matmul_precision(old)
     monkeypatch.setattr(T, "interpreting", lambda: True)
     assert T.dot_precision(q16) == {"DOT_PRECISION": "ieee"}
+
+
+def test_tensor_descriptor_layout_is_checked_by_name():
+    """A TMA descriptor needs a 16-byte aligned start and 16-byte multiple strides (but the last): the launcher
+    of the tensor-descriptor variant refuses others naming the tensor, where the kernel would fault."""
+    pytest.importorskip("triton")
+    from loom.kernels.attention import triton as T
+
+    q = torch.zeros(2, 4, 40, 16)
+    T.check_descriptor_layout(q=q, k=q.transpose(1, 2))  # the model's (B, S, H, D) layout, transposed: fine
+    with pytest.raises(ValueError, match="k: tensor descriptors need a 16-byte aligned start"):
+        T.check_descriptor_layout(q=q, k=torch.zeros(q.numel() + 1)[1:].view(q.shape))  # 4 bytes in
+    with pytest.raises(ValueError, match="v: .*strides \\(1800, 450, 18, 1\\) of 4 bytes"):
+        T.check_descriptor_layout(v=torch.zeros(2, 4, 25, 18)[..., :16])

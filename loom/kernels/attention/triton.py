@@ -6,9 +6,10 @@ blocks the mask cuts: the block range is split into masked head / unmasked body 
 Grouped-query attention reads K/V at head ``h // group``: K and V are never repeated in memory; the
 dK/dV program of a KV head loops over its query heads, so no atomics are needed.
 
-Plain pointer arithmetic (no block pointers / tensor descriptors): runs on triton 3.6 and newer, and
-in the CPU interpreter for small fp32 cases. Kernels and launchers only: which kernels run a call is
-``loom.kernels.dispatch``'s choice.
+Plain pointer arithmetic by default; TENSOR_DESC=True compiles a variant whose Q/K/V/O/dO/dQ/dK/dV tiles go
+through tensor descriptors (``tensor_desc=`` on the launchers; not the default until a GPU measures it
+faster). Both run on triton 3.6 and newer, and in the CPU interpreter for small fp32 cases. Kernels and
+launchers only: which kernels run a call is ``loom.kernels.dispatch``'s choice.
 """
 
 from __future__ import annotations
@@ -151,6 +152,19 @@ def _query_range(
     return _split(lo, hi, full_lo, full_hi, BLOCK_M)
 
 
+# --------------------------------------------------------------------------------- tensor descriptors
+# The TENSOR_DESC variant reads and writes the (rows, head dim) tiles of Q, K, V, O, dO and the gradients
+# through tensor descriptors (tl.make_tensor_descriptor, one per (batch, head) matrix of S x HEAD_DIM: TMA on
+# Hopper and newer, pointer arithmetic elsewhere); the descriptor clips ragged sequence ends itself (zero
+# padding on loads, nothing stored past S). Not block pointers (tl.make_block_ptr): Triton 3.9 removed them
+# (NotImplementedError, compiled or interpreted), while tensor descriptors are in 3.6 and 3.9 alike. The
+# default stays plain pointers until a GPU measures the variant faster (bench.kernels --tensor-desc).
+@triton.jit
+def _rows_desc(base, stride, S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Descriptor of the (S, HEAD_DIM) matrix at ``base`` (row stride ``stride``) in (BLOCK, HEAD_DIM) tiles."""
+    return tl.make_tensor_descriptor(base, [S, HEAD_DIM], [stride, 1], [BLOCK, HEAD_DIM])
+
+
 # ----------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_blocks(
@@ -174,12 +188,17 @@ def _fwd_blocks(
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
     """Key blocks [lo, hi). MASKED: 0 none is masked, 1 every one, 2 those outside [full_lo, full_hi) (one
-    software-pipelined loop where a split into three would each fill and drain the pipeline: documents)."""
+    software-pipelined loop where a split into three would each fill and drain the pipeline: documents).
+    k_base, v_base: the head's K and V, base pointers or (TENSOR_DESC) descriptors made once per program."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASKED > 0:
+        if TENSOR_DESC:
+            kt = tl.trans(k_base.load([n0, 0]))  # (D, N)
+        elif MASKED > 0:
             kt = tl.load(
                 k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0
             )  # (D, N)
@@ -199,7 +218,9 @@ def _fwd_blocks(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED > 0:
+        if TENSOR_DESC:
+            v = v_base.load([n0, 0])
+        elif MASKED > 0:
             v = tl.load(
                 v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S, other=0.0
             )
@@ -244,6 +265,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
     m0 = (
         tl.num_programs(0) - 1 - tl.program_id(0)
@@ -255,14 +277,20 @@ def _attn_fwd(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
-    )
+    if TENSOR_DESC:
+        q = _rows_desc(Q + b * sqb + h * sqh, sqs, S, BLOCK_M, HEAD_DIM).load([m0, 0])
+    else:
+        q = tl.load(
+            Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        )
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
     lo_q, hi_q = _row_range(offs_m, S, start_q, end_q, CAUSAL, WINDOW)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    if TENSOR_DESC:
+        k_base = _rows_desc(k_base, sks, S, BLOCK_N, HEAD_DIM)
+        v_base = _rows_desc(v_base, svs, S, BLOCK_N, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -288,6 +316,8 @@ def _attn_fwd(
             2,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
     else:
         acc, l_i, m_i = _fwd_blocks(
@@ -311,6 +341,8 @@ def _attn_fwd(
             1,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
         acc, l_i, m_i = _fwd_blocks(
             acc,
@@ -333,6 +365,8 @@ def _attn_fwd(
             0,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
         acc, l_i, m_i = _fwd_blocks(
             acc,
@@ -355,15 +389,22 @@ def _attn_fwd(
             1,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(
-        O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=in_seq[:, None],
-    )
+    if TENSOR_DESC:
+        _rows_desc(O + b * sob + h * soh, sos, S, BLOCK_M, HEAD_DIM).store(
+            [m0, 0], out.to(O.dtype.element_ty)
+        )
+    else:
+        tl.store(
+            O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=in_seq[:, None],
+        )
     tl.store(LSE + bh * S + offs_m, lse, mask=in_seq)
 
 
@@ -394,22 +435,31 @@ def _bwd_dkdv_blocks(
     WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
+    """Query blocks [lo, hi) of one query head: q_base, do_base its Q and dO, base pointers or (TENSOR_DESC)
+    descriptors made once per head."""
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_seq = offs_m < S
-        if MASKED:
+        if TENSOR_DESC:
+            q = q_base.load([m0, 0])
+            do = do_base.load([m0, 0])
+        elif MASKED:
             q = tl.load(
                 q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=in_seq[:, None], other=0.0
             )
             do = tl.load(
                 do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=in_seq[:, None], other=0.0
             )
-            lse2 = tl.load(lse_base + offs_m, mask=in_seq, other=float("inf"))
-            delta = tl.load(delta_base + offs_m, mask=in_seq, other=0.0)
         else:
             q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :])
             do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
+        if MASKED:
+            lse2 = tl.load(lse_base + offs_m, mask=in_seq, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=in_seq, other=0.0)
+        else:
             lse2 = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         st = (
@@ -473,6 +523,7 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
     """dK, dV of keys [n0, n0 + BLOCK_N) of KV head ``hk``, summed over the query heads of its group. The
     queries' mask reads BOUNDS; which query blocks to visit, KBOUNDS (the keys' side: the same table when
@@ -480,12 +531,16 @@ def _dkdv_program(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
-    k = tl.load(
-        K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0
-    )
-    v = tl.load(
-        V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0
-    )
+    if TENSOR_DESC:
+        k = _rows_desc(K + b * skb + hk * skh, sks, S, BLOCK_N, HEAD_DIM).load([n0, 0])
+        v = _rows_desc(V + b * svb + hk * svh, svs, S, BLOCK_N, HEAD_DIM).load([n0, 0])
+    else:
+        k = tl.load(
+            K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        )
+        v = tl.load(
+            V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        )
     start_k, end_k = _doc_bounds(KBOUNDS + b * S, KBOUNDS + (B + b) * S, S, offs_n, in_seq, HAS_DOCS)
     a, bb, c, d = _query_range(n0, S, start_k, end_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -494,6 +549,9 @@ def _dkdv_program(
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
+        if TENSOR_DESC:
+            q_base = _rows_desc(q_base, sqs, S, BLOCK_M, HEAD_DIM)
+            do_base = _rows_desc(do_base, sdos, S, BLOCK_M, HEAD_DIM)
         lse_base = LSE2 + (b * H + h) * S
         delta_base = DELTA + (b * H + h) * S
         dk, dv = _bwd_dkdv_blocks(
@@ -521,6 +579,8 @@ def _dkdv_program(
             WINDOW,
             BLOCK_M,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
         dk, dv = _bwd_dkdv_blocks(
             dk,
@@ -547,6 +607,8 @@ def _dkdv_program(
             WINDOW,
             BLOCK_M,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
         dk, dv = _bwd_dkdv_blocks(
             dk,
@@ -573,17 +635,25 @@ def _dkdv_program(
             WINDOW,
             BLOCK_M,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
-    tl.store(
-        DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
-        (dk * sm_scale).to(DK.dtype.element_ty),
-        mask=in_seq[:, None],
-    )
-    tl.store(
-        DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=in_seq[:, None],
-    )
+    if TENSOR_DESC:
+        dk_desc = _rows_desc(DK + b * sdkb + hk * sdkh, sdks, S, BLOCK_N, HEAD_DIM)
+        dv_desc = _rows_desc(DV + b * sdvb + hk * sdvh, sdvs, S, BLOCK_N, HEAD_DIM)
+        dk_desc.store([n0, 0], (dk * sm_scale).to(DK.dtype.element_ty))
+        dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(
+            DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
+            (dk * sm_scale).to(DK.dtype.element_ty),
+            mask=in_seq[:, None],
+        )
+        tl.store(
+            DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :],
+            dv.to(DV.dtype.element_ty),
+            mask=in_seq[:, None],
+        )
 
 
 @triton.jit
@@ -609,11 +679,16 @@ def _bwd_dq_blocks(
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
-    """Key blocks [lo, hi); MASKED as in _fwd_blocks."""
+    """Key blocks [lo, hi); MASKED, k_base and v_base as in _fwd_blocks."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASKED > 0:
+        if TENSOR_DESC:
+            kt = tl.trans(k_base.load([n0, 0]))  # (D, N)
+            vt = tl.trans(v_base.load([n0, 0]))  # (D, N)
+        elif MASKED > 0:
             kt = tl.load(
                 k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=offs_n[None, :] < S, other=0.0
             )
@@ -676,6 +751,7 @@ def _dq_program(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
     """dQ of queries [m0, m0 + BLOCK_M) of head ``h``."""
     bh = b * H + h
@@ -683,12 +759,18 @@ def _dq_program(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
-    )
-    do = tl.load(
-        DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=in_seq[:, None], other=0.0
-    )
+    if TENSOR_DESC:
+        q = _rows_desc(Q + b * sqb + h * sqh, sqs, S, BLOCK_M, HEAD_DIM).load([m0, 0])
+        do = _rows_desc(DO + b * sdob + h * sdoh, sdos, S, BLOCK_M, HEAD_DIM).load([m0, 0])
+    else:
+        q = tl.load(
+            Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
+        )
+        do = tl.load(
+            DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
+            mask=in_seq[:, None],
+            other=0.0,
+        )
     lse2 = tl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
     delta = tl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
@@ -696,6 +778,9 @@ def _dq_program(
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    if TENSOR_DESC:
+        k_base = _rows_desc(k_base, sks, S, BLOCK_N, HEAD_DIM)
+        v_base = _rows_desc(v_base, svs, S, BLOCK_N, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if HAS_DOCS:  # one loop, as in the forward
         dq = _bwd_dq_blocks(
@@ -720,6 +805,8 @@ def _dq_program(
             2,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
     else:
         dq = _bwd_dq_blocks(
@@ -744,6 +831,8 @@ def _dq_program(
             1,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
         dq = _bwd_dq_blocks(
             dq,
@@ -767,6 +856,8 @@ def _dq_program(
             0,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
         dq = _bwd_dq_blocks(
             dq,
@@ -790,12 +881,18 @@ def _dq_program(
             1,
             BLOCK_N,
             DOT_PRECISION,
+            HEAD_DIM,
+            TENSOR_DESC,
         )
-    tl.store(
-        DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
-        (dq * sm_scale).to(DQ.dtype.element_ty),
-        mask=in_seq[:, None],
-    )
+    if TENSOR_DESC:
+        dq_desc = _rows_desc(DQ + b * sdqb + h * sdqh, sdqs, S, BLOCK_M, HEAD_DIM)
+        dq_desc.store([m0, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
+    else:
+        tl.store(
+            DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
+            (dq * sm_scale).to(DQ.dtype.element_ty),
+            mask=in_seq[:, None],
+        )
 
 
 @triton.jit
@@ -842,6 +939,7 @@ def _attn_bwd_dkdv(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
     HK = H // GROUP
     _dkdv_program(
@@ -889,6 +987,7 @@ def _attn_bwd_dkdv(
         BLOCK_M,
         BLOCK_N,
         DOT_PRECISION,
+        TENSOR_DESC,
     )
 
 
@@ -931,6 +1030,7 @@ def _attn_bwd_dq(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
 ):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest first, as in the forward
     _dq_program(
@@ -973,6 +1073,7 @@ def _attn_bwd_dq(
         BLOCK_M,
         BLOCK_N,
         DOT_PRECISION,
+        TENSOR_DESC,
     )
 
 
@@ -1062,7 +1163,7 @@ _DQ_CONFIGS = [
     (128, 32, 8, 4),
     (128, 32, 8, 3, 128),
 ]  # capped at 128 registers: two programs per SM, no spill at d128
-_KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW"]
+_KEY = ["S_KEY", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_DOCS", "WINDOW", "TENSOR_DESC"]
 _INTERPRETER_BLOCKS = {
     "fwd": {"BLOCK_M": 32, "BLOCK_N": 16},
     "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32},
@@ -1138,23 +1239,53 @@ def check_inputs(
         raise ValueError(f"window {window} must be >= 0 (0 = no sliding window)")
 
 
+def check_descriptor_layout(**tensors: torch.Tensor) -> None:
+    """The tensor-descriptor variant's layout: every (batch, head) matrix starts 16-byte aligned and its rows are
+    16-byte multiples apart (what a TMA descriptor requires); a ValueError naming the tensor otherwise."""
+    for name, t in tensors.items():
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:3]):
+            raise ValueError(
+                f"{name}: tensor descriptors need a 16-byte aligned start and 16-byte multiple strides in every "
+                f"dim but the last (got address % 16 = {t.data_ptr() % 16}, strides {t.stride()} of {size} bytes)"
+            )
+
+
+def _descriptor_setup(tensor_desc: bool, **tensors: torch.Tensor) -> dict:
+    """The TENSOR_DESC launch argument; for the variant, the layout checked and Triton's allocator set (the
+    descriptors made in the kernel live in a scratch buffer it allocates at each launch; it is per thread, and
+    the backward runs in autograd's thread, so every launch sets it)."""
+    if tensor_desc:
+        check_descriptor_layout(**tensors)
+        device = next(iter(tensors.values())).device
+        triton.set_allocator(
+            lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
+        )
+    return {"TENSOR_DESC": tensor_desc}
+
+
 def _dummy_bounds(q: torch.Tensor, bounds: torch.Tensor | None) -> torch.Tensor:
     return bounds if bounds is not None else torch.empty(1, dtype=torch.int32, device=q.device)
 
 
-def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
+def attention_forward(
+    q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None, tensor_desc: bool = False
+):
     """q (B, Hq, S, D), k/v (B, Hkv, S, D) -> (out like q, lse (B, Hq, S) float32) by the Triton forward.
-    ``key_bounds`` is only read by the backward (the forward walks query rows)."""
+    ``key_bounds`` is only read by the backward (the forward walks query rows). ``tensor_desc``: the variant
+    whose tiles go through tensor descriptors (not measured on a GPU yet, so nothing in training passes it)."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     bsz, hq, seq, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(bsz, hq, seq, dtype=torch.float32, device=q.device)
-    triton_forward(q, k, v, out, lse, causal, bounds, window, scale)
+    triton_forward(q, k, v, out, lse, causal, bounds, window, scale, tensor_desc)
     return out, lse
 
 
-def triton_forward(q, k, v, out, lse, causal: bool, bounds, window: int, scale: float) -> None:
-    """Fill out and lse with the Triton forward kernel."""
+def triton_forward(
+    q, k, v, out, lse, causal: bool, bounds, window: int, scale: float, tensor_desc: bool = False
+) -> None:
+    """Fill out and lse with the Triton forward kernel (``tensor_desc``: its tensor-descriptor variant)."""
     bsz, hq, seq, dim = q.shape
     kernel, blocks = _kernel("fwd")
     grid = lambda meta: (triton.cdiv(seq, meta["BLOCK_M"]), bsz * hq)
@@ -1179,23 +1310,36 @@ def triton_forward(q, k, v, out, lse, causal: bool, bounds, window: int, scale: 
         HAS_DOCS=bounds is not None,
         WINDOW=window,
         HEAD_DIM=dim,
+        **_descriptor_setup(tensor_desc, q=q, k=k, v=v, out=out),
         **blocks,
         **dot_precision(q),
     )
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, dlse, causal: bool, bounds, window: int, scale: float, key_bounds=None
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    causal: bool,
+    bounds,
+    window: int,
+    scale: float,
+    key_bounds=None,
+    tensor_desc: bool = False,
 ):
     """Gradients (dq, dk, dv) by the Triton kernels, dK/dV then dQ (two launches); ``dlse`` (B, Hq, S) or None
-    is the gradient flowing into the log-sum-exp."""
+    is the gradient flowing into the log-sum-exp; ``tensor_desc``: both kernels' tensor-descriptor variants."""
     check_inputs(q, k, v, bounds, window, key_bounds)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     delta, lse2 = backward_preprocess(dout, out, lse, dlse)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds)
-    triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale)
+    triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds, tensor_desc)
+    triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale, tensor_desc)
     return dq, dk, dv
 
 
@@ -1232,21 +1376,36 @@ def _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale):
     return args, strides, tail, {**common, **dot_precision(q)}
 
 
-def triton_dkdv(dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds=None) -> None:
-    """The Triton dK/dV kernel: fills dk, dv."""
+def triton_dkdv(
+    dout, q, k, v, lse2, delta, dk, dv, causal, bounds, window, scale, key_bounds=None, tensor_desc=False
+) -> None:
+    """The Triton dK/dV kernel: fills dk, dv (``tensor_desc``: its tensor-descriptor variant)."""
     args, strides, tail, common = _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale)
+    desc = _descriptor_setup(tensor_desc, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv)
     b_ = _dummy_bounds(q, bounds)
     kb_ = key_bounds if key_bounds is not None else b_  # same-sequence documents: one table serves both sides
     kernel, blocks = _kernel("dkdv")
     kernel[lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_N"]), q.shape[0] * k.shape[1])](
-        *args, dk, dv, b_, kb_, *strides, *dk.stride()[:3], *dv.stride()[:3], *tail, **blocks, **common
+        *args,
+        dk,
+        dv,
+        b_,
+        kb_,
+        *strides,
+        *dk.stride()[:3],
+        *dv.stride()[:3],
+        *tail,
+        **blocks,
+        **common,
+        **desc,
     )
 
 
-def triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale) -> None:
-    """The Triton dQ kernel: fills dq."""
+def triton_dq(dout, q, k, v, lse2, delta, dq, causal, bounds, window, scale, tensor_desc=False) -> None:
+    """The Triton dQ kernel: fills dq (``tensor_desc``: its tensor-descriptor variant)."""
     args, strides, tail, common = _launch_args(dout, q, k, v, lse2, delta, causal, bounds, window, scale)
+    desc = _descriptor_setup(tensor_desc, q=q, k=k, v=v, dout=dout, dq=dq)
     kernel, blocks = _kernel("dq")
     kernel[lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[0] * q.shape[1])](
-        *args, dq, _dummy_bounds(q, bounds), *strides, *dq.stride()[:3], *tail, **blocks, **common
+        *args, dq, _dummy_bounds(q, bounds), *strides, *dq.stride()[:3], *tail, **blocks, **common, **desc
     )
