@@ -185,6 +185,33 @@ def run_variant(
     }
 
 
+# float8's loss curve against bf16's (issue 54): the mean loss of the last LAST steps within this relative distance
+# of bf16's on the same batches, stated before the >= 500-step GPU run that checks it
+FLOAT8_CURVE_TOLERANCE, LAST, WINDOW = 0.02, 100, 50
+
+
+def curve_gap(base: list[float], other: list[float]) -> dict:
+    """How far ``other``'s loss curve runs from ``base``'s (same batches, step by step): the relative difference of
+    each WINDOW-step mean, and of the last LAST steps' mean against FLOAT8_CURVE_TOLERANCE."""
+    n = min(len(base), len(other))
+
+    def rel(lo: int, hi: int) -> float:
+        return statistics.fmean(other[lo:hi]) / statistics.fmean(base[lo:hi]) - 1
+
+    windows = [rel(i, i + WINDOW) for i in range(0, n - WINDOW + 1, WINDOW)]
+    last = min(LAST, n)
+    gap = rel(n - last, n)
+    return {
+        "steps": n,
+        "window": WINDOW,
+        "window_rel_diff": windows,
+        "last_steps": last,
+        "last_rel_diff": gap,
+        "tolerance": FLOAT8_CURVE_TOLERANCE,
+        "within": n >= 500 and abs(gap) <= FLOAT8_CURVE_TOLERANCE,
+    }
+
+
 def _kernels(variant: str, trainer) -> str | None:
     if not variant.startswith("loom"):
         return None
@@ -263,11 +290,17 @@ def main() -> None:
     ):
         if a_ in by and b_ in by:
             ratios[f"{a_}_vs_{b_}"] = by[a_]["tokens_per_s"] / by[b_]["tokens_per_s"]
+    curves = {
+        f"{v}_vs_loom_compile": curve_gap(by["loom_compile"]["losses"], by[v]["losses"])
+        for v in ("loom_compile_float8_tensorwise", "loom_compile_float8_rowwise")
+        if v in by and "loom_compile" in by
+    }
     doc = {
         "benchmark": "train_1b",
         "environment": environment(a.commit, command()),
         "results": results,
         "ratios": ratios,
+        "loss_curves": curves,
     }
     write_result(a.out, doc)
     print(f"\n{'variant':<32} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'first step s':>12}")
@@ -281,6 +314,10 @@ def main() -> None:
                 f"{r['first_step_s']:>12.1f}"
             )
     print("ratios:", json.dumps(ratios))
+    for name, gap in curves.items():
+        print(
+            f"{name}: last {gap['last_steps']} steps {100 * gap['last_rel_diff']:+.2f}% (within: {gap['within']})"
+        )
 
 
 if __name__ == "__main__":
