@@ -671,8 +671,9 @@ def titan_profiling(steps: int) -> dict:
 
 
 def loom_profiling(steps: int) -> dict:
-    """loom's built-in profiler on the last step (loom.metrics.profile)."""
-    return {"metrics.profile_steps": f"{steps}:{steps}"}
+    """loom's built-in profiler on the last step (loom.metrics.profile), without the memory snapshot: its history
+    of allocations slows the profiled step, and torchtitan's profile (its default) has none."""
+    return {"metrics.profile_steps": f"{steps}:{steps}", "metrics.profile_memory": "false"}
 
 
 def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:

@@ -987,6 +987,12 @@ class MetricsConfig:
         "per rank (+ CUDA memory snapshot) in <run.dir>/profile; empty = off",
         resume=(FREE, OUTPUT),
     )
+    profile_memory: bool = opt(
+        True,
+        "with metrics.profile_steps on CUDA: also record the allocator's history (the memory snapshot); its "
+        "Python stack per allocation slows the profiled steps, so false to time them as they run unprofiled",
+        resume=(FREE, OUTPUT),
+    )
     straggler_fraction: float = opt(
         0.2,
         "at every logged step, name the ranks whose own time per step (the step less "

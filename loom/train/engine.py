@@ -606,7 +606,9 @@ class Engine:
         # no memory snapshot of MoE blocks under activation checkpointing: PyTorch's memory history breaks their
         # backward (docs/metrics.md)
         no_snapshot = (
-            "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation "
+            "metrics.profile_memory = false"
+            if not self.cfg.metrics.profile_memory
+            else "skipped: PyTorch's memory history breaks the backward of MoE blocks under activation "
             "checkpointing"
             if self.model_args.moe and self.cfg.training.activation_checkpointing != "none"
             else ""

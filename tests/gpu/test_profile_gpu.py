@@ -53,6 +53,29 @@ def test_profile_writes_a_cuda_trace_and_a_memory_snapshot(tmp_path, capsys):
     assert not torch.cuda.memory._snapshot()["device_traces"][0]  # recording stopped after the window
 
 
+def test_profile_without_the_memory_history(tmp_path, capsys):
+    """metrics.profile_memory = false: the trace only (a profile for timing: no allocation history slowing the
+    profiled step), and the log line says why there is no snapshot."""
+    run_one(
+        {
+            "run.dir": str(tmp_path / "run"),
+            "run.device": "cuda",
+            "training.steps": 2,
+            "training.seq_len": 128,
+            "training.global_batch_size": 4,
+            "training.micro_batch_size": 4,
+            "metrics.every": 1,
+            "checkpoint.at_end": "false",
+            "metrics.tensorboard": "false",
+            "metrics.profile_steps": "2:2",
+            "metrics.profile_memory": "false",
+        }
+    )
+    assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == ["trace_rank0.json"]
+    assert "no memory snapshot (metrics.profile_memory = false)" in capsys.readouterr().out
+    assert not torch.cuda.memory._snapshot()["device_traces"][0]  # never recorded
+
+
 def test_profile_of_moe_under_activation_checkpointing_trains_on(tmp_path, capsys):
     """PyTorch's CUDA memory history broke the backward of MoE blocks under activation checkpointing (torch 2.11):
     the profile then writes the trace only, says why, and training goes on."""

@@ -290,7 +290,7 @@ def test_profile_sections_and_the_summary_of_a_kept_trace(tmp_path):
     assert (
         prof["profile_freq"] - prof["profiler_warmup"] - prof["profiler_active"] == 5
     )  # its wait: the last step
-    assert peers.loom_profiling(7) == {"metrics.profile_steps": "7:7"}
+    assert peers.loom_profiling(7) == {"metrics.profile_steps": "7:7", "metrics.profile_memory": "false"}
     trace = tmp_path / "trace.json"
     kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
     step = {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 100}

@@ -6,7 +6,9 @@ from bench.train_1b import FLOAT8_CURVE_TOLERANCE, curve_gap
 
 
 def test_curve_gap_windows_and_the_last_steps_against_the_tolerance():
-    base = [4.0 - i / 200 for i in range(600)]  # a falling curve; the other runs 1% above it, then 3% at the end
+    base = [
+        4.0 - i / 200 for i in range(600)
+    ]  # a falling curve; the other runs 1% above it, then 3% at the end
     other = [x * (1.01 if i < 500 else 1.03) for i, x in enumerate(base)]
     gap = curve_gap(base, other)
     assert gap["steps"] == 600 and len(gap["window_rel_diff"]) == 12
