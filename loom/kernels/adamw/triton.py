@@ -221,9 +221,9 @@ def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: fl
 _GRAD_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BLOCK_TABLES: dict = {}  # (tensor sizes, device) -> (block_tensor, block_start, sizes) on the device
 # (addresses, sizes, grad dtype) -> the device's table of addresses: an optimizer's tensors keep their memory from
-# step to step, so the checks and the copy run once (a few recent sets: gradients freed and reallocated can move)
+# step to step, so the checks and the copy run once (recent sets: gradients freed and reallocated can move)
 _POINTERS: dict = {}
-_POINTER_SETS = 4
+_POINTER_SETS = 64  # per-layer parameter groups each launch their own set
 
 
 def _block_tables(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
