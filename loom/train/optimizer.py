@@ -78,9 +78,9 @@ class TritonAdamW(torch.optim.AdamW):
                 if local.numel() >= SMALL:
                     adamw_step_(*tensors, **dict(zip(_HYPER, hyper)), grad_factor=factor)
                     continue
-                lists = small.setdefault((local.device, tensors[1].dtype, hyper), (factor, ([], [], [], [])))[
-                    1
-                ]
+                _, lists = small.setdefault(
+                    (local.device, tensors[1].dtype, hyper), (factor, ([], [], [], []))
+                )
                 for kept, t in zip(lists, tensors):
                     kept.append(t)
         for (_, _, hyper), (factor, lists) in small.items():
