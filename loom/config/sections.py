@@ -47,6 +47,7 @@ ACTIVATIONS = {
         lambda c: c.optimizer.offload == "nvme",
         "optimizer.offload nvme (the moments in files)",
     ),
+    "parallel.ep": (lambda c: c.parallel.ep > 1, "parallel.ep > 1 (expert parallelism)"),
     "float16": (lambda c: c.training.dtype == "float16", "training.dtype float16 (its loss scaling)"),
     "nonfinite skip or rollback": (
         lambda c: c.training.nonfinite != "stop",
@@ -742,6 +743,16 @@ class ParallelConfig:
         "divisor of dp_shard x cp",
         min=1,
         resume=(FREE, LAYOUT),
+    )
+    ep_exchange: str = opt(
+        "uneven",
+        "how expert parallelism sends token-slots to their experts' ranks: 'uneven' = each rank's rows exactly "
+        "(one host wait per MoE block for the split sizes); 'padded' = a fixed block of every slot of the rank "
+        "to each ep rank, real rows first (no host wait, compilable; about ep times the exchanged bytes: for "
+        "small ep; docs/parallelism.md)",
+        choices=("uneven", "padded"),
+        needs="parallel.ep",
+        resume=(FREE, "how tokens travel to their experts: the same math"),
     )
     etp: int = opt(
         1,

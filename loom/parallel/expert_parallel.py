@@ -78,16 +78,22 @@ class ExpertTensorParallel:
 class ExpertParallel:
     """Runs a MoE block's experts across the ep group. ``ep`` ranks each hold ``n_experts / ep`` experts (their
     stacked weights DTensors sharded on dim 0 over ``ep``, so checkpoints reshard to any layout); after routing,
-    each rank sends every token-slot to the rank holding its expert (one uneven ``all_to_all_single``, whose
-    backward is the reverse exchange), runs its local experts on what every rank sent (grouped by expert), and
-    the outputs travel back the same way. The expert-gradient factor this needs: ``ParallelDims.expert_grad_factor``."""
+    each rank sends every token-slot to the rank holding its expert, runs its local experts on what every rank
+    sent (grouped by expert), and the outputs travel back the same way (each exchange's backward is the reverse
+    one). The expert-gradient factor this needs: ``ParallelDims.expert_grad_factor``.
+
+    ``exchange`` (parallel.ep_exchange): 'uneven' sends each rank's rows exactly, in an all-to-all sized on the
+    host (one wait for the device per block); 'padded' sends a fixed block of C = T k rows (all of this rank's
+    token-slots, the worst case) to every rank, real rows first, so nothing is read on the host, at ep times the
+    bytes. Both assume every ep rank routes the same number of slots T k (loom's batches are fixed-shape)."""
 
     # split lists kept for recomputations (tiny tensors): past this, the oldest go (a recomputation that finds
     # none waits for the device again)
     KEPT = 1024
 
-    def __init__(self, group, size: int):
-        self.group, self.size = group, size
+    def __init__(self, group, size: int, exchange: str = "uneven"):
+        assert exchange in ("uneven", "padded"), exchange
+        self.group, self.size, self.padded = group, size, exchange == "padded"
         # storage of a training forward's received counts -> (that tensor, send, recv): op-level activation
         # checkpointing replays the counts exchange in its recomputation (the same storage), which then reads its
         # split lists here instead of waiting for the device; holding the tensor keeps its storage from reuse
@@ -111,7 +117,6 @@ class ExpertParallel:
                 self._splits.pop(next(iter(self._splits)))
         return send, recv
 
-    @torch.compiler.disable  # the exchange's sizes are read on the host: compiled blocks break around it
     def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor, local=None) -> torch.Tensor:
         """x (T k, E): this rank's token-slots grouped by (global) expert, ``counts`` (n,) of them per expert ->
         the experts' outputs, same rows. ``local``: passed on to ``experts`` (``MoEParallel.local``)."""
@@ -121,13 +126,43 @@ class ExpertParallel:
             equal = [n_local] * self.size
             # (ep, n_local): from rank i, per local expert
             recv_counts = exchange(send_counts.reshape(-1), equal, equal, self.group).view(self.size, n_local)
-            send, recv = self.host_splits(send_counts, recv_counts)
+        if self.padded:
+            return self._run_padded(experts, x, send_counts, recv_counts, local)
+        return self._run_uneven(experts, x, send_counts, recv_counts, local)
+
+    @torch.compiler.disable  # the exchange's sizes are read on the host: compiled blocks break around it
+    def _run_uneven(self, experts, x, send_counts, recv_counts, local) -> torch.Tensor:
+        send, recv = self.host_splits(send_counts, recv_counts)
         got = all_to_all(x, send, recv, self.group, "ep.dispatch")  # (R, E): per source rank, by local expert
+        n_local = send_counts.shape[1]
         expert = torch.arange(n_local, device=x.device).repeat(self.size)  # the local expert of each block
         order = torch.repeat_interleave(expert, recv_counts.reshape(-1)).argsort(stable=True)  # by expert
         out = experts(got[order], recv_counts.sum(0), local)  # (R, E) grouped by local expert
         back = torch.empty_like(out).index_copy_(0, order, out)  # (R, E) per source rank again
         return all_to_all(back, recv, send, self.group, "ep.combine")  # (T k, E)
+
+    def _run_padded(self, experts, x, send_counts, recv_counts, local) -> torch.Tensor:
+        """The uneven exchange's math with every size fixed on the host: blocks of C = T k rows per rank (the
+        most this rank can send to one), real rows first; the pad rows are zeros going out, are sorted after
+        every expert's rows (``Experts`` leaves rows past its counts unspecified) and are never read back."""
+        cap, n_local = x.shape[0], send_counts.shape[1]  # C, experts per rank
+        ends = send_counts.sum(1).cumsum(0)  # (ep,) end of the rows to each rank in x
+        slot = torch.arange(cap, device=x.device)
+        dest = torch.searchsorted(ends, slot, right=True)  # (C,) the rank each slot goes to
+        pos = dest * cap + slot - (ends - send_counts.sum(1))[dest]  # (C,) its row in the padded send buffer
+        out_buf = x.new_zeros(self.size * cap, x.shape[1]).index_copy(0, pos, x)  # (ep C, E)
+        equal = [cap] * self.size
+        got = all_to_all(out_buf, equal, equal, self.group, "ep.dispatch")  # (ep C, E): block r from rank r
+        # the local expert of each received row, n_local (after all of them) for the pad rows
+        row = torch.arange(cap, device=x.device)
+        bounds = recv_counts.cumsum(1)  # (ep, n_local): ends of each expert's rows in each block
+        expert = torch.searchsorted(bounds, row.expand(self.size, cap).contiguous(), right=True)  # (ep, C)
+        order = expert.reshape(-1).argsort(stable=True)  # (ep C,) real rows by local expert, then the pads
+        out = experts(got[order], recv_counts.sum(0), local)  # (ep C, E), rows past the counts unspecified
+        real = (expert < n_local).reshape(-1, 1)  # (ep C, 1)
+        back = torch.where(real, torch.empty_like(out).index_copy_(0, order, out), 0)  # per source rank, pads 0
+        done = all_to_all(back, equal, equal, self.group, "ep.combine")  # (ep C, E): block r from rank r
+        return done[pos]  # (T k, E)
 
 
 class MoEParallel:
@@ -195,8 +230,10 @@ def moe_parallel(model: nn.Module) -> MoEParallel | None:
 
 
 def exchanges_tokens(moe: MoE) -> bool:
-    """Whether ``moe`` runs its experts over expert parallelism (a token exchange sized on the host)."""
-    return isinstance(moe.parallel, MoEParallel) and moe.parallel.ep is not None
+    """Whether ``moe`` runs its experts over expert parallelism with a token exchange sized on the host (the uneven
+    one: a compiled block breaks its graph around it; the padded one reads nothing on the host)."""
+    par = moe.parallel
+    return isinstance(par, MoEParallel) and par.ep is not None and not par.ep.padded
 
 
 def shard_experts(experts: nn.Module, mesh, placements_before: tuple = ()) -> None:
@@ -217,13 +254,14 @@ def shard_experts(experts: nn.Module, mesh, placements_before: tuple = ()) -> No
         )
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh, ep_tp_mesh=None, exchange: str = "uneven") -> None:
     """Shard the experts of every MoE block of ``model`` (a model or a pipeline stage) over ``ep_mesh`` and
     give the blocks the ep group. ``ep_tp_mesh`` (parallel.etp = tp): the (ep, tp) mesh the experts are then
-    sharded over, by expert and by hidden width. Call on the meta device, after TP, before FSDP2."""
+    sharded over, by expert and by hidden width. ``exchange``: parallel.ep_exchange (``ExpertParallel``). Call on
+    the meta device, after TP, before FSDP2."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    ep = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
+    ep = ExpertParallel(ep_mesh.get_group(), ep_mesh.size(), exchange)
     for moe in moe_modules(model):
         if ep_tp_mesh is not None:
             shard_experts(moe.experts, ep_tp_mesh, placements_before=(Shard(0),))

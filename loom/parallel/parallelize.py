@@ -120,7 +120,9 @@ def parallelize_llama(
         if dims.cp_enabled:
             apply_context_parallel(part, dims["cp"], parallel.cp_method)
         if dims.ep_enabled:
-            apply_expert_parallel(part, dims["ep"], dims["ep_tp"] if dims.etp_enabled else None)
+            apply_expert_parallel(
+                part, dims["ep"], dims["ep_tp"] if dims.etp_enabled else None, parallel.ep_exchange
+            )
         if training.float8 != "none":
             apply_float8(part, training.float8, training.float8_all_gather)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)

@@ -3,6 +3,8 @@ the balance loss and its gradient through the backward, FLOPs, and what MoE mode
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -325,3 +327,51 @@ def test_op_level_checkpointing_replays_the_expert_exchange(tmp_path):
     for mode in ("op", "full"):
         for got, want in zip(grads[mode], grads["none"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_padded_expert_exchange_reads_nothing_on_the_host(tmp_path, monkeypatch):
+    """parallel.ep_exchange padded (here over a group of one rank, bf16 so the experts take the grouped GEMM)
+    reads no value on the host, forward and backward: no ``.tolist()``, ``.item()`` or ``aten._local_scalar_dense``
+    (counted), no host wait (``host_waits`` 0), where the uneven exchange reads its split sizes; it compiles as one
+    graph (``fullgraph``, forward and backward), and its output and gradients, eager and compiled, are the uneven
+    exchange's. That the padding is never read back is tested on two ranks (tests/distributed/test_moe_parallel.py)."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loom.parallel.expert_parallel import ExpertParallel, moe_parallel
+
+    reads = []
+    for name in ("tolist", "item"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, m=method, n=name: reads.append(n) or m(t, *a))
+
+    class Scalars(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func == torch.ops.aten._local_scalar_dense.default:
+                reads.append("scalar")
+            return func(*args, **(kwargs or {}))
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 6, 16, dtype=torch.bfloat16)
+        runs = {}
+        for exchange in ("uneven", "padded", "padded-compiled"):
+            moe = _moe().to(torch.bfloat16)
+            ep = moe_parallel(moe).ep = ExpertParallel(dist.group.WORLD, 1, exchange.split("-")[0])
+            compiled = exchange.endswith("compiled")
+            run = torch.compile(moe, fullgraph=True, backend="aot_eager") if compiled else moe
+            xi = x.clone().requires_grad_()
+            reads.clear()
+            with contextlib.nullcontext() if compiled else Scalars():
+                out = run(xi)
+                out.float().square().sum().backward()
+            runs[exchange] = [out, xi.grad, *(p.grad for p in moe.parameters())], ep.host_waits, len(reads)
+    finally:
+        if own:
+            dist.destroy_process_group()
+    assert runs["uneven"][1:] == (1, 1) and runs["padded"][1:] == (0, 0), runs
+    for name in ("padded", "padded-compiled"):
+        for got, want in zip(runs[name][0], runs["uneven"][0]):
+            torch.testing.assert_close(got, want)

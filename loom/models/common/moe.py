@@ -110,7 +110,9 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, counts: torch.Tensor, local: LocalWeight | None = None
     ) -> torch.Tensor:
-        """x (T', E): tokens grouped by expert, ``counts[i]`` (int64, (n,)) of them for expert i -> (T', E).
+        """x (T', E): tokens grouped by expert, ``counts[i]`` (int64, (n,)) of them for expert i -> (T', E). Rows
+        past ``counts.sum()`` (expert parallelism's padding) belong to no expert: their outputs are unspecified
+        (the grouped GEMM leaves them as it finds them, the loop gives zeros) and give the weights no gradient.
         ``local``: each weight as this rank computes with it (``MoE.parallel.local``: under expert parallelism
         its experts' share); None: the weights themselves. Applied here, inside the call: a data-parallel
         wrapper gathers the weights in the call's pre-hook."""
@@ -140,9 +142,12 @@ class Experts(nn.Module):
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, local: LocalWeight | None) -> torch.Tensor:
         # every expert runs, with no rows if no token picked it: the autograd graph is then the same on every
         # rank, so collectives issued from backward hooks (FSDP2, expert parallelism) come in the same order
+        # the counts are read on the host (a device sync; the grouped path reads none)
         w1, w3, w2 = self._weights(local)
-        outs = [self._gate(xi @ w1[i], xi @ w3[i]) @ w2[i] for i, xi in enumerate(x.split(counts.tolist()))]
-        return torch.cat(outs)  # (T', E)
+        sizes = counts.tolist()
+        rest = x.shape[0] - sum(sizes)  # padding rows after every expert's (expert parallelism's padded exchange)
+        outs = [self._gate(xi @ w1[i], xi @ w3[i]) @ w2[i] for i, xi in enumerate(x.split([*sizes, rest])[:-1])]
+        return torch.cat([*outs, outs[0].new_zeros(rest, outs[0].shape[-1])])  # (T', E)
 
 
 class _AuxLossGrad(torch.autograd.Function):
