@@ -462,10 +462,11 @@ def rank_time(
         bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
         # a block recomputed in full exchanges its slots again (op-level checkpointing replays the saved exchange)
         rerun = exchange_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)
-        per_block = (4 + 2 * rerun) * collective_s(slots, dims.ep, bandwidth)
+        padded = p.ep_exchange == "padded"  # every slot of the rank to each ep rank: ep times the bytes, no wait
+        per_block = (4 + 2 * rerun) * collective_s(slots * (dims.ep if padded else 1), dims.ep, bandwidth)
         st.ep = m * share.moe_layers * per_block
         if ep_waits is None:
-            ep_waits = ep_host_waits(t.activation_checkpointing, t.ac_every, args.n_layers)
+            ep_waits = 0.0 if padded else ep_host_waits(t.activation_checkpointing, t.ac_every, args.n_layers)
         st.host = ep_host_s(ep_waits, share.moe_layers, m)
     # tensor-parallel experts: the tp group's tokens gathered and the outputs reduce-scattered
     if dims.etp > 1:

@@ -33,7 +33,7 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
 - expert parallelism's host waits: each MoE block reads its token counts on the host before its all-to-all, the
   GPU drains its queue there and then idles while the host launches what follows (and the all-to-all waits for the
   peer rank's host): ``EP_HOST_WAIT_S`` per wait, fitted to one run; other host time and uneven routing are not
-  modelled;
+  modelled; the padded exchange (parallel.ep_exchange) waits for nothing and moves ep times the bytes;
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import losses, reference, run_jobs
+from tests.distributed.harness import losses, reference, run_fn, run_jobs
 from tests.distributed.test_model_parallel import STEPS, job
 
 # core: the default run's part of a matrix; broad: the rest of it (slow)
@@ -132,8 +132,9 @@ def test_moe_checkpoint_resumes_across_layouts_and_exports_as_mixtral(tmp_path):
 def test_expert_parallel_matches_single_process(tmp_path, broad):
     """ep2 on 2 ranks (the experts split, FSDP2 over the rest), with accumulation, and under op-level
     recomputation (the experts' own FSDP2 hooks run inside the checkpointed block: loom's selective
-    checkpointing passes their profiler annotations through, PyTorch's raised a replay mismatch); on 4 ranks
-    ep2 x edp2 (two ranks per expert shard), ep4, HSDP 2 x (ep2), and a 1F1B pipeline over ep2."""
+    checkpointing passes their profiler annotations through, PyTorch's raised a replay mismatch), there also with
+    the padded exchange (parallel.ep_exchange); on 4 ranks ep2 x edp2 (two ranks per expert shard), ep4, HSDP 2 x
+    (ep2), and a 1F1B pipeline over ep2."""
     ref = single(tmp_path)
     singles = {
         "single-ac-full": {
@@ -149,6 +150,12 @@ def test_expert_parallel_matches_single_process(tmp_path, broad):
             **moe_job(tmp_path, "ep2-ac-op-m2", m=2, dp=2, dp_shard=2, ep=2),
             "training.activation_checkpointing": "op",
         },
+        # the padded exchange (parallel.ep_exchange), under the same recomputation and accumulation
+        "ep2-padded-ac-op-m2": {
+            **moe_job(tmp_path, "ep2-padded-ac-op-m2", m=2, dp=2, dp_shard=2, ep=2),
+            "training.activation_checkpointing": "op",
+            "parallel.ep_exchange": "padded",
+        },
     }
     jobs4 = {
         "ep2-edp2": moe_job(tmp_path, "ep2-edp2", dp=4, dp_shard=4, ep=2),
@@ -159,7 +166,7 @@ def test_expert_parallel_matches_single_process(tmp_path, broad):
     results = run_parts(
         {
             1: part(singles, {"single-ac-op"}, broad),
-            2: part(jobs2, {"ep2-ac-op-m2"}, broad),
+            2: part(jobs2, {"ep2-ac-op-m2", "ep2-padded-ac-op-m2"}, broad),
             4: part(jobs4, {"ep2-edp2"}, broad),
         },
         tmp_path,
@@ -404,3 +411,58 @@ def test_expert_tensor_parallel_matches_single_process(tmp_path, broad):
             tmp_path,
         ),
     )
+
+
+def skewed_exchange(rank: int, world: int) -> dict:
+    """Both exchanges of ``ExpertParallel.run`` on 2 ranks against the experts of one process, with routing that
+    sends all of rank 0's slots to rank 1's experts (rank 1 receives 21 rows, rank 0 3, after a block of pads only): the largest relative
+    error of the outputs, the slots' and the local experts' gradients over both ranks, per exchange and dtype
+    (fp32: the loop over experts; bf16: the grouped GEMM, which leaves rows past its counts unspecified), and the
+    padded exchange's host waits."""
+    import torch
+    import torch.distributed as dist
+
+    from loom.models.common.moe import Experts
+    from loom.parallel.expert_parallel import ExpertParallel
+
+    counts = [torch.tensor([0, 0, 5, 7]), torch.tensor([2, 1, 6, 3])]  # per rank, per global expert
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(12, 16, generator=gen) for _ in counts]  # (T k, E) each rank's slots, by expert
+    gs = [torch.randn(12, 16, generator=gen) for _ in counts]  # the loss's weights on the outputs
+    errors, waits = {}, 0
+    for dtype in (torch.float32, torch.bfloat16):
+        full = Experts(4, 16, 24)
+        for i, p in enumerate(full.parameters()):
+            p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3
+        full = full.to(dtype)
+        xs_ref = [x.to(dtype, copy=True).requires_grad_() for x in xs]
+        outs = [full(x, c) for x, c in zip(xs_ref, counts)]
+        sum((o.float() * g).sum() for o, g in zip(outs, gs)).backward()
+        mine = slice(2 * rank, 2 * rank + 2)
+        want = [outs[rank], xs_ref[rank].grad, *(p.grad[mine] for p in full.parameters())]
+        for exchange in ("uneven", "padded"):
+            local = Experts(2, 16, 24).to(dtype)
+            for p, q in zip(local.parameters(), full.parameters()):
+                p.data = q.data[mine].clone()
+            ep = ExpertParallel(dist.group.WORLD, world, exchange)
+            x = xs[rank].to(dtype, copy=True).requires_grad_()
+            out = ep.run(local, x, counts[rank])
+            (out.float() * gs[rank]).sum().backward()
+            # an expert that no row reached has no gradient: zeros
+            got = [out, x.grad, *(torch.zeros_like(p) if p.grad is None else p.grad for p in local.parameters())]
+            err = max(((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-6)).item() for a, b in zip(got, want))
+            err = torch.tensor(err)
+            dist.all_reduce(err, op=dist.ReduceOp.MAX)
+            errors[f"{exchange}-{str(dtype)[6:]}"] = err.item()
+            waits += ep.host_waits if exchange == "padded" else 0
+    return {"errors": errors, "padded_host_waits": waits}
+
+
+def test_padded_exchange_matches_one_process_under_skewed_routing(tmp_path):
+    """``parallel.ep_exchange`` padded and uneven on 2 ranks where one rank receives every slot (the padding's
+    worst case, and a rank with no real row): outputs and gradients those of one process (fp32 1e-5; bf16 2e-2,
+    the grouped GEMM's rounding of different row blocks), with no host wait for the padded exchange."""
+    res = run_fn(2, skewed_exchange, str(tmp_path))
+    tol = {"float32": 1e-5, "bfloat16": 2e-2}
+    assert res["padded_host_waits"] == 0, res
+    assert all(err < tol[name.split("-")[1]] for name, err in res["errors"].items()), res

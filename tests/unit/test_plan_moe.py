@@ -72,10 +72,11 @@ def test_grouped_gemm_padding_half_a_tile_per_expert():
     assert grouped_padding_flops(0, 512, 64, 32, 0.0) == 0.0
 
 
-def _layout(ac: str, ep: int = 2):
+def _layout(ac: str, ep: int = 2, exchange: str = "uneven"):
     """qwen3_moe_debug (3 blocks, the first dense; 8 experts of width 32, dim 64, top 2) on 2 GPUs, dp_shard 2, one
-    sequence of 256 a rank."""
+    sequence of 256 a rank; ``exchange``: parallel.ep_exchange."""
     cfg = _cfg(
+        **({"parallel__ep_exchange": exchange} if exchange != "uneven" else {}),
         model__flavor="qwen3_moe_debug",
         parallel__dp_shard=2,
         parallel__ep=ep,
@@ -154,6 +155,23 @@ def test_ep_host_idle_in_the_step_and_only_under_ep():
     assert rank_time(share, args, dims, x, cfg, m, H200, ep_waits=2).host == pytest.approx(4 * EP_HOST_WAIT_S)
     cfg1, dims1, args1, m1, x1, share1 = _layout("op", ep=1)
     assert rank_time(share1, args1, dims1, x1, cfg1, m1, H200).host == 0.0
+
+
+def test_padded_ep_exchange_trades_the_host_waits_for_ep_times_the_bytes():
+    """parallel.ep_exchange padded under ep 2: no host idle, the all-to-all time twice the uneven exchange's (every
+    slot of the rank to each of the 2 ranks), and for this small model (exchanges of microseconds against waits of
+    milliseconds) a faster step."""
+    uneven = rank_time(*_args(_layout("op")), H200)
+    padded = rank_time(*_args(_layout("op", exchange="padded")), H200)
+    assert uneven.host > 0 and padded.host == 0.0
+    assert padded.ep == pytest.approx(2 * uneven.ep) and uneven.ep > 0
+    assert padded.total < uneven.total
+
+
+def _args(layout: tuple) -> tuple:
+    """``_layout``'s (cfg, dims, args, m, x, share) in ``rank_time``'s order."""
+    cfg, dims, args, m, x, share = layout
+    return share, args, dims, x, cfg, m
 
 
 @pytest.mark.parametrize(
