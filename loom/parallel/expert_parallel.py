@@ -160,7 +160,8 @@ class ExpertParallel:
         order = expert.reshape(-1).argsort(stable=True)  # (ep C,) real rows by local expert, then the pads
         out = experts(got[order], recv_counts.sum(0), local)  # (ep C, E), rows past the counts unspecified
         real = (expert < n_local).reshape(-1, 1)  # (ep C, 1)
-        back = torch.where(real, torch.empty_like(out).index_copy_(0, order, out), 0)  # per source rank, pads 0
+        # (ep C, E) per source rank again, the pad rows zeros
+        back = torch.where(real, torch.empty_like(out).index_copy_(0, order, out), 0)
         done = all_to_all(back, equal, equal, self.group, "ep.combine")  # (ep C, E): block r from rank r
         return done[pos]  # (T k, E)
 

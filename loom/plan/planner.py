@@ -462,7 +462,8 @@ def rank_time(
         bandwidth = gpu.network_gbps if span > gpu.gpus_per_node else gpu.link_gbps
         # a block recomputed in full exchanges its slots again (op-level checkpointing replays the saved exchange)
         rerun = exchange_rerun(t.activation_checkpointing, t.ac_every, args.n_layers)
-        padded = p.ep_exchange == "padded"  # every slot of the rank to each ep rank: ep times the bytes, no wait
+        # the padded exchange: every slot of the rank to each ep rank, ep times the bytes and no host wait
+        padded = p.ep_exchange == "padded"
         per_block = (4 + 2 * rerun) * collective_s(slots * (dims.ep if padded else 1), dims.ep, bandwidth)
         st.ep = m * share.moe_layers * per_block
         if ep_waits is None:

@@ -415,8 +415,9 @@ def test_expert_tensor_parallel_matches_single_process(tmp_path, broad):
 
 def skewed_exchange(rank: int, world: int) -> dict:
     """Both exchanges of ``ExpertParallel.run`` on 2 ranks against the experts of one process, with routing that
-    sends all of rank 0's slots to rank 1's experts (rank 1 receives 21 rows, rank 0 3, after a block of pads only): the largest relative
-    error of the outputs, the slots' and the local experts' gradients over both ranks, per exchange and dtype
+    sends all of rank 0's slots to rank 1's experts (rank 1 receives 21 rows; rank 0 a block of pads only, then
+    3): the largest relative error of the outputs, the slots' and the local experts' gradients over both ranks,
+    per exchange and dtype
     (fp32: the loop over experts; bf16: the grouped GEMM, which leaves rows past its counts unspecified), and the
     padded exchange's host waits."""
     import torch
@@ -449,8 +450,15 @@ def skewed_exchange(rank: int, world: int) -> dict:
             out = ep.run(local, x, counts[rank])
             (out.float() * gs[rank]).sum().backward()
             # an expert that no row reached has no gradient: zeros
-            got = [out, x.grad, *(torch.zeros_like(p) if p.grad is None else p.grad for p in local.parameters())]
-            err = max(((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-6)).item() for a, b in zip(got, want))
+            got = [
+                out,
+                x.grad,
+                *(torch.zeros_like(p) if p.grad is None else p.grad for p in local.parameters()),
+            ]
+            err = max(
+                ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-6)).item()
+                for a, b in zip(got, want)
+            )
             err = torch.tensor(err)
             dist.all_reduce(err, op=dist.ReduceOp.MAX)
             errors[f"{exchange}-{str(dtype)[6:]}"] = err.item()

@@ -145,8 +145,11 @@ class Experts(nn.Module):
         # the counts are read on the host (a device sync; the grouped path reads none)
         w1, w3, w2 = self._weights(local)
         sizes = counts.tolist()
-        rest = x.shape[0] - sum(sizes)  # padding rows after every expert's (expert parallelism's padded exchange)
-        outs = [self._gate(xi @ w1[i], xi @ w3[i]) @ w2[i] for i, xi in enumerate(x.split([*sizes, rest])[:-1])]
+        # padding rows after every expert's (expert parallelism's padded exchange)
+        rest = x.shape[0] - sum(sizes)
+        outs = [
+            self._gate(xi @ w1[i], xi @ w3[i]) @ w2[i] for i, xi in enumerate(x.split([*sizes, rest])[:-1])
+        ]
         return torch.cat([*outs, outs[0].new_zeros(rest, outs[0].shape[-1])])  # (T', E)
 
 
