@@ -231,10 +231,10 @@ def moe_parallel(model: nn.Module) -> MoEParallel | None:
 
 
 def exchanges_tokens(moe: MoE) -> bool:
-    """Whether ``moe`` runs its experts over expert parallelism with a token exchange sized on the host (the uneven
-    one: a compiled block breaks its graph around it; the padded one reads nothing on the host)."""
-    par = moe.parallel
-    return isinstance(par, MoEParallel) and par.ep is not None and not par.ep.padded
+    """Whether ``moe`` runs its experts over expert parallelism: a compiled block then breaks its graph, around the
+    uneven exchange (sized on the host) or, with the padded one (traced), at the FSDP2 hooks of the experts, which
+    FSDP2 wraps on their own mesh inside the block."""
+    return isinstance(moe.parallel, MoEParallel) and moe.parallel.ep is not None
 
 
 def shard_experts(experts: nn.Module, mesh, placements_before: tuple = ()) -> None:

@@ -180,7 +180,8 @@ def test_compiled_expert_parallel_matches_eager(tmp_path, broad):
     """ep2 with compiled blocks (Dynamo breaks the graph around the token exchange), alone and under full and
     op-level recomputation, against eager ep2 (bf16: compiled MoE blocks need the grouped GEMM): within 1e-3
     (bf16 noise, ~6e-5 seen), and not bit-identical to eager (the compiled graphs ran: a block left eager
-    would match exactly). Core: op-level recomputation (the hardest of the three to trace)."""
+    would match exactly); in the broad part also the padded exchange (parallel.ep_exchange) under op-level
+    recomputation, whose exchange is traced. Core: op-level recomputation (the hardest of the three to trace)."""
     bf16 = {"training.dtype": "bfloat16"}
     layout = dict(dp=2, dp_shard=2, ep=2)
     compiled = {}
@@ -191,6 +192,14 @@ def test_compiled_expert_parallel_matches_eager(tmp_path, broad):
             "training.compile": "true",
             "training.activation_checkpointing": ac,
         }
+    # the padded exchange traced (nothing read on the host; breaks at the experts' FSDP2 hooks only): against eager
+    compiled["compiled-padded-ac-op"] = {
+        **moe_job(tmp_path, "ep2-bf16-compile-padded-op", **layout),
+        **bf16,
+        "training.compile": "true",
+        "training.activation_checkpointing": "op",
+        "parallel.ep_exchange": "padded",
+    }
     jobs = {
         "eager": {**moe_job(tmp_path, "ep2-bf16", **layout), **bf16},
         **part(compiled, {"compiled-ac-op"}, broad),
