@@ -763,11 +763,12 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
     return out
 
 
-def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
+def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = ()) -> dict:
+    """loom's side; ``variant``: fields changed on top of --loom-set (a --loom-variant run)."""
     cfg = loom_config(w, gpus, paths, matched(a), a.device)
     if a.profile:
         cfg.update(loom_profiling(a.steps))
-    cfg.update(dict(kv.split("=", 1) for kv in a.loom_set))
+    cfg.update(dict(kv.split("=", 1) for kv in (*a.loom_set, *variant)))
     env = {**os.environ, **JOB_ENV, "PYTORCH_ALLOC_CONF": ALLOC_CONF}
     if a.loom_sdpa == "torchtitan":
         with open(os.path.join(paths["loom_py"], "sitecustomize.py"), "w") as fh:
@@ -800,8 +801,19 @@ def run_loom(w: Workload, gpus: int, a, paths: dict) -> dict:
         )
     if a.profile:
         trace = os.path.join(paths["loom_dir"], "profile", "trace_rank0.json")
-        out["profile"] = profile_summary(trace, a.profile_dir, "loom")
+        out["profile"] = profile_summary(trace, a.profile_dir, os.path.basename(paths["loom_dir"]))
     return out
+
+
+def parse_variant(spec: str) -> tuple[str, tuple[str, ...]]:
+    """``NAME:KEY=VALUE[;KEY=VALUE...]`` -> (NAME, its fields); ValueError naming what is wrong."""
+    name, _, fields = spec.partition(":")
+    sets = tuple(kv for kv in fields.split(";") if kv)
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or not sets or not all("=" in kv for kv in sets):
+        raise ValueError(
+            f"--loom-variant {spec!r}: expected NAME:KEY=VALUE[;KEY=VALUE...] (NAME of letters, digits, _ or -)"
+        )
+    return name, sets
 
 
 def conventions(titan: dict, loom: dict) -> None:
@@ -885,6 +897,14 @@ def main() -> None:
     )
     p.add_argument("--sides", default="torchtitan,loom", help="which to run, in this order")
     p.add_argument(
+        "--loom-variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[;KEY=VALUE]",
+        help="one more loom run after the sides, with these fields changed on top of --loom-set (same call, same "
+        "data; its result and its ratio to torchtitan under loom_variants.NAME); repeatable",
+    )
+    p.add_argument(
         "--loom-sdpa",
         default="torchtitan",
         choices=["torchtitan", "default"],
@@ -940,6 +960,10 @@ def main() -> None:
     sides = a.sides.split(",")
     if not set(sides) <= {"torchtitan", "loom"}:
         raise SystemExit(f"--sides {a.sides}: expected torchtitan and/or loom")
+    try:
+        variants = dict(parse_variant(spec) for spec in a.loom_variant)
+    except ValueError as e:
+        p.error(str(e))
     if "torchtitan" in sides:  # before any GPU time is spent: the wheels are installed and import
         try:
             import torchtitan.train  # noqa: F401
@@ -1021,6 +1045,15 @@ def main() -> None:
     if "tokens_per_s_per_gpu" in titan and "tokens_per_s_per_gpu" in loom:
         doc["ratio"] = loom["tokens_per_s_per_gpu"] / titan["tokens_per_s_per_gpu"]
     write_result(out_path, doc)
+    for name, fields in variants.items():
+        print(f"bench.peers: loom variant {name} ({'; '.join(fields)}) ...", flush=True)
+        run = run_loom(w, gpus, a, {**paths, "loom_dir": os.path.join(root, f"loom_{name}")}, fields)
+        run["fields"] = list(fields)
+        conventions(dict(titan), run)
+        if "tokens_per_s_per_gpu" in titan and "tokens_per_s_per_gpu" in run:
+            run["ratio"] = run["tokens_per_s_per_gpu"] / titan["tokens_per_s_per_gpu"]
+        doc.setdefault("loom_variants", {})[name] = run
+        write_result(out_path, doc)
     print(summary(doc), flush=True)
 
 
@@ -1045,6 +1078,10 @@ def summary(doc: dict) -> str:
             lines[-1] += " (with an error: see the JSON)"
     if "ratio" in doc:
         lines.append(f"loom / torchtitan: {doc['ratio']:.3f}")
+    for name, r in doc.get("loom_variants", {}).items():
+        got = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU" if "tokens_per_s_per_gpu" in r else "ERROR"
+        ratio = f", {r['ratio']:.3f}x torchtitan" if "ratio" in r else ""
+        lines.append(f"loom variant {name} ({'; '.join(r['fields'])}): {got}{ratio}")
     return "\n".join(lines)
 
 

@@ -302,3 +302,32 @@ def test_profile_sections_and_the_summary_of_a_kept_trace(tmp_path):
     assert out["exposed_communication_ms_per_step"] == pytest.approx(0.04)
     assert json.loads(gzip.open(out["kept"]).read()) == json.loads(trace.read_text())
     assert "error" in peers.profile_summary(str(tmp_path / "absent.json"), "", "loom")
+
+
+def test_loom_variants_parse_and_print():
+    """--loom-variant NAME:KEY=VALUE[;...]: its fields, a usage error naming the spec, and one summary line each."""
+    from bench import peers
+
+    assert peers.parse_variant("padded:parallel.ep_exchange=padded;training.max_norm=0.5") == (
+        "padded",
+        ("parallel.ep_exchange=padded", "training.max_norm=0.5"),
+    )
+    for bad in ("padded", "padded:", "pa dded:x=1", ":x=1", "padded:x"):
+        with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+            peers.parse_variant(bad)
+    doc = {
+        "loom": {"tokens_per_s_per_gpu": 1000.0, "peak_reserved_gib": 1.0, "launch_to_first_step_s": 2.0},
+        "loom_variants": {
+            "padded": {
+                "fields": ["parallel.ep_exchange=padded"],
+                "tokens_per_s_per_gpu": 1200.0,
+                "ratio": 1.1,
+            },
+            "broken": {"fields": ["x=1"], "error": "boom"},
+        },
+    }
+    lines = peers.summary(doc).splitlines()
+    assert (
+        lines[-2] == "loom variant padded (parallel.ep_exchange=padded): 1,200 tok/s/GPU, 1.100x torchtitan"
+    )
+    assert lines[-1] == "loom variant broken (x=1): ERROR"
