@@ -89,6 +89,9 @@ class MemoryInputs:
         0  # pp_schedule pipedream_2bw: fp32 copies of the weights beside the optimizer's (1: the stash)
     )
     reduce_bytes: int = 4  # parallel.reduce_dtype: the bytes of each gradient element FSDP2 reduces
+    ep_padded: bool = (
+        False  # parallel.ep_exchange = padded: each rank's experts run on ep blocks of every slot
+    )
 
 
 def held_params(share, x: MemoryInputs) -> float:
@@ -231,6 +234,13 @@ def stage_activation(
             * BYTES[x.dtype]
             * (1 - 1 / x.tp)
         )
+    if x.ep_padded and x.ep > 1:
+        # the padded exchange: a rank's experts see ep blocks of every slot (pads included) where the uneven one
+        # sends ~its own slots, so the tensors kept over those rows (the experts' inputs and outputs, 2 x dim; the
+        # gate and up projections and their product, 3 x the expert width) grow (ep - 1) times the slots; estimated
+        # from the tensors kept, not measured
+        width = 2 * args.dim + 3 * args.expert_ffn_dim
+        held += (x.ep - 1) * args.moe_top_k * (layers - dense) * stored * tokens * width * BYTES[x.dtype]
     if x.cp > 1 and ac != "full" and not x.cp_ring:
         kv_dim = args.n_kv_heads * args.head_dim
         held += layers * x.micro_batch * x.seq_len * (1 - 1 / x.cp) * 2 * kv_dim * BYTES[x.dtype] / x.tp

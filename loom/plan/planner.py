@@ -275,6 +275,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         offload_blocks=len(offloaded_blocks(t.activation_offload, args.n_layers)),
         nvme=cfg.optimizer.offload == "nvme",
         reduce_bytes=BYTES[p.reduce_dtype],
+        ep_padded=p.ep_exchange == "padded",
     )
 
 

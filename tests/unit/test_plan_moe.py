@@ -168,6 +168,28 @@ def test_padded_ep_exchange_trades_the_host_waits_for_ep_times_the_bytes():
     assert padded.total < uneven.total
 
 
+def test_padded_ep_exchange_holds_ep_blocks_of_slots():
+    """parallel.ep_exchange padded under ep 2 keeps, per stored MoE block, one more rank's worth of slots over the
+    experts' inputs and outputs and their three hidden-width tensors: 2 MoE blocks x 256 tokens x top 2 x (2 x 64 +
+    3 x 32) x 2 bytes more than the uneven exchange (nothing recomputed)."""
+    from dataclasses import replace
+
+    from loom.plan.memory import stage_activation
+
+    cfg, dims, args, m, x, share = _layout("none")
+    assert not x.ep_padded and memory_inputs(_layout("none", exchange="padded")[0], dims, args).ep_padded
+
+    class Profile:  # the traced bytes are the same for both exchanges: only the padded term differs
+        def held(self, layers, micro_batch, head, dense):
+            return 0.0
+
+    held = {
+        padded: stage_activation(Profile(), 3, True, replace(x, ep_padded=padded), args, "none", 1.0, dense=1)
+        for padded in (False, True)
+    }
+    assert held[True] - held[False] == 2 * 256 * 2 * (2 * 64 + 3 * 32) * 2
+
+
 def _args(layout: tuple) -> tuple:
     """``_layout``'s (cfg, dims, args, m, x, share) in ``rank_time``'s order."""
     cfg, dims, args, m, x, share = layout
