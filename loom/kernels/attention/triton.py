@@ -165,6 +165,54 @@ def _rows_desc(base, stride, S, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     return tl.make_tensor_descriptor(base, [S, HEAD_DIM], [stride, 1], [BLOCK, HEAD_DIM])
 
 
+@triton.jit
+def _load_rows(
+    base,
+    stride,
+    S,
+    row0,
+    offs,
+    offs_d,
+    in_seq,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
+):
+    """A kernel's own tile: rows ``offs`` (= row0 + arange(BLOCK); ``in_seq``: those below S) of the (S, HEAD_DIM)
+    matrix at ``base``, zeros past S."""
+    if TENSOR_DESC:
+        tile = _rows_desc(base, stride, S, BLOCK, HEAD_DIM).load([row0, 0])
+    else:
+        tile = tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(
+    base,
+    stride,
+    S,
+    row0,
+    offs,
+    offs_d,
+    in_seq,
+    tile,
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TENSOR_DESC: tl.constexpr,
+):
+    """``tile`` in the matrix's dtype into rows ``offs`` of the (S, HEAD_DIM) matrix at ``base``, none past S
+    (``_load_rows``' layout)."""
+    if TENSOR_DESC:
+        _rows_desc(base, stride, S, BLOCK, HEAD_DIM).store([row0, 0], tile.to(base.dtype.element_ty))
+    else:
+        tl.store(
+            base + offs[:, None] * stride + offs_d[None, :],
+            tile.to(base.dtype.element_ty),
+            mask=in_seq[:, None],
+        )
+
+
 # ----------------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_blocks(
@@ -277,12 +325,7 @@ def _attn_fwd(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    if TENSOR_DESC:
-        q = _rows_desc(Q + b * sqb + h * sqh, sqs, S, BLOCK_M, HEAD_DIM).load([m0, 0])
-    else:
-        q = tl.load(
-            Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
-        )
+    q = _load_rows(Q + b * sqb + h * sqh, sqs, S, m0, offs_m, offs_d, in_seq, BLOCK_M, HEAD_DIM, TENSOR_DESC)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
     lo_q, hi_q = _row_range(offs_m, S, start_q, end_q, CAUSAL, WINDOW)
     a, bb, c, d = _key_range(m0, S, start_q, end_q, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
@@ -395,16 +438,9 @@ def _attn_fwd(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    if TENSOR_DESC:
-        _rows_desc(O + b * sob + h * soh, sos, S, BLOCK_M, HEAD_DIM).store(
-            [m0, 0], out.to(O.dtype.element_ty)
-        )
-    else:
-        tl.store(
-            O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :],
-            out.to(O.dtype.element_ty),
-            mask=in_seq[:, None],
-        )
+    _store_rows(
+        O + b * sob + h * soh, sos, S, m0, offs_m, offs_d, in_seq, out, BLOCK_M, HEAD_DIM, TENSOR_DESC
+    )
     tl.store(LSE + bh * S + offs_m, lse, mask=in_seq)
 
 
@@ -531,16 +567,8 @@ def _dkdv_program(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_n < S
-    if TENSOR_DESC:
-        k = _rows_desc(K + b * skb + hk * skh, sks, S, BLOCK_N, HEAD_DIM).load([n0, 0])
-        v = _rows_desc(V + b * svb + hk * svh, svs, S, BLOCK_N, HEAD_DIM).load([n0, 0])
-    else:
-        k = tl.load(
-            K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=in_seq[:, None], other=0.0
-        )
-        v = tl.load(
-            V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=in_seq[:, None], other=0.0
-        )
+    k = _load_rows(K + b * skb + hk * skh, sks, S, n0, offs_n, offs_d, in_seq, BLOCK_N, HEAD_DIM, TENSOR_DESC)
+    v = _load_rows(V + b * svb + hk * svh, svs, S, n0, offs_n, offs_d, in_seq, BLOCK_N, HEAD_DIM, TENSOR_DESC)
     start_k, end_k = _doc_bounds(KBOUNDS + b * S, KBOUNDS + (B + b) * S, S, offs_n, in_seq, HAS_DOCS)
     a, bb, c, d = _query_range(n0, S, start_k, end_k, BLOCK_M, BLOCK_N, CAUSAL, HAS_DOCS, WINDOW)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -638,22 +666,13 @@ def _dkdv_program(
             HEAD_DIM,
             TENSOR_DESC,
         )
-    if TENSOR_DESC:
-        dk_desc = _rows_desc(DK + b * sdkb + hk * sdkh, sdks, S, BLOCK_N, HEAD_DIM)
-        dv_desc = _rows_desc(DV + b * sdvb + hk * sdvh, sdvs, S, BLOCK_N, HEAD_DIM)
-        dk_desc.store([n0, 0], (dk * sm_scale).to(DK.dtype.element_ty))
-        dv_desc.store([n0, 0], dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(
-            DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
-            (dk * sm_scale).to(DK.dtype.element_ty),
-            mask=in_seq[:, None],
-        )
-        tl.store(
-            DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :],
-            dv.to(DV.dtype.element_ty),
-            mask=in_seq[:, None],
-        )
+    dk = dk * sm_scale
+    _store_rows(
+        DK + b * sdkb + hk * sdkh, sdks, S, n0, offs_n, offs_d, in_seq, dk, BLOCK_N, HEAD_DIM, TENSOR_DESC
+    )
+    _store_rows(
+        DV + b * sdvb + hk * sdvh, sdvs, S, n0, offs_n, offs_d, in_seq, dv, BLOCK_N, HEAD_DIM, TENSOR_DESC
+    )
 
 
 @triton.jit
@@ -759,18 +778,10 @@ def _dq_program(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_seq = offs_m < S
-    if TENSOR_DESC:
-        q = _rows_desc(Q + b * sqb + h * sqh, sqs, S, BLOCK_M, HEAD_DIM).load([m0, 0])
-        do = _rows_desc(DO + b * sdob + h * sdoh, sdos, S, BLOCK_M, HEAD_DIM).load([m0, 0])
-    else:
-        q = tl.load(
-            Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=in_seq[:, None], other=0.0
-        )
-        do = tl.load(
-            DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :],
-            mask=in_seq[:, None],
-            other=0.0,
-        )
+    q = _load_rows(Q + b * sqb + h * sqh, sqs, S, m0, offs_m, offs_d, in_seq, BLOCK_M, HEAD_DIM, TENSOR_DESC)
+    do = _load_rows(
+        DO + b * sdob + h * sdoh, sdos, S, m0, offs_m, offs_d, in_seq, BLOCK_M, HEAD_DIM, TENSOR_DESC
+    )
     lse2 = tl.load(LSE2 + bh * S + offs_m, mask=in_seq, other=float("inf"))
     delta = tl.load(DELTA + bh * S + offs_m, mask=in_seq, other=0.0)
     start_q, end_q = _doc_bounds(BOUNDS + b * S, BOUNDS + (B + b) * S, S, offs_m, in_seq, HAS_DOCS)
@@ -884,15 +895,10 @@ def _dq_program(
             HEAD_DIM,
             TENSOR_DESC,
         )
-    if TENSOR_DESC:
-        dq_desc = _rows_desc(DQ + b * sdqb + h * sdqh, sdqs, S, BLOCK_M, HEAD_DIM)
-        dq_desc.store([m0, 0], (dq * sm_scale).to(DQ.dtype.element_ty))
-    else:
-        tl.store(
-            DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :],
-            (dq * sm_scale).to(DQ.dtype.element_ty),
-            mask=in_seq[:, None],
-        )
+    dq = dq * sm_scale
+    _store_rows(
+        DQ + b * sdqb + h * sdqh, sdqs, S, m0, offs_m, offs_d, in_seq, dq, BLOCK_M, HEAD_DIM, TENSOR_DESC
+    )
 
 
 @triton.jit
