@@ -146,10 +146,11 @@ class ExpertParallel:
         most this rank can send to one), real rows first; the pad rows are zeros going out, are sorted after
         every expert's rows (``Experts`` leaves rows past its counts unspecified) and are never read back."""
         cap, n_local = x.shape[0], send_counts.shape[1]  # C, experts per rank
-        ends = send_counts.sum(1).cumsum(0)  # (ep,) end of the rows to each rank in x
+        sent = send_counts.sum(1)  # (ep,) rows to each rank
+        ends = sent.cumsum(0)  # (ep,) end of the rows to each rank in x
         slot = torch.arange(cap, device=x.device)
         dest = torch.searchsorted(ends, slot, right=True)  # (C,) the rank each slot goes to
-        pos = dest * cap + slot - (ends - send_counts.sum(1))[dest]  # (C,) its row in the padded send buffer
+        pos = dest * cap + slot - (ends - sent)[dest]  # (C,) its row in the padded send buffer
         out_buf = x.new_zeros(self.size * cap, x.shape[1]).index_copy(0, pos, x)  # (ep C, E)
         equal = [cap] * self.size
         got = all_to_all(out_buf, equal, equal, self.group, "ep.dispatch")  # (ep C, E): block r from rank r
