@@ -46,6 +46,8 @@ _PLAIN = {
 VARIANTS = {
     "loom_eager": {},
     "loom_compile": {"training.compile": "true"},
+    # the compiled blocks replayed as CUDA graphs (torch.compile's reduce-overhead): the host launch gaps
+    "loom_compile_graphs": {"training.compile": "true", "training.cuda_graphs": "true"},
     "loom_eager_plain": _PLAIN,  # no loom kernels: PyTorch SDPA and plain modules
     # PyTorch's fused AdamW instead of loom's Triton AdamW (what ``auto`` picks on CUDA)
     "loom_compile_torch_adamw": {"training.compile": "true", "optimizer.implementation": "fused"},
