@@ -138,8 +138,8 @@ def test_argument_errors():
 
 
 def test_autocast_bf16_matches_unfused_autocast():
-    """Under autocast the op casts h and weight to bf16 itself (as F.linear would); fp32 parameters
-    get fp32 gradients through the casts."""
+    """Under autocast h is cast to bf16 and the op casts the weight (as F.linear would); an fp32 weight gets
+    its gradient in fp32 straight from the op's accumulator."""
     h, w, labels = inputs()
     grads = []
     for fn in (
@@ -156,6 +156,10 @@ def test_autocast_bf16_matches_unfused_autocast():
     torch.testing.assert_close(fl, ul, rtol=1e-5, atol=1e-4)  # same bf16 logits, same fp32 softmax
     torch.testing.assert_close(fh, uh, rtol=2e-2, atol=1e-2)  # bf16 rounding of the products
     torch.testing.assert_close(fw, uw, rtol=2e-2, atol=1e-2)
+    # the fp32 weight's gradient is the op's fp32 accumulator itself: not rounded to bf16 and cast back
+    _, _, acc = chunked_linear_cross_entropy(h.bfloat16(), w, labels, 8)
+    assert acc.dtype == torch.float32 and torch.equal(fw, acc)
+    assert not torch.equal(acc.bfloat16().float(), acc)
 
 
 def tiny_llama(tie: bool, fused: bool) -> Llama:

@@ -5,10 +5,11 @@ The op returns (loss, grad_h, grad_weight): the gradients are computed in the fo
 CPU under TRITON_INTERPRET=1) the per-chunk CE runs the Triton kernel, otherwise torch ops; the
 matmuls are cuBLAS / aten in the input dtype either way.
 
-Autocast: a custom op is not autocast-aware, so ``linear_cross_entropy`` casts h and weight to the
-autocast dtype itself when autocast is on for their device, as the unfused path's ``F.linear`` would:
-under bf16 autocast the matmuls run in bf16 (grad_weight accumulated in fp32, returned in bf16 and
-cast back to the parameter's fp32 by autograd), the softmax in fp32.
+Autocast: a custom op is not autocast-aware, so ``linear_cross_entropy`` casts h to the autocast dtype
+itself when autocast is on for its device, and the op casts the weight to h's dtype, as the unfused
+path's ``F.linear`` would: under bf16 autocast the matmuls run in bf16, the softmax in fp32, and an fp32
+weight's gradient is accumulated and returned in fp32 (no bf16 rounding and cast back: on the 1B shape
+that round trip and its scaling in bf16 cost ~2 ms a step on an H200, docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def linear_cross_entropy_op(
     with_grads: bool,
     weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h (N, E), weight (V, E) of one dtype, labels (N,) int64. Returns (loss fp32 scalar, grad_h (N, E),
-    grad_weight (V, E)) of the summed loss; the gradients are empty (0,) tensors without ``with_grads``, and
-    grad_weight without ``weight_grad`` (a frozen weight)."""
+    """h (N, E), weight (V, E) in h's dtype or fp32 (cast to h's for the matmuls), labels (N,) int64. Returns
+    (loss fp32 scalar, grad_h (N, E) in h's dtype, grad_weight (V, E) in weight's) of the summed loss; the
+    gradients are empty (0,) tensors without ``with_grads``, and grad_weight without ``weight_grad`` (a frozen
+    weight)."""
     # Autocast's dispatch key falls through for this op but stays on for the ops inside: keep it off
     # so that the matmuls run in the input dtype (the caller has already cast for autocast).
     with torch.autocast(h.device.type, enabled=False):
@@ -98,8 +100,10 @@ def linear_cross_entropy(
     device_type = h.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        h, weight = h.to(dtype), weight.to(dtype)
-    if h.dtype != weight.dtype:
+        h = h.to(dtype)  # the weight: cast in the op, its gradient kept in its own dtype
+        if weight.dtype not in (dtype, torch.float32):
+            weight = weight.to(dtype)
+    elif h.dtype != weight.dtype:
         raise ValueError(
             f"linear_cross_entropy: h is {h.dtype} and weight {weight.dtype}; "
             "cast them to one dtype (or use autocast)"
