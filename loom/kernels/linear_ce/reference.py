@@ -72,14 +72,18 @@ def ce_rows_torch_(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tenso
 CeRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
 
 
-def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
-    """acc (V, E) fp32 += dlogits.T (V, n) @ h (n, E). On CUDA a bf16/fp16 product is written in fp32 by
-    cuBLAS (``out_dtype``); elsewhere (aten has no CPU kernel for it) the product is rounded to the
-    input dtype before the fp32 sum."""
+def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """acc (V, E) fp32 += dlogits.T (V, n) @ h (n, E), or = on the ``first`` chunk (acc is uninitialized then:
+    beta 0 ignores it, so no pass zeroes it). On CUDA a bf16/fp16 product is written in fp32 by cuBLAS
+    (``out_dtype``); elsewhere (aten has no CPU kernel for it) the product is rounded to the input dtype before
+    the fp32 sum."""
+    beta = 0 if first else 1
     if dlogits.dtype == acc.dtype:
-        acc.addmm_(dlogits.T, h)
+        acc.addmm_(dlogits.T, h, beta=beta)
     elif dlogits.is_cuda:
-        torch.addmm(acc, dlogits.T, h, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, dlogits.T, h, beta=beta, out_dtype=acc.dtype, out=acc)
+    elif first:
+        acc.copy_(dlogits.T @ h)
     else:
         acc.add_(dlogits.T @ h)
 
@@ -106,7 +110,10 @@ def chunked_linear_cross_entropy(
     if with_grads:
         grad_h = h.new_empty(h.shape)  # (N, E)
     if weight_grad:
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (V, E) fp32
+        # (V, E) fp32, written by the first chunk's product (beta 0): zeroed only where there is no chunk
+        grad_w = (torch.empty if n_rows else torch.zeros)(
+            weight.shape, dtype=torch.float32, device=weight.device
+        )
     for start in range(0, n_rows, chunk_tokens):
         end = min(start + chunk_tokens, n_rows)
         h_c = h[start:end]  # (n, E)
@@ -115,7 +122,7 @@ def chunked_linear_cross_entropy(
         if with_grads:
             torch.mm(logits, weight, out=grad_h[start:end])
         if weight_grad:
-            _accumulate_grad_weight(grad_w, logits, h_c)
+            _accumulate_grad_weight(grad_w, logits, h_c, first=start == 0)
         del logits
     loss = loss_rows.sum()
     if not with_grads:
