@@ -9,7 +9,7 @@ Autocast: a custom op is not autocast-aware, so ``linear_cross_entropy`` casts h
 itself when autocast is on for its device, and the op casts the weight to h's dtype, as the unfused
 path's ``F.linear`` would: under bf16 autocast the matmuls run in bf16, the softmax in fp32, and an fp32
 weight's gradient is accumulated and returned in fp32 (no bf16 rounding and cast back: on the 1B shape
-that round trip and its scaling in bf16 cost ~2 ms a step on an H200, docs/kernels.md).
+that round trip and its scaling in bf16 cost ~1 ms a step on an H200, docs/kernels.md).
 """
 
 from __future__ import annotations
