@@ -201,7 +201,8 @@ def write_result(path: str, doc: dict) -> None:
 
 def profile_steps_by_kind(step_fn, batches, run_dir: str, variant: str) -> dict:
     """Kernel time per step by category over ``batches`` but the first (loom.metrics.trace_summary), after the timed
-    steps."""
+    steps, with the GEMMs' time by shape (shapes recorded: the profiled steps' host time grows on both sides of a
+    pair alike; the timed steps are not profiled)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -213,6 +214,7 @@ def profile_steps_by_kind(step_fn, batches, run_dir: str, variant: str) -> dict:
         activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
         schedule=schedule(wait=0, warmup=1, active=len(batches) - 1),
         on_trace_ready=lambda p: p.export_chrome_trace(path),
+        record_shapes=True,
     ) as prof:
         for mbs in batches:
             step_fn(mbs)

@@ -56,6 +56,7 @@ def summarize(trace: dict) -> dict:
         by_cat[category(k["name"])] += k["dur"]
         by_name[k["name"][:120]] += k["dur"]
     busy = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    by_shape = matmul_by_shape(events, kernels)
     comm = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) == "communication"])
     compute = merged(
         [(k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) != "communication"]
@@ -73,7 +74,32 @@ def summarize(trace: dict) -> dict:
         "exposed_communication_ms_per_step": ms(comm_total - overlap(comm, compute)),
         "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top_kernels_ms_per_step": {n: ms(t) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:15]},
+        # only where the profiler recorded shapes (record_shapes=True): GEMM time by the launching op and its inputs
+        "matmul_by_shape_ms_per_step": {
+            key: {"ms": ms(t), "calls": n / n_steps}
+            for key, (t, n) in sorted(by_shape.items(), key=lambda x: -x[1][0])[:20]
+        },
     }
+
+
+def matmul_by_shape(events: list, kernels: list) -> dict[str, list[float]]:
+    """GEMM kernel time and count by the op that launched each kernel and its input shapes ("aten::addmm [[4096,
+    14336], [4096, 4096], [4096, 14336]]"): a kernel's ``External id`` is its launching op's, and the op carries
+    ``Input Dims`` when the profiler recorded shapes. Kernel names do not say which GEMM of a model they ran."""
+    ops = {
+        e["args"]["External id"]: e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "Input Dims" in e.get("args", {})
+    }
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in kernels:
+        op = ops.get(k.get("args", {}).get("External id"))
+        if op is not None and category(k["name"]) == "matmul":
+            dims = [d for d in op["args"]["Input Dims"] if d]  # scalars (beta, alpha) have none
+            entry = out[f"{op['name']} {dims}"]
+            entry[0] += k["dur"]
+            entry[1] += 1
+    return out
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -124,6 +150,8 @@ def main() -> None:
         print(f"  {c:<28} {t:8.2f} ms  {100 * t / busy:5.1f}%")
     for n, t in list(res["top_kernels_ms_per_step"].items())[:8]:
         print(f"    {t:8.2f} ms  {n}")
+    for key, v in list(res["matmul_by_shape_ms_per_step"].items())[:8]:
+        print(f"    {v['ms']:8.2f} ms  {v['calls']:5.1f} calls  {key}")
 
 
 if __name__ == "__main__":

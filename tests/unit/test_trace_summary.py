@@ -45,3 +45,37 @@ def test_exposed_communication_is_what_no_other_kernel_hides():
     ]
     s = summarize({"traceEvents": events})
     assert abs(s["exposed_communication_ms_per_step"] - 0.03) < 1e-12  # 0-10, 30-40, 80-90
+
+
+def test_matmul_time_by_the_launching_op_and_its_shapes():
+    """A GEMM kernel is counted under the op whose External id it carries, with that op's input shapes (scalars
+    dropped); kernels of other categories, or of ops without recorded shapes, are not."""
+
+    def op(eid, name, dims):
+        return {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": name,
+            "ts": 0,
+            "dur": 1,
+            "args": {"External id": eid, **dims},
+        }
+
+    def launched(name, ts, dur, eid):
+        return {**kernel(name, ts, dur), "args": {"External id": eid}}
+
+    events = [
+        op(1, "aten::addmm", {"Input Dims": [[8, 6], [8, 4], [4, 6], [], []]}),
+        op(2, "aten::mm", {"Input Dims": [[8, 4], [4, 6]]}),
+        op(3, "aten::mm", {}),  # shapes not recorded
+        launched("nvjet_gemm_badd", 0, 30, 1),
+        launched("nvjet_gemm_bz", 40, 10, 2),
+        launched("nvjet_gemm_bz", 60, 10, 2),
+        launched("nvjet_gemm_bz", 80, 10, 3),
+        launched("triton_poi_fused_add_0", 95, 5, 2),
+    ]
+    s = summarize({"traceEvents": events})
+    assert s["matmul_by_shape_ms_per_step"] == {
+        "aten::addmm [[8, 6], [8, 4], [4, 6]]": {"ms": 0.03, "calls": 1.0},
+        "aten::mm [[8, 4], [4, 6]]": {"ms": 0.02, "calls": 2.0},
+    }
