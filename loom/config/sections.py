@@ -1093,9 +1093,9 @@ class LoraConfig:
     )
     fused: str = opt(
         "auto",
-        "a plain frozen base and its adapter as one op (loom::lora_linear: the rank-r product "
-        "accumulated in the base GEMM's epilogue, forward and input gradient) or as two linears "
-        "and an add; auto = docs/lora.md's rule",
+        "a plain frozen base and its adapter as one op (loom::lora_linear: the linears of one input "
+        "in one call, the rank-r product accumulated onto the base GEMM's output, forward and input "
+        "gradient) or as two linears and an add; auto = docs/lora.md's rule",
         choices=("auto", "true", "false"),
         resume=(FREE, "the same product computed another way"),
     )

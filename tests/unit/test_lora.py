@@ -446,9 +446,14 @@ def test_lora_linear_opcheck():
             )
 
 
-def test_linears_of_one_input_in_one_call_equal_one_by_one():
-    """q, k, v through one loom::lora_linear call (layers.project) give each linear's output and gradients."""
+@pytest.mark.parametrize("epilogue_max_k", [0, 1 << 30])
+def test_linears_of_one_input_in_one_call_equal_one_by_one(epilogue_max_k, monkeypatch):
+    """q, k, v through one loom::lora_linear call (layers.project) give each linear's output and gradients, with the
+    later input gradients added apart (max K 0) or accumulated in their GEMMs."""
+    from loom.kernels.lora import reference
     from loom.models.common.layers import project
+
+    monkeypatch.setattr(reference, "EPILOGUE_MAX_K", epilogue_max_k)
 
     torch.manual_seed(0)
     mods = [LoRALinear(8, o, rank=2, scaling=1.5, dtype=torch.float64) for o in (6, 4, 4)]
