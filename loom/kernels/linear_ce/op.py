@@ -7,9 +7,10 @@ matmuls are cuBLAS / aten in the input dtype either way.
 
 Autocast: a custom op is not autocast-aware, so ``linear_cross_entropy`` casts h to the autocast dtype
 itself when autocast is on for its device, and the op casts the weight to h's dtype, as the unfused
-path's ``F.linear`` would: under bf16 autocast the matmuls run in bf16, the softmax in fp32, and an fp32
-weight's gradient is accumulated and returned in fp32 (no bf16 rounding and cast back: on the 1B shape
-that round trip and its scaling in bf16 cost ~1 ms a step on an H200, docs/kernels.md).
+path's ``F.linear`` would: under bf16 autocast the matmuls run in bf16 and the softmax in fp32; the weight
+gradient is accumulated in fp32, kept in bf16 until backward (the memory of the unfused path), and there
+cast to the weight's fp32 and scaled in one vectorized pass each, where autograd's cast back after a
+mixed-dtype scaling cost more (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ def linear_cross_entropy_op(
     weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h (N, E), weight (V, E) in h's dtype or fp32 (cast to h's for the matmuls), labels (N,) int64. Returns
-    (loss fp32 scalar, grad_h (N, E) in h's dtype, grad_weight (V, E) in weight's) of the summed loss; the
-    gradients are empty (0,) tensors without ``with_grads``, and grad_weight without ``weight_grad`` (a frozen
-    weight)."""
+    (loss fp32 scalar, grad_h (N, E), grad_weight (V, E), both in h's dtype) of the summed loss; the gradients
+    are empty (0,) tensors without ``with_grads``, and grad_weight without ``weight_grad`` (a frozen weight)."""
     # Autocast's dispatch key falls through for this op but stays on for the ops inside: keep it off
     # so that the matmuls run in the input dtype (the caller has already cast for autocast).
     with torch.autocast(h.device.type, enabled=False):
@@ -58,20 +58,26 @@ def _(h, weight, labels, chunk_tokens, with_grads, weight_grad):
     loss = h.new_empty((), dtype=torch.float32)
     if not with_grads:
         return loss, h.new_empty(0), weight.new_empty(0)
-    return loss, h.new_empty(h.shape), weight.new_empty(weight.shape if weight_grad else 0)
+    return loss, h.new_empty(h.shape), h.new_empty(weight.shape if weight_grad else 0)
 
 
 def _setup_context(ctx, inputs, output):
     _, grad_h, grad_w = output
+    ctx.weight_dtype = inputs[1].dtype
     ctx.save_for_backward(grad_h, grad_w)
 
 
 def _backward(ctx, grad_loss, _grad_grad_h, _grad_grad_w):
-    """d(loss)/d(h) and d(loss)/d(weight) were computed in forward: scale by the incoming scalar.
-    The op's gradient outputs are treated as constants (nothing differentiates through them)."""
+    """d(loss)/d(h) and d(loss)/d(weight) were computed in forward: scale by the incoming scalar, the weight's in
+    its own dtype (an fp32 master weight: cast first, then scaled in place in fp32, so that no mixed-dtype product
+    and no cast back by autograd follow). The op's gradient outputs are treated as constants (nothing
+    differentiates through them)."""
     grad_h, grad_w = ctx.saved_tensors
     dh = (grad_h * grad_loss).to(grad_h.dtype) if ctx.needs_input_grad[0] else None
-    dw = (grad_w * grad_loss).to(grad_w.dtype) if ctx.needs_input_grad[1] else None
+    dw = None
+    if ctx.needs_input_grad[1]:
+        same = grad_w.dtype == ctx.weight_dtype
+        dw = grad_w * grad_loss if same else grad_w.to(ctx.weight_dtype).mul_(grad_loss)
     return dh, dw, None, None, None, None
 
 

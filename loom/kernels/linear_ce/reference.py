@@ -97,14 +97,13 @@ def chunked_linear_cross_entropy(
     ce_rows: CeRows = ce_rows_torch_,
     weight_grad: bool = True,
 ):
-    """h (N, E), weight (V, E), labels (N,) int64. Returns (loss fp32 scalar, grad_h (N, E) in h's dtype,
-    grad_weight (V, E) in weight's dtype): the gradients of the summed loss, or empty tensors without
-    ``with_grads`` (grad_weight alone without ``weight_grad``: a frozen head, as under LoRA, skips its matmul).
-    Matmuls run in h's dtype (call with autocast off; an fp32 master weight is cast to it here, as autocast
-    would, and its fp32 gradient accumulator is returned as is, without a round trip through h's dtype);
-    extra memory ~ chunk_tokens x V in h's dtype, plus an fp32 (V, E) accumulator."""
+    """h (N, E), weight (V, E), labels (N,) int64. Returns (loss fp32 scalar, grad_h (N, E) and grad_weight (V, E)
+    in h's dtype): the gradients of the summed loss, or empty tensors without ``with_grads`` (grad_weight alone
+    without ``weight_grad``: a frozen head, as under LoRA, skips its matmul). Matmuls run in h's dtype (call with
+    autocast off; an fp32 master weight is cast to it here, as autocast would); extra memory ~ chunk_tokens x V in
+    h's dtype, plus an fp32 (V, E) accumulator."""
     weight_grad = with_grads and weight_grad
-    weight_dtype, weight = weight.dtype, weight.to(h.dtype)
+    weight = weight.to(h.dtype)
     n_rows = h.shape[0]
     loss_rows = torch.zeros(n_rows, dtype=torch.float32, device=h.device)  # (N,)
     if with_grads:
@@ -126,5 +125,5 @@ def chunked_linear_cross_entropy(
         del logits
     loss = loss_rows.sum()
     if not with_grads:
-        return loss, h.new_empty(0), weight.new_empty(0, dtype=weight_dtype)
-    return loss, grad_h, grad_w.to(weight_dtype) if weight_grad else weight.new_empty(0, dtype=weight_dtype)
+        return loss, h.new_empty(0), h.new_empty(0)
+    return loss, grad_h, grad_w.to(h.dtype) if weight_grad else h.new_empty(0)
