@@ -283,8 +283,21 @@ def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_document
     ).exists()  # flash without timing (Flex refused)
 
 
+@pytest.fixture
+def one_config_each(monkeypatch):
+    """Each Triton attention kernel autotuned over its first config alone, its tuned kernels rebuilt for the test and
+    dropped after: the context-parallel blocks run the kernels under several autotuning keys (causal or not, with
+    document bounds or not), and compiling every config for each took the test past a 10-minute GPU call. What the
+    test checks is the blocks' merge, not the configs (tests/gpu/test_kernels_attention_gpu.py covers those)."""
+    from loom.kernels.attention import triton as kernels
+
+    for name in ("_FWD_CONFIGS", "_DKDV_CONFIGS", "_DQ_CONFIGS"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name)[:1])
+    monkeypatch.setattr(kernels, "_TUNED", {})
+
+
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
-def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs):
+def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs, one_config_each):
     """Context-parallel attention on one GPU (a 1-rank NCCL group: both chunks local, three key blocks
     merged by their log-sum-exps) against the kernel on the whole sequence, bf16, GQA; gradients too.
     ``docs``: packed documents crossing the chunk boundary (the off-diagonal block runs the kernel with
