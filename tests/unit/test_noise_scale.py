@@ -139,3 +139,43 @@ def test_needs_accumulation():
         resolve(
             tiny_config(**{"metrics.noise_scale": "true", "training.micro_batch_size": 8}), 1, device="cpu"
         )
+
+
+def test_gradients_under_cuda_graphs_are_added_to_the_kept_tensors():
+    """training.cuda_graphs' backward (LocalStep._backward): each micro-batch's gradients land apart and are added to
+    the tensors kept between steps in one multi-tensor add. Over two steps of three micro-batches: the plain path's
+    sums, in the same tensor objects (the optimizer and the graphs hold their addresses), a frozen weight untouched."""
+    gen = torch.Generator().manual_seed(3)
+
+    def model_and_step(graphs: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, 4).double(), nn.Tanh(), nn.Linear(4, 1, bias=False).double())
+        model[0].bias.requires_grad_(False)
+        ctx = StepContext(
+            ParallelDims.from_config(ParallelConfig(), 1),
+            torch.device("cpu"),
+            contextlib.nullcontext,
+            False,
+            False,
+            StepProfiler(None, "", 0, torch.device("cpu")),
+            cuda_graphs=graphs,
+        )
+        if graphs:  # as the engine keeps them
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        return model, LocalStep(model, [model], Regression(), ctx)
+
+    (plain, plain_step), (graphed, graphed_step) = model_and_step(False), model_and_step(True)
+    kept = [p.grad for p in graphed.parameters()]
+    for _ in range(2):
+        x, y = sample(torch.ones(D, dtype=torch.float64), 12, gen)
+        mbs = [MicroBatch(x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4], None, None) for i in range(3)]
+        for step in (plain_step, graphed_step):
+            step.step(mbs, torch.tensor(0.5, dtype=torch.float64))
+    for p, q, k in zip(plain.parameters(), graphed.parameters(), kept):
+        assert q.grad is k
+        if p.requires_grad:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12)
+        else:
+            assert p.grad is None and q.grad is None
