@@ -95,6 +95,10 @@ def test_opcheck():
     torch.library.opcheck(op, (h.requires_grad_(), w.requires_grad_(), labels, 4, True, True))
     torch.library.opcheck(op, (h, w.detach(), labels, 4, True, False))
     torch.library.opcheck(op, (h.detach(), w.detach(), labels, 4, False, False))
+    # an fp32 weight with 16-bit h, as autocast passes them: the fake's dtypes are the real ones'
+    hb = h.detach().bfloat16()
+    torch.library.opcheck(op, (hb.requires_grad_(), w.detach().requires_grad_(), labels, 4, True, True))
+    torch.library.opcheck(op, (hb.detach(), w.detach(), labels, 4, False, False))
 
 
 def test_a_frozen_weight_takes_no_weight_gradient():

@@ -57,7 +57,7 @@ def linear_cross_entropy_op(
 def _(h, weight, labels, chunk_tokens, with_grads, weight_grad):
     loss = h.new_empty((), dtype=torch.float32)
     if not with_grads:
-        return loss, h.new_empty(0), weight.new_empty(0)
+        return loss, h.new_empty(0), h.new_empty(0)
     return loss, h.new_empty(h.shape), h.new_empty(weight.shape if weight_grad else 0)
 
 
