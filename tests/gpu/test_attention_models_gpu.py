@@ -11,25 +11,30 @@ from tests.gpu.attention_cases import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+# a short bf16 run of a 2-layer 125M model on the GPU: what each model-level test below varies
+SHORT_RUN = {
+    "run.device": "cuda",
+    "optimizer.warmup_steps": 1,
+    "checkpoint.at_end": "false",
+    "metrics.tensorboard": "false",
+    "training.dtype": "bfloat16",
+    "model.flavor": "125M",
+    "model.n_layers": 2,
+}
+
 
 def test_model_trains_with_flash_on_packed_documents(tmp_path):
     from tests.distributed.harness import run_one
 
     cfg = {
+        **SHORT_RUN,
         "run.dir": str(tmp_path / "run"),
-        "run.device": "cuda",
         "training.steps": 6,
         "training.seq_len": 256,
         "training.global_batch_size": 8,
         "training.micro_batch_size": 4,
-        "optimizer.warmup_steps": 1,
         "metrics.every": 1,
-        "checkpoint.at_end": "false",
-        "metrics.tensorboard": "false",
-        "training.dtype": "bfloat16",
         "data.document_positions": "true",
-        "model.flavor": "125M",
-        "model.n_layers": 2,
     }
     flash = run_one(dict(cfg, **{"model.attention": "flash"}))
     sdpa = run_one(dict(cfg, **{"model.attention": "sdpa", "run.dir": str(tmp_path / "run2")}))
@@ -46,18 +51,12 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     from tests.distributed.harness import run_one
 
     cfg = {
+        **SHORT_RUN,
         "run.dir": str(tmp_path / "run"),
-        "run.device": "cuda",
         "training.steps": 2,
         "training.seq_len": 512,
         "training.global_batch_size": 4,
         "training.micro_batch_size": 2,
-        "optimizer.warmup_steps": 1,
-        "checkpoint.at_end": "false",
-        "metrics.tensorboard": "false",
-        "training.dtype": "bfloat16",
-        "model.flavor": "125M",
-        "model.n_layers": 2,
     }
     run_one(cfg)
     with open(tmp_path / "run" / "kernels.json") as f:
@@ -178,19 +177,13 @@ def test_model_trains_with_pinned_sdpa(tmp_path):
     from tests.distributed.harness import run_one
 
     cfg = {
+        **SHORT_RUN,
         "run.dir": str(tmp_path / "sdpa"),
-        "run.device": "cuda",
         "training.steps": 4,
         "training.seq_len": 256,
         "training.global_batch_size": 4,
         "training.micro_batch_size": 2,
-        "optimizer.warmup_steps": 1,
         "metrics.every": 1,
-        "checkpoint.at_end": "false",
-        "metrics.tensorboard": "false",
-        "training.dtype": "bfloat16",
-        "model.flavor": "125M",
-        "model.n_layers": 2,
         "model.attention": "sdpa",
     }
     from loom.kernels.dispatch import AttentionShape, attention_inputs, torch_takes
@@ -221,19 +214,13 @@ def test_model_trains_with_flex_eager_and_compiled_and_auto_times_it_on_document
     from tests.distributed.harness import run_one
 
     cfg = {
-        "run.device": "cuda",
+        **SHORT_RUN,
         "training.steps": 4,
         "training.seq_len": 512,
         "training.global_batch_size": 8,
         "training.micro_batch_size": 4,
-        "optimizer.warmup_steps": 1,
         "metrics.every": 1,
-        "checkpoint.at_end": "false",
-        "metrics.tensorboard": "false",
-        "training.dtype": "bfloat16",
         "data.document_positions": "true",
-        "model.flavor": "125M",
-        "model.n_layers": 2,
     }
     runs = {
         name: run_one(dict(cfg, **{"run.dir": str(tmp_path / name), **extra}))
