@@ -104,6 +104,20 @@ def _uncached_autocast():
     )
 
 
+@contextlib.contextmanager
+def _own_blas_workspace():
+    """cuBLAS's cached workspaces dropped before and after a capture: the capture then allocates the workspace its
+    matmuls use in the graph's own memory pool, which lives as long as the graph. A workspace cached before the
+    capture would be baked into the graph yet freed by whoever next clears the cache (torch.compile's CUDA graph
+    trees clear it around each warm-up and recording: a training job's ``training.cuda_graphs`` steps between two
+    rollouts made the kept decode graphs write freed memory, an illegal address on an H200)."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 class _Graph:
     """One captured step: static inputs, the captured graph, its static output."""
 
@@ -121,6 +135,7 @@ class _Graph:
         # this device (torch.cuda.graph's default is one stream for the process, made on the device of the first
         # capture: async GRPO's sampler captures on a second GPU after the trainer captured on the first)
         with (
+            _own_blas_workspace(),
             torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"),
             _uncached_autocast(),
         ):
