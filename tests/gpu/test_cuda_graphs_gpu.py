@@ -107,7 +107,9 @@ def test_kept_decode_graph_survives_a_cleared_blas_workspace():
     from loom.models.registry import all_flavors, build_model
 
     torch.manual_seed(0)
-    args = all_flavors()["debug"].with_(dim=1024, n_heads=8, n_kv_heads=8, ffn_dim=2816, vocab_size=512, max_seq_len=64)
+    args = all_flavors()["debug"].with_(
+        dim=1024, n_heads=8, n_kv_heads=8, ffn_dim=2816, vocab_size=512, max_seq_len=64
+    )
     model = build_model(args).cuda().eval()
     engine = Engine(model, compile=False, cuda_graphs=True)
     tokens = torch.randint(0, 512, (4, 9), device="cuda")
