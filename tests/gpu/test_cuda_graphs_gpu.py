@@ -11,7 +11,7 @@ import torch
 
 from tests.tiny import tiny_overrides
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def losses(tmp_path, name: str, micro: int, **extra) -> list[float]:
@@ -34,7 +34,6 @@ def losses(tmp_path, name: str, micro: int, **extra) -> list[float]:
     return [r["loss"] for r in Trainer(cfg).fit()]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("micro", [8, 4])  # one micro-batch per step; two accumulated
 def test_cuda_graphs_give_the_compiled_losses(tmp_path, micro):
     plain = losses(tmp_path, "plain", micro)
@@ -44,7 +43,6 @@ def test_cuda_graphs_give_the_compiled_losses(tmp_path, micro):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("objective", ["grpo", "ppo"])
 def test_rollout_steps_with_graphs_give_the_compiled_losses(tmp_path, objective):
     """GRPO / PPO (fp32, compiled, 3 warm-up steps then 5 on rollouts): with training.cuda_graphs the steps' losses
