@@ -321,13 +321,14 @@ def as_json(est) -> dict:
     }
 
 
-def lora_note(cfg) -> str | None:
-    """The planner models full training: a LoRA config is said to be planned as such, not silently."""
-    if not cfg.lora.rank:
+def lora_note(cfg, modes: list[str]) -> str | None:
+    """The estimate and the search model LoRA (a frozen base, trained adapters); of the other ``modes`` asked for
+    (--roofline, a compute budget) none does: said in one line, not left silent."""
+    if not cfg.lora.rank or not modes:
         return None
     return (
-        f"loom plan: lora.rank {cfg.lora.rank} is not modelled: these figures are full fine-tuning's (every "
-        "weight with gradients and optimizer state), an upper bound for the LoRA run"
+        f"loom plan: lora.rank {cfg.lora.rank} is not modelled by {' or '.join(modes)}: those figures are full "
+        "fine-tuning's (every weight with gradients and optimizer state), an upper bound for the LoRA run"
     )
 
 
@@ -346,8 +347,11 @@ def main(argv: list[str]) -> int:
     gpu = gpu_kind(opts["gpu"])
     overrides = parse_overrides(rest)
     cfg = build_config(opts["config"], overrides)
-    if lora_note(cfg):
-        print(lora_note(cfg), file=sys.stderr, flush=True)
+    unmodelled = ["--roofline"] * bool(opts["roofline"]) + [
+        "the compute budget" for key in BUDGET if opts[key] is not None
+    ][:1]
+    if lora_note(cfg, unmodelled):
+        print(lora_note(cfg, unmodelled), file=sys.stderr, flush=True)
     if "training.global_batch_size" not in {
         **(read_toml(opts["config"]) if opts["config"] else {}),
         **overrides,

@@ -111,8 +111,12 @@ class _Tracker(TorchDispatchMode):
         return sum(n for key, n in seen.items() if key in self.live)
 
 
-def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: int) -> tuple[int, int]:
-    """(bytes held after forward, peak extra bytes during backward) of one micro-batch."""
+def _trace(
+    args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: int, lora=None
+) -> tuple[int, int]:
+    """(bytes held after forward, peak extra bytes during backward) of one micro-batch; ``lora``: with adapters
+    on a frozen base (which saves no input for a weight gradient; each adapter saves its input and its rank-r
+    product)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     param_dtype = (
@@ -130,6 +134,11 @@ def _trace(args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: 
             model = build_model(args)  # the family's model (DeepSeek-V3's MTP modules included)
         finally:
             torch.set_default_dtype(previous)
+        if lora is not None:
+            from loom.models.common.lora import apply_lora, frozen_dtype
+
+            compute = "bfloat16" if torch.bfloat16 in (param_dtype, autocast) else "float32"
+            apply_lora(model, lora, frozen_dtype(lora, compute))
         for moe in moe_modules(
             model
         ):  # the loop over experts needs real token counts: trace the grouped GEMM
@@ -186,14 +195,15 @@ def trace_precision(dtype: str, fsdp: bool) -> str:
 
 
 def profile_activations(
-    args, seq: int, micro_batch: int, dtype: str, fsdp: bool, ac: str, ac_every: int = 2
+    args, seq: int, micro_batch: int, dtype: str, fsdp: bool, ac: str, ac_every: int = 2, lora=None
 ) -> ActivationProfile:
     """Activation bytes of ``args`` (a resolved LlamaArgs: vocabulary and kernels set) at ``seq`` tokens per
-    sequence; ``backward_peak`` is traced at ``micro_batch`` sequences."""
+    sequence; ``backward_peak`` is traced at ``micro_batch`` sequences. ``lora``: a LoraConfig with a rank (the
+    model traced with its adapters on a frozen base, as ``apply_lora`` makes it)."""
     precision = trace_precision(dtype, fsdp)
     if ac == "every_k":  # blocks 0, k, 2k, ... are checkpointed: a 1-layer model is the checkpointed kind
-        full = profile_activations(args, seq, micro_batch, dtype, fsdp, "full")
-        none = profile_activations(args, seq, micro_batch, dtype, fsdp, "none")
+        full = profile_activations(args, seq, micro_batch, dtype, fsdp, "full", lora=lora)
+        none = profile_activations(args, seq, micro_batch, dtype, fsdp, "none", lora=lora)
         share = -(-args.n_layers // ac_every) / args.n_layers  # fraction of checkpointed blocks
 
         def mix(a: float, b: float) -> float:
@@ -216,17 +226,19 @@ def profile_activations(
     held, dense = {}, {}
     for batch in (1, 2):
         for layers in (n, n + 1):
-            held[layers, batch] = _trace(args.with_(n_layers=layers), batch, seq, precision, ac, ac_every)[0]
+            held[layers, batch] = _trace(
+                args.with_(n_layers=layers), batch, seq, precision, ac, ac_every, lora
+            )[0]
         if not all(kinds):
             plain = args.with_(moe_experts=0)
             one, two = (
-                _trace(plain.with_(n_layers=k), batch, seq, precision, ac, ac_every)[0] for k in (1, 2)
+                _trace(plain.with_(n_layers=k), batch, seq, precision, ac, ac_every, lora)[0] for k in (1, 2)
             )
             dense[batch] = two - one
     layer = {b: held[n + 1, b] - held[n, b] for b in (1, 2)}
     dense = dense or layer
     head = {b: held[n, b] - sum(layer[b] if moe else dense[b] for moe in kinds) for b in (1, 2)}
-    _, backward_peak = _trace(args.with_(n_layers=n + 1), micro_batch, seq, precision, ac, ac_every)
+    _, backward_peak = _trace(args.with_(n_layers=n + 1), micro_batch, seq, precision, ac, ac_every, lora)
     return ActivationProfile(
         layer_per_seq=layer[2] - layer[1],
         layer_fixed=2 * layer[1] - layer[2],

@@ -143,11 +143,16 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
         )
         if gpu and not offloaded:
             more += ", or parallel.cpu_offload true (the state in host memory)"
+        per = (
+            f"a frozen {cfg.lora.base_dtype} base and fp32 adapters with their gradients and AdamW moments"
+            if cfg.lora.rank
+            else "x 16 bytes"
+        )
         raise ConfigError(
             field,
             value,
             f"model needs ~{state / GIB:,.1f} GiB for weights, gradients and optimizer "
-            f"state per rank; {state_room[1]}: {needs.params / 1e9:,.3g}B parameters x 16 bytes"
+            f"state per rank; {state_room[1]}: {needs.params / 1e9:,.3g}B parameters {per}"
             f"{sharded}; use a smaller model{hint}, {more}",
         )
     if step_room is None or (args.moe and t.dtype != "bfloat16") or args.attention == "flex":

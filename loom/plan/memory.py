@@ -92,6 +92,24 @@ class MemoryInputs:
     ep_padded: bool = (
         False  # parallel.ep_exchange = padded: each rank's experts run on ep blocks of every slot
     )
+    # LoRA (lora.rank > 0): the frozen base's bytes a parameter (lora.base_dtype: 4 float32, 2 bfloat16 and for
+    # nf4's unquantized weights; 0: no LoRA), those of an adapted linear's base weight (NF4's ~0.52 under QLoRA),
+    # and of one block: its adapter parameters (the only ones with gradients and AdamW moments) and the base
+    # weights they adapt
+    lora_base_bytes: float = 0
+    adapted_bytes: float = 0
+    block_adapters: float = 0.0
+    block_adapted: float = 0.0
+
+    def adapters(self, layers: float) -> float:
+        """Adapter parameters of ``layers`` blocks on one tp rank (tensor parallelism splits them with their base)."""
+        return layers * self.block_adapters / self.tp
+
+    def frozen_bytes(self, params: float, layers: float) -> float:
+        """Bytes of the frozen base ``params`` (the model's own, adapters apart; ``layers`` blocks' worth on one
+        tp rank)."""
+        adapted = layers * self.block_adapted / self.tp
+        return self.lora_base_bytes * (params - adapted) + self.adapted_bytes * adapted
 
 
 def held_params(share, x: MemoryInputs) -> float:
@@ -104,10 +122,17 @@ def held_params(share, x: MemoryInputs) -> float:
     return params
 
 
-def state_memory(params: float, x: MemoryInputs) -> Memory:
-    """fp32 weights, fp32 gradients and AdamW moments of ``params`` (one tp rank's share)."""
+def state_memory(params: float, x: MemoryInputs, layers: float = 0.0) -> Memory:
+    """fp32 weights, fp32 gradients and AdamW moments of ``params`` (one tp rank's share). Under LoRA
+    (``x.lora_base_bytes``) the base of those ``layers`` blocks is frozen in its own dtype: gradients and moments
+    are the adapters' alone (fp32), FSDP2 shards all of it."""
     if x.cpu_offload:
         return Memory()
+    if x.lora_base_bytes:
+        n = x.shard if x.shard > 1 else 1
+        adapters, moments = x.adapters(layers), 0 if x.nvme else 8
+        weights = x.frozen_bytes(params, layers) + 4 * adapters
+        return Memory(weights=weights / n, gradients=4 * adapters / n, optimizer=moments * adapters / n)
     # FSDP2 (ZeRO 2 and 3) keeps all three sharded between uses; zero 2's gathered copies: gathered
     moments = 0 if x.nvme else 8  # optimizer.offload nvme: in files
     if x.shard > 1:
@@ -141,8 +166,9 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
         if args.moe
         else 0
     )
-    # one block's unsharded grads (+ a copy in the reduce dtype where it is not the compute dtype)
-    grads = (compute + (x.reduce_bytes if compute != x.reduce_bytes else 0)) * block
+    # one block's unsharded grads (+ a copy in the reduce dtype where it is not the compute dtype): LoRA's adapters'
+    trained = x.adapters(1) if x.lora_base_bytes else block
+    grads = (compute + (x.reduce_bytes if compute != x.reduce_bytes else 0)) * trained
     # fp32 shards copied in, then cast
     staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
     return compute * (gathered_layers * block + root) + grads + staging
@@ -154,7 +180,9 @@ def autocast_cache(share, args, x: MemoryInputs, compiled: bool, held_fixed: flo
     first use until the forward's autocast region ends; compiled blocks cast inside their graph instead (only
     the eager root's weights are cached). ``held_fixed``: batch-independent bytes the traced activations
     already keep (the copies a backward needs)."""
-    if x.fsdp or x.dtype == "float32":
+    if (
+        x.fsdp or x.dtype == "float32" or x.lora_base_bytes == BYTES[x.dtype]
+    ):  # (a LoRA base in the compute dtype)
         return 0.0
     params = share.params(x.tp)
     if compiled:

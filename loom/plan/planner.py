@@ -52,6 +52,7 @@ from loom.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_HBM_SHARE,
     EP_HOST_WAIT_S,
+    NF4_DEQUANT_HBM_SHARE,
     StepTime,
     attention_efficiency,
     attention_flops,
@@ -195,7 +196,8 @@ def estimate(
     memory = max(memories, key=lambda mem: mem.total)
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
-    mfu = tokens * spec_of(args).flops_per_token(args, t.seq_len) / gpu.peak(t.dtype)
+    adapters = x.adapters(args.n_layers) * dims.tp if cfg.lora.rank else None  # the whole model's
+    mfu = tokens * spec_of(args).flops_per_token(args, t.seq_len, adapters) / gpu.peak(t.dtype)
     layout = {a: getattr(dims, a) for a in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
     layout.update(
         pp_schedule=p.pp_schedule,
@@ -224,6 +226,7 @@ def estimate(
         notes.append(nvme_note(disk))
     if t.float8 != "none":
         notes.append("float8 is not modelled: estimated as bf16")
+
     if dims.tp > 1 and not t.compile:
         notes.append(
             "eager TP is host-bound (DTensor dispatch): measured 2.65x slower than compiled on 2xH200, "
@@ -276,6 +279,33 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         nvme=cfg.optimizer.offload == "nvme",
         reduce_bytes=BYTES[p.reduce_dtype],
         ep_padded=p.ep_exchange == "padded",
+        **lora_inputs(cfg, args),
+    )
+
+
+def lora_inputs(cfg: Config, args) -> dict:
+    """MemoryInputs' LoRA fields: the frozen base's bytes a parameter (lora.base_dtype: float32 4, bfloat16 2; nf4
+    keeps its unquantized weights in bfloat16 and each adapted base weight in NF4: 4 bits plus an int8 scale per 64
+    weights and an fp32 scaler per 256 scales), and one block's adapters and adapted base weights, counted on a
+    one-block model built on the meta device as ``apply_lora`` adapts it (every block carries the same targets)."""
+    import torch
+
+    from loom.models.common.lora import NF4_BLOCK, NF4_SCALER_BLOCK, apply_lora, lora_modules
+    from loom.models.registry import build_model
+
+    lora = cfg.lora
+    if not lora.rank:
+        return {}
+    base = 4 if lora.base_dtype == "float32" else 2
+    nf4 = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+    with torch.device("meta"):
+        model = build_model(args.with_(n_layers=1))
+        apply_lora(model, lora)
+    return dict(
+        lora_base_bytes=base,
+        adapted_bytes=nf4 if lora.base_dtype == "nf4" else base,
+        block_adapters=float(sum(p.numel() for p in model.parameters() if p.requires_grad)),
+        block_adapted=float(sum(m.weight.numel() for _, m in lora_modules(model))),
     )
 
 
@@ -291,6 +321,7 @@ def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, p
         x.fsdp,
         t.activation_checkpointing,
         t.ac_every,
+        lora_key(cfg),
     )
     profiles = {} if profiles is None else profiles
     if key not in profiles:
@@ -302,8 +333,15 @@ def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, p
             x.fsdp,
             t.activation_checkpointing,
             t.ac_every,
+            cfg.lora if cfg.lora.rank else None,
         )
     return profiles[key]
+
+
+def lora_key(cfg: Config) -> tuple:
+    """What of the [lora] section changes the traced activations (nothing without a rank)."""
+    lo = cfg.lora
+    return (lo.rank, lo.targets, lo.base_dtype, lo.fused, lo.dropout > 0) if lo.rank else ()
 
 
 @dataclass
@@ -333,7 +371,7 @@ def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = 
     x = memory_inputs(cfg, dims, args)
     shares = rank_shares(args, dims.pp, p, t.seq_len)
     params = max(held_params(share, x) for share in shares)
-    state = state_memory(params, x)
+    state = state_memory(params, x, max(share.layers for share in shares))
     state_bytes = state.weights + state.gradients + state.optimizer
     host = offloaded_state(params, x)
     if not peak:
@@ -363,7 +401,7 @@ def memory_check_estimate(cfg: Config, world_size: int, device: str) -> RankNeed
 def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Config, m: int) -> Memory:
     ac = cfg.training.activation_checkpointing
     stored = stored_blocks(ac, cfg.training.ac_every, args.n_layers)
-    state = state_memory(held_params(share, x), x)
+    state = state_memory(held_params(share, x), x, share.layers)
     gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
     backward = profile.backward_peak / dims.tp + cp_attention_working(args, x, ac)
     if dims.pp > 1:  # several micro-batches in flight in different phases: every term at once
@@ -415,7 +453,15 @@ def rank_time(
     # the head's pass, again for each multi-token prediction module
     head = (1 + share.mtp) * args.vocab_size * args.dim if any(share.last) else 0
     blocks = share.layers + share.mtp  # each MTP module runs one more block
-    block_mm = 6 * share.active_matmul_params / dims.tp * tokens * (1 + rec_mm)
+    # 2 FLOPs a weight and token for each forward (checkpointing reruns 3 x rec_mm of them: rec_mm is a share of
+    # forward + backward), 2 for the input gradient, 2 for the weight gradient of a trained weight: under LoRA the
+    # adapters' alone (the base and the head are frozen)
+    adapters = x.adapters(share.layers) if x.lora_base_bytes else 0.0
+    weights = share.active_matmul_params / dims.tp + adapters
+    trained = adapters if x.lora_base_bytes else weights
+    forwards = 1 + 3 * rec_mm
+    block_mm = (2 * weights * forwards + 2 * weights + 2 * trained) * tokens
+    frozen = 4 if x.lora_base_bytes else 6  # the head's FLOPs a weight and token
     head_dim = (
         args.head_dim + args.value_head_dim
     ) / 2  # scores over q/k's width, the sum over v's (MLA: apart)
@@ -424,12 +470,16 @@ def rank_time(
         / dims.tp
         * (1 + rec_attn)
     )
-    compute_mb = (block_mm + 6 * head / dims.tp * tokens) / (peak * eff) + attention / (
+    compute_mb = (block_mm + frozen * head / dims.tp * tokens) / (peak * eff) + attention / (
         peak * attention_efficiency(args.head_dim, t.seq_len)
     )
     if args.moe:
         moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x)
         compute_mb += moe_mb.extra_matmul / (peak * eff)
+    if x.adapted_bytes != x.lora_base_bytes:  # QLoRA: the NF4 weights dequantized at each use
+        adapted = share.layers * x.block_adapted / dims.tp
+        dequant = (1 + forwards) * adapted * (x.adapted_bytes + 2)  # each forward and the input gradient
+        compute_mb += dequant / (NF4_DEQUANT_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st = StepTime(compute=m * compute_mb)
     if args.moe:
         st.moe = m * moe_mb.overhead + moe_mb.per_step
@@ -438,7 +488,7 @@ def rank_time(
         st.bubble = st.compute * bubble / (1 - bubble)
         act = tokens * args.dim * BYTES[t.dtype]
         st.pp = 2 * m * len(share.stages) * act / (_bandwidth(dims, ("pp",), gpu) * 1e9)
-    own = held_params(share, x) / x.shard
+    own = (adapters if x.lora_base_bytes else held_params(share, x)) / x.shard  # the parameters AdamW steps
     st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
     # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
@@ -704,24 +754,27 @@ def nvme_note(disk: float) -> str:
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
     """Exposed seconds of gradient / parameter communication per step."""
     params = held_params(share, x)
+    # the parameters with gradients to reduce: LoRA's adapters alone
+    trained = x.adapters(share.layers) if x.lora_base_bytes else params
     c = BYTES[x.dtype]
     block = share.largest_block(dims.tp)
     if dims.fsdp_enabled:
         bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)
         gathers = 2 if x.reshard_after_forward else 1
         r = x.reduce_bytes  # parallel.reduce_dtype
-        per_mb = collective_s(gathers * c * params + r * params, x.shard, bw)
+        per_mb = collective_s(gathers * c * params + r * trained, x.shard, bw)
         if dims.dp_replicate > 1:  # HSDP: the shard's gradients all-reduced across replicas
             per_mb += 2 * collective_s(
-                r * params / x.shard, dims.dp_replicate, _bandwidth(dims, ("dp_replicate",), gpu)
+                r * trained / x.shard, dims.dp_replicate, _bandwidth(dims, ("dp_replicate",), gpu)
             )
-        edges = collective_s((c + r) * block, x.shard, bw)  # the first gather and the last reduction
+        # the first gather and the last reduction
+        edges = collective_s((c + (r if not x.lora_base_bytes else 0)) * block, x.shard, bw)
         return m * (max(0.0, per_mb - compute_mb) + edges)
     if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
         bw = _bandwidth(dims, ("dp_replicate",), gpu)
-        reduce = 2 * collective_s(4 * params, dims.dp_replicate, bw)
+        reduce = 2 * collective_s(4 * trained, dims.dp_replicate, bw)
         # ZeRO-1: each replica's updated fp32 parameters go to the others after the step (an all-gather's bytes)
-        gather = collective_s(4 * params, dims.dp_replicate, bw) if dims.shard_optimizer else 0.0
+        gather = collective_s(4 * trained, dims.dp_replicate, bw) if dims.shard_optimizer else 0.0
         return (
             max(0.0, reduce - compute_mb * 2 / 3)
             + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw)

@@ -81,6 +81,12 @@ def attention_flops(
 ADAMW_HBM_SHARE = 0.86
 ADAMW_BYTES_PER_PARAM = 28
 
+# QLoRA (lora.base_dtype nf4): each use of an adapted linear's NF4 weight (its forward, its input gradient, and the
+# forward again where checkpointing recomputes it) dequantizes it to a bf16 copy, reading the NF4 bytes and writing
+# 2 a weight, at this share of the HBM bandwidth: fitted to the one QLoRA run measured (8B, seq 2048, full
+# checkpointing, one H100: qlora_8b_h100.json, docs/planner.md), whose dequantization is several torchao kernels
+NF4_DEQUANT_HBM_SHARE = 0.27
+
 # Generation (loom.plan.generate). A decode step streams every weight and the KV cache once, at the share of HBM
 # bandwidth loom's decode reaches: at batch 1, and at larger batches (its projections then cuBLAS matmuls). A small
 # collective costs a fixed latency on top of its bytes (the runs and the assumption: docs/planner.md, Measured and

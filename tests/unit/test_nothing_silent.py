@@ -501,11 +501,13 @@ def test_a_full_disk_under_an_hf_export_leaves_the_target_as_it_was(tmp_path, mo
     assert not os.path.exists(out)
 
 
-def test_plan_says_lora_is_not_modelled(tmp_path):
+def test_plan_says_where_lora_is_not_modelled(tmp_path):
+    """The estimate models LoRA; --roofline and a compute budget do not, and say so."""
     from loom.cli.plan import lora_note
 
-    assert lora_note(tiny_config(tmp_path)) is None
-    assert "lora.rank 16 is not modelled" in lora_note(tiny_config(tmp_path, **{"lora.rank": 16}))
+    lora = tiny_config(tmp_path, **{"lora.rank": 16})
+    assert lora_note(tiny_config(tmp_path), ["--roofline"]) is None and lora_note(lora, []) is None
+    assert "lora.rank 16 is not modelled by --roofline" in lora_note(lora, ["--roofline"])
 
 
 @pytest.mark.slow  # lm-eval indexes its thousands of task files first (~15 s of CPU)

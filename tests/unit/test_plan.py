@@ -236,6 +236,66 @@ def test_estimates_against_measured_runs(name, row, over, world):
     assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.15)
 
 
+def _lora_runs() -> list[dict]:
+    with open(RUNS) as f:
+        return [r for r in json.load(f)["runs"] if r["test"] == "lora"]
+
+
+@pytest.mark.parametrize("run", _lora_runs(), ids=lambda r: r["run"])
+def test_lora_estimates_against_measured_runs(run):
+    """LoRA and QLoRA (a frozen base in bf16 or NF4, adapters with gradients and AdamW moments, no weight gradient
+    for the base): peak memory within 12%, throughput within 15% of each run, on its own GPU kind (QLoRA's
+    dequantization rate is fitted to its run)."""
+    est = estimate(build_config(None, run["config"]), run["gpus"], GPUS[run["gpu"]])
+    assert est.memory.total / 2**30 == pytest.approx(run["peak_gib_max_rank"], rel=0.12)
+    assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.15)
+
+
+def test_lora_state_is_the_adapters_and_a_frozen_base():
+    """Under LoRA only the adapters have gradients and moments (fp32); the base is held in lora.base_dtype (NF4:
+    ~0.52 bytes an adapted weight, bf16 the rest); the step has no weight-gradient FLOPs for the base: faster than
+    full fine-tuning's, which the estimate without a rank still gives."""
+    over = dict(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=2)
+    over.update(training__micro_batch_size=2, training__seq_len=2048)
+    full = estimate(_cfg(**over), 1, GPUS["H200"])
+    lora = estimate(_cfg(**over, lora__rank=16, lora__base_dtype="bfloat16"), 1, GPUS["H200"])
+    qlora = estimate(_cfg(**over, lora__rank=16, lora__base_dtype="nf4"), 1, GPUS["H200"])
+    args = FLAVORS["1B"]
+    adapters = (
+        args.n_layers
+        * 16
+        * (
+            2 * (args.dim + args.dim)
+            + 2 * (args.dim + args.n_kv_heads * args.dim // args.n_heads)
+            + 2 * (args.dim + args.ffn_dim)
+            + (args.ffn_dim + args.dim)
+        )
+    )
+    assert lora.memory.gradients in (0.0, 4 * adapters) and lora.memory.optimizer == 8 * adapters
+    assert lora.memory.weights == pytest.approx(2 * full.params + 4 * adapters)
+    assert qlora.memory.weights < 0.6 * lora.memory.weights
+    assert lora.time.compute < 0.8 * full.time.compute and lora.time.optimizer < full.time.optimizer / 50
+    assert lora.memory.total < full.memory.total and lora.params == full.params  # the base's count
+
+
+def test_the_start_up_memory_check_counts_a_lora_run_as_lora():
+    """``loom train``'s check (loom.plan.fit, through rank_needs) of an 8B LoRA run: the state of a frozen bf16 base
+    and its adapters (~15.6 GiB), not full fine-tuning's 16 bytes a parameter (~120 GiB, which refused a run that
+    fits one 80 GB GPU)."""
+    from loom.data import build_tokenizer
+    from loom.parallel.dims import ParallelDims
+    from loom.plan.planner import rank_needs
+    from loom.resolve import resolve_model_args
+
+    over = dict(model__flavor="8B", training__dtype="bfloat16", training__global_batch_size=1)
+    needs = {}
+    for name, extra in (("full", {}), ("lora", dict(lora__rank=16, lora__base_dtype="bfloat16"))):
+        cfg = _cfg(**over, training__micro_batch_size=1, **extra)
+        args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer))
+        needs[name] = rank_needs(cfg, ParallelDims.from_config(cfg.parallel, 1), args, "cuda", peak=False)
+    assert needs["full"].state_bytes / 2**30 > 110 and 15 < needs["lora"].state_bytes / 2**30 < 16.5
+
+
 @pytest.mark.slow
 def test_search_ranks_valid_layouts_that_fit():
     cfg = _cfg(
