@@ -38,12 +38,36 @@ def fit_loop(loop) -> list[dict]:
 
 
 @dataclass(frozen=True)
+class PlanExtras:
+    """What a method holds beyond the policy, for the planner (loom.plan): ``frozen`` copies of the policy's shape
+    (a reference, a teacher: their weights, and one forward each a step), None where it holds a model of another
+    shape the planner does not know; ``trained`` more models of the policy's shape trained beside it (PPO's critic
+    model: their state, activations and compute); ``note``: what of the method the estimate leaves out."""
+
+    frozen: int | None = 0
+    trained: int = 0
+    note: str = ""
+
+
+def no_extras(cfg: Config) -> PlanExtras:
+    """A method that trains the policy alone."""
+    return PlanExtras()
+
+
+ROLLOUTS_NOTE = (
+    "the rollouts' generation (the engine's KV cache and decode steps) is not in this estimate: it plans the "
+    "training step"
+)
+
+
+@dataclass(frozen=True)
 class Method:
     """``objective(cfg)``: what a step minimizes, with the data it reads and the heads it trains (its class:
     ``objective_class``, whose ``console`` / ``panels`` the logger and `loom report` show); ``rules(cfg)``: the
     method's cross-field rules, which the resolver is handed (loom.methods.rules_of); ``run(cfg, objective, env,
     rules)``: the whole job, returning rank 0's records; ``drive(loop)``: what runs a built loop's steps (the
-    loop's ``fit``, or an RL driver), which ``Trainer(cfg).fit()`` calls too."""
+    loop's ``fit``, or an RL driver), which ``Trainer(cfg).fit()`` calls too; ``plan(cfg)``: the models it holds
+    beyond the policy, for the planner."""
 
     name: str
     objective_class: type
@@ -51,6 +75,7 @@ class Method:
     rules: Callable[[Config], None] = no_rules
     run: Callable[..., list[dict]] = run_loop
     drive: Callable[..., list[dict]] = fit_loop
+    plan: Callable[[Config], PlanExtras] = no_extras  # what the planner counts beyond the policy
 
 
 def chat_template_exists(cfg: Config) -> None:

@@ -20,7 +20,7 @@ from loom.config.errors import ConfigError
 from loom.config.sections import APPLIED, MUST_MATCH, Config, opt
 from loom.data.loader import MicroBatch
 from loom.methods import sft
-from loom.methods.base import Method, plain_text_rules
+from loom.methods.base import Method, PlanExtras, plain_text_rules
 from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE, valid_tokens
 from loom.train.objective import Objective, release_gathered
@@ -616,4 +616,12 @@ def rules(cfg: Config) -> None:
             raise ConfigError(key, value, "not supported with training.objective distill yet: allowed 1")
 
 
-METHOD = Method("distill", Distillation, objective, rules=rules)
+def plan(cfg: Config) -> PlanExtras:
+    """For the planner: without distill.teacher a frozen copy of the policy (none under LoRA: adapters off); a
+    teacher folder is a model of its own shape, which the planner does not read."""
+    if cfg.distill.teacher:
+        return PlanExtras(frozen=None)
+    return PlanExtras(frozen=int(not cfg.lora.rank))
+
+
+METHOD = Method("distill", Distillation, objective, rules=rules, plan=plan)

@@ -14,7 +14,7 @@ from loom.checkpoint.manager import content_fingerprint
 from loom.config.errors import ConfigError, UserError
 from loom.config.sections import Config
 from loom.data.loader import MicroBatch
-from loom.methods.base import Method, pair_rules
+from loom.methods.base import Method, PlanExtras, pair_rules
 from loom.models.common.lora import adapters_disabled
 from loom.numerics import IGNORE
 from loom.parallel.tensor_parallel import loss_parallel_context, to_local_loss
@@ -231,7 +231,13 @@ def rules(cfg: Config) -> None:
         )
 
 
-METHOD = Method("dpo", DirectPreference, objective, rules=rules)
+METHOD = Method(
+    "dpo",
+    DirectPreference,
+    objective,
+    rules=rules,
+    plan=lambda cfg: PlanExtras(frozen=int(cfg.dpo.reference == "copy")),
+)
 
 
 def _read_reference(path: str, pairs: int) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.config.errors import ConfigError
-from loom.methods.base import Method
+from loom.methods.base import ROLLOUTS_NOTE, Method, PlanExtras
 from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
 from loom.rl.async_sampler import AsyncSampler, ProcessSampler, check_layout
@@ -203,4 +203,12 @@ def sampled_ahead(rollouts: Rollouts, sampler: AsyncSampler) -> list[RolloutBatc
     return rollouts.hold(mbs)
 
 
-METHOD = Method("grpo", GroupRelative, GroupRelative, rules=rollout_rules, run=runner(drive), drive=drive)
+METHOD = Method(
+    "grpo",
+    GroupRelative,
+    GroupRelative,
+    rules=rollout_rules,
+    run=runner(drive),
+    drive=drive,
+    plan=lambda cfg: PlanExtras(frozen=int(cfg.grpo.beta > 0 and not cfg.lora.rank), note=ROLLOUTS_NOTE),
+)

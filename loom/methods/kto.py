@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from loom.config.errors import ConfigError
 from loom.config.sections import APPLIED, MUST_MATCH, Config, opt
 from loom.data.loader import MicroBatch
-from loom.methods.base import Method, pair_rules
+from loom.methods.base import Method, PlanExtras, pair_rules
 from loom.methods.dpo import DirectPreference
 from loom.parallel.tensor_parallel import loss_parallel_context
 
@@ -217,4 +217,10 @@ def rules(cfg: Config) -> None:
         )
 
 
-METHOD = Method("kto", KahnemanTversky, objective, rules=rules)
+METHOD = Method(
+    "kto",
+    KahnemanTversky,
+    objective,
+    rules=rules,
+    plan=lambda cfg: PlanExtras(frozen=int(cfg.kto.reference == "copy")),
+)

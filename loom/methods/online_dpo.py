@@ -21,7 +21,7 @@ import torch
 
 from loom.config.errors import ConfigError
 from loom.config.sections import APPLIED, GrpoConfig, opt
-from loom.methods.base import Method
+from loom.methods.base import ROLLOUTS_NOTE, Method, PlanExtras
 from loom.methods.dpo import DirectPreference
 from loom.methods.rloo import rollout_logps
 from loom.methods.rollouts import rollout_rules, runner, step_through
@@ -284,4 +284,12 @@ def rules(cfg) -> None:
         )
 
 
-METHOD = Method("online_dpo", OnlinePreference, objective, rules=rules, run=runner(drive), drive=drive)
+METHOD = Method(
+    "online_dpo",
+    OnlinePreference,
+    objective,
+    rules=rules,
+    run=runner(drive),
+    drive=drive,
+    plan=lambda cfg: PlanExtras(frozen=int(not cfg.lora.rank), note=ROLLOUTS_NOTE),
+)

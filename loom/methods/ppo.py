@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from loom.config.errors import ConfigError
-from loom.methods.base import Method
+from loom.config.sections import Config
+from loom.methods.base import ROLLOUTS_NOTE, Method, PlanExtras
 from loom.methods.rollouts import grpo_loss_unused, rollout_rules, runner, step_through
 from loom.numerics import IGNORE
 from loom.rl.grpo import kl_k3
@@ -186,4 +187,20 @@ def drive(loop: Loop) -> list[dict]:
     return step_through(loop, batches)
 
 
-METHOD = Method("ppo", ProximalPolicy, ProximalPolicy, rules=rules, run=runner(drive), drive=drive)
+def plan(cfg: Config) -> PlanExtras:
+    """For the planner: the KL reference (a frozen copy, none under LoRA: adapters off) and ppo.critic model (a
+    second model of the policy's shape, trained beside it)."""
+    p = cfg.ppo
+    frozen = int(p.kl_coef > 0 and not cfg.lora.rank)
+    return PlanExtras(frozen=frozen, trained=int(p.critic == "model"), note=ROLLOUTS_NOTE)
+
+
+METHOD = Method(
+    "ppo",
+    ProximalPolicy,
+    ProximalPolicy,
+    rules=rules,
+    run=runner(drive),
+    drive=drive,
+    plan=plan,
+)

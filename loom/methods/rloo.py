@@ -21,7 +21,7 @@ import torch
 
 from loom.config.errors import ConfigError
 from loom.config.sections import APPLIED, opt
-from loom.methods.base import Method
+from loom.methods.base import ROLLOUTS_NOTE, Method, PlanExtras
 from loom.methods.grpo import GroupRelative
 from loom.methods.rollouts import rollout_rules, runner, step_through
 from loom.numerics import IGNORE
@@ -329,4 +329,12 @@ def reward_clip(r) -> tuple[float, float] | None:
     return low, high
 
 
-METHOD = Method("rloo", LeaveOneOut, LeaveOneOut, rules=rules, run=runner(drive), drive=drive)
+METHOD = Method(
+    "rloo",
+    LeaveOneOut,
+    LeaveOneOut,
+    rules=rules,
+    run=runner(drive),
+    drive=drive,
+    plan=lambda cfg: PlanExtras(frozen=int(cfg.grpo.beta > 0 and not cfg.lora.rank), note=ROLLOUTS_NOTE),
+)

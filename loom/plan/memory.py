@@ -100,6 +100,10 @@ class MemoryInputs:
     adapted_bytes: float = 0
     block_adapters: float = 0.0
     block_adapted: float = 0.0
+    # the training method's models beyond the policy (loom.methods' PlanExtras): frozen copies of its shape (a
+    # reference, a teacher: their fp32 weights, sharded as the policy's) and models of its shape trained beside it
+    frozen_copies: int = 0
+    trained_copies: int = 0
 
     def adapters(self, layers: float) -> float:
         """Adapter parameters of ``layers`` blocks on one tp rank (tensor parallelism splits them with their base)."""
@@ -128,6 +132,16 @@ def state_memory(params: float, x: MemoryInputs, layers: float = 0.0) -> Memory:
     are the adapters' alone (fp32), FSDP2 shards all of it."""
     if x.cpu_offload:
         return Memory()
+    state = _own_state(params, x, layers)
+    n = x.shard if x.shard > 1 else 1
+    for kind in ("weights", "gradients", "optimizer"):
+        setattr(state, kind, getattr(state, kind) * (1 + x.trained_copies))
+    state.weights += x.frozen_copies * 4 * params / n
+    return state
+
+
+def _own_state(params: float, x: MemoryInputs, layers: float) -> Memory:
+    """``state_memory`` of the policy alone."""
     if x.lora_base_bytes:
         n = x.shard if x.shard > 1 else 1
         adapters, moments = x.adapters(layers), 0 if x.nvme else 8

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
 from loom.data import build_tokenizer
-from loom.methods import resolve
+from loom.methods import method_of, resolve
 from loom.models.registry import spec_of
 from loom.parallel.dims import AXIS_ORDER, ParallelDims
 from loom.parallel.offload_rules import offloaded_blocks
@@ -226,6 +226,13 @@ def estimate(
         notes.append(nvme_note(disk))
     if t.float8 != "none":
         notes.append("float8 is not modelled: estimated as bf16")
+    extras = method_of(cfg).plan(cfg)
+    if extras.frozen is None:
+        notes.append(
+            f"training.objective {t.objective} holds a model of another shape (its teacher), not in this estimate"
+        )
+    if extras.note:
+        notes.append(f"training.objective {t.objective}: {extras.note}")
 
     if dims.tp > 1 and not t.compile:
         notes.append(
@@ -280,6 +287,8 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         reduce_bytes=BYTES[p.reduce_dtype],
         ep_padded=p.ep_exchange == "padded",
         **lora_inputs(cfg, args),
+        frozen_copies=method_of(cfg).plan(cfg).frozen or 0,
+        trained_copies=method_of(cfg).plan(cfg).trained,
     )
 
 
@@ -419,6 +428,7 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
         return with_workspace(state)
     activations = stage_activation(profile, share.layers, True, x, args, ac, stored, share.dense_layers)
     activations -= offloaded_activations(offload_block_bytes(profile, x, args, cfg), x)[0]
+    activations *= 1 + x.trained_copies  # a model trained beside the policy keeps its own (PPO's critic)
     held_fixed = profile.held(share.layers, 0, dense=share.dense_layers) / dims.tp  # batch-independent
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
     # earlier micro-batches' (accumulated or sharded) gradients
@@ -476,6 +486,12 @@ def rank_time(
     if args.moe:
         moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x)
         compute_mb += moe_mb.extra_matmul / (peak * eff)
+    # the method's models beyond the policy: one trained beside it does its work again; a frozen copy runs a
+    # forward (2 FLOPs a weight and token; attention's forward is 1 of attention_flops' 3.5)
+    forward = (2 * share.active_matmul_params + 2 * head) / dims.tp * tokens / (peak * eff) + attention / (
+        3.5 * (1 + rec_attn) * peak * attention_efficiency(args.head_dim, t.seq_len)
+    )
+    compute_mb = compute_mb * (1 + x.trained_copies) + x.frozen_copies * forward
     if x.adapted_bytes != x.lora_base_bytes:  # QLoRA: the NF4 weights dequantized at each use
         adapted = share.layers * x.block_adapted / dims.tp
         dequant = (1 + forwards) * adapted * (x.adapted_bytes + 2)  # each forward and the input gradient
@@ -488,7 +504,8 @@ def rank_time(
         st.bubble = st.compute * bubble / (1 - bubble)
         act = tokens * args.dim * BYTES[t.dtype]
         st.pp = 2 * m * len(share.stages) * act / (_bandwidth(dims, ("pp",), gpu) * 1e9)
-    own = (adapters if x.lora_base_bytes else held_params(share, x)) / x.shard  # the parameters AdamW steps
+    # the parameters AdamW steps (a model trained beside the policy: as many again)
+    own = (adapters if x.lora_base_bytes else held_params(share, x)) / x.shard * (1 + x.trained_copies)
     st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
     # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
@@ -754,8 +771,9 @@ def nvme_note(disk: float) -> str:
 def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
     """Exposed seconds of gradient / parameter communication per step."""
     params = held_params(share, x)
-    # the parameters with gradients to reduce: LoRA's adapters alone
-    trained = x.adapters(share.layers) if x.lora_base_bytes else params
+    # the parameters with gradients to reduce: LoRA's adapters alone; a model trained beside the policy's too
+    trained = (x.adapters(share.layers) if x.lora_base_bytes else params) * (1 + x.trained_copies)
+    params *= 1 + x.trained_copies
     c = BYTES[x.dtype]
     block = share.largest_block(dims.tp)
     if dims.fsdp_enabled:

@@ -296,6 +296,37 @@ def test_the_start_up_memory_check_counts_a_lora_run_as_lora():
     assert needs["full"].state_bytes / 2**30 > 110 and 15 < needs["lora"].state_bytes / 2**30 < 16.5
 
 
+def test_the_methods_models_beyond_the_policy_are_planned(tmp_path):
+    """A method's frozen copies of the policy (DPO's dpo.reference copy, GRPO's KL reference) hold the policy's fp32
+    weights again and run a forward each a step; PPO's critic model, trained beside the policy, doubles its state,
+    activations and compute; the rollout methods say their generation is not in the estimate, distill that its
+    teacher folder is not."""
+    over = dict(model__flavor="1B", training__dtype="bfloat16", training__global_batch_size=2)
+    over.update(training__micro_batch_size=2, training__seq_len=1024, training__compile="true")
+    est = {
+        name: estimate(_cfg(**over, **extra), 1, GPUS["H200"])
+        for name, extra in (
+            ("lm", {}),
+            ("dpo", dict(training__objective="dpo", dpo__reference="copy")),
+            ("grpo", dict(training__objective="grpo", grpo__beta=0.04)),
+            ("ppo", dict(training__objective="ppo", ppo__critic="model", ppo__kl_coef=0.0)),
+        )
+    }
+    lm, params = est["lm"], est["lm"].params
+    for name in ("dpo", "grpo"):
+        assert est[name].memory.weights == pytest.approx(lm.memory.weights + 4 * params)
+        assert 1.25 < est[name].time.compute / lm.time.compute < 1.4  # a forward is about a third of the step
+    ppo = est["ppo"].memory
+    assert (ppo.weights, ppo.optimizer) == pytest.approx((2 * lm.memory.weights, 2 * lm.memory.optimizer))
+    assert ppo.activations == pytest.approx(2 * lm.memory.activations)
+    assert est["ppo"].time.compute == pytest.approx(2 * lm.time.compute)
+    assert lm.notes == [] and any("generation" in n for n in est["grpo"].notes)
+    from loom.methods import method_of
+
+    teacher = _cfg(training__objective="distill", distill__teacher=str(tmp_path))
+    assert method_of(teacher).plan(teacher).frozen is None  # a folder's model: the estimate notes it
+
+
 @pytest.mark.slow
 def test_search_ranks_valid_layouts_that_fit():
     cfg = _cfg(
