@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from loom.config.errors import ConfigError
-from loom.methods.base import ROLLOUTS_NOTE, Method, PlanExtras
-from loom.methods.rollouts import rollout_rules, runner, step_through
+from loom.methods.base import Method
+from loom.methods.rollouts import reference_plan, rollout_rules, runner, step_through
 from loom.numerics import IGNORE
 from loom.rl.async_sampler import AsyncSampler, ProcessSampler, check_layout
 from loom.rl.grpo import loss_count, loss_sum, token_losses
@@ -210,5 +210,5 @@ METHOD = Method(
     rules=rollout_rules,
     run=runner(drive),
     drive=drive,
-    plan=lambda cfg: PlanExtras(frozen=int(cfg.grpo.beta > 0 and not cfg.lora.rank), note=ROLLOUTS_NOTE),
+    plan=reference_plan,
 )

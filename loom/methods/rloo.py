@@ -21,9 +21,9 @@ import torch
 
 from loom.config.errors import ConfigError
 from loom.config.sections import APPLIED, opt
-from loom.methods.base import ROLLOUTS_NOTE, Method, PlanExtras
+from loom.methods.base import Method
 from loom.methods.grpo import GroupRelative
-from loom.methods.rollouts import rollout_rules, runner, step_through
+from loom.methods.rollouts import reference_plan, rollout_rules, runner, step_through
 from loom.numerics import IGNORE
 from loom.rl.rollout import (
     RolloutBatch,
@@ -336,5 +336,5 @@ METHOD = Method(
     rules=rules,
     run=runner(drive),
     drive=drive,
-    plan=lambda cfg: PlanExtras(frozen=int(cfg.grpo.beta > 0 and not cfg.lora.rank), note=ROLLOUTS_NOTE),
+    plan=reference_plan,
 )

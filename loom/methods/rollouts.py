@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from loom.config.errors import ConfigError
 from loom.config.sections import Config, GrpoConfig
-from loom.methods.base import plain_text_rules
+from loom.methods.base import ROLLOUTS_NOTE, PlanExtras, plain_text_rules
 
 GRPO_LOSS_FIELDS = ("epsilon", "epsilon_high", "beta", "iterations", "loss_type", "scale_rewards")
 
@@ -154,6 +154,12 @@ def step_through(loop, batches) -> list[dict]:
             if run.after(out, None):  # a stop request saved this step
                 break
     return run.records
+
+
+def reference_plan(cfg: Config) -> PlanExtras:
+    """For the planner (GRPO's and RLOO's plan): the KL reference with grpo.beta > 0, a frozen copy of the policy
+    (none under LoRA: adapters off); their generation is not in the estimate."""
+    return PlanExtras(frozen=int(cfg.grpo.beta > 0 and not cfg.lora.rank), note=ROLLOUTS_NOTE)
 
 
 def runner(drive):
