@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from loom.config.errors import ConfigError
 from loom.config.load import profile_window
 from loom.config.sections import Config, ParallelConfig, check_inactive_fields
+from loom.models.common.lora_rules import RULES as LORA
 from loom.parallel.cuda_graphs_rules import RULES as CUDA_GRAPHS
 from loom.parallel.dims import ParallelDims, tp_limit
 from loom.parallel.offload_rules import RULES as OFFLOAD
@@ -32,7 +33,7 @@ from loom.train.zero_rules import RULES as ZERO
 
 # the optional features' rule sets, run in this order at each stage (config, layout, machine, device): which of
 # two broken rules is named first stays as it was
-FEATURES = (ZERO, OFFLOAD, CUDA_GRAPHS, FAULT_TOLERANCE, DILOCO, PIPEDREAM)
+FEATURES = (ZERO, OFFLOAD, CUDA_GRAPHS, FAULT_TOLERANCE, DILOCO, PIPEDREAM, LORA)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,6 @@ def check_config(cfg: Config, rules: Sequence[Callable[[Config], None]] = ()) ->
     for feature in FEATURES:
         if feature.config is not None:
             feature.config(cfg)
-    check_lora(cfg)
     for rule in rules:
         rule(cfg)
     check_inactive_fields(cfg)  # after the rules above, whose messages are more specific
@@ -163,52 +163,6 @@ def check_config(cfg: Config, rules: Sequence[Callable[[Config], None]] = ()) ->
             cfg.metrics.profile_steps,
             f"the last profiled step must be <= training.steps ({t.steps})",
         )
-
-
-def check_lora(cfg: Config) -> None:
-    """LoRA / QLoRA (docs/lora.md) against the fields it does not combine with."""
-    from loom.models.common.lora import parse_targets
-
-    lora, p = cfg.lora, cfg.parallel
-    if not lora.rank:
-        for key, value, off in (
-            ("init_from", lora.init_from, ""),
-            ("base_dtype", lora.base_dtype, "float32"),
-        ):
-            if value != off:
-                raise ConfigError(f"lora.{key}", value, "needs lora.rank > 0 (LoRA is off)")
-        return
-    targets = parse_targets(lora.targets)
-    if cfg.training.float8 != "none":
-        raise ConfigError(
-            "training.float8",
-            cfg.training.float8,
-            "not with LoRA (float8 would replace the adapted linears): allowed none with lora.rank > 0",
-        )
-    ffn = [t for t in targets if t in ("gate", "up", "down")]
-    if ffn and (cfg.model.moe_experts or cfg.model.flavor == "debug_moe"):
-        raise ConfigError(
-            "lora.targets",
-            lora.targets,
-            f"{', '.join(ffn)}: a mixture-of-experts model has no dense "
-            "feed-forward linears; allowed q, k, v, o",
-        )
-    if lora.base_dtype == "bfloat16" and cfg.training.dtype != "bfloat16":
-        raise ConfigError(
-            "lora.base_dtype",
-            "bfloat16",
-            f"needs training.dtype bfloat16 (it is {cfg.training.dtype}: "
-            "bf16 frozen weights would make the activations bf16): allowed float32 or nf4",
-        )
-    if lora.base_dtype == "nf4":
-        for key, value, bad in (
-            ("parallel.tp", p.tp, p.tp > 1),
-            ("parallel.cpu_offload", p.cpu_offload, p.cpu_offload),
-        ):
-            if bad:
-                raise ConfigError(
-                    key, value, "not with lora.base_dtype nf4 (the NF4 base shards by rows under FSDP only)"
-                )
 
 
 def check_parallel_fields(cfg: Config) -> None:
