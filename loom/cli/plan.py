@@ -286,7 +286,7 @@ def breakdown(est) -> str:
         f"parameters: {est.params:,.0f} in the model, {est.rank_params:,.0f} on the busiest rank before "
         "data-parallel sharding",
         "memory per GPU, GiB (busiest rank): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in mem.items())
+        + ", ".join(f"{k} {v:.1f}" for k, v in mem.items() if v or k != "kv_cache")
         + f" -> {'fits' if est.fits else 'does NOT fit'} in {limit_text(est.capacity_gib, est.margin_gib)}",
         "step time, ms (slowest rank): "
         + ", ".join(f"{k} {v:.1f}" for k, v in time.items() if v or k == "total"),

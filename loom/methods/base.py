@@ -42,11 +42,15 @@ class PlanExtras:
     """What a method holds beyond the policy, for the planner (loom.plan): ``frozen`` copies of the policy's shape
     (a reference, a teacher: their weights, and one forward each a step), None where it holds a model of another
     shape the planner does not know; ``trained`` more models of the policy's shape trained beside it (PPO's critic
-    model: their state, activations and compute); ``note``: what of the method the estimate leaves out."""
+    model: their state, activations and compute); ``note``: what of the method the estimate leaves out;
+    ``rollout_rows``: a rollout method's completions a step (the inference engine's KV cache and weights)."""
 
     frozen: int | None = 0
     trained: int = 0
     note: str = ""
+    rollout_rows: int = (
+        0  # completions a step generates over all ranks (each rank decodes its share together)
+    )
 
 
 def no_extras(cfg: Config) -> PlanExtras:
@@ -55,8 +59,8 @@ def no_extras(cfg: Config) -> PlanExtras:
 
 
 ROLLOUTS_NOTE = (
-    "the rollouts' generation (the engine's KV cache and decode steps) is not in this estimate: it plans the "
-    "training step"
+    "the rollouts' decode time is not in this estimate (it times the training step); their generation's memory "
+    "(the engine's KV cache for seq_len positions, its weight copy) is"
 )
 
 

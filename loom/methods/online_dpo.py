@@ -291,5 +291,7 @@ METHOD = Method(
     rules=rules,
     run=runner(drive),
     drive=drive,
-    plan=lambda cfg: PlanExtras(frozen=int(not cfg.lora.rank), note=ROLLOUTS_NOTE),
+    plan=lambda cfg: PlanExtras(
+        frozen=int(not cfg.lora.rank), note=ROLLOUTS_NOTE, rollout_rows=cfg.training.global_batch_size
+    ),
 )

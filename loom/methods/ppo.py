@@ -192,7 +192,10 @@ def plan(cfg: Config) -> PlanExtras:
     second model of the policy's shape, trained beside it)."""
     p = cfg.ppo
     frozen = int(p.kl_coef > 0 and not cfg.lora.rank)
-    return PlanExtras(frozen=frozen, trained=int(p.critic == "model"), note=ROLLOUTS_NOTE)
+    rows = (
+        cfg.training.global_batch_size * p.mini_batches
+    )  # one batch of rollouts, ppo.mini_batches steps' worth
+    return PlanExtras(frozen=frozen, trained=int(p.critic == "model"), note=ROLLOUTS_NOTE, rollout_rows=rows)
 
 
 METHOD = Method(

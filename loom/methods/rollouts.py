@@ -159,7 +159,8 @@ def step_through(loop, batches) -> list[dict]:
 def reference_plan(cfg: Config) -> PlanExtras:
     """For the planner (GRPO's and RLOO's plan): the KL reference with grpo.beta > 0, a frozen copy of the policy
     (none under LoRA: adapters off); their generation is not in the estimate."""
-    return PlanExtras(frozen=int(cfg.grpo.beta > 0 and not cfg.lora.rank), note=ROLLOUTS_NOTE)
+    frozen = int(cfg.grpo.beta > 0 and not cfg.lora.rank)
+    return PlanExtras(frozen=frozen, note=ROLLOUTS_NOTE, rollout_rows=cfg.training.global_batch_size)
 
 
 def runner(drive):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from loom.config.errors import ConfigError
 from loom.config.sections import Config, ParallelConfig
 from loom.plan.hardware import GPU, gpu_named
-from loom.plan.memory import BYTES, FRAGMENTATION, GIB, WORKSPACE_BYTES, ByteParts
+from loom.plan.memory import BYTES, FRAGMENTATION, GIB, MARGIN, WORKSPACE_BYTES, ByteParts
 from loom.plan.shapes import attention_params, expert_params, ffn_params, layer_params, rank_shares
 from loom.plan.timing import (
     COLLECTIVE_LATENCY_S,
@@ -359,8 +359,7 @@ def plan_generation(
     """Memory and time of generating ``output_len`` tokens after ``prompt_len`` for each of ``batch`` sequences on
     ``tp`` GPUs (tensor-parallel) of kind ``gpu``. ``args``: a resolved LlamaArgs (vocabulary set; ``generation_args``
     resolves a config's); ``compiled``: the prefill's matmul efficiency (compiled or eager); ``margin_gib``: memory a
-    fitting plan leaves free (default loom.plan.planner.MARGIN of the GPU's)."""
-    from loom.plan.planner import MARGIN
+    fitting plan leaves free (default loom.plan.memory.MARGIN of the GPU's)."""
 
     gpu = _gpu(gpu)
     kv_dtype = kv_dtype or dtype

@@ -30,6 +30,9 @@ GIB = 2.0**30
 # rounding and fragmentation): a fixed share plus a fraction of the rest, fitted in docs/planner.md's table.
 WORKSPACE_BYTES = 1.0 * GIB
 FRAGMENTATION = 0.05
+# Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
+# (docs/planner.md) and what the caching allocator cannot reuse after a long run.
+MARGIN = 0.05
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # per element, by training.dtype
 
 
@@ -57,6 +60,7 @@ class Memory(ByteParts):
     activations: float = 0.0  # held between forwards and backwards (all micro-batches in flight)
     backward: float = 0.0  # extra at the peak of one backward (gradients of activations, recomputation)
     workspace: float = 0.0
+    kv_cache: float = 0.0  # a rollout method's generation: the inference engine's KV cache
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ class MemoryInputs:
     # reference, a teacher: their fp32 weights, sharded as the policy's) and models of its shape trained beside it
     frozen_copies: int = 0
     trained_copies: int = 0
+    # a rollout method's generation (loom.infer.engine on this rank): its KV cache's bytes, and the bytes of the
+    # weight copy it generates with where it cannot use the policy's own module (FSDP2, tensor parallelism)
+    kv_cache: float = 0.0
+    kv_kept: bool = False  # grpo.keep_cache: the cache stays parked through the training step
+    engine_copy: float = 0.0
 
     def adapters(self, layers: float) -> float:
         """Adapter parameters of ``layers`` blocks on one tp rank (tensor parallelism splits them with their base)."""
@@ -321,6 +330,17 @@ def pipeline_peak(
         elif kind == frees:
             held -= per_stage[stage]
     return peak
+
+
+def generation_peak(state: Memory, x: MemoryInputs) -> Memory:
+    """A rollout method's generation: the policy's state (gradients freed after each step), the engine's weight
+    copy and its KV cache; none without rollouts. (The training step's moment holds the copy too, and the cache
+    where it stays parked.)"""
+    if not x.kv_cache:
+        return Memory()
+    return with_workspace(
+        Memory(weights=state.weights + x.engine_copy, optimizer=state.optimizer, kv_cache=x.kv_cache)
+    )
 
 
 def with_workspace(m: Memory) -> Memory:

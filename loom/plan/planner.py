@@ -32,12 +32,14 @@ from loom.plan.hardware import GPU
 from loom.plan.memory import (
     BYTES,
     GIB,
+    MARGIN,
     WORKSPACE_BYTES,
     Memory,
     MemoryInputs,
     autocast_cache,
     cp_attention_working,
     gathered_memory,
+    generation_peak,
     held_params,
     offloaded_activations,
     pipeline_peak,
@@ -66,10 +68,6 @@ from loom.plan.timing import (
     recompute_share,
 )
 from loom.resolve import accumulation_steps, model_kernels, resolve_model_args
-
-# Share of a GPU's memory a plan leaves free by default (``loom plan --margin``): the memory estimate's error
-# (docs/planner.md) and what the caching allocator cannot reuse after a long run.
-MARGIN = 0.05
 
 
 @dataclass
@@ -289,6 +287,33 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         **lora_inputs(cfg, args),
         frozen_copies=method_of(cfg).plan(cfg).frozen or 0,
         trained_copies=method_of(cfg).plan(cfg).trained,
+        **generation_inputs(cfg, dims, args),
+    )
+
+
+def generation_inputs(cfg: Config, dims: ParallelDims, args) -> dict:
+    """MemoryInputs' generation fields for a rollout method: the KV cache of this rank's rows at up to seq_len
+    positions (plus the engine's scratch slots, rounded as it allocates), in the engine's weight dtype, and whether
+    it stays parked through the training step (grpo.keep_cache); the weight copy it generates with under FSDP2 (the
+    whole policy, compute dtype) or tensor parallelism (a tp shard)."""
+    from loom.infer.engine import ALIGN, SCRATCH
+    from loom.plan.generate import kv_cache_bytes
+
+    rows = method_of(cfg).plan(cfg).rollout_rows // dims.dp_size
+    if not rows:
+        return {}
+    t = cfg.training
+    compute = BYTES[t.dtype]
+    sharded = dims.fsdp_enabled or dims.tp > 1
+    # the engine's dtype is its weights': a copy's compute dtype, else the policy's (fp32 master weights; a LoRA
+    # base's frozen dtype where it has one)
+    weight = compute if sharded or (cfg.lora.rank and cfg.lora.base_dtype != "float32") else 4
+    positions = -(-(t.seq_len + SCRATCH) // ALIGN) * ALIGN
+    full = rank_shares(args, 1, cfg.parallel, t.seq_len)[0].params(dims.tp)
+    return dict(
+        kv_cache=kv_cache_bytes(args, rows, positions, {4: "float32", 2: "bfloat16"}[weight], dims.tp),
+        kv_kept=cfg.grpo.keep_cache,
+        engine_copy=compute * full if sharded else 0.0,
     )
 
 
@@ -396,6 +421,7 @@ def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = 
         + busiest.gradients
         + busiest.optimizer
         + busiest.gathered
+        + busiest.kv_cache  # a rollout engine's: the rows a step generates, whatever the micro-batch
         + (WORKSPACE_BYTES if gpu else 0)
     )
     return RankNeeds(params, state_bytes, total, busiest.activations + busiest.backward, fixed, host)
@@ -433,7 +459,11 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
     # earlier micro-batches' (accumulated or sharded) gradients
     grads_before = state.gradients if m > 1 else 0.0
-    return with_workspace(step_peak(state, gathered, cache, activations, backward, grads_before))
+    peak = step_peak(state, gathered, cache, activations, backward, grads_before)
+    # a rollout method's engine: its weight copy lives beside the policy, its parked KV cache too (grpo.keep_cache)
+    peak.weights += x.engine_copy
+    peak.kv_cache = x.kv_cache if x.kv_kept else 0.0
+    return max(with_workspace(peak), generation_peak(state, x), key=lambda mem: mem.total)
 
 
 def dense_blocks(args, layers: list[int]) -> int:

@@ -327,6 +327,39 @@ def test_the_methods_models_beyond_the_policy_are_planned(tmp_path):
     assert method_of(teacher).plan(teacher).frozen is None  # a folder's model: the estimate notes it
 
 
+def test_a_rollout_methods_kv_cache_is_the_engines(tmp_path):
+    """GRPO's generation in the plan: the KV cache the planner counts per cached position and row is what the
+    inference engine allocated in a real run (2 steps on the CPU, its rows and length), and the planned cache, at
+    seq_len positions, holds at least that; under FSDP2 the engine's bf16 copy is held beside the shards, and the
+    cache through the training step where grpo.keep_cache parks it."""
+    from loom.parallel.dims import ParallelDims
+    from loom.plan.generate import kv_cache_bytes
+    from loom.plan.planner import generation_inputs
+    from loom.train.trainer import Trainer
+    from tests.tiny import tiny_config
+
+    over = {"training.objective": "grpo", "training.steps": 2, "training.global_batch_size": 8}
+    over.update({"training.micro_batch_size": 4, "grpo.group_size": 4, "grpo.warmup_steps": 1})
+    cfg = tiny_config(tmp_path, None, **over, **{"grpo.max_new_tokens": 6, "metrics.progress": "false"})
+    trainer = Trainer(cfg)
+    trainer.fit()
+    engine = trainer.objective.rollouts.generator.engine
+    allocated = sum(c.bytes_per_token for c in engine.caches) * engine.batch * engine.length
+    args = trainer.model_args
+    assert engine.dtype == torch.float32 and engine.batch == 8
+    assert kv_cache_bytes(args, engine.batch, engine.length, "float32") == allocated
+    assert generation_inputs(cfg, ParallelDims.from_config(cfg.parallel, 1), args)["kv_cache"] >= allocated
+    over = dict(model__flavor="8B", training__seq_len=16384, training__dtype="bfloat16")
+    over.update(training__global_batch_size=64, training__micro_batch_size=1, training__compile="true")
+    over.update(training__activation_checkpointing="full", training__objective="grpo", parallel__dp_shard=8)
+    mem = estimate(_cfg(**over), 8, GPUS["H200"]).memory  # grpo.keep_cache: parked through the training step
+    rows, positions = 64 // 8, 16384 + 64  # seq_len + the engine's scratch, rounded to its 64
+    assert mem.kv_cache == pytest.approx(kv_cache_bytes(FLAVORS["8B"], rows, positions, "bfloat16"), rel=1e-3)
+    assert mem.activations > 0 and mem.weights > 2 * 8.03e9  # the engine's bf16 copy beside the shards
+    released = estimate(_cfg(**over, grpo__keep_cache="false"), 8, GPUS["H200"]).memory
+    assert released.total < mem.total and released.kv_cache in (0.0, mem.kv_cache)
+
+
 @pytest.mark.slow
 def test_search_ranks_valid_layouts_that_fit():
     cfg = _cfg(
