@@ -159,8 +159,12 @@ def step_through(loop, batches) -> list[dict]:
 def reference_plan(cfg: Config) -> PlanExtras:
     """For the planner (GRPO's and RLOO's plan): the KL reference with grpo.beta > 0, a frozen copy of the policy
     (none under LoRA: adapters off); their generation is not in the estimate."""
-    frozen = int(cfg.grpo.beta > 0 and not cfg.lora.rank)
-    return PlanExtras(frozen=frozen, note=ROLLOUTS_NOTE, rollout_rows=cfg.training.global_batch_size)
+    g = cfg.grpo
+    frozen = int(g.beta > 0 and not cfg.lora.rank)
+    note = ROLLOUTS_NOTE
+    if g.max_staleness and g.sampler_device:
+        note += f"; the asynchronous sampler's {g.sampler_device} (its snapshot and KV cache) is not planned"
+    return PlanExtras(frozen=frozen, note=note, rollout_rows=cfg.training.global_batch_size)
 
 
 def runner(drive):

@@ -294,17 +294,20 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
 def generation_inputs(cfg: Config, dims: ParallelDims, args) -> dict:
     """MemoryInputs' generation fields for a rollout method: the KV cache of this rank's rows at up to seq_len
     positions (plus the engine's scratch slots, rounded as it allocates), in the engine's weight dtype, and whether
-    it stays parked through the training step (grpo.keep_cache); the weight copy it generates with under FSDP2 (the
-    whole policy, compute dtype) or tensor parallelism (a tp shard)."""
+    it stays parked through the training step (grpo.keep_cache; an asynchronous sampler's always is); the weight
+    copy it generates with under FSDP2 or asynchronous GRPO (the whole policy, compute dtype) or tensor parallelism
+    (a tp shard). An asynchronous sampler on a device of its own (grpo.sampler_device) puts neither here."""
     from loom.infer.engine import ALIGN, SCRATCH
     from loom.plan.generate import kv_cache_bytes
 
     rows = method_of(cfg).plan(cfg).rollout_rows // dims.dp_size
-    if not rows:
+    g = cfg.grpo
+    if not rows or (g.max_staleness and g.sampler_device):  # an asynchronous sampler on a GPU of its own
         return {}
     t = cfg.training
     compute = BYTES[t.dtype]
-    sharded = dims.fsdp_enabled or dims.tp > 1
+    # asynchronous GRPO samples on a snapshot (a copy) while the step trains: its cache is held through it too
+    sharded = dims.fsdp_enabled or dims.tp > 1 or g.max_staleness > 0
     # the engine's dtype is its weights': a copy's compute dtype, else the policy's (fp32 master weights; a LoRA
     # base's frozen dtype where it has one)
     weight = compute if sharded or (cfg.lora.rank and cfg.lora.base_dtype != "float32") else 4
@@ -312,7 +315,7 @@ def generation_inputs(cfg: Config, dims: ParallelDims, args) -> dict:
     full = rank_shares(args, 1, cfg.parallel, t.seq_len)[0].params(dims.tp)
     return dict(
         kv_cache=kv_cache_bytes(args, rows, positions, {4: "float32", 2: "bfloat16"}[weight], dims.tp),
-        kv_kept=cfg.grpo.keep_cache,
+        kv_kept=g.keep_cache or g.max_staleness > 0,
         engine_copy=compute * full if sharded else 0.0,
     )
 

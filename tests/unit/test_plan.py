@@ -358,6 +358,15 @@ def test_a_rollout_methods_kv_cache_is_the_engines(tmp_path):
     assert mem.activations > 0 and mem.weights > 2 * 8.03e9  # the engine's bf16 copy beside the shards
     released = estimate(_cfg(**over, grpo__keep_cache="false"), 8, GPUS["H200"]).memory
     assert released.total < mem.total and released.kv_cache in (0.0, mem.kv_cache)
+    # asynchronous GRPO on one GPU: a bf16 snapshot and its cache beside the policy through the step; on a GPU of
+    # its own (grpo.sampler_device): neither, and the note says so
+    one = dict(over, parallel__dp_shard=1, training__global_batch_size=8, training__seq_len=4096)
+    one.update(grpo__group_size=4, grpo__max_staleness=1, grpo__keep_cache="false")
+    snap = estimate(_cfg(**one), 1, GPUS["H200"])
+    apart = estimate(_cfg(**one, grpo__sampler_device="cuda:1"), 1, GPUS["H200"])
+    assert snap.memory.kv_cache > 0 and snap.memory.activations > 0
+    assert snap.memory.weights - apart.memory.weights == pytest.approx(2 * snap.params)
+    assert apart.memory.kv_cache == 0 and any("cuda:1" in n for n in apart.notes)
 
 
 @pytest.mark.slow
