@@ -264,6 +264,7 @@ def estimate(
 def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
     t, p = cfg.training, cfg.parallel
     split = dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD
+    extras = method_of(cfg).plan(cfg)  # the method's models beyond the policy
     return MemoryInputs(
         dtype=t.dtype,
         tp=dims.tp,
@@ -285,8 +286,8 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         reduce_bytes=BYTES[p.reduce_dtype],
         ep_padded=p.ep_exchange == "padded",
         **lora_inputs(cfg, args),
-        frozen_copies=method_of(cfg).plan(cfg).frozen or 0,
-        trained_copies=method_of(cfg).plan(cfg).trained,
+        frozen_copies=extras.frozen or 0,
+        trained_copies=extras.trained,
         **generation_inputs(cfg, dims, args),
     )
 
