@@ -68,6 +68,12 @@ def test_a_jobs_figures_are_medians_after_the_first_interval():
     assert got["peak GiB"] == 33.5
 
 
+def test_a_short_job_logs_often_enough_for_five_timed_intervals():
+    for steps in (12, 30, 100):
+        every = recipes.config(recipes.BY_NAME["1b_1gpu"], steps=steps)["metrics.every"]
+        assert steps // every - 1 >= 5 and every <= 5  # intervals after the first, at most every 5 steps
+
+
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="on a GPU machine the tool measures (minutes)"
 )
