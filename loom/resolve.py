@@ -466,6 +466,30 @@ def resolve_model_args(cfg: Config, tokenizer, kernels=None):
     return args
 
 
+def dense_first_blocks(args, cfg: Config):
+    """model.first_k_dense on a DeepSeek-V3-family shape, checked: a flavor's may change, a folder's may not (its
+    weights say which blocks hold experts)."""
+    k = cfg.model.first_k_dense
+    if k < 0:
+        return args
+    if "first_k_dense" not in getattr(args, "__dataclass_fields__", {}):
+        raise ConfigError(
+            "model.first_k_dense",
+            k,
+            "dense first blocks are the DeepSeek-V3 family's (a deepseek_v3 flavor or folder): allowed -1",
+        )
+    if cfg.model.init_from and k != args.first_k_dense:
+        raise ConfigError(
+            "model.first_k_dense",
+            k,
+            f"model.init_from {cfg.model.init_from} has {args.first_k_dense} dense first blocks: allowed -1 "
+            f"| {args.first_k_dense}",
+        )
+    if k > args.n_layers:
+        raise ConfigError("model.first_k_dense", k, f"allowed -1 | 0..{args.n_layers} (model.n_layers)")
+    return args.with_(first_k_dense=k)
+
+
 def family_settings(args, cfg: Config):
     """model.moe_bias_speed and model.mtp_depth / mtp_weight on the family's args, checked."""
     m = cfg.model
@@ -476,6 +500,7 @@ def family_settings(args, cfg: Config):
             )
         args = args.with_(moe_bias_speed=m.moe_bias_speed, moe_bias=args.moe_bias or m.moe_bias_speed > 0)
     check_bias_under_2bw(args, cfg)
+    args = dense_first_blocks(args, cfg)
     has_mtp = "mtp_depth" in getattr(args, "__dataclass_fields__", {})
     if m.mtp_depth > 0 and not has_mtp:
         raise ConfigError(

@@ -288,6 +288,13 @@ class ModelConfig:
         min=-1,
         resume=(MUST_MATCH, "the multi-token prediction modules are weights of the model"),
     )
+    first_k_dense: int = opt(
+        -1,
+        "DeepSeek-V3 family: the first blocks that keep a dense feed-forward, the rest with experts "
+        "(first_k_dense_replace); -1 = the flavor's (3 for deepseek_v3_671b) or model.init_from's",
+        min=-1,
+        resume=(MUST_MATCH, "which blocks hold experts is the model's weights"),
+    )
     mtp_weight: float = opt(
         0.3,
         "weight (lambda) of the multi-token prediction loss, the mean over its modules, "

@@ -64,6 +64,7 @@ MODEL_FIELDS = (
     "model.moe_ffn_dim",
     "model.sliding_window",
     "model.mtp_depth",
+    "model.first_k_dense",
 )
 # LlamaArgs fields a resumed run may change (applied or free fields above): not part of "the same model"
 _ARGS_FREE = {

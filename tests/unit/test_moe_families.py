@@ -391,3 +391,39 @@ def test_lora_on_latent_attention_loads_in_peft_with_loom_logits(tmp_path):
                 tiny_config(**{"model.flavor": flavor, "lora.rank": 4, "lora.targets": targets}), tok
             )
         assert "\n" not in str(err.value)
+
+
+def test_first_k_dense_moves_the_dense_first_blocks_of_a_deepseek_flavor(tmp_path):
+    """model.first_k_dense: a DeepSeek-V3 flavor's dense first blocks change (fewer experts to build); another
+    family, more blocks than the model has, or a folder's different count are refused, naming the field."""
+    from loom.config import build_config
+    from loom.config.errors import ConfigError
+    from loom.models.common.moe import MoE
+    from types import SimpleNamespace
+
+    from loom.resolve import dense_first_blocks, resolve_model_args
+
+    def cfg(**kw):
+        return build_config(None, {f"model.{k}": str(v) for k, v in kw.items()})
+
+    base = all_flavors()["deepseek_v3_debug"]  # 3 blocks, the first dense
+    assert dense_first_blocks(base, cfg(flavor="deepseek_v3_debug")) is base
+    args = dense_first_blocks(base, cfg(flavor="deepseek_v3_debug", first_k_dense=2))
+    assert [args.moe_layer(i) for i in range(3)] == [False, False, True]
+    resolved = resolve_model_args(cfg(flavor="deepseek_v3_debug", first_k_dense=2), SimpleNamespace(vocab_size=VOCAB))
+    assert resolved.first_k_dense == 2  # the run's resolution applies it
+    model = build_model(args.with_(vocab_size=VOCAB))
+    assert sum(isinstance(m, MoE) for m in model.layers.modules()) == 1
+    assert model(tokens_of(1, 8)).shape[-1] == VOCAB
+    folder = save_hf(random_deepseek_v3(), tmp_path / "d")  # first_k_dense_replace 1
+    held = llama_args_from_hf(folder)
+    assert dense_first_blocks(held, cfg(init_from=folder, first_k_dense=1)).first_k_dense == 1
+    refused = [
+        (all_flavors()["debug"], cfg(flavor="debug", first_k_dense=1), "DeepSeek-V3 family"),
+        (base, cfg(flavor="deepseek_v3_debug", first_k_dense=4), "0..3"),
+        (held, cfg(init_from=folder, first_k_dense=2), "has 1 dense first blocks"),
+    ]
+    for args, c, why in refused:
+        with pytest.raises(ConfigError, match="model.first_k_dense") as err:
+            dense_first_blocks(args, c)
+        assert why in str(err.value)
