@@ -196,6 +196,53 @@ WORKLOADS = {
                 "updates after the step",
             ),
         ),
+        # one GPU (the kind lent when no 2-GPU machine is): Qwen3-30B-A3B's shape with 8 of its 48 blocks, every
+        # expert on the one GPU (no expert parallelism: no token exchange and no host read of the counts on either
+        # side), 5.6B parameters (~91 GiB by loom plan on an H200)
+        Workload(
+            "qwen3_moe_8l_1gpu",
+            gpus=1,
+            seq=4096,
+            local_batch=2,
+            vocab=151936,
+            titan_model="qwen3",
+            titan_base="30B-A3B",
+            titan_args=dict(n_layers=8),
+            loom_flavor="qwen3_moe_30b_a3b",
+            loom_model={"model.n_layers": 8, "model.moe_aux_loss": 0.0},
+            differences=(
+                "torchtitan's qwen3 MoE keeps a zero expert_bias buffer that it adds to the router scores and never "
+                "updates; loom's Qwen3-MoE has no selection bias",
+            ),
+        ),
+        # one GPU: DeepSeek-V3's block shapes (as deepseek_v3_proxy) with 3 blocks of which 2 hold experts, 32 of
+        # its 256 experts (groups of 4, top 4 of 8 groups), so most of the step is the MoE blocks' as in the full
+        # model (58 of 61), where the 2-GPU proxy is 3 dense blocks of 4: 5.7B parameters, ~92 GB of fp32 weights,
+        # gradients and AdamW state (~115 GiB by loom plan, which over-estimates the 2-GPU proxy's by 32%)
+        Workload(
+            "deepseek_v3_3l_1gpu",
+            gpus=1,
+            seq=4096,
+            local_batch=1,
+            vocab=129280,
+            titan_model="deepseek_v3",
+            titan_base="671B",
+            titan_args=dict(n_layers=3, n_dense_layers=1, attn_type="sdpa", attn_mask_type="causal"),
+            titan_moe=dict(num_experts=32),
+            loom_flavor="deepseek_v3_671b",
+            loom_model={
+                "model.n_layers": 3,
+                "model.first_k_dense": 1,
+                "model.moe_experts": 32,
+                "model.mtp_depth": 0,
+                "model.moe_aux_loss": 0.0,
+            },
+            differences=(
+                "torchtitan updates its expert biases in an optimizer hook from the loads counted in every block's "
+                "forward; loom counts them eagerly outside the compiled graph (a graph break per MoE block) and "
+                "updates after the step",
+            ),
+        ),
     ]
 }
 
