@@ -101,6 +101,16 @@ class Workload:
     differences: tuple[str, ...] = ()
 
 
+# what differs in each MoE family's two implementations beyond DIFFERENCES
+QWEN3_DIFFERENCES = (
+    "torchtitan's qwen3 MoE keeps a zero expert_bias buffer that it adds to the router scores and never updates (its "
+    "qwen3 spec builds plain optimizers, not the load-balancing ones); loom's Qwen3-MoE has no selection bias",
+)
+DEEPSEEK_DIFFERENCES = (
+    "torchtitan updates its expert biases in an optimizer hook from the loads counted in every block's forward; loom "
+    "counts them eagerly outside the compiled graph (a graph break per MoE block) and updates after the step",
+)
+
 WORKLOADS = {
     w.name: w
     for w in [
@@ -160,11 +170,7 @@ WORKLOADS = {
             loom_flavor="qwen3_moe_30b_a3b",
             loom_model={"model.n_layers": 12, "model.moe_aux_loss": 0.0},
             ep=2,
-            differences=(
-                "torchtitan's qwen3 MoE keeps a zero expert_bias buffer that it adds to the router scores and never "
-                "updates (its qwen3 spec builds plain optimizers, not the load-balancing ones); loom's Qwen3-MoE has "
-                "no selection bias",
-            ),
+            differences=QWEN3_DIFFERENCES,
         ),
         # DeepSeek-V3's shape (MLA with q compression, 1 shared + routed experts, sigmoid group-limited routing,
         # aux-loss-free bias at 1e-3 per step, 3 dense blocks first) with 4 blocks (the 4th with experts) and 64 of
@@ -190,11 +196,7 @@ WORKLOADS = {
                 "model.moe_aux_loss": 0.0,
             },
             ep=2,
-            differences=(
-                "torchtitan updates its expert biases in an optimizer hook from the loads counted in every block's "
-                "forward; loom counts them eagerly outside the compiled graph (a graph break per MoE block) and "
-                "updates after the step",
-            ),
+            differences=DEEPSEEK_DIFFERENCES,
         ),
         # one GPU (the kind lent when no 2-GPU machine is): Qwen3-30B-A3B's shape with 8 of its 48 blocks, every
         # expert on the one GPU (no expert parallelism: no token exchange and no host read of the counts on either
@@ -210,10 +212,7 @@ WORKLOADS = {
             titan_args=dict(n_layers=8),
             loom_flavor="qwen3_moe_30b_a3b",
             loom_model={"model.n_layers": 8, "model.moe_aux_loss": 0.0},
-            differences=(
-                "torchtitan's qwen3 MoE keeps a zero expert_bias buffer that it adds to the router scores and never "
-                "updates; loom's Qwen3-MoE has no selection bias",
-            ),
+            differences=QWEN3_DIFFERENCES,
         ),
         # one GPU: DeepSeek-V3's block shapes (as deepseek_v3_proxy) with 3 blocks of which 2 hold experts, 32 of
         # its 256 experts (groups of 4, top 4 of 8 groups), so most of the step is the MoE blocks' as in the full
@@ -237,11 +236,7 @@ WORKLOADS = {
                 "model.mtp_depth": 0,
                 "model.moe_aux_loss": 0.0,
             },
-            differences=(
-                "torchtitan updates its expert biases in an optimizer hook from the loads counted in every block's "
-                "forward; loom counts them eagerly outside the compiled graph (a graph break per MoE block) and "
-                "updates after the step",
-            ),
+            differences=DEEPSEEK_DIFFERENCES,
         ),
     ]
 }
