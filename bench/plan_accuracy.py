@@ -21,9 +21,14 @@ RUNS = os.path.join(
 
 
 def row(run: dict) -> str:
-    # a run of older code is estimated with its own host waits under expert parallelism (the file's "about")
+    # a run of older code is estimated with its own host waits and gradient rescale under expert parallelism
+    # (the file's "about")
     est = estimate(
-        build_config(None, run["config"]), run["gpus"], GPUS[run["gpu"]], ep_waits=run.get("ep_host_waits")
+        build_config(None, run["config"]),
+        run["gpus"],
+        GPUS[run["gpu"]],
+        ep_waits=run.get("ep_host_waits"),
+        ep_grad_rescale=run.get("ep_grad_rescale", False),
     )
     peak, tps = run["peak_gib_max_rank"], run["tokens_per_s_per_gpu"]
     mem, est_tps = est.memory.total / 2**30, est.tokens_per_s_per_gpu

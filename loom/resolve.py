@@ -302,8 +302,8 @@ def accumulation_steps(training, dp_size: int) -> int:
 
 def check_noise_scale(cfg: Config, dims: ParallelDims, accum: int) -> None:
     """metrics.noise_scale reads the gradient between a step's first micro-batch and the rest
-    (loom.train.noise_scale): a pipeline schedule runs them together, and expert gradients are rescaled only after
-    the step under expert parallelism."""
+    (loom.train.noise_scale): a pipeline schedule runs them together, and under expert parallelism the experts'
+    gradients reduce over another group of ranks than the rest (the estimate is not built for that)."""
     if not cfg.metrics.noise_scale:
         return
     if dims.pp_enabled or dims.ep_enabled:

@@ -145,6 +145,7 @@ def parallelize_llama(
                 reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                 cpu_offload=parallel.cpu_offload,
                 reduce_dtype=DTYPES[parallel.reduce_dtype],
+                grad_factor=dims.expert_grad_factor,
             )
         if fsdp_wraps(dims, parallel):
             # under DiLoCo each dp_replicate group shards on its own: no gradient reduction across groups

@@ -178,11 +178,14 @@ def estimate(
     profiles: dict | None = None,
     margin_gib: float | None = None,
     ep_waits: float | None = None,
+    ep_grad_rescale: bool = False,
 ) -> Estimate:
     """Memory and step time of ``cfg`` on ``world_size`` GPUs of kind ``gpu`` (raises ConfigError when loom
     would reject the layout). ``profiles`` caches activation traces across calls (search); ``margin_gib``: memory
     a fitting layout leaves free (default ``MARGIN`` of the GPU's); ``ep_waits``: expert parallelism's host waits
-    per MoE block and micro-batch (default: loom's, ``ep_host_waits``; a run of older code may have waited more)."""
+    per MoE block and micro-batch (default: loom's, ``ep_host_waits``; a run of older code may have waited more);
+    ``ep_grad_rescale``: a run of older code (before their reduction divided them) rescaled its expert gradients
+    after the backward."""
     dims, args, m = validate(cfg, world_size)
     t, p = cfg.training, cfg.parallel
     x = memory_inputs(cfg, dims, args)
@@ -190,7 +193,9 @@ def estimate(
     shares = rank_shares(args, dims.pp, p, t.seq_len)
     memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
     per_block = offload_block_bytes(profile, x, args, cfg)
-    times = [rank_time(share, args, dims, x, cfg, m, gpu, per_block, ep_waits) for share in shares]
+    times = [
+        rank_time(share, args, dims, x, cfg, m, gpu, per_block, ep_waits, ep_grad_rescale) for share in shares
+    ]
     memory = max(memories, key=lambda mem: mem.total)
     time = max(times, key=lambda st: st.total)
     tokens = t.global_batch_size * t.seq_len / time.total / world_size
@@ -485,10 +490,11 @@ def rank_time(
     gpu: GPU,
     per_block: float = 0.0,
     ep_waits: float | None = None,
+    ep_grad_rescale: bool = False,
 ) -> StepTime:
     """Seconds of one step on the rank of ``share``; ``per_block``: bytes one offloaded block parks on the host
     per micro-batch (training.activation_offload); ``ep_waits``: expert parallelism's host waits per MoE block and
-    micro-batch (None: ``ep_host_waits``)."""
+    micro-batch (None: ``ep_host_waits``); ``ep_grad_rescale``: ``estimate``'s."""
     t, p = cfg.training, cfg.parallel
     peak = gpu.peak(t.dtype)
     eff = efficiency(args.dim, t.compile)
@@ -518,7 +524,7 @@ def rank_time(
         peak * attention_efficiency(args.head_dim, t.seq_len)
     )
     if args.moe:
-        moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x)
+        moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x, ep_grad_rescale)
         compute_mb += moe_mb.extra_matmul / (peak * eff)
     # the method's models beyond the policy: one trained beside it does its work again; a frozen copy runs a
     # forward (2 FLOPs a weight and token; attention's forward is 1 of attention_flops' 3.5)
@@ -612,7 +618,7 @@ class MoETime:
     extra_matmul: float
     # seconds per micro-batch: weight casts (or FSDP2's copies), routing, expert parallelism's permutation
     overhead: float
-    # seconds once per step: the expert-gradient rescale under expert parallelism
+    # seconds once per step: the expert-gradient rescale of older code under expert parallelism
     per_step: float = 0.0
 
 
@@ -635,10 +641,20 @@ def ep_host_waits(ac: str, every: int, n_layers: int) -> float:
     return 1 + exchange_rerun(ac, every, n_layers)
 
 
-def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU, x: MemoryInputs | None = None) -> MoETime:
+def moe_time_s(
+    share,
+    args,
+    dims,
+    tokens: float,
+    t,
+    gpu: GPU,
+    x: MemoryInputs | None = None,
+    ep_grad_rescale: bool = False,
+) -> MoETime:
     """One micro-batch's MoE terms on this rank (see loom.plan.timing's docstring). With tensor-parallel experts
     (etp = tp) a rank routes the tp group's gathered slots through a 1/tp slice of each of its experts. ``x``: the
-    layout's memory inputs (FSDP2 on the experts: their copies replace the casts)."""
+    layout's memory inputs (FSDP2 on the experts: their copies replace the casts); ``ep_grad_rescale``: the
+    expert-gradient rescale of older code, once a step."""
     ac, layers = t.activation_checkpointing, share.moe_layers
     rerun = moe_rerun(ac, t.ac_every, args.n_layers)
     slots = tokens * args.moe_top_k / (dims.tp // dims.etp)  # its sequence slice's slots, or the tp group's
@@ -657,9 +673,10 @@ def moe_time_s(share, args, dims, tokens: float, t, gpu: GPU, x: MemoryInputs | 
     )
     per_step = 0.0
     if dims.ep > 1:
-        # the slots a rank receives, permuted to its experts and back; its experts' gradients rescaled
-        permute, per_step = ep_overhead_s(slots, args.dim, c, rerun, layers * local, gpu.hbm_tbps)
+        # the slots a rank receives, permuted to its experts and back (older code: its experts' gradients rescaled)
+        permute, rescale = ep_overhead_s(slots, args.dim, c, rerun, layers * local, gpu.hbm_tbps)
         overhead += layers * permute
+        per_step = rescale if ep_grad_rescale else 0.0
     # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM: they rerun in full
     extra = 6 * width * slots * (1 / 3 - 1 / 6) * layers if ac == "op" else 0.0
     hidden = args.expert_ffn_dim / dims.etp

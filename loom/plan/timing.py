@@ -25,8 +25,8 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   under FSDP2 its copies instead: ``fsdp_expert_bytes``), and routing moves each token-slot (sort, gather,
   scatter back, casts, the weighting and the gate's elementwise work: ``MOE_SLOT_BYTES`` per slot and model-dim
   element), all at the copy rate ``COPY_HBM_SHARE``; under expert parallelism a rank also permutes the slots it
-  receives to its experts and back (``EP_SLOT_ELEMENTS``) and rescales its experts' gradients once a step
-  (``EP_GRAD_SCALE_BYTES``); op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``:
+  receives to its experts and back (``EP_SLOT_ELEMENTS``; older code also rescaled its experts' gradients once a
+  step, ``EP_GRAD_SCALE_BYTES``, which their FSDP2 reduction now does); op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``:
   every one of them, as full checkpointing does), and the grouped GEMMs compute their experts' part-filled row
   tiles (``grouped_padding_flops``). The casts and routing were fitted on one layer's forward + backward and one
   compiled run (docs/planner.md);
@@ -133,8 +133,9 @@ def moe_overhead_s(
 # the backward the scatter's gradient is a gather (2) and the gather's an index_put into zeros (4: the fill, the
 # gradient read, the accumulating read and the write); a recomputed block runs the forward's again.
 EP_SLOT_ELEMENTS = {"forward": 4, "backward": 6}
-# After the backward the trainer multiplies every local expert's fp32 gradient by ParallelDims.expert_grad_factor
-# (loom.train.engine: a read and a write of 4 bytes a parameter), once per step.
+# Older code (the runs measured before the experts' FSDP2 reduction took ParallelDims.expert_grad_factor in, as a
+# divide factor) multiplied every local expert's fp32 gradient by it after the backward: a read and a write of 4 bytes
+# a parameter, once per step. Kept to estimate those runs (tests/data/plan_runs.json: ep_grad_rescale).
 EP_GRAD_SCALE_BYTES = 8
 
 
@@ -143,7 +144,8 @@ def ep_overhead_s(
 ) -> tuple[float, float]:
     """(seconds per MoE layer and micro-batch, seconds per step) of expert parallelism's copies at the copy rate:
     the ``slots`` a rank receives permuted to its experts and back (forward, backward, the forward again for the
-    ``rerun`` share of blocks), and the expert-gradient rescale of its ``expert_params`` (all its MoE layers')."""
+    ``rerun`` share of blocks), and older code's expert-gradient rescale of its ``expert_params`` (all its MoE
+    layers')."""
     rate = COPY_HBM_SHARE * hbm_tbps * 1e12
     elements = EP_SLOT_ELEMENTS["forward"] * (1 + rerun) + EP_SLOT_ELEMENTS["backward"]
     return elements * slots * dim * dtype_bytes / rate, EP_GRAD_SCALE_BYTES * expert_params / rate

@@ -41,7 +41,6 @@ from loom.models.common.lora import adapters_hidden, apply_lora, frozen_dtype
 from loom.models.registry import build_model, spec_of
 from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
-from loom.parallel.expert_parallel import expert_params
 from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
 from loom.parallel.shards import quantize_base
@@ -55,7 +54,7 @@ from loom.runtime.restarts import this_attempt
 from loom.runtime.run_lock import acquire, hold_as_worker
 from loom.runtime.topology import apply_placement
 from loom.train.diloco import DiLoCoHook
-from loom.train.grads import scale_grads, unique_params
+from loom.train.grads import unique_params
 from loom.train.hooks import FaultToleranceHook, PreemptionHook, StepHook, StragglersHook
 from loom.train.moe_stats import MoEBalance
 from loom.train.noise_scale import NoiseScaleProbe
@@ -652,9 +651,6 @@ class Engine:
             None,
         ) or self.steps.step(mbs, grad_scale)
         stats = self.objective_stats(denominator)
-        # see loom.parallel.expert_parallel: expert gradients averaged over fewer ranks
-        if self.dims.ep_enabled:
-            scale_grads(expert_params(self.parts), self.dims.expert_grad_factor)
         lr = self.optimizer.param_groups[0]["lr"]
         for hook in self.hooks:
             hook.after_backward(self.params)

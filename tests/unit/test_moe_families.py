@@ -396,11 +396,11 @@ def test_lora_on_latent_attention_loads_in_peft_with_loom_logits(tmp_path):
 def test_first_k_dense_moves_the_dense_first_blocks_of_a_deepseek_flavor(tmp_path):
     """model.first_k_dense: a DeepSeek-V3 flavor's dense first blocks change (fewer experts to build); another
     family, more blocks than the model has, or a folder's different count are refused, naming the field."""
+    from types import SimpleNamespace
+
     from loom.config import build_config
     from loom.config.errors import ConfigError
     from loom.models.common.moe import MoE
-    from types import SimpleNamespace
-
     from loom.resolve import dense_first_blocks, resolve_model_args
 
     def cfg(**kw):
@@ -410,7 +410,9 @@ def test_first_k_dense_moves_the_dense_first_blocks_of_a_deepseek_flavor(tmp_pat
     assert dense_first_blocks(base, cfg(flavor="deepseek_v3_debug")) is base
     args = dense_first_blocks(base, cfg(flavor="deepseek_v3_debug", first_k_dense=2))
     assert [args.moe_layer(i) for i in range(3)] == [False, False, True]
-    resolved = resolve_model_args(cfg(flavor="deepseek_v3_debug", first_k_dense=2), SimpleNamespace(vocab_size=VOCAB))
+    resolved = resolve_model_args(
+        cfg(flavor="deepseek_v3_debug", first_k_dense=2), SimpleNamespace(vocab_size=VOCAB)
+    )
     assert resolved.first_k_dense == 2  # the run's resolution applies it
     model = build_model(args.with_(vocab_size=VOCAB))
     assert sum(isinstance(m, MoE) for m in model.layers.modules()) == 1

@@ -95,8 +95,8 @@ def _layout(ac: str, ep: int = 2, exchange: str = "uneven"):
 def test_moe_terms_under_expert_parallelism():
     """ep 2, op AC: per MoE block and micro-batch the FSDP2 copies of the rank's 4 experts (one-rank mesh, gathered
     twice: 42 B a parameter) and the routing at the fitted eager slot bytes, plus the permutation of its 256 x 2
-    slots (14 elements of 2 bytes per slot x dim); once a step the rescale of its experts' gradients; the extra
-    FLOPs: the grouped GEMMs' rerun sixth and their padding."""
+    slots (14 elements of 2 bytes per slot x dim); no rescale of its experts' gradients (their reduction divides
+    them), except for a run of older code; the extra FLOPs: the grouped GEMMs' rerun sixth and their padding."""
     cfg, dims, args, m, x, share = _layout("op")
     t = cfg.training
     got = moe_time_s(share, args, dims, 256.0, t, H200, x)
@@ -105,7 +105,9 @@ def test_moe_terms_under_expert_parallelism():
     assert layers == 2 and dims.edp == 1
     routing = moe_overhead_s(local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=42)
     assert got.overhead == pytest.approx(layers * (routing + 14 * slots * 64 * 2 / rate))
-    assert got.per_step == pytest.approx(8 * layers * local / rate)
+    assert got.per_step == 0.0
+    older = moe_time_s(share, args, dims, 256.0, t, H200, x, ep_grad_rescale=True)
+    assert older.per_step == pytest.approx(8 * layers * local / rate) and older.overhead == got.overhead
     rerun = 6 * expert_params(args) * slots * (1 / 3 - 1 / 6) * layers
     padding = layers * 4 * 64 / 2 * 3 * 2 * 64 * 32 * 3  # 128 rows an expert: 64-row tiles
     assert got.extra_matmul == pytest.approx(rerun + padding)
@@ -211,7 +213,13 @@ def test_moe_pairs_on_two_h200s(name, throughput):
     went in 52cc04f), against the measured median; the MoE runs' throughput tolerance (20%, tests/unit/test_plan.py)
     on the run not fitted."""
     config, loom = _peers(name)
-    est = estimate(build_config(None, config), 2, H200, ep_waits=loom["ep_host_waits"])
+    est = estimate(
+        build_config(None, config),
+        2,
+        H200,
+        ep_waits=loom["ep_host_waits"],
+        ep_grad_rescale=loom["ep_grad_rescale"],
+    )
     assert est.tokens_per_s_per_gpu == pytest.approx(loom["tokens_per_s_per_gpu"], rel=throughput)
     assert any("waits on the host" in n for n in est.notes)
 
@@ -221,6 +229,12 @@ def test_moe_pair_kernel_time_on_two_h200s():
     profiled step (rank 0, 0885551): -11%. Qwen3-MoE's profiled step at 0885551 is not used: the profiler's start-up
     slowed it (its all-to-alls' 137 ms of kernels are mostly waits for the other rank: docs/benchmarks.md)."""
     config, loom = _peers("peers_deepseek_v3_proxy_2gpu_h200.json")
-    est = estimate(build_config(None, config), 2, H200, ep_waits=loom["ep_host_waits"])
+    est = estimate(
+        build_config(None, config),
+        2,
+        H200,
+        ep_waits=loom["ep_host_waits"],
+        ep_grad_rescale=loom["ep_grad_rescale"],
+    )
     gpu_work = est.time.total - est.time.host
     assert gpu_work * 1e3 == pytest.approx(loom["gpu_busy_ms_per_step"], rel=0.12)
