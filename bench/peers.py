@@ -217,7 +217,7 @@ WORKLOADS = {
         # one GPU: DeepSeek-V3's block shapes (as deepseek_v3_proxy) with 3 blocks of which 2 hold experts, 32 of
         # its 256 experts (groups of 4, top 4 of 8 groups), so most of the step is the MoE blocks' as in the full
         # model (58 of 61), where the 2-GPU proxy is 3 dense blocks of 4: 5.7B parameters, ~92 GB of fp32 weights,
-        # gradients and AdamW state (~115 GiB by loom plan, which over-estimates the 2-GPU proxy's by 32%)
+        # gradients and AdamW state (~96 GiB by loom plan, +4% on the 2-GPU proxy)
         Workload(
             "deepseek_v3_3l_1gpu",
             gpus=1,

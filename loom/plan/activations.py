@@ -16,6 +16,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -111,6 +112,28 @@ class _Tracker(TorchDispatchMode):
         return sum(n for key, n in seen.items() if key in self.live)
 
 
+@contextlib.contextmanager
+def _one_head_dim_sdpa():
+    """SDPA traced with the tensors a GPU kernel keeps where the values' head dim differs from the queries' (MLA:
+    DeepSeek's 192 and 128). On the CPU SDPA then takes its math path, which keeps the S x S probabilities for the
+    backward (23 GiB a block at DeepSeek-V3's 128 heads and seq 4096), and no GPU kernel does: the values are
+    traced zero-padded to the query dim, so the CPU's flash kernel runs (its tensors: a little more than cuDNN's,
+    which takes the two dims as they are)."""
+    sdpa = F.scaled_dot_product_attention
+
+    def one_dim(q, k, v, *args, **kwargs):
+        if v.shape[-1] >= q.shape[-1]:
+            return sdpa(q, k, v, *args, **kwargs)
+        out = sdpa(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), *args, **kwargs)
+        return out[..., : v.shape[-1]]
+
+    F.scaled_dot_product_attention = one_dim
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
 def _trace(
     args, micro_batch: int, seq: int, precision: str, ac: str, ac_every: int, lora=None
 ) -> tuple[int, int]:
@@ -147,7 +170,7 @@ def _trace(
         tokens = torch.zeros(micro_batch, seq, dtype=torch.long)
         tracker = _Tracker(list(model.parameters()), list(model.buffers()))
         cast = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
-        with tracker:
+        with tracker, _one_head_dim_sdpa():
             with cast:
                 loss = model(tokens, labels=tokens)
             held = tracker.bytes()

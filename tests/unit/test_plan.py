@@ -846,13 +846,27 @@ def test_loom_plan_models_the_fp32_moe_recipes(recipe, tmp_path):
     assert gib["optimizer"] * 2**30 == pytest.approx(8 * total) and gib["activations"] > 0
 
 
+def test_latent_attention_is_traced_without_the_cpus_s_by_s_probabilities():
+    """MLA's two head dims (queries 192, values 128 in DeepSeek-V3) send SDPA on the CPU down its math path, which
+    keeps each head's S x S probabilities for the backward; no GPU kernel does (the proxy's plan counted 23 GiB a
+    block of them: 97 GiB planned against 73.5 measured). The planner traces the flash kernel's tensors instead."""
+    from loom.plan.planner import model_args
+
+    args = model_args(build_config("recipes/deepseek_v3_debug.toml", {}))
+    assert args.qk_nope_head_dim + args.qk_rope_head_dim != args.v_head_dim
+    short, long = (profile_activations(args, seq, 1, "float32", fsdp=False, ac="none") for seq in (1024, 2048))
+    assert long.layer_per_seq == pytest.approx(2 * short.layer_per_seq, rel=0.01)  # linear in S: no S x S kept
+    probs = args.n_heads * 2048 * 2048 * 4  # one block's fp32 probabilities for one sequence
+    assert long.backward_peak < probs / 4
+
+
 def test_fp32_moe_activations_are_a_real_forwards():
     """The planner's fp32 MoE activations (traced on fake tensors through the grouped GEMM's shapes, its dense blocks
     and MTP module apart) are what a real fp32 forward of the DeepSeek-V3 recipe's model keeps for its backward (the
     experts as a loop of matmuls over the real routing), and the parameter shares split by tp, pp and the MTP module
     add up to the model."""
     from loom.models.registry import build_model
-    from loom.plan.activations import _Tracker
+    from loom.plan.activations import _one_head_dim_sdpa, _Tracker
     from loom.plan.planner import model_args
 
     cfg = build_config("recipes/deepseek_v3_debug.toml", {})
@@ -863,7 +877,7 @@ def test_fp32_moe_activations_are_a_real_forwards():
     model = build_model(args)
     tokens = torch.randint(0, args.vocab_size, (batch, seq))
     tracker = _Tracker(list(model.parameters()), list(model.buffers()))
-    with tracker:
+    with tracker, _one_head_dim_sdpa():  # attention as a GPU kernel keeps it (the test below)
         loss = model(tokens, labels=tokens)  # its graph keeps what the backward needs
         held = tracker.bytes()
     assert loss.requires_grad
