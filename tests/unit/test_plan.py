@@ -854,8 +854,12 @@ def test_latent_attention_is_traced_without_the_cpus_s_by_s_probabilities():
 
     args = model_args(build_config("recipes/deepseek_v3_debug.toml", {}))
     assert args.qk_nope_head_dim + args.qk_rope_head_dim != args.v_head_dim
-    short, long = (profile_activations(args, seq, 1, "float32", fsdp=False, ac="none") for seq in (1024, 2048))
-    assert long.layer_per_seq == pytest.approx(2 * short.layer_per_seq, rel=0.01)  # linear in S: no S x S kept
+    short, long = (
+        profile_activations(args, seq, 1, "float32", fsdp=False, ac="none") for seq in (1024, 2048)
+    )
+    assert long.layer_per_seq == pytest.approx(
+        2 * short.layer_per_seq, rel=0.01
+    )  # linear in S: no S x S kept
     probs = args.n_heads * 2048 * 2048 * 4  # one block's fp32 probabilities for one sequence
     assert long.backward_peak < probs / 4
 
