@@ -202,7 +202,7 @@ def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
         rope = model_rope_table(args, seq)
         tracker = _Tracker(list(block.parameters()), [rope])
         tracker.backward = True  # record the peak at every op (no gradients exist to subtract)
-        with torch.no_grad(), tracker:
+        with torch.no_grad(), tracker, _one_head_dim_sdpa():
             x = torch.zeros(batch, seq, args.dim, dtype=DTYPES[dtype])  # (B, S, E)
             block(x, rope, None)
     return tracker.peak
