@@ -108,7 +108,8 @@ QWEN3_DIFFERENCES = (
 )
 DEEPSEEK_DIFFERENCES = (
     "torchtitan updates its expert biases in an optimizer hook from the loads counted in every block's forward; loom "
-    "counts them eagerly outside the compiled graph (a graph break per MoE block) and updates after the step",
+    "counts them in the compiled graph too, except under expert parallelism (eagerly there, a graph break per MoE "
+    "block), and updates after the step",
 )
 
 WORKLOADS = {

@@ -34,9 +34,13 @@ def apply_compile(
     trace a checkpointed region that breaks, and would run the whole block eagerly.
 
     ``counts_loads`` (the selection biases move: model.moe_bias_speed > 0): a block with experts counts each token's
-    experts eagerly (``MoE.count_loads``, excluded from tracing), so it breaks there too and is compiled inside its
-    checkpoint wrapper: a recomputing backward then reruns the count eagerly, where it sees the recomputation and
-    skips it. Otherwise compiled blocks count nothing. ``backend``: torch.compile's (tests: ``eager``).
+    experts. Compiled whole (around its checkpoint, no expert parallelism, no CUDA graphs) it counts inside the graph
+    (``MoE.count_in_graph``: an in-place add to a buffer, which the compiled recomputation does not repeat), as
+    torchtitan does. Otherwise it counts eagerly (``MoE.count_loads``, excluded from tracing), so it breaks there too
+    and is compiled inside its checkpoint wrapper: a recomputing backward then reruns the count eagerly, where it
+    sees the recomputation and skips it; such a block recomputes all of its forward whatever the checkpointing
+    policy. Otherwise compiled blocks count nothing. ``backend``: torch.compile's (tests: ``eager``, ``aot_eager``
+    where a graph counts: the in-place add needs AOTAutograd's functionalization).
 
     Every block runs one code object (the block class's ``forward``), compiled once per set of guards it meets:
     training's forwards (gradients, each width), the no-gradient forwards of log-probabilities and evaluation, the
@@ -46,9 +50,16 @@ def apply_compile(
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for block in layers.values():
         counted = counts_loads and bool(moe_modules(block))
+        wrapped = hasattr(block, "_checkpoint_wrapped_module")
+        # counted inside the graph where the block compiles whole around its checkpoint: the compiled recomputation
+        # does not repeat the graph's in-place add (an eager checkpoint around a compiled block would rerun it);
+        # not under CUDA graphs (a graph that mutates a buffer)
+        in_graph = (
+            counted and not expert_parallel(block) and not cuda_graphs and not (inside_checkpoint and wrapped)
+        )
         for moe in moe_modules(block):
-            moe.count_loads = counts_loads
-        breaks = expert_parallel(block) or counted
+            moe.count_loads, moe.count_in_graph = counts_loads, in_graph
+        breaks = expert_parallel(block) or (counted and not in_graph)
         inner = getattr(block, "_checkpoint_wrapped_module", block) if breaks or inside_checkpoint else block
         inner.compile(fullgraph=not breaks, backend=backend, mode="reduce-overhead" if cuda_graphs else None)
         if cuda_graphs:

@@ -224,12 +224,13 @@ def test_pipeline_stages_carry_mtp_to_the_last_stage(tied):
     assert last(h.detach(), positions, **last_stage_inputs(args, tokens, labels)).shape == (2, 16, 64)
 
 
-@pytest.mark.parametrize("checkpointed", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_compiled_blocks_count_the_loads_once(checkpointed):
-    """Under torch.compile (here Dynamo with the eager backend: the graph breaks, not Inductor, are what is tested)
-    a block whose selection bias moves (``apply_compile(counts_loads=True)``) counts each token's experts eagerly,
-    once per forward: the same loads as the eager block, not again when activation checkpointing recomputes the
-    forward in the backward. Without it (slow), compiled blocks count nothing (their graphs stay whole)."""
+@pytest.mark.parametrize("ac", ["full", "op", pytest.param("none", marks=pytest.mark.slow)])
+def test_compiled_blocks_count_the_loads_once(ac):
+    """Under torch.compile (AOTAutograd with the eager backend: no Inductor) a block whose selection bias moves
+    (``apply_compile(counts_loads=True)``) counts each token's experts once per forward, the same loads as the eager
+    block, not again when activation checkpointing recomputes the forward in the backward: inside its graph where it
+    compiles whole around its checkpoint (no graph break), eagerly where it compiles inside the checkpoint (the
+    eager recomputation skips the count). Without counts_loads compiled blocks count nothing."""
     import copy
 
     from loom.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -239,21 +240,27 @@ def test_compiled_blocks_count_the_loads_once(checkpointed):
     torch.manual_seed(0)
     eager = build_model(args)
     tokens = torch.randint(0, 256, (2, 16))
-    loads = {}
-    cases = (("eager", None), ("compiled", True)) + ((("uncounted", False),) if not checkpointed else ())
-    for name, counts in cases:
+    loads, in_graph = {}, {}
+    cases = [("eager", None, False), ("in_graph", True, False), ("uncounted", False, False)]
+    if ac != "none":
+        cases.append(("inside_checkpoint", True, True))
+    for name, counts, inside in cases:
         model = copy.deepcopy(eager)
-        if checkpointed:
-            apply_activation_checkpointing(model.layers, "full", 1)
+        apply_activation_checkpointing(model.layers, ac, 1)
         if counts is not None:
-            apply_compile(model.layers, counts_loads=counts, backend="eager")
+            apply_compile(model.layers, inside_checkpoint=inside, counts_loads=counts, backend="aot_eager")
         model.train()(tokens, labels=tokens).backward()
         blocks = [m for m in model.modules() if isinstance(m, MoE)]
-        loads[name] = [None if b.load is None else b.load.tolist() for b in blocks]
+        in_graph[name] = [b.count_in_graph for b in blocks]
+        loads[name] = [None if (x := b.take_load()) is None else x.tolist() for b in blocks]
+        again = [b.take_load() for b in blocks]  # taken: reset
+        assert all(x is None or not x.any() for x in again)
     torch._dynamo.reset()
     assert len(loads["eager"]) == 1 and all(sum(x) == 2 * 16 * args.moe_top_k for x in loads["eager"])
-    assert loads["compiled"] == loads["eager"]
-    assert loads.get("uncounted", [None]) == [None]
+    assert loads["in_graph"] == loads["eager"] and in_graph["in_graph"] == [True]
+    assert loads.get("inside_checkpoint", loads["eager"]) == loads["eager"]
+    assert in_graph.get("inside_checkpoint", [False]) == [False]
+    assert loads["uncounted"] == [None]
 
 
 @pytest.mark.slow  # Inductor compiles the blocks on the CPU: minutes

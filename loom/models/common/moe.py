@@ -281,7 +281,30 @@ class MoE(nn.Module):
         self.counted = None  # count_tokens: (B, S) bool, the tokens the balance loss counts (None: all)
         # with the selection bias, training forwards add to ``load`` (compiled blocks: loom.parallel.compile decides)
         self.count_loads = True
+        # ... or, in a block compiled whole around its checkpoint, to ``graph_load`` inside the graph (an in-place
+        # add the compiled recomputation does not repeat; int64, which no dtype cast of the model touches)
+        self.count_in_graph = False
+        self.register_buffer(
+            "graph_load",
+            torch.zeros(n_experts, dtype=torch.long) if routing.get("bias") else None,
+            persistent=False,
+        )
         self.parallel = LOCAL_EXPERTS
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """No tokens counted in the graph yet (a model materialized from the meta device: loom.models.common.init)."""
+        if self.graph_load is not None:
+            self.graph_load.zero_()
+
+    def take_load(self) -> torch.Tensor | None:
+        """The tokens each expert received since the last call (then reset): ``load``, or ``graph_load`` where the
+        compiled block counts; None where nothing was counted eagerly."""
+        load, self.load = self.load, None
+        if self.count_in_graph and self.graph_load is not None:
+            load = self.graph_load.float()
+            self.graph_load.zero_()
+        return load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
@@ -294,7 +317,12 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         record = _records_balance()
         if self.router.expert_bias is not None and self.training and self.count_loads:
-            _count_load(self, experts)
+            if self.count_in_graph:
+                with torch.no_grad():
+                    flat_experts = experts.flatten()
+                    self.graph_load.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+            else:
+                _count_load(self, experts)
         if self.training and torch.is_grad_enabled() and (self.aux_loss > 0 or record):
             counted = None if self.counted is None else par.local_tokens(self.counted)  # (B, S)
             assert counted is None or counted.shape == (bsz, seq), "count_tokens: set the mask of each batch"
@@ -370,7 +398,8 @@ def forget_routing(model: nn.Module) -> None:
     """Drop what ``model``'s MoE blocks counted since the last bias update and read (loads, balance): a forward
     that was no training step's (a pipeline's shape inference on placeholder inputs)."""
     for m in moe_modules(model):
-        m.load = m.balance_sum = None
+        m.take_load()
+        m.balance_sum = None
 
 
 def take_balance(model: nn.Module) -> torch.Tensor | None:
@@ -402,10 +431,9 @@ def update_expert_bias(
     load = torch.zeros(len(names), n_experts, device=device)
     for i, name in enumerate(names):
         block = blocks.get(name)
-        if block is not None and block.load is not None:
-            load[i] = block.load.to(device)
-        if block is not None:
-            block.load = None
+        taken = None if block is None else block.take_load()
+        if taken is not None:
+            load[i] = taken.to(device)
     if reduce is not None:
         load = reduce(load)
     step = speed * torch.sign(load.mean(dim=1, keepdim=True) - load)  # (blocks, n)
