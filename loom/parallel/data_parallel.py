@@ -143,7 +143,10 @@ def premul_sum(mesh) -> bool:
 
 
 def apply_ddp(model: nn.Module, mesh, *, bucket_mb: float) -> nn.Module:
-    """DDP over a 1-D mesh; gradient buckets all-reduce while backward runs. Call after materializing."""
+    """DDP over a 1-D mesh; gradient buckets all-reduce while backward runs. Call after materializing. No buffer
+    broadcast before each forward: loom's buffers are recomputed alike on every rank (RoPE tables), kept equal by
+    loom (the selection biases) or are each rank's own (a compiled MoE block's load count, summed over the ranks at
+    the bias update), which rank 0's copy would overwrite."""
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = None if model_device(model).type == "cpu" else [model_device(model)]
@@ -153,6 +156,7 @@ def apply_ddp(model: nn.Module, mesh, *, bucket_mb: float) -> nn.Module:
         bucket_cap_mb=bucket_mb,
         device_ids=device_ids,
         gradient_as_bucket_view=True,
+        broadcast_buffers=False,
     )
 
 
