@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.gpu import record
 
 
@@ -70,3 +72,16 @@ def test_a_file_cut_short_keeps_what_finished_and_names_the_running_test():
     assert list(cases) == ["test_a", "test_b[2]", "time_limit[test_c]"]
     assert cases["test_a"].find("failure") is None and cases["test_b[2]"].find("skipped") is not None
     assert cases["time_limit[test_c]"].find("failure") is not None and suite.get("failures") == "1"
+
+
+def test_run_each_refuses_what_is_not_a_test_file(monkeypatch, capsys):
+    """pytest options after ``--`` would arrive as file names and run a pytest over the whole tree (a device call
+    lost that way): refused in one line, exit 2."""
+    import sys
+
+    from tests.gpu import run_each
+
+    monkeypatch.setattr(sys, "argv", ["run_each", "out.xml", "tests/gpu/test_health_gpu.py", "--", "-v"])
+    with pytest.raises(SystemExit) as err:
+        run_each.main()
+    assert err.value.code == 2 and "FILE '-v'" in capsys.readouterr().err
