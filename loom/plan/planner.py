@@ -54,6 +54,7 @@ from loom.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_HBM_SHARE,
     EP_HOST_WAIT_S,
+    GRAD_NORM_BYTES,
     NF4_DEQUANT_HBM_SHARE,
     StepTime,
     attention_efficiency,
@@ -546,7 +547,7 @@ def rank_time(
         st.pp = 2 * m * len(share.stages) * act / (_bandwidth(dims, ("pp",), gpu) * 1e9)
     # the parameters AdamW steps (a model trained beside the policy: as many again)
     own = (adapters if x.lora_base_bytes else held_params(share, x)) / x.shard * (1 + x.trained_copies)
-    st.optimizer = ADAMW_BYTES_PER_PARAM * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
+    st.optimizer = (ADAMW_BYTES_PER_PARAM + GRAD_NORM_BYTES) * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
     st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
     # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
     if x.cpu_offload:

@@ -6,8 +6,9 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   ``efficiency(dim)`` x peak (fitted to measured loom runs: docs/planner.md); causal attention (its
   FLOPs, half the non-causal count MFU uses) at the attention kernel's measured rate
   (``attention_efficiency``);
-- optimizer: loom's AdamW reads and writes 28 bytes per parameter a rank owns, at ``ADAMW_HBM_SHARE`` of
-  the HBM bandwidth (measured: docs/planner.md);
+- optimizer: loom's AdamW reads and writes 28 bytes per parameter a rank owns, and the gradient norm every step
+  reads its gradient once more (``GRAD_NORM_BYTES``), at ``ADAMW_HBM_SHARE`` of the HBM bandwidth (measured:
+  docs/planner.md);
 - FSDP2 all-gathers (forward, and backward when resharding) and reduce-scatters every micro-batch,
   overlapped with compute: exposed is what exceeds the compute, plus the first gather and the last
   reduction; HSDP adds an all-reduce over the replicas the same way; DDP all-reduces once per step during
@@ -79,6 +80,9 @@ def attention_flops(
 
 
 ADAMW_HBM_SHARE = 0.86
+# the gradient norm (loom.train.grads.global_grad_norm, every step: logged, and clipping's input) reads each fp32
+# gradient a rank owns once; 1.8 ms a step at 1B on an H200 in train_1b's profile (docs/benchmarks.md)
+GRAD_NORM_BYTES = 4
 ADAMW_BYTES_PER_PARAM = 28
 
 # QLoRA (lora.base_dtype nf4): each use of an adapted linear's NF4 weight (its forward, its input gradient, and the
