@@ -38,8 +38,8 @@ def apply_compile(
     (``MoE.count_in_graph``: an in-place add to a buffer, which the compiled recomputation does not repeat), as
     torchtitan does. Otherwise it counts eagerly (``MoE.count_loads``, excluded from tracing), so it breaks there too
     and is compiled inside its checkpoint wrapper: a recomputing backward then reruns the count eagerly, where it
-    sees the recomputation and skips it; such a block recomputes all of its forward whatever the checkpointing
-    policy. Otherwise compiled blocks count nothing. ``backend``: torch.compile's (tests: ``eager``, ``aot_eager``
+    sees the recomputation and skips it (its checkpoint then wraps compiled code, which an op-level policy may not
+    see into). Otherwise compiled blocks count nothing. ``backend``: torch.compile's (tests: ``eager``, ``aot_eager``
     where a graph counts: the in-place add needs AOTAutograd's functionalization).
 
     Every block runs one code object (the block class's ``forward``), compiled once per set of guards it meets:
