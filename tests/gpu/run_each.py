@@ -73,7 +73,11 @@ def main() -> None:
         path
     ) in args.files:  # pytest options after "--" would arrive here and run a pytest over the whole tree
         if not path.endswith(".py"):
-            parser.error(f"FILE {path!r}: allowed test files (*.py); pytest options are not passed through")
+            print(
+                f"run_each: FILE {path!r}: allowed test files (*.py); pytest options are not passed through",
+                file=sys.stderr,
+            )
+            sys.exit(2)
     merged = ET.Element("testsuites")
     with tempfile.TemporaryDirectory() as tmp:
         for i, path in enumerate(args.files or gpu_test_files()):
