@@ -113,8 +113,9 @@ def apply_fsdp_experts(
     experts), before the blocks are sharded (their fully_shard then leaves these parameters alone). Their
     gradients sum over ``mesh`` while the others average over every data-parallel rank, so their reduction
     divides by ``mesh.size() / grad_factor`` (``ParallelDims.expert_grad_factor``) instead of ``mesh.size()``:
-    NCCL multiplies inside the reduce-scatter (PreMulSum), gloo sums and FSDP2 divides the shard after. Nothing
-    rescales them after the backward (as torchtitan: a pass over every expert gradient saved)."""
+    the collectives sum and FSDP2 divides the shard after, on every backend alike (NCCL could scale inside the
+    reduce-scatter, but then GPUs would run a path the gloo tests never do). Nothing rescales them after the backward
+    (as torchtitan: a pass over every expert gradient saved)."""
     from torch.distributed.fsdp import fully_shard
 
     for moe in moe_modules(model):
@@ -128,18 +129,8 @@ def apply_fsdp_experts(
         moe.experts.set_gradient_divide_factor(mesh.size() / grad_factor)
         # a shard dim of one rank reduce-scatters nothing and divides by itself; forcing the sum there would divide
         # twice (torch 2.11-2.13: the one-rank copy divides, then the post-divide), which the gloo tests caught
-        if not premul_sum(mesh) and mesh.size(mesh.ndim - 1) > 1:
+        if mesh.size(mesh.ndim - 1) > 1:
             moe.experts.set_force_sum_reduction_for_comms(True)
-
-
-def premul_sum(mesh) -> bool:
-    """Whether ``mesh``'s collectives can scale while they reduce (``ReduceOp.PREMUL_SUM``): NCCL can; gloo and MPI
-    cannot."""
-    import torch.distributed as dist
-
-    backend = dist.get_backend(mesh.get_group(mesh.ndim - 1))
-    per_device = dict(b.split(":") for b in backend.split(",")) if ":" in backend else None
-    return (per_device.get(mesh.device_type) if per_device else backend) == "nccl"
 
 
 def apply_ddp(model: nn.Module, mesh, *, bucket_mb: float) -> nn.Module:

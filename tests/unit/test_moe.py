@@ -375,31 +375,3 @@ def test_padded_expert_exchange_reads_nothing_on_the_host(tmp_path, monkeypatch)
     for name in ("padded", "padded-compiled"):
         for got, want in zip(runs[name][0], runs["uneven"][0]):
             torch.testing.assert_close(got, want)
-
-
-def test_expert_reductions_scale_inside_the_collective_only_on_nccl(monkeypatch):
-    """The experts' FSDP2 reduction divides by the layout's factor inside NCCL's reduce-scatter (PreMulSum); gloo and
-    MPI have no such op, so there FSDP2 sums and divides after (the layout tests check both on gloo ranks)."""
-    import torch.distributed as dist
-
-    from loom.parallel.data_parallel import premul_sum
-
-    class Mesh:
-        ndim = 1
-
-        def __init__(self, device_type):
-            self.device_type = device_type
-
-        def get_group(self, dim):
-            return dim
-
-    for backend, device, want in [
-        ("nccl", "cuda", True),
-        ("gloo", "cpu", False),
-        ("gloo", "cuda", False),
-        ("mpi", "cuda", False),
-        ("cuda:nccl,cpu:gloo", "cuda", True),
-        ("cuda:nccl,cpu:gloo", "cpu", False),
-    ]:
-        monkeypatch.setattr(dist, "get_backend", lambda group, b=backend: b)
-        assert premul_sum(Mesh(device)) is want, (backend, device)
