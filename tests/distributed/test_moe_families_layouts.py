@@ -7,7 +7,7 @@ group-limited sigmoid routing, its aux-loss-free selection bias moving each step
 one process, and the bias equal on every rank: ``moe_bias_spread`` 0); all in one world-2 job group, where a DualPipeV
 run also resumes the 1F1B run's checkpoint (the embedding written once, restored into both of its copies).
 Slow (``BROAD``): etp 1, TP with accumulation, the other pipeline schedules (with MTP, the head tied where the
-schedule allows; pipedream_2bw with the selection bias frozen), ring CP, LoRA on the latent attention and on Qwen3-MoE's; and on 4 ranks (``FOUR``) EP x FSDP,
+schedule allows; pipedream_2bw with the selection bias frozen), ring CP, LoRA on the latent attention and on Qwen3-MoE's; and on 4 ranks (``FOUR``) EP x FSDP (both families),
 EP x TP x DP, CP x TP, PP x TP and PP x EP."""
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ BROAD = {
 # module on the last stage)
 FOUR = {
     "ds-fsdp4-ep2": dict(dp=4, dp_shard=4, ep=2),
+    "q-fsdp4-ep2": dict(dp=4, dp_shard=4, ep=2),
     "ds-dp2-ep2-tp2-etp2": dict(dp=2, dp_shard=2, tp=2, ep=2, etp=2),
     "ds-cp2-tp2": dict(cp=2, tp=2, dp_shard=1),
     "q-dp2-ep2-tp2-etp2": dict(dp=2, dp_shard=2, tp=2, ep=2, etp=2),
