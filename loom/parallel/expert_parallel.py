@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom.metrics.nvtx import nvtx_range
-from loom.models.common.moe import MoE, moe_modules
+from loom.models.common.moe import MoE, inverse_permutation, moe_modules, permute
 from loom.parallel.collectives import gather_rows, reduce_scatter_rows
 
 
@@ -137,8 +137,10 @@ class ExpertParallel:
         n_local = send_counts.shape[1]
         expert = torch.arange(n_local, device=x.device).repeat(self.size)  # the local expert of each block
         order = torch.repeat_interleave(expert, recv_counts.reshape(-1)).argsort(stable=True)  # by expert
-        out = experts(got[order], recv_counts.sum(0), local)  # (R, E) grouped by local expert
-        back = torch.empty_like(out).index_copy_(0, order, out)  # (R, E) per source rank again
+        inverse = inverse_permutation(order)
+        # (R, E) grouped by local expert
+        out = experts(permute(got, order, inverse), recv_counts.sum(0), local)
+        back = permute(out, inverse, order)  # (R, E) per source rank again
         return all_to_all(back, recv, send, self.group, "ep.combine")  # (T k, E)
 
     def _run_padded(self, experts, x, send_counts, recv_counts, local) -> torch.Tensor:
@@ -159,10 +161,12 @@ class ExpertParallel:
         bounds = recv_counts.cumsum(1)  # (ep, n_local): ends of each expert's rows in each block
         expert = torch.searchsorted(bounds, row.expand(self.size, cap).contiguous(), right=True)  # (ep, C)
         order = expert.reshape(-1).argsort(stable=True)  # (ep C,) real rows by local expert, then the pads
-        out = experts(got[order], recv_counts.sum(0), local)  # (ep C, E), rows past the counts unspecified
+        inverse = inverse_permutation(order)
+        # (ep C, E), rows past the counts unspecified
+        out = experts(permute(got, order, inverse), recv_counts.sum(0), local)
         real = (expert < n_local).reshape(-1, 1)  # (ep C, 1)
         # (ep C, E) per source rank again, the pad rows zeros
-        back = torch.where(real, torch.empty_like(out).index_copy_(0, order, out), 0)
+        back = torch.where(real, permute(out, inverse, order), 0)
         done = all_to_all(back, equal, equal, self.group, "ep.combine")  # (ep C, E): block r from rank r
         return done[pos]  # (T k, E)
 

@@ -375,3 +375,41 @@ def test_padded_expert_exchange_reads_nothing_on_the_host(tmp_path, monkeypatch)
     for name in ("padded", "padded-compiled"):
         for got, want in zip(runs[name][0], runs["uneven"][0]):
             torch.testing.assert_close(got, want)
+
+
+def test_dispatch_and_permute_gather_their_gradients():
+    """The token -> slot dispatch and the slots' permutation give plain indexing's values and gradients (fp64), their
+    backward a gather, not autograd's scatter-add; under bf16 autocast the dispatch casts the T tokens before it
+    copies them k times and hands back an fp32 gradient, each token's k slot gradients summed in fp32."""
+    from loom.models.common.moe import dispatch, inverse_permutation, permute
+
+    torch.manual_seed(0)
+    t, e, k, n = 24, 8, 3, 5
+    flat = torch.randn(t, e, dtype=torch.float64, requires_grad=True)
+    order = torch.randint(0, n, (t, k)).flatten().argsort(stable=True)
+    inverse = inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(t * k))
+    g = torch.randn(t * k, e, dtype=torch.float64)
+
+    def grad_of(fn, x):
+        (y,) = torch.autograd.grad((fn(x) * g).sum(), x)
+        return fn(x).detach(), y
+
+    for ours, plain, x in (
+        (lambda f: dispatch(f, order, inverse, k), lambda f: f[order // k], flat),
+        (
+            lambda s: permute(s, inverse, order),
+            lambda s: torch.zeros_like(s).index_copy(0, order, s),
+            g.clone(),
+        ),
+    ):
+        x = x.detach().requires_grad_()
+        (got, got_grad), (want, want_grad) = grad_of(ours, x), grad_of(plain, x)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got_grad, want_grad)
+    x = flat.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        slots = dispatch(x, order, inverse, k)
+    (grad,) = torch.autograd.grad(slots.float().sum(), x)
+    assert slots.dtype == torch.bfloat16 and grad.dtype == torch.float32
+    assert torch.equal(slots, x.detach().bfloat16()[order // k]) and torch.equal(grad, torch.full_like(x, k))

@@ -199,6 +199,56 @@ def sequence_balance_loss(
     ).sum()  # P: (B, n), this rank's tokens' share
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``order`` (int64, (N,)): ``x[order][inverse] == x``."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class _Dispatch(torch.autograd.Function):
+    """Tokens (T, E) -> their k slots each (T k, E) in ``order`` (grouped by expert), cast to the experts' dtype
+    first (T rows rather than T k). The backward gathers each token's k slot gradients by ``inverse`` and sums them
+    in fp32 at least; autograd's own backward of the indexing would scatter-add them (atomics, in no fixed order)."""
+
+    @staticmethod
+    def forward(ctx, flat, order, inverse, k: int, dtype: torch.dtype):
+        ctx.save_for_backward(inverse)
+        ctx.k, ctx.in_dtype = k, flat.dtype
+        return flat.to(dtype)[order // k]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        summed = grad[inverse].view(-1, ctx.k, grad.shape[-1]).sum(1, dtype=acc)
+        return summed.to(ctx.in_dtype), None, None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """Rows ``x[index]`` for a permutation ``index``; the backward is the gather ``grad[inverse]`` (autograd's own
+    would scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
+def dispatch(flat: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """flat (T, E) -> (T k, E): ``flat[order // k]`` in the experts' compute dtype, its gradient gathered, not
+    scattered (``_Dispatch``)."""
+    return _Dispatch.apply(flat, order, inverse, k, compute_dtype(flat))
+
+
+def permute(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for a permutation ``index`` with ``inverse`` its inverse, its gradient gathered (``_Permute``)."""
+    return _Permute.apply(x, index, inverse)
+
+
 class LocalExperts:
     """``MoE.parallel`` on one device and under plain data parallelism: every expert on this rank, whole
     sequences, the parameters as they are. loom.parallel installs its own (``loom.parallel.expert_parallel.
@@ -347,12 +397,13 @@ class MoE(nn.Module):
         """flat (T, E), the router's weights and experts (T, k) -> (T, E): the weighted sum of each token's
         experts' outputs."""
         order = experts.flatten().argsort(stable=True)  # (T k,) token-slots grouped by expert
+        inverse = inverse_permutation(order)
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, experts.flatten(), torch.ones_like(experts.flatten())
         )  # (n,) tokens per expert; static shape
-        slots_in = flat[order // self.top_k]  # (T k, E) grouped by expert
+        slots_in = dispatch(flat, order, inverse, self.top_k)  # (T k, E) grouped by expert
         routed = self.parallel.run(self.experts, slots_in, counts)
-        slots = torch.empty_like(routed).index_copy_(0, order, routed)  # (T k, E) back in token order
+        slots = permute(routed, inverse, order)  # (T k, E) back in token order
         return (slots.view(-1, self.top_k, flat.shape[1]) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
 
 
