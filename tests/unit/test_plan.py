@@ -565,7 +565,7 @@ def test_moe_estimates_against_measured_runs(name, over):
     run = _measured(name, "fsdp1")
     est = estimate(_cfg(**over), 1, GPUS["H100"])
     over_by = est.memory.total / 2**30 / run["peak_gib_max_rank"] - 1
-    assert -0.05 < over_by < 0.15  # on the safe side: -1%..+12% on these runs
+    assert -0.05 < over_by < 0.15  # -3%..+8% on these runs (measured before de20da0, which the plan counts)
     assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.20)
 
 
