@@ -45,7 +45,9 @@ def summarize(trace: dict) -> dict:
         and str(e.get("name", "")).startswith("ProfilerStep#")
         and e.get("cat") != "gpu_user_annotation"
     ]  # each step also appears as a range on the GPU rows
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    kernels = in_steps(
+        [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"], steps, launch_times(events)
+    )
     if not kernels:
         raise SystemExit("no GPU kernels in this trace (a CPU run?)")
     start = min(k["ts"] for k in kernels)
@@ -80,6 +82,31 @@ def summarize(trace: dict) -> dict:
             for key, (t, n) in sorted(by_shape.items(), key=lambda x: -x[1][0])[:20]
         },
     }
+
+
+def launch_times(events: list) -> dict:
+    """When each kernel was launched: the CUDA runtime / driver call's start, by correlation id."""
+    return {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+
+
+def in_steps(kernels: list, steps: list, launched: dict) -> list:
+    """The kernels launched inside a profiled step. The profiler records every kernel that runs while it records,
+    so where the host runs ahead of the GPU (a loop that does not wait on each step) the trace also holds the tail
+    of the step before the window (its backward and optimizer): counted, they would inflate every per-step figure.
+    A kernel without a known launch (or a trace without step ranges) is kept."""
+    if not steps:
+        return kernels
+    ranges = sorted((s["ts"], s["ts"] + s["dur"]) for s in steps)
+
+    def inside(k) -> bool:
+        t = launched.get(k.get("args", {}).get("correlation"))
+        return t is None or any(a <= t <= b for a, b in ranges)
+
+    return [k for k in kernels if inside(k)]
 
 
 def matmul_by_shape(events: list, kernels: list) -> dict[str, list[float]]:

@@ -79,3 +79,36 @@ def test_matmul_time_by_the_launching_op_and_its_shapes():
         "aten::addmm [[8, 6], [8, 4], [4, 6]]": {"ms": 0.03, "calls": 1.0},
         "aten::mm [[8, 4], [4, 6]]": {"ms": 0.02, "calls": 2.0},
     }
+
+
+def test_kernels_launched_before_the_window_are_not_counted():
+    """A host that runs ahead leaves the previous step's last kernels running when recording starts: those launched
+    before the ProfilerStep range are dropped (by their runtime call's correlation id), a kernel with no known launch
+    is kept."""
+
+    def launch(corr, ts):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts,
+            "dur": 1,
+            "args": {"correlation": corr},
+        }
+
+    def run(name, ts, dur, corr):
+        return {**kernel(name, ts, dur), "args": {"correlation": corr}}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#15", "ts": 100, "dur": 100},
+        launch(1, 50),  # the step before: its optimizer, still running at ts 110
+        launch(2, 120),
+        launch(3, 150),
+        run("_adamw_kernel", 110, 40, 1),
+        run("nvjet_gemm", 150, 30, 2),
+        run("_adamw_kernel", 190, 40, 3),
+        kernel("cudnn_sdpa_flash_fprop", 180, 10),  # no launch record: kept
+    ]
+    s = summarize({"traceEvents": events})
+    assert s["by_category_ms_per_step"] == {"optimizer": 0.04, "matmul": 0.03, "attention": 0.01}
+    assert abs(s["gpu_idle_fraction"] - 0.0) < 1e-12  # span 150-230, covered
