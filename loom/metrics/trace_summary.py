@@ -96,15 +96,16 @@ def launch_times(events: list) -> dict:
 def in_steps(kernels: list, steps: list, launched: dict) -> list:
     """The kernels launched inside a profiled step. The profiler records every kernel that runs while it records,
     so where the host runs ahead of the GPU (a loop that does not wait on each step) the trace also holds the tail
-    of the step before the window (its backward and optimizer): counted, they would inflate every per-step figure.
-    A kernel without a known launch (or a trace without step ranges) is kept."""
-    if not steps:
+    of the step before the window (its backward and optimizer), launched while the profiler was warming up: their
+    launch calls are not in the trace. Counted, they would inflate every per-step figure. A trace without step
+    ranges or launch records (a synthetic one) keeps every kernel."""
+    if not steps or not launched:
         return kernels
     ranges = sorted((s["ts"], s["ts"] + s["dur"]) for s in steps)
 
     def inside(k) -> bool:
         t = launched.get(k.get("args", {}).get("correlation"))
-        return t is None or any(a <= t <= b for a, b in ranges)
+        return t is not None and any(a <= t <= b for a, b in ranges)
 
     return [k for k in kernels if inside(k)]
 

@@ -83,8 +83,8 @@ def test_matmul_time_by_the_launching_op_and_its_shapes():
 
 def test_kernels_launched_before_the_window_are_not_counted():
     """A host that runs ahead leaves the previous step's last kernels running when recording starts: those launched
-    before the ProfilerStep range are dropped (by their runtime call's correlation id), a kernel with no known launch
-    is kept."""
+    before the ProfilerStep range (by their runtime call's correlation id), or whose launch the profiler did not keep
+    (it was warming up), are dropped."""
 
     def launch(corr, ts):
         return {
@@ -107,7 +107,9 @@ def test_kernels_launched_before_the_window_are_not_counted():
         run("_adamw_kernel", 110, 40, 1),
         run("nvjet_gemm", 150, 30, 2),
         run("_adamw_kernel", 190, 40, 3),
-        kernel("cudnn_sdpa_flash_fprop", 180, 10),  # no launch record: kept
+        launch(4, 160),
+        run("cudnn_sdpa_flash_fprop", 180, 10, 4),
+        run("_adamw_kernel", 100, 10, 9),  # launched during the warm-up: no launch record
     ]
     s = summarize({"traceEvents": events})
     assert s["by_category_ms_per_step"] == {"optimizer": 0.04, "matmul": 0.03, "attention": 0.01}
