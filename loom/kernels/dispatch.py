@@ -65,17 +65,21 @@ def resolve_kernels(
     triton: bool | None = None,
     window: bool = False,
     fp32: bool = False,
+    float8: str = "none",
 ) -> KernelChoice:
     """``model_cfg``: the ``model`` config section; ``tp`` / ``pp``: tensor / pipeline parallelism on;
     ``measure_attention``: times the backends and names the faster (called only when ``auto`` needs it);
     ``triton``: whether Triton is installed (None = look; the planner assumes a GPU machine that has it);
-    ``window``: the model attends through a sliding window; ``fp32``: the run computes in float32.
+    ``window``: the model attends through a sliding window; ``fp32``: the run computes in float32; ``float8``:
+    training.float8.
 
     ``auto``: attention measured on CUDA (untimed: ours for documents or a sliding window, whose masked blocks it
     skips where SDPA would compute them under a dense mask, else SDPA; in fp32, a checking dtype whose full-precision
     Triton dots compile for minutes per autotuned block, not timed either; CPU: SDPA); the fused norm,
     RoPE and SwiGLU on CUDA without torch.compile (Inductor fuses them itself), the norm not under tensor
-    parallelism (its inputs are DTensors); the fused loss on CUDA without tensor or pipeline parallelism."""
+    parallelism (its inputs are DTensors); the norm also under compile with tensorwise float8, where Inductor fuses
+    the recomputed norm with the float8 casts of its output into one slow kernel (3B on one H200: the fused norm
+    1.036x, in bf16 0.974x; docs/kernels.md); the fused loss on CUDA without tensor or pipeline parallelism."""
     triton_gpu = device_type == "cuda" and (has_triton() if triton is None else triton)
     attention = model_cfg.attention
     if attention == "auto":
@@ -88,7 +92,9 @@ def resolve_kernels(
     eager_gpu = triton_gpu and not compile
     return KernelChoice(
         attention=attention,
-        fused_norm=_flag(model_cfg.fused_norm, eager_gpu and not tp),
+        fused_norm=_flag(
+            model_cfg.fused_norm, triton_gpu and not tp and (not compile or float8 == "tensorwise")
+        ),
         fused_rope=_flag(model_cfg.fused_rope, eager_gpu),
         fused_swiglu=_flag(model_cfg.fused_swiglu, eager_gpu),
         fused_loss=_flag(model_cfg.fused_loss, triton_gpu and not (tp or pp)),
@@ -172,6 +178,7 @@ def kernel_choice(
         triton=triton,
         fp32=cfg.training.dtype == "float32",
         window=window() > 0,
+        float8=cfg.training.float8,
     )
     return mla_kernels(cfg, kernels, device, attention_width)
 

@@ -170,6 +170,10 @@ def test_dispatch_auto_choices():
         assert gpu.attention == "sdpa" and not gpu.fused_norm and not gpu.fused_loss
         tp_eager = dispatch.resolve_kernels(auto, "cuda", compile=False, documents=False, tp=True)
         assert not tp_eager.fused_norm and tp_eager.fused_swiglu
+        # compiled: Inductor's norm, except with tensorwise float8 (its fusion with the casts is slower)
+        for float8, fused in (("none", False), ("rowwise", False), ("tensorwise", True)):
+            c = dispatch.resolve_kernels(auto, "cuda", compile=True, documents=False, float8=float8)
+            assert c.fused_norm is fused and not c.fused_rope and not c.fused_swiglu
 
 
 def test_dispatch_measures_attention_only_where_auto_needs_it():
