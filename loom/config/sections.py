@@ -220,7 +220,7 @@ class ModelConfig:
     )
     fused_norm: str = opt(
         "auto",
-        "fused Triton RMSNorm; auto = on for CUDA without compile",
+        "fused Triton RMSNorm; auto = on for CUDA without compile, and under compile with tensorwise float8",
         choices=("auto", "true", "false"),
         resume=(FREE, KERNEL),
     )
