@@ -721,7 +721,8 @@ def loom_profiling(steps: int) -> dict:
 
 def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
     """The profiled step's GPU time by kernel category, top kernels and exposed communication
-    (loom.metrics.trace_summary) from rank 0's trace; the trace gzipped into ``keep_dir`` when one is given."""
+    (loom.metrics.trace_summary) from rank 0's trace; the trace gzipped into ``keep_dir`` when one is given, named by
+    ``label`` (workload and side, so the calls of one script keep each other's)."""
     from loom.metrics.trace_summary import summarize
 
     if not os.path.exists(trace_path):
@@ -802,7 +803,7 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
             glob.glob(os.path.join(paths["titan_dir"], "profile_traces", "*", "rank0_trace.json"))
         )
         where = traces[-1] if traces else os.path.join(paths["titan_dir"], "profile_traces")
-        out["profile"] = profile_summary(where, a.profile_dir, "torchtitan")
+        out["profile"] = profile_summary(where, a.profile_dir, f"{w.name}_torchtitan")
     return out
 
 
@@ -844,7 +845,9 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
         )
     if a.profile:
         trace = os.path.join(paths["loom_dir"], "profile", "trace_rank0.json")
-        out["profile"] = profile_summary(trace, a.profile_dir, os.path.basename(paths["loom_dir"]))
+        out["profile"] = profile_summary(
+            trace, a.profile_dir, f"{w.name}_{os.path.basename(paths['loom_dir'])}"
+        )
     return out
 
 
