@@ -195,7 +195,16 @@ class StepProfiler:
         if step >= self.window[1]:
             self._finish()
         else:
+            if step + 1 == self.window[0]:
+                self._drain()
             self._prof.step()
+
+    def _drain(self) -> None:
+        """Wait for the GPU before the first recorded step: the loop does not wait for a step's loss, so the warm-up
+        step's backward and optimizer would still be running inside the recorded steps, their kernels in the trace
+        without their launches (loom.metrics.trace_summary drops such kernels from its figures either way)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         """Write out what was recorded if training stopped inside the window (SIGTERM, an error)."""
@@ -227,6 +236,10 @@ class StepProfiler:
         # numbered as the trainer's steps, in the phase of this one
         self._prof.step_num = step
         self._prof.current_action = schedule(step)
+        if (
+            step >= first
+        ):  # recording from this step on, with no warm-up step before it (a resume inside the window)
+            self._drain()
         self._prof.start()
 
     def _export(self, prof: torch.profiler.profile) -> None:

@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 
+from loom.metrics.trace_summary import in_steps, launch_times
 from tests.distributed.harness import run_one
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -74,6 +75,12 @@ def test_profile_without_the_memory_history(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == ["trace_rank0.json"]
     assert "no memory snapshot (metrics.profile_memory = false)" in capsys.readouterr().out
     assert not torch.cuda.memory._snapshot()["device_traces"][0]  # never recorded
+    # the GPU drained before the recorded step: every kernel in the trace was launched inside it
+    with open(tmp_path / "run" / "profile" / "trace_rank0.json") as fh:
+        events = json.load(fh)["traceEvents"]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    assert kernels and in_steps(kernels, steps, launch_times(events)) == kernels
 
 
 def test_profile_of_moe_under_activation_checkpointing_trains_on(tmp_path, capsys):
