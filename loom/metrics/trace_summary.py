@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections import defaultdict
 
 # first match wins; names are lower-cased kernel names
@@ -45,11 +46,14 @@ def summarize(trace: dict) -> dict:
         and str(e.get("name", "")).startswith("ProfilerStep#")
         and e.get("cat") != "gpu_user_annotation"
     ]  # each step also appears as a range on the GPU rows
-    kernels = in_steps(
-        [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"], steps, launch_times(events)
-    )
-    if not kernels:
+    recorded = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not recorded:
         raise SystemExit("no GPU kernels in this trace (a CPU run?)")
+    kernels = in_steps(recorded, steps, launch_times(events))
+    if not kernels:
+        raise SystemExit(
+            f"none of this trace's {len(recorded)} GPU kernels was launched inside a ProfilerStep range"
+        )
     start = min(k["ts"] for k in kernels)
     end = max(k["ts"] + k["dur"] for k in kernels)
     n_steps = max(len(steps), 1)
@@ -162,8 +166,18 @@ def main() -> None:
     p.add_argument("--out", default="", help="also write the summary as JSON here")
     p.add_argument("--label", default="", help="a name printed and stored with the summary")
     a = p.parse_args()
-    with open(a.trace) as f:
-        res = summarize(json.load(f))
+    try:
+        with open(a.trace) as f:
+            res = summarize(json.load(f))
+    except (OSError, ValueError) as e:  # missing, unreadable or not JSON
+        why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+    except SystemExit as e:  # a trace without GPU kernels to count
+        why = str(e)
+    else:
+        why = ""
+    if why:
+        print(f"trace_summary: {a.trace}: {why}", file=sys.stderr)
+        raise SystemExit(2)
     res["label"], res["trace"] = a.label, a.trace
     if a.out:  # first: a closed pipe on the printout (| head) must not lose the file
         with open(a.out, "w") as f:

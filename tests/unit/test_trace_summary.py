@@ -10,6 +10,23 @@ def kernel(name, ts, dur):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
 
+def launch(corr, ts):
+    """The CUDA runtime call that launched kernel ``corr`` (its correlation id) at ``ts``."""
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 1,
+        "args": {"correlation": corr},
+    }
+
+
+def run(name, ts, dur, corr):
+    """A kernel whose launch has correlation id ``corr``."""
+    return {**kernel(name, ts, dur), "args": {"correlation": corr}}
+
+
 def test_categories():
     assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
     assert category("nvjet_sm90_tst_256x128") == "matmul"
@@ -86,19 +103,6 @@ def test_kernels_launched_before_the_window_are_not_counted():
     before the ProfilerStep range (by their runtime call's correlation id), or whose launch the profiler did not keep
     (it was warming up), are dropped."""
 
-    def launch(corr, ts):
-        return {
-            "ph": "X",
-            "cat": "cuda_runtime",
-            "name": "cudaLaunchKernel",
-            "ts": ts,
-            "dur": 1,
-            "args": {"correlation": corr},
-        }
-
-    def run(name, ts, dur, corr):
-        return {**kernel(name, ts, dur), "args": {"correlation": corr}}
-
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#15", "ts": 100, "dur": 100},
         launch(1, 50),  # the step before: its optimizer, still running at ts 110
@@ -114,3 +118,36 @@ def test_kernels_launched_before_the_window_are_not_counted():
     s = summarize({"traceEvents": events})
     assert s["by_category_ms_per_step"] == {"optimizer": 0.04, "matmul": 0.03, "attention": 0.01}
     assert abs(s["gpu_idle_fraction"] - 0.0) < 1e-12  # span 150-230, covered
+
+
+def test_the_command_exits_2_with_one_line_on_a_bad_trace(tmp_path):
+    """A missing file, text that is not JSON, a trace without kernels and one whose kernels were all launched before
+    the profiled step: one line on stderr each, exit 2."""
+    import json
+    import subprocess
+    import sys
+
+    outside = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 100, "dur": 100},
+        launch(1, 50),
+        run("nvjet_gemm", 120, 10, 1),
+    ]
+    cases = {
+        "absent.json": (None, "FileNotFoundError"),
+        "text.json": ("not json", "JSONDecodeError"),
+        "empty.json": (json.dumps({"traceEvents": []}), "no GPU kernels in this trace"),
+        "outside.json": (
+            json.dumps({"traceEvents": outside}),
+            "none of this trace's 1 GPU kernels was launched",
+        ),
+    }
+    for name, (text, why) in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        out = subprocess.run(
+            [sys.executable, "-m", "loom.metrics.trace_summary", str(path)], capture_output=True, text=True
+        )
+        assert out.returncode == 2 and why in out.stderr and len(out.stderr.strip().splitlines()) == 1, (
+            out.stderr
+        )
