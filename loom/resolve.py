@@ -550,8 +550,9 @@ def check_bias_under_2bw(args, cfg: Config) -> None:
 
 def check_mla(args, cfg: Config) -> None:
     """LoRA targets against the model's attention kind: multi-head latent attention adapts q_a, q_b (or q where the
-    query is not compressed), kv_a, kv_b, o; grouped-query attention q, k, v, o."""
-    from loom.models.common.lora import MLA_TARGETS, parse_targets
+    query is not compressed), kv_a, kv_b, o; grouped-query attention q, k, v, o; shared_gate / shared_up /
+    shared_down need shared experts."""
+    from loom.models.common.lora import MLA_TARGETS, SHARED_TARGETS, parse_targets
 
     if not cfg.lora.rank:
         return
@@ -572,6 +573,14 @@ def check_mla(args, cfg: Config) -> None:
             cfg.lora.targets,
             f"{', '.join(wrong)}: not a linear of this model's {kind}: its attention targets are "
             f"{', '.join(allowed)}",
+        )
+    shared = [t for t in targets if t in SHARED_TARGETS]
+    if shared and not getattr(args, "moe_shared_experts", 0):
+        raise ConfigError(
+            "lora.targets",
+            cfg.lora.targets,
+            f"{', '.join(shared)}: this model has no shared experts (DeepSeek-V3's family has them); its "
+            f"attention targets are {', '.join(allowed)}",
         )
 
 

@@ -20,28 +20,31 @@ from loom.checkpoint.hf.reader import open_weights, owned_region
 from loom.config.errors import ConfigError, UserError, require
 from loom.config.sections import LoraConfig
 from loom.models.common.init import canonical_name
-from loom.models.common.lora import TARGETS, is_adapter, parse_targets
+from loom.models.common.lora import SHARED_TARGETS, TARGETS, is_adapter, parse_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel wraps the CausalLM, whose decoder is ``model``
 
 
-def hf_module(target: str) -> str:
-    """lora.targets name -> the Hugging Face module name PEFT targets (q -> q_proj, gate -> gate_proj, ...)."""
-    return hf_name(f"layers.0.{TARGETS[target]}.weight").rsplit(".", 2)[-2]
+def hf_module(target: str, args=None) -> str:
+    """lora.targets name -> the Hugging Face module name PEFT targets (q -> q_proj, gate -> gate_proj,
+    shared_gate -> shared_experts.gate_proj, ...); ``args``: the model's, for a family with its own names (None: the
+    Llama families')."""
+    module = hf_name(f"layers.0.{TARGETS[target]}.weight", args).removesuffix(".weight").split(".")
+    return ".".join(module[4:])  # after model.layers.0.{self_attn | mlp}
 
 
-def peft_key(name: str) -> str:
+def peft_key(name: str, args=None) -> str:
     """loom adapter parameter name -> PEFT's key: ``layers.3.attention.wq.lora_A.weight`` ->
     ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``."""
     name = canonical_name(name)
     module, factor, _ = name.rsplit(".", 2)  # (layers.3.attention.wq, lora_A, weight)
-    return f"{PREFIX}{hf_name(module + '.weight').removesuffix('.weight')}.{factor}.weight"
+    return f"{PREFIX}{hf_name(module + '.weight', args).removesuffix('.weight')}.{factor}.weight"
 
 
-def adapter_config(lora: LoraConfig, base_model: str = "") -> dict:
-    """PEFT's adapter_config.json for an adapter trained with ``lora``."""
+def adapter_config(lora: LoraConfig, base_model: str = "", args=None) -> dict:
+    """PEFT's adapter_config.json for an adapter trained with ``lora`` on a model with ``args``."""
     alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
     return {
         "peft_type": "LORA",
@@ -51,7 +54,7 @@ def adapter_config(lora: LoraConfig, base_model: str = "") -> dict:
         "lora_alpha": alpha,
         "lora_dropout": lora.dropout,
         "use_rslora": lora.rslora,
-        "target_modules": [hf_module(t) for t in parse_targets(lora.targets)],
+        "target_modules": [hf_module(t, args) for t in parse_targets(lora.targets)],
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -66,13 +69,22 @@ def adapter_config(lora: LoraConfig, base_model: str = "") -> dict:
 
 
 def export_peft(
-    model_state: dict[str, torch.Tensor], lora: LoraConfig, out_folder: str, base_model: str = ""
+    model_state: dict[str, torch.Tensor], lora: LoraConfig, out_folder: str, base_model: str = "", args=None
 ) -> list[str]:
-    """Write ``out_folder`` as a PEFT LoRA adapter from a full (unsharded) loom state dict's adapters; returns the
-    files written. Nothing partial is left behind on failure."""
+    """Write ``out_folder`` as a PEFT LoRA adapter from a full (unsharded) loom state dict's adapters (of a model with
+    ``args``: its family's names); returns the files written. Nothing partial is left behind on failure."""
+    shared = [t for t in parse_targets(lora.targets) if t in SHARED_TARGETS]
+    if shared:
+        raise ConfigError(
+            "lora.targets",
+            lora.targets,
+            f"{', '.join(shared)}: PEFT (0.21, on transformers 5) maps every gate_proj / up_proj / down_proj target "
+            "of a mixture-of-experts model onto its routed experts' fused weights, so an adapter on the shared "
+            "experts would load onto the wrong weights: export the model merged with --to-hf",
+        )
     save_file = require("safetensors.torch", "hf", purpose="writing a PEFT adapter").save_file
     tensors = {
-        peft_key(k): v.detach().to("cpu").contiguous() for k, v in model_state.items() if is_adapter(k)
+        peft_key(k, args): v.detach().to("cpu").contiguous() for k, v in model_state.items() if is_adapter(k)
     }
     if not tensors:
         raise UserError("the model holds no LoRA adapters (lora.rank 0): nothing to write as a PEFT adapter")
@@ -85,7 +97,7 @@ def export_peft(
         os.chmod(written[-1], 0o666 & ~current_umask())  # safetensors writes 0600
         written.append(os.path.join(out_folder, ADAPTER_CONFIG))
         with open(written[-1], "w") as fh:
-            json.dump(adapter_config(lora, base_model), fh, indent=2)
+            json.dump(adapter_config(lora, base_model, args), fh, indent=2)
             fh.write("\n")
     return written
 
@@ -133,7 +145,7 @@ def read_adapter_config(folder: str, field: str = "lora.init_from") -> dict:
     return cfg
 
 
-def check_adapter(folder: str, lora: LoraConfig, field: str = "lora.init_from") -> None:
+def check_adapter(folder: str, lora: LoraConfig, field: str = "lora.init_from", args=None) -> None:
     """The adapter must be a plain LoRA adapter that this run's [lora] section describes: r, lora_alpha, use_rslora
     and target_modules equal (each difference one line naming both values)."""
     cfg = read_adapter_config(folder, field)
@@ -154,7 +166,7 @@ def check_adapter(folder: str, lora: LoraConfig, field: str = "lora.init_from") 
             )
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else sorted(targets)
-    ours = sorted(hf_module(t) for t in parse_targets(lora.targets))
+    ours = sorted(hf_module(t, args) for t in parse_targets(lora.targets))
     for key, peft_name, theirs, same in (
         ("lora.rank", "r", cfg.get("r"), cfg.get("r") == lora.rank),
         ("lora.alpha", "lora_alpha", cfg.get("lora_alpha"), float(cfg.get("lora_alpha", -1)) == lora.alpha),
@@ -175,18 +187,18 @@ def check_adapter(folder: str, lora: LoraConfig, field: str = "lora.init_from") 
 
 
 @torch.no_grad()
-def load_peft_adapter(model: torch.nn.Module, lora: LoraConfig, whole_model: bool = True) -> int:
+def load_peft_adapter(model: torch.nn.Module, lora: LoraConfig, whole_model: bool = True, args=None) -> int:
     """Fill ``model``'s adapters (plain or sharded, or one pipeline stage: ``whole_model`` false) from the PEFT
     adapter at ``lora.init_from``; each rank reads only the region of each factor it holds. Returns how many
     tensors were read."""
     folder = lora.init_from
-    check_adapter(folder, lora)
+    check_adapter(folder, lora, args=args)
     params = {canonical_name(n): p for n, p in model.named_parameters() if is_adapter(n)}
     with open_weights(os.path.join(folder, ADAPTER_WEIGHTS)) as handle:
         stored = {
             k.replace(".default.weight", ".weight"): k for k in handle.keys()
         }  # old saves kept the name
-        keys = {name: peft_key(name) for name in params}
+        keys = {name: peft_key(name, args) for name in params}
         missing = sorted(k for k in keys.values() if k not in stored)
         if missing:
             raise UserError(

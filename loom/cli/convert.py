@@ -319,7 +319,7 @@ def run_export_peft(opts: dict[str, str], rest: list[str]) -> int:
         warnings.simplefilter("ignore", UserWarning)
         load_model_only(ckpt, model)
     base = run_config(ckpt, opts.get("--config"), overrides).model.init_from
-    export_peft(model.state_dict(), lora, out, base_model=base)
+    export_peft(model.state_dict(), lora, out, base_model=base, args=args)
     print(
         f"loom convert: exported the LoRA adapters of {ckpt} (r {lora.rank}, {lora.targets}) as a PEFT adapter "
         f"{out}",

@@ -1069,7 +1069,8 @@ class LoraConfig:
         "q,k,v,o,gate,up,down",
         "comma list of the linears that get adapters: q, k, v, o "
         "(attention), gate, up, down (SwiGLU), or all of those; multi-head latent attention: q_a, q_b "
-        "(or q), kv_a, kv_b, o",
+        "(or q), kv_a, kv_b, o; a mixture of experts' shared experts: shared_gate, shared_up, shared_down "
+        "(routed experts get none)",
         needs="lora.rank",
         resume=(MUST_MATCH, "which linears have adapters"),
     )

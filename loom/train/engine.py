@@ -452,7 +452,7 @@ class Engine:
                     load_hf_weights(part, cfg.model.init_from, whole_model=pm.plan is None)
         if cfg.lora.rank and cfg.lora.init_from:
             for part in self.parts:
-                load_peft_adapter(part, cfg.lora, whole_model=pm.plan is None)
+                load_peft_adapter(part, cfg.lora, whole_model=pm.plan is None, args=self.model_args)
         # QLoRA: the base is final now; before the first forward
         if cfg.lora.rank and cfg.lora.base_dtype == "nf4":
             for part in self.parts:

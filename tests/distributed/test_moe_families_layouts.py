@@ -33,12 +33,13 @@ FLAVORS = {
         "model.moe_bias_speed": 0,
         "parallel.pp_schedule": "pipedream_2bw",
     },
-    # LoRA on the latent attention's five linears (the rest frozen; the selection bias still moves)
+    # LoRA on the latent attention's five linears and the shared experts (the rest frozen; the selection bias still
+    # moves)
     "dsl": {
         "model.flavor": "deepseek_v3_debug",
         "model.moe_bias_speed": 0.01,
         "lora.rank": 4,
-        "lora.targets": "q_a,q_b,kv_a,kv_b,o",
+        "lora.targets": "q_a,q_b,kv_a,kv_b,o,shared_gate,shared_up,shared_down",
     },
     # LoRA on Qwen3-MoE's attention (gate, up, down are refused: its MoE blocks have no dense feed-forward)
     "ql": {"model.flavor": "qwen3_moe_debug", "lora.rank": 4, "lora.targets": "q,k,v,o"},

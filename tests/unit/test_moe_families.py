@@ -350,10 +350,13 @@ def test_deepseek_v2_logits_and_round_trip(tmp_path, method):
 
 def test_lora_on_latent_attention_loads_in_peft_with_loom_logits(tmp_path):
     """LoRA on DeepSeek-V3's latent attention (q_a, q_b, kv_a, kv_b, o): the adapter exported in PEFT's format loads
-    with ``PeftModel.from_pretrained`` on the Hugging Face folder and gives loom's logits (fp32, 1e-4); a GQA target
-    on this model, or an MLA one on a GQA model, is one line naming the allowed ones."""
+    with ``PeftModel.from_pretrained`` on the Hugging Face folder and gives loom's logits (fp32, 1e-4), and
+    ``lora.init_from`` reads it back into loom; a GQA target on this model, an MLA one on a GQA model, or shared
+    experts where there are none, is one line naming the allowed ones."""
     peft = pytest.importorskip("peft")
-    from loom.checkpoint.peft import ADAPTER_CONFIG, export_peft
+    from dataclasses import replace
+
+    from loom.checkpoint.peft import ADAPTER_CONFIG, export_peft, load_peft_adapter
     from loom.config.errors import ConfigError
     from loom.config.sections import LoraConfig
     from loom.data.tokenizers import ByteTokenizer
@@ -369,7 +372,7 @@ def test_lora_on_latent_attention_loads_in_peft_with_loom_logits(tmp_path):
         for name, p in model.named_parameters():
             if ".lora_" in name:
                 p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    export_peft(model.state_dict(), lora, str(tmp_path / "adapter"), folder)
+    export_peft(model.state_dict(), lora, str(tmp_path / "adapter"), folder, args=model.args)
     cfg = json.load(open(tmp_path / "adapter" / ADAPTER_CONFIG))
     assert sorted(cfg["target_modules"]) == sorted(
         ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -381,10 +384,17 @@ def test_lora_on_latent_attention_loads_in_peft_with_loom_logits(tmp_path):
         theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()(tokens).logits
         ours = model.eval()(tokens)
     assert (ours - theirs).abs().max() < 1e-4 and (base - theirs).abs().max() > 1e-2
+    back = loom_of(folder)
+    apply_lora(back, lora)
+    reloaded = replace(lora, init_from=str(tmp_path / "adapter"))
+    assert load_peft_adapter(back, reloaded, args=back.args) == 2 * 5 * 3
+    with torch.no_grad():
+        assert (back.eval()(tokens) - ours).abs().max() == 0
     tok = ByteTokenizer()
     for flavor, targets, says in (
         ("deepseek_v3_debug", "q,k,v,o", "q, k, v: not a linear of this model's multi-head latent attention"),
         ("qwen3_moe_debug", "q,kv_b", "kv_b: not a linear of this model's grouped-query attention"),
+        ("qwen3_moe_debug", "q,shared_up", "shared_up: this model has no shared experts"),
     ):
         with pytest.raises(ConfigError, match=says) as err:
             resolve_model_args(
@@ -429,3 +439,74 @@ def test_first_k_dense_moves_the_dense_first_blocks_of_a_deepseek_flavor(tmp_pat
         with pytest.raises(ConfigError, match="model.first_k_dense") as err:
             dense_first_blocks(args, c)
         assert why in str(err.value)
+
+
+@pytest.mark.parametrize("flavor", ["qwen3_moe_debug", "deepseek_v3_debug"])
+def test_sft_dpo_and_grpo_train_each_family(tmp_path, cache, flavor):
+    """The methods run on both families out of the box (their embedded defaults): SFT's loss falls from its start,
+    DPO starts at log 2 (the policy is its reference) and moves, GRPO samples, scores and trains (its records carry
+    the reward and the experts' balance), every loss finite."""
+    from tests.distributed.harness import run_one
+    from tests.tiny import tiny_overrides
+
+    def run(objective: str, **extra) -> list[dict]:
+        over = tiny_overrides(
+            tmp_path / objective,
+            cache,
+            **{"model.flavor": flavor, "training.objective": objective, "metrics.progress": "false", **extra},
+        )
+        return run_one(over)
+
+    sft = run("sft", **{"training.steps": 6, "optimizer.lr": 3e-3})
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in sft) and sft[-1]["loss"] < sft[0]["loss"]
+    dpo = run("dpo", **{"training.steps": 2, "training.seq_len": 128})
+    assert dpo[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and dpo[-1]["loss"] != dpo[0]["loss"]
+    grpo = run(
+        "grpo",
+        **{
+            "training.steps": 2,
+            "training.micro_batch_size": 4,
+            "grpo.group_size": 4,
+            "grpo.warmup_steps": 0,
+            "grpo.max_new_tokens": 4,
+        },
+    )
+    assert [r["step"] for r in grpo] == [1, 2]
+    assert all("reward" in r and "moe_balance" in r and torch.isfinite(torch.tensor(r["loss"])) for r in grpo)
+
+
+def test_lora_on_the_shared_experts_merges_into_a_folder_transformers_loads(tmp_path):
+    """LoRA on DeepSeek-V3's shared experts (shared_gate, shared_up, shared_down; the two MoE blocks of three have
+    them, the dense first block has none, routed experts get none): merged into the base, the exported folder gives
+    loom's adapted logits in transformers (fp32, 1e-4). A PEFT adapter is refused in one line: PEFT (0.21, on
+    transformers 5) maps every ``*.gate_proj`` / ``up_proj`` / ``down_proj`` target of this architecture onto the
+    routed experts' fused weights, so the adapter would load onto the wrong weights."""
+    from loom.checkpoint.peft import export_peft
+    from loom.config.errors import ConfigError
+    from loom.config.sections import LoraConfig
+    from loom.models.common.lora import apply_lora, merge_lora
+
+    folder = save_hf(random_deepseek_v3(), tmp_path / "hf")
+    model = loom_of(folder)
+    lora = LoraConfig(rank=4, alpha=8.0, targets="shared_gate,shared_up,shared_down")
+    assert apply_lora(model, lora) == 3 * 2
+    assert not any(".lora_" in n for n, _ in model.layers["0"].named_parameters())  # the dense block: none
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    tokens = tokens_of(2, 16)
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+    with pytest.raises(ConfigError, match="shared_gate, shared_up, shared_down: .*PEFT.*--to-hf") as err:
+        export_peft(model.state_dict(), lora, str(tmp_path / "adapter"), folder, args=model.args)
+    assert "\n" not in str(err.value) and not (tmp_path / "adapter").exists()
+    assert merge_lora(model) == 3 * 2
+    export_hf(model.state_dict(), model.args, str(tmp_path / "merged"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "merged"), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        base = loom_of(folder)(tokens)
+        theirs = hf(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-4 and (base - theirs).abs().max() > 1e-2

@@ -38,9 +38,15 @@ TARGETS = {
     "q_b": "attention.wq_b",
     "kv_a": "attention.wkv_a",
     "kv_b": "attention.wkv_b",
+    "shared_gate": "feed_forward.shared_experts.w1",
+    "shared_up": "feed_forward.shared_experts.w3",
+    "shared_down": "feed_forward.shared_experts.w2",
 }
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # lora.targets = all
 MLA_TARGETS = ("q", "q_a", "q_b", "kv_a", "kv_b", "o")  # those of multi-head latent attention
+# a mixture-of-experts block's shared experts (DeepSeekMoE's; Hugging Face's mlp.shared_experts.gate_proj, ...): in
+# the blocks that have them, none in dense blocks. Routed experts take no adapters (their weights are stacked)
+SHARED_TARGETS = ("shared_gate", "shared_up", "shared_down")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's: 64 weights per scale, 256 scales per double-quantized block
 
 
@@ -191,7 +197,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
     for block in model.layers.values():
         for target in parse_targets(cfg.targets):
             parent_path, _, leaf = TARGETS[target].rpartition(".")
-            parent = block.get_submodule(parent_path)
+            parent = _submodule(block, parent_path)
+            if parent is None and target in SHARED_TARGETS:
+                continue  # a dense block, or one without shared experts
             base = getattr(parent, leaf, None)
             if type(base) is not nn.Linear:
                 raise ConfigError(
@@ -230,6 +238,14 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
             if not p.requires_grad and p.dtype.is_floating_point:
                 p.data = p.data.to(frozen_dtype)  # .data: tied weights stay one Parameter
     return n
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """``module.get_submodule(path)``, or None where a module on the path is absent."""
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def frozen_dtype(cfg: LoraConfig, compute_dtype: str) -> torch.dtype | None:
