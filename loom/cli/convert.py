@@ -209,6 +209,7 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
     from loom.checkpoint.manager import load_model_only, verify
     from loom.config import parse_overrides
     from loom.models.common.lora import apply_lora, merge_lora
+    from loom.models.registry import hf_adapter
 
     _reject(
         opts,
@@ -264,7 +265,10 @@ def run_export(opts: dict[str, str], rest: list[str]) -> int:
         load_model_only(ckpt, model)
     merge_lora(model)
     files = export_hf(model.state_dict(), args, opts["--to-hf"], max_bytes, tokenizer)
-    kind = ("Mixtral" if args.moe else "Llama") + (" reward model (SequenceClassification)" if reward else "")
+    # the architecture the folder's config names (Llama, Mixtral, DeepseekV3, Qwen3Moe, ...)
+    kind = hf_adapter(args).architecture_of(args).removesuffix("ForCausalLM") + (
+        " reward model (SequenceClassification)" if reward else ""
+    )
     with_tokenizer = ", the tokenizer" if "tokenizer.json" in tokenizer.files else ""
     adapters = f", {merged} LoRA adapters merged" if merged else ""
     print(
