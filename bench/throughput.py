@@ -181,6 +181,15 @@ def summarize(recs: list[dict]) -> dict:
         "tokens_per_s_per_gpu_all": [r["tokens_per_s_per_device"] for r in timed],
         "mfu": statistics.median(r["mfu"] for r in timed) if timed[0].get("mfu") is not None else None,
         "peak_gib_max_rank": max(r.get("mem_gib_max_rank", r["mem_gib"]) for r in recs),
+        **(
+            {
+                "peak_alloc_gib_max_rank": max(
+                    r.get("mem_alloc_gib_max_rank", r["mem_alloc_gib"]) for r in recs
+                )
+            }
+            if "mem_alloc_gib" in recs[0]
+            else {}
+        ),
         "final_loss": recs[-1]["loss"],
     }
 
@@ -259,8 +268,8 @@ def markdown(doc: dict) -> str:
         "",
         *[f"`{c}`" for c in doc["invocations"]],
         "",
-        "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank) | loom plan's prediction: tokens/s, "
-        "peak GiB | note |",
+        "| layout | GPUs | tokens/s per GPU | MFU | peak GiB (max rank; reserved, allocated) | loom plan's "
+        "prediction: tokens/s, peak GiB | note |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
@@ -268,9 +277,10 @@ def markdown(doc: dict) -> str:
         guess = f"{pred['tokens_per_s_per_gpu']:,.0f}, {pred['peak_gib']:.1f}" if "peak_gib" in pred else "-"
         if "tokens_per_s_per_gpu" in r:
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+            alloc = f", {r['peak_alloc_gib_max_rank']:.1f}" if "peak_alloc_gib_max_rank" in r else ""
             lines.append(
                 f"| {label(r['layout'], r.get('cp_method'))} | {r['gpus']} | "
-                f"{r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_gib_max_rank']:.1f} | {guess} | |"
+                f"{r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_gib_max_rank']:.1f}{alloc} | {guess} | |"
             )
         else:
             note = r.get("rejected") or "ERROR: " + r["error"].strip().splitlines()[-1][:160]

@@ -8,6 +8,7 @@ import importlib.util
 import os
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @functools.cache
@@ -48,3 +49,8 @@ def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim: int | None = 
         raise ValueError(f"{name}: dtype {t.dtype} not supported (allowed: {', '.join(map(str, dtypes))})")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: on {t.device}, expected {device}")
+    if is_traceable_wrapper_subclass(t):
+        raise ValueError(
+            f"{name}: a {type(t).__name__}, a tensor subclass with no storage of its own (a kernel reads raw "
+            "addresses, its own is 0): pass its inner tensor"
+        )

@@ -15,6 +15,12 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def peak_allocated_gib(device: torch.device) -> float | None:
+    """The most memory tensors held at once (CUDA; None elsewhere): the reserved peak also counts the caching
+    allocator's free blocks, and near the card's capacity it reads the capacity whatever the tensors needed."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -43,15 +43,16 @@ class DistEnv:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def max_over_ranks(self, x: float) -> float:
+    def max_over_ranks(self, x: float | list[float]) -> float | list[float]:
+        """The largest value over the ranks (a list: each element's, in one collective)."""
         if self.world_size == 1:
             return x
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([x], device=self.device)
+        t = torch.tensor(x if isinstance(x, list) else [x], device=self.device, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return t.tolist() if isinstance(x, list) else float(t)
 
     def any_rank(self, flag: bool) -> bool:
         return self.max_over_ranks(float(flag)) > 0

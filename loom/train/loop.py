@@ -19,7 +19,7 @@ from loom.data.loader import MicroBatch
 from loom.eval.hook import training_evals
 from loom.metrics.flops import device_peak, mfu, mfu_note
 from loom.metrics.logger import MetricsLogger, rewind_metrics
-from loom.metrics.memory import peak_memory_gib, reset_peak
+from loom.metrics.memory import peak_allocated_gib, peak_memory_gib, reset_peak
 from loom.metrics.nvtx import nvtx_range
 from loom.parallel.compile import graph_free, graph_free_blocks
 from loom.runtime.env import DistEnv
@@ -422,6 +422,18 @@ class Loop:
             or bool(t.eval_every and step % t.eval_every == 0)
         )
 
+    def _memory(self) -> dict:
+        """Peak memory: this rank's and, distributed, the largest rank's (one collective); on CUDA the
+        allocated peak beside the reserved one."""
+        mine = {"mem_gib": peak_memory_gib(self.device)}
+        alloc = peak_allocated_gib(self.device)
+        if alloc is not None:
+            mine["mem_alloc_gib"] = alloc
+        if not self.dims.distributed:
+            return mine
+        maxes = self.env.max_over_ranks(list(mine.values()))
+        return {**mine, **{f"{k}_max_rank": v for k, v in zip(mine, maxes)}}
+
     def _record(self, out: dict, batch_hash, val, seconds: float, tokens: int, peak) -> dict:
         tps = tokens / max(seconds, 1e-9)
         per_dev = tps / self.env.world_size
@@ -434,7 +446,6 @@ class Loop:
             "tokens_per_s": tps,
             "tokens_per_s_per_device": per_dev,
             "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak, self.adapter_params),
-            "mem_gib": peak_memory_gib(self.device),
             "val_loss": val,
             "targets": float(
                 out["tokens"]
@@ -445,11 +456,7 @@ class Loop:
             "nonfinite_steps": self.guard.skipped,
             "batch_hash": batch_hash,
             **{k: v for hook in self.engine.hooks for k, v in hook.record().items()},
-            **(
-                {"mem_gib_max_rank": self.env.max_over_ranks(peak_memory_gib(self.device))}
-                if self.dims.distributed
-                else {}
-            ),
+            **self._memory(),
             **self.steps.record(),
             **metrics_fields(self.attempt),  # restarts: this attempt's index after an elastic restart
             **self.objective.record(),  # e.g. GRPO's rewards and time split

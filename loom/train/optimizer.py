@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from loom.config.sections import OptimizerConfig
 from loom.kernels.adamw.op import SMALL, adamw_multi_step_, adamw_step_
@@ -108,7 +109,14 @@ def _like_param(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The plain tensor the kernels update: a DTensor's local shard, and inside it the storage a weight wrapper
+    holds (torchao's float8 all-gather wraps each linear weight; the wrapper has no address of its own)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    if is_traceable_wrapper_subclass(t):
+        inner = getattr(t, t.__tensor_flatten__()[0][0])
+        if inner.shape == t.shape and inner.dtype == t.dtype and not is_traceable_wrapper_subclass(inner):
+            return inner
+    return t
 
 
 def build_optimizer(

@@ -6,6 +6,7 @@ reference under Triton's CPU interpreter (AdamW is fp32: the interpreter's trust
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import subprocess
 import sys
@@ -239,6 +240,26 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     assert launches == [2, 4] * 3, launches  # per step: the two decayed matrices, then the biases and norm weights
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    try:  # float8 all-gather's weight wrappers (no address of their own): the kernels step their storage
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Wrapped
+    except ImportError:
+        Wrapped = None
+    if Wrapped is not None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+        for lin in (model[0], model[2]):
+            lin.weight = nn.Parameter(Wrapped(lin.weight.data, LinearMMConfig(), torch.float8_e4m3fn))
+        opt = OptimizerParts([model], OptimizerConfig(lr=0.05, implementation="triton"), torch.device("cpu"))
+        gen = torch.Generator().manual_seed(1)
+        for factor in (None, 0.5, torch.tensor(0.25)):
+            model(torch.randn(4, 6, generator=gen)).square().sum().backward()
+            opt.step(factor)
+            opt.zero_grad()
+        assert isinstance(model[0].weight, Wrapped)
+        for a, b in zip([p.detach() for p in model.parameters()], runs[1]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        print("ok wrapped")
     import sys
     assert "loom.kernels.adamw.triton" in sys.modules
     print("ok adamw")
@@ -253,3 +274,24 @@ def test_triton_kernel_under_the_interpreter():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok adamw" in proc.stdout
+    assert "ok wrapped" in proc.stdout or importlib.util.find_spec("torchao") is None
+
+
+def test_a_weight_wrapper_is_stepped_through_its_storage_and_refused_by_the_launcher():
+    """torchao's float8 all-gather wraps each linear weight in a tensor subclass whose address is 0: the optimizer
+    hands the kernels the storage inside it, and a launcher given the wrapper itself refuses it in one line (an
+    H200 run wrote through address 0: an illegal memory access)."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from loom.kernels.triton_support import check_tensor
+    from loom.train.optimizer import _local
+
+    inner = torch.randn(4, 6)
+    wrapped = WeightWithDynamicFloat8CastTensor(inner, LinearMMConfig(), torch.float8_e4m3fn)
+    assert wrapped.data_ptr() == 0
+    assert _local(wrapped) is inner
+    assert _local(inner) is inner
+    with pytest.raises(ValueError, match="param: a WeightWithDynamicFloat8CastTensor, a tensor subclass"):
+        check_tensor("param", wrapped, dtypes=(torch.float32,))
