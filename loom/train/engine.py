@@ -192,6 +192,7 @@ class Engine:
         rules: Sequence[Callable[[Config], None]] = (),
     ):
         self.cfg, self.objective = cfg, objective
+        self._read_ahead: list | None = None  # pipedream_2bw: the next step's token ids, read a step early
         if env is None:  # the flight recorder and TORCH_DISTRIBUTED_DEBUG are read as the group forms
             prepare_process(
                 cfg.run.dir,
@@ -595,7 +596,23 @@ class Engine:
         state = self.loader.state_dict()
         batch = self.loader.next_step().micro_batches
         self.loader.load_state_dict(state)
+        self._read_ahead = [
+            mb.inputs for mb in batch
+        ]  # as the loader gave them (the host's: no wait to compare)
         return [self.local_tokens(mb) for mb in batch]
+
+    def _check_read_ahead(self, micro_batches: list[MicroBatch]) -> None:
+        """pipedream_2bw ran this step's first forwards in the step before: its micro-batches must be the ones
+        read ahead then, or the run stops instead of computing on another batch."""
+        ahead, self._read_ahead = self._read_ahead, None
+        if ahead is not None and (
+            len(ahead) != len(micro_batches)
+            or not all(torch.equal(a, mb.inputs) for a, mb in zip(ahead, micro_batches))
+        ):
+            raise RuntimeError(
+                "pipedream_2bw: this step's micro-batches are not the ones the step before already ran forward "
+                "(the data position moved between steps)"
+            )
 
     def _build_profiler(self) -> None:
         """metrics.profile_steps; no block ranges under torch.compile (the hooks would run in its graph); NVTX
@@ -645,6 +662,7 @@ class Engine:
             hook.before_step(loss_scale)
         self.objective.step_stats()  # statistics of forwards before this step are not its own
         if isinstance(self.steps, TwoBWStep):  # it runs the next step's first forwards in this one
+            self._check_read_ahead(micro_batches)
             self.steps.upcoming = lambda: self._upcoming(number)
         result = next(
             (r for h in self.hooks if (r := h.run_step(self.steps, mbs, grad_scale, loss_scale)) is not None),

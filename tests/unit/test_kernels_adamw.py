@@ -295,3 +295,9 @@ def test_a_weight_wrapper_is_stepped_through_its_storage_and_refused_by_the_laun
     assert _local(inner) is inner
     with pytest.raises(ValueError, match="param: a WeightWithDynamicFloat8CastTensor, a tensor subclass"):
         check_tensor("param", wrapped, dtypes=(torch.float32,))
+    if importlib.util.find_spec("triton") is not None:  # the multi-tensor launcher checks every index
+        from loom.kernels.adamw import triton as tk
+
+        plain = [torch.zeros(4, 6) for _ in range(3)]
+        with pytest.raises(ValueError, match="param 1: a WeightWithDynamicFloat8CastTensor"):
+            tk._check_lists([inner, wrapped], plain[:2], plain[1:], plain[:2], None)

@@ -268,6 +268,7 @@ def _check_lists(params, grads, exp_avgs, exp_avg_sqs, grad_factor) -> None:
     for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         n = group[0].numel()
         for name, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), group):
+            check_tensor(f"{name} {i}", t)  # a tensor subclass without an address of its own
             wanted = g_dtype if name == "grad" else torch.float32
             if t.numel() != n or t.dtype != wanted or t.device != device or not t.is_contiguous():
                 raise ValueError(
