@@ -26,11 +26,7 @@ from torch import nn
 from loom.infer.cache import register_cache, store, visible
 from loom.models.common.layers import attend
 from loom.models.common.mla import LatentAttention
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's plain tensor of a (replicated or sharded) DTensor; a plain tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from loom.parallel.shards import local_tensor
 
 
 def absorbed_attention(
@@ -112,7 +108,7 @@ class LatentCache(nn.Module):
     ) -> torch.Tensor:
         """Store the tokens' c_kv (B, S, R) and k_pe (B, S, Dr) at their slots, then attend: q_nope (B, S, H, Dn),
         q_pe (B, S, H, Dr) -> (B, S, H, Dv)."""
-        c_kv = _local(c_kv)
+        c_kv = local_tensor(c_kv)
         bsz, seq, _ = c_kv.shape
         rows = torch.cat([c_kv, k_pe], dim=-1).to(self.kv.dtype)  # (B, S, R + Dr)
         if positions is None:  # the prefill: slots 0..S-1, attention as in training
@@ -120,7 +116,7 @@ class LatentCache(nn.Module):
             return attn.expanded(q_nope, q_pe, c_kv, k_pe, None)
         store(self.kv, rows, positions)  # in place (under autocast: cast to the cache's dtype)
         cache = self.kv[:bsz]
-        w = _local(attn.wkv_b.weight)  # (H * (Dn + Dv), R): this rank's heads
+        w = local_tensor(attn.wkv_b.weight)  # (H * (Dn + Dv), R): this rank's heads
         w = w.view(-1, attn.nope_dim + attn.v_dim, self.rank)  # (H, Dn + Dv, R)
         w_uk, w_uv = w[:, : attn.nope_dim], w[:, attn.nope_dim :]  # (H, Dn, R), (H, Dv, R)
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)  # (B, S, H, R)

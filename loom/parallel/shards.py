@@ -8,9 +8,23 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from loom.config.errors import ConfigError, require
 from loom.models.common.lora import NF4_BLOCK, NF4_SCALER_BLOCK, check_nf4_shape, is_nf4, lora_modules
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding this rank's values: a DTensor's local shard (a view: writes reach the parameter),
+    and inside it the storage a weight wrapper holds (torchao's float8 all-gather wraps each linear weight in a
+    subclass with no address of its own, which kernels and pointer comparisons cannot use); any other tensor as it
+    is (a quantized one, NF4, keeps its own layout)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    if is_traceable_wrapper_subclass(t):
+        inner = getattr(t, t.__tensor_flatten__()[0][0])
+        if inner.shape == t.shape and inner.dtype == t.dtype and not is_traceable_wrapper_subclass(inner):
+            return inner
+    return t
 
 
 def keep_shard(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -20,15 +20,12 @@ from torch import nn
 
 from loom.models.common.init import _shared_parameters, canonical_name
 from loom.models.common.lora import apply_lora, dequantized, is_nf4
+from loom.parallel.shards import local_tensor
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any of ``model``'s parameters is a DTensor (FSDP2's or TP's shards)."""
     return any(hasattr(p, "full_tensor") for p in model.parameters())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class EngineWeights:
@@ -98,7 +95,7 @@ class EngineWeights:
         for name, p in self.policy.named_parameters():  # the same order on every rank
             name = canonical_name(name)
             if name in self.shared:  # the optimizer updates it in place: still the same storage
-                assert _local(self.shared[name]).data_ptr() == _local(p).data_ptr(), name
+                assert local_tensor(self.shared[name]).data_ptr() == local_tensor(p).data_ptr(), name
             dst = self.fills.get(name)
             if dst is None or (
                 self.synced_once and not p.requires_grad

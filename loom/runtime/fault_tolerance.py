@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from loom.config.errors import UserError, require
 from loom.config.sections import ParallelConfig
+from loom.parallel.shards import local_tensor
 
 if TYPE_CHECKING:  # torch is imported where it is used: loom.resolve reads this module's light helpers
     import torch
@@ -45,15 +46,11 @@ def lighthouse_address(parallel: ParallelConfig) -> str:
     return parallel.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _shipped(state: dict) -> dict:
     """A state dict with each DTensor replaced by this rank's shard (the peer's rank r rebuilds it on its mesh)."""
     import torch
 
-    return {k: _local(v).detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return {k: local_tensor(v).detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _rebuilt(template: dict, received: dict, what: str) -> dict:
@@ -151,7 +148,7 @@ class ReplicaGroups:
         import torch
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         limit = bucket_mb * 2**20
         buckets: dict[tuple, list[list[torch.Tensor]]] = {}
         for g in grads:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from loom.checkpoint.manager import STATE
 from loom.config.errors import ConfigError
 from loom.config.sections import ParallelConfig
+from loom.parallel.shards import local_tensor
 from loom.train.hooks import StepHook
 
 # wrapper prefixes that activation checkpointing and torch.compile add to parameter names, and that the
@@ -50,11 +51,6 @@ def state_name(name: str) -> str:
     for w in _WRAPPERS:
         name = name.replace(w, "")
     return name
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view: writes reach the parameter), or the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def fragment_split(sizes: list[int], n: int) -> list[list[int]]:
@@ -192,12 +188,12 @@ class DiLoCo:
         self._outer_step(names, self._mean(names, wire))
         for k in names:
             for p in self.params[k]:
-                _local(p).copy_(_local(self.outer[k]))
+                local_tensor(p).copy_(local_tensor(self.outer[k]))
 
     def _pseudo_gradient(self, names: list[str]) -> torch.Tensor:
         """(n,) outer - current of ``names``' local shards, flat, in the wire's dtype."""
-        outer = [_local(self.outer[k]) for k in names]
-        current = [_local(self.params[k][0]) for k in names]
+        outer = [local_tensor(self.outer[k]) for k in names]
+        current = [local_tensor(self.params[k][0]) for k in names]
         delta = torch.cat([(o.float() - c.float()).reshape(-1) for o, c in zip(outer, current)])  # (n,) fp32
         return delta.to(torch.bfloat16) if self.bf16 else delta
 
@@ -210,7 +206,7 @@ class DiLoCo:
         mean = wire.float().div_(self.n_groups)  # (n,) the averaged pseudo-gradient
         out, start = [], 0
         for k in names:
-            o = _local(self.outer[k])
+            o = local_tensor(self.outer[k])
             out.append(mean[start : start + o.numel()].view_as(o))
             start += o.numel()
         return out
@@ -218,10 +214,10 @@ class DiLoCo:
     def _outer_step(self, names: list[str], grads: list[torch.Tensor]) -> None:
         """One Nesterov SGD step of the outer weights of ``names`` with gradients ``grads`` (fp32)."""
         for k, g in zip(names, grads):
-            o = _local(self.outer[k])
+            o = local_tensor(self.outer[k])
             g = g.to(o.dtype)
             if self.momentum_coef:  # Nesterov, as torch.optim.SGD: b = mu b + g; step g + mu b
-                buf = _local(self.momentum[k])
+                buf = local_tensor(self.momentum[k])
                 buf.mul_(self.momentum_coef).add_(g)
                 g = g.add(buf, alpha=self.momentum_coef)
             o.sub_(g, alpha=self.outer_lr)
@@ -246,12 +242,12 @@ class DiLoCo:
         names = self.fragments[f]
         self._outer_step(names, r.mean)
         for k in names:
-            o = _local(self.outer[k])
+            o = local_tensor(self.outer[k])
             for p in self.params[k]:
                 if self.alpha:
-                    _local(p).mul_(self.alpha).add_(o, alpha=1 - self.alpha)
+                    local_tensor(p).mul_(self.alpha).add_(o, alpha=1 - self.alpha)
                 else:
-                    _local(p).copy_(o)
+                    local_tensor(p).copy_(o)
 
     def wait(self) -> None:
         """Wait for every reduction in flight (before a save, a load, or the process group's end); their updates
@@ -290,7 +286,7 @@ class DiLoCo:
             self._buffers = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in self.outer.items()}
             for f, r in self.in_flight.items():
                 for k, g in zip(self.fragments[f], r.mean):
-                    _local(self._buffers[k]).copy_(g)
+                    local_tensor(self._buffers[k]).copy_(g)
             state["diloco_pending"] = self._buffers
         return state
 
@@ -301,7 +297,7 @@ class DiLoCo:
             return
         assert self._buffers is not None, "resumed() follows a load through shared_state()"
         self.in_flight = {
-            f: _Reduction(due=due, mean=[_local(self._buffers[k]) for k in self.fragments[f]])
+            f: _Reduction(due=due, mean=[local_tensor(self._buffers[k]) for k in self.fragments[f]])
             for f, due in self.pending_at(step)
         }
         self._buffers = None
@@ -345,9 +341,9 @@ class DiLoCo:
     def restart(self) -> None:
         """Start a round from the current weights (after weights-only loading): outer = current, no momentum."""
         for k, ps in self.params.items():
-            _local(self.outer[k]).copy_(_local(ps[0]))
+            local_tensor(self.outer[k]).copy_(local_tensor(ps[0]))
         for buf in self.momentum.values():
-            _local(buf).zero_()
+            local_tensor(buf).zero_()
         self.wait()
         self.in_flight.clear()
 

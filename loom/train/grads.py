@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from loom.parallel.pipeline import last_stage_embeds, stage_rank
+from loom.parallel.shards import local_tensor
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -28,7 +29,7 @@ def scale_grads(params: list[torch.nn.Parameter], factor: float | torch.Tensor) 
     """Multiply every gradient by ``factor`` in place, shard by shard: a scale is linear, so it holds for any
     placement (sharded, replicated, partial), and the local shards skip DTensor's dispatch (its sharding
     propagation missed its cache on every step here: a tenth of a tiny TP x EP step on the host)."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, factor)
 
@@ -51,10 +52,6 @@ def unique_params(parts) -> list[torch.nn.Parameter]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class TiedEmbeddingGrads:
@@ -89,7 +86,7 @@ class TiedEmbeddingGrads:
     def sync(self) -> None:
         for _, p in self.copies:
             _match_param_placement(p)
-        grads = [_local(p.grad) for _, p in self.copies if p.grad is not None]
+        grads = [local_tensor(p.grad) for _, p in self.copies if p.grad is not None]
         if len(grads) == 2:  # both stages on this rank
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])

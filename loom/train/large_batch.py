@@ -13,9 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from loom.parallel.shards import local_tensor
 
 
 def _like_param(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -32,7 +30,7 @@ def whole_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     each local sum of squares is divided by the number of copies it has (the sizes of the mesh axes it is
     Replicate on), then the sums of one mesh are all-reduced over each mesh axis that shards any of them:
     the sum over every rank of the mesh counts each element once."""
-    sq = torch.stack([_local(t).float().square().sum() for t in tensors]) if tensors else torch.zeros(0)
+    sq = torch.stack([local_tensor(t).float().square().sum() for t in tensors]) if tensors else torch.zeros(0)
     meshes: dict = {}
     for i, t in enumerate(tensors):
         if hasattr(t, "device_mesh"):
@@ -102,8 +100,8 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 t = float(state["step"])
-                g = _local(_like_param(p.grad, p))
-                m, v, w = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p)
+                g = local_tensor(_like_param(p.grad, p))
+                m, v, w = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"]), local_tensor(p)
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
@@ -161,7 +159,7 @@ class Lars(torch.optim.Optimizer):
         w_norm, g_norm = norms[: len(entries)], norms[len(entries) :]
         for i, (group, p, grad) in enumerate(entries):
             wd = group["weight_decay"]
-            g, w = _local(grad), _local(p)
+            g, w = local_tensor(grad), local_tensor(p)
             if _adapts(p, self.exclude_1d):
                 ok = (w_norm[i] > 0) & (g_norm[i] > 0)
                 local_lr = torch.where(
@@ -176,7 +174,7 @@ class Lars(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = _local(state["momentum_buffer"])
+            buf = local_tensor(state["momentum_buffer"])
             buf.mul_(group["momentum"]).add_(d)
             w.sub_(buf)
         return loss
@@ -202,7 +200,7 @@ def _apply(params: list, updates: list, lrs: list, exclude_1d: bool) -> None:
     trust = _trust(w_norm, u_norm)
     for i, (p, u, lr) in enumerate(zip(params, updates, lrs)):
         ratio = trust[i] if _adapts(p, exclude_1d) else 1.0
-        _local(p).sub_(_local(u) * (ratio * lr))
+        local_tensor(p).sub_(local_tensor(u) * (ratio * lr))
 
 
 def group_options(name: str, cfg) -> dict:

@@ -28,6 +28,7 @@ import torch
 from torch.optim.adam import adam
 
 from loom.config.errors import ConfigError
+from loom.parallel.shards import local_tensor
 
 FIELD = "optimizer.offload_path"
 PREFIX = "loom-optimizer-"
@@ -73,10 +74,6 @@ class StateFolder:
             os.rmdir(self.path)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``local`` (the shard's moments) as ``p`` is: a DTensor of the same mesh, placements and global shape for a
     sharded parameter (checkpoints reshard it), the tensor itself otherwise."""
@@ -105,7 +102,7 @@ class NvmeAdamW(torch.optim.AdamW):
     # ------------------------------------------------------------------------------------------------- state
     def _file_pair(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if id(p) not in self._files:
-            local = _local(p)
+            local = local_tensor(p)
             pair = tuple(
                 self.folder.tensor(k, local.numel()).view(local.shape) for k in ("exp_avg", "exp_avg_sq")
             )
@@ -131,7 +128,7 @@ class NvmeAdamW(torch.optim.AdamW):
                     continue
                 m, v = opt._file_pair(p)
                 for key, file in (("exp_avg", m), ("exp_avg_sq", v)):
-                    loaded = _local(state[key])
+                    loaded = local_tensor(state[key])
                     if loaded.data_ptr() != file.data_ptr():
                         file.copy_(loaded)
                     state[key] = _like(file, p)
@@ -159,11 +156,11 @@ class NvmeAdamW(torch.optim.AdamW):
                 if p.grad is None:
                     continue
                 state = self._state_of(p)
-                m, v = (_local(state[k]).reshape(-1) for k in ("exp_avg", "exp_avg_sq"))
+                m, v = (local_tensor(state[k]).reshape(-1) for k in ("exp_avg", "exp_avg_sq"))
                 grad = p.grad
                 if hasattr(p, "placements") and tuple(grad.placements) != tuple(p.placements):
                     grad = grad.redistribute(p.device_mesh, p.placements)
-                param, grad = _local(p), _local(grad)
+                param, grad = local_tensor(p), local_tensor(grad)
                 before = state["step"].clone()
                 state["step"] += 1
                 for start in range(0, param.numel(), self.chunk):
@@ -176,7 +173,7 @@ class NvmeAdamW(torch.optim.AdamW):
     def _run(self, chunks: list) -> None:
         """Read chunk i+1 and write chunk i-1 on the IO thread while chunk i is stepped (FIFO: a buffer is read
         into only after its last write is done)."""
-        device = _local(chunks[0][1]).device
+        device = local_tensor(chunks[0][1]).device
         buffers = self._buffers(device)
 
         def read(i: int) -> None:
@@ -245,4 +242,4 @@ class NvmeAdamW(torch.optim.AdamW):
 
 def moment_bytes(params) -> int:
     """Bytes of the two float32 AdamW moments of ``params`` (this rank's shards)."""
-    return 8 * sum(_local(p).numel() for p in params)
+    return 8 * sum(local_tensor(p).numel() for p in params)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from loom.config.sections import OptimizerConfig
 from loom.kernels.adamw.op import SMALL, adamw_multi_step_, adamw_step_
 from loom.kernels.triton_support import has_triton
+from loom.parallel.shards import local_tensor
 from loom.train.grads import by_mesh, scale_grads, unique_params
 from loom.train.large_batch import build_large_batch
 
@@ -61,12 +61,12 @@ class TritonAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             base = (float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
             for p, state, count in zip(live, states, [s.item() for s in steps]):
-                local = _local(p)
+                local = local_tensor(p)
                 tensors = (
                     local,
-                    _local(_like_param(p.grad, p)),
-                    _local(state["exp_avg"]),
-                    _local(state["exp_avg_sq"]),
+                    local_tensor(_like_param(p.grad, p)),
+                    local_tensor(state["exp_avg"]),
+                    local_tensor(state["exp_avg_sq"]),
                 )
                 factor = None
                 if grad_factor is not None:
@@ -106,17 +106,6 @@ def _like_param(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if hasattr(p, "placements") and tuple(grad.placements) != tuple(p.placements):
         return grad.redistribute(p.device_mesh, p.placements)
     return grad
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor the kernels update: a DTensor's local shard, and inside it the storage a weight wrapper
-    holds (torchao's float8 all-gather wraps each linear weight; the wrapper has no address of its own)."""
-    t = t.to_local() if hasattr(t, "to_local") else t
-    if is_traceable_wrapper_subclass(t):
-        inner = getattr(t, t.__tensor_flatten__()[0][0])
-        if inner.shape == t.shape and inner.dtype == t.dtype and not is_traceable_wrapper_subclass(inner):
-            return inner
-    return t
 
 
 def build_optimizer(

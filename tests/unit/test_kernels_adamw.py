@@ -286,13 +286,17 @@ def test_a_weight_wrapper_is_stepped_through_its_storage_and_refused_by_the_laun
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from loom.kernels.triton_support import check_tensor
-    from loom.train.optimizer import _local
+    from loom.parallel.shards import local_tensor as _local
 
     inner = torch.randn(4, 6)
     wrapped = WeightWithDynamicFloat8CastTensor(inner, LinearMMConfig(), torch.float8_e4m3fn)
     assert wrapped.data_ptr() == 0
     assert _local(wrapped) is inner
     assert _local(inner) is inner
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    nf4 = to_nf4(torch.randn(128, 128, dtype=torch.bfloat16))  # a quantized subclass keeps its own layout
+    assert _local(nf4) is nf4
     with pytest.raises(ValueError, match="param: a WeightWithDynamicFloat8CastTensor, a tensor subclass"):
         check_tensor("param", wrapped, dtypes=(torch.float32,))
     if importlib.util.find_spec("triton") is not None:  # the multi-tensor launcher checks every index

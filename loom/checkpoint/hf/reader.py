@@ -26,6 +26,7 @@ from loom.config.errors import ConfigError, UserError, require
 from loom.models.common.init import canonical_name
 from loom.models.llama.flavors import LlamaArgs
 from loom.models.registry import hf_adapter
+from loom.parallel.shards import local_tensor
 
 
 def llama_args_from_hf(folder: str, field: str = "model.init_from") -> LlamaArgs:
@@ -136,10 +137,6 @@ def owned_region(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(lo, lo + n) for lo, n in region)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
-
-
 def _source_names(
     name: str, param: torch.Tensor, files: dict[str, str], hf_tied: bool, args: LlamaArgs | None = None
 ) -> list[str]:
@@ -174,7 +171,7 @@ def _read_into(handle, src: str, param: torch.Tensor, folder: str) -> None:
             f"{list(param.shape)} (check model.vocab_size / the model shape)"
         )
     region = owned_region(param)
-    local = _local(param)
+    local = local_tensor(param)
     if local.numel() == 0:
         return  # an uneven split can leave a rank without rows of a small tensor
     local.copy_(sl[region])  # (rows this rank owns, ...); cast to the parameter's dtype
@@ -184,7 +181,7 @@ def _read_experts_into(handle_of, srcs: list[str], param: torch.Tensor, folder: 
     """A stacked expert weight (n, a, b) from ``srcs``, one stored (b, a) tensor per expert: this rank's experts
     (FSDP2 / expert parallelism shard the expert dim), each read only over this rank's block, transposed."""
     region = owned_region(param)  # (experts, a, b)
-    local = _local(param)
+    local = local_tensor(param)
     for k, j in enumerate(range(region[0].start, region[0].stop)):
         sl = handle_of(srcs[j]).get_slice(srcs[j])
         stored, want = tuple(sl.get_shape()), (param.shape[2], param.shape[1])
