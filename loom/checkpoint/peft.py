@@ -21,6 +21,7 @@ from loom.config.errors import ConfigError, UserError, require
 from loom.config.sections import LoraConfig
 from loom.models.common.init import canonical_name
 from loom.models.common.lora import SHARED_TARGETS, TARGETS, is_adapter, parse_targets
+from loom.parallel.shards import local_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -218,7 +219,7 @@ def load_peft_adapter(model: torch.nn.Module, lora: LoraConfig, whole_model: boo
                     f"{folder}: {keys[name]} has shape {list(sl.get_shape())}, this model expects "
                     f"{list(p.shape)}"
                 )
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             if local.numel():
                 local.copy_(sl[owned_region(p)])
     return len(params)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.models.common.layers import LOCAL_CONTEXT, Attention, attend
+from loom.parallel.shards import local_tensor
 
 _FACTORIES: dict[type, Callable] = {}
 
@@ -161,7 +162,7 @@ class KVCache(nn.Module):
     def for_attention(cls, attn: Attention, batch: int, length: int, dtype: torch.dtype, device) -> KVCache:
         """Sized from the module's key projection: under tensor parallelism, this rank's KV heads only."""
         weight = attn.wk.weight
-        rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+        rows = local_tensor(weight).shape[0]
         return cls(batch, rows // attn.head_dim, length, attn.head_dim, dtype, device)
 
     @property

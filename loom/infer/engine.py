@@ -28,6 +28,7 @@ from loom.infer.pack import pack as packed_groups
 from loom.infer.pack import unpack
 from loom.infer.sampling import SamplingParams, mark_seen, new_generator, sample
 from loom.parallel.compile import graph_free, graph_free_blocks
+from loom.parallel.shards import local_tensor
 
 SCRATCH = (
     16  # slots past the longest sequence: where a graph capture's warm-up writes land (and the longest S)
@@ -168,7 +169,7 @@ class Engine:
     ):
         self.model = model.eval()
         weight = next(iter(model.parameters()))
-        weight = weight.to_local() if hasattr(weight, "to_local") else weight
+        weight = local_tensor(weight)
         self.device, self.dtype = weight.device, weight.dtype
         cuda = self.device.type == "cuda"
         self.compile = cuda if compile is None else compile

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from loom.parallel.offload_rules import offloaded_blocks
+from loom.parallel.shards import local_tensor
 
 
 class _Saved:
@@ -201,7 +202,7 @@ def _own_tensors(block: nn.Module):
 def _storage(t: torch.Tensor) -> int | None:
     """Where ``t``'s memory starts (a DTensor's local shard's); None for a tensor whose storage cannot be read
     (other subclasses: QLoRA's NF4 weights)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local_tensor(t)
     try:
         return local.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):

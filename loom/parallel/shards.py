@@ -1,6 +1,6 @@
-"""The arithmetic of a sharded parameter (a DTensor): a full value into this rank's shard, the number of shards, and
-QLoRA's NF4 quantization of a sharded base. The models stay plain: their init draws full values and hands them to
-``keep_shard``."""
+"""The arithmetic of a sharded parameter (a DTensor): a full value into this rank's shard, the number of shards, the
+plain tensor holding this rank's values, and QLoRA's NF4 quantization of a sharded base. The models stay plain: their
+init draws full values and hands them to ``keep_shard``."""
 
 from __future__ import annotations
 

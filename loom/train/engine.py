@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from loom.checkpoint.hf.reader import load_hf_weights
 from loom.checkpoint.manager import CheckpointManager
@@ -43,7 +42,7 @@ from loom.numerics import DTYPES
 from loom.parallel.context_parallel import shard_sequence
 from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, parallelize_llama
 from loom.parallel.placement import check_placement
-from loom.parallel.shards import quantize_base
+from loom.parallel.shards import local_tensor, quantize_base
 from loom.parallel.tensor_parallel import loss_parallel_context
 from loom.resolve import Run, handed, resolve, times_attention
 from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
@@ -320,20 +319,19 @@ class Engine:
         training = replace(cfg.training, activation_checkpointing="none")
         (ref,) = parallelize(model)(model, self.dims, training, cfg.parallel, self.device, cfg.run.seed).parts
         if copy_weights:
-            local = lambda t: t.to_local() if isinstance(t, DTensor) else t
             with torch.no_grad():
                 for named in ("named_parameters", "named_buffers"):
                     mine = {canonical_name(n): t for n, t in getattr(policy, named)()}
                     theirs = {canonical_name(n): t for n, t in getattr(ref, named)()}
                     assert mine.keys() == theirs.keys(), sorted(mine.keys() ^ theirs.keys())
                     for name, t in theirs.items():
-                        local(t).copy_(local(mine[name]))
+                        local_tensor(t).copy_(local_tensor(mine[name]))
         ref.requires_grad_(False)
         return ref.eval()
 
     def weights_finite(self) -> bool:
         """Whether every weight this rank holds is finite (``all_finite``)."""
-        return all_finite([(p.to_local() if hasattr(p, "to_local") else p).detach() for p in self.params])
+        return all_finite([local_tensor(p).detach() for p in self.params])
 
     # ---- build steps ------------------------------------------------------
     def _setup_determinism(self) -> None:
