@@ -191,6 +191,7 @@ def summarize(recs: list[dict]) -> dict:
             else {}
         ),
         "final_loss": recs[-1]["loss"],
+        "losses": {r["step"]: r["loss"] for r in recs},  # two layouts' runs compared step by step
     }
 
 

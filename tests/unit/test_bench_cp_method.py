@@ -38,6 +38,7 @@ def test_throughput_reports_the_allocated_peak_beside_the_reserved_one():
     goes into the row and the table."""
     recs = [
         {
+            "step": 3,
             "tokens_per_s_per_device": 10.0,
             "mfu": 0.1,
             "mem_gib": 130.0,
@@ -47,6 +48,7 @@ def test_throughput_reports_the_allocated_peak_beside_the_reserved_one():
             "loss": 5.0,
         },
         {
+            "step": 6,
             "tokens_per_s_per_device": 20.0,
             "mfu": 0.2,
             "mem_gib": 131.0,
@@ -58,6 +60,7 @@ def test_throughput_reports_the_allocated_peak_beside_the_reserved_one():
     ]
     row = throughput.summarize(recs)
     assert row["peak_gib_max_rank"] == 136.3 and row["peak_alloc_gib_max_rank"] == 121.5
+    assert row["losses"] == {3: 5.0, 6: 4.0}
     assert "peak_alloc_gib_max_rank" not in throughput.summarize(
         [{k: v for k, v in r.items() if "alloc" not in k} for r in recs]
     )
