@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from loom.config.errors import UserError, require
 from loom.config.sections import ParallelConfig
-from loom.parallel.shards import local_tensor
 
 if TYPE_CHECKING:  # torch is imported where it is used: loom.resolve reads this module's light helpers
     import torch
@@ -49,6 +48,8 @@ def lighthouse_address(parallel: ParallelConfig) -> str:
 def _shipped(state: dict) -> dict:
     """A state dict with each DTensor replaced by this rank's shard (the peer's rank r rebuilds it on its mesh)."""
     import torch
+
+    from loom.parallel.shards import local_tensor
 
     return {k: local_tensor(v).detach() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
@@ -147,6 +148,8 @@ class ReplicaGroups:
         device. Each group's gradient is already its tokens' share of the global mean, so the sum is the mean."""
         import torch
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        from loom.parallel.shards import local_tensor
 
         grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         limit = bucket_mb * 2**20
