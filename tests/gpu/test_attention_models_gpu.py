@@ -283,12 +283,15 @@ def one_config_each(monkeypatch):
     monkeypatch.setattr(kernels, "_TUNED", {})
 
 
+@pytest.mark.parametrize("method", ["allgather", "ring"])
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
-def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs, one_config_each):
+def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs, method, one_config_each):
     """Context-parallel attention on one GPU (a 1-rank NCCL group: both chunks local, three key blocks
-    merged by their log-sum-exps) against the kernel on the whole sequence, bf16, GQA; gradients too.
-    ``docs``: packed documents crossing the chunk boundary (the off-diagonal block runs the kernel with
-    separate query-side and key-side bounds). Across ranks the same code is tested on CPU
+    merged by their log-sum-exps) against the kernel on the whole sequence, bf16, GQA, head dim 128 (the Gluon
+    kernels on Hopper); gradients too. ``docs``: packed documents crossing the chunk boundary (the off-diagonal
+    block runs the kernel with separate query-side and key-side bounds). ``ring``: each block's backward on the
+    row's merged output and log-sum-exp (what only a GPU runs on the Gluon kernels; an 8B bf16 pair of ring and
+    all-gather runs differed by 4% after 8 steps). Across ranks the same code is tested on CPU
     (tests/distributed/test_context_parallel.py)."""
     import torch.distributed as dist
 
@@ -309,7 +312,7 @@ def test_context_parallel_attention_through_the_triton_kernels(tmp_path, docs, o
             starts[:, 0] = True
             idx = torch.arange(2048).expand(2, 2048)
             positions = (idx - torch.where(starts, idx, 0).cummax(1).values).cuda()
-        out = ContextParallel(dist.group.WORLD, 0, 1).attend(q, k, v, positions)
+        out = ContextParallel(dist.group.WORLD, 0, 1, method).attend(q, k, v, positions)
         out.backward(dout)
         ids = None if positions is None else doc_ids_from_positions(positions)
         ref = flash_attention(*whole, causal=True, doc_ids=ids)
