@@ -14,6 +14,20 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # the shell's code for a SIGINT
 
 
+def _leave(code: int) -> None:
+    """Exit with ``code`` after shutting down this process's process group, if it made one: a gloo group left for
+    the interpreter's teardown while a peer had already exited aborted that rank now and then (SIGABRT, "terminate
+    called without an active exception"), and the launcher then reported a crash instead of the user error. torch
+    is not imported here for it: an error before torch loaded stays one line."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # leaving anyway: the exit code is what matters now
+            pass
+    sys.exit(code)
+
+
 def user_errors_exit(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -22,7 +36,7 @@ def user_errors_exit(fn):
         except (ConfigError, UserError) as err:
             if not (isinstance(err, SharedError) and os.environ.get("RANK", "0") != "0"):
                 print(f"loom: error: {err}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
+            _leave(EXIT_USER_ERROR)
         except OSError as err:
             if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # no room: disk, quota, ulimit -f
                 raise
@@ -44,6 +58,6 @@ def user_errors_exit(fn):
         except TrainingStopped as err:  # decided on every rank alike: rank 0 says it
             if os.environ.get("RANK", "0") == "0":
                 print(f"loom: stopped: {err}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            _leave(1)
 
     return wrapper
