@@ -20,7 +20,8 @@ def _leave(code: int) -> None:
     called without an active exception"), and the launcher then reported a crash instead of the user error. torch
     is not imported here for it: an error before torch loaded stays one line."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    # gloo only: NCCL's own teardown aborts its communicators, where a graceful destroy could wait on a peer
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         try:
             dist.destroy_process_group()
         except Exception:  # leaving anyway: the exit code is what matters now
