@@ -594,9 +594,8 @@ class Engine:
         state = self.loader.state_dict()
         batch = self.loader.next_step().micro_batches
         self.loader.load_state_dict(state)
-        self._read_ahead = [
-            mb.inputs for mb in batch
-        ]  # as the loader gave them (the host's: no wait to compare)
+        # the token ids as the loader gave them, on the host: comparing them next step waits for no GPU
+        self._read_ahead = [mb.inputs for mb in batch]
         return [self.local_tokens(mb) for mb in batch]
 
     def _check_read_ahead(self, micro_batches: list[MicroBatch]) -> None:
