@@ -376,18 +376,18 @@ def ac_sections(ac: str) -> dict:
 
 def float8_sections(float8: str, all_gather: bool) -> dict:
     """loom's training.float8 (and float8_all_gather) as torchtitan's float8 converter: the same torchao recipe on
-    every block linear, the output head left in bf16 (loom never converts it), scales not precomputed (loom does
-    not precompute them)."""
+    every block linear, the output head left in bf16 (loom never converts it). With the float8 gather, the scales
+    precomputed after each step, as loom's; torchtitan 0.2.2 refuses a recipe name with the gather, and without one
+    it builds torchao's default config, the tensorwise recipe."""
     if float8 == "none":
         return {}
-    return {
-        "quantize.linear.float8": {
-            "recipe_name": float8,
-            "enable_fsdp_float8_all_gather": all_gather,
-            "precompute_float8_dynamic_scale_for_fsdp": False,
-            "filter_fqns": ["output"],
-        }
-    }
+    section = {"recipe_name": float8} if not all_gather else {}
+    section.update(
+        enable_fsdp_float8_all_gather=all_gather,
+        precompute_float8_dynamic_scale_for_fsdp=all_gather,
+        filter_fqns=["output"],
+    )
+    return {"quantize.linear.float8": section}
 
 
 @dataclass(frozen=True)

@@ -475,8 +475,9 @@ class TrainingConfig:
     float8_all_gather: bool = opt(
         False,
         "FSDP2 all-gathers the float8 block linears' weights in float8, half of bf16's bytes "
-        "(torchao's enable_fsdp_float8_all_gather; each weight's scale from its global amax as it "
-        "is gathered): training.float8 tensorwise under FSDP (dp_shard x cp > 1), no CPU offload",
+        "(torchao's enable_fsdp_float8_all_gather; each weight's scale from its global amax, computed for "
+        "all weights after each update in one pass and one all-reduce): training.float8 tensorwise under "
+        "FSDP (dp_shard x cp > 1), no CPU offload",
         resume=(FREE, "the same float8 weights, gathered in float8"),
     )
     activation_checkpointing: str = opt(

@@ -60,7 +60,7 @@ from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.nvtx_ranges import NvtxRanges
 from loom.train.objective import Objective
 from loom.train.optimizer import OptimizerParts
-from loom.train.precision import LossScaler, autocast_context
+from loom.train.precision import Float8Scales, LossScaler, autocast_context
 from loom.train.run_dir import check_writable_dirs, record_run_files
 from loom.train.schedule import SchedulerParts, lr_factor
 from loom.train.steps import (
@@ -109,8 +109,8 @@ def count_params(args, lora=None, replace_head=None) -> tuple[int, int]:
 def step_hooks(cfg, engine, owner) -> list[StepHook]:
     """The run's hooks, from its config: DiLoCo (parallel.diloco_inner_steps), a mixture of experts' balance
     (the model has MoE blocks), the noise-scale probe (metrics.noise_scale), torchft (parallel.fault_tolerance),
-    NVTX ranges (metrics.nvtx), stragglers (metrics.straggler_fraction, several ranks), preemption (always: a stop
-    request saves and exits).
+    NVTX ranges (metrics.nvtx), stragglers (metrics.straggler_fraction, several ranks), float8 weights' scales
+    (training.float8_all_gather), preemption (always: a stop request saves and exits).
     ``owner``: the loop whose state a recovering torchft peer receives (``state_dict`` / ``load_state_dict``)."""
     hooks: list[StepHook] = []
     if cfg.parallel.diloco_inner_steps:  # the dp_replicate groups average their weights every H steps
@@ -137,6 +137,10 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
         hooks.append(StragglersHook.build(engine, cfg.metrics.straggler_fraction))
     if cfg.parallel.pp_schedule == "pipedream_2bw":  # its checkpoints hold the older weight version too
         hooks.append(TwoBWCheckpoint(engine.steps.versions))
+    if cfg.training.float8_all_gather and cfg.parallel.pp_schedule != "pipedream_2bw":
+        # after every hook that changes weights (DiLoCo's average); 2BW swaps weight versions itself, so its
+        # gathers keep reducing each weight's amax as they run
+        hooks.append(Float8Scales(engine.parts, after_quorum=cfg.parallel.fault_tolerance))
     hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))
     return hooks
 

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from loom.train.hooks import StepHook
+
 
 def autocast_context(dtype: torch.dtype, device: torch.device, fsdp_casts: bool):
     """Autocast unless fp32, or FSDP2 already runs the forward in the compute dtype."""
@@ -46,3 +48,32 @@ class LossScaler:
 
     def load_state_dict(self, s: dict) -> None:
         self.scale, self.good_steps, self.skipped = float(s["scale"]), int(s["good_steps"]), int(s["skipped"])
+
+
+class Float8Scales(StepHook):
+    """training.float8_all_gather: every float8 weight's scale computed once its weights are final for the next
+    forward (after each update, a checkpoint's load, a recovering peer's state), in one pass and one all-reduce,
+    instead of one all-reduce per weight inside every FSDP2 all-gather of the step (the same scale: the weight's
+    global amax)."""
+
+    def __init__(self, parts: list, after_quorum: bool):
+        self.parts, self.after_quorum = parts, after_quorum
+
+    def refresh(self) -> None:
+        from loom.models.common.float8 import precompute_scales
+
+        for part in self.parts:
+            precompute_scales(part)
+
+    def begin(self, step: int) -> None:
+        self.refresh()
+
+    def quorum(self) -> None:
+        if self.after_quorum:  # torchft: a recovering group may have just received a peer's weights
+            self.refresh()
+
+    def after_update(self, step: int) -> None:
+        self.refresh()
+
+    def loaded(self, with_state: bool) -> None:
+        self.refresh()

@@ -50,3 +50,26 @@ def apply_float8(model: nn.Module, recipe: str, all_gather: bool = False) -> int
     converted = sum(isinstance(m, Float8Linear) for m in model.modules())
     assert converted <= before
     return converted
+
+
+def precompute_scales(model: nn.Module) -> int:
+    """With float8 all-gather: every wrapped weight's scale from its global amax, in one pass over the weights and
+    one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``). FSDP2 then casts each shard with it
+    instead of reducing that weight's amax inside its all-gather (an all-reduce per weight and gather, which waits
+    on the gather's stream). Returns how many weights got a scale (0: none is wrapped and sharded)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import (
+        WeightWithDynamicFloat8CastTensor,
+        precompute_float8_dynamic_scale_for_fsdp,
+    )
+
+    count = sum(
+        isinstance(m, Float8Linear)
+        and isinstance(m.weight, DTensor)
+        and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+        for m in model.modules()
+    )
+    if count:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    return count
