@@ -721,24 +721,45 @@ def loom_profiling(steps: int) -> dict:
 
 def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
     """The profiled step's GPU time by kernel category, top kernels and exposed communication
-    (loom.metrics.trace_summary) from rank 0's trace; the trace gzipped into ``keep_dir`` when one is given, named by
-    ``label`` (workload and side, so the calls of one script keep each other's)."""
+    (loom.metrics.trace_summary) from rank 0's trace, and each other rank's span, busy time and communication (a
+    rank that waits on a late peer shows it there, rank 0's NCCL kernels lasting longer than their bytes need); the
+    traces gzipped into ``keep_dir`` when one is given, named by ``label`` (workload and side, so the calls of one
+    script keep each other's) and rank. Other ranks' traces are found by the name with ``rank0`` replaced."""
     from loom.metrics.trace_summary import summarize
 
     if not os.path.exists(trace_path):
         return {"error": f"no trace at {trace_path}"}
-    with open(trace_path, "rb") as fh:
-        raw = fh.read()
-    try:
-        out = {"trace": trace_path, **summarize(json.loads(raw))}
-    except SystemExit as e:  # no GPU kernels (a CPU smoke run)
-        return {"error": str(e), "trace": trace_path}
-    if keep_dir:
-        os.makedirs(keep_dir, exist_ok=True)
-        kept = os.path.join(keep_dir, f"{label}_trace_rank0.json.gz")
-        with gzip.open(kept, "wb", compresslevel=6) as fh:
-            fh.write(raw)
-        out["kept"] = kept
+    out: dict = {}
+    rank = 0
+    while os.path.exists(path := trace_path.replace("rank0", f"rank{rank}")):
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        try:
+            summary = summarize(json.loads(raw))
+        except SystemExit as e:  # no GPU kernels (a CPU smoke run)
+            return {"error": str(e), "trace": path}
+        if rank == 0:
+            out = {"trace": path, **summary}
+        else:
+            out.setdefault("other_ranks", {})[str(rank)] = {
+                k: summary[k]
+                for k in (
+                    "gpu_span_ms_per_step",
+                    "gpu_busy_ms_per_step",
+                    "gpu_idle_fraction",
+                    "exposed_communication_ms_per_step",
+                )
+                if k in summary
+            } | {"communication_ms_per_step": summary["by_category_ms_per_step"].get("communication", 0.0)}
+        if keep_dir:
+            os.makedirs(keep_dir, exist_ok=True)
+            kept = os.path.join(keep_dir, f"{label}_trace_rank{rank}.json.gz")
+            with gzip.open(kept, "wb", compresslevel=6) as fh:
+                fh.write(raw)
+            out.setdefault("kept", []).append(kept)
+        if "rank0" not in trace_path:
+            break
+        rank += 1
     return out
 
 
@@ -822,7 +843,9 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
     run = stream(cmd, env, a.timeout, os.path.join(paths["loom_dir"] + "_log.txt"), _LOOM_STEP)
     out = {"command": "loom " + " ".join(cmd[3:]), "config": cfg, "wall_s": run["wall_s"], **loom_shape(cfg)}
     out["launch_to_first_step_s"] = run["first_step_s"]
-    out["log"] = [ln for ln in run["output"].splitlines() if ln.startswith(("loom:", "kernels:"))]
+    out["log"] = [
+        ln for ln in run["output"].splitlines() if ln.startswith(("loom:", "kernels:", "placement"))
+    ]
     path = os.path.join(paths["loom_dir"], "metrics.jsonl")
     recs = []
     if os.path.exists(path):

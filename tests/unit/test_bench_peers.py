@@ -296,16 +296,27 @@ def test_profile_sections_and_the_summary_of_a_kept_trace(tmp_path):
         prof["profile_freq"] - prof["profiler_warmup"] - prof["profiler_active"] == 5
     )  # its wait: the last step
     assert peers.loom_profiling(7) == {"metrics.profile_steps": "7:7", "metrics.profile_memory": "false"}
-    trace = tmp_path / "trace.json"
+    trace = tmp_path / "trace_rank0.json"
     kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
     step = {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 100}
     trace.write_text(
         json.dumps({"traceEvents": [step, kernel("nvjet_gemm", 0, 60), kernel("ncclDevKernel_X", 60, 40)]})
     )
+    rank1 = tmp_path / "trace_rank1.json"  # a rank whose gather waited longer
+    rank1.write_text(
+        json.dumps({"traceEvents": [step, kernel("nvjet_gemm", 0, 30), kernel("ncclDevKernel_X", 30, 70)]})
+    )
     out = peers.profile_summary(str(trace), str(tmp_path / "keep"), "loom")
     assert out["by_category_ms_per_step"] == {"matmul": 0.06, "communication": 0.04}
     assert out["exposed_communication_ms_per_step"] == pytest.approx(0.04)
-    assert json.loads(gzip.open(out["kept"]).read()) == json.loads(trace.read_text())
+    assert out["other_ranks"]["1"]["communication_ms_per_step"] == pytest.approx(0.07)
+    assert out["other_ranks"]["1"]["exposed_communication_ms_per_step"] == pytest.approx(0.07)
+    assert [k.rsplit("/", 1)[-1] for k in out["kept"]] == [
+        "loom_trace_rank0.json.gz",
+        "loom_trace_rank1.json.gz",
+    ]
+    for kept, src in zip(out["kept"], (trace, rank1)):
+        assert json.loads(gzip.open(kept).read()) == json.loads(src.read_text())
     assert "error" in peers.profile_summary(str(tmp_path / "absent.json"), "", "loom")
 
 
