@@ -28,6 +28,8 @@ def environment(commit: str, command: str, modules: tuple[str, ...] = ()) -> dic
     beside its figures."""
     import torch
 
+    from loom.runtime.topology import usable_cpus
+
     env = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
@@ -36,6 +38,8 @@ def environment(commit: str, command: str, modules: tuple[str, ...] = ()) -> dic
         "commit": commit,
         "command": command,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # host CPUs as the OS counts them, and as this container lets the job use them (affinity, cgroup quota)
+        "cpus": {"os": os.cpu_count(), "usable": usable_cpus()},
     }
     for mod in ("transformers", "triton", "torchao", *modules):
         try:

@@ -186,7 +186,9 @@ def launch(argv: list[str], nproc: int) -> int:
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    from loom.runtime.topology import usable_cpus
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // nproc)))  # torchrun keeps a set one
     with tempfile.TemporaryDirectory(prefix="loom-doctor-") as tmp:
         result = os.path.join(tmp, "exit_code")
         os.environ[RESULT_ENV] = result

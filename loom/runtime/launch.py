@@ -227,7 +227,9 @@ def launch(argv: list[str], launch: Launch, cfg) -> int:
             ) from None
         register_file_rendezvous()  # torch's registry knows c10d, etcd and static; this process learns "file"
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # stable restarts on gloo
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    from loom.runtime.topology import usable_cpus
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // nproc)))  # torchrun keeps a set one
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(cfg.checkpoint.preempt_grace_s) + 10))
     if not launch.multi_node:
         os.environ.update(held_env(cfg.run.dir))  # this process holds the run dir's lock for its workers

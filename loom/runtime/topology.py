@@ -280,6 +280,28 @@ def numa_cpus(topo: Topology, gpu: int, allowed: set[int]) -> set[int] | None:
     return mine or None
 
 
+def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process may keep busy: its affinity, capped by a cgroup CPU quota (v2 ``cpu.max``, v1
+    ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us``). A container limited by quota shows every host CPU to
+    ``os.cpu_count()`` and to the affinity, and threads sized from those oversubscribe it: the kernel then throttles
+    the whole container for the rest of each quota period, a stall that lands on whichever rank ran over."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            with open(os.path.join(cgroup, quota_file)) as fh:
+                fields = fh.read().split()
+            if period_file is not None:
+                with open(os.path.join(cgroup, period_file)) as fh:
+                    fields = [fields[0], fh.read().split()[0]]
+            quota, period = fields[0], int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if quota not in ("max", "-1") and int(quota) > 0 and period > 0:
+            n = min(n, max(1, int(quota) // period))
+        break
+    return max(1, n)
+
+
 def visible_gpus(environ: dict[str, str]) -> tuple[list[int] | None, str]:
     """The physical GPU indices CUDA_VISIBLE_DEVICES lists, in order (None: every GPU), or (None, why placement
     cannot map them: UUIDs or MIG instances, which the matrix does not name)."""

@@ -166,3 +166,25 @@ def test_doctor_topology_lines():
     two = _doctor_lines(TWO, set(), {})
     assert (WARN, "tp = 2 would cross a PHB link (GPU0-GPU1) whatever the order of ranks") in two
     assert not any("NCCL_IB_HCA" in w for _, w in two)
+
+
+def test_usable_cpus_follow_the_cgroup_quota(tmp_path):
+    """A container limited by CPU quota shows every host CPU to os.cpu_count: the launchers size OMP_NUM_THREADS
+    from the quota (cgroup v2's cpu.max, v1's cfs files), never above the affinity."""
+    from loom.runtime.topology import usable_cpus
+
+    mine = len(os.sched_getaffinity(0))
+    assert usable_cpus(str(tmp_path)) == mine  # no cgroup files: the affinity
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(str(tmp_path)) == mine
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # one CPU's worth
+    assert usable_cpus(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text(f"{(mine + 8) * 100000} 100000\n")  # a quota above the affinity
+    assert usable_cpus(str(tmp_path)) == mine
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(str(v1)) == 1
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cpus(str(v1)) == mine
