@@ -268,7 +268,9 @@ DIFFERENCES = (
     "its training loop); loom reads the same text tokenized before its launch (loom data prepare, not timed)",
     "LR schedule: both warm up over the same steps to 3e-4 then decay by cosine to 0.1 of it (torchtitan's "
     "lr_scheduler, loom's optimizer.schedule); no effect on speed",
-    "garbage collection: torchtitan collects every 50 steps by hand (training.gc_freq), loom leaves Python's",
+    "garbage collection: both turn Python's automatic collection off and collect the young generations every 50 "
+    "steps (torchtitan's training.gc_freq, loom's training.gc_every); loom also collects every generation each "
+    "500 steps",
     "peak memory: torchtitan logs rank 0's max reserved, loom the largest rank's max reserved",
     "initialization: each framework's own (no effect on speed)",
 )
@@ -866,6 +868,10 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
                 "losses": [r["loss"] for r in recs],
             }
         )
+    ranks = os.path.join(paths["loom_dir"], "ranks.jsonl")  # each rank's step, data wait and collective time
+    if os.path.exists(ranks):
+        with open(ranks) as fh:
+            out["ranks"] = [json.loads(line) for line in fh if line.strip()]
     if a.profile:
         trace = os.path.join(paths["loom_dir"], "profile", "trace_rank0.json")
         out["profile"] = profile_summary(

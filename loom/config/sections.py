@@ -499,6 +499,15 @@ class TrainingConfig:
         "('0,1,2'); a recomputed block (activation_checkpointing) offloads its input only (docs/operations.md)",
         resume=(FREE, "where saved activations wait: the same math"),
     )
+    gc_every: int = opt(
+        50,
+        "Python's garbage collection while training: automatic collection off, the young generations "
+        "collected every this many steps on every rank at once (all generations every 10 x this), so no rank "
+        "pauses alone mid-step while the others wait for it in the next collective (torchtitan's gc_freq, "
+        "Megatron's manual GC); 0 = Python's automatic collection",
+        min=0,
+        resume=(FREE, "when Python collects garbage: the same math"),
+    )
     max_norm: float = opt(
         1.0,
         "gradient clipping by global norm; 0 = off",

@@ -54,7 +54,13 @@ from loom.runtime.run_lock import acquire, hold_as_worker
 from loom.runtime.topology import apply_placement
 from loom.train.diloco import DiLoCoHook
 from loom.train.grads import unique_params
-from loom.train.hooks import FaultToleranceHook, PreemptionHook, StepHook, StragglersHook
+from loom.train.hooks import (
+    FaultToleranceHook,
+    GarbageCollection,
+    PreemptionHook,
+    StepHook,
+    StragglersHook,
+)
 from loom.train.moe_stats import MoEBalance
 from loom.train.noise_scale import NoiseScaleProbe
 from loom.train.nvtx_ranges import NvtxRanges
@@ -110,7 +116,8 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
     """The run's hooks, from its config: DiLoCo (parallel.diloco_inner_steps), a mixture of experts' balance
     (the model has MoE blocks), the noise-scale probe (metrics.noise_scale), torchft (parallel.fault_tolerance),
     NVTX ranges (metrics.nvtx), stragglers (metrics.straggler_fraction, several ranks), float8 weights' scales
-    (training.float8_all_gather), preemption (always: a stop request saves and exits).
+    (training.float8_all_gather), garbage collection at fixed steps (training.gc_every), preemption (always: a
+    stop request saves and exits).
     ``owner``: the loop whose state a recovering torchft peer receives (``state_dict`` / ``load_state_dict``)."""
     hooks: list[StepHook] = []
     if cfg.parallel.diloco_inner_steps:  # the dp_replicate groups average their weights every H steps
@@ -141,6 +148,8 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
         # after every hook that changes weights (DiLoCo's average); 2BW swaps weight versions itself, so its
         # gathers keep reducing each weight's amax as they run
         hooks.append(Float8Scales(engine.parts, after_quorum=cfg.parallel.fault_tolerance))
+    if cfg.training.gc_every:
+        hooks.append(GarbageCollection(cfg.training.gc_every))
     hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))
     return hooks
 
