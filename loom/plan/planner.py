@@ -53,7 +53,10 @@ from loom.plan.shapes import expert_params, rank_shares
 from loom.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_HBM_SHARE,
+    COPY_HBM_SHARE,
     EP_HOST_WAIT_S,
+    FLOAT8_CAST_BYTES,
+    FLOAT8_GEMM_SPEEDUP,
     GRAD_NORM_BYTES,
     NF4_DEQUANT_HBM_SHARE,
     StepTime,
@@ -62,6 +65,7 @@ from loom.plan.timing import (
     collective_s,
     efficiency,
     ep_host_s,
+    float8_cast_width,
     ep_overhead_s,
     fsdp_expert_bytes,
     grouped_padding_flops,
@@ -228,8 +232,10 @@ def estimate(
     disk = max(nvme_state(held_params(share, x), x) for share in shares)
     if x.nvme:
         notes.append(nvme_note(disk))
-    if t.float8 != "none":
-        notes.append("float8 is not modelled: estimated as bf16")
+    if t.float8 != "none" and not float8_modelled(t, args, x):
+        notes.append(
+            "float8 is modelled for dense attention blocks without LoRA only: this one estimated as bf16"
+        )
     extras = method_of(cfg).plan(cfg)
     if extras.frozen is None:
         notes.append(
@@ -476,6 +482,12 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     return max(with_workspace(peak), generation_peak(state, x), key=lambda mem: mem.total)
 
 
+def float8_modelled(t, args, x: MemoryInputs) -> bool:
+    """Whether the step time models training.float8: dense blocks with plain attention and no LoRA (the runs it
+    was fitted and checked on); MoE experts, MLA projections and adapters are estimated as bf16."""
+    return t.float8 != "none" and not args.moe and not args.mla and not x.lora_base_bytes
+
+
 def dense_blocks(args, layers: list[int]) -> int:
     """Of a MoE model's blocks ``layers``, those without routed experts (0 for a dense model)."""
     return sum(not args.moe_layer(i) for i in layers) if args.moe else 0
@@ -524,6 +536,10 @@ def rank_time(
     compute_mb = (block_mm + frozen * head / dims.tp * tokens) / (peak * eff) + attention / (
         peak * attention_efficiency(args.head_dim, t.seq_len)
     )
+    if float8_modelled(t, args, x):  # the block GEMMs faster, their inputs' and gradients' casts on top
+        compute_mb -= block_mm / (peak * eff) * (1 - 1 / FLOAT8_GEMM_SPEEDUP)
+        cast = FLOAT8_CAST_BYTES * share.layers * float8_cast_width(args) * tokens
+        compute_mb += cast / (COPY_HBM_SHARE * gpu.hbm_tbps * 1e12)
     if args.moe:
         moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x, ep_grad_rescale)
         compute_mb += moe_mb.extra_matmul / (peak * eff)

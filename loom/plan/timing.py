@@ -35,6 +35,8 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   GPU drains its queue there and then idles while the host launches what follows (and the all-to-all waits for the
   peer rank's host): ``EP_HOST_WAIT_S`` per wait, fitted to one run; other host time and uneven routing are not
   modelled; the padded exchange (parallel.ep_exchange) waits for nothing and moves ep times the bytes;
+- float8 (dense blocks): the block linears' GEMMs at FLOAT8_GEMM_SPEEDUP x their bf16 time, plus the casts of
+  each linear's input and output gradient (``float8_cast_width``) at the copy rate;
 - pipeline: the step's compute stretched by 1 / (1 - bubble) (loom.parallel.pipeline.theoretical_bubble).
 A collective over n ranks moving a tensor of B bytes takes B (n-1)/n / bandwidth (ring bus bandwidth).
 """
@@ -103,6 +105,24 @@ COLLECTIVE_LATENCY_S = 10e-6
 def decode_hbm_share(batch: int) -> float:
     """The share of HBM bandwidth a decode step of ``batch`` sequences reads at (above)."""
     return DECODE_HBM_SHARE if batch == 1 else DECODE_HBM_SHARE_BATCHED
+
+
+# Float8 (training.float8 tensorwise / rowwise, torchao's Float8Linear on the dense blocks' linears): their GEMMs
+# run FLOAT8_GEMM_SPEEDUP x faster than in bf16 (the 8B profile's block GEMMs, 577 -> 365 ms a step: docs/planner.md),
+# and every block linear's input and output gradient, an element per token and feature, is scaled and cast (its
+# amax read, the cast, the transposed copy the backward's GEMMs read) at COPY_HBM_SHARE: FLOAT8_CAST_BYTES an
+# element, fitted to the 8B pair on 2 H200s (float8 / bf16 1.261x in one call).
+FLOAT8_GEMM_SPEEDUP = 1.58
+FLOAT8_CAST_BYTES = 11.0
+
+
+def float8_cast_width(args) -> int:
+    """The features one token's input and output gradient cast across a dense block's linears (q, k, v, o, and
+    the MLP's gate, up and down: each linear's in + out features)."""
+    q = args.n_heads * args.head_dim
+    kv = args.n_kv_heads * args.head_dim
+    attention = (args.dim + q) + 2 * (args.dim + kv) + (q + args.dim)
+    return attention + 2 * (args.dim + args.ffn_dim) + (args.ffn_dim + args.dim)
 
 
 # MoE (see the module docstring): the experts' weight casts at COPY_HBM_SHARE of HBM bandwidth, and per routed
