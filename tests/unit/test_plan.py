@@ -946,14 +946,9 @@ def test_float8_estimates_against_measured_runs(run):
 
 def test_float8_is_estimated_as_bf16_where_it_is_not_modelled():
     """MoE experts, MLA and LoRA under float8: the bf16 figure and a note saying so."""
-    over = dict(
-        model__flavor="debug_moe",
-        training__dtype="bfloat16",
-        training__global_batch_size=2,
-        training__micro_batch_size=2,
-        training__seq_len=256,
-    )
-    plain = estimate(_cfg(**over), 1, GPUS["H200"])
-    f8 = estimate(_cfg(**over, training__float8="tensorwise"), 1, GPUS["H200"])
+    moe = {"model.flavor": "debug_moe", "training.dtype": "bfloat16", "training.seq_len": "256"}
+    moe.update({"training.global_batch_size": "2", "training.micro_batch_size": "2"})
+    plain = estimate(build_config(None, moe), 1, GPUS["H200"])
+    f8 = estimate(build_config(None, {**moe, "training.float8": "tensorwise"}), 1, GPUS["H200"])
     assert f8.tokens_per_s_per_gpu == plain.tokens_per_s_per_gpu
     assert any("float8 is modelled for dense attention blocks without LoRA only" in n for n in f8.notes)
