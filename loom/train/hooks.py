@@ -247,14 +247,19 @@ class GarbageCollection(StepHook):
     waiting."""
 
     def __init__(self, every: int):
-        self.every, self.was_enabled, self.collections = every, gc.isenabled(), 0
+        self.every, self.was_enabled, self.collections, self.first = every, gc.isenabled(), 0, 1
 
     def begin(self, step: int) -> None:
-        gc.collect()  # what start-up left (the model's build, compile's graphs), once
+        gc.collect()  # what start-up left (the model's build), once
         gc.disable()
+        self.first = step + 1
 
     def after_update(self, step: int) -> None:
-        if step % self.every == 0:
+        if (
+            step == self.first
+        ):  # what the first step's compilation left (its graphs, example tensors), at once
+            gc.collect()
+        elif step % self.every == 0:
             self.collections += 1
             gc.collect(2 if self.collections % 10 == 0 else 1)
 
