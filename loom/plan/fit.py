@@ -177,12 +177,18 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
         )
     least = _smallest_step(cfg, dims, args, device)
     if least < step_room[0]:
+        # op-level recomputation reruns less than full: named first where micro-batch 1 fits with it
+        op = _smallest_step(cfg, dims, args, device, "op") if t.activation_checkpointing == "none" else None
+        lighter = (
+            f"op (~{op / GIB:,.1f} GiB) or full (~{least / GIB:,.1f} GiB), with micro_batch_size 1"
+            if op is not None and op < step_room[0]
+            else f"full (with micro_batch_size 1: ~{least / GIB:,.1f} GiB)"
+        )
         raise ConfigError(
             "training.micro_batch_size",
             t.micro_batch_size,
             f"{step}; {step_room[1]}: even micro_batch_size 1 does not fit: set "
-            f"training.activation_checkpointing full (with micro_batch_size 1: ~{least / GIB:,.1f} "
-            f"GiB) or lower training.seq_len",
+            f"training.activation_checkpointing {lighter} or lower training.seq_len",
         )
     field, value = model_field(cfg)
     fewer = "fewer processes on this machine, " if local_ranks > 1 else ""
@@ -200,10 +206,11 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
     raise ConfigError(field, value, f"{step}; {step_room[1]}: use {todo}")
 
 
-def _smallest_step(cfg: Config, dims, args, device: str) -> float:
-    """The planner's peak of the lightest step of this model and layout: micro-batch 1, every block recomputed."""
+def _smallest_step(cfg: Config, dims, args, device: str, ac: str = "full") -> float:
+    """The planner's peak of a step of this model and layout at micro-batch 1 under checkpointing ``ac`` (full:
+    the lightest step there is)."""
     small = copy.deepcopy(cfg)
-    small.training.micro_batch_size, small.training.activation_checkpointing = 1, "full"
+    small.training.micro_batch_size, small.training.activation_checkpointing = 1, ac
     return rank_needs(small, dims, args, device).peak_bytes
 
 
