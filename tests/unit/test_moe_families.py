@@ -441,8 +441,15 @@ def test_first_k_dense_moves_the_dense_first_blocks_of_a_deepseek_flavor(tmp_pat
         assert why in str(err.value)
 
 
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> str:
+    """The methods' tokenized embedded data, shared by both families (pytest's own ``cache`` fixture is no path:
+    as one, it wrote a ``Cache()`` folder into the working directory)."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.mark.parametrize("flavor", ["qwen3_moe_debug", "deepseek_v3_debug"])
-def test_sft_dpo_and_grpo_train_each_family(tmp_path, cache, flavor):
+def test_sft_dpo_and_grpo_train_each_family(tmp_path, data_cache, flavor):
     """The methods run on both families out of the box (their embedded defaults): SFT's loss falls from its start,
     DPO starts at log 2 (the policy is its reference) and moves, GRPO samples, scores and trains (its records carry
     the reward and the experts' balance), every loss finite."""
@@ -452,7 +459,7 @@ def test_sft_dpo_and_grpo_train_each_family(tmp_path, cache, flavor):
     def run(objective: str, **extra) -> list[dict]:
         over = tiny_overrides(
             tmp_path / objective,
-            cache,
+            data_cache,
             **{"model.flavor": flavor, "training.objective": objective, "metrics.progress": "false", **extra},
         )
         return run_one(over)
