@@ -33,9 +33,33 @@ __all__ = [
 ]  # re-exported; tests import them from tests.tiny
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _untracked() -> set[str] | None:
+    """The repository's untracked, not ignored paths (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "-C", REPO, "status", "--porcelain", "--untracked-files=normal"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode:
+        return None
+    return {line[3:] for line in out.stdout.splitlines() if line.startswith("?? ")}
+
+
 def pytest_configure(config):
     """Under pytest-xdist (the README's ``-n 2``) each worker computes on one thread: two workers on two cores with
-    torch's default of one thread per core would oversubscribe them (OpenMP threads spin while they wait)."""
+    torch's default of one thread per core would oversubscribe them (OpenMP threads spin while they wait). The
+    session (not its workers) notes the repository's untracked files, to name any a test leaves there."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        config._loom_untracked = _untracked()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         # no Inductor compile-worker pool in each rank: on 2 cores it only adds processes
@@ -195,10 +219,20 @@ def _launch_env_restored():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The rank pools stop; any process still below this one is killed, and the run fails if there was one."""
+    """The rank pools stop; any process still below this one is killed, and the run fails if there was one; so
+    does a file or folder a test left in the repository (tests write under their temporary folders)."""
     from tests.distributed.harness import close_pools
 
     close_pools()
+    before = getattr(session.config, "_loom_untracked", None)
+    after = _untracked() if before is not None else None
+    if after is not None and after - before:
+        print(
+            "\nfiles a test left in the repository (tests write under tmp_path): "
+            + ", ".join(sorted(after - before)),
+            file=sys.stderr,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not sys.platform.startswith("linux"):
         return
     left = _outside_pools(_descendants(os.getpid()))
