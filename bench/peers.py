@@ -272,6 +272,9 @@ DIFFERENCES = (
     "steps (torchtitan's training.gc_freq, loom's training.gc_every); loom also collects every generation each "
     "500 steps",
     "peak memory: torchtitan logs rank 0's max reserved, loom the largest rank's max reserved",
+    "OMP_NUM_THREADS: torchrun's 1 for torchtitan, loom's launcher the CPUs the job may use over the local ranks "
+    "(environment.cpus); straggler timing: loom times every NCCL collective (metrics.straggler_fraction 0.2, "
+    "TORCH_NCCL_ENABLE_TIMING), torchtitan none",
     "initialization: each framework's own (no effect on speed)",
 )
 
