@@ -438,6 +438,11 @@ def print_roofline(cfg, gpus: int, gpu, metrics: str | None = None) -> tuple[dic
         f"{what['machine_balance']:.0f} FLOP/B ({gpu.peak(dtype) / 1e12:.0f} TFLOP/s {dtype} / {gpu.hbm_tbps} TB/s):"
     )
     print(table(ops, gpu, dtype))
+    if cfg.training.float8 != "none":
+        print(
+            f"training.float8 {cfg.training.float8}: the block linears' matmuls run on float8 tensor cores (twice "
+            f"{dtype}'s peak, and their casts on top: the step time models both); this table draws them at {dtype}'s"
+        )
     rows = [
         {
             "op": op.name,

@@ -228,3 +228,16 @@ def test_a_metrics_file_that_is_not_a_runs_is_one_line(tmp_path, text, says):
     with pytest.raises(ConfigError, match=says) as err:
         measured_step(str(path), [Op("norm", 1, 12e3, 10e3)], 8192, H100, "bfloat16")
     assert err.value.field == "--metrics" and "\n" not in str(err.value)
+
+
+def test_cli_roofline_says_how_float8_differs_from_its_table(capsys):
+    from loom.cli.plan import main
+
+    base = ["--model.flavor", "debug", "--training.dtype", "bfloat16", "--training.global_batch_size", "8"]
+    assert main([*base, "--training.seq_len", "256", "--roofline"]) == 0
+    assert "float8" not in capsys.readouterr().out
+    assert main([*base, "--training.seq_len", "256", "--roofline", "--training.float8", "tensorwise"]) == 0
+    assert (
+        "training.float8 tensorwise: the block linears' matmuls run on float8 tensor cores"
+        in capsys.readouterr().out
+    )
