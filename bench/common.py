@@ -227,3 +227,73 @@ def profile_steps_by_kind(step_fn, batches, run_dir: str, variant: str) -> dict:
             prof.step()
     with open(path) as fh:
         return summarize(json.load(fh))
+
+
+class GpuSampler:
+    """Each GPU's SM clock, power, temperature and utilization sampled every ``every_s`` on a thread while a
+    benchmark runs (NVML through nvidia-ml-py), summarized per GPU: a rank whose GPU runs slower (a lower clock, a
+    power cap) shows beside a wait the profiles find. Without NVML or a GPU the summary is None."""
+
+    def __init__(self, every_s: float = 0.5):
+        import threading
+
+        self.every_s, self.samples, self._stop = every_s, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # no nvidia-ml-py, no driver: nothing to sample
+            self.samples = None
+            return
+        try:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            while not self._stop.is_set():
+                for i, h in enumerate(handles):
+                    self.samples.setdefault(i, []).append(
+                        (
+                            pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                            pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                            pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+                            pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                        )
+                    )
+                self._stop.wait(self.every_s)
+        except Exception:
+            pass
+        finally:
+            pynvml.nvmlShutdown()
+
+    def summary(self) -> dict | None:
+        return summarize_gpu_samples(self.samples)
+
+
+def summarize_gpu_samples(samples: dict | None) -> dict | None:
+    """{gpu: [(sm MHz, W, °C, util %), ...]} -> {gpu: medians of the busy samples (utilization > 0) and the
+    hottest temperature}; None when nothing was sampled."""
+    import statistics
+
+    if not samples:
+        return None
+    out = {}
+    for gpu, rows in samples.items():
+        busy = [r for r in rows if r[3] > 0] or rows
+        out[str(gpu)] = {
+            "samples": len(rows),
+            "busy_samples": len([r for r in rows if r[3] > 0]),
+            "sm_clock_mhz_median": statistics.median(r[0] for r in busy),
+            "power_w_median": round(statistics.median(r[1] for r in busy), 1),
+            "temperature_c_max": max(r[2] for r in rows),
+            "utilization_median": statistics.median(r[3] for r in busy),
+        }
+    return out

@@ -50,7 +50,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from bench.common import JOB_ENV, command, default_commit, environment, failure, write_result
+from bench.common import JOB_ENV, GpuSampler, command, default_commit, environment, failure, write_result
 
 # what torchtitan 0.2.2 needs that the GPU image lacks (it has torch 2.11, tokenizers, pyarrow, pandas, xxhash,
 # fsspec, einops, pillow, tensorboard): each pinned, fetched with --no-deps for CPython 3.12 on x86-64 Linux
@@ -685,17 +685,23 @@ def stream(cmd: list[str], env: dict, timeout: float, log_path: str, first: re.P
 
     watchdog = threading.Timer(timeout, kill)
     watchdog.start()
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log, GpuSampler() as gpus:
         for line in proc.stdout:
             log.write(line)
             lines.append(line)
             if first_s is None and first.search(_ANSI.sub("", re.sub(r"^\[rank\d+\]:", "", line))):
                 first_s = time.time() - t0
-    rc = proc.wait()
+        rc = proc.wait()
     watchdog.cancel()
     if killed:
         lines.append(f"bench.peers: killed after {timeout:.0f} s\n")
-    return {"rc": rc, "output": "".join(lines), "first_step_s": first_s, "wall_s": round(time.time() - t0, 1)}
+    return {
+        "rc": rc,
+        "output": "".join(lines),
+        "first_step_s": first_s,
+        "wall_s": round(time.time() - t0, 1),
+        "gpus": gpus.summary(),
+    }
 
 
 def timed(values: list, warmup: int, profiled: bool = False) -> list:
@@ -800,7 +806,12 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
     run = stream(
         cmd, env, a.timeout, os.path.join(paths["titan_dir"], "log.txt"), re.compile(r"\bstep:\s*1\s")
     )
-    out = {"command": "python " + " ".join(cmd[1:]), "config": cfg, "wall_s": run["wall_s"]}
+    out = {
+        "command": "python " + " ".join(cmd[1:]),
+        "config": cfg,
+        "wall_s": run["wall_s"],
+        "gpus": run["gpus"],
+    }
     out["launch_to_first_step_s"] = run["first_step_s"]
     parsed = parse_titan_log(run["output"])
     steps = parsed.pop("steps")
@@ -847,6 +858,7 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
     cmd = loom_command(cfg, gpus)
     run = stream(cmd, env, a.timeout, os.path.join(paths["loom_dir"] + "_log.txt"), _LOOM_STEP)
     out = {"command": "loom " + " ".join(cmd[3:]), "config": cfg, "wall_s": run["wall_s"], **loom_shape(cfg)}
+    out["gpus"] = run["gpus"]  # each GPU's clock, power and temperature while it ran
     out["launch_to_first_step_s"] = run["first_step_s"]
     out["log"] = [
         ln for ln in run["output"].splitlines() if ln.startswith(("loom:", "kernels:", "placement"))

@@ -347,3 +347,29 @@ def test_loom_variants_parse_and_print():
         lines[-2] == "loom variant padded (parallel.ep_exchange=padded): 1,200 tok/s/GPU, 1.100x torchtitan"
     )
     assert lines[-1] == "loom variant broken (x=1): ERROR"
+
+
+def test_gpu_samples_summarize_each_gpu_and_nothing_without_nvml():
+    from bench.common import GpuSampler, summarize_gpu_samples
+
+    samples = {
+        0: [(1980, 650.0, 60, 100), (1980, 690.0, 66, 99), (345, 90.0, 40, 0)],
+        1: [(1755, 700.0, 70, 100)],
+    }
+    out = summarize_gpu_samples(samples)
+    assert out["0"] == {
+        "samples": 3,
+        "busy_samples": 2,
+        "sm_clock_mhz_median": 1980,
+        "power_w_median": 670.0,
+        "temperature_c_max": 66,
+        "utilization_median": 99.5,
+    }
+    assert out["1"]["sm_clock_mhz_median"] == 1755  # the slower GPU stands out
+    assert summarize_gpu_samples({}) is None and summarize_gpu_samples(None) is None
+    with GpuSampler(every_s=0.01) as s:  # on a machine without a GPU (or NVML) it samples nothing, silently
+        pass
+    import torch
+
+    if not torch.cuda.is_available():
+        assert s.summary() is None
