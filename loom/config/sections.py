@@ -502,8 +502,8 @@ class TrainingConfig:
     gc_every: int = opt(
         50,
         "Python's garbage collection while training: automatic collection off, the young generations "
-        "collected every this many steps on every rank at once (all generations every 10 x this and after the "
-        "first step, which compiles), so no rank "
+        "collected every this many steps and after the first step, which compiles, on every rank at once (all "
+        "generations every 10 x this), so no rank "
         "pauses alone mid-step while the others wait for it in the next collective (torchtitan's gc_freq, "
         "Megatron's manual GC); 0 = Python's automatic collection",
         min=0,

@@ -250,15 +250,15 @@ class GarbageCollection(StepHook):
         self.every, self.was_enabled, self.collections, self.first = every, gc.isenabled(), 0, 1
 
     def begin(self, step: int) -> None:
-        gc.collect()  # what start-up left (the model's build), once
+        # the young generations only: a full collection walks every object of the process (0.2 s at 350k
+        # objects, seconds in a large one), and with collection off every object created from here on stays young
+        gc.collect(1)
         gc.disable()
         self.first = step + 1
 
     def after_update(self, step: int) -> None:
-        if (
-            step == self.first
-        ):  # what the first step's compilation left (its graphs, example tensors), at once
-            gc.collect()
+        if step == self.first:  # the first step's compilation left its graphs and example tensors: at once
+            gc.collect(1)
         elif step % self.every == 0:
             self.collections += 1
             gc.collect(2 if self.collections % 10 == 0 else 1)
