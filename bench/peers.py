@@ -845,12 +845,14 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
 
 
 def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = ()) -> dict:
-    """loom's side; ``variant``: fields changed on top of --loom-set (a --loom-variant run)."""
+    """loom's side; ``variant``: fields changed on top of --loom-set (a --loom-variant run), ``env.NAME=VALUE``
+    an environment variable of that run (an NCCL setting, say) rather than a config field."""
     cfg = loom_config(w, gpus, paths, matched(a), a.device)
     if a.profile:
         cfg.update(loom_profiling(a.steps))
-    cfg.update(dict(kv.split("=", 1) for kv in (*a.loom_set, *variant)))
-    env = {**os.environ, **JOB_ENV, "PYTORCH_ALLOC_CONF": ALLOC_CONF}
+    fields, extra_env = split_fields((*a.loom_set, *variant))
+    cfg.update(fields)
+    env = {**os.environ, **JOB_ENV, "PYTORCH_ALLOC_CONF": ALLOC_CONF, **extra_env}
     if a.loom_sdpa == "torchtitan":
         with open(os.path.join(paths["loom_py"], "sitecustomize.py"), "w") as fh:
             fh.write(SDPA_SITECUSTOMIZE)
@@ -858,6 +860,8 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
     cmd = loom_command(cfg, gpus)
     run = stream(cmd, env, a.timeout, os.path.join(paths["loom_dir"] + "_log.txt"), _LOOM_STEP)
     out = {"command": "loom " + " ".join(cmd[3:]), "config": cfg, "wall_s": run["wall_s"], **loom_shape(cfg)}
+    if extra_env:
+        out["env"] = extra_env
     out["gpus"] = run["gpus"]  # each GPU's clock, power and temperature while it ran
     out["launch_to_first_step_s"] = run["first_step_s"]
     out["log"] = [
@@ -893,6 +897,13 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
             trace, a.profile_dir, f"{w.name}_{os.path.basename(paths['loom_dir'])}"
         )
     return out
+
+
+def split_fields(sets: tuple[str, ...]) -> tuple[dict, dict]:
+    """``KEY=VALUE`` settings -> (loom's config fields, the environment variables named ``env.NAME``)."""
+    kv = dict(x.split("=", 1) for x in sets)
+    env = {k.removeprefix("env."): v for k, v in kv.items() if k.startswith("env.")}
+    return {k: v for k, v in kv.items() if not k.startswith("env.")}, env
 
 
 def parse_variant(spec: str) -> tuple[str, tuple[str, ...]]:
@@ -992,7 +1003,8 @@ def main() -> None:
         default=[],
         metavar="NAME:KEY=VALUE[;KEY=VALUE]",
         help="one more loom run after the sides, with these fields changed on top of --loom-set (same call, same "
-        "data; its result and its ratio to torchtitan under loom_variants.NAME); repeatable",
+        "data; its result and its ratio to torchtitan under loom_variants.NAME); env.NAME=VALUE sets an environment "
+        "variable of that run instead; repeatable",
     )
     p.add_argument(
         "--loom-sdpa",

@@ -328,6 +328,10 @@ def test_loom_variants_parse_and_print():
         "padded",
         ("parallel.ep_exchange=padded", "training.max_norm=0.5"),
     )
+    assert peers.split_fields(("parallel.zero=2", "env.NCCL_MAX_NCHANNELS=8", "x.y=a=b")) == (
+        {"parallel.zero": "2", "x.y": "a=b"},
+        {"NCCL_MAX_NCHANNELS": "8"},
+    )
     for bad in ("padded", "padded:", "pa dded:x=1", ":x=1", "padded:x"):
         with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
             peers.parse_variant(bad)
