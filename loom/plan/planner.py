@@ -67,6 +67,7 @@ from loom.plan.timing import (
     ep_host_s,
     ep_overhead_s,
     float8_cast_width,
+    fsdp_copy_bytes,
     fsdp_expert_bytes,
     grouped_padding_flops,
     moe_overhead_s,
@@ -855,7 +856,13 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
             )
         # the first gather and the last reduction
         edges = collective_s((c + (r if not x.lora_base_bytes else 0)) * block, x.shard, bw)
-        return m * (max(0.0, per_mb - compute_mb) + edges)
+        # FSDP2's copies around the collectives (the experts': with the MoE overhead, moe_time_s)
+        experts = share.moe_layers * x.expert_params / (x.tp if x.tp > 1 and (x.ep > 1 or x.etp > 1) else 1)
+        gather, reduce = fsdp_copy_bytes(x.shard, gathers, c, r)
+        copies = (gather * (params - experts) + reduce * (trained - experts)) / (
+            COPY_HBM_SHARE * gpu.hbm_tbps * 1e12
+        )
+        return m * (max(0.0, per_mb - compute_mb) + edges + copies)
     if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
         bw = _bandwidth(dims, ("dp_replicate",), gpu)
         reduce = 2 * collective_s(4 * trained, dims.dp_replicate, bw)

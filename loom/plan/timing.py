@@ -183,14 +183,23 @@ def ep_overhead_s(
 # fp32 buffer (c + 4) and, on a mesh of one rank, the buffer to the shard (8) where more ranks reduce-scatter it.
 # Once per micro-batch; the gather twice when the blocks reshard after the forward (the backward's gather also
 # serves a recomputation).
-def fsdp_expert_bytes(shard: int, gathers: int, dtype_bytes: int) -> float:
-    """Bytes FSDP2 copies per expert parameter a rank holds (gathered), per micro-batch, the experts sharded
-    over ``shard`` ranks and gathered ``gathers`` times."""
+def fsdp_copy_bytes(shard: int, gathers: int, dtype_bytes: int, reduce_bytes: int = 4) -> tuple[float, float]:
+    """HBM bytes FSDP2 copies per parameter a rank holds (gathered), per micro-batch, sharded over ``shard`` ranks:
+    (its ``gathers`` gathers in ``dtype_bytes``: the shard's copy-in, cast from fp32 where the dtype differs, and the
+    copy-out of the gathered parameter; its gradient's copy into the reduce-scatter buffer, in ``reduce_bytes``).
+    The copy-out and the gradient's copy run on the compute stream, the copy-in on FSDP2's beside it (the 8B
+    profile on 2 H200s: 26 + 8.6 ms a gather, 25.5 ms the gradients; ZeRO-2's one gather fewer saved 30 ms a step:
+    docs/planner.md, Time)."""
     c = dtype_bytes
     cast = 4 + c if c != 4 else 0
-    gather = (cast + 2 * c) / shard + 2 * c
-    reduce = (c + 4) + (8 if shard == 1 else 0)
-    return gathers * gather + reduce
+    return gathers * ((cast + 2 * c) / shard + 2 * c), c + reduce_bytes
+
+
+def fsdp_expert_bytes(shard: int, gathers: int, dtype_bytes: int) -> float:
+    """Bytes FSDP2 copies per expert parameter a rank holds, per micro-batch (``fsdp_copy_bytes``), and where the
+    experts' mesh is a single rank the gradient's accumulation into the kept one (8 bytes)."""
+    gather, reduce = fsdp_copy_bytes(shard, gathers, dtype_bytes)
+    return gather + reduce + (8 if shard == 1 else 0)
 
 
 # torch._grouped_mm on Hopper (aten/src/ATen/native/cuda/GroupMM.cu, dispatch_bf16_grouped_kernel_on_tile_size):
@@ -215,7 +224,7 @@ def grouped_padding_flops(local_experts: float, slots: float, dim: int, width: f
 # exchange waiting for the other rank's host to get there. Fitted to the Qwen3-MoE EP2 pair on two H200s, whose code
 # waited twice per MoE block (tests/data/plan_runs.json, marked fitted; docs/planner.md, Expert parallelism). The
 # device-to-host read itself is 0.26 ms of it (bench/results/moe_phases_h200.json): the rest is host time.
-EP_HOST_WAIT_S = 5.5e-3
+EP_HOST_WAIT_S = 5.1e-3
 
 
 def ep_host_s(waits_per_block: float, moe_layers: int, micro_batches: int) -> float:
