@@ -188,7 +188,7 @@ def fsdp_copy_bytes(shard: int, gathers: int, dtype_bytes: int, reduce_bytes: in
     (its ``gathers`` gathers in ``dtype_bytes``: the shard's copy-in, cast from fp32 where the dtype differs, and the
     copy-out of the gathered parameter; its gradient's copy into the reduce-scatter buffer, in ``reduce_bytes``).
     The copy-out and the gradient's copy run on the compute stream, the copy-in on FSDP2's beside it (the 8B
-    profile on 2 H200s: 26 + 8.6 ms a gather, 25.5 ms the gradients; ZeRO-2's one gather fewer saved 30 ms a step:
+    profile on 2 H200s: 26 + 8.6 ms a gather, 25.5 ms the gradients; ZeRO-2's one gather fewer saved 26 ms a step:
     docs/planner.md, Time)."""
     c = dtype_bytes
     cast = 4 + c if c != 4 else 0
