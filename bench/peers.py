@@ -914,6 +914,11 @@ def parse_variant(spec: str) -> tuple[str, tuple[str, ...]]:
         raise ValueError(
             f"--loom-variant {spec!r}: expected NAME:KEY=VALUE[;KEY=VALUE...] (NAME of letters, digits, _ or -)"
         )
+    bad_env = [kv for kv in sets if kv.startswith("env.") and not re.fullmatch(r"env\.[A-Za-z_]\w*=.*", kv)]
+    if bad_env:
+        raise ValueError(
+            f"--loom-variant {spec!r}: {bad_env[0]!r}: expected env.NAME=VALUE (NAME a variable name)"
+        )
     return name, sets
 
 

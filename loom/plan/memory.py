@@ -129,10 +129,13 @@ def held_params(share, x: MemoryInputs) -> float:
     """Parameters one rank holds before FSDP2 shards them: its tp share, with the experts split over the tp
     ranks too when expert parallelism takes them in (ep and tp > 1) or they are tensor-parallel (etp = tp > 1);
     otherwise tp replicates them."""
-    params = share.params(x.tp)
-    if x.tp > 1 and (x.ep > 1 or x.etp > 1):
-        params -= share.moe_layers * x.expert_params * (1 - 1 / x.tp)
-    return params
+    return share.params(x.tp) - share.moe_layers * x.expert_params + held_experts(share, x)
+
+
+def held_experts(share, x: MemoryInputs) -> float:
+    """The expert parameters among ``held_params``: split over the tp ranks under ep or etp, whole otherwise."""
+    experts = share.moe_layers * x.expert_params
+    return experts / x.tp if x.tp > 1 and (x.ep > 1 or x.etp > 1) else experts
 
 
 def state_memory(params: float, x: MemoryInputs, layers: float = 0.0) -> Memory:

@@ -40,6 +40,7 @@ from loom.plan.memory import (
     cp_attention_working,
     gathered_memory,
     generation_peak,
+    held_experts,
     held_params,
     offloaded_activations,
     pipeline_peak,
@@ -857,7 +858,7 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
         # the first gather and the last reduction
         edges = collective_s((c + (r if not x.lora_base_bytes else 0)) * block, x.shard, bw)
         # FSDP2's copies around the collectives (the experts': with the MoE overhead, moe_time_s)
-        experts = share.moe_layers * x.expert_params / (x.tp if x.tp > 1 and (x.ep > 1 or x.etp > 1) else 1)
+        experts = held_experts(share, x)
         gather, reduce = fsdp_copy_bytes(x.shard, gathers, c, r)
         copies = (gather * (params - experts) + reduce * (trained - experts)) / (
             COPY_HBM_SHARE * gpu.hbm_tbps * 1e12

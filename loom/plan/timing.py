@@ -175,9 +175,10 @@ def ep_overhead_s(
     return elements * slots * dim * dtype_bytes / rate, EP_GRAD_SCALE_BYTES * expert_params / rate
 
 
-# FSDP2's copies of a rank's experts (their own FSDP2 unit over the ranks holding the same experts under expert
-# parallelism, part of their block's otherwise), which take the place of the casts above (torch.distributed.fsdp's
-# foreach_all_gather / foreach_reduce). Each all-gather casts the fp32 shard to the compute dtype (4 + c bytes a
+# FSDP2's copies around its collectives (torch.distributed.fsdp's foreach_all_gather / foreach_reduce): of every
+# parameter a rank holds (planner.data_parallel_s), the experts' with the MoE overhead, where they take the place of
+# the casts above (their own FSDP2 unit over the ranks holding the same experts under expert parallelism, part of
+# their block's otherwise). Each all-gather casts the fp32 shard to the compute dtype (4 + c bytes a
 # parameter of the shard, c the compute dtype's; no cast in fp32), copies it into the gather buffer (2c) and copies
 # the gathered weights out into the parameters (2c a gathered parameter); each reduction copies the gradient into the
 # fp32 buffer (c + 4) and, on a mesh of one rank, the buffer to the shard (8) where more ranks reduce-scatter it.
@@ -187,9 +188,8 @@ def fsdp_copy_bytes(shard: int, gathers: int, dtype_bytes: int, reduce_bytes: in
     """HBM bytes FSDP2 copies per parameter a rank holds (gathered), per micro-batch, sharded over ``shard`` ranks:
     (its ``gathers`` gathers in ``dtype_bytes``: the shard's copy-in, cast from fp32 where the dtype differs, and the
     copy-out of the gathered parameter; its gradient's copy into the reduce-scatter buffer, in ``reduce_bytes``).
-    The copy-out and the gradient's copy run on the compute stream, the copy-in on FSDP2's beside it (the 8B
-    profile on 2 H200s: 26 + 8.6 ms a gather, 25.5 ms the gradients; ZeRO-2's one gather fewer saved 26 ms a step:
-    docs/planner.md, Time)."""
+    The copy-out and the gradient's copy run on the compute stream, the copy-in on FSDP2's beside it, competing
+    for HBM (what they cost in a profile: docs/planner.md, Time)."""
     c = dtype_bytes
     cast = 4 + c if c != 4 else 0
     return gathers * ((cast + 2 * c) / shard + 2 * c), c + reduce_bytes

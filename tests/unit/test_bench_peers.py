@@ -332,6 +332,8 @@ def test_loom_variants_parse_and_print():
         {"parallel.zero": "2", "x.y": "a=b"},
         {"NCCL_MAX_NCHANNELS": "8"},
     )
+    with pytest.raises(ValueError, match="env.NAME=VALUE"):
+        peers.parse_variant("nc:parallel.zero=2;env.=8")
     for bad in ("padded", "padded:", "pa dded:x=1", ":x=1", "padded:x"):
         with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
             peers.parse_variant(bad)
