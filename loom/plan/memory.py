@@ -93,6 +93,7 @@ class MemoryInputs:
         0  # pp_schedule pipedream_2bw: fp32 copies of the weights beside the optimizer's (1: the stash)
     )
     reduce_bytes: int = 4  # parallel.reduce_dtype: the bytes of each gradient element FSDP2 reduces
+    ddp_bucket_bytes: float = 25 * 2**20  # parallel.ddp_bucket_mb
     ep_padded: bool = (
         False  # parallel.ep_exchange = padded: each rank's experts run on ep blocks of every slot
     )

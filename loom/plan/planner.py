@@ -55,6 +55,7 @@ from loom.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_HBM_SHARE,
     COPY_HBM_SHARE,
+    DDP_BUCKET_COPY_BYTES,
     EP_HOST_WAIT_S,
     FLOAT8_CAST_BYTES,
     FLOAT8_GEMM_SPEEDUP,
@@ -298,6 +299,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         offload_blocks=len(offloaded_blocks(t.activation_offload, args.n_layers)),
         nvme=cfg.optimizer.offload == "nvme",
         reduce_bytes=BYTES[p.reduce_dtype],
+        ddp_bucket_bytes=p.ddp_bucket_mb * 2**20,
         ep_padded=p.ep_exchange == "padded",
         **lora_inputs(cfg, args),
         frozen_copies=extras.frozen or 0,
@@ -869,11 +871,13 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
         reduce = 2 * collective_s(4 * trained, dims.dp_replicate, bw)
         # ZeRO-1: each replica's updated fp32 parameters go to the others after the step (an all-gather's bytes)
         gather = collective_s(4 * trained, dims.dp_replicate, bw) if dims.shard_optimizer else 0.0
-        return (
-            max(0.0, reduce - compute_mb * 2 / 3)
-            + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw)
-            + gather
-        )
+        # the bucket reduced after the backward: the embedding's gradient, computed last (a bucket of its own when
+        # larger than the cap), where this rank holds and trains it
+        embedding = args.vocab_size * args.dim / dims.tp if any(share.first) and not x.lora_base_bytes else 0
+        last = 2 * collective_s(max(4 * embedding, x.ddp_bucket_bytes), dims.dp_replicate, bw)
+        # each gradient copied into its bucket, scaled by 1 / replicas (the reducer's mul_out)
+        copy = DDP_BUCKET_COPY_BYTES * trained / (COPY_HBM_SHARE * gpu.hbm_tbps * 1e12)
+        return max(0.0, reduce - compute_mb * 2 / 3) + last + copy + gather
     return 0.0
 
 

@@ -129,6 +129,8 @@ def float8_cast_width(args) -> int:
 # slot x dim element, forward + backward, the bytes of routing beyond the matmuls (the fits: docs/planner.md).
 COPY_HBM_SHARE = 0.69
 MOE_WEIGHT_CAST_BYTES = 12
+# DDP's reducer copies each gradient into its bucket scaled by 1 / replicas (read and write fp32), once a step
+DDP_BUCKET_COPY_BYTES = 8
 MOE_SLOT_BYTES = {"eager": 59, "compiled": 80}
 
 

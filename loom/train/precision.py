@@ -54,7 +54,9 @@ class Float8Scales(StepHook):
     """training.float8_all_gather: every float8 weight's scale computed once its weights are final for the next
     forward (after each update, a checkpoint's load, a recovering peer's state), in one pass and one all-reduce,
     instead of one all-reduce per weight inside every FSDP2 all-gather of the step (the same scale: the weight's
-    global amax)."""
+    global amax); and every shard cast to float8 with it then, in a few kernels, which each gather of the step
+    reuses (loom.models.common.float8.cast_shards). The casts are freed once the gradients are complete, before
+    the weights change."""
 
     def __init__(self, parts: list, after_quorum: bool):
         self.parts, self.after_quorum = parts, after_quorum
@@ -67,6 +69,12 @@ class Float8Scales(StepHook):
 
     def begin(self, step: int) -> None:
         self.refresh()
+
+    def after_backward(self, params: list) -> None:
+        from loom.models.common.float8 import drop_casts
+
+        for part in self.parts:
+            drop_casts(part)
 
     def quorum(self) -> None:
         if self.after_quorum:  # torchft: a recovering group may have just received a peer's weights

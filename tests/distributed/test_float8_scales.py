@@ -20,7 +20,7 @@ def scales_follow_global_amax(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torchao.float8.float8_linear import Float8Linear
 
-    from loom.models.common.float8 import apply_float8, precompute_scales
+    from loom.models.common.float8 import _as_torchao, apply_float8, precompute_scales
     from loom.models.llama import FLAVORS, Llama
     from loom.parallel.shards import local_tensor
     from loom.train.precision import Float8Scales
@@ -48,18 +48,53 @@ def scales_follow_global_amax(rank: int, world: int) -> dict:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return worst.item()
 
+    def gathers() -> list:
+        """What FSDP2's pre-all-gather hands each weight's gather: (float8 shard, scale)."""
+        return [m.weight._local_tensor.fsdp_pre_all_gather(mesh) for m in linears]
+
+    def torchao_casts() -> list:
+        """torchao's own eager cast of each shard with its precomputed scale."""
+        return [_as_torchao(m.weight._local_tensor).fsdp_pre_all_gather(mesh) for m in linears]
+
+    def same(got: list, want: list) -> bool:
+        return all(
+            torch.equal(g[0][0].view(torch.uint8), w[0][0].view(torch.uint8))
+            and torch.equal(g[1][0], w[1][0])
+            for g, w in zip(got, want)
+        )
+
+    def reused() -> bool:
+        return all(g[0][0] is m.weight._local_tensor._loom_cast.data for g, m in zip(gathers(), linears))
+
     hook = Float8Scales([model], after_quorum=False)
     hook.begin(0)
     first = error()
+    cast = {"reused": reused(), "equal": same(gathers(), torchao_casts())}
+    hook.after_backward([])  # the weights are about to change: the casts are freed, gathers cast as torchao
+    cast["dropped"] = not any("_loom_cast" in m.weight._local_tensor.__dict__ for m in linears)
+    cast["eager_equal"] = same(gathers(), torchao_casts())
     with torch.no_grad():  # an update that changes rank 1's shards only: every rank's scales follow it
         if rank == 1:
             for i, m in enumerate(linears):
                 local_tensor(m.weight).mul_(0.5 + i % 3)
     hook.after_update(1)
-    return {"before": before, "count": len(linears), "wrapped": wrapped, "first": first, "after": error()}
+    after = error()
+    cast["recast_equal"] = reused() and same(gathers(), torchao_casts())
+    with torch.no_grad():  # an in-place change through the DTensor, no refresh: the cast no longer holds
+        linears[0].weight.mul_(2.0)
+    cast["stale_refused"] = gathers()[0][0][0] is not linears[0].weight._local_tensor.__dict__.get(
+        "_loom_cast"
+    )
+    cast["stale_equal"] = same(gathers()[:1], torchao_casts()[:1])
+    out = {"before": before, "count": len(linears), "wrapped": wrapped, "first": first, "after": after}
+    return {**out, **cast}
 
 
 def test_precomputed_scales_are_float8_max_over_the_global_amax(tmp_path):
+    """Also: the shards cast once per refresh are what every gather reuses, bitwise torchao's own cast; freed
+    once the gradients are complete; refused after an in-place change that no refresh followed."""
     r = run_fn(2, scales_follow_global_amax, str(tmp_path))
     assert r["before"] == 0 and r["count"] == r["wrapped"] > 0, r
     assert r["first"] < 1e-6 and r["after"] < 1e-6, r
+    assert r["reused"] and r["equal"] and r["dropped"] and r["eager_equal"] and r["recast_equal"], r
+    assert r["stale_refused"] and r["stale_equal"], r

@@ -8,8 +8,13 @@ compile and FSDP (see loom.parallel.parallelize)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import weakref
+from typing import NamedTuple
 
+import torch
 from torch import nn
 
 RECIPES = ("tensorwise", "rowwise")
@@ -56,20 +61,116 @@ def precompute_scales(model: nn.Module) -> int:
     """With float8 all-gather: every wrapped weight's scale from its global amax, in one pass over the weights and
     one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``). FSDP2 then casts each shard with it
     instead of reducing that weight's amax inside its all-gather (an all-reduce per weight and gather, which waits
-    on the gather's stream). Returns how many weights got a scale (0: none is wrapped and sharded)."""
+    on the gather's stream). Then every shard is cast to float8 at once (``cast_shards``). Returns how many
+    weights got a scale (0: none is wrapped and sharded)."""
+    from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+
+    weights = _gathered_float8_weights(model)
+    if weights:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        cast_shards(weights)
+    return len(weights)
+
+
+def _gathered_float8_weights(model: nn.Module) -> list:
+    """The DTensor weights of the float8 linears FSDP2 gathers in float8 (torchao's wrapper as their shard)."""
     from torch.distributed.tensor import DTensor
     from torchao.float8.float8_linear import Float8Linear
-    from torchao.float8.fsdp_utils import (
-        WeightWithDynamicFloat8CastTensor,
-        precompute_float8_dynamic_scale_for_fsdp,
-    )
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    count = sum(
-        isinstance(m, Float8Linear)
+    return [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, Float8Linear)
         and isinstance(m.weight, DTensor)
         and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
-        for m in model.modules()
+    ]
+
+
+class _Cast(NamedTuple):
+    data: torch.Tensor  # the shard in float8
+    scale: torch.Tensor  # the scale object it was cast with (each precompute sets new ones)
+    source: torch.Tensor  # the shard's storage tensor it was cast from
+    param: weakref.ref  # the DTensor parameter (an in-place op on it bumps its counter only)
+    versions: tuple  # the parameter's, the shard's and its storage's version counters then
+
+
+# float8 shards cast per foreach call: each call's fp32 products are temporaries of that many shards
+CAST_CHUNK = 16
+
+
+@torch.no_grad()
+def cast_shards(weights: list) -> None:
+    """Each shard cast to float8 with its precomputed scale, as torchao's pre-all-gather would (scale, clamp to the
+    format's range, cast; bitwise the same), but for every weight in a few foreach kernels after the update instead
+    of eagerly per weight and gather: FSDP2's pre-forward then only reads the cast (``CachedCastWeight``). The
+    casts hold a byte per parameter of the shards until ``drop_casts``."""
+    shards = [w._local_tensor for w in weights]
+    cls = cached_cast_class()
+    for shard in shards:
+        if type(shard) is not cls:  # new shards (a load by assignment) come back as torchao's class
+            shard.__class__ = cls
+        shard.__dict__.pop("_loom_cast", None)  # the old casts freed before the new are made
+    fmax = torch.finfo(shards[0]._dtype).max
+    for i in range(0, len(shards), CAST_CHUNK):
+        part, params = shards[i : i + CAST_CHUNK], weights[i : i + CAST_CHUNK]
+        sources = [s._tensor for s in part]
+        scales = [s._precomputed_scale for s in part]
+        scaled = torch._foreach_mul([t.to(torch.float32) for t in sources], scales)
+        torch._foreach_clamp_min_(scaled, -fmax)
+        torch._foreach_clamp_max_(scaled, fmax)
+        casts = [torch.empty_like(x, dtype=part[0]._dtype) for x in scaled]
+        torch._foreach_copy_(casts, scaled)
+        for shard, param, cast, scale, source in zip(part, params, casts, scales, sources):
+            versions = (param._version, shard._version, source._version)
+            shard.__dict__["_loom_cast"] = _Cast(cast, scale, source, weakref.ref(param), versions)
+
+
+def drop_casts(model: nn.Module) -> None:
+    """Frees the casts ``cast_shards`` made (their weights are about to change): until the next cast, FSDP2's
+    gathers cast each shard as torchao does."""
+    for w in _gathered_float8_weights(model):
+        w._local_tensor.__dict__.pop("_loom_cast", None)
+
+
+@functools.cache
+def cached_cast_class() -> type:
+    """torchao's float8-castable weight whose FSDP2 pre-all-gather returns the cast ``cast_shards`` made while it
+    still holds (same scale object, same storage, no in-place change since), and casts as torchao otherwise. Only
+    FSDP2's local shards become this class (``__class__`` swapped): torchao's ops build their outputs as its own
+    class and flatten only the tensor and scale, so no copy, compile or checkpoint carries a cast."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    class CachedCastWeight(WeightWithDynamicFloat8CastTensor):
+        def fsdp_pre_all_gather(self, mesh):
+            cast = self.__dict__.get("_loom_cast")
+            if cast is not None and _holds(cast, self):
+                return (cast.data,), (cast.scale,)
+            self.__dict__.pop("_loom_cast", None)
+            return super().fsdp_pre_all_gather(mesh)
+
+        def __reduce_ex__(self, proto):  # saved as torchao's class (allow-listed), without the cast
+            return _as_torchao(self).__reduce_ex__(proto)
+
+        def __deepcopy__(self, memo):
+            return copy.deepcopy(_as_torchao(self), memo)
+
+    return CachedCastWeight
+
+
+def _holds(cast: _Cast, shard) -> bool:
+    source, param = shard._tensor, cast.param()
+    return (
+        param is not None
+        and cast.scale is shard._precomputed_scale
+        and cast.source is source
+        and cast.versions == (param._version, shard._version, source._version)
     )
-    if count:
-        precompute_float8_dynamic_scale_for_fsdp(model)
-    return count
+
+
+def _as_torchao(shard):
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return WeightWithDynamicFloat8CastTensor(
+        shard._tensor, shard._linear_mm_config, shard._dtype, shard._precomputed_scale
+    )
