@@ -146,6 +146,23 @@ def test_async_tp_on_two_gpus_fuses_the_collectives_and_matches_plain_tp(tmp_pat
     assert max(abs(a - b) / b for a, b in zip(fused, plain)) < 1e-4, (fused, plain)
 
 
+def test_float8_shard_casts_compiled_equal_torchao_bitwise():
+    """The compiled cast of the shards (loom.models.common.float8.cast_shards on CUDA) gives torchao's own cast of
+    each with its scale, bit for bit, saturating values included (a scale three times the amax's)."""
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    from loom.models.common.float8 import _compiled_casts
+
+    torch.manual_seed(0)
+    sources = [torch.randn(shape, device="cuda") for shape in ((512, 256), (96, 1024), (1000, 48))]
+    scales = [(448.0 / t.abs().max()).float() for t in sources]
+    scales[2] = scales[2] * 3
+    got = _compiled_casts()(sources, scales, torch.float8_e4m3fn)
+    for g, t, s in zip(got, sources, scales):
+        want = hp_tensor_and_scale_to_float8(t, s, torch.float8_e4m3fn)._data
+        assert torch.equal(g.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_float8_all_gather_on_two_gpus_follows_the_bf16_gather(tmp_path):
     """FSDP2 x 2 with float8 tensorwise linears: gathering their weights in float8 (training.float8_all_gather) gives
     the losses of gathering them in bf16 and casting after to float8's rounding (the same scale, the weight's global

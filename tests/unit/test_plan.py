@@ -995,3 +995,16 @@ def test_ddp_counts_its_bucket_copies_and_last_bucket_and_ranks_below_zero2():
     last = 2 * 4 * 128256 * 3072 / 2 / 360e9
     assert est["ddp"].time.fsdp == pytest.approx(copy + last, rel=0.02)
     assert est["ddp"].tokens_per_s_per_gpu == pytest.approx(ddp["tokens_per_s_per_gpu"], rel=0.15)
+
+
+def test_float8_all_gather_holds_a_float8_cast_of_each_block_shard():
+    """training.float8_all_gather keeps every block linear's shard cast to float8 through the step
+    (loom.models.common.float8.cast_shards): a byte a parameter of the shard, 8B's blocks over 2 ranks."""
+    run = _measured("peers_llama3_8b_float8_2gpu_h200.json", "loom_variants.z2")
+    plain, gathered = (
+        estimate(build_config(None, {**run["config"], "training.float8_all_gather": g}), 2, GPUS["H200"])
+        for g in ("false", "true")
+    )
+    blocks = 32 * (4 * 4096 * 4096 * 5 // 8 + 3 * 4096 * 14336)  # q, k, v, o (8 of 32 kv heads) and the MLP
+    assert (gathered.memory.weights - plain.memory.weights) == pytest.approx(blocks / 2, rel=1e-6)
+    assert gathered.memory.total > plain.memory.total + blocks / 2
