@@ -457,7 +457,9 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     ac = cfg.training.activation_checkpointing
     stored = stored_blocks(ac, cfg.training.ac_every, args.n_layers)
     state = state_memory(held_params(share, x), x, share.layers)
-    if cfg.training.float8_all_gather and x.fsdp:  # each block linear's shard cast to float8 for the step's gathers
+    if (
+        cfg.training.float8_all_gather and x.fsdp
+    ):  # each block linear's shard cast to float8 for the step's gathers
         state.weights += share.block_sharded / dims.tp / x.shard
     gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
     backward = profile.backward_peak / dims.tp + cp_attention_working(args, x, ac)
