@@ -21,7 +21,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     is (a quantized one, NF4, keeps its own layout)."""
     t = t.to_local() if hasattr(t, "to_local") else t
     if is_traceable_wrapper_subclass(t):
-        inner = getattr(t, t.__tensor_flatten__()[0][0])
+        # torchao's float8 weight holds it as ``_tensor``; its ``__tensor_flatten__`` tests the truth of its scale,
+        # a device sync per call (one per float8 weight in every optimizer step, which stalled the host for the
+        # whole backward: docs/benchmarks.md)
+        inner = t.__dict__.get("_tensor")
+        inner = inner if isinstance(inner, torch.Tensor) else getattr(t, t.__tensor_flatten__()[0][0])
         if inner.shape == t.shape and inner.dtype == t.dtype and not is_traceable_wrapper_subclass(inner):
             return inner
     return t

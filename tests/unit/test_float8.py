@@ -130,3 +130,22 @@ def test_float8_all_gather_config_errors():
     with pytest.raises(ConfigError, match="shards none \\(dp_shard 1 x cp 1 on 1 ranks\\)"):
         resolve(one, 1, device="cpu")
     resolve(one, 2, device="cpu")  # FSDP2 over 2 ranks
+
+
+@needs_torchao
+def test_local_tensor_of_a_float8_weight_does_not_read_its_scale():
+    """loom.parallel.shards.local_tensor unwraps torchao's float8 weight without its ``__tensor_flatten__``, which
+    tests the truth of the precomputed scale (a device sync per weight on CUDA, in every optimizer step): a
+    two-element scale, whose truth raises, shows the scale is not read."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    from torchao.float8.float8_linear import Float8Linear
+
+    from loom.parallel.shards import local_tensor
+
+    inner = torch.randn(32, 16)
+    config = Float8Linear.from_float(torch.nn.Linear(16, 32), config=Float8LinearConfig()).linear_mm_config
+    wrapped = WeightWithDynamicFloat8CastTensor(inner, config, torch.float8_e4m3fn, torch.ones(2))
+    with pytest.raises(RuntimeError, match="ambiguous"):
+        wrapped.__tensor_flatten__()  # torchao's own flatten reads it
+    assert local_tensor(wrapped) is inner
