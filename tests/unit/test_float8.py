@@ -138,8 +138,8 @@ def test_local_tensor_of_a_float8_weight_does_not_read_its_scale():
     tests the truth of the precomputed scale (a device sync per weight on CUDA, in every optimizer step): a
     two-element scale, whose truth raises, shows the scale is not read."""
     from torchao.float8.config import Float8LinearConfig
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
     from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from loom.parallel.shards import local_tensor
 
