@@ -15,6 +15,9 @@ pytestmark = pytest.mark.skipif(not float8_available(), reason="torchao not inst
 
 
 def scales_follow_global_amax(rank: int, world: int) -> dict:
+    import copy
+    import io
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -70,6 +73,13 @@ def scales_follow_global_amax(rank: int, world: int) -> dict:
     hook.begin(0)
     first = error()
     cast = {"reused": reused(), "equal": same(gathers(), torchao_casts())}
+    # a copied or saved weight is torchao's, without the cast (saved: loadable with weights_only)
+    buffer = io.BytesIO()
+    torch.save(linears[0].weight._local_tensor, buffer)
+    buffer.seek(0)
+    copied = [copy.deepcopy(linears[0].weight)._local_tensor, torch.load(buffer, weights_only=True)]
+    cast["copy_plain"] = all(type(c).__name__ == "WeightWithDynamicFloat8CastTensor" for c in copied)
+    cast["copy_plain"] &= not any("_loom_cast" in c.__dict__ for c in copied)
     hook.after_backward([])  # the weights are about to change: the casts are freed, gathers cast as torchao
     cast["dropped"] = not any("_loom_cast" in m.weight._local_tensor.__dict__ for m in linears)
     cast["eager_equal"] = same(gathers(), torchao_casts())
@@ -97,4 +107,4 @@ def test_precomputed_scales_are_float8_max_over_the_global_amax(tmp_path):
     assert r["before"] == 0 and r["count"] == r["wrapped"] > 0, r
     assert r["first"] < 1e-6 and r["after"] < 1e-6, r
     assert r["reused"] and r["equal"] and r["dropped"] and r["eager_equal"] and r["recast_equal"], r
-    assert r["stale_refused"] and r["stale_equal"], r
+    assert r["stale_refused"] and r["stale_equal"] and r["copy_plain"], r
