@@ -836,6 +836,15 @@ class ParallelConfig:
     ddp_bucket_mb: float = opt(
         25.0, "DDP gradient bucket size in MiB", min=0.0, min_exclusive=True, resume=(FREE, LAYOUT)
     )
+    fsdp_prefetch: str = opt(
+        "auto",
+        "how FSDP2 issues each unit's all-gather: explicit = when the previous unit's forward (in backward the "
+        "next unit's) starts, so it hides behind that unit's compute even where the host is not ahead of the GPU; "
+        "implicit = when the host reaches the unit (FSDP2's default; its backward prefetches one unit); auto = "
+        "explicit under expert parallelism (each MoE block waits on the host), implicit otherwise",
+        choices=("auto", "explicit", "implicit"),
+        resume=(FREE, "the same computation, its gathers issued at other points"),
+    )
     reduce_dtype: str = opt(
         "float32",
         "dtype FSDP2 reduces gradients in (its MixedPrecisionPolicy.reduce_dtype; torchtitan's "

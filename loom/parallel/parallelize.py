@@ -97,6 +97,12 @@ def fsdp_wraps(dims: ParallelDims, parallel: ParallelConfig) -> bool:
     return dims.fsdp_applied or parallel.cpu_offload
 
 
+def explicit_prefetch(setting: str, dims: ParallelDims) -> bool:
+    """``parallel.fsdp_prefetch``: ``auto`` prefetches explicitly under expert parallelism only (measured there,
+    docs/benchmarks.md)."""
+    return dims.ep_enabled if setting == "auto" else setting == "explicit"
+
+
 def parallelize_llama(
     model: Llama,
     dims: ParallelDims,
@@ -157,7 +163,7 @@ def parallelize_llama(
                 compute_dtype=DTYPES[training.dtype],
                 reshard_after_forward=fsdp_reshard_after_forward(dims, plan),
                 cpu_offload=parallel.cpu_offload,
-                explicit_prefetch=dims.ep_enabled,
+                explicit_prefetch=explicit_prefetch(parallel.fsdp_prefetch, dims),
                 reduce_dtype=DTYPES[parallel.reduce_dtype],
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device

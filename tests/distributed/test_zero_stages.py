@@ -50,7 +50,8 @@ def reference(tmp_path_factory):
 def two_ranks(tmp_path_factory):
     """One group: the four stages (2 micro-batches a rank: accumulation), saving at step 2, then the stage-1
     checkpoint resumed under stage 3 and the stage-3 one under stage 1; ZeRO-1 with PyTorch's fused AdamW and
-    loom's Triton AdamW (its reference on CPU), which fold clipping into the step and skip on the device."""
+    loom's Triton AdamW (its reference on CPU), which fold clipping into the step and skip on the device; stages 2
+    and 3 with explicit prefetch."""
     tmp = tmp_path_factory.mktemp("w2")
     save = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
     jobs = [job(tmp, f"zero{z}", **{"parallel.zero": z, **save}) for z in range(4)]
@@ -62,12 +63,18 @@ def two_ranks(tmp_path_factory):
         job(tmp, f"zero1_{impl}", **{"parallel.zero": 1, "optimizer.implementation": impl})
         for impl in ("fused", "triton")
     ]
+    # FSDP2's gathers issued one unit ahead (parallel.fsdp_prefetch explicit; auto is implicit without EP)
+    jobs += [
+        job(tmp, f"zero{z}_prefetch", **{"parallel.zero": z, "parallel.fsdp_prefetch": "explicit"})
+        for z in (2, 3)
+    ]
     res = run_jobs(2, jobs, str(tmp))
     names = [f"zero{z}" for z in range(4)] + ["z1_to_z3", "z3_to_z1", "zero1_fused", "zero1_triton"]
+    names += ["zero2_prefetch", "zero3_prefetch"]
     return dict(zip(names, res))
 
 
-@pytest.mark.parametrize("stage", ["0", "1", "2", "3", "1_fused", "1_triton"])
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3", "1_fused", "1_triton", "2_prefetch", "3_prefetch"])
 def test_stage_equals_single_process(reference, two_ranks, stage):
     assert max_rel(losses(two_ranks[f"zero{stage}"]), reference) < 1e-5
     assert reference[-1] < reference[0]  # it trains

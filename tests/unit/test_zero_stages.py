@@ -121,3 +121,13 @@ def test_search_considers_the_stages():
     }
     assert {(-1, True), (-1, False), (1, True)} <= stages
     assert {ParallelDims.from_config(c.parallel, 4).zero for c in layouts} == {0, 1, 2, 3}
+
+
+def test_fsdp_prefetch_auto_is_explicit_under_expert_parallelism_only():
+    """parallel.fsdp_prefetch: auto prefetches explicitly where every MoE block waits on the host (ep > 1)."""
+    from loom.parallel.parallelize import explicit_prefetch
+
+    dense = ParallelDims.from_config(ParallelConfig(dp_shard=4), 4)
+    ep = ParallelDims.from_config(ParallelConfig(dp_shard=4, ep=2), 4)
+    assert [explicit_prefetch(s, dense) for s in ("auto", "explicit", "implicit")] == [False, True, False]
+    assert [explicit_prefetch(s, ep) for s in ("auto", "explicit", "implicit")] == [True, True, False]
