@@ -41,7 +41,8 @@ def apply_fsdp(
     and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
     while the blocks' backward runs rather than at its end; then the root (what is left). ``mesh`` is 1-D (FSDP) or
     2-D (HSDP), of one rank for CPU offload alone (nothing is sharded: FSDP2 streams each block's parameters to
-    the device). ``explicit_prefetch`` (expert parallelism): ``prefetch_in_order``."""
+    the device). ``explicit_prefetch`` (parallel.fsdp_prefetch; by default under expert parallelism):
+    ``prefetch_in_order``."""
     from torch.distributed.fsdp import fully_shard
 
     kw = dict(
@@ -79,9 +80,9 @@ def prefetch_in_order(
     model: nn.Module, blocks: list[nn.Module], embed: nn.Module | None, head: list[nn.Module]
 ) -> None:
     """Each unit all-gathers the next one's parameters when its own forward starts (in backward the previous
-    one's), a MoE block's experts with it. Under expert parallelism every MoE block waits on the host for its
-    token counts, so the next unit's gather, issued implicitly when the host reaches it, would start too late to
-    hide behind this block's compute."""
+    one's), a MoE block's experts with it: the next gather hides behind this unit's compute even where the host is
+    not ahead of the GPU, as under expert parallelism, where every MoE block waits on the host for its token
+    counts and the next unit's gather, issued implicitly when the host reaches it, would start too late."""
     from torch.distributed.fsdp import FSDPModule
 
     def with_experts(block: nn.Module) -> list[nn.Module]:

@@ -130,7 +130,7 @@ def parallelize_llama(
                 part, dims["ep"], dims["ep_tp"] if dims.etp_enabled else None, parallel.ep_exchange
             )
         if training.float8 != "none":
-            apply_float8(part, training.float8, training.float8_all_gather)
+            apply_float8(part, training.float8, training.float8_all_gather, shards=dims.dp_shard * dims.cp)
         apply_activation_checkpointing(part.layers, training.activation_checkpointing, training.ac_every)
         apply_activation_offload(part, training.activation_offload, device)  # around the checkpoints
         if training.compile:

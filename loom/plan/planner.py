@@ -457,9 +457,8 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     ac = cfg.training.activation_checkpointing
     stored = stored_blocks(ac, cfg.training.ac_every, args.n_layers)
     state = state_memory(held_params(share, x), x, share.layers)
-    if (
-        cfg.training.float8_all_gather and x.fsdp
-    ):  # each block linear's shard cast to float8 for the step's gathers
+    # each block linear's shard cast to float8 for the step's gathers (not under 2BW: its gathers cast as torchao)
+    if cfg.training.float8_all_gather and x.fsdp and cfg.parallel.pp_schedule != "pipedream_2bw":
         state.weights += share.block_sharded / dims.tp / x.shard
     gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
     backward = profile.backward_peak / dims.tp + cp_attention_working(args, x, ac)
@@ -875,13 +874,16 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
         reduce = 2 * collective_s(4 * trained, dims.dp_replicate, bw)
         # ZeRO-1: each replica's updated fp32 parameters go to the others after the step (an all-gather's bytes)
         gather = collective_s(4 * trained, dims.dp_replicate, bw) if dims.shard_optimizer else 0.0
-        # the bucket reduced after the backward: the embedding's gradient, computed last (a bucket of its own when
-        # larger than the cap), where this rank holds and trains it
+        hidden = compute_mb * 2 / 3
+        if not dims.ddp_enabled or dims.replicate_with_fsdp:  # FSDP2 replicating (DiLoCo: its groups' own)
+            return max(0.0, reduce - hidden) + 2 * collective_s(25 * 2**20, dims.dp_replicate, bw) + gather
+        # DDP: the bucket reduced after the backward is the embedding's gradient, computed last (a bucket of its
+        # own when larger than the cap) where this rank holds and trains it; each gradient is copied into its
+        # bucket scaled by 1 / replicas (the reducer's mul_out)
         embedding = args.vocab_size * args.dim / dims.tp if any(share.first) and not x.lora_base_bytes else 0
         last = 2 * collective_s(max(4 * embedding, x.ddp_bucket_bytes), dims.dp_replicate, bw)
-        # each gradient copied into its bucket, scaled by 1 / replicas (the reducer's mul_out)
         copy = DDP_BUCKET_COPY_BYTES * trained / (COPY_HBM_SHARE * gpu.hbm_tbps * 1e12)
-        return max(0.0, reduce - compute_mb * 2 / 3) + last + copy + gather
+        return max(reduce - hidden, last) + copy + gather
     return 0.0
 
 

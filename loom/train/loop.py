@@ -218,7 +218,13 @@ class Loop:
                 "to (training.nonfinite = rollback; save with checkpoint.every)"
             )
         guard = self.guard.state_dict()
-        state = self.checkpointer.load(folder, self.parts, self.optimizer, replica=self.engine.replica)
+        state = self.checkpointer.load(
+            folder, self.parts, self.optimizer, replica=self.engine.replica, extra=self.engine.extra_state()
+        )
+        for (
+            hook
+        ) in self.engine.hooks:  # as a resume's load (float8 scales recomputed, 2BW's older weights back)
+            hook.loaded(with_state=True)
         self.load_state_dict(state)
         self.guard.load_state_dict(guard)
         self.guard.rolled_back_to(self.step)

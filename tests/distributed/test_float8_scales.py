@@ -90,11 +90,10 @@ def scales_follow_global_amax(rank: int, world: int) -> dict:
     hook.after_update(1)
     after = error()
     cast["recast_equal"] = reused() and same(gathers(), torchao_casts())
+    old = linears[0].weight._local_tensor._loom_cast.data
     with torch.no_grad():  # an in-place change through the DTensor, no refresh: the cast no longer holds
         linears[0].weight.mul_(2.0)
-    cast["stale_refused"] = gathers()[0][0][0] is not linears[0].weight._local_tensor.__dict__.get(
-        "_loom_cast"
-    )
+    cast["stale_refused"] = gathers()[0][0][0] is not old
     cast["stale_equal"] = same(gathers()[:1], torchao_casts()[:1])
     out = {"before": before, "count": len(linears), "wrapped": wrapped, "first": first, "after": after}
     return {**out, **cast}

@@ -149,3 +149,37 @@ def test_local_tensor_of_a_float8_weight_does_not_read_its_scale():
     with pytest.raises(RuntimeError, match="ambiguous"):
         wrapped.__tensor_flatten__()  # torchao's own flatten reads it
     assert local_tensor(wrapped) is inner
+
+
+def test_shard_casts_fall_back_to_eager_past_the_recompile_limit(monkeypatch):
+    """The compiled cast of the float8 shards (cast_shards) compiles once per list of shapes; past the entries
+    Dynamo keeps it casts eagerly, with the same result, instead of failing the run."""
+    import torch._dynamo
+
+    from loom.models.common import float8
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(float8, "CAST_RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    tensors = [torch.randn(8, 4) * 100, torch.randn(16, 4)]
+    scales = [torch.tensor(448.0) / t.abs().max() for t in tensors]
+    for n in (1, 2):  # the second list length is past the limit of one entry
+        got = float8._casts(tensors[:n], scales[:n], torch.float8_e4m3fn, backend="eager")
+        want = float8._scaled_casts(tensors[:n], scales[:n], torch.float8_e4m3fn)
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    torch._dynamo.reset()
+
+
+@needs_torchao
+def test_float8_gather_refuses_uneven_shards():
+    """FSDP2 pads an uneven shard into a new tensor, which loses the float8 wrapper's precomputed scale on those
+    ranks only: training.float8_all_gather needs every converted weight's rows divisible by the shards."""
+    from loom.config.errors import ConfigError
+
+    assert apply_float8(
+        Llama(FLAVORS["debug"].with_(vocab_size=256)), "tensorwise", all_gather=True, shards=2
+    )
+    with pytest.raises(
+        ConfigError, match=r"training.float8_all_gather = True: .*divisible by its 3 FSDP2 shards"
+    ):
+        apply_float8(Llama(FLAVORS["debug"].with_(vocab_size=256)), "tensorwise", all_gather=True, shards=3)

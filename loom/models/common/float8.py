@@ -17,6 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from loom.config.errors import ConfigError
+
 RECIPES = ("tensorwise", "rowwise")
 
 
@@ -35,16 +37,19 @@ def _convertible(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_float8(model: nn.Module, recipe: str, all_gather: bool = False) -> int:
+def apply_float8(model: nn.Module, recipe: str, all_gather: bool = False, shards: int = 1) -> int:
     """Swap eligible ``nn.Linear`` modules for torchao ``Float8Linear`` in place; returns how many. ``all_gather``
     (tensorwise only): their weights become torchao's float8-castable wrappers, which FSDP2 gathers in float8
-    (``training.float8_all_gather``); without FSDP they compute exactly as the plain float8 linears."""
+    (``training.float8_all_gather``) over ``shards`` ranks; without FSDP they compute exactly as the plain float8
+    linears."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if recipe not in RECIPES:
         raise ValueError(f"float8 recipe {recipe!r}: allowed {', '.join(RECIPES)}")
     if all_gather and recipe != "tensorwise":
         raise ValueError(f"float8 all-gather needs the tensorwise recipe, not {recipe!r}")
+    if all_gather:
+        check_even_rows(model, shards)
     config = Float8LinearConfig.from_recipe_name(recipe)
     if all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
@@ -55,6 +60,20 @@ def apply_float8(model: nn.Module, recipe: str, all_gather: bool = False) -> int
     converted = sum(isinstance(m, Float8Linear) for m in model.modules())
     assert converted <= before
     return converted
+
+
+def check_even_rows(model: nn.Module, shards: int) -> None:
+    """The float8 gather needs every shard of a converted weight alike: FSDP2 pads an uneven shard into a new tensor
+    (the wrapper's precomputed scale lost on those ranks, which would then reduce an amax the others do not) and
+    torchao's pre-all-gather hands it the unpadded shard."""
+    for fqn, m in model.named_modules():
+        if _convertible(m, fqn) and m.out_features % shards:
+            raise ConfigError(
+                "training.float8_all_gather",
+                True,
+                f"needs each float8 weight's rows divisible by its {shards} FSDP2 shards (dp_shard x cp): {fqn} "
+                f"has {m.out_features}; allowed false here",
+            )
 
 
 def precompute_scales(model: nn.Module) -> int:
@@ -110,8 +129,7 @@ def cast_shards(weights: list) -> None:
         shard.__dict__.pop("_loom_cast", None)  # the old casts freed before the new are made
     sources = [s._tensor for s in shards]
     scales = [s._precomputed_scale for s in shards]
-    cast = _compiled_casts() if sources[0].is_cuda else _scaled_casts
-    casts = cast(sources, scales, shards[0]._dtype)
+    casts = _casts(sources, scales, shards[0]._dtype)
     for shard, param, data, scale, source in zip(shards, weights, casts, scales, sources):
         versions = (param._version, shard._version, source._version)
         shard.__dict__["_loom_cast"] = _Cast(data, scale, source, weakref.ref(param), versions)
@@ -124,9 +142,27 @@ def _scaled_casts(sources: list, scales: list, dtype: torch.dtype) -> list:
 
 
 @functools.cache
-def _compiled_casts():
-    """``_scaled_casts`` compiled once: each cast one fused kernel, all launched from one call."""
-    return torch.compile(_scaled_casts, fullgraph=True, dynamic=False)
+def _compiled_casts(backend: str = "inductor"):
+    """``_scaled_casts`` compiled once per list of shapes: each cast one fused kernel, all launched from one call."""
+    return torch.compile(_scaled_casts, fullgraph=True, dynamic=False, backend=backend)
+
+
+# compiled lists of shapes kept (one per model part and size: pipeline stages, other runs in the process)
+CAST_RECOMPILE_LIMIT = 64
+
+
+def _casts(sources: list, scales: list, dtype: torch.dtype, backend: str | None = None) -> list:
+    """``_scaled_casts``, compiled (by default on CUDA, with Inductor); eager where Dynamo has compiled as many
+    lists as it keeps."""
+    backend = backend or ("inductor" if sources[0].is_cuda else None)
+    if backend is None:
+        return _scaled_casts(sources, scales, dtype)
+    limit = max(torch._dynamo.config.recompile_limit, CAST_RECOMPILE_LIMIT)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return _compiled_casts(backend)(sources, scales, dtype)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        return _scaled_casts(sources, scales, dtype)
 
 
 def drop_casts(model: nn.Module) -> None:
