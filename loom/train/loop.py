@@ -221,9 +221,8 @@ class Loop:
         state = self.checkpointer.load(
             folder, self.parts, self.optimizer, replica=self.engine.replica, extra=self.engine.extra_state()
         )
-        for (
-            hook
-        ) in self.engine.hooks:  # as a resume's load (float8 scales recomputed, 2BW's older weights back)
+        # as after a resume's load: float8 scales and casts recomputed, 2BW's older weights back
+        for hook in self.engine.hooks:
             hook.loaded(with_state=True)
         self.load_state_dict(state)
         self.guard.load_state_dict(guard)
