@@ -160,13 +160,14 @@ def test_shard_casts_fall_back_to_eager_past_the_recompile_limit(monkeypatch):
 
     torch._dynamo.reset()
     monkeypatch.setattr(float8, "CAST_RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     tensors = [torch.randn(8, 4) * 100, torch.randn(16, 4)]
     scales = [torch.tensor(448.0) / t.abs().max() for t in tensors]
-    for n in (1, 2):  # the second list length is past the limit of one entry
-        got = float8._casts(tensors[:n], scales[:n], torch.float8_e4m3fn, backend="eager")
-        want = float8._scaled_casts(tensors[:n], scales[:n], torch.float8_e4m3fn)
-        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    # torch's config through its own patch (a monkeypatch's undo leaves the option missing for later tests)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (1, 2):  # the second list length is past the limit of one entry
+            got = float8._casts(tensors[:n], scales[:n], torch.float8_e4m3fn, backend="eager")
+            want = float8._scaled_casts(tensors[:n], scales[:n], torch.float8_e4m3fn)
+            assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
     torch._dynamo.reset()
 
 
