@@ -26,6 +26,7 @@ from loom.parallel.dims import ParallelDims, tp_limit
 from loom.parallel.offload_rules import RULES as OFFLOAD
 from loom.parallel.pipedream_rules import RULES as PIPEDREAM
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
+from loom.parallel.symm_mem_rules import RULES as SYMM_MEM
 from loom.runtime.fault_tolerance import replica_groups
 from loom.runtime.fault_tolerance_rules import RULES as FAULT_TOLERANCE
 from loom.train.diloco_rules import RULES as DILOCO
@@ -33,7 +34,7 @@ from loom.train.zero_rules import RULES as ZERO
 
 # the optional features' rule sets, run in this order at each stage (config, layout, machine, device): which of
 # two broken rules is named first stays as it was
-FEATURES = (ZERO, OFFLOAD, CUDA_GRAPHS, FAULT_TOLERANCE, DILOCO, PIPEDREAM, LORA)
+FEATURES = (ZERO, OFFLOAD, CUDA_GRAPHS, FAULT_TOLERANCE, DILOCO, PIPEDREAM, LORA, SYMM_MEM)
 
 
 @dataclass(frozen=True)

@@ -845,6 +845,13 @@ class ParallelConfig:
         choices=("auto", "explicit", "implicit"),
         resume=(FREE, "the same computation, its gathers issued at other points"),
     )
+    fsdp_symm_mem: bool = opt(
+        False,
+        "allocate FSDP2's all-gather (and, where PyTorch does, reduce-scatter) buffers in NCCL symmetric memory, "
+        "with NCCL's zero-CTA policy: within a node the all-gathers run on the GPU's copy engines, not on SMs "
+        "the matmuls they overlap would use (CUDA, NCCL >= 2.28, PyTorch >= 2.11)",
+        resume=(FREE, "the same computation, its collectives' buffers elsewhere"),
+    )
     reduce_dtype: str = opt(
         "float32",
         "dtype FSDP2 reduces gradients in (its MixedPrecisionPolicy.reduce_dtype; torchtitan's "

@@ -36,14 +36,16 @@ def apply_fsdp(
     cpu_offload: bool,
     explicit_prefetch: bool = False,
     reduce_dtype: torch.dtype = torch.float32,
+    symm_mem: bool = False,
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
     and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
     while the blocks' backward runs rather than at its end; then the root (what is left). ``mesh`` is 1-D (FSDP) or
     2-D (HSDP), of one rank for CPU offload alone (nothing is sharded: FSDP2 streams each block's parameters to
     the device). ``explicit_prefetch`` (parallel.fsdp_prefetch; by default under expert parallelism):
-    ``prefetch_in_order``."""
-    from torch.distributed.fsdp import fully_shard
+    ``prefetch_in_order``. ``symm_mem`` (parallel.fsdp_symm_mem): every FSDP2 unit's collective buffers, the
+    experts' too, in NCCL symmetric memory."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     kw = dict(
         mesh=mesh,
@@ -61,6 +63,10 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=False, **kw)
     if explicit_prefetch:
         prefetch_in_order(model, blocks, embed, head)
+    if symm_mem:
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_symm_mem_for_comm()
     return model
 
 

@@ -165,6 +165,7 @@ def parallelize_llama(
                 cpu_offload=parallel.cpu_offload,
                 explicit_prefetch=explicit_prefetch(parallel.fsdp_prefetch, dims),
                 reduce_dtype=DTYPES[parallel.reduce_dtype],
+                symm_mem=parallel.fsdp_symm_mem,
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device

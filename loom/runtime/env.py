@@ -225,11 +225,16 @@ def init_distributed(
     cpu_offload: bool = False,
     timeout: timedelta | None = None,
     device_index: int | None = None,
+    zero_cta: bool = False,
 ) -> DistEnv:
     """Join the process group when launched by torchrun/elastic/SLURM/mpirun; a plain process runs alone.
     ``timeout``: the group's collective timeout (None: PyTorch's default; loom.runtime.health sets it);
-    ``device_index``: the CUDA device placement chose (loom.runtime.topology; None: the local rank's)."""
+    ``device_index``: the CUDA device placement chose (loom.runtime.topology; None: the local rank's);
+    ``zero_cta``: NCCL's zero-CTA policy for every communicator (parallel.fsdp_symm_mem: gathers into symmetric
+    memory then run on the copy engines), unless NCCL_CTA_POLICY is set."""
     os.environ.update(env_from_launcher(dict(os.environ)))
+    if zero_cta:
+        os.environ.setdefault("NCCL_CTA_POLICY", "2")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_kind, local_rank, device_index)

@@ -223,6 +223,7 @@ class Engine:
             cfg.parallel.cpu_offload,
             timeout=startup_timeout(cfg.parallel.timeout_s),
             device_index=device_index,
+            zero_cta=cfg.parallel.fsdp_symm_mem,
         )
         self.device = self.env.device
         # the run the launcher resolved (loom.resolve.handed), else every cross-field rule checked here (the
