@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from loom.models.common.moe import moe_modules
+from loom.parallel.symm_mem import use_symm_mem
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
@@ -45,7 +46,7 @@ def apply_fsdp(
     the device). ``explicit_prefetch`` (parallel.fsdp_prefetch; by default under expert parallelism):
     ``prefetch_in_order``. ``symm_mem`` (parallel.fsdp_symm_mem): every FSDP2 unit's collective buffers, the
     experts' too, in NCCL symmetric memory."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     kw = dict(
         mesh=mesh,
@@ -64,9 +65,7 @@ def apply_fsdp(
     if explicit_prefetch:
         prefetch_in_order(model, blocks, embed, head)
     if symm_mem:
-        for unit in model.modules():
-            if isinstance(unit, FSDPModule):
-                unit.set_symm_mem_for_comm()
+        use_symm_mem(model)
     return model
 
 

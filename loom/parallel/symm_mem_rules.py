@@ -38,7 +38,7 @@ def check_symm_mem_layout(cfg: Config, dims: ParallelDims) -> None:
 
 
 def check_symm_mem_machine(cfg: Config, device: str) -> None:
-    """CUDA devices, and a PyTorch whose FSDP2 allocates from symmetric memory (2.11 and later)."""
+    """CUDA devices, and a PyTorch whose FSDP2 takes custom buffers (2.11 and later)."""
     if not cfg.parallel.fsdp_symm_mem:
         return
     if device != "cuda":
@@ -47,15 +47,15 @@ def check_symm_mem_machine(cfg: Config, device: str) -> None:
             True,
             "needs CUDA devices (NCCL symmetric memory) and this run is on the CPU: allowed false",
         )
-    from torch.distributed.fsdp import FSDPModule
+    from loom.parallel.symm_mem import available
 
-    if not hasattr(FSDPModule, "set_symm_mem_for_comm"):
+    if not available():
         import torch
 
         raise ConfigError(
             FIELD,
             True,
-            f"needs FSDP2's symmetric-memory buffers (PyTorch >= 2.11; this is {torch.__version__}): allowed false",
+            f"needs FSDP2's custom-communication hooks (PyTorch >= 2.11; this is {torch.__version__}): allowed false",
         )
 
 

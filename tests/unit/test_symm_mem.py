@@ -34,12 +34,14 @@ def test_a_layout_without_fsdp_and_the_cpu_are_refused():
         check_machine(cfg(**{"parallel.dp_shard": 2}), "cpu")
 
 
-def test_fsdp_on_cuda_resolves_and_an_older_torch_is_named(monkeypatch):
+def test_fsdp_on_cuda_resolves_and_a_torch_without_the_hooks_is_named(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = cfg(**{"parallel.dp_shard": 2})
     assert resolve(fsdp, 2, device="cuda").dims.fsdp_applied
     check_machine(fsdp, "cuda")
-    monkeypatch.delattr(FSDPModule, "set_symm_mem_for_comm")
+    monkeypatch.delattr(FSDPModule, "set_symm_mem_for_comm")  # PyTorch 2.11: loom's comms through the hooks
+    check_machine(fsdp, "cuda")
+    monkeypatch.delattr(FSDPModule, "set_custom_all_gather")
     with pytest.raises(ConfigError, match=r"PyTorch >= 2.11; this is \S+\): allowed false"):
         check_machine(fsdp, "cuda")
