@@ -12,7 +12,8 @@ FIELD = "parallel.fsdp_symm_mem"
 
 
 def check_symm_mem_config(cfg: Config) -> None:
-    """Symmetric memory is NCCL's: not with another backend, nor with the host-side shards of CPU offload."""
+    """Symmetric memory is NCCL's here: not with another backend, the host-side shards of CPU offload, or async TP's
+    own symmetric memory."""
     p = cfg.parallel
     if not p.fsdp_symm_mem:
         return
@@ -24,6 +25,13 @@ def check_symm_mem_config(cfg: Config) -> None:
         )
     if p.cpu_offload:
         raise ConfigError(FIELD, True, "not with parallel.cpu_offload (FSDP2 gathers from host memory there)")
+    if p.async_tp:
+        raise ConfigError(
+            FIELD,
+            True,
+            "not with parallel.async_tp, whose buffers are in PyTorch's CUDA symmetric memory (one backend per "
+            "process): allowed false there",
+        )
 
 
 def check_symm_mem_layout(cfg: Config, dims: ParallelDims) -> None:

@@ -19,6 +19,10 @@ def cfg(**over):
     [
         ({"parallel.backend": "gloo"}, "not with parallel.backend gloo; allowed auto | nccl"),
         ({"parallel.cpu_offload": "true"}, "not with parallel.cpu_offload"),
+        (
+            {"parallel.async_tp": "true", "parallel.tp": 2, "training.compile": "true"},
+            "not with parallel.async_tp",
+        ),
     ],
 )
 def test_what_symmetric_memory_cannot_take_is_refused(over, says):
