@@ -59,6 +59,7 @@ from loom.plan.timing import (
     EP_HOST_WAIT_S,
     FLOAT8_CAST_BYTES,
     FLOAT8_GEMM_SPEEDUP,
+    FLOAT8_WEIGHT_CAST_BYTES,
     GRAD_NORM_BYTES,
     NF4_DEQUANT_HBM_SHARE,
     StepTime,
@@ -69,6 +70,7 @@ from loom.plan.timing import (
     ep_host_s,
     ep_overhead_s,
     float8_cast_width,
+    float8_gather_copy_bytes,
     fsdp_copy_bytes,
     fsdp_expert_bytes,
     grouped_padding_flops,
@@ -123,6 +125,8 @@ def layout_name(layout: dict) -> str:
         parts.append("nvme")
     if layout.get("zero") in (1, 2):  # 0 and 3 are what the degrees say (DDP, FSDP2)
         parts.append(f"zero{layout['zero']}")
+    if layout.get("float8_all_gather"):
+        parts.append("float8_gather")
     return (
         " ".join(parts or ["single"])
         + f" mb{layout['micro_batch_size']} ac={layout['activation_checkpointing']}"
@@ -219,6 +223,7 @@ def estimate(
         zero=dims.zero,
         activation_offload=x.offload_blocks,
         optimizer_offload=cfg.optimizer.offload,
+        float8_all_gather=t.float8_all_gather,
     )
     notes = []
     host = max(offloaded_state(held_params(share, x), x) for share in shares)
@@ -489,6 +494,15 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     return max(with_workspace(peak), generation_peak(state, x), key=lambda mem: mem.total)
 
 
+def float8_gathered(cfg: Config, args, share, dims, x: MemoryInputs) -> float:
+    """The block linears' weights this rank gathers in float8 (training.float8_all_gather under FSDP2, where the
+    step time models float8; not under 2BW, whose gathers cast as torchao does): 0 otherwise."""
+    t = cfg.training
+    if not (t.float8_all_gather and x.fsdp and cfg.parallel.pp_schedule != "pipedream_2bw"):
+        return 0.0
+    return share.block_sharded / dims.tp if float8_modelled(t, args, x) else 0.0
+
+
 def float8_modelled(t, args, x: MemoryInputs) -> bool:
     """Whether the step time models training.float8: dense blocks with plain attention and no LoRA (the runs it
     was fitted and checked on); MoE experts, MLA projections and adapters are estimated as bf16."""
@@ -546,6 +560,8 @@ def rank_time(
     if float8_modelled(t, args, x):  # the block GEMMs faster, their inputs' and gradients' casts on top
         compute_mb -= block_mm / (peak * eff) * (1 - 1 / FLOAT8_GEMM_SPEEDUP)
         cast = FLOAT8_CAST_BYTES * share.layers * float8_cast_width(args) * tokens
+        # gathered in float8: torchao's casts of the gathered weights at each use are gone (the fit holds them)
+        cast -= FLOAT8_WEIGHT_CAST_BYTES * (forwards + 1) * float8_gathered(cfg, args, share, dims, x)
         compute_mb += cast / (COPY_HBM_SHARE * gpu.hbm_tbps * 1e12)
     if args.moe:
         moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x, ep_grad_rescale)
@@ -571,7 +587,9 @@ def rank_time(
     # the parameters AdamW steps (a model trained beside the policy: as many again)
     own = (adapters if x.lora_base_bytes else held_params(share, x)) / x.shard * (1 + x.trained_copies)
     st.optimizer = (ADAMW_BYTES_PER_PARAM + GRAD_NORM_BYTES) * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
-    st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu)
+    st.fsdp = data_parallel_s(
+        share, args, dims, x, compute_mb, m, gpu, float8_gathered(cfg, args, share, dims, x)
+    )
     # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
     if x.cpu_offload:
         st.optimizer = host_step_s(own, m)
@@ -843,8 +861,11 @@ def nvme_note(disk: float) -> str:
     )
 
 
-def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU) -> float:
-    """Exposed seconds of gradient / parameter communication per step."""
+def data_parallel_s(
+    share, args, dims, x: MemoryInputs, compute_mb: float, m: int, gpu: GPU, float8: float = 0.0
+) -> float:
+    """Exposed seconds of gradient / parameter communication per step; ``float8``: the parameters of those this
+    rank holds that FSDP2 gathers in float8 (``float8_gathered``)."""
     params = held_params(share, x)
     # the parameters with gradients to reduce: LoRA's adapters alone; a model trained beside the policy's too
     trained = (x.adapters(share.layers) if x.lora_base_bytes else params) * (1 + x.trained_copies)
@@ -855,7 +876,7 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
         bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)
         gathers = 2 if x.reshard_after_forward else 1
         r = x.reduce_bytes  # parallel.reduce_dtype
-        per_mb = collective_s(gathers * c * params + r * trained, x.shard, bw)
+        per_mb = collective_s(gathers * (c * (params - float8) + float8) + r * trained, x.shard, bw)
         if dims.dp_replicate > 1:  # HSDP: the shard's gradients all-reduced across replicas
             per_mb += 2 * collective_s(
                 r * trained / x.shard, dims.dp_replicate, _bandwidth(dims, ("dp_replicate",), gpu)
@@ -865,10 +886,12 @@ def data_parallel_s(share, args, dims, x: MemoryInputs, compute_mb: float, m: in
         # FSDP2's copies around the collectives (the experts': with the MoE overhead, moe_time_s)
         experts = held_experts(share, x)
         gather, reduce = fsdp_copy_bytes(x.shard, gathers, c, r)
-        copies = (gather * (params - experts) + reduce * (trained - experts)) / (
-            COPY_HBM_SHARE * gpu.hbm_tbps * 1e12
-        )
-        return m * (max(0.0, per_mb - compute_mb) + edges + copies)
+        gather8, cast8 = float8_gather_copy_bytes(x.shard, gathers)
+        rate = COPY_HBM_SHARE * gpu.hbm_tbps * 1e12
+        copies = (
+            gather * (params - experts - float8) + gather8 * float8 + reduce * (trained - experts)
+        ) / rate
+        return m * (max(0.0, per_mb - compute_mb) + edges + copies) + cast8 * float8 / rate
     if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
         bw = _bandwidth(dims, ("dp_replicate",), gpu)
         reduce = 2 * collective_s(4 * trained, dims.dp_replicate, bw)
@@ -892,8 +915,8 @@ def candidates(
     cfg: Config, world_size: int, max_tp: int, moe: bool = False, offload: bool = False
 ) -> list[Config]:
     """Every layout of ``world_size`` ranks with the config's global batch: degrees, pipeline schedule,
-    micro-batch size, activation checkpointing and, for a MoE model (``moe``) under tp, replicated or
-    tensor-parallel experts; with ``offload``, those that parallel.cpu_offload takes (tp = pp = 1), offloaded.
+    micro-batch size, activation checkpointing, the ZeRO stage, under float8 tensorwise the float8 or bf16 gather
+    and, for a MoE model (``moe``) under tp, replicated or tensor-parallel experts; with ``offload``, those that parallel.cpu_offload takes (tp = pp = 1), offloaded.
     Invalid ones are dropped later by ``estimate``."""
     out = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -933,7 +956,22 @@ def candidates(
                                     e.parallel.etp = tp
                                     out.append(e)
                                 out.extend(zero_variants(c))
-    return out
+    return [v for c in out for v in float8_gather_variants(c)]
+
+
+def float8_gather_variants(c: Config) -> list[Config]:
+    """Under float8 tensorwise, a layout FSDP2 shards both ways: gathering its weights in float8 and in bf16
+    (training.float8_all_gather); one that shards nothing gathers none in float8."""
+    t, p = c.training, c.parallel
+    if t.float8 != "tensorwise":
+        return [c]
+    off = copy.deepcopy(c)
+    off.training.float8_all_gather = False
+    if p.dp_shard * p.cp == 1 or p.cpu_offload or p.pp_schedule == "pipedream_2bw":
+        return [off]
+    on = copy.deepcopy(c)
+    on.training.float8_all_gather = True
+    return [off, on]
 
 
 def zero_variants(c: Config) -> list[Config]:

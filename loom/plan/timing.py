@@ -114,6 +114,10 @@ def decode_hbm_share(batch: int) -> float:
 # element, fitted to the 8B pair on 2 H200s (float8 / bf16 1.261x in one call).
 FLOAT8_GEMM_SPEEDUP = 1.58
 FLOAT8_CAST_BYTES = 11.0
+# torchao casts each gathered bf16 weight to float8 at every use (each forward, the input gradient): 2 bytes read, 1
+# written a weight element; inside the fit above, which was made with bf16 gathers. training.float8_all_gather
+# gathers the float8 cast instead: these casts are gone, and FSDP2's copies move a byte a weight element.
+FLOAT8_WEIGHT_CAST_BYTES = 3
 
 
 def float8_cast_width(args) -> int:
@@ -195,6 +199,13 @@ def fsdp_copy_bytes(shard: int, gathers: int, dtype_bytes: int, reduce_bytes: in
     c = dtype_bytes
     cast = 4 + c if c != 4 else 0
     return gathers * ((cast + 2 * c) / shard + 2 * c), c + reduce_bytes
+
+
+def float8_gather_copy_bytes(shard: int, gathers: int) -> tuple[float, float]:
+    """``fsdp_copy_bytes`` of a weight FSDP2 gathers in float8 (training.float8_all_gather), per parameter a rank
+    holds: (per micro-batch, the ``gathers`` gathers' copy-in and copy-out of a byte an element; once a step, the
+    fp32 shard's cast, 4 bytes read and 1 written, loom.models.common.float8.cast_shards)."""
+    return gathers * (2 / shard + 2), (4 + 1) / shard
 
 
 def fsdp_expert_bytes(shard: int, gathers: int, dtype_bytes: int) -> float:
