@@ -916,8 +916,8 @@ def candidates(
 ) -> list[Config]:
     """Every layout of ``world_size`` ranks with the config's global batch: degrees, pipeline schedule,
     micro-batch size, activation checkpointing, the ZeRO stage, under float8 tensorwise the float8 or bf16 gather
-    and, for a MoE model (``moe``) under tp, replicated or tensor-parallel experts; with ``offload``, those that parallel.cpu_offload takes (tp = pp = 1), offloaded.
-    Invalid ones are dropped later by ``estimate``."""
+    and, for a MoE model (``moe``) under tp, replicated or tensor-parallel experts; with ``offload``, those that
+    parallel.cpu_offload takes (tp = pp = 1), offloaded. Invalid ones are dropped later by ``estimate``."""
     out = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp in (d for d in divisors if d <= (1 if offload else max_tp)):
