@@ -847,7 +847,7 @@ class ParallelConfig:
     )
     fsdp_symm_mem: bool = opt(
         False,
-        "allocate FSDP2's all-gather (and, where PyTorch does, reduce-scatter) buffers in NCCL symmetric memory, "
+        "allocate FSDP2's all-gather and reduce-scatter buffers in NCCL symmetric memory, "
         "with NCCL's zero-CTA policy: within a node the all-gathers run on the GPU's copy engines, not on SMs "
         "the matmuls they overlap would use (CUDA, NCCL >= 2.28, PyTorch >= 2.11)",
         resume=(FREE, "the same computation, its collectives' buffers elsewhere"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
@@ -29,8 +30,6 @@ def use_symm_mem(model: nn.Module) -> None:
         for unit in units:
             unit.set_symm_mem_for_comm()
         return
-    import torch.distributed._symmetric_memory as symm_mem
-
     symm_mem.set_backend("NCCL")
     gather, reduce = SymmMemGather(), SymmMemReduce()
     groups = {}
@@ -47,8 +46,6 @@ def use_symm_mem(model: nn.Module) -> None:
 
 
 def _allocate(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    import torch.distributed._symmetric_memory as symm_mem
-
     with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
         return torch.empty(size, dtype=dtype, device=device)
 
@@ -60,8 +57,6 @@ class SymmMemGather(AllGather):
         return _allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        import torch.distributed._symmetric_memory as symm_mem
-
         symm_mem.rendezvous(output_tensor, group=group.group_name)
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -73,8 +68,6 @@ class SymmMemReduce(ReduceScatter):
         return _allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        import torch.distributed._symmetric_memory as symm_mem
-
         symm_mem.rendezvous(input_tensor, group=group.group_name)
         symm_mem.rendezvous(output_tensor, group=group.group_name)
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

@@ -557,11 +557,12 @@ def rank_time(
     compute_mb = (block_mm + frozen * head / dims.tp * tokens) / (peak * eff) + attention / (
         peak * attention_efficiency(args.head_dim, t.seq_len)
     )
+    float8 = float8_gathered(cfg, args, share, dims, x)
     if float8_modelled(t, args, x):  # the block GEMMs faster, their inputs' and gradients' casts on top
         compute_mb -= block_mm / (peak * eff) * (1 - 1 / FLOAT8_GEMM_SPEEDUP)
         cast = FLOAT8_CAST_BYTES * share.layers * float8_cast_width(args) * tokens
         # gathered in float8: torchao's casts of the gathered weights at each use are gone (the fit holds them)
-        cast -= FLOAT8_WEIGHT_CAST_BYTES * (forwards + 1) * float8_gathered(cfg, args, share, dims, x)
+        cast -= FLOAT8_WEIGHT_CAST_BYTES * (forwards + 1) * float8
         compute_mb += cast / (COPY_HBM_SHARE * gpu.hbm_tbps * 1e12)
     if args.moe:
         moe_mb = moe_time_s(share, args, dims, tokens, t, gpu, x, ep_grad_rescale)
@@ -587,9 +588,7 @@ def rank_time(
     # the parameters AdamW steps (a model trained beside the policy: as many again)
     own = (adapters if x.lora_base_bytes else held_params(share, x)) / x.shard * (1 + x.trained_copies)
     st.optimizer = (ADAMW_BYTES_PER_PARAM + GRAD_NORM_BYTES) * own / (ADAMW_HBM_SHARE * gpu.hbm_tbps * 1e12)
-    st.fsdp = data_parallel_s(
-        share, args, dims, x, compute_mb, m, gpu, float8_gathered(cfg, args, share, dims, x)
-    )
+    st.fsdp = data_parallel_s(share, args, dims, x, compute_mb, m, gpu, float8)
     # the step on the host, and the copies over PCIe (counted as FSDP2's: they are its gathers)
     if x.cpu_offload:
         st.optimizer = host_step_s(own, m)
