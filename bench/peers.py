@@ -1100,7 +1100,7 @@ def main() -> None:
     vocab = make_tokenizer(paths["tokenizer"], paths["data_file"], w.vocab)
     inputs_s = round(time.time() - t0, 1)
     print(f"bench.peers: {docs} documents, tokenizer of {vocab} tokens ({inputs_s} s)", flush=True)
-    prepare_s = prepare_loom_tokens(paths) if "loom" in sides else None
+    prepare_s = prepare_loom_tokens(paths) if "loom" in sides or variants else None
 
     doc = {
         "benchmark": "peers",
