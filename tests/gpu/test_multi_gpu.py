@@ -183,9 +183,15 @@ def test_float8_all_gather_on_two_gpus_follows_the_bf16_gather(tmp_path):
 
 def test_fsdp_symm_mem_on_two_gpus_gives_the_plain_gathers_losses(tmp_path):
     """parallel.fsdp_symm_mem (FSDP2's buffers in NCCL symmetric memory, NCCL's zero-CTA policy) moves the same bytes
-    as NCCL's kernels: the losses of the plain FSDP2 run, float8 gather included (to 1e-5: the symmetric kernels
-    may average the two ranks' gradients in another order of operations)."""
-    base = {"parallel.dp_shard": 2, "training.dtype": "bfloat16", "training.compile": "false"}
+    as NCCL's kernels: the losses of the plain FSDP2 run, float8 gather included. Deterministic: without it
+    ``model.attention auto`` times the kernels at start-up and two runs may attend with different ones (the first
+    step's losses differed by 3e-7 on 2 H200s). 1e-5: NCCL's symmetric kernels may sum in another order."""
+    base = {
+        "parallel.dp_shard": 2,
+        "training.dtype": "bfloat16",
+        "training.compile": "false",
+        "run.deterministic": "true",
+    }
     for extra in ({}, {"training.float8": "tensorwise", "training.float8_all_gather": "true"}):
         name = "f8" if extra else "bf16"
         plain = train(tmp_path / f"{name}_plain", 2, **base, **extra)
