@@ -43,15 +43,17 @@ class DistEnv:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def max_over_ranks(self, x: float | list[float]) -> float | list[float]:
-        """The largest value over the ranks (a list: each element's, in one collective)."""
+    def max_over_ranks(self, x: float | list[float], group=None) -> float | list[float]:
+        """The largest value over the ranks (a list: each element's, in one collective); over ``group``, a gloo
+        group of every rank, from the host's memory (no wait for the device's queue)."""
         if self.world_size == 1:
             return x
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor(x if isinstance(x, list) else [x], device=self.device, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        device = "cpu" if group is not None else self.device
+        t = torch.tensor(x if isinstance(x, list) else [x], device=device, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t.tolist() if isinstance(x, list) else float(t)
 
     def any_rank(self, flag: bool) -> bool:

@@ -134,29 +134,50 @@ class NonFiniteGuard:
 class StepCheck:
     """One step's verdict (finite or not) with its loss and gradient norm, copied to the host without waiting:
     ``read`` waits only for that copy, so the host learns it a step late for free (the GPU has moved on).
-    ``deferred``: the device already decided (skipped the update itself), the host only takes back counts."""
+    ``deferred``: the device already decided (skipped the update itself), the host only takes back counts.
+    ``figures``: more scalars of the step (its count, the objective's statistics) in the same copy, so a logged
+    record reads them there (``figures``) instead of from the device, where the read would wait for the update
+    queued after them and leave the GPU idle until the host has queued the next step."""
 
     def __init__(
-        self, step: int, finite: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor, deferred: bool
+        self,
+        step: int,
+        finite: torch.Tensor,
+        loss: torch.Tensor,
+        norm: torch.Tensor,
+        deferred: bool,
+        figures: dict[str, torch.Tensor] | None = None,
     ):
         self.step, self.deferred = step, deferred
+        self._names = list(figures or {})
+        extra = [
+            torch.as_tensor(v).detach().float().to(loss.device).reshape(()) for v in (figures or {}).values()
+        ]
         values = torch.stack(
-            [finite.to(torch.float32), loss.detach().float(), norm.detach().float().to(loss.device)]
+            [finite.to(torch.float32), loss.detach().float(), norm.detach().float().to(loss.device), *extra]
         )
         self._event = None
         if values.device.type == "cuda":
-            self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+            self._host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
             self._host = values
 
-    def read(self) -> tuple[bool, float, float]:
+    def _values(self) -> list[float]:
         if self._event is not None:
             self._event.synchronize()
-        finite, loss, norm = self._host.tolist()
+        return self._host.tolist()
+
+    def read(self) -> tuple[bool, float, float]:
+        finite, loss, norm = self._values()[:3]
         return finite > 0, loss, norm
+
+    def figures(self) -> dict[str, float]:
+        """The loss, the gradient norm and ``figures`` as the host read them."""
+        _, loss, norm, *extra = self._values()
+        return {"loss": loss, "grad_norm": norm, **dict(zip(self._names, extra))}
 
 
 class StopVote:

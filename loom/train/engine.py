@@ -694,16 +694,17 @@ class Engine:
                 norm = self.steps.grad_norm() / loss_scale
             for hook in self.hooks:
                 hook.observe_norm(norm, denominator)
-            applies, check = self._update(loss, norm, has_units, number)
+            applies, check = self._update(loss, norm, has_units, number, {"tokens": n_tokens, **stats})
         out = StepOut(loss, norm, n_tokens, lr, stats, check=check)
         for hook in self.hooks:
             out.figures.update(hook.step_out(applies, result.shape_inference, self.device))
         return out
 
     def _update(
-        self, loss: torch.Tensor, norm: torch.Tensor, has_units: torch.Tensor, number: int
+        self, loss: torch.Tensor, norm: torch.Tensor, has_units: torch.Tensor, number: int, figures: dict
     ) -> tuple[torch.Tensor, StepCheck]:
-        """Clip and step the optimizer where the update applies; (whether it applies, the step's verdict)."""
+        """Clip and step the optimizer where the update applies; (whether it applies, the step's verdict, which
+        carries ``figures`` to the host with it)."""
         t = self.cfg.training
         # both are global (summed and normed over every rank): every rank reaches the same verdict. Under
         # float16 an infinite gradient norm is an overflow, the loss scaler's to handle.
@@ -720,7 +721,7 @@ class Engine:
         for hook in self.hooks:
             applies = hook.agree(applies)
         # copied to the host before the update is queued: reading it waits for this point, not the update
-        check = StepCheck(number, applies, loss, norm, deferred)
+        check = StepCheck(number, applies, loss, norm, deferred, figures)
         if deferred:  # the device skips a non-finite update itself; the host reads the verdict a step later
             self.optimizer.step(factor, finite=applies)
             self.scheduler.step()

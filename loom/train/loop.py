@@ -56,6 +56,8 @@ class Loop:
         self.evals = training_evals(cfg, e.run_dir, e.env.is_main, e.parts[0])  # eval_hook / eval_tasks
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self._pending: StepCheck | None = None  # the last step's verdict, until the host has read it
+        self._settled: StepCheck | None = None  # the last verdict read
+        self._host_group = host_group(e.dims.distributed)  # the logged records' peak memory over the ranks
         self.val_stats: dict[str, float] = {}  # the objective's statistics of the last validation pass
 
     def __getattr__(self, name: str):
@@ -254,6 +256,7 @@ class Loop:
         check, self._pending = self._pending, None
         if check is None:
             return "ok"
+        self._settled = check  # a logged record reads the step's figures from it (``_figures``)
         applied, loss, norm = check.read()
         if applied:
             self.guard.finite_step()
@@ -436,26 +439,41 @@ class Loop:
             mine["mem_alloc_gib"] = alloc
         if not self.dims.distributed:
             return mine
-        maxes = self.env.max_over_ranks(list(mine.values()))
+        maxes = self.env.max_over_ranks(list(mine.values()), group=self._host_group)
         return {**mine, **{f"{k}_max_rank": v for k, v in zip(mine, maxes)}}
+
+    def _figures(self, out: dict) -> dict[str, float]:
+        """The step's loss, gradient norm, count and statistics: from its verdict's host copy where the host has
+        read it (no wait for the update queued after them: the GPU keeps working while the host logs and queues
+        the next step), else from the device."""
+        check = self._settled
+        if check is not None and check.step == self.step:
+            return check.figures()
+        return {
+            "loss": float(out["loss"]),
+            "grad_norm": float(out["grad_norm"]),
+            "tokens": float(out["tokens"]),
+            **{k: float(v) for k, v in out.get("stats", {}).items()},
+        }
 
     def _record(self, out: dict, batch_hash, val, seconds: float, tokens: int, peak) -> dict:
         tps = tokens / max(seconds, 1e-9)
         per_dev = tps / self.env.world_size
+        figures = self._figures(out)
         return {
             "step": self.step,
-            "loss": float(out["loss"]),
-            "grad_norm": float(out["grad_norm"]),
+            "loss": figures.pop("loss"),
+            "grad_norm": figures.pop("grad_norm"),
             "lr": out["lr"],
             "tokens": self.tokens_seen,
             "tokens_per_s": tps,
             "tokens_per_s_per_device": per_dev,
             "mfu": mfu(per_dev, self.model_args, self.cfg.training.seq_len, peak, self.adapter_params),
             "val_loss": val,
-            "targets": float(
-                out["tokens"]
+            "targets": figures.pop(
+                "tokens"
             ),  # the global count the loss is averaged over (tokens; DPO: pairs)
-            **{k: float(v) for k, v in out.get("stats", {}).items()},
+            **figures,
             **({f"val_{k}": v for k, v in self.val_stats.items()} if val is not None else {}),
             "skipped_steps": self.scaler.skipped,
             "nonfinite_steps": self.guard.skipped,
@@ -629,3 +647,13 @@ class Running:
         ) in self.hooks:  # e.g. DiLoCo's outer reductions in flight finish before the process group can go
             hook.finish()
         loop.checkpointer.wait()
+
+
+def host_group(distributed: bool):
+    """A gloo group of every rank where the default one is not (None otherwise: it is, or there is one rank): the
+    records' host figures reduced there never wait behind the GPU's queued work."""
+    import torch.distributed as dist
+
+    if not distributed or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

@@ -209,3 +209,34 @@ def test_docs_peak_table_matches_the_code():
         (cells[0].strip().split("`")[1], [float(c) for c in cells[1:4]]) for cells in rows if len(cells) == 4
     ]
     assert table == [(name, [t["bfloat16"], t["float16"], t["float32"]]) for name, t in PEAK_TFLOPS]
+
+
+def test_a_logged_record_reads_the_steps_figures_from_its_host_copy(tmp_path, monkeypatch):
+    """A logged step's loss, gradient norm, count and statistics come from the copy its verdict made before the
+    update was queued (loom.runtime.guard.StepCheck), not from the device: a scalar read there would wait for the
+    update and leave the GPU idle while the host logs and queues the next step. The same values as the device's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loom.train.loop import Loop
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                ScalarReads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    record, seen = Loop._record, []
+
+    def watched(self, out, *args):
+        with ScalarReads():
+            rec = record(self, out, *args)
+        seen.append((rec, float(out["loss"]), float(out["grad_norm"]), float(out["tokens"])))
+        return rec
+
+    monkeypatch.setattr(Loop, "_record", watched)
+    run_one(job(tmp_path, "run", **{"training.steps": 3, "metrics.every": 1}))
+    assert len(seen) == 3 and ScalarReads.count == 0
+    for rec, loss, norm, tokens in seen:
+        assert (rec["loss"], rec["grad_norm"], rec["targets"]) == (loss, norm, tokens)
