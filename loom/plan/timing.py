@@ -204,7 +204,7 @@ def fsdp_copy_bytes(shard: int, gathers: int, dtype_bytes: int, reduce_bytes: in
 def float8_gather_copy_bytes(shard: int, gathers: int) -> tuple[float, float]:
     """``fsdp_copy_bytes`` of a weight FSDP2 gathers in float8 (training.float8_all_gather), per parameter a rank
     holds: (per micro-batch, the ``gathers`` gathers' copy-in and copy-out of a byte an element; once a step, the
-    fp32 shard's cast, 4 bytes read and 1 written, loom.models.common.float8.cast_shards)."""
+    fp32 shard's cast at the unit's first gather, 4 bytes read and 1 written, loom.models.common.float8.cast_shards)."""
     return gathers * (2 / shard + 2), (4 + 1) / shard
 
 

@@ -54,9 +54,9 @@ class Float8Scales(StepHook):
     """training.float8_all_gather: every float8 weight's scale computed once its weights are final for the next
     forward (after each update, a checkpoint's load, a recovering peer's state), in one pass and one all-reduce,
     instead of one all-reduce per weight inside every FSDP2 all-gather of the step (the same scale: the weight's
-    global amax); and every shard cast to float8 with it then, in one compiled call, which each gather of the step
-    reuses (loom.models.common.float8.cast_shards). The casts are freed once the gradients are complete, before
-    the weights change."""
+    global amax); each FSDP2 unit's shards are then cast to float8 with it at the unit's first gather, in one
+    compiled call, which each gather of the step reuses (loom.models.common.float8.cast_shards). The casts are freed
+    once the gradients are complete, before the weights change."""
 
     def __init__(self, parts: list, after_quorum: bool):
         self.parts, self.after_quorum = parts, after_quorum

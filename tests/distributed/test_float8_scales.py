@@ -69,9 +69,17 @@ def scales_follow_global_amax(rank: int, world: int) -> dict:
     def reused() -> bool:
         return all(g[0][0] is m.weight._local_tensor._loom_cast.data for g, m in zip(gathers(), linears))
 
+    def cast_now() -> list:
+        return ["_loom_cast" in m.weight._local_tensor.__dict__ for m in linears]
+
+    first_block = {id(m) for m in next(iter(model.layers.values())).modules()}
     hook = Float8Scales([model], after_quorum=False)
     hook.begin(0)
     first = error()
+    # lazy: nothing cast until a unit's first gather, which casts that unit's shards (and no other unit's)
+    lazy = {"nothing_yet": not any(cast_now())}
+    linears[0].weight._local_tensor.fsdp_pre_all_gather(mesh)
+    lazy["one_unit"] = cast_now() == [id(m) in first_block for m in linears] and any(cast_now())
     cast = {"reused": reused(), "equal": same(gathers(), torchao_casts())}
     # a copied or saved weight is torchao's, without the cast (saved: loadable with weights_only)
     buffer = io.BytesIO()
@@ -95,15 +103,24 @@ def scales_follow_global_amax(rank: int, world: int) -> dict:
         linears[0].weight.mul_(2.0)
     cast["stale_refused"] = gathers()[0][0][0] is not old
     cast["stale_equal"] = same(gathers()[:1], torchao_casts()[:1])
+    # a shard changed in place between the refresh and its unit's first gather: the unit casts the others, it
+    # gathers as torchao casts it
+    hook.after_update(2)
+    with torch.no_grad():
+        linears[1].weight.mul_(3.0)
+    linears[0].weight._local_tensor.fsdp_pre_all_gather(mesh)
+    lazy["stale_left"] = cast_now()[:2] == [True, False] and same(gathers()[1:2], torchao_casts()[1:2])
     out = {"before": before, "count": len(linears), "wrapped": wrapped, "first": first, "after": after}
-    return {**out, **cast}
+    return {**out, **cast, **lazy}
 
 
 def test_precomputed_scales_are_float8_max_over_the_global_amax(tmp_path):
-    """Also: the shards cast once per refresh are what every gather reuses, bitwise torchao's own cast; freed
-    once the gradients are complete; refused after an in-place change that no refresh followed."""
+    """Also: the shards cast once per refresh, at their FSDP2 unit's first gather, are what every gather reuses,
+    bitwise torchao's own cast; freed once the gradients are complete; refused after an in-place change that no
+    refresh followed."""
     r = run_fn(2, scales_follow_global_amax, str(tmp_path))
     assert r["before"] == 0 and r["count"] == r["wrapped"] > 0, r
     assert r["first"] < 1e-6 and r["after"] < 1e-6, r
     assert r["reused"] and r["equal"] and r["dropped"] and r["eager_equal"] and r["recast_equal"], r
     assert r["stale_refused"] and r["stale_equal"] and r["copy_plain"], r
+    assert r["nothing_yet"] and r["one_unit"] and r["stale_left"], r

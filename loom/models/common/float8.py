@@ -87,8 +87,30 @@ def precompute_scales(model: nn.Module) -> int:
     weights = _gathered_float8_weights(model)
     if weights:
         precompute_float8_dynamic_scale_for_fsdp(model)
-        cast_shards(weights)
+        for unit in fsdp_units(model, weights):
+            cast_shards(unit, lazy=True)
     return len(weights)
+
+
+def fsdp_units(model: nn.Module, weights: list) -> list[list]:
+    """``weights`` grouped by the FSDP2 unit that gathers them (in the model's order; a weight in no unit's group
+    alone)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ids = {id(w): w for w in weights}
+    units = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        unit = [
+            ids.pop(id(p.sharded_param))
+            for p in (group.fsdp_params if group else [])
+            if id(p.sharded_param) in ids
+        ]
+        if unit:
+            units.append(unit)
+    return units + [[w] for w in ids.values()]
 
 
 def _gathered_float8_weights(model: nn.Module) -> list:
@@ -114,25 +136,58 @@ class _Cast(NamedTuple):
     versions: tuple  # the parameter's, the shard's and its storage's version counters then
 
 
+class _Pending(NamedTuple):
+    """A unit's shards to cast at its first gather (``cast_shards(lazy=True)``)."""
+
+    weights: list  # weak references to the unit's DTensor parameters
+    scale: torch.Tensor  # this shard's scale when the cast was deferred
+    source: torch.Tensor
+    param: weakref.ref
+    versions: tuple
+
+
 @torch.no_grad()
-def cast_shards(weights: list) -> None:
+def cast_shards(weights: list, lazy: bool = False) -> None:
     """Each shard cast to float8 with its precomputed scale, as torchao's pre-all-gather would (scale, clamp to the
-    format's range, cast; bitwise the same), but all at once after the update, in one compiled call on CUDA (one
-    kernel a shard, reading 4 bytes and writing 1 a parameter), instead of three eager kernels per weight and
-    gather: FSDP2's pre-forward then only reads the cast (``cached_cast_class``). The casts hold a byte per
-    parameter of the shards until ``drop_casts``."""
+    format's range, cast; bitwise the same), all of ``weights`` in one compiled call on CUDA (one kernel a shard,
+    reading 4 bytes and writing 1 a parameter), instead of three eager kernels per weight and gather: FSDP2's
+    pre-forward then only reads the cast (``cached_cast_class``). The casts hold a byte per parameter of the shards
+    until ``drop_casts``. ``lazy`` (``weights``: one FSDP2 unit's): cast at the unit's first gather instead, on the
+    stream FSDP2 copies the gather's inputs on, beside the compute of the unit before it, rather than after the
+    update, where the next forward's first gather waits for every unit's casts."""
     shards = [w._local_tensor for w in weights]
     cls = cached_cast_class()
     for shard in shards:
         if type(shard) is not cls:  # new shards (a load by assignment) come back as torchao's class
             shard.__class__ = cls
         shard.__dict__.pop("_loom_cast", None)  # the old casts freed before the new are made
+        shard.__dict__.pop("_loom_pending", None)
+    if lazy:
+        unit = [weakref.ref(w) for w in weights]
+        for shard, param in zip(shards, weights):
+            versions = (param._version, shard._version, shard._tensor._version)
+            pending = _Pending(unit, shard._precomputed_scale, shard._tensor, weakref.ref(param), versions)
+            shard.__dict__["_loom_pending"] = pending
+        return
     sources = [s._tensor for s in shards]
     scales = [s._precomputed_scale for s in shards]
     casts = _casts(sources, scales, shards[0]._dtype)
     for shard, param, data, scale, source in zip(shards, weights, casts, scales, sources):
         versions = (param._version, shard._version, source._version)
         shard.__dict__["_loom_cast"] = _Cast(data, scale, source, weakref.ref(param), versions)
+
+
+def _cast_pending(shard) -> None:
+    """``shard``'s unit cast now (its first gather since the scales were computed): those of its shards still as
+    they were then, in one compiled call; the others gather as torchao casts."""
+    weights = [w for ref in shard.__dict__["_loom_pending"].weights if (w := ref()) is not None]
+    ready = []
+    for w in weights:
+        pending = w._local_tensor.__dict__.pop("_loom_pending", None)
+        if pending is not None and _holds(pending, w._local_tensor):
+            ready.append(w)
+    if ready:
+        cast_shards(ready)
 
 
 def _scaled_casts(sources: list, scales: list, dtype: torch.dtype) -> list:
@@ -170,6 +225,7 @@ def drop_casts(model: nn.Module) -> None:
     gathers cast each shard as torchao does."""
     for w in _gathered_float8_weights(model):
         w._local_tensor.__dict__.pop("_loom_cast", None)
+        w._local_tensor.__dict__.pop("_loom_pending", None)
 
 
 @functools.cache
@@ -182,6 +238,8 @@ def cached_cast_class() -> type:
 
     class CachedCastWeight(WeightWithDynamicFloat8CastTensor):
         def fsdp_pre_all_gather(self, mesh):
+            if "_loom_pending" in self.__dict__:
+                _cast_pending(self)
             cast = self.__dict__.get("_loom_cast")
             if cast is not None and _holds(cast, self):
                 return (cast.data,), (cast.scale,)
@@ -197,7 +255,7 @@ def cached_cast_class() -> type:
     return CachedCastWeight
 
 
-def _holds(cast: _Cast, shard) -> bool:
+def _holds(cast: _Cast | _Pending, shard) -> bool:
     source, param = shard._tensor, cast.param()
     return (
         param is not None
