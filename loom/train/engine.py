@@ -147,7 +147,9 @@ def step_hooks(cfg, engine, owner) -> list[StepHook]:
     if cfg.training.float8_all_gather and cfg.parallel.pp_schedule != "pipedream_2bw":
         # after every hook that changes weights (DiLoCo's average); 2BW swaps weight versions itself, so its
         # gathers keep reducing each weight's amax as they run
-        hooks.append(Float8Scales(engine.parts, after_quorum=cfg.parallel.fault_tolerance))
+        hooks.append(
+            Float8Scales(engine.parts, after_quorum=cfg.parallel.fault_tolerance, optimizer=engine.optimizer)
+        )
     if cfg.training.gc_every:
         hooks.append(GarbageCollection(cfg.training.gc_every))
     hooks.append(PreemptionHook(cfg.checkpoint.preempt_grace_s, engine.env, engine.run_dir))

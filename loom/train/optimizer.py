@@ -42,6 +42,26 @@ class TritonAdamW(torch.optim.AdamW):
         self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
     ):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self._amax_slot: dict[int, int] = {}  # id(param) -> its slot in ``amax`` (``track_amax``)
+        self._amax_params: list = []
+        self._amax_versions: list[int] = []  # the tracked shards' version counters after the last step
+        self.amax: torch.Tensor | None = None
+        self.amax_fresh = False  # ``amax`` holds the last step's figures, not yet taken
+
+    def track_amax(self, params: list) -> None:
+        """From the next step on, each step also writes the largest |value| of each of ``params``' local shards
+        after it into ``amax`` (in this order), in its own pass over them: float8's weight scales need these
+        (loom.train.precision.Float8Scales), which would otherwise read every weight again."""
+        self._amax_slot = {id(p): i for i, p in enumerate(params)}
+        self._amax_params = list(params)
+        self.amax = torch.zeros(len(params), device=local_tensor(params[0]).device) if params else None
+
+    def amax_current(self) -> bool:
+        """Whether ``amax`` holds the last step's figures, not yet taken, and no tracked shard has changed in place
+        since (e.g. DiLoCo's outer step after the inner one)."""
+        return self.amax_fresh and self._amax_versions == [
+            local_tensor(p)._version for p in self._amax_params
+        ]
 
     @torch.no_grad()
     def step(self, closure=None, grad_factor: torch.Tensor | None = None):
@@ -51,7 +71,13 @@ class TritonAdamW(torch.optim.AdamW):
                 loss = closure()
         factors: dict = {}  # once per device (offloaded shards on the host, the factor on the GPU)
         small: dict = {}  # tensors under SMALL elements, by device, gradient dtype and hyperparameters: one launch each
+        if self.amax is not None:
+            self.amax.zero_()
         for group in self.param_groups:
+            for p in group["params"]:  # a tracked tensor without a gradient keeps its values: their amax
+                slot = self._amax_slot.get(id(p))
+                if p.grad is None and slot is not None and local_tensor(p).numel():
+                    self.amax[slot] = local_tensor(p).abs().max()
             live = [p for p in group["params"] if p.grad is not None]
             if not live:
                 continue
@@ -76,8 +102,10 @@ class TritonAdamW(torch.optim.AdamW):
                             grad_factor, dtype=torch.float32, device=local.device
                         ).reshape(1)
                 hyper = (*base, int(count))
-                if local.numel() >= SMALL:
-                    adamw_step_(*tensors, **dict(zip(_HYPER, hyper)), grad_factor=factor)
+                slot = self._amax_slot.get(id(p))
+                if local.numel() >= SMALL or slot is not None:
+                    amax = None if slot is None else self.amax[slot : slot + 1]
+                    adamw_step_(*tensors, **dict(zip(_HYPER, hyper)), grad_factor=factor, amax=amax)
                     continue
                 _, lists = small.setdefault(
                     (local.device, tensors[1].dtype, hyper), (factor, ([], [], [], []))
@@ -86,6 +114,8 @@ class TritonAdamW(torch.optim.AdamW):
                     kept.append(t)
         for (_, _, hyper), (factor, lists) in small.items():
             adamw_multi_step_(*lists, **dict(zip(_HYPER, hyper)), grad_factor=factor)
+        self.amax_fresh = self.amax is not None
+        self._amax_versions = [local_tensor(p)._version for p in self._amax_params]
         return loss
 
     def _state_of(self, p: torch.Tensor) -> dict:
@@ -186,6 +216,7 @@ class OptimizerParts:
     ):
         self.parts = parts
         self.shard = shard
+        self._amax_of: dict = {}  # id(param) -> (its optimizer, its slot there): ``track_amax``
         keeps = shard.keeps if shard is not None else None
         self.all_params = unique_params(parts)
         self.params = [p for p in self.all_params if keeps is None or keeps(p)]  # those this rank steps
@@ -213,6 +244,37 @@ class OptimizerParts:
         """Whether ``step(finite=...)`` can skip an update on the device, without a host sync: loom's Triton
         AdamW (a non-finite gradient factor) and PyTorch's fused AdamW (``found_inf``), factor folded in."""
         return self.fold_grad_factor
+
+    def track_amax(self, params: list) -> bool:
+        """Each part's optimizer writes the largest |value| of ``params``' local shards after every step
+        (``TritonAdamW.track_amax``); false (nothing tracked) unless loom's AdamW steps every one of them."""
+        held = [
+            {id(p) for g in opt.param_groups for p in g["params"]} if isinstance(opt, TritonAdamW) else set()
+            for opt in self.optimizers
+        ]
+        self._amax_of = {}
+        if not all(any(id(p) in h for h in held) for p in params):
+            return False
+        for opt, h in zip(self.optimizers, held):
+            mine = [p for p in params if id(p) in h and id(p) not in self._amax_of]
+            if mine:
+                opt.track_amax(mine)
+                self._amax_of.update({id(p): (opt, i) for i, p in enumerate(mine)})
+        return True
+
+    def take_amax(self, params: list) -> torch.Tensor | None:
+        """The amax of each of ``params`` (tracked) that the last step wrote, once (None: no step has since the
+        last take, e.g. one the host skipped)."""
+        of = self._amax_of
+        if not params or not all(id(p) in of for p in params):
+            return None
+        opts = {id(opt): opt for opt, _ in of.values()}.values()
+        current = all([opt.amax_current() for opt in opts])
+        for opt in opts:
+            opt.amax_fresh = False
+        if not current:
+            return None
+        return torch.stack([of[id(p)][0].amax[of[id(p)][1]] for p in params])
 
     def unstep(self) -> None:
         """Take back the step counts of an update the device skipped (PyTorch's fused AdamW does it itself)."""

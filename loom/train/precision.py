@@ -54,20 +54,36 @@ class Float8Scales(StepHook):
     """training.float8_all_gather: every float8 weight's scale computed once its weights are final for the next
     forward (after each update, a checkpoint's load, a recovering peer's state), in one pass and one all-reduce,
     instead of one all-reduce per weight inside every FSDP2 all-gather of the step (the same scale: the weight's
-    global amax); each FSDP2 unit's shards are then cast to float8 with it at the unit's first gather, in one
+    global amax; after an update, from the amaxes loom's AdamW wrote in its step where it tracks them); each FSDP2
+    unit's shards are then cast to float8 with it at the unit's first gather, in one
     compiled call, which each gather of the step reuses (loom.models.common.float8.cast_shards). The casts are freed
     once the gradients are complete, before the weights change."""
 
-    def __init__(self, parts: list, after_quorum: bool):
-        self.parts, self.after_quorum = parts, after_quorum
+    def __init__(self, parts: list, after_quorum: bool, optimizer=None):
+        self.parts, self.after_quorum, self.optimizer = parts, after_quorum, optimizer
+        self.from_optimizer = False  # whether the last refresh took the amaxes the optimizer's step wrote
 
-    def refresh(self) -> None:
+    def refresh(self, updated: bool = False) -> None:
+        """The scales and casts; ``updated`` (right after the optimizer's step): from the amaxes that step wrote
+        where the optimizer tracks them (loom's AdamW), without another pass over the weights."""
         from loom.models.common.float8 import precompute_scales
 
+        taken = []
+
+        def amaxes(weights):
+            amax = self.optimizer.take_amax(weights) if updated and self.optimizer is not None else None
+            taken.append(amax is not None)
+            return amax
+
         for part in self.parts:
-            precompute_scales(part)
+            precompute_scales(part, amaxes)
+        self.from_optimizer = bool(taken) and all(taken)
 
     def begin(self, step: int) -> None:
+        if self.optimizer is not None:
+            from loom.models.common.float8 import _gathered_float8_weights
+
+            self.optimizer.track_amax([w for part in self.parts for w in _gathered_float8_weights(part)])
         self.refresh()
 
     def after_backward(self, params: list) -> None:
@@ -81,7 +97,7 @@ class Float8Scales(StepHook):
             self.refresh()
 
     def after_update(self, step: int) -> None:
-        self.refresh()
+        self.refresh(updated=True)
 
     def loaded(self, with_state: bool) -> None:
         self.refresh()

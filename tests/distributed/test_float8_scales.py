@@ -110,17 +110,38 @@ def scales_follow_global_amax(rank: int, world: int) -> dict:
         linears[1].weight.mul_(3.0)
     linears[0].weight._local_tensor.fsdp_pre_all_gather(mesh)
     lazy["stale_left"] = cast_now()[:2] == [True, False] and same(gathers()[1:2], torchao_casts()[1:2])
+    # with loom's AdamW the scales come from the amaxes its step wrote: torchao's own scales, bitwise
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+
+    from loom.config.sections import OptimizerConfig
+    from loom.train.optimizer import OptimizerParts
+
+    opt = OptimizerParts([model], OptimizerConfig(lr=0.05, implementation="triton"), torch.device("cpu"))
+    tracked = Float8Scales([model], after_quorum=False, optimizer=opt)
+    tracked.begin(2)
+    torch.manual_seed(rank)
+    for p in model.parameters():
+        p.grad = DTensor.from_local(torch.randn(local_tensor(p).shape), p.device_mesh, p.placements)
+    opt.step()
+    tracked.after_update(3)
+    mine = [m.weight._local_tensor._precomputed_scale.clone() for m in linears]
+    precompute_float8_dynamic_scale_for_fsdp(model)
+    theirs = [m.weight._local_tensor._precomputed_scale for m in linears]
+    amax = {"from_optimizer": tracked.from_optimizer and not hook.from_optimizer}
+    amax["optimizer_scales"] = all(torch.equal(a, b) for a, b in zip(mine, theirs)) and error() < 1e-6
     out = {"before": before, "count": len(linears), "wrapped": wrapped, "first": first, "after": after}
-    return {**out, **cast, **lazy}
+    return {**out, **cast, **lazy, **amax}
 
 
 def test_precomputed_scales_are_float8_max_over_the_global_amax(tmp_path):
     """Also: the shards cast once per refresh, at their FSDP2 unit's first gather, are what every gather reuses,
     bitwise torchao's own cast; freed once the gradients are complete; refused after an in-place change that no
-    refresh followed."""
+    refresh followed; with loom's AdamW, computed from the amaxes its step wrote, bitwise torchao's scales."""
     r = run_fn(2, scales_follow_global_amax, str(tmp_path))
     assert r["before"] == 0 and r["count"] == r["wrapped"] > 0, r
     assert r["first"] < 1e-6 and r["after"] < 1e-6, r
     assert r["reused"] and r["equal"] and r["dropped"] and r["eager_equal"] and r["recast_equal"], r
     assert r["stale_refused"] and r["stale_equal"] and r["copy_plain"], r
     assert r["nothing_yet"] and r["one_unit"] and r["stale_left"], r
+    assert r["from_optimizer"] and r["optimizer_scales"], r

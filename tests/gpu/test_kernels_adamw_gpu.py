@@ -69,3 +69,17 @@ def test_optimizer_matches_torch_fused_adamw():
         theirs.step()
     for p, q in zip(model.parameters(), ref):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(4097,), (2048, 8192)])
+@pytest.mark.parametrize("factor", [0.37, float("nan")])
+def test_kernel_writes_the_amax_of_the_stepped_parameter(shape, factor):
+    """``amax``: the largest |param| after the step (the unchanged one's where a non-finite factor skips it), the
+    same float as the reference's max over the kernel's own output, raised above what it held."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.randn(shape, device="cuda", generator=gen)
+    g = torch.randn(shape, device="cuda", generator=gen) * 1e-2
+    amax = torch.full((1,), 1e-3, device="cuda")
+    f = torch.tensor([factor], device="cuda")
+    adamw_step_(p, g, torch.zeros_like(p), torch.zeros_like(p), step=1, grad_factor=f, amax=amax, **HYPER)
+    assert torch.equal(amax, p.abs().max().reshape(1))

@@ -79,6 +79,10 @@ def test_opcheck():
         torch.ops.loom.adamw_step_,
         (p, g, torch.zeros(4, 3), torch.rand(4, 3), None, 0.01, 0.9, 0.95, 1e-8, 0.0, 1),
     )
+    opcheck(
+        torch.ops.loom.adamw_step_,
+        (p, g, torch.zeros(4, 3), torch.rand(4, 3), None, 0.01, 0.9, 0.95, 1e-8, 0.0, 2, torch.zeros(1)),
+    )
 
 
 def test_public_function_rejects_mismatched_shapes():
@@ -171,9 +175,19 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         before = [p.clone(), m.clone(), v.clone()]
         g = torch.randn(5000)
         g[3] = float("nan")
-        adamw_step_(p, g, m, v, step=3, grad_factor=torch.tensor([bad]), **hyper)
+        amax = torch.zeros(1)
+        adamw_step_(p, g, m, v, step=3, grad_factor=torch.tensor([bad]), amax=amax, **hyper)
         for a, b in zip((p, m, v), before):
             assert torch.equal(a, b)
+        assert torch.equal(amax, p.abs().max().reshape(1))  # the unchanged parameter's
+    # the amax of the parameter after the step, written in the same pass, raised (not set) across calls
+    for shape in [(5000,), (7, 1030), (3,)]:
+        p, m, v, g = torch.randn(shape), torch.zeros(shape), torch.zeros(shape), torch.randn(shape)
+        want, amax = p.clone(), torch.full((1,), 0.5)
+        ref.adamw_step_(want, g, m.clone(), v.clone(), None, step=1, **hyper)
+        adamw_step_(p, g, m, v, step=1, amax=amax, **hyper)
+        torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(amax, torch.maximum(p.abs().max(), torch.tensor(0.5)).reshape(1))
     def raises(*args, **kw):
         try:
             tk.adamw_step(*args, **kw)
@@ -186,6 +200,7 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     raises(x, torch.zeros(4, 5), x, x, None, 0.1, 0.9, 0.95, 1e-8, 0.0, 1)  # grad shape
     raises(x, x, x, x, torch.zeros(2), 0.1, 0.9, 0.95, 1e-8, 0.0, 1)  # factor of two elements
     raises(x, x, x, x, None, 0.1, 0.9, 0.95, 1e-8, 0.0, 0)  # step 0
+    raises(x, x, x, x, None, 0.1, 0.9, 0.95, 1e-8, 0.0, 1, torch.zeros(2))  # an amax of two elements
     # many tensors in one launch (the multi-tensor kernel): each as the reference steps it, bf16 gradients too
     from loom.kernels.adamw.op import adamw_multi_step_
     shapes = [(3, 5, 48), (5000,), (1,), (4096,), (7, 1030)]
@@ -305,3 +320,40 @@ def test_a_weight_wrapper_is_stepped_through_its_storage_and_refused_by_the_laun
         plain = [torch.zeros(4, 6) for _ in range(3)]
         with pytest.raises(ValueError, match="param 1: a WeightWithDynamicFloat8CastTensor"):
             tk._check_lists([inner, wrapped], plain[:2], plain[1:], plain[:2], None)
+
+
+def test_the_step_writes_the_amax_of_tracked_parameters_once_until_they_change():
+    """``track_amax``: each step writes the largest |value| of the tracked parameters after it (the reference's on
+    the CPU; the kernel's: the interpreter test), taken once; an in-place change after the step (DiLoCo's outer
+    step) or a step the host skipped leaves nothing to take."""
+    parts = _parts()
+    opt = OptimizerParts(parts, OptimizerConfig(lr=0.05, implementation="triton"), torch.device("cpu"))
+    tracked = [parts[0][0].weight, parts[1].weight]  # one of them in each part's optimizer
+    assert opt.track_amax(tracked) and opt.take_amax(tracked) is None  # no step yet
+    _train("triton", [0.5], parts, opt)
+    want = torch.stack([w.detach().abs().max() for w in tracked])
+    assert torch.equal(opt.take_amax(tracked), want) and opt.take_amax(tracked) is None  # once
+    _train("triton", [None], parts, opt)
+    with torch.no_grad():
+        parts[1].weight.mul_(2.0)
+    assert opt.take_amax(tracked) is None
+    foreach = OptimizerParts(
+        _parts(), OptimizerConfig(lr=0.05, implementation="foreach"), torch.device("cpu")
+    )
+    assert not foreach.track_amax([foreach.parts[0][0].weight])
+
+
+def test_a_skipped_step_writes_the_amax_of_the_unchanged_parameter():
+    p = torch.randn(5, 3)
+    amax = torch.zeros(1)
+    adamw_step_(
+        p,
+        torch.randn(5, 3),
+        torch.zeros(5, 3),
+        torch.zeros(5, 3),
+        step=1,
+        grad_factor=torch.tensor([float("nan")]),
+        amax=amax,
+        **HYPER,
+    )
+    assert torch.equal(amax, p.abs().max().reshape(1))

@@ -15,7 +15,7 @@ from loom.kernels.triton_support import triton_runs_on
 SMALL = 1 << 22
 
 
-@torch.library.custom_op("loom::adamw_step_", mutates_args=("param", "exp_avg", "exp_avg_sq"))
+@torch.library.custom_op("loom::adamw_step_", mutates_args=("param", "exp_avg", "exp_avg_sq", "amax"))
 def adamw_step_op(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -28,21 +28,19 @@ def adamw_step_op(
     eps: float,
     weight_decay: float,
     step: int,
+    amax: torch.Tensor | None = None,
 ) -> None:
+    args = (param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step, amax)
     if triton_runs_on(param.device):
         from loom.kernels.adamw import triton as kernels
 
-        kernels.adamw_step(
-            param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step
-        )
+        kernels.adamw_step(*args)
         return
-    reference.adamw_step_(
-        param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step
-    )
+    reference.adamw_step_(*args)
 
 
 @adamw_step_op.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step):
+def _(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step, amax=None):
     return None
 
 
@@ -59,16 +57,21 @@ def adamw_step_(
     weight_decay: float,
     step: int,
     grad_factor: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step on one tensor, in place (``torch.optim.AdamW``'s math; ``step`` counts from 1);
     the gradient is multiplied by ``grad_factor`` (a one-element fp32 tensor) first when given, and a
-    ``grad_factor`` that is not finite skips the step."""
+    ``grad_factor`` that is not finite skips the step. ``amax`` (a one-element fp32 tensor): raised to the
+    largest |param| after the step, in the same pass (float8's weight scale needs it: no second read of the
+    weights)."""
     if not (param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
         raise ValueError(
             f"adamw_step_: param {tuple(param.shape)}, grad {tuple(grad.shape)}, exp_avg "
             f"{tuple(exp_avg.shape)}, exp_avg_sq {tuple(exp_avg_sq.shape)} must have one shape"
         )
-    adamw_step_op(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step)
+    adamw_step_op(
+        param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step, amax
+    )
 
 
 def _launch_multi(params, grads, exp_avgs, exp_avg_sqs, grad_factor, *hyper) -> bool:

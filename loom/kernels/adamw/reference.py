@@ -26,8 +26,16 @@ def adamw_step_(
     eps: float,
     weight_decay: float,
     step: int,
+    amax: torch.Tensor | None = None,
 ) -> None:
-    """Updates ``param``, ``exp_avg`` and ``exp_avg_sq`` in place; ``step`` counts from 1."""
+    """Updates ``param``, ``exp_avg`` and ``exp_avg_sq`` in place; ``step`` counts from 1. ``amax`` (one element):
+    raised to the largest |param| after the step."""
+    _step(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step)
+    if amax is not None and param.numel():
+        torch.maximum(amax, param.abs().amax().reshape(amax.shape).to(amax.dtype), out=amax)
+
+
+def _step(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step) -> None:
     if grad_factor is not None and not bool(torch.isfinite(grad_factor).all()):
         return
     g = grad.to(param.dtype)

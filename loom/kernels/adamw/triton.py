@@ -32,6 +32,7 @@ def _adamw_kernel(
     m_ptr,
     v_ptr,
     factor_ptr,
+    amax_ptr,
     n,
     decay,
     beta1,
@@ -40,10 +41,11 @@ def _adamw_kernel(
     inv_bc2_sqrt,
     eps,
     HAS_FACTOR: tl.constexpr,
+    AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _adamw_block(
+    p = _adamw_block(
         p_ptr,
         g_ptr,
         m_ptr,
@@ -58,8 +60,11 @@ def _adamw_kernel(
         inv_bc2_sqrt,
         eps,
         HAS_FACTOR,
+        AMAX,
         BLOCK,
     )
+    if AMAX:  # the block's largest |param| after the step (before it where the step is skipped)
+        tl.atomic_max(amax_ptr, tl.max(tl.abs(p), axis=0))
 
 
 @triton.jit
@@ -112,6 +117,7 @@ def _adamw_multi_kernel(
         inv_bc2_sqrt,
         eps,
         HAS_FACTOR,
+        False,
         BLOCK,
     )
 
@@ -132,26 +138,33 @@ def _adamw_block(
     inv_bc2_sqrt,
     eps,
     HAS_FACTOR: tl.constexpr,
+    AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The step on elements ``offs`` (those below ``n``) of one tensor."""
-    mask = offs < n
+    """The step on elements ``offs`` (those below ``n``) of one tensor; returns the block's parameters after it
+    (0 past ``n``; where the step is skipped, as they were, read only with ``AMAX``)."""
+    inside = offs < n
+    mask = inside
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_FACTOR:
         factor = tl.load(factor_ptr)
         g = g * factor
         # NaN or inf (x - x is NaN) skips the step; compared as a block (the interpreter cannot AND a scalar)
         mask = mask & (tl.zeros([BLOCK], tl.float32) + (factor - factor) == 0.0)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    if AMAX:  # the parameters a skipped step leaves are still read for their amax
+        p_old = tl.load(p_ptr + offs, mask=inside, other=0.0)
+    else:
+        p_old = tl.load(p_ptr + offs, mask=mask, other=0.0)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    p = p * decay
+    p = p_old * decay
     m = m + (1.0 - beta1) * (g - m)
     v = v * beta2 + (1.0 - beta2) * g * g
     p = p - step_size * (m / (tl.sqrt(v) * inv_bc2_sqrt + eps))
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
+    return tl.where(mask, p, p_old)
 
 
 def check(param, grad, exp_avg, exp_avg_sq, grad_factor) -> None:
@@ -183,9 +196,15 @@ def adamw_step(
     eps: float,
     weight_decay: float,
     step: int,
+    amax=None,
 ) -> None:
-    """In place on param, exp_avg, exp_avg_sq (fp32, contiguous, one shape); ``step`` counts from 1."""
+    """In place on param, exp_avg, exp_avg_sq (fp32, contiguous, one shape); ``step`` counts from 1. ``amax`` (one
+    fp32 element): raised to the largest |param| after the step (before it where a non-finite factor skips it)."""
     check(param, grad, exp_avg, exp_avg_sq, grad_factor)
+    if amax is not None:
+        check_tensor("amax", amax, dtypes=(torch.float32,), device=param.device)
+        if amax.numel() != 1:
+            raise ValueError(f"amax: expected one element, got shape {tuple(amax.shape)}")
     n = param.numel()
     if n == 0:
         return
@@ -195,9 +214,11 @@ def adamw_step(
         exp_avg,
         exp_avg_sq,
         grad_factor if grad_factor is not None else param,
+        amax if amax is not None else param,
         n,
         *_scalars(lr, beta1, beta2, eps, weight_decay, step),
         HAS_FACTOR=grad_factor is not None,
+        AMAX=amax is not None,
         BLOCK=BLOCK,
         num_warps=8,
     )

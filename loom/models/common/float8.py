@@ -76,9 +76,10 @@ def check_even_rows(model: nn.Module, shards: int) -> None:
             )
 
 
-def precompute_scales(model: nn.Module) -> int:
+def precompute_scales(model: nn.Module, amaxes=None) -> int:
     """With float8 all-gather: every wrapped weight's scale from its global amax, in one pass over the weights and
-    one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``). FSDP2 then casts each shard with it
+    one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``); ``amaxes(weights)``, where it gives
+    each weight's local amax (the optimizer's, written in its step), saves the pass (``scales_from_amax``). FSDP2 then casts each shard with it
     instead of reducing that weight's amax inside its all-gather (an all-reduce per weight and gather, which waits
     on the gather's stream). Then every shard is cast to float8 at once (``cast_shards``). Returns how many
     weights got a scale (0: none is wrapped and sharded)."""
@@ -86,10 +87,34 @@ def precompute_scales(model: nn.Module) -> int:
 
     weights = _gathered_float8_weights(model)
     if weights:
-        precompute_float8_dynamic_scale_for_fsdp(model)
+        amax = amaxes(weights) if amaxes is not None else None
+        if amax is None:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        else:
+            scales_from_amax(weights, amax)
         for unit in fsdp_units(model, weights):
             cast_shards(unit, lazy=True)
     return len(weights)
+
+
+@torch.no_grad()
+def scales_from_amax(weights: list, amax: torch.Tensor) -> None:
+    """torchao's precomputed scales (``precompute_float8_dynamic_scale_for_fsdp``, bitwise: the same max over the
+    shards, clamp and float64 division) from each weight's local amax (``amax[i]`` for ``weights[i]``, e.g. written
+    by loom's AdamW in its step's pass) instead of a pass over the weights: one all-reduce (max) over the mesh's
+    sharded dims."""
+    import torch.distributed as dist
+    from torchao.float8.float8_utils import EPS
+
+    amax = amax.detach().float().clone()
+    mesh = weights[0].device_mesh
+    for dim, placement in enumerate(weights[0].placements):
+        if placement.is_shard() and mesh.size(dim) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    fmax = torch.finfo(weights[0]._local_tensor._dtype).max
+    scales = (fmax / torch.clamp(amax, EPS).to(torch.float64)).to(torch.float32)
+    for i, w in enumerate(weights):
+        w._local_tensor._precomputed_scale = scales[i]
 
 
 def fsdp_units(model: nn.Module, weights: list) -> list[list]:
