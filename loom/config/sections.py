@@ -852,6 +852,14 @@ class ParallelConfig:
         "the matmuls they overlap would use (CUDA, NCCL >= 2.28, PyTorch >= 2.11)",
         resume=(FREE, "the same computation, its collectives' buffers elsewhere"),
     )
+    fsdp_grad_copy: str = opt(
+        "torch",
+        "the kernel that casts each FSDP2 unit's gradients into its reduce-scatter buffer: torch = FSDP2's own "
+        "(PyTorch's chunk_cat); triton = loom's one-launch copy (loom.kernels.chunk_copy) where the unit's "
+        "gradients fit it (first dims divisible by the shard count), FSDP2's own otherwise",
+        choices=("torch", "triton"),
+        resume=(FREE, KERNEL),
+    )
     reduce_dtype: str = opt(
         "float32",
         "dtype FSDP2 reduces gradients in (its MixedPrecisionPolicy.reduce_dtype; torchtitan's "

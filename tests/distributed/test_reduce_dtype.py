@@ -43,14 +43,18 @@ def max_rel(a, b):
     ids=["fsdp2", "hsdp2x2"],
 )
 def test_bf16_reduction_trains_as_the_fp32_one(tmp_path, world, layout):
-    fp32, bf16 = run_jobs(
+    """Also: loom's gradient copy into the reduce-scatter buffer (parallel.fsdp_grad_copy triton; its reference
+    on the CPU) trains as FSDP2's own, bit for bit."""
+    fp32, bf16, copied = run_jobs(
         world,
         [
             job(tmp_path, "fp32", **layout),
             job(tmp_path, "bf16", **layout, **{"parallel.reduce_dtype": "bfloat16"}),
+            job(tmp_path, "copy", **layout, **{"parallel.fsdp_grad_copy": "triton"}),
         ],
         str(tmp_path),
     )
+    assert losses(copied) == losses(fp32)
     a, b = losses(fp32), losses(bf16)
     assert a[0] == b[0]  # the first forward precedes any reduction
     assert a != b  # the summed gradients rounded to bf16: FSDP2 got the setting
@@ -76,3 +80,9 @@ def test_refused_where_fsdp2_reduces_nothing():
     with pytest.raises(ConfigError, match="DDP or one replica"):
         resolve(cfg(**{"parallel.dp_replicate": "2", "parallel.dp_shard": "1"}), 2, device="cpu")
     resolve(cfg(), 2, device="cpu")  # FSDP2 over 2 ranks
+    with pytest.raises(
+        ConfigError, match="parallel.fsdp_grad_copy = 'triton': replaces FSDP2's gradient copy"
+    ):
+        resolve(
+            cfg(**{"parallel.reduce_dtype": "float32", "parallel.fsdp_grad_copy": "triton"}), 1, device="cpu"
+        )

@@ -197,3 +197,17 @@ def test_fsdp_symm_mem_on_two_gpus_gives_the_plain_gathers_losses(tmp_path):
         plain = train(tmp_path / f"{name}_plain", 2, **base, **extra)
         symm = train(tmp_path / f"{name}_symm", 2, **base, **extra, **{"parallel.fsdp_symm_mem": "true"})
         assert max(abs(a - b) / abs(b) for a, b in zip(symm, plain)) < 1e-5, (name, symm, plain)
+
+
+def test_fsdp_grad_copy_on_two_gpus_trains_as_fsdp2s_own_copy(tmp_path):
+    """parallel.fsdp_grad_copy triton: loom's kernel casts each unit's bf16 gradients into the fp32 reduce-scatter
+    buffer where FSDP2's chunk_cat did; the same bytes, so the losses are FSDP2's own, bit for bit."""
+    base = {
+        "parallel.dp_shard": 2,
+        "training.dtype": "bfloat16",
+        "training.compile": "false",
+        "run.deterministic": "true",
+    }
+    plain = train(tmp_path / "plain", 2, **base)
+    copied = train(tmp_path / "copied", 2, **base, **{"parallel.fsdp_grad_copy": "triton"})
+    assert copied == plain, (copied, plain)
