@@ -855,7 +855,7 @@ class ParallelConfig:
     fsdp_grad_copy: str = opt(
         "torch",
         "the kernel that casts each FSDP2 unit's gradients into its reduce-scatter buffer: torch = FSDP2's own "
-        "(PyTorch's chunk_cat); triton = loom's one-launch copy (loom.kernels.chunk_copy) where the unit's "
+        "(PyTorch's chunk_cat); triton = loom's copy kernel (loom.kernels.chunk_copy) where the unit's "
         "gradients fit it (first dims divisible by the shard count), FSDP2's own otherwise",
         choices=("torch", "triton"),
         resume=(FREE, KERNEL),
