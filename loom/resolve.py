@@ -23,7 +23,7 @@ from loom.config.sections import Config, ParallelConfig, check_inactive_fields
 from loom.models.common.lora_rules import RULES as LORA
 from loom.parallel.cuda_graphs_rules import RULES as CUDA_GRAPHS
 from loom.parallel.dims import ParallelDims, tp_limit
-from loom.parallel.grad_copy import RULES as GRAD_COPY
+from loom.parallel.grad_copy_rules import RULES as GRAD_COPY
 from loom.parallel.offload_rules import RULES as OFFLOAD
 from loom.parallel.pipedream_rules import RULES as PIPEDREAM
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank

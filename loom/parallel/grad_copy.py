@@ -2,21 +2,16 @@
 gradients cast into its reduce-scatter buffer by ``loom::chunk_copy_`` (contiguous, vectorized loads and stores)
 instead of PyTorch's ``_chunk_cat`` kernel, which copied at 1.76 TB/s on an H200 in the 8B profile (25 ms a step
 on the compute stream: docs/benchmarks.md). The same bytes in the same places; units it does not fit (a first dim
-that does not divide by the shard count, mixed dtypes) keep FSDP2's own copy. Also its rules, handed to the
-resolver."""
+that does not divide by the shard count, mixed dtypes) keep FSDP2's own copy. Its rules:
+loom.parallel.grad_copy_rules."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
-from loom.config.errors import ConfigError
-from loom.config.rules import RuleSet
-from loom.config.sections import Config
 from loom.kernels.chunk_copy.op import chunk_copy_
-from loom.parallel.dims import ParallelDims
 
-FIELD = "parallel.fsdp_grad_copy"
 _TORCH = collectives.foreach_reduce_scatter_copy_in  # FSDP2's own
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,17 +51,3 @@ def fits(grads: list[torch.Tensor], out: torch.Tensor, world_size: int) -> bool:
         )
         and out.numel() == sum(g.numel() for g in grads)
     )
-
-
-def check_grad_copy_layout(cfg: Config, dims: ParallelDims) -> None:
-    """The kernel replaces FSDP2's copy: a layout without FSDP2 has none."""
-    if cfg.parallel.fsdp_grad_copy == "triton" and not dims.fsdp_applied:
-        raise ConfigError(
-            FIELD,
-            "triton",
-            f"replaces FSDP2's gradient copy, and this layout runs no FSDP2 (dp_shard {dims.dp_shard} x cp "
-            f"{dims.cp} on {dims.world_size} ranks): allowed torch here",
-        )
-
-
-RULES = RuleSet("fsdp_grad_copy", layout=check_grad_copy_layout)
