@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,7 +17,7 @@ from loom.config.sections import OptimizerConfig
 from loom.kernels.adamw import reference
 from loom.kernels.adamw.op import adamw_step_
 from loom.train.optimizer import OptimizerParts, TritonAdamW, resolve_implementation
-from tests.unit.test_kernels_fused import triton_skip_reason
+from tests.unit.test_kernels_fused import interpret, triton_skip_reason
 
 HYPER = dict(lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -283,13 +280,9 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(triton_skip_reason() is not None, reason=str(triton_skip_reason()))
 def test_triton_kernel_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ok adamw" in proc.stdout
-    assert "ok wrapped" in proc.stdout or importlib.util.find_spec("torchao") is None
+    out = interpret(INTERPRETER_SCRIPT)
+    assert "ok adamw" in out
+    assert "ok wrapped" in out or importlib.util.find_spec("torchao") is None
 
 
 def test_a_weight_wrapper_is_stepped_through_its_storage_and_refused_by_the_launcher():

@@ -168,6 +168,17 @@ def test_model_with_fused_flags_gives_the_same_loss_and_grads(with_positions):
 # ---- the Triton kernels under the CPU interpreter ---------------------------------------------------
 
 
+def interpret(script: str, *args: str) -> str:
+    """``script`` in a fresh process under Triton's CPU interpreter (TRITON_INTERPRET must be set before triton is
+    imported); its stdout, after asserting it exited cleanly."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def triton_skip_reason() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton not installed"
@@ -267,13 +278,4 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(triton_skip_reason() is not None, reason=str(triton_skip_reason()))
 @pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "swiglu"])
 def test_triton_kernel_under_the_interpreter(kernel):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_SCRIPT, kernel],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"ok {kernel}" in proc.stdout
+    assert f"ok {kernel}" in interpret(INTERPRETER_SCRIPT, kernel)
