@@ -79,10 +79,10 @@ def check_even_rows(model: nn.Module, shards: int) -> None:
 def precompute_scales(model: nn.Module, amaxes=None) -> int:
     """With float8 all-gather: every wrapped weight's scale from its global amax, in one pass over the weights and
     one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``); ``amaxes(weights)``, where it gives
-    each weight's local amax (the optimizer's, written in its step), saves the pass (``scales_from_amax``). FSDP2 then casts each shard with it
-    instead of reducing that weight's amax inside its all-gather (an all-reduce per weight and gather, which waits
-    on the gather's stream). Then every shard is cast to float8 at once (``cast_shards``). Returns how many
-    weights got a scale (0: none is wrapped and sharded)."""
+    each weight's local amax (the optimizer's, written in its step), saves the pass (``scales_from_amax``). FSDP2
+    then casts each shard with it instead of reducing that weight's amax inside its all-gather (an all-reduce per
+    weight and gather, which waits on the gather's stream). Each FSDP2 unit's shards are cast to float8 at its
+    first gather (``cast_shards``, lazy). Returns how many weights got a scale (0: none is wrapped and sharded)."""
     from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
 
     weights = _gathered_float8_weights(model)
