@@ -57,7 +57,9 @@ class Loop:
         self.guard = NonFiniteGuard(cfg.training.nonfinite, cfg.training.nonfinite_limit)
         self._pending: StepCheck | None = None  # the last step's verdict, until the host has read it
         self._settled: StepCheck | None = None  # the last verdict read
-        self._host_group = host_group(e.dims.distributed)  # the logged records' peak memory over the ranks
+        # the logged records' peak memory over the ranks, on the host: the health monitor's gloo group (None where
+        # the default group is gloo or there is one rank), as the stragglers' figures
+        self._host_group = e.health.group
         self.val_stats: dict[str, float] = {}  # the objective's statistics of the last validation pass
 
     def __getattr__(self, name: str):
@@ -647,13 +649,3 @@ class Running:
         ) in self.hooks:  # e.g. DiLoCo's outer reductions in flight finish before the process group can go
             hook.finish()
         loop.checkpointer.wait()
-
-
-def host_group(distributed: bool):
-    """A gloo group of every rank where the default one is not (None otherwise: it is, or there is one rank): the
-    records' host figures reduced there never wait behind the GPU's queued work."""
-    import torch.distributed as dist
-
-    if not distributed or dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")
