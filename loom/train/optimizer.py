@@ -274,7 +274,11 @@ class OptimizerParts:
             opt.amax_fresh = False
         if not current:
             return None
-        return torch.stack([of[id(p)][0].amax[of[id(p)][1]] for p in params])
+        where = [of[id(p)] for p in params]
+        (opt, _), *_ = where
+        if all(o is opt and slot == i for i, (o, slot) in enumerate(where)) and len(where) == len(opt.amax):
+            return opt.amax  # one optimizer, its order: no per-element views on the host
+        return torch.stack([o.amax[slot] for o, slot in where])
 
     def unstep(self) -> None:
         """Take back the step counts of an update the device skipped (PyTorch's fused AdamW does it itself)."""
