@@ -70,11 +70,11 @@ def test_opcheck():
     p, g = torch.randn(4, 3), torch.randn(4, 3)
     opcheck(
         torch.ops.loom.adamw_step_,
-        (p, g, torch.zeros(4, 3), torch.rand(4, 3), torch.tensor([0.5]), 0.01, 0.9, 0.95, 1e-8, 0.1, 3),
+        (p, g, torch.zeros(4, 3), torch.rand(4, 3), torch.tensor([0.5]), 0.01, 0.9, 0.95, 1e-8, 0.1, 3, None),
     )
     opcheck(
         torch.ops.loom.adamw_step_,
-        (p, g, torch.zeros(4, 3), torch.rand(4, 3), None, 0.01, 0.9, 0.95, 1e-8, 0.0, 1),
+        (p, g, torch.zeros(4, 3), torch.rand(4, 3), None, 0.01, 0.9, 0.95, 1e-8, 0.0, 1, None),
     )
     opcheck(
         torch.ops.loom.adamw_step_,
@@ -350,3 +350,26 @@ def test_a_skipped_step_writes_the_amax_of_the_unchanged_parameter():
         **HYPER,
     )
     assert torch.equal(amax, p.abs().max().reshape(1))
+
+
+def test_no_custom_op_mutates_an_argument_with_a_default():
+    """torch 2.11 (the GPU image) bumps a mutated argument's version by its index among the arguments passed, so a
+    defaulted one left out raises IndexError in its ADInplaceOrView kernel (8B float8 runs failed so at 776e50b)."""
+    import pkgutil
+
+    import loom.kernels
+
+    for mod in pkgutil.iter_modules(loom.kernels.__path__):
+        if mod.ispkg and importlib.util.find_spec(f"loom.kernels.{mod.name}.op"):
+            importlib.import_module(f"loom.kernels.{mod.name}.op")
+    checked = 0
+    for name in dir(torch.ops.loom):
+        packet = getattr(torch.ops.loom, name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            for arg in getattr(packet, overload)._schema.arguments:
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    checked += 1
+                    assert arg.default_value is None, f"loom::{name}: {arg.name} is mutated and has a default"
+    assert checked >= 4

@@ -28,8 +28,10 @@ def adamw_step_op(
     eps: float,
     weight_decay: float,
     step: int,
-    amax: torch.Tensor | None = None,
+    amax: torch.Tensor | None,
 ) -> None:
+    # amax has no default: torch 2.11's in-place bookkeeping indexes the mutated arguments among those passed, so a
+    # defaulted one left out raises IndexError there (2.13 fills the defaults first)
     args = (param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step, amax)
     if triton_runs_on(param.device):
         from loom.kernels.adamw import triton as kernels
@@ -40,7 +42,7 @@ def adamw_step_op(
 
 
 @adamw_step_op.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step, amax=None):
+def _(param, grad, exp_avg, exp_avg_sq, grad_factor, lr, beta1, beta2, eps, weight_decay, step, amax):
     return None
 
 
