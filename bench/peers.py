@@ -263,6 +263,9 @@ DIFFERENCES = (
     "(optimizer.implementation auto: its Triton kernel on CUDA, as in the 2026-11-27 pair; with parameters on two "
     "meshes, as under expert parallelism, loom's PyTorch fused choice falls back to a per-parameter step); "
     "--loom-set optimizer.implementation=fused runs PyTorch's on both",
+    "FSDP2's gradient copy into the reduce-scatter buffer: torchtitan PyTorch's chunk_cat, loom its own kernel "
+    "(parallel.fsdp_grad_copy auto, since 2026-11-30; the same bytes); --loom-set parallel.fsdp_grad_copy=torch "
+    "runs PyTorch's on both",
     "documents: torchtitan adds BOS and EOS to each, loom EOS only (same file, same tokenizer)",
     "data: torchtitan tokenizes the text on the fly (in --titan-workers data-loader processes, 1 by default; 0 = in "
     "its training loop); loom reads the same text tokenized before its launch (loom data prepare, not timed)",

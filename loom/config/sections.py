@@ -853,11 +853,12 @@ class ParallelConfig:
         resume=(FREE, "the same computation, its collectives' buffers elsewhere"),
     )
     fsdp_grad_copy: str = opt(
-        "torch",
+        "auto",
         "the kernel that casts each FSDP2 unit's gradients into its reduce-scatter buffer: torch = FSDP2's own "
         "(PyTorch's chunk_cat); triton = loom's copy kernel (loom.kernels.chunk_copy) where the unit's "
-        "gradients fit it (first dims divisible by the shard count), FSDP2's own otherwise",
-        choices=("torch", "triton"),
+        "gradients fit it (first dims divisible by the shard count), FSDP2's own otherwise; auto = triton on "
+        "CUDA with Triton (the same bytes, +1.2-1.6% tokens/s at 8B on 2 H200s), torch elsewhere",
+        choices=("auto", "torch", "triton"),
         resume=(FREE, KERNEL),
     )
     reduce_dtype: str = opt(

@@ -40,6 +40,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     symm_mem: bool = False,
     grad_copy: str = "torch",
+    device: torch.device | None = None,
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
     and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
@@ -47,8 +48,8 @@ def apply_fsdp(
     2-D (HSDP), of one rank for CPU offload alone (nothing is sharded: FSDP2 streams each block's parameters to
     the device). ``explicit_prefetch`` (parallel.fsdp_prefetch; by default under expert parallelism):
     ``prefetch_in_order``. ``symm_mem`` (parallel.fsdp_symm_mem): every FSDP2 unit's collective buffers, the
-    experts' too, in NCCL symmetric memory. ``grad_copy`` (parallel.fsdp_grad_copy) ``triton``: the gradients'
-    copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy)."""
+    experts' too, in NCCL symmetric memory. ``grad_copy`` (parallel.fsdp_grad_copy) ``triton``, or ``auto`` on a
+    CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy)."""
     from torch.distributed.fsdp import fully_shard
 
     kw = dict(
@@ -69,7 +70,7 @@ def apply_fsdp(
         prefetch_in_order(model, blocks, embed, head)
     if symm_mem:
         use_symm_mem(model)
-    use_grad_copy(grad_copy)
+    use_grad_copy(grad_copy, device)
     return model
 
 

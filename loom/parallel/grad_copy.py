@@ -11,15 +11,21 @@ import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
 from loom.kernels.chunk_copy.op import chunk_copy_
+from loom.kernels.triton_support import triton_runs_on
 
 _TORCH = collectives.foreach_reduce_scatter_copy_in  # FSDP2's own
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def use_grad_copy(kind: str) -> None:
+def use_grad_copy(kind: str, device: torch.device | None = None) -> None:
     """Every FSDP2 unit of this process copies its gradients with ``kind``'s kernel: ``triton`` loom's where it
-    fits, ``torch`` FSDP2's own (FSDP2 calls its module's copy-in function, which this sets, process-wide)."""
+    fits, ``torch`` FSDP2's own, ``auto`` loom's where Triton runs on ``device`` (FSDP2 calls its module's copy-in
+    function, which this sets, process-wide)."""
+    if kind == "auto":
+        kind = (
+            "triton" if device is not None and device.type == "cuda" and triton_runs_on(device) else "torch"
+        )
     collectives.foreach_reduce_scatter_copy_in = grad_copy_in if kind == "triton" else _TORCH
 
 

@@ -200,7 +200,7 @@ def test_fsdp_symm_mem_on_two_gpus_gives_the_plain_gathers_losses(tmp_path):
 
 
 def test_fsdp_grad_copy_on_two_gpus_trains_as_fsdp2s_own_copy(tmp_path):
-    """parallel.fsdp_grad_copy triton: loom's kernel casts each unit's bf16 gradients into the fp32 reduce-scatter
+    """parallel.fsdp_grad_copy triton (auto's choice on CUDA): loom's kernel casts each unit's bf16 gradients into the fp32 reduce-scatter
     buffer where FSDP2's chunk_cat did; the same bytes, so the losses are FSDP2's own, bit for bit."""
     base = {
         "parallel.dp_shard": 2,
@@ -208,6 +208,6 @@ def test_fsdp_grad_copy_on_two_gpus_trains_as_fsdp2s_own_copy(tmp_path):
         "training.compile": "false",
         "run.deterministic": "true",
     }
-    plain = train(tmp_path / "plain", 2, **base)
+    plain = train(tmp_path / "plain", 2, **base, **{"parallel.fsdp_grad_copy": "torch"})
     copied = train(tmp_path / "copied", 2, **base, **{"parallel.fsdp_grad_copy": "triton"})
     assert copied == plain, (copied, plain)

@@ -65,6 +65,8 @@ def test_fsdp2_copy_in_is_replaced_where_the_gradients_fit_and_kept_where_not():
     try:
         grad_copy.use_grad_copy("triton")
         assert collectives.foreach_reduce_scatter_copy_in is grad_copy.grad_copy_in
+        grad_copy.use_grad_copy("auto", torch.device("cpu"))  # auto: loom's kernel on CUDA only
+        assert collectives.foreach_reduce_scatter_copy_in is grad_copy._TORCH
     finally:
         grad_copy.use_grad_copy("torch")
     assert collectives.foreach_reduce_scatter_copy_in is grad_copy._TORCH
