@@ -31,11 +31,23 @@ from loom.parallel.symm_mem_rules import RULES as SYMM_MEM
 from loom.runtime.fault_tolerance import replica_groups
 from loom.runtime.fault_tolerance_rules import RULES as FAULT_TOLERANCE
 from loom.train.diloco_rules import RULES as DILOCO
+from loom.train.step_at_gather_rules import RULES as STEP_AT_GATHER
 from loom.train.zero_rules import RULES as ZERO
 
 # the optional features' rule sets, run in this order at each stage (config, layout, machine, device): which of
 # two broken rules is named first stays as it was
-FEATURES = (ZERO, OFFLOAD, CUDA_GRAPHS, FAULT_TOLERANCE, DILOCO, PIPEDREAM, LORA, SYMM_MEM, GRAD_COPY)
+FEATURES = (
+    ZERO,
+    OFFLOAD,
+    CUDA_GRAPHS,
+    FAULT_TOLERANCE,
+    DILOCO,
+    PIPEDREAM,
+    LORA,
+    SYMM_MEM,
+    GRAD_COPY,
+    STEP_AT_GATHER,
+)
 
 
 @dataclass(frozen=True)

@@ -330,6 +330,7 @@ class Engine:
         from loom.models.common.init import canonical_name
 
         cfg, (policy,) = self.cfg, self.parts  # one part: pipeline parallelism is refused where it is used
+        self.optimizer.settle()
         with torch.device("meta"):
             model = build_model(self.model_args)
         training = replace(cfg.training, activation_checkpointing="none")
@@ -346,7 +347,9 @@ class Engine:
         return ref.eval()
 
     def weights_finite(self) -> bool:
-        """Whether every weight this rank holds is finite (``all_finite``)."""
+        """Whether every weight this rank holds is finite (``all_finite``), once every update has run (those
+        optimizer.step_at_gather holds for a gather: this check precedes each save)."""
+        self.optimizer.settle()
         return all_finite([local_tensor(p).detach() for p in self.params])
 
     # ---- build steps ------------------------------------------------------
@@ -534,6 +537,12 @@ class Engine:
             state_root=self.run_dir,
             rank=self.env.rank,
         )
+        if (
+            cfg.optimizer.step_at_gather
+        ):  # each unit's update at its next gather (rules: step_at_gather_rules)
+            from loom.train.step_at_gather import StepAtGather
+
+            self.optimizer.step_at_gather(StepAtGather(self.parts))
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
         # training.cuda_graphs: gradients accumulate into tensors of their own, kept between steps; a first backward
         # would otherwise hand the graphs' output memory to .grad, which the next micro-batch's replay overwrites

@@ -211,3 +211,20 @@ def test_fsdp_grad_copy_on_two_gpus_trains_as_fsdp2s_own_copy(tmp_path):
     plain = train(tmp_path / "plain", 2, **base, **{"parallel.fsdp_grad_copy": "torch"})
     copied = train(tmp_path / "copied", 2, **base, **{"parallel.fsdp_grad_copy": "triton"})
     assert copied == plain, (copied, plain)
+
+
+def test_step_at_gather_on_two_gpus_trains_as_the_update_at_the_step_end(tmp_path):
+    """optimizer.step_at_gather: each unit's AdamW update runs on FSDP2's copy-in stream at its next gather (the
+    stream orders it after the backward and before the gather); the same kernels on the same inputs, so the same
+    losses bit for bit, float8 weights gathered in float8 included (their scales then computed per unit)."""
+    base = {
+        "parallel.dp_shard": 2,
+        "training.dtype": "bfloat16",
+        "training.compile": "false",
+        "run.deterministic": "true",
+    }
+    for extra in ({}, {"training.float8": "tensorwise", "training.float8_all_gather": "true"}):
+        name = "f8" if extra else "bf16"
+        plain = train(tmp_path / f"{name}_plain", 2, **base, **extra)
+        held = train(tmp_path / f"{name}_held", 2, **base, **extra, **{"optimizer.step_at_gather": "true"})
+        assert held == plain, (name, held, plain)
