@@ -17,11 +17,42 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     for group in by_mesh(
         grads
     ):  # DTensor norms reduce over their own mesh (experts and the rest differ under ep)
+        sq = sharded_sum_squares(group) if group[0].device.type == "cuda" else None
+        if (
+            sq is not None
+        ):  # loom's one-launch sum of squares on the local shards (foreach: ~one launch a tensor)
+            norms.append(sq.sqrt())
+            continue
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, error_if_nonfinite=False, foreach=True)
         if hasattr(norm, "full_tensor"):  # DTensor grads: partial norms are reduced across their mesh
             norm = norm.full_tensor()
         norms.append(norm.float())
     return norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+
+
+def sharded_sum_squares(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The sum of squares of every element of ``grads`` (DTensors on one mesh), whatever their sharding: each rank's
+    local shards through ``loom::sum_squares`` (on CUDA one launch per dtype, not PyTorch's foreach norm's launch per
+    few tensors), summed over the mesh dims they are sharded on, once per placement. None where a gradient is not a
+    DTensor or holds a pending sum (Partial): the caller takes PyTorch's norm there."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from loom.kernels.sum_squares.op import sum_squares
+
+    by_placement: dict = {}
+    for g in grads:
+        if not isinstance(g, DTensor) or any(p.is_partial() for p in g.placements):
+            return None
+        by_placement.setdefault(tuple(g.placements), []).append(g._local_tensor.contiguous())
+    mesh, total = grads[0].device_mesh, None
+    for placements, shards in by_placement.items():
+        sq = sum_squares(shards)
+        for dim, placement in enumerate(placements):
+            if placement.is_shard() and mesh.size(dim) > 1:
+                dist.all_reduce(sq, group=mesh.get_group(dim))
+        total = sq if total is None else total + sq
+    return total
 
 
 @torch.no_grad()
