@@ -181,21 +181,29 @@ def test_float8_all_gather_on_two_gpus_follows_the_bf16_gather(tmp_path):
     assert max(abs(a - b) / b for a, b in zip(resumed, f8_gather[4:])) < 2e-2, (resumed, f8_gather)
 
 
-def test_fsdp_symm_mem_on_two_gpus_gives_the_plain_gathers_losses(tmp_path):
-    """parallel.fsdp_symm_mem (FSDP2's buffers in NCCL symmetric memory, NCCL's zero-CTA policy) moves the same bytes
-    as NCCL's kernels: the losses of the plain FSDP2 run, float8 gather included. Deterministic: without it
-    ``model.attention auto`` times the kernels at start-up and two runs may attend with different ones (the first
-    step's losses differed by 3e-7 on 2 H200s). 1e-5: NCCL's symmetric kernels may sum in another order."""
+def plain_and_changed(tmp_path, changed: dict) -> list[tuple[str, list[float], list[float]]]:
+    """(name, plain losses, losses with ``changed``) of FSDP2 x 2, eager and deterministic, gathering bf16 weights and
+    float8 ones (tensorwise): deterministic, since ``model.attention auto`` times the kernels at start-up and two
+    runs may otherwise attend with different ones (the first step's losses differed by 3e-7 on 2 H200s)."""
     base = {
         "parallel.dp_shard": 2,
         "training.dtype": "bfloat16",
         "training.compile": "false",
         "run.deterministic": "true",
     }
+    out = []
     for extra in ({}, {"training.float8": "tensorwise", "training.float8_all_gather": "true"}):
         name = "f8" if extra else "bf16"
         plain = train(tmp_path / f"{name}_plain", 2, **base, **extra)
-        symm = train(tmp_path / f"{name}_symm", 2, **base, **extra, **{"parallel.fsdp_symm_mem": "true"})
+        out.append((name, plain, train(tmp_path / f"{name}_changed", 2, **base, **extra, **changed)))
+    return out
+
+
+def test_fsdp_symm_mem_on_two_gpus_gives_the_plain_gathers_losses(tmp_path):
+    """parallel.fsdp_symm_mem (FSDP2's buffers in NCCL symmetric memory, NCCL's zero-CTA policy) moves the same bytes
+    as NCCL's kernels: the losses of the plain FSDP2 run, float8 gather included. 1e-5: NCCL's symmetric kernels may
+    sum in another order."""
+    for name, plain, symm in plain_and_changed(tmp_path, {"parallel.fsdp_symm_mem": "true"}):
         assert max(abs(a - b) / abs(b) for a, b in zip(symm, plain)) < 1e-5, (name, symm, plain)
 
 
@@ -217,14 +225,5 @@ def test_step_at_gather_on_two_gpus_trains_as_the_update_at_the_step_end(tmp_pat
     """optimizer.step_at_gather: each unit's AdamW update runs on FSDP2's copy-in stream at its next gather (the
     stream orders it after the backward and before the gather); the same kernels on the same inputs, so the same
     losses bit for bit, float8 weights gathered in float8 included (their scales then computed per unit)."""
-    base = {
-        "parallel.dp_shard": 2,
-        "training.dtype": "bfloat16",
-        "training.compile": "false",
-        "run.deterministic": "true",
-    }
-    for extra in ({}, {"training.float8": "tensorwise", "training.float8_all_gather": "true"}):
-        name = "f8" if extra else "bf16"
-        plain = train(tmp_path / f"{name}_plain", 2, **base, **extra)
-        held = train(tmp_path / f"{name}_held", 2, **base, **extra, **{"optimizer.step_at_gather": "true"})
+    for name, plain, held in plain_and_changed(tmp_path, {"optimizer.step_at_gather": "true"}):
         assert held == plain, (name, held, plain)

@@ -87,19 +87,12 @@ def _adamw_multi_kernel(
 ):
     """One block of one of ``T`` tensors: ``ptrs`` holds the params', grads', exp_avgs' and exp_avg_sqs' addresses
     (4 x T int64), ``block_tensor`` / ``block_start`` each block's tensor and first element; ``G_KIND``: the
-    gradients' dtype, 0 fp32, 1 bf16, 2 fp16 (literal dtypes in each branch, as Triton's grouped-GEMM tutorial casts
-    its table's addresses)."""
+    gradients' dtype, 0 fp32, 1 bf16, 2 fp16 (``typed_pointer``)."""
     blk = tl.program_id(0)
     t = tl.load(block_tensor + blk)
     offs = tl.load(block_start + blk) + tl.arange(0, BLOCK)
     p_ptr = tl.load(ptrs + t).to(tl.pointer_type(tl.float32))
-    g_addr = tl.load(ptrs + T + t)
-    if G_KIND == 1:
-        g_ptr = g_addr.to(tl.pointer_type(tl.bfloat16))
-    elif G_KIND == 2:
-        g_ptr = g_addr.to(tl.pointer_type(tl.float16))
-    else:
-        g_ptr = g_addr.to(tl.pointer_type(tl.float32))
+    g_ptr = typed_pointer(tl.load(ptrs + T + t), G_KIND)
     m_ptr = tl.load(ptrs + 2 * T + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(ptrs + 3 * T + t).to(tl.pointer_type(tl.float32))
     _adamw_block(
@@ -120,6 +113,19 @@ def _adamw_multi_kernel(
         False,
         BLOCK,
     )
+
+
+@triton.jit
+def typed_pointer(addr, KIND: tl.constexpr):
+    """An int64 address from a table as a pointer to ``KIND``'s dtype: 0 fp32, 1 bf16, 2 fp16 (literal dtypes in
+    each branch, as Triton's grouped-GEMM tutorial casts its table's addresses)."""
+    if KIND == 1:
+        ptr = addr.to(tl.pointer_type(tl.bfloat16))
+    elif KIND == 2:
+        ptr = addr.to(tl.pointer_type(tl.float16))
+    else:
+        ptr = addr.to(tl.pointer_type(tl.float32))
+    return ptr
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loom.kernels.adamw.triton import BLOCK, _block_tables
+from loom.kernels.adamw.triton import BLOCK, _block_tables, typed_pointer
 from loom.kernels.triton_support import check_tensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -24,13 +24,7 @@ def _sum_squares_kernel(ptrs, block_tensor, block_start, sizes, out, KIND: tl.co
     blk = tl.program_id(0)
     t = tl.load(block_tensor + blk)
     offs = tl.load(block_start + blk) + tl.arange(0, BLOCK)
-    addr = tl.load(ptrs + t)
-    if KIND == 1:
-        x_ptr = addr.to(tl.pointer_type(tl.bfloat16))
-    elif KIND == 2:
-        x_ptr = addr.to(tl.pointer_type(tl.float16))
-    else:
-        x_ptr = addr.to(tl.pointer_type(tl.float32))
+    x_ptr = typed_pointer(tl.load(ptrs + t), KIND)
     x = tl.load(x_ptr + offs, mask=offs < tl.load(sizes + t), other=0.0).to(tl.float32)
     tl.store(out + blk, tl.sum(x * x, axis=0))
 
