@@ -515,6 +515,14 @@ class TrainingConfig:
         min=0.0,
         resume=(APPLIED, "gradient clipping from the next step"),
     )
+    grad_norm_kernel: str = opt(
+        "torch",
+        "how the global gradient norm sums sharded (DTensor) gradients on CUDA: torch = PyTorch's foreach norm (about "
+        "a launch per few tensors); triton = loom::sum_squares on each rank's shards, two launches per dtype, then "
+        "one all-reduce per placement (docs/kernels.md); elsewhere, and for gradients with a pending sum, torch",
+        choices=("torch", "triton"),
+        resume=(FREE, "kernel choice: the same norm, summed in another order"),
+    )
     eval_every: int = opt(
         0,
         "validation every N steps; 0 = only at the end (training.eval_at_end)",

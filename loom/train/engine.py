@@ -53,7 +53,7 @@ from loom.runtime.restarts import this_attempt
 from loom.runtime.run_lock import acquire, hold_as_worker
 from loom.runtime.topology import apply_placement
 from loom.train.diloco import DiLoCoHook
-from loom.train.grads import unique_params
+from loom.train.grads import unique_params, use_norm_kernel
 from loom.train.hooks import (
     FaultToleranceHook,
     GarbageCollection,
@@ -537,9 +537,8 @@ class Engine:
             state_root=self.run_dir,
             rank=self.env.rank,
         )
-        if (
-            cfg.optimizer.step_at_gather
-        ):  # each unit's update at its next gather (rules: step_at_gather_rules)
+        use_norm_kernel(cfg.training.grad_norm_kernel)
+        if cfg.optimizer.step_at_gather:  # each unit's update at its next gather (step_at_gather_rules)
             from loom.train.step_at_gather import StepAtGather
 
             self.optimizer.step_at_gather(StepAtGather(self.parts))

@@ -7,6 +7,14 @@ import torch
 from loom.parallel.pipeline import last_stage_embeds, stage_rank
 from loom.parallel.shards import local_tensor
 
+_NORM_KERNEL = ["torch"]  # training.grad_norm_kernel, set for the process by ``use_norm_kernel``
+
+
+def use_norm_kernel(kind: str) -> None:
+    """``global_grad_norm`` sums sharded gradients on CUDA with ``kind``'s kernel from now on (training.grad_norm_kernel:
+    ``triton`` loom's ``sharded_sum_squares``, ``torch`` PyTorch's norm)."""
+    _NORM_KERNEL[0] = kind
+
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The true L2 norm of the full gradient, whatever the sharding (a 0-dim fp32 tensor)."""
@@ -17,7 +25,8 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     for group in by_mesh(
         grads
     ):  # DTensor norms reduce over their own mesh (experts and the rest differ under ep)
-        sq = sharded_sum_squares(group) if group[0].device.type == "cuda" else None
+        on_cuda = group[0].device.type == "cuda"
+        sq = sharded_sum_squares(group) if on_cuda and _NORM_KERNEL[0] == "triton" else None
         if (
             sq is not None
         ):  # loom's one-launch sum of squares on the local shards (foreach: ~one launch a tensor)

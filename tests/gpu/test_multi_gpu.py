@@ -227,3 +227,10 @@ def test_step_at_gather_on_two_gpus_trains_as_the_update_at_the_step_end(tmp_pat
     losses bit for bit, float8 weights gathered in float8 included (their scales then computed per unit)."""
     for name, plain, held in plain_and_changed(tmp_path, {"optimizer.step_at_gather": "true"}):
         assert held == plain, (name, held, plain)
+
+
+def test_grad_norm_kernel_on_two_gpus_trains_as_pytorchs_norm(tmp_path):
+    """training.grad_norm_kernel triton: the norm of FSDP2's shards through loom::sum_squares is PyTorch's, summed in
+    another order, so the clipped steps' losses agree to float tolerance."""
+    for name, plain, summed in plain_and_changed(tmp_path, {"training.grad_norm_kernel": "triton"}):
+        assert max(abs(a - b) / abs(b) for a, b in zip(summed, plain)) < 1e-5, (name, summed, plain)
