@@ -54,8 +54,9 @@ class StepAtGather:
             self.optimizers.append(optimizer)
         by_unit: dict[int, list] = {}
         for u in updates:
-            by_unit.setdefault(self.unit_of[id(u.param)], []).append(u)
+            by_unit.setdefault(self.unit_of.get(id(u.param)), []).append(u)
             u.param.grad = None
+        optimizer.run(by_unit.pop(None, []))  # a parameter no FSDP2 unit gathers: now, as at the step's end
         for key, ups in by_unit.items():
             self.pending.setdefault(key, []).append((optimizer, ups))
             _WAITING[key] = self
