@@ -489,7 +489,9 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
     from loom.kernels.attention import reference as R, triton as T
 
     def check(q, k, v, causal, bounds, window, scale, key_bounds=None):
-        # the Triton kernels' worst difference from the reference; the tensor-descriptor variant gives the same bits
+        # the Triton kernels' worst difference from the reference; the tensor-descriptor variant gives the same
+        # values to fp32 rounding (the interpreter's dots are numpy's matmuls, whose summation order follows the
+        # tiles' memory layout: bit-equal in earlier CI runs, 6e-7 apart at d64 on 2026-11-30 with numpy 2.4.6)
         o1, l1 = R.attention_forward(q, k, v, causal, bounds, window, scale)
         do = torch.randn_like(o1)
         g1 = R.attention_backward(do, q, k, v, o1, l1, None, causal, bounds, window, scale)
@@ -500,7 +502,8 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
                 do, q, k, v, o2, l2, None, causal, bounds, window, scale, key_bounds, tensor_desc=tensor_desc
             )
             runs.append((o2, l2, *g2))
-        assert all(torch.equal(a, b) for a, b in zip(*runs)), "tensor descriptors differ from plain pointers"
+        apart = max(float((a - b).abs().max()) for a, b in zip(*runs))
+        assert apart < 1e-5, f"tensor descriptors differ from plain pointers by {apart}"
         o2, l2, *g2 = runs[0]
         assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and not torch.isnan(o2).any()
         fin = torch.isfinite(l1)
