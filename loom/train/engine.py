@@ -796,4 +796,9 @@ class Engine:
                 "each block's parameters gathered from forward to the gradient reduction (parallel."
                 "reshard_after_forward = true does not apply)"
             )
+        if self.optimizer.deferred is not None:
+            lines.append(
+                "optimizer: each FSDP2 unit's AdamW update runs at its next gather, beside the compute of the unit "
+                "before it (optimizer.step_at_gather)"
+            )
         return lines

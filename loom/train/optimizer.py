@@ -390,6 +390,7 @@ class OptimizerParts:
             self.deferred.flush()  # a unit no forward gathered since the last step (none in a plain run)
             for opt in self.optimizers:
                 self.deferred.hold(opt, opt.updates(grad_factor))
+                opt._opt_called = True  # what torch's LR scheduler looks for: this step's update is taken
             return
         for opt in self.optimizers:
             if isinstance(opt, TritonAdamW):
