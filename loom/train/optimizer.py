@@ -320,7 +320,13 @@ class OptimizerParts:
     def amax_of(self, params: list) -> torch.Tensor:
         """The amax of each of ``params`` (tracked) as their optimizers hold it now (a unit's, right after its
         update at its gather: optimizer.step_at_gather)."""
-        return torch.stack([opt.amax[slot] for opt, slot in (self._amax_of[id(p)] for p in params)])
+        where = [self._amax_of[id(p)] for p in params]
+        (opt, first), *_ = where
+        if all(o is opt and slot == first + i for i, (o, slot) in enumerate(where)):
+            return opt.amax[
+                first : first + len(where)
+            ]  # consecutive slots of one optimizer: a view, no copies
+        return torch.stack([o.amax[slot] for o, slot in where])
 
     def take_amax(self, params: list) -> torch.Tensor | None:
         """The amax of each of ``params`` (tracked) that the last step wrote, once (None: no step has since the
@@ -334,11 +340,7 @@ class OptimizerParts:
             opt.amax_fresh = False
         if not current:
             return None
-        where = [of[id(p)] for p in params]
-        (opt, _), *_ = where
-        if all(o is opt and slot == i for i, (o, slot) in enumerate(where)) and len(where) == len(opt.amax):
-            return opt.amax  # one optimizer, its order: no per-element views on the host
-        return torch.stack([o.amax[slot] for o, slot in where])
+        return self.amax_of(params)
 
     def unstep(self) -> None:
         """Take back the step counts of an update the device skipped (PyTorch's fused AdamW does it itself)."""
