@@ -231,6 +231,8 @@ def test_step_at_gather_on_two_gpus_trains_as_the_update_at_the_step_end(tmp_pat
 
 def test_grad_norm_kernel_on_two_gpus_trains_as_pytorchs_norm(tmp_path):
     """training.grad_norm_kernel triton: the norm of FSDP2's shards through loom::sum_squares is PyTorch's, summed in
-    another order, so the clipped steps' losses agree to float tolerance."""
+    another order, so the clipped steps' losses agree to float tolerance: 1e-4, as DDP's and FSDP2's against one
+    GPU (on 2 H200s at 3b1886d the bf16 run's first four losses were equal, and an ulp of the clipping factor grew
+    to 1.3e-5 by step 8 through bf16 training)."""
     for name, plain, summed in plain_and_changed(tmp_path, {"training.grad_norm_kernel": "triton"}):
-        assert max(abs(a - b) / abs(b) for a, b in zip(summed, plain)) < 1e-5, (name, summed, plain)
+        assert max(abs(a - b) / abs(b) for a, b in zip(summed, plain)) < 1e-4, (name, summed, plain)
