@@ -23,7 +23,6 @@ from loom.config.sections import Config, ParallelConfig, check_inactive_fields
 from loom.models.common.lora_rules import RULES as LORA
 from loom.parallel.cuda_graphs_rules import RULES as CUDA_GRAPHS
 from loom.parallel.dims import ParallelDims, tp_limit
-from loom.parallel.fsdp_units_rules import RULES as FSDP_UNITS
 from loom.parallel.grad_copy_rules import RULES as GRAD_COPY
 from loom.parallel.offload_rules import RULES as OFFLOAD
 from loom.parallel.pipedream_rules import RULES as PIPEDREAM
@@ -47,7 +46,6 @@ FEATURES = (
     LORA,
     SYMM_MEM,
     GRAD_COPY,
-    FSDP_UNITS,
     STEP_AT_GATHER,
 )
 

@@ -862,15 +862,6 @@ class ParallelConfig:
         choices=("auto", "explicit", "implicit"),
         resume=(FREE, "the same computation, its gathers issued at other points"),
     )
-    fsdp_unit_blocks: int = opt(
-        1,
-        "consecutive transformer blocks FSDP2 gathers and reduces as one unit (fully_shard over the list): "
-        "fewer, larger collectives and FSDP2's per-unit host work once per this many blocks, for a forward the "
-        "host paces; under ZeRO-3 this many blocks' weights are gathered at once (twice that with the next "
-        "unit's prefetched). Not with expert parallelism",
-        min=1,
-        resume=(FREE, "the same computation, gathered and reduced in larger units"),
-    )
     fsdp_symm_mem: bool = opt(
         False,
         "allocate FSDP2's all-gather and reduce-scatter buffers in NCCL symmetric memory, "

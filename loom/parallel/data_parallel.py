@@ -41,7 +41,6 @@ def apply_fsdp(
     symm_mem: bool = False,
     grad_copy: str = "torch",
     device: torch.device | None = None,
-    unit_blocks: int = 1,
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
     and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
@@ -50,9 +49,7 @@ def apply_fsdp(
     the device). ``explicit_prefetch`` (parallel.fsdp_prefetch; by default under expert parallelism):
     ``prefetch_in_order``. ``symm_mem`` (parallel.fsdp_symm_mem): every FSDP2 unit's collective buffers, the
     experts' too, in NCCL symmetric memory. ``grad_copy`` (parallel.fsdp_grad_copy) ``triton``, or ``auto`` on a
-    CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy).
-    ``unit_blocks`` (parallel.fsdp_unit_blocks): consecutive blocks sharded as one unit (one gather, one
-    reduce-scatter, one pass of FSDP2's hooks for all of them)."""
+    CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy)."""
     from torch.distributed.fsdp import fully_shard
 
     kw = dict(
@@ -60,9 +57,8 @@ def apply_fsdp(
         mp_policy=mixed_precision_policy(compute_dtype, reduce_dtype),
         offload_policy=offload_policy(mesh, cpu_offload),
     )
-    units = [blocks[i : i + unit_blocks] for i in range(0, len(blocks), unit_blocks)]
-    for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard_after_forward, **kw)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     embed, head = head_units(model)
     if embed is not None:
         fully_shard(embed, reshard_after_forward=reshard_after_forward, **kw)
@@ -71,7 +67,7 @@ def apply_fsdp(
     # the root's parameters are used last in forward and first in backward: never reshard them
     fully_shard(model, reshard_after_forward=False, **kw)
     if explicit_prefetch:
-        prefetch_in_order(model, [unit[0] for unit in units], embed, head)
+        prefetch_in_order(model, blocks, embed, head)
     if symm_mem:
         use_symm_mem(model)
     use_grad_copy(grad_copy, device)

@@ -168,7 +168,6 @@ def parallelize_llama(
                 symm_mem=parallel.fsdp_symm_mem,
                 grad_copy=parallel.fsdp_grad_copy,
                 device=device,
-                unit_blocks=parallel.fsdp_unit_blocks,
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device

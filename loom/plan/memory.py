@@ -92,7 +92,6 @@ class MemoryInputs:
     weight_versions: int = (
         0  # pp_schedule pipedream_2bw: fp32 copies of the weights beside the optimizer's (1: the stash)
     )
-    unit_blocks: int = 1  # parallel.fsdp_unit_blocks: blocks FSDP2 gathers and reduces together
     reduce_bytes: int = 4  # parallel.reduce_dtype: the bytes of each gradient element FSDP2 reduces
     ddp_bucket_bytes: float = 25 * 2**20  # parallel.ddp_bucket_mb
     ep_padded: bool = (
@@ -196,8 +195,7 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     )
     # one block's unsharded grads (+ a copy in the reduce dtype where it is not the compute dtype): LoRA's adapters'
     trained = x.adapters(1) if x.lora_base_bytes else block
-    # a unit's gradients wait for its last block's backward before they are reduced
-    grads = (compute + (x.reduce_bytes if compute != x.reduce_bytes else 0)) * trained * x.unit_blocks
+    grads = (compute + (x.reduce_bytes if compute != x.reduce_bytes else 0)) * trained
     # fp32 shards copied in, then cast
     staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
     return compute * (gathered_layers * block + root) + grads + staging

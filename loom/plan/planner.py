@@ -292,7 +292,6 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         shard=dims.dp_shard * dims.cp if dims.fsdp_enabled else 1,
         fsdp=dims.fsdp_applied or p.cpu_offload,  # offload: FSDP2 on one rank too
         reshard_after_forward=dims.reshard_after_forward and not split,
-        unit_blocks=p.fsdp_unit_blocks,
         micro_batch=t.micro_batch_size,
         seq_len=t.seq_len,
         cpu_offload=p.cpu_offload,
@@ -466,8 +465,7 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     # each block linear's shard cast to float8 for the step's gathers (not under 2BW: its gathers cast as torchao)
     if cfg.training.float8_all_gather and x.fsdp and cfg.parallel.pp_schedule != "pipedream_2bw":
         state.weights += share.block_sharded / dims.tp / x.shard
-    units = min(2 * x.unit_blocks, share.layers)  # the unit running and the one prefetched
-    gathered = gathered_memory(share, args, x, units if x.reshard_after_forward else share.layers)
+    gathered = gathered_memory(share, args, x, 2 if x.reshard_after_forward else share.layers)
     backward = profile.backward_peak / dims.tp + cp_attention_working(args, x, ac)
     if dims.pp > 1:  # several micro-batches in flight in different phases: every term at once
         per_rank = stages_per_rank(cfg.parallel)

@@ -131,27 +131,3 @@ def test_fsdp_prefetch_auto_is_explicit_under_expert_parallelism_only():
     ep = ParallelDims.from_config(ParallelConfig(dp_shard=4, ep=2), 4)
     assert [explicit_prefetch(s, dense) for s in ("auto", "explicit", "implicit")] == [False, True, False]
     assert [explicit_prefetch(s, ep) for s in ("auto", "explicit", "implicit")] == [True, True, False]
-
-
-@pytest.mark.parametrize(
-    "over,why", [({"parallel.dp_replicate": 4, "parallel.dp_shard": 1}, "no FSDP2"), ({"parallel.ep": 2}, "ep")]
-)
-def test_fsdp_unit_blocks_refused_without_fsdp2_and_under_expert_parallelism(tmp_path, over, why):
-    cfg = tiny_config(tmp_path, **{"parallel.fsdp_unit_blocks": 2, **over})
-    with pytest.raises(ConfigError) as e:
-        resolve(cfg, 4, device="cpu")
-    assert e.value.field == "parallel.fsdp_unit_blocks", why
-
-
-def test_planner_holds_a_units_blocks_gathered_and_their_gradients():
-    """Units of two blocks: two blocks' unsharded gradients wait for the unit's reduce-scatter instead of one, and
-    under ZeRO-3 four blocks' weights are gathered at once (the unit and the one prefetched) instead of two."""
-    gpu = GPUS["H100"]
-    growth = {}
-    for zero in (2, 3):
-        one, two = (
-            estimate(_cfg(**{"parallel.zero": zero, "parallel.fsdp_unit_blocks": k}), 4, gpu).memory
-            for k in (1, 2)
-        )
-        growth[zero] = two.gathered - one.gathered
-    assert 0 < growth[2] < growth[3], growth
