@@ -519,7 +519,8 @@ class TrainingConfig:
         "torch",
         "how the global gradient norm sums sharded (DTensor) gradients on CUDA: torch = PyTorch's foreach norm (about "
         "a launch per few tensors); triton = loom::sum_squares on each rank's shards, two launches per dtype, then "
-        "one all-reduce per placement (docs/kernels.md); elsewhere, and for gradients with a pending sum, torch",
+        "one all-reduce per placement (docs/kernels.md; no gain measured at 8B on 2 H200s); elsewhere, and for "
+        "gradients with a pending sum, torch",
         choices=("torch", "triton"),
         resume=(FREE, "kernel choice: the same norm, summed in another order"),
     )
@@ -653,7 +654,8 @@ class OptimizerConfig:
         "forward, on FSDP2's copy-in stream: a unit's update runs beside the previous unit's compute instead of "
         "all of them between backward and forward (Megatron's overlap of the parameter gather with the optimizer "
         "step); the same updates. loom's Triton AdamW under FSDP2 (dp_shard > 1) without tp, pp, cp, ep, "
-        "offload, ZeRO-1, DiLoCo, torchft, CUDA graphs or float16",
+        "offload, ZeRO-1, DiLoCo, torchft, CUDA graphs or float16 (no gain measured at 8B on 2 H200s: "
+        "docs/benchmarks.md)",
         resume=(FREE, "the same updates, run later in the step"),
     )
     momentum: float = opt(0.9, "lars: momentum", min=0.0, max=1.0, resume=(APPLIED, GROUPS))
