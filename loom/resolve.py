@@ -31,7 +31,6 @@ from loom.parallel.symm_mem_rules import RULES as SYMM_MEM
 from loom.runtime.fault_tolerance import replica_groups
 from loom.runtime.fault_tolerance_rules import RULES as FAULT_TOLERANCE
 from loom.train.diloco_rules import RULES as DILOCO
-from loom.train.step_at_gather_rules import RULES as STEP_AT_GATHER
 from loom.train.zero_rules import RULES as ZERO
 
 # the optional features' rule sets, run in this order at each stage (config, layout, machine, device): which of
@@ -46,7 +45,6 @@ FEATURES = (
     LORA,
     SYMM_MEM,
     GRAD_COPY,
-    STEP_AT_GATHER,
 )
 
 

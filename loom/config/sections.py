@@ -648,16 +648,6 @@ class OptimizerConfig:
         choices=("auto", "triton", "fused", "foreach", "for_loop"),
         resume=(FREE, KERNEL + " (the same optimizer state)"),
     )
-    step_at_gather: bool = opt(
-        False,
-        "defer each FSDP2 unit's AdamW update from the step's end to the unit's first all-gather of the next "
-        "forward, on FSDP2's copy-in stream: a unit's update runs beside the previous unit's compute instead of "
-        "all of them between backward and forward (Megatron's overlap of the parameter gather with the optimizer "
-        "step); the same updates. loom's Triton AdamW under FSDP2 (dp_shard > 1) without tp, pp, cp, ep, "
-        "offload, ZeRO-1, DiLoCo, torchft, CUDA graphs or float16 (no gain measured at 8B on 2 H200s: "
-        "docs/benchmarks.md)",
-        resume=(FREE, "the same updates, run later in the step"),
-    )
     momentum: float = opt(0.9, "lars: momentum", min=0.0, max=1.0, resume=(APPLIED, GROUPS))
     trust_coefficient: float = opt(
         1e-3,

@@ -330,7 +330,6 @@ class Engine:
         from loom.models.common.init import canonical_name
 
         cfg, (policy,) = self.cfg, self.parts  # one part: pipeline parallelism is refused where it is used
-        self.optimizer.settle()
         with torch.device("meta"):
             model = build_model(self.model_args)
         training = replace(cfg.training, activation_checkpointing="none")
@@ -347,9 +346,7 @@ class Engine:
         return ref.eval()
 
     def weights_finite(self) -> bool:
-        """Whether every weight this rank holds is finite (``all_finite``), once every update has run (those
-        optimizer.step_at_gather holds for a gather: this check precedes each save)."""
-        self.optimizer.settle()
+        """Whether every weight this rank holds is finite (``all_finite``)."""
         return all_finite([local_tensor(p).detach() for p in self.params])
 
     # ---- build steps ------------------------------------------------------
@@ -538,10 +535,6 @@ class Engine:
             rank=self.env.rank,
         )
         use_norm_kernel(cfg.training.grad_norm_kernel)
-        if cfg.optimizer.step_at_gather:  # each unit's update at its next gather (step_at_gather_rules)
-            from loom.train.step_at_gather import StepAtGather
-
-            self.optimizer.step_at_gather(StepAtGather(self.parts))
         self.scheduler = SchedulerParts(self.optimizer, cfg.training.steps, cfg.optimizer)
         # training.cuda_graphs: gradients accumulate into tensors of their own, kept between steps; a first backward
         # would otherwise hand the graphs' output memory to .grad, which the next micro-batch's replay overwrites
@@ -795,10 +788,5 @@ class Engine:
                 f"pipeline: {plan.schedule} computes weight gradients in a pass of their own, so FSDP keeps "
                 "each block's parameters gathered from forward to the gradient reduction (parallel."
                 "reshard_after_forward = true does not apply)"
-            )
-        if self.optimizer.deferred is not None:
-            lines.append(
-                "optimizer: each FSDP2 unit's AdamW update runs at its next gather, beside the compute of the unit "
-                "before it (optimizer.step_at_gather)"
             )
         return lines

@@ -222,7 +222,6 @@ class Loop:
                 "to (training.nonfinite = rollback; save with checkpoint.every)"
             )
         guard = self.guard.state_dict()
-        self.optimizer.settle()  # updates held for a gather (optimizer.step_at_gather) run before the load
         state = self.checkpointer.load(
             folder, self.parts, self.optimizer, replica=self.engine.replica, extra=self.engine.extra_state()
         )
@@ -639,7 +638,6 @@ class Running:
         """The steps ended (all of them, or a stop request's): the last save (checkpoint.at_end) unless a stop
         saved already, work the hooks have in flight, the checkpointer's writes."""
         cfg, loop = self.loop.cfg, self.loop
-        loop.optimizer.settle()  # the last step's updates held for a gather (optimizer.step_at_gather)
         if (
             not self.stopped
             and cfg.checkpoint.at_end

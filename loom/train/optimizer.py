@@ -275,20 +275,6 @@ class OptimizerParts:
         self.fold_grad_factor = n_held == len(self.params) and all(
             isinstance(opt, TritonAdamW) or opt.defaults.get("fused") for opt in self.optimizers
         )
-        self.deferred = None  # optimizer.step_at_gather: the StepAtGather that holds each step's updates
-
-    def step_at_gather(self, deferred) -> None:
-        """From now on each step's updates wait in ``deferred`` (loom.train.step_at_gather) for their units'
-        gathers: loom's AdamW only (its updates run in parts)."""
-        assert all(isinstance(opt, TritonAdamW) for opt in self.optimizers), (
-            "step_at_gather needs loom's AdamW"
-        )
-        self.deferred = deferred
-
-    def settle(self) -> None:
-        """Every update held for a gather runs now (before anything reads the weights or the state otherwise)."""
-        if self.deferred is not None:
-            self.deferred.flush()
 
     @property
     def param_groups(self) -> list[dict]:
@@ -318,8 +304,7 @@ class OptimizerParts:
         return True
 
     def amax_of(self, params: list) -> torch.Tensor:
-        """The amax of each of ``params`` (tracked) as their optimizers hold it now (a unit's, right after its
-        update at its gather: optimizer.step_at_gather)."""
+        """The amax of each of ``params`` (tracked) as their optimizers hold it now."""
         where = [self._amax_of[id(p)] for p in params]
         (opt, first), *_ = where
         if all(o is opt and slot == first + i for i, (o, slot) in enumerate(where)):
@@ -371,9 +356,6 @@ class OptimizerParts:
                 for opt in self.optimizers:
                     opt.__dict__.pop("found_inf", None)
         elif grad_factor is None:
-            if self.deferred is not None:
-                self._step_folded(None)
-                return
             for opt in self.optimizers:
                 opt.step()
         elif not self.fold_grad_factor:
@@ -388,12 +370,6 @@ class OptimizerParts:
     def _step_folded(self, grad_factor) -> None:
         """Each kernel multiplies the gradients by ``grad_factor`` itself (a NaN factor: the fused AdamW's
         ``found_inf`` is set too, and it skips; loom's Triton kernel skips on its own)."""
-        if self.deferred is not None:
-            self.deferred.flush()  # a unit no forward gathered since the last step (none in a plain run)
-            for opt in self.optimizers:
-                self.deferred.hold(opt, opt.updates(grad_factor))
-                opt._opt_called = True  # what torch's LR scheduler looks for: this step's update is taken
-            return
         for opt in self.optimizers:
             if isinstance(opt, TritonAdamW):
                 opt.step(grad_factor=grad_factor)

@@ -62,7 +62,6 @@ class Float8Scales(StepHook):
     def __init__(self, parts: list, after_quorum: bool, optimizer=None):
         self.parts, self.after_quorum, self.optimizer = parts, after_quorum, optimizer
         self.from_optimizer = False  # whether the last refresh took the amaxes the optimizer's step wrote
-        self.per_unit = False  # whether each unit's scales follow its update at its gather (step_at_gather)
 
     def refresh(self, updated: bool = False) -> None:
         """The scales and casts; ``updated`` (right after the optimizer's step): from the amaxes that step wrote
@@ -84,25 +83,8 @@ class Float8Scales(StepHook):
         if self.optimizer is not None:
             from loom.models.common.float8 import _gathered_float8_weights
 
-            weights = [w for part in self.parts for w in _gathered_float8_weights(part)]
-            tracked = self.optimizer.track_amax(weights)
-            deferred = getattr(self.optimizer, "deferred", None)
-            if deferred is not None and tracked and not self.per_unit:  # optimizer.step_at_gather
-                ids = {id(w) for w in weights}
-                deferred.after_unit.append(
-                    lambda params: self.unit_updated([p for p in params if id(p) in ids])
-                )
-                self.per_unit = True
+            self.optimizer.track_amax([w for part in self.parts for w in _gathered_float8_weights(part)])
         self.refresh()
-
-    def unit_updated(self, weights: list) -> None:
-        """One FSDP2 unit's float8 weights just updated at its gather (optimizer.step_at_gather): their scales
-        from the amaxes the update wrote, and their casts, before the gather reads them."""
-        from loom.models.common.float8 import cast_shards, scales_from_amax
-
-        if weights:
-            scales_from_amax(weights, self.optimizer.amax_of(weights))
-            cast_shards(weights)
 
     def after_backward(self, params: list) -> None:
         from loom.models.common.float8 import drop_casts
@@ -115,10 +97,6 @@ class Float8Scales(StepHook):
             self.refresh()
 
     def after_update(self, step: int) -> None:
-        if self.per_unit:
-            return  # each unit's scales and casts at its gather, after its update (``unit_updated``)
-        if getattr(self.optimizer, "deferred", None) is not None:
-            self.optimizer.settle()  # untracked weights: their updates first
         self.refresh(updated=True)
 
     def loaded(self, with_state: bool) -> None:

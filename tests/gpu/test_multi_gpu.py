@@ -221,14 +221,6 @@ def test_fsdp_grad_copy_on_two_gpus_trains_as_fsdp2s_own_copy(tmp_path):
     assert copied == plain, (copied, plain)
 
 
-def test_step_at_gather_on_two_gpus_trains_as_the_update_at_the_step_end(tmp_path):
-    """optimizer.step_at_gather: each unit's AdamW update runs on FSDP2's copy-in stream at its next gather (the
-    stream orders it after the backward and before the gather); the same kernels on the same inputs, so the same
-    losses bit for bit, float8 weights gathered in float8 included (their scales then computed per unit)."""
-    for name, plain, held in plain_and_changed(tmp_path, {"optimizer.step_at_gather": "true"}):
-        assert held == plain, (name, held, plain)
-
-
 def test_grad_norm_kernel_on_two_gpus_trains_as_pytorchs_norm(tmp_path):
     """training.grad_norm_kernel triton: the norm of FSDP2's shards through loom::sum_squares is PyTorch's, summed in
     another order, so the clipped steps' losses agree to float tolerance: 1e-4, as DDP's and FSDP2's against one
