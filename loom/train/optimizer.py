@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
@@ -31,16 +29,6 @@ def resolve_implementation(impl: str, device: torch.device, offload: bool = Fals
 
 
 _HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "step")  # the kernels' keyword arguments, in order
-
-
-class Update(NamedTuple):
-    """One parameter's AdamW update, prepared (``TritonAdamW.updates``) and run later (``TritonAdamW.run``)."""
-
-    param: torch.Tensor
-    tensors: tuple  # local param, gradient, exp_avg, exp_avg_sq; () = no gradient, only its amax is written
-    hyper: tuple  # lr, beta1, beta2, eps, weight_decay, step count
-    factor: torch.Tensor | None  # the gradient factor (clipping), a one-element device tensor
-    slot: int | None  # its place in ``amax`` where tracked
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -81,20 +69,15 @@ class TritonAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.run(self.updates(grad_factor))
-        self.settle_amax()
-        return loss
-
-    def updates(self, grad_factor: torch.Tensor | None = None) -> list[Update]:
-        """This step's update of each parameter, not yet run (``run``): the step counts advance now (on the host),
-        the learning rate is this step's; each holds its gradient, so the caller may drop ``.grad``."""
         factors: dict = {}  # once per device (offloaded shards on the host, the factor on the GPU)
-        out = []
+        small: dict = {}  # tensors under SMALL elements, by device, gradient dtype and hyperparameters: one launch each
+        if self.amax is not None:
+            self.amax.zero_()
         for group in self.param_groups:
             for p in group["params"]:  # a tracked tensor without a gradient keeps its values: their amax
                 slot = self._amax_slot.get(id(p))
                 if p.grad is None and slot is not None and local_tensor(p).numel():
-                    out.append(Update(p, None, (), None, slot))
+                    self.amax[slot] = local_tensor(p).abs().max()
             live = [p for p in group["params"] if p.grad is not None]
             if not live:
                 continue
@@ -118,46 +101,22 @@ class TritonAdamW(torch.optim.AdamW):
                         factor = factors[local.device] = torch.as_tensor(
                             grad_factor, dtype=torch.float32, device=local.device
                         ).reshape(1)
-                out.append(Update(p, tensors, (*base, int(count)), factor, self._amax_slot.get(id(p))))
-        return out
-
-    @torch.no_grad()
-    def run(self, updates: list[Update]) -> None:
-        """Run ``updates`` (``updates``' output, any subset, each once): a tensor of ``SMALL`` elements or more, or
-        one whose amax is tracked, in a launch of its own; the small ones together, one launch per device, gradient
-        dtype and hyperparameters."""
-        small: dict = {}
-        self._zero_amax([u.slot for u in updates if u.slot is not None and u.tensors != ()])
-        for u in updates:
-            if u.tensors == ():  # tracked, without a gradient: the unchanged weights' amax
-                self.amax[u.slot] = local_tensor(u.param).abs().max()
-                continue
-            if u.tensors[0].numel() >= SMALL or u.slot is not None:
-                amax = None if u.slot is None else self.amax[u.slot : u.slot + 1]
-                adamw_step_(*u.tensors, **dict(zip(_HYPER, u.hyper)), grad_factor=u.factor, amax=amax)
-                continue
-            _, lists = small.setdefault(
-                (u.tensors[0].device, u.tensors[1].dtype, u.hyper), (u.factor, ([], [], [], []))
-            )
-            for kept, t in zip(lists, u.tensors):
-                kept.append(t)
+                hyper = (*base, int(count))
+                slot = self._amax_slot.get(id(p))
+                if local.numel() >= SMALL or slot is not None:
+                    amax = None if slot is None else self.amax[slot : slot + 1]
+                    adamw_step_(*tensors, **dict(zip(_HYPER, hyper)), grad_factor=factor, amax=amax)
+                    continue
+                _, lists = small.setdefault(
+                    (local.device, tensors[1].dtype, hyper), (factor, ([], [], [], []))
+                )
+                for kept, t in zip(lists, tensors):
+                    kept.append(t)
         for (_, _, hyper), (factor, lists) in small.items():
             adamw_multi_step_(*lists, **dict(zip(_HYPER, hyper)), grad_factor=factor)
-
-    def _zero_amax(self, slots: list[int]) -> None:
-        """The kernel raises each slot to its tensor's amax: from zero, in one launch for all of them."""
-        if not slots:
-            return
-        lo, hi = min(slots), max(slots) + 1
-        if hi - lo == len(slots):  # a range (all of them, one unit's): no index tensor
-            self.amax[lo:hi].zero_()
-        else:
-            self.amax.index_fill_(0, torch.tensor(slots, device=self.amax.device), 0.0)
-
-    def settle_amax(self) -> None:
-        """``amax`` holds this step's figures from here (every update of the step has run)."""
         self.amax_fresh = self.amax is not None
         self._amax_versions = [local_tensor(p)._version for p in self._amax_params]
+        return loss
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
