@@ -374,6 +374,12 @@ def check_machine(cfg: Config, device: str) -> None:
         from loom.runtime.env import check_mpi
 
         check_mpi()
+    if not cfg.metrics.profile_host and device != "cuda":
+        raise ConfigError(
+            "metrics.profile_host",
+            False,
+            f"records the GPU's activity alone, and this run is on the {device}: allowed true here",
+        )
     if cfg.parallel.async_tp and device != "cuda":
         raise ConfigError("parallel.async_tp", True, "needs CUDA devices (symmetric memory)")
     for feature in FEATURES:

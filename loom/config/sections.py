@@ -48,6 +48,10 @@ ACTIVATIONS = {
         "optimizer.offload nvme (the moments in files)",
     ),
     "parallel.ep": (lambda c: c.parallel.ep > 1, "parallel.ep > 1 (expert parallelism)"),
+    "metrics.profile_steps": (
+        lambda c: bool(c.metrics.profile_steps.strip()),
+        "metrics.profile_steps (a profiled window)",
+    ),
     "float16": (lambda c: c.training.dtype == "float16", "training.dtype float16 (its loss scaling)"),
     "nonfinite skip or rollback": (
         lambda c: c.training.nonfinite != "stop",
@@ -1054,6 +1058,14 @@ class MetricsConfig:
         True,
         "with metrics.profile_steps on CUDA: also record the allocator's history (the memory snapshot); its "
         "Python stack per allocation slows the profiled steps, so false to time them as they run unprofiled",
+        resume=(FREE, OUTPUT),
+    )
+    profile_host: bool = opt(
+        True,
+        "with metrics.profile_steps: also record the host's ops (CPU activity, the ProfilerStep ranges); false "
+        "records the GPU alone (kernels, copies and their launch calls: CUDA only), so the profiled steps' host "
+        "runs as it does unprofiled and the GPU's idle gaps are the run's own, not the profiler's",
+        needs="metrics.profile_steps",
         resume=(FREE, OUTPUT),
     )
     straggler_fraction: float = opt(

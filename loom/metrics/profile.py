@@ -8,7 +8,8 @@ drops) every rank writes to ``<run.dir>/profile/``:
   steps), ``forward`` / ``backward`` / ``optimizer`` (``forward_backward`` for a
   pipeline schedule run) from the trainer, and ``block.<i>`` / ``block.<i>.backward`` per transformer block
   from hooks. The collectives of FSDP2 / DDP / TP / PP carry their own names (``c10d::`` ops, ``gloo:`` or
-  ``nccl:`` ranges, NCCL kernels).
+  ``nccl:`` ranges, NCCL kernels). With ``metrics.profile_host = false`` (CUDA) the GPU's activity alone: kernels,
+  copies and their launch calls, no host ops or ranges; the trace's ``loom_profiled_steps`` says how many steps.
 * on CUDA, ``memory_snapshot_rank<r>.pickle``: the allocator's history over the window (pytorch.org/memory_viz).
 
 Outside the window nothing is registered and ``phase`` hands back a shared no-op context: profiling that is
@@ -25,6 +26,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from loom.metrics.nvtx import OFF, NvtxRange, nvtx_range
+from loom.metrics.trace_summary import STEPS_KEY
 
 _OFF = OFF  # stateless, so one instance serves every phase
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept (the oldest are dropped): bounds the snapshot's size
@@ -140,11 +142,13 @@ class StepProfiler:
         blocks: dict[str, nn.Module] | None = None,
         is_main: bool = True,
         no_snapshot: str = "",
+        host: bool = True,
     ):
         self.window = window
         self.out_dir = os.path.join(run_dir, "profile")
         self.rank, self.device, self.blocks, self.is_main = rank, device, blocks, is_main
         self.cuda = device.type == "cuda"
+        self.host = host  # metrics.profile_host: the host's ops recorded too (False: the GPU alone, on CUDA)
         # why this run writes no memory snapshot on CUDA ("" = it writes one)
         self.no_snapshot = no_snapshot
         self.snapshot = self.cuda and not no_snapshot
@@ -216,7 +220,7 @@ class StepProfiler:
         from torch.profiler import ProfilerAction
 
         os.makedirs(self.out_dir, exist_ok=True)
-        activities = [torch.profiler.ProfilerActivity.CPU]
+        activities = [torch.profiler.ProfilerActivity.CPU] if self.host or not self.cuda else []
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         first, last = self.window
@@ -253,6 +257,10 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the window's kernels are in the trace
         prof, self._prof = self._prof, None
+        if (
+            self._first_step
+        ):  # how many steps the trace holds (a GPU-only one has no ProfilerStep ranges to count)
+            prof.add_metadata_json(STEPS_KEY, str(self._last_step - self._first_step + 1))
         prof.stop()  # from a recording step: the trace is exported (_export); from the warm-up: nothing recorded
         if self._snapshotting:
             torch.cuda.memory._dump_snapshot(

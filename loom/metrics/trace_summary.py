@@ -1,6 +1,7 @@
 """Where a training step's GPU time goes, from the trace ``--metrics.profile_steps A:B`` writes:
 kernel time by category (attention, matmul, fused elementwise, loss, optimizer, ...), the top kernels,
-and the time the GPU runs no kernel (idle), per profiled step (docs/metrics.md, "Profiling").
+the time the GPU runs no kernel (idle), and where the compute stream waits (its gaps, by the kernels either side),
+per profiled step (docs/metrics.md, "Profiling").
 
     loom train --model.flavor 1B ... --run.dir runs/x --metrics.profile_steps 5:7
     python -m loom.metrics.trace_summary runs/x/profile/trace_rank0.json [--out summary.json] [--label 1B]
@@ -29,6 +30,11 @@ CATEGORIES = [
 ]
 
 
+STEPS_KEY = "loom_profiled_steps"  # the trace's count of profiled steps (loom.metrics.profile writes it)
+GAP_US = 10.0  # a compute-stream gap shorter than this is a launch's own latency, not a wait
+COPIES = ("gpu_memcpy", "gpu_memset")  # what else occupies a stream besides kernels
+
+
 def category(name: str) -> str:
     low = name.lower()
     for cat, pattern in CATEGORIES:
@@ -49,14 +55,16 @@ def summarize(trace: dict) -> dict:
     recorded = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not recorded:
         raise SystemExit("no GPU kernels in this trace (a CPU run?)")
-    kernels = in_steps(recorded, steps, launch_times(events))
+    launches = launch_times(events)
+    kernels = in_steps(recorded, steps, launches)
     if not kernels:
         raise SystemExit(
             f"none of this trace's {len(recorded)} GPU kernels was launched inside a ProfilerStep range"
         )
     start = min(k["ts"] for k in kernels)
     end = max(k["ts"] + k["dur"] for k in kernels)
-    n_steps = max(len(steps), 1)
+    # a GPU-only trace (metrics.profile_host false) has no step ranges: the count loom wrote beside its events
+    n_steps = len(steps) or (int(trace.get(STEPS_KEY, 1)) if isinstance(trace, dict) else 1)
     by_cat, by_name = defaultdict(float), defaultdict(float)
     for k in kernels:
         by_cat[category(k["name"])] += k["dur"]
@@ -80,11 +88,53 @@ def summarize(trace: dict) -> dict:
         "exposed_communication_ms_per_step": ms(comm_total - overlap(comm, compute)),
         "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top_kernels_ms_per_step": {n: ms(t) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:15]},
+        "compute_stream_gaps": stream_gaps(
+            in_steps([e for e in events if e.get("ph") == "X" and e.get("cat") in COPIES], steps, launches)
+            + kernels,
+            n_steps,
+        ),
         # only where the profiler recorded shapes (record_shapes=True): GEMM time by the launching op and its inputs
         "matmul_by_shape_ms_per_step": {
             key: {"ms": ms(t), "calls": n / n_steps}
             for key, (t, n) in sorted(by_shape.items(), key=lambda x: -x[1][0])[:20]
         },
+    }
+
+
+def stream_gaps(ops: list, n_steps: int) -> dict:
+    """Where the stream that runs the most kernel time besides communication (the compute stream) waits: its gaps of at least ``GAP_US``
+    between one kernel or copy and the next, per step, grouped by the two either side (a gap before each block's
+    first kernel, say, is the host launching it late, or a wait on another stream)."""
+    by_stream: dict = defaultdict(list)
+    for k in ops:
+        by_stream[k.get("args", {}).get("stream")].append(k)
+    stream = max(
+        by_stream,
+        key=lambda s: sum(
+            k["dur"]
+            for k in by_stream[s]
+            if k.get("cat") == "kernel" and category(k["name"]) != "communication"
+        ),
+    )
+    seq = sorted(by_stream[stream], key=lambda k: k["ts"])
+    groups: dict = defaultdict(lambda: [0.0, 0])
+    total, end = 0.0, seq[0]["ts"] + seq[0]["dur"]
+    for prev, k in zip(seq, seq[1:]):
+        end = max(end, prev["ts"] + prev["dur"])
+        gap = k["ts"] - end
+        if gap >= GAP_US:
+            total += gap
+            entry = groups[(prev["name"][:60], k["name"][:60])]
+            entry[0] += gap
+            entry[1] += 1
+    ms = lambda us: us / 1000 / n_steps
+    return {
+        "stream": stream,
+        "ms_per_step": ms(total),
+        "by_neighbours": [
+            {"before": a, "after": b, "ms_per_step": ms(t), "per_step": n / n_steps}
+            for (a, b), (t, n) in sorted(groups.items(), key=lambda x: -x[1][0])[:10]
+        ],
     }
 
 
@@ -192,6 +242,10 @@ def main() -> None:
         print(f"  {c:<28} {t:8.2f} ms  {100 * t / busy:5.1f}%")
     for n, t in list(res["top_kernels_ms_per_step"].items())[:8]:
         print(f"    {t:8.2f} ms  {n}")
+    gaps = res["compute_stream_gaps"]
+    print(f"  compute stream ({gaps['stream']}) gaps {gaps['ms_per_step']:.2f} ms/step, the largest kinds:")
+    for g in gaps["by_neighbours"][:5]:
+        print(f"    {g['ms_per_step']:8.2f} ms  {g['per_step']:5.1f} x  {g['before']}  ->  {g['after']}")
     for key, v in list(res["matmul_by_shape_ms_per_step"].items())[:8]:
         print(f"    {v['ms']:8.2f} ms  {v['calls']:5.1f} calls  {key}")
 

@@ -651,6 +651,7 @@ class Engine:
             blocks,
             is_main=self.env.is_main,
             no_snapshot=no_snapshot,
+            host=self.cfg.metrics.profile_host,
         )
 
     # ---- one step -------------------------------------------------------------

@@ -83,6 +83,37 @@ def test_profile_without_the_memory_history(tmp_path, capsys):
     assert kernels and in_steps(kernels, steps, launch_times(events)) == kernels
 
 
+def test_gpu_only_profile(tmp_path):
+    """metrics.profile_host = false: kernels and their launch calls, no host op or range, and the step count beside
+    them, which trace_summary divides by."""
+    from loom.metrics.trace_summary import summarize
+
+    run_one(
+        {
+            "run.dir": str(tmp_path / "run"),
+            "run.device": "cuda",
+            "training.steps": 4,
+            "training.seq_len": 128,
+            "training.global_batch_size": 4,
+            "training.micro_batch_size": 4,
+            "metrics.every": 1,
+            "checkpoint.at_end": "false",
+            "metrics.tensorboard": "false",
+            "metrics.profile_steps": "2:3",
+            "metrics.profile_memory": "false",
+            "metrics.profile_host": "false",
+        }
+    )
+    with open(tmp_path / "run" / "profile" / "trace_rank0.json") as fh:
+        trace = json.load(fh)
+    cats = {e.get("cat") for e in trace["traceEvents"]}
+    assert "kernel" in cats and not cats & {"cpu_op", "user_annotation", "python_function"}
+    assert trace["loom_profiled_steps"] == 2
+    summary = summarize(trace)
+    assert summary["steps"] == 2 and summary["gpu_busy_ms_per_step"] > 0
+    assert summary["compute_stream_gaps"]["ms_per_step"] >= 0
+
+
 def test_profile_of_moe_under_activation_checkpointing_trains_on(tmp_path, capsys):
     """PyTorch's CUDA memory history broke the backward of MoE blocks under activation checkpointing (torch 2.11):
     the profile then writes the trace only, says why, and training goes on."""

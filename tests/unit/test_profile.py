@@ -33,6 +33,22 @@ def test_window_past_the_last_step_is_a_config_error():
         check_config(build_config(None, {"training.steps": "5", "metrics.profile_steps": "4:6"}))
 
 
+def test_gpu_only_profile_needs_cuda_and_a_window():
+    """metrics.profile_host = false records the GPU alone: refused on the CPU (nothing would be recorded), and as a
+    field that does nothing without metrics.profile_steps."""
+    from loom.resolve import resolve
+
+    cpu = build_config(
+        None, {"run.device": "cpu", "metrics.profile_steps": "1:1", "metrics.profile_host": "false"}
+    )
+    with pytest.raises(ConfigError, match=r"metrics.profile_host = False.*on the cpu: allowed true here"):
+        resolve(cpu, 1)
+    with pytest.raises(
+        ConfigError, match=r"metrics.profile_host.*does nothing without metrics.profile_steps"
+    ):
+        check_config(build_config(None, {"metrics.profile_host": "false"}))
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
@@ -51,7 +67,9 @@ def test_profiled_steps_write_a_trace_with_phase_and_block_ranges(tmp_path, cach
     folder = tmp_path / "run" / "profile"
     assert sorted(p.name for p in folder.iterdir()) == ["trace_rank0.json"]  # no memory snapshot on a CPU
     with open(folder / "trace_rank0.json") as fh:
-        events = json.load(fh)["traceEvents"]
+        trace = json.load(fh)
+    events = trace["traceEvents"]
+    assert trace["loom_profiled_steps"] == 2  # the count a GPU-only trace (no step ranges) is read by
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
     counts = {name: sum(e["name"] == name for e in ranges) for name in {e["name"] for e in ranges}}
     # 2 steps x 2 micro-batches of forward/backward, one optimizer phase per step, 2 blocks

@@ -151,3 +151,34 @@ def test_the_command_exits_2_with_one_line_on_a_bad_trace(tmp_path):
         assert out.returncode == 2 and why in out.stderr and len(out.stderr.strip().splitlines()) == 1, (
             out.stderr
         )
+
+
+def test_compute_stream_gaps_by_the_kernels_either_side():
+    """The stream with the most kernel time besides communication; gaps of at least GAP_US (a copy occupies the stream too), grouped by the
+    two either side and divided by the steps; another stream's kernels fill none of them; a GPU-only trace's step
+    count is the one written beside its events."""
+
+    def on(name, ts, dur, stream, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = []
+    for base in (
+        0,
+        1000,
+    ):  # two steps, each: copy-out, a wait, the block's first kernel, GEMM; NCCL elsewhere
+        events += [
+            on("split_with_sizes_copy", base, 100, 7),
+            on("rms_norm_fwd", base + 900, 50, 7),  # 800 us after the copy-out
+            on("Memcpy HtoD", base + 955, 5, 7, cat="gpu_memcpy"),
+            on("nvjet_gemm", base + 962, 30, 7),  # 2 us after the copy: a launch's latency, not a gap
+            on("ncclDevKernel_ReduceScatter", base + 100, 800, 26),
+        ]
+    s = summarize({"traceEvents": events, "loom_profiled_steps": 2})
+    gaps = s["compute_stream_gaps"]
+    assert s["steps"] == 2 and gaps["stream"] == 7
+    assert (
+        abs(gaps["ms_per_step"] - 0.8) < 1e-9
+    )  # 800 us a step; the GEMM's 8 us to the next step's copy is none
+    top = gaps["by_neighbours"][0]
+    assert (top["before"], top["after"], top["per_step"]) == ("split_with_sizes_copy", "rms_norm_fwd", 1.0)
+    assert abs(top["ms_per_step"] - 0.8) < 1e-9
