@@ -257,9 +257,8 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the window's kernels are in the trace
         prof, self._prof = self._prof, None
-        if (
-            self._first_step
-        ):  # how many steps the trace holds (a GPU-only one has no ProfilerStep ranges to count)
+        # how many steps the trace holds (a GPU-only one has no ProfilerStep ranges to count)
+        if self._first_step:
             prof.add_metadata_json(STEPS_KEY, str(self._last_step - self._first_step + 1))
         prof.stop()  # from a recording step: the trace is exported (_export); from the warm-up: nothing recorded
         if self._snapshotting:

@@ -102,9 +102,9 @@ def summarize(trace: dict) -> dict:
 
 
 def stream_gaps(ops: list, n_steps: int) -> dict:
-    """Where the stream that runs the most kernel time besides communication (the compute stream) waits: its gaps of at least ``GAP_US``
-    between one kernel or copy and the next, per step, grouped by the two either side (a gap before each block's
-    first kernel, say, is the host launching it late, or a wait on another stream)."""
+    """Where the compute stream (the one running the most kernel time besides communication) waits: its gaps of at
+    least ``GAP_US`` between one kernel or copy and the next, per step, grouped by the two either side (a gap before
+    each block's first kernel, say, is the host launching it late, or a wait on another stream)."""
     by_stream: dict = defaultdict(list)
     for k in ops:
         by_stream[k.get("args", {}).get("stream")].append(k)
