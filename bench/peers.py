@@ -707,11 +707,10 @@ def stream(cmd: list[str], env: dict, timeout: float, log_path: str, first: re.P
     }
 
 
-def timed(values: list, warmup: int, profiled: bool = False) -> list:
-    """The values of the steps after the first ``warmup`` (all of them where there are no more), less the last two
-    where the last was profiled (--profile: both profilers start on the step before the one they record, and slow
-    both)."""
-    values = values[:-2] if profiled and len(values) > 2 else values
+def timed(values: list, warmup: int, profiled: int = 0) -> list:
+    """The values of the steps after the first ``warmup`` (all of them where there are no more), less the last
+    ``profiled`` (--profile: the profiler's warm-up step and the steps it records, which it slows)."""
+    values = values[:-profiled] if profiled and len(values) > profiled else values
     return values[warmup:] or values
 
 
@@ -727,13 +726,17 @@ def titan_profiling(steps: int) -> dict:
     }
 
 
-def loom_profiling(steps: int) -> dict:
-    """loom's built-in profiler on the last step (loom.metrics.profile), without the memory snapshot: its history
-    of allocations slows the profiled step, and torchtitan's profile (its default) has none."""
-    return {"metrics.profile_steps": f"{steps}:{steps}", "metrics.profile_memory": "false"}
+def loom_profiling(steps: int, host: bool = True) -> dict:
+    """loom's built-in profiler (loom.metrics.profile) on the last two steps, whose last is summarized: the first
+    recorded step starts from a drained GPU (loom's profiler waits for it), with none of the host's lead an
+    unprofiled step has, while torchtitan's profiler does not wait. ``host`` false (metrics.profile_host: a trace of
+    the GPU alone, no step ranges to tell the two apart): the last step only. No memory snapshot: its history of
+    allocations slows the profiled steps, and torchtitan's profile (its default) has none."""
+    first = steps - 1 if host and steps > 1 else steps
+    return {"metrics.profile_steps": f"{first}:{steps}", "metrics.profile_memory": "false"}
 
 
-def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
+def profile_summary(trace_path: str, keep_dir: str, label: str, skip_first: bool = False) -> dict:
     """The profiled step's GPU time by kernel category, top kernels and exposed communication
     (loom.metrics.trace_summary) from rank 0's trace, and each other rank's span, busy time and communication (a
     rank that waits on a late peer shows it there, rank 0's NCCL kernels lasting longer than their bytes need); the
@@ -743,13 +746,14 @@ def profile_summary(trace_path: str, keep_dir: str, label: str) -> dict:
 
     if not os.path.exists(trace_path):
         return {"error": f"no trace at {trace_path}"}
+    # ``skip_first``: the summary leaves out the first of the recorded steps (loom's, which starts drained)
     out: dict = {}
     rank = 0
     while os.path.exists(path := trace_path.replace("rank0", f"rank{rank}")):
         with open(path, "rb") as fh:
             raw = fh.read()
         try:
-            summary = summarize(json.loads(raw))
+            summary = summarize(json.loads(raw), skip_first=skip_first)
         except SystemExit as e:  # no GPU kernels (a CPU smoke run)
             return {"error": str(e), "trace": path}
         if rank == 0:
@@ -851,10 +855,12 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
     """loom's side; ``variant``: fields changed on top of --loom-set (a --loom-variant run), ``env.NAME=VALUE``
     an environment variable of that run (an NCCL setting, say) rather than a config field."""
     cfg = loom_config(w, gpus, paths, matched(a), a.device)
-    if a.profile:
-        cfg.update(loom_profiling(a.steps))
     fields, extra_env = split_fields((*a.loom_set, *variant))
+    host = str(fields.get("metrics.profile_host", "true")).lower() != "false"
+    if a.profile:
+        cfg.update(loom_profiling(a.steps, host))
     cfg.update(fields)
+    recorded = int(a.profile) * (2 if host and a.steps > 1 else 1)  # the steps loom's profiler records
     env = {**os.environ, **JOB_ENV, "PYTORCH_ALLOC_CONF": ALLOC_CONF, **extra_env}
     if a.loom_sdpa == "torchtitan":
         with open(os.path.join(paths["loom_py"], "sitecustomize.py"), "w") as fh:
@@ -878,7 +884,7 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
     if run["rc"]:
         out["error"] = failure(subprocess.CompletedProcess(cmd, run["rc"], run["output"], run["output"]))
     if recs:
-        timed_recs = timed(recs, a.warmup, a.profile)
+        timed_recs = timed(recs, a.warmup, recorded + 1 if recorded else 0)  # its warm-up step too
         out.update(
             {
                 "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed_recs),
@@ -897,7 +903,7 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
     if a.profile:
         trace = os.path.join(paths["loom_dir"], "profile", "trace_rank0.json")
         out["profile"] = profile_summary(
-            trace, a.profile_dir, f"{w.name}_{os.path.basename(paths['loom_dir'])}"
+            trace, a.profile_dir, f"{w.name}_{os.path.basename(paths['loom_dir'])}", skip_first=recorded > 1
         )
     return out
 
@@ -1048,9 +1054,10 @@ def main() -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="profile each side's last step (torchtitan's [profiling], loom's metrics.profile_steps) and store "
-        "rank 0's GPU time by kernel category, top kernels and exposed communication; the medians leave out "
-        "that step and the profiler's warm-up step before it",
+        help="profile each side's last step (torchtitan's [profiling]; loom's metrics.profile_steps over its last "
+        "two, summarizing the second: the first starts from a drained GPU) and store rank 0's GPU time by kernel "
+        "category, top kernels, exposed communication and the compute stream's gaps; the medians leave out the "
+        "profiled steps and each profiler's warm-up step",
     )
     p.add_argument("--profile-dir", default="", help="with --profile: keep both gzipped traces here")
     p.add_argument("--run-dir", default="/tmp/loom_peers")
@@ -1134,7 +1141,9 @@ def main() -> None:
                 "loom_prepare_s": prepare_s,
             },
             "allocator": f"PYTORCH_ALLOC_CONF={ALLOC_CONF}",
-            "profiled": "the last step of each side (its profiler warms up over the one before); both left out of the medians"
+            "profiled": "torchtitan's last step, loom's last two (the first starts from a drained GPU and is left out "
+            "of its summary; one with metrics.profile_host false), each after its profiler's warm-up step; all left "
+            "out of the medians"
             if a.profile
             else None,
         },

@@ -43,15 +43,27 @@ def category(name: str) -> str:
     return "other"
 
 
-def summarize(trace: dict) -> dict:
+def summarize(trace: dict, skip_first: bool = False) -> dict:
+    """The per-step figures of ``trace``; ``skip_first``: without the first profiled step, which starts from a
+    drained GPU (loom's profiler waits for it), so its host has none of an unprofiled step's lead."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    steps = [
-        e
-        for e in events
-        if e.get("ph") == "X"
-        and str(e.get("name", "")).startswith("ProfilerStep#")
-        and e.get("cat") != "gpu_user_annotation"
-    ]  # each step also appears as a range on the GPU rows
+    steps = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X"
+            and str(e.get("name", "")).startswith("ProfilerStep#")
+            and e.get("cat") != "gpu_user_annotation"
+        ),  # each step also appears as a range on the GPU rows
+        key=lambda e: e["ts"],
+    )
+    if skip_first:
+        if len(steps) < 2:
+            raise SystemExit(
+                f"--skip-first needs two or more ProfilerStep ranges; this trace has {len(steps)} (profile more "
+                "steps, with metrics.profile_host true)"
+            )
+        steps = steps[1:]
     recorded = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not recorded:
         raise SystemExit("no GPU kernels in this trace (a CPU run?)")
@@ -215,10 +227,15 @@ def main() -> None:
     p.add_argument("trace", help="a trace_rank<r>.json that --metrics.profile_steps wrote")
     p.add_argument("--out", default="", help="also write the summary as JSON here")
     p.add_argument("--label", default="", help="a name printed and stored with the summary")
+    p.add_argument(
+        "--skip-first",
+        action="store_true",
+        help="leave out the first profiled step (it starts from a drained GPU: no host lead)",
+    )
     a = p.parse_args()
     try:
         with open(a.trace) as f:
-            res = summarize(json.load(f))
+            res = summarize(json.load(f), skip_first=a.skip_first)
     except (OSError, ValueError) as e:  # missing, unreadable or not JSON
         why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
     except SystemExit as e:  # a trace without GPU kernels to count

@@ -222,10 +222,11 @@ def test_the_log_parser_reads_torchtitans_metrics_lines():
 def test_medians_leave_out_the_warmup_and_mfu_is_given_on_both_conventions():
     assert peers.timed([9.0, 1.0, 2.0, 3.0], 1) == [1.0, 2.0, 3.0]
     assert peers.timed([9.0], 5) == [9.0]  # fewer steps than the warm-up: all of them
-    assert peers.timed([9.0, 1.0, 2.0, 20.0, 30.0], 1, profiled=True) == [
+    assert peers.timed([9.0, 1.0, 2.0, 20.0, 30.0], 1, profiled=2) == [
         1.0,
         2.0,
     ]  # profiler warm-up, step out
+    assert peers.timed([9.0, 1.0, 2.0, 10.0, 20.0, 30.0], 1, profiled=3) == [1.0, 2.0]  # loom's: two recorded
     titan = {"tokens_per_s_per_gpu": 1000.0, "mfu": 0.30, "peak_flops": 1e15, "flops_per_token": 3e11}
     loom = {"tokens_per_s_per_gpu": 1200.0, "mfu": 0.372}  # loom counts 3.1e11 FLOPs per token here
     peers.conventions(titan, loom)
@@ -295,7 +296,10 @@ def test_profile_sections_and_the_summary_of_a_kept_trace(tmp_path):
     assert (
         prof["profile_freq"] - prof["profiler_warmup"] - prof["profiler_active"] == 5
     )  # its wait: the last step
-    assert peers.loom_profiling(7) == {"metrics.profile_steps": "7:7", "metrics.profile_memory": "false"}
+    # loom records the last two steps (the first starts drained); a GPU-only trace the last one
+    assert peers.loom_profiling(7) == {"metrics.profile_steps": "6:7", "metrics.profile_memory": "false"}
+    assert peers.loom_profiling(7, host=False)["metrics.profile_steps"] == "7:7"
+    assert peers.loom_profiling(1)["metrics.profile_steps"] == "1:1"
     trace = tmp_path / "trace_rank0.json"
     kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
     step = {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 100}

@@ -182,3 +182,23 @@ def test_compute_stream_gaps_by_the_kernels_either_side():
     top = gaps["by_neighbours"][0]
     assert (top["before"], top["after"], top["per_step"]) == ("split_with_sizes_copy", "rms_norm_fwd", 1.0)
     assert abs(top["ms_per_step"] - 0.8) < 1e-9
+
+
+def test_skip_first_leaves_out_the_drained_step():
+    """``skip_first``: the kernels launched in the first ProfilerStep range are left out and the steps counted are
+    the rest; a trace without two step ranges cannot skip one."""
+    import pytest
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 100, "dur": 100},
+        launch(1, 5),
+        run("nvjet_gemm", 10, 80, 1),
+        launch(2, 105),
+        run("nvjet_gemm", 110, 30, 2),
+    ]
+    full, later = summarize({"traceEvents": events}), summarize({"traceEvents": events}, skip_first=True)
+    assert full["steps"] == 2 and abs(full["by_category_ms_per_step"]["matmul"] - 0.055) < 1e-12
+    assert later["steps"] == 1 and abs(later["by_category_ms_per_step"]["matmul"] - 0.03) < 1e-12
+    with pytest.raises(SystemExit, match="needs two or more ProfilerStep ranges; this trace has 0"):
+        summarize({"traceEvents": [kernel("nvjet_gemm", 0, 10)]}, skip_first=True)
