@@ -57,21 +57,7 @@ def test_profile_writes_a_cuda_trace_and_a_memory_snapshot(tmp_path, capsys):
 def test_profile_without_the_memory_history(tmp_path, capsys):
     """metrics.profile_memory = false: the trace only (a profile for timing: no allocation history slowing the
     profiled step), and the log line says why there is no snapshot."""
-    run_one(
-        {
-            "run.dir": str(tmp_path / "run"),
-            "run.device": "cuda",
-            "training.steps": 2,
-            "training.seq_len": 128,
-            "training.global_batch_size": 4,
-            "training.micro_batch_size": 4,
-            "metrics.every": 1,
-            "checkpoint.at_end": "false",
-            "metrics.tensorboard": "false",
-            "metrics.profile_steps": "2:2",
-            "metrics.profile_memory": "false",
-        }
-    )
+    small_run(tmp_path, steps=2, window="2:2")
     assert sorted(p.name for p in (tmp_path / "run" / "profile").iterdir()) == ["trace_rank0.json"]
     assert "no memory snapshot (metrics.profile_memory = false)" in capsys.readouterr().out
     assert not torch.cuda.memory._snapshot()["device_traces"][0]  # never recorded
@@ -88,22 +74,7 @@ def test_gpu_only_profile(tmp_path):
     them, which trace_summary divides by."""
     from loom.metrics.trace_summary import summarize
 
-    run_one(
-        {
-            "run.dir": str(tmp_path / "run"),
-            "run.device": "cuda",
-            "training.steps": 4,
-            "training.seq_len": 128,
-            "training.global_batch_size": 4,
-            "training.micro_batch_size": 4,
-            "metrics.every": 1,
-            "checkpoint.at_end": "false",
-            "metrics.tensorboard": "false",
-            "metrics.profile_steps": "2:3",
-            "metrics.profile_memory": "false",
-            "metrics.profile_host": "false",
-        }
-    )
+    small_run(tmp_path, steps=4, window="2:3", **{"metrics.profile_host": "false"})
     with open(tmp_path / "run" / "profile" / "trace_rank0.json") as fh:
         trace = json.load(fh)
     cats = {e.get("cat") for e in trace["traceEvents"]}
@@ -111,7 +82,28 @@ def test_gpu_only_profile(tmp_path):
     assert trace["loom_profiled_steps"] == 2
     summary = summarize(trace)
     assert summary["steps"] == 2 and summary["gpu_busy_ms_per_step"] > 0
-    assert summary["compute_stream_gaps"]["ms_per_step"] >= 0
+    gaps = summary["compute_stream_gaps"]
+    assert gaps["stream"] is not None and gaps["ms_per_step"] < summary["gpu_span_ms_per_step"]
+
+
+def small_run(tmp_path, steps: int, window: str, **extra) -> None:
+    """A small CUDA run profiling ``window`` without the memory history."""
+    run_one(
+        {
+            "run.dir": str(tmp_path / "run"),
+            "run.device": "cuda",
+            "training.steps": steps,
+            "training.seq_len": 128,
+            "training.global_batch_size": 4,
+            "training.micro_batch_size": 4,
+            "metrics.every": 1,
+            "checkpoint.at_end": "false",
+            "metrics.tensorboard": "false",
+            "metrics.profile_steps": window,
+            "metrics.profile_memory": "false",
+            **extra,
+        }
+    )
 
 
 def test_profile_of_moe_under_activation_checkpointing_trains_on(tmp_path, capsys):
