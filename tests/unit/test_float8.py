@@ -171,6 +171,37 @@ def test_shard_casts_fall_back_to_eager_past_the_recompile_limit(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_shard_casts_raise_a_lower_recompile_limit_for_themselves_only(monkeypatch):
+    """Where Dynamo's limit is below the casts' (no apply_compile raised it), the casts compile up to theirs and
+    leave the global one as it was; where it is not below, they run without a config patch (~70 us a call)."""
+    import contextlib
+
+    import torch._dynamo
+
+    from loom.models.common import float8
+
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(float8, "CAST_RECOMPILE_LIMIT", 4)
+    tensors = [torch.randn(8, 4) * 100, torch.randn(16, 4), torch.randn(4, 4)]
+    scales = [torch.tensor(448.0) / t.abs().max() for t in tensors]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (1, 2, 3):  # three list lengths: past a limit of 1, within the casts' 4
+            got = float8._casts(tensors[:n], scales[:n], torch.float8_e4m3fn, backend=counting)
+            want = float8._scaled_casts(tensors[:n], scales[:n], torch.float8_e4m3fn)
+            assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+        assert len(compiles) == 3 and torch._dynamo.config.recompile_limit == 1
+        assert not isinstance(float8._cast_recompile_limit(), contextlib.nullcontext)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert isinstance(float8._cast_recompile_limit(), contextlib.nullcontext)
+    torch._dynamo.reset()
+
+
 @needs_torchao
 def test_float8_gather_refuses_uneven_shards():
     """FSDP2 pads an uneven shard into a new tensor, which loses the float8 wrapper's precomputed scale on those
