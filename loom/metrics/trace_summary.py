@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes, from the trace ``--metrics.profile_steps A:B`` writes:
 kernel time by category (attention, matmul, fused elementwise, loss, optimizer, ...), the top kernels,
-the time the GPU runs no kernel (idle), and where the compute stream waits (its gaps, by the kernels either side),
-per profiled step (docs/metrics.md, "Profiling").
+the time the GPU runs no kernel (idle), and the compute stream's kernel time and where it waits (its gaps, by the
+kernels either side), per profiled step (docs/metrics.md, "Profiling").
 
     loom train --model.flavor 1B ... --run.dir runs/x --metrics.profile_steps 5:7
     python -m loom.metrics.trace_summary runs/x/profile/trace_rank0.json [--out summary.json] [--label 1B]
@@ -100,7 +100,7 @@ def summarize(trace: dict, skip_first: bool = False) -> dict:
         "exposed_communication_ms_per_step": ms(comm_total - overlap(comm, compute)),
         "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top_kernels_ms_per_step": {n: ms(t) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:15]},
-        "compute_stream_gaps": stream_gaps(
+        "compute_stream": compute_stream(
             in_steps([e for e in events if e.get("ph") == "X" and e.get("cat") in COPIES], steps, launches)
             + kernels,
             n_steps,
@@ -113,10 +113,11 @@ def summarize(trace: dict, skip_first: bool = False) -> dict:
     }
 
 
-def stream_gaps(ops: list, n_steps: int) -> dict:
-    """Where the compute stream (the one running the most kernel time besides communication) waits: its gaps of at
-    least ``GAP_US`` between one kernel or copy and the next, per step, grouped by the two either side (a gap before
-    each block's first kernel, say, is the host launching it late, or a wait on another stream)."""
+def compute_stream(ops: list, n_steps: int) -> dict:
+    """The compute stream (the one running the most kernel time besides communication), per step: its kernel time
+    by category (what the step's critical path is made of, where other streams' work overlaps it) and where it
+    waits: its gaps of at least ``GAP_US`` between one kernel or copy and the next, grouped by the two either side
+    (a gap before each block's first kernel, say, is the host launching it late, or a wait on another stream)."""
     by_stream: dict = defaultdict(list)
     for k in ops:
         by_stream[k.get("args", {}).get("stream")].append(k)
@@ -129,6 +130,10 @@ def stream_gaps(ops: list, n_steps: int) -> dict:
         ),
     )
     seq = sorted(by_stream[stream], key=lambda k: k["ts"])
+    by_cat: dict = defaultdict(float)
+    for k in seq:
+        if k.get("cat") == "kernel":
+            by_cat[category(k["name"])] += k["dur"]
     groups: dict = defaultdict(lambda: [0.0, 0])
     total, end = 0.0, seq[0]["ts"] + seq[0]["dur"]
     for prev, k in zip(seq, seq[1:]):
@@ -142,8 +147,10 @@ def stream_gaps(ops: list, n_steps: int) -> dict:
     ms = lambda us: us / 1000 / n_steps
     return {
         "stream": stream,
-        "ms_per_step": ms(total),
-        "by_neighbours": [
+        "kernel_ms_per_step": ms(sum(by_cat.values())),
+        "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
+        "gap_ms_per_step": ms(total),
+        "gaps_by_neighbours": [
             {"before": a, "after": b, "ms_per_step": ms(t), "per_step": n / n_steps}
             for (a, b), (t, n) in sorted(groups.items(), key=lambda x: -x[1][0])[:10]
         ],
@@ -259,9 +266,12 @@ def main() -> None:
         print(f"  {c:<28} {t:8.2f} ms  {100 * t / busy:5.1f}%")
     for n, t in list(res["top_kernels_ms_per_step"].items())[:8]:
         print(f"    {t:8.2f} ms  {n}")
-    gaps = res["compute_stream_gaps"]
-    print(f"  compute stream ({gaps['stream']}) gaps {gaps['ms_per_step']:.2f} ms/step, the largest kinds:")
-    for g in gaps["by_neighbours"][:5]:
+    cs = res["compute_stream"]
+    print(
+        f"  compute stream ({cs['stream']}): kernels {cs['kernel_ms_per_step']:.1f} ms/step, gaps "
+        f"{cs['gap_ms_per_step']:.2f}, the largest kinds:"
+    )
+    for g in cs["gaps_by_neighbours"][:5]:
         print(f"    {g['ms_per_step']:8.2f} ms  {g['per_step']:5.1f} x  {g['before']}  ->  {g['after']}")
     for key, v in list(res["matmul_by_shape_ms_per_step"].items())[:8]:
         print(f"    {v['ms']:8.2f} ms  {v['calls']:5.1f} calls  {key}")

@@ -82,8 +82,9 @@ def test_gpu_only_profile(tmp_path):
     assert trace["loom_profiled_steps"] == 2
     summary = summarize(trace)
     assert summary["steps"] == 2 and summary["gpu_busy_ms_per_step"] > 0
-    gaps = summary["compute_stream_gaps"]
-    assert gaps["stream"] is not None and gaps["ms_per_step"] < summary["gpu_span_ms_per_step"]
+    cs = summary["compute_stream"]
+    assert cs["stream"] is not None and 0 < cs["kernel_ms_per_step"] <= summary["gpu_busy_ms_per_step"]
+    assert cs["gap_ms_per_step"] < summary["gpu_span_ms_per_step"]
 
 
 def small_run(tmp_path, steps: int, window: str, **extra) -> None:

@@ -153,10 +153,10 @@ def test_the_command_exits_2_with_one_line_on_a_bad_trace(tmp_path):
         )
 
 
-def test_compute_stream_gaps_by_the_kernels_either_side():
-    """The stream with the most kernel time besides communication; gaps of at least GAP_US (a copy occupies the stream too), grouped by the
-    two either side and divided by the steps; another stream's kernels fill none of them; a GPU-only trace's step
-    count is the one written beside its events."""
+def test_compute_stream_kernels_and_gaps_by_the_kernels_either_side():
+    """The stream with the most kernel time besides communication: its kernel time by category, and its gaps of at
+    least GAP_US (a copy occupies the stream too), grouped by the two either side and divided by the steps; another
+    stream's kernels fill none of them; a GPU-only trace's step count is the one written beside its events."""
 
     def on(name, ts, dur, stream, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
@@ -174,12 +174,18 @@ def test_compute_stream_gaps_by_the_kernels_either_side():
             on("ncclDevKernel_ReduceScatter", base + 100, 800, 26),
         ]
     s = summarize({"traceEvents": events, "loom_profiled_steps": 2})
-    gaps = s["compute_stream_gaps"]
-    assert s["steps"] == 2 and gaps["stream"] == 7
-    assert (
-        abs(gaps["ms_per_step"] - 0.8) < 1e-9
-    )  # 800 us a step; the GEMM's 8 us to the next step's copy is none
-    top = gaps["by_neighbours"][0]
+    cs = s["compute_stream"]
+    assert s["steps"] == 2 and cs["stream"] == 7
+    # 800 us of gaps a step; the GEMM's 8 us to the next step's copy is none
+    assert abs(cs["gap_ms_per_step"] - 0.8) < 1e-9
+    # its kernels only (the copy is not one), by category: the copy-out 100, the norm 50, the GEMM 30 us a step
+    assert abs(cs["kernel_ms_per_step"] - 0.18) < 1e-9
+    assert cs["by_category_ms_per_step"] == {
+        "copy / cast": 0.1,
+        "fused elementwise (triton)": 0.05,
+        "matmul": 0.03,
+    }
+    top = cs["gaps_by_neighbours"][0]
     assert (top["before"], top["after"], top["per_step"]) == ("split_with_sizes_copy", "rms_norm_fwd", 1.0)
     assert abs(top["ms_per_step"] - 0.8) < 1e-9
 
