@@ -81,12 +81,13 @@ def summarize(trace: dict, skip_first: bool = False) -> dict:
     for k in kernels:
         by_cat[category(k["name"])] += k["dur"]
         by_name[k["name"][:120]] += k["dur"]
-    busy = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    # intervals from the first kernel's start: trace times are ~1e12 us, where a double's step is ~1e-3 us, and
+    # the busy time is summed from their differences
+    interval = lambda k: (k["ts"] - start, k["ts"] - start + k["dur"])
+    busy = merged([interval(k) for k in kernels])
     by_shape = matmul_by_shape(events, kernels)
-    comm = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) == "communication"])
-    compute = merged(
-        [(k["ts"], k["ts"] + k["dur"]) for k in kernels if category(k["name"]) != "communication"]
-    )
+    comm = merged([interval(k) for k in kernels if category(k["name"]) == "communication"])
+    compute = merged([interval(k) for k in kernels if category(k["name"]) != "communication"])
     covered = sum(b - a for a, b in busy)
     comm_total = sum(b - a for a, b in comm)
     span = end - start

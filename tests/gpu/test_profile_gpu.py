@@ -83,7 +83,8 @@ def test_gpu_only_profile(tmp_path):
     summary = summarize(trace)
     assert summary["steps"] == 2 and summary["gpu_busy_ms_per_step"] > 0
     cs = summary["compute_stream"]
-    assert cs["stream"] is not None and 0 < cs["kernel_ms_per_step"] <= summary["gpu_busy_ms_per_step"]
+    # one stream's kernels take no more than the GPU's busy time (to float rounding)
+    assert cs["stream"] is not None and 0 < cs["kernel_ms_per_step"] <= summary["gpu_busy_ms_per_step"] + 1e-9
     assert cs["gap_ms_per_step"] < summary["gpu_span_ms_per_step"]
 
 

@@ -53,6 +53,21 @@ def test_summary_per_step_and_idle():
     assert abs(s["gpu_idle_fraction"] - 0.35) < 1e-12  # span 200 us
 
 
+def test_busy_time_at_a_real_traces_timestamps_is_the_kernels_time():
+    """Profiler timestamps are microseconds since the epoch (~5e12), where a double's step is ~1e-3 us: the busy time
+    of back-to-back kernels on one stream is their summed durations, not the rounding of their ends' differences
+    (a 2-H200 GPU-only trace had one stream's kernel time above the GPU's busy time by 4e-3 us)."""
+    base, events, t = 5184609929243.67, [], 0.0
+    for i in range(400):
+        dur = 3.072 + (i % 7) * 0.101
+        events.append(kernel("nvjet_gemm", base + t, dur))
+        t += dur + 0.5
+    s = summarize({"traceEvents": events})
+    total_ms = sum(e["dur"] for e in events) / 1000
+    assert abs(s["gpu_busy_ms_per_step"] - total_ms) < 1e-9
+    assert s["compute_stream"]["kernel_ms_per_step"] <= s["gpu_busy_ms_per_step"] + 1e-9
+
+
 def test_exposed_communication_is_what_no_other_kernel_hides():
     events = [
         kernel("ncclDevKernel_AllGather", 0, 50),
