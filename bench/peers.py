@@ -769,6 +769,11 @@ def profile_summary(trace_path: str, keep_dir: str, label: str, skip_first: bool
                 )
                 if k in summary
             } | {"communication_ms_per_step": summary["by_category_ms_per_step"].get("communication", 0.0)}
+            gathers = summary.get("fsdp_gathers")
+            if gathers:  # which rank waits for the other's gathers, and which for its own host
+                out["other_ranks"][str(rank)]["fsdp_gathers"] = {
+                    k: v for k, v in gathers.items() if k != "largest_waits"
+                }
         if keep_dir:
             os.makedirs(keep_dir, exist_ok=True)
             kept = os.path.join(keep_dir, f"{label}_trace_rank{rank}.json.gz")

@@ -10,8 +10,10 @@ kernels either side), per profiled step (docs/metrics.md, "Profiling").
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
+import statistics
 import sys
 from collections import defaultdict
 
@@ -33,6 +35,7 @@ CATEGORIES = [
 STEPS_KEY = "loom_profiled_steps"  # the trace's count of profiled steps (loom.metrics.profile writes it)
 GAP_US = 10.0  # a compute-stream gap shorter than this is a launch's own latency, not a wait
 COPIES = ("gpu_memcpy", "gpu_memset")  # what else occupies a stream besides kernels
+FSDP_RANGE = re.compile(r"^FSDP::(all_gather|all_gather_copy_out) \((.+)\)$")  # FSDP2's host ranges
 
 
 def category(name: str) -> str:
@@ -92,6 +95,11 @@ def summarize(trace: dict, skip_first: bool = False) -> dict:
     comm_total = sum(b - a for a, b in comm)
     span = end - start
     ms = lambda us: us / 1000 / n_steps
+    gpu_ops = (
+        in_steps([e for e in events if e.get("ph") == "X" and e.get("cat") in COPIES], steps, launches)
+        + kernels
+    )
+    stream = compute_stream(gpu_ops, n_steps)
     return {
         "steps": n_steps,
         "gpu_span_ms_per_step": ms(span),
@@ -101,11 +109,8 @@ def summarize(trace: dict, skip_first: bool = False) -> dict:
         "exposed_communication_ms_per_step": ms(comm_total - overlap(comm, compute)),
         "by_category_ms_per_step": {c: ms(t) for c, t in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top_kernels_ms_per_step": {n: ms(t) for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:15]},
-        "compute_stream": compute_stream(
-            in_steps([e for e in events if e.get("ph") == "X" and e.get("cat") in COPIES], steps, launches)
-            + kernels,
-            n_steps,
-        ),
+        "compute_stream": stream,
+        "fsdp_gathers": fsdp_gathers(events, gpu_ops, stream["stream"], steps, n_steps),
         # only where the profiler recorded shapes (record_shapes=True): GEMM time by the launching op and its inputs
         "matmul_by_shape_ms_per_step": {
             key: {"ms": ms(t), "calls": n / n_steps}
@@ -154,6 +159,113 @@ def compute_stream(ops: list, n_steps: int) -> dict:
         "gaps_by_neighbours": [
             {"before": a, "after": b, "ms_per_step": ms(t), "per_step": n / n_steps}
             for (a, b), (t, n) in sorted(groups.items(), key=lambda x: -x[1][0])[:10]
+        ],
+    }
+
+
+def fsdp_gathers(events: list, gpu_ops: list, stream, steps: list, n_steps: int) -> dict | None:
+    """FSDP2's gathers unit by unit, from the ranges FSDP2 records on the host (``FSDP::all_gather (unit)``, then
+    ``FSDP::all_gather_copy_out (unit)``; None in a trace without them, one of the GPU alone say): how long the
+    compute stream sat idle before each unit's copy-out, and why: the gather's transfer still running ("gather":
+    its copy-in or a peer that issued its side late held it back) or the copy-out launched after the stream ran dry
+    ("host"). Per gather also its copy-in (the casts and copies before the transfer, on FSDP2's copy-in stream),
+    its transfer (a NCCL kernel, or a copy-engine peer copy) and the transfer's lag: from its launch, or the end of
+    its copy-in where later, to its start."""
+    ranges = []  # (start, end, tid, kind, unit)
+    for e in events:
+        m = FSDP_RANGE.match(str(e.get("name", "")))
+        if m and e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            ranges.append((e["ts"], e["ts"] + e["dur"], e.get("tid"), m.group(1), m.group(2)))
+    if steps:
+        spans = [(s["ts"], s["ts"] + s["dur"]) for s in steps]
+        ranges = [r for r in ranges if any(a <= r[0] <= b for a, b in spans)]
+    if not ranges:
+        return None
+    launched = {
+        e["args"]["correlation"]: (e["ts"], e.get("tid"))
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    by_tid: dict = defaultdict(list)
+    for r in sorted(ranges):
+        by_tid[r[2]].append(r)
+    starts = {tid: [r[0] for r in rs] for tid, rs in by_tid.items()}
+    inside: dict = defaultdict(list)  # range -> the GPU ops launched inside it
+    for op in gpu_ops:
+        launch = launched.get(op.get("args", {}).get("correlation"))
+        if launch is None or launch[1] not in by_tid:
+            continue
+        i = bisect.bisect_right(starts[launch[1]], launch[0]) - 1
+        if i >= 0 and by_tid[launch[1]][i][1] >= launch[0]:
+            inside[by_tid[launch[1]][i]].append((op, launch[0]))
+    compute = sorted(
+        (op["ts"], op["ts"] + op["dur"]) for op in gpu_ops if op.get("args", {}).get("stream") == stream
+    )
+    compute_starts = [a for a, _ in compute]
+    ends_before = []  # the latest end among the compute stream's ops up to each one
+    for _, b in compute:
+        ends_before.append(max(b, ends_before[-1]) if ends_before else b)
+    last_gather: dict = {}
+    rows = []
+    for r in sorted(ranges):
+        if r[3] == "all_gather":
+            last_gather[r[4]] = r
+            continue
+        gather = last_gather.get(r[4])
+        out = sorted(
+            (op for op, _ in inside.get(r, []) if op.get("args", {}).get("stream") == stream),
+            key=lambda o: o["ts"],
+        )
+        if gather is None or not out:
+            continue
+        ops = inside.get(gather, [])
+        transfers = [
+            (op, t) for op, t in ops if category(op["name"]) == "communication" or "PtoP" in op["name"]
+        ]
+        copy_in = [op for op, _ in ops if all(op is not x for x, _ in transfers)]
+        first = out[0]
+        i = bisect.bisect_left(compute_starts, first["ts"]) - 1
+        idle = first["ts"] - ends_before[i] if i >= 0 else 0.0
+        idle = idle if idle >= GAP_US else 0.0
+        copy_in_end = max((op["ts"] + op["dur"] for op in copy_in), default=None)
+        row = {"unit": r[4], "wait_us": idle, "cause": None, "transfer_us": None, "lag_us": None}
+        row["copy_in_us"] = copy_in_end - min(op["ts"] for op in copy_in) if copy_in else None
+        if transfers:
+            op, t = min(transfers, key=lambda x: x[0]["ts"])
+            row["transfer_us"] = max(o["ts"] + o["dur"] for o, _ in transfers) - op["ts"]
+            row["lag_us"] = max(0.0, op["ts"] - max(t, copy_in_end if copy_in_end is not None else t))
+            transfer_end = op["ts"] + row["transfer_us"]
+        else:
+            transfer_end = None
+        launch = launched.get(first.get("args", {}).get("correlation"), (first["ts"], None))[0]
+        if idle:
+            row["cause"] = "gather" if transfer_end is not None and transfer_end >= launch else "host"
+        rows.append(row)
+    if not rows:
+        return None
+    ms = lambda us: us / 1000 / n_steps
+    median = lambda xs: statistics.median(xs) / 1000 if xs else None
+    waits = [x for x in rows if x["wait_us"]]
+    return {
+        "gathers_per_step": len(rows) / n_steps,
+        "wait_ms_per_step": ms(sum(x["wait_us"] for x in waits)),
+        "wait_for_gather_ms_per_step": ms(sum(x["wait_us"] for x in waits if x["cause"] == "gather")),
+        "wait_for_host_ms_per_step": ms(sum(x["wait_us"] for x in waits if x["cause"] == "host")),
+        "median_ms": {
+            key: median([x[f"{key}_us"] for x in rows if x[f"{key}_us"] is not None])
+            for key in ("copy_in", "transfer", "lag")
+        },
+        "largest_waits": [
+            {
+                "unit": x["unit"],
+                "wait_ms": x["wait_us"] / 1000,
+                "cause": x["cause"],
+                **{
+                    f"{k}_ms": None if x[f"{k}_us"] is None else x[f"{k}_us"] / 1000
+                    for k in ("copy_in", "transfer", "lag")
+                },
+            }
+            for x in sorted(waits, key=lambda x: -x["wait_us"])[:8]
         ],
     }
 
@@ -227,6 +339,10 @@ def overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float
     return total
 
 
+def fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         prog="python -m loom.metrics.trace_summary",
@@ -274,6 +390,17 @@ def main() -> None:
     )
     for g in cs["gaps_by_neighbours"][:5]:
         print(f"    {g['ms_per_step']:8.2f} ms  {g['per_step']:5.1f} x  {g['before']}  ->  {g['after']}")
+    g = res.get("fsdp_gathers")
+    if g:
+        med = g["median_ms"]
+        print(
+            f"  FSDP2 gathers: {g['gathers_per_step']:.0f} a step; the compute stream waited {g['wait_ms_per_step']:.2f} "
+            f"ms/step before copy-outs ({g['wait_for_gather_ms_per_step']:.2f} for the gather, "
+            f"{g['wait_for_host_ms_per_step']:.2f} for the host); median copy-in {fmt(med['copy_in'])}, transfer "
+            f"{fmt(med['transfer'])}, transfer lag {fmt(med['lag'])} ms"
+        )
+        for w in g["largest_waits"][:5]:
+            print(f"    {w['wait_ms']:8.2f} ms  {w['unit']} ({w['cause']}; lag {fmt(w['lag_ms'])} ms)")
     for key, v in list(res["matmul_by_shape_ms_per_step"].items())[:8]:
         print(f"    {v['ms']:8.2f} ms  {v['calls']:5.1f} calls  {key}")
 

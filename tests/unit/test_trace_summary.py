@@ -223,3 +223,65 @@ def test_skip_first_leaves_out_the_drained_step():
     assert later["steps"] == 1 and abs(later["by_category_ms_per_step"]["matmul"] - 0.03) < 1e-12
     with pytest.raises(SystemExit, match="needs two or more ProfilerStep ranges; this trace has 0"):
         summarize({"traceEvents": [kernel("nvjet_gemm", 0, 10)]}, skip_first=True)
+
+
+def test_fsdp_gathers_waits_split_by_cause():
+    """Each unit's copy-out against the compute stream's last op before it: an idle stream while the unit's transfer
+    still ran is a wait for the gather (its lag: from launch or copy-in end to start), one where the copy-out was
+    launched after the stream ran dry a wait for the host; a trace without FSDP2's ranges (GPU-only) has none."""
+
+    def rng(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def op(name, ts, dur, stream, corr, cat="kernel"):
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "args": {"stream": stream, "correlation": corr},
+        }
+
+    def call(corr, ts, tid=1):
+        return {**launch(corr, ts), "tid": tid}
+
+    events = [
+        rng("ProfilerStep#1", 0, 1000),
+        # layers.0: copy-in 100-120, transfer 130-180 (launched at 15: 10 us lag after the copy-in), copy-out at 200
+        rng("FSDP::all_gather (layers.0)", 10, 10),
+        call(1, 12),
+        op("triton_poi_fused__to_copy_clamp_mul_0", 100, 20, 18, 1),
+        call(2, 15),
+        op("ncclDevKernel_AllGather_RING_LL", 130, 50, 22, 2),
+        rng("FSDP::all_gather_copy_out (layers.0)", 21, 4),
+        call(3, 22),
+        op("Memcpy HtoD (Pinned -> Device)", 200, 5, 7, 3, cat="gpu_memcpy"),
+        call(10, 5),
+        op(
+            "nvjet_gemm", 50, 100, 7, 10
+        ),  # the compute stream runs dry at 150: 50 us waiting for the transfer
+        # layers.1: a copy-engine transfer 305-335, the copy-out launched at 601, after the stream ran dry at 400
+        rng("FSDP::all_gather (layers.1)", 300, 10),
+        call(4, 302),
+        op("Memcpy PtoP (Device -> Device)", 305, 30, 22, 4, cat="gpu_memcpy"),
+        call(11, 205),
+        op("nvjet_gemm", 210, 190, 7, 11),
+        rng("FSDP::all_gather_copy_out (layers.1)", 600, 5),
+        call(5, 601),
+        op("split_with_sizes_copy", 602, 10, 7, 5),
+    ]
+    g = summarize({"traceEvents": events})["fsdp_gathers"]
+    assert g["gathers_per_step"] == 2
+    assert abs(g["wait_ms_per_step"] - 0.252) < 1e-9
+    assert abs(g["wait_for_gather_ms_per_step"] - 0.05) < 1e-9
+    assert abs(g["wait_for_host_ms_per_step"] - 0.202) < 1e-9
+    first = g["largest_waits"][0]
+    assert (first["unit"], first["cause"]) == ("layers.1", "host")
+    second = g["largest_waits"][1]
+    assert (second["unit"], second["cause"]) == ("layers.0", "gather")
+    assert abs(second["lag_ms"] - 0.01) < 1e-9 and abs(second["copy_in_ms"] - 0.02) < 1e-9
+    assert abs(second["transfer_ms"] - 0.05) < 1e-9
+    assert abs(g["median_ms"]["transfer"] - 0.04) < 1e-9  # 50 and 30 us
+    gpu_only = [e for e in events if e["cat"] not in ("user_annotation", "cuda_runtime")]
+    assert summarize({"traceEvents": gpu_only, "loom_profiled_steps": 1})["fsdp_gathers"] is None
