@@ -1017,6 +1017,14 @@ def main() -> None:
     )
     p.add_argument("--sides", default="torchtitan,loom", help="which to run, in this order")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the sides and the variants this many times over, one round after the other in the call: each "
+        "round's ratio, and their median, under ratio_over_rounds (the figures at the top are round 1's); a "
+        "ratio near a bar is then read against its spread within one call",
+    )
+    p.add_argument(
         "--loom-variant",
         action="append",
         default=[],
@@ -1080,6 +1088,12 @@ def main() -> None:
         p.error(f"--float8-all-gather needs --float8 tensorwise (got {a.float8})")
     a.compile = w.compile if a.compile is None else a.compile
     sides = a.sides.split(",")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: at least 1")
+    if a.rounds > 1 and a.profile:
+        p.error(
+            "--rounds with --profile: profile one round (a profiled run is slower; its medians are not comparable)"
+        )
     if not set(sides) <= {"torchtitan", "loom"}:
         raise SystemExit(f"--sides {a.sides}: expected torchtitan and/or loom")
     try:
@@ -1178,7 +1192,65 @@ def main() -> None:
             run["ratio"] = run["tokens_per_s_per_gpu"] / titan["tokens_per_s_per_gpu"]
         doc.setdefault("loom_variants", {})[name] = run
         write_result(out_path, doc)
+    if a.rounds > 1:
+        rounds = [round_figures(doc)]
+        for k in range(2, a.rounds + 1):
+            again: dict = {}
+            for side in sides:
+                print(f"bench.peers: round {k}: {side} ...", flush=True)
+                where = {
+                    **paths,
+                    "titan_dir": os.path.join(root, f"torchtitan_r{k}"),
+                    "loom_dir": os.path.join(root, f"loom_r{k}"),
+                }
+                os.makedirs(where["titan_dir"], exist_ok=True)
+                again[side] = (
+                    run_titan(w, gpus, a, where) if side == "torchtitan" else run_loom(w, gpus, a, where)
+                )
+            for name, fields in variants.items():
+                print(f"bench.peers: round {k}: loom variant {name} ...", flush=True)
+                where = {**paths, "loom_dir": os.path.join(root, f"loom_{name}_r{k}")}
+                again.setdefault("loom_variants", {})[name] = run_loom(w, gpus, a, where, fields)
+            rounds.append(round_figures(again))
+            doc["rounds"] = rounds
+            over_rounds(doc, rounds)
+            write_result(out_path, doc)
     print(summary(doc), flush=True)
+
+
+def round_figures(doc: dict) -> dict:
+    """One round's tokens/s per GPU (and peak memory) of each side and variant, with its ratios to that round's
+    torchtitan run."""
+
+    def figures(run: dict) -> dict:
+        return {k: run[k] for k in ("tokens_per_s_per_gpu", "peak_reserved_gib", "error") if k in run}
+
+    out = {side: figures(doc[side]) for side in ("torchtitan", "loom") if side in doc}
+    titan = out.get("torchtitan", {}).get("tokens_per_s_per_gpu")
+    runs = {
+        "loom": out.get("loom"),
+        **{f"variant {n}": figures(r) for n, r in doc.get("loom_variants", {}).items()},
+    }
+    for name, run in runs.items():
+        if name != "loom":
+            out[name] = run
+        if titan and run and run.get("tokens_per_s_per_gpu"):
+            run["ratio"] = run["tokens_per_s_per_gpu"] / titan
+    return out
+
+
+def over_rounds(doc: dict, rounds: list[dict]) -> None:
+    """Each ratio's values over the rounds and their median: ``ratio_over_rounds`` for loom, and in each variant."""
+
+    def spread(key: str) -> dict | None:
+        values = [r[key]["ratio"] for r in rounds if "ratio" in r.get(key, {})]
+        return {"per_round": values, "median": statistics.median(values)} if values else None
+
+    if (loom := spread("loom")) is not None:
+        doc["ratio_over_rounds"] = loom
+    for name, run in doc.get("loom_variants", {}).items():
+        if (ratios := spread(f"variant {name}")) is not None:
+            run["ratio_over_rounds"] = ratios
 
 
 def summary(doc: dict) -> str:
@@ -1202,11 +1274,20 @@ def summary(doc: dict) -> str:
             lines[-1] += " (with an error: see the JSON)"
     if "ratio" in doc:
         lines.append(f"loom / torchtitan: {doc['ratio']:.3f}")
+    if "ratio_over_rounds" in doc:
+        lines.append(f"loom / torchtitan over {rounds_line(doc['ratio_over_rounds'])}")
     for name, r in doc.get("loom_variants", {}).items():
         got = f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU" if "tokens_per_s_per_gpu" in r else "ERROR"
         ratio = f", {r['ratio']:.3f}x torchtitan" if "ratio" in r else ""
+        if "ratio_over_rounds" in r:
+            ratio += f" (over {rounds_line(r['ratio_over_rounds'])})"
         lines.append(f"loom variant {name} ({'; '.join(r['fields'])}): {got}{ratio}")
     return "\n".join(lines)
+
+
+def rounds_line(spread: dict) -> str:
+    values = ", ".join(f"{v:.3f}" for v in spread["per_round"])
+    return f"{len(spread['per_round'])} rounds: {values}; median {spread['median']:.3f}"
 
 
 if __name__ == "__main__":

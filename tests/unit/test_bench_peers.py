@@ -383,3 +383,48 @@ def test_gpu_samples_summarize_each_gpu_and_nothing_without_nvml():
 
     if not torch.cuda.is_available():
         assert s.summary() is None
+
+
+def test_rounds_give_each_ratio_per_round_and_its_median(monkeypatch, capsys):
+    """--rounds N: each round's tokens/s of each side and variant with its ratio to that round's torchtitan run, the
+    ratios' median over the rounds (a variant that failed in a round counts in none), one summary line each; refused
+    below 1 and with --profile."""
+    rounds = []
+    for titan, loom, z2 in (
+        (10_000.0, 12_000.0, 12_500.0),
+        (11_000.0, 12_100.0, None),
+        (10_500.0, 12_600.0, 12_400.0),
+    ):
+        doc = {
+            "torchtitan": {"tokens_per_s_per_gpu": titan, "peak_reserved_gib": 80.0, "log": ["..."]},
+            "loom": {"tokens_per_s_per_gpu": loom, "peak_reserved_gib": 81.0},
+            "loom_variants": {"z2": {"tokens_per_s_per_gpu": z2} if z2 else {"error": "boom"}},
+        }
+        rounds.append(peers.round_figures(doc))
+    assert rounds[0]["torchtitan"] == {"tokens_per_s_per_gpu": 10_000.0, "peak_reserved_gib": 80.0}
+    assert rounds[1]["variant z2"] == {"error": "boom"}
+    assert rounds[2]["loom"]["ratio"] == pytest.approx(1.2)
+    doc = {
+        "loom_variants": {
+            "z2": {"fields": ["parallel.zero=2"], "tokens_per_s_per_gpu": 12_500.0, "ratio": 1.25}
+        }
+    }
+    peers.over_rounds(doc, rounds)
+    assert doc["ratio_over_rounds"]["per_round"] == pytest.approx([1.2, 1.1, 1.2])
+    assert doc["ratio_over_rounds"]["median"] == pytest.approx(1.2)
+    assert doc["loom_variants"]["z2"]["ratio_over_rounds"]["per_round"] == pytest.approx(
+        [1.25, 12_400 / 10_500]
+    )
+    lines = peers.summary(doc).splitlines()
+    assert lines[0] == "loom / torchtitan over 3 rounds: 1.200, 1.100, 1.200; median 1.200"
+    assert lines[1].startswith(
+        "loom variant z2 (parallel.zero=2): 12,500 tok/s/GPU, 1.250x torchtitan (over 2 rounds: "
+    )
+    for argv, why in (
+        (["--rounds", "0"], "at least 1"),
+        (["--rounds", "2", "--profile"], "profile one round"),
+    ):
+        monkeypatch.setattr("sys.argv", ["peers", "--workload", "llama3_debug", "--sides", "loom", *argv])
+        with pytest.raises(SystemExit) as e:
+            peers.main()
+        assert e.value.code == 2 and why in capsys.readouterr().err
