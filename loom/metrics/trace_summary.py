@@ -171,112 +171,133 @@ def fsdp_gathers(events: list, gpu_ops: list, stream, steps: list, n_steps: int)
     ("host"). Per gather also its copy-in (the casts and copies before the transfer, on FSDP2's copy-in stream),
     its transfer (a NCCL kernel, or a copy-engine peer copy) and the transfer's lag: from its launch, or the end of
     its copy-in where later, to its start."""
-    ranges = []  # (start, end, tid, kind, unit)
-    for e in events:
-        m = FSDP_RANGE.match(str(e.get("name", "")))
-        if m and e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
-            ranges.append((e["ts"], e["ts"] + e["dur"], e.get("tid"), m.group(1), m.group(2)))
-    if steps:
-        spans = [(s["ts"], s["ts"] + s["dur"]) for s in steps]
-        ranges = [r for r in ranges if any(a <= r[0] <= b for a, b in spans)]
+    ranges = fsdp_ranges(events, steps)
     if not ranges:
         return None
-    launched = {
-        e["args"]["correlation"]: (e["ts"], e.get("tid"))
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
-    by_tid: dict = defaultdict(list)
-    for r in sorted(ranges):
-        by_tid[r[2]].append(r)
-    starts = {tid: [r[0] for r in rs] for tid, rs in by_tid.items()}
-    inside: dict = defaultdict(list)  # range -> the GPU ops launched inside it
-    for op in gpu_ops:
-        launch = launched.get(op.get("args", {}).get("correlation"))
-        if launch is None or launch[1] not in by_tid:
-            continue
-        i = bisect.bisect_right(starts[launch[1]], launch[0]) - 1
-        if i >= 0 and by_tid[launch[1]][i][1] >= launch[0]:
-            inside[by_tid[launch[1]][i]].append((op, launch[0]))
-    compute = sorted(
-        (op["ts"], op["ts"] + op["dur"]) for op in gpu_ops if op.get("args", {}).get("stream") == stream
-    )
-    compute_starts = [a for a, _ in compute]
-    ends_before = []  # the latest end among the compute stream's ops up to each one
-    for _, b in compute:
-        ends_before.append(max(b, ends_before[-1]) if ends_before else b)
+    calls = launch_calls(events)
+    inside = launched_inside(gpu_ops, ranges, calls)
+    idle_before = stream_idle(gpu_ops, stream)
     last_gather: dict = {}
     rows = []
-    for r in sorted(ranges):
+    for r in ranges:  # in time order: a copy-out belongs to its unit's latest gather
         if r[3] == "all_gather":
             last_gather[r[4]] = r
-            continue
-        gather = last_gather.get(r[4])
-        out = sorted(
-            (op for op, _ in inside.get(r, []) if op.get("args", {}).get("stream") == stream),
-            key=lambda o: o["ts"],
-        )
-        if gather is None or not out:
-            continue
-        ops = inside.get(gather, [])
-        transfers = [
-            (op, t) for op, t in ops if category(op["name"]) == "communication" or "PtoP" in op["name"]
-        ]
-        copy_in = [op for op, _ in ops if all(op is not x for x, _ in transfers)]
-        first = out[0]
-        i = bisect.bisect_left(compute_starts, first["ts"]) - 1
-        idle = first["ts"] - ends_before[i] if i >= 0 else 0.0
-        idle = idle if idle >= GAP_US else 0.0
-        copy_in_end = max((op["ts"] + op["dur"] for op in copy_in), default=None)
-        row = {"unit": r[4], "wait_us": idle, "cause": None, "transfer_us": None, "lag_us": None}
-        row["copy_in_us"] = copy_in_end - min(op["ts"] for op in copy_in) if copy_in else None
-        if transfers:
-            op, t = min(transfers, key=lambda x: x[0]["ts"])
-            row["transfer_us"] = max(o["ts"] + o["dur"] for o, _ in transfers) - op["ts"]
-            row["lag_us"] = max(0.0, op["ts"] - max(t, copy_in_end if copy_in_end is not None else t))
-            transfer_end = op["ts"] + row["transfer_us"]
-        else:
-            transfer_end = None
-        launch = launched.get(first.get("args", {}).get("correlation"), (first["ts"], None))[0]
-        if idle:
-            row["cause"] = "gather" if transfer_end is not None and transfer_end >= launch else "host"
-        rows.append(row)
+        elif r[4] in last_gather:
+            out = sorted(
+                (op for op, _ in inside[r] if op.get("args", {}).get("stream") == stream),
+                key=lambda o: o["ts"],
+            )
+            if out:
+                rows.append(gather_row(r[4], inside[last_gather[r[4]]], out[0], idle_before(out[0]), calls))
     if not rows:
         return None
     ms = lambda us: us / 1000 / n_steps
-    median = lambda xs: statistics.median(xs) / 1000 if xs else None
     waits = [x for x in rows if x["wait_us"]]
+    as_ms = lambda us: None if us is None else us / 1000
+    parts = ("copy_in", "transfer", "lag")
     return {
         "gathers_per_step": len(rows) / n_steps,
         "wait_ms_per_step": ms(sum(x["wait_us"] for x in waits)),
         "wait_for_gather_ms_per_step": ms(sum(x["wait_us"] for x in waits if x["cause"] == "gather")),
         "wait_for_host_ms_per_step": ms(sum(x["wait_us"] for x in waits if x["cause"] == "host")),
         "median_ms": {
-            key: median([x[f"{key}_us"] for x in rows if x[f"{key}_us"] is not None])
-            for key in ("copy_in", "transfer", "lag")
+            k: as_ms(statistics.median(v))
+            if (v := [x[f"{k}_us"] for x in rows if x[f"{k}_us"] is not None])
+            else None
+            for k in parts
         },
         "largest_waits": [
-            {
-                "unit": x["unit"],
-                "wait_ms": x["wait_us"] / 1000,
-                "cause": x["cause"],
-                **{
-                    f"{k}_ms": None if x[f"{k}_us"] is None else x[f"{k}_us"] / 1000
-                    for k in ("copy_in", "transfer", "lag")
-                },
-            }
+            {"unit": x["unit"], "wait_ms": x["wait_us"] / 1000, "cause": x["cause"]}
+            | {f"{k}_ms": as_ms(x[f"{k}_us"]) for k in parts}
             for x in sorted(waits, key=lambda x: -x["wait_us"])[:8]
         ],
     }
 
 
-def launch_times(events: list) -> dict:
-    """When each kernel was launched: the CUDA runtime / driver call's start, by correlation id."""
+def fsdp_ranges(events: list, steps: list) -> list[tuple]:
+    """FSDP2's gather and copy-out ranges on the host, (start, end, thread, kind, unit), in time order; only those
+    starting inside a profiled step where the trace has step ranges."""
+    spans = [(s["ts"], s["ts"] + s["dur"]) for s in steps]
+    out = []
+    for e in events:
+        m = FSDP_RANGE.match(str(e.get("name", "")))
+        if m and e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            if not spans or any(a <= e["ts"] <= b for a, b in spans):
+                out.append((e["ts"], e["ts"] + e["dur"], e.get("tid"), m.group(1), m.group(2)))
+    return sorted(out)
+
+
+def launch_calls(events: list) -> dict:
+    """Each kernel's launch call, (start, thread), by correlation id."""
     return {
-        e["args"]["correlation"]: e["ts"]
+        e["args"]["correlation"]: (e["ts"], e.get("tid"))
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
+
+
+def launched_inside(gpu_ops: list, ranges: list, calls: dict) -> dict:
+    """Each range's GPU ops, (op, launch time), those whose launch call ran inside it on its thread (FSDP2's ranges
+    do not nest in one another)."""
+    by_tid: dict = defaultdict(list)
+    for r in ranges:
+        by_tid[r[2]].append(r)
+    starts = {tid: [r[0] for r in rs] for tid, rs in by_tid.items()}
+    inside: dict = defaultdict(list)
+    for op in gpu_ops:
+        call = calls.get(op.get("args", {}).get("correlation"))
+        if call is None or call[1] not in by_tid:
+            continue
+        i = bisect.bisect_right(starts[call[1]], call[0]) - 1
+        if i >= 0 and by_tid[call[1]][i][1] >= call[0]:
+            inside[by_tid[call[1]][i]].append((op, call[0]))
+    return inside
+
+
+def stream_idle(gpu_ops: list, stream):
+    """A function of one of ``stream``'s ops: how long the stream sat idle before it (0 below ``GAP_US``)."""
+    spans = sorted(
+        (op["ts"], op["ts"] + op["dur"]) for op in gpu_ops if op.get("args", {}).get("stream") == stream
+    )
+    starts, ends = [a for a, _ in spans], []  # ends[i]: the latest end among the first i + 1 ops
+    for _, b in spans:
+        ends.append(max(b, ends[-1]) if ends else b)
+
+    def idle(op) -> float:
+        i = bisect.bisect_left(starts, op["ts"]) - 1
+        gap = op["ts"] - ends[i] if i >= 0 else 0.0
+        return gap if gap >= GAP_US else 0.0
+
+    return idle
+
+
+def gather_row(unit: str, gathered: list, copy_out, idle: float, calls: dict) -> dict:
+    """One gather's figures (us): ``gathered`` the GPU ops its gather range launched, ``copy_out`` the first op of
+    its copy-out, ``idle`` the compute stream's wait before it."""
+    transfers = [
+        (op, t) for op, t in gathered if category(op["name"]) == "communication" or "PtoP" in op["name"]
+    ]
+    copy_in = [op for op, _ in gathered if all(op is not x for x, _ in transfers)]
+    copy_in_end = max((op["ts"] + op["dur"] for op in copy_in), default=None)
+    row = {"unit": unit, "wait_us": idle, "cause": None, "transfer_us": None, "lag_us": None}
+    row["copy_in_us"] = copy_in_end - min(op["ts"] for op in copy_in) if copy_in else None
+    transfer_end = None
+    if transfers:
+        op, launched = min(transfers, key=lambda x: x[0]["ts"])
+        transfer_end = max(o["ts"] + o["dur"] for o, _ in transfers)
+        row["transfer_us"] = transfer_end - op["ts"]
+        row["lag_us"] = max(
+            0.0, op["ts"] - max(launched, copy_in_end if copy_in_end is not None else launched)
+        )
+    if idle:
+        copy_out_launch = calls.get(copy_out.get("args", {}).get("correlation"), (copy_out["ts"], None))[0]
+        row["cause"] = "gather" if transfer_end is not None and transfer_end >= copy_out_launch else "host"
+    return row
+
+
+def launch_times(events: list) -> dict:
+    """When each kernel was launched: the CUDA runtime / driver call's start, by correlation id."""
+    return {corr: ts for corr, (ts, _) in launch_calls(events).items()}
 
 
 def in_steps(kernels: list, steps: list, launched: dict) -> list:
