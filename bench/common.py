@@ -230,14 +230,16 @@ def profile_steps_by_kind(step_fn, batches, run_dir: str, variant: str) -> dict:
 
 
 class GpuSampler:
-    """Each GPU's SM clock, power, temperature and utilization sampled every ``every_s`` on a thread while a
-    benchmark runs (NVML through nvidia-ml-py), summarized per GPU: a rank whose GPU runs slower (a lower clock, a
-    power cap) shows beside a wait the profiles find. Without NVML or a GPU the summary is None."""
+    """Each GPU's SM clock, power, temperature, utilization and clock-event reasons sampled every ``every_s`` on a
+    thread while a benchmark runs (NVML through nvidia-ml-py), summarized per GPU: a rank whose GPU runs slower (a
+    lower clock, a power cap) shows beside a wait the profiles find, and a run held at its power limit shows as
+    such. Without NVML or a GPU the summary is None."""
 
     def __init__(self, every_s: float = 0.5):
         import threading
 
         self.every_s, self.samples, self._stop = every_s, {}, threading.Event()
+        self.power_limit_w: dict = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> GpuSampler:
@@ -258,6 +260,13 @@ class GpuSampler:
             return
         try:
             handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            reasons = (
+                getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            )
+            self.power_limit_w = {
+                str(i): pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0 for i, h in enumerate(handles)
+            }
             while not self._stop.is_set():
                 for i, h in enumerate(handles):
                     self.samples.setdefault(i, []).append(
@@ -266,6 +275,7 @@ class GpuSampler:
                             pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
                             pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
                             pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                            reasons(h),
                         )
                     )
                 self._stop.wait(self.every_s)
@@ -275,12 +285,19 @@ class GpuSampler:
             pynvml.nvmlShutdown()
 
     def summary(self) -> dict | None:
-        return summarize_gpu_samples(self.samples)
+        return summarize_gpu_samples(self.samples, self.power_limit_w)
 
 
-def summarize_gpu_samples(samples: dict | None) -> dict | None:
-    """{gpu: [(sm MHz, W, °C, util %), ...]} -> {gpu: medians of the busy samples (utilization > 0) and the
-    hottest temperature}; None when nothing was sampled."""
+# NVML's clock-event reasons that mean power: the software power cap, the hardware power brake
+POWER_REASONS = 0x4 | 0x80
+STEADY_UTILIZATION = 90  # % busy: the training steps, not start-up or compilation
+
+
+def summarize_gpu_samples(samples: dict | None, power_limit_w: dict | None = None) -> dict | None:
+    """{gpu: [(sm MHz, W, °C, util %[, clock-event reasons]), ...]} -> {gpu: medians of the busy samples
+    (utilization > 0) and the hottest temperature; then over the steady ones (utilization >= 90%: the steps) the
+    median clock and power and the share held down by power (``power_capped_share``), with the power limit};
+    None when nothing was sampled."""
     import statistics
 
     if not samples:
@@ -288,6 +305,7 @@ def summarize_gpu_samples(samples: dict | None) -> dict | None:
     out = {}
     for gpu, rows in samples.items():
         busy = [r for r in rows if r[3] > 0] or rows
+        steady = [r for r in rows if r[3] >= STEADY_UTILIZATION]
         out[str(gpu)] = {
             "samples": len(rows),
             "busy_samples": len([r for r in rows if r[3] > 0]),
@@ -296,4 +314,15 @@ def summarize_gpu_samples(samples: dict | None) -> dict | None:
             "temperature_c_max": max(r[2] for r in rows),
             "utilization_median": statistics.median(r[3] for r in busy),
         }
+        if steady:
+            out[str(gpu)]["steady"] = {
+                "samples": len(steady),
+                "sm_clock_mhz_median": statistics.median(r[0] for r in steady),
+                "power_w_median": round(statistics.median(r[1] for r in steady), 1),
+                "power_capped_share": round(
+                    sum(1 for r in steady if len(r) > 4 and r[4] & POWER_REASONS) / len(steady), 3
+                ),
+            }
+        if power_limit_w and str(gpu) in power_limit_w:
+            out[str(gpu)]["power_limit_w"] = power_limit_w[str(gpu)]
     return out

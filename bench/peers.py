@@ -1270,6 +1270,7 @@ def summary(doc: dict) -> str:
             else f"{side}: {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU"
         )
         lines[-1] += f", {r['peak_reserved_gib']:.1f} GiB, first step at {r['launch_to_first_step_s']} s"
+        lines[-1] += power_line(r.get("gpus"))
         if r.get("error"):
             lines[-1] += " (with an error: see the JSON)"
     if "ratio" in doc:
@@ -1281,8 +1282,22 @@ def summary(doc: dict) -> str:
         ratio = f", {r['ratio']:.3f}x torchtitan" if "ratio" in r else ""
         if "ratio_over_rounds" in r:
             ratio += f" (over {rounds_line(r['ratio_over_rounds'])})"
-        lines.append(f"loom variant {name} ({'; '.join(r['fields'])}): {got}{ratio}")
+        lines.append(
+            f"loom variant {name} ({'; '.join(r['fields'])}): {got}{ratio}{power_line(r.get('gpus'))}"
+        )
     return "\n".join(lines)
+
+
+def power_line(gpus: dict | None) -> str:
+    """ ", GPU 0 at 679 W, 1,590 MHz, power-capped 100%" over the steps (the GPU sampler's steady samples; its
+    first GPU), or nothing where none were taken."""
+    steady = (gpus or {}).get("0", {}).get("steady")
+    if not steady:
+        return ""
+    return (
+        f"; GPU 0 in its steps {steady['power_w_median']:.0f} W, {steady['sm_clock_mhz_median']:,.0f} MHz, "
+        f"power-capped {100 * steady['power_capped_share']:.0f}%"
+    )
 
 
 def rounds_line(spread: dict) -> str:

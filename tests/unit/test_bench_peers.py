@@ -363,19 +363,36 @@ def test_gpu_samples_summarize_each_gpu_and_nothing_without_nvml():
     from bench.common import GpuSampler, summarize_gpu_samples
 
     samples = {
-        0: [(1980, 650.0, 60, 100), (1980, 690.0, 66, 99), (345, 90.0, 40, 0)],
-        1: [(1755, 700.0, 70, 100)],
+        0: [
+            (1980, 650.0, 60, 100, 0),
+            (1980, 690.0, 66, 99, 0x4),
+            (1800, 300.0, 50, 40, 0),
+            (345, 90.0, 40, 0, 1),
+        ],
+        1: [(1755, 700.0, 70, 100)],  # no reasons read: not counted as capped
     }
-    out = summarize_gpu_samples(samples)
+    out = summarize_gpu_samples(samples, {"0": 700.0})
     assert out["0"] == {
-        "samples": 3,
-        "busy_samples": 2,
+        "samples": 4,
+        "busy_samples": 3,
         "sm_clock_mhz_median": 1980,
-        "power_w_median": 670.0,
+        "power_w_median": 650.0,
         "temperature_c_max": 66,
-        "utilization_median": 99.5,
+        "utilization_median": 99,
+        "steady": {
+            "samples": 2,
+            "sm_clock_mhz_median": 1980,
+            "power_w_median": 670.0,
+            "power_capped_share": 0.5,
+        },
+        "power_limit_w": 700.0,
     }
     assert out["1"]["sm_clock_mhz_median"] == 1755  # the slower GPU stands out
+    assert out["1"]["steady"]["power_capped_share"] == 0 and "power_limit_w" not in out["1"]
+    from bench.peers import power_line
+
+    assert power_line(out) == "; GPU 0 in its steps 670 W, 1,980 MHz, power-capped 50%"
+    assert power_line(None) == "" and power_line({"0": {"samples": 1}}) == ""
     assert summarize_gpu_samples({}) is None and summarize_gpu_samples(None) is None
     with GpuSampler(every_s=0.01) as s:  # on a machine without a GPU (or NVML) it samples nothing, silently
         pass
