@@ -27,7 +27,6 @@ from loom.parallel.grad_copy_rules import RULES as GRAD_COPY
 from loom.parallel.offload_rules import RULES as OFFLOAD
 from loom.parallel.pipedream_rules import RULES as PIPEDREAM
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
-from loom.parallel.side_copies_rules import RULES as SIDE_COPIES
 from loom.parallel.symm_mem_rules import RULES as SYMM_MEM
 from loom.runtime.fault_tolerance import replica_groups
 from loom.runtime.fault_tolerance_rules import RULES as FAULT_TOLERANCE
@@ -46,7 +45,6 @@ FEATURES = (
     LORA,
     SYMM_MEM,
     GRAD_COPY,
-    SIDE_COPIES,
 )
 
 

@@ -874,14 +874,6 @@ class ParallelConfig:
         choices=("auto", "torch", "triton"),
         resume=(FREE, KERNEL),
     )
-    fsdp_side_copies: str = opt(
-        "none",
-        "FSDP2's per-unit copies moved off the compute stream (loom.parallel.side_copies): gather = the gathered "
-        "parameters' copy-out on the all-gather stream (copy-engine copies on CUDA), reduce = the gradients' "
-        "copy-in on the reduce-scatter stream, both; none = FSDP2's own (both on the compute stream)",
-        choices=("none", "gather", "reduce", "both"),
-        resume=(FREE, "the same bytes to the same places on another stream"),
-    )
     reduce_dtype: str = opt(
         "float32",
         "dtype FSDP2 reduces gradients in (its MixedPrecisionPolicy.reduce_dtype; torchtitan's "

@@ -7,7 +7,6 @@ from torch import nn
 
 from loom.models.common.moe import moe_modules
 from loom.parallel.grad_copy import use_grad_copy
-from loom.parallel.side_copies import use_side_copies
 from loom.parallel.symm_mem import use_symm_mem
 
 
@@ -41,7 +40,6 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     symm_mem: bool = False,
     grad_copy: str = "torch",
-    side_copies: str = "none",
     device: torch.device | None = None,
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
@@ -51,8 +49,7 @@ def apply_fsdp(
     the device). ``explicit_prefetch`` (parallel.fsdp_prefetch; by default under expert parallelism):
     ``prefetch_in_order``. ``symm_mem`` (parallel.fsdp_symm_mem): every FSDP2 unit's collective buffers, the
     experts' too, in NCCL symmetric memory. ``grad_copy`` (parallel.fsdp_grad_copy) ``triton``, or ``auto`` on a
-    CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy).
-    ``side_copies`` (parallel.fsdp_side_copies): FSDP2's copies off the compute stream (loom.parallel.side_copies)."""
+    CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy)."""
     from torch.distributed.fsdp import fully_shard
 
     kw = dict(
@@ -74,7 +71,6 @@ def apply_fsdp(
     if symm_mem:
         use_symm_mem(model)
     use_grad_copy(grad_copy, device)
-    use_side_copies(side_copies)
     return model
 
 

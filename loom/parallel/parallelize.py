@@ -167,7 +167,6 @@ def parallelize_llama(
                 reduce_dtype=DTYPES[parallel.reduce_dtype],
                 symm_mem=parallel.fsdp_symm_mem,
                 grad_copy=parallel.fsdp_grad_copy,
-                side_copies=parallel.fsdp_side_copies,
                 device=device,
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device

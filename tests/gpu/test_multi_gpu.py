@@ -221,23 +221,6 @@ def test_fsdp_grad_copy_on_two_gpus_trains_as_fsdp2s_own_copy(tmp_path):
     assert copied == plain, (copied, plain)
 
 
-def test_fsdp_side_copies_on_two_gpus_train_as_fsdp2s_own(tmp_path):
-    """parallel.fsdp_side_copies both: the gathered weights' copy-out as copy-engine copies on the all-gather stream
-    (bf16 and float8 gathers) and the gradients' copy-in on the reduce-scatter stream move the same bytes to the
-    same places, so the losses are FSDP2's own, bit for bit; and in the plan's layout (ZeRO-2, symmetric memory)."""
-    for name, plain, side in plain_and_changed(tmp_path, {"parallel.fsdp_side_copies": "both"}):
-        assert side == plain, (name, side, plain)
-    z2 = {
-        "parallel.dp_shard": 2,
-        "parallel.zero": 2,
-        "parallel.fsdp_symm_mem": "true",
-        "training.dtype": "bfloat16",
-    }
-    z2["run.deterministic"] = "true"
-    plain = train(tmp_path / "z2_plain", 2, **z2)
-    assert train(tmp_path / "z2_side", 2, **z2, **{"parallel.fsdp_side_copies": "both"}) == plain
-
-
 def test_grad_norm_kernel_on_two_gpus_trains_as_pytorchs_norm(tmp_path):
     """training.grad_norm_kernel triton: the norm of FSDP2's shards through loom::sum_squares is PyTorch's, summed in
     another order, so the clipped steps' losses agree to float tolerance: 1e-4, as DDP's and FSDP2's against one
