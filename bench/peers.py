@@ -847,6 +847,7 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
                 "losses": [s["loss"] for s in steps],
             }
         )
+    out["joules_per_token"] = joules_per_token(out)
     if a.profile:
         traces = sorted(
             glob.glob(os.path.join(paths["titan_dir"], "profile_traces", "*", "rank0_trace.json"))
@@ -901,6 +902,7 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
                 "losses": [r["loss"] for r in recs],
             }
         )
+    out["joules_per_token"] = joules_per_token(out)
     ranks = os.path.join(paths["loom_dir"], "ranks.jsonl")  # each rank's step, data wait and collective time
     if os.path.exists(ranks):
         with open(ranks) as fh:
@@ -952,6 +954,16 @@ def conventions(titan: dict, loom: dict) -> None:
     loom["mfu_torchtitan_convention"] = (
         loom["tokens_per_s_per_gpu"] * titan_fpt / peak if titan_fpt and peak else None
     )
+
+
+def joules_per_token(run: dict) -> float | None:
+    """Energy a token cost over the steps: each GPU's median power in them (the sampler's steady figure) over its
+    tokens/s, averaged over the GPUs; None without both. On GPUs held at their power limit the step's time is set
+    by its energy (docs/benchmarks.md, eighth session), so this ratio is the throughput one read another way."""
+    steady = [g["steady"]["power_w_median"] for g in (run.get("gpus") or {}).values() if g.get("steady")]
+    if not steady or not run.get("tokens_per_s_per_gpu"):
+        return None
+    return round(sum(steady) / len(steady) / run["tokens_per_s_per_gpu"], 5)
 
 
 def download_wheels(folder: str) -> None:
@@ -1270,7 +1282,7 @@ def summary(doc: dict) -> str:
             else f"{side}: {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU"
         )
         lines[-1] += f", {r['peak_reserved_gib']:.1f} GiB, first step at {r['launch_to_first_step_s']} s"
-        lines[-1] += power_line(r.get("gpus"))
+        lines[-1] += power_line(r)
         if r.get("error"):
             lines[-1] += " (with an error: see the JSON)"
     if "ratio" in doc:
@@ -1282,22 +1294,22 @@ def summary(doc: dict) -> str:
         ratio = f", {r['ratio']:.3f}x torchtitan" if "ratio" in r else ""
         if "ratio_over_rounds" in r:
             ratio += f" (over {rounds_line(r['ratio_over_rounds'])})"
-        lines.append(
-            f"loom variant {name} ({'; '.join(r['fields'])}): {got}{ratio}{power_line(r.get('gpus'))}"
-        )
+        lines.append(f"loom variant {name} ({'; '.join(r['fields'])}): {got}{ratio}{power_line(r)}")
     return "\n".join(lines)
 
 
-def power_line(gpus: dict | None) -> str:
-    """ ", GPU 0 at 679 W, 1,590 MHz, power-capped 100%" over the steps (the GPU sampler's steady samples; its
-    first GPU), or nothing where none were taken."""
-    steady = (gpus or {}).get("0", {}).get("steady")
+def power_line(run: dict) -> str:
+    """The first GPU's steady figures (the GPU sampler's samples over the steps) as "; GPU 0 in its steps 679 W,
+    1,590 MHz, power-capped 100%, 66.6 mJ/token" (the energy over all GPUs), or nothing where none were taken."""
+    steady = (run.get("gpus") or {}).get("0", {}).get("steady")
     if not steady:
         return ""
-    return (
+    line = (
         f"; GPU 0 in its steps {steady['power_w_median']:.0f} W, {steady['sm_clock_mhz_median']:,.0f} MHz, "
         f"power-capped {100 * steady['power_capped_share']:.0f}%"
     )
+    energy = run.get("joules_per_token")
+    return line + (f", {1000 * energy:.1f} mJ/token" if energy else "")
 
 
 def rounds_line(spread: dict) -> str:
