@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -76,6 +77,12 @@ def step_ms(per_linear: dict, names: list[str], n_layers: int) -> float:
     return round(block * n_layers + sum(g["ms"] for g in per_linear["head"].values()), 2)
 
 
+def refuse(why: str) -> None:
+    """One line on stderr, exit 2 (a user or machine error)."""
+    print(f"bench.gemms: {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="8B", choices=sorted(FLAVORS))
@@ -93,11 +100,11 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     settings = a.settings.split(",")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.gemms: no CUDA device (it times GEMMs on one GPU)")
     bad = [s for s in settings if s not in SETTINGS]
     if bad:
-        raise SystemExit(f"bench.gemms: --settings {bad[0]!r}: allowed {', '.join(SETTINGS)}")
+        refuse(f"--settings {bad[0]!r}: allowed {', '.join(SETTINGS)}")
+    if not torch.cuda.is_available():
+        refuse("no CUDA device: it times GEMMs on one GPU")
     shapes = linears(a.flavor, a.vocab)
     fused = {
         "wqkv": (shapes["wq"][0] + 2 * shapes["wk"][0], FLAVORS[a.flavor].dim),
