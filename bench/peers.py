@@ -1184,9 +1184,9 @@ def main() -> None:
         + [f"loom {kv} (--loom-set)" for kv in a.loom_set]
         + [f"torchtitan {kv} (--titan-set)" for kv in a.titan_set],
     }
+    each = round_runs(w, gpus, a, paths, root, sides, variants, 1)
     for side in sides:
-        print(f"bench.peers: {side} ...", flush=True)
-        doc[side] = run_titan(w, gpus, a, paths) if side == "torchtitan" else run_loom(w, gpus, a, paths)
+        doc[side] = next(each)[2]
         write_result(out_path, doc)
     titan, loom = doc.get("torchtitan", {}), doc.get("loom", {})
     conventions(titan, loom)
@@ -1195,9 +1195,8 @@ def main() -> None:
     if "tokens_per_s_per_gpu" in titan and "tokens_per_s_per_gpu" in loom:
         doc["ratio"] = loom["tokens_per_s_per_gpu"] / titan["tokens_per_s_per_gpu"]
     write_result(out_path, doc)
-    for name, fields in variants.items():
-        print(f"bench.peers: loom variant {name} ({'; '.join(fields)}) ...", flush=True)
-        run = run_loom(w, gpus, a, {**paths, "loom_dir": os.path.join(root, f"loom_{name}")}, fields)
+    for _, name, run in each:
+        fields = variants[name]
         run["fields"] = list(fields)
         conventions(dict(titan), run)
         if "tokens_per_s_per_gpu" in titan and "tokens_per_s_per_gpu" in run:
@@ -1208,26 +1207,36 @@ def main() -> None:
         rounds = [round_figures(doc)]
         for k in range(2, a.rounds + 1):
             again: dict = {}
-            for side in sides:
-                print(f"bench.peers: round {k}: {side} ...", flush=True)
-                where = {
-                    **paths,
-                    "titan_dir": os.path.join(root, f"torchtitan_r{k}"),
-                    "loom_dir": os.path.join(root, f"loom_r{k}"),
-                }
-                os.makedirs(where["titan_dir"], exist_ok=True)
-                again[side] = (
-                    run_titan(w, gpus, a, where) if side == "torchtitan" else run_loom(w, gpus, a, where)
-                )
-            for name, fields in variants.items():
-                print(f"bench.peers: round {k}: loom variant {name} ...", flush=True)
-                where = {**paths, "loom_dir": os.path.join(root, f"loom_{name}_r{k}")}
-                again.setdefault("loom_variants", {})[name] = run_loom(w, gpus, a, where, fields)
+            for kind, name, run in round_runs(w, gpus, a, paths, root, sides, variants, k):
+                (again if kind == "side" else again.setdefault("loom_variants", {}))[name] = run
             rounds.append(round_figures(again))
             doc["rounds"] = rounds
             over_rounds(doc, rounds)
             write_result(out_path, doc)
     print(summary(doc), flush=True)
+
+
+def round_runs(w: Workload, gpus: int, a, paths: dict, root: str, sides: list, variants: dict, k: int):
+    """Round ``k``'s runs, one after the other: ("side", side, result) for each side, then ("variant", name, result)
+    for each loom variant; round 1 in the run folders' own names, later rounds in folders suffixed ``_r<k>``."""
+    tag, suffix = ("", "") if k == 1 else (f"round {k}: ", f"_r{k}")
+    where = {
+        **paths,
+        "titan_dir": paths["titan_dir"] if k == 1 else os.path.join(root, f"torchtitan{suffix}"),
+        "loom_dir": paths["loom_dir"] if k == 1 else os.path.join(root, f"loom{suffix}"),
+    }
+    os.makedirs(where["titan_dir"], exist_ok=True)
+    for side in sides:
+        print(f"bench.peers: {tag}{side} ...", flush=True)
+        yield (
+            "side",
+            side,
+            run_titan(w, gpus, a, where) if side == "torchtitan" else run_loom(w, gpus, a, where),
+        )
+    for name, fields in variants.items():
+        print(f"bench.peers: {tag}loom variant {name} ({'; '.join(fields)}) ...", flush=True)
+        place = {**paths, "loom_dir": os.path.join(root, f"loom_{name}{suffix}")}
+        yield "variant", name, run_loom(w, gpus, a, place, fields)
 
 
 def round_figures(doc: dict) -> dict:
