@@ -158,9 +158,16 @@ def hf_train_step(model, params, opt):
     return step_fn
 
 
-def time_steps(step_fn, batches: list, warmup: int) -> tuple[list[float], list[float], float]:
+def time_steps(step_fn, batches: list, warmup: int) -> tuple[list[float], list[float], float, dict | None]:
     """Runs ``step_fn`` on every batch: (seconds of each step after the first ``warmup``, every step's loss, the
-    first step's seconds, compilation included). The GPU is synchronized around each timed step."""
+    first step's seconds, compilation included, the GPUs' clock and power over the steps: GpuSampler's summary).
+    The GPU is synchronized around each timed step."""
+    with GpuSampler(every_s=0.1) as gpus:
+        times, losses, first_step_s = _time_steps(step_fn, batches, warmup)
+    return times, losses, first_step_s, gpus.summary()
+
+
+def _time_steps(step_fn, batches: list, warmup: int) -> tuple[list[float], list[float], float]:
     import torch
 
     losses, times = [], []
@@ -286,6 +293,16 @@ class GpuSampler:
 
     def summary(self) -> dict | None:
         return summarize_gpu_samples(self.samples, self.power_limit_w)
+
+
+def joules_per_token(gpus: dict | None, tokens_per_s_per_gpu: float | None) -> float | None:
+    """Energy a token cost over the steps: each busy GPU's median power in them (GpuSampler's steady figure) over
+    its tokens/s, averaged over those GPUs; None without both. On a GPU held at its power limit the step's time is
+    set by its energy (docs/benchmarks.md, eighth session), so this is the throughput read another way."""
+    steady = [g["steady"]["power_w_median"] for g in (gpus or {}).values() if g.get("steady")]
+    if not steady or not tokens_per_s_per_gpu:
+        return None
+    return round(sum(steady) / len(steady) / tokens_per_s_per_gpu, 5)
 
 
 # NVML's clock-event reasons that mean power: the software power cap, the hardware power brake

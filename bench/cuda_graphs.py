@@ -45,7 +45,7 @@ def run_variant(
     trainer = Trainer(cfg)
     batches = [trainer.loader.next_step().micro_batches for _ in range(warmup + steps)]
     torch.cuda.reset_peak_memory_stats()
-    times, losses, first_step_s = time_steps(trainer.train_step, batches, warmup)
+    times, losses, first_step_s, gpus = time_steps(trainer.train_step, batches, warmup)
     return {
         "variant": variant,
         "flavor": flavor,
@@ -55,6 +55,7 @@ def run_variant(
         "tokens_per_s": micro_batch * seq / statistics.median(times),
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "first_step_s": first_step_s,
+        "gpus": gpus,
         "losses": losses,
     }
 

@@ -29,6 +29,7 @@ from bench.common import (
     environment,
     hf_llama_config,
     hf_train_step,
+    joules_per_token,
     profile_steps_by_kind,
     run_children,
     time_steps,
@@ -194,7 +195,7 @@ def run_variant(
     build_peak = torch.cuda.max_memory_reserved() / 2**30
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    times, losses, first_step_s = time_steps(step_fn, batches[: warmup + steps], warmup)
+    times, losses, first_step_s, gpus = time_steps(step_fn, batches[: warmup + steps], warmup)
     profile = (
         profile_steps_by_kind(step_fn, batches[warmup : warmup + 4], run_dir, variant)
         if profile_steps
@@ -223,6 +224,8 @@ def run_variant(
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "build_peak_reserved_gib": build_peak,
         "first_step_s": first_step_s,
+        "gpus": gpus,
+        "joules_per_token": joules_per_token(gpus, tps),
         "losses": losses,
         "profile": profile,
     }

@@ -50,7 +50,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from bench.common import JOB_ENV, GpuSampler, command, default_commit, environment, failure, write_result
+from bench.common import (
+    JOB_ENV,
+    GpuSampler,
+    command,
+    default_commit,
+    environment,
+    failure,
+    joules_per_token,
+    write_result,
+)
 
 # what torchtitan 0.2.2 needs that the GPU image lacks (it has torch 2.11, tokenizers, pyarrow, pandas, xxhash,
 # fsspec, einops, pillow, tensorboard): each pinned, fetched with --no-deps for CPython 3.12 on x86-64 Linux
@@ -847,7 +856,7 @@ def run_titan(w: Workload, gpus: int, a, paths: dict) -> dict:
                 "losses": [s["loss"] for s in steps],
             }
         )
-    out["joules_per_token"] = joules_per_token(out)
+    out["joules_per_token"] = joules_per_token(out.get("gpus"), out.get("tokens_per_s_per_gpu"))
     if a.profile:
         traces = sorted(
             glob.glob(os.path.join(paths["titan_dir"], "profile_traces", "*", "rank0_trace.json"))
@@ -902,7 +911,7 @@ def run_loom(w: Workload, gpus: int, a, paths: dict, variant: tuple[str, ...] = 
                 "losses": [r["loss"] for r in recs],
             }
         )
-    out["joules_per_token"] = joules_per_token(out)
+    out["joules_per_token"] = joules_per_token(out.get("gpus"), out.get("tokens_per_s_per_gpu"))
     ranks = os.path.join(paths["loom_dir"], "ranks.jsonl")  # each rank's step, data wait and collective time
     if os.path.exists(ranks):
         with open(ranks) as fh:
@@ -954,16 +963,6 @@ def conventions(titan: dict, loom: dict) -> None:
     loom["mfu_torchtitan_convention"] = (
         loom["tokens_per_s_per_gpu"] * titan_fpt / peak if titan_fpt and peak else None
     )
-
-
-def joules_per_token(run: dict) -> float | None:
-    """Energy a token cost over the steps: each GPU's median power in them (the sampler's steady figure) over its
-    tokens/s, averaged over the GPUs; None without both. On GPUs held at their power limit the step's time is set
-    by its energy (docs/benchmarks.md, eighth session), so this ratio is the throughput one read another way."""
-    steady = [g["steady"]["power_w_median"] for g in (run.get("gpus") or {}).values() if g.get("steady")]
-    if not steady or not run.get("tokens_per_s_per_gpu"):
-        return None
-    return round(sum(steady) / len(steady) / run["tokens_per_s_per_gpu"], 5)
 
 
 def download_wheels(folder: str) -> None:

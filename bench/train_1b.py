@@ -26,6 +26,7 @@ from bench.common import (
     environment,
     hf_llama_config,
     hf_train_step,
+    joules_per_token,
     profile_steps_by_kind,
     run_children,
     time_steps,
@@ -155,7 +156,7 @@ def run_variant(
         step_fn = hf_train_step(model, list(model.parameters()), opt)
 
     torch.cuda.reset_peak_memory_stats()
-    times, losses, first_step_s = time_steps(step_fn, batches[: warmup + steps], warmup)
+    times, losses, first_step_s, gpus = time_steps(step_fn, batches[: warmup + steps], warmup)
     # after the timed steps, on batches of their own: kernel time per step by category (bench.lora's --profile)
     by_kind = profile_steps_by_kind(step_fn, batches[warmup + steps :], run_dir, variant) if profile else None
     from loom.metrics.flops import flops_per_token, peak_flops
@@ -182,6 +183,8 @@ def run_variant(
         "mfu": tps * flops_per_token(args, seq) / peak if peak else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "first_step_s": first_step_s,
+        "gpus": gpus,
+        "joules_per_token": joules_per_token(gpus, tps),
         "final_loss": losses[-1],
         "profile": by_kind,
     }

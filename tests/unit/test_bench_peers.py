@@ -389,15 +389,16 @@ def test_gpu_samples_summarize_each_gpu_and_nothing_without_nvml():
     }
     assert out["1"]["sm_clock_mhz_median"] == 1755  # the slower GPU stands out
     assert out["1"]["steady"]["power_capped_share"] == 0 and "power_limit_w" not in out["1"]
-    from bench.peers import joules_per_token, power_line
+    from bench.common import joules_per_token
+    from bench.peers import power_line
 
     run = {"gpus": out, "tokens_per_s_per_gpu": 10_000.0}
     assert power_line(run) == "; GPU 0 in its steps 670 W, 1,980 MHz, power-capped 50%"
-    run["joules_per_token"] = joules_per_token(run)
+    run["joules_per_token"] = joules_per_token(out, 10_000.0)
     assert run["joules_per_token"] == 0.0685  # (670 + 700) / 2 W over 10,000 tokens/s
     assert power_line(run).endswith("power-capped 50%, 68.5 mJ/token")
     assert power_line({}) == "" and power_line({"gpus": {"0": {"samples": 1}}}) == ""
-    assert joules_per_token({"gpus": out}) is None and joules_per_token({"tokens_per_s_per_gpu": 1.0}) is None
+    assert joules_per_token(out, None) is None and joules_per_token(None, 1.0) is None
     assert summarize_gpu_samples({}) is None and summarize_gpu_samples(None) is None
     with GpuSampler(every_s=0.01) as s:  # on a machine without a GPU (or NVML) it samples nothing, silently
         pass
