@@ -437,9 +437,9 @@ def rank_needs(cfg: Config, dims: ParallelDims, args, device: str, peak: bool = 
         return RankNeeds(params, state_bytes, None, 0.0, host_bytes=host)
     profile = activation_profile(cfg, dims, args, x)
     m = accumulation_steps(t, dims.dp_size)
-    memories = [rank_memory(share, r, args, dims, x, profile, cfg, m) for r, share in enumerate(shares)]
-    busiest = max(memories, key=lambda mem: mem.total)
     gpu = device != "cpu"
+    memories = [rank_memory(share, r, args, dims, x, profile, cfg, m, gpu) for r, share in enumerate(shares)]
+    busiest = max(memories, key=lambda mem: mem.total)
     total = busiest.total - (0.0 if gpu else busiest.workspace)
     fixed = (
         busiest.weights
@@ -458,7 +458,11 @@ def memory_check_estimate(cfg: Config, world_size: int, device: str) -> RankNeed
     return rank_needs(cfg, dims, resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), device)
 
 
-def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Config, m: int) -> Memory:
+def rank_memory(
+    share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Config, m: int, cuda: bool = True
+) -> Memory:
+    """The busiest moment of one rank's step. ``cuda``: the GPU's caching allocator, which keeps each stream's
+    freed blocks for that stream (``reduce_scatter_pool``)."""
     ac = cfg.training.activation_checkpointing
     stored = stored_blocks(ac, cfg.training.ac_every, args.n_layers)
     state = state_memory(held_params(share, x), x, share.layers)
@@ -485,13 +489,21 @@ def rank_memory(share, rank: int, args, dims, x: MemoryInputs, profile, cfg: Con
     activations *= 1 + x.trained_copies  # a model trained beside the policy keeps its own (PPO's critic)
     held_fixed = profile.held(share.layers, 0, dense=share.dense_layers) / dims.tp  # batch-independent
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
-    # earlier micro-batches' (accumulated or sharded) gradients
-    grads_before = state.gradients if m > 1 else 0.0
+    # earlier micro-batches' (accumulated or sharded) gradients, or the reduce-scatter stream's pool
+    grads_before = state.gradients if m > 1 or reduce_scatter_pool(x, cuda) else 0.0
     peak = step_peak(state, gathered, cache, activations, backward, grads_before)
     # a rollout method's engine: its weight copy lives beside the policy, its parked KV cache too (grpo.keep_cache)
     peak.weights += x.engine_copy
     peak.kv_cache = x.kv_cache if x.kv_kept else 0.0
     return max(with_workspace(peak), generation_peak(state, x), key=lambda mem: mem.total)
+
+
+def reduce_scatter_pool(x: MemoryInputs, cuda: bool) -> bool:
+    """Whether the step's gradients are reserved beside the activations' peak with one micro-batch as well: FSDP2
+    allocates each unit's reduce-scatter output, which its sharded gradients are views of, on its reduce-scatter
+    stream, and the CUDA caching allocator does not hand that stream the blocks the compute stream frees as the
+    backward drops the activations (docs/planner.md, "Memory")."""
+    return cuda and x.fsdp and x.shard > 1
 
 
 def float8_gathered(cfg: Config, args, share, dims, x: MemoryInputs) -> float:
