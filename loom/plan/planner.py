@@ -502,7 +502,7 @@ def reduce_scatter_pool(x: MemoryInputs, cuda: bool) -> bool:
     """Whether the step's gradients are reserved beside the activations' peak with one micro-batch as well: FSDP2
     allocates each unit's reduce-scatter output, which its sharded gradients are views of, on its reduce-scatter
     stream, and the CUDA caching allocator does not hand that stream the blocks the compute stream frees as the
-    backward drops the activations (docs/planner.md, "Memory")."""
+    backward drops the activations (docs/planner.md, "How it estimates")."""
     return cuda and x.fsdp and x.shard > 1
 
 
