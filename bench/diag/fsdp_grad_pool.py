@@ -2,6 +2,8 @@
 step (16 fp32 linears of 4096 x 4096, bf16 compute, fp32 reduce-scatter). The planner's `reduce_scatter_pool`
 (docs/planner.md) rests on it. `torchrun --standalone --nproc-per-node 2 bench/diag/fsdp_grad_pool.py` (CUDA, NCCL)."""
 
+import os
+import sys
 from collections import defaultdict
 
 import torch
@@ -10,6 +12,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def main() -> None:
+    if torch.cuda.device_count() < 2 or "RANK" not in os.environ:
+        print(
+            "bench/diag/fsdp_grad_pool.py: needs 2 CUDA devices, under torchrun --nproc-per-node 2",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
