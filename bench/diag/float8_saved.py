@@ -1,0 +1,139 @@
+"""What one compiled block keeps from its forward to its backward, bf16 against float8, on one GPU: the allocator's
+bytes before each block of a few-block model of a flavor's shape (bf16 weights, as FSDP2 gathers them; per-block
+torch.compile, no activation checkpointing), at 1 and 2 sequences, beside the planner's traced figure. The
+planner's float8 activations (docs/planner.md) rest on it.
+
+    python -m bench.diag.float8_saved --flavor 8B --float8 none,tensorwise,rowwise --out saved.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+
+def config(flavor: str, seq: int, float8: str):
+    from loom.config import build_config
+
+    return build_config(
+        None,
+        {
+            "model.flavor": flavor,
+            "model.vocab_size": "128256",
+            "model.tie_embeddings": "false",
+            "model.attention": "sdpa",
+            "training.seq_len": str(seq),
+            "training.micro_batch_size": "1",
+            "training.global_batch_size": "1",
+            "training.dtype": "bfloat16",
+            "training.compile": "true",
+            "training.activation_checkpointing": "none",
+            "training.float8": float8,
+        },
+    )
+
+
+def held_per_block(flavor: str, seq: int, float8: str, layers: int, batch: int) -> dict:
+    """Allocated bytes each block adds to what the forward holds (median over the blocks after the first), and the
+    step's peak above the forward's start, at ``batch`` sequences."""
+    from loom.kernels.linear_ce import linear_cross_entropy
+    from loom.models.common.float8 import apply_float8
+    from loom.models.registry import build_model
+    from loom.parallel.compile import apply_compile
+    from loom.plan.planner import model_args
+
+    torch._dynamo.config.automatic_dynamic_shapes = False  # each batch its own static graph, as a run has
+    args = model_args(config(flavor, seq, float8)).with_(n_layers=layers)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = build_model(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = p.data.to(torch.bfloat16)
+            if not name.endswith("norm.weight"):
+                p.normal_(0, 0.02)
+    if float8 != "none":
+        apply_float8(model, float8)
+    apply_compile(model.layers)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), device="cuda")
+
+    def step(record: list | None) -> None:
+        h = model.tok_embeddings(tokens)
+        for block in model.layers.values():
+            if record is not None:
+                torch.cuda.synchronize()
+                record.append(torch.cuda.memory_allocated())
+            h = block(h, model.rope, None)
+        if record is not None:
+            torch.cuda.synchronize()
+            record.append(torch.cuda.memory_allocated())
+        loss = linear_cross_entropy(model.norm(h), model.output.weight, tokens)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step(None)  # compiles
+    step(None)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    record: list[int] = []
+    step(record)
+    torch.cuda.synchronize()
+    deltas = [b - a for a, b in zip(record[1:-1], record[2:])]
+    return {
+        "flavor": flavor,
+        "seq": seq,
+        "float8": float8,
+        "kernels": f"fused_norm={args.fused_norm} fused_rope={args.fused_rope} fused_swiglu={args.fused_swiglu}",
+        "layers": layers,
+        "batch": batch,
+        "block_deltas_mib": [d / 2**20 for d in deltas],
+        "held_per_block_mib": statistics.median(deltas) / 2**20,
+        "step_peak_above_start_mib": (torch.cuda.max_memory_allocated() - start) / 2**20,
+    }
+
+
+def planner_figure(flavor: str, seq: int, float8: str) -> dict:
+    """The planner's traced activation profile for the same run (bf16 weights as FSDP2 gathers them)."""
+    from loom.plan.planner import model_args, profile_activations, traced_args
+
+    cfg = config(flavor, seq, float8)
+    prof = profile_activations(traced_args(model_args(cfg), True), seq, 1, "bfloat16", True, "none")
+    return {"layer_per_seq_mib": prof.layer_per_seq / 2**20, "layer_fixed_mib": prof.layer_fixed / 2**20}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--flavor", default="8B")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--float8", default="none,tensorwise")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/diag/float8_saved.py: needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    for f8 in a.float8.split(","):
+        for batch in (1, 2):
+            row = held_per_block(a.flavor, a.seq, f8, a.layers, batch)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        plan = planner_figure(a.flavor, a.seq, f8)
+        print(json.dumps({"float8": f8, "planner": plan}), flush=True)
+        rows.append({"float8": f8, "planner": plan})
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(
+                {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "rows": rows},
+                fh,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
