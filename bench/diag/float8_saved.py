@@ -127,12 +127,10 @@ def main() -> None:
         print(json.dumps({"float8": f8, "planner": plan}), flush=True)
         rows.append({"float8": f8, "planner": plan})
     if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(
-                {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "rows": rows},
-                fh,
-                indent=1,
-            )
+        from bench.common import default_commit, environment, write_result
+
+        typed = " ".join(["python -m bench.diag.float8_saved", *sys.argv[1:]])
+        write_result(a.out, {"environment": environment(default_commit(), typed), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
 # (whose casts run along the other axis in the backward), and recomputes the SwiGLU gate's output from the two
 # projections the gate's backward keeps anyway. Measured on an H200 with bench/diag/float8_saved.py, 2026-11-30:
 # 8B at seq 8192, bf16 1,089 MiB a block and sequence (what the eager trace counts), tensorwise 801, rowwise 737;
-# 1B at seq 2048, 148.3 against tensorwise 108.3 (docs/planner.md).
+# 1B at seq 2048, 148.3 against tensorwise 108.3, rowwise 100.3 (docs/planner.md).
 FLOAT8_COMPILED_DROP = {"tensorwise": (2, 2), "rowwise": (4, 2)}
 
 
