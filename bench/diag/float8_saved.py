@@ -37,9 +37,12 @@ def config(flavor: str, seq: int, float8: str):
     )
 
 
-def held_per_block(flavor: str, seq: int, float8: str, layers: int, batch: int) -> dict:
+def held_per_block(
+    flavor: str, seq: int, float8: str, layers: int, batch: int, autocast: bool = False
+) -> dict:
     """Allocated bytes each block adds to what the forward holds (median over the blocks after the first), and the
-    step's peak above the forward's start, at ``batch`` sequences."""
+    step's peak above the forward's start, at ``batch`` sequences; ``autocast``: fp32 weights under bf16 autocast,
+    as one GPU trains (else bf16 weights, as FSDP2 gathers them)."""
     from loom.kernels.linear_ce import linear_cross_entropy
     from loom.models.common.float8 import apply_float8
     from loom.models.registry import build_model
@@ -53,7 +56,7 @@ def held_per_block(flavor: str, seq: int, float8: str, layers: int, batch: int) 
         model = build_model(args)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.data = p.data.to(torch.bfloat16)
+            p.data = p.data.to(torch.float32 if autocast else torch.bfloat16)
             if not name.endswith("norm.weight"):
                 p.normal_(0, 0.02)
     if float8 != "none":
@@ -62,6 +65,12 @@ def held_per_block(flavor: str, seq: int, float8: str, layers: int, batch: int) 
     tokens = torch.randint(0, args.vocab_size, (batch, seq), device="cuda")
 
     def step(record: list | None) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = forward(record)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def forward(record: list | None) -> torch.Tensor:
         h = model.tok_embeddings(tokens)
         for block in model.layers.values():
             if record is not None:
@@ -71,9 +80,7 @@ def held_per_block(flavor: str, seq: int, float8: str, layers: int, batch: int) 
         if record is not None:
             torch.cuda.synchronize()
             record.append(torch.cuda.memory_allocated())
-        loss = linear_cross_entropy(model.norm(h), model.output.weight, tokens)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+        return linear_cross_entropy(model.norm(h), model.output.weight, tokens)
 
     step(None)  # compiles
     step(None)
@@ -89,6 +96,7 @@ def held_per_block(flavor: str, seq: int, float8: str, layers: int, batch: int) 
         "seq": seq,
         "float8": float8,
         "kernels": f"fused_norm={args.fused_norm} fused_rope={args.fused_rope} fused_swiglu={args.fused_swiglu}",
+        "autocast": autocast,
         "layers": layers,
         "batch": batch,
         "block_deltas_mib": [d / 2**20 for d in deltas],
@@ -97,12 +105,12 @@ def held_per_block(flavor: str, seq: int, float8: str, layers: int, batch: int) 
     }
 
 
-def planner_figure(flavor: str, seq: int, float8: str) -> dict:
-    """The planner's traced activation profile for the same run (bf16 weights as FSDP2 gathers them)."""
+def planner_figure(flavor: str, seq: int, float8: str, autocast: bool = False) -> dict:
+    """The planner's activation profile for the same run (bf16 weights as FSDP2 gathers them, or autocast's)."""
     from loom.plan.planner import model_args, profile_activations, traced_args
 
     cfg = config(flavor, seq, float8)
-    prof = profile_activations(traced_args(model_args(cfg), True), seq, 1, "bfloat16", True, "none")
+    prof = profile_activations(traced_args(model_args(cfg), True), seq, 1, "bfloat16", not autocast, "none")
     return {"layer_per_seq_mib": prof.layer_per_seq / 2**20, "layer_fixed_mib": prof.layer_fixed / 2**20}
 
 
@@ -112,6 +120,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--float8", default="none,tensorwise")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--autocast", action="store_true", help="fp32 weights under bf16 autocast (one GPU's precision)"
+    )
     p.add_argument("--out", default="")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -120,10 +131,10 @@ def main() -> None:
     rows = []
     for f8 in a.float8.split(","):
         for batch in (1, 2):
-            row = held_per_block(a.flavor, a.seq, f8, a.layers, batch)
+            row = held_per_block(a.flavor, a.seq, f8, a.layers, batch, a.autocast)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        plan = planner_figure(a.flavor, a.seq, f8)
+        plan = planner_figure(a.flavor, a.seq, f8, a.autocast)
         print(json.dumps({"float8": f8, "planner": plan}), flush=True)
         rows.append({"float8": f8, "planner": plan})
     if a.out:
