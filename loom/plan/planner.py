@@ -370,32 +370,69 @@ def lora_inputs(cfg: Config, args) -> dict:
 
 
 def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, profiles: dict | None = None):
-    """The traced activation bytes of this config (``profiles`` caches them across calls)."""
+    """The traced activation bytes of this config (``profiles`` caches them across calls), with what compiled blocks
+    keep otherwise than the eager trace (``compiled_under_autocast``, ``float8_compiled``)."""
     t = cfg.training
-    traced = traced_args(args, t.compile)
-    key = (
-        traced,
-        t.seq_len // dims.cp,
-        t.micro_batch_size,
-        t.dtype,
-        x.fsdp,
-        t.activation_checkpointing,
-        t.ac_every,
-        lora_key(cfg),
-    )
+    traced, seq = traced_args(args, t.compile), t.seq_len // dims.cp
     profiles = {} if profiles is None else profiles
-    if key not in profiles:
-        profiles[key] = profile_activations(
+
+    def trace(fsdp: bool):
+        key = (
             traced,
-            t.seq_len // dims.cp,
+            seq,
             t.micro_batch_size,
             t.dtype,
-            x.fsdp,
+            fsdp,
             t.activation_checkpointing,
             t.ac_every,
-            cfg.lora if cfg.lora.rank else None,
+            lora_key(cfg),
         )
-    return float8_compiled(profiles[key], cfg, args, x, t.seq_len // dims.cp)
+        if key not in profiles:
+            profiles[key] = profile_activations(
+                traced,
+                seq,
+                t.micro_batch_size,
+                t.dtype,
+                fsdp,
+                t.activation_checkpointing,
+                t.ac_every,
+                cfg.lora if cfg.lora.rank else None,
+            )
+        return profiles[key]
+
+    profile = trace(x.fsdp)
+    if compiled_autocast(cfg, dims, args, x):
+        profile = compiled_under_autocast(profile, trace(True), args, t.float8, seq)
+    return float8_compiled(profile, cfg, args, x, seq)
+
+
+def compiled_autocast(cfg: Config, dims: ParallelDims, args, x: MemoryInputs) -> bool:
+    """Whether ``compiled_under_autocast`` models this run: one GPU (where it was measured; with it the 3B DDP run
+    on 2 H200s, whose blocks run the same graphs, would read 14% under its measured peak, for a reason not found, so
+    DDP keeps the eager trace), compiled dense attention blocks without recomputation or LoRA, fp32 weights under
+    autocast."""
+    t = cfg.training
+    plain = not (args.moe or args.mla or cfg.lora.rank)
+    one_gpu = dims.world_size == 1 and not x.fsdp
+    return one_gpu and t.compile and t.dtype != "float32" and t.activation_checkpointing == "none" and plain
+
+
+def compiled_under_autocast(autocast, compute, args, float8: str, seq: int):
+    """What a compiled block keeps under autocast, from the eager traces with autocast (``autocast``) and with
+    compute-dtype weights (``compute``): the eager trace keeps much of the block in fp32 (its residual stream,
+    norms and sums), the compiled block what it keeps with compute-dtype weights (inside its graph every weight is
+    cast first) but its fp32 input, and also the fp32 sum after attention where loom's fused norm (a kernel
+    Inductor cannot recompute through) takes it: 2 or 4 bytes a token and model width more. Its weights' casts stay
+    (the eager trace's fixed bytes) in bf16; under float8 none are kept. Measured on an H200
+    (bench/diag/float8_saved.py --autocast, bench/results/float8_saved_h200.json): 8B at seq 8192, 1,153 MiB a block
+    and sequence and 416 fixed in bf16 (the eager trace 1,409 and 416), 929 and 0 tensorwise; 1B at seq 2048, 156.3
+    and 116, 124.3 and 0 (the eager trace 188.3 and 116)."""
+    width = (4 if args.fused_norm else 2) * args.dim * seq
+    fixed = autocast.layer_fixed if float8 == "none" else 0.0
+    per_seq = compute.layer_per_seq + width
+    return dataclasses.replace(
+        autocast, layer_per_seq=per_seq, layer_fixed=fixed, dense_per_seq=per_seq, dense_fixed=fixed
+    )
 
 
 def float8_compiled(profile, cfg: Config, args, x: MemoryInputs, seq: int):
