@@ -16,7 +16,7 @@ import sys
 import torch
 
 
-def config(flavor: str, seq: int, float8: str):
+def config(flavor: str, seq: int, float8: str, ac: str = "none"):
     from loom.config import build_config
 
     return build_config(
@@ -31,26 +31,28 @@ def config(flavor: str, seq: int, float8: str):
             "training.global_batch_size": "1",
             "training.dtype": "bfloat16",
             "training.compile": "true",
-            "training.activation_checkpointing": "none",
+            "training.activation_checkpointing": ac,
             "training.float8": float8,
         },
     )
 
 
 def held_per_block(
-    flavor: str, seq: int, float8: str, layers: int, batch: int, autocast: bool = False
+    flavor: str, seq: int, float8: str, layers: int, batch: int, autocast: bool = False, ac: str = "none"
 ) -> dict:
     """Allocated bytes each block adds to what the forward holds (median over the blocks after the first), and the
     step's peak above the forward's start, at ``batch`` sequences; ``autocast``: fp32 weights under bf16 autocast,
-    as one GPU trains (else bf16 weights, as FSDP2 gathers them)."""
+    as one GPU trains (else bf16 weights, as FSDP2 gathers them); ``ac``: the blocks' activation checkpointing,
+    applied as the trainer applies it (before compiling)."""
     from loom.kernels.linear_ce import linear_cross_entropy
     from loom.models.common.float8 import apply_float8
     from loom.models.registry import build_model
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
     from loom.parallel.compile import apply_compile
     from loom.plan.planner import model_args
 
     torch._dynamo.config.automatic_dynamic_shapes = False  # each batch its own static graph, as a run has
-    args = model_args(config(flavor, seq, float8)).with_(n_layers=layers)
+    args = model_args(config(flavor, seq, float8, ac)).with_(n_layers=layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = build_model(args)
@@ -61,6 +63,7 @@ def held_per_block(
                 p.normal_(0, 0.02)
     if float8 != "none":
         apply_float8(model, float8)
+    apply_activation_checkpointing(model.layers, ac, 2)
     apply_compile(model.layers)
     tokens = torch.randint(0, args.vocab_size, (batch, seq), device="cuda")
 
@@ -97,6 +100,7 @@ def held_per_block(
         "float8": float8,
         "kernels": f"fused_norm={args.fused_norm} fused_rope={args.fused_rope} fused_swiglu={args.fused_swiglu}",
         "autocast": autocast,
+        "ac": ac,
         "layers": layers,
         "batch": batch,
         "block_deltas_mib": [d / 2**20 for d in deltas],
@@ -105,12 +109,12 @@ def held_per_block(
     }
 
 
-def planner_figure(flavor: str, seq: int, float8: str, autocast: bool = False) -> dict:
+def planner_figure(flavor: str, seq: int, float8: str, autocast: bool = False, ac: str = "none") -> dict:
     """The planner's activation profile for the same run (bf16 weights as FSDP2 gathers them, or autocast's)."""
     from loom.plan.planner import model_args, profile_activations, traced_args
 
-    cfg = config(flavor, seq, float8)
-    prof = profile_activations(traced_args(model_args(cfg), True), seq, 1, "bfloat16", not autocast, "none")
+    cfg = config(flavor, seq, float8, ac)
+    prof = profile_activations(traced_args(model_args(cfg), True), seq, 1, "bfloat16", not autocast, ac)
     return {"layer_per_seq_mib": prof.layer_per_seq / 2**20, "layer_fixed_mib": prof.layer_fixed / 2**20}
 
 
@@ -123,6 +127,7 @@ def main() -> None:
     p.add_argument(
         "--autocast", action="store_true", help="fp32 weights under bf16 autocast (one GPU's precision)"
     )
+    p.add_argument("--ac", default="none", choices=("none", "op", "full"), help="activation checkpointing")
     p.add_argument("--out", default="")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -131,10 +136,10 @@ def main() -> None:
     rows = []
     for f8 in a.float8.split(","):
         for batch in (1, 2):
-            row = held_per_block(a.flavor, a.seq, f8, a.layers, batch, a.autocast)
+            row = held_per_block(a.flavor, a.seq, f8, a.layers, batch, a.autocast, a.ac)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        plan = planner_figure(a.flavor, a.seq, f8, a.autocast)
+        plan = planner_figure(a.flavor, a.seq, f8, a.autocast, a.ac)
         print(json.dumps({"float8": f8, "planner": plan}), flush=True)
         rows.append({"float8": f8, "planner": plan})
     if a.out:

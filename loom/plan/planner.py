@@ -407,14 +407,13 @@ def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, p
 
 
 def compiled_autocast(cfg: Config, dims: ParallelDims, args, x: MemoryInputs) -> bool:
-    """Whether ``compiled_under_autocast`` models this run: one GPU (where it was measured; with it the 3B DDP run
-    on 2 H200s, whose blocks run the same graphs, would read 14% under its measured peak, for a reason not found, so
-    DDP keeps the eager trace), compiled dense attention blocks without recomputation or LoRA, fp32 weights under
-    autocast."""
+    """Whether ``compiled_under_autocast`` models this run: compiled dense attention blocks without recomputation or
+    LoRA, fp32 weights under autocast, on one GPU or replicated by DDP (the layouts it was measured or checked in;
+    not under tensor, pipeline or context parallelism)."""
     t = cfg.training
     plain = not (args.moe or args.mla or cfg.lora.rank)
-    one_gpu = dims.world_size == 1 and not x.fsdp
-    return one_gpu and t.compile and t.dtype != "float32" and t.activation_checkpointing == "none" and plain
+    whole = dims.tp == dims.pp == dims.cp == 1 and not x.fsdp
+    return whole and t.compile and t.dtype != "float32" and t.activation_checkpointing == "none" and plain
 
 
 def compiled_under_autocast(autocast, compute, args, float8: str, seq: int):
@@ -540,8 +539,8 @@ def rank_memory(
     activations *= 1 + x.trained_copies  # a model trained beside the policy keeps its own (PPO's critic)
     held_fixed = profile.held(share.layers, 0, dense=share.dense_layers) / dims.tp  # batch-independent
     cache = autocast_cache(share, args, x, cfg.training.compile, held_fixed)
-    # earlier micro-batches' (accumulated or sharded) gradients, or the reduce-scatter stream's pool
-    grads_before = state.gradients if m > 1 or reduce_scatter_pool(x, cuda) else 0.0
+    # earlier micro-batches' (accumulated or sharded) gradients, the reduce-scatter stream's pool, or DDP's buckets
+    grads_before = state.gradients if m > 1 or reduce_scatter_pool(x, cuda) or ddp_buckets(dims, x) else 0.0
     peak = step_peak(state, gathered, cache, activations, backward, grads_before)
     # a rollout method's engine: its weight copy lives beside the policy, its parked KV cache too (grpo.keep_cache)
     peak.weights += x.engine_copy
@@ -555,6 +554,13 @@ def reduce_scatter_pool(x: MemoryInputs, cuda: bool) -> bool:
     stream, and the CUDA caching allocator does not hand that stream the blocks the compute stream frees as the
     backward drops the activations (docs/planner.md, "How it estimates")."""
     return cuda and x.fsdp and x.shard > 1
+
+
+def ddp_buckets(dims: ParallelDims, x: MemoryInputs) -> bool:
+    """Whether every gradient is held through the forward as well: DDP (loom's, ``gradient_as_bucket_view``) keeps
+    its buckets, which the gradients are views of, from its construction on; ``zero_grad(set_to_none)`` drops the
+    views, not the buckets."""
+    return dims.ddp_enabled and not dims.replicate_with_fsdp
 
 
 def float8_gathered(cfg: Config, args, share, dims, x: MemoryInputs) -> float:

@@ -49,7 +49,7 @@ def test_1b_recipe_is_refused_on_a_24_gib_host(monkeypatch):
         _check(_recipe("llama3_1b.toml"))
     msg = str(err.value)
     assert "\n" not in msg and err.value.field == "model.flavor"
-    assert "~44.3 GiB per rank by the planner's estimate" in msg and "22.9 GiB available (test memory)" in msg
+    assert "~42.3 GiB per rank by the planner's estimate" in msg and "22.9 GiB available (test memory)" in msg
     assert "smaller model" in msg and "a GPU" in msg
 
 
