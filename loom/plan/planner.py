@@ -377,27 +377,10 @@ def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, p
     profiles = {} if profiles is None else profiles
 
     def trace(fsdp: bool):
-        key = (
-            traced,
-            seq,
-            t.micro_batch_size,
-            t.dtype,
-            fsdp,
-            t.activation_checkpointing,
-            t.ac_every,
-            lora_key(cfg),
-        )
+        call = (traced, seq, t.micro_batch_size, t.dtype, fsdp, t.activation_checkpointing, t.ac_every)
+        key = (*call, lora_key(cfg))
         if key not in profiles:
-            profiles[key] = profile_activations(
-                traced,
-                seq,
-                t.micro_batch_size,
-                t.dtype,
-                fsdp,
-                t.activation_checkpointing,
-                t.ac_every,
-                cfg.lora if cfg.lora.rank else None,
-            )
+            profiles[key] = profile_activations(*call, cfg.lora if cfg.lora.rank else None)
         return profiles[key]
 
     profile = trace(x.fsdp)
