@@ -208,13 +208,9 @@ def forward_peak(args, batch: int, seq: int, dtype: str) -> int:
     return tracker.peak
 
 
-# bytes a token of one compiled block keeps from forward to backward in bf16 and not under float8, per recipe, as
-# (coefficient of the model width, of the MLP width): torch.compile's partitioner keeps the two RMSNorm outputs in
-# float8 under tensorwise (their float8 casts are what the weight gradients read) and recomputes both under rowwise
-# (whose casts run along the other axis in the backward), and recomputes the SwiGLU gate's output from the two
-# projections the gate's backward keeps anyway. Measured on an H200 with bench/diag/float8_saved.py, 2026-11-30:
-# 8B at seq 8192, bf16 1,089 MiB a block and sequence (what the eager trace counts), tensorwise 801, rowwise 737;
-# 1B at seq 2048, 148.3 against tensorwise 108.3, rowwise 100.3 (docs/planner.md).
+# bytes a token one compiled block keeps fewer under float8 than in bf16, as (coefficient of the model width, of the
+# MLP width): the RMSNorm outputs kept in float8 (tensorwise) or recomputed (rowwise), the SwiGLU gate's output
+# recomputed; measured at two shapes (docs/planner.md, bench/results/float8_saved_h200.json)
 FLOAT8_COMPILED_DROP = {"tensorwise": (2, 2), "rowwise": (4, 2)}
 
 

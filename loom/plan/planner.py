@@ -400,15 +400,9 @@ def compiled_autocast(cfg: Config, dims: ParallelDims, args, x: MemoryInputs) ->
 
 
 def compiled_under_autocast(autocast, compute, args, float8: str, seq: int):
-    """What a compiled block keeps under autocast, from the eager traces with autocast (``autocast``) and with
-    compute-dtype weights (``compute``): the eager trace keeps much of the block in fp32 (its residual stream,
-    norms and sums), the compiled block what it keeps with compute-dtype weights (inside its graph every weight is
-    cast first) but its fp32 input, and also the fp32 sum after attention where loom's fused norm (a kernel
-    Inductor cannot recompute through) takes it: 2 or 4 bytes a token and model width more. Its weights' casts stay
-    (the eager trace's fixed bytes) in bf16; under float8 none are kept. Measured on an H200
-    (bench/diag/float8_saved.py --autocast, bench/results/float8_saved_h200.json): 8B at seq 8192, 1,153 MiB a block
-    and sequence and 416 fixed in bf16 (the eager trace 1,409 and 416), 929 and 0 tensorwise; 1B at seq 2048, 156.3
-    and 116, 124.3 and 0 (the eager trace 188.3 and 116)."""
+    """What a compiled block keeps under autocast (measured: docs/planner.md, "How it estimates"): what it keeps with
+    compute-dtype weights (``compute``'s trace) plus its fp32 input, and the fp32 sum after attention where loom's
+    fused norm takes it; its weights' casts in bf16 (the eager ``autocast`` trace's fixed bytes), none under float8."""
     width = (4 if args.fused_norm else 2) * args.dim * seq
     fixed = autocast.layer_fixed if float8 == "none" else 0.0
     per_seq = compute.layer_per_seq + width
@@ -418,10 +412,8 @@ def compiled_under_autocast(autocast, compute, args, float8: str, seq: int):
 
 
 def float8_compiled(profile, cfg: Config, args, x: MemoryInputs, seq: int):
-    """``profile`` (traced in bf16, eagerly) less what compiled float8 blocks do not keep (``float8_compiled_drop``)
-    in their share left unrecomputed: all of them without activation checkpointing, the blocks between every k-th
-    under every_k; op-level and full recomputation keep the same tensors in both precisions (8B: 81.2 against
-    81.1 GiB measured)."""
+    """``profile`` less what compiled float8 blocks do not keep (``float8_compiled_drop``) in the blocks left
+    unrecomputed; with op-level or full recomputation float8 keeps what bf16 keeps (docs/planner.md)."""
     t = cfg.training
     if not (t.compile and float8_modelled(t, args, x)):
         return profile
