@@ -110,7 +110,8 @@ def held_per_block(
 
 
 def planner_figure(flavor: str, seq: int, float8: str, autocast: bool = False, ac: str = "none") -> dict:
-    """The planner's activation profile for the same run (bf16 weights as FSDP2 gathers them, or autocast's)."""
+    """The planner's eager trace of the same run (bf16 weights as FSDP2 gathers them, or autocast's), before its
+    compiled-block terms (``float8_compiled``, ``compiled_under_autocast``)."""
     from loom.plan.planner import model_args, profile_activations, traced_args
 
     cfg = config(flavor, seq, float8, ac)
