@@ -12,6 +12,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -74,12 +75,34 @@ JOB_ENV = {
 }
 
 
+TIMED_OUT = 124  # a job's return code when it ran past its limit (as coreutils' timeout)
+
+
 def run_train(cfg: dict, gpus: int, timeout: float) -> tuple[subprocess.CompletedProcess, str, float]:
-    """Runs loom train with ``cfg`` (dotted key -> value) on ``gpus`` processes: (process, command, wall s)."""
+    """Runs loom train with ``cfg`` (dotted key -> value) on ``gpus`` processes: (process, command, wall s).
+
+    Past ``timeout`` seconds the job's whole process group is killed (torchrun's workers too, which would
+    otherwise keep their GPUs from the next job) and it returns with code ``TIMED_OUT``, what it printed and a
+    last line saying so, so that a script records it as that layout's failure and goes on."""
     args = ["train", "--nproc-per-node", str(gpus)] + [f"--{k}={v}" for k, v in cfg.items()]
     cmd = [sys.executable, "-c", "from loom.cli.main import entry; entry()"] + args
     t0 = time.time()
-    proc = subprocess.run(cmd, env={**os.environ, **JOB_ENV}, capture_output=True, text=True, timeout=timeout)
+    popen = subprocess.Popen(
+        cmd,
+        env={**os.environ, **JOB_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = popen.communicate(timeout=timeout)
+        code = popen.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        out, err = popen.communicate()
+        code, err = TIMED_OUT, (err or "") + f"\nTimeoutError: the job ran past {timeout:g} s and was killed\n"
+    proc = subprocess.CompletedProcess(cmd, code, out, err)
     return proc, "loom " + " ".join(args), round(time.time() - t0, 1)
 
 
