@@ -76,13 +76,15 @@ JOB_ENV = {
 
 
 TIMED_OUT = 124  # a job's return code when it ran past its limit (as coreutils' timeout)
+KILL_GRACE_S = 30  # from SIGTERM to SIGKILL for a job past its limit
 
 
 def run_train(cfg: dict, gpus: int, timeout: float) -> tuple[subprocess.CompletedProcess, str, float]:
     """Runs loom train with ``cfg`` (dotted key -> value) on ``gpus`` processes: (process, command, wall s).
 
-    Past ``timeout`` seconds the job's whole process group is killed (torchrun's workers too, which would
-    otherwise keep their GPUs from the next job) and it returns with code ``TIMED_OUT``, what it printed and a
+    Past ``timeout`` seconds the job's process group gets SIGTERM, which torchrun passes on to its workers (they
+    run in sessions of their own, and would otherwise keep their GPUs from the next job), and SIGKILL
+    ``KILL_GRACE_S`` later if it is still there; it returns with code ``TIMED_OUT``, what it printed and a
     last line saying so, so that a script records it as that layout's failure and goes on."""
     args = ["train", "--nproc-per-node", str(gpus)] + [f"--{k}={v}" for k, v in cfg.items()]
     cmd = [sys.executable, "-c", "from loom.cli.main import entry; entry()"] + args
@@ -99,8 +101,12 @@ def run_train(cfg: dict, gpus: int, timeout: float) -> tuple[subprocess.Complete
         out, err = popen.communicate(timeout=timeout)
         code = popen.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, signal.SIGKILL)
-        out, err = popen.communicate()
+        os.killpg(popen.pid, signal.SIGTERM)  # torchrun passes it on to its workers (their own sessions)
+        try:
+            out, err = popen.communicate(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            out, err = popen.communicate()
         code, err = TIMED_OUT, (err or "") + f"\nTimeoutError: the job ran past {timeout:g} s and was killed\n"
     proc = subprocess.CompletedProcess(cmd, code, out, err)
     return proc, "loom " + " ".join(args), round(time.time() - t0, 1)
