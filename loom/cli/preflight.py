@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 
 from loom.config import ConfigError, build_config, parse_overrides
@@ -67,7 +68,8 @@ def precheck(cfg, world_size: int, local: int | None = None, run=None):
         check_weights(cfg.model.init_from)  # a truncated download, before any model is built
     # a checkpoint this config cannot continue (model shape, data, ...): refused here
     check_before_start(cfg, tokenizer, run.kernels, run.model_args)
-    check_fits(cfg, run.dims, run.model_args, run.device, local or local_ranks(world_size))
+    if note := check_fits(cfg, run.dims, run.model_args, run.device, local or local_ranks(world_size)):
+        print(note, file=sys.stderr, flush=True)
     return run
 
 

@@ -2,8 +2,10 @@
 from the shape, activations traced on fake tensors) with the memory free here, before anything is allocated, so
 that a model or batch far too large is one line instead of minutes of silence and an out-of-memory kill.
 
-On a GPU the threshold is the estimate against what is free: the estimate carries its own workspace and
-fragmentation terms (loom.plan.memory). On the CPU a process holds more than the planner's tensors (the margin
+On a GPU the threshold is the estimate less its allowance for the caching allocator's fragmentation (the tensors
+and the libraries' workspace) against what is free: near the card's capacity the allocator frees its cached
+blocks and retries before it fails, so a step the full estimate puts over the free memory by no more than that
+allowance starts, with a note. On the CPU a process holds more than the planner's tensors (the margin
 below), and every local process draws on the same host memory.
 """
 
@@ -14,7 +16,7 @@ import os
 
 from loom.config.errors import ConfigError
 from loom.config.sections import Config
-from loom.plan.memory import GIB
+from loom.plan.memory import FRAGMENTATION, GIB, WORKSPACE_BYTES
 from loom.plan.planner import rank_needs
 
 # Host memory a CPU process holds beyond the planner's tensors: Python and PyTorch's libraries, the data loader,
@@ -117,10 +119,21 @@ def model_field(cfg: Config) -> tuple[str, object]:
     return "model.flavor", m.flavor
 
 
-def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
+def tensor_need(peak: float, gpu: bool) -> float:
+    """What a step needs by the planner's ``peak`` estimate without its fragmentation allowance (on a GPU:
+    loom.plan.memory.with_workspace adds ``FRAGMENTATION`` of the rest to a fixed workspace). Measured: the 8B
+    CP2 pairs at 64k tokens on 2 H200s, estimated at 139.6 and 142.5 GiB, ran with 135.9 and 136.3 GiB reserved
+    of the card's 139.8 (116.5 allocated for the ring)."""
+    if not gpu:
+        return peak
+    return WORKSPACE_BYTES + (peak - WORKSPACE_BYTES) / (1 + FRAGMENTATION)
+
+
+def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
     """ConfigError when the model state, or a training step, of one rank needs more memory than this machine has
     free: on the CPU every local rank draws on the host (with the margin above), on CUDA each rank has its own
-    GPU (the estimate's own workspace terms are the margin)."""
+    GPU (the tensors and workspace against the free memory). Returns a one-line note where a GPU step fits only
+    without the estimate's fragmentation allowance, else ''."""
     t, p = cfg.training, cfg.parallel
     needs = rank_needs(cfg, dims, args, device, peak=False)  # analytic: checked before any tracing
     offloaded = p.cpu_offload  # the state lives on the host (FSDP2 offloads on one rank too)
@@ -156,17 +169,25 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
             f"{sharded}; use a smaller model{hint}, {more}",
         )
     if step_room is None or (args.moe and t.dtype != "bfloat16") or args.attention == "flex":
-        return  # no FlexAttention in the activation tracer (as loom plan); fp32 MoE: its ~9 traces (seconds) are
-        # left to loom plan, since fp32 MoE runs are the debug-sized recipes
+        return ""  # no FlexAttention in the activation tracer (as loom plan); fp32 MoE: its ~9 traces (seconds)
+        # are left to loom plan, since fp32 MoE runs are the debug-sized recipes
     needs = rank_needs(cfg, dims, args, device)
     if needs.peak_bytes is None or needs.peak_bytes <= step_room[0]:
-        return
+        return ""
+    need = tensor_need(needs.peak_bytes, gpu)
+    with_frag = f" (~{needs.peak_bytes / GIB:,.1f} with the caching allocator's fragmentation)" if gpu else ""
+    if need <= step_room[0]:
+        return (
+            f"loom: note: a training step needs ~{need / GIB:,.1f} GiB per rank by the planner's estimate"
+            f"{with_frag}; {step_room[1]}: it starts near the GPU's capacity, where the allocator frees its "
+            f"cache and retries (slower steps)"
+        )
     step = (
-        f"a training step needs ~{needs.peak_bytes / GIB:,.1f} GiB per rank by the planner's estimate "
+        f"a training step needs ~{need / GIB:,.1f} GiB per rank by the planner's estimate{with_frag} "
         f"({needs.activation_bytes / GIB:,.1f} GiB of it activations of {t.micro_batch_size} x {t.seq_len} "
         f"tokens)"
     )
-    grows = needs.peak_bytes - needs.fixed_bytes
+    grows = need - needs.fixed_bytes
     fit = int(t.micro_batch_size * (step_room[0] - needs.fixed_bytes) / grows) if grows > 0 else 0
     if fit >= 1:
         raise ConfigError(
@@ -175,10 +196,14 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> None:
             f"{step}; {step_room[1]}: lower training.micro_batch_size (about {fit} fit; "
             f"global_batch_size stays, with more accumulation)",
         )
-    least = _smallest_step(cfg, dims, args, device)
+    least = tensor_need(_smallest_step(cfg, dims, args, device), gpu)
     if least < step_room[0]:
         # op-level recomputation reruns less than full: named first where micro-batch 1 fits with it
-        op = _smallest_step(cfg, dims, args, device, "op") if t.activation_checkpointing == "none" else None
+        op = (
+            tensor_need(_smallest_step(cfg, dims, args, device, "op"), gpu)
+            if t.activation_checkpointing == "none"
+            else None
+        )
         lighter = (
             f"op (~{op / GIB:,.1f} GiB) or full (~{least / GIB:,.1f} GiB), with micro_batch_size 1"
             if op is not None and op < step_room[0]

@@ -142,16 +142,25 @@ def test_host_room_reads_this_machine():
         assert room is not None and room[0] > 0 and room[1] in ("host memory", "the container's memory limit")
 
 
-def test_gpu_threshold_is_the_estimate_against_free_memory(monkeypatch):
-    """On CUDA the estimate carries its own workspace: 1% more free memory than it passes, 1% less is refused (no
-    host margin; the host is not consulted)."""
+def test_gpu_threshold_is_the_tensors_against_free_memory_with_a_note_near_capacity(monkeypatch):
+    """On CUDA the estimate carries its own workspace (no host margin; the host is not consulted). A step over the
+    free memory only by the estimate's fragmentation allowance starts, with a one-line note (near capacity the
+    caching allocator frees its cache and retries: the 8B CP2 pair at 64k tokens, estimated at 142.5 GiB, ran
+    on 139.8); 1% less than the tensors need is refused."""
     cfg = _recipe("llama3_1b.toml", **{"run.device": "auto"})
     dims, args = _run(cfg)
     peak = rank_needs(cfg, dims, args, "cuda").peak_bytes
+    need = fit.tensor_need(peak, gpu=True)
+    assert 0.94 * peak < need < 0.96 * peak and fit.tensor_need(peak, gpu=False) == peak
     monkeypatch.setattr(fit, "host_room", lambda: (0.0, "no host memory"))
     monkeypatch.setattr(fit, "gpu_room", lambda count, own: (1.01 * peak, "test GPU memory"))
-    fit.check_fits(cfg, dims, args, "cuda", 1)
-    monkeypatch.setattr(fit, "gpu_room", lambda count, own: (0.99 * peak, "test GPU memory"))
+    assert fit.check_fits(cfg, dims, args, "cuda", 1) == ""
+    monkeypatch.setattr(fit, "gpu_room", lambda count, own: ((need + peak) / 2, "test GPU memory"))
+    note = fit.check_fits(cfg, dims, args, "cuda", 1)
+    assert note.startswith("loom: note: a training step needs ~") and "\n" not in note
+    assert f"(~{peak / GIB:,.1f} with the caching allocator's fragmentation)" in note
+    assert "available (test GPU memory): it starts near the GPU's capacity" in note
+    monkeypatch.setattr(fit, "gpu_room", lambda count, own: (0.99 * need, "test GPU memory"))
     with pytest.raises(
         ConfigError,
         match=r"training.micro_batch_size = 4: .* GiB available \(test GPU memory\): "
@@ -168,8 +177,8 @@ def test_a_step_that_fits_only_recomputed_names_op_before_full(monkeypatch):
     one = _recipe(
         "llama3_1b.toml", **{"run.device": "auto", "training.seq_len": 8192, "training.micro_batch_size": 1}
     )
-    none = rank_needs(one, dims, args, "cuda").peak_bytes
-    op = fit._smallest_step(cfg, dims, args, "cuda", "op")
+    none = fit.tensor_need(rank_needs(one, dims, args, "cuda").peak_bytes, gpu=True)
+    op = fit.tensor_need(fit._smallest_step(cfg, dims, args, "cuda", "op"), gpu=True)
     assert op < none
     monkeypatch.setattr(fit, "host_room", lambda: (0.0, "no host memory"))
     monkeypatch.setattr(fit, "gpu_room", lambda count, own: ((op + none) / 2, "test GPU memory"))
