@@ -107,7 +107,8 @@ def run_train(cfg: dict, gpus: int, timeout: float) -> tuple[subprocess.Complete
         except subprocess.TimeoutExpired:
             os.killpg(popen.pid, signal.SIGKILL)
             out, err = popen.communicate()
-        code, err = TIMED_OUT, (err or "") + f"\nTimeoutError: the job ran past {timeout:g} s and was killed\n"
+        code = TIMED_OUT
+        err = (err or "") + f"\nTimeoutError: the job ran past {timeout:g} s and was killed\n"
     proc = subprocess.CompletedProcess(cmd, code, out, err)
     return proc, "loom " + " ".join(args), round(time.time() - t0, 1)
 

@@ -171,6 +171,23 @@ def reference_fn(q, k, v, causal, ids):
     return run
 
 
+def fa4_fn(q, k, v, causal, ids):
+    """FlashAttention-4 (the ``flash-attn-4`` package: CuTe DSL kernels for Hopper and Blackwell, forward and
+    backward) on the same tensors, as the (B, S, H, D) views its interface takes. Not in loom's dispatch: timed here
+    to learn whether it beats cuDNN, attention's least efficient kernel in the 8B step (docs/benchmarks.md)."""
+    if ids is not None:
+        raise NotImplementedError("packed documents: its varlen interface, not timed here")
+    from flash_attn.cute import flash_attn_func
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def run():
+        out = flash_attn_func(qt, kt, vt, causal=causal)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return run
+
+
 BACKENDS = {
     "loom": loom_fn,
     "sdpa_flash": sdpa_fn("flash"),
@@ -180,7 +197,9 @@ BACKENDS = {
     "torch_reference": reference_fn,
     "triton_plain": triton_fn(False),
     "triton_desc": triton_fn(True),
+    "fa4": fa4_fn,
 }
+EXTRA = ("fa4", "sdpa_efficient", "torch_reference")  # --with: backends a suite may add to its own
 VARIANTS = ["triton_plain", "triton_desc"]  # --tensor-desc: the backends it times instead of the suite's
 
 
@@ -804,6 +823,13 @@ def main() -> None:
     p.add_argument("--suite", choices=SUITES, default="quick")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--out", default="")
+    p.add_argument(
+        "--with",
+        dest="with_backends",
+        default="",
+        help=f"comma-separated backends to time beside the suite's (of {', '.join(EXTRA)}; fa4 needs the "
+        "flash-attn-4 package)",
+    )
     p.add_argument("--commit", default=default_commit())
     p.add_argument(
         "--breakdown", action="store_true", help="time loom's forward and backward (BREAKDOWN cases)"
@@ -870,7 +896,9 @@ def main() -> None:
         return
     suite = SUITES[a.suite]
     dtype = getattr(torch, a.dtype)
-    backends = VARIANTS if a.tensor_desc else suite["backends"]
+    backends = (
+        VARIANTS if a.tensor_desc else suite["backends"] + extra_backends(a.with_backends, suite["backends"])
+    )
     rows = []
     for d, hq, hkv in suite["dims"]:
         for s in suite["seqs"]:
@@ -879,6 +907,16 @@ def main() -> None:
                 if a.out:  # after every row: a run cut short keeps what it measured
                     write_results(a, rows)
     print(table(a, rows))
+
+
+def extra_backends(text: str, suite: list[str]) -> list[str]:
+    """``--with``'s backends not already in the suite; exit 2 with one line on a name it does not take."""
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in EXTRA]
+    if bad:
+        print(f"bench.kernels: --with {text}: {bad[0]!r} is not one of {', '.join(EXTRA)}", file=sys.stderr)
+        sys.exit(2)
+    return [n for n in dict.fromkeys(names) if n not in suite]
 
 
 def parse_configs(text: str) -> list[tuple]:

@@ -169,8 +169,9 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
             f"{sharded}; use a smaller model{hint}, {more}",
         )
     if step_room is None or (args.moe and t.dtype != "bfloat16") or args.attention == "flex":
-        return ""  # no FlexAttention in the activation tracer (as loom plan); fp32 MoE: its ~9 traces (seconds)
-        # are left to loom plan, since fp32 MoE runs are the debug-sized recipes
+        # no FlexAttention in the activation tracer (as loom plan); fp32 MoE: its ~9 traces (seconds) are left
+        # to loom plan, since fp32 MoE runs are the debug-sized recipes
+        return ""
     needs = rank_needs(cfg, dims, args, device)
     if needs.peak_bytes is None or needs.peak_bytes <= step_room[0]:
         return ""

@@ -25,7 +25,9 @@ def _alive(pid: int) -> bool:
 
 def test_a_job_past_its_limit_is_killed_with_its_workers_and_recorded(tmp_path, monkeypatch):
     pidfile = tmp_path / "worker.pid"
-    launcher = tmp_path / "python"  # stands in for the interpreter: starts a "worker" and waits, as torchrun does
+    launcher = (
+        tmp_path / "python"
+    )  # stands in for the interpreter: starts a "worker" and waits, as torchrun does
     launcher.write_text(f"#!/bin/sh\necho started\nsleep 300 &\necho $! > {pidfile}\nwait\n")
     launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(common.sys, "executable", str(launcher))

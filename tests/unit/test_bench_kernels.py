@@ -4,7 +4,9 @@ shared memory and 32 blocks per SM; registers allocated per warp in units of 256
 from __future__ import annotations
 
 import pytest
+import torch
 
+from bench import kernels
 from bench.kernels import SMLimits, occupancy
 
 
@@ -132,3 +134,23 @@ def test_tensor_desc_table_holds_both_variants_and_their_speedup():
         "tensor descriptors ÷ plain pointers, forward+backward: 0.800-1.250x over 2 of 3 cases "
         "(> 1: descriptors faster)"
     )
+
+
+def test_with_adds_known_backends_once_and_refuses_others(capsys):
+    assert kernels.extra_backends("fa4,sdpa_efficient,fa4", ["loom", "sdpa_cudnn"]) == [
+        "fa4",
+        "sdpa_efficient",
+    ]
+    assert kernels.extra_backends("", ["loom"]) == []
+    assert kernels.extra_backends("torch_reference", ["loom", "torch_reference"]) == []
+    with pytest.raises(SystemExit) as e:
+        kernels.extra_backends("fa4,fa3", ["loom"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bench.kernels: --with fa4,fa3: 'fa3' is not one of fa4, sdpa_efficient, torch_reference"]
+
+
+def test_fa4_refuses_packed_documents_before_importing_its_package():
+    q = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(NotImplementedError, match="packed documents"):
+        kernels.fa4_fn(q, q, q, True, torch.zeros(1, 8, dtype=torch.long))
