@@ -7,6 +7,7 @@ module import without an installed package or a path edit (bench/README.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -76,7 +77,9 @@ JOB_ENV = {
 
 
 TIMED_OUT = 124  # a job's return code when it ran past its limit (as coreutils' timeout)
-KILL_GRACE_S = 30  # from SIGTERM to SIGKILL for a job past its limit
+# from SIGTERM to SIGKILL for a job past its limit: longer than torchrun's own grace for its workers (30 s), so
+# that it has stopped them before it is killed itself
+KILL_GRACE_S = 60
 
 
 def run_train(cfg: dict, gpus: int, timeout: float) -> tuple[subprocess.CompletedProcess, str, float]:
@@ -101,16 +104,29 @@ def run_train(cfg: dict, gpus: int, timeout: float) -> tuple[subprocess.Complete
         out, err = popen.communicate(timeout=timeout)
         code = popen.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(popen.pid, signal.SIGTERM)  # torchrun passes it on to its workers (their own sessions)
-        try:
-            out, err = popen.communicate(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            out, err = popen.communicate()
+        out, err = _stop(popen)
         code = TIMED_OUT
-        err = (err or "") + f"\nTimeoutError: the job ran past {timeout:g} s and was killed\n"
+        err += f"\nTimeoutError: the job ran past {timeout:g} s and was killed\n"
     proc = subprocess.CompletedProcess(cmd, code, out, err)
     return proc, "loom " + " ".join(args), round(time.time() - t0, 1)
+
+
+def _stop(popen: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM to the job's process group, SIGKILL ``KILL_GRACE_S`` later; what it printed. A process that
+    escaped the group (a worker in a session of its own) may still hold the pipes after that: its output is
+    given up after another ``KILL_GRACE_S`` rather than waited for."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+            os.killpg(popen.pid, sig)
+        try:
+            out, err = popen.communicate(timeout=KILL_GRACE_S)
+            return out or "", err or ""
+        except subprocess.TimeoutExpired:
+            continue
+    for pipe in (popen.stdout, popen.stderr):
+        pipe.close()
+    popen.wait()
+    return "", "(its output was held open by a process outside its group)"
 
 
 def config_rejection(proc: subprocess.CompletedProcess) -> str | None:

@@ -896,9 +896,13 @@ def main() -> None:
         return
     suite = SUITES[a.suite]
     dtype = getattr(torch, a.dtype)
-    backends = (
-        VARIANTS if a.tensor_desc else suite["backends"] + extra_backends(a.with_backends, suite["backends"])
-    )
+    extra = extra_backends(a.with_backends, suite["backends"])
+    if a.tensor_desc and extra:
+        print(
+            "bench.kernels: --with: not with --tensor-desc, which times loom's kernels only", file=sys.stderr
+        )
+        sys.exit(2)
+    backends = VARIANTS if a.tensor_desc else suite["backends"] + extra
     rows = []
     for d, hq, hkv in suite["dims"]:
         for s in suite["seqs"]:

@@ -257,7 +257,9 @@ def run_layout(name: str, cp_method: str | None, a) -> dict:
         out.update(summarize(metrics(run_dir)))
         out["log"] = [
             ln for ln in proc.stdout.splitlines() if ln.startswith(("loom:", "kernels:", "pipeline"))
-        ] + [ln for ln in proc.stderr.splitlines() if ln.startswith("loom: note:")]  # the start-up's notes
+        ]
+    if notes := [ln for ln in proc.stderr.splitlines() if ln.startswith("loom: note:")]:
+        out["notes"] = notes  # the start-up's notes (loom train's memory check), kept whatever the outcome
     return out
 
 

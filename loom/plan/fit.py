@@ -122,8 +122,8 @@ def model_field(cfg: Config) -> tuple[str, object]:
 def tensor_need(peak: float, gpu: bool) -> float:
     """What a step needs by the planner's ``peak`` estimate without its fragmentation allowance (on a GPU:
     loom.plan.memory.with_workspace adds ``FRAGMENTATION`` of the rest to a fixed workspace). Measured: the 8B
-    CP2 pairs at 64k tokens on 2 H200s, estimated at 139.6 and 142.5 GiB, ran with 135.9 and 136.3 GiB reserved
-    of the card's 139.8 (116.5 allocated for the ring)."""
+    CP2 pair at 64k tokens on 2 H200s (ring, all-gather), estimated at 139.6 and 142.5 GiB, ran with 135.9 and
+    136.3 GiB reserved of the 139.8 GiB free (116.5 and 130.4 allocated)."""
     if not gpu:
         return peak
     return WORKSPACE_BYTES + (peak - WORKSPACE_BYTES) / (1 + FRAGMENTATION)
@@ -176,17 +176,20 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
     if needs.peak_bytes is None or needs.peak_bytes <= step_room[0]:
         return ""
     need = tensor_need(needs.peak_bytes, gpu)
-    with_frag = f" (~{needs.peak_bytes / GIB:,.1f} with the caching allocator's fragmentation)" if gpu else ""
+    # on a GPU every figure below is the tensors and workspace, the estimate less its fragmentation allowance
+    counted = " of its tensors and workspace" if gpu else ""
+    with_frag = f"; ~{needs.peak_bytes / GIB:,.1f} with the caching allocator's fragmentation" if gpu else ""
     if need <= step_room[0]:
         return (
             f"loom: note: a training step needs ~{need / GIB:,.1f} GiB per rank by the planner's estimate"
-            f"{with_frag}; {step_room[1]}: it starts near the GPU's capacity, where the allocator frees its "
-            f"cache and retries (slower steps)"
+            f"{counted} (~{needs.peak_bytes / GIB:,.1f} with the caching allocator's fragmentation); "
+            f"{step_room[1]}: it starts near the GPU's capacity, where the allocator frees its cache and retries: "
+            f"slower steps, or out of memory where the estimate is low"
         )
     step = (
-        f"a training step needs ~{need / GIB:,.1f} GiB per rank by the planner's estimate{with_frag} "
+        f"a training step needs ~{need / GIB:,.1f} GiB per rank by the planner's estimate{counted} "
         f"({needs.activation_bytes / GIB:,.1f} GiB of it activations of {t.micro_batch_size} x {t.seq_len} "
-        f"tokens)"
+        f"tokens{with_frag})"
     )
     grows = need - needs.fixed_bytes
     fit = int(t.micro_batch_size * (step_room[0] - needs.fixed_bytes) / grows) if grows > 0 else 0
@@ -198,7 +201,7 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
             f"global_batch_size stays, with more accumulation)",
         )
     least = tensor_need(_smallest_step(cfg, dims, args, device), gpu)
-    if least < step_room[0]:
+    if least <= step_room[0]:
         # op-level recomputation reruns less than full: named first where micro-batch 1 fits with it
         op = (
             tensor_need(_smallest_step(cfg, dims, args, device, "op"), gpu)
@@ -207,7 +210,7 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
         )
         lighter = (
             f"op (~{op / GIB:,.1f} GiB) or full (~{least / GIB:,.1f} GiB), with micro_batch_size 1"
-            if op is not None and op < step_room[0]
+            if op is not None and op <= step_room[0]
             else f"full (with micro_batch_size 1: ~{least / GIB:,.1f} GiB)"
         )
         raise ConfigError(

@@ -1,11 +1,14 @@
-"""bench.common.run_train: a job past its limit is killed with every process it started and comes back as that
-job's failure, so a benchmark script records it and goes on to its next layout."""
+"""bench.common.run_train: a job past its limit is stopped with every process of its group (SIGTERM, then SIGKILL
+for one that ignores it) and comes back as that job's failure, so a benchmark script records it and goes on to
+its next layout."""
 
 from __future__ import annotations
 
 import os
 import stat
 import time
+
+import pytest
 
 from bench import common
 
@@ -15,33 +18,40 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # a killed child not yet reaped by its (killed) parent is a zombie: gone for our purpose
-    try:
+    try:  # a killed child not yet reaped by its (killed) parent is a zombie: gone for our purpose
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:  # reaped meanwhile
         return False
 
 
-def test_a_job_past_its_limit_is_killed_with_its_workers_and_recorded(tmp_path, monkeypatch):
+def _gone(pid: int) -> bool:
+    for _ in range(200):  # the signal is delivered at once; the kernel may take a moment to end the process
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("ignores_term", [False, True], ids=["stops-on-term", "killed"])
+def test_a_job_past_its_limit_is_stopped_with_its_workers_and_recorded(tmp_path, monkeypatch, ignores_term):
     pidfile = tmp_path / "worker.pid"
     launcher = (
         tmp_path / "python"
     )  # stands in for the interpreter: starts a "worker" and waits, as torchrun does
-    launcher.write_text(f"#!/bin/sh\necho started\nsleep 300 &\necho $! > {pidfile}\nwait\n")
+    trap = (
+        "trap '' TERM\n" if ignores_term else ""
+    )  # a launcher that ignores SIGTERM gets SIGKILL after the grace
+    launcher.write_text(f"#!/bin/sh\n{trap}sleep 300 &\necho $! > {pidfile}\necho started\nwait\nwait\n")
     launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setattr(common.sys, "executable", str(launcher))
+    monkeypatch.setattr(common, "KILL_GRACE_S", 1)
 
-    proc, cmd, _ = common.run_train({"model.flavor": "debug"}, 2, timeout=2)
+    proc, cmd, _ = common.run_train({"model.flavor": "debug"}, 2, timeout=3)
 
     assert proc.returncode == common.TIMED_OUT
-    assert "started" in proc.stdout
-    assert "TimeoutError: the job ran past 2 s" in proc.stderr
+    assert "started" in proc.stdout  # what it printed before it was stopped is kept
+    assert "TimeoutError: the job ran past 3 s" in proc.stderr
     assert "TimeoutError" in common.failure(proc)
     assert cmd == "loom train --nproc-per-node 2 --model.flavor=debug"
-    worker = int(pidfile.read_text())
-    for _ in range(100):  # the kill is delivered at once; the kernel may take a moment to finish the process
-        if not _alive(worker):
-            break
-        time.sleep(0.05)
-    assert not _alive(worker)
+    assert _gone(int(pidfile.read_text()))

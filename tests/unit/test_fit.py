@@ -146,7 +146,7 @@ def test_gpu_threshold_is_the_tensors_against_free_memory_with_a_note_near_capac
     """On CUDA the estimate carries its own workspace (no host margin; the host is not consulted). A step over the
     free memory only by the estimate's fragmentation allowance starts, with a one-line note (near capacity the
     caching allocator frees its cache and retries: the 8B CP2 pair at 64k tokens, estimated at 142.5 GiB, ran
-    on 139.8); 1% less than the tensors need is refused."""
+    with 139.8 GiB free); 1% less than the tensors need is refused."""
     cfg = _recipe("llama3_1b.toml", **{"run.device": "auto"})
     dims, args = _run(cfg)
     peak = rank_needs(cfg, dims, args, "cuda").peak_bytes
@@ -160,6 +160,7 @@ def test_gpu_threshold_is_the_tensors_against_free_memory_with_a_note_near_capac
     assert note.startswith("loom: note: a training step needs ~") and "\n" not in note
     assert f"(~{peak / GIB:,.1f} with the caching allocator's fragmentation)" in note
     assert "available (test GPU memory): it starts near the GPU's capacity" in note
+    assert note.endswith("slower steps, or out of memory where the estimate is low")
     monkeypatch.setattr(fit, "gpu_room", lambda count, own: (0.99 * need, "test GPU memory"))
     with pytest.raises(
         ConfigError,
