@@ -178,13 +178,13 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
     need = tensor_need(needs.peak_bytes, gpu)
     # on a GPU every figure below is the tensors and workspace, the estimate less its fragmentation allowance
     counted = " of its tensors and workspace" if gpu else ""
-    with_frag = f"; ~{needs.peak_bytes / GIB:,.1f} with the caching allocator's fragmentation" if gpu else ""
+    frag = f"~{needs.peak_bytes / GIB:,.1f} with the caching allocator's fragmentation"
+    with_frag = f"; {frag}" if gpu else ""
     if need <= step_room[0]:
         return (
             f"loom: note: a training step needs ~{need / GIB:,.1f} GiB per rank by the planner's estimate"
-            f"{counted} (~{needs.peak_bytes / GIB:,.1f} with the caching allocator's fragmentation); "
-            f"{step_room[1]}: it starts near the GPU's capacity, where the allocator frees its cache and retries: "
-            f"slower steps, or out of memory where the estimate is low"
+            f"{counted} ({frag}); {step_room[1]}: it starts near the GPU's capacity, where the allocator frees "
+            f"its cache and retries: slower steps, or out of memory where the estimate is low"
         )
     step = (
         f"a training step needs ~{need / GIB:,.1f} GiB per rank by the planner's estimate{counted} "
