@@ -173,19 +173,12 @@ def reference_fn(q, k, v, causal, ids):
 
 def fa4_fn(q, k, v, causal, ids):
     """FlashAttention-4 (the ``flash-attn-4`` package: CuTe DSL kernels for Hopper and Blackwell, forward and
-    backward) on the same tensors, as the (B, S, H, D) views its interface takes. Not in loom's dispatch: timed here
-    to learn whether it beats cuDNN, attention's least efficient kernel in the 8B step (docs/benchmarks.md)."""
+    backward) through loom's ``loom::fa4`` op (``model.attention = fa4``), on the (B, S, H, D) views it reads."""
     if ids is not None:
-        raise NotImplementedError("packed documents: its varlen interface, not timed here")
-    from flash_attn.cute import flash_attn_func
+        raise NotImplementedError("packed documents: loom's fa4 op runs plain causal attention only")
+    from loom.kernels.attention.fa4 import fa4_attention
 
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-    def run():
-        out = flash_attn_func(qt, kt, vt, causal=causal)
-        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
-
-    return run
+    return lambda: fa4_attention(q, k, v, causal=causal)
 
 
 BACKENDS = {
@@ -274,7 +267,13 @@ def measure_all(backends: list[str], q, k, v, causal, ids) -> dict:
 
 
 # model.attention = auto's backend names -> the backends of this script that run the same kernels
-AUTO_AS = {"flash": "loom", "sdpa_cudnn": "sdpa_cudnn", "sdpa_flash": "sdpa_flash", "flex": "flex"}
+AUTO_AS = {
+    "flash": "loom",
+    "sdpa_cudnn": "sdpa_cudnn",
+    "sdpa_flash": "sdpa_flash",
+    "fa4": "fa4",
+    "flex": "flex",
+}
 
 
 def positions_from_ids(ids: torch.Tensor) -> torch.Tensor:

@@ -212,14 +212,16 @@ class ModelConfig:
         "auto",
         "attention: 'sdpa' (PyTorch's SDPA, its own backend choice), 'sdpa_cudnn' / "
         "'sdpa_flash' (SDPA pinned to cuDNN / FlashAttention-2: CUDA, bf16/fp16, no packed "
-        "documents or sliding window; cuDNN not with run.deterministic), 'flash' (loom's "
+        "documents or sliding window; cuDNN not with run.deterministic), 'fa4' "
+        "(FlashAttention-4's kernels, the flash-attn-4 package: Hopper / Blackwell, the same "
+        "limits as sdpa_cudnn), 'flash' (loom's "
         "Triton FlashAttention-2), 'flex' (PyTorch's FlexAttention, compiled; CUDA only; not "
         "with training.compile under op-level checkpointing), 'auto' = on CUDA the fastest "
         "one timed on this run's shape at start-up (once per shape in a process): flash vs "
-        "flex for packed documents, flash vs sdpa_cudnn vs sdpa_flash otherwise (those that "
-        "can run; sdpa on CPU; flash for documents, sdpa otherwise, with run.deterministic or "
-        "where flex is refused)",
-        choices=("auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash", "flex"),
+        "flex for packed documents, flash vs sdpa_cudnn vs sdpa_flash vs fa4 otherwise (those "
+        "that can run, fa4 where installed; sdpa on CPU; flash for documents, sdpa otherwise, "
+        "with run.deterministic or where flex is refused)",
+        choices=("auto", "sdpa", "sdpa_cudnn", "sdpa_flash", "fa4", "flash", "flex"),
         resume=(FREE, KERNEL),
     )
     fused_norm: str = opt(

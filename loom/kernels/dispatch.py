@@ -4,9 +4,9 @@
   compile mode, data layout and parallelism; ``kernel_choice``: that for a run's config, with what its device,
   Triton and the model's latent attention refuse;
 - ``attention_candidates``, ``measure_attention``, ``fastest``: ``model.attention = auto`` on CUDA times the
-  candidate backends (loom's kernel, SDPA pinned to cuDNN and to FlashAttention-2, Flex for packed documents) on the
-  run's shape at start-up, once per shape in a process, and takes the fastest; ``sdpa_refusal`` /
-  ``check_pinned_sdpa``: where SDPA pinned to one backend cannot run;
+  candidate backends (loom's kernel, SDPA pinned to cuDNN and to FlashAttention-2, FlashAttention-4 where it is
+  installed, Flex for packed documents) on the run's shape at start-up, once per shape in a process, and takes the
+  fastest; ``sdpa_refusal`` / ``check_fixed_attention``: where SDPA pinned to one backend, or FA4, cannot run;
 - ``forward_kernel``, ``backward_kernels``: which kernels compute one ``loom::flash_attn`` call (the reference
   where Triton does not run, the Gluon Hopper kernels where they take the call and win, the Triton kernels
   otherwise).
@@ -23,13 +23,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from loom.config.errors import ConfigError
+from loom.kernels.attention import fa4
 from loom.kernels.triton_support import has_gluon_hopper, has_triton, interpreting, triton_runs_on
 
 
 # ------------------------------------------------------------------------------------ the model's kernels
 @dataclass(frozen=True)
 class KernelChoice:
-    attention: str  # "sdpa" | "sdpa_cudnn" | "sdpa_flash" | "flash" | "flex"
+    attention: str  # "sdpa" | "sdpa_cudnn" | "sdpa_flash" | "fa4" | "flash" | "flex"
     fused_norm: bool
     fused_rope: bool
     fused_swiglu: bool
@@ -124,7 +125,7 @@ def kernel_choice(
     window, ``attention_width()``: its latent attention's head width (0: not latent), ``head_dim()``: the head dim
     its attention call sees (0: unknown), each asked only when needed (loom.resolve.model_kernels reads them from
     the model's shape)."""
-    if cfg.model.attention in PINNED_SDPA:
+    if cfg.model.attention in FIXED_KERNEL:
         why = sdpa_refusal(
             cfg.model.attention,
             device,
@@ -210,11 +211,20 @@ def mla_kernels(cfg, kernels: KernelChoice, device: str, attention_width: Callab
 
 # SDPA pinned to one of PyTorch's backends (``torch.nn.attention.sdpa_kernel``): the name -> SDPBackend's member
 PINNED_SDPA = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
+# kernels of plain causal attention on CUDA for 16-bit inputs: the pinned SDPA backends and FlashAttention-4
+FIXED_KERNEL = (*PINNED_SDPA, "fa4")
 ALLOWED_WITHOUT_PINNED = "auto | sdpa | flash | flex"
 # the largest head dim PyTorch's checks let each pinned backend take (torch 2.11, sdp_utils.cpp: FlashAttention-2 up
 # to 256; cuDNN multiples of 8 up to 128, up to 256 on sm_90 / sm_100 with cuDNN > 9.22: only the device can tell,
-# so the static rule allows 256 and torch's own check decides on the device, ``check_pinned_sdpa``)
-PINNED_MAX_HEAD_DIM = {"sdpa_cudnn": 256, "sdpa_flash": 256}
+# so the static rule allows 256 and torch's own check decides on the device, ``check_fixed_attention``); FA4 takes
+# multiples of 8 up to 256 on Hopper, fewer on Blackwell (``loom.kernels.attention.fa4.head_dims_allowed``)
+PINNED_MAX_HEAD_DIM = {"sdpa_cudnn": 256, "sdpa_flash": 256, "fa4": 256}
+MULTIPLE_OF_8 = ("sdpa_cudnn", "fa4")
+KERNEL_NAMES = {
+    "sdpa_cudnn": "SDPA's cudnn backend",
+    "sdpa_flash": "SDPA's flash backend",
+    "fa4": "FlashAttention-4",
+}
 
 
 def sdpa_refusal(
@@ -225,13 +235,14 @@ def sdpa_refusal(
     masked: bool = False,
     deterministic: bool = False,
 ) -> str | None:
-    """Why SDPA pinned to ``backend`` ("sdpa_cudnn" | "sdpa_flash") cannot run this run's attention, or None:
-    both are CUDA kernels for 16-bit inputs (``dtype``: training.dtype) of plain causal attention (``masked``:
-    packed documents or a sliding window, which need a dense mask: FlashAttention-2 takes none, and cuDNN's masked
-    path computes every block), within their head dims (``head_dim``, 0: unknown); cuDNN is refused under
-    ``run.deterministic`` (PyTorch does not select it when deterministic algorithms are on)."""
+    """Why ``backend`` of ``FIXED_KERNEL`` (SDPA pinned to cuDNN or FlashAttention-2, or FlashAttention-4) cannot
+    run this run's attention, or None: all are CUDA kernels for 16-bit inputs (``dtype``: training.dtype) of plain
+    causal attention (``masked``: packed documents or a sliding window, which need a dense mask: FlashAttention-2
+    takes none, and cuDNN's masked path computes every block), within their head dims (``head_dim``, 0: unknown);
+    cuDNN and FA4 are refused under ``run.deterministic`` (PyTorch does not select cuDNN when deterministic
+    algorithms are on; FA4's deterministic backward is not loom's)."""
     if device != "cuda":
-        return f"SDPA's {backend.removeprefix('sdpa_')} backend needs CUDA (device {device})"
+        return f"{KERNEL_NAMES[backend]} needs CUDA (device {device})"
     if dtype not in ("bfloat16", "float16"):
         return f"runs bfloat16 / float16 only (training.dtype {dtype})"
     if masked:
@@ -240,23 +251,25 @@ def sdpa_refusal(
             "need a dense mask)"
         )
     limit = PINNED_MAX_HEAD_DIM[backend]
-    if head_dim and (head_dim > limit or (backend == "sdpa_cudnn" and head_dim % 8)):
-        eight = " and a multiple of 8" if backend == "sdpa_cudnn" else ""
+    if head_dim and (head_dim > limit or (backend in MULTIPLE_OF_8 and head_dim % 8)):
+        eight = " and a multiple of 8" if backend in MULTIPLE_OF_8 else ""
         return f"takes head dims up to {limit}{eight}; this model's attention has {head_dim}"
-    if backend == "sdpa_cudnn" and deterministic:
-        return "is not deterministic (run.deterministic = true: PyTorch does not select it)"
+    if backend in ("sdpa_cudnn", "fa4") and deterministic:
+        return "is not deterministic (run.deterministic = true)"
     return None
 
 
 def attention_candidates(
-    documents: bool, device: str = "cuda", dtype: str = "bfloat16", head_dim: int = 0
+    documents: bool, device: str = "cuda", dtype: str = "bfloat16", head_dim: int = 0, fa4: bool = False
 ) -> tuple[str, ...]:
     """The backends ``auto`` times: ours and FlexAttention for packed documents (both skip the masked blocks;
-    SDPA would need a dense mask); else ours and SDPA pinned to cuDNN and to FlashAttention-2, those of the two that
-    can run here (``sdpa_refusal``), or PyTorch's own SDPA choice where neither can (fp32: memory-efficient)."""
+    SDPA would need a dense mask); else ours, SDPA pinned to cuDNN and to FlashAttention-2, and FlashAttention-4
+    where ``fa4`` (installed, and this GPU takes the head dim: ``loom.kernels.attention.fa4.refusal``), those
+    that can run here (``sdpa_refusal``), or PyTorch's own SDPA choice where none can (fp32: memory-efficient)."""
     if documents:
         return ("flash", "flex")
-    pinned = tuple(n for n in PINNED_SDPA if sdpa_refusal(n, device, dtype, head_dim) is None)
+    names = (*PINNED_SDPA, "fa4") if fa4 else tuple(PINNED_SDPA)
+    pinned = tuple(n for n in names if sdpa_refusal(n, device, dtype, head_dim) is None)
     return ("flash", *pinned) if pinned else ("flash", "sdpa")
 
 
@@ -271,9 +284,17 @@ def torch_takes(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return bool(check(params, False))
 
 
-def check_pinned_sdpa(backend: str, shape: AttentionShape, device: torch.device) -> None:
-    """A run that picked SDPA pinned to one backend by hand: PyTorch's own check on the run's attention shape (one
-    sample) on this device, a ConfigError where it refuses (instead of "No available kernel" at the first step)."""
+def check_fixed_attention(backend: str, shape: AttentionShape, device: torch.device) -> None:
+    """A run that picked SDPA pinned to one backend or FlashAttention-4 by hand: the device's own check on the run's
+    attention shape (PyTorch's on one sample; FA4's package, GPU and head dims), a ConfigError where it refuses
+    (instead of "No available kernel" or an assertion at the first step)."""
+    if backend == "fa4":
+        why = fa4.refusal(device, shape.head_dim)
+        if why:
+            raise ConfigError(
+                "model.attention", backend, f"FlashAttention-4 {why}: allowed {ALLOWED_WITHOUT_PINNED}"
+            )
+        return
     if backend not in PINNED_SDPA or device.type != "cuda":
         return
     one = replace(shape, batch=1)
@@ -431,12 +452,13 @@ def measure_attention(
 ) -> dict[str, float]:
     """Milliseconds per forward + backward of each candidate through ``attend(q, k, v, backend, positions)`` (the
     model's attention call) on ``shape``; ``positions``: packed documents' (B, S) positions; ``candidates``: None =
-    ``attention_candidates`` for the shape's dtype and head dim, less the pinned SDPA backends PyTorch's own check
-    refuses on this device (not timed, not listed). Cached per call, device, shape, candidates and documents: a second
+    ``attention_candidates`` for the shape's dtype and head dim (FlashAttention-4 where it runs here), less the
+    pinned SDPA backends PyTorch's own check refuses on this device (not timed, not listed). Cached per call, device, shape, candidates and documents: a second
     call on the same shape (another model in the process, a restarted engine) times nothing."""
     dtype = str(shape.dtype).removeprefix("torch.")
     if candidates is None:
-        candidates = attention_candidates(positions is not None, device.type, dtype, shape.head_dim)
+        runs_fa4 = fa4.refusal(device, shape.head_dim) is None
+        candidates = attention_candidates(positions is not None, device.type, dtype, shape.head_dim, runs_fa4)
     if device.type == "cuda":  # PyTorch's check on one sample of the shape
         sample = attention_inputs(replace(shape, batch=1), device)
         candidates = tuple(n for n in candidates if n not in PINNED_SDPA or torch_takes(n, *sample))

@@ -7,6 +7,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+import loom.kernels.attention.fa4
 import loom.kernels.attention.op
 import loom.parallel.context_parallel  # noqa: F401  (registers torch.ops.loom.ring_attn)
 
@@ -19,6 +20,7 @@ import loom.parallel.context_parallel  # noqa: F401  (registers torch.ops.loom.r
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.loom.flash_attn.default,
+    torch.ops.loom.fa4.default,
     torch.ops.loom.ring_attn.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,

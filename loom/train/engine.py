@@ -27,7 +27,7 @@ from loom.data.loader import MicroBatch
 from loom.data.sources import parse_source
 from loom.kernels.dispatch import (
     AttentionShape,
-    check_pinned_sdpa,
+    check_fixed_attention,
     describe_choice,
     fastest,
     measure_attention,
@@ -444,8 +444,9 @@ class Engine:
         if times_attention(self.run):
             self.run = self.run.with_attention(lambda: self._measure_attention(self.run.model_args))
         self.kernels, self.model_args = self.run.kernels, self.run.model_args
-        # SDPA pinned to one backend by hand: PyTorch's own check on this rank's shape, a ConfigError where it refuses
-        check_pinned_sdpa(self.kernels.attention, self.attention_shape(self.model_args), self.device)
+        # SDPA pinned to one backend, or FA4, by hand: the device's own check on this rank's shape, a ConfigError
+        # where it refuses
+        check_fixed_attention(self.kernels.attention, self.attention_shape(self.model_args), self.device)
         with torch.device("meta"):
             model = build_model(self.model_args)
         # LoRA: adapters on lora.targets, the rest frozen (0: off)

@@ -62,8 +62,10 @@ def test_auto_attention_is_timed_on_the_device_at_start_up(tmp_path):
     with open(tmp_path / "run" / "kernels.json") as f:
         measured = json.load(f)
     times = measured["ms_fwd_bwd"]
-    # loom's kernel, SDPA pinned to FlashAttention-2 (sm_80+) and to cuDNN where PyTorch's check takes it
-    assert {"flash", "sdpa_flash"} <= set(times) <= {"flash", "sdpa_flash", "sdpa_cudnn"}
+    # loom's kernel, SDPA pinned to FlashAttention-2 (sm_80+) and to cuDNN where PyTorch's check takes it, FA4 where
+    # it is installed and runs on this GPU
+    assert {"flash", "sdpa_flash"} <= set(times) <= {"flash", "sdpa_flash", "sdpa_cudnn", "fa4"}
+    assert ("fa4" in times) == (fa4_refusal(64) is None)
     assert all(math.isfinite(t) and t > 0 for t in times.values())
     assert measured["chosen"] == min(times, key=times.get)
     assert measured["verdict"].startswith(f"{measured['chosen']} won, ")
@@ -172,6 +174,89 @@ def test_pinned_sdpa_runs_its_backend_and_matches_sdpa(backend, op):
                 torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
+def fa4_refusal(head_dim: int) -> str | None:
+    from loom.kernels.attention import fa4
+
+    return fa4.refusal(torch.device("cuda"), head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fa4_runs_its_kernels_and_matches_sdpa(head_dim):
+    """model.attention = fa4: the call runs loom::fa4 and its backward (eager and compiled with fullgraph: FA4's
+    own autograd function cannot be traced) on the model's (B, S, H, D) layout, with SDPA's outputs and gradients
+    (bf16 tolerance), MHA and GQA."""
+    if fa4_refusal(head_dim):
+        pytest.skip(f"FlashAttention-4 {fa4_refusal(head_dim)}")
+    from loom.kernels.dispatch import AttentionShape, attention_inputs
+    from loom.models.common.layers import attend
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for hq, hkv in ((8, 8), (8, 2)):
+        shape = AttentionShape(2, hq, hkv, 1024, head_dim, torch.bfloat16)
+        q, k, v = attention_inputs(shape, torch.device("cuda"))
+        dout = torch.randn_like(q)
+        results = {}
+        compiled = torch.compile(lambda a, b, c: attend(a, b, c, "fa4", None), fullgraph=True)
+        for name, fn in (
+            ("sdpa", lambda a, b, c: attend(a, b, c, "sdpa", None)),
+            ("fa4", None),
+            ("compiled", compiled),
+        ):
+            ops = Ops()
+            if name == "fa4":
+                with ops:
+                    out = attend(q, k, v, "fa4", None)
+                    grads = torch.autograd.grad(out, (q, k, v), dout)
+                assert {"loom.fa4.default", "loom.fa4_backward.default"} <= ops.seen, ops.seen
+                assert not any("scaled_dot_product" in op for op in ops.seen), ops.seen
+            else:
+                out = fn(q, k, v)
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+            results[name] = (out, *grads)
+        for name in ("fa4", "compiled"):
+            for a, b, t in zip(results[name], results["sdpa"], (q, q, k, v)):
+                assert a.shape == t.shape and a.stride() == t.stride()
+                torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_model_trains_with_fa4_eager_and_compiled_under_op_checkpointing(tmp_path):
+    """model.attention = fa4 by hand: a short run's losses match PyTorch's SDPA's, eager and with compiled blocks
+    under op-level checkpointing (the policy saves loom::fa4's output)."""
+    if fa4_refusal(64):
+        pytest.skip(f"FlashAttention-4 {fa4_refusal(64)}")
+    from tests.distributed.harness import run_one
+
+    cfg = {
+        **SHORT_RUN,
+        "training.steps": 4,
+        "training.seq_len": 256,
+        "training.global_batch_size": 4,
+        "training.micro_batch_size": 2,
+        "metrics.every": 1,
+    }
+    for compiled in ("false", "true"):
+        over = {
+            "training.compile": compiled,
+            "training.activation_checkpointing": "op" if compiled == "true" else "none",
+        }
+        base = run_one(
+            dict(cfg, **over, **{"model.attention": "sdpa", "run.dir": str(tmp_path / f"sdpa{compiled}")})
+        )
+        got = run_one(
+            dict(cfg, **over, **{"model.attention": "fa4", "run.dir": str(tmp_path / f"fa4{compiled}")})
+        )
+        for a, b in zip(got, base, strict=True):
+            assert abs(a["loss"] - b["loss"]) < 2e-2 * abs(b["loss"]), (compiled, a["loss"], b["loss"])
+
+
 def test_model_trains_with_pinned_sdpa(tmp_path):
     """model.attention = sdpa_cudnn / sdpa_flash by hand: the losses of a short run match PyTorch's own choice's."""
     from tests.distributed.harness import run_one
@@ -189,7 +274,7 @@ def test_model_trains_with_pinned_sdpa(tmp_path):
     from loom.kernels.dispatch import AttentionShape, attention_inputs, torch_takes
 
     # the 125M flavor's attention (12 query heads over 4 key/value heads, head dim 64): a backend PyTorch's own
-    # check does not take for it on this GPU is refused at start-up (check_pinned_sdpa), so it is not trained here
+    # check does not take for it on this GPU is refused at start-up (check_fixed_attention), so it is not trained here
     shape = AttentionShape(1, 12, 4, 256, 64, torch.bfloat16)
     taken = [
         b

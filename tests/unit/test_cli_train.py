@@ -221,6 +221,11 @@ CASES = [
         ["model.attention = 'sdpa_cudnn'", "needs CUDA", "allowed auto | sdpa | flash | flex"],
     ),
     (
+        "fa4-off-cuda",
+        ["--model.attention", "fa4"],
+        ["model.attention = 'fa4'", "FlashAttention-4 needs CUDA", "allowed auto | sdpa | flash | flex"],
+    ),
+    (
         "fused-loss-with-tp",
         ["--parallel.tp", "2", "--model.fused_loss", "true"],
         ["model.fused_loss = True", "not supported with parallel.tp > 1"],

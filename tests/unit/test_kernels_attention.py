@@ -367,6 +367,11 @@ def test_attention_candidates_per_device_dtype_and_documents():
         "sdpa_flash",
     )  # cuDNN: multiples of 8
     assert attention_candidates(False, "cuda", "bfloat16", 320) == ("flash", "sdpa")
+    # FlashAttention-4 where it runs on this device (installed, the GPU takes the head dim), under the same limits
+    assert attention_candidates(False, "cuda", "bfloat16", 128, fa4=True) == (*pinned, "fa4")
+    assert attention_candidates(False, "cuda", "bfloat16", 36, fa4=True) == ("flash", "sdpa_flash")
+    assert attention_candidates(False, "cuda", "float32", 128, fa4=True) == ("flash", "sdpa")
+    assert attention_candidates(True, "cuda", "bfloat16", 128, fa4=True) == ("flash", "flex")
     for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "bfloat16")):
         assert attention_candidates(True, device, dtype, 128) == ("flash", "flex")
 
@@ -417,7 +422,7 @@ def test_the_start_up_line_names_the_winner_and_its_margin():
 
 
 def test_pinned_sdpa_is_refused_where_it_cannot_run():
-    """model.attention = sdpa_cudnn / sdpa_flash by hand: one line naming the field, the value and what is allowed
+    """model.attention = sdpa_cudnn / sdpa_flash / fa4 by hand: one line naming the field, the value and what is allowed
     off CUDA, in fp32, with packed documents or a sliding window, past the head dims, cuDNN when deterministic."""
     from loom.config import ConfigError, build_config
     from loom.kernels.dispatch import kernel_choice
@@ -426,7 +431,7 @@ def test_pinned_sdpa_is_refused_where_it_cannot_run():
         cfg = build_config(None, {"model.attention": backend, "training.dtype": "bfloat16", **fields})
         return kernel_choice(cfg, device, triton=False, window=lambda: window, head_dim=lambda: head_dim)
 
-    for backend in ("sdpa_cudnn", "sdpa_flash"):
+    for backend in ("sdpa_cudnn", "sdpa_flash", "fa4"):
         assert choose(backend).attention == backend
         cases = [
             (dict(device="cpu"), "needs CUDA"),
@@ -439,11 +444,14 @@ def test_pinned_sdpa_is_refused_where_it_cannot_run():
             with pytest.raises(ConfigError, match=f"model.attention = '{backend}': .*{match}") as err:
                 choose(backend, **kwargs)
             assert "\n" not in str(err.value) and "allowed auto | sdpa | flash | flex" in str(err.value)
-    with pytest.raises(ConfigError, match="multiple of 8; this model's attention has 36"):
-        choose("sdpa_cudnn", head_dim=36)
+    for backend in ("sdpa_cudnn", "fa4"):
+        with pytest.raises(ConfigError, match="multiple of 8; this model's attention has 36"):
+            choose(backend, head_dim=36)
+        with pytest.raises(ConfigError, match="not deterministic"):
+            choose(backend, **{"run.deterministic": "true"})
     assert choose("sdpa_flash", head_dim=36).attention == "sdpa_flash"
-    with pytest.raises(ConfigError, match="not deterministic"):
-        choose("sdpa_cudnn", **{"run.deterministic": "true"})
+    with pytest.raises(ConfigError, match="FlashAttention-4 needs CUDA"):
+        choose("fa4", device="cpu")
     assert choose("sdpa_flash", **{"run.deterministic": "true"}).attention == "sdpa_flash"
 
 
@@ -463,7 +471,7 @@ def test_pinned_sdpa_reads_the_models_head_dim():
 def test_pinned_sdpa_off_cuda_is_plain_sdpa_and_torch_is_asked_on_cuda_only():
     """Off CUDA (the planner's fake tensors) the pinned backends compute plain SDPA; PyTorch's own check (its
     SDPAParams as this torch builds them) refuses CPU tensors; the run-time check is a no-op off CUDA."""
-    from loom.kernels.dispatch import AttentionShape, check_pinned_sdpa, torch_takes
+    from loom.kernels.dispatch import AttentionShape, check_fixed_attention, torch_takes
     from loom.models.common.layers import attend
 
     gen = torch.Generator().manual_seed(0)
@@ -472,7 +480,66 @@ def test_pinned_sdpa_off_cuda_is_plain_sdpa_and_torch_is_asked_on_cuda_only():
     for backend in ("sdpa_cudnn", "sdpa_flash"):
         assert torch.equal(attend(q, k, v, backend, None), plain)
         assert not torch_takes(backend, q, k, v)
-        check_pinned_sdpa(backend, AttentionShape(2, 4, 2, 16, 8, torch.bfloat16), torch.device("cpu"))
+        check_fixed_attention(backend, AttentionShape(2, 4, 2, 16, 8, torch.bfloat16), torch.device("cpu"))
+
+
+def test_fa4_is_refused_on_the_device_where_it_cannot_run(monkeypatch):
+    """model.attention = fa4 checked on the run's device before the model is built: the package, a CUDA GPU of
+    compute capability 9-11, the head dims FA4 takes there; each a one-line ConfigError."""
+    from loom.config import ConfigError
+    from loom.kernels.attention import fa4
+    from loom.kernels.dispatch import AttentionShape, check_fixed_attention
+
+    shape = AttentionShape(2, 4, 2, 16, 128, torch.bfloat16)
+    monkeypatch.setattr(fa4, "installed", lambda: False)
+    with pytest.raises(
+        ConfigError, match="model.attention = 'fa4': FlashAttention-4 needs the flash-attn-4 pa"
+    ) as e:
+        check_fixed_attention("fa4", shape, torch.device("cpu"))
+    assert "\n" not in str(e.value) and "allowed auto | sdpa | flash | flex" in str(e.value)
+    monkeypatch.setattr(fa4, "installed", lambda: True)
+    assert fa4.refusal(torch.device("cpu"), 128) == "needs a CUDA GPU (device cpu)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "this one is 8.0" in fa4.refusal(torch.device("cuda"), 128)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert fa4.refusal(torch.device("cuda"), 128) is None
+    assert "up to 128, or 256 here; this model's attention has 192" in fa4.refusal(torch.device("cuda"), 192)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fa4.refusal(torch.device("cuda"), 192) is None
+    assert [d for d in range(0, 300, 4) if fa4.head_dims_allowed(d, 9)] == list(range(8, 257, 8))
+
+
+def test_fa4_op_traces_with_its_fakes_and_saves_like_the_other_kernels():
+    """loom::fa4 and its backward trace on fake tensors (what torch.compile and the planner see; FA4's own
+    autograd function cannot be traced): forward + backward is two custom ops, no copies of q, k, v (FA4 reads the
+    model's (B, S, H, D) layout), out and gradients in the layouts of q, k, v; op-level checkpointing saves its
+    output."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from loom.kernels.attention.fa4 import fa4_attention
+    from loom.parallel.activation_checkpoint import _SAVE_OPS
+
+    def step(q, k, v, dout):
+        out = fa4_attention(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    def inputs():  # (B, S, H, D) projections seen as (B, H, S, D), as the model passes them
+        return [torch.randn(2, 32, h, 64, dtype=torch.bfloat16).transpose(1, 2) for h in (8, 2, 2)]
+
+    q, k, v = (t.requires_grad_() for t in inputs())
+    graph = make_fx(step, tracing_mode="fake")(q, k, v, torch.randn(2, 8, 32, 64, dtype=torch.bfloat16))
+    ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.loom.fa4.default) == 1 and ops.count(torch.ops.loom.fa4_backward.default) == 1
+    assert not {torch.ops.aten.clone.default, torch.ops.aten.contiguous.default} & set(ops)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (t.requires_grad_() for t in inputs())
+        out = fa4_attention(q, k, v)
+        out.sum().backward()
+        assert out.shape == q.shape and out.stride() == q.stride()
+        assert all(t.grad.stride() == t.stride() for t in (q, k, v))
+    assert torch.ops.loom.fa4.default in _SAVE_OPS
 
 
 def test_attention_calls_off_triton_run_the_reference():

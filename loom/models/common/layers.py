@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from loom.kernels.attention.fa4 import fa4_attention
 from loom.kernels.attention.flex import flex_attend
 from loom.kernels.attention.op import flash_attention
 from loom.kernels.attention.reference import doc_ids_from_positions, document_bounds, document_starts, visible
@@ -51,6 +52,12 @@ def attend(
     bounds = None if positions is None else document_bounds(doc_ids_from_positions(positions))  # (2, B, S)
     if backend == "flash":
         return flash_attention(q, k, v, causal=True, bounds=bounds, window=window)
+    if backend == "fa4":  # plain causal attention only: the resolver refuses documents and windows for it
+        if bounds is not None or window:
+            raise ValueError(
+                "attention backend fa4 runs plain causal attention: no packed documents, no window"
+            )
+        return fa4_attention(q, k, v)
     # a branch, not bool(): under compile with dynamic head counts the comparison is a SymBool, which SDPA's
     # enable_gqa refuses; branching on it specializes the graph to a plain bool (a guard)
     gqa = True if q.shape[1] != k.shape[1] else False
@@ -134,8 +141,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.backend = (
-            backend  # "sdpa" (PyTorch's choice), "sdpa_cudnn" / "sdpa_flash" (SDPA on that backend), "flash"
-            # (loom's Triton FlashAttention-2), "flex" (FlexAttention)
+            backend  # "sdpa" (PyTorch's choice), "sdpa_cudnn" / "sdpa_flash" (SDPA on that backend), "fa4"
+            # (FlashAttention-4's kernels), "flash" (loom's Triton FlashAttention-2), "flex" (FlexAttention)
         )
         self.window = window
         self.apply_rope = fused_apply_rope if fused_rope else apply_rope  # fused: one loom::apply_rope op

@@ -1,0 +1,124 @@
+"""FlashAttention-4 (the ``flash-attn-4`` package: CuTe DSL kernels for Hopper and Blackwell) as ``torch.library``
+custom ops, ``loom::fa4`` and its backward, with fake implementations so ``torch.compile`` traces them (FA4's own
+``FlashAttnFunc`` is a plain autograd function). Plain causal attention only: no packed documents, no window.
+
+Why: on an H200 at the 8B shape (d128, 32/8 heads, 8k causal) its forward + backward ran 1.12x cuDNN SDPA's
+(docs/kernels.md). The package is optional; ``installed`` and ``refusal`` say whether a run can use it."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+PACKAGE = "flash-attn-4"
+ARCHS = (9, 10, 11)  # compute capability majors with an FA4 forward and backward (Hopper, Blackwell)
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether ``flash_attn.cute`` (FA4) is importable, without importing it (its import loads the CuTe DSL)."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def head_dims_allowed(head_dim: int, major: int) -> bool:
+    """FA4's head dims (interface._validate_head_dims, 4.0.0b36): multiples of 8; up to 256 on Hopper, up to 128
+    or exactly 256 on Blackwell."""
+    if head_dim % 8 or not 8 <= head_dim <= 256:
+        return False
+    return major == 9 or head_dim <= 128 or head_dim == 256
+
+
+def refusal(device: torch.device, head_dim: int) -> str | None:
+    """Why FA4 cannot run attention of ``head_dim`` on ``device`` (the package, the GPU), or None."""
+    if not installed():
+        return f"needs the {PACKAGE} package (pip install {PACKAGE})"
+    if device.type != "cuda":
+        return f"needs a CUDA GPU (device {device.type})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in ARCHS:
+        return f"runs on Hopper and Blackwell GPUs (compute capability 9.x-11.x); this one is {major}.{minor}"
+    if not head_dims_allowed(head_dim, major):
+        limit = "256" if major == 9 else "128, or 256"
+        return f"takes head dims that are multiples of 8 up to {limit} here; this model's attention has {head_dim}"
+    return None
+
+
+def _interface():
+    from flash_attn.cute import interface
+
+    return interface
+
+
+def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of ``torch.empty_like(like)``, what the fake implementations promise."""
+    target = torch.empty_like(like)
+    return t if t.stride() == target.stride() else target.copy_(t)
+
+
+def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))  # contiguous (B, S, Hq, Dv), what FA4 allocates
+
+
+@torch.library.custom_op("loom::fa4", mutates_args=())
+def fa4_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, S, Hq, D), k/v (B, S, Hkv, D) -> out (B, S, Hq, D), lse (B, Hq, S) float32."""
+    out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+    return _as_promised(out, _out_like(q, v)), lse.contiguous()
+
+
+@fa4_op.register_fake
+def _(q, k, v, causal, scale):
+    return _out_like(q, v), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("loom::fa4_backward", mutates_args=())
+def fa4_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)
+    return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
+
+
+@fa4_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, dout, _dlse):
+    # the log-sum-exp is never an output of ``fa4_attention``: no gradient flows into it
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = fa4_backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+fa4_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Attention of q (B, Hq, S, D) over k, v (B, Hkv, S, D) (Hq a multiple of Hkv) on FA4's kernels; out (B, Hq,
+    S, D). FA4 reads (B, S, H, D): the model's q, k, v are that layout transposed, so no copy is made."""
+    out, _ = fa4_op(*(t.transpose(1, 2) for t in (q, k, v)), causal, q.shape[-1] ** -0.5)
+    return out.transpose(1, 2)
