@@ -36,7 +36,7 @@ def head_dims_allowed(head_dim: int, major: int) -> bool:
 def refusal(device: torch.device, head_dim: int) -> str | None:
     """Why FA4 cannot run attention of ``head_dim`` on ``device`` (the package, the GPU), or None."""
     if not installed():
-        return f"needs the {PACKAGE} package (pip install {PACKAGE})"
+        return f"needs the {PACKAGE} package (pip install --pre {PACKAGE})"
     if device.type != "cuda":
         return f"needs a CUDA GPU (device {device.type})"
     major, minor = torch.cuda.get_device_capability(device)
