@@ -138,6 +138,13 @@ def kernel_choice(
             raise ConfigError(
                 "model.attention", cfg.model.attention, f"{why}: allowed {ALLOWED_WITHOUT_PINNED}"
             )
+    if cfg.model.attention == "fa4" and cfg.parallel.cp > 1:
+        raise ConfigError(
+            "model.attention",
+            "fa4",
+            "context parallelism (parallel.cp > 1) runs loom's kernel on the exchanged K/V, not FlashAttention-4: "
+            "allowed auto | sdpa | flash there",
+        )
     if cfg.model.attention == "flex" and device != "cuda":
         raise ConfigError(
             "model.attention",
@@ -150,7 +157,7 @@ def kernel_choice(
             "flex",
             "under training.compile with training.activation_checkpointing "
             "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
-            "sdpa_cudnn | sdpa_flash | flash there (or flex without compile, or with none | full | every_k checkpointing)",
+            "sdpa_cudnn | sdpa_flash | fa4 | flash there (or flex without compile, or with none | full | every_k checkpointing)",
         )
     triton = has_triton() if triton is None else triton
     if (
@@ -165,7 +172,7 @@ def kernel_choice(
         raise ConfigError(
             "model.attention / model.fused_*",
             cfg.model.attention if cfg.model.attention in ("flash", "flex") else "true",
-            "needs Triton on CUDA (pip install triton); allowed auto | sdpa | sdpa_cudnn | sdpa_flash | false "
+            "needs Triton on CUDA (pip install triton); allowed auto | sdpa | sdpa_cudnn | sdpa_flash | fa4 | false "
             "without it",
         )
     kernels = resolve_kernels(
@@ -204,7 +211,7 @@ def mla_kernels(cfg, kernels: KernelChoice, device: str, attention_width: Callab
             "model.attention",
             "flash",
             f"loom's kernel takes head dims {dims} and this model's latent "
-            f"attention needs {width}: allowed auto | sdpa | sdpa_cudnn | sdpa_flash",
+            f"attention needs {width}: allowed auto | sdpa | sdpa_cudnn | sdpa_flash | fa4",
         )
     return replace(kernels, attention="sdpa")
 
@@ -240,11 +247,13 @@ def sdpa_refusal(
     causal attention (``masked``: packed documents or a sliding window, which need a dense mask: FlashAttention-2
     takes none, and cuDNN's masked path computes every block), within their head dims (``head_dim``, 0: unknown);
     cuDNN and FA4 are refused under ``run.deterministic`` (PyTorch does not select cuDNN when deterministic
-    algorithms are on; FA4's deterministic backward is not loom's)."""
+    algorithms are on; FA4 has a deterministic backward, which loom neither calls nor has measured)."""
     if device != "cuda":
         return f"{KERNEL_NAMES[backend]} needs CUDA (device {device})"
     if dtype not in ("bfloat16", "float16"):
         return f"runs bfloat16 / float16 only (training.dtype {dtype})"
+    if masked and backend == "fa4":
+        return "runs plain causal attention only in loom (not packed documents, data.document_positions, or a sliding window)"
     if masked:
         return (
             "runs plain causal attention only (packed documents, data.document_positions, or a sliding window "
@@ -292,7 +301,9 @@ def check_fixed_attention(backend: str, shape: AttentionShape, device: torch.dev
         why = fa4.refusal(device, shape.head_dim)
         if why:
             raise ConfigError(
-                "model.attention", backend, f"FlashAttention-4 {why}: allowed {ALLOWED_WITHOUT_PINNED}"
+                "model.attention",
+                backend,
+                f"FlashAttention-4 {why}: allowed auto | sdpa | sdpa_cudnn | sdpa_flash | flash | flex",
             )
         return
     if backend not in PINNED_SDPA or device.type != "cuda":

@@ -492,7 +492,8 @@ class Engine:
     def _measure_attention(self, args) -> str:
         """``model.attention = auto`` on CUDA: forward + backward of the candidates on this rank's attention shape
         (packed documents: loom's kernel and FlexAttention on the run's first micro-batch's documents; otherwise
-        loom's kernel and SDPA pinned to cuDNN and to FlashAttention-2, those PyTorch lets run here), timed once
+        loom's kernel, SDPA pinned to cuDNN and to FlashAttention-2, those PyTorch lets run here, and FlashAttention-4
+        where it is installed and runs on this GPU), timed once
         per shape in the process; every rank uses rank 0's figures, so all choose the same backend."""
         cfg = self.cfg
         shape = self.attention_shape(args)

@@ -23,6 +23,18 @@ SHORT_RUN = {
 }
 
 
+class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the ops a call dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_model_trains_with_flash_on_packed_documents(tmp_path):
     from tests.distributed.harness import run_one
 
@@ -137,15 +149,6 @@ def test_pinned_sdpa_runs_its_backend_and_matches_sdpa(backend, op):
     from loom.kernels.dispatch import torch_takes
     from loom.models.common.layers import attend
 
-    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(str(func))
-            return func(*args, **(kwargs or {}))
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     for hq, hkv in ((8, 8), (8, 2)):
         q, k, v = (
@@ -189,15 +192,6 @@ def test_fa4_runs_its_kernels_and_matches_sdpa(head_dim):
         pytest.skip(f"FlashAttention-4 {fa4_refusal(head_dim)}")
     from loom.kernels.dispatch import AttentionShape, attention_inputs
     from loom.models.common.layers import attend
-
-    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(str(func))
-            return func(*args, **(kwargs or {}))
 
     for hq, hkv in ((8, 8), (8, 2)):
         shape = AttentionShape(2, hq, hkv, 1024, head_dim, torch.bfloat16)

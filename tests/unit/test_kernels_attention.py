@@ -452,6 +452,10 @@ def test_pinned_sdpa_is_refused_where_it_cannot_run():
     assert choose("sdpa_flash", head_dim=36).attention == "sdpa_flash"
     with pytest.raises(ConfigError, match="FlashAttention-4 needs CUDA"):
         choose("fa4", device="cpu")
+    with pytest.raises(
+        ConfigError, match="context parallelism .* not FlashAttention-4: allowed auto | sdpa | flash"
+    ):
+        choose("fa4", **{"parallel.cp": "2"})
     assert choose("sdpa_flash", **{"run.deterministic": "true"}).attention == "sdpa_flash"
 
 
@@ -496,11 +500,13 @@ def test_fa4_is_refused_on_the_device_where_it_cannot_run(monkeypatch):
         ConfigError, match="model.attention = 'fa4': FlashAttention-4 needs the flash-attn-4 pa"
     ) as e:
         check_fixed_attention("fa4", shape, torch.device("cpu"))
-    assert "\n" not in str(e.value) and "allowed auto | sdpa | flash | flex" in str(e.value)
+    assert "\n" not in str(e.value) and "allowed auto | sdpa | sdpa_cudnn | sdpa_flash | flash | flex" in str(
+        e.value
+    )
     monkeypatch.setattr(fa4, "installed", lambda: True)
     assert fa4.refusal(torch.device("cpu"), 128) == "needs a CUDA GPU (device cpu)"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert "this one is 8.0" in fa4.refusal(torch.device("cuda"), 128)
+    assert "this GPU is 8.0" in fa4.refusal(torch.device("cuda"), 128)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert fa4.refusal(torch.device("cuda"), 128) is None
     assert "up to 128, or 256 here; this model's attention has 192" in fa4.refusal(torch.device("cuda"), 192)

@@ -13,7 +13,9 @@ import importlib.util
 import torch
 
 PACKAGE = "flash-attn-4"
-ARCHS = (9, 10, 11)  # compute capability majors with an FA4 forward and backward (Hopper, Blackwell)
+# compute capability majors loom runs FA4 on: Hopper (9.x) and data-centre Blackwell (10.x, 11.x); FA4's 12.x path
+# lacks features (no deterministic backward, no score mods) and is not measured here
+ARCHS = (9, 10, 11)
 
 
 @functools.cache
@@ -21,7 +23,9 @@ def installed() -> bool:
     """Whether ``flash_attn.cute`` (FA4) is importable, without importing it (its import loads the CuTe DSL)."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:
+    except (
+        ImportError
+    ):  # the parent package ``flash_attn`` failed to import (FlashAttention-2's, an ABI mismatch)
         return False
 
 
@@ -41,7 +45,7 @@ def refusal(device: torch.device, head_dim: int) -> str | None:
         return f"needs a CUDA GPU (device {device.type})"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in ARCHS:
-        return f"runs on Hopper and Blackwell GPUs (compute capability 9.x-11.x); this one is {major}.{minor}"
+        return f"runs here on compute capability 9.x-11.x (Hopper, data-centre Blackwell); this GPU is {major}.{minor}"
     if not head_dims_allowed(head_dim, major):
         limit = "256" if major == 9 else "128, or 256"
         return f"takes head dims that are multiples of 8 up to {limit} here; this model's attention has {head_dim}"
@@ -54,12 +58,6 @@ def _interface():
     return interface
 
 
-def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` with the strides of ``torch.empty_like(like)``, what the fake implementations promise."""
-    target = torch.empty_like(like)
-    return t if t.stride() == target.stride() else target.copy_(t)
-
-
 def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))  # contiguous (B, S, Hq, Dv), what FA4 allocates
 
@@ -69,6 +67,8 @@ def fa4_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, S, Hq, D), k/v (B, S, Hkv, D) -> out (B, S, Hq, D), lse (B, Hq, S) float32."""
+    from loom.kernels.attention.op import _as_promised  # (op imports dispatch, which imports this module)
+
     out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
     return _as_promised(out, _out_like(q, v)), lse.contiguous()
 
@@ -89,6 +89,8 @@ def fa4_backward_op(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from loom.kernels.attention.op import _as_promised
+
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)

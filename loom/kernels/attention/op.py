@@ -15,8 +15,9 @@ def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` in the layout the fake implementations promise, ``torch.empty_like(like)`` (the Triton launchers
     allocate exactly that; the reference may not: e.g. for a query chunk cut out of a transposed tensor,
     as context parallelism passes, where a mismatch fails torch.compile)."""
-    target = torch.empty_like(like)
-    return t if t.stride() == target.stride() else target.copy_(t)
+    if t.stride() == torch.empty_like(like, device="meta").stride():  # no allocation to compare
+        return t
+    return torch.empty_like(like).copy_(t)
 
 
 def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):

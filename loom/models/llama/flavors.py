@@ -27,8 +27,8 @@ class LlamaArgs:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int = 0
-    # "sdpa" (PyTorch's choice), "sdpa_cudnn" / "sdpa_flash" (SDPA on that backend, CUDA), "flash"
-    # (loom.kernels.attention, Triton on CUDA), "flex" (CUDA)
+    # "sdpa" (PyTorch's choice), "sdpa_cudnn" / "sdpa_flash" (SDPA on that backend, CUDA), "fa4" (FlashAttention-4,
+    # Hopper / Blackwell), "flash" (loom.kernels.attention, Triton on CUDA), "flex" (CUDA)
     attention: str = "sdpa"
     # fused Triton kernels on CUDA (loom.kernels.rmsnorm / rope / swiglu); the same math, reference on CPU
     fused_norm: bool = False
