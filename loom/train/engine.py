@@ -478,14 +478,15 @@ class Engine:
         self.parallel_model = pm
 
     def attention_shape(self, args) -> AttentionShape:
-        """What one attention call of this rank sees: a micro-batch of whole sequences, the heads tp leaves it."""
+        """What one attention call of this rank sees: a micro-batch of whole sequences, the heads tp leaves it, one
+        head dim (latent attention pads queries / keys and values to the wider of the two for a fixed kernel)."""
         cfg, tp = self.cfg, self.cfg.parallel.tp
         return AttentionShape(
             cfg.training.micro_batch_size,
             args.n_heads // tp,
             args.n_kv_heads // tp,
             cfg.training.seq_len,
-            args.head_dim,
+            max(args.head_dim, args.value_head_dim),
             DTYPES[cfg.training.dtype],
         )
 
