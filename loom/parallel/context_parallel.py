@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
-from loom.kernels.attention.op import _as_promised, attention_backward, attention_forward, flash_attention
+from loom.kernels.attention.op import attention_backward, attention_forward, flash_attention
 from loom.kernels.attention.reference import (
+    as_promised,
     default_scale,
     doc_ids_from_positions,
     document_bounds,
@@ -146,7 +147,7 @@ def _ring_forward(q, k, v, bounds, ring: _Ring, scale: float) -> tuple[torch.Ten
         with nvtx_range("cp.ring.wait"):
             _wait(reqs)
         kv = nxt
-    out = _as_promised(torch.cat([a[0] for a in acc], dim=2).to(q.dtype), q)  # the fake's layout
+    out = as_promised(torch.cat([a[0] for a in acc], dim=2).to(q.dtype), q)  # the fake's layout
     lse = torch.cat([a[1] for a in acc], dim=2)
     return out, lse
 
@@ -198,7 +199,7 @@ def _ring_backward(dout, q, k, v, out, lse, dlse, bounds, ring: _Ring, scale: fl
         _wait(dkv_reqs)
     dk, dv = dkv_in.unbind(0)
     # in the fake's layouts (copies: a custom op's outputs may not alias each other)
-    return (_as_promised(dq.to(q.dtype), q), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
+    return (as_promised(dq.to(q.dtype), q), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
 
 
 def _ring(group_name: str, rank: int, size: int) -> _Ring:

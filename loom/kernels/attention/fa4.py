@@ -12,6 +12,8 @@ import importlib.util
 
 import torch
 
+from loom.kernels.attention.reference import as_promised
+
 PACKAGE = "flash-attn-4"
 # compute capability majors loom runs FA4 on: Hopper (9.x) and data-centre Blackwell (10.x, 11.x); FA4's 12.x path
 # lacks features (no deterministic backward, no score mods) and is not measured here
@@ -67,10 +69,8 @@ def fa4_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, S, Hq, D), k/v (B, S, Hkv, D) -> out (B, S, Hq, D), lse (B, Hq, S) float32."""
-    from loom.kernels.attention.op import _as_promised  # (op imports dispatch, which imports this module)
-
     out, lse, *_ = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
-    return _as_promised(out, _out_like(q, v)), lse.contiguous()
+    return as_promised(out, _out_like(q, v)), lse.contiguous()
 
 
 @fa4_op.register_fake
@@ -89,12 +89,10 @@ def fa4_backward_op(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from loom.kernels.attention.op import _as_promised
-
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)
-    return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
+    return as_promised(dq, q), as_promised(dk, k), as_promised(dv, v)
 
 
 @fa4_backward_op.register_fake

@@ -11,21 +11,12 @@ from loom.kernels import dispatch
 from loom.kernels.attention import reference
 
 
-def _as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` in the layout the fake implementations promise, ``torch.empty_like(like)`` (the Triton launchers
-    allocate exactly that; the reference may not: e.g. for a query chunk cut out of a transposed tensor,
-    as context parallelism passes, where a mismatch fails torch.compile)."""
-    if t.stride() == torch.empty_like(like, device="meta").stride():  # no allocation to compare
-        return t
-    return torch.empty_like(like).copy_(t)
-
-
 def attention_forward(q, k, v, causal: bool, bounds, window: int, scale: float, key_bounds=None):
     """(out like q, lse (B, Hq, S) float32) on the kernels ``dispatch.forward_kernel`` picks."""
     kernel = dispatch.forward_kernel(q, k, v, key_bounds, window)
     if kernel == "reference":
         out, lse = reference.attention_forward(q, k, v, causal, bounds, window, scale, key_bounds)
-        return _as_promised(out, q), lse.contiguous()
+        return reference.as_promised(out, q), lse.contiguous()
     from loom.kernels.attention import triton as T
 
     if kernel == "triton":
@@ -64,7 +55,7 @@ def attention_backward(
         dq, dk, dv = reference.attention_backward(
             dout, q, k, v, out, lse, dlse, causal, bounds, window, scale, key_bounds, lse_normalizes
         )
-        return _as_promised(dq, q), _as_promised(dk, k), _as_promised(dv, v)
+        return reference.as_promised(dq, q), reference.as_promised(dk, k), reference.as_promised(dv, v)
     from loom.kernels.attention import triton as T
 
     if dkdv == "triton":

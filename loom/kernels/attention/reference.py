@@ -150,3 +150,12 @@ def attention_backward(
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def as_promised(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in the layout the fake implementations promise, ``torch.empty_like(like)`` (the Triton launchers
+    allocate exactly that; the reference may not: e.g. for a query chunk cut out of a transposed tensor,
+    as context parallelism passes, where a mismatch fails torch.compile)."""
+    if t.stride() == torch.empty_like(like, device="meta").stride():  # no allocation to compare
+        return t
+    return torch.empty_like(like).copy_(t)
