@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from loom.kernels.attention.reference import as_promised
+from loom.kernels.attention.reference import as_promised, default_scale
 
 PACKAGE = "flash-attn-4"
 # compute capability majors loom runs FA4 on: Hopper (9.x) and data-centre Blackwell (10.x, 11.x); FA4's 12.x path
@@ -25,9 +25,8 @@ def installed() -> bool:
     """Whether ``flash_attn.cute`` (FA4) is importable, without importing it (its import loads the CuTe DSL)."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
-    except (
-        ImportError
-    ):  # the parent package ``flash_attn`` failed to import (FlashAttention-2's, an ABI mismatch)
+    # ImportError: the parent package ``flash_attn`` failed to import (FlashAttention-2's, an ABI mismatch)
+    except ImportError:
         return False
 
 
@@ -89,8 +88,7 @@ def fa4_backward_op(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    # FA4 makes dout's last dim contiguous itself
     dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)
     return as_promised(dq, q), as_promised(dk, k), as_promised(dv, v)
 
@@ -120,5 +118,5 @@ fa4_op.register_autograd(_backward, setup_context=_setup_context)
 def fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """Attention of q (B, Hq, S, D) over k, v (B, Hkv, S, D) (Hq a multiple of Hkv) on FA4's kernels; out (B, Hq,
     S, D). FA4 reads (B, S, H, D): the model's q, k, v are that layout transposed, so no copy is made."""
-    out, _ = fa4_op(*(t.transpose(1, 2) for t in (q, k, v)), causal, q.shape[-1] ** -0.5)
+    out, _ = fa4_op(*(t.transpose(1, 2) for t in (q, k, v)), causal, default_scale(q.shape[-1]))
     return out.transpose(1, 2)
