@@ -508,6 +508,9 @@ def test_fa4_is_refused_on_the_device_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert "this GPU is 8.0" in fa4.refusal(torch.device("cuda"), 128)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    # the package found but its import failing (here: not installed at all) is a refusal, not a first-step crash
+    assert fa4.refusal(torch.device("cuda"), 128).startswith("is installed but does not import (")
+    monkeypatch.setattr(fa4, "_interface", lambda: None)
     assert fa4.refusal(torch.device("cuda"), 128) is None
     assert "up to 128, or 256 here; this model's attention has 192" in fa4.refusal(torch.device("cuda"), 192)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

@@ -39,7 +39,7 @@ def head_dims_allowed(head_dim: int, major: int) -> bool:
 
 
 def refusal(device: torch.device, head_dim: int) -> str | None:
-    """Why FA4 cannot run attention of ``head_dim`` on ``device`` (the package, the GPU), or None."""
+    """Why FA4 cannot run attention of ``head_dim`` on ``device`` (the package, the GPU, its import), or None."""
     if not installed():
         return f"needs the {PACKAGE} package (pip install --pre {PACKAGE})"
     if device.type != "cuda":
@@ -50,6 +50,10 @@ def refusal(device: torch.device, head_dim: int) -> str | None:
     if not head_dims_allowed(head_dim, major):
         limit = "256" if major == 9 else "128, or 256"
         return f"takes head dims that are multiples of 8 up to {limit} here; this model's attention has {head_dim}"
+    try:  # a broken install (the CuTe DSL runtime missing) fails here in one line, not at the first step
+        _interface()
+    except Exception as e:
+        return f"is installed but does not import ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     return None
 
 
