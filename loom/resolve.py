@@ -28,6 +28,7 @@ from loom.parallel.offload_rules import RULES as OFFLOAD
 from loom.parallel.pipedream_rules import RULES as PIPEDREAM
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 from loom.parallel.symm_mem_rules import RULES as SYMM_MEM
+from loom.parallel.vocab_embedding_rules import RULES as VOCAB_EMBEDDING
 from loom.runtime.fault_tolerance import replica_groups
 from loom.runtime.fault_tolerance_rules import RULES as FAULT_TOLERANCE
 from loom.train.diloco_rules import RULES as DILOCO
@@ -45,6 +46,7 @@ FEATURES = (
     LORA,
     SYMM_MEM,
     GRAD_COPY,
+    VOCAB_EMBEDDING,
 )
 
 

@@ -867,6 +867,17 @@ class ParallelConfig:
         "the matmuls they overlap would use (CUDA, NCCL >= 2.28, PyTorch >= 2.11)",
         resume=(FREE, "the same computation, its collectives' buffers elsewhere"),
     )
+    fsdp_embedding: str = opt(
+        "auto",
+        "how FSDP2's ranks share the token embedding: gather = an FSDP2 unit of its own (the whole table "
+        "all-gathered each step, its whole gradient reduce-scattered at the end of the backward); vocab = each "
+        "rank keeps its rows and looks them up for every rank's tokens (tokens x dim move each way, not vocab x "
+        "dim; the gradient summed in fp32; loom.parallel.vocab_embedding); auto = vocab where it applies (FSDP2 "
+        "sharding on a 1-D mesh, no tensor parallelism or CPU offload, an embedding not tied to the head), "
+        "gather elsewhere",
+        choices=("auto", "gather", "vocab"),
+        resume=(FREE, "the same shards (Shard(0) of the table), reduced another way"),
+    )
     fsdp_grad_copy: str = opt(
         "auto",
         "the kernel that casts each FSDP2 unit's gradients into its reduce-scatter buffer: torch = FSDP2's own "

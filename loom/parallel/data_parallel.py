@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loom.config.errors import ConfigError
 from loom.models.common.moe import moe_modules
 from loom.parallel.grad_copy import use_grad_copy
 from loom.parallel.symm_mem import use_symm_mem
+from loom.parallel.vocab_embedding import VocabShardedEmbedding
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
@@ -41,6 +43,7 @@ def apply_fsdp(
     symm_mem: bool = False,
     grad_copy: str = "torch",
     device: torch.device | None = None,
+    vocab_embedding: str = "no",
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
     and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
@@ -49,7 +52,10 @@ def apply_fsdp(
     the device). ``explicit_prefetch`` (parallel.fsdp_prefetch; by default under expert parallelism):
     ``prefetch_in_order``. ``symm_mem`` (parallel.fsdp_symm_mem): every FSDP2 unit's collective buffers, the
     experts' too, in NCCL symmetric memory. ``grad_copy`` (parallel.fsdp_grad_copy) ``triton``, or ``auto`` on a
-    CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy)."""
+    CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy).
+    ``vocab_embedding`` (parallel.fsdp_embedding, resolved: ``no``, ``auto`` or ``vocab``): the embedding split by
+    rows over ``mesh`` instead of an FSDP2 unit (loom.parallel.vocab_embedding), where ``head_units`` gives it a
+    unit of its own; ``vocab`` refuses a model where it does not."""
     from torch.distributed.fsdp import fully_shard
 
     kw = dict(
@@ -60,14 +66,24 @@ def apply_fsdp(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     embed, head = head_units(model)
-    if embed is not None:
+    split = vocab_embedding != "no" and embed is not None
+    if vocab_embedding == "vocab" and embed is None:
+        raise ConfigError(
+            "parallel.fsdp_embedding",
+            "vocab",
+            "this model's embedding is also its output head (tied) or read again by multi-token prediction: "
+            "allowed auto | gather",
+        )
+    if split:
+        model.tok_embeddings = embed = VocabShardedEmbedding(embed, mesh, compute_dtype)
+    elif embed is not None:
         fully_shard(embed, reshard_after_forward=reshard_after_forward, **kw)
     if head:
         fully_shard(head, reshard_after_forward=False, **kw)
     # the root's parameters are used last in forward and first in backward: never reshard them
-    fully_shard(model, reshard_after_forward=False, **kw)
+    fully_shard(model, reshard_after_forward=False, ignored_params={embed.weight} if split else None, **kw)
     if explicit_prefetch:
-        prefetch_in_order(model, blocks, embed, head)
+        prefetch_in_order(model, blocks, None if split else embed, head)
     if symm_mem:
         use_symm_mem(model)
     use_grad_copy(grad_copy, device)

@@ -58,6 +58,7 @@ from loom.parallel.pipeline import (
 )
 from loom.parallel.shards import keep_shard
 from loom.parallel.tensor_parallel import apply_tp
+from loom.parallel.vocab_embedding_rules import vocab_applies
 
 
 @dataclass
@@ -168,6 +169,7 @@ def parallelize_llama(
                 symm_mem=parallel.fsdp_symm_mem,
                 grad_copy=parallel.fsdp_grad_copy,
                 device=device,
+                vocab_embedding=parallel.fsdp_embedding if vocab_applies(parallel, dims) else "no",
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device

@@ -97,6 +97,7 @@ class MemoryInputs:
     ep_padded: bool = (
         False  # parallel.ep_exchange = padded: each rank's experts run on ep blocks of every slot
     )
+    vocab_split: bool = False  # parallel.fsdp_embedding resolves to vocab: the table is never gathered
     # LoRA (lora.rank > 0): the frozen base's bytes a parameter (lora.base_dtype: 4 float32, 2 bfloat16 and for
     # nf4's unquantized weights; 0: no LoRA), those of an adapted linear's base weight (NF4's ~0.52 under QLoRA),
     # and of one block: its adapter parameters (the only ones with gradients and AdamW moments) and the base
@@ -188,6 +189,8 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     held = 1 / (x.ep * x.etp)  # of each block's experts: only its own (ep), its width slice (etp)
     block = share.largest_block(x.tp, x.expert_params, held)
     root = share.params(x.tp) - share.blocks_params(x.tp)  # embeddings, head, final norm, MTP modules
+    if x.vocab_split and any(share.first):  # the embedding split by rows (loom.parallel.vocab_embedding)
+        root -= args.vocab_size * args.dim
     root -= (
         (share.moe_layers - (share.layers - share.dense_layers)) * x.expert_params * (1 - held)
         if args.moe

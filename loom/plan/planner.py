@@ -28,6 +28,7 @@ from loom.parallel.pipeline import (
     stages_per_rank,
     theoretical_bubble,
 )
+from loom.parallel.vocab_embedding_rules import vocab_applies
 from loom.plan.activations import float8_compiled_drop, profile_activations
 from loom.plan.hardware import GPU
 from loom.plan.memory import (
@@ -307,6 +308,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         reduce_bytes=BYTES[p.reduce_dtype],
         ddp_bucket_bytes=p.ddp_bucket_mb * 2**20,
         ep_padded=p.ep_exchange == "padded",
+        vocab_split=vocab_applies(p, dims) and not args.tie_embeddings and not getattr(args, "mtp_depth", 0),
         **lora_inputs(cfg, args),
         frozen_copies=extras.frozen or 0,
         trained_copies=extras.trained,

@@ -92,6 +92,28 @@ def test_a_bf16_reduction_halves_the_reduce_scatters_bytes():
     assert bf16.memory.total < fp32.memory.total and bf16.memory.weights == fp32.memory.weights
 
 
+def test_a_vocab_split_embedding_is_never_gathered():
+    """parallel.fsdp_embedding: auto splits an untied 8B's table by rows under FSDP2, so the gathered compute copies
+    lack its 128256 x 4096 bf16 bytes against gather; a tied model keeps its unit either way."""
+    over = dict(
+        model__flavor="8B",
+        training__dtype="bfloat16",
+        training__global_batch_size=2,
+        training__micro_batch_size=1,
+        training__seq_len=8192,
+        training__activation_checkpointing="op",
+    )
+    split = estimate(_cfg(**over), 2, GPUS["H200"])
+    unit = estimate(_cfg(**over, parallel__fsdp_embedding="gather"), 2, GPUS["H200"])
+    assert unit.memory.gathered - split.memory.gathered == 2 * 128256 * 4096
+    assert split.memory.weights == unit.memory.weights
+    tied = dict(over, model__flavor="1B")
+    assert (
+        estimate(_cfg(**tied), 2, GPUS["H200"]).memory.gathered
+        == estimate(_cfg(**tied, parallel__fsdp_embedding="gather"), 2, GPUS["H200"]).memory.gathered
+    )
+
+
 def test_sharding_divides_the_state_and_bad_layouts_raise():
     # accumulation on both (8 and 2 micro-batches): gradients are held at every moment of the step
     one = estimate(
