@@ -878,6 +878,14 @@ class ParallelConfig:
         choices=("auto", "gather", "vocab"),
         resume=(FREE, "the same shards (Shard(0) of the table), reduced another way"),
     )
+    fsdp_gather_copy: str = opt(
+        "fused",
+        "how each FSDP2 unit's shards reach its all-gather buffer under mixed precision: torch = FSDP2's own (cast "
+        "into a temporary, then copied into the buffer); fused = cast straight into the buffer (the same values, "
+        "one pass: loom.parallel.gather_copy)",
+        choices=("fused", "torch"),
+        resume=(FREE, KERNEL),
+    )
     fsdp_grad_copy: str = opt(
         "auto",
         "the kernel that casts each FSDP2 unit's gradients into its reduce-scatter buffer: torch = FSDP2's own "

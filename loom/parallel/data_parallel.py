@@ -7,6 +7,7 @@ from torch import nn
 
 from loom.config.errors import ConfigError
 from loom.models.common.moe import moe_modules
+from loom.parallel.gather_copy import use_gather_copy
 from loom.parallel.grad_copy import use_grad_copy
 from loom.parallel.symm_mem import use_symm_mem
 from loom.parallel.vocab_embedding import VocabShardedEmbedding
@@ -44,6 +45,7 @@ def apply_fsdp(
     grad_copy: str = "torch",
     device: torch.device | None = None,
     vocab_embedding: str = "no",
+    gather_copy: str = "torch",
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
     and the final norm with the head (kept gathered: backward starts there), so the head's gradients are reduced
@@ -55,7 +57,8 @@ def apply_fsdp(
     CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy).
     ``vocab_embedding`` (parallel.fsdp_embedding, resolved: ``no``, ``auto`` or ``vocab``): the embedding split by
     rows over ``mesh`` instead of an FSDP2 unit (loom.parallel.vocab_embedding), where ``head_units`` gives it a
-    unit of its own; ``vocab`` refuses a model where it does not."""
+    unit of its own; ``vocab`` refuses a model where it does not. ``gather_copy`` (parallel.fsdp_gather_copy):
+    ``fused`` casts the shards straight into the all-gather buffer (loom.parallel.gather_copy)."""
     from torch.distributed.fsdp import fully_shard
 
     kw = dict(
@@ -87,6 +90,7 @@ def apply_fsdp(
     if symm_mem:
         use_symm_mem(model)
     use_grad_copy(grad_copy, device)
+    use_gather_copy(gather_copy)
     return model
 
 

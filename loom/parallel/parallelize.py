@@ -170,6 +170,7 @@ def parallelize_llama(
                 grad_copy=parallel.fsdp_grad_copy,
                 device=device,
                 vocab_embedding=parallel.fsdp_embedding if vocab_applies(parallel, dims) else "no",
+                gather_copy=parallel.fsdp_gather_copy,
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device
         # drawn where compute runs (the same values with the state in host memory), stored on init_device

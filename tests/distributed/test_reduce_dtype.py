@@ -44,17 +44,20 @@ def max_rel(a, b):
 )
 def test_bf16_reduction_trains_as_the_fp32_one(tmp_path, world, layout):
     """Also: loom's gradient copy into the reduce-scatter buffer (parallel.fsdp_grad_copy triton; its reference
-    on the CPU) trains as FSDP2's own, bit for bit."""
-    fp32, bf16, copied = run_jobs(
+    on the CPU) trains as FSDP2's own, bit for bit; and so does FSDP2's own two-pass copy into the all-gather buffer
+    against loom's one pass (parallel.fsdp_gather_copy: fused by default, so in every other job here)."""
+    fp32, bf16, copied, gathered = run_jobs(
         world,
         [
             job(tmp_path, "fp32", **layout),
             job(tmp_path, "bf16", **layout, **{"parallel.reduce_dtype": "bfloat16"}),
             job(tmp_path, "copy", **layout, **{"parallel.fsdp_grad_copy": "triton"}),
+            job(tmp_path, "gather", **layout, **{"parallel.fsdp_gather_copy": "torch"}),
         ],
         str(tmp_path),
     )
     assert losses(copied) == losses(fp32)
+    assert losses(gathered) == losses(fp32)
     a, b = losses(fp32), losses(bf16)
     assert a[0] == b[0]  # the first forward precedes any reduction
     assert a != b  # the summed gradients rounded to bf16: FSDP2 got the setting
