@@ -98,6 +98,9 @@ class MemoryInputs:
         False  # parallel.ep_exchange = padded: each rank's experts run on ep blocks of every slot
     )
     vocab_split: bool = False  # parallel.fsdp_embedding resolves to vocab: the table is never gathered
+    gather_fused: bool = (
+        False  # parallel.fsdp_gather_copy fused: the shards cast straight into the gather buffer
+    )
     # LoRA (lora.rank > 0): the frozen base's bytes a parameter (lora.base_dtype: 4 float32, 2 bfloat16 and for
     # nf4's unquantized weights; 0: no LoRA), those of an adapted linear's base weight (NF4's ~0.52 under QLoRA),
     # and of one block: its adapter parameters (the only ones with gradients and AdamW moments) and the base

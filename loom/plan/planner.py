@@ -308,6 +308,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         reduce_bytes=BYTES[p.reduce_dtype],
         ddp_bucket_bytes=p.ddp_bucket_mb * 2**20,
         ep_padded=p.ep_exchange == "padded",
+        gather_fused=p.fsdp_gather_copy == "fused",
         vocab_split=vocab_applies(p, dims) and not args.tie_embeddings and not getattr(args, "mtp_depth", 0),
         **lora_inputs(cfg, args),
         frozen_copies=extras.frozen or 0,
@@ -754,7 +755,7 @@ def moe_time_s(
     if x is not None and (x.fsdp or dims.ep > 1) and not x.cpu_offload:
         # the experts' FSDP2 mesh: the ranks holding the same experts (edp) under ep, the block's otherwise
         shard = dims.edp if dims.ep > 1 else x.shard
-        weight_bytes = fsdp_expert_bytes(shard, 2 if x.reshard_after_forward else 1, c)
+        weight_bytes = fsdp_expert_bytes(shard, 2 if x.reshard_after_forward else 1, c, x.gather_fused)
     overhead = layers * moe_overhead_s(
         local, slots, args.dim, t.compile, rerun, gpu.hbm_tbps, weight_bytes=weight_bytes
     )
@@ -930,7 +931,7 @@ def data_parallel_s(
         edges = collective_s((c + (r if not x.lora_base_bytes else 0)) * block, x.shard, bw)
         # FSDP2's copies around the collectives (the experts': with the MoE overhead, moe_time_s)
         experts = held_experts(share, x)
-        gather, reduce = fsdp_copy_bytes(x.shard, gathers, c, r)
+        gather, reduce = fsdp_copy_bytes(x.shard, gathers, c, r, x.gather_fused)
         gather8, cast8 = float8_gather_copy_bytes(x.shard, gathers)
         rate = COPY_HBM_SHARE * gpu.hbm_tbps * 1e12
         copies = (

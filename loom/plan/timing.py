@@ -190,15 +190,19 @@ def ep_overhead_s(
 # fp32 buffer (c + 4) and, on a mesh of one rank, the buffer to the shard (8) where more ranks reduce-scatter it.
 # Once per micro-batch; the gather twice when the blocks reshard after the forward (the backward's gather also
 # serves a recomputation).
-def fsdp_copy_bytes(shard: int, gathers: int, dtype_bytes: int, reduce_bytes: int = 4) -> tuple[float, float]:
+def fsdp_copy_bytes(
+    shard: int, gathers: int, dtype_bytes: int, reduce_bytes: int = 4, fused: bool = False
+) -> tuple[float, float]:
     """HBM bytes FSDP2 copies per parameter a rank holds (gathered), per micro-batch, sharded over ``shard`` ranks:
-    (its ``gathers`` gathers in ``dtype_bytes``: the shard's copy-in, cast from fp32 where the dtype differs, and the
+    (its ``gathers`` gathers in ``dtype_bytes``: the shard's copy-in, cast from fp32 where the dtype differs, into a
+    temporary then the buffer, or with ``fused`` (parallel.fsdp_gather_copy) straight into the buffer, and the
     copy-out of the gathered parameter; its gradient's copy into the reduce-scatter buffer, in ``reduce_bytes``).
     The copy-out and the gradient's copy run on the compute stream, the copy-in on FSDP2's beside it, competing
     for HBM (what they cost in a profile: docs/planner.md, Time)."""
     c = dtype_bytes
     cast = 4 + c if c != 4 else 0
-    return gathers * ((cast + 2 * c) / shard + 2 * c), c + reduce_bytes
+    copy_in = cast if fused and cast else cast + 2 * c
+    return gathers * (copy_in / shard + 2 * c), c + reduce_bytes
 
 
 def float8_gather_copy_bytes(shard: int, gathers: int) -> tuple[float, float]:
@@ -208,10 +212,10 @@ def float8_gather_copy_bytes(shard: int, gathers: int) -> tuple[float, float]:
     return gathers * (2 / shard + 2), (4 + 1) / shard
 
 
-def fsdp_expert_bytes(shard: int, gathers: int, dtype_bytes: int) -> float:
+def fsdp_expert_bytes(shard: int, gathers: int, dtype_bytes: int, fused: bool = False) -> float:
     """Bytes FSDP2 copies per expert parameter a rank holds, per micro-batch (``fsdp_copy_bytes``), and where the
     experts' mesh is a single rank the gradient's accumulation into the kept one (8 bytes)."""
-    gather, reduce = fsdp_copy_bytes(shard, gathers, dtype_bytes)
+    gather, reduce = fsdp_copy_bytes(shard, gathers, dtype_bytes, fused=fused)
     return gather + reduce + (8 if shard == 1 else 0)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -94,7 +95,7 @@ def _layout(ac: str, ep: int = 2, exchange: str = "uneven"):
 
 def test_moe_terms_under_expert_parallelism():
     """ep 2, op AC: per MoE block and micro-batch the FSDP2 copies of the rank's 4 experts (one-rank mesh, gathered
-    twice: 42 B a parameter) and the routing at the fitted eager slot bytes, plus the permutation of its 256 x 2
+    twice, each cast straight into the gather buffer: 34 B a parameter; 42 with FSDP2's own two-pass copy-in) and the routing at the fitted eager slot bytes, plus the permutation of its 256 x 2
     slots (14 elements of 2 bytes per slot x dim); no rescale of its experts' gradients (their reduction divides
     them), except for a run of older code; the extra FLOPs: the grouped GEMMs' rerun sixth and their padding."""
     cfg, dims, args, m, x, share = _layout("op")
@@ -103,20 +104,26 @@ def test_moe_terms_under_expert_parallelism():
     local = 4 * expert_params(args)  # 4 of the 8 experts
     slots, layers, rate = 256 * 2, share.moe_layers, COPY_HBM_SHARE * H200.hbm_tbps * 1e12
     assert layers == 2 and dims.edp == 1
-    routing = moe_overhead_s(local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=42)
+    routing = moe_overhead_s(local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=34)
     assert got.overhead == pytest.approx(layers * (routing + 14 * slots * 64 * 2 / rate))
+    x_torch = replace(x, gather_fused=False)
+    two_pass = moe_overhead_s(local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=42)
+    assert moe_time_s(share, args, dims, 256.0, t, H200, x_torch).overhead == pytest.approx(
+        layers * (two_pass + 14 * slots * 64 * 2 / rate)
+    )
     assert got.per_step == 0.0
     older = moe_time_s(share, args, dims, 256.0, t, H200, x, ep_grad_rescale=True)
     assert older.per_step == pytest.approx(8 * layers * local / rate) and older.overhead == got.overhead
     rerun = 6 * expert_params(args) * slots * (1 / 3 - 1 / 6) * layers
     padding = layers * 4 * 64 / 2 * 3 * 2 * 64 * 32 * 3  # 128 rows an expert: 64-row tiles
     assert got.extra_matmul == pytest.approx(rerun + padding)
-    # without ep (4 -> 8 local experts, FSDP2 over the block's 2 ranks: 24 B a parameter): no permutation, no rescale
+    # without ep (4 -> 8 local experts, FSDP2 over the block's 2 ranks: 20 B a parameter, 24 with FSDP2's own copy-in):
+    # no permutation, no rescale
     cfg1, dims1, args1, m1, x1, share1 = _layout("op", ep=1)
     plain = moe_time_s(share1, args1, dims1, 256.0, cfg1.training, H200, x1)
     assert plain.per_step == 0.0
     assert plain.overhead == pytest.approx(
-        layers * moe_overhead_s(2 * local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=24)
+        layers * moe_overhead_s(2 * local, slots, 64, False, 1.0, H200.hbm_tbps, weight_bytes=20)
     )
 
 
