@@ -12,7 +12,7 @@ from loom.config import build_config
 from loom.config.errors import ConfigError
 from loom.resolve import resolve
 from tests.distributed.harness import losses, run_fn, run_jobs
-from tests.tiny import tiny_overrides
+from tests.distributed.test_reduce_dtype import job as reduce_dtype_job
 
 
 def worst(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,20 +68,8 @@ def test_lookup_and_gradient_match_one_process(world, tmp_path):
 
 
 def job(tmp, name, **extra):
-    return tiny_overrides(
-        f"{tmp}/{name}",
-        f"{tmp}/cache",
-        **{
-            "run.seed": 3,
-            "training.steps": 4,
-            "training.global_batch_size": 8,
-            "training.micro_batch_size": 2,
-            "optimizer.warmup_steps": 1,
-            "optimizer.lr": 3e-3,
-            "parallel.dp_shard": 2,
-            **extra,
-        },
-    )
+    """test_reduce_dtype's 2-rank run, in fp32."""
+    return reduce_dtype_job(tmp, name, **{"training.dtype": "float32", "parallel.dp_shard": 2, **extra})
 
 
 def test_trains_as_the_fsdp2_unit(tmp_path):

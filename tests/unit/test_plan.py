@@ -75,17 +75,20 @@ def _cfg(**over):
     return build_config(None, {k.replace("__", "."): str(v) for k, v in over.items()})
 
 
+EIGHT_B_OP = dict(  # 8B, seq 8192, one sequence a GPU, op-level AC, bf16: the bench.peers pair's shape
+    model__flavor="8B",
+    training__dtype="bfloat16",
+    training__global_batch_size=2,
+    training__micro_batch_size=1,
+    training__seq_len=8192,
+    training__activation_checkpointing="op",
+)
+
+
 def test_a_bf16_reduction_halves_the_reduce_scatters_bytes():
     """parallel.reduce_dtype bfloat16: FSDP2's exposed communication and the block's reduce copy shrink (its
     gradient bytes, 4 -> 2 a parameter); everything else is the same."""
-    over = dict(
-        model__flavor="8B",
-        training__dtype="bfloat16",
-        training__global_batch_size=2,
-        training__micro_batch_size=1,
-        training__seq_len=8192,
-        training__activation_checkpointing="op",
-    )
+    over = EIGHT_B_OP
     fp32 = estimate(_cfg(**over), 2, GPUS["H100"])
     bf16 = estimate(_cfg(**over, parallel__reduce_dtype="bfloat16"), 2, GPUS["H100"])
     assert 0 < bf16.time.fsdp < fp32.time.fsdp and bf16.time.compute == fp32.time.compute
@@ -95,14 +98,7 @@ def test_a_bf16_reduction_halves_the_reduce_scatters_bytes():
 def test_a_vocab_split_embedding_is_never_gathered():
     """parallel.fsdp_embedding: auto splits an untied 8B's table by rows under FSDP2, so the gathered compute copies
     lack its 128256 x 4096 bf16 bytes against gather; a tied model keeps its unit either way."""
-    over = dict(
-        model__flavor="8B",
-        training__dtype="bfloat16",
-        training__global_batch_size=2,
-        training__micro_batch_size=1,
-        training__seq_len=8192,
-        training__activation_checkpointing="op",
-    )
+    over = EIGHT_B_OP
     split = estimate(_cfg(**over), 2, GPUS["H200"])
     unit = estimate(_cfg(**over, parallel__fsdp_embedding="gather"), 2, GPUS["H200"])
     assert unit.memory.gathered - split.memory.gathered == 2 * 128256 * 4096
