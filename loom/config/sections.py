@@ -873,8 +873,9 @@ class ParallelConfig:
         "all-gathered each step, its whole gradient reduce-scattered at the end of the backward); vocab = each "
         "rank keeps its rows and looks them up for every rank's tokens (tokens x dim move each way, not vocab x "
         "dim; the gradient summed in fp32; loom.parallel.vocab_embedding); auto = vocab where it applies (FSDP2 "
-        "sharding on a 1-D mesh, no tensor parallelism or CPU offload, an embedding not tied to the head), "
-        "gather elsewhere",
+        "sharding on a 1-D mesh, no tensor parallelism or CPU offload, an embedding not tied to the head or read "
+        "by multi-token prediction, micro-batches of one width on every rank, which rollout methods lack) and the "
+        "shard ranks' gathered tokens of a micro-batch are at most a quarter of the table's rows; gather elsewhere",
         choices=("auto", "gather", "vocab"),
         resume=(FREE, "the same shards (Shard(0) of the table), reduced another way"),
     )

@@ -575,7 +575,7 @@ def build_teacher(engine, path: str) -> torch.nn.Module:
         model = build_model(args)
     training = replace(cfg.training, activation_checkpointing="none")
     (teacher,) = parallelize(model)(
-        model, engine.dims, training, cfg.parallel, engine.device, cfg.run.seed
+        model, engine.dims, training, engine.parallel, engine.device, cfg.run.seed
     ).parts
     if kind == "hf":
         load_hf_weights(teacher, path)

@@ -30,6 +30,8 @@ class GroupRelative(Objective):
     engine keeps them as the run's data; ``prepare`` binds them to the built model). ``cfg``: the whole config (its
     [grpo] section and the run's sizes)."""
 
+    equal_widths = False  # rollouts: each rank pads its rows to its own longest
+
     loss_in_forward = (
         True  # the loss needs the advantages and old / reference log-probabilities beside the logits
     )

@@ -110,6 +110,8 @@ class OnlinePreference(DirectPreference):
     log-probabilities of the chosen and rejected completions (raw logits, as TRL's online trainer), plus TRL's
     logged figures; during the warm-up, cross-entropy on the worked examples' answers (count: answer tokens)."""
 
+    equal_widths = False  # rollouts: each rank pads its rows to its own longest
+
     data = "lm"  # nothing prepared: its data are the rollouts (``build_loader``)
     STATS = DirectPreference.STATS + (
         "logps/chosen",

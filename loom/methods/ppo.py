@@ -33,6 +33,8 @@ class ProximalPolicy(Objective):
     per token of the global mini-batch whatever the layout. During the warm-up, cross-entropy on the worked
     examples' answers."""
 
+    equal_widths = False  # rollouts: each rank pads its rows to its own longest
+
     loss_in_forward = (
         True  # the loss needs values, advantages and rollout-time log-probabilities beside the logits
     )

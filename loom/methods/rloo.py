@@ -147,6 +147,8 @@ class LeaveOneOut(Objective):
     cross-entropy on the worked examples' answers (count: answer tokens). ``cfg``: the whole config ([grpo]'s
     sampling, rewards, warm-up, epsilon / epsilon_high, beta, iterations; [rloo]'s normalization and clip)."""
 
+    equal_widths = False  # rollouts: each rank pads its rows to its own longest
+
     loss_in_forward = (
         True  # the loss needs the advantages and rollout-time log-probabilities beside the logits
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.config.errors import ConfigError
 from loom.models.common.moe import moe_modules
 from loom.parallel.gather_copy import use_gather_copy
 from loom.parallel.grad_copy import use_grad_copy
@@ -44,7 +43,7 @@ def apply_fsdp(
     symm_mem: bool = False,
     grad_copy: str = "torch",
     device: torch.device | None = None,
-    vocab_embedding: str = "no",
+    vocab_embedding: bool = False,
     gather_copy: str = "torch",
 ) -> nn.Module:
     """Shard each block; then, where ``head_units`` allows, the embedding (resharded after forward as the blocks)
@@ -55,9 +54,9 @@ def apply_fsdp(
     ``prefetch_in_order``. ``symm_mem`` (parallel.fsdp_symm_mem): every FSDP2 unit's collective buffers, the
     experts' too, in NCCL symmetric memory. ``grad_copy`` (parallel.fsdp_grad_copy) ``triton``, or ``auto`` on a
     CUDA ``device``: the gradients' copy into the reduce-scatter buffer by loom's kernel (loom.parallel.grad_copy).
-    ``vocab_embedding`` (parallel.fsdp_embedding, resolved: ``no``, ``auto`` or ``vocab``): the embedding split by
-    rows over ``mesh`` instead of an FSDP2 unit (loom.parallel.vocab_embedding), where ``head_units`` gives it a
-    unit of its own; ``vocab`` refuses a model where it does not. ``gather_copy`` (parallel.fsdp_gather_copy):
+    ``vocab_embedding`` (parallel.fsdp_embedding resolved to vocab: loom.parallel.vocab_embedding_rules): the
+    embedding split by rows over ``mesh`` instead of an FSDP2 unit (loom.parallel.vocab_embedding), where this part
+    holds it. ``gather_copy`` (parallel.fsdp_gather_copy):
     ``fused`` casts the shards straight into the all-gather buffer (loom.parallel.gather_copy)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -69,14 +68,7 @@ def apply_fsdp(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     embed, head = head_units(model)
-    split = vocab_embedding != "no" and embed is not None
-    if vocab_embedding == "vocab" and embed is None:
-        raise ConfigError(
-            "parallel.fsdp_embedding",
-            "vocab",
-            "this model's embedding is also its output head (tied) or read again by multi-token prediction: "
-            "allowed auto | gather",
-        )
+    split = vocab_embedding and embed is not None
     if split:
         model.tok_embeddings = embed = VocabShardedEmbedding(embed, mesh, compute_dtype)
     elif embed is not None:

@@ -14,6 +14,8 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group as param_group
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 _TORCH = collectives.foreach_all_gather  # FSDP2's own
+# PyTorch 2.11's FSDP2 checks it before its foreach path; 2.13's has no such check
+_compiled_autograd = getattr(collectives, "compiled_autograd_enabled", lambda: False)
 
 
 def use_gather_copy(kind: str) -> None:
@@ -24,31 +26,28 @@ def use_gather_copy(kind: str) -> None:
 
 
 def fits(fsdp_params) -> bool:
-    """Shards that FSDP2 itself would cast by its foreach path, all to one dtype."""
-    return bool(fsdp_params) and all(
-        p.param_dtype is not None
-        and p.param_dtype == fsdp_params[0].param_dtype
-        and not p.offload_to_cpu
-        and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
-        for p in fsdp_params
+    """Shards that FSDP2 itself would cast by its foreach path, all to one dtype (not under compiled autograd, where
+    PyTorch 2.11's FSDP2 takes its other path)."""
+    return (
+        bool(fsdp_params)
+        and not _compiled_autograd()
+        and all(
+            p.param_dtype is not None
+            and p.param_dtype == fsdp_params[0].param_dtype
+            and not p.offload_to_cpu
+            and not hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
+            for p in fsdp_params
+        )
     )
 
 
 @torch.no_grad()
-def fused_all_gather(
-    fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device, all_gather_comm
-):
-    """FSDP2's ``foreach_all_gather`` (same arguments, same result), the shards cast into the buffer directly."""
-    if not fits(fsdp_params):
-        return _TORCH(
-            fsdp_params,
-            group,
-            async_op,
-            all_gather_copy_in_stream,
-            all_gather_stream,
-            device,
-            all_gather_comm,
-        )
+def fused_all_gather(*args, **kwargs):
+    """FSDP2's ``foreach_all_gather`` (PyTorch 2.11-2.13's seven arguments, the same result), the shards cast into
+    the buffer directly; FSDP2's own for any other call (another PyTorch's arguments) or units it does not fit."""
+    if kwargs or len(args) != 7 or not fits(args[0]):
+        return _TORCH(*args, **kwargs)
+    fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device, all_gather_comm = args
     world, rank = group.size(), group.rank()
     dtype = fsdp_params[0].param_dtype
     streams = _get_device_handle(device.type)

@@ -58,7 +58,6 @@ from loom.parallel.pipeline import (
 )
 from loom.parallel.shards import keep_shard
 from loom.parallel.tensor_parallel import apply_tp
-from loom.parallel.vocab_embedding_rules import vocab_applies
 
 
 @dataclass
@@ -169,7 +168,8 @@ def parallelize_llama(
                 symm_mem=parallel.fsdp_symm_mem,
                 grad_copy=parallel.fsdp_grad_copy,
                 device=device,
-                vocab_embedding=parallel.fsdp_embedding if vocab_applies(parallel, dims) else "no",
+                # resolved for the model by the engine (loom.parallel.vocab_embedding_rules.fsdp_embedding)
+                vocab_embedding=parallel.fsdp_embedding == "vocab",
                 gather_copy=parallel.fsdp_gather_copy,
             )
         init_device = torch.device("cpu") if parallel.cpu_offload else device

@@ -30,6 +30,8 @@ class VocabShardedEmbedding(nn.Module):
 
         super().__init__()
         assert mesh.ndim == 1, "loom.parallel.vocab_embedding_rules keeps vocab to a 1-D shard mesh"
+        assert embedding.padding_idx is None and embedding.max_norm is None, "a plain lookup table"
+        assert not embedding.sparse and not embedding.scale_grad_by_freq, "a plain lookup table"
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         weight = distribute_tensor(embedding.weight.detach(), mesh, [Shard(0)], src_data_rank=None)
         self.weight = nn.Parameter(weight, requires_grad=embedding.weight.requires_grad)

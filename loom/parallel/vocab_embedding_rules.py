@@ -1,6 +1,6 @@
 """The rules of the vocabulary-split embedding (``parallel.fsdp_embedding``: loom.parallel.vocab_embedding), handed
-to the resolver (loom.resolve); ``vocab_applies`` also decides ``auto``. Apart from the module so the resolver
-imports no DTensor."""
+to the resolver (loom.resolve), and what ``auto`` resolves to for a built model (``fsdp_embedding``). Apart from the
+module so the resolver imports no DTensor."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from loom.config.sections import Config, ParallelConfig
 from loom.parallel.dims import ParallelDims
 
 FIELD = "parallel.fsdp_embedding"
+# auto splits where a micro-batch's tokens of every shard rank, gathered, are at most this share of the table's rows:
+# the split's buffers (those tokens x dim, in fp32 and the compute dtype) then stay below the gathered table's
+# bytes, and it moves a sixth of the unit's bytes or less
+AUTO_TOKEN_SHARE = 0.25
 
 
 def vocab_refusal(parallel: ParallelConfig, dims: ParallelDims) -> str | None:
@@ -28,10 +32,37 @@ def vocab_refusal(parallel: ParallelConfig, dims: ParallelDims) -> str | None:
     return None
 
 
-def vocab_applies(parallel: ParallelConfig, dims: ParallelDims) -> bool:
-    """``auto`` and ``vocab``: the embedding splits by rows here (a tied or multi-token-prediction model's
-    embedding stays in its FSDP2 unit: apply_fsdp keeps it there for ``auto`` and refuses ``vocab``)."""
-    return parallel.fsdp_embedding != "gather" and vocab_refusal(parallel, dims) is None
+def model_refusal(args, equal_widths: bool) -> str | None:
+    """Why this model or objective cannot split its embedding; None where it can."""
+    if args.tie_embeddings:
+        return "this model's embedding is also its output head (tied)"
+    if getattr(args, "mtp_depth", 0):
+        return "multi-token prediction reads the embedding again after the blocks"
+    if not equal_widths:
+        return (
+            "this objective's micro-batches differ in width between ranks (rollouts pad to each rank's longest), "
+            "and the split's collectives need every rank's token count equal"
+        )
+    return None
+
+
+def fsdp_embedding(
+    parallel: ParallelConfig, dims: ParallelDims, args, tokens: int, equal_widths: bool
+) -> str:
+    """``parallel.fsdp_embedding`` for this model: ``vocab`` or ``gather``. ``tokens``: one rank's tokens a
+    micro-batch; ``equal_widths``: every rank's micro-batches have one shape (the objective's). ``vocab`` by hand
+    where the split cannot apply is a ConfigError; ``auto`` splits where it can and the gathered tokens are few
+    against the table (``AUTO_TOKEN_SHARE``)."""
+    setting = parallel.fsdp_embedding
+    if setting == "gather":
+        return "gather"
+    why = vocab_refusal(parallel, dims) or model_refusal(args, equal_widths)
+    if why:
+        if setting == "vocab":
+            raise ConfigError(FIELD, "vocab", f"{why}: allowed auto | gather")
+        return "gather"
+    gathered = dims.dp_shard * dims.cp * tokens
+    return "vocab" if setting == "vocab" or gathered <= AUTO_TOKEN_SHARE * args.vocab_size else "gather"
 
 
 def check_fsdp_embedding_layout(cfg: Config, dims: ParallelDims) -> None:

@@ -28,7 +28,7 @@ from loom.parallel.pipeline import (
     stages_per_rank,
     theoretical_bubble,
 )
-from loom.parallel.vocab_embedding_rules import vocab_applies
+from loom.parallel.vocab_embedding_rules import fsdp_embedding
 from loom.plan.activations import float8_compiled_drop, profile_activations
 from loom.plan.hardware import GPU
 from loom.plan.memory import (
@@ -309,7 +309,11 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         ddp_bucket_bytes=p.ddp_bucket_mb * 2**20,
         ep_padded=p.ep_exchange == "padded",
         gather_fused=p.fsdp_gather_copy == "fused",
-        vocab_split=vocab_applies(p, dims) and not args.tie_embeddings and not getattr(args, "mtp_depth", 0),
+        # a rollout method's micro-batches differ in width between ranks (as its objective says: equal_widths)
+        vocab_split=fsdp_embedding(
+            p, dims, args, t.micro_batch_size * t.seq_len // dims.cp, not extras.rollout_rows
+        )
+        == "vocab",
         **lora_inputs(cfg, args),
         frozen_copies=extras.frozen or 0,
         trained_copies=extras.trained,

@@ -44,6 +44,7 @@ from loom.parallel.parallelize import fsdp_reshard_after_forward, fsdp_wraps, pa
 from loom.parallel.placement import check_placement
 from loom.parallel.shards import local_tensor, quantize_base
 from loom.parallel.tensor_parallel import loss_parallel_context
+from loom.parallel.vocab_embedding_rules import fsdp_embedding
 from loom.resolve import Run, handed, resolve, times_attention
 from loom.runtime.env import DistEnv, ensure_process_group, init_distributed
 from loom.runtime.fault_tolerance import data_shard
@@ -333,7 +334,9 @@ class Engine:
         with torch.device("meta"):
             model = build_model(self.model_args)
         training = replace(cfg.training, activation_checkpointing="none")
-        (ref,) = parallelize(model)(model, self.dims, training, cfg.parallel, self.device, cfg.run.seed).parts
+        (ref,) = parallelize(model)(
+            model, self.dims, training, self.parallel, self.device, cfg.run.seed
+        ).parts
         if copy_weights:
             with torch.no_grad():
                 for named in ("named_parameters", "named_buffers"):
@@ -459,7 +462,17 @@ class Engine:
             if self.n_adapted
             else None
         )
-        pm = parallelize(model)(model, self.dims, cfg.training, cfg.parallel, self.device, cfg.run.seed)
+        # parallel.fsdp_embedding resolved for this model and objective (auto: vocab or gather)
+        t = cfg.training
+        split = fsdp_embedding(
+            cfg.parallel,
+            self.dims,
+            self.model_args,
+            t.micro_batch_size * t.seq_len // self.dims.cp,
+            self.objective.equal_widths,
+        )
+        self.parallel = replace(cfg.parallel, fsdp_embedding=split)
+        pm = parallelize(model)(model, self.dims, cfg.training, self.parallel, self.device, cfg.run.seed)
         self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)
         if cfg.model.init_from:
             # the folder holds the base model only: no adapters, no heads of the objective

@@ -27,6 +27,9 @@ class Objective:
     )
     console: tuple = ()  # the console line's own fields (loom.metrics.logger.ConsoleField): none beyond the loss
     panels: tuple = ()  # `loom report`'s panels of this method (loom.metrics.report.PANELS' form): the common ones
+    # every rank's micro-batches have one shape (a rollout method pads each rank's rows to its own longest): what the
+    # embedding split by rows needs (parallel.fsdp_embedding)
+    equal_widths: bool = True
 
     def count(self, mb: MicroBatch) -> torch.Tensor:
         """How many units of ``mb`` the loss is summed over (a step divides by the global count)."""

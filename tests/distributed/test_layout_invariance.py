@@ -30,7 +30,13 @@ def job(tmp, name, dtype, mb, **parallel):
 
 
 LAYOUTS = {
-    2: {"ddp2": dict(dp_replicate=2, dp_shard=1), "fsdp2": dict(dp_shard=2)},
+    # fsdp2 keeps the embedding an FSDP2 unit here (auto: the tiny run's gathered tokens are many against its 259
+    # rows); fsdp2vocab splits it by rows (loom.parallel.vocab_embedding)
+    2: {
+        "ddp2": dict(dp_replicate=2, dp_shard=1),
+        "fsdp2": dict(dp_shard=2),
+        "fsdp2vocab": dict(dp_shard=2, fsdp_embedding="vocab"),
+    },
     4: {"fsdp4": dict(dp_shard=4), "hsdp2x2": dict(dp_replicate=2, dp_shard=2)},
 }
 

@@ -97,6 +97,33 @@ def test_trains_as_the_fsdp2_unit(tmp_path):
     assert len(tail) == 2 and max(abs(x - y) / abs(y) for x, y in zip(tail, a[2:], strict=True)) < 1e-5
 
 
+def test_auto_splits_where_the_split_applies_and_pays():
+    """auto: vocab for an untied model whose gathered micro-batch tokens are at most a quarter of its rows (the 8B
+    pair's shape: 2 x 8192 of 128256); gather for more tokens, a tied or multi-token-prediction model, a rollout
+    objective's unequal widths, or a layout without a 1-D FSDP2 mesh; vocab by hand refused there in one line."""
+    from types import SimpleNamespace
+
+    from loom.parallel.dims import ParallelDims
+    from loom.parallel.vocab_embedding_rules import fsdp_embedding
+
+    def pick(setting="auto", world=2, tokens=8192, equal=True, **model):
+        parallel = cfg(**{"parallel.fsdp_embedding": setting, "parallel.dp_shard": str(world)}).parallel
+        args = SimpleNamespace(**{"vocab_size": 128256, "tie_embeddings": False, "mtp_depth": 0, **model})
+        return fsdp_embedding(parallel, ParallelDims.from_config(parallel, world), args, tokens, equal)
+
+    assert pick() == "vocab" and pick(tokens=16032) == "vocab"
+    assert pick(tokens=16033) == "gather" and pick("vocab", tokens=16033) == "vocab"
+    assert pick(tie_embeddings=True) == pick(mtp_depth=1) == pick(equal=False) == pick(world=1) == "gather"
+    assert pick("gather") == "gather"
+    for why, kw in (
+        ("output head \\(tied\\)", dict(tie_embeddings=True)),
+        ("multi-token prediction", dict(mtp_depth=1)),
+        ("differ in width between ranks", dict(equal=False)),
+    ):
+        with pytest.raises(ConfigError, match=f"parallel.fsdp_embedding = 'vocab': .*{why}.*: allowed auto"):
+            pick("vocab", **kw)
+
+
 def cfg(**extra):
     return build_config(None, {"run.device": "cpu", "parallel.fsdp_embedding": "vocab", **extra})
 
