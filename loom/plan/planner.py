@@ -926,6 +926,14 @@ def data_parallel_s(
         bw = _bandwidth(dims, ("dp_shard", "cp"), gpu)
         gathers = 2 if x.reshard_after_forward else 1
         r = x.reduce_bytes  # parallel.reduce_dtype
+        # the embedding split by rows (parallel.fsdp_embedding vocab): no FSDP2 gather, reduction or copies of its
+        # table; its tokens' embeddings reduce-scattered in forward and their gradients all-gathered in backward,
+        # at the step's edges where nothing hides them
+        table = args.vocab_size * args.dim if x.vocab_split and any(share.first) else 0.0
+        params -= table
+        trained -= 0.0 if x.lora_base_bytes else table
+        rows = c * x.shard * x.micro_batch * x.seq_len / x.cp * args.dim
+        split = 2 * collective_s(rows, x.shard, bw) if table else 0.0
         per_mb = collective_s(gathers * (c * (params - float8) + float8) + r * trained, x.shard, bw)
         if dims.dp_replicate > 1:  # HSDP: the shard's gradients all-reduced across replicas
             per_mb += 2 * collective_s(
@@ -941,7 +949,7 @@ def data_parallel_s(
         copies = (
             gather * (params - experts - float8) + gather8 * float8 + reduce * (trained - experts)
         ) / rate
-        return m * (max(0.0, per_mb - compute_mb) + edges + copies) + cast8 * float8 / rate
+        return m * (max(0.0, per_mb - compute_mb) + edges + copies + split) + cast8 * float8 / rate
     if dims.dp_replicate > 1:  # DDP or replicating FSDP2: all-reduce during the last backward
         bw = _bandwidth(dims, ("dp_replicate",), gpu)
         reduce = 2 * collective_s(4 * trained, dims.dp_replicate, bw)
