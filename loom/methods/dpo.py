@@ -44,6 +44,7 @@ class DirectPreference(Objective):
 
     loss_in_forward = True  # the loss needs the reference beside the logits: forward returns it
     data = "dpo"  # preference pairs (loom.data.dpo)
+    rows_per_example = 2  # two rows an example (loom.data.dpo: 2 x micro_batch_size)
     STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy")
 
     # the console line's fields (loom.metrics.logger.ConsoleField) and `loom report`'s panels of this method

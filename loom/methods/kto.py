@@ -99,6 +99,7 @@ class KahnemanTversky(DirectPreference):
     mean of the examples' weighted losses (TRL's nanmean)."""
 
     data = "kto"  # unpaired examples (loom.data.kto), stored as sequence pairs
+    rows_per_example = 2  # two rows an example (loom.data.dpo: 2 x micro_batch_size)
     STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
     console = (("kl", "kl", ".3f"), ("margin", "rewards/margins", ".3f"))
     panels = (

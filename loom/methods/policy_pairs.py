@@ -33,6 +33,7 @@ class PolicyPairs(Objective):
 
     loss_in_forward = True  # the loss needs whole rows' log-probabilities: forward returns it
     data = "dpo"  # preference pairs (loom.data.dpo)
+    rows_per_example = 2  # two rows an example (loom.data.dpo: 2 x micro_batch_size)
     nll_prompt = False
     STATS = (
         "rewards/chosen",

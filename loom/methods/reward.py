@@ -35,6 +35,7 @@ class RewardModeling(Objective):
 
     loss_in_forward = True  # the loss reads one position per row: forward returns it
     data = "dpo"  # DPO's preference pairs (loom.data.dpo)
+    rows_per_example = 2  # two rows an example (loom.data.dpo: 2 x micro_batch_size)
     rejected = (
         "code"  # the embedded pairs' rejected answers: a model trained from its seed learns the echoed code
     )

@@ -11,8 +11,8 @@ from loom.parallel.dims import ParallelDims
 
 FIELD = "parallel.fsdp_embedding"
 # auto splits where a micro-batch's tokens of every shard rank, gathered, are at most this share of the table's rows:
-# the split's buffers (those tokens x dim, in fp32 and the compute dtype) then stay below the gathered table's
-# bytes, and it moves a sixth of the unit's bytes or less
+# the split's buffers (those tokens x dim, in fp32 and the compute dtype) then stay below about the gathered table's
+# bytes, and it moves at most a quarter of the unit's (a sixth with bf16 compute, fp32 reduction and one gather)
 AUTO_TOKEN_SHARE = 0.25
 
 

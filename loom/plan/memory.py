@@ -98,6 +98,7 @@ class MemoryInputs:
         False  # parallel.ep_exchange = padded: each rank's experts run on ep blocks of every slot
     )
     vocab_split: bool = False  # parallel.fsdp_embedding resolves to vocab: the table is never gathered
+    rows_per_example: int = 1  # the objective's rows a micro-batch example (pair data: 2)
     gather_fused: bool = (
         False  # parallel.fsdp_gather_copy fused: the shards cast straight into the gather buffer
     )
@@ -184,6 +185,11 @@ def offloaded_activations(per_block: float, x: MemoryInputs) -> tuple[float, flo
     return per_block * (k - min(k, 2)), per_block * k
 
 
+def split_tokens(x: MemoryInputs) -> float:
+    """The tokens the embedding split by rows gathers a micro-batch: every shard rank's."""
+    return x.shard * x.micro_batch * x.rows_per_example * x.seq_len / x.cp
+
+
 def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> float:
     """FSDP2's unsharded block weights and one block's unsharded gradients (bytes); 0 without FSDP2."""
     if not x.fsdp:
@@ -192,8 +198,11 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     held = 1 / (x.ep * x.etp)  # of each block's experts: only its own (ep), its width slice (etp)
     block = share.largest_block(x.tp, x.expert_params, held)
     root = share.params(x.tp) - share.blocks_params(x.tp)  # embeddings, head, final norm, MTP modules
+    split = 0.0
     if x.vocab_split and any(share.first):  # the embedding split by rows (loom.parallel.vocab_embedding)
         root -= args.vocab_size * args.dim
+        # instead: every shard rank's tokens' rows, in fp32 and the compute dtype (backward's gradients)
+        split = (4 + compute) * split_tokens(x) * args.dim
     root -= (
         (share.moe_layers - (share.layers - share.dense_layers)) * x.expert_params * (1 - held)
         if args.moe
@@ -204,7 +213,7 @@ def gathered_memory(share, args, x: MemoryInputs, gathered_layers: float) -> flo
     grads = (compute + (x.reduce_bytes if compute != x.reduce_bytes else 0)) * trained
     # fp32 shards copied in, then cast
     staging = 4 * block / x.shard if x.cpu_offload and compute != 4 else 0.0
-    return compute * (gathered_layers * block + root) + grads + staging
+    return compute * (gathered_layers * block + root) + grads + staging + split
 
 
 def autocast_cache(share, args, x: MemoryInputs, compiled: bool, held_fixed: float) -> float:

@@ -46,6 +46,7 @@ from loom.plan.memory import (
     held_params,
     offloaded_activations,
     pipeline_peak,
+    split_tokens,
     stage_activation,
     state_memory,
     step_peak,
@@ -287,6 +288,7 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
     t, p = cfg.training, cfg.parallel
     split = dims.pp > 1 and p.pp_schedule in SPLIT_BACKWARD
     extras = method_of(cfg).plan(cfg)  # the method's models beyond the policy
+    objective = method_of(cfg).objective_class
     return MemoryInputs(
         dtype=t.dtype,
         tp=dims.tp,
@@ -310,15 +312,19 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         ep_padded=p.ep_exchange == "padded",
         gather_fused=p.fsdp_gather_copy == "fused",
         # a rollout method's micro-batches differ in width between ranks (as its objective says: equal_widths)
-        vocab_split=fsdp_embedding(
-            p, dims, args, t.micro_batch_size * t.seq_len // dims.cp, not extras.rollout_rows
-        )
-        == "vocab",
+        vocab_split=fsdp_embedding(p, dims, args, rank_tokens(cfg, dims), objective.equal_widths) == "vocab",
+        rows_per_example=objective.rows_per_example,
         **lora_inputs(cfg, args),
         frozen_copies=extras.frozen or 0,
         trained_copies=extras.trained,
         **generation_inputs(cfg, dims, args),
     )
+
+
+def rank_tokens(cfg: Config, dims: ParallelDims) -> int:
+    """One rank's tokens a micro-batch: its rows (two an example for pair data) of seq_len, split over cp."""
+    rows = cfg.training.micro_batch_size * method_of(cfg).objective_class.rows_per_example
+    return rows * cfg.training.seq_len // dims.cp
 
 
 def generation_inputs(cfg: Config, dims: ParallelDims, args) -> dict:
@@ -927,13 +933,13 @@ def data_parallel_s(
         gathers = 2 if x.reshard_after_forward else 1
         r = x.reduce_bytes  # parallel.reduce_dtype
         # the embedding split by rows (parallel.fsdp_embedding vocab): no FSDP2 gather, reduction or copies of its
-        # table; its tokens' embeddings reduce-scattered in forward and their gradients all-gathered in backward,
-        # at the step's edges where nothing hides them
+        # table; each micro-batch's token embeddings reduce-scattered at its forward's start and, where the table
+        # trains (not under LoRA), their gradients all-gathered at its backward's end, where nothing hides them
         table = args.vocab_size * args.dim if x.vocab_split and any(share.first) else 0.0
         params -= table
         trained -= 0.0 if x.lora_base_bytes else table
-        rows = c * x.shard * x.micro_batch * x.seq_len / x.cp * args.dim
-        split = 2 * collective_s(rows, x.shard, bw) if table else 0.0
+        split = (1 if x.lora_base_bytes else 2) * collective_s(c * split_tokens(x) * args.dim, x.shard, bw)
+        split = split if table else 0.0
         per_mb = collective_s(gathers * (c * (params - float8) + float8) + r * trained, x.shard, bw)
         if dims.dp_replicate > 1:  # HSDP: the shard's gradients all-reduced across replicas
             per_mb += 2 * collective_s(

@@ -464,11 +464,12 @@ class Engine:
         )
         # parallel.fsdp_embedding resolved for this model and objective (auto: vocab or gather)
         t = cfg.training
+        rows = t.micro_batch_size * self.objective.rows_per_example  # pair data: two rows an example
         split = fsdp_embedding(
             cfg.parallel,
             self.dims,
             self.model_args,
-            t.micro_batch_size * t.seq_len // self.dims.cp,
+            rows * t.seq_len // self.dims.cp,
             self.objective.equal_widths,
         )
         self.parallel = replace(cfg.parallel, fsdp_embedding=split)

@@ -30,6 +30,7 @@ class Objective:
     # every rank's micro-batches have one shape (a rollout method pads each rank's rows to its own longest): what the
     # embedding split by rows needs (parallel.fsdp_embedding)
     equal_widths: bool = True
+    rows_per_example: int = 1  # rows a micro-batch holds per example (pair data: chosen and rejected, 2)
 
     def count(self, mb: MicroBatch) -> torch.Tensor:
         """How many units of ``mb`` the loss is summed over (a step divides by the global count)."""

@@ -217,6 +217,7 @@ def mixtral_worker(folder: str, rank: int, world: int) -> bool:
         st.safe_open = CountingFile
         for parallel in (
             ParallelConfig(dp_shard=WORLD),
+            ParallelConfig(dp_shard=WORLD, fsdp_embedding="vocab"),  # the table split by rows (as resolved)
             ParallelConfig(dp_shard=WORLD, ep=WORLD),
             ParallelConfig(dp_shard=1, tp=WORLD, etp=WORLD),
         ):

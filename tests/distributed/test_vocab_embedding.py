@@ -1,7 +1,7 @@
 """parallel.fsdp_embedding vocab on gloo ranks: the row-split embedding looks up what one process's embedding does
 and its gradient shard is the ranks' mean gradient's rows, on tables that do not divide evenly (and one with fewer
-rows than ranks); a 2-rank run trains as FSDP2's own embedding unit does; refused in one line where it cannot
-apply. The layout-invariance tests run it too (``auto`` picks it for every FSDP2 layout of an untied model)."""
+rows than ranks); a 2-rank run trains as FSDP2's own embedding unit does; what ``auto`` resolves to; refused in one
+line where it cannot apply. The layout-invariance tests run it too (their ``fsdp2vocab`` layout)."""
 
 from __future__ import annotations
 

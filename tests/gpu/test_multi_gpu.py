@@ -231,7 +231,8 @@ def test_grad_norm_kernel_on_two_gpus_trains_as_pytorchs_norm(tmp_path):
 
 
 def test_fsdp_embedding_split_on_two_gpus_trains_as_the_fsdp2_unit(tmp_path):
-    """parallel.fsdp_embedding vocab (auto's choice for an untied model under FSDP2) against gather, over NCCL: fp32
+    """parallel.fsdp_embedding vocab (auto's choice for an untied model under FSDP2 where a micro-batch's gathered
+    tokens are few against the table: not this byte-tokenizer run's) against gather, over NCCL: fp32
     within 1e-5 (the embedding gradient summed in another order); bf16 compiled with symmetric memory, as the bench
     pairs run, within 2e-3 (FSDP2's unit rounds each rank's embedding gradient to bf16 before its fp32 reduction;
     the split sums them in fp32)."""

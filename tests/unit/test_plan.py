@@ -97,12 +97,13 @@ def test_a_bf16_reduction_halves_the_reduce_scatters_bytes():
 
 def test_a_vocab_split_embedding_is_never_gathered():
     """parallel.fsdp_embedding: auto splits an untied 8B's table by rows under FSDP2, so the gathered compute copies
-    lack its 128256 x 4096 bf16 bytes against gather, and its FSDP2 traffic gives way to the rows' (less, but
-    exposed); a tied model keeps its unit either way."""
+    lack its 128256 x 4096 bf16 bytes against gather and hold the gathered tokens' rows instead, and its FSDP2
+    traffic gives way to the rows' (less, but exposed); a tied model keeps its unit either way."""
     over = EIGHT_B_OP
     split = estimate(_cfg(**over), 2, GPUS["H200"])
     unit = estimate(_cfg(**over, parallel__fsdp_embedding="gather"), 2, GPUS["H200"])
-    assert unit.memory.gathered - split.memory.gathered == 2 * 128256 * 4096
+    # the table's bf16 copy, less the 2 x 8192 gathered tokens' rows in fp32 and bf16
+    assert unit.memory.gathered - split.memory.gathered == 2 * 128256 * 4096 - 6 * 2 * 8192 * 4096
     assert split.memory.weights == unit.memory.weights
     # its table neither gathered nor reduced nor copied by FSDP2; 2 x 8192 tokens' rows each way instead, exposed
     bw = GPUS["H200"].link_gbps * 1e9
