@@ -29,6 +29,7 @@ from loom.parallel.pipedream_rules import RULES as PIPEDREAM
 from loom.parallel.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 from loom.parallel.symm_mem_rules import RULES as SYMM_MEM
 from loom.parallel.vocab_embedding_rules import RULES as VOCAB_EMBEDDING
+from loom.parallel.vocab_embedding_rules import model_refusal
 from loom.runtime.fault_tolerance import replica_groups
 from loom.runtime.fault_tolerance_rules import RULES as FAULT_TOLERANCE
 from loom.train.diloco_rules import RULES as DILOCO
@@ -637,6 +638,8 @@ def check_moe(args, cfg: Config) -> None:
 
 def check_model(dims: ParallelDims, args, parallel: ParallelConfig) -> None:
     """The model's shape against the parallel degrees that split it."""
+    if parallel.fsdp_embedding == "vocab" and (why := model_refusal(args, equal_widths=True)):
+        raise ConfigError("parallel.fsdp_embedding", "vocab", f"{why}: allowed auto | gather")
     if dims.etp > 1:
         if not args.moe:
             raise ConfigError(

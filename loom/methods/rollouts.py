@@ -15,7 +15,7 @@ def rollout_rules(cfg: Config) -> None:
     """The layouts and features the rollouts cannot run with yet: pipeline stages and context / expert parallelism
     (the engine runs on the whole model or its tensor-parallel shards), the logits fused away, torchft's replica
     groups, DiLoCo, host offload, CUDA graphs beyond ``graph_rules`` (docs/rl.md); the [grpo] section's own
-    cross-field rules."""
+    cross-field rules; the embedding split by rows (its rollouts' widths differ between ranks)."""
     plain_text_rules(cfg)
     g, p, t, objective = cfg.grpo, cfg.parallel, cfg.training, cfg.training.objective
     if p.fault_tolerance:
@@ -29,6 +29,14 @@ def rollout_rules(cfg: Config) -> None:
             "parallel.diloco_inner_steps",
             p.diloco_inner_steps,
             f"not with training.objective = {objective} (its rollouts read one policy)",
+        )
+    if p.fsdp_embedding == "vocab":
+        raise ConfigError(
+            "parallel.fsdp_embedding",
+            "vocab",
+            f"not with training.objective {objective}: its micro-batches differ in width between ranks (each pads "
+            "its rollouts to its own longest), and the split's collectives need equal token counts: allowed auto | "
+            "gather",
         )
     if t.cuda_graphs:
         graph_rules(cfg)

@@ -136,3 +136,13 @@ def test_refused_where_it_cannot_apply():
     with pytest.raises(ConfigError, match="tensor parallelism \\(tp 2\\)"):
         resolve(cfg(**{"parallel.tp": "2", "parallel.dp_shard": "2"}), 4, device="cpu")
     resolve(cfg(), 2, device="cpu")
+    # the model's and the method's refusals at resolve, before any worker starts
+    from loom.data.tokenizers import ByteTokenizer
+    from loom.methods import resolve as resolve_method
+
+    with pytest.raises(
+        ConfigError, match="'vocab': this model's embedding is also its output head \\(tied\\)"
+    ):
+        resolve(cfg(**{"model.tie_embeddings": "true"}), 2, ByteTokenizer(), device="cpu")
+    with pytest.raises(ConfigError, match="'vocab': not with training.objective grpo: .*differ in width"):
+        resolve_method(cfg(**{"training.objective": "grpo"}), 2, device="cpu")
