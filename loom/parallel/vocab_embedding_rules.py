@@ -46,22 +46,21 @@ def model_refusal(args, equal_widths: bool) -> str | None:
     return None
 
 
-def fsdp_embedding(
-    parallel: ParallelConfig, dims: ParallelDims, args, tokens: int, equal_widths: bool
-) -> str:
-    """``parallel.fsdp_embedding`` for this model: ``vocab`` or ``gather``. ``tokens``: one rank's tokens a
-    micro-batch; ``equal_widths``: every rank's micro-batches have one shape (the objective's). ``vocab`` by hand
-    where the split cannot apply is a ConfigError; ``auto`` splits where it can and the gathered tokens are few
-    against the table (``AUTO_TOKEN_SHARE``)."""
+def fsdp_embedding(parallel: ParallelConfig, dims: ParallelDims, args, training, objective) -> str:
+    """``parallel.fsdp_embedding`` for this model and objective (its class or instance: ``equal_widths``, every rank's
+    micro-batches of one shape; ``rows_per_example``): ``vocab`` or ``gather``. ``vocab`` by hand where the split
+    cannot apply is a ConfigError; ``auto`` splits where it can and the gathered tokens are few against the table
+    (``AUTO_TOKEN_SHARE``)."""
     setting = parallel.fsdp_embedding
     if setting == "gather":
         return "gather"
-    why = vocab_refusal(parallel, dims) or model_refusal(args, equal_widths)
+    why = vocab_refusal(parallel, dims) or model_refusal(args, objective.equal_widths)
     if why:
         if setting == "vocab":
             raise ConfigError(FIELD, "vocab", f"{why}: allowed auto | gather")
         return "gather"
-    gathered = dims.dp_shard * dims.cp * tokens
+    # one rank's tokens a micro-batch (rows x seq_len over cp), on every shard rank
+    gathered = dims.dp_shard * training.micro_batch_size * objective.rows_per_example * training.seq_len
     return "vocab" if setting == "vocab" or gathered <= AUTO_TOKEN_SHARE * args.vocab_size else "gather"
 
 

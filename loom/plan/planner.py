@@ -312,19 +312,13 @@ def memory_inputs(cfg: Config, dims: ParallelDims, args) -> MemoryInputs:
         ep_padded=p.ep_exchange == "padded",
         gather_fused=p.fsdp_gather_copy == "fused",
         # a rollout method's micro-batches differ in width between ranks (as its objective says: equal_widths)
-        vocab_split=fsdp_embedding(p, dims, args, rank_tokens(cfg, dims), objective.equal_widths) == "vocab",
+        vocab_split=fsdp_embedding(p, dims, args, t, objective) == "vocab",
         rows_per_example=objective.rows_per_example,
         **lora_inputs(cfg, args),
         frozen_copies=extras.frozen or 0,
         trained_copies=extras.trained,
         **generation_inputs(cfg, dims, args),
     )
-
-
-def rank_tokens(cfg: Config, dims: ParallelDims) -> int:
-    """One rank's tokens a micro-batch: its rows (two an example for pair data) of seq_len, split over cp."""
-    rows = cfg.training.micro_batch_size * method_of(cfg).objective_class.rows_per_example
-    return rows * cfg.training.seq_len // dims.cp
 
 
 def generation_inputs(cfg: Config, dims: ParallelDims, args) -> dict:

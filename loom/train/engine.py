@@ -463,15 +463,7 @@ class Engine:
             else None
         )
         # parallel.fsdp_embedding resolved for this model and objective (auto: vocab or gather)
-        t = cfg.training
-        rows = t.micro_batch_size * self.objective.rows_per_example  # pair data: two rows an example
-        split = fsdp_embedding(
-            cfg.parallel,
-            self.dims,
-            self.model_args,
-            rows * t.seq_len // self.dims.cp,
-            self.objective.equal_widths,
-        )
+        split = fsdp_embedding(cfg.parallel, self.dims, self.model_args, cfg.training, self.objective)
         self.parallel = replace(cfg.parallel, fsdp_embedding=split)
         pm = parallelize(model)(model, self.dims, cfg.training, self.parallel, self.device, cfg.run.seed)
         self.parts = pm.parts  # this rank's model parts (pipeline stages or the model)

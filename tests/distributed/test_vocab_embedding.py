@@ -109,9 +109,22 @@ def test_auto_splits_where_the_split_applies_and_pays():
     def pick(setting="auto", world=2, tokens=8192, equal=True, **model):
         parallel = cfg(**{"parallel.fsdp_embedding": setting, "parallel.dp_shard": str(world)}).parallel
         args = SimpleNamespace(**{"vocab_size": 128256, "tie_embeddings": False, "mtp_depth": 0, **model})
-        return fsdp_embedding(parallel, ParallelDims.from_config(parallel, world), args, tokens, equal)
+        training = SimpleNamespace(micro_batch_size=1, seq_len=tokens)
+        objective = SimpleNamespace(equal_widths=equal, rows_per_example=1)
+        dims = ParallelDims.from_config(parallel, world)
+        return fsdp_embedding(parallel, dims, args, training, objective)
 
     assert pick() == "vocab" and pick(tokens=16032) == "vocab"
+    # pair data: two rows an example, the same tokens gathered as twice the sequences
+    parallel = cfg(**{"parallel.dp_shard": "2", "parallel.fsdp_embedding": "auto"}).parallel
+    pairs = fsdp_embedding(
+        parallel,
+        ParallelDims.from_config(parallel, 2),
+        SimpleNamespace(vocab_size=128256, tie_embeddings=False, mtp_depth=0),
+        SimpleNamespace(micro_batch_size=1, seq_len=8192),
+        SimpleNamespace(equal_widths=True, rows_per_example=2),
+    )
+    assert pairs == "gather"
     assert pick(tokens=16033) == "gather" and pick("vocab", tokens=16033) == "vocab"
     assert pick(tie_embeddings=True) == pick(mtp_depth=1) == pick(equal=False) == pick(world=1) == "gather"
     assert pick("gather") == "gather"
