@@ -42,7 +42,12 @@ class VocabShardedEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out = _VocabLookup.apply(
-            tokens, self.weight.to_local(), self.first_row, self.group, self.compute_dtype
+            tokens,
+            self.weight.to_local(),
+            self.first_row,
+            self.group,
+            self.compute_dtype,
+            self.num_embeddings,
         )
         return out.view(*tokens.shape, self.embedding_dim)
 
@@ -54,11 +59,14 @@ class _VocabLookup(torch.autograd.Function):
     """tokens (any shape, int) and this rank's rows (V_local, D) -> this rank's tokens' embeddings (N, D)."""
 
     @staticmethod
-    def forward(ctx, tokens, rows, first_row, group, dtype):
+    def forward(ctx, tokens, rows, first_row, group, dtype, vocab):
         world = group.size()
         ids = tokens.reshape(-1).contiguous()
         every = ids.new_empty(world * ids.numel())
         _all_gather(every, ids, group=group)
+        # an id no rank holds would look up zeros silently: every rank fails on it, as one table's lookup would
+        # (asynchronously on the GPU: no host sync)
+        torch._assert_async(((every >= 0) & (every < vocab)).all(), "token id outside the embedding's rows")
         local = every - first_row
         held = (local >= 0) & (local < rows.shape[0])
         if rows.shape[0]:
@@ -78,7 +86,7 @@ class _VocabLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[1]:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         (local,) = ctx.saved_tensors
         group, n = ctx.group, ctx.n_rows
         grad = grad.contiguous()
@@ -87,4 +95,4 @@ class _VocabLookup(torch.autograd.Function):
         # summed in the master dtype, scaled to the mean over the ranks
         every = every.to(ctx.rows_dtype).mul_(1.0 / group.size())
         full = torch.ops.aten.embedding_dense_backward(every, local, n + 1, n, False)
-        return None, full[:n], None, None, None
+        return None, full[:n], None, None, None, None

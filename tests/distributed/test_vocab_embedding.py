@@ -46,10 +46,16 @@ def lookup_parity(rank: int, world: int) -> dict:
             errs[f"{key}.out"] = worst(out.float(), ref[rank].to(dtype).float())
             errs[f"{key}.grad"] = worst(split.weight.grad.to_local(), full.weight.grad[mine])
             errs[f"{key}.dtype"] = float(out.dtype == dtype and split.weight.grad.dtype == torch.float32)
+    try:  # an id past the table, on one rank: every rank refuses it (none holds its row)
+        split(torch.full((3, 5), 13 if rank == 0 else 0))
+        errs["bad_id_raises"] = 0.0
+    except RuntimeError as e:
+        errs["bad_id_raises"] = float("outside the embedding's rows" in str(e))
     gathered = [None] * world
     dist.all_gather_object(gathered, (errs, held))
     return {
-        "worst": {k: max(e[0][k] for e in gathered) for k in errs if not k.endswith(".dtype")},
+        "worst": {k: max(e[0][k] for e in gathered) for k in errs if k.endswith((".out", ".grad"))},
+        "bad_id_raises": min(e[0]["bad_id_raises"] for e in gathered),
         "dtypes": min(e[0][k] for e in gathered for k in errs if k.endswith(".dtype")),
         "held": [e[1] for e in gathered],
     }
@@ -61,7 +67,7 @@ def test_lookup_and_gradient_match_one_process(world, tmp_path):
     # the fp32 gradient sums the same products in another order; bf16 outputs are the rows rounded once, and the
     # gradients arriving in bf16 are taken as they are, summed in fp32
     assert max(res["worst"].values()) < 1e-6, res["worst"]
-    assert res["dtypes"] == 1.0
+    assert res["dtypes"] == 1.0 and res["bad_id_raises"] == 1.0
     chunks = [len(c) for c in torch.arange(13).chunk(world)]
     small = [len(c) for c in torch.arange(world - 1).chunk(world)] + [0]
     assert [h[0] for h in res["held"]] == chunks and [h[2] for h in res["held"]] == small[:world]
