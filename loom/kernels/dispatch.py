@@ -105,9 +105,10 @@ def resolve_kernels(
 # --------------------------------------------------------------------- timing the attention backends
 # ------------------------------------------------------------------------------------ a run's kernel choice
 def flex_unsupported(cfg) -> bool:
-    """FlexAttention inside compiled blocks under op-level checkpointing, where its backward fails (docs/kernels.md).
-    Full and every-k recomputation avoid it by checkpointing outside the compiled block (``parallelize_llama``)."""
-    return cfg.training.compile and cfg.training.activation_checkpointing == "op"
+    """FlexAttention inside compiled blocks under op-level checkpointing (op, matmuls), where its backward fails
+    (docs/kernels.md). Full and every-k recomputation avoid it by checkpointing outside the compiled block
+    (``parallelize_llama``)."""
+    return cfg.training.compile and cfg.training.activation_checkpointing in ("op", "matmuls")
 
 
 def kernel_choice(
@@ -156,7 +157,7 @@ def kernel_choice(
             "model.attention",
             "flex",
             "under training.compile with training.activation_checkpointing "
-            "op crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
+            f"{cfg.training.activation_checkpointing} (op-level) crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
             "sdpa_cudnn | sdpa_flash | fa4 | flash there (or flex without compile, or with none | full | every_k checkpointing)",
         )
     triton = has_triton() if triton is None else triton

@@ -20,13 +20,13 @@ def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
         raise ConfigError(
             "training.cuda_graphs", True, "needs training.compile true (the graphs are the compiled blocks')"
         )
-    if t.activation_checkpointing not in ("none", "op"):
+    if t.activation_checkpointing not in ("none", "op", "matmuls"):
         raise ConfigError(
             "training.cuda_graphs",
             True,
             f"not with training.activation_checkpointing "
             f"{t.activation_checkpointing} (the recomputation runs outside the graphs): allowed none | "
-            "op",
+            "op | matmuls",
         )
     if cfg.parallel.cpu_offload:
         raise ConfigError(

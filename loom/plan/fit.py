@@ -202,17 +202,14 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
         )
     least = tensor_need(_smallest_step(cfg, dims, args, device), gpu)
     if least <= step_room[0]:
-        # op-level recomputation reruns less than full: named first where micro-batch 1 fits with it
-        op = (
-            tensor_need(_smallest_step(cfg, dims, args, device, "op"), gpu)
-            if t.activation_checkpointing == "none"
-            else None
-        )
-        lighter = (
-            f"op (~{op / GIB:,.1f} GiB) or full (~{least / GIB:,.1f} GiB), with micro_batch_size 1"
-            if op is not None and op <= step_room[0]
-            else f"full (with micro_batch_size 1: ~{least / GIB:,.1f} GiB)"
-        )
+        # op-level recomputation reruns less than full (matmuls less than op): the one that reruns least and fits
+        # micro-batch 1 is named first
+        lighter = f"full (with micro_batch_size 1: ~{least / GIB:,.1f} GiB)"
+        for mode in ("matmuls", "op") if t.activation_checkpointing == "none" else ():
+            need = tensor_need(_smallest_step(cfg, dims, args, device, mode), gpu)
+            if need <= step_room[0]:
+                lighter = f"{mode} (~{need / GIB:,.1f} GiB) or full (~{least / GIB:,.1f} GiB), with micro_batch_size 1"
+                break
         raise ConfigError(
             "training.micro_batch_size",
             t.micro_batch_size,

@@ -716,15 +716,15 @@ class MoETime:
 
 def moe_rerun(ac: str, every: int, n_layers: int) -> float:
     """Share of MoE blocks whose forward reruns in the backward (op-level checkpointing reruns the MoE part of
-    every block)."""
-    return 1.0 if ac == "op" else 3 * recompute_share(ac, every, n_layers)[1]
+    every block: under ``matmuls`` all but its grouped GEMMs)."""
+    return 1.0 if ac in ("op", "matmuls") else 3 * recompute_share(ac, every, n_layers)[1]
 
 
 def exchange_rerun(ac: str, every: int, n_layers: int) -> float:
     """Share of MoE blocks whose recomputation sends the slots through expert parallelism's all-to-alls again: those
     recomputed in full (full, every-k); op-level checkpointing saves the exchanges' outputs and replays them
     (loom.parallel.activation_checkpoint)."""
-    return 0.0 if ac == "op" else moe_rerun(ac, every, n_layers)
+    return 0.0 if ac in ("op", "matmuls") else moe_rerun(ac, every, n_layers)
 
 
 def ep_host_waits(ac: str, every: int, n_layers: int) -> float:
@@ -769,10 +769,14 @@ def moe_time_s(
         permute, rescale = ep_overhead_s(slots, args.dim, c, rerun, layers * local, gpu.hbm_tbps)
         overhead += layers * permute
         per_step = rescale if ep_grad_rescale else 0.0
-    # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM: they rerun in full
+    # op-level checkpointing keeps every other aten.mm (rec_mm = 1/6) but no grouped GEMM: they rerun in full;
+    # ``matmuls`` keeps them all
     extra = 6 * width * slots * (1 / 3 - 1 / 6) * layers if ac == "op" else 0.0
     hidden = args.expert_ffn_dim / dims.etp
-    extra += layers * grouped_padding_flops(args.moe_experts / dims.ep, slots, args.dim, hidden, rerun)
+    grouped_rerun = 0.0 if ac == "matmuls" else rerun
+    extra += layers * grouped_padding_flops(
+        args.moe_experts / dims.ep, slots, args.dim, hidden, grouped_rerun
+    )
     return MoETime(extra_matmul=extra, overhead=overhead, per_step=per_step)
 
 
@@ -995,7 +999,7 @@ def candidates(
                         else [cfg.parallel.pp_schedule]
                     )
                     for mb in (d for d in range(1, local + 1) if local % d == 0):
-                        for ac in ("none", "op", "full"):
+                        for ac in ("none", "matmuls", "op", "full"):
                             for schedule in schedules:
                                 c = copy.deepcopy(cfg)
                                 c.parallel.tp, c.parallel.pp, c.parallel.cp = tp, pp, cp

@@ -284,7 +284,7 @@ def collective_s(nbytes: float, ranks: int, gbps: float) -> float:
 def recompute_share(ac: str, ac_every: int, n_layers: int) -> tuple[float, float]:
     """Extra forward work activation checkpointing adds, as a share of a block's (matmul, attention) FLOPs:
     ``full`` reruns the forward (1/3 of forward + backward); ``op`` reruns every other matmul and keeps
-    the attention (loom.parallel.activation_checkpoint)."""
+    the attention, ``matmuls`` keeps both (loom.parallel.activation_checkpoint)."""
     if ac == "full":
         return 1 / 3, 1 / 3
     if ac == "op":

@@ -29,7 +29,7 @@ def cfg(**over):
     "over, says",
     [
         ({"training.compile": "false"}, "needs training.compile true"),
-        ({"training.activation_checkpointing": "full"}, "allowed none | op"),
+        ({"training.activation_checkpointing": "full"}, "allowed none | op | matmuls"),
         ({"training.objective": "rloo"}, "tested for grpo and ppo only): allowed false"),
         ({"training.objective": "online_dpo"}, "tested for grpo and ppo only): allowed false"),
         ({"training.objective": "grpo", "grpo.max_staleness": 1}, "allowed with grpo.max_staleness 0"),

@@ -170,20 +170,22 @@ def test_gpu_threshold_is_the_tensors_against_free_memory_with_a_note_near_capac
         fit.check_fits(cfg, dims, args, "cuda", 1)
 
 
-def test_a_step_that_fits_only_recomputed_names_op_before_full(monkeypatch):
+def test_a_step_that_fits_only_recomputed_names_the_least_rerun_before_full(monkeypatch):
     """Micro-batch 1 without checkpointing is too big for the GPU, with op-level recomputation it fits: the refusal
-    names op first (it reruns less than full), with both estimates."""
+    names the op-level mode that reruns least and fits (matmuls, else op) before full, with both estimates."""
     cfg = _recipe("llama3_1b.toml", **{"run.device": "auto", "training.seq_len": 8192})
     dims, args = _run(cfg)
     one = _recipe(
         "llama3_1b.toml", **{"run.device": "auto", "training.seq_len": 8192, "training.micro_batch_size": 1}
     )
     none = fit.tensor_need(rank_needs(one, dims, args, "cuda").peak_bytes, gpu=True)
+    matmuls = fit.tensor_need(fit._smallest_step(cfg, dims, args, "cuda", "matmuls"), gpu=True)
     op = fit.tensor_need(fit._smallest_step(cfg, dims, args, "cuda", "op"), gpu=True)
-    assert op < none
+    assert op < matmuls < none
     monkeypatch.setattr(fit, "host_room", lambda: (0.0, "no host memory"))
-    monkeypatch.setattr(fit, "gpu_room", lambda count, own: ((op + none) / 2, "test GPU memory"))
-    with pytest.raises(
-        ConfigError, match=r"set training.activation_checkpointing op \(~[\d.]+ GiB\) or full"
-    ):
-        fit.check_fits(cfg, dims, args, "cuda", 1)
+    for room, mode in (((matmuls + none) / 2, "matmuls"), ((op + matmuls) / 2, "op")):
+        monkeypatch.setattr(fit, "gpu_room", lambda count, own, room=room: (room, "test GPU memory"))
+        with pytest.raises(
+            ConfigError, match=rf"set training.activation_checkpointing {mode} \(~[\d.]+ GiB\) or full"
+        ):
+            fit.check_fits(cfg, dims, args, "cuda", 1)

@@ -115,6 +115,36 @@ def test_op_level_checkpointing_keeps_every_attention_forward():
         assert counter.counts.get("aten.mm.default", 0) > 0  # the counter sees the block's ops at all
 
 
+def test_matmuls_checkpointing_reruns_no_matmul_and_gives_the_same_gradients():
+    """``matmuls`` keeps every matmul's output (the grouped GEMMs' of an MoE block too): its forward + backward runs
+    as many of them as without checkpointing, where ``op`` reruns every other aten.mm and the grouped GEMMs; the
+    gradients are the same, bitwise. The planner assumes it (loom.plan.timing.recompute_share)."""
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    def run(flavor: str, mode: str, dtype):
+        with torch.device("meta"):
+            model = Llama(FLAVORS[flavor].with_(vocab_size=384, max_seq_len=32, attention="sdpa"))
+        materialize(model, torch.device("cpu"), 0, model.param_std, model.init_buffers)
+        model = model.to(dtype)
+        apply_activation_checkpointing(model.layers, mode, 1)
+        tokens = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(1))
+        counter = OpCounter()
+        with counter:
+            model(tokens, labels=tokens).backward()
+        mms = {op: counter.counts.get(op, 0) for op in ("aten.mm.default", "aten._grouped_mm.default")}
+        return mms, [p.grad for p in model.parameters()]
+
+    for flavor, dtype in (("debug", torch.float32), ("debug_moe", torch.bfloat16)):
+        plain, grads = run(flavor, "none", dtype)
+        kept, kept_grads = run(flavor, "matmuls", dtype)
+        assert kept == plain, (flavor, kept, plain)
+        assert all(torch.equal(a, b) for a, b in zip(kept_grads, grads)), flavor
+        half, _ = run(flavor, "op", dtype)
+        assert half["aten.mm.default"] > plain["aten.mm.default"], (flavor, half, plain)
+    assert plain["aten._grouped_mm.default"] > 0  # the MoE flavor runs its experts as grouped GEMMs here
+    assert half["aten._grouped_mm.default"] > plain["aten._grouped_mm.default"]
+
+
 def test_op_level_checkpointing_modes_keep_the_higher_order_op_rules():
     """loom's checkpointing modes (PyTorch's with profiler ops passed through) are subclasses; higher-order ops
     such as FlexAttention look their rule up by the mode's exact type, so each subclass must carry its base's

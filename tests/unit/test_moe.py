@@ -311,7 +311,7 @@ def test_op_level_checkpointing_replays_the_expert_exchange(tmp_path):
     try:
         x = torch.randn(2, 6, 16)
         grads, exchanges, waits = {}, {}, {}
-        for mode in ("none", "op", "full"):
+        for mode in ("none", "op", "matmuls", "full"):
             layers = nn.ModuleDict({"0": _moe()})
             ep = moe_parallel(layers).ep = ExpertParallel(dist.group.WORLD, 1)
             apply_activation_checkpointing(layers, mode, 1)
@@ -323,8 +323,9 @@ def test_op_level_checkpointing_replays_the_expert_exchange(tmp_path):
     finally:
         if own:
             dist.destroy_process_group()
-    assert exchanges == {"none": 5, "op": 5, "full": 8} and waits == {"none": 1, "op": 1, "full": 2}
-    for mode in ("op", "full"):
+    assert exchanges == {"none": 5, "op": 5, "matmuls": 5, "full": 8}
+    assert waits == {"none": 1, "op": 1, "matmuls": 1, "full": 2}
+    for mode in ("op", "matmuls", "full"):
         for got, want in zip(grads[mode], grads["none"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 

@@ -61,6 +61,7 @@ def is_checkpointed(block) -> bool:
         ("full", [True, True]),
         pytest.param("every_k", [True, False], marks=pytest.mark.slow),
         pytest.param("op", [True, True], marks=pytest.mark.slow),
+        pytest.param("matmuls", [True, True], marks=pytest.mark.slow),
     ],
 )
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache, eager, mode, wrapped):
