@@ -44,7 +44,8 @@ def test_bf16_close_to_fp32_on_cuda(tmp_path):
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) < 2e-2
 
 
-def test_compile_and_op_checkpointing_on_cuda(tmp_path):
+@pytest.mark.parametrize("ac", ["op", "matmuls"])
+def test_compile_and_op_checkpointing_on_cuda(tmp_path, ac):
     eager = [r["loss"] for r in run_one(job(tmp_path / "e", **{"training.dtype": "bfloat16"}))]
     comp = [
         r["loss"]
@@ -54,7 +55,7 @@ def test_compile_and_op_checkpointing_on_cuda(tmp_path):
                 **{
                     "training.dtype": "bfloat16",
                     "training.compile": "true",
-                    "training.activation_checkpointing": "op",
+                    "training.activation_checkpointing": ac,
                 },
             )
         )
@@ -103,7 +104,8 @@ def test_moe_compiled_matches_eager_on_cuda(tmp_path):
     eager = [r["loss"] for r in run_one(job(tmp_path / "e", **moe))]
     comp = [r["loss"] for r in run_one(job(tmp_path / "c", **moe, **{"training.compile": "true"}))]
     assert max(abs(a - b) / a for a, b in zip(eager, comp)) < 1e-2
-    for ac in ("full", "op"):  # compiled checkpointed MoE blocks (the forward must not change module state)
+    # compiled checkpointed MoE blocks (the forward must not change module state; matmuls keeps the grouped GEMMs')
+    for ac in ("full", "op", "matmuls"):
         recs = run_one(
             job(tmp_path / ac, **moe, **{"training.compile": "true", "training.activation_checkpointing": ac})
         )
