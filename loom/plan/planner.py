@@ -64,6 +64,7 @@ from loom.plan.timing import (
     FLOAT8_GEMM_SPEEDUP,
     FLOAT8_WEIGHT_CAST_BYTES,
     GRAD_NORM_BYTES,
+    MATMULS_RERUN_SHARE,
     NF4_DEQUANT_HBM_SHARE,
     StepTime,
     attention_efficiency,
@@ -608,6 +609,8 @@ def rank_time(
     compute_mb = (block_mm + frozen * head / dims.tp * tokens) / (peak * eff) + attention / (
         peak * attention_efficiency(args.head_dim, t.seq_len)
     )
+    if t.activation_checkpointing == "matmuls":  # the blocks' elementwise forward work again
+        compute_mb += MATMULS_RERUN_SHARE * block_mm / (peak * eff)
     float8 = float8_gathered(cfg, args, share, dims, x)
     if float8_modelled(t, args, x):  # the block GEMMs faster, their inputs' and gradients' casts on top
         compute_mb -= block_mm / (peak * eff) * (1 - 1 / FLOAT8_GEMM_SPEEDUP)

@@ -281,6 +281,13 @@ def collective_s(nbytes: float, ranks: int, gbps: float) -> float:
     return 0.0 if ranks <= 1 else nbytes * (ranks - 1) / ranks / (gbps * 1e9)
 
 
+# training.activation_checkpointing matmuls: each block's elementwise forward work (norms, RoPE, SwiGLU, the residual
+# sums) runs again in its backward, no matmul does; priced as this share of the blocks' matmul time, fitted to the
+# 3B one-GPU pair (bench/results/peers_llama3_3b_1gpu_h200.json at ceb40d3: 20,981 tokens/s against 21,270 without
+# checkpointing, 1.4% of the step)
+MATMULS_RERUN_SHARE = 0.016
+
+
 def recompute_share(ac: str, ac_every: int, n_layers: int) -> tuple[float, float]:
     """Extra forward work activation checkpointing adds, as a share of a block's (matmul, attention) FLOPs:
     ``full`` reruns the forward (1/3 of forward + backward); ``op`` reruns every other matmul and keeps

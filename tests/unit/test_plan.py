@@ -244,6 +244,27 @@ MEASURED = [
         ),
         2,
     ),
+    # training.activation_checkpointing matmuls (its rerun share fitted here) and none, one H200, the same call
+    *(
+        (
+            "peers_llama3_3b_1gpu_h200.json",
+            f"loom_variants.{ac}",
+            dict(
+                model__flavor="3B",
+                model__vocab_size=128256,
+                model__tie_embeddings="false",
+                model__attention="sdpa",
+                training__seq_len=8192,
+                training__global_batch_size=1,
+                training__micro_batch_size=1,
+                training__dtype="bfloat16",
+                training__compile="true",
+                training__activation_checkpointing=ac,
+            ),
+            1,
+        )
+        for ac in ("matmuls", "none")
+    ),
 ]
 
 
