@@ -626,6 +626,14 @@ def check_moe(args, cfg: Config) -> None:
             True,
             "not with a mixture-of-experts model (the experts' token counts are read on the host every step)",
         )
+    if cfg.training.compile and cfg.training.activation_checkpointing == "matmuls" and cfg.parallel.ep > 1:
+        raise ConfigError(
+            "training.activation_checkpointing",
+            "matmuls",
+            "with training.compile under expert parallelism (parallel.ep > 1): a MoE block compiles inside its "
+            "checkpoint there (its token exchange breaks the graph), where the policy sees compiled kernels, not "
+            "matmuls, and would keep none of them: allowed none | op | full | every_k there",
+        )
     if cfg.training.compile and cfg.training.dtype != "bfloat16":
         raise ConfigError(
             "training.compile",

@@ -89,6 +89,9 @@ def check_inactive_fields(cfg) -> None:
         raise ConfigError(name, value, f"does nothing without {what}: set that too, or leave {name} out")
 
 
+SELECTIVE_AC = ("op", "matmuls")  # training.activation_checkpointing's op-level modes: a policy per op
+
+
 def opt(
     default,
     help: str,
@@ -465,7 +468,7 @@ class TrainingConfig:
         False,
         "replay each compiled block's forward and backward as CUDA graphs (torch.compile's "
         "reduce-overhead mode): less host time per step where kernels are small; one "
-        "process on CUDA, training.compile true, activation checkpointing none or op, "
+        "process on CUDA, training.compile true, activation checkpointing none, op or matmuls, "
         "dense models; not with objectives rloo or online_dpo; grpo and ppo pad their rollout "
         "rows to a few fixed widths (the step's shapes) and generate through compiles of "
         "the blocks without graphs",

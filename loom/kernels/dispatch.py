@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from loom.config.errors import ConfigError
+from loom.config.sections import SELECTIVE_AC
 from loom.kernels.attention import fa4
 from loom.kernels.triton_support import has_gluon_hopper, has_triton, interpreting, triton_runs_on
 
@@ -105,10 +106,10 @@ def resolve_kernels(
 # --------------------------------------------------------------------- timing the attention backends
 # ------------------------------------------------------------------------------------ a run's kernel choice
 def flex_unsupported(cfg) -> bool:
-    """FlexAttention inside compiled blocks under op-level checkpointing (op, matmuls), where its backward fails
-    (docs/kernels.md). Full and every-k recomputation avoid it by checkpointing outside the compiled block
-    (``parallelize_llama``)."""
-    return cfg.training.compile and cfg.training.activation_checkpointing in ("op", "matmuls")
+    """FlexAttention inside compiled blocks under op-level checkpointing (op, matmuls: the same placement), where
+    its backward failed under op (docs/kernels.md). Full and every-k recomputation avoid it by checkpointing outside
+    the compiled block (``parallelize_llama``)."""
+    return cfg.training.compile and cfg.training.activation_checkpointing in SELECTIVE_AC
 
 
 def kernel_choice(
@@ -156,8 +157,8 @@ def kernel_choice(
         raise ConfigError(
             "model.attention",
             "flex",
-            "under training.compile with training.activation_checkpointing "
-            f"{cfg.training.activation_checkpointing} (op-level) crashed its backward (CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
+            f"under training.compile with training.activation_checkpointing {cfg.training.activation_checkpointing} "
+            "(op-level: under op its backward crashed, CUDA illegal address; torch 2.11, H100): allowed auto | sdpa | "
             "sdpa_cudnn | sdpa_flash | fa4 | flash there (or flex without compile, or with none | full | every_k checkpointing)",
         )
     triton = has_triton() if triton is None else triton

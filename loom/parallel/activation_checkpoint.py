@@ -10,7 +10,9 @@ from torch import nn
 
 import loom.kernels.attention.fa4
 import loom.kernels.attention.op
+import loom.kernels.lora.op
 import loom.parallel.context_parallel  # noqa: F401  (registers torch.ops.loom.ring_attn)
+from loom.config.sections import SELECTIVE_AC
 
 # op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
 # Like torchtitan, every second matmul is saved so memory stays between none and full; every attention
@@ -35,11 +37,13 @@ _SAVE_OPS = {
 # ``matmuls`` keeps these too: every matmul's output, so a block's recomputation reruns elementwise work only (norms,
 # RoPE, SwiGLU, residual sums). On one H200, 3B at seq 8192 compiled under autocast: 529 MiB a block against 945
 # without checkpointing and 337 under ``op``, at no-checkpointing's step time (docs/parallelism.md)
-_MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default}
-SELECTIVE = (
-    "op",
-    "matmuls",
-)  # the op-level modes: a policy per op, attention kept, the block compiled around it
+# (a linear with a bias runs as addmm; fused LoRA's frozen bases and adapters as one loom::lora_linear)
+_MATMUL_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._grouped_mm.default,
+    torch.ops.loom.lora_linear.default,
+}
 
 
 def _op_policy(every_matmul: bool = False):
@@ -110,7 +114,7 @@ def _share_higher_order_rules(base: type, sub: type) -> None:
 def wrap_block(block: nn.Module, mode: str) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if mode in SELECTIVE:
+    if mode in SELECTIVE_AC:
         return checkpoint_wrapper(block, context_fn=_op_policy(mode == "matmuls"), preserve_rng_state=False)
     return checkpoint_wrapper(block, preserve_rng_state=False)  # non-reentrant (the default impl)
 
@@ -122,4 +126,4 @@ def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, every: int)
     for i, (name, block) in enumerate(list(layers.items())):
         if mode == "every_k" and i % every != 0:
             continue
-        layers[name] = wrap_block(block, mode if mode in SELECTIVE else "full")
+        layers[name] = wrap_block(block, mode if mode in SELECTIVE_AC else "full")

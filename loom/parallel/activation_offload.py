@@ -12,7 +12,7 @@ device), so at most two blocks' tensors are on the device at a time.
 What is offloaded: every saved tensor of a plain device tensor type except the block's own parameters and buffers
 (under FSDP2 the gathered weights, gathered again for backward anyway). Tensor subclasses (the DTensors of tensor
 parallelism, float8 tensors) stay on the device. With activation checkpointing the hooks wrap the checkpoint from
-outside: a recomputed block (full, every_k's checkpointed blocks, op) saves only its input through them, so that
+outside: a recomputed block (full, every_k's checkpointed blocks, op, matmuls) saves only its input through them, so that
 input waits on the host and the recomputation reads it back; what the recomputation saves lives only during that
 block's backward, and op-level checkpointing's saved matmul / attention outputs (kept by its own cache, not by
 saved-tensor hooks) stay on the device. On the CPU the hooks still pack and unpack through a copy (no streams), so

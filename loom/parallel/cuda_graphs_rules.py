@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from loom.config.errors import ConfigError
 from loom.config.rules import RuleSet
-from loom.config.sections import Config
+from loom.config.sections import SELECTIVE_AC, Config
 from loom.parallel.dims import ParallelDims
 
 
@@ -20,7 +20,7 @@ def check_cuda_graphs(cfg: Config, dims: ParallelDims | None = None) -> None:
         raise ConfigError(
             "training.cuda_graphs", True, "needs training.compile true (the graphs are the compiled blocks')"
         )
-    if t.activation_checkpointing not in ("none", "op", "matmuls"):
+    if t.activation_checkpointing not in ("none", *SELECTIVE_AC):
         raise ConfigError(
             "training.cuda_graphs",
             True,

@@ -205,7 +205,8 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
         # op-level recomputation reruns less than full (matmuls less than op): the one that reruns least and fits
         # micro-batch 1 is named first
         lighter = f"full (with micro_batch_size 1: ~{least / GIB:,.1f} GiB)"
-        for mode in ("matmuls", "op") if t.activation_checkpointing == "none" else ():
+        lighter_modes = {"none": ("matmuls", "op"), "matmuls": ("op",)}.get(t.activation_checkpointing, ())
+        for mode in lighter_modes:
             need = tensor_need(_smallest_step(cfg, dims, args, device, mode), gpu)
             if need <= step_room[0]:
                 lighter = f"{mode} (~{need / GIB:,.1f} GiB) or full (~{least / GIB:,.1f} GiB), with micro_batch_size 1"

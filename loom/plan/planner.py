@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom.config.errors import ConfigError
-from loom.config.sections import Config
+from loom.config.sections import SELECTIVE_AC, Config
 from loom.data import build_tokenizer
 from loom.methods import method_of, resolve
 from loom.models.registry import spec_of
@@ -720,14 +720,14 @@ class MoETime:
 def moe_rerun(ac: str, every: int, n_layers: int) -> float:
     """Share of MoE blocks whose forward reruns in the backward (op-level checkpointing reruns the MoE part of
     every block: under ``matmuls`` all but its grouped GEMMs)."""
-    return 1.0 if ac in ("op", "matmuls") else 3 * recompute_share(ac, every, n_layers)[1]
+    return 1.0 if ac in SELECTIVE_AC else 3 * recompute_share(ac, every, n_layers)[1]
 
 
 def exchange_rerun(ac: str, every: int, n_layers: int) -> float:
     """Share of MoE blocks whose recomputation sends the slots through expert parallelism's all-to-alls again: those
     recomputed in full (full, every-k); op-level checkpointing saves the exchanges' outputs and replays them
     (loom.parallel.activation_checkpoint)."""
-    return 0.0 if ac in ("op", "matmuls") else moe_rerun(ac, every, n_layers)
+    return 0.0 if ac in SELECTIVE_AC else moe_rerun(ac, every, n_layers)
 
 
 def ep_host_waits(ac: str, every: int, n_layers: int) -> float:
@@ -881,6 +881,11 @@ def offload_block_bytes(profile, x: MemoryInputs, args, cfg: Config) -> float:
     if not x.offload_blocks:
         return 0.0
     t = cfg.training
+    if t.activation_checkpointing in SELECTIVE_AC:
+        # its input alone: what the op-level policy keeps stays on the device (loom.parallel.activation_offload);
+        # the residual stream in the compute dtype under FSDP2, fp32 under autocast
+        tokens = x.micro_batch * x.seq_len / x.cp
+        return tokens * args.dim * (BYTES[x.dtype] if x.fsdp else 4) / x.tp
     stored = stored_blocks(t.activation_checkpointing, t.ac_every, args.n_layers)
     return stage_activation(profile, 1, False, x, args, t.activation_checkpointing, stored)
 

@@ -27,8 +27,8 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
   scatter back, casts, the weighting and the gate's elementwise work: ``MOE_SLOT_BYTES`` per slot and model-dim
   element), all at the copy rate ``COPY_HBM_SHARE``; under expert parallelism a rank also permutes the slots it
   receives to its experts and back (``EP_SLOT_ELEMENTS``; older code also rescaled its experts' gradients once a
-  step, ``EP_GRAD_SCALE_BYTES``, which their FSDP2 reduction now does); op-level checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``:
-  every one of them, as full checkpointing does), and the grouped GEMMs compute their experts' part-filled row
+  step, ``EP_GRAD_SCALE_BYTES``, which their FSDP2 reduction now does); ``op`` checkpointing recomputes the experts' grouped GEMMs (not ``aten.mm``:
+  every one of them, as full checkpointing does; ``matmuls`` keeps them), and the grouped GEMMs compute their experts' part-filled row
   tiles (``grouped_padding_flops``). The casts and routing were fitted on one layer's forward + backward and one
   compiled run (docs/planner.md);
 - expert parallelism's host waits: each MoE block reads its token counts on the host before its all-to-all, the
@@ -284,8 +284,8 @@ def collective_s(nbytes: float, ranks: int, gbps: float) -> float:
 # training.activation_checkpointing matmuls: each block's elementwise forward work (norms, RoPE, SwiGLU, the residual
 # sums) runs again in its backward, no matmul does; priced as this share of the blocks' matmul time, fitted to the
 # 3B one-GPU pair (bench/results/peers_llama3_3b_1gpu_h200.json at ceb40d3: 20,981 tokens/s against 21,270 without
-# checkpointing, 1.4% of the step)
-MATMULS_RERUN_SHARE = 0.016
+# checkpointing, 1.4% of the step: 1.36% estimated)
+MATMULS_RERUN_SHARE = 0.022
 
 
 def recompute_share(ac: str, ac_every: int, n_layers: int) -> tuple[float, float]:

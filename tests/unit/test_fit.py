@@ -189,3 +189,12 @@ def test_a_step_that_fits_only_recomputed_names_the_least_rerun_before_full(monk
             ConfigError, match=rf"set training.activation_checkpointing {mode} \(~[\d.]+ GiB\) or full"
         ):
             fit.check_fits(cfg, dims, args, "cuda", 1)
+    # a run already on matmuls that does not fit is pointed at op (less memory), then full
+    on = _recipe(
+        "llama3_1b.toml",
+        **{"run.device": "auto", "training.seq_len": 8192, "training.activation_checkpointing": "matmuls"},
+    )
+    with pytest.raises(
+        ConfigError, match=r"set training.activation_checkpointing op \(~[\d.]+ GiB\) or full"
+    ):
+        fit.check_fits(on, dims, args, "cuda", 1)

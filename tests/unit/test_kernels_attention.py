@@ -291,8 +291,9 @@ def test_flex_under_compiled_op_checkpointing_is_a_config_error():
     from loom.kernels.dispatch import flex_unsupported, kernel_choice
 
     base = {"model.attention": "flex", "run.device": "cuda", "training.compile": "true"}
-    with pytest.raises(ConfigError, match="model.attention = 'flex'.*training.compile.*op"):
-        kernel_choice(build_config(None, dict(base, **{"training.activation_checkpointing": "op"})), "cuda")
+    for ac in ("op", "matmuls"):  # op-level: the same placement, the same refusal
+        with pytest.raises(ConfigError, match=f"model.attention = 'flex'.*training.compile.*{ac}"):
+            kernel_choice(build_config(None, dict(base, **{"training.activation_checkpointing": ac})), "cuda")
     for ac in ("none", "full", "every_k"):
         assert not flex_unsupported(
             build_config(None, dict(base, **{"training.activation_checkpointing": ac}))

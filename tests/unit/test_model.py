@@ -116,33 +116,47 @@ def test_op_level_checkpointing_keeps_every_attention_forward():
 
 
 def test_matmuls_checkpointing_reruns_no_matmul_and_gives_the_same_gradients():
-    """``matmuls`` keeps every matmul's output (the grouped GEMMs' of an MoE block too): its forward + backward runs
-    as many of them as without checkpointing, where ``op`` reruns every other aten.mm and the grouped GEMMs; the
-    gradients are the same, bitwise. The planner assumes it (loom.plan.timing.recompute_share)."""
+    """``matmuls`` keeps every matmul's output: plain (mm), with a bias (addmm), an MoE block's grouped GEMMs, fused
+    LoRA's frozen bases with their adapters (one loom::lora_linear). Its forward + backward runs as many of them
+    as without checkpointing, where ``op`` reruns some; the gradients are the same, bitwise. The planner assumes
+    it (loom.plan.timing.recompute_share)."""
+    from loom.config.sections import LoraConfig
+    from loom.models.common.lora import apply_lora
     from loom.parallel.activation_checkpoint import apply_activation_checkpointing
 
-    def run(flavor: str, mode: str, dtype):
+    ops = ("aten.mm.default", "aten.addmm.default", "aten._grouped_mm.default", "loom.lora_linear.default")
+
+    def run(case: str, mode: str):
+        flavor = "debug_moe" if case == "moe" else "debug"
         with torch.device("meta"):
-            model = Llama(FLAVORS[flavor].with_(vocab_size=384, max_seq_len=32, attention="sdpa"))
+            model = Llama(
+                FLAVORS[flavor].with_(
+                    vocab_size=384, max_seq_len=32, attention="sdpa", attention_bias=case == "bias"
+                )
+            )
         materialize(model, torch.device("cpu"), 0, model.param_std, model.init_buffers)
-        model = model.to(dtype)
+        if case == "lora":
+            torch.manual_seed(0)
+            apply_lora(model, LoraConfig(rank=4, targets="all"))
+            for name, p in model.named_parameters():
+                if "lora_B" in name:  # nonzero, so the adapters' products reach the loss
+                    torch.nn.init.normal_(p, std=0.02)
+        model = model.to(torch.bfloat16 if case == "moe" else torch.float32)
         apply_activation_checkpointing(model.layers, mode, 1)
         tokens = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(1))
         counter = OpCounter()
         with counter:
             model(tokens, labels=tokens).backward()
-        mms = {op: counter.counts.get(op, 0) for op in ("aten.mm.default", "aten._grouped_mm.default")}
-        return mms, [p.grad for p in model.parameters()]
+        return {op: counter.counts.get(op, 0) for op in ops}, [p.grad for p in model.parameters()]
 
-    for flavor, dtype in (("debug", torch.float32), ("debug_moe", torch.bfloat16)):
-        plain, grads = run(flavor, "none", dtype)
-        kept, kept_grads = run(flavor, "matmuls", dtype)
-        assert kept == plain, (flavor, kept, plain)
-        assert all(torch.equal(a, b) for a, b in zip(kept_grads, grads)), flavor
-        half, _ = run(flavor, "op", dtype)
-        assert half["aten.mm.default"] > plain["aten.mm.default"], (flavor, half, plain)
-    assert plain["aten._grouped_mm.default"] > 0  # the MoE flavor runs its experts as grouped GEMMs here
-    assert half["aten._grouped_mm.default"] > plain["aten._grouped_mm.default"]
+    for case, op in (("plain", ops[0]), ("bias", ops[1]), ("moe", ops[2]), ("lora", ops[3])):
+        plain, grads = run(case, "none")
+        kept, kept_grads = run(case, "matmuls")
+        assert plain[op] > 0, (case, plain)  # the case runs the op it is here for
+        assert kept == plain, (case, kept, plain)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(kept_grads, grads)), case
+        half, _ = run(case, "op")
+        assert sum(half.values()) > sum(plain.values()), (case, half, plain)
 
 
 def test_op_level_checkpointing_modes_keep_the_higher_order_op_rules():

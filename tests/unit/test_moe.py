@@ -283,6 +283,30 @@ def test_expert_parallel_degrees_are_checked(overrides, world, field, says):
     assert err.value.field == field and says in str(err.value)
 
 
+def test_matmuls_checkpointing_is_refused_for_compiled_expert_parallel_blocks():
+    """Under expert parallelism a compiled MoE block compiles inside its checkpoint (its exchange breaks the graph),
+    where the policy sees compiled kernels and would keep no matmul: ``matmuls`` is refused there in one line, and
+    allowed without compile or without expert parallelism."""
+    from loom.data import build_tokenizer
+    from loom.resolve import check_moe, resolve_model_args
+
+    moe = {
+        "model.flavor": "debug_moe",
+        "training.dtype": "bfloat16",
+        "training.activation_checkpointing": "matmuls",
+    }
+
+    def check(**over):
+        cfg = build_config(None, {**moe, **over})
+        check_moe(resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer)), cfg)
+
+    with pytest.raises(ConfigError, match="allowed none | op | full | every_k there") as err:
+        check(**{"training.compile": "true", "parallel.ep": "2"})
+    assert err.value.field == "training.activation_checkpointing" and "\n" not in str(err.value)
+    check(**{"training.compile": "true"})
+    check(**{"parallel.ep": "2"})
+
+
 def test_op_level_checkpointing_replays_the_expert_exchange(tmp_path):
     """Under expert parallelism (here over a group of one rank) op-level activation checkpointing saves the token
     all-to-alls: its recomputation in backward exchanges nothing again (forward: counts, dispatch, combine; backward:

@@ -227,7 +227,7 @@ class _Stack(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "op"])
+@pytest.mark.parametrize("ac", ["none", "full", "op", "matmuls"])
 def test_activation_offload_packs_through_host_copies_with_the_same_gradients(ac):
     """Every saved tensor of an offloaded block (not its weights) goes through the hooks and comes back with the
     same gradients; a recomputed block (full or op checkpointing) offloads its input only, the rule documented."""
@@ -404,6 +404,19 @@ def test_plan_models_activation_offload_and_nvme_offload():
     assert per_block > 0 and base.time.offload == 0 < off.time.offload
     assert base.memory.activations - off.memory.activations == pytest.approx(6 * per_block)
     assert "act_offload8" in off.describe() and any("activation_offload: 8 blocks" in n for n in off.notes)
+    # op-level checkpointing: a block parks its input alone (bf16 here: cpu_offload's FSDP2 computes in it; fp32
+    # under autocast); what the policy keeps stays on the device
+    for ac in ("op", "matmuls"):
+        for over, width in (({**light}, 2), ({"model.n_layers": 8}, 4)):
+            over["training.activation_checkpointing"] = ac
+            kept, parked = (
+                estimate(plan_config(**over, **extra), 1, gpu, traced)
+                for extra in ({}, {"training.activation_offload": "all"})
+            )
+            assert (parked.host_gib - kept.host_gib) * GIB / 8 == pytest.approx(8 * 512 * 4096 * width), (
+                ac,
+                width,
+            )
     on_gpu, nvme = (estimate(plan_config(**o), 1, gpu, traced) for o in ({}, {"optimizer.offload": "nvme"}))
     params = on_gpu.memory.weights / 4
     assert nvme.memory.optimizer == 0 and nvme.disk_gib == pytest.approx(8 * params / GIB)

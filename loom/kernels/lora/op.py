@@ -55,7 +55,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grads):
     n = ctx.n
-    x, saved = ctx.saved_tensors[0], ctx.saved_tensors[1:]
+    saved = ctx.saved_tensors  # read once: a checkpointed block's saved tensors unpack once (non-reentrant)
+    x, saved = saved[0], saved[1:]
     ws, a, b, u = list(saved[:n]), list(saved[n : 2 * n]), list(saved[2 * n : 3 * n]), saved[-1]
     g = [
         torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) if gi is None else gi
