@@ -325,10 +325,11 @@ def test_checkpoints_reshard_between_pp_x_tp_and_fsdp(tmp_path):
 
 
 def compiled_layouts(tmp):
-    """World 2, per-block torch.compile: FSDP2 / DDP / TP2 under each recomputation mode, and PP2 schedules."""
+    """World 2, per-block torch.compile: FSDP2 / DDP / TP2 under each recomputation mode (op-level: op and matmuls),
+    and PP2 schedules."""
     c = {"training.compile": "true"}
     out = {}
-    for ac in ("none", "full", "op"):
+    for ac in ("none", "full", "op", "matmuls"):
         out[f"fsdp2-compiled-ac-{ac}"] = {
             **job(tmp, f"fsdp2-c-{ac}", dp=2, dp_shard=2),
             **c,

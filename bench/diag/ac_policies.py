@@ -1,0 +1,156 @@
+"""Which matmuls an op-level checkpointing policy keeps, and what that costs: for each policy, what one compiled
+block keeps from its forward to its backward and a forward + backward's time, on one GPU, a few blocks of a flavor's
+shape under bf16 autocast (fp32 weights, as one GPU trains) with the fused loss. A policy keeps a set of the block's
+matmuls by their order (Llama: 1 wq, 2 wk, 3 wv, 4 wo, 5 w1, 6 w3, 7 w2) and, as loom's, the attention; the
+rest reruns. ``op`` keeps {1, 3, 5, 7} (torchtitan's every other), ``matmuls`` all seven. docs/parallelism.md,
+"Activation checkpointing", reads its result.
+
+    python -m bench.diag.ac_policies --flavor 3B --seq 8192 --layers 4 --out bench/results/ac_policies_3b_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+
+# (mode, the kept matmuls' positions in a block, or None: the mode's own policy)
+POLICIES = (
+    ("none", None),
+    ("full", None),
+    ("op", {1, 3, 5, 7}),
+    ("op", {1, 3, 5}),
+    ("op", {1, 2, 3, 4, 5}),
+    ("op", {1, 2, 3, 4, 5, 7}),
+    ("op", {1, 2, 3, 5}),
+    ("op", {1, 2, 3, 5, 6}),
+    ("op", {1, 2, 3, 4, 5, 6, 7}),
+    ("op", {2, 3, 4, 5}),
+)
+
+
+def keeping(save: set[int]):
+    """An op-level policy's contexts keeping the block's aten.mm outputs at positions ``save`` (1-based, in the
+    forward's order) and what loom's policies keep besides (the attention, the token exchanges)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    import loom.parallel.activation_checkpoint as ac
+
+    def make_contexts():
+        counts: dict[str, int] = defaultdict(int)
+
+        def policy(ctx, op, *args, **kwargs):
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if op == torch.ops.aten.mm.default:
+                counts[mode] += 1
+                return (
+                    CheckpointPolicy.MUST_SAVE if counts[mode] in save else CheckpointPolicy.PREFER_RECOMPUTE
+                )
+            return CheckpointPolicy.MUST_SAVE if op in ac._SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return tuple(ac._ignoring_profiler(m) for m in create_selective_checkpoint_contexts(policy))
+
+    return make_contexts
+
+
+def measure(
+    flavor: str, seq: int, layers: int, batch: int, mode: str, save: set[int] | None, steps: int
+) -> dict:
+    """Held bytes per block (median over the blocks after the first), the step's peak above its start, and the
+    median forward + backward time over ``steps``."""
+    import loom.parallel.activation_checkpoint as ac
+    from bench.diag.float8_saved import config
+    from loom.kernels.linear_ce import linear_cross_entropy
+    from loom.models.registry import build_model
+    from loom.parallel.compile import apply_compile
+    from loom.plan.planner import model_args
+
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()  # the previous policy's model is gone by now
+    policy = ac._op_policy
+    if save is not None:
+        ac._op_policy = lambda every_matmul=False: keeping(save)
+    try:
+        args = model_args(config(flavor, seq, "none", mode)).with_(n_layers=layers, attention="sdpa_cudnn")
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = build_model(args)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.normal_(0, 0.02)
+        ac.apply_activation_checkpointing(model.layers, mode, 2)
+    finally:
+        ac._op_policy = policy
+    apply_compile(model.layers)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), device="cuda")
+
+    def step(record: list | None) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model.tok_embeddings(tokens)
+            for block in model.layers.values():
+                if record is not None:
+                    torch.cuda.synchronize()
+                    record.append(torch.cuda.memory_allocated())
+                h = block(h, model.rope, None)
+            if record is not None:
+                torch.cuda.synchronize()
+                record.append(torch.cuda.memory_allocated())
+            loss = linear_cross_entropy(model.norm(h), model.output.weight, tokens)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step(None)  # compiles
+    step(None)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, record = torch.cuda.memory_allocated(), []
+    step(record)
+    peak = (torch.cuda.max_memory_allocated() - start) / 2**20
+    deltas = [b - a for a, b in zip(record[1:-1], record[2:])]
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step(None)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return {
+        "ac": mode,
+        "save": sorted(save) if save else None,
+        "held_per_block_mib": statistics.median(deltas) / 2**20,
+        "peak_above_start_mib": peak,
+        "ms": statistics.median(times),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--flavor", default="3B")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/diag/ac_policies.py: needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
+    rows = []
+    for mode, save in POLICIES:
+        rows.append(measure(a.flavor, a.seq, a.layers, a.batch, mode, save, a.steps))
+        print(json.dumps(rows[-1]), flush=True)
+    if a.out:
+        from bench.common import default_commit, environment, write_result
+
+        typed = " ".join(["python -m bench.diag.ac_policies", *sys.argv[1:]])
+        write_result(a.out, {"environment": environment(default_commit(), typed), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
