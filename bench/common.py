@@ -57,6 +57,25 @@ def default_commit() -> str:
     return os.environ.get("LOOM_COMMIT", "unknown")
 
 
+def event_ms(fn, n: int, warm: int = 0) -> list[float]:
+    """Milliseconds of each of ``n`` calls of ``fn`` on the current CUDA stream (events around each, a sync
+    after), after ``warm`` untimed ones."""
+    import torch
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def bench_ms(fn, grads=None) -> float:
     """Mean ms per call (triton's do_bench); ``grads``: leaf tensors whose .grad is reset before every call, so
     that a backward assigns its gradients instead of adding them to the previous call's."""

@@ -21,7 +21,7 @@ import statistics
 
 import torch
 
-from bench.common import command, default_commit, environment
+from bench.common import command, default_commit, environment, event_ms
 from loom.kernels.linear_ce import default_chunk_tokens, linear_cross_entropy, linear_cross_entropy_unfused
 
 VARIANTS = ("unfused", "fused", "unfused_compile")
@@ -58,14 +58,7 @@ def measure(variant: str, n: int, e: int, v: int, warmup: int, iters: int, chunk
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = event_ms(step, iters)
     ms = statistics.median(times)
     return {
         "variant": variant,

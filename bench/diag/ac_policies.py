@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections import defaultdict
 
@@ -60,14 +59,11 @@ def keeping(save: set[int]):
 def measure(
     flavor: str, seq: int, layers: int, batch: int, mode: str, save: set[int] | None, steps: int
 ) -> dict:
-    """Held bytes per block (median over the blocks after the first), the step's peak above its start, and the
+    """``bench.diag.float8_saved.held_per_block`` under bf16 autocast with cuDNN attention and checkpointing ``mode``
+    (its matmuls ``save``, or the mode's own policy): held bytes per block, the step's peak above its start and the
     median forward + backward time over ``steps``."""
     import loom.parallel.activation_checkpoint as ac
-    from bench.diag.float8_saved import config
-    from loom.kernels.linear_ce import linear_cross_entropy
-    from loom.models.registry import build_model
-    from loom.parallel.compile import apply_compile
-    from loom.plan.planner import model_args
+    from bench.diag.float8_saved import held_per_block
 
     torch._dynamo.reset()
     torch.cuda.empty_cache()  # the previous policy's model is gone by now
@@ -75,57 +71,17 @@ def measure(
     if save is not None:
         ac._op_policy = lambda every_matmul=False: keeping(save)
     try:
-        args = model_args(config(flavor, seq, "none", mode)).with_(n_layers=layers, attention="sdpa_cudnn")
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = build_model(args)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if not name.endswith("norm.weight"):
-                    p.normal_(0, 0.02)
-        ac.apply_activation_checkpointing(model.layers, mode, 2)
+        row = held_per_block(
+            flavor, seq, "none", layers, batch, autocast=True, ac=mode, attention="sdpa_cudnn", timed=steps
+        )
     finally:
         ac._op_policy = policy
-    apply_compile(model.layers)
-    tokens = torch.randint(0, args.vocab_size, (batch, seq), device="cuda")
-
-    def step(record: list | None) -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            h = model.tok_embeddings(tokens)
-            for block in model.layers.values():
-                if record is not None:
-                    torch.cuda.synchronize()
-                    record.append(torch.cuda.memory_allocated())
-                h = block(h, model.rope, None)
-            if record is not None:
-                torch.cuda.synchronize()
-                record.append(torch.cuda.memory_allocated())
-            loss = linear_cross_entropy(model.norm(h), model.output.weight, tokens)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    step(None)  # compiles
-    step(None)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start, record = torch.cuda.memory_allocated(), []
-    step(record)
-    peak = (torch.cuda.max_memory_allocated() - start) / 2**20
-    deltas = [b - a for a, b in zip(record[1:-1], record[2:])]
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step(None)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
     return {
         "ac": mode,
         "save": sorted(save) if save else None,
-        "held_per_block_mib": statistics.median(deltas) / 2**20,
-        "peak_above_start_mib": peak,
-        "ms": statistics.median(times),
+        "held_per_block_mib": row["held_per_block_mib"],
+        "peak_above_start_mib": row["step_peak_above_start_mib"],
+        "ms": row["ms"],
     }
 
 

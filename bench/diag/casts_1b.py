@@ -21,18 +21,9 @@ import torch
 
 
 def timed(fn, n: int = 12, warm: int = 4) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    from bench.common import event_ms
+
+    return statistics.median(event_ms(fn, n, warm))
 
 
 def measure() -> dict:

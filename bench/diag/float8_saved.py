@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from bench.common import event_ms
+
 
 def config(flavor: str, seq: int, float8: str, ac: str = "none"):
     from loom.config import build_config
@@ -38,12 +40,21 @@ def config(flavor: str, seq: int, float8: str, ac: str = "none"):
 
 
 def held_per_block(
-    flavor: str, seq: int, float8: str, layers: int, batch: int, autocast: bool = False, ac: str = "none"
+    flavor: str,
+    seq: int,
+    float8: str,
+    layers: int,
+    batch: int,
+    autocast: bool = False,
+    ac: str = "none",
+    attention: str = "sdpa",
+    timed: int = 0,
 ) -> dict:
     """Allocated bytes each block adds to what the forward holds (median over the blocks after the first), and the
     step's peak above the forward's start, at ``batch`` sequences; ``autocast``: fp32 weights under bf16 autocast,
     as one GPU trains (else bf16 weights, as FSDP2 gathers them); ``ac``: the blocks' activation checkpointing,
-    applied as the trainer applies it (before compiling)."""
+    applied as the trainer applies it (before compiling); ``timed``: also the median forward + backward time (ms)
+    over that many steps."""
     from loom.kernels.linear_ce import linear_cross_entropy
     from loom.models.common.float8 import apply_float8
     from loom.models.registry import build_model
@@ -52,7 +63,7 @@ def held_per_block(
     from loom.plan.planner import model_args
 
     torch._dynamo.config.automatic_dynamic_shapes = False  # each batch its own static graph, as a run has
-    args = model_args(config(flavor, seq, float8, ac)).with_(n_layers=layers)
+    args = model_args(config(flavor, seq, float8, ac)).with_(n_layers=layers, attention=attention)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = build_model(args)
@@ -94,6 +105,8 @@ def held_per_block(
     step(record)
     torch.cuda.synchronize()
     deltas = [b - a for a, b in zip(record[1:-1], record[2:])]
+    peak = torch.cuda.max_memory_allocated() - start
+    times = event_ms(lambda: step(None), timed)
     return {
         "flavor": flavor,
         "seq": seq,
@@ -105,7 +118,8 @@ def held_per_block(
         "batch": batch,
         "block_deltas_mib": [d / 2**20 for d in deltas],
         "held_per_block_mib": statistics.median(deltas) / 2**20,
-        "step_peak_above_start_mib": (torch.cuda.max_memory_allocated() - start) / 2**20,
+        "step_peak_above_start_mib": peak / 2**20,
+        **({"ms": statistics.median(times)} if times else {}),
     }
 
 
