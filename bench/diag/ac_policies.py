@@ -81,7 +81,7 @@ def measure(
         "save": sorted(save) if save else None,
         "held_per_block_mib": row["held_per_block_mib"],
         "peak_above_start_mib": row["step_peak_above_start_mib"],
-        "ms": row["ms"],
+        "ms": row.get("ms"),  # none with --steps 0
     }
 
 

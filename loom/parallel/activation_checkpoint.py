@@ -37,10 +37,12 @@ _SAVE_OPS = {
 # ``matmuls`` keeps these too: every matmul's output, so a block's recomputation reruns elementwise work only (norms,
 # RoPE, SwiGLU, residual sums). On one H200, 3B at seq 8192 compiled under autocast: 529 MiB a block against 945
 # without checkpointing and 337 under ``op``, at no-checkpointing's step time (docs/parallelism.md)
-# (a linear with a bias runs as addmm; fused LoRA's frozen bases and adapters as one loom::lora_linear)
+# (a linear with a bias runs as addmm; fused LoRA's frozen bases and adapters as one loom::lora_linear; float8's
+# matmuls as _scaled_mm where the policy sees them below torchao's tensor subclass)
 _MATMUL_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_mm.default,
     torch.ops.aten._grouped_mm.default,
     torch.ops.loom.lora_linear.default,
 }

@@ -205,8 +205,7 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
         # op-level recomputation reruns less than full (matmuls less than op): the one that reruns least and fits
         # micro-batch 1 is named first
         lighter = f"full (with micro_batch_size 1: ~{least / GIB:,.1f} GiB)"
-        lighter_modes = {"none": ("matmuls", "op"), "matmuls": ("op",)}.get(t.activation_checkpointing, ())
-        for mode in lighter_modes:
+        for mode in lighter_op_level(cfg, args):
             need = tensor_need(_smallest_step(cfg, dims, args, device, mode), gpu)
             if need <= step_room[0]:
                 lighter = f"{mode} (~{need / GIB:,.1f} GiB) or full (~{least / GIB:,.1f} GiB), with micro_batch_size 1"
@@ -231,6 +230,17 @@ def check_fits(cfg: Config, dims, args, device: str, local_ranks: int) -> str:
         else (f", and even micro_batch_size 1 with activation_checkpointing full ~{least / GIB:,.1f} GiB")
     )
     raise ConfigError(field, value, f"{step}; {step_room[1]}: use {todo}")
+
+
+def lighter_op_level(cfg: Config, args) -> tuple[str, ...]:
+    """The op-level checkpointing modes that keep less than the run's, the one that reruns least first: matmuls
+    then op from none, op from matmuls; not matmuls where it is refused (compiled MoE blocks under expert
+    parallelism: loom.resolve.check_moe)."""
+    t = cfg.training
+    modes = {"none": ("matmuls", "op"), "matmuls": ("op",)}.get(t.activation_checkpointing, ())
+    if t.compile and cfg.parallel.ep > 1 and args.moe:
+        modes = tuple(m for m in modes if m != "matmuls")
+    return modes
 
 
 def _smallest_step(cfg: Config, dims, args, device: str, ac: str = "full") -> float:

@@ -883,9 +883,11 @@ def offload_block_bytes(profile, x: MemoryInputs, args, cfg: Config) -> float:
     t = cfg.training
     if t.activation_checkpointing in SELECTIVE_AC:
         # its input alone: what the op-level policy keeps stays on the device (loom.parallel.activation_offload);
-        # the residual stream in the compute dtype under FSDP2, fp32 under autocast
+        # the residual stream in the compute dtype under FSDP2 or from a LoRA base frozen in it (its embedding
+        # too), fp32 under autocast
         tokens = x.micro_batch * x.seq_len / x.cp
-        return tokens * args.dim * (BYTES[x.dtype] if x.fsdp else 4) / x.tp
+        compute = x.fsdp or x.lora_base_bytes == 2
+        return tokens * args.dim * (BYTES[x.dtype] if compute else 4) / x.tp
     stored = stored_blocks(t.activation_checkpointing, t.ac_every, args.n_layers)
     return stage_activation(profile, 1, False, x, args, t.activation_checkpointing, stored)
 

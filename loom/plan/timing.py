@@ -284,7 +284,7 @@ def collective_s(nbytes: float, ranks: int, gbps: float) -> float:
 # training.activation_checkpointing matmuls: each block's elementwise forward work (norms, RoPE, SwiGLU, the residual
 # sums) runs again in its backward, no matmul does; priced as this share of the blocks' matmul time, fitted to the
 # 3B one-GPU pair (bench/results/peers_llama3_3b_1gpu_h200.json at ceb40d3: 20,981 tokens/s against 21,270 without
-# checkpointing, 1.4% of the step: 1.36% estimated)
+# checkpointing, 1.36% of the step; 1.38% estimated)
 MATMULS_RERUN_SHARE = 0.022
 
 

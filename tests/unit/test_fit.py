@@ -198,3 +198,14 @@ def test_a_step_that_fits_only_recomputed_names_the_least_rerun_before_full(monk
         ConfigError, match=r"set training.activation_checkpointing op \(~[\d.]+ GiB\) or full"
     ):
         fit.check_fits(on, dims, args, "cuda", 1)
+    # never a mode the run would refuse: no matmuls for compiled MoE blocks under expert parallelism
+    from loom.models.llama import FLAVORS
+
+    moe_args = FLAVORS["debug_moe"]
+    moe = build_config(None, {"model.flavor": "debug_moe", "training.compile": "true", "parallel.ep": "2"})
+    assert fit.lighter_op_level(moe, moe_args) == ("op",)
+    assert fit.lighter_op_level(build_config(None, {"model.flavor": "debug_moe"}), moe_args) == (
+        "matmuls",
+        "op",
+    )
+    assert fit.lighter_op_level(on, args) == ("op",) and fit.lighter_op_level(one, args) == ("matmuls", "op")

@@ -406,8 +406,13 @@ def test_plan_models_activation_offload_and_nvme_offload():
     assert "act_offload8" in off.describe() and any("activation_offload: 8 blocks" in n for n in off.notes)
     # op-level checkpointing: a block parks its input alone (bf16 here: cpu_offload's FSDP2 computes in it; fp32
     # under autocast); what the policy keeps stays on the device
+    lora = {
+        "model.n_layers": 8,
+        "lora.rank": 4,
+        "lora.base_dtype": "bfloat16",
+    }  # its frozen embedding in bf16
     for ac in ("op", "matmuls"):
-        for over, width in (({**light}, 2), ({"model.n_layers": 8}, 4)):
+        for over, width in (({**light}, 2), ({"model.n_layers": 8}, 4), (lora, 2)):
             over["training.activation_checkpointing"] = ac
             kept, parked = (
                 estimate(plan_config(**over, **extra), 1, gpu, traced)
