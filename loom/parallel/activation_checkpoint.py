@@ -50,25 +50,35 @@ _MATMUL_OPS = {
 
 def _op_policy(every_matmul: bool = False):
     """The contexts of op-level checkpointing: ``every_matmul`` (``matmuls``) keeps every matmul's output, else
-    (``op``) every other ``aten.mm`` as torchtitan, the grouped GEMMs rerun."""
+    (``op``) every other ``aten.mm`` as torchtitan, the grouped GEMMs rerun. Two factories, not one closure:
+    Dynamo does not guard on a checkpoint's context function beyond its code, so blocks of one code compiled under
+    one mode would replay that mode's graph under the other in the same process (a test compiles both)."""
+    return _every_matmul_contexts if every_matmul else _every_other_matmul_contexts
+
+
+def _every_other_matmul_contexts():
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    def make_contexts():
-        counts: dict[str, int] = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
 
-        def policy(ctx, op, *args, **kwargs):
+    def policy(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.mm.default:
             mode = "recompute" if ctx.is_recompute else "forward"
-            if every_matmul and op in _MATMUL_OPS:
-                return CheckpointPolicy.MUST_SAVE
-            if op == torch.ops.aten.mm.default:
-                counts[f"{mode}_mm"] += 1
-                keep = counts[f"{mode}_mm"] % 2 == 1  # save every other matmul
-                return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-            return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+            counts[mode] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[mode] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-        return tuple(_ignoring_profiler(mode) for mode in create_selective_checkpoint_contexts(policy))
+    return tuple(_ignoring_profiler(mode) for mode in create_selective_checkpoint_contexts(policy))
 
-    return make_contexts
+
+def _every_matmul_contexts():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        keep = op in _MATMUL_OPS or op in _SAVE_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return tuple(_ignoring_profiler(mode) for mode in create_selective_checkpoint_contexts(policy))
 
 
 _IGNORING: dict[type, type] = {}

@@ -159,6 +159,34 @@ def test_matmuls_checkpointing_reruns_no_matmul_and_gives_the_same_gradients():
         assert sum(half.values()) > sum(plain.values()), (case, half, plain)
 
 
+def test_compiled_op_level_modes_do_not_share_graphs_in_one_process():
+    """Blocks of one code compiled under ``matmuls``, then ``op``, then ``matmuls`` again in one process each keep
+    what their own mode says: Dynamo does not guard on a checkpoint's context function beyond its code, so one
+    factory for both modes replayed the first mode's graph (here, and in a GPU test measuring both)."""
+    from loom.parallel.activation_checkpoint import apply_activation_checkpointing
+    from loom.parallel.compile import apply_compile
+
+    def saved(mode: str) -> int:
+        model = Llama(FLAVORS["debug"].with_(vocab_size=384, max_seq_len=32, n_layers=1, attention="sdpa"))
+        apply_activation_checkpointing(model.layers, mode, 1)
+        apply_compile(model.layers, backend="aot_eager_decomp_partition")  # the min-cut partitioner, as inductor
+        count = [0]
+
+        def pack(t):
+            count[0] += t.numel()
+            return t
+
+        h = model.tok_embeddings(torch.randint(0, 384, (2, 32)))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for block in model.layers.values():
+                h = block(h, model.rope, None)
+        h.sum().backward()
+        return count[0]
+
+    first, half, again = saved("matmuls"), saved("op"), saved("matmuls")
+    assert first == again > half > 0, (first, half, again)
+
+
 def test_op_level_checkpointing_modes_keep_the_higher_order_op_rules():
     """loom's checkpointing modes (PyTorch's with profiler ops passed through) are subclasses; higher-order ops
     such as FlexAttention look their rule up by the mode's exact type, so each subclass must carry its base's
