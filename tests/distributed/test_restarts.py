@@ -68,6 +68,21 @@ def fault_env(fault: str | None, rank: str = "1", **extra) -> dict:
     return env
 
 
+def launch(argv_for, tmp_path, env: dict, timeout: int):
+    """Run ``argv_for(run_dir)``; once more in a fresh run dir when a rendezvous lost the race for a free port
+    (torchrun picks one for each restart round, and another test's process on this machine can bind it first: the
+    machine's fault, not the run's). Returns the process and its run dir."""
+    for attempt in range(2):
+        run_dir = tmp_path / ("run" if not attempt else "run_again")
+        proc = subprocess.run(
+            argv_for(run_dir), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        out = (proc.stdout + proc.stderr).lower()
+        if proc.returncode == 0 or not ("eaddrinuse" in out or "address already in use" in out):
+            break
+    return proc, run_dir
+
+
 def records_of(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
@@ -108,9 +123,8 @@ def check_restarted(proc, run_dir, reference, *, resumed: int, killed_rank: int 
 
 def test_sigkill_mid_step_restarts_and_resumes_with_the_same_losses(tmp_path, cache, reference):
     """loom train, 2 ranks: rank 1 SIGKILLed as step 4 starts; the checkpoint of step 2 is the newest."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
+    proc, run_dir = launch(
+        lambda run_dir: [
             os.path.join(BIN, "loom"),
             "train",
             "--nproc-per-node",
@@ -119,11 +133,9 @@ def test_sigkill_mid_step_restarts_and_resumes_with_the_same_losses(tmp_path, ca
             "1",
             *cli_args(run_dir, cache),
         ],
-        cwd=tmp_path,
-        env=fault_env("step:4"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        tmp_path,
+        fault_env("step:4"),
+        600,
     )
     check_restarted(proc, run_dir, reference, resumed=2, killed_rank=1, cause="SIGKILL")
     failure = next(r for r in restarts.read(run_dir) if r["event"] == "failure")
@@ -142,10 +154,9 @@ def test_sigkill_mid_step_restarts_and_resumes_with_the_same_losses(tmp_path, ca
     ],
 )
 def test_loom_train_restart_matrix(tmp_path, cache, reference, nproc, fault, how, resumed):
-    run_dir = tmp_path / "run"
     rank = str(nproc - 1)
-    proc = subprocess.run(
-        [
+    proc, run_dir = launch(
+        lambda run_dir: [
             os.path.join(BIN, "loom"),
             "train",
             "--nproc-per-node",
@@ -154,11 +165,9 @@ def test_loom_train_restart_matrix(tmp_path, cache, reference, nproc, fault, how
             "1",
             *cli_args(run_dir, cache),
         ],
-        cwd=tmp_path,
-        env=fault_env(f"{fault}:{how}" if how else fault, rank),
-        capture_output=True,
-        text=True,
-        timeout=900,
+        tmp_path,
+        fault_env(f"{fault}:{how}" if how else fault, rank),
+        900,
     )
     cause = "RuntimeError: injected fault" if how == "raise" else "SIGKILL"
     check_restarted(proc, run_dir, reference, resumed=resumed, killed_rank=int(rank), cause=cause)
@@ -168,9 +177,8 @@ def test_loom_train_restart_matrix(tmp_path, cache, reference, nproc, fault, how
 def test_torchrun_max_restarts_resumes_by_itself(tmp_path, cache, reference):
     """Plain torchrun: rank 1 raises inside the second save; the workers resume by themselves and the restart
     record names the error (this node's error files of the previous attempt)."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
+    proc, run_dir = launch(
+        lambda run_dir: [
             os.path.join(BIN, "torchrun"),
             "--standalone",
             "--nproc-per-node",
@@ -181,11 +189,9 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path, cache, reference):
             "loom.train",
             *cli_args(run_dir, cache),
         ],
-        cwd=tmp_path,
-        env=fault_env("shard:2:raise"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        tmp_path,
+        fault_env("shard:2:raise"),
+        600,
     )
     # DCP hands rank 1's error to every rank: the cause is the error, from whichever rank wrote it first
     check_restarted(proc, run_dir, reference, resumed=2, killed_rank=None, cause="injected fault at shard")

@@ -169,7 +169,9 @@ def test_compiled_op_level_modes_do_not_share_graphs_in_one_process():
     def saved(mode: str) -> int:
         model = Llama(FLAVORS["debug"].with_(vocab_size=384, max_seq_len=32, n_layers=1, attention="sdpa"))
         apply_activation_checkpointing(model.layers, mode, 1)
-        apply_compile(model.layers, backend="aot_eager_decomp_partition")  # the min-cut partitioner, as inductor
+        apply_compile(
+            model.layers, backend="aot_eager_decomp_partition"
+        )  # the min-cut partitioner, as inductor
         count = [0]
 
         def pack(t):
