@@ -25,6 +25,7 @@ class GPU:
     link_gbps: float
     network_gbps: float
     gpus_per_node: int = 8
+    major: int = 9  # compute capability major (which kernels run: FlashAttention-4 on 9.x-11.x)
 
     def peak(self, dtype: str) -> float:
         flops = peak_flops(self.name, dtype)
@@ -37,8 +38,8 @@ class GPU:
 GPUS: dict[str, GPU] = {
     "H100": GPU("H100 SXM", memory_gib=79.2, hbm_tbps=3.35, link_gbps=360.0, network_gbps=50.0),
     "H200": GPU("H200 SXM", memory_gib=139.8, hbm_tbps=4.8, link_gbps=360.0, network_gbps=50.0),
-    "A100": GPU("A100 SXM", memory_gib=79.2, hbm_tbps=2.04, link_gbps=230.0, network_gbps=25.0),
-    "B200": GPU("B200", memory_gib=178.4, hbm_tbps=8.0, link_gbps=720.0, network_gbps=50.0),
+    "A100": GPU("A100 SXM", memory_gib=79.2, hbm_tbps=2.04, link_gbps=230.0, network_gbps=25.0, major=8),
+    "B200": GPU("B200", memory_gib=178.4, hbm_tbps=8.0, link_gbps=720.0, network_gbps=50.0, major=10),
 }
 
 

@@ -57,6 +57,7 @@ from loom.plan.shapes import expert_params, rank_shares
 from loom.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_HBM_SHARE,
+    ATTENTION_SPEED,
     COPY_HBM_SHARE,
     DDP_BUCKET_COPY_BYTES,
     EP_HOST_WAIT_S,
@@ -69,6 +70,7 @@ from loom.plan.timing import (
     StepTime,
     attention_efficiency,
     attention_flops,
+    attention_speed,
     collective_s,
     efficiency,
     ep_host_s,
@@ -146,6 +148,48 @@ def check_modelled(cfg: Config, args=None) -> None:
             "loom plan does not model FlexAttention (its activations are "
             "traced on the CPU, where Flex has no backward): allowed auto | sdpa | flash",
         )
+
+
+def priced_attention(cfg: Config, args, gpu: GPU) -> str:
+    """The attention backend the step is priced at (loom.plan.timing.attention_speed): the run's, and under
+    ``auto`` for plain causal attention the fastest of those its start-up timing would try on ``gpu``, by their
+    measured speeds: FlashAttention-4 where its package is installed on this machine and the GPU kind runs it, else
+    cuDNN SDPA. A named FlashAttention-4 on a GPU kind that does not run it is refused, as the run would refuse it."""
+    from loom.kernels.attention import fa4
+    from loom.kernels.dispatch import attention_candidates
+
+    head_dim = args.head_dim
+    runs_fa4 = gpu.major in fa4.ARCHS and fa4.head_dims_allowed(head_dim, gpu.major)
+    if cfg.model.attention == "fa4" and not runs_fa4:
+        raise ConfigError(
+            "model.attention",
+            "fa4",
+            f"FlashAttention-4 runs on compute capability 9.x-11.x with head dims it takes ({gpu.name} is "
+            f"{gpu.major}.x, this model's head dim {head_dim}): allowed auto | sdpa | sdpa_cudnn | sdpa_flash | flash",
+        )
+    plain = (
+        args.attention == "sdpa" and not args.mla and cfg.parallel.cp == 1
+    )  # FA4 runs neither MLA nor a ring
+    if cfg.model.attention != "auto" or not plain or cfg.training.dtype == "float32":
+        return args.attention
+    names = attention_candidates(False, "cuda", cfg.training.dtype, head_dim, fa4.installed() and runs_fa4)
+    return max(names, key=lambda name: attention_speed(name, head_dim))
+
+
+def attention_notes(cfg: Config, args, gpu: GPU) -> list[str]:
+    """What the plan assumed of the attention kernel, where it is not the cuDNN SDPA its rate was fitted on."""
+    from loom.kernels.dispatch import KERNEL_NAMES
+
+    backend = priced_attention(cfg, args, gpu)
+    if backend not in ATTENTION_SPEED:
+        return []
+    auto = " (model.attention auto: what its timing picks where the package is installed, as here)"
+    name = KERNEL_NAMES.get(backend, "loom's attention kernel (Triton)")
+    return [
+        f"attention priced as {name}{auto if cfg.model.attention == 'auto' else ''}: "
+        f"{attention_speed(backend, args.head_dim):.2f}x cuDNN SDPA's forward + backward (measured on an H200 at "
+        "seq 8192, docs/planner.md)"
+    ]
 
 
 def model_args(cfg: Config):
@@ -267,6 +311,7 @@ def estimate(
             f"the host launches the rest: {1e3 * EP_HOST_WAIT_S:g} ms a wait (in 'host'; fitted to one EP2 run on "
             "2xH200, docs/planner.md, Expert parallelism); uneven routing is not modelled"
         )
+    notes.extend(attention_notes(cfg, args, gpu))
     margin = MARGIN * gpu.memory_gib if margin_gib is None else margin_gib
     return Estimate(
         layout,
@@ -606,9 +651,8 @@ def rank_time(
         / dims.tp
         * (1 + rec_attn)
     )
-    compute_mb = (block_mm + frozen * head / dims.tp * tokens) / (peak * eff) + attention / (
-        peak * attention_efficiency(args.head_dim, t.seq_len)
-    )
+    rate = peak * attention_efficiency(args.head_dim, t.seq_len, priced_attention(cfg, args, gpu))
+    compute_mb = (block_mm + frozen * head / dims.tp * tokens) / (peak * eff) + attention / rate
     if t.activation_checkpointing == "matmuls":  # the blocks' elementwise forward work again
         compute_mb += MATMULS_RERUN_SHARE * block_mm / (peak * eff)
     float8 = float8_gathered(cfg, args, share, dims, x)
@@ -624,7 +668,7 @@ def rank_time(
     # the method's models beyond the policy: one trained beside it does its work again; a frozen copy runs a
     # forward (2 FLOPs a weight and token; attention's forward is 1 of attention_flops' 3.5)
     forward = (2 * share.active_matmul_params + 2 * head) / dims.tp * tokens / (peak * eff) + attention / (
-        3.5 * (1 + rec_attn) * peak * attention_efficiency(args.head_dim, t.seq_len)
+        3.5 * (1 + rec_attn) * rate
     )
     compute_mb = compute_mb * (1 + x.trained_copies) + x.frozen_copies * forward
     if x.adapted_bytes != x.lora_base_bytes:  # QLoRA: the NF4 weights dequantized at each use
@@ -685,7 +729,7 @@ def rank_time(
         kv = x.micro_batch * t.seq_len * 2 * args.n_kv_heads * args.head_dim * c / dims.tp
         bandwidth = _bandwidth(dims, ("cp",), gpu)
         if x.cp_ring:
-            block_attention = attention / (peak * attention_efficiency(args.head_dim, t.seq_len)) / blocks
+            block_attention = attention / rate / blocks
             per_block = ring_exposed_s(kv, c, dims.cp, bandwidth, block_attention, recomputed)
         else:
             per_block = (2 + (1 if recomputed else 0)) * collective_s(kv, dims.cp, bandwidth)

@@ -5,7 +5,7 @@ overlaps it), and the pipeline's bubble from the schedule's own replay.
 - compute: the blocks' and head's matmul FLOPs plus what activation checkpointing recomputes, at
   ``efficiency(dim)`` x peak (fitted to measured loom runs: docs/planner.md); causal attention (its
   FLOPs, half the non-causal count MFU uses) at the attention kernel's measured rate
-  (``attention_efficiency``);
+  (``attention_efficiency``: cuDNN SDPA's, scaled by the run's backend's measured speed, ``attention_speed``);
 - optimizer: loom's AdamW reads and writes 28 bytes per parameter a rank owns, and the gradient norm every step
   reads its gradient once more (``GRAD_NORM_BYTES``), at ``ADAMW_HBM_SHARE`` of the HBM bandwidth (measured:
   docs/planner.md);
@@ -62,13 +62,29 @@ ATTENTION_EFFICIENCY = {64: (0.30, 0.41), 128: (0.37, 0.53)}
 ATTENTION_SEQS = (2048, 8192)
 
 
-def attention_efficiency(head_dim: int, seq: int) -> float:
+# Each backend's causal forward + backward throughput as a share of cuDNN SDPA's, by head dim (bench.kernels --suite
+# quick --with fa4, one H200, seq 8192: kernels_quick_h200.md at d9eb110), held at other lengths and GPU kinds;
+# a backend not named here runs at cuDNN's (``sdpa``: the runs the table above comes from)
+ATTENTION_SPEED = {
+    "fa4": {64: 491 / 423, 128: 579 / 514},
+    "flash": {64: 389 / 423, 128: 468 / 514},
+    "sdpa_flash": {64: 269 / 423, 128: 302 / 514},
+}
+
+
+def attention_speed(backend: str, head_dim: int) -> float:
+    """``backend``'s forward + backward speed against cuDNN SDPA's at ``head_dim`` (the nearest measured)."""
+    speeds = ATTENTION_SPEED.get(backend)
+    return speeds[min(speeds, key=lambda d: abs(d - head_dim))] if speeds else 1.0
+
+
+def attention_efficiency(head_dim: int, seq: int, backend: str = "sdpa") -> float:
     import math
 
     lo, hi = ATTENTION_EFFICIENCY[min(ATTENTION_EFFICIENCY, key=lambda d: abs(d - head_dim))]
     a, b = ATTENTION_SEQS
     f = min(max((math.log2(seq) - math.log2(a)) / (math.log2(b) - math.log2(a)), 0.0), 1.0)
-    return lo + f * (hi - lo)
+    return (lo + f * (hi - lo)) * attention_speed(backend, head_dim)
 
 
 def attention_flops(

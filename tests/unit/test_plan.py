@@ -25,6 +25,7 @@ from loom.plan.planner import estimate, search
 from loom.plan.shapes import rank_shares
 
 RUNS = os.path.join(os.path.dirname(__file__), "..", "data", "plan_runs.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOOM = os.path.join(os.path.dirname(sys.executable), "loom")
 
 
@@ -265,6 +266,50 @@ MEASURED = [
         )
         for ac in ("matmuls", "none")
     ),
+    # attention on FlashAttention-4, priced at its measured speed (loom.plan.timing.ATTENTION_SPEED)
+    *(
+        (
+            "peers_llama3_3b_fa4_1gpu_h200.json",
+            f"loom_variants.{row}",
+            dict(
+                model__flavor="3B",
+                model__vocab_size=128256,
+                model__tie_embeddings="false",
+                model__attention="fa4",
+                training__seq_len=8192,
+                training__global_batch_size=1,
+                training__micro_batch_size=1,
+                training__dtype="bfloat16",
+                training__compile="true",
+                training__activation_checkpointing=ac,
+            ),
+            1,
+        )
+        for row, ac in (("mmfa", "matmuls"), ("fa", "op"))
+    ),
+    *(
+        (
+            f"peers_llama3_{flavor.lower()}_z2_2gpu_h200.json",
+            "loom_variants.z2fa",
+            dict(
+                model__flavor=flavor,
+                model__vocab_size=128256,
+                model__tie_embeddings="false",
+                model__attention="fa4",
+                training__seq_len=8192,
+                training__global_batch_size=2,
+                training__micro_batch_size=1,
+                training__dtype="bfloat16",
+                training__compile="true",
+                training__activation_checkpointing="none",
+                parallel__dp_shard=2,
+                parallel__zero=2,
+                parallel__fsdp_symm_mem="true",
+            ),
+            2,
+        )
+        for flavor in ("8B", "3B")
+    ),
 ]
 
 
@@ -282,6 +327,46 @@ def test_estimates_against_measured_runs(name, row, over, world):
     peak = run.get("peak_reserved_gib_max_rank") or run["peak_gib_max_rank"]
     assert est.memory.total / 2**30 == pytest.approx(peak, rel=0.12)
     assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.15)
+
+
+def test_attention_is_priced_at_the_runs_backend(monkeypatch):
+    """The step's attention at its backend's measured speed against cuDNN SDPA's (loom.plan.timing.ATTENTION_SPEED):
+    FlashAttention-4 faster, loom's Triton kernel and SDPA's flash backend slower. In the 3B one-GPU call that ran
+    op-level AC on both (peers_llama3_3b_fa4_1gpu_h200.json: FA4 20,103 against cuDNN 19,676 tokens/s, 1.022x) the
+    estimated ratio is within 1% of it. ``auto`` is priced as what its timing would pick: FA4 where the package is
+    installed and the GPU kind runs it, else cuDNN; a named FA4 is refused on an A100, as a run is."""
+    from loom.kernels.attention import fa4
+
+    over = dict(
+        model__flavor="3B",
+        model__vocab_size=128256,
+        model__tie_embeddings="false",
+        training__seq_len=8192,
+        training__global_batch_size=1,
+        training__micro_batch_size=1,
+        training__dtype="bfloat16",
+        training__compile="true",
+        training__activation_checkpointing="op",
+    )
+    monkeypatch.setattr(fa4, "installed", lambda: False)
+    est = {
+        a: estimate(_cfg(**over, model__attention=a), 1, GPUS["H200"])
+        for a in ("sdpa", "fa4", "flash", "sdpa_flash", "auto")
+    }
+    tps = {a: e.tokens_per_s_per_gpu for a, e in est.items()}
+    assert tps["sdpa_flash"] < tps["flash"] < tps["sdpa"] == tps["auto"] < tps["fa4"], tps
+    assert any("FlashAttention-4" in n for n in est["fa4"].notes)
+    assert not any("attention priced" in n for n in est["sdpa"].notes + est["auto"].notes)
+    with open(os.path.join(ROOT, "bench", "results", "peers_llama3_3b_fa4_1gpu_h200.json")) as f:
+        pair = json.load(f)
+    measured = pair["loom_variants"]["fa"]["tokens_per_s_per_gpu"] / pair["loom"]["tokens_per_s_per_gpu"]
+    assert tps["fa4"] / tps["sdpa"] == pytest.approx(measured, rel=0.01)
+    monkeypatch.setattr(fa4, "installed", lambda: True)
+    auto = estimate(_cfg(**over, model__attention="auto"), 1, GPUS["H200"])
+    assert auto.tokens_per_s_per_gpu == tps["fa4"] and any("FlashAttention-4" in n for n in auto.notes)
+    assert estimate(_cfg(**over, model__attention="auto"), 1, GPUS["A100"]).notes == []
+    with pytest.raises(ConfigError, match="model.attention.*compute capability"):
+        estimate(_cfg(**over, model__attention="fa4"), 1, GPUS["A100"])
 
 
 def _lora_runs() -> list[dict]:
