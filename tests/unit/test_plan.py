@@ -159,6 +159,26 @@ def test_sharding_divides_the_state_and_bad_layouts_raise():
         )
 
 
+def _peers_llama3(flavor: str, gpus: int, attention: str, ac: str, name: str, variant: str, **over) -> tuple:
+    """A bench.peers Llama run's MEASURED entry: the loom variant ``variant`` of ``name``, one sequence of 8192 a
+    GPU, compiled, FSDP2 over ``gpus`` (none on one)."""
+    config = dict(
+        model__flavor=flavor,
+        model__vocab_size=128256,
+        model__tie_embeddings="false",
+        model__attention=attention,
+        training__seq_len=8192,
+        training__global_batch_size=gpus,
+        training__micro_batch_size=1,
+        training__dtype="bfloat16",
+        training__compile="true",
+        training__activation_checkpointing=ac,
+        **({"parallel__dp_shard": gpus} if gpus > 1 else {}),
+        **over,
+    )
+    return name, f"loom_variants.{variant}", config, gpus
+
+
 # Runs measured on GPUs, figures from tests/data/plan_runs.json: (result file, row, config overrides, world size).
 # Runs at commit 331166b predate loom's fused kernels: their kernels are pinned to what ran.
 _OLD = dict(
@@ -246,67 +266,22 @@ MEASURED = [
         2,
     ),
     # training.activation_checkpointing matmuls (its rerun share fitted here) and none, one H200, the same call
-    *(
-        (
-            "peers_llama3_3b_1gpu_h200.json",
-            f"loom_variants.{ac}",
-            dict(
-                model__flavor="3B",
-                model__vocab_size=128256,
-                model__tie_embeddings="false",
-                model__attention="sdpa",
-                training__seq_len=8192,
-                training__global_batch_size=1,
-                training__micro_batch_size=1,
-                training__dtype="bfloat16",
-                training__compile="true",
-                training__activation_checkpointing=ac,
-            ),
-            1,
-        )
-        for ac in ("matmuls", "none")
-    ),
+    *(_peers_llama3("3B", 1, "sdpa", ac, "peers_llama3_3b_1gpu_h200.json", ac) for ac in ("matmuls", "none")),
     # attention on FlashAttention-4, priced at its measured speed (loom.plan.timing.ATTENTION_SPEED)
     *(
-        (
-            "peers_llama3_3b_fa4_1gpu_h200.json",
-            f"loom_variants.{row}",
-            dict(
-                model__flavor="3B",
-                model__vocab_size=128256,
-                model__tie_embeddings="false",
-                model__attention="fa4",
-                training__seq_len=8192,
-                training__global_batch_size=1,
-                training__micro_batch_size=1,
-                training__dtype="bfloat16",
-                training__compile="true",
-                training__activation_checkpointing=ac,
-            ),
-            1,
-        )
+        _peers_llama3("3B", 1, "fa4", ac, "peers_llama3_3b_fa4_1gpu_h200.json", row)
         for row, ac in (("mmfa", "matmuls"), ("fa", "op"))
     ),
     *(
-        (
-            f"peers_llama3_{flavor.lower()}_z2_2gpu_h200.json",
-            "loom_variants.z2fa",
-            dict(
-                model__flavor=flavor,
-                model__vocab_size=128256,
-                model__tie_embeddings="false",
-                model__attention="fa4",
-                training__seq_len=8192,
-                training__global_batch_size=2,
-                training__micro_batch_size=1,
-                training__dtype="bfloat16",
-                training__compile="true",
-                training__activation_checkpointing="none",
-                parallel__dp_shard=2,
-                parallel__zero=2,
-                parallel__fsdp_symm_mem="true",
-            ),
+        _peers_llama3(
+            flavor,
             2,
+            "fa4",
+            "none",
+            f"peers_llama3_{flavor.lower()}_z2_2gpu_h200.json",
+            "z2fa",
+            parallel__zero=2,
+            parallel__fsdp_symm_mem="true",
         )
         for flavor in ("8B", "3B")
     ),
