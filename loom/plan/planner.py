@@ -65,6 +65,7 @@ from loom.plan.timing import (
     FLOAT8_GEMM_SPEEDUP,
     FLOAT8_WEIGHT_CAST_BYTES,
     GRAD_NORM_BYTES,
+    LORA_BYTES_PER_WIDTH,
     MATMULS_RERUN_SHARE,
     NF4_DEQUANT_HBM_SHARE,
     StepTime,
@@ -419,6 +420,7 @@ def lora_inputs(cfg: Config, args) -> dict:
         adapted_bytes=nf4 if lora.base_dtype == "nf4" else base,
         block_adapters=float(sum(p.numel() for p in model.parameters() if p.requires_grad)),
         block_adapted=float(sum(m.weight.numel() for _, m in lora_modules(model))),
+        block_adapted_width=float(sum(sum(m.weight.shape) for _, m in lora_modules(model))),
     )
 
 
@@ -671,6 +673,9 @@ def rank_time(
         3.5 * (1 + rec_attn) * rate
     )
     compute_mb = compute_mb * (1 + x.trained_copies) + x.frozen_copies * forward
+    if x.lora_base_bytes:  # the adapters' memory-bound passes over each adapted linear's input and output
+        passes = LORA_BYTES_PER_WIDTH * (1 + rec_mm) * share.layers * x.block_adapted_width / dims.tp * tokens
+        compute_mb += passes / (COPY_HBM_SHARE * gpu.hbm_tbps * 1e12)
     if x.adapted_bytes != x.lora_base_bytes:  # QLoRA: the NF4 weights dequantized at each use
         adapted = share.layers * x.block_adapted / dims.tp
         dequant = (1 + forwards) * adapted * (x.adapted_bytes + 2)  # each forward and the input gradient

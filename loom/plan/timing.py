@@ -107,7 +107,16 @@ ADAMW_BYTES_PER_PARAM = 28
 # forward again where checkpointing recomputes it) dequantizes it to a bf16 copy, reading the NF4 bytes and writing
 # 2 a weight, at this share of the HBM bandwidth: fitted to the one QLoRA run measured (8B, seq 2048, full
 # checkpointing, one H100: qlora_8b_h100.json, docs/planner.md), whose dequantization is several torchao kernels
-NF4_DEQUANT_HBM_SHARE = 0.27
+NF4_DEQUANT_HBM_SHARE = 0.36
+
+# LoRA: the adapters' rank-r products are memory-bound passes over each adapted linear's input and output (the
+# down-projection reads the input, the up-projection's product is added onto the base's output, and their
+# gradients again), and a step with 4 FLOPs a frozen weight and token carries the elementwise work a full step
+# spreads over 6, which the fitted matmul efficiency does not hold: bytes per token and unit of an adapted linear's
+# input + output width, forward + backward, at the copy rate (again for a recomputed forward). Fitted to the 8B LoRA
+# run on one H200 (dd2346f, 14.5 ms a step beyond the FLOPs); the 8B and 1B runs on one H100 test it
+# (docs/planner.md, LoRA and QLoRA)
+LORA_BYTES_PER_WIDTH = 4.5
 
 # Generation (loom.plan.generate). A decode step streams every weight and the KV cache once, at the share of HBM
 # bandwidth loom's decode reaches: at batch 1, and at larger batches (its projections then cuBLAS matmuls). A small

@@ -352,11 +352,12 @@ def _lora_runs() -> list[dict]:
 @pytest.mark.parametrize("run", _lora_runs(), ids=lambda r: r["run"])
 def test_lora_estimates_against_measured_runs(run):
     """LoRA and QLoRA (a frozen base in bf16 or NF4, adapters with gradients and AdamW moments, no weight gradient
-    for the base): peak memory within 12%, throughput within 15% of each run, on its own GPU kind (QLoRA's
-    dequantization rate is fitted to its run)."""
+    for the base): peak memory within 12%, throughput within 5% of each run, on its own GPU kind (the adapters'
+    bytes are fitted to the 8B run on an H200, QLoRA's dequantization rate to its run; the two H100 LoRA runs read
+    +10% and +11% before the adapters' bytes were counted)."""
     est = estimate(build_config(None, run["config"]), run["gpus"], GPUS[run["gpu"]])
     assert est.memory.total / 2**30 == pytest.approx(run["peak_gib_max_rank"], rel=0.12)
-    assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.15)
+    assert est.tokens_per_s_per_gpu == pytest.approx(run["tokens_per_s_per_gpu"], rel=0.05)
 
 
 def test_lora_state_is_the_adapters_and_a_frozen_base():
