@@ -3,6 +3,7 @@ other matmul kept; ``matmuls``: every matmul kept)."""
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import torch
@@ -13,6 +14,19 @@ import loom.kernels.attention.op
 import loom.kernels.lora.op
 import loom.parallel.context_parallel  # noqa: F401  (registers torch.ops.loom.ring_attn)
 from loom.config.sections import SELECTIVE_AC
+
+
+class _PolicyNoteFilter(logging.Filter):
+    """Drops PyTorch's note, once per process, that a compiled checkpoint has a context function (every op-level
+    policy's): a caution against in-place ops in the region, which loom's compiled blocks are tested against eager
+    for (tests/gpu/test_gpu_train.py, tests/distributed/test_model_parallel.py). It was half of a run's start-up
+    output, four lines a rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_PolicyNoteFilter())
 
 # op-level selective AC: keep the outputs of these (expensive to recompute), recompute the rest.
 # Like torchtitan, every second matmul is saved so memory stays between none and full; every attention

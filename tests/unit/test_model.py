@@ -189,6 +189,22 @@ def test_compiled_op_level_modes_do_not_share_graphs_in_one_process():
     assert first == again > half > 0, (first, half, again)
 
 
+def test_pytorchs_compiled_policy_note_is_dropped_and_nothing_else():
+    """PyTorch's one-line caution that a compiled checkpoint has a context function (loom's op-level policies) does
+    not reach the run's output; the logger's other records do."""
+    import logging
+
+    import loom.parallel.activation_checkpoint  # noqa: F401  (installs the filter)
+
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+
+    def passes(msg: str) -> bool:
+        return log.filter(log.makeRecord(log.name, logging.WARNING, __file__, 0, msg, (), None))
+
+    assert not passes("\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\n")
+    assert passes("some other warning")
+
+
 def test_op_level_checkpointing_modes_keep_the_higher_order_op_rules():
     """loom's checkpointing modes (PyTorch's with profiler ops passed through) are subclasses; higher-order ops
     such as FlexAttention look their rule up by the mode's exact type, so each subclass must carry its base's
