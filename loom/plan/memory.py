@@ -110,7 +110,10 @@ class MemoryInputs:
     adapted_bytes: float = 0
     block_adapters: float = 0.0
     block_adapted: float = 0.0
-    block_adapted_width: float = 0.0  # the adapted linears' input + output widths, summed over one block
+    # the adapted linears' input + output widths summed over one block: the part tensor parallelism splits, the
+    # part each rank holds whole (loom.plan.planner.adapted_widths)
+    block_adapted_split: float = 0.0
+    block_adapted_whole: float = 0.0
     # the training method's models beyond the policy (loom.methods' PlanExtras): frozen copies of its shape (a
     # reference, a teacher: their fp32 weights, sharded as the policy's) and models of its shape trained beside it
     frozen_copies: int = 0

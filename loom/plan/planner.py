@@ -168,10 +168,14 @@ def priced_attention(cfg: Config, args, gpu: GPU) -> str:
             f"FlashAttention-4 runs on compute capability 9.x-11.x with head dims it takes ({gpu.name} is "
             f"{gpu.major}.x, this model's head dim {head_dim}): allowed auto | sdpa | sdpa_cudnn | sdpa_flash | flash",
         )
-    plain = (
-        args.attention == "sdpa" and not args.mla and cfg.parallel.cp == 1
-    )  # FA4 runs neither MLA nor a ring
-    if cfg.model.attention != "auto" or not plain or cfg.training.dtype == "float32":
+    if cfg.parallel.cp > 1:  # attention under context parallelism runs loom's kernel, whatever is named
+        return "flash"
+    # what the run's start-up timing picks from (loom.resolve.times_attention): not for deterministic runs or MLA
+    # (windows and documents resolved to loom's kernel already), nor in fp32 (untimed)
+    timed = args.attention == "sdpa" and not (
+        args.mla or cfg.run.deterministic or cfg.training.dtype == "float32"
+    )
+    if cfg.model.attention != "auto" or not timed:
         return args.attention
     names = attention_candidates(False, "cuda", cfg.training.dtype, head_dim, fa4.installed() and runs_fa4)
     return max(names, key=lambda name: attention_speed(name, head_dim))
@@ -184,10 +188,11 @@ def attention_notes(cfg: Config, args, gpu: GPU) -> list[str]:
     backend = priced_attention(cfg, args, gpu)
     if backend not in ATTENTION_SPEED:
         return []
+    timed = cfg.model.attention == "auto" and backend == "fa4"
     auto = " (model.attention auto: what its timing picks where the package is installed, as here)"
     name = KERNEL_NAMES.get(backend, "loom's attention kernel (Triton)")
     return [
-        f"attention priced as {name}{auto if cfg.model.attention == 'auto' else ''}: "
+        f"attention priced as {name}{auto if timed else ''}: "
         f"{attention_speed(backend, args.head_dim):.2f}x cuDNN SDPA's forward + backward (measured on an H200 at "
         "seq 8192, docs/planner.md)"
     ]
@@ -420,8 +425,30 @@ def lora_inputs(cfg: Config, args) -> dict:
         adapted_bytes=nf4 if lora.base_dtype == "nf4" else base,
         block_adapters=float(sum(p.numel() for p in model.parameters() if p.requires_grad)),
         block_adapted=float(sum(m.weight.numel() for _, m in lora_modules(model))),
-        block_adapted_width=float(sum(sum(m.weight.shape) for _, m in lora_modules(model))),
+        **adapted_widths(model, lora_modules(model)),
     )
+
+
+def adapted_widths(model, modules) -> dict:
+    """One block's adapted linears' input + output widths: the part tensor parallelism splits over its ranks (a
+    column-parallel base's output, a row-parallel one's input) and the part each rank reads or writes whole (the
+    other side: an adapter's A or B replicated, ``loom.parallel.tensor_parallel.lora_styles``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from loom.parallel.tensor_parallel import block_plan_for
+
+    plan = block_plan_for(next(iter(model.layers.values())))
+    split = whole = 0.0
+    for name, module in modules:
+        out_width, in_width = module.weight.shape
+        style = plan.get(name.split(".", 2)[-1])  # layers.0.attention.wq -> attention.wq
+        if isinstance(style, ColwiseParallel):
+            split, whole = split + out_width, whole + in_width
+        elif isinstance(style, RowwiseParallel):
+            split, whole = split + in_width, whole + out_width
+        else:
+            whole += in_width + out_width
+    return dict(block_adapted_split=split, block_adapted_whole=whole)
 
 
 def activation_profile(cfg: Config, dims: ParallelDims, args, x: MemoryInputs, profiles: dict | None = None):
@@ -674,7 +701,8 @@ def rank_time(
     )
     compute_mb = compute_mb * (1 + x.trained_copies) + x.frozen_copies * forward
     if x.lora_base_bytes:  # the adapters' memory-bound passes over each adapted linear's input and output
-        passes = LORA_BYTES_PER_WIDTH * (1 + rec_mm) * share.layers * x.block_adapted_width / dims.tp * tokens
+        width = x.block_adapted_split / dims.tp + x.block_adapted_whole
+        passes = LORA_BYTES_PER_WIDTH * (1 + rec_mm) * share.layers * width * tokens
         compute_mb += passes / (COPY_HBM_SHARE * gpu.hbm_tbps * 1e12)
     if x.adapted_bytes != x.lora_base_bytes:  # QLoRA: the NF4 weights dequantized at each use
         adapted = share.layers * x.block_adapted / dims.tp

@@ -55,7 +55,9 @@ def efficiency(dim: int, compiled: bool) -> float:
     return EFFICIENCY_TOP["compiled" if compiled else "eager"] * dim / (dim + EFFICIENCY_HALF_DIM)
 
 
-# Causal attention forward + backward (cuDNN SDPA, what loom's `auto` picks for plain causal attention), as a
+# Causal attention forward + backward (cuDNN SDPA, what loom's `auto` picks for plain causal attention without
+# FlashAttention-4; the runs it is checked against ran `auto` or `sdpa` with cuDNN first, bench.peers' order; a plain
+# `sdpa` elsewhere takes PyTorch's own order, which this does not model), as a
 # fraction of the bf16 peak, by head dim at seq 2048 / 8192; log-linear in between, held outside (the run it comes
 # from: docs/planner.md, Time).
 ATTENTION_EFFICIENCY = {64: (0.30, 0.41), 128: (0.37, 0.53)}

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -78,8 +79,13 @@ def launch(argv_for, tmp_path, env: dict, timeout: int):
             argv_for(run_dir), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
         )
         out = (proc.stdout + proc.stderr).lower()
-        if proc.returncode == 0 or not ("eaddrinuse" in out or "address already in use" in out):
+        if attempt or proc.returncode == 0 or not ("eaddrinuse" in out or "address already in use" in out):
             break
+        warnings.warn(  # the first attempt, said: a restart path that itself lost a port would show here
+            f"launch exited {proc.returncode} on a taken port; once more in a fresh run dir. Its output's end:\n"
+            + (proc.stdout + proc.stderr)[-2000:],
+            stacklevel=2,
+        )
     return proc, run_dir
 
 

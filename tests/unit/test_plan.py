@@ -72,6 +72,15 @@ def test_pipeline_in_flight_micro_batches():
     assert pipeline_peak(gpipe[0], {0: 1.0}, split_backward=False) == 8
 
 
+@pytest.fixture(autouse=True)
+def _no_flash_attn_4(monkeypatch):
+    """The measured runs' ``auto`` ran where FlashAttention-4 was not installed; the planner prices ``auto`` by this
+    machine's install (loom.plan.planner.priced_attention), so the estimates here do not depend on it."""
+    from loom.kernels.attention import fa4
+
+    monkeypatch.setattr(fa4, "installed", lambda: False)
+
+
 def _cfg(**over):
     return build_config(None, {k.replace("__", "."): str(v) for k, v in over.items()})
 
@@ -323,7 +332,6 @@ def test_attention_is_priced_at_the_runs_backend(monkeypatch):
         training__compile="true",
         training__activation_checkpointing="op",
     )
-    monkeypatch.setattr(fa4, "installed", lambda: False)
     est = {
         a: estimate(_cfg(**over, model__attention=a), 1, GPUS["H200"])
         for a in ("sdpa", "fa4", "flash", "sdpa_flash", "auto")
@@ -339,6 +347,14 @@ def test_attention_is_priced_at_the_runs_backend(monkeypatch):
     monkeypatch.setattr(fa4, "installed", lambda: True)
     auto = estimate(_cfg(**over, model__attention="auto"), 1, GPUS["H200"])
     assert auto.tokens_per_s_per_gpu == tps["fa4"] and any("FlashAttention-4" in n for n in auto.notes)
+    # not timed: a deterministic run's auto is SDPA; under context parallelism every name runs loom's kernel
+    fixed = estimate(_cfg(**over, model__attention="auto", run__deterministic="true"), 1, GPUS["H200"])
+    assert fixed.tokens_per_s_per_gpu == tps["sdpa"]
+    ring = {
+        a: estimate(_cfg(**over, model__attention=a, parallel__cp=2), 2, GPUS["H200"]).tokens_per_s_per_gpu
+        for a in ("auto", "flash", "sdpa_flash")
+    }
+    assert len(set(ring.values())) == 1, ring
     assert estimate(_cfg(**over, model__attention="auto"), 1, GPUS["A100"]).notes == []
     with pytest.raises(ConfigError, match="model.attention.*compute capability"):
         estimate(_cfg(**over, model__attention="fa4"), 1, GPUS["A100"])
@@ -385,6 +401,24 @@ def test_lora_state_is_the_adapters_and_a_frozen_base():
     assert qlora.memory.weights < 0.6 * lora.memory.weights
     assert lora.time.compute < 0.8 * full.time.compute and lora.time.optimizer < full.time.optimizer / 50
     assert lora.memory.total < full.memory.total and lora.params == full.params  # the base's count
+
+
+def test_lora_adapter_widths_follow_tensor_parallelism():
+    """The adapters' passes per rank under tensor parallelism: a column-parallel base's output and a row-parallel
+    one's input are split (q, k, v, gate, up outputs; o, down inputs), the other side (the adapter's replicated A or
+    B) is read or written whole: at 8B, 53,248 of a block's 81,920 units split, 28,672 whole."""
+    from loom.plan.planner import lora_inputs, model_args
+
+    cfg = _cfg(model__flavor="8B", lora__rank=16, lora__targets="all", training__dtype="bfloat16")
+    widths = lora_inputs(cfg, model_args(cfg))
+    a = FLAVORS["8B"]
+    kv = a.n_kv_heads * a.dim // a.n_heads
+    columns, rows = (
+        (a.dim + 2 * kv + 2 * a.ffn_dim, 5 * a.dim),
+        (a.dim + a.ffn_dim, 2 * a.dim),
+    )  # (split, whole)
+    assert widths["block_adapted_split"] == columns[0] + rows[0] == 53248
+    assert widths["block_adapted_whole"] == columns[1] + rows[1] == 28672
 
 
 def test_the_start_up_memory_check_counts_a_lora_run_as_lora():
