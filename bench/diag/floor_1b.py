@@ -3,8 +3,9 @@ parts measured here: the step's GEMMs alone (every linear's forward, input-gradi
 the step's shapes, back to back in bf16), its attention alone (forward + backward on the backend ``auto`` chose),
 both together (the GPU's power cap binds the GEMMs hardest when nothing else runs), the AdamW kernel alone, and the
 bytes the rest of the step must move at least (RMSNorm, residual adds, RoPE, SwiGLU, the loss's softmax, the
-gradient norm) over the bandwidth a copy reaches here. Against ``--peer`` (a bench.train_1b result of the same call
-with ``hf_compile``) it prints the step a ratio of ``--bar`` needs and what is left of it for that rest.
+gradient norm) at the bandwidth and the energy a byte of a copy costs here; each part's time, power and joules.
+Against ``--peer`` (a bench.train_1b result of the same call with ``hf_compile``) it sets the step a ratio of
+``--bar`` needs beside the floor: the parts one after another, and their energy at the power limit.
 docs/benchmarks.md, "One GPU: where the time goes", reads it.
 
     python -m bench.train_1b --variants loom_compile,hf_compile --out /tmp/t1b.json
@@ -52,14 +53,12 @@ def rest_bytes(args, tokens: int, n_params: int) -> dict[str, float]:
     return out
 
 
-def copy_bandwidth(gib: float = 2.0) -> float:
-    """Bytes/s a device-to-device copy moves here (read + write), the best of 10."""
-    from bench.common import event_ms
-
+def copy_pass(gib: float = 2.0):
+    """A device-to-device copy of ``gib`` GiB (fp32) and the bytes it moves (read + write): the bandwidth, and the
+    energy a byte costs, of a plain memory-bound pass here."""
     src = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device="cuda").normal_()
     dst = torch.empty_like(src)
-    best = min(event_ms(lambda: dst.copy_(src), 10, 3))
-    return 2 * src.numel() * 4 / (best / 1e3)
+    return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
 def gemm_pass(shapes: list[tuple[int, int]], tokens: int):
@@ -97,14 +96,27 @@ def attention_pass(args, micro_batch: int, seq: int, backend: str):
     return run
 
 
-def measure(micro_batch: int, seq: int) -> dict:
-    from bench.common import GpuSampler, event_ms, time_steps
-    from bench.train_1b import loom_trainer
+def timed(fn, seconds: float = 2.0, warm: int = 3) -> dict:
+    """Median ms of ``fn`` over about ``seconds`` of back-to-back calls, with the GPU's median power over them (W,
+    NVML, the samples at >= 90% utilization) and so the joules one call costs."""
+    from bench.common import GpuSampler, event_ms
 
-    def timed(fn, n=20, warm=3):
-        with GpuSampler(every_s=0.05) as gpus:
-            ms = statistics.median(event_ms(fn, n, warm))
-        return ms, gpus.summary()
+    first = statistics.median(event_ms(fn, 3, warm))
+    with GpuSampler(every_s=0.05) as sampler:
+        ms = statistics.median(event_ms(fn, max(5, int(seconds * 1e3 / first)), 0))
+    steady = ((sampler.summary() or {}).get("0") or {}).get("steady") or {}
+    watts = steady.get("power_w_median")
+    return {
+        "ms": ms,
+        "w": watts,
+        "j": None if watts is None else watts * ms / 1e3,
+        "mhz": steady.get("sm_clock_mhz_median"),
+    }
+
+
+def measure(micro_batch: int, seq: int) -> dict:
+    from bench.common import time_steps
+    from bench.train_1b import loom_trainer
 
     trainer = loom_trainer(micro_batch, {"training.compile": "true"}, tempfile.mkdtemp(), seq)
     engine, args = trainer.engine, trainer.model_args
@@ -113,13 +125,16 @@ def measure(micro_batch: int, seq: int) -> dict:
     n_params = sum(p.numel() for p in engine.params)
     out = {"tokens": tokens, "attention": backend, "attention_start_up_ms": engine.attention_times}
 
-    batches = [trainer.loader.next_step().micro_batches for _ in range(16)]
+    batches = [trainer.loader.next_step().micro_batches for _ in range(24)]
     times, _, _, gpus = time_steps(trainer.train_step, batches, 4)
-    out["step_ms"] = 1e3 * statistics.median(times)
-    out["step_gpus"] = gpus
+    steady = gpus["0"]["steady"] if gpus and gpus["0"].get("steady") else {}
+    ms = 1e3 * statistics.median(times)
+    watts = steady.get("power_w_median")
+    out["step"] = {"ms": ms, "w": watts, "j": None if watts is None else watts * ms / 1e3}
+    out["power_limit_w"] = (gpus or {}).get("0", {}).get("power_limit_w")
     mbs = [engine.local_tokens(mb) for mb in batches[0]]
     engine.steps.step(mbs, torch.tensor(1.0 / tokens, device="cuda"))  # gradients for the optimizer alone
-    out["optimizer_ms"] = statistics.median(event_ms(engine.optimizer.step, 8, 2))
+    out["optimizer"] = timed(engine.optimizer.step)
     shapes = linear_shapes(engine.module)
     del trainer, engine, batches, mbs
     torch.cuda.empty_cache()
@@ -127,39 +142,52 @@ def measure(micro_batch: int, seq: int) -> dict:
     gemms, flops = gemm_pass(shapes, tokens)
     attention = attention_pass(args, micro_batch, seq, backend)
     out["gemm_tflop"] = flops / 1e12
-    out["gemms_ms"], out["gemms_gpus"] = timed(gemms)
-    out["gemm_tflops_per_s"] = flops / (out["gemms_ms"] / 1e3) / 1e12
-    out["attention_ms"], _ = timed(attention)
-    out["gemms_attention_ms"], out["gemms_attention_gpus"] = timed(lambda: (gemms(), attention()))
-    out["copy_bytes_per_s"] = copy_bandwidth()
+    out["gemms"] = timed(gemms)
+    out["gemm_tflops_per_s"] = flops / (out["gemms"]["ms"] / 1e3) / 1e12
+    out["attention_alone"] = timed(attention)
+    out["gemms_attention"] = timed(lambda: (gemms(), attention()))
+    copy, copy_bytes = copy_pass()
+    out["copy"] = {**timed(copy), "bytes": copy_bytes}
+    out["copy"]["bytes_per_s"] = copy_bytes / (out["copy"]["ms"] / 1e3)
     rest = rest_bytes(args, tokens, n_params)
+    total = sum(rest.values())
     out["rest_bytes"] = rest
-    out["rest_floor_ms"] = 1e3 * sum(rest.values()) / out["copy_bytes_per_s"]
-    out["floor_ms"] = out["gemms_attention_ms"] + out["optimizer_ms"] + out["rest_floor_ms"]
+    out["rest_floor"] = {
+        "ms": 1e3 * total / out["copy"]["bytes_per_s"],
+        "j": None if out["copy"]["j"] is None else total / copy_bytes * out["copy"]["j"],
+    }
+    parts = [out["gemms_attention"], out["optimizer"], out["rest_floor"]]
+    out["floor_ms_in_sequence"] = sum(p["ms"] for p in parts)  # the parts one after another, each as measured
+    if all(p["j"] is not None for p in parts):
+        out["floor_j"] = sum(p["j"] for p in parts)
     out["peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
     return out
 
 
-def against_peer(out: dict, peer_file: str, bar: float) -> dict:
-    """The step ``bar`` times the peer's speed needs (its median step in ``peer_file`` over ``bar``), and what is
-    left of it beyond the GEMMs, attention and optimizer measured here, against the rest's floor."""
+def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) -> dict:
+    """The step ``bar`` times the peer's speed needs (its median step in ``peer_file`` over ``bar``) against the
+    floor: in time (the parts one after another) and in energy (a step at the power limit can spend at most
+    limit x time)."""
     with open(peer_file) as fh:
         by = {r["variant"]: r for r in json.load(fh)["results"] if "error" not in r}
     peer_ms = 1e3 * by["hf_compile"]["step_s_median"]
     need = peer_ms / bar
-    left = need - out["gemms_attention_ms"] - out["optimizer_ms"]
-    return {
+    res = {
         "peer_step_ms": peer_ms,
         "loom_step_ms_in_that_run": 1e3 * by["loom_compile"]["step_s_median"]
         if "loom_compile" in by
         else None,
         "bar": bar,
         "step_needed_ms": need,
-        "left_for_the_rest_ms": left,
-        "rest_floor_ms": out["rest_floor_ms"],
-        "rest_now_ms": out["step_ms"] - out["gemms_attention_ms"] - out["optimizer_ms"],
-        "floor_ratio": peer_ms / out["floor_ms"],
+        "floor_ratio_in_sequence": peer_ms / out["floor_ms_in_sequence"],
+        "left_for_the_rest_ms": need - out["gemms_attention"]["ms"] - out["optimizer"]["ms"],
+        "rest_floor_ms": out["rest_floor"]["ms"],
     }
+    if "floor_j" in out:
+        res["joules_allowed"] = need / 1e3 * power_limit_w
+        res["floor_ms_at_the_limit"] = out["floor_j"] / power_limit_w * 1e3
+        res["floor_ratio_at_the_limit"] = peer_ms / res["floor_ms_at_the_limit"]
+    return res
 
 
 def main() -> None:
@@ -168,6 +196,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--peer", default="", help="a bench.train_1b result with hf_compile, from the same call")
     p.add_argument("--bar", type=float, default=1.3)
+    p.add_argument(
+        "--power-limit-w", type=float, default=700.0, help="the GPU's power limit (an H200's: 700)"
+    )
     p.add_argument("--out", default="")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -175,7 +206,9 @@ def main() -> None:
         sys.exit(2)
     out = measure(a.micro_batch, a.seq)
     if a.peer:
-        out["against_peer"] = against_peer(out, a.peer, a.bar)
+        out["against_peer"] = against_peer(
+            out, a.peer, a.bar, a.power_limit_w or out["power_limit_w"] or 700.0
+        )
     print(json.dumps(out, indent=1), flush=True)
     if a.out:
         from bench.common import command, default_commit, environment, write_result
