@@ -20,9 +20,14 @@ import time
 
 
 def command() -> str:
-    """The command that started this script, as typed from the repository root: ``python -m bench.<name> ...``."""
-    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-    return " ".join(["python", "-m", f"bench.{name}"] + [shlex.quote(a) for a in sys.argv[1:]])
+    """The command that started this script, as typed from the repository root: ``python -m bench.<name> ...``
+    (``bench.diag.<name>`` for the diagnostics)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rel = os.path.relpath(os.path.splitext(os.path.abspath(sys.argv[0]))[0], root)
+    module = (
+        rel.replace(os.sep, ".") if rel.startswith("bench" + os.sep) else "bench." + os.path.basename(rel)
+    )
+    return " ".join(["python", "-m", module] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
 def environment(commit: str, command: str, modules: tuple[str, ...] = ()) -> dict:

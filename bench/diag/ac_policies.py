@@ -102,10 +102,9 @@ def main() -> None:
         rows.append(measure(a.flavor, a.seq, a.layers, a.batch, mode, save, a.steps))
         print(json.dumps(rows[-1]), flush=True)
     if a.out:
-        from bench.common import default_commit, environment, write_result
+        from bench.common import command, default_commit, environment, write_result
 
-        typed = " ".join(["python -m bench.diag.ac_policies", *sys.argv[1:]])
-        write_result(a.out, {"environment": environment(default_commit(), typed), "rows": rows})
+        write_result(a.out, {"environment": environment(default_commit(), command()), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -69,10 +69,9 @@ def main() -> None:
     out = measure()
     print(json.dumps(out), flush=True)
     if a.out:
-        from bench.common import default_commit, environment, write_result
+        from bench.common import command, default_commit, environment, write_result
 
-        typed = " ".join(["python -m bench.diag.casts_1b", *sys.argv[1:]])
-        write_result(a.out, {"environment": environment(default_commit(), typed), "times": out})
+        write_result(a.out, {"environment": environment(default_commit(), command()), "times": out})
 
 
 if __name__ == "__main__":

@@ -158,10 +158,9 @@ def main() -> None:
         print(json.dumps({"float8": f8, "planner": plan}), flush=True)
         rows.append({"float8": f8, "planner": plan})
     if a.out:
-        from bench.common import default_commit, environment, write_result
+        from bench.common import command, default_commit, environment, write_result
 
-        typed = " ".join(["python -m bench.diag.float8_saved", *sys.argv[1:]])
-        write_result(a.out, {"environment": environment(default_commit(), typed), "rows": rows})
+        write_result(a.out, {"environment": environment(default_commit(), command()), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -172,7 +172,17 @@ def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) ->
         by = {r["variant"]: r for r in json.load(fh)["results"] if "error" not in r}
     peer_ms = 1e3 * by["hf_compile"]["step_s_median"]
     need = peer_ms / bar
+    keep = (
+        "step_s_median",
+        "tokens_per_s",
+        "mfu",
+        "peak_reserved_gib",
+        "gpus",
+        "joules_per_token",
+        "profile",
+    )
     res = {
+        "runs": {v: {k: r.get(k) for k in keep} for v, r in by.items()},  # the peer file's figures, kept here
         "peer_step_ms": peer_ms,
         "loom_step_ms_in_that_run": 1e3 * by["loom_compile"]["step_s_median"]
         if "loom_compile" in by
