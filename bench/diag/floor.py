@@ -1,15 +1,18 @@
-"""How fast the 1B one-GPU step (bench.train_1b's loom side, compiled) could be on this GPU at its precision, from
-parts measured here: the step's GEMMs alone (every linear's forward, input-gradient and weight-gradient product at
-the step's shapes, back to back in bf16), its attention alone (forward + backward on the backend ``auto`` chose),
+"""How fast a one-GPU training step could be on this GPU at its precision, from parts measured here: the step's
+GEMMs alone (every linear's forward, input-gradient and, where it trains, weight-gradient product at the step's
+shapes, LoRA's rank-r products included, back to back in bf16), its attention alone (forward + backward on the backend ``auto`` chose),
 both together (the GPU's power cap binds the GEMMs hardest when nothing else runs), the AdamW kernel alone, and the
 bytes the rest of the step must move at least (RMSNorm, residual adds, RoPE, SwiGLU, the loss's softmax, the
 gradient norm) at the bandwidth and the energy a byte of a copy costs here; each part's time, power and joules.
-Against ``--peer`` (a bench.train_1b result of the same call with ``hf_compile``) it sets the step a ratio of
-``--bar`` needs beside the floor: the parts one after another, and their energy at the power limit.
+Against ``--peer`` (the same call's bench.train_1b or bench.lora result with the peer) it sets the step a ratio of
+``--bar`` needs beside the floor: the parts one after another, and their energy at the power limit. Workloads: the
+1B step of bench.train_1b (loom compiled) and the LoRA 8B step of bench.lora (``loom_lora``).
 docs/benchmarks.md, "One GPU: where the time goes", reads it.
 
     python -m bench.train_1b --variants loom_compile,hf_compile --out /tmp/t1b.json
-    python -m bench.diag.floor_1b --peer /tmp/t1b.json --out bench/results/floor_1b_h200.json
+    python -m bench.diag.floor --peer /tmp/t1b.json --out bench/results/floor_1b_h200.json
+    python -m bench.lora --flavor 8B --variants loom_lora_graphs,hf_peft_compile --micro-batch 2 --out /tmp/l8.json
+    python -m bench.diag.floor --workload lora_8b --peer /tmp/l8.json --out bench/results/floor_lora_8b_h200.json
 """
 
 from __future__ import annotations
@@ -24,32 +27,57 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+# name -> (the loom trainer the floor measures, the peer's and loom's variants in the --peer file, micro-batch)
+WORKLOADS = {
+    "1b": ("bench.train_1b", {"training.compile": "true"}, "hf_compile", "loom_compile", 4),
+    "lora_8b": ("bench.lora", "loom_lora", "hf_peft_compile", "loom_lora_graphs", 2),
+}
 
-def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
-    """(in, out) of every linear the model runs, the output head included (tied or not)."""
-    return [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+
+def workload_trainer(name: str, micro_batch: int, seq: int):
+    """The loom trainer of workload ``name``, as its bench script builds it."""
+    module, overrides, *_ = WORKLOADS[name]
+    run_dir = tempfile.mkdtemp()
+    if module == "bench.lora":
+        from bench.lora import VARIANTS, loom_trainer
+
+        return loom_trainer("8B", micro_batch, VARIANTS[overrides], run_dir, seq)
+    from bench.train_1b import loom_trainer
+
+    return loom_trainer(micro_batch, overrides, run_dir, seq)
 
 
-def rest_bytes(args, tokens: int, n_params: int) -> dict[str, float]:
+def linear_shapes(model: nn.Module) -> list[tuple[int, int, bool]]:
+    """(in, out, trains) of every linear the model runs: the output head (tied or not), a LoRA linear's frozen base
+    and its two adapters."""
+    return [
+        (m.in_features, m.out_features, m.weight.requires_grad)
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+    ]
+
+
+def rest_bytes(args, tokens: int, n_trained: int, stream: int) -> dict[str, float]:
     """The fewest bytes the step's work outside GEMMs, attention and the optimizer can move at loom's precision
-    (fp32 residual stream, bf16 activations kept for the backward, fp32 gradients), with each elementwise chain
+    (a residual stream of ``stream`` bytes an element: fp32 under autocast, bf16 over a frozen bf16 base; bf16
+    activations kept for the backward; the gradients of ``n_trained`` fp32 parameters), with each elementwise chain
     fused into one pass and nothing recomputed: what no kernel outside a GEMM's prologue or epilogue can avoid."""
     d, f, heads = args.dim, args.ffn_dim, (args.n_heads + args.n_kv_heads) * args.head_dim
     per_block = {
-        # residual add + RMSNorm, twice a block: read the stream (fp32) and the branch (bf16), write both outputs
-        "norm_add_fwd": 2 * (4 + 2 + 4 + 2) * d,
-        # its backward, twice: the saved input (fp32), the normed output's gradient (bf16), the stream's gradient
-        # read and written (fp32)
-        "norm_add_bwd": 2 * (4 + 2 + 4 + 4) * d,
+        # residual add + RMSNorm, twice a block: read the stream and the branch (bf16), write both outputs
+        "norm_add_fwd": 2 * (stream + 2 + stream + 2) * d,
+        # its backward, twice: the saved input, the normed output's gradient (bf16), the stream's gradient read and
+        # written
+        "norm_add_bwd": 2 * (stream + 2 + stream + stream) * d,
         "rope_fwd_bwd": 2 * (2 + 2) * heads,  # q and k read and written, forward and backward
         "swiglu_fwd": (2 + 2 + 2) * f,  # gate and up read, their product written
         "swiglu_bwd": (2 + 2 + 2 + 2 + 2)
         * f,  # gate, up and the product's gradient read; two gradients written
     }
     out = {k: v * tokens * args.n_layers for k, v in per_block.items()}
-    out["final_norm_fwd_bwd"] = (4 + 2 + 4 + 2 + 4) * d * tokens
+    out["final_norm_fwd_bwd"] = (stream + 2 + stream + 2 + stream) * d * tokens
     out["loss_softmax"] = (2 + 2) * args.vocab_size * tokens  # the logits read, their gradient written (bf16)
-    out["grad_norm"] = 4 * n_params  # every fp32 gradient read once
+    out["grad_norm"] = 4 * n_trained  # every fp32 gradient read once
     return out
 
 
@@ -61,20 +89,24 @@ def copy_pass(gib: float = 2.0):
     return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
-def gemm_pass(shapes: list[tuple[int, int]], tokens: int):
-    """One step's linear GEMMs in bf16 as autograd runs them: y = x W^T, dx = dy W, dW = dy^T x; a weight for each
-    linear, activations shared by linears of one width (each is larger than L2)."""
+def gemm_pass(shapes: list[tuple[int, int, bool]], tokens: int):
+    """One step's linear GEMMs in bf16 as autograd runs them: y = x W^T, dx = dy W and, for a weight that trains,
+    dW = dy^T x; a weight for each linear, activations shared by linears of one width (the wide ones larger than
+    L2)."""
     dev, bf = "cuda", torch.bfloat16
-    weights = [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for i, o in shapes]
-    acts = {w: torch.randn(tokens, w, device=dev, dtype=bf) for w in {s for sh in shapes for s in sh}}
+    weights = [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for i, o, _ in shapes]
+    acts = {
+        w: torch.randn(tokens, w, device=dev, dtype=bf) for w in {s for i, o, _ in shapes for s in (i, o)}
+    }
 
     def run():
-        for (i, o), w in zip(shapes, weights):
+        for (i, o, trains), w in zip(shapes, weights):
             F.linear(acts[i], w)
             acts[o] @ w
-            acts[o].t() @ acts[i]
+            if trains:
+                acts[o].t() @ acts[i]
 
-    flops = sum(6 * tokens * i * o for i, o in shapes)
+    flops = sum((6 if trains else 4) * tokens * i * o for i, o, trains in shapes)
     return run, flops
 
 
@@ -114,16 +146,24 @@ def timed(fn, seconds: float = 2.0, warm: int = 3) -> dict:
     }
 
 
-def measure(micro_batch: int, seq: int) -> dict:
+def measure(workload: str, micro_batch: int, seq: int) -> dict:
     from bench.common import time_steps
-    from bench.train_1b import loom_trainer
 
-    trainer = loom_trainer(micro_batch, {"training.compile": "true"}, tempfile.mkdtemp(), seq)
+    trainer = workload_trainer(workload, micro_batch, seq)
     engine, args = trainer.engine, trainer.model_args
     tokens = micro_batch * seq
     backend = (engine.attention_times or {}).get("chosen", engine.kernels.attention)
-    n_params = sum(p.numel() for p in engine.params)
-    out = {"tokens": tokens, "attention": backend, "attention_start_up_ms": engine.attention_times}
+    n_trained = sum(p.numel() for p in engine.params if p.requires_grad)
+    stream = (
+        engine.module.tok_embeddings.weight.element_size()
+    )  # the embedding's dtype is the residual stream's
+    out = {
+        "workload": workload,
+        "tokens": tokens,
+        "attention": backend,
+        "attention_start_up_ms": engine.attention_times,
+        "residual_stream_bytes": stream,
+    }
 
     batches = [trainer.loader.next_step().micro_batches for _ in range(24)]
     times, _, _, gpus = time_steps(trainer.train_step, batches, 4)
@@ -149,7 +189,7 @@ def measure(micro_batch: int, seq: int) -> dict:
     copy, copy_bytes = copy_pass()
     out["copy"] = {**timed(copy), "bytes": copy_bytes}
     out["copy"]["bytes_per_s"] = copy_bytes / (out["copy"]["ms"] / 1e3)
-    rest = rest_bytes(args, tokens, n_params)
+    rest = rest_bytes(args, tokens, n_trained, stream)
     total = sum(rest.values())
     out["rest_bytes"] = rest
     out["rest_floor"] = {
@@ -170,7 +210,8 @@ def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) ->
     limit x time)."""
     with open(peer_file) as fh:
         by = {r["variant"]: r for r in json.load(fh)["results"] if "error" not in r}
-    peer_ms = 1e3 * by["hf_compile"]["step_s_median"]
+    _, _, peer, loom, _ = WORKLOADS[out.get("workload", "1b")]
+    peer_ms = 1e3 * by[peer]["step_s_median"]
     need = peer_ms / bar
     keep = (
         "step_s_median",
@@ -202,9 +243,10 @@ def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) ->
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--workload", choices=WORKLOADS, default="1b")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: the workload's bench's")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--peer", default="", help="a bench.train_1b result with hf_compile, from the same call")
+    p.add_argument("--peer", default="", help="the workload's bench result with the peer, from the same call")
     p.add_argument("--bar", type=float, default=1.3)
     p.add_argument(
         "--power-limit-w", type=float, default=700.0, help="the GPU's power limit (an H200's: 700)"
@@ -212,9 +254,9 @@ def main() -> None:
     p.add_argument("--out", default="")
     a = p.parse_args()
     if not torch.cuda.is_available():
-        print("bench/diag/floor_1b.py: needs a CUDA device", file=sys.stderr)
+        print("bench/diag/floor.py: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
-    out = measure(a.micro_batch, a.seq)
+    out = measure(a.workload, a.micro_batch or WORKLOADS[a.workload][4], a.seq)
     if a.peer:
         out["against_peer"] = against_peer(
             out, a.peer, a.bar, a.power_limit_w or out["power_limit_w"] or 700.0
