@@ -47,14 +47,29 @@ def workload_trainer(name: str, micro_batch: int, seq: int):
     return loom_trainer(micro_batch, overrides, run_dir, seq)
 
 
-def linear_shapes(model: nn.Module) -> list[tuple[int, int, bool]]:
-    """(in, out, trains) of every linear the model runs: the output head (tied or not), a LoRA linear's frozen base
-    and its two adapters."""
+ADAPTERS = (".lora_A", ".lora_B")
+SHARED_INPUT = ("wk", "wv", "w3")  # read the input of wq / w1
+
+
+def linear_shapes(model: nn.Module) -> list[tuple[int, int, bool, bool]]:
+    """(in, out, trains, is a LoRA adapter) of every linear the model runs: the output head (tied or not), a LoRA
+    linear's frozen base and its two adapters."""
     return [
-        (m.in_features, m.out_features, m.weight.requires_grad)
-        for m in model.modules()
+        (m.in_features, m.out_features, m.weight.requires_grad, name.endswith(ADAPTERS))
+        for name, m in model.named_modules()
         if isinstance(m, nn.Linear)
     ]
+
+
+def adapter_reread_bytes(model: nn.Module, tokens: int) -> int:
+    """What LoRA's adapters must read beyond the frozen base's GEMMs with their rank-r products fused into those
+    GEMMs (x A in the forward's prologue, its product in the epilogue, dy B in the input gradient's): each distinct
+    adapted input once more in the backward, for A's gradient (bf16; q/k/v and gate/up read one input)."""
+    return sum(
+        2 * tokens * m.in_features
+        for name, m in model.named_modules()
+        if name.endswith(".lora_A") and name.split(".")[-2] not in SHARED_INPUT
+    )
 
 
 def rest_bytes(args, tokens: int, n_trained: int, stream: int) -> dict[str, float]:
@@ -89,7 +104,7 @@ def copy_pass(gib: float = 2.0):
     return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
-def gemm_pass(shapes: list[tuple[int, int, bool]], tokens: int):
+def gemm_pass(shapes: list[tuple[int, int, bool, bool]], tokens: int):
     """One step's linear GEMMs in bf16 as autograd runs them: y = x W^T, dx = dy W and, for a weight that trains,
     dW = dy^T x; a weight for each linear, activations shared by linears of one width (the wide ones larger than
     L2)."""
@@ -106,7 +121,7 @@ def gemm_pass(shapes: list[tuple[int, int, bool]], tokens: int):
             if trains:
                 acts[o].t() @ acts[i]
 
-    flops = sum((6 if trains else 4) * tokens * i * o for i, o, trains in shapes)
+    flops = sum((6 if trains else 4) * tokens * i * o for i, o, trains, _ in shapes)
     return run, flops
 
 
@@ -146,6 +161,14 @@ def timed(fn, seconds: float = 2.0, warm: int = 3) -> dict:
     }
 
 
+def bytes_part(n: float, copy: dict) -> dict:
+    """``n`` bytes moved at the copy's measured bandwidth and energy a byte."""
+    return {
+        "ms": 1e3 * n / copy["bytes_per_s"],
+        "j": None if copy["j"] is None else n / copy["bytes"] * copy["j"],
+    }
+
+
 def measure(workload: str, micro_batch: int, seq: int) -> dict:
     from bench.common import time_steps
 
@@ -154,9 +177,8 @@ def measure(workload: str, micro_batch: int, seq: int) -> dict:
     tokens = micro_batch * seq
     backend = (engine.attention_times or {}).get("chosen", engine.kernels.attention)
     n_trained = sum(p.numel() for p in engine.params if p.requires_grad)
-    stream = (
-        engine.module.tok_embeddings.weight.element_size()
-    )  # the embedding's dtype is the residual stream's
+    # the embedding's dtype is the residual stream's
+    stream = engine.module.tok_embeddings.weight.element_size()
     out = {
         "workload": workload,
         "tokens": tokens,
@@ -176,6 +198,7 @@ def measure(workload: str, micro_batch: int, seq: int) -> dict:
     engine.steps.step(mbs, torch.tensor(1.0 / tokens, device="cuda"))  # gradients for the optimizer alone
     out["optimizer"] = timed(engine.optimizer.step)
     shapes = linear_shapes(engine.module)
+    reread = adapter_reread_bytes(engine.module, tokens)
     del trainer, engine, batches, mbs
     torch.cuda.empty_cache()
 
@@ -186,28 +209,37 @@ def measure(workload: str, micro_batch: int, seq: int) -> dict:
     out["gemm_tflops_per_s"] = flops / (out["gemms"]["ms"] / 1e3) / 1e12
     out["attention_alone"] = timed(attention)
     out["gemms_attention"] = timed(lambda: (gemms(), attention()))
+    if any(adapter for *_, adapter in shapes):  # LoRA: the frozen base's GEMMs alone, with attention
+        base, base_flops = gemm_pass([s for s in shapes if not s[3]], tokens)
+        out["base_gemm_tflop"] = base_flops / 1e12
+        out["base_gemms_attention"] = timed(lambda: (base(), attention()))
     copy, copy_bytes = copy_pass()
     out["copy"] = {**timed(copy), "bytes": copy_bytes}
     out["copy"]["bytes_per_s"] = copy_bytes / (out["copy"]["ms"] / 1e3)
     rest = rest_bytes(args, tokens, n_trained, stream)
     total = sum(rest.values())
     out["rest_bytes"] = rest
-    out["rest_floor"] = {
-        "ms": 1e3 * total / out["copy"]["bytes_per_s"],
-        "j": None if out["copy"]["j"] is None else total / copy_bytes * out["copy"]["j"],
-    }
-    parts = [out["gemms_attention"], out["optimizer"], out["rest_floor"]]
-    out["floor_ms_in_sequence"] = sum(p["ms"] for p in parts)  # the parts one after another, each as measured
-    if all(p["j"] is not None for p in parts):
-        out["floor_j"] = sum(p["j"] for p in parts)
+    out["rest_floor"] = bytes_part(total, out["copy"])
+    if "base_gemms_attention" in out:
+        out["adapter_reread_bytes"] = reread
+        out["rest_floor_fused_adapters"] = bytes_part(total + reread, out["copy"])
     out["peak_gib"] = torch.cuda.max_memory_reserved() / 2**30
     return out
 
 
+# the floor's parts, one after another or by their energy: as measured, and (LoRA) with the adapters fused into the
+# frozen base's GEMMs, leaving only their byte floor
+FLOORS = {
+    "floor": ("gemms_attention", "optimizer", "rest_floor"),
+    "floor_fused_adapters": ("base_gemms_attention", "optimizer", "rest_floor_fused_adapters"),
+}
+
+
 def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) -> dict:
-    """The step ``bar`` times the peer's speed needs (its median step in ``peer_file`` over ``bar``) against the
-    floor: in time (the parts one after another) and in energy (a step at the power limit can spend at most
-    limit x time)."""
+    """The step ``bar`` times the peer's speed needs (its median step in ``peer_file`` over ``bar``) against each
+    floor: in time (the parts one after another, each as measured) and in energy (a step held at the power limit
+    spends at most limit x time; a part whose power was not read, a launch-bound optimizer's, counts 0 J, so that
+    floor is a lower bound)."""
     with open(peer_file) as fh:
         by = {r["variant"]: r for r in json.load(fh)["results"] if "error" not in r}
     _, _, peer, loom, _ = WORKLOADS[out.get("workload", "1b")]
@@ -225,19 +257,23 @@ def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) ->
     res = {
         "runs": {v: {k: r.get(k) for k in keep} for v, r in by.items()},  # the peer file's figures, kept here
         "peer_step_ms": peer_ms,
-        "loom_step_ms_in_that_run": 1e3 * by["loom_compile"]["step_s_median"]
-        if "loom_compile" in by
-        else None,
+        "loom_step_ms_in_that_run": 1e3 * by[loom]["step_s_median"] if loom in by else None,
         "bar": bar,
         "step_needed_ms": need,
-        "floor_ratio_in_sequence": peer_ms / out["floor_ms_in_sequence"],
-        "left_for_the_rest_ms": need - out["gemms_attention"]["ms"] - out["optimizer"]["ms"],
-        "rest_floor_ms": out["rest_floor"]["ms"],
+        "joules_allowed": need / 1e3 * power_limit_w,
     }
-    if "floor_j" in out:
-        res["joules_allowed"] = need / 1e3 * power_limit_w
-        res["floor_ms_at_the_limit"] = out["floor_j"] / power_limit_w * 1e3
-        res["floor_ratio_at_the_limit"] = peer_ms / res["floor_ms_at_the_limit"]
+    for name, parts in FLOORS.items():
+        if not all(p in out for p in parts):
+            continue
+        ms, j = sum(out[p]["ms"] for p in parts), sum(out[p]["j"] or 0.0 for p in parts)
+        res[name] = {
+            "ms_in_sequence": ms,
+            "ratio_in_sequence": peer_ms / ms,
+            "j": j,
+            "j_leaves_out": [p for p in parts if out[p]["j"] is None],
+            "ms_at_the_limit": j / power_limit_w * 1e3,
+            "ratio_at_the_limit": peer_ms / (j / power_limit_w * 1e3),
+        }
     return res
 
 
@@ -248,11 +284,25 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--peer", default="", help="the workload's bench result with the peer, from the same call")
     p.add_argument("--bar", type=float, default=1.3)
+    p.add_argument("--power-limit-w", type=float, default=None, help="default: the limit NVML reported")
     p.add_argument(
-        "--power-limit-w", type=float, default=700.0, help="the GPU's power limit (an H200's: 700)"
+        "--reread",
+        default="",
+        help="a result of this script: set it against --peer again (no GPU needed), rewritten in place",
     )
     p.add_argument("--out", default="")
     a = p.parse_args()
+    if a.reread:
+        with open(a.reread) as fh:
+            doc = json.load(fh)
+        out = doc["floor"]
+        out["against_peer"] = against_peer(
+            out, a.peer, a.bar, a.power_limit_w or out["power_limit_w"] or 700.0
+        )
+        with open(a.reread, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        print(json.dumps({k: v for k, v in out["against_peer"].items() if k != "runs"}, indent=1))
+        return
     if not torch.cuda.is_available():
         print("bench/diag/floor.py: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
