@@ -109,13 +109,13 @@ def gemm_pass(shapes: list[tuple[int, int, bool, bool]], tokens: int):
     dW = dy^T x; a weight for each linear, activations shared by linears of one width (the wide ones larger than
     L2)."""
     dev, bf = "cuda", torch.bfloat16
-    weights = [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for i, o, _ in shapes]
+    weights = [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for i, o, *_ in shapes]
     acts = {
-        w: torch.randn(tokens, w, device=dev, dtype=bf) for w in {s for i, o, _ in shapes for s in (i, o)}
+        w: torch.randn(tokens, w, device=dev, dtype=bf) for w in {s for i, o, *_ in shapes for s in (i, o)}
     }
 
     def run():
-        for (i, o, trains), w in zip(shapes, weights):
+        for (i, o, trains, _), w in zip(shapes, weights):
             F.linear(acts[i], w)
             acts[o] @ w
             if trains:
