@@ -104,11 +104,11 @@ def copy_pass(gib: float = 2.0):
     return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
-def gemm_pass(shapes: list[tuple[int, int, bool, bool]], tokens: int):
+def gemm_pass(shapes: list[tuple[int, int, bool, bool]], tokens: int, device: str = "cuda"):
     """One step's linear GEMMs in bf16 as autograd runs them: y = x W^T, dx = dy W and, for a weight that trains,
     dW = dy^T x; a weight for each linear, activations shared by linears of one width (the wide ones larger than
     L2)."""
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = device, torch.bfloat16
     weights = [torch.randn(o, i, device=dev, dtype=bf) * 0.02 for i, o, *_ in shapes]
     acts = {
         w: torch.randn(tokens, w, device=dev, dtype=bf) for w in {s for i, o, *_ in shapes for s in (i, o)}

@@ -1,11 +1,12 @@
 """bench.common.run_train: a job past its limit is stopped with every process of its group (SIGTERM, then SIGKILL
 for one that ignores it) and comes back as that job's failure, so a benchmark script records it and goes on to
-its next layout."""
+its next layout. bench.common.command: the command a result records, as typed."""
 
 from __future__ import annotations
 
 import os
 import stat
+import sys
 import time
 
 import pytest
@@ -55,3 +56,11 @@ def test_a_job_past_its_limit_is_stopped_with_its_workers_and_recorded(tmp_path,
     assert "TimeoutError" in common.failure(proc)
     assert cmd == "loom train --nproc-per-node 2 --model.flavor=debug"
     assert _gone(int(pidfile.read_text()))
+
+
+def test_command_names_the_module_as_typed(monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(sys, "argv", [os.path.join(root, "bench", "diag", "floor.py"), "--peer", "a b"])
+    assert common.command() == "python -m bench.diag.floor --peer 'a b'"
+    monkeypatch.setattr(sys, "argv", [os.path.join(root, "bench", "train_1b.py"), "--steps", "3"])
+    assert common.command() == "python -m bench.train_1b --steps 3"
