@@ -39,6 +39,7 @@ def _lora_gemm(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     STAGES: tl.constexpr,
+    WS: tl.constexpr,
 ):
     """C (M, N) = X (M, K) W' + scaling (X L') H'. FORWARD: W (N, K), L = A (R, K), H = B (N, R), all read
     transposed (y = x W^T + s x A^T B^T). Otherwise the input gradient: W (K, N), L = B (K, R), H = A (R, N)
@@ -61,7 +62,7 @@ def _lora_gemm(
         hd = tl.make_tensor_descriptor(hi_ptr, [R, N], [N, 1], [R, BN])
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     low = tl.zeros((BM, R), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
+    for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES, warp_specialize=WS):
         ok = k * BK
         xt = xd.load([om, ok])
         if FORWARD:
@@ -82,18 +83,20 @@ def _lora_gemm(
     cd.store([om, on], acc.to(c_ptr.dtype.element_ty))
 
 
-CONFIGS = (  # (BM, BN, BK, STAGES, warps)
-    (128, 256, 64, 3, 8),
-    (128, 256, 64, 4, 8),
-    (256, 128, 64, 3, 8),
-    (128, 128, 64, 4, 4),
-    (128, 128, 64, 4, 8),
+CONFIGS = (  # (BM, BN, BK, STAGES, warps, warp-specialized K loop)
+    (128, 256, 64, 3, 8, False),
+    (128, 256, 64, 4, 8, False),
+    (256, 128, 64, 3, 8, False),
+    (128, 128, 64, 4, 4, False),
+    (128, 256, 64, 3, 8, True),
+    (128, 256, 64, 4, 8, True),
+    (128, 128, 64, 4, 4, True),
 )
 
 
 def lora_gemm(x, w, lo, hi, scaling: float, forward: bool, lora: bool, config) -> torch.Tensor:
     """The kernel on (M, K) ``x``: see ``_lora_gemm`` for the layouts of ``w``, ``lo`` and ``hi``."""
-    bm, bn, bk, stages, warps = config
+    bm, bn, bk, stages, warps, ws = config
     m, k = x.shape
     n = w.shape[0] if forward else w.shape[1]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -102,7 +105,7 @@ def lora_gemm(x, w, lo, hi, scaling: float, forward: bool, lora: bool, config) -
     _lora_gemm[grid](
         x, w, lo, hi, out, m, n, k, scaling,
         R=lo.shape[0] if forward else lo.shape[1], FORWARD=forward, LORA=lora,
-        BM=bm, BN=bn, BK=bk, GROUP_M=8, STAGES=stages, num_warps=warps,
+        BM=bm, BN=bn, BK=bk, GROUP_M=8, STAGES=stages, WS=ws, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -17,8 +17,8 @@ for forward in (True, False):
     ref = lg.reference(x, w, lo, hi, 2.0, forward)
     base = x @ w.t() if forward else x @ w
     assert (ref - base).abs().max() > 1e-2  # the adapters' product counts
-    fused = lg.lora_gemm(x, w, lo, hi, 2.0, forward, True, (16, 16, 16, 1, 1))
-    alone = lg.lora_gemm(x, w, lo, hi, 2.0, forward, False, (16, 16, 16, 1, 1))
+    fused = lg.lora_gemm(x, w, lo, hi, 2.0, forward, True, (16, 16, 16, 1, 1, False))
+    alone = lg.lora_gemm(x, w, lo, hi, 2.0, forward, False, (16, 16, 16, 1, 1, False))
     assert torch.allclose(fused, ref, atol=1e-4, rtol=1e-4), (fused - ref).abs().max()
     assert torch.allclose(alone, base, atol=1e-4, rtol=1e-4), (alone - base).abs().max()
 print("ok")
