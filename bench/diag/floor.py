@@ -64,7 +64,8 @@ def linear_shapes(model: nn.Module) -> list[tuple[int, int, bool, bool]]:
 def adapter_reread_bytes(model: nn.Module, tokens: int) -> int:
     """What LoRA's adapters must read beyond the frozen base's GEMMs with their rank-r products fused into those
     GEMMs (x A in the forward's prologue, its product in the epilogue, dy B in the input gradient's): each distinct
-    adapted input once more in the backward, for A's gradient (bf16; q/k/v and gate/up read one input)."""
+    adapted input once more in the backward, for A's gradient (bf16; q/k/v and gate/up read one input). Counts as
+    bench.lora adapts them, every linear (``lora.targets = all``): wq / w1 stand for their groups."""
     return sum(
         2 * tokens * m.in_features
         for name, m in model.named_modules()
@@ -231,8 +232,22 @@ def measure(workload: str, micro_batch: int, seq: int) -> dict:
 # frozen base's GEMMs, leaving only their byte floor
 FLOORS = {
     "floor": ("gemms_attention", "optimizer", "rest_floor"),
-    "floor_fused_adapters": ("base_gemms_attention", "optimizer", "rest_floor_fused_adapters"),
+    "floor_fused_adapters": (
+        "base_gemms_attention",
+        "adapter_flops",
+        "optimizer",
+        "rest_floor_fused_adapters",
+    ),
 }
+
+
+def adapter_flops_part(out: dict) -> dict | None:
+    """The adapters' rank-r FLOPs inside fused GEMMs, at the GEMM pass's measured time and energy a FLOP."""
+    if "base_gemm_tflop" not in out:
+        return None
+    share = (out["gemm_tflop"] - out["base_gemm_tflop"]) / out["gemm_tflop"]
+    j = out["gemms"]["j"]
+    return {"ms": share * out["gemms"]["ms"], "j": None if j is None else share * j}
 
 
 def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) -> dict:
@@ -262,8 +277,9 @@ def against_peer(out: dict, peer_file: str, bar: float, power_limit_w: float) ->
         "step_needed_ms": need,
         "joules_allowed": need / 1e3 * power_limit_w,
     }
+    out = {**out, "adapter_flops": adapter_flops_part(out)}
     for name, parts in FLOORS.items():
-        if not all(p in out for p in parts):
+        if not all(out.get(p) is not None for p in parts):
             continue
         ms, j = sum(out[p]["ms"] for p in parts), sum(out[p]["j"] or 0.0 for p in parts)
         res[name] = {

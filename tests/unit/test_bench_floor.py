@@ -82,11 +82,14 @@ def test_floors_against_the_peer(tmp_path, monkeypatch, capsys):
     assert f["j"] == 119.0 and f["j_leaves_out"] == ["optimizer"]  # counted as 0 J: a lower bound
     assert f["ms_at_the_limit"] == pytest.approx(170.0) and "floor_fused_adapters" not in res
     out["base_gemms_attention"] = {"ms": 130.0, "j": 91.0}
+    out.update(
+        gemm_tflop=10.0, base_gemm_tflop=9.5, gemms={"ms": 40.0, "j": 28.0}
+    )  # adapters: 5% of the FLOPs
     out["rest_floor_fused_adapters"] = {"ms": 22.0, "j": 15.4}
     doc = tmp_path / "floor.json"
     doc.write_text(json.dumps({"environment": {}, "floor": out}))
     monkeypatch.setattr(sys, "argv", ["floor", "--reread", str(doc), "--peer", str(peer)])
     floor.main()
     fused = json.loads(doc.read_text())["floor"]["against_peer"]["floor_fused_adapters"]
-    assert fused["ms_in_sequence"] == 157.0 and fused["j"] == pytest.approx(106.4)
+    assert fused["ms_in_sequence"] == pytest.approx(157.0 + 2.0) and fused["j"] == pytest.approx(106.4 + 1.4)
     assert '"floor_fused_adapters"' in capsys.readouterr().out
